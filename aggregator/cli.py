@@ -1,0 +1,61 @@
+"""``fedfleet aggregator serve``: run the aggregator for one job against a broker."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from protocols.mqtt_link import BrokerConfig
+from protocols.topics import Topics
+
+from .fed3r_job import Fed3RConfig, Fed3RJob
+from .service import AggregatorService
+
+
+def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    p = p or argparse.ArgumentParser(prog="fedfleet aggregator")
+    sub = p.add_subparsers(dest="aggregator_cmd", required=True)
+    s = sub.add_parser("serve", help="run one Fed3R job until every device has contributed")
+    s.add_argument("--config", type=Path, required=True, help="job config JSON (fields of Fed3RConfig)")
+    s.add_argument("--broker", default="mqtt://127.0.0.1:1883", help="mqtt://[user:pass@]host:port")
+    s.add_argument("--tls-ca", default=None, help="CA file: connect with TLS")
+    s.add_argument("--topic-root", default="fedfleet")
+    s.add_argument("--out", type=Path, required=True, help="directory for results.json and model.npz")
+    s.add_argument("--eval-features", type=Path, default=None,
+                   help="held-out evaluation set as .npz with Z (n,d) features and y (n,) labels")
+    s.add_argument("--enrolled", type=Path, default=None, help="file with one allowed device id per line")
+    s.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
+    return p
+
+
+def serve(args) -> int:
+    cfg = Fed3RConfig(**json.loads(args.config.read_text()))
+    eval_set = None
+    if args.eval_features:
+        data = np.load(args.eval_features)
+        eval_set = (data["Z"], data["y"])
+    enrolled = None
+    if args.enrolled:
+        enrolled = {line.strip() for line in args.enrolled.read_text().splitlines() if line.strip()}
+    service = AggregatorService(Fed3RJob(cfg), BrokerConfig.from_url(args.broker, tls_ca=args.tls_ca),
+                                args.out, Topics(args.topic_root), enrolled=enrolled, eval_set=eval_set)
+    summary = service.run(timeout_s=args.timeout)
+    final = summary.get("final", {})
+    print(json.dumps({"state": summary["state"], "contributions": final.get("contributions"),
+                      "accuracy": final.get("accuracy")}))
+    return 0 if summary["state"] == "done" else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = build_parser().parse_args(argv)
+    return serve(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

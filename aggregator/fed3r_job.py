@@ -1,0 +1,122 @@
+"""A Fed3R job: which devices to ask next, what to do with their statistics, when it is done.
+
+Pure logic (no MQTT, no clock): the service feeds it presence changes, validated results and
+round outcomes; it answers with the next round's participants and task parameters. Each device
+contributes at most once (Fed3R samples every client once, [P] §III-B); a device that dropped
+out or timed out may be asked again up to ``max_attempts`` times. Rounds of κ devices follow the
+paper's simulation of Fed3R "rounds"; after ⌈K/κ⌉ successful rounds the solution is final.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from protocols.payloads.fed3r import KIND, Fed3RStats
+
+from .strategies.fed3r import Fed3R
+
+
+@dataclass
+class Fed3RConfig:
+    job_id: str = "fed3r"
+    num_classes: int = 10
+    backbone: str = "mobilenet_v2"
+    image_size: int = 64
+    weights_sha256: str = ""
+    feature_dim: int = 1280
+    lam: float = 0.01
+    fit_intercept: bool = True
+    normalize_columns: bool = True
+    random_features: dict | None = None     # {"seed": int, "dim": D, "sigma": float}
+    clients_per_round: int = 10
+    round_timeout_s: float = 120.0
+    max_attempts: int = 3
+    b_format: str = "sparse"
+    stats_dtype: str = "float64"
+    expected_devices: int = 0                # start once this many devices are online (0: first one)
+    start_timeout_s: float = 60.0            # ...or after this long with whoever is there
+    seed: int = 0
+
+    @property
+    def p(self) -> int:
+        base = self.random_features["dim"] if self.random_features else self.feature_dim
+        return base + (1 if self.fit_intercept else 0)
+
+    def task_params(self) -> dict:
+        return {"num_classes": self.num_classes, "backbone": self.backbone, "image_size": self.image_size,
+                "weights_sha256": self.weights_sha256, "fit_intercept": self.fit_intercept,
+                "random_features": self.random_features, "format": self.b_format, "dtype": self.stats_dtype}
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Fed3RJob:
+    config: Fed3RConfig
+    strategy: Fed3R = None
+    contributed: dict[str, int] = field(default_factory=dict)      # device -> n samples
+    attempts: dict[str, int] = field(default_factory=dict)
+    round: int = 0
+    kind: str = KIND
+
+    def __post_init__(self):
+        if self.strategy is None:
+            c = self.config
+            self.strategy = Fed3R(c.num_classes, c.p, c.lam, c.fit_intercept, c.normalize_columns)
+        self._rng = random.Random(self.config.seed)
+
+    def eligible(self, online: set[str]) -> list[str]:
+        return sorted(d for d in online
+                      if d not in self.contributed and self.attempts.get(d, 0) < self.config.max_attempts)
+
+    def next_participants(self, online: set[str]) -> list[str]:
+        """Seeded sample of up to κ eligible devices; [] when nobody is left to ask."""
+        pool = self.eligible(online)
+        k = min(self.config.clients_per_round, len(pool))
+        chosen = sorted(self._rng.sample(pool, k)) if k else []
+        if chosen:
+            self.round += 1
+            for d in chosen:
+                self.attempts[d] = self.attempts.get(d, 0) + 1
+        return chosen
+
+    def apply(self, device: str, stats: Fed3RStats) -> None:
+        if device in self.contributed:
+            raise ValueError(f"{device} already contributed")  # the round machine prevents this
+        self.strategy.add(stats)
+        self.contributed[device] = stats.n
+
+    def finished(self, online: set[str], known: set[str]) -> bool:
+        """Done when no known device can still contribute (all did, or exhausted their attempts)."""
+        return not self.eligible(known | online)
+
+    def evaluate(self, features: np.ndarray | None, labels: np.ndarray | None) -> dict:
+        model = self.strategy.solve()
+        out = {"round": self.round, "contributions": self.strategy.n_contributions,
+               "samples": self.strategy.n_samples}
+        if features is not None:
+            Z = features
+            if self.config.random_features:
+                Z = _rf_for(self.config).transform(Z)
+            out["accuracy"] = model.score(Z, labels)
+        return out
+
+    def model(self):
+        return self.strategy.solve()
+
+
+_RF_CACHE: dict = {}
+
+
+def _rf_for(cfg: Fed3RConfig):
+    from protocols.random_features import RandomFourierFeatures
+
+    rf = cfg.random_features
+    key = (rf["seed"], rf["dim"], rf["sigma"], cfg.feature_dim)
+    if key not in _RF_CACHE:
+        _RF_CACHE[key] = RandomFourierFeatures(rf["dim"], rf["sigma"], rf["seed"]).fit(n_features=cfg.feature_dim)
+    return _RF_CACHE[key]

@@ -1,0 +1,205 @@
+"""The device agent: runs tasks from the aggregator over MQTT.
+
+One agent = one device identity and one MQTT connection. The paho network thread only queues
+raw payloads; the agent's own thread decodes them, drives the sans-IO
+:class:`protocols.rounds.DeviceSession` and executes its actions (start work, send result,
+retry). Work itself is done by *task handlers* registered per ``kind`` (e.g. ``fed3r.stats``),
+so the agent knows nothing about any algorithm.
+
+``AgentHooks`` is how the environment shapes behaviour without the agent knowing about it: the
+emulated fleet uses it for compute slowdown, upload bandwidth caps, mid-task drop-outs and
+availability windows; a real device uses the defaults (no shaping).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import numpy as np
+
+from protocols import messages as M
+from protocols.chunking import DEFAULT_CHUNK_SIZE, MessageAssembler
+from protocols.envelope import Envelope, EnvelopeError, encode
+from protocols.mqtt_link import BrokerConfig, MqttLink
+from protocols.rounds import (AckArrived, DeviceSession, SendDecline, SendResult, StartWork, TaskArrived, Tick,
+                              WorkFailed, WorkFinished)
+from protocols.topics import AGGREGATOR_ID, Topics
+
+log = logging.getLogger("fedfleet.device")
+
+
+class TaskDeclined(Exception):
+    """Raised by a handler that cannot do a task (wrong backbone, no data, ...)."""
+
+
+class DroppedOut(Exception):
+    """Raised (via hooks) when the device drops out mid-task: nothing is sent."""
+
+
+class TaskHandler(Protocol):
+    def __call__(self, params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, np.ndarray]]: ...
+
+
+@dataclass
+class AgentHooks:
+    """Behaviour shaping; defaults = a real device that is always on and never throttled."""
+
+    after_compute: Callable[[float], None] = lambda elapsed: None     # may sleep, may raise DroppedOut
+    before_upload: Callable[[int], None] = lambda nbytes: None        # may sleep (bandwidth cap)
+    is_available: Callable[[], bool] = lambda: True
+    offline_after_dropout_s: float = 5.0                              # emulated outage after a drop-out
+    info: dict[str, Any] = field(default_factory=dict)                # published with presence
+
+
+@dataclass
+class AgentStats:
+    tasks_done: int = 0
+    tasks_declined: int = 0
+    dropouts: int = 0
+    bytes_up: int = 0
+    compute_s: float = 0.0
+    acks: dict[str, int] = field(default_factory=dict)
+
+
+class DeviceAgent:
+    def __init__(self, device_id: str, broker: BrokerConfig, handlers: dict[str, TaskHandler],
+                 topics: Topics = Topics(), hooks: AgentHooks | None = None,
+                 chunk_size: int = DEFAULT_CHUNK_SIZE, retry_after_s: float = 10.0, tick_s: float = 0.5):
+        self.device_id = device_id
+        self.topics = topics
+        self.handlers = handlers
+        self.hooks = hooks or AgentHooks()
+        self.chunk_size = chunk_size
+        self.tick_s = tick_s
+        self.session = DeviceSession(retry_after_s=retry_after_s)
+        self.stats = AgentStats()
+        self.assembler = MessageAssembler()
+        self._inbox: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        offline = M.presence_message(device_id, "offline")
+        self.link = MqttLink(
+            client_id=device_id, broker=broker, on_message=lambda t, p: self._inbox.put((t, p)),
+            subscriptions=[(topics.inbox(device_id), 1)], on_connect=self._announce,
+            will=(topics.presence(device_id), encode(offline), True))
+        self.online = False
+        self._outage_until = 0.0
+
+    # lifecycle
+    def start(self) -> "DeviceAgent":
+        if self.hooks.is_available():
+            self._go_online()
+        self._thread = threading.Thread(target=self._run, name=f"agent-{self.device_id}", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join(timeout=10)
+        self._go_offline()
+
+    def _go_online(self) -> None:
+        self.link.start()
+        self.online = True
+
+    def _go_offline(self) -> None:
+        if self.online:
+            self.link.publish(self.topics.presence(self.device_id),
+                              encode(M.presence_message(self.device_id, "offline")), retain=True, wait=True)
+            self.link.stop()
+            self.online = False
+
+    def _announce(self) -> None:
+        info = {"kinds": sorted(self.handlers), **self.hooks.info}
+        self.link.publish(self.topics.presence(self.device_id),
+                          encode(M.presence_message(self.device_id, "online", info)), retain=True)
+
+    # the agent thread
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._follow_availability()
+            try:
+                topic, payload = self._inbox.get(timeout=self.tick_s)
+            except queue.Empty:
+                self._execute(self.session.handle(Tick(time.monotonic())))
+                continue
+            try:
+                self._on_payload(payload)
+            except EnvelopeError as exc:
+                log.warning("%s: dropped malformed message on %s: %s", self.device_id, topic, exc)
+            self._execute(self.session.handle(Tick(time.monotonic())))
+
+    def _follow_availability(self) -> None:
+        available = self.hooks.is_available() and time.monotonic() >= self._outage_until
+        if available and not self.online:
+            self._go_online()
+        elif not available and self.online:
+            self._go_offline()
+
+    def _on_payload(self, payload: bytes) -> None:
+        env = self.assembler.feed(payload)
+        if env is None:
+            return
+        if env.sender != AGGREGATOR_ID:
+            raise EnvelopeError(f"message from {env.sender!r}, expected the aggregator")
+        if env.type == M.TASK:
+            ref, kind, params, deadline = M.parse_task(env)
+            self._execute(self.session.handle(TaskArrived(ref, kind, params, deadline)))
+        elif env.type == M.ACK:
+            ref_id, status, reason = M.parse_ack(env)
+            self.stats.acks[status] = self.stats.acks.get(status, 0) + 1
+            if status == "rejected":
+                log.warning("%s: result %s rejected: %s", self.device_id, ref_id, reason)
+            self.session.handle(AckArrived(ref_id, status))
+        else:
+            log.info("%s: ignoring message type %s", self.device_id, env.type)
+
+    def _execute(self, actions: list) -> None:
+        for act in actions:
+            if isinstance(act, StartWork):
+                self._do_work(act)
+            elif isinstance(act, SendResult):
+                if self.online:
+                    self.stats.bytes_up += self.link.publish_envelope(
+                        self.topics.outbox(self.device_id), act.message, chunk_size=self.chunk_size,
+                        before_each=self.hooks.before_upload)
+            elif isinstance(act, SendDecline):
+                self.stats.tasks_declined += 1
+                self.link.publish_envelope(self.topics.outbox(self.device_id),
+                                           M.decline_message(self.device_id, act.ref, act.reason))
+
+    def _do_work(self, act: StartWork) -> None:
+        handler = self.handlers.get(act.kind)
+        if handler is None:
+            self._execute(self.session.handle(WorkFailed(act.ref, f"unsupported task kind {act.kind!r}")))
+            return
+        t0 = time.perf_counter()
+        try:
+            body, tensors = handler(act.params)
+            elapsed = time.perf_counter() - t0
+            self.stats.compute_s += elapsed
+            self.hooks.after_compute(elapsed)
+        except DroppedOut:
+            self.stats.dropouts += 1
+            log.info("%s: dropped out during %s round %d", self.device_id, act.kind, act.ref.round)
+            self.session.handle(WorkFailed(act.ref, "dropped"))  # state back to idle, decline not sent
+            self._outage_until = time.monotonic() + self.hooks.offline_after_dropout_s
+            self._go_offline()
+            return
+        except TaskDeclined as exc:
+            self._execute(self.session.handle(WorkFailed(act.ref, str(exc))))
+            return
+        except Exception as exc:  # a handler bug must not kill the agent; tell the server
+            log.exception("%s: task failed", self.device_id)
+            self._execute(self.session.handle(WorkFailed(act.ref, f"error: {exc}")))
+            return
+        self.stats.tasks_done += 1
+        msg = M.result_message(self.device_id, act.ref, act.kind, body, tensors)
+        self._execute(self.session.handle(WorkFinished(act.ref, msg, msg.id)))
+

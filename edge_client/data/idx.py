@@ -1,0 +1,134 @@
+"""Reader for the IDX array format (MNIST, Fashion-MNIST), plain or gzip-compressed.
+
+An IDX file is a 4-byte magic ``00 00 <dtype code> <ndim>``, then ``ndim`` big-endian
+uint32 dimension sizes, then exactly ``prod(dims)`` big-endian items. Compression is
+detected from the gzip magic bytes ``1f 8b`` rather than the file name, because
+mirrors of these datasets ship both ``*.gz`` and already-decompressed files under
+either name.
+
+The reader streams: it parses the header first and then reads exactly the payload the
+header promises plus one probe byte, so a truncated file, trailing garbage, or a gzip
+bomb is detected without decompressing more than the header says is there.
+"""
+
+from __future__ import annotations
+
+import gzip
+import math
+import zlib
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+GZIP_MAGIC = b"\x1f\x8b"
+
+# IDX dtype code -> big-endian numpy dtype of the payload items.
+IDX_DTYPES: dict[int, np.dtype] = {
+    0x08: np.dtype(">u1"),
+    0x09: np.dtype(">i1"),
+    0x0B: np.dtype(">i2"),
+    0x0C: np.dtype(">i4"),
+    0x0D: np.dtype(">f4"),
+    0x0E: np.dtype(">f8"),
+}
+
+FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
+FASHION_MNIST_FILES = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
+
+
+class IdxFormatError(ValueError):
+    """The bytes are not a well-formed IDX file (bad magic, bad dims, wrong payload length)."""
+
+
+def _read_exactly(stream: BinaryIO, n_bytes: int, path: Path, what: str) -> bytes:
+    data = stream.read(n_bytes)
+    if len(data) != n_bytes:
+        raise IdxFormatError(
+            f"{path}: truncated {what}: expected {n_bytes} bytes, got {len(data)}"
+        )
+    return data
+
+
+def _parse(stream: BinaryIO, path: Path) -> np.ndarray:
+    magic = _read_exactly(stream, 4, path, "magic number")
+    if magic[0] != 0 or magic[1] != 0:
+        raise IdxFormatError(
+            f"{path}: bad IDX magic {magic.hex()}: the first two bytes must be 00 00"
+        )
+    dtype_code, ndim = magic[2], magic[3]
+    if dtype_code not in IDX_DTYPES:
+        known = ", ".join(f"0x{code:02X}" for code in IDX_DTYPES)
+        raise IdxFormatError(f"{path}: unknown IDX dtype code 0x{dtype_code:02X} (known: {known})")
+    if ndim == 0:
+        raise IdxFormatError(f"{path}: IDX header declares 0 dimensions")
+    dims = tuple(
+        int(d) for d in np.frombuffer(_read_exactly(stream, 4 * ndim, path, "dimension sizes"), ">u4")
+    )
+    item_dtype = IDX_DTYPES[dtype_code]
+    payload_bytes = math.prod(dims) * item_dtype.itemsize
+    payload = _read_exactly(stream, payload_bytes, path, f"payload for dims {dims}")
+    if stream.read(1):
+        raise IdxFormatError(
+            f"{path}: oversized: data continues past the {payload_bytes} payload bytes "
+            f"declared by dims {dims}"
+        )
+    # frombuffer gives a read-only big-endian view; astype makes a writable native-order copy.
+    return np.frombuffer(payload, dtype=item_dtype).astype(item_dtype.newbyteorder("=")).reshape(dims)
+
+
+def read_idx(path: str | Path) -> np.ndarray:
+    """Read one IDX file into a native-byte-order array of the shape its header declares."""
+    path = Path(path)
+    with open(path, "rb") as raw:
+        is_gzip = raw.read(2) == GZIP_MAGIC
+        raw.seek(0)
+        if not is_gzip:
+            return _parse(raw, path)
+        try:
+            with gzip.GzipFile(fileobj=raw, mode="rb") as unzipped:
+                return _parse(unzipped, path)
+        except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
+            raise IdxFormatError(f"{path}: corrupt or truncated gzip stream: {exc}") from exc
+
+
+def load_idx_dataset(images_path: str | Path, labels_path: str | Path) -> tuple[np.ndarray, np.ndarray]:
+    """Read an image/label IDX pair: uint8 images (N, H, W) and int64 labels (N,)."""
+    images = read_idx(images_path)
+    labels = read_idx(labels_path)
+    if images.dtype != np.uint8 or images.ndim != 3:
+        raise IdxFormatError(
+            f"{images_path}: expected uint8 images of shape (N, H, W), got {images.dtype} {images.shape}"
+        )
+    if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
+        raise IdxFormatError(
+            f"{labels_path}: expected integer labels of shape (N,), got {labels.dtype} {labels.shape}"
+        )
+    if len(images) != len(labels):
+        raise IdxFormatError(
+            f"{images_path} holds {len(images)} images but {labels_path} holds {len(labels)} labels"
+        )
+    return images, labels.astype(np.int64)
+
+
+def _find_idx_file(root: Path, stem: str) -> Path:
+    # The Debian package ships *.gz; a hand-decompressed copy is just as good.
+    for candidate in (root / f"{stem}.gz", root / stem):
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"Fashion-MNIST file {stem}[.gz] not found in {root}; "
+        f"install it with `apt-get install dataset-fashion-mnist` or pass root= to its directory"
+    )
+
+
+def load_fashion_mnist(split: str = "train", root: Path | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Fashion-MNIST ``"train"`` (60k) or ``"test"`` (10k) split: uint8 (N, 28, 28), int64 labels 0..9."""
+    if split not in FASHION_MNIST_FILES:
+        raise ValueError(f"unknown Fashion-MNIST split {split!r}; use one of {sorted(FASHION_MNIST_FILES)}")
+    root = FASHION_MNIST_DIR if root is None else Path(root)
+    images_stem, labels_stem = FASHION_MNIST_FILES[split]
+    return load_idx_dataset(_find_idx_file(root, images_stem), _find_idx_file(root, labels_stem))

@@ -1,0 +1,165 @@
+"""Frozen-backbone feature extraction on the device, with an optional on-disk cache.
+
+A :class:`FeatureExtractor` owns the preprocessing (resize + normalise, see
+``edge_client.models.preprocess``) and the batching; the model itself is any callable that
+maps a normalised float32 (n, 3, S, S) batch to (n, d) features. That callable is the eager
+torch backbone (:meth:`FeatureExtractor.eager`) or an exported program run by ExecuTorch or
+ONNX Runtime (``edge_client.runtime``), so every runtime shares one preprocessing path.
+
+Features of a frozen backbone never change for a given image set, and a device re-uses them
+every round (Fed3R statistics, OLL, evaluation), so :meth:`FeatureExtractor.extract` can cache
+them. The cache key covers the model (``cache_key``: backbone, weights digest, runtime), the
+preprocessing (image size, mean, std) and the exact images (dtype, shape and bytes). Files are
+written to a temporary name and renamed, so a crash or a concurrent writer never leaves a
+half-written file under the final name; an unreadable cache file is treated as a miss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+import tempfile
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from edge_client.models import build_backbone, weights_sha256
+from edge_client.models.preprocess import to_model_input, validate_images
+
+__all__ = ["FeatureExtractor"]
+
+ForwardFn = Callable[[np.ndarray], np.ndarray]
+
+
+class FeatureExtractor:
+    """Images -> float32 (N, d) features, in batches of ``batch_size``.
+
+    ``forward`` must accept any batch size from 1 to ``batch_size`` (the last batch is
+    smaller) and return an (n, d) array. ``feature_dim`` is given, or found by running
+    ``forward`` once on a one-image batch the first time it is needed.
+    """
+
+    def __init__(self, forward: ForwardFn, *, image_size: int, mean: Sequence[float],
+                 std: Sequence[float], batch_size: int = 64,
+                 cache_dir: str | os.PathLike[str] | None = None, cache_key: str = "",
+                 feature_dim: int | None = None) -> None:
+        if not callable(forward):
+            raise ValueError("forward must be callable: normalised (n,3,S,S) float32 -> (n,d)")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        if cache_dir is not None and not cache_key:
+            raise ValueError(
+                "cache_key must name the model (backbone, weights digest, runtime) when "
+                "cache_dir is set, otherwise features of different models would collide")
+        # Fails early on a bad image_size, mean or std, instead of at the first batch.
+        to_model_input(np.zeros((1, 1, 1), np.uint8), image_size, mean, std)
+        self._forward = forward
+        self.image_size = int(image_size)
+        self.mean = tuple(float(value) for value in mean)
+        self.std = tuple(float(value) for value in std)
+        self.batch_size = batch_size
+        self.cache_dir = pathlib.Path(cache_dir) if cache_dir is not None else None
+        self.cache_key = cache_key
+        self._feature_dim = feature_dim
+
+    @classmethod
+    def eager(cls, backbone_name: str, image_size: int = 64, batch_size: int = 64,
+              cache_dir: str | os.PathLike[str] | None = None,
+              threads: int | None = None) -> FeatureExtractor:
+        """Extractor running the pretrained torch backbone eagerly on the CPU.
+
+        ``threads`` calls ``torch.set_num_threads``, which is process-wide.
+        """
+        if threads is not None:
+            torch.set_num_threads(threads)
+        backbone = build_backbone(backbone_name, pretrained=True)
+
+        def forward(batch: np.ndarray) -> np.ndarray:
+            with torch.inference_mode():
+                return backbone(torch.from_numpy(batch)).numpy()
+
+        cache_key = f"{backbone_name}:{weights_sha256(backbone_name)}:{image_size}:eager"
+        return cls(forward, image_size=image_size, mean=backbone.mean, std=backbone.std,
+                   batch_size=batch_size, cache_dir=cache_dir, cache_key=cache_key,
+                   feature_dim=backbone.feature_dim)
+
+    @property
+    def feature_dim(self) -> int:
+        if self._feature_dim is None:
+            probe = self._run_batch(np.zeros((1, self.image_size, self.image_size), np.uint8))
+            self._feature_dim = probe.shape[1]
+        return self._feature_dim
+
+    def extract(self, images: np.ndarray) -> np.ndarray:
+        """Features of ``images`` (see ``validate_images`` for accepted inputs), float32 (N, d)."""
+        images = validate_images(images)
+        cache_file = self._cache_file(images) if self.cache_dir is not None else None
+        if cache_file is not None:
+            cached = self._load_cached(cache_file, len(images))
+            if cached is not None:
+                return cached
+        if len(images) == 0:
+            features = np.zeros((0, self.feature_dim), np.float32)
+        else:
+            features = np.concatenate([
+                self._run_batch(images[start:start + self.batch_size])
+                for start in range(0, len(images), self.batch_size)])
+        if self._feature_dim is None:
+            self._feature_dim = features.shape[1]
+        if cache_file is not None:
+            self._store(cache_file, features)
+        return features
+
+    def _run_batch(self, images: np.ndarray) -> np.ndarray:
+        batch = to_model_input(images, self.image_size, self.mean, self.std)
+        features = np.asarray(self._forward(batch))
+        if features.ndim != 2 or features.shape[0] != len(images):
+            raise ValueError(
+                f"forward returned shape {features.shape} for a batch of {len(images)} "
+                f"images; expected ({len(images)}, d)")
+        if self._feature_dim is not None and features.shape[1] != self._feature_dim:
+            raise ValueError(
+                f"forward returned {features.shape[1]} features per image, expected "
+                f"{self._feature_dim}")
+        if not np.isfinite(features).all():
+            raise ValueError("forward returned NaN or infinite features")
+        return np.ascontiguousarray(features, dtype=np.float32)
+
+    # -- cache ------------------------------------------------------------------------------
+
+    def _cache_file(self, images: np.ndarray) -> pathlib.Path:
+        digest = hashlib.sha256()
+        header = (f"{self.cache_key}|size={self.image_size}|mean={self.mean}|std={self.std}"
+                  f"|dtype={images.dtype.str}|shape={images.shape}|")
+        digest.update(header.encode())
+        digest.update(np.ascontiguousarray(images).data)
+        return self.cache_dir / f"features-{digest.hexdigest()}.npy"
+
+    def _load_cached(self, path: pathlib.Path, count: int) -> np.ndarray | None:
+        try:
+            features = np.load(path, allow_pickle=False)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, EOFError):
+            return None  # corrupt or truncated: recompute and overwrite
+        expected_dim = self._feature_dim
+        if (features.dtype != np.float32 or features.ndim != 2 or features.shape[0] != count
+                or (expected_dim is not None and features.shape[1] != expected_dim)):
+            return None
+        return features
+
+    def _store(self, path: pathlib.Path, features: np.ndarray) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = tempfile.NamedTemporaryFile(
+            dir=path.parent, prefix=path.stem + ".", suffix=".tmp", delete=False)
+        try:
+            with handle:
+                np.save(handle, features, allow_pickle=False)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(handle.name, path)
+        except BaseException:
+            pathlib.Path(handle.name).unlink(missing_ok=True)
+            raise

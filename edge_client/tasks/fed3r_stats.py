@@ -1,0 +1,49 @@
+"""``fed3r.stats``: extract features of the local training set and return A_k, b_k."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from protocols.payloads.fed3r import encode_stats
+from protocols.random_features import RandomFourierFeatures
+
+from ..agent import TaskDeclined
+from ..fed3r import Fed3RAccumulator
+
+# (backbone, image_size, weights_sha256) -> object with .extract(images) -> (n, d) float32 and .feature_dim
+ExtractorFactory = Callable[[str, int, str], Any]
+
+
+class Fed3RStatsTask:
+    def __init__(self, images: np.ndarray, labels: np.ndarray, extractor_factory: ExtractorFactory):
+        if len(images) != len(labels):
+            raise ValueError("images and labels differ in length")
+        self.images, self.labels = images, np.asarray(labels, dtype=np.int64)
+        self.extractor_factory = extractor_factory
+
+    def __call__(self, params: dict[str, Any]) -> tuple[dict, dict[str, np.ndarray]]:
+        if len(self.images) == 0:
+            raise TaskDeclined("no local training data")
+        try:
+            num_classes = int(params["num_classes"])
+            backbone, image_size = str(params["backbone"]), int(params["image_size"])
+            weights = str(params.get("weights_sha256", ""))
+            fit_intercept = bool(params.get("fit_intercept", True))
+            dense = params.get("format", "sparse") == "dense"
+            dtype = str(params.get("dtype", "float64"))
+            rf_cfg = params.get("random_features")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TaskDeclined(f"bad fed3r.stats params: {exc}") from exc
+        if self.labels.max() >= num_classes:
+            raise TaskDeclined(f"local label {self.labels.max()} outside the job's {num_classes} classes")
+        extractor = self.extractor_factory(backbone, image_size, weights)
+        rf = None
+        if rf_cfg:
+            rf = RandomFourierFeatures(int(rf_cfg["dim"]), float(rf_cfg["sigma"]), int(rf_cfg["seed"]))
+        acc = Fed3RAccumulator(num_classes, extractor.feature_dim, fit_intercept, rf)
+        feats = extractor.extract(self.images)
+        acc.update(feats, self.labels)
+        A, ids, b = acc.sparse()
+        return encode_stats(A, ids, b, acc.n, num_classes, dense=dense, dtype=dtype)

@@ -1,0 +1,1 @@
+"""fedfleet: the command dispatcher and the emulated fleet, the only layer that starts both sides."""

@@ -1,0 +1,77 @@
+"""The ``fedfleet`` command: one dispatcher for every subcommand.
+
+    fedfleet simulate     emulated fleet + real broker + real aggregator (research, demos, load tests)
+    fedfleet aggregator   run the aggregator service (``serve``)
+    fedfleet device       run one device agent on local data against a broker
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _simulate(args) -> int:
+    from .simulate import load_config, run
+
+    overrides = {"devices": args.devices, "broker": args.broker, "out_dir": args.out, "seed": args.seed,
+                 "image_size": args.image_size, "split": args.split, "alpha": args.alpha,
+                 "runtime": args.runtime, "rf_dim": args.rf_dim, "workers": args.workers}
+    report = run(load_config(args.config, overrides))
+    return 0 if report.get("contributed") else 1
+
+
+def _aggregator(args) -> int:
+    from aggregator.cli import serve
+
+    return serve(args)
+
+
+def _device(args) -> int:
+    from .device import run_device
+
+    return run_device(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fedfleet", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("simulate", help="run an emulated fleet against a real broker and aggregator")
+    s.add_argument("--config", default="demo", help="preset (demo, smoke) or a JSON file of SimConfig fields")
+    s.add_argument("--devices", type=int)
+    s.add_argument("--broker", help="use this broker (mqtt://host:port) instead of a private mosquitto")
+    s.add_argument("--out", help="output directory")
+    s.add_argument("--seed", type=int)
+    s.add_argument("--image-size", type=int)
+    s.add_argument("--split", choices=["iid", "dirichlet", "classes"])
+    s.add_argument("--alpha", type=float)
+    s.add_argument("--runtime", choices=["eager", "executorch", "onnxruntime"])
+    s.add_argument("--rf-dim", type=int, help="Fed3R-RF: number of random Fourier features")
+    s.add_argument("--workers", type=int)
+    s.set_defaults(func=_simulate)
+
+    from aggregator.cli import build_parser as agg_parser
+
+    a = sub.add_parser("aggregator", help="run the aggregator service")
+    agg_parser(a)
+    a.set_defaults(func=_aggregator)
+
+    d = sub.add_parser("device", help="run one device agent on local data")
+    from .device import add_arguments
+
+    add_arguments(d)
+    d.set_defaults(func=_device)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

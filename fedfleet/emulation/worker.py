@@ -1,0 +1,137 @@
+"""A worker process hosting many emulated devices, each a real edge_client DeviceAgent.
+
+Devices of one worker share the process (and its copy of the dataset and backbone weights, as
+several apps on one phone would share a system library) but never the aggregator's memory: the
+aggregator is another process, reached only through the broker. Each device has its own MQTT
+connection, session state, data shard and profile. One compute lock per worker makes devices of
+the worker take turns on the CPU, so a 2-core machine is not oversubscribed; profile slowdowns
+are slept *outside* the lock, as a slow phone would not slow down other phones.
+
+Run as ``python -m fedfleet.emulation.worker SPEC.json``; stops on SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from edge_client.agent import AgentHooks, DeviceAgent, DroppedOut
+from edge_client.data import load_fashion_mnist
+from edge_client.tasks.fed3r_stats import Fed3RStatsTask
+from protocols.mqtt_link import BrokerConfig
+from protocols.topics import Topics
+
+from .profiles import DeviceProfile
+
+log = logging.getLogger("fedfleet.worker")
+
+
+class SharedExtractors:
+    """Per-process cache of feature extractors, keyed by (backbone, image size)."""
+
+    def __init__(self, cache_dir: str | None, runtime: str, threads: int):
+        self.cache_dir, self.runtime, self.threads = cache_dir, runtime, threads
+        self.lock = threading.Lock()
+        self._made: dict = {}
+
+    def __call__(self, backbone: str, image_size: int, weights_sha256: str):
+        from edge_client.agent import TaskDeclined
+        from edge_client.models import weights_sha256 as local_sha
+
+        if weights_sha256 and weights_sha256 != local_sha(backbone):
+            raise TaskDeclined(f"job wants {backbone} weights {weights_sha256[:12]}, device has {local_sha(backbone)[:12]}")
+        key = (backbone, image_size)
+        with self.lock:
+            if key not in self._made:
+                self._made[key] = make_extractor(backbone, image_size, self.cache_dir, self.runtime, self.threads)
+            return _Locked(self._made[key], self.lock)
+
+
+class _Locked:
+    def __init__(self, extractor, lock):
+        self._x, self._lock = extractor, lock
+        self.feature_dim = extractor.feature_dim
+
+    def extract(self, images):
+        with self._lock:
+            return self._x.extract(images)
+
+
+def make_extractor(backbone: str, image_size: int, cache_dir: str | None, runtime: str = "eager", threads: int = 1):
+    from edge_client.features import FeatureExtractor
+
+    if runtime != "eager":
+        from edge_client.runtime import feature_extractor_for  # noqa: F401  (when exported artifacts exist)
+
+        return feature_extractor_for(backbone, image_size, cache_dir=cache_dir, runtime=runtime, threads=threads)
+    return FeatureExtractor.eager(backbone, image_size=image_size, cache_dir=cache_dir, threads=threads)
+
+
+def profile_hooks(profile: DeviceProfile, t0: float, rng: np.random.Generator) -> AgentHooks:
+    def after_compute(elapsed: float) -> None:
+        time.sleep(profile.extra_compute_delay(elapsed))
+        if profile.draws_dropout(rng):
+            raise DroppedOut()
+
+    return AgentHooks(after_compute=after_compute,
+                      before_upload=lambda n: time.sleep(profile.upload_delay(n)),
+                      is_available=lambda: profile.is_available(time.monotonic() - t0),
+                      info={"emulated": True, "slowdown": profile.compute_slowdown,
+                            "upload_bytes_per_s": profile.upload_bytes_per_s})
+
+
+def load_dataset(name: str, root: str | None):
+    if name == "fashion-mnist":
+        return load_fashion_mnist("train", Path(root) if root else None)
+    raise ValueError(f"unknown dataset {name!r}")
+
+
+def run(spec: dict) -> None:
+    images, labels = load_dataset(spec["dataset"], spec.get("data_root"))
+    shards = np.load(spec["shards_file"])
+    broker = BrokerConfig.from_url(spec["broker"])
+    topics = Topics(spec.get("topic_root", "fedfleet"))
+    extractors = SharedExtractors(spec.get("cache_dir"), spec.get("runtime", "eager"), spec.get("threads", 1))
+    t0 = time.monotonic()
+    agents = []
+    for dev in spec["devices"]:
+        profile = DeviceProfile.from_dict(dev["profile"])
+        idx = shards[profile.device_id]
+        handler = Fed3RStatsTask(images[idx], labels[idx], extractors)
+        rng = np.random.default_rng([spec.get("seed", 0), int(dev["index"])])
+        agent = DeviceAgent(profile.device_id, broker, {"fed3r.stats": handler}, topics,
+                            hooks=profile_hooks(profile, t0, rng), retry_after_s=spec.get("retry_after_s", 10.0))
+        agents.append(agent.start())
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    totals = {"bytes_up": sum(a.stats.bytes_up for a in agents),
+              "compute_s": sum(a.stats.compute_s for a in agents),
+              "tasks_done": sum(a.stats.tasks_done for a in agents),
+              "dropouts": sum(a.stats.dropouts for a in agents),
+              "per_device": {a.device_id: {"bytes_up": a.stats.bytes_up, "compute_s": a.stats.compute_s,
+                                           "tasks_done": a.stats.tasks_done, "dropouts": a.stats.dropouts}
+                             for a in agents}}
+    for a in agents:
+        a.stop()
+    if spec.get("stats_file"):
+        Path(spec["stats_file"]).write_text(json.dumps(totals))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    run(json.loads(Path(argv[0]).read_text()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

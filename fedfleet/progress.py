@@ -1,0 +1,46 @@
+"""A terminal progress bar fed by the aggregator's retained status topic."""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+from protocols.envelope import EnvelopeError, decode
+from protocols.mqtt_link import BrokerConfig, MqttLink
+from protocols.topics import Topics
+
+
+class StatusWatcher:
+    def __init__(self, broker_url: str, topics: Topics, total: int, quiet: bool = False, width: int = 30):
+        self.total, self.quiet, self.width = total, quiet, width
+        self.last: dict = {}
+        self.updates = threading.Event()
+        self.link = MqttLink(f"watcher-{id(self):x}", BrokerConfig.from_url(broker_url), self._on_message,
+                             subscriptions=[(topics.status, 1)], clean_start=True)
+        self.link.start()
+
+    def _on_message(self, topic: str, payload: bytes) -> None:
+        try:
+            self.last = decode(payload).body
+        except EnvelopeError:
+            return
+        self.updates.set()
+        if not self.quiet:
+            self._draw()
+
+    def _draw(self) -> None:
+        s = self.last
+        done = s.get("contributions") or 0
+        filled = int(self.width * min(done, self.total) / max(1, self.total))
+        acc = s.get("accuracy")
+        line = (f"\r  round {s.get('round', 0):>3} [{'#' * filled}{'.' * (self.width - filled)}] "
+                f"{done}/{self.total} devices  online {s.get('devices_online', 0):>3}  "
+                f"acc {acc:.4f}" if acc is not None else
+                f"\r  round {s.get('round', 0):>3} [{'#' * filled}{'.' * (self.width - filled)}] "
+                f"{done}/{self.total} devices  online {s.get('devices_online', 0):>3}")
+        end = "\n" if s.get("state") in ("done", "stopped") else ""
+        sys.stdout.write(line + end)
+        sys.stdout.flush()
+
+    def close(self) -> None:
+        self.link.stop()

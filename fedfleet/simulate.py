@@ -1,0 +1,239 @@
+"""``fedfleet simulate``: an emulated fleet against a real broker and the real aggregator.
+
+Processes: this one (orchestration, progress, the independent centralized reference), one
+aggregator process (``python -m aggregator serve``), and W worker processes each hosting a share
+of the devices (``python -m fedfleet.emulation.worker``). All talk only through MQTT.
+
+The centralized reference is computed here, independently of the aggregator: the same features
+(the devices' feature cache makes re-reading them cheap), scikit-learn's Ridge on the
+bias-augmented features with the same λ, then the same column normalisation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from edge_client.data import load_fashion_mnist
+from protocols.topics import Topics
+
+from .emulation.broker import MosquittoBroker
+from .emulation.partition import make_split
+from .emulation.profiles import sample_profiles
+from .progress import StatusWatcher
+
+
+@dataclass
+class SimConfig:
+    devices: int = 100
+    dataset: str = "fashion-mnist"
+    data_root: str | None = None
+    train_limit: int | None = None         # use a seeded subset of the training set
+    test_limit: int | None = None
+    split: str = "dirichlet"                # iid | dirichlet | classes
+    alpha: float = 0.1
+    classes_per_device: int = 2
+    seed: int = 0
+    backbone: str = "mobilenet_v2"
+    image_size: int = 64
+    runtime: str = "eager"
+    workers: int = 2
+    broker: str | None = None               # None: start a private mosquitto
+    topic_root: str = "fedfleet"
+    clients_per_round: int = 10
+    round_timeout_s: float = 120.0
+    max_attempts: int = 3
+    lam: float = 0.01
+    rf_dim: int = 0                         # >0: Fed3R-RF with this many random features
+    rf_sigma: float = 1000.0
+    b_format: str = "sparse"
+    dropout_prob: float = 0.05
+    slowdown: tuple[float, float] = (1.0, 3.0)
+    bandwidth_bps: tuple[float, float] = (20e6, 200e6)
+    availability_fraction: float = 1.0
+    out_dir: str = "runs/latest"
+    cache_dir: str = ".cache/features"
+    timeout_s: float = 1800.0
+    retry_after_s: float = 10.0
+
+
+PRESETS = {
+    "demo": SimConfig(),
+    "smoke": SimConfig(devices=20, train_limit=3000, test_limit=600, image_size=32, clients_per_round=5,
+                       round_timeout_s=30, dropout_prob=0.1, slowdown=(1.0, 1.5), out_dir="runs/smoke",
+                       retry_after_s=3.0),
+}
+
+
+def load_config(name_or_path: str, overrides: dict) -> SimConfig:
+    if name_or_path in PRESETS:
+        cfg = PRESETS[name_or_path]
+    else:
+        cfg = SimConfig(**json.loads(Path(name_or_path).read_text()))
+    return dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def _load(cfg: SimConfig):
+    if cfg.dataset != "fashion-mnist":
+        raise ValueError(f"unknown dataset {cfg.dataset!r}")
+    root = Path(cfg.data_root) if cfg.data_root else None
+    Xtr, ytr = load_fashion_mnist("train", root)
+    Xte, yte = load_fashion_mnist("test", root)
+    rng = np.random.default_rng(cfg.seed)
+    train_idx = np.arange(len(ytr))
+    if cfg.train_limit:
+        train_idx = np.sort(rng.choice(len(ytr), cfg.train_limit, replace=False))
+    test_idx = np.arange(len(yte))
+    if cfg.test_limit:
+        test_idx = np.sort(rng.choice(len(yte), cfg.test_limit, replace=False))
+    return Xtr, ytr, train_idx, Xte[test_idx], yte[test_idx]
+
+
+def run(cfg: SimConfig, quiet: bool = False) -> dict:
+    from fedfleet.emulation.worker import make_extractor
+    from edge_client.models import weights_sha256
+
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
+    t_start = time.monotonic()
+
+    Xtr, ytr, train_idx, Xte, yte = _load(cfg)
+    parts = make_split(cfg.split, ytr[train_idx], cfg.devices, cfg.seed,
+                       **({"alpha": cfg.alpha} if cfg.split == "dirichlet" else
+                          {"k": cfg.classes_per_device} if cfg.split == "classes" else {}))
+    profiles = sample_profiles(cfg.devices, cfg.seed, slowdown=cfg.slowdown, bandwidth_bps=cfg.bandwidth_bps,
+                               dropout_prob=cfg.dropout_prob, availability_fraction=cfg.availability_fraction)
+    shards = {p.device_id: train_idx[part] for p, part in zip(profiles, parts)}
+    np.savez(out / "shards.npz", **shards)
+    (out / "enrolled.txt").write_text("\n".join(shards) + "\n")
+    say(f"fedfleet simulate: {cfg.devices} devices, {len(train_idx)} training images ({cfg.split}"
+        f"{f' α={cfg.alpha}' if cfg.split == 'dirichlet' else ''}), {len(yte)} test images, "
+        f"{cfg.backbone}@{cfg.image_size}px")
+
+    # held-out evaluation features (the aggregator evaluates on features, never on raw images)
+    extractor = make_extractor(cfg.backbone, cfg.image_size, cfg.cache_dir, cfg.runtime,
+                               threads=max(1, os.cpu_count() or 1))
+    t0 = time.monotonic()
+    Zte = extractor.extract(Xte)
+    np.savez(out / "eval_features.npz", Z=Zte, y=yte)
+    say(f"  evaluation features: {Zte.shape} in {time.monotonic() - t0:.1f}s")
+
+    job = {"job_id": "fed3r-sim", "num_classes": 10, "backbone": cfg.backbone, "image_size": cfg.image_size,
+           "weights_sha256": weights_sha256(cfg.backbone), "feature_dim": int(Zte.shape[1]), "lam": cfg.lam,
+           "random_features": ({"seed": cfg.seed + 1, "dim": cfg.rf_dim, "sigma": cfg.rf_sigma}
+                               if cfg.rf_dim else None),
+           "clients_per_round": cfg.clients_per_round, "round_timeout_s": cfg.round_timeout_s,
+           "max_attempts": cfg.max_attempts, "b_format": cfg.b_format, "expected_devices": cfg.devices,
+           "start_timeout_s": 60.0, "seed": cfg.seed}
+    (out / "job.json").write_text(json.dumps(job, indent=1))
+
+    broker = None if cfg.broker else MosquittoBroker().start()
+    broker_url = cfg.broker or broker.url
+    procs: list[subprocess.Popen] = []
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    try:
+        watcher = StatusWatcher(broker_url, Topics(cfg.topic_root), total=cfg.devices, quiet=quiet)
+        agg = subprocess.Popen([sys.executable, "-m", "aggregator", "serve", "--config", str(out / "job.json"),
+                                "--broker", broker_url, "--topic-root", cfg.topic_root, "--out", str(out),
+                                "--eval-features", str(out / "eval_features.npz"),
+                                "--enrolled", str(out / "enrolled.txt"), "--timeout", str(cfg.timeout_s)],
+                               env=env, stdout=open(out / "aggregator.log", "w"), stderr=subprocess.STDOUT)
+        procs.append(agg)
+        n_workers = max(1, min(cfg.workers, cfg.devices))
+        threads = max(1, (os.cpu_count() or 1) // n_workers)
+        for w in range(n_workers):
+            mine = [{"index": i, "profile": p.to_dict()} for i, p in enumerate(profiles) if i % n_workers == w]
+            spec = {"dataset": cfg.dataset, "data_root": cfg.data_root, "shards_file": str(out / "shards.npz"),
+                    "broker": broker_url, "topic_root": cfg.topic_root, "devices": mine, "seed": cfg.seed,
+                    "cache_dir": cfg.cache_dir, "runtime": cfg.runtime, "threads": threads,
+                    "retry_after_s": cfg.retry_after_s, "stats_file": str(out / f"worker{w}.json")}
+            (out / f"worker{w}.spec.json").write_text(json.dumps(spec))
+            procs.append(subprocess.Popen([sys.executable, "-m", "fedfleet.emulation.worker",
+                                           str(out / f"worker{w}.spec.json")], env=env,
+                                          stdout=open(out / f"worker{w}.log", "w"), stderr=subprocess.STDOUT))
+        try:
+            rc = agg.wait(timeout=cfg.timeout_s + 60)
+        except subprocess.TimeoutExpired:
+            rc = -1
+        watcher.close()
+    finally:
+        for p in procs[1:]:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        if broker:
+            broker.stop()
+    if rc != 0 or not (out / "results.json").exists():
+        tail = (out / "aggregator.log").read_text()[-3000:]
+        raise RuntimeError(f"aggregator failed (exit {rc}); log tail:\n{tail}")
+    results = json.loads((out / "results.json").read_text())
+    workers = [json.loads((out / f"worker{w}.json").read_text()) for w in range(n_workers)
+               if (out / f"worker{w}.json").exists()]
+    report = _report(cfg, results, workers, shards, Xtr, ytr, Zte, yte, extractor)
+    report["wall_s"] = time.monotonic() - t_start
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    say(format_report(report))
+    return report
+
+
+def _report(cfg, results, workers, shards, Xtr, ytr, Zte, yte, extractor) -> dict:
+    from sklearn.linear_model import Ridge
+
+    contributed = sorted(results["contributed"])
+    # The devices cached their features per shard, so the reference reads them shard by shard
+    # (stacking the whole set first would be a different cache key and a full re-extraction).
+    Z = (np.concatenate([extractor.extract(Xtr[shards[d]]) for d in contributed]) if contributed
+         else np.zeros((0, Zte.shape[1])))
+    y = np.concatenate([ytr[shards[d]] for d in contributed]) if contributed else np.array([], dtype=int)
+    fed = np.load(Path(cfg.out_dir) / "model.npz")
+    report = {"config": dataclasses.asdict(cfg), "devices": cfg.devices, "contributed": len(contributed),
+              "rounds": len(results["rounds"]), "bytes_up": results["bytes_in"], "bytes_down": results["bytes_out"],
+              "rejections": results["rejections"], "late": results["late"], "duplicates": results["duplicates"],
+              "fed3r_accuracy": results["final"].get("accuracy"), "history": results["history"],
+              "dropouts": sum(w["dropouts"] for w in workers), "device_compute_s": sum(w["compute_s"] for w in workers)}
+    if cfg.rf_dim:
+        from protocols.random_features import RandomFourierFeatures
+
+        rf = RandomFourierFeatures(cfg.rf_dim, cfg.rf_sigma, cfg.seed + 1).fit(n_features=Z.shape[1])
+        Z, Zte = rf.transform(Z), rf.transform(Zte)
+    if len(y):
+        Za = np.hstack([Z.astype(np.float64), np.ones((len(Z), 1))])
+        W = Ridge(alpha=cfg.lam, fit_intercept=False, solver="cholesky").fit(Za, np.eye(10)[y]).coef_.T
+        norms = np.linalg.norm(W[:-1], axis=0)
+        norms[norms == 0] = 1e-6
+        scores = Zte.astype(np.float64) @ (W[:-1] / norms) + W[-1] / norms
+        report["central_accuracy"] = float((scores.argmax(1) == yte).mean())
+        report["rel_weight_error"] = float(np.linalg.norm(fed["raw_weights"] - W) / np.linalg.norm(W))
+        report["central_samples"] = int(len(y))
+    return report
+
+
+def format_report(r: dict) -> str:
+    lines = ["", "=== fedfleet simulate: Fed3R ===",
+             f"devices contributed     {r['contributed']}/{r['devices']} in {r['rounds']} rounds "
+             f"({r['dropouts']} drop-outs retried, {r['late']} late results discarded)",
+             f"Fed3R accuracy          {r['fed3r_accuracy']:.4f}"]
+    if "central_accuracy" in r:
+        lines += [f"centralized ridge acc.  {r['central_accuracy']:.4f}   (sklearn, same features, "
+                  f"{r['central_samples']} samples)",
+                  f"‖W_fed − W_central‖/‖W_central‖ = {r['rel_weight_error']:.2e}"]
+    per_dev = r["bytes_up"] / max(1, r["contributed"])
+    lines += [f"bytes up (all devices)  {r['bytes_up'] / 1e6:.1f} MB  ({per_dev / 1e6:.2f} MB per contributing device)",
+              f"bytes down              {r['bytes_down'] / 1e6:.3f} MB",
+              f"device compute          {r['device_compute_s']:.1f} s total",
+              f"wall time               {r.get('wall_s', 0):.1f} s"]
+    return "\n".join(lines)

@@ -1,0 +1,164 @@
+"""Splitting large envelopes into MQTT-sized chunks and putting them back together.
+
+Theory of operation
+-------------------
+Brokers cap payload sizes (mosquitto's ``message_size_limit``, managed brokers often 256 KiB to
+a few MiB), while Fed3R statistics are megabytes (d=1280: 6.6 MB for the float64 upper triangle).
+A sender therefore encodes the whole message, and when it is larger than ``chunk_size`` it sends
+``count`` envelopes of type ``chunk``, each with one ``uint8`` tensor ``data`` and the body::
+
+    {"parent": <id of the whole message>, "index": i, "count": n,
+     "total": <bytes of the whole message>, "sha256": <hex digest of the whole message>}
+
+The :class:`Reassembler` is a sans-IO buffer: ``add(chunk_envelope)`` returns the whole encoded
+message once every index has arrived and its sha256 matches, else ``None``. It is idempotent
+(a duplicated chunk - QoS 1 redelivery - is ignored), refuses chunks that disagree with the first
+one seen for the same parent, bounds memory per sender and overall, and forgets partial messages
+older than ``ttl_s`` (``expire(now)``), so a sender that vanished mid-message cannot pin memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .envelope import Envelope, EnvelopeError, body_field, encode, require_tensor
+
+CHUNK_TYPE = "chunk"
+DEFAULT_CHUNK_SIZE = 256 * 1024
+MAX_CHUNKS = 4096
+
+
+def split(message: bytes, message_id: str, sender: str, chunk_size: int = DEFAULT_CHUNK_SIZE,
+          signer=None) -> list[bytes]:
+    """Encoded chunk envelopes for ``message``; ``[message]`` itself when it fits in one chunk."""
+    if chunk_size <= 0:
+        raise ValueError("chunk_size must be positive")
+    if len(message) <= chunk_size:
+        return [message]
+    count = math.ceil(len(message) / chunk_size)
+    if count > MAX_CHUNKS:
+        raise EnvelopeError(f"message of {len(message)} bytes needs {count} chunks > {MAX_CHUNKS}; raise chunk_size")
+    digest = hashlib.sha256(message).hexdigest()
+    view = np.frombuffer(message, dtype=np.uint8)
+    out = []
+    for i in range(count):
+        part = view[i * chunk_size:(i + 1) * chunk_size]
+        env = Envelope(type=CHUNK_TYPE, sender=sender,
+                       body={"parent": message_id, "index": i, "count": count,
+                             "total": len(message), "sha256": digest},
+                       tensors={"data": part})
+        out.append(encode(env, signer=signer))
+    return out
+
+
+@dataclass
+class _Partial:
+    count: int
+    total: int
+    sha256: str
+    first_seen: float
+    parts: dict[int, bytes] = field(default_factory=dict)
+
+    @property
+    def held(self) -> int:
+        return sum(len(p) for p in self.parts.values())
+
+
+class Reassembler:
+    """Collects chunk envelopes; see the module docstring."""
+
+    def __init__(self, max_message_bytes: int = 512 * 1024 * 1024,
+                 max_pending_per_sender: int = 4, max_pending_bytes: int = 1024 * 1024 * 1024,
+                 ttl_s: float = 300.0):
+        self.max_message_bytes = max_message_bytes
+        self.max_pending_per_sender = max_pending_per_sender
+        self.max_pending_bytes = max_pending_bytes
+        self.ttl_s = ttl_s
+        self._partials: dict[tuple[str, str], _Partial] = {}
+        self._done: dict[tuple[str, str], float] = {}  # recently completed parents: late duplicates are ignored
+
+    def add(self, chunk: Envelope, now: float | None = None) -> bytes | None:
+        now = time.monotonic() if now is None else now
+        if chunk.type != CHUNK_TYPE:
+            raise EnvelopeError(f"expected a chunk, got {chunk.type!r}")
+        parent = body_field(chunk, "parent", str)
+        index = body_field(chunk, "index", int)
+        count = body_field(chunk, "count", int)
+        total = body_field(chunk, "total", int)
+        digest = body_field(chunk, "sha256", str)
+        data = require_tensor(chunk, "data", "uint8", (None,))
+        key = (chunk.sender, parent)
+        if key in self._done:
+            return None
+        if not (1 <= count <= MAX_CHUNKS) or not (0 <= index < count):
+            raise EnvelopeError(f"chunk index {index} / count {count} out of range")
+        if not (0 < total <= self.max_message_bytes):
+            raise EnvelopeError(f"chunked message of {total} bytes exceeds the {self.max_message_bytes}-byte limit")
+        partial = self._partials.get(key)
+        if partial is None:
+            pending = [k for k in self._partials if k[0] == chunk.sender]
+            if len(pending) >= self.max_pending_per_sender:
+                raise EnvelopeError(f"sender {chunk.sender!r} has too many partial messages in flight")
+            partial = self._partials[key] = _Partial(count, total, digest, now)
+        elif (partial.count, partial.total, partial.sha256) != (count, total, digest):
+            raise EnvelopeError(f"chunk {index} of {parent} disagrees with earlier chunks (count/total/sha256)")
+        if index in partial.parts:
+            return None  # redelivery
+        if partial.held + len(data) > total:
+            del self._partials[key]
+            raise EnvelopeError(f"chunks of {parent} exceed the announced total {total} bytes")
+        if self.pending_bytes() + len(data) > self.max_pending_bytes:
+            raise EnvelopeError("reassembly buffer full")
+        partial.parts[index] = bytes(data)
+        if len(partial.parts) < count:
+            return None
+        del self._partials[key]
+        whole = b"".join(partial.parts[i] for i in range(count))
+        if len(whole) != total or hashlib.sha256(whole).hexdigest() != digest:
+            raise EnvelopeError(f"reassembled message {parent} fails its size/sha256 check")
+        self._done[key] = now
+        return whole
+
+    def pending_bytes(self) -> int:
+        return sum(p.held for p in self._partials.values())
+
+    def expire(self, now: float | None = None) -> list[tuple[str, str]]:
+        """Drop partial messages older than ttl_s; returns the (sender, parent) pairs dropped."""
+        now = time.monotonic() if now is None else now
+        stale = [k for k, p in self._partials.items() if now - p.first_seen > self.ttl_s]
+        for k in stale:
+            del self._partials[k]
+        for k in [k for k, t in self._done.items() if now - t > self.ttl_s]:
+            del self._done[k]
+        return stale
+
+
+class MessageAssembler:
+    """Decodes raw payloads into whole envelopes: single messages pass through, chunks are
+    collected by a :class:`Reassembler`. ``feed`` returns the envelope, or None while a chunked
+    message is incomplete; it raises EnvelopeError for anything malformed."""
+
+    def __init__(self, verifier=None, max_message_bytes: int = 512 * 1024 * 1024, **reassembler_kw):
+        from .envelope import decode
+
+        self._decode = decode
+        self.verifier = verifier
+        self.max_message_bytes = max_message_bytes
+        self.reassembler = Reassembler(max_message_bytes=max_message_bytes, **reassembler_kw)
+
+    def feed(self, payload: bytes, now: float | None = None) -> Envelope | None:
+        env = self._decode(payload, self.verifier, max_bytes=self.max_message_bytes)
+        if env.type != CHUNK_TYPE:
+            return env
+        whole = self.reassembler.add(env, now)
+        if whole is None:
+            return None
+        inner = self._decode(whole, self.verifier, max_bytes=self.max_message_bytes)
+        if inner.sender != env.sender or inner.id != env.body["parent"]:
+            raise EnvelopeError("reassembled message's sender/id do not match its chunks")
+        return inner

@@ -1,0 +1,251 @@
+"""The fedfleet envelope: one self-describing binary message on the wire.
+
+Theory of operation
+-------------------
+Every MQTT payload exchanged between a device and the aggregator is one envelope::
+
+    offset  size  field
+    0       4     magic  b"FFE1"   (fedfleet envelope, major version 1)
+    4       4     header_len       uint32 little-endian
+    8       H     header           UTF-8 JSON object, validated by schema/envelope.schema.json
+    8+H     P     payload          the tensor blobs, concatenated, each raw little-endian C-order
+
+The header names the message (``type``), carries a random 128-bit ``id`` used for idempotency
+(a receiver that has already applied an id acknowledges it again and applies nothing), the
+``sender``, the protocol version and a type-specific ``body``. ``tensors`` lists each blob as
+``{name, dtype, shape, offset, nbytes}``; blobs must tile the payload exactly, in order, with no
+gaps and no overlap, so a decoder can reject a truncated or padded message before touching it.
+``payload_sha256`` lets a receiver detect corruption end to end (MQTT only protects hops).
+
+Headers are serialised canonically (sorted keys, no whitespace) so the same message always
+encodes to the same bytes; the golden vectors in ``golden/`` pin that down for other languages.
+An optional Ed25519 signature (``sig``, hex) covers ``canonical(header without sig)``; because the
+header includes ``payload_sha256`` the signature binds the tensors too. Signing is injected as a
+callable so this module needs no key material and stays free of I/O.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import struct
+import time
+from dataclasses import dataclass, field
+from functools import lru_cache
+from importlib import resources
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+MAGIC = b"FFE1"
+PROTOCOL_VERSION = 1
+PREFIX_LEN = 8  # magic + header_len
+
+# Limits: a receiver refuses anything larger before parsing it.
+MAX_HEADER_BYTES = 64 * 1024
+MAX_MESSAGE_BYTES = 512 * 1024 * 1024  # reassembled size; single MQTT payloads are chunked far below
+MAX_TENSORS = 64
+MAX_NDIM = 8
+
+# dtype names on the wire -> numpy little-endian dtypes. Names, not numpy codes, so that a
+# non-Python client can implement the table from the schema alone.
+WIRE_DTYPES: dict[str, np.dtype] = {
+    "float32": np.dtype("<f4"),
+    "float64": np.dtype("<f8"),
+    "int8": np.dtype("i1"),
+    "uint8": np.dtype("u1"),
+    "int32": np.dtype("<i4"),
+    "int64": np.dtype("<i8"),
+    "uint64": np.dtype("<u8"),
+}
+_DTYPE_NAMES = {v: k for k, v in WIRE_DTYPES.items()}
+
+Signer = Callable[[bytes], bytes]
+Verifier = Callable[[str, bytes, bytes], None]  # (sender, signed_bytes, signature) -> raises
+
+
+class EnvelopeError(ValueError):
+    """A message that does not follow the wire contract. Nothing from it may be applied."""
+
+
+@dataclass
+class Envelope:
+    """A decoded (or to-be-encoded) message: JSON-able fields plus named numpy tensors."""
+
+    type: str
+    sender: str
+    body: dict[str, Any] = field(default_factory=dict)
+    tensors: dict[str, np.ndarray] = field(default_factory=dict)
+    id: str = field(default_factory=lambda: os.urandom(16).hex())
+    ts: float = field(default_factory=time.time)
+    v: int = PROTOCOL_VERSION
+    sig: str | None = None
+
+    def header_fields(self) -> dict[str, Any]:
+        return {"v": self.v, "type": self.type, "id": self.id, "sender": self.sender,
+                "ts": self.ts, "body": self.body}
+
+
+def canonical_json(obj: Any) -> bytes:
+    """Deterministic JSON bytes: sorted keys, compact separators, UTF-8, no NaN."""
+    try:
+        return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                          allow_nan=False).encode("utf-8")
+    except ValueError as exc:  # NaN/Inf in a JSON field
+        raise EnvelopeError(f"header is not valid JSON: {exc}") from exc
+
+
+@lru_cache(maxsize=1)
+def envelope_schema() -> dict:
+    text = resources.files("protocols").joinpath("schema/envelope.schema.json").read_text()
+    return json.loads(text)
+
+
+@lru_cache(maxsize=1)
+def _validator():
+    import jsonschema
+
+    schema = envelope_schema()
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return jsonschema.Draft202012Validator(schema)
+
+
+def encode(msg: Envelope, signer: Signer | None = None) -> bytes:
+    """Serialise ``msg``. Tensors are converted to their wire dtype (little-endian, C order)."""
+    if len(msg.tensors) > MAX_TENSORS:
+        raise EnvelopeError(f"too many tensors: {len(msg.tensors)} > {MAX_TENSORS}")
+    descs, blobs, offset = [], [], 0
+    for name, arr in msg.tensors.items():
+        arr = np.asarray(arr)
+        wire = WIRE_DTYPES.get(_wire_name(arr.dtype))
+        blob = np.ascontiguousarray(arr, dtype=wire).tobytes()
+        descs.append({"name": name, "dtype": _wire_name(arr.dtype), "shape": list(arr.shape),
+                      "offset": offset, "nbytes": len(blob)})
+        blobs.append(blob)
+        offset += len(blob)
+    payload = b"".join(blobs)
+    header = msg.header_fields()
+    header["tensors"] = descs
+    header["payload_sha256"] = hashlib.sha256(payload).hexdigest()
+    if signer is not None:
+        header["sig"] = signer(canonical_json(header)).hex()
+    elif msg.sig is not None:
+        header["sig"] = msg.sig
+    hbytes = canonical_json(header)
+    if len(hbytes) > MAX_HEADER_BYTES:
+        raise EnvelopeError(f"header too large: {len(hbytes)} > {MAX_HEADER_BYTES} bytes")
+    total = PREFIX_LEN + len(hbytes) + len(payload)
+    if total > MAX_MESSAGE_BYTES:
+        raise EnvelopeError(f"message too large: {total} > {MAX_MESSAGE_BYTES} bytes")
+    return MAGIC + struct.pack("<I", len(hbytes)) + hbytes + payload
+
+
+def decode(data: bytes, verifier: Verifier | None = None, *,
+           max_bytes: int = MAX_MESSAGE_BYTES) -> Envelope:
+    """Parse and validate ``data``; raise :class:`EnvelopeError` on any deviation.
+
+    With a ``verifier`` the signature is mandatory and checked against the sender's key.
+    Tensors are returned as read-only views on ``data`` (no copy).
+    """
+    if len(data) > max_bytes:
+        raise EnvelopeError(f"message too large: {len(data)} > {max_bytes} bytes")
+    if len(data) < PREFIX_LEN or data[:4] != MAGIC:
+        raise EnvelopeError("not a fedfleet envelope (bad magic or too short)")
+    (hlen,) = struct.unpack_from("<I", data, 4)
+    if hlen > MAX_HEADER_BYTES or PREFIX_LEN + hlen > len(data):
+        raise EnvelopeError(f"header length {hlen} exceeds the message or the {MAX_HEADER_BYTES}-byte limit")
+    try:
+        header = json.loads(data[PREFIX_LEN:PREFIX_LEN + hlen].decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise EnvelopeError(f"header is not UTF-8 JSON: {exc}") from exc
+    errors = sorted(_validator().iter_errors(header), key=lambda e: list(e.path))
+    if errors:
+        e = errors[0]
+        where = "/".join(str(p) for p in e.path) or "<header>"
+        raise EnvelopeError(f"header invalid at {where}: {e.message}")
+    if header["v"] != PROTOCOL_VERSION:
+        raise EnvelopeError(f"unsupported protocol version {header['v']} (this side speaks {PROTOCOL_VERSION})")
+    payload = memoryview(data)[PREFIX_LEN + hlen:]
+    if hashlib.sha256(payload).hexdigest() != header["payload_sha256"]:
+        raise EnvelopeError("payload sha256 mismatch (corrupted or truncated message)")
+    sig = header.get("sig")
+    if verifier is not None:
+        if sig is None:
+            raise EnvelopeError(f"unsigned message from {header['sender']!r}")
+        unsigned = {k: v for k, v in header.items() if k != "sig"}
+        verifier(header["sender"], canonical_json(unsigned), bytes.fromhex(sig))
+    tensors = _decode_tensors(header["tensors"], payload)
+    return Envelope(type=header["type"], sender=header["sender"], body=header["body"],
+                    tensors=tensors, id=header["id"], ts=header["ts"], v=header["v"], sig=sig)
+
+
+def _decode_tensors(descs: list[dict], payload: memoryview) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    expected_offset = 0
+    for d in descs:
+        name = d["name"]
+        if name in out:
+            raise EnvelopeError(f"duplicate tensor name {name!r}")
+        dt = WIRE_DTYPES[d["dtype"]]
+        shape = tuple(d["shape"])
+        count = math.prod(shape)
+        if d["offset"] != expected_offset:
+            raise EnvelopeError(f"tensor {name!r} offset {d['offset']} != {expected_offset} (gap or overlap)")
+        if d["nbytes"] != count * dt.itemsize:
+            raise EnvelopeError(f"tensor {name!r}: nbytes {d['nbytes']} does not match shape {shape} x {dt}")
+        end = expected_offset + d["nbytes"]
+        if end > len(payload):
+            raise EnvelopeError(f"tensor {name!r} runs past the payload end (truncated message)")
+        arr = np.frombuffer(payload[expected_offset:end], dtype=dt).reshape(shape)
+        out[name] = arr
+        expected_offset = end
+    if expected_offset != len(payload):
+        raise EnvelopeError(f"{len(payload) - expected_offset} trailing payload bytes not described by any tensor")
+    return out
+
+
+def _wire_name(dt: np.dtype) -> str:
+    name = _DTYPE_NAMES.get(np.dtype(dt).newbyteorder("<")) or _DTYPE_NAMES.get(np.dtype(dt))
+    if name is None:
+        raise EnvelopeError(f"dtype {dt} has no wire encoding (allowed: {sorted(WIRE_DTYPES)})")
+    return name
+
+
+def require_finite(msg: Envelope, *names: str) -> None:
+    """Reject NaN/Inf in the named float tensors (all float tensors when none are named)."""
+    for name in names or tuple(msg.tensors):
+        arr = msg.tensors[name]
+        if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+            raise EnvelopeError(f"tensor {name!r} contains NaN or Inf")
+
+
+def require_tensor(msg: Envelope, name: str, dtype: str, shape: tuple[int | None, ...]) -> np.ndarray:
+    """Fetch tensor ``name`` and check its wire dtype and shape (None = any size on that axis)."""
+    if name not in msg.tensors:
+        raise EnvelopeError(f"{msg.type}: missing tensor {name!r}")
+    arr = msg.tensors[name]
+    if arr.dtype != WIRE_DTYPES[dtype]:
+        raise EnvelopeError(f"{msg.type}: tensor {name!r} has dtype {_wire_name(arr.dtype)}, expected {dtype}")
+    if len(arr.shape) != len(shape) or any(s is not None and s != a for s, a in zip(shape, arr.shape)):
+        raise EnvelopeError(f"{msg.type}: tensor {name!r} has shape {arr.shape}, expected {shape}")
+    return arr
+
+
+def body_field(msg: Envelope, key: str, kinds: type | tuple[type, ...]) -> Any:
+    """Fetch a required body field with a type check (bool is not accepted as int)."""
+    if key not in msg.body:
+        raise EnvelopeError(f"{msg.type}: missing body field {key!r}")
+    val = msg.body[key]
+    if isinstance(val, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
+        raise EnvelopeError(f"{msg.type}: body field {key!r} must be {kinds}, got bool")
+    if not isinstance(val, kinds):
+        raise EnvelopeError(f"{msg.type}: body field {key!r} must be {kinds}, got {type(val).__name__}")
+    return val
+
+
+def as_mapping(msg: Envelope) -> Mapping[str, Any]:
+    """A JSON-able summary (for logs and golden-vector descriptions)."""
+    return {**msg.header_fields(), "tensors": {k: {"dtype": _wire_name(v.dtype), "shape": list(v.shape)}
+                                               for k, v in msg.tensors.items()}}

@@ -1,0 +1,82 @@
+"""Golden test vectors: fixed messages encoded to bytes on disk (protocols/golden/).
+
+A client in another language proves its codec by decoding every ``*.bin`` to the content in
+``index.json`` and re-encoding that content to the identical bytes. Regenerate (only when the
+protocol version changes) with ``python -m protocols.golden``.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+from .chunking import split
+from .envelope import Envelope, encode
+from .payloads.fed3r import encode_stats
+
+_TS = 1767225600.0  # 2026-01-01T00:00:00Z
+
+
+def golden_messages() -> dict[str, bytes]:
+    out: dict[str, bytes] = {}
+    task = Envelope("task", "aggregator", id="00" * 16, ts=_TS,
+                    body={"job": "fed3r-demo", "round": 1, "kind": "fed3r.stats", "deadline": _TS + 120,
+                          "params": {"num_classes": 3, "backbone": "mobilenet_v2", "image_size": 64,
+                                     "weights_sha256": "", "fit_intercept": True, "random_features": None,
+                                     "format": "sparse", "dtype": "float64"}})
+    out["task_fed3r"] = encode(task)
+    Z = np.array([[1.0, 2.0], [0.5, -1.0], [3.0, 0.25]])
+    y = np.array([0, 2, 2])
+    Za = np.hstack([Z, np.ones((3, 1))])
+    b = np.stack([Za[y == c].sum(0) for c in (0, 2)])
+    body, tensors = encode_stats(Za.T @ Za, np.array([0, 2]), b, 3, 3)
+    body.update({"job": "fed3r-demo", "round": 1, "task": "00" * 16, "kind": "fed3r.stats"})
+    result = Envelope("result", "dev0001", body=body, tensors=tensors, id="11" * 16, ts=_TS + 5)
+    out["result_fed3r_stats"] = encode(result)
+    out["ack_accepted"] = encode(Envelope("ack", "aggregator", {"ref": "11" * 16, "status": "accepted", "reason": ""},
+                                          id="22" * 16, ts=_TS + 6))
+    out["presence_online"] = encode(Envelope("presence", "dev0001", {"state": "online", "info": {"kinds": ["fed3r.stats"]}},
+                                             id="33" * 16, ts=_TS))
+    # A chunked message: 3 chunks of 160 bytes max; chunk ids are derived, not random, here.
+    big = Envelope("result", "dev0001", body=body, tensors=tensors, id="44" * 16, ts=_TS + 7)
+    data = encode(big)
+    for i, part in enumerate(_deterministic_chunks(data, big.id, "dev0001", 200)):
+        out[f"chunk_{i}_of_result"] = part
+    out["chunked_whole"] = data
+    return out
+
+
+def _deterministic_chunks(data: bytes, parent: str, sender: str, size: int) -> list[bytes]:
+    import hashlib
+    import math
+
+    n = math.ceil(len(data) / size)
+    digest = hashlib.sha256(data).hexdigest()
+    return [encode(Envelope("chunk", sender, {"parent": parent, "index": i, "count": n, "total": len(data),
+                                              "sha256": digest},
+                            {"data": np.frombuffer(data[i * size:(i + 1) * size], np.uint8)},
+                            id=f"{i + 0x55:02x}" * 16, ts=_TS + 7))
+            for i in range(n)]
+
+
+def golden_dir() -> Path:
+    return Path(str(resources.files("protocols").joinpath("golden")))
+
+
+def write(directory: Path | None = None) -> None:
+    directory = directory or golden_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    index = {}
+    for name, data in golden_messages().items():
+        (directory / f"{name}.bin").write_bytes(data)
+        hlen = int.from_bytes(data[4:8], "little")
+        index[name] = {"file": f"{name}.bin", "bytes": len(data), "header": json.loads(data[8:8 + hlen])}
+    (directory / "index.json").write_text(json.dumps(index, indent=1, sort_keys=True))
+
+
+if __name__ == "__main__":
+    write()
+    print(f"wrote golden vectors to {golden_dir()}")

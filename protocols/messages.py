@@ -1,0 +1,87 @@
+"""Message types of protocol v1 and the checks every receiver applies to them.
+
+Generic round messages (any algorithm):
+
+* ``task``     aggregator -> device inbox. body: job, round, kind, params (kind-specific), deadline (unix s)
+* ``result``   device -> aggregator. body: job, round, task (id of the task message), kind, plus
+               kind-specific fields; tensors: kind-specific (see the payload modules)
+* ``decline``  device -> aggregator. body: job, round, task, reason (cannot do the task)
+* ``ack``      aggregator -> device inbox. body: ref (result message id), status, reason
+* ``presence`` device -> retained presence topic. body: state ("online"/"offline"), info
+* ``status``   aggregator -> retained status topic. body: free-form progress for dashboards
+
+``kind`` names the work: ``fed3r.stats`` (protocols.payloads.fed3r), later ``fedavg.update`` etc.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .envelope import Envelope, EnvelopeError, body_field
+
+TASK, RESULT, DECLINE, ACK, PRESENCE, STATUS = "task", "result", "decline", "ack", "presence", "status"
+ACK_STATUSES = ("accepted", "duplicate", "late", "rejected")
+
+
+@dataclass(frozen=True)
+class TaskRef:
+    """Identifies one unit of work: (job, round) plus the task message id."""
+
+    job: str
+    round: int
+    task: str
+
+
+def task_message(sender: str, job: str, round_: int, kind: str, params: dict[str, Any], deadline: float) -> Envelope:
+    return Envelope(type=TASK, sender=sender,
+                    body={"job": job, "round": round_, "kind": kind, "params": params, "deadline": deadline})
+
+
+def parse_task(msg: Envelope) -> tuple[TaskRef, str, dict[str, Any], float]:
+    _expect(msg, TASK)
+    ref = TaskRef(body_field(msg, "job", str), body_field(msg, "round", int), msg.id)
+    return ref, body_field(msg, "kind", str), body_field(msg, "params", dict), float(body_field(msg, "deadline", (int, float)))
+
+
+def result_message(sender: str, ref: TaskRef, kind: str, body: dict[str, Any], tensors) -> Envelope:
+    return Envelope(type=RESULT, sender=sender,
+                    body={**body, "job": ref.job, "round": ref.round, "task": ref.task, "kind": kind},
+                    tensors=dict(tensors))
+
+
+def parse_result_ref(msg: Envelope) -> tuple[TaskRef, str]:
+    _expect(msg, RESULT, DECLINE)
+    ref = TaskRef(body_field(msg, "job", str), body_field(msg, "round", int), body_field(msg, "task", str))
+    kind = body_field(msg, "kind", str) if msg.type == RESULT else ""
+    return ref, kind
+
+
+def decline_message(sender: str, ref: TaskRef, reason: str) -> Envelope:
+    return Envelope(type=DECLINE, sender=sender,
+                    body={"job": ref.job, "round": ref.round, "task": ref.task, "reason": reason})
+
+
+def ack_message(sender: str, ref_id: str, status: str, reason: str = "") -> Envelope:
+    if status not in ACK_STATUSES:
+        raise ValueError(f"unknown ack status {status!r}")
+    return Envelope(type=ACK, sender=sender, body={"ref": ref_id, "status": status, "reason": reason})
+
+
+def parse_ack(msg: Envelope) -> tuple[str, str, str]:
+    _expect(msg, ACK)
+    status = body_field(msg, "status", str)
+    if status not in ACK_STATUSES:
+        raise EnvelopeError(f"ack: unknown status {status!r}")
+    return body_field(msg, "ref", str), status, str(msg.body.get("reason", ""))
+
+
+def presence_message(sender: str, state: str, info: dict[str, Any] | None = None) -> Envelope:
+    if state not in ("online", "offline"):
+        raise ValueError(f"presence state must be online/offline, not {state!r}")
+    return Envelope(type=PRESENCE, sender=sender, body={"state": state, "info": info or {}})
+
+
+def _expect(msg: Envelope, *types: str) -> None:
+    if msg.type not in types:
+        raise EnvelopeError(f"expected a {'/'.join(types)} message, got {msg.type!r}")

@@ -1,0 +1,140 @@
+"""A thin paho-mqtt 2.x adapter shared by devices and the aggregator.
+
+It only moves bytes: QoS 1 publishes, automatic reconnect with exponential backoff, re-subscribe
+and a hook on every (re)connect, a last will, and chunked publishing of large envelopes. Message
+semantics live in the sans-IO modules (envelope, chunking, rounds); callers receive raw
+``(topic, payload)`` pairs on paho's network thread and should hand them to their own queue.
+Works with any MQTT 3.1.1 or 5 broker (``protocol="3.1.1"`` or ``"5"``).
+"""
+
+from __future__ import annotations
+
+import ssl
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import paho.mqtt.client as mqtt
+
+from .chunking import DEFAULT_CHUNK_SIZE, split
+from .envelope import Envelope, encode
+
+
+@dataclass(frozen=True)
+class BrokerConfig:
+    host: str = "127.0.0.1"
+    port: int = 1883
+    username: str | None = None
+    password: str | None = None
+    tls_ca: str | None = None          # CA file: enables TLS
+    tls_cert: str | None = None        # client certificate (mutual TLS)
+    tls_key: str | None = None
+    protocol: str = "5"                # "5" or "3.1.1"
+    keepalive: int = 30
+
+    @classmethod
+    def from_url(cls, url: str, **kw) -> "BrokerConfig":
+        """mqtt://user:pass@host:port or mqtts://host:port (TLS needs tls_ca in kw)."""
+        from urllib.parse import urlparse
+
+        u = urlparse(url if "://" in url else f"mqtt://{url}")
+        if u.scheme not in ("mqtt", "mqtts"):
+            raise ValueError(f"broker URL scheme must be mqtt or mqtts, not {u.scheme!r}")
+        return cls(host=u.hostname or "127.0.0.1", port=u.port or (8883 if u.scheme == "mqtts" else 1883),
+                   username=u.username, password=u.password, **kw)
+
+
+class MqttLink:
+    def __init__(self, client_id: str, broker: BrokerConfig,
+                 on_message: Callable[[str, bytes], None],
+                 subscriptions: list[tuple[str, int]] = (),
+                 on_connect: Callable[[], None] | None = None,
+                 will: tuple[str, bytes, bool] | None = None,
+                 clean_start: bool = False):
+        self.client_id = client_id
+        self.broker = broker
+        self.subscriptions = list(subscriptions)
+        self._on_message = on_message
+        self._on_connect_hook = on_connect
+        self.connected = threading.Event()
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        v5 = broker.protocol == "5"
+        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id,
+                                  protocol=mqtt.MQTTv5 if v5 else mqtt.MQTTv311,
+                                  clean_session=None if v5 else clean_start)
+        self._clean_start = clean_start
+        if broker.username:
+            self.client.username_pw_set(broker.username, broker.password)
+        if broker.tls_ca:
+            self.client.tls_set(ca_certs=broker.tls_ca, certfile=broker.tls_cert, keyfile=broker.tls_key,
+                                tls_version=ssl.PROTOCOL_TLS_CLIENT)
+        if will:
+            self.client.will_set(will[0], will[1], qos=1, retain=will[2])
+        self.client.reconnect_delay_set(min_delay=1, max_delay=30)
+        self.client.max_inflight_messages_set(64)
+        self.client.max_queued_messages_set(0)
+        self.client.on_connect = self._handle_connect
+        self.client.on_disconnect = self._handle_disconnect
+        self.client.on_message = self._handle_message
+        self.last_connect_error: str | None = None
+
+    def start(self, timeout: float = 15.0) -> None:
+        kw = {}
+        if self.broker.protocol == "5":
+            from paho.mqtt.properties import Properties
+            from paho.mqtt.packettypes import PacketTypes
+
+            props = Properties(PacketTypes.CONNECT)
+            props.SessionExpiryInterval = 0 if self._clean_start else 3600
+            kw = {"clean_start": self._clean_start, "properties": props}
+        self.client.connect_async(self.broker.host, self.broker.port, keepalive=self.broker.keepalive, **kw)
+        self.client.loop_start()
+        if not self.connected.wait(timeout):
+            self.stop()
+            raise ConnectionError(f"{self.client_id}: no connection to {self.broker.host}:{self.broker.port} "
+                                  f"within {timeout}s ({self.last_connect_error or 'no answer'})")
+
+    def stop(self) -> None:
+        try:
+            self.client.disconnect()
+        finally:
+            self.client.loop_stop()
+
+    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False, wait: bool = False) -> None:
+        info = self.client.publish(topic, payload, qos=qos, retain=retain)
+        self.bytes_sent += len(payload)
+        if wait:
+            info.wait_for_publish(timeout=60)
+
+    def publish_envelope(self, topic: str, env: Envelope, signer=None, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                         retain: bool = False, wait: bool = False,
+                         before_each: Callable[[int], None] | None = None) -> int:
+        """Encode, chunk when large, publish (QoS 1). ``before_each(nbytes)`` can throttle. Returns bytes sent."""
+        data = encode(env, signer=signer)
+        parts = split(data, env.id, env.sender, chunk_size=chunk_size, signer=signer)
+        total = 0
+        for part in parts:
+            if before_each:
+                before_each(len(part))
+            self.publish(topic, part, retain=retain and len(parts) == 1, wait=wait)
+            total += len(part)
+        return total
+
+    # paho callbacks (network thread)
+    def _handle_connect(self, client, userdata, flags, reason_code, properties=None):
+        if reason_code.is_failure:
+            self.last_connect_error = str(reason_code)
+            return
+        for topic, qos in self.subscriptions:
+            client.subscribe(topic, qos=qos)
+        if self._on_connect_hook:
+            self._on_connect_hook()
+        self.connected.set()
+
+    def _handle_disconnect(self, client, userdata, flags, reason_code, properties=None):
+        self.connected.clear()
+
+    def _handle_message(self, client, userdata, msg):
+        self.bytes_received += len(msg.payload)
+        self._on_message(msg.topic, msg.payload)

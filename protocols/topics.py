@@ -1,0 +1,77 @@
+"""MQTT topic layout (one place, so the broker ACL and both sides agree).
+
+    {root}/v1/dev/{device}/in        aggregator -> one device (its inbox; only it may subscribe)
+    {root}/v1/dev/{device}/out       one device -> aggregator (its outbox; only it may publish)
+    {root}/v1/broadcast              aggregator -> every device (job announcements)
+    {root}/v1/presence/{device}      retained "online"/"offline"; the offline one is the last will
+    {root}/v1/status                 retained aggregator status (job, round, progress) for dashboards
+
+The version segment lets a v2 fleet share a broker with v1 devices during a migration. Device
+ids are restricted to ``[A-Za-z0-9_.-]`` so they can never inject the MQTT wildcards ``+``/``#``
+or an extra level ``/`` into a topic.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+DEVICE_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+AGGREGATOR_ID = "aggregator"
+
+
+def check_device_id(device_id: str) -> str:
+    if not isinstance(device_id, str) or not DEVICE_ID_RE.match(device_id) or device_id == AGGREGATOR_ID:
+        raise ValueError(f"invalid device id {device_id!r}: use 1-64 of [A-Za-z0-9_.-], not {AGGREGATOR_ID!r}")
+    return device_id
+
+
+@dataclass(frozen=True)
+class Topics:
+    root: str = "fedfleet"
+
+    def __post_init__(self):
+        if not self.root or any(c in self.root for c in "+#") or self.root.startswith("/"):
+            raise ValueError(f"invalid topic root {self.root!r}")
+
+    @property
+    def base(self) -> str:
+        return f"{self.root}/v1"
+
+    def inbox(self, device_id: str) -> str:
+        return f"{self.base}/dev/{check_device_id(device_id)}/in"
+
+    def outbox(self, device_id: str) -> str:
+        return f"{self.base}/dev/{check_device_id(device_id)}/out"
+
+    def presence(self, device_id: str) -> str:
+        return f"{self.base}/presence/{check_device_id(device_id)}"
+
+    @property
+    def broadcast(self) -> str:
+        return f"{self.base}/broadcast"
+
+    @property
+    def status(self) -> str:
+        return f"{self.base}/status"
+
+    @property
+    def all_outboxes(self) -> str:
+        return f"{self.base}/dev/+/out"
+
+    @property
+    def all_presence(self) -> str:
+        return f"{self.base}/presence/+"
+
+    def device_of(self, topic: str) -> str | None:
+        """The device id in an outbox or presence topic, else None."""
+        parts = topic.split("/")
+        base = self.base.split("/")
+        if parts[:len(base)] != base:
+            return None
+        rest = parts[len(base):]
+        if len(rest) == 3 and rest[0] == "dev" and rest[2] in ("in", "out") and DEVICE_ID_RE.match(rest[1]):
+            return rest[1]
+        if len(rest) == 2 and rest[0] == "presence" and DEVICE_ID_RE.match(rest[1]):
+            return rest[1]
+        return None

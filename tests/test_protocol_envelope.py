@@ -1,0 +1,201 @@
+"""Wire contract: envelope, chunking, topics, golden vectors, and rejection of bad input."""
+
+import json
+import struct
+
+import numpy as np
+import pytest
+
+from protocols import golden
+from protocols.chunking import MessageAssembler, Reassembler, split
+from protocols.envelope import (MAX_HEADER_BYTES, Envelope, EnvelopeError, canonical_json, decode, encode,
+                                require_finite, require_tensor)
+from protocols.topics import Topics, check_device_id
+
+
+def sample(**kw):
+    t = {"a": np.arange(6, dtype=np.float64).reshape(2, 3), "ids": np.array([1, 5], dtype=np.int64)}
+    return Envelope("result", "dev0001", {"job": "j", "round": 1}, t, **kw)
+
+
+def test_round_trip_preserves_tensors_and_fields():
+    m = sample()
+    d = decode(encode(m))
+    assert (d.type, d.sender, d.body, d.id) == (m.type, m.sender, m.body, m.id)
+    for k in m.tensors:
+        assert d.tensors[k].dtype == m.tensors[k].dtype.newbyteorder("<")
+        np.testing.assert_array_equal(d.tensors[k], m.tensors[k])
+
+
+def test_big_endian_input_is_written_little_endian():
+    be = np.arange(4, dtype=">f8")
+    data = encode(Envelope("x", "d", {}, {"v": be}))
+    assert data.endswith(np.arange(4, dtype="<f8").tobytes())
+
+
+def _raw(header: dict, payload: bytes) -> bytes:
+    h = canonical_json(header)
+    return b"FFE1" + struct.pack("<I", len(h)) + h + payload
+
+
+def _header_and_payload(m):
+    data = encode(m)
+    hlen = struct.unpack_from("<I", data, 4)[0]
+    return json.loads(data[8:8 + hlen]), data[8 + hlen:]
+
+
+@pytest.mark.parametrize("mutate, msg", [
+    (lambda d: b"XXXX" + d[4:], "bad magic"),
+    (lambda d: d[:6], "too short"),
+    (lambda d: d[:-3], "sha256"),
+    (lambda d: d + b"\0", "sha256"),
+    (lambda d: d[:4] + struct.pack("<I", 10**7) + d[8:], "header length"),
+    (lambda d: d[:8] + b"!" + d[9:], "header"),
+])
+def test_malformed_bytes_are_rejected(mutate, msg):
+    with pytest.raises(EnvelopeError, match=msg if msg != "bad magic" else "magic"):
+        decode(mutate(encode(sample())))
+
+
+def test_header_schema_violations_are_rejected():
+    header, payload = _header_and_payload(sample())
+    for key, value in [("v", "1"), ("id", "xyz"), ("sender", "a/b"), ("type", "Bad Type"), ("extra", 1)]:
+        h = dict(header, **{key: value})
+        with pytest.raises(EnvelopeError, match="header invalid"):
+            decode(_raw(h, payload))
+    h = dict(header)
+    del h["payload_sha256"]
+    with pytest.raises(EnvelopeError, match="payload_sha256"):
+        decode(_raw(h, payload))
+
+
+def test_tensor_table_must_tile_the_payload():
+    header, payload = _header_and_payload(sample())
+    bad = json.loads(json.dumps(header))
+    bad["tensors"][0]["shape"] = [3, 3]                    # nbytes no longer matches
+    with pytest.raises(EnvelopeError, match="nbytes"):
+        decode(_raw(bad, payload))
+    bad = json.loads(json.dumps(header))
+    bad["tensors"][1]["offset"] += 8                        # gap
+    with pytest.raises(EnvelopeError, match="gap or overlap"):
+        decode(_raw(bad, payload))
+    bad = json.loads(json.dumps(header))
+    bad["tensors"] = bad["tensors"][:1]                     # undescribed trailing bytes
+    with pytest.raises(EnvelopeError, match="trailing"):
+        decode(_raw(bad, payload))
+
+
+def test_unsupported_version_and_oversize():
+    header, payload = _header_and_payload(sample())
+    with pytest.raises(EnvelopeError, match="version"):
+        decode(_raw(dict(header, v=2), payload))
+    with pytest.raises(EnvelopeError, match="too large"):
+        decode(encode(sample()), max_bytes=100)
+    with pytest.raises(EnvelopeError, match="header too large"):
+        encode(Envelope("x", "d", {"blob": "a" * (MAX_HEADER_BYTES + 1)}))
+
+
+def test_nan_and_shape_checks():
+    m = decode(encode(Envelope("x", "d", {}, {"v": np.array([1.0, np.nan])})))
+    with pytest.raises(EnvelopeError, match="NaN"):
+        require_finite(m)
+    with pytest.raises(EnvelopeError, match="shape"):
+        require_tensor(m, "v", "float64", (3,))
+    with pytest.raises(EnvelopeError, match="dtype"):
+        require_tensor(m, "v", "float32", (2,))
+    with pytest.raises(EnvelopeError, match="missing"):
+        require_tensor(m, "w", "float64", (2,))
+    with pytest.raises(EnvelopeError, match="JSON"):
+        encode(Envelope("x", "d", {"bad": float("inf")}))
+
+
+def test_signature_binds_header_and_payload():
+    from cryptography.exceptions import InvalidSignature
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    key = Ed25519PrivateKey.generate()
+    pub = key.public_key()
+
+    def verifier(sender, data, sig):
+        try:
+            pub.verify(sig, data)
+        except InvalidSignature:
+            raise EnvelopeError(f"bad signature from {sender}")
+
+    data = encode(sample(), signer=key.sign)
+    assert decode(data, verifier).sender == "dev0001"
+    with pytest.raises(EnvelopeError, match="unsigned"):
+        decode(encode(sample()), verifier)
+    header, payload = _header_and_payload(sample())
+    forged = dict(header, sig=key.sign(b"something else").hex())
+    with pytest.raises(EnvelopeError, match="bad signature"):
+        decode(_raw(forged, payload), verifier)
+
+
+def test_chunking_round_trip_with_duplicates_and_reordering():
+    m = Envelope("result", "dev1", {}, {"x": np.random.default_rng(0).normal(size=5000)})
+    data = encode(m)
+    parts = split(data, m.id, "dev1", chunk_size=4096)
+    assert len(parts) > 5
+    asm = MessageAssembler()
+    order = list(reversed(parts)) + parts[:2]                 # reordered + redelivered
+    outs = [asm.feed(p) for p in order]
+    whole = [o for o in outs if o is not None]
+    assert len(whole) == 1 and whole[0].id == m.id
+    np.testing.assert_array_equal(whole[0].tensors["x"], m.tensors["x"])
+    assert asm.reassembler.pending_bytes() == 0
+
+
+def test_chunk_tampering_and_limits():
+    m = Envelope("result", "dev1", {}, {"x": np.arange(3000.0)})
+    data = encode(m)
+    parts = split(data, m.id, "dev1", chunk_size=2048)
+    # a chunk claiming a different total for the same parent
+    first = decode(parts[0])
+    other = Envelope("chunk", "dev1", dict(first.body, total=first.body["total"] + 1), {"data": first.tensors["data"]})
+    r = Reassembler()
+    r.add(first, now=0)
+    with pytest.raises(EnvelopeError, match="disagrees"):
+        r.add(decode(encode(other)), now=0)
+    # oversized announced total
+    with pytest.raises(EnvelopeError, match="limit"):
+        Reassembler(max_message_bytes=1000).add(first, now=0)
+    # corrupted content: same sizes, wrong bytes -> sha256 check fails, nothing returned
+    r = Reassembler()
+    bad = [decode(p) for p in parts]
+    flipped = bad[1].tensors["data"].copy()
+    flipped[0] ^= 0xFF
+    bad[1] = Envelope("chunk", "dev1", bad[1].body, {"data": flipped})
+    with pytest.raises(EnvelopeError, match="sha256"):
+        for c in bad:
+            r.add(c, now=0)
+    # stale partial messages expire
+    r = Reassembler(ttl_s=10)
+    r.add(decode(parts[0]), now=0)
+    assert r.expire(now=11) == [("dev1", m.id)] and r.pending_bytes() == 0
+
+
+def test_topics_layout_and_device_id_validation():
+    t = Topics("fleet")
+    assert t.inbox("dev7") == "fleet/v1/dev/dev7/in" and t.device_of("fleet/v1/dev/dev7/out") == "dev7"
+    assert t.device_of("fleet/v1/presence/dev7") == "dev7" and t.device_of("other/v1/dev/x/out") is None
+    for bad in ["a/b", "a+b", "#", "", "x" * 65, "aggregator"]:
+        with pytest.raises(ValueError):
+            check_device_id(bad)
+
+
+def test_golden_vectors_on_disk_match_the_codec():
+    """The bytes in protocols/golden/ are what this codec produces and decodes (other languages test against them)."""
+    d = golden.golden_dir()
+    index = json.loads((d / "index.json").read_text())
+    produced = golden.golden_messages()
+    assert set(index) == set(produced)
+    for name, data in produced.items():
+        on_disk = (d / index[name]["file"]).read_bytes()
+        assert on_disk == data, f"{name}: codec output differs from the golden vector"
+        decoded = decode(on_disk)
+        assert decoded.id == index[name]["header"]["id"]
+    asm = MessageAssembler()
+    chunks = sorted(n for n in index if n.startswith("chunk_"))
+    res = [asm.feed((d / f"{c}.bin").read_bytes()) for c in chunks]
+    assert res[-1] is not None and encode(res[-1]) == (d / "chunked_whole.bin").read_bytes()

@@ -1,0 +1,96 @@
+"""The sans-IO round machines: every rule in the transition tables of protocols/rounds.py."""
+
+from protocols.messages import TaskRef
+from protocols.rounds import (AckArrived, ApplyResult, Declined, DeviceLost, DeviceSession, DeviceState, ResultArrived,
+                              ResultInvalid, RoundClosed, RoundCoordinator, SendAck, SendDecline, SendResult,
+                              StartWork, TaskArrived, Tick, WorkFailed, WorkFinished)
+
+
+def coord(devs=("a", "b", "c"), deadline=100.0):
+    return RoundCoordinator(round=3, participants=frozenset(devs), deadline=deadline)
+
+
+def kinds(actions):
+    return [type(a).__name__ for a in actions]
+
+
+def test_accepts_each_selected_device_once_and_closes_when_all_answered():
+    c = coord()
+    out = c.handle(ResultArrived("a", "m1", "payload-a"))
+    assert out[0] == ApplyResult("a", "m1", "payload-a") and out[1] == SendAck("a", "m1", "accepted")
+    assert c.handle(ResultArrived("a", "m1", "payload-a")) == [SendAck("a", "m1", "duplicate")]   # redelivery
+    second = c.handle(ResultArrived("a", "m9", "other"))                                          # new id, same device
+    assert kinds(second) == ["SendAck"] and second[0].status == "duplicate"
+    c.handle(Declined("b", "no data"))
+    out = c.handle(ResultArrived("c", "m3", "payload-c"))
+    closed = [a for a in out if isinstance(a, RoundClosed)]
+    assert closed == [RoundClosed(3, ("a", "c"), (), ("b",), ())]
+    applied = [a for a in out if isinstance(a, ApplyResult)]
+    assert [a.device for a in applied] == ["c"]
+
+
+def test_deadline_closes_and_late_results_are_never_applied():
+    c = coord(deadline=10.0)
+    c.handle(ResultArrived("a", "m1", 1))
+    assert c.handle(Tick(9.9)) == []
+    out = c.handle(Tick(10.0))
+    assert out == [RoundClosed(3, ("a",), ("b", "c"), (), ())]
+    late = c.handle(ResultArrived("b", "m2", 2))
+    assert late == [SendAck("b", "m2", "late", "round 3 is closed")] and c.late == 1
+    assert all(not isinstance(a, ApplyResult) for a in late)
+
+
+def test_unselected_and_invalid_results_are_rejected():
+    c = coord()
+    assert c.handle(ResultArrived("zz", "m1", 1))[0].status == "rejected"
+    out = c.handle(ResultInvalid("a", "m2", "NaN in b"))
+    assert out[0] == SendAck("a", "m2", "rejected", "NaN in b")
+    assert "a" in c.rejected and "a" not in c.accepted
+
+
+def task(r=1, job="j"):
+    return TaskArrived(TaskRef(job, r, f"t{r}"), "fed3r.stats", {}, 0.0)
+
+
+def test_device_works_once_resends_same_result_and_stops_on_ack():
+    s = DeviceSession(retry_after_s=5, max_retries=2)
+    out = s.handle(task())
+    assert kinds(out) == ["StartWork"] and s.state is DeviceState.WORKING
+    assert s.handle(task()) == []                                         # redelivered task while busy
+    out = s.handle(WorkFinished(TaskRef("j", 1, "t1"), "RESULT", "r1"))
+    assert out == [SendResult("RESULT", 1)]
+    assert s.handle(Tick(1.0)) == []
+    assert s.handle(Tick(5.0)) == [SendResult("RESULT", 2)]              # no ack yet: same message again
+    assert s.handle(task()) == [SendResult("RESULT", 3)]                 # server re-sent the task
+    assert s.handle(AckArrived("other", "accepted")) == [] and s.state is DeviceState.REPORTED
+    s.handle(AckArrived("r1", "accepted"))
+    assert s.state is DeviceState.IDLE and s.handle(Tick(100.0)) == []
+
+
+def test_retries_are_bounded_and_failures_decline():
+    s = DeviceSession(retry_after_s=1, max_retries=2)
+    s.handle(task())
+    s.handle(WorkFinished(TaskRef("j", 1, "t1"), "R", "r1"))
+    sends = sum(len(s.handle(Tick(float(t)))) for t in range(1, 100))
+    assert sends == 2
+    s2 = DeviceSession()
+    s2.handle(task(2))
+    assert s2.handle(WorkFailed(TaskRef("j", 2, "t2"), "no data")) == [SendDecline(TaskRef("j", 2, "t2"), "no data")]
+    assert s2.state is DeviceState.IDLE
+
+
+def test_newer_task_abandons_older_work():
+    s = DeviceSession()
+    s.handle(task(1))
+    assert kinds(s.handle(task(2))) == ["StartWork"]
+    assert s.handle(WorkFinished(TaskRef("j", 1, "t1"), "OLD", "o")) == []   # stale work is dropped
+
+
+def test_lost_device_closes_the_round_early_but_may_still_answer_in_time():
+    c = coord(("a", "b"), deadline=100.0)
+    c.handle(ResultArrived("a", "m1", 1))
+    assert c.handle(DeviceLost("b")) == [RoundClosed(3, ("a",), ("b",), (), ())]
+    c2 = coord(("a", "b", "c"))
+    c2.handle(DeviceLost("b"))
+    out = c2.handle(ResultArrived("b", "m2", 2))            # reconnected before the round closed
+    assert isinstance(out[0], ApplyResult) and "b" in c2.accepted
