@@ -13,7 +13,7 @@ import numpy as np
 from protocols.mqtt_link import BrokerConfig
 from protocols.topics import Topics
 
-from .fed3r_job import Fed3RConfig, Fed3RJob
+from .jobs.fed3r import Fed3RConfig, Fed3RJob
 from .service import AggregatorService
 
 

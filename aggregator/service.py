@@ -25,12 +25,11 @@ from protocols import messages as M
 from protocols.chunking import DEFAULT_CHUNK_SIZE, MessageAssembler
 from protocols.envelope import Envelope, EnvelopeError, encode
 from protocols.mqtt_link import BrokerConfig, MqttLink
-from protocols.payloads.fed3r import parse_stats
 from protocols.rounds import (ApplyResult, Declined, DeviceLost, ResultArrived, ResultInvalid, RoundClosed, RoundCoordinator,
                               SendAck, Tick)
 from protocols.topics import AGGREGATOR_ID, Topics
 
-from .fed3r_job import Fed3RJob
+from .jobs import Job
 
 log = logging.getLogger("fedfleet.aggregator")
 
@@ -45,7 +44,7 @@ class ServiceStats:
 
 
 class AggregatorService:
-    def __init__(self, job: Fed3RJob, broker: BrokerConfig, out_dir: Path, topics: Topics = Topics(),
+    def __init__(self, job: Job, broker: BrokerConfig, out_dir: Path, topics: Topics = Topics(),
                  enrolled: set[str] | None = None, eval_set: tuple[np.ndarray, np.ndarray] | None = None,
                  chunk_size: int = DEFAULT_CHUNK_SIZE, max_message_bytes: int = 256 * 1024 * 1024,
                  tick_s: float = 0.2, evaluate_every_contribution: bool = True):
@@ -155,13 +154,13 @@ class AggregatorService:
         try:
             if kind != self.job.kind:
                 raise EnvelopeError(f"result kind {kind!r} does not match the job's {self.job.kind!r}")
-            stats = parse_stats(env, self.job.config.p, self.job.config.num_classes)
+            payload = self.job.parse_result(env)
         except EnvelopeError as exc:
             self.stats.rejections["invalid payload"] += 1
             log.warning("rejected result from %s: %s", device, exc)
             self._execute(coord.handle(ResultInvalid(device, env.id, str(exc))))
             return
-        self._execute(coord.handle(ResultArrived(device, env.id, stats)))
+        self._execute(coord.handle(ResultArrived(device, env.id, payload)))
 
     def _reject(self, device: str, message_id: str | None, reason: str) -> None:
         self.stats.rejections[reason.split(":")[0]] += 1
@@ -187,6 +186,7 @@ class AggregatorService:
                                        "rejected": list(act.rejected), "t": time.monotonic() - self._t0})
                 log.info("round %d closed: %d accepted, %d dropped, %d declined", act.round,
                          len(act.accepted), len(act.dropped), len(act.declined))
+                self.job.close_round(act)
                 if not self.evaluate_every_contribution:
                     self._record_eval()
                 self.current = None
@@ -221,29 +221,29 @@ class AggregatorService:
         deadline_wall = time.time() + self.job.config.round_timeout_s
         coord = RoundCoordinator(self.job.round, frozenset(participants), now + self.job.config.round_timeout_s)
         self.rounds[self.job.round] = self.current = coord
-        params = self.job.config.task_params()
         for dev in participants:
-            self._send(dev, M.task_message(AGGREGATOR_ID, self.job.config.job_id, self.job.round, self.job.kind,
-                                           params, deadline_wall))
+            params, tensors = self.job.task_for(dev)
+            msg = M.task_message(AGGREGATOR_ID, self.job.config.job_id, self.job.round, self.job.kind,
+                                 params, deadline_wall)
+            msg.tensors.update(tensors)
+            self._send(dev, msg)
         self._publish_status("running")
 
     # ------------------------------------------------------------------ output
     def _publish_status(self, state: str) -> None:
         last = self.history[-1] if self.history else {}
         body = {"state": state, "job": self.job.config.job_id, "round": self.job.round,
-                "contributions": self.job.strategy.n_contributions, "devices_online": len(self.online),
+                "contributions": self.job.contributions, "devices_online": len(self.online),
                 "devices_known": len(self.seen_devices), "accuracy": last.get("accuracy"),
                 "bytes_in": self.stats.bytes_in}
         env = Envelope(type=M.STATUS, sender=AGGREGATOR_ID, body=body)
         self.link.publish(self.topics.status, encode(env), retain=True)
 
     def _finish(self) -> dict:
-        model = self.job.model()
-        if not self.history or self.history[-1]["contributions"] != self.job.strategy.n_contributions:
+        if not self.history or self.history[-1]["contributions"] != self.job.contributions:
             self._record_eval()
-        np.savez(self.out_dir / "model.npz", coef=model.coef_, intercept=model.intercept_,
-                 raw_weights=model.raw_weights_)
-        np.savez(self.out_dir / "statistics.npz", **self.job.strategy.state_dict())
+        np.savez(self.out_dir / "model.npz", **self.job.model_arrays())
+        np.savez(self.out_dir / "statistics.npz", **self.job.state_dict())
         summary = {
             "state": "done" if self._done else "stopped",
             "config": self.job.config.to_dict(),

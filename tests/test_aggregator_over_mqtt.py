@@ -11,7 +11,7 @@ import numpy as np
 import paho.mqtt.client as mqtt
 import pytest
 
-from aggregator.fed3r_job import Fed3RConfig, Fed3RJob
+from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
 from aggregator.service import AggregatorService
 from edge_client.agent import DeviceAgent
 from edge_client.fed3r import Fed3RAccumulator

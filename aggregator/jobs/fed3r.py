@@ -14,9 +14,11 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from protocols.payloads.fed3r import KIND, Fed3RStats
+from protocols.envelope import Envelope
+from protocols.payloads.fed3r import KIND, Fed3RStats, parse_stats
+from protocols.rounds import RoundClosed
 
-from .strategies.fed3r import Fed3R
+from ..strategies.fed3r import Fed3R
 
 
 @dataclass
@@ -83,6 +85,26 @@ class Fed3RJob:
             for d in chosen:
                 self.attempts[d] = self.attempts.get(d, 0) + 1
         return chosen
+
+    @property
+    def contributions(self) -> int:
+        return self.strategy.n_contributions
+
+    def task_for(self, device: str) -> tuple[dict, dict[str, np.ndarray]]:
+        return self.config.task_params(), {}
+
+    def parse_result(self, env: Envelope) -> Fed3RStats:
+        return parse_stats(env, self.config.p, self.config.num_classes)
+
+    def close_round(self, closed: RoundClosed) -> None:
+        pass  # Fed3R is purely additive: nothing happens at round boundaries
+
+    def model_arrays(self) -> dict[str, np.ndarray]:
+        m = self.strategy.solve()
+        return {"coef": m.coef_, "intercept": m.intercept_, "raw_weights": m.raw_weights_}
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return self.strategy.state_dict()
 
     def apply(self, device: str, stats: Fed3RStats) -> None:
         if device in self.contributed:

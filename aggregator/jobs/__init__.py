@@ -1,0 +1,42 @@
+"""Jobs: what to ask which devices, and what to do with their answers.
+
+A job is pure logic (no MQTT, no clock); ``aggregator.service`` drives any job through the
+round protocol. One module per kind of job; each wraps a strategy from ``aggregator.strategies``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+
+from protocols.envelope import Envelope
+from protocols.rounds import RoundClosed
+
+
+class JobConfig(Protocol):
+    job_id: str
+    round_timeout_s: float
+    expected_devices: int
+    start_timeout_s: float
+
+    def to_dict(self) -> dict: ...
+
+
+class Job(Protocol):
+    config: JobConfig
+    kind: str                       # the task/result kind, e.g. "fed3r.stats"
+    round: int                      # the last round opened
+    contributed: dict[str, Any]     # device -> what it contributed (for reports)
+
+    @property
+    def contributions(self) -> int: ...
+    def next_participants(self, online: set[str]) -> list[str]: ...      # opens a round (or [] )
+    def task_for(self, device: str) -> tuple[dict, dict[str, np.ndarray]]: ...
+    def parse_result(self, env: Envelope) -> Any: ...                     # raises EnvelopeError
+    def apply(self, device: str, payload: Any) -> None: ...
+    def close_round(self, closed: RoundClosed) -> None: ...
+    def finished(self, online: set[str], known: set[str]) -> bool: ...
+    def evaluate(self, features: np.ndarray | None, labels: np.ndarray | None) -> dict: ...
+    def model_arrays(self) -> dict[str, np.ndarray]: ...
+    def state_dict(self) -> dict[str, np.ndarray]: ...
