@@ -105,8 +105,9 @@ def parse_stats(msg: Envelope, p: int, num_classes: int, max_samples: int = 10**
     diag = a[_diag_positions(p)]
     if (diag < 0).any():
         raise EnvelopeError(f"{KIND}: A has a negative diagonal entry; not a Gram matrix")
-    return Fed3RStats(n=n, p=p, a_upper=np.asarray(a, dtype=np.float64), class_ids=np.asarray(ids),
-                      b=np.asarray(b, dtype=np.float64))
+    # Copies: the decoded tensors are read-only views on the received bytes.
+    return Fed3RStats(n=n, p=p, a_upper=np.array(a, dtype=np.float64), class_ids=np.array(ids),
+                      b=np.array(b, dtype=np.float64))
 
 
 def _diag_positions(p: int) -> np.ndarray:
