@@ -87,9 +87,8 @@ class FeatureExtractor:
 
     @property
     def feature_dim(self) -> int:
-        if self._feature_dim is None:
-            probe = self._run_batch(np.zeros((1, self.image_size, self.image_size), np.uint8))
-            self._feature_dim = probe.shape[1]
+        if self._feature_dim is None:  # the first batch run fixes it
+            self._run_batch(np.zeros((1, self.image_size, self.image_size), np.uint8))
         return self._feature_dim
 
     def extract(self, images: np.ndarray) -> np.ndarray:
@@ -106,8 +105,6 @@ class FeatureExtractor:
             features = np.concatenate([
                 self._run_batch(images[start:start + self.batch_size])
                 for start in range(0, len(images), self.batch_size)])
-        if self._feature_dim is None:
-            self._feature_dim = features.shape[1]
         if cache_file is not None:
             self._store(cache_file, features)
         return features
@@ -119,7 +116,9 @@ class FeatureExtractor:
             raise ValueError(
                 f"forward returned shape {features.shape} for a batch of {len(images)} "
                 f"images; expected ({len(images)}, d)")
-        if self._feature_dim is not None and features.shape[1] != self._feature_dim:
+        if self._feature_dim is None:
+            self._feature_dim = features.shape[1]
+        elif features.shape[1] != self._feature_dim:
             raise ValueError(
                 f"forward returned {features.shape[1]} features per image, expected "
                 f"{self._feature_dim}")
