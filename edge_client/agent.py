@@ -26,8 +26,8 @@ from protocols import messages as M
 from protocols.chunking import DEFAULT_CHUNK_SIZE, MessageAssembler
 from protocols.envelope import Envelope, EnvelopeError, encode
 from protocols.mqtt_link import BrokerConfig, MqttLink
-from protocols.rounds import (AckArrived, DeviceSession, SendDecline, SendResult, StartWork, TaskArrived, Tick,
-                              WorkFailed, WorkFinished)
+from protocols.rounds import (AckArrived, DeviceSession, ResultSent, SendDecline, SendResult, StartWork,
+                              TaskArrived, Tick, WorkFailed, WorkFinished)
 from protocols.topics import AGGREGATOR_ID, Topics
 
 log = logging.getLogger("fedfleet.device")
@@ -169,6 +169,7 @@ class DeviceAgent:
                     self.stats.bytes_up += self.link.publish_envelope(
                         self.topics.outbox(self.device_id), act.message, chunk_size=self.chunk_size,
                         before_each=self.hooks.before_upload)
+                    self.session.handle(ResultSent(time.monotonic()))
             elif isinstance(act, SendDecline):
                 self.stats.tasks_declined += 1
                 self.link.publish_envelope(self.topics.outbox(self.device_id),

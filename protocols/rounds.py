@@ -33,6 +33,7 @@ Device side, one :class:`DeviceSession` per device::
     WORKING   TaskArrived(same task)         -                              (redelivery while busy)
     WORKING   WorkFinished(result)           SendResult                     -> REPORTED
     WORKING   WorkFailed(reason)             SendDecline                    -> IDLE
+    REPORTED  ResultSent(now)                -                              (retry timer starts when the upload ends)
     REPORTED  TaskArrived(same task)         SendResult (same message id)   (server may have lost it)
     REPORTED  Tick(now > next retry)         SendResult (same message id)   until max_retries
     REPORTED  AckArrived(ref = result id)    -                              -> IDLE
@@ -211,6 +212,11 @@ class WorkFailed:
 
 
 @dataclass(frozen=True)
+class ResultSent:
+    now: float
+
+
+@dataclass(frozen=True)
 class AckArrived:
     ref_id: str
     status: str
@@ -261,6 +267,12 @@ class DeviceSession:
             if self.state is DeviceState.WORKING and event.ref == self.current:
                 self.state, self.current = DeviceState.IDLE, None
                 return [SendDecline(event.ref, event.reason)]
+            return []
+        if isinstance(event, ResultSent):
+            # A slow upload must not count against the ack timeout (back-off doubles per attempt).
+            self.now = event.now
+            if self.state is DeviceState.REPORTED:
+                self.next_retry = event.now + self.retry_after_s * 2 ** (self.attempts - 1)
             return []
         if isinstance(event, AckArrived):
             done = self.finished.get(self.current) if self.current else None

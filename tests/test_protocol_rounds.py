@@ -1,7 +1,7 @@
 """The sans-IO round machines: every rule in the transition tables of protocols/rounds.py."""
 
 from protocols.messages import TaskRef
-from protocols.rounds import (AckArrived, ApplyResult, Declined, DeviceLost, DeviceSession, DeviceState, ResultArrived,
+from protocols.rounds import (AckArrived, ResultSent, ApplyResult, Declined, DeviceLost, DeviceSession, DeviceState, ResultArrived,
                               ResultInvalid, RoundClosed, RoundCoordinator, SendAck, SendDecline, SendResult,
                               StartWork, TaskArrived, Tick, WorkFailed, WorkFinished)
 
@@ -94,3 +94,13 @@ def test_lost_device_closes_the_round_early_but_may_still_answer_in_time():
     c2.handle(DeviceLost("b"))
     out = c2.handle(ResultArrived("b", "m2", 2))            # reconnected before the round closed
     assert isinstance(out[0], ApplyResult) and "b" in c2.accepted
+
+
+def test_retry_timer_starts_when_the_upload_ends():
+    s = DeviceSession(retry_after_s=5)
+    s.handle(Tick(0.0))
+    s.handle(task())
+    s.handle(WorkFinished(TaskRef("j", 1, "t1"), "R", "r1"))   # work took long; the clock says 0
+    s.handle(ResultSent(60.0))                                  # slow upload finished at t=60
+    assert s.handle(Tick(61.0)) == []
+    assert s.handle(Tick(65.0)) == [SendResult("R", 2)]
