@@ -1,0 +1,240 @@
+"""Cost of secure aggregation against a plaintext round of the same size, measured in one run.
+
+For each group size n and vector length m, and for the complete graph (SecAgg) and the SecAgg+
+k-regular graph, one round runs through protocols.secagg.driver (every message serialised to
+its wire form) with 10 % of the devices dropping out after ShareKeys (by default) -- the
+costliest place, since the server must then rebuild their pair masks with all their surviving
+neighbours. The
+plaintext round sends the same fixed-point vectors in the same signed envelope (SHA-256 over the
+array + Ed25519), and the server verifies and adds them; "unsigned" drops the signature too.
+
+All times are CPU time of the running thread (time.thread_time), not wall clock: the bench
+machine is shared, and wall-clock figures there swing several-fold with other users' load,
+while CPU time measures the work itself. `openssl speed` also reports CPU-time throughput.
+
+Reported: client time per device (summed over devices, run one after another here, divided by
+n), server time (and the part spent unmasking), bytes sent + received per surviving device, ratios secure / plaintext, and that the secure sum equals the plaintext
+sum exactly. Then the server's mask expansion (AES-128-CTR keystream + uint64 add, all seeds
+block by block) against the raw AES-128-CTR throughput of `cryptography` on this machine, and
+`openssl speed` when the binary is there.
+
+    .venv/bin/python bench/secagg.py --quick     # < 3 min on 2 cores
+    .venv/bin/python bench/secagg.py             # all combinations that fit in a few minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from protocols.identity import DeviceIdentity  # noqa: E402
+from protocols.secagg import AggregateReady, MaskedInput, Phase, RoundConfig  # noqa: E402
+from protocols.secagg.crypto import apply_masks  # noqa: E402
+from protocols.secagg.driver import WireFrame, make_identities, run_round  # noqa: E402
+from protocols.secagg.server import ServerSecAgg  # noqa: E402
+
+BOUND = 1.0
+DROPOUT = 0.10
+# (graph, n, m) pairs not run, with the reason printed next to the table
+SKIPPED = {
+    ("complete", 1000, 10**4): "complete graph at n=1000: ~2.10^6 X25519 + AEAD ops and n Shamir shares of "
+                               "degree 667 per device; about 10 min here (run with --include-slow)",
+    ("complete", 1000, 10**6): "complete graph at n=1000, m=10^6: 1000 mask expansions of 8 MB per device, "
+                               "~8 TB of keystream in total; hours on 2 cores",
+}
+
+
+def device_inputs(base: np.ndarray, members: tuple[str, ...]):
+    """Cheap distinct vectors within the bound: base scaled by a per-device factor in (0, 1]."""
+    scale = {device: (index % 97 + 1) / 97 for index, device in enumerate(members)}
+    return lambda device: base * scale[device]
+
+
+def plaintext_round(config: RoundConfig, identities, inputs, survivors, signed: bool) -> dict:
+    """Each survivor encodes its vector and sends it in a MaskedInput envelope (signed or not);
+    the server decodes, verifies and adds."""
+    total = np.zeros(config.vector_length, dtype=np.uint64)
+    client_seconds = server_seconds = 0.0
+    upload = 0
+    for device in survivors:
+        started = time.thread_time()
+        message = MaskedInput(job_id=config.job_id, round_id=config.round_id, group_id=config.group_id,
+                              sender=device, recipient=config.aggregator_id,
+                              masked_input=config.codec.encode(inputs(device)))
+        if signed:
+            message = message.signed(identities[device])
+        frame = WireFrame.from_message(message)
+        client_seconds += time.thread_time() - started
+        upload += frame.size
+        started = time.thread_time()
+        received = frame.to_message()
+        if signed:
+            received.verify(identities[device].public_key_bytes)
+        np.add(total, received.masked_input, out=total)
+        server_seconds += time.thread_time() - started
+    return {"sum": total, "client_seconds": client_seconds, "server_seconds": server_seconds, "upload": upload}
+
+
+DROPOUT_PHASES = {"advertise": Phase.ADVERTISE_KEYS, "share_keys": Phase.SHARE_KEYS,
+                  "masked_input": Phase.MASKED_INPUT, "unmask": Phase.UNMASK}
+
+
+def secure_round(graph: str, n: int, m: int, consistency_check: bool, base: np.ndarray,
+                 dropout_phase: Phase) -> dict:
+    identities = {i.device_id: i for i in make_identities(n)}
+    aggregator = DeviceIdentity.generate("aggregator")
+    config = RoundConfig.create(job_id="bench", round_id=1, group_id="g", aggregator_id="aggregator",
+                                members=list(identities), vector_length=m, bound=BOUND, graph=graph,
+                                consistency_check=consistency_check)
+    inputs = device_inputs(base, config.members)
+    dropped = config.members[:: max(1, round(1 / DROPOUT))][: round(DROPOUT * n)]
+    dropouts = {device: dropout_phase for device in dropped}
+
+    unmask_seconds = []
+    original_finish = ServerSecAgg._finish
+
+    def timed_finish(server):  # bench-only instrumentation: share of server time spent unmasking
+        started = time.thread_time()
+        try:
+            return original_finish(server)
+        finally:
+            unmask_seconds.append(time.thread_time() - started)
+
+    ServerSecAgg._finish = timed_finish
+    try:
+        started = time.perf_counter()
+        run = run_round(config, aggregator, identities, inputs, dropouts=dropouts)
+        wall = time.perf_counter() - started
+    finally:
+        ServerSecAgg._finish = original_finish
+    if not isinstance(run.outcome, AggregateReady):
+        raise RuntimeError(f"secure round failed: {run.outcome}")
+    survivors = run.outcome.survivors
+    signed = plaintext_round(config, identities, inputs, survivors, signed=True)
+    unsigned = plaintext_round(config, identities, inputs, survivors, signed=False)
+    return {
+        "graph": "SecAgg+" if graph == "regular" else "complete", "n": n, "m": m, "degree": config.degree,
+        "dropped": len(dropped), "exact": bool(np.array_equal(run.outcome.sum_uint64, signed["sum"])),
+        "secure_client_ms": 1e3 * run.client_seconds / n, "plain_client_ms": 1e3 * signed["client_seconds"] / n,
+        "secure_server_s": run.server_seconds, "unmask_s": sum(unmask_seconds),
+        "plain_server_s": signed["server_seconds"], "unsigned_server_s": unsigned["server_seconds"],
+        # per surviving device: what one contributor sends and receives
+        "secure_bytes_per_device": (run.upload_bytes + run.download_bytes) / len(survivors),
+        "plain_bytes_per_device": signed["upload"] / len(survivors), "wall_s": wall,
+    }
+
+
+def raw_aes_ctr_gbps(total_bytes: int = 1 << 28, chunk: int = 1 << 18) -> float:
+    encryptor = Cipher(algorithms.AES(os.urandom(16)), modes.CTR(bytes(16))).encryptor()
+    zeros, out = bytes(chunk), bytearray(chunk + 16)
+    started = time.thread_time()
+    for _ in range(total_bytes // chunk):
+        encryptor.update_into(zeros, out)
+    return total_bytes / (time.thread_time() - started) / 1e9
+
+
+def mask_expansion_gbps(m: int = 10**6, seeds: int = 32) -> float:
+    accumulator = np.zeros(m, dtype=np.uint64)
+    signed_seeds = [(os.urandom(32), 1 if i % 2 else -1) for i in range(seeds)]
+    started = time.thread_time()
+    apply_masks(accumulator, signed_seeds)
+    return seeds * m * 8 / (time.thread_time() - started) / 1e9
+
+
+def openssl_aes_ctr_gbps() -> float | None:
+    if not shutil.which("openssl"):
+        return None
+    try:
+        out = subprocess.run(["openssl", "speed", "-evp", "aes-128-ctr", "-seconds", "1"], capture_output=True,
+                             text=True, timeout=60).stdout
+    except (subprocess.SubprocessError, OSError):
+        return None
+    for line in out.splitlines():
+        if line.lower().startswith("aes-128-ctr"):
+            return float(line.split()[-1].rstrip("k")) * 1e3 / 1e9
+    return None
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smaller grid (< 3 min on 2 cores)")
+    parser.add_argument("--include-slow", action="store_true", help="also run the complete graph at n=1000, m=10^4")
+    parser.add_argument("--consistency-check", action="store_true",
+                        help="enable the signed consistency round (t Ed25519 verifications per device)")
+    parser.add_argument("--dropout-after", choices=sorted(DROPOUT_PHASES), default="masked_input",
+                        help="phase whose message the dropped 10%% never send (default masked_input: they "
+                             "vanish after ShareKeys, so the server must rebuild their pair masks)")
+    parser.add_argument("--n", type=int, nargs="+", help="only these group sizes")
+    parser.add_argument("--m", type=int, nargs="+", help="only these vector lengths")
+    parser.add_argument("--graphs", nargs="+", choices=("complete", "regular"), help="only these graphs")
+    parser.add_argument("--json", type=Path, help="write the rows as JSON here")
+    args = parser.parse_args(argv)
+
+    if args.quick:
+        grid = [(g, n, 10**4) for g in ("complete", "regular") for n in (10, 100)]
+        grid += [("regular", 1000, 10**4), ("regular", 100, 10**6)]
+        skipped = {"m=10^6 except SecAgg+ n=100, complete n=1000, SecAgg+ n=1000 m=10^6":
+                   "--quick (run without it for the full grid)"}
+    else:
+        grid = [(g, n, m) for m in (10**4, 10**6) for n in (10, 100, 1000) for g in ("complete", "regular")]
+        skipped = {key: why for key, why in SKIPPED.items() if not (args.include_slow and key[2] == 10**4)}
+        grid = [combo for combo in grid if combo not in skipped]
+    if args.n or args.m or args.graphs:
+        grid = [(g, n, m) for g in (args.graphs or ("complete", "regular")) for n in (args.n or (10, 100, 1000))
+                for m in (args.m or (10**4, 10**6))]
+        skipped = {}
+
+    base = np.random.default_rng(0).uniform(-BOUND, BOUND, max(m for _, _, m in grid))
+    dropout_phase = DROPOUT_PHASES[args.dropout_after]
+    print(f"secure aggregation vs plaintext; {int(DROPOUT * 100)}% of devices never send "
+          f"their {dropout_phase.value} message; "
+          f"consistency check {'on' if args.consistency_check else 'off'}; {os.cpu_count()} CPUs\n")
+    header = (f"{'graph':9} {'n':>5} {'m':>8} {'k':>4} | {'client ms/dev':>13} {'plain':>7} {'ratio':>6} | "
+              f"{'server s':>8} {'unmask':>7} {'plain':>7} {'ratio':>6} {'unsigned':>8} | "
+              f"{'MB/surv':>7} {'plain':>7} {'ratio':>6} | exact")
+    print(header)
+    print("-" * len(header))
+    rows = []
+    for graph, n, m in grid:
+        row = secure_round(graph, n, m, args.consistency_check, base[:m], dropout_phase)
+        rows.append(row)
+        print(f"{row['graph']:9} {n:>5} {m:>8} {row['degree']:>4} | {row['secure_client_ms']:>13.2f} "
+              f"{row['plain_client_ms']:>7.2f} {row['secure_client_ms'] / row['plain_client_ms']:>6.2f} | "
+              f"{row['secure_server_s']:>8.3f} {row['unmask_s']:>7.3f} {row['plain_server_s']:>7.3f} "
+              f"{row['secure_server_s'] / row['plain_server_s']:>6.2f} {row['unsigned_server_s']:>8.3f} | "
+              f"{row['secure_bytes_per_device'] / 1e6:>7.3f} {row['plain_bytes_per_device'] / 1e6:>7.3f} "
+              f"{row['secure_bytes_per_device'] / row['plain_bytes_per_device']:>6.2f} | {row['exact']}",
+              flush=True)
+    for key, why in skipped.items():
+        print(f"skipped {key}: {why}")
+
+    raw = raw_aes_ctr_gbps()
+    expansion = mask_expansion_gbps()
+    openssl = openssl_aes_ctr_gbps()
+    print(f"\nserver mask expansion (AES-128-CTR + uint64 add, blocked): {expansion:.2f} GB/s of CPU time")
+    print(f"raw AES-128-CTR keystream via cryptography:              {raw:.2f} GB/s  "
+          f"(expansion / raw = {expansion / raw:.2f})")
+    if openssl:
+        print(f"openssl speed -evp aes-128-ctr (16 KiB blocks):           {openssl:.2f} GB/s")
+    if not all(row["exact"] for row in rows):
+        print("ERROR: a secure sum differed from the plaintext sum")
+        return 1
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows, "mask_expansion_gbps": expansion, "raw_aes_ctr_gbps": raw,
+                                         "openssl_aes_ctr_gbps": openssl}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

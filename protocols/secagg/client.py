@@ -1,0 +1,354 @@
+"""Client side of secure aggregation as a sans-IO state machine.
+
+Theory of operation
+-------------------
+One ClientSecAgg object runs one round for one device. The caller feeds it events with
+`handle(event)` and sends whatever messages it returns to the aggregator; it owns no socket,
+thread or clock. Events are the aggregator's messages (already decoded with
+messages.decode) and Timeout(phase) from the caller's clock. The float input vector is given at
+construction or later with `provide_input(x)`; it is needed only when the masked input is built.
+
+    state              event                     action                              next state
+    WAITING_CONFIG     RoundStart                check config, encode input, fresh   ADVERTISED
+                                                 X25519 keys c_u, s_u -> AdvertiseKeys
+    ADVERTISED         KeyDirectory              check neighbours' key signatures,   SHARES_SENT
+                                                 Shamir-split s_u^SK and b_u among
+                                                 {u} + N(u), AEAD-encrypt per
+                                                 neighbour -> EncryptedShares
+    SHARES_SENT        ForwardedShares           decrypt shares of U2 neighbours,    INPUT_SENT
+                                                 y_u = x_u + PRG(b_u)
+                                                 + sum_v sign(u,v) PRG(s_uv) -> MaskedInput
+    INPUT_SENT         ConsistencyCheckRequest   sign U3 -> ConsistencySignature     CONSISTENCY_SENT
+    INPUT_SENT         UnmaskRequest             (no consistency check configured)   FINISHED
+    CONSISTENCY_SENT   UnmaskRequest             check >= t signatures on U3; for    FINISHED
+                                                 each peer v: share of b_v if v in U3
+                                                 else share of s_v^SK if v dropped
+                                                 -> UnmaskShares
+    any non-final      Timeout(any phase)        erase secrets                       ABORTED
+
+Every incoming message must come from the aggregator, be addressed to this device, carry this
+round's (job, round, group) and verify under the aggregator's identity key; otherwise
+WrongContext / UnknownSender / BadSignature is raised and nothing changes. A message that
+does not fit the state raises UnexpectedMessage (ReplayedMessage if it repeats one already
+handled). Handlers compute everything first and commit at the end, so any error leaves the
+state untouched -- except ProtocolViolation (e.g. a request for both shares of one peer, or an
+unmask request that declares this device dropped), which aborts the round and erases the
+secrets, because the server is then provably misbehaving.
+
+A client answers at most one UnmaskRequest, and the request's survivor and dropped sets are
+disjoint, so it never reveals both the b-share and the s-share of any peer.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from typing import Any
+
+import numpy as np
+
+from protocols.identity import DeviceIdentity, InvalidSignature, verify_signature
+
+from . import shamir
+from .config import RoundConfig
+from .crypto import aead_decrypt, aead_encrypt, apply_masks, generate_x25519, x25519_private_bytes, \
+    x25519_public_bytes
+from .derivation import SECRET_BYTES, SHARE_BYTES, SHARE_CIPHERTEXT_BYTES, RoundContext, pair_mask_seed, \
+    pair_mask_sign, self_mask_commitment, share_associated_data, share_encryption_key
+from .errors import (DecryptionError, InputError, MalformedMessage, ProtocolViolation, ReplayedMessage,
+                     UnexpectedMessage, UnknownSender, WrongContext)
+from .events import Timeout
+from .messages import (AdvertiseKeys, ConsistencyCheckRequest, ConsistencySignature, EncryptedShares,
+                       ForwardedShares, KeyDirectory, MaskedInput, Message, RoundStart, UnmaskRequest,
+                       UnmaskShares, consistency_statement)
+
+
+class ClientState(str, enum.Enum):
+    WAITING_CONFIG = "waiting_config"
+    ADVERTISED = "advertised"
+    SHARES_SENT = "shares_sent"
+    INPUT_SENT = "input_sent"
+    CONSISTENCY_SENT = "consistency_sent"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+_S = ClientState
+TRANSITIONS: dict[tuple[ClientState, type], ClientState] = {
+    (_S.WAITING_CONFIG, RoundStart): _S.ADVERTISED,
+    (_S.ADVERTISED, KeyDirectory): _S.SHARES_SENT,
+    (_S.SHARES_SENT, ForwardedShares): _S.INPUT_SENT,
+    (_S.INPUT_SENT, ConsistencyCheckRequest): _S.CONSISTENCY_SENT,
+    (_S.INPUT_SENT, UnmaskRequest): _S.FINISHED,
+    (_S.CONSISTENCY_SENT, UnmaskRequest): _S.FINISHED,
+}
+FINAL_STATES = frozenset({_S.FINISHED, _S.ABORTED})
+
+
+class ClientSecAgg:
+    def __init__(self, identity: DeviceIdentity, aggregator_id: str, aggregator_public_key: bytes, *,
+                 job_id: str, round_id: int, group_id: str, input_vector: np.ndarray | None = None) -> None:
+        self.identity = identity
+        self.device_id = identity.device_id
+        self.aggregator_id = aggregator_id
+        self.aggregator_public_key = bytes(aggregator_public_key)
+        self.context = RoundContext(job_id, round_id, group_id)
+        self.state = ClientState.WAITING_CONFIG
+        self.config: RoundConfig | None = None
+        self._raw_input = None if input_vector is None else np.asarray(input_vector)
+        self._encoded_input: np.ndarray | None = None
+        self._handled: set[type] = set()
+        # secrets and per-round knowledge, filled as phases complete
+        self._cipher_key = self._mask_key = None
+        self._self_mask_seed: bytes | None = None
+        self._participants: frozenset[str] = frozenset()
+        self._identity_keys: dict[str, bytes] = {}
+        self._neighbours: frozenset[str] = frozenset()
+        self._neighbour_keys: dict[str, Any] = {}
+        self._share_keys: dict[str, bytes] = {}
+        self._own_shares: tuple[bytes, bytes] | None = None
+        self._held_shares: dict[str, tuple[bytes, bytes]] = {}  # owner -> (share of s^SK, share of b)
+        self._u2_neighbours: frozenset[str] = frozenset()
+        self._signed_survivors: bytes | None = None  # the U3 bitmap this device signed
+        self.revealed: dict[str, str] = {}  # peer -> "self_mask" | "mask_key": what this device disclosed
+
+    # ---- public API --------------------------------------------------------------------
+    def provide_input(self, values: np.ndarray) -> None:
+        """Give (or replace) the float vector to aggregate; allowed until the masked input is sent."""
+        if self.state not in (_S.WAITING_CONFIG, _S.ADVERTISED, _S.SHARES_SENT):
+            raise InputError(f"input can no longer change in state {self.state.value}")
+        values = np.asarray(values)
+        encoded = self._encode(values, self.config) if self.config is not None else None
+        self._raw_input, self._encoded_input = values, encoded
+
+    def handle(self, event: Message | Timeout) -> list[Message]:
+        if isinstance(event, Timeout):
+            if self.state not in FINAL_STATES:
+                self._abort()
+            return []
+        if not isinstance(event, Message):
+            raise UnexpectedMessage(f"not a secagg event: {type(event).__name__}")
+        self._authenticate(event)
+        if self.state in FINAL_STATES:
+            raise UnexpectedMessage(f"{event.TYPE}: round already {self.state.value}")
+        next_state = TRANSITIONS.get((self.state, type(event)))
+        # the two INPUT_SENT rows are exclusive: which one applies is fixed by the signed config
+        skips_check = self.state is _S.INPUT_SENT and \
+            isinstance(event, UnmaskRequest) == self.config.consistency_check
+        if next_state is None or skips_check:
+            if type(event) in self._handled:
+                raise ReplayedMessage(f"{event.TYPE} already handled")
+            raise UnexpectedMessage(f"{event.TYPE} not expected in state {self.state.value}")
+        handler = {RoundStart: self._on_round_start, KeyDirectory: self._on_key_directory,
+                   ForwardedShares: self._on_forwarded_shares,
+                   ConsistencyCheckRequest: self._on_consistency_request,
+                   UnmaskRequest: self._on_unmask_request}[type(event)]
+        try:
+            outgoing = handler(event)
+        except ProtocolViolation:
+            self._abort()
+            raise
+        self._handled.add(type(event))
+        self.state = next_state
+        return outgoing
+
+    # ---- checks ------------------------------------------------------------------------
+    def _authenticate(self, message: Message) -> None:
+        if message.FROM_CLIENT:
+            raise UnexpectedMessage(f"{message.TYPE} is a client message")
+        if RoundContext(message.job_id, message.round_id, message.group_id) != self.context:
+            raise WrongContext(f"{message.TYPE} is for job {message.job_id!r} round {message.round_id} group "
+                               f"{message.group_id!r}, this round is {self.context}")
+        if message.recipient != self.device_id:
+            raise WrongContext(f"{message.TYPE} is addressed to {message.recipient!r}")
+        if message.sender != self.aggregator_id:
+            raise UnknownSender(f"{message.TYPE} from {message.sender!r}, expected the aggregator")
+        message.verify(self.aggregator_public_key)
+
+    @staticmethod
+    def _encode(values: np.ndarray, config: RoundConfig) -> np.ndarray:
+        if values.shape != (config.vector_length,):
+            raise InputError(f"input shape {values.shape} != ({config.vector_length},)")
+        return config.codec.encode(values)
+
+    def _reply(self, cls: type, **fields: Any) -> Message:
+        return cls(job_id=self.context.job_id, round_id=self.context.round_id, group_id=self.context.group_id,
+                   sender=self.device_id, recipient=self.aggregator_id, **fields).signed(self.identity)
+
+    def _check_survivor_set(self, survivors: tuple[str, ...]) -> None:
+        if self.device_id not in survivors:
+            raise ProtocolViolation("the survivor set leaves out this device, which did send its input")
+        if not set(survivors) <= self._participants:
+            raise ProtocolViolation("survivor set names devices that did not advertise keys")
+        if len(survivors) < self.config.threshold:
+            raise ProtocolViolation(f"only {len(survivors)} survivors, threshold is {self.config.threshold}")
+        stray = (set(survivors) & self._neighbours) - self._u2_neighbours
+        if stray:
+            raise ProtocolViolation(f"survivors {sorted(stray)} never sent their shares")
+
+    # ---- handlers: compute, then commit -------------------------------------------------
+    def _on_round_start(self, message: RoundStart) -> list[Message]:
+        config = message.config
+        if (config.job_id, config.round_id, config.group_id) != \
+                (self.context.job_id, self.context.round_id, self.context.group_id) \
+                or config.aggregator_id != self.aggregator_id:
+            raise WrongContext("round config does not describe this round")
+        if self.device_id not in config.members:
+            raise WrongContext(f"{self.device_id!r} is not a member of group {config.group_id!r}")
+        encoded = None if self._raw_input is None else self._encode(self._raw_input, config)
+        cipher_key, mask_key = generate_x25519(), generate_x25519()
+        reply = self._reply(AdvertiseKeys, cipher_public_key=x25519_public_bytes(cipher_key),
+                            mask_public_key=x25519_public_bytes(mask_key))
+        self.config, self._encoded_input = config, encoded
+        self._cipher_key, self._mask_key = cipher_key, mask_key
+        return [reply]
+
+    def _on_key_directory(self, message: KeyDirectory) -> list[Message]:
+        config = self.config
+        participants = config.from_bitmap(message.participants)
+        if self.device_id not in participants:
+            raise ProtocolViolation("key directory leaves out this device, which advertised its keys")
+        if len(participants) < config.threshold:
+            raise ProtocolViolation(f"{len(participants)} participants < threshold {config.threshold}")
+        neighbours = config.neighbour_graph(participants).neighbours(self.device_id)
+        entries = {entry.device_id: entry for entry in message.neighbour_keys}
+        if set(entries) != neighbours:
+            raise ProtocolViolation("key directory does not hold exactly this device's graph neighbours")
+        identity_keys = {device: entry.identity_public_key for device, entry in entries.items()}
+        identity_keys[self.device_id] = self.identity.public_key_bytes
+        if config.consistency_check:  # all of U1's identity keys, to check consistency signatures
+            if message.identity_keys.shape[0] != len(participants):
+                raise MalformedMessage("key directory must carry one identity key per participant")
+            everyone = {device: row.tobytes() for device, row in zip(participants, message.identity_keys)}
+            if any(everyone[device] != key for device, key in identity_keys.items()):
+                raise ProtocolViolation("key directory lists two different identity keys for one device")
+            identity_keys = everyone
+        own_cipher = x25519_public_bytes(self._cipher_key)
+        share_keys = {}
+        for device, entry in entries.items():
+            if entry.cipher_public_key == own_cipher:
+                raise ProtocolViolation(f"{device!r} advertises this device's own key")
+            advertised = AdvertiseKeys(job_id=self.context.job_id, round_id=self.context.round_id,
+                                       group_id=self.context.group_id, sender=device, recipient=self.aggregator_id,
+                                       cipher_public_key=entry.cipher_public_key,
+                                       mask_public_key=entry.mask_public_key,
+                                       signature=entry.advertise_signature)
+            advertised.verify(identity_keys[device])
+            share_keys[device] = share_encryption_key(self._cipher_key, entry.cipher_public_key, self.context,
+                                                      self.device_id, device)
+        holders = sorted(neighbours | {self.device_id})
+        self_mask_seed = os.urandom(SECRET_BYTES)
+        shares = shamir.split([x25519_private_bytes(self._mask_key), self_mask_seed], config.share_threshold,
+                              [config.holder_x(h) for h in holders])
+        share_of = dict(zip(holders, shares))
+        recipients = tuple(sorted(neighbours))
+        ciphertexts = np.empty((len(recipients), SHARE_CIPHERTEXT_BYTES), dtype=np.uint8)
+        for row, device in enumerate(recipients):
+            blob = aead_encrypt(share_keys[device], b"".join(share_of[device]),
+                                share_associated_data(self.context, self.device_id, device))
+            ciphertexts[row] = np.frombuffer(blob, dtype=np.uint8)
+        reply = self._reply(EncryptedShares, recipients=recipients, ciphertexts=ciphertexts,
+                            self_mask_commitment=self_mask_commitment(self.context, self.device_id, self_mask_seed))
+        self._participants, self._identity_keys = frozenset(participants), identity_keys
+        self._neighbours, self._neighbour_keys = neighbours, entries
+        self._share_keys, self._self_mask_seed = share_keys, self_mask_seed
+        self._own_shares = tuple(share_of[self.device_id])
+        return [reply]
+
+    def _on_forwarded_shares(self, message: ForwardedShares) -> list[Message]:
+        if not set(message.senders) <= self._neighbours:
+            raise ProtocolViolation("forwarded shares from devices that are not graph neighbours")
+        if message.ciphertexts.shape[1] != SHARE_CIPHERTEXT_BYTES:
+            raise MalformedMessage(f"share ciphertexts must be {SHARE_CIPHERTEXT_BYTES} bytes wide")
+        if self._encoded_input is None:
+            raise InputError("no input vector provided before the masked-input phase")
+        held = {}
+        for device, row in zip(message.senders, message.ciphertexts):
+            try:
+                plaintext = aead_decrypt(self._share_keys[device], row.tobytes(),
+                                         share_associated_data(self.context, device, self.device_id))
+            except DecryptionError as exc:
+                raise DecryptionError(f"share from {device!r}: {exc}") from None
+            held[device] = (plaintext[:SHARE_BYTES], plaintext[SHARE_BYTES:])
+        masked = self._encoded_input.copy()
+        seeds = [(self._self_mask_seed, 1)]
+        for device in message.senders:
+            seed = pair_mask_seed(self._mask_key, self._neighbour_keys[device].mask_public_key, self.context,
+                                  self.device_id, device)
+            seeds.append((seed, pair_mask_sign(self.device_id, device)))
+        apply_masks(masked, seeds)
+        reply = self._reply(MaskedInput, masked_input=masked)
+        self._held_shares, self._u2_neighbours = held, frozenset(message.senders)
+        self._encoded_input = self._raw_input = None
+        return [reply]
+
+    def _on_consistency_request(self, message: ConsistencyCheckRequest) -> list[Message]:
+        self._check_survivor_set(self.config.from_bitmap(message.survivors))
+        statement = consistency_statement(self.context.job_id, self.context.round_id, self.context.group_id,
+                                          message.survivors)
+        reply = self._reply(ConsistencySignature, survivors_signature=self.identity.sign(statement))
+        self._signed_survivors = message.survivors.tobytes()
+        return [reply]
+
+    def _on_unmask_request(self, message: UnmaskRequest) -> list[Message]:
+        survivors = set(self.config.from_bitmap(message.survivors))
+        dropped = set(self.config.from_bitmap(message.dropped))
+        if survivors & dropped:
+            raise ProtocolViolation(f"request asks for both shares of {sorted(survivors & dropped)}")
+        self._check_survivor_set(tuple(survivors))
+        if self.config.consistency_check:
+            if message.survivors.tobytes() != self._signed_survivors:
+                raise ProtocolViolation("survivor set differs from the one this device signed")
+            self._check_consistency_signatures(message)
+        self_mask_owners, key_owners = [], []
+        for owner in sorted(self._u2_neighbours | {self.device_id}):
+            if owner in survivors:
+                self_mask_owners.append(owner)
+            elif owner in dropped:
+                key_owners.append(owner)
+        shares = dict(self._held_shares)
+        shares[self.device_id] = self._own_shares
+
+        def rows(owners: list[str], index: int) -> np.ndarray:
+            out = np.empty((len(owners), SHARE_BYTES), dtype=np.uint8)
+            for row, owner in enumerate(owners):
+                out[row] = np.frombuffer(shares[owner][index], dtype=np.uint8)
+            return out
+
+        reply = self._reply(UnmaskShares, self_mask_owners=tuple(self_mask_owners),
+                            self_mask_shares=rows(self_mask_owners, 1), key_owners=tuple(key_owners),
+                            key_shares=rows(key_owners, 0))
+        self.revealed = {**{o: "self_mask" for o in self_mask_owners}, **{o: "mask_key" for o in key_owners}}
+        self._erase_secrets()
+        return [reply]
+
+    def _check_consistency_signatures(self, message: UnmaskRequest) -> None:
+        signers = self.config.from_bitmap(message.consistency_signers)
+        if message.consistency_signatures.shape != (len(signers), 64):
+            raise MalformedMessage("one 64-byte consistency signature per signer expected")
+        statement = consistency_statement(self.context.job_id, self.context.round_id, self.context.group_id,
+                                          message.survivors)
+        survivors = set(self.config.from_bitmap(message.survivors))
+        valid = 0
+        for signer, signature in zip(signers, message.consistency_signatures):
+            if signer not in survivors:
+                continue
+            try:
+                verify_signature(self._identity_keys[signer], statement, signature.tobytes())
+            except InvalidSignature:
+                continue
+            valid += 1
+            if valid >= self.config.threshold:
+                return
+        raise ProtocolViolation(f"only {valid} valid consistency signatures, need {self.config.threshold}")
+
+    # ---- teardown ----------------------------------------------------------------------
+    def _erase_secrets(self) -> None:
+        self._cipher_key = self._mask_key = None
+        self._self_mask_seed = None
+        self._share_keys, self._held_shares, self._own_shares = {}, {}, None
+        self._encoded_input = self._raw_input = None
+
+    def _abort(self) -> None:
+        self._erase_secrets()
+        self.state = ClientState.ABORTED

@@ -1,0 +1,205 @@
+"""The signed configuration of one secure-aggregation round, and its safety checks.
+
+The aggregator builds a RoundConfig, validates it (refusing unsafe ones before any message is
+sent), and ships it signed in RoundStart; each client validates it again before taking part.
+Everything that changes the meaning of the sum or the privacy guarantee is in here: the group,
+thresholds, the fixed-point scale and bound, the vector length, and the neighbour graph.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from .errors import ConfigError, MalformedMessage
+from .fixedpoint import FixedPointCodec, max_scale_bits
+from .graph import NeighbourGraph, default_degree
+
+GRAPH_COMPLETE = "complete"
+GRAPH_REGULAR = "regular"
+GRAPH_SEED_BYTES = 32
+# 2^27 words = 1 GiB per vector: far above any model here, low enough to bound memory per message.
+MAX_VECTOR_LENGTH = 1 << 27
+MIN_GROUP_SIZE = 3
+
+
+def default_threshold(n: int) -> int:
+    """ceil(2n/3): the SecAgg paper's choice; always a strict majority."""
+    return max(2, math.ceil(2 * n / 3))
+
+
+def majority_share_threshold(holders: int) -> int:
+    """Smallest t' with 2 t' > holders: no two disjoint holder sets can both reach t'."""
+    return holders // 2 + 1
+
+
+def _check_id(name: str, value: Any) -> str:
+    if not isinstance(value, str) or not value or len(value) > 256:
+        raise ConfigError(f"{name} must be a non-empty string (<= 256 chars), got {value!r}")
+    return value
+
+
+def _check_int(name: str, value: Any, low: int, high: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise ConfigError(f"{name} must be an integer in {low}..{high}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class RoundConfig:
+    job_id: str
+    round_id: int
+    group_id: str
+    aggregator_id: str
+    members: tuple[str, ...]
+    vector_length: int
+    threshold: int
+    scale_bits: int
+    bound: float
+    graph: str = GRAPH_COMPLETE
+    degree: int = 0
+    share_threshold: int = 0
+    graph_seed: bytes = field(default=bytes(GRAPH_SEED_BYTES), repr=False)
+    consistency_check: bool = True
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @classmethod
+    def create(cls, *, job_id: str, round_id: int, group_id: str, aggregator_id: str,
+               members: Sequence[str], vector_length: int, bound: float,
+               scale_bits: int | None = None, threshold: int | None = None,
+               graph: str = GRAPH_COMPLETE, degree: int | None = None,
+               share_threshold: int | None = None, graph_seed: bytes | None = None,
+               consistency_check: bool = True) -> "RoundConfig":
+        """Fill the defaults: t = ceil(2n/3), the finest safe scale, k = 2 ceil(log2 n),
+        t' = the smallest majority of a neighbourhood, a fresh random graph seed."""
+        ordered = tuple(sorted(members))
+        n = len(ordered)
+        if scale_bits is None:
+            scale_bits = max_scale_bits(max(n, 1), bound)
+        threshold = default_threshold(n) if threshold is None else threshold
+        if graph == GRAPH_REGULAR:
+            degree = default_degree(n) if degree is None else degree
+            holders = min(degree, n - 1) + 1
+            share_threshold = majority_share_threshold(holders) if share_threshold is None else share_threshold
+            graph_seed = os.urandom(GRAPH_SEED_BYTES) if graph_seed is None else graph_seed
+        else:
+            degree = n - 1
+            share_threshold = threshold
+            graph_seed = bytes(GRAPH_SEED_BYTES) if graph_seed is None else graph_seed
+        return cls(job_id=job_id, round_id=round_id, group_id=group_id, aggregator_id=aggregator_id,
+                   members=ordered, vector_length=vector_length, threshold=threshold,
+                   scale_bits=scale_bits, bound=float(bound), graph=graph, degree=degree,
+                   share_threshold=share_threshold, graph_seed=graph_seed,
+                   consistency_check=consistency_check)
+
+    def validate(self) -> None:
+        _check_id("job_id", self.job_id)
+        _check_int("round_id", self.round_id, 0, 2**63 - 1)
+        _check_id("group_id", self.group_id)
+        _check_id("aggregator_id", self.aggregator_id)
+        if not isinstance(self.members, tuple):
+            raise ConfigError("members must be a tuple")
+        for member in self.members:
+            _check_id("member id", member)
+        if list(self.members) != sorted(set(self.members)):
+            raise ConfigError("members must be sorted and unique")
+        n = len(self.members)
+        if n < MIN_GROUP_SIZE:
+            raise ConfigError(f"a group needs at least {MIN_GROUP_SIZE} members, got {n}")
+        if self.aggregator_id in self.members:
+            raise ConfigError("the aggregator cannot be a member of the group")
+        _check_int("vector_length", self.vector_length, 1, MAX_VECTOR_LENGTH)
+        _check_int("threshold", self.threshold, 2, n)
+        if 2 * self.threshold <= n:
+            raise ConfigError(f"threshold {self.threshold} must be a strict majority of {n} members "
+                              "(otherwise two disjoint survivor sets could each unmask)")
+        self.codec.check_capacity(n)
+        if not isinstance(self.consistency_check, bool):
+            raise ConfigError("consistency_check must be a bool")
+        if not isinstance(self.graph_seed, bytes) or len(self.graph_seed) != GRAPH_SEED_BYTES:
+            raise ConfigError(f"graph_seed must be {GRAPH_SEED_BYTES} bytes")
+        if self.graph == GRAPH_COMPLETE:
+            if self.degree != n - 1 or self.share_threshold != self.threshold:
+                raise ConfigError("complete graph: degree must be n-1 and share_threshold == threshold")
+        elif self.graph == GRAPH_REGULAR:
+            _check_int("degree", self.degree, 2, MAX_VECTOR_LENGTH)
+            if self.degree % 2:
+                raise ConfigError(f"graph degree must be even, got {self.degree}")
+            holders = min(self.degree, n - 1) + 1
+            _check_int("share_threshold", self.share_threshold, 1, min(holders, self.threshold))
+            if 2 * self.share_threshold <= holders:
+                raise ConfigError(f"share_threshold {self.share_threshold} must be a strict majority of the "
+                                  f"{holders} share holders of a neighbourhood")
+        else:
+            raise ConfigError(f"graph must be {GRAPH_COMPLETE!r} or {GRAPH_REGULAR!r}, got {self.graph!r}")
+
+    @property
+    def codec(self) -> FixedPointCodec:
+        try:
+            return FixedPointCodec(self.scale_bits, self.bound)
+        except ConfigError:
+            raise
+        except Exception as exc:  # a non-numeric bound from the wire
+            raise ConfigError(f"bad fixed-point parameters: {exc}") from None
+
+    @cached_property
+    def _member_index(self) -> dict[str, int]:
+        return {member: index for index, member in enumerate(self.members)}
+
+    def holder_x(self, member: str) -> int:
+        """The member's Shamir x coordinate: its 1-based position in the sorted member list."""
+        return self._member_index[member] + 1
+
+    def to_bitmap(self, devices) -> np.ndarray:
+        """A subset of the members as a bitmap over the sorted member list (ceil(n/8) bytes on the
+        wire instead of a list of ids, which would make U1/U3 broadcasts O(n^2) in total)."""
+        flags = np.zeros(len(self.members), dtype=bool)
+        flags[[self._member_index[d] for d in devices]] = True
+        return np.packbits(flags)
+
+    def from_bitmap(self, bitmap: np.ndarray) -> tuple[str, ...]:
+        n = len(self.members)
+        if bitmap.dtype != np.uint8 or bitmap.shape != ((n + 7) // 8,):
+            raise MalformedMessage(f"member bitmap must be {(n + 7) // 8} bytes")
+        flags = np.unpackbits(bitmap)
+        if flags[n:].any():
+            raise MalformedMessage("member bitmap has bits set past the last member")
+        return tuple(self.members[i] for i in np.flatnonzero(flags[:n]))
+
+    def neighbour_graph(self, participants: Sequence[str]) -> NeighbourGraph:
+        """The graph over the members that advertised keys (U1)."""
+        if self.graph == GRAPH_REGULAR:
+            return NeighbourGraph.random_regular(participants, self.degree, self.graph_seed)
+        return NeighbourGraph.complete(participants)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"job_id": self.job_id, "round_id": self.round_id, "group_id": self.group_id,
+                "aggregator_id": self.aggregator_id, "members": list(self.members),
+                "vector_length": self.vector_length, "threshold": self.threshold,
+                "scale_bits": self.scale_bits, "bound": self.bound, "graph": self.graph,
+                "degree": self.degree, "share_threshold": self.share_threshold,
+                "graph_seed": self.graph_seed.hex(), "consistency_check": self.consistency_check}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "RoundConfig":
+        expected = set(cls.__dataclass_fields__)
+        if not isinstance(data, Mapping) or set(data) != expected:
+            raise ConfigError(f"round config must have exactly the keys {sorted(expected)}")
+        members = data["members"]
+        if not isinstance(members, list):
+            raise ConfigError("members must be a list")
+        try:
+            seed = bytes.fromhex(data["graph_seed"])
+        except (TypeError, ValueError):
+            raise ConfigError("graph_seed must be hex") from None
+        bound = data["bound"]
+        if not isinstance(bound, (int, float)) or isinstance(bound, bool):
+            raise ConfigError("bound must be a number")
+        return cls(**{**data, "members": tuple(members), "graph_seed": seed, "bound": float(bound)})

@@ -1,0 +1,138 @@
+"""Cryptographic primitives of secure aggregation: key agreement, share encryption, mask PRG.
+
+- Key agreement: X25519, then HKDF-SHA256 with an `info` string that names the purpose and the
+  round context, so that one Diffie-Hellman value never yields the same key for two purposes.
+- Share encryption: AES-256-GCM with a random 96-bit nonce stored in front of the ciphertext;
+  the associated data binds (job, round, group, sender, recipient).
+- Mask PRG: AES-128 in counter mode from counter 0, key = SHA-256(domain || seed)[:16]; the
+  keystream read as little-endian uint64 words is the mask. Each seed is fresh per round, so a
+  key/counter pair is never reused. AES-128 rather than AES-256: ~12 % faster here (9.2 vs
+  8.2 GB/s of CPU time) and 128-bit security is what the rest of the protocol offers anyway.
+
+`apply_masks` adds/subtracts many masks into one uint64 vector. It walks the vector in
+cache-sized blocks and, for each block, runs every seed's keystream through one small buffer,
+so the accumulator block and the keystream stay in L2 instead of streaming 8 bytes per element
+per seed through memory. Arithmetic is numpy uint64, which wraps modulo 2^64 by itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Iterable
+
+import numpy as np
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from .errors import DecryptionError, MalformedMessage
+
+X25519_KEY_BYTES = 32
+DERIVED_KEY_BYTES = 32
+AEAD_NONCE_BYTES = 12
+AEAD_TAG_BYTES = 16
+_PRG_DOMAIN = b"fedfleet/secagg/prg/v1"
+_HKDF_SALT = b"fedfleet/secagg/hkdf/v1"
+# 32768 uint64 = 256 KiB per block: accumulator block + keystream buffer fit in a typical L2.
+MASK_BLOCK_WORDS = 1 << 15
+
+
+def generate_x25519() -> X25519PrivateKey:
+    return X25519PrivateKey.generate()
+
+
+def x25519_private_bytes(key: X25519PrivateKey) -> bytes:
+    return key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
+                             serialization.NoEncryption())
+
+
+def x25519_public_bytes(key: X25519PrivateKey) -> bytes:
+    return key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+def x25519_from_private_bytes(raw: bytes) -> X25519PrivateKey:
+    if len(raw) != X25519_KEY_BYTES:
+        raise ValueError("an X25519 private key is 32 bytes")
+    return X25519PrivateKey.from_private_bytes(raw)
+
+
+def agree(private_key: X25519PrivateKey, peer_public: bytes, info: bytes) -> bytes:
+    """HKDF-SHA256(X25519(private_key, peer_public)) bound to `info`.
+
+    Raises MalformedMessage for a malformed or low-order peer key (all-zero shared secret).
+    """
+    if not isinstance(peer_public, (bytes, bytearray)) or len(peer_public) != X25519_KEY_BYTES:
+        raise MalformedMessage("an X25519 public key is 32 bytes")
+    try:
+        shared = private_key.exchange(X25519PublicKey.from_public_bytes(bytes(peer_public)))
+    except ValueError as exc:  # cryptography rejects low-order points
+        raise MalformedMessage(f"unusable X25519 public key: {exc}") from None
+    return HKDF(algorithm=hashes.SHA256(), length=DERIVED_KEY_BYTES, salt=_HKDF_SALT,
+                info=info).derive(shared)
+
+
+def aead_encrypt(key: bytes, plaintext: bytes, associated_data: bytes) -> bytes:
+    """nonce || AES-256-GCM(plaintext) || tag."""
+    nonce = os.urandom(AEAD_NONCE_BYTES)
+    return nonce + AESGCM(key).encrypt(nonce, plaintext, associated_data)
+
+
+def aead_ciphertext_length(plaintext_length: int) -> int:
+    return AEAD_NONCE_BYTES + plaintext_length + AEAD_TAG_BYTES
+
+
+def aead_decrypt(key: bytes, blob: bytes, associated_data: bytes) -> bytes:
+    if len(blob) < AEAD_NONCE_BYTES + AEAD_TAG_BYTES:
+        raise DecryptionError("ciphertext shorter than nonce + tag")
+    try:
+        return AESGCM(key).decrypt(blob[:AEAD_NONCE_BYTES], blob[AEAD_NONCE_BYTES:], associated_data)
+    except InvalidTag:
+        raise DecryptionError("share ciphertext failed authentication (corrupted, or wrong key/context)") from None
+
+
+def _keystream_encryptor(seed: bytes):
+    key = hashlib.sha256(_PRG_DOMAIN + seed).digest()[:16]
+    return Cipher(algorithms.AES(key), modes.CTR(bytes(16))).encryptor()
+
+
+def expand_mask(seed: bytes, length: int) -> np.ndarray:
+    """The mask of `length` uint64 words derived from `seed` (a fresh array)."""
+    out = np.zeros(length, dtype=np.uint64)
+    apply_masks(out, [(seed, 1)])
+    return out
+
+
+def apply_masks(accumulator: np.ndarray, signed_seeds: Iterable[tuple[bytes, int]]) -> None:
+    """accumulator += sum(sign * PRG(seed)) mod 2^64, in place; sign is +1 or -1."""
+    if accumulator.dtype != np.uint64 or accumulator.ndim != 1 or not accumulator.flags.c_contiguous:
+        raise TypeError("accumulator must be a contiguous 1-D uint64 array")
+    streams: list[tuple[object, int]] = []
+    for seed, sign in signed_seeds:
+        if sign not in (1, -1):
+            raise ValueError("mask sign must be +1 or -1")
+        streams.append((_keystream_encryptor(seed), sign))
+    if not streams or accumulator.size == 0:
+        return
+    length = accumulator.size
+    block = min(MASK_BLOCK_WORDS, length)
+    zeros = bytes(block * 8)
+    # update_into wants room for one extra cipher block; CTR never uses it.
+    keystream = bytearray(block * 8 + 16)
+    keystream_words = np.frombuffer(keystream, dtype="<u8", count=block)
+    for start in range(0, length, block):
+        stop = min(start + block, length)
+        n_words = stop - start
+        source = zeros if n_words == block else zeros[: n_words * 8]
+        words = keystream_words if n_words == block else keystream_words[:n_words]
+        target = accumulator[start:stop]
+        for encryptor, sign in streams:
+            encryptor.update_into(source, keystream)
+            if sign > 0:
+                np.add(target, words, out=target)
+            else:
+                np.subtract(target, words, out=target)
+

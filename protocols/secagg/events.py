@@ -1,0 +1,50 @@
+"""Local (never on the wire) inputs and outputs of the state machines: phases, timeouts, results."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+
+from .fixedpoint import FixedPointCodec
+
+
+class Phase(str, enum.Enum):
+    """The phases of a round, in order. A server phase ends when every expected participant
+    answered or when the caller feeds Timeout(phase)."""
+
+    ADVERTISE_KEYS = "advertise_keys"
+    SHARE_KEYS = "share_keys"
+    MASKED_INPUT = "masked_input"
+    CONSISTENCY_CHECK = "consistency_check"
+    UNMASK = "unmask"
+
+
+@dataclass(frozen=True)
+class Timeout:
+    """The caller's clock says `phase` is over. Stale timeouts (for a phase already closed) are
+    ignored; on a client any timeout aborts the round."""
+
+    phase: Phase
+
+
+@dataclass(frozen=True, eq=False)
+class AggregateReady:
+    """Server output: the exact sum mod 2^64 of the survivors' encoded inputs."""
+
+    sum_uint64: np.ndarray
+    survivors: tuple[str, ...]
+    codec: FixedPointCodec
+
+    def decode(self) -> np.ndarray:
+        """The sum as float64 (sum of q / 2^f)."""
+        return self.codec.decode(self.sum_uint64)
+
+
+@dataclass(frozen=True)
+class RoundFailed:
+    """Server output: the round ended without a result; no partial sum is released."""
+
+    reason: str
+    phase: Phase

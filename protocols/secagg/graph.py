@@ -1,0 +1,85 @@
+"""Who masks with and holds shares of whom: the complete graph or a SecAgg+ k-regular graph.
+
+SecAgg+ (Bell et al., CCS 2020) replaces the complete graph of SecAgg by a random k-regular
+graph with k = O(log n). We build it as a Harary (circulant) graph on a random cyclic order:
+the members are permuted by a Fisher-Yates shuffle driven by the AES-CTR PRG of
+SHA-256(domain || public seed || member list), placed on a ring, and each one is joined to its
+k/2 nearest ring neighbours on either side. Every party derives the same graph from the
+signed round configuration (seed, k) and the member list, so the server cannot pick a
+client's neighbours after the fact. k must be even; k >= n-1 gives the complete graph.
+
+The shuffle reduces 64-bit PRG words modulo i+1; the bias (< n / 2^64) is irrelevant for a
+public graph.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Sequence
+
+from .crypto import expand_mask
+
+_GRAPH_DOMAIN = b"fedfleet/secagg/graph/v1"
+
+
+def default_degree(n: int) -> int:
+    """Even degree 2 * ceil(log2 n), the O(log n) of SecAgg+ (20 for n = 1000)."""
+    return 2 * max(1, math.ceil(math.log2(max(n, 2))))
+
+
+class NeighbourGraph:
+    """Undirected graph over the round's participants; neighbours are computed on demand
+    (a client only ever needs its own)."""
+
+    def __init__(self, members: Sequence[str], ring: Sequence[str] | None = None, degree: int | None = None):
+        self.members = tuple(sorted(members))
+        if len(set(self.members)) != len(self.members):
+            raise ValueError("graph members must be unique")
+        self._ring = tuple(ring) if ring is not None else None
+        self._half = degree // 2 if degree is not None else None
+        self._position = {m: i for i, m in enumerate(self._ring)} if self._ring is not None else None
+        self._cache: dict[str, frozenset[str]] = {}
+
+    @property
+    def is_complete(self) -> bool:
+        return self._ring is None
+
+    @property
+    def degree(self) -> int:
+        return len(self.members) - 1 if self._ring is None else 2 * self._half
+
+    def neighbours(self, member: str) -> frozenset[str]:
+        cached = self._cache.get(member)
+        if cached is not None:
+            return cached
+        if self._ring is None:
+            if member not in self.members:
+                raise KeyError(member)
+            result = frozenset(self.members) - {member}
+        else:
+            position, n = self._position[member], len(self._ring)
+            result = frozenset(self._ring[(position + offset) % n]
+                               for offset in range(-self._half, self._half + 1) if offset)
+        self._cache[member] = result
+        return result
+
+    @classmethod
+    def complete(cls, members: Sequence[str]) -> "NeighbourGraph":
+        return cls(members)
+
+    @classmethod
+    def random_regular(cls, members: Sequence[str], degree: int, seed: bytes) -> "NeighbourGraph":
+        ordered = tuple(sorted(members))
+        n = len(ordered)
+        if degree % 2 or degree < 2:
+            raise ValueError(f"graph degree must be even and >= 2, got {degree}")
+        if degree >= n - 1:
+            return cls.complete(ordered)
+        ring = list(ordered)
+        digest = hashlib.sha256(_GRAPH_DOMAIN + seed + "\0".join(ordered).encode()).digest()
+        words = expand_mask(digest, n).tolist()
+        for i in range(n - 1, 0, -1):
+            j = words[i] % (i + 1)
+            ring[i], ring[j] = ring[j], ring[i]
+        return cls(ordered, ring, degree)

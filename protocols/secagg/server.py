@@ -1,0 +1,353 @@
+"""Server (aggregator) side of secure aggregation as a sans-IO state machine.
+
+Theory of operation
+-------------------
+One ServerSecAgg object runs one round for one group. `start()` returns a signed RoundStart
+for every member; afterwards the caller feeds `handle(event)` with decoded client messages
+and Timeout(phase) events from its own clock, and sends out whatever it returns. Outputs
+addressed to devices are Message objects; the final output is AggregateReady (exact sum of the
+survivors' encoded inputs modulo 2^64) or RoundFailed (no partial sum). A phase closes as soon
+as every device expected in it has answered, or when Timeout(that phase) arrives.
+
+    state              event                 on phase close                           next state
+    IDLE               start()               RoundStart to all members                WAIT_ADVERTISE
+    WAIT_ADVERTISE     AdvertiseKeys (U1)    |U1| >= t: KeyDirectory to each of U1   WAIT_SHARES
+    WAIT_SHARES        EncryptedShares (U2)  |U2| >= t: ForwardedShares to each of U2  WAIT_MASKED
+    WAIT_MASKED        MaskedInput (U3)      |U3| >= t: ConsistencyCheckRequest       WAIT_CONSISTENCY
+                                             (or UnmaskRequest if no check)           (or WAIT_UNMASK)
+    WAIT_CONSISTENCY   ConsistencySig. (U4)  |U4| >= t: UnmaskRequest to U4           WAIT_UNMASK
+    WAIT_UNMASK        UnmaskShares (U5)     |U5| >= t: reconstruct b_u (u in U3) and  DONE
+                                             s_v^SK (v in U2 - U3), remove masks
+                                             -> AggregateReady
+    any wait state     a phase with too few participants, or failed reconstruction   FAILED
+
+Masked inputs are added into one uint64 accumulator as they arrive (nothing per-client is
+kept). At the end the server subtracts PRG(b_u) for every survivor and, for every dropped v
+with surviving neighbours u, the pair mask sign(u, v) PRG(s_uv) that u included, re-derived
+from the reconstructed s_v^SK and u's advertised public key. A reconstructed s_v^SK must match
+v's advertised public key, which catches corrupted key shares.
+
+Every incoming message must name this round's (job, round, group), be addressed to the
+aggregator, come from an enrolled member of the group, and verify under that member's
+identity key; otherwise WrongContext / UnknownSender / BadSignature is raised and nothing
+changes. A message of another phase raises UnexpectedMessage (ReplayedMessage if the sender
+already delivered it); malformed content raises MalformedMessage; in all cases the state is
+untouched and the round goes on.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import numpy as np
+
+from protocols.identity import DeviceIdentity, IdentityRegistry, InvalidSignature, UnknownDevice, \
+    verify_signature
+
+from . import shamir
+from .config import RoundConfig
+from .crypto import apply_masks, x25519_from_private_bytes, x25519_public_bytes
+from .derivation import SECRET_BYTES, SHARE_BYTES, SHARE_CIPHERTEXT_BYTES, RoundContext, pair_mask_seed, \
+    pair_mask_sign, self_mask_commitment
+from .errors import (BadSignature, ConfigError, MalformedMessage, ReconstructionError, ReplayedMessage,
+                     UnexpectedMessage, UnknownSender, WrongContext)
+from .events import AggregateReady, Phase, RoundFailed, Timeout
+from .graph import NeighbourGraph
+from .messages import (AdvertisedKeys, AdvertiseKeys, ConsistencyCheckRequest, ConsistencySignature,
+                       EncryptedShares, ForwardedShares, KeyDirectory, MaskedInput, Message, RoundStart,
+                       UnmaskRequest, UnmaskShares, consistency_statement)
+
+
+class ServerState(str, enum.Enum):
+    IDLE = "idle"
+    WAIT_ADVERTISE = "wait_advertise"
+    WAIT_SHARES = "wait_shares"
+    WAIT_MASKED = "wait_masked"
+    WAIT_CONSISTENCY = "wait_consistency"
+    WAIT_UNMASK = "wait_unmask"
+    DONE = "done"
+    FAILED = "failed"
+
+
+_S = ServerState
+# wait state -> (phase, message type accepted, states the phase may close into)
+TRANSITIONS: dict[ServerState, tuple[Phase, type, tuple[ServerState, ...]]] = {
+    _S.WAIT_ADVERTISE: (Phase.ADVERTISE_KEYS, AdvertiseKeys, (_S.WAIT_SHARES, _S.FAILED)),
+    _S.WAIT_SHARES: (Phase.SHARE_KEYS, EncryptedShares, (_S.WAIT_MASKED, _S.FAILED)),
+    _S.WAIT_MASKED: (Phase.MASKED_INPUT, MaskedInput, (_S.WAIT_CONSISTENCY, _S.WAIT_UNMASK, _S.FAILED)),
+    _S.WAIT_CONSISTENCY: (Phase.CONSISTENCY_CHECK, ConsistencySignature, (_S.WAIT_UNMASK, _S.FAILED)),
+    _S.WAIT_UNMASK: (Phase.UNMASK, UnmaskShares, (_S.DONE, _S.FAILED)),
+}
+FINAL_STATES = frozenset({_S.DONE, _S.FAILED})
+Output = Message | AggregateReady | RoundFailed
+
+
+class ServerSecAgg:
+    def __init__(self, config: RoundConfig, identity: DeviceIdentity, registry: IdentityRegistry) -> None:
+        config.validate()
+        if identity.device_id != config.aggregator_id:
+            raise ConfigError(f"aggregator identity {identity.device_id!r} != config {config.aggregator_id!r}")
+        missing = [m for m in config.members if m not in registry]
+        if missing:
+            raise ConfigError(f"members not enrolled: {missing[:5]}{'...' if len(missing) > 5 else ''}")
+        self.config = config
+        self.identity = identity
+        self.registry = registry
+        self.context = RoundContext(config.job_id, config.round_id, config.group_id)
+        self.state = ServerState.IDLE
+        self.outcome: AggregateReady | RoundFailed | None = None
+        # what each phase received, keyed by sender
+        self._received: dict[Phase, dict[str, Any]] = {phase: {} for phase in Phase}
+        self._graph: NeighbourGraph | None = None
+        self._accumulator: np.ndarray | None = None
+        self._dropped: tuple[str, ...] = ()
+        self._members = frozenset(config.members)
+
+    # ---- public API --------------------------------------------------------------------
+    def start(self) -> list[Output]:
+        if self.state is not ServerState.IDLE:
+            raise UnexpectedMessage("round already started")
+        outgoing = [self._message(RoundStart, member, config=self.config) for member in self.config.members]
+        self.state = ServerState.WAIT_ADVERTISE
+        return outgoing
+
+    @property
+    def phase(self) -> Phase | None:
+        entry = TRANSITIONS.get(self.state)
+        return entry[0] if entry else None
+
+    def participants(self, phase: Phase) -> tuple[str, ...]:
+        """Who has delivered the message of `phase` so far (U1 .. U5)."""
+        return tuple(sorted(self._received[phase]))
+
+    def handle(self, event: Message | Timeout) -> list[Output]:
+        if isinstance(event, Timeout):
+            if self.state in TRANSITIONS and event.phase == self.phase:
+                return self._close_phase()
+            return []  # stale timeout of a phase already closed
+        if not isinstance(event, Message):
+            raise UnexpectedMessage(f"not a secagg event: {type(event).__name__}")
+        self._authenticate(event)
+        if self.state not in TRANSITIONS:
+            raise UnexpectedMessage(f"{event.TYPE} from {event.sender!r}: round is {self.state.value}")
+        phase, accepted, _ = TRANSITIONS[self.state]
+        if event.sender in self._received[event.PHASE]:
+            raise ReplayedMessage(f"{event.TYPE} from {event.sender!r} already received")
+        if type(event) is not accepted:
+            raise UnexpectedMessage(f"{event.TYPE} from {event.sender!r} does not belong to phase {phase.value}")
+        if event.sender not in self._expected(phase):
+            raise UnexpectedMessage(f"{event.sender!r} is not a participant of phase {phase.value}")
+        record = {AdvertiseKeys: self._check_advertise, EncryptedShares: self._check_shares,
+                  MaskedInput: self._accumulate, ConsistencySignature: self._check_consistency,
+                  UnmaskShares: self._check_unmask}[accepted](event)
+        self._received[phase][event.sender] = record
+        if len(self._received[phase]) == len(self._expected(phase)):
+            return self._close_phase()
+        return []
+
+    # ---- helpers -----------------------------------------------------------------------
+    def _message(self, cls: type, recipient: str, **fields: Any) -> Message:
+        return cls(job_id=self.context.job_id, round_id=self.context.round_id, group_id=self.context.group_id,
+                   sender=self.config.aggregator_id, recipient=recipient, **fields).signed(self.identity)
+
+    def _authenticate(self, message: Message) -> None:
+        if not message.FROM_CLIENT:
+            raise UnexpectedMessage(f"{message.TYPE} is a server message")
+        if RoundContext(message.job_id, message.round_id, message.group_id) != self.context:
+            raise WrongContext(f"{message.TYPE} from {message.sender!r} is for job {message.job_id!r} round "
+                               f"{message.round_id} group {message.group_id!r}, this round is {self.context}")
+        if message.recipient != self.config.aggregator_id:
+            raise WrongContext(f"{message.TYPE} is addressed to {message.recipient!r}")
+        if message.sender not in self._members:
+            raise UnknownSender(f"{message.sender!r} is not a member of group {self.config.group_id!r}")
+        try:
+            public_key = self.registry.public_key(message.sender)
+        except UnknownDevice:
+            raise UnknownSender(f"{message.sender!r} is not enrolled") from None
+        if isinstance(message, MaskedInput):
+            self._check_vector_length(message)  # before hashing a possibly huge array
+        message.verify(public_key)
+
+    def _expected(self, phase: Phase) -> dict[str, Any] | frozenset[str]:
+        """Who may send in `phase`: everyone of the previous phase's set."""
+        previous = {Phase.ADVERTISE_KEYS: None, Phase.SHARE_KEYS: Phase.ADVERTISE_KEYS,
+                    Phase.MASKED_INPUT: Phase.SHARE_KEYS, Phase.CONSISTENCY_CHECK: Phase.MASKED_INPUT,
+                    Phase.UNMASK: (Phase.CONSISTENCY_CHECK if self.config.consistency_check
+                                   else Phase.MASKED_INPUT)}[phase]
+        return self._members if previous is None else self._received[previous]
+
+    def _holders(self, owner: str) -> frozenset[str]:
+        return self._graph.neighbours(owner) | {owner}
+
+    # ---- per-message checks: raise before anything is stored, else return what to keep ---
+    def _check_advertise(self, message: AdvertiseKeys) -> AdvertiseKeys:
+        if message.cipher_public_key == message.mask_public_key:
+            raise MalformedMessage("cipher and mask keys must differ")
+        return message
+
+    def _check_shares(self, message: EncryptedShares) -> EncryptedShares:
+        expected = tuple(sorted(self._graph.neighbours(message.sender)))
+        if message.recipients != expected:
+            raise MalformedMessage(f"shares from {message.sender!r} must go exactly to its {len(expected)} "
+                                   "graph neighbours, in sorted order")
+        if message.ciphertexts.shape != (len(expected), SHARE_CIPHERTEXT_BYTES):
+            raise MalformedMessage(f"ciphertexts must have shape ({len(expected)}, {SHARE_CIPHERTEXT_BYTES})")
+        return message
+
+    def _check_vector_length(self, message: MaskedInput) -> None:
+        if message.masked_input.shape != (self.config.vector_length,):
+            raise MalformedMessage(f"masked input of shape {message.masked_input.shape}, the round's vector "
+                                   f"length is {self.config.vector_length}")
+
+    def _accumulate(self, message: MaskedInput) -> bool:
+        np.add(self._accumulator, message.masked_input, out=self._accumulator)
+        return True  # the vector lives on only inside the accumulator
+
+    def _check_consistency(self, message: ConsistencySignature) -> ConsistencySignature:
+        statement = consistency_statement(self.context.job_id, self.context.round_id, self.context.group_id,
+                                          self.config.to_bitmap(self.participants(Phase.MASKED_INPUT)))
+        try:
+            verify_signature(self.registry.public_key(message.sender), statement, message.survivors_signature)
+        except InvalidSignature:
+            raise BadSignature(f"consistency signature of {message.sender!r} does not verify") from None
+        return message
+
+    def _check_unmask(self, message: UnmaskShares) -> UnmaskShares:
+        survivors = set(self._received[Phase.MASKED_INPUT])
+        u2 = self._received[Phase.SHARE_KEYS]
+        holder_of = self._holders(message.sender)
+        overlap = set(message.self_mask_owners) & set(message.key_owners)
+        if overlap:
+            raise MalformedMessage(f"{message.sender!r} sent both shares for {sorted(overlap)}")
+        if not all(o in survivors and o in holder_of for o in message.self_mask_owners):
+            raise MalformedMessage("self-mask shares for devices that are not surviving neighbours")
+        if not all(o in u2 and o not in survivors and o in holder_of for o in message.key_owners):
+            raise MalformedMessage("mask-key shares for devices that are not dropped neighbours")
+        for array in (message.self_mask_shares, message.key_shares):
+            if array.shape[1] != SHARE_BYTES:
+                raise MalformedMessage(f"shares must be {SHARE_BYTES} bytes wide")
+        return message
+
+    # ---- phase transitions -------------------------------------------------------------
+    def _fail(self, reason: str) -> list[Output]:
+        failed = RoundFailed(reason, self.phase)
+        self.state, self.outcome = ServerState.FAILED, failed
+        self._accumulator = None
+        return [failed]
+
+    def _close_phase(self) -> list[Output]:
+        state, phase = self.state, self.phase
+        count = len(self._received[phase])
+        if count < self.config.threshold:
+            outputs = self._fail(f"{phase.value}: {count} participants < threshold {self.config.threshold}")
+        else:
+            outputs = {Phase.ADVERTISE_KEYS: self._send_key_directories, Phase.SHARE_KEYS: self._forward_shares,
+                       Phase.MASKED_INPUT: self._request_consistency_or_unmask,
+                       Phase.CONSISTENCY_CHECK: self._request_unmask, Phase.UNMASK: self._finish}[phase]()
+        if self.state not in TRANSITIONS[state][2]:  # the table above is the contract
+            raise AssertionError(f"illegal transition {state.value} -> {self.state.value}")
+        return outputs
+
+    def _send_key_directories(self) -> list[Output]:
+        advertised = self._received[Phase.ADVERTISE_KEYS]
+        u1 = sorted(advertised)
+        self._graph = self.config.neighbour_graph(u1)
+        participants = self.config.to_bitmap(u1)
+        identity_keys = np.array([np.frombuffer(self.registry.public_key(d), np.uint8) for d in u1], np.uint8) \
+            if self.config.consistency_check else np.zeros((0, 32), np.uint8)
+        entries = {device: AdvertisedKeys(device, self.registry.public_key(device), m.cipher_public_key,
+                                          m.mask_public_key, m.signature) for device, m in advertised.items()}
+        outgoing = [self._message(KeyDirectory, device, participants=participants, identity_keys=identity_keys,
+                                  neighbour_keys=tuple(entries[v] for v in sorted(self._graph.neighbours(device))))
+                    for device in u1]
+        self.state = ServerState.WAIT_SHARES
+        return outgoing
+
+    def _forward_shares(self) -> list[Output]:
+        uploads = self._received[Phase.SHARE_KEYS]
+        row_of = {sender: {r: i for i, r in enumerate(m.recipients)} for sender, m in uploads.items()}
+        outgoing = []
+        for recipient in sorted(uploads):
+            senders = tuple(v for v in sorted(self._graph.neighbours(recipient)) if v in uploads)
+            ciphertexts = np.empty((len(senders), SHARE_CIPHERTEXT_BYTES), dtype=np.uint8)
+            for row, sender in enumerate(senders):
+                ciphertexts[row] = uploads[sender].ciphertexts[row_of[sender][recipient]]
+            outgoing.append(self._message(ForwardedShares, recipient, senders=senders, ciphertexts=ciphertexts))
+        self._accumulator = np.zeros(self.config.vector_length, dtype=np.uint64)
+        self.state = ServerState.WAIT_MASKED
+        return outgoing
+
+    def _request_consistency_or_unmask(self) -> list[Output]:
+        u3 = self.participants(Phase.MASKED_INPUT)
+        self._dropped = tuple(sorted(set(self._received[Phase.SHARE_KEYS]) - set(u3)))
+        if self.config.consistency_check:
+            self.state = ServerState.WAIT_CONSISTENCY
+            survivors = self.config.to_bitmap(u3)
+            return [self._message(ConsistencyCheckRequest, device, survivors=survivors) for device in u3]
+        self.state = ServerState.WAIT_UNMASK
+        return self._unmask_requests(u3, np.zeros((0, 64), np.uint8))
+
+    def _request_unmask(self) -> list[Output]:
+        signed = self._received[Phase.CONSISTENCY_CHECK]
+        signers = tuple(sorted(signed))  # member order, as the signers bitmap is read
+        signatures = np.array([np.frombuffer(signed[d].survivors_signature, np.uint8) for d in signers], np.uint8)
+        self.state = ServerState.WAIT_UNMASK
+        return self._unmask_requests(signers, signatures)
+
+    def _unmask_requests(self, recipients: tuple[str, ...], signatures: np.ndarray) -> list[Output]:
+        """UnmaskRequest to each recipient; with the consistency check the recipients are the signers."""
+        fields = {"survivors": self.config.to_bitmap(self.participants(Phase.MASKED_INPUT)),
+                  "dropped": self.config.to_bitmap(self._dropped),
+                  "consistency_signers": self.config.to_bitmap(recipients if len(signatures) else ()),
+                  "consistency_signatures": signatures}
+        return [self._message(UnmaskRequest, device, **fields) for device in recipients]
+
+    def _collect_shares(self) -> tuple[dict[str, dict[int, bytes]], dict[str, dict[int, bytes]]]:
+        self_mask_shares: dict[str, dict[int, bytes]] = {}
+        key_shares: dict[str, dict[int, bytes]] = {}
+        for holder, message in self._received[Phase.UNMASK].items():
+            x = self.config.holder_x(holder)
+            for owner, share in zip(message.self_mask_owners, message.self_mask_shares):
+                self_mask_shares.setdefault(owner, {})[x] = share.tobytes()
+            for owner, share in zip(message.key_owners, message.key_shares):
+                key_shares.setdefault(owner, {})[x] = share.tobytes()
+        return self_mask_shares, key_shares
+
+    def _reconstruct(self, shares: dict[str, dict[int, bytes]], owner: str, what: str) -> bytes:
+        try:
+            return shamir.reconstruct(shares.get(owner, {}), self.config.share_threshold, SECRET_BYTES)
+        except ReconstructionError as exc:
+            raise ReconstructionError(f"{what} of {owner!r}: {exc}") from None
+
+    def _finish(self) -> list[Output]:
+        survivors = self.participants(Phase.MASKED_INPUT)
+        advertised = self._received[Phase.ADVERTISE_KEYS]
+        self_mask_shares, key_shares = self._collect_shares()
+        signed_seeds: list[tuple[bytes, int]] = []
+        try:
+            commitments = self._received[Phase.SHARE_KEYS]
+            for owner in survivors:
+                seed = self._reconstruct(self_mask_shares, owner, "self-mask seed")
+                if self_mask_commitment(self.context, owner, seed) != commitments[owner].self_mask_commitment:
+                    raise ReconstructionError(f"shares of {owner!r}'s self-mask seed do not match its commitment")
+                signed_seeds.append((seed, -1))
+            for dropped in self._dropped:
+                masked_with = sorted(self._graph.neighbours(dropped) & set(survivors))
+                if not masked_with:
+                    continue
+                mask_key = x25519_from_private_bytes(self._reconstruct(key_shares, dropped, "mask key"))
+                if x25519_public_bytes(mask_key) != advertised[dropped].mask_public_key:
+                    raise ReconstructionError(f"shares of {dropped!r}'s mask key do not match its public key")
+                for survivor in masked_with:
+                    seed = pair_mask_seed(mask_key, advertised[survivor].mask_public_key, self.context,
+                                          dropped, survivor)
+                    signed_seeds.append((seed, -pair_mask_sign(survivor, dropped)))
+        except ReconstructionError as exc:
+            return self._fail(f"unmask: {exc}")
+        total = self._accumulator
+        apply_masks(total, signed_seeds)
+        self._accumulator = None
+        ready = AggregateReady(total, survivors, self.config.codec)
+        self.state, self.outcome = ServerState.DONE, ready
+        return [ready]

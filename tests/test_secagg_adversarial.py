@@ -1,0 +1,524 @@
+"""Hostile inputs to the SecAgg state machines: forged / missing signatures, impersonation,
+wrong job / round / group / recipient, replayed and reordered messages, corrupted ciphertexts and
+shares, oversized vectors, malformed wire forms, a misbehaving server. Each must raise a specific
+SecAggError (or end in RoundFailed) with nothing applied: the state is unchanged and the final
+sum, when there is one, is still exact."""
+
+import base64
+import dataclasses
+
+import numpy as np
+import pytest
+
+from protocols.identity import DeviceIdentity, IdentityRegistry, InvalidSignature
+from protocols.secagg import (AdvertiseKeys, AggregateReady, BadSignature, ClientSecAgg, ClientState, ConsistencySignature,
+                              DecryptionError, EncryptedShares, ForwardedShares, InputError, KeyDirectory,
+                              MalformedMessage, MaskedInput, Phase, ProtocolViolation, ReplayedMessage,
+                              RoundConfig, RoundFailed, RoundStart, SecAggError, ServerState, Timeout,
+                              UnexpectedMessage, UnknownSender, UnmaskRequest, UnmaskShares, WrongContext, decode)
+from protocols.secagg.driver import WireFrame, build_round, make_identities, plain_fixed_point_sum, run_round
+from protocols.secagg.errors import ConfigError
+from protocols.secagg.server import ServerSecAgg
+
+AGGREGATOR = DeviceIdentity.generate("aggregator")
+BOUND = 10.0
+
+
+def wire(message):
+    return WireFrame.from_message(message).to_message()
+
+
+def resign(message, identity, **changes):
+    """The same message with some fields changed, validly signed by `identity`."""
+    changed = dataclasses.replace(message, **changes, signature=b"")
+    return dataclasses.replace(changed, signature=identity.sign(changed.canonical_bytes()))
+
+
+class Round:
+    """Step-by-step in-memory round, so tests can interfere between the steps."""
+
+    def __init__(self, n=6, m=40, withhold=(), **config_options):
+        self.identities = {i.device_id: i for i in make_identities(n)}
+        self.config = RoundConfig.create(job_id="job", round_id=3, group_id="g", aggregator_id="aggregator",
+                                         members=list(self.identities), vector_length=m, bound=BOUND,
+                                         **config_options)
+        self.server, self.clients = build_round(self.config, AGGREGATOR, self.identities)
+        rng = np.random.default_rng(n * 1000 + m)
+        self.inputs = {d: rng.uniform(-BOUND, BOUND, m) for d in self.identities}
+        for device, client in self.clients.items():
+            if device not in withhold:
+                client.provide_input(self.inputs[device])
+        self.pending = [wire(m) for m in self.server.start()]
+
+    def to_clients(self, messages=None):
+        replies = []
+        for message in self.pending if messages is None else messages:
+            replies.extend(wire(r) for r in self.clients[message.recipient].handle(message))
+        return replies
+
+    def to_server(self, messages):
+        outputs = []
+        for message in messages:
+            outputs.extend(self.server.handle(message))
+        self.pending = [wire(o) for o in outputs if not isinstance(o, (AggregateReady, RoundFailed))]
+        return outputs
+
+    def step(self):
+        return self.to_server(self.to_clients())
+
+    def finish(self):
+        while self.server.state not in (ServerState.DONE, ServerState.FAILED):
+            phase = self.server.phase
+            self.step()
+            if self.server.phase == phase and self.server.state not in (ServerState.DONE, ServerState.FAILED):
+                self.to_server([Timeout(phase)])
+        return self.server.outcome
+
+    def expected_sum(self, survivors):
+        return plain_fixed_point_sum(self.config, [self.inputs[d] for d in survivors])
+
+
+def snapshot(server):
+    accumulator = None if server._accumulator is None else server._accumulator.copy()
+    return server.state, {p: server.participants(p) for p in Phase}, accumulator
+
+
+def assert_same(before, after):
+    assert before[0] == after[0] and before[1] == after[1]
+    assert (before[2] is None and after[2] is None) or np.array_equal(before[2], after[2])
+
+
+def rejects(server, message, error):
+    before = snapshot(server)
+    with pytest.raises(error):
+        server.handle(message)
+    assert_same(before, snapshot(server))
+
+
+# ---- authentication ---------------------------------------------------------------------
+
+
+def test_forged_missing_and_impersonated_signatures_are_rejected():
+    r = Round()
+    adverts = r.to_clients()
+    first = adverts[0]
+    flipped = dataclasses.replace(first, signature=bytes([first.signature[0] ^ 1]) + first.signature[1:])
+    rejects(r.server, flipped, BadSignature)
+    rejects(r.server, dataclasses.replace(first, signature=b""), BadSignature)
+    impostor = r.identities[adverts[1].sender]
+    rejects(r.server, resign(first, impostor), BadSignature)
+    header, arrays = first.to_wire()
+    header["signature"] = ""
+    rejects(r.server, decode(header, arrays), BadSignature)
+    assert issubclass(BadSignature, InvalidSignature) and issubclass(BadSignature, SecAggError)
+    r.to_server(adverts)  # the genuine messages still work
+    assert r.server.state is ServerState.WAIT_SHARES
+
+
+def test_unknown_and_unenrolled_senders():
+    r = Round()
+    adverts = r.to_clients()
+    outsider = DeviceIdentity.generate("outsider")
+    rejects(r.server, resign(adverts[0], outsider, sender="outsider"), UnknownSender)
+    registry = IdentityRegistry({d: i.public_key_bytes for d, i in list(r.identities.items())[1:]})
+    with pytest.raises(ConfigError):
+        ServerSecAgg(r.config, AGGREGATOR, registry)
+
+
+@pytest.mark.parametrize("field,value", [("job_id", "other-job"), ("round_id", 2), ("group_id", "g2"),
+                                         ("recipient", "someone-else")])
+def test_wrong_context_is_rejected_even_when_properly_signed(field, value):
+    r = Round()
+    first = r.to_clients()[0]
+    rejects(r.server, resign(first, r.identities[first.sender], **{field: value}), WrongContext)
+
+
+def test_client_rejects_server_messages_with_wrong_context_or_signature():
+    r = Round()
+    start = r.pending[0]
+    client = r.clients[start.recipient]
+    other_server = DeviceIdentity.generate("aggregator")
+    for bad, error in [(resign(start, AGGREGATOR, round_id=4), WrongContext),
+                       (resign(start, AGGREGATOR, recipient=r.pending[1].recipient), WrongContext),
+                       (resign(start, other_server), BadSignature),
+                       (dataclasses.replace(start, sender="evil"), UnknownSender)]:
+        with pytest.raises(error):
+            client.handle(bad)
+        assert client.state is ClientState.WAITING_CONFIG
+
+
+# ---- replay and reordering -----------------------------------------------------------
+
+
+def test_replayed_messages_are_rejected():
+    r = Round()
+    adverts = r.to_clients()
+    r.to_server(adverts[:1])
+    rejects(r.server, adverts[0], ReplayedMessage)
+    r.to_server(adverts[1:])
+    shares = r.to_clients()
+    rejects(r.server, adverts[2], ReplayedMessage)  # an advertise from the closed phase
+    r.to_server(shares)
+    # the same device's messages from an earlier round of the same job are stale
+    stale = resign(shares[0], r.identities[shares[0].sender], round_id=2)
+    rejects(r.server, stale, WrongContext)
+    # client side: the same server message twice
+    forwarded = r.pending[0]
+    client = r.clients[forwarded.recipient]
+    client.handle(forwarded)
+    with pytest.raises(ReplayedMessage):
+        client.handle(forwarded)
+    assert client.state is ClientState.INPUT_SENT
+
+
+def test_reordered_messages_are_rejected_and_the_round_still_completes_exactly():
+    r = Round(n=7, consistency_check=True)
+    r.step()  # advertise
+    key_directories = r.pending
+    late_device = key_directories[0].recipient
+    replies = r.to_clients(key_directories[1:])
+    r.to_server(replies)  # server waits for the late device's shares
+    assert r.server.state is ServerState.WAIT_SHARES
+    everyone, nobody = r.config.to_bitmap(r.config.members), r.config.to_bitmap(())
+    forwarded_elsewhere = UnmaskRequest(job_id="job", round_id=3, group_id="g", sender="aggregator",
+                                        recipient=late_device, survivors=everyone, dropped=nobody,
+                                        consistency_signers=nobody, consistency_signatures=np.zeros((0, 64), np.uint8))
+    client = r.clients[late_device]
+    with pytest.raises(UnexpectedMessage):
+        client.handle(wire(forwarded_elsewhere.signed(AGGREGATOR)))
+    assert client.state is ClientState.ADVERTISED
+    # a later-phase message type reaching the server early
+    early = ConsistencySignature(job_id="job", round_id=3, group_id="g", sender=late_device,
+                                 recipient="aggregator", survivors_signature=bytes(64))
+    rejects(r.server, early.signed(r.identities[late_device]), UnexpectedMessage)
+    r.to_server(r.to_clients(key_directories[:1]))  # the late shares arrive; the round goes on
+    outcome = r.finish()
+    assert isinstance(outcome, AggregateReady)
+    assert np.array_equal(outcome.sum_uint64, r.expected_sum(r.config.members))
+
+
+def test_late_message_after_timeout_is_rejected():
+    r = Round(n=6)
+    adverts = r.to_clients()
+    r.to_server(adverts[:-1])
+    r.to_server([Timeout(Phase.ADVERTISE_KEYS)])
+    assert r.server.state is ServerState.WAIT_SHARES
+    rejects(r.server, adverts[-1], UnexpectedMessage)
+    r.to_server([Timeout(Phase.ADVERTISE_KEYS)])  # stale timeout: ignored
+    assert r.server.state is ServerState.WAIT_SHARES
+
+
+# ---- corrupted content -------------------------------------------------------------------
+
+
+def test_corrupted_share_ciphertext_from_a_client_counts_as_that_recipient_dropping():
+    identities = {i.device_id: i for i in make_identities(8)}
+    config = RoundConfig.create(job_id="j", round_id=1, group_id="g", aggregator_id="aggregator",
+                                members=list(identities), vector_length=100, bound=BOUND)
+    attacker, victim = config.members[0], config.members[1]
+    inputs = {d: np.full(100, float(i)) for i, d in enumerate(config.members)}
+
+    def corrupt(message):
+        if isinstance(message, EncryptedShares) and message.sender == attacker:
+            ciphertexts = message.ciphertexts.copy()
+            ciphertexts[message.recipients.index(victim), 20] ^= 0xFF
+            return [resign(message, identities[attacker], ciphertexts=ciphertexts)]
+        return [message]
+
+    run = run_round(config, AGGREGATOR, identities, inputs, intercept=corrupt)
+    assert [(who, type(e)) for who, e in run.errors] == [(victim, DecryptionError)]
+    assert isinstance(run.outcome, AggregateReady)
+    survivors = tuple(d for d in config.members if d != victim)
+    assert run.outcome.survivors == survivors
+    assert np.array_equal(run.outcome.sum_uint64, plain_fixed_point_sum(config, [inputs[d] for d in survivors]))
+
+
+def test_tampered_forwarded_shares_fail_the_server_signature():
+    r = Round()
+    r.step()
+    r.step()
+    forwarded = r.pending[0]
+    ciphertexts = forwarded.ciphertexts.copy()
+    ciphertexts[0, 0] ^= 1
+    client = r.clients[forwarded.recipient]
+    with pytest.raises(BadSignature):
+        client.handle(dataclasses.replace(forwarded, ciphertexts=ciphertexts))
+    assert client.state is ClientState.SHARES_SENT
+
+
+@pytest.mark.parametrize("length_change", [1, -1, 10**4])
+def test_wrong_length_masked_input_is_rejected_without_touching_the_sum(length_change):
+    r = Round(n=5, m=40)
+    r.step()
+    r.step()
+    masked = r.to_clients()
+    device = masked[0].sender
+    vector = np.resize(masked[0].masked_input, 40 + length_change).astype("<u8")
+    rejects(r.server, resign(masked[0], r.identities[device], masked_input=vector), MalformedMessage)
+    r.to_server(masked)
+    outcome = r.finish()
+    assert np.array_equal(outcome.sum_uint64, r.expected_sum(r.config.members))
+
+
+def test_share_upload_to_the_wrong_recipients_is_rejected():
+    r = Round(n=6)
+    r.step()
+    shares = r.to_clients()
+    first = shares[0]
+    rejects(r.server, resign(first, r.identities[first.sender], recipients=first.recipients[:-1],
+                             ciphertexts=first.ciphertexts[:-1]), MalformedMessage)
+    rejects(r.server, resign(first, r.identities[first.sender], ciphertexts=first.ciphertexts[:, :-1]),
+            MalformedMessage)
+
+
+@pytest.mark.parametrize("kind", ["self_mask", "key"])
+def test_corrupted_unmask_shares_fail_the_round_instead_of_a_wrong_sum(kind):
+    identities = {i.device_id: i for i in make_identities(7)}
+    config = RoundConfig.create(job_id="j", round_id=1, group_id="g", aggregator_id="aggregator",
+                                members=list(identities), vector_length=30, bound=BOUND, consistency_check=False)
+    first_holder = config.members[1]  # smallest x among the responders: its shares are always used
+    inputs = {d: np.ones(30) for d in identities}
+
+    def corrupt(message):
+        if isinstance(message, UnmaskShares) and message.sender == first_holder:
+            field = "self_mask_shares" if kind == "self_mask" else "key_shares"
+            shares = getattr(message, field).copy()
+            shares[:, 0] ^= 0x01
+            return [resign(message, identities[first_holder], **{field: shares})]
+        return [message]
+
+    run = run_round(config, AGGREGATOR, identities, inputs, intercept=corrupt,
+                    dropouts={config.members[0]: Phase.MASKED_INPUT})
+    assert isinstance(run.outcome, RoundFailed)
+    assert "commitment" in run.outcome.reason or "public key" in run.outcome.reason \
+        or "inconsistent" in run.outcome.reason
+
+
+def test_server_refuses_unmask_shares_that_reveal_both_secrets_of_a_peer():
+    r = Round(n=6, consistency_check=False)
+    for _ in range(3):
+        r.step()
+    assert r.server.state is ServerState.WAIT_UNMASK
+    replies = r.to_clients()
+    reply = replies[0]
+    owner = reply.self_mask_owners[0]
+    both = resign(reply, r.identities[reply.sender], key_owners=(owner,), key_shares=reply.self_mask_shares[:1])
+    rejects(r.server, both, MalformedMessage)
+
+
+# ---- a misbehaving server ----------------------------------------------------------------
+
+
+def _unmask_ready(**options):
+    r = Round(n=6, consistency_check=False, **options)
+    for _ in range(3):
+        r.step()
+    return r, r.pending[0]
+
+
+def test_client_aborts_when_asked_for_both_shares_of_one_peer():
+    r, request = _unmask_ready()
+    client = r.clients[request.recipient]
+    peer = next(d for d in r.config.members if d != request.recipient)
+    with pytest.raises(ProtocolViolation):
+        client.handle(resign(request, AGGREGATOR, dropped=r.config.to_bitmap([peer])))
+    assert client.state is ClientState.ABORTED and client.revealed == {}
+    with pytest.raises(UnexpectedMessage):
+        client.handle(request)
+
+
+def test_client_refuses_to_be_declared_dropped_or_to_answer_twice():
+    r, request = _unmask_ready()
+    client = r.clients[request.recipient]
+    others = [d for d in r.config.from_bitmap(request.survivors) if d != request.recipient]
+    with pytest.raises(ProtocolViolation):
+        client.handle(resign(request, AGGREGATOR, survivors=r.config.to_bitmap(others),
+                             dropped=r.config.to_bitmap([request.recipient])))
+    r2, request2 = _unmask_ready()
+    client2 = r2.clients[request2.recipient]
+    assert client2.handle(request2)
+    assert set(client2.revealed.values()) == {"self_mask"}
+    with pytest.raises(UnexpectedMessage):
+        client2.handle(request2)
+
+
+def test_consistency_check_catches_a_server_that_changes_the_survivor_set():
+    r = Round(n=7, consistency_check=True)
+    for _ in range(3):
+        r.step()
+    assert r.server.state is ServerState.WAIT_CONSISTENCY
+    r.step()
+    request = r.pending[0]
+    client = r.clients[request.recipient]
+    with pytest.raises(ProtocolViolation):
+        survivors = r.config.from_bitmap(request.survivors)
+        client.handle(resign(request, AGGREGATOR, survivors=r.config.to_bitmap(survivors[:-1]),
+                             dropped=r.config.to_bitmap(survivors[-1:])))
+    r2 = Round(n=7, consistency_check=True)
+    for _ in range(4):
+        r2.step()
+    request2 = r2.pending[0]
+    keep = r2.config.threshold - 1
+    signers = r2.config.from_bitmap(request2.consistency_signers)[:keep]
+    with pytest.raises(ProtocolViolation):
+        r2.clients[request2.recipient].handle(
+            resign(request2, AGGREGATOR, consistency_signers=r2.config.to_bitmap(signers),
+                   consistency_signatures=request2.consistency_signatures[:keep]))
+    other = r2.pending[1]  # the first client has aborted; ask another one
+    forged = other.consistency_signatures.copy()
+    forged[:, 5] ^= 1  # every signature broken
+    with pytest.raises(ProtocolViolation):
+        r2.clients[other.recipient].handle(resign(other, AGGREGATOR, consistency_signatures=forged))
+
+
+def test_client_rejects_a_key_directory_with_a_substituted_key():
+    r = Round(n=6)
+    r.step()
+    directory = r.pending[0]
+    entry = directory.neighbour_keys[0]
+    fake = dataclasses.replace(entry, cipher_public_key=bytes(range(32)))
+    tampered = resign(directory, AGGREGATOR, neighbour_keys=(fake,) + directory.neighbour_keys[1:])
+    client = r.clients[directory.recipient]
+    with pytest.raises(BadSignature):
+        client.handle(tampered)
+    assert client.state is ClientState.ADVERTISED
+
+
+def test_client_rejects_a_round_it_is_not_invited_to():
+    r = Round(n=5)
+    outsider = DeviceIdentity.generate("outsider")
+    client = ClientSecAgg(outsider, "aggregator", AGGREGATOR.public_key_bytes, job_id="job", round_id=3, group_id="g")
+    start = resign(r.pending[0], AGGREGATOR, recipient="outsider")
+    with pytest.raises(WrongContext):
+        client.handle(start)
+    assert client.state is ClientState.WAITING_CONFIG
+
+
+# ---- client input ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [np.full(40, np.nan), np.full(40, BOUND * 1.01), np.zeros(41), np.zeros((40, 1))])
+def test_bad_client_input_is_an_input_error_and_nothing_is_sent(bad):
+    r = Round(n=5, m=40)
+    start = r.pending[0]
+    client = r.clients[start.recipient]
+    client.handle(start)
+    with pytest.raises(InputError):
+        client.provide_input(bad)
+    client.provide_input(r.inputs[start.recipient])  # a good input is still accepted
+
+
+def test_input_is_required_before_masking_and_frozen_after():
+    r = Round(n=5, m=40, withhold=("device-0",))
+    r.step()
+    r.step()
+    forwarded = next(m for m in r.pending if m.recipient == "device-0")
+    client = r.clients["device-0"]
+    with pytest.raises(InputError):
+        client.handle(forwarded)
+    assert client.state is ClientState.SHARES_SENT
+    client.provide_input(r.inputs["device-0"])
+    assert isinstance(client.handle(forwarded)[0], MaskedInput)
+    with pytest.raises(InputError):
+        client.provide_input(r.inputs["device-0"])
+
+
+def test_client_timeout_aborts_and_erases_secrets():
+    r = Round(n=5)
+    r.step()
+    client = r.clients[r.pending[0].recipient]
+    assert client.handle(Timeout(Phase.SHARE_KEYS)) == []
+    assert client.state is ClientState.ABORTED and client._mask_key is None
+    with pytest.raises(UnexpectedMessage):
+        client.handle(r.pending[0])
+
+
+def test_messages_after_the_round_ended_are_rejected():
+    r = Round(n=5)
+    adverts = r.to_clients()
+    r.to_server(adverts)
+    outcome = r.finish()
+    assert isinstance(outcome, AggregateReady)
+    with pytest.raises(UnexpectedMessage):
+        r.server.handle(resign(adverts[0], r.identities[adverts[0].sender]))
+
+
+# ---- wire form ------------------------------------------------------------------------
+
+
+def _wire_of_masked_input():
+    r = Round(n=5, m=40)
+    r.step()
+    r.step()
+    return r.to_clients()[0].to_wire()
+
+
+def test_round_trip_through_the_wire_form_preserves_signatures():
+    header, arrays = _wire_of_masked_input()
+    message = decode(header, arrays)
+    assert isinstance(message, MaskedInput)
+    assert message.canonical_bytes() == decode(*message.to_wire()).canonical_bytes()
+
+
+@pytest.mark.parametrize("mutation", ["type", "missing", "extra", "dtype", "rank", "base64", "round_str",
+                                      "round_negative", "extra_array", "not_a_list"])
+def test_malformed_wire_forms_raise_malformed_message(mutation):
+    header, arrays = _wire_of_masked_input()
+    header, arrays = dict(header), dict(arrays)
+    if mutation == "type":
+        header["type"] = "secagg.nope"
+    elif mutation == "missing":
+        del header["group_id"]
+    elif mutation == "extra":
+        header["surprise"] = 1
+    elif mutation == "dtype":
+        arrays["masked_input"] = arrays["masked_input"].astype(np.float64)
+    elif mutation == "rank":
+        arrays["masked_input"] = arrays["masked_input"].reshape(4, 10)
+    elif mutation == "base64":
+        header["signature"] = "***"
+    elif mutation == "round_str":
+        header["round_id"] = "3"
+    elif mutation == "round_negative":
+        header["round_id"] = -1
+    elif mutation == "extra_array":
+        arrays["more"] = np.zeros(2, np.uint8)
+    elif mutation == "not_a_list":
+        header = ["not", "a", "mapping"]
+    with pytest.raises(MalformedMessage):
+        decode(header, arrays)
+
+
+def test_malformed_structured_fields():
+    r = Round(n=5)
+    header, arrays = r.pending[0].to_wire()
+    bad_config = dict(header)
+    bad_config["config"] = {**header["config"], "bound": 2.0**70}  # would overflow: refused
+    with pytest.raises(MalformedMessage):
+        decode(bad_config, arrays)
+    r.step()
+    header, arrays = r.pending[0].to_wire()
+    assert isinstance(decode(header, arrays), KeyDirectory)
+    with pytest.raises(MalformedMessage):
+        decode(header, {**arrays, "identity_keys": arrays["identity_keys"][:, :-1]})
+    short_key = dict(header)
+    short_key["neighbour_keys"] = [[e[0], e[1], base64.b64encode(b"x").decode(), e[3], e[4]]
+                                   for e in header["neighbour_keys"]]
+    with pytest.raises(MalformedMessage):
+        decode(short_key, arrays)
+    r.step()
+    header, arrays = r.pending[0].to_wire()
+    assert isinstance(decode(header, arrays), ForwardedShares)
+    with pytest.raises(MalformedMessage):
+        decode({**header, "senders": header["senders"] + header["senders"][:1]}, arrays)  # duplicate sender
+
+
+def test_round_start_and_advertise_are_wire_stable():
+    r = Round(n=5)
+    start = r.pending[0]
+    again = decode(*start.to_wire())
+    assert isinstance(again, RoundStart) and again.config == start.config
+    advert = r.to_clients([start])[0]
+    assert isinstance(advert, AdvertiseKeys)
+    again = decode(*advert.to_wire())
+    assert again.signature == advert.signature and again.mask_public_key == advert.mask_public_key

@@ -1,0 +1,307 @@
+"""Building blocks of secure aggregation, each against an independent reference:
+AES-CTR mask PRG vs AES-ECB of counter blocks, key agreement symmetry, AEAD tamper detection,
+Shamir's textbook properties vs a pure-Python Lagrange interpolation, fixed-point encoding vs
+exact rational arithmetic, and the SecAgg+ graph's regularity."""
+
+import hashlib
+import itertools
+import math
+import os
+import random
+from fractions import Fraction
+
+import numpy as np
+import pytest
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from scipy import stats
+
+from protocols.secagg import crypto, shamir
+from protocols.secagg.config import RoundConfig
+from protocols.secagg.errors import ConfigError, DecryptionError, InputError, MalformedMessage, ReconstructionError
+from protocols.secagg.fixedpoint import FixedPointCodec, fed3r_bound, max_scale_bits
+from protocols.secagg.graph import NeighbourGraph, default_degree
+
+# ---- mask PRG --------------------------------------------------------------------------
+
+
+def _reference_mask(seed: bytes, length: int) -> np.ndarray:
+    """Textbook CTR: word stream = AES-128-ECB(key, counter_i) for i = 0, 1, ... (128-bit
+    big-endian counters), key = SHA-256(domain || seed)[:16] as documented in crypto.py."""
+    key = hashlib.sha256(b"fedfleet/secagg/prg/v1" + seed).digest()[:16]
+    ecb = Cipher(algorithms.AES(key), modes.ECB()).encryptor()
+    n_blocks = -(-length * 8 // 16)
+    counters = b"".join(i.to_bytes(16, "big") for i in range(n_blocks))
+    return np.frombuffer(ecb.update(counters), dtype="<u8")[:length].copy()
+
+
+@pytest.mark.parametrize("length", [1, 3, 1000, crypto.MASK_BLOCK_WORDS - 1, crypto.MASK_BLOCK_WORDS,
+                                    crypto.MASK_BLOCK_WORDS + 1, 2 * crypto.MASK_BLOCK_WORDS + 7])
+def test_mask_is_aes_ctr_keystream(length):
+    seed = os.urandom(32)
+    assert np.array_equal(crypto.expand_mask(seed, length), _reference_mask(seed, length))
+
+
+def test_blocked_accumulation_matches_per_seed_sum():
+    length = 2 * crypto.MASK_BLOCK_WORDS + 123
+    signed_seeds = [(os.urandom(32), random.choice((1, -1))) for _ in range(7)]
+    start = np.arange(length, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    expected = start.copy()
+    for seed, sign in signed_seeds:  # numpy uint64 wraps modulo 2^64
+        expected = expected + _reference_mask(seed, length) if sign > 0 else expected - _reference_mask(seed, length)
+    got = start.copy()
+    crypto.apply_masks(got, signed_seeds)
+    assert np.array_equal(got, expected)
+
+
+def test_plus_and_minus_masks_cancel_and_differ_per_seed():
+    seed_a, seed_b = os.urandom(32), os.urandom(32)
+    vector = np.arange(5000, dtype=np.uint64)
+    masked = vector.copy()
+    crypto.apply_masks(masked, [(seed_a, 1), (seed_b, 1), (seed_a, -1), (seed_b, -1)])
+    assert np.array_equal(masked, vector)
+    assert not np.array_equal(crypto.expand_mask(seed_a, 100), crypto.expand_mask(seed_b, 100))
+
+
+def test_apply_masks_rejects_bad_arguments():
+    with pytest.raises(TypeError):
+        crypto.apply_masks(np.zeros(4, dtype=np.int64), [(b"s" * 32, 1)])
+    with pytest.raises(ValueError):
+        crypto.apply_masks(np.zeros(4, dtype=np.uint64), [(b"s" * 32, 2)])
+
+
+# ---- key agreement and AEAD --------------------------------------------------------------
+
+
+def test_key_agreement_is_symmetric_and_bound_to_info():
+    a, b = crypto.generate_x25519(), crypto.generate_x25519()
+    ab = crypto.agree(a, crypto.x25519_public_bytes(b), b"info")
+    assert ab == crypto.agree(b, crypto.x25519_public_bytes(a), b"info")
+    assert ab != crypto.agree(a, crypto.x25519_public_bytes(b), b"other")
+    restored = crypto.x25519_from_private_bytes(crypto.x25519_private_bytes(a))
+    assert crypto.agree(restored, crypto.x25519_public_bytes(b), b"info") == ab
+
+
+@pytest.mark.parametrize("peer", [bytes(32), b"\x01" * 31])
+def test_key_agreement_rejects_low_order_or_malformed_keys(peer):
+    with pytest.raises(MalformedMessage):
+        crypto.agree(crypto.generate_x25519(), peer, b"info")
+
+
+def test_aead_round_trip_and_tamper_detection():
+    key, aad = os.urandom(32), b"job|round|u|v"
+    blob = crypto.aead_encrypt(key, b"share bytes", aad)
+    assert len(blob) == crypto.aead_ciphertext_length(len(b"share bytes"))
+    assert crypto.aead_decrypt(key, blob, aad) == b"share bytes"
+    flipped = bytearray(blob)
+    flipped[len(blob) // 2] ^= 0x40
+    for bad_key, bad_blob, bad_aad in [(key, bytes(flipped), aad), (key, blob, b"job|round|v|u"),
+                                       (os.urandom(32), blob, aad), (key, blob[:20], aad)]:
+        with pytest.raises(DecryptionError):
+            crypto.aead_decrypt(bad_key, bad_blob, bad_aad)
+
+
+# ---- Shamir ---------------------------------------------------------------------------
+
+
+def _python_lagrange_at_zero(points: dict[int, int]) -> int:
+    """Independent pure-Python interpolation of f(0) over GF(p)."""
+    p = shamir.PRIME
+    total = 0
+    for xi, yi in points.items():
+        term = Fraction(yi)
+        for xj in points:
+            if xj != xi:
+                term *= Fraction(xj, xj - xi)
+        total += term
+    return total.numerator * pow(total.denominator, -1, p) % p
+
+
+def _digits(share: bytes) -> list[int]:
+    return np.frombuffer(share, dtype="<u4").tolist()
+
+
+@pytest.mark.parametrize("threshold,n", [(1, 1), (2, 3), (3, 5), (7, 10), (11, 21)])
+def test_any_threshold_subset_reconstructs(threshold, n):
+    secret = os.urandom(32)
+    holders = random.sample(range(1, 10_000), n)
+    shares = shamir.split([secret], threshold, holders)
+    rng = random.Random(threshold * 100 + n)
+    for _ in range(10):
+        subset = rng.sample(range(n), threshold)
+        assert shamir.reconstruct({holders[i]: shares[i][0] for i in subset}, threshold, 32) == secret
+
+
+def test_shares_lie_on_a_degree_t_minus_1_polynomial():
+    """Interpolating any t shares with an independent implementation gives the secret digits;
+    a (t+1)-th share is then consistent with the same polynomial."""
+    threshold, holders = 4, [3, 8, 9, 20, 33, 41]
+    secret = os.urandom(32)
+    shares = [row[0] for row in shamir.split([secret], threshold, holders)]
+    expected_digits = [(int.from_bytes(secret, "little") >> (31 * i)) & (2**31 - 1) for i in range(9)]
+    for subset in itertools.combinations(range(len(holders)), threshold):
+        for digit in range(9):
+            points = {holders[i]: _digits(shares[i])[digit] for i in subset}
+            assert _python_lagrange_at_zero(points) == expected_digits[digit]
+
+
+def test_sharing_is_linear():
+    """share(a) + share(b) (mod p, digit-wise) is a sharing of digits(a) + digits(b) (mod p)."""
+    threshold, holders = 3, [1, 2, 3, 4, 5]
+    a, b = os.urandom(32), os.urandom(32)
+    shares = shamir.split([a, b], threshold, holders)
+    summed = {holders[h]: [(x + y) % shamir.PRIME for x, y in zip(_digits(shares[h][0]), _digits(shares[h][1]))]
+              for h in range(3)}
+    for digit in range(9):
+        want = (((int.from_bytes(a, "little") >> (31 * digit)) & (2**31 - 1))
+                + ((int.from_bytes(b, "little") >> (31 * digit)) & (2**31 - 1))) % shamir.PRIME
+        assert _python_lagrange_at_zero({x: s[digit] for x, s in summed.items()}) == want
+
+
+def test_fewer_than_threshold_shares_are_independent_of_the_secret():
+    """t-1 shares of the all-zero and the all-one secret have the same (uniform) distribution:
+    chi-square on the top byte of each share digit, and a two-sample KS test between secrets."""
+    threshold, holders, trials = 3, [1, 2, 3], 600
+    samples = {}
+    for secret in (bytes(32), b"\xff" * 32):
+        values = []
+        for _ in range(trials):
+            shares = shamir.split([secret], threshold, holders)
+            for h in range(threshold - 1):
+                values.extend(_digits(shares[h][0]))
+        samples[secret] = np.array(values, dtype=np.float64)
+        top_byte = (samples[secret].astype(np.uint64) >> np.uint64(24)).astype(np.int64)
+        counts = np.bincount(top_byte, minlength=256)
+        assert stats.chisquare(counts).pvalue > 1e-4
+    assert stats.ks_2samp(samples[bytes(32)], samples[b"\xff" * 32]).pvalue > 1e-4
+
+
+def test_shamir_input_validation():
+    with pytest.raises(ValueError):
+        shamir.split([b"s" * 32], 2, [1, 1, 2])  # duplicate holder
+    with pytest.raises(ValueError):
+        shamir.split([b"s" * 32], 2, [0, 1, 2])  # x = 0 would be the secret itself
+    with pytest.raises(ValueError):
+        shamir.split([b"s" * 32], 4, [1, 2, 3])  # threshold above holder count
+    shares = shamir.split([b"s" * 32], 3, [1, 2, 3])
+    with pytest.raises(ReconstructionError):
+        shamir.reconstruct({1: shares[0][0], 2: shares[1][0]}, 3, 32)
+    with pytest.raises(ReconstructionError):
+        shamir.reconstruct({1: shares[0][0], 2: shares[1][0], 3: b"\xff" * 36}, 3, 32)  # not in GF(p)
+    with pytest.raises(ReconstructionError):
+        shamir.reconstruct({1: shares[0][0], 2: shares[1][0], 3: shares[2][0][:8]}, 3, 32)
+
+
+def test_corrupted_share_never_silently_reconstructs_the_secret():
+    secret = os.urandom(32)
+    shares = shamir.split([secret], 3, [1, 2, 3])
+    bad = bytearray(shares[2][0])
+    bad[0] ^= 1
+    try:
+        assert shamir.reconstruct({1: shares[0][0], 2: shares[1][0], 3: bytes(bad)}, 3, 32) != secret
+    except ReconstructionError:
+        pass
+
+
+# ---- fixed point --------------------------------------------------------------------
+
+
+def test_encoding_matches_exact_rational_rounding_and_sums_exactly():
+    codec = FixedPointCodec(scale_bits=20, bound=100.0)
+    rng = np.random.default_rng(1)
+    vectors = [rng.uniform(-100, 100, 257) for _ in range(9)] + [np.array([100.0, -100.0, 0.5 / 2**20] * 85 + [0, 1])]
+    total = np.zeros(257, dtype=np.uint64)
+    exact = [0] * 257
+    for v in vectors:
+        total += codec.encode(v)
+        for i, value in enumerate(v):
+            exact[i] += round(Fraction(float(value)) * 2**20)  # Python round: half to even, like rint
+    assert codec.to_signed(total).tolist() == exact
+    assert np.allclose(codec.decode(total), np.sum(vectors, axis=0), rtol=0, atol=len(vectors) * 2.0**-21)
+
+
+def test_negative_sums_wrap_back_exactly():
+    codec = FixedPointCodec(scale_bits=10, bound=1.0)
+    total = codec.encode(np.full(4, -1.0)) + codec.encode(np.full(4, -0.5))
+    assert codec.decode(total).tolist() == [-1.5] * 4
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf, 100.0000001, -1e300])
+def test_encoder_rejects_non_finite_and_out_of_bound(bad):
+    codec = FixedPointCodec(scale_bits=20, bound=100.0)
+    with pytest.raises(InputError):
+        codec.encode(np.array([0.0, bad, 1.0]))
+
+
+def test_encoder_accepts_the_bound_itself_and_rejects_non_numeric():
+    codec = FixedPointCodec(scale_bits=20, bound=100.0)
+    assert codec.to_signed(codec.encode(np.array([100.0, -100.0]))).tolist() == [100 * 2**20, -100 * 2**20]
+    with pytest.raises(InputError):
+        codec.encode(np.array(["a"]))
+
+
+def test_capacity_check_at_the_edge():
+    """n * B * 2^f < 2^63 is accepted exactly up to the edge and refused one step beyond."""
+    for n, bound in [(1000, 8.0), (3, 12345.678), (10_000, 2.0**20)]:
+        f = max_scale_bits(n, bound)
+        FixedPointCodec(f, bound).check_capacity(n)
+        assert n * math.floor(bound * 2**f + 0.5) < 2**63
+        with pytest.raises(ConfigError):
+            FixedPointCodec(f + 1, bound).check_capacity(n)
+    with pytest.raises(ConfigError):
+        RoundConfig.create(job_id="j", round_id=0, group_id="g", aggregator_id="agg", members=["a", "b", "c"],
+                           vector_length=4, bound=2.0**61, scale_bits=1)
+
+
+def test_fed3r_edge_largest_client_largest_group_is_exact():
+    """Fed3R statistics at the derived bound: every client has N samples with features at +-F,
+    so |A| entries reach N F^2 = B; n_max such clients must sum exactly (vs float64 and ints)."""
+    n_max, samples, feature = 1000, 5000, 4.0
+    bound = fed3r_bound(samples, feature)
+    assert bound == samples * feature**2
+    codec = FixedPointCodec(max_scale_bits(n_max, bound), bound)
+    codec.check_capacity(n_max)
+    z = np.full((samples, 3), feature)
+    z[:, 1] = -feature
+    y = np.zeros((samples, 2))
+    y[:, 0] = 1.0
+    statistics = np.concatenate([(z.T @ z)[np.triu_indices(3)], (z.T @ y).ravel()])
+    assert np.abs(statistics).max() == bound
+    total = np.zeros(statistics.size, dtype=np.uint64)
+    for _ in range(n_max):
+        total += codec.encode(statistics)
+    exact = [int(round(Fraction(float(s)) * 2**codec.scale_bits)) * n_max for s in statistics]
+    assert codec.to_signed(total).tolist() == exact
+    assert np.array_equal(codec.decode(total), statistics * n_max)  # float64 sum is exact here too
+
+
+def test_codec_rejects_bad_parameters():
+    for scale_bits, bound in [(-1, 1.0), (63, 1.0), (10, 0.0), (10, float("nan")), (10, 2.0**60)]:
+        with pytest.raises(ConfigError):
+            FixedPointCodec(scale_bits, bound)
+
+
+# ---- graph ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n,degree", [(10, 2), (31, 6), (200, 16), (1000, default_degree(1000))])
+def test_random_regular_graph_is_regular_symmetric_and_seeded(n, degree):
+    members = [f"d{i:04d}" for i in range(n)]
+    seed = b"\x07" * 32
+    graph = NeighbourGraph.random_regular(members, degree, seed)
+    for member in members:
+        neighbours = graph.neighbours(member)
+        assert len(neighbours) == degree and member not in neighbours
+        assert all(member in graph.neighbours(v) for v in neighbours)
+    again = NeighbourGraph.random_regular(list(reversed(members)), degree, seed)
+    assert all(again.neighbours(m) == graph.neighbours(m) for m in members)
+    other = NeighbourGraph.random_regular(members, degree, b"\x08" * 32)
+    assert any(other.neighbours(m) != graph.neighbours(m) for m in members)
+
+
+def test_graph_degree_edge_cases():
+    members = [f"d{i}" for i in range(7)]
+    assert NeighbourGraph.random_regular(members, 6, b"s" * 32).is_complete
+    assert NeighbourGraph.complete(members).neighbours("d3") == frozenset(members) - {"d3"}
+    with pytest.raises(ValueError):
+        NeighbourGraph.random_regular(members, 3, b"s" * 32)
+    assert default_degree(1000) == 20

@@ -1,0 +1,160 @@
+"""End-to-end correctness of SecAgg / SecAgg+ through the wire form: the unmasked sum equals the
+plain fixed-point sum of the survivors' inputs exactly, for random group sizes, vector lengths
+and dropout patterns at every phase boundary; too few survivors fail cleanly."""
+
+import math
+import random
+import zlib
+
+import numpy as np
+import pytest
+
+from protocols.identity import DeviceIdentity
+from protocols.secagg import AggregateReady, Phase, RoundConfig, RoundFailed, ServerState
+from protocols.secagg.crypto import MASK_BLOCK_WORDS
+from protocols.secagg.driver import make_identities, plain_fixed_point_sum, run_round
+
+AGGREGATOR = DeviceIdentity.generate("aggregator")
+BOUND = 50.0
+CLIENT_PHASES = list(Phase)  # dropout "at phase P" = the device never sends its P message
+
+
+def _setup(n, m, *, seed, graph="complete", degree=None, consistency_check=True, threshold=None):
+    identities = {i.device_id: i for i in make_identities(n)}
+    config = RoundConfig.create(job_id="job-7", round_id=seed, group_id="g0", aggregator_id="aggregator",
+                                members=list(identities), vector_length=m, bound=BOUND, graph=graph,
+                                degree=degree, consistency_check=consistency_check, threshold=threshold)
+    rng = np.random.default_rng(seed)
+    inputs = {d: rng.uniform(-BOUND, BOUND, m) for d in identities}
+    return config, identities, inputs
+
+
+def _expected_survivors(config, dropouts):
+    """U3: devices that sent their masked input."""
+    order = {p: i for i, p in enumerate(Phase)}
+    return tuple(d for d in config.members
+                 if d not in dropouts or order[dropouts[d]] > order[Phase.MASKED_INPUT])
+
+
+def _assert_exact(run, config, inputs, dropouts):
+    assert run.errors == []
+    assert isinstance(run.outcome, AggregateReady), run.outcome
+    survivors = _expected_survivors(config, dropouts)
+    assert run.outcome.survivors == survivors
+    expected = plain_fixed_point_sum(config, [inputs[d] for d in survivors])
+    assert np.array_equal(run.outcome.sum_uint64, expected)
+    float_sum = np.sum([inputs[d] for d in survivors], axis=0)
+    # quantisation (<= 2^-(f+1) per input) plus float64 rounding of both sums
+    tolerance = len(survivors) * (2.0 ** -config.scale_bits + 4 * np.finfo(float).eps * BOUND)
+    assert np.allclose(run.outcome.decode(), float_sum, rtol=0, atol=tolerance)
+
+
+def _drop_count(rate, n, threshold):
+    return {"0%": 0, "10%": max(1, round(0.1 * n)), "max": n - threshold}[rate]
+
+
+@pytest.mark.parametrize("graph,consistency_check", [("complete", True), ("regular", False)])
+@pytest.mark.parametrize("phase", CLIENT_PHASES)
+@pytest.mark.parametrize("rate", ["0%", "10%", "max"])
+def test_exact_sum_with_dropouts_at_each_phase_boundary(graph, consistency_check, phase, rate):
+    if phase is Phase.CONSISTENCY_CHECK and not consistency_check:
+        pytest.skip("no consistency phase in this configuration")
+    seed = zlib.crc32(f"{graph}/{phase.value}/{rate}".encode()) % 10_000  # stable across runs
+    rnd = random.Random(seed)
+    n, m = rnd.randint(8, 22), rnd.randint(1, 3000)
+    config, identities, inputs = _setup(n, m, seed=seed, graph=graph, degree=6 if graph == "regular" else None,
+                                        consistency_check=consistency_check)
+    count = _drop_count(rate, n, config.threshold)
+    if graph == "regular" and rate == "max":
+        # SecAgg+: the limit is per neighbourhood, tested in test_secagg_plus_per_neighbourhood_limit
+        count = min(count, config.degree + 1 - config.share_threshold)
+    dropouts = {d: phase for d in rnd.sample(list(identities), count)}
+    run = run_round(config, AGGREGATOR, identities, inputs, dropouts=dropouts)
+    _assert_exact(run, config, inputs, dropouts)
+
+
+def test_secagg_plus_per_neighbourhood_limit():
+    """With the SecAgg+ graph, device v's seeds need t' of its k+1 holders: losing k+1-t' holders
+    still unmasks exactly; losing one more fails cleanly without a sum."""
+    n, m = 30, 500
+    config, identities, inputs = _setup(n, m, seed=3, graph="regular", degree=6, consistency_check=False)
+    holders = config.degree + 1
+    target = config.members[0]
+    neighbours = sorted(config.neighbour_graph(config.members).neighbours(target))
+    tolerated = holders - config.share_threshold
+    dropouts = {d: Phase.MASKED_INPUT for d in neighbours[:tolerated]}
+    _assert_exact(run_round(config, AGGREGATOR, identities, inputs, dropouts=dropouts), config, inputs, dropouts)
+    dropouts = {d: Phase.MASKED_INPUT for d in neighbours[:tolerated + 1]}
+    run = run_round(config, AGGREGATOR, identities, inputs, dropouts=dropouts)
+    assert isinstance(run.outcome, RoundFailed) and target in run.outcome.reason
+    assert run.server.state is ServerState.FAILED
+
+
+@pytest.mark.parametrize("trial", range(6))
+def test_random_mixed_dropout_patterns(trial):
+    """Dropouts spread over all phases; the outcome must be exact when every phase keeps >= t
+    devices (complete graph), and a clean failure otherwise."""
+    rnd = random.Random(100 + trial)
+    n, m = rnd.randint(6, 18), rnd.randint(1, 800)
+    config, identities, inputs = _setup(n, m, seed=100 + trial, consistency_check=trial % 2 == 0)
+    dropouts = {d: rnd.choice(CLIENT_PHASES) for d in identities if rnd.random() < 0.35}
+    run = run_round(config, AGGREGATOR, identities, inputs, dropouts=dropouts)
+    order = {p: i for i, p in enumerate(Phase)}
+    phases = [p for p in Phase if config.consistency_check or p is not Phase.CONSISTENCY_CHECK]
+    alive = [sum(1 for d in config.members if d not in dropouts or order[dropouts[d]] > order[p]) for p in phases]
+    if min(alive) >= config.threshold:
+        _assert_exact(run, config, inputs, dropouts)
+    else:
+        assert isinstance(run.outcome, RoundFailed) and not hasattr(run.outcome, "sum_uint64")
+
+
+@pytest.mark.parametrize("phase", CLIENT_PHASES)
+def test_too_few_survivors_fail_cleanly(phase):
+    n = 9
+    config, identities, inputs = _setup(n, 64, seed=5)
+    dropouts = {d: phase for d in list(identities)[: n - config.threshold + 1]}
+    run = run_round(config, AGGREGATOR, identities, inputs, dropouts=dropouts)
+    assert isinstance(run.outcome, RoundFailed)
+    assert run.outcome.phase is phase and "threshold" in run.outcome.reason
+    assert run.server.state is ServerState.FAILED and run.server._accumulator is None
+
+
+def test_vectors_longer_than_one_mask_block_and_extreme_values():
+    n, m = 5, 2 * MASK_BLOCK_WORDS + 3
+    config, identities, inputs = _setup(n, m, seed=9, graph="regular", degree=2)
+    first = config.members[0]
+    inputs[first] = np.where(np.arange(m) % 2 == 0, BOUND, -BOUND)  # values at the bound
+    dropouts = {config.members[1]: Phase.MASKED_INPUT}
+    _assert_exact(run_round(config, AGGREGATOR, identities, inputs, dropouts=dropouts), config, inputs, dropouts)
+
+
+def test_largest_group_at_the_capacity_edge_is_exact():
+    """All clients at +B with the finest scale allowed by n * B * 2^f < 2^63: the sum is exact
+    and positive (no wrap), whereas one more fractional bit would have been refused."""
+    n, m = 12, 16
+    identities = {i.device_id: i for i in make_identities(n)}
+    bound = 1e6
+    config = RoundConfig.create(job_id="j", round_id=1, group_id="edge", aggregator_id="aggregator",
+                                members=list(identities), vector_length=m, bound=bound)
+    assert n * bound * 2.0 ** (config.scale_bits + 1) >= 2.0**63
+    inputs = {d: np.full(m, bound) for d in identities}
+    run = run_round(config, AGGREGATOR, identities, inputs)
+    assert isinstance(run.outcome, AggregateReady)
+    assert config.codec.to_signed(run.outcome.sum_uint64).tolist() == \
+        [n * math.floor(bound * 2**config.scale_bits)] * m
+    assert np.array_equal(run.outcome.decode(), np.full(m, n * bound))
+
+
+def test_inputs_are_requested_only_when_masking():
+    """The driver's lazy inputs: a device that drops before masking is never asked for its vector."""
+    config, identities, inputs = _setup(6, 10, seed=11)
+    asked = []
+    dropouts = {config.members[0]: Phase.SHARE_KEYS}
+
+    def provide(device):
+        asked.append(device)
+        return inputs[device]
+
+    run = run_round(config, AGGREGATOR, identities, provide, dropouts=dropouts)
+    assert isinstance(run.outcome, AggregateReady)
+    assert sorted(asked) == list(config.members[1:])
