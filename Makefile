@@ -17,12 +17,14 @@ test: setup
 
 setup: system-deps $(STAMP)
 
-# mosquitto is the real broker used by the demo and the tests; Fashion-MNIST is the real data.
+# mosquitto is the real broker used by the demo and the tests; Fashion-MNIST is the real data;
+# chromium is the browser the dashboard test drives (Playwright, never its own browser download).
+DEBS := mosquitto dataset-fashion-mnist chromium
 system-deps:
-	@if ! command -v mosquitto >/dev/null 2>&1 && [ ! -x /usr/sbin/mosquitto ] || [ ! -d /usr/share/datasets/fashion-mnist ]; then \
-	  echo "fedfleet: installing Debian packages mosquitto and dataset-fashion-mnist"; \
-	  ( $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mosquitto dataset-fashion-mnist >/dev/null ) || { \
-	    echo "fedfleet: could not install 'mosquitto' and 'dataset-fashion-mnist' with apt-get."; \
+	@if [ ! -x /usr/sbin/mosquitto ] && ! command -v mosquitto >/dev/null 2>&1 || [ ! -d /usr/share/datasets/fashion-mnist ] || [ ! -x /usr/bin/chromium ]; then \
+	  echo "fedfleet: installing Debian packages $(DEBS)"; \
+	  ( $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(DEBS) >/dev/null ) || { \
+	    echo "fedfleet: could not install the Debian packages $(DEBS) with apt-get."; \
 	    echo "          Install them yourself (or point --broker / --data elsewhere, see README)."; exit 1; }; \
 	fi
 

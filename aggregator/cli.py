@@ -13,15 +13,16 @@ import numpy as np
 from protocols.mqtt_link import BrokerConfig
 from protocols.topics import Topics
 
+from .api.server import add_ops_arguments, serve_with_ops
 from .jobs.fed3r import Fed3RConfig, Fed3RJob
-from .service import AggregatorService
 
 
 def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p = p or argparse.ArgumentParser(prog="fedfleet aggregator")
     sub = p.add_subparsers(dest="aggregator_cmd", required=True)
     s = sub.add_parser("serve", help="run one Fed3R job until every device has contributed")
-    s.add_argument("--config", type=Path, required=True, help="job config JSON (fields of Fed3RConfig)")
+    s.add_argument("--config", type=Path, default=None,
+                   help="job config JSON (fields of Fed3RConfig); optional with --keep-serving")
     s.add_argument("--broker", default="mqtt://127.0.0.1:1883", help="mqtt://[user:pass@]host:port")
     s.add_argument("--tls-ca", default=None, help="CA file: connect with TLS")
     s.add_argument("--topic-root", default="fedfleet")
@@ -30,11 +31,14 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
                    help="held-out evaluation set as .npz with Z (n,d) features and y (n,) labels")
     s.add_argument("--enrolled", type=Path, default=None, help="file with one allowed device id per line")
     s.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
+    add_ops_arguments(s)
     return p
 
 
 def serve(args) -> int:
-    cfg = Fed3RConfig(**json.loads(args.config.read_text()))
+    if args.config is None and not args.keep_serving:
+        raise SystemExit("serve needs --config (or --keep-serving with --state to run jobs from the API)")
+    job = Fed3RJob(Fed3RConfig(**json.loads(args.config.read_text()))) if args.config else None
     eval_set = None
     if args.eval_features:
         data = np.load(args.eval_features)
@@ -42,13 +46,12 @@ def serve(args) -> int:
     enrolled = None
     if args.enrolled:
         enrolled = {line.strip() for line in args.enrolled.read_text().splitlines() if line.strip()}
-    service = AggregatorService(Fed3RJob(cfg), BrokerConfig.from_url(args.broker, tls_ca=args.tls_ca),
-                                args.out, Topics(args.topic_root), enrolled=enrolled, eval_set=eval_set)
-    summary = service.run(timeout_s=args.timeout)
+    summary = serve_with_ops(args, job, BrokerConfig.from_url(args.broker, tls_ca=args.tls_ca), args.out,
+                             Topics(args.topic_root), enrolled=enrolled, eval_set=eval_set)
     final = summary.get("final", {})
-    print(json.dumps({"state": summary["state"], "contributions": final.get("contributions"),
+    print(json.dumps({"state": summary.get("state"), "contributions": final.get("contributions"),
                       "accuracy": final.get("accuracy")}))
-    return 0 if summary["state"] == "done" else 1
+    return 0 if summary.get("state") == "done" else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,6 +3,7 @@
     fedfleet simulate     emulated fleet + real broker + real aggregator (research, demos, load tests)
     fedfleet aggregator   run the aggregator service (``serve``)
     fedfleet device       run one device agent on local data against a broker
+    fedfleet admin        talk to a running aggregator's admin API (fleet, jobs, rounds, models)
 """
 
 from __future__ import annotations
@@ -62,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(d)
     d.set_defaults(func=_device)
+
+    from .admin import add_admin_parser
+
+    add_admin_parser(sub)
     return p
 
 

@@ -152,13 +152,18 @@ class MessageAssembler:
         self.reassembler = Reassembler(max_message_bytes=max_message_bytes, **reassembler_kw)
 
     def feed(self, payload: bytes, now: float | None = None) -> Envelope | None:
+        whole = self.feed_whole(payload, now)
+        return None if whole is None else whole[0]
+
+    def feed_whole(self, payload: bytes, now: float | None = None) -> tuple[Envelope, bytes] | None:
+        """Like :meth:`feed`, also returning the whole encoded message (what a durable store keeps)."""
         env = self._decode(payload, self.verifier, max_bytes=self.max_message_bytes)
         if env.type != CHUNK_TYPE:
-            return env
+            return env, payload
         whole = self.reassembler.add(env, now)
         if whole is None:
             return None
         inner = self._decode(whole, self.verifier, max_bytes=self.max_message_bytes)
         if inner.sender != env.sender or inner.id != env.body["parent"]:
             raise EnvelopeError("reassembled message's sender/id do not match its chunks")
-        return inner
+        return inner, whole

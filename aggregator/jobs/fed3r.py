@@ -64,6 +64,7 @@ class Fed3RJob:
     attempts: dict[str, int] = field(default_factory=dict)
     round: int = 0
     kind: str = KIND
+    order_free = True   # the model depends only on *which* statistics were summed, not on their order
 
     def __post_init__(self):
         if self.strategy is None:
@@ -106,6 +107,9 @@ class Fed3RJob:
     def state_dict(self) -> dict[str, np.ndarray]:
         return self.strategy.state_dict()
 
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        self.strategy.load_state_dict(state)
+
     def apply(self, device: str, stats: Fed3RStats) -> None:
         if device in self.contributed:
             raise ValueError(f"{device} already contributed")  # the round machine prevents this
@@ -129,6 +133,17 @@ class Fed3RJob:
 
     def model(self):
         return self.strategy.solve()
+
+    def bookkeeping(self) -> dict:
+        """JSON-able scheduling state (round, attempts, sampler), so a restarted service resumes it."""
+        version, internal, gauss = self._rng.getstate()
+        return {"round": self.round, "attempts": dict(self.attempts), "rng": [version, list(internal), gauss]}
+
+    def restore_bookkeeping(self, state: dict) -> None:
+        self.round = int(state["round"])
+        self.attempts = {device: int(n) for device, n in state["attempts"].items()}
+        version, internal, gauss = state["rng"]
+        self._rng.setstate((version, tuple(internal), gauss))
 
 
 _RF_CACHE: dict = {}

@@ -1,0 +1,116 @@
+"""Run the aggregator service with its operations side: durable store, admin API, broker security.
+
+``aggregator.cli serve`` calls :func:`add_ops_arguments` on its parser and :func:`serve_with_ops`
+to run; the API runs in the same process (uvicorn on a thread) and talks to the service through
+``AggregatorService.call`` and its ``live`` snapshot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+from protocols.mqtt_link import BrokerConfig
+from protocols.topics import AGGREGATOR_ID, Topics
+
+TOKEN_ENV = "FEDFLEET_ADMIN_TOKEN"
+
+
+class ApiServer:
+    """uvicorn on a daemon thread; ``port=0`` picks a free port (see ``.port`` after ``start``)."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0):
+        import uvicorn
+
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                                    access_log=False, lifespan="off"))
+        self.host = host
+        self.port = port
+        self._thread: threading.Thread | None = None
+
+    def start(self, timeout: float = 15.0) -> "ApiServer":
+        self._thread = threading.Thread(target=self.server.run, name="admin-api", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError(f"admin API did not start on {self.host}:{self.port}")
+            time.sleep(0.02)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        if self._thread:
+            self._thread.join(timeout=10)
+
+
+def add_ops_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("operations")
+    g.add_argument("--state", type=Path, default=None,
+                   help="SQLite state file: durable jobs, rounds and contributions; restarting resumes the job")
+    g.add_argument("--durability", choices=["full", "normal"], default="full",
+                   help="full: every commit is on disk before the ack (default); normal: faster, may lose the "
+                        "last commits on power loss (never on a process crash)")
+    g.add_argument("--api", default=None, metavar="HOST:PORT", help="serve the admin API and dashboard here")
+    g.add_argument("--api-token-file", type=Path, default=None,
+                   help=f"file holding the admin token (or set {TOKEN_ENV})")
+    g.add_argument("--security-dir", type=Path, default=None,
+                   help="broker security files (python -m aggregator.broker_security DIR): the aggregator logs in "
+                        "with its account there and rewrites passwd/ACL + reloads mosquitto on enrol/revoke")
+    g.add_argument("--require-signatures", action="store_true",
+                   help="accept only messages signed with the sender's enrolled Ed25519 key")
+    g.add_argument("--keep-serving", action="store_true",
+                   help="after the job, keep running and start jobs queued through the API")
+
+
+def admin_token(args) -> str | None:
+    if args.api_token_file:
+        return args.api_token_file.read_text().strip()
+    return os.environ.get(TOKEN_ENV)
+
+
+def serve_with_ops(args, job, broker: BrokerConfig, out_dir: Path, topics: Topics, **service_kw) -> dict:
+    """Build store/security/API from ``args`` around an AggregatorService and run it."""
+    from ..broker_security import BrokerSecurity
+    from ..service import AggregatorService
+    from ..store import Store
+
+    store = Store(args.state, synchronous=args.durability.upper()) if args.state else None
+    security = None
+    if args.security_dir:
+        security = BrokerSecurity(args.security_dir, topics)
+        if not broker.username:
+            broker = dataclasses.replace(broker, username=AGGREGATOR_ID, password=security.aggregator_password,
+                                         tls_ca=broker.tls_ca or str(security.ca_cert))
+    if (args.api or args.keep_serving) and store is None:
+        raise SystemExit("--api and --keep-serving need --state")
+    service = AggregatorService(job, broker, out_dir, topics, store=store, security=security,
+                                require_signatures=args.require_signatures, keep_serving=args.keep_serving,
+                                **service_kw)
+    api = None
+    if args.api:
+        from .app import create_app
+
+        token = admin_token(args)
+        if not token:
+            raise SystemExit(f"--api needs a token: --api-token-file or {TOKEN_ENV}")
+        host, _, port = args.api.rpartition(":")
+        api = ApiServer(create_app(store, token, service), host or "127.0.0.1", int(port)).start()
+        print(f"admin API on {api.url} (dashboard: {api.url}/dashboard/)", flush=True)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: service.stop())     # clean stop; the job stays resumable
+    try:
+        return service.run(timeout_s=args.timeout)
+    finally:
+        if api:
+            api.stop()

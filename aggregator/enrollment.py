@@ -1,0 +1,70 @@
+"""Device enrolment and revocation: credentials in, broker access files and identities out.
+
+Enrolling a device gives it two credentials:
+
+* an Ed25519 identity (``protocols.identity``): the aggregator keeps the public key and accepts a
+  message from the device only if it is signed with the matching private key. A device that
+  generated its own key pair sends only the public key (the private key never leaves it);
+  otherwise one is generated here and returned once, as PKCS#8 PEM.
+* an MQTT account (user name = device id, random password) that the broker checks at CONNECT;
+  only the PBKDF2 hash is stored, the password is returned once.
+
+Every change rewrites mosquitto's password file and ACL from the store and signals the broker
+(:class:`aggregator.broker_security.BrokerSecurity`), so it takes effect without a restart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from protocols.identity import DeviceIdentity, IdentityRegistry
+from protocols.topics import AGGREGATOR_ID, check_device_id
+
+from .broker_security import BrokerSecurity, hash_password, new_password
+from .store import Store, StoreError
+
+
+@dataclass(frozen=True)
+class DeviceCredentials:
+    device_id: str
+    mqtt_username: str
+    mqtt_password: str
+    public_key: str                      # hex, raw 32-byte Ed25519
+    private_key_pem: str | None = None   # only when the aggregator generated the key pair
+    ca_pem: str | None = None            # the broker's CA, for TLS
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Enrollment:
+    def __init__(self, store: Store, security: BrokerSecurity | None = None):
+        self.store = store
+        self.security = security
+
+    def enroll(self, device_id: str, public_key: bytes | None = None) -> DeviceCredentials:
+        if device_id == AGGREGATOR_ID:
+            raise StoreError(f"{AGGREGATOR_ID!r} is the aggregator's own account")
+        check_device_id(device_id)
+        private_pem = None
+        if public_key is None:
+            identity = DeviceIdentity.generate(device_id)
+            public_key, private_pem = identity.public_key_bytes, identity.to_pem().decode()
+        IdentityRegistry({device_id: public_key})          # validates the key (32-byte Ed25519)
+        password = new_password()
+        self.store.enroll_device(device_id, bytes(public_key), hash_password(password))
+        self._sync_broker()
+        ca = self.security.ca_cert.read_text() if self.security and self.security.ca_cert.exists() else None
+        return DeviceCredentials(device_id, device_id, password, bytes(public_key).hex(), private_pem, ca)
+
+    def revoke(self, device_id: str) -> None:
+        self.store.revoke_device(device_id)
+        self._sync_broker()
+
+    def registry(self) -> IdentityRegistry:
+        """Enrolled devices that have an identity key (devices on a bare allow-list have none)."""
+        return IdentityRegistry({d: k for d, k in self.store.enrolled_keys().items() if k is not None})
+
+    def _sync_broker(self) -> None:
+        if self.security is not None:
+            self.security.apply(self.store.password_hashes())

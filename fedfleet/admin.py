@@ -1,0 +1,332 @@
+"""``fedfleet admin``: the operator's command line, a thin client of the aggregator's admin API.
+
+    fedfleet admin status | watch | fleet | devices | clusters | metrics | jobs | models
+    fedfleet admin device show|enroll|revoke ID
+    fedfleet admin job show|create|start|pause|resume|cancel|rounds ...
+    fedfleet admin round JOB N
+    fedfleet admin model show|download|lineage ID
+
+Tables and progress bars for people; ``--json`` prints the API's JSON unchanged, for scripts.
+The API address and token come from ``--url`` / ``--token`` (or ``--token-file``), else from
+FEDFLEET_ADMIN_URL / FEDFLEET_ADMIN_TOKEN. Only the standard library is used (urllib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+DEFAULT_URL = "http://127.0.0.1:8080"
+
+
+class AdminError(Exception):
+    """The API refused a request (message from its ``detail``) or could not be reached."""
+
+
+class AdminClient:
+    def __init__(self, url: str, token: str, timeout: float = 30.0):
+        self.url, self.token, self.timeout = url.rstrip("/"), token, timeout
+
+    def request(self, method: str, path: str, body: Any = None, raw: bool = False):
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers={"Authorization": f"Bearer {self.token}",
+                                              **({"Content-Type": "application/json"} if data else {})})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                payload = resp.read()
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")
+            try:
+                detail = json.loads(detail).get("detail", detail)
+            except (ValueError, AttributeError):
+                pass
+            raise AdminError(f"{method} {path}: HTTP {exc.code}: {detail}") from None
+        except urllib.error.URLError as exc:
+            raise AdminError(f"cannot reach the admin API at {self.url}: {exc.reason}") from None
+        return payload if raw else json.loads(payload)
+
+    def get(self, path: str, raw: bool = False):
+        return self.request("GET", path, raw=raw)
+
+    def post(self, path: str, body: Any = None):
+        return self.request("POST", path, body if body is not None else {})
+
+
+# ----------------------------------------------------------------------------- rendering
+def ago(ts: float | None) -> str:
+    if not ts:
+        return "-"
+    s = max(0.0, time.time() - ts)
+    return f"{s:.0f}s ago" if s < 120 else f"{s / 60:.0f}m ago" if s < 7200 else f"{s / 3600:.1f}h ago"
+
+
+def table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
+    """Left-aligned text table; ``columns`` = [(header, key)], values rendered with str()."""
+    cells = [[h for h, _ in columns]] + [["-" if r.get(k) is None else str(r.get(k)) for _, k in columns] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def bar(done: int, total: int, width: int = 30) -> str:
+    filled = int(width * min(done, total) / max(1, total))
+    return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total}"
+
+
+def progress_line(status: dict) -> str:
+    job = status.get("job")
+    if not job:
+        return f"no active job; {len(status.get('devices_online', []))} devices online"
+    cur = job.get("current_round")
+    acc = f"  acc {job['accuracy']:.4f}" if job.get("accuracy") is not None else ""
+    if cur:
+        answered = len(cur["accepted"]) + len(cur["declined"]) + len(cur["rejected"])
+        rnd = f"round {cur['round']:>3} {bar(answered, len(cur['participants']), 20)}"
+    else:
+        rnd = f"round {job['round']:>3} (between rounds)"
+    return (f"{job['job_id']} [{job['state']}] {rnd}  contributions {job['contributions']}  "
+            f"online {len(status.get('devices_online', []))}{acc}")
+
+
+def _devices_rows(devices: list[dict]) -> list[dict]:
+    return [{**d, "seen": ago(d["last_seen"]), "state": "online" if d["online"] else "offline",
+             "profile_": ",".join(f"{k}={v}" for k, v in sorted(d["profile"].items()))[:40]} for d in devices]
+
+
+def _round_rows(rounds: list[dict]) -> list[dict]:
+    return [{**r, "n_part": len(r["participants"]), "n_acc": len(r["accepted"]), "n_drop": len(r["dropped"]),
+             "n_decl": len(r["declined"]), "n_rej": len(r["rejected"]),
+             "dur": f"{r['duration_s']:.1f}s" if r["duration_s"] is not None else "open",
+             "kb": f"{r['bytes_in'] / 1024:.1f}"} for r in rounds]
+
+
+def _model_rows(models: list[dict]) -> list[dict]:
+    return [{**m, "acc": (f"{m['metrics']['accuracy']:.4f}" if m["metrics"].get("accuracy") is not None else None),
+             "sha": m["sha256"][:12], "final_": "yes" if m["final"] else ""} for m in models]
+
+
+# ----------------------------------------------------------------------------- commands
+def _run(args, client: AdminClient) -> Any:
+    """Do the command; returns (json_result, text) where text is the human rendering."""
+    c = args.admin_cmd
+    if c == "status":
+        s = client.get("/api/status")
+        return s, progress_line(s)
+    if c == "watch":
+        return _watch(args, client)
+    if c == "fleet":
+        f = client.get("/api/fleet")
+        return f, "\n".join(f"{k:<12}{v}" for k, v in f.items())
+    if c == "devices":
+        q = f"?status={args.status}" if args.status else ""
+        d = client.get(f"/api/devices{q}")
+        return d, table(_devices_rows(d), [("DEVICE", "device_id"), ("STATUS", "status"), ("STATE", "state"),
+                                           ("LAST SEEN", "seen"), ("CLUSTER", "cluster"), ("PROFILE", "profile_")])
+    if c == "device":
+        return _device(args, client)
+    if c == "jobs":
+        j = client.get("/api/jobs")
+        return j, table(j, [("JOB", "job_id"), ("KIND", "kind"), ("STATE", "state"), ("ROUNDS", "rounds"),
+                            ("CONTRIBUTIONS", "contributions")])
+    if c == "job":
+        return _job(args, client)
+    if c == "round":
+        r = client.get(f"/api/jobs/{args.job_id}/rounds/{args.round}")
+        lines = [f"round {r['round']} of {args.job_id}: {r['state']}",
+                 f"participants {', '.join(r['participants'])}", f"accepted     {', '.join(r['accepted']) or '-'}",
+                 f"dropped      {', '.join(r['dropped']) or '-'}", f"declined     {', '.join(r['declined']) or '-'}",
+                 f"rejected     {', '.join(r['rejected']) or '-'}", f"pending      {', '.join(r['pending']) or '-'}",
+                 f"duration     {r['duration_s'] if r['duration_s'] is not None else 'open'}",
+                 f"bytes in     {r['bytes_in']}"]
+        lines += [f"  {d:<16} answered after {t:.2f}s" for d, t in sorted(r["result_latency_s"].items())]
+        return r, "\n".join(lines)
+    if c == "models":
+        q = f"?job_id={args.job}" if args.job else ""
+        m = client.get(f"/api/models{q}")
+        return m, table(_model_rows(m), [("ID", "model_id"), ("JOB", "job_id"), ("VERSION", "version"),
+                                         ("ROUND", "round"), ("PARENT", "parent_id"), ("CONTRIB", "contributions"),
+                                         ("ACCURACY", "acc"), ("FINAL", "final_"), ("SHA256", "sha")])
+    if c == "model":
+        return _model(args, client)
+    if c == "clusters":
+        cl = client.get("/api/clusters")
+        return cl, table(cl, [("CLUSTER", "cluster_id"), ("LABEL", "label"), ("JOB", "job_id"),
+                              ("MODEL", "model_id"), ("DEVICES", "devices")])
+    if c == "metrics":
+        text = client.get("/metrics", raw=True).decode()
+        return {"metrics": text}, text.rstrip()
+    raise AdminError(f"unknown command {c!r}")
+
+
+def _device(args, client):
+    if args.action == "show":
+        d = client.get(f"/api/devices/{args.device_id}")
+        return d, "\n".join(f"{k:<12}{v}" for k, v in _devices_rows([d])[0].items() if not k.endswith("_"))
+    if args.action == "revoke":
+        d = client.post(f"/api/devices/{args.device_id}/revoke")
+        return d, f"revoked {args.device_id}"
+    body = {"device_id": args.device_id}
+    if args.public_key:
+        body["public_key"] = args.public_key
+    creds = client.post("/api/devices", body)
+    text = f"enrolled {args.device_id} (MQTT user {creds['mqtt_username']})"
+    if args.out:
+        fd = os.open(args.out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)   # holds secrets
+        with os.fdopen(fd, "w") as f:
+            json.dump(creds, f, indent=1)
+        text += f"; credentials written to {args.out} (shown once, keep them safe)"
+    else:
+        text += "\n" + json.dumps(creds, indent=1)
+    return creds, text
+
+
+def _job(args, client):
+    a = args.action
+    if a == "show":
+        j = client.get(f"/api/jobs/{args.job_id}")
+        return j, "\n".join(f"{k:<14}{v}" for k, v in j.items() if k not in ("config", "summary"))
+    if a == "create":
+        config = json.loads(Path(args.config).read_text())
+        job_id = args.job_id or config.get("job_id")
+        config.pop("job_id", None)                      # named once, outside the settings
+        if not job_id:
+            raise AdminError("the config has no job_id: pass --job-id")
+        j = client.post("/api/jobs", {"job_id": job_id, "kind": args.kind, "config": config})
+        if args.start:
+            j = client.post(f"/api/jobs/{job_id}/start")
+        return j, f"job {job_id}: {j['state']}"
+    if a == "rounds":
+        r = client.get(f"/api/jobs/{args.job_id}/rounds")
+        return r, table(_round_rows(r), [("ROUND", "round"), ("STATE", "state"), ("PARTICIPANTS", "n_part"),
+                                         ("ACCEPTED", "n_acc"), ("DROPPED", "n_drop"), ("DECLINED", "n_decl"),
+                                         ("REJECTED", "n_rej"), ("DURATION", "dur"), ("KB IN", "kb")])
+    j = client.post(f"/api/jobs/{args.job_id}/{a}")
+    return j, f"job {args.job_id}: {j['state']}"
+
+
+def _model(args, client):
+    if args.action == "show":
+        m = client.get(f"/api/models/{args.model_id}")
+        return m, "\n".join(f"{k:<14}{v}" for k, v in m.items())
+    if args.action == "lineage":
+        lin = client.get(f"/api/models/{args.model_id}/lineage")
+        return lin, "\n".join(f"v{m['version']} (id {m['model_id']}, round {m['round']}, {m['contributions']} "
+                              f"contributions, sha {m['sha256'][:12]}) <- +{', '.join(m['accepted']) or 'nothing'}"
+                              for m in lin)
+    data = client.get(f"/api/models/{args.model_id}/download", raw=True)
+    Path(args.output).write_bytes(data)
+    return {"model_id": args.model_id, "path": str(args.output), "bytes": len(data)}, \
+        f"wrote {len(data)} bytes to {args.output}"
+
+
+def _watch(args, client):
+    """Redraw a progress line until interrupted, or until the job is over with --until-done."""
+    last: dict = {}
+    deadline = time.monotonic() + args.timeout if args.timeout else None
+    tty = sys.stdout.isatty() and not args.json
+    while True:
+        last = client.get("/api/status")
+        job = last.get("job")
+        if args.json:
+            print(json.dumps(last), flush=True)
+        else:
+            print(("\r" if tty else "") + progress_line(last), end="" if tty else "\n", flush=True)
+        over = job is None or job.get("state") in ("done", "cancelled", "stopped")
+        if job is not None and args.job and job["job_id"] != args.job:
+            over = True
+        if (args.until_done and over) or (deadline and time.monotonic() > deadline):
+            break
+        time.sleep(args.interval)
+    if tty:
+        print()
+    return None, None
+
+
+# ----------------------------------------------------------------------------- argument parsing
+def add_admin_parser(subparsers) -> argparse.ArgumentParser:
+    """Add ``admin`` to a ``fedfleet`` subparsers object; the parser's ``func`` runs the command."""
+    p = subparsers.add_parser("admin", help="operate a running aggregator through its admin API",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default=os.environ.get("FEDFLEET_ADMIN_URL", DEFAULT_URL))
+    p.add_argument("--token", default=None, help="admin token (default: $FEDFLEET_ADMIN_TOKEN)")
+    p.add_argument("--token-file", type=Path, default=None)
+    p.add_argument("--json", action="store_true", help="print the API's JSON (for scripts)")
+    sub = p.add_subparsers(dest="admin_cmd", required=True)
+    sub.add_parser("status", help="one line: active job, round progress, devices online")
+    w = sub.add_parser("watch", help="live progress bar of the active job")
+    w.add_argument("--job", default=None, help="stop watching when this job is no longer active")
+    w.add_argument("--interval", type=float, default=1.0)
+    w.add_argument("--until-done", action="store_true", help="exit when the job is done/cancelled/stopped")
+    w.add_argument("--timeout", type=float, default=None)
+    sub.add_parser("fleet", help="fleet summary")
+    d = sub.add_parser("devices", help="table of devices (last seen, profile, cluster)")
+    d.add_argument("--status", choices=["enrolled", "revoked"], default=None)
+    dv = sub.add_parser("device", help="show, enrol or revoke one device")
+    dv.add_argument("action", choices=["show", "enroll", "revoke"])
+    dv.add_argument("device_id")
+    dv.add_argument("--public-key", default=None, help="enrol: the device's own Ed25519 public key (hex)")
+    dv.add_argument("--out", type=Path, default=None, help="enrol: write the credentials JSON here (mode 600)")
+    sub.add_parser("jobs", help="table of jobs")
+    j = sub.add_parser("job", help="show / create / start / pause / resume / cancel a job, or list its rounds")
+    j.add_argument("action", choices=["show", "create", "start", "pause", "resume", "cancel", "rounds"])
+    j.add_argument("target", help="job id, or for create: the config JSON file")
+    j.add_argument("--job-id", default=None, help="create: job id (default: the config's job_id)")
+    j.add_argument("--kind", default="fed3r")
+    j.add_argument("--start", action="store_true", help="create: start it at once")
+    r = sub.add_parser("round", help="one round in detail: participants, drop-outs, timings, bytes")
+    r.add_argument("job_id")
+    r.add_argument("round", type=int)
+    m = sub.add_parser("models", help="table of model versions")
+    m.add_argument("--job", default=None)
+    mo = sub.add_parser("model", help="show / download / lineage of one model version")
+    mo.add_argument("action", choices=["show", "download", "lineage"])
+    mo.add_argument("model_id", type=int)
+    mo.add_argument("-o", "--output", default=None, help="download: file to write (.npz)")
+    sub.add_parser("clusters", help="table of clusters")
+    sub.add_parser("metrics", help="the Prometheus metrics text")
+    p.set_defaults(func=run_admin)
+    return p
+
+
+def run_admin(args) -> int:
+    if args.admin_cmd == "job":
+        if args.action == "create":
+            args.config, args.job_id = args.target, args.job_id
+        else:
+            args.job_id = args.target
+    if args.admin_cmd == "model" and args.action == "download" and not args.output:
+        print("fedfleet admin: model download needs -o FILE", file=sys.stderr)
+        return 2
+    token = (args.token_file.read_text().strip() if args.token_file else args.token) or \
+        os.environ.get("FEDFLEET_ADMIN_TOKEN")
+    if not token:
+        print("fedfleet admin: no token (--token, --token-file or FEDFLEET_ADMIN_TOKEN)", file=sys.stderr)
+        return 2
+    try:
+        result, text = _run(args, AdminClient(args.url, token))
+    except (AdminError, OSError, ValueError) as exc:
+        print(f"fedfleet admin: {exc}", file=sys.stderr)
+        return 1
+    if text is not None:
+        print(json.dumps(result, indent=1) if args.json else text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fedfleet")
+    add_admin_parser(parser.add_subparsers(dest="cmd", required=True))
+    args = parser.parse_args(["admin", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

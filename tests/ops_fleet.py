@@ -1,0 +1,114 @@
+"""Shared fixtures for the operations tests: a small fleet of real DeviceAgents computing real
+Fed3R statistics of synthetic features, the independent numpy reference, and the aggregator as a
+subprocess (``python -m aggregator serve``) that a test may kill and restart."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from edge_client.agent import DeviceAgent
+from edge_client.fed3r import Fed3RAccumulator
+from protocols.mqtt_link import BrokerConfig
+from protocols.payloads.fed3r import encode_stats
+from protocols.topics import Topics
+
+D, C, N = 6, 3, 25
+REPO = Path(__file__).resolve().parents[1]
+
+
+def data_for(device: str) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(int(device.removeprefix("dev")) + 1000)
+    return rng.normal(size=(N, D)), rng.integers(0, C, N)
+
+
+class SyntheticStats:
+    """Task handler: real Fed3R statistics of the device's fixed synthetic features."""
+
+    def __init__(self, device: str, gate: threading.Event | None = None):
+        self.Z, self.y = data_for(device)
+        self.gate = gate
+
+    def __call__(self, params):
+        if self.gate is not None:
+            self.gate.wait(60)
+        acc = Fed3RAccumulator(C, D)
+        acc.update(self.Z, self.y)
+        A, ids, b = acc.sparse()
+        return encode_stats(A, ids, b, acc.n, C)
+
+
+def reference_sums(devices) -> tuple[np.ndarray, np.ndarray]:
+    """(A, B) = Σ ZᵀZ, Σ ZᵀY over the devices, bias column appended: plain numpy."""
+    A, B = np.zeros((D + 1, D + 1)), np.zeros((D + 1, C))
+    for d in devices:
+        Z, y = data_for(d)
+        Zb = np.hstack([Z, np.ones((len(Z), 1))])
+        A += Zb.T @ Zb
+        B += Zb.T @ np.eye(C)[y]
+    return A, B
+
+
+def job_config(devices, **over) -> dict:
+    cfg = {"job_id": "ops", "num_classes": C, "feature_dim": D, "clients_per_round": 3, "round_timeout_s": 60,
+           "expected_devices": len(devices), "start_timeout_s": 5, "max_attempts": 5}
+    cfg.update(over)
+    return cfg
+
+
+class Fleet:
+    """Real device agents on threads; ``gates`` hold chosen devices' computations until set."""
+
+    def __init__(self, broker_url: str, devices, topics: Topics = Topics(), gates: dict | None = None,
+                 credentials: dict | None = None, tls_ca: str | None = None, retry_after_s: float = 0.5):
+        self.agents = []
+        for d in devices:
+            user, password = (credentials or {}).get(d, (None, None))
+            cfg = BrokerConfig.from_url(broker_url, tls_ca=tls_ca)
+            if user:
+                cfg = dataclasses.replace(cfg, username=user, password=password)
+            self.agents.append(DeviceAgent(d, cfg, {"fed3r.stats": SyntheticStats(d, (gates or {}).get(d))},
+                                           topics=topics, retry_after_s=retry_after_s, tick_s=0.1))
+
+    def __enter__(self) -> "Fleet":
+        for a in self.agents:
+            a.start()
+        return self
+
+    def __exit__(self, *exc):
+        for a in self.agents:
+            a._stop.set()
+        for a in self.agents:
+            a.stop()
+
+
+def aggregator_cmd(workdir: Path, broker_url: str, state: Path, extra: list[str] = ()) -> list[str]:
+    return [sys.executable, "-m", "aggregator", "serve", "--config", str(workdir / "job.json"),
+            "--broker", broker_url, "--out", str(workdir / "out"), "--state", str(state),
+            "--enrolled", str(workdir / "enrolled.txt"), "--timeout", "90", *extra]
+
+
+def prepare(workdir: Path, devices, **cfg) -> None:
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "job.json").write_text(json.dumps(job_config(devices, **cfg)))
+    (workdir / "enrolled.txt").write_text("\n".join(devices) + "\n")
+
+
+def run_aggregator(workdir: Path, broker_url: str, state: Path, crash: str | None = None,
+                   timeout: float = 120, extra: list[str] = ()) -> tuple[int, str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env.pop("FEDFLEET_CRASH_AT", None)
+    if crash:
+        env["FEDFLEET_CRASH_AT"] = crash
+    t0 = time.monotonic()
+    proc = subprocess.run(aggregator_cmd(workdir, broker_url, state, extra), env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr + f"\n[{time.monotonic() - t0:.1f}s]"

@@ -1,0 +1,95 @@
+"""The web dashboard in headless Chromium (Playwright driving Debian's /usr/bin/chromium) while a
+simulated Fed3R job runs: real agents over mosquitto, one device per round, each device held until
+the test lets it answer, so the page must show the rounds advance. The screenshot is kept in
+test-artifacts/dashboard.png."""
+
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from aggregator.api.app import create_app
+from aggregator.api.server import ApiServer
+from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
+from aggregator.service import AggregatorService
+from aggregator.store import Store
+from protocols.mqtt_link import BrokerConfig
+
+from ops_fleet import REPO, Fleet, data_for, job_config
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+TOKEN = "dashboard-token-0123456789"
+DEVICES = ["dev01", "dev02", "dev03", "dev04"]
+
+
+def text(page, element_id: str) -> str:
+    return page.text_content(f"#{element_id}") or ""
+
+
+def test_dashboard_shows_rounds_advance_during_a_running_job(broker, tmp_path):
+    sync_api = pytest.importorskip("playwright.sync_api")
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} not installed (Debian package chromium)")
+    gates = {d: threading.Event() for d in DEVICES}
+    Z, y = data_for("dev99")
+    store = Store(tmp_path / "state.db")
+    svc = AggregatorService(Fed3RJob(Fed3RConfig(**job_config(DEVICES, clients_per_round=1))),
+                            BrokerConfig.from_url(broker.url), tmp_path / "out", enrolled=set(DEVICES),
+                            eval_set=(Z, y), store=store, tick_s=0.05)
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=90)), daemon=True)
+    thread.start()
+    api = ApiServer(create_app(store, TOKEN, svc)).start()
+    profile = tempfile.mkdtemp(prefix="fedfleet-chromium-")
+    seen_rounds = []
+    try:
+        with Fleet(broker.url, DEVICES, gates=gates), sync_api.sync_playwright() as pw:
+            ctx = pw.chromium.launch_persistent_context(profile, executable_path=CHROMIUM, headless=True,
+                                                        args=CHROMIUM_ARGS, viewport={"width": 1280, "height": 1000})
+            page = ctx.new_page()
+            page.goto(f"{api.url}/dashboard/?token={TOKEN}")          # sets the session cookie, redirects
+            assert page.url == f"{api.url}/dashboard/"
+            for _ in range(3):
+                deadline = time.time() + 20
+                while not (svc.live.get("job") or {}).get("current_round") and time.time() < deadline:
+                    time.sleep(0.05)
+                current = svc.live["job"]["current_round"]
+                page.wait_for_function(
+                    f"document.getElementById('round-number').textContent === '{current['round']}'", timeout=20000)
+                seen_rounds.append(int(text(page, "round-number")))
+                assert f"round {current['round']}: 0/1 accepted" in text(page, "round-detail")
+                gates[current["participants"][0]].set()               # let this round's device answer
+                deadline = time.time() + 20
+                while (svc.live["job"].get("current_round") or {}).get("round") == current["round"] \
+                        and time.time() < deadline:
+                    time.sleep(0.05)
+            page.wait_for_function("document.querySelectorAll('#rounds-table tbody tr').length >= 3", timeout=20000)
+            page.wait_for_function(
+                "document.getElementById('accuracy-line').getAttribute('points').split(' ').length >= 3",
+                timeout=20000)
+            fleet_rows = page.query_selector_all("#fleet-table tbody tr")
+            assert len(fleet_rows) == len(DEVICES)
+            assert all("online" in r.inner_text() for r in fleet_rows)
+            assert int(text(page, "contributions")) >= 3
+            artifacts = REPO / "test-artifacts"
+            artifacts.mkdir(exist_ok=True)
+            page.screenshot(path=str(artifacts / "dashboard.png"), full_page=True)
+            for g in gates.values():
+                g.set()
+            thread.join(60)
+            ctx.close()
+    finally:
+        api.stop()
+        svc.stop()
+        shutil.rmtree(profile, ignore_errors=True)
+    assert seen_rounds == sorted(set(seen_rounds)) and len(seen_rounds) == 3, seen_rounds
+    assert result["state"] == "done" and len(result["contributed"]) == len(DEVICES)
+    png = (REPO / "test-artifacts" / "dashboard.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert np.isfinite(result["final"]["accuracy"])
