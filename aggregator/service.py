@@ -62,6 +62,7 @@ from protocols.chunking import DEFAULT_CHUNK_SIZE, MessageAssembler
 from protocols.envelope import Envelope, EnvelopeError, decode, encode
 from protocols.identity import IdentityRegistry, InvalidSignature, UnknownDevice
 from protocols.mqtt_link import BrokerConfig, MqttLink
+from protocols.payloads.secagg import SECAGG_TYPE
 from protocols.rounds import (ApplyResult, Declined, DeviceLost, ResultArrived, ResultInvalid, RoundClosed,
                               RoundCoordinator, RoundState, SendAck, Tick)
 from protocols.topics import AGGREGATOR_ID, DEVICE_ID_RE, Topics
@@ -70,6 +71,7 @@ from .broker_security import BrokerSecurity
 from .enrollment import DeviceCredentials, Enrollment
 from .jobs import Job
 from .jobs.fed3r import Fed3RConfig, Fed3RJob
+from .jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob
 from .store import FINAL_JOB_STATES, Store, StoreError
 
 log = logging.getLogger("fedfleet.aggregator")
@@ -79,7 +81,8 @@ CRASH_POINTS = ("restored", "presence", "round_opened", "task_sent", "result_rec
                 "evaluation_stored", "ack_sent", "round_closing", "round_closed", "job_finishing", "job_finished")
 
 # Job types the service can build from a stored config: name -> (config class, job class).
-JOB_TYPES: dict[str, tuple[type, type]] = {"fed3r": (Fed3RConfig, Fed3RJob)}
+JOB_TYPES: dict[str, tuple[type, type]] = {"fed3r": (Fed3RConfig, Fed3RJob),
+                                           "fed3r-sync": (Fed3RSyncConfig, Fed3RSyncJob)}
 
 
 DURABLE_JOB_METHODS = ("state_dict", "load_state_dict", "bookkeeping", "restore_bookkeeping")
@@ -580,6 +583,8 @@ class AggregatorService:
             self._on_presence(device, env)
         elif env.type in (M.RESULT, M.DECLINE):
             self._on_result(device, env, raw, nbytes)
+        elif env.type == SECAGG_TYPE and hasattr(getattr(self.active, "job", None), "on_protocol"):
+            self._on_protocol(device, env)
         else:
             self._reject(device, env.id, f"unexpected message type {env.type!r}")
 
@@ -618,6 +623,7 @@ class AggregatorService:
         a.round_bytes[ref.round] += nbytes
         open_and_pending = coord.state is RoundState.OPEN and device in pending(coord)
         if env.type == M.DECLINE:
+            log.info("device %s declined round %d: %s", device, ref.round, env.body.get("reason", ""))
             if open_and_pending and self.store is not None:
                 self.store.add_round_event(a.job_id, ref.round, device, "declined", str(env.body.get("reason", "")))
             self._execute(coord.handle(Declined(device, str(env.body.get("reason", "")))), ref.round)
@@ -635,6 +641,30 @@ class AggregatorService:
             return
         self.crash("result_received")
         self._execute(coord.handle(ResultArrived(device, env.id, _Validated(payload, raw))), ref.round)
+
+    def _on_protocol(self, device: str, env: Envelope) -> None:
+        """A message of a job's multi-message sub-protocol (secure aggregation)."""
+        try:
+            sends = self.active.job.on_protocol(device, env, time.monotonic())
+        except EnvelopeError as exc:
+            self._reject(device, env.id, f"protocol: {exc}")
+            return
+        for dev, msg in sends:
+            self._send(dev, msg)
+
+    def _protocol_tick(self, a: "ActiveJob", now: float) -> None:
+        """Phase timers of a job's sub-protocol; once it settles a round, record who is in the sum."""
+        for dev, msg in a.job.on_protocol_tick(now):
+            self._send(dev, msg)
+        coord = a.current
+        survivors = a.job.settled(coord.round)
+        if survivors is None:
+            return
+        for dev in survivors:
+            self._execute(coord.handle(ResultArrived(dev, f"secagg-{coord.round}-{dev}", _Validated(None, b""))),
+                          coord.round)
+        if a.current is coord:
+            self._execute(coord.handle(Tick(math.inf)), coord.round)
 
     def _reject(self, device: str, message_id: str | None, reason: str) -> None:
         key = reason.split(":")[0]
@@ -718,6 +748,8 @@ class AggregatorService:
         a = self.active
         if a is None or a.final_state:
             return
+        if a.current is not None and hasattr(a.job, "on_protocol_tick"):
+            self._protocol_tick(a, now)
         if a.current is not None:
             coord = a.current
             if a.cancelling or not pending(coord):   # cancelled, or a restored round that had everyone

@@ -69,8 +69,12 @@ class AgentStats:
 class DeviceAgent:
     def __init__(self, device_id: str, broker: BrokerConfig, handlers: dict[str, TaskHandler],
                  topics: Topics = Topics(), hooks: AgentHooks | None = None,
-                 chunk_size: int = DEFAULT_CHUNK_SIZE, retry_after_s: float = 10.0, tick_s: float = 0.5):
+                 chunk_size: int = DEFAULT_CHUNK_SIZE, retry_after_s: float = 10.0, tick_s: float = 0.5,
+                 protocol_handlers: dict[str, Any] | None = None):
         self.device_id = device_id
+        # Multi-message protocols (secure aggregation): task kind or message type -> an object with
+        # on_task(job, round, params) / on_message(env), each returning envelopes to publish.
+        self.protocol_handlers = protocol_handlers or {}
         self.topics = topics
         self.handlers = handlers
         self.hooks = hooks or AgentHooks()
@@ -150,7 +154,15 @@ class DeviceAgent:
             raise EnvelopeError(f"message from {env.sender!r}, expected the aggregator")
         if env.type == M.TASK:
             ref, kind, params, deadline = M.parse_task(env)
+            if kind in self.protocol_handlers:
+                self._protocol_task(ref, kind, params)
+                return
             self._execute(self.session.handle(TaskArrived(ref, kind, params, deadline)))
+        elif env.type in self.protocol_handlers:
+            for out in self.protocol_handlers[env.type].on_message(env):
+                self.stats.bytes_up += self.link.publish_envelope(
+                    self.topics.outbox(self.device_id), out, chunk_size=self.chunk_size,
+                    before_each=self.hooks.before_upload)
         elif env.type == M.ACK:
             ref_id, status, reason = M.parse_ack(env)
             self.stats.acks[status] = self.stats.acks.get(status, 0) + 1
@@ -174,6 +186,28 @@ class DeviceAgent:
                 self.stats.tasks_declined += 1
                 self.link.publish_envelope(self.topics.outbox(self.device_id),
                                            M.decline_message(self.device_id, act.ref, act.reason))
+
+    def _protocol_task(self, ref, kind: str, params: dict) -> None:
+        t0 = time.perf_counter()
+        try:
+            outs = self.protocol_handlers[kind].on_task(ref.job, ref.round, params)
+            self.hooks.after_compute(time.perf_counter() - t0)   # may drop out: the device goes silent
+        except DroppedOut:
+            self.stats.dropouts += 1
+            self._outage_until = time.monotonic() + self.hooks.offline_after_dropout_s
+            self._go_offline()
+            return
+        except TaskDeclined as exc:
+            self.stats.tasks_declined += 1
+            self.link.publish_envelope(self.topics.outbox(self.device_id),
+                                       M.decline_message(self.device_id, ref, str(exc)))
+            return
+        self.stats.compute_s += time.perf_counter() - t0
+        self.stats.tasks_done += 1
+        for out in outs:
+            self.stats.bytes_up += self.link.publish_envelope(self.topics.outbox(self.device_id), out,
+                                                              chunk_size=self.chunk_size,
+                                                              before_each=self.hooks.before_upload)
 
     def _do_work(self, act: StartWork) -> None:
         handler = self.handlers.get(act.kind)
