@@ -1,5 +1,6 @@
 # Two entry points, each self-sufficient on a fresh Debian machine:
-#   make demo   - set up, then run Fed3R on 100 emulated devices over a real mosquitto broker
+#   make demo   - set up, then run Fed3R on 100 emulated devices over a real mosquitto broker,
+#                 then the same with secure aggregation (Fed3R-Sync)
 #   make test   - set up, then run the whole test suite
 PY ?= python3
 VENV := .venv
@@ -11,6 +12,8 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 demo: setup
 	$(BIN)/fedfleet simulate --config demo
+	@echo; echo "Same fleet, statistics summed under secure aggregation (features now cached):"
+	$(BIN)/fedfleet simulate --config demo --secure --out runs/latest-secure
 
 test: setup
 	$(BIN)/python -m pytest -q -ra

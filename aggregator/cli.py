@@ -14,7 +14,7 @@ from protocols.mqtt_link import BrokerConfig
 from protocols.topics import Topics
 
 from .api.server import add_ops_arguments, serve_with_ops
-from .jobs.fed3r import Fed3RConfig, Fed3RJob
+from .service import JOB_TYPES, build_job
 
 
 def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -23,6 +23,8 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     s = sub.add_parser("serve", help="run one Fed3R job until every device has contributed")
     s.add_argument("--config", type=Path, default=None,
                    help="job config JSON (fields of Fed3RConfig); optional with --keep-serving")
+    s.add_argument("--kind", default="fed3r", choices=sorted(JOB_TYPES),
+                   help="job kind: fed3r (plain statistics) or fed3r-sync (secure group sums)")
     s.add_argument("--broker", default="mqtt://127.0.0.1:1883", help="mqtt://[user:pass@]host:port")
     s.add_argument("--tls-ca", default=None, help="CA file: connect with TLS")
     s.add_argument("--topic-root", default="fedfleet")
@@ -38,7 +40,7 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
 def serve(args) -> int:
     if args.config is None and not args.keep_serving:
         raise SystemExit("serve needs --config (or --keep-serving with --state to run jobs from the API)")
-    job = Fed3RJob(Fed3RConfig(**json.loads(args.config.read_text()))) if args.config else None
+    job = build_job(args.kind, json.loads(args.config.read_text())) if args.config else None
     eval_set = None
     if args.eval_features:
         data = np.load(args.eval_features)

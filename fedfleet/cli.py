@@ -17,7 +17,8 @@ def _simulate(args) -> int:
 
     overrides = {"devices": args.devices, "broker": args.broker, "out_dir": args.out, "seed": args.seed,
                  "image_size": args.image_size, "split": args.split, "alpha": args.alpha,
-                 "runtime": args.runtime, "rf_dim": args.rf_dim, "workers": args.workers}
+                 "runtime": args.runtime, "rf_dim": args.rf_dim, "workers": args.workers,
+                 "secure": True if args.secure else None, "secure_graph": args.secure_graph}
     report = run(load_config(args.config, overrides))
     return 0 if report.get("contributed") else 1
 
@@ -50,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--runtime", choices=["eager", "executorch", "onnxruntime"])
     s.add_argument("--rf-dim", type=int, help="Fed3R-RF: number of random Fourier features")
     s.add_argument("--workers", type=int)
+    s.add_argument("--secure", action="store_true", help="Fed3R-Sync: sum statistics under secure aggregation")
+    s.add_argument("--secure-graph", choices=["complete", "regular"], help="SecAgg (complete) or SecAgg+ (regular)")
     s.set_defaults(func=_simulate)
 
     from aggregator.cli import build_parser as agg_parser

@@ -64,13 +64,16 @@ class SimConfig:
     cache_dir: str = ".cache/features"
     timeout_s: float = 1800.0
     retry_after_s: float = 10.0
+    secure: bool = False                    # Fed3R-Sync: statistics summed under secure aggregation
+    secure_graph: str = "complete"          # complete (SecAgg) | regular (SecAgg+)
+    phase_timeout_s: float = 60.0
 
 
 PRESETS = {
     "demo": SimConfig(),
     "smoke": SimConfig(devices=20, train_limit=3000, test_limit=600, image_size=32, clients_per_round=5,
                        round_timeout_s=30, dropout_prob=0.1, slowdown=(1.0, 1.5), out_dir="runs/smoke",
-                       retry_after_s=3.0),
+                       retry_after_s=3.0, phase_timeout_s=10.0),
 }
 
 
@@ -135,6 +138,11 @@ def run(cfg: SimConfig, quiet: bool = False) -> dict:
            "clients_per_round": cfg.clients_per_round, "round_timeout_s": cfg.round_timeout_s,
            "max_attempts": cfg.max_attempts, "b_format": cfg.b_format, "expected_devices": cfg.devices,
            "start_timeout_s": 60.0, "seed": cfg.seed}
+    secure = None
+    if cfg.secure:
+        job_fields, secure = _secure_setup(cfg, out, [p.device_id for p in profiles],
+                                           max(len(s) for s in shards.values()))
+        job.update(job_fields)
     (out / "job.json").write_text(json.dumps(job, indent=1))
 
     broker = None if cfg.broker else MosquittoBroker().start()
@@ -144,6 +152,7 @@ def run(cfg: SimConfig, quiet: bool = False) -> dict:
     try:
         watcher = StatusWatcher(broker_url, Topics(cfg.topic_root), total=cfg.devices, quiet=quiet)
         agg = subprocess.Popen([sys.executable, "-m", "aggregator", "serve", "--config", str(out / "job.json"),
+                                "--kind", "fed3r-sync" if cfg.secure else "fed3r",
                                 "--broker", broker_url, "--topic-root", cfg.topic_root, "--out", str(out),
                                 "--eval-features", str(out / "eval_features.npz"),
                                 "--enrolled", str(out / "enrolled.txt"), "--timeout", str(cfg.timeout_s)],
@@ -156,7 +165,11 @@ def run(cfg: SimConfig, quiet: bool = False) -> dict:
             spec = {"dataset": cfg.dataset, "data_root": cfg.data_root, "shards_file": str(out / "shards.npz"),
                     "broker": broker_url, "topic_root": cfg.topic_root, "devices": mine, "seed": cfg.seed,
                     "cache_dir": cfg.cache_dir, "runtime": cfg.runtime, "threads": threads,
-                    "retry_after_s": cfg.retry_after_s, "stats_file": str(out / f"worker{w}.json")}
+                    "retry_after_s": cfg.retry_after_s, "stats_file": str(out / f"worker{w}.json"),
+                    "secure": None if secure is None else {
+                        "aggregator_public_key": secure["aggregator_public_key"],
+                        "device_keys": {d["profile"]["device_id"]: secure["device_keys"][d["profile"]["device_id"]]
+                                        for d in mine}}}
             (out / f"worker{w}.spec.json").write_text(json.dumps(spec))
             procs.append(subprocess.Popen([sys.executable, "-m", "fedfleet.emulation.worker",
                                            str(out / f"worker{w}.spec.json")], env=env,
@@ -190,6 +203,23 @@ def run(cfg: SimConfig, quiet: bool = False) -> dict:
     return report
 
 
+def _secure_setup(cfg: SimConfig, out: Path, device_ids: list[str], max_samples: int) -> tuple[dict, dict]:
+    """Identities for a secure run: the aggregator's key file and the enrolled public keys (job
+    fields), and what the workers get: each device's private key and the aggregator's public key."""
+    from protocols.identity import DeviceIdentity
+
+    agg = DeviceIdentity.generate("aggregator")
+    (out / "aggregator.pem").write_bytes(agg.to_pem())
+    identities = {d: DeviceIdentity.generate(d) for d in device_ids}
+    (out / "device_keys.json").write_text(json.dumps({d: i.public_key_bytes.hex() for d, i in identities.items()}))
+    job_fields = {"graph": cfg.secure_graph, "max_samples": int(max_samples), "phase_timeout_s": cfg.phase_timeout_s,
+                  "identity_file": str(out / "aggregator.pem"), "device_keys_file": str(out / "device_keys.json"),
+                  "b_format": "dense"}
+    for_workers = {"aggregator_public_key": agg.public_key_bytes.hex(),
+                   "device_keys": {d: i.private_bytes().hex() for d, i in identities.items()}}
+    return job_fields, for_workers
+
+
 def _report(cfg, results, workers, shards, Xtr, ytr, Zte, yte, extractor) -> dict:
     from sklearn.linear_model import Ridge
 
@@ -204,7 +234,8 @@ def _report(cfg, results, workers, shards, Xtr, ytr, Zte, yte, extractor) -> dic
               "rounds": len(results["rounds"]), "bytes_up": results["bytes_in"], "bytes_down": results["bytes_out"],
               "rejections": results["rejections"], "late": results["late"], "duplicates": results["duplicates"],
               "fed3r_accuracy": results["final"].get("accuracy"), "history": results["history"],
-              "dropouts": sum(w["dropouts"] for w in workers), "device_compute_s": sum(w["compute_s"] for w in workers)}
+              "dropouts": sum(w["dropouts"] for w in workers), "device_compute_s": sum(w["compute_s"] for w in workers),
+              "job_s": results.get("wall_s")}
     if cfg.rf_dim:
         from protocols.random_features import RandomFourierFeatures
 
@@ -223,7 +254,8 @@ def _report(cfg, results, workers, shards, Xtr, ytr, Zte, yte, extractor) -> dic
 
 
 def format_report(r: dict) -> str:
-    lines = ["", "=== fedfleet simulate: Fed3R ===",
+    title = "Fed3R-Sync (secure aggregation)" if r["config"].get("secure") else "Fed3R"
+    lines = ["", f"=== fedfleet simulate: {title} ===",
              f"devices contributed     {r['contributed']}/{r['devices']} in {r['rounds']} rounds "
              f"({r['dropouts']} drop-outs retried, {r['late']} late results discarded)",
              f"Fed3R accuracy          {r['fed3r_accuracy']:.4f}"]
@@ -235,5 +267,6 @@ def format_report(r: dict) -> str:
     lines += [f"bytes up (all devices)  {r['bytes_up'] / 1e6:.1f} MB  ({per_dev / 1e6:.2f} MB per contributing device)",
               f"bytes down              {r['bytes_down'] / 1e6:.3f} MB",
               f"device compute          {r['device_compute_s']:.1f} s total",
+              f"job time (aggregator)   {r.get('job_s') or 0:.1f} s   (first task to final model)",
               f"wall time               {r.get('wall_s', 0):.1f} s"]
     return "\n".join(lines)

@@ -122,7 +122,7 @@ class Fed3RJob:
 
     def evaluate(self, features: np.ndarray | None, labels: np.ndarray | None) -> dict:
         model = self.strategy.solve()
-        out = {"round": self.round, "contributions": self.strategy.n_contributions,
+        out = {"round": self.round, "contributions": self.contributions,
                "samples": self.strategy.n_samples}
         if features is not None:
             Z = features

@@ -25,6 +25,9 @@ import numpy as np
 from edge_client.agent import AgentHooks, DeviceAgent, DroppedOut
 from edge_client.data import load_fashion_mnist
 from edge_client.tasks.fed3r_stats import Fed3RStatsTask
+from edge_client.tasks.secure_fed3r import SecureFed3R
+from protocols.identity import DeviceIdentity
+from protocols.payloads.secagg import SECAGG_TYPE, SYNC_KIND
 from protocols.mqtt_link import BrokerConfig
 from protocols.topics import Topics
 
@@ -100,14 +103,22 @@ def run(spec: dict) -> None:
     topics = Topics(spec.get("topic_root", "fedfleet"))
     extractors = SharedExtractors(spec.get("cache_dir"), spec.get("runtime", "eager"), spec.get("threads", 1))
     t0 = time.monotonic()
+    secure = spec.get("secure")
     agents = []
     for dev in spec["devices"]:
         profile = DeviceProfile.from_dict(dev["profile"])
         idx = shards[profile.device_id]
         handler = Fed3RStatsTask(images[idx], labels[idx], extractors)
         rng = np.random.default_rng([spec.get("seed", 0), int(dev["index"])])
+        protocol_handlers = {}
+        if secure:
+            identity = DeviceIdentity.from_private_bytes(profile.device_id,
+                                                         bytes.fromhex(secure["device_keys"][profile.device_id]))
+            sync = SecureFed3R(identity, bytes.fromhex(secure["aggregator_public_key"]), handler)
+            protocol_handlers = {SYNC_KIND: sync, SECAGG_TYPE: sync}
         agent = DeviceAgent(profile.device_id, broker, {"fed3r.stats": handler}, topics,
-                            hooks=profile_hooks(profile, t0, rng), retry_after_s=spec.get("retry_after_s", 10.0))
+                            hooks=profile_hooks(profile, t0, rng), retry_after_s=spec.get("retry_after_s", 10.0),
+                            protocol_handlers=protocol_handlers)
         agents.append(agent.start())
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
