@@ -4,6 +4,7 @@
     fedfleet aggregator   run the aggregator service (``serve``)
     fedfleet device       run one device agent on local data against a broker
     fedfleet admin        talk to a running aggregator's admin API (fleet, jobs, rounds, models)
+    fedfleet export       build ExecuTorch (.pte, XNNPACK) / ONNX bundles with manifest and parity check
 """
 
 from __future__ import annotations
@@ -70,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .admin import add_admin_parser
 
     add_admin_parser(sub)
+
+    # `fedfleet export ...` is handed whole to export.cli (see main); listed here for --help.
+    sub.add_parser("export", help="build ExecuTorch (.pte) / ONNX bundles with a manifest and parity check")
     return p
 
 
@@ -77,6 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     import logging
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["export"]:
+        from export.cli import main as export_main
+
+        return export_main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

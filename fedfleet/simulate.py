@@ -45,7 +45,7 @@ class SimConfig:
     seed: int = 0
     backbone: str = "mobilenet_v2"
     image_size: int = 64
-    runtime: str = "eager"
+    runtime: str = "executorch"             # feature extraction: executorch | onnxruntime | eager
     workers: int = 2
     broker: str | None = None               # None: start a private mosquitto
     topic_root: str = "fedfleet"
@@ -71,7 +71,7 @@ class SimConfig:
 
 PRESETS = {
     "demo": SimConfig(),
-    "smoke": SimConfig(devices=20, train_limit=3000, test_limit=600, image_size=32, clients_per_round=5,
+    "smoke": SimConfig(devices=20, runtime="eager", train_limit=3000, test_limit=600, image_size=32, clients_per_round=5,
                        round_timeout_s=30, dropout_prob=0.1, slowdown=(1.0, 1.5), out_dir="runs/smoke",
                        retry_after_s=3.0, phase_timeout_s=10.0),
 }
@@ -102,7 +102,7 @@ def _load(cfg: SimConfig):
 
 
 def run(cfg: SimConfig, quiet: bool = False) -> dict:
-    from fedfleet.emulation.worker import make_extractor
+    from fedfleet.bundles import make_extractor
     from edge_client.models import weights_sha256
 
     out = Path(cfg.out_dir)

@@ -31,6 +31,7 @@ from protocols.payloads.secagg import SECAGG_TYPE, SYNC_KIND
 from protocols.mqtt_link import BrokerConfig
 from protocols.topics import Topics
 
+from ..bundles import make_extractor
 from .profiles import DeviceProfile
 
 log = logging.getLogger("fedfleet.worker")
@@ -65,16 +66,6 @@ class _Locked:
     def extract(self, images):
         with self._lock:
             return self._x.extract(images)
-
-
-def make_extractor(backbone: str, image_size: int, cache_dir: str | None, runtime: str = "eager", threads: int = 1):
-    from edge_client.features import FeatureExtractor
-
-    if runtime != "eager":
-        from edge_client.runtime import feature_extractor_for  # noqa: F401  (when exported artifacts exist)
-
-        return feature_extractor_for(backbone, image_size, cache_dir=cache_dir, runtime=runtime, threads=threads)
-    return FeatureExtractor.eager(backbone, image_size=image_size, cache_dir=cache_dir, threads=threads)
 
 
 def profile_hooks(profile: DeviceProfile, t0: float, rng: np.random.Generator) -> AgentHooks:

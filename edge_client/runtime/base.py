@@ -1,0 +1,88 @@
+"""What every runtime backend shares: the inference interface, input checks, batching.
+
+Backends differ only in how they run one batch; the checks (shape, dtype, finiteness) and
+the splitting of large inputs into batches the program accepts live here, once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from edge_client.runtime.manifest import ArtifactSpec
+
+__all__ = [
+    "InferenceRuntime",
+    "PIP_PACKAGES",
+    "check_image_batch",
+    "check_parameter_dict",
+    "run_in_batches",
+]
+
+# What to `pip install` for each runtime (the eager one also needs fedfleet's model code).
+PIP_PACKAGES = {
+    "executorch": "executorch=={version}",
+    "onnxruntime": "onnxruntime",
+    "eager": "torch",
+}
+
+
+@runtime_checkable
+class InferenceRuntime(Protocol):
+    """float32 NCHW images (normalised as the manifest says) -> float32 outputs (N, ...)."""
+
+    runtime: str
+
+    def run(self, x: np.ndarray) -> np.ndarray: ...
+
+
+def check_image_batch(x: object, image_size: int) -> np.ndarray:
+    """Validate a normalised image batch; returns it as C-contiguous float32."""
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"input must be a numpy array, got {type(x).__name__}")
+    expected = (3, image_size, image_size)
+    if x.ndim != 4 or x.shape[1:] != expected:
+        raise ValueError(
+            f"input must have shape (N, {expected[0]}, {expected[1]}, {expected[2]}) (NCHW), "
+            f"got {x.shape}")
+    if x.shape[0] == 0:
+        raise ValueError("input batch is empty")
+    if x.dtype != np.float32:
+        raise ValueError(f"input must be float32 (normalised pixels), got {x.dtype}")
+    if not np.isfinite(x).all():
+        raise ValueError("input contains NaN or infinite values")
+    return np.ascontiguousarray(x)
+
+
+def check_parameter_dict(params: object, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+    """Validate trainable parameters (exact names, shapes, finite); returns float32 copies."""
+    if not isinstance(params, dict):
+        raise TypeError(f"parameters must be a dict of numpy arrays, got {type(params).__name__}")
+    if set(params) != set(shapes):
+        raise ValueError(f"parameters must be exactly {sorted(shapes)}, got {sorted(params)}")
+    checked = {}
+    for name, shape in shapes.items():
+        value = np.asarray(params[name])
+        if value.shape != shape:
+            raise ValueError(f"parameter {name!r} must have shape {shape}, got {value.shape}")
+        if not np.issubdtype(value.dtype, np.floating):
+            raise ValueError(f"parameter {name!r} must be floating point, got {value.dtype}")
+        if not np.isfinite(value).all():
+            raise ValueError(f"parameter {name!r} contains NaN or infinite values")
+        checked[name] = np.array(value, dtype=np.float32, order="C")
+    return checked
+
+
+def run_in_batches(run_batch: Callable[[np.ndarray], np.ndarray], x: np.ndarray,
+                   spec: ArtifactSpec) -> np.ndarray:
+    """Run ``x`` in slices of at most ``spec.batch.max`` rows and stack the outputs.
+
+    Every row is computed independently (frozen BatchNorm, no cross-sample ops), so slicing
+    does not change results.
+    """
+    limit = spec.batch.max or len(x)
+    if len(x) <= limit:
+        return run_batch(x)
+    return np.concatenate([run_batch(x[start:start + limit]) for start in range(0, len(x), limit)])

@@ -1,0 +1,127 @@
+"""Eager torch backend (development): the same modules the programs were exported from.
+
+Artifacts are plain state dicts (``torch.save``), read back with ``weights_only=True`` so a
+file cannot run code. The architecture comes from ``edge_client.models`` by the manifest's
+backbone name; the weights come from the bundle, so a bundle exported from fine-tuned
+weights runs eagerly with those weights.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+
+from edge_client.runtime.base import check_image_batch, run_in_batches
+from edge_client.runtime.errors import RuntimeUnavailableError
+from edge_client.runtime.manifest import ArtifactSpec, Manifest
+
+__all__ = [
+    "EagerHeadTrainer",
+    "EagerInference",
+    "state_dict_from_bytes",
+    "state_dict_to_bytes",
+    "torch_version",
+]
+
+RUNTIME = "eager"
+
+
+def torch_version() -> str:
+    try:
+        import torch
+    except ImportError as error:
+        raise RuntimeUnavailableError(
+            f"PyTorch is not installed ({error}); install it with `pip install torch`") from error
+    return torch.__version__
+
+
+def state_dict_to_bytes(state_dict: dict) -> bytes:
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save({name: tensor.detach().cpu().contiguous() for name, tensor in state_dict.items()},
+               buffer)
+    return buffer.getvalue()
+
+
+def state_dict_from_bytes(data: bytes) -> dict:
+    import torch
+
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+class EagerInference:
+    """Runs the exported :class:`InferenceModel` eagerly under ``torch.inference_mode``."""
+
+    runtime = RUNTIME
+
+    def __init__(self, state: bytes, spec: ArtifactSpec, manifest: Manifest):
+        torch_version()
+        import torch
+
+        from edge_client.models import build_backbone
+        from edge_client.runtime.program_modules import InferenceModel
+
+        with torch.random.fork_rng():  # random init is overwritten; keep the caller's RNG
+            backbone = build_backbone(manifest.backbone, pretrained=False)
+        num_classes = manifest.num_classes if manifest.output == "logits" else None
+        self._model = InferenceModel(backbone, num_classes, manifest.feature_dim)
+        self._model.load_state_dict(state_dict_from_bytes(state), strict=True)
+        self._spec = spec
+        self._image_size = manifest.input.image_size
+
+    def run(self, x: np.ndarray) -> np.ndarray:
+        x = check_image_batch(x, self._image_size)
+        return run_in_batches(self._run_batch, x, self._spec)
+
+    def _run_batch(self, x: np.ndarray) -> np.ndarray:
+        import torch
+
+        with torch.inference_mode():
+            return self._model(torch.from_numpy(x)).numpy()
+
+
+class EagerHeadTrainer:
+    """The head with autograd and a plain SGD update ``p -= lr * g``."""
+
+    runtime = RUNTIME
+
+    def __init__(self, state: bytes, spec: ArtifactSpec, manifest: Manifest):
+        torch_version()
+        from edge_client.runtime.program_modules import TemperatureScaledHead
+
+        self._head = TemperatureScaledHead(manifest.feature_dim, manifest.num_classes,
+                                           manifest.temperature)
+        self._head.load_state_dict(state_dict_from_bytes(state), strict=True)
+        self._parameter_names = list(spec.details["trainable_parameters"])
+
+    def get_parameters(self) -> dict[str, np.ndarray]:
+        params = dict(self._head.named_parameters())
+        return {name: params[name].detach().numpy().copy() for name in self._parameter_names}
+
+    def set_parameters(self, params: dict[str, np.ndarray]) -> None:
+        import torch
+
+        with torch.no_grad():
+            for name, param in self._head.named_parameters():
+                param.copy_(torch.from_numpy(params[name]))
+
+    def forward_backward(self, features: np.ndarray, labels: np.ndarray,
+                         sample_weight: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
+        import torch
+
+        self._head.zero_grad(set_to_none=True)
+        loss, _ = self._head(torch.from_numpy(features), torch.from_numpy(labels),
+                             torch.from_numpy(sample_weight))
+        loss.backward()
+        params = dict(self._head.named_parameters())
+        return loss.item(), {name: params[name].grad.numpy().copy()
+                             for name in self._parameter_names}
+
+    def sgd_step(self, gradients: dict[str, np.ndarray], lr: float) -> None:
+        import torch
+
+        with torch.no_grad():
+            for name, param in self._head.named_parameters():
+                param.add_(torch.from_numpy(gradients[name]), alpha=-lr)

@@ -1,0 +1,34 @@
+"""Errors raised by the runtime layer, shared by every runtime backend."""
+
+from __future__ import annotations
+
+__all__ = [
+    "ArtifactError",
+    "ArtifactMissingError",
+    "ArtifactTamperedError",
+    "ManifestError",
+    "RuntimeUnavailableError",
+]
+
+
+class ArtifactError(RuntimeError):
+    """Base class: an exported bundle cannot be used."""
+
+
+class ManifestError(ArtifactError, ValueError):
+    """The manifest is not valid JSON, or does not follow the manifest schema."""
+
+
+class ArtifactMissingError(ArtifactError, FileNotFoundError):
+    """A file the manifest lists is not in the bundle directory."""
+
+
+class ArtifactTamperedError(ArtifactError):
+    """A file's sha256 differs from the manifest's (or the manifest's from the expected one)."""
+
+
+class RuntimeUnavailableError(ArtifactError, ImportError):
+    """None of the requested runtimes is both installed and present in the bundle.
+
+    The message names the runtimes the bundle offers and the pip packages that provide them.
+    """

@@ -1,0 +1,149 @@
+"""ExecuTorch backend (the default): XNNPACK-delegated inference and the head training program.
+
+Programs are loaded from the verified bytes (never re-read from disk). Inference programs
+are memory-planned for batches up to ``batch.max``; larger inputs run in slices.
+
+Training uses ExecuTorch's experimental training extension: ``forward_backward`` runs the
+joint program, whose outputs are [loss, logits, gradients..., parameters...]. The parameter
+outputs alias the program's mutable weight arena, so writing into them (``set_parameters``)
+and the runtime's SGD optimizer stepping them both change what the next call computes. The
+training module exposes the parameters only after one call, so loading runs one warm-up
+call (whose gradients are discarded).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+from edge_client.runtime.base import check_image_batch, run_in_batches
+from edge_client.runtime.errors import RuntimeUnavailableError
+from edge_client.runtime.manifest import ArtifactSpec
+
+__all__ = ["ExecuTorchHeadTrainer", "ExecuTorchInference", "executorch_version"]
+
+RUNTIME = "executorch"
+
+
+def executorch_version() -> str:
+    """Installed ExecuTorch version; RuntimeUnavailableError when it cannot be imported."""
+    try:
+        from executorch.version import __version__
+        from executorch.extension.pybindings import portable_lib  # noqa: F401  (the runtime)
+    except ImportError as error:
+        raise RuntimeUnavailableError(
+            f"ExecuTorch is not usable here ({error}); install the `executorch` pip package "
+            "(the version the manifest names)") from error
+    return __version__
+
+
+def _check_version(spec: ArtifactSpec) -> None:
+    installed = executorch_version()
+    if installed != spec.runtime_version:
+        warnings.warn(
+            f"{spec.file} was exported with ExecuTorch {spec.runtime_version}, running it "
+            f"with {installed}; if loading fails install executorch=={spec.runtime_version}",
+            RuntimeWarning, stacklevel=3)
+
+
+def _load_failed(spec: ArtifactSpec, error: Exception) -> RuntimeUnavailableError:
+    return RuntimeUnavailableError(
+        f"ExecuTorch could not load {spec.file} (exported with ExecuTorch "
+        f"{spec.runtime_version}): {error}")
+
+
+class ExecuTorchInference:
+    """Runs an inference ``.pte``: (N, 3, S, S) float32 -> (N, width) float32."""
+
+    runtime = RUNTIME
+
+    def __init__(self, program: bytes, spec: ArtifactSpec, image_size: int):
+        _check_version(spec)
+        from executorch.extension.pybindings.portable_lib import _load_for_executorch_from_buffer
+
+        # The loaded module reads from `program` without copying it: keep the bytes alive.
+        self._program = program
+        try:
+            self._module = _load_for_executorch_from_buffer(program)
+        except RuntimeError as error:
+            raise _load_failed(spec, error) from error
+        self._method = spec.details.get("method", "forward")
+        self._spec = spec
+        self._image_size = image_size
+
+    def run(self, x: np.ndarray) -> np.ndarray:
+        x = check_image_batch(x, self._image_size)
+        return run_in_batches(self._run_batch, x, self._spec)
+
+    def _run_batch(self, x: np.ndarray) -> np.ndarray:
+        import torch
+
+        outputs = self._module.run_method(self._method, (torch.from_numpy(x),))
+        return outputs[0].numpy()
+
+
+class ExecuTorchHeadTrainer:
+    """One fixed-size batch at a time through the joint forward/backward program."""
+
+    runtime = RUNTIME
+
+    def __init__(self, program: bytes, spec: ArtifactSpec):
+        _check_version(spec)
+        import torch
+        from executorch.extension.training import _load_for_executorch_for_training_from_buffer
+
+        self._program = program  # not copied by the loader: keep the bytes alive
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "experimental API" notices, once per load
+            try:
+                self._module = _load_for_executorch_for_training_from_buffer(program)
+            except RuntimeError as error:
+                raise _load_failed(spec, error) from error
+        self._method = spec.details.get("method", "forward")
+        self._parameter_names = list(spec.details["trainable_parameters"])
+        batch, feature_dim = spec.inputs[0].shape
+        self._module.forward_backward(self._method, (
+            torch.zeros(batch, feature_dim), torch.zeros(batch, dtype=torch.int64),
+            torch.ones(batch)))
+        self._parameters = self._module.named_parameters()
+        missing = set(self._parameter_names) - set(self._parameters)
+        if missing:
+            raise RuntimeUnavailableError(
+                f"{spec.file} does not expose trainable parameters {sorted(missing)}")
+        self._optimizer = None
+        self._optimizer_lr: float | None = None
+
+    def get_parameters(self) -> dict[str, np.ndarray]:
+        return {name: self._parameters[name].detach().numpy().copy()
+                for name in self._parameter_names}
+
+    def set_parameters(self, params: dict[str, np.ndarray]) -> None:
+        import torch
+
+        for name in self._parameter_names:
+            self._parameters[name].copy_(torch.from_numpy(params[name]))
+
+    def forward_backward(self, features: np.ndarray, labels: np.ndarray,
+                         sample_weight: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
+        import torch
+
+        outputs = self._module.forward_backward(self._method, (
+            torch.from_numpy(features), torch.from_numpy(labels),
+            torch.from_numpy(sample_weight)))
+        gradients = self._module.named_gradients()
+        return float(outputs[0]), {name: gradients[name].numpy() for name in self._parameter_names}
+
+    def sgd_step(self, gradients: dict[str, np.ndarray], lr: float) -> None:
+        import torch
+        from executorch.extension.training import get_sgd_optimizer
+
+        if self._optimizer is None or self._optimizer_lr != lr:
+            # The runtime's SGD has no learning-rate setter; a new one is cheap (no state
+            # without momentum).
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self._optimizer = get_sgd_optimizer(self._parameters, lr, 0.0, 0.0, 0.0, False)
+            self._optimizer_lr = lr
+        self._optimizer.step({name: torch.from_numpy(np.ascontiguousarray(grad))
+                              for name, grad in gradients.items()})

@@ -1,0 +1,396 @@
+"""The export manifest: what a bundle holds and how to feed it, as typed objects and JSON.
+
+One bundle directory = ``manifest.json`` + the files it lists. ``export`` writes manifests
+with :meth:`Manifest.to_json`; devices read them with :func:`read_manifest`, so the format
+is defined once, here. Reading validates the JSON against :data:`MANIFEST_SCHEMA` and
+checks the cross-field rules the schema cannot express (unique files, shapes agreeing with
+the model), so later code can trust every field. Reading does *not* hash the files:
+:mod:`edge_client.runtime.verification` does that, on the bytes it hands to a runtime.
+
+Shapes use ``None`` (JSON ``null``) for the batch dimension. ``batch.max`` bounds it
+(ExecuTorch programs are memory-planned for an upper bound; ``null`` = unbounded, as in
+ONNX); ``batch.fixed`` means every call must use exactly ``batch.max`` rows (the training
+program), so the runtime pads the last partial batch and gives padded rows weight 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+
+from edge_client.runtime.errors import ManifestError
+
+__all__ = [
+    "ARTIFACT_KINDS",
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "MANIFEST_FILENAME",
+    "MANIFEST_SCHEMA",
+    "RUNTIME_NAMES",
+    "ArtifactSpec",
+    "BatchSpec",
+    "InputNormalisation",
+    "Manifest",
+    "TensorSpec",
+    "read_manifest",
+]
+
+FORMAT_NAME = "fedfleet-export"
+FORMAT_VERSION = 1
+MANIFEST_FILENAME = "manifest.json"
+ARTIFACT_KINDS = ("inference", "training")
+RUNTIME_NAMES = ("executorch", "onnxruntime", "eager")
+# The largest manifest a device will parse; real ones are a few kB.
+MAX_MANIFEST_BYTES = 1 << 20
+
+# A plain file name inside the bundle directory: no separators, no "..", no hidden files.
+_FILE_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+_SHA256_PATTERN = r"^[0-9a-f]{64}$"
+_DTYPES = ("float32", "int64")
+
+_TENSOR_SCHEMA = {
+    "type": "object",
+    "required": ["name", "dtype", "shape"],
+    "additionalProperties": False,
+    "properties": {
+        "name": {"type": "string", "pattern": r"^[A-Za-z_][A-Za-z0-9_.]*$"},
+        "dtype": {"enum": list(_DTYPES)},
+        "shape": {
+            "type": "array",
+            "maxItems": 8,
+            "items": {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}]},
+        },
+    },
+}
+
+_ARTIFACT_SCHEMA = {
+    "type": "object",
+    "required": ["kind", "runtime", "runtime_version", "file", "sha256", "size_bytes",
+                 "batch", "inputs", "outputs", "parity", "details"],
+    "additionalProperties": False,
+    "properties": {
+        "kind": {"enum": list(ARTIFACT_KINDS)},
+        "runtime": {"enum": list(RUNTIME_NAMES)},
+        "runtime_version": {"type": "string", "minLength": 1},
+        "file": {"type": "string", "pattern": _FILE_NAME_PATTERN},
+        "sha256": {"type": "string", "pattern": _SHA256_PATTERN},
+        "size_bytes": {"type": "integer", "minimum": 1},
+        "batch": {
+            "type": "object",
+            "required": ["max", "fixed"],
+            "additionalProperties": False,
+            "properties": {
+                "max": {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}]},
+                "fixed": {"type": "boolean"},
+            },
+        },
+        "inputs": {"type": "array", "minItems": 1, "items": _TENSOR_SCHEMA},
+        "outputs": {"type": "array", "minItems": 1, "items": _TENSOR_SCHEMA},
+        "parity": {"type": "object", "additionalProperties": {"type": ["number", "string", "integer"]}},
+        "details": {"type": "object"},
+    },
+}
+
+MANIFEST_SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "type": "object",
+    "required": ["format", "format_version", "backbone", "task", "input", "artifacts",
+                 "created_with"],
+    "additionalProperties": False,
+    "properties": {
+        "format": {"const": FORMAT_NAME},
+        "format_version": {"const": FORMAT_VERSION},
+        "backbone": {
+            "type": "object",
+            "required": ["name", "weights_sha256", "feature_dim"],
+            "additionalProperties": False,
+            "properties": {
+                "name": {"type": "string", "minLength": 1},
+                "weights_sha256": {"type": "string", "pattern": _SHA256_PATTERN},
+                "feature_dim": {"type": "integer", "minimum": 1},
+            },
+        },
+        "task": {
+            "type": "object",
+            "required": ["num_classes", "temperature", "output"],
+            "additionalProperties": False,
+            "properties": {
+                "num_classes": {"type": "integer", "minimum": 1},
+                "temperature": {"type": "number", "exclusiveMinimum": 0},
+                "output": {"enum": ["features", "logits"]},
+            },
+        },
+        "input": {
+            "type": "object",
+            "required": ["name", "dtype", "layout", "image_size", "mean", "std", "pixel_scale",
+                         "resize", "grayscale"],
+            "additionalProperties": False,
+            "properties": {
+                "name": {"type": "string"},
+                "dtype": {"const": "float32"},
+                "layout": {"const": "NCHW"},
+                "image_size": {"type": "integer", "minimum": 1},
+                "mean": {"type": "array", "items": {"type": "number"}, "minItems": 3, "maxItems": 3},
+                "std": {"type": "array", "items": {"type": "number", "exclusiveMinimum": 0},
+                        "minItems": 3, "maxItems": 3},
+                "pixel_scale": {"type": "number", "exclusiveMinimum": 0},
+                "resize": {"type": "string"},
+                "grayscale": {"type": "string"},
+            },
+        },
+        "artifacts": {"type": "array", "minItems": 1, "maxItems": 32, "items": _ARTIFACT_SCHEMA},
+        "created_with": {"type": "object", "additionalProperties": {"type": "string"}},
+    },
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """One program input or output; ``None`` in ``shape`` marks the batch dimension."""
+
+    name: str
+    dtype: str
+    shape: tuple[int | None, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "TensorSpec":
+        return cls(name=data["name"], dtype=data["dtype"], shape=tuple(data["shape"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchSpec:
+    """``max`` rows per call (``None``: unbounded); ``fixed``: exactly ``max`` rows per call."""
+
+    max: int | None
+    fixed: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"max": self.max, "fixed": self.fixed}
+
+
+@dataclasses.dataclass(frozen=True)
+class ArtifactSpec:
+    """One file of the bundle and everything a runtime needs to run it.
+
+    ``parity`` holds the errors measured against eager torch when the file was exported
+    (``max_abs_error`` for inference; gradient / loss / SGD errors for training).
+    ``details`` is runtime- and kind-specific (delegate, method name, loss, trainable
+    parameters, ...).
+    """
+
+    kind: str
+    runtime: str
+    runtime_version: str
+    file: str
+    sha256: str
+    size_bytes: int
+    batch: BatchSpec
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    parity: Mapping[str, Any]
+    details: Mapping[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "runtime": self.runtime,
+            "runtime_version": self.runtime_version,
+            "file": self.file,
+            "sha256": self.sha256,
+            "size_bytes": self.size_bytes,
+            "batch": self.batch.to_json(),
+            "inputs": [spec.to_json() for spec in self.inputs],
+            "outputs": [spec.to_json() for spec in self.outputs],
+            "parity": dict(self.parity),
+            "details": dict(self.details),
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "ArtifactSpec":
+        return cls(
+            kind=data["kind"],
+            runtime=data["runtime"],
+            runtime_version=data["runtime_version"],
+            file=data["file"],
+            sha256=data["sha256"],
+            size_bytes=data["size_bytes"],
+            batch=BatchSpec(max=data["batch"]["max"], fixed=data["batch"]["fixed"]),
+            inputs=tuple(TensorSpec.from_json(spec) for spec in data["inputs"]),
+            outputs=tuple(TensorSpec.from_json(spec) for spec in data["outputs"]),
+            parity=dict(data["parity"]),
+            details=dict(data["details"]),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class InputNormalisation:
+    """How raw pixels become the float32 NCHW input (see ``edge_client.models.preprocess``)."""
+
+    image_size: int
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    name: str = "image"
+    pixel_scale: float = 1.0 / 255.0
+    resize: str = "bilinear, align_corners=False, antialias=False, to image_size x image_size"
+    grayscale: str = "replicated into the 3 channels"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "dtype": "float32",
+            "layout": "NCHW",
+            "image_size": self.image_size,
+            "mean": list(self.mean),
+            "std": list(self.std),
+            "pixel_scale": self.pixel_scale,
+            "resize": self.resize,
+            "grayscale": self.grayscale,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    """A parsed, validated manifest; ``directory`` is where its files live."""
+
+    backbone: str
+    weights_sha256: str
+    feature_dim: int
+    num_classes: int
+    temperature: float
+    output: str  # what the inference artifacts return: "features" or "logits"
+    input: InputNormalisation
+    artifacts: tuple[ArtifactSpec, ...]
+    created_with: Mapping[str, str]
+    directory: Path = Path(".")
+
+    def find(self, kind: str, runtime: str) -> ArtifactSpec | None:
+        for spec in self.artifacts:
+            if spec.kind == kind and spec.runtime == runtime:
+                return spec
+        return None
+
+    def runtimes_for(self, kind: str) -> list[str]:
+        return [spec.runtime for spec in self.artifacts if spec.kind == kind]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "backbone": {"name": self.backbone, "weights_sha256": self.weights_sha256,
+                         "feature_dim": self.feature_dim},
+            "task": {"num_classes": self.num_classes, "temperature": self.temperature,
+                     "output": self.output},
+            "input": self.input.to_json(),
+            "artifacts": [spec.to_json() for spec in self.artifacts],
+            "created_with": dict(self.created_with),
+        }
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=2, sort_keys=True, allow_nan=False) + "\n"
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], directory: Path = Path(".")) -> "Manifest":
+        """Validate ``data`` (schema + cross-field rules) and build the typed manifest."""
+        _validate(data)
+        input_data = data["input"]
+        manifest = cls(
+            backbone=data["backbone"]["name"],
+            weights_sha256=data["backbone"]["weights_sha256"],
+            feature_dim=data["backbone"]["feature_dim"],
+            num_classes=data["task"]["num_classes"],
+            temperature=float(data["task"]["temperature"]),
+            output=data["task"]["output"],
+            input=InputNormalisation(
+                image_size=input_data["image_size"],
+                mean=tuple(float(v) for v in input_data["mean"]),
+                std=tuple(float(v) for v in input_data["std"]),
+                name=input_data["name"],
+                pixel_scale=float(input_data["pixel_scale"]),
+                resize=input_data["resize"],
+                grayscale=input_data["grayscale"],
+            ),
+            artifacts=tuple(ArtifactSpec.from_json(item) for item in data["artifacts"]),
+            created_with=dict(data["created_with"]),
+            directory=Path(directory),
+        )
+        _check_consistency(manifest)
+        return manifest
+
+
+def _validate(data: Any) -> None:
+    validator = jsonschema.Draft202012Validator(MANIFEST_SCHEMA)
+    errors = sorted(validator.iter_errors(data), key=lambda error: list(error.absolute_path))
+    if errors:
+        first = errors[0]
+        where = "/".join(str(part) for part in first.absolute_path) or "<root>"
+        raise ManifestError(f"manifest does not follow the schema at {where}: {first.message}")
+
+
+def _check_consistency(manifest: Manifest) -> None:
+    if not math.isfinite(manifest.temperature):
+        raise ManifestError("manifest task.temperature must be finite")
+    seen_files: set[str] = set()
+    seen_pairs: set[tuple[str, str]] = set()
+    for spec in manifest.artifacts:
+        if spec.file in seen_files or spec.file == MANIFEST_FILENAME:
+            raise ManifestError(f"manifest lists file {spec.file!r} twice (or as the manifest)")
+        seen_files.add(spec.file)
+        if (spec.kind, spec.runtime) in seen_pairs:
+            raise ManifestError(f"manifest has two {spec.kind} artifacts for {spec.runtime}")
+        seen_pairs.add((spec.kind, spec.runtime))
+        if spec.batch.fixed and spec.batch.max is None:
+            raise ManifestError(f"{spec.file}: a fixed batch needs batch.max")
+        if spec.kind == "inference":
+            expected = (None, 3, manifest.input.image_size, manifest.input.image_size)
+            if len(spec.inputs) != 1 or spec.inputs[0].shape != expected:
+                raise ManifestError(
+                    f"{spec.file}: inference input must be one tensor of shape {expected}, "
+                    f"got {[s.shape for s in spec.inputs]}")
+            width = manifest.feature_dim if manifest.output == "features" else manifest.num_classes
+            if len(spec.outputs) != 1 or spec.outputs[0].shape != (None, width):
+                raise ManifestError(
+                    f"{spec.file}: inference output must be one ({manifest.output}) tensor of "
+                    f"shape (None, {width}), got {[s.shape for s in spec.outputs]}")
+        else:
+            params = spec.details.get("trainable_parameters")
+            expected_params = {
+                "weight": [manifest.num_classes, manifest.feature_dim],
+                "bias": [manifest.num_classes],
+            }
+            if params != expected_params:
+                raise ManifestError(
+                    f"{spec.file}: trainable_parameters must be {expected_params}, got {params}")
+            if not spec.batch.fixed:
+                raise ManifestError(f"{spec.file}: training programs have a fixed batch")
+
+
+def read_manifest(path: str | Path) -> Manifest:
+    """Parse and validate ``path`` (a manifest.json, or the bundle directory holding one)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / MANIFEST_FILENAME
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read(MAX_MANIFEST_BYTES + 1)
+    except FileNotFoundError:
+        raise ManifestError(f"no manifest at {path}") from None
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"{path} is larger than {MAX_MANIFEST_BYTES} bytes; not a manifest")
+    try:
+        data = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as error:
+        raise ManifestError(f"{path} is not valid JSON: {error}") from None
+    return Manifest.from_json(data, directory=path.parent)
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"non-finite number {name} is not allowed in a manifest")

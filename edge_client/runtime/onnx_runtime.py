@@ -1,0 +1,59 @@
+"""ONNX Runtime backend: inference only (ORT's training packages are no longer published).
+
+The session is built from the verified bytes, on the CPU execution provider, with the
+thread count left to ORT unless the caller asks for one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from edge_client.runtime.base import check_image_batch, run_in_batches
+from edge_client.runtime.errors import RuntimeUnavailableError
+from edge_client.runtime.manifest import ArtifactSpec
+
+__all__ = ["OnnxRuntimeInference", "onnxruntime_version"]
+
+RUNTIME = "onnxruntime"
+
+
+def onnxruntime_version() -> str:
+    try:
+        import onnxruntime
+    except ImportError as error:
+        raise RuntimeUnavailableError(
+            f"ONNX Runtime is not installed ({error}); install it with `pip install onnxruntime`"
+        ) from error
+    return onnxruntime.__version__
+
+
+class OnnxRuntimeInference:
+    """Runs an inference ``.onnx``: (N, 3, S, S) float32 -> (N, width) float32."""
+
+    runtime = RUNTIME
+
+    def __init__(self, model: bytes, spec: ArtifactSpec, image_size: int,
+                 intra_op_threads: int | None = None):
+        onnxruntime_version()
+        import onnxruntime
+
+        options = onnxruntime.SessionOptions()
+        if intra_op_threads is not None:
+            options.intra_op_num_threads = intra_op_threads
+        try:
+            self._session = onnxruntime.InferenceSession(
+                model, sess_options=options, providers=["CPUExecutionProvider"])
+        except Exception as error:  # ORT raises its own exception types (Fail, InvalidGraph, ...)
+            raise RuntimeUnavailableError(
+                f"ONNX Runtime {onnxruntime.__version__} could not load {spec.file} "
+                f"(exported and checked with {spec.runtime_version}): {error}") from error
+        self._input_name = spec.inputs[0].name
+        self._spec = spec
+        self._image_size = image_size
+
+    def run(self, x: np.ndarray) -> np.ndarray:
+        x = check_image_batch(x, self._image_size)
+        return run_in_batches(self._run_batch, x, self._spec)
+
+    def _run_batch(self, x: np.ndarray) -> np.ndarray:
+        return self._session.run(None, {self._input_name: x})[0]

@@ -1,0 +1,144 @@
+"""On-device training of the linear head through the exported training program.
+
+The program has a fixed batch B (static shapes). :class:`TrainingSession` turns any
+mini-batch of n rows into program calls:
+
+* n <= B: one call, rows n..B-1 padded with zeros and given sample weight 0, so the loss
+  and gradients are exactly those of the n real rows;
+* n > B: ceil(n / B) calls; chunk c's loss and gradients are averages over its n_c rows,
+  so the mini-batch values are the n_c / n weighted sums. Then one SGD step.
+
+The SGD update itself is the runtime's (ExecuTorch's ``SGD`` optimizer; the eager backend
+does ``p -= lr * g``). Labels are local class indices 0..C-1 (see OLL in the Fed3R spec).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from edge_client.runtime.base import check_parameter_dict
+from edge_client.runtime.eager_runtime import EagerHeadTrainer
+from edge_client.runtime.executorch_runtime import ExecuTorchHeadTrainer
+from edge_client.runtime.manifest import ArtifactSpec, Manifest
+from edge_client.runtime.selection import open_first_available
+from edge_client.runtime.verification import load_manifest
+
+__all__ = ["TRAINING_BACKENDS", "TRAINING_RUNTIMES", "TrainingSession"]
+
+TRAINING_RUNTIMES = ("executorch", "eager")
+
+# runtime name -> factory(verified file bytes, artifact spec, manifest) -> head trainer
+TRAINING_BACKENDS = {
+    "executorch": lambda data, spec, manifest: ExecuTorchHeadTrainer(data, spec),
+    "eager": lambda data, spec, manifest: EagerHeadTrainer(data, spec, manifest),
+}
+
+
+class TrainingSession:
+    """Head parameters living in a runtime, updated by SGD steps on feature mini-batches."""
+
+    def __init__(self, trainer, spec: ArtifactSpec, manifest: Manifest):
+        self._trainer = trainer
+        self._spec = spec
+        self.manifest = manifest
+        self.batch_size: int = spec.batch.max
+        self.num_classes = manifest.num_classes
+        self.feature_dim = manifest.feature_dim
+        self.parameter_shapes: dict[str, tuple[int, ...]] = {
+            name: tuple(shape) for name, shape in spec.details["trainable_parameters"].items()}
+
+    @property
+    def runtime(self) -> str:
+        return self._trainer.runtime
+
+    @classmethod
+    def load(cls, manifest_path: str | Path, prefer: Sequence[str] = TRAINING_RUNTIMES,
+             expected_manifest_sha256: str | None = None) -> "TrainingSession":
+        """Verify the training program's sha256, then load it in the first usable runtime."""
+        manifest = load_manifest(manifest_path, expected_manifest_sha256)
+        trainer = open_first_available(manifest, "training", prefer, TRAINING_BACKENDS)
+        return cls(trainer, manifest.find("training", trainer.runtime), manifest)
+
+    def set_parameters(self, params: dict[str, np.ndarray]) -> None:
+        """Overwrite the head, e.g. with {"weight": (C, d), "bias": (C,)} from Fed3R."""
+        self._trainer.set_parameters(check_parameter_dict(params, self.parameter_shapes))
+
+    def get_parameters(self) -> dict[str, np.ndarray]:
+        """Copies of the current parameters, read back from the runtime."""
+        return self._trainer.get_parameters()
+
+    def loss_and_gradients(self, features: np.ndarray,
+                           labels: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
+        """Mean loss over the rows and its gradients, without changing the parameters."""
+        features, labels = self._check_batch(features, labels)
+        total = len(features)
+        loss = 0.0
+        gradients: dict[str, np.ndarray] = {}
+        for start in range(0, total, self.batch_size):
+            rows = min(self.batch_size, total - start)
+            chunk_loss, chunk_gradients = self._trainer.forward_backward(
+                *self._padded(features[start:start + rows], labels[start:start + rows]))
+            share = rows / total
+            loss += share * chunk_loss
+            for name, grad in chunk_gradients.items():
+                if name in gradients:
+                    gradients[name] += np.float32(share) * grad
+                else:
+                    # A single chunk keeps the runtime's gradient bit for bit.
+                    gradients[name] = grad.copy() if share == 1.0 else np.float32(share) * grad
+        return loss, gradients
+
+    def train_step(self, features: np.ndarray, labels: np.ndarray, lr: float) -> float:
+        """One SGD step (the runtime's SGD) on this mini-batch; returns its loss before the step."""
+        lr = _check_learning_rate(lr)
+        loss, gradients = self.loss_and_gradients(features, labels)
+        self._trainer.sgd_step(gradients, lr)
+        return loss
+
+    def _padded(self, features: np.ndarray, labels: np.ndarray):
+        rows = len(features)
+        sample_weight = np.zeros(self.batch_size, dtype=np.float32)
+        sample_weight[:rows] = 1.0
+        if rows == self.batch_size:
+            return features, labels, sample_weight
+        padded_features = np.zeros((self.batch_size, self.feature_dim), dtype=np.float32)
+        padded_features[:rows] = features
+        padded_labels = np.zeros(self.batch_size, dtype=np.int64)
+        padded_labels[:rows] = labels
+        return padded_features, padded_labels, sample_weight
+
+    def _check_batch(self, features: object, labels: object) -> tuple[np.ndarray, np.ndarray]:
+        if not isinstance(features, np.ndarray) or not isinstance(labels, np.ndarray):
+            raise TypeError("features and labels must be numpy arrays")
+        if features.ndim != 2 or features.shape[1] != self.feature_dim:
+            raise ValueError(
+                f"features must have shape (n, {self.feature_dim}), got {features.shape}")
+        if len(features) == 0:
+            raise ValueError("cannot train on an empty batch")
+        if not np.issubdtype(features.dtype, np.floating):
+            raise ValueError(f"features must be floating point, got {features.dtype}")
+        if not np.isfinite(features).all():
+            raise ValueError("features contain NaN or infinite values")
+        if labels.shape != (len(features),):
+            raise ValueError(
+                f"labels must have shape ({len(features)},) to match the features, got {labels.shape}")
+        if not np.issubdtype(labels.dtype, np.integer):
+            raise ValueError(f"labels must be integers (local class indices), got {labels.dtype}")
+        if labels.min() < 0 or labels.max() >= self.num_classes:
+            raise ValueError(
+                f"labels must lie in [0, {self.num_classes}), got [{labels.min()}, {labels.max()}]")
+        return (np.ascontiguousarray(features, dtype=np.float32),
+                np.ascontiguousarray(labels, dtype=np.int64))
+
+
+def _check_learning_rate(lr: object) -> float:
+    if isinstance(lr, bool) or not isinstance(lr, (int, float, np.floating, np.integer)):
+        raise TypeError(f"lr must be a number, got {type(lr).__name__}")
+    lr = float(lr)
+    if not math.isfinite(lr) or lr <= 0:
+        raise ValueError(f"lr must be a positive finite number, got {lr}")
+    return lr

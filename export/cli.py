@@ -1,0 +1,111 @@
+"""``fedfleet export``: build a bundle from the command line (see :func:`export.export_bundle`).
+
+Exit status: 0 written; 1 refused (parity beyond tolerance, or the export failed); 2 bad
+arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fedfleet export",
+        description="Export a backbone + linear head to ExecuTorch (.pte), ONNX and eager "
+                    "artifacts with a verified manifest.")
+    parser.add_argument("--backbone", required=True, help="mobilenet_v2 or efficientnet_lite0")
+    parser.add_argument("--num-classes", type=int, required=True, help="classes C of the head")
+    parser.add_argument("--out", type=Path, required=True, help="bundle directory to create")
+    parser.add_argument("--image-size", type=int, default=224, help="input side in pixels")
+    parser.add_argument("--weights", type=Path,
+                        help="backbone state dict (default: the pretrained ImageNet weights)")
+    parser.add_argument("--head-weights", type=Path,
+                        help=".npz with weight (C, d) and bias (C,) to initialise the head")
+    parser.add_argument("--full-model", action="store_true",
+                        help="inference artifacts output logits (needs --head-weights)")
+    parser.add_argument("--temperature", type=float, default=0.1,
+                        help="softmax temperature of the training loss (default 0.1)")
+    parser.add_argument("--batch-size", type=int, default=32,
+                        help="ExecuTorch batch bound / training program batch (default 32)")
+    parser.add_argument("--runtimes", default="executorch,onnxruntime,eager",
+                        help="comma-separated inference runtimes (may be empty)")
+    parser.add_argument("--no-training", action="store_true", help="skip the training program")
+    parser.add_argument("--parity-images", type=Path,
+                        help="uint8 images (.npy or IDX) for the parity check "
+                             "(default: Fashion-MNIST test images)")
+    parser.add_argument("--parity-count", type=int, default=64)
+    parser.add_argument("--tolerance", type=float, default=1e-4,
+                        help="max abs error of inference artifacts vs eager (default 1e-4)")
+    parser.add_argument("--gradient-tolerance", type=float, default=1e-5,
+                        help="max abs error of gradients / SGD vs torch (default 1e-5)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing bundle")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # argparse exits 2 on bad usage, 0 on --help
+        return int(exit_.code or 0)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.verbose:
+        logging.getLogger("export").setLevel(logging.INFO)
+
+    # Imported here so `--help` works without torch / executorch.
+    from export.parity import load_parity_images
+    from export.pipeline import ExportError, ParityError, export_bundle
+
+    runtimes = tuple(name for name in args.runtimes.split(",") if name.strip())
+    try:
+        parity_images = load_parity_images(args.parity_images, args.parity_count)
+        manifest_path = export_bundle(
+            args.backbone, args.out, num_classes=args.num_classes, image_size=args.image_size,
+            weights=args.weights, head_weights=args.head_weights, full_model=args.full_model,
+            temperature=args.temperature, batch_size=args.batch_size,
+            inference_runtimes=tuple(name.strip() for name in runtimes),
+            training=not args.no_training, parity_images=parity_images,
+            tolerance=args.tolerance, gradient_tolerance=args.gradient_tolerance,
+            overwrite=args.overwrite)
+    except ParityError as error:
+        print(f"fedfleet export: {error}", file=sys.stderr)
+        print(json.dumps(error.measurements, indent=2, sort_keys=True), file=sys.stderr)
+        return 1
+    except ExportError as error:  # the request itself is unusable
+        print(f"fedfleet export: {error}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as error:  # missing/unreadable inputs, existing output, ...
+        print(f"fedfleet export: {error}", file=sys.stderr)
+        return 1
+    print(_summary(manifest_path))
+    return 0
+
+
+def _summary(manifest_path: Path) -> str:
+    from edge_client.runtime.manifest import read_manifest
+
+    manifest = read_manifest(manifest_path)
+    lines = [f"wrote {manifest_path}"]
+    for spec in manifest.artifacts:
+        parity = spec.parity
+        if spec.kind == "inference":
+            measured = f"max abs error vs eager {parity['max_abs_error']:.2e}"
+        else:
+            measured = (f"gradient error {parity['gradient_max_abs_error']:.2e}, "
+                        f"SGD error {parity['sgd_max_abs_error']:.2e}")
+        lines.append(f"  {spec.file:26s} {spec.kind:9s} {spec.runtime:11s} "
+                     f"{spec.size_bytes / 1e6:7.2f} MB  {measured}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,131 @@
+"""Export-time parity: run each artifact in its runtime and compare with eager torch.
+
+Inference artifacts are compared on real images (Fashion-MNIST test images by default,
+or any uint8 images the caller gives). The training program is compared with plain torch
+autograd (``F.cross_entropy`` on the un-padded rows, not the exported module) for the
+loss and gradients, and with ``torch.optim.SGD`` after a few steps in the runtime.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.nn import functional as F
+
+__all__ = [
+    "ParityImages",
+    "TrainingParity",
+    "inference_parity",
+    "load_parity_images",
+    "reference_head_loss",
+    "training_parity",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParityImages:
+    images: np.ndarray  # uint8 (N, H, W) or (N, H, W, 3)
+    labels: np.ndarray | None
+    source: str
+
+
+def load_parity_images(path: str | Path | None = None, count: int = 64) -> ParityImages:
+    """``count`` real images: from ``path`` (.npy uint8 array, or an IDX file), else
+    the first ``count`` Fashion-MNIST test images."""
+    if count < 1:
+        raise ValueError(f"count must be >= 1, got {count}")
+    if path is None:
+        from edge_client.data.idx import load_fashion_mnist
+
+        try:
+            images, labels = load_fashion_mnist("test")
+        except FileNotFoundError as error:
+            raise FileNotFoundError(
+                f"{error}. Export needs real images for its parity check: install the "
+                "dataset or pass parity images (--parity-images).") from None
+        return ParityImages(images[:count], labels[:count], f"fashion-mnist test[0:{count}]")
+    path = Path(path)
+    if path.suffix == ".npy":
+        images = np.load(path, allow_pickle=False)
+    else:
+        from edge_client.data.idx import read_idx
+
+        images = read_idx(path)
+    if images.dtype != np.uint8 or images.ndim not in (3, 4) or len(images) == 0:
+        raise ValueError(
+            f"{path}: parity images must be a non-empty uint8 array (N, H, W[, 3]), "
+            f"got {images.dtype} {images.shape}")
+    return ParityImages(images[:count], None, f"{path.name}[0:{min(count, len(images))}]")
+
+
+def inference_parity(runtime, inputs: np.ndarray, reference: np.ndarray) -> float:
+    """Max abs difference between ``runtime.run(inputs)`` and the eager ``reference``."""
+    outputs = runtime.run(inputs)
+    if outputs.shape != reference.shape:
+        raise ValueError(f"artifact output shape {outputs.shape} != eager {reference.shape}")
+    return float(np.max(np.abs(outputs.astype(np.float64) - reference.astype(np.float64))))
+
+
+def reference_head_loss(features: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor,
+                        bias: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Temperature-scaled cross-entropy, mean over the rows: the head's loss, from scratch."""
+    return F.cross_entropy(F.linear(features, weight, bias) / temperature, labels)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingParity:
+    loss_abs_error: float
+    gradient_max_abs_error: float
+    sgd_max_abs_error: float
+    sgd_steps: int
+    rows: int
+
+    def to_json(self) -> dict[str, float | int]:
+        return dataclasses.asdict(self)
+
+
+def training_parity(session, features: np.ndarray, labels: np.ndarray, temperature: float,
+                    sgd_steps: int = 3, lr: float = 0.05, seed: int = 0) -> TrainingParity:
+    """Compare a :class:`TrainingSession` with torch autograd / ``torch.optim.SGD``.
+
+    The head starts from small random values (a zero head has symmetric gradients, which
+    would hide swapped classes). ``session`` is left trained; use a throwaway one.
+    """
+    rng = np.random.default_rng(seed)
+    start = {
+        "weight": rng.normal(0.0, 0.01, session.parameter_shapes["weight"]).astype(np.float32),
+        "bias": rng.normal(0.0, 0.01, session.parameter_shapes["bias"]).astype(np.float32),
+    }
+    session.set_parameters(start)
+    loss, gradients = session.loss_and_gradients(features, labels)
+
+    weight = torch.tensor(start["weight"], requires_grad=True)
+    bias = torch.tensor(start["bias"], requires_grad=True)
+    features_t = torch.from_numpy(np.ascontiguousarray(features, dtype=np.float32))
+    labels_t = torch.from_numpy(labels.astype(np.int64))
+    reference_loss = reference_head_loss(features_t, labels_t, weight, bias, temperature)
+    reference_loss.backward()
+    gradient_error = max(
+        float(np.max(np.abs(gradients["weight"] - weight.grad.numpy()))),
+        float(np.max(np.abs(gradients["bias"] - bias.grad.numpy()))))
+
+    optimizer = torch.optim.SGD([weight, bias], lr=lr)
+    for _ in range(sgd_steps):
+        session.train_step(features, labels, lr)
+        optimizer.zero_grad()
+        reference_head_loss(features_t, labels_t, weight, bias, temperature).backward()
+        optimizer.step()
+    trained = session.get_parameters()
+    sgd_error = max(
+        float(np.max(np.abs(trained["weight"] - weight.detach().numpy()))),
+        float(np.max(np.abs(trained["bias"] - bias.detach().numpy()))))
+    return TrainingParity(
+        loss_abs_error=abs(loss - reference_loss.item()),
+        gradient_max_abs_error=gradient_error,
+        sgd_max_abs_error=sgd_error,
+        sgd_steps=sgd_steps,
+        rows=len(features),
+    )

@@ -1,0 +1,60 @@
+"""Exported model bundles for devices: made once by ``export``, then loaded by each device.
+
+The emulated fleet and ``fedfleet device`` turn a (backbone, image size) into a feature
+extractor: ``eager`` runs the torch model (development), ``executorch`` / ``onnxruntime`` run
+the exported program from a bundle under ``bundle_root`` (exported on first use, parity-checked
+against eager, sha256-verified on every load). Bundles are keyed by backbone, image size and the
+weights' sha256, so new weights never reuse a stale program.
+"""
+
+from __future__ import annotations
+
+import fcntl
+from pathlib import Path
+
+from edge_client.features import FeatureExtractor
+from edge_client.models import build_backbone, weights_sha256
+
+DEFAULT_BUNDLE_ROOT = Path(".cache/bundles")
+RUNTIMES = ("eager", "executorch", "onnxruntime")
+
+
+def bundle_dir(backbone: str, image_size: int, root: Path = DEFAULT_BUNDLE_ROOT) -> Path:
+    return Path(root) / f"{backbone}-{image_size}px-{weights_sha256(backbone)[:12]}"
+
+
+def ensure_bundle(backbone: str, image_size: int, root: Path = DEFAULT_BUNDLE_ROOT) -> Path:
+    """The manifest of the feature-extractor bundle, exporting it first when missing."""
+    out = bundle_dir(backbone, image_size, root)
+    manifest = out / "manifest.json"
+    if manifest.exists():
+        return manifest
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:     # one exporter at a time
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not manifest.exists():
+            from export import export_bundle
+
+            export_bundle(backbone, out, num_classes=10, image_size=image_size,
+                          inference_runtimes=("executorch", "onnxruntime"), training=False)
+    return manifest
+
+
+def make_extractor(backbone: str, image_size: int, cache_dir: str | None, runtime: str = "eager",
+                   threads: int | None = 1, bundle_root: Path = DEFAULT_BUNDLE_ROOT) -> FeatureExtractor:
+    if runtime not in RUNTIMES:
+        raise ValueError(f"unknown runtime {runtime!r} (one of {RUNTIMES})")
+    if runtime == "eager":
+        return FeatureExtractor.eager(backbone, image_size=image_size, cache_dir=cache_dir, threads=threads)
+    import torch
+
+    from edge_client.runtime import load_inference
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    manifest = ensure_bundle(backbone, image_size, bundle_root)
+    program = load_inference(manifest, prefer=(runtime,))
+    ref = build_backbone(backbone, pretrained=False)       # only for its normalisation constants
+    return FeatureExtractor(program.run, image_size=image_size, mean=ref.mean, std=ref.std, batch_size=32,
+                            cache_dir=cache_dir, feature_dim=ref.feature_dim,
+                            cache_key=f"{backbone}:{weights_sha256(backbone)}:{runtime}")

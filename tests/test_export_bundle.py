@@ -1,0 +1,204 @@
+"""Full bundles for both backbones: parity of .pte / .onnx with eager torch on real images,
+the manifest's contents, refusal of tampered files, and errors for missing runtimes.
+
+Each backbone is exported once per module (64 px, the slow part: ~20 s per .pte); the
+images compared here (Fashion-MNIST test[1000:1045]) are not the ones the exporter used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from edge_client.data.idx import load_fashion_mnist
+from edge_client.models import build_backbone, weights_sha256
+from edge_client.models.preprocess import to_model_input
+from edge_client.runtime import (
+    ArtifactMissingError,
+    ArtifactTamperedError,
+    RuntimeUnavailableError,
+    TrainingSession,
+    file_sha256,
+    load_inference,
+    read_manifest,
+    verify_bundle,
+)
+from export import export_bundle
+from export.parity import load_parity_images
+
+IMAGE_SIZE = 64
+NUM_CLASSES = 10
+TOLERANCE = 1e-4  # the acceptance criterion; not to be loosened here
+BACKBONE_NAMES = ("mobilenet_v2", "efficientnet_lite0")
+
+_bundles: dict[str, object] = {}
+
+
+@pytest.fixture(scope="module", params=BACKBONE_NAMES)
+def bundle(request, tmp_path_factory):
+    name = request.param
+    if name not in _bundles:
+        out = tmp_path_factory.mktemp(name) / "bundle"
+        _bundles[name] = export_bundle(name, out, num_classes=NUM_CLASSES, image_size=IMAGE_SIZE,
+                                       parity_images=load_parity_images(count=48))
+    return name, _bundles[name]
+
+
+@pytest.fixture(scope="module")
+def mobilenet_bundle(tmp_path_factory):
+    if "mobilenet_v2" not in _bundles:
+        out = tmp_path_factory.mktemp("mobilenet_v2") / "bundle"
+        _bundles["mobilenet_v2"] = export_bundle(
+            "mobilenet_v2", out, num_classes=NUM_CLASSES, image_size=IMAGE_SIZE,
+            parity_images=load_parity_images(count=48))
+    return _bundles["mobilenet_v2"]
+
+
+@pytest.fixture(scope="module")
+def test_images():
+    images, labels = load_fashion_mnist("test")
+    return images[1000:1045], labels[1000:1045]
+
+
+def eager_features(name, images):
+    backbone = build_backbone(name)
+    inputs = to_model_input(images, IMAGE_SIZE, backbone.mean, backbone.std)
+    with torch.no_grad():
+        return inputs, backbone(torch.from_numpy(inputs)).numpy()
+
+
+@pytest.mark.parametrize("runtime", ["executorch", "onnxruntime", "eager"])
+def test_artifact_matches_eager_on_real_images(bundle, runtime, test_images):
+    name, manifest_path = bundle
+    inputs, expected = eager_features(name, test_images[0])  # 45 rows: a full + a partial batch
+    model = load_inference(manifest_path, prefer=(runtime,))
+    assert model.runtime == runtime
+    outputs = model.run(inputs)
+    assert outputs.shape == (45, 1280) and outputs.dtype == np.float32
+    error = float(np.max(np.abs(outputs - expected)))
+    assert error <= TOLERANCE, f"{name} {runtime}: max abs error {error:.3g} > {TOLERANCE}"
+    # Single rows go through the same program (batch 1 is within the dynamic bound).
+    assert np.max(np.abs(model.run(inputs[:1]) - expected[:1])) <= TOLERANCE
+
+
+def test_manifest_describes_every_file(bundle):
+    name, manifest_path = bundle
+    raw = json.loads(manifest_path.read_text())
+    manifest = read_manifest(manifest_path)
+    backbone = build_backbone(name)
+    assert manifest.backbone == name and manifest.weights_sha256 == weights_sha256(name)
+    assert manifest.input.image_size == IMAGE_SIZE
+    assert np.allclose(manifest.input.mean, backbone.mean)
+    assert np.allclose(manifest.input.std, backbone.std)
+    assert manifest.temperature == pytest.approx(0.1)
+    offered = {(spec.kind, spec.runtime) for spec in manifest.artifacts}
+    assert offered == {("inference", "executorch"), ("inference", "onnxruntime"),
+                       ("inference", "eager"), ("training", "executorch"), ("training", "eager")}
+    bundle_dir = manifest_path.parent
+    assert sorted(p.name for p in bundle_dir.iterdir()) == sorted(
+        [spec.file for spec in manifest.artifacts] + ["manifest.json"])
+    for entry in raw["artifacts"]:
+        data = (bundle_dir / entry["file"]).read_bytes()
+        assert entry["sha256"] == hashlib.sha256(data).hexdigest()
+        assert entry["size_bytes"] == len(data)
+        assert entry["runtime_version"]
+    pte = manifest.find("inference", "executorch")
+    assert pte.details["delegate"] == "xnnpack" and pte.details["delegate_calls"] >= 1
+    assert pte.batch.max == 32 and pte.outputs[0].name == "features"
+    assert 0 <= pte.parity["max_abs_error"] <= TOLERANCE
+    training = manifest.find("training", "executorch")
+    assert training.details["trainable_parameters"] == {"weight": [NUM_CLASSES, 1280],
+                                                        "bias": [NUM_CLASSES]}
+    assert training.outputs[0].name == "loss"
+    assert training.parity["gradient_max_abs_error"] <= 1e-5
+    assert training.parity["sgd_max_abs_error"] <= 1e-5
+
+
+@pytest.fixture
+def bundle_copy(mobilenet_bundle, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(mobilenet_bundle.parent, copy)
+    return copy / "manifest.json"
+
+
+def flip_one_byte(path, offset_fraction=0.5):
+    data = bytearray(path.read_bytes())
+    data[int(len(data) * offset_fraction)] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("runtime,file", [("executorch", "inference_xnnpack.pte"),
+                                          ("onnxruntime", "inference.onnx"),
+                                          ("eager", "inference_eager.pt")])
+def test_tampered_inference_artifact_is_refused(bundle_copy, runtime, file):
+    flip_one_byte(bundle_copy.parent / file)
+    with pytest.raises(ArtifactTamperedError, match=file):
+        load_inference(bundle_copy, prefer=(runtime,))
+    # Refused, not silently replaced by another runtime's file.
+    with pytest.raises(ArtifactTamperedError):
+        load_inference(bundle_copy, prefer=(runtime, "eager" if runtime != "eager" else "onnxruntime"))
+    with pytest.raises(ArtifactTamperedError):
+        verify_bundle(bundle_copy)
+
+
+def test_tampered_training_program_is_refused(bundle_copy):
+    flip_one_byte(bundle_copy.parent / "head_training.pte", 0.9)
+    with pytest.raises(ArtifactTamperedError, match="head_training.pte"):
+        TrainingSession.load(bundle_copy)
+
+
+def test_appended_and_missing_files_are_refused(bundle_copy):
+    with open(bundle_copy.parent / "inference.onnx", "ab") as handle:
+        handle.write(b"\0")
+    with pytest.raises(ArtifactTamperedError, match="size differs"):
+        load_inference(bundle_copy, prefer=("onnxruntime",))
+    (bundle_copy.parent / "inference_xnnpack.pte").unlink()
+    with pytest.raises(ArtifactMissingError):
+        load_inference(bundle_copy, prefer=("executorch",))
+
+
+def test_manifest_digest_can_be_pinned(bundle_copy):
+    announced = file_sha256(bundle_copy)
+    assert load_inference(bundle_copy, prefer=("onnxruntime",),
+                          expected_manifest_sha256=announced).runtime == "onnxruntime"
+    manifest = json.loads(bundle_copy.read_text())
+    # A consistent forgery: file and its digest swapped together. Only the pin catches it.
+    forged = bundle_copy.parent / "inference.onnx"
+    flip_one_byte(forged)
+    for entry in manifest["artifacts"]:
+        if entry["file"] == "inference.onnx":
+            entry["sha256"] = file_sha256(forged)
+    bundle_copy.write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactTamperedError, match="manifest"):
+        load_inference(bundle_copy, prefer=("onnxruntime",), expected_manifest_sha256=announced)
+
+
+@pytest.fixture
+def without_executorch(monkeypatch):
+    """Make `import executorch...` fail as it does where the package is not installed."""
+    for module_name in [name for name in sys.modules if name.split(".")[0] == "executorch"]:
+        monkeypatch.setitem(sys.modules, module_name, None)
+    monkeypatch.setitem(sys.modules, "executorch", None)
+
+
+def test_missing_runtime_names_the_alternatives(mobilenet_bundle, without_executorch, test_images):
+    with pytest.raises(RuntimeUnavailableError) as raised:
+        load_inference(mobilenet_bundle, prefer=("executorch",))
+    message = str(raised.value)
+    assert "pip install executorch==1.5.1" in message
+    assert "onnxruntime" in message and "eager" in message
+    # With the default preferences the next installed runtime takes over.
+    fallback = load_inference(mobilenet_bundle)
+    assert fallback.runtime == "onnxruntime"
+    inputs, expected = eager_features("mobilenet_v2", test_images[0][:8])
+    assert np.max(np.abs(fallback.run(inputs) - expected)) <= TOLERANCE
+
+    with pytest.raises(RuntimeUnavailableError, match="eager"):
+        TrainingSession.load(mobilenet_bundle, prefer=("executorch",))
+    assert TrainingSession.load(mobilenet_bundle).runtime == "eager"
