@@ -70,8 +70,11 @@ class DeviceAgent:
     def __init__(self, device_id: str, broker: BrokerConfig, handlers: dict[str, TaskHandler],
                  topics: Topics = Topics(), hooks: AgentHooks | None = None,
                  chunk_size: int = DEFAULT_CHUNK_SIZE, retry_after_s: float = 10.0, tick_s: float = 0.5,
-                 protocol_handlers: dict[str, Any] | None = None):
+                 protocol_handlers: dict[str, Any] | None = None,
+                 signer: Callable[[bytes], bytes] | None = None):
         self.device_id = device_id
+        # Ed25519 signing of every envelope (DeviceIdentity.sign) when the aggregator requires it.
+        self.signer = signer
         # Multi-message protocols (secure aggregation): task kind or message type -> an object with
         # on_task(job, round, params) / on_message(env), each returning envelopes to publish.
         self.protocol_handlers = protocol_handlers or {}
@@ -90,7 +93,7 @@ class DeviceAgent:
         self.link = MqttLink(
             client_id=device_id, broker=broker, on_message=lambda t, p: self._inbox.put((t, p)),
             subscriptions=[(topics.inbox(device_id), 1)], on_connect=self._announce,
-            will=(topics.presence(device_id), encode(offline), True))
+            will=(topics.presence(device_id), encode(offline, signer=signer), True))
         self.online = False
         self._outage_until = 0.0
 
@@ -115,14 +118,15 @@ class DeviceAgent:
     def _go_offline(self) -> None:
         if self.online:
             self.link.publish(self.topics.presence(self.device_id),
-                              encode(M.presence_message(self.device_id, "offline")), retain=True, wait=True)
+                              encode(M.presence_message(self.device_id, "offline"), signer=self.signer),
+                              retain=True, wait=True)
             self.link.stop()
             self.online = False
 
     def _announce(self) -> None:
         info = {"kinds": sorted(self.handlers), **self.hooks.info}
         self.link.publish(self.topics.presence(self.device_id),
-                          encode(M.presence_message(self.device_id, "online", info)), retain=True)
+                          encode(M.presence_message(self.device_id, "online", info), signer=self.signer), retain=True)
 
     # the agent thread
     def _run(self) -> None:
@@ -161,7 +165,7 @@ class DeviceAgent:
         elif env.type in self.protocol_handlers:
             for out in self.protocol_handlers[env.type].on_message(env):
                 self.stats.bytes_up += self.link.publish_envelope(
-                    self.topics.outbox(self.device_id), out, chunk_size=self.chunk_size,
+                    self.topics.outbox(self.device_id), out, chunk_size=self.chunk_size, signer=self.signer,
                     before_each=self.hooks.before_upload)
         elif env.type == M.ACK:
             ref_id, status, reason = M.parse_ack(env)
@@ -179,13 +183,13 @@ class DeviceAgent:
             elif isinstance(act, SendResult):
                 if self.online:
                     self.stats.bytes_up += self.link.publish_envelope(
-                        self.topics.outbox(self.device_id), act.message, chunk_size=self.chunk_size,
+                        self.topics.outbox(self.device_id), act.message, chunk_size=self.chunk_size, signer=self.signer,
                         before_each=self.hooks.before_upload)
                     self.session.handle(ResultSent(time.monotonic()))
             elif isinstance(act, SendDecline):
                 self.stats.tasks_declined += 1
                 self.link.publish_envelope(self.topics.outbox(self.device_id),
-                                           M.decline_message(self.device_id, act.ref, act.reason))
+                                           M.decline_message(self.device_id, act.ref, act.reason), signer=self.signer)
 
     def _protocol_task(self, ref, kind: str, params: dict) -> None:
         t0 = time.perf_counter()
@@ -200,13 +204,13 @@ class DeviceAgent:
         except TaskDeclined as exc:
             self.stats.tasks_declined += 1
             self.link.publish_envelope(self.topics.outbox(self.device_id),
-                                       M.decline_message(self.device_id, ref, str(exc)))
+                                       M.decline_message(self.device_id, ref, str(exc)), signer=self.signer)
             return
         self.stats.compute_s += time.perf_counter() - t0
         self.stats.tasks_done += 1
         for out in outs:
             self.stats.bytes_up += self.link.publish_envelope(self.topics.outbox(self.device_id), out,
-                                                              chunk_size=self.chunk_size,
+                                                              chunk_size=self.chunk_size, signer=self.signer,
                                                               before_each=self.hooks.before_upload)
 
     def _do_work(self, act: StartWork) -> None:

@@ -132,3 +132,29 @@ def test_duplicate_deliveries_are_applied_once(broker, tmp_path):
     assert result["state"] == "done" and result["results_accepted"] == 1
     assert svc.job.strategy.n_samples == 30
 
+
+
+def test_signed_agents_are_accepted_and_wrongly_signed_ones_rejected(broker, tmp_path):
+    from protocols.identity import DeviceIdentity
+
+    devices = ["good", "forger"]
+    config = Fed3RConfig(num_classes=C, feature_dim=D, clients_per_round=2, round_timeout_s=8, expected_devices=1,
+                         start_timeout_s=3, max_attempts=1)
+    svc = AggregatorService(Fed3RJob(config), BrokerConfig.from_url(broker.url), tmp_path, enrolled=set(devices),
+                            require_signatures=True)
+    keys = {d: DeviceIdentity.generate(d) for d in devices}
+    for d in devices:
+        svc.registry.enroll(d, keys[d].public_key_bytes)
+    impostor = DeviceIdentity.generate("forger")          # not the enrolled key
+    result = {}
+    t = threading.Thread(target=lambda: result.update(svc.run(timeout_s=60)), daemon=True)
+    t.start()
+    agents = [DeviceAgent("good", BrokerConfig.from_url(broker.url), {"fed3r.stats": SyntheticStats(0)},
+                          signer=keys["good"].sign).start(),
+              DeviceAgent("forger", BrokerConfig.from_url(broker.url), {"fed3r.stats": SyntheticStats(1)},
+                          signer=impostor.sign).start()]
+    t.join(60)
+    for a in agents:
+        a.stop()
+    assert list(result["contributed"]) == ["good"]
+    assert result["rejections"].get("bad signature", 0) >= 1
