@@ -26,7 +26,10 @@ class Fed3R:
         self.num_classes, self.p = num_classes, p
         self.lam, self.fit_intercept, self.normalize_columns = lam, fit_intercept, normalize_columns
         self.device = pick_device(device)
-        self.A = torch.zeros((p, p), dtype=torch.float64, device=self.device)
+        # The sum is kept as the packed upper triangle (what devices send): adding a contribution is
+        # one vector addition; the symmetric matrix is expanded only when it is needed (solve,
+        # state). Each entry sees the same float64 additions in the same order either way.
+        self._packed = torch.zeros(p * (p + 1) // 2, dtype=torch.float64, device=self.device)
         self.B = torch.zeros((p, num_classes), dtype=torch.float64, device=self.device)
         self.n_samples = 0
         self.n_contributions = 0
@@ -47,13 +50,23 @@ class Fed3R:
         self.add(Fed3RStats(n=n, p=self.p, a_upper=a_upper, class_ids=np.arange(self.num_classes), b=b_dense))
 
     def _add_packed(self, packed: torch.Tensor) -> None:
+        if packed.shape != self._packed.shape:
+            raise ValueError(f"packed triangle has shape {tuple(packed.shape)}")
+        self._packed += packed
+
+    def _triu_index(self) -> torch.Tensor:
         if self._iu is None:
             self._iu = torch.triu_indices(self.p, self.p, device=self.device)
-        if packed.shape != (self.p * (self.p + 1) // 2,):
-            raise ValueError(f"packed triangle has shape {tuple(packed.shape)}")
-        upper = torch.zeros_like(self.A)
-        upper[self._iu[0], self._iu[1]] = packed
-        self.A += upper + torch.triu(upper, 1).T
+        return self._iu
+
+    @property
+    def A(self) -> torch.Tensor:
+        """Σ_k A_k as a symmetric (p×p) float64 matrix."""
+        iu = self._triu_index()
+        full = torch.zeros((self.p, self.p), dtype=torch.float64, device=self.device)
+        full[iu[0], iu[1]] = self._packed
+        full[iu[1], iu[0]] = self._packed
+        return full
 
     def solve(self) -> ClosedFormRidge:
         model = ClosedFormRidge(self.lam, self.fit_intercept, self.normalize_columns, device=str(self.device))
@@ -65,7 +78,9 @@ class Fed3R:
                 "counts": np.array([self.n_samples, self.n_contributions], dtype=np.int64)}
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
-        self.A = torch.as_tensor(state["A"], dtype=torch.float64, device=self.device).clone()
+        A = torch.as_tensor(state["A"], dtype=torch.float64, device=self.device)
+        iu = self._triu_index()
+        self._packed = A[iu[0], iu[1]].clone()
         self.B = torch.as_tensor(state["B"], dtype=torch.float64, device=self.device).clone()
         self.n_samples, self.n_contributions = (int(x) for x in state["counts"])
 
