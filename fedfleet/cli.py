@@ -14,6 +14,11 @@ import sys
 
 
 def _simulate(args) -> int:
+    if args.pipeline == "ladd":
+        from .ladd_pipeline import ladd_config_from_args, run_ladd
+
+        run_ladd(ladd_config_from_args(args))
+        return 0
     from .simulate import load_config, run
 
     overrides = {"devices": args.devices, "broker": args.broker, "out_dir": args.out, "seed": args.seed,
@@ -54,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--workers", type=int)
     s.add_argument("--secure", action="store_true", help="Fed3R-Sync: sum statistics under secure aggregation")
     s.add_argument("--secure-graph", choices=["complete", "regular"], help="SecAgg (complete) or SecAgg+ (regular)")
+    s.add_argument("--pipeline", choices=["fed3r", "ladd"], default="fed3r",
+                   help="fed3r: classification (Fed3R / Fed3R-Sync); ladd: segmentation on unlabelled devices "
+                        "(source-only vs FedAvg+self-training vs LADD)")
+    from .ladd_pipeline import add_ladd_arguments
+
+    add_ladd_arguments(s)
     s.set_defaults(func=_simulate)
 
     from aggregator.cli import build_parser as agg_parser

@@ -1,0 +1,384 @@
+"""A LADD job (spec §2): styles once, clustering, server pre-training, then cluster-aware rounds.
+
+Pure logic (no MQTT, no clock), driven by ``aggregator.service`` like the other jobs. The job
+has two kinds of rounds, so its ``kind`` is the kind of the round it opened last:
+
+``ladd.style`` rounds
+    Every online device that has not sent its style yet (and has attempts left) is asked for
+    it. When at least ``min_styles`` styles are in (all devices seen so far when 0), the
+    style round's closing fits :class:`~aggregator.strategies.ladd.StyleClustering` (KMeans
+    for k in [k_min, k_max], ``n_init`` restarts, k by silhouette), stores the centroids and
+    calls the injected ``pretrainer(style_bank)``, which returns the pre-trained exchanged
+    state w and the names of the trainable tensors. A device that comes online later is
+    asked for its style in a style round of its own and routed to the nearest centroid
+    (the clustering is not refitted).
+
+``ladd.train`` rounds (t = 1 .. ``rounds``)
+    κ devices with a cluster are drawn (seeded). Device k of cluster c gets φ ∪ θ_c, the
+    cluster teacher g_c when it differs from that model, and the KD teacher (the pre-trained
+    w) until it confirms holding it. At closing, :class:`ClusterSpecificAveraging` gives
+    φ ← mean over all participants, θ_c ← mean over c's participants (weights n_k); a
+    cluster without participants keeps θ_c. Then, if t mod ω = 0, every cluster teacher
+    becomes g_c ← w_c (t < t_START) or the running mean of the w_c it has seen (t ≥ t_START,
+    SWA). ``swa_start = 0`` disables SWA. Each cluster has its own teacher (the authors' code
+    shares one; spec §6.9a/b).
+
+``clustering = "none"`` gives FedAvg + self-training: one cluster, every tensor global.
+
+The server never needs the network itself, only named arrays: pre-training is injected
+(``pretrainer``), so this module does not import ``edge_client``. An optional ``evaluator``
+(job -> dict of metrics) is called after each training round for the history.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from protocols.envelope import Envelope, EnvelopeError, body_field
+from protocols.payloads.ladd import (KIND_STYLE, KIND_TRAIN, ModelUpdate, StyleResult, layout_digest,
+                                     layout_to_json, make_layout, pack, packed_digest, parse_style, parse_update,
+                                     train_task_tensors)
+from protocols.rounds import RoundClosed
+
+from ..strategies.ladd import ClusterSpecificAveraging, StyleClustering, SwaTeacher, cluster_specific_predicate
+
+log = logging.getLogger("fedfleet.aggregator")
+
+Arrays = dict[str, np.ndarray]
+# style bank (n, 3, 2b+1, 2b+1) -> (pre-trained exchanged state, names of the trainable tensors)
+Pretrainer = Callable[[np.ndarray], tuple[Arrays, list[str]]]
+
+
+@dataclass
+class LaddConfig:
+    job_id: str = "ladd"
+    model: dict = field(default_factory=dict)      # edge_client SegmentationSpec as a dict
+    weights_sha256: str = ""                       # the devices' ImageNet encoder weights
+    style_b: int = 1                               # style window (2b+1)²
+    clustering: str = "styles"                     # "styles" (LADD) | "none" (FedAvg + self-training)
+    k_min: int = 2
+    k_max: int = 8
+    n_init: int = 10
+    cluster_scope: str = "head"                    # θ = "head" (LADD cls) | "all"
+    rounds: int = 12
+    clients_per_round: int = 8
+    local_epochs: int = 1
+    batch_size: int = 8
+    lr: float = 0.01
+    momentum: float = 0.9
+    kd_lambda: float = 10.0
+    kd_alpha: float = 0.5
+    pseudo_quantile: float = 0.66
+    pseudo_cap: float = 0.9
+    teacher_every: int = 1                         # ω
+    swa_start: int = 0                             # t_START (0: no SWA teacher)
+    min_styles: int = 0                            # styles needed before clustering (0: every device seen)
+    style_attempts: int = 3
+    round_timeout_s: float = 120.0
+    expected_devices: int = 0
+    start_timeout_s: float = 60.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.clustering not in ("styles", "none"):
+            raise ValueError(f"clustering must be 'styles' or 'none', got {self.clustering!r}")
+        cluster_specific_predicate(self.cluster_scope)
+        if self.rounds < 0 or self.clients_per_round < 1 or self.teacher_every < 1 or self.swa_start < 0:
+            raise ValueError("rounds >= 0, clients_per_round >= 1, teacher_every >= 1, swa_start >= 0 required")
+        if not 0 <= self.style_b <= 8 or not 1 <= self.k_min <= self.k_max or self.n_init < 1:
+            raise ValueError("style_b in [0, 8], 1 <= k_min <= k_max, n_init >= 1 required")
+        if "image_size" not in self.model or "num_classes" not in self.model:
+            raise ValueError("model must be a segmentation spec with at least num_classes and image_size")
+
+    @property
+    def image_size(self) -> int:
+        return int(self.model["image_size"])
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class RoundPayload:
+    round: int
+    kind: str
+    payload: StyleResult | ModelUpdate
+
+
+@dataclass
+class LaddJob:
+    config: LaddConfig
+    pretrainer: Pretrainer | None = None
+    initial: tuple[Arrays, list[str]] | None = None       # skip pre-training: (w, trainable names)
+    evaluator: Callable[["LaddJob"], dict] | None = None
+    contributed: dict[str, int] = field(default_factory=dict)
+    round: int = 0
+
+    def __post_init__(self):
+        c = self.config
+        if self.initial is None and self.pretrainer is None:
+            raise ValueError("LaddJob needs a pretrainer or an initial model")
+        self.is_theta = cluster_specific_predicate(c.cluster_scope if c.clustering == "styles" else "head")
+        self._rng = random.Random(c.seed)
+        self.kind = KIND_STYLE
+        self.phase = "styles"
+        self.train_round = 0
+        self.styles: dict[str, np.ndarray] = {}
+        self.style_attempts: dict[str, int] = {}
+        self.assignment: dict[str, int] = {}
+        self.clustering: StyleClustering | None = None
+        self.pretrained: Arrays | None = None
+        self.trainable: list[str] = []
+        self.phi: Arrays = {}
+        self.theta: dict[int, Arrays] = {}
+        self.teachers: dict[int, SwaTeacher] = {}
+        self.kd_confirmed: set[str] = set()
+        self.round_log: list[dict] = []
+        self.late_discarded = 0
+        self.aggregate_s = 0.0                      # server time in aggregation + teacher updates
+        self.last_metrics: dict = {}
+        self._open = False
+        self._participants: frozenset[str] = frozenset()
+        self._applied: set[str] = set()
+        self._agg: ClusterSpecificAveraging | None = None
+        if self.initial is not None and c.clustering == "none":
+            self._start_training(*self.initial)
+
+    # ------------------------------------------------------------------ phases
+    @property
+    def n_clusters(self) -> int:
+        return len(self.theta) if self.theta else 0
+
+    def _styles_complete(self) -> bool:
+        """``min_styles`` styles are in, or (0) every device asked so far answered or gave up."""
+        if not self.styles:
+            return False
+        if self.config.min_styles:
+            return len(self.styles) >= self.config.min_styles
+        return all(d in self.styles or n >= self.config.style_attempts for d, n in self.style_attempts.items())
+
+    def _finish_style_phase(self) -> None:
+        c = self.config
+        devices = sorted(self.styles)
+        bank = np.stack([self.styles[d] for d in devices])
+        if c.clustering == "styles":
+            self.clustering = StyleClustering((c.k_min, c.k_max), c.n_init, c.seed).fit(bank)
+            labels = self.clustering.labels_
+            log.info("LADD clustering: k=%d, silhouettes %s", self.clustering.n_clusters_,
+                     {k: round(v, 3) for k, v in self.clustering.silhouette_scores_.items()})
+        else:
+            labels = np.zeros(len(devices), np.int64)
+        arrays, trainable = self.initial if self.initial is not None else self.pretrainer(bank)
+        self._start_training(arrays, trainable, n_clusters=int(labels.max()) + 1)
+        self.assignment = {d: int(label) for d, label in zip(devices, labels)}
+
+    def _start_training(self, arrays: Arrays, trainable: list[str], n_clusters: int = 1) -> None:
+        arrays = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in arrays.items()}
+        unknown = set(trainable) - set(arrays)
+        if not trainable or unknown:
+            raise ValueError(f"trainable names must be a non-empty subset of the model, unknown: {sorted(unknown)[:3]}")
+        self.pretrained = arrays
+        self.layout = make_layout(arrays)
+        order = {name: i for i, (name, _) in enumerate(self.layout)}
+        self.trainable = sorted(trainable, key=order.__getitem__)
+        self.trainable_layout = make_layout(arrays, self.trainable)
+        self.kd_flat = pack(arrays, self.layout)
+        self.kd_sha256 = packed_digest(self.kd_flat)
+        self.phi = {k: v.copy() for k, v in arrays.items() if not self.is_theta(k)}
+        self.theta = {c: {k: v.copy() for k, v in arrays.items() if self.is_theta(k)} for c in range(n_clusters)}
+        self.teachers = {c: SwaTeacher(arrays) for c in range(n_clusters)}
+        self.phase = "train"
+
+    def cluster_model(self, cluster: int) -> Arrays:
+        """w_c = φ ∪ θ_c."""
+        return {**self.phi, **self.theta[cluster]}
+
+    # ------------------------------------------------------------------ scheduling
+    def next_participants(self, online: set[str]) -> list[str]:
+        c = self.config
+        if self._open or self.phase == "done":
+            return []
+        if self.phase == "styles" or c.clustering == "styles":
+            pool = sorted(d for d in online if d not in self.styles
+                          and self.style_attempts.get(d, 0) < c.style_attempts)
+            if pool and (self.phase == "styles" or self.train_round < c.rounds):
+                for d in pool:
+                    self.style_attempts[d] = self.style_attempts.get(d, 0) + 1
+                return self._open_round(KIND_STYLE, pool)
+            if self.phase == "styles" and self.styles and not c.min_styles:
+                self._finish_style_phase()      # nobody online is left to ask (others went offline)
+        if self.phase != "train" or self.train_round >= c.rounds:
+            return []
+        pool = sorted(d for d in online if d in self.assignment or c.clustering == "none")
+        k = min(c.clients_per_round, len(pool))
+        if not k:
+            return []
+        chosen = sorted(self._rng.sample(pool, k))
+        if c.clustering == "none":
+            for d in chosen:
+                self.assignment.setdefault(d, 0)
+        self.train_round += 1
+        self._agg = ClusterSpecificAveraging(self.is_theta)
+        return self._open_round(KIND_TRAIN, chosen)
+
+    def _open_round(self, kind: str, chosen: list[str]) -> list[str]:
+        self.kind = kind
+        self.round += 1
+        self._open = True
+        self._participants = frozenset(chosen)
+        self._applied = set()
+        return chosen
+
+    def finished(self, online: set[str], known: set[str]) -> bool:
+        return self.phase == "train" and self.train_round >= self.config.rounds and not self._open
+
+    @property
+    def contributions(self) -> int:
+        return sum(self.contributed.values())
+
+    def task_for(self, device: str) -> tuple[dict, dict[str, np.ndarray]]:
+        c = self.config
+        if self.kind == KIND_STYLE:
+            return {"b": c.style_b, "image_size": c.image_size}, {}
+        cluster = self.assignment[device]
+        model = self.cluster_model(cluster)
+        teacher = self.teachers[cluster].params
+        same = all(np.array_equal(teacher[k], model[k]) for k in model)
+        send_kd = c.kd_lambda > 0 and device not in self.kd_confirmed
+        params = {"model": c.model, "weights_sha256": c.weights_sha256, "cluster": cluster,
+                  "layout": layout_to_json(self.layout), "layout_sha256": layout_digest(self.layout),
+                  "trainable": list(self.trainable), "teacher": "model" if same else "tensor",
+                  "kd_sha256": self.kd_sha256 if c.kd_lambda > 0 else "",
+                  "epochs": c.local_epochs, "batch_size": c.batch_size, "lr": c.lr, "momentum": c.momentum,
+                  "kd_lambda": c.kd_lambda, "kd_alpha": c.kd_alpha, "pseudo_quantile": c.pseudo_quantile,
+                  "pseudo_cap": c.pseudo_cap, "seed": zlib.crc32(f"{c.seed}:{self.round}:{device}".encode())}
+        tensors = train_task_tensors(pack(model, self.layout), None if same else pack(teacher, self.layout),
+                                     self.kd_flat if send_kd else None)
+        return params, tensors
+
+    # ------------------------------------------------------------------ results
+    def parse_result(self, env: Envelope) -> RoundPayload:
+        round_ = body_field(env, "round", int)
+        if self.kind == KIND_STYLE:
+            return RoundPayload(round_, KIND_STYLE, parse_style(env, self.config.style_b, self.config.image_size))
+        cluster = self.assignment.get(env.sender)
+        if cluster is None:
+            raise EnvelopeError(f"{KIND_TRAIN}: {env.sender} has no cluster")
+        return RoundPayload(round_, KIND_TRAIN, parse_update(env, self.trainable_layout, cluster))
+
+    def apply(self, device: str, result: RoundPayload) -> None:
+        if (not self._open or result.round != self.round or result.kind != self.kind
+                or device not in self._participants or device in self._applied):
+            self.late_discarded += 1      # the round machine answers these before; never mix rounds
+            log.warning("discarded %s result from %s for round %d", result.kind, device, result.round)
+            return
+        if result.kind == KIND_STYLE:
+            self.styles[device] = result.payload.style
+        else:
+            update: ModelUpdate = result.payload
+            self._agg.add(update.cluster, update.tensors, update.n)
+            if update.kd_sha256 and update.kd_sha256 == self.kd_sha256:
+                self.kd_confirmed.add(device)
+        self._applied.add(device)
+        self.contributed[device] = self.contributed.get(device, 0) + 1
+
+    def close_round(self, closed: RoundClosed) -> None:
+        if not self._open or closed.round != self.round:
+            return
+        self._open = False
+        entry = {"round": self.round, "kind": self.kind, "accepted": len(self._applied),
+                 "dropped": len(closed.dropped), "declined": len(closed.declined)}
+        self.kd_confirmed -= set(closed.declined)     # e.g. "kd model missing": send it again
+        if self.kind == KIND_STYLE:
+            if self.phase == "styles":
+                if self._styles_complete():
+                    self._finish_style_phase()
+                    entry["clusters"] = self.n_clusters
+            elif self.clustering is not None and self._applied:
+                new = sorted(self._applied)     # late devices: routed to the nearest centroid, no refit
+                labels = self.clustering.predict(np.stack([self.styles[d] for d in new]))
+                self.assignment.update({d: int(label) for d, label in zip(new, labels)})
+        else:
+            self._close_train_round(entry)
+        self.round_log.append(entry)
+
+    def _close_train_round(self, entry: dict) -> None:
+        c = self.config
+        t0 = time.perf_counter()
+        agg = self._agg
+        if agg is not None and agg.count:
+            self.phi, self.theta = agg.result(self.phi, self.theta)
+        entry.update({"train_round": self.train_round, "per_cluster": dict(agg.participants) if agg else {}})
+        if self.train_round % c.teacher_every == 0:
+            for cluster, teacher in self.teachers.items():
+                model = self.cluster_model(cluster)
+                if c.swa_start and self.train_round >= c.swa_start:
+                    teacher.average_in(model)
+                else:
+                    teacher.copy_from(model)
+        self._agg = None
+        entry["aggregate_s"] = time.perf_counter() - t0
+        self.aggregate_s += entry["aggregate_s"]
+        if self.evaluator is not None:
+            self.last_metrics = {"train_round": self.train_round, **self.evaluator(self)}
+
+    # ------------------------------------------------------------------ model and reports
+    def evaluate(self, features: np.ndarray | None, labels: np.ndarray | None) -> dict:
+        out: dict[str, Any] = {"round": self.round, "train_round": self.train_round, "phase": self.phase,
+                               "contributions": self.contributions, "styles": len(self.styles),
+                               "clusters": self.n_clusters, "late_discarded": self.late_discarded}
+        out.update(self.last_metrics)
+        if "miou" in self.last_metrics:
+            out["accuracy"] = self.last_metrics["miou"]       # what the status topic shows
+        return out
+
+    def model_arrays(self) -> dict[str, np.ndarray]:
+        out: dict[str, np.ndarray] = {}
+        for k, v in self.phi.items():
+            out[f"phi.{k}"] = v.copy()
+        for cluster, params in self.theta.items():
+            for k, v in params.items():
+                out[f"theta.{cluster}.{k}"] = v.copy()
+        if self.clustering is not None:
+            out["style_centroids"] = self.clustering.cluster_centers_.copy()
+        return out
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        out = self.model_arrays()
+        for cluster, teacher in self.teachers.items():
+            for k, v in teacher.params.items():
+                out[f"teacher.{cluster}.{k}"] = v.copy()
+        for k, v in (self.pretrained or {}).items():
+            out[f"pretrained.{k}"] = v.copy()
+        devices = sorted(self.styles)
+        if devices:
+            out["styles"] = np.stack([self.styles[d] for d in devices])
+        out["round"] = np.array([self.round, self.train_round], dtype=np.int64)
+        return out
+
+    def bookkeeping(self) -> dict:
+        version, internal, gauss = self._rng.getstate()
+        return {"round": self.round, "train_round": self.train_round, "phase": self.phase,
+                "style_attempts": dict(self.style_attempts), "rng": [version, list(internal), gauss]}
+
+    def restore_bookkeeping(self, state: dict) -> None:
+        self.round, self.train_round = int(state["round"]), int(state["train_round"])
+        self.style_attempts = {d: int(n) for d, n in state["style_attempts"].items()}
+        version, internal, gauss = state["rng"]
+        self._rng.setstate((version, tuple(internal), gauss))
+
+    def report(self) -> dict:
+        """JSON-able summary: clustering, assignment, rounds."""
+        cl = self.clustering
+        return {"phase": self.phase, "train_rounds": self.train_round, "n_clusters": self.n_clusters,
+                "silhouette_scores": {str(k): v for k, v in (cl.silhouette_scores_ if cl else {}).items()},
+                "assignment": dict(self.assignment), "round_log": self.round_log,
+                "trainable": list(self.trainable), "kd_sha256": getattr(self, "kd_sha256", "")}
