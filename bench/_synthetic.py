@@ -20,7 +20,7 @@ class PrecomputedStats:
         A, ids, b = acc.sparse()
         self.result = encode_stats(A, ids, b, acc.n, num_classes)
 
-    def __call__(self, params):
+    def __call__(self, params, tensors=None):
         return self.result
 
 

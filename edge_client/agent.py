@@ -42,7 +42,10 @@ class DroppedOut(Exception):
 
 
 class TaskHandler(Protocol):
-    def __call__(self, params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, np.ndarray]]: ...
+    """params: the task's JSON parameters; tensors: the task's tensors (e.g. a global model)."""
+
+    def __call__(self, params: dict[str, Any],
+                 tensors: dict[str, np.ndarray]) -> tuple[dict[str, Any], dict[str, np.ndarray]]: ...
 
 
 @dataclass
@@ -161,7 +164,7 @@ class DeviceAgent:
             if kind in self.protocol_handlers:
                 self._protocol_task(ref, kind, params)
                 return
-            self._execute(self.session.handle(TaskArrived(ref, kind, params, deadline)))
+            self._execute(self.session.handle(TaskArrived(ref, kind, params, deadline, dict(env.tensors))))
         elif env.type in self.protocol_handlers:
             for out in self.protocol_handlers[env.type].on_message(env):
                 self.stats.bytes_up += self.link.publish_envelope(
@@ -220,7 +223,7 @@ class DeviceAgent:
             return
         t0 = time.perf_counter()
         try:
-            body, tensors = handler(act.params)
+            body, tensors = handler(act.params, act.tensors)
             elapsed = time.perf_counter() - t0
             self.stats.compute_s += elapsed
             self.hooks.after_compute(elapsed)

@@ -262,29 +262,6 @@ def _serve(spec: dict) -> None:
 
 
 # ----------------------------------------------------------------------------- the worker process
-class _TaskTensorTap:
-    """Wraps a MessageAssembler: keeps the tensors of recent task envelopes by message id and
-    counts bytes received (the agent passes only task params to handlers, see docs/ladd.md)."""
-
-    def __init__(self, inner, keep: int = 8):
-        self._inner = inner
-        self.tensors: collections.OrderedDict = collections.OrderedDict()
-        self.keep = keep
-        self.bytes_in = 0
-
-    def feed(self, payload: bytes, now: float | None = None):
-        self.bytes_in += len(payload)
-        env = self._inner.feed(payload, now)
-        if env is not None and env.type == "task":
-            self.tensors[env.id] = dict(env.tensors)
-            while len(self.tensors) > self.keep:
-                self.tensors.popitem(last=False)
-        return env
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-
 def _device_agent(device_id: str, images: np.ndarray, broker, topics, hooks, model_factory, lock, retry_after_s,
                   durations: dict, runtime: str = "eager"):
     from edge_client.agent import DeviceAgent
@@ -292,28 +269,21 @@ def _device_agent(device_id: str, images: np.ndarray, broker, topics, hooks, mod
     from edge_client.tasks.ladd_training import LaddStyleTask, LaddTrainTask
     from protocols.payloads.ladd import KIND_STYLE, KIND_TRAIN
 
-    slot: dict = {}
     style = LaddStyleTask(images)
     train = LaddTrainTask(images, model_factory, lock, lambda: weights_sha256("mobilenet_v2"), runtime)
 
     def timed(kind, handler):
-        def call(params):
+        def call(params, tensors):
             t0 = time.perf_counter()
             try:
-                return handler(params, slot.get("tensors", {}))
+                return handler(params, tensors)
             finally:
                 durations.setdefault(kind, []).append(time.perf_counter() - t0)
         return call
 
-    class Agent(DeviceAgent):
-        def _do_work(self, act):
-            slot["tensors"] = tap.tensors.get(act.ref.task, {})
-            super()._do_work(act)
-
-    agent = Agent(device_id, broker, {KIND_STYLE: timed(KIND_STYLE, style), KIND_TRAIN: timed(KIND_TRAIN, train)},
-                  topics, hooks=hooks, retry_after_s=retry_after_s)
-    tap = agent.assembler = _TaskTensorTap(agent.assembler)
-    return agent, tap
+    agent = DeviceAgent(device_id, broker, {KIND_STYLE: timed(KIND_STYLE, style), KIND_TRAIN: timed(KIND_TRAIN, train)},
+                        topics, hooks=hooks, retry_after_s=retry_after_s)
+    return agent
 
 
 def _work(spec: dict) -> None:
@@ -344,19 +314,19 @@ def _work(spec: dict) -> None:
         profile = DeviceProfile.from_dict(dev["profile"])
         rng = np.random.default_rng([spec["seed"], int(dev["index"])])
         durations: dict = {}
-        agent, tap = _device_agent(profile.device_id, data[profile.device_id], broker, topics,
+        agent = _device_agent(profile.device_id, data[profile.device_id], broker, topics,
                                    profile_hooks(profile, t0, rng), model_factory, lock, spec["retry_after_s"],
                                    durations, spec.get("runtime", "eager"))
-        agents.append((agent.start(), tap, durations))
+        agents.append((agent.start(), durations))
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
-    stats = {a.device_id: {"bytes_up": a.stats.bytes_up, "bytes_down": tap.bytes_in, "compute_s": a.stats.compute_s,
+    stats = {a.device_id: {"bytes_up": a.stats.bytes_up, "bytes_down": a.link.bytes_received, "compute_s": a.stats.compute_s,
                            "tasks_done": a.stats.tasks_done, "declined": a.stats.tasks_declined,
                            "dropouts": a.stats.dropouts, "durations": durations}
-             for a, tap, durations in agents}
-    for a, _, _ in agents:
+             for a, durations in agents}
+    for a, _ in agents:
         a.stop()
     Path(spec["stats_file"]).write_text(json.dumps(stats))
 

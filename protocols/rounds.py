@@ -196,6 +196,7 @@ class TaskArrived:
     kind: str
     params: dict
     deadline: float
+    tensors: dict = field(default_factory=dict)   # e.g. the global model the task starts from
 
 
 @dataclass(frozen=True)
@@ -228,6 +229,7 @@ class StartWork:
     kind: str
     params: dict
     deadline: float
+    tensors: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -295,7 +297,7 @@ class DeviceSession:
         if self.state is DeviceState.WORKING and ev.ref == self.current:
             return []
         self.current, self.state = ev.ref, DeviceState.WORKING
-        return [StartWork(ev.ref, ev.kind, ev.params, ev.deadline)]
+        return [StartWork(ev.ref, ev.kind, ev.params, ev.deadline, ev.tensors)]
 
 
 def drain(machine, events: Iterable) -> list:

@@ -36,7 +36,7 @@ class SyntheticStats:
         self.Z, self.y = data_for(i)
         self.gate = gate
 
-    def __call__(self, params):
+    def __call__(self, params, tensors=None):
         if self.gate is not None:
             self.gate.wait(30)
         acc = Fed3RAccumulator(C, D)

@@ -23,7 +23,7 @@ class Fed3RStatsTask:
         self.images, self.labels = images, np.asarray(labels, dtype=np.int64)
         self.extractor_factory = extractor_factory
 
-    def __call__(self, params: dict[str, Any]) -> tuple[dict, dict[str, np.ndarray]]:
+    def __call__(self, params: dict[str, Any], tensors: dict | None = None) -> tuple[dict, dict[str, np.ndarray]]:
         if len(self.images) == 0:
             raise TaskDeclined("no local training data")
         try:
