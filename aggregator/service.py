@@ -660,7 +660,9 @@ class AggregatorService:
         survivors = a.job.settled(coord.round)
         if survivors is None:
             return
-        for dev in survivors:
+        # Survivors the round machine already counts as lost (offline after sending their masked
+        # input: their data IS in the sum) go first, while the others still keep the round open.
+        for dev in sorted(survivors, key=lambda d: (d not in coord.lost, d)):
             self._execute(coord.handle(ResultArrived(dev, f"secagg-{coord.round}-{dev}", _Validated(None, b""))),
                           coord.round)
         if a.current is coord:

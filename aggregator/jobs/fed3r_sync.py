@@ -136,6 +136,10 @@ class Fed3RSyncJob(Fed3RJob):
                 a_upper, b, n = unpack_sync_vector(o.decode(), self.config.p, self.config.num_classes)
                 self.strategy.add_dense(a_upper, b, n)
                 self.group_samples.append(n)
+                # Who is in the sum is decided here, by the protocol, not by the round machine's view
+                # of presence: a device may go offline right after sending its masked input.
+                for d in o.survivors:
+                    self.contributed[d] = 0
                 self._settled[self.secure.config.round_id] = tuple(sorted(o.survivors))
                 log.info("secure round %d: sum of %d devices (%d samples)", self.secure.config.round_id,
                          len(o.survivors), n)
@@ -153,8 +157,7 @@ class Fed3RSyncJob(Fed3RJob):
         return self._settled.pop(round_, None)
 
     def apply(self, device: str, payload) -> None:
-        # the group sum was added when it was unmasked; here the service only records membership
-        self.contributed[device] = 0
+        """Nothing to do: the group sum and its members were recorded when it was unmasked."""
 
     def close_round(self, closed: RoundClosed) -> None:
         if self.secure is not None and self.secure.config.round_id == closed.round:
