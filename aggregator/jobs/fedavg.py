@@ -1,0 +1,227 @@
+"""A FedAvg(ψ) job: rounds of local head training on κ sampled devices, averaged by a strategy.
+
+Pure logic (no MQTT, no clock), driven by ``aggregator.service`` like the Fed3R job. Life of
+a round:
+
+1. ``next_participants(online)`` draws κ of the online devices (seeded ``random.Random``,
+   sorted pool, so a seed fixes the whole participation schedule) and opens round t.
+2. ``task_for(device)`` sends the global head *as of the opening* ({"weight" (C, d),
+   "bias" (C,)} float32) and the local recipe (epochs, batch, lr, wd, T, a per-device seed).
+3. ``apply`` adds each accepted update to the round's :class:`WeightedMean` (weight n_k).
+   An update is applied only if it names the open round and comes from one of its
+   participants; anything else (a late result of a closed round that slipped past the round
+   machine, a stranger) is discarded and counted in ``late_discarded``: a late update never
+   reaches a later round's average.
+4. ``close_round`` (all answered, or the deadline passed: stragglers are simply missing)
+   takes one server step with the strategy (FedAvg / FedAvgM). A round with no update leaves
+   the head and the server momentum unchanged.
+
+Initialisation (``init``): "random" (nn.Linear's U(±1/√d), seeded), "zeros", or "fed3r": the
+normalised Fed3R classifier, bias included (:meth:`FedAvgJob.from_fed3r`), i.e. Fed3R+FT(ψ).
+Learning-rate rule (spec §4): devices get ``client_lr`` × 0.1 when the head is Fed3R-initialised.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import zlib
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from protocols.envelope import Envelope, body_field
+from protocols.payloads.fedavg import KIND, HeadUpdate, head_tensors, parse_head_update
+from protocols.rounds import RoundClosed
+
+from ..evaluation import head_accuracy
+from ..strategies.fedavg import FedAvg, WeightedMean
+
+log = logging.getLogger("fedfleet.aggregator")
+
+INITS = ("random", "zeros", "fed3r")
+FED3R_INIT_LR_FACTOR = 0.1
+
+
+@dataclass
+class FedAvgConfig:
+    job_id: str = "fedavg"
+    num_classes: int = 10
+    backbone: str = "mobilenet_v2"
+    image_size: int = 64
+    weights_sha256: str = ""
+    feature_dim: int = 1280
+    rounds: int = 100
+    clients_per_round: int = 10          # κ: partial participation
+    round_timeout_s: float = 120.0       # stragglers past this are dropped from the round
+    local_epochs: int = 1
+    batch_size: int = 50
+    client_lr: float = 0.1               # base local LR (× 0.1 when init == "fed3r")
+    weight_decay: float = 4e-5
+    temperature: float = 0.1
+    server_lr: float = 1.0
+    server_momentum: float = 0.0         # 0: FedAvg; > 0: FedAvgM
+    init: str = "random"
+    expected_devices: int = 0
+    start_timeout_s: float = 60.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.init not in INITS:
+            raise ValueError(f"init must be one of {INITS}, got {self.init!r}")
+        if self.rounds < 1 or self.clients_per_round < 1:
+            raise ValueError("rounds and clients_per_round must be >= 1")
+
+    @property
+    def device_lr(self) -> float:
+        return self.client_lr * (FED3R_INIT_LR_FACTOR if self.init == "fed3r" else 1.0)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class RoundUpdate:
+    """A validated update plus the round its message names (checked again in ``apply``)."""
+
+    round: int
+    update: HeadUpdate
+
+
+def random_head(num_classes: int, feature_dim: int, seed: int) -> dict[str, np.ndarray]:
+    """nn.Linear's default init, U(−1/√d, 1/√d) for weight and bias, from a numpy seed."""
+    rng = np.random.default_rng(seed)
+    bound = 1.0 / np.sqrt(feature_dim)
+    return {"weight": rng.uniform(-bound, bound, (num_classes, feature_dim)).astype(np.float32),
+            "bias": rng.uniform(-bound, bound, num_classes).astype(np.float32)}
+
+
+@dataclass
+class FedAvgJob:
+    config: FedAvgConfig
+    initial_head: dict[str, np.ndarray] | None = None
+    strategy: FedAvg | None = None
+    contributed: dict[str, int] = field(default_factory=dict)     # device -> accepted updates
+    round: int = 0
+    kind: str = KIND
+
+    def __post_init__(self):
+        c = self.config
+        if self.strategy is None:
+            self.strategy = FedAvg(c.server_lr, c.server_momentum)
+        if c.init == "fed3r" and self.initial_head is None:
+            raise ValueError("init='fed3r' needs initial_head (use FedAvgJob.from_fed3r)")
+        if self.initial_head is not None:
+            head = head_tensors(self.initial_head["weight"], self.initial_head["bias"])
+            if head["weight"].shape != (c.num_classes, c.feature_dim):
+                raise ValueError(f"initial head is {head['weight'].shape}, job is ({c.num_classes}, {c.feature_dim})")
+        elif c.init == "zeros":
+            head = head_tensors(np.zeros((c.num_classes, c.feature_dim)), np.zeros(c.num_classes))
+        else:
+            head = random_head(c.num_classes, c.feature_dim, c.seed)
+        self.params: dict[str, np.ndarray] = head
+        self._rng = random.Random(c.seed)
+        self._open = False
+        self._participants: frozenset[str] = frozenset()
+        self._applied: set[str] = set()
+        self._mean = WeightedMean()
+        self.late_discarded = 0
+        self.samples = 0                  # Σ n_k over applied updates (all rounds)
+        self.round_log: list[dict] = []
+
+    @classmethod
+    def from_fed3r(cls, config: FedAvgConfig, ridge_model) -> "FedAvgJob":
+        """Fed3R+FT(ψ): start from a fitted ``ClosedFormRidge`` (normalised coef_ (C, d), intercept_ (C,))."""
+        if ridge_model.coef_.shape != (config.num_classes, config.feature_dim):
+            raise ValueError(f"Fed3R classifier is {ridge_model.coef_.shape}, job needs "
+                             f"({config.num_classes}, {config.feature_dim}); fit with fit_intercept and "
+                             "without random features")
+        if config.init != "fed3r":
+            config = FedAvgConfig(**{**config.to_dict(), "init": "fed3r"})
+        return cls(config, initial_head={"weight": ridge_model.coef_, "bias": ridge_model.intercept_})
+
+    # ------------------------------------------------------------------ scheduling
+    def next_participants(self, online: set[str]) -> list[str]:
+        """Seeded sample of up to κ online devices; opens the next round. [] when done or nobody is there."""
+        if self._open or self.round >= self.config.rounds:
+            return []
+        pool = sorted(online)
+        k = min(self.config.clients_per_round, len(pool))
+        if not k:
+            return []
+        chosen = sorted(self._rng.sample(pool, k))
+        self.round += 1
+        self._open = True
+        self._participants = frozenset(chosen)
+        self._applied = set()
+        self._mean = WeightedMean()
+        return chosen
+
+    def finished(self, online: set[str], known: set[str]) -> bool:
+        return self.round >= self.config.rounds and not self._open
+
+    @property
+    def contributions(self) -> int:
+        return sum(self.contributed.values())
+
+    def task_for(self, device: str) -> tuple[dict, dict[str, np.ndarray]]:
+        c = self.config
+        seed = zlib.crc32(f"{c.seed}:{self.round}:{device}".encode())
+        params = {"num_classes": c.num_classes, "feature_dim": c.feature_dim, "backbone": c.backbone,
+                  "image_size": c.image_size, "weights_sha256": c.weights_sha256,
+                  "epochs": c.local_epochs, "batch_size": c.batch_size, "lr": c.device_lr,
+                  "weight_decay": c.weight_decay, "temperature": c.temperature, "seed": seed}
+        return params, {k: v.copy() for k, v in self.params.items()}
+
+    # ------------------------------------------------------------------ results
+    def parse_result(self, env: Envelope) -> RoundUpdate:
+        update = parse_head_update(env, self.config.num_classes, self.config.feature_dim)
+        return RoundUpdate(body_field(env, "round", int), update)
+
+    def apply(self, device: str, payload: RoundUpdate) -> None:
+        if not self._open or payload.round != self.round or device not in self._participants \
+                or device in self._applied:
+            # The round machine answers these `late`/`duplicate` before they get here; if one
+            # slips through anyway it is dropped, never averaged into another round.
+            self.late_discarded += 1
+            log.warning("discarded update from %s for round %d (open round: %s)", device, payload.round,
+                        self.round if self._open else "none")
+            return
+        self._mean.add(payload.update.tensors(), payload.update.n)
+        self._applied.add(device)
+        self.contributed[device] = self.contributed.get(device, 0) + 1
+        self.samples += payload.update.n
+
+    def close_round(self, closed: RoundClosed) -> None:
+        if not self._open or closed.round != self.round:
+            return
+        updates = self._mean.count
+        if updates:
+            self.params = self.strategy.step(self.params, self._mean.result())
+        self.round_log.append({"round": self.round, "updates": updates, "samples": self._mean.total_weight,
+                               "dropped": len(closed.dropped), "declined": len(closed.declined),
+                               "rejected": len(closed.rejected)})
+        self._open = False
+        self._mean = WeightedMean()
+
+    # ------------------------------------------------------------------ model
+    def evaluate(self, features: np.ndarray | None, labels: np.ndarray | None) -> dict:
+        out = {"round": self.round, "contributions": self.contributions, "samples": self.samples,
+               "server_steps": self.strategy.steps, "late_discarded": self.late_discarded}
+        if features is not None:
+            out["accuracy"] = head_accuracy(self.params["weight"], self.params["bias"], features, labels)
+        return out
+
+    def model_arrays(self) -> dict[str, np.ndarray]:
+        return {k: v.copy() for k, v in self.params.items()}
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return {**self.model_arrays(), **self.strategy.state_dict(),
+                "round": np.array([self.round], dtype=np.int64)}
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        """Resume between rounds (an open round is not persisted: its devices are asked again)."""
+        self.params = head_tensors(state["weight"], state["bias"])
+        self.strategy.load_state_dict(state)
+        self.round = int(state["round"][0])
+        self._open = False

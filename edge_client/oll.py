@@ -1,0 +1,159 @@
+"""OLL (Only Local Labels): personalise a global linear head by keeping only the local classes.
+
+Theory (Fed3R spec §2, [P] Algorithm 2): a device whose training labels cover C_k ⊂ C keeps
+the rows of the global head (weights *and* bias, [code]) for c ∈ C_k, renumbered 0..k−1, and
+predicts with a softmax over those k classes only, mapping the argmax back to the global id.
+Classes outside C_k can never be predicted; the device's problem shrinks from C to k classes
+(cheaper inference, no confusion with classes it never sees). Optionally the pruned head is
+fine-tuned locally, FP(ψ), with the same loop as federated rounds
+(:func:`edge_client.tasks.head_training.train_head`), keeping T = 0.1.
+
+The label map is deterministic: local index i is the i-th smallest global label in C_k, so
+the server, the device and a re-run all agree without exchanging the map.
+
+Labels outside C_k at evaluation time (closed-set assumption broken) are handled by
+``fallback``:
+
+* ``"error"`` (default, as the reference code): :class:`OutOfLocalLabels` names them;
+* ``"global"``: those samples are scored with the full global head instead (counted in the
+  result). This routes by the *true* label, so it is an evaluation policy, not something a
+  deployed device could do at prediction time; ``predict`` always answers among C_k.
+
+Learning rate for FP(ψ): the spec's rule, base × 0.1 when the global head came from a Fed3R
+initialisation, × 0.1 again for OLL (:func:`oll_learning_rate`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from .tasks.head_training import LocalTraining, TrainedHead, train_head
+
+FALLBACKS = ("error", "global")
+
+
+class OutOfLocalLabels(ValueError):
+    """Labels outside the device's local label set, where OLL cannot answer."""
+
+    def __init__(self, labels: np.ndarray, local: np.ndarray):
+        self.labels = np.unique(labels)
+        super().__init__(f"labels {self.labels.tolist()} are not among the device's local labels "
+                         f"{local.tolist()} (OLL predicts only local labels; use fallback='global' "
+                         "to score such samples with the global head)")
+
+
+def oll_learning_rate(base_lr: float = 0.1, fed3r_init: bool = True) -> float:
+    """FP(ψ) learning rate after OLL: base × 0.1 (Fed3R init) × 0.1 (OLL), spec §2/§4."""
+    return base_lr * (0.1 if fed3r_init else 1.0) * 0.1
+
+
+class LabelMap:
+    """Sorted global label ids ↔ local indices 0..k−1."""
+
+    def __init__(self, local_labels, num_classes: int | None = None):
+        labels = np.asarray(local_labels)
+        if labels.ndim != 1 or labels.size == 0 or not np.issubdtype(labels.dtype, np.integer):
+            raise ValueError(f"local labels must be a non-empty 1-D integer array, got {labels.dtype} {labels.shape}")
+        if labels.min() < 0 or (num_classes is not None and labels.max() >= num_classes):
+            raise ValueError(f"local labels must lie in [0, {num_classes}), got [{labels.min()}, {labels.max()}]")
+        self.global_ids = np.unique(labels).astype(np.int64)   # sorted: this *is* the map
+        self.num_classes = num_classes
+
+    @property
+    def k(self) -> int:
+        return len(self.global_ids)
+
+    def contains(self, global_labels) -> np.ndarray:
+        return np.isin(np.asarray(global_labels), self.global_ids)
+
+    def to_local(self, global_labels) -> np.ndarray:
+        global_labels = np.asarray(global_labels, dtype=np.int64)
+        inside = self.contains(global_labels)
+        if not inside.all():
+            raise OutOfLocalLabels(global_labels[~inside], self.global_ids)
+        return np.searchsorted(self.global_ids, global_labels).astype(np.int64)
+
+    def to_global(self, local_indices) -> np.ndarray:
+        local_indices = np.asarray(local_indices, dtype=np.int64)
+        if local_indices.size and (local_indices.min() < 0 or local_indices.max() >= self.k):
+            raise ValueError(f"local indices must lie in [0, {self.k})")
+        return self.global_ids[local_indices]
+
+
+def prune(weight: np.ndarray, bias: np.ndarray, local_labels) -> tuple[np.ndarray, np.ndarray, LabelMap]:
+    """OLL (Algorithm 2): the rows of (weight (C, d), bias (C,)) for the local labels, renumbered."""
+    weight, bias = np.asarray(weight), np.asarray(bias)
+    if weight.ndim != 2 or bias.shape != (weight.shape[0],):
+        raise ValueError(f"head must be weight (C, d) and bias (C,), got {weight.shape} and {bias.shape}")
+    label_map = LabelMap(local_labels, num_classes=weight.shape[0])
+    return weight[label_map.global_ids].copy(), bias[label_map.global_ids].copy(), label_map
+
+
+@dataclass
+class Scored:
+    correct: int
+    total: int
+    fallback: int = 0       # samples scored by the global head (fallback="global")
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.total if self.total else float("nan")
+
+
+class PersonalizedHead:
+    """A device's OLL head: global head pruned to the local training labels."""
+
+    def __init__(self, global_weight: np.ndarray, global_bias: np.ndarray, local_labels,
+                 fallback: str = "error"):
+        if fallback not in FALLBACKS:
+            raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
+        self.global_weight = np.asarray(global_weight, dtype=np.float32)
+        self.global_bias = np.asarray(global_bias, dtype=np.float32)
+        self.weight, self.bias, self.label_map = prune(self.global_weight, self.global_bias, local_labels)
+        self.fallback = fallback
+        self.last_training: TrainedHead | None = None
+
+    def _check(self, features: np.ndarray) -> np.ndarray:
+        features = np.asarray(features, dtype=np.float32)
+        if features.ndim != 2 or features.shape[1] != self.weight.shape[1]:
+            raise ValueError(f"features must be (n, {self.weight.shape[1]}), got {features.shape}")
+        return features
+
+    def logits(self, features: np.ndarray) -> np.ndarray:
+        """(n, k) logits over the local classes, in local-index order."""
+        return self._check(features) @ self.weight.T + self.bias
+
+    def predict(self, features: np.ndarray) -> np.ndarray:
+        """Global label ids, always among the local labels."""
+        return self.label_map.to_global(self.logits(features).argmax(axis=1))
+
+    def score(self, features: np.ndarray, labels) -> Scored:
+        """Correct / total on labelled samples, applying the fallback policy to out-of-set labels."""
+        features, labels = self._check(features), np.asarray(labels, dtype=np.int64)
+        if labels.shape != (len(features),):
+            raise ValueError(f"need one label per feature row, got {labels.shape}")
+        inside = self.label_map.contains(labels)
+        if not inside.all() and self.fallback == "error":
+            raise OutOfLocalLabels(labels[~inside], self.label_map.global_ids)
+        correct = int((self.predict(features[inside]) == labels[inside]).sum()) if inside.any() else 0
+        outside = ~inside
+        if outside.any():
+            global_pred = (features[outside] @ self.global_weight.T + self.global_bias).argmax(axis=1)
+            correct += int((global_pred == labels[outside]).sum())
+        return Scored(correct, len(labels), int(outside.sum()))
+
+    def fine_tune(self, features: np.ndarray, labels, recipe: LocalTraining, session=None) -> TrainedHead:
+        """FP(ψ): local SGD on the pruned head; labels must be local labels (global ids)."""
+        local = self.label_map.to_local(labels)
+        self.last_training = train_head(self.weight, self.bias, self._check(features), local, recipe, session)
+        self.weight, self.bias = self.last_training.weight, self.last_training.bias
+        return self.last_training
+
+
+def fp_recipe(base: LocalTraining | None = None, *, epochs: int = 25, batch_size: int = 64,
+              base_lr: float = 0.1, fed3r_init: bool = True, seed: int = 0) -> LocalTraining:
+    """The spec's FP(ψ) recipe: 25 epochs, batch 64 (PFL), LR by :func:`oll_learning_rate`, T kept."""
+    return replace(base or LocalTraining(), epochs=epochs, batch_size=batch_size,
+                   lr=oll_learning_rate(base_lr, fed3r_init), seed=seed)

@@ -1,0 +1,258 @@
+"""``fedavg.head``: train the global linear head on the device's features for E local epochs.
+
+The handler receives the global head (tensors ``weight`` (C, d), ``bias`` (C,)) and a recipe
+in the task params, extracts features of the local training set with the frozen backbone
+(same extractor factory as ``fed3r.stats``, so the feature cache is shared), runs
+:func:`train_head` and returns the trained head with its sample count n_k (the FedAvg weight).
+
+:func:`train_head` is the one local-training loop of the device: FedAvg(ψ)/Fed3R+FT(ψ) rounds
+and OLL's FP(ψ) (``edge_client.oll``) both call it. Per epoch it shuffles the rows with a
+seeded generator, cuts them into mini-batches of ``batch_size`` (the last one may be smaller)
+and takes one SGD step per batch on the temperature-scaled cross-entropy CE(logits / T, y)
+with L2 weight decay (torch.optim.SGD semantics: g ← ∇loss + wd·θ; θ ← θ − lr·g).
+
+Two backends compute that step:
+
+* a :class:`edge_client.runtime.TrainingSession` (the exported ExecuTorch training program,
+  or its eager twin) when the device has a training bundle whose head shape (C, d) and
+  temperature match the task. The program computes loss and gradients and applies plain SGD;
+  weight decay is added here afterwards (θ ← θ − lr·wd·θ_before), which is the same update.
+* eager torch otherwise (development mode, or a task whose head the bundle cannot hold, e.g.
+  OLL's pruned k-class head): the very module the training program is exported from
+  (``TemperatureScaledHead``), autograd, and torch.optim.SGD's update rule written out.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from protocols.payloads.fedavg import encode_head_update
+
+from ..agent import TaskDeclined
+
+log = logging.getLogger("fedfleet.device")
+
+# (backbone, image_size, weights_sha256) -> object with .extract(images) -> (n, d) float32 and .feature_dim
+ExtractorFactory = Callable[[str, int, str], Any]
+
+
+@dataclass(frozen=True)
+class LocalTraining:
+    """The local SGD recipe. Defaults: the Fed3R paper's FL setting ([P] §IV: E = 1, B = 50,
+    lr 0.1, wd 4e-5, T = 0.1)."""
+
+    epochs: int = 1
+    batch_size: int = 50
+    lr: float = 0.1
+    weight_decay: float = 4e-5
+    temperature: float = 0.1
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("epochs", "batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name, low_ok in (("lr", False), ("weight_decay", True), ("temperature", False)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) \
+                    or not math.isfinite(value) or value < 0 or (value == 0 and not low_ok):
+                raise ValueError(f"{name} must be a finite number {'>=' if low_ok else '>'} 0, got {value!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any]) -> "LocalTraining":
+        fields = {k: params[k] for k in cls.__dataclass_fields__ if k in params}
+        return cls(**fields)
+
+    def to_params(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class TrainedHead:
+    weight: np.ndarray      # (C, d) float32
+    bias: np.ndarray        # (C,) float32
+    steps: int              # SGD steps taken
+    mean_loss: float        # mean mini-batch loss over the last epoch (before each step)
+    runtime: str            # "executorch", "eager" (a TrainingSession) or "torch" (dev path)
+
+
+class _TorchHeadStepper:
+    """Development backend: TemperatureScaledHead, autograd, SGD with weight decay."""
+
+    runtime = "torch"
+
+    def __init__(self, weight: np.ndarray, bias: np.ndarray, recipe: LocalTraining):
+        import torch
+
+        from edge_client.runtime.program_modules import TemperatureScaledHead
+
+        self._torch = torch
+        C, d = weight.shape
+        self.head = TemperatureScaledHead(d, C, recipe.temperature)
+        with torch.no_grad():
+            self.head.weight.copy_(torch.from_numpy(weight))
+            self.head.bias.copy_(torch.from_numpy(bias))
+        self.lr, self.weight_decay = recipe.lr, recipe.weight_decay
+
+    def step(self, features: np.ndarray, labels: np.ndarray) -> float:
+        torch = self._torch
+        self.head.zero_grad(set_to_none=True)
+        loss, _ = self.head(torch.from_numpy(features), torch.from_numpy(labels),
+                            torch.ones(len(labels)))
+        loss.backward()
+        # torch.optim.SGD's update, written out: its first step imports torch._dynamo (seconds).
+        with torch.no_grad():
+            for param in (self.head.weight, self.head.bias):
+                grad = param.grad.add(param, alpha=self.weight_decay) if self.weight_decay else param.grad
+                param.add_(grad, alpha=-self.lr)
+        return float(loss.detach())
+
+    def parameters(self) -> tuple[np.ndarray, np.ndarray]:
+        return (self.head.weight.detach().numpy().copy(), self.head.bias.detach().numpy().copy())
+
+
+class _SessionHeadStepper:
+    """TrainingSession backend: the runtime's loss, gradients and SGD; weight decay added here."""
+
+    def __init__(self, session, weight: np.ndarray, bias: np.ndarray, recipe: LocalTraining):
+        self.session = session
+        self.runtime = session.runtime
+        self.recipe = recipe
+        session.set_parameters({"weight": weight, "bias": bias})
+        self._current = {"weight": weight.copy(), "bias": bias.copy()}
+
+    def step(self, features: np.ndarray, labels: np.ndarray) -> float:
+        loss = self.session.train_step(features, labels, lr=self.recipe.lr)
+        after = self.session.get_parameters()
+        if self.recipe.weight_decay:
+            shrink = np.float32(self.recipe.lr * self.recipe.weight_decay)
+            after = {k: v - shrink * self._current[k] for k, v in after.items()}
+            self.session.set_parameters(after)
+        self._current = after
+        return loss
+
+    def parameters(self) -> tuple[np.ndarray, np.ndarray]:
+        return self._current["weight"].copy(), self._current["bias"].copy()
+
+
+def session_fits(session, num_classes: int, feature_dim: int, temperature: float) -> bool:
+    """Whether a TrainingSession's program computes this head's loss (same C, d and T)."""
+    return (session is not None and session.num_classes == num_classes
+            and session.feature_dim == feature_dim
+            and math.isclose(session.manifest.temperature, temperature, rel_tol=1e-6)
+            and set(session.parameter_shapes) == {"weight", "bias"})
+
+
+def train_head(weight: np.ndarray, bias: np.ndarray, features: np.ndarray, labels: np.ndarray,
+               recipe: LocalTraining, session=None) -> TrainedHead:
+    """Local SGD on a linear softmax head; labels are row indices of ``weight`` (0..C-1)."""
+    weight = np.array(weight, dtype=np.float32, order="C")
+    bias = np.array(bias, dtype=np.float32, order="C")
+    features = np.ascontiguousarray(features, dtype=np.float32)
+    labels = np.ascontiguousarray(labels, dtype=np.int64)
+    if weight.ndim != 2 or bias.shape != (weight.shape[0],):
+        raise ValueError(f"head must be weight (C, d) and bias (C,), got {weight.shape} and {bias.shape}")
+    C, d = weight.shape
+    if features.ndim != 2 or features.shape[1] != d:
+        raise ValueError(f"features must be (n, {d}), got {features.shape}")
+    if labels.shape != (len(features),) or len(labels) == 0:
+        raise ValueError(f"need one label per feature row and at least one row, got {labels.shape}")
+    if labels.min() < 0 or labels.max() >= C:
+        raise ValueError(f"labels must lie in [0, {C}), got [{labels.min()}, {labels.max()}]")
+    if not (np.isfinite(weight).all() and np.isfinite(bias).all() and np.isfinite(features).all()):
+        raise ValueError("head or features contain NaN or Inf")
+    if session_fits(session, C, d, recipe.temperature):
+        stepper = _SessionHeadStepper(session, weight, bias, recipe)
+    else:
+        if session is not None:
+            log.info("training bundle holds a (%d, %d) head with T=%g; task needs (%d, %d), T=%g: eager torch",
+                     session.num_classes, session.feature_dim, session.manifest.temperature, C, d,
+                     recipe.temperature)
+        stepper = _TorchHeadStepper(weight, bias, recipe)
+    rng = np.random.default_rng(recipe.seed)
+    steps, losses = 0, []
+    for _ in range(recipe.epochs):
+        order = rng.permutation(len(labels))
+        losses = []
+        for start in range(0, len(order), recipe.batch_size):
+            rows = order[start:start + recipe.batch_size]
+            losses.append(stepper.step(features[rows], labels[rows]))
+            steps += 1
+    w, b = stepper.parameters()
+    if not (np.isfinite(w).all() and np.isfinite(b).all()):
+        raise FloatingPointError("local training diverged (NaN/Inf in the head); lower the learning rate")
+    return TrainedHead(w, b, steps, float(np.mean(losses)), stepper.runtime)
+
+
+class HeadTrainingTask:
+    """Handler for ``fedavg.head``: ``(params, tensors) -> (body, tensors)``.
+
+    ``training_manifest``: path of an exported bundle's manifest.json with a training program;
+    loaded once, on first use. A bundle that fails verification makes the task decline (a
+    tampered program must never be replaced silently); a runtime that is not installed falls
+    back to eager torch.
+    """
+
+    def __init__(self, images: np.ndarray, labels: np.ndarray, extractor_factory: ExtractorFactory,
+                 training_manifest: str | None = None):
+        if len(images) != len(labels):
+            raise ValueError("images and labels differ in length")
+        self.images, self.labels = images, np.asarray(labels, dtype=np.int64)
+        self.extractor_factory = extractor_factory
+        self.training_manifest = training_manifest
+        self._session = None
+        self.last: TrainedHead | None = None
+
+    def _training_session(self):
+        if self.training_manifest is None or self._session is not None:
+            return self._session
+        from edge_client.runtime import RuntimeUnavailableError, TrainingSession
+        from edge_client.runtime.errors import ArtifactError
+
+        try:
+            self._session = TrainingSession.load(self.training_manifest)
+        except RuntimeUnavailableError as exc:
+            log.warning("no usable training runtime (%s); training the head in eager torch", exc)
+            self.training_manifest = None
+        except ArtifactError as exc:
+            raise TaskDeclined(f"training bundle rejected: {exc}") from exc
+        return self._session
+
+    def __call__(self, params: dict[str, Any], tensors: dict[str, np.ndarray] | None = None
+                 ) -> tuple[dict, dict[str, np.ndarray]]:
+        if len(self.images) == 0:
+            raise TaskDeclined("no local training data")
+        try:
+            num_classes, feature_dim = int(params["num_classes"]), int(params["feature_dim"])
+            backbone, image_size = str(params["backbone"]), int(params["image_size"])
+            weights = str(params.get("weights_sha256", ""))
+            recipe = LocalTraining.from_params(params)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TaskDeclined(f"bad fedavg.head params: {exc}") from exc
+        if not tensors or "weight" not in tensors or "bias" not in tensors:
+            raise TaskDeclined("fedavg.head task carries no head tensors (weight, bias)")
+        weight, bias = np.asarray(tensors["weight"]), np.asarray(tensors["bias"])
+        if weight.shape != (num_classes, feature_dim) or bias.shape != (num_classes,):
+            raise TaskDeclined(f"head shapes {weight.shape}, {bias.shape} do not match "
+                               f"({num_classes}, {feature_dim})")
+        if not (np.isfinite(weight).all() and np.isfinite(bias).all()):
+            raise TaskDeclined("global head contains NaN or Inf")
+        if self.labels.min() < 0 or self.labels.max() >= num_classes:
+            raise TaskDeclined(f"local label {self.labels.max()} outside the job's {num_classes} classes")
+        extractor = self.extractor_factory(backbone, image_size, weights)
+        if extractor.feature_dim != feature_dim:
+            raise TaskDeclined(f"backbone gives {extractor.feature_dim}-d features, task expects {feature_dim}")
+        features = extractor.extract(self.images)
+        try:
+            self.last = train_head(weight, bias, features, self.labels, recipe, self._training_session())
+        except FloatingPointError as exc:
+            raise TaskDeclined(str(exc)) from exc
+        return encode_head_update(self.last.weight, self.last.bias, len(self.labels))
