@@ -72,6 +72,7 @@ from .enrollment import DeviceCredentials, Enrollment
 from .jobs import Job
 from .jobs.fed3r import Fed3RConfig, Fed3RJob
 from .jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob
+from .jobs.fedavg import FedAvgConfig, FedAvgJob
 from .store import FINAL_JOB_STATES, Store, StoreError
 
 log = logging.getLogger("fedfleet.aggregator")
@@ -82,7 +83,8 @@ CRASH_POINTS = ("restored", "presence", "round_opened", "task_sent", "result_rec
 
 # Job types the service can build from a stored config: name -> (config class, job class).
 JOB_TYPES: dict[str, tuple[type, type]] = {"fed3r": (Fed3RConfig, Fed3RJob),
-                                           "fed3r-sync": (Fed3RSyncConfig, Fed3RSyncJob)}
+                                           "fed3r-sync": (Fed3RSyncConfig, Fed3RSyncJob),
+                                           "fedavg": (FedAvgConfig, FedAvgJob)}
 
 
 DURABLE_JOB_METHODS = ("state_dict", "load_state_dict", "bookkeeping", "restore_bookkeeping")

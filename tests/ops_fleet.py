@@ -37,7 +37,7 @@ class SyntheticStats:
         self.Z, self.y = data_for(device)
         self.gate = gate
 
-    def __call__(self, params):
+    def __call__(self, params, tensors=None):
         if self.gate is not None:
             self.gate.wait(60)
         acc = Fed3RAccumulator(C, D)
