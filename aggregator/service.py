@@ -458,6 +458,8 @@ class AggregatorService:
             while nxt_id is not None and nxt_id.round == r.round:
                 coord.restore(nxt_id.device, nxt_id.message_id)
                 nxt_id = next(ids, None)
+            if r.round > done_round:                 # the job as it was right after this round opened
+                job.restore_bookkeeping(r.bookkeeping)
             while nxt_payload is not None and nxt_payload.round == r.round:
                 job.apply(nxt_payload.device, job.parse_result(decode(nxt_payload.payload)))
                 replayed += 1

@@ -57,9 +57,29 @@ def reference_sums(devices) -> tuple[np.ndarray, np.ndarray]:
     return A, B
 
 
-def job_config(devices, **over) -> dict:
+class Features:
+    """The synthetic 'images' are already features (the backbone is tested elsewhere)."""
+    feature_dim = D
+
+    def extract(self, x):
+        return np.asarray(x, dtype=np.float32)
+
+
+def head_training(device: str):
+    """Task handler for FedAvg jobs: the real device training code on the synthetic features."""
+    from edge_client.tasks.head_training import HeadTrainingTask
+
+    Z, y = data_for(device)
+    return HeadTrainingTask(Z.astype(np.float32), y, lambda b, s, w: Features())
+
+
+def job_config(devices, kind: str = "fed3r", **over) -> dict:
     cfg = {"job_id": "ops", "num_classes": C, "feature_dim": D, "clients_per_round": 3, "round_timeout_s": 60,
-           "expected_devices": len(devices), "start_timeout_s": 5, "max_attempts": 5}
+           "expected_devices": len(devices), "start_timeout_s": 5}
+    if kind == "fed3r":
+        cfg["max_attempts"] = 5
+    else:
+        cfg.update(rounds=4, local_epochs=2, batch_size=8, client_lr=0.05, server_momentum=0.9, seed=5)
     cfg.update(over)
     return cfg
 
@@ -68,14 +88,17 @@ class Fleet:
     """Real device agents on threads; ``gates`` hold chosen devices' computations until set."""
 
     def __init__(self, broker_url: str, devices, topics: Topics = Topics(), gates: dict | None = None,
-                 credentials: dict | None = None, tls_ca: str | None = None, retry_after_s: float = 0.5):
+                 credentials: dict | None = None, tls_ca: str | None = None, retry_after_s: float = 0.5,
+                 kind: str = "fed3r"):
         self.agents = []
         for d in devices:
             user, password = (credentials or {}).get(d, (None, None))
             cfg = BrokerConfig.from_url(broker_url, tls_ca=tls_ca)
             if user:
                 cfg = dataclasses.replace(cfg, username=user, password=password)
-            self.agents.append(DeviceAgent(d, cfg, {"fed3r.stats": SyntheticStats(d, (gates or {}).get(d))},
+            handlers = ({"fed3r.stats": SyntheticStats(d, (gates or {}).get(d))} if kind == "fed3r"
+                        else {"fedavg.head": head_training(d)})
+            self.agents.append(DeviceAgent(d, cfg, handlers,
                                            topics=topics, retry_after_s=retry_after_s, tick_s=0.1))
 
     def __enter__(self) -> "Fleet":
@@ -91,14 +114,16 @@ class Fleet:
 
 
 def aggregator_cmd(workdir: Path, broker_url: str, state: Path, extra: list[str] = ()) -> list[str]:
-    return [sys.executable, "-m", "aggregator", "serve", "--config", str(workdir / "job.json"),
+    kind = (workdir / "kind").read_text() if (workdir / "kind").exists() else "fed3r"
+    return [sys.executable, "-m", "aggregator", "serve", "--config", str(workdir / "job.json"), "--kind", kind,
             "--broker", broker_url, "--out", str(workdir / "out"), "--state", str(state),
             "--enrolled", str(workdir / "enrolled.txt"), "--timeout", "90", *extra]
 
 
-def prepare(workdir: Path, devices, **cfg) -> None:
+def prepare(workdir: Path, devices, kind: str = "fed3r", **cfg) -> None:
     workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "job.json").write_text(json.dumps(job_config(devices, **cfg)))
+    (workdir / "job.json").write_text(json.dumps(job_config(devices, kind, **cfg)))
+    (workdir / "kind").write_text(kind)
     (workdir / "enrolled.txt").write_text("\n".join(devices) + "\n")
 
 

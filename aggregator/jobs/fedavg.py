@@ -123,8 +123,7 @@ class FedAvgJob:
         self._rng = random.Random(c.seed)
         self._open = False
         self._participants: frozenset[str] = frozenset()
-        self._applied: set[str] = set()
-        self._mean = WeightedMean()
+        self._updates: dict[str, tuple[dict[str, np.ndarray], int]] = {}   # this round's, by device
         self.late_discarded = 0
         self.samples = 0                  # Σ n_k over applied updates (all rounds)
         self.round_log: list[dict] = []
@@ -153,8 +152,7 @@ class FedAvgJob:
         self.round += 1
         self._open = True
         self._participants = frozenset(chosen)
-        self._applied = set()
-        self._mean = WeightedMean()
+        self._updates = {}
         return chosen
 
     def finished(self, online: set[str], known: set[str]) -> bool:
@@ -180,29 +178,34 @@ class FedAvgJob:
 
     def apply(self, device: str, payload: RoundUpdate) -> None:
         if not self._open or payload.round != self.round or device not in self._participants \
-                or device in self._applied:
+                or device in self._updates:
             # The round machine answers these `late`/`duplicate` before they get here; if one
             # slips through anyway it is dropped, never averaged into another round.
             self.late_discarded += 1
             log.warning("discarded update from %s for round %d (open round: %s)", device, payload.round,
                         self.round if self._open else "none")
             return
-        self._mean.add(payload.update.tensors(), payload.update.n)
-        self._applied.add(device)
+        self._updates[device] = (payload.update.tensors(), payload.update.n)
         self.contributed[device] = self.contributed.get(device, 0) + 1
         self.samples += payload.update.n
 
     def close_round(self, closed: RoundClosed) -> None:
         if not self._open or closed.round != self.round:
             return
-        updates = self._mean.count
+        # Averaged in device-id order, so the result depends on which updates arrived, never on
+        # their arrival order (a restarted aggregator reproduces the model bit for bit).
+        mean = WeightedMean()
+        for device in sorted(self._updates):
+            tensors, n = self._updates[device]
+            mean.add(tensors, n)
+        updates = mean.count
         if updates:
-            self.params = self.strategy.step(self.params, self._mean.result())
-        self.round_log.append({"round": self.round, "updates": updates, "samples": self._mean.total_weight,
+            self.params = self.strategy.step(self.params, mean.result())
+        self.round_log.append({"round": self.round, "updates": updates, "samples": mean.total_weight,
                                "dropped": len(closed.dropped), "declined": len(closed.declined),
                                "rejected": len(closed.rejected)})
         self._open = False
-        self._mean = WeightedMean()
+        self._updates = {}
 
     # ------------------------------------------------------------------ model
     def evaluate(self, features: np.ndarray | None, labels: np.ndarray | None) -> dict:
@@ -220,8 +223,27 @@ class FedAvgJob:
                 "round": np.array([self.round], dtype=np.int64)}
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
-        """Resume between rounds (an open round is not persisted: its devices are asked again)."""
+        """The model and server-optimizer state as of the last closed round."""
         self.params = head_tensors(state["weight"], state["bias"])
         self.strategy.load_state_dict(state)
         self.round = int(state["round"][0])
         self._open = False
+
+    def bookkeeping(self) -> dict:
+        """JSON-able scheduling state as of the round just opened (the service stores it with the round)."""
+        version, internal, gauss = self._rng.getstate()
+        return {"round": self.round, "open": self._open, "participants": sorted(self._participants),
+                "rng": [version, list(internal), gauss]}
+
+    def restore_bookkeeping(self, state: dict) -> None:
+        """Enter the round this bookkeeping was taken at (right after it opened), unless the job is
+        already in or past it (restored from a checkpoint, or replayed up to it): then only the
+        sampler is restored, and the updates already replayed into an open round stay."""
+        version, internal, gauss = state["rng"]
+        self._rng.setstate((version, tuple(internal), gauss))
+        if int(state["round"]) <= self.round:
+            return
+        self.round = int(state["round"])
+        self._open = bool(state["open"])
+        self._participants = frozenset(state["participants"])
+        self._updates = {}
