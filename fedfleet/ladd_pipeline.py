@@ -47,6 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .emulation.processes import stop_all
 from .emulation.synthetic_scenes import CLASSES, TARGET_DOMAINS, make_benchmark
 
 METHODS = ("source_only", "fda_pretrained", "fedavg_st", "ladd")
@@ -394,14 +395,7 @@ def _run_seed(cfg: LaddSimConfig, seed: int, broker_url: str, say) -> dict:
     except subprocess.TimeoutExpired:
         rc = -1
     finally:
-        for p in procs[1:]:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs)
     if rc != 0:
         raise RuntimeError(f"LADD aggregator failed (exit {rc}); log tail:\n"
                            f"{(out / 'aggregator.log').read_text()[-3000:]}")

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from edge_client.data import load_fashion_mnist
 from protocols.topics import Topics
 
 from .emulation.broker import MosquittoBroker
+from .emulation.processes import stop_all
 from .emulation.partition import make_split
 from .emulation.profiles import sample_profiles
 from .progress import StatusWatcher
@@ -180,14 +180,7 @@ def run(cfg: SimConfig, quiet: bool = False) -> dict:
             rc = -1
         watcher.close()
     finally:
-        for p in procs[1:]:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs)
         if broker:
             broker.stop()
     if rc != 0 or not (out / "results.json").exists():

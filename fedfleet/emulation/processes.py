@@ -1,0 +1,19 @@
+"""Child processes of a simulation (aggregator, device workers): stop them all, politely first."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+
+
+def stop_all(procs: list[subprocess.Popen], first_is_done: bool = True, grace_s: float = 30.0) -> None:
+    """SIGTERM every still-running process (all but the first, which is waited for, when
+    ``first_is_done``), then wait for each and SIGKILL whatever is still there after ``grace_s``."""
+    for p in procs[1:] if first_is_done else procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
