@@ -422,6 +422,11 @@ class AggregatorService:
         missing = [m for m in DURABLE_JOB_METHODS if not callable(getattr(job, m, None))]
         if missing:
             raise TypeError(f"{type(job).__name__} cannot run with a store: it lacks {', '.join(missing)}")
+        if hasattr(job, "on_protocol"):
+            # A secure round's state (keys, shares, masked vectors) is not persisted yet: refuse
+            # rather than promise a recovery that would lose or double-count a group sum.
+            raise TypeError(f"{type(job).__name__} (secure aggregation) cannot run with a store yet; "
+                            "run it without --state")
         row = self.store.job(a.job_id)
         config = job.config.to_dict()
         if row is None:

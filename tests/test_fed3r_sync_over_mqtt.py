@@ -89,3 +89,14 @@ def test_secure_fed3r_sync_equals_centralized_ridge_over_survivors(broker, tmp_p
             kinds.add(env.type)
             assert "A_upper" not in env.tensors
     assert SECAGG_TYPE in kinds and "result" not in kinds
+
+
+def test_secure_jobs_refuse_a_durable_store_instead_of_pretending(tmp_path):
+    from aggregator.store import Store
+
+    ids = ["a", "b", "c"]
+    reg = IdentityRegistry({d: DeviceIdentity.generate(d).public_key_bytes for d in ids})
+    job = Fed3RSyncJob(Fed3RSyncConfig(job_id="s", num_classes=C, feature_dim=D, max_samples=10),
+                       identity=DeviceIdentity.generate("aggregator"), registry=reg)
+    with pytest.raises(TypeError, match="secure aggregation"):
+        AggregatorService(job, BrokerConfig(), tmp_path, store=Store(tmp_path / "s.db"))
