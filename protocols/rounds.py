@@ -248,6 +248,7 @@ class SendDecline:
 class DeviceSession:
     retry_after_s: float = 10.0
     max_retries: int = 5
+    keep_finished: int = 4
     state: DeviceState = DeviceState.IDLE
     current: TaskRef | None = None
     finished: dict[TaskRef, WorkFinished] = field(default_factory=dict)   # tasks answered (for redelivery)
@@ -262,6 +263,8 @@ class DeviceSession:
             if self.state is not DeviceState.WORKING or event.ref != self.current:
                 return []  # work for an abandoned task
             self.finished[event.ref] = event
+            while len(self.finished) > self.keep_finished:      # a long-lived device keeps only recent results
+                del self.finished[next(iter(self.finished))]
             self.state, self.attempts = DeviceState.REPORTED, 1
             self.next_retry = self.now + self.retry_after_s
             return [SendResult(event.message, 1)]

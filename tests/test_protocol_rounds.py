@@ -104,3 +104,13 @@ def test_retry_timer_starts_when_the_upload_ends():
     s.handle(ResultSent(60.0))                                  # slow upload finished at t=60
     assert s.handle(Tick(61.0)) == []
     assert s.handle(Tick(65.0)) == [SendResult("R", 2)]
+
+
+def test_a_long_lived_device_keeps_only_recent_results():
+    s = DeviceSession(keep_finished=2)
+    for r in range(1, 6):
+        s.handle(task(r))
+        s.handle(WorkFinished(TaskRef("j", r, f"t{r}"), f"R{r}", f"r{r}"))
+        s.handle(AckArrived(f"r{r}", "accepted"))
+    assert [ref.round for ref in s.finished] == [4, 5]
+    assert s.handle(task(5)) == [SendResult("R5", 2)]         # recent: re-sent, not recomputed
