@@ -336,3 +336,29 @@ def test_evaluation_helpers_against_plain_sums():
         weighted_mean_accuracy([0], [0])
     with pytest.raises(ValueError):
         head_accuracy(W, b, Z[:, :3], y)
+
+
+def test_fedavg_starts_from_a_fed3r_model_file(tmp_path):
+    """Fed3R+FT from the command line: a Fed3R job's model.npz initialises the head, LR x 0.1."""
+    from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
+    from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob
+    from edge_client.fed3r import Fed3RAccumulator
+    from protocols.payloads.fed3r import parse_stats, encode_stats
+    from protocols.envelope import Envelope
+
+    rng = np.random.default_rng(0)
+    fed3r = Fed3RJob(Fed3RConfig(num_classes=3, feature_dim=4))
+    acc = Fed3RAccumulator(3, 4)
+    acc.update(rng.normal(size=(50, 4)), rng.integers(0, 3, 50))
+    A, ids, b = acc.sparse()
+    body, t = encode_stats(A, ids, b, acc.n, 3)
+    fed3r.apply("d", parse_stats(Envelope("result", "d", body, t), 5, 3))
+    np.savez(tmp_path / "model.npz", **fed3r.model_arrays())
+    job = FedAvgJob(FedAvgConfig(num_classes=3, feature_dim=4, init="fed3r", client_lr=0.1,
+                                 initial_head_file=str(tmp_path / "model.npz")))
+    ridge = fed3r.model()
+    np.testing.assert_allclose(job.params["weight"], ridge.coef_, rtol=1e-6)
+    np.testing.assert_allclose(job.params["bias"], ridge.intercept_, rtol=1e-6)
+    assert job.task_for("d")[0]["lr"] == pytest.approx(0.01)
+    with pytest.raises(ValueError, match="initial_head_file"):
+        FedAvgJob(FedAvgConfig(num_classes=3, feature_dim=4, init="fed3r"))

@@ -62,6 +62,7 @@ class FedAvgConfig:
     server_lr: float = 1.0
     server_momentum: float = 0.0         # 0: FedAvg; > 0: FedAvgM
     init: str = "random"
+    initial_head_file: str = ""          # init == "fed3r": a Fed3R job's model.npz (coef, intercept)
     expected_devices: int = 0
     start_timeout_s: float = 60.0
     seed: int = 0
@@ -109,8 +110,12 @@ class FedAvgJob:
         c = self.config
         if self.strategy is None:
             self.strategy = FedAvg(c.server_lr, c.server_momentum)
+        if c.init == "fed3r" and self.initial_head is None and c.initial_head_file:
+            # A finished Fed3R job's output: the normalised classifier, bias included ([P] §III-D).
+            with np.load(c.initial_head_file) as fed3r_model:
+                self.initial_head = {"weight": fed3r_model["coef"], "bias": fed3r_model["intercept"]}
         if c.init == "fed3r" and self.initial_head is None:
-            raise ValueError("init='fed3r' needs initial_head (use FedAvgJob.from_fed3r)")
+            raise ValueError("init='fed3r' needs initial_head_file (a Fed3R model.npz) or FedAvgJob.from_fed3r")
         if self.initial_head is not None:
             head = head_tensors(self.initial_head["weight"], self.initial_head["bias"])
             if head["weight"].shape != (c.num_classes, c.feature_dim):
