@@ -58,8 +58,11 @@ def reference_sums(devices) -> tuple[np.ndarray, np.ndarray]:
 
 
 class Features:
-    """The synthetic 'images' are already features (the backbone is tested elsewhere)."""
-    feature_dim = D
+    """Stands in for the backbone in tests: the synthetic 'images' already are features (the
+    backbones and exported runtimes are tested on real images elsewhere)."""
+
+    def __init__(self, dim: int = D):
+        self.feature_dim = dim
 
     def extract(self, x):
         return np.asarray(x, dtype=np.float32)

@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 import pytest
+from ops_fleet import Features
 from sklearn.linear_model import Ridge
 
 from aggregator.jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob
@@ -19,14 +20,6 @@ from protocols.mqtt_link import BrokerConfig
 from protocols.payloads.secagg import SECAGG_TYPE, SYNC_KIND
 
 D, C, N = 5, 3, 40
-
-
-class Features:
-    """Stands in for the backbone output: the 'images' are already feature vectors."""
-    feature_dim = D
-
-    def extract(self, x):
-        return np.asarray(x, dtype=np.float32)
 
 
 def device_data(i):
@@ -58,7 +51,7 @@ def test_secure_fed3r_sync_equals_centralized_ridge_over_survivors(broker, tmp_p
     agents = []
     for i, d in enumerate(ids):
         imgs, labels = device_data(i)
-        stats = Fed3RStatsTask(imgs, labels, lambda b, s, w: Features())
+        stats = Fed3RStatsTask(imgs, labels, lambda b, s, w: Features(D))
         handler = SecureFed3R(identities[d], agg.public_key_bytes, stats)
         hooks = AgentHooks(after_compute=drop, offline_after_dropout_s=600) if d == dropper else AgentHooks()
         agents.append(DeviceAgent(d, BrokerConfig.from_url(broker.url), {}, hooks=hooks,

@@ -6,6 +6,7 @@ import threading
 
 import numpy as np
 import pytest
+from ops_fleet import Features
 
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob
 from aggregator.service import AggregatorService
@@ -19,19 +20,11 @@ from protocols.rounds import RoundClosed
 D, C, N = 6, 3, 30
 
 
-class Features:
-    """The 'images' are already features (the backbone is tested elsewhere)."""
-    feature_dim = D
-
-    def extract(self, x):
-        return np.asarray(x, dtype=np.float32)
-
-
 def device_task(i):
     rng = np.random.default_rng(7 + i)
     y = rng.integers(0, C, N)
     Z = (rng.normal(size=(N, D)) + 2 * np.eye(C, D)[y]).astype(np.float32)
-    return HeadTrainingTask(Z, y, lambda b, s, w: Features())
+    return HeadTrainingTask(Z, y, lambda b, s, w: Features(D))
 
 
 @pytest.mark.parametrize("momentum", [0.0, 0.9], ids=["fedavg", "fedavgm"])
