@@ -14,6 +14,7 @@ from protocols.mqtt_link import BrokerConfig
 from protocols.topics import Topics
 
 from .api.server import add_ops_arguments, serve_with_ops
+from .artifacts import ArtifactShelf
 from .service import JOB_TYPES, build_job
 
 
@@ -33,6 +34,8 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
                    help="held-out evaluation set as .npz with Z (n,d) features and y (n,) labels")
     s.add_argument("--enrolled", type=Path, default=None, help="file with one allowed device id per line")
     s.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
+    s.add_argument("--artifacts", type=Path, nargs="*", default=(),
+                   help="exported bundle directories devices may fetch (by their manifest sha256)")
     add_ops_arguments(s)
     return p
 
@@ -48,8 +51,13 @@ def serve(args) -> int:
     enrolled = None
     if args.enrolled:
         enrolled = {line.strip() for line in args.enrolled.read_text().splitlines() if line.strip()}
+    shelf = None
+    if args.artifacts:
+        shelf = ArtifactShelf()
+        for bundle in args.artifacts:
+            print(f"serving bundle {bundle}: manifest sha256 {shelf.add_bundle(bundle)}", flush=True)
     summary = serve_with_ops(args, job, BrokerConfig.from_url(args.broker, tls_ca=args.tls_ca), args.out,
-                             Topics(args.topic_root), enrolled=enrolled, eval_set=eval_set)
+                             Topics(args.topic_root), enrolled=enrolled, eval_set=eval_set, artifacts=shelf)
     final = summary.get("final", {})
     print(json.dumps({"state": summary.get("state"), "contributions": final.get("contributions"),
                       "accuracy": final.get("accuracy")}))

@@ -62,11 +62,13 @@ from protocols.chunking import DEFAULT_CHUNK_SIZE, MessageAssembler
 from protocols.envelope import Envelope, EnvelopeError, decode, encode
 from protocols.identity import IdentityRegistry, InvalidSignature, UnknownDevice
 from protocols.mqtt_link import BrokerConfig, MqttLink
+from protocols.payloads.artifacts import GET as ARTIFACT_GET, artifact_message, parse_get
 from protocols.payloads.secagg import SECAGG_TYPE
 from protocols.rounds import (ApplyResult, Declined, DeviceLost, ResultArrived, ResultInvalid, RoundClosed,
                               RoundCoordinator, RoundState, SendAck, Tick)
 from protocols.topics import AGGREGATOR_ID, DEVICE_ID_RE, Topics
 
+from .artifacts import ArtifactShelf
 from .broker_security import BrokerSecurity
 from .enrollment import DeviceCredentials, Enrollment
 from .jobs import Job
@@ -270,8 +272,10 @@ class AggregatorService:
                  tick_s: float = 0.2, evaluate_every_contribution: bool = True,
                  store: Store | None = None, security: BrokerSecurity | None = None,
                  require_signatures: bool = False, keep_serving: bool = False,
-                 crash: CrashPoints | None = None, checkpoints: bool = True):
+                 crash: CrashPoints | None = None, checkpoints: bool = True,
+                 artifacts: "ArtifactShelf | None" = None):
         self.topics = topics
+        self.artifacts = artifacts              # exported bundles devices may fetch by sha256
         self.eval_set = eval_set
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -592,6 +596,8 @@ class AggregatorService:
             self._on_presence(device, env)
         elif env.type in (M.RESULT, M.DECLINE):
             self._on_result(device, env, raw, nbytes)
+        elif env.type == ARTIFACT_GET:
+            self._on_artifact_get(device, env)
         elif env.type == SECAGG_TYPE and hasattr(getattr(self.active, "job", None), "on_protocol"):
             self._on_protocol(device, env)
         else:
@@ -650,6 +656,18 @@ class AggregatorService:
             return
         self.crash("result_received")
         self._execute(coord.handle(ResultArrived(device, env.id, _Validated(payload, raw))), ref.round)
+
+    def _on_artifact_get(self, device: str, env: Envelope) -> None:
+        try:
+            sha = parse_get(env)
+        except EnvelopeError as exc:
+            self._reject(device, env.id, f"artifact: {exc}")
+            return
+        found = self.artifacts.get(sha) if self.artifacts is not None else None
+        if found is None:
+            self._reject(device, env.id, f"artifact: no artifact {sha[:16]} on this aggregator")
+            return
+        self._send(device, artifact_message(AGGREGATOR_ID, sha, *found))
 
     def _on_protocol(self, device: str, env: Envelope) -> None:
         """A message of a job's multi-message sub-protocol (secure aggregation)."""

@@ -13,7 +13,7 @@ import fcntl
 from pathlib import Path
 
 from edge_client.features import FeatureExtractor
-from edge_client.models import build_backbone, weights_sha256
+from edge_client.models import weights_sha256
 
 DEFAULT_BUNDLE_ROOT = Path(".cache/bundles")
 RUNTIMES = ("eager", "executorch", "onnxruntime")
@@ -48,13 +48,19 @@ def make_extractor(backbone: str, image_size: int, cache_dir: str | None, runtim
         return FeatureExtractor.eager(backbone, image_size=image_size, cache_dir=cache_dir, threads=threads)
     import torch
 
-    from edge_client.runtime import load_inference
-
     if threads is not None:
         torch.set_num_threads(threads)
-    manifest = ensure_bundle(backbone, image_size, bundle_root)
-    program = load_inference(manifest, prefer=(runtime,))
-    ref = build_backbone(backbone, pretrained=False)       # only for its normalisation constants
-    return FeatureExtractor(program.run, image_size=image_size, mean=ref.mean, std=ref.std, batch_size=32,
-                            cache_dir=cache_dir, feature_dim=ref.feature_dim,
-                            cache_key=f"{backbone}:{weights_sha256(backbone)}:{runtime}")
+    return extractor_from_manifest(ensure_bundle(backbone, image_size, bundle_root), runtime, cache_dir)
+
+
+def extractor_from_manifest(manifest: Path, runtime: str, cache_dir: str | None,
+                            expected_manifest_sha256: str | None = None) -> FeatureExtractor:
+    """A feature extractor running a bundle's program (verified against its manifest)."""
+    from edge_client.runtime import load_inference
+
+    program = load_inference(manifest, prefer=(runtime,), expected_manifest_sha256=expected_manifest_sha256)
+    m = program.manifest
+    norm = m.input                                         # the preprocessing the program was exported with
+    return FeatureExtractor(program.run, image_size=norm.image_size, mean=norm.mean, std=norm.std, batch_size=32,
+                            cache_dir=cache_dir, feature_dim=m.feature_dim,
+                            cache_key=f"{m.backbone}:{m.weights_sha256}:{norm.image_size}:{runtime}")

@@ -1,0 +1,78 @@
+"""Fetch an exported bundle from the aggregator over the broker, verifying every byte.
+
+A device provisions its model at boot, before its agent starts: it asks for the manifest by the
+sha256 the operator (or the job) announced, then for every file the manifest lists, by the
+digest the manifest gives, and writes them to ``dest``. Anything that does not hash to what was
+asked for is refused and nothing is written under the final name. The result is then loaded with
+``edge_client.runtime.load_inference(dest / "manifest.json", expected_manifest_sha256=...)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import tempfile
+import time
+from pathlib import Path
+
+from protocols.chunking import MessageAssembler
+from protocols.envelope import EnvelopeError
+from protocols.mqtt_link import BrokerConfig, MqttLink
+from protocols.payloads.artifacts import ARTIFACT, get_message, parse_artifact
+from protocols.topics import AGGREGATOR_ID, Topics
+
+
+class ArtifactFetchError(RuntimeError):
+    """The bundle could not be fetched intact (timeout, refusal, or a digest mismatch)."""
+
+
+def fetch_bundle(device_id: str, broker: BrokerConfig, manifest_sha256: str, dest: Path,
+                 topics: Topics = Topics(), timeout_s: float = 120.0, retry_s: float = 5.0,
+                 signer=None) -> Path:
+    dest = Path(dest)
+    inbox: queue.Queue = queue.Queue()
+    link = MqttLink(device_id, broker, on_message=lambda t, p: inbox.put(p),
+                    subscriptions=[(topics.inbox(device_id), 1)], clean_start=True)
+    link.start()
+    try:
+        assembler = MessageAssembler()
+
+        def fetch(sha: str) -> tuple[str, bytes]:
+            deadline = time.monotonic() + timeout_s
+            next_ask = 0.0
+            while time.monotonic() < deadline:
+                if time.monotonic() >= next_ask:  # ask again now and then: the aggregator may be (re)starting
+                    link.publish_envelope(topics.outbox(device_id), get_message(device_id, sha), signer=signer)
+                    next_ask = time.monotonic() + retry_s
+                try:
+                    env = assembler.feed(inbox.get(timeout=0.5))
+                except queue.Empty:
+                    continue
+                except EnvelopeError:
+                    continue                     # not ours / malformed: keep waiting
+                if env is None or env.type != ARTIFACT or env.sender != AGGREGATOR_ID \
+                        or env.body.get("sha256") != sha:
+                    continue
+                try:
+                    return parse_artifact(env, sha)
+                except EnvelopeError as exc:
+                    raise ArtifactFetchError(str(exc)) from exc
+            raise ArtifactFetchError(f"no artifact {sha[:16]}… from the aggregator within {timeout_s}s")
+
+        name, manifest_bytes = fetch(manifest_sha256)
+        files = {"manifest.json": manifest_bytes}
+        for spec in json.loads(manifest_bytes).get("artifacts", []):
+            fname, data = fetch(spec["sha256"])
+            if fname != spec["file"]:
+                raise ArtifactFetchError(f"asked for {spec['file']!r}, got {fname!r}")
+            files[fname] = data
+    finally:
+        link.stop()
+    dest.mkdir(parents=True, exist_ok=True)
+    for fname, data in files.items():            # write-then-rename: no half-written file is ever used
+        fd, tmp = tempfile.mkstemp(dir=dest, prefix=f".{fname}.")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, dest / fname)
+    return dest / "manifest.json"

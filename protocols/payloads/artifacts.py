@@ -1,0 +1,58 @@
+"""Artifact distribution over the broker: a device asks for a file by its sha256, the aggregator
+answers with the bytes (chunked like any large envelope), the device checks the digest.
+
+* ``artifact.get``  device -> aggregator. body ``{"sha256": hex}``
+* ``artifact``      aggregator -> device inbox. body ``{"sha256": hex, "name": file name}``,
+                    tensor ``data`` (uint8, the file's bytes)
+
+Files are content-addressed: a bundle is fetched by its manifest's sha256 (announced with the
+job), then every file the manifest lists, by the sha256 the manifest gives. A device accepts no
+byte whose digest differs, so a compromised broker or aggregator cannot swap a model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+import numpy as np
+
+from ..envelope import Envelope, EnvelopeError, body_field, require_tensor
+
+GET, ARTIFACT = "artifact.get", "artifact"
+_SHA = re.compile(r"^[0-9a-f]{64}$")
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+
+
+def get_message(sender: str, sha256: str) -> Envelope:
+    return Envelope(type=GET, sender=sender, body={"sha256": check_sha(sha256)})
+
+
+def parse_get(env: Envelope) -> str:
+    return check_sha(body_field(env, "sha256", str))
+
+
+def artifact_message(sender: str, sha256: str, name: str, data: bytes) -> Envelope:
+    return Envelope(type=ARTIFACT, sender=sender, body={"sha256": sha256, "name": name},
+                    tensors={"data": np.frombuffer(data, dtype=np.uint8)})
+
+
+def parse_artifact(env: Envelope, expected_sha256: str) -> tuple[str, bytes]:
+    """(name, bytes) if the content hashes to ``expected_sha256``; EnvelopeError otherwise."""
+    if env.type != ARTIFACT:
+        raise EnvelopeError(f"expected an artifact, got {env.type!r}")
+    name = body_field(env, "name", str)
+    if not _NAME.match(name):
+        raise EnvelopeError(f"artifact name {name!r} is not a plain file name")
+    data = require_tensor(env, "data", "uint8", (None,)).tobytes()
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != expected_sha256:
+        raise EnvelopeError(f"artifact {name!r}: sha256 {digest[:16]}… differs from the requested "
+                            f"{expected_sha256[:16]}…; refused")
+    return name, data
+
+
+def check_sha(value: str) -> str:
+    if not isinstance(value, str) or not _SHA.match(value):
+        raise EnvelopeError(f"not a hex sha256: {value!r}")
+    return value
