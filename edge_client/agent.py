@@ -204,7 +204,9 @@ class DeviceAgent:
             self._outage_until = time.monotonic() + self.hooks.offline_after_dropout_s
             self._go_offline()
             return
-        except TaskDeclined as exc:
+        except Exception as exc:      # TaskDeclined, or a handler bug: tell the server, keep the agent alive
+            if not isinstance(exc, TaskDeclined):
+                log.exception("%s: %s task failed", self.device_id, kind)
             self.stats.tasks_declined += 1
             self.link.publish_envelope(self.topics.outbox(self.device_id),
                                        M.decline_message(self.device_id, ref, str(exc)), signer=self.signer)

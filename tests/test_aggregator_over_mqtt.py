@@ -158,3 +158,48 @@ def test_signed_agents_are_accepted_and_wrongly_signed_ones_rejected(broker, tmp
         a.stop()
     assert list(result["contributed"]) == ["good"]
     assert result["rejections"].get("bad signature", 0) >= 1
+
+
+def test_a_failing_protocol_handler_declines_and_the_agent_lives_on(broker):
+    """A multi-message handler that raises (bad local data, a bug) must not kill the agent thread:
+    the device declines the task and keeps answering later tasks."""
+    import queue
+
+    from protocols.chunking import MessageAssembler
+
+    class Flaky:
+        calls = 0
+
+        def on_task(self, job, round_, params):
+            Flaky.calls += 1
+            if Flaky.calls == 1:
+                raise ValueError("features contain NaN")
+            return []
+
+        def on_message(self, env):
+            return []
+
+    topics = Topics()
+    got: queue.Queue = queue.Queue()
+    spy = raw_client(broker)
+    spy.on_message = lambda c, u, m: got.put(m.payload)
+    spy.subscribe(topics.outbox("flaky"), qos=1)
+    agent = DeviceAgent("flaky", BrokerConfig.from_url(broker.url), {},
+                        protocol_handlers={"fed3r.secure": Flaky()}).start()
+    time.sleep(0.5)
+    for r in (1, 2):
+        task = M.task_message("aggregator", "j", r, "fed3r.secure", {}, time.time() + 60)
+        spy.publish(topics.inbox("flaky"), encode(task), qos=1)
+    deadline = time.time() + 10
+    declines = []
+    while time.time() < deadline and not (declines and Flaky.calls == 2):
+        try:
+            env = MessageAssembler().feed(got.get(timeout=0.2))
+        except queue.Empty:
+            continue
+        if env is not None and env.type == M.DECLINE:
+            declines.append(env.body)
+    agent.stop()
+    spy.loop_stop()
+    assert [d["round"] for d in declines] == [1] and "NaN" in declines[0]["reason"]
+    assert Flaky.calls == 2            # the second task still reached the handler
