@@ -2,8 +2,10 @@
 run it; a file tampered with on the aggregator's side is refused (issue 4, distribution)."""
 
 import threading
+import time
 
 import numpy as np
+import paho.mqtt.client as mqtt
 import pytest
 
 from aggregator.artifacts import ArtifactShelf
@@ -11,7 +13,9 @@ from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
 from aggregator.service import AggregatorService
 from edge_client.artifacts import ArtifactFetchError, fetch_bundle
 from edge_client.runtime import load_inference
+from protocols.envelope import Envelope, encode
 from protocols.mqtt_link import BrokerConfig
+from protocols.topics import Topics
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +52,22 @@ def test_fetched_bundle_runs_like_the_original_and_tampering_is_refused(broker, 
         # an unknown digest is refused by the aggregator; the device gives up with a clear error
         with pytest.raises(ArtifactFetchError, match="within"):
             fetch_bundle("cam1", cfg, "0" * 64, tmp_path / "nothing", timeout_s=2)
+        # a malformed request, and a request from a device that is not enrolled, are rejected
+        raw = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="raw")
+        raw.connect("127.0.0.1", broker.port)
+        raw.loop_start()
+        raw.publish(Topics().outbox("cam1"), encode(Envelope("artifact.get", "cam1", {"sha256": "../etc"})),
+                    qos=1).wait_for_publish(5)
+        raw.publish(Topics().outbox("intruder"),
+                    encode(Envelope("artifact.get", "intruder", {"sha256": manifest_sha})), qos=1).wait_for_publish(5)
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            rej = svc.active.stats.rejections
+            if rej.get("artifact") and rej.get("unknown device (not enrolled)"):
+                break
+            time.sleep(0.1)
+        raw.loop_stop()
+        assert rej.get("artifact", 0) >= 2 and rej.get("unknown device (not enrolled)") == 1
         # the aggregator's copy of the model is altered after indexing: the device refuses it
         onnx = bundle / "inference.onnx"
         pristine = onnx.read_bytes()
