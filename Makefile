@@ -1,6 +1,7 @@
 # Two entry points, each self-sufficient on a fresh Debian machine:
-#   make demo   - set up, then run Fed3R on 100 emulated devices over a real mosquitto broker,
-#                 then the same with secure aggregation (Fed3R-Sync)
+#   make demo   - set up, then run Fed3R -> FedAvg fine-tuning -> OLL personalization on 100
+#                 emulated devices over a real mosquitto broker, then Fed3R again with secure
+#                 aggregation (Fed3R-Sync) for plain-vs-secure timings
 #   make test   - set up, then run the whole test suite
 PY ?= python3
 VENV := .venv
@@ -11,8 +12,8 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 .PHONY: demo test setup system-deps bench clean
 
 demo: setup
-	$(BIN)/fedfleet simulate --config demo
-	@echo; echo "Same fleet, statistics summed under secure aggregation (features now cached):"
+	$(BIN)/fedfleet simulate --config demo --pipeline fed3r-ft-oll
+	@echo; echo "Same fleet, Fed3R statistics summed under secure aggregation (features now cached):"
 	$(BIN)/fedfleet simulate --config demo --secure --out runs/latest-secure
 
 test: setup

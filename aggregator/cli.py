@@ -21,11 +21,12 @@ from .service import JOB_TYPES, build_job
 def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p = p or argparse.ArgumentParser(prog="fedfleet aggregator")
     sub = p.add_subparsers(dest="aggregator_cmd", required=True)
-    s = sub.add_parser("serve", help="run one Fed3R job until every device has contributed")
+    s = sub.add_parser("serve", help="run one job (--kind) until it is done")
     s.add_argument("--config", type=Path, default=None,
                    help="job config JSON (fields of Fed3RConfig); optional with --keep-serving")
     s.add_argument("--kind", default="fed3r", choices=sorted(JOB_TYPES),
-                   help="job kind: fed3r (plain statistics) or fed3r-sync (secure group sums)")
+                   help="job kind: fed3r (plain statistics), fed3r-sync (secure group sums), fedavg "
+                        "(FedAvg/FedAvgM head rounds), personalize (OLL/FP on devices, held-out WMA)")
     s.add_argument("--broker", default="mqtt://127.0.0.1:1883", help="mqtt://[user:pass@]host:port")
     s.add_argument("--tls-ca", default=None, help="CA file: connect with TLS")
     s.add_argument("--topic-root", default="fedfleet")

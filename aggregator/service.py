@@ -75,6 +75,8 @@ from .jobs import Job
 from .jobs.fed3r import Fed3RConfig, Fed3RJob
 from .jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob
 from .jobs.fedavg import FedAvgConfig, FedAvgJob
+from .jobs.personalize import PersonalizeConfig, PersonalizeJob
+from .jobs.secure_fedavg import SecureFedAvgConfig, SecureFedAvgJob
 from .store import FINAL_JOB_STATES, Store, StoreError
 
 log = logging.getLogger("fedfleet.aggregator")
@@ -86,7 +88,9 @@ CRASH_POINTS = ("restored", "presence", "round_opened", "task_sent", "result_rec
 # Job types the service can build from a stored config: name -> (config class, job class).
 JOB_TYPES: dict[str, tuple[type, type]] = {"fed3r": (Fed3RConfig, Fed3RJob),
                                            "fed3r-sync": (Fed3RSyncConfig, Fed3RSyncJob),
-                                           "fedavg": (FedAvgConfig, FedAvgJob)}
+                                           "fedavg": (FedAvgConfig, FedAvgJob),
+                                           "fedavg-secure": (SecureFedAvgConfig, SecureFedAvgJob),
+                                           "personalize": (PersonalizeConfig, PersonalizeJob)}
 
 
 DURABLE_JOB_METHODS = ("state_dict", "load_state_dict", "bookkeeping", "restore_bookkeeping")
@@ -96,7 +100,7 @@ def job_type_name(job: Job) -> str:
     """The registry name of a job's type (its class name if unregistered: it then cannot be
     rebuilt from a stored config, i.e. started through the API or re-summed canonically)."""
     for name, (_, cls) in JOB_TYPES.items():
-        if isinstance(job, cls):
+        if type(job) is cls:
             return name
     return type(job).__name__
 
@@ -767,6 +771,7 @@ class AggregatorService:
         entry = a.job.evaluate(Z, y)
         entry["t"] = time.time() - a.started_at
         entry["bytes_in"] = a.stats.bytes_in
+        entry["bytes_out"] = self.link.bytes_sent
         a.history.append(entry)
         if self.store is not None:
             self.store.add_evaluation(a.job_id, entry)

@@ -67,6 +67,13 @@ class AgentStats:
     bytes_up: int = 0
     compute_s: float = 0.0
     acks: dict[str, int] = field(default_factory=dict)
+    by_kind: dict[str, dict[str, float]] = field(default_factory=dict)   # kind -> tasks, compute_s, bytes_up
+
+    def count(self, kind: str, tasks: int = 0, compute_s: float = 0.0, bytes_up: int = 0) -> None:
+        entry = self.by_kind.setdefault(kind, {"tasks": 0, "compute_s": 0.0, "bytes_up": 0})
+        entry["tasks"] += tasks
+        entry["compute_s"] += compute_s
+        entry["bytes_up"] += bytes_up
 
 
 class DeviceAgent:
@@ -79,7 +86,7 @@ class DeviceAgent:
         # Ed25519 signing of every envelope (DeviceIdentity.sign) when the aggregator requires it.
         self.signer = signer
         # Multi-message protocols (secure aggregation): task kind or message type -> an object with
-        # on_task(job, round, params) / on_message(env), each returning envelopes to publish.
+        # on_task(job, round, params, tensors) / on_message(env), each returning envelopes to publish.
         self.protocol_handlers = protocol_handlers or {}
         self.topics = topics
         self.handlers = handlers
@@ -162,7 +169,7 @@ class DeviceAgent:
         if env.type == M.TASK:
             ref, kind, params, deadline = M.parse_task(env)
             if kind in self.protocol_handlers:
-                self._protocol_task(ref, kind, params)
+                self._protocol_task(ref, kind, params, dict(env.tensors))
                 return
             self._execute(self.session.handle(TaskArrived(ref, kind, params, deadline, dict(env.tensors))))
         elif env.type in self.protocol_handlers:
@@ -185,19 +192,21 @@ class DeviceAgent:
                 self._do_work(act)
             elif isinstance(act, SendResult):
                 if self.online:
-                    self.stats.bytes_up += self.link.publish_envelope(
+                    sent = self.link.publish_envelope(
                         self.topics.outbox(self.device_id), act.message, chunk_size=self.chunk_size, signer=self.signer,
                         before_each=self.hooks.before_upload)
+                    self.stats.bytes_up += sent
+                    self.stats.count(str(act.message.body.get("kind", "")), bytes_up=sent)
                     self.session.handle(ResultSent(time.monotonic()))
             elif isinstance(act, SendDecline):
                 self.stats.tasks_declined += 1
                 self.link.publish_envelope(self.topics.outbox(self.device_id),
                                            M.decline_message(self.device_id, act.ref, act.reason), signer=self.signer)
 
-    def _protocol_task(self, ref, kind: str, params: dict) -> None:
+    def _protocol_task(self, ref, kind: str, params: dict, tensors: dict) -> None:
         t0 = time.perf_counter()
         try:
-            outs = self.protocol_handlers[kind].on_task(ref.job, ref.round, params)
+            outs = self.protocol_handlers[kind].on_task(ref.job, ref.round, params, tensors)
             self.hooks.after_compute(time.perf_counter() - t0)   # may drop out: the device goes silent
         except DroppedOut:
             self.stats.dropouts += 1
@@ -211,12 +220,14 @@ class DeviceAgent:
             self.link.publish_envelope(self.topics.outbox(self.device_id),
                                        M.decline_message(self.device_id, ref, str(exc)), signer=self.signer)
             return
-        self.stats.compute_s += time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        self.stats.compute_s += elapsed
         self.stats.tasks_done += 1
-        for out in outs:
-            self.stats.bytes_up += self.link.publish_envelope(self.topics.outbox(self.device_id), out,
-                                                              chunk_size=self.chunk_size, signer=self.signer,
-                                                              before_each=self.hooks.before_upload)
+        sent = sum(self.link.publish_envelope(self.topics.outbox(self.device_id), out, chunk_size=self.chunk_size,
+                                              signer=self.signer, before_each=self.hooks.before_upload)
+                   for out in outs)
+        self.stats.bytes_up += sent
+        self.stats.count(kind, tasks=1, compute_s=elapsed, bytes_up=sent)
 
     def _do_work(self, act: StartWork) -> None:
         handler = self.handlers.get(act.kind)
@@ -244,6 +255,7 @@ class DeviceAgent:
             self._execute(self.session.handle(WorkFailed(act.ref, f"error: {exc}")))
             return
         self.stats.tasks_done += 1
+        self.stats.count(act.kind, tasks=1, compute_s=elapsed)
         msg = M.result_message(self.device_id, act.ref, act.kind, body, tensors)
         self._execute(self.session.handle(WorkFinished(act.ref, msg, msg.id)))
 

@@ -20,7 +20,11 @@ Labels outside C_k at evaluation time (closed-set assumption broken) are handled
   deployed device could do at prediction time; ``predict`` always answers among C_k.
 
 Learning rate for FP(ψ): the spec's rule, base × 0.1 when the global head came from a Fed3R
-initialisation, × 0.1 again for OLL (:func:`oll_learning_rate`).
+initialisation, × 0.1 again for OLL (:func:`oll_learning_rate`). The spec itself calls the rule
+ambiguous (§7.8), and the right step size depends on the feature scale of the backbone and the
+image size (at 32 px the MobileNetV2 features are small and the rule's LR overshoots on
+two-class devices). :func:`choose_fp_lr` lets a device pick among candidate LRs on a
+validation part of its own training split, which needs no communication and no test labels.
 """
 
 from __future__ import annotations
@@ -157,3 +161,33 @@ def fp_recipe(base: LocalTraining | None = None, *, epochs: int = 25, batch_size
     """The spec's FP(ψ) recipe: 25 epochs, batch 64 (PFL), LR by :func:`oll_learning_rate`, T kept."""
     return replace(base or LocalTraining(), epochs=epochs, batch_size=batch_size,
                    lr=oll_learning_rate(base_lr, fed3r_init), seed=seed)
+
+
+def choose_fp_lr(weight: np.ndarray, bias: np.ndarray, features: np.ndarray, labels, recipe: LocalTraining,
+                 candidates, validation_fraction: float = 0.2, session=None) -> tuple[float, dict[float, float]]:
+    """Pick the FP(ψ) learning rate on a local validation split: (chosen lr, {lr: validation accuracy}).
+
+    The training rows are split (seeded by ``recipe.seed``) into a fitting part and a validation
+    part; the OLL head is fine-tuned on the fitting part with each candidate LR and scored on the
+    validation part. Ties go to the earlier candidate, so list the preferred one (the spec's
+    rule) first. With one candidate, or too few rows to hold any out, the first candidate is
+    returned without training.
+    """
+    candidates = [float(lr) for lr in candidates]
+    if not candidates or any(not np.isfinite(lr) or lr <= 0 for lr in candidates):
+        raise ValueError(f"candidate learning rates must be finite and > 0, got {candidates}")
+    if not 0 < validation_fraction < 1:
+        raise ValueError(f"validation_fraction must be in (0, 1), got {validation_fraction}")
+    labels = np.asarray(labels, dtype=np.int64)
+    n_val = int(round(validation_fraction * len(labels)))
+    if len(candidates) == 1 or n_val < 1 or len(labels) - n_val < 1:
+        return candidates[0], {}
+    order = np.random.default_rng(recipe.seed).permutation(len(labels))
+    val, fit = order[:n_val], order[n_val:]
+    scores: dict[float, float] = {}
+    for lr in candidates:
+        head = PersonalizedHead(weight, bias, labels, fallback="global")
+        head.fine_tune(features[fit], labels[fit], replace(recipe, lr=lr), session)
+        scores[lr] = head.score(features[val], labels[val]).accuracy
+    best = max(candidates, key=lambda lr: (scores[lr], -candidates.index(lr)))
+    return best, scores

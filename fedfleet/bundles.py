@@ -25,18 +25,32 @@ def bundle_dir(backbone: str, image_size: int, root: Path = DEFAULT_BUNDLE_ROOT)
 
 def ensure_bundle(backbone: str, image_size: int, root: Path = DEFAULT_BUNDLE_ROOT) -> Path:
     """The manifest of the feature-extractor bundle, exporting it first when missing."""
-    out = bundle_dir(backbone, image_size, root)
+    return _exported_once(bundle_dir(backbone, image_size, root), dict(
+        backbone=backbone, num_classes=10, image_size=image_size,
+        inference_runtimes=("executorch", "onnxruntime"), training=False))
+
+
+def ensure_training_bundle(backbone: str, image_size: int, num_classes: int,
+                           root: Path = DEFAULT_BUNDLE_ROOT) -> Path:
+    """The manifest of a bundle holding only the head's training program (C classes on the
+    backbone's features), exporting it first when missing. Devices train FedAvg(ψ) rounds with it."""
+    out = Path(root) / f"{bundle_dir(backbone, image_size, root).name}-head{num_classes}-training"
+    return _exported_once(out, dict(backbone=backbone, num_classes=num_classes, image_size=image_size,
+                                    inference_runtimes=(), training=True))
+
+
+def _exported_once(out: Path, export_args: dict) -> Path:
+    """``out``'s manifest; exported under a file lock when missing (one exporter at a time)."""
     manifest = out / "manifest.json"
     if manifest.exists():
         return manifest
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f".{out.name}.lock", "w") as lock:     # one exporter at a time
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not manifest.exists():
             from export import export_bundle
 
-            export_bundle(backbone, out, num_classes=10, image_size=image_size,
-                          inference_runtimes=("executorch", "onnxruntime"), training=False)
+            export_bundle(out_dir=out, **export_args)
     return manifest
 
 

@@ -21,11 +21,17 @@ def _simulate(args) -> int:
         return 0
     from .simulate import load_config, run
 
-    overrides = {"devices": args.devices, "broker": args.broker, "out_dir": args.out, "seed": args.seed,
+    overrides = {"ft_rounds": args.ft_rounds, "fp_epochs": args.fp_epochs,"devices": args.devices, "broker": args.broker, "out_dir": args.out, "seed": args.seed,
                  "image_size": args.image_size, "split": args.split, "alpha": args.alpha,
                  "runtime": args.runtime, "rf_dim": args.rf_dim, "workers": args.workers,
                  "secure": True if args.secure else None, "secure_graph": args.secure_graph}
-    report = run(load_config(args.config, overrides))
+    cfg = load_config(args.config, overrides)
+    if args.pipeline == "fed3r-ft-oll":
+        from .pipeline import run_pipeline
+
+        report = run_pipeline(cfg)
+        return 0 if report["phases"]["oll"].get("wma") else 1
+    report = run(cfg)
     return 0 if report.get("contributed") else 1
 
 
@@ -59,9 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--workers", type=int)
     s.add_argument("--secure", action="store_true", help="Fed3R-Sync: sum statistics under secure aggregation")
     s.add_argument("--secure-graph", choices=["complete", "regular"], help="SecAgg (complete) or SecAgg+ (regular)")
-    s.add_argument("--pipeline", choices=["fed3r", "ladd"], default="fed3r",
-                   help="fed3r: classification (Fed3R / Fed3R-Sync); ladd: segmentation on unlabelled devices "
-                        "(source-only vs FedAvg+self-training vs LADD)")
+    s.add_argument("--pipeline", choices=["fed3r", "fed3r-ft-oll", "ladd"], default="fed3r",
+                   help="fed3r: classification (Fed3R / Fed3R-Sync); fed3r-ft-oll: Fed3R, then FedAvg(ψ) "
+                        "fine-tuning from it, then OLL personalization on every device, with an HTML report; "
+                        "ladd: segmentation on unlabelled devices (source-only vs FedAvg+self-training vs LADD)")
+    s.add_argument("--ft-rounds", type=int, help="fed3r-ft-oll: FedAvg(ψ) fine-tuning rounds")
+    s.add_argument("--fp-epochs", type=int, help="fed3r-ft-oll: local FP(ψ) epochs after OLL (0: OLL only)")
     from .ladd_pipeline import add_ladd_arguments
 
     add_ladd_arguments(s)

@@ -11,8 +11,9 @@ from protocols.topics import Topics
 
 
 class StatusWatcher:
-    def __init__(self, broker_url: str, topics: Topics, total: int, quiet: bool = False, width: int = 30):
-        self.total, self.quiet, self.width = total, quiet, width
+    def __init__(self, broker_url: str, topics: Topics, total: int, quiet: bool = False, width: int = 30,
+                 job_id: str | None = None):
+        self.total, self.quiet, self.width, self.job_id = total, quiet, width, job_id
         self.last: dict = {}
         self.updates = threading.Event()
         self.link = MqttLink(f"watcher-{id(self):x}", BrokerConfig.from_url(broker_url), self._on_message,
@@ -21,9 +22,12 @@ class StatusWatcher:
 
     def _on_message(self, topic: str, payload: bytes) -> None:
         try:
-            self.last = decode(payload).body
+            body = decode(payload).body
         except EnvelopeError:
             return
+        if self.job_id is not None and body.get("job") != self.job_id:
+            return          # the retained status of an earlier job on the same broker
+        self.last = body
         self.updates.set()
         if not self.quiet:
             self._draw()

@@ -27,7 +27,7 @@ from protocols.topics import Topics
 
 from .emulation.broker import MosquittoBroker
 from .emulation.processes import stop_all
-from .emulation.partition import make_split
+from .emulation.partition import make_split, train_holdout_split
 from .emulation.profiles import sample_profiles
 from .progress import StatusWatcher
 
@@ -60,6 +60,7 @@ class SimConfig:
     slowdown: tuple[float, float] = (1.0, 3.0)
     bandwidth_bps: tuple[float, float] = (20e6, 200e6)
     availability_fraction: float = 1.0
+    holdout_fraction: float = 0.2           # of each device's data, kept as its local held-out split
     out_dir: str = "runs/latest"
     cache_dir: str = ".cache/features"
     timeout_s: float = 1800.0
@@ -67,13 +68,19 @@ class SimConfig:
     secure: bool = False                    # Fed3R-Sync: statistics summed under secure aggregation
     secure_graph: str = "complete"          # complete (SecAgg) | regular (SecAgg+)
     phase_timeout_s: float = 60.0
+    # --pipeline fed3r-ft-oll: FedAvg(ψ) fine-tuning from the Fed3R head, then OLL on every device
+    ft_rounds: int = 30
+    ft_client_lr: float = 0.001             # base local LR; devices get × 0.1 after the Fed3R init (spec §1.8)
+    ft_server_momentum: float = 0.0         # > 0: FedAvgM
+    fp_epochs: int = 25                     # FP(ψ) local epochs after OLL (0: OLL only)
+    fp_lrs: tuple[float, ...] = (1e-3, 1e-4)   # candidates; each device picks one on a local validation split
 
 
 PRESETS = {
     "demo": SimConfig(),
     "smoke": SimConfig(devices=20, runtime="eager", train_limit=3000, test_limit=600, image_size=32, clients_per_round=5,
                        round_timeout_s=30, dropout_prob=0.1, slowdown=(1.0, 1.5), out_dir="runs/smoke",
-                       retry_after_s=3.0, phase_timeout_s=10.0),
+                       retry_after_s=3.0, phase_timeout_s=10.0, ft_rounds=5, fp_epochs=5),
 }
 
 
@@ -101,27 +108,124 @@ def _load(cfg: SimConfig):
     return Xtr, ytr, train_idx, Xte[test_idx], yte[test_idx]
 
 
-def run(cfg: SimConfig, quiet: bool = False) -> dict:
-    from fedfleet.bundles import make_extractor
+class EmulatedFleet:
+    """The long-lived part of a simulation: a broker and W worker processes hosting the devices.
+
+    Jobs come and go (:meth:`run_job` starts one aggregator process per job and waits for it);
+    the devices stay connected across jobs, as a real fleet outlives any one training job. The
+    workers write their per-device statistics when the fleet stops (:attr:`worker_stats`).
+    """
+
+    def __init__(self, cfg: SimConfig, out: Path, profiles, secure: dict | None, quiet: bool,
+                 holdout_file: Path | None = None, training_manifest: Path | None = None):
+        self.cfg, self.out, self.profiles, self.secure, self.quiet = cfg, out, profiles, secure, quiet
+        self.holdout_file, self.training_manifest = holdout_file, training_manifest
+        self.broker = None
+        self.workers: list[subprocess.Popen] = []
+        self.worker_stats: list[dict] = []
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+
+    def __enter__(self) -> "EmulatedFleet":
+        cfg, out = self.cfg, self.out
+        self.broker = None if cfg.broker else MosquittoBroker().start()
+        self.broker_url = cfg.broker or self.broker.url
+        try:
+            self.n_workers = max(1, min(cfg.workers, cfg.devices))
+            threads = max(1, (os.cpu_count() or 1) // self.n_workers)
+            for w in range(self.n_workers):
+                mine = [{"index": i, "profile": p.to_dict()} for i, p in enumerate(self.profiles)
+                        if i % self.n_workers == w]
+                spec = {"dataset": cfg.dataset, "data_root": cfg.data_root, "shards_file": str(out / "shards.npz"),
+                        "holdout_file": str(self.holdout_file) if self.holdout_file else None,
+                        "training_manifest": str(self.training_manifest) if self.training_manifest else None,
+                        "broker": self.broker_url, "topic_root": cfg.topic_root, "devices": mine, "seed": cfg.seed,
+                        "cache_dir": cfg.cache_dir, "runtime": cfg.runtime, "threads": threads,
+                        "retry_after_s": cfg.retry_after_s, "stats_file": str(out / f"worker{w}.json"),
+                        "secure": None if self.secure is None else {
+                            "aggregator_public_key": self.secure["aggregator_public_key"],
+                            "device_keys": {d["profile"]["device_id"]: self.secure["device_keys"][d["profile"]["device_id"]]
+                                            for d in mine}}}
+                (out / f"worker{w}.spec.json").write_text(json.dumps(spec))
+                self.workers.append(subprocess.Popen([sys.executable, "-m", "fedfleet.emulation.worker",
+                                                      str(out / f"worker{w}.spec.json")], env=self.env,
+                                                     stdout=open(out / f"worker{w}.log", "w"), stderr=subprocess.STDOUT))
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def run_job(self, kind: str, job: dict, job_dir: Path, eval_features: Path, progress_total: int) -> dict:
+        """Run one job to its end with a fresh aggregator process; its results.json as a dict."""
+        cfg = self.cfg
+        job_dir.mkdir(parents=True, exist_ok=True)
+        (job_dir / "job.json").write_text(json.dumps(job, indent=1))
+        watcher = StatusWatcher(self.broker_url, Topics(cfg.topic_root), total=progress_total, quiet=self.quiet,
+                                job_id=job["job_id"])
+        log_file = job_dir / "aggregator.log"
+        agg = subprocess.Popen([sys.executable, "-m", "aggregator", "serve", "--config", str(job_dir / "job.json"),
+                                "--kind", kind, "--broker", self.broker_url, "--topic-root", cfg.topic_root,
+                                "--out", str(job_dir), "--eval-features", str(eval_features),
+                                "--enrolled", str(self.out / "enrolled.txt"), "--timeout", str(cfg.timeout_s)],
+                               env=self.env, stdout=open(log_file, "w"), stderr=subprocess.STDOUT)
+        try:
+            rc = agg.wait(timeout=cfg.timeout_s + 60)
+        except subprocess.TimeoutExpired:
+            rc = -1
+        finally:
+            watcher.close()
+            stop_all([agg], first_is_done=False)
+        if rc != 0 or not (job_dir / "results.json").exists():
+            raise RuntimeError(f"{kind} aggregator failed (exit {rc}); log tail:\n{log_file.read_text()[-3000:]}")
+        return json.loads((job_dir / "results.json").read_text())
+
+    def __exit__(self, *exc) -> None:
+        stop_all(self.workers, first_is_done=False)
+        if self.broker:
+            self.broker.stop()
+        self.worker_stats = [json.loads((self.out / f"worker{w}.json").read_text())
+                             for w in range(len(self.workers)) if (self.out / f"worker{w}.json").exists()]
+
+
+@dataclass
+class Prepared:
+    """What every simulation starts from: data, the split into device shards, the evaluation features."""
+
+    out: Path
+    Xtr: np.ndarray
+    ytr: np.ndarray
+    Xte: np.ndarray
+    yte: np.ndarray
+    Zte: np.ndarray
+    shards: dict[str, np.ndarray]           # device -> training indices
+    holdouts: dict[str, np.ndarray]         # device -> local held-out indices (empty without a holdout)
+    profiles: list
+    extractor: object
+    fed3r_job: dict
+
+
+def prepare(cfg: SimConfig, say) -> Prepared:
     from edge_client.models import weights_sha256
+    from fedfleet.bundles import make_extractor
 
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
-    t_start = time.monotonic()
-
     Xtr, ytr, train_idx, Xte, yte = _load(cfg)
     parts = make_split(cfg.split, ytr[train_idx], cfg.devices, cfg.seed,
                        **({"alpha": cfg.alpha} if cfg.split == "dirichlet" else
                           {"k": cfg.classes_per_device} if cfg.split == "classes" else {}))
     profiles = sample_profiles(cfg.devices, cfg.seed, slowdown=cfg.slowdown, bandwidth_bps=cfg.bandwidth_bps,
                                dropout_prob=cfg.dropout_prob, availability_fraction=cfg.availability_fraction)
-    shards = {p.device_id: train_idx[part] for p, part in zip(profiles, parts)}
+    shards, holdouts = {}, {}
+    for k, (p, part) in enumerate(zip(profiles, parts)):
+        train, held = train_holdout_split(train_idx[part], cfg.holdout_fraction, cfg.seed * 1000 + k)
+        shards[p.device_id], holdouts[p.device_id] = train, held
     np.savez(out / "shards.npz", **shards)
+    np.savez(out / "holdout.npz", **holdouts)
     (out / "enrolled.txt").write_text("\n".join(shards) + "\n")
     say(f"fedfleet simulate: {cfg.devices} devices, {len(train_idx)} training images ({cfg.split}"
-        f"{f' α={cfg.alpha}' if cfg.split == 'dirichlet' else ''}), {len(yte)} test images, "
-        f"{cfg.backbone}@{cfg.image_size}px")
+        f"{f' α={cfg.alpha}' if cfg.split == 'dirichlet' else ''}"
+        f"{f', {cfg.holdout_fraction:.0%} of each device held out for personalization' if cfg.holdout_fraction else ''}"
+        f"), {len(yte)} test images, {cfg.backbone}@{cfg.image_size}px")
 
     # held-out evaluation features (the aggregator evaluates on features, never on raw images)
     extractor = make_extractor(cfg.backbone, cfg.image_size, cfg.cache_dir, cfg.runtime,
@@ -130,7 +234,6 @@ def run(cfg: SimConfig, quiet: bool = False) -> dict:
     Zte = extractor.extract(Xte)
     np.savez(out / "eval_features.npz", Z=Zte, y=yte)
     say(f"  evaluation features: {Zte.shape} in {time.monotonic() - t0:.1f}s")
-
     job = {"job_id": "fed3r-sim", "num_classes": 10, "backbone": cfg.backbone, "image_size": cfg.image_size,
            "weights_sha256": weights_sha256(cfg.backbone), "feature_dim": int(Zte.shape[1]), "lam": cfg.lam,
            "random_features": ({"seed": cfg.seed + 1, "dim": cfg.rf_dim, "sigma": cfg.rf_sigma}
@@ -138,58 +241,24 @@ def run(cfg: SimConfig, quiet: bool = False) -> dict:
            "clients_per_round": cfg.clients_per_round, "round_timeout_s": cfg.round_timeout_s,
            "max_attempts": cfg.max_attempts, "b_format": cfg.b_format, "expected_devices": cfg.devices,
            "start_timeout_s": 60.0, "seed": cfg.seed}
-    secure = None
-    if cfg.secure:
-        job_fields, secure = _secure_setup(cfg, out, [p.device_id for p in profiles],
-                                           max(len(s) for s in shards.values()))
-        job.update(job_fields)
-    (out / "job.json").write_text(json.dumps(job, indent=1))
+    return Prepared(out, Xtr, ytr, Xte, yte, Zte, shards, holdouts, profiles, extractor, job)
 
-    broker = None if cfg.broker else MosquittoBroker().start()
-    broker_url = cfg.broker or broker.url
-    procs: list[subprocess.Popen] = []
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    try:
-        watcher = StatusWatcher(broker_url, Topics(cfg.topic_root), total=cfg.devices, quiet=quiet)
-        agg = subprocess.Popen([sys.executable, "-m", "aggregator", "serve", "--config", str(out / "job.json"),
-                                "--kind", "fed3r-sync" if cfg.secure else "fed3r",
-                                "--broker", broker_url, "--topic-root", cfg.topic_root, "--out", str(out),
-                                "--eval-features", str(out / "eval_features.npz"),
-                                "--enrolled", str(out / "enrolled.txt"), "--timeout", str(cfg.timeout_s)],
-                               env=env, stdout=open(out / "aggregator.log", "w"), stderr=subprocess.STDOUT)
-        procs.append(agg)
-        n_workers = max(1, min(cfg.workers, cfg.devices))
-        threads = max(1, (os.cpu_count() or 1) // n_workers)
-        for w in range(n_workers):
-            mine = [{"index": i, "profile": p.to_dict()} for i, p in enumerate(profiles) if i % n_workers == w]
-            spec = {"dataset": cfg.dataset, "data_root": cfg.data_root, "shards_file": str(out / "shards.npz"),
-                    "broker": broker_url, "topic_root": cfg.topic_root, "devices": mine, "seed": cfg.seed,
-                    "cache_dir": cfg.cache_dir, "runtime": cfg.runtime, "threads": threads,
-                    "retry_after_s": cfg.retry_after_s, "stats_file": str(out / f"worker{w}.json"),
-                    "secure": None if secure is None else {
-                        "aggregator_public_key": secure["aggregator_public_key"],
-                        "device_keys": {d["profile"]["device_id"]: secure["device_keys"][d["profile"]["device_id"]]
-                                        for d in mine}}}
-            (out / f"worker{w}.spec.json").write_text(json.dumps(spec))
-            procs.append(subprocess.Popen([sys.executable, "-m", "fedfleet.emulation.worker",
-                                           str(out / f"worker{w}.spec.json")], env=env,
-                                          stdout=open(out / f"worker{w}.log", "w"), stderr=subprocess.STDOUT))
-        try:
-            rc = agg.wait(timeout=cfg.timeout_s + 60)
-        except subprocess.TimeoutExpired:
-            rc = -1
-        watcher.close()
-    finally:
-        stop_all(procs)
-        if broker:
-            broker.stop()
-    if rc != 0 or not (out / "results.json").exists():
-        tail = (out / "aggregator.log").read_text()[-3000:]
-        raise RuntimeError(f"aggregator failed (exit {rc}); log tail:\n{tail}")
-    results = json.loads((out / "results.json").read_text())
-    workers = [json.loads((out / f"worker{w}.json").read_text()) for w in range(n_workers)
-               if (out / f"worker{w}.json").exists()]
-    report = _report(cfg, results, workers, shards, Xtr, ytr, Zte, yte, extractor)
+
+def run(cfg: SimConfig, quiet: bool = False) -> dict:
+    """One Fed3R (or, with ``cfg.secure``, Fed3R-Sync) job on the emulated fleet, checked against
+    the centralized ridge solution on the same devices' data."""
+    say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
+    t_start = time.monotonic()
+    prep = prepare(cfg, say)
+    out, job, secure = prep.out, dict(prep.fed3r_job), None
+    if cfg.secure:
+        job_fields, secure = _secure_setup(cfg, out, [p.device_id for p in prep.profiles],
+                                           max(len(s) for s in prep.shards.values()))
+        job.update(job_fields)
+    with EmulatedFleet(cfg, out, prep.profiles, secure, quiet) as fleet:
+        results = fleet.run_job("fed3r-sync" if cfg.secure else "fed3r", job, out, out / "eval_features.npz",
+                                cfg.devices)
+    report = _report(cfg, results, fleet.worker_stats, prep)
     report["wall_s"] = time.monotonic() - t_start
     (out / "report.json").write_text(json.dumps(report, indent=1))
     say(format_report(report))
@@ -213,16 +282,17 @@ def _secure_setup(cfg: SimConfig, out: Path, device_ids: list[str], max_samples:
     return job_fields, for_workers
 
 
-def _report(cfg, results, workers, shards, Xtr, ytr, Zte, yte, extractor) -> dict:
+def _report(cfg, results, workers, prep: Prepared, job_dir: Path | None = None) -> dict:
     from sklearn.linear_model import Ridge
 
+    shards, Xtr, ytr, Zte, yte, extractor = prep.shards, prep.Xtr, prep.ytr, prep.Zte, prep.yte, prep.extractor
     contributed = sorted(results["contributed"])
     # The devices cached their features per shard, so the reference reads them shard by shard
     # (stacking the whole set first would be a different cache key and a full re-extraction).
     Z = (np.concatenate([extractor.extract(Xtr[shards[d]]) for d in contributed]) if contributed
          else np.zeros((0, Zte.shape[1])))
     y = np.concatenate([ytr[shards[d]] for d in contributed]) if contributed else np.array([], dtype=int)
-    fed = np.load(Path(cfg.out_dir) / "model.npz")
+    fed = np.load((job_dir or prep.out) / "model.npz")
     report = {"config": dataclasses.asdict(cfg), "devices": cfg.devices, "contributed": len(contributed),
               "rounds": len(results["rounds"]), "bytes_up": results["bytes_in"], "bytes_down": results["bytes_out"],
               "rejections": results["rejections"], "late": results["late"], "duplicates": results["duplicates"],

@@ -16,6 +16,8 @@ import numpy as np
 from .chunking import split
 from .envelope import Envelope, encode
 from .payloads.fed3r import encode_stats
+from .payloads.fedavg import encode_head_update, head_tensors
+from .payloads.personalize import PersonalizationReport, encode_report
 
 _TS = 1767225600.0  # 2026-01-01T00:00:00Z
 
@@ -40,6 +42,26 @@ def golden_messages() -> dict[str, bytes]:
                                           id="22" * 16, ts=_TS + 6))
     out["presence_online"] = encode(Envelope("presence", "dev0001", {"state": "online", "info": {"kinds": ["fed3r.stats"]}},
                                              id="33" * 16, ts=_TS))
+    # fedavg.head: a (3 classes, 2 features) head out and back; oll.personalize: counts only
+    head = head_tensors(np.array([[0.5, -1.0], [0.25, 2.0], [-0.75, 0.0]]), np.array([0.125, -0.5, 0.0]))
+    recipe = {"num_classes": 3, "feature_dim": 2, "backbone": "mobilenet_v2", "image_size": 64, "weights_sha256": "",
+              "epochs": 1, "batch_size": 50, "lr": 0.01, "weight_decay": 4e-5, "temperature": 0.1, "seed": 7}
+    out["task_fedavg_head"] = encode(Envelope("task", "aggregator", id="66" * 16, ts=_TS, tensors=head,
+                                              body={"job": "ft-demo", "round": 2, "kind": "fedavg.head",
+                                                    "deadline": _TS + 120, "params": recipe}))
+    head_body, head_update = encode_head_update(head["weight"] * 0.5, head["bias"] + 0.25, 40)
+    head_body.update({"job": "ft-demo", "round": 2, "task": "66" * 16, "kind": "fedavg.head"})
+    out["result_fedavg_head"] = encode(Envelope("result", "dev0001", body=head_body, tensors=head_update,
+                                                id="77" * 16, ts=_TS + 5))
+    params = {"num_classes": 3, "feature_dim": 2, "backbone": "mobilenet_v2", "image_size": 64, "weights_sha256": "",
+              "fallback": "global", "fp_epochs": 25, "batch_size": 64, "fp_lrs": [0.001, 0.0001],
+              "fp_validation_fraction": 0.2, "weight_decay": 4e-5, "temperature": 0.1, "seed": 0}
+    out["task_oll_personalize"] = encode(Envelope("task", "aggregator", id="88" * 16, ts=_TS, tensors=head,
+                                                  body={"job": "oll-demo", "round": 1, "kind": "oll.personalize",
+                                                        "deadline": _TS + 120, "params": params}))
+    report, _ = encode_report(PersonalizationReport(80, 20, 2, {"global": 12, "oll": 17, "oll_fp": 19}, 0, 0.001))
+    report.update({"job": "oll-demo", "round": 1, "task": "88" * 16, "kind": "oll.personalize"})
+    out["result_oll_personalize"] = encode(Envelope("result", "dev0001", body=report, id="99" * 16, ts=_TS + 9))
     # A chunked message: 3 chunks of 160 bytes max; chunk ids are derived, not random, here.
     big = Envelope("result", "dev0001", body=body, tensors=tensors, id="44" * 16, ts=_TS + 7)
     data = encode(big)

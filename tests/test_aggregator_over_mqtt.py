@@ -170,7 +170,7 @@ def test_a_failing_protocol_handler_declines_and_the_agent_lives_on(broker):
     class Flaky:
         calls = 0
 
-        def on_task(self, job, round_, params):
+        def on_task(self, job, round_, params, tensors):
             Flaky.calls += 1
             if Flaky.calls == 1:
                 raise ValueError("features contain NaN")

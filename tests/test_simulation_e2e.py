@@ -24,3 +24,51 @@ def test_smoke_simulation_matches_centralized_ridge(tmp_path, secure):
     # provisional classifiers: one evaluation per contribution, contributions strictly increasing
     counts = [h["contributions"] for h in results["history"]]
     assert counts == sorted(counts) and counts[-1] == 20
+
+
+@pytest.mark.slow
+def test_fed3r_ft_oll_pipeline_reports_what_the_devices_data_gives(tmp_path):
+    """The three-phase pipeline over mosquitto; the personalised WMA the aggregator reports is
+    recomputed here from the final head and each reporting device's held-out images."""
+    import numpy as np
+
+    from edge_client.data import load_fashion_mnist
+    from fedfleet.bundles import make_extractor
+    from fedfleet.pipeline import run_pipeline
+
+    cfg = dataclasses.replace(PRESETS["smoke"], out_dir=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache"),
+                              ft_rounds=3, fp_epochs=3)
+    report = run_pipeline(cfg, quiet=True)
+    out = tmp_path / "run"
+    fed3r, ft, oll = (report["phases"][p] for p in ("fed3r", "fedavg-ft", "oll"))
+    assert fed3r["rel_weight_error"] <= 1e-9 and fed3r["accuracy"] == pytest.approx(fed3r["central_accuracy"], abs=1e-4)
+    assert ft["rounds"] == 3 and ft["bytes_up"] > 0 and ft["device"]["tasks"] >= ft["contributions"] > 0
+    assert oll["bytes_up_per_device"] < ft["bytes_up_per_device"]          # counts only, no tensors
+    # independent recomputation of the global head's and OLL's WMA over the devices that reported
+    head = np.load(out / "2-fedavg-ft" / "model.npz")
+    W, b = head["weight"], head["bias"]
+    reported = json.loads((out / "3-oll" / "results.json").read_text())["contributed"]
+    assert len(reported) >= 15
+    shards, holdouts = np.load(out / "shards.npz"), np.load(out / "holdout.npz")
+    images, labels = load_fashion_mnist("train")
+    extractor = make_extractor(cfg.backbone, cfg.image_size, cfg.cache_dir, cfg.runtime)
+    correct = {"global": 0, "oll": 0}
+    total = 0
+    for dev in reported:
+        f = extractor.extract(images[holdouts[dev]])
+        y = labels[holdouts[dev]]
+        logits = f @ W.T + b
+        correct["global"] += int((logits.argmax(1) == y).sum())
+        local = np.unique(labels[shards[dev]])
+        inside = np.isin(y, local)
+        masked = np.full_like(logits, -np.inf)
+        masked[:, local] = logits[:, local]
+        correct["oll"] += int((masked.argmax(1) == y)[inside].sum() + (logits.argmax(1) == y)[~inside].sum())
+        total += len(y)
+    assert oll["test_samples"] == total
+    assert oll["wma"]["global"] == pytest.approx(correct["global"] / total, abs=1e-12)
+    assert oll["wma"]["oll"] == pytest.approx(correct["oll"] / total, abs=1e-12)
+    assert oll["wma"]["oll"] > oll["wma"]["global"]                     # Dirichlet 0.1: OLL must help
+    page = (out / "report.html").read_text()
+    assert f"{oll['wma']['oll_fp']:.4f}" in page and "data:image/png;base64," in page
+    assert (out / "report.png").stat().st_size > 5000

@@ -19,6 +19,7 @@ from protocols.payloads.fed3r import KIND, Fed3RStats, parse_stats
 from protocols.rounds import RoundClosed
 
 from ..strategies.fed3r import Fed3R
+from .scheduling import OncePerDevice
 
 
 @dataclass
@@ -57,7 +58,7 @@ class Fed3RConfig:
 
 
 @dataclass
-class Fed3RJob:
+class Fed3RJob(OncePerDevice):
     config: Fed3RConfig
     strategy: Fed3R = None
     contributed: dict[str, int] = field(default_factory=dict)      # device -> n samples
@@ -71,21 +72,6 @@ class Fed3RJob:
             c = self.config
             self.strategy = Fed3R(c.num_classes, c.p, c.lam, c.fit_intercept, c.normalize_columns)
         self._rng = random.Random(self.config.seed)
-
-    def eligible(self, online: set[str]) -> list[str]:
-        return sorted(d for d in online
-                      if d not in self.contributed and self.attempts.get(d, 0) < self.config.max_attempts)
-
-    def next_participants(self, online: set[str]) -> list[str]:
-        """Seeded sample of up to κ eligible devices; [] when nobody is left to ask."""
-        pool = self.eligible(online)
-        k = min(self.config.clients_per_round, len(pool))
-        chosen = sorted(self._rng.sample(pool, k)) if k else []
-        if chosen:
-            self.round += 1
-            for d in chosen:
-                self.attempts[d] = self.attempts.get(d, 0) + 1
-        return chosen
 
     @property
     def contributions(self) -> int:
@@ -116,10 +102,6 @@ class Fed3RJob:
         self.strategy.add(stats)
         self.contributed[device] = stats.n
 
-    def finished(self, online: set[str], known: set[str]) -> bool:
-        """Done when no known device can still contribute (all did, or exhausted their attempts)."""
-        return not self.eligible(known | online)
-
     def evaluate(self, features: np.ndarray | None, labels: np.ndarray | None) -> dict:
         model = self.strategy.solve()
         out = {"round": self.round, "contributions": self.contributions,
@@ -133,17 +115,6 @@ class Fed3RJob:
 
     def model(self):
         return self.strategy.solve()
-
-    def bookkeeping(self) -> dict:
-        """JSON-able scheduling state (round, attempts, sampler), so a restarted service resumes it."""
-        version, internal, gauss = self._rng.getstate()
-        return {"round": self.round, "attempts": dict(self.attempts), "rng": [version, list(internal), gauss]}
-
-    def restore_bookkeeping(self, state: dict) -> None:
-        self.round = int(state["round"])
-        self.attempts = {device: int(n) for device, n in state["attempts"].items()}
-        version, internal, gauss = state["rng"]
-        self._rng.setstate((version, tuple(internal), gauss))
 
 
 _RF_CACHE: dict = {}

@@ -194,19 +194,23 @@ class FedAvgJob:
         self.contributed[device] = self.contributed.get(device, 0) + 1
         self.samples += payload.update.n
 
-    def close_round(self, closed: RoundClosed) -> None:
-        if not self._open or closed.round != self.round:
-            return
+    def round_mean(self) -> tuple[dict[str, np.ndarray] | None, int, int]:
+        """(Σ n_k θ_k / Σ n_k or None, updates, Σ n_k) of the round being closed."""
         # Averaged in device-id order, so the result depends on which updates arrived, never on
         # their arrival order (a restarted aggregator reproduces the model bit for bit).
         mean = WeightedMean()
         for device in sorted(self._updates):
             tensors, n = self._updates[device]
             mean.add(tensors, n)
-        updates = mean.count
-        if updates:
-            self.params = self.strategy.step(self.params, mean.result())
-        self.round_log.append({"round": self.round, "updates": updates, "samples": mean.total_weight,
+        return (mean.result() if mean.count else None), mean.count, mean.total_weight
+
+    def close_round(self, closed: RoundClosed) -> None:
+        if not self._open or closed.round != self.round:
+            return
+        mean, updates, samples = self.round_mean()
+        if mean is not None:
+            self.params = self.strategy.step(self.params, mean)
+        self.round_log.append({"round": self.round, "updates": updates, "samples": samples,
                                "dropped": len(closed.dropped), "declined": len(closed.declined),
                                "rejected": len(closed.rejected)})
         self._open = False

@@ -25,9 +25,16 @@ import numpy as np
 from edge_client.agent import AgentHooks, DeviceAgent, DroppedOut
 from edge_client.data import load_fashion_mnist
 from edge_client.tasks.fed3r_stats import Fed3RStatsTask
+from edge_client.tasks.head_training import HeadTrainingTask
+from edge_client.tasks.personalization import PersonalizeTask
 from edge_client.tasks.secure_fed3r import SecureFed3R
+from edge_client.tasks.secure_head_training import SecureHeadTraining
+from edge_client.tasks.secure_update import SecAggSessions
+from protocols.payloads.fed3r import KIND as FED3R_KIND
+from protocols.payloads.fedavg import KIND as FEDAVG_KIND
+from protocols.payloads.personalize import KIND as PERSONALIZE_KIND
 from protocols.identity import DeviceIdentity
-from protocols.payloads.secagg import SECAGG_TYPE, SYNC_KIND
+from protocols.payloads.secagg import SECAGG_TYPE, SECURE_FEDAVG_KIND, SYNC_KIND
 from protocols.mqtt_link import BrokerConfig
 from protocols.topics import Topics
 
@@ -87,9 +94,22 @@ def load_dataset(name: str, root: str | None):
     raise ValueError(f"unknown dataset {name!r}")
 
 
+def device_handlers(images: np.ndarray, labels: np.ndarray, train_idx: np.ndarray, holdout_idx: np.ndarray | None,
+                    extractors: SharedExtractors, training_manifest: str | None) -> dict:
+    """One device's task handlers: Fed3R statistics and FedAvg head training on its training
+    split; with a held-out split also OLL personalization (evaluated on the held-out split)."""
+    handlers = {FED3R_KIND: Fed3RStatsTask(images[train_idx], labels[train_idx], extractors),
+                FEDAVG_KIND: HeadTrainingTask(images[train_idx], labels[train_idx], extractors, training_manifest)}
+    if holdout_idx is not None and len(holdout_idx):
+        handlers[PERSONALIZE_KIND] = PersonalizeTask(images[train_idx], labels[train_idx], images[holdout_idx],
+                                                     labels[holdout_idx], extractors)
+    return handlers
+
+
 def run(spec: dict) -> None:
     images, labels = load_dataset(spec["dataset"], spec.get("data_root"))
     shards = np.load(spec["shards_file"])
+    holdouts = np.load(spec["holdout_file"]) if spec.get("holdout_file") else None
     broker = BrokerConfig.from_url(spec["broker"])
     topics = Topics(spec.get("topic_root", "fedfleet"))
     extractors = SharedExtractors(spec.get("cache_dir"), spec.get("runtime", "eager"), spec.get("threads", 1))
@@ -98,16 +118,21 @@ def run(spec: dict) -> None:
     agents = []
     for dev in spec["devices"]:
         profile = DeviceProfile.from_dict(dev["profile"])
-        idx = shards[profile.device_id]
-        handler = Fed3RStatsTask(images[idx], labels[idx], extractors)
+        handlers = device_handlers(images, labels, shards[profile.device_id],
+                                   holdouts[profile.device_id] if holdouts is not None else None,
+                                   extractors, spec.get("training_manifest"))
         rng = np.random.default_rng([spec.get("seed", 0), int(dev["index"])])
         protocol_handlers = {}
         if secure:
             identity = DeviceIdentity.from_private_bytes(profile.device_id,
                                                          bytes.fromhex(secure["device_keys"][profile.device_id]))
-            sync = SecureFed3R(identity, bytes.fromhex(secure["aggregator_public_key"]), handler)
-            protocol_handlers = {SYNC_KIND: sync, SECAGG_TYPE: sync}
-        agent = DeviceAgent(profile.device_id, broker, {"fed3r.stats": handler}, topics,
+            aggregator_key = bytes.fromhex(secure["aggregator_public_key"])
+            sessions = SecAggSessions(profile.device_id)
+            protocol_handlers = {
+                SYNC_KIND: SecureFed3R(identity, aggregator_key, handlers[FED3R_KIND], sessions),
+                SECURE_FEDAVG_KIND: SecureHeadTraining(identity, aggregator_key, handlers[FEDAVG_KIND], sessions),
+                SECAGG_TYPE: sessions}
+        agent = DeviceAgent(profile.device_id, broker, handlers, topics,
                             hooks=profile_hooks(profile, t0, rng), retry_after_s=spec.get("retry_after_s", 10.0),
                             protocol_handlers=protocol_handlers)
         agents.append(agent.start())
@@ -120,7 +145,8 @@ def run(spec: dict) -> None:
               "tasks_done": sum(a.stats.tasks_done for a in agents),
               "dropouts": sum(a.stats.dropouts for a in agents),
               "per_device": {a.device_id: {"bytes_up": a.stats.bytes_up, "compute_s": a.stats.compute_s,
-                                           "tasks_done": a.stats.tasks_done, "dropouts": a.stats.dropouts}
+                                           "tasks_done": a.stats.tasks_done, "dropouts": a.stats.dropouts,
+                                           "by_kind": a.stats.by_kind}
                              for a in agents}}
     for a in agents:
         a.stop()

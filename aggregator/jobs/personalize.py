@@ -1,0 +1,168 @@
+"""A personalization job: push the global head to every device, collect held-out accuracy counts.
+
+The last phase of the Fed3R → FedAvg-FT → OLL pipeline ([P] Algorithm 2, Fed3R spec §2). Each
+device is asked once (``OncePerDevice``; a device that drops out is asked again, up to
+``max_attempts``) to personalise the global head with OLL, optionally fine-tune it locally
+(FP(ψ)), and report how many of its held-out samples the global head, the OLL head and the
+OLL+FP head get right (``protocols.payloads.personalize``). The personalised heads stay on the
+devices; the aggregator only learns counts, and reports the sample-weighted mean accuracy
+WMA = Σ_k correct_k / Σ_k n_k of each method over the devices that answered.
+
+The global head comes from a finished job's ``model.npz``: a FedAvg job's (``weight``,
+``bias``) or a Fed3R job's normalised classifier (``coef``, ``intercept``).
+
+FP(ψ) learning rate: the spec's rule gives 0.1 (base) × 0.1 (Fed3R init) × 0.1 (OLL) = 1e-3,
+which the spec itself calls ambiguous (§7.8). The job offers the devices candidate rates
+(``fp_lrs``, the rule's first); each device picks one on a validation part of its own training
+split (``edge_client.oll.choose_fp_lr``). A single candidate means "use exactly this rate".
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from protocols.envelope import Envelope
+from protocols.payloads.fedavg import head_tensors
+from protocols.payloads.personalize import FALLBACKS, KIND, METHODS, PersonalizationReport, parse_report
+from protocols.rounds import RoundClosed
+
+from ..evaluation import head_accuracy, weighted_mean_accuracy
+from .scheduling import OncePerDevice
+
+
+@dataclass
+class PersonalizeConfig:
+    job_id: str = "personalize"
+    num_classes: int = 10
+    backbone: str = "mobilenet_v2"
+    image_size: int = 64
+    weights_sha256: str = ""
+    feature_dim: int = 1280
+    head_file: str = ""                  # model.npz of a finished FedAvg (weight, bias) or Fed3R (coef, intercept) job
+    fallback: str = "global"             # held-out labels outside the local training labels: "error" | "global"
+    fp_epochs: int = 25                  # FP(ψ) local epochs; 0: OLL only
+    batch_size: int = 64
+    fp_lrs: list[float] = field(default_factory=lambda: [1e-3, 1e-4])
+    fp_validation_fraction: float = 0.2
+    weight_decay: float = 4e-5
+    temperature: float = 0.1
+    clients_per_round: int = 10
+    round_timeout_s: float = 120.0
+    max_attempts: int = 3
+    expected_devices: int = 0
+    start_timeout_s: float = 60.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.fallback not in FALLBACKS:
+            raise ValueError(f"fallback must be one of {FALLBACKS}, got {self.fallback!r}")
+        if self.fp_epochs < 0:
+            raise ValueError("fp_epochs must be >= 0")
+        if self.fp_epochs and (not self.fp_lrs or any(isinstance(lr, bool) or not isinstance(lr, (int, float))
+                                                      or not np.isfinite(lr) or lr <= 0 for lr in self.fp_lrs)):
+            raise ValueError(f"fp_lrs must be finite positive learning rates, got {self.fp_lrs}")
+        if not 0 < self.fp_validation_fraction < 1:
+            raise ValueError("fp_validation_fraction must be in (0, 1)")
+        if self.clients_per_round < 1 or self.max_attempts < 1:
+            raise ValueError("clients_per_round and max_attempts must be >= 1")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def load_head(path: str) -> dict[str, np.ndarray]:
+    """The global head of a finished job's model.npz (FedAvg: weight/bias; Fed3R: coef/intercept)."""
+    with np.load(path) as model:
+        for w, b in (("weight", "bias"), ("coef", "intercept")):
+            if w in model.files and b in model.files:
+                return head_tensors(model[w], model[b])
+        raise ValueError(f"{path}: no head in it (expected weight/bias or coef/intercept, found {model.files})")
+
+
+@dataclass
+class PersonalizeJob(OncePerDevice):
+    config: PersonalizeConfig
+    head: dict[str, np.ndarray] | None = None
+    contributed: dict[str, dict] = field(default_factory=dict)      # device -> its report (JSON-able)
+    attempts: dict[str, int] = field(default_factory=dict)
+    round: int = 0
+    kind: str = KIND
+    order_free = True    # the summary depends only on which reports arrived
+
+    def __post_init__(self):
+        c = self.config
+        if self.head is None:
+            if not c.head_file:
+                raise ValueError("a personalization job needs head_file (a finished job's model.npz) or a head")
+            self.head = load_head(c.head_file)
+        self.head = head_tensors(self.head["weight"], self.head["bias"])
+        if self.head["weight"].shape != (c.num_classes, c.feature_dim):
+            raise ValueError(f"head is {self.head['weight'].shape}, job is ({c.num_classes}, {c.feature_dim})")
+        if not all(np.isfinite(t).all() for t in self.head.values()):
+            raise ValueError("the global head contains NaN or Inf")
+        self._rng = random.Random(c.seed)
+
+    @property
+    def contributions(self) -> int:
+        return len(self.contributed)
+
+    def task_for(self, device: str) -> tuple[dict, dict[str, np.ndarray]]:
+        c = self.config
+        params = {"num_classes": c.num_classes, "feature_dim": c.feature_dim, "backbone": c.backbone,
+                  "image_size": c.image_size, "weights_sha256": c.weights_sha256, "fallback": c.fallback,
+                  "fp_epochs": c.fp_epochs, "batch_size": c.batch_size, "fp_lrs": list(c.fp_lrs),
+                  "fp_validation_fraction": c.fp_validation_fraction, "weight_decay": c.weight_decay,
+                  "temperature": c.temperature, "seed": c.seed}
+        return params, {k: v.copy() for k, v in self.head.items()}
+
+    def parse_result(self, env: Envelope) -> PersonalizationReport:
+        return parse_report(env, self.config.num_classes, with_fp=self.config.fp_epochs > 0)
+
+    def apply(self, device: str, report: PersonalizationReport) -> None:
+        if device in self.contributed:
+            raise ValueError(f"{device} already reported")   # the round machine prevents this
+        self.contributed[device] = {"n_train": report.n_train, "n_test": report.n_test,
+                                    "local_classes": report.local_classes, "correct": dict(report.correct),
+                                    "fallback": report.fallback, "fp_lr": report.fp_lr}
+
+    def close_round(self, closed: RoundClosed) -> None:
+        pass   # reports are independent: nothing happens at round boundaries
+
+    def methods(self) -> tuple[str, ...]:
+        return METHODS if self.config.fp_epochs else tuple(m for m in METHODS if m != "oll_fp")
+
+    def summary(self) -> dict:
+        """WMA per method over the devices that reported, and how the devices chose FP learning rates."""
+        reports = [self.contributed[d] for d in sorted(self.contributed)]
+        if not reports:
+            return {}
+        totals = [r["n_test"] for r in reports]
+        out = {"wma": {m: weighted_mean_accuracy([r["correct"][m] for r in reports], totals)
+                       for m in self.methods()},
+               "test_samples": int(sum(totals)), "fallback_samples": int(sum(r["fallback"] for r in reports)),
+               "mean_local_classes": float(np.mean([r["local_classes"] for r in reports]))}
+        if self.config.fp_epochs:
+            chosen = [r["fp_lr"] for r in reports]
+            out["fp_lr_chosen"] = {f"{lr:g}": chosen.count(lr) for lr in sorted(set(chosen), reverse=True)}
+        return out
+
+    def evaluate(self, features: np.ndarray | None, labels: np.ndarray | None) -> dict:
+        out = {"round": self.round, "contributions": self.contributions, **self.summary()}
+        if "wma" in out:
+            # the headline: what a device gets from the full personalization the job asked for
+            out["accuracy"] = out["wma"][self.methods()[-1]]
+        if features is not None:
+            out["global_accuracy"] = head_accuracy(self.head["weight"], self.head["bias"], features, labels)
+        return out
+
+    def model_arrays(self) -> dict[str, np.ndarray]:
+        return {k: v.copy() for k, v in self.head.items()}   # the global head the devices personalised
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return {}    # everything is in ``contributed`` (JSON, checkpointed by the service)
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        pass

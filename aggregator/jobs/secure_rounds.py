@@ -1,0 +1,127 @@
+"""Secure aggregation rounds for jobs whose devices send one fixed-shape vector each.
+
+A job mixing in :class:`SecureGroupRounds` runs each of its rounds as one SecAgg (or SecAgg+)
+group: it calls :meth:`open_secure_round` with the round's members, the vector length and the
+per-entry bound, and receives the group sum in :meth:`on_secure_sum` (or the failure in
+:meth:`on_secure_failure`; then *nothing* may be applied). The aggregator only ever holds
+masked vectors and that sum.
+
+The service speaks the sub-protocol through the hooks ``on_protocol`` (a ``secagg`` envelope
+from a device), ``on_protocol_tick`` (phase timers) — both return ``(device, envelope)`` pairs
+to publish — and ``settled(round)``, which tells it once which devices' data the round's sum
+holds, so the round machine records them as accepted. ``abort_secure_round`` is for the
+round's deadline.
+
+The mixer provides ``self.identity`` (the aggregator's Ed25519 identity), ``self.registry``
+(enrolled device keys) and ``self.config`` with ``job_id``, ``graph`` and ``phase_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from protocols.envelope import Envelope, EnvelopeError
+from protocols.identity import DeviceIdentity, IdentityRegistry
+from protocols.payloads.secagg import from_envelope, to_envelope
+from protocols.secagg import AggregateReady, Message, RoundConfig, RoundFailed, SecAggError, ServerSecAgg, Timeout
+from protocols.topics import AGGREGATOR_ID
+
+log = logging.getLogger("fedfleet.aggregator.secagg")
+MIN_GROUP = 3      # fewer devices cannot hide anyone's update in a sum
+
+
+def load_identities(identity_file: str, device_keys_file: str) -> tuple[DeviceIdentity, IdentityRegistry]:
+    """The aggregator's identity (PEM file) and the enrolled device keys (JSON {device: hex key})."""
+    identity = DeviceIdentity.from_pem(AGGREGATOR_ID, Path(identity_file).read_bytes())
+    keys = json.loads(Path(device_keys_file).read_text())
+    return identity, IdentityRegistry({d: bytes.fromhex(k) for d, k in keys.items()})
+
+
+class SecureGroupRounds:
+    def _init_secure(self, identity: DeviceIdentity, registry: IdentityRegistry) -> None:
+        self.identity, self.registry = identity, registry
+        self.secure: ServerSecAgg | None = None
+        self._start_pending = False
+        self._phase_at = 0.0
+        self._settled: dict[int, tuple[str, ...]] = {}
+        self.failed_rounds: list[tuple[int, str]] = []
+
+    # ---------------------------------------------------------------- for the job
+    def open_secure_round(self, round_id: int, members: list[str], vector_length: int, bound: float) -> None:
+        config = RoundConfig.create(job_id=self.config.job_id, round_id=round_id, group_id=f"g{round_id}",
+                                    aggregator_id=AGGREGATOR_ID, members=members, vector_length=vector_length,
+                                    bound=bound, graph=self.config.graph)
+        self.secure = ServerSecAgg(config, self.identity, self.registry)
+        self._start_pending = True
+
+    def on_secure_sum(self, total: np.ndarray, survivors: tuple[str, ...]) -> None:
+        raise NotImplementedError
+
+    def on_secure_failure(self, round_id: int, reason: str) -> None:
+        """Nothing was applied; jobs may count the failure (the default records it)."""
+
+    def abort_secure_round(self, round_id: int, reason: str) -> None:
+        if self.secure is not None and self.secure.config.round_id == round_id:
+            log.warning("secure round %d: %s: aborted, nothing applied", round_id, reason)
+            self._failed(round_id, reason)
+
+    # ---------------------------------------------------------------- for the service
+    def on_protocol_tick(self, now: float) -> list[tuple[str, Envelope]]:
+        if self.secure is None:
+            return []
+        if self._start_pending:          # tasks went out when the round opened; now the keys phase
+            self._start_pending, self._phase_at = False, now
+            return self._route(self.secure.start())
+        if now - self._phase_at > self.config.phase_timeout_s and self.secure.phase is not None:
+            self._phase_at = now
+            return self._route(self.secure.handle(Timeout(self.secure.phase)))
+        return []
+
+    def on_protocol(self, device: str, env: Envelope, now: float) -> list[tuple[str, Envelope]]:
+        msg = from_envelope(env)
+        if msg.sender != device:
+            raise EnvelopeError(f"secagg message from {device!r} claims sender {msg.sender!r}")
+        if self.secure is None or msg.round_id != self.secure.config.round_id:
+            raise EnvelopeError(f"no secure round {msg.round_id} open")
+        before = self.secure.phase
+        try:
+            out = self.secure.handle(msg)
+        except SecAggError as exc:
+            raise EnvelopeError(f"secagg: {type(exc).__name__}: {exc}") from exc
+        if self.secure is not None and self.secure.phase != before:
+            self._phase_at = now
+        return self._route(out)
+
+    def settled(self, round_: int) -> tuple[str, ...] | None:
+        """Devices whose data the round's sum holds (empty: failed), once; None while running."""
+        return self._settled.pop(round_, None)
+
+    def _route(self, outputs) -> list[tuple[str, Envelope]]:
+        sends = []
+        for o in outputs:
+            if isinstance(o, Message):
+                sends.append((o.recipient, to_envelope(o)))
+            elif isinstance(o, AggregateReady):
+                round_id = self.secure.config.round_id
+                # Who is in the sum is decided here, by the protocol, not by the round machine's view
+                # of presence: a device may go offline right after sending its masked input.
+                survivors = tuple(sorted(o.survivors))
+                self.on_secure_sum(o.decode(), survivors)
+                self._settled[round_id] = survivors
+                log.info("secure round %d: sum of %d devices", round_id, len(survivors))
+                self.secure = None
+            elif isinstance(o, RoundFailed):
+                round_id = self.secure.config.round_id
+                log.warning("secure round %d failed: %s (nothing applied)", round_id, o.reason)
+                self._failed(round_id, str(o.reason))
+        return sends
+
+    def _failed(self, round_id: int, reason: str) -> None:
+        self.failed_rounds.append((round_id, reason))
+        self._settled[round_id] = ()
+        self.secure = None
+        self.on_secure_failure(round_id, reason)

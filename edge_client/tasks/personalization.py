@@ -1,0 +1,100 @@
+"""``oll.personalize``: personalise the global head on the device and report held-out accuracy.
+
+The device holds a local training split (what ``fed3r.stats`` and ``fedavg.head`` tasks
+train on) and a local held-out split (never trained on). Given the global head it computes,
+on the held-out split:
+
+1. the global head's accuracy (the baseline a device gets without personalization);
+2. OLL: the head pruned to the labels of the local training split (``edge_client.oll``);
+3. OLL+FP(ψ): the pruned head fine-tuned for ``fp_epochs`` on the local training split,
+   with the learning rate picked on a validation part of that split when several are offered.
+
+Only the counts go back (``protocols.payloads.personalize``); the personalised head stays
+on the device. The device keeps it (``self.head``) to answer local predictions.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from protocols.payloads.personalize import FALLBACKS, PersonalizationReport, encode_report
+
+from ..agent import TaskDeclined
+from ..oll import OutOfLocalLabels, PersonalizedHead, choose_fp_lr
+from .head_training import ExtractorFactory, LocalTraining
+
+log = logging.getLogger("fedfleet.device")
+
+
+class PersonalizeTask:
+    """Handler for ``oll.personalize``: ``(params, tensors) -> (body, {})``."""
+
+    def __init__(self, train_images: np.ndarray, train_labels: np.ndarray, test_images: np.ndarray,
+                 test_labels: np.ndarray, extractor_factory: ExtractorFactory, training_session=None):
+        if len(train_images) != len(train_labels) or len(test_images) != len(test_labels):
+            raise ValueError("images and labels differ in length")
+        self.train_images, self.train_labels = train_images, np.asarray(train_labels, dtype=np.int64)
+        self.test_images, self.test_labels = test_images, np.asarray(test_labels, dtype=np.int64)
+        self.extractor_factory = extractor_factory
+        self.training_session = training_session
+        self.head: PersonalizedHead | None = None
+        self.last: PersonalizationReport | None = None
+
+    def __call__(self, params: dict[str, Any], tensors: dict[str, np.ndarray] | None = None) -> tuple[dict, dict]:
+        if len(self.train_labels) == 0 or len(self.test_labels) == 0:
+            raise TaskDeclined("personalization needs local training and held-out data")
+        try:
+            num_classes, feature_dim = int(params["num_classes"]), int(params["feature_dim"])
+            backbone, image_size = str(params["backbone"]), int(params["image_size"])
+            weights = str(params.get("weights_sha256", ""))
+            fallback = str(params.get("fallback", "error"))
+            fp_epochs = int(params.get("fp_epochs", 0))
+            lrs = [float(lr) for lr in params.get("fp_lrs", [])]
+            val_fraction = float(params.get("fp_validation_fraction", 0.2))
+            recipe = LocalTraining.from_params({**params, "epochs": max(fp_epochs, 1)})
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TaskDeclined(f"bad oll.personalize params: {exc}") from exc
+        if fallback not in FALLBACKS:
+            raise TaskDeclined(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
+        if fp_epochs < 0 or (fp_epochs and not lrs):
+            raise TaskDeclined("fp_epochs must be >= 0, and FP needs at least one learning rate in fp_lrs")
+        if not tensors or "weight" not in tensors or "bias" not in tensors:
+            raise TaskDeclined("oll.personalize task carries no head tensors (weight, bias)")
+        weight, bias = np.asarray(tensors["weight"]), np.asarray(tensors["bias"])
+        if weight.shape != (num_classes, feature_dim) or bias.shape != (num_classes,):
+            raise TaskDeclined(f"head shapes {weight.shape}, {bias.shape} do not match ({num_classes}, {feature_dim})")
+        if not (np.isfinite(weight).all() and np.isfinite(bias).all()):
+            raise TaskDeclined("global head contains NaN or Inf")
+        for labels in (self.train_labels, self.test_labels):
+            if labels.min() < 0 or labels.max() >= num_classes:
+                raise TaskDeclined(f"local label {labels.max()} outside the job's {num_classes} classes")
+        extractor = self.extractor_factory(backbone, image_size, weights)
+        if extractor.feature_dim != feature_dim:
+            raise TaskDeclined(f"backbone gives {extractor.feature_dim}-d features, task expects {feature_dim}")
+        f_train, f_test = extractor.extract(self.train_images), extractor.extract(self.test_images)
+        y_test = self.test_labels
+
+        correct = {"global": int(((f_test @ weight.T + bias).argmax(axis=1) == y_test).sum())}
+        head = PersonalizedHead(weight, bias, self.train_labels, fallback=fallback)
+        try:
+            scored = head.score(f_test, y_test)
+        except OutOfLocalLabels as exc:
+            raise TaskDeclined(f"OLL with fallback='error': {exc}") from exc
+        correct["oll"] = scored.correct
+        fp_lr = None
+        if fp_epochs:
+            try:
+                fp_lr, _ = choose_fp_lr(weight, bias, f_train, self.train_labels, recipe, lrs, val_fraction,
+                                        self.training_session)
+                head.fine_tune(f_train, self.train_labels, replace(recipe, lr=fp_lr), self.training_session)
+            except FloatingPointError as exc:
+                raise TaskDeclined(str(exc)) from exc
+            correct["oll_fp"] = head.score(f_test, y_test).correct
+        self.head = head
+        self.last = PersonalizationReport(len(self.train_labels), len(y_test), head.label_map.k, correct,
+                                          scored.fallback, fp_lr)
+        return encode_report(self.last)

@@ -1,0 +1,87 @@
+"""Secure aggregation on the device for any task whose answer is one fixed-shape vector.
+
+On the task the device computes its update with the plain task's handler, turns it into the
+vector the job sums (``vector``: one subclass per kind), and becomes a ``ClientSecAgg`` for
+(job, round, group). Every ``secagg`` message from the aggregator is fed to that client; its
+replies go back as envelopes. The aggregator never sees the vector, only masked values and the
+group sum. A vector outside the round's signed bound is refused by the client before anything
+is sent (the device declines the task).
+
+Subclasses: ``SecureFed3R`` (statistics, ``secure_fed3r.py``) and ``SecureHeadTraining``
+(FedAvg head updates, ``secure_head_training.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from protocols.envelope import Envelope
+from protocols.identity import DeviceIdentity
+from protocols.payloads.secagg import from_envelope, to_envelope
+from protocols.secagg import ClientSecAgg, SecAggError
+
+from ..agent import TaskDeclined
+
+log = logging.getLogger("fedfleet.device.secagg")
+
+
+class SecAggSessions:
+    """A device's open secure-aggregation sessions, keyed by (job, round, group).
+
+    Register it as the agent's ``secagg`` message handler; every ``SecureUpdate`` of the device
+    opens its sessions here, so one device can serve several secure task kinds."""
+
+    def __init__(self, device_id: str, max_sessions: int = 4):
+        self.device_id, self.max_sessions = device_id, max_sessions
+        self.sessions: dict[tuple[str, int, str], ClientSecAgg] = {}
+
+    def open(self, key: tuple[str, int, str], client: ClientSecAgg) -> None:
+        self.sessions[key] = client
+        while len(self.sessions) > self.max_sessions:          # forget the oldest rounds
+            self.sessions.pop(next(iter(self.sessions)))
+
+    def on_message(self, env: Envelope) -> list[Envelope]:
+        msg = from_envelope(env)
+        client = self.sessions.get((msg.job_id, msg.round_id, msg.group_id))
+        if client is None:
+            log.info("%s: secagg message for an unknown session %s/%s/%s", self.device_id,
+                     msg.job_id, msg.round_id, msg.group_id)
+            return []
+        try:
+            return [to_envelope(r) for r in client.handle(msg)]
+        except SecAggError as exc:
+            log.warning("%s: secagg error: %s", self.device_id, exc)
+            return []
+
+
+class SecureUpdate:
+    """A protocol handler for the agent: ``on_task`` and ``on_message`` return envelopes to send.
+
+    ``sessions``: shared with the device's other secure task kinds (default: its own)."""
+
+    def __init__(self, identity: DeviceIdentity, aggregator_public_key: bytes,
+                 sessions: SecAggSessions | None = None):
+        self.identity = identity
+        self.aggregator_public_key = aggregator_public_key
+        self.sessions = sessions or SecAggSessions(identity.device_id)
+
+    def vector(self, params: dict, tensors: dict[str, np.ndarray]) -> np.ndarray:
+        """The float vector this device contributes to the group sum (raise TaskDeclined to refuse)."""
+        raise NotImplementedError
+
+    def on_task(self, job: str, round_: int, params: dict, tensors: dict[str, np.ndarray] | None = None
+                ) -> list[Envelope]:
+        vector = self.vector(params, tensors or {})
+        key = (job, round_, str(params["group"]))
+        try:
+            client = ClientSecAgg(self.identity, "aggregator", self.aggregator_public_key, job_id=job,
+                                  round_id=round_, group_id=key[2], input_vector=vector)
+        except SecAggError as exc:
+            raise TaskDeclined(f"secure aggregation refused the update: {exc}") from exc
+        self.sessions.open(key, client)
+        return []
+
+    def on_message(self, env: Envelope) -> list[Envelope]:
+        return self.sessions.on_message(env)

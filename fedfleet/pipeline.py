@@ -1,0 +1,231 @@
+"""``fedfleet simulate --pipeline fed3r-ft-oll``: the seeds' full pipeline on the emulated fleet.
+
+Three jobs run one after the other against the same fleet (one broker, the same device
+processes, each job with a fresh aggregator process, as an operator would run them):
+
+1. **fed3r**: every device sends its ridge statistics once; the aggregator solves the closed
+   form (checked against scikit-learn's centralized ridge on the same data, as ``simulate``).
+2. **fedavg-ft**: FedAvg(ψ) fine-tuning of the head, initialised from the normalised Fed3R
+   classifier (bias included, T = 0.1, client LR × 0.1: Fed3R+FT(ψ), spec §1.8), κ devices per
+   round for ``ft_rounds`` rounds. Local training runs through the device runtime's training
+   program when the runtime is ExecuTorch.
+3. **oll**: the fine-tuned head goes to every device, which prunes it to its local labels (OLL),
+   fine-tunes it locally (FP(ψ), LR picked on a local validation split) and reports counts on
+   its local held-out split; the aggregator reports the WMA of the global head, OLL and OLL+FP.
+
+Each device keeps ``holdout_fraction`` of its data as that held-out split: no phase trains on it.
+Per phase the report gives accuracy, rounds, bytes up/down (total and per device) and device
+compute time; ``report.html`` and ``report.png`` plot test accuracy against rounds and against
+bytes, with the personalised WMA of the last phase.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import html
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from protocols.payloads.fed3r import KIND as FED3R_KIND
+from protocols.payloads.fedavg import KIND as FEDAVG_KIND
+from protocols.payloads.personalize import KIND as PERSONALIZE_KIND
+
+from .plots import plot_lines
+from .simulate import EmulatedFleet, SimConfig, _report, prepare
+
+PIPELINES = {"fed3r-ft-oll": ("fed3r", "fedavg-ft", "oll")}
+PHASE_KINDS = {"fed3r": FED3R_KIND, "fedavg-ft": FEDAVG_KIND, "oll": PERSONALIZE_KIND}
+METHOD_NAMES = {"global": "global head", "oll": "OLL", "oll_fp": "OLL+FP(ψ)"}
+
+
+def run_pipeline(cfg: SimConfig, quiet: bool = False) -> dict:
+    if cfg.secure:
+        raise ValueError("the fed3r-ft-oll pipeline runs plain jobs; secure FedAvg rounds are not wired yet "
+                         "(run `fedfleet simulate --secure` for Fed3R-Sync)")
+    if not cfg.holdout_fraction:
+        raise ValueError("personalization needs a local held-out split: set holdout_fraction > 0")
+    say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
+    t_start = time.monotonic()
+    prep = prepare(cfg, say)
+    out = prep.out
+    training_manifest = None
+    if cfg.runtime == "executorch":
+        from .bundles import ensure_training_bundle
+
+        training_manifest = ensure_training_bundle(cfg.backbone, cfg.image_size, num_classes=10)
+    common = {k: prep.fed3r_job[k] for k in ("num_classes", "backbone", "image_size", "weights_sha256",
+                                             "feature_dim", "expected_devices", "start_timeout_s", "seed")}
+    phases: dict[str, dict] = {}
+    with EmulatedFleet(cfg, out, prep.profiles, None, quiet, holdout_file=out / "holdout.npz",
+                       training_manifest=training_manifest) as fleet:
+        say("\n[1/3] fed3r: closed-form classifier from one round of statistics per device")
+        fed3r_dir = out / "1-fed3r"
+        phases["fed3r"] = {"dir": fed3r_dir, "results": fleet.run_job(
+            "fed3r", prep.fed3r_job, fed3r_dir, out / "eval_features.npz", cfg.devices)}
+
+        say(f"\n[2/3] fedavg-ft: FedAvg(ψ) from the Fed3R head, {cfg.ft_rounds} rounds of κ={cfg.clients_per_round}")
+        ft_dir = out / "2-fedavg-ft"
+        ft_job = {**common, "job_id": "fedavg-ft-sim", "rounds": cfg.ft_rounds,
+                  "clients_per_round": cfg.clients_per_round, "round_timeout_s": cfg.round_timeout_s,
+                  "client_lr": cfg.ft_client_lr, "server_momentum": cfg.ft_server_momentum,
+                  "init": "fed3r", "initial_head_file": str(fed3r_dir / "model.npz")}
+        phases["fedavg-ft"] = {"dir": ft_dir, "results": fleet.run_job(
+            "fedavg", ft_job, ft_dir, out / "eval_features.npz", cfg.ft_rounds * cfg.clients_per_round)}
+
+        say(f"\n[3/3] oll: personalise the fine-tuned head on every device (FP(ψ) {cfg.fp_epochs} epochs)")
+        oll_dir = out / "3-oll"
+        oll_job = {**common, "job_id": "oll-sim", "head_file": str(ft_dir / "model.npz"),
+                   "clients_per_round": cfg.clients_per_round, "round_timeout_s": cfg.round_timeout_s,
+                   "max_attempts": cfg.max_attempts, "fp_epochs": cfg.fp_epochs, "fp_lrs": list(cfg.fp_lrs)}
+        phases["oll"] = {"dir": oll_dir, "results": fleet.run_job(
+            "personalize", oll_job, oll_dir, out / "eval_features.npz", cfg.devices)}
+    report = pipeline_report(cfg, prep, phases, fleet.worker_stats)
+    report["wall_s"] = time.monotonic() - t_start
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    engine = write_plots_and_html(report, out)
+    say(format_pipeline_report(report))
+    say(f"\nwrote {out / 'report.json'}, {out / 'report.png'} ({engine}) and {out / 'report.html'}")
+    return report
+
+
+def device_compute(workers: list[dict], kind: str) -> dict:
+    """Device compute time of one task kind over the fleet, from the workers' per-device counters."""
+    per_task = [d["by_kind"][kind] for w in workers for d in w["per_device"].values() if kind in d.get("by_kind", {})]
+    tasks = sum(e["tasks"] for e in per_task)
+    total = sum(e["compute_s"] for e in per_task)
+    return {"tasks": int(tasks), "compute_s": total, "compute_s_per_task": total / tasks if tasks else None,
+            "bytes_up_devices": int(sum(e["bytes_up"] for e in per_task))}
+
+
+def pipeline_report(cfg: SimConfig, prep, phases: dict, workers: list[dict]) -> dict:
+    devices = cfg.devices
+    report = {"config": dataclasses.asdict(cfg), "devices": devices, "phases": {}}
+    for name, phase in phases.items():
+        r = phase["results"]
+        entry = {"rounds": len(r["rounds"]), "contributions": len(r["contributed"]) if name != "fedavg-ft"
+                 else sum(r["contributed"].values()),
+                 "bytes_up": r["bytes_in"], "bytes_down": r["bytes_out"],
+                 "bytes_up_per_device": r["bytes_in"] / devices, "bytes_down_per_device": r["bytes_out"] / devices,
+                 "job_s": r.get("wall_s"), "device": device_compute(workers, PHASE_KINDS[name]),
+                 "history": [{k: h.get(k) for k in ("round", "contributions", "accuracy", "bytes_in", "bytes_out",
+                                                    "global_accuracy", "wma")} for h in r["history"]],
+                 "rejections": r["rejections"], "late": r["late"]}
+        final = r["final"]
+        if name == "fed3r":
+            central = _report(cfg, r, workers, prep, job_dir=phase["dir"])
+            entry.update(accuracy=final.get("accuracy"), central_accuracy=central.get("central_accuracy"),
+                         rel_weight_error=central.get("rel_weight_error"))
+        elif name == "fedavg-ft":
+            entry.update(accuracy=final.get("accuracy"), initial_accuracy=phases["fed3r"]["results"]["final"].get("accuracy"))
+        else:
+            entry.update(accuracy=final.get("global_accuracy"), wma=final.get("wma"),
+                         fp_lr_chosen=final.get("fp_lr_chosen"), test_samples=final.get("test_samples"),
+                         fallback_samples=final.get("fallback_samples"),
+                         mean_local_classes=final.get("mean_local_classes"))
+        report["phases"][name] = entry
+    return report
+
+
+def accuracy_curves(report: dict) -> dict:
+    """Test accuracy of the shared model against cumulative rounds and cumulative bytes (up + down)."""
+    curves, rounds0, bytes0 = {}, 0, 0
+    for name in ("fed3r", "fedavg-ft"):
+        hist = [h for h in report["phases"][name]["history"] if h.get("accuracy") is not None]
+        if name == "fedavg-ft":
+            # FedAvg evaluates after each round; its starting point is where Fed3R ended
+            start = report["phases"]["fed3r"]
+            hist = [{"round": 0, "accuracy": start["accuracy"], "bytes_in": 0, "bytes_out": 0}] + hist
+        rounds = [rounds0 + h["round"] for h in hist]
+        moved = [bytes0 + (h.get("bytes_in") or 0) + (h.get("bytes_out") or 0) for h in hist]
+        curves[name] = {"rounds": rounds, "bytes": moved, "accuracy": [h["accuracy"] for h in hist]}
+        rounds0 = rounds[-1] if rounds else rounds0
+        phase = report["phases"][name]
+        bytes0 += phase["bytes_up"] + phase["bytes_down"]
+    curves["end"] = {"rounds": rounds0, "bytes": bytes0}
+    return curves
+
+
+def write_plots_and_html(report: dict, out: Path) -> str:
+    curves = accuracy_curves(report)
+    oll = report["phases"]["oll"]
+    points = {f"{METHOD_NAMES[m]} WMA (personalised)": v for m, v in (oll.get("wma") or {}).items()}
+    end = curves["end"]
+    by_rounds = {"Fed3R": (curves["fed3r"]["rounds"], curves["fed3r"]["accuracy"]),
+                 "Fed3R+FT(ψ)": (curves["fedavg-ft"]["rounds"], curves["fedavg-ft"]["accuracy"]),
+                 **{k: ([end["rounds"]], [v]) for k, v in points.items()}}
+    by_bytes = {"Fed3R": (np.array(curves["fed3r"]["bytes"]) / 1e6, curves["fed3r"]["accuracy"]),
+                "Fed3R+FT(ψ)": (np.array(curves["fedavg-ft"]["bytes"]) / 1e6, curves["fedavg-ft"]["accuracy"]),
+                **{k: ([(end["bytes"] + oll["bytes_up"] + oll["bytes_down"]) / 1e6], [v]) for k, v in points.items()}}
+    engine = plot_lines(out / "report.png", [
+        {"title": "accuracy vs rounds", "xlabel": "rounds (cumulative)", "ylabel": "accuracy", "lines": by_rounds},
+        {"title": "accuracy vs bytes", "xlabel": "MB moved, up + down (cumulative)", "ylabel": "accuracy",
+         "lines": by_bytes}])
+    (out / "report.html").write_text(render_html(report, (out / "report.png").read_bytes()))
+    return engine
+
+
+def _phase_rows(report: dict) -> list[tuple]:
+    rows = []
+    for name, p in report["phases"].items():
+        dev = p["device"]
+        rows.append((name, p["rounds"], p["contributions"], f"{p['accuracy']:.4f}" if p.get("accuracy") is not None else "–",
+                     f"{p['bytes_up_per_device'] / 1e6:.3f}", f"{p['bytes_down_per_device'] / 1e6:.3f}",
+                     f"{dev['compute_s']:.1f}", f"{dev['compute_s_per_task'] * 1e3:.0f}" if dev["compute_s_per_task"] else "–",
+                     f"{p['job_s']:.1f}" if p.get("job_s") else "–"))
+    return rows
+
+
+PHASE_HEADER = ("phase", "rounds", "tasks done", "test acc.", "MB up/device", "MB down/device",
+                "device compute s", "ms/task", "job s")
+
+
+def render_html(report: dict, png: bytes) -> str:
+    cfg = report["config"]
+    oll = report["phases"]["oll"]
+    fed3r = report["phases"]["fed3r"]
+    cell = lambda v: f"<td>{html.escape(str(v))}</td>"  # noqa: E731
+    table = "".join(f"<tr>{''.join(cell(v) for v in row)}</tr>" for row in _phase_rows(report))
+    wma = "".join(f"<tr><td>{html.escape(METHOD_NAMES[m])}</td><td>{v:.4f}</td></tr>"
+                  for m, v in (oll.get("wma") or {}).items())
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>fedfleet pipeline report</title>
+<style>body{{font-family:system-ui,sans-serif;margin:2em;max-width:1200px}}
+table{{border-collapse:collapse;margin:1em 0}}td,th{{border:1px solid #ccc;padding:4px 10px;text-align:right}}
+th{{background:#f3f3f3}}td:first-child{{text-align:left}}</style></head><body>
+<h1>fedfleet simulate: fed3r → fedavg-ft → oll</h1>
+<p>{cfg['devices']} devices, {html.escape(cfg['split'])}{f" α={cfg['alpha']}" if cfg['split'] == 'dirichlet' else ''},
+{html.escape(cfg['backbone'])}@{cfg['image_size']}px ({html.escape(cfg['runtime'])}), κ={cfg['clients_per_round']},
+{cfg['holdout_fraction']:.0%} of each device held out for personalised evaluation; wall time {report.get('wall_s', 0):.0f} s.</p>
+<h2>Phases</h2>
+<table id="phases"><tr>{''.join(f'<th>{h}</th>' for h in PHASE_HEADER)}</tr>{table}</table>
+<p>Fed3R {fed3r['accuracy']:.4f} vs centralized ridge {fed3r.get('central_accuracy') or float('nan'):.4f}
+(‖W_fed − W_central‖/‖W_central‖ = {fed3r.get('rel_weight_error') or float('nan'):.1e}).</p>
+<h2>Personalised accuracy (WMA over {oll.get('test_samples')} local held-out samples)</h2>
+<table id="wma"><tr><th>method</th><th>WMA</th></tr>{wma}</table>
+<p>FP(ψ) learning rates chosen on the devices' validation splits: {html.escape(json.dumps(oll.get('fp_lr_chosen')))};
+held-out samples with a label outside the local training labels (scored by the global head):
+{oll.get('fallback_samples')}.</p>
+<h2>Accuracy vs rounds and vs bytes</h2>
+<img alt="accuracy vs rounds and bytes" src="data:image/png;base64,{base64.b64encode(png).decode()}">
+</body></html>
+"""
+
+
+def format_pipeline_report(report: dict) -> str:
+    widths = [11, 7, 11, 10, 13, 15, 17, 8, 8]
+    lines = ["", "=== fedfleet simulate: fed3r → fedavg-ft → oll ===",
+             "".join(h.ljust(w) for h, w in zip(PHASE_HEADER, widths))]
+    lines += ["".join(str(v).ljust(w) for v, w in zip(row, widths)) for row in _phase_rows(report)]
+    fed3r, oll = report["phases"]["fed3r"], report["phases"]["oll"]
+    if fed3r.get("central_accuracy") is not None:
+        lines.append(f"Fed3R {fed3r['accuracy']:.4f} = centralized ridge {fed3r['central_accuracy']:.4f} "
+                     f"(rel. weight error {fed3r['rel_weight_error']:.1e})")
+    lines.append("personalised WMA on local held-out splits: " + ", ".join(
+        f"{METHOD_NAMES[m]} {v:.4f}" for m, v in (oll.get("wma") or {}).items()))
+    if oll.get("fp_lr_chosen"):
+        lines.append(f"FP(ψ) learning rates chosen on local validation splits: {oll['fp_lr_chosen']}")
+    return "\n".join(lines)

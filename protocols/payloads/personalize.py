@@ -1,0 +1,92 @@
+"""Payload of ``oll.personalize`` tasks and results: on-device personalization, metrics only.
+
+Task (aggregator -> device), tensors of the ``task`` message:
+
+* ``weight``  float32 (C, d)  the global head to personalise, ``logits = f @ weight.T + bias``
+* ``bias``    float32 (C,)
+
+and in ``params``: ``num_classes``, ``feature_dim``, ``backbone``, ``image_size``,
+``weights_sha256`` (the backbone the head was trained on), ``fallback`` ("error" | "global",
+what OLL does with held-out labels outside the local training labels), and the FP(ψ) recipe:
+``fp_epochs`` (0: OLL only), ``batch_size``, ``weight_decay``, ``temperature``, ``seed`` and
+``fp_lrs`` (candidate learning rates; with more than one the device picks one on a validation
+part of its *training* split, ``fp_validation_fraction``, then fine-tunes on all of it).
+
+Result (device -> aggregator): no tensors. The personalised head stays on the device (it is
+the device's model; sending it would leak the local label set and more). The body reports
+counts on the device's local held-out split:
+
+* ``n_train``, ``n_test``  local training / held-out samples
+* ``local_classes``        k = |C_k|, the labels OLL keeps
+* ``correct``              {"global": int, "oll": int, "oll_fp": int}: held-out samples that the
+                           global head, the OLL-pruned head and the OLL head after FP(ψ)
+                           classify correctly ("oll_fp" absent when ``fp_epochs`` is 0)
+* ``fallback``             held-out samples whose label is outside C_k (scored by the global
+                           head when the task's fallback is "global")
+* ``fp_lr``                the FP(ψ) learning rate the device used (null without FP)
+
+The aggregator's personalised accuracy is the sample-weighted mean over devices,
+WMA = Σ_k correct_k / Σ_k n_test_k, as in the Fed3R/OLL papers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..envelope import Envelope, EnvelopeError, body_field
+
+KIND = "oll.personalize"
+METHODS = ("global", "oll", "oll_fp")
+FALLBACKS = ("error", "global")
+
+
+@dataclass(frozen=True)
+class PersonalizationReport:
+    n_train: int
+    n_test: int
+    local_classes: int
+    correct: dict[str, int]
+    fallback: int
+    fp_lr: float | None
+
+
+def encode_report(report: PersonalizationReport) -> tuple[dict, dict]:
+    """(body, tensors) of an ``oll.personalize`` result."""
+    return {"n_train": int(report.n_train), "n_test": int(report.n_test),
+            "local_classes": int(report.local_classes),
+            "correct": {m: int(c) for m, c in report.correct.items()},
+            "fallback": int(report.fallback),
+            "fp_lr": None if report.fp_lr is None else float(report.fp_lr)}, {}
+
+
+def parse_report(msg: Envelope, num_classes: int, with_fp: bool, max_samples: int = 10**9) -> PersonalizationReport:
+    """Validate an ``oll.personalize`` result; raise EnvelopeError if anything is off."""
+    if msg.tensors:
+        raise EnvelopeError(f"{KIND}: a personalization result carries no tensors, got {sorted(msg.tensors)}")
+    n_train = body_field(msg, "n_train", int)
+    n_test = body_field(msg, "n_test", int)
+    if not (0 < n_train <= max_samples and 0 < n_test <= max_samples):
+        raise EnvelopeError(f"{KIND}: sample counts n_train={n_train}, n_test={n_test} out of range "
+                            f"(1..{max_samples})")
+    k = body_field(msg, "local_classes", int)
+    if not 1 <= k <= num_classes:
+        raise EnvelopeError(f"{KIND}: local_classes={k} outside 1..{num_classes}")
+    correct = body_field(msg, "correct", dict)
+    expected = set(METHODS) if with_fp else set(METHODS) - {"oll_fp"}
+    if set(correct) != expected:
+        raise EnvelopeError(f"{KIND}: correct counts for {sorted(correct)}, expected {sorted(expected)}")
+    for method, count in correct.items():
+        if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= n_test:
+            raise EnvelopeError(f"{KIND}: correct[{method!r}]={count!r} must be an integer in 0..n_test={n_test}")
+    fallback = body_field(msg, "fallback", int)
+    if not 0 <= fallback <= n_test:
+        raise EnvelopeError(f"{KIND}: fallback={fallback} outside 0..n_test={n_test}")
+    fp_lr = msg.body.get("fp_lr")
+    if with_fp:
+        if isinstance(fp_lr, bool) or not isinstance(fp_lr, (int, float)) or not math.isfinite(fp_lr) or fp_lr <= 0:
+            raise EnvelopeError(f"{KIND}: fp_lr={fp_lr!r} must be a finite positive number")
+        fp_lr = float(fp_lr)
+    elif fp_lr is not None:
+        raise EnvelopeError(f"{KIND}: fp_lr={fp_lr!r} reported for a task without FP")
+    return PersonalizationReport(n_train, n_test, k, dict(correct), fallback, fp_lr)

@@ -1,0 +1,93 @@
+"""Secure FedAvg(M) over mosquitto: each round's head updates are summed under SecAgg, and the
+head equals an in-process plain FedAvg replay of the same rounds over the devices in each sum.
+A device whose trained head breaks the round's bound declines; the round goes on without it."""
+
+import threading
+
+import numpy as np
+import pytest
+from ops_fleet import Features
+
+from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob
+from aggregator.jobs.secure_fedavg import SecureFedAvgConfig, SecureFedAvgJob
+from aggregator.service import AggregatorService
+from edge_client.agent import DeviceAgent
+from edge_client.tasks.head_training import HeadTrainingTask
+from edge_client.tasks.secure_head_training import SecureHeadTraining
+from edge_client.tasks.secure_update import SecAggSessions
+from protocols.envelope import decode, encode
+from protocols.identity import DeviceIdentity, IdentityRegistry
+from protocols.messages import TaskRef, result_message
+from protocols.mqtt_link import BrokerConfig
+from protocols.payloads.secagg import SECAGG_TYPE, SECURE_FEDAVG_KIND
+from protocols.rounds import RoundClosed
+
+D, C, N = 6, 3, 30
+OUTLIER = "dev4"      # its features are huge: its trained head exceeds max_abs_param
+
+
+def device_task(i, scale=1.0):
+    rng = np.random.default_rng(7 + i)
+    y = rng.integers(0, C, N)
+    Z = (scale * (rng.normal(size=(N, D)) + 2 * np.eye(C, D)[y])).astype(np.float32)
+    return HeadTrainingTask(Z, y, lambda b, s, w: Features(D))
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9], ids=["fedavg", "fedavgm"])
+def test_secure_fedavg_equals_plain_fedavg_over_the_summed_devices(broker, tmp_path, momentum):
+    ids = [f"dev{i}" for i in range(6)]
+    identities = {d: DeviceIdentity.generate(d) for d in ids}
+    agg = DeviceIdentity.generate("aggregator")
+    registry = IdentityRegistry({d: idt.public_key_bytes for d, idt in identities.items()})
+    plain = dict(job_id="sft", num_classes=C, feature_dim=D, rounds=3, clients_per_round=5, round_timeout_s=60,
+                 local_epochs=2, batch_size=8, client_lr=0.05, server_momentum=momentum, expected_devices=6, seed=4)
+    job = SecureFedAvgJob(SecureFedAvgConfig(**plain, max_samples=100, max_abs_param=20.0, phase_timeout_s=3),
+                          identity=agg, registry=registry)
+    svc = AggregatorService(job, BrokerConfig.from_url(broker.url), tmp_path, enrolled=set(ids),
+                            evaluate_every_contribution=False)
+    seen = []                                       # everything the aggregator receives
+    original = svc._on_payload
+    svc._on_payload = lambda topic, payload: (seen.append(payload), original(topic, payload))
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=150)), daemon=True)
+    thread.start()
+    tasks = {d: device_task(i, 1000.0 if d == OUTLIER else 1.0) for i, d in enumerate(ids)}
+    agents = []
+    for d in ids:
+        sessions = SecAggSessions(d)
+        secure = SecureHeadTraining(identities[d], agg.public_key_bytes, tasks[d], sessions)
+        agents.append(DeviceAgent(d, BrokerConfig.from_url(broker.url), {},
+                                  protocol_handlers={SECURE_FEDAVG_KIND: secure, SECAGG_TYPE: sessions}).start())
+    thread.join(150)
+    for a in agents:
+        a.stop()
+    assert result.get("state") == "done", result
+    assert len(result["rounds"]) == 3 and not job.failed_rounds
+
+    replay = FedAvgJob(FedAvgConfig(**plain))
+    outlier_sampled = False
+    for r in result["rounds"]:
+        chosen = replay.next_participants(set(ids))                  # same seeded sampling as the secure job
+        in_sum = sorted(r["accepted"])
+        outlier_sampled |= OUTLIER in chosen
+        assert OUTLIER not in in_sum and set(in_sum) == set(chosen) - {OUTLIER}
+        for dev in in_sum:
+            params, tensors = replay.task_for(dev)
+            body, out = tasks[dev](params, tensors)
+            msg = result_message(dev, TaskRef("sft", replay.round, "x" * 32), "fedavg.head", body, out)
+            replay.apply(dev, replay.parse_result(decode(encode(msg))))
+        replay.close_round(RoundClosed(replay.round, tuple(in_sum), (), (), ()))
+    assert outlier_sampled                                           # the decline path was exercised
+    for k in ("weight", "bias"):
+        np.testing.assert_allclose(job.params[k], replay.params[k], rtol=0, atol=1e-6)
+    assert not np.allclose(job.params["weight"], FedAvgJob(FedAvgConfig(**plain)).params["weight"])   # it trained
+    assert job.samples == sum(N for r in result["rounds"] for _ in r["accepted"])
+    # no head ever reached the aggregator in the clear: only secagg messages and declines
+    from protocols.chunking import MessageAssembler
+    asm, types = MessageAssembler(), set()
+    for payload in seen:
+        env = asm.feed(payload)
+        if env is not None:
+            types.add(env.type)
+            assert "weight" not in env.tensors and "bias" not in env.tensors
+    assert "secagg" in types and "result" not in types
