@@ -1,7 +1,7 @@
 # Two entry points, each self-sufficient on a fresh Debian machine:
 #   make demo   - set up, then run Fed3R -> FedAvg fine-tuning -> OLL personalization on 100
-#                 emulated devices over a real mosquitto broker, then Fed3R again with secure
-#                 aggregation (Fed3R-Sync) for plain-vs-secure timings
+#                 emulated devices over a real mosquitto broker, then the same under secure
+#                 aggregation (Fed3R-Sync, secure FedAvg) with plain-vs-secure timings
 #   make test   - set up, then run the whole test suite
 PY ?= python3
 VENV := .venv
@@ -13,8 +13,9 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 demo: setup
 	$(BIN)/fedfleet simulate --config demo --pipeline fed3r-ft-oll
-	@echo; echo "Same fleet, Fed3R statistics summed under secure aggregation (features now cached):"
-	$(BIN)/fedfleet simulate --config demo --secure --out runs/latest-secure
+	@echo; echo "Same fleet and pipeline, Fed3R statistics and FedAvg updates summed under secure aggregation:"
+	$(BIN)/fedfleet simulate --config demo --pipeline fed3r-ft-oll --secure --out runs/latest-secure \
+	    --compare-with runs/latest
 
 test: setup
 	$(BIN)/python -m pytest -q -ra

@@ -30,6 +30,13 @@ def _simulate(args) -> int:
         from .pipeline import run_pipeline
 
         report = run_pipeline(cfg)
+        if args.compare_with:
+            import json
+            from pathlib import Path
+
+            from .pipeline import compare_reports
+
+            print(compare_reports(json.loads(Path(args.compare_with, "report.json").read_text()), report))
         return 0 if report["phases"]["oll"].get("wma") else 1
     report = run(cfg)
     return 0 if report.get("contributed") else 1
@@ -71,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "ladd: segmentation on unlabelled devices (source-only vs FedAvg+self-training vs LADD)")
     s.add_argument("--ft-rounds", type=int, help="fed3r-ft-oll: FedAvg(ψ) fine-tuning rounds")
     s.add_argument("--fp-epochs", type=int, help="fed3r-ft-oll: local FP(ψ) epochs after OLL (0: OLL only)")
+    s.add_argument("--compare-with", help="fed3r-ft-oll: a plain run's output directory; print plain vs this run")
     from .ladd_pipeline import add_ladd_arguments
 
     add_ladd_arguments(s)

@@ -14,6 +14,8 @@ processes, each job with a fresh aggregator process, as an operator would run th
    its local held-out split; the aggregator reports the WMA of the global head, OLL and OLL+FP.
 
 Each device keeps ``holdout_fraction`` of its data as that held-out split: no phase trains on it.
+With ``secure`` the first two phases run under secure aggregation (Fed3R-Sync, then secure
+FedAvg: the aggregator sees only group sums); the personalization reports are plain counts.
 Per phase the report gives accuracy, rounds, bytes up/down (total and per device) and device
 compute time; ``report.html`` and ``report.png`` plot test accuracy against rounds and against
 bytes, with the personalised WMA of the last phase.
@@ -33,19 +35,19 @@ import numpy as np
 from protocols.payloads.fed3r import KIND as FED3R_KIND
 from protocols.payloads.fedavg import KIND as FEDAVG_KIND
 from protocols.payloads.personalize import KIND as PERSONALIZE_KIND
+from protocols.payloads.secagg import SECURE_FEDAVG_KIND, SYNC_KIND
 
 from .plots import plot_lines
-from .simulate import EmulatedFleet, SimConfig, _report, prepare
+from .simulate import EmulatedFleet, SimConfig, _report, _secure_setup, prepare
 
 PIPELINES = {"fed3r-ft-oll": ("fed3r", "fedavg-ft", "oll")}
-PHASE_KINDS = {"fed3r": FED3R_KIND, "fedavg-ft": FEDAVG_KIND, "oll": PERSONALIZE_KIND}
+# task kinds of each phase, plain and secure
+PHASE_KINDS = {"fed3r": (FED3R_KIND, SYNC_KIND), "fedavg-ft": (FEDAVG_KIND, SECURE_FEDAVG_KIND),
+               "oll": (PERSONALIZE_KIND,)}
 METHOD_NAMES = {"global": "global head", "oll": "OLL", "oll_fp": "OLL+FP(ψ)"}
 
 
 def run_pipeline(cfg: SimConfig, quiet: bool = False) -> dict:
-    if cfg.secure:
-        raise ValueError("the fed3r-ft-oll pipeline runs plain jobs; secure FedAvg rounds are not wired yet "
-                         "(run `fedfleet simulate --secure` for Fed3R-Sync)")
     if not cfg.holdout_fraction:
         raise ValueError("personalization needs a local held-out split: set holdout_fraction > 0")
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
@@ -59,22 +61,31 @@ def run_pipeline(cfg: SimConfig, quiet: bool = False) -> dict:
         training_manifest = ensure_training_bundle(cfg.backbone, cfg.image_size, num_classes=10)
     common = {k: prep.fed3r_job[k] for k in ("num_classes", "backbone", "image_size", "weights_sha256",
                                              "feature_dim", "expected_devices", "start_timeout_s", "seed")}
+    fed3r_job, secure, secure_fields = dict(prep.fed3r_job), None, {}
+    if cfg.secure:
+        job_fields, secure = _secure_setup(cfg, out, [p.device_id for p in prep.profiles],
+                                           max(len(s) for s in prep.shards.values()))
+        fed3r_job.update(job_fields)
+        secure_fields = {k: job_fields[k] for k in ("graph", "max_samples", "phase_timeout_s", "identity_file",
+                                                    "device_keys_file")}
     phases: dict[str, dict] = {}
-    with EmulatedFleet(cfg, out, prep.profiles, None, quiet, holdout_file=out / "holdout.npz",
+    with EmulatedFleet(cfg, out, prep.profiles, secure, quiet, holdout_file=out / "holdout.npz",
                        training_manifest=training_manifest) as fleet:
-        say("\n[1/3] fed3r: closed-form classifier from one round of statistics per device")
+        say(f"\n[1/3] fed3r{'-sync (secure aggregation)' if cfg.secure else ''}: closed-form classifier "
+            "from one round of statistics per device")
         fed3r_dir = out / "1-fed3r"
         phases["fed3r"] = {"dir": fed3r_dir, "results": fleet.run_job(
-            "fed3r", prep.fed3r_job, fed3r_dir, out / "eval_features.npz", cfg.devices)}
+            "fed3r-sync" if cfg.secure else "fed3r", fed3r_job, fed3r_dir, out / "eval_features.npz", cfg.devices)}
 
         say(f"\n[2/3] fedavg-ft: FedAvg(ψ) from the Fed3R head, {cfg.ft_rounds} rounds of κ={cfg.clients_per_round}")
         ft_dir = out / "2-fedavg-ft"
         ft_job = {**common, "job_id": "fedavg-ft-sim", "rounds": cfg.ft_rounds,
                   "clients_per_round": cfg.clients_per_round, "round_timeout_s": cfg.round_timeout_s,
                   "client_lr": cfg.ft_client_lr, "server_momentum": cfg.ft_server_momentum,
-                  "init": "fed3r", "initial_head_file": str(fed3r_dir / "model.npz")}
+                  "init": "fed3r", "initial_head_file": str(fed3r_dir / "model.npz"), **secure_fields}
         phases["fedavg-ft"] = {"dir": ft_dir, "results": fleet.run_job(
-            "fedavg", ft_job, ft_dir, out / "eval_features.npz", cfg.ft_rounds * cfg.clients_per_round)}
+            "fedavg-secure" if cfg.secure else "fedavg", ft_job, ft_dir, out / "eval_features.npz",
+            cfg.ft_rounds * cfg.clients_per_round)}
 
         say(f"\n[3/3] oll: personalise the fine-tuned head on every device (FP(ψ) {cfg.fp_epochs} epochs)")
         oll_dir = out / "3-oll"
@@ -92,9 +103,10 @@ def run_pipeline(cfg: SimConfig, quiet: bool = False) -> dict:
     return report
 
 
-def device_compute(workers: list[dict], kind: str) -> dict:
-    """Device compute time of one task kind over the fleet, from the workers' per-device counters."""
-    per_task = [d["by_kind"][kind] for w in workers for d in w["per_device"].values() if kind in d.get("by_kind", {})]
+def device_compute(workers: list[dict], kinds: tuple[str, ...]) -> dict:
+    """Device compute time of a phase's task kinds over the fleet, from the workers' per-device counters."""
+    per_task = [entry for w in workers for d in w["per_device"].values()
+                for kind, entry in d.get("by_kind", {}).items() if kind in kinds]
     tasks = sum(e["tasks"] for e in per_task)
     total = sum(e["compute_s"] for e in per_task)
     return {"tasks": int(tasks), "compute_s": total, "compute_s_per_task": total / tasks if tasks else None,
@@ -217,7 +229,8 @@ held-out samples with a label outside the local training labels (scored by the g
 
 def format_pipeline_report(report: dict) -> str:
     widths = [11, 7, 11, 10, 13, 15, 17, 8, 8]
-    lines = ["", "=== fedfleet simulate: fed3r → fedavg-ft → oll ===",
+    secure = " (secure aggregation)" if report["config"].get("secure") else ""
+    lines = ["", f"=== fedfleet simulate: fed3r → fedavg-ft → oll{secure} ===",
              "".join(h.ljust(w) for h, w in zip(PHASE_HEADER, widths))]
     lines += ["".join(str(v).ljust(w) for v, w in zip(row, widths)) for row in _phase_rows(report)]
     fed3r, oll = report["phases"]["fed3r"], report["phases"]["oll"]
@@ -228,4 +241,17 @@ def format_pipeline_report(report: dict) -> str:
         f"{METHOD_NAMES[m]} {v:.4f}" for m, v in (oll.get("wma") or {}).items()))
     if oll.get("fp_lr_chosen"):
         lines.append(f"FP(ψ) learning rates chosen on local validation splits: {oll['fp_lr_chosen']}")
+    return "\n".join(lines)
+
+
+def compare_reports(plain: dict, secure: dict) -> str:
+    """Per-phase job time and bytes of a secure run next to a plain one (same fleet and config)."""
+    lines = ["", "=== plain vs secure aggregation (same fleet) ===",
+             f"{'phase':11s}{'job s plain':>13s}{'job s secure':>14s}{'ratio':>8s}{'MB up plain':>13s}"
+             f"{'MB up secure':>14s}{'ratio':>8s}{'acc. plain':>12s}{'acc. secure':>13s}"]
+    for name in ("fed3r", "fedavg-ft"):
+        p, s = plain["phases"][name], secure["phases"][name]
+        lines.append(f"{name:11s}{p['job_s']:13.1f}{s['job_s']:14.1f}{s['job_s'] / p['job_s']:8.2f}"
+                     f"{p['bytes_up'] / 1e6:13.1f}{s['bytes_up'] / 1e6:14.1f}{s['bytes_up'] / p['bytes_up']:8.2f}"
+                     f"{p['accuracy']:12.4f}{s['accuracy']:13.4f}")
     return "\n".join(lines)

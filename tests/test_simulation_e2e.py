@@ -27,9 +27,11 @@ def test_smoke_simulation_matches_centralized_ridge(tmp_path, secure):
 
 
 @pytest.mark.slow
-def test_fed3r_ft_oll_pipeline_reports_what_the_devices_data_gives(tmp_path):
-    """The three-phase pipeline over mosquitto; the personalised WMA the aggregator reports is
-    recomputed here from the final head and each reporting device's held-out images."""
+@pytest.mark.parametrize("secure", [False, True], ids=["plain", "secure"])
+def test_fed3r_ft_oll_pipeline_reports_what_the_devices_data_gives(tmp_path, secure):
+    """The three-phase pipeline over mosquitto (secure: Fed3R-Sync and secure FedAvg); the
+    personalised WMA the aggregator reports is recomputed here from the final head and each
+    reporting device's held-out images."""
     import numpy as np
 
     from edge_client.data import load_fashion_mnist
@@ -37,11 +39,12 @@ def test_fed3r_ft_oll_pipeline_reports_what_the_devices_data_gives(tmp_path):
     from fedfleet.pipeline import run_pipeline
 
     cfg = dataclasses.replace(PRESETS["smoke"], out_dir=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache"),
-                              ft_rounds=3, fp_epochs=3)
+                              ft_rounds=3, fp_epochs=3, secure=secure)
     report = run_pipeline(cfg, quiet=True)
     out = tmp_path / "run"
     fed3r, ft, oll = (report["phases"][p] for p in ("fed3r", "fedavg-ft", "oll"))
-    assert fed3r["rel_weight_error"] <= 1e-9 and fed3r["accuracy"] == pytest.approx(fed3r["central_accuracy"], abs=1e-4)
+    assert fed3r["rel_weight_error"] <= (1e-6 if secure else 1e-9)
+    assert fed3r["accuracy"] == pytest.approx(fed3r["central_accuracy"], abs=1e-3 if secure else 1e-4)
     assert ft["rounds"] == 3 and ft["bytes_up"] > 0 and ft["device"]["tasks"] >= ft["contributions"] > 0
     assert oll["bytes_up_per_device"] < ft["bytes_up_per_device"]          # counts only, no tensors
     # independent recomputation of the global head's and OLL's WMA over the devices that reported
