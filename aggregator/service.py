@@ -430,11 +430,11 @@ class AggregatorService:
         missing = [m for m in DURABLE_JOB_METHODS if not callable(getattr(job, m, None))]
         if missing:
             raise TypeError(f"{type(job).__name__} cannot run with a store: it lacks {', '.join(missing)}")
-        if hasattr(job, "on_protocol"):
-            # A secure round's state (keys, shares, masked vectors) is not persisted yet: refuse
-            # rather than promise a recovery that would lose or double-count a group sum.
-            raise TypeError(f"{type(job).__name__} (secure aggregation) cannot run with a store yet; "
-                            "run it without --state")
+        if hasattr(job, "on_protocol") and not self.checkpoints:
+            # A secure round's secrets (keys, shares, masked vectors) are never persisted: what
+            # survives a restart is the job state checkpointed at each round close, so a secure
+            # job needs checkpoints (replaying per-device results is impossible: there are none).
+            raise TypeError(f"{type(job).__name__} (secure aggregation) needs checkpoints to run with a store")
         row = self.store.job(a.job_id)
         config = job.config.to_dict()
         if row is None:
@@ -474,8 +474,12 @@ class AggregatorService:
             if r.round > done_round:                 # the job as it was right after this round opened
                 job.restore_bookkeeping(r.bookkeeping)
             while nxt_payload is not None and nxt_payload.round == r.round:
-                job.apply(nxt_payload.device, job.parse_result(decode(nxt_payload.payload)))
-                replayed += 1
+                # A secure round's members are stored without a payload (the aggregator only ever
+                # held their sum): a sum that was not checkpointed before the crash is lost, its
+                # devices stay un-contributed (eligible again), and nothing is applied twice.
+                if nxt_payload.payload:
+                    job.apply(nxt_payload.device, job.parse_result(decode(nxt_payload.payload)))
+                    replayed += 1
                 nxt_payload = next(payloads, None)
             a.rounds[r.round], a.tasks[r.round] = coord, r.tasks
             a.deadlines[r.round], a.opened_at[r.round] = r.deadline, r.opened_at
@@ -690,6 +694,11 @@ class AggregatorService:
         coord = a.current
         survivors = a.job.settled(coord.round)
         if survivors is None:
+            if not a.job.secure_round_live(coord.round):
+                # restored after a restart: the round's secrets died with the old process, so it
+                # can never produce a sum; close it now (nothing applied) instead of at its deadline
+                log.warning("secure round %d did not survive the restart: closed, nothing applied", coord.round)
+                self._execute(coord.handle(Tick(math.inf)), coord.round)
             return
         # Survivors the round machine already counts as lost (offline after sending their masked
         # input: their data IS in the sum) go first, while the others still keep the round open.

@@ -46,11 +46,13 @@ class SyntheticStats:
         return encode_stats(A, ids, b, acc.n, C)
 
 
-def reference_sums(devices) -> tuple[np.ndarray, np.ndarray]:
-    """(A, B) = Σ ZᵀZ, Σ ZᵀY over the devices, bias column appended: plain numpy."""
+def reference_sums(devices, dtype=np.float64) -> tuple[np.ndarray, np.ndarray]:
+    """(A, B) = Σ ZᵀZ, Σ ZᵀY over the devices, bias column appended: plain numpy (float64 sums of
+    the features as ``dtype`` holds them)."""
     A, B = np.zeros((D + 1, D + 1)), np.zeros((D + 1, C))
     for d in devices:
         Z, y = data_for(d)
+        Z = Z.astype(dtype).astype(np.float64)
         Zb = np.hstack([Z, np.ones((len(Z), 1))])
         A += Zb.T @ Zb
         B += Zb.T @ np.eye(C)[y]
@@ -76,10 +78,44 @@ def head_training(device: str):
     return HeadTrainingTask(Z.astype(np.float32), y, lambda b, s, w: Features())
 
 
+@dataclasses.dataclass
+class SecureKeys:
+    """Identities of a secure job: the aggregator's and every device's, written where the job
+    config points (``identity_file``, ``device_keys_file``)."""
+
+    aggregator: object
+    devices: dict
+
+    @classmethod
+    def create(cls, workdir: Path, devices) -> "SecureKeys":
+        from protocols.identity import DeviceIdentity
+
+        keys = cls(DeviceIdentity.generate("aggregator"), {d: DeviceIdentity.generate(d) for d in devices})
+        (workdir / "aggregator.pem").write_bytes(keys.aggregator.to_pem())
+        (workdir / "device_keys.json").write_text(json.dumps({d: i.public_key_bytes.hex()
+                                                              for d, i in keys.devices.items()}))
+        return keys
+
+    def job_fields(self, workdir: Path) -> dict:
+        return {"identity_file": str(workdir / "aggregator.pem"), "device_keys_file": str(workdir / "device_keys.json")}
+
+
+def secure_fed3r_handlers(device: str, keys: SecureKeys) -> dict:
+    """Fed3R-Sync on the device: real dense statistics of its synthetic features under SecAgg."""
+    from edge_client.tasks.fed3r_stats import Fed3RStatsTask
+    from edge_client.tasks.secure_fed3r import SecureFed3R
+    from protocols.payloads.secagg import SECAGG_TYPE, SYNC_KIND
+
+    Z, y = data_for(device)
+    handler = SecureFed3R(keys.devices[device], keys.aggregator.public_key_bytes,
+                          Fed3RStatsTask(Z, y, lambda b, s, w: Features()))
+    return {SYNC_KIND: handler, SECAGG_TYPE: handler}
+
+
 def job_config(devices, kind: str = "fed3r", **over) -> dict:
     cfg = {"job_id": "ops", "num_classes": C, "feature_dim": D, "clients_per_round": 3, "round_timeout_s": 60,
            "expected_devices": len(devices), "start_timeout_s": 5}
-    if kind == "fed3r":
+    if kind in ("fed3r", "fed3r-sync"):
         cfg["max_attempts"] = 5
     else:
         cfg.update(rounds=4, local_epochs=2, batch_size=8, client_lr=0.05, server_momentum=0.9, seed=5)
@@ -92,17 +128,22 @@ class Fleet:
 
     def __init__(self, broker_url: str, devices, topics: Topics = Topics(), gates: dict | None = None,
                  credentials: dict | None = None, tls_ca: str | None = None, retry_after_s: float = 0.5,
-                 kind: str = "fed3r"):
+                 kind: str = "fed3r", secure: "SecureKeys | None" = None):
         self.agents = []
         for d in devices:
             user, password = (credentials or {}).get(d, (None, None))
             cfg = BrokerConfig.from_url(broker_url, tls_ca=tls_ca)
             if user:
                 cfg = dataclasses.replace(cfg, username=user, password=password)
-            handlers = ({"fed3r.stats": SyntheticStats(d, (gates or {}).get(d))} if kind == "fed3r"
-                        else {"fedavg.head": head_training(d)})
-            self.agents.append(DeviceAgent(d, cfg, handlers,
-                                           topics=topics, retry_after_s=retry_after_s, tick_s=0.1))
+            protocol_handlers = {}
+            if kind == "fed3r":
+                handlers = {"fed3r.stats": SyntheticStats(d, (gates or {}).get(d))}
+            elif kind == "fed3r-sync":
+                handlers, protocol_handlers = {}, secure_fed3r_handlers(d, secure)
+            else:
+                handlers = {"fedavg.head": head_training(d)}
+            self.agents.append(DeviceAgent(d, cfg, handlers, topics=topics, retry_after_s=retry_after_s, tick_s=0.1,
+                                           protocol_handlers=protocol_handlers))
 
     def __enter__(self) -> "Fleet":
         for a in self.agents:

@@ -9,8 +9,9 @@ masked vectors and that sum.
 The service speaks the sub-protocol through the hooks ``on_protocol`` (a ``secagg`` envelope
 from a device), ``on_protocol_tick`` (phase timers) — both return ``(device, envelope)`` pairs
 to publish — and ``settled(round)``, which tells it once which devices' data the round's sum
-holds, so the round machine records them as accepted. ``abort_secure_round`` is for the
-round's deadline.
+holds, so the round machine records them as accepted; ``secure_round_live(round)`` tells it
+whether a round can still produce a sum (not after a restart: secrets are never persisted, the
+job's state is checkpointed at each round close). ``abort_secure_round`` is for the deadline.
 
 The mixer provides ``self.identity`` (the aggregator's Ed25519 identity), ``self.registry``
 (enrolled device keys) and ``self.config`` with ``job_id``, ``graph`` and ``phase_timeout_s``.
@@ -95,6 +96,10 @@ class SecureGroupRounds:
         if self.secure is not None and self.secure.phase != before:
             self._phase_at = now
         return self._route(out)
+
+    def secure_round_live(self, round_: int) -> bool:
+        """Whether round ``round_`` has a running SecAgg instance (False after a restart)."""
+        return self.secure is not None and self.secure.config.round_id == round_
 
     def settled(self, round_: int) -> tuple[str, ...] | None:
         """Devices whose data the round's sum holds (empty: failed), once; None while running."""
