@@ -8,18 +8,25 @@ neighbours. The
 plaintext round sends the same fixed-point vectors in the same signed envelope (SHA-256 over the
 array + Ed25519), and the server verifies and adds them; "unsigned" drops the signature too.
 
-All times are CPU time of the running thread (time.thread_time), not wall clock: the bench
-machine is shared, and wall-clock figures there swing several-fold with other users' load,
-while CPU time measures the work itself. `openssl speed` also reports CPU-time throughput.
+Two clocks. CPU time of the process (time.process_time, all threads: the work itself, which
+other users' load on a shared machine does not inflate; `openssl speed` also reports CPU-time
+throughput) and wall clock (time.perf_counter: what the server's `workers` threads for the
+final mask expansion shorten, but which swings with the machine's load -- the load average is
+printed before and after). The plaintext server verifies and adds on one thread, as the secure
+server does with its masked inputs; only the secure round's final unmasking is parallel.
 
 Reported: client time per device (summed over devices, run one after another here, divided by
-n), server time (and the part spent unmasking), bytes sent + received per surviving device, ratios secure / plaintext, and that the secure sum equals the plaintext
-sum exactly. Then the server's mask expansion (AES-128-CTR keystream + uint64 add, all seeds
-block by block) against the raw AES-128-CTR throughput of `cryptography` on this machine, and
-`openssl speed` when the binary is there.
+n), server CPU and wall time (and the part spent unmasking), bytes sent + received per surviving
+device, ratios secure / plaintext, and that the secure sum equals the plaintext sum exactly.
+For each round, the unmasking's mask expansion is run again on the same seeds with 1 thread and
+with `workers` threads (same run, same load), checking both give the same bits. Then the mask
+expansion (AES-128-CTR keystream + uint64 add, all seeds block by block) against the raw
+AES-128-CTR throughput of `cryptography` on this machine, and `openssl speed` when the binary is
+there.
 
     .venv/bin/python bench/secagg.py --quick     # < 3 min on 2 cores
     .venv/bin/python bench/secagg.py             # all combinations that fit in a few minutes
+    .venv/bin/python bench/secagg.py --n 1000 --m 1000000 --graphs regular   # the issue's case, ~90 s
 """
 
 from __future__ import annotations
@@ -40,7 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from protocols.identity import DeviceIdentity  # noqa: E402
 from protocols.secagg import AggregateReady, MaskedInput, Phase, RoundConfig  # noqa: E402
-from protocols.secagg.crypto import apply_masks  # noqa: E402
+from protocols.secagg import server as server_module  # noqa: E402
+from protocols.secagg.crypto import apply_masks, default_mask_workers  # noqa: E402
 from protocols.secagg.driver import WireFrame, make_identities, run_round  # noqa: E402
 from protocols.secagg.server import ServerSecAgg  # noqa: E402
 
@@ -65,33 +73,42 @@ def plaintext_round(config: RoundConfig, identities, inputs, survivors, signed: 
     """Each survivor encodes its vector and sends it in a MaskedInput envelope (signed or not);
     the server decodes, verifies and adds."""
     total = np.zeros(config.vector_length, dtype=np.uint64)
-    client_seconds = server_seconds = 0.0
+    client_seconds = server_seconds = server_wall = 0.0
     upload = 0
     for device in survivors:
-        started = time.thread_time()
+        started = time.process_time()
         message = MaskedInput(job_id=config.job_id, round_id=config.round_id, group_id=config.group_id,
                               sender=device, recipient=config.aggregator_id,
                               masked_input=config.codec.encode(inputs(device)))
         if signed:
             message = message.signed(identities[device])
         frame = WireFrame.from_message(message)
-        client_seconds += time.thread_time() - started
+        client_seconds += time.process_time() - started
         upload += frame.size
-        started = time.thread_time()
+        started, started_wall = time.process_time(), time.perf_counter()
         received = frame.to_message()
         if signed:
             received.verify(identities[device].public_key_bytes)
         np.add(total, received.masked_input, out=total)
-        server_seconds += time.thread_time() - started
-    return {"sum": total, "client_seconds": client_seconds, "server_seconds": server_seconds, "upload": upload}
+        server_seconds += time.process_time() - started
+        server_wall += time.perf_counter() - started_wall
+    return {"sum": total, "client_seconds": client_seconds, "server_seconds": server_seconds,
+            "server_wall_s": server_wall, "upload": upload}
 
 
 DROPOUT_PHASES = {"advertise": Phase.ADVERTISE_KEYS, "share_keys": Phase.SHARE_KEYS,
                   "masked_input": Phase.MASKED_INPUT, "unmask": Phase.UNMASK}
 
 
+def timed(function, *args, **kwargs) -> tuple[float, float]:
+    """(CPU seconds of the process, wall seconds) of one call."""
+    started, started_wall = time.process_time(), time.perf_counter()
+    function(*args, **kwargs)
+    return time.process_time() - started, time.perf_counter() - started_wall
+
+
 def secure_round(graph: str, n: int, m: int, consistency_check: bool, base: np.ndarray,
-                 dropout_phase: Phase) -> dict:
+                 dropout_phase: Phase, workers: int) -> dict:
     identities = {i.device_id: i for i in make_identities(n)}
     aggregator = DeviceIdentity.generate("aggregator")
     config = RoundConfig.create(job_id="bench", round_id=1, group_id="g", aggregator_id="aggregator",
@@ -101,55 +118,92 @@ def secure_round(graph: str, n: int, m: int, consistency_check: bool, base: np.n
     dropped = config.members[:: max(1, round(1 / DROPOUT))][: round(DROPOUT * n)]
     dropouts = {device: dropout_phase for device in dropped}
 
-    unmask_seconds = []
-    original_finish = ServerSecAgg._finish
+    # bench-only instrumentation: the share of server time spent unmasking, and the seeds whose
+    # masks the server removed (to time their expansion again with 1 and `workers` threads)
+    unmask_seconds, unmask_wall, removed_seeds = [], [], []
+    original_finish, original_apply = ServerSecAgg._finish, server_module.apply_masks
 
-    def timed_finish(server):  # bench-only instrumentation: share of server time spent unmasking
-        started = time.thread_time()
+    def timed_finish(server):
+        started, started_wall = time.process_time(), time.perf_counter()
         try:
             return original_finish(server)
         finally:
-            unmask_seconds.append(time.thread_time() - started)
+            unmask_seconds.append(time.process_time() - started)
+            unmask_wall.append(time.perf_counter() - started_wall)
 
-    ServerSecAgg._finish = timed_finish
+    def recording_apply(accumulator, signed_seeds, workers=1):
+        removed_seeds.extend(signed_seeds)
+        return original_apply(accumulator, signed_seeds, workers=workers)
+
+    ServerSecAgg._finish, server_module.apply_masks = timed_finish, recording_apply
     try:
         started = time.perf_counter()
-        run = run_round(config, aggregator, identities, inputs, dropouts=dropouts)
+        run = run_round(config, aggregator, identities, inputs, dropouts=dropouts, server_workers=workers)
         wall = time.perf_counter() - started
     finally:
-        ServerSecAgg._finish = original_finish
+        ServerSecAgg._finish, server_module.apply_masks = original_finish, original_apply
     if not isinstance(run.outcome, AggregateReady):
         raise RuntimeError(f"secure round failed: {run.outcome}")
     survivors = run.outcome.survivors
     signed = plaintext_round(config, identities, inputs, survivors, signed=True)
     unsigned = plaintext_round(config, identities, inputs, survivors, signed=False)
+    serial_total, parallel_total = np.zeros(m, np.uint64), np.zeros(m, np.uint64)
+    serial_cpu, serial_wall = timed(apply_masks, serial_total, removed_seeds, workers=1)
+    parallel_cpu, parallel_wall = timed(apply_masks, parallel_total, removed_seeds, workers=workers)
     return {
         "graph": "SecAgg+" if graph == "regular" else "complete", "n": n, "m": m, "degree": config.degree,
         "dropped": len(dropped), "exact": bool(np.array_equal(run.outcome.sum_uint64, signed["sum"])),
         "secure_client_ms": 1e3 * run.client_seconds / n, "plain_client_ms": 1e3 * signed["client_seconds"] / n,
         "secure_server_s": run.server_seconds, "unmask_s": sum(unmask_seconds),
         "plain_server_s": signed["server_seconds"], "unsigned_server_s": unsigned["server_seconds"],
+        "secure_server_wall_s": run.server_wall_seconds, "unmask_wall_s": sum(unmask_wall),
+        "plain_server_wall_s": signed["server_wall_s"], "workers": workers,
+        "masks_removed": len(removed_seeds), "expansion_1_thread_cpu_s": serial_cpu,
+        "expansion_1_thread_wall_s": serial_wall, "expansion_parallel_cpu_s": parallel_cpu,
+        "expansion_parallel_wall_s": parallel_wall,
+        "expansion_identical": bool(np.array_equal(serial_total, parallel_total)),
         # per surviving device: what one contributor sends and receives
         "secure_bytes_per_device": (run.upload_bytes + run.download_bytes) / len(survivors),
         "plain_bytes_per_device": signed["upload"] / len(survivors), "wall_s": wall,
     }
 
 
-def raw_aes_ctr_gbps(total_bytes: int = 1 << 28, chunk: int = 1 << 18) -> float:
+def raw_aes_ctr_gbps(total_bytes: int = 1 << 28, chunk: int = 1 << 18) -> tuple[float, float]:
+    """One thread's raw AES-128-CTR keystream: (GB/s of CPU time, GB/s of wall clock)."""
     encryptor = Cipher(algorithms.AES(os.urandom(16)), modes.CTR(bytes(16))).encryptor()
     zeros, out = bytes(chunk), bytearray(chunk + 16)
-    started = time.thread_time()
-    for _ in range(total_bytes // chunk):
-        encryptor.update_into(zeros, out)
-    return total_bytes / (time.thread_time() - started) / 1e9
+
+    def run():
+        for _ in range(total_bytes // chunk):
+            encryptor.update_into(zeros, out)
+
+    cpu, wall = timed(run)
+    return total_bytes / cpu / 1e9, total_bytes / wall / 1e9
 
 
-def mask_expansion_gbps(m: int = 10**6, seeds: int = 32) -> float:
+def mask_expansion_gbps(workers: int, m: int = 10**6, seeds: int = 32) -> tuple[float, float]:
+    """apply_masks with `workers` threads: (GB/s of CPU time, all threads; GB/s of wall clock)."""
     accumulator = np.zeros(m, dtype=np.uint64)
     signed_seeds = [(os.urandom(32), 1 if i % 2 else -1) for i in range(seeds)]
-    started = time.thread_time()
-    apply_masks(accumulator, signed_seeds)
-    return seeds * m * 8 / (time.thread_time() - started) / 1e9
+    cpu, wall = timed(apply_masks, accumulator, signed_seeds, workers=workers)
+    return seeds * m * 8 / cpu / 1e9, seeds * m * 8 / wall / 1e9
+
+
+def expansion_scaling(seeds: int, m: int) -> list[dict]:
+    """apply_masks of `seeds` masks of m words with 1, 2, 4, ... threads up to the CPU count
+    (the unmasking at n = 1000, k = 20, 10 % dropped after ShareKeys is ~2 700 masks); every
+    result is compared with the 1-thread one."""
+    signed_seeds = [(os.urandom(32), 1 if i % 2 else -1) for i in range(seeds)]
+    counts = sorted({1, *(2**i for i in range(1, 8) if 2**i <= (os.cpu_count() or 1))})
+    reference, rows = None, []
+    for workers in counts:
+        accumulator = np.zeros(m, dtype=np.uint64)
+        cpu, wall = timed(apply_masks, accumulator, signed_seeds, workers=workers)
+        if reference is None:
+            reference = accumulator
+        rows.append({"workers": workers, "cpu_s": cpu, "wall_s": wall,
+                     "identical": bool(np.array_equal(accumulator, reference))})
+    return rows
 
 
 def openssl_aes_ctr_gbps() -> float | None:
@@ -178,6 +232,12 @@ def main(argv=None) -> int:
     parser.add_argument("--n", type=int, nargs="+", help="only these group sizes")
     parser.add_argument("--m", type=int, nargs="+", help="only these vector lengths")
     parser.add_argument("--graphs", nargs="+", choices=("complete", "regular"), help="only these graphs")
+    parser.add_argument("--workers", type=int, default=default_mask_workers(),
+                        help="server threads for the final mask expansion (default: usable cores, "
+                             f"capped; here {default_mask_workers()})")
+    parser.add_argument("--scaling", type=int, metavar="SEEDS", default=0,
+                        help="also time the expansion of SEEDS masks of the largest m with 1, 2, 4, ... threads "
+                             "(2700 = the unmasking at n=1000, k=20, 10%% dropped after ShareKeys)")
     parser.add_argument("--json", type=Path, help="write the rows as JSON here")
     args = parser.parse_args(argv)
 
@@ -197,42 +257,77 @@ def main(argv=None) -> int:
 
     base = np.random.default_rng(0).uniform(-BOUND, BOUND, max(m for _, _, m in grid))
     dropout_phase = DROPOUT_PHASES[args.dropout_after]
+    load_before = os.getloadavg()
     print(f"secure aggregation vs plaintext; {int(DROPOUT * 100)}% of devices never send "
-          f"their {dropout_phase.value} message; "
-          f"consistency check {'on' if args.consistency_check else 'off'}; {os.cpu_count()} CPUs\n")
+          f"their {dropout_phase.value} message; consistency check {'on' if args.consistency_check else 'off'}; "
+          f"{os.cpu_count()} CPUs, server mask expansion on {args.workers} thread(s); "
+          f"load average {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}\n")
     header = (f"{'graph':9} {'n':>5} {'m':>8} {'k':>4} | {'client ms/dev':>13} {'plain':>7} {'ratio':>6} | "
-              f"{'server s':>8} {'unmask':>7} {'plain':>7} {'ratio':>6} {'unsigned':>8} | "
+              f"{'CPU s':>7} {'unmask':>7} {'plain':>7} {'ratio':>6} {'unsigned':>8} | "
+              f"{'wall s':>7} {'unmask':>7} {'plain':>7} {'ratio':>6} | "
               f"{'MB/surv':>7} {'plain':>7} {'ratio':>6} | exact")
     print(header)
     print("-" * len(header))
     rows = []
     for graph, n, m in grid:
-        row = secure_round(graph, n, m, args.consistency_check, base[:m], dropout_phase)
+        row = secure_round(graph, n, m, args.consistency_check, base[:m], dropout_phase, args.workers)
         rows.append(row)
         print(f"{row['graph']:9} {n:>5} {m:>8} {row['degree']:>4} | {row['secure_client_ms']:>13.2f} "
               f"{row['plain_client_ms']:>7.2f} {row['secure_client_ms'] / row['plain_client_ms']:>6.2f} | "
-              f"{row['secure_server_s']:>8.3f} {row['unmask_s']:>7.3f} {row['plain_server_s']:>7.3f} "
+              f"{row['secure_server_s']:>7.3f} {row['unmask_s']:>7.3f} {row['plain_server_s']:>7.3f} "
               f"{row['secure_server_s'] / row['plain_server_s']:>6.2f} {row['unsigned_server_s']:>8.3f} | "
+              f"{row['secure_server_wall_s']:>7.3f} {row['unmask_wall_s']:>7.3f} {row['plain_server_wall_s']:>7.3f} "
+              f"{row['secure_server_wall_s'] / row['plain_server_wall_s']:>6.2f} | "
               f"{row['secure_bytes_per_device'] / 1e6:>7.3f} {row['plain_bytes_per_device'] / 1e6:>7.3f} "
               f"{row['secure_bytes_per_device'] / row['plain_bytes_per_device']:>6.2f} | {row['exact']}",
               flush=True)
+    print(f"\nunmasking's mask expansion, run again on the same seeds (CPU s / wall s; 1 thread -> "
+          f"{args.workers} threads; same bits?); last column: wall ratio the round would have had "
+          "with 1 thread (its wall time with the expansion's 1-thread wall time swapped in)")
+    for row in rows:
+        one_thread_wall = (row["secure_server_wall_s"] - row["expansion_parallel_wall_s"]
+                           + row["expansion_1_thread_wall_s"]) / row["plain_server_wall_s"]
+        print(f"{row['graph']:9} {row['n']:>5} {row['m']:>8}: {row['masks_removed']:>5} masks  "
+              f"{row['expansion_1_thread_cpu_s']:.3f} / {row['expansion_1_thread_wall_s']:.3f} -> "
+              f"{row['expansion_parallel_cpu_s']:.3f} / {row['expansion_parallel_wall_s']:.3f}  "
+              f"(wall x{row['expansion_1_thread_wall_s'] / max(row['expansion_parallel_wall_s'], 1e-9):.2f}) "
+              f"{row['expansion_identical']}  | wall ratio with 1 thread {one_thread_wall:.2f}")
     for key, why in skipped.items():
         print(f"skipped {key}: {why}")
 
-    raw = raw_aes_ctr_gbps()
-    expansion = mask_expansion_gbps()
+    raw_cpu, raw_wall = raw_aes_ctr_gbps()
+    expansion_cpu, expansion_wall = mask_expansion_gbps(workers=1)
+    parallel_cpu, parallel_wall = mask_expansion_gbps(workers=args.workers)
     openssl = openssl_aes_ctr_gbps()
-    print(f"\nserver mask expansion (AES-128-CTR + uint64 add, blocked): {expansion:.2f} GB/s of CPU time")
-    print(f"raw AES-128-CTR keystream via cryptography:              {raw:.2f} GB/s  "
-          f"(expansion / raw = {expansion / raw:.2f})")
+    print(f"\nmask expansion (AES-128-CTR + uint64 add, blocked), 1 thread:  {expansion_cpu:.2f} GB/s of CPU time")
+    print(f"raw AES-128-CTR keystream via cryptography, 1 thread:        {raw_cpu:.2f} GB/s of CPU time  "
+          f"(expansion / raw = {expansion_cpu / raw_cpu:.2f})")
+    print(f"mask expansion on {args.workers} thread(s), wall clock:               {parallel_wall:.2f} GB/s "
+          f"(/ raw 1-thread wall {raw_wall:.2f} GB/s = {parallel_wall / raw_wall:.2f}; "
+          f"CPU time {parallel_cpu:.2f} GB/s)")
     if openssl:
-        print(f"openssl speed -evp aes-128-ctr (16 KiB blocks):           {openssl:.2f} GB/s")
-    if not all(row["exact"] for row in rows):
-        print("ERROR: a secure sum differed from the plaintext sum")
+        print(f"openssl speed -evp aes-128-ctr (16 KiB blocks), 1 thread:    {openssl:.2f} GB/s")
+    scaling = expansion_scaling(args.scaling, max(m for _, _, m in grid)) if args.scaling else []
+    if scaling:
+        print(f"\nexpansion of {args.scaling} masks of {max(m for _, _, m in grid)} words by thread count "
+              "(CPU s all threads / wall s / wall speed-up / same bits as 1 thread):")
+        for entry in scaling:
+            print(f"  {entry['workers']:>3} threads: {entry['cpu_s']:7.3f} {entry['wall_s']:7.3f} "
+                  f"x{scaling[0]['wall_s'] / entry['wall_s']:.2f} {entry['identical']}")
+    load_after = os.getloadavg()
+    print(f"load average at the end: {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f} "
+          f"on {os.cpu_count()} CPUs (wall-clock figures are only as good as the machine is idle)")
+    if not all(row["exact"] and row["expansion_identical"] for row in rows) \
+            or not all(entry["identical"] for entry in scaling):
+        print("ERROR: a secure sum differed from the plaintext sum, or parallel from serial expansion")
         return 1
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "mask_expansion_gbps": expansion, "raw_aes_ctr_gbps": raw,
-                                         "openssl_aes_ctr_gbps": openssl}, indent=2))
+        args.json.write_text(json.dumps({"rows": rows, "workers": args.workers,
+                                         "mask_expansion_gbps": expansion_cpu, "raw_aes_ctr_gbps": raw_cpu,
+                                         "parallel_expansion_wall_gbps": parallel_wall,
+                                         "raw_aes_ctr_wall_gbps": raw_wall, "openssl_aes_ctr_gbps": openssl,
+                                         "scaling": scaling, "load_average": [load_before, load_after]},
+                                        indent=2))
     return 0
 
 

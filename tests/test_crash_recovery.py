@@ -166,7 +166,7 @@ def test_secure_fed3r_sync_job_survives_sigkill(tmp_path):
     work = tmp_path / "secure"
     work.mkdir()
     keys = SecureKeys.create(work, DEVICES)
-    prepare(work, DEVICES, kind="fed3r-sync", clients_per_round=4, phase_timeout_s=2, max_samples=100,
+    prepare(work, DEVICES, kind="fed3r-sync", clients_per_round=4, phase_timeout_s=6, max_samples=100,
             **keys.job_fields(work))
     state = work / "state.db"
     with MosquittoBroker() as broker, Fleet(broker.url, DEVICES, kind="fed3r-sync", secure=keys):

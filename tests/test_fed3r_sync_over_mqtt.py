@@ -84,7 +84,10 @@ def test_secure_fed3r_sync_equals_centralized_ridge_over_survivors(broker, tmp_p
     assert SECAGG_TYPE in kinds and "result" not in kinds
 
 
-def test_secure_jobs_refuse_a_durable_store_instead_of_pretending(tmp_path):
+def test_secure_jobs_need_checkpoints_to_run_with_a_durable_store(tmp_path):
+    """Without checkpoints a restart would have to replay per-device results, which a secure job
+    never has: refuse that combination instead of pretending (with checkpoints: see
+    test_crash_recovery.py::test_secure_fed3r_sync_job_survives_sigkill)."""
     from aggregator.store import Store
 
     ids = ["a", "b", "c"]
@@ -92,4 +95,5 @@ def test_secure_jobs_refuse_a_durable_store_instead_of_pretending(tmp_path):
     job = Fed3RSyncJob(Fed3RSyncConfig(job_id="s", num_classes=C, feature_dim=D, max_samples=10),
                        identity=DeviceIdentity.generate("aggregator"), registry=reg)
     with pytest.raises(TypeError, match="secure aggregation"):
-        AggregatorService(job, BrokerConfig(), tmp_path, store=Store(tmp_path / "s.db"))
+        AggregatorService(job, BrokerConfig(), tmp_path, store=Store(tmp_path / "s.db"), checkpoints=False)
+    AggregatorService(job, BrokerConfig(), tmp_path, store=Store(tmp_path / "t.db"))     # checkpoints: accepted

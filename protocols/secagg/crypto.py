@@ -13,13 +13,24 @@
 cache-sized blocks and, for each block, runs every seed's keystream through one small buffer,
 so the accumulator block and the keystream stay in L2 instead of streaming 8 bytes per element
 per seed through memory. Arithmetic is numpy uint64, which wraps modulo 2^64 by itself.
+
+With `workers` > 1 the vector is cut into that many contiguous slices on block boundaries and
+each thread applies every seed to its own slice, starting the CTR counter at the slice's first
+AES block (a keystream can be entered at any block), so no two threads write the same word and
+the result is bit-identical to the serial pass whatever the split. Threads, not processes:
+`cryptography` 50.0.2 (checked: a Python thread keeps running during a long update_into)
+releases the GIL inside `update_into`, and numpy releases it inside its uint64 add; with an
+older `cryptography` that holds the GIL the threads still give the same bits, only slower.
+Work is per slice, not per seed, so the accumulator is never copied and nothing has to be
+reduced at the end.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-from typing import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterable, Sequence
 
 import numpy as np
 from cryptography.exceptions import InvalidTag
@@ -39,6 +50,12 @@ _PRG_DOMAIN = b"fedfleet/secagg/prg/v1"
 _HKDF_SALT = b"fedfleet/secagg/hkdf/v1"
 # 32768 uint64 = 256 KiB per block: accumulator block + keystream buffer fit in a typical L2.
 MASK_BLOCK_WORDS = 1 << 15
+AES_BLOCK_WORDS = 2  # one 16-byte AES block = two uint64 words
+# Default thread count for server-side mask expansion: the usable cores, at most this many. Every
+# update_into / np.add call hands the GIL over twice, so threads beyond a few queue on it: 2 700
+# masks of 10^6 words on a 16-core Xeon ran 1.8x / 2.6x / 2.6x / 1.7x faster (wall) with 2 / 4 /
+# 8 / 16 threads than with one, at 1.1x / 1.3x / 1.5x / 1.8x the CPU time.
+MAX_DEFAULT_MASK_WORKERS = 4
 
 
 def generate_x25519() -> X25519PrivateKey:
@@ -94,9 +111,29 @@ def aead_decrypt(key: bytes, blob: bytes, associated_data: bytes) -> bytes:
         raise DecryptionError("share ciphertext failed authentication (corrupted, or wrong key/context)") from None
 
 
-def _keystream_encryptor(seed: bytes):
-    key = hashlib.sha256(_PRG_DOMAIN + seed).digest()[:16]
-    return Cipher(algorithms.AES(key), modes.CTR(bytes(16))).encryptor()
+def default_mask_workers() -> int:
+    """Usable CPU cores of this process (affinity-aware), capped at MAX_DEFAULT_MASK_WORKERS."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, MAX_DEFAULT_MASK_WORKERS))
+
+
+def check_workers(workers: object) -> int:
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
+    return workers
+
+
+def _prg_key(seed: bytes) -> bytes:
+    return hashlib.sha256(_PRG_DOMAIN + seed).digest()[:16]
+
+
+def _keystream_encryptor(key: bytes, first_aes_block: int):
+    """AES-128-CTR positioned at keystream block `first_aes_block` (the counter is the whole
+    128-bit big-endian IV, starting at 0 for word 0)."""
+    return Cipher(algorithms.AES(key), modes.CTR(first_aes_block.to_bytes(16, "big"))).encryptor()
 
 
 def expand_mask(seed: bytes, length: int) -> np.ndarray:
@@ -106,18 +143,46 @@ def expand_mask(seed: bytes, length: int) -> np.ndarray:
     return out
 
 
-def apply_masks(accumulator: np.ndarray, signed_seeds: Iterable[tuple[bytes, int]]) -> None:
-    """accumulator += sum(sign * PRG(seed)) mod 2^64, in place; sign is +1 or -1."""
+def mask_slices(length: int, workers: int) -> list[tuple[int, int]]:
+    """[start, stop) word ranges, one per thread: at most `workers`, each a whole number of
+    MASK_BLOCK_WORDS (so every start is AES-block aligned) except for the tail of the last."""
+    blocks = -(-length // MASK_BLOCK_WORDS)
+    parts = max(1, min(workers, blocks))
+    bounds = [min(length, (i * blocks // parts) * MASK_BLOCK_WORDS) for i in range(parts + 1)]
+    bounds[-1] = length
+    return [(bounds[i], bounds[i + 1]) for i in range(parts) if bounds[i] < bounds[i + 1]]
+
+
+def apply_masks(accumulator: np.ndarray, signed_seeds: Iterable[tuple[bytes, int]], workers: int = 1) -> None:
+    """accumulator += sum(sign * PRG(seed)) mod 2^64, in place; sign is +1 or -1. `workers`
+    threads each take one slice of the vector; the result does not depend on `workers`."""
     if accumulator.dtype != np.uint64 or accumulator.ndim != 1 or not accumulator.flags.c_contiguous:
         raise TypeError("accumulator must be a contiguous 1-D uint64 array")
-    streams: list[tuple[object, int]] = []
+    check_workers(workers)
+    keys: list[tuple[bytes, int]] = []
     for seed, sign in signed_seeds:
         if sign not in (1, -1):
             raise ValueError("mask sign must be +1 or -1")
-        streams.append((_keystream_encryptor(seed), sign))
-    if not streams or accumulator.size == 0:
+        keys.append((_prg_key(seed), sign))
+    if not keys or accumulator.size == 0:
         return
-    length = accumulator.size
+    slices = mask_slices(accumulator.size, workers)
+    if len(slices) == 1:
+        _apply_masks_to_slice(accumulator, keys, 0)
+        return
+    with ThreadPoolExecutor(max_workers=len(slices), thread_name_prefix="secagg-mask") as pool:
+        futures = [pool.submit(_apply_masks_to_slice, accumulator[start:stop], keys, start)
+                   for start, stop in slices]
+        for future in futures:
+            future.result()  # re-raises a worker's exception here
+
+
+def _apply_masks_to_slice(target: np.ndarray, keys: Sequence[tuple[bytes, int]], first_word: int) -> None:
+    """target (words first_word .. first_word + len - 1 of the vector) += sum(sign * PRG) there."""
+    if first_word % AES_BLOCK_WORDS:
+        raise ValueError("a mask slice must start on an AES block boundary")
+    streams = [(_keystream_encryptor(key, first_word // AES_BLOCK_WORDS), sign) for key, sign in keys]
+    length = target.size
     block = min(MASK_BLOCK_WORDS, length)
     zeros = bytes(block * 8)
     # update_into wants room for one extra cipher block; CTR never uses it.
@@ -128,11 +193,10 @@ def apply_masks(accumulator: np.ndarray, signed_seeds: Iterable[tuple[bytes, int
         n_words = stop - start
         source = zeros if n_words == block else zeros[: n_words * 8]
         words = keystream_words if n_words == block else keystream_words[:n_words]
-        target = accumulator[start:stop]
+        chunk = target[start:stop]
         for encryptor, sign in streams:
             encryptor.update_into(source, keystream)
             if sign > 0:
-                np.add(target, words, out=target)
+                np.add(chunk, words, out=chunk)
             else:
-                np.subtract(target, words, out=target)
-
+                np.subtract(chunk, words, out=chunk)

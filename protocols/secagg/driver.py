@@ -66,9 +66,13 @@ class RoundRun:
     errors: list[tuple[str, SecAggError]] = field(default_factory=list)  # (receiver, error)
     upload_bytes: int = 0      # client -> server, all clients
     download_bytes: int = 0    # server -> client, all clients
-    # CPU time (time.thread_time), so that other load on a shared machine does not count
+    # CPU time of this process (time.process_time: all its threads, so the server's mask-expansion
+    # threads count), so that other load on a shared machine does not; clients and server take
+    # turns on one thread here, so each interval holds only one side's work
     client_seconds: float = 0.0  # summed over clients: handle() + serialisation of their replies
     server_seconds: float = 0.0  # handle() + decoding of uploads + serialisation of its messages
+    # wall clock of the same server intervals: what parallel mask expansion shortens
+    server_wall_seconds: float = 0.0
     server_view: list[WireFrame] | None = None  # every frame the server received, if recorded
 
 
@@ -78,9 +82,10 @@ def make_identities(n: int, prefix: str = "device") -> list[DeviceIdentity]:
 
 
 def build_round(config: RoundConfig, server_identity: DeviceIdentity,
-                client_identities: Mapping[str, DeviceIdentity]) -> tuple[ServerSecAgg, dict[str, ClientSecAgg]]:
+                client_identities: Mapping[str, DeviceIdentity],
+                server_workers: int | None = None) -> tuple[ServerSecAgg, dict[str, ClientSecAgg]]:
     registry = IdentityRegistry({device: identity.public_key_bytes for device, identity in client_identities.items()})
-    server = ServerSecAgg(config, server_identity, registry)
+    server = ServerSecAgg(config, server_identity, registry, workers=server_workers)
     clients = {device: ClientSecAgg(identity, config.aggregator_id, server_identity.public_key_bytes,
                                     job_id=config.job_id, round_id=config.round_id, group_id=config.group_id)
                for device, identity in client_identities.items() if device in config.members}
@@ -92,14 +97,14 @@ def run_round(config: RoundConfig, server_identity: DeviceIdentity,
               inputs: Mapping[str, np.ndarray] | Callable[[str], np.ndarray], *,
               dropouts: Mapping[str, Phase] | None = None,
               intercept: Callable[[Message], list[Message]] | None = None,
-              record_server_view: bool = False) -> RoundRun:
+              record_server_view: bool = False, server_workers: int | None = None) -> RoundRun:
     """Run one round to its end. `inputs` is asked for a device's vector only when that device
     builds its masked input, so huge groups need not hold every vector at once. `intercept`
     sees every message before it is serialised and returns what to deliver instead (tests use
-    it to corrupt, duplicate or drop messages)."""
+    it to corrupt, duplicate or drop messages). `server_workers` is ServerSecAgg's `workers`."""
     dropouts = dict(dropouts or {})
     get_input = inputs if callable(inputs) else inputs.__getitem__
-    server, clients = build_round(config, server_identity, client_identities)
+    server, clients = build_round(config, server_identity, client_identities, server_workers)
     run = RoundRun(outcome=None, server=server, clients=clients,  # type: ignore[arg-type]
                    server_view=[] if record_server_view else None)
     silent: set[str] = {d for d, phase in dropouts.items() if phase is Phase.ADVERTISE_KEYS}
@@ -111,10 +116,11 @@ def run_round(config: RoundConfig, server_identity: DeviceIdentity,
                 out.append(WireFrame.from_message(delivered))
         return out
 
-    started = time.thread_time()
+    started, started_wall = time.process_time(), time.perf_counter()
     outputs = server.start()
     to_clients = frames([m for m in outputs if isinstance(m, Message)])
-    run.server_seconds += time.thread_time() - started
+    run.server_seconds += time.process_time() - started
+    run.server_wall_seconds += time.perf_counter() - started_wall
 
     # Each reply reaches the server as soon as its device produced it, as on a real broker, so
     # at most one masked vector is in flight at a time.
@@ -123,11 +129,11 @@ def run_round(config: RoundConfig, server_identity: DeviceIdentity,
         outputs: list = []
         for frame in to_clients:
             run.download_bytes += frame.size
-            started = time.thread_time()
+            started = time.process_time()
             replies = _client_step(frame, clients, silent, dropouts, get_input, run)
             uploads = frames(replies)
-            run.client_seconds += time.thread_time() - started
-            started = time.thread_time()
+            run.client_seconds += time.process_time() - started
+            started, started_wall = time.process_time(), time.perf_counter()
             for upload in uploads:
                 run.upload_bytes += upload.size
                 if run.server_view is not None:
@@ -136,12 +142,14 @@ def run_round(config: RoundConfig, server_identity: DeviceIdentity,
                     outputs.extend(server.handle(upload.to_message()))
                 except SecAggError as exc:
                     run.errors.append(("server", exc))
-            run.server_seconds += time.thread_time() - started
-        started = time.thread_time()
+            run.server_seconds += time.process_time() - started
+            run.server_wall_seconds += time.perf_counter() - started_wall
+        started, started_wall = time.process_time(), time.perf_counter()
         if server.phase == phase and server.state not in FINAL_STATES:
             outputs.extend(server.handle(Timeout(phase)))
         to_clients = frames([m for m in outputs if isinstance(m, Message)])
-        run.server_seconds += time.thread_time() - started
+        run.server_seconds += time.process_time() - started
+        run.server_wall_seconds += time.perf_counter() - started_wall
     run.outcome = server.outcome
     return run
 
@@ -185,4 +193,5 @@ def plain_fixed_point_sum(config: RoundConfig, vectors: list[np.ndarray]) -> np.
 def describe(run: RoundRun) -> dict[str, Any]:
     return {"outcome": type(run.outcome).__name__, "errors": [f"{who}: {type(e).__name__}: {e}" for who, e in run.errors],
             "upload_bytes": run.upload_bytes, "download_bytes": run.download_bytes,
-            "client_seconds": run.client_seconds, "server_seconds": run.server_seconds}
+            "client_seconds": run.client_seconds, "server_seconds": run.server_seconds,
+            "server_wall_seconds": run.server_wall_seconds}

@@ -25,7 +25,9 @@ Masked inputs are added into one uint64 accumulator as they arrive (nothing per-
 kept). At the end the server subtracts PRG(b_u) for every survivor and, for every dropped v
 with surviving neighbours u, the pair mask sign(u, v) PRG(s_uv) that u included, re-derived
 from the reconstructed s_v^SK and u's advertised public key. A reconstructed s_v^SK must match
-v's advertised public key, which catches corrupted key shares.
+v's advertised public key, which catches corrupted key shares. Removing the masks is one pure
+call, crypto.apply_masks(accumulator, signed seeds, workers): the expansion is split over
+`workers` threads (default: the usable cores, capped), with a result bit-identical to one thread.
 
 Every incoming message must name this round's (job, round, group), be addressed to the
 aggregator, come from an enrolled member of the group, and verify under that member's
@@ -47,7 +49,8 @@ from protocols.identity import DeviceIdentity, IdentityRegistry, InvalidSignatur
 
 from . import shamir
 from .config import RoundConfig
-from .crypto import apply_masks, x25519_from_private_bytes, x25519_public_bytes
+from .crypto import apply_masks, check_workers, default_mask_workers, x25519_from_private_bytes, \
+    x25519_public_bytes
 from .derivation import SECRET_BYTES, SHARE_BYTES, SHARE_CIPHERTEXT_BYTES, RoundContext, pair_mask_seed, \
     pair_mask_sign, self_mask_commitment
 from .errors import (BadSignature, ConfigError, MalformedMessage, ReconstructionError, ReplayedMessage,
@@ -84,8 +87,15 @@ Output = Message | AggregateReady | RoundFailed
 
 
 class ServerSecAgg:
-    def __init__(self, config: RoundConfig, identity: DeviceIdentity, registry: IdentityRegistry) -> None:
+    def __init__(self, config: RoundConfig, identity: DeviceIdentity, registry: IdentityRegistry, *,
+                 workers: int | None = None) -> None:
+        """`workers`: threads for the final mask expansion (None: default_mask_workers()). A local
+        resource choice, not part of the signed round configuration: it never changes the sum."""
         config.validate()
+        try:
+            self.workers = default_mask_workers() if workers is None else check_workers(workers)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         if identity.device_id != config.aggregator_id:
             raise ConfigError(f"aggregator identity {identity.device_id!r} != config {config.aggregator_id!r}")
         missing = [m for m in config.members if m not in registry]
@@ -320,33 +330,41 @@ class ServerSecAgg:
         except ReconstructionError as exc:
             raise ReconstructionError(f"{what} of {owner!r}: {exc}") from None
 
-    def _finish(self) -> list[Output]:
+    def _mask_seeds_to_remove(self) -> list[tuple[bytes, int]]:
+        """(seed, sign) of every mask left in the accumulator: -b_u for each survivor u, and for
+        each dropped v the opposite of the pair mask each surviving neighbour u added. Raises
+        ReconstructionError when shares are missing or do not match a commitment / public key."""
         survivors = self.participants(Phase.MASKED_INPUT)
         advertised = self._received[Phase.ADVERTISE_KEYS]
         self_mask_shares, key_shares = self._collect_shares()
         signed_seeds: list[tuple[bytes, int]] = []
+        commitments = self._received[Phase.SHARE_KEYS]
+        for owner in survivors:
+            seed = self._reconstruct(self_mask_shares, owner, "self-mask seed")
+            if self_mask_commitment(self.context, owner, seed) != commitments[owner].self_mask_commitment:
+                raise ReconstructionError(f"shares of {owner!r}'s self-mask seed do not match its commitment")
+            signed_seeds.append((seed, -1))
+        for dropped in self._dropped:
+            masked_with = sorted(self._graph.neighbours(dropped) & set(survivors))
+            if not masked_with:
+                continue
+            mask_key = x25519_from_private_bytes(self._reconstruct(key_shares, dropped, "mask key"))
+            if x25519_public_bytes(mask_key) != advertised[dropped].mask_public_key:
+                raise ReconstructionError(f"shares of {dropped!r}'s mask key do not match its public key")
+            for survivor in masked_with:
+                seed = pair_mask_seed(mask_key, advertised[survivor].mask_public_key, self.context,
+                                      dropped, survivor)
+                signed_seeds.append((seed, -pair_mask_sign(survivor, dropped)))
+        return signed_seeds
+
+    def _finish(self) -> list[Output]:
+        survivors = self.participants(Phase.MASKED_INPUT)
         try:
-            commitments = self._received[Phase.SHARE_KEYS]
-            for owner in survivors:
-                seed = self._reconstruct(self_mask_shares, owner, "self-mask seed")
-                if self_mask_commitment(self.context, owner, seed) != commitments[owner].self_mask_commitment:
-                    raise ReconstructionError(f"shares of {owner!r}'s self-mask seed do not match its commitment")
-                signed_seeds.append((seed, -1))
-            for dropped in self._dropped:
-                masked_with = sorted(self._graph.neighbours(dropped) & set(survivors))
-                if not masked_with:
-                    continue
-                mask_key = x25519_from_private_bytes(self._reconstruct(key_shares, dropped, "mask key"))
-                if x25519_public_bytes(mask_key) != advertised[dropped].mask_public_key:
-                    raise ReconstructionError(f"shares of {dropped!r}'s mask key do not match its public key")
-                for survivor in masked_with:
-                    seed = pair_mask_seed(mask_key, advertised[survivor].mask_public_key, self.context,
-                                          dropped, survivor)
-                    signed_seeds.append((seed, -pair_mask_sign(survivor, dropped)))
+            signed_seeds = self._mask_seeds_to_remove()
         except ReconstructionError as exc:
             return self._fail(f"unmask: {exc}")
         total = self._accumulator
-        apply_masks(total, signed_seeds)
+        apply_masks(total, signed_seeds, workers=self.workers)
         self._accumulator = None
         ready = AggregateReady(total, survivors, self.config.codec)
         self.state, self.outcome = ServerState.DONE, ready
