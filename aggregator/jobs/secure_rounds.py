@@ -50,6 +50,7 @@ class SecureGroupRounds:
         self._phase_at = 0.0
         self._settled: dict[int, tuple[str, ...]] = {}
         self.failed_rounds: list[tuple[int, str]] = []
+        self._pending_sends: list[tuple[str, Envelope]] = []   # abort notices of a round closed by its deadline
 
     # ---------------------------------------------------------------- for the job
     def open_secure_round(self, round_id: int, members: list[str], vector_length: int, bound: float) -> None:
@@ -66,12 +67,17 @@ class SecureGroupRounds:
         """Nothing was applied; jobs may count the failure (the default records it)."""
 
     def abort_secure_round(self, round_id: int, reason: str) -> None:
+        """Give a running round up (its deadline); the members' abort notices go out with the
+        next ``on_protocol_tick``."""
         if self.secure is not None and self.secure.config.round_id == round_id:
             log.warning("secure round %d: %s: aborted, nothing applied", round_id, reason)
-            self._failed(round_id, reason)
+            self._pending_sends.extend(self._route(self.secure.abort(reason)))
 
     # ---------------------------------------------------------------- for the service
     def on_protocol_tick(self, now: float) -> list[tuple[str, Envelope]]:
+        if self._pending_sends:
+            sends, self._pending_sends = self._pending_sends, []
+            return sends
         if self.secure is None:
             return []
         if self._start_pending:          # tasks went out when the round opened; now the keys phase

@@ -20,7 +20,7 @@ import numpy as np
 from protocols.envelope import Envelope
 from protocols.identity import DeviceIdentity
 from protocols.payloads.secagg import from_envelope, to_envelope
-from protocols.secagg import ClientSecAgg, SecAggError
+from protocols.secagg import ClientSecAgg, ClientState, SecAggError
 
 from ..agent import TaskDeclined
 
@@ -50,10 +50,17 @@ class SecAggSessions:
                      msg.job_id, msg.round_id, msg.group_id)
             return []
         try:
-            return [to_envelope(r) for r in client.handle(msg)]
+            replies = [to_envelope(r) for r in client.handle(msg)]
         except SecAggError as exc:
             log.warning("%s: secagg error: %s", self.device_id, exc)
             return []
+        if client.state in (ClientState.FINISHED, ClientState.ABORTED):
+            # done, or the server aborted the round (its secrets are already erased)
+            self.sessions.pop((msg.job_id, msg.round_id, msg.group_id), None)
+            if client.abort_reason is not None:
+                log.info("%s: secure round %s/%s aborted by the aggregator: %s", self.device_id, msg.job_id,
+                         msg.round_id, client.abort_reason)
+        return replies
 
 
 class SecureUpdate:

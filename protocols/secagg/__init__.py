@@ -27,15 +27,15 @@ from .events import AggregateReady, Phase, RoundFailed, Timeout
 from .fixedpoint import FixedPointCodec, fed3r_bound, max_scale_bits
 from .graph import NeighbourGraph, default_degree
 from .messages import (AdvertiseKeys, ConsistencyCheckRequest, ConsistencySignature, EncryptedShares,
-                       ForwardedShares, KeyDirectory, MaskedInput, Message, RoundStart, UnmaskRequest,
-                       UnmaskShares, decode)
+                       ForwardedShares, KeyDirectory, MaskedInput, Message, RoundAborted, RoundStart,
+                       UnmaskRequest, UnmaskShares, decode)
 from .server import ServerSecAgg, ServerState
 
 __all__ = [
     "ClientSecAgg", "ClientState", "ServerSecAgg", "ServerState", "RoundConfig", "GRAPH_COMPLETE", "GRAPH_REGULAR",
     "Phase", "Timeout", "AggregateReady", "RoundFailed", "FixedPointCodec", "fed3r_bound", "max_scale_bits",
     "NeighbourGraph", "default_degree", "Message", "decode", "RoundStart", "KeyDirectory", "ForwardedShares",
-    "ConsistencyCheckRequest", "UnmaskRequest", "AdvertiseKeys", "EncryptedShares", "MaskedInput",
+    "ConsistencyCheckRequest", "UnmaskRequest", "RoundAborted", "AdvertiseKeys", "EncryptedShares", "MaskedInput",
     "ConsistencySignature", "UnmaskShares", "SecAggError", "ConfigError", "InputError", "MalformedMessage",
     "AuthenticationError", "UnknownSender", "BadSignature", "WrongContext", "UnexpectedMessage",
     "ReplayedMessage", "DecryptionError", "ProtocolViolation", "ReconstructionError",

@@ -25,6 +25,8 @@ construction or later with `provide_input(x)`; it is needed only when the masked
                                                  else share of s_v^SK if v dropped
                                                  -> UnmaskShares
     any non-final      Timeout(any phase)        erase secrets                       ABORTED
+    any non-final      RoundAborted              erase secrets (the server gave up)  ABORTED
+    FINISHED/ABORTED   RoundAborted              nothing                             unchanged
 
 Every incoming message must come from the aggregator, be addressed to this device, carry this
 round's (job, round, group) and verify under the aggregator's identity key; otherwise
@@ -59,7 +61,8 @@ from .errors import (DecryptionError, InputError, MalformedMessage, ProtocolViol
                      UnexpectedMessage, UnknownSender, WrongContext)
 from .events import Timeout
 from .messages import (AdvertiseKeys, ConsistencyCheckRequest, ConsistencySignature, EncryptedShares,
-                       ForwardedShares, KeyDirectory, MaskedInput, Message, RoundStart, UnmaskRequest,
+                       ForwardedShares, KeyDirectory, MaskedInput, Message, RoundAborted, RoundStart,
+                       UnmaskRequest,
                        UnmaskShares, consistency_statement)
 
 
@@ -111,6 +114,7 @@ class ClientSecAgg:
         self._u2_neighbours: frozenset[str] = frozenset()
         self._signed_survivors: bytes | None = None  # the U3 bitmap this device signed
         self.revealed: dict[str, str] = {}  # peer -> "self_mask" | "mask_key": what this device disclosed
+        self.abort_reason: str | None = None  # the server's, when it aborted the round
 
     # ---- public API --------------------------------------------------------------------
     def provide_input(self, values: np.ndarray) -> None:
@@ -129,6 +133,11 @@ class ClientSecAgg:
         if not isinstance(event, Message):
             raise UnexpectedMessage(f"not a secagg event: {type(event).__name__}")
         self._authenticate(event)
+        if isinstance(event, RoundAborted):
+            self.abort_reason = event.reason
+            if self.state not in FINAL_STATES:
+                self._abort()
+            return []
         if self.state in FINAL_STATES:
             raise UnexpectedMessage(f"{event.TYPE}: round already {self.state.value}")
         next_state = TRANSITIONS.get((self.state, type(event)))

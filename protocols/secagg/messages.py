@@ -334,6 +334,30 @@ class UnmaskRequest(Message):
         return dict(arrays)
 
 
+@dataclass(frozen=True, kw_only=True, eq=False)
+class RoundAborted(Message):
+    """The server gave the round up (fewer than t answers in a phase, failed reconstruction, or
+    its caller's deadline): nothing from this round is or will be applied. Sent in any phase
+    (PHASE is nominal); the client erases its secrets at once instead of waiting for its timer."""
+
+    TYPE: ClassVar[str] = "secagg.round_aborted"
+    PHASE: ClassVar[Phase] = Phase.ADVERTISE_KEYS
+    FROM_CLIENT: ClassVar[bool] = False
+    PAYLOAD_KEYS: ClassVar[tuple[str, ...]] = ("reason",)
+    MAX_REASON = 1000
+    reason: str
+
+    def payload(self) -> dict[str, Any]:
+        return {"reason": self.reason}
+
+    @classmethod
+    def parse_payload(cls, payload, arrays):
+        reason = payload["reason"]
+        if not isinstance(reason, str) or len(reason) > cls.MAX_REASON:
+            raise MalformedMessage(f"reason must be a string of at most {cls.MAX_REASON} characters")
+        return {"reason": reason}
+
+
 # ---- client -> server ---------------------------------------------------------------------
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -443,7 +467,7 @@ class UnmaskShares(Message):
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls for cls in (RoundStart, KeyDirectory, ForwardedShares, ConsistencyCheckRequest,
-                              UnmaskRequest, AdvertiseKeys, EncryptedShares, MaskedInput,
+                              UnmaskRequest, RoundAborted, AdvertiseKeys, EncryptedShares, MaskedInput,
                               ConsistencySignature, UnmaskShares)}
 
 

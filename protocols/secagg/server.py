@@ -58,7 +58,7 @@ from .errors import (BadSignature, ConfigError, MalformedMessage, Reconstruction
 from .events import AggregateReady, Phase, RoundFailed, Timeout
 from .graph import NeighbourGraph
 from .messages import (AdvertisedKeys, AdvertiseKeys, ConsistencyCheckRequest, ConsistencySignature,
-                       EncryptedShares, ForwardedShares, KeyDirectory, MaskedInput, Message, RoundStart,
+                       EncryptedShares, ForwardedShares, KeyDirectory, MaskedInput, Message, RoundAborted, RoundStart,
                        UnmaskRequest, UnmaskShares, consistency_statement)
 
 
@@ -240,11 +240,21 @@ class ServerSecAgg:
         return message
 
     # ---- phase transitions -------------------------------------------------------------
+    def abort(self, reason: str) -> list[Output]:
+        """Give the round up now (the caller's deadline): RoundFailed plus a RoundAborted notice
+        for every member. [] when the round is already over."""
+        if self.state in FINAL_STATES:
+            return []
+        return self._fail(f"aborted: {reason}")
+
     def _fail(self, reason: str) -> list[Output]:
         failed = RoundFailed(reason, self.phase)
         self.state, self.outcome = ServerState.FAILED, failed
         self._accumulator = None
-        return [failed]
+        # tell every member, so devices erase their secrets now rather than at their own timeout
+        notices = [self._message(RoundAborted, member, reason=reason[:RoundAborted.MAX_REASON])
+                   for member in self.config.members]
+        return [failed, *notices]
 
     def _close_phase(self) -> list[Output]:
         state, phase = self.state, self.phase
