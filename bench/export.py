@@ -6,9 +6,19 @@ artifacts through ``edge_client.runtime`` (ExecuTorch + XNNPACK, ONNX Runtime, e
 and times ``run`` on real Fashion-MNIST images at batch 1 and batch 32. It then times one
 SGD step of the head's training program (ExecuTorch) against the eager head.
 
-All runtimes get the same thread count (``--threads``; torch.set_num_threads, ORT
-intra-op threads, the ExecuTorch threadpool). Timings are interleaved (one call of each
-runtime per round) so background load hits all of them alike, and the median of
+All runtimes get the same thread count (``--threads``, default: every core; torch.set_num_threads,
+ORT intra-op threads, the ExecuTorch threadpool that XNNPACK runs on), read back from each
+runtime and printed. Eager torch runs the model in eval mode under ``torch.inference_mode``,
+ONNX Runtime with its default graph optimizations, and the ``.pte`` through
+``edge_client.runtime`` as a device would (which slices large batches into cache-sized calls,
+see ``edge_client.runtime.executorch_runtime``). The ops left outside the XNNPACK delegate
+are printed per program, and the load average before and after, since other processes on a
+shared machine slow multi-threaded runs. Timings are interleaved (one timed call of each
+runtime per round) so background load hits all of them alike. Each timed call follows
+``--settle`` seconds of sleep and one untimed call of the same runtime: ORT's intra-op
+workers spin for about 40 ms after a run and eager torch's OpenMP workers for a few ms, and
+a call timed right after another runtime's would share the cores with those spinning
+threads (in a first version eager took 400 ms per 64 px image right after ORT). The median of
 ``--repeats`` rounds after ``--warmup`` rounds is reported as ms per image (wall clock, or
 with ``--clock cpu`` the process CPU time, which other load on a shared machine does not
 inflate when ``--threads 1``). Ratios > 1 mean
@@ -40,6 +50,7 @@ import torch
 from edge_client.data.idx import load_fashion_mnist
 from edge_client.models.preprocess import to_model_input
 from edge_client.runtime import TrainingSession, load_inference, read_manifest
+from edge_client.runtime.executorch_runtime import executorch_threads, set_executorch_threads
 from edge_client.runtime.onnx_runtime import OnnxRuntimeInference
 from edge_client.runtime.verification import read_verified
 from export import export_bundle
@@ -49,10 +60,19 @@ RUNTIMES = ("executorch", "onnxruntime", "eager")
 
 
 def set_threads(threads: int) -> None:
-    from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
-
     torch.set_num_threads(threads)
-    _unsafe_reset_threadpool(threads)
+    set_executorch_threads(threads)
+
+
+def threads_in_use(runtimes: dict) -> dict[str, int]:
+    """Each runtime's thread count as the runtime itself reports it."""
+    return {"executorch": executorch_threads(),
+            "onnxruntime": runtimes["onnxruntime"].intra_op_threads,
+            "eager": torch.get_num_threads()}
+
+
+def load_average() -> str:
+    return " ".join(f"{value:.2f}" for value in os.getloadavg())
 
 
 def load_runtimes(manifest_path: Path, threads: int) -> dict:
@@ -67,12 +87,20 @@ def load_runtimes(manifest_path: Path, threads: int) -> dict:
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
-def interleaved_medians(calls: dict, warmup: int, repeats: int, clock: str) -> dict[str, float]:
-    """Median seconds per call of each callable, timed round-robin."""
+def interleaved_medians(calls: dict, warmup: int, repeats: int, clock: str,
+                        settle: float) -> dict[str, float]:
+    """Median seconds per call of each callable, timed round-robin.
+
+    Before each timed call: ``settle`` seconds of sleep (the previous runtime's worker
+    threads stop spin-waiting) and one untimed call of the same callable (which wakes its
+    own workers, as in a stream of calls).
+    """
     now = CLOCKS[clock]
     times: dict[str, list[float]] = {name: [] for name in calls}
     for round_index in range(warmup + repeats):
         for name, call in calls.items():
+            time.sleep(settle)
+            call()
             start = now()
             call()
             elapsed = now() - start
@@ -89,13 +117,21 @@ def bench_inference(backbone: str, size: int, images: np.ndarray, args, workdir:
     export_seconds = time.perf_counter() - started
     manifest = read_manifest(manifest_path)
     runtimes = load_runtimes(manifest_path, args.threads)
+    threads = threads_in_use(runtimes)
+    if set(threads.values()) != {args.threads}:
+        raise RuntimeError(f"runtimes do not all use {args.threads} threads: {threads}")
+    pte = manifest.find("inference", "executorch")
+    print(f"{backbone} {size} px: .pte has {pte.details['delegate_calls']} XNNPACK delegate "
+          f"call(s), ops outside it: {pte.details['portable_ops'] or 'none'}; .pte runs "
+          f"<= {runtimes['executorch'].rows_per_call} rows per call; threads {threads}",
+          flush=True)
     inputs = to_model_input(images, size, manifest.input.mean, manifest.input.std)
     rows = []
     for batch in args.batches:
         x = np.ascontiguousarray(inputs[:batch])
         medians = interleaved_medians(
             {name: (lambda runtime=runtimes[name]: runtime.run(x)) for name in RUNTIMES},
-            args.warmup, args.repeats, args.clock)
+            args.warmup, args.repeats, args.clock, args.settle)
         per_image_ms = {name: 1000 * seconds / batch for name, seconds in medians.items()}
         rows.append({"backbone": backbone, "size": size, "batch": batch, **per_image_ms,
                      "parity": max(spec.parity["max_abs_error"] for spec in manifest.artifacts),
@@ -114,7 +150,7 @@ def bench_training(workdir: Path, features: np.ndarray, labels: np.ndarray, args
     medians = interleaved_medians(
         {name: (lambda session=session: session.train_step(x, y, 0.01))
          for name, session in sessions.items()},
-        args.warmup, args.repeats * 10, args.clock)
+        args.warmup, args.repeats * 10, args.clock, args.settle)
     return {"batch": batch, **{name: 1000 * seconds for name, seconds in medians.items()}}
 
 
@@ -126,6 +162,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--settle", type=float, default=0.1,
+                        help="seconds of sleep before each runtime's calls (see above)")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="wall time, or process CPU time (with --threads 1: robust to "
                              "other load on a shared machine; it counts spin-waiting threads "
@@ -139,8 +177,9 @@ def main() -> None:
 
     images, labels = load_fashion_mnist("test")
     images, labels = images[:max(args.batches)], labels[:max(args.batches)]
-    print(f"threads={args.threads}, {args.clock} clock, median of {args.repeats} interleaved rounds, "
-          f"Fashion-MNIST test images, torch {torch.__version__}")
+    print(f"threads={args.threads} for every runtime ({os.cpu_count()} cores), {args.clock} clock, "
+          f"median of {args.repeats} interleaved rounds, Fashion-MNIST test images, "
+          f"torch {torch.__version__}; load average (1/5/15 min) {load_average()}", flush=True)
     with tempfile.TemporaryDirectory(prefix="fedfleet-bench-export-") as tmp:
         workdir = Path(tmp)
         rows = []
@@ -157,6 +196,8 @@ def main() -> None:
                   f"{row['executorch']:11.3f} {row['onnxruntime']:11.3f} {row['eager']:13.3f} "
                   f"{row['eager'] / row['executorch']:10.2f} "
                   f"{row['onnxruntime'] / row['executorch']:8.2f} {row['parity']:9.1e}")
+
+        print(f"load average (1/5/15 min) after inference timings: {load_average()}")
 
         features = np.random.default_rng(0).random((64, 1280), dtype=np.float32) * 6
         training = bench_training(workdir, features, labels.astype(np.int64) % 10, args)

@@ -44,7 +44,7 @@ from fedfleet.emulation.partition import make_split, train_holdout_split  # noqa
 from fedfleet.plots import plot_lines  # noqa: E402
 
 HOLDOUT = 0.25
-VALIDATION = 0.2          # of the training split, for the device's choice of FP learning rate
+FOLDS = 5                 # cross-validation folds for the device's choice of FP learning rate
 FT_BASE_LR = 0.01
 METHODS = ("global", "OLL", "FP(ψ)", "OLL+FP(ψ)", "OLL+FP(ψ) lr/10", "OLL+FP(ψ) val-LR")
 
@@ -55,8 +55,9 @@ def personalise(weight, bias, device_data, seed, fed3r_init=True):
     FP(ψ) uses the spec's LR rule; "lr/10" repeats OLL+FP(ψ) with a 10× smaller LR (the rule
     is ambiguous, spec §7.8, and these 32 px features are small: mean norm ≈ 7). "val-LR" is
     what the product's personalization job does (``aggregator.jobs.personalize``): each device
-    picks between the rule's LR and a tenth of it on a 20 % validation part of its training
-    split (``edge_client.oll.choose_fp_lr``), then fine-tunes on all of its training split."""
+    picks between a tenth of the rule's LR and the rule's LR (ties to the former) by 5-fold
+    cross-validation on its training split (``edge_client.oll.choose_fp_lr``), then fine-tunes
+    on all of its training split."""
     scores = {m: ([], []) for m in METHODS}
     outside = 0
     for k, (ftr, ytr, fho, yho) in enumerate(device_data):
@@ -73,7 +74,7 @@ def personalise(weight, bias, device_data, seed, fed3r_init=True):
         full = train_head(weight, bias, ftr, ytr, no_oll)
         add("FP(ψ)", (head_logits(full.weight, full.bias, fho).argmax(axis=1) == yho).sum())
         rule = fp_recipe(base_lr=0.1, fed3r_init=fed3r_init, seed=seed + k)
-        chosen, _ = choose_fp_lr(weight, bias, ftr, ytr, rule, [rule.lr, rule.lr / 10], VALIDATION)
+        chosen, _ = choose_fp_lr(weight, bias, ftr, ytr, rule, [rule.lr / 10, rule.lr], FOLDS)
         for name, recipe in (("OLL+FP(ψ)", rule), ("OLL+FP(ψ) lr/10", replace(rule, lr=rule.lr / 10)),
                              ("OLL+FP(ψ) val-LR", replace(rule, lr=chosen))):
             tuned = PersonalizedHead(weight, bias, ytr, fallback="global")

@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 
 import torch
 from torch import nn
 
 __all__ = ["LoweredProgram", "lower_inference_program"]
 
+logger = logging.getLogger(__name__)
+
 
 @dataclasses.dataclass(frozen=True)
 class LoweredProgram:
     buffer: bytes
-    # Ops left outside the XNNPACK delegate (run by ExecuTorch's portable kernels).
+    # Ops left outside the XNNPACK delegate (run by ExecuTorch's single-threaded portable
+    # kernels, with a graph break around each); empty for the backbones fedfleet ships.
     portable_ops: dict[str, int]
     delegate_calls: int
 
@@ -42,6 +46,9 @@ def lower_inference_program(model: nn.Module, example: torch.Tensor, max_batch: 
         if node.op == "call_function")
     delegate_calls = op_counts.pop("executorch_call_delegate", 0)
     op_counts.pop("getitem", None)
+    if op_counts:
+        logger.warning("ops left outside the XNNPACK delegate (portable kernels, slower): %s",
+                       dict(op_counts))
     return LoweredProgram(buffer=edge.to_executorch().buffer, portable_ops=dict(op_counts),
                           delegate_calls=delegate_calls)
 

@@ -64,6 +64,10 @@ def make_extractor(backbone: str, image_size: int, cache_dir: str | None, runtim
 
     if threads is not None:
         torch.set_num_threads(threads)
+        if runtime == "executorch":     # XNNPACK runs on ExecuTorch's own pool, which ignores torch's setting
+            from edge_client.runtime.executorch_runtime import set_executorch_threads
+
+            set_executorch_threads(threads)
     return extractor_from_manifest(ensure_bundle(backbone, image_size, bundle_root), runtime, cache_dir)
 
 

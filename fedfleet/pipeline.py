@@ -10,7 +10,7 @@ processes, each job with a fresh aggregator process, as an operator would run th
    round for ``ft_rounds`` rounds. Local training runs through the device runtime's training
    program when the runtime is ExecuTorch.
 3. **oll**: the fine-tuned head goes to every device, which prunes it to its local labels (OLL),
-   fine-tunes it locally (FP(ψ), LR picked on a local validation split) and reports counts on
+   fine-tunes it locally (FP(ψ), LR picked by local cross-validation) and reports counts on
    its local held-out split; the aggregator reports the WMA of the global head, OLL and OLL+FP.
 
 Each device keeps ``holdout_fraction`` of its data as that held-out split: no phase trains on it.
@@ -218,7 +218,7 @@ th{{background:#f3f3f3}}td:first-child{{text-align:left}}</style></head><body>
 (‖W_fed − W_central‖/‖W_central‖ = {fed3r.get('rel_weight_error') or float('nan'):.1e}).</p>
 <h2>Personalised accuracy (WMA over {oll.get('test_samples')} local held-out samples)</h2>
 <table id="wma"><tr><th>method</th><th>WMA</th></tr>{wma}</table>
-<p>FP(ψ) learning rates chosen on the devices' validation splits: {html.escape(json.dumps(oll.get('fp_lr_chosen')))};
+<p>FP(ψ) learning rates chosen by the devices' cross-validation: {html.escape(json.dumps(oll.get('fp_lr_chosen')))};
 held-out samples with a label outside the local training labels (scored by the global head):
 {oll.get('fallback_samples')}.</p>
 <h2>Accuracy vs rounds and vs bytes</h2>
@@ -240,7 +240,7 @@ def format_pipeline_report(report: dict) -> str:
     lines.append("personalised WMA on local held-out splits: " + ", ".join(
         f"{METHOD_NAMES[m]} {v:.4f}" for m, v in (oll.get("wma") or {}).items()))
     if oll.get("fp_lr_chosen"):
-        lines.append(f"FP(ψ) learning rates chosen on local validation splits: {oll['fp_lr_chosen']}")
+        lines.append(f"FP(ψ) learning rates chosen by local cross-validation: {oll['fp_lr_chosen']}")
     return "\n".join(lines)
 
 

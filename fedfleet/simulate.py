@@ -73,7 +73,7 @@ class SimConfig:
     ft_client_lr: float = 0.001             # base local LR; devices get × 0.1 after the Fed3R init (spec §1.8)
     ft_server_momentum: float = 0.0         # > 0: FedAvgM
     fp_epochs: int = 25                     # FP(ψ) local epochs after OLL (0: OLL only)
-    fp_lrs: tuple[float, ...] = (1e-3, 1e-4)   # candidates; each device picks one on a local validation split
+    fp_lrs: tuple[float, ...] = (1e-4, 1e-3)   # candidates; each device picks one by local cross-validation
 
 
 PRESETS = {

@@ -54,8 +54,8 @@ def golden_messages() -> dict[str, bytes]:
     out["result_fedavg_head"] = encode(Envelope("result", "dev0001", body=head_body, tensors=head_update,
                                                 id="77" * 16, ts=_TS + 5))
     params = {"num_classes": 3, "feature_dim": 2, "backbone": "mobilenet_v2", "image_size": 64, "weights_sha256": "",
-              "fallback": "global", "fp_epochs": 25, "batch_size": 64, "fp_lrs": [0.001, 0.0001],
-              "fp_validation_fraction": 0.2, "weight_decay": 4e-5, "temperature": 0.1, "seed": 0}
+              "fallback": "global", "fp_epochs": 25, "batch_size": 64, "fp_lrs": [0.0001, 0.001],
+              "fp_folds": 5, "weight_decay": 4e-5, "temperature": 0.1, "seed": 0}
     out["task_oll_personalize"] = encode(Envelope("task", "aggregator", id="88" * 16, ts=_TS, tensors=head,
                                                   body={"job": "oll-demo", "round": 1, "kind": "oll.personalize",
                                                         "deadline": _TS + 120, "params": params}))

@@ -87,6 +87,36 @@ def test_artifact_matches_eager_on_real_images(bundle, runtime, test_images):
     assert np.max(np.abs(model.run(inputs[:1]) - expected[:1])) <= TOLERANCE
 
 
+def test_executorch_row_slicing_keeps_results(mobilenet_bundle, test_images):
+    from edge_client.runtime.executorch_runtime import ExecuTorchInference
+    from edge_client.runtime.verification import read_verified
+
+    inputs, expected = eager_features("mobilenet_v2", test_images[0][:11])
+    manifest = read_manifest(mobilenet_bundle)
+    spec = manifest.find("inference", "executorch")
+    program = read_verified(manifest, spec)
+    for rows_per_call in (1, 4, 32):
+        model = ExecuTorchInference(program, spec, IMAGE_SIZE, rows_per_call=rows_per_call)
+        error = float(np.max(np.abs(model.run(inputs) - expected)))
+        assert error <= TOLERANCE, f"rows_per_call={rows_per_call}: max abs error {error:.3g}"
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="rows_per_call"):
+            ExecuTorchInference(program, spec, IMAGE_SIZE, rows_per_call=bad)
+
+
+def test_executorch_threadpool_size_is_settable():
+    from edge_client.runtime.executorch_runtime import executorch_threads, set_executorch_threads
+
+    original = executorch_threads()
+    try:
+        assert set_executorch_threads(1) == 1 == executorch_threads()
+    finally:
+        set_executorch_threads(original)
+    for bad in (0, -2, 1.5, "2", True):
+        with pytest.raises(ValueError, match="thread count"):
+            set_executorch_threads(bad)
+
+
 def test_manifest_describes_every_file(bundle):
     name, manifest_path = bundle
     raw = json.loads(manifest_path.read_text())
@@ -109,7 +139,9 @@ def test_manifest_describes_every_file(bundle):
         assert entry["size_bytes"] == len(data)
         assert entry["runtime_version"]
     pte = manifest.find("inference", "executorch")
-    assert pte.details["delegate"] == "xnnpack" and pte.details["delegate_calls"] >= 1
+    assert pte.details["delegate"] == "xnnpack" and pte.details["delegate_calls"] == 1
+    # The whole graph, global average pooling included, runs inside the XNNPACK delegate.
+    assert pte.details["portable_ops"] == {}
     assert pte.batch.max == 32 and pte.outputs[0].name == "features"
     assert 0 <= pte.parity["max_abs_error"] <= TOLERANCE
     training = manifest.find("training", "executorch")

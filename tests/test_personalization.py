@@ -50,7 +50,7 @@ def head(seed=0):
 def task_params(**over):
     return {"num_classes": C, "feature_dim": D, "backbone": "b", "image_size": 8, "weights_sha256": "",
             "fallback": "global", "fp_epochs": 3, "batch_size": 16, "fp_lrs": [1e-2, 1e-3],
-            "fp_validation_fraction": 0.25, "weight_decay": 0.0, "temperature": 0.1, "seed": 3, **over}
+            "fp_folds": 4, "weight_decay": 0.0, "temperature": 0.1, "seed": 3, **over}
 
 
 def result_envelope(body, tensors=None):
@@ -118,11 +118,12 @@ def test_choose_fp_lr_prefers_the_rate_that_validates_better():
     W, b = head(5)
     recipe = LocalTraining(epochs=10, batch_size=16, lr=0.1, weight_decay=0.0, seed=1)
     # 1e-9 cannot move a random head in 10 epochs; 1e-2 can: validation must tell them apart
-    lr, scores = choose_fp_lr(W, b, xtr, ytr, recipe, [1e-9, 1e-2], 0.25)
+    lr, scores = choose_fp_lr(W, b, xtr, ytr, recipe, [1e-9, 1e-2], 4)
     assert lr == 1e-2 and scores[1e-2] > scores[1e-9]
-    assert choose_fp_lr(W, b, xtr, ytr, recipe, [5e-3], 0.25) == (5e-3, {})
-    with pytest.raises(ValueError):
-        choose_fp_lr(W, b, xtr, ytr, recipe, [float("nan")], 0.25)
+    assert choose_fp_lr(W, b, xtr, ytr, recipe, [5e-3], 4) == (5e-3, {})
+    for bad_lrs, bad_folds in (([float("nan")], 4), ([1e-3, 1e-4], 1), ([1e-3, 1e-4], True)):
+        with pytest.raises(ValueError):
+            choose_fp_lr(W, b, xtr, ytr, recipe, bad_lrs, bad_folds)
 
 
 # ----------------------------------------------------------------------------- wire payload
@@ -166,7 +167,7 @@ def test_job_reports_plain_weighted_mean_accuracy(tmp_path):
     while not job.finished(devices, devices):
         for dev in job.next_participants(devices):
             params, tensors = job.task_for(dev)
-            assert np.array_equal(tensors["weight"], W) and params["fp_lrs"] == [1e-3, 1e-4]
+            assert np.array_equal(tensors["weight"], W) and params["fp_lrs"] == [1e-4, 1e-3]
             n = int(rng.integers(5, 40))
             counts = {m: int(rng.integers(0, n + 1)) for m in ("global", "oll", "oll_fp")}
             truth[dev] = (n, counts)
@@ -195,7 +196,7 @@ def test_job_head_file_formats_and_bad_heads(tmp_path):
     with pytest.raises(ValueError, match="NaN or Inf"):
         PersonalizeJob(PersonalizeConfig(num_classes=C, feature_dim=D, head_file=str(tmp_path / "nan.npz")))
     for bad in ({"fp_lrs": []}, {"fp_lrs": [-1.0]}, {"fp_lrs": ["x"]}, {"fallback": "guess"},
-                {"fp_validation_fraction": 1.0}, {"fp_epochs": -1}):
+                {"fp_folds": 1}, {"fp_epochs": -1}):
         with pytest.raises(ValueError):
             PersonalizeConfig(**bad)
 

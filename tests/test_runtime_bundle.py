@@ -145,3 +145,28 @@ def test_runtime_absent_from_bundle_names_what_it_offers(manifest_path):
     message = str(raised.value)
     assert "no inference artifact" in message
     assert "['eager']" in message and "pip install torch" in message
+
+
+@pytest.mark.parametrize("rows,batch_max,rows_per_call,expected", [
+    (45, 32, None, [23, 22]),  # equal slices, not 32 + 13
+    (32, 32, None, [32]),
+    (32, 32, 8, [8, 8, 8, 8]),
+    (10, None, 4, [4, 3, 3]),
+    (5, None, None, [5]),
+])
+def test_batches_are_split_into_equal_slices(rows, batch_max, rows_per_call, expected):
+    from edge_client.runtime.base import run_in_batches
+    from edge_client.runtime.manifest import BatchSpec
+
+    class Spec:
+        batch = BatchSpec(max=batch_max)
+
+    seen = []
+
+    def double(x):
+        seen.append(len(x))
+        return x * 2
+
+    x = np.arange(rows * 3, dtype=np.float32).reshape(rows, 3)
+    np.testing.assert_array_equal(run_in_batches(double, x, Spec, rows_per_call), x * 2)
+    assert seen == expected

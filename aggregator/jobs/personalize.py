@@ -13,8 +13,9 @@ The global head comes from a finished job's ``model.npz``: a FedAvg job's (``wei
 
 FP(ψ) learning rate: the spec's rule gives 0.1 (base) × 0.1 (Fed3R init) × 0.1 (OLL) = 1e-3,
 which the spec itself calls ambiguous (§7.8). The job offers the devices candidate rates
-(``fp_lrs``, the rule's first); each device picks one on a validation part of its own training
-split (``edge_client.oll.choose_fp_lr``). A single candidate means "use exactly this rate".
+(``fp_lrs``: a tenth of the rule, then the rule); each device picks one by cross-validation on
+its own training split (``edge_client.oll.choose_fp_lr``), ties to the first. A single
+candidate means "use exactly this rate".
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ class PersonalizeConfig:
     fallback: str = "global"             # held-out labels outside the local training labels: "error" | "global"
     fp_epochs: int = 25                  # FP(ψ) local epochs; 0: OLL only
     batch_size: int = 64
-    fp_lrs: list[float] = field(default_factory=lambda: [1e-3, 1e-4])
-    fp_validation_fraction: float = 0.2
+    fp_lrs: list[float] = field(default_factory=lambda: [1e-4, 1e-3])   # preferred (on ties) first
+    fp_folds: int = 5                    # cross-validation folds for the device's choice among fp_lrs
     weight_decay: float = 4e-5
     temperature: float = 0.1
     clients_per_round: int = 10
@@ -64,8 +65,8 @@ class PersonalizeConfig:
         if self.fp_epochs and (not self.fp_lrs or any(isinstance(lr, bool) or not isinstance(lr, (int, float))
                                                       or not np.isfinite(lr) or lr <= 0 for lr in self.fp_lrs)):
             raise ValueError(f"fp_lrs must be finite positive learning rates, got {self.fp_lrs}")
-        if not 0 < self.fp_validation_fraction < 1:
-            raise ValueError("fp_validation_fraction must be in (0, 1)")
+        if isinstance(self.fp_folds, bool) or not isinstance(self.fp_folds, int) or not 2 <= self.fp_folds <= 20:
+            raise ValueError("fp_folds must be an integer in [2, 20]")
         if self.clients_per_round < 1 or self.max_attempts < 1:
             raise ValueError("clients_per_round and max_attempts must be >= 1")
 
@@ -114,7 +115,7 @@ class PersonalizeJob(OncePerDevice):
         params = {"num_classes": c.num_classes, "feature_dim": c.feature_dim, "backbone": c.backbone,
                   "image_size": c.image_size, "weights_sha256": c.weights_sha256, "fallback": c.fallback,
                   "fp_epochs": c.fp_epochs, "batch_size": c.batch_size, "fp_lrs": list(c.fp_lrs),
-                  "fp_validation_fraction": c.fp_validation_fraction, "weight_decay": c.weight_decay,
+                  "fp_folds": c.fp_folds, "weight_decay": c.weight_decay,
                   "temperature": c.temperature, "seed": c.seed}
         return params, {k: v.copy() for k, v in self.head.items()}
 

@@ -60,7 +60,13 @@ class Backbone(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.feature_map(x).mean(dim=(2, 3))
+        feature_map = self.feature_map(x)
+        # Global average pooling, spelled so the XNNPACK delegate takes all of it: a 4-D mean
+        # over (H, W) with keepdim is XNNPACK's global average pooling, and a view whose only
+        # free dimension is -1 is its static reshape. ``mean(dim=(2, 3))`` (same numbers)
+        # stayed outside the delegate, on ExecuTorch's single-threaded portable kernel.
+        pooled = feature_map.mean(dim=(-2, -1), keepdim=True)
+        return pooled.view(-1, feature_map.shape[1])
 
     def imagenet_logits(self, x: torch.Tensor) -> torch.Tensor:
         """Full ImageNet-1k classifier output (N, 1000), for sanity checks of the weights."""

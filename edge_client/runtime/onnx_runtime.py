@@ -51,6 +51,11 @@ class OnnxRuntimeInference:
         self._spec = spec
         self._image_size = image_size
 
+    @property
+    def intra_op_threads(self) -> int:
+        """The session's intra-op thread count (0: left to ORT, one per physical core)."""
+        return self._session.get_session_options().intra_op_num_threads
+
     def run(self, x: np.ndarray) -> np.ndarray:
         x = check_image_batch(x, self._image_size)
         return run_in_batches(self._run_batch, x, self._spec)

@@ -7,7 +7,7 @@ on the held-out split:
 1. the global head's accuracy (the baseline a device gets without personalization);
 2. OLL: the head pruned to the labels of the local training split (``edge_client.oll``);
 3. OLL+FP(ψ): the pruned head fine-tuned for ``fp_epochs`` on the local training split,
-   with the learning rate picked on a validation part of that split when several are offered.
+   with the learning rate picked by cross-validation on that split when several are offered.
 
 Only the counts go back (``protocols.payloads.personalize``); the personalised head stays
 on the device. The device keeps it (``self.head``) to answer local predictions.
@@ -54,7 +54,7 @@ class PersonalizeTask:
             fallback = str(params.get("fallback", "error"))
             fp_epochs = int(params.get("fp_epochs", 0))
             lrs = [float(lr) for lr in params.get("fp_lrs", [])]
-            val_fraction = float(params.get("fp_validation_fraction", 0.2))
+            folds = int(params.get("fp_folds", 5))
             recipe = LocalTraining.from_params({**params, "epochs": max(fp_epochs, 1)})
         except (KeyError, TypeError, ValueError) as exc:
             raise TaskDeclined(f"bad oll.personalize params: {exc}") from exc
@@ -88,7 +88,7 @@ class PersonalizeTask:
         fp_lr = None
         if fp_epochs:
             try:
-                fp_lr, _ = choose_fp_lr(weight, bias, f_train, self.train_labels, recipe, lrs, val_fraction,
+                fp_lr, _ = choose_fp_lr(weight, bias, f_train, self.train_labels, recipe, lrs, folds,
                                         self.training_session)
                 head.fine_tune(f_train, self.train_labels, replace(recipe, lr=fp_lr), self.training_session)
             except FloatingPointError as exc:

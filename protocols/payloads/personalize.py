@@ -9,8 +9,9 @@ and in ``params``: ``num_classes``, ``feature_dim``, ``backbone``, ``image_size`
 ``weights_sha256`` (the backbone the head was trained on), ``fallback`` ("error" | "global",
 what OLL does with held-out labels outside the local training labels), and the FP(ψ) recipe:
 ``fp_epochs`` (0: OLL only), ``batch_size``, ``weight_decay``, ``temperature``, ``seed`` and
-``fp_lrs`` (candidate learning rates; with more than one the device picks one on a validation
-part of its *training* split, ``fp_validation_fraction``, then fine-tunes on all of it).
+``fp_lrs`` (candidate learning rates; with more than one the device picks one by
+``fp_folds``-fold cross-validation on its *training* split, ties to the earlier candidate,
+then fine-tunes on all of it).
 
 Result (device -> aggregator): no tensors. The personalised head stays on the device (it is
 the device's model; sending it would leak the local label set and more). The body reports
