@@ -23,27 +23,53 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fetch this exported bundle (manifest sha256) from the aggregator at start, verify it, "
                         "and extract features with it (--runtime executorch|onnxruntime)")
     p.add_argument("--bundle-dir", type=Path, default=Path(".cache/bundle"), help="where the fetched bundle goes")
+    p.add_argument("--training-bundle", type=Path, default=None,
+                   help="manifest.json of a head training bundle: FedAvg rounds train through its program")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for inference and training")
+    p.add_argument("--holdout-fraction", type=float, default=0.2,
+                   help="share of the local data kept out of all training, for personalization (OLL) reports; "
+                        "0 disables personalization tasks")
+    p.add_argument("--seed", type=int, default=0, help="seed of the local train / held-out split")
+    p.add_argument("--identity", type=Path, default=None,
+                   help="this device's Ed25519 private key (PEM): sign every message, take part in secure rounds")
+    p.add_argument("--aggregator-key", default=None,
+                   help="the aggregator's Ed25519 public key (hex), needed for secure aggregation rounds")
 
 
 def run_device(args) -> int:
     # The device path uses edge_client only; the emulation worker's helpers are shared on purpose
-    # (one definition of "how a device builds its extractor"), but import nothing from aggregator.
+    # (one definition of "how a device builds its handlers"), but import nothing from aggregator.
     import json
+
+    import numpy as np
 
     from edge_client.agent import DeviceAgent, TaskDeclined
     from edge_client.data import load_idx_dataset
     from edge_client.data.image_folder import load_image_folder
-    from edge_client.tasks.fed3r_stats import Fed3RStatsTask
     from protocols.mqtt_link import BrokerConfig
     from protocols.topics import Topics
 
-    from .emulation.worker import SharedExtractors
+    from .emulation.partition import train_holdout_split
+    from .emulation.worker import SharedExtractors, device_handlers, secure_handlers
 
     if args.idx:
         images, labels = load_idx_dataset(*args.idx)
     else:
         classes = args.classes.split(",") if args.classes else None
         images, labels, _ = load_image_folder(args.image_folder, classes=classes)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise SystemExit("--threads must be >= 1")
+        import torch
+
+        torch.set_num_threads(args.threads)
+        if args.runtime == "executorch":
+            from edge_client.runtime.executorch_runtime import set_executorch_threads
+
+            set_executorch_threads(args.threads)
+    if not 0 <= args.holdout_fraction < 1:
+        raise SystemExit("--holdout-fraction must be in [0, 1)")
+    train_idx, holdout_idx = train_holdout_split(np.arange(len(labels)), args.holdout_fraction, args.seed)
     broker = BrokerConfig.from_url(args.broker, tls_ca=args.tls_ca)
     extractors = SharedExtractors(args.cache_dir, args.runtime, threads=None)
     if args.bundle_sha:
@@ -60,8 +86,20 @@ def run_device(args) -> int:
                 raise TaskDeclined(f"job wants {backbone}@{size}px weights {weights[:12]}; the fetched bundle is "
                                    f"{fetched.image_size}px weights {bundle_weights[:12]}")
             return fetched
-    handler = Fed3RStatsTask(images, labels, extractors)
-    agent = DeviceAgent(args.id, broker, {"fed3r.stats": handler}, Topics(args.topic_root)).start()
+    handlers = device_handlers(images, labels, train_idx, holdout_idx, extractors,
+                               str(args.training_bundle) if args.training_bundle else None)
+    signer, protocol_handlers = None, {}
+    if args.identity:
+        from protocols.identity import DeviceIdentity
+
+        identity = DeviceIdentity.from_pem(args.id, args.identity.read_bytes())
+        signer = identity.sign
+        if args.aggregator_key:
+            protocol_handlers = secure_handlers(identity, bytes.fromhex(args.aggregator_key), handlers)
+    agent = DeviceAgent(args.id, broker, handlers, Topics(args.topic_root), signer=signer,
+                        protocol_handlers=protocol_handlers).start()
+    print(f"device {args.id}: {len(train_idx)} training / {len(holdout_idx)} held-out samples, tasks "
+          f"{sorted(handlers) + sorted(k for k in protocol_handlers if '.' in k)}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

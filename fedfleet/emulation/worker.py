@@ -106,6 +106,15 @@ def device_handlers(images: np.ndarray, labels: np.ndarray, train_idx: np.ndarra
     return handlers
 
 
+def secure_handlers(identity: DeviceIdentity, aggregator_key: bytes, handlers: dict) -> dict:
+    """Protocol handlers for secure rounds (Fed3R-Sync, secure FedAvg) around a device's plain
+    handlers; one session registry routes every secagg message."""
+    sessions = SecAggSessions(identity.device_id)
+    return {SYNC_KIND: SecureFed3R(identity, aggregator_key, handlers[FED3R_KIND], sessions),
+            SECURE_FEDAVG_KIND: SecureHeadTraining(identity, aggregator_key, handlers[FEDAVG_KIND], sessions),
+            SECAGG_TYPE: sessions}
+
+
 def run(spec: dict) -> None:
     images, labels = load_dataset(spec["dataset"], spec.get("data_root"))
     shards = np.load(spec["shards_file"])
@@ -126,12 +135,7 @@ def run(spec: dict) -> None:
         if secure:
             identity = DeviceIdentity.from_private_bytes(profile.device_id,
                                                          bytes.fromhex(secure["device_keys"][profile.device_id]))
-            aggregator_key = bytes.fromhex(secure["aggregator_public_key"])
-            sessions = SecAggSessions(profile.device_id)
-            protocol_handlers = {
-                SYNC_KIND: SecureFed3R(identity, aggregator_key, handlers[FED3R_KIND], sessions),
-                SECURE_FEDAVG_KIND: SecureHeadTraining(identity, aggregator_key, handlers[FEDAVG_KIND], sessions),
-                SECAGG_TYPE: sessions}
+            protocol_handlers = secure_handlers(identity, bytes.fromhex(secure["aggregator_public_key"]), handlers)
         agent = DeviceAgent(profile.device_id, broker, handlers, topics,
                             hooks=profile_hooks(profile, t0, rng), retry_after_s=spec.get("retry_after_s", 10.0),
                             protocol_handlers=protocol_handlers)

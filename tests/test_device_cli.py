@@ -1,0 +1,106 @@
+"""``fedfleet device`` as an operator runs it: three real device processes reading IDX files of
+Fashion-MNIST images, signing with their Ed25519 keys, against mosquitto and the aggregator.
+
+A Fed3R-Sync job (secure aggregation) must give the centralized ridge solution over the devices'
+*training* splits (recomputed here from the same images), and a personalization job must report
+counts over exactly their held-out splits."""
+
+import struct
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+from sklearn.linear_model import Ridge
+
+from aggregator.jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob
+from aggregator.jobs.personalize import PersonalizeConfig, PersonalizeJob
+from aggregator.service import AggregatorService
+from edge_client.data import load_fashion_mnist
+from edge_client.features import FeatureExtractor
+from edge_client.models import weights_sha256
+from fedfleet.emulation.partition import train_holdout_split
+from protocols.identity import DeviceIdentity, IdentityRegistry
+from protocols.mqtt_link import BrokerConfig
+
+SIZE, PER_DEVICE = 32, 50
+DEVICES = {"cam-a": (0, 1, 2), "cam-b": (3, 4, 5, 6), "cam-c": (7, 8, 9, 0)}
+
+
+def write_idx(path, array):
+    code = {np.dtype(np.uint8): 0x08}[array.dtype]
+    path.write_bytes(struct.pack(">HBB", 0, code, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
+                     + array.tobytes())
+
+
+def device_data(images, labels, classes, seed):
+    idx = np.random.default_rng(seed).permutation(np.flatnonzero(np.isin(labels, classes)))[:PER_DEVICE]
+    return images[idx], labels[idx].astype(np.uint8)
+
+
+def run_job(job, broker, out_dir, ids):
+    svc = AggregatorService(job, BrokerConfig.from_url(broker.url), out_dir, enrolled=set(ids),
+                            evaluate_every_contribution=False)
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=240)), daemon=True)
+    thread.start()
+    thread.join(250)
+    return result
+
+
+@pytest.mark.slow
+def test_device_cli_serves_secure_fed3r_and_personalization(broker, tmp_path):
+    images, labels = load_fashion_mnist("train")
+    agg = DeviceIdentity.generate("aggregator")
+    keys, data, procs = {}, {}, []
+    try:
+        for i, (dev, classes) in enumerate(DEVICES.items()):
+            x, y = data[dev] = device_data(images, labels, classes, i)
+            write_idx(tmp_path / f"{dev}-images.idx", x)
+            write_idx(tmp_path / f"{dev}-labels.idx", y)
+            keys[dev] = DeviceIdentity.generate(dev)
+            (tmp_path / f"{dev}.pem").write_bytes(keys[dev].to_pem())
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "fedfleet.cli", "device", "--id", dev, "--broker", broker.url,
+                 "--idx", str(tmp_path / f"{dev}-images.idx"), str(tmp_path / f"{dev}-labels.idx"),
+                 "--cache-dir", str(tmp_path / "cache"), "--threads", "1", "--holdout-fraction", "0.2",
+                 "--identity", str(tmp_path / f"{dev}.pem"), "--aggregator-key", agg.public_key_bytes.hex()],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        registry = IdentityRegistry({d: k.public_key_bytes for d, k in keys.items()})
+        common = dict(num_classes=10, backbone="mobilenet_v2", image_size=SIZE,
+                      weights_sha256=weights_sha256("mobilenet_v2"), feature_dim=1280, expected_devices=3,
+                      start_timeout_s=120, round_timeout_s=180, clients_per_round=3)
+        fed3r = Fed3RSyncJob(Fed3RSyncConfig(job_id="sync", max_samples=100, phase_timeout_s=60, max_attempts=1,
+                                             **common), identity=agg, registry=registry)
+        result = run_job(fed3r, broker, tmp_path / "fed3r", list(DEVICES))
+        assert result.get("state") == "done" and sorted(result["contributed"]) == sorted(DEVICES), result
+
+        extractor = FeatureExtractor.eager("mobilenet_v2", image_size=SIZE, cache_dir=tmp_path / "cache", threads=1)
+        split = {d: train_holdout_split(np.arange(PER_DEVICE), 0.2, 0) for d in DEVICES}   # the CLI's default seed
+        Z = np.vstack([extractor.extract(data[d][0][split[d][0]]) for d in DEVICES]).astype(np.float64)
+        y = np.concatenate([data[d][1][split[d][0]] for d in DEVICES]).astype(int)
+        Za = np.hstack([Z, np.ones((len(Z), 1))])
+        W_ref = Ridge(alpha=0.01, fit_intercept=False, solver="cholesky").fit(Za, np.eye(10)[y]).coef_.T
+        W = fed3r.strategy.solve().raw_weights_
+        assert np.linalg.norm(W - W_ref) / np.linalg.norm(W_ref) <= 1e-6
+
+        oll = PersonalizeJob(PersonalizeConfig(job_id="oll", head_file=str(tmp_path / "fed3r" / "model.npz"),
+                                               fp_epochs=2, **common))
+        result = run_job(oll, broker, tmp_path / "oll", list(DEVICES))
+        assert result.get("state") == "done" and oll.contributions == 3, result
+        summary = oll.summary()
+        assert summary["test_samples"] == sum(len(split[d][1]) for d in DEVICES)
+        assert all(oll.contributed[d]["n_train"] == len(split[d][0]) for d in DEVICES)
+        assert summary["wma"]["oll"] >= summary["wma"]["global"]
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                out, _ = p.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                out, _ = p.communicate()
+            if "Traceback" in (out or ""):
+                print(out)
