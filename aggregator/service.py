@@ -133,7 +133,7 @@ CONFIG_LIMITS: dict[str, dict[str, Range | OneOf | Fields]] = {"fed3r": {
     "num_classes": Range(1, 100_000), "feature_dim": Range(1, 8192), "image_size": Range(1, 4096),
     "lam": Range(1e-12, 1e12), "clients_per_round": Range(1, 1_000_000), "max_attempts": Range(1, 1000),
     "expected_devices": Range(0, 1_000_000), "round_timeout_s": Range(1e-3, 7 * 86400),
-    "start_timeout_s": Range(0, 7 * 86400), "seed": Range(0, 2 ** 63 - 1),
+    "start_timeout_s": Range(0, 7 * 86400), "seed": Range(0, 2 ** 53 - 1),   # JSON-safe: exact as a double
     "b_format": OneOf(("sparse", "dense")), "stats_dtype": OneOf(("float64", "float32")),
     "random_features": Fields({"seed": (int, Range(0, 2 ** 32 - 1)), "dim": (int, Range(1, 8192)),
                                "sigma": (float, Range(1e-12, 1e12))}),
