@@ -751,8 +751,8 @@ class AggregatorService:
         a.round_log.append(self._round_entry(a, act, a.opened_at.get(act.round), closed_at))
         log.info("round %d closed: %d accepted, %d dropped, %d declined", act.round,
                  len(act.accepted), len(act.dropped), len(act.declined))
-        if not self.evaluate_every_contribution:
-            self._record_eval()
+        if not self.evaluate_every_contribution or getattr(a.job, "evaluate_at_round_close", False):
+            self._record_eval()     # a job whose model moves at round close (FedAvg) is evaluated after it
         if self.store is not None:
             model = a.job.model_arrays() if act.accepted else None
             checkpoint = (a.job.state_dict(), a.job.contributed) if self.checkpoints else None

@@ -59,3 +59,29 @@ def test_fedavg_over_mosquitto_equals_in_process_replay(broker, tmp_path, moment
     for k in ("weight", "bias"):
         np.testing.assert_allclose(job.params[k], replay.params[k], rtol=1e-6, atol=1e-7)
     assert not np.allclose(job.params["weight"], FedAvgJob(FedAvgConfig(**cfg)).params["weight"])   # it trained
+
+
+def test_final_evaluation_sees_the_model_after_the_last_round(broker, tmp_path):
+    """Evaluating after each contribution (the CLI's default) must not leave the last round's
+    server step unevaluated: the reported final accuracy is the saved head's."""
+    ids = [f"dev{i}" for i in range(4)]
+    rng = np.random.default_rng(0)
+    y_eval = rng.integers(0, C, 200)
+    Z_eval = (rng.normal(size=(200, D)) + 2 * np.eye(C, D)[y_eval]).astype(np.float32)
+    cfg = dict(job_id="ft-eval", num_classes=C, feature_dim=D, rounds=2, clients_per_round=2, round_timeout_s=30,
+               local_epochs=3, batch_size=8, client_lr=0.05, expected_devices=4, seed=1)
+    job = FedAvgJob(FedAvgConfig(**cfg))
+    svc = AggregatorService(job, BrokerConfig.from_url(broker.url), tmp_path, enrolled=set(ids),
+                            eval_set=(Z_eval, y_eval), evaluate_every_contribution=True)
+    result = {}
+    t = threading.Thread(target=lambda: result.update(svc.run(timeout_s=120)), daemon=True)
+    t.start()
+    agents = [DeviceAgent(d, BrokerConfig.from_url(broker.url), {"fedavg.head": device_task(i)}).start()
+              for i, d in enumerate(ids)]
+    t.join(120)
+    for a in agents:
+        a.stop()
+    assert result["state"] == "done"
+    saved = np.load(tmp_path / "model.npz")
+    expected = float(((Z_eval @ saved["weight"].T + saved["bias"]).argmax(1) == y_eval).mean())
+    assert result["final"]["accuracy"] == expected and result["final"]["server_steps"] == 2

@@ -45,3 +45,5 @@ class Job(Protocol):
     def restore_bookkeeping(self, state: dict) -> None: ...
     # optional class attribute ``order_free = True``: the final model depends only on the set of
     # contributions, so the service re-sums them in a canonical order (bit-identical across runs)
+    # optional class attribute ``evaluate_at_round_close = True``: the model changes when a round
+    # closes (FedAvg), so it is evaluated then, not only after each contribution

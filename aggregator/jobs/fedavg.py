@@ -105,6 +105,9 @@ class FedAvgJob:
     contributed: dict[str, int] = field(default_factory=dict)     # device -> accepted updates
     round: int = 0
     kind: str = KIND
+    # The server step happens at round close: evaluations taken per contribution would all see
+    # the previous round's model, so the service evaluates after each close as well.
+    evaluate_at_round_close = True
 
     def __post_init__(self):
         c = self.config
