@@ -57,6 +57,10 @@ def serve(args) -> int:
         shelf = ArtifactShelf()
         for bundle in args.artifacts:
             print(f"serving bundle {bundle}: manifest sha256 {shelf.add_bundle(bundle)}", flush=True)
+    announced = getattr(job.config, "bundle_sha256", "") if job is not None else ""
+    if announced and (shelf is None or announced not in shelf):
+        raise SystemExit(f"the job runs on bundle {announced[:16]}…, which this aggregator does not serve: "
+                         "pass that bundle's directory with --artifacts")
     summary = serve_with_ops(args, job, BrokerConfig.from_url(args.broker, tls_ca=args.tls_ca), args.out,
                              Topics(args.topic_root), enrolled=enrolled, eval_set=eval_set, artifacts=shelf)
     final = summary.get("final", {})

@@ -24,7 +24,7 @@ import numpy as np
 
 from protocols import messages as M
 from protocols.chunking import DEFAULT_CHUNK_SIZE, MessageAssembler
-from protocols.envelope import Envelope, EnvelopeError, encode
+from protocols.envelope import EnvelopeError, encode
 from protocols.mqtt_link import BrokerConfig, MqttLink
 from protocols.rounds import (AckArrived, DeviceSession, ResultSent, SendDecline, SendResult, StartWork,
                               TaskArrived, Tick, WorkFailed, WorkFinished)

@@ -29,10 +29,12 @@ class ArtifactFetchError(RuntimeError):
 
 def fetch_bundle(device_id: str, broker: BrokerConfig, manifest_sha256: str, dest: Path,
                  topics: Topics = Topics(), timeout_s: float = 120.0, retry_s: float = 5.0,
-                 signer=None) -> Path:
+                 signer=None, client_id: str | None = None) -> Path:
+    """``client_id``: the MQTT client id of the fetch (default: the device id). A running agent
+    holds that id already, so fetching on demand needs another one (same account and topics)."""
     dest = Path(dest)
     inbox: queue.Queue = queue.Queue()
-    link = MqttLink(device_id, broker, on_message=lambda t, p: inbox.put(p),
+    link = MqttLink(client_id or device_id, broker, on_message=lambda t, p: inbox.put(p),
                     subscriptions=[(topics.inbox(device_id), 1)], clean_start=True)
     link.start()
     try:

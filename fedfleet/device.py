@@ -39,11 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run_device(args) -> int:
     # The device path uses edge_client only; the emulation worker's helpers are shared on purpose
     # (one definition of "how a device builds its handlers"), but import nothing from aggregator.
-    import json
-
     import numpy as np
 
-    from edge_client.agent import DeviceAgent, TaskDeclined
+    from edge_client.agent import DeviceAgent
     from edge_client.data import load_idx_dataset
     from edge_client.data.image_folder import load_image_folder
     from protocols.mqtt_link import BrokerConfig
@@ -71,21 +69,11 @@ def run_device(args) -> int:
         raise SystemExit("--holdout-fraction must be in [0, 1)")
     train_idx, holdout_idx = train_holdout_split(np.arange(len(labels)), args.holdout_fraction, args.seed)
     broker = BrokerConfig.from_url(args.broker, tls_ca=args.tls_ca)
-    extractors = SharedExtractors(args.cache_dir, args.runtime, threads=None)
+    extractors = FetchedBundles(args.id, broker, Topics(args.topic_root), args.bundle_dir, args.runtime,
+                                args.cache_dir, default=args.bundle_sha,
+                                local=SharedExtractors(args.cache_dir, args.runtime, threads=None))
     if args.bundle_sha:
-        from edge_client.artifacts import fetch_bundle
-
-        from .bundles import extractor_from_manifest
-
-        manifest = fetch_bundle(args.id, broker, args.bundle_sha, args.bundle_dir, Topics(args.topic_root))
-        fetched = extractor_from_manifest(manifest, args.runtime, args.cache_dir, args.bundle_sha)
-        bundle_weights = json.loads(manifest.read_text())["backbone"]["weights_sha256"]
-
-        def extractors(backbone: str, size: int, weights: str):
-            if size != fetched.image_size or (weights and weights != bundle_weights):
-                raise TaskDeclined(f"job wants {backbone}@{size}px weights {weights[:12]}; the fetched bundle is "
-                                   f"{fetched.image_size}px weights {bundle_weights[:12]}")
-            return fetched
+        extractors.get(args.bundle_sha)          # at boot: fail early on a bad or unreachable bundle
     handlers = device_handlers(images, labels, train_idx, holdout_idx, extractors,
                                str(args.training_bundle) if args.training_bundle else None)
     signer, protocol_handlers = None, {}
@@ -106,3 +94,53 @@ def run_device(args) -> int:
     stop.wait()
     agent.stop()
     return 0
+
+
+class FetchedBundles:
+    """The device's extractor factory: a job that names a bundle (task param ``bundle_sha256``)
+    gets that bundle, fetched from the aggregator over the broker the first time and verified
+    file by file (``edge_client.artifacts.fetch_bundle``); a job that names none gets the bundle
+    given at boot (``--bundle-sha``) or, without one, the local extractor (``--runtime``)."""
+
+    def __init__(self, device_id: str, broker, topics, bundle_dir: Path, runtime: str, cache_dir: str | None,
+                 default: str | None, local):
+        self.device_id, self.broker, self.topics = device_id, broker, topics
+        self.bundle_dir, self.runtime, self.cache_dir = Path(bundle_dir), runtime, cache_dir
+        self.default, self.local = default, local
+        self.fetched: dict[str, tuple] = {}          # manifest sha256 -> (extractor, weights sha256)
+        self.lock = threading.Lock()
+
+    def get(self, sha: str):
+        import json
+
+        from edge_client.artifacts import fetch_bundle
+
+        from .bundles import extractor_from_manifest
+
+        with self.lock:
+            if sha not in self.fetched:
+                # its own MQTT client id: the agent's connection stays up while the bundle comes in
+                manifest = fetch_bundle(self.device_id, self.broker, sha, self.bundle_dir / sha[:16], self.topics,
+                                        client_id=f"{self.device_id}.fetch")
+                extractor = extractor_from_manifest(manifest, self.runtime, self.cache_dir, sha)
+                self.fetched[sha] = (extractor, json.loads(manifest.read_text())["backbone"]["weights_sha256"])
+            return self.fetched[sha]
+
+    def __call__(self, backbone: str, image_size: int, weights: str, bundle_sha256: str = ""):
+        from edge_client.agent import TaskDeclined
+        from edge_client.artifacts import ArtifactFetchError
+
+        sha = bundle_sha256 or self.default
+        if not sha:
+            return self.local(backbone, image_size, weights)
+        if self.runtime == "eager":
+            raise TaskDeclined(f"job runs on bundle {sha[:16]}, but this device runs eager torch (use --runtime "
+                               "executorch or onnxruntime)")
+        try:
+            extractor, bundle_weights = self.get(sha)
+        except (ArtifactFetchError, OSError, ValueError) as exc:
+            raise TaskDeclined(f"bundle {sha[:16]} unavailable: {exc}") from exc
+        if image_size != extractor.image_size or (weights and weights != bundle_weights):
+            raise TaskDeclined(f"job wants {backbone}@{image_size}px weights {weights[:12]}; bundle {sha[:16]} is "
+                               f"{extractor.image_size}px weights {bundle_weights[:12]}")
+        return extractor

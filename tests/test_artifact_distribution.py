@@ -92,3 +92,53 @@ def test_a_fetched_bundle_extracts_the_same_features_as_eager(tmp_path, bundle):
     eager = make_extractor("mobilenet_v2", 32, None, "eager")
     assert fx.feature_dim == 1280 and fx.image_size == 32
     assert np.abs(fx.extract(X[:40]) - eager.extract(X[:40])).max() < 1e-4
+
+
+@pytest.mark.slow
+def test_a_job_names_its_bundle_and_the_device_fetches_it_on_demand(broker, tmp_path, bundle):
+    """`fedfleet device` started without a bundle: the job's tasks name one (bundle_sha256), the
+    device fetches it from the aggregator, verifies it and computes its statistics with it."""
+    import struct
+    import subprocess
+    import sys
+
+    from sklearn.linear_model import Ridge
+
+    from edge_client.data import load_fashion_mnist
+    from edge_client.models import weights_sha256
+    from fedfleet.bundles import extractor_from_manifest
+    from fedfleet.emulation.partition import train_holdout_split
+
+    images, labels = load_fashion_mnist("test")
+    x, y = images[:20], labels[:20].astype(np.uint8)
+    for name, arr, code in (("images", x, 0x08), ("labels", y, 0x08)):
+        (tmp_path / f"{name}.idx").write_bytes(struct.pack(">HBB", 0, code, arr.ndim)
+                                                + struct.pack(f">{arr.ndim}I", *arr.shape) + arr.tobytes())
+    shelf = ArtifactShelf()
+    manifest_sha = shelf.add_bundle(bundle)
+    job = Fed3RJob(Fed3RConfig(num_classes=10, image_size=32, feature_dim=1280, bundle_sha256=manifest_sha,
+                               weights_sha256=weights_sha256("mobilenet_v2"), expected_devices=1,
+                               start_timeout_s=120, round_timeout_s=120))
+    svc = AggregatorService(job, BrokerConfig.from_url(broker.url), tmp_path / "agg", enrolled={"cam9"},
+                            artifacts=shelf, evaluate_every_contribution=False)
+    result = {}
+    t = threading.Thread(target=lambda: result.update(svc.run(timeout_s=150)), daemon=True)
+    t.start()
+    device = subprocess.Popen([sys.executable, "-m", "fedfleet.cli", "device", "--id", "cam9", "--broker", broker.url,
+                               "--idx", str(tmp_path / "images.idx"), str(tmp_path / "labels.idx"),
+                               "--runtime", "onnxruntime", "--threads", "1", "--bundle-dir", str(tmp_path / "fetched")],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        t.join(160)
+    finally:
+        device.terminate()
+        log, _ = device.communicate(timeout=30)
+    assert result.get("state") == "done" and list(result["contributed"]) == ["cam9"], log[-3000:]
+    assert (tmp_path / "fetched" / manifest_sha[:16] / "manifest.json").exists()
+    # the statistics are those of the bundle's features on the device's training split
+    train, _ = train_holdout_split(np.arange(20), 0.2, 0)
+    Z = extractor_from_manifest(bundle / "manifest.json", "onnxruntime", None).extract(x[train]).astype(np.float64)
+    Za = np.hstack([Z, np.ones((len(Z), 1))])
+    W_ref = Ridge(alpha=0.01, fit_intercept=False, solver="cholesky").fit(Za, np.eye(10)[y[train]]).coef_.T
+    W = job.strategy.solve().raw_weights_
+    assert np.linalg.norm(W - W_ref) / np.linalg.norm(W_ref) <= 1e-6

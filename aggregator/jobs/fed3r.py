@@ -29,6 +29,8 @@ class Fed3RConfig:
     backbone: str = "mobilenet_v2"
     image_size: int = 64
     weights_sha256: str = ""
+    bundle_sha256: str = ""                  # the exported bundle devices run (its manifest's sha256), served
+                                             # by the aggregator (--artifacts); "" lets devices use their own
     feature_dim: int = 1280
     lam: float = 0.01
     fit_intercept: bool = True
@@ -50,7 +52,8 @@ class Fed3RConfig:
 
     def task_params(self) -> dict:
         return {"num_classes": self.num_classes, "backbone": self.backbone, "image_size": self.image_size,
-                "weights_sha256": self.weights_sha256, "fit_intercept": self.fit_intercept,
+                "weights_sha256": self.weights_sha256, "bundle_sha256": self.bundle_sha256,
+                "fit_intercept": self.fit_intercept,
                 "random_features": self.random_features, "format": self.b_format, "dtype": self.stats_dtype}
 
     def to_dict(self) -> dict:

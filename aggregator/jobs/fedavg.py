@@ -50,6 +50,7 @@ class FedAvgConfig:
     backbone: str = "mobilenet_v2"
     image_size: int = 64
     weights_sha256: str = ""
+    bundle_sha256: str = ""              # the exported bundle devices run (served with --artifacts)
     feature_dim: int = 1280
     rounds: int = 100
     clients_per_round: int = 10          # κ: partial participation
@@ -174,7 +175,7 @@ class FedAvgJob:
         c = self.config
         seed = zlib.crc32(f"{c.seed}:{self.round}:{device}".encode())
         params = {"num_classes": c.num_classes, "feature_dim": c.feature_dim, "backbone": c.backbone,
-                  "image_size": c.image_size, "weights_sha256": c.weights_sha256,
+                  "image_size": c.image_size, "weights_sha256": c.weights_sha256, "bundle_sha256": c.bundle_sha256,
                   "epochs": c.local_epochs, "batch_size": c.batch_size, "lr": c.device_lr,
                   "weight_decay": c.weight_decay, "temperature": c.temperature, "seed": seed}
         return params, {k: v.copy() for k, v in self.params.items()}

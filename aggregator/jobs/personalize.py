@@ -41,6 +41,7 @@ class PersonalizeConfig:
     backbone: str = "mobilenet_v2"
     image_size: int = 64
     weights_sha256: str = ""
+    bundle_sha256: str = ""              # the exported bundle devices run (served with --artifacts)
     feature_dim: int = 1280
     head_file: str = ""                  # model.npz of a finished FedAvg (weight, bias) or Fed3R (coef, intercept) job
     fallback: str = "global"             # held-out labels outside the local training labels: "error" | "global"
@@ -113,7 +114,8 @@ class PersonalizeJob(OncePerDevice):
     def task_for(self, device: str) -> tuple[dict, dict[str, np.ndarray]]:
         c = self.config
         params = {"num_classes": c.num_classes, "feature_dim": c.feature_dim, "backbone": c.backbone,
-                  "image_size": c.image_size, "weights_sha256": c.weights_sha256, "fallback": c.fallback,
+                  "image_size": c.image_size, "weights_sha256": c.weights_sha256, "bundle_sha256": c.bundle_sha256,
+                  "fallback": c.fallback,
                   "fp_epochs": c.fp_epochs, "batch_size": c.batch_size, "fp_lrs": list(c.fp_lrs),
                   "fp_folds": c.fp_folds, "weight_decay": c.weight_decay,
                   "temperature": c.temperature, "seed": c.seed}

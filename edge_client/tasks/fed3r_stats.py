@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -11,9 +11,7 @@ from protocols.random_features import RandomFourierFeatures
 
 from ..agent import TaskDeclined
 from ..fed3r import Fed3RAccumulator
-
-# (backbone, image_size, weights_sha256) -> object with .extract(images) -> (n, d) float32 and .feature_dim
-ExtractorFactory = Callable[[str, int, str], Any]
+from .extractors import ExtractorFactory, extractor_for
 
 
 class Fed3RStatsTask:
@@ -28,8 +26,6 @@ class Fed3RStatsTask:
             raise TaskDeclined("no local training data")
         try:
             num_classes = int(params["num_classes"])
-            backbone, image_size = str(params["backbone"]), int(params["image_size"])
-            weights = str(params.get("weights_sha256", ""))
             fit_intercept = bool(params.get("fit_intercept", True))
             dense = params.get("format", "sparse") == "dense"
             dtype = str(params.get("dtype", "float64"))
@@ -38,7 +34,10 @@ class Fed3RStatsTask:
             raise TaskDeclined(f"bad fed3r.stats params: {exc}") from exc
         if self.labels.max() >= num_classes:
             raise TaskDeclined(f"local label {self.labels.max()} outside the job's {num_classes} classes")
-        extractor = self.extractor_factory(backbone, image_size, weights)
+        try:
+            extractor = extractor_for(self.extractor_factory, params)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TaskDeclined(f"bad fed3r.stats params: {exc}") from exc
         rf = None
         if rf_cfg:
             rf = RandomFourierFeatures(int(rf_cfg["dim"]), float(rf_cfg["sigma"]), int(rf_cfg["seed"]))

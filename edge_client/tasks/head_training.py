@@ -27,18 +27,17 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from protocols.payloads.fedavg import encode_head_update
 
 from ..agent import TaskDeclined
+from .extractors import ExtractorFactory, extractor_for
 
 log = logging.getLogger("fedfleet.device")
 
-# (backbone, image_size, weights_sha256) -> object with .extract(images) -> (n, d) float32 and .feature_dim
-ExtractorFactory = Callable[[str, int, str], Any]
 
 
 @dataclass(frozen=True)
@@ -232,9 +231,8 @@ class HeadTrainingTask:
             raise TaskDeclined("no local training data")
         try:
             num_classes, feature_dim = int(params["num_classes"]), int(params["feature_dim"])
-            backbone, image_size = str(params["backbone"]), int(params["image_size"])
-            weights = str(params.get("weights_sha256", ""))
             recipe = LocalTraining.from_params(params)
+            str(params["backbone"]), int(params["image_size"])     # checked here: a malformed task declines
         except (KeyError, TypeError, ValueError) as exc:
             raise TaskDeclined(f"bad fedavg.head params: {exc}") from exc
         if not tensors or "weight" not in tensors or "bias" not in tensors:
@@ -247,7 +245,7 @@ class HeadTrainingTask:
             raise TaskDeclined("global head contains NaN or Inf")
         if self.labels.min() < 0 or self.labels.max() >= num_classes:
             raise TaskDeclined(f"local label {self.labels.max()} outside the job's {num_classes} classes")
-        extractor = self.extractor_factory(backbone, image_size, weights)
+        extractor = extractor_for(self.extractor_factory, params)
         if extractor.feature_dim != feature_dim:
             raise TaskDeclined(f"backbone gives {extractor.feature_dim}-d features, task expects {feature_dim}")
         features = extractor.extract(self.images)

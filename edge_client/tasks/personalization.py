@@ -25,7 +25,8 @@ from protocols.payloads.personalize import FALLBACKS, PersonalizationReport, enc
 
 from ..agent import TaskDeclined
 from ..oll import OutOfLocalLabels, PersonalizedHead, choose_fp_lr
-from .head_training import ExtractorFactory, LocalTraining
+from .extractors import ExtractorFactory, extractor_for
+from .head_training import LocalTraining
 
 log = logging.getLogger("fedfleet.device")
 
@@ -49,8 +50,7 @@ class PersonalizeTask:
             raise TaskDeclined("personalization needs local training and held-out data")
         try:
             num_classes, feature_dim = int(params["num_classes"]), int(params["feature_dim"])
-            backbone, image_size = str(params["backbone"]), int(params["image_size"])
-            weights = str(params.get("weights_sha256", ""))
+            str(params["backbone"]), int(params["image_size"])     # checked here: a malformed task declines
             fallback = str(params.get("fallback", "error"))
             fp_epochs = int(params.get("fp_epochs", 0))
             lrs = [float(lr) for lr in params.get("fp_lrs", [])]
@@ -72,7 +72,7 @@ class PersonalizeTask:
         for labels in (self.train_labels, self.test_labels):
             if labels.min() < 0 or labels.max() >= num_classes:
                 raise TaskDeclined(f"local label {labels.max()} outside the job's {num_classes} classes")
-        extractor = self.extractor_factory(backbone, image_size, weights)
+        extractor = extractor_for(self.extractor_factory, params)
         if extractor.feature_dim != feature_dim:
             raise TaskDeclined(f"backbone gives {extractor.feature_dim}-d features, task expects {feature_dim}")
         f_train, f_test = extractor.extract(self.train_images), extractor.extract(self.test_images)

@@ -52,7 +52,9 @@ class SharedExtractors:
         self.lock = threading.Lock()
         self._made: dict = {}
 
-    def __call__(self, backbone: str, image_size: int, weights_sha256: str):
+    def __call__(self, backbone: str, image_size: int, weights_sha256: str, bundle_sha256: str = ""):
+        # Emulated devices export their bundle locally (fedfleet.bundles); a job's announced
+        # bundle is what real devices fetch (fedfleet device), so it is not checked here.
         from edge_client.agent import TaskDeclined
         from edge_client.models import weights_sha256 as local_sha
 

@@ -1,0 +1,23 @@
+"""How a task handler asks the device for the feature extractor a task needs.
+
+A device passes every handler one *extractor factory*: ``factory(backbone, image_size,
+weights_sha256) -> extractor`` (``.extract(images) -> (n, d) float32`` and ``.feature_dim``).
+When the job names the exported bundle it runs on (task param ``bundle_sha256``: the sha256 of
+the bundle's manifest, which the aggregator serves), the factory is called with
+``bundle_sha256=...`` as well, so a device can fetch and verify that bundle on demand
+(``fedfleet device``). Factories that cannot fetch may ignore it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+ExtractorFactory = Callable[..., Any]
+
+
+def extractor_for(factory: ExtractorFactory, params: dict[str, Any]):
+    """The extractor for a task's ``backbone``, ``image_size``, ``weights_sha256`` and, when
+    present, ``bundle_sha256`` params (KeyError / ValueError on missing or malformed ones)."""
+    args = (str(params["backbone"]), int(params["image_size"]), str(params.get("weights_sha256", "")))
+    bundle = str(params.get("bundle_sha256") or "")
+    return factory(*args, bundle_sha256=bundle) if bundle else factory(*args)
