@@ -281,3 +281,17 @@ def test_style_phase_ends_when_silent_devices_go_offline():
     train = job.next_participants(online - {parts[-1]})   # gone: cluster without it and start
     assert job.phase == "train" and job.kind == "ladd.train" and train
     assert parts[-1] not in job.assignment and len(job.assignment) == len(DEVICES) - 1
+
+
+def test_ladd_config_refuses_a_recipe_the_devices_would_refuse():
+    """The recipe's defaults and limits are the wire contract's (SelfTrainingRecipe), checked when
+    the job is configured rather than when every device declines its first task."""
+    from aggregator.jobs.ladd import LaddConfig
+    from protocols.payloads.ladd import SelfTrainingRecipe
+
+    model = {"num_classes": 3, "image_size": 32}
+    cfg = LaddConfig(model=model)
+    assert cfg.recipe(seed=5) == SelfTrainingRecipe(seed=5)          # same defaults on both sides
+    for bad in ({"lr": -0.1}, {"pseudo_cap": 1.5}, {"momentum": 1.0}, {"local_epochs": 0}, {"batch_size": True}):
+        with pytest.raises(ValueError):
+            LaddConfig(model=model, **bad)

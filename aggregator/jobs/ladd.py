@@ -43,9 +43,9 @@ from typing import Any
 import numpy as np
 
 from protocols.envelope import Envelope, EnvelopeError, body_field
-from protocols.payloads.ladd import (KIND_STYLE, KIND_TRAIN, ModelUpdate, StyleResult, layout_digest,
-                                     layout_to_json, make_layout, pack, packed_digest, parse_style, parse_update,
-                                     train_task_tensors)
+from protocols.payloads.ladd import (KIND_STYLE, KIND_TRAIN, ModelUpdate, SelfTrainingRecipe, StyleResult,
+                                     layout_digest, layout_to_json, make_layout, pack, packed_digest, parse_style,
+                                     parse_update, train_task_tensors)
 from protocols.rounds import RoundClosed
 
 from ..strategies.ladd import ClusterSpecificAveraging, StyleClustering, SwaTeacher, cluster_specific_predicate
@@ -70,14 +70,15 @@ class LaddConfig:
     cluster_scope: str = "head"                    # θ = "head" (LADD cls) | "all"
     rounds: int = 12
     clients_per_round: int = 8
-    local_epochs: int = 1
-    batch_size: int = 8
-    lr: float = 0.01
-    momentum: float = 0.9
-    kd_lambda: float = 10.0
-    kd_alpha: float = 0.5
-    pseudo_quantile: float = 0.66
-    pseudo_cap: float = 0.9
+    # the devices' self-training recipe: defaults and limits are the wire contract's
+    local_epochs: int = SelfTrainingRecipe.epochs
+    batch_size: int = SelfTrainingRecipe.batch_size
+    lr: float = SelfTrainingRecipe.lr
+    momentum: float = SelfTrainingRecipe.momentum
+    kd_lambda: float = SelfTrainingRecipe.kd_lambda
+    kd_alpha: float = SelfTrainingRecipe.kd_alpha
+    pseudo_quantile: float = SelfTrainingRecipe.pseudo_quantile
+    pseudo_cap: float = SelfTrainingRecipe.pseudo_cap
     teacher_every: int = 1                         # ω
     swa_start: int = 0                             # t_START (0: no SWA teacher)
     min_styles: int = 0                            # styles needed before clustering (0: every device seen)
@@ -97,6 +98,12 @@ class LaddConfig:
             raise ValueError("style_b in [0, 8], 1 <= k_min <= k_max, n_init >= 1 required")
         if "image_size" not in self.model or "num_classes" not in self.model:
             raise ValueError("model must be a segmentation spec with at least num_classes and image_size")
+        self.recipe(seed=0)          # refuse a recipe the devices would refuse, before any round
+
+    def recipe(self, seed: int) -> SelfTrainingRecipe:
+        return SelfTrainingRecipe(epochs=self.local_epochs, batch_size=self.batch_size, lr=self.lr,
+                                  momentum=self.momentum, kd_lambda=self.kd_lambda, kd_alpha=self.kd_alpha,
+                                  pseudo_quantile=self.pseudo_quantile, pseudo_cap=self.pseudo_cap, seed=seed)
 
     @property
     def image_size(self) -> int:
@@ -257,9 +264,7 @@ class LaddJob:
                   "layout": layout_to_json(self.layout), "layout_sha256": layout_digest(self.layout),
                   "trainable": list(self.trainable), "teacher": "model" if same else "tensor",
                   "kd_sha256": self.kd_sha256 if c.kd_lambda > 0 else "",
-                  "epochs": c.local_epochs, "batch_size": c.batch_size, "lr": c.lr, "momentum": c.momentum,
-                  "kd_lambda": c.kd_lambda, "kd_alpha": c.kd_alpha, "pseudo_quantile": c.pseudo_quantile,
-                  "pseudo_cap": c.pseudo_cap, "seed": zlib.crc32(f"{c.seed}:{self.round}:{device}".encode())}
+                  **c.recipe(zlib.crc32(f"{c.seed}:{self.round}:{device}".encode())).to_params()}
         tensors = train_task_tensors(pack(model, self.layout), None if same else pack(teacher, self.layout),
                                      self.kd_flat if send_kd else None)
         return params, tensors

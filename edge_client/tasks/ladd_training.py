@@ -41,14 +41,14 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from torch.nn import functional as F
 
-from protocols.payloads.ladd import (encode_style, encode_update, layout_digest, make_layout, packed_digest,
+from protocols.payloads.ladd import (SelfTrainingRecipe, encode_style, encode_update, layout_digest, make_layout, packed_digest,
                                      parse_train_task, unpack)
 
 from ..agent import TaskDeclined
@@ -57,41 +57,6 @@ from ..style import extract_style
 
 __all__ = ["LaddStyleTask", "LaddTrainTask", "SelfTrainingRecipe", "kd_targets", "self_train",
            "threshold_pseudo_labels"]
-
-
-@dataclass(frozen=True)
-class SelfTrainingRecipe:
-    epochs: int = 1
-    batch_size: int = 8
-    lr: float = 0.01
-    momentum: float = 0.9
-    kd_lambda: float = 10.0
-    kd_alpha: float = 0.5
-    pseudo_quantile: float = 0.66
-    pseudo_cap: float = 0.9
-    seed: int = 0
-
-    def __post_init__(self):
-        for name in ("epochs", "batch_size"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 1 <= v <= 10_000:
-                raise ValueError(f"{name} must be an integer in [1, 10000], got {v!r}")
-        checks = {"lr": (0, 10, False), "momentum": (0, 1, True), "kd_lambda": (0, 1e4, True),
-                  "kd_alpha": (0, 100, False), "pseudo_quantile": (0, 1, True), "pseudo_cap": (0, 1, False)}
-        for name, (lo, hi, lo_ok) in checks.items():
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float, np.floating)) or not math.isfinite(v) \
-                    or v > hi or v < lo or (v == lo and not lo_ok):
-                raise ValueError(f"{name} must be a finite number in {'[' if lo_ok else '('}{lo}, {hi}], got {v!r}")
-        if self.momentum >= 1:
-            raise ValueError("momentum must be < 1")
-
-    @classmethod
-    def from_params(cls, params: dict[str, Any]) -> "SelfTrainingRecipe":
-        return cls(**{k: params[k] for k in cls.__dataclass_fields__ if k in params})
-
-    def to_params(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def threshold_pseudo_labels(probs, quantile: float = 0.66, cap: float = 0.9) -> tuple[np.ndarray, np.ndarray]:

@@ -36,7 +36,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -56,6 +56,45 @@ def make_layout(arrays: dict[str, np.ndarray], names: list[str] | None = None) -
     """Layout of ``arrays`` (all of them, or ``names`` in that order)."""
     names = list(arrays) if names is None else list(names)
     return [(n, tuple(int(s) for s in np.shape(arrays[n]))) for n in names]
+
+
+
+@dataclass(frozen=True)
+class SelfTrainingRecipe:
+    """The local self-training recipe of a ``ladd.train`` task (its params besides the model
+    fields): what the server asks for and what the device runs, validated on both sides."""
+
+    epochs: int = 1
+    batch_size: int = 8
+    lr: float = 0.01
+    momentum: float = 0.9
+    kd_lambda: float = 10.0
+    kd_alpha: float = 0.5
+    pseudo_quantile: float = 0.66
+    pseudo_cap: float = 0.9
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("epochs", "batch_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 1 <= v <= 10_000:
+                raise ValueError(f"{name} must be an integer in [1, 10000], got {v!r}")
+        checks = {"lr": (0, 10, False), "momentum": (0, 1, True), "kd_lambda": (0, 1e4, True),
+                  "kd_alpha": (0, 100, False), "pseudo_quantile": (0, 1, True), "pseudo_cap": (0, 1, False)}
+        for name, (lo, hi, lo_ok) in checks.items():
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.floating)) or not math.isfinite(v) \
+                    or v > hi or v < lo or (v == lo and not lo_ok):
+                raise ValueError(f"{name} must be a finite number in {'[' if lo_ok else '('}{lo}, {hi}], got {v!r}")
+        if self.momentum >= 1:
+            raise ValueError("momentum must be < 1")
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any]) -> "SelfTrainingRecipe":
+        return cls(**{k: params[k] for k in cls.__dataclass_fields__ if k in params})
+
+    def to_params(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 def layout_to_json(layout: Layout) -> list:
