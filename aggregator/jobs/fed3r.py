@@ -19,19 +19,13 @@ from protocols.payloads.fed3r import KIND, Fed3RStats, parse_stats
 from protocols.rounds import RoundClosed
 
 from ..strategies.fed3r import Fed3R
+from .model_fields import ModelFields
 from .scheduling import OncePerDevice
 
 
 @dataclass
-class Fed3RConfig:
+class Fed3RConfig(ModelFields):
     job_id: str = "fed3r"
-    num_classes: int = 10
-    backbone: str = "mobilenet_v2"
-    image_size: int = 64
-    weights_sha256: str = ""
-    bundle_sha256: str = ""                  # the exported bundle devices run (its manifest's sha256), served
-                                             # by the aggregator (--artifacts); "" lets devices use their own
-    feature_dim: int = 1280
     lam: float = 0.01
     fit_intercept: bool = True
     normalize_columns: bool = True
@@ -51,9 +45,7 @@ class Fed3RConfig:
         return base + (1 if self.fit_intercept else 0)
 
     def task_params(self) -> dict:
-        return {"num_classes": self.num_classes, "backbone": self.backbone, "image_size": self.image_size,
-                "weights_sha256": self.weights_sha256, "bundle_sha256": self.bundle_sha256,
-                "fit_intercept": self.fit_intercept,
+        return {**self.model_params(), "fit_intercept": self.fit_intercept,
                 "random_features": self.random_features, "format": self.b_format, "dtype": self.stats_dtype}
 
     def to_dict(self) -> dict:

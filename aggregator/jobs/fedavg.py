@@ -36,6 +36,7 @@ from protocols.rounds import RoundClosed
 
 from ..evaluation import head_accuracy
 from ..strategies.fedavg import FedAvg, WeightedMean
+from .model_fields import ModelFields
 
 log = logging.getLogger("fedfleet.aggregator")
 
@@ -44,14 +45,8 @@ FED3R_INIT_LR_FACTOR = 0.1
 
 
 @dataclass
-class FedAvgConfig:
+class FedAvgConfig(ModelFields):
     job_id: str = "fedavg"
-    num_classes: int = 10
-    backbone: str = "mobilenet_v2"
-    image_size: int = 64
-    weights_sha256: str = ""
-    bundle_sha256: str = ""              # the exported bundle devices run (served with --artifacts)
-    feature_dim: int = 1280
     rounds: int = 100
     clients_per_round: int = 10          # κ: partial participation
     round_timeout_s: float = 120.0       # stragglers past this are dropped from the round
@@ -69,6 +64,7 @@ class FedAvgConfig:
     seed: int = 0
 
     def __post_init__(self):
+        super().__post_init__()
         if self.init not in INITS:
             raise ValueError(f"init must be one of {INITS}, got {self.init!r}")
         if self.rounds < 1 or self.clients_per_round < 1:
@@ -174,9 +170,7 @@ class FedAvgJob:
     def task_for(self, device: str) -> tuple[dict, dict[str, np.ndarray]]:
         c = self.config
         seed = zlib.crc32(f"{c.seed}:{self.round}:{device}".encode())
-        params = {"num_classes": c.num_classes, "feature_dim": c.feature_dim, "backbone": c.backbone,
-                  "image_size": c.image_size, "weights_sha256": c.weights_sha256, "bundle_sha256": c.bundle_sha256,
-                  "epochs": c.local_epochs, "batch_size": c.batch_size, "lr": c.device_lr,
+        params = {**c.model_params(), "feature_dim": c.feature_dim, "epochs": c.local_epochs, "batch_size": c.batch_size, "lr": c.device_lr,
                   "weight_decay": c.weight_decay, "temperature": c.temperature, "seed": seed}
         return params, {k: v.copy() for k, v in self.params.items()}
 

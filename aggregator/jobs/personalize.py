@@ -31,18 +31,13 @@ from protocols.payloads.personalize import FALLBACKS, KIND, METHODS, Personaliza
 from protocols.rounds import RoundClosed
 
 from ..evaluation import head_accuracy, weighted_mean_accuracy
+from .model_fields import ModelFields
 from .scheduling import OncePerDevice
 
 
 @dataclass
-class PersonalizeConfig:
+class PersonalizeConfig(ModelFields):
     job_id: str = "personalize"
-    num_classes: int = 10
-    backbone: str = "mobilenet_v2"
-    image_size: int = 64
-    weights_sha256: str = ""
-    bundle_sha256: str = ""              # the exported bundle devices run (served with --artifacts)
-    feature_dim: int = 1280
     head_file: str = ""                  # model.npz of a finished FedAvg (weight, bias) or Fed3R (coef, intercept) job
     fallback: str = "global"             # held-out labels outside the local training labels: "error" | "global"
     fp_epochs: int = 25                  # FP(ψ) local epochs; 0: OLL only
@@ -59,6 +54,7 @@ class PersonalizeConfig:
     seed: int = 0
 
     def __post_init__(self):
+        super().__post_init__()
         if self.fallback not in FALLBACKS:
             raise ValueError(f"fallback must be one of {FALLBACKS}, got {self.fallback!r}")
         if self.fp_epochs < 0:
@@ -113,9 +109,7 @@ class PersonalizeJob(OncePerDevice):
 
     def task_for(self, device: str) -> tuple[dict, dict[str, np.ndarray]]:
         c = self.config
-        params = {"num_classes": c.num_classes, "feature_dim": c.feature_dim, "backbone": c.backbone,
-                  "image_size": c.image_size, "weights_sha256": c.weights_sha256, "bundle_sha256": c.bundle_sha256,
-                  "fallback": c.fallback,
+        params = {**c.model_params(), "feature_dim": c.feature_dim, "fallback": c.fallback,
                   "fp_epochs": c.fp_epochs, "batch_size": c.batch_size, "fp_lrs": list(c.fp_lrs),
                   "fp_folds": c.fp_folds, "weight_decay": c.weight_decay,
                   "temperature": c.temperature, "seed": c.seed}
