@@ -42,6 +42,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import os
 import queue
 import signal
@@ -123,6 +124,12 @@ class OneOf:
 
 
 @dataclass(frozen=True)
+class Pattern:
+    """A string field that must match this regular expression (whole string)."""
+    regex: str
+
+
+@dataclass(frozen=True)
 class Fields:
     """A dict-valued field with exactly these keys: name -> (type, Range)."""
     spec: dict
@@ -134,7 +141,7 @@ CONFIG_LIMITS: dict[str, dict[str, Range | OneOf | Fields]] = {"fed3r": {
     "lam": Range(1e-12, 1e12), "clients_per_round": Range(1, 1_000_000), "max_attempts": Range(1, 1000),
     "expected_devices": Range(0, 1_000_000), "round_timeout_s": Range(1e-3, 7 * 86400),
     "start_timeout_s": Range(0, 7 * 86400), "seed": Range(0, 2 ** 53 - 1),   # JSON-safe: exact as a double
-    "b_format": OneOf(("sparse", "dense")), "stats_dtype": OneOf(("float64", "float32")),
+    "b_format": OneOf(("sparse", "dense")), "bundle_sha256": Pattern(r"^([0-9a-f]{64})?$"), "stats_dtype": OneOf(("float64", "float32")),
     "random_features": Fields({"seed": (int, Range(0, 2 ** 32 - 1)), "dim": (int, Range(1, 8192)),
                                "sigma": (float, Range(1e-12, 1e12))}),
 }}
@@ -160,6 +167,8 @@ def validate_job_config(kind: str, config: dict) -> None:
 def _check_limit(what: str, value, limit) -> None:
     if isinstance(limit, Range) and not limit.lo <= value <= limit.hi:
         raise ValueError(f"{what}={value} is outside [{limit.lo}, {limit.hi}]")
+    if isinstance(limit, Pattern) and not re.fullmatch(limit.regex, value):
+        raise ValueError(f"{what}={value!r} does not match {limit.regex}")
     if isinstance(limit, OneOf) and value not in limit.values:
         raise ValueError(f"{what} must be one of {limit.values}, not {value!r}")
     if isinstance(limit, Fields):

@@ -130,9 +130,16 @@ class FetchedBundles:
         from edge_client.agent import TaskDeclined
         from edge_client.artifacts import ArtifactFetchError
 
+        from protocols.envelope import EnvelopeError
+        from protocols.payloads.artifacts import check_sha
+
         sha = bundle_sha256 or self.default
         if not sha:
             return self.local(backbone, image_size, weights)
+        try:
+            check_sha(sha)              # it becomes a directory name: nothing but 64 hex digits
+        except EnvelopeError as exc:
+            raise TaskDeclined(f"bad bundle_sha256: {exc}") from exc
         if self.runtime == "eager":
             raise TaskDeclined(f"job runs on bundle {sha[:16]}, but this device runs eager torch (use --runtime "
                                "executorch or onnxruntime)")

@@ -142,3 +142,26 @@ def test_a_job_names_its_bundle_and_the_device_fetches_it_on_demand(broker, tmp_
     W_ref = Ridge(alpha=0.01, fit_intercept=False, solver="cholesky").fit(Za, np.eye(10)[y[train]]).coef_.T
     W = job.strategy.solve().raw_weights_
     assert np.linalg.norm(W - W_ref) / np.linalg.norm(W_ref) <= 1e-6
+
+
+def test_a_malformed_bundle_digest_is_refused_before_anything_is_fetched(tmp_path):
+    """A job's bundle_sha256 names a directory on the device: only a 64-hex digest is accepted,
+    by the job config, the admin API's validation, and the device (no connection is attempted)."""
+    from aggregator.jobs.fedavg import FedAvgConfig
+    from aggregator.service import validate_job_config
+    from edge_client.agent import TaskDeclined
+    from fedfleet.device import FetchedBundles
+
+    for bad in ("../../etc/passwd", "A" * 64, "0" * 63, "info"):
+        with pytest.raises(ValueError, match="sha256"):
+            Fed3RConfig(bundle_sha256=bad)
+        with pytest.raises(ValueError, match="bundle_sha256"):
+            FedAvgConfig(bundle_sha256=bad)
+        with pytest.raises(ValueError, match="bundle_sha256"):
+            validate_job_config("fed3r", {"bundle_sha256": bad})
+        factory = FetchedBundles("cam1", BrokerConfig.from_url("mqtt://127.0.0.1:9"), Topics(), tmp_path / "b",
+                                 "onnxruntime", None, default=None, local=None)
+        with pytest.raises(TaskDeclined, match="bad bundle_sha256"):
+            factory("mobilenet_v2", 32, "", bundle_sha256=bad)
+        assert not (tmp_path / "b").exists()
+    validate_job_config("fed3r", {"bundle_sha256": ""})                 # "": devices use their own

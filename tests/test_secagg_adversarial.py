@@ -558,3 +558,15 @@ def test_the_caller_can_abort_a_running_round():
     for notice in notices:
         r.clients[notice.recipient].handle(notice)
     assert all(c.state is ClientState.ABORTED for c in r.clients.values())
+
+
+def test_malformed_abort_notices_are_refused():
+    r = Round(n=5)
+    r.to_server(r.to_clients())
+    notice = [o for o in r.server.abort("deadline") if not isinstance(o, RoundFailed)][0]
+    header, arrays = notice.to_wire()
+    for bad in ("x" * 1001, 42, None):
+        with pytest.raises(MalformedMessage):
+            decode({**header, "reason": bad}, arrays)
+    with pytest.raises(MalformedMessage):
+        decode({**header, "extra": 1}, arrays)

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, create_model
 
 from protocols.topics import DEVICE_ID_RE
 
-from ..service import CONFIG_LIMITS, JOB_TYPES, Fields, OneOf, Range, validate_job_config
+from ..service import CONFIG_LIMITS, JOB_TYPES, Fields, OneOf, Pattern, Range, validate_job_config
 from ..store import Store, StoreError
 from .metrics import render_metrics
 
@@ -105,7 +105,7 @@ def _field_type(name: str, hint, limit):
     if hint is bool:
         return StrictBool
     if hint is str:
-        return Annotated[str, Field(max_length=256)]
+        return Annotated[str, Field(max_length=256, **({"pattern": limit.regex} if isinstance(limit, Pattern) else {}))]
     return hint
 
 
