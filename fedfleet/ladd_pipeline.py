@@ -19,6 +19,11 @@ Per seed (the benchmark, the fleet's sampling and the head initialisation all fo
    test images routed to the nearest style centroid for LADD), computes clustering purity
    against the true domains, and collects per-round costs from the workers and the service.
 
+With ``secure`` (``--secure``) both federated jobs run as ``SecureLaddJob``
+(``aggregator/jobs/secure_ladd.py``): every training round's updates reach the aggregator only
+as one SecAgg(+) sum of cluster-slot vectors; the pipeline makes Ed25519 identities for the
+aggregator and every device (key files under the seed's output directory).
+
 ``run_ladd(cfg) -> report`` is the entry point; ``add_ladd_arguments`` /
 ``ladd_config_from_args`` wire it into a CLI. ``--quick`` is a seconds-long variant for tests.
 
@@ -91,6 +96,10 @@ class LaddSimConfig:
     topic_root: str = "fedfleet"
     round_timeout_s: float = 60.0
     dropout_prob: float = 0.0
+    secure: bool = False                       # training rounds summed under SecAgg(+) (SecureLaddJob)
+    secure_graph: str = "complete"             # complete (SecAgg) | regular (SecAgg+)
+    phase_timeout_s: float = 10.0              # per secure-aggregation phase
+    min_cluster_contributors: int = 2          # fewer selected devices in a cluster: its θ_c waits
     slowdown: tuple[float, float] = (1.0, 1.0)
     out_dir: str = "runs/ladd"
     timeout_s: float = 900.0
@@ -209,6 +218,7 @@ def _serve(spec: dict) -> None:
     import torch
 
     from aggregator.jobs.ladd import LaddConfig, LaddJob
+    from aggregator.jobs.secure_ladd import SecureLaddConfig, SecureLaddJob
     from aggregator.service import JOB_TYPES, AggregatorService
     from edge_client.models.segmentation import SegmentationModel
     from protocols.mqtt_link import BrokerConfig
@@ -216,6 +226,8 @@ def _serve(spec: dict) -> None:
 
     # The service names job types through its registry; until the lead registers LADD there.
     JOB_TYPES.setdefault("ladd", (LaddConfig, LaddJob))
+    JOB_TYPES.setdefault("ladd-secure", (SecureLaddConfig, SecureLaddJob))
+    config_cls, job_cls = (SecureLaddConfig, SecureLaddJob) if spec.get("secure") else (LaddConfig, LaddJob)
     # One intra-op thread: the workers share the cores, and on an oversubscribed machine torch's
     # thread pool made a 2 s pre-training take 28 s (spinning threads waiting for each other).
     torch.set_num_threads(1)
@@ -239,9 +251,9 @@ def _serve(spec: dict) -> None:
     timings = {}
     first = None
     for name in ("ladd", "fedavg_st"):
-        job_cfg = LaddConfig(**spec["jobs"][name])
+        job_cfg = config_cls(**spec["jobs"][name])
         initial = None if first is None else (first.pretrained, first.trainable)
-        job = LaddJob(job_cfg, pretrainer=pretrainer if first is None else None, initial=initial,
+        job = job_cls(job_cfg, pretrainer=pretrainer if first is None else None, initial=initial,
                       evaluator=evaluator if tests is not None else None)
         t0 = time.perf_counter()
         service = AggregatorService(job, broker, out / name, topics, enrolled=enrolled, evaluate_every_contribution=False)
@@ -249,7 +261,8 @@ def _serve(spec: dict) -> None:
         timings[name] = time.perf_counter() - t0
         (out / name / "job_report.json").write_text(json.dumps({**job.report(), "aggregate_s": job.aggregate_s,
                                                                 "wall_s": timings[name],
-                                                                "bytes_sent": service.link.bytes_sent}))
+                                                                "bytes_sent": service.link.bytes_sent,
+                                                                "failed_rounds": getattr(job, "failed_rounds", [])}))
         if not job.finished(set(), set()):
             raise SystemExit(f"{name} job did not finish (round {job.round}, phase {job.phase})")
         if first is None:
@@ -264,11 +277,17 @@ def _serve(spec: dict) -> None:
 
 # ----------------------------------------------------------------------------- the worker process
 def _device_agent(device_id: str, images: np.ndarray, broker, topics, hooks, model_factory, lock, retry_after_s,
-                  durations: dict, runtime: str = "eager"):
+                  durations: dict, runtime: str = "eager", secure: dict | None = None):
+    """One emulated device; ``secure`` ({"aggregator_public_key", "device_keys"}, hex) adds the
+    ``ladd.train.secure`` handler around the same training task."""
     from edge_client.agent import DeviceAgent
     from edge_client.models import weights_sha256
     from edge_client.tasks.ladd_training import LaddStyleTask, LaddTrainTask
+    from edge_client.tasks.secure_ladd_training import SecureLaddTraining
+    from edge_client.tasks.secure_update import SecAggSessions
+    from protocols.identity import DeviceIdentity
     from protocols.payloads.ladd import KIND_STYLE, KIND_TRAIN
+    from protocols.payloads.secagg import SECAGG_TYPE, SECURE_LADD_KIND
 
     style = LaddStyleTask(images)
     train = LaddTrainTask(images, model_factory, lock, lambda: weights_sha256("mobilenet_v2"), runtime)
@@ -282,8 +301,15 @@ def _device_agent(device_id: str, images: np.ndarray, broker, topics, hooks, mod
                 durations.setdefault(kind, []).append(time.perf_counter() - t0)
         return call
 
+    protocol_handlers = {}
+    if secure:
+        identity = DeviceIdentity.from_private_bytes(device_id, bytes.fromhex(secure["device_keys"][device_id]))
+        sessions = SecAggSessions(device_id)
+        secure_train = SecureLaddTraining(identity, bytes.fromhex(secure["aggregator_public_key"]), train, sessions)
+        secure_train.vector = timed(KIND_TRAIN, secure_train.vector)      # the training is inside
+        protocol_handlers = {SECURE_LADD_KIND: secure_train, SECAGG_TYPE: sessions}
     agent = DeviceAgent(device_id, broker, {KIND_STYLE: timed(KIND_STYLE, style), KIND_TRAIN: timed(KIND_TRAIN, train)},
-                        topics, hooks=hooks, retry_after_s=retry_after_s)
+                        topics, hooks=hooks, retry_after_s=retry_after_s, protocol_handlers=protocol_handlers)
     return agent
 
 
@@ -317,7 +343,7 @@ def _work(spec: dict) -> None:
         durations: dict = {}
         agent = _device_agent(profile.device_id, data[profile.device_id], broker, topics,
                                    profile_hooks(profile, t0, rng), model_factory, lock, spec["retry_after_s"],
-                                   durations, spec.get("runtime", "eager"))
+                                   durations, spec.get("runtime", "eager"), spec.get("secure"))
         agents.append((agent.start(), durations))
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -342,11 +368,30 @@ def _job_configs(cfg: LaddSimConfig, seed: int, n_devices: int) -> dict:
                   local_epochs=cfg.local_epochs, batch_size=cfg.batch_size, lr=cfg.lr, kd_lambda=cfg.kd_lambda,
                   teacher_every=cfg.teacher_every, swa_start=cfg.swa_start, round_timeout_s=cfg.round_timeout_s,
                   expected_devices=n_devices, start_timeout_s=120.0, seed=seed)
+    if cfg.secure:
+        common.update(graph=cfg.secure_graph, phase_timeout_s=cfg.phase_timeout_s,
+                      min_cluster_contributors=cfg.min_cluster_contributors,
+                      max_samples=int(cfg.images_per_device[1]))
     ladd = dict(common, job_id=f"ladd-s{seed}", clustering="styles", cluster_scope=cfg.cluster_scope)
     base = dict(common, job_id=f"fedavg-st-s{seed}", clustering="none")
     if not cfg.baseline_kd:
         base.update(kd_lambda=0.0, swa_start=0)
     return {"ladd": ladd, "fedavg_st": base}
+
+
+def _secure_identities(out: Path, device_ids: list[str]) -> tuple[dict, dict]:
+    """Ed25519 identities for a secure run: the job fields naming the aggregator's key file and
+    the enrolled public keys, and what the workers get (device private keys, aggregator key)."""
+    from protocols.identity import DeviceIdentity
+
+    agg = DeviceIdentity.generate("aggregator")
+    (out / "aggregator.pem").write_bytes(agg.to_pem())
+    identities = {d: DeviceIdentity.generate(d) for d in device_ids}
+    (out / "device_keys.json").write_text(json.dumps({d: i.public_key_bytes.hex() for d, i in identities.items()}))
+    job_fields = {"identity_file": str(out / "aggregator.pem"), "device_keys_file": str(out / "device_keys.json")}
+    for_workers = {"aggregator_public_key": agg.public_key_bytes.hex(),
+                   "device_keys": {d: i.private_bytes().hex() for d, i in identities.items()}}
+    return job_fields, for_workers
 
 
 def _run_seed(cfg: LaddSimConfig, seed: int, broker_url: str, say) -> dict:
@@ -372,9 +417,14 @@ def _run_seed(cfg: LaddSimConfig, seed: int, broker_url: str, say) -> dict:
     profiles = [dataclasses.replace(p, device_id=i) for p, i in zip(
         sample_profiles(len(ids), seed, slowdown=cfg.slowdown, bandwidth_bps=None, dropout_prob=cfg.dropout_prob), ids)]
     topic_root = f"{cfg.topic_root}-ladd-s{seed}"
+    jobs = _job_configs(cfg, seed, len(ids))
+    keys = None
+    if cfg.secure:
+        key_fields, keys = _secure_identities(out, ids)
+        jobs = {name: {**fields, **key_fields} for name, fields in jobs.items()}
     agg_spec = {"config": dataclasses.asdict(cfg), "seed": seed, "out": str(out), "server_file": str(out / "server.npz"),
                 "broker": broker_url, "topic_root": topic_root, "devices": ids, "timeout_s": cfg.timeout_s,
-                "jobs": _job_configs(cfg, seed, len(ids))}
+                "jobs": jobs, "secure": cfg.secure}
     (out / "aggregator.spec.json").write_text(json.dumps(agg_spec))
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, "-m", "fedfleet.ladd_pipeline", "aggregator",
@@ -385,7 +435,11 @@ def _run_seed(cfg: LaddSimConfig, seed: int, broker_url: str, say) -> dict:
         mine = [{"index": i, "profile": p.to_dict()} for i, p in enumerate(profiles) if i % n_workers == w]
         spec = {"devices_file": str(out / "devices.npz"), "broker": broker_url, "topic_root": topic_root,
                 "devices": mine, "seed": seed, "retry_after_s": 5.0, "stats_file": str(out / f"worker{w}.json"),
-                "runtime": cfg.device_runtime}
+                "runtime": cfg.device_runtime,
+                "secure": None if keys is None else {
+                    "aggregator_public_key": keys["aggregator_public_key"],
+                    "device_keys": {d["profile"]["device_id"]: keys["device_keys"][d["profile"]["device_id"]]
+                                    for d in mine}}}
         (out / f"worker{w}.spec.json").write_text(json.dumps(spec))
         procs.append(subprocess.Popen([sys.executable, "-m", "fedfleet.ladd_pipeline", "worker",
                                        str(out / f"worker{w}.spec.json")], env=env,
@@ -437,6 +491,7 @@ def _run_seed(cfg: LaddSimConfig, seed: int, broker_url: str, say) -> dict:
     timings = json.loads((out / "aggregator_timings.json").read_text())
     report = {"seed": seed, "methods": methods, "clustering": clustering, "histories": histories,
               "costs": _costs(workers, job_reports, timings, cfg), "wall_s": time.monotonic() - t_start,
+              "secure_failed_rounds": {n: r.get("failed_rounds", []) for n, r in job_reports.items()},
               "federated_wall_s": federated_s}
     (out / "report.json").write_text(json.dumps(report, indent=1))
     say(f"[seed {seed}] mIoU " + "  ".join(f"{m}={methods[m]['miou']:.4f}" for m in METHODS) +
@@ -524,6 +579,11 @@ def format_report(r: dict) -> str:
               f"{[round(x, 3) for x in s['test_routing_purity']]}",
               f"source-only < FedAvg+ST < LADD: {s['ordering_source_lt_fedavg_lt_ladd']}",
               f"wall time {r['wall_s']:.0f}s"]
+    if r["config"].get("secure"):
+        failed = {seed: {n: len(v) for n, v in rep.get("secure_failed_rounds", {}).items()}
+                  for seed, rep in r["seeds"].items()}
+        lines.insert(-1, f"secure aggregation ({r['config']['secure_graph']}): training rounds summed under SecAgg; "
+                         f"failed (nothing applied) per seed {failed}")
     return "\n".join(lines)
 
 
@@ -608,6 +668,7 @@ def add_ladd_arguments(parser: argparse.ArgumentParser) -> None:
     add("--clients-per-round", type=int, help="LADD: devices per round (default 8)")
     add("--cluster-scope", choices=["head", "all"], help="LADD: cluster-specific tensors (default head)")
     add("--baseline-no-kd", action="store_true", help="LADD: FedAvg+ST with pseudo-labels only (no KD, no SWA)")
+    add("--secure", action="store_true", help="LADD: sum each training round's updates under secure aggregation")
     for flag, kw in (("--out", {}), ("--broker", {}), ("--workers", {"type": int}), ("--image-size", {"type": int})):
         add(flag, **kw)
 
@@ -625,6 +686,10 @@ def ladd_config_from_args(args: argparse.Namespace) -> LaddSimConfig:
             "image_size": getattr(args, "image_size", None)}
     if getattr(args, "baseline_no_kd", False):
         over["baseline_kd"] = False
+    if getattr(args, "secure", False):
+        over["secure"] = True
+    if getattr(args, "secure_graph", None):
+        over["secure_graph"] = args.secure_graph
     return LaddSimConfig(**{**base, **{k: v for k, v in over.items() if v is not None}})
 
 

@@ -62,6 +62,7 @@ def golden_messages() -> dict[str, bytes]:
     report, _ = encode_report(PersonalizationReport(80, 20, 2, {"global": 12, "oll": 17, "oll_fp": 19}, 0, 0.001))
     report.update({"job": "oll-demo", "round": 1, "task": "88" * 16, "kind": "oll.personalize"})
     out["result_oll_personalize"] = encode(Envelope("result", "dev0001", body=report, id="99" * 16, ts=_TS + 9))
+    out["task_ladd_train_secure"] = _secure_ladd_task()
     # A chunked message: 3 chunks of 160 bytes max; chunk ids are derived, not random, here.
     big = Envelope("result", "dev0001", body=body, tensors=tensors, id="44" * 16, ts=_TS + 7)
     data = encode(big)
@@ -69,6 +70,26 @@ def golden_messages() -> dict[str, bytes]:
         out[f"chunk_{i}_of_result"] = part
     out["chunked_whole"] = data
     return out
+
+
+def _secure_ladd_task() -> bytes:
+    """ladd.train.secure: a 2-cluster slot layout (slot 1 disabled) in the task params."""
+    from .payloads.ladd import SelfTrainingRecipe, layout_digest, layout_to_json
+    from .payloads.secagg import ClusterSlotLayout
+
+    layout = [("tail.conv.weight", (2, 3)), ("tail.bn.running_mean", (2,)), ("head.conv.weight", (3, 2)),
+              ("head.conv.bias", (3,))]
+    trainable = [("tail.conv.weight", (2, 3)), ("head.conv.weight", (3, 2)), ("head.conv.bias", (3,))]
+    slots = ClusterSlotLayout(trainable[:1], trainable[1:], (True, False))
+    params = {"model": {"num_classes": 3, "image_size": 32}, "weights_sha256": "", "cluster": 0,
+              "layout": layout_to_json(layout), "layout_sha256": layout_digest(layout),
+              "trainable": [n for n, _ in trainable], "teacher": "model", "kd_sha256": "",
+              **SelfTrainingRecipe(kd_lambda=0.0, seed=5).to_params(),
+              "group": slots.group_id(), "slots": slots.to_json(), "max_samples": 100, "max_abs_param": 100.0}
+    model = (np.arange(17, dtype=np.float32) - 8) / 4
+    return encode(Envelope("task", "aggregator", id="aa" * 16, ts=_TS, tensors={"model": model},
+                           body={"job": "sladd-demo", "round": 2, "kind": "ladd.train.secure",
+                                 "deadline": _TS + 120, "params": params}))
 
 
 def _deterministic_chunks(data: bytes, parent: str, sender: str, size: int) -> list[bytes]:

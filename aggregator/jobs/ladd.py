@@ -122,6 +122,10 @@ class RoundPayload:
 
 @dataclass
 class LaddJob:
+    # hooks for variants (jobs/secure_ladd.py): the kind of training rounds, their smallest size
+    train_kind = KIND_TRAIN
+    min_train_participants = 1
+
     config: LaddConfig
     pretrainer: Pretrainer | None = None
     initial: tuple[Arrays, list[str]] | None = None       # skip pre-training: (w, trainable names)
@@ -226,7 +230,7 @@ class LaddJob:
             return []
         pool = sorted(d for d in online if d in self.assignment or c.clustering == "none")
         k = min(c.clients_per_round, len(pool))
-        if not k:
+        if k < max(1, self.min_train_participants):
             return []
         chosen = sorted(self._rng.sample(pool, k))
         if c.clustering == "none":
@@ -234,7 +238,7 @@ class LaddJob:
                 self.assignment.setdefault(d, 0)
         self.train_round += 1
         self._agg = ClusterSpecificAveraging(self.is_theta)
-        return self._open_round(KIND_TRAIN, chosen)
+        return self._open_round(self.train_kind, chosen)
 
     def _open_round(self, kind: str, chosen: list[str]) -> list[str]:
         self.kind = kind
@@ -315,13 +319,20 @@ class LaddJob:
             self._close_train_round(entry)
         self.round_log.append(entry)
 
+    def _round_aggregate(self) -> tuple[tuple[Arrays, dict[int, Arrays]] | None, dict[int, int]]:
+        """The closing training round's new (φ, {c: θ_c}) (None: unchanged) and its updates per cluster."""
+        agg = self._agg
+        if agg is None:
+            return None, {}
+        return (agg.result(self.phi, self.theta) if agg.count else None), dict(agg.participants)
+
     def _close_train_round(self, entry: dict) -> None:
         c = self.config
         t0 = time.perf_counter()
-        agg = self._agg
-        if agg is not None and agg.count:
-            self.phi, self.theta = agg.result(self.phi, self.theta)
-        entry.update({"train_round": self.train_round, "per_cluster": dict(agg.participants) if agg else {}})
+        new_model, per_cluster = self._round_aggregate()
+        if new_model is not None:
+            self.phi, self.theta = new_model
+        entry.update({"train_round": self.train_round, "per_cluster": per_cluster})
         if self.train_round % c.teacher_every == 0:
             for cluster, teacher in self.teachers.items():
                 model = self.cluster_model(cluster)

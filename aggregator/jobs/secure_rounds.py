@@ -53,8 +53,11 @@ class SecureGroupRounds:
         self._pending_sends: list[tuple[str, Envelope]] = []   # abort notices of a round closed by its deadline
 
     # ---------------------------------------------------------------- for the job
-    def open_secure_round(self, round_id: int, members: list[str], vector_length: int, bound: float) -> None:
-        config = RoundConfig.create(job_id=self.config.job_id, round_id=round_id, group_id=f"g{round_id}",
+    def open_secure_round(self, round_id: int, members: list[str], vector_length: int, bound: float,
+                          group_id: str | None = None) -> None:
+        """``group_id`` (default ``g<round>``) is signed into the round configuration; a job can
+        bind more of the round's contract to it (e.g. a digest of the vector layout)."""
+        config = RoundConfig.create(job_id=self.config.job_id, round_id=round_id, group_id=group_id or f"g{round_id}",
                                     aggregator_id=AGGREGATOR_ID, members=members, vector_length=vector_length,
                                     bound=bound, graph=self.config.graph)
         self.secure = ServerSecAgg(config, self.identity, self.registry)

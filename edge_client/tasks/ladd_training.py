@@ -55,7 +55,7 @@ from ..agent import TaskDeclined
 from ..models.segmentation import IGNORE, SegmentationModel, SegmentationSpec, self_training_loss
 from ..style import extract_style
 
-__all__ = ["LaddStyleTask", "LaddTrainTask", "SelfTrainingRecipe", "kd_targets", "self_train",
+__all__ = ["LaddStyleTask", "LaddTrainTask", "SelfTrainingRecipe", "TrainedUpdate", "kd_targets", "self_train",
            "threshold_pseudo_labels"]
 
 
@@ -235,6 +235,18 @@ class LaddStyleTask:
 ModelFactory = Callable[[SegmentationSpec], SegmentationModel]
 
 
+@dataclass(frozen=True)
+class TrainedUpdate:
+    """One ``ladd.train`` answer before encoding: the trained tensors in ``layout`` order."""
+
+    arrays: dict[str, np.ndarray]
+    layout: list
+    n: int                 # local images: the averaging weight
+    cluster: int
+    kd_sha256: str
+    info: dict
+
+
 class LaddTrainTask:
     """Handler for ``ladd.train`` (see the module doc). ``model_factory`` may hand out a model
     shared by several devices of one process; ``lock`` then serialises their use of it."""
@@ -271,6 +283,12 @@ class LaddTrainTask:
 
     def __call__(self, params: dict[str, Any], tensors: dict[str, np.ndarray] | None = None
                  ) -> tuple[dict, dict[str, np.ndarray]]:
+        trained = self.train(params, tensors)
+        return encode_update(trained.arrays, trained.layout, trained.n, trained.cluster, trained.kd_sha256,
+                             trained.info)
+
+    def train(self, params: dict[str, Any], tensors: dict[str, np.ndarray] | None = None) -> "TrainedUpdate":
+        """The local step itself, before any encoding (``secure_ladd_training`` sums it instead)."""
         if len(self.images) == 0:
             raise TaskDeclined("no local images")
         spec, recipe, cluster, layout, flats, trainable = self._decode(params, tensors)
@@ -307,8 +325,8 @@ class LaddTrainTask:
                 "kept_fraction": float((pseudo != IGNORE).mean()), "steps": self.last.steps,
                 "seconds": time.perf_counter() - t0, "runtime": self.runtime}
         info = {k: v for k, v in info.items() if not isinstance(v, float) or math.isfinite(v)}
-        trainable_layout = make_layout(self.last.arrays, trainable)
-        return encode_update(self.last.arrays, trainable_layout, len(self.images), cluster, kd_sha, info)
+        return TrainedUpdate(self.last.arrays, make_layout(self.last.arrays, trainable), len(self.images), cluster,
+                             kd_sha, info)
 
     def _frozen_features(self, model: SegmentationModel, spec: SegmentationSpec) -> torch.Tensor:
         key = (spec.image_size, spec.output_stride, spec.tail_blocks)

@@ -8,19 +8,47 @@ Fed3R-Sync devices sum their statistics under secure aggregation, which needs on
 vector per device: ``[A_upper (p(p+1)/2) | b dense (C·p, row-major, class-major) | n]``.
 Secure FedAvg(ψ) devices send ``[n·weight (C·d, row-major) | n·bias (C) | n]``: the sum is
 (Σ n_k W_k, Σ n_k b_k, Σ n_k), whose ratio is the FedAvg mean.
+
+Secure LADD devices (``ladd.train.secure``) send one vector with a *slot* per cluster, laid out
+by a :class:`ClusterSlotLayout` that travels in the task params (``slots``, JSON below)::
+
+    [ n·φ (global tensors, layout order) | slot_0 | … | slot_{C-1} | n | n·e_c (C) | e_c (C) ]
+
+slot_c = n·θ (the cluster-specific tensors, in the slot layout's order) for the device's own
+cluster c when that slot is *enabled* this round, zeros otherwise; e_c is the one-hot vector
+of c, and it is zeros too when slot c is disabled (a disabled cluster reveals nothing of its
+own, its devices only add to φ). Each tensor is flattened C-order. The group sum therefore
+holds Σ n_k φ_k and Σ n_k over every survivor, and for every enabled cluster Σ n_k θ_k,
+Σ n_k and the number of contributors: exactly what LADD's cluster-specific averaging needs.
+
+``slots`` JSON: ``{"global": [[name, shape], …], "slot": [[name, shape], …], "enabled":
+[bool × C]}``; names are unique across both lists. Its digest is the sha256 of its canonical
+JSON (sorted keys, no spaces), and the secure round's ``group_id`` is ``"ladd-slots-" +
+digest``: the group id is inside the aggregator's signed ``RoundConfig``, so a device whose
+vector follows another layout than the one the round was configured with cannot take part.
 """
 
 from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
 
 import numpy as np
 
 from ..envelope import Envelope, EnvelopeError
 from ..secagg import Message, SecAggError, decode
 from .fed3r import packed_len
+from .ladd import Layout, layout_from_json, layout_size, layout_to_json
 
 SECAGG_TYPE = "secagg"
 SYNC_KIND = "fed3r.secure"
 SECURE_FEDAVG_KIND = "fedavg.secure"
+SECURE_LADD_KIND = "ladd.train.secure"
+MAX_SLOT_CLUSTERS = 64
+MAX_SLOT_VECTOR = 2 ** 27          # RoundConfig's largest vector_length
 
 
 def to_envelope(msg: Message) -> Envelope:
@@ -73,3 +101,155 @@ def unpack_weighted_head_sum(v: np.ndarray, num_classes: int, feature_dim: int
                          f"({weighted_head_length(num_classes, feature_dim)},)")
     k = num_classes * feature_dim
     return v[:k].reshape(num_classes, feature_dim), v[k:k + num_classes], int(round(v[-1]))
+
+
+# ----------------------------------------------------------------------------- secure LADD
+def _layout_or_empty(value: Any, what: str) -> Layout:
+    if value == []:
+        return []
+    try:
+        return layout_from_json(value)
+    except ValueError as exc:
+        raise ValueError(f"slots: bad {what} layout: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class SlotSums:
+    """A secure LADD group sum, decoded: Σ n·φ, Σ n·θ per enabled cluster, Σ n, and per cluster
+    Σ n and the number of contributors (both 0 for disabled clusters)."""
+
+    phi: dict[str, np.ndarray]
+    theta: dict[int, dict[str, np.ndarray]]
+    n: int
+    n_per_cluster: np.ndarray        # int64 (C,)
+    count_per_cluster: np.ndarray    # int64 (C,)
+
+
+@dataclass(frozen=True)
+class ClusterSlotLayout:
+    """The layout of a secure LADD device's vector (module doc): global tensors, one slot per
+    cluster (all with the slot layout), and which slots are enabled this round."""
+
+    global_layout: Layout
+    slot_layout: Layout
+    enabled: tuple[bool, ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "global_layout", [(str(n), tuple(s)) for n, s in self.global_layout])
+        object.__setattr__(self, "slot_layout", [(str(n), tuple(s)) for n, s in self.slot_layout])
+        object.__setattr__(self, "enabled", tuple(self.enabled))
+        if not all(isinstance(e, (bool, np.bool_)) for e in self.enabled):
+            raise ValueError("slots: enabled must be booleans")
+        if not 1 <= len(self.enabled) <= MAX_SLOT_CLUSTERS:
+            raise ValueError(f"slots: 1 to {MAX_SLOT_CLUSTERS} clusters, got {len(self.enabled)}")
+        names = [n for n, _ in self.global_layout] + [n for n, _ in self.slot_layout]
+        if len(set(names)) != len(names):
+            raise ValueError("slots: a tensor name appears twice (global and slot names must be disjoint)")
+        if not names:
+            raise ValueError("slots: no tensors")
+        if self.vector_length > MAX_SLOT_VECTOR:
+            raise ValueError(f"slots: vector of {self.vector_length} values, more than {MAX_SLOT_VECTOR}")
+
+    # sizes
+    @property
+    def n_clusters(self) -> int:
+        return len(self.enabled)
+
+    @property
+    def global_size(self) -> int:
+        return layout_size(self.global_layout)
+
+    @property
+    def slot_size(self) -> int:
+        return layout_size(self.slot_layout)
+
+    @property
+    def vector_length(self) -> int:
+        return self.global_size + self.n_clusters * self.slot_size + 1 + 2 * self.n_clusters
+
+    def _slot_start(self, cluster: int) -> int:
+        return self.global_size + cluster * self.slot_size
+
+    # wire form
+    def to_json(self) -> dict:
+        return {"global": layout_to_json(self.global_layout), "slot": layout_to_json(self.slot_layout),
+                "enabled": [bool(e) for e in self.enabled]}
+
+    @classmethod
+    def from_json(cls, value: Any) -> "ClusterSlotLayout":
+        """Parse task params' ``slots``; ValueError if malformed."""
+        if not isinstance(value, dict) or set(value) != {"global", "slot", "enabled"}:
+            raise ValueError("slots must be an object with exactly 'global', 'slot' and 'enabled'")
+        enabled = value["enabled"]
+        if not isinstance(enabled, list) or not all(isinstance(e, bool) for e in enabled):
+            raise ValueError("slots: enabled must be a list of booleans")
+        return cls(_layout_or_empty(value["global"], "global"), _layout_or_empty(value["slot"], "slot"),
+                   tuple(enabled))
+
+    def digest(self) -> str:
+        text = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def group_id(self) -> str:
+        """The secure round's group id: binds this layout to the signed round configuration."""
+        return "ladd-slots-" + self.digest()
+
+    # device side
+    def pack(self, tensors: Mapping[str, np.ndarray], n: int, cluster: int) -> np.ndarray:
+        """The device's float64 vector from its trained tensors (every global and slot name)."""
+        if isinstance(n, bool) or int(n) != n or n < 1:
+            raise ValueError(f"n must be a positive integer, got {n!r}")
+        if isinstance(cluster, bool) or int(cluster) != cluster or not 0 <= cluster < self.n_clusters:
+            raise ValueError(f"cluster {cluster!r} is not one of the {self.n_clusters} slots")
+        expected = {name for name, _ in self.global_layout} | {name for name, _ in self.slot_layout}
+        if set(tensors) != expected:
+            missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+            raise ValueError(f"tensors do not match the slot layout (missing {missing[:3]}, extra {extra[:3]})")
+        v = np.zeros(self.vector_length, np.float64)
+        segments = [(0, self.global_layout)]
+        if self.enabled[cluster]:
+            segments.append((self._slot_start(cluster), self.slot_layout))
+        for start, layout in segments:
+            for name, shape in layout:
+                a = np.asarray(tensors[name], dtype=np.float64)
+                if a.shape != shape:
+                    raise ValueError(f"tensor {name!r} has shape {a.shape}, the slot layout says {shape}")
+                if not np.isfinite(a).all():
+                    raise ValueError(f"tensor {name!r} contains NaN or Inf")
+                size = math.prod(shape)
+                v[start:start + size] = n * a.ravel()
+                start += size
+        tail = self._slot_start(self.n_clusters)
+        v[tail] = n
+        if self.enabled[cluster]:
+            v[tail + 1 + cluster] = n
+            v[tail + 1 + self.n_clusters + cluster] = 1.0
+        return v
+
+    # server side
+    def unpack_sum(self, total: np.ndarray) -> SlotSums:
+        total = np.asarray(total, dtype=np.float64)
+        if total.shape != (self.vector_length,):
+            raise ValueError(f"slot sum has shape {total.shape}, expected ({self.vector_length},)")
+        if not np.isfinite(total).all():
+            raise ValueError("slot sum contains NaN or Inf")
+
+        def split(flat: np.ndarray, layout: Layout) -> dict[str, np.ndarray]:
+            out, offset = {}, 0
+            for name, shape in layout:
+                size = math.prod(shape)
+                out[name] = flat[offset:offset + size].reshape(shape).copy()
+                offset += size
+            return out
+
+        C, tail = self.n_clusters, self._slot_start(self.n_clusters)
+        phi = split(total[:self.global_size], self.global_layout)
+        theta = {c: split(total[self._slot_start(c):self._slot_start(c) + self.slot_size], self.slot_layout)
+                 for c in range(C) if self.enabled[c]}
+        return SlotSums(phi, theta, int(round(total[tail])), np.rint(total[tail + 1:tail + 1 + C]).astype(np.int64),
+                        np.rint(total[tail + 1 + C:tail + 1 + 2 * C]).astype(np.int64))
+
+
+def ladd_slot_bound(max_samples: int, max_abs_param: float) -> float:
+    """B for a secure LADD round: |n·w| <= max_samples·max_abs_param, and n itself <= max_samples."""
+    return float(max_samples) * max(float(max_abs_param), 1.0)

@@ -1,0 +1,203 @@
+"""Secure LADD: each training round's updates reach the aggregator only as one SecAgg(+) sum.
+
+Everything but the training rounds' transport is :class:`~aggregator.jobs.ladd.LaddJob`'s
+(style round, clustering, pre-training, teachers, scheduling). Style rounds stay plaintext:
+a style is one averaged low-frequency amplitude spectrum, which the server must see to cluster
+(spec §5). A ``ladd.train.secure`` round is one SecAgg (or SecAgg+) group over that round's
+participants (``SecureGroupRounds``), and every device contributes one fixed-length vector
+with a slot per cluster (``protocols.payloads.secagg.ClusterSlotLayout``)::
+
+    [ n·φ | slot_0 … slot_{C-1} (n·θ in the device's own slot, zeros elsewhere) | n | n·e_c | e_c ]
+
+The unmasked sum holds Σ n φ over all survivors and, per enabled cluster, Σ n θ, Σ n and the
+number of contributors: φ ← Σ n φ / Σ n and θ_c ← Σ_c n θ / Σ_c n are exactly LADD's
+cluster-specific averages (``ClusterSpecificAveraging``) over the survivors, up to the
+fixed-point resolution 2^-f. The tensors summed are the trainable ones (what a plaintext
+update carries); frozen tensors (BatchNorm) never change, as in the plaintext job.
+
+A sum over one device is that device's update, so per-cluster slots need company:
+
+* **At round open**, a cluster with fewer than ``min_cluster_contributors`` selected devices
+  gets its slot *disabled* for the round (``enabled`` in the layout): its devices put zeros
+  there and into their cluster's weight and count, still add to φ, and θ_c is kept.
+* **Dropouts** can still thin an enabled slot. When the masked inputs are in (U3 is fixed,
+  nothing is unmasked yet), the job checks every enabled slot: if one holds between 1 and
+  ``min_cluster_contributors − 1`` survivors, the round is *aborted* before any device
+  reveals a share (devices get ``RoundAborted`` and erase their secrets); nothing is
+  applied, as for any failed secure round. A slot with no survivor at all is fine (θ_c kept).
+  This relies on the aggregator following the protocol (the honest-but-curious model of
+  docs/secure-aggregation.md); devices cannot check it, since they do not know their peers'
+  clusters.
+* The sum's per-cluster counts must equal what the job expects from its cluster assignment
+  and the survivors; otherwise nothing is applied (a device filled the wrong slot).
+
+Bound: every entry of a device's vector is at most ``max_samples × max(max_abs_param, 1)``; a
+device with more images or a trained entry beyond ``max_abs_param`` declines and the round
+goes on without it. The slot layout is bound to the signed round configuration through the
+group id (``ClusterSlotLayout.group_id``).
+
+Cost: a device uploads (|φ| + C·|θ| + 1 + 2C) × 8 bytes instead of (|φ| + |θ|) × 4, i.e. the
+θ part grows C-fold (docs/ladd.md has the figures).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+
+from protocols.envelope import Envelope, EnvelopeError
+from protocols.identity import DeviceIdentity, IdentityRegistry
+from protocols.payloads.ladd import KIND_STYLE
+from protocols.payloads.secagg import SECURE_LADD_KIND, ClusterSlotLayout, ladd_slot_bound
+from protocols.rounds import RoundClosed
+from protocols.secagg import ConsistencyCheckRequest, Phase, UnmaskRequest
+
+from .ladd import Arrays, LaddConfig, LaddJob, Pretrainer
+from .secure_rounds import MIN_GROUP, SecureGroupRounds, load_identities
+
+log = logging.getLogger("fedfleet.aggregator.secagg")
+
+
+@dataclass
+class SecureLaddConfig(LaddConfig):
+    graph: str = "complete"                 # "complete" (SecAgg) or "regular" (SecAgg+)
+    max_samples: int = 10_000               # local images per device
+    max_abs_param: float = 100.0            # per trained entry
+    min_cluster_contributors: int = 2       # fewer selected/surviving devices in a cluster: no θ_c update
+    phase_timeout_s: float = 30.0
+    identity_file: str = ""                 # aggregator's Ed25519 private key (PEM)
+    device_keys_file: str = ""              # JSON {device id: Ed25519 public key, hex}
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.min_cluster_contributors < 2:
+            raise ValueError("min_cluster_contributors must be >= 2 (a one-device slot is that device's update)")
+        if self.max_samples < 1 or not self.max_abs_param > 0:
+            raise ValueError("max_samples >= 1 and max_abs_param > 0 required")
+
+
+class SecureLaddJob(SecureGroupRounds, LaddJob):
+    train_kind = SECURE_LADD_KIND
+    min_train_participants = MIN_GROUP      # fewer cannot hide anyone's update in a sum
+
+    def __init__(self, config: SecureLaddConfig, pretrainer: Pretrainer | None = None,
+                 initial: tuple[Arrays, list[str]] | None = None, evaluator=None,
+                 identity: DeviceIdentity | None = None, registry: IdentityRegistry | None = None):
+        LaddJob.__init__(self, config, pretrainer=pretrainer, initial=initial, evaluator=evaluator)
+        if identity is None or registry is None:
+            loaded_identity, loaded_registry = load_identities(config.identity_file, config.device_keys_file)
+            identity, registry = identity or loaded_identity, registry or loaded_registry
+        self._init_secure(identity, registry)
+        self.bound = ladd_slot_bound(config.max_samples, config.max_abs_param)
+        self.slots: ClusterSlotLayout | None = None
+        self._round_sum: tuple[tuple[Arrays, dict[int, Arrays]], dict[int, int]] | None = None
+        self._gate_passed = False
+        self._sum_refused = False
+
+    # ------------------------------------------------------------------ rounds
+    def next_participants(self, online: set[str]) -> list[str]:
+        chosen = super().next_participants({d for d in online if d in self.registry})   # no key, no secure round
+        if chosen and self.kind == SECURE_LADD_KIND:
+            self._open_slot_round(chosen)
+        return chosen
+
+    def _open_slot_round(self, chosen: list[str]) -> None:
+        c = self.config
+        selected = Counter(self.assignment[d] for d in chosen)
+        enabled = tuple(selected.get(k, 0) >= c.min_cluster_contributors for k in range(self.n_clusters))
+        self.slots = ClusterSlotLayout([e for e in self.trainable_layout if not self.is_theta(e[0])],
+                                       [e for e in self.trainable_layout if self.is_theta(e[0])], enabled)
+        self._round_sum, self._gate_passed, self._sum_refused = None, False, False
+        self.open_secure_round(self.round, chosen, self.slots.vector_length, self.bound,
+                               group_id=self.slots.group_id())
+
+    def task_for(self, device: str) -> tuple[dict, dict[str, np.ndarray]]:
+        params, tensors = super().task_for(device)
+        if self.kind != SECURE_LADD_KIND:
+            return params, tensors
+        c = self.config
+        return {**params, "group": self.slots.group_id(), "slots": self.slots.to_json(),
+                "max_samples": c.max_samples, "max_abs_param": c.max_abs_param}, tensors
+
+    def parse_result(self, env: Envelope):
+        if self.kind == SECURE_LADD_KIND:
+            raise EnvelopeError(f"{SECURE_LADD_KIND} devices send secagg messages, never plain results")
+        return super().parse_result(env)
+
+    def apply(self, device: str, result) -> None:
+        if result is None:        # a member of a secure sum: recorded when the sum was unmasked
+            return
+        super().apply(device, result)
+
+    def secure_round_live(self, round_: int) -> bool:
+        if self.kind == KIND_STYLE:           # a plaintext round: the round machine closes it as usual
+            return True
+        return super().secure_round_live(round_)
+
+    # ------------------------------------------------------------------ the sum
+    def _thin_slots(self, survivors) -> list[int]:
+        """Enabled clusters whose slot would sum between 1 and min − 1 survivors."""
+        count = Counter(self.assignment[d] for d in survivors)
+        return [k for k, on in enumerate(self.slots.enabled)
+                if on and 0 < count.get(k, 0) < self.config.min_cluster_contributors]
+
+    def _route(self, outputs) -> list:
+        # U3 is fixed once the masked-input phase closes and before anyone is asked for shares:
+        # the last moment a too-thin slot can be refused without revealing it.
+        if (self.secure is not None and not self._gate_passed
+                and any(isinstance(o, (ConsistencyCheckRequest, UnmaskRequest)) for o in outputs)):
+            thin = self._thin_slots(self.secure.participants(Phase.MASKED_INPUT))
+            if thin:
+                outputs = self.secure.abort(f"cluster slots {thin} would sum fewer than "
+                                            f"{self.config.min_cluster_contributors} updates")
+            else:
+                self._gate_passed = True
+        round_id = self.secure.config.round_id if self.secure is not None else None
+        sends = super()._route(outputs)
+        if self._sum_refused and round_id is not None:
+            self._settled[round_id] = ()         # nothing of that sum was applied
+            self._sum_refused = False
+        return sends
+
+    def on_secure_sum(self, total: np.ndarray, survivors: tuple[str, ...]) -> None:
+        sums = self.slots.unpack_sum(total)
+        count = Counter(self.assignment[d] for d in survivors)
+        expected = [count.get(k, 0) if on else 0 for k, on in enumerate(self.slots.enabled)]
+        if sums.count_per_cluster.tolist() != expected or sums.n < 1:
+            reason = f"slot counts {sums.count_per_cluster.tolist()} != expected {expected}"
+            log.warning("secure round %d: %s: nothing applied", self.round, reason)
+            self.failed_rounds.append((self.round, reason))
+            self._sum_refused = True
+            return
+        phi = {k: v.copy() for k, v in self.phi.items()}
+        for name, weighted in sums.phi.items():
+            phi[name] = (weighted / sums.n).astype(phi[name].dtype)
+        theta = {k: {name: v.copy() for name, v in part.items()} for k, part in self.theta.items()}
+        for k, weighted_part in sums.theta.items():
+            if sums.n_per_cluster[k] > 0:             # an enabled slot nobody filled keeps θ_k
+                for name, weighted in weighted_part.items():
+                    theta[k][name] = (weighted / sums.n_per_cluster[k]).astype(theta[k][name].dtype)
+        self._round_sum = ((phi, theta), {k: count[k] for k in sorted(count)})
+        self._applied = set(survivors)
+        for d in survivors:
+            self.contributed[d] = self.contributed.get(d, 0) + 1
+        if self.config.kd_lambda > 0:
+            self.kd_confirmed |= set(survivors)       # they trained, so they hold the KD teacher
+
+    def _round_aggregate(self):
+        if self.kind != SECURE_LADD_KIND:
+            return super()._round_aggregate()
+        return self._round_sum if self._round_sum is not None else (None, {})
+
+    def close_round(self, closed: RoundClosed) -> None:
+        secure = self.kind == SECURE_LADD_KIND and closed.round == self.round
+        if secure:
+            self.abort_secure_round(closed.round, "deadline")
+        super().close_round(closed)
+        if secure and self.round_log and self.round_log[-1]["round"] == closed.round:
+            self.round_log[-1]["slots_disabled"] = [k for k, on in enumerate(self.slots.enabled) if not on]
+            self.round_log[-1]["secure_failed"] = any(r == closed.round for r, _ in self.failed_rounds)
+        self._round_sum = None

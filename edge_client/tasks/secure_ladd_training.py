@@ -1,0 +1,60 @@
+"""``ladd.train.secure``: a LADD self-training round whose updates reach the aggregator only as a sum.
+
+The device trains exactly as for ``ladd.train`` (same handler, same recipe, same checks) and
+contributes one vector laid out by the task's ``slots`` (``protocols.payloads.secagg.
+ClusterSlotLayout``): n·φ for the global tensors, n·θ in its own cluster's slot (zeros when the
+round disabled that slot), n, and its cluster's weight and count. The group sum gives the
+server LADD's cluster-specific averages without any device's tensors being seen.
+
+Refused here (the device declines, the round goes on without it), before secure aggregation
+would overflow its fixed-point range or sum a vector the server would misread:
+
+* the task's ``group`` is not the group id of its ``slots`` (the group id is inside the
+  aggregator's signed round configuration, so this binds the layout the device packs to the
+  round it joins);
+* the slots' tensors are not exactly the trained ones, or the device's cluster has no slot;
+* more than ``max_samples`` local images, or a trained entry with |w| > ``max_abs_param``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from protocols.identity import DeviceIdentity
+from protocols.payloads.secagg import ClusterSlotLayout
+
+from ..agent import TaskDeclined
+from .ladd_training import LaddTrainTask, TrainedUpdate
+from .secure_update import SecAggSessions, SecureUpdate
+
+
+class SecureLaddTraining(SecureUpdate):
+    def __init__(self, identity: DeviceIdentity, aggregator_public_key: bytes, training: LaddTrainTask,
+                 sessions: SecAggSessions | None = None):
+        super().__init__(identity, aggregator_public_key, sessions)
+        self.training = training
+        self.last: TrainedUpdate | None = None      # the last plaintext update (never sent)
+
+    def vector(self, params: dict, tensors: dict[str, np.ndarray]) -> np.ndarray:
+        try:
+            slots = ClusterSlotLayout.from_json(params.get("slots"))
+            max_samples, limit = int(params["max_samples"]), float(params["max_abs_param"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TaskDeclined(f"bad ladd.train.secure params: {exc}") from exc
+        if params.get("group") != slots.group_id():
+            raise TaskDeclined("the task's group is not the group of its slot layout")
+        trained = self.training.train(params, tensors)
+        if trained.n > max_samples:
+            raise TaskDeclined(f"{trained.n} local images exceed the round's bound of {max_samples}")
+        largest = max((float(np.abs(a).max()) for a in trained.arrays.values() if a.size), default=0.0)
+        if largest > limit:
+            raise TaskDeclined(f"trained model has |w| = {largest:.3g} > the round's bound {limit:g}")
+        try:
+            vector = slots.pack(trained.arrays, trained.n, trained.cluster)
+        except ValueError as exc:
+            raise TaskDeclined(f"cannot fill the round's slots: {exc}") from exc
+        self.last = trained
+        return vector
+
+
+__all__ = ["SecureLaddTraining"]
