@@ -76,6 +76,7 @@ from .jobs import Job
 from .jobs.fed3r import Fed3RConfig, Fed3RJob
 from .jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob
 from .jobs.fedavg import FedAvgConfig, FedAvgJob
+from .jobs.fedavg_tail import TailFedAvgConfig, TailFedAvgJob
 from .jobs.personalize import PersonalizeConfig, PersonalizeJob
 from .jobs.secure_fedavg import SecureFedAvgConfig, SecureFedAvgJob
 from .store import FINAL_JOB_STATES, Store, StoreError
@@ -91,6 +92,7 @@ JOB_TYPES: dict[str, tuple[type, type]] = {"fed3r": (Fed3RConfig, Fed3RJob),
                                            "fed3r-sync": (Fed3RSyncConfig, Fed3RSyncJob),
                                            "fedavg": (FedAvgConfig, FedAvgJob),
                                            "fedavg-secure": (SecureFedAvgConfig, SecureFedAvgJob),
+                                           "fedavg-tail": (TailFedAvgConfig, TailFedAvgJob),
                                            "personalize": (PersonalizeConfig, PersonalizeJob)}
 
 
@@ -144,6 +146,9 @@ CONFIG_LIMITS: dict[str, dict[str, Range | OneOf | Fields]] = {"fed3r": {
     "b_format": OneOf(("sparse", "dense")), "bundle_sha256": Pattern(r"^([0-9a-f]{64})?$"), "stats_dtype": OneOf(("float64", "float32")),
     "random_features": Fields({"seed": (int, Range(0, 2 ** 32 - 1)), "dim": (int, Range(1, 8192)),
                                "sigma": (float, Range(1e-12, 1e12))}),
+}, "fedavg-tail": {
+    "train": OneOf(("tail", "tail+head")), "tail_stages": Range(1, 64),
+    "tail_program_sha256": Pattern(r"^([0-9a-f]{64})?$"),
 }}
 
 

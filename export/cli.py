@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--runtimes", default="executorch,onnxruntime,eager",
                         help="comma-separated inference runtimes (may be empty)")
     parser.add_argument("--no-training", action="store_true", help="skip the training program")
+    parser.add_argument("--tail-stages", type=int, default=0,
+                        help="also export FT(phi)/FT(M) programs that train the backbone's last N "
+                             "stages with the head: trunk (images -> activations) + tail_training")
     parser.add_argument("--parity-images", type=Path,
                         help="uint8 images (.npy or IDX) for the parity check "
                              "(default: Fashion-MNIST test images)")
@@ -75,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             inference_runtimes=tuple(name.strip() for name in runtimes),
             training=not args.no_training, parity_images=parity_images,
             tolerance=args.tolerance, gradient_tolerance=args.gradient_tolerance,
-            overwrite=args.overwrite)
+            tail_stages=args.tail_stages, overwrite=args.overwrite)
     except ParityError as error:
         print(f"fedfleet export: {error}", file=sys.stderr)
         print(json.dumps(error.measurements, indent=2, sort_keys=True), file=sys.stderr)

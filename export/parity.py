@@ -88,42 +88,56 @@ class TrainingParity:
 
 
 def training_parity(session, features: np.ndarray, labels: np.ndarray, temperature: float,
-                    sgd_steps: int = 3, lr: float = 0.05, seed: int = 0) -> TrainingParity:
+                    sgd_steps: int = 3, lr: float = 0.05, seed: int = 0,
+                    tail: torch.nn.Module | None = None) -> TrainingParity:
     """Compare a :class:`TrainingSession` with torch autograd / ``torch.optim.SGD``.
 
     The head starts from small random values (a zero head has symmetric gradients, which
-    would hide swapped classes). ``session`` is left trained; use a throwaway one.
+    would hide swapped classes). With ``tail`` (the eager module of a tail_training
+    program), ``features`` are the trunk's activations, the reference runs them through the
+    tail (its own copy of the parameters, via ``torch.func.functional_call``) and the tail's
+    tensors are compared too. ``session`` is left trained; use a throwaway one.
     """
     rng = np.random.default_rng(seed)
     start = {
         "weight": rng.normal(0.0, 0.01, session.parameter_shapes["weight"]).astype(np.float32),
         "bias": rng.normal(0.0, 0.01, session.parameter_shapes["bias"]).astype(np.float32),
     }
+    if tail is not None:
+        start.update({f"tail.{name}": param.detach().numpy().copy()
+                      for name, param in tail.named_parameters()})
     session.set_parameters(start)
     loss, gradients = session.loss_and_gradients(features, labels)
 
-    weight = torch.tensor(start["weight"], requires_grad=True)
-    bias = torch.tensor(start["bias"], requires_grad=True)
-    features_t = torch.from_numpy(np.ascontiguousarray(features, dtype=np.float32))
+    reference = {name: torch.tensor(value, requires_grad=True) for name, value in start.items()}
+    inputs_t = torch.from_numpy(np.ascontiguousarray(features, dtype=np.float32))
     labels_t = torch.from_numpy(labels.astype(np.int64))
-    reference_loss = reference_head_loss(features_t, labels_t, weight, bias, temperature)
-    reference_loss.backward()
-    gradient_error = max(
-        float(np.max(np.abs(gradients["weight"] - weight.grad.numpy()))),
-        float(np.max(np.abs(gradients["bias"] - bias.grad.numpy()))))
 
-    optimizer = torch.optim.SGD([weight, bias], lr=lr)
+    def reference_loss() -> torch.Tensor:
+        pooled = inputs_t
+        if tail is not None:
+            pooled = torch.func.functional_call(
+                tail, {name[len("tail."):]: value for name, value in reference.items()
+                       if name.startswith("tail.")}, (inputs_t,))
+        return reference_head_loss(pooled, labels_t, reference["weight"], reference["bias"],
+                                   temperature)
+
+    first_loss = reference_loss()
+    first_loss.backward()
+    gradient_error = max(float(np.max(np.abs(gradients[name] - value.grad.numpy())))
+                         for name, value in reference.items())
+
+    optimizer = torch.optim.SGD(list(reference.values()), lr=lr)
     for _ in range(sgd_steps):
         session.train_step(features, labels, lr)
         optimizer.zero_grad()
-        reference_head_loss(features_t, labels_t, weight, bias, temperature).backward()
+        reference_loss().backward()
         optimizer.step()
     trained = session.get_parameters()
-    sgd_error = max(
-        float(np.max(np.abs(trained["weight"] - weight.detach().numpy()))),
-        float(np.max(np.abs(trained["bias"] - bias.detach().numpy()))))
+    sgd_error = max(float(np.max(np.abs(trained[name] - value.detach().numpy())))
+                    for name, value in reference.items())
     return TrainingParity(
-        loss_abs_error=abs(loss - reference_loss.item()),
+        loss_abs_error=abs(loss - first_loss.item()),
         gradient_max_abs_error=gradient_error,
         sgd_max_abs_error=sgd_error,
         sgd_steps=sgd_steps,

@@ -11,6 +11,7 @@ exceeds its tolerance, :class:`ParityError` is raised and nothing is written.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib.metadata
 import logging
@@ -24,6 +25,7 @@ import torch
 
 from edge_client.models import BACKBONES, build_backbone, weights_sha256
 from edge_client.models.preprocess import to_model_input
+from edge_client.models.tail import TailModel, split_backbone
 from edge_client.runtime.base import check_parameter_dict
 from edge_client.runtime.eager_runtime import state_dict_to_bytes, torch_version
 from edge_client.runtime.executorch_runtime import executorch_version
@@ -33,10 +35,16 @@ from edge_client.runtime.manifest import (
     BatchSpec,
     InputNormalisation,
     Manifest,
+    TailSpec,
     TensorSpec,
 )
 from edge_client.runtime.onnx_runtime import onnxruntime_version
-from edge_client.runtime.program_modules import InferenceModel, TemperatureScaledHead
+from edge_client.runtime.program_modules import (
+    InferenceModel,
+    TailClassifier,
+    TemperatureScaledHead,
+    TrunkModel,
+)
 from edge_client.runtime.training import TRAINING_BACKENDS, TrainingSession
 from edge_client.runtime.verification import file_sha256
 from export.executorch_export import lower_inference_program
@@ -61,6 +69,11 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_INFERENCE_RUNTIMES = ("executorch", "onnxruntime", "eager")
 DEFAULT_TRAINING_RUNTIMES = ("executorch", "eager")
+# SGD step size of the training parity check. The tail program uses a smaller one: with T = 0.1
+# its pretrained conv weights get large gradients, and at 0.05 three steps amplify the chunked
+# float sums (1e-6) to 1e-4; fine-tuning LRs are far below either.
+PARITY_LR = 0.05
+TAIL_PARITY_LR = 0.005
 
 
 class ExportError(RuntimeError):
@@ -123,7 +136,7 @@ def _load_head(path: Path | None, num_classes: int, feature_dim: int) -> dict[st
 
 
 def _check_arguments(num_classes, image_size, temperature, batch_size, inference_runtimes,
-                     tolerance, gradient_tolerance) -> None:
+                     tolerance, gradient_tolerance, tail_stages) -> None:
     def positive_int(value, what):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ExportError(f"{what} must be a positive integer, got {value!r}")
@@ -131,6 +144,8 @@ def _check_arguments(num_classes, image_size, temperature, batch_size, inference
     positive_int(num_classes, "num_classes")
     positive_int(image_size, "image_size")
     positive_int(batch_size, "batch_size")
+    if isinstance(tail_stages, bool) or not isinstance(tail_stages, int) or tail_stages < 0:
+        raise ExportError(f"tail_stages must be an integer >= 0, got {tail_stages!r}")
     if image_size < 32:
         raise ExportError(f"image_size must be >= 32 (five stride-2 stages), got {image_size}")
     for value, what in ((temperature, "temperature"), (tolerance, "tolerance"),
@@ -150,7 +165,7 @@ def export_bundle(backbone: str, out_dir: str | Path, *, num_classes: int, image
                   inference_runtimes: Sequence[str] = DEFAULT_INFERENCE_RUNTIMES,
                   training: bool = True, parity_images: ParityImages | None = None,
                   tolerance: float = 1e-4, gradient_tolerance: float = 1e-5,
-                  overwrite: bool = False) -> Path:
+                  tail_stages: int = 0, overwrite: bool = False) -> Path:
     """Export ``backbone`` for a ``num_classes`` task to ``out_dir``; returns the manifest path.
 
     ``full_model``: inference artifacts return logits of the head (``head_weights``, an
@@ -158,10 +173,13 @@ def export_bundle(backbone: str, out_dir: str | Path, *, num_classes: int, image
     return the pooled features. ``head_weights`` also initialises the training program
     (zeros otherwise; devices normally ``set_parameters`` from the Fed3R solution).
     ``batch_size``: the ExecuTorch inference bound and the training program's fixed batch.
+    ``tail_stages`` > 0 adds what FT(φ)/FT(M) need (``edge_client.models.tail``): trunk
+    programs (images -> activations before the last ``tail_stages`` stages) for the same
+    inference runtimes, and tail_training programs (tail + head, BatchNorm frozen).
     """
     inference_runtimes = tuple(inference_runtimes)
     _check_arguments(num_classes, image_size, temperature, batch_size, inference_runtimes,
-                     tolerance, gradient_tolerance)
+                     tolerance, gradient_tolerance, tail_stages)
     if not inference_runtimes and not training:
         raise ExportError("nothing to export: no inference runtime and no training program")
     if full_model and head_weights is None:
@@ -183,6 +201,17 @@ def export_bundle(backbone: str, out_dir: str | Path, *, num_classes: int, image
         input_tensor = torch.from_numpy(inputs)
         features = backbone_module(input_tensor).numpy()
         reference = model(input_tensor).numpy()
+    tail_spec = trunk = tail = None
+    if tail_stages:
+        try:
+            trunk, tail = split_backbone(backbone_module, tail_stages)
+        except ValueError as error:
+            raise ExportError(str(error)) from error
+        with torch.no_grad():
+            activations = trunk(input_tensor).numpy()
+        tail_spec = TailSpec(stages=tail_stages, activation_shape=tuple(activations.shape[1:]),
+                             parameters={f"tail.{name}": tuple(param.shape)
+                                         for name, param in tail.named_parameters()})
 
     draft = Manifest(
         backbone=backbone, weights_sha256=backbone_digest, feature_dim=feature_dim,
@@ -190,18 +219,33 @@ def export_bundle(backbone: str, out_dir: str | Path, *, num_classes: int, image
         output="logits" if full_model else "features",
         input=InputNormalisation(image_size=image_size, mean=tuple(backbone_module.mean),
                                  std=tuple(backbone_module.std)),
-        artifacts=(), created_with=_versions())
+        artifacts=(), created_with=_versions(), tail=tail_spec)
 
     artifacts: list[_Artifact] = []
     failures: list[str] = []
-    for runtime in inference_runtimes:
-        logger.info("exporting %s inference artifact for %s", runtime, backbone)
-        artifact = _inference_artifact(runtime, model, input_tensor, draft, batch_size)
-        runtime_object = INFERENCE_BACKENDS[runtime](artifact.data, artifact.spec, draft)
-        error = inference_parity(runtime_object, inputs, reference)
+    programs = [("inference", model, reference)]
+    if trunk is not None:
+        programs.append(("trunk", TrunkModel(trunk), activations))
+    for kind, module, expected in programs:
+        for runtime in inference_runtimes:
+            logger.info("exporting %s %s artifact for %s", runtime, kind, backbone)
+            artifact = _inference_artifact(runtime, kind, module, input_tensor, draft, batch_size)
+            runtime_object = INFERENCE_BACKENDS[runtime](artifact.data, artifact.spec, draft)
+            error = inference_parity(runtime_object, inputs, expected)
+            artifact.spec = dataclasses.replace(artifact.spec, parity={
+                "max_abs_error": error, "tolerance": tolerance, "reference": "eager torch",
+                "inputs": parity_images.source})
+            if not error <= tolerance:
+                failures.append(f"{artifact.spec.file}: max abs error {error:.3g} vs eager "
+                                f"exceeds tolerance {tolerance:g}")
+            artifacts.append(artifact)
+
+    if tail is not None:
+        logger.info("exporting the server's tail evaluation program")
+        artifact, error = _tail_eval_artifact(tail, head, activations, draft)
         artifact.spec = dataclasses.replace(artifact.spec, parity={
             "max_abs_error": error, "tolerance": tolerance, "reference": "eager torch",
-            "inputs": parity_images.source})
+            "inputs": f"eager trunk activations of {parity_images.source}"})
         if not error <= tolerance:
             failures.append(f"{artifact.spec.file}: max abs error {error:.3g} vs eager "
                             f"exceeds tolerance {tolerance:g}")
@@ -211,23 +255,30 @@ def export_bundle(backbone: str, out_dir: str | Path, *, num_classes: int, image
         rows = min(len(features), batch_size + max(1, batch_size // 4))  # a full + a padded chunk
         labels = (parity_images.labels[:rows] if parity_images.labels is not None
                   else np.arange(rows)) % num_classes
-        for runtime in DEFAULT_TRAINING_RUNTIMES:
-            logger.info("exporting %s training artifact", runtime)
-            artifact = _training_artifact(runtime, head, draft, batch_size)
-            trainer = TRAINING_BACKENDS[runtime](artifact.data, artifact.spec, draft)
-            session = TrainingSession(trainer, artifact.spec, draft)
-            measured = training_parity(session, features[:rows], labels.astype(np.int64),
-                                       temperature)
-            artifact.spec = dataclasses.replace(artifact.spec, parity={
-                **measured.to_json(), "tolerance": gradient_tolerance,
-                "reference": "torch autograd + torch.optim.SGD",
-                "inputs": f"eager features of {parity_images.source}"})
-            worst = max(measured.gradient_max_abs_error, measured.sgd_max_abs_error)
-            if not worst <= gradient_tolerance:
-                failures.append(
-                    f"{artifact.spec.file}: gradient error {measured.gradient_max_abs_error:.3g}"
-                    f" / SGD error {measured.sgd_max_abs_error:.3g} exceed {gradient_tolerance:g}")
-            artifacts.append(artifact)
+        trainables = [(None, features)]
+        if tail is not None:
+            trainables.append((tail, activations))
+        for program_tail, program_inputs in trainables:
+            for runtime in DEFAULT_TRAINING_RUNTIMES:
+                logger.info("exporting %s %straining artifact", runtime,
+                            "" if program_tail is None else "tail ")
+                artifact = _training_artifact(runtime, head, draft, batch_size, program_tail)
+                trainer = TRAINING_BACKENDS[runtime](artifact.data, artifact.spec, draft)
+                session = TrainingSession(trainer, artifact.spec, draft)
+                measured = training_parity(session, program_inputs[:rows], labels.astype(np.int64),
+                                           temperature, tail=copy.deepcopy(program_tail),
+                                           lr=PARITY_LR if program_tail is None else TAIL_PARITY_LR)
+                artifact.spec = dataclasses.replace(artifact.spec, parity={
+                    **measured.to_json(), "tolerance": gradient_tolerance,
+                    "reference": "torch autograd + torch.optim.SGD",
+                    "inputs": f"eager {'features' if program_tail is None else 'trunk activations'}"
+                              f" of {parity_images.source}"})
+                worst = max(measured.gradient_max_abs_error, measured.sgd_max_abs_error)
+                if not worst <= gradient_tolerance:
+                    failures.append(
+                        f"{artifact.spec.file}: gradient error {measured.gradient_max_abs_error:.3g}"
+                        f" / SGD error {measured.sgd_max_abs_error:.3g} exceed {gradient_tolerance:g}")
+                artifacts.append(artifact)
 
     if failures:
         raise ParityError(failures, {a.spec.file: dict(a.spec.parity) for a in artifacts})
@@ -240,63 +291,118 @@ def _image_spec(draft: Manifest) -> tuple[TensorSpec, ...]:
     return (TensorSpec(draft.input.name, "float32", (None, 3, size, size)),)
 
 
-def _output_spec(draft: Manifest) -> tuple[TensorSpec, ...]:
+def _output_spec(draft: Manifest, kind: str) -> tuple[TensorSpec, ...]:
+    if kind == "trunk":
+        return (TensorSpec("activations", "float32", (None, *draft.tail.activation_shape)),)
     width = draft.feature_dim if draft.output == "features" else draft.num_classes
     return (TensorSpec(draft.output, "float32", (None, width)),)
 
 
-def _inference_artifact(runtime: str, model: InferenceModel, example: torch.Tensor,
+def _inference_artifact(runtime: str, kind: str, model: torch.nn.Module, example: torch.Tensor,
                         draft: Manifest, batch_size: int) -> _Artifact:
+    """``kind`` "inference" (``InferenceModel``) or "trunk" (``TrunkModel``)."""
     max_batch = None  # ONNX and eager take any batch
+    output_spec = _output_spec(draft, kind)
     if runtime == "executorch":
         program = lower_inference_program(model, example, batch_size)
-        data, file, version, max_batch = (program.buffer, "inference_xnnpack.pte",
+        data, file, version, max_batch = (program.buffer, f"{kind}_xnnpack.pte",
                                           executorch_version(), batch_size)
         details = {"method": "forward", "delegate": "xnnpack",
                    "delegate_calls": program.delegate_calls, "portable_ops": program.portable_ops}
     elif runtime == "onnxruntime":
-        onnx_model = export_onnx_model(model, example, draft.input.name, draft.output)
-        data, file, version = onnx_model.buffer, "inference.onnx", onnxruntime_version()
+        onnx_model = export_onnx_model(model, example, draft.input.name, output_spec[0].name)
+        data, file, version = onnx_model.buffer, f"{kind}.onnx", onnxruntime_version()
         details = {"opset": onnx_model.opset, "ir_version": onnx_model.ir_version,
                    "execution_provider": "CPUExecutionProvider"}
     else:
-        data, file, version = (state_dict_to_bytes(model.state_dict()), "inference_eager.pt",
+        data, file, version = (state_dict_to_bytes(model.state_dict()), f"{kind}_eager.pt",
                                torch_version())
         details = {"format": "torch.save state dict (weights_only)",
-                   "module": "edge_client.runtime.program_modules.InferenceModel"}
-    spec = describe_artifact("inference", runtime, version, file, data, BatchSpec(max=max_batch),
-                             _image_spec(draft), _output_spec(draft), details)
+                   "module": f"edge_client.runtime.program_modules.{type(model).__name__}"}
+    spec = describe_artifact(kind, runtime, version, file, data, BatchSpec(max=max_batch),
+                             _image_spec(draft), output_spec, details)
     return _Artifact(spec, data)
 
 
-def _training_artifact(runtime: str, head: dict[str, np.ndarray], draft: Manifest,
-                       batch_size: int) -> _Artifact:
-    module = TemperatureScaledHead(draft.feature_dim, draft.num_classes, draft.temperature)
+def _tail_eval_artifact(tail: TailModel, head: dict[str, np.ndarray], activations: np.ndarray,
+                        draft: Manifest) -> tuple[_Artifact, float]:
+    """The server's FT(φ)/FT(M) evaluation program: ``torch.export`` of :class:`TailClassifier`
+    (any batch), saved as a ``.pt2``; parity = its logits vs the eager module's, with the
+    parameters passed in by name as the server will (``torch.func.functional_call``)."""
+    import io
+
+    module = TailClassifier(copy.deepcopy(tail), draft.feature_dim, draft.num_classes).eval()
     with torch.no_grad():
         module.weight.copy_(torch.from_numpy(head["weight"]))
         module.bias.copy_(torch.from_numpy(head["bias"]))
+    example = torch.from_numpy(activations[:2].copy())
+    exported = torch.export.export(module, (example,), dynamic_shapes=(
+        {0: torch.export.Dim("batch", min=1, max=1 << 20)},))
+    buffer = io.BytesIO()
+    torch.export.save(exported, buffer)
+    data = buffer.getvalue()
+    buffer.seek(0)
+    loaded = torch.export.load(buffer).module()
+    rng = np.random.default_rng(1)
+    probe = {name: torch.from_numpy(param.detach().numpy() + rng.normal(
+        0.0, 0.01, tuple(param.shape)).astype(np.float32)) for name, param in module.named_parameters()}
+    inputs = torch.from_numpy(activations)
+    with torch.no_grad():
+        error = float((torch.func.functional_call(loaded, probe, (inputs,))
+                       - torch.func.functional_call(module, probe, (inputs,))).abs().max())
+    parameters = {name: list(param.shape) for name, param in module.named_parameters()}
+    spec = describe_artifact(
+        "tail_eval", "eager", torch_version(), "tail_eval.pt2", data, BatchSpec(max=None),
+        (TensorSpec("activations", "float32", (None, *draft.tail.activation_shape)),),
+        (TensorSpec("logits", "float32", (None, draft.num_classes)),),
+        {"format": "torch.export ExportedProgram (torch.export.save)",
+         "parameters": parameters,
+         "use": "the aggregator loads it with torch.export.load and evaluates a global model by "
+                "passing its tensors by name (torch.func.functional_call)"})
+    return _Artifact(spec, data), error
+
+
+def _training_artifact(runtime: str, head: dict[str, np.ndarray], draft: Manifest,
+                       batch_size: int, tail: TailModel | None = None) -> _Artifact:
+    """The head's training program, or with ``tail`` the tail + head program (kind
+    tail_training), both initialised with ``head`` (and the tail's pretrained weights)."""
+    module = TemperatureScaledHead(draft.feature_dim, draft.num_classes, draft.temperature,
+                                   None if tail is None else copy.deepcopy(tail))
+    with torch.no_grad():
+        module.weight.copy_(torch.from_numpy(head["weight"]))
+        module.bias.copy_(torch.from_numpy(head["bias"]))
+    kind = "training" if tail is None else "tail_training"
+    trainable = {name: list(shape) for name, shape in draft.head_parameter_shapes().items()}
+    if tail is not None:
+        trainable = {**{name: list(shape) for name, shape in draft.tail.parameters.items()},
+                     **trainable}
     details = {
         "method": "forward",
-        "trainable_parameters": {"weight": [draft.num_classes, draft.feature_dim],
-                                 "bias": [draft.num_classes]},
+        "trainable_parameters": trainable,
         "loss": {"type": "temperature_scaled_cross_entropy", "temperature": draft.temperature,
                  "formula": "sum_i w_i * CE(logits_i / T, y_i) / sum_i w_i"},
         "optimizer": {"type": "sgd", "applied_by": "runtime", "momentum": 0.0,
                       "weight_decay": 0.0},
         "padding": "rows past the real ones are zeros with sample_weight 0",
-        "frozen": "the backbone, BatchNorm included, is not part of the program",
+        "frozen": ("the backbone, BatchNorm included, is not part of the program" if tail is None
+                   else f"the trunk is not part of the program; the last {draft.tail.stages} "
+                        "stages are, with BatchNorm frozen into per-channel scale/shift buffers"),
     }
+    stem = "head_training" if tail is None else "tail_training"
     if runtime == "executorch":
-        data, file, version = (lower_training_program(module, batch_size), "head_training.pte",
-                               executorch_version())
+        input_shape = None if tail is None else draft.tail.activation_shape
+        data, file, version = (lower_training_program(module, batch_size, input_shape),
+                               f"{stem}.pte", executorch_version())
     else:
-        data, file, version = (state_dict_to_bytes(module.state_dict()), "head_training_eager.pt",
+        data, file, version = (state_dict_to_bytes(module.state_dict()), f"{stem}_eager.pt",
                                torch_version())
         details["format"] = "torch.save state dict (weights_only)"
-    d, c, b = draft.feature_dim, draft.num_classes, batch_size
-    inputs = (TensorSpec("features", "float32", (b, d)), TensorSpec("labels", "int64", (b,)),
+    c, b = draft.num_classes, batch_size
+    first = (TensorSpec("features", "float32", (b, draft.feature_dim)) if tail is None else
+             TensorSpec("activations", "float32", (b, *draft.tail.activation_shape)))
+    inputs = (first, TensorSpec("labels", "int64", (b,)),
               TensorSpec("sample_weight", "float32", (b,)))
     outputs = (TensorSpec("loss", "float32", ()), TensorSpec("logits", "float32", (b, c)))
-    spec = describe_artifact("training", runtime, version, file, data,
+    spec = describe_artifact(kind, runtime, version, file, data,
                              BatchSpec(max=batch_size, fixed=True), inputs, outputs, details)
     return _Artifact(spec, data)

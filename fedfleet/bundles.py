@@ -39,6 +39,16 @@ def ensure_training_bundle(backbone: str, image_size: int, num_classes: int,
                                     inference_runtimes=(), training=True))
 
 
+def ensure_tail_bundle(backbone: str, image_size: int, num_classes: int, tail_stages: int,
+                       root: Path = DEFAULT_BUNDLE_ROOT) -> Path:
+    """The manifest of a bundle for FT(φ)/FT(M): the trunk (images -> activations before the
+    last ``tail_stages`` stages) and the tail + head training program, exporting it when missing."""
+    out = Path(root) / f"{bundle_dir(backbone, image_size, root).name}-head{num_classes}-tail{tail_stages}"
+    return _exported_once(out, dict(backbone=backbone, num_classes=num_classes, image_size=image_size,
+                                    inference_runtimes=("executorch",), training=True,
+                                    tail_stages=tail_stages))
+
+
 def _exported_once(out: Path, export_args: dict) -> Path:
     """``out``'s manifest; exported under a file lock when missing (one exporter at a time)."""
     manifest = out / "manifest.json"

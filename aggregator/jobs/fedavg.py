@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from protocols.envelope import Envelope, body_field
-from protocols.payloads.fedavg import KIND, HeadUpdate, head_tensors, parse_head_update
+from protocols.payloads.fedavg import KIND, HeadUpdate, ModelUpdate, head_tensors, parse_head_update
 from protocols.rounds import RoundClosed
 
 from ..evaluation import head_accuracy
@@ -83,7 +83,7 @@ class RoundUpdate:
     """A validated update plus the round its message names (checked again in ``apply``)."""
 
     round: int
-    update: HeadUpdate
+    update: HeadUpdate | ModelUpdate
 
 
 def random_head(num_classes: int, feature_dim: int, seed: int) -> dict[str, np.ndarray]:
@@ -207,7 +207,9 @@ class FedAvgJob:
             return
         mean, updates, samples = self.round_mean()
         if mean is not None:
-            self.params = self.strategy.step(self.params, mean)
+            # The strategy moves the tensors devices trained (all of them, or FT(φ)'s tail only).
+            moved = self.strategy.step({name: self.params[name] for name in mean}, mean)
+            self.params = {**self.params, **moved}
         self.round_log.append({"round": self.round, "updates": updates, "samples": samples,
                                "dropped": len(closed.dropped), "declined": len(closed.declined),
                                "rejected": len(closed.rejected)})

@@ -59,6 +59,14 @@ class Backbone(nn.Module):
     def imagenet_head(self, features: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def stages(self) -> list[nn.Module]:
+        """The feature map as a chain: applying these modules in order equals ``feature_map``.
+
+        The last few stages are what on-device fine-tuning of the backbone trains
+        (``edge_client.models.tail``); the modules are this backbone's own (shared weights).
+        """
+        raise NotImplementedError
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         feature_map = self.feature_map(x)
         # Global average pooling, spelled so the XNNPACK delegate takes all of it: a 4-D mean

@@ -106,6 +106,17 @@ class MBConvBlock(nn.Module):
         return x
 
 
+class _ConvBNReLU6(nn.Module):
+    """The stem or the head convolution as one stage (see ``Backbone.stages``); shares weights."""
+
+    def __init__(self, conv: nn.Module, bn: nn.Module) -> None:
+        super().__init__()
+        self.conv, self.bn = conv, bn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu6(self.bn(self.conv(x)))
+
+
 class EfficientNetLite0(Backbone):
     name = "efficientnet_lite0"
     feature_dim = _HEAD_CHANNELS
@@ -134,6 +145,10 @@ class EfficientNetLite0(Backbone):
         for block in self._blocks:
             x = block(x)
         return F.relu6(self._bn1(self._conv_head(x)))
+
+    def stages(self) -> list[nn.Module]:
+        return [_ConvBNReLU6(self._conv_stem, self._bn0), *self._blocks,
+                _ConvBNReLU6(self._conv_head, self._bn1)]
 
     def imagenet_head(self, features: torch.Tensor) -> torch.Tensor:
         return self._fc(self._dropout(features))

@@ -86,5 +86,8 @@ class MobileNetV2(Backbone):
     def feature_map(self, x: torch.Tensor) -> torch.Tensor:
         return self.features(x)
 
+    def stages(self) -> list[nn.Module]:
+        return list(self.features)
+
     def imagenet_head(self, features: torch.Tensor) -> torch.Tensor:
         return self.classifier(features)

@@ -51,6 +51,22 @@ def state_dict_from_bytes(data: bytes) -> dict:
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
+def _architecture(manifest: Manifest):
+    """The manifest's backbone with random weights (the bundle's state dict overwrites them)."""
+    import torch
+
+    from edge_client.models import build_backbone
+
+    with torch.random.fork_rng():  # random init is overwritten; keep the caller's RNG
+        return build_backbone(manifest.backbone, pretrained=False)
+
+
+def _split(manifest: Manifest):
+    from edge_client.models.tail import split_backbone
+
+    return split_backbone(_architecture(manifest), manifest.tail.stages)
+
+
 class EagerInference:
     """Runs the exported :class:`InferenceModel` eagerly under ``torch.inference_mode``."""
 
@@ -58,15 +74,13 @@ class EagerInference:
 
     def __init__(self, state: bytes, spec: ArtifactSpec, manifest: Manifest):
         torch_version()
-        import torch
+        from edge_client.runtime.program_modules import InferenceModel, TrunkModel
 
-        from edge_client.models import build_backbone
-        from edge_client.runtime.program_modules import InferenceModel
-
-        with torch.random.fork_rng():  # random init is overwritten; keep the caller's RNG
-            backbone = build_backbone(manifest.backbone, pretrained=False)
-        num_classes = manifest.num_classes if manifest.output == "logits" else None
-        self._model = InferenceModel(backbone, num_classes, manifest.feature_dim)
+        if spec.kind == "trunk":
+            self._model = TrunkModel(_split(manifest)[0])
+        else:
+            num_classes = manifest.num_classes if manifest.output == "logits" else None
+            self._model = InferenceModel(_architecture(manifest), num_classes, manifest.feature_dim)
         self._model.load_state_dict(state_dict_from_bytes(state), strict=True)
         self._spec = spec
         self._image_size = manifest.input.image_size
@@ -91,8 +105,9 @@ class EagerHeadTrainer:
         torch_version()
         from edge_client.runtime.program_modules import TemperatureScaledHead
 
+        tail = _split(manifest)[1] if spec.kind == "tail_training" else None
         self._head = TemperatureScaledHead(manifest.feature_dim, manifest.num_classes,
-                                           manifest.temperature)
+                                           manifest.temperature, tail)
         self._head.load_state_dict(state_dict_from_bytes(state), strict=True)
         self._parameter_names = list(spec.details["trainable_parameters"])
 
@@ -122,6 +137,7 @@ class EagerHeadTrainer:
     def sgd_step(self, gradients: dict[str, np.ndarray], lr: float) -> None:
         import torch
 
+        params = dict(self._head.named_parameters())
         with torch.no_grad():
-            for name, param in self._head.named_parameters():
-                param.add_(torch.from_numpy(gradients[name]), alpha=-lr)
+            for name, grad in gradients.items():     # only the tensors being trained
+                params[name].add_(torch.from_numpy(grad), alpha=-lr)

@@ -164,9 +164,10 @@ class ExecuTorchHeadTrainer:
                 raise _load_failed(spec, error) from error
         self._method = spec.details.get("method", "forward")
         self._parameter_names = list(spec.details["trainable_parameters"])
-        batch, feature_dim = spec.inputs[0].shape
+        input_shape = spec.inputs[0].shape    # (B, d) features, or (B, c, h, w) activations
+        batch = input_shape[0]
         self._module.forward_backward(self._method, (
-            torch.zeros(batch, feature_dim), torch.zeros(batch, dtype=torch.int64),
+            torch.zeros(input_shape), torch.zeros(batch, dtype=torch.int64),
             torch.ones(batch)))
         self._parameters = self._module.named_parameters()
         missing = set(self._parameter_names) - set(self._parameters)

@@ -27,13 +27,17 @@ INFERENCE_BACKENDS = {
 
 
 def load_inference(manifest_path: str | Path, prefer: Sequence[str] = INFERENCE_RUNTIMES,
-                   expected_manifest_sha256: str | None = None) -> InferenceRuntime:
+                   expected_manifest_sha256: str | None = None,
+                   kind: str = "inference") -> InferenceRuntime:
     """Verified inference runtime for a bundle; ``.run(x)`` maps NCHW float32 to outputs.
 
-    The returned object also has ``runtime`` (its name) and ``manifest`` (input size,
-    normalisation, output kind) attributes.
+    ``kind``: "inference" (images -> features or logits) or "trunk" (images -> the
+    activations a tail_training program takes). The returned object also has ``runtime``
+    (its name) and ``manifest`` (input size, normalisation, output kind) attributes.
     """
+    if kind not in ("inference", "trunk"):
+        raise ValueError(f"kind must be 'inference' or 'trunk', got {kind!r}")
     manifest = load_manifest(manifest_path, expected_manifest_sha256)
-    runtime = open_first_available(manifest, "inference", prefer, INFERENCE_BACKENDS)
+    runtime = open_first_available(manifest, kind, prefer, INFERENCE_BACKENDS)
     runtime.manifest = manifest
     return runtime

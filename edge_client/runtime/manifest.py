@@ -37,6 +37,7 @@ __all__ = [
     "BatchSpec",
     "InputNormalisation",
     "Manifest",
+    "TailSpec",
     "TensorSpec",
     "read_manifest",
 ]
@@ -44,7 +45,10 @@ __all__ = [
 FORMAT_NAME = "fedfleet-export"
 FORMAT_VERSION = 1
 MANIFEST_FILENAME = "manifest.json"
-ARTIFACT_KINDS = ("inference", "training")
+# inference: images -> features/logits; training: the head's program (features in);
+# trunk: images -> activations before the tail; tail_training: tail + head program (activations in);
+# tail_eval: activations -> logits (torch.export), for the server's evaluation of FT(φ)/FT(M)
+ARTIFACT_KINDS = ("inference", "training", "trunk", "tail_training", "tail_eval")
 RUNTIME_NAMES = ("executorch", "onnxruntime", "eager")
 # The largest manifest a device will parse; real ones are a few kB.
 MAX_MANIFEST_BYTES = 1 << 20
@@ -145,6 +149,18 @@ MANIFEST_SCHEMA: dict[str, Any] = {
             },
         },
         "artifacts": {"type": "array", "minItems": 1, "maxItems": 32, "items": _ARTIFACT_SCHEMA},
+        "tail": {
+            "type": "object",
+            "required": ["stages", "activation_shape", "parameters"],
+            "additionalProperties": False,
+            "properties": {
+                "stages": {"type": "integer", "minimum": 1},
+                "activation_shape": {"type": "array", "minItems": 3, "maxItems": 3,
+                                     "items": {"type": "integer", "minimum": 1}},
+                "parameters": {"type": "object", "minProperties": 1, "additionalProperties": {
+                    "type": "array", "maxItems": 8, "items": {"type": "integer", "minimum": 1}}},
+            },
+        },
         "created_with": {"type": "object", "additionalProperties": {"type": "string"}},
     },
 }
@@ -258,6 +274,27 @@ class InputNormalisation:
 
 
 @dataclasses.dataclass(frozen=True)
+class TailSpec:
+    """The backbone split for FT(φ)/FT(M) (``edge_client.models.tail``): the last ``stages``
+    stages are trained on device from the trunk's activations of shape ``activation_shape``
+    (c, h, w); ``parameters`` maps each trainable tail tensor (names as in the tail_training
+    program, ``tail.`` prefix included) to its shape."""
+
+    stages: int
+    activation_shape: tuple[int, int, int]
+    parameters: Mapping[str, tuple[int, ...]]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"stages": self.stages, "activation_shape": list(self.activation_shape),
+                "parameters": {name: list(shape) for name, shape in self.parameters.items()}}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "TailSpec":
+        return cls(stages=data["stages"], activation_shape=tuple(data["activation_shape"]),
+                   parameters={name: tuple(shape) for name, shape in data["parameters"].items()})
+
+
+@dataclasses.dataclass(frozen=True)
 class Manifest:
     """A parsed, validated manifest; ``directory`` is where its files live."""
 
@@ -271,6 +308,7 @@ class Manifest:
     artifacts: tuple[ArtifactSpec, ...]
     created_with: Mapping[str, str]
     directory: Path = Path(".")
+    tail: TailSpec | None = None  # present when the bundle can fine-tune the backbone's tail
 
     def find(self, kind: str, runtime: str) -> ArtifactSpec | None:
         for spec in self.artifacts:
@@ -281,8 +319,13 @@ class Manifest:
     def runtimes_for(self, kind: str) -> list[str]:
         return [spec.runtime for spec in self.artifacts if spec.kind == kind]
 
+    def head_parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {"weight": (self.num_classes, self.feature_dim), "bias": (self.num_classes,)}
+
     def to_json(self) -> dict[str, Any]:
+        extra = {} if self.tail is None else {"tail": self.tail.to_json()}
         return {
+            **extra,
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
             "backbone": {"name": self.backbone, "weights_sha256": self.weights_sha256,
@@ -321,6 +364,7 @@ class Manifest:
             artifacts=tuple(ArtifactSpec.from_json(item) for item in data["artifacts"]),
             created_with=dict(data["created_with"]),
             directory=Path(directory),
+            tail=TailSpec.from_json(data["tail"]) if "tail" in data else None,
         )
         _check_consistency(manifest)
         return manifest
@@ -360,17 +404,49 @@ def _check_consistency(manifest: Manifest) -> None:
                 raise ManifestError(
                     f"{spec.file}: inference output must be one ({manifest.output}) tensor of "
                     f"shape (None, {width}), got {[s.shape for s in spec.outputs]}")
-        else:
-            params = spec.details.get("trainable_parameters")
-            expected_params = {
-                "weight": [manifest.num_classes, manifest.feature_dim],
-                "bias": [manifest.num_classes],
-            }
-            if params != expected_params:
+        elif spec.kind == "trunk":
+            tail = _require_tail(manifest, spec)
+            expected_in = (None, 3, manifest.input.image_size, manifest.input.image_size)
+            expected_out = (None, *tail.activation_shape)
+            if len(spec.inputs) != 1 or spec.inputs[0].shape != expected_in \
+                    or len(spec.outputs) != 1 or spec.outputs[0].shape != expected_out:
                 raise ManifestError(
-                    f"{spec.file}: trainable_parameters must be {expected_params}, got {params}")
+                    f"{spec.file}: a trunk maps {expected_in} images to {expected_out} activations, "
+                    f"got {[s.shape for s in spec.inputs]} -> {[s.shape for s in spec.outputs]}")
+        elif spec.kind == "tail_eval":
+            tail = _require_tail(manifest, spec)
+            expected_in, expected_out = (None, *tail.activation_shape), (None, manifest.num_classes)
+            parameters = spec.details.get("parameters")
+            expected_json = {name: list(shape) for name, shape in
+                             {**tail.parameters, **manifest.head_parameter_shapes()}.items()}
+            if len(spec.inputs) != 1 or spec.inputs[0].shape != expected_in \
+                    or len(spec.outputs) != 1 or spec.outputs[0].shape != expected_out \
+                    or parameters != expected_json:
+                raise ManifestError(f"{spec.file}: tail_eval maps {expected_in} activations to "
+                                    f"{expected_out} logits with parameters {sorted(expected_json)}")
+        else:
+            expected_params = manifest.head_parameter_shapes()
+            if spec.kind == "tail_training":
+                tail = _require_tail(manifest, spec)
+                expected_params = {**tail.parameters, **expected_params}
+                if not spec.inputs or spec.inputs[0].shape[1:] != tail.activation_shape:
+                    raise ManifestError(f"{spec.file}: the tail program takes activations of "
+                                        f"shape (B, {', '.join(map(str, tail.activation_shape))})")
+            params = spec.details.get("trainable_parameters")
+            expected_json = {name: list(shape) for name, shape in expected_params.items()}
+            if params != expected_json:
+                raise ManifestError(
+                    f"{spec.file}: trainable_parameters must be {expected_json}, got {params}")
             if not spec.batch.fixed:
                 raise ManifestError(f"{spec.file}: training programs have a fixed batch")
+
+
+def _require_tail(manifest: Manifest, spec: ArtifactSpec) -> TailSpec:
+    if manifest.tail is None:
+        raise ManifestError(f"{spec.file}: a {spec.kind} artifact needs the manifest's tail section")
+    if any(not name.startswith("tail.") for name in manifest.tail.parameters):
+        raise ManifestError("tail parameters must be named tail.<...>")
+    return manifest.tail
 
 
 def read_manifest(path: str | Path) -> Manifest:

@@ -1,4 +1,8 @@
-"""On-device training of the linear head through the exported training program.
+"""On-device training of the linear head (and the backbone's tail) through a training program.
+
+Two programs share this code: ``training`` (the head; input: features (B, d)) and
+``tail_training`` (the backbone's last stages + the head, for FT(φ)/FT(M); input: the
+trunk's activations (B, c, h, w)). "Rows" below are rows of that input.
 
 The program has a fixed batch B (static shapes). :class:`TrainingSession` turns any
 mini-batch of n rows into program calls:
@@ -15,7 +19,7 @@ does ``p -= lr * g``). Labels are local class indices 0..C-1 (see OLL in the Fed
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -46,8 +50,10 @@ class TrainingSession:
         self._spec = spec
         self.manifest = manifest
         self.batch_size: int = spec.batch.max
+        self.kind = spec.kind
         self.num_classes = manifest.num_classes
         self.feature_dim = manifest.feature_dim
+        self.input_shape: tuple[int, ...] = tuple(spec.inputs[0].shape[1:])   # one row's shape
         self.parameter_shapes: dict[str, tuple[int, ...]] = {
             name: tuple(shape) for name, shape in spec.details["trainable_parameters"].items()}
 
@@ -57,14 +63,19 @@ class TrainingSession:
 
     @classmethod
     def load(cls, manifest_path: str | Path, prefer: Sequence[str] = TRAINING_RUNTIMES,
-             expected_manifest_sha256: str | None = None) -> "TrainingSession":
-        """Verify the training program's sha256, then load it in the first usable runtime."""
+             expected_manifest_sha256: str | None = None,
+             kind: str = "training") -> "TrainingSession":
+        """Verify the ``kind`` program's sha256 ("training": the head; "tail_training": the
+        backbone's tail + the head), then load it in the first usable runtime."""
+        if kind not in ("training", "tail_training"):
+            raise ValueError(f"kind must be 'training' or 'tail_training', got {kind!r}")
         manifest = load_manifest(manifest_path, expected_manifest_sha256)
-        trainer = open_first_available(manifest, "training", prefer, TRAINING_BACKENDS)
-        return cls(trainer, manifest.find("training", trainer.runtime), manifest)
+        trainer = open_first_available(manifest, kind, prefer, TRAINING_BACKENDS)
+        return cls(trainer, manifest.find(kind, trainer.runtime), manifest)
 
     def set_parameters(self, params: dict[str, np.ndarray]) -> None:
-        """Overwrite the head, e.g. with {"weight": (C, d), "bias": (C,)} from Fed3R."""
+        """Overwrite every trainable tensor, e.g. {"weight": (C, d), "bias": (C,)} from Fed3R
+        (plus the ``tail.*`` tensors for a tail_training program)."""
         self._trainer.set_parameters(check_parameter_dict(params, self.parameter_shapes))
 
     def get_parameters(self) -> dict[str, np.ndarray]:
@@ -92,10 +103,19 @@ class TrainingSession:
                     gradients[name] = grad.copy() if share == 1.0 else np.float32(share) * grad
         return loss, gradients
 
-    def train_step(self, features: np.ndarray, labels: np.ndarray, lr: float) -> float:
-        """One SGD step (the runtime's SGD) on this mini-batch; returns its loss before the step."""
+    def train_step(self, features: np.ndarray, labels: np.ndarray, lr: float,
+                   trained: Collection[str] | None = None) -> float:
+        """One SGD step (the runtime's SGD) on this mini-batch; returns its loss before the step.
+
+        ``trained``: the tensors to update (default all); the others stay as they are, e.g. the
+        head under FT(φ), which fine-tunes the tail against a frozen classifier.
+        """
         lr = _check_learning_rate(lr)
+        if trained is not None and not set(trained) <= set(self.parameter_shapes):
+            raise ValueError(f"unknown tensors to train: {sorted(set(trained) - set(self.parameter_shapes))}")
         loss, gradients = self.loss_and_gradients(features, labels)
+        if trained is not None:
+            gradients = {name: grad for name, grad in gradients.items() if name in trained}
         self._trainer.sgd_step(gradients, lr)
         return loss
 
@@ -105,7 +125,7 @@ class TrainingSession:
         sample_weight[:rows] = 1.0
         if rows == self.batch_size:
             return features, labels, sample_weight
-        padded_features = np.zeros((self.batch_size, self.feature_dim), dtype=np.float32)
+        padded_features = np.zeros((self.batch_size, *self.input_shape), dtype=np.float32)
         padded_features[:rows] = features
         padded_labels = np.zeros(self.batch_size, dtype=np.int64)
         padded_labels[:rows] = labels
@@ -114,9 +134,9 @@ class TrainingSession:
     def _check_batch(self, features: object, labels: object) -> tuple[np.ndarray, np.ndarray]:
         if not isinstance(features, np.ndarray) or not isinstance(labels, np.ndarray):
             raise TypeError("features and labels must be numpy arrays")
-        if features.ndim != 2 or features.shape[1] != self.feature_dim:
-            raise ValueError(
-                f"features must have shape (n, {self.feature_dim}), got {features.shape}")
+        if features.shape[1:] != self.input_shape:
+            shape = ", ".join(map(str, self.input_shape))
+            raise ValueError(f"inputs must have shape (n, {shape}), got {features.shape}")
         if len(features) == 0:
             raise ValueError("cannot train on an empty batch")
         if not np.issubdtype(features.dtype, np.floating):

@@ -114,32 +114,52 @@ class _TorchHeadStepper:
                 param.add_(grad, alpha=-self.lr)
         return float(loss.detach())
 
-    def parameters(self) -> tuple[np.ndarray, np.ndarray]:
-        return (self.head.weight.detach().numpy().copy(), self.head.bias.detach().numpy().copy())
+    def parameters(self) -> dict[str, np.ndarray]:
+        return {"weight": self.head.weight.detach().numpy().copy(), "bias": self.head.bias.detach().numpy().copy()}
 
 
-class _SessionHeadStepper:
-    """TrainingSession backend: the runtime's loss, gradients and SGD; weight decay added here."""
+class SessionStepper:
+    """TrainingSession backend: the runtime's loss, gradients and SGD; weight decay added here.
 
-    def __init__(self, session, weight: np.ndarray, bias: np.ndarray, recipe: LocalTraining):
+    ``trained`` names the tensors that move (default: all of the program's); the others keep
+    their start values (FT(φ) trains the tail against a frozen head).
+    """
+
+    def __init__(self, session, start: dict[str, np.ndarray], recipe: LocalTraining,
+                 trained: frozenset[str] | None = None):
         self.session = session
         self.runtime = session.runtime
         self.recipe = recipe
-        session.set_parameters({"weight": weight, "bias": bias})
-        self._current = {"weight": weight.copy(), "bias": bias.copy()}
+        self.trained = frozenset(start) if trained is None else trained
+        session.set_parameters(start)
+        self._current = {k: v.copy() for k, v in start.items()}
 
     def step(self, features: np.ndarray, labels: np.ndarray) -> float:
-        loss = self.session.train_step(features, labels, lr=self.recipe.lr)
+        loss = self.session.train_step(features, labels, lr=self.recipe.lr, trained=self.trained)
         after = self.session.get_parameters()
         if self.recipe.weight_decay:
             shrink = np.float32(self.recipe.lr * self.recipe.weight_decay)
-            after = {k: v - shrink * self._current[k] for k, v in after.items()}
+            after = {k: (v - shrink * self._current[k]) if k in self.trained else v for k, v in after.items()}
             self.session.set_parameters(after)
         self._current = after
         return loss
 
-    def parameters(self) -> tuple[np.ndarray, np.ndarray]:
-        return self._current["weight"].copy(), self._current["bias"].copy()
+    def parameters(self) -> dict[str, np.ndarray]:
+        return {k: v.copy() for k, v in self._current.items()}
+
+
+def local_sgd(stepper, rows: int, inputs: np.ndarray, labels: np.ndarray, recipe: LocalTraining) -> tuple[int, float]:
+    """``recipe.epochs`` epochs of seeded-shuffled mini-batch steps; (steps, mean loss of the last epoch)."""
+    rng = np.random.default_rng(recipe.seed)
+    steps, losses = 0, []
+    for _ in range(recipe.epochs):
+        order = rng.permutation(rows)
+        losses = []
+        for start in range(0, len(order), recipe.batch_size):
+            batch = order[start:start + recipe.batch_size]
+            losses.append(stepper.step(inputs[batch], labels[batch]))
+            steps += 1
+    return steps, float(np.mean(losses))
 
 
 def session_fits(session, num_classes: int, feature_dim: int, temperature: float) -> bool:
@@ -147,7 +167,7 @@ def session_fits(session, num_classes: int, feature_dim: int, temperature: float
     return (session is not None and session.num_classes == num_classes
             and session.feature_dim == feature_dim
             and math.isclose(session.manifest.temperature, temperature, rel_tol=1e-6)
-            and set(session.parameter_shapes) == {"weight", "bias"})
+            and session.kind == "training")
 
 
 def train_head(weight: np.ndarray, bias: np.ndarray, features: np.ndarray, labels: np.ndarray,
@@ -169,26 +189,19 @@ def train_head(weight: np.ndarray, bias: np.ndarray, features: np.ndarray, label
     if not (np.isfinite(weight).all() and np.isfinite(bias).all() and np.isfinite(features).all()):
         raise ValueError("head or features contain NaN or Inf")
     if session_fits(session, C, d, recipe.temperature):
-        stepper = _SessionHeadStepper(session, weight, bias, recipe)
+        stepper = SessionStepper(session, {"weight": weight, "bias": bias}, recipe)
     else:
         if session is not None:
             log.info("training bundle holds a (%d, %d) head with T=%g; task needs (%d, %d), T=%g: eager torch",
                      session.num_classes, session.feature_dim, session.manifest.temperature, C, d,
                      recipe.temperature)
         stepper = _TorchHeadStepper(weight, bias, recipe)
-    rng = np.random.default_rng(recipe.seed)
-    steps, losses = 0, []
-    for _ in range(recipe.epochs):
-        order = rng.permutation(len(labels))
-        losses = []
-        for start in range(0, len(order), recipe.batch_size):
-            rows = order[start:start + recipe.batch_size]
-            losses.append(stepper.step(features[rows], labels[rows]))
-            steps += 1
-    w, b = stepper.parameters()
+    steps, mean_loss = local_sgd(stepper, len(labels), features, labels, recipe)
+    trained = stepper.parameters()
+    w, b = trained["weight"], trained["bias"]
     if not (np.isfinite(w).all() and np.isfinite(b).all()):
         raise FloatingPointError("local training diverged (NaN/Inf in the head); lower the learning rate")
-    return TrainedHead(w, b, steps, float(np.mean(losses)), stepper.runtime)
+    return TrainedHead(w, b, steps, mean_loss, stepper.runtime)
 
 
 class HeadTrainingTask:

@@ -16,6 +16,16 @@ Result (device -> aggregator), tensors of the ``result`` message:
 and in the body ``n`` (local training samples, the FedAvg weight n_k), ``num_classes`` and
 ``feature_dim``. Both directions carry exactly C·d + C float32 values, so a round costs
 2·(C·d + C)·4 bytes per participant plus headers (the "2dC" of the Fed3R paper's cost model).
+
+``fedavg.tail`` (FT(φ) / FT(M): fine-tuning the backbone's last stages on device) carries
+named tensors instead:
+
+* task: every tensor of the global model, the tail's ``tail.<...>`` tensors (names and
+  shapes as in the devices' bundle manifest, section ``tail``) plus ``weight`` and
+  ``bias``; in ``params`` the recipe, ``tail_stages`` and ``train``: ``"tail"`` (FT(φ):
+  the head stays frozen at the task's values) or ``"tail+head"`` (FT(M));
+* result: exactly the tensors the device trained (the tail's for FT(φ), all for FT(M)),
+  float32, finite, with ``n`` in the body.
 """
 
 from __future__ import annotations
@@ -27,7 +37,11 @@ import numpy as np
 from ..envelope import Envelope, EnvelopeError, body_field, require_finite, require_tensor
 
 KIND = "fedavg.head"
+KIND_TAIL = "fedavg.tail"
 HEAD_TENSORS = ("weight", "bias")
+TAIL_PREFIX = "tail."
+# what a fedavg.tail device trains -> whether the head is among the trained tensors
+TAIL_TRAIN_MODES = {"tail": False, "tail+head": True}
 
 
 @dataclass(frozen=True)
@@ -40,6 +54,17 @@ class HeadUpdate:
         return {"weight": self.weight, "bias": self.bias}
 
 
+@dataclass(frozen=True)
+class ModelUpdate:
+    """A ``fedavg.tail`` result: the tensors the device trained, by name, and n."""
+
+    n: int
+    trained: dict[str, np.ndarray]
+
+    def tensors(self) -> dict[str, np.ndarray]:
+        return dict(self.trained)
+
+
 def head_tensors(weight: np.ndarray, bias: np.ndarray) -> dict[str, np.ndarray]:
     """The two head tensors in wire form (float32, C order), after a shape check."""
     weight = np.ascontiguousarray(weight, dtype=np.float32)
@@ -49,31 +74,47 @@ def head_tensors(weight: np.ndarray, bias: np.ndarray) -> dict[str, np.ndarray]:
     return {"weight": weight, "bias": bias}
 
 
-def encode_head_update(weight: np.ndarray, bias: np.ndarray, n: int) -> tuple[dict, dict[str, np.ndarray]]:
-    """(body, tensors) of a ``fedavg.head`` result."""
-    tensors = head_tensors(weight, bias)
+def encode_model_update(tensors: dict[str, np.ndarray], n: int) -> tuple[dict, dict[str, np.ndarray]]:
+    """(body, tensors) of a result carrying trained named tensors (float32, finite) and n."""
+    tensors = {name: np.ascontiguousarray(value, dtype=np.float32) for name, value in tensors.items()}
     if not all(np.isfinite(t).all() for t in tensors.values()):
-        raise ValueError("the trained head contains NaN or Inf (diverged local training?)")
+        raise ValueError("the trained model contains NaN or Inf (diverged local training?)")
     if int(n) < 1:
         raise ValueError(f"sample count must be >= 1, got {n}")
+    return {"n": int(n)}, tensors
+
+
+def encode_head_update(weight: np.ndarray, bias: np.ndarray, n: int) -> tuple[dict, dict[str, np.ndarray]]:
+    """(body, tensors) of a ``fedavg.head`` result."""
+    body, tensors = encode_model_update(head_tensors(weight, bias), n)
     C, d = tensors["weight"].shape
-    return {"n": int(n), "num_classes": int(C), "feature_dim": int(d)}, tensors
+    return {**body, "num_classes": int(C), "feature_dim": int(d)}, tensors
+
+
+def parse_model_update(msg: Envelope, shapes: dict[str, tuple[int, ...]],
+                       max_samples: int = 10**9) -> ModelUpdate:
+    """A result that must carry exactly the float32 tensors ``shapes`` names, all finite, and a
+    sample count n in 1..max_samples; EnvelopeError otherwise."""
+    n = body_field(msg, "n", int)
+    if not (0 < n <= max_samples):
+        raise EnvelopeError(f"{msg.type}: sample count n={n} out of range (1..{max_samples})")
+    extra, missing = set(msg.tensors) - set(shapes), set(shapes) - set(msg.tensors)
+    if extra or missing:
+        raise EnvelopeError(f"{msg.type}: tensors must be exactly the trained ones; unexpected "
+                            f"{sorted(extra)}, missing {sorted(missing)}")
+    tensors = {name: np.asarray(require_tensor(msg, name, "float32", shape))
+               for name, shape in shapes.items()}
+    require_finite(msg, *shapes)
+    return ModelUpdate(n, tensors)
 
 
 def parse_head_update(msg: Envelope, num_classes: int, feature_dim: int,
                       max_samples: int = 10**9) -> HeadUpdate:
     """Validate a ``fedavg.head`` result against the job's (C, d); raise EnvelopeError if anything is off."""
-    n = body_field(msg, "n", int)
-    if not (0 < n <= max_samples):
-        raise EnvelopeError(f"{KIND}: sample count n={n} out of range (1..{max_samples})")
     if body_field(msg, "num_classes", int) != num_classes:
         raise EnvelopeError(f"{KIND}: num_classes {msg.body['num_classes']} != job's {num_classes}")
     if body_field(msg, "feature_dim", int) != feature_dim:
         raise EnvelopeError(f"{KIND}: feature_dim {msg.body['feature_dim']} != job's {feature_dim}")
-    extra = set(msg.tensors) - set(HEAD_TENSORS)
-    if extra:
-        raise EnvelopeError(f"{KIND}: unexpected tensors {sorted(extra)}")
-    weight = require_tensor(msg, "weight", "float32", (num_classes, feature_dim))
-    bias = require_tensor(msg, "bias", "float32", (num_classes,))
-    require_finite(msg, *HEAD_TENSORS)
-    return HeadUpdate(n=n, weight=np.asarray(weight), bias=np.asarray(bias))
+    update = parse_model_update(msg, {"weight": (num_classes, feature_dim), "bias": (num_classes,)},
+                                max_samples)
+    return HeadUpdate(n=update.n, weight=update.trained["weight"], bias=update.trained["bias"])

@@ -1,0 +1,142 @@
+"""``fedavg.tail``: FT(φ) / FT(M) on the device, fine-tuning the backbone's last stages.
+
+The device's bundle splits the backbone (``edge_client.models.tail``): a frozen *trunk*
+inference program and a *tail_training* program (the last stages + the linear head, BatchNorm
+frozen). The handler
+
+1. runs the trunk once per image (:class:`TrunkActivations`; activations are cached on disk
+   like features, since the trunk never changes);
+2. loads the task's global model (``tail.<...>`` + ``weight`` + ``bias``) into the training
+   program, checking that its names and shapes are exactly the bundle's;
+3. runs the same local SGD as FedAvg(ψ) (``head_training.local_sgd``: seeded shuffles,
+   mini-batches, weight decay on the trained tensors), updating only the tail for
+   ``train = "tail"`` (FT(φ): the Fed3R head stays frozen) or everything for
+   ``"tail+head"`` (FT(M));
+4. returns exactly the tensors it trained, with n_k.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from protocols.payloads.fedavg import TAIL_PREFIX, TAIL_TRAIN_MODES, encode_model_update
+
+from ..agent import TaskDeclined
+from .head_training import LocalTraining, SessionStepper, local_sgd
+
+log = logging.getLogger("fedfleet.device")
+
+
+class TrunkActivations:
+    """A bundle's trunk program as a cached extractor: uint8 images -> (n, c, h, w) float32."""
+
+    def __init__(self, manifest_path: str | Path, cache_dir: str | None = None,
+                 prefer: tuple[str, ...] = ("executorch", "onnxruntime", "eager")):
+        from edge_client.features import FeatureExtractor
+        from edge_client.runtime import load_inference
+
+        program = load_inference(manifest_path, prefer=prefer, kind="trunk")
+        m = program.manifest
+        self.manifest = m
+        self.shape = tuple(m.tail.activation_shape)
+        self.feature_dim = math.prod(self.shape)            # one flattened row
+        # The extractor's batching, checks and disk cache, on flattened activation rows.
+        self._extractor = FeatureExtractor(
+            lambda batch: program.run(batch).reshape(len(batch), -1), image_size=m.input.image_size,
+            mean=m.input.mean, std=m.input.std, batch_size=32, cache_dir=cache_dir,
+            feature_dim=self.feature_dim,
+            cache_key=f"{m.backbone}:{m.weights_sha256}:{m.input.image_size}:trunk{m.tail.stages}:{program.runtime}")
+
+    def extract(self, images: np.ndarray) -> np.ndarray:
+        return self._extractor.extract(images).reshape(-1, *self.shape)
+
+
+class TailTrainingTask:
+    """Handler for ``fedavg.tail``: ``(params, tensors) -> (body, tensors)``.
+
+    ``manifest``: the bundle with the trunk and tail_training programs. ``trunk``: an object
+    with ``extract(images) -> (n, c, h, w)`` (default: a :class:`TrunkActivations` of that
+    bundle, made on first use; emulated devices share one).
+    """
+
+    def __init__(self, images: np.ndarray, labels: np.ndarray, manifest: str | Path | None,
+                 trunk=None, cache_dir: str | None = None):
+        if len(images) != len(labels):
+            raise ValueError("images and labels differ in length")
+        self.images, self.labels = images, np.asarray(labels, dtype=np.int64)
+        self.manifest_path = manifest
+        self.cache_dir = cache_dir
+        self._trunk = trunk
+        self._session = None
+        self.last_steps = 0
+        self.last_loss = float("nan")
+
+    def _load(self):
+        from edge_client.runtime import RuntimeUnavailableError, TrainingSession
+        from edge_client.runtime.errors import ArtifactError
+
+        if self.manifest_path is None:
+            raise TaskDeclined("this device has no bundle with a tail_training program")
+        try:
+            if self._session is None:
+                self._session = TrainingSession.load(self.manifest_path, kind="tail_training")
+            if self._trunk is None:
+                self._trunk = TrunkActivations(self.manifest_path, self.cache_dir)
+        except (ArtifactError, RuntimeUnavailableError) as exc:
+            raise TaskDeclined(f"tail bundle unusable: {exc}") from exc
+        return self._session, self._trunk
+
+    def __call__(self, params: dict[str, Any], tensors: dict[str, np.ndarray] | None = None
+                 ) -> tuple[dict, dict[str, np.ndarray]]:
+        if len(self.images) == 0:
+            raise TaskDeclined("no local training data")
+        try:
+            recipe = LocalTraining.from_params(params)
+            num_classes, tail_stages = int(params["num_classes"]), int(params["tail_stages"])
+            mode, backbone, image_size = str(params["train"]), str(params["backbone"]), int(params["image_size"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TaskDeclined(f"bad fedavg.tail params: {exc}") from exc
+        if mode not in TAIL_TRAIN_MODES:
+            raise TaskDeclined(f"train must be one of {sorted(TAIL_TRAIN_MODES)}, got {mode!r}")
+        session, trunk = self._load()
+        m = session.manifest
+        wanted_weights = str(params.get("weights_sha256") or m.weights_sha256)
+        if (m.backbone, m.input.image_size, m.tail.stages, m.num_classes, wanted_weights) != \
+                (backbone, image_size, tail_stages, num_classes, m.weights_sha256):
+            raise TaskDeclined(f"task wants {backbone} at {image_size} px, tail {tail_stages}, {num_classes} "
+                               f"classes; the bundle is {m.backbone} at {m.input.image_size} px, tail "
+                               f"{m.tail.stages}, {m.num_classes} classes (or other weights)")
+        if not math.isclose(m.temperature, recipe.temperature, rel_tol=1e-6):
+            raise TaskDeclined(f"task's temperature {recipe.temperature} differs from the program's {m.temperature}")
+        start = self._check_model(tensors, session.parameter_shapes)
+        if self.labels.min() < 0 or self.labels.max() >= num_classes:
+            raise TaskDeclined(f"local label {self.labels.max()} outside the job's {num_classes} classes")
+        trained = frozenset(name for name in start if name.startswith(TAIL_PREFIX) or TAIL_TRAIN_MODES[mode])
+        activations = trunk.extract(self.images)
+        stepper = SessionStepper(session, start, recipe, trained)
+        self.last_steps, self.last_loss = local_sgd(stepper, len(self.labels), activations, self.labels, recipe)
+        after = stepper.parameters()
+        try:
+            return encode_model_update({name: after[name] for name in sorted(trained)}, len(self.labels))
+        except ValueError as exc:        # NaN/Inf: diverged
+            raise TaskDeclined(f"local training diverged: {exc}; lower the learning rate") from exc
+
+    @staticmethod
+    def _check_model(tensors: dict[str, np.ndarray] | None, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+        tensors = tensors or {}
+        if set(tensors) != set(shapes):
+            raise TaskDeclined(f"fedavg.tail task tensors {sorted(tensors)} are not the bundle's {sorted(shapes)}")
+        model = {}
+        for name, shape in shapes.items():
+            value = np.asarray(tensors[name])
+            if value.shape != tuple(shape) or not np.issubdtype(value.dtype, np.floating):
+                raise TaskDeclined(f"tensor {name} is {value.dtype} {value.shape}, the bundle needs float {tuple(shape)}")
+            if not np.isfinite(value).all():
+                raise TaskDeclined(f"global model tensor {name} contains NaN or Inf")
+            model[name] = np.ascontiguousarray(value, dtype=np.float32)
+        return model

@@ -1,0 +1,290 @@
+"""FT(φ) / FT(M): fine-tuning the backbone's last stages on device (``fedavg.tail``).
+
+References are independent of the code under test: the backbone's own modules with real
+eval-mode BatchNorm and a hand-written SGD loop (device side), numpy weighted means and an
+eager forward pass (server side).
+"""
+
+import copy
+import threading
+
+import numpy as np
+import pytest
+import torch
+from torch.nn import functional as F
+
+from aggregator.jobs.fedavg_tail import TailFedAvgConfig, TailFedAvgJob
+from aggregator.service import AggregatorService, build_job
+from aggregator.tail_program import TailProgram, TailProgramError
+from edge_client.agent import DeviceAgent, TaskDeclined
+from edge_client.data import load_fashion_mnist
+from edge_client.models import build_backbone
+from edge_client.models.preprocess import to_model_input
+from edge_client.models.tail import FrozenBatchNorm2d, split_backbone
+from edge_client.runtime import read_manifest
+from edge_client.tasks.tail_training import TailTrainingTask, TrunkActivations
+from export import export_bundle
+from protocols.envelope import EnvelopeError, decode, encode
+from protocols.messages import TaskRef, result_message
+from protocols.mqtt_link import BrokerConfig
+from protocols.payloads.fedavg import KIND_TAIL
+from protocols.rounds import RoundClosed
+
+SIZE, C, T = 32, 10, 0.1
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    """A 32 px MobileNetV2 bundle whose last stage (1x1 conv 320->1280) is trainable. Eager
+    inference keeps the export fast; the training programs are ExecuTorch (and eager)."""
+    out = tmp_path_factory.mktemp("tail") / "bundle"
+    return export_bundle("mobilenet_v2", out, num_classes=C, image_size=SIZE, tail_stages=1, batch_size=8,
+                         inference_runtimes=("eager",))
+
+
+@pytest.fixture(scope="module")
+def fmnist():
+    images, labels = load_fashion_mnist("train")
+    return images[:200], labels[:200].astype(np.int64)
+
+
+def _head(seed=0):
+    rng = np.random.default_rng(seed)
+    return {"weight": rng.normal(0, 0.05, (C, 1280)).astype(np.float32), "bias": rng.normal(0, 0.05, C).astype(np.float32)}
+
+
+def _model(program: TailProgram, seed=0):
+    return {**program.tail_parameters, **_head(seed)}
+
+
+def _params(train="tail", **extra):
+    return {"num_classes": C, "backbone": "mobilenet_v2", "image_size": SIZE, "tail_stages": 1, "train": train,
+            "epochs": 1, "batch_size": 10, "lr": 0.01, "weight_decay": 4e-5, "temperature": T, "seed": 5, **extra}
+
+
+# ---------------------------------------------------------------- the split and the bundle
+@pytest.mark.parametrize("name", ["mobilenet_v2", "efficientnet_lite0"])
+@pytest.mark.parametrize("stages", [1, 3])
+def test_trunk_then_tail_is_the_backbone(name, stages):
+    backbone = build_backbone(name)
+    x = torch.from_numpy(np.random.default_rng(0).normal(size=(3, 3, 64, 64)).astype(np.float32))
+    trunk, tail = split_backbone(backbone, stages)
+    with torch.no_grad():
+        np.testing.assert_allclose(tail(trunk(x)).numpy(), backbone(x).numpy(), atol=2e-5)
+    assert all(p.requires_grad for p in tail.parameters()) and not any(p.requires_grad for p in trunk.parameters())
+    assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in tail.modules())     # frozen into buffers
+    with pytest.raises(ValueError, match="tail_stages"):
+        split_backbone(backbone, 0)
+
+
+def test_frozen_batchnorm_is_eval_mode_batchnorm():
+    bn = torch.nn.BatchNorm2d(5).eval()
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 2), bn.bias.normal_(), bn.running_mean.normal_(), bn.running_var.uniform_(0.1, 3)
+    x = torch.randn(4, 5, 3, 3)
+    np.testing.assert_allclose(FrozenBatchNorm2d.from_batchnorm(bn)(x).detach().numpy(), bn(x).detach().numpy(),
+                               atol=1e-6)
+
+
+def test_bundle_holds_trunk_tail_training_and_eval_programs_within_tolerance(bundle):
+    manifest = read_manifest(bundle)
+    assert manifest.tail.stages == 1 and manifest.tail.activation_shape == (320, 1, 1)
+    kinds = {(a.kind, a.runtime): a for a in manifest.artifacts}
+    assert {("trunk", "eager"), ("tail_training", "executorch"), ("tail_training", "eager"),
+            ("tail_eval", "eager")} <= set(kinds)
+    for runtime in ("executorch", "eager"):
+        parity = kinds[("tail_training", runtime)].parity
+        assert parity["gradient_max_abs_error"] <= 1e-5 and parity["sgd_max_abs_error"] <= 1e-5
+    assert kinds[("tail_eval", "eager")].parity["max_abs_error"] <= 1e-4
+    assert set(kinds[("tail_training", "executorch")].details["trainable_parameters"]) == \
+        {"tail.stages.0.0.weight", "weight", "bias"}
+
+
+def test_tail_program_refuses_a_tampered_file(bundle, tmp_path):
+    path = bundle.parent / "tail_eval.pt2"
+    good = TailProgram(path)
+    with pytest.raises(TailProgramError, match="sha256"):
+        TailProgram(path, expected_sha256="0" * 64)
+    broken = tmp_path / "broken.pt2"
+    broken.write_bytes(path.read_bytes()[:1000])
+    with pytest.raises(TailProgramError, match="not a torch.export program"):
+        TailProgram(broken)
+    assert good.activation_shape == (320, 1, 1)
+
+
+# ---------------------------------------------------------------- the device
+def _reference_local_sgd(images, labels, start, params, train_head):
+    """FT(φ)/FT(M) from the backbone's own last stage (real eval-mode BatchNorm), autograd and a
+    hand-written SGD with weight decay, on the same seeded shuffles."""
+    backbone = build_backbone("mobilenet_v2")
+    last = copy.deepcopy(backbone.features[-1]).eval()
+    trunk = torch.nn.Sequential(*list(backbone.features)[:-1]).eval()
+    x = torch.from_numpy(to_model_input(images, SIZE, backbone.mean, backbone.std))
+    with torch.no_grad():
+        acts = trunk(x)
+        last[0].weight.copy_(torch.from_numpy(start["tail.stages.0.0.weight"]))
+    weight = torch.tensor(start["weight"], requires_grad=train_head)
+    bias = torch.tensor(start["bias"], requires_grad=train_head)
+    conv = last[0].weight
+    trained = [conv] + ([weight, bias] if train_head else [])
+    order_rng = np.random.default_rng(params["seed"])
+    for _ in range(params["epochs"]):
+        order = order_rng.permutation(len(labels))
+        for s in range(0, len(order), params["batch_size"]):
+            rows = torch.from_numpy(order[s:s + params["batch_size"]])
+            feats = last(acts[rows]).mean(dim=(2, 3))
+            loss = F.cross_entropy(F.linear(feats, weight, bias) / T, torch.from_numpy(labels)[rows])
+            grads = torch.autograd.grad(loss, trained)
+            with torch.no_grad():
+                for p, g in zip(trained, grads):
+                    p -= params["lr"] * (g + params["weight_decay"] * p)
+    return {"tail.stages.0.0.weight": conv.detach().numpy(), "weight": weight.detach().numpy(),
+            "bias": bias.detach().numpy()}
+
+
+@pytest.mark.parametrize("train", ["tail", "tail+head"])
+def test_device_local_training_matches_a_torch_reference(bundle, fmnist, train):
+    images, labels = fmnist[0][:30], fmnist[1][:30]
+    start = _model(TailProgram(bundle.parent / "tail_eval.pt2"))
+    task = TailTrainingTask(images, labels, bundle)
+    body, out = task(_params(train), start)
+    expected_names = {"tail.stages.0.0.weight"} | ({"weight", "bias"} if train == "tail+head" else set())
+    assert set(out) == expected_names and body["n"] == 30
+    reference = _reference_local_sgd(images, labels, start, _params(train), train == "tail+head")
+    for name in expected_names:
+        assert not np.allclose(out[name], start[name])                                # it trained
+        np.testing.assert_allclose(out[name], reference[name], atol=2e-5)
+
+
+def test_device_declines_tasks_its_bundle_cannot_run(bundle, fmnist):
+    images, labels = fmnist[0][:10], fmnist[1][:10]
+    start = _model(TailProgram(bundle.parent / "tail_eval.pt2"))
+    task = TailTrainingTask(images, labels, bundle)
+    bad_nan = {**start, "weight": np.full_like(start["weight"], np.nan)}
+    cases = [(_params(tail_stages=2), start, "tail 2"),
+             (_params(train="head"), start, "train must be"),
+             (_params(), {k: v for k, v in start.items() if k != "bias"}, "not the bundle's"),
+             (_params(), {**start, "bias": np.zeros(C + 1, np.float32)}, "bias"),
+             (_params(), bad_nan, "NaN"),
+             (_params(temperature=1.0), start, "temperature"),
+             ({k: v for k, v in _params().items() if k != "train"}, start, "bad fedavg.tail params")]
+    for params, tensors, match in cases:
+        with pytest.raises(TaskDeclined, match=match):
+            task(params, tensors)
+    with pytest.raises(TaskDeclined, match="no bundle"):
+        TailTrainingTask(images, labels, None)(_params(), start)
+
+
+def test_trunk_activations_are_cached_and_match_the_backbone(bundle, fmnist, tmp_path):
+    trunk = TrunkActivations(bundle, cache_dir=str(tmp_path))
+    first = trunk.extract(fmnist[0][:12])
+    assert first.shape == (12, 320, 1, 1) and list(tmp_path.glob("features-*.npy"))
+    np.testing.assert_array_equal(trunk.extract(fmnist[0][:12]), first)
+    backbone = build_backbone("mobilenet_v2")
+    x = torch.from_numpy(to_model_input(fmnist[0][:12], SIZE, backbone.mean, backbone.std))
+    with torch.no_grad():
+        np.testing.assert_allclose(first, torch.nn.Sequential(*list(backbone.features)[:-1])(x).numpy(), atol=1e-4)
+
+
+# ---------------------------------------------------------------- the aggregator
+def _job(bundle, train="tail+head", **extra):
+    cfg = dict(job_id="ft-tail", num_classes=C, feature_dim=1280, rounds=2, clients_per_round=3, local_epochs=1,
+               batch_size=10, client_lr=0.01, round_timeout_s=60, expected_devices=3, seed=1, train=train,
+               tail_stages=1, tail_program_file=str(bundle.parent / "tail_eval.pt2"), init="zeros", image_size=SIZE,
+               **extra)
+    return TailFedAvgJob(TailFedAvgConfig(**cfg)), cfg
+
+
+def _result(job, device, tensors, n=10, round_=None):
+    body = {"n": n}
+    msg = result_message(device, TaskRef(job.config.job_id, round_ or job.round, "x" * 32), KIND_TAIL, body, tensors)
+    return job.parse_result(decode(encode(msg)))
+
+
+def test_job_averages_the_trained_tensors_with_weights_n_k(bundle):
+    job, _ = _job(bundle, train="tail")
+    start = {k: v.copy() for k, v in job.params.items()}
+    chosen = job.next_participants({"a", "b", "c"})
+    rng = np.random.default_rng(3)
+    sent, ns = {}, {"a": 5, "b": 10, "c": 25}
+    for device in chosen:
+        sent[device] = {"tail.stages.0.0.weight": rng.normal(size=start["tail.stages.0.0.weight"].shape).astype(np.float32)}
+        job.apply(device, _result(job, device, sent[device], ns[device]))
+    job.close_round(RoundClosed(job.round, tuple(chosen), (), (), ()))
+    expected = sum(ns[d] * sent[d]["tail.stages.0.0.weight"].astype(np.float64) for d in chosen) / sum(ns.values())
+    np.testing.assert_allclose(job.params["tail.stages.0.0.weight"], expected, rtol=1e-6, atol=1e-7)
+    for name in ("weight", "bias"):                                                 # FT(φ): head frozen
+        np.testing.assert_array_equal(job.params[name], start[name])
+
+
+def test_job_refuses_results_with_the_wrong_tensors(bundle):
+    job, _ = _job(bundle, train="tail")
+    job.next_participants({"a", "b", "c"})
+    tail = job.params["tail.stages.0.0.weight"]
+    bad = [({"tail.stages.0.0.weight": tail, "weight": job.params["weight"]}, "unexpected"),   # FT(φ) sends no head
+           ({}, "missing"),
+           ({"tail.stages.0.0.weight": tail[:10]}, "shape"),
+           ({"tail.stages.0.0.weight": np.full_like(tail, np.inf)}, "NaN or Inf"),
+           ({"tail.stages.0.0.weight": tail.astype(np.float64)}, "dtype")]
+    for tensors, match in bad:
+        with pytest.raises(EnvelopeError, match=match):
+            _result(job, "a", tensors)
+    with pytest.raises(EnvelopeError, match="sample count"):
+        _result(job, "a", {"tail.stages.0.0.weight": tail}, n=0)
+    with pytest.raises(ValueError, match="train must be"):
+        _job(bundle, train="head")
+    with pytest.raises(ValueError, match="tail_program_file"):
+        build_job("fedavg-tail", {"job_id": "x", "num_classes": C, "feature_dim": 1280})
+
+
+def test_job_evaluation_equals_an_eager_forward_pass(bundle, fmnist):
+    job, _ = _job(bundle)
+    job.params = {**job.params, **_head(4)}
+    images, labels = fmnist
+    trunk = TrunkActivations(bundle)
+    acts = trunk.extract(images)
+    backbone = build_backbone("mobilenet_v2")
+    x = torch.from_numpy(to_model_input(images, SIZE, backbone.mean, backbone.std))
+    with torch.no_grad():
+        feats = backbone(x).numpy()
+    expected = float(((feats @ job.params["weight"].T + job.params["bias"]).argmax(1) == labels).mean())
+    assert job.evaluate(acts.reshape(len(acts), -1), labels)["accuracy"] == pytest.approx(expected, abs=1.5 / len(labels))
+
+
+def test_ft_m_over_mosquitto_equals_in_process_replay(broker, bundle, fmnist, tmp_path):
+    """Three real device agents train through the ExecuTorch tail program; the aggregated model
+    equals replaying the same rounds in process, and the job's state survives a restart."""
+    images, labels = fmnist
+    ids = ["d0", "d1", "d2"]
+    shards = {d: np.arange(i * 20, i * 20 + 20) for i, d in enumerate(ids)}
+    tasks = {d: TailTrainingTask(images[shards[d]], labels[shards[d]], bundle) for d in ids}
+    job, cfg = _job(bundle, train="tail+head")
+    svc = AggregatorService(job, BrokerConfig.from_url(broker.url), tmp_path, enrolled=set(ids),
+                            evaluate_every_contribution=False)
+    result = {}
+    t = threading.Thread(target=lambda: result.update(svc.run(timeout_s=120)), daemon=True)
+    t.start()
+    agents = [DeviceAgent(d, BrokerConfig.from_url(broker.url), {KIND_TAIL: tasks[d]}).start() for d in ids]
+    t.join(150)
+    for a in agents:
+        a.stop()
+    assert result["state"] == "done" and len(result["rounds"]) == 2, result
+    assert all(len(r["accepted"]) == 3 for r in result["rounds"]), result["rounds"]
+
+    replay, _ = _job(bundle, train="tail+head")
+    for r in result["rounds"]:
+        chosen = replay.next_participants(set(ids))
+        assert chosen == sorted(r["accepted"])
+        for device in chosen:
+            params, tensors = replay.task_for(device)
+            body, out = TailTrainingTask(images[shards[device]], labels[shards[device]], bundle)(params, tensors)
+            replay.apply(device, _result(replay, device, out, body["n"]))
+        replay.close_round(RoundClosed(replay.round, tuple(chosen), (), (), ()))
+    for name in replay.params:
+        np.testing.assert_allclose(job.params[name], replay.params[name], rtol=1e-5, atol=1e-6)
+    assert not np.allclose(job.params["tail.stages.0.0.weight"], _job(bundle)[0].params["tail.stages.0.0.weight"])
+
+    restored, _ = _job(bundle, train="tail+head")
+    restored.load_state_dict(job.state_dict())
+    for name in job.params:
+        np.testing.assert_array_equal(restored.params[name], job.params[name])
