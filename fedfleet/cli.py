@@ -21,7 +21,8 @@ def _simulate(args) -> int:
         return 0
     from .simulate import load_config, run
 
-    overrides = {"ft_rounds": args.ft_rounds, "fp_epochs": args.fp_epochs,"devices": args.devices, "broker": args.broker, "out_dir": args.out, "seed": args.seed,
+    overrides = {"ft_rounds": args.ft_rounds, "fp_epochs": args.fp_epochs, "ft_mode": args.ft_mode,
+                 "tail_stages": args.tail_stages, "devices": args.devices, "broker": args.broker, "out_dir": args.out, "seed": args.seed,
                  "image_size": args.image_size, "split": args.split, "alpha": args.alpha,
                  "runtime": args.runtime, "rf_dim": args.rf_dim, "workers": args.workers,
                  "secure": True if args.secure else None, "secure_graph": args.secure_graph}
@@ -37,7 +38,9 @@ def _simulate(args) -> int:
             from .pipeline import compare_reports
 
             print(compare_reports(json.loads(Path(args.compare_with, "report.json").read_text()), report))
-        return 0 if report["phases"]["oll"].get("wma") else 1
+        if "oll" in report["phases"]:
+            return 0 if report["phases"]["oll"].get("wma") else 1
+        return 0 if report["phases"]["fedavg-ft"].get("accuracy") is not None else 1
     report = run(cfg)
     return 0 if report.get("contributed") else 1
 
@@ -78,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "ladd: segmentation on unlabelled devices (source-only vs FedAvg+self-training vs LADD)")
     s.add_argument("--ft-rounds", type=int, help="fed3r-ft-oll: FedAvg(ψ) fine-tuning rounds")
     s.add_argument("--fp-epochs", type=int, help="fed3r-ft-oll: local FP(ψ) epochs after OLL (0: OLL only)")
+    s.add_argument("--ft-mode", choices=["psi", "phi", "M"],
+                   help="fed3r-ft-oll: fine-tune the head (psi, default), the backbone's last stages against the "
+                        "frozen Fed3R head (phi), or both (M); phi and M end after fine-tuning (no OLL)")
+    s.add_argument("--tail-stages", type=int, help="--ft-mode phi/M: backbone stages trained on device (default 1)")
     s.add_argument("--compare-with", help="fed3r-ft-oll: a plain run's output directory; print plain vs this run")
     from .ladd_pipeline import add_ladd_arguments
 

@@ -25,6 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bundle-dir", type=Path, default=Path(".cache/bundle"), help="where the fetched bundle goes")
     p.add_argument("--training-bundle", type=Path, default=None,
                    help="manifest.json of a head training bundle: FedAvg rounds train through its program")
+    p.add_argument("--tail-bundle", type=Path, default=None,
+                   help="manifest.json of a bundle exported with --tail-stages: serves FT(phi)/FT(M) rounds "
+                        "(fedavg.tail) through its trunk and tail training programs")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for inference and training")
     p.add_argument("--holdout-fraction", type=float, default=0.2,
                    help="share of the local data kept out of all training, for personalization (OLL) reports; "
@@ -75,7 +78,8 @@ def run_device(args) -> int:
     if args.bundle_sha:
         extractors.get(args.bundle_sha)          # at boot: fail early on a bad or unreachable bundle
     handlers = device_handlers(images, labels, train_idx, holdout_idx, extractors,
-                               str(args.training_bundle) if args.training_bundle else None)
+                               str(args.training_bundle) if args.training_bundle else None,
+                               str(args.tail_bundle) if args.tail_bundle else None)
     signer, protocol_handlers = None, {}
     if args.identity:
         from protocols.identity import DeviceIdentity

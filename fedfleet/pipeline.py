@@ -5,15 +5,20 @@ processes, each job with a fresh aggregator process, as an operator would run th
 
 1. **fed3r**: every device sends its ridge statistics once; the aggregator solves the closed
    form (checked against scikit-learn's centralized ridge on the same data, as ``simulate``).
-2. **fedavg-ft**: FedAvg(ψ) fine-tuning of the head, initialised from the normalised Fed3R
-   classifier (bias included, T = 0.1, client LR × 0.1: Fed3R+FT(ψ), spec §1.8), κ devices per
-   round for ``ft_rounds`` rounds. Local training runs through the device runtime's training
-   program when the runtime is ExecuTorch.
+2. **fedavg-ft**: FedAvg fine-tuning initialised from the normalised Fed3R classifier (bias
+   included, T = 0.1, client LR × 0.1, spec §1.8), κ devices per round for ``ft_rounds``
+   rounds. ``ft_mode`` picks what is fine-tuned: ``psi`` the head (Fed3R+FT(ψ); through the
+   head's training program when the runtime is ExecuTorch), ``phi`` the backbone's last
+   ``tail_stages`` stages against the frozen Fed3R head (FT(φ)), ``M`` both (FT(M)); the last
+   two always train through the bundle's ExecuTorch tail program and are evaluated on the
+   test images' trunk activations.
 3. **oll**: the fine-tuned head goes to every device, which prunes it to its local labels (OLL),
    fine-tunes it locally (FP(ψ), LR picked by local cross-validation) and reports counts on
    its local held-out split; the aggregator reports the WMA of the global head, OLL and OLL+FP.
 
 Each device keeps ``holdout_fraction`` of its data as that held-out split: no phase trains on it.
+OLL personalises a head on the frozen backbone's features, so it follows FT(ψ) only; after
+FT(φ)/FT(M) the pipeline ends with the fine-tuned model's test accuracy.
 With ``secure`` the first two phases run under secure aggregation (Fed3R-Sync, then secure
 FedAvg: the aggregator sees only group sums); the personalization reports are plain counts.
 Per phase the report gives accuracy, rounds, bytes up/down (total and per device) and device
@@ -34,6 +39,7 @@ import numpy as np
 
 from protocols.payloads.fed3r import KIND as FED3R_KIND
 from protocols.payloads.fedavg import KIND as FEDAVG_KIND
+from protocols.payloads.fedavg import KIND_TAIL as FEDAVG_TAIL_KIND
 from protocols.payloads.personalize import KIND as PERSONALIZE_KIND
 from protocols.payloads.secagg import SECURE_FEDAVG_KIND, SYNC_KIND
 
@@ -42,25 +48,41 @@ from .simulate import EmulatedFleet, SimConfig, _report, _secure_setup, prepare
 
 PIPELINES = {"fed3r-ft-oll": ("fed3r", "fedavg-ft", "oll")}
 # task kinds of each phase, plain and secure
-PHASE_KINDS = {"fed3r": (FED3R_KIND, SYNC_KIND), "fedavg-ft": (FEDAVG_KIND, SECURE_FEDAVG_KIND),
+PHASE_KINDS = {"fed3r": (FED3R_KIND, SYNC_KIND), "fedavg-ft": (FEDAVG_KIND, SECURE_FEDAVG_KIND, FEDAVG_TAIL_KIND),
                "oll": (PERSONALIZE_KIND,)}
 METHOD_NAMES = {"global": "global head", "oll": "OLL", "oll_fp": "OLL+FP(ψ)"}
+FT_MODES = {"psi": ("FT(ψ)", None), "phi": ("FT(φ)", "tail"), "M": ("FT(M)", "tail+head")}   # label, train
+
+
+def ft_label(cfg_or_report) -> str:
+    mode = cfg_or_report["ft_mode"] if isinstance(cfg_or_report, dict) else cfg_or_report.ft_mode
+    return "Fed3R+" + FT_MODES[mode][0]
 
 
 def run_pipeline(cfg: SimConfig, quiet: bool = False) -> dict:
     if not cfg.holdout_fraction:
         raise ValueError("personalization needs a local held-out split: set holdout_fraction > 0")
+    if cfg.ft_mode not in FT_MODES:
+        raise ValueError(f"ft_mode must be one of {sorted(FT_MODES)}, got {cfg.ft_mode!r}")
+    tail = cfg.ft_mode != "psi"
+    if tail and cfg.secure:
+        raise ValueError("secure aggregation of backbone-tail updates (FT(φ)/FT(M)) is not built yet; "
+                         "use --ft-mode psi with --secure")
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     t_start = time.monotonic()
     prep = prepare(cfg, say)
     out = prep.out
-    training_manifest = None
+    training_manifest = tail_manifest = None
     if cfg.runtime == "executorch":
         from .bundles import ensure_training_bundle
 
         training_manifest = ensure_training_bundle(cfg.backbone, cfg.image_size, num_classes=10)
     common = {k: prep.fed3r_job[k] for k in ("num_classes", "backbone", "image_size", "weights_sha256",
                                              "feature_dim", "expected_devices", "start_timeout_s", "seed")}
+    ft_kind, ft_eval, ft_extra = "fedavg-secure" if cfg.secure else "fedavg", out / "eval_features.npz", {}
+    if tail:
+        tail_manifest, ft_eval, ft_extra = _tail_setup(cfg, prep, say)
+        ft_kind = "fedavg-tail"
     fed3r_job, secure, secure_fields = dict(prep.fed3r_job), None, {}
     if cfg.secure:
         job_fields, secure = _secure_setup(cfg, out, [p.device_id for p in prep.profiles],
@@ -69,31 +91,32 @@ def run_pipeline(cfg: SimConfig, quiet: bool = False) -> dict:
         secure_fields = {k: job_fields[k] for k in ("graph", "max_samples", "phase_timeout_s", "identity_file",
                                                     "device_keys_file")}
     phases: dict[str, dict] = {}
+    steps = 2 if tail else 3
     with EmulatedFleet(cfg, out, prep.profiles, secure, quiet, holdout_file=out / "holdout.npz",
-                       training_manifest=training_manifest) as fleet:
-        say(f"\n[1/3] fed3r{'-sync (secure aggregation)' if cfg.secure else ''}: closed-form classifier "
+                       training_manifest=training_manifest, tail_manifest=tail_manifest) as fleet:
+        say(f"\n[1/{steps}] fed3r{'-sync (secure aggregation)' if cfg.secure else ''}: closed-form classifier "
             "from one round of statistics per device")
         fed3r_dir = out / "1-fed3r"
         phases["fed3r"] = {"dir": fed3r_dir, "results": fleet.run_job(
             "fed3r-sync" if cfg.secure else "fed3r", fed3r_job, fed3r_dir, out / "eval_features.npz", cfg.devices)}
 
-        say(f"\n[2/3] fedavg-ft: FedAvg(ψ) from the Fed3R head, {cfg.ft_rounds} rounds of κ={cfg.clients_per_round}")
+        say(f"\n[2/{steps}] fedavg-ft: {ft_label(cfg)}, {cfg.ft_rounds} rounds of κ={cfg.clients_per_round}")
         ft_dir = out / "2-fedavg-ft"
         ft_job = {**common, "job_id": "fedavg-ft-sim", "rounds": cfg.ft_rounds,
                   "clients_per_round": cfg.clients_per_round, "round_timeout_s": cfg.round_timeout_s,
                   "client_lr": cfg.ft_client_lr, "server_momentum": cfg.ft_server_momentum,
-                  "init": "fed3r", "initial_head_file": str(fed3r_dir / "model.npz"), **secure_fields}
+                  "init": "fed3r", "initial_head_file": str(fed3r_dir / "model.npz"), **secure_fields, **ft_extra}
         phases["fedavg-ft"] = {"dir": ft_dir, "results": fleet.run_job(
-            "fedavg-secure" if cfg.secure else "fedavg", ft_job, ft_dir, out / "eval_features.npz",
-            cfg.ft_rounds * cfg.clients_per_round)}
+            ft_kind, ft_job, ft_dir, ft_eval, cfg.ft_rounds * cfg.clients_per_round)}
 
-        say(f"\n[3/3] oll: personalise the fine-tuned head on every device (FP(ψ) {cfg.fp_epochs} epochs)")
-        oll_dir = out / "3-oll"
-        oll_job = {**common, "job_id": "oll-sim", "head_file": str(ft_dir / "model.npz"),
-                   "clients_per_round": cfg.clients_per_round, "round_timeout_s": cfg.round_timeout_s,
-                   "max_attempts": cfg.max_attempts, "fp_epochs": cfg.fp_epochs, "fp_lrs": list(cfg.fp_lrs)}
-        phases["oll"] = {"dir": oll_dir, "results": fleet.run_job(
-            "personalize", oll_job, oll_dir, out / "eval_features.npz", cfg.devices)}
+        if not tail:
+            say(f"\n[3/3] oll: personalise the fine-tuned head on every device (FP(ψ) {cfg.fp_epochs} epochs)")
+            oll_dir = out / "3-oll"
+            oll_job = {**common, "job_id": "oll-sim", "head_file": str(ft_dir / "model.npz"),
+                       "clients_per_round": cfg.clients_per_round, "round_timeout_s": cfg.round_timeout_s,
+                       "max_attempts": cfg.max_attempts, "fp_epochs": cfg.fp_epochs, "fp_lrs": list(cfg.fp_lrs)}
+            phases["oll"] = {"dir": oll_dir, "results": fleet.run_job(
+                "personalize", oll_job, oll_dir, out / "eval_features.npz", cfg.devices)}
     report = pipeline_report(cfg, prep, phases, fleet.worker_stats)
     report["wall_s"] = time.monotonic() - t_start
     (out / "report.json").write_text(json.dumps(report, indent=1))
@@ -101,6 +124,28 @@ def run_pipeline(cfg: SimConfig, quiet: bool = False) -> dict:
     say(format_pipeline_report(report))
     say(f"\nwrote {out / 'report.json'}, {out / 'report.png'} ({engine}) and {out / 'report.html'}")
     return report
+
+
+def _tail_setup(cfg: SimConfig, prep, say) -> tuple[Path, Path, dict]:
+    """The FT(φ)/FT(M) bundle, the test set's trunk activations (the aggregator evaluates the
+    tail + head on them) and the job fields that name the bundle's evaluation program."""
+    from edge_client.runtime import read_manifest
+    from edge_client.tasks.tail_training import TrunkActivations
+
+    from .bundles import ensure_tail_bundle
+
+    t0 = time.monotonic()
+    manifest_path = ensure_tail_bundle(cfg.backbone, cfg.image_size, 10, cfg.tail_stages)
+    manifest = read_manifest(manifest_path)
+    program = manifest.find("tail_eval", "eager")
+    activations = TrunkActivations(manifest_path, cfg.cache_dir).extract(prep.Xte)
+    eval_file = prep.out / f"eval_trunk{cfg.tail_stages}.npz"
+    np.savez(eval_file, Z=activations.reshape(len(activations), -1), y=prep.yte)
+    say(f"  tail bundle (last {cfg.tail_stages} stage(s) trainable) and test trunk activations "
+        f"{activations.shape} in {time.monotonic() - t0:.1f}s")
+    return manifest_path, eval_file, {
+        "train": FT_MODES[cfg.ft_mode][1], "tail_stages": cfg.tail_stages,
+        "tail_program_file": str(manifest_path.parent / program.file), "tail_program_sha256": program.sha256}
 
 
 def device_compute(workers: list[dict], kinds: tuple[str, ...]) -> dict:
@@ -163,14 +208,14 @@ def accuracy_curves(report: dict) -> dict:
 
 def write_plots_and_html(report: dict, out: Path) -> str:
     curves = accuracy_curves(report)
-    oll = report["phases"]["oll"]
+    oll = report["phases"].get("oll", {"wma": {}, "bytes_up": 0, "bytes_down": 0})
     points = {f"{METHOD_NAMES[m]} WMA (personalised)": v for m, v in (oll.get("wma") or {}).items()}
     end = curves["end"]
     by_rounds = {"Fed3R": (curves["fed3r"]["rounds"], curves["fed3r"]["accuracy"]),
-                 "Fed3R+FT(ψ)": (curves["fedavg-ft"]["rounds"], curves["fedavg-ft"]["accuracy"]),
+                 ft_label(report["config"]): (curves["fedavg-ft"]["rounds"], curves["fedavg-ft"]["accuracy"]),
                  **{k: ([end["rounds"]], [v]) for k, v in points.items()}}
     by_bytes = {"Fed3R": (np.array(curves["fed3r"]["bytes"]) / 1e6, curves["fed3r"]["accuracy"]),
-                "Fed3R+FT(ψ)": (np.array(curves["fedavg-ft"]["bytes"]) / 1e6, curves["fedavg-ft"]["accuracy"]),
+                ft_label(report["config"]): (np.array(curves["fedavg-ft"]["bytes"]) / 1e6, curves["fedavg-ft"]["accuracy"]),
                 **{k: ([(end["bytes"] + oll["bytes_up"] + oll["bytes_down"]) / 1e6], [v]) for k, v in points.items()}}
     engine = plot_lines(out / "report.png", [
         {"title": "accuracy vs rounds", "xlabel": "rounds (cumulative)", "ylabel": "accuracy", "lines": by_rounds},
@@ -197,18 +242,28 @@ PHASE_HEADER = ("phase", "rounds", "tasks done", "test acc.", "MB up/device", "M
 
 def render_html(report: dict, png: bytes) -> str:
     cfg = report["config"]
-    oll = report["phases"]["oll"]
+    oll = report["phases"].get("oll")
     fed3r = report["phases"]["fed3r"]
     cell = lambda v: f"<td>{html.escape(str(v))}</td>"  # noqa: E731
     table = "".join(f"<tr>{''.join(cell(v) for v in row)}</tr>" for row in _phase_rows(report))
-    wma = "".join(f"<tr><td>{html.escape(METHOD_NAMES[m])}</td><td>{v:.4f}</td></tr>"
-                  for m, v in (oll.get("wma") or {}).items())
+    if oll is None:
+        personalised = (f"<p>OLL personalises a head on the frozen backbone's features; it follows FT(ψ) only, "
+                        f"and this run fine-tuned with {html.escape(ft_label(cfg))}.</p>")
+    else:
+        wma = "".join(f"<tr><td>{html.escape(METHOD_NAMES[m])}</td><td>{v:.4f}</td></tr>"
+                      for m, v in (oll.get("wma") or {}).items())
+        personalised = f"""<h2>Personalised accuracy (WMA over {oll.get('test_samples')} local held-out samples)</h2>
+<table id="wma"><tr><th>method</th><th>WMA</th></tr>{wma}</table>
+<p>FP(ψ) learning rates chosen by the devices' cross-validation: {html.escape(json.dumps(oll.get('fp_lr_chosen')))};
+held-out samples with a label outside the local training labels (scored by the global head):
+{oll.get('fallback_samples')}.</p>"""
+    title = "fed3r → fedavg-ft → oll" if oll is not None else "fed3r → fedavg-ft"
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>fedfleet pipeline report</title>
 <style>body{{font-family:system-ui,sans-serif;margin:2em;max-width:1200px}}
 table{{border-collapse:collapse;margin:1em 0}}td,th{{border:1px solid #ccc;padding:4px 10px;text-align:right}}
 th{{background:#f3f3f3}}td:first-child{{text-align:left}}</style></head><body>
-<h1>fedfleet simulate: fed3r → fedavg-ft → oll</h1>
+<h1>fedfleet simulate: {title}</h1>
 <p>{cfg['devices']} devices, {html.escape(cfg['split'])}{f" α={cfg['alpha']}" if cfg['split'] == 'dirichlet' else ''},
 {html.escape(cfg['backbone'])}@{cfg['image_size']}px ({html.escape(cfg['runtime'])}), κ={cfg['clients_per_round']},
 {cfg['holdout_fraction']:.0%} of each device held out for personalised evaluation; wall time {report.get('wall_s', 0):.0f} s.</p>
@@ -216,11 +271,8 @@ th{{background:#f3f3f3}}td:first-child{{text-align:left}}</style></head><body>
 <table id="phases"><tr>{''.join(f'<th>{h}</th>' for h in PHASE_HEADER)}</tr>{table}</table>
 <p>Fed3R {fed3r['accuracy']:.4f} vs centralized ridge {fed3r.get('central_accuracy') or float('nan'):.4f}
 (‖W_fed − W_central‖/‖W_central‖ = {fed3r.get('rel_weight_error') or float('nan'):.1e}).</p>
-<h2>Personalised accuracy (WMA over {oll.get('test_samples')} local held-out samples)</h2>
-<table id="wma"><tr><th>method</th><th>WMA</th></tr>{wma}</table>
-<p>FP(ψ) learning rates chosen by the devices' cross-validation: {html.escape(json.dumps(oll.get('fp_lr_chosen')))};
-held-out samples with a label outside the local training labels (scored by the global head):
-{oll.get('fallback_samples')}.</p>
+<p>Fine-tuning: {html.escape(ft_label(cfg))}.</p>
+{personalised}
 <h2>Accuracy vs rounds and vs bytes</h2>
 <img alt="accuracy vs rounds and bytes" src="data:image/png;base64,{base64.b64encode(png).decode()}">
 </body></html>
@@ -230,13 +282,16 @@ held-out samples with a label outside the local training labels (scored by the g
 def format_pipeline_report(report: dict) -> str:
     widths = [11, 7, 11, 10, 13, 15, 17, 8, 8]
     secure = " (secure aggregation)" if report["config"].get("secure") else ""
-    lines = ["", f"=== fedfleet simulate: fed3r → fedavg-ft → oll{secure} ===",
+    fed3r, oll = report["phases"]["fed3r"], report["phases"].get("oll")
+    lines = ["", f"=== fedfleet simulate: fed3r → fedavg-ft ({ft_label(report['config'])})"
+                 f"{' → oll' if oll is not None else ''}{secure} ===",
              "".join(h.ljust(w) for h, w in zip(PHASE_HEADER, widths))]
     lines += ["".join(str(v).ljust(w) for v, w in zip(row, widths)) for row in _phase_rows(report)]
-    fed3r, oll = report["phases"]["fed3r"], report["phases"]["oll"]
     if fed3r.get("central_accuracy") is not None:
         lines.append(f"Fed3R {fed3r['accuracy']:.4f} = centralized ridge {fed3r['central_accuracy']:.4f} "
                      f"(rel. weight error {fed3r['rel_weight_error']:.1e})")
+    if oll is None:
+        return "\n".join(lines)
     lines.append("personalised WMA on local held-out splits: " + ", ".join(
         f"{METHOD_NAMES[m]} {v:.4f}" for m, v in (oll.get("wma") or {}).items()))
     if oll.get("fp_lr_chosen"):

@@ -17,7 +17,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -70,6 +70,8 @@ class SimConfig:
     phase_timeout_s: float = 60.0
     # --pipeline fed3r-ft-oll: FedAvg(ψ) fine-tuning from the Fed3R head, then OLL on every device
     ft_rounds: int = 30
+    ft_mode: str = "psi"                    # psi: FT(ψ) head | phi: FT(φ) backbone tail, head frozen | M: both
+    tail_stages: int = 1                    # phi / M: backbone stages trained on device
     ft_client_lr: float = 0.001             # base local LR; devices get × 0.1 after the Fed3R init (spec §1.8)
     ft_server_momentum: float = 0.0         # > 0: FedAvgM
     fp_epochs: int = 25                     # FP(ψ) local epochs after OLL (0: OLL only)
@@ -117,9 +119,10 @@ class EmulatedFleet:
     """
 
     def __init__(self, cfg: SimConfig, out: Path, profiles, secure: dict | None, quiet: bool,
-                 holdout_file: Path | None = None, training_manifest: Path | None = None):
+                 holdout_file: Path | None = None, training_manifest: Path | None = None,
+                 tail_manifest: Path | None = None):
         self.cfg, self.out, self.profiles, self.secure, self.quiet = cfg, out, profiles, secure, quiet
-        self.holdout_file, self.training_manifest = holdout_file, training_manifest
+        self.holdout_file, self.training_manifest, self.tail_manifest = holdout_file, training_manifest, tail_manifest
         self.broker = None
         self.workers: list[subprocess.Popen] = []
         self.worker_stats: list[dict] = []
@@ -138,6 +141,7 @@ class EmulatedFleet:
                 spec = {"dataset": cfg.dataset, "data_root": cfg.data_root, "shards_file": str(out / "shards.npz"),
                         "holdout_file": str(self.holdout_file) if self.holdout_file else None,
                         "training_manifest": str(self.training_manifest) if self.training_manifest else None,
+                        "tail_manifest": str(self.tail_manifest) if self.tail_manifest else None,
                         "broker": self.broker_url, "topic_root": cfg.topic_root, "devices": mine, "seed": cfg.seed,
                         "cache_dir": cfg.cache_dir, "runtime": cfg.runtime, "threads": threads,
                         "retry_after_s": cfg.retry_after_s, "stats_file": str(out / f"worker{w}.json"),

@@ -16,7 +16,7 @@ import numpy as np
 from .chunking import split
 from .envelope import Envelope, encode
 from .payloads.fed3r import encode_stats
-from .payloads.fedavg import encode_head_update, head_tensors
+from .payloads.fedavg import encode_head_update, encode_model_update, head_tensors
 from .payloads.personalize import PersonalizationReport, encode_report
 
 _TS = 1767225600.0  # 2026-01-01T00:00:00Z
@@ -62,6 +62,18 @@ def golden_messages() -> dict[str, bytes]:
     report, _ = encode_report(PersonalizationReport(80, 20, 2, {"global": 12, "oll": 17, "oll_fp": 19}, 0, 0.001))
     report.update({"job": "oll-demo", "round": 1, "task": "88" * 16, "kind": "oll.personalize"})
     out["result_oll_personalize"] = encode(Envelope("result", "dev0001", body=report, id="99" * 16, ts=_TS + 9))
+    # fedavg.tail: a (3, 2) head under a one-tensor tail (a 1x1 conv 1 -> 2 channels); FT(φ)
+    # sends back the tail only
+    tail_model = {"tail.stages.0.0.weight": np.array([[[[0.5]]], [[[-0.25]]]], dtype=np.float32), **head}
+    out["task_fedavg_tail"] = encode(Envelope("task", "aggregator", id="aa" * 16, ts=_TS, tensors=tail_model,
+                                              body={"job": "ft-phi-demo", "round": 3, "kind": "fedavg.tail",
+                                                    "deadline": _TS + 120,
+                                                    "params": {**recipe, "tail_stages": 1, "train": "tail"}}))
+    tail_body, tail_update = encode_model_update({"tail.stages.0.0.weight": tail_model["tail.stages.0.0.weight"] * 0.75},
+                                                 40)
+    tail_body.update({"job": "ft-phi-demo", "round": 3, "task": "aa" * 16, "kind": "fedavg.tail"})
+    out["result_fedavg_tail"] = encode(Envelope("result", "dev0001", body=tail_body, tensors=tail_update,
+                                                id="bb" * 16, ts=_TS + 5))
     out["task_ladd_train_secure"] = _secure_ladd_task()
     # A chunked message: 3 chunks of 160 bytes max; chunk ids are derived, not random, here.
     big = Envelope("result", "dev0001", body=body, tensors=tensors, id="44" * 16, ts=_TS + 7)

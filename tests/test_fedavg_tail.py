@@ -288,3 +288,18 @@ def test_ft_m_over_mosquitto_equals_in_process_replay(broker, bundle, fmnist, tm
     restored.load_state_dict(job.state_dict())
     for name in job.params:
         np.testing.assert_array_equal(restored.params[name], job.params[name])
+
+
+def test_golden_vectors_of_fedavg_tail_messages_parse():
+    """What an Android client is written against: the tail task carries the whole model, the FT(φ)
+    result exactly the tail."""
+    from protocols import golden
+    from protocols.payloads.fedavg import parse_model_update
+
+    task = decode((golden.golden_dir() / "task_fedavg_tail.bin").read_bytes())
+    assert task.body["kind"] == KIND_TAIL and task.body["params"]["train"] == "tail"
+    assert set(task.tensors) == {"tail.stages.0.0.weight", "weight", "bias"}
+    result = decode((golden.golden_dir() / "result_fedavg_tail.bin").read_bytes())
+    update = parse_model_update(result, {"tail.stages.0.0.weight": (2, 1, 1, 1)})
+    assert update.n == 40
+    np.testing.assert_array_equal(update.trained["tail.stages.0.0.weight"], task.tensors["tail.stages.0.0.weight"] * 0.75)

@@ -75,3 +75,37 @@ def test_fed3r_ft_oll_pipeline_reports_what_the_devices_data_gives(tmp_path, sec
     page = (out / "report.html").read_text()
     assert f"{oll['wma']['oll_fp']:.4f}" in page and "data:image/png;base64," in page
     assert (out / "report.png").stat().st_size > 5000
+
+
+@pytest.mark.slow
+def test_ft_phi_pipeline_fine_tunes_the_backbone_tail_against_the_frozen_fed3r_head(tmp_path):
+    """--ft-mode phi over mosquitto: devices train the last backbone stage through the ExecuTorch
+    tail program; the Fed3R head comes back unchanged, the tail moved, and the reported accuracy
+    is the saved model's on the test images, recomputed here with the eager backbone."""
+    import numpy as np
+    import torch
+
+    from edge_client.models import build_backbone
+    from edge_client.models.preprocess import to_model_input
+    from fedfleet.pipeline import run_pipeline
+    from fedfleet.simulate import _load
+
+    cfg = dataclasses.replace(PRESETS["smoke"], out_dir=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache"),
+                              ft_rounds=2, ft_mode="phi", ft_client_lr=0.01)
+    report = run_pipeline(cfg, quiet=True)
+    out = tmp_path / "run"
+    assert set(report["phases"]) == {"fed3r", "fedavg-ft"}
+    ft = report["phases"]["fedavg-ft"]
+    assert ft["rounds"] == 2 and ft["contributions"] > 0 and ft["device"]["tasks"] >= ft["contributions"]
+    fed3r_head, model = np.load(out / "1-fed3r" / "model.npz"), np.load(out / "2-fedavg-ft" / "model.npz")
+    np.testing.assert_array_equal(model["weight"], fed3r_head["coef"].astype(np.float32))     # FT(φ): head frozen
+    backbone = build_backbone(cfg.backbone)
+    pretrained = backbone.features[-1][0].weight.detach().numpy()
+    assert not np.allclose(model["tail.stages.0.0.weight"], pretrained)
+    with torch.no_grad():
+        backbone.features[-1][0].weight.copy_(torch.from_numpy(model["tail.stages.0.0.weight"]))
+        _, _, _, Xte, yte = _load(cfg)
+        feats = backbone(torch.from_numpy(to_model_input(Xte, cfg.image_size, backbone.mean, backbone.std))).numpy()
+    accuracy = float(((feats @ model["weight"].T + model["bias"]).argmax(1) == yte).mean())
+    assert ft["accuracy"] == pytest.approx(accuracy, abs=2 / len(yte))
+    assert "FT(φ)" in (out / "report.html").read_text()

@@ -30,8 +30,10 @@ from edge_client.tasks.personalization import PersonalizeTask
 from edge_client.tasks.secure_fed3r import SecureFed3R
 from edge_client.tasks.secure_head_training import SecureHeadTraining
 from edge_client.tasks.secure_update import SecAggSessions
+from edge_client.tasks.tail_training import TailTrainingTask, TrunkActivations
 from protocols.payloads.fed3r import KIND as FED3R_KIND
 from protocols.payloads.fedavg import KIND as FEDAVG_KIND
+from protocols.payloads.fedavg import KIND_TAIL as FEDAVG_TAIL_KIND
 from protocols.payloads.personalize import KIND as PERSONALIZE_KIND
 from protocols.identity import DeviceIdentity
 from protocols.payloads.secagg import SECAGG_TYPE, SECURE_FEDAVG_KIND, SYNC_KIND
@@ -51,6 +53,13 @@ class SharedExtractors:
         self.cache_dir, self.runtime, self.threads = cache_dir, runtime, threads
         self.lock = threading.Lock()
         self._made: dict = {}
+
+    def trunk(self, manifest: str) -> "_Locked":
+        """The tail bundle's trunk program, shared by the worker's devices (FT(φ)/FT(M))."""
+        with self.lock:
+            if manifest not in self._made:
+                self._made[manifest] = TrunkActivations(manifest, self.cache_dir)
+            return _Locked(self._made[manifest], self.lock)
 
     def __call__(self, backbone: str, image_size: int, weights_sha256: str, bundle_sha256: str = ""):
         # Emulated devices export their bundle locally (fedfleet.bundles); a job's announced
@@ -97,11 +106,16 @@ def load_dataset(name: str, root: str | None):
 
 
 def device_handlers(images: np.ndarray, labels: np.ndarray, train_idx: np.ndarray, holdout_idx: np.ndarray | None,
-                    extractors: SharedExtractors, training_manifest: str | None) -> dict:
+                    extractors: SharedExtractors, training_manifest: str | None,
+                    tail_manifest: str | None = None) -> dict:
     """One device's task handlers: Fed3R statistics and FedAvg head training on its training
-    split; with a held-out split also OLL personalization (evaluated on the held-out split)."""
+    split (and FT(φ)/FT(M) of the backbone's tail with a tail bundle); with a held-out split
+    also OLL personalization (evaluated on the held-out split)."""
     handlers = {FED3R_KIND: Fed3RStatsTask(images[train_idx], labels[train_idx], extractors),
                 FEDAVG_KIND: HeadTrainingTask(images[train_idx], labels[train_idx], extractors, training_manifest)}
+    if tail_manifest:
+        handlers[FEDAVG_TAIL_KIND] = TailTrainingTask(images[train_idx], labels[train_idx], tail_manifest,
+                                                      trunk=extractors.trunk(tail_manifest))
     if holdout_idx is not None and len(holdout_idx):
         handlers[PERSONALIZE_KIND] = PersonalizeTask(images[train_idx], labels[train_idx], images[holdout_idx],
                                                      labels[holdout_idx], extractors)
@@ -131,7 +145,7 @@ def run(spec: dict) -> None:
         profile = DeviceProfile.from_dict(dev["profile"])
         handlers = device_handlers(images, labels, shards[profile.device_id],
                                    holdouts[profile.device_id] if holdouts is not None else None,
-                                   extractors, spec.get("training_manifest"))
+                                   extractors, spec.get("training_manifest"), spec.get("tail_manifest"))
         rng = np.random.default_rng([spec.get("seed", 0), int(dev["index"])])
         protocol_handlers = {}
         if secure:
