@@ -78,7 +78,7 @@ from .jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob
 from .jobs.fedavg import FedAvgConfig, FedAvgJob
 from .jobs.fedavg_tail import TailFedAvgConfig, TailFedAvgJob
 from .jobs.personalize import PersonalizeConfig, PersonalizeJob
-from .jobs.secure_fedavg import SecureFedAvgConfig, SecureFedAvgJob
+from .jobs.secure_fedavg import SecureFedAvgConfig, SecureFedAvgJob, SecureTailFedAvgConfig, SecureTailFedAvgJob
 from .store import FINAL_JOB_STATES, Store, StoreError
 
 log = logging.getLogger("fedfleet.aggregator")
@@ -93,6 +93,7 @@ JOB_TYPES: dict[str, tuple[type, type]] = {"fed3r": (Fed3RConfig, Fed3RJob),
                                            "fedavg": (FedAvgConfig, FedAvgJob),
                                            "fedavg-secure": (SecureFedAvgConfig, SecureFedAvgJob),
                                            "fedavg-tail": (TailFedAvgConfig, TailFedAvgJob),
+                                           "fedavg-tail-secure": (SecureTailFedAvgConfig, SecureTailFedAvgJob),
                                            "personalize": (PersonalizeConfig, PersonalizeJob)}
 
 
@@ -146,10 +147,12 @@ CONFIG_LIMITS: dict[str, dict[str, Range | OneOf | Fields]] = {"fed3r": {
     "b_format": OneOf(("sparse", "dense")), "bundle_sha256": Pattern(r"^([0-9a-f]{64})?$"), "stats_dtype": OneOf(("float64", "float32")),
     "random_features": Fields({"seed": (int, Range(0, 2 ** 32 - 1)), "dim": (int, Range(1, 8192)),
                                "sigma": (float, Range(1e-12, 1e12))}),
-}, "fedavg-tail": {
+}}
+# FT(φ)/FT(M), plain or secure
+CONFIG_LIMITS["fedavg-tail"] = CONFIG_LIMITS["fedavg-tail-secure"] = {
     "train": OneOf(("tail", "tail+head")), "tail_stages": Range(1, 64),
     "tail_program_sha256": Pattern(r"^([0-9a-f]{64})?$"),
-}}
+}
 
 
 def validate_job_config(kind: str, config: dict) -> None:

@@ -41,14 +41,15 @@ from protocols.payloads.fed3r import KIND as FED3R_KIND
 from protocols.payloads.fedavg import KIND as FEDAVG_KIND
 from protocols.payloads.fedavg import KIND_TAIL as FEDAVG_TAIL_KIND
 from protocols.payloads.personalize import KIND as PERSONALIZE_KIND
-from protocols.payloads.secagg import SECURE_FEDAVG_KIND, SYNC_KIND
+from protocols.payloads.secagg import SECURE_FEDAVG_KIND, SECURE_TAIL_KIND, SYNC_KIND
 
 from .plots import plot_lines
 from .simulate import EmulatedFleet, SimConfig, _report, _secure_setup, prepare
 
 PIPELINES = {"fed3r-ft-oll": ("fed3r", "fedavg-ft", "oll")}
 # task kinds of each phase, plain and secure
-PHASE_KINDS = {"fed3r": (FED3R_KIND, SYNC_KIND), "fedavg-ft": (FEDAVG_KIND, SECURE_FEDAVG_KIND, FEDAVG_TAIL_KIND),
+PHASE_KINDS = {"fed3r": (FED3R_KIND, SYNC_KIND),
+               "fedavg-ft": (FEDAVG_KIND, SECURE_FEDAVG_KIND, FEDAVG_TAIL_KIND, SECURE_TAIL_KIND),
                "oll": (PERSONALIZE_KIND,)}
 METHOD_NAMES = {"global": "global head", "oll": "OLL", "oll_fp": "OLL+FP(ψ)"}
 FT_MODES = {"psi": ("FT(ψ)", None), "phi": ("FT(φ)", "tail"), "M": ("FT(M)", "tail+head")}   # label, train
@@ -65,9 +66,6 @@ def run_pipeline(cfg: SimConfig, quiet: bool = False) -> dict:
     if cfg.ft_mode not in FT_MODES:
         raise ValueError(f"ft_mode must be one of {sorted(FT_MODES)}, got {cfg.ft_mode!r}")
     tail = cfg.ft_mode != "psi"
-    if tail and cfg.secure:
-        raise ValueError("secure aggregation of backbone-tail updates (FT(φ)/FT(M)) is not built yet; "
-                         "use --ft-mode psi with --secure")
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     t_start = time.monotonic()
     prep = prepare(cfg, say)
@@ -82,7 +80,7 @@ def run_pipeline(cfg: SimConfig, quiet: bool = False) -> dict:
     ft_kind, ft_eval, ft_extra = "fedavg-secure" if cfg.secure else "fedavg", out / "eval_features.npz", {}
     if tail:
         tail_manifest, ft_eval, ft_extra = _tail_setup(cfg, prep, say)
-        ft_kind = "fedavg-tail"
+        ft_kind = "fedavg-tail-secure" if cfg.secure else "fedavg-tail"
     fed3r_job, secure, secure_fields = dict(prep.fed3r_job), None, {}
     if cfg.secure:
         job_fields, secure = _secure_setup(cfg, out, [p.device_id for p in prep.profiles],

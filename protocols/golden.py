@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 
-from .chunking import split
 from .envelope import Envelope, encode
 from .payloads.fed3r import encode_stats
 from .payloads.fedavg import encode_head_update, encode_model_update, head_tensors

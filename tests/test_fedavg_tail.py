@@ -303,3 +303,73 @@ def test_golden_vectors_of_fedavg_tail_messages_parse():
     update = parse_model_update(result, {"tail.stages.0.0.weight": (2, 1, 1, 1)})
     assert update.n == 40
     np.testing.assert_array_equal(update.trained["tail.stages.0.0.weight"], task.tensors["tail.stages.0.0.weight"] * 0.75)
+
+
+def test_secure_ft_phi_over_mosquitto_equals_the_plain_mean_of_the_summed_devices(broker, bundle, fmnist, tmp_path):
+    """fedavg-tail-secure: each round's tail updates are summed under SecAgg; the tail equals the
+    n_k-weighted mean of what the devices in the sum trained (recomputed here in plaintext with
+    the same handlers), the head stays frozen, and no tail tensor reaches the aggregator in the clear."""
+    from aggregator.jobs.secure_fedavg import SecureTailFedAvgConfig, SecureTailFedAvgJob
+    from edge_client.tasks.secure_head_training import SecureHeadTraining
+    from edge_client.tasks.secure_update import SecAggSessions
+    from protocols.chunking import MessageAssembler
+    from protocols.identity import DeviceIdentity, IdentityRegistry
+    from protocols.payloads.secagg import SECAGG_TYPE, SECURE_TAIL_KIND
+
+    images, labels = fmnist
+    ids = [f"s{i}" for i in range(4)]
+    shards = {d: np.arange(i * 15, i * 15 + 15) for i, d in enumerate(ids)}
+    identities = {d: DeviceIdentity.generate(d) for d in ids}
+    agg = DeviceIdentity.generate("aggregator")
+    registry = IdentityRegistry({d: idt.public_key_bytes for d, idt in identities.items()})
+    _, cfg = _job(bundle, train="tail")
+    cfg.update(job_id="sft-tail", clients_per_round=4, expected_devices=4)
+    job = SecureTailFedAvgJob(SecureTailFedAvgConfig(**cfg, max_samples=100, max_abs_param=50.0, phase_timeout_s=5),
+                              identity=agg, registry=registry)
+    start = {k: v.copy() for k, v in job.params.items()}
+    svc = AggregatorService(job, BrokerConfig.from_url(broker.url), tmp_path, enrolled=set(ids),
+                            evaluate_every_contribution=False)
+    seen = []
+    original = svc._on_payload
+    svc._on_payload = lambda topic, payload: (seen.append(payload), original(topic, payload))
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=150)), daemon=True)
+    thread.start()
+    agents = []
+    for d in ids:
+        sessions = SecAggSessions(d)
+        secure = SecureHeadTraining(identities[d], agg.public_key_bytes,
+                                    TailTrainingTask(images[shards[d]], labels[shards[d]], bundle), sessions)
+        agents.append(DeviceAgent(d, BrokerConfig.from_url(broker.url), {},
+                                  protocol_handlers={SECURE_TAIL_KIND: secure, SECAGG_TYPE: sessions}).start())
+    thread.join(150)
+    for a in agents:
+        a.stop()
+    assert result.get("state") == "done", result
+    assert len(result["rounds"]) == 2 and not job.failed_rounds
+
+    replay = TailFedAvgJob(TailFedAvgConfig(**cfg))          # same config, plaintext
+    for r in result["rounds"]:
+        chosen = replay.next_participants(set(ids))
+        assert sorted(r["accepted"]) == chosen
+        trained, ns = [], []
+        for device in chosen:
+            params, tensors = replay.task_for(device)
+            body, out = TailTrainingTask(images[shards[device]], labels[shards[device]], bundle)(params, tensors)
+            trained.append(out["tail.stages.0.0.weight"].astype(np.float64))
+            ns.append(body["n"])
+            replay.apply(device, _result(replay, device, out, body["n"]))
+        replay.close_round(RoundClosed(replay.round, tuple(chosen), (), (), ()))
+        plain_mean = sum(n * t for n, t in zip(ns, trained)) / sum(ns)
+        np.testing.assert_allclose(replay.params["tail.stages.0.0.weight"], plain_mean, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(job.params["tail.stages.0.0.weight"], replay.params["tail.stages.0.0.weight"],
+                               rtol=0, atol=1e-5)
+    for name in ("weight", "bias"):
+        np.testing.assert_array_equal(job.params[name], start[name])
+    asm, types = MessageAssembler(), set()
+    for payload in seen:
+        env = asm.feed(payload)
+        if env is not None:
+            types.add(env.type)
+            assert not any(name.startswith("tail.") for name in env.tensors)
+    assert "secagg" in types and "result" not in types

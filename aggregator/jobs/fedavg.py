@@ -175,6 +175,10 @@ class FedAvgJob:
         return params, {k: v.copy() for k, v in self.params.items()}
 
     # ------------------------------------------------------------------ results
+    def trained_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The tensors a device trains and sends back, in wire order, with their shapes."""
+        return {"weight": self.params["weight"].shape, "bias": self.params["bias"].shape}
+
     def parse_result(self, env: Envelope) -> RoundUpdate:
         update = parse_head_update(env, self.config.num_classes, self.config.feature_dim)
         return RoundUpdate(body_field(env, "round", int), update)

@@ -65,8 +65,11 @@ class TailFedAvgJob(FedAvgJob):
         params, tensors = super().task_for(device)
         return {**params, "tail_stages": self.config.tail_stages, "train": self.config.train}, tensors
 
+    def trained_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: self.params[name].shape for name in self.trained}
+
     def parse_result(self, env: Envelope) -> RoundUpdate:
-        update = parse_model_update(env, {name: self.params[name].shape for name in self.trained})
+        update = parse_model_update(env, self.trained_shapes())
         return RoundUpdate(body_field(env, "round", int), update)
 
     def evaluate(self, features: np.ndarray | None, labels: np.ndarray | None) -> dict:

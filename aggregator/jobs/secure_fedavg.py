@@ -1,7 +1,9 @@
-"""Secure FedAvg(ψ)/FedAvgM(ψ): each round's head updates reach the aggregator only as one sum.
+"""Secure FedAvg/FedAvgM: each round's updates reach the aggregator only as one sum.
 
 Each round is one SecAgg (or SecAgg+) group of the κ sampled devices (``SecureGroupRounds``).
-A device trains the head as in plain FedAvg and contributes ``[n_k·W_k | n_k·b_k | n_k]``; the
+A device trains as in plain FedAvg and contributes ``[n_k·t_1 | … | n_k·t_m | n_k]`` for the
+tensors it trains (``trained_shapes``, in that order: the head's ``weight``, ``bias`` for
+FedAvg(ψ); the tail's tensors (and the head's for FT(M)) for :class:`SecureTailFedAvgJob`); the
 unmasked group sum gives Σ n_k θ_k and Σ n_k, hence exactly the FedAvg mean over the survivors
 (up to the fixed-point resolution 2^-f), and the server step is the plain job's. Devices that
 drop out mid-round are recovered when at least t survive; a failed round (too few survivors,
@@ -20,10 +22,11 @@ import numpy as np
 
 from protocols.envelope import Envelope, EnvelopeError
 from protocols.identity import DeviceIdentity, IdentityRegistry
-from protocols.payloads.secagg import SECURE_FEDAVG_KIND, unpack_weighted_head_sum, weighted_head_length
+from protocols.payloads.secagg import SECURE_FEDAVG_KIND, SECURE_TAIL_KIND, unpack_weighted_sum, weighted_length
 from protocols.rounds import RoundClosed
 
 from .fedavg import FedAvgConfig, FedAvgJob
+from .fedavg_tail import TailFedAvgConfig, TailFedAvgJob
 from .secure_rounds import MIN_GROUP, SecureGroupRounds, load_identities
 
 
@@ -38,15 +41,18 @@ class SecureFedAvgConfig(FedAvgConfig):
 
 
 class SecureFedAvgJob(SecureGroupRounds, FedAvgJob):
+    secure_kind = SECURE_FEDAVG_KIND
+
     def __init__(self, config: SecureFedAvgConfig, initial_head: dict[str, np.ndarray] | None = None,
-                 identity: DeviceIdentity | None = None, registry: IdentityRegistry | None = None):
-        FedAvgJob.__init__(self, config, initial_head=initial_head)
-        self.kind = SECURE_FEDAVG_KIND
+                 identity: DeviceIdentity | None = None, registry: IdentityRegistry | None = None, **model):
+        # the plain job next in the MRO (FedAvgJob, or TailFedAvgJob for the tail variant)
+        super(SecureGroupRounds, self).__init__(config, initial_head=initial_head, **model)
+        self.kind = self.secure_kind
         if identity is None or registry is None:
             loaded_identity, loaded_registry = load_identities(config.identity_file, config.device_keys_file)
             identity, registry = identity or loaded_identity, registry or loaded_registry
         self._init_secure(identity, registry)
-        self.vector_length = weighted_head_length(config.num_classes, config.feature_dim)
+        self.vector_length = weighted_length(self.trained_shapes())
         self.bound = float(config.max_samples) * max(float(config.max_abs_param), 1.0)
         self._sum: tuple[dict[str, np.ndarray], int, int] | None = None     # (mean, updates, Σ n) of the round
 
@@ -64,20 +70,19 @@ class SecureFedAvgJob(SecureGroupRounds, FedAvgJob):
         params, head = super().task_for(device)
         c = self.config
         return {**params, "group": f"g{self.round}", "max_samples": c.max_samples,
-                "max_abs_param": c.max_abs_param}, head
+                "max_abs_param": c.max_abs_param, "vector_order": list(self.trained_shapes())}, head
 
     def parse_result(self, env: Envelope):
-        raise EnvelopeError("fedavg.secure devices send secagg messages, never plain results")
+        raise EnvelopeError(f"{self.secure_kind} devices send secagg messages, never plain results")
 
     def apply(self, device: str, payload) -> None:
         """Nothing to do: the round's sum and its members were recorded when it was unmasked."""
 
     def on_secure_sum(self, total: np.ndarray, survivors: tuple[str, ...]) -> None:
-        c = self.config
-        weighted_w, weighted_b, n = unpack_weighted_head_sum(total, c.num_classes, c.feature_dim)
+        sums, n = unpack_weighted_sum(total, self.trained_shapes())
         if n < 1:
             return
-        self._sum = ({"weight": weighted_w / n, "bias": weighted_b / n}, len(survivors), n)
+        self._sum = ({name: weighted / n for name, weighted in sums.items()}, len(survivors), n)
         self.samples += n
         for d in survivors:
             self.contributed[d] = self.contributed.get(d, 0) + 1
@@ -89,3 +94,15 @@ class SecureFedAvgJob(SecureGroupRounds, FedAvgJob):
         self.abort_secure_round(closed.round, "deadline")
         super().close_round(closed)
         self._sum = None
+
+
+@dataclass
+class SecureTailFedAvgConfig(SecureFedAvgConfig, TailFedAvgConfig):
+    job_id: str = "fedavg-tail-secure"
+
+
+class SecureTailFedAvgJob(SecureFedAvgJob, TailFedAvgJob):
+    """FT(φ)/FT(M) (``aggregator.jobs.fedavg_tail``) with each round's tail updates summed
+    under secure aggregation (wire kind ``fedavg.tail.secure``)."""
+
+    secure_kind = SECURE_TAIL_KIND

@@ -36,7 +36,7 @@ from protocols.payloads.fedavg import KIND as FEDAVG_KIND
 from protocols.payloads.fedavg import KIND_TAIL as FEDAVG_TAIL_KIND
 from protocols.payloads.personalize import KIND as PERSONALIZE_KIND
 from protocols.identity import DeviceIdentity
-from protocols.payloads.secagg import SECAGG_TYPE, SECURE_FEDAVG_KIND, SYNC_KIND
+from protocols.payloads.secagg import SECAGG_TYPE, SECURE_FEDAVG_KIND, SECURE_TAIL_KIND, SYNC_KIND
 from protocols.mqtt_link import BrokerConfig
 from protocols.topics import Topics
 
@@ -123,12 +123,15 @@ def device_handlers(images: np.ndarray, labels: np.ndarray, train_idx: np.ndarra
 
 
 def secure_handlers(identity: DeviceIdentity, aggregator_key: bytes, handlers: dict) -> dict:
-    """Protocol handlers for secure rounds (Fed3R-Sync, secure FedAvg) around a device's plain
+    """Protocol handlers for secure rounds (Fed3R-Sync, secure FedAvg of the head or the tail) around a device's plain
     handlers; one session registry routes every secagg message."""
     sessions = SecAggSessions(identity.device_id)
-    return {SYNC_KIND: SecureFed3R(identity, aggregator_key, handlers[FED3R_KIND], sessions),
-            SECURE_FEDAVG_KIND: SecureHeadTraining(identity, aggregator_key, handlers[FEDAVG_KIND], sessions),
-            SECAGG_TYPE: sessions}
+    secure = {SYNC_KIND: SecureFed3R(identity, aggregator_key, handlers[FED3R_KIND], sessions),
+              SECURE_FEDAVG_KIND: SecureHeadTraining(identity, aggregator_key, handlers[FEDAVG_KIND], sessions),
+              SECAGG_TYPE: sessions}
+    if FEDAVG_TAIL_KIND in handlers:
+        secure[SECURE_TAIL_KIND] = SecureHeadTraining(identity, aggregator_key, handlers[FEDAVG_TAIL_KIND], sessions)
+    return secure
 
 
 def run(spec: dict) -> None:

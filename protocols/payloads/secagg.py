@@ -34,7 +34,7 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -45,6 +45,7 @@ from .ladd import Layout, layout_from_json, layout_size, layout_to_json
 
 SECAGG_TYPE = "secagg"
 SYNC_KIND = "fed3r.secure"
+SECURE_TAIL_KIND = "fedavg.tail.secure"     # FT(φ)/FT(M) tail updates, summed
 SECURE_FEDAVG_KIND = "fedavg.secure"
 SECURE_LADD_KIND = "ladd.train.secure"
 MAX_SLOT_CLUSTERS = 64
@@ -84,23 +85,48 @@ def unpack_sync_vector(v: np.ndarray, p: int, num_classes: int) -> tuple[np.ndar
     return v[:k], v[k:k + num_classes * p].reshape(num_classes, p), int(round(v[-1]))
 
 
+# Secure FedAvg-family rounds: a device contributes [n·t_1 | … | n·t_k | n] for the tensors it
+# trained, in the order the task names (``vector_order``; the head's is weight, bias). The group
+# sum gives Σ n_k t_k per tensor and Σ n_k, hence the FedAvg mean, without any t_k being seen.
+HEAD_ORDER = ("weight", "bias")
+
+
+def weighted_length(shapes: Mapping[str, tuple[int, ...]]) -> int:
+    return sum(int(np.prod(shape)) for shape in shapes.values()) + 1
+
+
+def pack_weighted(tensors: Mapping[str, np.ndarray], order: Sequence[str], n: int) -> np.ndarray:
+    if set(order) != set(tensors) or len(order) != len(tensors):
+        raise ValueError(f"vector order {list(order)} does not name exactly the tensors {sorted(tensors)}")
+    return np.concatenate([n * np.asarray(tensors[name], np.float64).ravel() for name in order]
+                          + [np.array([float(n)])])
+
+
+def unpack_weighted_sum(v: np.ndarray, shapes: Mapping[str, tuple[int, ...]]) -> tuple[dict[str, np.ndarray], int]:
+    """({name: Σ n_k t_k}, Σ n_k) from a group sum laid out in ``shapes``' order."""
+    if v.shape != (weighted_length(shapes),):
+        raise ValueError(f"weighted sum has shape {v.shape}, expected ({weighted_length(shapes)},)")
+    out, start = {}, 0
+    for name, shape in shapes.items():
+        size = int(np.prod(shape))
+        out[name] = v[start:start + size].reshape(shape)
+        start += size
+    return out, int(round(v[-1]))
+
+
 def weighted_head_length(num_classes: int, feature_dim: int) -> int:
-    return num_classes * feature_dim + num_classes + 1
+    return weighted_length({"weight": (num_classes, feature_dim), "bias": (num_classes,)})
 
 
 def pack_weighted_head(weight: np.ndarray, bias: np.ndarray, n: int) -> np.ndarray:
-    weight, bias = np.asarray(weight, np.float64), np.asarray(bias, np.float64)
-    return np.concatenate([n * weight.ravel(), n * bias.ravel(), np.array([float(n)])])
+    return pack_weighted({"weight": weight, "bias": bias}, HEAD_ORDER, n)
 
 
 def unpack_weighted_head_sum(v: np.ndarray, num_classes: int, feature_dim: int
                              ) -> tuple[np.ndarray, np.ndarray, int]:
     """(Σ n_k W_k (C, d), Σ n_k b_k (C,), Σ n_k) from a group sum."""
-    if v.shape != (weighted_head_length(num_classes, feature_dim),):
-        raise ValueError(f"weighted head sum has shape {v.shape}, expected "
-                         f"({weighted_head_length(num_classes, feature_dim)},)")
-    k = num_classes * feature_dim
-    return v[:k].reshape(num_classes, feature_dim), v[k:k + num_classes], int(round(v[-1]))
+    sums, n = unpack_weighted_sum(v, {"weight": (num_classes, feature_dim), "bias": (num_classes,)})
+    return sums["weight"], sums["bias"], n
 
 
 # ----------------------------------------------------------------------------- secure LADD
