@@ -550,7 +550,8 @@ class AggregatorService:
 
     def create_job(self, kind: str, config: dict) -> dict:
         validate_job_config(kind, config)
-        job_id = config.get("job_id") or JOB_TYPES[kind][0]().job_id
+        # the kind's default id, read off the dataclass (a kind may need fields to be built at all)
+        job_id = config.get("job_id") or JOB_TYPES[kind][0].__dataclass_fields__["job_id"].default
         if self.store is None:
             raise StoreError("creating jobs needs a store")
         full = JOB_TYPES[kind][0](**{**config, "job_id": job_id}).to_dict()   # defaults made explicit
@@ -757,7 +758,9 @@ class AggregatorService:
         self.crash("contribution_stored")
         a.job.apply(act.device, act.result.payload)
         a.stats.results_accepted += 1
-        if self.evaluate_every_contribution:
+        # A job whose model moves only at round close (FedAvg) would evaluate the same model after
+        # every contribution; it is evaluated once per round instead (``_close_round``).
+        if self.evaluate_every_contribution and not getattr(a.job, "evaluate_at_round_close", False):
             self._record_eval()
             self.crash("evaluation_stored")
 
@@ -770,6 +773,7 @@ class AggregatorService:
                  len(act.accepted), len(act.dropped), len(act.declined))
         if not self.evaluate_every_contribution or getattr(a.job, "evaluate_at_round_close", False):
             self._record_eval()     # a job whose model moves at round close (FedAvg) is evaluated after it
+            self.crash("evaluation_stored")
         if self.store is not None:
             model = a.job.model_arrays() if act.accepted else None
             checkpoint = (a.job.state_dict(), a.job.contributed) if self.checkpoints else None
