@@ -24,6 +24,7 @@ QUICK = {
     "fed3r_vs_fedavg.py": [],
     "personalization.py": [],
     "ladd.py": [],
+    "ft_modes.py": ["--quick"],
 }
 
 

@@ -52,6 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .emulation.identities import make_identities
 from .emulation.processes import stop_all
 from .emulation.synthetic_scenes import CLASSES, TARGET_DOMAINS, make_benchmark
 
@@ -379,21 +380,6 @@ def _job_configs(cfg: LaddSimConfig, seed: int, n_devices: int) -> dict:
     return {"ladd": ladd, "fedavg_st": base}
 
 
-def _secure_identities(out: Path, device_ids: list[str]) -> tuple[dict, dict]:
-    """Ed25519 identities for a secure run: the job fields naming the aggregator's key file and
-    the enrolled public keys, and what the workers get (device private keys, aggregator key)."""
-    from protocols.identity import DeviceIdentity
-
-    agg = DeviceIdentity.generate("aggregator")
-    (out / "aggregator.pem").write_bytes(agg.to_pem())
-    identities = {d: DeviceIdentity.generate(d) for d in device_ids}
-    (out / "device_keys.json").write_text(json.dumps({d: i.public_key_bytes.hex() for d, i in identities.items()}))
-    job_fields = {"identity_file": str(out / "aggregator.pem"), "device_keys_file": str(out / "device_keys.json")}
-    for_workers = {"aggregator_public_key": agg.public_key_bytes.hex(),
-                   "device_keys": {d: i.private_bytes().hex() for d, i in identities.items()}}
-    return job_fields, for_workers
-
-
 def _run_seed(cfg: LaddSimConfig, seed: int, broker_url: str, say) -> dict:
     from aggregator.strategies.ladd import clustering_purity, nearest_centroid
     from edge_client.models.segmentation import SegmentationModel
@@ -420,7 +406,7 @@ def _run_seed(cfg: LaddSimConfig, seed: int, broker_url: str, say) -> dict:
     jobs = _job_configs(cfg, seed, len(ids))
     keys = None
     if cfg.secure:
-        key_fields, keys = _secure_identities(out, ids)
+        key_fields, keys = make_identities(out, ids)
         jobs = {name: {**fields, **key_fields} for name, fields in jobs.items()}
     agg_spec = {"config": dataclasses.asdict(cfg), "seed": seed, "out": str(out), "server_file": str(out / "server.npz"),
                 "broker": broker_url, "topic_root": topic_root, "devices": ids, "timeout_s": cfg.timeout_s,

@@ -272,17 +272,11 @@ def run(cfg: SimConfig, quiet: bool = False) -> dict:
 def _secure_setup(cfg: SimConfig, out: Path, device_ids: list[str], max_samples: int) -> tuple[dict, dict]:
     """Identities for a secure run: the aggregator's key file and the enrolled public keys (job
     fields), and what the workers get: each device's private key and the aggregator's public key."""
-    from protocols.identity import DeviceIdentity
+    from .emulation.identities import make_identities
 
-    agg = DeviceIdentity.generate("aggregator")
-    (out / "aggregator.pem").write_bytes(agg.to_pem())
-    identities = {d: DeviceIdentity.generate(d) for d in device_ids}
-    (out / "device_keys.json").write_text(json.dumps({d: i.public_key_bytes.hex() for d, i in identities.items()}))
+    key_fields, for_workers = make_identities(out, device_ids)
     job_fields = {"graph": cfg.secure_graph, "max_samples": int(max_samples), "phase_timeout_s": cfg.phase_timeout_s,
-                  "identity_file": str(out / "aggregator.pem"), "device_keys_file": str(out / "device_keys.json"),
-                  "b_format": "dense"}
-    for_workers = {"aggregator_public_key": agg.public_key_bytes.hex(),
-                   "device_keys": {d: i.private_bytes().hex() for d, i in identities.items()}}
+                  "b_format": "dense", **key_fields}
     return job_fields, for_workers
 
 
