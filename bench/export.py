@@ -24,7 +24,10 @@ with ``--clock cpu`` the process CPU time, which other load on a shared machine 
 inflate when ``--threads 1``). Ratios > 1 mean
 the exported program is faster: ``eager/pte`` (target >= 3 for MobileNetV2) and
 ``ort/pte`` (target >= 1). ``1call/pte`` times the same ``.pte`` handed the whole batch in one
-call: > 1 is what the runtime's cache-sized slicing gains.
+call: > 1 is what the runtime's cache-sized slicing gains. At batch 1 the bundle's program
+(dynamic batch 1..32) is timed next to a batch-1 program (``fedfleet export --batch-size 1``:
+static shapes, what a latency-bound single-image deployment exports): ``pte1`` and
+``ort/pte1``.
 
 Usage: .venv/bin/python bench/export.py [--backbones mobilenet_v2,efficientnet_lite0]
        [--sizes 64,128,224] [--threads N] [--repeats 15] [--quick]
@@ -130,11 +133,19 @@ def bench_inference(backbone: str, size: int, images: np.ndarray, args, workdir:
     # the same program fed a whole batch per call: what the cache-sized calls of the runtime gain
     one_call = load_inference(manifest_path, prefer=("executorch",))
     one_call.rows_per_call = pte.batch.max
+    single = None
+    if 1 in args.batches:
+        single = load_inference(export_bundle(
+            backbone, workdir / f"{backbone}-{size}-b1", num_classes=10, image_size=size, training=False,
+            batch_size=1, inference_runtimes=("executorch",), parity_images=load_parity_images(count=32)),
+            prefer=("executorch",))
     rows = []
     for batch in args.batches:
         x = np.ascontiguousarray(inputs[:batch])
         calls = {name: (lambda runtime=runtimes[name]: runtime.run(x)) for name in RUNTIMES}
         calls["executorch_one_call"] = lambda: one_call.run(x)
+        if batch == 1:
+            calls["executorch_b1"] = lambda: single.run(x)
         medians = interleaved_medians(calls, args.warmup, args.repeats, args.clock, args.settle)
         per_image_ms = {name: 1000 * seconds / batch for name, seconds in medians.items()}
         rows.append({"backbone": backbone, "size": size, "batch": batch, **per_image_ms,
@@ -192,7 +203,8 @@ def main() -> None:
                 rows.extend(bench_inference(backbone, size, images, args, workdir))
         header = (f"{'backbone':18s} {'px':>4s} {'batch':>5s} {'pte ms/img':>11s} "
                   f"{'ort ms/img':>11s} {'eager ms/img':>13s} {'eager/pte':>10s} "
-                  f"{'ort/pte':>8s} {'1call/pte':>10s} {'max|err|':>9s}")
+                  f"{'ort/pte':>8s} {'1call/pte':>10s} {'pte1 ms/img':>12s} {'ort/pte1':>9s} "
+                  f"{'max|err|':>9s}")
         print(header)
         print("-" * len(header))
         for row in rows:
@@ -200,7 +212,10 @@ def main() -> None:
                   f"{row['executorch']:11.3f} {row['onnxruntime']:11.3f} {row['eager']:13.3f} "
                   f"{row['eager'] / row['executorch']:10.2f} "
                   f"{row['onnxruntime'] / row['executorch']:8.2f} "
-                  f"{row['executorch_one_call'] / row['executorch']:10.2f} {row['parity']:9.1e}")
+                  f"{row['executorch_one_call'] / row['executorch']:10.2f} "
+                  + (f"{row['executorch_b1']:12.3f} {row['onnxruntime'] / row['executorch_b1']:9.2f} "
+                     if "executorch_b1" in row else f"{'–':>12s} {'–':>9s} ")
+                  + f"{row['parity']:9.1e}")
 
         print(f"load average (1/5/15 min) after inference timings: {load_average()}")
 

@@ -34,8 +34,8 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from fed3r_vs_fedavg import (OUT_DIR, SPLITS, Fleet, load_features, mean_std, run_fed3r,  # noqa: E402
-                             run_fedavg)
+from fed3r_vs_fedavg import (IMAGE_SIZE, OUT_DIR, SPLITS, Fleet, load_features, mean_std,  # noqa: E402
+                             run_fed3r, run_fedavg)
 
 from aggregator.evaluation import head_logits, weighted_mean_accuracy  # noqa: E402
 from edge_client.oll import PersonalizedHead, choose_fp_lr, fp_recipe  # noqa: E402
@@ -90,12 +90,14 @@ def main(argv=None):
     ap.add_argument("--devices", type=int, default=100)
     ap.add_argument("--kappa", type=int, default=10)
     ap.add_argument("--ft-rounds", type=int, default=100)
+    ap.add_argument("--image-size", type=int, default=IMAGE_SIZE,
+                    help="backbone input size (the demo's fleet runs at 64 px)")
     ap.add_argument("--quick", action="store_true", help="1 seed, 20 FT rounds")
     args = ap.parse_args(argv)
     if args.quick:
         args.seeds, args.ft_rounds = args.seeds[:1], min(args.ft_rounds, 20)
     OUT_DIR.mkdir(parents=True, exist_ok=True)
-    data, _ = load_features()
+    data, _ = load_features(args.image_size)
     torch.set_num_threads(args.threads)   # tiny per-step work: more threads only add contention
     images, labels, feats = data["train"]
     eval_set = data["test"][2], data["test"][1]
@@ -149,13 +151,14 @@ def main(argv=None):
                   f"error ratio (1−OLL+FP)/(1−global) = "
                   f"{np.mean([(1 - a) / (1 - b) for a, b in zip(vals['OLL+FP(ψ)'], vals['global'])]):.3f}")
         report[split_name] = {"wma": rows, "outside": outside_counts, "holdout": holdout_sizes}
-    engine = plot_lines(OUT_DIR / "personalization.png",
+    stem = "personalization" if args.image_size == IMAGE_SIZE else f"personalization-{args.image_size}px"
+    engine = plot_lines(OUT_DIR / f"{stem}.png",
                         [{"title": f"{s}: per-device accuracy CDF (Fed3R head, seed {args.seeds[0]})",
                           "xlabel": "device accuracy", "ylabel": "fraction of devices",
                           "lines": {k.split(": ")[1]: v for k, v in cdf_lines.items() if k.startswith(s)}}
                          for s in SPLITS])
-    (OUT_DIR / "personalization.json").write_text(json.dumps(report, indent=1))
-    print(f"\nwrote {OUT_DIR / 'personalization.png'} ({engine}) and personalization.json")
+    (OUT_DIR / f"{stem}.json").write_text(json.dumps(report, indent=1))
+    print(f"\nwrote {OUT_DIR / stem}.png ({engine}) and {stem}.json")
 
 
 if __name__ == "__main__":
