@@ -23,6 +23,7 @@ Learning-rate rule (spec §4): devices get ``client_lr`` × 0.1 when the head is
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import zlib
@@ -141,7 +142,7 @@ class FedAvgJob:
                              f"({config.num_classes}, {config.feature_dim}); fit with fit_intercept and "
                              "without random features")
         if config.init != "fed3r":
-            config = FedAvgConfig(**{**config.to_dict(), "init": "fed3r"})
+            config = dataclasses.replace(config, init="fed3r")      # keeps a subclass's fields
         return cls(config, initial_head={"weight": ridge_model.coef_, "bias": ridge_model.intercept_})
 
     # ------------------------------------------------------------------ scheduling

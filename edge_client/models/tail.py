@@ -15,6 +15,13 @@ BatchNorm in the tail is frozen (the issue's rule for training programs): every
 shift`` whose scale and shift are buffers computed from the pretrained statistics. It is
 the eval-mode BatchNorm (up to float rounding), its backward needs only mul/add kernels, and
 no running statistic can drift during local training.
+
+Pointwise (1×1, stride 1, ungrouped) convolutions in the tail become :class:`PointwiseConv2d`:
+the same weight tensor (same name and shape), computed as a matrix product over the channels.
+The training program runs on ExecuTorch's portable kernels (no delegate for training graphs),
+whose convolution and convolution-backward are plain loops: a training step of MobileNetV2's
+last stage (1×1, 320 → 1280) took 595 ms at batch 32 as a convolution and 33 ms as a matrix
+product (eager torch: 7 ms).
 """
 
 from __future__ import annotations
@@ -23,10 +30,12 @@ import copy
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from edge_client.models import Backbone
 
-__all__ = ["FrozenBatchNorm2d", "TailModel", "freeze_batchnorm", "split_backbone", "tail_parameter_shapes"]
+__all__ = ["FrozenBatchNorm2d", "PointwiseConv2d", "TailModel", "freeze_batchnorm", "split_backbone",
+           "tail_parameter_shapes"]
 
 
 class FrozenBatchNorm2d(nn.Module):
@@ -60,16 +69,46 @@ def freeze_batchnorm(module: nn.Module) -> nn.Module:
     return module
 
 
+class PointwiseConv2d(nn.Module):
+    """A 1×1 convolution as a matrix product over channels; ``weight`` keeps the conv's
+    (out, in, 1, 1) shape, so state dicts and wire names do not change."""
+
+    def __init__(self, conv: nn.Conv2d) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(conv.weight.detach().clone())
+        self.bias = None if conv.bias is None else nn.Parameter(conv.bias.detach().clone())
+
+    @staticmethod
+    def replaces(module: nn.Module) -> bool:
+        return (isinstance(module, nn.Conv2d) and module.kernel_size == (1, 1) and module.stride == (1, 1)
+                and module.groups == 1 and module.dilation == (1, 1) and module.padding in ((0, 0), "valid"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out_channels, in_channels = self.weight.shape[:2]
+        y = F.linear(x.permute(0, 2, 3, 1), self.weight.view(out_channels, in_channels), self.bias)
+        return y.permute(0, 3, 1, 2)
+
+
+def pointwise_as_matmul(module: nn.Module) -> nn.Module:
+    """Replace every pointwise Conv2d inside ``module`` (in place) by its PointwiseConv2d."""
+    for name, child in module.named_children():
+        if PointwiseConv2d.replaces(child):
+            setattr(module, name, PointwiseConv2d(child))
+        else:
+            pointwise_as_matmul(child)
+    return module
+
+
 class TailModel(nn.Module):
     """The last stages of a backbone + global average pooling: activations -> features.
 
     ``stages`` parameters are the trainable ones (named ``stages.<i>.<...>``); BatchNorm is
-    frozen. Pooling is spelled like ``Backbone.forward`` so features agree with the backbone.
+    frozen, pointwise convolutions are matrix products. Pooling is spelled like ``Backbone.forward`` so features agree with the backbone.
     """
 
     def __init__(self, stages: list[nn.Module]) -> None:
         super().__init__()
-        self.stages = freeze_batchnorm(nn.Sequential(*stages))
+        self.stages = pointwise_as_matmul(freeze_batchnorm(nn.Sequential(*stages)))
 
     def forward(self, activations: torch.Tensor) -> torch.Tensor:
         feature_map = self.stages(activations)

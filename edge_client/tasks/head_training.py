@@ -208,19 +208,20 @@ class HeadTrainingTask:
     """Handler for ``fedavg.head``: ``(params, tensors) -> (body, tensors)``.
 
     ``training_manifest``: path of an exported bundle's manifest.json with a training program;
-    loaded once, on first use. A bundle that fails verification makes the task decline (a
+    loaded once, on first use (or pass an already loaded ``session``, e.g. one shared by
+    emulated devices that take turns on one CPU; every task sets all of its tensors). A bundle that fails verification makes the task decline (a
     tampered program must never be replaced silently); a runtime that is not installed falls
     back to eager torch.
     """
 
     def __init__(self, images: np.ndarray, labels: np.ndarray, extractor_factory: ExtractorFactory,
-                 training_manifest: str | None = None):
+                 training_manifest: str | None = None, session=None):
         if len(images) != len(labels):
             raise ValueError("images and labels differ in length")
         self.images, self.labels = images, np.asarray(labels, dtype=np.int64)
         self.extractor_factory = extractor_factory
         self.training_manifest = training_manifest
-        self._session = None
+        self._session = session
         self.last: TrainedHead | None = None
 
     def _training_session(self):

@@ -61,18 +61,20 @@ class TailTrainingTask:
 
     ``manifest``: the bundle with the trunk and tail_training programs. ``trunk``: an object
     with ``extract(images) -> (n, c, h, w)`` (default: a :class:`TrunkActivations` of that
-    bundle, made on first use; emulated devices share one).
+    bundle, made on first use; emulated devices share one). ``session``: an already loaded
+    ``TrainingSession`` of that bundle's tail_training program (default: loaded on first use);
+    devices that take turns on one CPU can share one, since every task sets all its tensors.
     """
 
     def __init__(self, images: np.ndarray, labels: np.ndarray, manifest: str | Path | None,
-                 trunk=None, cache_dir: str | None = None):
+                 trunk=None, cache_dir: str | None = None, session=None):
         if len(images) != len(labels):
             raise ValueError("images and labels differ in length")
         self.images, self.labels = images, np.asarray(labels, dtype=np.int64)
         self.manifest_path = manifest
         self.cache_dir = cache_dir
         self._trunk = trunk
-        self._session = None
+        self._session = session
         self.last_steps = 0
         self.last_loss = float("nan")
 
