@@ -181,3 +181,31 @@ def run_aggregator(workdir: Path, broker_url: str, state: Path, crash: str | Non
     proc = subprocess.run(aggregator_cmd(workdir, broker_url, state, extra), env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=timeout)
     return proc.returncode, proc.stdout + proc.stderr + f"\n[{time.monotonic() - t0:.1f}s]"
+
+
+class RecordingService:
+    """An in-process AggregatorService run on a thread, recording every payload it receives, so
+    a test can check what the aggregator saw (e.g. nothing but masked vectors)."""
+
+    def __init__(self, job, broker_url: str, workdir: Path, enrolled: set[str], timeout_s: float = 150, **options):
+        from aggregator.service import AggregatorService
+
+        self.svc = AggregatorService(job, BrokerConfig.from_url(broker_url), workdir, enrolled=enrolled, **options)
+        self.seen: list[bytes] = []
+        original = self.svc._on_payload
+        self.svc._on_payload = lambda topic, payload: (self.seen.append(payload), original(topic, payload))
+        self.result: dict = {}
+        self.thread = threading.Thread(target=lambda: self.result.update(self.svc.run(timeout_s=timeout_s)),
+                                       daemon=True)
+        self.thread.start()
+
+    def join(self, timeout_s: float = 150) -> dict:
+        self.thread.join(timeout_s)
+        return self.result
+
+    def received_envelopes(self):
+        """The envelopes reassembled from everything received, in arrival order."""
+        from protocols.chunking import MessageAssembler
+
+        assembler = MessageAssembler()
+        return [env for env in map(assembler.feed, self.seen) if env is not None]

@@ -9,14 +9,13 @@ import time
 
 import numpy as np
 import paho.mqtt.client as mqtt
-import pytest
 
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
 from aggregator.service import AggregatorService
 from edge_client.agent import DeviceAgent
 from edge_client.fed3r import Fed3RAccumulator
 from protocols import messages as M
-from protocols.envelope import Envelope, encode
+from protocols.envelope import encode
 from protocols.mqtt_link import BrokerConfig
 from protocols.payloads.fed3r import encode_stats
 from protocols.topics import Topics
@@ -123,7 +122,6 @@ def test_fed3r_over_mosquitto_with_hostile_traffic_equals_plain_sum(broker, tmp_
 def test_duplicate_deliveries_are_applied_once(broker, tmp_path):
     devices = ["solo"]
     svc, thread, result = start_service(broker, tmp_path, devices)
-    link_msgs = []
     agent = DeviceAgent("solo", BrokerConfig.from_url(broker.url), {"fed3r.stats": SyntheticStats(0)},
                         retry_after_s=0.3)  # aggressive retries -> the server sees the same id several times
     agent.start()

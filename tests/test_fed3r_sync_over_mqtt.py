@@ -2,12 +2,10 @@
 aggregator sees only masked vectors and group sums, one device drops out mid-round, and the
 classifier equals centralized ridge over the surviving devices' data."""
 
-import threading
-import time
 
 import numpy as np
 import pytest
-from ops_fleet import Features
+from ops_fleet import Features, RecordingService
 from sklearn.linear_model import Ridge
 
 from aggregator.jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob
@@ -35,14 +33,8 @@ def test_secure_fed3r_sync_equals_centralized_ridge_over_survivors(broker, tmp_p
     cfg = Fed3RSyncConfig(job_id="sync", num_classes=C, feature_dim=D, clients_per_round=4, expected_devices=8,
                           round_timeout_s=60, phase_timeout_s=3, max_samples=100, max_attempts=1)
     job = Fed3RSyncJob(cfg, identity=agg, registry=registry)
-    svc = AggregatorService(job, BrokerConfig.from_url(broker.url), tmp_path, enrolled=set(ids))
-    # record everything the aggregator receives on device outboxes
-    seen = []
-    original = svc._on_payload
-    svc._on_payload = lambda topic, payload: (seen.append(payload), original(topic, payload))
-    result = {}
-    thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=120)), daemon=True)
-    thread.start()
+    # records everything the aggregator receives on device outboxes
+    service = RecordingService(job, broker.url, tmp_path, set(ids), timeout_s=120)
     dropper = "dev5"
 
     def drop(elapsed):
@@ -56,7 +48,7 @@ def test_secure_fed3r_sync_equals_centralized_ridge_over_survivors(broker, tmp_p
         hooks = AgentHooks(after_compute=drop, offline_after_dropout_s=600) if d == dropper else AgentHooks()
         agents.append(DeviceAgent(d, BrokerConfig.from_url(broker.url), {}, hooks=hooks,
                                   protocol_handlers={SYNC_KIND: handler, SECAGG_TYPE: handler}).start())
-    thread.join(120)
+    result = service.join(120)
     for a in agents:
         a.stop()
     assert result.get("state") == "done", result
@@ -73,7 +65,7 @@ def test_secure_fed3r_sync_equals_centralized_ridge_over_survivors(broker, tmp_p
     from protocols.chunking import MessageAssembler
     asm = MessageAssembler()
     kinds = set()
-    for p in seen:
+    for p in service.seen:
         try:
             env = asm.feed(p)
         except Exception:

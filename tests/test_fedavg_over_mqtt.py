@@ -12,7 +12,7 @@ from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob
 from aggregator.service import AggregatorService
 from edge_client.agent import DeviceAgent
 from edge_client.tasks.head_training import HeadTrainingTask
-from protocols.envelope import Envelope, decode, encode
+from protocols.envelope import decode, encode
 from protocols.messages import TaskRef, result_message
 from protocols.mqtt_link import BrokerConfig
 from protocols.rounds import RoundClosed

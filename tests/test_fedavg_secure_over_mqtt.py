@@ -2,15 +2,13 @@
 head equals an in-process plain FedAvg replay of the same rounds over the devices in each sum.
 A device whose trained head breaks the round's bound declines; the round goes on without it."""
 
-import threading
 
 import numpy as np
 import pytest
-from ops_fleet import Features
+from ops_fleet import Features, RecordingService
 
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob
 from aggregator.jobs.secure_fedavg import SecureFedAvgConfig, SecureFedAvgJob
-from aggregator.service import AggregatorService
 from edge_client.agent import DeviceAgent
 from edge_client.tasks.head_training import HeadTrainingTask
 from edge_client.tasks.secure_head_training import SecureHeadTraining
@@ -43,14 +41,7 @@ def test_secure_fedavg_equals_plain_fedavg_over_the_summed_devices(broker, tmp_p
                  local_epochs=2, batch_size=8, client_lr=0.05, server_momentum=momentum, expected_devices=6, seed=4)
     job = SecureFedAvgJob(SecureFedAvgConfig(**plain, max_samples=100, max_abs_param=20.0, phase_timeout_s=3),
                           identity=agg, registry=registry)
-    svc = AggregatorService(job, BrokerConfig.from_url(broker.url), tmp_path, enrolled=set(ids),
-                            evaluate_every_contribution=False)
-    seen = []                                       # everything the aggregator receives
-    original = svc._on_payload
-    svc._on_payload = lambda topic, payload: (seen.append(payload), original(topic, payload))
-    result = {}
-    thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=150)), daemon=True)
-    thread.start()
+    service = RecordingService(job, broker.url, tmp_path, set(ids), evaluate_every_contribution=False)
     tasks = {d: device_task(i, 1000.0 if d == OUTLIER else 1.0) for i, d in enumerate(ids)}
     agents = []
     for d in ids:
@@ -58,7 +49,7 @@ def test_secure_fedavg_equals_plain_fedavg_over_the_summed_devices(broker, tmp_p
         secure = SecureHeadTraining(identities[d], agg.public_key_bytes, tasks[d], sessions)
         agents.append(DeviceAgent(d, BrokerConfig.from_url(broker.url), {},
                                   protocol_handlers={SECURE_FEDAVG_KIND: secure, SECAGG_TYPE: sessions}).start())
-    thread.join(150)
+    result = service.join(150)
     for a in agents:
         a.stop()
     assert result.get("state") == "done", result
@@ -83,11 +74,7 @@ def test_secure_fedavg_equals_plain_fedavg_over_the_summed_devices(broker, tmp_p
     assert not np.allclose(job.params["weight"], FedAvgJob(FedAvgConfig(**plain)).params["weight"])   # it trained
     assert job.samples == sum(N for r in result["rounds"] for _ in r["accepted"])
     # no head ever reached the aggregator in the clear: only secagg messages and declines
-    from protocols.chunking import MessageAssembler
-    asm, types = MessageAssembler(), set()
-    for payload in seen:
-        env = asm.feed(payload)
-        if env is not None:
-            types.add(env.type)
-            assert "weight" not in env.tensors and "bias" not in env.tensors
+    envelopes = service.received_envelopes()
+    assert not any("weight" in env.tensors or "bias" in env.tensors for env in envelopes)
+    types = {env.type for env in envelopes}
     assert "secagg" in types and "result" not in types

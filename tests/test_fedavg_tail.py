@@ -312,7 +312,8 @@ def test_secure_ft_phi_over_mosquitto_equals_the_plain_mean_of_the_summed_device
     from aggregator.jobs.secure_fedavg import SecureTailFedAvgConfig, SecureTailFedAvgJob
     from edge_client.tasks.secure_head_training import SecureHeadTraining
     from edge_client.tasks.secure_update import SecAggSessions
-    from protocols.chunking import MessageAssembler
+    from ops_fleet import RecordingService
+
     from protocols.identity import DeviceIdentity, IdentityRegistry
     from protocols.payloads.secagg import SECAGG_TYPE, SECURE_TAIL_KIND
 
@@ -327,14 +328,7 @@ def test_secure_ft_phi_over_mosquitto_equals_the_plain_mean_of_the_summed_device
     job = SecureTailFedAvgJob(SecureTailFedAvgConfig(**cfg, max_samples=100, max_abs_param=50.0, phase_timeout_s=5),
                               identity=agg, registry=registry)
     start = {k: v.copy() for k, v in job.params.items()}
-    svc = AggregatorService(job, BrokerConfig.from_url(broker.url), tmp_path, enrolled=set(ids),
-                            evaluate_every_contribution=False)
-    seen = []
-    original = svc._on_payload
-    svc._on_payload = lambda topic, payload: (seen.append(payload), original(topic, payload))
-    result = {}
-    thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=150)), daemon=True)
-    thread.start()
+    service = RecordingService(job, broker.url, tmp_path, set(ids), evaluate_every_contribution=False)
     agents = []
     for d in ids:
         sessions = SecAggSessions(d)
@@ -342,7 +336,7 @@ def test_secure_ft_phi_over_mosquitto_equals_the_plain_mean_of_the_summed_device
                                     TailTrainingTask(images[shards[d]], labels[shards[d]], bundle), sessions)
         agents.append(DeviceAgent(d, BrokerConfig.from_url(broker.url), {},
                                   protocol_handlers={SECURE_TAIL_KIND: secure, SECAGG_TYPE: sessions}).start())
-    thread.join(150)
+    result = service.join(150)
     for a in agents:
         a.stop()
     assert result.get("state") == "done", result
@@ -366,10 +360,7 @@ def test_secure_ft_phi_over_mosquitto_equals_the_plain_mean_of_the_summed_device
                                rtol=0, atol=1e-5)
     for name in ("weight", "bias"):
         np.testing.assert_array_equal(job.params[name], start[name])
-    asm, types = MessageAssembler(), set()
-    for payload in seen:
-        env = asm.feed(payload)
-        if env is not None:
-            types.add(env.type)
-            assert not any(name.startswith("tail.") for name in env.tensors)
+    envelopes = service.received_envelopes()
+    assert not any(name.startswith("tail.") for env in envelopes for name in env.tensors)
+    types = {env.type for env in envelopes}
     assert "secagg" in types and "result" not in types

@@ -10,9 +10,9 @@ import threading
 
 import numpy as np
 import pytest
+from ops_fleet import RecordingService
 
 from aggregator.jobs.secure_ladd import SecureLaddConfig, SecureLaddJob
-from aggregator.service import AggregatorService
 from edge_client.agent import DeviceAgent, TaskDeclined
 from edge_client.models.segmentation import SegmentationModel, SegmentationSpec
 from edge_client.tasks.ladd_training import LaddStyleTask, LaddTrainTask
@@ -252,14 +252,7 @@ def test_secure_ladd_rounds_over_mqtt_equal_numpy_cluster_means(broker, tmp_path
 
     job = make_job(identities, agg)
     job.evaluator = snapshot
-    svc = AggregatorService(job, BrokerConfig.from_url(broker.url), tmp_path, enrolled=set(ids),
-                            evaluate_every_contribution=False)
-    seen = []
-    original = svc._on_payload
-    svc._on_payload = lambda topic, payload: (seen.append(payload), original(topic, payload))
-    result = {}
-    thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=120)), daemon=True)
-    thread.start()
+    service = RecordingService(job, broker.url, tmp_path, set(ids), timeout_s=120, evaluate_every_contribution=False)
     agents, secure = [], {}
     for dev in fleet:
         d = dev.device_id
@@ -268,7 +261,7 @@ def test_secure_ladd_rounds_over_mqtt_equal_numpy_cluster_means(broker, tmp_path
                                   LaddTrainTask(dev.images, shared_model, _MODEL_LOCK), sessions)
         agents.append(DeviceAgent(d, BrokerConfig.from_url(broker.url), {KIND_STYLE: LaddStyleTask(dev.images)},
                                   protocol_handlers={SECURE_LADD_KIND: secure[d], SECAGG_TYPE: sessions}).start())
-    thread.join(120)
+    result = service.join(120)
     for a in agents:
         a.stop()
     assert result.get("state") == "done", result
@@ -320,7 +313,7 @@ def test_secure_ladd_rounds_over_mqtt_equal_numpy_cluster_means(broker, tmp_path
     plain = [a[name].tobytes()[:64] for d in ids for a, _, _ in secure[d].updates.values() for name in a
              if a[name].size >= 16]
     asm, types, masked = MessageAssembler(), set(), 0
-    for payload in seen:
+    for payload in service.seen:
         assert not any(p in payload for p in plain)
         env = asm.feed(payload)
         if env is None:

@@ -3,7 +3,7 @@
 from protocols.messages import TaskRef
 from protocols.rounds import (AckArrived, ResultSent, ApplyResult, Declined, DeviceLost, DeviceSession, DeviceState, ResultArrived,
                               ResultInvalid, RoundClosed, RoundCoordinator, SendAck, SendDecline, SendResult,
-                              StartWork, TaskArrived, Tick, WorkFailed, WorkFinished)
+                              TaskArrived, Tick, WorkFailed, WorkFinished)
 
 
 def coord(devs=("a", "b", "c"), deadline=100.0):
