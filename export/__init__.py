@@ -9,6 +9,11 @@ from __future__ import annotations
 
 __all__ = ["ExportError", "ParityError", "export_bundle"]
 
+# Bumped whenever the exporter writes different programs for the same inputs (e.g. revision 2:
+# tail programs compute pointwise convolutions as matrix products). Caches of exported bundles
+# (fedfleet.bundles) include it in their keys, so they never serve a bundle from older code.
+EXPORTER_REVISION = 2
+
 
 def __getattr__(name: str):
     if name in __all__:

@@ -3,8 +3,9 @@
 The emulated fleet and ``fedfleet device`` turn a (backbone, image size) into a feature
 extractor: ``eager`` runs the torch model (development), ``executorch`` / ``onnxruntime`` run
 the exported program from a bundle under ``bundle_root`` (exported on first use, parity-checked
-against eager, sha256-verified on every load). Bundles are keyed by backbone, image size and the
-weights' sha256, so new weights never reuse a stale program.
+against eager, sha256-verified on every load). Bundles are keyed by backbone, image size, the
+weights' sha256 and the exporter's revision, so new weights or a changed exporter never reuse a
+stale program.
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ from pathlib import Path
 
 from edge_client.features import FeatureExtractor
 from edge_client.models import weights_sha256
+from export import EXPORTER_REVISION
 
 DEFAULT_BUNDLE_ROOT = Path(".cache/bundles")
 RUNTIMES = ("eager", "executorch", "onnxruntime")
 
 
 def bundle_dir(backbone: str, image_size: int, root: Path = DEFAULT_BUNDLE_ROOT) -> Path:
-    return Path(root) / f"{backbone}-{image_size}px-{weights_sha256(backbone)[:12]}"
+    return Path(root) / f"{backbone}-{image_size}px-{weights_sha256(backbone)[:12]}-r{EXPORTER_REVISION}"
 
 
 def ensure_bundle(backbone: str, image_size: int, root: Path = DEFAULT_BUNDLE_ROOT) -> Path:
