@@ -42,7 +42,8 @@ def _plot_lines_pil(path: Path, panels: list[dict]) -> str:
     colors = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189),
               (140, 86, 75), (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207)]
     def ascii_only(text: str) -> str:   # PIL's default bitmap font has no Greek letters
-        for greek, latin in (("ψ", "psi"), ("β", "beta"), ("κ", "kappa"), ("−", "-"), ("±", "+-")):
+        for greek, latin in (("ψ", "psi"), ("φ", "phi"), ("β", "beta"), ("κ", "kappa"), ("−", "-"), ("±", "+-"),
+                             ("×", "x")):
             text = text.replace(greek, latin)
         return text
 
@@ -66,8 +67,8 @@ def _plot_lines_pil(path: Path, panels: list[dict]) -> str:
             draw.text((ox + 5, py - 6), f"{yv:.3g}", fill="black")
             draw.text((px - 12, H - B + 4), f"{10 ** xv:.3g}" if panel.get("logx") else f"{xv:.3g}", fill="black")
         draw.text((ox + L, 8), ascii_only(panel["title"]), fill="black")
-        draw.text((ox + W // 2 - 40, H - 16), panel["xlabel"], fill="black")
-        draw.text((ox + 5, T - 14), panel["ylabel"], fill="black")
+        draw.text((ox + W // 2 - 40, H - 16), ascii_only(panel["xlabel"]), fill="black")
+        draw.text((ox + 5, T - 14), ascii_only(panel["ylabel"]), fill="black")
         for i, (label, (x, y)) in enumerate(lines.items()):
             color = colors[i % len(colors)]
             pts = [to_px(a, b) for a, b in zip(x, y)]
