@@ -4,7 +4,11 @@ For each backbone and input size (default MobileNetV2 at 64/128/224 px) the scri
 a bundle (``export.export_bundle``, into a temporary directory), loads its three inference
 artifacts through ``edge_client.runtime`` (ExecuTorch + XNNPACK, ONNX Runtime, eager torch)
 and times ``run`` on real Fashion-MNIST images at batch 1 and batch 32. It then times one
-SGD step of the head's training program (ExecuTorch) against the eager head.
+SGD step of the head's training program (ExecuTorch) against the eager head, and one
+forward/backward of the FT(φ) tail program (MobileNetV2's last stage + head, 64 px) as
+exported (pointwise convolutions as matrix products) against the same tail exported with
+convolutions (``conv/matmul``: what ``edge_client.models.tail.PointwiseConv2d`` gains on
+ExecuTorch's portable training kernels) and against eager torch.
 
 All runtimes get the same thread count (``--threads``, default: every core; torch.set_num_threads,
 ORT intra-op threads, the ExecuTorch threadpool that XNNPACK runs on), read back from each
@@ -154,6 +158,37 @@ def bench_inference(backbone: str, size: int, images: np.ndarray, args, workdir:
     return rows
 
 
+def bench_tail_step(args, batch: int = 32) -> dict:
+    """Seconds per forward/backward of the 1-stage tail + head training program, ExecuTorch
+    (matmul and conv spellings of the pointwise convolution) and eager torch."""
+    from executorch.extension.training import _load_for_executorch_for_training_from_buffer
+
+    from edge_client.models import build_backbone
+    from edge_client.models.tail import TailModel
+    from edge_client.runtime.program_modules import TemperatureScaledHead
+    from export.training_program import lower_training_program
+
+    backbone = build_backbone("mobilenet_v2")
+    shape = (320, 2, 2)                                   # the last stage's input at 64 px
+    rng = np.random.default_rng(0)
+    example = (torch.from_numpy(rng.random((batch, *shape), dtype=np.float32)),
+               torch.arange(batch, dtype=torch.int64) % 10, torch.ones(batch))
+    calls, programs = {}, []     # the loader does not copy a program's bytes: keep them alive
+    for name, matmul in (("matmul", True), ("conv", False)):
+        head = TemperatureScaledHead(1280, 10, 0.1, TailModel([backbone.features[-1]], pointwise_matmul=matmul))
+        with torch.no_grad():
+            head.weight.normal_(0, 0.05)
+        programs.append(lower_training_program(head, batch, shape))
+        module = _load_for_executorch_for_training_from_buffer(programs[-1])
+        calls[name] = lambda module=module: module.forward_backward("forward", example)
+        if matmul:
+            def eager(head=head):
+                head.zero_grad(set_to_none=True)
+                head(*example)[0].backward()
+            calls["eager"] = eager
+    return interleaved_medians(calls, args.warmup, args.repeats, args.clock, args.settle)
+
+
 def bench_training(workdir: Path, features: np.ndarray, labels: np.ndarray, args) -> dict:
     manifest_path = export_bundle("mobilenet_v2", workdir / "training", num_classes=10,
                                   image_size=64, inference_runtimes=(),
@@ -225,6 +260,11 @@ def main() -> None:
               f"ExecuTorch program {training['executorch']:.3f} ms, eager torch "
               f"{training['eager']:.3f} ms, eager/pte = "
               f"{training['eager'] / training['executorch']:.2f}")
+        tail = bench_tail_step(args)
+        print(f"tail training step (MobileNetV2 last stage + head, 64 px, batch 32): ExecuTorch "
+              f"{tail['matmul'] * 1e3:.1f} ms as exported (pointwise as matmul), {tail['conv'] * 1e3:.1f} ms "
+              f"with convolutions, eager torch {tail['eager'] * 1e3:.1f} ms; conv/matmul = "
+              f"{tail['conv'] / tail['matmul']:.1f}, eager/matmul = {tail['eager'] / tail['matmul']:.2f}")
 
 
 if __name__ == "__main__":
