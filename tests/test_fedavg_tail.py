@@ -364,3 +364,62 @@ def test_secure_ft_phi_over_mosquitto_equals_the_plain_mean_of_the_summed_device
     assert not any(name.startswith("tail.") for env in envelopes for name in env.tensors)
     types = {env.type for env in envelopes}
     assert "secagg" in types and "result" not in types
+
+
+def test_manifest_refuses_inconsistent_tail_sections(bundle, tmp_path):
+    """A bundle whose tail programs do not match its tail section is refused before any load."""
+    import json
+    import shutil
+
+    from edge_client.runtime import ManifestError
+
+    def broken(edit):
+        copy_dir = tmp_path / f"b{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(bundle.parent, copy_dir)
+        data = json.loads((copy_dir / "manifest.json").read_text())
+        edit(data)
+        (copy_dir / "manifest.json").write_text(json.dumps(data))
+        return copy_dir
+
+    def drop_tail(d):
+        del d["tail"]
+
+    def wrong_activations(d):
+        d["tail"]["activation_shape"] = [320, 2, 2]
+
+    def unnamed_parameter(d):
+        d["tail"]["parameters"] = {"stages.0.0.weight": [1280, 320, 1, 1]}
+
+    def wrong_parameter_shape(d):
+        d["tail"]["parameters"]["tail.stages.0.0.weight"] = [1280, 321, 1, 1]
+
+    for edit, match in ((drop_tail, "needs the manifest's tail section"), (wrong_activations, "activations"),
+                        (unnamed_parameter, "tail"), (wrong_parameter_shape, "trainable_parameters|parameters")):
+        with pytest.raises(ManifestError, match=match):
+            read_manifest(broken(edit))
+
+
+def test_secure_update_declines_a_vector_order_that_is_not_what_it_trained(bundle, fmnist):
+    """fedavg.tail.secure: the device packs exactly the tensors it trained, in the task's order;
+    an order naming other tensors is declined before anything is masked."""
+    from edge_client.tasks.secure_head_training import SecureHeadTraining
+    from protocols.identity import DeviceIdentity
+    from protocols.payloads.secagg import pack_weighted, unpack_weighted_sum
+
+    images, labels = fmnist[0][:10], fmnist[1][:10]
+    start = _model(TailProgram(bundle.parent / "tail_eval.pt2"))
+    secure = SecureHeadTraining(DeviceIdentity.generate("s0"), DeviceIdentity.generate("agg").public_key_bytes,
+                                TailTrainingTask(images, labels, bundle))
+    params = _params(max_samples=100, max_abs_param=50.0)
+    for order in (["weight", "bias"], ["tail.stages.0.0.weight", "tail.stages.0.0.weight"], "tail.stages.0.0.weight"):
+        with pytest.raises(TaskDeclined, match="vector_order"):
+            secure.vector({**params, "vector_order": order}, start)
+    vector = secure.vector({**params, "vector_order": ["tail.stages.0.0.weight"]}, start)
+    sums, n = unpack_weighted_sum(vector, {"tail.stages.0.0.weight": (1280, 320, 1, 1)})
+    assert n == 10 and np.isfinite(sums["tail.stages.0.0.weight"]).all()
+    with pytest.raises(ValueError, match="weighted sum has shape"):
+        unpack_weighted_sum(vector[:-1], {"tail.stages.0.0.weight": (1280, 320, 1, 1)})
+    with pytest.raises(ValueError, match="vector order"):
+        pack_weighted({"a": np.zeros(2)}, ["a", "b"], 1)
+    with pytest.raises(TaskDeclined, match="bound"):
+        secure.vector({**params, "max_abs_param": 1e-6, "vector_order": ["tail.stages.0.0.weight"]}, start)
