@@ -209,3 +209,20 @@ class RecordingService:
 
         assembler = MessageAssembler()
         return [env for env in map(assembler.feed, self.seen) if env is not None]
+
+
+def start_secure_fedavg_agents(broker_url: str, identities: dict, aggregator_key: bytes, kind: str,
+                               tasks: dict) -> list:
+    """One started DeviceAgent per device that answers ``kind`` (fedavg.secure / fedavg.tail.secure)
+    by masking what its plain FedAvg-family handler ``tasks[device]`` trained."""
+    from edge_client.tasks.secure_fedavg_training import SecureFedAvgTraining
+    from edge_client.tasks.secure_update import SecAggSessions
+    from protocols.payloads.secagg import SECAGG_TYPE
+
+    agents = []
+    for device, task in tasks.items():
+        sessions = SecAggSessions(device)
+        secure = SecureFedAvgTraining(identities[device], aggregator_key, task, sessions)
+        agents.append(DeviceAgent(device, BrokerConfig.from_url(broker_url), {},
+                                  protocol_handlers={kind: secure, SECAGG_TYPE: sessions}).start())
+    return agents

@@ -5,19 +5,15 @@ A device whose trained head breaks the round's bound declines; the round goes on
 
 import numpy as np
 import pytest
-from ops_fleet import Features, RecordingService
+from ops_fleet import Features, RecordingService, start_secure_fedavg_agents
 
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob
 from aggregator.jobs.secure_fedavg import SecureFedAvgConfig, SecureFedAvgJob
-from edge_client.agent import DeviceAgent
 from edge_client.tasks.head_training import HeadTrainingTask
-from edge_client.tasks.secure_head_training import SecureHeadTraining
-from edge_client.tasks.secure_update import SecAggSessions
 from protocols.envelope import decode, encode
 from protocols.identity import DeviceIdentity, IdentityRegistry
 from protocols.messages import TaskRef, result_message
-from protocols.mqtt_link import BrokerConfig
-from protocols.payloads.secagg import SECAGG_TYPE, SECURE_FEDAVG_KIND
+from protocols.payloads.secagg import SECURE_FEDAVG_KIND
 from protocols.rounds import RoundClosed
 
 D, C, N = 6, 3, 30
@@ -43,12 +39,7 @@ def test_secure_fedavg_equals_plain_fedavg_over_the_summed_devices(broker, tmp_p
                           identity=agg, registry=registry)
     service = RecordingService(job, broker.url, tmp_path, set(ids), evaluate_every_contribution=False)
     tasks = {d: device_task(i, 1000.0 if d == OUTLIER else 1.0) for i, d in enumerate(ids)}
-    agents = []
-    for d in ids:
-        sessions = SecAggSessions(d)
-        secure = SecureHeadTraining(identities[d], agg.public_key_bytes, tasks[d], sessions)
-        agents.append(DeviceAgent(d, BrokerConfig.from_url(broker.url), {},
-                                  protocol_handlers={SECURE_FEDAVG_KIND: secure, SECAGG_TYPE: sessions}).start())
+    agents = start_secure_fedavg_agents(broker.url, identities, agg.public_key_bytes, SECURE_FEDAVG_KIND, tasks)
     result = service.join(150)
     for a in agents:
         a.stop()

@@ -310,12 +310,10 @@ def test_secure_ft_phi_over_mosquitto_equals_the_plain_mean_of_the_summed_device
     n_k-weighted mean of what the devices in the sum trained (recomputed here in plaintext with
     the same handlers), the head stays frozen, and no tail tensor reaches the aggregator in the clear."""
     from aggregator.jobs.secure_fedavg import SecureTailFedAvgConfig, SecureTailFedAvgJob
-    from edge_client.tasks.secure_head_training import SecureHeadTraining
-    from edge_client.tasks.secure_update import SecAggSessions
-    from ops_fleet import RecordingService
+    from ops_fleet import RecordingService, start_secure_fedavg_agents
 
     from protocols.identity import DeviceIdentity, IdentityRegistry
-    from protocols.payloads.secagg import SECAGG_TYPE, SECURE_TAIL_KIND
+    from protocols.payloads.secagg import SECURE_TAIL_KIND
 
     images, labels = fmnist
     ids = [f"s{i}" for i in range(4)]
@@ -329,13 +327,8 @@ def test_secure_ft_phi_over_mosquitto_equals_the_plain_mean_of_the_summed_device
                               identity=agg, registry=registry)
     start = {k: v.copy() for k, v in job.params.items()}
     service = RecordingService(job, broker.url, tmp_path, set(ids), evaluate_every_contribution=False)
-    agents = []
-    for d in ids:
-        sessions = SecAggSessions(d)
-        secure = SecureHeadTraining(identities[d], agg.public_key_bytes,
-                                    TailTrainingTask(images[shards[d]], labels[shards[d]], bundle), sessions)
-        agents.append(DeviceAgent(d, BrokerConfig.from_url(broker.url), {},
-                                  protocol_handlers={SECURE_TAIL_KIND: secure, SECAGG_TYPE: sessions}).start())
+    agents = start_secure_fedavg_agents(broker.url, identities, agg.public_key_bytes, SECURE_TAIL_KIND,
+                                        {d: TailTrainingTask(images[shards[d]], labels[shards[d]], bundle) for d in ids})
     result = service.join(150)
     for a in agents:
         a.stop()
@@ -402,13 +395,13 @@ def test_manifest_refuses_inconsistent_tail_sections(bundle, tmp_path):
 def test_secure_update_declines_a_vector_order_that_is_not_what_it_trained(bundle, fmnist):
     """fedavg.tail.secure: the device packs exactly the tensors it trained, in the task's order;
     an order naming other tensors is declined before anything is masked."""
-    from edge_client.tasks.secure_head_training import SecureHeadTraining
+    from edge_client.tasks.secure_fedavg_training import SecureFedAvgTraining
     from protocols.identity import DeviceIdentity
     from protocols.payloads.secagg import pack_weighted, unpack_weighted_sum
 
     images, labels = fmnist[0][:10], fmnist[1][:10]
     start = _model(TailProgram(bundle.parent / "tail_eval.pt2"))
-    secure = SecureHeadTraining(DeviceIdentity.generate("s0"), DeviceIdentity.generate("agg").public_key_bytes,
+    secure = SecureFedAvgTraining(DeviceIdentity.generate("s0"), DeviceIdentity.generate("agg").public_key_bytes,
                                 TailTrainingTask(images, labels, bundle))
     params = _params(max_samples=100, max_abs_param=50.0)
     for order in (["weight", "bias"], ["tail.stages.0.0.weight", "tail.stages.0.0.weight"], "tail.stages.0.0.weight"):

@@ -7,8 +7,9 @@ replies go back as envelopes. The aggregator never sees the vector, only masked 
 group sum. A vector outside the round's signed bound is refused by the client before anything
 is sent (the device declines the task).
 
-Subclasses: ``SecureFed3R`` (statistics, ``secure_fed3r.py``) and ``SecureHeadTraining``
-(FedAvg head updates, ``secure_head_training.py``).
+Subclasses: ``SecureFed3R`` (statistics, ``secure_fed3r.py``) and ``SecureFedAvgTraining``
+(FedAvg updates of the head or the backbone tail, ``secure_fedavg_training.py``) and
+``SecureLaddTraining`` (``secure_ladd_training.py``).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from edge_client.tasks.fed3r_stats import Fed3RStatsTask
 from edge_client.tasks.head_training import HeadTrainingTask
 from edge_client.tasks.personalization import PersonalizeTask
 from edge_client.tasks.secure_fed3r import SecureFed3R
-from edge_client.tasks.secure_head_training import SecureHeadTraining
+from edge_client.tasks.secure_fedavg_training import SecureFedAvgTraining
 from edge_client.tasks.secure_update import SecAggSessions
 from edge_client.tasks.tail_training import TailTrainingTask, TrunkActivations
 from protocols.payloads.fed3r import KIND as FED3R_KIND
@@ -127,10 +127,10 @@ def secure_handlers(identity: DeviceIdentity, aggregator_key: bytes, handlers: d
     handlers; one session registry routes every secagg message."""
     sessions = SecAggSessions(identity.device_id)
     secure = {SYNC_KIND: SecureFed3R(identity, aggregator_key, handlers[FED3R_KIND], sessions),
-              SECURE_FEDAVG_KIND: SecureHeadTraining(identity, aggregator_key, handlers[FEDAVG_KIND], sessions),
+              SECURE_FEDAVG_KIND: SecureFedAvgTraining(identity, aggregator_key, handlers[FEDAVG_KIND], sessions),
               SECAGG_TYPE: sessions}
     if FEDAVG_TAIL_KIND in handlers:
-        secure[SECURE_TAIL_KIND] = SecureHeadTraining(identity, aggregator_key, handlers[FEDAVG_TAIL_KIND], sessions)
+        secure[SECURE_TAIL_KIND] = SecureFedAvgTraining(identity, aggregator_key, handlers[FEDAVG_TAIL_KIND], sessions)
     return secure
 
 

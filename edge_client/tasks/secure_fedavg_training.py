@@ -21,7 +21,7 @@ from ..agent import TaskDeclined
 from .secure_update import SecAggSessions, SecureUpdate
 
 
-class SecureHeadTraining(SecureUpdate):
+class SecureFedAvgTraining(SecureUpdate):
     """``training``: a FedAvg-family handler, ``(params, tensors) -> (body with n, trained tensors)``."""
 
     def __init__(self, identity: DeviceIdentity, aggregator_public_key: bytes, training,
@@ -43,4 +43,4 @@ class SecureHeadTraining(SecureUpdate):
         return pack_weighted(trained, order, n)
 
 
-__all__ = ["SecureHeadTraining"]
+__all__ = ["SecureFedAvgTraining"]
