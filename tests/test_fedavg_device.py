@@ -140,7 +140,7 @@ def eager_training_session(num_classes, feature_dim, batch, temperature=0.1):
     import torch
 
     from edge_client.runtime import TrainingSession
-    from edge_client.runtime.eager_runtime import EagerHeadTrainer, state_dict_to_bytes
+    from edge_client.runtime.eager_runtime import EagerTrainer, state_dict_to_bytes
     from edge_client.runtime.manifest import ArtifactSpec, BatchSpec, InputNormalisation, Manifest, TensorSpec
     from edge_client.runtime.program_modules import TemperatureScaledHead
 
@@ -153,7 +153,7 @@ def eager_training_session(num_classes, feature_dim, batch, temperature=0.1):
                         {"trainable_parameters": {"weight": [num_classes, feature_dim], "bias": [num_classes]}})
     manifest = Manifest("mobilenet_v2", "0" * 64, feature_dim, num_classes, temperature, "features",
                         InputNormalisation(32, (0.5,) * 3, (0.5,) * 3), (spec,), {})
-    return TrainingSession(EagerHeadTrainer(data, spec, manifest), spec, manifest)
+    return TrainingSession(EagerTrainer(data, spec, manifest), spec, manifest)
 
 
 def test_training_session_backend_matches_reference_including_weight_decay():

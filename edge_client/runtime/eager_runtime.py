@@ -17,7 +17,7 @@ from edge_client.runtime.errors import RuntimeUnavailableError
 from edge_client.runtime.manifest import ArtifactSpec, Manifest
 
 __all__ = [
-    "EagerHeadTrainer",
+    "EagerTrainer",
     "EagerInference",
     "state_dict_from_bytes",
     "state_dict_to_bytes",
@@ -96,8 +96,8 @@ class EagerInference:
             return self._model(torch.from_numpy(x)).numpy()
 
 
-class EagerHeadTrainer:
-    """The head with autograd and a plain SGD update ``p -= lr * g``."""
+class EagerTrainer:
+    """The training module (head, or tail + head) with autograd and a plain SGD update ``p -= lr * g``."""
 
     runtime = RUNTIME
 

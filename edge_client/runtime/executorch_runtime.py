@@ -32,7 +32,7 @@ from edge_client.runtime.manifest import ArtifactSpec
 
 __all__ = [
     "PIXELS_PER_CALL",
-    "ExecuTorchHeadTrainer",
+    "ExecuTorchTrainer",
     "ExecuTorchInference",
     "default_rows_per_call",
     "executorch_threads",
@@ -145,7 +145,7 @@ class ExecuTorchInference:
         return outputs[0].numpy().copy()
 
 
-class ExecuTorchHeadTrainer:
+class ExecuTorchTrainer:
     """One fixed-size batch at a time through the joint forward/backward program."""
 
     runtime = RUNTIME

@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from edge_client.runtime.base import check_parameter_dict
-from edge_client.runtime.eager_runtime import EagerHeadTrainer
-from edge_client.runtime.executorch_runtime import ExecuTorchHeadTrainer
+from edge_client.runtime.eager_runtime import EagerTrainer
+from edge_client.runtime.executorch_runtime import ExecuTorchTrainer
 from edge_client.runtime.manifest import ArtifactSpec, Manifest
 from edge_client.runtime.selection import open_first_available
 from edge_client.runtime.verification import load_manifest
@@ -37,8 +37,8 @@ TRAINING_RUNTIMES = ("executorch", "eager")
 
 # runtime name -> factory(verified file bytes, artifact spec, manifest) -> head trainer
 TRAINING_BACKENDS = {
-    "executorch": lambda data, spec, manifest: ExecuTorchHeadTrainer(data, spec),
-    "eager": lambda data, spec, manifest: EagerHeadTrainer(data, spec, manifest),
+    "executorch": lambda data, spec, manifest: ExecuTorchTrainer(data, spec),
+    "eager": lambda data, spec, manifest: EagerTrainer(data, spec, manifest),
 }
 
 
