@@ -38,6 +38,7 @@ import shutil
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -45,9 +46,9 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from aggregator.mask_expansion import CudaMaskApplier, pick_mask_applier  # noqa: E402
 from protocols.identity import DeviceIdentity  # noqa: E402
 from protocols.secagg import AggregateReady, MaskedInput, Phase, RoundConfig  # noqa: E402
-from protocols.secagg import server as server_module  # noqa: E402
 from protocols.secagg.crypto import apply_masks, default_mask_workers  # noqa: E402
 from protocols.secagg.driver import WireFrame, make_identities, run_round  # noqa: E402
 from protocols.secagg.server import ServerSecAgg  # noqa: E402
@@ -108,7 +109,7 @@ def timed(function, *args, **kwargs) -> tuple[float, float]:
 
 
 def secure_round(graph: str, n: int, m: int, consistency_check: bool, base: np.ndarray,
-                 dropout_phase: Phase, workers: int) -> dict:
+                 dropout_phase: Phase, workers: int, gpu_applier: CudaMaskApplier | None) -> dict:
     identities = {i.device_id: i for i in make_identities(n)}
     aggregator = DeviceIdentity.generate("aggregator")
     config = RoundConfig.create(job_id="bench", round_id=1, group_id="g", aggregator_id="aggregator",
@@ -119,9 +120,11 @@ def secure_round(graph: str, n: int, m: int, consistency_check: bool, base: np.n
     dropouts = {device: dropout_phase for device in dropped}
 
     # bench-only instrumentation: the share of server time spent unmasking, and the seeds whose
-    # masks the server removed (to time their expansion again with 1 and `workers` threads)
+    # masks the server removed (to time their expansion again with 1 and `workers` threads, and
+    # on the GPU)
     unmask_seconds, unmask_wall, removed_seeds = [], [], []
-    original_finish, original_apply = ServerSecAgg._finish, server_module.apply_masks
+    original_finish = ServerSecAgg._finish
+    applier = gpu_applier or partial(apply_masks, workers=workers)
 
     def timed_finish(server):
         started, started_wall = time.process_time(), time.perf_counter()
@@ -131,17 +134,18 @@ def secure_round(graph: str, n: int, m: int, consistency_check: bool, base: np.n
             unmask_seconds.append(time.process_time() - started)
             unmask_wall.append(time.perf_counter() - started_wall)
 
-    def recording_apply(accumulator, signed_seeds, workers=1):
+    def recording_apply(accumulator, signed_seeds):
         removed_seeds.extend(signed_seeds)
-        return original_apply(accumulator, signed_seeds, workers=workers)
+        applier(accumulator, signed_seeds)
 
-    ServerSecAgg._finish, server_module.apply_masks = timed_finish, recording_apply
+    ServerSecAgg._finish = timed_finish
     try:
         started = time.perf_counter()
-        run = run_round(config, aggregator, identities, inputs, dropouts=dropouts, server_workers=workers)
+        run = run_round(config, aggregator, identities, inputs, dropouts=dropouts, server_workers=workers,
+                        server_mask_applier=recording_apply)
         wall = time.perf_counter() - started
     finally:
-        ServerSecAgg._finish, server_module.apply_masks = original_finish, original_apply
+        ServerSecAgg._finish = original_finish
     if not isinstance(run.outcome, AggregateReady):
         raise RuntimeError(f"secure round failed: {run.outcome}")
     survivors = run.outcome.survivors
@@ -150,6 +154,8 @@ def secure_round(graph: str, n: int, m: int, consistency_check: bool, base: np.n
     serial_total, parallel_total = np.zeros(m, np.uint64), np.zeros(m, np.uint64)
     serial_cpu, serial_wall = timed(apply_masks, serial_total, removed_seeds, workers=1)
     parallel_cpu, parallel_wall = timed(apply_masks, parallel_total, removed_seeds, workers=workers)
+    gpu_total = np.zeros(m, np.uint64)
+    gpu_cpu, gpu_wall = timed(gpu_applier, gpu_total, removed_seeds) if gpu_applier else (float("nan"),) * 2
     return {
         "graph": "SecAgg+" if graph == "regular" else "complete", "n": n, "m": m, "degree": config.degree,
         "dropped": len(dropped), "exact": bool(np.array_equal(run.outcome.sum_uint64, signed["sum"])),
@@ -161,7 +167,9 @@ def secure_round(graph: str, n: int, m: int, consistency_check: bool, base: np.n
         "masks_removed": len(removed_seeds), "expansion_1_thread_cpu_s": serial_cpu,
         "expansion_1_thread_wall_s": serial_wall, "expansion_parallel_cpu_s": parallel_cpu,
         "expansion_parallel_wall_s": parallel_wall,
-        "expansion_identical": bool(np.array_equal(serial_total, parallel_total)),
+        "expansion_gpu_wall_s": gpu_wall, "expansion_gpu_cpu_s": gpu_cpu, "unmask_on": "cuda" if gpu_applier else "cpu",
+        "expansion_identical": bool(np.array_equal(serial_total, parallel_total)
+                                    and (gpu_applier is None or np.array_equal(serial_total, gpu_total))),
         # per surviving device: what one contributor sends and receives
         "secure_bytes_per_device": (run.upload_bytes + run.download_bytes) / len(survivors),
         "plain_bytes_per_device": signed["upload"] / len(survivors), "wall_s": wall,
@@ -187,6 +195,20 @@ def mask_expansion_gbps(workers: int, m: int = 10**6, seeds: int = 32) -> tuple[
     signed_seeds = [(os.urandom(32), 1 if i % 2 else -1) for i in range(seeds)]
     cpu, wall = timed(apply_masks, accumulator, signed_seeds, workers=workers)
     return seeds * m * 8 / cpu / 1e9, seeds * m * 8 / wall / 1e9
+
+
+def gpu_expansion_gbps(applier: CudaMaskApplier, m: int = 10**6, seeds: int = 512) -> float:
+    """The GPU applier's wall-clock GB/s of mask keystream (copies to and from the GPU included)."""
+    accumulator = np.zeros(m, dtype=np.uint64)
+    signed_seeds = [(os.urandom(32), 1 if i % 2 else -1) for i in range(seeds)]
+    _, wall = timed(applier, accumulator, signed_seeds)
+    return seeds * m * 8 / wall / 1e9
+
+
+def torch_device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name()
 
 
 def expansion_scaling(seeds: int, m: int) -> list[dict]:
@@ -235,6 +257,9 @@ def main(argv=None) -> int:
     parser.add_argument("--workers", type=int, default=default_mask_workers(),
                         help="server threads for the final mask expansion (default: usable cores, "
                              f"capped; here {default_mask_workers()})")
+    parser.add_argument("--mask-device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="where the secure server expands masks (aggregator.mask_expansion; auto: the "
+                             "GPU when torch sees one and Triton imports)")
     parser.add_argument("--scaling", type=int, metavar="SEEDS", default=0,
                         help="also time the expansion of SEEDS masks of the largest m with 1, 2, 4, ... threads "
                              "(2700 = the unmasking at n=1000, k=20, 10%% dropped after ShareKeys)")
@@ -255,12 +280,14 @@ def main(argv=None) -> int:
                 for m in (args.m or (10**4, 10**6))]
         skipped = {}
 
+    gpu_applier = pick_mask_applier(args.mask_device)
     base = np.random.default_rng(0).uniform(-BOUND, BOUND, max(m for _, _, m in grid))
     dropout_phase = DROPOUT_PHASES[args.dropout_after]
     load_before = os.getloadavg()
     print(f"secure aggregation vs plaintext; {int(DROPOUT * 100)}% of devices never send "
           f"their {dropout_phase.value} message; consistency check {'on' if args.consistency_check else 'off'}; "
-          f"{os.cpu_count()} CPUs, server mask expansion on {args.workers} thread(s); "
+          f"{os.cpu_count()} CPUs, server mask expansion on "
+          f"{'the GPU (' + torch_device_name() + ')' if gpu_applier else str(args.workers) + ' thread(s)'}; "
           f"load average {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}\n")
     header = (f"{'graph':9} {'n':>5} {'m':>8} {'k':>4} | {'client ms/dev':>13} {'plain':>7} {'ratio':>6} | "
               f"{'CPU s':>7} {'unmask':>7} {'plain':>7} {'ratio':>6} {'unsigned':>8} | "
@@ -270,7 +297,7 @@ def main(argv=None) -> int:
     print("-" * len(header))
     rows = []
     for graph, n, m in grid:
-        row = secure_round(graph, n, m, args.consistency_check, base[:m], dropout_phase, args.workers)
+        row = secure_round(graph, n, m, args.consistency_check, base[:m], dropout_phase, args.workers, gpu_applier)
         rows.append(row)
         print(f"{row['graph']:9} {n:>5} {m:>8} {row['degree']:>4} | {row['secure_client_ms']:>13.2f} "
               f"{row['plain_client_ms']:>7.2f} {row['secure_client_ms'] / row['plain_client_ms']:>6.2f} | "
@@ -281,17 +308,21 @@ def main(argv=None) -> int:
               f"{row['secure_bytes_per_device'] / 1e6:>7.3f} {row['plain_bytes_per_device'] / 1e6:>7.3f} "
               f"{row['secure_bytes_per_device'] / row['plain_bytes_per_device']:>6.2f} | {row['exact']}",
               flush=True)
+    used = "expansion_gpu_wall_s" if gpu_applier else "expansion_parallel_wall_s"
     print(f"\nunmasking's mask expansion, run again on the same seeds (CPU s / wall s; 1 thread -> "
-          f"{args.workers} threads; same bits?); last column: wall ratio the round would have had "
-          "with 1 thread (its wall time with the expansion's 1-thread wall time swapped in)")
+          f"{args.workers} threads; GPU wall s; same bits?); last columns: wall ratio the round would have "
+          "had with the expansion on 1 CPU thread, and on `workers` CPU threads (its wall time with that "
+          "expansion's wall time swapped in)")
     for row in rows:
-        one_thread_wall = (row["secure_server_wall_s"] - row["expansion_parallel_wall_s"]
-                           + row["expansion_1_thread_wall_s"]) / row["plain_server_wall_s"]
+        def swapped(key):
+            return (row["secure_server_wall_s"] - row[used] + row[key]) / row["plain_server_wall_s"]
+        one_thread_wall, threads_wall = swapped("expansion_1_thread_wall_s"), swapped("expansion_parallel_wall_s")
         print(f"{row['graph']:9} {row['n']:>5} {row['m']:>8}: {row['masks_removed']:>5} masks  "
               f"{row['expansion_1_thread_cpu_s']:.3f} / {row['expansion_1_thread_wall_s']:.3f} -> "
               f"{row['expansion_parallel_cpu_s']:.3f} / {row['expansion_parallel_wall_s']:.3f}  "
               f"(wall x{row['expansion_1_thread_wall_s'] / max(row['expansion_parallel_wall_s'], 1e-9):.2f}) "
-              f"{row['expansion_identical']}  | wall ratio with 1 thread {one_thread_wall:.2f}")
+              f"GPU {row['expansion_gpu_wall_s']:.3f} {row['expansion_identical']}  | wall ratio with 1 thread "
+              f"{one_thread_wall:.2f}, {args.workers} threads {threads_wall:.2f}")
     for key, why in skipped.items():
         print(f"skipped {key}: {why}")
 
@@ -307,6 +338,10 @@ def main(argv=None) -> int:
           f"CPU time {parallel_cpu:.2f} GB/s)")
     if openssl:
         print(f"openssl speed -evp aes-128-ctr (16 KiB blocks), 1 thread:    {openssl:.2f} GB/s")
+    gpu_wall = gpu_expansion_gbps(gpu_applier) if gpu_applier else None
+    if gpu_wall:
+        print(f"mask expansion on the GPU, wall clock (host transfers in):   {gpu_wall:.2f} GB/s "
+              f"(/ raw 1-thread wall {raw_wall:.2f} GB/s = {gpu_wall / raw_wall:.1f})")
     scaling = expansion_scaling(args.scaling, max(m for _, _, m in grid)) if args.scaling else []
     if scaling:
         print(f"\nexpansion of {args.scaling} masks of {max(m for _, _, m in grid)} words by thread count "
@@ -326,6 +361,7 @@ def main(argv=None) -> int:
                                          "mask_expansion_gbps": expansion_cpu, "raw_aes_ctr_gbps": raw_cpu,
                                          "parallel_expansion_wall_gbps": parallel_wall,
                                          "raw_aes_ctr_wall_gbps": raw_wall, "openssl_aes_ctr_gbps": openssl,
+                                         "gpu_expansion_wall_gbps": gpu_wall,
                                          "scaling": scaling, "load_average": [load_before, load_after]},
                                         indent=2))
     return 0

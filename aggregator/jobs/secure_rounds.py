@@ -12,6 +12,7 @@ to publish — and ``settled(round)``, which tells it once which devices' data t
 holds, so the round machine records them as accepted; ``secure_round_live(round)`` tells it
 whether a round can still produce a sum (not after a restart: secrets are never persisted, the
 job's state is checkpointed at each round close). ``abort_secure_round`` is for the deadline.
+The final unmasking runs on the GPU when there is one (aggregator/mask_expansion.py).
 
 The mixer provides ``self.identity`` (the aggregator's Ed25519 identity), ``self.registry``
 (enrolled device keys) and ``self.config`` with ``job_id``, ``graph`` and ``phase_timeout_s``.
@@ -30,6 +31,8 @@ from protocols.identity import DeviceIdentity, IdentityRegistry
 from protocols.payloads.secagg import from_envelope, to_envelope
 from protocols.secagg import AggregateReady, Message, RoundConfig, RoundFailed, SecAggError, ServerSecAgg, Timeout
 from protocols.topics import AGGREGATOR_ID
+
+from ..mask_expansion import pick_mask_applier
 
 log = logging.getLogger("fedfleet.aggregator.secagg")
 MIN_GROUP = 3      # fewer devices cannot hide anyone's update in a sum
@@ -60,7 +63,7 @@ class SecureGroupRounds:
         config = RoundConfig.create(job_id=self.config.job_id, round_id=round_id, group_id=group_id or f"g{round_id}",
                                     aggregator_id=AGGREGATOR_ID, members=members, vector_length=vector_length,
                                     bound=bound, graph=self.config.graph)
-        self.secure = ServerSecAgg(config, self.identity, self.registry)
+        self.secure = ServerSecAgg(config, self.identity, self.registry, mask_applier=pick_mask_applier())
         self._start_pending = True
 
     def on_secure_sum(self, total: np.ndarray, survivors: tuple[str, ...]) -> None:

@@ -29,10 +29,10 @@ from .graph import NeighbourGraph, default_degree
 from .messages import (AdvertiseKeys, ConsistencyCheckRequest, ConsistencySignature, EncryptedShares,
                        ForwardedShares, KeyDirectory, MaskedInput, Message, RoundAborted, RoundStart,
                        UnmaskRequest, UnmaskShares, decode)
-from .server import ServerSecAgg, ServerState
+from .server import MaskApplier, ServerSecAgg, ServerState
 
 __all__ = [
-    "ClientSecAgg", "ClientState", "ServerSecAgg", "ServerState", "RoundConfig", "GRAPH_COMPLETE", "GRAPH_REGULAR",
+    "ClientSecAgg", "ClientState", "ServerSecAgg", "ServerState", "MaskApplier", "RoundConfig", "GRAPH_COMPLETE", "GRAPH_REGULAR",
     "Phase", "Timeout", "AggregateReady", "RoundFailed", "FixedPointCodec", "fed3r_bound", "max_scale_bits",
     "NeighbourGraph", "default_degree", "Message", "decode", "RoundStart", "KeyDirectory", "ForwardedShares",
     "ConsistencyCheckRequest", "UnmaskRequest", "RoundAborted", "AdvertiseKeys", "EncryptedShares", "MaskedInput",

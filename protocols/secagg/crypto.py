@@ -126,8 +126,25 @@ def check_workers(workers: object) -> int:
     return workers
 
 
-def _prg_key(seed: bytes) -> bytes:
+def prg_key(seed: bytes) -> bytes:
+    """The AES-128 key of the mask PRG for `seed`."""
     return hashlib.sha256(_PRG_DOMAIN + seed).digest()[:16]
+
+
+def prg_keys(signed_seeds: Iterable[tuple[bytes, int]]) -> list[tuple[bytes, int]]:
+    """(AES-128 key, sign) for each (seed, sign); raises ValueError for a sign other than +-1.
+    Every mask applier (this module's, or a server's accelerated one) starts from this."""
+    keys: list[tuple[bytes, int]] = []
+    for seed, sign in signed_seeds:
+        if sign not in (1, -1):
+            raise ValueError("mask sign must be +1 or -1")
+        keys.append((prg_key(seed), sign))
+    return keys
+
+
+def check_accumulator(accumulator: np.ndarray) -> None:
+    if accumulator.dtype != np.uint64 or accumulator.ndim != 1 or not accumulator.flags.c_contiguous:
+        raise TypeError("accumulator must be a contiguous 1-D uint64 array")
 
 
 def _keystream_encryptor(key: bytes, first_aes_block: int):
@@ -156,14 +173,9 @@ def mask_slices(length: int, workers: int) -> list[tuple[int, int]]:
 def apply_masks(accumulator: np.ndarray, signed_seeds: Iterable[tuple[bytes, int]], workers: int = 1) -> None:
     """accumulator += sum(sign * PRG(seed)) mod 2^64, in place; sign is +1 or -1. `workers`
     threads each take one slice of the vector; the result does not depend on `workers`."""
-    if accumulator.dtype != np.uint64 or accumulator.ndim != 1 or not accumulator.flags.c_contiguous:
-        raise TypeError("accumulator must be a contiguous 1-D uint64 array")
+    check_accumulator(accumulator)
     check_workers(workers)
-    keys: list[tuple[bytes, int]] = []
-    for seed, sign in signed_seeds:
-        if sign not in (1, -1):
-            raise ValueError("mask sign must be +1 or -1")
-        keys.append((_prg_key(seed), sign))
+    keys = prg_keys(signed_seeds)
     if not keys or accumulator.size == 0:
         return
     slices = mask_slices(accumulator.size, workers)

@@ -27,7 +27,7 @@ from .config import RoundConfig
 from .errors import SecAggError
 from .events import AggregateReady, Phase, RoundFailed, Timeout
 from .messages import ForwardedShares, Message, decode
-from .server import FINAL_STATES, ServerSecAgg
+from .server import FINAL_STATES, MaskApplier, ServerSecAgg
 
 _PHASE_ORDER = {phase: index for index, phase in enumerate(Phase)}
 
@@ -83,9 +83,11 @@ def make_identities(n: int, prefix: str = "device") -> list[DeviceIdentity]:
 
 def build_round(config: RoundConfig, server_identity: DeviceIdentity,
                 client_identities: Mapping[str, DeviceIdentity],
-                server_workers: int | None = None) -> tuple[ServerSecAgg, dict[str, ClientSecAgg]]:
+                server_workers: int | None = None, server_mask_applier: MaskApplier | None = None
+                ) -> tuple[ServerSecAgg, dict[str, ClientSecAgg]]:
     registry = IdentityRegistry({device: identity.public_key_bytes for device, identity in client_identities.items()})
-    server = ServerSecAgg(config, server_identity, registry, workers=server_workers)
+    server = ServerSecAgg(config, server_identity, registry, workers=server_workers,
+                          mask_applier=server_mask_applier)
     clients = {device: ClientSecAgg(identity, config.aggregator_id, server_identity.public_key_bytes,
                                     job_id=config.job_id, round_id=config.round_id, group_id=config.group_id)
                for device, identity in client_identities.items() if device in config.members}
@@ -97,14 +99,16 @@ def run_round(config: RoundConfig, server_identity: DeviceIdentity,
               inputs: Mapping[str, np.ndarray] | Callable[[str], np.ndarray], *,
               dropouts: Mapping[str, Phase] | None = None,
               intercept: Callable[[Message], list[Message]] | None = None,
-              record_server_view: bool = False, server_workers: int | None = None) -> RoundRun:
+              record_server_view: bool = False, server_workers: int | None = None,
+              server_mask_applier: MaskApplier | None = None) -> RoundRun:
     """Run one round to its end. `inputs` is asked for a device's vector only when that device
     builds its masked input, so huge groups need not hold every vector at once. `intercept`
     sees every message before it is serialised and returns what to deliver instead (tests use
-    it to corrupt, duplicate or drop messages). `server_workers` is ServerSecAgg's `workers`."""
+    it to corrupt, duplicate or drop messages). `server_workers` and `server_mask_applier` are
+    ServerSecAgg's `workers` and `mask_applier`."""
     dropouts = dict(dropouts or {})
     get_input = inputs if callable(inputs) else inputs.__getitem__
-    server, clients = build_round(config, server_identity, client_identities, server_workers)
+    server, clients = build_round(config, server_identity, client_identities, server_workers, server_mask_applier)
     run = RoundRun(outcome=None, server=server, clients=clients,  # type: ignore[arg-type]
                    server_view=[] if record_server_view else None)
     silent: set[str] = {d for d, phase in dropouts.items() if phase is Phase.ADVERTISE_KEYS}

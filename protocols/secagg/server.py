@@ -26,8 +26,10 @@ kept). At the end the server subtracts PRG(b_u) for every survivor and, for ever
 with surviving neighbours u, the pair mask sign(u, v) PRG(s_uv) that u included, re-derived
 from the reconstructed s_v^SK and u's advertised public key. A reconstructed s_v^SK must match
 v's advertised public key, which catches corrupted key shares. Removing the masks is one pure
-call, crypto.apply_masks(accumulator, signed seeds, workers): the expansion is split over
-`workers` threads (default: the usable cores, capped), with a result bit-identical to one thread.
+call, mask_applier(accumulator, signed seeds): by default crypto.apply_masks with the expansion
+split over `workers` threads (default: the usable cores, capped), bit-identical to one thread.
+A server with an accelerator passes its own applier (the aggregator's CUDA kernel,
+aggregator/mask_expansion.py); it must produce exactly crypto.apply_masks' bits.
 
 Every incoming message must name this round's (job, round, group), be addressed to the
 aggregator, come from an enrolled member of the group, and verify under that member's
@@ -40,7 +42,8 @@ untouched and the round goes on.
 from __future__ import annotations
 
 import enum
-from typing import Any
+from functools import partial
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -60,6 +63,10 @@ from .graph import NeighbourGraph
 from .messages import (AdvertisedKeys, AdvertiseKeys, ConsistencyCheckRequest, ConsistencySignature,
                        EncryptedShares, ForwardedShares, KeyDirectory, MaskedInput, Message, RoundAborted, RoundStart,
                        UnmaskRequest, UnmaskShares, consistency_statement)
+
+
+# accumulator += sum(sign * PRG(seed)) mod 2^64 in place, for (seed, sign) pairs
+MaskApplier = Callable[[np.ndarray, Sequence[tuple[bytes, int]]], None]
 
 
 class ServerState(str, enum.Enum):
@@ -88,14 +95,17 @@ Output = Message | AggregateReady | RoundFailed
 
 class ServerSecAgg:
     def __init__(self, config: RoundConfig, identity: DeviceIdentity, registry: IdentityRegistry, *,
-                 workers: int | None = None) -> None:
-        """`workers`: threads for the final mask expansion (None: default_mask_workers()). A local
-        resource choice, not part of the signed round configuration: it never changes the sum."""
+                 workers: int | None = None, mask_applier: MaskApplier | None = None) -> None:
+        """`workers`: threads for the final mask expansion (None: default_mask_workers());
+        `mask_applier` replaces crypto.apply_masks for that expansion (then `workers` is unused).
+        Local resource choices, not part of the signed round configuration: they never change
+        the sum."""
         config.validate()
         try:
             self.workers = default_mask_workers() if workers is None else check_workers(workers)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        self.mask_applier: MaskApplier = mask_applier or partial(apply_masks, workers=self.workers)
         if identity.device_id != config.aggregator_id:
             raise ConfigError(f"aggregator identity {identity.device_id!r} != config {config.aggregator_id!r}")
         missing = [m for m in config.members if m not in registry]
@@ -374,7 +384,7 @@ class ServerSecAgg:
         except ReconstructionError as exc:
             return self._fail(f"unmask: {exc}")
         total = self._accumulator
-        apply_masks(total, signed_seeds, workers=self.workers)
+        self.mask_applier(total, signed_seeds)
         self._accumulator = None
         ready = AggregateReady(total, survivors, self.config.codec)
         self.state, self.outcome = ServerState.DONE, ready
