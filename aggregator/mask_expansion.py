@@ -241,7 +241,10 @@ def pick_mask_applier(preference: str = "auto") -> CudaMaskApplier | None:
             log.warning("GPU present but Triton does not import: secure aggregation unmasks on CPU threads")
             return None
         raise RuntimeError("CudaMaskApplier needs Triton (shipped with CUDA builds of torch)")
-    return _applier_for(str(device))
+    import torch
+
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return _applier_for(f"cuda:{index}")    # "cuda" and "cuda:0" share one applier
 
 
 @lru_cache(maxsize=None)
