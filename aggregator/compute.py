@@ -16,3 +16,20 @@ def pick_device(preference: str = "auto") -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("CUDA was requested but torch sees no GPU; use device='cpu' or 'auto'")
     return dev
+
+
+def compute_summary(preference: str = "auto") -> dict:
+    """What an operator needs to know about where the math runs (``/api/health``): the torch
+    device, the GPU's name, and where secure aggregation's final unmasking runs."""
+    from protocols.secagg.crypto import default_mask_workers
+
+    from .mask_expansion import triton_available
+
+    device = pick_device(preference)
+    on_gpu = device.type == "cuda"
+    if on_gpu and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return {"device": str(device), "gpu": torch.cuda.get_device_name(device) if on_gpu else None,
+            "torch": torch.__version__,
+            "secagg_unmask": "cuda (Triton AES-CTR kernel)" if on_gpu and triton_available()
+            else f"cpu ({default_mask_workers()} threads)"}

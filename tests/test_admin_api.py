@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from fastapi.routing import APIRoute
 from starlette.testclient import TestClient
@@ -73,7 +74,10 @@ def test_every_endpoint_needs_the_token(idle_api):
     ok = client.get("/dashboard/", params={"token": TOKEN}, follow_redirects=False)
     assert ok.status_code == 303 and "httponly" in ok.headers["set-cookie"].lower()
     client.cookies.set("fedfleet_token", TOKEN)
-    assert client.get("/api/health").json()["status"] == "ok"
+    health = client.get("/api/health").json()
+    assert health["status"] == "ok"
+    assert health["compute"]["device"] == ("cuda:0" if torch.cuda.is_available() else "cpu")
+    assert health["compute"]["secagg_unmask"].startswith("cuda" if torch.cuda.is_available() else "cpu (")
     schema = TestClient(idle_api).get("/openapi.json", headers=AUTH).json()
     assert "HTTPBearer" in schema["components"]["securitySchemes"]
 

@@ -37,3 +37,16 @@ def test_corrupt_statistics_are_refused():
         ClosedFormRidge(lam=0.0).fit_statistics(np.eye(3), np.zeros((3, 2)))
     with pytest.raises(ValueError, match="shapes"):
         ClosedFormRidge(lam=0.1, device="cpu").fit_statistics(np.eye(3), np.zeros((4, 2)))
+
+
+def test_compute_summary_follows_the_device_choice(monkeypatch):
+    from aggregator.compute import compute_summary
+    from protocols.secagg.crypto import default_mask_workers
+
+    monkeypatch.setenv("FEDFLEET_DEVICE", "cpu")
+    assert compute_summary() == {"device": "cpu", "gpu": None, "torch": torch.__version__,
+                                 "secagg_unmask": f"cpu ({default_mask_workers()} threads)"}
+    monkeypatch.delenv("FEDFLEET_DEVICE")
+    summary = compute_summary()
+    assert summary["device"].startswith("cuda:" if torch.cuda.is_available() else "cpu")
+    assert (summary["gpu"] is None) == (not torch.cuda.is_available())

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 import pytest
 
 from aggregator.api.app import create_app
@@ -77,6 +78,10 @@ def test_dashboard_shows_rounds_advance_during_a_running_job(broker, tmp_path):
             assert len(fleet_rows) == len(DEVICES)
             assert all("online" in r.inner_text() for r in fleet_rows)
             assert int(text(page, "contributions")) >= 3
+            expected_device = "cuda:0" if torch.cuda.is_available() else "cpu"
+            page.wait_for_function(f"document.getElementById('compute-device').textContent === "
+                                   f"'{expected_device}'", timeout=20000)
+            assert "SecAgg unmask: " + ("cuda" if torch.cuda.is_available() else "cpu") in text(page, "compute-detail")
             artifacts = REPO / "test-artifacts"
             artifacts.mkdir(exist_ok=True)
             page.screenshot(path=str(artifacts / "dashboard.png"), full_page=True)

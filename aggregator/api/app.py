@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, create_model
 
 from protocols.topics import DEVICE_ID_RE
 
+from ..compute import compute_summary
 from ..service import CONFIG_LIMITS, JOB_TYPES, Fields, OneOf, Pattern, Range, validate_job_config
 from ..store import Store, StoreError
 from .metrics import render_metrics
@@ -192,14 +193,23 @@ def _errors(*codes: int) -> dict:
 READ, ONE, WRITE = _errors(), _errors(404), _errors(404, 409, 422, 503)
 
 
+class Compute(BaseModel):
+    device: str                  # torch device of the aggregation math
+    gpu: str | None
+    torch: str
+    secagg_unmask: str           # where secure aggregation's final mask expansion runs
+
+
 class Health(BaseModel):
     status: str
     service_running: bool
+    compute: Compute
 
 
 # ----------------------------------------------------------------------------- the app
 def create_app(store: Store, token: str, service=None) -> FastAPI:
     """``service``: the running AggregatorService (None: read-only API on a store)."""
+    compute = compute_summary()       # fixed for the process's life
     if not token or len(token) < 16:
         raise ValueError("the admin token must be at least 16 characters")
     bearer = HTTPBearer(auto_error=False, description="the admin token")
@@ -251,7 +261,8 @@ def create_app(store: Store, token: str, service=None) -> FastAPI:
 
     @app.get("/api/health", response_model=Health, tags=["service"], responses=READ)
     def health() -> dict:
-        return {"status": "ok", "service_running": service is not None and bool(live())}
+        return {"status": "ok", "service_running": service is not None and bool(live()),
+                "compute": compute}
 
     @app.get("/api/status", tags=["service"], response_model=dict[str, Any],
              description="live snapshot: online devices, active job, current round progress", responses=READ)

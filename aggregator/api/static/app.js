@@ -53,6 +53,12 @@ function drawCurve(evals) {
 
 let lastJob = null;
 
+async function showCompute() {
+  const health = await api("/api/health");
+  $("compute-device").textContent = health.compute.device;
+  $("compute-detail").textContent = `${health.compute.gpu ?? "no GPU"}; SecAgg unmask: ${health.compute.secagg_unmask}`;
+}
+
 async function refresh() {
   try {
     const status = await api("/api/status");
@@ -84,5 +90,6 @@ async function refresh() {
   }
 }
 
+showCompute().catch((err) => { $("compute-detail").textContent = `error: ${err.message}`; });
 refresh();
 setInterval(refresh, 1000);
