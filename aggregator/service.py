@@ -153,6 +153,7 @@ CONFIG_LIMITS["fedavg-tail"] = CONFIG_LIMITS["fedavg-tail-secure"] = {
     "train": OneOf(("tail", "tail+head")), "tail_stages": Range(1, 64),
     "tail_program_sha256": Pattern(r"^([0-9a-f]{64})?$"),
 }
+CONFIG_LIMITS["personalize"] = {"tail_stages": Range(0, 64)}
 
 
 def validate_job_config(kind: str, config: dict) -> None:

@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--fp-epochs", type=int, help="fed3r-ft-oll: local FP(ψ) epochs after OLL (0: OLL only)")
     s.add_argument("--ft-mode", choices=["psi", "phi", "M"],
                    help="fed3r-ft-oll: fine-tune the head (psi, default), the backbone's last stages against the "
-                        "frozen Fed3R head (phi), or both (M); phi and M end after fine-tuning (no OLL)")
+                        "frozen Fed3R head (phi), or both (M); OLL then personalises on the fine-tuned backbone")
     s.add_argument("--tail-stages", type=int, help="--ft-mode phi/M: backbone stages trained on device (default 1)")
     s.add_argument("--compare-with", help="fed3r-ft-oll: a plain run's output directory; print plain vs this run")
     from .ladd_pipeline import add_ladd_arguments

@@ -15,10 +15,10 @@ processes, each job with a fresh aggregator process, as an operator would run th
 3. **oll**: the fine-tuned head goes to every device, which prunes it to its local labels (OLL),
    fine-tunes it locally (FP(ψ), LR picked by local cross-validation) and reports counts on
    its local held-out split; the aggregator reports the WMA of the global head, OLL and OLL+FP.
+   After FT(φ)/FT(M) the fine-tuned tail goes with the head, and devices personalise on the
+   fine-tuned backbone's features (trunk program, then the tail's eager twin).
 
 Each device keeps ``holdout_fraction`` of its data as that held-out split: no phase trains on it.
-OLL personalises a head on the frozen backbone's features, so it follows FT(ψ) only; after
-FT(φ)/FT(M) the pipeline ends with the fine-tuned model's test accuracy.
 With ``secure`` the first two phases run under secure aggregation (Fed3R-Sync, then secure
 FedAvg: the aggregator sees only group sums); the personalization reports are plain counts.
 Per phase the report gives accuracy, rounds, bytes up/down (total and per device) and device
@@ -89,7 +89,7 @@ def run_pipeline(cfg: SimConfig, quiet: bool = False) -> dict:
         secure_fields = {k: job_fields[k] for k in ("graph", "max_samples", "phase_timeout_s", "identity_file",
                                                     "device_keys_file")}
     phases: dict[str, dict] = {}
-    steps = 2 if tail else 3
+    steps = 3
     with EmulatedFleet(cfg, out, prep.profiles, secure, quiet, holdout_file=out / "holdout.npz",
                        training_manifest=training_manifest, tail_manifest=tail_manifest) as fleet:
         say(f"\n[1/{steps}] fed3r{'-sync (secure aggregation)' if cfg.secure else ''}: closed-form classifier "
@@ -107,14 +107,15 @@ def run_pipeline(cfg: SimConfig, quiet: bool = False) -> dict:
         phases["fedavg-ft"] = {"dir": ft_dir, "results": fleet.run_job(
             ft_kind, ft_job, ft_dir, ft_eval, cfg.ft_rounds * cfg.clients_per_round)}
 
-        if not tail:
-            say(f"\n[3/3] oll: personalise the fine-tuned head on every device (FP(ψ) {cfg.fp_epochs} epochs)")
-            oll_dir = out / "3-oll"
-            oll_job = {**common, "job_id": "oll-sim", "head_file": str(ft_dir / "model.npz"),
-                       "clients_per_round": cfg.clients_per_round, "round_timeout_s": cfg.round_timeout_s,
-                       "max_attempts": cfg.max_attempts, "fp_epochs": cfg.fp_epochs, "fp_lrs": list(cfg.fp_lrs)}
-            phases["oll"] = {"dir": oll_dir, "results": fleet.run_job(
-                "personalize", oll_job, oll_dir, out / "eval_features.npz", cfg.devices)}
+        what = f"the fine-tuned head{' and backbone tail' if tail else ''}"
+        say(f"\n[3/3] oll: personalise {what} on every device (FP(ψ) {cfg.fp_epochs} epochs)")
+        oll_dir = out / "3-oll"
+        oll_job = {**common, "job_id": "oll-sim", "head_file": str(ft_dir / "model.npz"),
+                   "tail_stages": cfg.tail_stages if tail else 0,
+                   "clients_per_round": cfg.clients_per_round, "round_timeout_s": cfg.round_timeout_s,
+                   "max_attempts": cfg.max_attempts, "fp_epochs": cfg.fp_epochs, "fp_lrs": list(cfg.fp_lrs)}
+        phases["oll"] = {"dir": oll_dir, "results": fleet.run_job(
+            "personalize", oll_job, oll_dir, out / "eval_features.npz", cfg.devices)}
     report = pipeline_report(cfg, prep, phases, fleet.worker_stats)
     report["wall_s"] = time.monotonic() - t_start
     (out / "report.json").write_text(json.dumps(report, indent=1))
@@ -245,8 +246,7 @@ def render_html(report: dict, png: bytes) -> str:
     cell = lambda v: f"<td>{html.escape(str(v))}</td>"  # noqa: E731
     table = "".join(f"<tr>{''.join(cell(v) for v in row)}</tr>" for row in _phase_rows(report))
     if oll is None:
-        personalised = (f"<p>OLL personalises a head on the frozen backbone's features; it follows FT(ψ) only, "
-                        f"and this run fine-tuned with {html.escape(ft_label(cfg))}.</p>")
+        personalised = "<p>This run had no personalization phase.</p>"
     else:
         wma = "".join(f"<tr><td>{html.escape(METHOD_NAMES[m])}</td><td>{v:.4f}</td></tr>"
                       for m, v in (oll.get("wma") or {}).items())

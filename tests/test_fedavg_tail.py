@@ -416,3 +416,98 @@ def test_secure_update_declines_a_vector_order_that_is_not_what_it_trained(bundl
         pack_weighted({"a": np.zeros(2)}, ["a", "b"], 1)
     with pytest.raises(TaskDeclined, match="bound"):
         secure.vector({**params, "max_abs_param": 1e-6, "vector_order": ["tail.stages.0.0.weight"]}, start)
+
+
+# ---------------------------------------------------------------- OLL after FT(φ)/FT(M)
+def _fine_tuned(model):
+    """An eager MobileNetV2 whose last stage holds the model's tail: the independent reference."""
+    backbone = build_backbone("mobilenet_v2").eval()
+    with torch.no_grad():
+        backbone.features[-1][0].weight.copy_(torch.from_numpy(model["tail.stages.0.0.weight"]))
+    return backbone
+
+
+def _oll_params(**extra):
+    return {"num_classes": C, "feature_dim": 1280, "backbone": "mobilenet_v2", "image_size": SIZE,
+            "fallback": "global", "fp_epochs": 0, "tail_stages": 1, **extra}
+
+
+def test_personalization_on_a_fine_tuned_tail_counts_what_the_eager_backbone_gives(bundle, fmnist):
+    """The oll.personalize task with a tail: the device's features are the fine-tuned backbone's
+    (trunk program + the task's tail), so its counts equal those of the eager backbone with the
+    tail copied in -- and differ from the frozen backbone's for a moved tail."""
+    from edge_client.tasks.personalization import PersonalizeTask
+    from edge_client.tasks.tail_training import TailFeatures
+
+    images, labels = fmnist
+    program = TailProgram(bundle.parent / "tail_eval.pt2")
+    rng = np.random.default_rng(4)
+    tail = {k: v + rng.normal(0, 0.05, v.shape).astype(np.float32) for k, v in program.tail_parameters.items()}
+    backbone = _fine_tuned(tail)
+    x = torch.from_numpy(to_model_input(images[100:160], SIZE, backbone.mean, backbone.std))
+    with torch.no_grad():
+        reference = backbone(x).numpy()
+    # a head that fits the fine-tuned features, so the counts are far from chance
+    head = {"weight": np.stack([reference[labels[100:160] == c].mean(0) if (labels[100:160] == c).any()
+                                else np.zeros(1280) for c in range(C)]).astype(np.float32),
+            "bias": np.zeros(C, np.float32)}
+    task = PersonalizeTask(images[:100], labels[:100], images[100:160], labels[100:160], extractor_factory=None,
+                           tail_features=TailFeatures(bundle))
+    task(_oll_params(), {**tail, **head})
+    logits = reference @ head["weight"].T + head["bias"]
+    y = labels[100:160]
+    local = np.unique(labels[:100])
+    masked = np.where(np.isin(np.arange(C), local), logits, -np.inf)
+    inside = np.isin(y, local)
+    expected_oll = int((masked.argmax(1) == y)[inside].sum() + (logits.argmax(1) == y)[~inside].sum())
+    assert task.last.correct["global"] == int((logits.argmax(1) == y).sum())
+    assert task.last.correct["oll"] == expected_oll
+    features = task.tail_features.extract(images[100:160], {**tail, **head})
+    np.testing.assert_allclose(features, reference, atol=1e-4)
+    with torch.no_grad():
+        frozen = build_backbone("mobilenet_v2").eval()(x).numpy()
+    assert np.abs(features - frozen).max() > 1e-2                    # the tail really moved them
+
+
+def test_personalization_declines_tail_tasks_it_cannot_run(bundle, fmnist):
+    from edge_client.tasks.personalization import PersonalizeTask
+    from edge_client.tasks.tail_training import TailFeatures
+
+    images, labels = fmnist[0][:40], fmnist[1][:40]
+    model = _model(TailProgram(bundle.parent / "tail_eval.pt2"))
+    with_tail = PersonalizeTask(images[:20], labels[:20], images[20:], labels[20:], extractor_factory=None,
+                                tail_features=TailFeatures(bundle))
+    without = PersonalizeTask(images[:20], labels[:20], images[20:], labels[20:], extractor_factory=None)
+    cases = [(without, _oll_params(), model, "no tail bundle"),
+             (with_tail, _oll_params(tail_stages=0), model, "tail_stages = 0"),
+             (with_tail, _oll_params(tail_stages=2), model, "2-stage tail"),
+             (with_tail, _oll_params(), {k: v for k, v in model.items() if not k.startswith("tail.")}, "not the bundle's"),
+             (with_tail, _oll_params(), {**model, "tail.stages.0.0.weight": np.full_like(
+                 model["tail.stages.0.0.weight"], np.inf)}, "NaN or Inf")]
+    for task, params, tensors, match in cases:
+        with pytest.raises(TaskDeclined, match=match):
+            task(params, tensors)
+
+
+def test_personalize_job_sends_the_fine_tuned_tail_with_the_head(bundle, tmp_path):
+    from aggregator.jobs.personalize import PersonalizeConfig, PersonalizeJob
+
+    model = _model(TailProgram(bundle.parent / "tail_eval.pt2"))
+    path = tmp_path / "model.npz"
+    np.savez(path, **model)
+    common = dict(num_classes=C, feature_dim=1280, backbone="mobilenet_v2", image_size=SIZE, head_file=str(path))
+    with pytest.raises(ValueError, match="set tail_stages"):
+        PersonalizeJob(PersonalizeConfig(**common))
+    job = PersonalizeJob(PersonalizeConfig(**common, tail_stages=1))
+    params, tensors = job.task_for("dev0")
+    assert params["tail_stages"] == 1 and set(tensors) == set(model)
+    for name in model:
+        np.testing.assert_array_equal(tensors[name], model[name])
+    assert "global_accuracy" not in job.evaluate(np.zeros((3, 1280), np.float32), np.zeros(3, np.int64))
+    head_only = tmp_path / "head.npz"
+    np.savez(head_only, weight=model["weight"], bias=model["bias"])
+    with pytest.raises(ValueError, match="no tail"):
+        PersonalizeJob(PersonalizeConfig(**{**common, "head_file": str(head_only)}, tail_stages=1))
+    build_job("personalize", {**common, "tail_stages": 1})          # the admin API's path accepts it
+    with pytest.raises(ValueError, match="tail_stages"):
+        build_job("personalize", {**common, "tail_stages": -1})

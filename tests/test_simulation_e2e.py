@@ -26,15 +26,43 @@ def test_smoke_simulation_matches_centralized_ridge(tmp_path, secure):
     assert counts == sorted(counts) and counts[-1] == 20
 
 
+def assert_wma_recomputes(out, oll: dict, features_of, abs_tol: float) -> None:
+    """The global head's and OLL's WMA, recomputed from the saved model, each reporting device's
+    shard labels and held-out images, and `features_of(images)`, equal what the job reported."""
+    import numpy as np
+
+    from edge_client.data import load_fashion_mnist
+
+    model = np.load(out / "2-fedavg-ft" / "model.npz")
+    W, b = model["weight"], model["bias"]
+    reported = json.loads((out / "3-oll" / "results.json").read_text())["contributed"]
+    assert len(reported) >= 15
+    shards, holdouts = np.load(out / "shards.npz"), np.load(out / "holdout.npz")
+    images, labels = load_fashion_mnist("train")
+    correct = {"global": 0, "oll": 0}
+    total = 0
+    for dev in reported:
+        y = labels[holdouts[dev]]
+        logits = features_of(images[holdouts[dev]]) @ W.T + b
+        correct["global"] += int((logits.argmax(1) == y).sum())
+        local = np.unique(labels[shards[dev]])
+        inside = np.isin(y, local)
+        masked = np.full_like(logits, -np.inf)
+        masked[:, local] = logits[:, local]
+        correct["oll"] += int((masked.argmax(1) == y)[inside].sum() + (logits.argmax(1) == y)[~inside].sum())
+        total += len(y)
+    assert oll["test_samples"] == total
+    assert oll["wma"]["global"] == pytest.approx(correct["global"] / total, abs=abs_tol)
+    assert oll["wma"]["oll"] == pytest.approx(correct["oll"] / total, abs=abs_tol)
+    assert oll["wma"]["oll"] > oll["wma"]["global"]                     # Dirichlet 0.1: OLL must help
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("secure", [False, True], ids=["plain", "secure"])
 def test_fed3r_ft_oll_pipeline_reports_what_the_devices_data_gives(tmp_path, secure):
     """The three-phase pipeline over mosquitto (secure: Fed3R-Sync and secure FedAvg); the
     personalised WMA the aggregator reports is recomputed here from the final head and each
     reporting device's held-out images."""
-    import numpy as np
-
-    from edge_client.data import load_fashion_mnist
     from fedfleet.bundles import make_extractor
     from fedfleet.pipeline import run_pipeline
 
@@ -48,30 +76,8 @@ def test_fed3r_ft_oll_pipeline_reports_what_the_devices_data_gives(tmp_path, sec
     assert ft["rounds"] == 3 and ft["bytes_up"] > 0 and ft["device"]["tasks"] >= ft["contributions"] > 0
     assert oll["bytes_up_per_device"] < ft["bytes_up_per_device"]          # counts only, no tensors
     # independent recomputation of the global head's and OLL's WMA over the devices that reported
-    head = np.load(out / "2-fedavg-ft" / "model.npz")
-    W, b = head["weight"], head["bias"]
-    reported = json.loads((out / "3-oll" / "results.json").read_text())["contributed"]
-    assert len(reported) >= 15
-    shards, holdouts = np.load(out / "shards.npz"), np.load(out / "holdout.npz")
-    images, labels = load_fashion_mnist("train")
     extractor = make_extractor(cfg.backbone, cfg.image_size, cfg.cache_dir, cfg.runtime)
-    correct = {"global": 0, "oll": 0}
-    total = 0
-    for dev in reported:
-        f = extractor.extract(images[holdouts[dev]])
-        y = labels[holdouts[dev]]
-        logits = f @ W.T + b
-        correct["global"] += int((logits.argmax(1) == y).sum())
-        local = np.unique(labels[shards[dev]])
-        inside = np.isin(y, local)
-        masked = np.full_like(logits, -np.inf)
-        masked[:, local] = logits[:, local]
-        correct["oll"] += int((masked.argmax(1) == y)[inside].sum() + (logits.argmax(1) == y)[~inside].sum())
-        total += len(y)
-    assert oll["test_samples"] == total
-    assert oll["wma"]["global"] == pytest.approx(correct["global"] / total, abs=1e-12)
-    assert oll["wma"]["oll"] == pytest.approx(correct["oll"] / total, abs=1e-12)
-    assert oll["wma"]["oll"] > oll["wma"]["global"]                     # Dirichlet 0.1: OLL must help
+    assert_wma_recomputes(out, oll, extractor.extract, abs_tol=1e-12)
     page = (out / "report.html").read_text()
     assert f"{oll['wma']['oll_fp']:.4f}" in page and "data:image/png;base64," in page
     assert (out / "report.png").stat().st_size > 5000
@@ -94,7 +100,7 @@ def test_ft_phi_pipeline_fine_tunes_the_backbone_tail_against_the_frozen_fed3r_h
                               ft_rounds=2, ft_mode="phi", ft_client_lr=0.01)
     report = run_pipeline(cfg, quiet=True)
     out = tmp_path / "run"
-    assert set(report["phases"]) == {"fed3r", "fedavg-ft"}
+    assert set(report["phases"]) == {"fed3r", "fedavg-ft", "oll"}
     ft = report["phases"]["fedavg-ft"]
     assert ft["rounds"] == 2 and ft["contributions"] > 0 and ft["device"]["tasks"] >= ft["contributions"]
     fed3r_head, model = np.load(out / "1-fed3r" / "model.npz"), np.load(out / "2-fedavg-ft" / "model.npz")
@@ -102,10 +108,22 @@ def test_ft_phi_pipeline_fine_tunes_the_backbone_tail_against_the_frozen_fed3r_h
     backbone = build_backbone(cfg.backbone)
     pretrained = backbone.features[-1][0].weight.detach().numpy()
     assert not np.allclose(model["tail.stages.0.0.weight"], pretrained)
+    backbone.eval()
+
+    def fine_tuned_features(images):
+        with torch.no_grad():
+            return backbone(torch.from_numpy(to_model_input(images, cfg.image_size, backbone.mean,
+                                                            backbone.std))).numpy()
+
     with torch.no_grad():
         backbone.features[-1][0].weight.copy_(torch.from_numpy(model["tail.stages.0.0.weight"]))
-        _, _, _, Xte, yte = _load(cfg)
-        feats = backbone(torch.from_numpy(to_model_input(Xte, cfg.image_size, backbone.mean, backbone.std))).numpy()
-    accuracy = float(((feats @ model["weight"].T + model["bias"]).argmax(1) == yte).mean())
+    _, _, _, Xte, yte = _load(cfg)
+    accuracy = float(((fine_tuned_features(Xte) @ model["weight"].T + model["bias"]).argmax(1) == yte).mean())
     assert ft["accuracy"] == pytest.approx(accuracy, abs=2 / len(yte))
     assert "FT(φ)" in (out / "report.html").read_text()
+    # OLL on the fine-tuned backbone: devices got the tail with the head and personalised on its
+    # features (trunk program + eager tail); recomputed with the eager fine-tuned backbone, up to
+    # a few argmax flips from the trunk program's float rounding
+    oll = report["phases"]["oll"]
+    assert oll["bytes_down_per_device"] > model["tail.stages.0.0.weight"].nbytes   # the tail went down
+    assert_wma_recomputes(out, oll, fine_tuned_features, abs_tol=3 / oll["test_samples"])

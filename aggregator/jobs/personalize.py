@@ -9,7 +9,10 @@ devices; the aggregator only learns counts, and reports the sample-weighted mean
 WMA = Σ_k correct_k / Σ_k n_k of each method over the devices that answered.
 
 The global head comes from a finished job's ``model.npz``: a FedAvg job's (``weight``,
-``bias``) or a Fed3R job's normalised classifier (``coef``, ``intercept``).
+``bias``) or a Fed3R job's normalised classifier (``coef``, ``intercept``). After FT(φ)/FT(M)
+(a ``fedavg-tail`` job's model) the backbone's tail was fine-tuned too: ``tail_stages`` must
+then say how many stages, the task carries the ``tail.*`` tensors with the head, and devices
+personalise on the fine-tuned backbone's features.
 
 FP(ψ) learning rate: the spec's rule gives 0.1 (base) × 0.1 (Fed3R init) × 0.1 (OLL) = 1e-3,
 which the spec itself calls ambiguous (§7.8). The job offers the devices candidate rates
@@ -26,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from protocols.envelope import Envelope
-from protocols.payloads.fedavg import head_tensors
+from protocols.payloads.fedavg import TAIL_PREFIX, head_tensors
 from protocols.payloads.personalize import FALLBACKS, KIND, METHODS, PersonalizationReport, parse_report
 from protocols.rounds import RoundClosed
 
@@ -39,6 +42,7 @@ from .scheduling import OncePerDevice
 class PersonalizeConfig(ModelFields):
     job_id: str = "personalize"
     head_file: str = ""                  # model.npz of a finished FedAvg (weight, bias) or Fed3R (coef, intercept) job
+    tail_stages: int = 0                 # > 0: head_file is a fedavg-tail model with this many fine-tuned stages
     fallback: str = "global"             # held-out labels outside the local training labels: "error" | "global"
     fp_epochs: int = 25                  # FP(ψ) local epochs; 0: OLL only
     batch_size: int = 64
@@ -64,6 +68,8 @@ class PersonalizeConfig(ModelFields):
             raise ValueError(f"fp_lrs must be finite positive learning rates, got {self.fp_lrs}")
         if isinstance(self.fp_folds, bool) or not isinstance(self.fp_folds, int) or not 2 <= self.fp_folds <= 20:
             raise ValueError("fp_folds must be an integer in [2, 20]")
+        if isinstance(self.tail_stages, bool) or not isinstance(self.tail_stages, int) or self.tail_stages < 0:
+            raise ValueError(f"tail_stages must be an integer >= 0, got {self.tail_stages!r}")
         if self.clients_per_round < 1 or self.max_attempts < 1:
             raise ValueError("clients_per_round and max_attempts must be >= 1")
 
@@ -80,10 +86,17 @@ def load_head(path: str) -> dict[str, np.ndarray]:
         raise ValueError(f"{path}: no head in it (expected weight/bias or coef/intercept, found {model.files})")
 
 
+def load_tail(path: str) -> dict[str, np.ndarray]:
+    """The fine-tuned backbone tail (``tail.*`` tensors) of a model.npz; empty for a head-only model."""
+    with np.load(path) as model:
+        return {name: model[name].astype(np.float32) for name in model.files if name.startswith(TAIL_PREFIX)}
+
+
 @dataclass
 class PersonalizeJob(OncePerDevice):
     config: PersonalizeConfig
     head: dict[str, np.ndarray] | None = None
+    tail: dict[str, np.ndarray] | None = None      # fine-tuned backbone tail (FT(φ)/FT(M)), sent with the head
     contributed: dict[str, dict] = field(default_factory=dict)      # device -> its report (JSON-able)
     attempts: dict[str, int] = field(default_factory=dict)
     round: int = 0
@@ -96,11 +109,17 @@ class PersonalizeJob(OncePerDevice):
             if not c.head_file:
                 raise ValueError("a personalization job needs head_file (a finished job's model.npz) or a head")
             self.head = load_head(c.head_file)
+            if self.tail is None:
+                self.tail = load_tail(c.head_file)
+        self.tail = dict(self.tail or {})
+        if bool(self.tail) != bool(c.tail_stages):
+            raise ValueError("the model has a fine-tuned backbone tail: set tail_stages" if self.tail else
+                             f"tail_stages = {c.tail_stages} but the model has no tail.* tensors")
         self.head = head_tensors(self.head["weight"], self.head["bias"])
         if self.head["weight"].shape != (c.num_classes, c.feature_dim):
             raise ValueError(f"head is {self.head['weight'].shape}, job is ({c.num_classes}, {c.feature_dim})")
-        if not all(np.isfinite(t).all() for t in self.head.values()):
-            raise ValueError("the global head contains NaN or Inf")
+        if not all(np.isfinite(t).all() for t in (*self.head.values(), *self.tail.values())):
+            raise ValueError("the global model contains NaN or Inf")
         self._rng = random.Random(c.seed)
 
     @property
@@ -112,8 +131,8 @@ class PersonalizeJob(OncePerDevice):
         params = {**c.model_params(), "feature_dim": c.feature_dim, "fallback": c.fallback,
                   "fp_epochs": c.fp_epochs, "batch_size": c.batch_size, "fp_lrs": list(c.fp_lrs),
                   "fp_folds": c.fp_folds, "weight_decay": c.weight_decay,
-                  "temperature": c.temperature, "seed": c.seed}
-        return params, {k: v.copy() for k, v in self.head.items()}
+                  "temperature": c.temperature, "seed": c.seed, "tail_stages": c.tail_stages}
+        return params, self.model_arrays()
 
     def parse_result(self, env: Envelope) -> PersonalizationReport:
         return parse_report(env, self.config.num_classes, with_fp=self.config.fp_epochs > 0)
@@ -151,12 +170,12 @@ class PersonalizeJob(OncePerDevice):
         if "wma" in out:
             # the headline: what a device gets from the full personalization the job asked for
             out["accuracy"] = out["wma"][self.methods()[-1]]
-        if features is not None:
+        if features is not None and not self.tail:   # evaluation features are the frozen backbone's
             out["global_accuracy"] = head_accuracy(self.head["weight"], self.head["bias"], features, labels)
         return out
 
     def model_arrays(self) -> dict[str, np.ndarray]:
-        return {k: v.copy() for k, v in self.head.items()}   # the global head the devices personalised
+        return {k: v.copy() for k, v in {**self.tail, **self.head}.items()}   # the model the devices personalised
 
     def state_dict(self) -> dict[str, np.ndarray]:
         return {}    # everything is in ``contributed`` (JSON, checkpointed by the service)

@@ -111,6 +111,16 @@ class EagerTrainer:
         self._head.load_state_dict(state_dict_from_bytes(state), strict=True)
         self._parameter_names = list(spec.details["trainable_parameters"])
 
+    def features(self, rows: np.ndarray) -> np.ndarray:
+        """The head's input for these rows under the current parameters: tail(rows) for a
+        tail_training program (what OLL needs after FT(φ)/FT(M)), the rows themselves otherwise."""
+        import torch
+
+        if self._head.tail is None:
+            return rows
+        with torch.inference_mode():
+            return self._head.tail(torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32))).numpy()
+
     def get_parameters(self) -> dict[str, np.ndarray]:
         params = dict(self._head.named_parameters())
         return {name: params[name].detach().numpy().copy() for name in self._parameter_names}

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from edge_client.runtime.base import check_parameter_dict
+from edge_client.runtime.errors import RuntimeUnavailableError
 from edge_client.runtime.eager_runtime import EagerTrainer
 from edge_client.runtime.executorch_runtime import ExecuTorchTrainer
 from edge_client.runtime.manifest import ArtifactSpec, Manifest
@@ -81,6 +82,18 @@ class TrainingSession:
     def get_parameters(self) -> dict[str, np.ndarray]:
         """Copies of the current parameters, read back from the runtime."""
         return self._trainer.get_parameters()
+
+    def features(self, rows: np.ndarray, batch_size: int = 256) -> np.ndarray:
+        """What the head sees for these input rows under the current parameters: the tail's
+        output for a tail_training program. Only the eager twin can say: an ExecuTorch training
+        program returns loss and logits, not its features."""
+        if not hasattr(self._trainer, "features"):
+            raise RuntimeUnavailableError(
+                f"the {self.runtime} {self._spec.kind} program gives loss and logits only; load the "
+                "bundle's eager twin (prefer=('eager',)) for its features")
+        rows = np.asarray(rows, dtype=np.float32)
+        return np.concatenate([self._trainer.features(rows[start:start + batch_size])
+                               for start in range(0, len(rows), batch_size)]) if len(rows) else rows
 
     def loss_and_gradients(self, features: np.ndarray,
                            labels: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:

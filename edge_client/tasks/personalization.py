@@ -11,6 +11,11 @@ on the held-out split:
 
 Only the counts go back (``protocols.payloads.personalize``); the personalised head stays
 on the device. The device keeps it (``self.head``) to answer local predictions.
+
+After FT(φ)/FT(M) the global model also has a fine-tuned backbone tail: the task then says
+``tail_stages`` > 0 and carries the ``tail.*`` tensors with the head, and the features are
+those of the fine-tuned backbone (:class:`~edge_client.tasks.tail_training.TailFeatures`,
+from the device's tail bundle) instead of the frozen extractor's.
 """
 
 from __future__ import annotations
@@ -21,12 +26,14 @@ from typing import Any
 
 import numpy as np
 
-from protocols.payloads.personalize import FALLBACKS, PersonalizationReport, encode_report
+from protocols.payloads.fedavg import TAIL_PREFIX
+from protocols.payloads.personalize import FALLBACKS, KIND, PersonalizationReport, encode_report
 
 from ..agent import TaskDeclined
 from ..oll import OutOfLocalLabels, PersonalizedHead, choose_fp_lr
 from .extractors import ExtractorFactory, extractor_for
 from .head_training import LocalTraining
+from .tail_training import TailFeatures, check_model_tensors
 
 log = logging.getLogger("fedfleet.device")
 
@@ -35,13 +42,17 @@ class PersonalizeTask:
     """Handler for ``oll.personalize``: ``(params, tensors) -> (body, {})``."""
 
     def __init__(self, train_images: np.ndarray, train_labels: np.ndarray, test_images: np.ndarray,
-                 test_labels: np.ndarray, extractor_factory: ExtractorFactory, training_session=None):
+                 test_labels: np.ndarray, extractor_factory: ExtractorFactory, training_session=None,
+                 tail_features: TailFeatures | None = None):
+        """``tail_features``: the device's tail bundle as a feature source, for tasks whose
+        global model has a fine-tuned backbone tail (None: such tasks are declined)."""
         if len(train_images) != len(train_labels) or len(test_images) != len(test_labels):
             raise ValueError("images and labels differ in length")
         self.train_images, self.train_labels = train_images, np.asarray(train_labels, dtype=np.int64)
         self.test_images, self.test_labels = test_images, np.asarray(test_labels, dtype=np.int64)
         self.extractor_factory = extractor_factory
         self.training_session = training_session
+        self.tail_features = tail_features
         self.head: PersonalizedHead | None = None
         self.last: PersonalizationReport | None = None
 
@@ -51,6 +62,7 @@ class PersonalizeTask:
         try:
             num_classes, feature_dim = int(params["num_classes"]), int(params["feature_dim"])
             str(params["backbone"]), int(params["image_size"])     # checked here: a malformed task declines
+            tail_stages = int(params.get("tail_stages", 0))
             fallback = str(params.get("fallback", "error"))
             fp_epochs = int(params.get("fp_epochs", 0))
             lrs = [float(lr) for lr in params.get("fp_lrs", [])]
@@ -72,10 +84,15 @@ class PersonalizeTask:
         for labels in (self.train_labels, self.test_labels):
             if labels.min() < 0 or labels.max() >= num_classes:
                 raise TaskDeclined(f"local label {labels.max()} outside the job's {num_classes} classes")
-        extractor = extractor_for(self.extractor_factory, params)
-        if extractor.feature_dim != feature_dim:
-            raise TaskDeclined(f"backbone gives {extractor.feature_dim}-d features, task expects {feature_dim}")
-        f_train, f_test = extractor.extract(self.train_images), extractor.extract(self.test_images)
+        if tail_stages:
+            f_train, f_test = self._fine_tuned_features(params, tail_stages, tensors)
+        elif any(name.startswith(TAIL_PREFIX) for name in tensors):
+            raise TaskDeclined("task carries backbone tail tensors but says tail_stages = 0")
+        else:
+            extractor = extractor_for(self.extractor_factory, params)
+            if extractor.feature_dim != feature_dim:
+                raise TaskDeclined(f"backbone gives {extractor.feature_dim}-d features, task expects {feature_dim}")
+            f_train, f_test = extractor.extract(self.train_images), extractor.extract(self.test_images)
         y_test = self.test_labels
 
         correct = {"global": int(((f_test @ weight.T + bias).argmax(axis=1) == y_test).sum())}
@@ -98,3 +115,20 @@ class PersonalizeTask:
         self.last = PersonalizationReport(len(self.train_labels), len(y_test), head.label_map.k, correct,
                                           scored.fallback, fp_lr)
         return encode_report(self.last)
+
+    def _fine_tuned_features(self, params: dict[str, Any], tail_stages: int,
+                             tensors: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """Training and held-out features through the task's fine-tuned tail."""
+        if self.tail_features is None:
+            raise TaskDeclined("this device has no tail bundle: it cannot personalise a fine-tuned backbone")
+        session = self.tail_features.session()
+        m = session.manifest
+        wanted = (str(params["backbone"]), int(params["image_size"]), tail_stages, int(params["feature_dim"]),
+                  str(params.get("weights_sha256") or m.weights_sha256))
+        if wanted != (m.backbone, m.input.image_size, m.tail.stages, m.feature_dim, m.weights_sha256):
+            raise TaskDeclined(f"task wants {wanted[0]} at {wanted[1]} px with a {wanted[2]}-stage tail and "
+                               f"{wanted[3]}-d features; the tail bundle is {m.backbone} at {m.input.image_size} "
+                               f"px, {m.tail.stages} stage(s), {m.feature_dim}-d (or other weights)")
+        model = check_model_tensors(tensors, session.parameter_shapes, KIND)
+        return (self.tail_features.extract(self.train_images, model),
+                self.tail_features.extract(self.test_images, model))

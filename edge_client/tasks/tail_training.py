@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from protocols.payloads.fedavg import TAIL_PREFIX, TAIL_TRAIN_MODES, encode_model_update
+from protocols.payloads.fedavg import KIND_TAIL, TAIL_PREFIX, TAIL_TRAIN_MODES, encode_model_update
 
 from ..agent import TaskDeclined
 from .head_training import LocalTraining, SessionStepper, local_sgd
@@ -115,7 +115,7 @@ class TailTrainingTask:
                                f"{m.tail.stages}, {m.num_classes} classes (or other weights)")
         if not math.isclose(m.temperature, recipe.temperature, rel_tol=1e-6):
             raise TaskDeclined(f"task's temperature {recipe.temperature} differs from the program's {m.temperature}")
-        start = self._check_model(tensors, session.parameter_shapes)
+        start = check_model_tensors(tensors, session.parameter_shapes, KIND_TAIL)
         if self.labels.min() < 0 or self.labels.max() >= num_classes:
             raise TaskDeclined(f"local label {self.labels.max()} outside the job's {num_classes} classes")
         trained = frozenset(name for name in start if name.startswith(TAIL_PREFIX) or TAIL_TRAIN_MODES[mode])
@@ -128,17 +128,57 @@ class TailTrainingTask:
         except ValueError as exc:        # NaN/Inf: diverged
             raise TaskDeclined(f"local training diverged: {exc}; lower the learning rate") from exc
 
-    @staticmethod
-    def _check_model(tensors: dict[str, np.ndarray] | None, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
-        tensors = tensors or {}
-        if set(tensors) != set(shapes):
-            raise TaskDeclined(f"fedavg.tail task tensors {sorted(tensors)} are not the bundle's {sorted(shapes)}")
-        model = {}
-        for name, shape in shapes.items():
-            value = np.asarray(tensors[name])
-            if value.shape != tuple(shape) or not np.issubdtype(value.dtype, np.floating):
-                raise TaskDeclined(f"tensor {name} is {value.dtype} {value.shape}, the bundle needs float {tuple(shape)}")
-            if not np.isfinite(value).all():
-                raise TaskDeclined(f"global model tensor {name} contains NaN or Inf")
-            model[name] = np.ascontiguousarray(value, dtype=np.float32)
-        return model
+
+
+def check_model_tensors(tensors: dict[str, np.ndarray] | None, shapes: dict[str, tuple[int, ...]],
+                        kind: str) -> dict[str, np.ndarray]:
+    """A task's global model as float32 arrays, declined unless it has exactly the bundle's
+    tensor names and shapes, all finite."""
+    tensors = tensors or {}
+    if set(tensors) != set(shapes):
+        raise TaskDeclined(f"{kind} task tensors {sorted(tensors)} are not the bundle's {sorted(shapes)}")
+    model = {}
+    for name, shape in shapes.items():
+        value = np.asarray(tensors[name])
+        if value.shape != tuple(shape) or not np.issubdtype(value.dtype, np.floating):
+            raise TaskDeclined(f"tensor {name} is {value.dtype} {value.shape}, the bundle needs float {tuple(shape)}")
+        if not np.isfinite(value).all():
+            raise TaskDeclined(f"global model tensor {name} contains NaN or Inf")
+        model[name] = np.ascontiguousarray(value, dtype=np.float32)
+    return model
+
+
+class TailFeatures:
+    """Features of a fine-tuned backbone on the device, for OLL after FT(φ)/FT(M).
+
+    The bundle's trunk program gives the activations (cached, as for training); the backbone's
+    tail then runs with the global model's ``tail.*`` tensors through the tail_training
+    program's eager twin (torch, BatchNorm frozen), because an ExecuTorch training program
+    returns loss and logits, not features. ``trunk`` may be shared with a TailTrainingTask.
+    """
+
+    def __init__(self, manifest: str | Path, trunk=None, cache_dir: str | None = None):
+        self.manifest_path, self.cache_dir = manifest, cache_dir
+        self._trunk = trunk
+        self._session = None
+
+    def session(self):
+        """The eager tail_training session (loaded on first use); TaskDeclined if unusable."""
+        from edge_client.runtime import RuntimeUnavailableError, TrainingSession
+        from edge_client.runtime.errors import ArtifactError
+
+        try:
+            if self._session is None:
+                self._session = TrainingSession.load(self.manifest_path, prefer=("eager",), kind="tail_training")
+            if self._trunk is None:
+                self._trunk = TrunkActivations(self.manifest_path, self.cache_dir)
+        except (ArtifactError, RuntimeUnavailableError) as exc:
+            raise TaskDeclined(f"tail bundle unusable for features: {exc}") from exc
+        return self._session
+
+    def extract(self, images: np.ndarray, model: dict[str, np.ndarray]) -> np.ndarray:
+        """(n, feature_dim) features of uint8 images under `model` (every tensor of the bundle's
+        tail_training program, already checked with check_model_tensors)."""
+        session = self.session()
+        session.set_parameters(model)
+        return session.features(self._trunk.extract(images))

@@ -30,7 +30,7 @@ from edge_client.tasks.personalization import PersonalizeTask
 from edge_client.tasks.secure_fed3r import SecureFed3R
 from edge_client.tasks.secure_fedavg_training import SecureFedAvgTraining
 from edge_client.tasks.secure_update import SecAggSessions
-from edge_client.tasks.tail_training import TailTrainingTask, TrunkActivations
+from edge_client.tasks.tail_training import TailFeatures, TailTrainingTask, TrunkActivations
 from protocols.payloads.fed3r import KIND as FED3R_KIND
 from protocols.payloads.fedavg import KIND as FEDAVG_KIND
 from protocols.payloads.fedavg import KIND_TAIL as FEDAVG_TAIL_KIND
@@ -61,6 +61,17 @@ class SharedExtractors:
                 self._made[manifest] = TrunkActivations(manifest, self.cache_dir)
             return _Locked(self._made[manifest], self.lock)
 
+    def tail_features(self, manifest: str) -> "_LockedTailFeatures":
+        """The tail bundle's fine-tuned-backbone features (OLL after FT(φ)/FT(M)), shared like the
+        trunk: one eager tail session per process, set to each task's model under the lock."""
+        with self.lock:
+            key = ("tail_features", manifest)
+            if key not in self._made:
+                if manifest not in self._made:
+                    self._made[manifest] = TrunkActivations(manifest, self.cache_dir)
+                self._made[key] = TailFeatures(manifest, trunk=self._made[manifest])   # used under the lock
+            return _LockedTailFeatures(self._made[key], self.lock)
+
     def __call__(self, backbone: str, image_size: int, weights_sha256: str, bundle_sha256: str = ""):
         # Emulated devices export their bundle locally (fedfleet.bundles); a job's announced
         # bundle is what real devices fetch (fedfleet device), so it is not checked here.
@@ -84,6 +95,19 @@ class _Locked:
     def extract(self, images):
         with self._lock:
             return self._x.extract(images)
+
+
+class _LockedTailFeatures:
+    def __init__(self, features: TailFeatures, lock):
+        self._f, self._lock = features, lock
+
+    def session(self):
+        with self._lock:
+            return self._f.session()
+
+    def extract(self, images, model):
+        with self._lock:    # set_parameters + forward must not interleave with another device's
+            return self._f.extract(images, model)
 
 
 def profile_hooks(profile: DeviceProfile, t0: float, rng: np.random.Generator) -> AgentHooks:
@@ -113,12 +137,14 @@ def device_handlers(images: np.ndarray, labels: np.ndarray, train_idx: np.ndarra
     also OLL personalization (evaluated on the held-out split)."""
     handlers = {FED3R_KIND: Fed3RStatsTask(images[train_idx], labels[train_idx], extractors),
                 FEDAVG_KIND: HeadTrainingTask(images[train_idx], labels[train_idx], extractors, training_manifest)}
+    tail_features = None
     if tail_manifest:
         handlers[FEDAVG_TAIL_KIND] = TailTrainingTask(images[train_idx], labels[train_idx], tail_manifest,
                                                       trunk=extractors.trunk(tail_manifest))
+        tail_features = extractors.tail_features(tail_manifest)
     if holdout_idx is not None and len(holdout_idx):
         handlers[PERSONALIZE_KIND] = PersonalizeTask(images[train_idx], labels[train_idx], images[holdout_idx],
-                                                     labels[holdout_idx], extractors)
+                                                     labels[holdout_idx], extractors, tail_features=tail_features)
     return handlers
 
 
