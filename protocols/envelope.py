@@ -97,6 +97,45 @@ def canonical_json(obj: Any) -> bytes:
         raise EnvelopeError(f"header is not valid JSON: {exc}") from exc
 
 
+def _reject_constant(token: str) -> Any:
+    raise ValueError(f"{token} is not JSON")
+
+
+def _object_without_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # A duplicate key would let two receivers (one keeping the first value, one the last) read
+    # one signed header differently.
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise ValueError(f"duplicate key {key!r}")
+        obj[key] = value
+    return obj
+
+
+def parse_strict_json(data: bytes) -> Any:
+    """RFC 8259 JSON from UTF-8 bytes, refusing what Python's json module lets through: NaN and
+    Infinity tokens, duplicate keys and lone surrogates. Raises ValueError."""
+    value = json.loads(data.decode("utf-8"), parse_constant=_reject_constant,
+                       object_pairs_hook=_object_without_duplicates)
+    json.dumps(value, ensure_ascii=False).encode("utf-8")    # UnicodeEncodeError (a ValueError): lone surrogate
+    return value
+
+
+def _check_integer_fields(header: dict) -> None:
+    """JSON Schema counts 1.0 as an integer; the wire contract does not (docs/protocol.md)."""
+    def is_int(value):
+        return type(value) is int
+
+    if not is_int(header["v"]):
+        raise EnvelopeError(f"header invalid at v: {header['v']!r} is not a JSON integer")
+    for index, desc in enumerate(header["tensors"]):
+        for key in ("offset", "nbytes"):
+            if not is_int(desc[key]):
+                raise EnvelopeError(f"header invalid at tensors/{index}/{key}: {desc[key]!r} is not a JSON integer")
+        if not all(is_int(d) for d in desc["shape"]):
+            raise EnvelopeError(f"header invalid at tensors/{index}/shape: {desc['shape']!r} holds a non-integer")
+
+
 @lru_cache(maxsize=1)
 def envelope_schema() -> dict:
     text = resources.files("protocols").joinpath("schema/envelope.schema.json").read_text()
@@ -157,14 +196,15 @@ def decode(data: bytes, verifier: Verifier | None = None, *,
     if hlen > MAX_HEADER_BYTES or PREFIX_LEN + hlen > len(data):
         raise EnvelopeError(f"header length {hlen} exceeds the message or the {MAX_HEADER_BYTES}-byte limit")
     try:
-        header = json.loads(data[PREFIX_LEN:PREFIX_LEN + hlen].decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise EnvelopeError(f"header is not UTF-8 JSON: {exc}") from exc
+        header = parse_strict_json(data[PREFIX_LEN:PREFIX_LEN + hlen])
+    except ValueError as exc:     # UnicodeError and JSONDecodeError are ValueErrors
+        raise EnvelopeError(f"header is not strict UTF-8 JSON: {exc}") from exc
     errors = sorted(_validator().iter_errors(header), key=lambda e: list(e.path))
     if errors:
         e = errors[0]
         where = "/".join(str(p) for p in e.path) or "<header>"
         raise EnvelopeError(f"header invalid at {where}: {e.message}")
+    _check_integer_fields(header)
     if header["v"] != PROTOCOL_VERSION:
         raise EnvelopeError(f"unsupported protocol version {header['v']} (this side speaks {PROTOCOL_VERSION})")
     payload = memoryview(data)[PREFIX_LEN + hlen:]

@@ -74,7 +74,7 @@ def golden_messages() -> dict[str, bytes]:
     out["result_fedavg_tail"] = encode(Envelope("result", "dev0001", body=tail_body, tensors=tail_update,
                                                 id="bb" * 16, ts=_TS + 5))
     out["task_ladd_train_secure"] = _secure_ladd_task()
-    # A chunked message: 3 chunks of 160 bytes max; chunk ids are derived, not random, here.
+    # A chunked message cut into 200-byte slices (4 chunks); chunk ids are derived, not random, here.
     big = Envelope("result", "dev0001", body=body, tensors=tensors, id="44" * 16, ts=_TS + 7)
     data = encode(big)
     for i, part in enumerate(_deterministic_chunks(data, big.id, "dev0001", 200)):

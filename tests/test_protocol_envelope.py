@@ -69,6 +69,34 @@ def test_header_schema_violations_are_rejected():
         decode(_raw(h, payload))
 
 
+def _raw_text(text: str, payload: bytes) -> bytes:
+    h = text.encode("utf-8")
+    return b"FFE1" + struct.pack("<I", len(h)) + h + payload
+
+
+def test_header_json_is_parsed_strictly():
+    """What Python's json module accepts but RFC 8259 and docs/protocol.md do not: NaN/Infinity
+    tokens, duplicate keys, lone surrogates; and JSON floats where the contract wants integers."""
+    header, payload = _header_and_payload(sample())
+    text = canonical_json(header).decode()
+    ts = json.dumps(header["ts"])
+    cases = [(text.replace(f'"ts":{ts}', '"ts":NaN'), "NaN is not JSON"),
+             (text.replace(f'"ts":{ts}', '"ts":Infinity'), "Infinity is not JSON"),
+             (text.replace('"body":{', '"body":{"k":1,"k":2,', 1), "duplicate key 'k'"),
+             (text.replace('"type":', '"type":"a","type":', 1), "duplicate key 'type'"),
+             (text.replace('"body":{', '"body":{"s":"\\ud800",', 1), "surrogate"),
+             (text.replace('"v":1', '"v":1.0'), "v: 1.0 is not a JSON integer"),
+             (text.replace('"offset":0', '"offset":0.0', 1), "offset: 0.0 is not a JSON integer")]
+    shape = json.dumps(header["tensors"][0]["shape"], separators=(",", ":"))
+    float_shape = "[" + ",".join(f"{d}.0" for d in header["tensors"][0]["shape"]) + "]"
+    cases.append((text.replace(f'"shape":{shape}', f'"shape":{float_shape}', 1), "shape: .* holds a non-integer"))
+    for bad, match in cases:
+        assert bad != text, match                               # the mutation applied
+        with pytest.raises(EnvelopeError, match=match):
+            decode(_raw_text(bad, payload))
+    decode(_raw_text(text, payload))                            # the unmutated header still decodes
+
+
 def test_tensor_table_must_tile_the_payload():
     header, payload = _header_and_payload(sample())
     bad = json.loads(json.dumps(header))

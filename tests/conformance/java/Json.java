@@ -1,0 +1,255 @@
+// Strict JSON reader and the canonical writer of docs/protocol.md ("Canonical JSON"),
+// written from the spec alone. Values: LinkedHashMap (object), ArrayList (array), String,
+// BigInteger (a number without '.', 'e' or 'E'), Double (any other number), Boolean, NULL.
+import java.math.BigDecimal;
+import java.math.BigInteger;
+import java.math.MathContext;
+import java.math.RoundingMode;
+import java.nio.charset.StandardCharsets;
+import java.util.*;
+
+final class Json {
+    static final Object NULL = new Object() { public String toString() { return "null"; } };
+
+    static final class JsonError extends Exception {
+        JsonError(String m) { super(m); }
+    }
+
+    // ---- reader: RFC 8259, no NaN/Infinity, no duplicate keys, no lone surrogates ----
+    private final String s;
+    private int i;
+
+    private Json(String s) { this.s = s; }
+
+    static Object parse(String text) throws JsonError {
+        Json p = new Json(text);
+        p.ws();
+        Object v = p.value(0);
+        p.ws();
+        if (p.i != text.length()) throw p.err("trailing characters after the JSON value");
+        return v;
+    }
+
+    private JsonError err(String m) { return new JsonError(m + " at char " + i); }
+    private void ws() { while (i < s.length() && " \t\r\n".indexOf(s.charAt(i)) >= 0) i++; }
+    private char peek() throws JsonError {
+        if (i >= s.length()) throw err("unexpected end of JSON");
+        return s.charAt(i);
+    }
+    private void expect(char c) throws JsonError {
+        if (peek() != c) throw err("expected '" + c + "'");
+        i++;
+    }
+
+    private Object value(int depth) throws JsonError {
+        if (depth > 64) throw err("JSON nested deeper than 64 levels");
+        char c = peek();
+        if (c == '{') return object(depth);
+        if (c == '[') return array(depth);
+        if (c == '"') return string();
+        if ((c == '-' && !s.startsWith("-Infinity", i)) || (c >= '0' && c <= '9')) return number();
+        for (String lit : new String[] {"true", "false", "null"})
+            if (s.startsWith(lit, i)) {
+                i += lit.length();
+                return lit.equals("null") ? NULL : Boolean.valueOf(lit.equals("true"));
+            }
+        if (s.startsWith("NaN", i) || s.startsWith("Infinity", i) || s.startsWith("-Infinity", i))
+            throw err("NaN/Infinity are not JSON (the spec forbids them)");
+        throw err("unexpected character '" + c + "'");
+    }
+
+    private Map<String, Object> object(int depth) throws JsonError {
+        Map<String, Object> m = new LinkedHashMap<>();
+        expect('{'); ws();
+        if (peek() == '}') { i++; return m; }
+        while (true) {
+            ws();
+            if (peek() != '"') throw err("object key must be a string");
+            String k = string();
+            if (m.containsKey(k)) throw err("duplicate key \"" + k + "\"");
+            ws(); expect(':'); ws();
+            m.put(k, value(depth + 1));
+            ws();
+            if (peek() == ',') { i++; continue; }
+            expect('}');
+            return m;
+        }
+    }
+
+    private List<Object> array(int depth) throws JsonError {
+        List<Object> a = new ArrayList<>();
+        expect('['); ws();
+        if (peek() == ']') { i++; return a; }
+        while (true) {
+            ws();
+            a.add(value(depth + 1));
+            ws();
+            if (peek() == ',') { i++; continue; }
+            expect(']');
+            return a;
+        }
+    }
+
+    private String string() throws JsonError {
+        expect('"');
+        StringBuilder b = new StringBuilder();
+        while (true) {
+            char c = peek();
+            i++;
+            if (c == '"') break;
+            if (c < 0x20) throw err("raw control character in string");
+            if (c != '\\') { b.append(c); continue; }
+            char e = peek();
+            i++;
+            switch (e) {
+                case '"': b.append('"'); break;
+                case '\\': b.append('\\'); break;
+                case '/': b.append('/'); break;
+                case 'b': b.append('\b'); break;
+                case 'f': b.append('\f'); break;
+                case 'n': b.append('\n'); break;
+                case 'r': b.append('\r'); break;
+                case 't': b.append('\t'); break;
+                case 'u':
+                    if (i + 4 > s.length()) throw err("truncated \\u escape");
+                    try { b.append((char) Integer.parseInt(s.substring(i, i + 4), 16)); }
+                    catch (NumberFormatException x) { throw err("bad \\u escape"); }
+                    i += 4;
+                    break;
+                default: throw err("bad escape \\" + e);
+            }
+        }
+        String out = b.toString();
+        for (int k = 0; k < out.length(); k++) {  // only whole Unicode scalar values
+            char c = out.charAt(k);
+            if (Character.isHighSurrogate(c) && k + 1 < out.length() && Character.isLowSurrogate(out.charAt(k + 1))) k++;
+            else if (Character.isSurrogate(c)) throw err("lone UTF-16 surrogate in string");
+        }
+        return out;
+    }
+
+    private Object number() throws JsonError {
+        int start = i;
+        if (peek() == '-') i++;
+        if (peek() == '0') i++;
+        else if (peek() >= '1' && peek() <= '9') while (i < s.length() && Character.isDigit(s.charAt(i))) i++;
+        else throw err("bad number");
+        boolean isFloat = false;
+        if (i < s.length() && s.charAt(i) == '.') {
+            isFloat = true; i++;
+            if (!Character.isDigit(peek())) throw err("bad fraction");
+            while (i < s.length() && Character.isDigit(s.charAt(i))) i++;
+        }
+        if (i < s.length() && (s.charAt(i) == 'e' || s.charAt(i) == 'E')) {
+            isFloat = true; i++;
+            if (peek() == '+' || peek() == '-') i++;
+            if (!Character.isDigit(peek())) throw err("bad exponent");
+            while (i < s.length() && Character.isDigit(s.charAt(i))) i++;
+        }
+        String t = s.substring(start, i);
+        if (!isFloat) return new BigInteger(t);
+        double d = Double.parseDouble(t);
+        if (Double.isInfinite(d)) throw err("number " + t + " overflows float64");
+        return d;
+    }
+
+    // ---- canonical writer ----
+    static byte[] canonical(Object v) throws JsonError {
+        StringBuilder b = new StringBuilder();
+        write(b, v);
+        return b.toString().getBytes(StandardCharsets.UTF_8);
+    }
+
+    /** Keys in Unicode code point order (= UTF-8 byte order), not Java's UTF-16 order. */
+    static final Comparator<String> CODE_POINT_ORDER = (a, b) -> {
+        int[] x = a.codePoints().toArray(), y = b.codePoints().toArray();
+        for (int k = 0; k < Math.min(x.length, y.length); k++)
+            if (x[k] != y[k]) return Integer.compare(x[k], y[k]);
+        return Integer.compare(x.length, y.length);
+    };
+
+    @SuppressWarnings("unchecked")
+    private static void write(StringBuilder b, Object v) throws JsonError {
+        if (v instanceof Map) {
+            Map<String, Object> m = (Map<String, Object>) v;
+            List<String> keys = new ArrayList<>(m.keySet());
+            keys.sort(CODE_POINT_ORDER);
+            b.append('{');
+            for (int k = 0; k < keys.size(); k++) {
+                if (k > 0) b.append(',');
+                writeString(b, keys.get(k));
+                b.append(':');
+                write(b, m.get(keys.get(k)));
+            }
+            b.append('}');
+        } else if (v instanceof List) {
+            b.append('[');
+            List<Object> a = (List<Object>) v;
+            for (int k = 0; k < a.size(); k++) {
+                if (k > 0) b.append(',');
+                write(b, a.get(k));
+            }
+            b.append(']');
+        } else if (v instanceof String) writeString(b, (String) v);
+        else if (v instanceof BigInteger || v instanceof Boolean || v == NULL) b.append(v);
+        else if (v instanceof Double) b.append(formatFloat((Double) v));
+        else throw new JsonError("not a JSON value: " + v);
+    }
+
+    private static void writeString(StringBuilder b, String v) {
+        b.append('"');
+        for (char c : v.toCharArray()) {
+            switch (c) {
+                case '"': b.append("\\\""); break;
+                case '\\': b.append("\\\\"); break;
+                case '\b': b.append("\\b"); break;
+                case '\f': b.append("\\f"); break;
+                case '\n': b.append("\\n"); break;
+                case '\r': b.append("\\r"); break;
+                case '\t': b.append("\\t"); break;
+                default:
+                    if (c < 0x20) b.append(String.format("\\u%04x", (int) c));
+                    else b.append(c);  // everything else, non-ASCII included, as raw UTF-8
+            }
+        }
+        b.append('"');
+    }
+
+    /** Shortest round-tripping decimal; fixed notation for exponents -4..15, else d.ddde±XX. */
+    static String formatFloat(double d) throws JsonError {
+        if (Double.isNaN(d) || Double.isInfinite(d)) throw new JsonError("NaN/Infinity cannot be encoded");
+        if (d == 0) return (1 / d < 0) ? "-0.0" : "0.0";
+        BigDecimal exact = new BigDecimal(d), r = exact;
+        for (int p = 1; p <= 17; p++) {
+            r = exact.round(new MathContext(p, RoundingMode.HALF_EVEN));
+            if (Double.parseDouble(r.toString()) == d) break;
+        }
+        r = r.stripTrailingZeros();
+        String digits = r.unscaledValue().abs().toString();
+        int exp10 = digits.length() - 1 - r.scale();
+        String sign = d < 0 ? "-" : "";
+        if (exp10 >= -4 && exp10 < 16) {
+            String plain = r.abs().toPlainString();
+            return sign + (plain.contains(".") ? plain : plain + ".0");
+        }
+        String mant = digits.length() == 1 ? digits : digits.charAt(0) + "." + digits.substring(1);
+        return sign + mant + "e" + (exp10 < 0 ? "-" : "+") + String.format("%02d", Math.abs(exp10));
+    }
+
+    /** Structural equality that also keeps integers and floats apart (1 != 1.0). */
+    static boolean same(Object a, Object b) {
+        if (a instanceof Map && b instanceof Map) {
+            Map<?, ?> x = (Map<?, ?>) a, y = (Map<?, ?>) b;
+            if (!x.keySet().equals(y.keySet())) return false;
+            for (Object k : x.keySet()) if (!same(x.get(k), y.get(k))) return false;
+            return true;
+        }
+        if (a instanceof List && b instanceof List) {
+            List<?> x = (List<?>) a, y = (List<?>) b;
+            if (x.size() != y.size()) return false;
+            for (int k = 0; k < x.size(); k++) if (!same(x.get(k), y.get(k))) return false;
+            return true;
+        }
+        return a.equals(b);  // Double.equals compares bits: -0.0 != 0.0, as on the wire
+    }
+}
