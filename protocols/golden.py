@@ -80,7 +80,40 @@ def golden_messages() -> dict[str, bytes]:
     for i, part in enumerate(_deterministic_chunks(data, big.id, "dev0001", 200)):
         out[f"chunk_{i}_of_result"] = part
     out["chunked_whole"] = data
+    out["result_signed_edge_cases"] = _signed_edge_cases()
     return out
+
+
+# The deterministic key of the signed vector (Ed25519 signatures are deterministic): public key
+# in index.json, so another codec can verify the vector's signature.
+GOLDEN_SIGNING_SEED = bytes(range(32))
+SIGNED = {"result_signed_edge_cases"}
+
+
+def _signed_edge_cases() -> bytes:
+    """A signed message that pins what trips other languages' codecs (docs/protocol.md): raw
+    non-ASCII and escaped strings, astral-plane keys, floats at both ends of the positional range
+    and beyond, integers at the uint64 / int64 limits, and tensors of every wire dtype, a scalar and
+    an empty one."""
+    from .identity import DeviceIdentity
+
+    identity = DeviceIdentity.from_private_bytes("dev0001", GOLDEN_SIGNING_SEED)
+    body = {"note": "Zürich \u2603 \U0001F600 \u2028 \x7f tab\t nl\n quote\" slash/ back\\ \x01",
+            "\U0001F600": 1, "\uffff": 2, "é": [1.5e-07, 1e16, 1e15, 0.0001, 4e-05, -0.0, 123456789.125, 5e-324],
+            "big": 2**64 - 1, "neg": -2**63, "nested": {"b": None, "a": [True, False, {}], "": []}}
+    tensors = {"f32": np.array([[0.5, -1.25], [3.0, 1e-3]], np.float32), "f64": np.array([1e-310, -0.0, 0.1]),
+               "i8": np.array([-128, 127, -1], np.int8), "u8": np.arange(250, 256, dtype=np.uint8),
+               "i32": np.array([[-2**31, 2**31 - 1]], np.int32), "i64": np.array([-2**63, 2**63 - 1], np.int64),
+               "u64": np.array([2**64 - 1, 0, 2**63], np.uint64), "empty": np.zeros((0, 4), np.float32),
+               "scalar": np.array(2.5)}
+    return encode(Envelope("result", identity.device_id, body=body, tensors=tensors, id="cc" * 16, ts=_TS + 11),
+                  signer=identity.sign)
+
+
+def golden_public_key() -> bytes:
+    from .identity import DeviceIdentity
+
+    return DeviceIdentity.from_private_bytes("dev0001", GOLDEN_SIGNING_SEED).public_key_bytes
 
 
 def _secure_ladd_task() -> bytes:
@@ -128,6 +161,8 @@ def write(directory: Path | None = None) -> None:
         (directory / f"{name}.bin").write_bytes(data)
         hlen = int.from_bytes(data[4:8], "little")
         index[name] = {"file": f"{name}.bin", "bytes": len(data), "header": json.loads(data[8:8 + hlen])}
+        if name in SIGNED:
+            index[name]["public_key"] = golden_public_key().hex()
     (directory / "index.json").write_text(json.dumps(index, indent=1, sort_keys=True))
 
 

@@ -115,7 +115,11 @@ def test_java_codec_passes_every_check(java_run):
 def test_every_golden_vector_was_checked(java_run):
     index = json.loads((GOLDEN / "index.json").read_text())
     summary = lines_starting(java_run, "SUMMARY")
-    assert summary and f"golden={len(index)} " in summary[0], summary
+    signed = [name for name, entry in index.items() if "public_key" in entry]
+    assert summary and f"golden={len(index)} signed={len(signed)} " in summary[0], summary
+    assert signed, "the golden set must hold a signed vector"
+    for name in signed:
+        assert f"PASS golden {name} signature verifies" in java_run["lines"], name
     for name in index:
         assert f"PASS golden {name} re-encodes byte-identical" in java_run["lines"], name
         assert f"PASS golden {name} header == index.json" in java_run["lines"], name

@@ -10,6 +10,7 @@ from protocols import golden
 from protocols.chunking import MessageAssembler, Reassembler, split
 from protocols.envelope import (MAX_HEADER_BYTES, Envelope, EnvelopeError, canonical_json, decode, encode,
                                 require_finite, require_tensor)
+from protocols.identity import verify_signature
 from protocols.topics import Topics, check_device_id
 
 
@@ -223,6 +224,11 @@ def test_golden_vectors_on_disk_match_the_codec():
         assert on_disk == data, f"{name}: codec output differs from the golden vector"
         decoded = decode(on_disk)
         assert decoded.id == index[name]["header"]["id"]
+        if "public_key" in index[name]:           # the signed vector verifies under its published key
+            key = bytes.fromhex(index[name]["public_key"])
+            decode(on_disk, lambda sender, data, sig: verify_signature(key, data, sig))
+            with pytest.raises(Exception, match="signature"):
+                decode(on_disk, lambda sender, data, sig: verify_signature(bytes(32 * [1]), data, sig))
     asm = MessageAssembler()
     chunks = sorted(n for n in index if n.startswith("chunk_"))
     res = [asm.feed((d / f"{c}.bin").read_bytes()) for c in chunks]

@@ -18,7 +18,7 @@ public final class Main {
     interface Action { Object run() throws Exception; }
     interface Mutation { void apply(Map<String, Object> header) throws Exception; }
 
-    private int checks, failures;
+    private int checks, failures, signedGolden;
 
     private void check(String name, boolean ok, String detail) {
         checks++;
@@ -49,7 +49,7 @@ public final class Main {
             else if (args[k].equals("--canonical")) m.canonicalLines(Files.readAllBytes(Paths.get(args[++k])));
             else if (args[k].equals("--prg")) printPrg(Envelope.unhex(args[++k]), Integer.parseInt(args[++k]));
         }
-        System.out.println("SUMMARY golden=" + golden + " checks=" + m.checks + " failures=" + m.failures);
+        System.out.println("SUMMARY golden=" + golden + " signed=" + m.signedGolden + " checks=" + m.checks + " failures=" + m.failures);
         System.exit(m.failures == 0 ? 0 : 1);
     }
 
@@ -66,6 +66,11 @@ public final class Main {
             n++;
             try {
                 Envelope.Message msg = Envelope.decode(bytes);
+                if (entry.containsKey("public_key")) {   // a signed vector: verify under its published key
+                    byte[] key = Envelope.unhex((String) entry.get("public_key"));
+                    check("golden " + name + " signature verifies", Envelope.decode(bytes, key, Envelope.MAX_MESSAGE_BYTES) != null, "");
+                    signedGolden++;
+                }
                 check("golden " + name + " size", BigInteger.valueOf(bytes.length).equals(entry.get("bytes")), "");
                 check("golden " + name + " header == index.json", Json.same(msg.header, entry.get("header")), "");
                 byte[] again = Envelope.encode(msg.header, msg.tensors, null);
