@@ -33,8 +33,14 @@ call: > 1 is what the runtime's cache-sized slicing gains. At batch 1 the bundle
 static shapes, what a latency-bound single-image deployment exports): ``pte1`` and
 ``ort/pte1``.
 
+A second table times, in the same interleaved rounds, the int8 program of a bundle exported
+with ``quantize="int8"`` (``fedfleet export --quantize int8``; skipped with ``--no-int8``):
+``eager/int8``, ``pte/int8`` (fp32 .pte over int8 .pte), ``ort/int8``, and how far its
+features are from eager fp32 on the benchmark images (relative L2 error, worst-row cosine).
+What int8 costs in accuracy is measured by bench/quantization.py.
+
 Usage: .venv/bin/python bench/export.py [--backbones mobilenet_v2,efficientnet_lite0]
-       [--sizes 64,128,224] [--threads N] [--repeats 15] [--quick]
+       [--sizes 64,128,224] [--threads N] [--repeats 15] [--quick] [--no-int8]
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ from edge_client.runtime.onnx_runtime import OnnxRuntimeInference
 from edge_client.runtime.verification import read_verified
 from export import export_bundle
 from export.parity import load_parity_images
+from export.quantization import quantized_parity
 
 RUNTIMES = ("executorch", "onnxruntime", "eager")
 
@@ -143,6 +150,13 @@ def bench_inference(backbone: str, size: int, images: np.ndarray, args, workdir:
             backbone, workdir / f"{backbone}-{size}-b1", num_classes=10, image_size=size, training=False,
             batch_size=1, inference_runtimes=("executorch",), parity_images=load_parity_images(count=32)),
             prefer=("executorch",))
+    int8, distortion = None, None
+    if args.int8:
+        int8 = load_inference(export_bundle(
+            backbone, workdir / f"{backbone}-{size}-int8", num_classes=10, image_size=size,
+            training=False, inference_runtimes=("executorch",), quantize="int8",
+            parity_images=load_parity_images(count=32)), prefer=("executorch",))
+        distortion = quantized_parity(int8.run(inputs), runtimes["eager"].run(inputs))
     rows = []
     for batch in args.batches:
         x = np.ascontiguousarray(inputs[:batch])
@@ -150,12 +164,28 @@ def bench_inference(backbone: str, size: int, images: np.ndarray, args, workdir:
         calls["executorch_one_call"] = lambda: one_call.run(x)
         if batch == 1:
             calls["executorch_b1"] = lambda: single.run(x)
+        if int8 is not None:
+            calls["executorch_int8"] = lambda: int8.run(x)
         medians = interleaved_medians(calls, args.warmup, args.repeats, args.clock, args.settle)
         per_image_ms = {name: 1000 * seconds / batch for name, seconds in medians.items()}
         rows.append({"backbone": backbone, "size": size, "batch": batch, **per_image_ms,
                      "parity": max(spec.parity["max_abs_error"] for spec in manifest.artifacts),
-                     "export_s": export_seconds})
+                     "export_s": export_seconds, "int8_distortion": distortion})
     return rows
+
+
+def print_int8_table(rows: list[dict]) -> None:
+    header = (f"{'backbone':18s} {'px':>4s} {'batch':>5s} {'int8 ms/img':>12s} {'eager/int8':>11s} "
+              f"{'pte/int8':>9s} {'ort/int8':>9s} {'relL2 vs fp32':>14s} {'min cos':>8s}")
+    print("\nint8 .pte (quantize='int8'; ratios > 1: int8 is faster)")
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        int8, distortion = row["executorch_int8"], row["int8_distortion"]
+        print(f"{row['backbone']:18s} {row['size']:4d} {row['batch']:5d} {int8:12.3f} "
+              f"{row['eager'] / int8:11.2f} {row['executorch'] / int8:9.2f} "
+              f"{row['onnxruntime'] / int8:9.2f} {distortion.relative_l2_error:14.3f} "
+              f"{distortion.min_cosine_similarity:8.3f}")
 
 
 def bench_tail_step(args, batch: int = 32) -> dict:
@@ -219,6 +249,8 @@ def main() -> None:
                              "other load on a shared machine; it counts spin-waiting threads "
                              "otherwise)")
     parser.add_argument("--quick", action="store_true", help="64 px only, 5 repeats")
+    parser.add_argument("--no-int8", dest="int8", action="store_false",
+                        help="skip the int8 program (one more export per size)")
     args = parser.parse_args()
     if args.quick:
         args.sizes, args.repeats = "64", 5
@@ -252,6 +284,8 @@ def main() -> None:
                      if "executorch_b1" in row else f"{'–':>12s} {'–':>9s} ")
                   + f"{row['parity']:9.1e}")
 
+        if args.int8:
+            print_int8_table(rows)
         print(f"load average (1/5/15 min) after inference timings: {load_average()}")
 
         features = np.random.default_rng(0).random((64, 1280), dtype=np.float32) * 6

@@ -49,6 +49,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help="max abs error of inference artifacts vs eager (default 1e-4)")
     parser.add_argument("--gradient-tolerance", type=float, default=1e-5,
                         help="max abs error of gradients / SGD vs torch (default 1e-5)")
+    parser.add_argument("--quantize", choices=["int8"],
+                        help="int8: the ExecuTorch inference program is statically quantized for "
+                             "XNNPACK's int8 kernels (other programs stay fp32); see "
+                             "docs/deployment.md for when to use it")
+    parser.add_argument("--calibration-images", type=Path,
+                        help="uint8 images (.npy or IDX) that calibrate the int8 activation ranges, "
+                             "ideally from the deployment (default: Fashion-MNIST train images)")
+    parser.add_argument("--calibration-count", type=int, default=128)
+    parser.add_argument("--quantized-tolerance", type=float, default=None,
+                        help="max relative L2 error of the int8 program's outputs vs eager fp32 "
+                             "(default: export.pipeline.INT8_RELATIVE_ERROR_TOLERANCE)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing bundle")
     parser.add_argument("-v", "--verbose", action="store_true")
     return parser
@@ -60,17 +71,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exit_:  # argparse exits 2 on bad usage, 0 on --help
         return int(exit_.code or 0)
+    if args.quantize is None and (args.calibration_images is not None
+                                  or args.quantized_tolerance is not None):
+        print("fedfleet export: --calibration-images / --quantized-tolerance need --quantize",
+              file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.verbose:
         logging.getLogger("export").setLevel(logging.INFO)
 
     # Imported here so `--help` works without torch / executorch.
-    from export.parity import load_parity_images
-    from export.pipeline import ExportError, ParityError, export_bundle
+    from export.parity import load_calibration_images, load_parity_images
+    from export.pipeline import (
+        INT8_RELATIVE_ERROR_TOLERANCE,
+        ExportError,
+        ParityError,
+        export_bundle,
+    )
 
     runtimes = tuple(name for name in args.runtimes.split(",") if name.strip())
     try:
         parity_images = load_parity_images(args.parity_images, args.parity_count)
+        calibration_images = None
+        if args.quantize is not None:
+            calibration_images = load_calibration_images(args.calibration_images,
+                                                         args.calibration_count)
+        quantized_tolerance = (INT8_RELATIVE_ERROR_TOLERANCE if args.quantized_tolerance is None
+                               else args.quantized_tolerance)
         manifest_path = export_bundle(
             args.backbone, args.out, num_classes=args.num_classes, image_size=args.image_size,
             weights=args.weights, head_weights=args.head_weights, full_model=args.full_model,
@@ -78,7 +105,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             inference_runtimes=tuple(name.strip() for name in runtimes),
             training=not args.no_training, parity_images=parity_images,
             tolerance=args.tolerance, gradient_tolerance=args.gradient_tolerance,
-            tail_stages=args.tail_stages, overwrite=args.overwrite)
+            tail_stages=args.tail_stages, overwrite=args.overwrite, quantize=args.quantize,
+            calibration_images=calibration_images, quantized_tolerance=quantized_tolerance)
     except ParityError as error:
         print(f"fedfleet export: {error}", file=sys.stderr)
         print(json.dumps(error.measurements, indent=2, sort_keys=True), file=sys.stderr)
@@ -100,7 +128,11 @@ def _summary(manifest_path: Path) -> str:
     lines = [f"wrote {manifest_path}"]
     for spec in manifest.artifacts:
         parity = spec.parity
-        if spec.kind == "inference":
+        if "relative_l2_error" in parity:
+            measured = (f"{spec.details['quantization']['mode']}: relative L2 error vs eager fp32 "
+                        f"{parity['relative_l2_error']:.3f}, min cosine "
+                        f"{parity['min_cosine_similarity']:.3f}")
+        elif spec.kind == "inference":
             measured = f"max abs error vs eager {parity['max_abs_error']:.2e}"
         else:
             measured = (f"gradient error {parity['gradient_max_abs_error']:.2e}, "

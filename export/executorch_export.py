@@ -24,7 +24,9 @@ class LoweredProgram:
 
 
 def lower_inference_program(model: nn.Module, example: torch.Tensor, max_batch: int) -> LoweredProgram:
-    """Export ``model`` for batches of 1..``max_batch`` images shaped like ``example[0]``.
+    """Export ``model`` (an ``nn.Module``, or an int8 graph from
+    :func:`export.quantization.quantize_int8`) for batches of 1..``max_batch`` images shaped
+    like ``example[0]``.
 
     The trace uses a batch of exactly ``max_batch`` rows: with ExecuTorch 1.5.1, tracing a
     smaller example made memory planning size the input for fewer rows than the declared
@@ -39,7 +41,9 @@ def lower_inference_program(model: nn.Module, example: torch.Tensor, max_batch: 
     dynamic_shapes = None
     if max_batch > 1:
         dynamic_shapes = ({0: torch.export.Dim("batch", min=1, max=max_batch)},)
-    exported = torch.export.export(model.eval(), (traced_input,), dynamic_shapes=dynamic_shapes)
+    # Not `export(model.eval(), ...)`: a quantized graph's eval() (export.quantization) returns None.
+    model.eval()
+    exported = torch.export.export(model, (traced_input,), dynamic_shapes=dynamic_shapes)
     edge = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()])
     op_counts = collections.Counter(
         _op_name(node.target) for node in edge.exported_program().graph.nodes

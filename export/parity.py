@@ -1,7 +1,9 @@
 """Export-time parity: run each artifact in its runtime and compare with eager torch.
 
 Inference artifacts are compared on real images (Fashion-MNIST test images by default,
-or any uint8 images the caller gives). The training program is compared with plain torch
+or any uint8 images the caller gives); an int8 program is compared with
+``export.quantization.quantized_parity`` instead, after calibrating on other real images
+(:func:`load_calibration_images`). The training program is compared with plain torch
 autograd (``F.cross_entropy`` on the un-padded rows, not the exported module) for the
 loss and gradients, and with ``torch.optim.SGD`` after a few steps in the runtime.
 """
@@ -19,6 +21,7 @@ __all__ = [
     "ParityImages",
     "TrainingParity",
     "inference_parity",
+    "load_calibration_images",
     "load_parity_images",
     "reference_head_loss",
     "training_parity",
@@ -35,18 +38,31 @@ class ParityImages:
 def load_parity_images(path: str | Path | None = None, count: int = 64) -> ParityImages:
     """``count`` real images: from ``path`` (.npy uint8 array, or an IDX file), else
     the first ``count`` Fashion-MNIST test images."""
-    if count < 1:
-        raise ValueError(f"count must be >= 1, got {count}")
+    return _load_images(path, count, "test", "parity check", "--parity-images")
+
+
+def load_calibration_images(path: str | Path | None = None, count: int = 128) -> ParityImages:
+    """``count`` real images to calibrate int8 activation ranges (``export.quantization``):
+    from ``path`` (as :func:`load_parity_images`), else the first ``count`` Fashion-MNIST
+    *train* images, so that the parity check (test images) measures images the calibration
+    has not seen."""
+    return _load_images(path, count, "train", "int8 calibration", "--calibration-images")
+
+
+def _load_images(path: str | Path | None, count: int, split: str, use: str,
+                 option: str) -> ParityImages:
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"count must be a positive integer, got {count!r}")
     if path is None:
         from edge_client.data.idx import load_fashion_mnist
 
         try:
-            images, labels = load_fashion_mnist("test")
+            images, labels = load_fashion_mnist(split)
         except FileNotFoundError as error:
             raise FileNotFoundError(
-                f"{error}. Export needs real images for its parity check: install the "
-                "dataset or pass parity images (--parity-images).") from None
-        return ParityImages(images[:count], labels[:count], f"fashion-mnist test[0:{count}]")
+                f"{error}. Export needs real images for its {use}: install the "
+                f"dataset or pass images ({option}).") from None
+        return ParityImages(images[:count], labels[:count], f"fashion-mnist {split}[0:{count}]")
     path = Path(path)
     if path.suffix == ".npy":
         images = np.load(path, allow_pickle=False)
@@ -56,7 +72,7 @@ def load_parity_images(path: str | Path | None = None, count: int = 64) -> Parit
         images = read_idx(path)
     if images.dtype != np.uint8 or images.ndim not in (3, 4) or len(images) == 0:
         raise ValueError(
-            f"{path}: parity images must be a non-empty uint8 array (N, H, W[, 3]), "
+            f"{path}: {use} images must be a non-empty uint8 array (N, H, W[, 3]), "
             f"got {images.dtype} {images.shape}")
     return ParityImages(images[:count], None, f"{path.name}[0:{min(count, len(images))}]")
 

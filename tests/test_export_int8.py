@@ -1,0 +1,175 @@
+"""int8 ExecuTorch programs (``fedfleet export --quantize int8``): what the manifest records,
+closeness to eager fp32 on real images the export never saw, that the program really is
+int8 (different outputs, int8-sized file), refusal beyond tolerance, bad requests.
+
+Two int8 MobileNetV2 exports at 32 px (about 25 s each on one core, mostly ExecuTorch's
+lowering), both through the command line: the module's bundle, and one refused.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from sklearn.metrics.pairwise import cosine_similarity
+
+from edge_client.data.idx import load_fashion_mnist
+from edge_client.models import build_backbone
+from edge_client.models.preprocess import to_model_input
+from edge_client.runtime import load_inference, read_manifest
+from export import export_bundle
+from export.cli import main
+from export.parity import load_calibration_images
+from export.pipeline import INT8_RELATIVE_ERROR_TOLERANCE, ExportError
+from export.quantization import quantized_parity
+
+IMAGE_SIZE = 32
+CALIBRATION_COUNT = 32
+FP32_TOLERANCE = 1e-4  # the fp32 artifacts' rule, unchanged by quantization
+
+
+@pytest.fixture(scope="module")
+def int8_bundle(tmp_path_factory):
+    out = tmp_path_factory.mktemp("int8") / "bundle"
+    code = main(["--backbone", "mobilenet_v2", "--num-classes", "3", "--out", str(out),
+                 "--image-size", str(IMAGE_SIZE), "--batch-size", "8", "--parity-count", "16",
+                 "--runtimes", "executorch,eager", "--no-training",
+                 "--quantize", "int8", "--calibration-count", str(CALIBRATION_COUNT)])
+    assert code == 0
+    return out / "manifest.json"
+
+
+@pytest.fixture(scope="module")
+def unseen_images():
+    """Test images past the parity images (test[0:16]); calibration used train images."""
+    return load_fashion_mnist("test")[0][1000:1040]
+
+
+def eager_fp32_features(images):
+    backbone = build_backbone("mobilenet_v2")
+    inputs = to_model_input(images, IMAGE_SIZE, backbone.mean, backbone.std)
+    with torch.no_grad():
+        return inputs, backbone(torch.from_numpy(inputs)).numpy()
+
+
+def test_manifest_records_the_quantization(int8_bundle, capsys):
+    manifest = read_manifest(int8_bundle)
+    pte = manifest.find("inference", "executorch")
+    assert pte.file == "inference_xnnpack_int8.pte"
+    quantization = pte.details["quantization"]
+    assert quantization["mode"] == "int8" and "per output channel" in quantization["scheme"]
+    assert quantization["calibration_images"] == CALIBRATION_COUNT
+    assert quantization["calibration_inputs"].startswith("fashion-mnist train")
+    assert pte.details["delegate_calls"] == 1 and pte.details["portable_ops"] == {}
+    parity = pte.parity
+    assert parity["tolerance"] == INT8_RELATIVE_ERROR_TOLERANCE
+    assert parity["tolerance_metric"] == "relative_l2_error"
+    assert 0 < parity["relative_l2_error"] <= INT8_RELATIVE_ERROR_TOLERANCE
+    assert -1 <= parity["min_cosine_similarity"] <= parity["mean_cosine_similarity"] <= 1
+    # The fp32 artifact of the same bundle keeps the fp32 rule and has no quantization.
+    eager = manifest.find("inference", "eager")
+    assert "quantization" not in eager.details
+    assert eager.parity["tolerance"] == FP32_TOLERANCE
+    assert eager.parity["max_abs_error"] <= FP32_TOLERANCE
+
+
+def test_int8_features_stay_close_to_fp32_on_unseen_images(int8_bundle, unseen_images):
+    inputs, expected = eager_fp32_features(unseen_images)
+    runtime = load_inference(int8_bundle)          # the device default picks the .pte
+    assert runtime.runtime == "executorch"
+    outputs = runtime.run(inputs)                  # 40 rows: 5 calls of the 8-row program
+    assert outputs.shape == expected.shape and outputs.dtype == np.float32
+    relative = np.linalg.norm(outputs - expected) / np.linalg.norm(expected)
+    assert relative <= INT8_RELATIVE_ERROR_TOLERANCE
+    cosines = np.diag(cosine_similarity(outputs.astype(np.float64), expected.astype(np.float64)))
+    assert cosines.mean() >= 0.9, cosines
+    # Really quantized: far beyond what fp32 programs are allowed to differ by.
+    assert np.max(np.abs(outputs - expected)) > 100 * FP32_TOLERANCE
+    # Rows do not depend on the batch they run in (calls of 1 row and of 8 rows).
+    np.testing.assert_allclose(runtime.run(inputs[:1]), outputs[:1], atol=1e-5)
+
+
+def test_int8_program_stores_int8_weights(int8_bundle):
+    manifest = read_manifest(int8_bundle)
+    pte = manifest.find("inference", "executorch")
+    # The program's weights: the convolutions (BatchNorm is folded into them; the ImageNet
+    # classifier is not part of a feature extractor).
+    weights = sum(module.weight.numel() for module in build_backbone("mobilenet_v2").modules()
+                  if isinstance(module, torch.nn.Conv2d))
+    # fp32 would take 4 bytes per weight; int8 takes 1 (+ per-channel scales, biases, graph).
+    assert weights < pte.size_bytes < 0.35 * 4 * weights
+    assert (int8_bundle.parent / pte.file).stat().st_size == pte.size_bytes
+
+
+def test_badly_calibrated_program_is_refused_and_nothing_written(tmp_path, capsys):
+    """Calibrated on black images, the activation ranges miss what real images produce: the
+    default tolerance must catch it (0.70 relative L2 error when this test was written)."""
+    black = tmp_path / "black.npy"
+    np.save(black, np.zeros((8, 28, 28), np.uint8))
+    out = tmp_path / "bundle"
+    code = main(["--backbone", "mobilenet_v2", "--num-classes", "3", "--out", str(out),
+                 "--image-size", str(IMAGE_SIZE), "--batch-size", "1", "--parity-count", "8",
+                 "--runtimes", "executorch", "--no-training",
+                 "--quantize", "int8", "--calibration-images", str(black)])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "no artifact written" in err and "relative L2 error" in err
+    assert "inference_xnnpack_int8.pte" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["black.npy"]
+
+
+@pytest.mark.parametrize("arguments,message", [
+    (dict(quantize="int4"), "quantize must be"),
+    (dict(quantize="int8", inference_runtimes=("onnxruntime",)), "add executorch"),
+    (dict(quantize="int8", quantized_tolerance=math.nan), "quantized_tolerance"),
+    (dict(quantize="int8", quantized_tolerance=-0.1), "quantized_tolerance"),
+])
+def test_bad_quantization_requests_are_refused(tmp_path, arguments, message):
+    with pytest.raises(ExportError, match=message):
+        export_bundle("mobilenet_v2", tmp_path / "bundle", num_classes=3, image_size=IMAGE_SIZE,
+                      training=False, **arguments)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_calibration_options_need_quantize(tmp_path, capsys):
+    assert main(["--backbone", "mobilenet_v2", "--num-classes", "3", "--out", str(tmp_path / "b"),
+                 "--quantized-tolerance", "0.2"]) == 2
+    assert "need --quantize" in capsys.readouterr().err
+    assert main(["--backbone", "mobilenet_v2", "--num-classes", "3", "--out", str(tmp_path / "b"),
+                 "--quantize", "int4"]) == 2
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_calibration_images_are_real_and_checked(tmp_path):
+    default = load_calibration_images(count=5)
+    train = load_fashion_mnist("train")[0][:5]
+    np.testing.assert_array_equal(default.images, train)
+    bad = tmp_path / "floats.npy"
+    np.save(bad, np.zeros((3, 8, 8), np.float32))
+    with pytest.raises(ValueError, match="uint8"):
+        load_calibration_images(bad)
+    with pytest.raises(ValueError, match="count"):
+        load_calibration_images(count=0)
+
+
+def test_quantized_parity_metrics_match_an_independent_computation():
+    rng = np.random.default_rng(0)
+    reference = rng.random((6, 20)).astype(np.float32)
+    outputs = (reference + rng.normal(0, 0.05, reference.shape)).astype(np.float32)
+    measured = quantized_parity(outputs, reference)
+    cosines = np.diag(cosine_similarity(outputs, reference))
+    assert measured.relative_l2_error == pytest.approx(
+        math.sqrt(((outputs.astype(float) - reference) ** 2).sum() / (reference.astype(float) ** 2).sum()))
+    assert measured.min_cosine_similarity == pytest.approx(cosines.min(), rel=1e-6)
+    assert measured.mean_cosine_similarity == pytest.approx(cosines.mean(), rel=1e-6)
+    assert measured.max_abs_error == pytest.approx(np.abs(outputs - reference).max())
+    # Non-finite outputs fail any tolerance; mismatched shapes and all-zero references are errors.
+    broken = outputs.copy()
+    broken[2, 3] = np.nan
+    assert quantized_parity(broken, reference).relative_l2_error == math.inf
+    with pytest.raises(ValueError, match="shape"):
+        quantized_parity(outputs[:, :5], reference)
+    with pytest.raises(ValueError, match="all zero"):
+        quantized_parity(outputs, np.zeros_like(reference))
