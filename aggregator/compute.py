@@ -21,15 +21,14 @@ def pick_device(preference: str = "auto") -> torch.device:
 def compute_summary(preference: str = "auto") -> dict:
     """What an operator needs to know about where the math runs (``/api/health``): the torch
     device, the GPU's name, and where secure aggregation's final unmasking runs."""
-    from protocols.secagg.crypto import default_mask_workers
-
-    from .mask_expansion import triton_available
+    from .mask_expansion import mask_expansion_plan
 
     device = pick_device(preference)
     on_gpu = device.type == "cuda"
     if on_gpu and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    where, what = mask_expansion_plan(preference)
+    unmask = {"cuda": f"{what} (Triton AES-CTR kernel)", "processes": f"cpu ({what} processes)",
+              "threads": f"cpu ({what} threads)"}[where]
     return {"device": str(device), "gpu": torch.cuda.get_device_name(device) if on_gpu else None,
-            "torch": torch.__version__,
-            "secagg_unmask": "cuda (Triton AES-CTR kernel)" if on_gpu and triton_available()
-            else f"cpu ({default_mask_workers()} threads)"}
+            "torch": torch.__version__, "secagg_unmask": unmask}

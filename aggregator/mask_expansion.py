@@ -1,4 +1,5 @@
-"""Secure aggregation's final unmasking on a CUDA GPU: AES-128-CTR mask expansion in one kernel.
+"""Secure aggregation's final unmasking, accelerated: AES-128-CTR mask expansion in one CUDA
+kernel, or on every CPU core in worker processes.
 
 Why. At the end of a SecAgg(+) round the server removes every mask still in the sum: one
 self-mask per survivor and, per dropped device, one pair mask per surviving neighbour -- at
@@ -15,10 +16,20 @@ blocks, runs every seed's AES over them with the classic four 1 KiB T-tables (th
 and adds the signed keystream words into registers before touching the accumulator once.
 No keystream is ever written to GPU memory.
 
-`pick_mask_applier()` returns the GPU applier when torch sees a GPU and Triton imports, else
-None (ServerSecAgg then uses crypto.apply_masks on CPU threads): the CPU build of torch has no
-Triton, so CI always runs the CPU path, and the kernel's bits are checked against
-crypto.apply_masks on the GPU machine (tests/test_mask_expansion.py).
+Without a GPU, `ProcessMaskApplier` spreads the same work over worker processes. Threads
+(crypto.apply_masks' `workers`) stop scaling at about 4 because every keystream block hands the
+GIL over twice (2 700 masks of 10^6 words on a 16-core Xeon: x2.6 with 4 threads, x2.6 with 8);
+processes have no GIL to share. The accumulator goes into one shared-memory block, each process
+applies every key to its own contiguous slice (the same slicing as the threads, so the bits are
+the same), and the pool is started once (forkserver: never a fork of this multi-threaded
+server) and kept for the process's life.
+
+`pick_mask_applier()` returns the GPU applier when torch sees a GPU and Triton imports, the
+process applier on a CPU with more usable cores than the thread path can use, else None
+(ServerSecAgg then uses crypto.apply_masks on CPU threads). The CPU build of torch has no
+Triton, so CI runs the CPU paths (both appliers are compared bit for bit with
+crypto.apply_masks there), and the kernel's bits are checked on the GPU machine
+(tests/test_mask_expansion.py).
 """
 
 from __future__ import annotations
@@ -29,7 +40,9 @@ from typing import Sequence
 
 import numpy as np
 
-from protocols.secagg.crypto import check_accumulator, prg_keys
+from protocols.secagg.crypto import (MASK_BLOCK_WORDS, MAX_DEFAULT_MASK_WORKERS, apply_masks_in_shared_memory,
+                                     check_accumulator, check_workers, default_mask_workers, mask_slices,
+                                     prg_keys, usable_cores)
 
 from .compute import pick_device
 
@@ -226,27 +239,94 @@ class CudaMaskApplier:
         accumulator.view(np.int64)[:] = on_device.cpu().numpy()
 
 
-def pick_mask_applier(preference: str = "auto") -> CudaMaskApplier | None:
-    """Where the aggregator expands masks, chosen like its other tensor math (compute.pick_device:
-    `auto` honours FEDFLEET_DEVICE, `cuda` without a GPU raises): the GPU applier on a CUDA
-    device with Triton, else None -- ServerSecAgg's CPU default. One applier per GPU is kept for
-    the process, so its kernel compiles once."""
+class ProcessMaskApplier:
+    """accumulator += sum(sign * PRG(seed)) mod 2^64 with `processes` worker processes (a
+    MaskApplier), bit-identical to crypto.apply_masks."""
+
+    def __init__(self, processes: int) -> None:
+        self.processes = check_workers(processes)
+        self._pool = None
+
+    def _executor(self):
+        if self._pool is None:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            self._pool = ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("forkserver"))
+        return self._pool
+
+    def warm_up(self) -> "ProcessMaskApplier":
+        """Start every worker and import its code now (about a second), not in the first round's
+        unmasking: one tiny job per worker, all in flight at once."""
+        signed = [(bytes(32), 1)]
+        for _ in range(2):     # workers start on demand; a second wave reaches the late ones
+            self(np.zeros(2 * MASK_BLOCK_WORDS * self.processes, dtype=np.uint64), signed)
+        return self
+
+    def __call__(self, accumulator: np.ndarray, signed_seeds: Sequence[tuple[bytes, int]]) -> None:
+        from multiprocessing import shared_memory
+
+        check_accumulator(accumulator)
+        keys = prg_keys(signed_seeds)
+        if not keys or accumulator.size == 0:
+            return
+        block = shared_memory.SharedMemory(create=True, size=accumulator.nbytes)
+        try:
+            shared = np.ndarray(accumulator.shape, dtype=np.uint64, buffer=block.buf)
+            shared[:] = accumulator
+            futures = [self._executor().submit(apply_masks_in_shared_memory, block.name, accumulator.size, keys,
+                                               start, stop)
+                       for start, stop in mask_slices(accumulator.size, self.processes)]
+            for future in futures:
+                future.result()          # re-raises a worker's exception here
+            accumulator[:] = shared
+            del shared
+        finally:
+            block.close()
+            block.unlink()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
+
+def mask_expansion_plan(preference: str = "auto") -> tuple[str, str | int]:
+    """Where pick_mask_applier would expand masks, without building anything: ("cuda", device),
+    ("processes", n) or ("threads", n)."""
     if preference not in ("auto", "cpu", "cuda") and not preference.startswith("cuda:"):
         raise ValueError(f"mask expansion device must be auto, cpu or cuda, got {preference!r}")
     device = pick_device(preference)
-    if device.type != "cuda":
-        return None
-    if not triton_available():
-        if preference == "auto":
-            log.warning("GPU present but Triton does not import: secure aggregation unmasks on CPU threads")
-            return None
-        raise RuntimeError("CudaMaskApplier needs Triton (shipped with CUDA builds of torch)")
-    import torch
+    if device.type == "cuda":
+        if triton_available():
+            import torch
 
-    index = torch.cuda.current_device() if device.index is None else device.index
-    return _applier_for(f"cuda:{index}")    # "cuda" and "cuda:0" share one applier
+            index = torch.cuda.current_device() if device.index is None else device.index
+            return "cuda", f"cuda:{index}"       # "cuda" and "cuda:0" share one applier
+        if preference != "auto":
+            raise RuntimeError("CudaMaskApplier needs Triton (shipped with CUDA builds of torch)")
+        log.warning("GPU present but Triton does not import: secure aggregation unmasks on the CPU")
+    cores = usable_cores()
+    return ("processes", cores) if cores > MAX_DEFAULT_MASK_WORKERS else ("threads", default_mask_workers())
+
+
+def pick_mask_applier(preference: str = "auto") -> CudaMaskApplier | ProcessMaskApplier | None:
+    """Where the aggregator expands masks, chosen like its other tensor math (compute.pick_device:
+    `auto` honours FEDFLEET_DEVICE, `cuda` without a GPU raises): the GPU applier on a CUDA
+    device with Triton; on the CPU, worker processes when there are more usable cores than the
+    thread path can use, else None -- ServerSecAgg's threaded default. One applier per GPU (or
+    process count) is kept for the process, so a kernel compiles and a pool starts once."""
+    where, what = mask_expansion_plan(preference)
+    if where == "cuda":
+        return _applier_for(what)
+    return _process_applier(what) if where == "processes" else None
 
 
 @lru_cache(maxsize=None)
 def _applier_for(device: str) -> CudaMaskApplier:
     return CudaMaskApplier(device)
+
+
+@lru_cache(maxsize=None)
+def _process_applier(processes: int) -> ProcessMaskApplier:
+    return ProcessMaskApplier(processes).warm_up()

@@ -46,10 +46,10 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from aggregator.mask_expansion import CudaMaskApplier, pick_mask_applier  # noqa: E402
+from aggregator.mask_expansion import CudaMaskApplier, ProcessMaskApplier, pick_mask_applier  # noqa: E402
 from protocols.identity import DeviceIdentity  # noqa: E402
 from protocols.secagg import AggregateReady, MaskedInput, Phase, RoundConfig  # noqa: E402
-from protocols.secagg.crypto import apply_masks, default_mask_workers  # noqa: E402
+from protocols.secagg.crypto import apply_masks, default_mask_workers, usable_cores  # noqa: E402
 from protocols.secagg.driver import WireFrame, make_identities, run_round  # noqa: E402
 from protocols.secagg.server import ServerSecAgg  # noqa: E402
 
@@ -109,7 +109,11 @@ def timed(function, *args, **kwargs) -> tuple[float, float]:
 
 
 def secure_round(graph: str, n: int, m: int, consistency_check: bool, base: np.ndarray,
-                 dropout_phase: Phase, workers: int, gpu_applier: CudaMaskApplier | None) -> dict:
+                 dropout_phase: Phase, workers: int, fast_applier, gpu_applier: CudaMaskApplier | None,
+                 process_applier: ProcessMaskApplier) -> dict:
+    """`fast_applier`: what the round's server unmasks with (pick_mask_applier: the GPU, worker
+    processes, or None for `workers` threads); the removed masks are then expanded again on 1
+    thread, `workers` threads, the worker processes and the GPU (if any), checking the bits."""
     identities = {i.device_id: i for i in make_identities(n)}
     aggregator = DeviceIdentity.generate("aggregator")
     config = RoundConfig.create(job_id="bench", round_id=1, group_id="g", aggregator_id="aggregator",
@@ -124,7 +128,7 @@ def secure_round(graph: str, n: int, m: int, consistency_check: bool, base: np.n
     # on the GPU)
     unmask_seconds, unmask_wall, removed_seeds = [], [], []
     original_finish = ServerSecAgg._finish
-    applier = gpu_applier or partial(apply_masks, workers=workers)
+    applier = fast_applier or partial(apply_masks, workers=workers)
 
     def timed_finish(server):
         started, started_wall = time.process_time(), time.perf_counter()
@@ -154,8 +158,9 @@ def secure_round(graph: str, n: int, m: int, consistency_check: bool, base: np.n
     serial_total, parallel_total = np.zeros(m, np.uint64), np.zeros(m, np.uint64)
     serial_cpu, serial_wall = timed(apply_masks, serial_total, removed_seeds, workers=1)
     parallel_cpu, parallel_wall = timed(apply_masks, parallel_total, removed_seeds, workers=workers)
-    gpu_total = np.zeros(m, np.uint64)
+    gpu_total, process_total = np.zeros(m, np.uint64), np.zeros(m, np.uint64)
     gpu_cpu, gpu_wall = timed(gpu_applier, gpu_total, removed_seeds) if gpu_applier else (float("nan"),) * 2
+    process_cpu, process_wall = timed(process_applier, process_total, removed_seeds)
     return {
         "graph": "SecAgg+" if graph == "regular" else "complete", "n": n, "m": m, "degree": config.degree,
         "dropped": len(dropped), "exact": bool(np.array_equal(run.outcome.sum_uint64, signed["sum"])),
@@ -167,8 +172,10 @@ def secure_round(graph: str, n: int, m: int, consistency_check: bool, base: np.n
         "masks_removed": len(removed_seeds), "expansion_1_thread_cpu_s": serial_cpu,
         "expansion_1_thread_wall_s": serial_wall, "expansion_parallel_cpu_s": parallel_cpu,
         "expansion_parallel_wall_s": parallel_wall,
-        "expansion_gpu_wall_s": gpu_wall, "expansion_gpu_cpu_s": gpu_cpu, "unmask_on": "cuda" if gpu_applier else "cpu",
+        "expansion_gpu_wall_s": gpu_wall, "expansion_gpu_cpu_s": gpu_cpu, "expansion_processes_wall_s": process_wall,
+        "unmask_on": {CudaMaskApplier: "cuda", ProcessMaskApplier: "processes"}.get(type(fast_applier), "threads"),
         "expansion_identical": bool(np.array_equal(serial_total, parallel_total)
+                                    and np.array_equal(serial_total, process_total)
                                     and (gpu_applier is None or np.array_equal(serial_total, gpu_total))),
         # per surviving device: what one contributor sends and receives
         "secure_bytes_per_device": (run.upload_bytes + run.download_bytes) / len(survivors),
@@ -205,10 +212,14 @@ def gpu_expansion_gbps(applier: CudaMaskApplier, m: int = 10**6, seeds: int = 51
     return seeds * m * 8 / wall / 1e9
 
 
-def torch_device_name() -> str:
-    import torch
+def describe(applier, workers: int) -> str:
+    if isinstance(applier, CudaMaskApplier):
+        import torch
 
-    return torch.cuda.get_device_name()
+        return f"the GPU ({torch.cuda.get_device_name()})"
+    if isinstance(applier, ProcessMaskApplier):
+        return f"{applier.processes} worker processes"
+    return f"{workers} thread(s)"
 
 
 def expansion_scaling(seeds: int, m: int) -> list[dict]:
@@ -280,14 +291,16 @@ def main(argv=None) -> int:
                 for m in (args.m or (10**4, 10**6))]
         skipped = {}
 
-    gpu_applier = pick_mask_applier(args.mask_device)
+    fast_applier = pick_mask_applier(args.mask_device)
+    gpu_applier = fast_applier if isinstance(fast_applier, CudaMaskApplier) else None
+    process_applier = ProcessMaskApplier(usable_cores()).warm_up()
     base = np.random.default_rng(0).uniform(-BOUND, BOUND, max(m for _, _, m in grid))
     dropout_phase = DROPOUT_PHASES[args.dropout_after]
     load_before = os.getloadavg()
     print(f"secure aggregation vs plaintext; {int(DROPOUT * 100)}% of devices never send "
           f"their {dropout_phase.value} message; consistency check {'on' if args.consistency_check else 'off'}; "
           f"{os.cpu_count()} CPUs, server mask expansion on "
-          f"{'the GPU (' + torch_device_name() + ')' if gpu_applier else str(args.workers) + ' thread(s)'}; "
+          f"{describe(fast_applier, args.workers)}; "
           f"load average {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}\n")
     header = (f"{'graph':9} {'n':>5} {'m':>8} {'k':>4} | {'client ms/dev':>13} {'plain':>7} {'ratio':>6} | "
               f"{'CPU s':>7} {'unmask':>7} {'plain':>7} {'ratio':>6} {'unsigned':>8} | "
@@ -297,7 +310,8 @@ def main(argv=None) -> int:
     print("-" * len(header))
     rows = []
     for graph, n, m in grid:
-        row = secure_round(graph, n, m, args.consistency_check, base[:m], dropout_phase, args.workers, gpu_applier)
+        row = secure_round(graph, n, m, args.consistency_check, base[:m], dropout_phase, args.workers, fast_applier,
+                           gpu_applier, process_applier)
         rows.append(row)
         print(f"{row['graph']:9} {n:>5} {m:>8} {row['degree']:>4} | {row['secure_client_ms']:>13.2f} "
               f"{row['plain_client_ms']:>7.2f} {row['secure_client_ms'] / row['plain_client_ms']:>6.2f} | "
@@ -308,21 +322,24 @@ def main(argv=None) -> int:
               f"{row['secure_bytes_per_device'] / 1e6:>7.3f} {row['plain_bytes_per_device'] / 1e6:>7.3f} "
               f"{row['secure_bytes_per_device'] / row['plain_bytes_per_device']:>6.2f} | {row['exact']}",
               flush=True)
-    used = "expansion_gpu_wall_s" if gpu_applier else "expansion_parallel_wall_s"
+    used = {CudaMaskApplier: "expansion_gpu_wall_s", ProcessMaskApplier: "expansion_processes_wall_s"}.get(
+        type(fast_applier), "expansion_parallel_wall_s")
     print(f"\nunmasking's mask expansion, run again on the same seeds (CPU s / wall s; 1 thread -> "
-          f"{args.workers} threads; GPU wall s; same bits?); last columns: wall ratio the round would have "
-          "had with the expansion on 1 CPU thread, and on `workers` CPU threads (its wall time with that "
-          "expansion's wall time swapped in)")
+          f"{args.workers} threads; wall s on {process_applier.processes} worker processes and on the GPU; same "
+          "bits?); then the wall ratio secure/plain the round would have had with each (its wall time with "
+          "that expansion's wall time swapped in)")
     for row in rows:
         def swapped(key):
             return (row["secure_server_wall_s"] - row[used] + row[key]) / row["plain_server_wall_s"]
-        one_thread_wall, threads_wall = swapped("expansion_1_thread_wall_s"), swapped("expansion_parallel_wall_s")
         print(f"{row['graph']:9} {row['n']:>5} {row['m']:>8}: {row['masks_removed']:>5} masks  "
               f"{row['expansion_1_thread_cpu_s']:.3f} / {row['expansion_1_thread_wall_s']:.3f} -> "
               f"{row['expansion_parallel_cpu_s']:.3f} / {row['expansion_parallel_wall_s']:.3f}  "
               f"(wall x{row['expansion_1_thread_wall_s'] / max(row['expansion_parallel_wall_s'], 1e-9):.2f}) "
-              f"GPU {row['expansion_gpu_wall_s']:.3f} {row['expansion_identical']}  | wall ratio with 1 thread "
-              f"{one_thread_wall:.2f}, {args.workers} threads {threads_wall:.2f}")
+              f"processes {row['expansion_processes_wall_s']:.3f} GPU {row['expansion_gpu_wall_s']:.3f} "
+              f"{row['expansion_identical']}  | ratio: 1 thread {swapped('expansion_1_thread_wall_s'):.2f}, "
+              f"{args.workers} threads {swapped('expansion_parallel_wall_s'):.2f}, processes "
+              f"{swapped('expansion_processes_wall_s'):.2f}"
+              + (f", GPU {swapped('expansion_gpu_wall_s'):.2f}" if gpu_applier else ""))
     for key, why in skipped.items():
         print(f"skipped {key}: {why}")
 

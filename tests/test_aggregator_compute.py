@@ -41,11 +41,12 @@ def test_corrupt_statistics_are_refused():
 
 def test_compute_summary_follows_the_device_choice(monkeypatch):
     from aggregator.compute import compute_summary
-    from protocols.secagg.crypto import default_mask_workers
+    from protocols.secagg.crypto import MAX_DEFAULT_MASK_WORKERS, default_mask_workers, usable_cores
 
     monkeypatch.setenv("FEDFLEET_DEVICE", "cpu")
-    assert compute_summary() == {"device": "cpu", "gpu": None, "torch": torch.__version__,
-                                 "secagg_unmask": f"cpu ({default_mask_workers()} threads)"}
+    unmask = (f"cpu ({usable_cores()} processes)" if usable_cores() > MAX_DEFAULT_MASK_WORKERS
+              else f"cpu ({default_mask_workers()} threads)")
+    assert compute_summary() == {"device": "cpu", "gpu": None, "torch": torch.__version__, "secagg_unmask": unmask}
     monkeypatch.delenv("FEDFLEET_DEVICE")
     summary = compute_summary()
     assert summary["device"].startswith("cuda:" if torch.cuda.is_available() else "cpu")

@@ -1,5 +1,5 @@
-"""Server-side mask expansion: the GPU applier (aggregator/mask_expansion.py) and the
-ServerSecAgg hook it plugs into.
+"""Server-side mask expansion: the GPU and worker-process appliers (aggregator/mask_expansion.py)
+and the ServerSecAgg hook they plug into.
 
 On CPU-only machines (CI) the AES tables and key schedule the kernel uses are checked by an
 independent numpy T-table AES run against `cryptography`'s AES-128-CTR (protocols' apply_masks),
@@ -14,11 +14,11 @@ import os
 import numpy as np
 import pytest
 
-from aggregator.mask_expansion import (CudaMaskApplier, aes128_round_keys, aes_sbox, aes_t_tables,
-                                       pick_mask_applier, triton_available)
+from aggregator.mask_expansion import (CudaMaskApplier, ProcessMaskApplier, aes128_round_keys, aes_sbox,
+                                       aes_t_tables, pick_mask_applier, triton_available)
 from protocols.identity import DeviceIdentity
 from protocols.secagg import AggregateReady, Phase, RoundConfig
-from protocols.secagg.crypto import apply_masks, prg_keys
+from protocols.secagg.crypto import MAX_DEFAULT_MASK_WORKERS, apply_masks, prg_keys, usable_cores
 from protocols.secagg.driver import make_identities, run_round
 
 
@@ -112,21 +112,64 @@ def test_server_unmasks_through_a_custom_applier():
     np.testing.assert_array_equal(run.outcome.sum_uint64, expected)
 
 
+def _cpu_choice():
+    return ProcessMaskApplier if usable_cores() > MAX_DEFAULT_MASK_WORKERS else type(None)
+
+
 def test_pick_mask_applier_choices(monkeypatch):
     monkeypatch.delenv("FEDFLEET_DEVICE", raising=False)
-    assert pick_mask_applier("cpu") is None
+    assert isinstance(pick_mask_applier("cpu"), _cpu_choice())   # processes beyond the threads' useful count
     with pytest.raises(ValueError, match="auto, cpu or cuda"):
         pick_mask_applier("tpu")
     monkeypatch.setenv("FEDFLEET_DEVICE", "cpu")     # the aggregator's device override holds here too
-    assert pick_mask_applier("auto") is None
+    assert isinstance(pick_mask_applier("auto"), _cpu_choice())
     monkeypatch.delenv("FEDFLEET_DEVICE")
     if not _gpu_ready():
-        assert pick_mask_applier("auto") is None
+        assert isinstance(pick_mask_applier("auto"), _cpu_choice())
         with pytest.raises(RuntimeError, match="no GPU|Triton"):
             pick_mask_applier("cuda")
     else:
         assert isinstance(pick_mask_applier("auto"), CudaMaskApplier)
         assert pick_mask_applier("auto") is pick_mask_applier("cuda:0")    # one compiled applier per GPU
+
+
+@pytest.fixture(scope="module")
+def process_applier():
+    applier = ProcessMaskApplier(3).warm_up()   # more slices than CI's 2 cores: uneven split too
+    yield applier
+    applier.close()
+
+
+@pytest.mark.parametrize("n_words", [1, 5, 3 * 32768 + 7, 200_000])
+def test_process_applier_is_bit_identical_to_apply_masks(process_applier, n_words):
+    rng = np.random.default_rng(n_words)
+    seeds = [(os.urandom(32), int(sign)) for sign in rng.choice([-1, 1], size=9)]
+    expected = rng.integers(0, 2**64 - 1, n_words, dtype=np.uint64)
+    mine = expected.copy()
+    apply_masks(expected, seeds)
+    process_applier(mine, seeds)
+    np.testing.assert_array_equal(mine, expected)
+
+
+def test_process_applier_unmasks_a_round_and_refuses_bad_input(process_applier):
+    identities = {i.device_id: i for i in make_identities(10)}
+    config = RoundConfig.create(job_id="j", round_id=1, group_id="g", aggregator_id="aggregator",
+                                members=list(identities), vector_length=70_001, bound=1.0, graph="regular")
+    rng = np.random.default_rng(5)
+    inputs = {device: rng.uniform(-1, 1, 70_001) for device in identities}
+    run = run_round(config, DeviceIdentity.generate("aggregator"), identities, inputs,
+                    dropouts={config.members[2]: Phase.MASKED_INPUT}, server_mask_applier=process_applier)
+    assert isinstance(run.outcome, AggregateReady)
+    expected = np.zeros(70_001, dtype=np.uint64)
+    for device in run.outcome.survivors:
+        expected += config.codec.encode(inputs[device])
+    np.testing.assert_array_equal(run.outcome.sum_uint64, expected)
+    with pytest.raises(TypeError, match="uint64"):
+        process_applier(np.zeros(4, dtype=np.int64), [(b"s", 1)])
+    with pytest.raises(ValueError, match="sign"):
+        process_applier(np.zeros(4, dtype=np.uint64), [(b"s", 0)])
+    with pytest.raises(ValueError, match="workers"):
+        ProcessMaskApplier(0)
 
 
 @needs_gpu

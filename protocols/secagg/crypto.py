@@ -111,13 +111,17 @@ def aead_decrypt(key: bytes, blob: bytes, associated_data: bytes) -> bytes:
         raise DecryptionError("share ciphertext failed authentication (corrupted, or wrong key/context)") from None
 
 
-def default_mask_workers() -> int:
-    """Usable CPU cores of this process (affinity-aware), capped at MAX_DEFAULT_MASK_WORKERS."""
+def usable_cores() -> int:
+    """CPU cores this process may run on (affinity-aware)."""
     try:
-        cores = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not on Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(cores, MAX_DEFAULT_MASK_WORKERS))
+        return os.cpu_count() or 1
+
+
+def default_mask_workers() -> int:
+    """Usable CPU cores of this process, capped at MAX_DEFAULT_MASK_WORKERS."""
+    return max(1, min(usable_cores(), MAX_DEFAULT_MASK_WORKERS))
 
 
 def check_workers(workers: object) -> int:
@@ -187,6 +191,22 @@ def apply_masks(accumulator: np.ndarray, signed_seeds: Iterable[tuple[bytes, int
                    for start, stop in slices]
         for future in futures:
             future.result()  # re-raises a worker's exception here
+
+
+def apply_masks_in_shared_memory(name: str, length: int, keys: Sequence[tuple[bytes, int]], start: int,
+                                 stop: int) -> None:
+    """Worker-process entry of a multi-process applier: words [start, stop) of the uint64 vector
+    of `length` words in the shared memory block `name` += sum(sign * PRG) under the AES keys
+    `keys` (from prg_keys). Importing this module pulls in numpy and cryptography only."""
+    from multiprocessing import shared_memory
+
+    block = shared_memory.SharedMemory(name=name)
+    try:
+        vector = np.ndarray((length,), dtype=np.uint64, buffer=block.buf)
+        _apply_masks_to_slice(vector[start:stop], keys, start)
+        del vector          # no view may outlive close()
+    finally:
+        block.close()
 
 
 def _apply_masks_to_slice(target: np.ndarray, keys: Sequence[tuple[bytes, int]], first_word: int) -> None:
