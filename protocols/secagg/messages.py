@@ -473,6 +473,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
 
 def decode(header: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> Message:
     """Rebuild any secagg message from its wire form (dispatch on header["type"])."""
-    if not isinstance(header, Mapping) or header.get("type") not in MESSAGE_TYPES:
-        raise MalformedMessage(f"unknown secagg message type {header.get('type') if isinstance(header, Mapping) else header!r}")
-    return MESSAGE_TYPES[header["type"]].from_wire(header, arrays)
+    kind = header.get("type") if isinstance(header, Mapping) else None
+    if not isinstance(kind, str) or kind not in MESSAGE_TYPES:
+        raise MalformedMessage(f"unknown secagg message type {kind if isinstance(header, Mapping) else header!r}")
+    return MESSAGE_TYPES[kind].from_wire(header, arrays)
