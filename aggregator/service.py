@@ -633,10 +633,13 @@ class AggregatorService:
     def _on_presence(self, device: str, env: Envelope) -> None:
         if not self._allowed(device):
             return
-        online = env.body.get("state") == "online"
-        info = env.body.get("info")
+        try:
+            online, info = M.parse_presence(env)
+        except EnvelopeError as exc:
+            self._reject(device, env.id, f"presence: {exc}")
+            return
         if self.store is not None:
-            self.store.device_seen(device, online, info if online and isinstance(info, dict) else None)
+            self.store.device_seen(device, online, info if online else None)
         self.crash("presence")
         if online:
             self.online.add(device)

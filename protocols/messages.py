@@ -82,6 +82,19 @@ def presence_message(sender: str, state: str, info: dict[str, Any] | None = None
     return Envelope(type=PRESENCE, sender=sender, body={"state": state, "info": info or {}})
 
 
+def parse_presence(msg: Envelope) -> tuple[bool, dict[str, Any]]:
+    """(online, info) of a presence message; EnvelopeError unless ``state`` is exactly online or
+    offline and ``info`` (optional) is an object -- a garbled presence must not take a device offline."""
+    _expect(msg, PRESENCE)
+    state = body_field(msg, "state", str)
+    if state not in ("online", "offline"):
+        raise EnvelopeError(f"presence state must be online/offline, not {state!r}")
+    info = msg.body.get("info", {})
+    if not isinstance(info, dict):
+        raise EnvelopeError(f"presence info must be an object, got {type(info).__name__}")
+    return state == "online", info
+
+
 def _expect(msg: Envelope, *types: str) -> None:
     if msg.type not in types:
         raise EnvelopeError(f"expected a {'/'.join(types)} message, got {msg.type!r}")

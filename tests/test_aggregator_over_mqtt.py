@@ -201,3 +201,84 @@ def test_a_failing_protocol_handler_declines_and_the_agent_lives_on(broker):
     spy.loop_stop()
     assert [d["round"] for d in declines] == [1] and "NaN" in declines[0]["reason"]
     assert Flaky.calls == 2            # the second task still reached the handler
+
+
+def _random_json(rng, depth=0):
+    choice = rng.integers(0, 8 if depth < 2 else 5)
+    if choice == 0:
+        return None
+    if choice == 1:
+        return bool(rng.integers(0, 2))
+    if choice == 2:
+        return int(rng.choice([-1, 0, 1, 7, 2**31, -2**63, 2**64 - 1]))
+    if choice == 3:
+        return float(rng.choice([0.5, -1e300, 1e-300, 3.0]))
+    if choice == 4:
+        return "".join(rng.choice(list("ab☃/\\\"\n{}")) for _ in range(rng.integers(0, 6)))
+    if choice in (5, 6):
+        return [_random_json(rng, depth + 1) for _ in range(rng.integers(0, 4))]
+    return {str(rng.integers(0, 5)): _random_json(rng, depth + 1) for _ in range(rng.integers(0, 4))}
+
+
+def hostile_storm(job_id: str, sender: str, count: int, seed: int = 0) -> list[bytes]:
+    """Well-formed envelopes from an enrolled device that make no sense: every message type the
+    aggregator knows (and unknown ones), bodies whose fields hold arbitrary JSON, tensors of odd
+    dtypes and shapes -- some aimed at the open round (right job, round 1), the rest at nothing."""
+    rng = np.random.default_rng(seed)
+    # no declines: a device may decline its own task (the job then asks it again later)
+    kinds = [M.RESULT, M.PRESENCE, "secagg", "artifact.get", "chunk", M.TASK, M.ACK, "bogus"]
+    fields = ["job", "round", "task", "kind", "n", "p", "num_classes", "format", "state", "info", "secagg",
+              "sha256", "parent", "index", "count", "total", "reason"]
+    out = []
+    for _ in range(count):
+        body = {"job": job_id, "round": 1, "kind": "fed3r.stats"} if rng.random() < 0.6 else {}
+        for key in rng.choice(fields, size=rng.integers(1, 6)):
+            body[str(key)] = _random_json(rng)
+        tensors = {}
+        for name in rng.choice(["A_upper", "b", "class_ids", "data", "x"], size=rng.integers(0, 3), replace=False):
+            dtype = rng.choice([np.float64, np.float32, np.int64, np.uint8])
+            tensors[str(name)] = rng.normal(size=tuple(rng.integers(0, 5, size=rng.integers(0, 3)))).astype(dtype)
+        out.append(encode(M.Envelope(str(rng.choice(kinds)), sender, body=body, tensors=tensors)))
+    return out
+
+
+def test_a_storm_of_random_hostile_messages_changes_nothing(broker, tmp_path):
+    """300 nonsensical but well-formed envelopes from an enrolled device (plus their byte-flipped
+    twins) reach the service mid-round: it survives, rejects them, and the job still ends with
+    every device's real statistics summed exactly."""
+    devices = [f"dev{i:02d}" for i in range(3)]
+    gate = threading.Event()
+    svc, thread, result = start_service(broker, tmp_path, devices)
+    agents = [DeviceAgent(d, BrokerConfig.from_url(broker.url), {"fed3r.stats": SyntheticStats(i, gate)},
+                          retry_after_s=2).start() for i, d in enumerate(devices)]
+    deadline = time.time() + 20
+    while svc.job.round == 0 and time.time() < deadline:
+        time.sleep(0.05)
+    assert svc.job.round == 1
+    storm = hostile_storm(svc.job.config.job_id, "dev00", 300)
+    rng = np.random.default_rng(1)
+    flipped = []
+    for payload in storm[:100]:
+        data = bytearray(payload)
+        data[rng.integers(0, len(data))] ^= 1 << rng.integers(0, 8)
+        flipped.append(bytes(data))
+    bad = raw_client(broker)
+    outbox = Topics().outbox("dev00")
+    for payload in storm + flipped:
+        bad.publish(outbox, payload, qos=1)
+    bad.publish(outbox, b"", qos=1).wait_for_publish(10)
+    time.sleep(1.5)
+    assert thread.is_alive() and svc.job.strategy.n_contributions == 0
+    gate.set()
+    thread.join(60)
+    for a in agents:
+        a.stop()
+    bad.loop_stop()
+    assert result["state"] == "done" and set(result["contributed"]) == set(devices), {
+        k: v for k, v in result.items() if k not in ("history",)}
+    rejections = result["rejections"]
+    assert sum(rejections.values()) >= 200, rejections
+    assert rejections.get("result", 0) >= 10, rejections     # results that reached the round machine
+    assert rejections.get("presence", 0) >= 10, rejections   # garbled presence: refused, device stays online
+    Za = [np.hstack([data_for(i)[0], np.ones((30, 1))]) for i in range(3)]
+    np.testing.assert_allclose(np.load(tmp_path / "statistics.npz")["A"], sum(z.T @ z for z in Za), rtol=1e-12)
