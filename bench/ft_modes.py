@@ -31,7 +31,25 @@ model) always runs through the ExecuTorch programs too, timed, and its update is
 with the eager twin's. Handler seconds exclude the one-off backbone/trunk pass (cached) and
 program loading (the emulated devices share one loaded program each, as they share the trunk).
 
+OLL after each mode (``--oll``, on by default; the Fed3R paper's Table 6 compares OLL after
+Fed3R+FedAvg(ψ) and after Fed3R+FedAvg(φ)). Each device keeps ``--holdout`` (0.2, as
+``fedfleet simulate``) of its samples as a local held-out split
+(``fedfleet.emulation.partition.train_holdout_split``, seeded seed·1000 + device, as the
+simulator and bench/personalization.py); Fed3R and every fine-tuning run train on the rest
+only, so with ``--oll`` the mode comparison above trains on 80 % of each device's data
+(``--no-oll``: all of it, no held-out split). After the last FT round of every run (and for the
+Fed3R start) the real ``PersonalizeJob`` sends the final model to every device, through
+``run_job``, and each device's ``PersonalizeTask`` reports how many held-out samples the global
+model and OLL (the head pruned to its local training labels) get right; after FT(φ)/FT(M) the
+task carries the fine-tuned ``tail.*`` tensors and the device personalises on the fine-tuned
+backbone's features (``TailFeatures``: cached trunk activations, then the tail program's eager
+twin). ``--oll-fp-epochs N`` adds OLL+FP(ψ) (N local epochs, the job's fp_lrs chosen by 5-fold
+cross-validation on the device; 0, the default: OLL only). WMA = Σ correct / Σ held-out
+samples over devices; held-out labels never seen in local training are scored by the global
+head (fallback "global"). Differences are per seed, then mean ± std and the seeds' signs.
+
 Usage: .venv/bin/python bench/ft_modes.py [--rounds 20] [--seeds 0 1 2] [--tail-stages 1] [--quick]
+    [--no-oll | --holdout 0.2 --oll-fp-epochs 0]
 Writes runs/bench/ft_modes.{json,png}.
 """
 
@@ -54,19 +72,23 @@ from fed3r_vs_fedavg import (BACKBONE, IMAGE_SIZE, NUM_CLASSES, OUT_DIR, REPO, S
 
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob  # noqa: E402
 from aggregator.jobs.fedavg_tail import TailFedAvgConfig, TailFedAvgJob  # noqa: E402
+from aggregator.jobs.personalize import PersonalizeConfig, PersonalizeJob  # noqa: E402
 from aggregator.tail_program import TailProgram  # noqa: E402
 from edge_client.runtime import TrainingSession  # noqa: E402
 from edge_client.runtime.executorch_runtime import set_executorch_threads  # noqa: E402
 from edge_client.tasks.head_training import HeadTrainingTask  # noqa: E402
-from edge_client.tasks.tail_training import TailTrainingTask, TrunkActivations  # noqa: E402
+from edge_client.tasks.personalization import PersonalizeTask  # noqa: E402
+from edge_client.tasks.tail_training import TailFeatures, TailTrainingTask, TrunkActivations  # noqa: E402
 from fedfleet.bundles import ensure_tail_bundle  # noqa: E402
-from fedfleet.emulation.partition import make_split  # noqa: E402
+from fedfleet.emulation.partition import make_split, train_holdout_split  # noqa: E402
 from fedfleet.plots import plot_lines  # noqa: E402
 
 PSI, PHI, FULL = "FT(ψ)", "FT(φ)", "FT(M)"
 MODES = (PSI, PHI, FULL)
 TAIL_TRAIN = {PHI: "tail", FULL: "tail+head"}
 BASE_LRS = (0.1, 0.01)                       # × 0.1 on the device (Fed3R init), spec §4
+FED3R = "Fed3R"                              # the shared start, personalised without fine-tuning
+HOLDOUT = 0.2                                # of each device's samples, as fedfleet simulate's default
 
 
 # ----------------------------------------------------------------------------- device side
@@ -82,6 +104,48 @@ def tail_handlers(fleet: Fleet, train_acts: np.ndarray, manifest, session) -> di
     return {dev: TailTrainingTask(t.images, t.labels, manifest, trunk=CachedFeatures(t.images, train_acts[idx]),
                                   session=session)
             for (dev, t), idx in zip(fleet.head.items(), fleet.parts)}
+
+
+class WarmCaches:
+    """Warm caches of several image arrays (``CachedFeatures`` each): ``extract`` returns the
+    precomputed rows of whichever known array it is given (by identity, as CachedFeatures)."""
+
+    def __init__(self, caches: list[CachedFeatures]):
+        self.caches = caches
+        self.feature_dim = caches[0].feature_dim
+
+    def extract(self, images: np.ndarray) -> np.ndarray:
+        for cache in self.caches:
+            if images is cache.images:
+                return cache.features
+        raise ValueError("these cached rows only know the fleet's own image arrays")
+
+
+def split_holdouts(parts: list[np.ndarray], holdout: float, seed: int) -> tuple[list, list]:
+    """(training parts, held-out parts): each device's local held-out split, seeded as
+    ``fedfleet simulate`` seeds it (seed·1000 + device index)."""
+    pairs = [train_holdout_split(p, holdout, seed * 1000 + k) for k, p in enumerate(parts)]
+    return [t for t, _ in pairs], [h for _, h in pairs]
+
+
+def personalize_handlers(fleet: Fleet, holdout_parts: list[np.ndarray], data, acts: dict, manifest) -> dict:
+    """``oll.personalize`` handlers of the devices with a non-empty held-out split: frozen
+    features from each device's warm feature cache, fine-tuned-backbone features from one
+    ``TailFeatures`` shared by the fleet (one eager tail session, one trunk cache, as
+    fedfleet's emulation worker shares them)."""
+    images, labels, feats = data["train"]
+    handlers, trunk_caches = {}, []
+    for (dev, t), train_idx, held_idx in zip(fleet.head.items(), fleet.parts, holdout_parts):
+        if not len(held_idx):
+            continue            # nothing to evaluate on (a 1-sample device): not asked, as in the simulator
+        held_images = images[held_idx]
+        frozen = WarmCaches([CachedFeatures(t.images, feats[train_idx]), CachedFeatures(held_images, feats[held_idx])])
+        trunk_caches += [CachedFeatures(t.images, acts["train"][train_idx]),
+                         CachedFeatures(held_images, acts["train"][held_idx])]
+        handlers[dev] = (t.images, t.labels, held_images, labels[held_idx],
+                         (lambda cached: lambda *a, **k: cached)(frozen))
+    tail_features = TailFeatures(manifest, trunk=WarmCaches(trunk_caches))
+    return {dev: PersonalizeTask(*h, tail_features=tail_features) for dev, h in handlers.items()}
 
 
 def tail_flops(tail_stages: int, activation_shape) -> float:
@@ -107,8 +171,29 @@ def tail_job(program: TailProgram, program_file, fed3r_model, mode, seed, kappa,
                          program=program)
 
 
+def run_oll(ctx, model: dict[str, np.ndarray], tail_stages: int, seed: int, args) -> dict:
+    """Personalise ``model`` ({weight, bias} and, after FT(φ)/FT(M), the ``tail.*`` tensors) on
+    every device with a held-out split through PersonalizeJob → PersonalizeTask: the job's
+    summary (WMA per method, fallback count) and the seconds it took."""
+    head = {k: model[k] for k in ("weight", "bias")}
+    tail = {k: v for k, v in model.items() if k not in head}
+    handlers = ctx["personalize_handlers"]
+    cfg = PersonalizeConfig(job_id="oll", num_classes=NUM_CLASSES, image_size=IMAGE_SIZE, backbone=BACKBONE,
+                            feature_dim=head["weight"].shape[1], tail_stages=tail_stages if tail else 0,
+                            fallback="global", fp_epochs=args.oll_fp_epochs, clients_per_round=len(handlers),
+                            seed=seed)
+    job = PersonalizeJob(cfg, head=head, tail=tail)
+    t0 = time.perf_counter()
+    run_job(job, handlers, {dev: 0 for dev in handlers}, (None, None), lambda params, n: 0.0, 0.0)
+    summary = job.summary()
+    if job.contributions != len(handlers):
+        raise RuntimeError(f"only {job.contributions} of {len(handlers)} devices reported")
+    return {**summary, "s": time.perf_counter() - t0}
+
+
 def run_mode(mode, ctx, seed, base_lr, args) -> dict:
-    """One FT run from the Fed3R head: accuracy after rounds 0..R and the wire / compute totals."""
+    """One FT run from the Fed3R head: accuracy after rounds 0..R and the wire / compute totals
+    (and, with --oll, the final model's personalised WMA on the devices' held-out splits)."""
     if mode == PSI:
         job, curve = run_fedavg(ctx["psi_fleet"], ctx["feature_eval"], seed, args.kappa, args.rounds, base_lr, 0.0,
                                 ctx["backbone_flops"], ctx["fed3r_model"])
@@ -120,9 +205,12 @@ def run_mode(mode, ctx, seed, base_lr, args) -> dict:
         curve = run_job(job, ctx["tail_handlers"], ctx["fleet"].sizes, ctx["trunk_eval"], ctx["tail_task_flops"],
                         ctx["trunk_flops"])
     tasks = sum(r["updates"] for r in job.round_log)
-    return {"accuracy": [acc0, *curve.accuracy], "tasks": tasks,
-            "up_per_task": curve.bytes_up[-1] / tasks, "down_per_task": curve.bytes_down[-1] / tasks,
-            "s_per_task": curve.compute_s[-1] / tasks, "train_flops_per_task": curve.head_flops[-1] / tasks}
+    out = {"accuracy": [acc0, *curve.accuracy], "tasks": tasks,
+           "up_per_task": curve.bytes_up[-1] / tasks, "down_per_task": curve.bytes_down[-1] / tasks,
+           "s_per_task": curve.compute_s[-1] / tasks, "train_flops_per_task": curve.head_flops[-1] / tasks}
+    if args.oll:
+        out["oll"] = run_oll(ctx, job.model_arrays(), args.tail_stages, seed, args)   # what model.npz holds
+    return out
 
 
 def executorch_sample(ctx, sessions, devices, tail_stages) -> dict:
@@ -205,6 +293,51 @@ def summarise(split_name: str, runs: dict, args) -> dict:
             "grid": {mode: {str(lr): runs[mode][lr] for lr in BASE_LRS} for mode in MODES}}
 
 
+def signed_difference(a: list[float], b: list[float]) -> dict:
+    """Per-seed a − b in accuracy points, its mean ± std, and how many seeds have it > 0 / < 0."""
+    d = [100.0 * (x - y) for x, y in zip(a, b)]
+    return {"points": d, "mean": float(np.mean(d)), "std": float(np.std(d)),
+            "positive": sum(x > 0 for x in d), "negative": sum(x < 0 for x in d), "seeds": len(d)}
+
+
+def format_difference(diff: dict) -> str:
+    return (f"{diff['mean']:+.2f}±{diff['std']:.2f} pts ({diff['positive']}/{diff['seeds']} seeds > 0, "
+            f"{diff['negative']}/{diff['seeds']} < 0)")
+
+
+def summarise_oll(fed3r_oll: list[dict], runs: dict, chosen: dict, args) -> dict:
+    """Personalised WMA per model (Fed3R start and each mode at its chosen LR) and the per-seed
+    differences: OLL − global per model, OLL after FT(φ)/FT(M) − OLL after FT(ψ), and OLL after
+    each mode − OLL of the Fed3R start."""
+    oll = {FED3R: fed3r_oll, **{mode: [r["oll"] for r in runs[mode][chosen[mode]]] for mode in MODES}}
+    methods = [m for m in ("global", "oll", "oll_fp") if m in fed3r_oll[0]["wma"]]
+    wma = {name: {m: [s["wma"][m] for s in summaries] for m in methods} for name, summaries in oll.items()}
+    print(f"  personalised WMA on the devices' held-out splits ({args.holdout:.0%} of each device, "
+          f"{np.mean([s['test_samples'] for s in fed3r_oll]):.0f} samples, "
+          f"{np.mean([s['fallback_samples'] for s in fed3r_oll]):.1f} with a label unseen in local training: scored "
+          f"by the global head; {mean_std([s['mean_local_classes'] for s in fed3r_oll])} local classes per device; "
+          f"PersonalizeJob → "
+          f"PersonalizeTask{f', FP(ψ) {args.oll_fp_epochs} epochs' if args.oll_fp_epochs else ''}):")
+    print(f"  {'model':14s} " + " ".join(f"{m:>15s}" for m in methods) + f" {'OLL − global':>40s}")
+    differences = {}
+    for name, vals in wma.items():
+        label = name if name == FED3R else f"Fed3R+{name}"
+        differences[f"{label}: OLL − global"] = signed_difference(vals["oll"], vals["global"])
+        if "oll_fp" in vals:
+            differences[f"{label}: OLL+FP(ψ) − OLL"] = signed_difference(vals["oll_fp"], vals["oll"])
+        print(f"  {label:14s} " + " ".join(f"{mean_std(vals[m]):>15s}" for m in methods)
+              + f" {format_difference(differences[f'{label}: OLL − global']):>40s}")
+    for a, b in ((PHI, PSI), (FULL, PSI), (PHI, FULL), *((m, FED3R) for m in MODES)):
+        for m in methods[1:]:
+            key = f"{'OLL' if m == 'oll' else 'OLL+FP(ψ)'} after {a} − after {b}"
+            differences[key] = signed_difference(wma[a][m], wma[b][m])
+            print(f"  {key}: {format_difference(differences[key])}")
+    return {"wma": wma, "differences": differences,
+            "fallback_samples": [s["fallback_samples"] for s in fed3r_oll],
+            "test_samples": [s["test_samples"] for s in fed3r_oll],
+            "personalize_s": {name: float(np.mean([s["s"] for s in summaries])) for name, summaries in oll.items()}}
+
+
 # ----------------------------------------------------------------------------- main
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -219,8 +352,15 @@ def main(argv=None):
                     help="runtime of the tail_training program in the FT(φ)/FT(M) runs (see the docstring)")
     ap.add_argument("--et-sample", type=int, default=3, help="devices whose first task also runs through ExecuTorch")
     ap.add_argument("--threads", type=int, default=1, help="torch / ExecuTorch threads")
+    ap.add_argument("--oll", action=argparse.BooleanOptionalAction, default=True,
+                    help="hold out part of each device and report OLL after each mode (--no-oll: train on all of it)")
+    ap.add_argument("--holdout", type=float, default=HOLDOUT, help="fraction of each device held out for OLL evaluation (with --oll)")
+    ap.add_argument("--oll-fp-epochs", type=int, default=0,
+                    help="FP(ψ) epochs after OLL (0: OLL only; FP picks its LR by 5-fold CV on each device)")
     ap.add_argument("--quick", action="store_true", help="1 seed, 5 rounds, 30 devices on 18000 images, 1 ET sample")
     args = ap.parse_args(argv)
+    if args.oll and not 0 < args.holdout < 1:
+        ap.error("--holdout must be in (0, 1) with --oll (every device needs held-out samples to evaluate on)")
     if args.quick:
         args.seeds, args.rounds, args.devices = args.seeds[:1], min(args.rounds, 5), min(args.devices, 30)
         args.train_size, args.et_sample = min(args.train_size, 600 * args.devices), min(args.et_sample, 1)
@@ -262,14 +402,30 @@ def main(argv=None):
     panels = []
     for split_name, (kind, split_params) in SPLITS.items():
         runs = {mode: {lr: [] for lr in BASE_LRS} for mode in MODES}
+        fed3r_oll = []          # the Fed3R start's personalization summary, per seed
         for seed in args.seeds:
             t0 = time.perf_counter()
             parts = make_split(kind, data["train"][1], args.devices, seed, **split_params)
+            if args.oll:        # the federation trains on each device's training split only
+                parts, holdout_parts = split_holdouts(parts, args.holdout, seed)
             fleet = Fleet.build(data, parts)
             fed3r_job, fed3r_curve = run_fed3r(fleet, ctx["feature_eval"], seed, args.kappa, fflops)
             ctx.update(fleet=fleet, fed3r_model=fed3r_job.model(), fed3r_accuracy=fed3r_curve.accuracy[-1],
                        psi_fleet=dataclasses.replace(fleet, head=psi_handlers(fleet, manifest, sessions["head"])),
                        tail_handlers=tail_handlers(fleet, acts["train"], manifest, sessions[ctx["tail_runtime_key"]]))
+            if args.oll:
+                ctx["personalize_handlers"] = personalize_handlers(fleet, holdout_parts, data, acts, manifest)
+                fed3r_head = {"weight": ctx["fed3r_model"].coef_, "bias": ctx["fed3r_model"].intercept_}
+                fed3r_oll.append(run_oll(ctx, fed3r_head, 0, seed, args))
+                if seed == args.seeds[0] and split_name == next(iter(SPLITS)):
+                    # The two feature paths must agree: the Fed3R head on the pretrained tail (trunk
+                    # program + eager tail) vs on the frozen extractor's features.
+                    via_tail = run_oll(ctx, {**ctx["program"].tail_parameters, **fed3r_head}, args.tail_stages,
+                                       seed, args)
+                    report["oll_feature_path_check"] = {"frozen": fed3r_oll[-1]["wma"], "tail": via_tail["wma"]}
+                    print("OLL feature paths, Fed3R head: frozen extractor " + ", ".join(
+                        f"{m} {v:.4f}" for m, v in fed3r_oll[-1]["wma"].items()) + " | trunk + pretrained tail "
+                        + ", ".join(f"{m} {v:.4f}" for m, v in via_tail["wma"].items()), flush=True)
             if seed == args.seeds[0] and split_name == next(iter(SPLITS)):
                 sample = executorch_sample(ctx, sessions, list(fleet.sizes)[:args.et_sample], args.tail_stages)
                 report["executorch_sample"] = sample
@@ -284,8 +440,13 @@ def main(argv=None):
             print(f"[{split_name}] seed {seed}: Fed3R {fed3r_curve.accuracy[-1]:.4f} after {len(fed3r_curve.accuracy)} "
                   "rounds; final " + ", ".join(f"{m} {runs[m][lr][-1]['accuracy'][-1]:.4f}@{lr}"
                                                for m in MODES for lr in BASE_LRS)
+                  + (f"; OLL WMA Fed3R {fed3r_oll[-1]['wma']['oll']:.4f}, " + ", ".join(
+                      f"{m} {runs[m][lr][-1]['oll']['wma']['oll']:.4f}@{lr}" for m in MODES for lr in BASE_LRS)
+                     if args.oll else "")
                   + f"; {time.perf_counter() - t0:.0f}s", flush=True)
         summary = summarise(split_name, runs, args)
+        if args.oll:
+            summary["oll"] = summarise_oll(fed3r_oll, runs, summary["chosen_base_lr"], args)
         report["splits"][split_name] = summary
         x = np.arange(args.rounds + 1)
         panels.append({"title": f"{split_name}: mean of {len(args.seeds)} seed(s)", "xlabel": "FT round (0 = Fed3R)",
