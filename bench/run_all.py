@@ -25,6 +25,7 @@ QUICK = {
     "personalization.py": [],
     "ladd.py": [],
     "ft_modes.py": ["--quick"],
+    "quantization.py": ["--quick"],
 }
 
 
