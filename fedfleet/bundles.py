@@ -18,18 +18,25 @@ from edge_client.models import weights_sha256
 from export import EXPORTER_REVISION
 
 DEFAULT_BUNDLE_ROOT = Path(".cache/bundles")
-RUNTIMES = ("eager", "executorch", "onnxruntime")
+# "executorch-int8": the bundle's ExecuTorch program quantized to int8 (export --quantize int8)
+RUNTIMES = ("eager", "executorch", "executorch-int8", "onnxruntime")
 
 
 def bundle_dir(backbone: str, image_size: int, root: Path = DEFAULT_BUNDLE_ROOT) -> Path:
     return Path(root) / f"{backbone}-{image_size}px-{weights_sha256(backbone)[:12]}-r{EXPORTER_REVISION}"
 
 
-def ensure_bundle(backbone: str, image_size: int, root: Path = DEFAULT_BUNDLE_ROOT) -> Path:
-    """The manifest of the feature-extractor bundle, exporting it first when missing."""
-    return _exported_once(bundle_dir(backbone, image_size, root), dict(
-        backbone=backbone, num_classes=10, image_size=image_size,
-        inference_runtimes=("executorch", "onnxruntime"), training=False))
+def ensure_bundle(backbone: str, image_size: int, root: Path = DEFAULT_BUNDLE_ROOT,
+                  quantize: str | None = None) -> Path:
+    """The manifest of the feature-extractor bundle, exporting it first when missing; with
+    ``quantize="int8"`` a bundle of its own holding the int8 ExecuTorch program."""
+    if quantize is None:
+        return _exported_once(bundle_dir(backbone, image_size, root), dict(
+            backbone=backbone, num_classes=10, image_size=image_size,
+            inference_runtimes=("executorch", "onnxruntime"), training=False))
+    return _exported_once(Path(root) / f"{bundle_dir(backbone, image_size, root).name}-{quantize}", dict(
+        backbone=backbone, num_classes=10, image_size=image_size, inference_runtimes=("executorch",),
+        training=False, quantize=quantize))
 
 
 def ensure_training_bundle(backbone: str, image_size: int, num_classes: int,
@@ -74,13 +81,16 @@ def make_extractor(backbone: str, image_size: int, cache_dir: str | None, runtim
         return FeatureExtractor.eager(backbone, image_size=image_size, cache_dir=cache_dir, threads=threads)
     import torch
 
+    quantize = "int8" if runtime == "executorch-int8" else None
+    program_runtime = "executorch" if quantize else runtime
     if threads is not None:
         torch.set_num_threads(threads)
-        if runtime == "executorch":     # XNNPACK runs on ExecuTorch's own pool, which ignores torch's setting
+        if program_runtime == "executorch":  # XNNPACK runs on ExecuTorch's own pool, which ignores torch's setting
             from edge_client.runtime.executorch_runtime import set_executorch_threads
 
             set_executorch_threads(threads)
-    return extractor_from_manifest(ensure_bundle(backbone, image_size, bundle_root), runtime, cache_dir)
+    return extractor_from_manifest(ensure_bundle(backbone, image_size, bundle_root, quantize), program_runtime,
+                                   cache_dir)
 
 
 def extractor_from_manifest(manifest: Path, runtime: str, cache_dir: str | None,
@@ -91,6 +101,8 @@ def extractor_from_manifest(manifest: Path, runtime: str, cache_dir: str | None,
     program = load_inference(manifest, prefer=(runtime,), expected_manifest_sha256=expected_manifest_sha256)
     m = program.manifest
     norm = m.input                                         # the preprocessing the program was exported with
+    # cached features belong to this very program (an int8 and an fp32 .pte give different ones)
+    artifact = m.find("inference", program.runtime).sha256
     return FeatureExtractor(program.run, image_size=norm.image_size, mean=norm.mean, std=norm.std, batch_size=32,
                             cache_dir=cache_dir, feature_dim=m.feature_dim,
-                            cache_key=f"{m.backbone}:{m.weights_sha256}:{norm.image_size}:{runtime}")
+                            cache_key=f"{m.backbone}:{m.weights_sha256}:{norm.image_size}:{runtime}:{artifact[:16]}")

@@ -70,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--image-size", type=int)
     s.add_argument("--split", choices=["iid", "dirichlet", "classes"])
     s.add_argument("--alpha", type=float)
-    s.add_argument("--runtime", choices=["eager", "executorch", "onnxruntime"])
+    s.add_argument("--runtime", choices=["eager", "executorch", "executorch-int8", "onnxruntime"],
+                   help="devices' feature extraction (executorch-int8: the int8-quantized ExecuTorch program)")
     s.add_argument("--rf-dim", type=int, help="Fed3R-RF: number of random Fourier features")
     s.add_argument("--workers", type=int)
     s.add_argument("--secure", action="store_true", help="Fed3R-Sync: sum statistics under secure aggregation")

@@ -71,7 +71,7 @@ def run_pipeline(cfg: SimConfig, quiet: bool = False) -> dict:
     prep = prepare(cfg, say)
     out = prep.out
     training_manifest = tail_manifest = None
-    if cfg.runtime == "executorch":
+    if cfg.runtime.startswith("executorch"):      # the head's training program (fp32 on the features)
         from .bundles import ensure_training_bundle
 
         training_manifest = ensure_training_bundle(cfg.backbone, cfg.image_size, num_classes=10)

@@ -45,7 +45,7 @@ class SimConfig:
     seed: int = 0
     backbone: str = "mobilenet_v2"
     image_size: int = 64
-    runtime: str = "executorch"             # feature extraction: executorch | onnxruntime | eager
+    runtime: str = "executorch"             # feature extraction: fedfleet.bundles.RUNTIMES
     workers: int = 2
     broker: str | None = None               # None: start a private mosquitto
     topic_root: str = "fedfleet"

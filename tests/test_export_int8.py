@@ -173,3 +173,26 @@ def test_quantized_parity_metrics_match_an_independent_computation():
         quantized_parity(outputs[:, :5], reference)
     with pytest.raises(ValueError, match="all zero"):
         quantized_parity(outputs, np.zeros_like(reference))
+
+
+def test_the_emulated_fleet_extracts_through_the_int8_program(int8_bundle, unseen_images, tmp_path):
+    """`simulate --runtime executorch-int8`: fedfleet.bundles finds the int8 bundle beside (not in
+    place of) the fp32 one, and its feature cache is keyed by the int8 program itself."""
+    import shutil
+
+    from fedfleet.bundles import bundle_dir, make_extractor
+
+    root = tmp_path / "bundles"
+    fp32_dir = bundle_dir("mobilenet_v2", IMAGE_SIZE, root)
+    shutil.copytree(int8_bundle.parent, root / f"{fp32_dir.name}-int8")    # as ensure_bundle would export it
+    extractor = make_extractor("mobilenet_v2", IMAGE_SIZE, str(tmp_path / "features"), "executorch-int8",
+                               bundle_root=root)
+    assert not fp32_dir.exists()                                           # the fp32 bundle was not touched
+    program = load_inference(int8_bundle, prefer=("executorch",))
+    inputs, _ = eager_fp32_features(unseen_images)
+    features = extractor.extract(unseen_images)
+    np.testing.assert_allclose(features, program.run(inputs), atol=1e-5)
+    artifact = read_manifest(int8_bundle).find("inference", "executorch")
+    assert artifact.file.endswith("_int8.pte") and artifact.sha256[:16] in extractor.cache_key
+    np.testing.assert_array_equal(extractor.extract(unseen_images), features)   # served from the cache
+    assert list((tmp_path / "features").iterdir())
