@@ -79,16 +79,23 @@ def test_chunk_reassembly_never_crashes_on_corrupted_chunks(parts):
 
 
 @st.composite
+def mutated_fields(draw, fields: dict) -> dict:
+    """A copy of a JSON object with 1-3 fields dropped, overwritten or added (arbitrary JSON values)."""
+    out = dict(fields)
+    for _ in range(draw(st.integers(1, 3))):
+        key = draw(st.sampled_from(sorted(out)) | st.text(max_size=8))
+        if draw(st.booleans()) and key in out:
+            del out[key]
+        else:
+            out[key] = draw(json_values)
+    return out
+
+
+@st.composite
 def mutated_results(draw):
     name = draw(st.sampled_from(sorted(PARSERS)))
     original = decode(VECTORS[name])
-    body = dict(original.body)
-    for _ in range(draw(st.integers(1, 3))):
-        key = draw(st.sampled_from(sorted(body)) | st.text(max_size=8))
-        if draw(st.booleans()) and key in body:
-            del body[key]
-        else:
-            body[key] = draw(json_values)
+    body = draw(mutated_fields(original.body))
     tensors = {k: np.array(v) for k, v in original.tensors.items()}
     if tensors and draw(st.booleans()):
         victim = draw(st.sampled_from(sorted(tensors)))
@@ -155,13 +162,7 @@ def test_every_secagg_message_type_is_fuzzed():
 @st.composite
 def mutated_secagg(draw):
     original = draw(st.sampled_from(SECAGG))
-    header = dict(original.body["secagg"])
-    for _ in range(draw(st.integers(1, 3))):
-        key = draw(st.sampled_from(sorted(header)) | st.text(max_size=8))
-        if draw(st.booleans()) and key in header:
-            del header[key]
-        else:
-            header[key] = draw(json_values)
+    header = draw(mutated_fields(original.body["secagg"]))
     tensors = {k: np.array(v) for k, v in original.tensors.items()}
     if tensors and draw(st.booleans()):
         victim = draw(st.sampled_from(sorted(tensors)))
