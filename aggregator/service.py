@@ -644,17 +644,12 @@ class AggregatorService:
         if online:
             self.online.add(device)
             self.seen_devices.add(device)
-            if self.active is not None and hasattr(self.active.job, "on_device_back"):
-                self.active.job.on_device_back(device)
             self._resend_tasks({device})
         else:
             self.online.discard(device)
             a = self.active
             if a is not None and a.current is not None:
                 self._execute(a.current.handle(DeviceLost(device)), a.current.round)
-                if hasattr(a.job, "on_device_lost"):       # a secure round need not wait out its phase timer
-                    for dev, msg in a.job.on_device_lost(device, time.monotonic()):
-                        self._send(dev, msg)
 
     def _on_result(self, device: str, env: Envelope, raw: bytes, nbytes: int) -> None:
         a = self.active

