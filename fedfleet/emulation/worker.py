@@ -61,7 +61,7 @@ class SharedExtractors:
                 self._made[manifest] = TrunkActivations(manifest, self.cache_dir)
             return _Locked(self._made[manifest], self.lock)
 
-    def tail_features(self, manifest: str) -> "_LockedTailFeatures":
+    def tail_features(self, manifest: str) -> "_Locked":
         """The tail bundle's fine-tuned-backbone features (OLL after FT(φ)/FT(M)), shared like the
         trunk: one eager tail session per process, set to each task's model under the lock."""
         with self.lock:
@@ -70,7 +70,7 @@ class SharedExtractors:
                 if manifest not in self._made:
                     self._made[manifest] = TrunkActivations(manifest, self.cache_dir)
                 self._made[key] = TailFeatures(manifest, trunk=self._made[manifest])   # used under the lock
-            return _LockedTailFeatures(self._made[key], self.lock)
+            return _Locked(self._made[key], self.lock)
 
     def __call__(self, backbone: str, image_size: int, weights_sha256: str, bundle_sha256: str = ""):
         # Emulated devices export their bundle locally (fedfleet.bundles); a job's announced
@@ -88,26 +88,20 @@ class SharedExtractors:
 
 
 class _Locked:
+    """A shared extractor (or TailFeatures) used by one device at a time: a TailFeatures' set
+    parameters + forward must not interleave with another device's."""
+
     def __init__(self, extractor, lock):
         self._x, self._lock = extractor, lock
-        self.feature_dim = extractor.feature_dim
+        self.feature_dim = getattr(extractor, "feature_dim", None)
 
-    def extract(self, images):
+    def extract(self, *args):
         with self._lock:
-            return self._x.extract(images)
-
-
-class _LockedTailFeatures:
-    def __init__(self, features: TailFeatures, lock):
-        self._f, self._lock = features, lock
+            return self._x.extract(*args)
 
     def session(self):
         with self._lock:
-            return self._f.session()
-
-    def extract(self, images, model):
-        with self._lock:    # set_parameters + forward must not interleave with another device's
-            return self._f.extract(images, model)
+            return self._x.session()
 
 
 def profile_hooks(profile: DeviceProfile, t0: float, rng: np.random.Generator) -> AgentHooks:
