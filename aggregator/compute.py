@@ -10,11 +10,11 @@ import torch
 def pick_device(preference: str = "auto") -> torch.device:
     """``auto`` -> cuda if available (unless FEDFLEET_DEVICE overrides), else cpu."""
     preference = os.environ.get("FEDFLEET_DEVICE", preference) if preference == "auto" else preference
-    if preference == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(preference)
+    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if preference == "auto" else preference)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("CUDA was requested but torch sees no GPU; use device='cpu' or 'auto'")
+    if dev.type == "cuda" and dev.index is None:      # one name per GPU: "cuda" and "cuda:0" are the same
+        dev = torch.device("cuda", torch.cuda.current_device())
     return dev
 
 
@@ -25,8 +25,6 @@ def compute_summary(preference: str = "auto") -> dict:
 
     device = pick_device(preference)
     on_gpu = device.type == "cuda"
-    if on_gpu and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
     where, what = mask_expansion_plan(preference)
     unmask = {"cuda": f"{what} (Triton AES-CTR kernel)", "processes": f"cpu ({what} processes)",
               "threads": f"cpu ({what} threads)"}[where]

@@ -4,8 +4,9 @@ kernel, or on every CPU core in worker processes.
 Why. At the end of a SecAgg(+) round the server removes every mask still in the sum: one
 self-mask per survivor and, per dropped device, one pair mask per surviving neighbour -- at
 n = 1000, m = 10^6 with 10 % drop-out about 2 700 keystreams of 8 MB, ~22 GB of AES-CTR. On
-CPU that is bound by AES-NI throughput (crypto.apply_masks, a few GB/s per core); a GPU runs
-the same AES ~100x faster, and the round's unmasking stops dominating its cost.
+CPU that is bound by AES-NI throughput (crypto.apply_masks, a few GB/s per core); on an H100
+this kernel ran 30-36x one core's raw AES-CTR (bench/secagg.py prints the ratio), and the
+round's unmasking stops dominating its cost.
 
 What. `CudaMaskApplier` is a `protocols.secagg.MaskApplier`: accumulator += sum(sign * PRG(seed))
 mod 2^64, bit-identical to `protocols.secagg.crypto.apply_masks` (the PRG is the protocol's:
@@ -193,10 +194,9 @@ def _kernel():
 class CudaMaskApplier:
     """accumulator += sum(sign * PRG(seed)) mod 2^64 on a CUDA device (a MaskApplier).
 
-    `blocks_per_program`: AES counter blocks each Triton program handles (a power of two; on an
-    H100, 2 726 masks of 10^6 words took 344 / 177 / 99 / 88 / 92 ms with 32 / 64 / 128 / 256 /
-    512); `keys_per_launch` bounds one launch's work so a huge unmasking never runs as one
-    long kernel (512 and 4 096 timed the same)."""
+    `blocks_per_program`: AES counter blocks each Triton program handles (a power of two; 256
+    was fastest on an H100, `bench/secagg.py` prints the sweep); `keys_per_launch` bounds one
+    launch's work so a huge unmasking never runs as one long kernel."""
 
     def __init__(self, device: str = "cuda", blocks_per_program: int = 256, keys_per_launch: int = 512) -> None:
         import torch
@@ -299,10 +299,7 @@ def mask_expansion_plan(preference: str = "auto") -> tuple[str, str | int]:
     device = pick_device(preference)
     if device.type == "cuda":
         if triton_available():
-            import torch
-
-            index = torch.cuda.current_device() if device.index is None else device.index
-            return "cuda", f"cuda:{index}"       # "cuda" and "cuda:0" share one applier
+            return "cuda", str(device)         # pick_device names it with its index: one applier per GPU
         if preference != "auto":
             raise RuntimeError("CudaMaskApplier needs Triton (shipped with CUDA builds of torch)")
         log.warning("GPU present but Triton does not import: secure aggregation unmasks on the CPU")
