@@ -359,6 +359,10 @@ def main(argv=None) -> int:
     if gpu_wall:
         print(f"mask expansion on the GPU, wall clock (host transfers in):   {gpu_wall:.2f} GB/s "
               f"(/ raw 1-thread wall {raw_wall:.2f} GB/s = {gpu_wall / raw_wall:.1f})")
+        sweep = {blocks: gpu_expansion_gbps(CudaMaskApplier(blocks_per_program=blocks))
+                 for blocks in (32, 64, 128, 256, 512)}
+        print("GPU kernel, counter blocks per program -> GB/s (/ the default 256's): " + ", ".join(
+            f"{blocks}: {gbps:.0f} ({gbps / sweep[256]:.2f})" for blocks, gbps in sweep.items()))
     scaling = expansion_scaling(args.scaling, max(m for _, _, m in grid)) if args.scaling else []
     if scaling:
         print(f"\nexpansion of {args.scaling} masks of {max(m for _, _, m in grid)} words by thread count "
