@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import math
 import os
 import struct
@@ -97,6 +98,9 @@ def canonical_json(obj: Any) -> bytes:
         raise EnvelopeError(f"header is not valid JSON: {exc}") from exc
 
 
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
 def _reject_constant(token: str) -> Any:
     raise ValueError(f"{token} is not JSON")
 
@@ -115,9 +119,12 @@ def _object_without_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 def parse_strict_json(data: bytes) -> Any:
     """RFC 8259 JSON from UTF-8 bytes, refusing what Python's json module lets through: NaN and
     Infinity tokens, duplicate keys and lone surrogates. Raises ValueError."""
-    value = json.loads(data.decode("utf-8"), parse_constant=_reject_constant,
-                       object_pairs_hook=_object_without_duplicates)
-    json.dumps(value, ensure_ascii=False).encode("utf-8")    # UnicodeEncodeError (a ValueError): lone surrogate
+    text = data.decode("utf-8")
+    value = json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_object_without_duplicates)
+    # A lone surrogate can only come from a \ud800-\udfff escape: re-encode (UnicodeEncodeError, a
+    # ValueError, for an unpaired one) only the rare header that has one, not every message.
+    if _SURROGATE_ESCAPE.search(text):
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
     return value
 
 
