@@ -7,7 +7,7 @@ plain Σ correct / Σ n."""
 import numpy as np
 import pytest
 
-from aggregator.jobs.personalize import PersonalizeConfig, PersonalizeJob, load_head
+from aggregator.jobs.personalize import PersonalizeConfig, PersonalizeJob, load_model
 from edge_client.agent import TaskDeclined
 from edge_client.oll import choose_fp_lr
 from edge_client.tasks.head_training import LocalTraining
@@ -184,10 +184,11 @@ def test_job_reports_plain_weighted_mean_accuracy(tmp_path):
 def test_job_head_file_formats_and_bad_heads(tmp_path):
     W, b = head()
     np.savez(tmp_path / "fedavg.npz", weight=W, bias=b)
-    assert np.array_equal(load_head(str(tmp_path / "fedavg.npz"))["weight"], W)
+    loaded_head, loaded_tail = load_model(str(tmp_path / "fedavg.npz"))
+    assert np.array_equal(loaded_head["weight"], W) and loaded_tail == {}
     np.savez(tmp_path / "other.npz", x=W)
     with pytest.raises(ValueError, match="no head"):
-        load_head(str(tmp_path / "other.npz"))
+        load_model(str(tmp_path / "other.npz"))
     with pytest.raises(ValueError, match="head_file"):
         PersonalizeJob(PersonalizeConfig(num_classes=C, feature_dim=D))
     with pytest.raises(ValueError, match="is \\(6, 8\\)"):

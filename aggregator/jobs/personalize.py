@@ -77,19 +77,16 @@ class PersonalizeConfig(ModelFields):
         return asdict(self)
 
 
-def load_head(path: str) -> dict[str, np.ndarray]:
-    """The global head of a finished job's model.npz (FedAvg: weight/bias; Fed3R: coef/intercept)."""
+def load_model(path: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(head, tail) of a finished job's model.npz: the head is FedAvg's weight/bias or Fed3R's
+    coef/intercept; the tail, the fine-tuned ``tail.*`` tensors of a fedavg-tail model (empty
+    for a head-only model)."""
     with np.load(path) as model:
+        tail = {name: model[name].astype(np.float32) for name in model.files if name.startswith(TAIL_PREFIX)}
         for w, b in (("weight", "bias"), ("coef", "intercept")):
             if w in model.files and b in model.files:
-                return head_tensors(model[w], model[b])
+                return head_tensors(model[w], model[b]), tail
         raise ValueError(f"{path}: no head in it (expected weight/bias or coef/intercept, found {model.files})")
-
-
-def load_tail(path: str) -> dict[str, np.ndarray]:
-    """The fine-tuned backbone tail (``tail.*`` tensors) of a model.npz; empty for a head-only model."""
-    with np.load(path) as model:
-        return {name: model[name].astype(np.float32) for name in model.files if name.startswith(TAIL_PREFIX)}
 
 
 @dataclass
@@ -108,9 +105,9 @@ class PersonalizeJob(OncePerDevice):
         if self.head is None:
             if not c.head_file:
                 raise ValueError("a personalization job needs head_file (a finished job's model.npz) or a head")
-            self.head = load_head(c.head_file)
+            self.head, loaded_tail = load_model(c.head_file)
             if self.tail is None:
-                self.tail = load_tail(c.head_file)
+                self.tail = loaded_tail
         self.tail = dict(self.tail or {})
         if bool(self.tail) != bool(c.tail_stages):
             raise ValueError("the model has a fine-tuned backbone tail: set tail_stages" if self.tail else
