@@ -462,7 +462,7 @@ def test_personalization_on_a_fine_tuned_tail_counts_what_the_eager_backbone_giv
     expected_oll = int((masked.argmax(1) == y)[inside].sum() + (logits.argmax(1) == y)[~inside].sum())
     assert task.last.correct["global"] == int((logits.argmax(1) == y).sum())
     assert task.last.correct["oll"] == expected_oll
-    features = task.tail_features.extract(images[100:160], {**tail, **head})
+    features, = task.tail_features.extract({**tail, **head}, images[100:160])
     np.testing.assert_allclose(features, reference, atol=1e-4)
     with torch.no_grad():
         frozen = build_backbone("mobilenet_v2").eval()(x).numpy()
@@ -511,3 +511,13 @@ def test_personalize_job_sends_the_fine_tuned_tail_with_the_head(bundle, tmp_pat
     build_job("personalize", {**common, "tail_stages": 1})          # the admin API's path accepts it
     with pytest.raises(ValueError, match="tail_stages"):
         build_job("personalize", {**common, "tail_stages": -1})
+
+
+def test_only_the_eager_twin_gives_tail_features(bundle, fmnist):
+    """An ExecuTorch training program returns loss and logits only: asking it for features is a
+    clear error naming the eager twin, not a wrong answer."""
+    from edge_client.runtime import RuntimeUnavailableError, TrainingSession
+
+    session = TrainingSession.load(bundle, prefer=("executorch",), kind="tail_training")
+    with pytest.raises(RuntimeUnavailableError, match="eager twin"):
+        session.features(np.zeros((2, 320, 1, 1), np.float32))

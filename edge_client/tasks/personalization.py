@@ -130,5 +130,4 @@ class PersonalizeTask:
                                f"{wanted[3]}-d features; the tail bundle is {m.backbone} at {m.input.image_size} "
                                f"px, {m.tail.stages} stage(s), {m.feature_dim}-d (or other weights)")
         model = check_model_tensors(tensors, session.parameter_shapes, KIND)
-        return (self.tail_features.extract(self.train_images, model),
-                self.tail_features.extract(self.test_images, model))
+        return self.tail_features.extract(model, self.train_images, self.test_images)

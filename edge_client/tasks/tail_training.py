@@ -176,9 +176,9 @@ class TailFeatures:
             raise TaskDeclined(f"tail bundle unusable for features: {exc}") from exc
         return self._session
 
-    def extract(self, images: np.ndarray, model: dict[str, np.ndarray]) -> np.ndarray:
-        """(n, feature_dim) features of uint8 images under `model` (every tensor of the bundle's
-        tail_training program, already checked with check_model_tensors)."""
+    def extract(self, model: dict[str, np.ndarray], *image_sets: np.ndarray) -> tuple[np.ndarray, ...]:
+        """(n, feature_dim) features of each set of uint8 images under `model` (every tensor of the
+        bundle's tail_training program, already checked with check_model_tensors)."""
         session = self.session()
         session.set_parameters(model)
-        return session.features(self._trunk.extract(images))
+        return tuple(session.features(self._trunk.extract(images)) for images in image_sets)
