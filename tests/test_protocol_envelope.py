@@ -233,3 +233,16 @@ def test_golden_vectors_on_disk_match_the_codec():
     chunks = sorted(n for n in index if n.startswith("chunk_"))
     res = [asm.feed((d / f"{c}.bin").read_bytes()) for c in chunks]
     assert res[-1] is not None and encode(res[-1]) == (d / "chunked_whole.bin").read_bytes()
+
+
+def test_presence_is_parsed_strictly():
+    from protocols import messages as M
+
+    assert M.parse_presence(M.presence_message("dev7", "online", {"kinds": ["x"]})) == (True, {"kinds": ["x"]})
+    assert M.parse_presence(M.presence_message("dev7", "offline")) == (False, {})
+    for body, match in [({"state": "asleep"}, "online/offline"), ({"state": 1}, "state"), ({}, "state"),
+                        ({"state": "online", "info": [1]}, "info must be an object")]:
+        with pytest.raises(EnvelopeError, match=match):
+            M.parse_presence(decode(encode(Envelope(M.PRESENCE, "dev7", body=body))))
+    with pytest.raises(EnvelopeError, match="presence"):
+        M.parse_presence(decode(encode(Envelope(M.RESULT, "dev7", body={"state": "online"}))))
