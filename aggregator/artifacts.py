@@ -8,19 +8,12 @@ serve time, not cached, so a bundle can be large; the device verifies every dige
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
+from protocols.files import file_sha256
+
 MAX_ARTIFACT_BYTES = 256 * 1024 * 1024
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 class ArtifactShelf:
@@ -41,7 +34,7 @@ class ArtifactShelf:
             if path.stat().st_size > MAX_ARTIFACT_BYTES:
                 raise ValueError(f"{path} is larger than {MAX_ARTIFACT_BYTES} bytes")
             self._files[spec["sha256"]] = path
-        digest = _sha256(manifest)
+        digest = file_sha256(manifest)
         self._files[digest] = manifest
         return digest
 

@@ -15,7 +15,7 @@ from protocols.topics import Topics
 
 from .api.server import add_ops_arguments, serve_with_ops
 from .artifacts import ArtifactShelf
-from .service import JOB_TYPES, build_job
+from .jobs.registry import KINDS, build_job
 
 
 def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -24,7 +24,7 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     s = sub.add_parser("serve", help="run one job (--kind) until it is done")
     s.add_argument("--config", type=Path, default=None,
                    help="job config JSON (fields of Fed3RConfig); optional with --keep-serving")
-    s.add_argument("--kind", default="fed3r", choices=sorted(JOB_TYPES),
+    s.add_argument("--kind", default="fed3r", choices=sorted(KINDS),
                    help="job kind: fed3r (plain statistics), fed3r-sync (secure group sums), fedavg "
                         "(FedAvg/FedAvgM head rounds), personalize (OLL/FP on devices, held-out WMA)")
     s.add_argument("--broker", default="mqtt://127.0.0.1:1883", help="mqtt://[user:pass@]host:port")

@@ -14,8 +14,9 @@ What is stored, and why that is enough to resume a job bit for bit after a crash
                      message id, committed *before* the acknowledgement is published. Replaying
                      them in commit order (``seq``) through ``job.parse_result``/``job.apply``
                      rebuilds the job's float64 sums with the same additions in the same order.
-* ``protocol_messages``  every message a multi-phase round needs to finish (secure aggregation),
-                     replayable in order into its sans-IO server.
+* ``quarantine``     accepted contributions that later failed to apply (e.g. statistics whose
+                     solve fails): moved out of ``contributions`` with the reason, so a restart
+                     never replays them; the device counts as rejected in its round.
 * ``checkpoints``    the job's state (``job.state_dict()``, exact float64 sums) as of its last
                      closed round, written in the round-close transaction, so a restart replays
                      only the contributions of the open round instead of the whole job.
@@ -107,14 +108,14 @@ CREATE TABLE IF NOT EXISTS contributions (
     UNIQUE (job_id, message_id),
     UNIQUE (job_id, round, device)
 );
-CREATE TABLE IF NOT EXISTS protocol_messages (
-    seq        INTEGER PRIMARY KEY AUTOINCREMENT,
-    job_id     TEXT NOT NULL,
-    round      INTEGER NOT NULL,
-    device     TEXT NOT NULL,
-    message_id TEXT NOT NULL,
-    payload    BLOB NOT NULL,
-    UNIQUE (job_id, message_id)
+CREATE TABLE IF NOT EXISTS quarantine (
+    job_id      TEXT NOT NULL,
+    round       INTEGER NOT NULL,
+    device      TEXT NOT NULL,
+    message_id  TEXT NOT NULL,
+    reason      TEXT NOT NULL,
+    at          REAL NOT NULL,
+    PRIMARY KEY (job_id, message_id)
 );
 CREATE TABLE IF NOT EXISTS checkpoints (
     job_id      TEXT PRIMARY KEY,
@@ -448,18 +449,21 @@ class Store:
         return {r[0]: r[1] for r in self.db.execute(
             "SELECT round, COUNT(*) FROM contributions WHERE job_id=? GROUP BY round", (job_id,))}
 
-    # ------------------------------------------------------------------ secure-aggregation messages
-    def add_protocol_message(self, job_id: str, round_: int, device: str, message_id: str, payload: bytes) -> bool:
-        """Record a message a multi-phase round needs; False if that id was already stored."""
+    # ------------------------------------------------------------------ quarantine
+    def quarantine(self, job_id: str, round_: int, device: str, message_id: str, reason: str) -> None:
+        """Move an accepted contribution that failed to apply out of the replay, in one transaction;
+        the device counts as rejected in its round (a restored round does not wait for it)."""
+        now = time.time()
         with self._tx() as db:
-            cur = db.execute("INSERT OR IGNORE INTO protocol_messages (job_id, round, device, message_id, payload) "
-                             "VALUES (?, ?, ?, ?, ?)", (job_id, round_, device, message_id, payload))
-            return cur.rowcount == 1
+            db.execute("DELETE FROM contributions WHERE job_id=? AND message_id=?", (job_id, message_id))
+            db.execute("INSERT OR IGNORE INTO quarantine VALUES (?, ?, ?, ?, ?, ?)",
+                       (job_id, round_, device, message_id, reason[:1000], now))
+            db.execute("INSERT OR REPLACE INTO round_events VALUES (?, ?, ?, ?, ?, ?)",
+                       (job_id, round_, device, "rejected", f"quarantined: {reason[:900]}", now))
 
-    def protocol_messages(self, job_id: str, round_: int) -> list[tuple[str, str, bytes]]:
-        return [(r[0], r[1], bytes(r[2])) for r in self.db.execute(
-            "SELECT device, message_id, payload FROM protocol_messages WHERE job_id=? AND round=? ORDER BY seq",
-            (job_id, round_))]
+    def quarantined(self, job_id: str) -> list[dict]:
+        return [dict(r) for r in self.db.execute(
+            "SELECT round, device, message_id, reason, at FROM quarantine WHERE job_id=? ORDER BY at", (job_id,))]
 
     # ------------------------------------------------------------------ evaluations and models
     def add_evaluation(self, job_id: str, entry: dict) -> None:

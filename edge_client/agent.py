@@ -168,9 +168,6 @@ class DeviceAgent:
             raise EnvelopeError(f"message from {env.sender!r}, expected the aggregator")
         if env.type == M.TASK:
             ref, kind, params, deadline = M.parse_task(env)
-            if kind in self.protocol_handlers:
-                self._protocol_task(ref, kind, params, dict(env.tensors))
-                return
             self._execute(self.session.handle(TaskArrived(ref, kind, params, deadline, dict(env.tensors))))
         elif env.type in self.protocol_handlers:
             for out in self.protocol_handlers[env.type].on_message(env):
@@ -192,51 +189,33 @@ class DeviceAgent:
                 self._do_work(act)
             elif isinstance(act, SendResult):
                 if self.online:
-                    sent = self.link.publish_envelope(
-                        self.topics.outbox(self.device_id), act.message, chunk_size=self.chunk_size, signer=self.signer,
-                        before_each=self.hooks.before_upload)
+                    kind, messages = act.message           # a result, or a secure task's protocol messages
+                    sent = sum(self.link.publish_envelope(
+                        self.topics.outbox(self.device_id), m, chunk_size=self.chunk_size, signer=self.signer,
+                        before_each=self.hooks.before_upload) for m in messages)
                     self.stats.bytes_up += sent
-                    self.stats.count(str(act.message.body.get("kind", "")), bytes_up=sent)
+                    self.stats.count(kind, bytes_up=sent)
                     self.session.handle(ResultSent(time.monotonic()))
             elif isinstance(act, SendDecline):
                 self.stats.tasks_declined += 1
                 self.link.publish_envelope(self.topics.outbox(self.device_id),
                                            M.decline_message(self.device_id, act.ref, act.reason), signer=self.signer)
 
-    def _protocol_task(self, ref, kind: str, params: dict, tensors: dict) -> None:
-        t0 = time.perf_counter()
-        try:
-            outs = self.protocol_handlers[kind].on_task(ref.job, ref.round, params, tensors)
-            self.hooks.after_compute(time.perf_counter() - t0)   # may drop out: the device goes silent
-        except DroppedOut:
-            self.stats.dropouts += 1
-            self._outage_until = time.monotonic() + self.hooks.offline_after_dropout_s
-            self._go_offline()
-            return
-        except Exception as exc:      # TaskDeclined, or a handler bug: tell the server, keep the agent alive
-            if not isinstance(exc, TaskDeclined):
-                log.exception("%s: %s task failed", self.device_id, kind)
-            self.stats.tasks_declined += 1
-            self.link.publish_envelope(self.topics.outbox(self.device_id),
-                                       M.decline_message(self.device_id, ref, str(exc)), signer=self.signer)
-            return
-        elapsed = time.perf_counter() - t0
-        self.stats.compute_s += elapsed
-        self.stats.tasks_done += 1
-        sent = sum(self.link.publish_envelope(self.topics.outbox(self.device_id), out, chunk_size=self.chunk_size,
-                                              signer=self.signer, before_each=self.hooks.before_upload)
-                   for out in outs)
-        self.stats.bytes_up += sent
-        self.stats.count(kind, tasks=1, compute_s=elapsed, bytes_up=sent)
-
     def _do_work(self, act: StartWork) -> None:
+        """Run a task's handler; a secure task's handler starts its protocol (``on_task``) instead of
+        producing a result: its messages go through the same session (redelivered task = the same
+        messages again, never a second key pair), but are not retried for an ack that never comes."""
+        secure = self.protocol_handlers.get(act.kind)
         handler = self.handlers.get(act.kind)
-        if handler is None:
+        if handler is None and secure is None:
             self._execute(self.session.handle(WorkFailed(act.ref, f"unsupported task kind {act.kind!r}")))
             return
         t0 = time.perf_counter()
         try:
-            body, tensors = handler(act.params, act.tensors)
+            if secure is not None:
+                outs = secure.on_task(act.ref.job, act.ref.round, act.params, act.tensors)
+            else:
+                body, tensors = handler(act.params, act.tensors)
             elapsed = time.perf_counter() - t0
             self.stats.compute_s += elapsed
             self.hooks.after_compute(elapsed)
@@ -256,6 +235,10 @@ class DeviceAgent:
             return
         self.stats.tasks_done += 1
         self.stats.count(act.kind, tasks=1, compute_s=elapsed)
-        msg = M.result_message(self.device_id, act.ref, act.kind, body, tensors)
-        self._execute(self.session.handle(WorkFinished(act.ref, msg, msg.id)))
+        if secure is not None:
+            done = WorkFinished(act.ref, (act.kind, list(outs)), f"{act.ref.task}:protocol", expects_ack=False)
+        else:
+            msg = M.result_message(self.device_id, act.ref, act.kind, body, tensors)
+            done = WorkFinished(act.ref, (act.kind, [msg]), msg.id)
+        self._execute(self.session.handle(done))
 

@@ -220,14 +220,11 @@ def _serve(spec: dict) -> None:
 
     from aggregator.jobs.ladd import LaddConfig, LaddJob
     from aggregator.jobs.secure_ladd import SecureLaddConfig, SecureLaddJob
-    from aggregator.service import JOB_TYPES, AggregatorService
+    from aggregator.service import AggregatorService
     from edge_client.models.segmentation import SegmentationModel
     from protocols.mqtt_link import BrokerConfig
     from protocols.topics import Topics
 
-    # The service names job types through its registry; until the lead registers LADD there.
-    JOB_TYPES.setdefault("ladd", (LaddConfig, LaddJob))
-    JOB_TYPES.setdefault("ladd-secure", (SecureLaddConfig, SecureLaddJob))
     config_cls, job_cls = (SecureLaddConfig, SecureLaddJob) if spec.get("secure") else (LaddConfig, LaddJob)
     # One intra-op thread: the workers share the cores, and on an oversubscribed machine torch's
     # thread pool made a 2 s pre-training take 28 s (spinning threads waiting for each other).

@@ -17,11 +17,20 @@ Aggregator side, one :class:`RoundCoordinator` per round::
     OPEN      ResultArrived(not selected)         SendAck(rejected)
     OPEN      ResultArrived(device already done)  SendAck(duplicate)                 (second result never applied)
     OPEN      ResultArrived(device lost)          ApplyResult, SendAck(accepted)     (it came back in time)
-    OPEN      ResultInvalid(device, id, reason)   SendAck(rejected), device counted as failed
-    OPEN      Declined(device)                    device counted as declined
+    OPEN      ResultInvalid(pending device)       RecordRejected, SendAck(rejected)  (device counted as failed)
+    OPEN      ResultInvalid(anyone else)          SendAck(rejected)
+    OPEN      Declined(pending device)            RecordDeclined                     (device counted as declined)
     OPEN      DeviceLost(device)                  device counted as dropped (went offline mid-task)
+    OPEN      GroupSettled(survivors)             survivors counted as accepted, RoundClosed -> CLOSED
     OPEN      Tick(now >= deadline)               RoundClosed                          -> CLOSED
     CLOSED    ResultArrived(anything)             SendAck(late) ; counted, never applied
+
+Every action that changes what the round will report comes out of the machine *before* the
+actions that depend on it (``RecordRejected``/``RecordDeclined``/``ApplyResult`` before the ack and
+before ``RoundClosed``), so an adapter that persists the record actions as it meets them never
+has to guess what the machine will count. ``GroupSettled`` is how a round summed under secure
+aggregation ends: the aggregator only ever holds the group's sum, so there is no per-device result
+to apply; the job already applied the sum and names the devices it holds.
 
 Late results are never carried into a later round: a result names its (job, round) and the
 server routes it only to that round's coordinator (closed rounds answer ``late``).
@@ -35,6 +44,9 @@ Device side, one :class:`DeviceSession` per device::
     WORKING   WorkFailed(reason)             SendDecline                    -> IDLE
     REPORTED  ResultSent(now)                -                              (retry timer starts when the upload ends)
     REPORTED  TaskArrived(same task)         SendResult (same message id)   (server may have lost it)
+    REPORTED  Tick (no ack expected)         -                              (a secure task's first protocol
+                                                                             message: the protocol's own
+                                                                             phases and timers follow)
     REPORTED  Tick(now > next retry)         SendResult (same message id)   until max_retries
     REPORTED  AckArrived(ref = result id)    -                              -> IDLE
     any       TaskArrived(newer task)        StartWork                      -> WORKING (older work abandoned)
@@ -84,6 +96,12 @@ class DeviceLost:
 
 
 @dataclass(frozen=True)
+class GroupSettled:
+    """A secure round's sum is in: exactly these devices' data is in it (empty: the group failed)."""
+    survivors: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Tick:
     now: float
 
@@ -93,6 +111,21 @@ class ApplyResult:
     device: str
     message_id: str
     result: Any
+
+
+@dataclass(frozen=True)
+class RecordRejected:
+    """A participant's result was invalid: it counts as rejected (persist before acking)."""
+    device: str
+    message_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class RecordDeclined:
+    """A participant declined its task: it counts as declined (persist before anything else)."""
+    device: str
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -129,25 +162,45 @@ class RoundCoordinator:
         if isinstance(event, ResultArrived):
             return self._on_result(event)
         if isinstance(event, ResultInvalid):
-            if self.state is RoundState.OPEN and event.device in self._pending():
+            if self.state is RoundState.OPEN and event.device in self.pending:
                 self.rejected[event.device] = event.reason
-                return [SendAck(event.device, event.message_id, "rejected", event.reason)] + self._maybe_close()
+                return [RecordRejected(event.device, event.message_id, event.reason),
+                        SendAck(event.device, event.message_id, "rejected", event.reason)] + self._maybe_close()
             return [SendAck(event.device, event.message_id, "rejected", event.reason)]
         if isinstance(event, Declined):
-            if self.state is RoundState.OPEN and event.device in self._pending():
+            if self.state is RoundState.OPEN and event.device in self.pending:
                 self.declined[event.device] = event.reason
-                return self._maybe_close()
+                return [RecordDeclined(event.device, event.reason)] + self._maybe_close()
             return []
         if isinstance(event, DeviceLost):
-            if self.state is RoundState.OPEN and event.device in self._pending():
+            if self.state is RoundState.OPEN and event.device in self.pending:
                 self.lost.add(event.device)
                 return self._maybe_close()
             return []
+        if isinstance(event, GroupSettled):
+            if self.state is not RoundState.OPEN:
+                return []
+            for device in sorted(set(event.survivors) & self.participants):
+                self.lost.discard(device)        # offline right after its masked input: its data IS in the sum
+                self.accepted[device] = f"group-{self.round}"
+            return self._close()
         if isinstance(event, Tick):
             if self.state is RoundState.OPEN and event.now >= self.deadline:
                 return self._close()
             return []
         raise TypeError(f"unknown event {event!r}")
+
+    @property
+    def pending(self) -> frozenset[str]:
+        """Participants the round still waits for (read-only: the machine owns this bookkeeping)."""
+        return frozenset(self.participants - set(self.accepted) - set(self.declined) - set(self.rejected)
+                         - self.lost)
+
+    def snapshot(self) -> dict:
+        """A JSON-able view of the round for status pages."""
+        return {"round": self.round, "state": self.state.value, "participants": sorted(self.participants),
+                "accepted": sorted(self.accepted), "declined": sorted(self.declined),
+                "rejected": sorted(self.rejected), "lost": sorted(self.lost), "pending": sorted(self.pending)}
 
     def restore(self, device: str, message_id: str) -> None:
         """Re-apply bookkeeping for a result already durably applied (after a restart)."""
@@ -163,23 +216,19 @@ class RoundCoordinator:
         if ev.device not in self.participants:
             return [SendAck(ev.device, ev.message_id, "rejected", f"not selected for round {self.round}")]
         self.lost.discard(ev.device)   # a device that reconnected in time and answers is welcome
-        if ev.device not in self._pending():
+        if ev.device not in self.pending:
             return [SendAck(ev.device, ev.message_id, "duplicate", "device already answered this round")]
         self.seen_ids.add(ev.message_id)
         self.accepted[ev.device] = ev.message_id
         return [ApplyResult(ev.device, ev.message_id, ev.result),
                 SendAck(ev.device, ev.message_id, "accepted")] + self._maybe_close()
 
-    def _pending(self) -> set[str]:
-        return (set(self.participants) - set(self.accepted) - set(self.declined) - set(self.rejected)
-                - self.lost)
-
     def _maybe_close(self) -> list:
-        return self._close() if not self._pending() else []
+        return self._close() if not self.pending else []
 
     def _close(self) -> list:
         self.state = RoundState.CLOSED
-        return [RoundClosed(self.round, tuple(sorted(self.accepted)), tuple(sorted(self._pending() | self.lost)),
+        return [RoundClosed(self.round, tuple(sorted(self.accepted)), tuple(sorted(self.pending | self.lost)),
                             tuple(sorted(self.declined)), tuple(sorted(self.rejected)))]
 
 
@@ -204,6 +253,7 @@ class WorkFinished:
     ref: TaskRef
     message: Any  # the encoded result message (bytes or envelope), opaque here
     message_id: str
+    expects_ack: bool = True      # False: a secure task's protocol messages (never acked, never retried)
 
 
 @dataclass(frozen=True)
@@ -266,7 +316,7 @@ class DeviceSession:
             while len(self.finished) > self.keep_finished:      # a long-lived device keeps only recent results
                 del self.finished[next(iter(self.finished))]
             self.state, self.attempts = DeviceState.REPORTED, 1
-            self.next_retry = self.now + self.retry_after_s
+            self.next_retry = self.now + self.retry_after_s if event.expects_ack else float("inf")
             return [SendResult(event.message, 1)]
         if isinstance(event, WorkFailed):
             if self.state is DeviceState.WORKING and event.ref == self.current:
@@ -276,7 +326,7 @@ class DeviceSession:
         if isinstance(event, ResultSent):
             # A slow upload must not count against the ack timeout (back-off doubles per attempt).
             self.now = event.now
-            if self.state is DeviceState.REPORTED:
+            if self.state is DeviceState.REPORTED and self.finished[self.current].expects_ack:
                 self.next_retry = event.now + self.retry_after_s * 2 ** (self.attempts - 1)
             return []
         if isinstance(event, AckArrived):

@@ -96,10 +96,16 @@ def test_openapi_property_based_no_server_errors(idle_api, mode):
     schema = schemathesis.openapi.from_asgi("/openapi.json", idle_api, headers=AUTH)
     assert len(list(schema.get_all_operations())) >= 20
 
+    from schemathesis.specs.openapi.checks import positive_data_acceptance
+
     @given(case=schema.as_strategy(generation_mode=GenerationMode(mode)))
     @settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     def requests_from_schema(case):
-        case.call_and_validate(headers=AUTH, checks=checks)
+        # A job config has cross-field rules a JSON schema cannot state (k_min <= k_max, init "fed3r"
+        # needs its head file, ...): a schema-valid config may be refused there, with a 422 naming it.
+        creating_job = case.method == "POST" and case.path == "/api/jobs"
+        case.call_and_validate(headers=AUTH, checks=checks,
+                               excluded_checks=[positive_data_acceptance] if creating_job else None)
 
     requests_from_schema()
 

@@ -63,11 +63,11 @@ def test_fetched_bundle_runs_like_the_original_and_tampering_is_refused(broker, 
         deadline = time.time() + 10
         while time.time() < deadline:
             rej = svc.active.stats.rejections
-            if rej.get("artifact") and rej.get("unknown device (not enrolled)"):
+            if rej.get("artifact") and rej.get("not enrolled"):
                 break
             time.sleep(0.1)
         raw.loop_stop()
-        assert rej.get("artifact", 0) >= 2 and rej.get("unknown device (not enrolled)") == 1
+        assert rej.get("artifact", 0) >= 2 and rej.get("not enrolled") == 1
         # the aggregator's copy of the model is altered after indexing: the device refuses it
         onnx = bundle / "inference.onnx"
         pristine = onnx.read_bytes()
@@ -148,7 +148,7 @@ def test_a_malformed_bundle_digest_is_refused_before_anything_is_fetched(tmp_pat
     """A job's bundle_sha256 names a directory on the device: only a 64-hex digest is accepted,
     by the job config, the admin API's validation, and the device (no connection is attempted)."""
     from aggregator.jobs.fedavg import FedAvgConfig
-    from aggregator.service import validate_job_config
+    from aggregator.jobs.registry import validate_job_config
     from edge_client.agent import TaskDeclined
     from fedfleet.device import FetchedBundles
 

@@ -14,7 +14,8 @@ import torch
 from torch.nn import functional as F
 
 from aggregator.jobs.fedavg_tail import TailFedAvgConfig, TailFedAvgJob
-from aggregator.service import AggregatorService, build_job
+from aggregator.jobs.registry import build_job
+from aggregator.service import AggregatorService
 from aggregator.tail_program import TailProgram, TailProgramError
 from edge_client.agent import DeviceAgent, TaskDeclined
 from edge_client.data import load_fashion_mnist

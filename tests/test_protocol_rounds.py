@@ -1,7 +1,10 @@
 """The sans-IO round machines: every rule in the transition tables of protocols/rounds.py."""
 
+import pytest
+
 from protocols.messages import TaskRef
-from protocols.rounds import (AckArrived, ResultSent, ApplyResult, Declined, DeviceLost, DeviceSession, DeviceState, ResultArrived,
+from protocols.rounds import (AckArrived, ResultSent, ApplyResult, Declined, DeviceLost, DeviceSession, DeviceState, GroupSettled,
+                              RecordDeclined, RecordRejected, ResultArrived,
                               ResultInvalid, RoundClosed, RoundCoordinator, SendAck, SendDecline, SendResult,
                               TaskArrived, Tick, WorkFailed, WorkFinished)
 
@@ -44,8 +47,35 @@ def test_unselected_and_invalid_results_are_rejected():
     c = coord()
     assert c.handle(ResultArrived("zz", "m1", 1))[0].status == "rejected"
     out = c.handle(ResultInvalid("a", "m2", "NaN in b"))
-    assert out[0] == SendAck("a", "m2", "rejected", "NaN in b")
-    assert "a" in c.rejected and "a" not in c.accepted
+    # the record comes before the ack, so an adapter persists it before anything depends on it
+    assert out[:2] == [RecordRejected("a", "m2", "NaN in b"), SendAck("a", "m2", "rejected", "NaN in b")]
+    assert "a" in c.rejected and "a" not in c.accepted and "a" not in c.pending
+    # a second invalid result of a device that is no longer pending is acked but not recorded again
+    assert c.handle(ResultInvalid("a", "m3", "again")) == [SendAck("a", "m3", "rejected", "again")]
+
+
+def test_declines_are_recorded_once_and_only_for_pending_devices():
+    c = coord()
+    assert c.handle(Declined("b", "no data")) == [RecordDeclined("b", "no data")]
+    assert c.handle(Declined("b", "again")) == [] and c.handle(Declined("zz", "x")) == []
+    assert c.pending == frozenset({"a", "c"})
+    with pytest.raises(AttributeError):
+        c.pending = frozenset()                      # read-only: the machine owns its bookkeeping
+
+
+def test_a_secure_round_closes_through_group_settled_without_per_device_results():
+    c = coord()
+    c.handle(DeviceLost("c"))                        # offline right after sending its masked input
+    out = c.handle(GroupSettled(("a", "c", "zz")))   # zz was never selected: never counted
+    assert not any(isinstance(a, ApplyResult) for a in out)
+    assert out == [RoundClosed(3, ("a", "c"), ("b",), (), ())]
+    assert c.snapshot()["accepted"] == ["a", "c"] and c.snapshot()["state"] == "closed"
+    assert c.handle(GroupSettled(("b",))) == []      # settles once
+
+
+def test_a_failed_secure_group_closes_with_nobody_accepted():
+    c = coord()
+    assert c.handle(GroupSettled(())) == [RoundClosed(3, (), ("a", "b", "c"), (), ())]
 
 
 def task(r=1, job="j"):
@@ -114,3 +144,15 @@ def test_a_long_lived_device_keeps_only_recent_results():
         s.handle(AckArrived(f"r{r}", "accepted"))
     assert [ref.round for ref in s.finished] == [4, 5]
     assert s.handle(task(5)) == [SendResult("R5", 2)]         # recent: re-sent, not recomputed
+
+
+def test_a_secure_task_goes_through_the_session_without_ack_retries():
+    """A secure task's protocol messages: sent once, re-sent (the same ones) only when the server
+    re-sends the task, never retried for an ack the protocol does not send."""
+    s = DeviceSession(retry_after_s=5, max_retries=3)
+    assert kinds(s.handle(task())) == ["StartWork"]
+    assert s.handle(WorkFinished(TaskRef("j", 1, "t1"), "KEYS", "t1:protocol", expects_ack=False)) == [SendResult("KEYS", 1)]
+    s.handle(ResultSent(1.0))
+    assert s.handle(Tick(1000.0)) == []                                   # no retry timer
+    assert s.handle(task()) == [SendResult("KEYS", 2)]                   # redelivered task: same messages
+    assert kinds(s.handle(task(r=2))) == ["StartWork"]                    # the next round's task starts anew

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
-from aggregator.service import AggregatorService, validate_job_config
+from aggregator.jobs.registry import validate_job_config
+from aggregator.service import AggregatorService
 from aggregator.store import Store, StoreError, arrays_sha256
 from protocols import messages as M
 from protocols.envelope import encode

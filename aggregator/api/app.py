@@ -29,7 +29,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, create_model
 from protocols.topics import DEVICE_ID_RE
 
 from ..compute import compute_summary
-from ..service import CONFIG_LIMITS, JOB_TYPES, Fields, OneOf, Pattern, Range, validate_job_config
+from ..jobs.config_limits import FIELD_LIMITS, Fields, Items, OneOf, Pattern, Range, check_limit
+from ..jobs.registry import KINDS, kind_of, validate_job_config
 from ..store import Store, StoreError
 from .metrics import render_metrics
 
@@ -77,28 +78,38 @@ class Credentials(BaseModel):
 
 
 def config_model(kind: str) -> type[BaseModel]:
-    """A pydantic model of a job kind's config, from its dataclass and ``CONFIG_LIMITS``, so the
-    OpenAPI schema states exactly what the service accepts."""
-    config_cls = JOB_TYPES[kind][0]
+    """A pydantic model of a job kind's config, from its dataclass and the declared field limits
+    (``aggregator/jobs/config_limits.py``), so the OpenAPI schema states what the service accepts."""
+    config_cls = kind_of(kind).config_cls
     hints = typing.get_type_hints(config_cls)
-    limits = CONFIG_LIMITS.get(kind, {})
     fields: dict[str, Any] = {}
     for f in dataclasses.fields(config_cls):
         if f.name == "job_id":
-            continue                                    # given once, in JobCreate
+            continue                                    # given once, in the request
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        fields[f.name] = (_field_type(f.name, hints[f.name], limits.get(f.name)), Field(default=default))
-    return create_model(f"{kind.capitalize()}Config", __config__=ConfigDict(extra="forbid"), **fields)
+        limit = FIELD_LIMITS.get(f.name)
+        try:
+            if default is not None:
+                check_limit(f.name, default, limit)
+        except ValueError:
+            default = ...                                # no valid default (LADD's model spec): required
+        fields[f.name] = (_field_type(f.name, hints[f.name], limit), Field(default=default))
+    name = "".join(part.capitalize() for part in kind.split("-"))
+    return create_model(f"{name}Config", __config__=ConfigDict(extra="forbid"), **fields)
 
 
 def _field_type(name: str, hint, limit):
     if isinstance(limit, OneOf):
         return Literal[limit.values]
     if isinstance(limit, Fields):
-        sub = {k: (_field_type(k, t, rng), ...) for k, (t, rng) in limit.spec.items()}
+        required = set(limit.spec if limit.required is None else limit.required)
+        sub = {k: (_field_type(k, t, rng), ... if k in required else None) for k, (t, rng) in limit.spec.items()}
         model = create_model(f"{name.title().replace('_', '')}", __config__=ConfigDict(extra="forbid"), **sub)
         return model | None if typing.get_origin(hint) in (typing.Union, types.UnionType) else model
-    if hint is int:
+    if isinstance(limit, Items):
+        item = Annotated[float, Field(ge=limit.item.lo, le=limit.item.hi, allow_inf_nan=False)]
+        return Annotated[list[item], Field(min_length=1, max_length=limit.max_items)]
+    if hint is int or (isinstance(limit, Range) and hint is list):
         return Annotated[int, Field(ge=limit.lo, le=limit.hi)] if isinstance(limit, Range) else int
     if hint is float:
         rng = {"ge": limit.lo, "le": limit.hi} if isinstance(limit, Range) else {}
@@ -106,18 +117,25 @@ def _field_type(name: str, hint, limit):
     if hint is bool:
         return StrictBool
     if hint is str:
-        return Annotated[str, Field(max_length=256, **({"pattern": limit.regex} if isinstance(limit, Pattern) else {}))]
+        return Annotated[str, Field(max_length=1024, **({"pattern": limit.regex} if isinstance(limit, Pattern) else {}))]
     return hint
 
 
-Fed3RConfigIn = config_model("fed3r")
+def job_create_model(kind: str) -> type[BaseModel]:
+    config = config_model(kind)
+    name = "".join(part.capitalize() for part in kind.split("-"))
+    return create_model(f"{name}JobCreate", __config__=ConfigDict(extra="forbid"),
+                        job_id=(str, Field(pattern=ID_PATTERN)), kind=(Literal[kind], ...),
+                        config=(config, Field(description=kind_of(kind).summary)) if _required_fields(config)
+                        else (config, Field(default_factory=config, description=kind_of(kind).summary)))
 
 
-class JobCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    job_id: str = Field(pattern=ID_PATTERN)
-    kind: Literal["fed3r"] = "fed3r"
-    config: Fed3RConfigIn = Field(default_factory=Fed3RConfigIn, description="the job's settings (Fed3RConfig)")
+def _required_fields(model: type[BaseModel]) -> bool:
+    return any(f.is_required() for f in model.model_fields.values())
+
+
+# One request model per registered kind, told apart by ``kind``: the schema of each kind's config.
+JobCreate = Annotated[typing.Union[tuple(job_create_model(k) for k in KINDS)], Field(discriminator="kind")]
 
 
 class Job(BaseModel):
@@ -310,7 +328,7 @@ def create_app(store: Store, token: str, service=None) -> FastAPI:
               responses=WRITE,
               description="create a job from a config (``fedfleet admin job create FILE`` sends the file)")
     def create_job(req: JobCreate) -> dict:
-        config = {**req.config.model_dump(), "job_id": req.job_id}
+        config = {**req.config.model_dump(exclude_none=True), "job_id": req.job_id}
         try:
             validate_job_config(req.kind, config)
         except (ValueError, TypeError) as exc:
@@ -428,19 +446,21 @@ def _rounds(store: Store, job_id: str, live: dict) -> list[dict]:
     current = (live.get("job") or {}).get("current_round") if (live.get("job") or {}).get("job_id") == job_id else None
     out = []
     for r in store.rounds(job_id):
-        events = store.round_events(job_id, r.round) if r.state == "open" else []
-        accepted = sorted(received.get(r.round, {}))
-        if r.outcome:
-            dropped, declined, rejected = r.outcome["dropped"], r.outcome["declined"], r.outcome["rejected"]
-        else:
-            dropped = []
+        live_round = current if current and current["round"] == r.round else None
+        if r.outcome:                    # closed: what the round machine reported (secure rounds included)
+            accepted, dropped = r.outcome["accepted"], r.outcome["dropped"]
+            declined, rejected, pending = r.outcome["declined"], r.outcome["rejected"], []
+        elif live_round:                 # open and served now: the round machine's own view
+            accepted, declined, rejected = live_round["accepted"], live_round["declined"], live_round["rejected"]
+            dropped, pending = live_round["lost"], live_round["pending"]
+        else:                            # open in the store only (service down): from the durable records
+            events = store.round_events(job_id, r.round)
+            accepted, dropped = sorted(received.get(r.round, {})), []
             declined = sorted(e["device"] for e in events if e["event"] == "declined")
             rejected = sorted(e["device"] for e in events if e["event"] == "rejected")
-        answered = set(accepted) | set(declined) | set(rejected) | set(dropped)
-        live_round = current if current and current["round"] == r.round else None
+            pending = sorted(set(r.participants) - set(accepted) - set(declined) - set(rejected))
         out.append({"round": r.round, "state": r.state, "participants": list(r.participants), "accepted": accepted,
-                    "dropped": dropped, "declined": declined, "rejected": rejected,
-                    "pending": sorted(set(r.participants) - answered) if r.state == "open" else [],
+                    "dropped": dropped, "declined": declined, "rejected": rejected, "pending": pending,
                     "opened_at": r.opened_at, "deadline": r.deadline, "closed_at": r.closed_at,
                     "duration_s": (r.closed_at - r.opened_at) if r.closed_at else None,
                     "bytes_in": live_round["bytes_in"] if live_round else r.bytes_in,

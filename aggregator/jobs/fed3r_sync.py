@@ -90,7 +90,9 @@ class Fed3RSyncJob(SecureGroupRounds, Fed3RJob):
             self.contributed[d] = 0
 
     def apply(self, device: str, payload) -> None:
-        """Nothing to do: the group sum and its members were recorded when it was unmasked."""
+        """Never called: a secure round has no per-device result; it closes with the group's
+        survivors (``GroupSettled``) after ``on_secure_sum`` recorded the sum and its members."""
+        raise TypeError("a secure round has no per-device results to apply")
 
     def close_round(self, closed: RoundClosed) -> None:
         self.abort_secure_round(closed.round, "deadline")

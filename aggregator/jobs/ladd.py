@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from protocols.envelope import Envelope, EnvelopeError, body_field
+from protocols.files import check_file_sha256
 from protocols.payloads.ladd import (KIND_STYLE, KIND_TRAIN, ModelUpdate, SelfTrainingRecipe, StyleResult,
                                      layout_digest, layout_to_json, make_layout, pack, packed_digest, parse_style,
                                      parse_update, train_task_tensors)
@@ -87,6 +88,10 @@ class LaddConfig:
     expected_devices: int = 0
     start_timeout_s: float = 60.0
     seed: int = 0
+    # the pretrained network (``save_initial_model``): what a job built from its stored config alone
+    # (admin API, restart) starts from, since the server's FDA pre-training needs the device SDK's model
+    initial_model_file: str = ""
+    initial_model_sha256: str = ""
 
     def __post_init__(self):
         if self.clustering not in ("styles", "none"):
@@ -120,6 +125,14 @@ class RoundPayload:
     payload: StyleResult | ModelUpdate
 
 
+TRAINABLE_KEY = "__trainable__"
+
+
+def save_initial_model(path, arrays: Arrays, trainable: list[str]) -> None:
+    """Write a pretrained network for ``LaddConfig.initial_model_file`` (arrays + trainable names)."""
+    np.savez(path, **arrays, **{TRAINABLE_KEY: np.array(sorted(trainable))})
+
+
 @dataclass
 class LaddJob:
     # hooks for variants (jobs/secure_ladd.py): the kind of training rounds, their smallest size
@@ -132,6 +145,17 @@ class LaddJob:
     evaluator: Callable[["LaddJob"], dict] | None = None
     contributed: dict[str, int] = field(default_factory=dict)
     round: int = 0
+
+    @staticmethod
+    def load_initial(config: LaddConfig) -> tuple[Arrays, list[str]]:
+        """The checksummed pretrained network a config names (a job built from its config alone)."""
+        if not config.initial_model_file:
+            raise ValueError("a LADD job built from its config needs initial_model_file (the pretrained network)")
+        check_file_sha256(config.initial_model_file, config.initial_model_sha256, "initial_model_file")
+        with np.load(config.initial_model_file, allow_pickle=False) as data:
+            arrays = {k: data[k] for k in data.files if k != TRAINABLE_KEY}
+            trainable = [str(t) for t in data[TRAINABLE_KEY]] if TRAINABLE_KEY in data.files else []
+        return arrays, trainable
 
     def __post_init__(self):
         c = self.config

@@ -76,7 +76,9 @@ class SecureFedAvgJob(SecureGroupRounds, FedAvgJob):
         raise EnvelopeError(f"{self.secure_kind} devices send secagg messages, never plain results")
 
     def apply(self, device: str, payload) -> None:
-        """Nothing to do: the round's sum and its members were recorded when it was unmasked."""
+        """Never called: a secure round has no per-device result; it closes with the group's
+        survivors (``GroupSettled``) after ``on_secure_sum`` recorded the sum and its members."""
+        raise TypeError("a secure round has no per-device results to apply")
 
     def on_secure_sum(self, total: np.ndarray, survivors: tuple[str, ...]) -> None:
         sums, n = unpack_weighted_sum(total, self.trained_shapes())

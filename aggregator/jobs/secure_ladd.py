@@ -127,11 +127,6 @@ class SecureLaddJob(SecureGroupRounds, LaddJob):
             raise EnvelopeError(f"{SECURE_LADD_KIND} devices send secagg messages, never plain results")
         return super().parse_result(env)
 
-    def apply(self, device: str, result) -> None:
-        if result is None:        # a member of a secure sum: recorded when the sum was unmasked
-            return
-        super().apply(device, result)
-
     def secure_round_live(self, round_: int) -> bool:
         if self.kind == KIND_STYLE:           # a plaintext round: the round machine closes it as usual
             return True

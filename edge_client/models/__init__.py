@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import importlib.resources
 import pathlib
 
 import torch
 from torch import nn
+
+from protocols.files import file_sha256
 
 __all__ = [
     "BACKBONES",
@@ -173,11 +174,7 @@ def weights_path(name: str) -> pathlib.Path:
 @functools.lru_cache(maxsize=None)
 def _file_sha256(path: pathlib.Path, size: int, mtime_ns: int) -> str:
     # size and mtime are part of the cache key so a replaced file is hashed again.
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+    return file_sha256(path)
 
 
 def weights_sha256(name: str) -> str:

@@ -12,6 +12,8 @@ import hashlib
 import hmac
 from pathlib import Path
 
+from protocols.files import file_sha256
+
 from edge_client.runtime.errors import (
     ArtifactMissingError,
     ArtifactTamperedError,
@@ -25,15 +27,6 @@ from edge_client.runtime.manifest import (
 )
 
 __all__ = ["file_sha256", "read_verified", "load_manifest", "verify_bundle"]
-
-
-def file_sha256(path: str | Path) -> str:
-    """Hex sha256 of a file, read in 1 MiB chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _same_digest(actual: str, expected: str) -> bool:

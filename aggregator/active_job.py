@@ -1,0 +1,86 @@
+"""The runtime state of the job a service is serving, and its counters.
+
+Everything here is rebuilt from the store after a restart (``aggregator/recovery.py``); the
+service loop (``aggregator/service.py``) is its only writer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from protocols.rounds import RoundClosed, RoundCoordinator
+
+from .jobs import Job
+
+# Why a message was refused: a fixed set, so metrics labels and counters stay bounded whatever
+# devices send (the detail goes to the log, never into a label).
+REJECTION_CLASSES = ("bad topic", "revoked device", "malformed", "bad signature", "wrong sender", "not enrolled", "result",
+                     "unknown job", "unknown round", "invalid payload", "unexpected type", "presence", "artifact",
+                     "protocol", "quarantined")
+
+
+@dataclass
+class ServiceStats:
+    bytes_in: int = 0
+    results_accepted: int = 0
+    rejections: Counter = field(default_factory=Counter)
+    late: int = 0
+    duplicates: int = 0
+
+    def reject(self, reason_class: str) -> None:
+        if reason_class not in REJECTION_CLASSES:
+            raise ValueError(f"unknown rejection class {reason_class!r}")
+        self.rejections[reason_class] += 1
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "rejections": dict(self.rejections)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ServiceStats":
+        return cls(d.get("bytes_in", 0), d.get("results_accepted", 0), Counter(d.get("rejections", {})),
+                   d.get("late", 0), d.get("duplicates", 0))
+
+
+@dataclass(frozen=True)
+class ValidatedResult:
+    """What the round machine carries for a result: the parsed payload and its raw bytes."""
+    payload: Any
+    raw: bytes
+
+
+@dataclass
+class ActiveJob:
+    """Runtime state of the job being served (everything here is rebuilt from the store)."""
+    job: Job
+    kind: str
+    out_dir: Path
+    state: str = "running"                      # running | paused
+    rounds: dict[int, RoundCoordinator] = field(default_factory=dict)
+    current: RoundCoordinator | None = None
+    tasks: dict[int, dict[str, str]] = field(default_factory=dict)     # round -> device -> task id
+    deadlines: dict[int, float] = field(default_factory=dict)          # round -> wall-clock deadline
+    opened_at: dict[int, float] = field(default_factory=dict)
+    round_bytes: Counter = field(default_factory=Counter)
+    history: list[dict] = field(default_factory=list)
+    round_log: list[dict] = field(default_factory=list)
+    stats: ServiceStats = field(default_factory=ServiceStats)
+    started_at: float = field(default_factory=time.time)                # the job's start (survives restarts)
+    waiting_since: float = field(default_factory=time.time)             # this process took it up
+    started: bool = False                       # enough devices seen to open a round after (re)start
+    cancelling: bool = False
+    final_state: str | None = None              # done | cancelled once the job is over
+
+    @property
+    def job_id(self) -> str:
+        return self.job.config.job_id
+
+    def round_entry(self, closed: RoundClosed, opened_at: float | None, closed_at: float | None) -> dict:
+        """One line of the job's round log (results.json, the API, the report)."""
+        t = (closed_at - self.started_at) if closed_at else None
+        return {"round": closed.round, "accepted": list(closed.accepted), "dropped": list(closed.dropped),
+                "declined": list(closed.declined), "rejected": list(closed.rejected), "t": t,
+                "opened_at": opened_at, "closed_at": closed_at}

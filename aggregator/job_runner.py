@@ -1,0 +1,264 @@
+"""Drives the job being served through its rounds: opens them, executes what the round machines
+decide against the store, the job and the outbox, closes them, and finishes the job.
+
+The round rules are the sans-IO :class:`~protocols.rounds.RoundCoordinator`'s; what to ask whom
+and what an answer means are the job's. This module only keeps the order of effects that makes a
+crash harmless — every state change is committed before anything that depends on it leaves the
+process (the table in ``aggregator/service.py``) — and knows no socket: it sends through the
+callables the service gives it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from typing import Callable
+
+from protocols import messages as M
+from protocols.envelope import Envelope, decode
+from protocols.rounds import (ApplyResult, DeviceLost, GroupSettled, RecordDeclined, RecordRejected, RoundClosed,
+                              RoundCoordinator, SendAck, Tick)
+from protocols.topics import AGGREGATOR_ID
+
+from . import reporting
+from .active_job import ActiveJob
+from .crash_points import CrashPoints
+from .fleet import Fleet
+from .jobs import Job
+from .jobs.registry import KINDS, build_job
+from .jobs.secure_rounds import SecureGroupRounds
+from .store import FINAL_JOB_STATES, Store, StoreError
+
+log = logging.getLogger("fedfleet.aggregator")
+
+
+class JobRunner:
+    def __init__(self, a: ActiveJob, fleet: Fleet, store: Store | None, crash: CrashPoints,
+                 send: Callable[[str, Envelope], None], publish_status: Callable[[dict], None],
+                 bytes_sent: Callable[[], int], on_fatal: Callable[..., None], eval_set=None,
+                 checkpoints: bool = True, evaluate_every_contribution: bool = True, offline_grace_s: float = 120.0):
+        self.a, self.fleet, self.store, self.crash = a, fleet, store, crash
+        self.on_fatal = on_fatal        # (reason, stop=False): rebuild the job from the store, or stop it
+        self.send, self.publish_status_body, self.bytes_sent = send, publish_status, bytes_sent
+        self.eval_set, self.checkpoints = eval_set, checkpoints
+        # a device offline for longer than this (or revoked) no longer keeps the job from finishing
+        self.offline_grace_s = offline_grace_s
+        # A job whose model moves only at round close (FedAvg) would evaluate the same model after
+        # every contribution; it is evaluated once per round instead.
+        self.eval_each = evaluate_every_contribution and not getattr(a.job, "evaluate_at_round_close", False)
+
+    # ------------------------------------------------------------------ events from the service
+    def handle(self, coord: RoundCoordinator, event) -> None:
+        self.execute(coord.handle(event), coord.round)
+
+    def device_lost(self, device: str) -> None:
+        if self.a.current is not None:
+            self.handle(self.a.current, DeviceLost(device))
+
+    def resend_tasks(self, devices: set[str]) -> None:
+        """Re-send the open round's task to those of ``devices`` it still waits for."""
+        coord = self.a.current
+        if coord is not None:
+            for dev in sorted(devices & coord.pending):
+                self._send_task(coord.round, dev)
+
+    def tick(self, now: float) -> None:
+        a = self.a
+        if a.final_state:
+            return
+        if a.current is not None and isinstance(a.job, SecureGroupRounds):
+            self._secure_tick(now)
+        if a.current is not None:
+            expired = a.cancelling or not a.current.pending    # cancelled, or a restored round that had everyone
+            return self.handle(a.current, Tick(math.inf if expired else now))
+        if a.cancelling:
+            a.final_state = "cancelled"
+            return
+        if a.state == "paused" or not self._ready_to_start():
+            return
+        participants = a.job.next_participants(self.fleet.online - self.fleet.revoked)
+        if participants:
+            self._open_round(participants, now)
+        elif a.job.finished(self.fleet.online - self.fleet.revoked, self.fleet.reachable(self.offline_grace_s)):
+            a.final_state = "done"
+
+    # ------------------------------------------------------------------ actions of the round machine
+    def execute(self, actions: list, round_: int) -> None:
+        a = self.a
+        for act in actions:
+            if isinstance(act, (RecordDeclined, RecordRejected)) and self.store is not None:
+                event = "declined" if isinstance(act, RecordDeclined) else "rejected"
+                self.store.add_round_event(a.job_id, round_, act.device, event, act.reason)
+            elif isinstance(act, ApplyResult):
+                if not self._apply(round_, act):
+                    return                  # quarantined: the job was rebuilt without it; the rest is void
+            elif isinstance(act, SendAck):
+                a.stats.late += act.status == "late"
+                a.stats.duplicates += act.status == "duplicate"
+                self.send(act.device, M.ack_message(AGGREGATOR_ID, act.ref, act.status, act.reason))
+                if act.status == "accepted":
+                    self.crash("ack_sent")
+            elif isinstance(act, RoundClosed):
+                self._close_round(act)
+
+    def _apply(self, round_: int, act: ApplyResult) -> bool:
+        """Store, apply and (per the job's cadence) evaluate one result; False if it was quarantined."""
+        a = self.a
+        if self.store is not None:
+            try:
+                self.store.add_contribution(a.job_id, round_, act.device, act.message_id, act.result.raw)
+            except StoreError as exc:       # cannot happen while the round machine works; never apply twice
+                log.error("not applied: %s", exc)
+                return True
+        self.crash("contribution_stored")
+        try:
+            a.job.apply(act.device, act.result.payload)
+            if self.eval_each:
+                self._record_eval()
+        except Exception as exc:            # validated, yet it breaks the model (e.g. the solve fails)
+            self._quarantine(round_, act, f"{type(exc).__name__}: {exc}")
+            return False
+        a.stats.results_accepted += 1
+        if self.eval_each:
+            self.crash("evaluation_stored")
+        return True
+
+    def _quarantine(self, round_: int, act: ApplyResult, reason: str) -> None:
+        """Keep a contribution that passed validation but broke the job out of the job for good: out
+        of the store's replay (a restart never meets it again), rejected to its device, and the job
+        rebuilt without it (``on_fatal`` below); without a store the job cannot be rebuilt: it stops."""
+        a = self.a
+        log.error("job %s: contribution %s from %s quarantined: %s", a.job_id, act.message_id, act.device, reason)
+        a.stats.reject("quarantined")
+        self.send(act.device, M.ack_message(AGGREGATOR_ID, act.message_id, "rejected", f"quarantined: {reason}"))
+        if self.store is not None:
+            self.store.quarantine(a.job_id, round_, act.device, act.message_id, reason)
+        self.on_fatal(f"contribution from {act.device} quarantined: {reason}")
+
+    def _close_round(self, act: RoundClosed) -> None:
+        a = self.a
+        self.crash("round_closing")
+        try:
+            a.job.close_round(act)
+            a.round_log.append(a.round_entry(act, a.opened_at.get(act.round), time.time()))
+            if not self.eval_each:
+                self._record_eval()
+        except Exception as exc:            # no single contribution to blame: the job stops, saying why
+            log.exception("job %s: round %d cannot close", a.job_id, act.round)
+            return self.on_fatal(f"round {act.round} cannot close: {type(exc).__name__}: {exc}", stop=True)
+        log.info("round %d closed: %d accepted, %d dropped, %d declined", act.round,
+                 len(act.accepted), len(act.dropped), len(act.declined))
+        if not self.eval_each:
+            self.crash("evaluation_stored")
+        if self.store is not None:
+            model = a.job.model_arrays() if act.accepted else None
+            checkpoint = (a.job.state_dict(), a.job.contributed) if self.checkpoints else None
+            self.store.close_round(a.job_id, act.round, a.round_log[-1], model,
+                                   a.history[-1] if a.history else {}, a.round_bytes[act.round], a.stats.to_dict(),
+                                   checkpoint)
+        self.crash("round_closed")
+        if a.current is not None and a.current.round == act.round:
+            a.current = None
+        self.publish_status()
+
+    def _record_eval(self) -> None:
+        a = self.a
+        entry = a.job.evaluate(*self._eval_arrays())
+        entry.update(t=time.time() - a.started_at, bytes_in=a.stats.bytes_in, bytes_out=self.bytes_sent())
+        a.history.append(entry)
+        if self.store is not None:
+            self.store.add_evaluation(a.job_id, entry)
+        self.publish_status()
+
+    def _eval_arrays(self) -> tuple:
+        return self.eval_set if self.eval_set is not None else (None, None)
+
+    # ------------------------------------------------------------------ scheduling
+    def _ready_to_start(self) -> bool:
+        """Enough devices online to open the first round after a (re)start, or waited long enough."""
+        a = self.a
+        if not a.started:
+            online = self.fleet.online
+            enough = len(online) >= max(1, a.job.config.expected_devices)
+            a.started = enough or bool(online and time.time() - a.waiting_since > a.job.config.start_timeout_s)
+        return a.started
+
+    def _secure_tick(self, now: float) -> None:
+        """Phase timers of the secure sub-protocol; once it settles the round, close it with its survivors."""
+        a = self.a
+        for dev, msg in a.job.on_protocol_tick(now):
+            self.send(dev, msg)
+        coord = a.current
+        survivors = a.job.settled(coord.round)
+        if survivors is not None:
+            self.handle(coord, GroupSettled(survivors))
+        elif not a.job.secure_round_live(coord.round):
+            # restored after a restart: the round's secrets died with the old process, so it can
+            # never produce a sum; close it now (nothing applied) instead of at its deadline
+            log.warning("secure round %d did not survive the restart: closed, nothing applied", coord.round)
+            self.handle(coord, Tick(math.inf))
+
+    def _open_round(self, participants: list[str], now: float) -> None:
+        a = self.a
+        round_ = a.job.round
+        deadline_wall = time.time() + a.job.config.round_timeout_s
+        tasks = {dev: os.urandom(16).hex() for dev in participants}
+        if self.store is not None:
+            self.store.open_round(a.job_id, round_, participants, tasks, a.job.bookkeeping(), deadline_wall)
+        self.crash("round_opened")
+        coord = RoundCoordinator(round_, frozenset(participants), now + a.job.config.round_timeout_s)
+        a.rounds[round_] = a.current = coord
+        a.tasks[round_], a.deadlines[round_], a.opened_at[round_] = tasks, deadline_wall, time.time()
+        for dev in participants:
+            self._send_task(round_, dev)
+        self.publish_status()
+
+    def _send_task(self, round_: int, device: str) -> None:
+        a = self.a
+        params, tensors = a.job.task_for(device)
+        msg = M.task_message(AGGREGATOR_ID, a.job_id, round_, a.job.kind, params, a.deadlines[round_])
+        msg.id = a.tasks[round_][device]             # the same id on every re-send: devices dedupe by it
+        msg.tensors.update(tensors)
+        self.send(device, msg)
+        self.crash("task_sent")
+
+    # ------------------------------------------------------------------ output
+    def publish_status(self, state: str | None = None) -> None:
+        self.publish_status_body(reporting.status_body(self.a, len(self.fleet.online), len(self.fleet.seen), state))
+
+    def finish(self) -> dict:
+        """Write the job's outputs; with a store, commit its final state first (once)."""
+        a = self.a
+        state = a.final_state or "stopped"
+        self.crash("job_finishing")
+        if not a.history or a.history[-1]["contributions"] != a.job.contributions:
+            self._record_eval()
+        final_job, final_eval = a.job, a.history[-1]
+        if state in FINAL_JOB_STATES and self.store is not None and getattr(a.job, "order_free", False) \
+                and a.kind in KINDS:
+            final_job = self._canonical_job()
+            final_eval = {**final_eval, **final_job.evaluate(*self._eval_arrays()), "round": a.job.round}
+        summary = reporting.job_summary(a, state, final_eval, self.bytes_sent())
+        summary["not_contributed"] = {d: self.fleet.why_missing(d, self.offline_grace_s)
+                                      for d in sorted(self.fleet.seen - set(a.job.contributed))}
+        if self.store is not None:
+            row = self.store.job(a.job_id)
+            if state in FINAL_JOB_STATES and row["state"] not in FINAL_JOB_STATES:
+                compact = {k: v for k, v in summary.items() if k not in ("history", "rounds")}
+                self.store.finish_job(a.job_id, state, compact, a.stats.to_dict(), final_job.model_arrays(),
+                                      final_eval, a.job.round)
+            # an interrupted job (timeout, SIGTERM) stays "running"/"paused" in the store: the next
+            # start of the service resumes it, exactly as after a crash
+        self.crash("job_finished")
+        reporting.write_job_files(a.out_dir, final_job, summary)
+        self.publish_status(state)
+        return summary
+
+    def _canonical_job(self) -> Job:
+        """The job rebuilt from its stored contributions in device-id order (order-free jobs only)."""
+        fresh = build_job(self.a.kind, self.a.job.config.to_dict())
+        for c in self.store.contributions(self.a.job_id, canonical=True):
+            fresh.apply(c.device, fresh.parse_result(decode(c.payload)))
+        return fresh

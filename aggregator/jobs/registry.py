@@ -1,0 +1,96 @@
+"""Every job kind the aggregator can run, registered once: name, config class, factory.
+
+The service, the admin API (``POST /api/jobs``), ``fedfleet admin job create`` and ``fedfleet
+aggregator serve --kind`` all build jobs here, so a kind that is registered can be created from
+any of them and resumed after a restart from its stored config. A kind's factory builds the job
+from its config alone: whatever else it needs (the initial head, the tail program, the
+pretrained segmentation network, the aggregator's identity) is named in the config as a file,
+so a restarted service finds it again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+from .config_limits import validate_config
+from .fed3r import Fed3RConfig, Fed3RJob
+from .fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob
+from .fedavg import FedAvgConfig, FedAvgJob
+from .fedavg_tail import TailFedAvgConfig, TailFedAvgJob
+from .ladd import LaddConfig, LaddJob
+from .personalize import PersonalizeConfig, PersonalizeJob
+from .secure_fedavg import SecureFedAvgConfig, SecureFedAvgJob, SecureTailFedAvgConfig, SecureTailFedAvgJob
+from .secure_ladd import SecureLaddConfig, SecureLaddJob
+
+
+@dataclass(frozen=True)
+class JobKind:
+    name: str
+    config_cls: type
+    job_cls: type
+    summary: str                                   # one line for --help and the API schema
+    factory: Callable | None = None                # config -> job (default: job_cls(config))
+
+    def build(self, config) -> object:
+        return (self.factory or self.job_cls)(config)
+
+
+def _ladd_factory(job_cls: type) -> Callable:
+    def build(config: LaddConfig):
+        return job_cls(config, initial=LaddJob.load_initial(config))
+    return build
+
+
+KINDS: dict[str, JobKind] = {k.name: k for k in (
+    JobKind("fed3r", Fed3RConfig, Fed3RJob, "Fed3R: each device sends its ridge statistics once; exact closed form"),
+    JobKind("fed3r-sync", Fed3RSyncConfig, Fed3RSyncJob, "Fed3R-Sync: the statistics summed in groups under SecAgg"),
+    JobKind("fedavg", FedAvgConfig, FedAvgJob, "FedAvg/FedAvgM rounds fine-tuning the classifier head (FT(ψ))"),
+    JobKind("fedavg-secure", SecureFedAvgConfig, SecureFedAvgJob, "FedAvg(ψ) with each round's updates summed under SecAgg"),
+    JobKind("fedavg-tail", TailFedAvgConfig, TailFedAvgJob, "FedAvg of the backbone's last stages: FT(φ) or FT(M)"),
+    JobKind("fedavg-tail-secure", SecureTailFedAvgConfig, SecureTailFedAvgJob, "FT(φ)/FT(M) summed under SecAgg"),
+    JobKind("personalize", PersonalizeConfig, PersonalizeJob, "OLL and OLL+FP(ψ) on every device; held-out WMA"),
+    JobKind("ladd", LaddConfig, LaddJob, "LADD: style clustering and cluster-specific self-training (segmentation)",
+            _ladd_factory(LaddJob)),
+    JobKind("ladd-secure", SecureLaddConfig, SecureLaddJob, "LADD with each cluster's updates summed under SecAgg",
+            _ladd_factory(SecureLaddJob)),
+)}
+
+
+def kind_of(name: str) -> JobKind:
+    if name not in KINDS:
+        raise ValueError(f"unknown job kind {name!r} (known: {', '.join(sorted(KINDS))})")
+    return KINDS[name]
+
+
+def validate_job_config(kind: str, config: dict) -> None:
+    """Refuse a config before anything is built from it: known fields, JSON types, limits."""
+    validate_config(kind, kind_of(kind).config_cls, config)
+
+
+def build_job(kind: str, config: dict):
+    validate_job_config(kind, config)
+    spec = kind_of(kind)
+    return spec.build(spec.config_cls(**config))
+
+
+def full_config(kind: str, config: dict) -> dict:
+    """The config with every default made explicit and the kind's default job id (what is stored)."""
+    validate_job_config(kind, config)
+    config_cls = kind_of(kind).config_cls
+    job_id = config.get("job_id") or config_cls.__dataclass_fields__["job_id"].default
+    return config_cls(**{**config, "job_id": job_id}).to_dict()
+
+
+def job_kind_name(job) -> str:
+    """The registry name of a job's type (its class name if unregistered: it then cannot be
+    rebuilt from a stored config, i.e. started through the API or re-summed canonically)."""
+    for spec in KINDS.values():
+        if type(job) is spec.job_cls:
+            return spec.name
+    return type(job).__name__
+
+
+def config_fields(kind: str) -> list[dataclasses.Field]:
+    return list(dataclasses.fields(kind_of(kind).config_cls))

@@ -1,0 +1,111 @@
+"""Rebuild a job being served from the store after a restart (crash, SIGKILL, deploy).
+
+What is replayed, in this order (``restore_job``):
+
+1. the checkpoint of the last closed round (``job.state_dict()``, exact float64 sums), if the
+   service keeps checkpoints;
+2. every stored round: a :class:`RoundCoordinator` whose ``seen_ids`` hold the round's applied
+   message ids (so every QoS 1 redelivery or device retry is an idempotent ``duplicate``), the
+   job's scheduling bookkeeping as it was when the round opened, and the contributions the
+   checkpoint lacks, through ``parse_result``/``apply`` in commit order (the same float64
+   additions in the same order);
+3. closed rounds are closed again (late answers are acknowledged ``late``) and, past the
+   checkpoint, ``job.close_round`` runs again; an open round gets its recorded declines and
+   rejections back and continues with its stored deadline.
+
+A secure round stores no per-device contribution (the aggregator only ever held the group's
+sum): what survives a restart is the job state checkpointed at each round close, which is why a
+secure job needs checkpoints. A restored open secure round can never produce a sum (its secrets
+died with the old process); the service closes it at its next tick.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+from protocols.envelope import decode
+from protocols.rounds import Declined, ResultInvalid, RoundClosed, RoundCoordinator, RoundState, Tick
+
+from .active_job import ActiveJob, ServiceStats
+from .store import FINAL_JOB_STATES, Store, StoreError
+
+log = logging.getLogger("fedfleet.aggregator")
+
+
+def restore_job(a: ActiveJob, row: dict, store: Store, checkpoints: bool) -> None:
+    """Bring ``a`` (a freshly built job) to where the stored job was; see the module docstring."""
+    t0 = time.perf_counter()
+    a.stats = ServiceStats.from_dict(row.get("counters") or {})
+    a.started_at = row["started_at"] or row["created_at"]
+    done_round = _load_checkpoint(a, store) if checkpoints else 0
+    ids = store.contributions(a.job_id, with_payload=False)                  # every round: message ids
+    payloads = store.contributions(a.job_id, after_round=done_round)         # only what the state lacks
+    replay = _RoundReplay(a, store, done_round, next(ids, None), next(payloads, None), ids, payloads)
+    rounds = store.rounds(a.job_id)
+    for r in rounds:
+        replay.round(r)
+    if replay.next_id is not None or replay.next_payload is not None:
+        raise StoreError(f"job {a.job_id} has contributions that belong to no stored round")
+    if rounds:
+        a.job.restore_bookkeeping(rounds[-1].bookkeeping)
+    a.history = store.evaluations(a.job_id)
+    if row["state"] in FINAL_JOB_STATES:
+        a.final_state = row["state"]
+    elif row["state"] == "paused":
+        a.state = "paused"
+    else:
+        store.set_job_state(a.job_id, "running")
+    log.warning("job %s restored: %d rounds, checkpoint of round %d, %d contributions replayed in %.3fs",
+                a.job_id, len(rounds), done_round, replay.replayed, time.perf_counter() - t0)
+
+
+def _load_checkpoint(a: ActiveJob, store: Store) -> int:
+    checkpoint = store.checkpoint(a.job_id)
+    if checkpoint is None:
+        return 0
+    done_round, state, contributed = checkpoint
+    a.job.load_state_dict(state)
+    a.job.contributed = dict(contributed)
+    return done_round
+
+
+class _RoundReplay:
+    """Walks the stored rounds with two cursors over the stored contributions (ids, payloads)."""
+
+    def __init__(self, a: ActiveJob, store: Store, done_round: int, next_id, next_payload, ids, payloads):
+        self.a, self.store, self.done_round = a, store, done_round
+        self.next_id, self.next_payload, self._ids, self._payloads = next_id, next_payload, ids, payloads
+        self.replayed = 0
+        self._wall, self._mono = time.time(), time.monotonic()
+
+    def round(self, r) -> None:
+        a, job = self.a, self.a.job
+        coord = RoundCoordinator(r.round, frozenset(r.participants), self._mono + (r.deadline - self._wall))
+        while self.next_id is not None and self.next_id.round == r.round:
+            coord.restore(self.next_id.device, self.next_id.message_id)
+            self.next_id = next(self._ids, None)
+        if r.round > self.done_round:                 # the job as it was right after this round opened
+            job.restore_bookkeeping(r.bookkeeping)
+        while self.next_payload is not None and self.next_payload.round == r.round:
+            job.apply(self.next_payload.device, job.parse_result(decode(self.next_payload.payload)))
+            self.replayed += 1
+            self.next_payload = next(self._payloads, None)
+        a.rounds[r.round], a.tasks[r.round] = coord, r.tasks
+        a.deadlines[r.round], a.opened_at[r.round] = r.deadline, r.opened_at
+        a.round_bytes[r.round] = r.bytes_in
+        if r.state == "closed":
+            self._closed(r, coord)
+        else:
+            for ev in self.store.round_events(a.job_id, r.round):
+                coord.handle(Declined(ev["device"], ev["reason"]) if ev["event"] == "declined"
+                             else ResultInvalid(ev["device"], "restored", ev["reason"]))
+            a.current = coord if coord.state is RoundState.OPEN else None    # the acks/closure: the next tick
+
+    def _closed(self, r, coord: RoundCoordinator) -> None:
+        coord.handle(Tick(math.inf))                  # CLOSED: later answers are acknowledged "late"
+        closed = RoundClosed(r.round, *(tuple(r.outcome[k]) for k in ("accepted", "dropped", "declined", "rejected")))
+        if r.round > self.done_round:
+            self.a.job.close_round(closed)
+        self.a.round_log.append(self.a.round_entry(closed, r.opened_at, r.closed_at))

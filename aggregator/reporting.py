@@ -1,0 +1,69 @@
+"""What the service tells the outside about its job: the live snapshot the admin API reads, the
+retained ``status`` message devices and dashboards see, and the files a finished job leaves
+(``results.json``, ``model.npz``, ``statistics.npz``) with its summary. Pure functions of the
+service's state; the service decides when they run.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .active_job import ActiveJob
+
+
+def live_snapshot(a: ActiveJob | None, online: set[str], revoked: set[str], last_seen: dict[str, float],
+                  stats: dict, compute: dict | None = None) -> dict:
+    """The admin API's view of the service (replaced atomically, read from other threads)."""
+    snap: dict = {"time": time.time(), "devices_online": sorted(online), "revoked": sorted(revoked),
+                  "last_seen": dict(last_seen), "job": None, "stats": stats}
+    if a is None:
+        return snap
+    coord = a.current
+    current = None
+    if coord is not None:
+        current = {**coord.snapshot(), "opened_at": a.opened_at.get(coord.round),
+                   "deadline": a.deadlines.get(coord.round), "bytes_in": a.round_bytes[coord.round]}
+        del current["state"]
+    snap["job"] = {"job_id": a.job_id, "kind": a.kind, "state": a.final_state or a.state, "round": a.job.round,
+                   "contributions": a.job.contributions,
+                   "accuracy": a.history[-1].get("accuracy") if a.history else None,
+                   "stats": a.stats.to_dict(), "current_round": current}
+    return snap
+
+
+def status_body(a: ActiveJob, online: int, known: int, state: str | None = None) -> dict:
+    """The body of the retained ``status`` message."""
+    last = a.history[-1] if a.history else {}
+    return {"state": state or a.final_state or a.state, "job": a.job_id, "round": a.job.round,
+            "contributions": a.job.contributions, "devices_online": online, "devices_known": known,
+            "accuracy": last.get("accuracy"), "bytes_in": a.stats.bytes_in}
+
+
+def job_summary(a: ActiveJob, state: str, final_eval: dict, bytes_out: int) -> dict:
+    """``results.json``: the config, who contributed, the round log, the evaluations, the counters."""
+    return {
+        "state": state,
+        "job_id": a.job_id,
+        "config": a.job.config.to_dict(),
+        "contributed": a.job.contributed,
+        "rounds": a.round_log,
+        "history": a.history,
+        "final": final_eval,
+        "bytes_in": a.stats.bytes_in,
+        "bytes_out": bytes_out,
+        "results_accepted": a.job.contributions,
+        "rejections": dict(a.stats.rejections),
+        "late": a.stats.late,
+        "duplicates": a.stats.duplicates,
+        "wall_s": time.time() - a.started_at,
+    }
+
+
+def write_job_files(out_dir: Path, final_job, summary: dict) -> None:
+    np.savez(out_dir / "model.npz", **final_job.model_arrays())
+    np.savez(out_dir / "statistics.npz", **final_job.state_dict())
+    (out_dir / "results.json").write_text(json.dumps(summary, indent=1))
