@@ -73,6 +73,7 @@ class ActiveJob:
     started: bool = False                       # enough devices seen to open a round after (re)start
     cancelling: bool = False
     final_state: str | None = None              # done | cancelled once the job is over
+    quarantined: set[str] = field(default_factory=set)   # devices whose contribution broke the job: not asked again
 
     @property
     def job_id(self) -> str:

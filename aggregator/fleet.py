@@ -1,13 +1,19 @@
 """Who the aggregator knows: enrolled, revoked and online devices, and their signing keys.
 
-Open vs enrolled-only: with no enrolment at all (no store rows, no allow-list) every device may
-contribute; once any device is enrolled (or an allow-list is given) only enrolled devices may.
-Revocation takes effect at once here (the broker refuses the device after its next reload).
-The service owns one :class:`Fleet` and is its only writer.
+The fleet mode is a setting the operator changes on purpose (admin API, ``fedfleet admin fleet
+mode``), stored so it outlives the process, never a side effect of enrolling a device:
+
+* ``enrolled``: only enrolled devices are given tasks and have their results accepted;
+* ``open`` (development): any device may contribute — logged loudly at start.
+
+With no stored setting the mode is ``enrolled`` when there is an allow-list or an enrolled device,
+else ``open``; that choice is then stored. Revocation takes effect at once here (the broker refuses
+the device after its next reload). The service owns one :class:`Fleet` and is its only writer.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 
 from protocols.envelope import EnvelopeError
@@ -16,6 +22,8 @@ from protocols.identity import IdentityRegistry, InvalidSignature, UnknownDevice
 from .broker_security import BrokerSecurity
 from .enrollment import DeviceCredentials, Enrollment
 from .store import Store, StoreError
+
+log = logging.getLogger("fedfleet.aggregator")
 
 
 class Fleet:
@@ -29,9 +37,13 @@ class Fleet:
         self.revoked: set[str] = set()
         self.offline_since: dict[str, float] = {}
         self.enrolled, self.registry = enrolled, (IdentityRegistry() if require_signatures else None)
+        self.mode = "open" if enrolled is None else "enrolled"
         if store is not None:
             self._load(enrolled, require_signatures)
             store.mark_all_offline()
+        if self.mode == "open":
+            log.warning("fleet mode OPEN: any device that connects may contribute (development only; "
+                        "`fedfleet admin fleet mode enrolled` restricts the fleet to enrolled devices)")
 
     def _load(self, enrolled: set[str] | None, require_signatures: bool) -> None:
         keys = self.store.enrolled_keys()
@@ -39,15 +51,29 @@ class Fleet:
             self.store.enroll_device(device, None, None)
         keys = self.store.enrolled_keys()
         self.revoked = {d["device_id"] for d in self.store.devices() if d["status"] == "revoked"}
-        self.enrolled = set(keys) if keys or enrolled is not None else None
+        self.enrolled = set(keys)
+        self.mode = self.store.setting("fleet_mode") or ("enrolled" if keys or enrolled is not None else "open")
+        self.store.set_setting("fleet_mode", self.mode)
         self.registry = self.enrollment.registry() if require_signatures else None
 
+    def set_mode(self, mode: str) -> None:
+        if mode not in ("open", "enrolled"):
+            raise ValueError(f"fleet mode must be 'open' or 'enrolled', not {mode!r}")
+        if self.store is not None:
+            self.store.set_setting("fleet_mode", mode)
+        self.mode = mode
+        log.warning("fleet mode set to %s", mode.upper())
+
     def allowed(self, device: str) -> bool:
-        return device not in self.revoked and (self.enrolled is None or device in self.enrolled)
+        return device not in self.revoked and self.may_contribute(device)
 
     def may_contribute(self, device: str) -> bool:
         """Enrolled (or the fleet is open) — what an outbox message's sender must be."""
-        return self.enrolled is None or device in self.enrolled
+        return self.mode == "open" or device in (self.enrolled or ())
+
+    def eligible_online(self) -> set[str]:
+        """Online devices whose results would be accepted: the only ones given tasks."""
+        return {d for d in self.online if self.allowed(d)}
 
     def verify(self, sender: str, signed: bytes, signature: bytes) -> None:
         try:
@@ -74,7 +100,7 @@ class Fleet:
         A device gone for longer (or revoked) no longer keeps a job from finishing."""
         now = time.time() if now is None else now
         back_soon = {d for d, since in self.offline_since.items() if now - since < grace_s}
-        return ((self.online | back_soon) & self.seen) - self.revoked
+        return {d for d in (self.online | back_soon) & self.seen if self.allowed(d)}
 
     def why_missing(self, device: str, grace_s: float) -> str:
         """Why a device the aggregator heard from is not contributing (for the job's summary)."""
@@ -90,7 +116,7 @@ class Fleet:
             raise StoreError("enrolment needs a store")
         creds = self.enrollment.enroll(device_id, public_key)
         self.revoked.discard(device_id)
-        self.enrolled = (self.enrolled or set()) | {device_id}
+        self.enrolled = (self.enrolled or set()) | {device_id}       # the mode stays what it was
         if self.registry is not None:
             self.registry.revoke(device_id)
             self.registry.enroll(device_id, bytes.fromhex(creds.public_key))

@@ -78,10 +78,11 @@ class JobRunner:
             return
         if a.state == "paused" or not self._ready_to_start():
             return
-        participants = a.job.next_participants(self.fleet.online - self.fleet.revoked)
+        online = self.fleet.eligible_online() - a.quarantined
+        participants = a.job.next_participants(online)
         if participants:
             self._open_round(participants, now)
-        elif a.job.finished(self.fleet.online - self.fleet.revoked, self.fleet.reachable(self.offline_grace_s)):
+        elif a.job.finished(online, self.fleet.reachable(self.offline_grace_s) - a.quarantined):
             a.final_state = "done"
 
     # ------------------------------------------------------------------ actions of the round machine
@@ -132,6 +133,7 @@ class JobRunner:
         a = self.a
         log.error("job %s: contribution %s from %s quarantined: %s", a.job_id, act.message_id, act.device, reason)
         a.stats.reject("quarantined")
+        a.quarantined.add(act.device)
         self.send(act.device, M.ack_message(AGGREGATOR_ID, act.message_id, "rejected", f"quarantined: {reason}"))
         if self.store is not None:
             self.store.quarantine(a.job_id, round_, act.device, act.message_id, reason)

@@ -51,6 +51,7 @@ def restore_job(a: ActiveJob, row: dict, store: Store, checkpoints: bool) -> Non
     if rounds:
         a.job.restore_bookkeeping(rounds[-1].bookkeeping)
     a.history = store.evaluations(a.job_id)
+    a.quarantined = {q["device"] for q in store.quarantined(a.job_id)}
     if row["state"] in FINAL_JOB_STATES:
         a.final_state = row["state"]
     elif row["state"] == "paused":

@@ -13,13 +13,14 @@ from pathlib import Path
 import numpy as np
 
 from .active_job import ActiveJob
+from .fleet import Fleet
 
 
-def live_snapshot(a: ActiveJob | None, online: set[str], revoked: set[str], last_seen: dict[str, float],
-                  stats: dict, compute: dict | None = None) -> dict:
+def live_snapshot(a: ActiveJob | None, fleet: Fleet, stats: dict) -> dict:
     """The admin API's view of the service (replaced atomically, read from other threads)."""
-    snap: dict = {"time": time.time(), "devices_online": sorted(online), "revoked": sorted(revoked),
-                  "last_seen": dict(last_seen), "job": None, "stats": stats}
+    snap: dict = {"time": time.time(), "devices_online": sorted(fleet.online), "revoked": sorted(fleet.revoked),
+                  "not_enrolled": sorted(d for d in fleet.online if not fleet.may_contribute(d)),
+                  "fleet_mode": fleet.mode, "last_seen": dict(fleet.last_seen), "job": None, "stats": stats}
     if a is None:
         return snap
     coord = a.current

@@ -186,6 +186,11 @@ class AggregatorService:
         self.fleet.revoke(device_id)
         self._device_lost(device_id)
 
+    def set_fleet_mode(self, mode: str) -> str:
+        self.fleet.set_mode(mode)
+        self._update_live(force=True)
+        return self.fleet.mode
+
     def create_job(self, kind: str, config: dict) -> dict:
         return job_control.create_job(self.store, kind, config)
 
@@ -211,7 +216,7 @@ class AggregatorService:
         if not stop and self.store is not None and a.kind in KINDS:
             log.warning("job %s: rebuilt from the store after: %s", a.job_id, reason)
             self._activate(build_job(a.kind, self.store.job(a.job_id)["config"]), a.out_dir)
-            self.active.stats = a.stats
+            self.active.stats, self.active.started = a.stats, a.started
             return
         log.error("job %s stopped: %s", a.job_id, reason)
         a.final_state = "stopped"
@@ -295,8 +300,8 @@ class AggregatorService:
             self._reject(device, "unexpected type", repr(env.type)[:80])
 
     def _on_presence(self, device: str, env: Envelope) -> None:
-        if not self.fleet.allowed(device):
-            return
+        # every device heard from is shown to the operator (enrolled or not); only those the fleet
+        # mode allows are given tasks (Fleet.eligible_online)
         try:
             online, info = M.parse_presence(env)
         except EnvelopeError as exc:
@@ -385,8 +390,7 @@ class AggregatorService:
         if not force and time.monotonic() - self._live_at < 0.2:
             return
         self._live_at = time.monotonic()
-        f = self.fleet
-        self.live = reporting.live_snapshot(self.active, f.online, f.revoked, f.last_seen, self.stats.to_dict())
+        self.live = reporting.live_snapshot(self.active, self.fleet, self.stats.to_dict())
 
     def _finish_job(self) -> dict:
         summary = self.runner.finish()

@@ -23,6 +23,7 @@ What is stored, and why that is enough to resume a job bit for bit after a crash
 * ``evaluations``    the history of provisional-model evaluations (accuracy curves).
 * ``models``         model versions (npz bytes, sha256, parent version = lineage).
 * ``clusters``       named device groups (clustered jobs assign ``devices.cluster``).
+* ``settings``       operator settings that outlive a process (the fleet mode: open | enrolled).
 
 Durability: ``synchronous=FULL`` in WAL mode makes every commit durable before it returns, so a
 caller that commits and *then* acknowledges never acknowledges something it could lose. Each
@@ -150,6 +151,10 @@ CREATE TABLE IF NOT EXISTS clusters (
     job_id     TEXT,
     model_id   INTEGER,
     created_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS settings (
+    key   TEXT PRIMARY KEY,
+    value TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS contributions_by_job ON contributions (job_id, seq);
 """
@@ -366,10 +371,6 @@ class Store:
             db.execute("INSERT OR IGNORE INTO round_events VALUES (?, ?, ?, ?, ?, ?)",
                        (job_id, round_, device, event, reason, time.time()))
 
-    def add_round_bytes(self, job_id: str, round_: int, nbytes: int) -> None:
-        with self._tx() as db:
-            db.execute("UPDATE rounds SET bytes_in = bytes_in + ? WHERE job_id=? AND round=?", (nbytes, job_id, round_))
-
     def close_round(self, job_id: str, round_: int, outcome: dict, model: dict[str, np.ndarray] | None = None,
                     metrics: dict | None = None, bytes_in: int | None = None, counters: dict | None = None,
                     checkpoint: tuple[dict[str, np.ndarray], dict] | None = None) -> int | None:
@@ -475,11 +476,6 @@ class Store:
         return [json.loads(r[0]) for r in self.db.execute(
             "SELECT entry FROM evaluations WHERE job_id=? ORDER BY idx", (job_id,))]
 
-    def add_model(self, job_id: str, round_: int, arrays: dict[str, np.ndarray], metrics: dict,
-                  final: bool = False) -> int:
-        with self._tx() as db:
-            return self._add_model(db, job_id, round_, arrays, metrics, final)
-
     def _add_model(self, db, job_id, round_, arrays, metrics, final) -> int:
         parent = db.execute("SELECT model_id, version FROM models WHERE job_id=? ORDER BY version DESC LIMIT 1",
                             (job_id,)).fetchone()
@@ -518,6 +514,15 @@ class Store:
             out.append({**current, "accepted": outcome.get("accepted", [])})
             current = self.model(current["parent_id"]) if current["parent_id"] else None
         return out
+
+    # ------------------------------------------------------------------ settings
+    def setting(self, key: str) -> str | None:
+        row = self.db.execute("SELECT value FROM settings WHERE key=?", (key,)).fetchone()
+        return row[0] if row else None
+
+    def set_setting(self, key: str, value: str) -> None:
+        with self._tx() as db:
+            db.execute("INSERT OR REPLACE INTO settings VALUES (?, ?)", (key, value))
 
     # ------------------------------------------------------------------ clusters
     def upsert_cluster(self, cluster_id: str, label: str = "", job_id: str | None = None,

@@ -1,6 +1,6 @@
 """``fedfleet admin``: the operator's command line, a thin client of the aggregator's admin API.
 
-    fedfleet admin status | watch | fleet | devices | clusters | metrics | jobs | models
+    fedfleet admin status | watch | fleet [open|enrolled] | devices | clusters | metrics | jobs | models
     fedfleet admin device show|enroll|revoke ID
     fedfleet admin job show|create|start|pause|resume|cancel|rounds ...
     fedfleet admin round JOB N
@@ -124,7 +124,7 @@ def _run(args, client: AdminClient) -> Any:
     if c == "watch":
         return _watch(args, client)
     if c == "fleet":
-        f = client.get("/api/fleet")
+        f = client.post("/api/fleet/mode", {"mode": args.mode}) if args.mode else client.get("/api/fleet")
         return f, "\n".join(f"{k:<12}{v}" for k, v in f.items())
     if c == "devices":
         q = f"?status={args.status}" if args.status else ""
@@ -267,7 +267,9 @@ def add_admin_parser(subparsers) -> argparse.ArgumentParser:
     w.add_argument("--interval", type=float, default=1.0)
     w.add_argument("--until-done", action="store_true", help="exit when the job is done/cancelled/stopped")
     w.add_argument("--timeout", type=float, default=None)
-    sub.add_parser("fleet", help="fleet summary")
+    fl = sub.add_parser("fleet", help="fleet summary, with its mode (open: any device; enrolled: enrolled only)")
+    fl.add_argument("mode", nargs="?", choices=("open", "enrolled"), default=None,
+                    help="set the fleet mode on purpose (default: only show the summary)")
     d = sub.add_parser("devices", help="table of devices (last seen, profile, cluster)")
     d.add_argument("--status", choices=["enrolled", "revoked"], default=None)
     dv = sub.add_parser("device", help="show, enrol or revoke one device")

@@ -62,3 +62,30 @@ def test_a_revoked_device_does_not_stall_the_job(broker, tmp_path):
     assert result["state"] == "done", result.get("state")
     assert sorted(result["contributed"]) == ["dev00", "dev02"]
     assert result["not_contributed"]["dev01"] == "revoked"
+
+
+def test_enrolling_a_device_does_not_change_the_fleet_mode_and_tasks_go_only_to_allowed_devices(broker, tmp_path):
+    """An open aggregator stays open when one device is enrolled; switched to enrolled-only on
+    purpose, it gives tasks only to enrolled devices (the others are shown, not asked)."""
+    store = Store(tmp_path / "state.db")
+    config = Fed3RConfig(num_classes=C, feature_dim=D, clients_per_round=10, round_timeout_s=30, expected_devices=3)
+    svc = AggregatorService(Fed3RJob(config), BrokerConfig.from_url(broker.url), tmp_path / "out", store=store,
+                            tick_s=0.05, offline_grace_s=1.0)
+    assert svc.fleet.mode == "open" and store.setting("fleet_mode") == "open"
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=40)), daemon=True)
+    thread.start()
+    svc.call(lambda: svc.enroll("dev00"))
+    svc.call(lambda: svc.enroll("dev01"))
+    assert svc.call(lambda: svc.fleet.mode) == "open"                 # enrolling is not a mode switch
+    assert svc.call(lambda: svc.set_fleet_mode("enrolled")) == "enrolled"
+    agents = [DeviceAgent(d, BrokerConfig.from_url(broker.url), {"fed3r.stats": SyntheticStats(i)},
+                          retry_after_s=1).start() for i, d in enumerate(DEVICES[:3])]
+    thread.join(45)
+    for a in agents:
+        a.stop()
+    assert result["state"] == "done" and sorted(result["contributed"]) == ["dev00", "dev01"]
+    assert result["rejections"] == {}                                 # dev02 was never given a task
+    assert "dev02" in result["not_contributed"]
+    assert agents[2].stats.tasks_done == 0
+    assert Store(tmp_path / "state.db").setting("fleet_mode") == "enrolled"

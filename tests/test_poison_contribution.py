@@ -7,12 +7,16 @@ import threading
 
 import numpy as np
 
+from starlette.testclient import TestClient
+
+from aggregator.api.app import create_app
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
 from aggregator.service import AggregatorService
 from aggregator.store import Store
 from edge_client.agent import DeviceAgent
 from protocols.mqtt_link import BrokerConfig
 
+from test_admin_api import AUTH, TOKEN
 from test_aggregator_over_mqtt import C, D, SyntheticStats, data_for
 
 DEVICES = [f"dev{i:02d}" for i in range(4)]
@@ -61,7 +65,13 @@ def test_a_poison_contribution_is_kept_out_and_a_restart_does_not_replay_it(brok
     first_model = dict(np.load(tmp_path / "out" / "model.npz"))
     store = Store(store_path)
     assert [c.device for c in store.contributions("fed3r")].count(POISONED) == 0
-    assert sum(store.job("fed3r")["counters"]["rejections"].values()) >= 1
+    # refused at validation, or (what gets past it) quarantined with its reason, visible in the API
+    quarantined = store.quarantined("fed3r")
+    rejections = store.job("fed3r")["counters"]["rejections"]
+    assert [q["device"] for q in quarantined] == [POISONED] or rejections.get("invalid payload", 0) >= 1, rejections
+    if quarantined:
+        api = TestClient(create_app(store, TOKEN, None))
+        assert api.get("/api/jobs/fed3r/quarantine", headers=AUTH).json()[0]["reason"].startswith("LinAlgError")
     store.close()
 
     # a restart on the same store: the finished job is not replayed into a crash, same model

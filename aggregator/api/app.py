@@ -54,11 +54,27 @@ class Device(BaseModel):
 
 
 class FleetSummary(BaseModel):
+    mode: Literal["open", "enrolled"] = Field(description="open: any device may contribute (development); "
+                                                          "enrolled: only enrolled devices are given tasks")
     enrolled: int
     revoked: int
     online: int
+    online_not_enrolled: int
     clusters: int
     active_job: str | None
+
+
+class Quarantined(BaseModel):
+    round: int
+    device: str
+    message_id: str
+    reason: str
+    at: float
+
+
+class FleetMode(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    mode: Literal["open", "enrolled"]
 
 
 class EnrollRequest(BaseModel):
@@ -290,11 +306,18 @@ def create_app(store: Store, token: str, service=None) -> FastAPI:
     # ---------------------------------------------------------------- fleet
     @app.get("/api/fleet", response_model=FleetSummary, tags=["fleet"], responses=READ)
     def fleet() -> dict:
-        devices = store.devices()
-        job = (live().get("job") or {}).get("job_id")
-        return {"enrolled": sum(d["status"] == "enrolled" for d in devices),
+        devices, snap = store.devices(), live()
+        return {"mode": snap.get("fleet_mode") or store.setting("fleet_mode") or "enrolled",
+                "enrolled": sum(d["status"] == "enrolled" for d in devices),
                 "revoked": sum(d["status"] == "revoked" for d in devices),
-                "online": sum(d["online"] for d in devices), "clusters": len(store.clusters()), "active_job": job}
+                "online": len(snap.get("devices_online", [])), "online_not_enrolled": len(snap.get("not_enrolled", [])),
+                "clusters": len(store.clusters()), "active_job": (snap.get("job") or {}).get("job_id")}
+
+    @app.post("/api/fleet/mode", response_model=FleetSummary, tags=["fleet"], responses=WRITE,
+              description="set the fleet mode on purpose: open (any device may contribute) or enrolled")
+    def set_fleet_mode(req: FleetMode) -> dict:
+        mutate(lambda: service.set_fleet_mode(req.mode))
+        return fleet()
 
     @app.get("/api/devices", response_model=list[Device], tags=["fleet"], responses=READ)
     def devices(status_: Literal["enrolled", "revoked"] | None = Query(default=None, alias="status")) -> list[dict]:
@@ -343,6 +366,12 @@ def create_app(store: Store, token: str, service=None) -> FastAPI:
     def control(action: Literal["start", "pause", "resume", "cancel"], job_id: str = JobId) -> dict:
         get_job(job_id)
         return job_out(mutate(lambda: service.control_job(job_id, action)))
+
+    @app.get("/api/jobs/{job_id}/quarantine", response_model=list[Quarantined], tags=["jobs"], responses=ONE,
+             description="contributions that passed validation but broke the job: kept out of it, with the reason")
+    def quarantine(job_id: str = JobId) -> list[dict]:
+        get_job(job_id)
+        return store.quarantined(job_id)
 
     @app.get("/api/jobs/{job_id}/rounds", response_model=list[Round], tags=["jobs"], responses=ONE)
     def rounds(job_id: str = JobId) -> list[dict]:
