@@ -8,9 +8,9 @@ serve time, not cached, so a bundle can be large; the device verifies every dige
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from protocols.bundle_manifest import MANIFEST_FILENAME, read_manifest
 from protocols.files import file_sha256
 
 MAX_ARTIFACT_BYTES = 256 * 1024 * 1024
@@ -25,15 +25,16 @@ class ArtifactShelf:
     def add_bundle(self, bundle_dir: Path) -> str:
         """Index a bundle; returns its manifest's sha256 (what a job announces to devices)."""
         bundle_dir = Path(bundle_dir)
-        manifest = bundle_dir / "manifest.json"
-        listed = json.loads(manifest.read_text()).get("artifacts", [])
-        for spec in listed:
-            path = bundle_dir / spec["file"]
+        manifest = bundle_dir / MANIFEST_FILENAME
+        for spec in read_manifest(manifest).artifacts:       # the format devices read, validated
+            path = bundle_dir / spec.file
             if path.resolve().parent != bundle_dir.resolve():
-                raise ValueError(f"manifest lists a file outside its bundle: {spec['file']!r}")
+                raise ValueError(f"manifest lists a file outside its bundle: {spec.file!r}")
             if path.stat().st_size > MAX_ARTIFACT_BYTES:
                 raise ValueError(f"{path} is larger than {MAX_ARTIFACT_BYTES} bytes")
-            self._files[spec["sha256"]] = path
+            if file_sha256(path) != spec.sha256:
+                raise ValueError(f"{path}: sha256 differs from the manifest's (tampered or stale bundle)")
+            self._files[spec.sha256] = path
         digest = file_sha256(manifest)
         self._files[digest] = manifest
         return digest

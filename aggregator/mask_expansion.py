@@ -41,7 +41,7 @@ from typing import Sequence
 
 import numpy as np
 
-from protocols.secagg.crypto import (MASK_BLOCK_WORDS, MAX_DEFAULT_MASK_WORKERS, apply_masks_in_shared_memory,
+from protocols.secagg.crypto import (MASK_BLOCK_WORDS, MAX_DEFAULT_MASK_WORKERS, apply_masks_to_slice,
                                      check_accumulator, check_workers, default_mask_workers, mask_slices,
                                      prg_keys, usable_cores)
 
@@ -237,6 +237,22 @@ class CudaMaskApplier:
                          torch.from_numpy(signs[start:stop]).to(self.device), stop - start,
                          self._tables, self._sbox, BLOCKS=self.blocks_per_program)
         accumulator.view(np.int64)[:] = on_device.cpu().numpy()
+
+
+def apply_masks_in_shared_memory(name: str, length: int, keys: Sequence[tuple[bytes, int]], start: int,
+                                 stop: int) -> None:
+    """Worker-process entry of a multi-process applier: words [start, stop) of the uint64 vector
+    of `length` words in the shared memory block `name` += sum(sign * PRG) under the AES keys
+    `keys` (from prg_keys). It lives at module level so a forkserver worker can import it cheaply."""
+    from multiprocessing import shared_memory
+
+    block = shared_memory.SharedMemory(name=name)
+    try:
+        vector = np.ndarray((length,), dtype=np.uint64, buffer=block.buf)
+        apply_masks_to_slice(vector[start:stop], keys, start)
+        del vector          # no view may outlive close()
+    finally:
+        block.close()
 
 
 class ProcessMaskApplier:

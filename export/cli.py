@@ -122,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _summary(manifest_path: Path) -> str:
-    from edge_client.runtime.manifest import read_manifest
+    from protocols.bundle_manifest import read_manifest
 
     manifest = read_manifest(manifest_path)
     lines = [f"wrote {manifest_path}"]

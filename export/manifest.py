@@ -1,6 +1,6 @@
 """Describe artifacts (sha256, size) and write a bundle directory all-or-nothing.
 
-The manifest format is defined by :mod:`edge_client.runtime.manifest` (what devices read);
+The manifest format is defined by :mod:`protocols.bundle_manifest` (what devices read);
 this module only fills it in. A bundle is written into a hidden staging directory next to
 the destination and renamed into place when complete, so a failed or interrupted export
 never leaves a partial bundle under the destination name.
@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from edge_client.runtime.manifest import (
+from protocols.bundle_manifest import (
     MANIFEST_FILENAME,
     ArtifactSpec,
     BatchSpec,

@@ -36,7 +36,7 @@ from edge_client.runtime.base import check_parameter_dict
 from edge_client.runtime.eager_runtime import state_dict_to_bytes, torch_version
 from edge_client.runtime.executorch_runtime import executorch_version
 from edge_client.runtime.inference import INFERENCE_BACKENDS
-from edge_client.runtime.manifest import (
+from protocols.bundle_manifest import (
     ArtifactSpec,
     BatchSpec,
     InputNormalisation,

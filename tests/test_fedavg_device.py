@@ -141,7 +141,7 @@ def eager_training_session(num_classes, feature_dim, batch, temperature=0.1):
 
     from edge_client.runtime import TrainingSession
     from edge_client.runtime.eager_runtime import EagerTrainer, state_dict_to_bytes
-    from edge_client.runtime.manifest import ArtifactSpec, BatchSpec, InputNormalisation, Manifest, TensorSpec
+    from protocols.bundle_manifest import ArtifactSpec, BatchSpec, InputNormalisation, Manifest, TensorSpec
     from edge_client.runtime.program_modules import TemperatureScaledHead
 
     data = state_dict_to_bytes(TemperatureScaledHead(feature_dim, num_classes, temperature).state_dict())

@@ -20,7 +20,7 @@ from edge_client.runtime import (
     load_inference,
     read_manifest,
 )
-from edge_client.runtime.manifest import Manifest
+from protocols.bundle_manifest import Manifest
 from export import export_bundle
 from export.parity import load_parity_images
 
@@ -156,7 +156,7 @@ def test_runtime_absent_from_bundle_names_what_it_offers(manifest_path):
 ])
 def test_batches_are_split_into_equal_slices(rows, batch_max, rows_per_call, expected):
     from edge_client.runtime.base import run_in_batches
-    from edge_client.runtime.manifest import BatchSpec
+    from protocols.bundle_manifest import BatchSpec
 
     class Spec:
         batch = BatchSpec(max=batch_max)

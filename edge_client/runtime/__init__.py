@@ -1,6 +1,6 @@
 """Runtime layer: run exported bundles with ExecuTorch (default), ONNX Runtime or eager torch.
 
-A bundle is a directory with ``manifest.json`` (see :mod:`edge_client.runtime.manifest`)
+A bundle is a directory with ``manifest.json`` (see :mod:`protocols.bundle_manifest`)
 and the files it lists. Every entry point verifies the sha256 of the file it loads against
 the manifest first (:class:`ArtifactTamperedError` otherwise), then picks the first runtime
 of ``prefer`` that the bundle offers and this machine has installed
@@ -27,7 +27,7 @@ from edge_client.runtime.errors import (
     RuntimeUnavailableError,
 )
 from edge_client.runtime.inference import INFERENCE_BACKENDS, INFERENCE_RUNTIMES, load_inference
-from edge_client.runtime.manifest import Manifest, read_manifest
+from protocols.bundle_manifest import Manifest, read_manifest
 from edge_client.runtime.training import TRAINING_BACKENDS, TRAINING_RUNTIMES, TrainingSession
 from edge_client.runtime.verification import file_sha256, load_manifest, verify_bundle
 

@@ -11,7 +11,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from edge_client.runtime.manifest import ArtifactSpec
+from protocols.bundle_manifest import ArtifactSpec
 
 __all__ = [
     "InferenceRuntime",

@@ -14,7 +14,7 @@ import numpy as np
 
 from edge_client.runtime.base import check_image_batch, run_in_batches
 from edge_client.runtime.errors import RuntimeUnavailableError
-from edge_client.runtime.manifest import ArtifactSpec, Manifest
+from protocols.bundle_manifest import ArtifactSpec, Manifest
 
 __all__ = [
     "EagerTrainer",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from protocols.bundle_manifest import ArtifactError, ManifestError
+
 __all__ = [
     "ArtifactError",
     "ArtifactMissingError",
@@ -9,14 +11,6 @@ __all__ = [
     "ManifestError",
     "RuntimeUnavailableError",
 ]
-
-
-class ArtifactError(RuntimeError):
-    """Base class: an exported bundle cannot be used."""
-
-
-class ManifestError(ArtifactError, ValueError):
-    """The manifest is not valid JSON, or does not follow the manifest schema."""
 
 
 class ArtifactMissingError(ArtifactError, FileNotFoundError):

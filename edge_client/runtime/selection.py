@@ -12,7 +12,7 @@ from typing import Any
 
 from edge_client.runtime.base import PIP_PACKAGES
 from edge_client.runtime.errors import RuntimeUnavailableError
-from edge_client.runtime.manifest import RUNTIME_NAMES, ArtifactSpec, Manifest
+from protocols.bundle_manifest import RUNTIME_NAMES, ArtifactSpec, Manifest
 from edge_client.runtime.verification import read_verified
 
 __all__ = ["check_preferences", "open_first_available"]

@@ -28,7 +28,7 @@ from edge_client.runtime.base import check_parameter_dict
 from edge_client.runtime.errors import RuntimeUnavailableError
 from edge_client.runtime.eager_runtime import EagerTrainer
 from edge_client.runtime.executorch_runtime import ExecuTorchTrainer
-from edge_client.runtime.manifest import ArtifactSpec, Manifest
+from protocols.bundle_manifest import ArtifactSpec, Manifest
 from edge_client.runtime.selection import open_first_available
 from edge_client.runtime.verification import load_manifest
 

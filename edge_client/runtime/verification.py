@@ -19,7 +19,7 @@ from edge_client.runtime.errors import (
     ArtifactTamperedError,
     ManifestError,
 )
-from edge_client.runtime.manifest import (
+from protocols.bundle_manifest import (
     MANIFEST_FILENAME,
     ArtifactSpec,
     Manifest,

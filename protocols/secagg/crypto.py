@@ -184,32 +184,16 @@ def apply_masks(accumulator: np.ndarray, signed_seeds: Iterable[tuple[bytes, int
         return
     slices = mask_slices(accumulator.size, workers)
     if len(slices) == 1:
-        _apply_masks_to_slice(accumulator, keys, 0)
+        apply_masks_to_slice(accumulator, keys, 0)
         return
     with ThreadPoolExecutor(max_workers=len(slices), thread_name_prefix="secagg-mask") as pool:
-        futures = [pool.submit(_apply_masks_to_slice, accumulator[start:stop], keys, start)
+        futures = [pool.submit(apply_masks_to_slice, accumulator[start:stop], keys, start)
                    for start, stop in slices]
         for future in futures:
             future.result()  # re-raises a worker's exception here
 
 
-def apply_masks_in_shared_memory(name: str, length: int, keys: Sequence[tuple[bytes, int]], start: int,
-                                 stop: int) -> None:
-    """Worker-process entry of a multi-process applier: words [start, stop) of the uint64 vector
-    of `length` words in the shared memory block `name` += sum(sign * PRG) under the AES keys
-    `keys` (from prg_keys). Importing this module pulls in numpy and cryptography only."""
-    from multiprocessing import shared_memory
-
-    block = shared_memory.SharedMemory(name=name)
-    try:
-        vector = np.ndarray((length,), dtype=np.uint64, buffer=block.buf)
-        _apply_masks_to_slice(vector[start:stop], keys, start)
-        del vector          # no view may outlive close()
-    finally:
-        block.close()
-
-
-def _apply_masks_to_slice(target: np.ndarray, keys: Sequence[tuple[bytes, int]], first_word: int) -> None:
+def apply_masks_to_slice(target: np.ndarray, keys: Sequence[tuple[bytes, int]], first_word: int) -> None:
     """target (words first_word .. first_word + len - 1 of the vector) += sum(sign * PRG) there."""
     if first_word % AES_BLOCK_WORDS:
         raise ValueError("a mask slice must start on an AES block boundary")

@@ -2,7 +2,7 @@
 
 One bundle directory = ``manifest.json`` + the files it lists. ``export`` writes manifests
 with :meth:`Manifest.to_json`; devices read them with :func:`read_manifest`, so the format
-is defined once, here. Reading validates the JSON against :data:`MANIFEST_SCHEMA` and
+is defined once, here, in ``protocols`` (export, devices and the aggregator all read it). Reading validates the JSON against :data:`MANIFEST_SCHEMA` and
 checks the cross-field rules the schema cannot express (unique files, shapes agreeing with
 the model), so later code can trust every field. Reading does *not* hash the files:
 :mod:`edge_client.runtime.verification` does that, on the bytes it hands to a runtime.
@@ -24,7 +24,13 @@ from typing import Any
 
 import jsonschema
 
-from edge_client.runtime.errors import ManifestError
+
+class ArtifactError(RuntimeError):
+    """Base class: an exported bundle cannot be used."""
+
+
+class ManifestError(ArtifactError, ValueError):
+    """The manifest is not valid JSON, or does not follow the manifest schema."""
 
 __all__ = [
     "ARTIFACT_KINDS",
