@@ -7,7 +7,7 @@ each name's limit is declared once in :data:`FIELD_LIMITS`; :func:`validate_conf
 config dict against a config class: known fields only, JSON types matching the annotations, and
 every field's limit. ``tests/test_job_registry.py`` checks that every field of every registered
 kind has a declared limit, so a new field cannot slip in unchecked. The admin API builds its
-OpenAPI models from the same table (``aggregator/api/app.py``).
+OpenAPI models from the same table (``aggregator/api/schemas.py``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,46 @@
+"""What every admin-API route needs: the store to read, the live snapshot, and the one way to
+change anything — a function run on the service thread (the only writer), with its errors turned
+into HTTP statuses."""
+
+from __future__ import annotations
+
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from fastapi import HTTPException, status
+
+from ..store import Store, StoreError
+
+
+@dataclass
+class ApiContext:
+    store: Store
+    service: Any = None              # the running AggregatorService (None: read-only API on a store)
+
+    def live(self) -> dict:
+        return self.service.live if self.service is not None else {}
+
+    def mutate(self, fn: Callable[[], Any]) -> Any:
+        if self.service is None:
+            raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, "no aggregator service in this process")
+        try:
+            return self.service.call(fn, timeout=10.0)
+        except FutureTimeout:
+            raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, "the aggregator is not answering") from None
+        except KeyError as exc:
+            raise HTTPException(status.HTTP_404_NOT_FOUND, f"not found: {exc}") from None
+        except StoreError as exc:
+            raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from None
+        except (ValueError, TypeError) as exc:
+            raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY, str(exc)) from None
+
+    def job(self, job_id: str) -> dict:
+        row = self.store.job(job_id)
+        if row is None:
+            raise HTTPException(status.HTTP_404_NOT_FOUND, f"no job {job_id!r}")
+        return row
+
+    def job_out(self, row: dict) -> dict:
+        counts = self.store.contribution_counts(row["job_id"])
+        return {**row, "rounds": len(self.store.rounds(row["job_id"])), "contributions": sum(counts.values())}

@@ -1,0 +1,222 @@
+"""The admin API's request and response models (its OpenAPI schema), one place for every route.
+
+A job's config model is built per registered kind from its config dataclass and the field limits
+declared in ``aggregator/jobs/config_limits.py``, so the schema states what the service accepts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, create_model
+
+from protocols.topics import DEVICE_ID_RE
+
+from ..jobs.config_limits import FIELD_LIMITS, Fields, Items, OneOf, Pattern, Range, check_limit
+from ..jobs.registry import KINDS, kind_of
+
+ID_PATTERN = DEVICE_ID_RE.pattern
+MAX_ID = 2 ** 62
+
+
+class Device(BaseModel):
+    device_id: str
+    status: Literal["enrolled", "revoked"]
+    public_key: str | None
+    enrolled_at: float | None
+    revoked_at: float | None
+    last_seen: float | None
+    online: bool
+    profile: dict[str, Any]
+    cluster: str | None
+
+
+class FleetSummary(BaseModel):
+    mode: Literal["open", "enrolled"] = Field(description="open: any device may contribute (development); "
+                                                          "enrolled: only enrolled devices are given tasks")
+    enrolled: int
+    revoked: int
+    online: int
+    online_not_enrolled: int
+    clusters: int
+    active_job: str | None
+
+
+class Quarantined(BaseModel):
+    round: int
+    device: str
+    message_id: str
+    reason: str
+    at: float
+
+
+class FleetMode(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    mode: Literal["open", "enrolled"]
+
+
+class EnrollRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    device_id: str = Field(pattern=ID_PATTERN)
+    public_key: str | None = Field(default=None, pattern=r"^[0-9a-fA-F]{64}$",
+                                   description="raw Ed25519 public key, hex; omit to have one generated")
+
+
+class Credentials(BaseModel):
+    device_id: str
+    mqtt_username: str
+    mqtt_password: str
+    public_key: str
+    private_key_pem: str | None
+    ca_pem: str | None
+
+
+def config_model(kind: str) -> type[BaseModel]:
+    """A pydantic model of a job kind's config, from its dataclass and the declared field limits
+    (``aggregator/jobs/config_limits.py``), so the OpenAPI schema states what the service accepts."""
+    config_cls = kind_of(kind).config_cls
+    hints = typing.get_type_hints(config_cls)
+    fields: dict[str, Any] = {}
+    for f in dataclasses.fields(config_cls):
+        if f.name == "job_id":
+            continue                                    # given once, in the request
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        limit = FIELD_LIMITS.get(f.name)
+        try:
+            if default is not None:
+                check_limit(f.name, default, limit)
+        except ValueError:
+            default = ...                                # no valid default (LADD's model spec): required
+        fields[f.name] = (_field_type(f.name, hints[f.name], limit), Field(default=default))
+    name = "".join(part.capitalize() for part in kind.split("-"))
+    return create_model(f"{name}Config", __config__=ConfigDict(extra="forbid"), **fields)
+
+
+def _field_type(name: str, hint, limit):
+    if isinstance(limit, OneOf):
+        return Literal[limit.values]
+    if isinstance(limit, Fields):
+        required = set(limit.spec if limit.required is None else limit.required)
+        sub = {k: (_field_type(k, t, rng), ... if k in required else None) for k, (t, rng) in limit.spec.items()}
+        model = create_model(f"{name.title().replace('_', '')}", __config__=ConfigDict(extra="forbid"), **sub)
+        return model | None if typing.get_origin(hint) in (typing.Union, types.UnionType) else model
+    if isinstance(limit, Items):
+        item = Annotated[float, Field(ge=limit.item.lo, le=limit.item.hi, allow_inf_nan=False)]
+        return Annotated[list[item], Field(min_length=1, max_length=limit.max_items)]
+    if hint is int or (isinstance(limit, Range) and hint is list):
+        return Annotated[int, Field(ge=limit.lo, le=limit.hi)] if isinstance(limit, Range) else int
+    if hint is float:
+        rng = {"ge": limit.lo, "le": limit.hi} if isinstance(limit, Range) else {}
+        return Annotated[float, Field(allow_inf_nan=False, **rng)]
+    if hint is bool:
+        return StrictBool
+    if hint is str:
+        return Annotated[str, Field(max_length=1024, **({"pattern": limit.regex} if isinstance(limit, Pattern) else {}))]
+    return hint
+
+
+def job_create_model(kind: str) -> type[BaseModel]:
+    config = config_model(kind)
+    name = "".join(part.capitalize() for part in kind.split("-"))
+    return create_model(f"{name}JobCreate", __config__=ConfigDict(extra="forbid"),
+                        job_id=(str, Field(pattern=ID_PATTERN)), kind=(Literal[kind], ...),
+                        config=(config, Field(description=kind_of(kind).summary)) if _required_fields(config)
+                        else (config, Field(default_factory=config, description=kind_of(kind).summary)))
+
+
+def _required_fields(model: type[BaseModel]) -> bool:
+    return any(f.is_required() for f in model.model_fields.values())
+
+
+# One request model per registered kind, told apart by ``kind``: the schema of each kind's config.
+JobCreate = Annotated[typing.Union[tuple(job_create_model(k) for k in KINDS)], Field(discriminator="kind")]
+
+
+class Job(BaseModel):
+    job_id: str
+    kind: str
+    config: dict[str, Any]
+    state: str
+    created_at: float
+    updated_at: float
+    started_at: float | None
+    finished_at: float | None
+    summary: dict[str, Any] | None
+    counters: dict[str, Any]
+    rounds: int
+    contributions: int
+
+
+class Round(BaseModel):
+    round: int
+    state: Literal["open", "closed"]
+    participants: list[str]
+    accepted: list[str]
+    dropped: list[str]
+    declined: list[str]
+    rejected: list[str]
+    pending: list[str]
+    opened_at: float
+    deadline: float
+    closed_at: float | None
+    duration_s: float | None
+    bytes_in: int
+    result_latency_s: dict[str, float] = Field(description="device -> seconds from round open to its accepted result")
+
+
+class Model(BaseModel):
+    model_id: int
+    job_id: str
+    version: int
+    round: int
+    parent_id: int | None
+    contributions: int
+    sha256: str
+    metrics: dict[str, Any]
+    final: bool
+    created_at: float
+    nbytes: int
+
+
+class LineageEntry(Model):
+    accepted: list[str]
+
+
+class Cluster(BaseModel):
+    cluster_id: str
+    label: str
+    job_id: str | None
+    model_id: int | None
+    created_at: float
+    devices: int
+
+
+class ErrorBody(BaseModel):
+    detail: Any
+
+
+def _errors(*codes: int) -> dict:
+    text = {401: "missing or wrong admin token", 404: "no such object", 409: "conflicts with the current state",
+            422: "invalid request", 503: "the aggregator service is not available"}
+    return {c: {"model": ErrorBody, "description": text[c], "content": {"application/json": {}}}
+            for c in (401, *codes)}
+
+
+READ, ONE, WRITE = _errors(), _errors(404), _errors(404, 409, 422, 503)
+
+
+class Compute(BaseModel):
+    device: str                  # torch device of the aggregation math
+    gpu: str | None
+    torch: str
+    secagg_unmask: str           # where secure aggregation's final mask expansion runs
+
+
+class Health(BaseModel):
+    status: str
+    service_running: bool
+    compute: Compute
+
