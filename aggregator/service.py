@@ -50,7 +50,7 @@ from typing import Any, Callable
 import numpy as np
 
 from protocols import messages as M
-from protocols.chunking import DEFAULT_CHUNK_SIZE, MessageAssembler
+from protocols.chunking import DEFAULT_CHUNK_SIZE, AlreadyReassembled, MessageAssembler
 from protocols.envelope import Envelope, EnvelopeError, encode
 from protocols.mqtt_link import BrokerConfig, MqttLink
 from protocols.payloads.artifacts import GET as ARTIFACT_GET, artifact_message, parse_get
@@ -97,6 +97,7 @@ class AggregatorService:
                                           max_message_bytes=max_message_bytes)
         self.stats = ServiceStats()             # messages that belong to no job (bad topic, malformed, ...)
         self._device_bytes: dict[str, int] = {}  # bytes of a device's message being reassembled
+        self._expired_at = 0.0
         self._q: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self.live: dict = {}                     # snapshot for the admin API, replaced atomically
@@ -166,7 +167,11 @@ class AggregatorService:
 
     def _dispatch(self, item: tuple) -> None:
         if item[0] == "mqtt":
-            self._on_payload(item[1], item[2])
+            try:
+                self._on_payload(item[1], item[2])
+            except Exception:       # last resort: whatever one message causes is that message's refusal
+                log.exception("message on %s refused: it raised an unexpected error", item[1][:120])
+                self._stats().reject("malformed")
         elif item[0] == "connected":
             self._resend_tasks(self.fleet.online)
         elif item[0] == "call":
@@ -275,6 +280,12 @@ class AggregatorService:
             self._device_bytes[device] = self._device_bytes.get(device, 0) + len(payload)
         try:
             got = self.assembler.feed_whole(payload)
+        except AlreadyReassembled as exc:     # a retry whose ack was lost: stop the re-upload
+            self._device_bytes.pop(device, None)
+            if exc.sender != device:
+                return self._reject(device, "wrong sender", f"chunk sender {exc.sender!r} on {topic}")
+            self._stats().duplicates += 1
+            return self._send(device, M.ack_message(AGGREGATOR_ID, exc.parent, "duplicate"))
         except EnvelopeError as exc:
             self._device_bytes.pop(device, None)
             signature = str(exc).startswith(("signature", "unsigned"))
@@ -383,6 +394,11 @@ class AggregatorService:
         self.link.publish(self.topics.status, encode(env), retain=True)
 
     def _tick(self, now: float) -> None:
+        if now - self._expired_at >= 1.0:      # partial chunked messages of vanished senders
+            self._expired_at = now
+            for sender, parent in self.assembler.reassembler.expire(now):
+                log.warning("partial message %s from %s expired unfinished", parent, sender)
+                self._device_bytes.pop(sender, None)
         if self.runner is not None:
             self.runner.tick(now)
 

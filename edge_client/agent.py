@@ -151,6 +151,8 @@ class DeviceAgent:
                 self._on_payload(payload)
             except EnvelopeError as exc:
                 log.warning("%s: dropped malformed message on %s: %s", self.device_id, topic, exc)
+            except Exception:       # one bad message never stops the device
+                log.exception("%s: dropped a message on %s that raised an unexpected error", self.device_id, topic)
             self._execute(self.session.handle(Tick(time.monotonic())))
 
     def _follow_availability(self) -> None:

@@ -13,8 +13,14 @@ A sender therefore encodes the whole message, and when it is larger than ``chunk
 The :class:`Reassembler` is a sans-IO buffer: ``add(chunk_envelope)`` returns the whole encoded
 message once every index has arrived and its sha256 matches, else ``None``. It is idempotent
 (a duplicated chunk - QoS 1 redelivery - is ignored), refuses chunks that disagree with the first
-one seen for the same parent, bounds memory per sender and overall, and forgets partial messages
-older than ``ttl_s`` (``expire(now)``), so a sender that vanished mid-message cannot pin memory.
+one seen for the same parent, bounds memory per sender (``max_pending_bytes_per_sender``, below
+the overall budget, so one sender can never fill the buffer for everyone) and overall, and forgets
+partial messages older than ``ttl_s`` (``expire(now)``, which the receiver calls on its clock), so
+a sender that vanished mid-message cannot pin memory.
+
+A chunked message whose sender retries it after it was reassembled (its acknowledgement was lost)
+is not put together a second time: the retry's last chunk raises :class:`AlreadyReassembled`, so the
+receiver can answer ``duplicate`` and the sender stops re-uploading.
 """
 
 from __future__ import annotations
@@ -56,6 +62,14 @@ def split(message: bytes, message_id: str, sender: str, chunk_size: int = DEFAUL
     return out
 
 
+class AlreadyReassembled(EnvelopeError):
+    """The last chunk of a retry of a message already reassembled (``parent``): answer ``duplicate``."""
+
+    def __init__(self, sender: str, parent: str):
+        super().__init__(f"chunked message {parent} from {sender!r} was already reassembled")
+        self.sender, self.parent = sender, parent
+
+
 @dataclass
 class _Partial:
     count: int
@@ -74,10 +88,14 @@ class Reassembler:
 
     def __init__(self, max_message_bytes: int = 512 * 1024 * 1024,
                  max_pending_per_sender: int = 4, max_pending_bytes: int = 1024 * 1024 * 1024,
-                 ttl_s: float = 300.0):
+                 ttl_s: float = 300.0, max_pending_bytes_per_sender: int | None = None):
         self.max_message_bytes = max_message_bytes
         self.max_pending_per_sender = max_pending_per_sender
         self.max_pending_bytes = max_pending_bytes
+        # one sender may hold at most one largest message's worth, and never half the overall budget
+        self.max_pending_bytes_per_sender = max_pending_bytes_per_sender or min(max_message_bytes,
+                                                                               max_pending_bytes // 2)
+        self._held_by: dict[str, int] = {}
         self.ttl_s = ttl_s
         self._partials: dict[tuple[str, str], _Partial] = {}
         self._done: dict[tuple[str, str], float] = {}  # recently completed parents: late duplicates are ignored
@@ -94,6 +112,8 @@ class Reassembler:
         data = require_tensor(chunk, "data", "uint8", (None,))
         key = (chunk.sender, parent)
         if key in self._done:
+            if index == count - 1:
+                raise AlreadyReassembled(chunk.sender, parent)
             return None
         if not (1 <= count <= MAX_CHUNKS) or not (0 <= index < count):
             raise EnvelopeError(f"chunk index {index} / count {count} out of range")
@@ -110,14 +130,19 @@ class Reassembler:
         if index in partial.parts:
             return None  # redelivery
         if partial.held + len(data) > total:
-            del self._partials[key]
+            self._drop(key)
             raise EnvelopeError(f"chunks of {parent} exceed the announced total {total} bytes")
+        if self._held_by.get(chunk.sender, 0) + len(data) > self.max_pending_bytes_per_sender:
+            self._drop(key)
+            raise EnvelopeError(f"sender {chunk.sender!r} exceeds its reassembly budget "
+                                f"({self.max_pending_bytes_per_sender} bytes)")
         if self.pending_bytes() + len(data) > self.max_pending_bytes:
             raise EnvelopeError("reassembly buffer full")
         partial.parts[index] = bytes(data)
+        self._held_by[chunk.sender] = self._held_by.get(chunk.sender, 0) + len(data)
         if len(partial.parts) < count:
             return None
-        del self._partials[key]
+        self._drop(key)
         whole = b"".join(partial.parts[i] for i in range(count))
         if len(whole) != total or hashlib.sha256(whole).hexdigest() != digest:
             raise EnvelopeError(f"reassembled message {parent} fails its size/sha256 check")
@@ -125,14 +150,22 @@ class Reassembler:
         return whole
 
     def pending_bytes(self) -> int:
-        return sum(p.held for p in self._partials.values())
+        return sum(self._held_by.values())
+
+    def _drop(self, key: tuple[str, str]) -> None:
+        partial = self._partials.pop(key)
+        left = self._held_by.get(key[0], 0) - partial.held
+        if left > 0:
+            self._held_by[key[0]] = left
+        else:
+            self._held_by.pop(key[0], None)
 
     def expire(self, now: float | None = None) -> list[tuple[str, str]]:
         """Drop partial messages older than ttl_s; returns the (sender, parent) pairs dropped."""
         now = time.monotonic() if now is None else now
         stale = [k for k, p in self._partials.items() if now - p.first_seen > self.ttl_s]
         for k in stale:
-            del self._partials[k]
+            self._drop(k)
         for k in [k for k, t in self._done.items() if now - t > self.ttl_s]:
             del self._done[k]
         return stale

@@ -116,10 +116,28 @@ def _object_without_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return obj
 
 
+MAX_JSON_DEPTH = 32            # headers nest 4 deep; a hostile one must not reach the recursive parser
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+
+
+def check_json_depth(text: str, limit: int = MAX_JSON_DEPTH) -> None:
+    """Refuse JSON nested deeper than ``limit`` before any recursive parser sees it (a 64 KiB
+    header can hold 30,000 levels: RecursionError, not a refusal). Linear, no recursion."""
+    depth = deepest = 0
+    for ch in _NOT_BRACKET.sub("", _JSON_STRING.sub("", text)):
+        depth += 1 if ch in "[{" else -1
+        deepest = max(deepest, depth)
+        if deepest > limit:
+            raise ValueError(f"JSON nested deeper than {limit} levels")
+
+
 def parse_strict_json(data: bytes) -> Any:
     """RFC 8259 JSON from UTF-8 bytes, refusing what Python's json module lets through: NaN and
-    Infinity tokens, duplicate keys and lone surrogates. Raises ValueError."""
+    Infinity tokens, duplicate keys and lone surrogates, and nesting deeper than
+    ``MAX_JSON_DEPTH``. Raises ValueError."""
     text = data.decode("utf-8")
+    check_json_depth(text)
     value = json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_object_without_duplicates)
     # A lone surrogate can only come from a \ud800-\udfff escape: re-encode (UnicodeEncodeError, a
     # ValueError, for an unpaired one) only the rare header that has one, not every message.

@@ -1,0 +1,63 @@
+"""Whatever one message causes is that message's refusal, never the process's exit: headers nested
+20,000 levels deep on the outbox and the presence topics of a live job over mosquitto (once a
+RecursionError that killed the aggregator), sent to a device's inbox too. The job still sums
+every honest device's statistics exactly."""
+
+import struct
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
+from aggregator.service import AggregatorService
+from edge_client.agent import DeviceAgent
+from protocols.envelope import MAGIC, MAX_JSON_DEPTH, EnvelopeError, check_json_depth, decode
+from protocols.mqtt_link import BrokerConfig
+from protocols.topics import Topics
+
+from test_aggregator_over_mqtt import C, D, SyntheticStats, data_for, raw_client
+
+def deep_envelope(levels: int, kind: str = "[") -> bytes:
+    close = {"[": "]", "{": "}"}[kind]
+    opener = "[" if kind == "[" else '{"a":'
+    header = (opener * levels + "1" + close * levels).encode()
+    return MAGIC + struct.pack("<I", len(header)) + header
+
+
+@pytest.mark.parametrize("kind", ["[", "{"])
+def test_deep_nesting_is_refused_without_recursion(kind):
+    with pytest.raises(ValueError, match="nested deeper"):
+        check_json_depth((kind * 20000) + ("]" if kind == "[" else "}") * 20000)
+    check_json_depth('{"s": "' + "[" * 1000 + '"}')                 # brackets inside strings do not count
+    check_json_depth("[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH)
+
+
+def test_a_live_job_survives_deeply_nested_headers_on_every_topic(broker, tmp_path):
+    with pytest.raises(EnvelopeError):
+        decode(deep_envelope(20000))
+    devices = [f"dev{i:02d}" for i in range(3)]
+    gate = threading.Event()
+    config = Fed3RConfig(num_classes=C, feature_dim=D, clients_per_round=3, round_timeout_s=20, expected_devices=3)
+    svc = AggregatorService(Fed3RJob(config), BrokerConfig.from_url(broker.url), tmp_path, enrolled=set(devices))
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=60)), daemon=True)
+    thread.start()
+    agents = [DeviceAgent(d, BrokerConfig.from_url(broker.url), {"fed3r.stats": SyntheticStats(i, gate)},
+                          retry_after_s=2).start() for i, d in enumerate(devices)]
+    topics, bad = Topics(), raw_client(broker)
+    for payload in (deep_envelope(20000), deep_envelope(20000, "{"), deep_envelope(5000)):
+        for topic in (topics.outbox("dev00"), topics.presence("dev01"), topics.inbox("dev02")):
+            bad.publish(topic, payload, qos=1).wait_for_publish(5)
+    time.sleep(1.0)
+    assert thread.is_alive() and all(a._thread.is_alive() for a in agents)
+    gate.set()
+    thread.join(60)
+    for a in agents:
+        a.stop()
+    bad.loop_stop()
+    assert result["state"] == "done" and sorted(result["contributed"]) == devices
+    assert result["rejections"].get("malformed", 0) >= 6
+    Zb = [np.hstack([data_for(i)[0], np.ones((30, 1))]) for i in range(3)]
+    np.testing.assert_allclose(np.load(tmp_path / "statistics.npz")["A"], sum(z.T @ z for z in Zb), rtol=1e-12)
