@@ -37,10 +37,35 @@ def _check_device_id(device_id: str) -> str:
     return device_id
 
 
+# Encodings (sign bit ignored) of the Ed25519 points of small order, canonical or not: 0, 1, p-1, p,
+# p+1 and the two order-8 points' y. A signature that verifies under such a key proves nothing
+# (the all-zero key has a fixed forgery for every message), so such keys are never enrolled.
+# The same list as libsodium's crypto_sign_ed25519 blocklist.
+_SMALL_ORDER = tuple(bytes.fromhex(h) for h in (
+    "0000000000000000000000000000000000000000000000000000000000000000",
+    "0100000000000000000000000000000000000000000000000000000000000000",
+    "ecffffffffffffffffffffffffffffffffffffffffffffffffffffffffffff7f",
+    "edffffffffffffffffffffffffffffffffffffffffffffffffffffffffffff7f",
+    "eeffffffffffffffffffffffffffffffffffffffffffffffffffffffffffff7f",
+    "26e8958fc2b227b045c3f489f2ef98f0d5dfac05d3c63339b13802886d53fc05",
+    "c7176a703d4dd84fba3c0b760d10670f2a2053fa2c39ccc64ec7fd7792ac037a"))
+
+
+def is_weak_public_key(public_key: bytes) -> bool:
+    """Whether a 32-byte Ed25519 key encodes a point of small order (whatever its sign bit)."""
+    masked = bytes(public_key[:31]) + bytes([public_key[31] & 0x7F])
+    return masked in _SMALL_ORDER
+
+
 def _load_public_key(public_key: bytes) -> Ed25519PublicKey:
     if not isinstance(public_key, (bytes, bytearray)) or len(public_key) != PUBLIC_KEY_BYTES:
         raise ValueError(f"an Ed25519 public key is {PUBLIC_KEY_BYTES} raw bytes")
-    return Ed25519PublicKey.from_public_bytes(bytes(public_key))
+    if is_weak_public_key(public_key):
+        raise ValueError("weak Ed25519 public key (a point of small order): refused")
+    try:
+        return Ed25519PublicKey.from_public_bytes(bytes(public_key))
+    except ValueError as exc:
+        raise ValueError(f"not an Ed25519 public key: {exc}") from None
 
 
 def verify_signature(public_key: bytes, data: bytes, signature: bytes) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from functools import partial
 
-import secrets
 from importlib import resources
 from typing import Any, Literal
 
@@ -26,12 +25,12 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from ..compute import compute_summary
 from ..store import Store
 from .context import ApiContext
+from .guard import COOKIE, RequestGuard, presented_token, token_matches
 from .metrics import render_metrics
 from .routes_fleet import add_fleet_routes
 from .routes_jobs import add_job_routes, add_model_routes
 from .schemas import READ, Health
 
-COOKIE = "fedfleet_token"
 DASHBOARD_ASSETS = {"app.js": "text/javascript; charset=utf-8", "style.css": "text/css; charset=utf-8"}
 
 
@@ -47,6 +46,7 @@ def create_app(store: Store, token: str, service=None) -> FastAPI:
     add_job_routes(app, ctx)
     add_model_routes(app, ctx)
     add_dashboard_routes(app, token)
+    app.add_middleware(RequestGuard, token=token)
     return app
 
 
@@ -55,10 +55,9 @@ def token_check(token: str):
     bearer = HTTPBearer(auto_error=False, description="the admin token")
 
     def require_token(request: Request, creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
-        given = creds.credentials if creds is not None else request.cookies.get(COOKIE, "")
-        if not given and request.url.path == "/dashboard/":      # the browser's way in: ?token=
-            given = request.query_params.get("token", "")
-        if not secrets.compare_digest(given.encode(), token.encode()):
+        # RequestGuard already refused what fails this before the body was read; this states the
+        # security scheme in the OpenAPI schema and guards an app mounted without the guard
+        if not token_matches(presented_token(request.scope), token):
             raise HTTPException(status.HTTP_401_UNAUTHORIZED, "missing or wrong admin token",
                                 headers={"WWW-Authenticate": "Bearer"})
     return require_token
@@ -95,7 +94,7 @@ def add_dashboard_routes(app: FastAPI, token: str) -> None:
            description="the web dashboard; ``?token=`` sets the session cookie and redirects")
     def dashboard(token_: str | None = Query(default=None, alias="token", max_length=512)) -> Response:
         if token_ is not None:
-            if not secrets.compare_digest(token_.encode(), token.encode()):   # even if a header authenticated
+            if not token_matches(token_, token):   # even if a header authenticated
                 raise HTTPException(status.HTTP_401_UNAUTHORIZED, "wrong admin token",
                                     headers={"WWW-Authenticate": "Bearer"})
             resp = RedirectResponse("/dashboard/", status_code=status.HTTP_303_SEE_OTHER)

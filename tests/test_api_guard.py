@@ -1,0 +1,73 @@
+"""The admin API refuses before it reads: no token -> 401 with a 300 MB body left unread; a body
+over the cap -> 413 (declared length) or refused as it streams (chunked), all against a real
+uvicorn server over a socket, with the process's memory checked."""
+
+import resource
+import socket
+import time
+
+import pytest
+
+from aggregator.api.app import create_app
+from aggregator.api.guard import MAX_BODY_BYTES
+from aggregator.api.server import ApiServer
+from aggregator.store import Store
+
+TOKEN = "guard-token-0123456789abcdef"
+
+
+@pytest.fixture
+def api(tmp_path):
+    server = ApiServer(create_app(Store(tmp_path / "state.db"), TOKEN)).start()
+    yield server
+    server.stop()
+
+
+def raw_request(port: int, head: str, body_bytes: int = 0, chunk: bytes = b"x" * 65536) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(head.encode())
+        sent = 0
+        try:
+            while sent < body_bytes:
+                s.sendall(chunk)
+                sent += len(chunk)
+        except OSError:              # the server answered and closed: it did not read the rest
+            pass
+        s.settimeout(10)
+        reply = b""
+        try:
+            while b"\r\n\r\n" not in reply:
+                part = s.recv(4096)
+                if not part:
+                    break
+                reply += part
+        except OSError:
+            pass
+    return reply
+
+
+def test_a_huge_body_without_the_token_is_refused_unread(api):
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.monotonic()
+    head = ("POST /api/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            "Content-Length: 300000000\r\n\r\n")
+    reply = raw_request(api.port, head, body_bytes=8 * 1024 * 1024)
+    assert reply.startswith(b"HTTP/1.1 401"), reply[:80]
+    assert time.monotonic() - t0 < 10
+    grown_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before
+    assert grown_kb < 100 * 1024, grown_kb                      # far from the 300 MB it announced
+
+
+def test_an_oversized_declared_body_with_the_token_is_refused_unread(api):
+    head = (f"POST /api/jobs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {MAX_BODY_BYTES + 1}\r\n\r\n")
+    assert raw_request(api.port, head, body_bytes=2 * 1024 * 1024).startswith(b"HTTP/1.1 413")
+
+
+def test_an_oversized_chunked_body_is_cut_off_without_a_server_error(api):
+    head = (f"POST /api/jobs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+            "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+    block = b"10000\r\n" + b" " * 0x10000 + b"\r\n"
+    reply = raw_request(api.port, head, body_bytes=4 * 1024 * 1024, chunk=block)
+    assert reply.startswith((b"HTTP/1.1 413", b"HTTP/1.1 400")), reply[:80]
+    assert not reply.startswith(b"HTTP/1.1 5")
