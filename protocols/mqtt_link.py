@@ -4,7 +4,8 @@ It only moves bytes: QoS 1 publishes, automatic reconnect with exponential backo
 and a hook on every (re)connect, a last will, and chunked publishing of large envelopes. Message
 semantics live in the sans-IO modules (envelope, chunking, rounds); callers receive raw
 ``(topic, payload)`` pairs on paho's network thread and should hand them to their own queue.
-Works with any MQTT 3.1.1 or 5 broker (``protocol="3.1.1"`` or ``"5"``).
+Works with any MQTT 3.1.1 or 5 broker: the version is part of the broker address
+(``mqtt://host:1883?version=3.1.1``, default 5).
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ import paho.mqtt.client as mqtt
 
 from .chunking import DEFAULT_CHUNK_SIZE, split
 from .envelope import Envelope, encode
+
+
+PROTOCOL_VERSIONS = ("5", "3.1.1")
 
 
 @dataclass(frozen=True)
@@ -34,14 +38,35 @@ class BrokerConfig:
 
     @classmethod
     def from_url(cls, url: str, **kw) -> "BrokerConfig":
-        """mqtt://user:pass@host:port or mqtts://host:port (TLS needs tls_ca in kw)."""
-        from urllib.parse import urlparse
+        """``mqtt://[user:pass@]host[:port][?version=3.1.1|5]`` or ``mqtts://...`` (TLS needs tls_ca
+        in kw). The MQTT protocol version is part of the address (default 5), so every command that
+        takes a broker speaks to a 3.1.1-only broker the same way. Raises ValueError, naming the part."""
+        from urllib.parse import parse_qs, unquote, urlparse
 
         u = urlparse(url if "://" in url else f"mqtt://{url}")
         if u.scheme not in ("mqtt", "mqtts"):
-            raise ValueError(f"broker URL scheme must be mqtt or mqtts, not {u.scheme!r}")
-        return cls(host=u.hostname or "127.0.0.1", port=u.port or (8883 if u.scheme == "mqtts" else 1883),
-                   username=u.username, password=u.password, **kw)
+            raise ValueError(f"broker URL {url!r}: the scheme must be mqtt:// or mqtts://, not {u.scheme + '://'!r}")
+        try:
+            port = u.port
+        except ValueError:
+            raise ValueError(f"broker URL {url!r}: the port must be a number from 1 to 65535") from None
+        query = parse_qs(u.query, keep_blank_values=True)
+        unknown = sorted(set(query) - {"version"})
+        if unknown:
+            raise ValueError(f"broker URL {url!r}: unknown parameter {unknown[0]!r} (known: version)")
+        version = query.get("version", [kw.pop("protocol", "5")])[-1]
+        if version not in PROTOCOL_VERSIONS:
+            raise ValueError(f"broker URL {url!r}: version must be one of {', '.join(PROTOCOL_VERSIONS)}, "
+                             f"not {version!r}")
+        return cls(host=u.hostname or "127.0.0.1", port=port or (8883 if u.scheme == "mqtts" else 1883),
+                   username=unquote(u.username) if u.username else None,
+                   password=unquote(u.password) if u.password else None, protocol=version, **kw)
+
+    def url(self) -> str:
+        """The address again (without the password), e.g. for logs and worker specs."""
+        user = f"{self.username}@" if self.username else ""
+        scheme = "mqtts" if self.tls_ca else "mqtt"
+        return f"{scheme}://{user}{self.host}:{self.port}?version={self.protocol}"
 
 
 class MqttLink:

@@ -1,0 +1,61 @@
+"""A second, independently written MQTT broker for the suite: amqtt (asyncio, MQTT 3.1.1), run as
+its own process on a free loopback port, so "any MQTT broker" is tested against more than
+mosquitto."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from fedfleet.emulation.broker import free_port
+
+CONFIG = """listeners:
+  default:
+    type: tcp
+    bind: 127.0.0.1:{port}
+plugins:
+  amqtt.plugins.authentication.AnonymousAuthPlugin:
+    allow_anonymous: true
+"""
+
+
+class AmqttBroker:
+    def __init__(self):
+        self.port = free_port()
+        self._tmp = tempfile.TemporaryDirectory(prefix="fedfleet-amqtt-")
+        self.conf = Path(self._tmp.name) / "amqtt.yaml"
+        self.conf.write_text(CONFIG.format(port=self.port))
+        self.proc = None
+
+    @property
+    def url(self) -> str:
+        return f"mqtt://127.0.0.1:{self.port}?version=3.1.1"
+
+    def __enter__(self) -> "AmqttBroker":
+        amqtt = Path(sys.executable).with_name("amqtt")
+        self.log = open(Path(self._tmp.name) / "amqtt.log", "wb")
+        self.proc = subprocess.Popen([str(amqtt), "-c", str(self.conf)], stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("amqtt exited: " + (Path(self._tmp.name) / "amqtt.log").read_text()[-2000:])
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return self
+            except OSError:
+                time.sleep(0.1)
+        self.__exit__()
+        raise TimeoutError("amqtt did not open its port")
+
+    def __exit__(self, *exc):
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self._tmp.cleanup()
