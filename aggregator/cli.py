@@ -21,15 +21,17 @@ from .jobs.registry import KINDS, build_job
 def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p = p or argparse.ArgumentParser(prog="fedfleet aggregator")
     sub = p.add_subparsers(dest="aggregator_cmd", required=True)
-    s = sub.add_parser("serve", help="run one job (--kind) until it is done")
+    s = sub.add_parser("serve", help="run one job (--kind) until it is done",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     s.add_argument("--config", type=Path, default=None,
-                   help="job config JSON (fields of Fed3RConfig); optional with --keep-serving")
-    s.add_argument("--kind", default="fed3r", choices=sorted(KINDS),
-                   help="job kind: fed3r (plain statistics), fed3r-sync (secure group sums), fedavg "
-                        "(FedAvg/FedAvgM head rounds), personalize (OLL/FP on devices, held-out WMA)")
-    s.add_argument("--broker", default="mqtt://127.0.0.1:1883", help="mqtt://[user:pass@]host:port")
+                   help="job config JSON (the fields of the kind's config class, e.g. Fed3RConfig); "
+                        "optional with --keep-serving")
+    s.add_argument("--kind", default="fed3r", choices=sorted(KINDS), metavar="KIND",
+                   help="job kind; " + "; ".join(f"{k.name}: {k.summary}" for k in KINDS.values()))
+    s.add_argument("--broker", default="mqtt://127.0.0.1:1883",
+                   help="mqtt://[user:pass@]host:port[?version=3.1.1|5] (mqtts:// with --tls-ca)")
     s.add_argument("--tls-ca", default=None, help="CA file: connect with TLS")
-    s.add_argument("--topic-root", default="fedfleet")
+    s.add_argument("--topic-root", default="fedfleet", help="first level of every fedfleet topic")
     s.add_argument("--out", type=Path, required=True, help="directory for results.json and model.npz")
     s.add_argument("--eval-features", type=Path, default=None,
                    help="held-out evaluation set as .npz with Z (n,d) features and y (n,) labels")
@@ -41,14 +43,36 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     return p
 
 
+def read_json(path: Path, what: str):
+    if not path.is_file():
+        raise FileNotFoundError(2, f"{what} not found (check the path)", str(path))
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{what} {path} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}") from None
+
+
+def read_eval_features(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """The held-out set: an .npz with Z (n, d) features and y (n,) labels (``fedfleet features`` writes one)."""
+    if not path.is_file():
+        raise FileNotFoundError(2, "--eval-features not found (an .npz with Z and y)", str(path))
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            Z, y = data["Z"], data["y"]
+    except (KeyError, ValueError, OSError) as exc:
+        raise ValueError(f"--eval-features {path}: not an .npz with arrays Z (n, d) and y (n,): {exc}") from None
+    if Z.ndim != 2 or y.shape != (len(Z),) or not np.isfinite(Z).all():
+        raise ValueError(f"--eval-features {path}: Z must be (n, d) finite and y (n,), got {Z.shape} and {y.shape}")
+    return Z, y
+
+
 def serve(args) -> int:
     if args.config is None and not args.keep_serving:
-        raise SystemExit("serve needs --config (or --keep-serving with --state to run jobs from the API)")
-    job = build_job(args.kind, json.loads(args.config.read_text())) if args.config else None
-    eval_set = None
-    if args.eval_features:
-        data = np.load(args.eval_features)
-        eval_set = (data["Z"], data["y"])
+        raise ValueError("serve needs --config (or --keep-serving with --state to run jobs from the API)")
+    broker = BrokerConfig.from_url(args.broker, tls_ca=args.tls_ca)      # a bad address fails before any file
+    job = build_job(args.kind, read_json(args.config, "--config")) if args.config else None
+    eval_set = read_eval_features(args.eval_features) if args.eval_features else None
+    broker.check_reachable()
     enrolled = None
     if args.enrolled:
         enrolled = {line.strip() for line in args.enrolled.read_text().splitlines() if line.strip()}
@@ -59,9 +83,9 @@ def serve(args) -> int:
             print(f"serving bundle {bundle}: manifest sha256 {shelf.add_bundle(bundle)}", flush=True)
     announced = getattr(job.config, "bundle_sha256", "") if job is not None else ""
     if announced and (shelf is None or announced not in shelf):
-        raise SystemExit(f"the job runs on bundle {announced[:16]}…, which this aggregator does not serve: "
+        raise ValueError(f"the job runs on bundle {announced[:16]}…, which this aggregator does not serve: "
                          "pass that bundle's directory with --artifacts")
-    summary = serve_with_ops(args, job, BrokerConfig.from_url(args.broker, tls_ca=args.tls_ca), args.out,
+    summary = serve_with_ops(args, job, broker, args.out,
                              Topics(args.topic_root), enrolled=enrolled, eval_set=eval_set, artifacts=shelf)
     final = summary.get("final", {})
     print(json.dumps({"state": summary.get("state"), "contributions": final.get("contributions"),

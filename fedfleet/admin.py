@@ -14,6 +14,7 @@ FEDFLEET_ADMIN_URL / FEDFLEET_ADMIN_TOKEN. Only the standard library is used (ur
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -21,6 +22,8 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from .help_format import HelpFormatter
 from typing import Any
 
 DEFAULT_URL = "http://127.0.0.1:8080"
@@ -189,11 +192,44 @@ def _device(args, client):
     return creds, text
 
 
+def _when(ts: float | None) -> str:
+    if ts is None:
+        return "-"
+    return f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(ts))} ({ago(ts)})"
+
+
+def _job_text(j: dict) -> str:
+    """A job as an operator reads it: state, times as dates, counters and config as key: value lines."""
+    lines = [f"job {j['job_id']} ({j['kind']}): {j['state']}",
+             f"  rounds {j['rounds']}, contributions {j['contributions']}",
+             f"  created   {_when(j.get('created_at'))}", f"  started   {_when(j.get('started_at'))}",
+             f"  finished  {_when(j.get('finished_at'))}"]
+    counters = j.get("counters") or {}
+    rejections = counters.get("rejections") or {}
+    if counters:
+        lines.append(f"  bytes in {counters.get('bytes_in', 0):,}, late {counters.get('late', 0)}, "
+                     f"duplicates {counters.get('duplicates', 0)}")
+    if rejections:
+        lines.append("  rejected  " + ", ".join(f"{k}: {v}" for k, v in sorted(rejections.items())))
+    if (j.get("summary") or {}).get("error"):
+        lines.append(f"  error     {j['summary']['error']}")
+    lines.append("  config")
+    lines += [f"    {k:<22}{v}" for k, v in sorted((j.get("config") or {}).items())]
+    return "\n".join(lines)
+
+
 def _job(args, client):
     a = args.action
     if a == "show":
         j = client.get(f"/api/jobs/{args.job_id}")
-        return j, "\n".join(f"{k:<14}{v}" for k, v in j.items() if k not in ("config", "summary"))
+        return j, _job_text(j)
+    if a == "evaluations":
+        e = client.get(f"/api/jobs/{args.job_id}/evaluations")
+        rows = [{"i": i + 1, "round": x.get("round", ""), "contributions": x.get("contributions", ""),
+                 "accuracy": "" if x.get("accuracy") is None else f"{x['accuracy']:.4f}",
+                 "t": "" if x.get("t") is None else f"{x['t']:.1f} s"} for i, x in enumerate(e)]
+        return e, table(rows, [("#", "i"), ("ROUND", "round"), ("CONTRIBUTIONS", "contributions"),
+                               ("ACCURACY", "accuracy"), ("TIME", "t")])
     if a == "create":
         config = json.loads(Path(args.config).read_text())
         job_id = args.job_id or config.get("job_id")
@@ -256,47 +292,59 @@ def add_admin_parser(subparsers) -> argparse.ArgumentParser:
     """Add ``admin`` to a ``fedfleet`` subparsers object; the parser's ``func`` runs the command."""
     p = subparsers.add_parser("admin", help="operate a running aggregator through its admin API",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--url", default=os.environ.get("FEDFLEET_ADMIN_URL", DEFAULT_URL))
-    p.add_argument("--token", default=None, help="admin token (default: $FEDFLEET_ADMIN_TOKEN)")
-    p.add_argument("--token-file", type=Path, default=None)
-    p.add_argument("--json", action="store_true", help="print the API's JSON (for scripts)")
-    sub = p.add_subparsers(dest="admin_cmd", required=True)
-    sub.add_parser("status", help="one line: active job, round progress, devices online")
-    w = sub.add_parser("watch", help="live progress bar of the active job")
+    _connection_arguments(p, defaults=True)
+    # the same options are accepted after the subcommand too (fedfleet admin status --token X)
+    common = argparse.ArgumentParser(add_help=False)
+    _connection_arguments(common, defaults=False)
+    sub = p.add_subparsers(dest="admin_cmd", required=True, metavar="COMMAND")
+    add = functools.partial(sub.add_parser, parents=[common], formatter_class=HelpFormatter)
+    add("status", help="one line: active job, round progress, devices online")
+    w = add("watch", help="live progress bar of the active job")
     w.add_argument("--job", default=None, help="stop watching when this job is no longer active")
-    w.add_argument("--interval", type=float, default=1.0)
+    w.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     w.add_argument("--until-done", action="store_true", help="exit when the job is done/cancelled/stopped")
-    w.add_argument("--timeout", type=float, default=None)
-    fl = sub.add_parser("fleet", help="fleet summary, with its mode (open: any device; enrolled: enrolled only)")
+    w.add_argument("--timeout", type=float, default=None, help="stop watching after this many seconds")
+    fl = add("fleet", help="fleet summary, with its mode (open: any device; enrolled: enrolled only)")
     fl.add_argument("mode", nargs="?", choices=("open", "enrolled"), default=None,
                     help="set the fleet mode on purpose (default: only show the summary)")
-    d = sub.add_parser("devices", help="table of devices (last seen, profile, cluster)")
-    d.add_argument("--status", choices=["enrolled", "revoked"], default=None)
-    dv = sub.add_parser("device", help="show, enrol or revoke one device")
+    d = add("devices", help="table of devices (last seen, profile, cluster)")
+    d.add_argument("--status", choices=["enrolled", "revoked"], default=None, help="only devices in this state")
+    dv = add("device", help="show, enrol or revoke one device")
     dv.add_argument("action", choices=["show", "enroll", "revoke"])
     dv.add_argument("device_id")
     dv.add_argument("--public-key", default=None, help="enrol: the device's own Ed25519 public key (hex)")
     dv.add_argument("--out", type=Path, default=None, help="enrol: write the credentials JSON here (mode 600)")
-    sub.add_parser("jobs", help="table of jobs")
-    j = sub.add_parser("job", help="show / create / start / pause / resume / cancel a job, or list its rounds")
-    j.add_argument("action", choices=["show", "create", "start", "pause", "resume", "cancel", "rounds"])
+    add("jobs", help="table of jobs")
+    j = add("job", help="show / create / start / pause / resume / cancel a job, or list its rounds")
+    j.add_argument("action", choices=["show", "create", "start", "pause", "resume", "cancel", "rounds", "evaluations"])
     j.add_argument("target", help="job id, or for create: the config JSON file")
     j.add_argument("--job-id", default=None, help="create: job id (default: the config's job_id)")
-    j.add_argument("--kind", default="fed3r")
+    j.add_argument("--kind", default="fed3r", help="create: the job kind (fed3r, fed3r-sync, fedavg, fedavg-secure, "
+                   "fedavg-tail, fedavg-tail-secure, personalize, ladd, ladd-secure; the API refuses others)")
     j.add_argument("--start", action="store_true", help="create: start it at once")
-    r = sub.add_parser("round", help="one round in detail: participants, drop-outs, timings, bytes")
-    r.add_argument("job_id")
-    r.add_argument("round", type=int)
-    m = sub.add_parser("models", help="table of model versions")
-    m.add_argument("--job", default=None)
-    mo = sub.add_parser("model", help="show / download / lineage of one model version")
+    r = add("round", help="one round in detail: participants, drop-outs, timings, bytes")
+    r.add_argument("job_id", help="the job")
+    r.add_argument("round", type=int, help="the round number")
+    m = add("models", help="table of model versions")
+    m.add_argument("--job", default=None, help="only this job's model versions")
+    mo = add("model", help="show / download / lineage of one model version")
     mo.add_argument("action", choices=["show", "download", "lineage"])
     mo.add_argument("model_id", type=int)
     mo.add_argument("-o", "--output", default=None, help="download: file to write (.npz)")
-    sub.add_parser("clusters", help="table of clusters")
-    sub.add_parser("metrics", help="the Prometheus metrics text")
+    add("clusters", help="table of clusters")
+    add("metrics", help="the Prometheus metrics text")
     p.set_defaults(func=run_admin)
     return p
+
+
+def _connection_arguments(p: argparse.ArgumentParser, defaults: bool) -> None:
+    def d(value):
+        return value if defaults else argparse.SUPPRESS
+    p.add_argument("--url", default=d(os.environ.get("FEDFLEET_ADMIN_URL", DEFAULT_URL)),
+                   help="the aggregator's admin API (default: $FEDFLEET_ADMIN_URL or " + DEFAULT_URL + ")")
+    p.add_argument("--token", default=d(None), help="admin token (default: $FEDFLEET_ADMIN_TOKEN)")
+    p.add_argument("--token-file", type=Path, default=d(None), help="read the admin token from this file")
+    p.add_argument("--json", action="store_true", default=d(False), help="print the API's JSON (for scripts)")
 
 
 def run_admin(args) -> int:

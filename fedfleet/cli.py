@@ -1,7 +1,7 @@
-"""The ``fedfleet`` command: one dispatcher for every subcommand.
+"""fedfleet: federated learning for fleets of edge devices doing vision.
 
     fedfleet simulate     emulated fleet + real broker + real aggregator (research, demos, load tests)
-    fedfleet aggregator   run the aggregator service (``serve``)
+    fedfleet aggregator   run the aggregator service (serve)
     fedfleet device       run one device agent on local data against a broker
     fedfleet admin        talk to a running aggregator's admin API (fleet, jobs, rounds, models)
     fedfleet export       build ExecuTorch (.pte, XNNPACK) / ONNX bundles with manifest and parity check
@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+
+from .errors import run_reporting_errors
+from .help_format import HelpFormatter
+from .quiet import quiet_third_party_warnings
 
 
 def _simulate(args) -> int:
@@ -27,6 +31,10 @@ def _simulate(args) -> int:
                  "runtime": args.runtime, "rf_dim": args.rf_dim, "workers": args.workers,
                  "secure": True if args.secure else None, "secure_graph": args.secure_graph}
     cfg = load_config(args.config, overrides)
+    if cfg.broker:
+        from protocols.mqtt_link import BrokerConfig
+
+        BrokerConfig.from_url(cfg.broker).check_reachable()
     if args.pipeline == "fed3r-ft-oll":
         from .pipeline import run_pipeline
 
@@ -58,22 +66,30 @@ def _device(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fedfleet", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
+    from importlib.metadata import version
 
-    s = sub.add_parser("simulate", help="run an emulated fleet against a real broker and aggregator")
+    p = argparse.ArgumentParser(prog="fedfleet", description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--version", action="version", version=f"fedfleet {version('fedfleet')}")
+    p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
+
+    s = sub.add_parser("simulate", help="run an emulated fleet against a real broker and aggregator",
+                       formatter_class=HelpFormatter)
     s.add_argument("--config", default="demo", help="preset (demo, smoke) or a JSON file of SimConfig fields")
-    s.add_argument("--devices", type=int)
-    s.add_argument("--broker", help="use this broker (mqtt://host:port) instead of a private mosquitto")
-    s.add_argument("--out", help="output directory")
-    s.add_argument("--seed", type=int)
-    s.add_argument("--image-size", type=int)
-    s.add_argument("--split", choices=["iid", "dirichlet", "classes"])
-    s.add_argument("--alpha", type=float)
+    s.add_argument("--devices", type=int, help="number of emulated devices (default: the preset's)")
+    s.add_argument("--broker", help="use this broker, mqtt://[user:pass@]host:port[?version=3.1.1] "
+                                    "(default: a private mosquitto on a free loopback port)")
+    s.add_argument("--out", help="output directory (default: the preset's, runs/latest)")
+    s.add_argument("--seed", type=int, help="seed of the split, profiles and sampling (default: the preset's)")
+    s.add_argument("--image-size", type=int, help="input size of the backbone in pixels (default: the preset's)")
+    s.add_argument("--split", choices=["iid", "dirichlet", "classes"],
+                   help="how images are spread over devices (default: the preset's, dirichlet)")
+    s.add_argument("--alpha", type=float, help="Dirichlet concentration of the label skew (default: the preset's)")
     s.add_argument("--runtime", choices=["eager", "executorch", "executorch-int8", "onnxruntime"],
-                   help="devices' feature extraction (executorch-int8: the int8-quantized ExecuTorch program)")
-    s.add_argument("--rf-dim", type=int, help="Fed3R-RF: number of random Fourier features")
-    s.add_argument("--workers", type=int)
+                   help="devices' feature extraction; executorch-int8 is the int8-quantized ExecuTorch program "
+                        "(default: the preset's)")
+    s.add_argument("--rf-dim", type=int, help="Fed3R-RF: number of random Fourier features (default: none)")
+    s.add_argument("--workers", type=int, help="processes hosting the devices (default: the preset's)")
     s.add_argument("--secure", action="store_true", help="Fed3R-Sync: sum statistics under secure aggregation")
     s.add_argument("--secure-graph", choices=["complete", "regular"], help="SecAgg (complete) or SecAgg+ (regular)")
     s.add_argument("--pipeline", choices=["fed3r", "fed3r-ft-oll", "ladd"], default="fed3r",
@@ -94,11 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     from aggregator.cli import build_parser as agg_parser
 
-    a = sub.add_parser("aggregator", help="run the aggregator service")
+    a = sub.add_parser("aggregator", help="run the aggregator service", formatter_class=HelpFormatter)
     agg_parser(a)
     a.set_defaults(func=_aggregator)
 
-    d = sub.add_parser("device", help="run one device agent on local data")
+    d = sub.add_parser("device", help="run one device agent on local data", formatter_class=HelpFormatter)
     from .device import add_arguments
 
     add_arguments(d)
@@ -118,12 +134,18 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["export"]:
+    if argv[:1] == ["export"] or argv[:2] == ["--debug", "export"]:
         from export.cli import main as export_main
 
-        return export_main(argv[1:])
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+        debug = argv[0] == "--debug"
+        return run_reporting_errors("export", lambda: export_main(argv[2 if debug else 1:]), debug)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.cmd is None:
+        parser.print_help()
+        return 2
+    quiet_third_party_warnings()
+    return run_reporting_errors(args.cmd, lambda: args.func(args), args.debug)
 
 
 if __name__ == "__main__":

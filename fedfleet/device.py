@@ -10,15 +10,17 @@ from pathlib import Path
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--id", required=True, help="device id (enrolled with the aggregator)")
-    p.add_argument("--broker", default="mqtt://127.0.0.1:1883")
-    p.add_argument("--tls-ca", default=None)
-    p.add_argument("--topic-root", default="fedfleet")
+    p.add_argument("--broker", default="mqtt://127.0.0.1:1883",
+                   help="mqtt://[user:pass@]host:port[?version=3.1.1|5] (the MQTT account from enrolment)")
+    p.add_argument("--tls-ca", default=None, help="CA file of the broker's TLS listener (mqtts://)")
+    p.add_argument("--topic-root", default="fedfleet", help="first level of every fedfleet topic")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--image-folder", type=Path, help="root/<class>/*.png layout; class ids = sorted names")
     src.add_argument("--idx", nargs=2, type=Path, metavar=("IMAGES", "LABELS"), help="IDX image and label files")
     p.add_argument("--classes", default=None, help="comma-separated global class list (image-folder mode)")
-    p.add_argument("--cache-dir", default=None)
-    p.add_argument("--runtime", default="eager", choices=["eager", "executorch", "onnxruntime"])
+    p.add_argument("--cache-dir", default=None, help="where extracted features are cached (default: no cache)")
+    p.add_argument("--runtime", default="eager", choices=["eager", "executorch", "onnxruntime"],
+                   help="how features are extracted: eager PyTorch, or an exported bundle's program")
     p.add_argument("--bundle-sha", default=None,
                    help="fetch this exported bundle (manifest sha256) from the aggregator at start, verify it, "
                         "and extract features with it (--runtime executorch|onnxruntime)")

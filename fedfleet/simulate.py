@@ -23,9 +23,11 @@ from pathlib import Path
 import numpy as np
 
 from edge_client.data import load_fashion_mnist
+from protocols.mqtt_link import BrokerConfig
 from protocols.topics import Topics
 
 from .emulation.broker import MosquittoBroker
+from .errors import UserError, load_json_file
 from .emulation.processes import stop_all
 from .emulation.partition import make_split, train_holdout_split
 from .emulation.profiles import sample_profiles
@@ -87,11 +89,25 @@ PRESETS = {
 
 
 def load_config(name_or_path: str, overrides: dict) -> SimConfig:
+    """A preset or a JSON file of SimConfig fields, with the command line's overrides; one clear
+    error for a missing file, bad JSON, an unknown field or a bad broker address."""
     if name_or_path in PRESETS:
         cfg = PRESETS[name_or_path]
     else:
-        cfg = SimConfig(**json.loads(Path(name_or_path).read_text()))
-    return dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
+        if not name_or_path.endswith(".json") and not Path(name_or_path).exists():
+            raise UserError(f"--config {name_or_path!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
+                            f"nor an existing JSON file")
+        data = load_json_file(name_or_path, "--config")
+        fields = {f.name for f in dataclasses.fields(SimConfig)}
+        if not isinstance(data, dict) or set(data) - fields:
+            unknown = sorted(set(data) - fields) if isinstance(data, dict) else ["<not an object>"]
+            raise UserError(f"--config {name_or_path}: unknown field {unknown[0]!r} "
+                            f"(SimConfig fields: {', '.join(sorted(fields))})")
+        cfg = SimConfig(**data)
+    cfg = dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
+    if cfg.broker:
+        BrokerConfig.from_url(cfg.broker)        # a bad address fails here, before any file is written
+    return cfg
 
 
 def _load(cfg: SimConfig):

@@ -62,6 +62,18 @@ class BrokerConfig:
                    username=unquote(u.username) if u.username else None,
                    password=unquote(u.password) if u.password else None, protocol=version, **kw)
 
+    def check_reachable(self, timeout: float = 3.0) -> None:
+        """Fail fast (ConnectionError, one clear line) when nothing listens at the broker's address,
+        instead of a connect loop that gives up only after its own timeout."""
+        import socket
+
+        try:
+            socket.create_connection((self.host, self.port), timeout=timeout).close()
+        except OSError as exc:
+            reason = exc.strerror or type(exc).__name__
+            raise ConnectionError(f"cannot reach the MQTT broker at {self.host}:{self.port} ({reason}): "
+                                  f"is it running, and is --broker right?") from None
+
     def url(self) -> str:
         """The address again (without the password), e.g. for logs and worker specs."""
         user = f"{self.username}@" if self.username else ""

@@ -1,0 +1,63 @@
+"""Every ordinary mistake with the ``fedfleet`` command gets one line saying what is wrong, a
+non-zero exit and no traceback; help and --version work. Each case runs the real console command."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+FEDFLEET = str(Path(sys.executable).with_name("fedfleet"))
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli")
+    (d / "bad.json").write_text("{not json")
+    (d / "unknown.json").write_text(json.dumps({"devices": 3, "bogus_field": 1}))
+    (d / "job.json").write_text(json.dumps({"num_classes": 10}))
+    (d / "huge.json").write_text(json.dumps({"num_classes": 10 ** 9}))
+    return d
+
+
+CASES = [
+    ("missing --config", ["simulate", "--config", "{d}/nope.json"], "does not exist"),
+    ("misspelt preset", ["simulate", "--config", "dmeo"], "neither a preset"),
+    ("bad JSON", ["simulate", "--config", "{d}/bad.json"], "not valid JSON"),
+    ("unknown config field", ["simulate", "--config", "{d}/unknown.json"], "unknown field 'bogus_field'"),
+    ("bad broker scheme", ["simulate", "--config", "smoke", "--broker", "htp://x", "--out", "{d}/never"], "scheme"),
+    ("unreachable broker", ["simulate", "--config", "smoke", "--broker", "mqtt://127.0.0.1:1", "--out", "{d}/never"],
+     "cannot reach the MQTT broker"),
+    ("serve: missing config", ["aggregator", "serve", "--out", "{d}/o", "--config", "{d}/nope.json"], "not found"),
+    ("serve: bad JSON", ["aggregator", "serve", "--out", "{d}/o", "--config", "{d}/bad.json"], "not valid JSON"),
+    ("serve: over a limit", ["aggregator", "serve", "--out", "{d}/o", "--config", "{d}/huge.json"], "num_classes"),
+    ("serve: missing eval features", ["aggregator", "serve", "--out", "{d}/o", "--config", "{d}/job.json",
+                                      "--eval-features", "{d}/nope.npz"], "--eval-features"),
+    ("serve: bad broker", ["aggregator", "serve", "--out", "{d}/o", "--config", "{d}/job.json", "--broker",
+                           "mqtt://h?version=4"], "version"),
+    ("device: missing IDX", ["device", "--id", "cam1", "--idx", "{d}/a.idx", "{d}/b.idx"], "No such file"),
+    ("admin: API down", ["admin", "status", "--token", "t" * 20, "--url", "http://127.0.0.1:1"], "cannot reach"),
+]
+
+
+@pytest.mark.parametrize("name,argv,words", CASES, ids=[c[0] for c in CASES])
+def test_a_mistake_is_one_line_without_a_traceback(files, name, argv, words):
+    argv = [a.format(d=files) for a in argv]
+    proc = subprocess.run([FEDFLEET, *argv], capture_output=True, text=True, timeout=120)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode != 0, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert len(lines) == 1 and words in lines[0], proc.stderr
+    assert not (files / "never").exists()                 # nothing written before the check
+
+
+def test_help_and_version():
+    bare = subprocess.run([FEDFLEET], capture_output=True, text=True, timeout=60)
+    assert "simulate" in bare.stdout and "usage" in bare.stdout and "Traceback" not in bare.stderr
+    version = subprocess.run([FEDFLEET, "--version"], capture_output=True, text=True, timeout=60)
+    assert version.returncode == 0 and version.stdout.startswith("fedfleet ")
+    helps = subprocess.run([FEDFLEET, "aggregator", "serve", "--help"], capture_output=True, text=True, timeout=60)
+    for kind in ("fed3r-sync", "fedavg-tail-secure", "personalize", "ladd-secure"):
+        assert kind + ":" in helps.stdout.replace("\n", " ").replace("  ", " ")
+    assert "``" not in helps.stdout and "(default: mqtt://127.0.0.1:1883)" in " ".join(helps.stdout.split())
