@@ -16,8 +16,11 @@ from protocols.random_features import RandomFourierFeatures
 
 class Fed3RAccumulator:
     def __init__(self, num_classes: int, feature_dim: int, fit_intercept: bool = True,
-                 random_features: RandomFourierFeatures | None = None):
+                 random_features: RandomFourierFeatures | None = None, keep_rows: bool = False):
         self.num_classes = num_classes
+        # the rows are kept (for the exact factor form) only while they are fewer than the features
+        self._rows: list[np.ndarray] | None = [] if keep_rows else None
+        self._row_labels: list[np.ndarray] = []
         self.fit_intercept = fit_intercept
         self.rf = random_features
         if self.rf is not None and not hasattr(self.rf, "omega_"):
@@ -48,6 +51,11 @@ class Fed3RAccumulator:
         if len(labels) and (labels.min() < 0 or labels.max() >= self.num_classes):
             raise ValueError(f"labels must lie in [0, {self.num_classes})")
         Z = self.transform(features)
+        if self._rows is not None:
+            self._rows.append(Z)
+            self._row_labels.append(labels)
+            if sum(len(z) for z in self._rows) >= self.p:
+                self._rows, self._row_labels = None, []
         self.A += Z.T @ Z
         onehot = np.zeros((len(labels), self.num_classes))
         onehot[np.arange(len(labels)), labels] = 1.0
@@ -62,3 +70,21 @@ class Fed3RAccumulator:
         """(A, class_ids, b_rows): only the classes present locally."""
         ids = np.flatnonzero(self.counts)
         return self.A, ids.astype(np.int64), self.B[ids]
+
+    def factor(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """(R, QtY, class_ids) of the exact factor form, or None when it does not apply: rows not
+        kept (n ≥ p), or R not unique (its leading block singular: rows linearly dependent), in
+        which case the dense statistics are the only form that reveals nothing more."""
+        if not self._rows:
+            return None
+        Z = np.vstack(self._rows)
+        labels = np.concatenate(self._row_labels)
+        Q, R = np.linalg.qr(Z)                               # Z (n×p), n < p: Q (n×n), R (n×p)
+        signs = np.where(np.diagonal(R) < 0, -1.0, 1.0)
+        R, Q = R * signs[:, None], Q * signs[None, :]
+        diag = np.diagonal(R)
+        if diag.min() <= 1e-10 * max(float(np.abs(R).max()), 1.0):
+            return None
+        ids = np.flatnonzero(self.counts).astype(np.int64)
+        onehot = (labels[:, None] == ids[None, :]).astype(np.float64)
+        return np.triu(R), Q.T @ onehot, ids

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from .envelope import Envelope, encode
-from .payloads.fed3r import encode_stats
+from .payloads.fed3r import encode_factor, encode_stats
 from .payloads.fedavg import encode_head_update, encode_model_update, head_tensors
 from .payloads.personalize import PersonalizationReport, encode_report
 
@@ -37,6 +37,12 @@ def golden_messages() -> dict[str, bytes]:
     body.update({"job": "fed3r-demo", "round": 1, "task": "00" * 16, "kind": "fed3r.stats"})
     result = Envelope("result", "dev0001", body=body, tensors=tensors, id="11" * 16, ts=_TS + 5)
     out["result_fed3r_stats"] = encode(result)
+    # the exact factor form of two samples (Z = R, Q = I: class 0 and class 2, bias column last)
+    R = np.array([[2.0, 1.0, 0.5, 1.0], [0.0, 1.5, 0.25, 1.0]])
+    factor_body, factor_tensors = encode_factor(R, np.eye(2), np.array([0, 2]), 2, 3)
+    factor_body.update({"job": "fed3r-demo", "round": 1, "task": "00" * 16, "kind": "fed3r.stats"})
+    out["result_fed3r_factor"] = encode(Envelope("result", "dev0002", body=factor_body, tensors=factor_tensors,
+                                                 id="12" * 16, ts=_TS + 5))
     out["ack_accepted"] = encode(Envelope("ack", "aggregator", {"ref": "11" * 16, "status": "accepted", "reason": ""},
                                           id="22" * 16, ts=_TS + 6))
     out["presence_online"] = encode(Envelope("presence", "dev0001", {"state": "online", "info": {"kinds": ["fed3r.stats"]}},

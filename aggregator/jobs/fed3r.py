@@ -38,6 +38,7 @@ class Fed3RConfig(ModelFields):
     expected_devices: int = 0                # start once this many devices are online (0: first one)
     start_timeout_s: float = 60.0            # ...or after this long with whoever is there
     seed: int = 0
+    factor_uploads: bool = True              # devices with fewer samples than features may send R (exact, smaller)
 
     @property
     def p(self) -> int:
@@ -46,7 +47,8 @@ class Fed3RConfig(ModelFields):
 
     def task_params(self) -> dict:
         return {**self.model_params(), "fit_intercept": self.fit_intercept,
-                "random_features": self.random_features, "format": self.b_format, "dtype": self.stats_dtype}
+                "random_features": self.random_features, "format": self.b_format, "dtype": self.stats_dtype,
+                "factor": self.factor_uploads and self.b_format == "sparse"}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -76,7 +78,8 @@ class Fed3RJob(OncePerDevice):
         return self.config.task_params(), {}
 
     def parse_result(self, env: Envelope) -> Fed3RStats:
-        return parse_stats(env, self.config.p, self.config.num_classes)
+        return parse_stats(env, self.config.p, self.config.num_classes, fit_intercept=self.config.fit_intercept,
+                           positive_definite=self.strategy.positive_definite)
 
     def close_round(self, closed: RoundClosed) -> None:
         pass  # Fed3R is purely additive: nothing happens at round boundaries

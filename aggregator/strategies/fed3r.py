@@ -39,15 +39,28 @@ class Fed3R:
         """Accumulate one device's (or one secure group's) statistics. Validated input only."""
         if stats.p != self.p:
             raise ValueError(f"statistics have p={stats.p}, strategy expects {self.p}")
-        self._add_packed(torch.as_tensor(stats.a_upper, dtype=torch.float64, device=self.device))
         ids = torch.as_tensor(stats.class_ids, device=self.device)
-        self.B[:, ids] += torch.as_tensor(stats.b, dtype=torch.float64, device=self.device).T
+        if stats.r_factor is not None:            # the exact factor form: A_k = RᵀR, b_k = (Rᵀ QtY)ᵀ
+            R = torch.as_tensor(stats.r_factor, dtype=torch.float64, device=self.device)
+            iu = self._triu_index()
+            self._add_packed((R.T @ R)[iu[0], iu[1]])
+            self.B[:, ids] += R.T @ torch.as_tensor(stats.qty, dtype=torch.float64, device=self.device)
+        else:
+            self._add_packed(torch.as_tensor(stats.a_upper, dtype=torch.float64, device=self.device))
+            self.B[:, ids] += torch.as_tensor(stats.b, dtype=torch.float64, device=self.device).T
         self.n_samples += stats.n
         self.n_contributions += 1
 
     def add_dense(self, a_upper: np.ndarray, b_dense: np.ndarray, n: int) -> None:
         """Accumulate a dense (C×p) b, e.g. a group sum from secure aggregation."""
         self.add(Fed3RStats(n=n, p=self.p, a_upper=a_upper, class_ids=np.arange(self.num_classes), b=b_dense))
+
+    def positive_definite(self, a: np.ndarray, tau: float) -> bool:
+        """Whether A + τI has a Cholesky factor, on the strategy's device (the GPU when there is one):
+        the Gram check ``parse_stats`` runs on every dense contribution."""
+        t = torch.as_tensor(a, dtype=torch.float64, device=self.device)
+        t.diagonal().add_(tau)
+        return int(torch.linalg.cholesky_ex(t)[1]) == 0
 
     def _add_packed(self, packed: torch.Tensor) -> None:
         if packed.shape != self._packed.shape:

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from protocols.payloads.fed3r import encode_stats
+from protocols.payloads.fed3r import dense_values, encode_factor, encode_stats, factor_values
 from protocols.random_features import RandomFourierFeatures
 
 from ..agent import TaskDeclined
@@ -29,6 +29,7 @@ class Fed3RStatsTask:
             fit_intercept = bool(params.get("fit_intercept", True))
             dense = params.get("format", "sparse") == "dense"
             dtype = str(params.get("dtype", "float64"))
+            factor_ok = bool(params.get("factor", False)) and not dense
             rf_cfg = params.get("random_features")
         except (KeyError, TypeError, ValueError) as exc:
             raise TaskDeclined(f"bad fed3r.stats params: {exc}") from exc
@@ -41,8 +42,18 @@ class Fed3RStatsTask:
         rf = None
         if rf_cfg:
             rf = RandomFourierFeatures(int(rf_cfg["dim"]), float(rf_cfg["sigma"]), int(rf_cfg["seed"]))
-        acc = Fed3RAccumulator(num_classes, extractor.feature_dim, fit_intercept, rf)
+        acc = Fed3RAccumulator(num_classes, extractor.feature_dim, fit_intercept, rf, keep_rows=factor_ok)
         feats = extractor.extract(self.images)
         acc.update(feats, self.labels)
-        A, ids, b = acc.sparse()
-        return encode_stats(A, ids, b, acc.n, num_classes, dense=dense, dtype=dtype)
+        return encode_smallest(acc, num_classes, dense, dtype)
+
+
+def encode_smallest(acc: Fed3RAccumulator, num_classes: int, dense: bool, dtype: str):
+    """The exact factor form when the device kept its rows and it is smaller, else the triangle."""
+    A, ids, b = acc.sparse()
+    factor = acc.factor()
+    if factor is not None:
+        R, qty, ids = factor
+        if factor_values(len(R), acc.p, len(ids)) < dense_values(acc.p, len(ids)):
+            return encode_factor(R, qty, ids, acc.n, num_classes, dtype=dtype)
+    return encode_stats(A, ids, b, acc.n, num_classes, dense=dense, dtype=dtype)

@@ -12,11 +12,32 @@ appended) and Y its one-hot labels, a device sends
 
 and in the body ``n`` (samples), ``p``, ``num_classes``, ``format`` ("sparse"/"dense").
 Sending the upper triangle halves the upload; the sparse b saves (C - m)·p values (Fed3R, [P] §III).
+
+Exact factor form (body ``"a_format": "factor"``, sparse b only): a device with few samples sends
+instead of ``A_upper`` and ``b``
+
+* ``R``    (r, p)  upper-trapezoidal factor of Z (QR, diagonal made non-negative), r = n_k < p:
+                   RᵀR = A_k exactly; zeros below the diagonal, non-negative diagonal
+* ``QtY``  (r, m)  Qᵀ Y restricted to the present classes: b_k = (R ᵀ QtY)ᵀ exactly
+
+When R's leading r×r block is non-singular, R is determined by A_k alone (that block is the
+Cholesky factor of A_k's leading block) and QtY by (R, b_k), so the factor reveals nothing the
+dense statistics do not; a device whose factor is not unique sends the dense triangle. The
+factor costs r·p + r·m values against p(p+1)/2 + m·p: at d = 1280 and r ≤ 64 about 1/10 of the
+paper's fp32 statistics. Absent ``a_format`` means ``"packed"`` (the triangle above).
+
+Before anything is stored, the statistics must be what they claim (``parse_stats``): exactly the
+declared tensors, finite, A symmetric positive semi-definite within the tolerance of its wire
+precision (A + τI has a Cholesky factor, τ = 4·p·ε(dtype)·max diag A), and consistent with n
+(with a bias column, A's last diagonal entry is n and the bias column of b holds class counts
+summing to n).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import Callable
 
 import numpy as np
 
@@ -31,14 +52,19 @@ def triu_pack(a: np.ndarray) -> np.ndarray:
     return a[np.triu_indices(p)]
 
 
+@lru_cache(maxsize=8)
+def _triu(p: int) -> tuple[np.ndarray, np.ndarray]:
+    return np.triu_indices(p)
+
+
 def triu_unpack(v: np.ndarray, p: int, out: np.ndarray | None = None) -> np.ndarray:
     """Symmetric (p x p) float64 matrix from its packed upper triangle (added into ``out`` if given)."""
     if v.shape != (p * (p + 1) // 2,):
         raise ValueError(f"packed triangle has {v.shape} values, expected {(p * (p + 1) // 2,)} for p={p}")
     full = np.zeros((p, p), dtype=np.float64)
-    iu = np.triu_indices(p)
-    full[iu] = v
-    full = full + np.triu(full, 1).T
+    rows, cols = _triu(p)
+    full[rows, cols] = v
+    full[cols, rows] = v
     if out is not None:
         out += full
         return out
@@ -53,9 +79,36 @@ def packed_len(p: int) -> int:
 class Fed3RStats:
     n: int
     p: int
-    a_upper: np.ndarray          # (p(p+1)/2,)
+    a_upper: np.ndarray | None   # (p(p+1)/2,), or None for the factor form
     class_ids: np.ndarray        # (m,) int64
-    b: np.ndarray                # (m, p)
+    b: np.ndarray | None         # (m, p), or None for the factor form
+    r_factor: np.ndarray | None = None    # (r, p): A = RᵀR
+    qty: np.ndarray | None = None         # (r, m): b = (Rᵀ QtY)ᵀ
+
+    @property
+    def values(self) -> int:
+        """How many numbers the device sent (the upload's size, whatever the dtype)."""
+        parts = (self.a_upper, self.b) if self.r_factor is None else (self.r_factor, self.qty)
+        return sum(int(x.size) for x in parts)
+
+
+def factor_values(r: int, p: int, m: int) -> int:
+    return r * p + r * m
+
+
+def dense_values(p: int, m: int) -> int:
+    return packed_len(p) + m * p
+
+
+def encode_factor(r_factor: np.ndarray, qty: np.ndarray, class_ids: np.ndarray, n: int, num_classes: int,
+                  dtype: str = "float64") -> tuple[dict, dict[str, np.ndarray]]:
+    """The factor form of a device's statistics (see the module docstring)."""
+    if dtype not in STATS_DTYPES:
+        raise ValueError(f"stats dtype must be one of {STATS_DTYPES}")
+    body = {"n": int(n), "p": int(r_factor.shape[1]), "num_classes": int(num_classes), "format": "sparse",
+            "a_format": "factor"}
+    return body, {"R": np.asarray(r_factor).astype(dtype), "QtY": np.asarray(qty).astype(dtype),
+                  "class_ids": np.asarray(class_ids, dtype=np.int64)}
 
 
 def encode_stats(a_full: np.ndarray, class_ids: np.ndarray, b_rows: np.ndarray, n: int, num_classes: int,
@@ -74,8 +127,23 @@ def encode_stats(a_full: np.ndarray, class_ids: np.ndarray, b_rows: np.ndarray, 
     return body, tensors
 
 
-def parse_stats(msg: Envelope, p: int, num_classes: int, max_samples: int = 10**9) -> Fed3RStats:
-    """Validate a ``fed3r.stats`` result against the job's (p, C); raise EnvelopeError if anything is off."""
+# A + τI -> whether it has a Cholesky factor; the aggregator injects its own (torch, on the GPU
+# when there is one) so that protocols stays free of torch; the default is numpy's.
+PositiveDefinite = Callable[[np.ndarray, float], bool]
+
+
+def numpy_positive_definite(a: np.ndarray, tau: float) -> bool:
+    try:
+        np.linalg.cholesky(a + tau * np.eye(len(a)))
+        return True
+    except np.linalg.LinAlgError:
+        return False
+
+
+def parse_stats(msg: Envelope, p: int, num_classes: int, max_samples: int = 10**9,
+                fit_intercept: bool = True, positive_definite: PositiveDefinite = numpy_positive_definite) -> Fed3RStats:
+    """Validate a ``fed3r.stats`` result against the job's (p, C); raise EnvelopeError if anything is
+    off (shapes, dtypes, finiteness, a Gram matrix's properties, consistency with n)."""
     n = body_field(msg, "n", int)
     if not (0 < n <= max_samples):
         raise EnvelopeError(f"{KIND}: sample count n={n} out of range (1..{max_samples})")
@@ -84,33 +152,103 @@ def parse_stats(msg: Envelope, p: int, num_classes: int, max_samples: int = 10**
     if body_field(msg, "num_classes", int) != num_classes:
         raise EnvelopeError(f"{KIND}: num_classes {msg.body['num_classes']} != job's {num_classes}")
     fmt = body_field(msg, "format", str)
-    a_dtype = msg.tensors.get("A_upper", np.empty(0)).dtype.name
-    if a_dtype not in STATS_DTYPES:
-        raise EnvelopeError(f"{KIND}: A_upper dtype {a_dtype} not in {STATS_DTYPES}")
+    a_format = msg.body.get("a_format", "packed")
+    if a_format == "factor":
+        stats = _parse_factor(msg, n, p, num_classes)
+    elif a_format == "packed":
+        stats = _parse_packed(msg, fmt, n, p, num_classes, positive_definite)
+    else:
+        raise EnvelopeError(f"{KIND}: unknown a_format {a_format!r} (packed | factor)")
+    if fit_intercept:
+        _check_counts(stats, n)
+    return stats
+
+
+def _stats_dtype(msg: Envelope, name: str) -> str:
+    dtype = msg.tensors[name].dtype.name if name in msg.tensors else "missing"
+    if dtype not in STATS_DTYPES:
+        raise EnvelopeError(f"{KIND}: {name} dtype {dtype} not in {STATS_DTYPES}")
+    return dtype
+
+
+def _exact_tensors(msg: Envelope, names: set[str]) -> None:
+    if set(msg.tensors) != names:
+        raise EnvelopeError(f"{KIND}: expected exactly the tensors {sorted(names)}, got {sorted(msg.tensors)}")
+
+
+def _class_ids(msg: Envelope, num_classes: int) -> np.ndarray:
+    ids = require_tensor(msg, "class_ids", "int64", (None,))
+    if len(ids) == 0 or (ids < 0).any() or (ids >= num_classes).any() or (np.diff(ids) <= 0).any():
+        raise EnvelopeError(f"{KIND}: class_ids must be non-empty, strictly increasing, within [0, {num_classes})")
+    return np.array(ids)
+
+
+def _parse_packed(msg: Envelope, fmt: str, n: int, p: int, num_classes: int,
+                  positive_definite: PositiveDefinite) -> Fed3RStats:
+    a_dtype = _stats_dtype(msg, "A_upper")
     a = require_tensor(msg, "A_upper", a_dtype, (packed_len(p),))
     if fmt == "sparse":
-        ids = require_tensor(msg, "class_ids", "int64", (None,))
+        _exact_tensors(msg, {"A_upper", "class_ids", "b"})
+        ids = _class_ids(msg, num_classes)
         b = require_tensor(msg, "b", a_dtype, (len(ids), p))
-        if len(ids) == 0 or (ids < 0).any() or (ids >= num_classes).any() or (np.diff(ids) <= 0).any():
-            raise EnvelopeError(f"{KIND}: class_ids must be non-empty, strictly increasing, within [0, {num_classes})")
     elif fmt == "dense":
-        if "class_ids" in msg.tensors:
-            raise EnvelopeError(f"{KIND}: dense format carries no class_ids")
+        _exact_tensors(msg, {"A_upper", "b"})
         b = require_tensor(msg, "b", a_dtype, (num_classes, p))
         ids = np.arange(num_classes, dtype=np.int64)
     else:
         raise EnvelopeError(f"{KIND}: unknown format {fmt!r}")
     require_finite(msg, "A_upper", "b")
-    # Cheap sanity on A = ZᵀZ: its diagonal is a sum of squares.
-    diag = a[_diag_positions(p)]
+    # Copies: the decoded tensors are read-only views on the received bytes.
+    a, b = np.array(a, dtype=np.float64), np.array(b, dtype=np.float64)
+    check_gram(triu_unpack(a, p), np.finfo(a_dtype).eps, positive_definite)
+    return Fed3RStats(n=n, p=p, a_upper=a, class_ids=ids, b=b)
+
+
+def _parse_factor(msg: Envelope, n: int, p: int, num_classes: int) -> Fed3RStats:
+    if body_field(msg, "format", str) != "sparse":
+        raise EnvelopeError(f"{KIND}: the factor form carries a sparse b (format 'sparse')")
+    _exact_tensors(msg, {"R", "QtY", "class_ids"})
+    dtype = _stats_dtype(msg, "R")
+    r_factor = require_tensor(msg, "R", dtype, (None, p))
+    r = len(r_factor)
+    if not 1 <= r <= min(n, p):
+        raise EnvelopeError(f"{KIND}: factor R has {r} rows; expected 1..min(n={n}, p={p})")
+    ids = _class_ids(msg, num_classes)
+    qty = require_tensor(msg, "QtY", dtype, (r, len(ids)))
+    require_finite(msg, "R", "QtY")
+    if np.tril(r_factor, -1).any():
+        raise EnvelopeError(f"{KIND}: factor R is not upper-trapezoidal (non-zero entries below its diagonal)")
+    if (np.diagonal(r_factor) < 0).any():
+        raise EnvelopeError(f"{KIND}: factor R has a negative diagonal entry")
+    return Fed3RStats(n=n, p=p, a_upper=None, class_ids=ids, b=None,
+                      r_factor=np.array(r_factor, dtype=np.float64), qty=np.array(qty, dtype=np.float64))
+
+
+def check_gram(a: np.ndarray, eps: float, positive_definite: PositiveDefinite = numpy_positive_definite) -> None:
+    """Refuse a symmetric A that is not positive semi-definite within its wire precision: A + τI
+    must have a Cholesky factor, τ = 4·p·eps·max diag (rounding each entry of a Gram matrix to the
+    wire dtype moves its eigenvalues by less than that)."""
+    diag = np.diagonal(a)
     if (diag < 0).any():
         raise EnvelopeError(f"{KIND}: A has a negative diagonal entry; not a Gram matrix")
-    # Copies: the decoded tensors are read-only views on the received bytes.
-    return Fed3RStats(n=n, p=p, a_upper=np.array(a, dtype=np.float64), class_ids=np.array(ids),
-                      b=np.array(b, dtype=np.float64))
+    scale = float(diag.max()) if diag.size else 0.0
+    bound = np.sqrt(np.outer(diag, diag)) * (1 + 1e-6) + 4 * eps * scale
+    if (np.abs(a) > bound).any():                     # cheap first: |A_ij|² ≤ A_ii A_jj
+        raise EnvelopeError(f"{KIND}: A breaks |A_ij|² <= A_ii·A_jj; not a Gram matrix")
+    tau = 4 * len(a) * eps * scale + np.finfo(np.float64).tiny
+    if not positive_definite(a, tau):
+        raise EnvelopeError(f"{KIND}: A is not positive semi-definite (within {tau:.3g}); not a Gram matrix")
 
 
-def _diag_positions(p: int) -> np.ndarray:
-    # Row i of the packed triangle starts at i*p - i*(i-1)/2; its first entry is (i, i).
-    i = np.arange(p)
-    return i * p - i * (i - 1) // 2
+def _check_counts(stats: Fed3RStats, n: int) -> None:
+    """With a bias column of ones, A's last diagonal entry is n and b's bias column holds the
+    per-class counts, which sum to n (checked on the rounded wire values)."""
+    if stats.r_factor is not None:
+        last = float(stats.r_factor[:, -1] @ stats.r_factor[:, -1])
+        counts = stats.r_factor[:, -1] @ stats.qty
+    else:
+        last, counts = float(stats.a_upper[-1]), stats.b[:, -1]
+    tol = 1e-4 * n + 1e-6
+    if abs(last - n) > tol or abs(float(counts.sum()) - n) > tol or (counts < -tol).any() \
+            or (np.abs(counts - np.round(counts)) > tol).any():
+        raise EnvelopeError(f"{KIND}: the statistics do not add up to n={n} samples (bias entries)")
