@@ -156,3 +156,50 @@ def test_float32_rounding_of_a_real_gram_matrix_is_not_refused():
     assert np.linalg.eigvalsh(triu_unpack(encode_stats(A, ids, b, acc.n, 3, dtype="float32")[1]["A_upper"]
                                           .astype(np.float64), 201)).min() < 0   # rounding made it slightly indefinite
     assert dense_values(201, 3) > factor_values(30, 201, 3)
+
+
+class MixedStats:
+    """A device's task handler: real statistics of its synthetic features, in whichever form is smaller."""
+
+    def __init__(self, Z, y, C):
+        self.Z, self.y, self.C = Z, y, C
+
+    def __call__(self, params, tensors=None):
+        acc = device_stats(self.Z, self.y, self.C, keep_rows=bool(params.get("factor")))
+        return encode_smallest(acc, self.C, dense=False, dtype="float64")
+
+
+def test_over_mosquitto_a_mixed_fleet_equals_the_centralized_ridge(broker, tmp_path):
+    import threading
+
+    from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
+    from aggregator.service import AggregatorService
+    from edge_client.agent import DeviceAgent
+    from protocols.mqtt_link import BrokerConfig
+
+    d, C = 24, 3
+    rng = np.random.default_rng(7)
+    sizes = [5, 40, 12, 60, 3, 25]                          # below and above p = 25
+    Z = rng.normal(size=(sum(sizes), d))
+    y = rng.integers(0, C, len(Z))
+    parts = np.split(np.arange(len(y)), np.cumsum(sizes)[:-1])
+    devices = [f"dev{i:02d}" for i in range(len(sizes))]
+    config = Fed3RConfig(num_classes=C, feature_dim=d, lam=1.0, normalize_columns=False, clients_per_round=3,
+                         round_timeout_s=30, expected_devices=len(devices))
+    svc = AggregatorService(Fed3RJob(config), BrokerConfig.from_url(broker.url), tmp_path, enrolled=set(devices),
+                            tick_s=0.05)
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=60)), daemon=True)
+    thread.start()
+    agents = [DeviceAgent(dev, BrokerConfig.from_url(broker.url), {"fed3r.stats": MixedStats(Z[i], y[i], C)},
+                          retry_after_s=2).start() for dev, i in zip(devices, parts)]
+    thread.join(65)
+    for a in agents:
+        a.stop()
+    assert result["state"] == "done" and sorted(result["contributed"]) == devices
+    ref = reference_ridge(Z, y, C, 1.0)
+    W = svc.job.strategy.solve().raw_weights_
+    assert np.linalg.norm(W - ref) / np.linalg.norm(ref) <= 1e-9
+    small = [a.stats.bytes_up for a, n in zip(agents, sizes) if n < d + 1]
+    large = [a.stats.bytes_up for a, n in zip(agents, sizes) if n >= d + 1]
+    assert max(small) < min(large)                          # the factor devices uploaded less
