@@ -16,6 +16,7 @@ HERE = Path(__file__).parent
 QUICK = {
     "fed3r_ingest.py": ["--devices", "10"],
     "fed3r_solve.py": ["--dims", "1281", "2049", "4097"],
+    "fed3r_paper_scale.py": ["--quick"],
     "fleet_scale.py": ["--devices", "200"],
     "backbone_speed.py": ["--quick"],
     "export.py": ["--quick"],
