@@ -57,29 +57,31 @@ def run(name: str, d: int, classes: int, clients: int, timed: int, rng) -> None:
           f" values   total fleet: dense / factor = {dense.sum() / factor.sum():.1f}x")
     job = Fed3RJob(Fed3RConfig(num_classes=classes, feature_dim=d, lam=1e-2))
     ref = M.TaskRef("fed3r", 1, "0" * 32)
-    few, many = np.flatnonzero(sizes < p), np.flatnonzero(sizes >= p)   # time both forms
-    picked = np.concatenate([rng.choice(few, size=min(timed - timed // 2, len(few)), replace=False),
-                             rng.choice(many, size=min(timed // 2, len(many)), replace=False)])
+    picked = rng.choice(clients, size=min(timed, clients), replace=False)
     spent = {"factor": [], "dense": []}
-    for i in picked:
+    for i in picked:                     # each timed client's statistics in both forms, same data
         n, m = int(min(sizes[i], 300)), int(cbar[i])
         labels = rng.choice(classes, size=m, replace=False)[rng.integers(0, m, n)]
-        acc = Fed3RAccumulator(classes, d, keep_rows=True)
-        acc.update(rng.random(size=(n, d)).astype(np.float32) * 6, labels)
-        wire = encode(M.result_message(f"dev{i}", ref, "fed3r.stats", *encode_smallest(acc, classes, False, "float64")))
-        t0 = time.perf_counter()
-        job.apply(f"dev{i}", job.parse_result(decode(wire)))
-        spent["factor" if n < p else "dense"].append(time.perf_counter() - t0)
+        Z = rng.random(size=(n, d)).astype(np.float32) * 6
+        for form, keep in (("factor", True), ("dense", False)):
+            acc = Fed3RAccumulator(classes, d, keep_rows=keep)
+            acc.update(Z, labels)
+            body, tensors = encode_smallest(acc, classes, False, "float64")
+            wire = encode(M.result_message(f"dev{i}", ref, "fed3r.stats", body, tensors))
+            t0 = time.perf_counter()
+            stats = job.parse_result(decode(wire))
+            job.strategy.add(stats)
+            spent["factor" if body.get("a_format") == "factor" else "dense"].append(time.perf_counter() - t0)
     t0 = time.perf_counter()
     job.strategy.solve()
     solve = time.perf_counter() - t0
     per = {k: np.mean(v) if v else float("nan") for k, v in spent.items()}
-    share = (sizes < p).mean()
-    total = clients * (share * np.nan_to_num(per["factor"]) + (1 - share) * np.nan_to_num(per["dense"]))
+    share = (sizes < p).mean()                          # clients that send the factor form
+    total = clients * (share * per["factor"] + (1 - share) * per["dense"])
     print(f"  aggregator per contribution: factor {per['factor'] * 1e3:6.1f} ms, dense {per['dense'] * 1e3:6.1f} ms"
           f" (dense / factor {per['dense'] / per['factor']:.1f}x; {len(picked)} clients timed)")
     print(f"  whole fleet, extrapolated from those: {total:6.1f} s of ingest + {solve:.2f} s solve "
-          f"({job.strategy.device}); contributions applied here: {job.contributions}")
+          f"({job.strategy.device}); statistics added here: {job.strategy.n_contributions}")
 
 
 def main() -> None:
