@@ -15,6 +15,12 @@ message once every index has arrived and its sha256 matches, else ``None``. It i
 (a duplicated chunk - QoS 1 redelivery - is ignored), refuses chunks that disagree with the first
 one seen for the same parent, bounds memory per sender and overall, and forgets partial messages
 older than ``ttl_s`` (``expire(now)``), so a sender that vanished mid-message cannot pin memory.
+
+A sender that got no answer resends the whole message (same ``parent``). Such a resend of a message
+already reassembled is reassembled again and returned again, so the receiver sees the very same
+message and answers it (a result's ``duplicate`` ack) instead of staying silent while the sender
+uploads it again and again. Its partial copy is the first to go when the sender needs room for a
+new message, and it expires like any other.
 """
 
 from __future__ import annotations
@@ -80,7 +86,7 @@ class Reassembler:
         self.max_pending_bytes = max_pending_bytes
         self.ttl_s = ttl_s
         self._partials: dict[tuple[str, str], _Partial] = {}
-        self._done: dict[tuple[str, str], float] = {}  # recently completed parents: late duplicates are ignored
+        self._done: dict[tuple[str, str], float] = {}  # recently completed parents: a partial of one is a resend
 
     def add(self, chunk: Envelope, now: float | None = None) -> bytes | None:
         now = time.monotonic() if now is None else now
@@ -93,17 +99,13 @@ class Reassembler:
         digest = body_field(chunk, "sha256", str)
         data = require_tensor(chunk, "data", "uint8", (None,))
         key = (chunk.sender, parent)
-        if key in self._done:
-            return None
         if not (1 <= count <= MAX_CHUNKS) or not (0 <= index < count):
             raise EnvelopeError(f"chunk index {index} / count {count} out of range")
         if not (0 < total <= self.max_message_bytes):
             raise EnvelopeError(f"chunked message of {total} bytes exceeds the {self.max_message_bytes}-byte limit")
         partial = self._partials.get(key)
         if partial is None:
-            pending = [k for k in self._partials if k[0] == chunk.sender]
-            if len(pending) >= self.max_pending_per_sender:
-                raise EnvelopeError(f"sender {chunk.sender!r} has too many partial messages in flight")
+            self._make_room(chunk.sender)
             partial = self._partials[key] = _Partial(count, total, digest, now)
         elif (partial.count, partial.total, partial.sha256) != (count, total, digest):
             raise EnvelopeError(f"chunk {index} of {parent} disagrees with earlier chunks (count/total/sha256)")
@@ -123,6 +125,17 @@ class Reassembler:
             raise EnvelopeError(f"reassembled message {parent} fails its size/sha256 check")
         self._done[key] = now
         return whole
+
+    def _make_room(self, sender: str) -> None:
+        """Room for one more partial message of ``sender``: drop its oldest resend of an already
+        reassembled message if it is at its limit, else refuse."""
+        pending = [k for k in self._partials if k[0] == sender]
+        if len(pending) < self.max_pending_per_sender:
+            return
+        resends = sorted((k for k in pending if k in self._done), key=lambda k: self._partials[k].first_seen)
+        if not resends:
+            raise EnvelopeError(f"sender {sender!r} has too many partial messages in flight")
+        del self._partials[resends[0]]
 
     def pending_bytes(self) -> int:
         return sum(p.held for p in self._partials.values())

@@ -24,6 +24,7 @@ import logging
 import resource
 import selectors
 import socket
+import ssl
 import threading
 import time
 from collections import deque
@@ -240,6 +241,9 @@ class LoopLink(MqttLink):
         try:
             if mask & selectors.EVENT_READ:
                 self.client.loop_read()
+                # TLS may hold decrypted bytes that epoll cannot see: read them now
+                while isinstance(sock, ssl.SSLSocket) and self.client.socket() is sock and sock.pending():
+                    self.client.loop_read()
             if mask & selectors.EVENT_WRITE and self.client.socket() is sock:
                 self.client.loop_write()
         except Exception:     # one connection's trouble must not end the loop for the others
