@@ -25,7 +25,8 @@ def _simulate(args) -> int:
                  "tail_stages": args.tail_stages, "devices": args.devices, "broker": args.broker, "out_dir": args.out, "seed": args.seed,
                  "image_size": args.image_size, "split": args.split, "alpha": args.alpha,
                  "runtime": args.runtime, "rf_dim": args.rf_dim, "workers": args.workers,
-                 "secure": True if args.secure else None, "secure_graph": args.secure_graph}
+                 "secure": True if args.secure else None, "secure_graph": args.secure_graph,
+                 "clients_per_round": args.clients_per_round, "ray": args.ray}
     cfg = load_config(args.config, overrides)
     if args.pipeline == "fed3r-ft-oll":
         from .pipeline import run_pipeline
@@ -62,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     s = sub.add_parser("simulate", help="run an emulated fleet against a real broker and aggregator")
-    s.add_argument("--config", default="demo", help="preset (demo, smoke) or a JSON file of SimConfig fields")
+    s.add_argument("--config", default="demo", help="preset (demo, smoke, fleet-10k) or a JSON file of SimConfig fields")
     s.add_argument("--devices", type=int)
     s.add_argument("--broker", help="use this broker (mqtt://host:port) instead of a private mosquitto")
     s.add_argument("--out", help="output directory")
@@ -74,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="devices' feature extraction (executorch-int8: the int8-quantized ExecuTorch program)")
     s.add_argument("--rf-dim", type=int, help="Fed3R-RF: number of random Fourier features")
     s.add_argument("--workers", type=int)
+    s.add_argument("--ray", metavar="auto|ADDRESS",
+                   help="place the device hosts as Ray actors on this Ray cluster (needs fedfleet[ray])")
     s.add_argument("--secure", action="store_true", help="Fed3R-Sync: sum statistics under secure aggregation")
     s.add_argument("--secure-graph", choices=["complete", "regular"], help="SecAgg (complete) or SecAgg+ (regular)")
     s.add_argument("--pipeline", choices=["fed3r", "fed3r-ft-oll", "ladd"], default="fed3r",

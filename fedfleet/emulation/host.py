@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable
 
@@ -174,3 +175,14 @@ class DeviceHost:
         except Exception as exc:         # e.g. never connected: its offline presence cannot be sent
             log.info("%s: stop: %s", agent.device_id, exc)
             agent.link.stop()
+
+
+def rss_mb() -> float:
+    """This process's resident memory (Linux /proc), 0 where unknown."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0

@@ -43,7 +43,7 @@ from protocols.mqtt_link import BrokerConfig
 from protocols.topics import Topics
 
 from ..bundles import make_extractor
-from .host import DeviceHost, LazyTasks
+from .host import DeviceHost, LazyTasks, rss_mb
 from .profiles import DeviceProfile
 
 log = logging.getLogger("fedfleet.worker")
@@ -171,12 +171,8 @@ def start_devices(spec: dict, host: DeviceHost) -> list[DeviceAgent]:
     """Every device of the spec as a DeviceAgent on ``host``; idle devices keep only their ids,
     profile and shard indices (data and task state are built per task)."""
     images, labels = load_dataset(spec["dataset"], spec.get("data_root"))
-    with np.load(spec["shards_file"]) as f:
-        shards = {d["profile"]["device_id"]: f[d["profile"]["device_id"]] for d in spec["devices"]}
-    holdouts = None
-    if spec.get("holdout_file"):
-        with np.load(spec["holdout_file"]) as f:
-            holdouts = {d["profile"]["device_id"]: f[d["profile"]["device_id"]] for d in spec["devices"]}
+    shards = _indices(spec, "shards")
+    holdouts = _indices(spec, "holdout") if spec.get("holdout_file") or spec.get("holdout") else None
     broker = BrokerConfig.from_url(spec["broker"])
     topics = Topics(spec.get("topic_root", "fedfleet"))
     extractors = SharedExtractors(spec.get("cache_dir"), spec.get("runtime", "eager"), spec.get("threads", 1))
@@ -201,13 +197,24 @@ def start_devices(spec: dict, host: DeviceHost) -> list[DeviceAgent]:
     return list(host.agents.values())
 
 
-def run(spec: dict) -> None:
+def _indices(spec: dict, name: str) -> dict[str, np.ndarray]:
+    """Each of the spec's devices' data indices: inline (``spec[name]``, a Ray actor on another
+    machine) or from the run's .npz file (``spec[name + "_file"]``, local workers)."""
+    ids = [d["profile"]["device_id"] for d in spec["devices"]]
+    if spec.get(name) is not None:
+        return {d: np.asarray(spec[name][d], dtype=np.int64) for d in ids}
+    with np.load(spec[f"{name}_file"]) as f:
+        return {d: f[d] for d in ids}
+
+
+def host_devices(spec: dict) -> tuple[DeviceHost, list[DeviceAgent]]:
+    """A started host with the spec's devices (local worker process or Ray actor)."""
     host = DeviceHost(step_threads=spec.get("step_threads", 8), compute_slots=spec.get("compute_slots", 1))
-    agents = start_devices(spec, host)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    return host, start_devices(spec, host)
+
+
+def stop_devices(host: DeviceHost, agents: list[DeviceAgent]) -> dict:
+    """Stop the host; its devices' statistics (what the simulation report sums)."""
     totals = {"bytes_up": sum(a.stats.bytes_up for a in agents),
               "compute_s": sum(a.stats.compute_s for a in agents),
               "tasks_done": sum(a.stats.tasks_done for a in agents),
@@ -219,19 +226,18 @@ def run(spec: dict) -> None:
                                            "by_kind": a.stats.by_kind}
                              for a in agents}}
     host.stop()
+    return totals
+
+
+def run(spec: dict) -> None:
+    host, agents = host_devices(spec)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    totals = stop_devices(host, agents)
     if spec.get("stats_file"):
         Path(spec["stats_file"]).write_text(json.dumps(totals))
-
-
-def rss_mb() -> float:
-    """This process's resident memory (Linux /proc), 0 where unknown."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
 
 
 def main(argv: list[str] | None = None) -> int:
