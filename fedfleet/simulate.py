@@ -309,6 +309,8 @@ def run(cfg: SimConfig, quiet: bool = False) -> dict:
                                 cfg.devices)
     report = _report(cfg, results, fleet.worker_stats, prep)
     report["wall_s"] = time.monotonic() - t_start
+    if cfg.ray:
+        report["ray_placement"] = fleet.hosts.placement
     (out / "report.json").write_text(json.dumps(report, indent=1))
     say(format_report(report))
     return report

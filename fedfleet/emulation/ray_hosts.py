@@ -68,7 +68,8 @@ class RayHosts:
             raise SystemExit("--ray needs Ray: pip install 'fedfleet[ray]'") from exc
         self.ray = ray
         self.out = out
-        if not ray.is_initialized():
+        self.own_session = not ray.is_initialized()
+        if self.own_session:
             # The actors import fedfleet from this checkout when the cluster's nodes share this
             # machine's file system (a local cluster); a real cluster installs fedfleet on every node.
             ray.init(address=address, log_to_driver=False,
@@ -88,4 +89,6 @@ class RayHosts:
         for a in self.actors:
             self.ray.kill(a)
         self.actors = []
+        if self.own_session:
+            self.ray.shutdown()
         return stats
