@@ -65,10 +65,13 @@ def measure(n: int, d: int, url: str, work: Path) -> dict:
     m1 = rss_mb()
     rc = agg.wait(timeout=1800)
     t_done = time.perf_counter() - t0
+    time.sleep(2 * host.tick_s)          # every device has handled its ack: idle again
+    m2 = rss_mb()
     results = json.loads((work / "out" / "results.json").read_text()) if (work / "out" / "results.json").exists() else {}
     host.stop()
     return {"devices": n, "connected": connected, "started_per_s": n / t_connected,
             "rss_mb_per_device": (m1 - m0) / n, "process_rss_mb": m1, "aggregator_exit": rc,
+            "rss_mb_per_device_after_work": (m2 - m0) / n,
             "contributed": len(results.get("contributed", [])), "contributions_per_s":
             len(results.get("contributed", [])) / t_done, "wall_s": t_done, "open_file_limit": host.open_file_limit}
 
@@ -86,7 +89,8 @@ def main() -> None:
             rows.append(measure(n, args.d, broker.url, Path(tmp)))
         r = rows[-1]
         print(f"devices={r['devices']:>6}  connected={r['connected']}  started {r['started_per_s']:.0f} devices/s  "
-              f"RSS {r['rss_mb_per_device'] * 1024:.0f} KiB per idle device (process {r['process_rss_mb']:.0f} MB)  "
+              f"RSS {r['rss_mb_per_device'] * 1024:.0f} KiB per idle device, "
+              f"{r['rss_mb_per_device_after_work'] * 1024:.0f} KiB after its task (process {r['process_rss_mb']:.0f} MB)  "
               f"{r['contributed']} contributions in {r['wall_s']:.1f}s = {r['contributions_per_s']:.0f}/s", flush=True)
     if len(rows) == 2:
         a, b = rows

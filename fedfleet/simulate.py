@@ -80,6 +80,7 @@ class SimConfig:
     fp_lrs: tuple[float, ...] = (1e-4, 1e-3)   # candidates; each device picks one by local cross-validation
     # device hosting (fedfleet.emulation.host): threads that run device steps per worker process
     host_threads: int = 8
+    evaluate: str = "contribution"          # aggregator evaluates per contribution, or per round (large fleets)
     ray: str | None = None                  # "auto" or a Ray address: device hosts as Ray actors
 
 
@@ -89,12 +90,14 @@ PRESETS = {
                        round_timeout_s=30, dropout_prob=0.1, slowdown=(1.0, 1.5), out_dir="runs/smoke",
                        retry_after_s=3.0, phase_timeout_s=10.0, ft_rounds=5, fp_epochs=5),
     # A cross-device fleet: 10,000 phones with a few images each (50,000 Fashion-MNIST images,
-    # Dirichlet α=0.1, ≥ 1 image per device), 1,000 devices per round. Results are acked within a
-    # round of ~1,000 uploads, hence the long retry and round timeouts.
+    # Dirichlet α=0.1, ≥ 1 image per device), 1,000 devices per round, phone uplinks of 2-20 MB/s
+    # (which also paces the uploads a host has in flight). Results are acked within a round of
+    # ~1,000 uploads, hence the long retry and round timeouts; the model is evaluated once per round.
     "fleet-10k": SimConfig(devices=10_000, runtime="eager", train_limit=50_000, test_limit=2000, image_size=32,
                            split="dirichlet", alpha=0.1, clients_per_round=1000, round_timeout_s=900,
-                           holdout_fraction=0.0, dropout_prob=0.0, slowdown=(1.0, 1.5), retry_after_s=300.0,
-                           timeout_s=5400.0, host_threads=32, out_dir="runs/fleet-10k"),
+                           holdout_fraction=0.0, dropout_prob=0.0, slowdown=(1.0, 1.5), bandwidth_bps=(2e6, 20e6),
+                           retry_after_s=300.0,
+                           timeout_s=5400.0, host_threads=32, evaluate="round", out_dir="runs/fleet-10k"),
 }
 
 
@@ -138,7 +141,9 @@ class EmulatedFleet:
         self.broker = None
         self.hosts = None
         self.worker_stats: list[dict] = []
-        self.env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        # MALLOC_ARENA_MAX: a host's step threads would otherwise each keep a malloc arena holding
+        # freed multi-megabyte uploads, inflating RSS without any device holding the memory.
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MALLOC_ARENA_MAX="2")
 
     def __enter__(self) -> "EmulatedFleet":
         cfg = self.cfg
@@ -194,7 +199,8 @@ class EmulatedFleet:
         agg = subprocess.Popen([sys.executable, "-m", "aggregator", "serve", "--config", str(job_dir / "job.json"),
                                 "--kind", kind, "--broker", self.broker_url, "--topic-root", cfg.topic_root,
                                 "--out", str(job_dir), "--eval-features", str(eval_features),
-                                "--enrolled", str(self.out / "enrolled.txt"), "--timeout", str(cfg.timeout_s)],
+                                "--enrolled", str(self.out / "enrolled.txt"), "--timeout", str(cfg.timeout_s),
+                                "--evaluate", cfg.evaluate],
                                env=self.env, stdout=open(log_file, "w"), stderr=subprocess.STDOUT)
         try:
             rc = agg.wait(timeout=cfg.timeout_s + 60)

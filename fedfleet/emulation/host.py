@@ -99,6 +99,7 @@ class DeviceHost:
         background). A device that cannot even be created is logged and skipped."""
         try:
             agent = make_agent(self.link_factory)
+            agent.session.keep_acked_results = False   # an idle hosted device holds no past results
             self.agents[agent.device_id] = agent
             agent.start(own_thread=False)
             return agent

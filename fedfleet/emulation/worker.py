@@ -213,9 +213,9 @@ def host_devices(spec: dict) -> tuple[DeviceHost, list[DeviceAgent]]:
     return host, start_devices(spec, host)
 
 
-def stop_devices(host: DeviceHost, agents: list[DeviceAgent]) -> dict:
-    """Stop the host; its devices' statistics (what the simulation report sums)."""
-    totals = {"bytes_up": sum(a.stats.bytes_up for a in agents),
+def device_totals(host: DeviceHost, agents: list[DeviceAgent]) -> dict:
+    """The host's devices' statistics (what the simulation report sums)."""
+    return {"bytes_up": sum(a.stats.bytes_up for a in agents),
               "compute_s": sum(a.stats.compute_s for a in agents),
               "tasks_done": sum(a.stats.tasks_done for a in agents),
               "dropouts": sum(a.stats.dropouts for a in agents),
@@ -225,6 +225,11 @@ def stop_devices(host: DeviceHost, agents: list[DeviceAgent]) -> dict:
                                            "tasks_done": a.stats.tasks_done, "dropouts": a.stats.dropouts,
                                            "by_kind": a.stats.by_kind}
                              for a in agents}}
+
+
+def stop_devices(host: DeviceHost, agents: list[DeviceAgent]) -> dict:
+    """Stop the host; its devices' statistics."""
+    totals = device_totals(host, agents)
     host.stop()
     return totals
 
@@ -235,9 +240,9 @@ def run(spec: dict) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
-    totals = stop_devices(host, agents)
-    if spec.get("stats_file"):
-        Path(spec["stats_file"]).write_text(json.dumps(totals))
+    if spec.get("stats_file"):     # written first: stopping thousands of devices takes a while
+        Path(spec["stats_file"]).write_text(json.dumps(device_totals(host, agents)))
+    host.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
