@@ -69,10 +69,7 @@ class _Partial:
     sha256: str
     first_seen: float
     parts: dict[int, bytes] = field(default_factory=dict)
-
-    @property
-    def held(self) -> int:
-        return sum(len(p) for p in self.parts.values())
+    held: int = 0                       # bytes in parts (kept as a sum: an aggregator holds ~1,000 partials)
 
 
 class Reassembler:
@@ -86,6 +83,8 @@ class Reassembler:
         self.max_pending_bytes = max_pending_bytes
         self.ttl_s = ttl_s
         self._partials: dict[tuple[str, str], _Partial] = {}
+        self._held = 0                                   # bytes held over all partials
+        self._per_sender: dict[str, list[tuple[str, str]]] = {}   # sender -> its partials' keys, oldest first
         self._done: dict[tuple[str, str], float] = {}  # recently completed parents: a partial of one is a resend
 
     def add(self, chunk: Envelope, now: float | None = None) -> bytes | None:
@@ -107,19 +106,22 @@ class Reassembler:
         if partial is None:
             self._make_room(chunk.sender)
             partial = self._partials[key] = _Partial(count, total, digest, now)
+            self._per_sender.setdefault(chunk.sender, []).append(key)
         elif (partial.count, partial.total, partial.sha256) != (count, total, digest):
             raise EnvelopeError(f"chunk {index} of {parent} disagrees with earlier chunks (count/total/sha256)")
         if index in partial.parts:
             return None  # redelivery
         if partial.held + len(data) > total:
-            del self._partials[key]
+            self._drop(key)
             raise EnvelopeError(f"chunks of {parent} exceed the announced total {total} bytes")
-        if self.pending_bytes() + len(data) > self.max_pending_bytes:
+        if self._held + len(data) > self.max_pending_bytes:
             raise EnvelopeError("reassembly buffer full")
         partial.parts[index] = bytes(data)
+        partial.held += len(data)
+        self._held += len(data)
         if len(partial.parts) < count:
             return None
-        del self._partials[key]
+        self._drop(key)
         whole = b"".join(partial.parts[i] for i in range(count))
         if len(whole) != total or hashlib.sha256(whole).hexdigest() != digest:
             raise EnvelopeError(f"reassembled message {parent} fails its size/sha256 check")
@@ -129,23 +131,31 @@ class Reassembler:
     def _make_room(self, sender: str) -> None:
         """Room for one more partial message of ``sender``: drop its oldest resend of an already
         reassembled message if it is at its limit, else refuse."""
-        pending = [k for k in self._partials if k[0] == sender]
+        pending = self._per_sender.get(sender, [])
         if len(pending) < self.max_pending_per_sender:
             return
-        resends = sorted((k for k in pending if k in self._done), key=lambda k: self._partials[k].first_seen)
-        if not resends:
+        resend = next((k for k in pending if k in self._done), None)     # oldest first
+        if resend is None:
             raise EnvelopeError(f"sender {sender!r} has too many partial messages in flight")
-        del self._partials[resends[0]]
+        self._drop(resend)
+
+    def _drop(self, key: tuple[str, str]) -> None:
+        partial = self._partials.pop(key)
+        self._held -= partial.held
+        keys = self._per_sender[key[0]]
+        keys.remove(key)
+        if not keys:
+            del self._per_sender[key[0]]
 
     def pending_bytes(self) -> int:
-        return sum(p.held for p in self._partials.values())
+        return self._held
 
     def expire(self, now: float | None = None) -> list[tuple[str, str]]:
         """Drop partial messages older than ttl_s; returns the (sender, parent) pairs dropped."""
         now = time.monotonic() if now is None else now
         stale = [k for k, p in self._partials.items() if now - p.first_seen > self.ttl_s]
         for k in stale:
-            del self._partials[k]
+            self._drop(k)
         for k in [k for k, t in self._done.items() if now - t > self.ttl_s]:
             del self._done[k]
         return stale
