@@ -39,6 +39,8 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     s.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
     s.add_argument("--artifacts", type=Path, nargs="*", default=(),
                    help="exported bundle directories devices may fetch (by their manifest sha256)")
+    s.add_argument("--evaluate", choices=["contribution", "round"], default="contribution",
+                   help="evaluate the model after every contribution (default) or once per round (large fleets)")
     add_ops_arguments(s)
     return p
 
@@ -86,7 +88,8 @@ def serve(args) -> int:
         raise ValueError(f"the job runs on bundle {announced[:16]}…, which this aggregator does not serve: "
                          "pass that bundle's directory with --artifacts")
     summary = serve_with_ops(args, job, broker, args.out,
-                             Topics(args.topic_root), enrolled=enrolled, eval_set=eval_set, artifacts=shelf)
+                             Topics(args.topic_root), enrolled=enrolled, eval_set=eval_set, artifacts=shelf,
+                             evaluate_every_contribution=args.evaluate == "contribution")
     final = summary.get("final", {})
     print(json.dumps({"state": summary.get("state"), "contributions": final.get("contributions"),
                       "accuracy": final.get("accuracy")}))

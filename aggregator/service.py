@@ -50,7 +50,7 @@ from typing import Any, Callable
 import numpy as np
 
 from protocols import messages as M
-from protocols.chunking import DEFAULT_CHUNK_SIZE, AlreadyReassembled, MessageAssembler
+from protocols.chunking import DEFAULT_CHUNK_SIZE, MessageAssembler
 from protocols.envelope import Envelope, EnvelopeError, encode
 from protocols.mqtt_link import BrokerConfig, MqttLink
 from protocols.payloads.artifacts import GET as ARTIFACT_GET, artifact_message, parse_get
@@ -68,7 +68,7 @@ from .fleet import Fleet
 from .jobs import Job
 from .job_runner import JobRunner
 from .jobs.registry import KINDS, build_job, job_kind_name
-from .jobs.secure_rounds import SecureGroupRounds
+from .jobs.secure_rounds import LateProtocolMessage, SecureGroupRounds
 from .recovery import restore_job
 from .store import Store, StoreError
 
@@ -280,12 +280,6 @@ class AggregatorService:
             self._device_bytes[device] = self._device_bytes.get(device, 0) + len(payload)
         try:
             got = self.assembler.feed_whole(payload)
-        except AlreadyReassembled as exc:     # a retry whose ack was lost: stop the re-upload
-            self._device_bytes.pop(device, None)
-            if exc.sender != device:
-                return self._reject(device, "wrong sender", f"chunk sender {exc.sender!r} on {topic}")
-            self._stats().duplicates += 1
-            return self._send(device, M.ack_message(AGGREGATOR_ID, exc.parent, "duplicate"))
         except EnvelopeError as exc:
             self._device_bytes.pop(device, None)
             signature = str(exc).startswith(("signature", "unsigned"))
@@ -365,6 +359,9 @@ class AggregatorService:
         """A message of the job's secure-aggregation sub-protocol."""
         try:
             sends = self.active.job.on_protocol(device, env, time.monotonic())
+        except LateProtocolMessage as exc:
+            self._stats().late += 1
+            return log.info("late secure-aggregation message from %s: %s", device, exc)
         except EnvelopeError as exc:
             return self._reject(device, "protocol", str(exc))
         for dev, msg in sends:

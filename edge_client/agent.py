@@ -81,7 +81,8 @@ class DeviceAgent:
                  topics: Topics = Topics(), hooks: AgentHooks | None = None,
                  chunk_size: int = DEFAULT_CHUNK_SIZE, retry_after_s: float = 10.0, tick_s: float = 0.5,
                  protocol_handlers: dict[str, Any] | None = None,
-                 signer: Callable[[bytes], bytes] | None = None):
+                 signer: Callable[[bytes], bytes] | None = None,
+                 link_factory: Callable[..., MqttLink] = MqttLink):
         self.device_id = device_id
         # Ed25519 signing of every envelope (DeviceIdentity.sign) when the aggregator requires it.
         self.signer = signer
@@ -100,7 +101,9 @@ class DeviceAgent:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         offline = M.presence_message(device_id, "offline")
-        self.link = MqttLink(
+        # The link is the agent's only I/O: a threaded paho link on a real device, a link on a shared
+        # event loop when one process hosts thousands of emulated devices (fedfleet.emulation.host).
+        self.link = link_factory(
             client_id=device_id, broker=broker, on_message=lambda t, p: self._inbox.put((t, p)),
             subscriptions=[(topics.inbox(device_id), 1)], on_connect=self._announce,
             will=(topics.presence(device_id), encode(offline, signer=signer), True))
@@ -108,11 +111,14 @@ class DeviceAgent:
         self._outage_until = 0.0
 
     # lifecycle
-    def start(self) -> "DeviceAgent":
+    def start(self, own_thread: bool = True) -> "DeviceAgent":
+        """Connect and run. ``own_thread=False``: the caller drives the agent by calling
+        :meth:`pump` whenever its link queued messages and every ``tick_s`` (a device host)."""
         if self.hooks.is_available():
             self._go_online()
-        self._thread = threading.Thread(target=self._run, name=f"agent-{self.device_id}", daemon=True)
-        self._thread.start()
+        if own_thread:
+            self._thread = threading.Thread(target=self._run, name=f"agent-{self.device_id}", daemon=True)
+            self._thread.start()
         return self
 
     def stop(self) -> None:
@@ -120,6 +126,22 @@ class DeviceAgent:
         if self._thread:
             self._thread.join(timeout=10)
         self._go_offline()
+
+    def pump(self) -> None:
+        """Handle every queued message, then one tick (retries, availability); never blocks on
+        the inbox. Must not run concurrently with itself."""
+        self._follow_availability()
+        while True:
+            try:
+                topic, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            self._handle_raw(topic, payload)
+        self._execute(self.session.handle(Tick(time.monotonic())))
+
+    @property
+    def has_messages(self) -> bool:
+        return not self._inbox.empty()
 
     def _go_online(self) -> None:
         self.link.start()
@@ -147,13 +169,16 @@ class DeviceAgent:
             except queue.Empty:
                 self._execute(self.session.handle(Tick(time.monotonic())))
                 continue
-            try:
-                self._on_payload(payload)
-            except EnvelopeError as exc:
-                log.warning("%s: dropped malformed message on %s: %s", self.device_id, topic, exc)
-            except Exception:       # one bad message never stops the device
-                log.exception("%s: dropped a message on %s that raised an unexpected error", self.device_id, topic)
+            self._handle_raw(topic, payload)
             self._execute(self.session.handle(Tick(time.monotonic())))
+
+    def _handle_raw(self, topic: str, payload: bytes) -> None:
+        try:
+            self._on_payload(payload)
+        except EnvelopeError as exc:
+            log.warning("%s: dropped malformed message on %s: %s", self.device_id, topic, exc)
+        except Exception:       # one bad message never stops the device
+            log.exception("%s: dropped a message on %s that raised an unexpected error", self.device_id, topic)
 
     def _follow_availability(self) -> None:
         available = self.hooks.is_available() and time.monotonic() >= self._outage_until

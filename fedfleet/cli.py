@@ -29,7 +29,8 @@ def _simulate(args) -> int:
                  "tail_stages": args.tail_stages, "devices": args.devices, "broker": args.broker, "out_dir": args.out, "seed": args.seed,
                  "image_size": args.image_size, "split": args.split, "alpha": args.alpha,
                  "runtime": args.runtime, "rf_dim": args.rf_dim, "workers": args.workers,
-                 "secure": True if args.secure else None, "secure_graph": args.secure_graph}
+                 "secure": True if args.secure else None, "secure_graph": args.secure_graph,
+                 "clients_per_round": args.clients_per_round, "ray": args.ray}
     cfg = load_config(args.config, overrides)
     if cfg.broker:
         from protocols.mqtt_link import BrokerConfig
@@ -75,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("simulate", help="run an emulated fleet against a real broker and aggregator",
                        formatter_class=HelpFormatter)
-    s.add_argument("--config", default="demo", help="preset (demo, smoke) or a JSON file of SimConfig fields")
+    s.add_argument("--config", default="demo", help="preset (demo, smoke, fleet-10k) or a JSON file of SimConfig fields")
     s.add_argument("--devices", type=int, help="number of emulated devices (default: the preset's)")
     s.add_argument("--broker", help="use this broker, mqtt://[user:pass@]host:port[?version=3.1.1] "
                                     "(default: a private mosquitto on a free loopback port)")
@@ -90,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: the preset's)")
     s.add_argument("--rf-dim", type=int, help="Fed3R-RF: number of random Fourier features (default: none)")
     s.add_argument("--workers", type=int, help="processes hosting the devices (default: the preset's)")
+    s.add_argument("--ray", metavar="auto|ADDRESS",
+                   help="place the device hosts as Ray actors on this Ray cluster (needs fedfleet[ray]; "
+                        "default: local processes)")
     s.add_argument("--secure", action="store_true", help="Fed3R-Sync: sum statistics under secure aggregation")
     s.add_argument("--secure-graph", choices=["complete", "regular"], help="SecAgg (complete) or SecAgg+ (regular)")
     s.add_argument("--pipeline", choices=["fed3r", "fed3r-ft-oll", "ladd"], default="fed3r",

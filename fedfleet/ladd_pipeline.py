@@ -648,7 +648,7 @@ def add_ladd_arguments(parser: argparse.ArgumentParser) -> None:
     add("--devices-per-domain", type=int, help="LADD: devices per target domain (default 10)")
     add("--domains", help="LADD: comma-separated target domains (default night,fog,sunset,rain)")
     add("--rounds", type=int, help="LADD: federated rounds (default 12)")
-    add("--clients-per-round", type=int, help="LADD: devices per round (default 8)")
+    add("--clients-per-round", type=int, help="devices per round, every pipeline (default: the preset's; LADD 8)")
     add("--cluster-scope", choices=["head", "all"], help="LADD: cluster-specific tensors (default head)")
     add("--baseline-no-kd", action="store_true", help="LADD: FedAvg+ST with pseudo-labels only (no KD, no SWA)")
     add("--secure", action="store_true", help="LADD: sum each training round's updates under secure aggregation")

@@ -23,14 +23,15 @@ from pathlib import Path
 import numpy as np
 
 from edge_client.data import load_fashion_mnist
+from protocols.mqtt_eventloop import raise_open_file_limit
 from protocols.mqtt_link import BrokerConfig
 from protocols.topics import Topics
 
-from .emulation.broker import MosquittoBroker
-from .errors import UserError, load_json_file
+from .emulation.broker import FLEET_BROKER_CONFIG, MosquittoBroker
 from .emulation.processes import stop_all
 from .emulation.partition import make_split, train_holdout_split
 from .emulation.profiles import sample_profiles
+from .errors import UserError, load_json_file
 from .progress import StatusWatcher
 
 
@@ -78,6 +79,10 @@ class SimConfig:
     ft_server_momentum: float = 0.0         # > 0: FedAvgM
     fp_epochs: int = 25                     # FP(ψ) local epochs after OLL (0: OLL only)
     fp_lrs: tuple[float, ...] = (1e-4, 1e-3)   # candidates; each device picks one by local cross-validation
+    # device hosting (fedfleet.emulation.host): threads that run device steps per worker process
+    host_threads: int = 8
+    evaluate: str = "contribution"          # aggregator evaluates per contribution, or per round (large fleets)
+    ray: str | None = None                  # "auto" or a Ray address: device hosts as Ray actors
 
 
 PRESETS = {
@@ -85,6 +90,14 @@ PRESETS = {
     "smoke": SimConfig(devices=20, runtime="eager", train_limit=3000, test_limit=600, image_size=32, clients_per_round=5,
                        round_timeout_s=30, dropout_prob=0.1, slowdown=(1.0, 1.5), out_dir="runs/smoke",
                        retry_after_s=3.0, phase_timeout_s=10.0, ft_rounds=5, fp_epochs=5),
+    # A cross-device fleet: 10,000 phones with a few images each (50,000 Fashion-MNIST images,
+    # Dirichlet α=0.1, ≥ 1 image per device), 1,000 devices per round. Results are acked within a
+    # round of ~1,000 uploads, hence the long retry and round timeouts; the model is evaluated once
+    # per round. An upload's bandwidth pacing holds one of the host's step threads (host_threads).
+    "fleet-10k": SimConfig(devices=10_000, runtime="eager", train_limit=50_000, test_limit=2000, image_size=32,
+                           split="dirichlet", alpha=0.1, clients_per_round=1000, round_timeout_s=900,
+                           holdout_fraction=0.0, dropout_prob=0.0, slowdown=(1.0, 1.5), retry_after_s=300.0,
+                           timeout_s=5400.0, host_threads=32, evaluate="round", out_dir="runs/fleet-10k"),
 }
 
 
@@ -140,39 +153,56 @@ class EmulatedFleet:
         self.cfg, self.out, self.profiles, self.secure, self.quiet = cfg, out, profiles, secure, quiet
         self.holdout_file, self.training_manifest, self.tail_manifest = holdout_file, training_manifest, tail_manifest
         self.broker = None
-        self.workers: list[subprocess.Popen] = []
+        self.hosts = None
         self.worker_stats: list[dict] = []
-        self.env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        # glibc malloc: a host's step threads would each keep an arena, and the dynamic mmap
+        # threshold would move multi-megabyte uploads onto the heap; both keep freed uploads in RSS
+        # without any device holding them. A fixed 1 MiB threshold returns them to the system.
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MALLOC_ARENA_MAX="2",
+                        MALLOC_MMAP_THRESHOLD_="1048576")
 
     def __enter__(self) -> "EmulatedFleet":
-        cfg, out = self.cfg, self.out
-        self.broker = None if cfg.broker else MosquittoBroker().start()
+        cfg = self.cfg
+        raise_open_file_limit()       # mosquitto (a child) inherits it: one descriptor per device
+        self.broker = None if cfg.broker else MosquittoBroker(extra_config=FLEET_BROKER_CONFIG).start()
         self.broker_url = cfg.broker or self.broker.url
         try:
-            self.n_workers = max(1, min(cfg.workers, cfg.devices))
-            threads = max(1, (os.cpu_count() or 1) // self.n_workers)
-            for w in range(self.n_workers):
-                mine = [{"index": i, "profile": p.to_dict()} for i, p in enumerate(self.profiles)
-                        if i % self.n_workers == w]
-                spec = {"dataset": cfg.dataset, "data_root": cfg.data_root, "shards_file": str(out / "shards.npz"),
-                        "holdout_file": str(self.holdout_file) if self.holdout_file else None,
-                        "training_manifest": str(self.training_manifest) if self.training_manifest else None,
-                        "tail_manifest": str(self.tail_manifest) if self.tail_manifest else None,
-                        "broker": self.broker_url, "topic_root": cfg.topic_root, "devices": mine, "seed": cfg.seed,
-                        "cache_dir": cfg.cache_dir, "runtime": cfg.runtime, "threads": threads,
-                        "retry_after_s": cfg.retry_after_s, "stats_file": str(out / f"worker{w}.json"),
-                        "secure": None if self.secure is None else {
-                            "aggregator_public_key": self.secure["aggregator_public_key"],
-                            "device_keys": {d["profile"]["device_id"]: self.secure["device_keys"][d["profile"]["device_id"]]
-                                            for d in mine}}}
-                (out / f"worker{w}.spec.json").write_text(json.dumps(spec))
-                self.workers.append(subprocess.Popen([sys.executable, "-m", "fedfleet.emulation.worker",
-                                                      str(out / f"worker{w}.spec.json")], env=self.env,
-                                                     stdout=open(out / f"worker{w}.log", "w"), stderr=subprocess.STDOUT))
+            specs = self.worker_specs()
+            if cfg.ray:
+                from .emulation.ray_hosts import RayHosts
+
+                self.hosts = RayHosts(cfg.ray, self.out)
+            else:
+                self.hosts = LocalHosts(self.out, self.env)
+            self.hosts.start(specs)
         except BaseException:
             self.__exit__()
             raise
         return self
+
+    def worker_specs(self) -> list[dict]:
+        """One spec per device host (worker process or Ray actor); devices dealt round-robin."""
+        cfg, out = self.cfg, self.out
+        self.n_workers = max(1, min(cfg.workers, cfg.devices))
+        threads = max(1, (os.cpu_count() or 1) // self.n_workers)
+        specs = []
+        for w in range(self.n_workers):
+            mine = [{"index": i, "profile": p.to_dict()} for i, p in enumerate(self.profiles)
+                    if i % self.n_workers == w]
+            specs.append({
+                "dataset": cfg.dataset, "data_root": cfg.data_root, "shards_file": str(out / "shards.npz"),
+                "holdout_file": str(self.holdout_file) if self.holdout_file else None,
+                "training_manifest": str(self.training_manifest) if self.training_manifest else None,
+                "tail_manifest": str(self.tail_manifest) if self.tail_manifest else None,
+                "broker": self.broker_url, "topic_root": cfg.topic_root, "devices": mine, "seed": cfg.seed,
+                "cache_dir": cfg.cache_dir, "runtime": cfg.runtime, "threads": threads,
+                "step_threads": cfg.host_threads,
+                "retry_after_s": cfg.retry_after_s, "stats_file": str(out / f"worker{w}.json"),
+                "secure": None if self.secure is None else {
+                    "aggregator_public_key": self.secure["aggregator_public_key"],
+                    "device_keys": {d["profile"]["device_id"]: self.secure["device_keys"][d["profile"]["device_id"]]
+                                    for d in mine}}})
+        return specs
 
     def run_job(self, kind: str, job: dict, job_dir: Path, eval_features: Path, progress_total: int) -> dict:
         """Run one job to its end with a fresh aggregator process; its results.json as a dict."""
@@ -185,7 +215,8 @@ class EmulatedFleet:
         agg = subprocess.Popen([sys.executable, "-m", "aggregator", "serve", "--config", str(job_dir / "job.json"),
                                 "--kind", kind, "--broker", self.broker_url, "--topic-root", cfg.topic_root,
                                 "--out", str(job_dir), "--eval-features", str(eval_features),
-                                "--enrolled", str(self.out / "enrolled.txt"), "--timeout", str(cfg.timeout_s)],
+                                "--enrolled", str(self.out / "enrolled.txt"), "--timeout", str(cfg.timeout_s),
+                                "--evaluate", cfg.evaluate],
                                env=self.env, stdout=open(log_file, "w"), stderr=subprocess.STDOUT)
         try:
             rc = agg.wait(timeout=cfg.timeout_s + 60)
@@ -199,11 +230,31 @@ class EmulatedFleet:
         return json.loads((job_dir / "results.json").read_text())
 
     def __exit__(self, *exc) -> None:
-        stop_all(self.workers, first_is_done=False)
+        if self.hosts is not None:
+            self.worker_stats = self.hosts.stop()
         if self.broker:
             self.broker.stop()
-        self.worker_stats = [json.loads((self.out / f"worker{w}.json").read_text())
-                             for w in range(len(self.workers)) if (self.out / f"worker{w}.json").exists()]
+
+
+class LocalHosts:
+    """Device hosts as local worker processes (``python -m fedfleet.emulation.worker SPEC``)."""
+
+    def __init__(self, out: Path, env: dict):
+        self.out, self.env = out, env
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, specs: list[dict]) -> None:
+        for w, spec in enumerate(specs):
+            (self.out / f"worker{w}.spec.json").write_text(json.dumps(spec))
+            self.procs.append(subprocess.Popen([sys.executable, "-m", "fedfleet.emulation.worker",
+                                                str(self.out / f"worker{w}.spec.json")], env=self.env,
+                                               stdout=open(self.out / f"worker{w}.log", "w"), stderr=subprocess.STDOUT))
+
+    def stop(self) -> list[dict]:
+        """Stop every worker; the statistics each wrote when it stopped."""
+        stop_all(self.procs, first_is_done=False)
+        return [json.loads((self.out / f"worker{w}.json").read_text())
+                for w in range(len(self.procs)) if (self.out / f"worker{w}.json").exists()]
 
 
 @dataclass
@@ -280,6 +331,8 @@ def run(cfg: SimConfig, quiet: bool = False) -> dict:
                                 cfg.devices)
     report = _report(cfg, results, fleet.worker_stats, prep)
     report["wall_s"] = time.monotonic() - t_start
+    if cfg.ray:
+        report["ray_placement"] = fleet.hosts.placement
     (out / "report.json").write_text(json.dumps(report, indent=1))
     say(format_report(report))
     return report
@@ -312,7 +365,7 @@ def _report(cfg, results, workers, prep: Prepared, job_dir: Path | None = None) 
               "rejections": results["rejections"], "late": results["late"], "duplicates": results["duplicates"],
               "fed3r_accuracy": results["final"].get("accuracy"), "history": results["history"],
               "dropouts": sum(w["dropouts"] for w in workers), "device_compute_s": sum(w["compute_s"] for w in workers),
-              "job_s": results.get("wall_s")}
+              "job_s": results.get("wall_s"), **fleet_figures(cfg, results, workers)}
     if cfg.rf_dim:
         from protocols.random_features import RandomFourierFeatures
 
@@ -330,6 +383,17 @@ def _report(cfg, results, workers, prep: Prepared, job_dir: Path | None = None) 
     return report
 
 
+def fleet_figures(cfg: SimConfig, results: dict, workers: list[dict]) -> dict:
+    """Per-device costs of the run: upload bytes per contributing device (as the aggregator
+    counted them, and as the devices sent them: retries included) and device-host memory."""
+    contributed = max(1, len(results["contributed"]))
+    rss = sum(w.get("rss_mb", 0.0) for w in workers)
+    return {"bytes_up_per_device": results["bytes_in"] / contributed,
+            "device_bytes_up_per_device": sum(w["bytes_up"] for w in workers) / contributed,
+            "host_rss_mb": rss, "host_rss_mb_per_device": rss / max(1, cfg.devices),
+            "not_connected": sum(len(w.get("not_connected", {})) for w in workers)}
+
+
 def format_report(r: dict) -> str:
     title = "Fed3R-Sync (secure aggregation)" if r["config"].get("secure") else "Fed3R"
     lines = ["", f"=== fedfleet simulate: {title} ===",
@@ -343,7 +407,9 @@ def format_report(r: dict) -> str:
     per_dev = r["bytes_up"] / max(1, r["contributed"])
     lines += [f"bytes up (all devices)  {r['bytes_up'] / 1e6:.1f} MB  ({per_dev / 1e6:.2f} MB per contributing device)",
               f"bytes down              {r['bytes_down'] / 1e6:.3f} MB",
-              f"device compute          {r['device_compute_s']:.1f} s total",
+              f"device hosts            {r.get('host_rss_mb', 0):.0f} MB RSS "
+              f"({r.get('host_rss_mb_per_device', 0):.3f} MB per device, data and backbone included)",
+              f"device compute          {r['device_compute_s']:.1f} s total (incl. waits for a host's compute slot)",
               f"job time (aggregator)   {r.get('job_s') or 0:.1f} s   (first task to final model)",
               f"wall time               {r.get('wall_s', 0):.1f} s"]
     return "\n".join(lines)

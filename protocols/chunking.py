@@ -18,9 +18,11 @@ the overall budget, so one sender can never fill the buffer for everyone) and ov
 partial messages older than ``ttl_s`` (``expire(now)``, which the receiver calls on its clock), so
 a sender that vanished mid-message cannot pin memory.
 
-A chunked message whose sender retries it after it was reassembled (its acknowledgement was lost)
-is not put together a second time: the retry's last chunk raises :class:`AlreadyReassembled`, so the
-receiver can answer ``duplicate`` and the sender stops re-uploading.
+A sender that got no answer resends the whole message (same ``parent``). Such a resend of a message
+already reassembled is reassembled again and returned again, so the receiver sees the very same
+message and answers it (a result's ``duplicate`` ack) instead of staying silent while the sender
+uploads it again and again. Its partial copy is the first to go when the sender needs room for a
+new message, and it expires like any other.
 """
 
 from __future__ import annotations
@@ -62,14 +64,6 @@ def split(message: bytes, message_id: str, sender: str, chunk_size: int = DEFAUL
     return out
 
 
-class AlreadyReassembled(EnvelopeError):
-    """The last chunk of a retry of a message already reassembled (``parent``): answer ``duplicate``."""
-
-    def __init__(self, sender: str, parent: str):
-        super().__init__(f"chunked message {parent} from {sender!r} was already reassembled")
-        self.sender, self.parent = sender, parent
-
-
 @dataclass
 class _Partial:
     count: int
@@ -77,10 +71,7 @@ class _Partial:
     sha256: str
     first_seen: float
     parts: dict[int, bytes] = field(default_factory=dict)
-
-    @property
-    def held(self) -> int:
-        return sum(len(p) for p in self.parts.values())
+    held: int = 0                       # bytes in parts (kept as a sum: an aggregator holds ~1,000 partials)
 
 
 class Reassembler:
@@ -95,10 +86,12 @@ class Reassembler:
         # one sender may hold at most one largest message's worth, and never half the overall budget
         self.max_pending_bytes_per_sender = max_pending_bytes_per_sender or min(max_message_bytes,
                                                                                max_pending_bytes // 2)
-        self._held_by: dict[str, int] = {}
+        self._held_by: dict[str, int] = {}                # sender -> bytes its partials hold
         self.ttl_s = ttl_s
         self._partials: dict[tuple[str, str], _Partial] = {}
-        self._done: dict[tuple[str, str], float] = {}  # recently completed parents: late duplicates are ignored
+        self._held = 0                                   # bytes held over all partials
+        self._per_sender: dict[str, list[tuple[str, str]]] = {}   # sender -> its partials' keys, oldest first
+        self._done: dict[tuple[str, str], float] = {}  # recently completed parents: a partial of one is a resend
 
     def add(self, chunk: Envelope, now: float | None = None) -> bytes | None:
         now = time.monotonic() if now is None else now
@@ -111,20 +104,15 @@ class Reassembler:
         digest = body_field(chunk, "sha256", str)
         data = require_tensor(chunk, "data", "uint8", (None,))
         key = (chunk.sender, parent)
-        if key in self._done:
-            if index == count - 1:
-                raise AlreadyReassembled(chunk.sender, parent)
-            return None
         if not (1 <= count <= MAX_CHUNKS) or not (0 <= index < count):
             raise EnvelopeError(f"chunk index {index} / count {count} out of range")
         if not (0 < total <= self.max_message_bytes):
             raise EnvelopeError(f"chunked message of {total} bytes exceeds the {self.max_message_bytes}-byte limit")
         partial = self._partials.get(key)
         if partial is None:
-            pending = [k for k in self._partials if k[0] == chunk.sender]
-            if len(pending) >= self.max_pending_per_sender:
-                raise EnvelopeError(f"sender {chunk.sender!r} has too many partial messages in flight")
+            self._make_room(chunk.sender)
             partial = self._partials[key] = _Partial(count, total, digest, now)
+            self._per_sender.setdefault(chunk.sender, []).append(key)
         elif (partial.count, partial.total, partial.sha256) != (count, total, digest):
             raise EnvelopeError(f"chunk {index} of {parent} disagrees with earlier chunks (count/total/sha256)")
         if index in partial.parts:
@@ -136,9 +124,11 @@ class Reassembler:
             self._drop(key)
             raise EnvelopeError(f"sender {chunk.sender!r} exceeds its reassembly budget "
                                 f"({self.max_pending_bytes_per_sender} bytes)")
-        if self.pending_bytes() + len(data) > self.max_pending_bytes:
+        if self._held + len(data) > self.max_pending_bytes:
             raise EnvelopeError("reassembly buffer full")
         partial.parts[index] = bytes(data)
+        partial.held += len(data)
+        self._held += len(data)
         self._held_by[chunk.sender] = self._held_by.get(chunk.sender, 0) + len(data)
         if len(partial.parts) < count:
             return None
@@ -149,16 +139,30 @@ class Reassembler:
         self._done[key] = now
         return whole
 
-    def pending_bytes(self) -> int:
-        return sum(self._held_by.values())
+    def _make_room(self, sender: str) -> None:
+        """Room for one more partial message of ``sender``: drop its oldest resend of an already
+        reassembled message if it is at its limit, else refuse."""
+        pending = self._per_sender.get(sender, [])
+        if len(pending) < self.max_pending_per_sender:
+            return
+        resend = next((k for k in pending if k in self._done), None)     # oldest first
+        if resend is None:
+            raise EnvelopeError(f"sender {sender!r} has too many partial messages in flight")
+        self._drop(resend)
 
     def _drop(self, key: tuple[str, str]) -> None:
         partial = self._partials.pop(key)
-        left = self._held_by.get(key[0], 0) - partial.held
+        self._held -= partial.held
+        left = self._held_by.pop(key[0], 0) - partial.held
         if left > 0:
             self._held_by[key[0]] = left
-        else:
-            self._held_by.pop(key[0], None)
+        keys = self._per_sender[key[0]]
+        keys.remove(key)
+        if not keys:
+            del self._per_sender[key[0]]
+
+    def pending_bytes(self) -> int:
+        return self._held
 
     def expire(self, now: float | None = None) -> list[tuple[str, str]]:
         """Drop partial messages older than ttl_s; returns the (sender, parent) pairs dropped."""

@@ -116,15 +116,19 @@ class MqttLink:
         self.client.on_message = self._handle_message
         self.last_connect_error: str | None = None
 
-    def start(self, timeout: float = 15.0) -> None:
-        kw = {}
-        if self.broker.protocol == "5":
-            from paho.mqtt.properties import Properties
-            from paho.mqtt.packettypes import PacketTypes
+    def _connect_properties(self) -> dict:
+        """connect() keywords: MQTT 5 clean start and session expiry (an hour, unless clean)."""
+        if self.broker.protocol != "5":
+            return {}
+        from paho.mqtt.properties import Properties
+        from paho.mqtt.packettypes import PacketTypes
 
-            props = Properties(PacketTypes.CONNECT)
-            props.SessionExpiryInterval = 0 if self._clean_start else 3600
-            kw = {"clean_start": self._clean_start, "properties": props}
+        props = Properties(PacketTypes.CONNECT)
+        props.SessionExpiryInterval = 0 if self._clean_start else 3600
+        return {"clean_start": self._clean_start, "properties": props}
+
+    def start(self, timeout: float = 15.0) -> None:
+        kw = self._connect_properties()
         self.client.connect_async(self.broker.host, self.broker.port, keepalive=self.broker.keepalive, **kw)
         self.client.loop_start()
         if not self.connected.wait(timeout):

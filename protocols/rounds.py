@@ -58,7 +58,7 @@ id at most once and answers duplicates with ``duplicate``.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
 from .messages import TaskRef
@@ -299,6 +299,10 @@ class DeviceSession:
     retry_after_s: float = 10.0
     max_retries: int = 5
     keep_finished: int = 4
+    # False: forget a result's payload once it is acknowledged (a redelivered task of that round is
+    # then answered with nothing): what a host of thousands of emulated devices needs, whose idle
+    # devices must not each hold their last results (megabytes of Fed3R statistics).
+    keep_acked_results: bool = True
     state: DeviceState = DeviceState.IDLE
     current: TaskRef | None = None
     finished: dict[TaskRef, WorkFinished] = field(default_factory=dict)   # tasks answered (for redelivery)
@@ -333,6 +337,8 @@ class DeviceSession:
             done = self.finished.get(self.current) if self.current else None
             if self.state is DeviceState.REPORTED and done is not None and done.message_id == event.ref_id:
                 self.state = DeviceState.IDLE
+                if not self.keep_acked_results:
+                    self.finished[self.current] = replace(done, message=None)
             return []
         if isinstance(event, Tick):
             self.now = event.now
@@ -346,7 +352,8 @@ class DeviceSession:
 
     def _on_task(self, ev: TaskArrived) -> list:
         if ev.ref in self.finished:
-            return [SendResult(self.finished[ev.ref].message, self.attempts + 1)]
+            message = self.finished[ev.ref].message
+            return [] if message is None else [SendResult(message, self.attempts + 1)]
         if self.state is DeviceState.WORKING and ev.ref == self.current:
             return []
         self.current, self.state = ev.ref, DeviceState.WORKING

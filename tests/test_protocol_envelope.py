@@ -172,7 +172,36 @@ def test_chunking_round_trip_with_duplicates_and_reordering():
     whole = [o for o in outs if o is not None]
     assert len(whole) == 1 and whole[0].id == m.id
     np.testing.assert_array_equal(whole[0].tensors["x"], m.tensors["x"])
+    # the two redelivered chunks may start a resend; completing it yields the same message again
+    again = [asm.feed(p) for p in parts[2:]]
+    assert [o.id for o in again if o is not None] == [m.id] and again[-1] is not None
+    np.testing.assert_array_equal(again[-1].tensors["x"], m.tensors["x"])
     assert asm.reassembler.pending_bytes() == 0
+
+
+def test_resent_chunked_message_is_returned_again_and_never_blocks_new_messages():
+    """A device that got no ack resends its whole chunked result: the receiver must see it again
+    (to answer it ``duplicate``); stray resent chunks never keep the sender's new messages out."""
+    r = Reassembler(max_pending_per_sender=2)
+    msgs = [Envelope("result", "dev1", {"i": i}, {"x": np.full(3000, float(i))}) for i in range(4)]
+    parts = [[decode(p) for p in split(encode(m), m.id, "dev1", chunk_size=2048)] for m in msgs]
+    wholes = [[w for w in (r.add(c, now=0) for c in ps) if w is not None] for ps in parts[:2]]
+    assert [decode(w[0]).id for w in wholes] == [msgs[0].id, msgs[1].id]
+    resent = [w for w in (r.add(c, now=1) for c in parts[0]) if w is not None]
+    assert len(resent) == 1 and decode(resent[0]).id == msgs[0].id
+    # stray first chunks of both done messages fill the sender's two slots ...
+    r.add(parts[0][0], now=2)
+    r.add(parts[1][0], now=3)
+    # ... and still two new messages get through (the oldest resends make room)
+    for ps, m in zip(parts[2:], msgs[2:]):
+        got = [w for w in (r.add(c, now=4) for c in ps) if w is not None]
+        assert decode(got[0]).id == m.id
+    # a sender with two genuinely new partial messages is refused a third
+    r2 = Reassembler(max_pending_per_sender=2)
+    r2.add(parts[0][0], now=0)
+    r2.add(parts[1][0], now=0)
+    with pytest.raises(EnvelopeError, match="too many partial"):
+        r2.add(parts[2][0], now=0)
 
 
 def test_chunk_tampering_and_limits():

@@ -146,6 +146,17 @@ def test_a_long_lived_device_keeps_only_recent_results():
     assert s.handle(task(5)) == [SendResult("R5", 2)]         # recent: re-sent, not recomputed
 
 
+def test_a_session_that_forgets_acked_results_holds_none_and_never_resends_them():
+    s = DeviceSession(retry_after_s=5, keep_acked_results=False)
+    s.handle(task(1))
+    s.handle(WorkFinished(TaskRef("j", 1, "t1"), "R1", "r1"))
+    assert s.handle(Tick(6.0)) == [SendResult("R1", 2)]                  # kept until acknowledged
+    s.handle(AckArrived("r1", "duplicate"))
+    assert all(done.message is None for done in s.finished.values())
+    assert s.handle(task(1)) == [] and s.state is DeviceState.IDLE        # acknowledged: nothing to send
+    assert kinds(s.handle(task(2))) == ["StartWork"]
+
+
 def test_a_secure_task_goes_through_the_session_without_ack_retries():
     """A secure task's protocol messages: sent once, re-sent (the same ones) only when the server
     re-sends the task, never retried for an ack the protocol does not send."""

@@ -45,9 +45,15 @@ def load_identities(identity_file: str, device_keys_file: str) -> tuple[DeviceId
     return identity, IdentityRegistry({d: bytes.fromhex(k) for d, k in keys.items()})
 
 
+class LateProtocolMessage(EnvelopeError):
+    """A secure-aggregation message for a round that already ended: answered with silence and
+    counted as late, like a late result (a slow device's unmask share after the sum was made)."""
+
+
 class SecureGroupRounds:
     def _init_secure(self, identity: DeviceIdentity, registry: IdentityRegistry) -> None:
         self.identity, self.registry = identity, registry
+        self._newest_round = 0
         self.secure: ServerSecAgg | None = None
         self._start_pending = False
         self._phase_at = 0.0
@@ -62,8 +68,10 @@ class SecureGroupRounds:
         bind more of the round's contract to it (e.g. a digest of the vector layout)."""
         config = RoundConfig.create(job_id=self.config.job_id, round_id=round_id, group_id=group_id or f"g{round_id}",
                                     aggregator_id=AGGREGATOR_ID, members=members, vector_length=vector_length,
-                                    bound=bound, graph=self.config.graph)
+                                    bound=bound, graph=self.config.graph,
+                                    dropout_rate=self.config.expected_dropout)
         self.secure = ServerSecAgg(config, self.identity, self.registry, mask_applier=pick_mask_applier())
+        self._newest_round = max(self._newest_round, round_id)
         self._start_pending = True
 
     def on_secure_sum(self, total: np.ndarray, survivors: tuple[str, ...]) -> None:
@@ -99,6 +107,8 @@ class SecureGroupRounds:
         if msg.sender != device:
             raise EnvelopeError(f"secagg message from {device!r} claims sender {msg.sender!r}")
         if self.secure is None or msg.round_id != self.secure.config.round_id:
+            if isinstance(msg.round_id, int) and 0 < msg.round_id <= self._newest_round:
+                raise LateProtocolMessage(f"secure round {msg.round_id} has ended")
             raise EnvelopeError(f"no secure round {msg.round_id} open")
         before = self.secure.phase
         try:

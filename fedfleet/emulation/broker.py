@@ -9,6 +9,11 @@ import tempfile
 import time
 from pathlib import Path
 
+# A private broker for thousands of devices: no connection cap (the caller raises the descriptor
+# limit mosquitto inherits) and room to queue the chunks of ~1,000 concurrent uploads for the
+# aggregator's subscription (later lines override the defaults written before them).
+FLEET_BROKER_CONFIG = "max_connections -1\nmax_queued_messages 1000000\n"
+
 MOSQUITTO_CANDIDATES = ("mosquitto", "/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto")
 
 

@@ -3,9 +3,11 @@
 Devices of one worker share the process (and its copy of the dataset and backbone weights, as
 several apps on one phone would share a system library) but never the aggregator's memory: the
 aggregator is another process, reached only through the broker. Each device has its own MQTT
-connection, session state, data shard and profile. One compute lock per worker makes devices of
-the worker take turns on the CPU, so a 2-core machine is not oversubscribed; profile slowdowns
-are slept *outside* the lock, as a slow phone would not slow down other phones.
+connection, session state, data shard and profile, hosted by a :class:`~.host.DeviceHost` (one
+MQTT event loop, no thread per device). One compute slot per worker makes devices of the worker
+take turns on the CPU, so a 2-core machine is not oversubscribed; profile slowdowns are slept
+*outside* the slot, as a slow phone would not slow down other phones. A device's data and task
+handlers exist only while it runs a task (:class:`~.host.LazyTasks`).
 
 Run as ``python -m fedfleet.emulation.worker SPEC.json``; stops on SIGTERM/SIGINT.
 """
@@ -41,6 +43,7 @@ from protocols.mqtt_link import BrokerConfig
 from protocols.topics import Topics
 
 from ..bundles import make_extractor
+from .host import DeviceHost, LazyTasks, rss_mb
 from .profiles import DeviceProfile
 
 log = logging.getLogger("fedfleet.worker")
@@ -154,47 +157,92 @@ def secure_handlers(identity: DeviceIdentity, aggregator_key: bytes, handlers: d
     return secure
 
 
-def run(spec: dict) -> None:
+def _lazy_device_tasks(images, labels, train_idx, holdout_idx, extractors, spec, host: DeviceHost) -> LazyTasks:
+    """The device's handlers, built per task from the host's shared dataset (see LazyTasks)."""
+    def build() -> dict:
+        return device_handlers(images, labels, train_idx, holdout_idx, extractors, spec.get("training_manifest"),
+                               spec.get("tail_manifest"))
+
+    kinds = build().keys()          # built once to learn the kinds it offers, then dropped
+    return LazyTasks(build, kinds, host.compute_slot)
+
+
+def start_devices(spec: dict, host: DeviceHost) -> list[DeviceAgent]:
+    """Every device of the spec as a DeviceAgent on ``host``; idle devices keep only their ids,
+    profile and shard indices (data and task state are built per task)."""
     images, labels = load_dataset(spec["dataset"], spec.get("data_root"))
-    shards = np.load(spec["shards_file"])
-    holdouts = np.load(spec["holdout_file"]) if spec.get("holdout_file") else None
+    shards = _indices(spec, "shards")
+    holdouts = _indices(spec, "holdout") if spec.get("holdout_file") or spec.get("holdout") else None
     broker = BrokerConfig.from_url(spec["broker"])
     topics = Topics(spec.get("topic_root", "fedfleet"))
     extractors = SharedExtractors(spec.get("cache_dir"), spec.get("runtime", "eager"), spec.get("threads", 1))
     t0 = time.monotonic()
     secure = spec.get("secure")
-    agents = []
     for dev in spec["devices"]:
         profile = DeviceProfile.from_dict(dev["profile"])
-        handlers = device_handlers(images, labels, shards[profile.device_id],
-                                   holdouts[profile.device_id] if holdouts is not None else None,
-                                   extractors, spec.get("training_manifest"), spec.get("tail_manifest"))
+        device_id = profile.device_id
+        tasks = _lazy_device_tasks(images, labels, shards[device_id],
+                                   holdouts[device_id] if holdouts is not None else None, extractors, spec, host)
+        handlers = tasks.handlers()
         rng = np.random.default_rng([spec.get("seed", 0), int(dev["index"])])
         protocol_handlers = {}
         if secure:
-            identity = DeviceIdentity.from_private_bytes(profile.device_id,
-                                                         bytes.fromhex(secure["device_keys"][profile.device_id]))
+            identity = DeviceIdentity.from_private_bytes(device_id, bytes.fromhex(secure["device_keys"][device_id]))
             protocol_handlers = secure_handlers(identity, bytes.fromhex(secure["aggregator_public_key"]), handlers)
-        agent = DeviceAgent(profile.device_id, broker, handlers, topics,
-                            hooks=profile_hooks(profile, t0, rng), retry_after_s=spec.get("retry_after_s", 10.0),
-                            protocol_handlers=protocol_handlers)
-        agents.append(agent.start())
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    totals = {"bytes_up": sum(a.stats.bytes_up for a in agents),
+        host.add(lambda link_factory, device_id=device_id, profile=profile, handlers=handlers, rng=rng,
+                 protocol_handlers=protocol_handlers: DeviceAgent(
+                     device_id, broker, handlers, topics, hooks=profile_hooks(profile, t0, rng),
+                     retry_after_s=spec.get("retry_after_s", 10.0), protocol_handlers=protocol_handlers,
+                     link_factory=link_factory))
+    return list(host.agents.values())
+
+
+def _indices(spec: dict, name: str) -> dict[str, np.ndarray]:
+    """Each of the spec's devices' data indices: inline (``spec[name]``, a Ray actor on another
+    machine) or from the run's .npz file (``spec[name + "_file"]``, local workers)."""
+    ids = [d["profile"]["device_id"] for d in spec["devices"]]
+    if spec.get(name) is not None:
+        return {d: np.asarray(spec[name][d], dtype=np.int64) for d in ids}
+    with np.load(spec[f"{name}_file"]) as f:
+        return {d: f[d] for d in ids}
+
+
+def host_devices(spec: dict) -> tuple[DeviceHost, list[DeviceAgent]]:
+    """A started host with the spec's devices (local worker process or Ray actor)."""
+    host = DeviceHost(step_threads=spec.get("step_threads", 8), compute_slots=spec.get("compute_slots", 1))
+    return host, start_devices(spec, host)
+
+
+def device_totals(host: DeviceHost, agents: list[DeviceAgent]) -> dict:
+    """The host's devices' statistics (what the simulation report sums)."""
+    return {"bytes_up": sum(a.stats.bytes_up for a in agents),
               "compute_s": sum(a.stats.compute_s for a in agents),
               "tasks_done": sum(a.stats.tasks_done for a in agents),
               "dropouts": sum(a.stats.dropouts for a in agents),
+              "devices": len(agents), "rss_mb": rss_mb(), "step_errors": host.step_errors,
+              "not_connected": host.connect_problems(),
               "per_device": {a.device_id: {"bytes_up": a.stats.bytes_up, "compute_s": a.stats.compute_s,
                                            "tasks_done": a.stats.tasks_done, "dropouts": a.stats.dropouts,
                                            "by_kind": a.stats.by_kind}
                              for a in agents}}
-    for a in agents:
-        a.stop()
-    if spec.get("stats_file"):
-        Path(spec["stats_file"]).write_text(json.dumps(totals))
+
+
+def stop_devices(host: DeviceHost, agents: list[DeviceAgent]) -> dict:
+    """Stop the host; its devices' statistics."""
+    totals = device_totals(host, agents)
+    host.stop()
+    return totals
+
+
+def run(spec: dict) -> None:
+    host, agents = host_devices(spec)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    if spec.get("stats_file"):     # written first: stopping thousands of devices takes a while
+        Path(spec["stats_file"]).write_text(json.dumps(device_totals(host, agents)))
+    host.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
