@@ -235,6 +235,9 @@ class BrokerSecurity:
                 f"acl_file {self.acl_file}\n"
                 f"pid_file {self.pid_file}\n"
                 f"listener {port} {host}\n"
+                # an account's client id is its user name: no account can connect as another device,
+                # kick it off and fire its last will (mosquitto 2.0 applies it only after `listener`)
+                f"use_username_as_clientid true\n"
                 f"cafile {self.ca_cert}\n"
                 f"certfile {self.server_cert}\n"
                 f"keyfile {self.server_key}\n"

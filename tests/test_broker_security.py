@@ -196,3 +196,35 @@ def test_tls_acl_signatures_replay_and_revocation(secured, tmp_path):
     stats = np.load(tmp_path / "out" / "statistics.npz")
     np.testing.assert_allclose(stats["A"], A_ref, rtol=1e-12)
     np.testing.assert_allclose(stats["B"], B_ref, rtol=1e-12)
+
+
+def test_an_account_cannot_take_over_another_devices_client_id(secured, tmp_path):
+    """With the generated config an account's client id is its user name: dev02 connecting with
+    client id "dev01" neither kicks dev01 off nor fires dev01's last will."""
+    sec, port = secured
+    ca = sec.ca_cert
+    store = Store(tmp_path / "state.db")
+    from aggregator.enrollment import Enrollment
+
+    creds = {d: Enrollment(store, sec).enroll(d) for d in ("dev01", "dev02")}
+    sec.reload()
+    time.sleep(0.5)
+    watcher = RawDevice(port, ca, AGGREGATOR_ID, sec.aggregator_password, client_id=AGGREGATOR_ID)
+    watcher.c.subscribe(T.presence("dev01"), 1)
+    victim = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="dev01", protocol=mqtt.MQTTv5)
+    victim.username_pw_set("dev01", creds["dev01"].mqtt_password)
+    victim.tls_set(ca_certs=str(ca), tls_version=ssl.PROTOCOL_TLS_CLIENT)
+    victim.will_set(T.presence("dev01"), encode(M.presence_message("dev01", "offline")), qos=1)
+    dropped = threading.Event()
+    victim.on_disconnect = lambda *a: dropped.set()
+    victim.connect("127.0.0.1", port)
+    victim.loop_start()
+    time.sleep(0.5)
+    intruder = RawDevice(port, ca, "dev02", creds["dev02"].mqtt_password, client_id="dev01")
+    assert intruder.connack == "Success"             # the broker renamed it dev02
+    time.sleep(1.0)
+    assert not dropped.is_set()                      # dev01 was not kicked off
+    assert not any(m.type == M.PRESENCE for m in watcher.inbox)        # its last will did not fire
+    intruder.close()
+    victim.loop_stop()
+    watcher.close()

@@ -158,3 +158,26 @@ def test_inputs_are_requested_only_when_masking():
     run = run_round(config, AGGREGATOR, identities, provide, dropouts=dropouts)
     assert isinstance(run.outcome, AggregateReady)
     assert sorted(asked) == list(config.members[1:])
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_secagg_plus_survives_the_declared_dropout_rate(seed):
+    """SecAgg+ with 50-device groups and 30 % of the devices dropping after key exchange: with the
+    degree and share threshold derived from the declared 30 % rate every round completes exactly;
+    the O(log n) degree alone (k = 12, t' = 7 of 13) loses neighbourhoods at that rate."""
+    n, m = 50, 64
+    identities = {i.device_id: i for i in make_identities(n)}
+    rng = np.random.default_rng(seed)
+    inputs = {d: rng.uniform(-BOUND, BOUND, m) for d in identities}
+    dropped = sorted(random.Random(seed).sample(sorted(identities), int(0.3 * n)))
+    dropouts = {d: Phase.MASKED_INPUT for d in dropped}            # gone right after sharing keys
+    common = dict(job_id="job-30", group_id="g0", aggregator_id="aggregator", members=list(identities),
+                  vector_length=m, bound=BOUND, graph="regular")
+    declared = RoundConfig.create(round_id=seed, dropout_rate=0.3, graph_seed=bytes([seed]) * 32, **common)
+    run = run_round(declared, AGGREGATOR, identities, inputs, dropouts=dropouts)
+    _assert_exact(run, declared, inputs, dropouts)
+    failures = 0
+    for attempt in range(6):                                        # the old default at the same rate
+        log_n = RoundConfig.create(round_id=100 + attempt, degree=12, graph_seed=bytes([attempt]) * 32, **common)
+        failures += isinstance(run_round(log_n, AGGREGATOR, identities, inputs, dropouts=dropouts).outcome, RoundFailed)
+    assert failures >= 1

@@ -33,6 +33,7 @@ log = logging.getLogger("fedfleet.aggregator.secagg")
 @dataclass
 class Fed3RSyncConfig(Fed3RConfig):
     graph: str = "complete"                 # "complete" (SecAgg) or "regular" (SecAgg+)
+    expected_dropout: float = 0.1           # SecAgg+: the degree and share threshold are chosen to survive it
     max_samples: int = 10_000               # per device; with the feature bound it fixes B and f
     max_abs_feature: float = 6.0            # ReLU6 features of MobileNetV2 / EfficientNet-Lite
     phase_timeout_s: float = 30.0

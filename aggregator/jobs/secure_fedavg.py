@@ -33,6 +33,7 @@ from .secure_rounds import MIN_GROUP, SecureGroupRounds, load_identities
 @dataclass
 class SecureFedAvgConfig(FedAvgConfig):
     graph: str = "complete"                 # "complete" (SecAgg) or "regular" (SecAgg+)
+    expected_dropout: float = 0.1           # SecAgg+: the degree and share threshold are chosen to survive it
     max_samples: int = 10_000               # per device
     max_abs_param: float = 100.0            # per head entry, after local training
     phase_timeout_s: float = 30.0

@@ -64,6 +64,7 @@ log = logging.getLogger("fedfleet.aggregator.secagg")
 @dataclass
 class SecureLaddConfig(LaddConfig):
     graph: str = "complete"                 # "complete" (SecAgg) or "regular" (SecAgg+)
+    expected_dropout: float = 0.1           # SecAgg+: the degree and share threshold are chosen to survive it
     max_samples: int = 10_000               # local images per device
     max_abs_param: float = 100.0            # per trained entry
     min_cluster_contributors: int = 2       # fewer selected/surviving devices in a cluster: no θ_c update

@@ -18,7 +18,7 @@ import numpy as np
 
 from .errors import ConfigError, MalformedMessage
 from .fixedpoint import FixedPointCodec, max_scale_bits
-from .graph import NeighbourGraph, default_degree
+from .graph import NeighbourGraph, default_degree, degree_for, share_threshold_for
 
 GRAPH_COMPLETE = "complete"
 GRAPH_REGULAR = "regular"
@@ -76,18 +76,23 @@ class RoundConfig:
                scale_bits: int | None = None, threshold: int | None = None,
                graph: str = GRAPH_COMPLETE, degree: int | None = None,
                share_threshold: int | None = None, graph_seed: bytes | None = None,
-               consistency_check: bool = True) -> "RoundConfig":
-        """Fill the defaults: t = ceil(2n/3), the finest safe scale, k = 2 ceil(log2 n),
-        t' = the smallest majority of a neighbourhood, a fresh random graph seed."""
+               consistency_check: bool = True, dropout_rate: float = 0.1,
+               corruption_rate: float = 0.0) -> "RoundConfig":
+        """Fill the defaults: t = ceil(2n/3), the finest safe scale, and for SecAgg+ the degree k and
+        share threshold t' that the declared dropout and corruption rates need
+        (:func:`~protocols.secagg.graph.degree_for`), a fresh random graph seed."""
         ordered = tuple(sorted(members))
         n = len(ordered)
         if scale_bits is None:
             scale_bits = max_scale_bits(max(n, 1), bound)
         threshold = default_threshold(n) if threshold is None else threshold
         if graph == GRAPH_REGULAR:
-            degree = default_degree(n) if degree is None else degree
+            if degree is None:                         # O(log n) for privacy, more if dropouts need it
+                degree = min(max(default_degree(n), degree_for(n, dropout_rate, corruption_rate)), n - 1)
+                degree -= degree % 2                   # n - 1 may be odd
             holders = min(degree, n - 1) + 1
-            share_threshold = majority_share_threshold(holders) if share_threshold is None else share_threshold
+            if share_threshold is None:
+                share_threshold = min(share_threshold_for(holders, corruption_rate), threshold)
             graph_seed = os.urandom(GRAPH_SEED_BYTES) if graph_seed is None else graph_seed
         else:
             degree = n - 1

@@ -28,6 +28,29 @@ def default_degree(n: int) -> int:
     return 2 * max(1, math.ceil(math.log2(max(n, 2))))
 
 
+def share_threshold_for(holders: int, corruption_rate: float = 0.0) -> int:
+    """t' for a neighbourhood of ``holders`` share holders: a strict majority, and more than the
+    holders an adversary controlling ``corruption_rate`` of the devices is expected to hold."""
+    return max(holders // 2 + 1, math.floor(corruption_rate * holders) + 1)
+
+
+def degree_for(n: int, dropout_rate: float = 0.1, corruption_rate: float = 0.0, failure_log2: int = -20) -> int:
+    """The smallest even degree k (SecAgg+, Bell et al. 2020) for which every one of the n
+    neighbourhoods of k + 1 share holders still reaches its share threshold when each device drops
+    out independently with ``dropout_rate``: n · P[Binomial(k+1, 1 - dropout_rate) < t'] ≤
+    2^failure_log2 (a union bound). n - 1 (the complete graph) when no smaller k suffices."""
+    if not 0 <= dropout_rate < 0.5 or not 0 <= corruption_rate < 0.5:
+        raise ValueError("dropout_rate and corruption_rate must lie in [0, 0.5)")
+    keep = 1.0 - dropout_rate
+    for k in range(2, n - 1, 2):
+        holders = k + 1
+        t = share_threshold_for(holders, corruption_rate)
+        p_short = sum(math.comb(holders, s) * keep ** s * dropout_rate ** (holders - s) for s in range(t))
+        if n * p_short <= 2.0 ** failure_log2:
+            return k
+    return n - 1
+
+
 class NeighbourGraph:
     """Undirected graph over the round's participants; neighbours are computed on demand
     (a client only ever needs its own)."""
