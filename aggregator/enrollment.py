@@ -32,15 +32,18 @@ class DeviceCredentials:
     public_key: str                      # hex, raw 32-byte Ed25519
     private_key_pem: str | None = None   # only when the aggregator generated the key pair
     ca_pem: str | None = None            # the broker's CA, for TLS
+    aggregator_public_key: str | None = None   # hex: the device verifies every aggregator message with it
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 class Enrollment:
-    def __init__(self, store: Store, security: BrokerSecurity | None = None):
+    def __init__(self, store: Store, security: BrokerSecurity | None = None,
+                 aggregator_public_key: bytes | None = None):
         self.store = store
         self.security = security
+        self.aggregator_public_key = aggregator_public_key
 
     def enroll(self, device_id: str, public_key: bytes | None = None) -> DeviceCredentials:
         if device_id == AGGREGATOR_ID:
@@ -55,7 +58,8 @@ class Enrollment:
         self.store.enroll_device(device_id, bytes(public_key), hash_password(password))
         self._sync_broker()
         ca = self.security.ca_cert.read_text() if self.security and self.security.ca_cert.exists() else None
-        return DeviceCredentials(device_id, device_id, password, bytes(public_key).hex(), private_pem, ca)
+        aggregator_key = self.aggregator_public_key.hex() if self.aggregator_public_key else None
+        return DeviceCredentials(device_id, device_id, password, bytes(public_key).hex(), private_pem, ca, aggregator_key)
 
     def revoke(self, device_id: str) -> None:
         self.store.revoke_device(device_id)

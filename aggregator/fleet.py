@@ -28,9 +28,9 @@ log = logging.getLogger("fedfleet.aggregator")
 
 class Fleet:
     def __init__(self, store: Store | None, security: BrokerSecurity | None, enrolled: set[str] | None,
-                 require_signatures: bool):
+                 require_signatures: bool, aggregator_public_key: bytes | None = None):
         self.store = store
-        self.enrollment = Enrollment(store, security) if store is not None else None
+        self.enrollment = Enrollment(store, security, aggregator_public_key) if store is not None else None
         self.online: set[str] = set()
         self.seen: set[str] = set()
         self.last_seen: dict[str, float] = {}

@@ -52,6 +52,7 @@ import numpy as np
 from protocols import messages as M
 from protocols.chunking import DEFAULT_CHUNK_SIZE, MessageAssembler
 from protocols.envelope import Envelope, EnvelopeError, encode
+from protocols.identity import DeviceIdentity
 from protocols.mqtt_link import BrokerConfig, MqttLink
 from protocols.payloads.artifacts import GET as ARTIFACT_GET, artifact_message, parse_get
 from protocols.payloads.secagg import SECAGG_TYPE
@@ -83,7 +84,8 @@ class AggregatorService:
                  store: Store | None = None, security: BrokerSecurity | None = None,
                  require_signatures: bool = False, keep_serving: bool = False,
                  crash: CrashPoints | None = None, checkpoints: bool = True,
-                 artifacts: ArtifactShelf | None = None, offline_grace_s: float = 120.0):
+                 artifacts: ArtifactShelf | None = None, offline_grace_s: float = 120.0,
+                 identity: DeviceIdentity | None = None):
         self.topics, self.artifacts, self.eval_set = topics, artifacts, eval_set
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -91,8 +93,12 @@ class AggregatorService:
         self.evaluate_every_contribution = evaluate_every_contribution
         self.store, self.checkpoints = store, checkpoints     # checkpoints: restarts replay one round
         self.keep_serving, self.offline_grace_s = keep_serving, offline_grace_s
+        # the aggregator's Ed25519 identity: every message it sends is signed, so devices enrolled
+        # with its public key refuse injected tasks, acks and status
+        self._signer = identity.sign if identity is not None else None
         self.crash = crash or CrashPoints.from_env()
-        self.fleet = Fleet(store, security, enrolled, require_signatures)
+        self.fleet = Fleet(store, security, enrolled, require_signatures,
+                           identity.public_key_bytes if identity is not None else None)
         self.assembler = MessageAssembler(verifier=self.fleet.verify if require_signatures else None,
                                           max_message_bytes=max_message_bytes)
         self.stats = ServiceStats()             # messages that belong to no job (bad topic, malformed, ...)
@@ -384,11 +390,11 @@ class AggregatorService:
 
     # ------------------------------------------------------------------ output
     def _send(self, device: str, env: Envelope) -> None:
-        self.link.publish_envelope(self.topics.inbox(device), env, chunk_size=self.chunk_size)
+        self.link.publish_envelope(self.topics.inbox(device), env, chunk_size=self.chunk_size, signer=self._signer)
 
     def _publish_status(self, body: dict) -> None:
         env = Envelope(type=M.STATUS, sender=AGGREGATOR_ID, body=body)
-        self.link.publish(self.topics.status, encode(env), retain=True)
+        self.link.publish(self.topics.status, encode(env, signer=self._signer), retain=True)
 
     def _tick(self, now: float) -> None:
         if now - self._expired_at >= 1.0:      # partial chunked messages of vanished senders

@@ -28,6 +28,7 @@ from protocols.envelope import EnvelopeError, encode
 from protocols.mqtt_link import BrokerConfig, MqttLink
 from protocols.rounds import (AckArrived, DeviceSession, ResultSent, SendDecline, SendResult, StartWork,
                               TaskArrived, Tick, WorkFailed, WorkFinished)
+from protocols.identity import sender_verifier
 from protocols.topics import AGGREGATOR_ID, Topics
 
 log = logging.getLogger("fedfleet.device")
@@ -77,12 +78,14 @@ class AgentStats:
 
 
 class DeviceAgent:
+    _warned_unverified = False
     def __init__(self, device_id: str, broker: BrokerConfig, handlers: dict[str, TaskHandler],
                  topics: Topics = Topics(), hooks: AgentHooks | None = None,
                  chunk_size: int = DEFAULT_CHUNK_SIZE, retry_after_s: float = 10.0, tick_s: float = 0.5,
                  protocol_handlers: dict[str, Any] | None = None,
                  signer: Callable[[bytes], bytes] | None = None,
-                 link_factory: Callable[..., MqttLink] = MqttLink):
+                 link_factory: Callable[..., MqttLink] = MqttLink,
+                 aggregator_key: bytes | None = None):
         self.device_id = device_id
         # Ed25519 signing of every envelope (DeviceIdentity.sign) when the aggregator requires it.
         self.signer = signer
@@ -96,7 +99,14 @@ class DeviceAgent:
         self.tick_s = tick_s
         self.session = DeviceSession(retry_after_s=retry_after_s)
         self.stats = AgentStats()
-        self.assembler = MessageAssembler()
+        # With the aggregator's public key (from enrolment) only messages it signed are accepted;
+        # without it (open development broker) anything on the inbox is taken: said once, loudly.
+        self.assembler = MessageAssembler(
+            verifier=sender_verifier(AGGREGATOR_ID, aggregator_key) if aggregator_key else None)
+        if aggregator_key is None and not DeviceAgent._warned_unverified:
+            DeviceAgent._warned_unverified = True
+            log.warning("devices are not verifying the aggregator's messages (no aggregator key): "
+                        "development mode only")
         self._inbox: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

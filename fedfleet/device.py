@@ -38,7 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--identity", type=Path, default=None,
                    help="this device's Ed25519 private key (PEM): sign every message, take part in secure rounds")
     p.add_argument("--aggregator-key", default=None,
-                   help="the aggregator's Ed25519 public key (hex), needed for secure aggregation rounds")
+                   help="the aggregator's Ed25519 public key (hex, from enrolment): only messages it signed are "
+                        "accepted, and secure aggregation rounds need it (default: unverified, development)")
 
 
 def run_device(args) -> int:
@@ -91,7 +92,8 @@ def run_device(args) -> int:
         if args.aggregator_key:
             protocol_handlers = secure_handlers(identity, bytes.fromhex(args.aggregator_key), handlers)
     agent = DeviceAgent(args.id, broker, handlers, Topics(args.topic_root), signer=signer,
-                        protocol_handlers=protocol_handlers).start()
+                        protocol_handlers=protocol_handlers,
+                        aggregator_key=bytes.fromhex(args.aggregator_key) if args.aggregator_key else None).start()
     print(f"device {args.id}: {len(train_idx)} training / {len(holdout_idx)} held-out samples, tasks "
           f"{sorted(handlers) + sorted(k for k in protocol_handlers if '.' in k)}", flush=True)
     stop = threading.Event()

@@ -182,3 +182,21 @@ class IdentityRegistry:
     @classmethod
     def from_dict(cls, data: Mapping[str, str]) -> "IdentityRegistry":
         return cls({device_id: bytes.fromhex(hex_key) for device_id, hex_key in data.items()})
+
+
+def sender_verifier(sender: str, public_key: bytes):
+    """An envelope verifier accepting only messages signed by ``sender`` with ``public_key``: what
+    a device uses for the aggregator's messages (tasks, acks, aborts, status, artifacts), so an
+    injected message is refused even when the broker would deliver it."""
+    _load_public_key(public_key)
+
+    def verify(claimed: str, signed: bytes, signature: bytes) -> None:
+        from .envelope import EnvelopeError
+
+        if claimed != sender:
+            raise EnvelopeError(f"message from {claimed!r}; only {sender!r} may write here")
+        try:
+            verify_signature(public_key, signed, signature)
+        except InvalidSignature as exc:
+            raise EnvelopeError(f"signature rejected for {claimed!r}: {exc}") from None
+    return verify

@@ -72,6 +72,7 @@ class Credentials(BaseModel):
     public_key: str
     private_key_pem: str | None
     ca_pem: str | None
+    aggregator_public_key: str | None = Field(default=None, description="hex: verify every aggregator message")
 
 
 def config_model(kind: str) -> type[BaseModel]:

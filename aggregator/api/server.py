@@ -69,6 +69,9 @@ def add_ops_arguments(p: argparse.ArgumentParser) -> None:
                         "with its account there and rewrites passwd/ACL + reloads mosquitto on enrol/revoke")
     g.add_argument("--require-signatures", action="store_true",
                    help="accept only messages signed with the sender's enrolled Ed25519 key")
+    g.add_argument("--identity", type=Path, default=None,
+                   help="the aggregator's Ed25519 private key (PEM): every message it sends is signed with it, "
+                        "and enrolment hands devices its public key to verify them (default: unsigned, development)")
     g.add_argument("--keep-serving", action="store_true",
                    help="after the job, keep running and start jobs queued through the API")
 
@@ -94,9 +97,14 @@ def serve_with_ops(args, job, broker: BrokerConfig, out_dir: Path, topics: Topic
                                          tls_ca=broker.tls_ca or str(security.ca_cert))
     if (args.api or args.keep_serving) and store is None:
         raise SystemExit("--api and --keep-serving need --state")
+    identity = None
+    if args.identity:
+        from protocols.identity import DeviceIdentity
+
+        identity = DeviceIdentity.from_pem(AGGREGATOR_ID, args.identity.read_bytes())
     service = AggregatorService(job, broker, out_dir, topics, store=store, security=security,
                                 require_signatures=args.require_signatures, keep_serving=args.keep_serving,
-                                **service_kw)
+                                identity=identity, **service_kw)
     api = None
     if args.api:
         from .app import create_app
