@@ -216,6 +216,8 @@ class AggregatorService:
         if self.store is not None:
             self._load_stored(a)
         self.active = a
+        if self._signer is None and isinstance(job, SecureGroupRounds):
+            self._signer = job.identity.sign      # a secure job's identity is the aggregator's: sign with it
         self.runner = JobRunner(a, self.fleet, self.store, self.crash, self._send, self._publish_status,
                                 lambda: self.link.bytes_sent, self._job_broken, self.eval_set, self.checkpoints,
                                 self.evaluate_every_contribution, self.offline_grace_s)

@@ -39,9 +39,9 @@ def device_data(images, labels, classes, seed):
     return images[idx], labels[idx].astype(np.uint8)
 
 
-def run_job(job, broker, out_dir, ids):
+def run_job(job, broker, out_dir, ids, identity=None):
     svc = AggregatorService(job, BrokerConfig.from_url(broker.url), out_dir, enrolled=set(ids),
-                            evaluate_every_contribution=False)
+                            evaluate_every_contribution=False, identity=identity)
     result = {}
     thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=240)), daemon=True)
     thread.start()
@@ -87,7 +87,8 @@ def test_device_cli_serves_secure_fed3r_and_personalization(broker, tmp_path):
 
         oll = PersonalizeJob(PersonalizeConfig(job_id="oll", head_file=str(tmp_path / "fed3r" / "model.npz"),
                                                fp_epochs=2, **common))
-        result = run_job(oll, broker, tmp_path / "oll", list(DEVICES))
+        # the devices verify every aggregator message with its key: this job's messages are signed too
+        result = run_job(oll, broker, tmp_path / "oll", list(DEVICES), identity=agg)
         assert result.get("state") == "done" and oll.contributions == 3, result
         summary = oll.summary()
         assert summary["test_samples"] == sum(len(split[d][1]) for d in DEVICES)
