@@ -11,6 +11,9 @@ the bench measures hosting and transport, not the backbone. Prints: devices star
 second end to end (first device started to the aggregator's final model).
 
     .venv/bin/python bench/fleet_scale.py [--devices 10000] [--d 64]
+
+Measured (shared 2-core machine, --devices 10000): 1,000 devices: 901 started/s, 24 KiB per idle
+device, 123 contributions/s; 10,000 devices: 370 started/s, 21 KiB per idle device, 104/s.
 """
 
 from __future__ import annotations
