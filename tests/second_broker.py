@@ -4,14 +4,12 @@ mosquitto."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from fedfleet.emulation.broker import free_port
+from fedfleet.emulation.broker import free_port, wait_until_listening
 
 CONFIG = """listeners:
   default:
@@ -39,17 +37,12 @@ class AmqttBroker:
         amqtt = Path(sys.executable).with_name("amqtt")
         self.log = open(Path(self._tmp.name) / "amqtt.log", "wb")
         self.proc = subprocess.Popen([str(amqtt), "-c", str(self.conf)], stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError("amqtt exited: " + (Path(self._tmp.name) / "amqtt.log").read_text()[-2000:])
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return self
-            except OSError:
-                time.sleep(0.1)
-        self.__exit__()
-        raise TimeoutError("amqtt did not open its port")
+        try:
+            wait_until_listening(self.proc, self.port, Path(self._tmp.name) / "amqtt.log", 20)
+        except TimeoutError:
+            self.__exit__()
+            raise
+        return self
 
     def __exit__(self, *exc):
         if self.proc and self.proc.poll() is None:

@@ -32,6 +32,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until_listening(proc: subprocess.Popen, port: int, log: Path, timeout: float) -> None:
+    """Wait until a broker process accepts TCP connections on ``port``; RuntimeError (with its log)
+    if it exits first, TimeoutError if it never opens the port."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"broker exited: {log.read_text()[-2000:]}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"the broker did not open port {port} within {timeout} s")
+
+
 class MosquittoBroker:
     """Context manager: ``with MosquittoBroker() as b: b.port``. Extra config lines may be given
     (ACLs, password files, TLS listeners); the default is an anonymous loopback listener."""
@@ -59,17 +74,12 @@ class MosquittoBroker:
         self.log = open(self.workdir / "mosquitto.log", "wb")
         self.proc = subprocess.Popen([find_mosquitto(), "-c", str(self.conf)], stdout=self.log,
                                      stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mosquitto exited: {(self.workdir / 'mosquitto.log').read_text()[-2000:]}")
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return self
-            except OSError:
-                time.sleep(0.05)
-        self.stop()
-        raise TimeoutError("mosquitto did not open its port")
+        try:
+            wait_until_listening(self.proc, self.port, self.workdir / "mosquitto.log", timeout)
+        except TimeoutError:
+            self.stop()
+            raise
+        return self
 
     def reload(self) -> None:
         """SIGHUP: mosquitto re-reads password and ACL files without dropping clients."""
