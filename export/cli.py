@@ -124,8 +124,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _summary(manifest_path: Path) -> str:
     from protocols.bundle_manifest import read_manifest
 
+    from protocols.files import file_sha256
+
     manifest = read_manifest(manifest_path)
-    lines = [f"wrote {manifest_path}"]
+    lines = [f"wrote {manifest_path}",
+             f"bundle sha256 {file_sha256(manifest_path)}  (a job's bundle_sha256; serve the folder with --artifacts)"]
     for spec in manifest.artifacts:
         parity = spec.parity
         if "relative_l2_error" in parity:

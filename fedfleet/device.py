@@ -9,7 +9,10 @@ from pathlib import Path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--id", required=True, help="device id (enrolled with the aggregator)")
+    p.add_argument("--id", default=None, help="device id (enrolled with the aggregator; default: the credentials')")
+    p.add_argument("--credentials", type=Path, default=None,
+                   help="the JSON enrolment returned (fedfleet admin device enroll ID --out FILE): the MQTT account, "
+                        "the device's key, the broker's CA and the aggregator's key, so no flag needs them")
     p.add_argument("--broker", default="mqtt://127.0.0.1:1883",
                    help="mqtt://[user:pass@]host:port[?version=3.1.1|5] (the MQTT account from enrolment)")
     p.add_argument("--tls-ca", default=None, help="CA file of the broker's TLS listener (mqtts://)")
@@ -42,6 +45,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "accepted, and secure aggregation rounds need it (default: unverified, development)")
 
 
+def apply_credentials(args) -> None:
+    """Fill what the enrolment file holds into the arguments: --id, the broker account, --identity,
+    --tls-ca and --aggregator-key (what was given explicitly must agree with it)."""
+    from urllib.parse import quote, urlsplit, urlunsplit
+
+    from .errors import UserError, load_json_file
+
+    creds = load_json_file(args.credentials, "--credentials")
+    missing = {"device_id", "mqtt_username", "mqtt_password"} - set(creds if isinstance(creds, dict) else ())
+    if missing:
+        raise UserError(f"--credentials {args.credentials}: not an enrolment file (missing {sorted(missing)[0]!r})")
+    if args.id not in (None, creds["device_id"]):
+        raise UserError(f"--id {args.id} differs from the credentials' device {creds['device_id']!r}")
+    args.id = creds["device_id"]
+    url = urlsplit(args.broker)
+    host = url.netloc.rpartition("@")[2]
+    user = f"{quote(creds['mqtt_username'], safe='')}:{quote(creds['mqtt_password'], safe='')}@"
+    args.broker = urlunsplit(("mqtts" if creds.get("ca_pem") else url.scheme, user + host, url.path, url.query, ""))
+    folder = args.credentials.parent
+    if creds.get("private_key_pem") and args.identity is None:
+        args.identity = folder / f"{args.id}.key.pem"
+        args.identity.write_text(creds["private_key_pem"])
+        args.identity.chmod(0o600)
+    if creds.get("ca_pem") and args.tls_ca is None:
+        ca = folder / f"{args.id}.broker-ca.pem"
+        ca.write_text(creds["ca_pem"])
+        args.tls_ca = str(ca)
+    if creds.get("aggregator_public_key") and args.aggregator_key is None:
+        args.aggregator_key = creds["aggregator_public_key"]
+
+
 def run_device(args) -> int:
     # The device path uses edge_client only; the emulation worker's helpers are shared on purpose
     # (one definition of "how a device builds its handlers"), but import nothing from aggregator.
@@ -55,6 +89,13 @@ def run_device(args) -> int:
 
     from .emulation.partition import train_holdout_split
     from .emulation.worker import SharedExtractors, device_handlers, secure_handlers
+    from .errors import UserError
+
+    if args.credentials:
+        apply_credentials(args)
+    if args.id is None:
+        raise UserError("a device needs --id (or --credentials from enrolment)")
+    BrokerConfig.from_url(args.broker)            # a bad address fails before the data is loaded
 
     if args.idx:
         images, labels = load_idx_dataset(*args.idx)

@@ -18,6 +18,7 @@ def files(tmp_path_factory):
     (d / "unknown.json").write_text(json.dumps({"devices": 3, "bogus_field": 1}))
     (d / "job.json").write_text(json.dumps({"num_classes": 10}))
     (d / "huge.json").write_text(json.dumps({"num_classes": 10 ** 9}))
+    (d / "creds.json").write_text(json.dumps({"device_id": "cam1", "mqtt_username": "cam1", "mqtt_password": "x"}))
     return d
 
 
@@ -37,6 +38,10 @@ CASES = [
     ("serve: bad broker", ["aggregator", "serve", "--out", "{d}/o", "--config", "{d}/job.json", "--broker",
                            "mqtt://h?version=4"], "version"),
     ("device: missing IDX", ["device", "--id", "cam1", "--idx", "{d}/a.idx", "{d}/b.idx"], "No such file"),
+    ("device: missing credentials", ["device", "--credentials", "{d}/nope.json", "--idx", "{d}/a.idx", "{d}/b.idx"],
+     "does not exist"),
+    ("device: credentials of another device", ["device", "--id", "cam2", "--credentials", "{d}/creds.json",
+                                               "--idx", "{d}/a.idx", "{d}/b.idx"], "differs"),
     ("admin: API down", ["admin", "status", "--token", "t" * 20, "--url", "http://127.0.0.1:1"], "cannot reach"),
 ]
 

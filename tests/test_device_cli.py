@@ -105,3 +105,38 @@ def test_device_cli_serves_secure_fed3r_and_personalization(broker, tmp_path):
                 out, _ = p.communicate()
             if "Traceback" in (out or ""):
                 print(out)
+
+
+def test_a_device_joins_from_the_credentials_enrolment_returned(broker, tmp_path):
+    """`fedfleet device --credentials FILE` with exactly what enrolment returned: it signs with the
+    generated key, verifies the aggregator's messages with its key, and its statistics are accepted
+    by an aggregator that requires signatures."""
+    import json
+
+    from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
+    from aggregator.store import Store
+
+    images, labels = load_fashion_mnist("train")
+    x, y = device_data(images, labels, (0, 1, 2), 0)
+    write_idx(tmp_path / "images.idx", x)
+    write_idx(tmp_path / "labels.idx", y)
+    aggregator = DeviceIdentity.generate("aggregator")
+    config = Fed3RConfig(num_classes=10, backbone="mobilenet_v2", image_size=SIZE,
+                         weights_sha256=weights_sha256("mobilenet_v2"), expected_devices=1, clients_per_round=1,
+                         round_timeout_s=120)
+    svc = AggregatorService(Fed3RJob(config), BrokerConfig.from_url(broker.url), tmp_path / "out",
+                            store=Store(tmp_path / "state.db"), require_signatures=True, identity=aggregator)
+    creds = svc.enroll("cam-z").to_dict()
+    assert creds["private_key_pem"] and creds["aggregator_public_key"] == aggregator.public_key_bytes.hex()
+    (tmp_path / "creds.json").write_text(json.dumps(creds))
+    proc = subprocess.Popen([sys.executable, "-m", "fedfleet.cli", "device", "--credentials",
+                             str(tmp_path / "creds.json"), "--broker", broker.url, "--idx", str(tmp_path / "images.idx"),
+                             str(tmp_path / "labels.idx"), "--cache-dir", str(tmp_path / "cache"), "--threads", "1",
+                             "--holdout-fraction", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        result = svc.run(timeout_s=180)
+    finally:
+        proc.terminate()
+        out = proc.communicate(timeout=30)[0]
+    assert result["state"] == "done" and list(result["contributed"]) == ["cam-z"], out[-2000:]
+    assert result["contributed"]["cam-z"] == PER_DEVICE and result["rejections"] == {}
