@@ -18,7 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-ca", default=None, help="CA file of the broker's TLS listener (mqtts://)")
     p.add_argument("--topic-root", default="fedfleet", help="first level of every fedfleet topic")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--image-folder", type=Path, help="root/<class>/*.png layout; class ids = sorted names")
+    src.add_argument("--image-folder", type=Path, help="root/<class>/*.png layout with any subset of --classes")
     src.add_argument("--idx", nargs=2, type=Path, metavar=("IMAGES", "LABELS"), help="IDX image and label files")
     p.add_argument("--classes", default=None, help="comma-separated global class list (image-folder mode)")
     p.add_argument("--cache-dir", default=None, help="where extracted features are cached (default: no cache)")
@@ -100,8 +100,10 @@ def run_device(args) -> int:
     if args.idx:
         images, labels = load_idx_dataset(*args.idx)
     else:
-        classes = args.classes.split(",") if args.classes else None
-        images, labels, _ = load_image_folder(args.image_folder, classes=classes)
+        if not args.classes:
+            raise UserError("--image-folder needs --classes (the job's class names, in order): ids taken from "
+                            "the folders present would mislabel a device that holds only some classes")
+        images, labels, _ = load_image_folder(args.image_folder, classes=args.classes.split(","))
     if args.threads is not None:
         if args.threads < 1:
             raise SystemExit("--threads must be >= 1")

@@ -323,8 +323,8 @@ def test_image_folder_bad_arguments(tmp_path, folder):
     root, _ = folder
     with pytest.raises(FileNotFoundError):
         load_image_folder(tmp_path / "nope")
-    with pytest.raises(FileNotFoundError, match="fish"):
-        load_image_folder(root, classes=["cat", "fish"])
+    with pytest.raises(ValueError, match="none of the declared classes"):
+        load_image_folder(root, classes=["fish", "eel"])
     with pytest.raises(ValueError, match="duplicates"):
         load_image_folder(root, classes=["cat", "cat"])
     with pytest.raises(ValueError, match="size"):
@@ -338,3 +338,15 @@ def test_image_folder_bad_arguments(tmp_path, folder):
     (empty / "c").mkdir()
     with pytest.raises(ValueError, match="no images"):
         load_image_folder(empty)
+
+
+def test_an_image_folder_may_hold_any_subset_of_the_declared_classes(folder):
+    """A device with 2 of the job's 4 classes: ids follow the declared list, not the folders present."""
+    root, _ = folder
+    present = sorted(p.name for p in root.iterdir() if p.is_dir())
+    declared = ["ant", present[0], "bee", *present[1:]]
+    images, labels, names = load_image_folder(root, classes=declared)
+    own, _, _ = load_image_folder(root)                     # folder-name ids for comparison
+    assert names == declared and len(images) == len(own)
+    assert set(labels.tolist()) == {declared.index(n) for n in present}
+    assert 0 not in labels and 2 not in labels               # declared classes with no images keep their ids

@@ -40,9 +40,11 @@ def _class_names(root: Path, classes: list[str] | None) -> list[str]:
         raise ValueError("classes must not be empty")
     if len(set(names)) != len(names):
         raise ValueError(f"classes contains duplicates: {names}")
-    missing = [name for name in names if not (root / name).is_dir()]
-    if missing:
-        raise FileNotFoundError(f"class folders missing under {root}: {missing}")
+    # A device holds any subset of the job's classes: a declared class without a folder simply has
+    # no images here; folders of undeclared classes are left out (their images would have no id).
+    present = {p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")}
+    if not present & set(names):
+        raise ValueError(f"none of the declared classes has a folder under {root} (found: {sorted(present)})")
     return names
 
 
@@ -90,6 +92,8 @@ def load_image_folder(
     images: list[np.ndarray] = []
     labels: list[int] = []
     for class_id, name in enumerate(class_names):
+        if not (root / name).is_dir():
+            continue
         for path in _image_files(root / name):
             image = _decode_rgb(Image, path, size)
             if images and image.shape != images[0].shape:
