@@ -18,7 +18,7 @@ demo: setup
 	    --compare-with runs/latest
 
 test: setup
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra --durations=15
 
 setup: system-deps $(STAMP)
 

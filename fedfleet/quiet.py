@@ -8,18 +8,20 @@ worker and aggregator processes a command starts.
 from __future__ import annotations
 
 import os
+import re
 import warnings
 
-# (category, message regex, module regex): what torch/executorch print on every export and load
+# (category, the message's beginning): what torch/executorch print on every export and load. The
+# beginning is a literal with neither ':' nor ',' (PYTHONWARNINGS separators).
 FILTERS = (
-    (FutureWarning, r".*isinstance\(treespec, LeafSpec\).*", r".*"),
+    (FutureWarning, "`isinstance(treespec"),
 )
 
 
 def quiet_third_party_warnings() -> None:
     specs = []
-    for category, message, module in FILTERS:
-        warnings.filterwarnings("ignore", message=message, category=category, module=module)
-        specs.append(f"ignore:{message}:{category.__name__}")
+    for category, beginning in FILTERS:
+        warnings.filterwarnings("ignore", message=re.escape(beginning), category=category)
+        specs.append(f"ignore:{beginning}:{category.__name__}")
     inherited = os.environ.get("PYTHONWARNINGS", "")
     os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [inherited, *specs]))
