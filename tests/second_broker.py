@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 from fedfleet.emulation.broker import free_port, wait_until_listening
+from fedfleet.emulation.processes import stop_all
 
 CONFIG = """listeners:
   default:
@@ -45,10 +46,6 @@ class AmqttBroker:
         return self
 
     def __exit__(self, *exc):
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        if self.proc:
+            stop_all([self.proc], first_is_done=False, grace_s=5)
         self._tmp.cleanup()

@@ -9,6 +9,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from .processes import stop_all
+
 # A private broker for thousands of devices: no connection cap (the caller raises the descriptor
 # limit mosquitto inherits) and room to queue the chunks of ~1,000 concurrent uploads for the
 # aggregator's subscription (later lines override the defaults written before them).
@@ -89,12 +91,8 @@ class MosquittoBroker:
             self.proc.send_signal(signal.SIGHUP)
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        if self.proc:
+            stop_all([self.proc], first_is_done=False, grace_s=5)
         if self._tmp:
             self._tmp.cleanup()
             self._tmp = None
