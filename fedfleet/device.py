@@ -77,18 +77,19 @@ def apply_credentials(args) -> None:
 
 
 def run_device(args) -> int:
-    # The device path uses edge_client only; the emulation worker's helpers are shared on purpose
-    # (one definition of "how a device builds its handlers"), but import nothing from aggregator.
+    # The device path uses edge_client only (its handlers: edge_client.handlers, the same builder
+    # the emulated fleet uses); nothing from aggregator or fedfleet.emulation.
     import numpy as np
 
     from edge_client.agent import DeviceAgent
     from edge_client.data import load_idx_dataset
     from edge_client.data.image_folder import load_image_folder
+    from edge_client.data.split import train_holdout_split
+    from edge_client.handlers import HandlerConfig, LocalData, SharedExtractors, device_handlers, secure_handlers
     from protocols.mqtt_link import BrokerConfig
     from protocols.topics import Topics
 
-    from .emulation.partition import train_holdout_split
-    from .emulation.worker import SharedExtractors, device_handlers, secure_handlers
+    from .bundles import make_extractor
     from .errors import UserError
 
     if args.credentials:
@@ -120,12 +121,13 @@ def run_device(args) -> int:
     broker = BrokerConfig.from_url(args.broker, tls_ca=args.tls_ca)
     extractors = FetchedBundles(args.id, broker, Topics(args.topic_root), args.bundle_dir, args.runtime,
                                 args.cache_dir, default=args.bundle_sha,
-                                local=SharedExtractors(args.cache_dir, args.runtime, threads=None))
+                                local=SharedExtractors(lambda backbone, image_size: make_extractor(
+                                    backbone, image_size, args.cache_dir, args.runtime, threads=None), args.cache_dir))
     if args.bundle_sha:
         extractors.get(args.bundle_sha)          # at boot: fail early on a bad or unreachable bundle
-    handlers = device_handlers(images, labels, train_idx, holdout_idx, extractors,
-                               str(args.training_bundle) if args.training_bundle else None,
-                               str(args.tail_bundle) if args.tail_bundle else None)
+    handlers = device_handlers(LocalData(images, labels, train_idx, holdout_idx), extractors,
+                               HandlerConfig(str(args.training_bundle) if args.training_bundle else None,
+                                             str(args.tail_bundle) if args.tail_bundle else None))
     signer, protocol_handlers = None, {}
     if args.identity:
         from protocols.identity import DeviceIdentity

@@ -51,3 +51,23 @@ def test_the_check_fails_on_a_deliberately_wrong_import(tmp_path, package, line,
     (tmp_path / package / "fine.py").write_text("import numpy\nfrom protocols import envelope\n")
     (tmp_path / package / "wrong.py").write_text(line)
     assert violations(tmp_path) == [f"{package}/wrong.py imports {culprit}"]
+
+
+def emulation_imports(source: str) -> list[str]:
+    """Imports of the emulated fleet (``fedfleet.emulation``, or ``.emulation`` from inside fedfleet)."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [("fedfleet." if node.level == 1 else "") + (node.module or "")]
+        out += [n for n in names if n == "fedfleet.emulation" or n.startswith("fedfleet.emulation.")]
+    return out
+
+
+def test_the_real_device_imports_nothing_of_the_emulated_fleet():
+    # a Jetson runs fedfleet/device.py: its handlers come from the device SDK (edge_client.handlers)
+    assert emulation_imports((ROOT / "fedfleet" / "device.py").read_text()) == []
+    assert emulation_imports("def f():\n    from .emulation.worker import device_handlers\n") == \
+        ["fedfleet.emulation.worker"]

@@ -80,7 +80,7 @@ class TrainedHead:
     bias: np.ndarray        # (C,) float32
     steps: int              # SGD steps taken
     mean_loss: float        # mean mini-batch loss over the last epoch (before each step)
-    runtime: str            # "executorch", "eager" (a TrainingSession) or "torch" (dev path)
+    runtime: str            # "executorch", "eager" (a TrainingSession), "torch" (dev path) or "numpy" (no torch)
 
 
 class _TorchHeadStepper:
@@ -170,6 +170,18 @@ def session_fits(session, num_classes: int, feature_dim: int, temperature: float
             and session.kind == "training")
 
 
+def _plain_stepper(weight: np.ndarray, bias: np.ndarray, recipe: LocalTraining):
+    """Without a fitting training program: eager torch where it is installed, else the same step in
+    numpy (a torch-free device, ``fedfleet[device]``)."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        from .numpy_head import NumpyHeadStepper
+
+        return NumpyHeadStepper(weight, bias, recipe)
+    return _TorchHeadStepper(weight, bias, recipe)
+
+
 def train_head(weight: np.ndarray, bias: np.ndarray, features: np.ndarray, labels: np.ndarray,
                recipe: LocalTraining, session=None) -> TrainedHead:
     """Local SGD on a linear softmax head; labels are row indices of ``weight`` (0..C-1)."""
@@ -195,7 +207,7 @@ def train_head(weight: np.ndarray, bias: np.ndarray, features: np.ndarray, label
             log.info("training bundle holds a (%d, %d) head with T=%g; task needs (%d, %d), T=%g: eager torch",
                      session.num_classes, session.feature_dim, session.manifest.temperature, C, d,
                      recipe.temperature)
-        stepper = _TorchHeadStepper(weight, bias, recipe)
+        stepper = _plain_stepper(weight, bias, recipe)
     steps, mean_loss = local_sgd(stepper, len(labels), features, labels, recipe)
     trained = stepper.parameters()
     w, b = trained["weight"], trained["bias"]

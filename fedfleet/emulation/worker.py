@@ -26,19 +26,8 @@ import numpy as np
 
 from edge_client.agent import AgentHooks, DeviceAgent, DroppedOut
 from edge_client.data import load_fashion_mnist
-from edge_client.tasks.fed3r_stats import Fed3RStatsTask
-from edge_client.tasks.head_training import HeadTrainingTask
-from edge_client.tasks.personalization import PersonalizeTask
-from edge_client.tasks.secure_fed3r import SecureFed3R
-from edge_client.tasks.secure_fedavg_training import SecureFedAvgTraining
-from edge_client.tasks.secure_update import SecAggSessions
-from edge_client.tasks.tail_training import TailFeatures, TailTrainingTask, TrunkActivations
-from protocols.payloads.fed3r import KIND as FED3R_KIND
-from protocols.payloads.fedavg import KIND as FEDAVG_KIND
-from protocols.payloads.fedavg import KIND_TAIL as FEDAVG_TAIL_KIND
-from protocols.payloads.personalize import KIND as PERSONALIZE_KIND
+from edge_client.handlers import HandlerConfig, LocalData, SharedExtractors, device_handlers, secure_handlers
 from protocols.identity import DeviceIdentity
-from protocols.payloads.secagg import SECAGG_TYPE, SECURE_FEDAVG_KIND, SECURE_TAIL_KIND, SYNC_KIND
 from protocols.mqtt_link import BrokerConfig
 from protocols.topics import Topics
 
@@ -47,64 +36,6 @@ from .host import DeviceHost, LazyTasks, rss_mb
 from .profiles import DeviceProfile
 
 log = logging.getLogger("fedfleet.worker")
-
-
-class SharedExtractors:
-    """Per-process cache of feature extractors, keyed by (backbone, image size)."""
-
-    def __init__(self, cache_dir: str | None, runtime: str, threads: int):
-        self.cache_dir, self.runtime, self.threads = cache_dir, runtime, threads
-        self.lock = threading.Lock()
-        self._made: dict = {}
-
-    def trunk(self, manifest: str) -> "_Locked":
-        """The tail bundle's trunk program, shared by the worker's devices (FT(φ)/FT(M))."""
-        with self.lock:
-            if manifest not in self._made:
-                self._made[manifest] = TrunkActivations(manifest, self.cache_dir)
-            return _Locked(self._made[manifest], self.lock)
-
-    def tail_features(self, manifest: str) -> "_Locked":
-        """The tail bundle's fine-tuned-backbone features (OLL after FT(φ)/FT(M)), shared like the
-        trunk: one eager tail session per process, set to each task's model under the lock."""
-        with self.lock:
-            key = ("tail_features", manifest)
-            if key not in self._made:
-                if manifest not in self._made:
-                    self._made[manifest] = TrunkActivations(manifest, self.cache_dir)
-                self._made[key] = TailFeatures(manifest, trunk=self._made[manifest])   # used under the lock
-            return _Locked(self._made[key], self.lock)
-
-    def __call__(self, backbone: str, image_size: int, weights_sha256: str, bundle_sha256: str = ""):
-        # Emulated devices export their bundle locally (fedfleet.bundles); a job's announced
-        # bundle is what real devices fetch (fedfleet device), so it is not checked here.
-        from edge_client.agent import TaskDeclined
-        from edge_client.models import weights_sha256 as local_sha
-
-        if weights_sha256 and weights_sha256 != local_sha(backbone):
-            raise TaskDeclined(f"job wants {backbone} weights {weights_sha256[:12]}, device has {local_sha(backbone)[:12]}")
-        key = (backbone, image_size)
-        with self.lock:
-            if key not in self._made:
-                self._made[key] = make_extractor(backbone, image_size, self.cache_dir, self.runtime, self.threads)
-            return _Locked(self._made[key], self.lock)
-
-
-class _Locked:
-    """A shared extractor (or TailFeatures) used by one device at a time: a TailFeatures' set
-    parameters + forward must not interleave with another device's."""
-
-    def __init__(self, extractor, lock):
-        self._x, self._lock = extractor, lock
-        self.feature_dim = getattr(extractor, "feature_dim", None)
-
-    def extract(self, *args):
-        with self._lock:
-            return self._x.extract(*args)
-
-    def session(self):
-        with self._lock:
-            return self._x.session()
 
 
 def profile_hooks(profile: DeviceProfile, t0: float, rng: np.random.Generator) -> AgentHooks:
@@ -126,45 +57,20 @@ def load_dataset(name: str, root: str | None):
     raise ValueError(f"unknown dataset {name!r}")
 
 
-def device_handlers(images: np.ndarray, labels: np.ndarray, train_idx: np.ndarray, holdout_idx: np.ndarray | None,
-                    extractors: SharedExtractors, training_manifest: str | None,
-                    tail_manifest: str | None = None) -> dict:
-    """One device's task handlers: Fed3R statistics and FedAvg head training on its training
-    split (and FT(φ)/FT(M) of the backbone's tail with a tail bundle); with a held-out split
-    also OLL personalization (evaluated on the held-out split)."""
-    handlers = {FED3R_KIND: Fed3RStatsTask(images[train_idx], labels[train_idx], extractors),
-                FEDAVG_KIND: HeadTrainingTask(images[train_idx], labels[train_idx], extractors, training_manifest)}
-    tail_features = None
-    if tail_manifest:
-        handlers[FEDAVG_TAIL_KIND] = TailTrainingTask(images[train_idx], labels[train_idx], tail_manifest,
-                                                      trunk=extractors.trunk(tail_manifest))
-        tail_features = extractors.tail_features(tail_manifest)
-    if holdout_idx is not None and len(holdout_idx):
-        handlers[PERSONALIZE_KIND] = PersonalizeTask(images[train_idx], labels[train_idx], images[holdout_idx],
-                                                     labels[holdout_idx], extractors, tail_features=tail_features)
-    return handlers
-
-
-def secure_handlers(identity: DeviceIdentity, aggregator_key: bytes, handlers: dict) -> dict:
-    """Protocol handlers for secure rounds (Fed3R-Sync, secure FedAvg of the head or the tail) around a device's plain
-    handlers; one session registry routes every secagg message."""
-    sessions = SecAggSessions(identity.device_id)
-    secure = {SYNC_KIND: SecureFed3R(identity, aggregator_key, handlers[FED3R_KIND], sessions),
-              SECURE_FEDAVG_KIND: SecureFedAvgTraining(identity, aggregator_key, handlers[FEDAVG_KIND], sessions),
-              SECAGG_TYPE: sessions}
-    if FEDAVG_TAIL_KIND in handlers:
-        secure[SECURE_TAIL_KIND] = SecureFedAvgTraining(identity, aggregator_key, handlers[FEDAVG_TAIL_KIND], sessions)
-    return secure
-
-
 def _lazy_device_tasks(images, labels, train_idx, holdout_idx, extractors, spec, host: DeviceHost) -> LazyTasks:
     """The device's handlers, built per task from the host's shared dataset (see LazyTasks)."""
     def build() -> dict:
-        return device_handlers(images, labels, train_idx, holdout_idx, extractors, spec.get("training_manifest"),
-                               spec.get("tail_manifest"))
+        return device_handlers(LocalData(images, labels, train_idx, holdout_idx), extractors,
+                               HandlerConfig(spec.get("training_manifest"), spec.get("tail_manifest")))
 
     kinds = build().keys()          # built once to learn the kinds it offers, then dropped
     return LazyTasks(build, kinds, host.compute_slot)
+
+
+def _extractor_factory(spec: dict):
+    """Emulated devices export their bundle locally (fedfleet.bundles) for the spec's runtime."""
+    cache_dir, runtime, threads = spec.get("cache_dir"), spec.get("runtime", "eager"), spec.get("threads", 1)
+    return lambda backbone, image_size: make_extractor(backbone, image_size, cache_dir, runtime, threads)
 
 
 def start_devices(spec: dict, host: DeviceHost) -> list[DeviceAgent]:
@@ -175,7 +81,7 @@ def start_devices(spec: dict, host: DeviceHost) -> list[DeviceAgent]:
     holdouts = _indices(spec, "holdout") if spec.get("holdout_file") or spec.get("holdout") else None
     broker = BrokerConfig.from_url(spec["broker"])
     topics = Topics(spec.get("topic_root", "fedfleet"))
-    extractors = SharedExtractors(spec.get("cache_dir"), spec.get("runtime", "eager"), spec.get("threads", 1))
+    extractors = SharedExtractors(_extractor_factory(spec), spec.get("cache_dir"))
     t0 = time.monotonic()
     secure = spec.get("secure")
     for dev in spec["devices"]:

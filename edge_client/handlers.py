@@ -1,0 +1,143 @@
+"""How a device builds its task handlers from its configuration, for every task kind it serves.
+
+One definition for both a real device (``fedfleet device``) and the emulated fleet's workers
+(``fedfleet.emulation.worker``): Fed3R statistics, FedAvg head training, FT(φ)/FT(M) of the
+backbone's tail (with a tail bundle), OLL personalization (with a held-out split), and the secure
+variants (Fed3R-Sync, secure FedAvg) around them. LADD devices are built by
+``fedfleet.ladd_pipeline`` (the only place that hosts them).
+
+Making a feature extractor may need exporting a bundle (``fedfleet.bundles``, which imports
+``export``); the device SDK never imports ``export``, so the caller hands
+:class:`SharedExtractors` an extractor factory.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from edge_client.agent import TaskDeclined
+from edge_client.tasks.fed3r_stats import Fed3RStatsTask
+from edge_client.tasks.head_training import HeadTrainingTask
+from edge_client.tasks.personalization import PersonalizeTask
+from edge_client.tasks.secure_fed3r import SecureFed3R
+from edge_client.tasks.secure_fedavg_training import SecureFedAvgTraining
+from edge_client.tasks.secure_update import SecAggSessions
+from edge_client.tasks.tail_training import TailFeatures, TailTrainingTask, TrunkActivations
+from protocols.identity import DeviceIdentity
+from protocols.payloads.fed3r import KIND as FED3R_KIND
+from protocols.payloads.fedavg import KIND as FEDAVG_KIND
+from protocols.payloads.fedavg import KIND_TAIL as FEDAVG_TAIL_KIND
+from protocols.payloads.personalize import KIND as PERSONALIZE_KIND
+from protocols.payloads.secagg import SECAGG_TYPE, SECURE_FEDAVG_KIND, SECURE_TAIL_KIND, SYNC_KIND
+
+# (backbone, image_size) -> a FeatureExtractor; e.g. fedfleet.bundles.make_extractor bound to a runtime
+ExtractorFactory = Callable[[str, int], object]
+
+
+@dataclass(frozen=True)
+class LocalData:
+    """A device's images and labels, and which of them it trains on / holds out (OLL reports)."""
+    images: np.ndarray
+    labels: np.ndarray
+    train_idx: np.ndarray
+    holdout_idx: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class HandlerConfig:
+    """What a device's handlers are made of besides its data and extractors: the head training
+    bundle (FedAvg rounds through its program; None: eager head step) and the tail bundle
+    (FT(φ)/FT(M); None: the device declines those rounds)."""
+    training_manifest: str | None = None
+    tail_manifest: str | None = None
+
+
+class SharedExtractors:
+    """Per-process cache of feature extractors, keyed by (backbone, image size), made by ``factory``."""
+
+    def __init__(self, factory: ExtractorFactory, cache_dir: str | None):
+        self.factory, self.cache_dir = factory, cache_dir
+        self.lock = threading.Lock()
+        self._made: dict = {}
+
+    def trunk(self, manifest: str) -> "_Locked":
+        """The tail bundle's trunk program, shared by the process's devices (FT(φ)/FT(M))."""
+        with self.lock:
+            if manifest not in self._made:
+                self._made[manifest] = TrunkActivations(manifest, self.cache_dir)
+            return _Locked(self._made[manifest], self.lock)
+
+    def tail_features(self, manifest: str) -> "_Locked":
+        """The tail bundle's fine-tuned-backbone features (OLL after FT(φ)/FT(M)), shared like the
+        trunk: one eager tail session per process, set to each task's model under the lock."""
+        with self.lock:
+            key = ("tail_features", manifest)
+            if key not in self._made:
+                if manifest not in self._made:
+                    self._made[manifest] = TrunkActivations(manifest, self.cache_dir)
+                self._made[key] = TailFeatures(manifest, trunk=self._made[manifest])   # used under the lock
+            return _Locked(self._made[key], self.lock)
+
+    def __call__(self, backbone: str, image_size: int, weights_sha256: str, bundle_sha256: str = ""):
+        # A job's announced bundle is what real devices fetch (fedfleet.device.FetchedBundles);
+        # the local factory makes its own, so only the weights are checked here.
+        from edge_client.models import weights_sha256 as local_sha
+
+        if weights_sha256 and weights_sha256 != local_sha(backbone):
+            raise TaskDeclined(f"job wants {backbone} weights {weights_sha256[:12]}, device has {local_sha(backbone)[:12]}")
+        key = (backbone, image_size)
+        with self.lock:
+            if key not in self._made:
+                self._made[key] = self.factory(backbone, image_size)
+            return _Locked(self._made[key], self.lock)
+
+
+class _Locked:
+    """A shared extractor (or TailFeatures) used by one device at a time: a TailFeatures' set
+    parameters + forward must not interleave with another device's."""
+
+    def __init__(self, extractor, lock):
+        self._x, self._lock = extractor, lock
+        self.feature_dim = getattr(extractor, "feature_dim", None)
+
+    def extract(self, *args):
+        with self._lock:
+            return self._x.extract(*args)
+
+    def session(self):
+        with self._lock:
+            return self._x.session()
+
+
+def device_handlers(data: LocalData, extractors, config: HandlerConfig) -> dict:
+    """One device's task handlers: Fed3R statistics and FedAvg head training on its training
+    split (and FT(φ)/FT(M) of the backbone's tail with a tail bundle); with a held-out split
+    also OLL personalization (evaluated on the held-out split)."""
+    x, y = data.images[data.train_idx], data.labels[data.train_idx]
+    handlers = {FED3R_KIND: Fed3RStatsTask(x, y, extractors),
+                FEDAVG_KIND: HeadTrainingTask(x, y, extractors, config.training_manifest)}
+    tail_features = None
+    if config.tail_manifest:
+        handlers[FEDAVG_TAIL_KIND] = TailTrainingTask(x, y, config.tail_manifest,
+                                                      trunk=extractors.trunk(config.tail_manifest))
+        tail_features = extractors.tail_features(config.tail_manifest)
+    if data.holdout_idx is not None and len(data.holdout_idx):
+        handlers[PERSONALIZE_KIND] = PersonalizeTask(x, y, data.images[data.holdout_idx], data.labels[data.holdout_idx],
+                                                     extractors, tail_features=tail_features)
+    return handlers
+
+
+def secure_handlers(identity: DeviceIdentity, aggregator_key: bytes, handlers: dict) -> dict:
+    """Protocol handlers for secure rounds (Fed3R-Sync, secure FedAvg of the head or the tail) around
+    a device's plain handlers; one session registry routes every secagg message."""
+    sessions = SecAggSessions(identity.device_id)
+    secure = {SYNC_KIND: SecureFed3R(identity, aggregator_key, handlers[FED3R_KIND], sessions),
+              SECURE_FEDAVG_KIND: SecureFedAvgTraining(identity, aggregator_key, handlers[FEDAVG_KIND], sessions),
+              SECAGG_TYPE: sessions}
+    if FEDAVG_TAIL_KIND in handlers:
+        secure[SECURE_TAIL_KIND] = SecureFedAvgTraining(identity, aggregator_key, handlers[FEDAVG_TAIL_KIND], sessions)
+    return secure
