@@ -84,13 +84,17 @@ def test_hosted_devices_with_one_bad_password_and_one_broken_task(tmp_path):
 def test_descriptors_above_1024_and_refused_connections(tmp_path, broker):
     """Sockets with descriptor numbers above paho's select() limit work on the loop; a device
     pointed at a closed port keeps retrying alone."""
+    import gc
     import os
 
     devices = [f"dev{i:02d}" for i in range(5)]
     svc, t, result = start_service(broker.url, tmp_path, devices)   # its threaded paho link needs a low fd
     assert svc.link.connected.wait(10)
     host = DeviceHost(tick_s=0.2, connect_timeout_s=2)
-    filler = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]   # push new sockets above fd 1024
+    gc.collect()                  # sockets left by earlier tests must not free low descriptors later
+    filler = [os.open(os.devnull, os.O_RDONLY)]
+    while filler[-1] <= 1100:     # fill every free descriptor (holes too): new sockets land above 1024
+        filler.append(os.open(os.devnull, os.O_RDONLY))
     try:
         for d in devices:
             host.add(lambda lf, d=d: DeviceAgent(d, BrokerConfig.from_url(broker.url), {"fed3r.stats": SyntheticStats(d)},
