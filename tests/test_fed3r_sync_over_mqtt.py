@@ -89,3 +89,24 @@ def test_secure_jobs_need_checkpoints_to_run_with_a_durable_store(tmp_path):
     with pytest.raises(TypeError, match="secure aggregation"):
         AggregatorService(job, BrokerConfig(), tmp_path, store=Store(tmp_path / "s.db"), checkpoints=False)
     AggregatorService(job, BrokerConfig(), tmp_path, store=Store(tmp_path / "t.db"))     # checkpoints: accepted
+
+
+def test_the_last_group_takes_the_stragglers_instead_of_leaving_too_few_for_a_group():
+    """κ = 5 over 7 eligible devices would leave 2, who could never form a secure group (the job
+    would end without them): the round takes all 7. Over 8 it takes 5 and leaves a group of 3."""
+    ids = [f"d{i}" for i in range(8)]
+    reg = IdentityRegistry({d: DeviceIdentity.generate(d).public_key_bytes for d in ids})
+
+    def first_round(online):
+        job = Fed3RSyncJob(Fed3RSyncConfig(job_id="s", num_classes=C, feature_dim=D, max_samples=10,
+                                           clients_per_round=5), identity=DeviceIdentity.generate("aggregator"),
+                           registry=reg)
+        return job, job.next_participants(set(online))
+
+    _, chosen = first_round(ids[:7])
+    assert chosen == ids[:7]
+    job, chosen = first_round(ids)
+    assert len(chosen) == 5
+    job.contributed.update({d: 0 for d in chosen})
+    assert sorted(job.next_participants(set(ids))) == sorted(set(ids) - set(chosen))
+    assert job.finished(set(ids), set(ids)) is False

@@ -74,6 +74,12 @@ class Fed3RSyncJob(SecureGroupRounds, Fed3RJob):
         self.open_secure_round(self.round, chosen, self.vector_length, self.bound)
         return chosen
 
+    def group_size(self, available: int) -> int:
+        """κ, unless that would leave fewer than MIN_GROUP devices behind: those could never form a
+        group of their own, so the last group takes them too (stragglers are not lost)."""
+        kappa = self.config.clients_per_round
+        return available if available - kappa < MIN_GROUP else kappa
+
     def finished(self, online: set[str], known: set[str]) -> bool:
         return len(self.eligible(known | online)) < MIN_GROUP
 

@@ -19,13 +19,17 @@ class OncePerDevice:
     def next_participants(self, online: set[str]) -> list[str]:
         """Seeded sample of up to κ eligible devices; [] when nobody is left to ask."""
         pool = self.eligible(online)
-        k = min(self.config.clients_per_round, len(pool))
+        k = self.group_size(len(pool))
         chosen = sorted(self._rng.sample(pool, k)) if k else []
         if chosen:
             self.round += 1
             for d in chosen:
                 self.attempts[d] = self.attempts.get(d, 0) + 1
         return chosen
+
+    def group_size(self, available: int) -> int:
+        """How many of ``available`` eligible devices the next round asks: κ, or all that are left."""
+        return min(self.config.clients_per_round, available)
 
     def finished(self, online: set[str], known: set[str]) -> bool:
         """Done when no known device can still contribute (all did, or exhausted their attempts)."""
