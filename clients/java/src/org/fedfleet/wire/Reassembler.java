@@ -2,11 +2,13 @@
 // ignored, chunks contradicting the first one seen are refused, size and digest are verified,
 // partial messages expire after a time-to-live. add() returns the whole message's bytes once
 // complete (already decoded and checked against the chunks' sender and parent), else null.
+package org.fedfleet.wire;
+
 import java.math.BigInteger;
 import java.util.*;
 
-final class Reassembler {
-    static final int MAX_CHUNKS = 4096;
+public final class Reassembler {
+    public static final int MAX_CHUNKS = 4096;
 
     private static final class Partial {
         final long count, total;
@@ -23,9 +25,9 @@ final class Reassembler {
     private final Map<List<String>, Partial> partials = new HashMap<>();
     private final Set<List<String>> done = new HashSet<>();
 
-    Reassembler(double ttlSeconds) { this.ttlSeconds = ttlSeconds; }
+    public Reassembler(double ttlSeconds) { this.ttlSeconds = ttlSeconds; }
 
-    byte[] add(Envelope.Message chunk, double now) throws Envelope.EnvelopeError {
+    public byte[] add(Envelope.Message chunk, double now) throws Envelope.EnvelopeError {
         if (!"chunk".equals(chunk.type())) throw new Envelope.EnvelopeError("expected a chunk, got " + chunk.type());
         Map<String, Object> b = chunk.body();
         String parent = text(b, "parent"), digest = text(b, "sha256");
@@ -34,7 +36,7 @@ final class Reassembler {
                 || !chunk.tensors.get(0).dtype.equals("uint8") || chunk.tensors.get(0).shape.length != 1)
             throw new Envelope.EnvelopeError("a chunk carries exactly one 1-D uint8 tensor 'data'");
         byte[] data = chunk.tensors.get(0).data;
-        List<String> key = List.of(chunk.sender(), parent);
+        List<String> key = Arrays.asList(chunk.sender(), parent);
         if (done.contains(key)) return null;
         if (count < 1 || count > MAX_CHUNKS || index < 0 || index >= count)
             throw new Envelope.EnvelopeError("chunk index " + index + " / count " + count + " out of range");
@@ -70,7 +72,7 @@ final class Reassembler {
     }
 
     /** Forget partial messages first seen more than the TTL ago; returns how many were dropped. */
-    int expire(double now) {
+    public int expire(double now) {
         int before = partials.size();
         partials.values().removeIf(p -> now - p.firstSeen > ttlSeconds);
         return before - partials.size();

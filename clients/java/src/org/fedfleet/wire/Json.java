@@ -1,6 +1,8 @@
 // Strict JSON reader and the canonical writer of docs/protocol.md ("Canonical JSON"),
 // written from the spec alone. Values: LinkedHashMap (object), ArrayList (array), String,
 // BigInteger (a number without '.', 'e' or 'E'), Double (any other number), Boolean, NULL.
+package org.fedfleet.wire;
+
 import java.math.BigDecimal;
 import java.math.BigInteger;
 import java.math.MathContext;
@@ -8,11 +10,11 @@ import java.math.RoundingMode;
 import java.nio.charset.StandardCharsets;
 import java.util.*;
 
-final class Json {
-    static final Object NULL = new Object() { public String toString() { return "null"; } };
+public final class Json {
+    public static final Object NULL = new Object() { public String toString() { return "null"; } };
 
-    static final class JsonError extends Exception {
-        JsonError(String m) { super(m); }
+    public static final class JsonError extends Exception {
+        public JsonError(String m) { super(m); }
     }
 
     // ---- reader: RFC 8259, no NaN/Infinity, no duplicate keys, no lone surrogates ----
@@ -21,7 +23,7 @@ final class Json {
 
     private Json(String s) { this.s = s; }
 
-    static Object parse(String text) throws JsonError {
+    public static Object parse(String text) throws JsonError {
         Json p = new Json(text);
         p.ws();
         Object v = p.value(0);
@@ -154,14 +156,14 @@ final class Json {
     }
 
     // ---- canonical writer ----
-    static byte[] canonical(Object v) throws JsonError {
+    public static byte[] canonical(Object v) throws JsonError {
         StringBuilder b = new StringBuilder();
         write(b, v);
         return b.toString().getBytes(StandardCharsets.UTF_8);
     }
 
     /** Keys in Unicode code point order (= UTF-8 byte order), not Java's UTF-16 order. */
-    static final Comparator<String> CODE_POINT_ORDER = (a, b) -> {
+    public static final Comparator<String> CODE_POINT_ORDER = (a, b) -> {
         int[] x = a.codePoints().toArray(), y = b.codePoints().toArray();
         for (int k = 0; k < Math.min(x.length, y.length); k++)
             if (x[k] != y[k]) return Integer.compare(x[k], y[k]);
@@ -192,6 +194,7 @@ final class Json {
             b.append(']');
         } else if (v instanceof String) writeString(b, (String) v);
         else if (v instanceof BigInteger || v instanceof Boolean || v == NULL) b.append(v);
+        else if (v instanceof Integer || v instanceof Long) b.append(v);   // integers built in Java code
         else if (v instanceof Double) b.append(formatFloat((Double) v));
         else throw new JsonError("not a JSON value: " + v);
     }
@@ -216,7 +219,7 @@ final class Json {
     }
 
     /** Shortest round-tripping decimal; fixed notation for exponents -4..15, else d.ddde±XX. */
-    static String formatFloat(double d) throws JsonError {
+    public static String formatFloat(double d) throws JsonError {
         if (Double.isNaN(d) || Double.isInfinite(d)) throw new JsonError("NaN/Infinity cannot be encoded");
         if (d == 0) return (1 / d < 0) ? "-0.0" : "0.0";
         BigDecimal exact = new BigDecimal(d), r = exact;
@@ -237,7 +240,7 @@ final class Json {
     }
 
     /** Structural equality that also keeps integers and floats apart (1 != 1.0). */
-    static boolean same(Object a, Object b) {
+    public static boolean same(Object a, Object b) {
         if (a instanceof Map && b instanceof Map) {
             Map<?, ?> x = (Map<?, ?>) a, y = (Map<?, ?>) b;
             if (!x.keySet().equals(y.keySet())) return false;
