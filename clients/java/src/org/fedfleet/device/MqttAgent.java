@@ -75,7 +75,7 @@ public final class MqttAgent implements AutoCloseable {
         if (options.aggregatorKey == null)
             LOG.warning(deviceId + ": not verifying the aggregator's messages (no aggregator key): development mode only");
         MQTT mqtt = new MQTT();
-        mqtt.setHost(broker);
+        mqtt.setHost(transportUri(broker));
         mqtt.setClientId(deviceId);
         mqtt.setVersion("3.1.1");
         mqtt.setCleanSession(false);
@@ -284,6 +284,16 @@ public final class MqttAgent implements AutoCloseable {
         if (!done.await((long) (o.publishTimeoutS * 1000), TimeUnit.MILLISECONDS))
             throw new Exception("publish to " + topic + " not acknowledged in " + o.publishTimeoutS + " s");
         if (failure[0] != null) throw new Exception("publish to " + topic + " failed: " + failure[0]);
+    }
+
+    /** fedfleet's broker addresses (mqtt://host:port, mqtts://) as the client's transports (tcp://, ssl://). */
+    static URI transportUri(URI broker) throws java.net.URISyntaxException {
+        String scheme = broker.getScheme();
+        if ("mqtt".equals(scheme) || "tcp".equals(scheme))
+            return new URI("tcp", null, broker.getHost(), broker.getPort() < 0 ? 1883 : broker.getPort(), null, null, null);
+        if ("mqtts".equals(scheme) || "ssl".equals(scheme) || "tls".equals(scheme))
+            return new URI("ssl", null, broker.getHost(), broker.getPort() < 0 ? 8883 : broker.getPort(), null, null, null);
+        throw new IllegalArgumentException("broker URL " + broker + ": the scheme must be mqtt:// or mqtts://");
     }
 
     private static double monotonic() { return System.nanoTime() / 1e9; }

@@ -1,0 +1,128 @@
+"""The Java device library (clients/java/) on the wire and in a fleet:
+
+* its bytes equal the golden vectors (protocols/golden/) for the same content: a fed3r.stats
+  result computed by the Java device from the golden features, its presence, its chunks and a
+  message re-signed by its Ed25519 identity;
+* Java devices and Python devices in one Fed3R job over mosquitto, every message signed both ways,
+  give the centralized ridge over all their features (numpy and sklearn, relative error ≤ 1e-9).
+
+The library is built with plain javac against Debian's jars (tests/java_build.py); nothing is
+mocked: a real broker, real JVMs, real signatures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from sklearn.linear_model import Ridge
+
+import java_build
+
+pytestmark = pytest.mark.skipif(java_build.missing() is not None, reason=str(java_build.missing()))
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = ROOT / "protocols" / "golden"
+D, C, N = 6, 3, 30
+
+
+@pytest.fixture(scope="module")
+def java_cp(tmp_path_factory) -> str:
+    return java_build.build(tmp_path_factory.mktemp("java_device") / "classes", ROOT / "tests" / "java_device")
+
+
+def write_features(path: Path, Z: np.ndarray, y: np.ndarray) -> Path:
+    """The FeatureFile format: int32 n, int32 d, n·d float32, n int32 labels (little-endian)."""
+    path.write_bytes(struct.pack("<ii", *Z.shape) + np.asarray(Z, "<f4").tobytes() + np.asarray(y, "<i4").tobytes())
+    return path
+
+
+def test_java_device_bytes_equal_the_golden_vectors(java_cp, tmp_path):
+    # the features behind result_fed3r_stats (protocols/golden.py): the Java device computes A, b itself
+    Z, y = np.array([[1.0, 2.0], [0.5, -1.0], [3.0, 0.25]]), np.array([0, 2, 2])
+    feats = write_features(tmp_path / "golden.feat", Z, y)
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.run(["java", "-cp", java_cp, "GoldenWire", str(GOLDEN), str(feats), str(out)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    index = json.loads((GOLDEN / "index.json").read_text())
+    names = ["result_fed3r_stats", "presence_online", "result_signed_edge_cases"] + \
+            [n for n in index if n.startswith("chunk_")]
+    assert len(names) == 7
+    for name in names:
+        assert (out / f"{name}.bin").read_bytes() == (GOLDEN / index[name]["file"]).read_bytes(), name
+    assert f"PUBLIC_KEY {index['result_signed_edge_cases']['public_key']}" in proc.stdout
+    assert f"ACK {'11' * 16} accepted" in proc.stdout
+    assert f"TASK fed3r-demo/1/{'00' * 16} fed3r.stats 1767225720" in proc.stdout
+
+
+def fleet_data(i: int) -> tuple[np.ndarray, np.ndarray]:
+    """Device i's features as the exported program gives them (float32), and labels."""
+    rng = np.random.default_rng(500 + i)
+    return (rng.normal(size=(N, D)) * 2 + i).astype(np.float32), rng.integers(0, C, N)
+
+
+def test_mixed_java_and_python_fleet_gives_the_centralized_ridge(java_cp, broker, tmp_path):
+    from ops_fleet import Features
+
+    from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
+    from aggregator.service import AggregatorService
+    from edge_client.agent import DeviceAgent
+    from edge_client.tasks.fed3r_stats import Fed3RStatsTask
+    from protocols.identity import DeviceIdentity
+    from protocols.mqtt_link import BrokerConfig
+
+    java_ids, py_ids = ["java0", "java1", "java2"], ["py0", "py1", "py2"]
+    devices = java_ids + py_ids
+    seeds = {d: os.urandom(32) for d in java_ids}
+    keys = {**{d: DeviceIdentity.from_private_bytes(d, s) for d, s in seeds.items()},
+            **{d: DeviceIdentity.generate(d) for d in py_ids}}
+    agg = DeviceIdentity.generate("aggregator")
+    cfg = Fed3RConfig(job_id="mixed", num_classes=C, feature_dim=D, clients_per_round=len(devices),
+                      expected_devices=len(devices), start_timeout_s=30, round_timeout_s=60, max_attempts=2)
+    job = Fed3RJob(cfg)
+    svc = AggregatorService(job, BrokerConfig.from_url(broker.url), tmp_path / "out", enrolled=set(devices),
+                            require_signatures=True, identity=agg)
+    for d in devices:
+        svc.registry.enroll(d, keys[d].public_key_bytes)
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=90)), daemon=True)
+    thread.start()
+
+    cmd = ["java", "-cp", java_cp, "org.fedfleet.device.HeadlessDevices", "--broker", broker.url,
+           "--aggregator-key", agg.public_key_bytes.hex(), "--retry-after", "2", "--tick", "0.1"]
+    for i, d in enumerate(java_ids):
+        cmd += ["--device", d, str(write_features(tmp_path / f"{d}.feat", *fleet_data(i))), seeds[d].hex()]
+    jvm = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    agents = []
+    for i, d in enumerate(py_ids, start=len(java_ids)):
+        Z, y = fleet_data(i)
+        agents.append(DeviceAgent(d, BrokerConfig.from_url(broker.url),
+                                  {"fed3r.stats": Fed3RStatsTask(Z, y, lambda b, s, w: Features(D))},
+                                  signer=keys[d].sign, aggregator_key=agg.public_key_bytes, retry_after_s=2).start())
+    thread.join(90)
+    for a in agents:
+        a.stop()
+    out, err = jvm.communicate(timeout=30)     # stdin closes: the Java devices say offline and exit
+    assert jvm.returncode == 0, err[-3000:]
+    assert result.get("state") == "done", (result, err[-3000:])
+    assert sorted(result["contributed"]) == sorted(devices), result
+    for d in java_ids:
+        assert f"ONLINE {d}" in out and f"STATS {d} done=1 declined=0 " in out, (out, err[-3000:])
+
+    # centralized ridge over every device's features (bias as a column, regularised like the rest)
+    Z = np.vstack([fleet_data(i)[0] for i in range(len(devices))]).astype(np.float64)
+    y = np.concatenate([fleet_data(i)[1] for i in range(len(devices))])
+    Za, Y = np.hstack([Z, np.ones((len(Z), 1))]), np.eye(C)[y]
+    W_ref = np.linalg.solve(Za.T @ Za + cfg.lam * np.eye(D + 1), Za.T @ Y)
+    W_sk = Ridge(alpha=cfg.lam, fit_intercept=False, solver="cholesky").fit(Za, Y).coef_.T
+    W = job.strategy.solve().raw_weights_
+    for ref in (W_ref, W_sk):
+        assert np.linalg.norm(W - ref) / np.linalg.norm(ref) <= 1e-9
