@@ -4,7 +4,8 @@
   result computed by the Java device from the golden features, its presence, its chunks and a
   message re-signed by its Ed25519 identity;
 * Java devices and Python devices in one Fed3R job over mosquitto, every message signed both ways,
-  give the centralized ridge over all their features (numpy and sklearn, relative error ≤ 1e-9).
+  give the centralized ridge over all their features (numpy and sklearn, relative error ≤ 1e-9),
+  and so do they in one Fed3R-Sync job, whose statistics are summed under secure aggregation.
 
 The library is built with plain javac against Debian's jars (tests/java_build.py); nothing is
 mocked: a real broker, real JVMs, real signatures.
@@ -69,60 +70,96 @@ def fleet_data(i: int) -> tuple[np.ndarray, np.ndarray]:
     return (rng.normal(size=(N, D)) * 2 + i).astype(np.float32), rng.integers(0, C, N)
 
 
-def test_mixed_java_and_python_fleet_gives_the_centralized_ridge(java_cp, broker, tmp_path):
-    from ops_fleet import Features
+def run_mixed_fleet(java_cp: str, broker, tmp_path: Path, secure: bool):
+    """3 Java devices (one JVM) and 3 Python devices, every envelope signed both ways, in one Fed3R
+    job (or Fed3R-Sync: one SecAgg group of all six); returns (job, config, result, JVM stdout,
+    the envelopes the aggregator received)."""
+    from ops_fleet import Features, RecordingService
 
     from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
-    from aggregator.service import AggregatorService
+    from aggregator.jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob
     from edge_client.agent import DeviceAgent
     from edge_client.tasks.fed3r_stats import Fed3RStatsTask
-    from protocols.identity import DeviceIdentity
+    from edge_client.tasks.secure_fed3r import SecureFed3R
+    from protocols.identity import DeviceIdentity, IdentityRegistry
     from protocols.mqtt_link import BrokerConfig
+    from protocols.payloads.secagg import SECAGG_TYPE, SYNC_KIND
 
-    java_ids, py_ids = ["java0", "java1", "java2"], ["py0", "py1", "py2"]
-    devices = java_ids + py_ids
-    seeds = {d: os.urandom(32) for d in java_ids}
+    seeds = {d: os.urandom(32) for d in JAVA_IDS}
     keys = {**{d: DeviceIdentity.from_private_bytes(d, s) for d, s in seeds.items()},
-            **{d: DeviceIdentity.generate(d) for d in py_ids}}
+            **{d: DeviceIdentity.generate(d) for d in PY_IDS}}
     agg = DeviceIdentity.generate("aggregator")
-    cfg = Fed3RConfig(job_id="mixed", num_classes=C, feature_dim=D, clients_per_round=len(devices),
-                      expected_devices=len(devices), start_timeout_s=30, round_timeout_s=60, max_attempts=2)
-    job = Fed3RJob(cfg)
-    svc = AggregatorService(job, BrokerConfig.from_url(broker.url), tmp_path / "out", enrolled=set(devices),
-                            require_signatures=True, identity=agg)
-    for d in devices:
-        svc.registry.enroll(d, keys[d].public_key_bytes)
-    result: dict = {}
-    thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=90)), daemon=True)
-    thread.start()
+    common = dict(job_id="mixed", num_classes=C, feature_dim=D, clients_per_round=len(DEVICES),
+                  expected_devices=len(DEVICES), start_timeout_s=30, round_timeout_s=60)
+    if secure:
+        cfg = Fed3RSyncConfig(**common, max_samples=100, max_abs_feature=20.0, phase_timeout_s=10, max_attempts=1)
+        job = Fed3RSyncJob(cfg, identity=agg,
+                           registry=IdentityRegistry({d: k.public_key_bytes for d, k in keys.items()}))
+    else:
+        cfg = Fed3RConfig(**common, max_attempts=2)
+        job = Fed3RJob(cfg)
+    service = RecordingService(job, broker.url, tmp_path / "out", set(DEVICES), timeout_s=90,
+                               require_signatures=True, identity=agg)
+    for d in DEVICES:
+        service.svc.registry.enroll(d, keys[d].public_key_bytes)
 
     cmd = ["java", "-cp", java_cp, "org.fedfleet.device.HeadlessDevices", "--broker", broker.url,
            "--aggregator-key", agg.public_key_bytes.hex(), "--retry-after", "2", "--tick", "0.1"]
-    for i, d in enumerate(java_ids):
+    for i, d in enumerate(JAVA_IDS):
         cmd += ["--device", d, str(write_features(tmp_path / f"{d}.feat", *fleet_data(i))), seeds[d].hex()]
     jvm = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     agents = []
-    for i, d in enumerate(py_ids, start=len(java_ids)):
-        Z, y = fleet_data(i)
-        agents.append(DeviceAgent(d, BrokerConfig.from_url(broker.url),
-                                  {"fed3r.stats": Fed3RStatsTask(Z, y, lambda b, s, w: Features(D))},
+    for i, d in enumerate(PY_IDS, start=len(JAVA_IDS)):
+        stats = Fed3RStatsTask(*fleet_data(i), lambda b, s, w: Features(D))
+        handlers, protocol = {"fed3r.stats": stats}, {}
+        if secure:
+            secure_handler = SecureFed3R(keys[d], agg.public_key_bytes, stats)
+            handlers, protocol = {}, {SYNC_KIND: secure_handler, SECAGG_TYPE: secure_handler}
+        agents.append(DeviceAgent(d, BrokerConfig.from_url(broker.url), handlers, protocol_handlers=protocol,
                                   signer=keys[d].sign, aggregator_key=agg.public_key_bytes, retry_after_s=2).start())
-    thread.join(90)
+    result = service.join(90)
     for a in agents:
         a.stop()
     out, err = jvm.communicate(timeout=30)     # stdin closes: the Java devices say offline and exit
     assert jvm.returncode == 0, err[-3000:]
     assert result.get("state") == "done", (result, err[-3000:])
-    assert sorted(result["contributed"]) == sorted(devices), result
-    for d in java_ids:
+    assert sorted(result["contributed"]) == sorted(DEVICES), (result, err[-3000:])
+    for d in JAVA_IDS:
         assert f"ONLINE {d}" in out and f"STATS {d} done=1 declined=0 " in out, (out, err[-3000:])
+    return job, cfg, service.received_envelopes()
 
-    # centralized ridge over every device's features (bias as a column, regularised like the rest)
-    Z = np.vstack([fleet_data(i)[0] for i in range(len(devices))]).astype(np.float64)
-    y = np.concatenate([fleet_data(i)[1] for i in range(len(devices))])
+
+JAVA_IDS, PY_IDS = ["java0", "java1", "java2"], ["py0", "py1", "py2"]
+DEVICES = JAVA_IDS + PY_IDS
+
+
+def assert_centralized_ridge(job, lam: float) -> None:
+    """The job's ridge equals the centralized one over every device's features (bias as a
+    column, regularised like the rest), by numpy and by sklearn."""
+    Z = np.vstack([fleet_data(i)[0] for i in range(len(DEVICES))]).astype(np.float64)
+    y = np.concatenate([fleet_data(i)[1] for i in range(len(DEVICES))])
     Za, Y = np.hstack([Z, np.ones((len(Z), 1))]), np.eye(C)[y]
-    W_ref = np.linalg.solve(Za.T @ Za + cfg.lam * np.eye(D + 1), Za.T @ Y)
-    W_sk = Ridge(alpha=cfg.lam, fit_intercept=False, solver="cholesky").fit(Za, Y).coef_.T
+    W_ref = np.linalg.solve(Za.T @ Za + lam * np.eye(D + 1), Za.T @ Y)
+    W_sk = Ridge(alpha=lam, fit_intercept=False, solver="cholesky").fit(Za, Y).coef_.T
     W = job.strategy.solve().raw_weights_
     for ref in (W_ref, W_sk):
         assert np.linalg.norm(W - ref) / np.linalg.norm(ref) <= 1e-9
+
+
+def test_mixed_java_and_python_fleet_gives_the_centralized_ridge(java_cp, broker, tmp_path):
+    job, cfg, received = run_mixed_fleet(java_cp, broker, tmp_path, secure=False)
+    assert {env.sender for env in received if env.type == "result"} == set(DEVICES)
+    assert_centralized_ridge(job, cfg.lam)
+
+
+def test_mixed_fleet_fed3r_sync_under_secure_aggregation_gives_the_centralized_ridge(java_cp, broker, tmp_path):
+    """Java and Python devices in one SecAgg group (Fed3R-Sync): the aggregator only ever gets
+    masked vectors, from Java devices too, and the sum is the centralized ridge's statistics."""
+    job, cfg, received = run_mixed_fleet(java_cp, broker, tmp_path, secure=True)
+    types = {env.type for env in received}
+    assert "secagg" in types and "result" not in types
+    assert all("A_upper" not in env.tensors for env in received)
+    masked_from = {env.sender for env in received if env.type == "secagg"
+                   and env.body["secagg"]["type"] == "secagg.masked_input"}
+    assert masked_from == set(DEVICES)
+    assert_centralized_ridge(job, cfg.lam)

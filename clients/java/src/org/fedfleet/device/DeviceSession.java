@@ -30,7 +30,8 @@ public final class DeviceSession {
         StartWork(Messages.Task task, List<org.fedfleet.wire.Envelope.Tensor> tensors) { this.task = task; this.tensors = tensors; }
     }
 
-    /** Publish the encoded (signed) message again: always the same bytes, so the same message id. */
+    /** Publish the encoded (signed) message again: always the same bytes, so the same message id
+     *  (null for a secure task: nothing to publish). */
     public static final class SendResult extends Action {
         public final byte[] message;
         public final String messageId;
@@ -47,7 +48,8 @@ public final class DeviceSession {
     private static final class Finished {
         final byte[] message;
         final String messageId;
-        Finished(byte[] message, String messageId) { this.message = message; this.messageId = messageId; }
+        final boolean expectsAck;
+        Finished(byte[] message, String messageId, boolean expectsAck) { this.message = message; this.messageId = messageId; this.expectsAck = expectsAck; }
     }
 
     private final double retryAfterS;
@@ -76,13 +78,19 @@ public final class DeviceSession {
     }
 
     public List<Action> onWorkFinished(TaskRef ref, byte[] message, String messageId) {
+        return onWorkFinished(ref, message, messageId, true);
+    }
+
+    /** expectsAck false: a secure task, whose protocol messages go out through its own session
+     *  (message null); nothing is retried, a redelivered task is answered with nothing. */
+    public List<Action> onWorkFinished(TaskRef ref, byte[] message, String messageId, boolean expectsAck) {
         if (state != State.WORKING || !ref.equals(current)) return Collections.emptyList();   // abandoned task
-        finished.put(ref, new Finished(message, messageId));
+        finished.put(ref, new Finished(message, messageId, expectsAck));
         Iterator<TaskRef> oldest = finished.keySet().iterator();
         while (finished.size() > keepFinished) { oldest.next(); oldest.remove(); }
         state = State.REPORTED;
         attempts = 1;
-        nextRetry = now + retryAfterS;
+        nextRetry = expectsAck ? now + retryAfterS : Double.POSITIVE_INFINITY;
         return one(new SendResult(message, messageId, 1));
     }
 
@@ -96,7 +104,7 @@ public final class DeviceSession {
     /** A slow upload must not count against the ack timeout: the back-off starts when it ends. */
     public void onResultSent(double now) {
         this.now = now;
-        if (state == State.REPORTED) nextRetry = now + retryAfterS * Math.pow(2, attempts - 1);
+        if (state == State.REPORTED && finished.get(current).expectsAck) nextRetry = now + retryAfterS * Math.pow(2, attempts - 1);
     }
 
     public void onAck(String refId) {

@@ -1,5 +1,6 @@
 // Runs one or more Java devices in one process (a Linux board, a gateway, the test suite): each
-// answers fed3r.stats over its precomputed features. Stops cleanly (presence offline) when
+// answers fed3r.stats over its precomputed features (and fed3r.secure, Fed3R-Sync, when it has
+// an identity and the aggregator's key). Stops cleanly (presence offline) when
 // standard input closes.
 //
 //   java -cp fedfleet-device.jar:<Debian jars> org.fedfleet.device.HeadlessDevices \
@@ -40,7 +41,11 @@ public final class HeadlessDevices {
             Map<String, TaskHandler> handlers = new LinkedHashMap<>();
             handlers.put(Fed3RStatsTask.KIND, new Fed3RStatsTask(data, new PrecomputedFeatures(data.dim)));
             MqttAgent.Options o = copy(base);
-            if (!d[2].equals("-")) o.signer = Identity.fromSeed(d[0], Envelope.unhex(d[2]));
+            if (!d[2].equals("-")) {
+                o.signer = Identity.fromSeed(d[0], Envelope.unhex(d[2]));
+                if (o.aggregatorKey != null)      // enrolled and trusting the aggregator: Fed3R-Sync too
+                    o.secure.put(SecureFed3RTask.KIND, new SecureFed3RTask((Fed3RStatsTask) handlers.get(Fed3RStatsTask.KIND)));
+            }
             o.info.put("sdk", "java");
             agents.add(new MqttAgent(d[0], broker, handlers, o).start());
         }

@@ -20,6 +20,9 @@ import java.util.concurrent.TimeUnit;
 import java.util.concurrent.atomic.AtomicInteger;
 import java.util.logging.Level;
 import java.util.logging.Logger;
+import org.fedfleet.secagg.ClientSecAgg;
+import org.fedfleet.secagg.SecAggMessage;
+import org.fedfleet.secagg.SecAggSessions;
 import org.fedfleet.wire.Chunker;
 import org.fedfleet.wire.Envelope;
 import org.fedfleet.wire.Envelope.EnvelopeError;
@@ -47,6 +50,9 @@ public final class MqttAgent implements AutoCloseable {
         public long maxMessageBytes = 256L * 1024 * 1024;
         public int maxQueuedMessages = 1024;    // inbox messages waiting for the agent thread
         public Map<String, Object> info = new LinkedHashMap<>();   // published with presence
+        /** Task kinds answered under secure aggregation (e.g. SecureFed3RTask.KIND); they need
+         *  signer to be the device's Identity (enrolled with the aggregator) and aggregatorKey. */
+        public Map<String, SecureTask> secure = new LinkedHashMap<>();
     }
 
     public final String deviceId;
@@ -63,6 +69,7 @@ public final class MqttAgent implements AutoCloseable {
             reconnects = new AtomicInteger();
     public final Map<String, Integer> acks = Collections.synchronizedMap(new HashMap<String, Integer>());
     private final CountDownLatch firstConnect = new CountDownLatch(1);
+    private final SecAggSessions secagg;
 
     @SuppressWarnings("deprecation")   // Listener: ExtendedListener's extra callbacks are not needed
     public MqttAgent(String deviceId, URI broker, Map<String, TaskHandler> handlers, Options options) throws Exception {
@@ -72,6 +79,9 @@ public final class MqttAgent implements AutoCloseable {
         this.session = new DeviceSession(options.retryAfterS, 5, 4);
         this.chunker = new Chunker(options.chunkSize, options.signer);
         this.inbox = new LinkedBlockingQueue<>(options.maxQueuedMessages);
+        this.secagg = new SecAggSessions(deviceId, 4);
+        if (!options.secure.isEmpty() && (!(options.signer instanceof Identity) || options.aggregatorKey == null))
+            throw new IllegalArgumentException("secure task kinds need the device's Identity as signer and the aggregator's key");
         if (options.aggregatorKey == null)
             LOG.warning(deviceId + ": not verifying the aggregator's messages (no aggregator key): development mode only");
         MQTT mqtt = new MQTT();
@@ -169,7 +179,9 @@ public final class MqttAgent implements AutoCloseable {
         Map<String, Object> info = null;
         if (online) {
             info = new LinkedHashMap<>(o.info);
-            info.put("kinds", new ArrayList<Object>(new TreeSet<>(handlers.keySet())));
+            TreeSet<String> kinds = new TreeSet<>(handlers.keySet());
+            kinds.addAll(o.secure.keySet());
+            info.put("kinds", new ArrayList<Object>(kinds));
         }
         return Envelope.encode(Messages.presence(deviceId, online, info, Messages.newId(), Messages.now()),
                 Collections.<Envelope.Tensor>emptyList(), o.signer);
@@ -210,6 +222,15 @@ public final class MqttAgent implements AutoCloseable {
             throw new EnvelopeError("message from '" + env.sender() + "', expected the aggregator");
         if ("task".equals(env.type())) {
             execute(session.onTask(Messages.parseTask(env), env.tensors));
+        } else if (SecAggMessage.ENVELOPE_TYPE.equals(env.type())) {
+            for (SecAggMessage reply : secagg.onMessage(env)) {
+                try {
+                    Map<String, Object> h = Messages.header(SecAggMessage.ENVELOPE_TYPE, deviceId, reply.envelopeBody(), Messages.newId(), Messages.now());
+                    publishMessage(Envelope.encode(h, reply.tensors(), o.signer), (String) h.get("id"));
+                } catch (Exception e) {
+                    LOG.warning(deviceId + ": could not send a secagg reply: " + e);
+                }
+            }
         } else if ("ack".equals(env.type())) {
             String[] ack = Messages.parseAck(env);
             acks.merge(ack[1], 1, Integer::sum);
@@ -226,7 +247,7 @@ public final class MqttAgent implements AutoCloseable {
                 if (a instanceof DeviceSession.StartWork) work((DeviceSession.StartWork) a);
                 else if (a instanceof DeviceSession.SendResult) {
                     DeviceSession.SendResult r = (DeviceSession.SendResult) a;
-                    publishMessage(r.message, r.messageId);
+                    if (r.message != null) publishMessage(r.message, r.messageId);   // null: a secure task's
                     session.onResultSent(monotonic());
                 } else if (a instanceof DeviceSession.SendDecline) {
                     DeviceSession.SendDecline d = (DeviceSession.SendDecline) a;
@@ -241,6 +262,11 @@ public final class MqttAgent implements AutoCloseable {
     }
 
     private void work(DeviceSession.StartWork w) throws EnvelopeError {
+        SecureTask secure = o.secure.get(w.task.kind);
+        if (secure != null) {
+            startSecure(w, secure);
+            return;
+        }
         TaskHandler handler = handlers.get(w.task.kind);
         if (handler == null) {
             execute(session.onWorkFailed(w.task.ref, "unsupported task kind '" + w.task.kind + "'"));
@@ -262,6 +288,29 @@ public final class MqttAgent implements AutoCloseable {
         byte[] message = Envelope.encode(Messages.result(deviceId, w.task.ref, w.task.kind, result.body, id, Messages.now()),
                 result.tensors, o.signer);
         execute(session.onWorkFinished(w.task.ref, message, id));
+    }
+
+    /** A secure task: its vector becomes this device's input to the group's SecAgg round, whose
+     *  messages then come and go as `secagg` envelopes; the task itself is never acknowledged. */
+    private void startSecure(DeviceSession.StartWork w, SecureTask secure) {
+        TaskRef ref = w.task.ref;
+        try {
+            Object group = w.task.params.get("group");
+            if (!(group instanceof String)) throw new TaskDeclined("secure task without a group");
+            double[] vector = secure.vector(w.task.params, w.tensors);
+            Identity id = (Identity) o.signer;
+            secagg.open(ref.job, ref.round, (String) group, new ClientSecAgg(deviceId, id, id.publicKey(), Topics.AGGREGATOR_ID,
+                    o.aggregatorKey, ref.job, ref.round, (String) group, vector));
+        } catch (TaskDeclined e) {
+            execute(session.onWorkFailed(ref, e.getMessage()));
+            return;
+        } catch (RuntimeException e) {
+            LOG.log(Level.SEVERE, deviceId + ": secure task failed", e);
+            execute(session.onWorkFailed(ref, "error: " + e));
+            return;
+        }
+        tasksDone.incrementAndGet();
+        execute(session.onWorkFinished(ref, null, ref.task + ":protocol", false));
     }
 
     /** Encoded message to the outbox, chunked above the chunk size (fresh chunk ids, same parent). */

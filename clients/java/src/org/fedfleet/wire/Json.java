@@ -158,8 +158,17 @@ public final class Json {
     // ---- canonical writer ----
     public static byte[] canonical(Object v) throws JsonError {
         StringBuilder b = new StringBuilder();
-        write(b, v);
+        write(b, v, false);
         return b.toString().getBytes(StandardCharsets.UTF_8);
+    }
+
+    /** Python's json.dumps(v, sort_keys=True, separators=(",", ":"), ensure_ascii=True): what the
+     *  secure-aggregation messages sign (docs/secure-aggregation.md); everything outside
+     *  U+0020..U+007E is escaped as a backslash-u sequence per UTF-16 unit (lowercase hex), U+007F included. */
+    public static byte[] canonicalAscii(Object v) throws JsonError {
+        StringBuilder b = new StringBuilder();
+        write(b, v, true);
+        return b.toString().getBytes(StandardCharsets.US_ASCII);
     }
 
     /** Keys in Unicode code point order (= UTF-8 byte order), not Java's UTF-16 order. */
@@ -171,7 +180,7 @@ public final class Json {
     };
 
     @SuppressWarnings("unchecked")
-    private static void write(StringBuilder b, Object v) throws JsonError {
+    private static void write(StringBuilder b, Object v, boolean ascii) throws JsonError {
         if (v instanceof Map) {
             Map<String, Object> m = (Map<String, Object>) v;
             List<String> keys = new ArrayList<>(m.keySet());
@@ -179,9 +188,9 @@ public final class Json {
             b.append('{');
             for (int k = 0; k < keys.size(); k++) {
                 if (k > 0) b.append(',');
-                writeString(b, keys.get(k));
+                writeString(b, keys.get(k), ascii);
                 b.append(':');
-                write(b, m.get(keys.get(k)));
+                write(b, m.get(keys.get(k)), ascii);
             }
             b.append('}');
         } else if (v instanceof List) {
@@ -189,17 +198,17 @@ public final class Json {
             List<Object> a = (List<Object>) v;
             for (int k = 0; k < a.size(); k++) {
                 if (k > 0) b.append(',');
-                write(b, a.get(k));
+                write(b, a.get(k), ascii);
             }
             b.append(']');
-        } else if (v instanceof String) writeString(b, (String) v);
+        } else if (v instanceof String) writeString(b, (String) v, ascii);
         else if (v instanceof BigInteger || v instanceof Boolean || v == NULL) b.append(v);
         else if (v instanceof Integer || v instanceof Long) b.append(v);   // integers built in Java code
         else if (v instanceof Double) b.append(formatFloat((Double) v));
         else throw new JsonError("not a JSON value: " + v);
     }
 
-    private static void writeString(StringBuilder b, String v) {
+    private static void writeString(StringBuilder b, String v, boolean ascii) {
         b.append('"');
         for (char c : v.toCharArray()) {
             switch (c) {
@@ -211,7 +220,7 @@ public final class Json {
                 case '\r': b.append("\\r"); break;
                 case '\t': b.append("\\t"); break;
                 default:
-                    if (c < 0x20) b.append(String.format("\\u%04x", (int) c));
+                    if (c < 0x20 || (ascii && c > 0x7e)) b.append(String.format("\\u%04x", (int) c));
                     else b.append(c);  // everything else, non-ASCII included, as raw UTF-8
             }
         }
