@@ -163,3 +163,71 @@ def test_mixed_fleet_fed3r_sync_under_secure_aggregation_gives_the_centralized_r
                    and env.body["secagg"]["type"] == "secagg.masked_input"}
     assert masked_from == set(DEVICES)
     assert_centralized_ridge(job, cfg.lam)
+
+
+def test_java_device_reconnects_refuses_forged_tasks_and_leaves_its_last_will(java_cp, tmp_path):
+    """Presence, last will and reconnects of the Java MQTT agent, and what it does with hostile
+    inbox traffic: after a broker restart it comes back and says online again; garbage and a
+    task signed by anyone but the aggregator are dropped (no answer, the device lives on); a task
+    the aggregator signed is answered with a signed result; killed, it leaves `offline` behind."""
+    import queue
+
+    from fedfleet.emulation.broker import MosquittoBroker
+    from protocols import messages as M
+    from protocols.envelope import decode, encode
+    from protocols.identity import DeviceIdentity, sender_verifier
+    from protocols.mqtt_link import BrokerConfig, MqttLink
+    from protocols.topics import Topics
+
+    topics, dev = Topics(), "java0"
+    seed, agg, impostor = os.urandom(32), DeviceIdentity.generate("aggregator"), DeviceIdentity.generate("aggregator")
+    device_key = DeviceIdentity.from_private_bytes(dev, seed).public_key_bytes
+    features = write_features(tmp_path / "f.feat", *fleet_data(0))
+    broker = MosquittoBroker().start()
+    jvm = subprocess.Popen(["java", "-cp", java_cp, "org.fedfleet.device.HeadlessDevices", "--broker", broker.url,
+                            "--aggregator-key", agg.public_key_bytes.hex(), "--device", dev, str(features), seed.hex()],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    observer = None
+    try:
+        assert jvm.stdout.readline().strip() == f"ONLINE {dev}"
+        broker.stop()
+        broker = MosquittoBroker(port=broker.port).start()       # a new broker: no session, no retained state
+        got: queue.Queue = queue.Queue()
+        observer = MqttLink("observer", BrokerConfig.from_url(broker.url), on_message=lambda t, p: got.put((t, p)),
+                            subscriptions=[(topics.presence(dev), 1), (topics.outbox(dev), 1)])
+        observer.start()
+
+        def next_message(timeout: float = 20.0):
+            topic, payload = got.get(timeout=timeout)
+            return topic, decode(payload, sender_verifier(dev, device_key))     # signed by the device
+
+        topic, env = next_message()
+        assert topic == topics.presence(dev) and M.parse_presence(env)[0] is True    # re-announced after reconnecting
+
+        def task(signer) -> bytes:
+            msg = M.task_message("aggregator", "j", 1, "fed3r.stats", {"num_classes": C, "backbone": "b", "image_size": 8,
+                                                                       "weights_sha256": "", "fit_intercept": True,
+                                                                       "random_features": None, "format": "sparse",
+                                                                       "dtype": "float64"}, 1e10)
+            return msg.id, encode(msg, signer=signer)
+
+        forged_id, forged = task(impostor.sign)
+        observer.publish(topics.inbox(dev), b"FFE1 garbage", wait=True)
+        observer.publish(topics.inbox(dev), forged, wait=True)
+        genuine_id, genuine = task(agg.sign)
+        observer.publish(topics.inbox(dev), genuine, wait=True)
+        topic, env = next_message()
+        assert topic == topics.outbox(dev) and env.type == "result"
+        assert env.body["task"] == genuine_id != forged_id and env.body["n"] == N    # only the genuine task answered
+        jvm.kill()                                                # no clean disconnect: the broker sends the will
+        jvm.wait(10)
+        topic, env = next_message()
+        assert topic == topics.presence(dev) and M.parse_presence(env)[0] is False
+        assert got.empty()
+    finally:
+        if observer is not None:
+            observer.stop()
+        if jvm.poll() is None:
+            jvm.kill()
+        jvm.communicate(timeout=10)
+        broker.stop()
