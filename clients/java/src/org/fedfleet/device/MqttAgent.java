@@ -59,7 +59,7 @@ public final class MqttAgent implements AutoCloseable {
     private final Map<String, TaskHandler> handlers;
     private final Options o;
     private final DeviceSession session;
-    private final Reassembler reassembler = new Reassembler(300);
+    private final Reassembler reassembler;
     private final Chunker chunker;
     private final CallbackConnection connection;
     private final BlockingQueue<byte[]> inbox;
@@ -80,6 +80,7 @@ public final class MqttAgent implements AutoCloseable {
         this.chunker = new Chunker(options.chunkSize, options.signer);
         this.inbox = new LinkedBlockingQueue<>(options.maxQueuedMessages);
         this.secagg = new SecAggSessions(deviceId, 4);
+        this.reassembler = new Reassembler(300, 8, options.maxMessageBytes);
         if (!options.secure.isEmpty() && (!(options.signer instanceof Identity) || options.aggregatorKey == null))
             throw new IllegalArgumentException("secure task kinds need the device's Identity as signer and the aggregator's key");
         if (options.aggregatorKey == null)

@@ -22,10 +22,18 @@ public final class Reassembler {
     }
 
     private final double ttlSeconds;
+    private final int maxPendingPerSender;
+    private final long maxTotalBytes;
     private final Map<List<String>, Partial> partials = new HashMap<>();
     private final Set<List<String>> done = new HashSet<>();
 
-    public Reassembler(double ttlSeconds) { this.ttlSeconds = ttlSeconds; }
+    public Reassembler(double ttlSeconds) { this(ttlSeconds, 16, Envelope.MAX_MESSAGE_BYTES); }
+
+    /** At most maxPendingPerSender partial messages per sender (the oldest is dropped for a new
+     *  one), each at most maxTotalBytes long: what one sender can make a receiver hold is bounded. */
+    public Reassembler(double ttlSeconds, int maxPendingPerSender, long maxTotalBytes) {
+        this.ttlSeconds = ttlSeconds; this.maxPendingPerSender = maxPendingPerSender; this.maxTotalBytes = maxTotalBytes;
+    }
 
     public byte[] add(Envelope.Message chunk, double now) throws Envelope.EnvelopeError {
         if (!"chunk".equals(chunk.type())) throw new Envelope.EnvelopeError("expected a chunk, got " + chunk.type());
@@ -40,10 +48,13 @@ public final class Reassembler {
         if (done.contains(key)) return null;
         if (count < 1 || count > MAX_CHUNKS || index < 0 || index >= count)
             throw new Envelope.EnvelopeError("chunk index " + index + " / count " + count + " out of range");
-        if (total <= 0 || total > Envelope.MAX_MESSAGE_BYTES)
+        if (total <= 0 || total > Math.min(maxTotalBytes, Envelope.MAX_MESSAGE_BYTES))
             throw new Envelope.EnvelopeError("chunked message total " + total + " out of range");
         Partial p = partials.get(key);
-        if (p == null) partials.put(key, p = new Partial(count, total, digest, now));
+        if (p == null) {
+            makeRoom(chunk.sender());
+            partials.put(key, p = new Partial(count, total, digest, now));
+        }
         else if (p.count != count || p.total != total || !p.sha256.equals(digest))
             throw new Envelope.EnvelopeError("chunk " + index + " of " + parent + " contradicts the first chunk seen (count/total/sha256)");
         if (p.parts.containsKey(index)) return null;
@@ -69,6 +80,17 @@ public final class Reassembler {
         if (!inner.sender().equals(chunk.sender()) || !inner.header.get("id").equals(parent))
             throw new Envelope.EnvelopeError("reassembled message's sender/id do not match its chunks");
         return whole;
+    }
+
+    private void makeRoom(String sender) {
+        List<String> oldest = null;
+        int pending = 0;
+        for (Map.Entry<List<String>, Partial> e : partials.entrySet()) {
+            if (!e.getKey().get(0).equals(sender)) continue;
+            pending++;
+            if (oldest == null || e.getValue().firstSeen < partials.get(oldest).firstSeen) oldest = e.getKey();
+        }
+        if (pending >= maxPendingPerSender) partials.remove(oldest);
     }
 
     /** Forget partial messages first seen more than the TTL ago; returns how many were dropped. */
