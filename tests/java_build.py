@@ -4,8 +4,10 @@ libmqtt-client-java). Nothing is downloaded."""
 
 from __future__ import annotations
 
+import functools
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,6 +28,15 @@ def missing() -> str | None:
 
 def classpath(*extra: Path) -> str:
     return ":".join([*(str(p) for p in extra), *(str(DEBIAN_JARS / f"{j}.jar") for j in JARS)])
+
+
+DRIVERS = (ROOT / "tests" / "conformance" / "java", ROOT / "tests" / "java_device")
+
+
+@functools.lru_cache(maxsize=1)
+def built() -> str:
+    """The library and every test driver, compiled once per test process; returns the classpath."""
+    return build(Path(tempfile.mkdtemp(prefix="fedfleet-java-")) / "classes", *DRIVERS)
 
 
 def build(out: Path, *extra_sources: Path) -> str:

@@ -28,7 +28,6 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 import java_build
 
 ROOT = Path(__file__).resolve().parents[1]
-JAVA_SOURCES = ROOT / "tests" / "conformance" / "java"
 GOLDEN = ROOT / "protocols" / "golden"
 WIRE_DTYPES = {"float32": "<f4", "float64": "<f8", "int8": "i1", "uint8": "u1", "int32": "<i4",
                "int64": "<i8", "uint64": "<u8"}
@@ -87,7 +86,7 @@ def canonical_lines() -> bytes:
 @pytest.fixture(scope="module")
 def java_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("java_conformance")
-    cp = java_build.build(tmp / "classes", JAVA_SOURCES)     # the device library's codec + this driver
+    cp = java_build.built()     # the device library's codec + this driver (Main.java)
     key = Ed25519PrivateKey.generate()
     signed, signed_tensors = signed_envelope(key)
     (tmp / "signed.bin").write_bytes(signed)

@@ -34,8 +34,8 @@ D, C, N = 6, 3, 30
 
 
 @pytest.fixture(scope="module")
-def java_cp(tmp_path_factory) -> str:
-    return java_build.build(tmp_path_factory.mktemp("java_device") / "classes", ROOT / "tests" / "java_device")
+def java_cp() -> str:
+    return java_build.built()
 
 
 def write_features(path: Path, Z: np.ndarray, y: np.ndarray) -> Path:
