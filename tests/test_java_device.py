@@ -17,7 +17,6 @@ import json
 import os
 import struct
 import subprocess
-import threading
 from pathlib import Path
 
 import numpy as np
