@@ -69,10 +69,28 @@ def fleet_data(i: int) -> tuple[np.ndarray, np.ndarray]:
     return (rng.normal(size=(N, D)) * 2 + i).astype(np.float32), rng.integers(0, C, N)
 
 
-def run_mixed_fleet(java_cp: str, broker, tmp_path: Path, secure: bool):
+class StopsAfterShares:
+    """A Python device's secure handler that goes silent once it has sent its encrypted shares: it
+    is in U2 but not U3, so its neighbours (Java devices among them) must reveal their shares of
+    its mask key and the aggregator cancel its pair masks."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def on_task(self, *args):
+        return self.inner.on_task(*args)
+
+    def on_message(self, env):
+        if env.body["secagg"]["type"] == "secagg.forwarded_shares":
+            return []
+        return self.inner.on_message(env)
+
+
+def run_mixed_fleet(java_cp: str, broker, tmp_path: Path, secure: bool, graph: str = "complete",
+                    dropper: str | None = None):
     """3 Java devices (one JVM) and 3 Python devices, every envelope signed both ways, in one Fed3R
-    job (or Fed3R-Sync: one SecAgg group of all six); returns (job, config, result, JVM stdout,
-    the envelopes the aggregator received)."""
+    job (or Fed3R-Sync: one SecAgg group of all six, ``dropper`` silent after its shares); returns
+    (job, config, the job's result, the envelopes the aggregator received)."""
     from ops_fleet import Features, RecordingService
 
     from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
@@ -91,7 +109,8 @@ def run_mixed_fleet(java_cp: str, broker, tmp_path: Path, secure: bool):
     common = dict(job_id="mixed", num_classes=C, feature_dim=D, clients_per_round=len(DEVICES),
                   expected_devices=len(DEVICES), start_timeout_s=30, round_timeout_s=60)
     if secure:
-        cfg = Fed3RSyncConfig(**common, max_samples=100, max_abs_feature=20.0, phase_timeout_s=10, max_attempts=1)
+        cfg = Fed3RSyncConfig(**common, max_samples=100, max_abs_feature=20.0, phase_timeout_s=4, max_attempts=1,
+                              graph=graph)
         job = Fed3RSyncJob(cfg, identity=agg,
                            registry=IdentityRegistry({d: k.public_key_bytes for d, k in keys.items()}))
     else:
@@ -113,6 +132,8 @@ def run_mixed_fleet(java_cp: str, broker, tmp_path: Path, secure: bool):
         handlers, protocol = {"fed3r.stats": stats}, {}
         if secure:
             secure_handler = SecureFed3R(keys[d], agg.public_key_bytes, stats)
+            if d == dropper:
+                secure_handler = StopsAfterShares(secure_handler)
             handlers, protocol = {}, {SYNC_KIND: secure_handler, SECAGG_TYPE: secure_handler}
         agents.append(DeviceAgent(d, BrokerConfig.from_url(broker.url), handlers, protocol_handlers=protocol,
                                   signer=keys[d].sign, aggregator_key=agg.public_key_bytes, retry_after_s=2).start())
@@ -122,7 +143,7 @@ def run_mixed_fleet(java_cp: str, broker, tmp_path: Path, secure: bool):
     out, err = jvm.communicate(timeout=30)     # stdin closes: the Java devices say offline and exit
     assert jvm.returncode == 0, err[-3000:]
     assert result.get("state") == "done", (result, err[-3000:])
-    assert sorted(result["contributed"]) == sorted(DEVICES), (result, err[-3000:])
+    assert sorted(result["contributed"]) == sorted(set(DEVICES) - {dropper}), (result, err[-3000:])
     for d in JAVA_IDS:
         assert f"ONLINE {d}" in out and f"STATS {d} done=1 declined=0 " in out, (out, err[-3000:])
     return job, cfg, service.received_envelopes()
@@ -132,11 +153,11 @@ JAVA_IDS, PY_IDS = ["java0", "java1", "java2"], ["py0", "py1", "py2"]
 DEVICES = JAVA_IDS + PY_IDS
 
 
-def assert_centralized_ridge(job, lam: float) -> None:
-    """The job's ridge equals the centralized one over every device's features (bias as a
-    column, regularised like the rest), by numpy and by sklearn."""
-    Z = np.vstack([fleet_data(i)[0] for i in range(len(DEVICES))]).astype(np.float64)
-    y = np.concatenate([fleet_data(i)[1] for i in range(len(DEVICES))])
+def assert_centralized_ridge(job, lam: float, devices=DEVICES) -> None:
+    """The job's ridge equals the centralized one over the devices' features (bias as a column,
+    regularised like the rest), by numpy and by sklearn."""
+    Z = np.vstack([fleet_data(DEVICES.index(d))[0] for d in devices]).astype(np.float64)
+    y = np.concatenate([fleet_data(DEVICES.index(d))[1] for d in devices])
     Za, Y = np.hstack([Z, np.ones((len(Z), 1))]), np.eye(C)[y]
     W_ref = np.linalg.solve(Za.T @ Za + lam * np.eye(D + 1), Za.T @ Y)
     W_sk = Ridge(alpha=lam, fit_intercept=False, solver="cholesky").fit(Za, Y).coef_.T
@@ -151,17 +172,31 @@ def test_mixed_java_and_python_fleet_gives_the_centralized_ridge(java_cp, broker
     assert_centralized_ridge(job, cfg.lam)
 
 
-def test_mixed_fleet_fed3r_sync_under_secure_aggregation_gives_the_centralized_ridge(java_cp, broker, tmp_path):
-    """Java and Python devices in one SecAgg group (Fed3R-Sync): the aggregator only ever gets
-    masked vectors, from Java devices too, and the sum is the centralized ridge's statistics."""
-    job, cfg, received = run_mixed_fleet(java_cp, broker, tmp_path, secure=True)
+@pytest.mark.parametrize("graph, dropper", [("complete", None), ("regular", "py1")])
+def test_mixed_fleet_fed3r_sync_under_secure_aggregation_gives_the_centralized_ridge(java_cp, broker, tmp_path,
+                                                                                    graph, dropper):
+    """Java and Python devices in one SecAgg (complete graph) or SecAgg+ (4-regular graph over 6)
+    group of Fed3R-Sync: the aggregator only ever gets masked vectors, from Java devices too, and
+    the sum is the centralized ridge's statistics over the survivors; with a device that goes
+    silent after sending its shares, the Java devices reveal their shares of its mask key."""
+    job, cfg, received = run_mixed_fleet(java_cp, broker, tmp_path, secure=True, graph=graph, dropper=dropper)
     types = {env.type for env in received}
     assert "secagg" in types and "result" not in types
     assert all("A_upper" not in env.tensors for env in received)
-    masked_from = {env.sender for env in received if env.type == "secagg"
-                   and env.body["secagg"]["type"] == "secagg.masked_input"}
-    assert masked_from == set(DEVICES)
-    assert_centralized_ridge(job, cfg.lam)
+
+    def secagg(kind):
+        return [env for env in received if env.type == "secagg" and env.body["secagg"]["type"] == kind]
+
+    survivors = [d for d in DEVICES if d != dropper]
+    assert {env.sender for env in secagg("secagg.masked_input")} == set(survivors)
+    assert {env.sender for env in secagg("secagg.encrypted_shares")} == set(DEVICES)
+    degree = 4 if graph == "regular" else len(DEVICES) - 1     # SecAgg+: each device shares with 4 of 5 peers
+    assert all(len(env.body["secagg"]["recipients"]) == degree for env in secagg("secagg.encrypted_shares"))
+    if dropper:     # some Java device held a share of the dropper's mask key and revealed it, no b share of it
+        revealed = [env.body["secagg"] for env in secagg("secagg.unmask_shares") if env.sender in JAVA_IDS]
+        assert any(dropper in r["key_owners"] for r in revealed)
+        assert not any(dropper in r["self_mask_owners"] for r in revealed)
+    assert_centralized_ridge(job, cfg.lam, survivors)
 
 
 def test_java_device_reconnects_refuses_forged_tasks_and_leaves_its_last_will(java_cp, tmp_path):
