@@ -203,7 +203,8 @@ def test_java_device_reconnects_refuses_forged_tasks_and_leaves_its_last_will(ja
     """Presence, last will and reconnects of the Java MQTT agent, and what it does with hostile
     inbox traffic: after a broker restart it comes back and says online again; garbage and a
     task signed by anyone but the aggregator are dropped (no answer, the device lives on); a task
-    the aggregator signed is answered with a signed result; killed, it leaves `offline` behind."""
+    the aggregator signed is answered with a signed result, re-sent with the same id while no ack
+    comes; killed, it leaves `offline` behind."""
     import queue
 
     from fedfleet.emulation.broker import MosquittoBroker
@@ -219,7 +220,8 @@ def test_java_device_reconnects_refuses_forged_tasks_and_leaves_its_last_will(ja
     features = write_features(tmp_path / "f.feat", *fleet_data(0))
     broker = MosquittoBroker().start()
     jvm = subprocess.Popen(["java", "-cp", java_cp, "org.fedfleet.device.HeadlessDevices", "--broker", broker.url,
-                            "--aggregator-key", agg.public_key_bytes.hex(), "--device", dev, str(features), seed.hex()],
+                            "--aggregator-key", agg.public_key_bytes.hex(), "--retry-after", "0.3", "--tick", "0.05",
+                            "--device", dev, str(features), seed.hex()],
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     observer = None
     try:
@@ -250,14 +252,21 @@ def test_java_device_reconnects_refuses_forged_tasks_and_leaves_its_last_will(ja
         observer.publish(topics.inbox(dev), forged, wait=True)
         genuine_id, genuine = task(agg.sign)
         observer.publish(topics.inbox(dev), genuine, wait=True)
-        topic, env = next_message()
-        assert topic == topics.outbox(dev) and env.type == "result"
-        assert env.body["task"] == genuine_id != forged_id and env.body["n"] == N    # only the genuine task answered
+        results = []
+        while len(results) < 3:                                   # the first upload and two retries (no ack comes)
+            topic, env = next_message()
+            assert topic == topics.outbox(dev) and env.type == "result"
+            results.append(env)
+        assert all(r.body["task"] == genuine_id != forged_id for r in results)   # only the genuine task answered
+        assert len({r.id for r in results}) == 1 and results[0].body["n"] == N   # the same message id every time
         jvm.kill()                                                # no clean disconnect: the broker sends the will
         jvm.wait(10)
-        topic, env = next_message()
-        assert topic == topics.presence(dev) and M.parse_presence(env)[0] is False
-        assert got.empty()
+        while True:
+            topic, env = next_message()
+            if topic == topics.presence(dev):
+                break
+            assert env.id == results[0].id                        # a retry still in flight
+        assert M.parse_presence(env)[0] is False
     finally:
         if observer is not None:
             observer.stop()
