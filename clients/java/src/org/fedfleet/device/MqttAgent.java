@@ -140,7 +140,7 @@ public final class MqttAgent implements AutoCloseable {
             Thread.currentThread().interrupt();
         }
         try {
-            publish(o.topics.presence(deviceId), presence(false), true);
+            publish(o.topics.presence(deviceId), presence(false), true, Math.min(o.publishTimeoutS, 5.0));
         } catch (Exception e) {
             LOG.warning(deviceId + ": could not publish offline presence: " + e);
         }
@@ -320,19 +320,19 @@ public final class MqttAgent implements AutoCloseable {
             @Override public String id(int index) { return Messages.newId(); }
             @Override public double ts() { return Messages.now(); }
         };
-        for (byte[] part : chunker.split(message, id, deviceId, stamps)) publish(o.topics.outbox(deviceId), part, false);
+        for (byte[] part : chunker.split(message, id, deviceId, stamps)) publish(o.topics.outbox(deviceId), part, false, o.publishTimeoutS);
     }
 
     /** QoS 1 publish, waiting for the broker's PUBACK (the client resends across reconnects). */
-    private void publish(String topic, byte[] data, boolean retain) throws Exception {
+    private void publish(String topic, byte[] data, boolean retain, double timeoutS) throws Exception {
         CountDownLatch done = new CountDownLatch(1);
         Throwable[] failure = new Throwable[1];
         connection.getDispatchQueue().execute(() -> connection.publish(topic, data, QoS.AT_LEAST_ONCE, retain, new Callback<Void>() {
             @Override public void onSuccess(Void v) { done.countDown(); }
             @Override public void onFailure(Throwable e) { failure[0] = e; done.countDown(); }
         }));
-        if (!done.await((long) (o.publishTimeoutS * 1000), TimeUnit.MILLISECONDS))
-            throw new Exception("publish to " + topic + " not acknowledged in " + o.publishTimeoutS + " s");
+        if (!done.await((long) (timeoutS * 1000), TimeUnit.MILLISECONDS))
+            throw new Exception("publish to " + topic + " not acknowledged in " + timeoutS + " s");
         if (failure[0] != null) throw new Exception("publish to " + topic + " failed: " + failure[0]);
     }
 
