@@ -121,7 +121,7 @@ def run_mixed_fleet(java_cp: str, broker, tmp_path: Path, secure: bool, graph: s
     for d in DEVICES:
         service.svc.registry.enroll(d, keys[d].public_key_bytes)
 
-    cmd = ["java", "-cp", java_cp, "org.fedfleet.device.HeadlessDevices", "--broker", broker.url,
+    cmd = ["java", "-cp", java_cp, "org.fedfleet.device.HeadlessDevices", "--stop-on-stdin-eof", "--broker", broker.url,
            "--aggregator-key", agg.public_key_bytes.hex(), "--retry-after", "2", "--tick", "0.1"]
     for i, d in enumerate(JAVA_IDS):
         cmd += ["--device", d, str(write_features(tmp_path / f"{d}.feat", *fleet_data(i))), seeds[d].hex()]
@@ -219,7 +219,7 @@ def test_java_device_reconnects_refuses_forged_tasks_and_leaves_its_last_will(ja
     device_key = DeviceIdentity.from_private_bytes(dev, seed).public_key_bytes
     features = write_features(tmp_path / "f.feat", *fleet_data(0))
     broker = MosquittoBroker().start()
-    jvm = subprocess.Popen(["java", "-cp", java_cp, "org.fedfleet.device.HeadlessDevices", "--broker", broker.url,
+    jvm = subprocess.Popen(["java", "-cp", java_cp, "org.fedfleet.device.HeadlessDevices", "--stop-on-stdin-eof", "--broker", broker.url,
                             "--aggregator-key", agg.public_key_bytes.hex(), "--retry-after", "0.3", "--tick", "0.05",
                             "--device", dev, str(features), seed.hex()],
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -274,3 +274,58 @@ def test_java_device_reconnects_refuses_forged_tasks_and_leaves_its_last_will(ja
             jvm.kill()
         jvm.communicate(timeout=10)
         broker.stop()
+
+
+def test_java_device_declines_what_it_cannot_do_and_stops_cleanly_on_sigterm(java_cp, broker, tmp_path):
+    """Tasks the Java device cannot do are declined with a reason (Fed3R-RF, local labels outside
+    the job's classes, an unknown kind); as a service it stops on SIGTERM, saying offline first."""
+    import queue
+    import signal
+
+    from protocols import messages as M
+    from protocols.envelope import decode, encode
+    from protocols.identity import DeviceIdentity, sender_verifier
+    from protocols.mqtt_link import BrokerConfig, MqttLink
+    from protocols.topics import Topics
+
+    topics, dev = Topics(), "java0"
+    seed, agg = os.urandom(32), DeviceIdentity.generate("aggregator")
+    device_key = DeviceIdentity.from_private_bytes(dev, seed).public_key_bytes
+    jvm = subprocess.Popen(["java", "-cp", java_cp, "org.fedfleet.device.HeadlessDevices", "--broker", broker.url,
+                            "--aggregator-key", agg.public_key_bytes.hex(), "--device", dev,
+                            str(write_features(tmp_path / "f.feat", *fleet_data(0))), seed.hex()],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    got: queue.Queue = queue.Queue()
+    observer = MqttLink("observer", BrokerConfig.from_url(broker.url), on_message=lambda t, p: got.put((t, p)),
+                        subscriptions=[(topics.outbox(dev), 1)])
+    try:
+        assert jvm.stdout.readline().strip() == f"ONLINE {dev}"
+        observer.start()
+        params = {"num_classes": C, "backbone": "b", "image_size": 8, "weights_sha256": "", "fit_intercept": True,
+                  "random_features": None, "format": "sparse", "dtype": "float64"}
+        cases = [("fed3r.stats", {**params, "random_features": {"seed": 1, "dim": 64, "sigma": 1.0}}, "random features"),
+                 ("fed3r.stats", {**params, "num_classes": 2}, "outside the job's 2 classes"),
+                 ("fedavg.head", params, "unsupported task kind")]
+        for round_, (kind, p, why) in enumerate(cases, start=1):
+            task = M.task_message("aggregator", "j", round_, kind, p, 1e10)
+            observer.publish(topics.inbox(dev), encode(task, signer=agg.sign), wait=True)
+            _, payload = got.get(timeout=20)
+            env = decode(payload, sender_verifier(dev, device_key))
+            assert env.type == "decline" and env.body["task"] == task.id and why in env.body["reason"], env.body
+        jvm.send_signal(signal.SIGTERM)
+        out, err = jvm.communicate(timeout=20)
+        assert f"STATS {dev} done=0 declined=3" in out, (out, err[-2000:])
+        # what a dashboard subscribing now sees: the retained presence says offline, signed by the device
+        seen: queue.Queue = queue.Queue()
+        late = MqttLink("late", BrokerConfig.from_url(broker.url), on_message=lambda t, p: seen.put(p),
+                        subscriptions=[(topics.presence(dev), 1)])
+        late.start()
+        try:
+            assert M.parse_presence(decode(seen.get(timeout=10), sender_verifier(dev, device_key)))[0] is False
+        finally:
+            late.stop()
+    finally:
+        observer.stop()
+        if jvm.poll() is None:
+            jvm.kill()
+            jvm.communicate(timeout=10)

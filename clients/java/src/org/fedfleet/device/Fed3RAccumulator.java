@@ -12,8 +12,14 @@ public final class Fed3RAccumulator {
     private final long[] counts;
     private final double[] z;        // one augmented row, reused
 
+    /** Most statistics values a device holds (A's triangle + b): 2^27 doubles, 1 GiB, as SecAgg's longest vector. */
+    public static final long MAX_VALUES = 1L << 27;
+
     public Fed3RAccumulator(int numClasses, int featureDim, boolean fitIntercept) {
         if (numClasses < 1 || featureDim < 1) throw new IllegalArgumentException("need at least one class and one feature");
+        long p0 = featureDim + (fitIntercept ? 1L : 0L);
+        if (p0 * (p0 + 1) / 2 + numClasses * p0 > MAX_VALUES)
+            throw new IllegalArgumentException(numClasses + " classes x " + p0 + " features need more than " + MAX_VALUES + " statistics values");
         this.numClasses = numClasses; this.featureDim = featureDim; this.fitIntercept = fitIntercept;
         this.p = featureDim + (fitIntercept ? 1 : 0);
         this.aUpper = new double[p * (p + 1) / 2];

@@ -30,7 +30,12 @@ public final class Fed3RStatsTask implements TaskHandler {
         if (rf != null && rf != org.fedfleet.wire.Json.NULL)
             throw new TaskDeclined("random features (Fed3R-RF) are not supported by this device");
         extractor.checkModel(params);
-        Fed3RAccumulator acc = new Fed3RAccumulator(numClasses, extractor.featureDim(), (Boolean) fit);
+        Fed3RAccumulator acc;
+        try {
+            acc = new Fed3RAccumulator(numClasses, extractor.featureDim(), (Boolean) fit);
+        } catch (IllegalArgumentException e) {
+            throw new TaskDeclined(e.getMessage());
+        }
         for (int start = 0; start < data.size(); start += BATCH) {
             int end = Math.min(start + BATCH, data.size());
             float[][] inputs = new float[end - start][];

@@ -1,14 +1,14 @@
 // Runs one or more Java devices in one process (a Linux board, a gateway, the test suite): each
 // answers fed3r.stats over its precomputed features (and fed3r.secure, Fed3R-Sync, when it has
-// an identity and the aggregator's key). Stops cleanly (presence offline) when
-// standard input closes.
+// an identity and the aggregator's key).
 //
 //   java -cp fedfleet-device.jar:<Debian jars> org.fedfleet.device.HeadlessDevices \
 //        --broker tcp://127.0.0.1:1883 [--root fedfleet] [--aggregator-key HEX] [--retry-after S] \
-//        --device ID FEATURES_FILE [SEED_HEX|-] [--device ...]
+//        [--stop-on-stdin-eof] --device ID FEATURES_FILE [SEED_HEX|-] [--device ...]
 //
-// Prints "ONLINE <id>" once a device has announced itself, and "STATS <id> done=.. declined=..
-// accepted=.. reconnects=.." at exit.
+// Runs until SIGTERM/SIGINT (a systemd service), or with --stop-on-stdin-eof until standard input
+// closes (the tests). Prints "ONLINE <id>" once a device has announced itself, and "STATS <id>
+// done=.. declined=.. accepted=.. reconnects=.." at exit, after each device said offline.
 package org.fedfleet.device;
 
 import java.net.URI;
@@ -21,6 +21,7 @@ import org.fedfleet.wire.Envelope;
 public final class HeadlessDevices {
     public static void main(String[] args) throws Exception {
         URI broker = null;
+        boolean stdinStops = false;
         MqttAgent.Options base = new MqttAgent.Options();
         List<String[]> devices = new ArrayList<>();
         for (int k = 0; k < args.length; k++) {
@@ -31,6 +32,7 @@ public final class HeadlessDevices {
                 case "--retry-after": base.retryAfterS = Double.parseDouble(args[++k]); break;
                 case "--tick": base.tickS = Double.parseDouble(args[++k]); break;
                 case "--device": devices.add(new String[] {args[++k], args[++k], args[++k]}); break;
+                case "--stop-on-stdin-eof": stdinStops = true; break;
                 default: throw new IllegalArgumentException("unknown argument " + args[k]);
             }
         }
@@ -54,14 +56,23 @@ public final class HeadlessDevices {
             else System.out.println("NOT-ONLINE " + a.deviceId);
         }
         System.out.flush();
+        Thread stop = new Thread(() -> stopAll(agents));
+        if (!stdinStops) {
+            Runtime.getRuntime().addShutdownHook(stop);
+            Thread.currentThread().join();       // until SIGTERM / SIGINT runs the hook
+        }
         while (System.in.read() != -1) { /* run until stdin closes */ }
+        stopAll(agents);
+        System.exit(0);
+    }
+
+    private static void stopAll(List<MqttAgent> agents) {
         for (MqttAgent a : agents) {
             a.close();
             System.out.println("STATS " + a.deviceId + " done=" + a.tasksDone + " declined=" + a.tasksDeclined
                     + " accepted=" + a.acks.getOrDefault("accepted", 0) + " reconnects=" + a.reconnects);
         }
         System.out.flush();
-        System.exit(0);
     }
 
     private static MqttAgent.Options copy(MqttAgent.Options b) {
