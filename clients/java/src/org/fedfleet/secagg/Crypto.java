@@ -5,6 +5,7 @@ package org.fedfleet.secagg;
 
 import java.nio.ByteBuffer;
 import java.nio.ByteOrder;
+import java.nio.LongBuffer;
 import java.nio.charset.StandardCharsets;
 import java.security.GeneralSecurityException;
 import java.security.SecureRandom;
@@ -89,14 +90,17 @@ public final class Crypto {
         try {
             Cipher aes = Cipher.getInstance("AES/CTR/NoPadding");
             aes.init(Cipher.ENCRYPT_MODE, new SecretKeySpec(key, "AES"), new IvParameterSpec(new byte[16]));
-            byte[] zeros = new byte[8 * Math.min(BLOCK_WORDS, Math.max(target.length, 1))];
-            for (int start = 0; start < target.length; start += BLOCK_WORDS) {
-                int words = Math.min(BLOCK_WORDS, target.length - start);
-                ByteBuffer stream = ByteBuffer.wrap(aes.update(zeros, 0, 8 * words)).order(ByteOrder.LITTLE_ENDIAN);
-                for (int k = 0; k < words; k++) {
-                    long w = stream.getLong();
-                    target[start + k] += sign > 0 ? w : -w;     // Java longs wrap mod 2^64
-                }
+            int block = Math.min(BLOCK_WORDS, Math.max(target.length, 1));
+            byte[] zeros = new byte[8 * block], stream = new byte[8 * block];
+            LongBuffer words = ByteBuffer.wrap(stream).order(ByteOrder.LITTLE_ENDIAN).asLongBuffer();
+            long[] keystream = new long[block];          // buffers reused: no garbage per block
+            for (int start = 0; start < target.length; start += block) {
+                int n = Math.min(block, target.length - start);
+                aes.update(zeros, 0, 8 * n, stream, 0);
+                words.clear();
+                words.get(keystream, 0, n);
+                if (sign > 0) for (int k = 0; k < n; k++) target[start + k] += keystream[k];   // Java longs wrap mod 2^64
+                else for (int k = 0; k < n; k++) target[start + k] -= keystream[k];
             }
         } catch (GeneralSecurityException e) {
             throw new IllegalStateException("AES-CTR unavailable", e);
