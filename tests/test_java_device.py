@@ -87,10 +87,10 @@ class StopsAfterShares:
 
 
 def run_mixed_fleet(java_cp: str, broker, tmp_path: Path, secure: bool, graph: str = "complete",
-                    dropper: str | None = None):
+                    dropper: str | None = None, java_chunk_size: int | None = None):
     """3 Java devices (one JVM) and 3 Python devices, every envelope signed both ways, in one Fed3R
     job (or Fed3R-Sync: one SecAgg group of all six, ``dropper`` silent after its shares); returns
-    (job, config, the job's result, the envelopes the aggregator received)."""
+    (job, config, the envelopes the aggregator received (reassembled), the senders of chunks)."""
     from ops_fleet import Features, RecordingService
 
     from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
@@ -123,6 +123,8 @@ def run_mixed_fleet(java_cp: str, broker, tmp_path: Path, secure: bool, graph: s
 
     cmd = ["java", "-cp", java_cp, "org.fedfleet.device.HeadlessDevices", "--stop-on-stdin-eof", "--broker", broker.url,
            "--aggregator-key", agg.public_key_bytes.hex(), "--retry-after", "2", "--tick", "0.1"]
+    if java_chunk_size:
+        cmd += ["--chunk-size", str(java_chunk_size)]
     for i, d in enumerate(JAVA_IDS):
         cmd += ["--device", d, str(write_features(tmp_path / f"{d}.feat", *fleet_data(i))), seeds[d].hex()]
     jvm = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -146,7 +148,10 @@ def run_mixed_fleet(java_cp: str, broker, tmp_path: Path, secure: bool, graph: s
     assert sorted(result["contributed"]) == sorted(set(DEVICES) - {dropper}), (result, err[-3000:])
     for d in JAVA_IDS:
         assert f"ONLINE {d}" in out and f"STATS {d} done=1 declined=0 " in out, (out, err[-3000:])
-    return job, cfg, service.received_envelopes()
+    from protocols.envelope import decode
+
+    chunk_senders = {env.sender for env in map(decode, service.seen) if env.type == "chunk"}
+    return job, cfg, service.received_envelopes(), chunk_senders
 
 
 JAVA_IDS, PY_IDS = ["java0", "java1", "java2"], ["py0", "py1", "py2"]
@@ -167,8 +172,9 @@ def assert_centralized_ridge(job, lam: float, devices=DEVICES) -> None:
 
 
 def test_mixed_java_and_python_fleet_gives_the_centralized_ridge(java_cp, broker, tmp_path):
-    job, cfg, received = run_mixed_fleet(java_cp, broker, tmp_path, secure=False)
+    job, cfg, received, chunk_senders = run_mixed_fleet(java_cp, broker, tmp_path, secure=False, java_chunk_size=200)
     assert {env.sender for env in received if env.type == "result"} == set(DEVICES)
+    assert chunk_senders == set(JAVA_IDS)        # the Java devices' results travelled as 200-byte chunks
     assert_centralized_ridge(job, cfg.lam)
 
 
@@ -179,7 +185,7 @@ def test_mixed_fleet_fed3r_sync_under_secure_aggregation_gives_the_centralized_r
     group of Fed3R-Sync: the aggregator only ever gets masked vectors, from Java devices too, and
     the sum is the centralized ridge's statistics over the survivors; with a device that goes
     silent after sending its shares, the Java devices reveal their shares of its mask key."""
-    job, cfg, received = run_mixed_fleet(java_cp, broker, tmp_path, secure=True, graph=graph, dropper=dropper)
+    job, cfg, received, _ = run_mixed_fleet(java_cp, broker, tmp_path, secure=True, graph=graph, dropper=dropper)
     types = {env.type for env in received}
     assert "secagg" in types and "result" not in types
     assert all("A_upper" not in env.tensors for env in received)

@@ -3,7 +3,8 @@
 // an identity and the aggregator's key).
 //
 //   java -cp fedfleet-device.jar:<Debian jars> org.fedfleet.device.HeadlessDevices \
-//        --broker tcp://127.0.0.1:1883 [--root fedfleet] [--aggregator-key HEX] [--retry-after S] \
+//        --broker mqtt://127.0.0.1:1883 [--root fedfleet] [--aggregator-key HEX] [--retry-after S] \
+//        [--tick S] [--chunk-size BYTES] \
 //        [--stop-on-stdin-eof] --device ID FEATURES_FILE [SEED_HEX|-] [--device ...]
 //
 // Runs until SIGTERM/SIGINT (a systemd service), or with --stop-on-stdin-eof until standard input
@@ -31,6 +32,7 @@ public final class HeadlessDevices {
                 case "--aggregator-key": base.aggregatorKey = Envelope.unhex(args[++k]); break;
                 case "--retry-after": base.retryAfterS = Double.parseDouble(args[++k]); break;
                 case "--tick": base.tickS = Double.parseDouble(args[++k]); break;
+                case "--chunk-size": base.chunkSize = Integer.parseInt(args[++k]); break;
                 case "--device": devices.add(new String[] {args[++k], args[++k], args[++k]}); break;
                 case "--stop-on-stdin-eof": stdinStops = true; break;
                 default: throw new IllegalArgumentException("unknown argument " + args[k]);
@@ -78,6 +80,7 @@ public final class HeadlessDevices {
     private static MqttAgent.Options copy(MqttAgent.Options b) {
         MqttAgent.Options o = new MqttAgent.Options();
         o.topics = b.topics; o.aggregatorKey = b.aggregatorKey; o.retryAfterS = b.retryAfterS; o.tickS = b.tickS;
+        o.chunkSize = b.chunkSize;
         return o;
     }
 }
