@@ -5,7 +5,13 @@
   message re-signed by its Ed25519 identity;
 * Java devices and Python devices in one Fed3R job over mosquitto, every message signed both ways,
   give the centralized ridge over all their features (numpy and sklearn, relative error ≤ 1e-9),
-  and so do they in one Fed3R-Sync job, whose statistics are summed under secure aggregation.
+  and so do they in one Fed3R-Sync group (SecAgg, and SecAgg+ with a device dropping out after
+  its shares), the aggregator seeing only masked vectors;
+* the agent's MQTT life: back online after a broker restart, hostile inbox traffic dropped, results
+  re-sent under one id until acknowledged, declines with reasons, last will, clean SIGTERM stop.
+
+Features are fed through the library's FeatureFile/PrecomputedFeatures (float32 rows, what the
+bundle's exported program outputs); here they are synthetic, as in the Python fleet tests.
 
 The library is built with plain javac against Debian's jars (tests/java_build.py); nothing is
 mocked: a real broker, real JVMs, real signatures.
@@ -64,7 +70,7 @@ def test_java_device_bytes_equal_the_golden_vectors(java_cp, tmp_path):
 
 
 def fleet_data(i: int) -> tuple[np.ndarray, np.ndarray]:
-    """Device i's features as the exported program gives them (float32), and labels."""
+    """Device i's (synthetic) float32 features and labels; Java and Python devices read the same."""
     rng = np.random.default_rng(500 + i)
     return (rng.normal(size=(N, D)) * 2 + i).astype(np.float32), rng.integers(0, C, N)
 
