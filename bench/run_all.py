@@ -27,6 +27,7 @@ QUICK = {
     "ladd.py": [],
     "ft_modes.py": ["--quick"],
     "quantization.py": ["--quick"],
+    "java_device.py": [],
 }
 
 

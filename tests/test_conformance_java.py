@@ -1,5 +1,6 @@
 """The wire protocol is language-neutral: an independent Java codec, written from docs/protocol.md,
-the schema and the golden vectors only (tests/conformance/java/), must decode every golden vector
+the schema and the golden vectors only (the Java device library's, clients/java/src/org/fedfleet/wire,
+driven by tests/conformance/java/Main.java), must decode every golden vector
 to its index.json header, re-encode it byte-identically, reassemble the chunk vectors, reject
 corrupted variants with clear errors, verify an Ed25519 signature made here, re-emit canonical JSON
 written here byte-identically, and reproduce the SecAgg mask PRG.
@@ -14,7 +15,6 @@ import hashlib
 import json
 import math
 import os
-import shutil
 import struct
 import subprocess
 from pathlib import Path
@@ -25,15 +25,15 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
+import java_build
+
 ROOT = Path(__file__).resolve().parents[1]
-JAVA_SOURCES = ROOT / "tests" / "conformance" / "java"
 GOLDEN = ROOT / "protocols" / "golden"
 WIRE_DTYPES = {"float32": "<f4", "float64": "<f8", "int8": "i1", "uint8": "u1", "int32": "<i4",
                "int64": "<i8", "uint64": "<u8"}
 PRG_WORDS = 40
 
-pytestmark = pytest.mark.skipif(shutil.which("javac") is None or shutil.which("java") is None,
-                                reason="needs a JDK (javac and java on PATH) to build the Java conformance codec")
+pytestmark = pytest.mark.skipif(java_build.missing() is not None, reason=str(java_build.missing()))
 
 
 def canonical(obj) -> bytes:
@@ -86,16 +86,14 @@ def canonical_lines() -> bytes:
 @pytest.fixture(scope="module")
 def java_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("java_conformance")
-    build = tmp / "classes"
-    subprocess.run(["javac", "-d", str(build), *map(str, sorted(JAVA_SOURCES.glob("*.java")))],
-                   check=True, capture_output=True, timeout=120)
+    cp = java_build.built()     # the device library's codec + this driver (Main.java)
     key = Ed25519PrivateKey.generate()
     signed, signed_tensors = signed_envelope(key)
     (tmp / "signed.bin").write_bytes(signed)
     (tmp / "canonical.jsonl").write_bytes(canonical_lines())
     seed = os.urandom(32)
     pub = key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw).hex()
-    proc = subprocess.run(["java", "-cp", str(build), "Main", str(GOLDEN), "--signed", str(tmp / "signed.bin"), pub,
+    proc = subprocess.run(["java", "-cp", cp, "Main", str(GOLDEN), "--signed", str(tmp / "signed.bin"), pub,
                            "--canonical", str(tmp / "canonical.jsonl"), "--prg", seed.hex(), str(PRG_WORDS)],
                           capture_output=True, text=True, timeout=120)
     return {"proc": proc, "lines": proc.stdout.splitlines(), "seed": seed, "signed_tensors": signed_tensors}

@@ -81,16 +81,26 @@ def make_identities(n: int, prefix: str = "device") -> list[DeviceIdentity]:
     return [DeviceIdentity.generate(f"{prefix}-{i:0{width}d}") for i in range(n)]
 
 
+ClientFactory = Callable[[str, DeviceIdentity], Any]
+
+
 def build_round(config: RoundConfig, server_identity: DeviceIdentity,
                 client_identities: Mapping[str, DeviceIdentity],
-                server_workers: int | None = None, server_mask_applier: MaskApplier | None = None
-                ) -> tuple[ServerSecAgg, dict[str, ClientSecAgg]]:
+                server_workers: int | None = None, server_mask_applier: MaskApplier | None = None,
+                client_factory: ClientFactory | None = None) -> tuple[ServerSecAgg, dict[str, ClientSecAgg]]:
+    """``client_factory(device, identity)`` may return another implementation of the client (with
+    ``handle``, ``state`` and ``provide_input``) for some devices, e.g. the Java device's; None = ours."""
     registry = IdentityRegistry({device: identity.public_key_bytes for device, identity in client_identities.items()})
     server = ServerSecAgg(config, server_identity, registry, workers=server_workers,
                           mask_applier=server_mask_applier)
-    clients = {device: ClientSecAgg(identity, config.aggregator_id, server_identity.public_key_bytes,
-                                    job_id=config.job_id, round_id=config.round_id, group_id=config.group_id)
-               for device, identity in client_identities.items() if device in config.members}
+    clients = {}
+    for device, identity in client_identities.items():
+        if device not in config.members:
+            continue
+        other = client_factory(device, identity) if client_factory else None
+        clients[device] = other if other is not None else ClientSecAgg(
+            identity, config.aggregator_id, server_identity.public_key_bytes,
+            job_id=config.job_id, round_id=config.round_id, group_id=config.group_id)
     return server, clients
 
 
@@ -100,15 +110,16 @@ def run_round(config: RoundConfig, server_identity: DeviceIdentity,
               dropouts: Mapping[str, Phase] | None = None,
               intercept: Callable[[Message], list[Message]] | None = None,
               record_server_view: bool = False, server_workers: int | None = None,
-              server_mask_applier: MaskApplier | None = None) -> RoundRun:
+              server_mask_applier: MaskApplier | None = None, client_factory: ClientFactory | None = None) -> RoundRun:
     """Run one round to its end. `inputs` is asked for a device's vector only when that device
     builds its masked input, so huge groups need not hold every vector at once. `intercept`
     sees every message before it is serialised and returns what to deliver instead (tests use
     it to corrupt, duplicate or drop messages). `server_workers` and `server_mask_applier` are
-    ServerSecAgg's `workers` and `mask_applier`."""
+    ServerSecAgg's `workers` and `mask_applier`; `client_factory` as in :func:`build_round`."""
     dropouts = dict(dropouts or {})
     get_input = inputs if callable(inputs) else inputs.__getitem__
-    server, clients = build_round(config, server_identity, client_identities, server_workers, server_mask_applier)
+    server, clients = build_round(config, server_identity, client_identities, server_workers, server_mask_applier,
+                                  client_factory)
     run = RoundRun(outcome=None, server=server, clients=clients,  # type: ignore[arg-type]
                    server_view=[] if record_server_view else None)
     silent: set[str] = {d for d, phase in dropouts.items() if phase is Phase.ADVERTISE_KEYS}

@@ -13,6 +13,9 @@ import java.util.*;
 import javax.crypto.Cipher;
 import javax.crypto.spec.IvParameterSpec;
 import javax.crypto.spec.SecretKeySpec;
+import org.fedfleet.wire.Envelope;
+import org.fedfleet.wire.Json;
+import org.fedfleet.wire.Reassembler;
 
 public final class Main {
     interface Action { Object run() throws Exception; }
@@ -121,6 +124,13 @@ public final class Main {
         Envelope.Message lie = Envelope.decode(Envelope.encode(liar, first.tensors, null));
         rejects("chunk contradicting the first one", "contradicts", () -> r.add(lie, 1));
         check("partial message expires after its TTL", r.expire(301) == 1, "");
+        Reassembler bounded = new Reassembler(300, 2, Envelope.MAX_MESSAGE_BYTES);
+        for (int k = 0; k < 3; k++) {   // three partial messages from one sender, room for two
+            Map<String, Object> other = copy(first.header);
+            ((Map<String, Object>) other.get("body")).put("parent", String.format("%032x", k));
+            bounded.add(Envelope.decode(Envelope.encode(other, first.tensors, null)), k);
+        }
+        check("a sender's pending partial messages are bounded (oldest dropped)", bounded.expire(1000) == 2, "");
         Map<String, Object> bad = copy(first.header);
         ((Map<String, Object>) bad.get("body")).put("count", BigInteger.ONE);
         ((Map<String, Object>) bad.get("body")).put("total", BigInteger.valueOf(first.tensors.get(0).data.length));
@@ -192,7 +202,8 @@ public final class Main {
         Envelope.Message msg = Envelope.decode(good);
         KeyPairGenerator g = KeyPairGenerator.getInstance("Ed25519");
         KeyPair kp = g.generateKeyPair(), other = g.generateKeyPair();
-        byte[] signed = Envelope.encode(msg.header, msg.tensors, kp.getPrivate());
+        // signed by the JDK's Ed25519, verified by the codec's (BouncyCastle): two implementations agree
+        byte[] signed = Envelope.encode(msg.header, msg.tensors, data -> jdkSign(kp.getPrivate(), data));
         check("signed message verifies", Envelope.decode(signed, raw(kp.getPublic()), Envelope.MAX_MESSAGE_BYTES) != null, "");
         rejects("signature under another key", "does not verify", () -> Envelope.decode(signed, raw(other.getPublic()), Envelope.MAX_MESSAGE_BYTES));
         rejects("unsigned message where a key is enrolled", "unsigned", () -> Envelope.decode(good, raw(kp.getPublic()), Envelope.MAX_MESSAGE_BYTES));
@@ -262,6 +273,15 @@ public final class Main {
             }
         }
         return out;
+    }
+
+    private static byte[] jdkSign(PrivateKey key, byte[] data) {
+        try {
+            Signature s = Signature.getInstance("Ed25519");
+            s.initSign(key);
+            s.update(data);
+            return s.sign();
+        } catch (GeneralSecurityException e) { throw new IllegalStateException(e); }
     }
 
     private static byte[] raw(PublicKey k) { return Arrays.copyOfRange(k.getEncoded(), 12, 44); }

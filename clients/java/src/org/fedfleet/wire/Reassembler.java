@@ -2,11 +2,13 @@
 // ignored, chunks contradicting the first one seen are refused, size and digest are verified,
 // partial messages expire after a time-to-live. add() returns the whole message's bytes once
 // complete (already decoded and checked against the chunks' sender and parent), else null.
+package org.fedfleet.wire;
+
 import java.math.BigInteger;
 import java.util.*;
 
-final class Reassembler {
-    static final int MAX_CHUNKS = 4096;
+public final class Reassembler {
+    public static final int MAX_CHUNKS = 4096;
 
     private static final class Partial {
         final long count, total;
@@ -20,12 +22,20 @@ final class Reassembler {
     }
 
     private final double ttlSeconds;
+    private final int maxPendingPerSender;
+    private final long maxTotalBytes;
     private final Map<List<String>, Partial> partials = new HashMap<>();
     private final Set<List<String>> done = new HashSet<>();
 
-    Reassembler(double ttlSeconds) { this.ttlSeconds = ttlSeconds; }
+    public Reassembler(double ttlSeconds) { this(ttlSeconds, 16, Envelope.MAX_MESSAGE_BYTES); }
 
-    byte[] add(Envelope.Message chunk, double now) throws Envelope.EnvelopeError {
+    /** At most maxPendingPerSender partial messages per sender (the oldest is dropped for a new
+     *  one), each at most maxTotalBytes long: what one sender can make a receiver hold is bounded. */
+    public Reassembler(double ttlSeconds, int maxPendingPerSender, long maxTotalBytes) {
+        this.ttlSeconds = ttlSeconds; this.maxPendingPerSender = maxPendingPerSender; this.maxTotalBytes = maxTotalBytes;
+    }
+
+    public byte[] add(Envelope.Message chunk, double now) throws Envelope.EnvelopeError {
         if (!"chunk".equals(chunk.type())) throw new Envelope.EnvelopeError("expected a chunk, got " + chunk.type());
         Map<String, Object> b = chunk.body();
         String parent = text(b, "parent"), digest = text(b, "sha256");
@@ -34,14 +44,17 @@ final class Reassembler {
                 || !chunk.tensors.get(0).dtype.equals("uint8") || chunk.tensors.get(0).shape.length != 1)
             throw new Envelope.EnvelopeError("a chunk carries exactly one 1-D uint8 tensor 'data'");
         byte[] data = chunk.tensors.get(0).data;
-        List<String> key = List.of(chunk.sender(), parent);
+        List<String> key = Arrays.asList(chunk.sender(), parent);
         if (done.contains(key)) return null;
         if (count < 1 || count > MAX_CHUNKS || index < 0 || index >= count)
             throw new Envelope.EnvelopeError("chunk index " + index + " / count " + count + " out of range");
-        if (total <= 0 || total > Envelope.MAX_MESSAGE_BYTES)
+        if (total <= 0 || total > Math.min(maxTotalBytes, Envelope.MAX_MESSAGE_BYTES))
             throw new Envelope.EnvelopeError("chunked message total " + total + " out of range");
         Partial p = partials.get(key);
-        if (p == null) partials.put(key, p = new Partial(count, total, digest, now));
+        if (p == null) {
+            makeRoom(chunk.sender());
+            partials.put(key, p = new Partial(count, total, digest, now));
+        }
         else if (p.count != count || p.total != total || !p.sha256.equals(digest))
             throw new Envelope.EnvelopeError("chunk " + index + " of " + parent + " contradicts the first chunk seen (count/total/sha256)");
         if (p.parts.containsKey(index)) return null;
@@ -69,8 +82,19 @@ final class Reassembler {
         return whole;
     }
 
+    private void makeRoom(String sender) {
+        List<String> oldest = null;
+        int pending = 0;
+        for (Map.Entry<List<String>, Partial> e : partials.entrySet()) {
+            if (!e.getKey().get(0).equals(sender)) continue;
+            pending++;
+            if (oldest == null || e.getValue().firstSeen < partials.get(oldest).firstSeen) oldest = e.getKey();
+        }
+        if (pending >= maxPendingPerSender) partials.remove(oldest);
+    }
+
     /** Forget partial messages first seen more than the TTL ago; returns how many were dropped. */
-    int expire(double now) {
+    public int expire(double now) {
         int before = partials.size();
         partials.values().removeIf(p -> now - p.firstSeen > ttlSeconds);
         return before - partials.size();

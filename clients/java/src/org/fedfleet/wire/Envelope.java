@@ -1,62 +1,74 @@
 // The fedfleet envelope (docs/protocol.md "Envelope"): "FFE1" | uint32 LE header_len |
 // canonical JSON header | payload. decode() validates everything the spec and
 // protocols/schema/envelope.schema.json require before anything is handed out.
+package org.fedfleet.wire;
+
 import java.math.BigInteger;
 import java.nio.ByteBuffer;
 import java.nio.ByteOrder;
 import java.nio.charset.CharacterCodingException;
 import java.nio.charset.CodingErrorAction;
 import java.nio.charset.StandardCharsets;
-import java.security.*;
-import java.security.spec.X509EncodedKeySpec;
+import java.security.MessageDigest;
+import java.security.NoSuchAlgorithmException;
 import java.util.*;
 import java.util.regex.Pattern;
+import org.bouncycastle.crypto.params.Ed25519PublicKeyParameters;
+import org.bouncycastle.crypto.signers.Ed25519Signer;
 
-final class Envelope {
-    static final byte[] MAGIC = {'F', 'F', 'E', '1'};
-    static final int MAX_HEADER_BYTES = 64 * 1024;
-    static final long MAX_MESSAGE_BYTES = 512L * 1024 * 1024;
-    static final int MAX_TENSORS = 64, MAX_NDIM = 8;
-    static final Map<String, Integer> ITEMSIZE = Map.of("float32", 4, "float64", 8, "int8", 1,
-            "uint8", 1, "int32", 4, "int64", 8, "uint64", 8);
-    private static final Set<String> FIELDS = Set.of("v", "type", "id", "sender", "ts", "body",
-            "tensors", "payload_sha256", "sig");
-    private static final Set<String> TENSOR_FIELDS = Set.of("name", "dtype", "shape", "offset", "nbytes");
+public final class Envelope {
+    public static final byte[] MAGIC = {'F', 'F', 'E', '1'};
+    public static final int MAX_HEADER_BYTES = 64 * 1024;
+    public static final long MAX_MESSAGE_BYTES = 512L * 1024 * 1024;
+    public static final int MAX_TENSORS = 64, MAX_NDIM = 8;
+    public static final Map<String, Integer> ITEMSIZE;
+    static {  // no Map.of: Android offers it from API 30 only
+        Map<String, Integer> m = new HashMap<>();
+        m.put("float32", 4); m.put("float64", 8); m.put("int8", 1); m.put("uint8", 1);
+        m.put("int32", 4); m.put("int64", 8); m.put("uint64", 8);
+        ITEMSIZE = Collections.unmodifiableMap(m);
+    }
+    private static final Set<String> FIELDS = new HashSet<>(Arrays.asList("v", "type", "id", "sender", "ts", "body",
+            "tensors", "payload_sha256", "sig"));
+    private static final Set<String> TENSOR_FIELDS = new HashSet<>(Arrays.asList("name", "dtype", "shape", "offset", "nbytes"));
+
+    /** Signs the canonical header bytes (Ed25519, 64-byte signature): {@link org.fedfleet.device.Identity#sign}. */
+    public interface Signer { byte[] sign(byte[] data); }
     private static final Pattern TYPE = Pattern.compile("[a-z][a-z0-9_]*(\\.[a-z][a-z0-9_]*)*"),
             ID = Pattern.compile("[0-9a-f]{32}"), SENDER = Pattern.compile("[A-Za-z0-9_.-]{1,64}"),
             NAME = Pattern.compile("[A-Za-z_][A-Za-z0-9_.]{0,63}"), SHA = Pattern.compile("[0-9a-f]{64}"),
             SIG = Pattern.compile("[0-9a-f]{128}");
     private static final BigInteger MAX_DIM = BigInteger.valueOf(4294967295L);
 
-    static final class EnvelopeError extends Exception {
-        EnvelopeError(String m) { super(m); }
+    public static final class EnvelopeError extends Exception {
+        public EnvelopeError(String m) { super(m); }
     }
 
-    static final class Tensor {
-        final String name, dtype;
-        final long[] shape;
-        final byte[] data;
-        Tensor(String name, String dtype, long[] shape, byte[] data) {
+    public static final class Tensor {
+        public final String name, dtype;
+        public final long[] shape;
+        public final byte[] data;
+        public Tensor(String name, String dtype, long[] shape, byte[] data) {
             this.name = name; this.dtype = dtype; this.shape = shape; this.data = data;
         }
     }
 
     /** A decoded message: the header exactly as parsed, plus its tensors. */
-    static final class Message {
-        final Map<String, Object> header;
-        final List<Tensor> tensors;
-        Message(Map<String, Object> header, List<Tensor> tensors) { this.header = header; this.tensors = tensors; }
-        String type() { return (String) header.get("type"); }
-        String sender() { return (String) header.get("sender"); }
-        @SuppressWarnings("unchecked") Map<String, Object> body() { return (Map<String, Object>) header.get("body"); }
+    public static final class Message {
+        public final Map<String, Object> header;
+        public final List<Tensor> tensors;
+        public Message(Map<String, Object> header, List<Tensor> tensors) { this.header = header; this.tensors = tensors; }
+        public String type() { return (String) header.get("type"); }
+        public String sender() { return (String) header.get("sender"); }
+        @SuppressWarnings("unchecked") public Map<String, Object> body() { return (Map<String, Object>) header.get("body"); }
     }
 
     // ---------------- decode ----------------
-    static Message decode(byte[] data) throws EnvelopeError { return decode(data, null, MAX_MESSAGE_BYTES); }
+    public static Message decode(byte[] data) throws EnvelopeError { return decode(data, null, MAX_MESSAGE_BYTES); }
 
     /** With a public key (raw 32 bytes) the signature is mandatory and verified. */
     @SuppressWarnings("unchecked")
-    static Message decode(byte[] data, byte[] publicKey, long maxBytes) throws EnvelopeError {
+    public static Message decode(byte[] data, byte[] publicKey, long maxBytes) throws EnvelopeError {
         if (data.length > maxBytes) throw new EnvelopeError("message too large: " + data.length + " > " + maxBytes + " bytes");
         if (data.length < 8 || !Arrays.equals(Arrays.copyOf(data, 4), MAGIC))
             throw new EnvelopeError("not a fedfleet envelope (bad magic or shorter than 8 bytes)");
@@ -158,7 +170,7 @@ final class Envelope {
 
     // ---------------- encode ----------------
     /** Encode header fields v,type,id,sender,ts,body (+ optional sig) and the tensors, in order. */
-    static byte[] encode(Map<String, Object> fields, List<Tensor> tensors, PrivateKey signer) throws EnvelopeError {
+    public static byte[] encode(Map<String, Object> fields, List<Tensor> tensors, Signer signer) throws EnvelopeError {
         if (tensors.size() > MAX_TENSORS) throw new EnvelopeError("too many tensors: " + tensors.size());
         Map<String, Object> h = new LinkedHashMap<>(fields);
         h.remove("sig");
@@ -173,70 +185,54 @@ final class Envelope {
             d.put("offset", BigInteger.valueOf(payload.size()));
             d.put("nbytes", BigInteger.valueOf(t.data.length));
             descs.add(d);
-            payload.writeBytes(t.data);
+            payload.write(t.data, 0, t.data.length);
         }
         h.put("tensors", descs);
         byte[] body = payload.toByteArray();
         h.put("payload_sha256", hex(sha256(body)));
-        if (signer != null) h.put("sig", hex(sign(signer, canonical(h))));
+        if (signer != null) h.put("sig", hex(signer.sign(canonical(h))));
         else if (fields.get("sig") != null) h.put("sig", fields.get("sig"));
         return frame(h, body);
     }
 
     /** Magic, length and canonical header in front of a payload; no validation (tests use it to forge). */
-    static byte[] frame(Map<String, Object> header, byte[] payload) throws EnvelopeError {
+    public static byte[] frame(Map<String, Object> header, byte[] payload) throws EnvelopeError {
         byte[] hb = canonical(header);
         if (hb.length > MAX_HEADER_BYTES) throw new EnvelopeError("header too large: " + hb.length);
         ByteBuffer b = ByteBuffer.allocate(8 + hb.length + payload.length).order(ByteOrder.LITTLE_ENDIAN);
         return b.put(MAGIC).putInt(hb.length).put(hb).put(payload).array();
     }
 
-    static byte[] canonical(Object header) throws EnvelopeError {
+    public static byte[] canonical(Object header) throws EnvelopeError {
         try { return Json.canonical(header); } catch (Json.JsonError e) { throw new EnvelopeError(e.getMessage()); }
     }
 
     // ---------------- signatures (Ed25519 over canonical(header without sig)) ----------------
-    private static final byte[] ED25519_SPKI_PREFIX = unhex("302a300506032b6570032100");
-
-    static void verifySignature(Map<String, Object> h, byte[] rawPublicKey) throws EnvelopeError {
+    public static void verifySignature(Map<String, Object> h, byte[] rawPublicKey) throws EnvelopeError {
         if (!(h.get("sig") instanceof String)) throw new EnvelopeError("unsigned message from " + h.get("sender"));
+        if (rawPublicKey.length != 32) throw new EnvelopeError("an Ed25519 public key is 32 bytes, got " + rawPublicKey.length);
         Map<String, Object> unsigned = new LinkedHashMap<>(h);
         unsigned.remove("sig");
-        try {
-            byte[] spki = new byte[44];
-            System.arraycopy(ED25519_SPKI_PREFIX, 0, spki, 0, 12);
-            System.arraycopy(rawPublicKey, 0, spki, 12, 32);
-            PublicKey key = KeyFactory.getInstance("Ed25519").generatePublic(new X509EncodedKeySpec(spki));
-            Signature v = Signature.getInstance("Ed25519");
-            v.initVerify(key);
-            v.update(canonical(unsigned));
-            if (!v.verify(unhex((String) h.get("sig")))) throw new EnvelopeError("Ed25519 signature does not verify");
-        } catch (GeneralSecurityException e) {
-            throw new EnvelopeError("Ed25519 signature does not verify: " + e);
-        }
+        byte[] data = canonical(unsigned), sig = unhex((String) h.get("sig"));
+        // BouncyCastle's RFC 8032 Ed25519: Android's own provider has it only from API 33
+        Ed25519Signer v = new Ed25519Signer();
+        v.init(false, new Ed25519PublicKeyParameters(rawPublicKey, 0));
+        v.update(data, 0, data.length);
+        if (!v.verifySignature(sig)) throw new EnvelopeError("Ed25519 signature does not verify");
     }
 
-    static byte[] sign(PrivateKey key, byte[] data) throws EnvelopeError {
-        try {
-            Signature s = Signature.getInstance("Ed25519");
-            s.initSign(key);
-            s.update(data);
-            return s.sign();
-        } catch (GeneralSecurityException e) { throw new EnvelopeError("signing failed: " + e); }
-    }
-
-    static byte[] sha256(byte[] b) {
+    public static byte[] sha256(byte[] b) {
         try { return MessageDigest.getInstance("SHA-256").digest(b); }
         catch (NoSuchAlgorithmException e) { throw new IllegalStateException(e); }
     }
 
-    static String hex(byte[] b) {
+    public static String hex(byte[] b) {
         StringBuilder s = new StringBuilder();
         for (byte x : b) s.append(String.format("%02x", x & 0xff));
         return s.toString();
     }
 
-    static byte[] unhex(String s) {
+    public static byte[] unhex(String s) {
         byte[] b = new byte[s.length() / 2];
         for (int k = 0; k < b.length; k++) b[k] = (byte) Integer.parseInt(s.substring(2 * k, 2 * k + 2), 16);
         return b;

@@ -1,6 +1,8 @@
 // Strict JSON reader and the canonical writer of docs/protocol.md ("Canonical JSON"),
 // written from the spec alone. Values: LinkedHashMap (object), ArrayList (array), String,
 // BigInteger (a number without '.', 'e' or 'E'), Double (any other number), Boolean, NULL.
+package org.fedfleet.wire;
+
 import java.math.BigDecimal;
 import java.math.BigInteger;
 import java.math.MathContext;
@@ -8,11 +10,11 @@ import java.math.RoundingMode;
 import java.nio.charset.StandardCharsets;
 import java.util.*;
 
-final class Json {
-    static final Object NULL = new Object() { public String toString() { return "null"; } };
+public final class Json {
+    public static final Object NULL = new Object() { public String toString() { return "null"; } };
 
-    static final class JsonError extends Exception {
-        JsonError(String m) { super(m); }
+    public static final class JsonError extends Exception {
+        public JsonError(String m) { super(m); }
     }
 
     // ---- reader: RFC 8259, no NaN/Infinity, no duplicate keys, no lone surrogates ----
@@ -21,7 +23,7 @@ final class Json {
 
     private Json(String s) { this.s = s; }
 
-    static Object parse(String text) throws JsonError {
+    public static Object parse(String text) throws JsonError {
         Json p = new Json(text);
         p.ws();
         Object v = p.value(0);
@@ -154,14 +156,23 @@ final class Json {
     }
 
     // ---- canonical writer ----
-    static byte[] canonical(Object v) throws JsonError {
+    public static byte[] canonical(Object v) throws JsonError {
         StringBuilder b = new StringBuilder();
-        write(b, v);
+        write(b, v, false);
         return b.toString().getBytes(StandardCharsets.UTF_8);
     }
 
+    /** Python's json.dumps(v, sort_keys=True, separators=(",", ":"), ensure_ascii=True): what the
+     *  secure-aggregation messages sign (docs/secure-aggregation.md); everything outside
+     *  U+0020..U+007E is escaped as a backslash-u sequence per UTF-16 unit (lowercase hex), U+007F included. */
+    public static byte[] canonicalAscii(Object v) throws JsonError {
+        StringBuilder b = new StringBuilder();
+        write(b, v, true);
+        return b.toString().getBytes(StandardCharsets.US_ASCII);
+    }
+
     /** Keys in Unicode code point order (= UTF-8 byte order), not Java's UTF-16 order. */
-    static final Comparator<String> CODE_POINT_ORDER = (a, b) -> {
+    public static final Comparator<String> CODE_POINT_ORDER = (a, b) -> {
         int[] x = a.codePoints().toArray(), y = b.codePoints().toArray();
         for (int k = 0; k < Math.min(x.length, y.length); k++)
             if (x[k] != y[k]) return Integer.compare(x[k], y[k]);
@@ -169,7 +180,7 @@ final class Json {
     };
 
     @SuppressWarnings("unchecked")
-    private static void write(StringBuilder b, Object v) throws JsonError {
+    private static void write(StringBuilder b, Object v, boolean ascii) throws JsonError {
         if (v instanceof Map) {
             Map<String, Object> m = (Map<String, Object>) v;
             List<String> keys = new ArrayList<>(m.keySet());
@@ -177,9 +188,9 @@ final class Json {
             b.append('{');
             for (int k = 0; k < keys.size(); k++) {
                 if (k > 0) b.append(',');
-                writeString(b, keys.get(k));
+                writeString(b, keys.get(k), ascii);
                 b.append(':');
-                write(b, m.get(keys.get(k)));
+                write(b, m.get(keys.get(k)), ascii);
             }
             b.append('}');
         } else if (v instanceof List) {
@@ -187,16 +198,17 @@ final class Json {
             List<Object> a = (List<Object>) v;
             for (int k = 0; k < a.size(); k++) {
                 if (k > 0) b.append(',');
-                write(b, a.get(k));
+                write(b, a.get(k), ascii);
             }
             b.append(']');
-        } else if (v instanceof String) writeString(b, (String) v);
+        } else if (v instanceof String) writeString(b, (String) v, ascii);
         else if (v instanceof BigInteger || v instanceof Boolean || v == NULL) b.append(v);
+        else if (v instanceof Integer || v instanceof Long) b.append(v);   // integers built in Java code
         else if (v instanceof Double) b.append(formatFloat((Double) v));
         else throw new JsonError("not a JSON value: " + v);
     }
 
-    private static void writeString(StringBuilder b, String v) {
+    private static void writeString(StringBuilder b, String v, boolean ascii) {
         b.append('"');
         for (char c : v.toCharArray()) {
             switch (c) {
@@ -208,7 +220,7 @@ final class Json {
                 case '\r': b.append("\\r"); break;
                 case '\t': b.append("\\t"); break;
                 default:
-                    if (c < 0x20) b.append(String.format("\\u%04x", (int) c));
+                    if (c < 0x20 || (ascii && c > 0x7e)) b.append(String.format("\\u%04x", (int) c));
                     else b.append(c);  // everything else, non-ASCII included, as raw UTF-8
             }
         }
@@ -216,7 +228,7 @@ final class Json {
     }
 
     /** Shortest round-tripping decimal; fixed notation for exponents -4..15, else d.ddde±XX. */
-    static String formatFloat(double d) throws JsonError {
+    public static String formatFloat(double d) throws JsonError {
         if (Double.isNaN(d) || Double.isInfinite(d)) throw new JsonError("NaN/Infinity cannot be encoded");
         if (d == 0) return (1 / d < 0) ? "-0.0" : "0.0";
         BigDecimal exact = new BigDecimal(d), r = exact;
@@ -237,7 +249,7 @@ final class Json {
     }
 
     /** Structural equality that also keeps integers and floats apart (1 != 1.0). */
-    static boolean same(Object a, Object b) {
+    public static boolean same(Object a, Object b) {
         if (a instanceof Map && b instanceof Map) {
             Map<?, ?> x = (Map<?, ?>) a, y = (Map<?, ?>) b;
             if (!x.keySet().equals(y.keySet())) return false;

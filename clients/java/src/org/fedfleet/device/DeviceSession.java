@@ -1,0 +1,131 @@
+// The device side of the round rules (docs/protocol.md "Round rules"), sans-IO: events in,
+// actions out, a mirror of protocols/rounds.py's DeviceSession.
+//
+//   IDLE      task(new)             StartWork                   -> WORKING
+//   WORKING   task(same)            -                           (redelivery while busy)
+//   WORKING   workFinished(result)  SendResult                  -> REPORTED
+//   WORKING   workFailed(reason)    SendDecline                 -> IDLE
+//   REPORTED  resultSent(now)       -                           (the retry timer starts when the upload ends)
+//   REPORTED  task(same)            SendResult (same message)   (the server may have lost it)
+//   REPORTED  tick(now > retry)     SendResult (same message)   exponential back-off, up to maxRetries
+//   REPORTED  ack(ref = result id)  -                           -> IDLE
+package org.fedfleet.device;
+
+import java.util.ArrayList;
+import java.util.Collections;
+import java.util.Iterator;
+import java.util.LinkedHashMap;
+import java.util.List;
+import java.util.Map;
+
+public final class DeviceSession {
+    public enum State { IDLE, WORKING, REPORTED }
+
+    /** What the agent must do next. */
+    public abstract static class Action {}
+
+    public static final class StartWork extends Action {
+        public final Messages.Task task;
+        public final List<org.fedfleet.wire.Envelope.Tensor> tensors;
+        StartWork(Messages.Task task, List<org.fedfleet.wire.Envelope.Tensor> tensors) { this.task = task; this.tensors = tensors; }
+    }
+
+    /** Publish the encoded (signed) message again: always the same bytes, so the same message id
+     *  (null for a secure task: nothing to publish). */
+    public static final class SendResult extends Action {
+        public final byte[] message;
+        public final String messageId;
+        public final int attempt;
+        SendResult(byte[] message, String messageId, int attempt) { this.message = message; this.messageId = messageId; this.attempt = attempt; }
+    }
+
+    public static final class SendDecline extends Action {
+        public final TaskRef ref;
+        public final String reason;
+        SendDecline(TaskRef ref, String reason) { this.ref = ref; this.reason = reason; }
+    }
+
+    private static final class Finished {
+        final byte[] message;
+        final String messageId;
+        final boolean expectsAck;
+        Finished(byte[] message, String messageId, boolean expectsAck) { this.message = message; this.messageId = messageId; this.expectsAck = expectsAck; }
+    }
+
+    private final double retryAfterS;
+    private final int maxRetries, keepFinished;
+    private State state = State.IDLE;
+    private TaskRef current;
+    private final Map<TaskRef, Finished> finished = new LinkedHashMap<>();   // answered tasks, for redelivery
+    private int attempts;
+    private double nextRetry, now;
+
+    public DeviceSession(double retryAfterS, int maxRetries, int keepFinished) {
+        this.retryAfterS = retryAfterS; this.maxRetries = maxRetries; this.keepFinished = keepFinished;
+    }
+
+    public DeviceSession() { this(10.0, 5, 4); }
+
+    public State state() { return state; }
+
+    public List<Action> onTask(Messages.Task task, List<org.fedfleet.wire.Envelope.Tensor> tensors) {
+        Finished done = finished.get(task.ref);
+        if (done != null) return one(new SendResult(done.message, done.messageId, attempts + 1));
+        if (state == State.WORKING && task.ref.equals(current)) return Collections.emptyList();
+        current = task.ref;
+        state = State.WORKING;
+        return one(new StartWork(task, tensors));
+    }
+
+    public List<Action> onWorkFinished(TaskRef ref, byte[] message, String messageId) {
+        return onWorkFinished(ref, message, messageId, true);
+    }
+
+    /** expectsAck false: a secure task, whose protocol messages go out through its own session
+     *  (message null); nothing is retried, a redelivered task is answered with nothing. */
+    public List<Action> onWorkFinished(TaskRef ref, byte[] message, String messageId, boolean expectsAck) {
+        if (state != State.WORKING || !ref.equals(current)) return Collections.emptyList();   // abandoned task
+        finished.put(ref, new Finished(message, messageId, expectsAck));
+        Iterator<TaskRef> oldest = finished.keySet().iterator();
+        while (finished.size() > keepFinished) { oldest.next(); oldest.remove(); }
+        state = State.REPORTED;
+        attempts = 1;
+        nextRetry = expectsAck ? now + retryAfterS : Double.POSITIVE_INFINITY;
+        return one(new SendResult(message, messageId, 1));
+    }
+
+    public List<Action> onWorkFailed(TaskRef ref, String reason) {
+        if (state != State.WORKING || !ref.equals(current)) return Collections.emptyList();
+        state = State.IDLE;
+        current = null;
+        return one(new SendDecline(ref, reason));
+    }
+
+    /** A slow upload must not count against the ack timeout: the back-off starts when it ends. */
+    public void onResultSent(double now) {
+        this.now = now;
+        if (state == State.REPORTED && finished.get(current).expectsAck) nextRetry = now + retryAfterS * Math.pow(2, attempts - 1);
+    }
+
+    public void onAck(String refId) {
+        Finished done = current == null ? null : finished.get(current);
+        if (state == State.REPORTED && done != null && done.messageId.equals(refId)) state = State.IDLE;
+    }
+
+    public List<Action> onTick(double now) {
+        this.now = now;
+        if (state == State.REPORTED && now >= nextRetry && attempts <= maxRetries) {
+            attempts++;
+            nextRetry = now + retryAfterS * Math.pow(2, attempts - 1);
+            Finished done = finished.get(current);
+            return one(new SendResult(done.message, done.messageId, attempts));
+        }
+        return Collections.emptyList();
+    }
+
+    private static List<Action> one(Action a) {
+        List<Action> out = new ArrayList<>(1);
+        out.add(a);
+        return out;
+    }
+}

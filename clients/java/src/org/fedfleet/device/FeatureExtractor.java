@@ -1,0 +1,16 @@
+// The frozen backbone: model inputs in, feature vectors out. On Android it is ExecuTorch's Java
+// Module running the bundle's .pte (docs/deployment.md "Android"); in the tests the inputs already
+// are the features the exported program produced (PrecomputedFeatures).
+package org.fedfleet.device;
+
+import java.util.Map;
+
+public interface FeatureExtractor {
+    /** Declines a task whose model fields (backbone, image_size, weights_sha256, bundle_sha256) are not this extractor's. */
+    void checkModel(Map<String, Object> params) throws TaskDeclined;
+
+    int featureDim();
+
+    /** Features of a batch of inputs, one row per input, featureDim() values each. */
+    float[][] extract(float[][] inputs) throws TaskDeclined;
+}

@@ -1,0 +1,73 @@
+// Fed3R client statistics (edge_client/fed3r.py): A = ZᵀZ (kept as its packed upper triangle,
+// row-major, the wire's A_upper order) and per-class feature sums b_c = Σ_{y=c} z, accumulated in
+// double precision whatever the feature precision; with fitIntercept a constant-1 column is
+// appended to Z, so A's last diagonal entry is n and b's last column holds the class counts.
+package org.fedfleet.device;
+
+public final class Fed3RAccumulator {
+    public final int numClasses, featureDim, p;
+    public final boolean fitIntercept;
+    private final double[] aUpper;   // p(p+1)/2
+    private final double[][] b;      // numClasses x p
+    private final long[] counts;
+    private final double[] z;        // one augmented row, reused
+
+    /** Most statistics values a device holds (A's triangle + b): 2^27 doubles, 1 GiB, as SecAgg's longest vector. */
+    public static final long MAX_VALUES = 1L << 27;
+
+    public Fed3RAccumulator(int numClasses, int featureDim, boolean fitIntercept) {
+        if (numClasses < 1 || featureDim < 1) throw new IllegalArgumentException("need at least one class and one feature");
+        long p0 = featureDim + (fitIntercept ? 1L : 0L);
+        if (p0 * (p0 + 1) / 2 + numClasses * p0 > MAX_VALUES)
+            throw new IllegalArgumentException(numClasses + " classes x " + p0 + " features need more than " + MAX_VALUES + " statistics values");
+        this.numClasses = numClasses; this.featureDim = featureDim; this.fitIntercept = fitIntercept;
+        this.p = featureDim + (fitIntercept ? 1 : 0);
+        this.aUpper = new double[p * (p + 1) / 2];
+        this.b = new double[numClasses][p];
+        this.counts = new long[numClasses];
+        this.z = new double[p];
+    }
+
+    /** Adds one sample; features must be finite (a NaN means a broken backbone or input). */
+    public void add(float[] features, int label) {
+        if (features.length != featureDim) throw new IllegalArgumentException("features must have " + featureDim + " values, got " + features.length);
+        if (label < 0 || label >= numClasses) throw new IllegalArgumentException("label " + label + " outside [0, " + numClasses + ")");
+        for (int i = 0; i < featureDim; i++) {
+            if (!Float.isFinite(features[i])) throw new IllegalArgumentException("features contain NaN or Inf");
+            z[i] = features[i];
+        }
+        if (fitIntercept) z[p - 1] = 1.0;
+        int k = 0;
+        for (int i = 0; i < p; i++) {
+            double zi = z[i];
+            for (int j = i; j < p; j++) aUpper[k++] += zi * z[j];
+        }
+        double[] row = b[label];
+        for (int j = 0; j < p; j++) row[j] += z[j];
+        counts[label]++;
+    }
+
+    public long n() {
+        long n = 0;
+        for (long c : counts) n += c;
+        return n;
+    }
+
+    public double[] aUpper() { return aUpper.clone(); }
+
+    /** The classes present locally, increasing (the sparse form's class_ids). */
+    public long[] presentClasses() {
+        int m = 0;
+        for (long c : counts) if (c > 0) m++;
+        long[] ids = new long[m];
+        for (int c = 0, k = 0; c < numClasses; c++) if (counts[c] > 0) ids[k++] = c;
+        return ids;
+    }
+
+    /** Row-major b rows of the given classes. */
+    public double[] bRows(long[] classes) {
+        double[] out = new double[classes.length * p];
+        for (int r = 0; r < classes.length; r++) System.arraycopy(b[(int) classes[r]], 0, out, r * p, p);
+        return out;
+    }
+}

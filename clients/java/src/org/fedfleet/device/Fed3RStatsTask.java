@@ -1,0 +1,95 @@
+// Task kind "fed3r.stats" (docs/protocol.md): the local samples through the feature extractor,
+// their Fed3R statistics, and the result body {n, p, num_classes, format} with tensors A_upper,
+// class_ids (sparse only) and b. The exact factor form is optional for a device and not sent here;
+// random-feature tasks (Fed3R-RF) are declined.
+package org.fedfleet.device;
+
+import java.math.BigInteger;
+import java.util.ArrayList;
+import java.util.LinkedHashMap;
+import java.util.List;
+import java.util.Map;
+import org.fedfleet.wire.Envelope;
+import org.fedfleet.wire.Tensors;
+
+public final class Fed3RStatsTask implements TaskHandler {
+    public static final String KIND = "fed3r.stats";
+    private static final int BATCH = 64;
+    private final LocalData data;
+    private final FeatureExtractor extractor;
+
+    public Fed3RStatsTask(LocalData data, FeatureExtractor extractor) { this.data = data; this.extractor = extractor; }
+
+    /** The task's statistics without encoding them (what the secure variant masks). */
+    public Fed3RAccumulator accumulate(Map<String, Object> params) throws TaskDeclined {
+        if (data.size() == 0) throw new TaskDeclined("no local training data");
+        int numClasses = (int) intParam(params, "num_classes", 1, 1 << 20);
+        Object fit = params.getOrDefault("fit_intercept", Boolean.TRUE);
+        if (!(fit instanceof Boolean)) throw new TaskDeclined("bad fed3r.stats params: fit_intercept must be a boolean");
+        Object rf = params.get("random_features");
+        if (rf != null && rf != org.fedfleet.wire.Json.NULL)
+            throw new TaskDeclined("random features (Fed3R-RF) are not supported by this device");
+        extractor.checkModel(params);
+        Fed3RAccumulator acc;
+        try {
+            acc = new Fed3RAccumulator(numClasses, extractor.featureDim(), (Boolean) fit);
+        } catch (IllegalArgumentException e) {
+            throw new TaskDeclined(e.getMessage());
+        }
+        for (int start = 0; start < data.size(); start += BATCH) {
+            int end = Math.min(start + BATCH, data.size());
+            float[][] inputs = new float[end - start][];
+            for (int i = start; i < end; i++) inputs[i - start] = data.input(i);
+            float[][] feats = extractor.extract(inputs);
+            for (int i = start; i < end; i++) {
+                int label = data.label(i);
+                if (label < 0 || label >= numClasses)
+                    throw new TaskDeclined("local label " + label + " outside the job's " + numClasses + " classes");
+                try {
+                    acc.add(feats[i - start], label);
+                } catch (IllegalArgumentException e) {
+                    throw new TaskDeclined(e.getMessage());
+                }
+            }
+        }
+        return acc;
+    }
+
+    @Override
+    public Result run(Map<String, Object> params, List<Envelope.Tensor> tensors) throws TaskDeclined {
+        Object format = params.getOrDefault("format", "sparse"), dtype = params.getOrDefault("dtype", "float64");
+        if (!"sparse".equals(format) && !"dense".equals(format)) throw new TaskDeclined("bad fed3r.stats params: format " + format);
+        if (!"float64".equals(dtype) && !"float32".equals(dtype)) throw new TaskDeclined("bad fed3r.stats params: dtype " + dtype);
+        return encode(accumulate(params), "dense".equals(format), (String) dtype);
+    }
+
+    /** Body and tensors of the packed form (protocols/payloads/fed3r.py encode_stats). */
+    public static Result encode(Fed3RAccumulator acc, boolean dense, String dtype) {
+        int p = acc.p;
+        Map<String, Object> body = new LinkedHashMap<>();
+        body.put("n", BigInteger.valueOf(acc.n()));
+        body.put("p", BigInteger.valueOf(p));
+        body.put("num_classes", BigInteger.valueOf(acc.numClasses));
+        body.put("format", dense ? "dense" : "sparse");
+        List<Envelope.Tensor> out = new ArrayList<>();
+        out.add(Tensors.floats("A_upper", dtype, new long[] {(long) p * (p + 1) / 2}, acc.aUpper()));
+        long[] classes;
+        if (dense) {
+            classes = new long[acc.numClasses];
+            for (int c = 0; c < classes.length; c++) classes[c] = c;
+        } else {
+            classes = acc.presentClasses();
+            out.add(Tensors.int64("class_ids", new long[] {classes.length}, classes));
+        }
+        out.add(Tensors.floats("b", dtype, new long[] {classes.length, p}, acc.bRows(classes)));
+        return new Result(body, out);
+    }
+
+    static long intParam(Map<String, Object> params, String key, long min, long max) throws TaskDeclined {
+        Object v = params.get(key);
+        if (!(v instanceof BigInteger) || ((BigInteger) v).compareTo(BigInteger.valueOf(min)) < 0
+                || ((BigInteger) v).compareTo(BigInteger.valueOf(max)) > 0)
+            throw new TaskDeclined("bad task params: " + key + " must be an integer in [" + min + ", " + max + "], got " + v);
+        return ((BigInteger) v).longValue();
+    }
+}

@@ -1,0 +1,86 @@
+// Runs one or more Java devices in one process (a Linux board, a gateway, the test suite): each
+// answers fed3r.stats over its precomputed features (and fed3r.secure, Fed3R-Sync, when it has
+// an identity and the aggregator's key).
+//
+//   java -cp fedfleet-device.jar:<Debian jars> org.fedfleet.device.HeadlessDevices \
+//        --broker mqtt://127.0.0.1:1883 [--root fedfleet] [--aggregator-key HEX] [--retry-after S] \
+//        [--tick S] [--chunk-size BYTES] \
+//        [--stop-on-stdin-eof] --device ID FEATURES_FILE [SEED_HEX|-] [--device ...]
+//
+// Runs until SIGTERM/SIGINT (a systemd service), or with --stop-on-stdin-eof until standard input
+// closes (the tests). Prints "ONLINE <id>" once a device has announced itself, and "STATS <id>
+// done=.. declined=.. accepted=.. reconnects=.." at exit, after each device said offline.
+package org.fedfleet.device;
+
+import java.net.URI;
+import java.util.ArrayList;
+import java.util.LinkedHashMap;
+import java.util.List;
+import java.util.Map;
+import org.fedfleet.wire.Envelope;
+
+public final class HeadlessDevices {
+    public static void main(String[] args) throws Exception {
+        URI broker = null;
+        boolean stdinStops = false;
+        MqttAgent.Options base = new MqttAgent.Options();
+        List<String[]> devices = new ArrayList<>();
+        for (int k = 0; k < args.length; k++) {
+            switch (args[k]) {
+                case "--broker": broker = new URI(args[++k]); break;
+                case "--root": base.topics = new Topics(args[++k]); break;
+                case "--aggregator-key": base.aggregatorKey = Envelope.unhex(args[++k]); break;
+                case "--retry-after": base.retryAfterS = Double.parseDouble(args[++k]); break;
+                case "--tick": base.tickS = Double.parseDouble(args[++k]); break;
+                case "--chunk-size": base.chunkSize = Integer.parseInt(args[++k]); break;
+                case "--device": devices.add(new String[] {args[++k], args[++k], args[++k]}); break;
+                case "--stop-on-stdin-eof": stdinStops = true; break;
+                default: throw new IllegalArgumentException("unknown argument " + args[k]);
+            }
+        }
+        if (broker == null || devices.isEmpty()) throw new IllegalArgumentException("need --broker and at least one --device");
+        List<MqttAgent> agents = new ArrayList<>();
+        for (String[] d : devices) {
+            FeatureFile data = FeatureFile.read(d[1]);
+            Map<String, TaskHandler> handlers = new LinkedHashMap<>();
+            handlers.put(Fed3RStatsTask.KIND, new Fed3RStatsTask(data, new PrecomputedFeatures(data.dim)));
+            MqttAgent.Options o = copy(base);
+            if (!d[2].equals("-")) {
+                o.signer = Identity.fromSeed(d[0], Envelope.unhex(d[2]));
+                if (o.aggregatorKey != null)      // enrolled and trusting the aggregator: Fed3R-Sync too
+                    o.secure.put(SecureFed3RTask.KIND, new SecureFed3RTask((Fed3RStatsTask) handlers.get(Fed3RStatsTask.KIND)));
+            }
+            o.info.put("sdk", "java");
+            agents.add(new MqttAgent(d[0], broker, handlers, o).start());
+        }
+        for (MqttAgent a : agents) {
+            if (a.awaitConnected(30)) System.out.println("ONLINE " + a.deviceId);
+            else System.out.println("NOT-ONLINE " + a.deviceId);
+        }
+        System.out.flush();
+        Thread stop = new Thread(() -> stopAll(agents));
+        if (!stdinStops) {
+            Runtime.getRuntime().addShutdownHook(stop);
+            Thread.currentThread().join();       // until SIGTERM / SIGINT runs the hook
+        }
+        while (System.in.read() != -1) { /* run until stdin closes */ }
+        stopAll(agents);
+        System.exit(0);
+    }
+
+    private static void stopAll(List<MqttAgent> agents) {
+        for (MqttAgent a : agents) {
+            a.close();
+            System.out.println("STATS " + a.deviceId + " done=" + a.tasksDone + " declined=" + a.tasksDeclined
+                    + " accepted=" + a.acks.getOrDefault("accepted", 0) + " reconnects=" + a.reconnects);
+        }
+        System.out.flush();
+    }
+
+    private static MqttAgent.Options copy(MqttAgent.Options b) {
+        MqttAgent.Options o = new MqttAgent.Options();
+        o.topics = b.topics; o.aggregatorKey = b.aggregatorKey; o.retryAfterS = b.retryAfterS; o.tickS = b.tickS;
+        o.chunkSize = b.chunkSize;
+        return o;
+    }
+}

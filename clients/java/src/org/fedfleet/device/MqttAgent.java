@@ -1,0 +1,350 @@
+// One device on MQTT (docs/protocol.md "Transport"): a persistent session (clean session off, so
+// tasks published while it reconnects are delivered), retained presence whose `offline` message is
+// the last will, presence `online` again after every reconnect, and the round session's retries.
+// The MQTT client's thread only queues raw payloads; the agent's own thread decodes them, drives
+// the DeviceSession and runs the task handlers, so a slow task never blocks the connection.
+package org.fedfleet.device;
+
+import java.net.URI;
+import java.util.ArrayList;
+import java.util.Collections;
+import java.util.HashMap;
+import java.util.LinkedHashMap;
+import java.util.List;
+import java.util.Map;
+import java.util.TreeSet;
+import java.util.concurrent.BlockingQueue;
+import java.util.concurrent.CountDownLatch;
+import java.util.concurrent.LinkedBlockingQueue;
+import java.util.concurrent.TimeUnit;
+import java.util.concurrent.atomic.AtomicInteger;
+import java.util.logging.Level;
+import java.util.logging.Logger;
+import org.fedfleet.secagg.ClientSecAgg;
+import org.fedfleet.secagg.SecAggMessage;
+import org.fedfleet.secagg.SecAggSessions;
+import org.fedfleet.wire.Chunker;
+import org.fedfleet.wire.Envelope;
+import org.fedfleet.wire.Envelope.EnvelopeError;
+import org.fedfleet.wire.Reassembler;
+import org.fusesource.hawtbuf.Buffer;
+import org.fusesource.hawtbuf.UTF8Buffer;
+import org.fusesource.mqtt.client.Callback;
+import org.fusesource.mqtt.client.CallbackConnection;
+import org.fusesource.mqtt.client.Listener;
+import org.fusesource.mqtt.client.MQTT;
+import org.fusesource.mqtt.client.QoS;
+import org.fusesource.mqtt.client.Topic;
+
+public final class MqttAgent implements AutoCloseable {
+    private static final Logger LOG = Logger.getLogger("fedfleet.device");
+
+    /** Everything but the identity and the handlers; the defaults are a real device's. */
+    public static final class Options {
+        public Topics topics = new Topics();
+        public Envelope.Signer signer;          // the device's Identity when the aggregator requires signatures
+        public byte[] aggregatorKey;            // raw Ed25519 key: only messages the aggregator signed are taken
+        public String username, password;
+        public int chunkSize = Chunker.DEFAULT_CHUNK_SIZE;
+        public double retryAfterS = 10.0, tickS = 0.5, publishTimeoutS = 60.0;
+        public long maxMessageBytes = 256L * 1024 * 1024;
+        public int maxQueuedMessages = 1024;    // inbox messages waiting for the agent thread
+        public Map<String, Object> info = new LinkedHashMap<>();   // published with presence
+        /** Task kinds answered under secure aggregation (e.g. SecureFed3RTask.KIND); they need
+         *  signer to be the device's Identity (enrolled with the aggregator) and aggregatorKey. */
+        public Map<String, SecureTask> secure = new LinkedHashMap<>();
+    }
+
+    public final String deviceId;
+    private final Map<String, TaskHandler> handlers;
+    private final Options o;
+    private final DeviceSession session;
+    private final Reassembler reassembler;
+    private final Chunker chunker;
+    private final CallbackConnection connection;
+    private final BlockingQueue<byte[]> inbox;
+    private volatile boolean running;
+    private Thread thread;
+    public final AtomicInteger tasksDone = new AtomicInteger(), tasksDeclined = new AtomicInteger(),
+            reconnects = new AtomicInteger();
+    public final Map<String, Integer> acks = Collections.synchronizedMap(new HashMap<String, Integer>());
+    private final CountDownLatch firstConnect = new CountDownLatch(1);
+    private final SecAggSessions secagg;
+
+    @SuppressWarnings("deprecation")   // Listener: ExtendedListener's extra callbacks are not needed
+    public MqttAgent(String deviceId, URI broker, Map<String, TaskHandler> handlers, Options options) throws Exception {
+        this.deviceId = Topics.checkDeviceId(deviceId);
+        this.handlers = new LinkedHashMap<>(handlers);
+        this.o = options;
+        this.session = new DeviceSession(options.retryAfterS, 5, 4);
+        this.chunker = new Chunker(options.chunkSize, options.signer);
+        this.inbox = new LinkedBlockingQueue<>(options.maxQueuedMessages);
+        this.secagg = new SecAggSessions(deviceId, 4);
+        this.reassembler = new Reassembler(300, 8, options.maxMessageBytes);
+        if (!options.secure.isEmpty() && (!(options.signer instanceof Identity) || options.aggregatorKey == null))
+            throw new IllegalArgumentException("secure task kinds need the device's Identity as signer and the aggregator's key");
+        if (options.aggregatorKey == null)
+            LOG.warning(deviceId + ": not verifying the aggregator's messages (no aggregator key): development mode only");
+        MQTT mqtt = new MQTT();
+        mqtt.setHost(transportUri(broker));
+        mqtt.setClientId(deviceId);
+        mqtt.setVersion("3.1.1");
+        mqtt.setCleanSession(false);
+        mqtt.setKeepAlive((short) 30);
+        if (options.username != null) { mqtt.setUserName(options.username); mqtt.setPassword(options.password); }
+        mqtt.setWillTopic(options.topics.presence(deviceId));
+        mqtt.setWillMessage(new UTF8Buffer(presence(false)));   // binary envelope; UTF8Buffer only wraps the bytes
+        mqtt.setWillRetain(true);
+        mqtt.setWillQos(QoS.AT_LEAST_ONCE);
+        mqtt.setConnectAttemptsMax(-1);
+        mqtt.setReconnectAttemptsMax(-1);
+        mqtt.setReconnectDelay(200);
+        mqtt.setReconnectDelayMax(5000);
+        connection = mqtt.callbackConnection();
+        connection.listener(new Listener() {
+            @Override public void onConnected() { announce(); }
+            @Override public void onDisconnected() { LOG.info(deviceId + ": disconnected, reconnecting"); }
+            @Override public void onPublish(UTF8Buffer topic, Buffer body, Runnable ack) {
+                if (!inbox.offer(body.toByteArray())) LOG.warning(deviceId + ": inbox full, dropped a message");
+                ack.run();
+            }
+            @Override public void onFailure(Throwable e) { LOG.log(Level.WARNING, deviceId + ": connection failure", e); }
+        });
+    }
+
+    // ---------------- lifecycle ----------------
+    public MqttAgent start() {
+        running = true;
+        connection.getDispatchQueue().execute(() -> connection.connect(new Callback<Void>() {
+            @Override public void onSuccess(Void v) {}
+            @Override public void onFailure(Throwable e) { LOG.log(Level.WARNING, deviceId + ": connect failed", e); }
+        }));
+        thread = new Thread(this::run, "fedfleet-agent-" + deviceId);
+        thread.setDaemon(true);
+        thread.start();
+        return this;
+    }
+
+    /** Blocks until the first connection is up (and presence announced), or the timeout passes. */
+    public boolean awaitConnected(double seconds) throws InterruptedException {
+        return firstConnect.await((long) (seconds * 1000), TimeUnit.MILLISECONDS);
+    }
+
+    /** Presence `offline` (retained), then a clean disconnect: the will is not fired. */
+    @Override
+    public void close() {
+        running = false;
+        try {
+            if (thread != null) thread.join(10_000);
+        } catch (InterruptedException e) {
+            Thread.currentThread().interrupt();
+        }
+        try {
+            publish(o.topics.presence(deviceId), presence(false), true, Math.min(o.publishTimeoutS, 5.0));
+        } catch (Exception e) {
+            LOG.warning(deviceId + ": could not publish offline presence: " + e);
+        }
+        CountDownLatch done = new CountDownLatch(1);
+        connection.getDispatchQueue().execute(() -> connection.disconnect(new Callback<Void>() {
+            @Override public void onSuccess(Void v) { done.countDown(); }
+            @Override public void onFailure(Throwable e) { done.countDown(); }
+        }));
+        try {
+            done.await(5, TimeUnit.SECONDS);
+        } catch (InterruptedException e) {
+            Thread.currentThread().interrupt();
+        }
+    }
+
+    private void announce() {
+        // on every (re)connect: subscribe again (harmless with a persistent session) and say online
+        connection.subscribe(new Topic[] {new Topic(o.topics.inbox(deviceId), QoS.AT_LEAST_ONCE)}, new Callback<byte[]>() {
+            @Override public void onSuccess(byte[] granted) {
+                try {
+                    connection.publish(o.topics.presence(deviceId), presence(true), QoS.AT_LEAST_ONCE, true, new Callback<Void>() {
+                        @Override public void onSuccess(Void v) {
+                            if (firstConnect.getCount() == 0) reconnects.incrementAndGet();
+                            firstConnect.countDown();
+                        }
+                        @Override public void onFailure(Throwable e) { LOG.warning(deviceId + ": presence failed: " + e); }
+                    });
+                } catch (EnvelopeError e) {
+                    LOG.severe(deviceId + ": cannot encode presence: " + e.getMessage());
+                }
+            }
+            @Override public void onFailure(Throwable e) { LOG.warning(deviceId + ": subscribe failed: " + e); }
+        });
+    }
+
+    private byte[] presence(boolean online) throws EnvelopeError {
+        Map<String, Object> info = null;
+        if (online) {
+            info = new LinkedHashMap<>(o.info);
+            TreeSet<String> kinds = new TreeSet<>(handlers.keySet());
+            kinds.addAll(o.secure.keySet());
+            info.put("kinds", new ArrayList<Object>(kinds));
+        }
+        return Envelope.encode(Messages.presence(deviceId, online, info, Messages.newId(), Messages.now()),
+                Collections.<Envelope.Tensor>emptyList(), o.signer);
+    }
+
+    // ---------------- the agent thread ----------------
+    private void run() {
+        while (running) {
+            try {
+                byte[] payload = inbox.poll((long) (o.tickS * 1000), TimeUnit.MILLISECONDS);
+                if (payload != null) handleRaw(payload);
+                execute(session.onTick(monotonic()));
+                reassembler.expire(monotonic());
+            } catch (InterruptedException e) {
+                return;
+            } catch (RuntimeException e) {      // one bad message or handler bug never stops the device
+                LOG.log(Level.SEVERE, deviceId + ": unexpected error", e);
+            }
+        }
+    }
+
+    private void handleRaw(byte[] payload) {
+        try {
+            onPayload(payload);
+        } catch (EnvelopeError e) {
+            LOG.warning(deviceId + ": dropped a malformed message: " + e.getMessage());
+        }
+    }
+
+    private void onPayload(byte[] payload) throws EnvelopeError {
+        Envelope.Message env = Envelope.decode(payload, o.aggregatorKey, o.maxMessageBytes);
+        if ("chunk".equals(env.type())) {
+            byte[] whole = reassembler.add(env, monotonic());
+            if (whole == null) return;
+            env = Envelope.decode(whole, o.aggregatorKey, o.maxMessageBytes);
+        }
+        if (!Topics.AGGREGATOR_ID.equals(env.sender()))
+            throw new EnvelopeError("message from '" + env.sender() + "', expected the aggregator");
+        if ("task".equals(env.type())) {
+            execute(session.onTask(Messages.parseTask(env), env.tensors));
+        } else if (SecAggMessage.ENVELOPE_TYPE.equals(env.type())) {
+            for (SecAggMessage reply : secagg.onMessage(env)) {
+                try {
+                    Map<String, Object> h = Messages.header(SecAggMessage.ENVELOPE_TYPE, deviceId, reply.envelopeBody(), Messages.newId(), Messages.now());
+                    publishMessage(Envelope.encode(h, reply.tensors(), o.signer), (String) h.get("id"));
+                } catch (Exception e) {
+                    LOG.warning(deviceId + ": could not send a secagg reply: " + e);
+                }
+            }
+        } else if ("ack".equals(env.type())) {
+            String[] ack = Messages.parseAck(env);
+            acks.merge(ack[1], 1, Integer::sum);
+            if (ack[1].equals("rejected")) LOG.warning(deviceId + ": result " + ack[0] + " rejected: " + ack[2]);
+            session.onAck(ack[0]);
+        } else {
+            LOG.info(deviceId + ": ignoring message type " + env.type());
+        }
+    }
+
+    private void execute(List<DeviceSession.Action> actions) {
+        for (DeviceSession.Action a : actions) {
+            try {
+                if (a instanceof DeviceSession.StartWork) work((DeviceSession.StartWork) a);
+                else if (a instanceof DeviceSession.SendResult) {
+                    DeviceSession.SendResult r = (DeviceSession.SendResult) a;
+                    if (r.message != null) publishMessage(r.message, r.messageId);   // null: a secure task's
+                    session.onResultSent(monotonic());
+                } else if (a instanceof DeviceSession.SendDecline) {
+                    DeviceSession.SendDecline d = (DeviceSession.SendDecline) a;
+                    tasksDeclined.incrementAndGet();
+                    Map<String, Object> h = Messages.decline(deviceId, d.ref, d.reason);
+                    publishMessage(Envelope.encode(h, Collections.<Envelope.Tensor>emptyList(), o.signer), (String) h.get("id"));
+                }
+            } catch (Exception e) {   // a failed upload is retried by the session's timer
+                LOG.warning(deviceId + ": could not send: " + e);
+            }
+        }
+    }
+
+    private void work(DeviceSession.StartWork w) throws EnvelopeError {
+        SecureTask secure = o.secure.get(w.task.kind);
+        if (secure != null) {
+            startSecure(w, secure);
+            return;
+        }
+        TaskHandler handler = handlers.get(w.task.kind);
+        if (handler == null) {
+            execute(session.onWorkFailed(w.task.ref, "unsupported task kind '" + w.task.kind + "'"));
+            return;
+        }
+        TaskHandler.Result result;
+        try {
+            result = handler.run(w.task.params, w.tensors);
+        } catch (TaskDeclined e) {
+            execute(session.onWorkFailed(w.task.ref, e.getMessage()));
+            return;
+        } catch (RuntimeException e) {      // a handler bug must not kill the agent: tell the server
+            LOG.log(Level.SEVERE, deviceId + ": task failed", e);
+            execute(session.onWorkFailed(w.task.ref, "error: " + e));
+            return;
+        }
+        tasksDone.incrementAndGet();
+        String id = Messages.newId();
+        byte[] message = Envelope.encode(Messages.result(deviceId, w.task.ref, w.task.kind, result.body, id, Messages.now()),
+                result.tensors, o.signer);
+        execute(session.onWorkFinished(w.task.ref, message, id));
+    }
+
+    /** A secure task: its vector becomes this device's input to the group's SecAgg round, whose
+     *  messages then come and go as `secagg` envelopes; the task itself is never acknowledged. */
+    private void startSecure(DeviceSession.StartWork w, SecureTask secure) {
+        TaskRef ref = w.task.ref;
+        try {
+            Object group = w.task.params.get("group");
+            if (!(group instanceof String)) throw new TaskDeclined("secure task without a group");
+            double[] vector = secure.vector(w.task.params, w.tensors);
+            Identity id = (Identity) o.signer;
+            secagg.open(ref.job, ref.round, (String) group, new ClientSecAgg(deviceId, id, id.publicKey(), Topics.AGGREGATOR_ID,
+                    o.aggregatorKey, ref.job, ref.round, (String) group, vector));
+        } catch (TaskDeclined e) {
+            execute(session.onWorkFailed(ref, e.getMessage()));
+            return;
+        } catch (RuntimeException e) {
+            LOG.log(Level.SEVERE, deviceId + ": secure task failed", e);
+            execute(session.onWorkFailed(ref, "error: " + e));
+            return;
+        }
+        tasksDone.incrementAndGet();
+        execute(session.onWorkFinished(ref, null, ref.task + ":protocol", false));
+    }
+
+    /** Encoded message to the outbox, chunked above the chunk size (fresh chunk ids, same parent). */
+    private void publishMessage(byte[] message, String id) throws Exception {
+        Chunker.Stamps stamps = new Chunker.Stamps() {
+            @Override public String id(int index) { return Messages.newId(); }
+            @Override public double ts() { return Messages.now(); }
+        };
+        for (byte[] part : chunker.split(message, id, deviceId, stamps)) publish(o.topics.outbox(deviceId), part, false, o.publishTimeoutS);
+    }
+
+    /** QoS 1 publish, waiting for the broker's PUBACK (the client resends across reconnects). */
+    private void publish(String topic, byte[] data, boolean retain, double timeoutS) throws Exception {
+        CountDownLatch done = new CountDownLatch(1);
+        Throwable[] failure = new Throwable[1];
+        connection.getDispatchQueue().execute(() -> connection.publish(topic, data, QoS.AT_LEAST_ONCE, retain, new Callback<Void>() {
+            @Override public void onSuccess(Void v) { done.countDown(); }
+            @Override public void onFailure(Throwable e) { failure[0] = e; done.countDown(); }
+        }));
+        if (!done.await((long) (timeoutS * 1000), TimeUnit.MILLISECONDS))
+            throw new Exception("publish to " + topic + " not acknowledged in " + timeoutS + " s");
+        if (failure[0] != null) throw new Exception("publish to " + topic + " failed: " + failure[0]);
+    }
+
+    /** fedfleet's broker addresses (mqtt://host:port, mqtts://) as the client's transports (tcp://, ssl://). */
+    static URI transportUri(URI broker) throws java.net.URISyntaxException {
+        String scheme = broker.getScheme();
+        if ("mqtt".equals(scheme) || "tcp".equals(scheme))
+            return new URI("tcp", null, broker.getHost(), broker.getPort() < 0 ? 1883 : broker.getPort(), null, null, null);
+        if ("mqtts".equals(scheme) || "ssl".equals(scheme) || "tls".equals(scheme))
+            return new URI("ssl", null, broker.getHost(), broker.getPort() < 0 ? 8883 : broker.getPort(), null, null, null);
+        throw new IllegalArgumentException("broker URL " + broker + ": the scheme must be mqtt:// or mqtts://");
+    }
+
+    private static double monotonic() { return System.nanoTime() / 1e9; }
+}

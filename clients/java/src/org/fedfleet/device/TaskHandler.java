@@ -1,0 +1,17 @@
+// What a device computes for one task kind (e.g. "fed3r.stats"): the task's params and tensors
+// in, the result's kind-specific body fields and tensors out.
+package org.fedfleet.device;
+
+import java.util.List;
+import java.util.Map;
+import org.fedfleet.wire.Envelope;
+
+public interface TaskHandler {
+    final class Result {
+        public final Map<String, Object> body;
+        public final List<Envelope.Tensor> tensors;
+        public Result(Map<String, Object> body, List<Envelope.Tensor> tensors) { this.body = body; this.tensors = tensors; }
+    }
+
+    Result run(Map<String, Object> params, List<Envelope.Tensor> tensors) throws TaskDeclined;
+}

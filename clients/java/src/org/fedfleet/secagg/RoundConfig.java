@@ -1,0 +1,186 @@
+// The signed configuration of one secure round (protocols/secagg/config.py), as a device checks
+// it on RoundStart before generating any key: the group, thresholds, fixed-point scale and bound,
+// vector length and neighbour graph. Also the member bitmaps and the SecAgg+ graph.
+package org.fedfleet.secagg;
+
+import java.math.BigDecimal;
+import java.math.BigInteger;
+import java.math.RoundingMode;
+import java.nio.ByteBuffer;
+import java.nio.ByteOrder;
+import java.nio.charset.StandardCharsets;
+import java.util.ArrayList;
+import java.util.Arrays;
+import java.util.Collections;
+import java.util.HashMap;
+import java.util.HashSet;
+import java.util.List;
+import java.util.Map;
+import java.util.Set;
+import java.util.TreeSet;
+import org.fedfleet.wire.Envelope;
+import org.fedfleet.wire.Json;
+
+public final class RoundConfig {
+    static final int MAX_VECTOR_LENGTH = 1 << 27, MIN_GROUP_SIZE = 3;
+    private static final Set<String> KEYS = new HashSet<>(Arrays.asList("job_id", "round_id", "group_id",
+            "aggregator_id", "members", "vector_length", "threshold", "scale_bits", "bound", "graph", "degree",
+            "share_threshold", "graph_seed", "consistency_check"));
+    private static final BigInteger HALF_RING = BigInteger.ONE.shiftLeft(63);
+
+    public final String jobId, groupId, aggregatorId, graph;
+    public final long roundId;
+    public final List<String> members;
+    public final int vectorLength, threshold, scaleBits, degree, shareThreshold;
+    public final double bound;
+    public final byte[] graphSeed;
+    public final boolean consistencyCheck;
+    private final Map<String, Integer> index = new HashMap<>();
+
+    @SuppressWarnings("unchecked")
+    public static RoundConfig fromMap(Object value) throws SecAggException {
+        if (!(value instanceof Map) || !((Map<String, Object>) value).keySet().equals(KEYS))
+            throw new SecAggException("round config must have exactly the keys " + new TreeSet<>(KEYS));
+        return new RoundConfig((Map<String, Object>) value);
+    }
+
+    @SuppressWarnings("unchecked")
+    private RoundConfig(Map<String, Object> m) throws SecAggException {
+        jobId = id(m, "job_id"); groupId = id(m, "group_id"); aggregatorId = id(m, "aggregator_id");
+        roundId = integer(m, "round_id", 0, Long.MAX_VALUE);
+        if (!(m.get("members") instanceof List)) throw new SecAggException("members must be a list");
+        List<String> ms = new ArrayList<>();
+        for (Object o : (List<Object>) m.get("members")) {
+            if (!(o instanceof String) || ((String) o).isEmpty() || ((String) o).length() > 256)
+                throw new SecAggException("member ids must be non-empty strings");
+            ms.add((String) o);
+        }
+        members = Collections.unmodifiableList(ms);
+        int n = ms.size();
+        for (int i = 0; i < n; i++) {
+            if (i > 0 && Json.CODE_POINT_ORDER.compare(ms.get(i - 1), ms.get(i)) >= 0)
+                throw new SecAggException("members must be sorted and unique");
+            index.put(ms.get(i), i);
+        }
+        if (n < MIN_GROUP_SIZE) throw new SecAggException("a group needs at least " + MIN_GROUP_SIZE + " members, got " + n);
+        if (index.containsKey(aggregatorId)) throw new SecAggException("the aggregator cannot be a member of the group");
+        vectorLength = (int) integer(m, "vector_length", 1, MAX_VECTOR_LENGTH);
+        threshold = (int) integer(m, "threshold", 2, n);
+        if (2 * threshold <= n) throw new SecAggException("threshold " + threshold + " must be a strict majority of " + n + " members");
+        scaleBits = (int) integer(m, "scale_bits", 0, 62);
+        Object b = m.get("bound");
+        if (!(b instanceof Double || b instanceof BigInteger)) throw new SecAggException("bound must be a number");
+        bound = ((Number) b).doubleValue();
+        if (!(bound > 0) || Double.isInfinite(bound)) throw new SecAggException("bound must be a positive finite number");
+        checkCapacity(n);
+        if (!(m.get("consistency_check") instanceof Boolean)) throw new SecAggException("consistency_check must be a bool");
+        consistencyCheck = (Boolean) m.get("consistency_check");
+        Object seed = m.get("graph_seed");
+        if (!(seed instanceof String) || !((String) seed).matches("[0-9a-fA-F]{64}")) throw new SecAggException("graph_seed must be 32 bytes of hex");
+        graphSeed = Envelope.unhex(((String) seed).toLowerCase());
+        if (!(m.get("graph") instanceof String)) throw new SecAggException("graph must be a string");
+        graph = (String) m.get("graph");
+        degree = (int) integer(m, "degree", 0, MAX_VECTOR_LENGTH);
+        shareThreshold = (int) integer(m, "share_threshold", 0, MAX_VECTOR_LENGTH);
+        if (graph.equals("complete")) {
+            if (degree != n - 1 || shareThreshold != threshold)
+                throw new SecAggException("complete graph: degree must be n-1 and share_threshold == threshold");
+        } else if (graph.equals("regular")) {
+            if (degree < 2 || degree % 2 != 0) throw new SecAggException("graph degree must be even and >= 2, got " + degree);
+            int holders = Math.min(degree, n - 1) + 1;
+            if (shareThreshold < 1 || shareThreshold > Math.min(holders, threshold) || 2 * shareThreshold <= holders)
+                throw new SecAggException("share_threshold " + shareThreshold + " must be a strict majority of the " + holders + " share holders, at most t");
+        } else {
+            throw new SecAggException("graph must be 'complete' or 'regular', got " + graph);
+        }
+    }
+
+    /** n · floor(B·2^f + 1/2) < 2^63 and n · B · 2^f < 2^63: no sum of admissible inputs wraps. */
+    private void checkCapacity(int n) throws SecAggException {
+        BigDecimal scaled = new BigDecimal(bound).multiply(new BigDecimal(BigInteger.ONE.shiftLeft(scaleBits)));
+        BigInteger q = scaled.add(new BigDecimal("0.5")).setScale(0, RoundingMode.FLOOR).toBigIntegerExact();
+        BigDecimal nn = new BigDecimal(n);
+        if (nn.multiply(new BigDecimal(q)).compareTo(new BigDecimal(HALF_RING)) >= 0
+                || nn.multiply(scaled).compareTo(new BigDecimal(HALF_RING)) >= 0)
+            throw new SecAggException("n * B * 2^f >= 2^63: the sum could overflow");
+    }
+
+    public boolean isMember(String device) { return index.containsKey(device); }
+
+    /** The member's Shamir x: its 1-based position in the sorted member list. */
+    public long holderX(String member) { return index.get(member) + 1; }
+
+    /** Members whose bit is set (numpy packbits order: the first member is the top bit of byte 0). */
+    public List<String> fromBitmap(byte[] bitmap) throws SecAggException {
+        int n = members.size();
+        if (bitmap.length != (n + 7) / 8) throw new SecAggException("member bitmap must be " + (n + 7) / 8 + " bytes");
+        List<String> out = new ArrayList<>();
+        for (int i = 0; i < 8 * bitmap.length; i++) {
+            boolean set = (bitmap[i / 8] >> (7 - i % 8) & 1) != 0;
+            if (set && i >= n) throw new SecAggException("member bitmap has bits set past the last member");
+            if (set) out.add(members.get(i));
+        }
+        return out;
+    }
+
+    /** The device's neighbours in the graph over the participants U1 (complete, or the SecAgg+ Harary graph). */
+    public Set<String> neighbours(List<String> participants, String device) {
+        List<String> ordered = new ArrayList<>(participants);
+        ordered.sort(Json.CODE_POINT_ORDER);
+        int n = ordered.size();
+        Set<String> out = new HashSet<>();
+        if (graph.equals("complete") || degree >= n - 1) {
+            out.addAll(ordered);
+            out.remove(device);
+            return out;
+        }
+        // Fisher-Yates over the sorted participants, driven by the PRG of SHA-256(domain || seed || U1 joined by NUL)
+        List<String> ring = new ArrayList<>(ordered);
+        byte[] digest = Crypto.sha256("fedfleet/secagg/graph/v1".getBytes(StandardCharsets.US_ASCII), graphSeed,
+                String.join("\0", ordered).getBytes(StandardCharsets.UTF_8));
+        long[] words = new long[n];
+        Crypto.addMask(words, digest, 1);
+        for (int i = n - 1; i > 0; i--) {
+            int j = (int) Long.remainderUnsigned(words[i], i + 1);
+            Collections.swap(ring, i, j);
+        }
+        int position = ring.indexOf(device), half = degree / 2;
+        for (int offset = -half; offset <= half; offset++)
+            if (offset != 0) out.add(ring.get(Math.floorMod(position + offset, n)));
+        return out;
+    }
+
+    /** q = rint(x · 2^f) as the uint64 with the same bits; values outside ±bound or non-finite are refused. */
+    public long[] encode(double[] x) throws SecAggException {
+        if (x.length != vectorLength) throw new SecAggException("input length " + x.length + " != " + vectorLength);
+        long[] out = new long[x.length];
+        double scale = Math.scalb(1.0, scaleBits);
+        for (int i = 0; i < x.length; i++) {
+            if (!(x[i] >= -bound && x[i] <= bound))
+                throw new SecAggException("input value " + x[i] + " at " + i + " is non-finite or outside the bound ±" + bound);
+            out[i] = (long) Math.rint(x[i] * scale);
+        }
+        return out;
+    }
+
+    private static String id(Map<String, Object> m, String key) throws SecAggException {
+        Object v = m.get(key);
+        if (!(v instanceof String) || ((String) v).isEmpty() || ((String) v).length() > 256)
+            throw new SecAggException(key + " must be a non-empty string (<= 256 chars)");
+        return (String) v;
+    }
+
+    private static long integer(Map<String, Object> m, String key, long low, long high) throws SecAggException {
+        Object v = m.get(key);
+        if (!(v instanceof BigInteger) || ((BigInteger) v).compareTo(BigInteger.valueOf(low)) < 0
+                || ((BigInteger) v).compareTo(BigInteger.valueOf(high)) > 0)
+            throw new SecAggException(key + " must be an integer in " + low + ".." + high + ", got " + v);
+        return ((BigInteger) v).longValue();
+    }
+
+    static byte[] le(long[] words) {
+        ByteBuffer b = ByteBuffer.allocate(8 * words.length).order(ByteOrder.LITTLE_ENDIAN);
+        for (long w : words) b.putLong(w);
+        return b.array();
+    }
+}

@@ -1,0 +1,60 @@
+// A device's open secure-aggregation rounds, keyed by (job, round, group)
+// (edge_client/tasks/secure_update.py): a secure task opens one, every `secagg` envelope from
+// the aggregator is fed to its round, and the replies go back. At most maxSessions are kept.
+package org.fedfleet.secagg;
+
+import java.util.Arrays;
+import java.util.Collections;
+import java.util.Iterator;
+import java.util.LinkedHashMap;
+import java.util.List;
+import java.util.Map;
+import java.util.logging.Logger;
+import org.fedfleet.wire.Envelope;
+
+public final class SecAggSessions {
+    private static final Logger LOG = Logger.getLogger("fedfleet.device.secagg");
+    private final String deviceId;
+    private final int maxSessions;
+    private final Map<List<Object>, ClientSecAgg> sessions = new LinkedHashMap<>();
+
+    public SecAggSessions(String deviceId, int maxSessions) { this.deviceId = deviceId; this.maxSessions = maxSessions; }
+
+    public void open(String job, long round, String group, ClientSecAgg client) {
+        sessions.put(Arrays.<Object>asList(job, round, group), client);
+        Iterator<List<Object>> oldest = sessions.keySet().iterator();
+        while (sessions.size() > maxSessions) { oldest.next(); oldest.remove(); }
+    }
+
+    public int open() { return sessions.size(); }
+
+    /** The replies to one `secagg` envelope; a message that fails its checks is logged and changes nothing. */
+    public List<SecAggMessage> onMessage(Envelope.Message env) {
+        SecAggMessage m;
+        try {
+            m = SecAggMessage.fromEnvelope(env);
+        } catch (SecAggException e) {
+            LOG.warning(deviceId + ": malformed secagg message: " + e.getMessage());
+            return Collections.emptyList();
+        }
+        Object round = m.header.get("round_id");
+        List<Object> key = Arrays.<Object>asList(m.header.get("job_id"),
+                round instanceof java.math.BigInteger ? ((java.math.BigInteger) round).longValue() : round, m.header.get("group_id"));
+        ClientSecAgg client = sessions.get(key);
+        if (client == null) {
+            LOG.info(deviceId + ": secagg message for an unknown session " + key);
+            return Collections.emptyList();
+        }
+        try {
+            return client.handle(m);
+        } catch (SecAggException e) {
+            LOG.warning(deviceId + ": secagg error: " + e.getMessage());
+            return Collections.emptyList();
+        } finally {
+            if (client.done()) {
+                sessions.remove(key);
+                if (client.abortReason != null) LOG.info(deviceId + ": secure round " + key + " aborted by the aggregator: " + client.abortReason);
+            }
+        }
+    }
+}

@@ -1,0 +1,49 @@
+"""Building the Java device library (clients/java/) for the tests: plain javac at Java 11 level
+against Debian's jars (``make setup`` installs them: default-jdk-headless, libbcprov-java,
+libmqtt-client-java). Nothing is downloaded."""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LIBRARY = ROOT / "clients" / "java" / "src"
+DEBIAN_JARS = Path("/usr/share/java")
+JARS = ("bcprov", "mqtt-client", "hawtbuf", "hawtdispatch", "hawtdispatch-transport")
+
+
+def missing() -> str | None:
+    """Why the Java library cannot be built here, or None."""
+    if shutil.which("javac") is None or shutil.which("java") is None:
+        return "needs a JDK (javac and java on PATH; make setup installs default-jdk-headless)"
+    absent = [j for j in JARS if not (DEBIAN_JARS / f"{j}.jar").exists()]
+    if absent:
+        return f"needs Debian's Java libraries {absent} in /usr/share/java (make setup installs them)"
+    return None
+
+
+def classpath(*extra: Path) -> str:
+    return ":".join([*(str(p) for p in extra), *(str(DEBIAN_JARS / f"{j}.jar") for j in JARS)])
+
+
+DRIVERS = (ROOT / "tests" / "conformance" / "java", ROOT / "tests" / "java_device")
+
+
+@functools.lru_cache(maxsize=1)
+def built() -> str:
+    """The library and every test driver, compiled once per test process; returns the classpath."""
+    return build(Path(tempfile.mkdtemp(prefix="fedfleet-java-")) / "classes", *DRIVERS)
+
+
+def build(out: Path, *extra_sources: Path) -> str:
+    """Compile the library (and ``extra_sources``) into ``out``; returns the run classpath."""
+    sources = sorted(LIBRARY.rglob("*.java")) + [s for d in extra_sources for s in sorted(Path(d).glob("*.java"))]
+    proc = subprocess.run(["javac", "--release", "11", "-Xlint:all", "-Xlint:-path", "-Xlint:-serial", "-Werror", "-d", str(out),
+                           "-cp", classpath(), *map(str, sources)], capture_output=True, text=True, timeout=180)
+    if proc.returncode:
+        raise RuntimeError(f"javac failed:\n{proc.stdout}\n{proc.stderr}")
+    return classpath(out)

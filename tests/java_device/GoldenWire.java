@@ -1,0 +1,60 @@
+// Writes what the Java device library puts on the wire for the golden vectors' content, so
+// tests/test_java_device.py can compare the bytes with protocols/golden/:
+//   result_fed3r_stats.bin      the fed3r.stats result of the golden task over the golden features
+//   presence_online.bin         the device's presence
+//   chunk_<i>_of_result.bin     chunked_whole.bin cut into 200-byte chunks
+//   result_signed_edge_cases.bin  the signed vector re-signed by the library's Identity
+// Usage: java GoldenWire <golden dir> <features file> <out dir>
+import java.math.BigInteger;
+import java.nio.file.*;
+import java.util.*;
+import org.fedfleet.device.*;
+import org.fedfleet.wire.*;
+
+public final class GoldenWire {
+    static final double TS = 1767225600.0;
+
+    public static void main(String[] args) throws Exception {
+        Path golden = Paths.get(args[0]), out = Paths.get(args[2]);
+        FeatureFile features = FeatureFile.read(args[1]);
+
+        Envelope.Message taskMsg = Envelope.decode(Files.readAllBytes(golden.resolve("task_fed3r.bin")));
+        Messages.Task task = Messages.parseTask(taskMsg);
+        TaskHandler.Result r = new Fed3RStatsTask(features, new PrecomputedFeatures(features.dim)).run(task.params, taskMsg.tensors);
+        write(out, "result_fed3r_stats", Envelope.encode(
+                Messages.result("dev0001", task.ref, task.kind, r.body, rep("11"), TS + 5), r.tensors, null));
+
+        Map<String, Object> info = new LinkedHashMap<>();
+        info.put("kinds", new ArrayList<Object>(Collections.singletonList("fed3r.stats")));
+        write(out, "presence_online", Envelope.encode(Messages.presence("dev0001", true, info, rep("33"), TS),
+                Collections.<Envelope.Tensor>emptyList(), null));
+
+        byte[] whole = Files.readAllBytes(golden.resolve("chunked_whole.bin"));
+        List<byte[]> chunks = new Chunker(200, null).split(whole, rep("44"), "dev0001", new Chunker.Stamps() {
+            @Override public String id(int index) { return rep(String.format("%02x", index + 0x55)); }
+            @Override public double ts() { return TS + 7; }
+        });
+        for (int i = 0; i < chunks.size(); i++) write(out, "chunk_" + i + "_of_result", chunks.get(i));
+
+        byte[] seed = new byte[32];
+        for (int i = 0; i < 32; i++) seed[i] = (byte) i;
+        Identity id = Identity.fromSeed("dev0001", seed);
+        Envelope.Message signed = Envelope.decode(Files.readAllBytes(golden.resolve("result_signed_edge_cases.bin")));
+        write(out, "result_signed_edge_cases", Envelope.encode(signed.header, signed.tensors, id));
+        System.out.println("PUBLIC_KEY " + Envelope.hex(id.publicKey()));
+
+        String[] ack = Messages.parseAck(Envelope.decode(Files.readAllBytes(golden.resolve("ack_accepted.bin"))));
+        System.out.println("ACK " + ack[0] + " " + ack[1]);
+        System.out.println("TASK " + task.ref + " " + task.kind + " " + new BigInteger(String.valueOf((long) task.deadline)));
+    }
+
+    static String rep(String two) {
+        StringBuilder s = new StringBuilder();
+        for (int i = 0; i < 16; i++) s.append(two);
+        return s.toString();
+    }
+
+    static void write(Path out, String name, byte[] data) throws Exception {
+        Files.write(out.resolve(name + ".bin"), data);
+    }
+}

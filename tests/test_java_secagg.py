@@ -1,0 +1,158 @@
+"""The Java device's SecAgg client (clients/java, org.fedfleet.secagg) in rounds run by the Python
+server (protocols/secagg/driver.py), over its wire form (signed `secagg` envelopes):
+
+* honest rounds give exactly the plain modulo-2^64 sum of the survivors' encoded inputs, with the
+  complete graph and with SecAgg+, also when a peer drops out after sharing its keys (the Java
+  device then reveals its share of that peer's mask key);
+* a hostile server is refused: a request for both shares of one peer (the round is aborted and
+  nothing revealed), a key directory with a substituted key, a message not signed by the
+  aggregator's key (refused, nothing changes).
+
+The Java client runs in its own JVM behind tests/java_device/SecAggBridge.java.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import os
+import subprocess
+
+import numpy as np
+import pytest
+
+import java_build
+from protocols.envelope import decode, encode
+from protocols.identity import DeviceIdentity, sender_verifier
+from protocols.payloads.secagg import from_envelope, to_envelope
+from protocols.secagg import ClientState, RoundConfig
+from protocols.secagg.driver import plain_fixed_point_sum, run_round
+from protocols.secagg.errors import ProtocolViolation, SecAggError
+from protocols.secagg.events import AggregateReady, Phase
+from protocols.secagg.messages import KeyDirectory, UnmaskRequest
+
+pytestmark = pytest.mark.skipif(java_build.missing() is not None, reason=str(java_build.missing()))
+
+AGGREGATOR = DeviceIdentity.generate("aggregator")
+JAVA = "dev-java"
+M, BOUND = 64, 50.0
+
+
+class JavaClient:
+    """The driver's client interface (handle, state, provide_input) over the Java bridge."""
+
+    def __init__(self, seed: bytes, config: RoundConfig, vector: np.ndarray, tmp_path):
+        self.key = DeviceIdentity.from_private_bytes(JAVA, seed).public_key_bytes
+        (tmp_path / "input.f64").write_bytes(np.asarray(vector, "<f8").tobytes())
+        self.proc = subprocess.Popen(
+            ["java", "-cp", java_build.built(), "SecAggBridge", JAVA, seed.hex(), AGGREGATOR.public_key_bytes.hex(),
+             config.job_id, str(config.round_id), config.group_id, str(tmp_path / "input.f64")],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.state = ClientState.WAITING_CONFIG
+        self.refusals: list[str] = []
+
+    def provide_input(self, values) -> None:
+        """The bridge got the same vector at start."""
+
+    def handle(self, message):
+        wire = encode(to_envelope(message), signer=AGGREGATOR.sign)
+        self.proc.stdin.write(base64.b64encode(wire).decode() + "\n")
+        self.proc.stdin.flush()
+        replies, error = [], None
+        while True:
+            line = self.proc.stdout.readline().strip()
+            assert line, self.proc.stderr.read()[-3000:]
+            kind, _, rest = line.partition(" ")
+            if kind == "REPLY":
+                replies.append(from_envelope(decode(base64.b64decode(rest), sender_verifier(JAVA, self.key))))
+            elif kind == "ERROR":
+                error = rest
+            else:
+                self.state = ClientState[rest]
+                break
+        if error is not None:
+            self.refusals.append(error)
+            cls, _, why = error.partition(" ")
+            raise (ProtocolViolation if cls == "ProtocolViolation" else SecAggError)(why)
+        return replies
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait(10)
+
+
+def setup_round(tmp_path, graph: str, n: int = 6, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    python_ids = {f"dev-py{i}": DeviceIdentity.generate(f"dev-py{i}") for i in range(n - 1)}
+    java_seed = os.urandom(32)
+    identities = {**python_ids, JAVA: DeviceIdentity.from_private_bytes(JAVA, java_seed)}
+    config = RoundConfig.create(job_id="job", round_id=3, group_id="g3", aggregator_id="aggregator",
+                                members=list(identities), vector_length=M, bound=BOUND, graph=graph,
+                                degree=4 if graph == "regular" else None)
+    inputs = {d: rng.uniform(-BOUND, BOUND, M) for d in identities}
+    java = JavaClient(java_seed, config, inputs[JAVA], tmp_path)
+    return config, identities, inputs, java
+
+
+@pytest.mark.parametrize("graph", ["complete", "regular"])
+def test_java_client_gives_the_exact_sum_in_a_python_round(tmp_path, graph):
+    config, identities, inputs, java = setup_round(tmp_path, graph)
+    dropped = "dev-py2"            # sends its shares, never its masked input
+    try:
+        run = run_round(config, AGGREGATOR, identities, inputs, dropouts={dropped: Phase.MASKED_INPUT},
+                        record_server_view=True, client_factory=lambda d, i: java if d == JAVA else None)
+    finally:
+        java.close()
+    assert run.errors == [] and java.refusals == [] and java.state is ClientState.FINISHED
+    assert isinstance(run.outcome, AggregateReady), run.outcome
+    survivors = tuple(d for d in config.members if d != dropped)
+    assert run.outcome.survivors == survivors
+    assert np.array_equal(run.outcome.sum_uint64, plain_fixed_point_sum(config, [inputs[d] for d in survivors]))
+    sent = [f.to_message() for f in run.server_view]
+    unmask = [m for m in sent if m.sender == JAVA and m.TYPE == "secagg.unmask_shares"]
+    neighbours = config.neighbour_graph(config.members).neighbours(JAVA)
+    if graph == "regular":
+        assert len(neighbours) == 4
+    assert len(unmask) == 1 and (dropped in unmask[0].key_owners) == (dropped in neighbours)
+    assert dropped not in unmask[0].self_mask_owners
+
+
+def both_shares(msg):
+    """An UnmaskRequest that declares one of the Java device's surviving peers dropped too."""
+    if not isinstance(msg, UnmaskRequest) or msg.recipient != JAVA:
+        return [msg]
+    return [dataclasses.replace(msg, dropped=msg.survivors.copy()).signed(AGGREGATOR)]
+
+
+def substituted_key(msg):
+    """A key directory whose first neighbour's cipher key the server swapped for its own."""
+    if not isinstance(msg, KeyDirectory) or msg.recipient != JAVA:
+        return [msg]
+    first = dataclasses.replace(msg.neighbour_keys[0], cipher_public_key=os.urandom(32))
+    return [dataclasses.replace(msg, neighbour_keys=(first, *msg.neighbour_keys[1:])).signed(AGGREGATOR)]
+
+
+def impostor_signed(msg):
+    """The key directory signed by an 'aggregator' that does not hold the aggregator's key."""
+    if not isinstance(msg, KeyDirectory) or msg.recipient != JAVA:
+        return [msg]
+    return [msg.signed(DeviceIdentity.generate("aggregator"))]
+
+
+@pytest.mark.parametrize("attack, refusal, state", [
+    (both_shares, "ProtocolViolation request asks for both shares", ClientState.ABORTED),
+    (substituted_key, "SecAggError", ClientState.ADVERTISED),
+    (impostor_signed, "SecAggError", ClientState.ADVERTISED)])
+def test_java_client_refuses_a_hostile_server(tmp_path, attack, refusal, state):
+    config, identities, inputs, java = setup_round(tmp_path, "complete", n=5)
+    try:
+        run = run_round(config, AGGREGATOR, identities, inputs, intercept=attack, record_server_view=True,
+                        client_factory=lambda d, i: java if d == JAVA else None)
+    finally:
+        java.close()
+    assert len(java.refusals) == 1 and java.refusals[0].startswith(refusal), java.refusals
+    assert java.state is state and any(who == JAVA for who, _ in run.errors)
+    sent = {f.to_message().TYPE for f in run.server_view if f.to_message().sender == JAVA}
+    assert "secagg.unmask_shares" not in sent         # nothing revealed to a hostile server
+    if state is ClientState.ADVERTISED:               # the directory was refused: no shares went out
+        assert sent == {"secagg.advertise_keys"}
