@@ -17,7 +17,7 @@ from protocols.secagg import (AdvertiseKeys, AggregateReady, BadSignature, Clien
                               RoundConfig, RoundFailed, RoundStart, SecAggError, ServerState, Timeout,
                               UnexpectedMessage, UnknownSender, UnmaskRequest, UnmaskShares, WrongContext, decode)
 from protocols.secagg.driver import WireFrame, build_round, make_identities, plain_fixed_point_sum, run_round
-from protocols.secagg.errors import ConfigError
+from protocols.secagg.errors import ConfigError, LateMessage
 from protocols.secagg.server import ServerSecAgg
 
 AGGREGATOR = DeviceIdentity.generate("aggregator")
@@ -191,6 +191,9 @@ def test_reordered_messages_are_rejected_and_the_round_still_completes_exactly()
     early = ConsistencySignature(job_id="job", round_id=3, group_id="g", sender=late_device,
                                  recipient="aggregator", survivors_signature=bytes(64))
     rejects(r.server, early.signed(r.identities[late_device]), UnexpectedMessage)
+    with pytest.raises(UnexpectedMessage) as early_error:     # early is a violation, never "late"
+        r.server.handle(early.signed(r.identities[late_device]))
+    assert not isinstance(early_error.value, LateMessage)
     r.to_server(r.to_clients(key_directories[:1]))  # the late shares arrive; the round goes on
     outcome = r.finish()
     assert isinstance(outcome, AggregateReady)
@@ -203,7 +206,7 @@ def test_late_message_after_timeout_is_rejected():
     r.to_server(adverts[:-1])
     r.to_server([Timeout(Phase.ADVERTISE_KEYS)])
     assert r.server.state is ServerState.WAIT_SHARES
-    rejects(r.server, adverts[-1], UnexpectedMessage)
+    rejects(r.server, adverts[-1], LateMessage)     # late, not a violation: the service counts it as late
     r.to_server([Timeout(Phase.ADVERTISE_KEYS)])  # stale timeout: ignored
     assert r.server.state is ServerState.WAIT_SHARES
 

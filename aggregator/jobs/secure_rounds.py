@@ -30,6 +30,7 @@ from protocols.envelope import Envelope, EnvelopeError
 from protocols.identity import DeviceIdentity, IdentityRegistry
 from protocols.payloads.secagg import from_envelope, to_envelope
 from protocols.secagg import AggregateReady, Message, RoundConfig, RoundFailed, SecAggError, ServerSecAgg, Timeout
+from protocols.secagg.errors import LateMessage
 from protocols.topics import AGGREGATOR_ID
 
 from ..mask_expansion import pick_mask_applier
@@ -113,6 +114,8 @@ class SecureGroupRounds:
         before = self.secure.phase
         try:
             out = self.secure.handle(msg)
+        except LateMessage as exc:       # a slow member's message for a phase that has closed
+            raise LateProtocolMessage(f"secagg: {exc}") from exc
         except SecAggError as exc:
             raise EnvelopeError(f"secagg: {type(exc).__name__}: {exc}") from exc
         if self.secure is not None and self.secure.phase != before:

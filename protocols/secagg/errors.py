@@ -47,6 +47,11 @@ class UnexpectedMessage(SecAggError):
     """The message is valid but does not belong to the current phase (late or out of order)."""
 
 
+class LateMessage(UnexpectedMessage):
+    """The message belongs to a phase this round already closed, or to a round already over: a
+    slow participant's, harmless, to be counted as late rather than as a protocol violation."""
+
+
 class ReplayedMessage(UnexpectedMessage):
     """The sender already delivered this kind of message in this round."""
 

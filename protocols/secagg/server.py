@@ -56,8 +56,8 @@ from .crypto import apply_masks, check_workers, default_mask_workers, x25519_fro
     x25519_public_bytes
 from .derivation import SECRET_BYTES, SHARE_BYTES, SHARE_CIPHERTEXT_BYTES, RoundContext, pair_mask_seed, \
     pair_mask_sign, self_mask_commitment
-from .errors import (BadSignature, ConfigError, MalformedMessage, ReconstructionError, ReplayedMessage,
-                     UnexpectedMessage, UnknownSender, WrongContext)
+from .errors import (BadSignature, ConfigError, LateMessage, MalformedMessage, ReconstructionError,
+                     ReplayedMessage, UnexpectedMessage, UnknownSender, WrongContext)
 from .events import AggregateReady, Phase, RoundFailed, Timeout
 from .graph import NeighbourGraph
 from .messages import (AdvertisedKeys, AdvertiseKeys, ConsistencyCheckRequest, ConsistencySignature,
@@ -90,6 +90,7 @@ TRANSITIONS: dict[ServerState, tuple[Phase, type, tuple[ServerState, ...]]] = {
     _S.WAIT_UNMASK: (Phase.UNMASK, UnmaskShares, (_S.DONE, _S.FAILED)),
 }
 FINAL_STATES = frozenset({_S.DONE, _S.FAILED})
+_PHASE_ORDER = list(Phase)
 Output = Message | AggregateReady | RoundFailed
 
 
@@ -150,10 +151,12 @@ class ServerSecAgg:
             raise UnexpectedMessage(f"not a secagg event: {type(event).__name__}")
         self._authenticate(event)
         if self.state not in TRANSITIONS:
-            raise UnexpectedMessage(f"{event.TYPE} from {event.sender!r}: round is {self.state.value}")
+            raise LateMessage(f"{event.TYPE} from {event.sender!r}: round is {self.state.value}")
         phase, accepted, _ = TRANSITIONS[self.state]
         if event.sender in self._received[event.PHASE]:
             raise ReplayedMessage(f"{event.TYPE} from {event.sender!r} already received")
+        if _PHASE_ORDER.index(event.PHASE) < _PHASE_ORDER.index(phase):
+            raise LateMessage(f"{event.TYPE} from {event.sender!r}: phase {event.PHASE.value} has closed")
         if type(event) is not accepted:
             raise UnexpectedMessage(f"{event.TYPE} from {event.sender!r} does not belong to phase {phase.value}")
         if event.sender not in self._expected(phase):
