@@ -96,13 +96,4 @@ def make_extractor(backbone: str, image_size: int, cache_dir: str | None, runtim
 def extractor_from_manifest(manifest: Path, runtime: str, cache_dir: str | None,
                             expected_manifest_sha256: str | None = None) -> FeatureExtractor:
     """A feature extractor running a bundle's program (verified against its manifest)."""
-    from edge_client.runtime import load_inference
-
-    program = load_inference(manifest, prefer=(runtime,), expected_manifest_sha256=expected_manifest_sha256)
-    m = program.manifest
-    norm = m.input                                         # the preprocessing the program was exported with
-    # cached features belong to this very program (an int8 and an fp32 .pte give different ones)
-    artifact = m.find("inference", program.runtime).sha256
-    return FeatureExtractor(program.run, image_size=norm.image_size, mean=norm.mean, std=norm.std, batch_size=32,
-                            cache_dir=cache_dir, feature_dim=m.feature_dim,
-                            cache_key=f"{m.backbone}:{m.weights_sha256}:{norm.image_size}:{runtime}:{artifact[:16]}")
+    return FeatureExtractor.from_bundle(manifest, runtime, cache_dir, expected_manifest_sha256)
