@@ -93,17 +93,25 @@ class FeatureExtractor:
     def from_bundle(cls, manifest: str | os.PathLike[str], runtime: str, cache_dir: str | os.PathLike[str] | None,
                     expected_manifest_sha256: str | None = None) -> FeatureExtractor:
         """Extractor running an exported bundle's inference program in ``runtime`` (verified
-        against its manifest), with the preprocessing the program was exported with."""
+        against its manifest), with the preprocessing the program was exported with. ``"auto"``:
+        the fastest installed runtime that keeps parity (``edge_client.runtime.auto``)."""
         from edge_client.runtime import load_inference
+        from edge_client.runtime.auto import load_fastest
 
-        program = load_inference(manifest, prefer=(runtime,), expected_manifest_sha256=expected_manifest_sha256)
+        if runtime == "auto":
+            program = load_fastest(manifest, expected_manifest_sha256)
+        else:
+            program = load_inference(manifest, prefer=(runtime,), expected_manifest_sha256=expected_manifest_sha256)
         m = program.manifest
         norm = m.input
         # cached features belong to this very program (an int8 and an fp32 .pte give different ones)
         artifact = m.find("inference", program.runtime).sha256
-        return cls(program.run, image_size=norm.image_size, mean=norm.mean, std=norm.std, batch_size=32,
-                   cache_dir=cache_dir, feature_dim=m.feature_dim,
-                   cache_key=f"{m.backbone}:{m.weights_sha256}:{norm.image_size}:{runtime}:{artifact[:16]}")
+        extractor = cls(program.run, image_size=norm.image_size, mean=norm.mean, std=norm.std, batch_size=32,
+                        cache_dir=cache_dir, feature_dim=m.feature_dim,
+                        cache_key=f"{m.backbone}:{m.weights_sha256}:{norm.image_size}:{program.runtime}:{artifact[:16]}")
+        extractor.runtime = program.runtime                             # what ran (the choice, with "auto")
+        extractor.calibration = getattr(program, "calibration", None)   # "auto": every runtime's trial
+        return extractor
 
     @property
     def feature_dim(self) -> int:

@@ -86,9 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--split", choices=["iid", "dirichlet", "classes"],
                    help="how images are spread over devices (default: the preset's, dirichlet)")
     s.add_argument("--alpha", type=float, help="Dirichlet concentration of the label skew (default: the preset's)")
-    s.add_argument("--runtime", choices=["eager", "executorch", "executorch-int8", "onnxruntime"],
-                   help="devices' feature extraction; executorch-int8 is the int8-quantized ExecuTorch program "
-                        "(default: the preset's)")
+    s.add_argument("--runtime", choices=["eager", "executorch", "executorch-int8", "onnxruntime", "auto"],
+                   help="devices' feature extraction; executorch-int8 is the int8-quantized ExecuTorch program; "
+                        "auto: the bundle's fastest program here that keeps parity (default: the preset's)")
     s.add_argument("--rf-dim", type=int, help="Fed3R-RF: number of random Fourier features (default: none)")
     s.add_argument("--workers", type=int, help="processes hosting the devices (default: the preset's)")
     s.add_argument("--ray", metavar="auto|ADDRESS",

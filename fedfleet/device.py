@@ -22,8 +22,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--idx", nargs=2, type=Path, metavar=("IMAGES", "LABELS"), help="IDX image and label files")
     p.add_argument("--classes", default=None, help="comma-separated global class list (image-folder mode)")
     p.add_argument("--cache-dir", default=None, help="where extracted features are cached (default: no cache)")
-    p.add_argument("--runtime", default="eager", choices=["eager", "executorch", "onnxruntime"],
-                   help="how features are extracted: eager PyTorch, or an exported bundle's program")
+    p.add_argument("--runtime", default=None, choices=["eager", "executorch", "onnxruntime", "auto"],
+                   help="how features are extracted: eager PyTorch, or an exported bundle's program; auto: the "
+                        "bundle's fastest program on this device that keeps parity, by a short calibration "
+                        "(default: eager, or auto on a torch-free device)")
     p.add_argument("--bundle-sha", default=None,
                    help="fetch this exported bundle (manifest sha256) from the aggregator at start, verify it, "
                         "and extract features with it (--runtime executorch|onnxruntime)")
@@ -97,6 +99,8 @@ def run_device(args) -> int:
     if args.id is None:
         raise UserError("a device needs --id (or --credentials from enrolment)")
     BrokerConfig.from_url(args.broker)            # a bad address fails before the data is loaded
+    if args.runtime is None:
+        args.runtime = "auto" if torch_free() else "eager"
     if torch_free() and args.runtime in ("eager", "executorch"):
         raise UserError(f"--runtime {args.runtime} needs torch; this device is torch-free (fedfleet[device]): "
                         "use --runtime onnxruntime, or install 'fedfleet[device-executorch]'")
@@ -150,6 +154,7 @@ def run_device(args) -> int:
 def set_threads(runtime: str, threads: int) -> None:
     """Size every installed runtime's thread pool: torch's (eager, head training), ONNX Runtime's,
     and ExecuTorch's (XNNPACK ignores torch's setting)."""
+    from edge_client.runtime.errors import RuntimeUnavailableError
     from edge_client.runtime.onnx_runtime import set_onnxruntime_threads
 
     set_onnxruntime_threads(threads)
@@ -158,10 +163,14 @@ def set_threads(runtime: str, threads: int) -> None:
     except ImportError:
         return
     torch.set_num_threads(threads)
-    if runtime == "executorch":
+    if runtime in ("executorch", "auto"):
         from edge_client.runtime.executorch_runtime import set_executorch_threads
 
-        set_executorch_threads(threads)
+        try:
+            set_executorch_threads(threads)
+        except RuntimeUnavailableError:
+            if runtime == "executorch":
+                raise
 
 
 def _local_factory(runtime: str, cache_dir: str | None):
@@ -200,6 +209,9 @@ class FetchedBundles:
                 manifest = fetch_bundle(self.device_id, self.broker, sha, self.bundle_dir / sha[:16], self.topics,
                                         client_id=f"{self.device_id}.fetch")
                 extractor = FeatureExtractor.from_bundle(manifest, self.runtime, self.cache_dir, sha)
+                if self.runtime == "auto":
+                    print(f"bundle {sha[:16]}: --runtime auto chose {extractor.runtime}; " + "; ".join(
+                        t.line() for t in extractor.calibration), flush=True)
                 self.fetched[sha] = (extractor, json.loads(manifest.read_text())["backbone"]["weights_sha256"])
             return self.fetched[sha]
 

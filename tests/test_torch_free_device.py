@@ -58,15 +58,10 @@ def device_python():
 
 
 @pytest.fixture(scope="module")
-def bundle(tmp_path_factory):
+def bundle(mobilenet_bundle_32px):
     """MobileNetV2 at 32 px: the ONNX feature program (what a torch-free device runs) and, for the
     mixed fleet, the FT(φ) programs (trunk, last stage + head training, the aggregator's tail_eval)."""
-    from export import export_bundle
-
-    out = tmp_path_factory.mktemp("torch-free") / "bundle"
-    export_bundle("mobilenet_v2", out, num_classes=C, image_size=SIZE, inference_runtimes=("onnxruntime",),
-                  tail_stages=1, batch_size=8)
-    return out
+    return mobilenet_bundle_32px
 
 
 @pytest.fixture(scope="module")
@@ -91,11 +86,12 @@ def fleet_data(tmp_path_factory):
 class TorchFreeDevices:
     """``fedfleet device`` processes from the device venv; their output is kept for failure messages."""
 
-    def __init__(self, python, broker, data, tmp_path, extra=lambda dev: []):
+    def __init__(self, python, broker, data, tmp_path, extra=lambda dev: [], runtime="onnxruntime"):
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        chosen = ["--runtime", runtime] if runtime else []      # none: a torch-free device's default, auto
         self.procs = [subprocess.Popen(
             [str(python), "-m", "fedfleet.cli", "device", "--id", dev, "--broker", broker.url,
-             "--idx", *map(str, data[dev]["idx"]), "--runtime", "onnxruntime", "--threads", "1",
+             "--idx", *map(str, data[dev]["idx"]), *chosen, "--threads", "1",
              "--bundle-dir", str(tmp_path / dev / "bundles"), "--cache-dir", str(tmp_path / dev / "cache"),
              *extra(dev)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for dev in data]
 
@@ -143,9 +139,12 @@ def test_torch_free_devices_run_fed3r_sync_to_the_centralized_ridge(device_pytho
                                        start_timeout_s=120, round_timeout_s=180, phase_timeout_s=60, max_attempts=1),
                        identity=agg, registry=IdentityRegistry({d: k.public_key_bytes for d, k in keys.items()}))
     with TorchFreeDevices(device_python, broker, fleet_data, tmp_path, lambda dev: [
-            "--identity", str(tmp_path / f"{dev}.pem"), "--aggregator-key", agg.public_key_bytes.hex()]):
+            "--identity", str(tmp_path / f"{dev}.pem"), "--aggregator-key", agg.public_key_bytes.hex()],
+            runtime=None) as devices:
         result = run_job(job, broker, tmp_path / "agg", list(DEVICES), shelf)
     assert result.get("state") == "done" and sorted(result["contributed"]) == sorted(DEVICES), result
+    # the default runtime of a torch-free device is auto: of the bundle's programs only the ONNX one can run
+    assert devices.log.count(f"bundle {sha[:16]}: --runtime auto chose onnxruntime") == 3, devices.log[-3000:]
 
     # centralized ridge on the bundle's ONNX features of every device's training split
     Z = np.vstack([onnx_features(bundle, d["x"][d["train"]]) for d in fleet_data.values()]).astype(np.float64)
