@@ -12,7 +12,8 @@ The driver (run from ``.venv``) exports one MobileNetV2 bundle (ExecuTorch + ONN
 and the head's training program) and makes real task params with the aggregator's job classes; each
 flavour then runs in its own process, started from its venv (this file with ``--worker``), the very
 handlers ``fedfleet device`` builds (``edge_client.handlers.device_handlers``) on Fashion-MNIST
-images, one thread, with a feature cache as a device has:
+images, one thread, with a feature cache as a device has (times are process CPU seconds, which
+other jobs on a shared machine do not inflate at one thread; wall seconds are printed too):
 
 * ``fed3r.stats``: extract the training images' features (cache miss) and their statistics;
 * ``fedavg.head``: E epochs of head SGD on the cached features (numpy without torch, the
@@ -77,17 +78,20 @@ def worker(spec_file: Path) -> None:
     handlers = device_handlers(LocalData(images, labels, np.arange(n - n // 5), holdout), lambda *a, **k: extractor,
                                HandlerConfig(spec["training_manifest"]))
     times = {task: [] for task in TASKS}
+    walls = {task: [] for task in TASKS}
     for _ in range(spec["repeats"]):
         for cache in Path(spec["cache_dir"]).glob("*.npy"):
             cache.unlink()                           # every repeat extracts again, as a first task would
         for task in TASKS:
-            start = time.perf_counter()
+            start, wall = time.process_time(), time.perf_counter()
             handlers[task](spec["params"][task], tensors)
-            times[task].append(time.perf_counter() - start)
+            times[task].append(time.process_time() - start)
+            walls[task].append(time.perf_counter() - wall)
     head = handlers["fedavg.head"].last
     print(json.dumps({"torch_free": torch_free(), "torch_imported": "torch" in sys.modules,
                       "head_runtime": head.runtime, "startup_s": started_s, "imported_rss_mb": imported_rss,
-                      "peak_rss_mb": rss_mb("VmHWM"), "times": {k: statistics.median(v) for k, v in times.items()}}))
+                      "peak_rss_mb": rss_mb("VmHWM"), "times": {k: statistics.median(v) for k, v in times.items()},
+                      "walls": {k: statistics.median(v) for k, v in walls.items()}}))
 
 
 # ---------------------------------------------------------------- the driver (runs in .venv)
@@ -173,13 +177,13 @@ def main() -> None:
             r = run_flavour(venv / "bin" / "python", work, f"f{i}", manifest, params, runtime, training, args.repeats)
             rows.append((name, venv, r))
     print("| flavour | venv | site-packages MB | largest packages (MB) | torch imported | head step | start s "
-          "| RSS after imports MB | peak RSS MB | " + " | ".join(f"{t} s" for t in TASKS) + " |")
+          "| RSS after imports MB | peak RSS MB | " + " | ".join(f"{t} CPU s (wall)" for t in TASKS) + " |")
     print("|" + "---|" * (9 + len(TASKS)))
     for name, venv, r in rows:
         total, largest = sizes[venv]
         print(f"| {name} | {venv.name} | {total:.0f} | {', '.join(f'{n} {mb:.0f}' for n, mb in largest)} "
               f"| {r['torch_imported']} | {r['head_runtime']} | {r['startup_s']:.2f} | {r['imported_rss_mb']:.0f} "
-              f"| {r['peak_rss_mb']:.0f} | " + " | ".join(f"{r['times'][t]:.3f}" for t in TASKS) + " |")
+              f"| {r['peak_rss_mb']:.0f} | " + " | ".join(f"{r['times'][t]:.3f} ({r['walls'][t]:.2f})" for t in TASKS) + " |")
     base = rows[0][2]
     for name, venv, r in rows[1:]:
         print(f"\n{name} / torch-free: site-packages {sizes[venv][0] / sizes[args.device_venv][0]:.1f}x, "

@@ -13,7 +13,6 @@ Making a feature extractor may need exporting a bundle (``fedfleet.bundles``, wh
 
 from __future__ import annotations
 
-import importlib.util
 import threading
 from dataclasses import dataclass
 from typing import Callable
@@ -21,6 +20,7 @@ from typing import Callable
 import numpy as np
 
 from edge_client.agent import TaskDeclined
+from edge_client.runtime.base import torch_installed
 from edge_client.tasks.fed3r_stats import Fed3RStatsTask
 from edge_client.tasks.head_training import HeadTrainingTask
 from edge_client.tasks.personalization import PersonalizeTask
@@ -61,7 +61,7 @@ class HandlerConfig:
 def torch_free() -> bool:
     """Whether this is a torch-free device (``fedfleet[device]``): features from an exported ONNX
     program, the linear head trained in numpy; no backbone training (FT(φ)/FT(M), LADD)."""
-    return importlib.util.find_spec("torch") is None
+    return not torch_installed()
 
 
 BACKBONE_TRAINING_NEEDS = ("this device is torch-free (fedfleet[device]): {kind} trains backbone layers, which needs "
