@@ -229,3 +229,13 @@ def test_a_mixed_fleet_serves_ft_phi_while_the_torch_free_device_declines_saying
     events = store.round_events("ft-phi", 1)
     assert [(e["device"], e["event"]) for e in events] == [(lite, "declined")], events
     assert "torch-free" in events[0]["reason"] and "fedfleet[device-executorch]" in events[0]["reason"]
+
+
+def test_the_device_command_runs_without_torch_and_says_what_needs_it(device_python, tmp_path):
+    fedfleet = device_python.parent / "fedfleet"            # the console script pip installed there
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    help_text = subprocess.run([str(fedfleet), "device", "--help"], capture_output=True, text=True, env=env)
+    assert help_text.returncode == 0 and "--runtime" in help_text.stdout, help_text.stderr
+    eager = subprocess.run([str(fedfleet), "device", "--id", "x", "--runtime", "eager", "--idx", "a", "b"],
+                           capture_output=True, text=True, env=env)
+    assert eager.returncode != 0 and "torch-free" in eager.stderr and "Traceback" not in eager.stderr
