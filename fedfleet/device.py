@@ -152,11 +152,15 @@ def run_device(args) -> int:
 
 
 def set_threads(runtime: str, threads: int) -> None:
-    """Size every installed runtime's thread pool: torch's (eager, head training), ONNX Runtime's,
-    and ExecuTorch's (XNNPACK ignores torch's setting)."""
+    """Size every installed runtime's thread pool: numpy's BLAS (the numpy head step: on a busy
+    2-core machine a 2-thread OpenBLAS made it 14x slower than one thread), torch's (eager, head
+    training), ONNX Runtime's, and ExecuTorch's (XNNPACK ignores torch's setting)."""
+    from threadpoolctl import threadpool_limits
+
     from edge_client.runtime.errors import RuntimeUnavailableError
     from edge_client.runtime.onnx_runtime import set_onnxruntime_threads
 
+    threadpool_limits(threads)                    # process-wide: BLAS / OpenMP pools already loaded
     set_onnxruntime_threads(threads)
     try:
         import torch
