@@ -7,6 +7,8 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DEVICE_VENV := .venv-device
+DEVICE_STAMP := $(DEVICE_VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: demo test setup system-deps bench clean java
@@ -20,7 +22,15 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -q -ra --durations=15
 
-setup: system-deps $(STAMP)
+setup: system-deps $(STAMP) $(DEVICE_STAMP)
+
+# A torch-free device (fedfleet[device]: ONNX Runtime, numpy, paho-mqtt, cryptography, Pillow;
+# ~220 MB, seconds to install): tests/test_torch_free_device.py runs real devices from it.
+$(DEVICE_STAMP): pyproject.toml
+	$(PY) -m venv $(DEVICE_VENV)
+	$(DEVICE_VENV)/bin/pip install -q --upgrade pip
+	$(DEVICE_VENV)/bin/pip install -q -e '.[device]'
+	touch $(DEVICE_STAMP)
 
 # mosquitto is the real broker used by the demo and the tests; Fashion-MNIST is the real data;
 # chromium is the browser the dashboard test drives (Playwright, never its own browser download);
@@ -58,4 +68,4 @@ bench: setup
 	$(BIN)/python bench/run_all.py
 
 clean:
-	rm -rf $(VENV) .cache build *.egg-info
+	rm -rf $(VENV) $(DEVICE_VENV) .cache build *.egg-info

@@ -65,7 +65,8 @@ from edge_client.data.idx import load_fashion_mnist
 from edge_client.models.preprocess import to_model_input
 from edge_client.runtime import TrainingSession, load_inference, read_manifest
 from edge_client.runtime.executorch_runtime import executorch_threads, set_executorch_threads
-from edge_client.runtime.onnx_runtime import OnnxRuntimeInference
+from edge_client.runtime.auto import RuntimeCalibration
+from edge_client.runtime.onnx_runtime import OnnxRuntimeInference, set_onnxruntime_threads
 from edge_client.runtime.verification import read_verified
 from export import export_bundle
 from export.parity import load_parity_images
@@ -77,6 +78,7 @@ RUNTIMES = ("executorch", "onnxruntime", "eager")
 def set_threads(threads: int) -> None:
     torch.set_num_threads(threads)
     set_executorch_threads(threads)
+    set_onnxruntime_threads(threads)          # sessions made without a count (--runtime auto's)
 
 
 def threads_in_use(runtimes: dict) -> dict[str, int]:
@@ -140,6 +142,10 @@ def bench_inference(backbone: str, size: int, images: np.ndarray, args, workdir:
           f"call(s), ops outside it: {pte.details['portable_ops'] or 'none'}; .pte runs "
           f"<= {runtimes['executorch'].rows_per_call} rows per call; threads {threads}",
           flush=True)
+    chosen = RuntimeCalibration(batch=8, repeats=5).choose(manifest)
+    print(f"  --runtime auto on this bundle chose {chosen.runtime}: "
+          + "; ".join(trial.line() for trial in chosen.calibration), flush=True)
+    del chosen
     inputs = to_model_input(images, size, manifest.input.mean, manifest.input.std)
     # the same program fed a whole batch per call: what the cache-sized calls of the runtime gain
     one_call = load_inference(manifest_path, prefer=("executorch",))
@@ -172,6 +178,14 @@ def bench_inference(backbone: str, size: int, images: np.ndarray, args, workdir:
                      "parity": max(spec.parity["max_abs_error"] for spec in manifest.artifacts),
                      "export_s": export_seconds, "int8_distortion": distortion})
     return rows
+
+
+FASTEST_NAMES = {"executorch": "pte", "onnxruntime": "ort", "eager": "eager", "executorch_int8": "int8"}
+
+
+def fastest(row: dict) -> str:
+    """The quickest of the bundle's runtimes (and the int8 program, when timed) in this row."""
+    return FASTEST_NAMES[min((name for name in FASTEST_NAMES if name in row), key=lambda name: row[name])]
 
 
 def print_int8_table(rows: list[dict]) -> None:
@@ -271,7 +285,7 @@ def main() -> None:
         header = (f"{'backbone':18s} {'px':>4s} {'batch':>5s} {'pte ms/img':>11s} "
                   f"{'ort ms/img':>11s} {'eager ms/img':>13s} {'eager/pte':>10s} "
                   f"{'ort/pte':>8s} {'1call/pte':>10s} {'pte1 ms/img':>12s} {'ort/pte1':>9s} "
-                  f"{'max|err|':>9s}")
+                  f"{'max|err|':>9s} {'fastest':>8s}")
         print(header)
         print("-" * len(header))
         for row in rows:
@@ -282,7 +296,7 @@ def main() -> None:
                   f"{row['executorch_one_call'] / row['executorch']:10.2f} "
                   + (f"{row['executorch_b1']:12.3f} {row['onnxruntime'] / row['executorch_b1']:9.2f} "
                      if "executorch_b1" in row else f"{'–':>12s} {'–':>9s} ")
-                  + f"{row['parity']:9.1e}")
+                  + f"{row['parity']:9.1e} {fastest(row):>8s}")
 
         if args.int8:
             print_int8_table(rows)

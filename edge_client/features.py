@@ -1,7 +1,7 @@
 """Frozen-backbone feature extraction on the device, with an optional on-disk cache.
 
 A :class:`FeatureExtractor` owns the preprocessing (resize + normalise, see
-``edge_client.models.preprocess``) and the batching; the model itself is any callable that
+``edge_client.preprocess``) and the batching; the model itself is any callable that
 maps a normalised float32 (n, 3, S, S) batch to (n, d) features. That callable is the eager
 torch backbone (:meth:`FeatureExtractor.eager`) or an exported program run by ExecuTorch or
 ONNX Runtime (``edge_client.runtime``), so every runtime shares one preprocessing path.
@@ -23,10 +23,10 @@ import tempfile
 from collections.abc import Callable, Sequence
 
 import numpy as np
-import torch
 
-from edge_client.models import build_backbone, weights_sha256
-from edge_client.models.preprocess import to_model_input, validate_images
+# torch is imported by the eager path only: a torch-free device (fedfleet[device]) extracts
+# features with an exported program (FeatureExtractor.from_bundle).
+from edge_client.preprocess import to_model_input, validate_images
 
 __all__ = ["FeatureExtractor"]
 
@@ -72,6 +72,10 @@ class FeatureExtractor:
 
         ``threads`` calls ``torch.set_num_threads``, which is process-wide.
         """
+        import torch
+
+        from edge_client.models import build_backbone, weights_sha256
+
         if threads is not None:
             torch.set_num_threads(threads)
         backbone = build_backbone(backbone_name, pretrained=True)
@@ -84,6 +88,30 @@ class FeatureExtractor:
         return cls(forward, image_size=image_size, mean=backbone.mean, std=backbone.std,
                    batch_size=batch_size, cache_dir=cache_dir, cache_key=cache_key,
                    feature_dim=backbone.feature_dim)
+
+    @classmethod
+    def from_bundle(cls, manifest: str | os.PathLike[str], runtime: str, cache_dir: str | os.PathLike[str] | None,
+                    expected_manifest_sha256: str | None = None) -> FeatureExtractor:
+        """Extractor running an exported bundle's inference program in ``runtime`` (verified
+        against its manifest), with the preprocessing the program was exported with. ``"auto"``:
+        the fastest installed runtime that keeps parity (``edge_client.runtime.auto``)."""
+        from edge_client.runtime import load_inference
+        from edge_client.runtime.auto import load_fastest
+
+        if runtime == "auto":
+            program = load_fastest(manifest, expected_manifest_sha256)
+        else:
+            program = load_inference(manifest, prefer=(runtime,), expected_manifest_sha256=expected_manifest_sha256)
+        m = program.manifest
+        norm = m.input
+        # cached features belong to this very program (an int8 and an fp32 .pte give different ones)
+        artifact = m.find("inference", program.runtime).sha256
+        extractor = cls(program.run, image_size=norm.image_size, mean=norm.mean, std=norm.std, batch_size=32,
+                        cache_dir=cache_dir, feature_dim=m.feature_dim,
+                        cache_key=f"{m.backbone}:{m.weights_sha256}:{norm.image_size}:{program.runtime}:{artifact[:16]}")
+        extractor.runtime = program.runtime                             # what ran (the choice, with "auto")
+        extractor.calibration = getattr(program, "calibration", None)   # "auto": every runtime's trial
+        return extractor
 
     @property
     def feature_dim(self) -> int:

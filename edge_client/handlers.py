@@ -20,6 +20,7 @@ from typing import Callable
 import numpy as np
 
 from edge_client.agent import TaskDeclined
+from edge_client.runtime.base import torch_installed
 from edge_client.tasks.fed3r_stats import Fed3RStatsTask
 from edge_client.tasks.head_training import HeadTrainingTask
 from edge_client.tasks.personalization import PersonalizeTask
@@ -31,6 +32,7 @@ from protocols.identity import DeviceIdentity
 from protocols.payloads.fed3r import KIND as FED3R_KIND
 from protocols.payloads.fedavg import KIND as FEDAVG_KIND
 from protocols.payloads.fedavg import KIND_TAIL as FEDAVG_TAIL_KIND
+from protocols.payloads.ladd import KIND_TRAIN as LADD_TRAIN_KIND
 from protocols.payloads.personalize import KIND as PERSONALIZE_KIND
 from protocols.payloads.secagg import SECAGG_TYPE, SECURE_FEDAVG_KIND, SECURE_TAIL_KIND, SYNC_KIND
 
@@ -54,6 +56,27 @@ class HandlerConfig:
     (FT(φ)/FT(M); None: the device declines those rounds)."""
     training_manifest: str | None = None
     tail_manifest: str | None = None
+
+
+def torch_free() -> bool:
+    """Whether this is a torch-free device (``fedfleet[device]``): features from an exported ONNX
+    program, the linear head trained in numpy; no backbone training (FT(φ)/FT(M), LADD)."""
+    return not torch_installed()
+
+
+BACKBONE_TRAINING_NEEDS = ("this device is torch-free (fedfleet[device]): {kind} trains backbone layers, which needs "
+                           "torch and the ExecuTorch training programs (pip install 'fedfleet[device-executorch]')")
+
+
+class Unsupported:
+    """Handler of a task kind this device cannot run: declines every task of it with the reason,
+    which the aggregator records (a mixed fleet's other devices serve the job)."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+    def __call__(self, params, tensors=None):
+        raise TaskDeclined(self.reason)
 
 
 class SharedExtractors:
@@ -116,15 +139,23 @@ class _Locked:
 def device_handlers(data: LocalData, extractors, config: HandlerConfig) -> dict:
     """One device's task handlers: Fed3R statistics and FedAvg head training on its training
     split (and FT(φ)/FT(M) of the backbone's tail with a tail bundle); with a held-out split
-    also OLL personalization (evaluated on the held-out split)."""
+    also OLL personalization (evaluated on the held-out split). Kinds it cannot run (FT(φ)/FT(M)
+    without a tail bundle; backbone training on a torch-free device) get an :class:`Unsupported`
+    handler, so the decline says why."""
     x, y = data.images[data.train_idx], data.labels[data.train_idx]
     handlers = {FED3R_KIND: Fed3RStatsTask(x, y, extractors),
                 FEDAVG_KIND: HeadTrainingTask(x, y, extractors, config.training_manifest)}
     tail_features = None
-    if config.tail_manifest:
+    if torch_free():
+        for kind in (FEDAVG_TAIL_KIND, LADD_TRAIN_KIND):
+            handlers[kind] = Unsupported(BACKBONE_TRAINING_NEEDS.format(kind=kind))
+    elif config.tail_manifest:
         handlers[FEDAVG_TAIL_KIND] = TailTrainingTask(x, y, config.tail_manifest,
                                                       trunk=extractors.trunk(config.tail_manifest))
         tail_features = extractors.tail_features(config.tail_manifest)
+    else:
+        handlers[FEDAVG_TAIL_KIND] = Unsupported(f"{FEDAVG_TAIL_KIND} needs a tail bundle (exported with "
+                                                 "--tail-stages; fedfleet device --tail-bundle)")
     if data.holdout_idx is not None and len(data.holdout_idx):
         handlers[PERSONALIZE_KIND] = PersonalizeTask(x, y, data.images[data.holdout_idx], data.labels[data.holdout_idx],
                                                      extractors, tail_features=tail_features)
@@ -138,6 +169,6 @@ def secure_handlers(identity: DeviceIdentity, aggregator_key: bytes, handlers: d
     secure = {SYNC_KIND: SecureFed3R(identity, aggregator_key, handlers[FED3R_KIND], sessions),
               SECURE_FEDAVG_KIND: SecureFedAvgTraining(identity, aggregator_key, handlers[FEDAVG_KIND], sessions),
               SECAGG_TYPE: sessions}
-    if FEDAVG_TAIL_KIND in handlers:
+    if FEDAVG_TAIL_KIND in handlers:               # an Unsupported one declines the secure kind alike
         secure[SECURE_TAIL_KIND] = SecureFedAvgTraining(identity, aggregator_key, handlers[FEDAVG_TAIL_KIND], sessions)
     return secure

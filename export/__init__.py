@@ -10,9 +10,10 @@ from __future__ import annotations
 __all__ = ["ExportError", "ParityError", "export_bundle"]
 
 # Bumped whenever the exporter writes different programs for the same inputs (e.g. revision 2:
-# tail programs compute pointwise convolutions as matrix products). Caches of exported bundles
+# tail programs compute pointwise convolutions as matrix products; 3: the manifest records eager fp32
+# outputs for --runtime auto). Caches of exported bundles
 # (fedfleet.bundles) include it in their keys, so they never serve a bundle from older code.
-EXPORTER_REVISION = 2
+EXPORTER_REVISION = 3
 
 
 def __getattr__(name: str):

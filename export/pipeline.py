@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from edge_client.runtime.auto import REFERENCE_KEY, calibration_input, encode_reference
 from edge_client.models import BACKBONES, build_backbone, weights_sha256
 from edge_client.models.preprocess import to_model_input
 from edge_client.models.tail import TailModel, split_backbone
@@ -283,6 +284,7 @@ def export_bundle(backbone: str, out_dir: str | Path, *, num_classes: int, image
                     failures.append(f"{artifact.spec.file}: max abs error {error:.3g} vs eager "
                                     f"exceeds tolerance {tolerance:g}")
             artifacts.append(artifact)
+    _record_reference(artifacts, model, draft)
 
     if tail is not None:
         logger.info("exporting the server's tail evaluation program")
@@ -328,6 +330,17 @@ def export_bundle(backbone: str, out_dir: str | Path, *, num_classes: int, image
         raise ParityError(failures, {a.spec.file: dict(a.spec.parity) for a in artifacts})
     manifest = dataclasses.replace(draft, artifacts=tuple(a.spec for a in artifacts))
     return write_bundle(out_dir, manifest, {a.spec.file: a.data for a in artifacts}, overwrite)
+
+
+def _record_reference(artifacts: list[_Artifact], model: torch.nn.Module, draft: Manifest) -> None:
+    """Eager fp32 outputs on fixed images, in the first inference artifact's details: a device without
+    torch checks its runtimes' parity against them (``edge_client.runtime.auto``, ``--runtime auto``)."""
+    first = next((a for a in artifacts if a.spec.kind == "inference"), None)
+    if first is None:
+        return
+    with torch.no_grad():
+        outputs = model(torch.from_numpy(calibration_input(draft))).numpy()
+    first.spec = dataclasses.replace(first.spec, details={**first.spec.details, REFERENCE_KEY: encode_reference(outputs)})
 
 
 def _image_spec(draft: Manifest) -> tuple[TensorSpec, ...]:

@@ -18,8 +18,9 @@ from edge_client.models import weights_sha256
 from export import EXPORTER_REVISION
 
 DEFAULT_BUNDLE_ROOT = Path(".cache/bundles")
-# "executorch-int8": the bundle's ExecuTorch program quantized to int8 (export --quantize int8)
-RUNTIMES = ("eager", "executorch", "executorch-int8", "onnxruntime")
+# "executorch-int8": the bundle's ExecuTorch program quantized to int8 (export --quantize int8);
+# "auto": the fastest of the bundle's programs that keeps parity, measured here (edge_client.runtime.auto)
+RUNTIMES = ("eager", "executorch", "executorch-int8", "onnxruntime", "auto")
 
 
 def bundle_dir(backbone: str, image_size: int, root: Path = DEFAULT_BUNDLE_ROOT) -> Path:
@@ -85,7 +86,7 @@ def make_extractor(backbone: str, image_size: int, cache_dir: str | None, runtim
     program_runtime = "executorch" if quantize else runtime
     if threads is not None:
         torch.set_num_threads(threads)
-        if program_runtime == "executorch":  # XNNPACK runs on ExecuTorch's own pool, which ignores torch's setting
+        if program_runtime in ("executorch", "auto"):  # XNNPACK runs on ExecuTorch's own pool, not torch's
             from edge_client.runtime.executorch_runtime import set_executorch_threads
 
             set_executorch_threads(threads)
@@ -96,13 +97,4 @@ def make_extractor(backbone: str, image_size: int, cache_dir: str | None, runtim
 def extractor_from_manifest(manifest: Path, runtime: str, cache_dir: str | None,
                             expected_manifest_sha256: str | None = None) -> FeatureExtractor:
     """A feature extractor running a bundle's program (verified against its manifest)."""
-    from edge_client.runtime import load_inference
-
-    program = load_inference(manifest, prefer=(runtime,), expected_manifest_sha256=expected_manifest_sha256)
-    m = program.manifest
-    norm = m.input                                         # the preprocessing the program was exported with
-    # cached features belong to this very program (an int8 and an fp32 .pte give different ones)
-    artifact = m.find("inference", program.runtime).sha256
-    return FeatureExtractor(program.run, image_size=norm.image_size, mean=norm.mean, std=norm.std, batch_size=32,
-                            cache_dir=cache_dir, feature_dim=m.feature_dim,
-                            cache_key=f"{m.backbone}:{m.weights_sha256}:{norm.image_size}:{runtime}:{artifact[:16]}")
+    return FeatureExtractor.from_bundle(manifest, runtime, cache_dir, expected_manifest_sha256)

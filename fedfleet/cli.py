@@ -86,9 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--split", choices=["iid", "dirichlet", "classes"],
                    help="how images are spread over devices (default: the preset's, dirichlet)")
     s.add_argument("--alpha", type=float, help="Dirichlet concentration of the label skew (default: the preset's)")
-    s.add_argument("--runtime", choices=["eager", "executorch", "executorch-int8", "onnxruntime"],
-                   help="devices' feature extraction; executorch-int8 is the int8-quantized ExecuTorch program "
-                        "(default: the preset's)")
+    s.add_argument("--runtime", choices=["eager", "executorch", "executorch-int8", "onnxruntime", "auto"],
+                   help="devices' feature extraction; executorch-int8 is the int8-quantized ExecuTorch program; "
+                        "auto: the bundle's fastest program here that keeps parity (default: the preset's)")
     s.add_argument("--rf-dim", type=int, help="Fed3R-RF: number of random Fourier features (default: none)")
     s.add_argument("--workers", type=int, help="processes hosting the devices (default: the preset's)")
     s.add_argument("--ray", metavar="auto|ADDRESS",
@@ -138,11 +138,23 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["export"] or argv[:2] == ["--debug", "export"]:
+    debug = argv[:1] == ["--debug"]
+    command, rest = argv[1 if debug else 0:][:1], argv[2 if debug else 1:]
+    if command == ["export"]:
         from export.cli import main as export_main
 
-        debug = argv[0] == "--debug"
-        return run_reporting_errors("export", lambda: export_main(argv[2 if debug else 1:]), debug)
+        return run_reporting_errors("export", lambda: export_main(rest), debug)
+    if command == ["device"]:
+        # only the device's own parser: the others import server code (torch, scipy), which a
+        # torch-free device (fedfleet[device]) does not have
+        from .device import add_arguments
+
+        device = argparse.ArgumentParser(prog="fedfleet device", description="run one device agent on local data",
+                                         formatter_class=HelpFormatter)
+        add_arguments(device)
+        args = device.parse_args(rest)
+        quiet_third_party_warnings()
+        return run_reporting_errors("device", lambda: _device(args), debug)
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.cmd is None:

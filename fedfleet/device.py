@@ -22,8 +22,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--idx", nargs=2, type=Path, metavar=("IMAGES", "LABELS"), help="IDX image and label files")
     p.add_argument("--classes", default=None, help="comma-separated global class list (image-folder mode)")
     p.add_argument("--cache-dir", default=None, help="where extracted features are cached (default: no cache)")
-    p.add_argument("--runtime", default="eager", choices=["eager", "executorch", "onnxruntime"],
-                   help="how features are extracted: eager PyTorch, or an exported bundle's program")
+    p.add_argument("--runtime", default=None, choices=["eager", "executorch", "onnxruntime", "auto"],
+                   help="how features are extracted: eager PyTorch, or an exported bundle's program; auto: the "
+                        "bundle's fastest program on this device that keeps parity, by a short calibration "
+                        "(default: eager, or auto on a torch-free device)")
     p.add_argument("--bundle-sha", default=None,
                    help="fetch this exported bundle (manifest sha256) from the aggregator at start, verify it, "
                         "and extract features with it (--runtime executorch|onnxruntime)")
@@ -85,11 +87,11 @@ def run_device(args) -> int:
     from edge_client.data import load_idx_dataset
     from edge_client.data.image_folder import load_image_folder
     from edge_client.data.split import train_holdout_split
-    from edge_client.handlers import HandlerConfig, LocalData, SharedExtractors, device_handlers, secure_handlers
+    from edge_client.handlers import (HandlerConfig, LocalData, SharedExtractors, Unsupported, device_handlers,
+                                      secure_handlers, torch_free)
     from protocols.mqtt_link import BrokerConfig
     from protocols.topics import Topics
 
-    from .bundles import make_extractor
     from .errors import UserError
 
     if args.credentials:
@@ -97,6 +99,11 @@ def run_device(args) -> int:
     if args.id is None:
         raise UserError("a device needs --id (or --credentials from enrolment)")
     BrokerConfig.from_url(args.broker)            # a bad address fails before the data is loaded
+    if args.runtime is None:
+        args.runtime = "auto" if torch_free() else "eager"
+    if torch_free() and args.runtime in ("eager", "executorch"):
+        raise UserError(f"--runtime {args.runtime} needs torch; this device is torch-free (fedfleet[device]): "
+                        "use --runtime onnxruntime, or install 'fedfleet[device-executorch]'")
 
     if args.idx:
         images, labels = load_idx_dataset(*args.idx)
@@ -108,21 +115,15 @@ def run_device(args) -> int:
     if args.threads is not None:
         if args.threads < 1:
             raise SystemExit("--threads must be >= 1")
-        import torch
-
-        torch.set_num_threads(args.threads)
-        if args.runtime == "executorch":
-            from edge_client.runtime.executorch_runtime import set_executorch_threads
-
-            set_executorch_threads(args.threads)
+        set_threads(args.runtime, args.threads)
     if not 0 <= args.holdout_fraction < 1:
         raise SystemExit("--holdout-fraction must be in [0, 1)")
     train_idx, holdout_idx = train_holdout_split(np.arange(len(labels)), args.holdout_fraction, args.seed)
     broker = BrokerConfig.from_url(args.broker, tls_ca=args.tls_ca)
+    # Without torch there is no local export: features come only from a bundle (--bundle-sha or the job's).
+    local = None if torch_free() else SharedExtractors(_local_factory(args.runtime, args.cache_dir), args.cache_dir)
     extractors = FetchedBundles(args.id, broker, Topics(args.topic_root), args.bundle_dir, args.runtime,
-                                args.cache_dir, default=args.bundle_sha,
-                                local=SharedExtractors(lambda backbone, image_size: make_extractor(
-                                    backbone, image_size, args.cache_dir, args.runtime, threads=None), args.cache_dir))
+                                args.cache_dir, default=args.bundle_sha, local=local)
     if args.bundle_sha:
         extractors.get(args.bundle_sha)          # at boot: fail early on a bad or unreachable bundle
     handlers = device_handlers(LocalData(images, labels, train_idx, holdout_idx), extractors,
@@ -140,13 +141,50 @@ def run_device(args) -> int:
                         protocol_handlers=protocol_handlers,
                         aggregator_key=bytes.fromhex(args.aggregator_key) if args.aggregator_key else None).start()
     print(f"device {args.id}: {len(train_idx)} training / {len(holdout_idx)} held-out samples, tasks "
-          f"{sorted(handlers) + sorted(k for k in protocol_handlers if '.' in k)}", flush=True)
+          f"{sorted(k for k, h in handlers.items() if not isinstance(h, Unsupported))}"
+          f"{sorted(k for k in protocol_handlers if '.' in k)}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     agent.stop()
     return 0
+
+
+def set_threads(runtime: str, threads: int) -> None:
+    """Size every installed runtime's thread pool: numpy's BLAS (the numpy head step: on a busy
+    2-core machine a 2-thread OpenBLAS made it 14x slower than one thread), torch's (eager, head
+    training), ONNX Runtime's, and ExecuTorch's (XNNPACK ignores torch's setting)."""
+    from threadpoolctl import threadpool_limits
+
+    from edge_client.runtime.errors import RuntimeUnavailableError
+    from edge_client.runtime.onnx_runtime import set_onnxruntime_threads
+
+    threadpool_limits(threads)                    # process-wide: BLAS / OpenMP pools already loaded
+    set_onnxruntime_threads(threads)
+    try:
+        import torch
+    except ImportError:
+        return
+    torch.set_num_threads(threads)
+    if runtime in ("executorch", "auto"):
+        from edge_client.runtime.executorch_runtime import set_executorch_threads
+
+        try:
+            set_executorch_threads(threads)
+        except RuntimeUnavailableError:
+            if runtime == "executorch":
+                raise
+
+
+def _local_factory(runtime: str, cache_dir: str | None):
+    """Extractors the device makes itself (eager torch, or a bundle it exports): needs torch."""
+    def make(backbone: str, image_size: int):
+        from .bundles import make_extractor
+
+        return make_extractor(backbone, image_size, cache_dir, runtime, threads=None)
+
+    return make
 
 
 class FetchedBundles:
@@ -167,15 +205,17 @@ class FetchedBundles:
         import json
 
         from edge_client.artifacts import fetch_bundle
-
-        from .bundles import extractor_from_manifest
+        from edge_client.features import FeatureExtractor
 
         with self.lock:
             if sha not in self.fetched:
                 # its own MQTT client id: the agent's connection stays up while the bundle comes in
                 manifest = fetch_bundle(self.device_id, self.broker, sha, self.bundle_dir / sha[:16], self.topics,
                                         client_id=f"{self.device_id}.fetch")
-                extractor = extractor_from_manifest(manifest, self.runtime, self.cache_dir, sha)
+                extractor = FeatureExtractor.from_bundle(manifest, self.runtime, self.cache_dir, sha)
+                if self.runtime == "auto":
+                    print(f"bundle {sha[:16]}: --runtime auto chose {extractor.runtime}; " + "; ".join(
+                        t.line() for t in extractor.calibration), flush=True)
                 self.fetched[sha] = (extractor, json.loads(manifest.read_text())["backbone"]["weights_sha256"])
             return self.fetched[sha]
 
@@ -188,6 +228,9 @@ class FetchedBundles:
 
         sha = bundle_sha256 or self.default
         if not sha:
+            if self.local is None:
+                raise TaskDeclined("this device is torch-free (fedfleet[device]): it extracts features only with an "
+                                   "exported bundle, and neither the job (bundle_sha256) nor --bundle-sha names one")
             return self.local(backbone, image_size, weights)
         try:
             check_sha(sha)              # it becomes a directory name: nothing but 64 hex digits

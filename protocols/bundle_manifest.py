@@ -255,7 +255,7 @@ class ArtifactSpec:
 
 @dataclasses.dataclass(frozen=True)
 class InputNormalisation:
-    """How raw pixels become the float32 NCHW input (see ``edge_client.models.preprocess``)."""
+    """How raw pixels become the float32 NCHW input (see ``edge_client.preprocess``)."""
 
     image_size: int
     mean: tuple[float, float, float]

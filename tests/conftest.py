@@ -27,3 +27,18 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def mobilenet_bundle_32px(tmp_path_factory):
+    """One small MobileNetV2 bundle (32 px, 10 classes) shared by the tests that need every runtime:
+    inference in ExecuTorch, ONNX Runtime and eager torch (with the eager fp32 reference outputs the
+    exporter records), the head's training program, and the FT(φ) programs of the last stage (trunk,
+    tail training, the aggregator's tail_eval). Returns the bundle's directory."""
+    from export import export_bundle
+    from export.parity import load_parity_images
+
+    out = tmp_path_factory.mktemp("mobilenet-32px") / "bundle"
+    export_bundle("mobilenet_v2", out, num_classes=10, image_size=32, batch_size=8, tail_stages=1,
+                  inference_runtimes=("executorch", "onnxruntime", "eager"), parity_images=load_parity_images(count=16))
+    return out

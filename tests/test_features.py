@@ -8,7 +8,7 @@ import torch
 
 from edge_client.features import FeatureExtractor
 from edge_client.models import build_backbone, weights_sha256
-from edge_client.models.preprocess import to_model_input
+from edge_client.preprocess import to_model_input
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -58,6 +58,19 @@ def test_resize_matches_numpy_bilinear_reference(in_shape, size):
         for channel, (mean, std) in enumerate(zip((0.5, 0.25, 0.0), (0.5, 2.0, 1.0))):
             np.testing.assert_allclose(batch[index, channel], (resized - mean) / std,
                                        rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("in_shape, size", [((28, 28), 32), ((28, 28), 224), ((28, 28), 20), ((20, 30), 16)])
+def test_numpy_resize_equals_torch_interpolate(in_shape, size):
+    """The numpy path (what a torch-free device runs) computes torch's bilinear resize, which the
+    exported programs were checked against, to float32 rounding."""
+    from torch.nn import functional as F
+
+    images = random_images(2, *in_shape, channels=3, seed=5)
+    batch = to_model_input(images, size, (0.0,) * 3, (1.0,) * 3)
+    pixels = torch.from_numpy(images.astype(np.float32) / 255.0).permute(0, 3, 1, 2)
+    expected = F.interpolate(pixels, size=(size, size), mode="bilinear", align_corners=False, antialias=False)
+    np.testing.assert_allclose(batch, expected.numpy(), rtol=0, atol=1e-6)
 
 
 def test_grayscale_is_copied_into_three_channels():

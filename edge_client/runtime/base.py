@@ -6,6 +6,8 @@ the splitting of large inputs into batches the program accepts live here, once.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
@@ -18,6 +20,7 @@ __all__ = [
     "PIP_PACKAGES",
     "check_image_batch",
     "check_parameter_dict",
+    "torch_installed",
     "run_in_batches",
 ]
 
@@ -27,6 +30,13 @@ PIP_PACKAGES = {
     "onnxruntime": "onnxruntime",
     "eager": "torch",
 }
+
+
+@functools.cache
+def torch_installed() -> bool:
+    """Whether torch can be imported here (asked once: a failing ``import torch`` searches sys.path
+    again on every call, which a torch-free device would pay per training run)."""
+    return importlib.util.find_spec("torch") is not None
 
 
 @runtime_checkable

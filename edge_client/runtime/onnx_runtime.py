@@ -1,7 +1,8 @@
 """ONNX Runtime backend: inference only (ORT's training packages are no longer published).
 
 The session is built from the verified bytes, on the CPU execution provider, with the
-thread count left to ORT unless the caller asks for one.
+thread count left to ORT unless the caller asks for one (per session, or for the whole process
+with :func:`set_onnxruntime_threads`, as ``fedfleet device --threads`` does).
 """
 
 from __future__ import annotations
@@ -12,9 +13,19 @@ from edge_client.runtime.base import check_image_batch, run_in_batches
 from edge_client.runtime.errors import RuntimeUnavailableError
 from protocols.bundle_manifest import ArtifactSpec
 
-__all__ = ["OnnxRuntimeInference", "onnxruntime_version"]
+__all__ = ["OnnxRuntimeInference", "onnxruntime_version", "set_onnxruntime_threads"]
 
 RUNTIME = "onnxruntime"
+
+_default_threads: int | None = None      # intra-op threads of sessions that name none (None: ORT's choice)
+
+
+def set_onnxruntime_threads(count: int) -> None:
+    """Intra-op threads of every ONNX Runtime session made afterwards without an explicit count."""
+    global _default_threads
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"thread count must be a positive integer, got {count!r}")
+    _default_threads = count
 
 
 def onnxruntime_version() -> str:
@@ -38,6 +49,7 @@ class OnnxRuntimeInference:
         import onnxruntime
 
         options = onnxruntime.SessionOptions()
+        intra_op_threads = _default_threads if intra_op_threads is None else intra_op_threads
         if intra_op_threads is not None:
             options.intra_op_num_threads = intra_op_threads
         try:

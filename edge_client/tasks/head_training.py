@@ -173,9 +173,9 @@ def session_fits(session, num_classes: int, feature_dim: int, temperature: float
 def _plain_stepper(weight: np.ndarray, bias: np.ndarray, recipe: LocalTraining):
     """Without a fitting training program: eager torch where it is installed, else the same step in
     numpy (a torch-free device, ``fedfleet[device]``)."""
-    try:
-        import torch  # noqa: F401
-    except ImportError:
+    from edge_client.runtime.base import torch_installed
+
+    if not torch_installed():
         from .numpy_head import NumpyHeadStepper
 
         return NumpyHeadStepper(weight, bias, recipe)
