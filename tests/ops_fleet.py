@@ -124,11 +124,12 @@ def job_config(devices, kind: str = "fed3r", **over) -> dict:
 
 
 class Fleet:
-    """Real device agents on threads; ``gates`` hold chosen devices' computations until set."""
+    """Real device agents on threads; ``gates`` hold chosen devices' computations until set;
+    ``handlers(device) -> (handlers, protocol_handlers)`` replaces the kind's synthetic ones."""
 
     def __init__(self, broker_url: str, devices, topics: Topics = Topics(), gates: dict | None = None,
                  credentials: dict | None = None, tls_ca: str | None = None, retry_after_s: float = 0.5,
-                 kind: str = "fed3r", secure: "SecureKeys | None" = None):
+                 kind: str = "fed3r", secure: "SecureKeys | None" = None, handlers=None):
         self.agents = []
         for d in devices:
             user, password = (credentials or {}).get(d, (None, None))
@@ -136,13 +137,15 @@ class Fleet:
             if user:
                 cfg = dataclasses.replace(cfg, username=user, password=password)
             protocol_handlers = {}
-            if kind == "fed3r":
-                handlers = {"fed3r.stats": SyntheticStats(d, (gates or {}).get(d))}
+            if handlers is not None:
+                handlers_of, protocol_handlers = handlers(d)
+            elif kind == "fed3r":
+                handlers_of = {"fed3r.stats": SyntheticStats(d, (gates or {}).get(d))}
             elif kind == "fed3r-sync":
-                handlers, protocol_handlers = {}, secure_fed3r_handlers(d, secure)
+                handlers_of, protocol_handlers = {}, secure_fed3r_handlers(d, secure)
             else:
-                handlers = {"fedavg.head": head_training(d)}
-            self.agents.append(DeviceAgent(d, cfg, handlers, topics=topics, retry_after_s=retry_after_s, tick_s=0.1,
+                handlers_of = {"fedavg.head": head_training(d)}
+            self.agents.append(DeviceAgent(d, cfg, handlers_of, topics=topics, retry_after_s=retry_after_s, tick_s=0.1,
                                            protocol_handlers=protocol_handlers))
 
     def __enter__(self) -> "Fleet":

@@ -24,7 +24,6 @@ from edge_client.models.preprocess import to_model_input
 from edge_client.models.tail import FrozenBatchNorm2d, split_backbone
 from edge_client.runtime import read_manifest
 from edge_client.tasks.tail_training import TailTrainingTask, TrunkActivations
-from export import export_bundle
 from protocols.envelope import EnvelopeError, decode, encode
 from protocols.messages import TaskRef, result_message
 from protocols.mqtt_link import BrokerConfig
@@ -35,12 +34,10 @@ SIZE, C, T = 32, 10, 0.1
 
 
 @pytest.fixture(scope="module")
-def bundle(tmp_path_factory):
-    """A 32 px MobileNetV2 bundle whose last stage (1x1 conv 320->1280) is trainable. Eager
-    inference keeps the export fast; the training programs are ExecuTorch (and eager)."""
-    out = tmp_path_factory.mktemp("tail") / "bundle"
-    return export_bundle("mobilenet_v2", out, num_classes=C, image_size=SIZE, tail_stages=1, batch_size=8,
-                         inference_runtimes=("eager",))
+def bundle(tail_bundle):
+    """conftest's session bundle: 32 px MobileNetV2, last stage trainable, C classes."""
+    assert read_manifest(tail_bundle).num_classes == C and SIZE == 32
+    return tail_bundle
 
 
 @pytest.fixture(scope="module")
