@@ -256,10 +256,17 @@ def assert_no_empty_contributions(state: Path, case: Case) -> None:
 def test_job_created_through_the_api_resumes_after_sigkills_to_the_uninterrupted_model(kind, broker, tmp_path,
                                                                                        request):
     case = make_case(kind, tmp_path, request)
-    want = dict(np.load(uninterrupted(case, broker.url, tmp_path)))
-    got = dict(np.load(crashed(case, broker.url, tmp_path / "crashed")))
+    ref = uninterrupted(case, broker.url, tmp_path)
+    out = crashed(case, broker.url, tmp_path / "crashed")
+    want, got = dict(np.load(ref)), dict(np.load(out))
     assert sorted(got) == sorted(want)
     for name in want:
         assert got[name].dtype == want[name].dtype and np.array_equal(got[name], want[name]), name
+    # what the model does not show (personalization: the devices' reports): the same final evaluation
+    want_results, got_results = (json.loads((path.parent / "results.json").read_text()) for path in (ref, out))
+    assert got_results["contributed"] == want_results["contributed"]
+    volatile = {"t", "bytes_in", "bytes_out"}
+    assert {k: v for k, v in got_results["final"].items() if k not in volatile} == \
+        {k: v for k, v in want_results["final"].items() if k not in volatile}
     assert_no_empty_contributions(tmp_path / "crashed" / "state.db", case)
     assert_no_empty_contributions(tmp_path / "reference.db", case)
