@@ -25,7 +25,7 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     s.add_argument("--config", type=Path, default=None,
                    help="job config JSON (the fields of the kind's config class, e.g. Fed3RConfig); "
-                        "optional with --keep-serving")
+                        "without it, --state resumes the job that state file holds (interrupted, else queued)")
     s.add_argument("--kind", default="fed3r", choices=sorted(KINDS), metavar="KIND",
                    help="job kind; " + "; ".join(f"{k.name}: {k.summary}" for k in KINDS.values()))
     s.add_argument("--broker", default="mqtt://127.0.0.1:1883",
@@ -69,8 +69,9 @@ def read_eval_features(path: Path) -> tuple[np.ndarray, np.ndarray]:
 
 
 def serve(args) -> int:
-    if args.config is None and not args.keep_serving:
-        raise ValueError("serve needs --config (or --keep-serving with --state to run jobs from the API)")
+    if args.config is None and args.state is None:
+        raise ValueError("serve needs --config, or --state to resume the job that state file holds "
+                         "(with --keep-serving: and then run jobs started through the API)")
     broker = BrokerConfig.from_url(args.broker, tls_ca=args.tls_ca)      # a bad address fails before any file
     job = build_job(args.kind, read_json(args.config, "--config")) if args.config else None
     eval_set = read_eval_features(args.eval_features) if args.eval_features else None

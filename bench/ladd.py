@@ -151,7 +151,7 @@ def main() -> int:
     costs = seed["costs"]
     print(f"over mosquitto ({cfg.devices_per_domain * len(cfg.domains)} devices, {cfg.rounds} rounds x "
           f"{cfg.clients_per_round}, LADD then FedAvg+ST):")
-    print(f"  device train task       mean {costs['device_train_s_mean']:.3f} s, p90 {costs['device_train_s_p90']:.3f} s"
+    print(f"  device train task       mean {costs['device_train_s_mean']:.3f} s"
           f" over {costs['train_tasks']} tasks; style task {costs['device_style_s_mean']:.3f} s")
     print(f"  bytes per device        up {costs['bytes_up_per_device'] / 1e3:.1f} kB, "
           f"down {costs['bytes_down_per_device'] / 1e3:.1f} kB (whole run)")

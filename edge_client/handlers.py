@@ -3,8 +3,8 @@
 One definition for both a real device (``fedfleet device``) and the emulated fleet's workers
 (``fedfleet.emulation.worker``): Fed3R statistics, FedAvg head training, FT(φ)/FT(M) of the
 backbone's tail (with a tail bundle), OLL personalization (with a held-out split), and the secure
-variants (Fed3R-Sync, secure FedAvg) around them. LADD devices are built by
-``fedfleet.ladd_pipeline`` (the only place that hosts them).
+variants (Fed3R-Sync, secure FedAvg) around them; a LADD device's style and self-training
+handlers on its unlabelled images (:func:`ladd_handlers`), secure LADD around those.
 
 Making a feature extractor may need exporting a bundle (``fedfleet.bundles``, which imports
 ``export``); the device SDK never imports ``export``, so the caller hands
@@ -32,9 +32,10 @@ from protocols.identity import DeviceIdentity
 from protocols.payloads.fed3r import KIND as FED3R_KIND
 from protocols.payloads.fedavg import KIND as FEDAVG_KIND
 from protocols.payloads.fedavg import KIND_TAIL as FEDAVG_TAIL_KIND
+from protocols.payloads.ladd import KIND_STYLE as LADD_STYLE_KIND
 from protocols.payloads.ladd import KIND_TRAIN as LADD_TRAIN_KIND
 from protocols.payloads.personalize import KIND as PERSONALIZE_KIND
-from protocols.payloads.secagg import SECAGG_TYPE, SECURE_FEDAVG_KIND, SECURE_TAIL_KIND, SYNC_KIND
+from protocols.payloads.secagg import SECAGG_TYPE, SECURE_FEDAVG_KIND, SECURE_LADD_KIND, SECURE_TAIL_KIND, SYNC_KIND
 
 # (backbone, image_size) -> a FeatureExtractor; e.g. fedfleet.bundles.make_extractor bound to a runtime
 ExtractorFactory = Callable[[str, int], object]
@@ -76,6 +77,10 @@ class Unsupported:
         self.reason = reason
 
     def __call__(self, params, tensors=None):
+        raise TaskDeclined(self.reason)
+
+    def on_task(self, job: str, round_: int, params, tensors=None):
+        """The secure kind of an unsupported plain kind: declined before any key is made."""
         raise TaskDeclined(self.reason)
 
 
@@ -162,13 +167,39 @@ def device_handlers(data: LocalData, extractors, config: HandlerConfig) -> dict:
     return handlers
 
 
+def ladd_handlers(images: np.ndarray, model_factory: Callable, lock: threading.Lock | None = None,
+                  expected_weights_sha256: Callable[[], str] | None = None, runtime: str = "eager") -> dict:
+    """A LADD device's handlers on its unlabelled images: its style (``ladd.style``) and cluster
+    self-training (``ladd.train``); ``model_factory`` (SegmentationSpec -> SegmentationModel) may
+    share one network among a process's devices, ``lock`` then serialises their use of it."""
+    from edge_client.tasks.ladd_training import LaddStyleTask, LaddTrainTask   # torch: LADD devices only
+
+    return {LADD_STYLE_KIND: LaddStyleTask(images),
+            LADD_TRAIN_KIND: LaddTrainTask(images, model_factory, lock, expected_weights_sha256, runtime)}
+
+
+def _secure_ladd(*args) -> object:
+    from edge_client.tasks.secure_ladd_training import SecureLaddTraining   # torch: LADD devices only
+
+    return SecureLaddTraining(*args)
+
+
+# plain task kind -> (its secure wire kind, the SecAgg client that masks what the plain handler computes)
+SECURE_VARIANTS = {FED3R_KIND: (SYNC_KIND, SecureFed3R),
+                   FEDAVG_KIND: (SECURE_FEDAVG_KIND, SecureFedAvgTraining),
+                   FEDAVG_TAIL_KIND: (SECURE_TAIL_KIND, SecureFedAvgTraining),
+                   LADD_TRAIN_KIND: (SECURE_LADD_KIND, _secure_ladd)}
+
+
 def secure_handlers(identity: DeviceIdentity, aggregator_key: bytes, handlers: dict) -> dict:
-    """Protocol handlers for secure rounds (Fed3R-Sync, secure FedAvg of the head or the tail) around
-    a device's plain handlers; one session registry routes every secagg message."""
+    """Protocol handlers for secure rounds (Fed3R-Sync, secure FedAvg of the head or the tail,
+    secure LADD) around whichever of those plain handlers a device has; one session registry
+    routes every secagg message."""
     sessions = SecAggSessions(identity.device_id)
-    secure = {SYNC_KIND: SecureFed3R(identity, aggregator_key, handlers[FED3R_KIND], sessions),
-              SECURE_FEDAVG_KIND: SecureFedAvgTraining(identity, aggregator_key, handlers[FEDAVG_KIND], sessions),
-              SECAGG_TYPE: sessions}
-    if FEDAVG_TAIL_KIND in handlers:               # an Unsupported one declines the secure kind alike
-        secure[SECURE_TAIL_KIND] = SecureFedAvgTraining(identity, aggregator_key, handlers[FEDAVG_TAIL_KIND], sessions)
-    return secure
+    secure = {}
+    for plain, (secure_kind, client) in SECURE_VARIANTS.items():
+        if plain in handlers:       # an Unsupported plain handler declines its secure kind alike
+            handler = handlers[plain]
+            secure[secure_kind] = (handler if isinstance(handler, Unsupported)
+                                   else client(identity, aggregator_key, handler, sessions))
+    return {**secure, SECAGG_TYPE: sessions}

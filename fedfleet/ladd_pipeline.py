@@ -5,16 +5,17 @@ Per seed (the benchmark, the fleet's sampling and the head initialisation all fo
 1. This process draws the synthetic benchmark (``fedfleet.emulation.synthetic_scenes``): a
    labelled source domain for the server, ``devices_per_domain`` unlabelled devices in each
    target domain, and per-domain test sets whose labels are only used for evaluation.
-2. It starts one aggregator process and W worker processes (all talk only through MQTT):
-
-   * workers host one ``edge_client.DeviceAgent`` per device with the ``ladd.style`` and
-     ``ladd.train`` handlers on the device's own images;
-   * the aggregator process (``python -m fedfleet.ladd_pipeline aggregator SPEC``) runs the
-     real ``AggregatorService`` three times over: the LADD job (style round -> clustering ->
-     FDA pre-training on the source set -> T cluster-aware rounds), then the FedAvg +
-     self-training job (same pre-trained model, one cluster), then trains the source-only
-     model (no FDA). This is the layer allowed to import both sides: it injects the
-     ``edge_client`` network into the aggregator's model-agnostic pre-training and job.
+2. It runs the devices on :class:`fedfleet.simulate.EmulatedFleet`'s device hosts (the same
+   emulation stack as every other pipeline; a LADD device's handlers, ``ladd.style`` and
+   ``ladd.train`` on its own images, come from ``edge_client.handlers.ladd_handlers``), and one
+   aggregator process (``python -m fedfleet.ladd_pipeline aggregator SPEC``) that runs the
+   real ``AggregatorService`` three times over: the LADD job (style round -> clustering ->
+   FDA pre-training on the source set -> T cluster-aware rounds), then the FedAvg +
+   self-training job (same pre-trained model, one cluster), then trains the source-only
+   model (no FDA). This is the layer allowed to import both sides: it injects the
+   ``edge_client`` network into the aggregator's model-agnostic pre-training and evaluation
+   (a LADD job built from its config alone starts from a stored pretrained network instead:
+   ``LaddConfig.initial_model_file``, what ``aggregator serve`` and the admin API run).
 3. It evaluates every saved model on the target test sets (mIoU per domain, per cluster;
    test images routed to the nearest style centroid for LADD), computes clustering purity
    against the true domains, and collects per-round costs from the workers and the service.
@@ -41,11 +42,7 @@ import argparse
 import collections
 import dataclasses
 import json
-import os
-import signal
-import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,8 +50,8 @@ from pathlib import Path
 import numpy as np
 
 from .emulation.identities import make_identities
-from .emulation.processes import stop_all
 from .emulation.synthetic_scenes import CLASSES, TARGET_DOMAINS, make_benchmark
+from .simulate import EmulatedFleet, SimConfig
 
 METHODS = ("source_only", "fda_pretrained", "fedavg_st", "ladd")
 
@@ -273,89 +270,6 @@ def _serve(spec: dict) -> None:
     (out / "aggregator_timings.json").write_text(json.dumps({"wall_s": timings, "pretrain": pre_log}))
 
 
-# ----------------------------------------------------------------------------- the worker process
-def _device_agent(device_id: str, images: np.ndarray, broker, topics, hooks, model_factory, lock, retry_after_s,
-                  durations: dict, runtime: str = "eager", secure: dict | None = None):
-    """One emulated device; ``secure`` ({"aggregator_public_key", "device_keys"}, hex) adds the
-    ``ladd.train.secure`` handler around the same training task."""
-    from edge_client.agent import DeviceAgent
-    from edge_client.models import weights_sha256
-    from edge_client.tasks.ladd_training import LaddStyleTask, LaddTrainTask
-    from edge_client.tasks.secure_ladd_training import SecureLaddTraining
-    from edge_client.tasks.secure_update import SecAggSessions
-    from protocols.identity import DeviceIdentity
-    from protocols.payloads.ladd import KIND_STYLE, KIND_TRAIN
-    from protocols.payloads.secagg import SECAGG_TYPE, SECURE_LADD_KIND
-
-    style = LaddStyleTask(images)
-    train = LaddTrainTask(images, model_factory, lock, lambda: weights_sha256("mobilenet_v2"), runtime)
-
-    def timed(kind, handler):
-        def call(params, tensors):
-            t0 = time.perf_counter()
-            try:
-                return handler(params, tensors)
-            finally:
-                durations.setdefault(kind, []).append(time.perf_counter() - t0)
-        return call
-
-    protocol_handlers = {}
-    if secure:
-        identity = DeviceIdentity.from_private_bytes(device_id, bytes.fromhex(secure["device_keys"][device_id]))
-        sessions = SecAggSessions(device_id)
-        secure_train = SecureLaddTraining(identity, bytes.fromhex(secure["aggregator_public_key"]), train, sessions)
-        secure_train.vector = timed(KIND_TRAIN, secure_train.vector)      # the training is inside
-        protocol_handlers = {SECURE_LADD_KIND: secure_train, SECAGG_TYPE: sessions}
-    agent = DeviceAgent(device_id, broker, {KIND_STYLE: timed(KIND_STYLE, style), KIND_TRAIN: timed(KIND_TRAIN, train)},
-                        topics, hooks=hooks, retry_after_s=retry_after_s, protocol_handlers=protocol_handlers)
-    return agent
-
-
-def _work(spec: dict) -> None:
-    """Body of ``python -m fedfleet.ladd_pipeline worker SPEC.json``."""
-    import torch
-
-    from edge_client.models.segmentation import SegmentationModel
-    from protocols.mqtt_link import BrokerConfig
-    from protocols.topics import Topics
-
-    from .emulation.profiles import DeviceProfile
-    from .emulation.worker import profile_hooks
-
-    torch.set_num_threads(1)
-    data = np.load(spec["devices_file"])
-    broker, topics = BrokerConfig.from_url(spec["broker"]), Topics(spec["topic_root"])
-    lock = threading.Lock()
-    models: dict = {}
-
-    def model_factory(seg_spec):      # one network per process, shared under the lock
-        if seg_spec not in models:
-            models[seg_spec] = SegmentationModel(seg_spec)
-        return models[seg_spec]
-
-    t0 = time.monotonic()
-    agents = []
-    for dev in spec["devices"]:
-        profile = DeviceProfile.from_dict(dev["profile"])
-        rng = np.random.default_rng([spec["seed"], int(dev["index"])])
-        durations: dict = {}
-        agent = _device_agent(profile.device_id, data[profile.device_id], broker, topics,
-                                   profile_hooks(profile, t0, rng), model_factory, lock, spec["retry_after_s"],
-                                   durations, spec.get("runtime", "eager"), spec.get("secure"))
-        agents.append((agent.start(), durations))
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    stats = {a.device_id: {"bytes_up": a.stats.bytes_up, "bytes_down": a.link.bytes_received, "compute_s": a.stats.compute_s,
-                           "tasks_done": a.stats.tasks_done, "declined": a.stats.tasks_declined,
-                           "dropouts": a.stats.dropouts, "durations": durations}
-             for a, durations in agents}
-    for a, _ in agents:
-        a.stop()
-    Path(spec["stats_file"]).write_text(json.dumps(stats))
-
-
 # ----------------------------------------------------------------------------- orchestration
 def _job_configs(cfg: LaddSimConfig, seed: int, n_devices: int) -> dict:
     from edge_client.models import weights_sha256
@@ -409,33 +323,13 @@ def _run_seed(cfg: LaddSimConfig, seed: int, broker_url: str, say) -> dict:
                 "broker": broker_url, "topic_root": topic_root, "devices": ids, "timeout_s": cfg.timeout_s,
                 "jobs": jobs, "secure": cfg.secure}
     (out / "aggregator.spec.json").write_text(json.dumps(agg_spec))
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-m", "fedfleet.ladd_pipeline", "aggregator",
-                               str(out / "aggregator.spec.json")], env=env,
-                              stdout=open(out / "aggregator.log", "w"), stderr=subprocess.STDOUT)]
-    n_workers = max(1, min(cfg.workers, len(ids)))
-    for w in range(n_workers):
-        mine = [{"index": i, "profile": p.to_dict()} for i, p in enumerate(profiles) if i % n_workers == w]
-        spec = {"devices_file": str(out / "devices.npz"), "broker": broker_url, "topic_root": topic_root,
-                "devices": mine, "seed": seed, "retry_after_s": 5.0, "stats_file": str(out / f"worker{w}.json"),
-                "runtime": cfg.device_runtime,
-                "secure": None if keys is None else {
-                    "aggregator_public_key": keys["aggregator_public_key"],
-                    "device_keys": {d["profile"]["device_id"]: keys["device_keys"][d["profile"]["device_id"]]
-                                    for d in mine}}}
-        (out / f"worker{w}.spec.json").write_text(json.dumps(spec))
-        procs.append(subprocess.Popen([sys.executable, "-m", "fedfleet.ladd_pipeline", "worker",
-                                       str(out / f"worker{w}.spec.json")], env=env,
-                                      stdout=open(out / f"worker{w}.log", "w"), stderr=subprocess.STDOUT))
-    try:
-        rc = procs[0].wait(timeout=cfg.timeout_s * 2 + 120)
-    except subprocess.TimeoutExpired:
-        rc = -1
-    finally:
-        stop_all(procs)
-    if rc != 0:
-        raise RuntimeError(f"LADD aggregator failed (exit {rc}); log tail:\n"
-                           f"{(out / 'aggregator.log').read_text()[-3000:]}")
+    # the devices: EmulatedFleet's hosts (LADD devices on their own images); the aggregator: this
+    # pipeline's process, which runs both federated jobs with the pre-training and the evaluator
+    sim = SimConfig(devices=len(ids), broker=broker_url, topic_root=topic_root, workers=cfg.workers, seed=seed,
+                    runtime=cfg.device_runtime, retry_after_s=5.0, host_threads=4)
+    with EmulatedFleet(sim, out, profiles, keys, quiet=True, ladd_devices_file=out / "devices.npz") as fleet:
+        fleet.run_aggregator(["fedfleet.ladd_pipeline", "aggregator", str(out / "aggregator.spec.json")],
+                             out / "aggregator.log", "LADD", cfg.timeout_s * 2 + 120)
     federated_s = time.monotonic() - t_start
 
     # ---- evaluation, independent of the aggregator: saved models on the labelled test sets
@@ -466,11 +360,7 @@ def _run_seed(cfg: LaddSimConfig, seed: int, broker_url: str, say) -> dict:
                                                  np.concatenate([[d] * len(v) for d, v in routed.items()])),
         "devices_per_cluster": dict(collections.Counter(str(c) for c in ladd_report["assignment"].values())),
     }
-    workers = {}
-    for w in range(n_workers):
-        f = out / f"worker{w}.json"
-        if f.exists():
-            workers.update(json.loads(f.read_text()))
+    workers = {d: stats for w in fleet.worker_stats for d, stats in w["per_device"].items()}
     timings = json.loads((out / "aggregator_timings.json").read_text())
     report = {"seed": seed, "methods": methods, "clustering": clustering, "histories": histories,
               "costs": _costs(workers, job_reports, timings, cfg), "wall_s": time.monotonic() - t_start,
@@ -483,15 +373,19 @@ def _run_seed(cfg: LaddSimConfig, seed: int, broker_url: str, say) -> dict:
 
 
 def _costs(workers: dict, job_reports: dict, timings: dict, cfg: LaddSimConfig) -> dict:
-    train = [s for w in workers.values() for s in w["durations"].get("ladd.train", [])]
-    style = [s for w in workers.values() for s in w["durations"].get("ladd.style", [])]
-    tasks = sum(len(w["durations"].get("ladd.train", [])) for w in workers.values())
+    """Per-device costs from the device hosts' statistics (per device: bytes, and per task kind:
+    tasks and compute seconds; a secure training task's compute is its masked update)."""
+    def kind_totals(prefix: str) -> tuple[int, float]:
+        entries = [e for w in workers.values() for k, e in w["by_kind"].items() if k.startswith(prefix)]
+        return sum(e["tasks"] for e in entries), sum(e["compute_s"] for e in entries)
+
+    train_tasks, train_s = kind_totals("ladd.train")
+    style_tasks, style_s = kind_totals("ladd.style")
     n_dev = max(1, len(workers))
     return {
-        "device_train_s_mean": float(np.mean(train)) if train else None,
-        "device_train_s_p90": float(np.percentile(train, 90)) if train else None,
-        "device_style_s_mean": float(np.mean(style)) if style else None,
-        "train_tasks": tasks,
+        "device_train_s_mean": train_s / train_tasks if train_tasks else None,
+        "device_style_s_mean": style_s / style_tasks if style_tasks else None,
+        "train_tasks": train_tasks,
         "bytes_up_per_device": sum(w["bytes_up"] for w in workers.values()) / n_dev,
         "bytes_down_per_device": sum(w["bytes_down"] for w in workers.values()) / n_dev,
         "aggregate_s_per_round": {n: (r["aggregate_s"] / max(1, cfg.rounds)) for n, r in job_reports.items()},
@@ -678,12 +572,12 @@ def ladd_config_from_args(args: argparse.Namespace) -> LaddSimConfig:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) == 2 and argv[0] in ("aggregator", "worker"):
+    if len(argv) == 2 and argv[0] == "aggregator":
         import logging
 
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         spec = json.loads(Path(argv[1]).read_text())
-        (_serve if argv[0] == "aggregator" else _work)(spec)
+        _serve(spec)
         return 0
     parser = argparse.ArgumentParser(prog="python -m fedfleet.ladd_pipeline", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -140,7 +140,8 @@ def _load(cfg: SimConfig):
 
 
 class EmulatedFleet:
-    """The long-lived part of a simulation: a broker and W worker processes hosting the devices.
+    """The long-lived part of a simulation: a broker and W worker processes hosting the devices
+    (every pipeline's: Fed3R, Fed3R → FT → OLL, LADD; plain and secure).
 
     Jobs come and go (:meth:`run_job` starts one aggregator process per job and waits for it);
     the devices stay connected across jobs, as a real fleet outlives any one training job. The
@@ -149,9 +150,10 @@ class EmulatedFleet:
 
     def __init__(self, cfg: SimConfig, out: Path, profiles, secure: dict | None, quiet: bool,
                  holdout_file: Path | None = None, training_manifest: Path | None = None,
-                 tail_manifest: Path | None = None):
+                 tail_manifest: Path | None = None, ladd_devices_file: Path | None = None):
         self.cfg, self.out, self.profiles, self.secure, self.quiet = cfg, out, profiles, secure, quiet
         self.holdout_file, self.training_manifest, self.tail_manifest = holdout_file, training_manifest, tail_manifest
+        self.ladd_devices_file = ladd_devices_file       # LADD devices: their own images, not dataset shards
         self.broker = None
         self.hosts = None
         self.worker_stats: list[dict] = []
@@ -194,6 +196,7 @@ class EmulatedFleet:
                 "holdout_file": str(self.holdout_file) if self.holdout_file else None,
                 "training_manifest": str(self.training_manifest) if self.training_manifest else None,
                 "tail_manifest": str(self.tail_manifest) if self.tail_manifest else None,
+                "ladd_devices_file": str(self.ladd_devices_file) if self.ladd_devices_file else None,
                 "broker": self.broker_url, "topic_root": cfg.topic_root, "devices": mine, "seed": cfg.seed,
                 "cache_dir": cfg.cache_dir, "runtime": cfg.runtime, "threads": threads,
                 "step_threads": cfg.host_threads,
@@ -211,23 +214,31 @@ class EmulatedFleet:
         (job_dir / "job.json").write_text(json.dumps(job, indent=1))
         watcher = StatusWatcher(self.broker_url, Topics(cfg.topic_root), total=progress_total, quiet=self.quiet,
                                 job_id=job["job_id"])
-        log_file = job_dir / "aggregator.log"
-        agg = subprocess.Popen([sys.executable, "-m", "aggregator", "serve", "--config", str(job_dir / "job.json"),
-                                "--kind", kind, "--broker", self.broker_url, "--topic-root", cfg.topic_root,
-                                "--out", str(job_dir), "--eval-features", str(eval_features),
-                                "--enrolled", str(self.out / "enrolled.txt"), "--timeout", str(cfg.timeout_s),
-                                "--evaluate", cfg.evaluate],
-                               env=self.env, stdout=open(log_file, "w"), stderr=subprocess.STDOUT)
         try:
-            rc = agg.wait(timeout=cfg.timeout_s + 60)
+            self.run_aggregator(["aggregator", "serve", "--config", str(job_dir / "job.json"), "--kind", kind,
+                                 "--broker", self.broker_url, "--topic-root", cfg.topic_root, "--out", str(job_dir),
+                                 "--eval-features", str(eval_features), "--enrolled", str(self.out / "enrolled.txt"),
+                                 "--timeout", str(cfg.timeout_s), "--evaluate", cfg.evaluate],
+                                job_dir / "aggregator.log", kind, cfg.timeout_s + 60)
+        finally:
+            watcher.close()
+        if not (job_dir / "results.json").exists():
+            raise RuntimeError(f"{kind} aggregator wrote no results.json (see {job_dir / 'aggregator.log'})")
+        return json.loads((job_dir / "results.json").read_text())
+
+    def run_aggregator(self, module_args: list[str], log_file: Path, what: str, timeout_s: float) -> None:
+        """``python -m MODULE_ARGS`` as the aggregator process of a job, until it exits; an error
+        with its log's tail unless it exits 0."""
+        agg = subprocess.Popen([sys.executable, "-m", *module_args], env=self.env, stdout=open(log_file, "w"),
+                               stderr=subprocess.STDOUT)
+        try:
+            rc = agg.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             rc = -1
         finally:
-            watcher.close()
             stop_all([agg], first_is_done=False)
-        if rc != 0 or not (job_dir / "results.json").exists():
-            raise RuntimeError(f"{kind} aggregator failed (exit {rc}); log tail:\n{log_file.read_text()[-3000:]}")
-        return json.loads((job_dir / "results.json").read_text())
+        if rc != 0:
+            raise RuntimeError(f"{what} aggregator failed (exit {rc}); log tail:\n{log_file.read_text()[-3000:]}")
 
     def __exit__(self, *exc) -> None:
         if self.hosts is not None:

@@ -14,6 +14,18 @@ def broker():
         yield b
 
 
+@pytest.fixture(scope="session")
+def tail_bundle(tmp_path_factory):
+    """A 32 px MobileNetV2 bundle (its manifest path) whose last stage (1x1 conv 320->1280) is
+    trainable, exported once per session for every test that needs one. Eager inference keeps
+    the export fast; the training programs are ExecuTorch (and eager)."""
+    from export import export_bundle
+
+    out = tmp_path_factory.mktemp("tail") / "bundle"
+    return export_bundle("mobilenet_v2", out, num_classes=10, image_size=32, tail_stages=1, batch_size=8,
+                         inference_runtimes=("eager",))
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _one_torch_thread():
     """Intra-op threads oversubscribe a shared 2-core CI box (2 threads can be 10x slower than 1

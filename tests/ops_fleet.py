@@ -31,16 +31,17 @@ def data_for(device: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 class SyntheticStats:
-    """Task handler: real Fed3R statistics of the device's fixed synthetic features."""
+    """Task handler: real Fed3R statistics of the device's fixed synthetic features (``data``:
+    device -> (Z, y), default :func:`data_for`)."""
 
-    def __init__(self, device: str, gate: threading.Event | None = None):
-        self.Z, self.y = data_for(device)
+    def __init__(self, device, gate: threading.Event | None = None, data=data_for):
+        self.Z, self.y = data(device)
         self.gate = gate
 
     def __call__(self, params, tensors=None):
         if self.gate is not None:
             self.gate.wait(60)
-        acc = Fed3RAccumulator(C, D)
+        acc = Fed3RAccumulator(C, self.Z.shape[1])
         acc.update(self.Z, self.y)
         A, ids, b = acc.sparse()
         return encode_stats(A, ids, b, acc.n, C)
@@ -124,11 +125,12 @@ def job_config(devices, kind: str = "fed3r", **over) -> dict:
 
 
 class Fleet:
-    """Real device agents on threads; ``gates`` hold chosen devices' computations until set."""
+    """Real device agents on threads; ``gates`` hold chosen devices' computations until set;
+    ``handlers(device) -> (handlers, protocol_handlers)`` replaces the kind's synthetic ones."""
 
     def __init__(self, broker_url: str, devices, topics: Topics = Topics(), gates: dict | None = None,
                  credentials: dict | None = None, tls_ca: str | None = None, retry_after_s: float = 0.5,
-                 kind: str = "fed3r", secure: "SecureKeys | None" = None):
+                 kind: str = "fed3r", secure: "SecureKeys | None" = None, handlers=None):
         self.agents = []
         for d in devices:
             user, password = (credentials or {}).get(d, (None, None))
@@ -136,13 +138,15 @@ class Fleet:
             if user:
                 cfg = dataclasses.replace(cfg, username=user, password=password)
             protocol_handlers = {}
-            if kind == "fed3r":
-                handlers = {"fed3r.stats": SyntheticStats(d, (gates or {}).get(d))}
+            if handlers is not None:
+                handlers_of, protocol_handlers = handlers(d)
+            elif kind == "fed3r":
+                handlers_of = {"fed3r.stats": SyntheticStats(d, (gates or {}).get(d))}
             elif kind == "fed3r-sync":
-                handlers, protocol_handlers = {}, secure_fed3r_handlers(d, secure)
+                handlers_of, protocol_handlers = {}, secure_fed3r_handlers(d, secure)
             else:
-                handlers = {"fedavg.head": head_training(d)}
-            self.agents.append(DeviceAgent(d, cfg, handlers, topics=topics, retry_after_s=retry_after_s, tick_s=0.1,
+                handlers_of = {"fedavg.head": head_training(d)}
+            self.agents.append(DeviceAgent(d, cfg, handlers_of, topics=topics, retry_after_s=retry_after_s, tick_s=0.1,
                                            protocol_handlers=protocol_handlers))
 
     def __enter__(self) -> "Fleet":
@@ -226,3 +230,23 @@ def start_secure_fedavg_agents(broker_url: str, identities: dict, aggregator_key
         agents.append(DeviceAgent(device, BrokerConfig.from_url(broker_url), {},
                                   protocol_handlers={kind: secure, SECAGG_TYPE: sessions}).start())
     return agents
+
+
+def replay_round(replay, devices, tasks: dict, kind: str = "fedavg.head") -> list[tuple[dict, dict]]:
+    """One round of a FedAvg-family job replayed in process: ``replay`` opened the round; each of
+    ``devices`` runs its handler ``tasks[device]`` on the task the job sends it, the result goes
+    through the wire codec into the job, and the round closes with them all. The (body, tensors)
+    each device returned, in order."""
+    from protocols.envelope import decode, encode
+    from protocols.messages import TaskRef, result_message
+    from protocols.rounds import RoundClosed
+
+    outputs = []
+    for dev in devices:
+        params, tensors = replay.task_for(dev)
+        body, out = tasks[dev](params, tensors)
+        msg = result_message(dev, TaskRef(replay.config.job_id, replay.round, "x" * 32), kind, body, out)
+        replay.apply(dev, replay.parse_result(decode(encode(msg))))
+        outputs.append((body, out))
+    replay.close_round(RoundClosed(replay.round, tuple(devices), (), (), ()))
+    return outputs

@@ -20,6 +20,8 @@ from protocols.mqtt_link import BrokerConfig
 from protocols.payloads.fed3r import encode_stats
 from protocols.topics import Topics
 
+import ops_fleet
+
 D, C = 6, 3
 
 
@@ -28,20 +30,9 @@ def data_for(i):
     return rng.normal(size=(30, D)), rng.integers(0, C, 30)
 
 
-class SyntheticStats:
-    """A task handler computing real Fed3R statistics of fixed synthetic features."""
-
-    def __init__(self, i, gate=None):
-        self.Z, self.y = data_for(i)
-        self.gate = gate
-
-    def __call__(self, params, tensors=None):
-        if self.gate is not None:
-            self.gate.wait(30)
-        acc = Fed3RAccumulator(C, D)
-        acc.update(self.Z, self.y)
-        A, ids, b = acc.sparse()
-        return encode_stats(A, ids, b, acc.n, C)
+def SyntheticStats(i, gate=None):
+    """A task handler computing real Fed3R statistics of this file's synthetic features."""
+    return ops_fleet.SyntheticStats(i, gate, data=data_for)
 
 
 def start_service(broker, tmp_path, devices, **cfg):

@@ -6,16 +6,13 @@ import threading
 
 import numpy as np
 import pytest
-from ops_fleet import Features
+from ops_fleet import Features, replay_round
 
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob
 from aggregator.service import AggregatorService
 from edge_client.agent import DeviceAgent
 from edge_client.tasks.head_training import HeadTrainingTask
-from protocols.envelope import decode, encode
-from protocols.messages import TaskRef, result_message
 from protocols.mqtt_link import BrokerConfig
-from protocols.rounds import RoundClosed
 
 D, C, N = 6, 3, 30
 
@@ -50,12 +47,7 @@ def test_fedavg_over_mosquitto_equals_in_process_replay(broker, tmp_path, moment
     for r in result["rounds"]:
         chosen = replay.next_participants(set(ids))
         assert chosen == sorted(r["accepted"])                         # same seeded sampling
-        for dev in chosen:
-            params, tensors = replay.task_for(dev)
-            body, out = tasks[dev](params, tensors)
-            msg = result_message(dev, TaskRef("ft", replay.round, "x" * 32), "fedavg.head", body, out)
-            replay.apply(dev, replay.parse_result(decode(encode(msg))))
-        replay.close_round(RoundClosed(replay.round, tuple(chosen), (), (), ()))
+        replay_round(replay, chosen, tasks)
     for k in ("weight", "bias"):
         np.testing.assert_allclose(job.params[k], replay.params[k], rtol=1e-6, atol=1e-7)
     assert not np.allclose(job.params["weight"], FedAvgJob(FedAvgConfig(**cfg)).params["weight"])   # it trained

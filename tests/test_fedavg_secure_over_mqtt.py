@@ -5,16 +5,13 @@ A device whose trained head breaks the round's bound declines; the round goes on
 
 import numpy as np
 import pytest
-from ops_fleet import Features, RecordingService, start_secure_fedavg_agents
+from ops_fleet import Features, RecordingService, replay_round, start_secure_fedavg_agents
 
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob
 from aggregator.jobs.secure_fedavg import SecureFedAvgConfig, SecureFedAvgJob
 from edge_client.tasks.head_training import HeadTrainingTask
-from protocols.envelope import decode, encode
 from protocols.identity import DeviceIdentity, IdentityRegistry
-from protocols.messages import TaskRef, result_message
 from protocols.payloads.secagg import SECURE_FEDAVG_KIND
-from protocols.rounds import RoundClosed
 
 D, C, N = 6, 3, 30
 OUTLIER = "dev4"      # its features are huge: its trained head exceeds max_abs_param
@@ -53,12 +50,7 @@ def test_secure_fedavg_equals_plain_fedavg_over_the_summed_devices(broker, tmp_p
         in_sum = sorted(r["accepted"])
         outlier_sampled |= OUTLIER in chosen
         assert OUTLIER not in in_sum and set(in_sum) == set(chosen) - {OUTLIER}
-        for dev in in_sum:
-            params, tensors = replay.task_for(dev)
-            body, out = tasks[dev](params, tensors)
-            msg = result_message(dev, TaskRef("sft", replay.round, "x" * 32), "fedavg.head", body, out)
-            replay.apply(dev, replay.parse_result(decode(encode(msg))))
-        replay.close_round(RoundClosed(replay.round, tuple(in_sum), (), (), ()))
+        replay_round(replay, in_sum, tasks)
     assert outlier_sampled                                           # the decline path was exercised
     for k in ("weight", "bias"):
         np.testing.assert_allclose(job.params[k], replay.params[k], rtol=0, atol=1e-6)

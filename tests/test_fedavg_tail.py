@@ -24,23 +24,22 @@ from edge_client.models.preprocess import to_model_input
 from edge_client.models.tail import FrozenBatchNorm2d, split_backbone
 from edge_client.runtime import read_manifest
 from edge_client.tasks.tail_training import TailTrainingTask, TrunkActivations
-from export import export_bundle
 from protocols.envelope import EnvelopeError, decode, encode
 from protocols.messages import TaskRef, result_message
 from protocols.mqtt_link import BrokerConfig
 from protocols.payloads.fedavg import KIND_TAIL
 from protocols.rounds import RoundClosed
 
+from ops_fleet import replay_round
+
 SIZE, C, T = 32, 10, 0.1
 
 
 @pytest.fixture(scope="module")
-def bundle(tmp_path_factory):
-    """A 32 px MobileNetV2 bundle whose last stage (1x1 conv 320->1280) is trainable. Eager
-    inference keeps the export fast; the training programs are ExecuTorch (and eager)."""
-    out = tmp_path_factory.mktemp("tail") / "bundle"
-    return export_bundle("mobilenet_v2", out, num_classes=C, image_size=SIZE, tail_stages=1, batch_size=8,
-                         inference_runtimes=("eager",))
+def bundle(tail_bundle):
+    """conftest's session bundle: 32 px MobileNetV2, last stage trainable, C classes."""
+    assert read_manifest(tail_bundle).num_classes == C and SIZE == 32
+    return tail_bundle
 
 
 @pytest.fixture(scope="module")
@@ -273,14 +272,11 @@ def test_ft_m_over_mosquitto_equals_in_process_replay(broker, bundle, fmnist, tm
     assert all(len(r["accepted"]) == 3 for r in result["rounds"]), result["rounds"]
 
     replay, _ = _job(bundle, train="tail+head")
+    fresh = {d: TailTrainingTask(images[shards[d]], labels[shards[d]], bundle) for d in ids}
     for r in result["rounds"]:
         chosen = replay.next_participants(set(ids))
         assert chosen == sorted(r["accepted"])
-        for device in chosen:
-            params, tensors = replay.task_for(device)
-            body, out = TailTrainingTask(images[shards[device]], labels[shards[device]], bundle)(params, tensors)
-            replay.apply(device, _result(replay, device, out, body["n"]))
-        replay.close_round(RoundClosed(replay.round, tuple(chosen), (), (), ()))
+        replay_round(replay, chosen, fresh, KIND_TAIL)
     for name in replay.params:
         np.testing.assert_allclose(job.params[name], replay.params[name], rtol=1e-5, atol=1e-6)
     assert not np.allclose(job.params["tail.stages.0.0.weight"], _job(bundle)[0].params["tail.stages.0.0.weight"])
@@ -337,17 +333,13 @@ def test_secure_ft_phi_over_mosquitto_equals_the_plain_mean_of_the_summed_device
     assert len(result["rounds"]) == 2 and not job.failed_rounds
 
     replay = TailFedAvgJob(TailFedAvgConfig(**cfg))          # same config, plaintext
+    fresh = {d: TailTrainingTask(images[shards[d]], labels[shards[d]], bundle) for d in ids}
     for r in result["rounds"]:
         chosen = replay.next_participants(set(ids))
         assert sorted(r["accepted"]) == chosen
-        trained, ns = [], []
-        for device in chosen:
-            params, tensors = replay.task_for(device)
-            body, out = TailTrainingTask(images[shards[device]], labels[shards[device]], bundle)(params, tensors)
-            trained.append(out["tail.stages.0.0.weight"].astype(np.float64))
-            ns.append(body["n"])
-            replay.apply(device, _result(replay, device, out, body["n"]))
-        replay.close_round(RoundClosed(replay.round, tuple(chosen), (), (), ()))
+        outputs = replay_round(replay, chosen, fresh, KIND_TAIL)
+        trained = [out["tail.stages.0.0.weight"].astype(np.float64) for _, out in outputs]
+        ns = [body["n"] for body, _ in outputs]
         plain_mean = sum(n * t for n, t in zip(ns, trained)) / sum(ns)
         np.testing.assert_allclose(replay.params["tail.stages.0.0.weight"], plain_mean, rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(job.params["tail.stages.0.0.weight"], replay.params["tail.stages.0.0.weight"],

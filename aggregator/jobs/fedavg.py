@@ -234,13 +234,15 @@ class FedAvgJob:
 
     def state_dict(self) -> dict[str, np.ndarray]:
         return {**self.model_arrays(), **self.strategy.state_dict(),
-                "round": np.array([self.round], dtype=np.int64)}
+                "round": np.array([self.round], dtype=np.int64),
+                "counts": np.array([self.samples, self.late_discarded], dtype=np.int64)}
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
-        """The model and server-optimizer state as of the last closed round."""
+        """The model, server-optimizer state and sample counts as of the last closed round."""
         self.params = head_tensors(state["weight"], state["bias"])
         self.strategy.load_state_dict(state)
         self.round = int(state["round"][0])
+        self.samples, self.late_discarded = (int(x) for x in state["counts"])
         self._open = False
 
     def bookkeeping(self) -> dict:

@@ -32,6 +32,7 @@ The server never needs the network itself, only named arrays: pre-training is in
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import time
@@ -392,6 +393,8 @@ class LaddJob:
         return out
 
     def state_dict(self) -> dict[str, np.ndarray]:
+        """The job as of a round close (the service's checkpoint): models, teachers, the pretrained
+        network, styles, and what is not an array (phase, assignment, ...) as JSON under ``meta``."""
         out = self.model_arrays()
         for cluster, teacher in self.teachers.items():
             for k, v in teacher.params.items():
@@ -402,18 +405,58 @@ class LaddJob:
         if devices:
             out["styles"] = np.stack([self.styles[d] for d in devices])
         out["round"] = np.array([self.round, self.train_round], dtype=np.int64)
+        cl = self.clustering
+        meta = {"phase": self.phase, "kind": self.kind, "style_devices": devices, "assignment": self.assignment,
+                "trainable": self.trainable, "kd_confirmed": sorted(self.kd_confirmed),
+                "teachers": {str(c): [t.averaged, t.version] for c, t in self.teachers.items()},
+                "silhouette_scores": {str(k): v for k, v in (cl.silhouette_scores_ if cl else {}).items()},
+                "late_discarded": self.late_discarded}
+        out["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8).copy()
         return out
 
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        """Back to a checkpoint of :meth:`state_dict` (a restart); no round is open."""
+        meta = json.loads(state["meta"].tobytes())
+        self.round, self.train_round = (int(x) for x in state["round"])
+        self.phase, self.kind = meta["phase"], meta["kind"]
+        self.styles = dict(zip(meta["style_devices"], state["styles"])) if meta["style_devices"] else {}
+        self.assignment = {d: int(c) for d, c in meta["assignment"].items()}
+        self.late_discarded = int(meta["late_discarded"])
+        if "style_centroids" in state:
+            self.clustering = StyleClustering.from_centroids(state["style_centroids"])
+            self.clustering.silhouette_scores_ = {int(k): v for k, v in meta["silhouette_scores"].items()}
+        if self.phase == "train":
+            pretrained = {k.removeprefix("pretrained."): v for k, v in state.items() if k.startswith("pretrained.")}
+            self._start_training(pretrained, meta["trainable"], n_clusters=len(meta["teachers"]))
+            self.phi = {k.removeprefix("phi."): v.copy() for k, v in state.items() if k.startswith("phi.")}
+            for c, teacher in self.teachers.items():
+                self.theta[c] = {k.removeprefix(f"theta.{c}."): v.copy() for k, v in state.items()
+                                 if k.startswith(f"theta.{c}.")}
+                teacher.params = {k.removeprefix(f"teacher.{c}."): v.copy() for k, v in state.items()
+                                  if k.startswith(f"teacher.{c}.")}
+                teacher.averaged, teacher.version = meta["teachers"][str(c)]
+        self.kd_confirmed = set(meta["kd_confirmed"])
+        self._open, self._agg = False, None
+
     def bookkeeping(self) -> dict:
+        """JSON-able scheduling state as of the round just opened (the service stores it with the round)."""
         version, internal, gauss = self._rng.getstate()
-        return {"round": self.round, "train_round": self.train_round, "phase": self.phase,
+        return {"round": self.round, "train_round": self.train_round, "phase": self.phase, "kind": self.kind,
+                "open": self._open, "participants": sorted(self._participants),
                 "style_attempts": dict(self.style_attempts), "rng": [version, list(internal), gauss]}
 
     def restore_bookkeeping(self, state: dict) -> None:
-        self.round, self.train_round = int(state["round"]), int(state["train_round"])
+        """Enter the round this bookkeeping was taken at (right after it opened), unless the job is
+        already in or past it (a checkpoint, or replayed up to it): then only the sampler and the
+        style attempts are restored, and what was replayed into an open round stays."""
         self.style_attempts = {d: int(n) for d, n in state["style_attempts"].items()}
         version, internal, gauss = state["rng"]
         self._rng.setstate((version, tuple(internal), gauss))
+        if int(state["round"]) <= self.round:
+            return
+        self.round, self.train_round, self.kind = int(state["round"]), int(state["train_round"]), state["kind"]
+        self._open, self._participants, self._applied = bool(state["open"]), frozenset(state["participants"]), set()
+        self._agg = ClusterSpecificAveraging(self.is_theta) if self.kind != KIND_STYLE else None
 
     def report(self) -> dict:
         """JSON-able summary: clustering, assignment, rounds."""

@@ -105,12 +105,15 @@ class SecureLaddJob(SecureGroupRounds, LaddJob):
             self._open_slot_round(chosen)
         return chosen
 
-    def _open_slot_round(self, chosen: list[str]) -> None:
-        c = self.config
+    def _slot_layout(self, chosen) -> ClusterSlotLayout:
+        """The round's vector layout: a slot per cluster, enabled if enough of its devices were chosen."""
         selected = Counter(self.assignment[d] for d in chosen)
-        enabled = tuple(selected.get(k, 0) >= c.min_cluster_contributors for k in range(self.n_clusters))
-        self.slots = ClusterSlotLayout([e for e in self.trainable_layout if not self.is_theta(e[0])],
-                                       [e for e in self.trainable_layout if self.is_theta(e[0])], enabled)
+        enabled = tuple(selected.get(k, 0) >= self.config.min_cluster_contributors for k in range(self.n_clusters))
+        return ClusterSlotLayout([e for e in self.trainable_layout if not self.is_theta(e[0])],
+                                 [e for e in self.trainable_layout if self.is_theta(e[0])], enabled)
+
+    def _open_slot_round(self, chosen: list[str]) -> None:
+        self.slots = self._slot_layout(chosen)
         self._round_sum, self._gate_passed, self._sum_refused = None, False, False
         self.open_secure_round(self.round, chosen, self.slots.vector_length, self.bound,
                                group_id=self.slots.group_id())
@@ -127,6 +130,12 @@ class SecureLaddJob(SecureGroupRounds, LaddJob):
         if self.kind == SECURE_LADD_KIND:
             raise EnvelopeError(f"{SECURE_LADD_KIND} devices send secagg messages, never plain results")
         return super().parse_result(env)
+
+    def restore_bookkeeping(self, state: dict) -> None:
+        entered = int(state["round"]) > self.round
+        super().restore_bookkeeping(state)
+        if entered and self.kind == SECURE_LADD_KIND:     # its secrets are gone: it closes with nothing applied
+            self.slots, self._round_sum = self._slot_layout(self._participants), None
 
     def secure_round_live(self, round_: int) -> bool:
         if self.kind == KIND_STYLE:           # a plaintext round: the round machine closes it as usual

@@ -7,7 +7,10 @@ connection, session state, data shard and profile, hosted by a :class:`~.host.De
 MQTT event loop, no thread per device). One compute slot per worker makes devices of the worker
 take turns on the CPU, so a 2-core machine is not oversubscribed; profile slowdowns are slept
 *outside* the slot, as a slow phone would not slow down other phones. A device's data and task
-handlers exist only while it runs a task (:class:`~.host.LazyTasks`).
+handlers exist only while it runs a task (:class:`~.host.LazyTasks`). Classification devices
+hold a shard of a labelled dataset (``dataset``, ``shards_file``); LADD devices their own
+unlabelled images (``ladd_devices_file``: an .npz of device id -> images) and share one
+segmentation network per worker.
 
 Run as ``python -m fedfleet.emulation.worker SPEC.json``; stops on SIGTERM/SIGINT.
 """
@@ -26,7 +29,8 @@ import numpy as np
 
 from edge_client.agent import AgentHooks, DeviceAgent, DroppedOut
 from edge_client.data import load_fashion_mnist
-from edge_client.handlers import HandlerConfig, LocalData, SharedExtractors, device_handlers, secure_handlers
+from edge_client.handlers import (HandlerConfig, LocalData, SharedExtractors, device_handlers, ladd_handlers,
+                                  secure_handlers)
 from protocols.identity import DeviceIdentity
 from protocols.mqtt_link import BrokerConfig
 from protocols.topics import Topics
@@ -73,23 +77,50 @@ def _extractor_factory(spec: dict):
     return lambda backbone, image_size: make_extractor(backbone, image_size, cache_dir, runtime, threads)
 
 
-def start_devices(spec: dict, host: DeviceHost) -> list[DeviceAgent]:
-    """Every device of the spec as a DeviceAgent on ``host``; idle devices keep only their ids,
-    profile and shard indices (data and task state are built per task)."""
+def _ladd_handlers(spec: dict, host: DeviceHost):
+    """device id -> its handlers: LADD style and self-training on the device's own images. They
+    live as long as the device (a device keeps its KD model between rounds, and the secure
+    variant needs the training task itself); one segmentation network per worker, shared under
+    a lock, as several apps on a phone would share a library."""
+    from edge_client.models import weights_sha256
+    from edge_client.models.segmentation import SegmentationModel
+
+    images = np.load(spec["ladd_devices_file"])
+    lock, models = threading.Lock(), {}
+
+    def model_for(seg_spec):
+        if seg_spec not in models:
+            models[seg_spec] = SegmentationModel(seg_spec)
+        return models[seg_spec]
+
+    return lambda device_id: ladd_handlers(images[device_id], model_for, lock, lambda: weights_sha256("mobilenet_v2"),
+                                           spec.get("runtime", "eager"))
+
+
+def _classification_handlers(spec: dict, host: DeviceHost):
+    """device id -> its handlers on its shard of the labelled dataset (Fed3R, FedAvg, FT, OLL),
+    built per task (LazyTasks)."""
     images, labels = load_dataset(spec["dataset"], spec.get("data_root"))
     shards = _indices(spec, "shards")
     holdouts = _indices(spec, "holdout") if spec.get("holdout_file") or spec.get("holdout") else None
+    extractors = SharedExtractors(_extractor_factory(spec), spec.get("cache_dir"))
+    return lambda device_id: _lazy_device_tasks(images, labels, shards[device_id],
+                                                holdouts[device_id] if holdouts is not None else None,
+                                                extractors, spec, host).handlers()
+
+
+def start_devices(spec: dict, host: DeviceHost) -> list[DeviceAgent]:
+    """Every device of the spec as a DeviceAgent on ``host``; idle devices keep only their ids,
+    profile and data (indices) (task state is built per task)."""
+    handlers_of = (_ladd_handlers if spec.get("ladd_devices_file") else _classification_handlers)(spec, host)
     broker = BrokerConfig.from_url(spec["broker"])
     topics = Topics(spec.get("topic_root", "fedfleet"))
-    extractors = SharedExtractors(_extractor_factory(spec), spec.get("cache_dir"))
     t0 = time.monotonic()
     secure = spec.get("secure")
     for dev in spec["devices"]:
         profile = DeviceProfile.from_dict(dev["profile"])
         device_id = profile.device_id
-        tasks = _lazy_device_tasks(images, labels, shards[device_id],
-                                   holdouts[device_id] if holdouts is not None else None, extractors, spec, host)
-        handlers = tasks.handlers()
+        handlers = handlers_of(device_id)
         rng = np.random.default_rng([spec.get("seed", 0), int(dev["index"])])
         protocol_handlers = {}
         if secure:
@@ -127,7 +158,8 @@ def device_totals(host: DeviceHost, agents: list[DeviceAgent]) -> dict:
               "dropouts": sum(a.stats.dropouts for a in agents),
               "devices": len(agents), "rss_mb": rss_mb(), "step_errors": host.step_errors,
               "not_connected": host.connect_problems(),
-              "per_device": {a.device_id: {"bytes_up": a.stats.bytes_up, "compute_s": a.stats.compute_s,
+              "per_device": {a.device_id: {"bytes_up": a.stats.bytes_up, "bytes_down": a.link.bytes_received,
+                                           "compute_s": a.stats.compute_s,
                                            "tasks_done": a.stats.tasks_done, "dropouts": a.stats.dropouts,
                                            "by_kind": a.stats.by_kind}
                              for a in agents}}

@@ -1,0 +1,39 @@
+"""Shape rules of docs/architecture.md that a reader relies on: no function in ``aggregator/``
+over 80 lines, ``aggregator/service.py`` (the I/O loop) at most 450 lines. The check is shown
+to fail on a deliberately long function."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_FUNCTION_LINES = 80
+MAX_SERVICE_LINES = 450
+
+
+def long_functions(root: Path, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """``path:line name (n lines)`` for every function or method (nested ones too) over ``limit``
+    lines, decorators excluded, docstring and comments included."""
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > limit:
+                    out.append(f"{path.relative_to(root.parent)}:{node.lineno} {node.name} ({lines} lines)")
+    return out
+
+
+def test_no_function_in_the_aggregator_is_over_80_lines():
+    assert long_functions(ROOT / "aggregator") == []
+
+
+def test_the_service_is_a_thin_io_loop():
+    assert len((ROOT / "aggregator" / "service.py").read_text().splitlines()) <= MAX_SERVICE_LINES
+
+
+def test_the_check_finds_a_long_method(tmp_path):
+    package = tmp_path / "aggregator"
+    package.mkdir()
+    body = "".join(f"        x = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    (package / "m.py").write_text(f"class A:\n    def short(self):\n        pass\n\n    def long(self):\n{body}")
+    assert long_functions(package) == [f"aggregator/m.py:5 long ({MAX_FUNCTION_LINES + 1} lines)"]
