@@ -56,7 +56,7 @@ def reference_sums(devices, dtype=np.float64) -> tuple[np.ndarray, np.ndarray]:
         Z = Z.astype(dtype).astype(np.float64)
         Zb = np.hstack([Z, np.ones((len(Z), 1))])
         A += Zb.T @ Zb
-        B += Zb.T @ np.eye(C)[y]
+        B += (np.eye(C)[y].T @ Zb).T          # per-class sums of the rows (the devices' orientation)
     return A, B
 
 
