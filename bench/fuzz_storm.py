@@ -313,15 +313,18 @@ class Storm:
         while any(p.is_alive() for p in self.procs):
             self.received.value = metrics.poll().value("fedfleet_job_bytes_in_total")
             done = sum(v.value for v in self.sent_msgs) / self.total
-            for d in order[:int(done * (len(order) + 1))]:      # honest devices answer during the storm
+            # honest devices answer during the storm; the last one only after it, so the job outlives it
+            for d in order[:min(len(order) - 1, int(done * len(order)))]:
                 gates[d].set()
             samples.setdefault(int(done * 10), rss_kib(proc.pid))
-            if proc.poll() is not None:
+            if proc.poll() is not None:         # the aggregator died: stop, and say so below
+                for p in self.procs:
+                    p.terminate()
                 break
             time.sleep(0.1)
         counts = Counter()
         for _ in self.procs:
-            counts.update(self.out.get(timeout=60))
+            counts.update(self.out.get(timeout=60) if proc.poll() is None else {})
         sent = sum(v.value for v in self.sent)
         # drained: the aggregator received every byte sent (honest traffic only adds to it)
         wait_for(lambda: proc.poll() is not None or
