@@ -326,6 +326,8 @@ class Storm:
         for _ in self.procs:
             counts.update(self.out.get(timeout=60) if proc.poll() is None else {})
         sent = sum(v.value for v in self.sent)
+        if proc.poll() is not None:
+            raise RuntimeError(f"the aggregator exited with {proc.returncode} during the storm")
         # drained: the aggregator received every byte sent (honest traffic only adds to it)
         wait_for(lambda: proc.poll() is not None or
                  metrics.poll().value("fedfleet_job_bytes_in_total") - bytes_before >= sent, 600, "never drained")
@@ -357,8 +359,13 @@ def main() -> int:
         clean = run_job(tmp / "clean", honest, keys)
         got = run_job(tmp / "storm", honest, keys, storm)
         report(args, got, clean, honest, tmp / "storm" / "aggregator.log")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except Exception:
+        log = tmp / "storm" / "aggregator.log"
+        if log.exists():
+            print("aggregator log (tail):\n" + log.read_text(errors="replace")[-4000:], file=sys.stderr)
+        print(f"kept {tmp} for inspection", file=sys.stderr)
+        raise
+    shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 
