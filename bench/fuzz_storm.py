@@ -261,11 +261,19 @@ def wait_for(predicate, timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
+class Hold(threading.Event):
+    """A device's gate that holds its answer for as long as the storm lasts (the test fleet's
+    handler gives up waiting after 60 s, which would let the job finish mid-storm)."""
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return super().wait()
+
+
 def run_job(work: Path, honest: list[str], keys: dict, storm=None) -> dict:
     """One live job; ``storm(proc, metrics, gates)`` runs while the first round is open."""
     setup_job(work, honest, keys)
     api_port = free_port()
-    gates = {d: threading.Event() for d in honest}
+    gates = {d: Hold() for d in honest}
     with MosquittoBroker(extra_config=FLEET_BROKER_CONFIG) as broker, \
             Fleet(broker.url, honest, gates=gates, identities=keys, aggregator_key=keys["aggregator"].public_key_bytes):
         proc = start_aggregator(work, broker.url, api_port)
