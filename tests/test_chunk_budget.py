@@ -99,3 +99,15 @@ def test_the_service_expires_a_devices_unfinished_chunks_on_its_own_clock(broker
     stats = np.load(tmp_path / "statistics.npz")
     np.testing.assert_allclose(stats["A"], A_ref, rtol=1e-12)     # no store: summed in arrival order
     np.testing.assert_allclose(stats["B"], B_ref, rtol=1e-12)
+
+
+def test_chunks_sent_on_many_other_devices_topics_leave_no_state_behind(tmp_path):
+    """One sender's unfinished chunk published on 2,000 other topics (an open broker without ACLs):
+    the service's per-topic byte counts are pruned with the partials, not kept per topic id for ever."""
+    svc = AggregatorService(None, BrokerConfig(port=1), tmp_path)          # the link is never started
+    part = chunked("hog", "a", 9_000)[0]
+    for i in range(2_000):
+        svc._on_payload(Topics().outbox(f"victim{i}"), part)
+    assert len(svc._device_bytes) == 2_000
+    svc._tick(time.monotonic())
+    assert svc._device_bytes == {} and svc.assembler.reassembler.senders() == {"hog"}
