@@ -54,8 +54,12 @@ class JobRunner:
         self.execute(coord.handle(event), coord.round)
 
     def device_lost(self, device: str) -> None:
-        if self.a.current is not None:
-            self.handle(self.a.current, DeviceLost(device))
+        if self.a.current is None:
+            return
+        if isinstance(self.a.job, SecureGroupRounds):     # a secure phase stops waiting for it at once
+            for dev, msg in self.a.job.member_offline(device, time.monotonic()):
+                self.send(dev, msg)
+        self.handle(self.a.current, DeviceLost(device))
 
     def resend_tasks(self, devices: set[str]) -> None:
         """Re-send the open round's task to those of ``devices`` it still waits for."""

@@ -403,7 +403,10 @@ class AggregatorService:
             self._expired_at = now
             for sender, parent in self.assembler.reassembler.expire(now):
                 log.warning("partial message %s from %s expired unfinished", parent, sender)
-                self._device_bytes.pop(sender, None)
+            # counted per topic, held per sender: a chunk on another device's topic must not leave
+            # an entry behind for ever
+            holding = self.assembler.reassembler.senders()
+            self._device_bytes = {d: n for d, n in self._device_bytes.items() if d in holding}
         if self.runner is not None:
             self.runner.tick(now)
 

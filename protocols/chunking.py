@@ -164,6 +164,10 @@ class Reassembler:
     def pending_bytes(self) -> int:
         return self._held
 
+    def senders(self) -> set[str]:
+        """Senders holding a partial message now."""
+        return set(self._per_sender)
+
     def expire(self, now: float | None = None) -> list[tuple[str, str]]:
         """Drop partial messages older than ttl_s; returns the (sender, parent) pairs dropped."""
         now = time.monotonic() if now is None else now

@@ -34,13 +34,14 @@ class SyntheticStats:
     """Task handler: real Fed3R statistics of the device's fixed synthetic features (``data``:
     device -> (Z, y), default :func:`data_for`)."""
 
-    def __init__(self, device, gate: threading.Event | None = None, data=data_for):
+    def __init__(self, device, gate: threading.Event | None = None, data=data_for, compute_s: float = 0.0):
         self.Z, self.y = data(device)
-        self.gate = gate
+        self.gate, self.compute_s = gate, compute_s      # compute_s: a slower device's working time
 
     def __call__(self, params, tensors=None):
         if self.gate is not None:
             self.gate.wait(60)
+        time.sleep(self.compute_s)
         acc = Fed3RAccumulator(C, self.Z.shape[1])
         acc.update(self.Z, self.y)
         A, ids, b = acc.sparse()
@@ -56,7 +57,7 @@ def reference_sums(devices, dtype=np.float64) -> tuple[np.ndarray, np.ndarray]:
         Z = Z.astype(dtype).astype(np.float64)
         Zb = np.hstack([Z, np.ones((len(Z), 1))])
         A += Zb.T @ Zb
-        B += Zb.T @ np.eye(C)[y]
+        B += (np.eye(C)[y].T @ Zb).T          # per-class sums of the rows (the devices' orientation)
     return A, B
 
 
@@ -130,7 +131,10 @@ class Fleet:
 
     def __init__(self, broker_url: str, devices, topics: Topics = Topics(), gates: dict | None = None,
                  credentials: dict | None = None, tls_ca: str | None = None, retry_after_s: float = 0.5,
-                 kind: str = "fed3r", secure: "SecureKeys | None" = None, handlers=None):
+                 kind: str = "fed3r", secure: "SecureKeys | None" = None, handlers=None,
+                 identities: dict | None = None, aggregator_key: bytes | None = None, compute_s: float = 0.0):
+        """``identities``: device -> DeviceIdentity signing its messages (an aggregator requiring
+        signatures); ``aggregator_key``: the devices accept only messages signed with it."""
         self.agents = []
         for d in devices:
             user, password = (credentials or {}).get(d, (None, None))
@@ -141,13 +145,15 @@ class Fleet:
             if handlers is not None:
                 handlers_of, protocol_handlers = handlers(d)
             elif kind == "fed3r":
-                handlers_of = {"fed3r.stats": SyntheticStats(d, (gates or {}).get(d))}
+                handlers_of = {"fed3r.stats": SyntheticStats(d, (gates or {}).get(d), compute_s=compute_s)}
             elif kind == "fed3r-sync":
                 handlers_of, protocol_handlers = {}, secure_fed3r_handlers(d, secure)
             else:
                 handlers_of = {"fedavg.head": head_training(d)}
+            signer = identities[d].sign if identities else None
             self.agents.append(DeviceAgent(d, cfg, handlers_of, topics=topics, retry_after_s=retry_after_s, tick_s=0.1,
-                                           protocol_handlers=protocol_handlers))
+                                           protocol_handlers=protocol_handlers, signer=signer,
+                                           aggregator_key=aggregator_key))
 
     def __enter__(self) -> "Fleet":
         for a in self.agents:
@@ -175,12 +181,18 @@ def prepare(workdir: Path, devices, kind: str = "fed3r", **cfg) -> None:
     (workdir / "enrolled.txt").write_text("\n".join(devices) + "\n")
 
 
-def run_aggregator(workdir: Path, broker_url: str, state: Path, crash: str | None = None,
-                   timeout: float = 120, extra: list[str] = ()) -> tuple[int, str]:
+def aggregator_env(crash: str | None = None) -> dict:
+    """The aggregator subprocess's environment: this checkout, one BLAS thread, a crash point or none."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     env.pop("FEDFLEET_CRASH_AT", None)
     if crash:
         env["FEDFLEET_CRASH_AT"] = crash
+    return env
+
+
+def run_aggregator(workdir: Path, broker_url: str, state: Path, crash: str | None = None,
+                   timeout: float = 120, extra: list[str] = ()) -> tuple[int, str]:
+    env = aggregator_env(crash)
     t0 = time.monotonic()
     proc = subprocess.run(aggregator_cmd(workdir, broker_url, state, extra), env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=timeout)

@@ -1,11 +1,23 @@
 """Reassembly buffers are bounded per device (one device never blocks another's chunked results)
-and expire on the receiver's clock. (A resend of a reassembled message: tests/test_protocol_envelope.py.)"""
+and expire on the receiver's clock — the running service expires them by itself (once it never
+called the expiry, so one device's partials starved everyone until a restart). (A resend of a reassembled message: tests/test_protocol_envelope.py.)"""
+
+import threading
+import time
 
 import numpy as np
+import paho.mqtt.client as mqtt
 import pytest
 
+from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
+from aggregator.service import AggregatorService
+from edge_client.agent import DeviceAgent
 from protocols.chunking import MessageAssembler, split
 from protocols.envelope import Envelope, EnvelopeError, encode
+from protocols.mqtt_link import BrokerConfig
+from protocols.topics import Topics
+
+from ops_fleet import C, D, SyntheticStats, reference_sums
 
 
 def mid(name: str) -> str:
@@ -42,3 +54,60 @@ def test_partials_expire_after_the_ttl_and_free_their_budget():
     assert asm.reassembler.expire(now=301.0) == [("dev", mid("m1"))]
     assert asm.reassembler.pending_bytes() == 0
     assert asm.feed(parts[-1], now=302.0) is None        # the late last chunk starts a new partial, never a message
+
+
+def test_the_service_expires_a_devices_unfinished_chunks_on_its_own_clock(broker, tmp_path):
+    """Over a real mosquitto: a client that sends all but the last chunk of a message pins
+    reassembly memory only until the TTL (1 s here, 300 s by default): the running service frees
+    it by itself, and the honest devices' chunked results still go through."""
+    devices = ["dev00", "dev01", "dev02"]
+    gate = threading.Event()
+    config = Fed3RConfig(num_classes=C, feature_dim=D, clients_per_round=3, round_timeout_s=30, expected_devices=3)
+    svc = AggregatorService(Fed3RJob(config), BrokerConfig.from_url(broker.url), tmp_path, enrolled=set(devices),
+                            tick_s=0.05)
+    svc.assembler.reassembler.ttl_s = 1.0
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=60)), daemon=True)
+    thread.start()
+    agents = [DeviceAgent(d, BrokerConfig.from_url(broker.url), {"fed3r.stats": SyntheticStats(d, gate)},
+                          chunk_size=200, retry_after_s=1).start() for d in devices]      # chunked results
+    hog = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="hog")
+    hog.connect("127.0.0.1", broker.port)
+    hog.loop_start()
+    for name in ("a", "b"):
+        for part in chunked("hog", name, 9_000)[:-1]:
+            hog.publish(Topics().outbox("hog"), part, qos=1).wait_for_publish(5)
+
+    def pending():
+        return svc.call(lambda: svc.assembler.reassembler.pending_bytes())
+
+    deadline = time.time() + 10
+    while pending() < 16_000 and time.time() < deadline:
+        time.sleep(0.05)
+    assert pending() >= 16_000                      # the hog's partials are held ...
+    deadline = time.time() + 10
+    while pending() and time.time() < deadline:
+        time.sleep(0.1)
+    assert pending() == 0 and not svc.call(lambda: dict(svc._device_bytes))     # ... and freed by the service
+    gate.set()
+    thread.join(60)
+    for a in agents:
+        a.stop()
+    hog.loop_stop()
+    assert result["state"] == "done" and sorted(result["contributed"]) == devices
+    A_ref, B_ref = reference_sums(devices)
+    stats = np.load(tmp_path / "statistics.npz")
+    np.testing.assert_allclose(stats["A"], A_ref, rtol=1e-12)     # no store: summed in arrival order
+    np.testing.assert_allclose(stats["B"], B_ref, rtol=1e-12)
+
+
+def test_chunks_sent_on_many_other_devices_topics_leave_no_state_behind(tmp_path):
+    """One sender's unfinished chunk published on 2,000 other topics (an open broker without ACLs):
+    the service's per-topic byte counts are pruned with the partials, not kept per topic id for ever."""
+    svc = AggregatorService(None, BrokerConfig(port=1), tmp_path)          # the link is never started
+    part = chunked("hog", "a", 9_000)[0]
+    for i in range(2_000):
+        svc._on_payload(Topics().outbox(f"victim{i}"), part)
+    assert len(svc._device_bytes) == 2_000
+    svc._tick(time.monotonic())
+    assert svc._device_bytes == {} and svc.assembler.reassembler.senders() == {"hog"}

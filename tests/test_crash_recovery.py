@@ -7,7 +7,9 @@ device must have contributed exactly once, and the sums must equal an independen
 """
 
 import json
+import signal
 import sqlite3
+import subprocess
 import threading
 import time
 
@@ -21,7 +23,8 @@ from aggregator.store import Store
 from fedfleet.emulation.broker import MosquittoBroker
 from protocols.mqtt_link import BrokerConfig
 
-from ops_fleet import Fleet, job_config, prepare, reference_sums, run_aggregator
+from ops_fleet import (REPO, Fleet, aggregator_cmd, aggregator_env, job_config, prepare, reference_sums,
+                       run_aggregator)
 
 DEVICES = [f"dev{i:02d}" for i in range(8)]
 
@@ -185,3 +188,46 @@ def test_secure_fed3r_sync_job_survives_sigkill(tmp_path):
     np.testing.assert_allclose(stats["A"], A_ref, rtol=1e-10, atol=1e-8)
     np.testing.assert_allclose(stats["B"], B_ref, rtol=1e-10, atol=1e-8)
     assert round(stats["B"][-1].sum()) == 8 * 25         # bias row: every sample summed exactly once
+
+
+def test_sigkill_at_random_times_gives_the_uninterrupted_model(tmp_path, reference):
+    """Not only at named crash points: each aggregator process is SIGKILLed a seeded random delay
+    after it first moved the job on (a round opened or a contribution stored — so the kills land
+    mid-job however slow the machine is, wherever the process happens to be: receiving, writing,
+    evaluating, acking), restarted on the same state, and the final model is the uninterrupted
+    run's, bit for bit."""
+    rng = np.random.default_rng(14)
+    prepare(tmp_path, DEVICES)
+    state = tmp_path / "state.db"
+    kills = []                              # (rounds, contributions) stored at each kill
+    with MosquittoBroker() as broker, Fleet(broker.url, DEVICES, compute_s=0.3):   # rounds that take a while
+        for delay in rng.uniform(0.0, 0.3, size=5):
+            before = stored_progress(state)
+            proc = subprocess.Popen(aggregator_cmd(tmp_path, broker.url, state), env=aggregator_env(), cwd=REPO,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            deadline = time.monotonic() + 60
+            while proc.poll() is None and stored_progress(state) == before and time.monotonic() < deadline:
+                time.sleep(0.02)
+            time.sleep(delay)
+            if proc.poll() is not None:     # the job finished first
+                break
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+            kills.append(stored_progress(state))
+        rc, log = run_aggregator(tmp_path, broker.url, state)
+    assert rc == 0, log[-3000:]
+    assert len(kills) >= 3 and any(0 < n < len(DEVICES) for _, n in kills), kills
+    outputs = load_outputs(tmp_path / "out")
+    assert_exactly_once(state, outputs)
+    assert_bit_identical(outputs, reference)
+
+
+def stored_progress(state_db) -> tuple[int, int]:
+    """(rounds opened, contributions stored) in the state file so far."""
+    if not state_db.exists():
+        return 0, 0
+    with sqlite3.connect(state_db, timeout=10) as db:
+        try:
+            return tuple(db.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0] for table in ("rounds", "contributions"))
+        except sqlite3.OperationalError:      # killed before the schema was written
+            return 0, 0

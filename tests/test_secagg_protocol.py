@@ -181,3 +181,18 @@ def test_secagg_plus_survives_the_declared_dropout_rate(seed):
         log_n = RoundConfig.create(round_id=100 + attempt, degree=12, graph_seed=bytes([attempt]) * 32, **common)
         failures += isinstance(run_round(log_n, AGGREGATOR, identities, inputs, dropouts=dropouts).outcome, RoundFailed)
     assert failures >= 1
+
+
+@pytest.mark.parametrize("phase", CLIENT_PHASES)
+def test_members_reported_offline_are_not_waited_for(phase):
+    """Two of six devices go silent at `phase`: told MemberOffline (the aggregator's view of their
+    presence), the server closes every phase without a single Timeout and the sum is exact;
+    without the reports it needs a phase timeout."""
+    config, identities, inputs = _setup(6, 10, seed=21)
+    dropouts = {config.members[0]: phase, config.members[3]: phase}
+    told = run_round(config, AGGREGATOR, identities, inputs, dropouts=dropouts, report_offline=True)
+    _assert_exact(told, config, inputs, dropouts)
+    assert told.timeouts == 0
+    untold = run_round(config, AGGREGATOR, identities, inputs, dropouts=dropouts)
+    _assert_exact(untold, config, inputs, dropouts)
+    assert untold.timeouts >= 1

@@ -5,8 +5,10 @@ statistics, pack them into the fixed-shape vector of ``protocols.payloads.secagg
 SecAgg (or SecAgg+) with the aggregator, which learns only the group sum: it adds that sum to
 the Fed3R strategy exactly as it would add one device's statistics, so after ⌈K/κ⌉ groups the
 classifier is the centralized ridge solution over the surviving devices (up to the fixed-point
-resolution 2^-f). Devices that drop out mid-round are recovered from Shamir shares when at least
-t survive; otherwise the round fails and *nothing* is applied (the group can be retried).
+resolution 2^-f). A group that would leave fewer than MIN_GROUP devices for a last group takes
+them in (over-selection), so no straggler is left without a group; a member known to be offline
+is not waited for (``SecureGroupRounds.member_offline``). Devices that drop out mid-round are
+recovered from Shamir shares when at least t survive; otherwise the round fails and *nothing* is applied (the group can be retried).
 
 The SecAgg sub-protocol and its service hooks are ``SecureGroupRounds`` (``secure_rounds.py``).
 """
@@ -70,15 +72,12 @@ class Fed3RSyncJob(SecureGroupRounds, Fed3RJob):
         pool = [d for d in self.eligible(online) if d in self.registry]   # no key, no secure round
         if len(pool) < MIN_GROUP:
             return []        # too few left to hide anyone's statistics in a sum
-        chosen = super().next_participants(set(pool))
+        size = self.config.clients_per_round
+        if len(pool) - size < MIN_GROUP:
+            size = len(pool)     # the stragglers join this group: left over alone they could never be summed
+        chosen = super().next_participants(set(pool), size)
         self.open_secure_round(self.round, chosen, self.vector_length, self.bound)
         return chosen
-
-    def group_size(self, available: int) -> int:
-        """κ, unless that would leave fewer than MIN_GROUP devices behind: those could never form a
-        group of their own, so the last group takes them too (stragglers are not lost)."""
-        kappa = self.config.clients_per_round
-        return available if available - kappa < MIN_GROUP else kappa
 
     def finished(self, online: set[str], known: set[str]) -> bool:
         return len(self.eligible(known | online)) < MIN_GROUP

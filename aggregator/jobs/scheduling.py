@@ -16,20 +16,16 @@ class OncePerDevice:
         return sorted(d for d in online
                       if d not in self.contributed and self.attempts.get(d, 0) < self.config.max_attempts)
 
-    def next_participants(self, online: set[str]) -> list[str]:
-        """Seeded sample of up to κ eligible devices; [] when nobody is left to ask."""
+    def next_participants(self, online: set[str], size: int | None = None) -> list[str]:
+        """Seeded sample of up to κ (or ``size``) eligible devices; [] when nobody is left to ask."""
         pool = self.eligible(online)
-        k = self.group_size(len(pool))
+        k = min(size or self.config.clients_per_round, len(pool))
         chosen = sorted(self._rng.sample(pool, k)) if k else []
         if chosen:
             self.round += 1
             for d in chosen:
                 self.attempts[d] = self.attempts.get(d, 0) + 1
         return chosen
-
-    def group_size(self, available: int) -> int:
-        """How many of ``available`` eligible devices the next round asks: κ, or all that are left."""
-        return min(self.config.clients_per_round, available)
 
     def finished(self, online: set[str], known: set[str]) -> bool:
         """Done when no known device can still contribute (all did, or exhausted their attempts)."""

@@ -7,8 +7,9 @@ per-entry bound, and receives the group sum in :meth:`on_secure_sum` (or the fai
 masked vectors and that sum.
 
 The service speaks the sub-protocol through the hooks ``on_protocol`` (a ``secagg`` envelope
-from a device), ``on_protocol_tick`` (phase timers) — both return ``(device, envelope)`` pairs
-to publish — and ``settled(round)``, which tells it once which devices' data the round's sum
+from a device), ``on_protocol_tick`` (phase timers) and ``member_offline`` (a member known to be
+gone: its phase is not held open for it until the timeout) — all return ``(device, envelope)``
+pairs to publish — and ``settled(round)``, which tells it once which devices' data the round's sum
 holds, so the round machine records them as accepted; ``secure_round_live(round)`` tells it
 whether a round can still produce a sum (not after a restart: secrets are never persisted, the
 job's state is checkpointed at each round close). ``abort_secure_round`` is for the deadline.
@@ -29,7 +30,8 @@ import numpy as np
 from protocols.envelope import Envelope, EnvelopeError
 from protocols.identity import DeviceIdentity, IdentityRegistry
 from protocols.payloads.secagg import from_envelope, to_envelope
-from protocols.secagg import AggregateReady, Message, RoundConfig, RoundFailed, SecAggError, ServerSecAgg, Timeout
+from protocols.secagg import (AggregateReady, MemberOffline, Message, RoundConfig, RoundFailed, SecAggError,
+                              ServerSecAgg, Timeout)
 from protocols.secagg.errors import LateMessage
 from protocols.topics import AGGREGATOR_ID
 
@@ -111,16 +113,24 @@ class SecureGroupRounds:
             if isinstance(msg.round_id, int) and 0 < msg.round_id <= self._newest_round:
                 raise LateProtocolMessage(f"secure round {msg.round_id} has ended")
             raise EnvelopeError(f"no secure round {msg.round_id} open")
-        before = self.secure.phase
         try:
-            out = self.secure.handle(msg)
+            return self._feed(msg, now)
         except LateMessage as exc:       # a slow member's message for a phase that has closed
             raise LateProtocolMessage(f"secagg: {exc}") from exc
         except SecAggError as exc:
             raise EnvelopeError(f"secagg: {type(exc).__name__}: {exc}") from exc
-        if self.secure is not None and self.secure.phase != before:
+
+    def _feed(self, event, now: float) -> list[tuple[str, Envelope]]:
+        """One event into the running round; a phase that closed restarts the phase timer."""
+        before = self.secure.phase
+        out = self.secure.handle(event)
+        if self.secure.phase != before:
             self._phase_at = now
         return self._route(out)
+
+    def member_offline(self, device: str, now: float) -> list[tuple[str, Envelope]]:
+        """A member of the running round went offline (or was revoked): stop waiting for it."""
+        return self._feed(MemberOffline(device), now) if self.secure is not None else []
 
     def secure_round_live(self, round_: int) -> bool:
         """Whether round ``round_`` has a running SecAgg instance (False after a restart)."""

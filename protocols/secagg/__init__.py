@@ -23,7 +23,7 @@ from .config import GRAPH_COMPLETE, GRAPH_REGULAR, RoundConfig
 from .errors import (AuthenticationError, BadSignature, ConfigError, DecryptionError, InputError,
                      MalformedMessage, ProtocolViolation, ReconstructionError, ReplayedMessage, SecAggError,
                      UnexpectedMessage, UnknownSender, WrongContext)
-from .events import AggregateReady, Phase, RoundFailed, Timeout
+from .events import AggregateReady, MemberOffline, Phase, RoundFailed, Timeout
 from .fixedpoint import FixedPointCodec, fed3r_bound, max_scale_bits
 from .graph import NeighbourGraph, default_degree
 from .messages import (AdvertiseKeys, ConsistencyCheckRequest, ConsistencySignature, EncryptedShares,
@@ -33,7 +33,7 @@ from .server import MaskApplier, ServerSecAgg, ServerState
 
 __all__ = [
     "ClientSecAgg", "ClientState", "ServerSecAgg", "ServerState", "MaskApplier", "RoundConfig", "GRAPH_COMPLETE", "GRAPH_REGULAR",
-    "Phase", "Timeout", "AggregateReady", "RoundFailed", "FixedPointCodec", "fed3r_bound", "max_scale_bits",
+    "Phase", "Timeout", "MemberOffline", "AggregateReady", "RoundFailed", "FixedPointCodec", "fed3r_bound", "max_scale_bits",
     "NeighbourGraph", "default_degree", "Message", "decode", "RoundStart", "KeyDirectory", "ForwardedShares",
     "ConsistencyCheckRequest", "UnmaskRequest", "RoundAborted", "AdvertiseKeys", "EncryptedShares", "MaskedInput",
     "ConsistencySignature", "UnmaskShares", "SecAggError", "ConfigError", "InputError", "MalformedMessage",

@@ -25,7 +25,7 @@ from protocols.identity import DeviceIdentity, IdentityRegistry
 from .client import ClientSecAgg, ClientState
 from .config import RoundConfig
 from .errors import SecAggError
-from .events import AggregateReady, Phase, RoundFailed, Timeout
+from .events import AggregateReady, MemberOffline, Phase, RoundFailed, Timeout
 from .messages import ForwardedShares, Message, decode
 from .server import FINAL_STATES, MaskApplier, ServerSecAgg
 
@@ -74,6 +74,7 @@ class RoundRun:
     # wall clock of the same server intervals: what parallel mask expansion shortens
     server_wall_seconds: float = 0.0
     server_view: list[WireFrame] | None = None  # every frame the server received, if recorded
+    timeouts: int = 0           # phases that had to be closed by a Timeout
 
 
 def make_identities(n: int, prefix: str = "device") -> list[DeviceIdentity]:
@@ -110,12 +111,15 @@ def run_round(config: RoundConfig, server_identity: DeviceIdentity,
               dropouts: Mapping[str, Phase] | None = None,
               intercept: Callable[[Message], list[Message]] | None = None,
               record_server_view: bool = False, server_workers: int | None = None,
-              server_mask_applier: MaskApplier | None = None, client_factory: ClientFactory | None = None) -> RoundRun:
+              server_mask_applier: MaskApplier | None = None, client_factory: ClientFactory | None = None,
+              report_offline: bool = False) -> RoundRun:
     """Run one round to its end. `inputs` is asked for a device's vector only when that device
     builds its masked input, so huge groups need not hold every vector at once. `intercept`
     sees every message before it is serialised and returns what to deliver instead (tests use
     it to corrupt, duplicate or drop messages). `server_workers` and `server_mask_applier` are
-    ServerSecAgg's `workers` and `mask_applier`; `client_factory` as in :func:`build_round`."""
+    ServerSecAgg's `workers` and `mask_applier`; `client_factory` as in :func:`build_round`. `report_offline`:
+    the server is told MemberOffline as soon as a dropped-out device goes silent (as the aggregator
+    is by its presence last will), instead of finding out at the phase's Timeout."""
     dropouts = dict(dropouts or {})
     get_input = inputs if callable(inputs) else inputs.__getitem__
     server, clients = build_round(config, server_identity, client_identities, server_workers, server_mask_applier,
@@ -123,6 +127,7 @@ def run_round(config: RoundConfig, server_identity: DeviceIdentity,
     run = RoundRun(outcome=None, server=server, clients=clients,  # type: ignore[arg-type]
                    server_view=[] if record_server_view else None)
     silent: set[str] = {d for d, phase in dropouts.items() if phase is Phase.ADVERTISE_KEYS}
+    reported: set[str] = set()          # silent devices the server was told are offline
 
     def frames(messages: list[Message]) -> list[WireFrame]:
         out = []
@@ -157,10 +162,15 @@ def run_round(config: RoundConfig, server_identity: DeviceIdentity,
                     outputs.extend(server.handle(upload.to_message()))
                 except SecAggError as exc:
                     run.errors.append(("server", exc))
+            if report_offline:
+                for device in sorted(silent - reported):
+                    reported.add(device)
+                    outputs.extend(server.handle(MemberOffline(device)))
             run.server_seconds += time.process_time() - started
             run.server_wall_seconds += time.perf_counter() - started_wall
         started, started_wall = time.process_time(), time.perf_counter()
         if server.phase == phase and server.state not in FINAL_STATES:
+            run.timeouts += 1
             outputs.extend(server.handle(Timeout(phase)))
         to_clients = frames([m for m in outputs if isinstance(m, Message)])
         run.server_seconds += time.process_time() - started

@@ -29,6 +29,16 @@ class Timeout:
     phase: Phase
 
 
+@dataclass(frozen=True)
+class MemberOffline:
+    """The caller knows this member is gone (its presence said offline, or it was revoked): the
+    server stops waiting for it, so a phase closes as soon as every member still expected in it
+    that is not known offline has answered, instead of at the phase's timeout. A member reported
+    offline that answers after all (it came back while its phase was open) is accepted as usual."""
+
+    device: str
+
+
 @dataclass(frozen=True, eq=False)
 class AggregateReady:
     """Server output: the exact sum mod 2^64 of the survivors' encoded inputs."""

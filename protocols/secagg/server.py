@@ -7,7 +7,8 @@ for every member; afterwards the caller feeds `handle(event)` with decoded clien
 and Timeout(phase) events from its own clock, and sends out whatever it returns. Outputs
 addressed to devices are Message objects; the final output is AggregateReady (exact sum of the
 survivors' encoded inputs modulo 2^64) or RoundFailed (no partial sum). A phase closes as soon
-as every device expected in it has answered, or when Timeout(that phase) arrives.
+as every device expected in it has answered (members the caller reported with MemberOffline are
+not waited for), or when Timeout(that phase) arrives.
 
     state              event                 on phase close                           next state
     IDLE               start()               RoundStart to all members                WAIT_ADVERTISE
@@ -56,9 +57,9 @@ from .crypto import apply_masks, check_workers, default_mask_workers, x25519_fro
     x25519_public_bytes
 from .derivation import SECRET_BYTES, SHARE_BYTES, SHARE_CIPHERTEXT_BYTES, RoundContext, pair_mask_seed, \
     pair_mask_sign, self_mask_commitment
-from .errors import (BadSignature, ConfigError, LateMessage, MalformedMessage, ReconstructionError,
-                     ReplayedMessage, UnexpectedMessage, UnknownSender, WrongContext)
-from .events import AggregateReady, Phase, RoundFailed, Timeout
+from .errors import (BadSignature, ConfigError, LateMessage, MalformedMessage, ReconstructionError, ReplayedMessage,
+                     UnexpectedMessage, UnknownSender, WrongContext)
+from .events import AggregateReady, MemberOffline, Phase, RoundFailed, Timeout
 from .graph import NeighbourGraph
 from .messages import (AdvertisedKeys, AdvertiseKeys, ConsistencyCheckRequest, ConsistencySignature,
                        EncryptedShares, ForwardedShares, KeyDirectory, MaskedInput, Message, RoundAborted, RoundStart,
@@ -124,6 +125,7 @@ class ServerSecAgg:
         self._accumulator: np.ndarray | None = None
         self._dropped: tuple[str, ...] = ()
         self._members = frozenset(config.members)
+        self._offline: set[str] = set()      # members the caller knows are gone: not waited for
 
     # ---- public API --------------------------------------------------------------------
     def start(self) -> list[Output]:
@@ -142,11 +144,16 @@ class ServerSecAgg:
         """Who has delivered the message of `phase` so far (U1 .. U5)."""
         return tuple(sorted(self._received[phase]))
 
-    def handle(self, event: Message | Timeout) -> list[Output]:
+    def handle(self, event: Message | Timeout | MemberOffline) -> list[Output]:
         if isinstance(event, Timeout):
             if self.state in TRANSITIONS and event.phase == self.phase:
                 return self._close_phase()
             return []  # stale timeout of a phase already closed
+        if isinstance(event, MemberOffline):
+            if event.device not in self._members:
+                return []
+            self._offline.add(event.device)
+            return self._close_phase() if self.state in TRANSITIONS and self._phase_answered() else []
         if not isinstance(event, Message):
             raise UnexpectedMessage(f"not a secagg event: {type(event).__name__}")
         self._authenticate(event)
@@ -165,7 +172,8 @@ class ServerSecAgg:
                   MaskedInput: self._accumulate, ConsistencySignature: self._check_consistency,
                   UnmaskShares: self._check_unmask}[accepted](event)
         self._received[phase][event.sender] = record
-        if len(self._received[phase]) == len(self._expected(phase)):
+        self._offline.discard(event.sender)          # it answered: it is back
+        if self._phase_answered():
             return self._close_phase()
         return []
 
@@ -199,6 +207,11 @@ class ServerSecAgg:
                     Phase.UNMASK: (Phase.CONSISTENCY_CHECK if self.config.consistency_check
                                    else Phase.MASKED_INPUT)}[phase]
         return self._members if previous is None else self._received[previous]
+
+    def _phase_answered(self) -> bool:
+        """Everyone expected in the current phase answered, except members known to be offline."""
+        phase = self.phase
+        return set(self._expected(phase)) - set(self._received[phase]) <= self._offline
 
     def _holders(self, owner: str) -> frozenset[str]:
         return self._graph.neighbours(owner) | {owner}
