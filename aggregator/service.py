@@ -62,6 +62,7 @@ from protocols.topics import AGGREGATOR_ID, Topics
 from . import job_control, reporting
 from .active_job import ActiveJob, ServiceStats, ValidatedResult
 from .artifacts import ArtifactShelf
+from .async_runner import AsyncJobRunner
 from .broker_security import BrokerSecurity
 from .crash_points import CrashPoints
 from .enrollment import DeviceCredentials
@@ -218,7 +219,8 @@ class AggregatorService:
         self.active = a
         if self._signer is None and isinstance(job, SecureGroupRounds):
             self._signer = job.identity.sign      # a secure job's identity is the aggregator's: sign with it
-        self.runner = JobRunner(a, self.fleet, self.store, self.crash, self._send, self._publish_status,
+        runner_cls = AsyncJobRunner if getattr(job, "asynchronous", False) else JobRunner
+        self.runner = runner_cls(a, self.fleet, self.store, self.crash, self._send, self._publish_status,
                                 lambda: self.link.bytes_sent, self._job_broken, self.eval_set, self.checkpoints,
                                 self.evaluate_every_contribution, self.offline_grace_s)
 

@@ -438,10 +438,11 @@ class Store:
 
     def contributions(self, job_id: str, with_payload: bool = True, canonical: bool = False,
                       after_round: int = 0) -> Iterator[StoredContribution]:
-        """Accepted contributions of rounds > ``after_round``, streamed in commit order (or by device id
-        then round: ``canonical``)."""
+        """Accepted contributions of rounds > ``after_round``, streamed by round, in commit order within
+        a round (or by device id then round: ``canonical``). Round order is commit order for jobs with
+        one open round at a time; an asynchronous job's one-device rounds close out of order."""
         cols = "seq, job_id, round, device, message_id, " + ("payload" if with_payload else "x''") + ", received_at"
-        order = "device, round" if canonical else "seq"
+        order = "device, round" if canonical else "round, seq"
         for r in self.db.execute(f"SELECT {cols} FROM contributions WHERE job_id=? AND round>? ORDER BY {order}",
                                  (job_id, after_round)):
             yield StoredContribution(r[0], r[1], r[2], r[3], r[4], bytes(r[5]), r[6])
