@@ -59,7 +59,7 @@ from protocols.payloads.secagg import SECAGG_TYPE
 from protocols.rounds import Declined, ResultArrived, ResultInvalid
 from protocols.topics import AGGREGATOR_ID, Topics
 
-from . import job_control, reporting
+from . import job_control, reporting, unlearning
 from .active_job import ActiveJob, ServiceStats, ValidatedResult
 from .artifacts import ArtifactShelf
 from .async_runner import AsyncJobRunner
@@ -202,6 +202,23 @@ class AggregatorService:
         self.fleet.set_mode(mode)
         self._update_live(force=True)
         return self.fleet.mode
+
+    def forget_device(self, device_id: str, job_id: str | None = None) -> list[dict]:
+        """Remove a device's data from every job that holds it (or ``job_id`` only), where that can be
+        exact (plaintext Fed3R); each job's line says what was done or why not (``unlearning.py``)."""
+        if self.store is None:
+            raise StoreError("forgetting needs the aggregator's store")
+        report = []
+        for job in unlearning.jobs_to_forget(self.store, device_id, job_id):
+            active = self.active is not None and self.active.job_id == job["job_id"]
+            line = unlearning.forget_stored(self.store, {**job, "state": "running"} if active else job,
+                                            device_id, self.eval_set)
+            if active and line["forgotten"]:
+                self._job_broken(f"device {device_id} forgotten")      # rebuilt from what the store still holds
+            report.append(line)
+        if job_id is not None and not report:
+            raise KeyError(f"job {job_id!r} holds no data of {device_id!r}")
+        return report
 
     def create_job(self, kind: str, config: dict) -> dict:
         return job_control.create_job(self.store, kind, config)

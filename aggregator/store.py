@@ -118,6 +118,13 @@ CREATE TABLE IF NOT EXISTS quarantine (
     at          REAL NOT NULL,
     PRIMARY KEY (job_id, message_id)
 );
+CREATE TABLE IF NOT EXISTS forgotten (
+    job_id        TEXT NOT NULL,
+    device        TEXT NOT NULL,
+    contributions INTEGER NOT NULL,
+    at            REAL NOT NULL,
+    PRIMARY KEY (job_id, device)
+);
 CREATE TABLE IF NOT EXISTS checkpoints (
     job_id      TEXT PRIMARY KEY,
     round       INTEGER NOT NULL,
@@ -466,6 +473,44 @@ class Store:
     def quarantined(self, job_id: str) -> list[dict]:
         return [dict(r) for r in self.db.execute(
             "SELECT round, device, message_id, reason, at FROM quarantine WHERE job_id=? ORDER BY at", (job_id,))]
+
+    # ------------------------------------------------------------------ unlearning
+    def forget_device(self, job_id: str, device: str) -> int:
+        """Delete a device's contributions to a job for good, in one transaction: the rows go, the
+        job's checkpoint (a sum that still holds them) goes, the device is recorded as forgotten (never
+        asked again) and counts as rejected in its rounds (a restored open round does not take it
+        back). Returns how many contributions were deleted."""
+        now = time.time()
+        with self._tx() as db:
+            rounds = [r[0] for r in db.execute("SELECT round FROM contributions WHERE job_id=? AND device=?",
+                                               (job_id, device))]
+            waiting = [r[0] for r in db.execute("SELECT round, participants FROM rounds WHERE job_id=? AND "
+                                                "state='open'", (job_id,)) if device in json.loads(r[1])]
+            db.execute("DELETE FROM contributions WHERE job_id=? AND device=?", (job_id, device))
+            db.execute("DELETE FROM checkpoints WHERE job_id=?", (job_id,))
+            db.execute("INSERT INTO forgotten VALUES (?, ?, ?, ?) ON CONFLICT (job_id, device) DO UPDATE SET "
+                       "contributions = contributions + excluded.contributions, at = excluded.at",
+                       (job_id, device, len(rounds), now))
+            for round_ in set(rounds) | set(waiting):
+                db.execute("INSERT OR REPLACE INTO round_events VALUES (?, ?, ?, 'rejected', 'forgotten', ?)",
+                           (job_id, round_, device, now))
+            return len(rounds)
+
+    def forgotten(self, job_id: str) -> list[str]:
+        return [r[0] for r in self.db.execute("SELECT device FROM forgotten WHERE job_id=? ORDER BY device",
+                                              (job_id,))]
+
+    def jobs_of_device(self, device: str) -> list[str]:
+        """Jobs holding stored contributions of ``device``."""
+        return [r[0] for r in self.db.execute(
+            "SELECT DISTINCT job_id FROM contributions WHERE device=? ORDER BY job_id", (device,))]
+
+    def replace_final_model(self, job_id: str, arrays: dict[str, np.ndarray], metrics: dict, round_: int) -> int:
+        """A finished job's final model re-solved (after forgetting a device): a new final version,
+        child of the previous one, which stops being final."""
+        with self._tx() as db:
+            db.execute("UPDATE models SET final=0 WHERE job_id=?", (job_id,))
+            return self._add_model(db, job_id, round_, arrays, metrics, final=True)
 
     # ------------------------------------------------------------------ evaluations and models
     def add_evaluation(self, job_id: str, entry: dict) -> None:
