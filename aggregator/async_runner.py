@@ -66,6 +66,12 @@ class AsyncJobRunner(JobRunner):
         super()._close_round(act)
         self._open.pop(act.round, None)
 
+    def _checkpoint(self, act) -> tuple:
+        # replayed after a restart: every round above the job's floor (dispatches still open when
+        # this one closed may have answered since); the job skips those its state already holds
+        state, contributed = super()._checkpoint(act)
+        return state, contributed, self.a.job.replay_floor
+
     def _record_eval(self) -> None:
         # the model moves only at a server step: evaluate once per version, not per dispatch
         if self._evaluated_version == self.a.job.version and self.a.history:

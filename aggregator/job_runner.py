@@ -157,7 +157,7 @@ class JobRunner:
             self.crash("evaluation_stored")
         if self.store is not None:
             model = a.job.model_arrays() if act.accepted else None
-            checkpoint = (a.job.state_dict(), a.job.contributed) if self.checkpoints else None
+            checkpoint = self._checkpoint(act) if self.checkpoints else None
             self.store.close_round(a.job_id, act.round, a.round_log[-1], model,
                                    a.history[-1] if a.history else {}, a.round_bytes[act.round], a.stats.to_dict(),
                                    checkpoint)
@@ -165,6 +165,10 @@ class JobRunner:
         if a.current is not None and a.current.round == act.round:
             a.current = None
         self.publish_status()
+
+    def _checkpoint(self, act: RoundClosed) -> tuple:
+        """(state_dict, contributed) of the job as this round closes: what a restart resumes from."""
+        return self.a.job.state_dict(), self.a.job.contributed
 
     def _record_eval(self) -> None:
         a = self.a

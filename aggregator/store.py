@@ -382,11 +382,13 @@ class Store:
                     metrics: dict | None = None, bytes_in: int | None = None, counters: dict | None = None,
                     checkpoint: tuple[dict[str, np.ndarray], dict] | None = None) -> int | None:
         """Mark the round closed and, in the same transaction, record the model version it produced and
-        the job's state after it (``checkpoint`` = (state_dict, contributed))."""
+        the job's state after it (``checkpoint`` = (state_dict, contributed[, replay_after]): a restart
+        replays the contributions of rounds after ``replay_after``, this round by default)."""
         with self._tx() as db:
             if checkpoint is not None:
+                replay_after = checkpoint[2] if len(checkpoint) > 2 else round_
                 db.execute("INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?)",
-                           (job_id, round_, npz_bytes(checkpoint[0]), json.dumps(checkpoint[1]), time.time()))
+                           (job_id, replay_after, npz_bytes(checkpoint[0]), json.dumps(checkpoint[1]), time.time()))
             cur = db.execute("UPDATE rounds SET state='closed', closed_at=?, outcome=?, "
                              "bytes_in=COALESCE(?, bytes_in) WHERE job_id=? AND round=? AND state='open'",
                              (time.time(), json.dumps(outcome), bytes_in, job_id, round_))

@@ -15,8 +15,10 @@ with weight 1/√(1+staleness) and drops (counts) updates older than ``max_stale
 
 Durability: the job's whole state (kept model versions, the open buffer, outstanding
 dispatches, and the applied dispatches a replay could meet again) is checkpointed at every
-dispatch's close, so a restart resumes the very buffer it had; ``apply`` of a dispatch already in
-the checkpoint is a no-op, which makes the replay idempotent. The job is done after ``rounds``
+dispatch's close, so a restart resumes the very buffer it had. Dispatches close out of order, so
+the checkpoint names a floor (every round up to it closed and in the state), not the round that
+closed: the restart replays the rounds above the floor, and ``apply`` of a dispatch already in the
+checkpoint is a no-op, which makes that replay idempotent. The job is done after ``rounds``
 server steps.
 """
 
@@ -72,6 +74,7 @@ class AsyncFedAvgJob(FedAvgJob):
         self.buffer = FedBuff(self.params, c.buffer_size, c.server_lr, c.max_staleness, c.staleness_exponent)
         self.dispatches: dict[int, tuple[str, int]] = {}   # open dispatch round -> (device, version)
         self._applied: set[int] = set()       # applied dispatch rounds a checkpoint replay could meet again
+        self.replay_floor = 0                 # rounds <= this are closed and in the state
 
     @property
     def version(self) -> int:
@@ -143,9 +146,11 @@ class AsyncFedAvgJob(FedAvgJob):
     def close_round(self, closed: RoundClosed) -> None:
         # This close's checkpoint (and every later one) is taken at a round >= floor: applied
         # dispatches above it must stay marked, those below can never be replayed again.
-        floor = min([*self.dispatches, closed.round])
+        # Every round up to the floor is closed and, if answered, in the state: a restart replays the
+        # rounds above it (the checkpoint says so), skipping the applied ones marked here.
+        self.replay_floor = min([*self.dispatches, closed.round]) - 1
         self.dispatches.pop(closed.round, None)          # closed unanswered: the device is free again
-        self._applied = {r for r in self._applied if r > floor}
+        self._applied = {r for r in self._applied if r > self.replay_floor}
 
     # ------------------------------------------------------------------ model and state
     def evaluate(self, features: np.ndarray | None, labels: np.ndarray | None) -> dict:
@@ -182,5 +187,5 @@ class AsyncFedAvgJob(FedAvgJob):
         self._rng.setstate((version, tuple(internal), gauss))
         r = int(state["round"])
         self.round = max(self.round, r)
-        if r not in self._applied:
-            self.dispatches.setdefault(r, (state["device"], int(state["version"])))
+        if r not in self._applied:      # (a checkpoint's dispatches come without their device: named here)
+            self.dispatches[r] = (state["device"], int(state["version"]))
