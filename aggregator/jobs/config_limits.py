@@ -75,7 +75,8 @@ FIELD_LIMITS: dict[str, Range | OneOf | Pattern | Fields | Items] = {
     "rounds": Range(0, 1_000_000), "seed": SEED,
     # Fed3R
     "lam": Range(1e-12, 1e12), "fit_intercept": OneOf((True, False)), "normalize_columns": OneOf((True, False)),
-    "b_format": OneOf(("sparse", "dense")), "factor_uploads": OneOf((True, False)), "stats_dtype": OneOf(("float64", "float32")),
+    "b_format": OneOf(("sparse", "dense")), "factor_uploads": OneOf((True, False)),
+    "streaming": OneOf((True, False)), "stats_dtype": OneOf(("float64", "float32")),
     "random_features": Fields({"seed": (int, Range(0, 2 ** 32 - 1)), "dim": (int, Range(1, 8192)),
                                "sigma": (float, Range(1e-12, 1e12))}),
     # secure aggregation
