@@ -13,7 +13,7 @@ updates). Read from each job's evaluation history (the aggregator's wall clock s
 task, bytes in + out on the wire): the wall time and bytes to first reach the target accuracy,
 the lower of the two jobs' best accuracies (so both reach it), and their ratios.
 
-Usage: nice -n 10 .venv/bin/python bench/async_vs_sync.py [--devices 16] [--rounds 10]
+Usage: nice -n 10 .venv/bin/python bench/async_vs_sync.py [--devices 12] [--rounds 8]
 Writes runs/bench/async_vs_sync.{json,png}.
 """
 
@@ -61,11 +61,12 @@ def curve(history: list[dict], x: str) -> tuple[list[float], list[float]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--devices", type=int, default=16)
+    ap.add_argument("--devices", type=int, default=12)
+    ap.add_argument("--train-limit", type=int, default=1000, help="training images shared by the devices")
     ap.add_argument("--clients-per-round", type=int, default=4, help="κ: sync round size = async concurrency")
     ap.add_argument("--buffer-size", type=int, default=2, help="K: async updates per server step")
     ap.add_argument("--max-staleness", type=int, default=6)
-    ap.add_argument("--rounds", type=int, default=10, help="sync rounds (async: rounds·κ/K server steps)")
+    ap.add_argument("--rounds", type=int, default=8, help="sync rounds (async: rounds·κ/K server steps)")
     ap.add_argument("--slowdown", type=float, nargs=2, default=(1.0, 8.0))
     ap.add_argument("--dropout", type=float, default=0.1)
     ap.add_argument("--client-lr", type=float, default=0.05)
@@ -73,7 +74,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
-    cfg = dataclasses.replace(PRESETS["smoke"], devices=args.devices, clients_per_round=args.clients_per_round,
+    cfg = dataclasses.replace(PRESETS["smoke"], devices=args.devices, train_limit=args.train_limit, clients_per_round=args.clients_per_round,
                               slowdown=tuple(args.slowdown), dropout_prob=args.dropout, holdout_fraction=0.0,
                               cache_dir=args.cache_dir, out_dir=str(OUT_DIR / "async_vs_sync_run"), seed=args.seed,
                               round_timeout_s=60.0, evaluate="round")
