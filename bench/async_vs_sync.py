@@ -121,7 +121,7 @@ def main() -> None:
               f"{row['mb_to_target']:6.2f} MB, {row['updates_to_target']} updates (job ran {row['total_t_s']:.1f}s)")
     print(f"sync/async: time ×{report['ratios_sync_over_async']['time']:.2f}, "
           f"bytes ×{report['ratios_sync_over_async']['bytes']:.2f}   (bench wall {wall:.0f}s)")
-    panels = [{"title": "accuracy vs wall time", "xlabel": "seconds since job start", "ylabel": "test accuracy",
+    panels = [{"title": "accuracy vs wall time", "xlabel": "seconds since the first task", "ylabel": "test accuracy",
                "lines": {label: curve(r["history"], "t") for label, r in results.items()}},
               {"title": "accuracy vs bytes on the wire", "xlabel": "MB (in + out)", "ylabel": "test accuracy",
                "lines": {label: curve(r["history"], "mb") for label, r in results.items()}}]

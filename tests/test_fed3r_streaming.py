@@ -2,22 +2,18 @@
 after every increment the model is exactly the centralized ridge on all samples so far (sklearn),
 and no retry, stale task or gap can make a sample count twice or be skipped."""
 
-import threading
-
 import numpy as np
 import pytest
 
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
-from aggregator.service import AggregatorService
 from aggregator.store import Store
-from edge_client.agent import DeviceAgent, TaskDeclined
+from edge_client.agent import TaskDeclined
 from edge_client.tasks.fed3r_stats import Fed3RStatsTask
 from protocols import messages as M
 from protocols.envelope import EnvelopeError, decode, encode
-from protocols.mqtt_link import BrokerConfig
 from protocols.payloads.fed3r import KIND
 
-from ops_fleet import Features
+from ops_fleet import Features, serve_until_done
 from test_fed3r_exactness import reference_ridge
 
 D, C, LAM = 5, 3, 0.5
@@ -91,16 +87,8 @@ def test_streaming_job_over_mosquitto_ingests_every_increment_once(broker, tmp_p
     config = Fed3RConfig(num_classes=C, feature_dim=D, lam=LAM, streaming=True, clients_per_round=3, max_attempts=1,
                          round_timeout_s=20, expected_devices=3)
     store = Store(tmp_path / "s.db")
-    svc = AggregatorService(Fed3RJob(config), BrokerConfig.from_url(broker.url), tmp_path, enrolled=set(data),
-                            store=store, tick_s=0.05)
-    result = {}
-    thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=60)), daemon=True)
-    thread.start()
-    agents = [DeviceAgent(d, BrokerConfig.from_url(broker.url), {KIND: Gathering(bs)}, retry_after_s=2,
-                          tick_s=0.05).start() for d, bs in data.items()]
-    thread.join(60)
-    for a in agents:
-        a.stop()
+    _, result = serve_until_done(Fed3RJob(config), broker.url, tmp_path, {d: {KIND: Gathering(bs)} for d, bs in data.items()},
+                                 store)
     assert result["state"] == "done"
     assert result["contributed"] == {d: sum(len(y) for _, y in bs) for d, bs in data.items()}
     stored = [c.device for c in store.contributions(config.job_id)]

@@ -2,7 +2,6 @@
 reference, the fedavg-async job's version bookkeeping, and a job over mosquitto end to end."""
 
 import json
-import threading
 import time
 
 import numpy as np
@@ -10,17 +9,16 @@ import pytest
 
 from aggregator.jobs.fedavg_async import AsyncFedAvgConfig, AsyncFedAvgJob
 from aggregator.jobs.registry import build_job
-from aggregator.service import AggregatorService
 from aggregator.store import Store
 from aggregator.strategies.fedbuff import FedBuff, staleness_weight
-from edge_client.agent import DeviceAgent
 from edge_client.features import FeatureExtractor
 from edge_client.tasks.head_training import HeadTrainingTask
 from protocols import messages as M
 from protocols.envelope import EnvelopeError, decode, encode
-from protocols.mqtt_link import BrokerConfig
 from protocols.payloads.fedavg import KIND, encode_head_update
 from protocols.rounds import RoundClosed
+
+from ops_fleet import serve_until_done
 
 C, D, SIZE = 3, 8, 8
 
@@ -172,16 +170,9 @@ def test_async_job_over_mosquitto_equals_numpy_fedbuff_of_the_stored_arrivals(br
     config = AsyncFedAvgConfig(num_classes=C, feature_dim=D, image_size=SIZE, clients_per_round=3, buffer_size=2,
                                max_staleness=1, rounds=6, round_timeout_s=20, expected_devices=3, batch_size=8)
     store = Store(tmp_path / "agg.db")
-    svc = AggregatorService(AsyncFedAvgJob(config), BrokerConfig.from_url(broker.url), tmp_path, enrolled=set(devices),
-                            store=store, tick_s=0.05)
-    result = {}
-    thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=60)), daemon=True)
-    thread.start()
-    agents = [DeviceAgent(d, BrokerConfig.from_url(broker.url), {KIND: SlowDevice(i, delay)}, retry_after_s=2,
-                          tick_s=0.05).start() for i, (d, delay) in enumerate(devices.items())]
-    thread.join(60)
-    for a in agents:
-        a.stop()
+    svc, result = serve_until_done(AsyncFedAvgJob(config), broker.url, tmp_path,
+                                   {d: {KIND: SlowDevice(i, delay)} for i, (d, delay) in enumerate(devices.items())},
+                                   store)
     assert result["state"] == "done"
     job = svc.job
     assert job.version >= 6
