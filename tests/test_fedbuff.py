@@ -166,7 +166,7 @@ class SlowDevice(HeadTrainingTask):
 
 
 def test_async_job_over_mosquitto_equals_numpy_fedbuff_of_the_stored_arrivals(broker, tmp_path):
-    devices = {"dev0": 0.05, "dev1": 0.1, "dev2": 1.5}                       # the slow one goes stale
+    devices = {"dev0": 0.05, "dev1": 0.1, "dev2": 3.0}                       # the slow one goes stale
     config = AsyncFedAvgConfig(num_classes=C, feature_dim=D, image_size=SIZE, clients_per_round=3, buffer_size=2,
                                max_staleness=1, rounds=6, round_timeout_s=20, expected_devices=3, batch_size=8)
     store = Store(tmp_path / "agg.db")
