@@ -17,7 +17,7 @@ import time
 from typing import Callable
 
 from protocols import messages as M
-from protocols.envelope import Envelope, decode
+from protocols.envelope import Envelope
 from protocols.rounds import (ApplyResult, DeviceLost, GroupSettled, RecordDeclined, RecordRejected, RoundClosed,
                               RoundCoordinator, SendAck, Tick)
 from protocols.topics import AGGREGATOR_ID
@@ -27,8 +27,9 @@ from .active_job import ActiveJob
 from .crash_points import CrashPoints
 from .fleet import Fleet
 from .jobs import Job
-from .jobs.registry import KINDS, build_job
+from .jobs.registry import KINDS
 from .jobs.secure_rounds import SecureGroupRounds
+from .recovery import canonical_job
 from .store import FINAL_JOB_STATES, Store, StoreError
 
 log = logging.getLogger("fedfleet.aggregator")
@@ -160,7 +161,7 @@ class JobRunner:
             self.crash("evaluation_stored")
         if self.store is not None:
             model = a.job.model_arrays() if act.accepted else None
-            checkpoint = (a.job.state_dict(), a.job.contributed) if self.checkpoints else None
+            checkpoint = self._checkpoint(act) if self.checkpoints else None
             self.store.close_round(a.job_id, act.round, a.round_log[-1], model,
                                    a.history[-1] if a.history else {}, a.round_bytes[act.round], a.stats.to_dict(),
                                    checkpoint)
@@ -168,6 +169,10 @@ class JobRunner:
         if a.current is not None and a.current.round == act.round:
             a.current = None
         self.publish_status()
+
+    def _checkpoint(self, act: RoundClosed) -> tuple:
+        """(state_dict, contributed) of the job as this round closes: what a restart resumes from."""
+        return self.a.job.state_dict(), self.a.job.contributed
 
     def _record_eval(self) -> None:
         a = self.a
@@ -264,7 +269,4 @@ class JobRunner:
 
     def _canonical_job(self) -> Job:
         """The job rebuilt from its stored contributions in device-id order (order-free jobs only)."""
-        fresh = build_job(self.a.kind, self.a.job.config.to_dict())
-        for c in self.store.contributions(self.a.job_id, canonical=True):
-            fresh.apply(c.device, fresh.parse_result(decode(c.payload)))
-        return fresh
+        return canonical_job(self.store, self.a.kind, self.a.job.config.to_dict(), self.a.job_id)

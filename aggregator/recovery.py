@@ -29,6 +29,7 @@ from protocols.envelope import decode
 from protocols.rounds import Declined, ResultInvalid, RoundClosed, RoundCoordinator, RoundState, Tick
 
 from .active_job import ActiveJob, ServiceStats
+from .jobs.registry import build_job
 from .store import FINAL_JOB_STATES, Store, StoreError
 
 log = logging.getLogger("fedfleet.aggregator")
@@ -51,7 +52,8 @@ def restore_job(a: ActiveJob, row: dict, store: Store, checkpoints: bool) -> Non
     if rounds:
         a.job.restore_bookkeeping(rounds[-1].bookkeeping)
     a.history = store.evaluations(a.job_id)
-    a.quarantined = {q["device"] for q in store.quarantined(a.job_id)}
+    # quarantined and forgotten devices are never asked again
+    a.quarantined = {q["device"] for q in store.quarantined(a.job_id)} | set(store.forgotten(a.job_id))
     if row["state"] in FINAL_JOB_STATES:
         a.final_state = row["state"]
     elif row["state"] == "paused":
@@ -60,6 +62,15 @@ def restore_job(a: ActiveJob, row: dict, store: Store, checkpoints: bool) -> Non
         store.set_job_state(a.job_id, "running")
     log.warning("job %s restored: %d rounds, checkpoint of round %d, %d contributions replayed in %.3fs",
                 a.job_id, len(rounds), done_round, replay.replayed, time.perf_counter() - t0)
+
+
+def canonical_job(store: Store, kind: str, config: dict, job_id: str):
+    """An order-free job (Fed3R) rebuilt from its stored contributions in device-id order: what
+    the finished job reports, so its model depends only on which devices contributed."""
+    fresh = build_job(kind, config)
+    for c in store.contributions(job_id, canonical=True):
+        fresh.apply(c.device, fresh.parse_result(decode(c.payload)))
+    return fresh
 
 
 def _load_checkpoint(a: ActiveJob, store: Store) -> int:

@@ -59,9 +59,10 @@ from protocols.payloads.secagg import SECAGG_TYPE
 from protocols.rounds import Declined, ResultArrived, ResultInvalid
 from protocols.topics import AGGREGATOR_ID, Topics
 
-from . import job_control, reporting
+from . import job_control, reporting, unlearning
 from .active_job import ActiveJob, ServiceStats, ValidatedResult
 from .artifacts import ArtifactShelf
+from .async_runner import AsyncJobRunner
 from .broker_security import BrokerSecurity
 from .crash_points import CrashPoints
 from .enrollment import DeviceCredentials
@@ -202,6 +203,23 @@ class AggregatorService:
         self._update_live(force=True)
         return self.fleet.mode
 
+    def forget_device(self, device_id: str, job_id: str | None = None) -> list[dict]:
+        """Remove a device's data from every job that holds it (or ``job_id`` only), where that can be
+        exact (plaintext Fed3R); each job's line says what was done or why not (``unlearning.py``)."""
+        if self.store is None:
+            raise StoreError("forgetting needs the aggregator's store")
+        report = []
+        for job in unlearning.jobs_to_forget(self.store, device_id, job_id):
+            active = self.active is not None and self.active.job_id == job["job_id"]
+            line = unlearning.forget_stored(self.store, {**job, "state": "running"} if active else job,
+                                            device_id, self.eval_set)
+            if active and line["forgotten"]:
+                self._job_broken(f"device {device_id} forgotten")      # rebuilt from what the store still holds
+            report.append(line)
+        if job_id is not None and not report:
+            raise KeyError(f"job {job_id!r} holds no data of {device_id!r}")
+        return report
+
     def create_job(self, kind: str, config: dict) -> dict:
         return job_control.create_job(self.store, kind, config)
 
@@ -218,7 +236,8 @@ class AggregatorService:
         self.active = a
         if self._signer is None and isinstance(job, SecureGroupRounds):
             self._signer = job.identity.sign      # a secure job's identity is the aggregator's: sign with it
-        self.runner = JobRunner(a, self.fleet, self.store, self.crash, self._send, self._publish_status,
+        runner_cls = AsyncJobRunner if getattr(job, "asynchronous", False) else JobRunner
+        self.runner = runner_cls(a, self.fleet, self.store, self.crash, self._send, self._publish_status,
                                 lambda: self.link.bytes_sent, self._job_broken, self.eval_set, self.checkpoints,
                                 self.evaluate_every_contribution, self.offline_grace_s)
 

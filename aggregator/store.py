@@ -118,6 +118,13 @@ CREATE TABLE IF NOT EXISTS quarantine (
     at          REAL NOT NULL,
     PRIMARY KEY (job_id, message_id)
 );
+CREATE TABLE IF NOT EXISTS forgotten (
+    job_id        TEXT NOT NULL,
+    device        TEXT NOT NULL,
+    contributions INTEGER NOT NULL,
+    at            REAL NOT NULL,
+    PRIMARY KEY (job_id, device)
+);
 CREATE TABLE IF NOT EXISTS checkpoints (
     job_id      TEXT PRIMARY KEY,
     round       INTEGER NOT NULL,
@@ -375,11 +382,13 @@ class Store:
                     metrics: dict | None = None, bytes_in: int | None = None, counters: dict | None = None,
                     checkpoint: tuple[dict[str, np.ndarray], dict] | None = None) -> int | None:
         """Mark the round closed and, in the same transaction, record the model version it produced and
-        the job's state after it (``checkpoint`` = (state_dict, contributed))."""
+        the job's state after it (``checkpoint`` = (state_dict, contributed[, replay_after]): a restart
+        replays the contributions of rounds after ``replay_after``, this round by default)."""
         with self._tx() as db:
             if checkpoint is not None:
+                replay_after = checkpoint[2] if len(checkpoint) > 2 else round_
                 db.execute("INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?)",
-                           (job_id, round_, npz_bytes(checkpoint[0]), json.dumps(checkpoint[1]), time.time()))
+                           (job_id, replay_after, npz_bytes(checkpoint[0]), json.dumps(checkpoint[1]), time.time()))
             cur = db.execute("UPDATE rounds SET state='closed', closed_at=?, outcome=?, "
                              "bytes_in=COALESCE(?, bytes_in) WHERE job_id=? AND round=? AND state='open'",
                              (time.time(), json.dumps(outcome), bytes_in, job_id, round_))
@@ -438,10 +447,11 @@ class Store:
 
     def contributions(self, job_id: str, with_payload: bool = True, canonical: bool = False,
                       after_round: int = 0) -> Iterator[StoredContribution]:
-        """Accepted contributions of rounds > ``after_round``, streamed in commit order (or by device id
-        then round: ``canonical``)."""
+        """Accepted contributions of rounds > ``after_round``, streamed by round, in commit order within
+        a round (or by device id then round: ``canonical``). Round order is commit order for jobs with
+        one open round at a time; an asynchronous job's one-device rounds close out of order."""
         cols = "seq, job_id, round, device, message_id, " + ("payload" if with_payload else "x''") + ", received_at"
-        order = "device, round" if canonical else "seq"
+        order = "device, round" if canonical else "round, seq"
         for r in self.db.execute(f"SELECT {cols} FROM contributions WHERE job_id=? AND round>? ORDER BY {order}",
                                  (job_id, after_round)):
             yield StoredContribution(r[0], r[1], r[2], r[3], r[4], bytes(r[5]), r[6])
@@ -465,6 +475,44 @@ class Store:
     def quarantined(self, job_id: str) -> list[dict]:
         return [dict(r) for r in self.db.execute(
             "SELECT round, device, message_id, reason, at FROM quarantine WHERE job_id=? ORDER BY at", (job_id,))]
+
+    # ------------------------------------------------------------------ unlearning
+    def forget_device(self, job_id: str, device: str) -> int:
+        """Delete a device's contributions to a job for good, in one transaction: the rows go, the
+        job's checkpoint (a sum that still holds them) goes, the device is recorded as forgotten (never
+        asked again) and counts as rejected in its rounds (a restored open round does not take it
+        back). Returns how many contributions were deleted."""
+        now = time.time()
+        with self._tx() as db:
+            rounds = [r[0] for r in db.execute("SELECT round FROM contributions WHERE job_id=? AND device=?",
+                                               (job_id, device))]
+            waiting = [r[0] for r in db.execute("SELECT round, participants FROM rounds WHERE job_id=? AND "
+                                                "state='open'", (job_id,)) if device in json.loads(r[1])]
+            db.execute("DELETE FROM contributions WHERE job_id=? AND device=?", (job_id, device))
+            db.execute("DELETE FROM checkpoints WHERE job_id=?", (job_id,))
+            db.execute("INSERT INTO forgotten VALUES (?, ?, ?, ?) ON CONFLICT (job_id, device) DO UPDATE SET "
+                       "contributions = contributions + excluded.contributions, at = excluded.at",
+                       (job_id, device, len(rounds), now))
+            for round_ in set(rounds) | set(waiting):
+                db.execute("INSERT OR REPLACE INTO round_events VALUES (?, ?, ?, 'rejected', 'forgotten', ?)",
+                           (job_id, round_, device, now))
+            return len(rounds)
+
+    def forgotten(self, job_id: str) -> list[str]:
+        return [r[0] for r in self.db.execute("SELECT device FROM forgotten WHERE job_id=? ORDER BY device",
+                                              (job_id,))]
+
+    def jobs_of_device(self, device: str) -> list[str]:
+        """Jobs holding stored contributions of ``device``."""
+        return [r[0] for r in self.db.execute(
+            "SELECT DISTINCT job_id FROM contributions WHERE device=? ORDER BY job_id", (device,))]
+
+    def replace_final_model(self, job_id: str, arrays: dict[str, np.ndarray], metrics: dict, round_: int) -> int:
+        """A finished job's final model re-solved (after forgetting a device): a new final version,
+        child of the previous one, which stops being final."""
+        with self._tx() as db:
+            db.execute("UPDATE models SET final=0 WHERE job_id=?", (job_id,))
+            return self._add_model(db, job_id, round_, arrays, metrics, final=True)
 
     # ------------------------------------------------------------------ evaluations and models
     def add_evaluation(self, job_id: str, entry: dict) -> None:

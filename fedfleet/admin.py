@@ -1,7 +1,7 @@
 """``fedfleet admin``: the operator's command line, a thin client of the aggregator's admin API.
 
     fedfleet admin status | watch | fleet [open|enrolled] | devices | clusters | metrics | jobs | models
-    fedfleet admin device show|enroll|revoke ID
+    fedfleet admin device show|enroll|revoke|forget ID
     fedfleet admin job show|create|start|pause|resume|cancel|rounds ...
     fedfleet admin round JOB N
     fedfleet admin model show|download|lineage ID
@@ -177,6 +177,13 @@ def _device(args, client):
     if args.action == "revoke":
         d = client.post(f"/api/devices/{args.device_id}/revoke")
         return d, f"revoked {args.device_id}"
+    if args.action == "forget":
+        query = f"?job_id={args.job}" if args.job else ""
+        lines = client.post(f"/api/devices/{args.device_id}/forget{query}")
+        text = "\n".join(f"{x['job_id']}: " + (f"forgot {x['contributions_deleted']} contribution(s), re-solved"
+                                                 if x["forgotten"] else f"not forgotten: {x['reason']}")
+                         for x in lines)
+        return lines, text or f"no job holds data of {args.device_id}"
     body = {"device_id": args.device_id}
     if args.public_key:
         body["public_key"] = args.public_key
@@ -309,11 +316,12 @@ def add_admin_parser(subparsers) -> argparse.ArgumentParser:
                     help="set the fleet mode on purpose (default: only show the summary)")
     d = add("devices", help="table of devices (last seen, profile, cluster)")
     d.add_argument("--status", choices=["enrolled", "revoked"], default=None, help="only devices in this state")
-    dv = add("device", help="show, enrol or revoke one device")
-    dv.add_argument("action", choices=["show", "enroll", "revoke"])
+    dv = add("device", help="show, enrol, revoke or forget (exact unlearning) one device")
+    dv.add_argument("action", choices=["show", "enroll", "revoke", "forget"])
     dv.add_argument("device_id")
     dv.add_argument("--public-key", default=None, help="enrol: the device's own Ed25519 public key (hex)")
     dv.add_argument("--out", type=Path, default=None, help="enrol: write the credentials JSON here (mode 600)")
+    dv.add_argument("--job", default=None, help="forget: only in this job (default: every job holding its data)")
     add("jobs", help="table of jobs")
     j = add("job", help="show / create / start / pause / resume / cancel a job, or list its rounds")
     j.add_argument("action", choices=["show", "create", "start", "pause", "resume", "cancel", "rounds", "evaluations"])

@@ -80,6 +80,16 @@ def golden_messages() -> dict[str, bytes]:
     out["result_fedavg_tail"] = encode(Envelope("result", "dev0001", body=tail_body, tensors=tail_update,
                                                 id="bb" * 16, ts=_TS + 5))
     out["task_ladd_train_secure"] = _secure_ladd_task()
+    # fedavg-async: the task names the model version it carries, the result echoes it
+    out["task_fedavg_async"] = encode(Envelope("task", "aggregator", id="c0" * 16, ts=_TS, tensors=head,
+                                               body={"job": "async-demo", "round": 9, "kind": "fedavg.head",
+                                                     "deadline": _TS + 120, "params": {**recipe, "model_version": 4}}))
+    out["result_fedavg_async"] = encode(Envelope("result", "dev0001", id="c1" * 16, ts=_TS + 5, tensors=head_update,
+                                                 body={**head_body, "job": "async-demo", "round": 9,
+                                                       "task": "c0" * 16, "model_version": 4}))
+    # streaming Fed3R: an increment of the device's samples after the 3 the job already holds
+    out["result_fed3r_increment"] = encode(Envelope("result", "dev0001", id="c2" * 16, ts=_TS + 5, tensors=tensors,
+                                                    body={**body, "round": 2, "from_sample": 3}))
     # A chunked message cut into 200-byte slices (4 chunks); chunk ids are derived, not random, here.
     big = Envelope("result", "dev0001", body=body, tensors=tensors, id="44" * 16, ts=_TS + 7)
     data = encode(big)

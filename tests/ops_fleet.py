@@ -262,3 +262,21 @@ def replay_round(replay, devices, tasks: dict, kind: str = "fedavg.head") -> lis
         outputs.append((body, out))
     replay.close_round(RoundClosed(replay.round, tuple(devices), (), (), ()))
     return outputs
+
+
+def serve_until_done(job, broker_url: str, workdir: Path, handlers: dict, store=None, timeout_s: float = 60):
+    """Serve ``job`` in-process until it ends, with one started DeviceAgent per device of
+    ``handlers`` ({device: {kind: handler}}); (the service, its summary)."""
+    from aggregator.service import AggregatorService
+
+    svc = AggregatorService(job, BrokerConfig.from_url(broker_url), workdir, enrolled=set(handlers), store=store,
+                            tick_s=0.05)
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=timeout_s)), daemon=True)
+    thread.start()
+    agents = [DeviceAgent(d, BrokerConfig.from_url(broker_url), h, retry_after_s=2, tick_s=0.05).start()
+              for d, h in handlers.items()]
+    thread.join(timeout_s)
+    for a in agents:
+        a.stop()
+    return svc, result

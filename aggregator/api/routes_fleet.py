@@ -10,7 +10,7 @@ from fastapi import FastAPI, HTTPException, Path, Query, status
 
 from .context import ApiContext
 from .schemas import (ID_PATTERN, ONE, READ, WRITE, Cluster, Credentials, Device, EnrollRequest, FleetMode,
-                      FleetSummary)
+                      FleetSummary, Forgotten)
 
 DeviceId = Path(pattern=ID_PATTERN)
 
@@ -55,6 +55,12 @@ def add_fleet_routes(app: FastAPI, ctx: ApiContext) -> None:
     def revoke(device_id: str = DeviceId) -> dict:
         ctx.mutate(lambda: ctx.service.revoke(device_id))
         return store.device(device_id)
+
+    @post("/api/devices/{device_id}/forget", response_model=list[Forgotten], responses=WRITE,
+          description="exact unlearning: remove the device's statistics from every plaintext Fed3R job that "
+                      "holds them (or job_id only) and re-solve; other jobs say why they cannot")
+    def forget(device_id: str = DeviceId, job_id: str | None = Query(default=None, pattern=ID_PATTERN)) -> list[dict]:
+        return ctx.mutate(lambda: ctx.service.forget_device(device_id, job_id))
 
     @get("/api/clusters", response_model=list[Cluster], responses=READ)
     def clusters() -> list[dict]:

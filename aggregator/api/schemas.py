@@ -53,6 +53,17 @@ class Quarantined(BaseModel):
     at: float
 
 
+class Forgotten(BaseModel):
+    """What forgetting a device did in one job that held its data."""
+    job_id: str
+    kind: str
+    forgotten: bool = Field(description="its statistics were removed and the job re-solved or rebuilt")
+    contributions_deleted: int = 0
+    model_id: int | None = Field(default=None, description="a finished job's new final model (re-solved)")
+    metrics: dict[str, Any] | None = None
+    reason: str = Field(default="", description="why this job cannot forget exactly")
+
+
 class FleetMode(BaseModel):
     model_config = ConfigDict(extra="forbid")
     mode: Literal["open", "enrolled"]

@@ -47,3 +47,5 @@ class Job(Protocol):
     # contributions, so the service re-sums them in a canonical order (bit-identical across runs)
     # optional class attribute ``evaluate_at_round_close = True``: the model changes when a round
     # closes (FedAvg), so it is evaluated then, not only after each contribution
+    # optional class attribute ``asynchronous = True``: no rounds; the service drives it with
+    # ``aggregator.async_runner.AsyncJobRunner`` (next_dispatches / open_dispatch, one-device rounds)

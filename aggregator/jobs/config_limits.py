@@ -77,7 +77,8 @@ FIELD_LIMITS: dict[str, Range | OneOf | Pattern | Fields | Items] = {
     "rounds": Range(0, 1_000_000), "seed": SEED,
     # Fed3R
     "lam": Range(1e-12, 1e12), "fit_intercept": OneOf((True, False)), "normalize_columns": OneOf((True, False)),
-    "b_format": OneOf(("sparse", "dense")), "factor_uploads": OneOf((True, False)), "stats_dtype": OneOf(("float64", "float32")),
+    "b_format": OneOf(("sparse", "dense")), "factor_uploads": OneOf((True, False)),
+    "streaming": OneOf((True, False)), "stats_dtype": OneOf(("float64", "float32")),
     "random_features": Fields({"seed": (int, Range(0, 2 ** 32 - 1)), "dim": (int, Range(1, 8192)),
                                "sigma": (float, Range(1e-12, 1e12))}),
     # secure aggregation
@@ -87,7 +88,8 @@ FIELD_LIMITS: dict[str, Range | OneOf | Pattern | Fields | Items] = {
     # FedAvg family
     "local_epochs": Range(1, 1000), "batch_size": Range(1, 1_000_000), "client_lr": Range(0, 100),
     "weight_decay": Range(0, 10), "temperature": Range(1e-6, 1e6), "server_lr": Range(0, 100),
-    "server_momentum": Range(0, 1), "init": OneOf(INITS), "initial_head_file": PATH,
+    "server_momentum": Range(0, 1), "buffer_size": Range(1, 100_000), "max_staleness": Range(0, 10_000),
+    "staleness_exponent": Range(0, 10), "init": OneOf(INITS), "initial_head_file": PATH,
     # FT(φ)/FT(M)
     "train": OneOf(("tail", "tail+head")), "tail_stages": Range(0, 64), "tail_program_file": PATH,
     "tail_program_sha256": SHA256_OR_EMPTY,

@@ -5,6 +5,15 @@ round outcomes; it answers with the next round's participants and task parameter
 contributes at most once (Fed3R samples every client once, [P] §III-B); a device that dropped
 out or timed out may be asked again up to ``max_attempts`` times. Rounds of κ devices follow the
 paper's simulation of Fed3R "rounds"; after ⌈K/κ⌉ successful rounds the solution is final.
+
+Streaming (``streaming``): a device that gathers new data contributes again. Its task says how
+many of its samples the job holds (``from_sample`` = Σ n of its applied increments), and the
+device sends the statistics of the samples after those only; a result whose ``from_sample``
+is not exactly that count is refused (a retry of a counted increment, a gap), so no sample is
+ever counted twice or skipped. Because the statistics are sums, the model after each increment
+is exactly the ridge solution on every sample received so far. A device that delivered is asked
+again in a later round; one that answers "no new samples" (a decline) or fails ``max_attempts``
+times in a row is not, and the job is done when no device is left to ask.
 """
 
 from __future__ import annotations
@@ -14,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from protocols.envelope import Envelope
+from protocols.envelope import Envelope, EnvelopeError, body_field
 from protocols.payloads.fed3r import KIND, Fed3RStats, parse_stats
 from protocols.rounds import RoundClosed
 
@@ -39,6 +48,7 @@ class Fed3RConfig(ModelFields):
     start_timeout_s: float = 60.0            # ...or after this long with whoever is there
     seed: int = 0
     factor_uploads: bool = True              # devices with fewer samples than features may send R (exact, smaller)
+    streaming: bool = False                  # ask devices again: each sends only the samples the job lacks
 
     @property
     def p(self) -> int:
@@ -74,12 +84,26 @@ class Fed3RJob(OncePerDevice):
     def contributions(self) -> int:
         return self.strategy.n_contributions
 
+    def eligible(self, online: set[str]) -> list[str]:
+        if not self.config.streaming:
+            return super().eligible(online)
+        return sorted(d for d in online if self.attempts.get(d, 0) < self.config.max_attempts)
+
     def task_for(self, device: str) -> tuple[dict, dict[str, np.ndarray]]:
-        return self.config.task_params(), {}
+        params = self.config.task_params()
+        if self.config.streaming:
+            params["from_sample"] = self.contributed.get(device, 0)
+        return params, {}
 
     def parse_result(self, env: Envelope) -> Fed3RStats:
-        return parse_stats(env, self.config.p, self.config.num_classes, fit_intercept=self.config.fit_intercept,
-                           positive_definite=self.strategy.positive_definite)
+        stats = parse_stats(env, self.config.p, self.config.num_classes, fit_intercept=self.config.fit_intercept,
+                            positive_definite=self.strategy.positive_definite)
+        if self.config.streaming:
+            start, held = body_field(env, "from_sample", int), self.contributed.get(env.sender, 0)
+            if start != held:
+                raise EnvelopeError(f"{KIND}: increment from sample {start}, the job holds {held} samples of "
+                                    f"{env.sender} (already counted, or a gap)")
+        return stats
 
     def close_round(self, closed: RoundClosed) -> None:
         pass  # Fed3R is purely additive: nothing happens at round boundaries
@@ -95,10 +119,12 @@ class Fed3RJob(OncePerDevice):
         self.strategy.load_state_dict(state)
 
     def apply(self, device: str, stats: Fed3RStats) -> None:
-        if device in self.contributed:
+        if device in self.contributed and not self.config.streaming:
             raise ValueError(f"{device} already contributed")  # the round machine prevents this
         self.strategy.add(stats)
-        self.contributed[device] = stats.n
+        self.contributed[device] = self.contributed.get(device, 0) + stats.n
+        if self.config.streaming:
+            self.attempts[device] = 0       # delivered: it may be asked again for what it gathers next
 
     def evaluate(self, features: np.ndarray | None, labels: np.ndarray | None) -> dict:
         model = self.strategy.solve()

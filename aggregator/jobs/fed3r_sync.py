@@ -42,6 +42,12 @@ class Fed3RSyncConfig(Fed3RConfig):
     identity_file: str = ""                 # aggregator's Ed25519 private key (PEM)
     device_keys_file: str = ""              # JSON {device id: Ed25519 public key, hex}
 
+    def __post_init__(self):
+        super().__post_init__()
+        if self.streaming:
+            # an increment would be a group sum whose members' counts the job cannot check
+            raise ValueError("fed3r-sync does not stream: run a new Fed3R-Sync job over the new data")
+
     def task_params(self) -> dict:
         return {**super().task_params(), "format": "dense", "dtype": "float64", "max_samples": self.max_samples}
 

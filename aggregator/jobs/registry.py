@@ -18,6 +18,7 @@ from .config_limits import validate_config
 from .fed3r import Fed3RConfig, Fed3RJob
 from .fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob
 from .fedavg import FedAvgConfig, FedAvgJob
+from .fedavg_async import AsyncFedAvgConfig, AsyncFedAvgJob
 from .fedavg_tail import TailFedAvgConfig, TailFedAvgJob
 from .ladd import LaddConfig, LaddJob
 from .personalize import PersonalizeConfig, PersonalizeJob
@@ -47,6 +48,8 @@ KINDS: dict[str, JobKind] = {k.name: k for k in (
     JobKind("fed3r", Fed3RConfig, Fed3RJob, "Fed3R: each device sends its ridge statistics once; exact closed form"),
     JobKind("fed3r-sync", Fed3RSyncConfig, Fed3RSyncJob, "Fed3R-Sync: the statistics summed in groups under SecAgg"),
     JobKind("fedavg", FedAvgConfig, FedAvgJob, "FedAvg/FedAvgM rounds fine-tuning the classifier head (FT(ψ))"),
+    JobKind("fedavg-async", AsyncFedAvgConfig, AsyncFedAvgJob,
+            "FedAvg(ψ) without rounds: FedBuff, a server step every K arrivals, staleness-weighted"),
     JobKind("fedavg-secure", SecureFedAvgConfig, SecureFedAvgJob, "FedAvg(ψ) with each round's updates summed under SecAgg"),
     JobKind("fedavg-tail", TailFedAvgConfig, TailFedAvgJob, "FedAvg of the backbone's last stages: FT(φ) or FT(M)"),
     JobKind("fedavg-tail-secure", SecureTailFedAvgConfig, SecureTailFedAvgJob, "FT(φ)/FT(M) summed under SecAgg"),

@@ -1,4 +1,11 @@
-"""``fed3r.stats``: extract features of the local training set and return A_k, b_k."""
+"""``fed3r.stats``: extract features of the local training set and return A_k, b_k.
+
+Streaming (a task with ``from_sample``): the device's data only grows (new samples are appended,
+:meth:`Fed3RStatsTask.add_samples`); the task names how many of its samples the aggregator
+already holds, and the device sends the statistics of the samples after those only, echoing
+``from_sample``. The aggregator's count is the ledger: the device keeps none, so a retry or a
+lost reply can never make it count a sample twice.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +28,13 @@ class Fed3RStatsTask:
         self.images, self.labels = images, np.asarray(labels, dtype=np.int64)
         self.extractor_factory = extractor_factory
 
+    def add_samples(self, images: np.ndarray, labels: np.ndarray) -> None:
+        """New local data (appended: the samples a streaming job already holds keep their indices)."""
+        if len(images) != len(labels):
+            raise ValueError("images and labels differ in length")
+        self.images = np.concatenate([self.images, images])
+        self.labels = np.concatenate([self.labels, np.asarray(labels, dtype=np.int64)])
+
     def __call__(self, params: dict[str, Any], tensors: dict | None = None) -> tuple[dict, dict[str, np.ndarray]]:
         if len(self.images) == 0:
             raise TaskDeclined("no local training data")
@@ -31,10 +45,16 @@ class Fed3RStatsTask:
             dtype = str(params.get("dtype", "float64"))
             factor_ok = bool(params.get("factor", False)) and not dense
             rf_cfg = params.get("random_features")
+            start = int(params.get("from_sample", 0))
         except (KeyError, TypeError, ValueError) as exc:
             raise TaskDeclined(f"bad fed3r.stats params: {exc}") from exc
-        if self.labels.max() >= num_classes:
-            raise TaskDeclined(f"local label {self.labels.max()} outside the job's {num_classes} classes")
+        if not 0 <= start <= len(self.images):
+            raise TaskDeclined(f"the aggregator holds {start} samples of this device, it has {len(self.images)}")
+        if start == len(self.images):
+            raise TaskDeclined("no new samples")
+        images, labels = self.images[start:], self.labels[start:]
+        if labels.max() >= num_classes:
+            raise TaskDeclined(f"local label {labels.max()} outside the job's {num_classes} classes")
         try:
             extractor = extractor_for(self.extractor_factory, params)
         except (KeyError, TypeError, ValueError) as exc:
@@ -43,9 +63,11 @@ class Fed3RStatsTask:
         if rf_cfg:
             rf = RandomFourierFeatures(int(rf_cfg["dim"]), float(rf_cfg["sigma"]), int(rf_cfg["seed"]))
         acc = Fed3RAccumulator(num_classes, extractor.feature_dim, fit_intercept, rf, keep_rows=factor_ok)
-        feats = extractor.extract(self.images)
-        acc.update(feats, self.labels)
-        return encode_smallest(acc, num_classes, dense, dtype)
+        acc.update(extractor.extract(images), labels)
+        body, out = encode_smallest(acc, num_classes, dense, dtype)
+        if "from_sample" in params:
+            body["from_sample"] = start
+        return body, out
 
 
 def encode_smallest(acc: Fed3RAccumulator, num_classes: int, dense: bool, dtype: str):

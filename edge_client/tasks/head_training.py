@@ -259,6 +259,8 @@ class HeadTrainingTask:
             num_classes, feature_dim = int(params["num_classes"]), int(params["feature_dim"])
             recipe = LocalTraining.from_params(params)
             str(params["backbone"]), int(params["image_size"])     # checked here: a malformed task declines
+            # an asynchronous job's task names the model version it carries: the result echoes it
+            model_version = int(params["model_version"]) if "model_version" in params else None
         except (KeyError, TypeError, ValueError) as exc:
             raise TaskDeclined(f"bad fedavg.head params: {exc}") from exc
         if not tensors or "weight" not in tensors or "bias" not in tensors:
@@ -279,4 +281,7 @@ class HeadTrainingTask:
             self.last = train_head(weight, bias, features, self.labels, recipe, self._training_session())
         except FloatingPointError as exc:
             raise TaskDeclined(str(exc)) from exc
-        return encode_head_update(self.last.weight, self.last.bias, len(self.labels))
+        body, tensors = encode_head_update(self.last.weight, self.last.bias, len(self.labels))
+        if model_version is not None:
+            body["model_version"] = model_version
+        return body, tensors

@@ -1,0 +1,80 @@
+"""Drives an asynchronous job (``asynchronous = True``, e.g. fedavg-async): no round to wait for.
+
+Each dispatch — one device given the current model version — is a round of one participant to
+the round machinery, so storing, acking, retries, deadlines, quarantine and the restart replay
+are :class:`~aggregator.job_runner.JobRunner`'s own; only the scheduling differs: many such
+rounds are open at once, and at every tick each idle online device (up to the job's
+concurrency) is given a new one. The job's state is checkpointed at each dispatch's close (the
+base runner does that at every round close), which is what lets a restart resume the buffer.
+"""
+
+from __future__ import annotations
+
+import math
+
+from protocols.rounds import DeviceLost, RoundCoordinator, RoundState, Tick
+
+from .job_runner import JobRunner
+
+
+class AsyncJobRunner(JobRunner):
+    def __init__(self, a, fleet, store, *args, **kwargs):
+        super().__init__(a, fleet, store, *args, **kwargs)
+        if store is not None and not self.checkpoints:
+            # without a checkpoint per dispatch a restart would replay the updates in round
+            # order, not in the arrival order the buffer saw: another model
+            raise TypeError(f"{type(a.job).__name__} (asynchronous) needs checkpoints to run with a store")
+        self._open: dict[int, RoundCoordinator] = {
+            r: c for r, c in a.rounds.items() if c.state is RoundState.OPEN}    # restored after a restart
+        a.current = None
+        a.job.keep_dispatches({r: next(iter(c.participants)) for r, c in self._open.items()})
+        self._evaluated_version: int | None = None
+
+    def device_lost(self, device: str) -> None:
+        for coord in [c for c in self._open.values() if device in c.participants]:
+            self.handle(coord, DeviceLost(device))
+
+    def resend_tasks(self, devices: set[str]) -> None:
+        for round_, coord in list(self._open.items()):
+            for dev in sorted(devices & coord.pending):
+                self._send_task(round_, dev)
+
+    def tick(self, now: float) -> None:
+        a = self.a
+        if a.final_state:
+            return
+        for coord in list(self._open.values()):
+            expired = a.cancelling or not coord.pending or a.job.hopeless(coord.round)
+            self.handle(coord, Tick(math.inf if expired else now))
+        if a.cancelling:
+            if not self._open:
+                a.final_state = "cancelled"
+            return
+        if a.state == "paused" or not self._ready_to_start():
+            return
+        if a.job.finished(set(), set()):
+            a.final_state = "done"
+            return
+        idle = self.fleet.eligible_online() - a.quarantined - {d for c in self._open.values() for d in c.participants}
+        for device in a.job.next_dispatches(idle):
+            a.job.open_dispatch(device)
+            self._open_round([device], now)          # stores the dispatch, sends the task, sets a.current
+            self._open[a.current.round] = a.current
+            a.current = None
+
+    def _close_round(self, act) -> None:
+        super()._close_round(act)
+        self._open.pop(act.round, None)
+
+    def _checkpoint(self, act) -> tuple:
+        # replayed after a restart: every round above the job's floor (dispatches still open when
+        # this one closed may have answered since); the job skips those its state already holds
+        state, contributed = super()._checkpoint(act)
+        return state, contributed, self.a.job.replay_floor
+
+    def _record_eval(self) -> None:
+        # the model moves only at a server step: evaluate once per version, not per dispatch
+        if self._evaluated_version == self.a.job.version and self.a.history:
+            return
+        self._evaluated_version = self.a.job.version
+        super()._record_eval()

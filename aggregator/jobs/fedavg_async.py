@@ -1,0 +1,191 @@
+"""FedAvg(ψ) without rounds: FedBuff's asynchronous buffered aggregation of head updates.
+
+Pure logic, driven by :class:`aggregator.async_runner.AsyncJobRunner`. There are no rounds to
+wait for: every idle online device (up to ``clients_per_round`` at once: FedBuff's concurrency)
+is given a *dispatch*, the head of the current model version to train (``fedavg.head`` task,
+``model_version`` in its params); a device that finishes is given a new dispatch with the then
+current model at its next tick. Each dispatch is a round of one device to the round machinery,
+so the store, the acks, retries, deadlines and the restart replay are the synchronous jobs' own.
+
+The device echoes ``model_version`` in its result; ``parse_result`` refuses a result whose
+version is not the one this job dispatched for that round (the server's record decides the
+base model, never the device's claim). ``apply`` hands the trained head to
+:class:`~aggregator.strategies.fedbuff.FedBuff`, which steps every ``buffer_size`` arrivals
+with weight 1/√(1+staleness) and drops (counts) updates older than ``max_staleness``.
+
+Durability: the job's whole state (kept model versions, the open buffer, outstanding
+dispatches, and the applied dispatches a replay could meet again) is checkpointed at every
+dispatch's close, so a restart resumes the very buffer it had. Dispatches close out of order, so
+the checkpoint names a floor (every round up to it closed and in the state), not the round that
+closed: the restart replays the rounds above the floor, and ``apply`` of a dispatch already in the
+checkpoint is a no-op, which makes that replay idempotent. The job is done after ``rounds``
+server steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from protocols.envelope import Envelope, EnvelopeError, body_field
+from protocols.rounds import RoundClosed
+
+from ..strategies.fedbuff import FedBuff
+from .fedavg import FedAvgConfig, FedAvgJob, RoundUpdate
+
+log = logging.getLogger("fedfleet.aggregator")
+
+
+@dataclass
+class AsyncFedAvgConfig(FedAvgConfig):
+    job_id: str = "fedavg-async"
+    rounds: int = 100                    # server steps (model versions) to take
+    clients_per_round: int = 10          # concurrency: devices training at any moment
+    round_timeout_s: float = 120.0       # per dispatch: a device silent this long is given up
+    buffer_size: int = 4                 # K: updates per server step
+    max_staleness: int = 8               # older updates are acknowledged, counted, not applied
+    staleness_exponent: float = 0.5      # s(τ) = (1+τ)^-a; 0.5: FedBuff's 1/√(1+τ)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.server_momentum:
+            raise ValueError("fedavg-async has no server momentum (FedBuff steps with server_lr only)")
+        if self.buffer_size < 1 or self.max_staleness < 0:
+            raise ValueError("buffer_size must be >= 1 and max_staleness >= 0")
+
+
+@dataclass(frozen=True)
+class VersionedUpdate:
+    round: int          # the dispatch
+    version: int        # the model version it was dispatched with (checked against the job's record)
+    update: object      # HeadUpdate
+
+
+class AsyncFedAvgJob(FedAvgJob):
+    asynchronous = True               # served by AsyncJobRunner: many one-device rounds open at once
+    evaluate_at_round_close = True    # AsyncJobRunner evaluates when the version moved
+
+    def __post_init__(self):
+        super().__post_init__()
+        c = self.config
+        self.buffer = FedBuff(self.params, c.buffer_size, c.server_lr, c.max_staleness, c.staleness_exponent)
+        self.dispatches: dict[int, tuple[str, int]] = {}   # open dispatch round -> (device, version)
+        self._applied: set[int] = set()       # applied dispatch rounds a checkpoint replay could meet again
+        self.replay_floor = 0                 # rounds <= this are closed and in the state
+
+    @property
+    def version(self) -> int:
+        return self.buffer.version
+
+    # ------------------------------------------------------------------ scheduling
+    def next_participants(self, online: set[str]) -> list[str]:
+        raise TypeError("fedavg-async has no rounds: AsyncJobRunner asks next_dispatches")
+
+    def next_dispatches(self, idle: set[str]) -> list[str]:
+        """Devices to give a task now: seeded draw from the idle ones, up to the free concurrency."""
+        free = self.config.clients_per_round - len(self.dispatches)
+        pool = sorted(idle - {device for device, _ in self.dispatches.values()})
+        if free <= 0 or not pool or self.finished(set(), set()):
+            return []
+        return sorted(self._rng.sample(pool, min(free, len(pool))))
+
+    def open_dispatch(self, device: str) -> int:
+        """A new one-device round for ``device`` with the current version; its round number."""
+        self.round += 1
+        self.dispatches[self.round] = (device, self.version)
+        return self.round
+
+    def keep_dispatches(self, open_rounds: dict[int, str]) -> None:
+        """After a restart: exactly the dispatches whose rounds are still open (round -> device)."""
+        versions = {r: v for r, (_, v) in self.dispatches.items()}
+        self.dispatches = {r: (device, versions[r]) for r, device in open_rounds.items() if r in versions}
+
+    def hopeless(self, round_: int) -> bool:
+        """The dispatch's model is too old to be applied: no use waiting for it."""
+        return round_ in self.dispatches and self.version - self.dispatches[round_][1] > self.config.max_staleness
+
+    def finished(self, online: set[str], known: set[str]) -> bool:
+        return self.version >= self.config.rounds
+
+    def task_for(self, device: str) -> tuple[dict, dict[str, np.ndarray]]:
+        round_, version = next((r, v) for r, (d, v) in self.dispatches.items() if d == device)
+        c = self.config
+        seed = zlib.crc32(f"{c.seed}:{round_}:{device}".encode())
+        params = {**c.model_params(), "feature_dim": c.feature_dim, "epochs": c.local_epochs,
+                  "batch_size": c.batch_size, "lr": c.device_lr, "weight_decay": c.weight_decay,
+                  "temperature": c.temperature, "seed": seed, "model_version": version}
+        return params, {k: np.array(v) for k, v in self.buffer.model_for(version).items()}
+
+    # ------------------------------------------------------------------ results
+    def parse_result(self, env: Envelope) -> VersionedUpdate:
+        plain: RoundUpdate = super().parse_result(env)
+        version = body_field(env, "model_version", int)
+        dispatched = self.dispatches.get(plain.round)
+        if dispatched is not None and dispatched[1] != version:
+            raise EnvelopeError(f"result names model version {version}, round {plain.round} "
+                                f"was dispatched with version {dispatched[1]}")
+        return VersionedUpdate(plain.round, version, plain.update)
+
+    def apply(self, device: str, payload: VersionedUpdate) -> None:
+        if payload.round in self._applied:
+            return                      # already in the checkpointed state (restart replay)
+        dispatched = self.dispatches.pop(payload.round, None)
+        if dispatched is None or dispatched[0] != device:
+            self.late_discarded += 1    # the round machine answers these before they get here
+            return
+        outcome = self.buffer.add(payload.update.tensors(), dispatched[1])
+        self._applied.add(payload.round)
+        if outcome != "stale":
+            self.contributed[device] = self.contributed.get(device, 0) + 1
+            self.samples += payload.update.n
+        self.params = dict(self.buffer.params)
+
+    def close_round(self, closed: RoundClosed) -> None:
+        # This close's checkpoint (and every later one) is taken at a round >= floor: applied
+        # dispatches above it must stay marked, those below can never be replayed again.
+        # Every round up to the floor is closed and, if answered, in the state: a restart replays the
+        # rounds above it (the checkpoint says so), skipping the applied ones marked here.
+        self.replay_floor = min([*self.dispatches, closed.round]) - 1
+        self.dispatches.pop(closed.round, None)          # closed unanswered: the device is free again
+        self._applied = {r for r in self._applied if r > self.replay_floor}
+
+    # ------------------------------------------------------------------ model and state
+    def evaluate(self, features: np.ndarray | None, labels: np.ndarray | None) -> dict:
+        out = super().evaluate(features, labels)
+        out.update(version=self.version, server_steps=self.version, stale_dropped=self.buffer.stale_dropped,
+                   buffered=self.buffer.buffered, in_flight=len(self.dispatches))
+        return out
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        rounds = sorted(self.dispatches)
+        return {**self.buffer.state_dict(), "round": np.array([self.round], dtype=np.int64),
+                "samples": np.array([self.samples], dtype=np.int64),
+                "dispatch.rounds": np.array(rounds, dtype=np.int64),
+                "dispatch.versions": np.array([self.dispatches[r][1] for r in rounds], dtype=np.int64),
+                "applied": np.array(sorted(self._applied), dtype=np.int64)}
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        self.buffer.load_state_dict(state)
+        self.params = dict(self.buffer.params)
+        self.round, self.samples = int(state["round"][0]), int(state["samples"][0])
+        # devices are filled in by keep_dispatches (the open rounds' participants)
+        self.dispatches = {int(r): ("", int(v)) for r, v in zip(state["dispatch.rounds"], state["dispatch.versions"])}
+        self._applied = {int(r) for r in state["applied"]}
+
+    def bookkeeping(self) -> dict:
+        """Stored with each dispatch: which device got which version, and the sampler."""
+        version, internal, gauss = self._rng.getstate()
+        device, model_version = self.dispatches[self.round]
+        return {"round": self.round, "device": device, "version": model_version,
+                "rng": [version, list(internal), gauss]}
+
+    def restore_bookkeeping(self, state: dict) -> None:
+        version, internal, gauss = state["rng"]
+        self._rng.setstate((version, tuple(internal), gauss))
+        r = int(state["round"])
+        self.round = max(self.round, r)
+        if r not in self._applied:      # (a checkpoint's dispatches come without their device: named here)
+            self.dispatches[r] = (state["device"], int(state["version"]))

@@ -1,0 +1,149 @@
+"""FedBuff: asynchronous buffered aggregation with staleness weighting (Nguyen et al., AISTATS 2022).
+
+No rounds: a device is given the global model of some version v, trains on it and sends back its
+trained parameters y_k. The server knows the model x_v it gave out, so the device's update is
+Δ_k = y_k − x_v. Updates are buffered; every K arrivals the server takes one step and the
+version advances:
+
+    τ_k  = t − v_k                        staleness: server steps since the device's model
+    s(τ) = (1 + τ)^(−a)                   a = ½ gives the paper's 1/√(1+τ)
+    x_{t+1} = x_t + η · (1/K) Σ_{k in buffer} s(τ_k) Δ_k      (paper Alg. 1, uniform device weights)
+
+An update older than ``max_staleness`` steps is not buffered (its base model is no longer kept);
+it is counted in ``stale_dropped``. The strategy keeps the models of the last ``max_staleness``
++ 1 versions, the only ones an accepted update can be based on, so memory is bounded.
+
+Tensors are ``dict[str, ndarray]``; the buffer sums in float64 in arrival order (the step is
+defined by arrival order: that is what asynchronous means). Nothing here knows devices, rounds or
+transport; ``aggregator/jobs/fedavg_async.py`` feeds it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+
+import numpy as np
+
+Params = dict[str, np.ndarray]
+
+
+class AsyncStrategy(ABC):
+    """An aggregation rule without rounds: versions of one global model, updates based on one of them."""
+
+    version: int
+
+    @abstractmethod
+    def model_for(self, version: int) -> Params:
+        """The global model of ``version`` (what a device given that version trains on)."""
+
+    @abstractmethod
+    def add(self, trained: Mapping[str, np.ndarray], base_version: int) -> str:
+        """Take one device's trained parameters; answer "buffered", "stepped" or "stale"."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, np.ndarray]: ...
+
+    @abstractmethod
+    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None: ...
+
+
+def staleness_weight(staleness: int, exponent: float = 0.5) -> float:
+    """s(τ) = (1 + τ)^(−exponent); 1/√(1+τ) by default (FedBuff's polynomial weighting)."""
+    if staleness < 0:
+        raise ValueError(f"staleness must be >= 0, got {staleness}")
+    return float((1.0 + staleness) ** -exponent)
+
+
+class FedBuff(AsyncStrategy):
+    def __init__(self, initial: Mapping[str, np.ndarray], buffer_size: int = 4, server_lr: float = 1.0,
+                 max_staleness: int = 8, staleness_exponent: float = 0.5):
+        if buffer_size < 1:
+            raise ValueError(f"buffer_size must be >= 1, got {buffer_size}")
+        if max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+        if not np.isfinite(server_lr) or server_lr <= 0:
+            raise ValueError(f"server_lr must be a positive finite number, got {server_lr}")
+        self.buffer_size, self.server_lr = int(buffer_size), float(server_lr)
+        self.max_staleness, self.staleness_exponent = int(max_staleness), float(staleness_exponent)
+        self.version = 0
+        self._models: dict[int, Params] = {0: {k: np.array(v) for k, v in initial.items()}}
+        self._sum: dict[str, np.ndarray] = {}
+        self.buffered = 0
+        self.stale_dropped = 0
+        self.applied = 0                 # updates that went into a server step or the open buffer
+
+    @property
+    def params(self) -> Params:
+        return self._models[self.version]
+
+    def model_for(self, version: int) -> Params:
+        if version not in self._models:
+            raise KeyError(f"model version {version} is not kept (current {self.version}, "
+                           f"max staleness {self.max_staleness})")
+        return self._models[version]
+
+    def staleness(self, base_version: int) -> int:
+        if not 0 <= base_version <= self.version:
+            raise ValueError(f"base version {base_version} outside 0..{self.version}")
+        return self.version - base_version
+
+    def add(self, trained: Mapping[str, np.ndarray], base_version: int) -> str:
+        tau = self.staleness(base_version)
+        if tau > self.max_staleness:
+            self.stale_dropped += 1
+            return "stale"
+        base = self._models[base_version]
+        if set(trained) != set(base):
+            raise ValueError(f"update has tensors {sorted(trained)}, model has {sorted(base)}")
+        weight = staleness_weight(tau, self.staleness_exponent)
+        deltas = {}
+        for name, value in trained.items():
+            value = np.asarray(value, dtype=np.float64)
+            if value.shape != base[name].shape:
+                raise ValueError(f"tensor {name!r} has shape {value.shape}, expected {base[name].shape}")
+            if not np.isfinite(value).all():
+                raise ValueError(f"update tensor {name!r} contains NaN or Inf")
+            deltas[name] = weight * (value - np.asarray(base[name], dtype=np.float64))
+        for name, delta in deltas.items():       # only after every check: a bad update changes nothing
+            self._sum[name] = self._sum[name] + delta if name in self._sum else delta
+        self.buffered += 1
+        self.applied += 1
+        if self.buffered < self.buffer_size:
+            return "buffered"
+        self._step()
+        return "stepped"
+
+    def _step(self) -> None:
+        current = self.params
+        scale = self.server_lr / self.buffer_size
+        new = {name: (np.asarray(x, dtype=np.float64) + scale * self._sum[name]).astype(np.asarray(x).dtype)
+               for name, x in current.items()}
+        self.version += 1
+        self._models[self.version] = new
+        for old in [v for v in self._models if v < self.version - self.max_staleness]:
+            del self._models[old]
+        self._sum, self.buffered = {}, 0
+
+    # persistence: the kept versions, the open buffer and the counters (exact float64 sums)
+    def state_dict(self) -> dict[str, np.ndarray]:
+        out = {"fedbuff.counters": np.array([self.version, self.buffered, self.stale_dropped, self.applied],
+                                            dtype=np.int64)}
+        for version, model in self._models.items():
+            for name, value in model.items():
+                out[f"model.{version}.{name}"] = value
+        for name, value in self._sum.items():
+            out[f"buffer.{name}"] = value
+        return out
+
+    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
+        self.version, self.buffered, self.stale_dropped, self.applied = (int(x) for x in state["fedbuff.counters"])
+        self._models, self._sum = {}, {}
+        for key, value in state.items():
+            if key.startswith("model."):
+                version, name = key[len("model."):].split(".", 1)
+                self._models.setdefault(int(version), {})[name] = np.array(value)
+            elif key.startswith("buffer."):
+                self._sum[key[len("buffer."):]] = np.array(value, dtype=np.float64)
+        if self.version not in self._models:
+            raise ValueError(f"state has no model for its version {self.version}")

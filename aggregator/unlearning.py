@@ -1,0 +1,57 @@
+"""Exact unlearning: remove one device's data from the jobs that hold it (``fedfleet admin device
+forget ID``).
+
+Fed3R's model is a function of Σ_k A_k and Σ_k B_k only, so deleting a device's stored
+statistics and re-solving gives *the* ridge solution without that device: equal, bit for bit, to a
+run the device never took part in, because both sum the remaining contributions in device-id
+order (``recovery.canonical_job``). What is deleted is gone from the store for good (its rows and
+the job's checkpoint, a sum that held it); a restart replays only what is left.
+
+Other kinds cannot forget exactly, and say why (``NOT_FORGETTABLE``): a gradient-trained model
+(FedAvg family, LADD, personalization) carries each update's influence into every later round,
+and Fed3R-Sync never held the device's statistics on their own — only its group's masked sum
+(``docs/algorithms.md``, "Forgetting").
+"""
+
+from __future__ import annotations
+
+from .recovery import canonical_job
+from .store import FINAL_JOB_STATES, Store
+
+FORGETTABLE = ("fed3r",)
+NOT_FORGETTABLE = {
+    "fed3r-sync": "the device's statistics exist only inside its group's masked sum: removing them needs the "
+                  "group re-summed without it, i.e. the other members' masked inputs again (a new secure round)",
+}
+GRADIENT = "a gradient-trained model keeps every update's influence in all later rounds: no exact removal"
+
+
+def jobs_to_forget(store: Store, device: str, job_id: str | None = None) -> list[dict]:
+    """The jobs that hold ``device``'s data: stored contributions, or a secure round it was summed in."""
+    rows = []
+    for job in store.jobs():
+        if job_id is not None and job["job_id"] != job_id:
+            continue
+        holds = job["job_id"] in store.jobs_of_device(device) or any(
+            device in (r.outcome or {}).get("accepted", ()) for r in store.rounds(job["job_id"]))
+        if holds:
+            rows.append(job)
+    return rows
+
+
+def forget_stored(store: Store, job: dict, device: str, eval_set=None) -> dict:
+    """Forget ``device`` in one stored job: its report line. A finished job is re-solved at once (a
+    new final model version); a running one is rebuilt by the service; any other resumes without it."""
+    kind = job["kind"]
+    if kind not in FORGETTABLE:
+        return {"job_id": job["job_id"], "kind": kind, "forgotten": False, "reason": NOT_FORGETTABLE.get(kind, GRADIENT)}
+    deleted = store.forget_device(job["job_id"], device)
+    out = {"job_id": job["job_id"], "kind": kind, "forgotten": True, "contributions_deleted": deleted}
+    if job["state"] in FINAL_JOB_STATES:
+        fresh = canonical_job(store, kind, job["config"], job["job_id"])
+        metrics = fresh.evaluate(*(eval_set if eval_set is not None else (None, None)))
+        rounds = store.rounds(job["job_id"])
+        out["model_id"] = store.replace_final_model(job["job_id"], fresh.model_arrays(), metrics,
+                                                    rounds[-1].round if rounds else 0)
+        out["metrics"] = metrics
+    return out

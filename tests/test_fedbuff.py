@@ -1,0 +1,236 @@
+"""FedBuff (asynchronous buffered aggregation): the staleness rules against a plain numpy
+reference, the fedavg-async job's version bookkeeping, and a job over mosquitto end to end."""
+
+import json
+import time
+
+import numpy as np
+import pytest
+
+from aggregator.jobs.fedavg_async import AsyncFedAvgConfig, AsyncFedAvgJob
+from aggregator.jobs.registry import build_job
+from aggregator.store import Store
+from aggregator.strategies.fedbuff import FedBuff, staleness_weight
+from edge_client.features import FeatureExtractor
+from edge_client.tasks.head_training import HeadTrainingTask
+from protocols import messages as M
+from protocols.envelope import EnvelopeError, decode, encode
+from protocols.payloads.fedavg import KIND, encode_head_update
+from protocols.rounds import RoundClosed
+
+from ops_fleet import serve_until_done
+
+C, D, SIZE = 3, 8, 8
+
+
+def reference_fedbuff(x0, arrivals, K, lr, max_stale, a):
+    """Plain numpy FedBuff: models[v] is version v; each arrival is (trained, base version)."""
+    models, buf, stale = [{k: v.astype(np.float64) for k, v in x0.items()}], [], 0
+    for trained, v in arrivals:
+        tau = len(models) - 1 - v
+        if tau > max_stale:
+            stale += 1
+            continue
+        buf.append({k: (1.0 + tau) ** -a * (trained[k].astype(np.float64) - models[v][k]) for k in x0})
+        if len(buf) == K:
+            models.append({k: models[-1][k] + lr / K * sum(u[k] for u in buf) for k in x0})
+            buf = []
+    return models, stale
+
+
+def head(rng):
+    return {"weight": rng.normal(size=(C, D)).astype(np.float32), "bias": rng.normal(size=C).astype(np.float32)}
+
+
+def test_staleness_weight_is_one_over_sqrt_one_plus_staleness():
+    for tau in range(6):
+        assert staleness_weight(tau) == pytest.approx(1 / np.sqrt(1 + tau), rel=1e-15)
+    assert staleness_weight(3, exponent=1.0) == pytest.approx(0.25)
+    with pytest.raises(ValueError):
+        staleness_weight(-1)
+
+
+@pytest.mark.parametrize("K, max_stale, lr", [(1, 0, 1.0), (3, 2, 1.0), (4, 1, 0.5)])
+def test_fedbuff_equals_numpy_reference_with_stale_updates_dropped(K, max_stale, lr):
+    rng = np.random.default_rng(K * 10 + max_stale)
+    x0 = head(rng)
+    fb = FedBuff(x0, K, lr, max_stale)
+    arrivals = []
+    outcomes = []
+    for _ in range(40):
+        # a device based on a random recent version (sometimes beyond max_staleness)
+        v = int(rng.integers(max(0, fb.version - max_stale - 2), fb.version + 1))
+        trained = head(rng)
+        arrivals.append((trained, v))
+        if fb.version - v > max_stale:
+            with pytest.raises(KeyError):
+                fb.model_for(v)                    # not kept: memory bounded by max_staleness + 1 versions
+        outcomes.append(fb.add(trained, v))
+    models, stale = reference_fedbuff(x0, arrivals, K, lr, max_stale, 0.5)
+    assert fb.version == len(models) - 1 and fb.version >= 3
+    assert fb.stale_dropped == stale == outcomes.count("stale") > 0
+    assert outcomes.count("stepped") == fb.version
+    for k in x0:
+        np.testing.assert_allclose(fb.params[k], models[-1][k].astype(np.float32), rtol=1e-6, atol=1e-6)
+
+
+def test_a_bad_update_changes_nothing_and_state_round_trips_mid_buffer():
+    rng = np.random.default_rng(1)
+    fb = FedBuff(head(rng), buffer_size=3, max_staleness=2)
+    fb.add(head(rng), 0)
+    before = fb.state_dict()
+    bad = head(rng)
+    bad["bias"][1] = np.nan
+    for update in (bad, {"weight": head(rng)["weight"]}, {**head(rng), "bias": np.zeros(C + 1, np.float32)}):
+        with pytest.raises(ValueError):
+            fb.add(update, 0)
+    with pytest.raises(ValueError):
+        fb.add(head(rng), 5)                       # a version that never existed
+    after = fb.state_dict()
+    assert before.keys() == after.keys() and all(np.array_equal(before[k], after[k]) for k in before)
+    # a restored strategy continues exactly where the original is
+    twin = FedBuff(head(np.random.default_rng(99)), buffer_size=3, max_staleness=2)
+    twin.load_state_dict(after)
+    for _ in range(7):
+        u, v = head(rng), max(0, fb.version - 1)
+        assert fb.add(u, v) == twin.add(u, v)
+    for k in fb.params:
+        np.testing.assert_array_equal(fb.params[k], twin.params[k])
+
+
+def result_env(job, device, round_, tensors, n, version):
+    body, out = encode_head_update(tensors["weight"], tensors["bias"], n)
+    body["model_version"] = version
+    return decode(encode(M.result_message(device, M.TaskRef(job.config.job_id, round_, "t"), KIND, body, out)))
+
+
+def test_job_dispatches_the_current_version_and_checks_the_echo():
+    job = AsyncFedAvgJob(AsyncFedAvgConfig(num_classes=C, feature_dim=D, clients_per_round=2, buffer_size=2,
+                                           max_staleness=1, rounds=5))
+    rng = np.random.default_rng(0)
+    first = job.next_dispatches({"a", "b", "c"})
+    assert len(first) == 2
+    rounds = {d: job.open_dispatch(d) for d in first}
+    assert job.next_dispatches({"a", "b", "c"}) == []                     # concurrency used up
+    d0, d1 = first
+    params, tensors = job.task_for(d0)
+    assert params["model_version"] == 0
+    with pytest.raises(EnvelopeError, match="version"):                  # the server's record decides
+        job.parse_result(result_env(job, d0, rounds[d0], head(rng), 5, version=1))
+    with pytest.raises(EnvelopeError, match="model_version"):
+        env = result_env(job, d0, rounds[d0], head(rng), 5, version=0)
+        del env.body["model_version"]
+        job.parse_result(env)
+    job.apply(d0, job.parse_result(result_env(job, d0, rounds[d0], head(rng), 5, 0)))
+    job.close_round(RoundClosed(rounds[d0], (d0,), (), (), ()))
+    r2 = job.open_dispatch(d0)                                            # d0 again, still version 0
+    job.apply(d0, job.parse_result(result_env(job, d0, r2, head(rng), 5, 0)))
+    job.close_round(RoundClosed(r2, (d0,), (), (), ()))
+    assert job.version == 1 and job.task_for(d1)[0]["model_version"] == 0
+    r3 = job.open_dispatch(d0)
+    assert job.task_for(d0)[0]["model_version"] == 1
+    np.testing.assert_array_equal(job.task_for(d0)[1]["weight"], job.params["weight"])
+    # d1 (version 0, staleness 1) is still applied; once one more step passes it would be hopeless
+    assert not job.hopeless(rounds[d1])
+    job.apply(d1, job.parse_result(result_env(job, d1, rounds[d1], head(rng), 5, 0)))
+    assert job.buffer.buffered == 1 and job.buffer.stale_dropped == 0
+    # a restart replaying an update already in the checkpoint does not apply it twice
+    state = job.state_dict()
+    twin = build_job("fedavg-async", job.config.to_dict())
+    twin.load_state_dict(state)
+    twin.keep_dispatches({r3: d0})
+    twin.apply(d1, twin.parse_result(result_env(job, d1, rounds[d1], head(rng), 5, 0)))
+    assert twin.buffer.buffered == 1
+
+
+def pixel_extractor():
+    proj = np.random.default_rng(99).normal(size=(3 * SIZE * SIZE, D)).astype(np.float32) / 20
+    return FeatureExtractor(lambda x: x.reshape(len(x), -1) @ proj, image_size=SIZE,
+                            mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25), feature_dim=D)
+
+
+class SlowDevice(HeadTrainingTask):
+    """Real local head training, then a device-specific delay (heterogeneous speeds)."""
+
+    def __init__(self, seed, delay_s):
+        rng = np.random.default_rng(seed)
+        extractor = pixel_extractor()
+        super().__init__(rng.integers(0, 256, (24, SIZE, SIZE), dtype=np.uint8), rng.integers(0, C, 24),
+                         lambda *a: extractor)
+        self.delay_s = delay_s
+
+    def __call__(self, params, tensors=None):
+        out = super().__call__(params, tensors)
+        time.sleep(self.delay_s)
+        return out
+
+
+def test_async_job_over_mosquitto_equals_numpy_fedbuff_of_the_stored_arrivals(broker, tmp_path):
+    devices = {"dev0": 0.05, "dev1": 0.1, "dev2": 3.0}                       # the slow one goes stale
+    config = AsyncFedAvgConfig(num_classes=C, feature_dim=D, image_size=SIZE, clients_per_round=3, buffer_size=2,
+                               max_staleness=1, rounds=6, round_timeout_s=20, expected_devices=3, batch_size=8)
+    store = Store(tmp_path / "agg.db")
+    svc, result = serve_until_done(AsyncFedAvgJob(config), broker.url, tmp_path,
+                                   {d: {KIND: SlowDevice(i, delay)} for i, (d, delay) in enumerate(devices.items())},
+                                   store)
+    assert result["state"] == "done"
+    job = svc.job
+    assert job.version >= 6
+    # the reference: the stored contributions in arrival order, each against the version it was dispatched
+    versions = {r.round: r.bookkeeping["version"] for r in store.rounds(config.job_id)}
+    assert all(len(r.participants) == 1 for r in store.rounds(config.job_id))
+    stored = sorted(store.contributions(config.job_id), key=lambda c: c.seq)
+    arrivals = []
+    for c in stored:
+        env = decode(c.payload)
+        assert env.body["model_version"] == versions[c.round]                  # the device echoed it
+        arrivals.append(({k: env.tensors[k] for k in ("weight", "bias")}, versions[c.round]))
+    models, stale = reference_fedbuff(initial(config), arrivals, 2, 1.0, 1, 0.5)
+    applied = len(models) - 1
+    assert applied >= 6 and job.buffer.stale_dropped == stale
+    for k in ("weight", "bias"):
+        np.testing.assert_allclose(job.buffer.model_for(6)[k], models[6][k].astype(np.float32), rtol=1e-6, atol=1e-6)
+    # no device waited for another: the fast ones contributed many times; the slow one's model went
+    # stale past max_staleness, so its dispatch was given up (acknowledged late, never applied)
+    assert job.contributed["dev0"] >= 3 and job.contributed.get("dev2", 0) == 0
+    given_up = [r for r in store.rounds(config.job_id) if r.state == "closed" and "dev2" in r.outcome["dropped"]]
+    assert given_up
+
+
+def initial(config):
+    return AsyncFedAvgJob(config).params
+
+
+ASYNC_CRASHES = ["contribution_stored:3", "round_closing:3", "round_opened:2"]
+
+
+def test_async_job_killed_at_crash_points_resumes_its_buffer_exactly(broker, tmp_path):
+    """SIGKILLed between storing an update and checkpointing it, mid-close, and while
+    opening a dispatch: each restart resumes the very buffer, so the final model is numpy FedBuff of
+    the stored arrivals (each applied once, in arrival order)."""
+    import sqlite3
+
+    from ops_fleet import Fleet, prepare, run_aggregator
+
+    devices = [f"dev{i:02d}" for i in range(4)]
+    prepare(tmp_path, devices, kind="fedavg-async", server_momentum=0.0, rounds=7, buffer_size=2,
+            max_staleness=2, clients_per_round=3, round_timeout_s=30)  # rounds: server steps
+    state = tmp_path / "state.db"
+    with Fleet(broker.url, devices, kind="fedavg-async"):
+        for crash in [*ASYNC_CRASHES, None]:
+            rc, log = run_aggregator(tmp_path, broker.url, state, crash=crash, timeout=90)
+            assert rc == (0 if crash is None else -9), (crash, log[-3000:])
+    db = sqlite3.connect(state)
+    versions = {r: json.loads(b)["version"] for r, b in db.execute("SELECT round, bookkeeping FROM rounds")}
+    arrivals = []
+    for round_, payload in db.execute("SELECT round, payload FROM contributions ORDER BY seq"):
+        env = decode(payload)
+        arrivals.append(({k: env.tensors[k] for k in ("weight", "bias")}, versions[round_]))
+    config = AsyncFedAvgConfig(**json.loads((tmp_path / "job.json").read_text()))
+    models, _ = reference_fedbuff(initial(config), arrivals, 2, config.server_lr, 2, 0.5)
+    final = np.load(tmp_path / "out" / "model.npz")
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert results["state"] == "done" and len(models) - 1 >= 7
+    version = results["final"]["version"]
+    for k in ("weight", "bias"):
+        np.testing.assert_allclose(final[k], models[version][k].astype(np.float32), rtol=1e-6, atol=1e-6)

@@ -1,0 +1,121 @@
+"""Exact unlearning: ``fedfleet admin device forget ID`` removes a device's statistics from a
+plaintext Fed3R job and re-solves; the result equals, bit for bit, a fresh run without that
+device, and the forgetting survives a restart (the store no longer holds the device's data)."""
+
+import io
+import json
+import time
+
+import numpy as np
+
+from aggregator.api.app import create_app
+from aggregator.api.server import ApiServer
+from aggregator.recovery import canonical_job
+from aggregator.store import Store
+from fedfleet.admin import main as admin
+
+from ops_fleet import Fleet, reference_sums
+from test_admin_api import TOKEN, start_service
+
+DEVICES = ["dev01", "dev02", "dev03", "dev04", "dev05"]
+FORGET = "dev03"
+
+
+def wait_done(store, job_id="ops", timeout=60):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        row = store.job(job_id)
+        if row and row["state"] == "done":
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"job not done: {store.job(job_id)}")
+
+
+def final_arrays(store, job_id="ops"):
+    final = [m for m in store.models(job_id) if m["final"]]
+    assert len(final) == 1
+    with np.load(io.BytesIO(store.model_bytes(final[0]["model_id"]))) as z:
+        return final[0], {k: z[k] for k in z.files}
+
+
+def fresh_run(broker, tmp_path, devices):
+    svc, store, thread = start_service(broker, tmp_path, devices, clients_per_round=2)
+    with Fleet(broker.url, devices):
+        thread.join(60)
+    assert store.job("ops")["state"] == "done"
+    return store
+
+
+def test_forgetting_a_device_equals_a_fresh_run_without_it_bit_for_bit(broker, tmp_path, capsys):
+    without = fresh_run(broker, tmp_path / "without", [d for d in DEVICES if d != FORGET])
+    svc, store, thread = start_service(broker, tmp_path / "with", DEVICES, keep_serving=True, clients_per_round=2)
+    api = ApiServer(create_app(store, TOKEN, svc)).start()
+    try:
+        with Fleet(broker.url, DEVICES):
+            wait_done(store)
+        before_row, before = final_arrays(store)
+        capsys.readouterr()
+        assert admin(["--url", api.url, "--token", TOKEN, "--json", "device", "forget", FORGET]) == 0
+        lines = json.loads(capsys.readouterr().out)
+        assert [(x["job_id"], x["forgotten"], x["contributions_deleted"]) for x in lines] == [("ops", True, 1)]
+        # a job that holds nothing of the device: a clear 404, nothing changed
+        assert admin(["--url", api.url, "--token", TOKEN, "device", "forget", "dev01", "--job", "nope"]) != 0
+    finally:
+        svc.stop()
+        thread.join(30)
+        api.stop()
+    after_row, after = final_arrays(store)
+    _, fresh = final_arrays(without)
+    assert after_row["model_id"] == lines[0]["model_id"] and after_row["parent_id"] == before_row["model_id"]
+    assert after.keys() == fresh.keys()
+    for k in fresh:
+        assert np.array_equal(after[k], fresh[k]), k                  # bit for bit
+        assert not np.array_equal(before[k], fresh[k]), k             # ...and the device did matter
+    # durable: a reopened store holds no contribution of the device, remembers it, and re-sums the same
+    reopened = Store(store.path)
+    assert FORGET not in {c.device for c in reopened.contributions("ops")}
+    assert reopened.forgotten("ops") == [FORGET] and reopened.checkpoint("ops") is None
+    job = canonical_job(reopened, "fed3r", reopened.job("ops")["config"], "ops")
+    for k, v in job.model_arrays().items():
+        assert np.array_equal(v, fresh[k])
+    # ...and what is left is exactly the other devices' data (independent numpy sums)
+    A_ref, B_ref = reference_sums([d for d in DEVICES if d != FORGET])
+    np.testing.assert_allclose(job.strategy.A.cpu().numpy(), A_ref, rtol=1e-12)
+    np.testing.assert_allclose(job.strategy.B.cpu().numpy(), B_ref, rtol=1e-12, atol=1e-12)
+
+
+def test_forgetting_during_a_running_job_rebuilds_it_and_never_asks_the_device_again(broker, tmp_path):
+    import threading
+
+    without = fresh_run(broker, tmp_path / "without", [d for d in DEVICES if d != FORGET])
+    gate = threading.Event()                     # dev01 holds the round open while dev03 is forgotten
+    svc, store, thread = start_service(broker, tmp_path / "with", DEVICES, clients_per_round=5)
+    with Fleet(broker.url, DEVICES, gates={"dev01": gate}):
+        deadline = time.time() + 30
+        while "ops" not in store.jobs_of_device(FORGET) and time.time() < deadline:
+            time.sleep(0.05)
+        lines = svc.call(lambda: svc.forget_device(FORGET))
+        assert [(x["forgotten"], x["contributions_deleted"]) for x in lines] == [(True, 1)]
+        assert FORGET not in svc.job.contributed and svc.job.strategy.n_contributions <= 3
+        gate.set()
+        thread.join(60)
+    assert store.job("ops")["state"] == "done"
+    assert FORGET not in {c.device for c in store.contributions("ops")}
+    _, after = final_arrays(store)
+    _, fresh = final_arrays(without)
+    for k in fresh:
+        assert np.array_equal(after[k], fresh[k]), k
+
+
+def test_jobs_that_cannot_forget_exactly_say_why_and_keep_their_data(tmp_path):
+    from aggregator.unlearning import forget_stored
+
+    store = Store(tmp_path / "s.db")
+    for kind in ("fedavg", "fed3r-sync"):
+        store.create_job(kind, kind, {"job_id": kind}, state="done")
+        store.open_round(kind, 1, ["dev01"], {"dev01": "t"}, {}, time.time() + 60)
+        store.add_contribution(kind, 1, "dev01", f"m-{kind}", b"x")
+        line = forget_stored(store, store.job(kind), "dev01")
+        assert not line["forgotten"] and line["reason"]
+        assert [c.device for c in store.contributions(kind)] == ["dev01"] and store.forgotten(kind) == []
+    assert "masked sum" in forget_stored(store, store.job("fed3r-sync"), "dev01")["reason"]
