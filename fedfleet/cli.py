@@ -39,14 +39,14 @@ def _simulate(args) -> int:
     if args.pipeline == "fed3r-ft-oll":
         from .pipeline import run_pipeline
 
-        report = run_pipeline(cfg)
-        if args.compare_with:
-            import json
+        plain = None
+        if args.compare_with:        # read first: a wrong path fails before the run, not after it
             from pathlib import Path
 
-            from .pipeline import compare_reports
+            from .errors import load_json_file
 
-            print(compare_reports(json.loads(Path(args.compare_with, "report.json").read_text()), report))
+            plain = load_json_file(str(Path(args.compare_with, "report.json")), "--compare-with")
+        report = run_pipeline(cfg, compare_with=plain)
         if "oll" in report["phases"]:
             return 0 if report["phases"]["oll"].get("wma") else 1
         return 0 if report["phases"]["fedavg-ft"].get("accuracy") is not None else 1
@@ -106,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fed3r-ft-oll: fine-tune the head (psi, default), the backbone's last stages against the "
                         "frozen Fed3R head (phi), or both (M); OLL then personalises on the fine-tuned backbone")
     s.add_argument("--tail-stages", type=int, help="--ft-mode phi/M: backbone stages trained on device (default 1)")
-    s.add_argument("--compare-with", help="fed3r-ft-oll: a plain run's output directory; print plain vs this run")
+    s.add_argument("--compare-with", help="fed3r-ft-oll: a plain run's output directory; this run's report (console, HTML, PNG) "
+                        "then compares plain vs this run (default: no comparison)")
     from .ladd_pipeline import add_ladd_arguments
 
     add_ladd_arguments(s)
