@@ -168,6 +168,12 @@ class Round(BaseModel):
     result_latency_s: dict[str, float] = Field(description="device -> seconds from round open to its accepted result")
 
 
+class RoundLogPage(BaseModel):
+    lines: list[dict[str, Any]] = Field(description="events of the job's round log (rounds.jsonl), oldest first")
+    next_offset: int = Field(description="pass as ?offset= to get the lines written after these")
+    job_state: str
+
+
 class Model(BaseModel):
     model_id: int
     job_id: str
