@@ -24,7 +24,8 @@ MAX_ID = 2 ** 62
 
 class Device(BaseModel):
     device_id: str
-    status: Literal["enrolled", "revoked"]
+    status: Literal["enrolled", "revoked", "not enrolled"] = Field(
+        description="not enrolled: heard from (presence or messages) but not in the store's fleet")
     public_key: str | None
     enrolled_at: float | None
     revoked_at: float | None
