@@ -5,6 +5,7 @@
     fedfleet device       run one device agent on local data against a broker
     fedfleet admin        talk to a running aggregator's admin API (fleet, jobs, rounds, models)
     fedfleet export       build ExecuTorch (.pte, XNNPACK) / ONNX bundles with manifest and parity check
+    fedfleet features     build the evaluation-features file (aggregator serve --eval-features) from images
 """
 
 from __future__ import annotations
@@ -64,6 +65,12 @@ def _device(args) -> int:
     from .device import run_device
 
     return run_device(args)
+
+
+def _features(args) -> int:
+    from .features import build_features
+
+    return build_features(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -128,6 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
     from .admin import add_admin_parser
 
     add_admin_parser(sub)
+
+    f = sub.add_parser("features", help="build the evaluation-features .npz (aggregator serve --eval-features) "
+                                        "from an image folder or IDX files through a bundle",
+                       formatter_class=HelpFormatter)
+    from .features import add_arguments as add_feature_arguments
+
+    add_feature_arguments(f)
+    f.set_defaults(func=_features)
 
     # `fedfleet export ...` is handed whole to export.cli (see main); listed here for --help.
     sub.add_parser("export", help="build ExecuTorch (.pte) / ONNX bundles with a manifest and parity check")
