@@ -42,6 +42,7 @@ from protocols.payloads.personalize import KIND as PERSONALIZE_KIND
 from protocols.payloads.secagg import SECURE_FEDAVG_KIND, SECURE_TAIL_KIND, SYNC_KIND
 
 from .pipeline_report import FT_MODES, format_pipeline_report, ft_label, write_plots_and_html
+from .progress import StepClock
 from .simulate import EmulatedFleet, SimConfig, _report, _secure_setup, prepare
 
 PIPELINES = {"fed3r-ft-oll": ("fed3r", "fedavg-ft", "oll")}
@@ -60,7 +61,7 @@ def run_pipeline(cfg: SimConfig, quiet: bool = False, compare_with: dict | None 
         raise ValueError(f"ft_mode must be one of {sorted(FT_MODES)}, got {cfg.ft_mode!r}")
     tail = cfg.ft_mode != "psi"
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
-    t_start = time.monotonic()
+    clock = StepClock(say)
     prep = prepare(cfg, say)
     out = prep.out
     training_manifest = tail_manifest = None
@@ -83,13 +84,16 @@ def run_pipeline(cfg: SimConfig, quiet: bool = False, compare_with: dict | None 
                                                     "device_keys_file")}
     phases: dict[str, dict] = {}
     steps = 3
+    clock.done("setup (data, bundles, evaluation features)")
     with EmulatedFleet(cfg, out, prep.profiles, secure, quiet, holdout_file=out / "holdout.npz",
                        training_manifest=training_manifest, tail_manifest=tail_manifest) as fleet:
+        clock.done("fleet start (broker, device hosts)")
         say(f"\n[1/{steps}] fed3r{'-sync (secure aggregation)' if cfg.secure else ''}: closed-form classifier "
             "from one round of statistics per device")
         fed3r_dir = out / "1-fed3r"
         phases["fed3r"] = {"dir": fed3r_dir, "results": fleet.run_job(
             "fed3r-sync" if cfg.secure else "fed3r", fed3r_job, fed3r_dir, out / "eval_features.npz", cfg.devices)}
+        clock.done("fed3r")
 
         say(f"\n[2/{steps}] fedavg-ft: {ft_label(cfg)}, {cfg.ft_rounds} rounds of κ={cfg.clients_per_round}")
         ft_dir = out / "2-fedavg-ft"
@@ -99,6 +103,7 @@ def run_pipeline(cfg: SimConfig, quiet: bool = False, compare_with: dict | None 
                   "init": "fed3r", "initial_head_file": str(fed3r_dir / "model.npz"), **secure_fields, **ft_extra}
         phases["fedavg-ft"] = {"dir": ft_dir, "results": fleet.run_job(
             ft_kind, ft_job, ft_dir, ft_eval, cfg.ft_rounds * cfg.clients_per_round)}
+        clock.done("fedavg-ft")
 
         what = f"the fine-tuned head{' and backbone tail' if tail else ''}"
         say(f"\n[3/3] oll: personalise {what} on every device (FP(ψ) {cfg.fp_epochs} epochs)")
@@ -109,8 +114,10 @@ def run_pipeline(cfg: SimConfig, quiet: bool = False, compare_with: dict | None 
                    "max_attempts": cfg.max_attempts, "fp_epochs": cfg.fp_epochs, "fp_lrs": list(cfg.fp_lrs)}
         phases["oll"] = {"dir": oll_dir, "results": fleet.run_job(
             "personalize", oll_job, oll_dir, out / "eval_features.npz", cfg.devices)}
+        clock.done("oll")
     report = pipeline_report(cfg, prep, phases, fleet.worker_stats)
-    report["wall_s"] = time.monotonic() - t_start
+    clock.done("fleet stop and centralized reference")
+    report["wall_s"], report["timings_s"] = time.monotonic() - clock.started, dict(clock.steps)
     if compare_with is not None:
         report["compared_with"] = {k: v for k, v in compare_with.items() if k != "compared_with"}
     (out / "report.json").write_text(json.dumps(report, indent=1))

@@ -207,6 +207,7 @@ th{{background:#f3f3f3}}td:first-child{{text-align:left}}.mode{{padding:.5em 1em
 <p>{cfg['devices']} devices, {html.escape(cfg['split'])}{f" α={cfg['alpha']}" if cfg['split'] == 'dirichlet' else ''},
 {html.escape(cfg['backbone'])}@{cfg['image_size']}px ({html.escape(cfg['runtime'])}), κ={cfg['clients_per_round']},
 {cfg['holdout_fraction']:.0%} of each device held out for personalised evaluation; wall time {report.get('wall_s', 0):.0f} s.</p>
+{f'<p id="timings">{html.escape(timings_line(report))}</p>' if report.get("timings_s") else ""}
 <h2>What each phase changed</h2>
 <ul id="effects">{sentences}</ul>
 <h2>Phases</h2>
@@ -230,6 +231,14 @@ def format_pipeline_report(report: dict) -> str:
     oll = report["phases"].get("oll")
     if oll and oll.get("fp_lr_chosen"):
         lines.append(f"FP(ψ) learning rates chosen by local cross-validation: {oll['fp_lr_chosen']}")
+    if report.get("timings_s"):
+        lines.append(timings_line(report))
     if report.get("compared_with"):
         lines.append(compare_reports(report["compared_with"], report))
     return "\n".join(lines)
+
+
+def timings_line(report: dict) -> str:
+    """Where the run's wall time went, step by step (setup, fleet start, each phase, reference)."""
+    return "time per step: " + ", ".join(f"{k} {v:.0f} s" for k, v in report["timings_s"].items()) + \
+        f"; total {report.get('wall_s', sum(report['timings_s'].values())):.0f} s"

@@ -41,7 +41,8 @@ def fake_run(seed: int, secure: bool) -> dict:
     for p in phases.values():
         p.update(bytes_up=float(rng.uniform(1e6, 5e6)) * (3 if secure else 1), bytes_down=2e5,
                  bytes_up_per_device=1e5, bytes_down_per_device=1e4, job_s=float(rng.uniform(5, 50)), device=device)
-    return {"config": cfg, "devices": 20, "phases": phases, "wall_s": 100.0}
+    timings = {"setup (data, bundles, evaluation features)": 7.0, "fed3r": float(rng.uniform(10, 40)), "oll": 12.5}
+    return {"config": cfg, "devices": 20, "phases": phases, "wall_s": 100.0, "timings_s": timings}
 
 
 def test_plain_and_secure_reports_share_fixed_accuracy_axes_and_put_personalised_scores_in_their_own_panel():
@@ -89,6 +90,8 @@ def test_phase_sentences_say_what_each_phase_changed_in_points():
     worse["phases"]["fedavg-ft"]["accuracy"] = worse["phases"]["fed3r"]["accuracy"] - 0.015
     assert "changed test accuracy by -1.50 points" in phase_sentences(worse)["fedavg-ft"]
     assert all(s in format_pipeline_report(report) for s in sentences.values())
+    assert (f"time per step: setup (data, bundles, evaluation features) 7 s, fed3r {report['timings_s']['fed3r']:.0f} s, "
+            "oll 12 s; total 100 s") in format_pipeline_report(report)
 
 
 def test_secure_report_says_it_is_secure_and_carries_the_comparison_table(tmp_path):
