@@ -59,8 +59,6 @@ class JobRunner:
 
     def device_lost(self, device: str) -> None:
         if self.a.current is not None:
-            if isinstance(self.a.job, SecureGroupRounds):     # its phases need not wait for the device
-                self.a.job.member_lost(device)
             self.handle(self.a.current, DeviceLost(device))
 
     def resend_tasks(self, devices: set[str]) -> None:

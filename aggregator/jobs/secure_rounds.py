@@ -12,9 +12,6 @@ to publish — and ``settled(round)``, which tells it once which devices' data t
 holds, so the round machine records them as accepted; ``secure_round_live(round)`` tells it
 whether a round can still produce a sum (not after a restart: secrets are never persisted, the
 job's state is checkpointed at each round close). ``abort_secure_round`` is for the deadline.
-``member_lost`` (a member's presence went offline) lets a phase close as soon as everyone it
-still waits for is offline, instead of at its timeout: what the timeout would do, without the
-wait (a device that dropped out mid-task never sends its message).
 The final unmasking runs on the GPU when there is one (aggregator/mask_expansion.py).
 
 The mixer provides ``self.identity`` (the aggregator's Ed25519 identity), ``self.registry``
@@ -63,7 +60,6 @@ class SecureGroupRounds:
         self._settled: dict[int, tuple[str, ...]] = {}
         self.failed_rounds: list[tuple[int, str]] = []
         self._pending_sends: list[tuple[str, Envelope]] = []   # abort notices of a round closed by its deadline
-        self._lost: set[str] = set()           # members of the running round whose presence went offline
 
     # ---------------------------------------------------------------- for the job
     def open_secure_round(self, round_id: int, members: list[str], vector_length: int, bound: float,
@@ -77,12 +73,6 @@ class SecureGroupRounds:
         self.secure = ServerSecAgg(config, self.identity, self.registry, mask_applier=pick_mask_applier())
         self._newest_round = max(self._newest_round, round_id)
         self._start_pending = True
-        self._lost = set()
-
-    def member_lost(self, device: str) -> None:
-        """A member of the running round went offline (presence); see the module docstring."""
-        if self.secure is not None and device in self.secure.config.members:
-            self._lost.add(device)
 
     def on_secure_sum(self, total: np.ndarray, survivors: tuple[str, ...]) -> None:
         raise NotImplementedError
@@ -107,10 +97,7 @@ class SecureGroupRounds:
         if self._start_pending:          # tasks went out when the round opened; now the keys phase
             self._start_pending, self._phase_at = False, now
             return self._route(self.secure.start())
-        if self.secure.phase is None:
-            return []
-        awaited = self.secure.awaited()
-        if now - self._phase_at > self.config.phase_timeout_s or (awaited and awaited <= self._lost):
+        if now - self._phase_at > self.config.phase_timeout_s and self.secure.phase is not None:
             self._phase_at = now
             return self._route(self.secure.handle(Timeout(self.secure.phase)))
         return []

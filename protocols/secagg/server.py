@@ -137,13 +137,6 @@ class ServerSecAgg:
         entry = TRANSITIONS.get(self.state)
         return entry[0] if entry else None
 
-    def awaited(self) -> frozenset[str]:
-        """Who the current phase still waits for (empty once the round is over)."""
-        phase = self.phase
-        if phase is None:
-            return frozenset()
-        return frozenset(self._expected(phase)) - frozenset(self._received[phase])
-
     def participants(self, phase: Phase) -> tuple[str, ...]:
         """Who has delivered the message of `phase` so far (U1 .. U5)."""
         return tuple(sorted(self._received[phase]))
