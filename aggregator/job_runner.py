@@ -23,6 +23,7 @@ from protocols.rounds import (ApplyResult, DeviceLost, GroupSettled, RecordDecli
 from protocols.topics import AGGREGATOR_ID
 
 from . import reporting
+from .round_log import FILE_NAME as ROUND_LOG, SETTING_PREFIX, RoundLog
 from .active_job import ActiveJob
 from .crash_points import CrashPoints
 from .fleet import Fleet
@@ -49,6 +50,9 @@ class JobRunner:
         # A job whose model moves only at round close (FedAvg) would evaluate the same model after
         # every contribution; it is evaluated once per round instead.
         self.eval_each = evaluate_every_contribution and not getattr(a.job, "evaluate_at_round_close", False)
+        self.events = RoundLog(a.out_dir / ROUND_LOG, a.job_id)     # for people: admin logs --follow
+        if store is not None:
+            store.set_setting(SETTING_PREFIX + a.job_id, str(self.events.path.resolve()))
 
     # ------------------------------------------------------------------ events from the service
     def handle(self, coord: RoundCoordinator, event) -> None:
@@ -94,9 +98,11 @@ class JobRunner:
     def execute(self, actions: list, round_: int) -> None:
         a = self.a
         for act in actions:
-            if isinstance(act, (RecordDeclined, RecordRejected)) and self.store is not None:
+            if isinstance(act, (RecordDeclined, RecordRejected)):
                 event = "declined" if isinstance(act, RecordDeclined) else "rejected"
-                self.store.add_round_event(a.job_id, round_, act.device, event, act.reason)
+                if self.store is not None:
+                    self.store.add_round_event(a.job_id, round_, act.device, event, act.reason)
+                self.events.write(event, round_, device=act.device, reason=act.reason)
             elif isinstance(act, ApplyResult):
                 if not self._apply(round_, act):
                     return                  # quarantined: the job was rebuilt without it; the rest is void
@@ -104,6 +110,8 @@ class JobRunner:
                 a.stats.late += act.status == "late"
                 a.stats.duplicates += act.status == "duplicate"
                 self.send(act.device, M.ack_message(AGGREGATOR_ID, act.ref, act.status, act.reason))
+                if act.status in ("late", "duplicate"):
+                    self.events.write(act.status, round_, device=act.device)
                 if act.status == "accepted":
                     self.crash("ack_sent")
             elif isinstance(act, RoundClosed):
@@ -121,6 +129,7 @@ class JobRunner:
         self.crash("contribution_stored")
         try:
             a.job.apply(act.device, act.result.payload)
+            self.events.write("contribution", round_, device=act.device, message_id=act.message_id)
             if self.eval_each:
                 self._record_eval()
         except Exception as exc:            # validated, yet it breaks the model (e.g. the solve fails)
@@ -140,6 +149,7 @@ class JobRunner:
         a.stats.reject("quarantined")
         a.quarantined.add(act.device)
         self.send(act.device, M.ack_message(AGGREGATOR_ID, act.message_id, "rejected", f"quarantined: {reason}"))
+        self.events.write("quarantined", round_, device=act.device, reason=reason)
         if self.store is not None:
             self.store.quarantine(a.job_id, round_, act.device, act.message_id, reason)
         self.on_fatal(f"contribution from {act.device} quarantined: {reason}")
@@ -157,6 +167,8 @@ class JobRunner:
             return self.on_fatal(f"round {act.round} cannot close: {type(exc).__name__}: {exc}", stop=True)
         log.info("round %d closed: %d accepted, %d dropped, %d declined", act.round,
                  len(act.accepted), len(act.dropped), len(act.declined))
+        self.events.write("round_close", act.round,
+                          **{k: v for k, v in a.round_log[-1].items() if k not in ("round", "t")})
         if not self.eval_each:
             self.crash("evaluation_stored")
         if self.store is not None:
@@ -179,6 +191,7 @@ class JobRunner:
         entry = a.job.evaluate(*self._eval_arrays())
         entry.update(t=time.time() - a.started_at, bytes_in=a.stats.bytes_in, bytes_out=self.bytes_sent())
         a.history.append(entry)
+        self.events.evaluation(entry.get("round", a.job.round), entry)
         if self.store is not None:
             self.store.add_evaluation(a.job_id, entry)
         self.publish_status()
@@ -222,6 +235,7 @@ class JobRunner:
         coord = RoundCoordinator(round_, frozenset(participants), now + a.job.config.round_timeout_s)
         a.rounds[round_] = a.current = coord
         a.tasks[round_], a.deadlines[round_], a.opened_at[round_] = tasks, deadline_wall, time.time()
+        self.events.write("round_open", round_, participants=sorted(participants), deadline=deadline_wall)
         for dev in participants:
             self._send_task(round_, dev)
         self.publish_status()
@@ -264,6 +278,7 @@ class JobRunner:
             # start of the service resumes it, exactly as after a crash
         self.crash("job_finished")
         reporting.write_job_files(a.out_dir, final_job, summary)
+        self.events.write("job_end", a.job.round, state=state, accuracy=final_eval.get("accuracy"))
         self.publish_status(state)
         return summary
 

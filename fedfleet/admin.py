@@ -4,6 +4,7 @@
     fedfleet admin device show|enroll|revoke|forget ID
     fedfleet admin job show|create|start|pause|resume|cancel|rounds ...
     fedfleet admin round JOB N
+    fedfleet admin logs JOB [--follow]
     fedfleet admin model show|download|lineage ID
 
 Tables and progress bars for people; ``--json`` prints the API's JSON unchanged, for scripts.
@@ -126,6 +127,8 @@ def _run(args, client: AdminClient) -> Any:
         return s, progress_line(s)
     if c == "watch":
         return _watch(args, client)
+    if c == "logs":
+        return _logs(args, client)
     if c == "fleet":
         f = client.post("/api/fleet/mode", {"mode": args.mode}) if args.mode else client.get("/api/fleet")
         return f, "\n".join(f"{k:<12}{v}" for k, v in f.items())
@@ -294,6 +297,41 @@ def _watch(args, client):
     return None, None
 
 
+def log_line(e: dict) -> str:
+    """One round-log event as a line of text: time, round, event, then its fields."""
+    when = time.strftime("%H:%M:%S", time.localtime(e["t"])) if isinstance(e.get("t"), (int, float)) else "--:--:--"
+    rnd = f"round {e['round']:>3}" if isinstance(e.get("round"), int) else " " * 9
+    rest = []
+    for k, v in e.items():
+        if k in ("t", "job_id", "event", "round") or v in (None, [], ""):
+            continue
+        if isinstance(v, list):
+            v = f"{len(v)} [{', '.join(map(str, v[:5]))}{', ...' if len(v) > 5 else ''}]"
+        elif isinstance(v, float):
+            v = f"{v:.4f}" if abs(v) < 1e6 else f"{v:.0f}"
+        rest.append(f"{k}={v}")
+    return f"{when} {rnd} {e.get('event', '?'):<13}{' '.join(rest)}"
+
+
+FINAL_STATES = ("done", "cancelled")
+
+
+def _logs(args, client):
+    """Print the job's round log; with --follow keep printing new lines until the job is over."""
+    offset, deadline = 0, time.monotonic() + args.timeout if args.timeout else None
+    while True:
+        page = client.get(f"/api/jobs/{args.job_id}/log?offset={offset}")
+        for e in page["lines"]:
+            print(json.dumps(e) if args.json else log_line(e), flush=True)
+        more = page["next_offset"] != offset
+        offset = page["next_offset"]
+        if more:
+            continue                    # a long log comes in pages: read them all before waiting
+        if not args.follow or page["job_state"] in FINAL_STATES or (deadline and time.monotonic() > deadline):
+            return None, None
+        time.sleep(args.interval)
+
+
 # ----------------------------------------------------------------------------- argument parsing
 def add_admin_parser(subparsers) -> argparse.ArgumentParser:
     """Add ``admin`` to a ``fedfleet`` subparsers object; the parser's ``func`` runs the command."""
@@ -333,6 +371,12 @@ def add_admin_parser(subparsers) -> argparse.ArgumentParser:
     r = add("round", help="one round in detail: participants, drop-outs, timings, bytes")
     r.add_argument("job_id", help="the job")
     r.add_argument("round", type=int, help="the round number")
+    lg = add("logs", help="the job's round log (rounds open/close, contributions, rejections, evaluations)")
+    lg.add_argument("job_id", help="the job")
+    lg.add_argument("-f", "--follow", action="store_true",
+                    help="keep printing new lines as they are written, until the job is done or cancelled")
+    lg.add_argument("--interval", type=float, default=1.0, help="--follow: seconds between polls (default 1)")
+    lg.add_argument("--timeout", type=float, default=None, help="--follow: stop after this many seconds (default: none)")
     m = add("models", help="table of model versions")
     m.add_argument("--job", default=None, help="only this job's model versions")
     mo = add("model", help="show / download / lineage of one model version")

@@ -5,6 +5,7 @@
     fedfleet device       run one device agent on local data against a broker
     fedfleet admin        talk to a running aggregator's admin API (fleet, jobs, rounds, models)
     fedfleet export       build ExecuTorch (.pte, XNNPACK) / ONNX bundles with manifest and parity check
+    fedfleet features     build the evaluation-features file (aggregator serve --eval-features) from images
 """
 
 from __future__ import annotations
@@ -39,14 +40,14 @@ def _simulate(args) -> int:
     if args.pipeline == "fed3r-ft-oll":
         from .pipeline import run_pipeline
 
-        report = run_pipeline(cfg)
-        if args.compare_with:
-            import json
+        plain = None
+        if args.compare_with:        # read first: a wrong path fails before the run, not after it
             from pathlib import Path
 
-            from .pipeline import compare_reports
+            from .errors import load_json_file
 
-            print(compare_reports(json.loads(Path(args.compare_with, "report.json").read_text()), report))
+            plain = load_json_file(str(Path(args.compare_with, "report.json")), "--compare-with")
+        report = run_pipeline(cfg, compare_with=plain)
         if "oll" in report["phases"]:
             return 0 if report["phases"]["oll"].get("wma") else 1
         return 0 if report["phases"]["fedavg-ft"].get("accuracy") is not None else 1
@@ -64,6 +65,12 @@ def _device(args) -> int:
     from .device import run_device
 
     return run_device(args)
+
+
+def _features(args) -> int:
+    from .features import build_features
+
+    return build_features(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fed3r-ft-oll: fine-tune the head (psi, default), the backbone's last stages against the "
                         "frozen Fed3R head (phi), or both (M); OLL then personalises on the fine-tuned backbone")
     s.add_argument("--tail-stages", type=int, help="--ft-mode phi/M: backbone stages trained on device (default 1)")
-    s.add_argument("--compare-with", help="fed3r-ft-oll: a plain run's output directory; print plain vs this run")
+    s.add_argument("--compare-with", help="fed3r-ft-oll: a plain run's output directory; this run's report (console, HTML, PNG) "
+                        "then compares plain vs this run (default: no comparison)")
     from .ladd_pipeline import add_ladd_arguments
 
     add_ladd_arguments(s)
@@ -127,6 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
     from .admin import add_admin_parser
 
     add_admin_parser(sub)
+
+    f = sub.add_parser("features", help="build the evaluation-features .npz (aggregator serve --eval-features) "
+                                        "from an image folder or IDX files through a bundle",
+                       formatter_class=HelpFormatter)
+    from .features import add_arguments as add_feature_arguments
+
+    add_feature_arguments(f)
+    f.set_defaults(func=_features)
 
     # `fedfleet export ...` is handed whole to export.cli (see main); listed here for --help.
     sub.add_parser("export", help="build ExecuTorch (.pte) / ONNX bundles with a manifest and parity check")

@@ -28,9 +28,7 @@ bytes, with the personalised WMA of the last phase.
 
 from __future__ import annotations
 
-import base64
 import dataclasses
-import html
 import json
 import time
 from pathlib import Path
@@ -43,7 +41,8 @@ from protocols.payloads.fedavg import KIND_TAIL as FEDAVG_TAIL_KIND
 from protocols.payloads.personalize import KIND as PERSONALIZE_KIND
 from protocols.payloads.secagg import SECURE_FEDAVG_KIND, SECURE_TAIL_KIND, SYNC_KIND
 
-from .plots import plot_lines
+from .pipeline_report import FT_MODES, format_pipeline_report, ft_label, write_plots_and_html
+from .progress import StepClock
 from .simulate import EmulatedFleet, SimConfig, _report, _secure_setup, prepare
 
 PIPELINES = {"fed3r-ft-oll": ("fed3r", "fedavg-ft", "oll")}
@@ -51,23 +50,18 @@ PIPELINES = {"fed3r-ft-oll": ("fed3r", "fedavg-ft", "oll")}
 PHASE_KINDS = {"fed3r": (FED3R_KIND, SYNC_KIND),
                "fedavg-ft": (FEDAVG_KIND, SECURE_FEDAVG_KIND, FEDAVG_TAIL_KIND, SECURE_TAIL_KIND),
                "oll": (PERSONALIZE_KIND,)}
-METHOD_NAMES = {"global": "global head", "oll": "OLL", "oll_fp": "OLL+FP(ψ)"}
-FT_MODES = {"psi": ("FT(ψ)", None), "phi": ("FT(φ)", "tail"), "M": ("FT(M)", "tail+head")}   # label, train
 
 
-def ft_label(cfg_or_report) -> str:
-    mode = cfg_or_report["ft_mode"] if isinstance(cfg_or_report, dict) else cfg_or_report.ft_mode
-    return "Fed3R+" + FT_MODES[mode][0]
-
-
-def run_pipeline(cfg: SimConfig, quiet: bool = False) -> dict:
+def run_pipeline(cfg: SimConfig, quiet: bool = False, compare_with: dict | None = None) -> dict:
+    """Run the three phases; ``compare_with``: a plain run's report, which a secure run's report
+    then carries (its comparison table and its curves, dashed)."""
     if not cfg.holdout_fraction:
         raise ValueError("personalization needs a local held-out split: set holdout_fraction > 0")
     if cfg.ft_mode not in FT_MODES:
         raise ValueError(f"ft_mode must be one of {sorted(FT_MODES)}, got {cfg.ft_mode!r}")
     tail = cfg.ft_mode != "psi"
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
-    t_start = time.monotonic()
+    clock = StepClock(say)
     prep = prepare(cfg, say)
     out = prep.out
     training_manifest = tail_manifest = None
@@ -90,13 +84,16 @@ def run_pipeline(cfg: SimConfig, quiet: bool = False) -> dict:
                                                     "device_keys_file")}
     phases: dict[str, dict] = {}
     steps = 3
+    clock.done("setup (data, bundles, evaluation features)")
     with EmulatedFleet(cfg, out, prep.profiles, secure, quiet, holdout_file=out / "holdout.npz",
                        training_manifest=training_manifest, tail_manifest=tail_manifest) as fleet:
+        clock.done("fleet start (broker, device hosts)")
         say(f"\n[1/{steps}] fed3r{'-sync (secure aggregation)' if cfg.secure else ''}: closed-form classifier "
             "from one round of statistics per device")
         fed3r_dir = out / "1-fed3r"
         phases["fed3r"] = {"dir": fed3r_dir, "results": fleet.run_job(
             "fed3r-sync" if cfg.secure else "fed3r", fed3r_job, fed3r_dir, out / "eval_features.npz", cfg.devices)}
+        clock.done("fed3r")
 
         say(f"\n[2/{steps}] fedavg-ft: {ft_label(cfg)}, {cfg.ft_rounds} rounds of κ={cfg.clients_per_round}")
         ft_dir = out / "2-fedavg-ft"
@@ -106,6 +103,7 @@ def run_pipeline(cfg: SimConfig, quiet: bool = False) -> dict:
                   "init": "fed3r", "initial_head_file": str(fed3r_dir / "model.npz"), **secure_fields, **ft_extra}
         phases["fedavg-ft"] = {"dir": ft_dir, "results": fleet.run_job(
             ft_kind, ft_job, ft_dir, ft_eval, cfg.ft_rounds * cfg.clients_per_round)}
+        clock.done("fedavg-ft")
 
         what = f"the fine-tuned head{' and backbone tail' if tail else ''}"
         say(f"\n[3/3] oll: personalise {what} on every device (FP(ψ) {cfg.fp_epochs} epochs)")
@@ -116,8 +114,12 @@ def run_pipeline(cfg: SimConfig, quiet: bool = False) -> dict:
                    "max_attempts": cfg.max_attempts, "fp_epochs": cfg.fp_epochs, "fp_lrs": list(cfg.fp_lrs)}
         phases["oll"] = {"dir": oll_dir, "results": fleet.run_job(
             "personalize", oll_job, oll_dir, out / "eval_features.npz", cfg.devices)}
+        clock.done("oll")
     report = pipeline_report(cfg, prep, phases, fleet.worker_stats)
-    report["wall_s"] = time.monotonic() - t_start
+    clock.done("fleet stop and centralized reference")
+    report["wall_s"], report["timings_s"] = time.monotonic() - clock.started, dict(clock.steps)
+    if compare_with is not None:
+        report["compared_with"] = {k: v for k, v in compare_with.items() if k != "compared_with"}
     (out / "report.json").write_text(json.dumps(report, indent=1))
     engine = write_plots_and_html(report, out)
     say(format_pipeline_report(report))
@@ -184,127 +186,3 @@ def pipeline_report(cfg: SimConfig, prep, phases: dict, workers: list[dict]) -> 
                          mean_local_classes=final.get("mean_local_classes"))
         report["phases"][name] = entry
     return report
-
-
-def accuracy_curves(report: dict) -> dict:
-    """Test accuracy of the shared model against cumulative rounds and cumulative bytes (up + down)."""
-    curves, rounds0, bytes0 = {}, 0, 0
-    for name in ("fed3r", "fedavg-ft"):
-        hist = [h for h in report["phases"][name]["history"] if h.get("accuracy") is not None]
-        if name == "fedavg-ft":
-            # FedAvg evaluates after each round; its starting point is where Fed3R ended
-            start = report["phases"]["fed3r"]
-            hist = [{"round": 0, "accuracy": start["accuracy"], "bytes_in": 0, "bytes_out": 0}] + hist
-        rounds = [rounds0 + h["round"] for h in hist]
-        moved = [bytes0 + (h.get("bytes_in") or 0) + (h.get("bytes_out") or 0) for h in hist]
-        curves[name] = {"rounds": rounds, "bytes": moved, "accuracy": [h["accuracy"] for h in hist]}
-        rounds0 = rounds[-1] if rounds else rounds0
-        phase = report["phases"][name]
-        bytes0 += phase["bytes_up"] + phase["bytes_down"]
-    curves["end"] = {"rounds": rounds0, "bytes": bytes0}
-    return curves
-
-
-def write_plots_and_html(report: dict, out: Path) -> str:
-    curves = accuracy_curves(report)
-    oll = report["phases"].get("oll", {"wma": {}, "bytes_up": 0, "bytes_down": 0})
-    points = {f"{METHOD_NAMES[m]} WMA (personalised)": v for m, v in (oll.get("wma") or {}).items()}
-    end = curves["end"]
-    by_rounds = {"Fed3R": (curves["fed3r"]["rounds"], curves["fed3r"]["accuracy"]),
-                 ft_label(report["config"]): (curves["fedavg-ft"]["rounds"], curves["fedavg-ft"]["accuracy"]),
-                 **{k: ([end["rounds"]], [v]) for k, v in points.items()}}
-    by_bytes = {"Fed3R": (np.array(curves["fed3r"]["bytes"]) / 1e6, curves["fed3r"]["accuracy"]),
-                ft_label(report["config"]): (np.array(curves["fedavg-ft"]["bytes"]) / 1e6, curves["fedavg-ft"]["accuracy"]),
-                **{k: ([(end["bytes"] + oll["bytes_up"] + oll["bytes_down"]) / 1e6], [v]) for k, v in points.items()}}
-    engine = plot_lines(out / "report.png", [
-        {"title": "accuracy vs rounds", "xlabel": "rounds (cumulative)", "ylabel": "accuracy", "lines": by_rounds},
-        {"title": "accuracy vs bytes", "xlabel": "MB moved, up + down (cumulative)", "ylabel": "accuracy",
-         "lines": by_bytes}])
-    (out / "report.html").write_text(render_html(report, (out / "report.png").read_bytes()))
-    return engine
-
-
-def _phase_rows(report: dict) -> list[tuple]:
-    rows = []
-    for name, p in report["phases"].items():
-        dev = p["device"]
-        rows.append((name, p["rounds"], p["contributions"], f"{p['accuracy']:.4f}" if p.get("accuracy") is not None else "–",
-                     f"{p['bytes_up_per_device'] / 1e6:.3f}", f"{p['bytes_down_per_device'] / 1e6:.3f}",
-                     f"{dev['compute_s']:.1f}", f"{dev['compute_s_per_task'] * 1e3:.0f}" if dev["compute_s_per_task"] else "–",
-                     f"{p['job_s']:.1f}" if p.get("job_s") else "–"))
-    return rows
-
-
-PHASE_HEADER = ("phase", "rounds", "tasks done", "test acc.", "MB up/device", "MB down/device",
-                "device compute s", "ms/task", "job s")
-
-
-def render_html(report: dict, png: bytes) -> str:
-    cfg = report["config"]
-    oll = report["phases"].get("oll")
-    fed3r = report["phases"]["fed3r"]
-    cell = lambda v: f"<td>{html.escape(str(v))}</td>"  # noqa: E731
-    table = "".join(f"<tr>{''.join(cell(v) for v in row)}</tr>" for row in _phase_rows(report))
-    if oll is None:
-        personalised = "<p>This run had no personalization phase.</p>"
-    else:
-        wma = "".join(f"<tr><td>{html.escape(METHOD_NAMES[m])}</td><td>{v:.4f}</td></tr>"
-                      for m, v in (oll.get("wma") or {}).items())
-        personalised = f"""<h2>Personalised accuracy (WMA over {oll.get('test_samples')} local held-out samples)</h2>
-<table id="wma"><tr><th>method</th><th>WMA</th></tr>{wma}</table>
-<p>FP(ψ) learning rates chosen by the devices' cross-validation: {html.escape(json.dumps(oll.get('fp_lr_chosen')))};
-held-out samples with a label outside the local training labels (scored by the global head):
-{oll.get('fallback_samples')}.</p>"""
-    title = "fed3r → fedavg-ft → oll" if oll is not None else "fed3r → fedavg-ft"
-    return f"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>fedfleet pipeline report</title>
-<style>body{{font-family:system-ui,sans-serif;margin:2em;max-width:1200px}}
-table{{border-collapse:collapse;margin:1em 0}}td,th{{border:1px solid #ccc;padding:4px 10px;text-align:right}}
-th{{background:#f3f3f3}}td:first-child{{text-align:left}}</style></head><body>
-<h1>fedfleet simulate: {title}</h1>
-<p>{cfg['devices']} devices, {html.escape(cfg['split'])}{f" α={cfg['alpha']}" if cfg['split'] == 'dirichlet' else ''},
-{html.escape(cfg['backbone'])}@{cfg['image_size']}px ({html.escape(cfg['runtime'])}), κ={cfg['clients_per_round']},
-{cfg['holdout_fraction']:.0%} of each device held out for personalised evaluation; wall time {report.get('wall_s', 0):.0f} s.</p>
-<h2>Phases</h2>
-<table id="phases"><tr>{''.join(f'<th>{h}</th>' for h in PHASE_HEADER)}</tr>{table}</table>
-<p>Fed3R {fed3r['accuracy']:.4f} vs centralized ridge {fed3r.get('central_accuracy') or float('nan'):.4f}
-(‖W_fed − W_central‖/‖W_central‖ = {fed3r.get('rel_weight_error') or float('nan'):.1e}).</p>
-<p>Fine-tuning: {html.escape(ft_label(cfg))}.</p>
-{personalised}
-<h2>Accuracy vs rounds and vs bytes</h2>
-<img alt="accuracy vs rounds and bytes" src="data:image/png;base64,{base64.b64encode(png).decode()}">
-</body></html>
-"""
-
-
-def format_pipeline_report(report: dict) -> str:
-    widths = [11, 7, 11, 10, 13, 15, 17, 8, 8]
-    secure = " (secure aggregation)" if report["config"].get("secure") else ""
-    fed3r, oll = report["phases"]["fed3r"], report["phases"].get("oll")
-    lines = ["", f"=== fedfleet simulate: fed3r → fedavg-ft ({ft_label(report['config'])})"
-                 f"{' → oll' if oll is not None else ''}{secure} ===",
-             "".join(h.ljust(w) for h, w in zip(PHASE_HEADER, widths))]
-    lines += ["".join(str(v).ljust(w) for v, w in zip(row, widths)) for row in _phase_rows(report)]
-    if fed3r.get("central_accuracy") is not None:
-        lines.append(f"Fed3R {fed3r['accuracy']:.4f} = centralized ridge {fed3r['central_accuracy']:.4f} "
-                     f"(rel. weight error {fed3r['rel_weight_error']:.1e})")
-    if oll is None:
-        return "\n".join(lines)
-    lines.append("personalised WMA on local held-out splits: " + ", ".join(
-        f"{METHOD_NAMES[m]} {v:.4f}" for m, v in (oll.get("wma") or {}).items()))
-    if oll.get("fp_lr_chosen"):
-        lines.append(f"FP(ψ) learning rates chosen by local cross-validation: {oll['fp_lr_chosen']}")
-    return "\n".join(lines)
-
-
-def compare_reports(plain: dict, secure: dict) -> str:
-    """Per-phase job time and bytes of a secure run next to a plain one (same fleet and config)."""
-    lines = ["", "=== plain vs secure aggregation (same fleet) ===",
-             f"{'phase':11s}{'job s plain':>13s}{'job s secure':>14s}{'ratio':>8s}{'MB up plain':>13s}"
-             f"{'MB up secure':>14s}{'ratio':>8s}{'acc. plain':>12s}{'acc. secure':>13s}"]
-    for name in ("fed3r", "fedavg-ft"):
-        p, s = plain["phases"][name], secure["phases"][name]
-        lines.append(f"{name:11s}{p['job_s']:13.1f}{s['job_s']:14.1f}{s['job_s'] / p['job_s']:8.2f}"
-                     f"{p['bytes_up'] / 1e6:13.1f}{s['bytes_up'] / 1e6:14.1f}{s['bytes_up'] / p['bytes_up']:8.2f}"
-                     f"{p['accuracy']:12.4f}{s['accuracy']:13.4f}")
-    return "\n".join(lines)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
+from typing import Callable
 
 from protocols.envelope import EnvelopeError, decode
 from protocols.mqtt_link import BrokerConfig, MqttLink
@@ -48,3 +50,16 @@ class StatusWatcher:
 
     def close(self) -> None:
         self.link.stop()
+
+
+class StepClock:
+    """Wall time of each step of a run: a progress line as each ends, and the figures the report
+    keeps (``timings_s``), so a slow run shows where its time went."""
+
+    def __init__(self, say: Callable[[str], None]):
+        self.say, self.started, self.steps = say, time.monotonic(), {}
+
+    def done(self, step: str) -> None:
+        now = time.monotonic()
+        self.steps[step] = now - self.started - sum(self.steps.values())
+        self.say(f"  {step}: {self.steps[step]:.0f} s (run so far {now - self.started:.0f} s)")

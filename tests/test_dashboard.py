@@ -33,6 +33,11 @@ def text(page, element_id: str) -> str:
     return page.text_content(f"#{element_id}") or ""
 
 
+def cells(page, table_id: str) -> list[list[str]]:
+    return [[td.text_content() for td in tr.query_selector_all("td")]
+            for tr in page.query_selector_all(f"#{table_id} tbody tr")]
+
+
 def test_dashboard_shows_rounds_advance_during_a_running_job(broker, tmp_path):
     sync_api = pytest.importorskip("playwright.sync_api")
     if not Path(CHROMIUM).exists():
@@ -98,3 +103,71 @@ def test_dashboard_shows_rounds_advance_during_a_running_job(broker, tmp_path):
     png = (REPO / "test-artifacts" / "dashboard.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     assert np.isfinite(result["final"]["accuracy"])
+
+
+def test_dashboard_after_the_job_ended_keeps_its_history_lists_every_device_and_asks_for_the_token(broker, tmp_path):
+    """The job has ended before the browser comes: the page opened at the printed address asks
+    for the token (a wrong one is refused on the page), then shows the finished job with its
+    rounds, evaluations and models as the store holds them, and every device the aggregator knows
+    or heard from with its state: enrolled, revoked, and one that is online but not enrolled."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} not installed (Debian package chromium)")
+    enrolled, stranger = DEVICES[:3], "dev09"
+    store = Store(tmp_path / "state.db")
+    svc = AggregatorService(Fed3RJob(Fed3RConfig(**job_config(enrolled, clients_per_round=1))),
+                            BrokerConfig.from_url(broker.url), tmp_path / "out", enrolled=set(enrolled),
+                            eval_set=data_for("dev99"), store=store, tick_s=0.05, keep_serving=True)
+    thread = threading.Thread(target=lambda: svc.run(timeout_s=90), daemon=True)
+    thread.start()
+    api = ApiServer(create_app(store, TOKEN, svc)).start()
+    profile = tempfile.mkdtemp(prefix="fedfleet-chromium-")
+    try:
+        with Fleet(broker.url, enrolled + [stranger]), sync_api.sync_playwright() as pw:
+            deadline = time.time() + 60
+            while store.job("ops")["state"] != "done" and time.time() < deadline:
+                time.sleep(0.1)
+            assert store.job("ops")["state"] == "done"
+            svc.call(lambda: svc.revoke(enrolled[0]))
+            ctx = pw.chromium.launch_persistent_context(profile, executable_path=CHROMIUM, headless=True,
+                                                        args=CHROMIUM_ARGS, viewport={"width": 1280, "height": 1400})
+            page = ctx.new_page()
+            page.goto(api.url)                                  # what an operator types: the printed address
+            assert page.is_visible("#login") and text(page, "login-error").strip() == ""
+            page.fill("#token", "not-the-token-0000000000")
+            page.click("#login button")
+            page.wait_for_selector("#login")
+            assert "Wrong token" in text(page, "login-error")
+            page.fill("#token", TOKEN)
+            page.click("#login button")
+            page.wait_for_url(f"{api.url}/dashboard/")
+
+            rounds, evals, models = store.rounds("ops"), store.evaluations("ops"), store.models("ops")
+            page.wait_for_function(f"document.querySelectorAll('#rounds-table tbody tr').length === {len(rounds)}",
+                                   timeout=20000)
+            job_rows = cells(page, "jobs-table")
+            assert [(r[0], r[2], int(r[3]), int(r[4])) for r in job_rows] == [("ops", "done", len(rounds), len(enrolled))]
+            assert text(page, "job-state") == "done" and text(page, "round-detail") == "no open round"
+            round_rows = cells(page, "rounds-table")
+            assert [(int(r[0]), r[1], int(r[3])) for r in round_rows] == \
+                [(x.round, "closed", len(x.outcome["accepted"])) for x in reversed(rounds)]
+            with_accuracy = [e for e in evals if e.get("accuracy") is not None]
+            assert len(page.query_selector_all("#accuracy-points circle")) == len(with_accuracy) > 0
+            assert text(page, "accuracy") == f"{with_accuracy[-1]['accuracy']:.4f}"
+            model_rows = cells(page, "models-table")
+            assert sorted(int(r[0]) for r in model_rows) == sorted(m["model_id"] for m in models) and models
+
+            states = {r[0]: (r[1], r[2]) for r in cells(page, "fleet-table")}
+            assert states == {enrolled[0]: ("revoked", "offline"), enrolled[1]: ("enrolled", "online"),
+                              enrolled[2]: ("enrolled", "online"), stranger: ("not enrolled", "online")}
+            assert text(page, "online") == "3"
+            assert text(page, "fleet-summary") == "4 known: 2 enrolled, 1 not enrolled, 1 revoked"
+            artifacts = REPO / "test-artifacts"
+            artifacts.mkdir(exist_ok=True)
+            page.screenshot(path=str(artifacts / "dashboard-after-job.png"), full_page=True)
+            ctx.close()
+    finally:
+        api.stop()
+        svc.stop()
+        thread.join(30)
+        shutil.rmtree(profile, ignore_errors=True)

@@ -89,6 +89,10 @@ def add_service_routes(app: FastAPI, ctx: ApiContext, compute: dict) -> None:
 def add_dashboard_routes(app: FastAPI, token: str) -> None:
     get, post = (partial(method, tags=["dashboard"]) for method in (app.get, app.post))
 
+    @get("/", include_in_schema=False)
+    def root() -> Response:
+        return RedirectResponse("/dashboard/", status_code=status.HTTP_303_SEE_OTHER)
+
     @get("/dashboard/", response_class=HTMLResponse,
            responses={**READ, 303: {"description": "token accepted: session cookie set, redirect to /dashboard/"}},
            description="the web dashboard; ``?token=`` sets the session cookie and redirects")

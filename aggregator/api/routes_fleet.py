@@ -34,8 +34,11 @@ def add_fleet_routes(app: FastAPI, ctx: ApiContext) -> None:
         ctx.mutate(lambda: ctx.service.set_fleet_mode(req.mode))
         return fleet()
 
-    @get("/api/devices", response_model=list[Device], responses=READ)
-    def devices(status_: Literal["enrolled", "revoked"] | None = Query(default=None, alias="status")) -> list[dict]:
+    @get("/api/devices", response_model=list[Device], responses=READ,
+         description="every device the aggregator knows: enrolled and revoked ones from the store, and those it "
+                     "heard from without being enrolled (status 'not enrolled'), each with its presence")
+    def devices(status_: Literal["enrolled", "revoked", "not enrolled"] | None = Query(default=None, alias="status")
+                ) -> list[dict]:
         return [d for d in with_live(store.devices(), ctx.live()) if status_ is None or d["status"] == status_]
 
     @get("/api/devices/{device_id}", response_model=Device, responses=ONE)
@@ -69,10 +72,15 @@ def add_fleet_routes(app: FastAPI, ctx: ApiContext) -> None:
 
 
 def with_live(devices: list[dict], live: dict) -> list[dict]:
-    """Overlay the service's in-memory presence and last-seen on stored device rows."""
+    """Overlay the service's in-memory presence and last-seen on stored device rows; a device the
+    service heard from that the store does not know is listed too, as 'not enrolled'."""
     if not live:
         return devices
     online, seen = set(live.get("devices_online", ())), live.get("last_seen", {})
-    return [{**d, "online": d["device_id"] in online,
-             "last_seen": max(filter(None, (d["last_seen"], seen.get(d["device_id"]))), default=None)}
-            for d in devices]
+    known = {d["device_id"] for d in devices}
+    strangers = [{"device_id": dev, "status": "not enrolled", "public_key": None, "enrolled_at": None,
+                  "revoked_at": None, "last_seen": None, "online": False, "profile": {}, "cluster": None}
+                 for dev in sorted((online | set(seen)) - known)]
+    return sorted(({**d, "online": d["device_id"] in online,
+                    "last_seen": max(filter(None, (d["last_seen"], seen.get(d["device_id"]))), default=None)}
+                   for d in devices + strangers), key=lambda d: d["device_id"])

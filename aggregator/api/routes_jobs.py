@@ -11,10 +11,11 @@ from fastapi import FastAPI, HTTPException, Path, Query, status
 from fastapi.responses import Response
 
 from ..jobs.registry import validate_job_config
+from ..round_log import SETTING_PREFIX, read_from
 from ..store import Store
 from .context import ApiContext
 from .schemas import (ID_PATTERN, MAX_ID, ONE, READ, WRITE, Job, JobCreate, LineageEntry, Model, Quarantined,
-                      Round)
+                      Round, RoundLogPage)
 
 JobId = Path(pattern=ID_PATTERN)
 ModelId = Path(ge=1, le=MAX_ID)
@@ -71,6 +72,15 @@ def add_job_routes(app: FastAPI, ctx: ApiContext) -> None:
     def evaluations(job_id: str = JobId) -> list[dict]:
         ctx.job(job_id)
         return store.evaluations(job_id)
+
+    @get("/api/jobs/{job_id}/log", response_model=RoundLogPage, responses=ONE,
+         description="the job's round log from byte ``offset`` on (a bounded page of whole lines); "
+                     "``fedfleet admin logs JOB --follow`` polls it with each answer's ``next_offset``")
+    def round_log(job_id: str = JobId, offset: int = Query(default=0, ge=0, le=MAX_ID)) -> dict:
+        row = ctx.job(job_id)
+        path = store.setting(SETTING_PREFIX + job_id)         # set when the job first ran
+        lines, next_offset = read_from(path, offset) if path else ([], offset)
+        return {"lines": lines, "next_offset": next_offset, "job_state": row["state"]}
 
 
 

@@ -24,7 +24,8 @@ MAX_ID = 2 ** 62
 
 class Device(BaseModel):
     device_id: str
-    status: Literal["enrolled", "revoked"]
+    status: Literal["enrolled", "revoked", "not enrolled"] = Field(
+        description="not enrolled: heard from (presence or messages) but not in the store's fleet")
     public_key: str | None
     enrolled_at: float | None
     revoked_at: float | None
@@ -177,6 +178,12 @@ class Round(BaseModel):
     duration_s: float | None
     bytes_in: int
     result_latency_s: dict[str, float] = Field(description="device -> seconds from round open to its accepted result")
+
+
+class RoundLogPage(BaseModel):
+    lines: list[dict[str, Any]] = Field(description="events of the job's round log (rounds.jsonl), oldest first")
+    next_offset: int = Field(description="pass as ?offset= to get the lines written after these")
+    job_state: str
 
 
 class Model(BaseModel):

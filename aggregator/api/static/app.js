@@ -1,10 +1,16 @@
 // fedfleet dashboard: polls the admin API (same origin; the session cookie carries the token).
+// Everything about a job (rounds, evaluations, models) comes from the store through the API, so
+// it stays on the page after the job ends; the job shown is the active one, else the newest,
+// unless the operator clicked another in the jobs table.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
+const SVG = "http://www.w3.org/2000/svg";
+let chosenJob = null;           // picked in the jobs table; null: follow the active / newest job
 
 async function api(path) {
   const resp = await fetch(path, { credentials: "same-origin", cache: "no-store" });
+  if (resp.status === 401) { window.location.assign("/dashboard/"); throw new Error("signed out"); }
   if (!resp.ok) throw new Error(`${path}: HTTP ${resp.status}`);
   return resp.json();
 }
@@ -15,79 +21,122 @@ function ago(ts) {
   return s < 120 ? `${s.toFixed(0)}s ago` : s < 7200 ? `${(s / 60).toFixed(0)}m ago` : `${(s / 3600).toFixed(1)}h ago`;
 }
 
-function fillTable(id, rows) {
+function fillTable(id, rows, onRow) {
   const body = $(id).querySelector("tbody");
-  body.replaceChildren(...rows.map((cells) => {
+  body.replaceChildren(...rows.map((cells, i) => {
     const tr = document.createElement("tr");
     for (const c of cells) {
       const td = document.createElement("td");
       if (c && typeof c === "object") { td.textContent = c.text; td.className = c.cls; } else { td.textContent = c ?? "-"; }
       tr.appendChild(td);
     }
+    if (onRow) onRow(tr, i);
     return tr;
   }));
 }
 
-function drawRound(cur) {
-  const segs = ["accepted", "declined", "rejected", "lost"];
-  const n = cur ? cur.participants.length : 0;
-  for (const s of segs) {
-    $("round-progress").querySelector("." + s).style.width = n ? `${(100 * cur[s].length) / n}%` : "0";
+// The open round, from the same answer as the rounds table, so the two never disagree.
+function drawRound(open) {
+  const n = open ? open.participants.length : 0;
+  const parts = { accepted: "accepted", declined: "declined", rejected: "rejected", lost: "dropped" };
+  for (const [cls, key] of Object.entries(parts)) {
+    $("round-progress").querySelector("." + cls).style.width = n ? `${(100 * open[key].length) / n}%` : "0";
   }
-  $("round-detail").textContent = cur
-    ? `round ${cur.round}: ${cur.accepted.length}/${n} accepted, ${cur.pending.length} pending, ` +
-      `${cur.declined.length} declined, ${cur.rejected.length} rejected, ${cur.lost.length} lost; ` +
-      `deadline in ${Math.max(0, cur.deadline - Date.now() / 1000).toFixed(0)}s, ${(cur.bytes_in / 1024).toFixed(1)} KB in`
+  $("round-detail").textContent = open
+    ? `round ${open.round}: ${open.accepted.length}/${n} accepted, ${open.pending.length} pending, ` +
+      `${open.declined.length} declined, ${open.rejected.length} rejected, ${open.dropped.length} lost; ` +
+      `deadline in ${Math.max(0, open.deadline - Date.now() / 1000).toFixed(0)}s, ${(open.bytes_in / 1024).toFixed(1)} KB in`
     : "no open round";
+}
+
+function svgEl(name, attrs, text) {
+  const el = document.createElementNS(SVG, name);
+  for (const [k, v] of Object.entries(attrs)) el.setAttribute(k, v);
+  if (text !== undefined) el.textContent = text;
+  return el;
 }
 
 function drawCurve(evals) {
   const pts = evals.filter((e) => e.accuracy !== undefined && e.accuracy !== null);
-  const maxX = Math.max(1, ...pts.map((e) => e.contributions));
-  $("accuracy-line").setAttribute("points",
-    pts.map((e) => `${(30 + (365 * e.contributions) / maxX).toFixed(1)},${(180 - 175 * e.accuracy).toFixed(1)}`).join(" "));
+  const maxX = Math.max(1, ...pts.map((e) => e.contributions || 0));
+  const x = (c) => 34 + (361 * (c || 0)) / maxX, y = (a) => 185 - 175 * a;
+  $("accuracy-grid").replaceChildren(...[0, 0.25, 0.5, 0.75, 1].flatMap((a) => [
+    svgEl("line", { x1: 34, x2: 395, y1: y(a), y2: y(a), class: "grid" }),
+    svgEl("text", { x: 2, y: y(a) + 3, class: "tick" }, `${(100 * a).toFixed(0)}%`)]));
+  $("accuracy-line").setAttribute("points", pts.map((e) => `${x(e.contributions).toFixed(1)},${y(e.accuracy).toFixed(1)}`).join(" "));
+  // a marker per evaluation (at most 200): one evaluation is a point, not an empty chart
+  const step = Math.max(1, Math.ceil(pts.length / 200));
+  $("accuracy-points").replaceChildren(...pts.filter((_, i) => i % step === 0 || i === pts.length - 1).map((e) =>
+    svgEl("circle", { cx: x(e.contributions).toFixed(1), cy: y(e.accuracy).toFixed(1), r: 2.5 })));
   $("accuracy-caption").textContent = pts.length
     ? `x: contributions (0-${maxX}), ${pts.length} evaluations, last ${pts[pts.length - 1].accuracy.toFixed(4)}`
     : "no evaluations with accuracy yet";
 }
 
-let lastJob = null;
+function showJobs(jobs, shown) {
+  fillTable("jobs-table", jobs.map((j) => [j.job_id, j.kind, j.state, j.rounds, j.contributions,
+    ago(j.started_at), ago(j.finished_at)]), (tr, i) => {
+    tr.dataset.job = jobs[i].job_id;
+    if (jobs[i].job_id === shown) tr.className = "selected";
+    tr.addEventListener("click", () => { chosenJob = jobs[i].job_id; refresh(); });
+  });
+}
+
+function showDevices(devices, online) {
+  const count = (s) => devices.filter((d) => d.status === s).length;
+  $("online").textContent = online;
+  $("fleet-summary").textContent = `${devices.length} known: ${count("enrolled")} enrolled, ` +
+    `${count("not enrolled")} not enrolled, ${count("revoked")} revoked`;
+  fillTable("fleet-table", devices.map((d) => [
+    d.device_id, { text: d.status, cls: d.status.replace(" ", "-") },
+    { text: d.online ? "online" : "offline", cls: d.online ? "online" : "offline" }, ago(d.last_seen), d.cluster,
+    Object.entries(d.profile).map(([k, v]) => `${k}=${v}`).join(", ").slice(0, 60)]));
+}
+
+async function showJob(job, live) {
+  const id = encodeURIComponent(job.job_id);
+  const [rounds, evals, models] = await Promise.all([api(`/api/jobs/${id}/rounds`), api(`/api/jobs/${id}/evaluations`),
+    api(`/api/models?job_id=${id}`)]);
+  const isLive = live && live.job_id === job.job_id;
+  const open = rounds.find((r) => r.state === "open") || null;
+  $("selected-job").textContent = job.job_id;
+  $("job-id").textContent = job.job_id;
+  $("job-state").textContent = isLive ? live.state : job.state;
+  $("round-number").textContent = open ? open.round : rounds.length ? rounds[rounds.length - 1].round : "-";
+  $("contributions").textContent = isLive ? live.contributions : job.contributions;
+  const last = evals.filter((e) => e.accuracy != null).pop();
+  $("accuracy").textContent = last ? last.accuracy.toFixed(4) : "-";
+  drawRound(open);
+  fillTable("rounds-table", rounds.slice(-15).reverse().map((r) => [r.round, r.state, r.participants.length,
+    r.accepted.length, r.dropped.length, r.declined.length, r.rejected.length,
+    r.duration_s == null ? "open" : r.duration_s.toFixed(1) + "s", (r.bytes_in / 1024).toFixed(1)]));
+  drawCurve(evals);
+  fillTable("models-table", models.slice().reverse().map((m) => [m.model_id, m.version, m.round, m.contributions,
+    m.metrics.accuracy == null ? "-" : m.metrics.accuracy.toFixed(4), m.final ? "final" : "", m.sha256.slice(0, 12)]));
+}
+
+async function refresh() {
+  try {
+    const [status, jobs, devices, clusters] = await Promise.all([api("/api/status"), api("/api/jobs"),
+      api("/api/devices"), api("/api/clusters")]);
+    jobs.sort((a, b) => b.created_at - a.created_at);
+    const live = status.job;
+    const shownId = chosenJob || (live ? live.job_id : jobs.length ? jobs[0].job_id : null);
+    showJobs(jobs, shownId);
+    showDevices(devices, status.devices_online ? status.devices_online.length : devices.filter((d) => d.online).length);
+    fillTable("clusters-table", clusters.map((c) => [c.cluster_id, c.label, c.job_id, c.model_id, c.devices]));
+    const job = jobs.find((j) => j.job_id === shownId);
+    if (job) await showJob(job, live);
+    $("conn").textContent = `updated ${new Date().toLocaleTimeString()}`;
+  } catch (err) {
+    $("conn").textContent = `error: ${err.message}`;
+  }
+}
 
 async function showCompute() {
   const health = await api("/api/health");
   $("compute-device").textContent = health.compute.device;
   $("compute-detail").textContent = `${health.compute.gpu ?? "no GPU"}; SecAgg unmask: ${health.compute.secagg_unmask}`;
-}
-
-async function refresh() {
-  try {
-    const status = await api("/api/status");
-    const job = status.job;
-    if (job) lastJob = job.job_id;
-    $("job-id").textContent = job ? job.job_id : lastJob ?? "-";
-    $("job-state").textContent = job ? job.state : "no active job";
-    $("round-number").textContent = job ? job.round : "-";
-    $("contributions").textContent = job ? job.contributions : "-";
-    $("online").textContent = status.devices_online ? status.devices_online.length : "-";
-    $("accuracy").textContent = job && job.accuracy != null ? job.accuracy.toFixed(4) : "-";
-    drawRound(job ? job.current_round : null);
-    const [devices, clusters] = await Promise.all([api("/api/devices"), api("/api/clusters")]);
-    fillTable("fleet-table", devices.map((d) => [
-      d.device_id, { text: d.status, cls: d.status === "revoked" ? "revoked" : "" },
-      { text: d.online ? "online" : "offline", cls: d.online ? "online" : "offline" }, ago(d.last_seen), d.cluster,
-      Object.entries(d.profile).map(([k, v]) => `${k}=${v}`).join(", ").slice(0, 60)]));
-    fillTable("clusters-table", clusters.map((c) => [c.cluster_id, c.label, c.job_id, c.model_id, c.devices]));
-    if (lastJob) {
-      const [rounds, evals] = await Promise.all([api(`/api/jobs/${lastJob}/rounds`), api(`/api/jobs/${lastJob}/evaluations`)]);
-      fillTable("rounds-table", rounds.slice(-15).reverse().map((r) => [r.round, r.state, r.participants.length,
-        r.accepted.length, r.dropped.length, r.duration_s == null ? "open" : r.duration_s.toFixed(1) + "s",
-        (r.bytes_in / 1024).toFixed(1)]));
-      drawCurve(evals);
-    }
-    $("conn").textContent = `updated ${new Date().toLocaleTimeString()}`;
-  } catch (err) {
-    $("conn").textContent = `error: ${err.message}`;
-  }
 }
 
 showCompute().catch((err) => { $("compute-detail").textContent = `error: ${err.message}`; });

@@ -1,0 +1,81 @@
+"""A job's round log: ``rounds.jsonl`` in the job's output directory, one JSON object per line,
+written as things happen (round opened, contribution applied, declined, rejected, late,
+quarantined, evaluation, round closed, job ended) — what ``fedfleet admin logs JOB --follow``
+streams through the admin API, as ``flwr log`` does.
+
+It is a log for people, not a record the service recovers from (that is the store): a line is
+flushed as it is written so a reader sees it at once, a failing disk loses lines but never stops
+the job, and a restarted service appends to the same file.
+
+Readers page through it by byte offset (:func:`read_from`): only whole lines, at most
+``max_bytes`` per call, so an API request's answer stays bounded however long the job ran.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+log = logging.getLogger("fedfleet.aggregator")
+
+FILE_NAME = "rounds.jsonl"
+SETTING_PREFIX = "round_log/"        # store setting naming each job's log file, for the admin API
+MAX_READ_BYTES = 256 * 1024
+
+
+class RoundLog:
+    """Appends one JSON line per event to ``path``; every line carries the time, job and event."""
+
+    def __init__(self, path: Path, job_id: str):
+        self.path, self.job_id = Path(path), job_id
+        self._file = None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a", encoding="utf-8")
+        except OSError as exc:
+            log.warning("round log %s not written: %s", self.path, exc)
+
+    def write(self, event: str, round_: int | None = None, **fields) -> None:
+        if self._file is None:
+            return
+        line = {"t": round(time.time(), 3), "job_id": self.job_id, "event": event,
+                **({"round": round_} if round_ is not None else {}), **fields}
+        try:
+            self._file.write(json.dumps(line, default=str) + "\n")
+            self._file.flush()
+        except (OSError, ValueError) as exc:      # full disk, closed file: the job goes on without it
+            log.warning("round log %s: %s", self.path, exc)
+
+    def evaluation(self, round_: int, entry: dict) -> None:
+        """An evaluation's scalar metrics (accuracy, contributions, ...); arrays stay in the store."""
+        scalars = {k: v for k, v in entry.items() if isinstance(v, (int, float, str, bool)) and k not in ("round", "t")}
+        self.write("evaluation", round_, elapsed_s=entry.get("t"), **scalars)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_from(path: Path, offset: int, max_bytes: int = MAX_READ_BYTES) -> tuple[list[dict], int]:
+    """The whole lines of ``path`` from byte ``offset`` (at most ``max_bytes`` of them) and the
+    offset to ask for next; a line not yet finished is left for the next call. A line that is not
+    JSON (a torn write) comes back as ``{"event": "unreadable"}`` instead of failing the read."""
+    path = Path(path)
+    if not path.is_file():
+        return [], offset
+    with open(path, "rb") as f:
+        f.seek(offset)
+        chunk = f.read(max_bytes)
+    end = chunk.rfind(b"\n") + 1
+    if end == 0 and len(chunk) == max_bytes:      # one line longer than a page: skip it, say so
+        return [{"event": "unreadable", "reason": f"line longer than {max_bytes} bytes"}], offset + len(chunk)
+    lines = []
+    for raw in chunk[:end].splitlines():
+        try:
+            lines.append(json.loads(raw))
+        except ValueError:
+            lines.append({"event": "unreadable"})
+    return lines, offset + end

@@ -1,0 +1,123 @@
+"""The fed3r-ft-oll report (fedfleet/pipeline_report.py): what the PNG's axes hold, the phase
+sentences, the secure report's banner and plain-vs-secure table, each checked against the
+report's own numbers recomputed here."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from fedfleet.pipeline_report import (ACCURACY_RANGE, METHOD_NAMES, comparison_rows, format_pipeline_report,  # noqa: E402
+                                      phase_sentences, report_panels, report_title, write_plots_and_html)
+from fedfleet.plots import build_figure  # noqa: E402
+from fedfleet.simulate import PRESETS  # noqa: E402
+
+
+def fake_run(seed: int, secure: bool) -> dict:
+    """A report shaped as pipeline_report() writes it, with random figures."""
+    rng = np.random.default_rng(seed)
+    cfg = dataclasses.asdict(dataclasses.replace(PRESETS["smoke"], secure=secure))
+    device = {"tasks": 20, "compute_s": 3.0, "compute_s_per_task": 0.15, "bytes_up_devices": 1000}
+    fed3r_acc = float(rng.uniform(0.6, 0.8))
+    ft_hist = np.clip(fed3r_acc + np.cumsum(rng.uniform(0, 0.01, 5)), 0, 1)
+    phases = {
+        "fed3r": {"rounds": 2, "contributions": 20, "accuracy": fed3r_acc,
+                  "central_accuracy": fed3r_acc + float(rng.uniform(-1e-3, 1e-3)), "rel_weight_error": 1e-9,
+                  "history": [{"round": 1, "accuracy": fed3r_acc - 0.1, "bytes_in": 5e5, "bytes_out": 1e4},
+                              {"round": 1, "accuracy": fed3r_acc - 0.05, "bytes_in": 1e6, "bytes_out": 1e4},
+                              {"round": 2, "accuracy": fed3r_acc, "bytes_in": 2e6, "bytes_out": 2e4}]},
+        "fedavg-ft": {"rounds": 5, "contributions": 25, "accuracy": float(ft_hist[-1]), "initial_accuracy": fed3r_acc,
+                      "history": [{"round": r + 1, "accuracy": float(a), "bytes_in": 1e5 * (r + 1),
+                                   "bytes_out": 1e5 * (r + 1)} for r, a in enumerate(ft_hist)]},
+        "oll": {"rounds": 2, "contributions": 20, "accuracy": float(ft_hist[-1]), "history": [],
+                "wma": {"global": 0.7, "oll": float(rng.uniform(0.8, 0.9)), "oll_fp": float(rng.uniform(0.85, 0.95))},
+                "test_samples": 600, "fp_lr_chosen": {"0.001": 20}, "fallback_samples": 3},
+    }
+    for p in phases.values():
+        p.update(bytes_up=float(rng.uniform(1e6, 5e6)) * (3 if secure else 1), bytes_down=2e5,
+                 bytes_up_per_device=1e5, bytes_down_per_device=1e4, job_s=float(rng.uniform(5, 50)), device=device)
+    timings = {"setup (data, bundles, evaluation features)": 7.0, "fed3r": float(rng.uniform(10, 40)), "oll": 12.5}
+    return {"config": cfg, "devices": 20, "phases": phases, "wall_s": 100.0, "timings_s": timings}
+
+
+def test_plain_and_secure_reports_share_fixed_accuracy_axes_and_put_personalised_scores_in_their_own_panel():
+    plain, secure = fake_run(1, False), fake_run(2, True)
+    secure["compared_with"] = plain
+    axes = {name: build_figure(report_panels(r), report_title(r)).axes for name, r in (("plain", plain), ("secure", secure))}
+    for name, report in (("plain", plain), ("secure", secure)):
+        by_rounds, by_bytes, personalised = axes[name]
+        for ax in (by_rounds, by_bytes, personalised):
+            assert ax.get_ylim() == pytest.approx(ACCURACY_RANGE)
+        # the accuracy panels hold the shared model's curves only; the WMA values are bars elsewhere
+        wma = report["phases"]["oll"]["wma"]
+        for ax in (by_rounds, by_bytes):
+            plotted = np.concatenate([line.get_ydata() for line in ax.get_lines()])
+            assert not any(np.isclose(plotted, v).any() for v in wma.values())
+            assert ax.get_legend() is not None
+        fed3r_line = by_rounds.get_lines()[0]
+        # per-contribution evaluations: the rounds panel shows each round's last one
+        fed3r_hist = report["phases"]["fed3r"]["history"]
+        assert list(fed3r_line.get_ydata()) == [fed3r_hist[1]["accuracy"], fed3r_hist[2]["accuracy"]]
+        assert list(by_bytes.get_lines()[0].get_ydata()) == [h["accuracy"] for h in fed3r_hist]
+        heights = [bar.get_height() for bar in personalised.patches]
+        assert heights == pytest.approx([wma[m] for m in METHOD_NAMES])
+        assert [t.get_text() for t in personalised.get_xticklabels()] == list(METHOD_NAMES.values())
+    # the secure plot also carries the plain run's curves (dashed)
+    assert len(axes["plain"][0].get_lines()) == 2
+    labels = [line.get_label() for line in axes["secure"][0].get_lines()]
+    assert "Fed3R (plain run)" in labels and len(labels) == 4
+    assert "SECURE" in report_title(secure) and "SECURE" not in report_title(plain)
+
+
+def test_phase_sentences_say_what_each_phase_changed_in_points():
+    report = fake_run(3, False)
+    ph = report["phases"]
+    sentences = phase_sentences(report)
+    gain = 100 * (ph["fedavg-ft"]["accuracy"] - ph["fed3r"]["accuracy"])
+    assert f"added {gain:+.2f} points" in sentences["fedavg-ft"]
+    wma = ph["oll"]["wma"]
+    assert f"({100 * (wma['oll'] - wma['global']):+.2f} points)" in sentences["oll"]
+    assert f"added {100 * (wma['oll_fp'] - wma['oll']):+.2f} points more" in sentences["oll"]
+    central_gap = 100 * (ph["fed3r"]["accuracy"] - ph["fed3r"]["central_accuracy"])
+    assert f"({central_gap:+.2f} points, relative weight error" in sentences["fed3r"]
+    # a fine-tuning that lost accuracy is not said to have added it
+    worse = fake_run(3, False)
+    worse["phases"]["fedavg-ft"]["accuracy"] = worse["phases"]["fed3r"]["accuracy"] - 0.015
+    assert "changed test accuracy by -1.50 points" in phase_sentences(worse)["fedavg-ft"]
+    assert all(s in format_pipeline_report(report) for s in sentences.values())
+    assert (f"time per step: setup (data, bundles, evaluation features) 7 s, fed3r {report['timings_s']['fed3r']:.0f} s, "
+            "oll 12 s; total 100 s") in format_pipeline_report(report)
+
+
+def test_secure_report_says_it_is_secure_and_carries_the_comparison_table(tmp_path):
+    plain, secure = fake_run(4, False), fake_run(5, True)
+    secure["compared_with"] = plain
+    write_plots_and_html(secure, tmp_path)
+    page = (tmp_path / "report.html").read_text()
+    assert 'class="mode secure"' in page and "SECURE AGGREGATION" in page
+    table = page[page.index('<table id="compare">'):]
+    table = table[:table.index("</table>")]
+    rows = re.findall(r"<tr>(.*?)</tr>", table)[1:]
+    cells = [re.findall(r"<td>(.*?)</td>", r) for r in rows]
+    assert [c[0] for c in cells] == ["fed3r", "fedavg-ft"]
+    for c, name in zip(cells, ("fed3r", "fedavg-ft")):
+        p, s = plain["phases"][name], secure["phases"][name]
+        assert float(c[1]) == pytest.approx(p["job_s"], abs=0.05) and float(c[2]) == pytest.approx(s["job_s"], abs=0.05)
+        assert float(c[6]) == pytest.approx(s["bytes_up"] / p["bytes_up"], abs=0.005)
+        assert float(c[7]) == pytest.approx(p["accuracy"], abs=5e-5) and float(c[8]) == pytest.approx(s["accuracy"], abs=5e-5)
+    assert cells == [list(r) for r in comparison_rows(plain, secure)]
+    for sentence in phase_sentences(secure).values():
+        assert sentence in page.replace("&#x27;", "'")
+    # the plain report says it is plain and has no comparison
+    write_plots_and_html(plain, tmp_path)
+    page = (tmp_path / "report.html").read_text()
+    assert "SECURE" not in page and 'id="compare"' not in page and "Plain aggregation" in page
+    from PIL import Image
+
+    with Image.open(tmp_path / "report.png") as img:
+        assert img.size[0] > 3 * img.size[1] * 0.9         # three panels side by side

@@ -1,0 +1,99 @@
+"""A job's round log (aggregator/round_log.py): ``rounds.jsonl`` written live by a real Fed3R job
+over mosquitto, and ``fedfleet admin logs JOB --follow`` streaming it through the admin API while
+the job runs; what the log says is checked against the store's own records of the same job."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+from aggregator.api.app import create_app
+from aggregator.api.server import ApiServer
+from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
+from aggregator.round_log import read_from
+from aggregator.service import AggregatorService
+from aggregator.store import Store
+from protocols.mqtt_link import BrokerConfig
+
+from ops_fleet import REPO, Fleet, data_for, job_config
+
+TOKEN = "round-log-token-0123456789"
+DEVICES = ["dev01", "dev02", "dev03"]
+
+
+def test_read_from_pages_whole_lines_and_survives_a_torn_line(tmp_path):
+    path = tmp_path / "rounds.jsonl"
+    events = [{"event": "contribution", "round": i, "device": f"dev{i:02d}"} for i in range(40)]
+    path.write_text("".join(json.dumps(e) + "\n" for e in events) + '{"event": "half')   # a line being written
+    got, offset = [], 0
+    while True:
+        lines, nxt = read_from(path, offset, max_bytes=150)
+        if nxt == offset:
+            break
+        got += lines
+        offset = nxt
+    assert got == events and offset == path.stat().st_size - len('{"event": "half')
+    with open(path, "a") as f:
+        f.write('"}\nnot json\n')
+    lines, _ = read_from(path, offset)
+    assert lines == [{"event": "half"}, {"event": "unreadable"}]
+    assert read_from(tmp_path / "missing.jsonl", 7) == ([], 7)
+
+
+def test_admin_logs_follow_streams_the_round_log_live_and_it_matches_the_store(broker, tmp_path):
+    gates = {d: threading.Event() for d in DEVICES}
+    store = Store(tmp_path / "state.db")
+    svc = AggregatorService(Fed3RJob(Fed3RConfig(**job_config(DEVICES, clients_per_round=1))),
+                            BrokerConfig.from_url(broker.url), tmp_path / "out", enrolled=set(DEVICES),
+                            eval_set=data_for("dev99"), store=store, tick_s=0.05)
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=90)), daemon=True)
+    thread.start()
+    api = ApiServer(create_app(store, TOKEN, svc)).start()
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    follow = subprocess.Popen([sys.executable, "-m", "fedfleet.cli", "admin", "logs", "ops", "--follow", "--json",
+                               "--interval", "0.2", "--timeout", "80", "--url", api.url, "--token", TOKEN],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    streamed: list[dict] = []
+    try:
+        with Fleet(broker.url, DEVICES, gates=gates):
+            # the first round opens while its device is held: the line must reach the follower now,
+            # while the job is still running
+            while True:
+                line = follow.stdout.readline()
+                assert line, follow.stderr.read()
+                streamed.append(json.loads(line))
+                if streamed[-1]["event"] == "round_open":
+                    break
+            assert not result and (svc.live.get("job") or {}).get("state") == "running"
+            for g in gates.values():
+                g.set()
+            out, err = follow.communicate(timeout=60)
+            streamed += [json.loads(x) for x in out.splitlines()]
+            thread.join(60)
+    finally:
+        follow.kill()
+        api.stop()
+        svc.stop()
+    assert follow.returncode == 0, err
+    assert result["state"] == "done"
+
+    written = [json.loads(x) for x in (tmp_path / "out" / "rounds.jsonl").read_text().splitlines()]
+    assert streamed == written                    # the follower saw every line, once, in order
+    assert written[-1]["event"] == "job_end" and written[-1]["state"] == "done"
+    by_event = lambda name: [e for e in written if e["event"] == name]  # noqa: E731
+    rounds = store.rounds("ops")
+    assert [(e["round"], e["participants"]) for e in by_event("round_open")] == \
+        [(r.round, sorted(r.participants)) for r in rounds]
+    assert [(e["round"], e["accepted"]) for e in by_event("round_close")] == \
+        [(r.round, r.outcome["accepted"]) for r in rounds]
+    assert sorted((e["round"], e["device"], e["message_id"]) for e in by_event("contribution")) == \
+        sorted((c.round, c.device, c.message_id) for c in store.contributions("ops", with_payload=False))
+    evaluations = store.evaluations("ops")
+    assert [e["accuracy"] for e in by_event("evaluation")] == [e["accuracy"] for e in evaluations]
+    assert len(evaluations) >= len(DEVICES)
+    assert all(a["t"] <= b["t"] for a, b in zip(written, written[1:]))
