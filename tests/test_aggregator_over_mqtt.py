@@ -30,9 +30,11 @@ def data_for(i):
     return rng.normal(size=(30, D)), rng.integers(0, C, 30)
 
 
-def SyntheticStats(i, gate=None):
+class SyntheticStats(ops_fleet.SyntheticStats):
     """A task handler computing real Fed3R statistics of this file's synthetic features."""
-    return ops_fleet.SyntheticStats(i, gate, data=data_for)
+
+    def __init__(self, i, gate=None):
+        super().__init__(i, gate, data=data_for)
 
 
 def start_service(broker, tmp_path, devices, **cfg):
