@@ -261,6 +261,7 @@ class JobRunner:
     def _canonical_job(self) -> Job:
         """The job rebuilt from its stored contributions in device-id order (order-free jobs only)."""
         fresh = build_job(self.a.kind, self.a.job.config.to_dict())
+        parse = getattr(fresh, "parse_accepted", fresh.parse_result)      # stored = validated when accepted
         for c in self.store.contributions(self.a.job_id, canonical=True):
-            fresh.apply(c.device, fresh.parse_result(decode(c.payload)))
+            fresh.apply(c.device, parse(decode(c.payload)))
         return fresh
