@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from protocols.envelope import Envelope, EnvelopeError, decode
@@ -47,10 +47,11 @@ class IngestWorkers:
         if workers < 1:
             raise ValueError("ingest workers must be >= 1")
         threads = max(1, (os.cpu_count() or 1) // workers)      # the workers share the cores, never oversubscribe
-        self._pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                         initializer=_init_worker, initargs=(threads, os.getpid()))
+        # a multiprocessing Pool, not a ProcessPoolExecutor: its terminate() ends the workers at once
+        # (they hold nothing), where an executor's shutdown can wait on a worker at interpreter exit
+        self._pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, (threads, os.getpid()))
         self.workers = workers
-        self.max_pending = max_pending or 4 * workers
+        self.max_pending = max_pending or 16 * workers
         self._pending: dict[str, int] = {}       # device -> messages of it in the workers
         self.warming: list[Future] = []
 
@@ -64,26 +65,30 @@ class IngestWorkers:
 
     def warm_up(self, kind: str, config: dict) -> None:
         """Start the processes and build the job in each now, not on the first large result."""
-        self.warming = [self._pool.submit(_warm_up, kind, json.dumps(config, sort_keys=True))
-                        for _ in range(self.workers)]
+        self.warming = [self._call(_warm_up, kind, json.dumps(config, sort_keys=True)) for _ in range(self.workers)]
 
     def submit(self, device: str, kind: str, config: dict, whole: bytes, public_key: bytes | None,
                max_bytes: int) -> Future:
         """Validate ``whole`` (a reassembled result from ``device``) for the job ``kind``/``config``;
         the future's result is a :class:`Verdict`."""
         self._pending[device] = self._pending.get(device, 0) + 1
-        future = self._pool.submit(validate_result, kind, json.dumps(config, sort_keys=True), whole,
-                                   public_key, max_bytes)
-        future.add_done_callback(lambda _: self._done(device))
+        return self._call(validate_result, kind, json.dumps(config, sort_keys=True), whole, public_key, max_bytes)
+
+    def _call(self, fn, *args) -> Future:
+        future: Future = Future()
+        future.set_running_or_notify_cancel()
+        self._pool.apply_async(fn, args, callback=future.set_result, error_callback=future.set_exception)
         return future
 
-    def _done(self, device: str) -> None:
+    def done(self, device: str) -> None:
+        """The service has taken the verdict on one of ``device``'s messages (its thread only, as
+        every other call here: the bookkeeping needs no lock)."""
         left = self._pending.pop(device, 1) - 1
         if left > 0:
             self._pending[device] = left
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.terminate()
 
 
 # ---------------------------------------------------------------------- in the worker processes

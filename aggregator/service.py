@@ -382,6 +382,7 @@ class AggregatorService:
         """A worker's verdict on a large result: on from where ``_on_result`` left it, if its job
         and round are still there (a verdict that never comes leaves nothing behind)."""
         a = self.active
+        self.ingest.done(device)
         if future.cancelled() or future.exception() is not None:
             return log.error("ingest worker failed on a result from %s: %r", device,
                              None if future.cancelled() else future.exception())

@@ -85,12 +85,9 @@ def run_aggregator(url: str, tmp: str, ids: list[str], d: int, provisional: bool
     from aggregator.store import Store
     from protocols.mqtt_link import BrokerConfig
 
-    import logging, os
     import torch
 
     torch.set_num_threads(1)    # on a shared 2-core machine, more intra-op threads only wait for each other
-    if os.environ.get("BENCH_DEBUG"):
-        logging.basicConfig(level=logging.DEBUG, format="%(relativeCreated)d %(name)s %(message)s")
     cfg = Fed3RConfig(num_classes=C, feature_dim=d, clients_per_round=len(ids), expected_devices=len(ids),
                       round_timeout_s=600, job_id=f"ingest-{provisional}")
     svc = AggregatorService(Fed3RJob(cfg), BrokerConfig.from_url(url), Path(tmp), enrolled=set(ids),
@@ -100,13 +97,7 @@ def run_aggregator(url: str, tmp: str, ids: list[str], d: int, provisional: bool
         for f in svc.ingest.warming:          # a serving aggregator's workers are up: don't time their start
             f.result()
     ready.set()
-    import cProfile, pstats
-    pr = cProfile.Profile()
-    pr.enable()
     summary = svc.run(timeout_s=900)
-    pr.disable()
-    if os.environ.get("BENCH_DEBUG"):
-        pstats.Stats(pr).sort_stats("cumtime").print_stats(25)
     out.put((time.time(), summary["bytes_in"], summary["results_accepted"], svc.store.commit_seconds))
 
 
@@ -178,16 +169,17 @@ def main() -> None:
                 raw = total / (sub_out.get(timeout=600) - t0)
                 sub.join()
                 print(f"payload per device={total / args.devices / 1e6:.2f} MB")
-                print(f"raw broker throughput (same chunked payloads, counting subscriber): {raw / 1e6:8.1f} MB/s")
+                print(f"raw broker throughput (same chunked payloads, counting subscriber): {raw / 1e6:8.1f} MB/s",
+                      flush=True)
             t0 = burst(pub, messages)
             t_done, bytes_in, accepted, commit_s = out.get(timeout=900)
-            agg.join()
-            pub.loop_stop()
-            devices.close()
             rate = total / (t_done - t0)
             what = "store+validate+sum+solve+evaluate each" if provisional else "store+validate+sum, solve at the end "
             print(f"aggregator ingest ({what}): {rate / 1e6:8.1f} MB/s  ratio to raw {rate / raw:.2f}"
-                  f"  (accepted={accepted}, {commit_s:.2f} s in SQLite commits)")
+                  f"  (accepted={accepted}, {commit_s:.2f} s in SQLite commits)", flush=True)
+            agg.join(60)
+            pub.loop_stop()
+            devices.close()
 
 
 if __name__ == "__main__":

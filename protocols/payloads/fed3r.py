@@ -157,9 +157,11 @@ def numpy_positive_definite(upper: np.ndarray, tau: float) -> bool:
 
 
 def parse_stats(msg: Envelope, p: int, num_classes: int, max_samples: int = 10**9,
-                fit_intercept: bool = True, positive_definite: PositiveDefinite = numpy_positive_definite) -> Fed3RStats:
+                fit_intercept: bool = True,
+                positive_definite: PositiveDefinite | None = numpy_positive_definite) -> Fed3RStats:
     """Validate a ``fed3r.stats`` result against the job's (p, C); raise EnvelopeError if anything is
-    off (shapes, dtypes, finiteness, a Gram matrix's properties, consistency with n)."""
+    off (shapes, dtypes, finiteness, a Gram matrix's properties, consistency with n).
+    ``positive_definite=None`` skips only the Gram check, for bytes that passed it already."""
     n = body_field(msg, "n", int)
     if not (0 < n <= max_samples):
         raise EnvelopeError(f"{KIND}: sample count n={n} out of range (1..{max_samples})")
@@ -200,7 +202,7 @@ def _class_ids(msg: Envelope, num_classes: int) -> np.ndarray:
 
 
 def _parse_packed(msg: Envelope, fmt: str, n: int, p: int, num_classes: int,
-                  positive_definite: PositiveDefinite) -> Fed3RStats:
+                  positive_definite: PositiveDefinite | None) -> Fed3RStats:
     a_dtype = _stats_dtype(msg, "A_upper")
     a = require_tensor(msg, "A_upper", a_dtype, (packed_len(p),))
     if fmt == "sparse":
@@ -216,7 +218,8 @@ def _parse_packed(msg: Envelope, fmt: str, n: int, p: int, num_classes: int,
     require_finite(msg, "A_upper", "b")
     # Copies: the decoded tensors are read-only views on the received bytes.
     a, b = np.array(a, dtype=np.float64), np.array(b, dtype=np.float64)
-    check_gram(a, p, np.finfo(a_dtype).eps, positive_definite)
+    if positive_definite is not None:       # None: these very bytes passed the check before
+        check_gram(a, p, np.finfo(a_dtype).eps, positive_definite)
     return Fed3RStats(n=n, p=p, a_upper=a, class_ids=ids, b=b)
 
 
