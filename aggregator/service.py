@@ -361,16 +361,21 @@ class AggregatorService:
             reason = str(env.body.get("reason", ""))[:500]
             log.info("device %s declined round %d: %s", device, ref.round, reason)
             return self.runner.handle(coord, Declined(device, reason))
+        self._accept(coord, device, env.id, kind, raw, lambda: a.job.parse_result(env))
+
+    def _accept(self, coord, device: str, message_id: str, kind: str, raw: bytes, parse: Callable[[], Any]) -> None:
+        """Feed the round machine a result ``parse`` validates, or its refusal."""
+        a = self.active
         try:
             if kind != a.job.kind:
                 raise EnvelopeError(f"result kind {kind!r} does not match the job's {a.job.kind!r}")
-            payload = a.job.parse_result(env)
+            payload = parse()
         except EnvelopeError as exc:
             a.stats.reject("invalid payload")
             log.warning("rejected result from %s: %s", device, exc)
-            return self.runner.handle(coord, ResultInvalid(device, env.id, str(exc)))
+            return self.runner.handle(coord, ResultInvalid(device, message_id, str(exc)))
         self.crash("result_received")
-        self.runner.handle(coord, ResultArrived(device, env.id, ValidatedResult(payload, raw)))
+        self.runner.handle(coord, ResultArrived(device, message_id, ValidatedResult(payload, raw)))
 
     def _submit(self, device: str, header: Envelope, raw: bytes, ref: M.TaskRef, kind: str) -> None:
         a = self.active
@@ -391,19 +396,12 @@ class AggregatorService:
             return self._reject(device, verdict.reason_class, verdict.detail)
         if a is None or ref.job != a.job_id or ref.round not in a.rounds:
             return self._reject(device, "unknown round", f"job {ref.job} round {ref.round} is gone")
-        coord = a.rounds[ref.round]
-        try:
+        def parse():
             if verdict.reason_class is not None:
                 raise EnvelopeError(verdict.detail)
-            if kind != a.job.kind:
-                raise EnvelopeError(f"result kind {kind!r} does not match the job's {a.job.kind!r}")
-            payload = a.job.parse_accepted(decode_checked(raw))
-        except EnvelopeError as exc:
-            a.stats.reject("invalid payload")
-            log.warning("rejected result from %s: %s", device, exc)
-            return self.runner.handle(coord, ResultInvalid(device, header.id, str(exc)))
-        self.crash("result_received")
-        self.runner.handle(coord, ResultArrived(device, header.id, ValidatedResult(payload, raw)))
+            return a.job.parse_accepted(decode_checked(raw))      # the worker's checks are not repeated
+
+        self._accept(a.rounds[ref.round], device, header.id, kind, raw, parse)
 
     def _on_artifact_get(self, device: str, env: Envelope) -> None:
         try:

@@ -13,7 +13,7 @@ One run, one private mosquitto, the same publisher for both:
    includes the final re-sum in device order, the solve and the store's final commit.
 Prints both rates and their ratio (aggregator ingest / raw broker).
 
-    .venv/bin/python bench/fed3r_ingest.py [--devices 20] [--d 1280] [--ingest-workers 2]
+    .venv/bin/python bench/fed3r_ingest.py [--devices 20] [--d 1280] [--ingest-workers 0 2]
 """
 
 from __future__ import annotations
@@ -141,18 +141,20 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--devices", type=int, default=20)
     ap.add_argument("--d", type=int, default=1280)
-    ap.add_argument("--ingest-workers", type=int, default=2)
+    ap.add_argument("--ingest-workers", type=int, nargs="+", default=[2],
+                    help="worker processes; several values: one aggregator run each, the same raw baseline")
     args = ap.parse_args()
     ctx = multiprocessing.get_context("spawn")
     handler = PrecomputedStats(args.d, C)
-    print(f"devices={args.devices} d={args.d} ingest workers={args.ingest_workers}")
+    print(f"devices={args.devices} d={args.d}")
     raw = None
-    for provisional in (False, True):
+    runs = [(False, w) for w in args.ingest_workers] + [(True, args.ingest_workers[-1])]
+    for provisional, workers in runs:
         with MosquittoBroker() as broker, tempfile.TemporaryDirectory() as tmp:
             ids = [f"dev{i:04d}" for i in range(args.devices)]
             ready, out = ctx.Event(), ctx.Queue()
-            agg = ctx.Process(target=run_aggregator, args=(broker.url, tmp, ids, args.d, provisional,
-                                                           args.ingest_workers, ready, out))
+            agg = ctx.Process(target=run_aggregator, args=(broker.url, tmp, ids, args.d, provisional, workers,
+                                                           ready, out))
             agg.start()
             ready.wait(300)
             devices = Devices(broker.port, ids, handler)
@@ -175,7 +177,8 @@ def main() -> None:
             t_done, bytes_in, accepted, commit_s = out.get(timeout=900)
             rate = total / (t_done - t0)
             what = "store+validate+sum+solve+evaluate each" if provisional else "store+validate+sum, solve at the end "
-            print(f"aggregator ingest ({what}): {rate / 1e6:8.1f} MB/s  ratio to raw {rate / raw:.2f}"
+            print(f"aggregator ingest ({what}), {workers} ingest workers: {rate / 1e6:8.1f} MB/s  "
+                  f"ratio to raw {rate / raw:.2f}"
                   f"  (accepted={accepted}, {commit_s:.2f} s in SQLite commits)", flush=True)
             agg.join(60)
             pub.loop_stop()
