@@ -14,6 +14,7 @@ from aggregator.service import AggregatorService
 from aggregator.store import Store
 from edge_client.agent import DeviceAgent
 from fedfleet.emulation.broker import MosquittoBroker
+from protocols.envelope import decode
 from protocols.identity import DeviceIdentity
 from protocols.mqtt_link import BrokerConfig
 
@@ -119,6 +120,8 @@ def test_a_crash_mid_ingest_with_workers_resumes_bit_identically(tmp_path):
     assert "contributions replayed" in log
     results = json.loads((work / "out" / "results.json").read_text())
     assert sorted(results["contributed"]) == DEVICES and results["state"] == "done"
+    forms = {decode(c.payload).body.get("a_format", "packed") for c in Store(work / "state.db").contributions("ops")}
+    assert forms == {"factor", "packed"}                     # the fleet really mixed both upload forms
     got, want = dict(np.load(work / "out" / "model.npz")), dict(np.load(tmp_path / "inline" / "model.npz"))
     assert sorted(got) == sorted(want)
     for key in want:
