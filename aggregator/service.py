@@ -388,9 +388,10 @@ class AggregatorService:
         and round are still there (a verdict that never comes leaves nothing behind)."""
         a = self.active
         self.ingest.done(device)
-        if future.cancelled() or future.exception() is not None:
-            return log.error("ingest worker failed on a result from %s: %r", device,
-                             None if future.cancelled() else future.exception())
+        if future.exception() is not None:      # what raised there would have raised here: refused alike
+            return self._reject(device, "malformed", f"ingest worker: {future.exception()!r}"[:300])
+        if device in self.fleet.revoked:         # revoked while its result was in a worker
+            return self._reject(device, "revoked device")
         verdict = future.result()
         if verdict.reason_class in ("malformed", "bad signature"):
             return self._reject(device, verdict.reason_class, verdict.detail)

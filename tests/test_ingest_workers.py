@@ -128,3 +128,31 @@ def test_a_crash_mid_ingest_with_workers_resumes_bit_identically(tmp_path):
         assert np.array_equal(got[key], want[key]), key
     ref = reference_ridge(Z, y, C, LAM)
     assert np.linalg.norm(got["raw_weights"] - ref) / np.linalg.norm(ref) <= 1e-9
+
+
+def test_a_workers_verdict_classifies_what_is_wrong_with_a_message():
+    """``validate_result`` as a worker runs it (in this process): each refusal has its class."""
+    import dataclasses
+
+    from aggregator.ingest import validate_result
+    from protocols.envelope import Envelope, encode
+
+    Z, y, parts = fleet_data()
+    cfg = json.dumps(dataclasses.asdict(Fed3RConfig(num_classes=C, feature_dim=D)), sort_keys=True)
+    identity = DeviceIdentity.generate("dev00")
+
+    def result(handler, signer=identity.sign):
+        return encode(Envelope("result", "dev00", *handler({"factor": True})), signer=signer)
+
+    good = MixedStats(Z[parts[1]], y[parts[1]], C)
+    key = identity.public_key_bytes
+    assert validate_result("fed3r", cfg, result(good), key, 1 << 30).reason_class is None
+    assert validate_result("fed3r", cfg, result(good, None), None, 1 << 30).reason_class is None
+    assert validate_result("fed3r", cfg, result(good, None), key, 1 << 30).reason_class == "bad signature"
+    forged = result(good, DeviceIdentity.generate("dev00").sign)
+    assert validate_result("fed3r", cfg, forged, key, 1 << 30).reason_class == "bad signature"
+    corrupt = bytearray(result(good))
+    corrupt[-1] ^= 1
+    assert validate_result("fed3r", cfg, bytes(corrupt), key, 1 << 30).reason_class == "malformed"
+    poisoned = validate_result("fed3r", cfg, result(Indefinite(Z[parts[1]], y[parts[1]], C)), key, 1 << 30)
+    assert poisoned.reason_class == "invalid payload" and "Gram" in poisoned.detail
