@@ -6,13 +6,14 @@ the payload, ~25 ms committing it to SQLite and ~1 ms adding it to the sums. The
 pure functions of the message's bytes, so they run here, in ``workers`` processes (spawned: the
 service has threads), while the service thread goes on receiving: a worker decodes the whole
 message (payload sha256, the sender's Ed25519 signature, tensor layout) and runs the job's
-``parse_result`` on it, and answers only its verdict (a few bytes).
+``check_payload`` on it (the checks that need the message alone: a worker's copy of the job has
+none of its state), and answers only its verdict (a few bytes).
 
 What orders effects stays on the service thread, unchanged: the round machine, the durable store
 write before the ack, the sum into the job (``job.parse_accepted`` reads the tensors as views on
-the same bytes and skips only the checks the worker ran). So the sums, the store and crash
-recovery are exactly those of inline ingest, and an order-free job's final model is still
-re-summed in device-id order. A verdict that never comes back (the process stops) leaves nothing
+the same bytes, skips only the checks the worker ran, and runs those that need the job's state).
+So the sums, the store and crash recovery are exactly those of inline ingest, and an order-free
+job's final model is still re-summed in device-id order. A verdict that never comes back (the process stops) leaves nothing
 behind: nothing was stored or acknowledged, and the device re-sends.
 
 Memory is bounded: at most ``max_pending`` messages are in the workers at once, and one per
@@ -57,8 +58,9 @@ class IngestWorkers:
 
     @staticmethod
     def accepts(job) -> bool:
-        """Whether results of ``job`` can be validated here (it can re-parse them without the checks)."""
-        return hasattr(job, "parse_accepted")
+        """Whether results of ``job`` can be validated here: its message-only checks
+        (``check_payload``) can run on a copy, and it can re-parse bytes that passed them."""
+        return hasattr(job, "check_payload") and hasattr(job, "parse_accepted")
 
     def has_room(self, device: str) -> bool:
         return sum(self._pending.values()) < self.max_pending and device not in self._pending
@@ -142,7 +144,7 @@ def validate_result(kind: str, config_json: str, whole: bytes, public_key: bytes
     except EnvelopeError as exc:
         return Verdict("bad signature" if str(exc).startswith("unsigned") else "malformed", str(exc))
     try:
-        _job_for(kind, config_json).parse_result(env)
+        _job_for(kind, config_json).check_payload(env)
     except EnvelopeError as exc:
         return Verdict("invalid payload", str(exc))
     return Verdict(None)

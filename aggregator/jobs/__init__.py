@@ -45,8 +45,9 @@ class Job(Protocol):
     def restore_bookkeeping(self, state: dict) -> None: ...
     # optional class attribute ``order_free = True``: the final model depends only on the set of
     # contributions, so the service re-sums them in a canonical order (bit-identical across runs)
-    # optional method ``parse_accepted(env)``: ``parse_result`` of bytes it has already accepted
-    # (validated by an ingest worker, or replayed from the store) without its costly checks; a job
-    # that has it gets its large results validated in parallel ingest workers (aggregator/ingest.py)
+    # optional methods ``check_payload(env)`` (every check that needs the message alone, none the
+    # job's state) and ``parse_accepted(env)`` (``parse_result`` of bytes that passed
+    # ``check_payload`` before, without repeating its costly checks): a job that has both gets its
+    # large results validated in parallel ingest workers (aggregator/ingest.py)
     # optional class attribute ``evaluate_at_round_close = True``: the model changes when a round
     # closes (FedAvg), so it is evaluated then, not only after each contribution

@@ -78,13 +78,18 @@ class Fed3RJob(OncePerDevice):
         return self.config.task_params(), {}
 
     def parse_result(self, env: Envelope) -> Fed3RStats:
+        return self.check_payload(env)
+
+    def check_payload(self, env: Envelope) -> Fed3RStats:
+        """Every check that depends on the message alone, none on the job's state: what an ingest
+        worker (a copy of the job built from its config) runs."""
         return parse_stats(env, self.config.p, self.config.num_classes, fit_intercept=self.config.fit_intercept,
                            positive_definite=self.strategy.positive_definite)
 
     def parse_accepted(self, env: Envelope) -> Fed3RStats:
-        """A result this job has validated before (an ingest worker ran ``parse_result`` on these
-        very bytes, or the store kept them when it was accepted): every check but the Gram
-        matrix's Cholesky factorisation, which costs more than everything else together."""
+        """A result whose bytes passed ``check_payload`` before (in an ingest worker, or when the
+        store kept them): ``parse_result`` without the Gram matrix's Cholesky factorisation, which
+        costs more than everything else together. Checks against the job's state belong here too."""
         return parse_stats(env, self.config.p, self.config.num_classes, fit_intercept=self.config.fit_intercept,
                            positive_definite=None)
 
