@@ -41,6 +41,8 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
                    help="exported bundle directories devices may fetch (by their manifest sha256)")
     s.add_argument("--evaluate", choices=["contribution", "round"], default="contribution",
                    help="evaluate the model after every contribution (default) or once per round (large fleets)")
+    s.add_argument("--ingest-workers", type=int, default=0, metavar="N",
+                   help="decode and validate large results in N worker processes (0: on the service thread)")
     add_ops_arguments(s)
     return p
 
@@ -90,7 +92,8 @@ def serve(args) -> int:
                          "pass that bundle's directory with --artifacts")
     summary = serve_with_ops(args, job, broker, args.out,
                              Topics(args.topic_root), enrolled=enrolled, eval_set=eval_set, artifacts=shelf,
-                             evaluate_every_contribution=args.evaluate == "contribution")
+                             evaluate_every_contribution=args.evaluate == "contribution",
+                             ingest_workers=args.ingest_workers)
     final = summary.get("final", {})
     print(json.dumps({"state": summary.get("state"), "contributions": final.get("contributions"),
                       "accuracy": final.get("accuracy")}))

@@ -29,6 +29,7 @@ from protocols.envelope import decode
 from protocols.rounds import Declined, ResultInvalid, RoundClosed, RoundCoordinator, RoundState, Tick
 
 from .active_job import ActiveJob, ServiceStats
+from .jobs import SplitValidation
 from .jobs.registry import build_job
 from .store import FINAL_JOB_STATES, Store, StoreError
 
@@ -68,8 +69,9 @@ def canonical_job(store: Store, kind: str, config: dict, job_id: str):
     """An order-free job (Fed3R) rebuilt from its stored contributions in device-id order: what
     the finished job reports, so its model depends only on which devices contributed."""
     fresh = build_job(kind, config)
+    parse = fresh.parse_accepted if isinstance(fresh, SplitValidation) else fresh.parse_result   # stored = validated
     for c in store.contributions(job_id, canonical=True):
-        fresh.apply(c.device, fresh.parse_result(decode(c.payload)))
+        fresh.apply(c.device, parse(decode(c.payload)))
     return fresh
 
 

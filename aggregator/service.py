@@ -51,7 +51,7 @@ import numpy as np
 
 from protocols import messages as M
 from protocols.chunking import DEFAULT_CHUNK_SIZE, MessageAssembler
-from protocols.envelope import Envelope, EnvelopeError, encode
+from protocols.envelope import Envelope, EnvelopeError, decode, decode_checked, encode
 from protocols.identity import DeviceIdentity
 from protocols.mqtt_link import BrokerConfig, MqttLink
 from protocols.payloads.artifacts import GET as ARTIFACT_GET, artifact_message, parse_get
@@ -67,6 +67,7 @@ from .broker_security import BrokerSecurity
 from .crash_points import CrashPoints
 from .enrollment import DeviceCredentials
 from .fleet import Fleet
+from .ingest import IngestWorkers
 from .jobs import Job
 from .job_runner import JobRunner
 from .jobs.registry import KINDS, build_job, job_kind_name
@@ -86,7 +87,7 @@ class AggregatorService:
                  require_signatures: bool = False, keep_serving: bool = False,
                  crash: CrashPoints | None = None, checkpoints: bool = True,
                  artifacts: ArtifactShelf | None = None, offline_grace_s: float = 120.0,
-                 identity: DeviceIdentity | None = None):
+                 identity: DeviceIdentity | None = None, ingest_workers: int = 0):
         self.topics, self.artifacts, self.eval_set = topics, artifacts, eval_set
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -112,6 +113,8 @@ class AggregatorService:
         self.link = MqttLink(AGGREGATOR_ID, broker, on_message=lambda t, p: self._q.put(("mqtt", t, p)),
                              subscriptions=[(topics.all_outboxes, 1), (topics.all_presence, 1)],
                              on_connect=lambda: self._q.put(("connected",)))
+        # large results are decoded and validated in these processes (aggregator/ingest.py)
+        self.ingest = IngestWorkers(ingest_workers) if ingest_workers else None
         self.last_finished: ActiveJob | None = None
         self.active: ActiveJob | None = None
         self.runner: JobRunner | None = None
@@ -161,6 +164,8 @@ class AggregatorService:
             if self.active is not None:
                 summary = self._finish_job()
             self.link.stop()
+            if self.ingest is not None:
+                self.ingest.close()
         return summary
 
     def stop(self) -> None:
@@ -179,6 +184,8 @@ class AggregatorService:
             except Exception:       # last resort: whatever one message causes is that message's refusal
                 log.exception("message on %s refused: it raised an unexpected error", item[1][:120])
                 self._stats().reject("malformed")
+        elif item[0] == "validated":
+            self._on_validated(*item[1:])
         elif item[0] == "connected":
             self._resend_tasks(self.fleet.online)
         elif item[0] == "call":
@@ -236,6 +243,8 @@ class AggregatorService:
         self.active = a
         if self._signer is None and isinstance(job, SecureGroupRounds):
             self._signer = job.identity.sign      # a secure job's identity is the aggregator's: sign with it
+        if self.ingest is not None and self.ingest.accepts(job):
+            self.ingest.warm_up(a.kind, job.config.to_dict())
         runner_cls = AsyncJobRunner if getattr(job, "asynchronous", False) else JobRunner
         self.runner = runner_cls(a, self.fleet, self.store, self.crash, self._send, self._publish_status,
                                 lambda: self.link.bytes_sent, self._job_broken, self.eval_set, self.checkpoints,
@@ -306,14 +315,16 @@ class AggregatorService:
         if outbox:
             self._device_bytes[device] = self._device_bytes.get(device, 0) + len(payload)
         try:
-            got = self.assembler.feed_whole(payload)
+            got = self.assembler.feed_lazy(payload, lazy=self.ingest is not None)
+            if got is not None and not got[2] and not self._to_workers(device, got[0]):
+                got = (decode(got[1], self.assembler.verifier, max_bytes=self.assembler.max_message_bytes), got[1], True)
         except EnvelopeError as exc:
             self._device_bytes.pop(device, None)
             signature = str(exc).startswith(("signature", "unsigned"))
             return self._reject(device, "bad signature" if signature else "malformed", str(exc))
         if got is None:
             return
-        env, raw = got
+        env, raw, checked = got
         nbytes = self._device_bytes.pop(device, 0)
         if env.sender != device:
             return self._reject(device, "wrong sender", f"sender {env.sender!r} does not own topic {topic}")
@@ -323,7 +334,7 @@ class AggregatorService:
         if env.type == M.PRESENCE:
             self._on_presence(device, env)
         elif env.type in (M.RESULT, M.DECLINE):
-            self._on_result(device, env, raw, nbytes)
+            self._on_result(device, env, raw, nbytes, checked)
         elif env.type == ARTIFACT_GET:
             self._on_artifact_get(device, env)
         elif env.type == SECAGG_TYPE and isinstance(getattr(self.active, "job", None), SecureGroupRounds):
@@ -345,7 +356,13 @@ class AggregatorService:
         else:
             self._device_lost(device)
 
-    def _on_result(self, device: str, env: Envelope, raw: bytes, nbytes: int) -> None:
+    def _to_workers(self, device: str, env: Envelope) -> bool:
+        """Whether a large message (header only so far) goes to the ingest workers: a result for
+        the active job, which they can validate, while they have room; else it is decoded here."""
+        return (env.type == M.RESULT and self.active is not None and self.ingest.accepts(self.active.job)
+                and self.ingest.has_room(device))
+
+    def _on_result(self, device: str, env: Envelope, raw: bytes, nbytes: int, checked: bool = True) -> None:
         a = self.active
         try:
             ref, kind = M.parse_result_ref(env)
@@ -357,20 +374,54 @@ class AggregatorService:
         if coord is None:
             return self._reject(device, "unknown round", f"no round {ref.round} in job {ref.job}")
         a.round_bytes[ref.round] += nbytes
+        if not checked:         # a large result, its header only: decoded and validated by a worker
+            return self._submit(device, env, raw, ref, kind)
         if env.type == M.DECLINE:
             reason = str(env.body.get("reason", ""))[:500]
             log.info("device %s declined round %d: %s", device, ref.round, reason)
             return self.runner.handle(coord, Declined(device, reason))
+        self._accept(coord, device, env.id, kind, raw, lambda: a.job.parse_result(env))
+
+    def _accept(self, coord, device: str, message_id: str, kind: str, raw: bytes, parse: Callable[[], Any]) -> None:
+        """Feed the round machine a result ``parse`` validates, or its refusal."""
+        a = self.active
         try:
             if kind != a.job.kind:
                 raise EnvelopeError(f"result kind {kind!r} does not match the job's {a.job.kind!r}")
-            payload = a.job.parse_result(env)
+            payload = parse()
         except EnvelopeError as exc:
             a.stats.reject("invalid payload")
             log.warning("rejected result from %s: %s", device, exc)
-            return self.runner.handle(coord, ResultInvalid(device, env.id, str(exc)))
+            return self.runner.handle(coord, ResultInvalid(device, message_id, str(exc)))
         self.crash("result_received")
-        self.runner.handle(coord, ResultArrived(device, env.id, ValidatedResult(payload, raw)))
+        self.runner.handle(coord, ResultArrived(device, message_id, ValidatedResult(payload, raw)))
+
+    def _submit(self, device: str, header: Envelope, raw: bytes, ref: M.TaskRef, kind: str) -> None:
+        a = self.active
+        key = self.fleet.registry.public_key(device) if self.fleet.registry is not None else None
+        future = self.ingest.submit(device, a.kind, a.job.config.to_dict(), raw, key, self.assembler.max_message_bytes)
+        future.add_done_callback(lambda f: self._q.put(("validated", device, header, raw, ref, kind, f)))
+
+    def _on_validated(self, device: str, header: Envelope, raw: bytes, ref: M.TaskRef, kind: str, future) -> None:
+        """A worker's verdict on a large result: on from where ``_on_result`` left it, if its job
+        and round are still there (a verdict that never comes leaves nothing behind)."""
+        a = self.active
+        self.ingest.done(device)
+        if future.exception() is not None:      # what raised there would have raised here: refused alike
+            return self._reject(device, "malformed", f"ingest worker: {future.exception()!r}"[:300])
+        if device in self.fleet.revoked:         # revoked while its result was in a worker
+            return self._reject(device, "revoked device")
+        verdict = future.result()
+        if verdict.reason_class in ("malformed", "bad signature"):
+            return self._reject(device, verdict.reason_class, verdict.detail)
+        if a is None or ref.job != a.job_id or ref.round not in a.rounds:
+            return self._reject(device, "unknown round", f"job {ref.job} round {ref.round} is gone")
+        def parse():
+            if verdict.reason_class is not None:
+                raise EnvelopeError(verdict.detail)
+            return a.job.parse_accepted(decode_checked(raw))      # the worker's checks are not repeated
+
+        self._accept(a.rounds[ref.round], device, header.id, kind, raw, parse)
 
     def _on_artifact_get(self, device: str, env: Envelope) -> None:
         try:

@@ -237,6 +237,9 @@ class Store:
         conn = getattr(self._local, "conn", None)
         if conn is None:
             conn = sqlite3.connect(self.path, timeout=30, isolation_level=None)
+            # a new file only (an existing one keeps its page size): contributions are megabytes, and
+            # 32 KiB pages write one in a quarter of the WAL frames of 4 KiB ones (about half the time)
+            conn.execute("PRAGMA page_size=32768")
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute(f"PRAGMA synchronous={self.synchronous}")
             conn.execute("PRAGMA foreign_keys=ON")

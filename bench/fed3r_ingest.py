@@ -1,18 +1,25 @@
-"""(a) Fed3R ingest at the aggregator over MQTT vs the broker's raw throughput, same payloads.
+"""(a) Fed3R ingest at the aggregator over MQTT vs the broker's raw throughput, the same payloads.
 
-One run, one private mosquitto:
-1. raw: a paho publisher sends K devices' encoded (chunked) result payloads to one subscriber
-   that only counts bytes -> broker throughput for exactly these messages;
-2. fedfleet: K real DeviceAgents answer a Fed3R task with precomputed statistics of dimension d;
-   the AggregatorService reassembles, validates, sums and solves after every contribution.
+One run, one private mosquitto, the same publisher for both:
+1. the devices (K ids on one paho client in this process) announce themselves, receive their
+   Fed3R task from the aggregator and encode their results (precomputed statistics of dimension
+   d, chunked as a device chunks them) — device work, not timed;
+2. raw: those exact chunk payloads go through the broker to a subscriber *process* that only
+   counts bytes -> the broker's throughput for exactly these messages;
+3. aggregator: the same payloads go to the devices' outboxes, where the aggregator (its own
+   process, a durable SQLite store with synchronous=FULL, ``--ingest-workers`` worker processes)
+   reassembles, verifies, validates (one Cholesky per Gram matrix), stores before acking and sums
+   them; timed from the first byte published to the job finished: with "solve at the end", that
+   includes the final re-sum in device order, the solve and the store's final commit.
 Prints both rates and their ratio (aggregator ingest / raw broker).
 
-    .venv/bin/python bench/fed3r_ingest.py [--devices 20] [--d 1280]
+    .venv/bin/python bench/fed3r_ingest.py [--devices 20] [--d 1280] [--ingest-workers 0 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import sys
 import tempfile
 import threading
@@ -23,88 +30,159 @@ import paho.mqtt.client as mqtt
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _synthetic import PrecomputedStats, run_in_thread  # noqa: E402
+from _synthetic import PrecomputedStats  # noqa: E402
 
-from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob  # noqa: E402
-from aggregator.service import AggregatorService  # noqa: E402
-from edge_client.agent import DeviceAgent  # noqa: E402
 from fedfleet.emulation.broker import MosquittoBroker  # noqa: E402
 from protocols import messages as M  # noqa: E402
 from protocols.chunking import split  # noqa: E402
-from protocols.envelope import encode  # noqa: E402
-from protocols.mqtt_link import BrokerConfig  # noqa: E402
+from protocols.envelope import decode, encode  # noqa: E402
+from protocols.topics import Topics  # noqa: E402
+
+C = 10
 
 
-def raw_rate(broker, payloads: list[bytes]) -> float:
-    total = sum(len(p) for p in payloads)
+def publisher(port: int) -> mqtt.Client:
+    pub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"bench-pub-{time.monotonic_ns()}")
+    pub.max_inflight_messages_set(64)
+    pub.connect("127.0.0.1", port)
+    pub.loop_start()
+    return pub
+
+
+def burst(pub: mqtt.Client, messages: list[tuple[str, bytes]]) -> float:
+    """Publish everything (QoS 1); returns the wall-clock time of the first publish."""
+    t0 = time.time()
+    infos = [pub.publish(topic, payload, qos=1) for topic, payload in messages]
+    for info in infos:
+        info.wait_for_publish(300)
+    return t0
+
+
+# ---------------------------------------------------------------------- the two consumers (own processes)
+def count_bytes(port: int, total: int, ready, out) -> None:
     got = {"bytes": 0}
     done = threading.Event()
 
     def on_msg(c, u, msg):
         got["bytes"] += len(msg.payload)
         if got["bytes"] >= total:
+            out.put(time.time())
             done.set()
 
     sub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="raw-sub")
     sub.on_message = on_msg
-    sub.connect("127.0.0.1", broker.port)
+    sub.on_subscribe = lambda *a: ready.set()
+    sub.connect("127.0.0.1", port)
     sub.subscribe("raw/#", qos=1)
     sub.loop_start()
-    pub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="raw-pub")
-    pub.max_inflight_messages_set(64)
-    pub.connect("127.0.0.1", broker.port)
-    pub.loop_start()
-    time.sleep(0.3)
-    t0 = time.perf_counter()
-    for i, p in enumerate(payloads):
-        pub.publish(f"raw/{i % 50}", p, qos=1)
-    done.wait(300)
-    dt = time.perf_counter() - t0
-    pub.loop_stop()
+    done.wait(600)
     sub.loop_stop()
-    return total / dt
+
+
+def run_aggregator(url: str, tmp: str, ids: list[str], d: int, provisional: bool, workers: int, ready, out) -> None:
+    from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
+    from aggregator.service import AggregatorService
+    from aggregator.store import Store
+    from protocols.mqtt_link import BrokerConfig
+
+    import torch
+
+    torch.set_num_threads(1)    # on a shared 2-core machine, more intra-op threads only wait for each other
+    cfg = Fed3RConfig(num_classes=C, feature_dim=d, clients_per_round=len(ids), expected_devices=len(ids),
+                      round_timeout_s=600, job_id=f"ingest-{provisional}")
+    svc = AggregatorService(Fed3RJob(cfg), BrokerConfig.from_url(url), Path(tmp), enrolled=set(ids),
+                            evaluate_every_contribution=provisional, store=Store(Path(tmp) / "state.db"),
+                            ingest_workers=workers)
+    if svc.ingest is not None:
+        for f in svc.ingest.warming:          # a serving aggregator's workers are up: don't time their start
+            f.result()
+    ready.set()
+    summary = svc.run(timeout_s=900)
+    out.put((time.time(), summary["bytes_in"], summary["results_accepted"], svc.store.commit_seconds))
+
+
+# ---------------------------------------------------------------------- the devices
+class Devices:
+    """K device ids on one client: presence, then each one's encoded result once its task arrives."""
+
+    def __init__(self, port: int, ids: list[str], handler: PrecomputedStats, topics: Topics = Topics()):
+        self.ids, self.handler, self.topics = ids, handler, topics
+        self.tasks: dict[str, M.TaskRef] = {}
+        self.all_tasks = threading.Event()
+        self.client = publisher(port)
+        self.client.on_message = self._on_message
+        for dev in ids:
+            self.client.subscribe(topics.inbox(dev), qos=1)
+            self.client.publish(topics.presence(dev), encode(M.presence_message(dev, "online")), qos=1, retain=True)
+
+    def _on_message(self, c, u, msg):
+        env = decode(msg.payload)
+        if env.type == M.TASK and env.sender:
+            ref = M.parse_task(env)[0]
+            self.tasks[self.topics.device_of(msg.topic)] = ref
+            if len(self.tasks) == len(self.ids):
+                self.all_tasks.set()
+
+    def results(self) -> list[tuple[str, bytes]]:
+        out = []
+        for dev in self.ids:
+            msg = M.result_message(dev, self.tasks[dev], "fed3r.stats", *self.handler({}))
+            out += [(self.topics.outbox(dev), chunk) for chunk in split(encode(msg), msg.id, dev)]
+        return out
+
+    def close(self) -> None:
+        for dev in self.ids:
+            self.client.publish(self.topics.presence(dev), b"", qos=1, retain=True)   # clear the retained presence
+        self.client.loop_stop()
+        self.client.disconnect()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--devices", type=int, default=20)
     ap.add_argument("--d", type=int, default=1280)
+    ap.add_argument("--ingest-workers", type=int, nargs="+", default=[2],
+                    help="worker processes; several values: one aggregator run each, the same raw baseline")
     args = ap.parse_args()
-    C = 10
+    ctx = multiprocessing.get_context("spawn")
     handler = PrecomputedStats(args.d, C)
-    with MosquittoBroker() as broker, tempfile.TemporaryDirectory() as tmp:
-        ids = [f"dev{i:04d}" for i in range(args.devices)]
-        # the exact bytes the devices will send
-        ref = M.TaskRef("j", 1, "0" * 32)
-        payloads = []
-        for dev in ids:
-            msg = M.result_message(dev, ref, "fed3r.stats", *handler({}))
-            payloads += split(encode(msg), msg.id, dev)
-        raw = raw_rate(broker, payloads)
-
-        print(f"devices={args.devices} d={args.d} payload per device={sum(map(len, payloads)) / args.devices / 1e6:.2f} MB")
-        print(f"raw broker throughput (same chunked payloads):        {raw / 1e6:8.1f} MB/s")
-        for provisional in (True, False):
-            rate, n_ok = fedfleet_rate(broker, tmp, ids, handler, args.d, C, provisional)
-            what = "validate+sum+solve+evaluate each" if provisional else "validate+sum, solve at the end "
-            print(f"aggregator ingest ({what}): {rate / 1e6:8.1f} MB/s  ratio to raw {rate / raw:.2f}"
-                  f"  (accepted={n_ok})")
-
-
-def fedfleet_rate(broker, tmp, ids, handler, d, C, provisional: bool) -> tuple[float, int]:
-    cfg = Fed3RConfig(num_classes=C, feature_dim=d, clients_per_round=len(ids), expected_devices=len(ids),
-                      round_timeout_s=600)
-    svc = AggregatorService(Fed3RJob(cfg), BrokerConfig.from_url(broker.url), Path(tmp) / str(provisional),
-                            enrolled=set(ids), evaluate_every_contribution=provisional)
-    agents = [DeviceAgent(dev, BrokerConfig.from_url(broker.url), {"fed3r.stats": handler},
-                          retry_after_s=600).start() for dev in ids]
-    t0 = time.perf_counter()
-    t, out = run_in_thread(lambda: svc.run(timeout_s=900))
-    t.join()
-    wall = time.perf_counter() - t0     # includes connect + one task round trip: a conservative rate
-    for a in agents:
-        a.stop()
-    return out["bytes_in"] / wall, out["results_accepted"]
+    print(f"devices={args.devices} d={args.d}")
+    raw = None
+    runs = [(False, w) for w in args.ingest_workers] + [(True, args.ingest_workers[-1])]
+    for provisional, workers in runs:
+        with MosquittoBroker() as broker, tempfile.TemporaryDirectory() as tmp:
+            ids = [f"dev{i:04d}" for i in range(args.devices)]
+            ready, out = ctx.Event(), ctx.Queue()
+            agg = ctx.Process(target=run_aggregator, args=(broker.url, tmp, ids, args.d, provisional, workers,
+                                                           ready, out))
+            agg.start()
+            ready.wait(300)
+            devices = Devices(broker.port, ids, handler)
+            devices.all_tasks.wait(300)
+            messages = devices.results()
+            total = sum(len(p) for _, p in messages)
+            pub = publisher(broker.port)
+            if raw is None:         # the broker's rate for exactly these payloads, once
+                sub_ready, sub_out = ctx.Event(), ctx.Queue()
+                sub = ctx.Process(target=count_bytes, args=(broker.port, total, sub_ready, sub_out))
+                sub.start()
+                sub_ready.wait(60)
+                t0 = burst(pub, [(f"raw/{i % 50}", p) for i, (_, p) in enumerate(messages)])
+                raw = total / (sub_out.get(timeout=600) - t0)
+                sub.join()
+                print(f"payload per device={total / args.devices / 1e6:.2f} MB")
+                print(f"raw broker throughput (same chunked payloads, counting subscriber): {raw / 1e6:8.1f} MB/s",
+                      flush=True)
+            t0 = burst(pub, messages)
+            t_done, bytes_in, accepted, commit_s = out.get(timeout=900)
+            rate = total / (t_done - t0)
+            what = "store+validate+sum+solve+evaluate each" if provisional else "store+validate+sum, solve at the end "
+            print(f"aggregator ingest ({what}), {workers} ingest workers: {rate / 1e6:8.1f} MB/s  "
+                  f"ratio to raw {rate / raw:.2f}"
+                  f"  (accepted={accepted}, {commit_s:.2f} s in SQLite commits)", flush=True)
+            agg.join(60)
+            pub.loop_stop()
+            devices.close()
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 QUICK = {
-    "fed3r_ingest.py": ["--devices", "10"],
+    "fed3r_ingest.py": ["--devices", "10", "--ingest-workers", "0", "2"],
+    "fed3r_precision.py": ["--train", "1000", "--test", "500", "--devices", "40"],
     "fed3r_solve.py": ["--dims", "1281", "2049", "4097"],
     "fed3r_paper_scale.py": ["--quick"],
     "fleet_scale.py": ["--devices", "200"],

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .envelope import Envelope, EnvelopeError, body_field, encode, require_tensor
+from .envelope import Envelope, EnvelopeError, body_field, decode_header, encode, require_tensor
 
 CHUNK_TYPE = "chunk"
 DEFAULT_CHUNK_SIZE = 256 * 1024
@@ -198,13 +198,26 @@ class MessageAssembler:
 
     def feed_whole(self, payload: bytes, now: float | None = None) -> tuple[Envelope, bytes] | None:
         """Like :meth:`feed`, also returning the whole encoded message (what a durable store keeps)."""
+        got = self.feed_lazy(payload, now, lazy=False)
+        return None if got is None else got[:2]
+
+    def feed_lazy(self, payload: bytes, now: float | None = None,
+                  lazy: bool = True) -> tuple[Envelope, bytes, bool] | None:
+        """Like :meth:`feed_whole`, but a reassembled (chunked, so large) message comes back with
+        its header only (``decode_header``; its chunks were each checked in full) and ``False``:
+        the caller decodes it in full — payload sha256, signature, tensors — wherever it likes
+        (an aggregator's ingest workers) before acting on it. Single messages come back decoded
+        in full, with ``True``."""
         env = self._decode(payload, self.verifier, max_bytes=self.max_message_bytes)
         if env.type != CHUNK_TYPE:
-            return env, payload
+            return env, payload, True
         whole = self.reassembler.add(env, now)
         if whole is None:
             return None
-        inner = self._decode(whole, self.verifier, max_bytes=self.max_message_bytes)
+        if lazy:
+            inner = decode_header(whole, max_bytes=self.max_message_bytes)
+        else:
+            inner = self._decode(whole, self.verifier, max_bytes=self.max_message_bytes)
         if inner.sender != env.sender or inner.id != env.body["parent"]:
             raise EnvelopeError("reassembled message's sender/id do not match its chunks")
-        return inner, whole
+        return inner, whole, not lazy

@@ -213,6 +213,42 @@ def decode(data: bytes, verifier: Verifier | None = None, *,
     With a ``verifier`` the signature is mandatory and checked against the sender's key.
     Tensors are returned as read-only views on ``data`` (no copy).
     """
+    header = _checked_header(data, max_bytes)
+    payload = memoryview(data)[PREFIX_LEN + struct.unpack_from("<I", data, 4)[0]:]
+    if hashlib.sha256(payload).hexdigest() != header["payload_sha256"]:
+        raise EnvelopeError("payload sha256 mismatch (corrupted or truncated message)")
+    sig = header.get("sig")
+    if verifier is not None:
+        if sig is None:
+            raise EnvelopeError(f"unsigned message from {header['sender']!r}")
+        unsigned = {k: v for k, v in header.items() if k != "sig"}
+        verifier(header["sender"], canonical_json(unsigned), bytes.fromhex(sig))
+    return _envelope(header, _decode_tensors(header["tensors"], payload))
+
+
+def decode_header(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Envelope:
+    """The message's header alone (validated as :func:`decode` validates it), no tensors, the
+    payload's sha256 and the signature *not* checked: enough to route a large message to where
+    it is decoded in full (an aggregator's ingest worker), never enough to act on it."""
+    return _envelope(_checked_header(data, max_bytes), {})
+
+
+def decode_checked(data: bytes) -> Envelope:
+    """Decode bytes that :func:`decode` has already accepted (with the verifier it needed), e.g. in
+    an ingest worker: the header is parsed again and the tensors are views, but the payload is
+    not hashed again and the signature not verified again."""
+    header = _checked_header(data, len(data))
+    payload = memoryview(data)[PREFIX_LEN + struct.unpack_from("<I", data, 4)[0]:]
+    return _envelope(header, _decode_tensors(header["tensors"], payload))
+
+
+def _envelope(header: dict, tensors: dict[str, np.ndarray]) -> Envelope:
+    return Envelope(type=header["type"], sender=header["sender"], body=header["body"],
+                    tensors=tensors, id=header["id"], ts=header["ts"], v=header["v"], sig=header.get("sig"))
+
+
+def _checked_header(data: bytes, max_bytes: int) -> dict:
+    """The validated header of ``data`` (magic, length, strict JSON, schema, integers, version)."""
     if len(data) > max_bytes:
         raise EnvelopeError(f"message too large: {len(data)} > {max_bytes} bytes")
     if len(data) < PREFIX_LEN or data[:4] != MAGIC:
@@ -232,18 +268,7 @@ def decode(data: bytes, verifier: Verifier | None = None, *,
     _check_integer_fields(header)
     if header["v"] != PROTOCOL_VERSION:
         raise EnvelopeError(f"unsupported protocol version {header['v']} (this side speaks {PROTOCOL_VERSION})")
-    payload = memoryview(data)[PREFIX_LEN + hlen:]
-    if hashlib.sha256(payload).hexdigest() != header["payload_sha256"]:
-        raise EnvelopeError("payload sha256 mismatch (corrupted or truncated message)")
-    sig = header.get("sig")
-    if verifier is not None:
-        if sig is None:
-            raise EnvelopeError(f"unsigned message from {header['sender']!r}")
-        unsigned = {k: v for k, v in header.items() if k != "sig"}
-        verifier(header["sender"], canonical_json(unsigned), bytes.fromhex(sig))
-    tensors = _decode_tensors(header["tensors"], payload)
-    return Envelope(type=header["type"], sender=header["sender"], body=header["body"],
-                    tensors=tensors, id=header["id"], ts=header["ts"], v=header["v"], sig=sig)
+    return header
 
 
 def _decode_tensors(descs: list[dict], payload: memoryview) -> dict[str, np.ndarray]:

@@ -6,7 +6,7 @@ round protocol. One module per kind of job; each wraps a strategy from ``aggrega
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -45,7 +45,19 @@ class Job(Protocol):
     def restore_bookkeeping(self, state: dict) -> None: ...
     # optional class attribute ``order_free = True``: the final model depends only on the set of
     # contributions, so the service re-sums them in a canonical order (bit-identical across runs)
+    # a job that is also a ``SplitValidation`` gets its large results validated in parallel ingest
+    # workers (aggregator/ingest.py)
     # optional class attribute ``evaluate_at_round_close = True``: the model changes when a round
     # closes (FedAvg), so it is evaluated then, not only after each contribution
     # optional class attribute ``asynchronous = True``: no rounds; the service drives it with
     # ``aggregator.async_runner.AsyncJobRunner`` (next_dispatches / open_dispatch, one-device rounds)
+
+
+@runtime_checkable
+class SplitValidation(Protocol):
+    """A job whose validation splits in two: what the message alone decides (run on a copy of the
+    job in an ingest worker, or at acceptance) and what needs the job's state (on the service
+    thread). Stored bytes passed the first half once and are re-read with ``parse_accepted``."""
+
+    def check_payload(self, env: Envelope) -> Any: ...       # every check on the message alone
+    def parse_accepted(self, env: Envelope) -> Any: ...      # parse_result minus check_payload's costly checks

@@ -96,14 +96,29 @@ class Fed3RJob(OncePerDevice):
         return params, {}
 
     def parse_result(self, env: Envelope) -> Fed3RStats:
-        stats = parse_stats(env, self.config.p, self.config.num_classes, fit_intercept=self.config.fit_intercept,
-                            positive_definite=self.strategy.positive_definite)
+        return self._check_increment(env, self.check_payload(env))
+
+    def check_payload(self, env: Envelope) -> Fed3RStats:
+        """Every check that depends on the message alone, none on the job's state: what an ingest
+        worker (a copy of the job built from its config) runs."""
+        return parse_stats(env, self.config.p, self.config.num_classes, fit_intercept=self.config.fit_intercept,
+                           positive_definite=self.strategy.positive_definite)
+
+    def _check_increment(self, env: Envelope, stats: Fed3RStats) -> Fed3RStats:
+        """Streaming: an increment must start exactly at the samples the job holds of its device."""
         if self.config.streaming:
             start, held = body_field(env, "from_sample", int), self.contributed.get(env.sender, 0)
             if start != held:
                 raise EnvelopeError(f"{KIND}: increment from sample {start}, the job holds {held} samples of "
                                     f"{env.sender} (already counted, or a gap)")
         return stats
+
+    def parse_accepted(self, env: Envelope) -> Fed3RStats:
+        """A result whose bytes passed ``check_payload`` before (in an ingest worker, or when the
+        store kept them): ``parse_result`` without the Gram matrix's Cholesky factorisation, which
+        costs more than everything else together. Checks against the job's state belong here too."""
+        return self._check_increment(env, parse_stats(env, self.config.p, self.config.num_classes,
+                                                      fit_intercept=self.config.fit_intercept, positive_definite=None))
 
     def close_round(self, closed: RoundClosed) -> None:
         pass  # Fed3R is purely additive: nothing happens at round boundaries

@@ -34,6 +34,8 @@ class Fed3R:
         self.n_samples = 0
         self.n_contributions = 0
         self._iu = None
+        self._solved: ClosedFormRidge | None = None    # the solution of the current sums (a job solves them
+                                                        # for evaluation, the round's model and the checkpoint)
 
     def add(self, stats: Fed3RStats) -> None:
         """Accumulate one device's (or one secure group's) statistics. Validated input only."""
@@ -50,17 +52,19 @@ class Fed3R:
             self.B[:, ids] += torch.as_tensor(stats.b, dtype=torch.float64, device=self.device).T
         self.n_samples += stats.n
         self.n_contributions += 1
+        self._solved = None
 
     def add_dense(self, a_upper: np.ndarray, b_dense: np.ndarray, n: int) -> None:
         """Accumulate a dense (C×p) b, e.g. a group sum from secure aggregation."""
         self.add(Fed3RStats(n=n, p=self.p, a_upper=a_upper, class_ids=np.arange(self.num_classes), b=b_dense))
 
-    def positive_definite(self, a: np.ndarray, tau: float) -> bool:
-        """Whether A + τI has a Cholesky factor, on the strategy's device (the GPU when there is one):
-        the Gram check ``parse_stats`` runs on every dense contribution."""
-        t = torch.as_tensor(a, dtype=torch.float64, device=self.device)
+    def positive_definite(self, upper: np.ndarray, tau: float) -> bool:
+        """Whether U + τI has a Cholesky factor, U symmetric and filled in its upper triangle only,
+        on the strategy's device (the GPU when there is one): the Gram check ``parse_stats`` runs
+        on every dense contribution, one factorisation that reads only that triangle."""
+        t = torch.as_tensor(upper, dtype=torch.float64, device=self.device)
         t.diagonal().add_(tau)
-        return int(torch.linalg.cholesky_ex(t)[1]) == 0
+        return int(torch.linalg.cholesky_ex(t, upper=True)[1]) == 0
 
     def _add_packed(self, packed: torch.Tensor) -> None:
         if packed.shape != self._packed.shape:
@@ -82,8 +86,10 @@ class Fed3R:
         return full
 
     def solve(self) -> ClosedFormRidge:
-        model = ClosedFormRidge(self.lam, self.fit_intercept, self.normalize_columns, device=str(self.device))
-        return model.fit_statistics(self.A, self.B)
+        if self._solved is None:
+            model = ClosedFormRidge(self.lam, self.fit_intercept, self.normalize_columns, device=str(self.device))
+            self._solved = model.fit_statistics(self.A, self.B)
+        return self._solved
 
     # persistence: exact float64 sums
     def state_dict(self) -> dict[str, np.ndarray]:
@@ -96,5 +102,6 @@ class Fed3R:
         self._packed = A[iu[0], iu[1]].clone()
         self.B = torch.as_tensor(state["B"], dtype=torch.float64, device=self.device).clone()
         self.n_samples, self.n_contributions = (int(x) for x in state["counts"])
+        self._solved = None
 
 

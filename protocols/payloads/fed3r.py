@@ -57,14 +57,28 @@ def _triu(p: int) -> tuple[np.ndarray, np.ndarray]:
     return np.triu_indices(p)
 
 
-def triu_unpack(v: np.ndarray, p: int, out: np.ndarray | None = None) -> np.ndarray:
-    """Symmetric (p x p) float64 matrix from its packed upper triangle (added into ``out`` if given)."""
+@lru_cache(maxsize=8)
+def _row_starts(p: int) -> tuple[int, ...]:
+    return tuple(np.concatenate([[0], np.cumsum(np.arange(p, 0, -1))]).tolist())
+
+
+def triu_fill(v: np.ndarray, p: int) -> np.ndarray:
+    """The (p x p) float64 matrix whose upper triangle is the packed ``v`` (zeros below): one
+    contiguous copy per row, several times faster than a fancy-indexed scatter; what a Cholesky
+    that reads only the upper triangle needs."""
     if v.shape != (p * (p + 1) // 2,):
         raise ValueError(f"packed triangle has {v.shape} values, expected {(p * (p + 1) // 2,)} for p={p}")
     full = np.zeros((p, p), dtype=np.float64)
-    rows, cols = _triu(p)
-    full[rows, cols] = v
-    full[cols, rows] = v
+    starts = _row_starts(p)
+    for i in range(p):
+        full[i, i:] = v[starts[i]:starts[i + 1]]
+    return full
+
+
+def triu_unpack(v: np.ndarray, p: int, out: np.ndarray | None = None) -> np.ndarray:
+    """Symmetric (p x p) float64 matrix from its packed upper triangle (added into ``out`` if given)."""
+    full = triu_fill(v, p)
+    full += np.triu(full, 1).T
     if out is not None:
         out += full
         return out
@@ -127,23 +141,27 @@ def encode_stats(a_full: np.ndarray, class_ids: np.ndarray, b_rows: np.ndarray, 
     return body, tensors
 
 
-# A + τI -> whether it has a Cholesky factor; the aggregator injects its own (torch, on the GPU
-# when there is one) so that protocols stays free of torch; the default is numpy's.
+# (U, τ) -> whether U + τI has a Cholesky factor, U holding a symmetric matrix in its upper
+# triangle only (zeros below; ``triu_fill``); the aggregator injects its own (torch, on the GPU
+# when there is one) so that protocols stays free of torch; the default is LAPACK's through numpy.
 PositiveDefinite = Callable[[np.ndarray, float], bool]
 
 
-def numpy_positive_definite(a: np.ndarray, tau: float) -> bool:
+def numpy_positive_definite(upper: np.ndarray, tau: float) -> bool:
+    shifted = upper.T + tau * np.eye(len(upper))     # lower-filled: numpy's Cholesky reads only that triangle
     try:
-        np.linalg.cholesky(a + tau * np.eye(len(a)))
+        np.linalg.cholesky(shifted)
         return True
     except np.linalg.LinAlgError:
         return False
 
 
 def parse_stats(msg: Envelope, p: int, num_classes: int, max_samples: int = 10**9,
-                fit_intercept: bool = True, positive_definite: PositiveDefinite = numpy_positive_definite) -> Fed3RStats:
+                fit_intercept: bool = True,
+                positive_definite: PositiveDefinite | None = numpy_positive_definite) -> Fed3RStats:
     """Validate a ``fed3r.stats`` result against the job's (p, C); raise EnvelopeError if anything is
-    off (shapes, dtypes, finiteness, a Gram matrix's properties, consistency with n)."""
+    off (shapes, dtypes, finiteness, a Gram matrix's properties, consistency with n).
+    ``positive_definite=None`` skips only the Gram check, for bytes that passed it already."""
     n = body_field(msg, "n", int)
     if not (0 < n <= max_samples):
         raise EnvelopeError(f"{KIND}: sample count n={n} out of range (1..{max_samples})")
@@ -184,7 +202,7 @@ def _class_ids(msg: Envelope, num_classes: int) -> np.ndarray:
 
 
 def _parse_packed(msg: Envelope, fmt: str, n: int, p: int, num_classes: int,
-                  positive_definite: PositiveDefinite) -> Fed3RStats:
+                  positive_definite: PositiveDefinite | None) -> Fed3RStats:
     a_dtype = _stats_dtype(msg, "A_upper")
     a = require_tensor(msg, "A_upper", a_dtype, (packed_len(p),))
     if fmt == "sparse":
@@ -200,7 +218,8 @@ def _parse_packed(msg: Envelope, fmt: str, n: int, p: int, num_classes: int,
     require_finite(msg, "A_upper", "b")
     # Copies: the decoded tensors are read-only views on the received bytes.
     a, b = np.array(a, dtype=np.float64), np.array(b, dtype=np.float64)
-    check_gram(triu_unpack(a, p), np.finfo(a_dtype).eps, positive_definite)
+    if positive_definite is not None:       # None: these very bytes passed the check before
+        check_gram(a, p, np.finfo(a_dtype).eps, positive_definite)
     return Fed3RStats(n=n, p=p, a_upper=a, class_ids=ids, b=b)
 
 
@@ -224,19 +243,17 @@ def _parse_factor(msg: Envelope, n: int, p: int, num_classes: int) -> Fed3RStats
                       r_factor=np.array(r_factor, dtype=np.float64), qty=np.array(qty, dtype=np.float64))
 
 
-def check_gram(a: np.ndarray, eps: float, positive_definite: PositiveDefinite = numpy_positive_definite) -> None:
-    """Refuse a symmetric A that is not positive semi-definite within its wire precision: A + τI
-    must have a Cholesky factor, τ = 4·p·eps·max diag (rounding each entry of a Gram matrix to the
-    wire dtype moves its eigenvalues by less than that)."""
-    diag = np.diagonal(a)
+def check_gram(a_upper: np.ndarray, p: int, eps: float, positive_definite: PositiveDefinite = numpy_positive_definite) -> None:
+    """Refuse a packed symmetric A that is not positive semi-definite within its wire precision:
+    A + τI must have a Cholesky factor, τ = 4·p·eps·max diag (rounding each entry of a Gram matrix
+    to the wire dtype moves its eigenvalues by less than that). One factorisation and nothing
+    else of size p²: it implies every cheaper necessary condition (|A_ij|² ≤ A_ii·A_jj, ...)."""
+    diag = a_upper[list(_row_starts(p)[:-1])]
     if (diag < 0).any():
         raise EnvelopeError(f"{KIND}: A has a negative diagonal entry; not a Gram matrix")
     scale = float(diag.max()) if diag.size else 0.0
-    bound = np.sqrt(np.outer(diag, diag)) * (1 + 1e-6) + 4 * eps * scale
-    if (np.abs(a) > bound).any():                     # cheap first: |A_ij|² ≤ A_ii A_jj
-        raise EnvelopeError(f"{KIND}: A breaks |A_ij|² <= A_ii·A_jj; not a Gram matrix")
-    tau = 4 * len(a) * eps * scale + np.finfo(np.float64).tiny
-    if not positive_definite(a, tau):
+    tau = 4 * p * eps * scale + np.finfo(np.float64).tiny
+    if not positive_definite(triu_fill(a_upper, p), tau):
         raise EnvelopeError(f"{KIND}: A is not positive semi-definite (within {tau:.3g}); not a Gram matrix")
 
 
