@@ -25,10 +25,11 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from protocols.envelope import Envelope, EnvelopeError, decode
+from protocols.envelope import Envelope, EnvelopeError, decode, decode_checked
 from protocols.identity import InvalidSignature, verify_signature
 
 from .jobs import SplitValidation
@@ -92,6 +93,29 @@ class IngestWorkers:
 
     def close(self) -> None:
         self._pool.terminate()
+
+
+def refusal(future: Future, revoked: bool) -> tuple[str, str] | None:
+    """The refusal (class, detail) a worker's verdict means on its own, or None: what raised in a
+    worker would have raised on the service thread, and a device revoked meanwhile is refused alike."""
+    if future.exception() is not None:
+        return "malformed", f"ingest worker: {future.exception()!r}"[:300]
+    if revoked:
+        return "revoked device", ""
+    verdict = future.result()
+    if verdict.reason_class in ("malformed", "bad signature"):
+        return verdict.reason_class, verdict.detail
+    return None
+
+
+def accepted_parser(verdict: Verdict, job, raw: bytes) -> Callable[[], object]:
+    """The service's parse of a result a worker checked: its refusal, or the tensors without
+    repeating the worker's checks (``SplitValidation.parse_accepted``)."""
+    def parse():
+        if verdict.reason_class is not None:
+            raise EnvelopeError(verdict.detail)
+        return job.parse_accepted(decode_checked(raw))
+    return parse
 
 
 # ---------------------------------------------------------------------- in the worker processes

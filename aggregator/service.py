@@ -51,7 +51,7 @@ import numpy as np
 
 from protocols import messages as M
 from protocols.chunking import DEFAULT_CHUNK_SIZE, MessageAssembler
-from protocols.envelope import Envelope, EnvelopeError, decode, decode_checked, encode
+from protocols.envelope import Envelope, EnvelopeError, decode, encode
 from protocols.identity import DeviceIdentity
 from protocols.mqtt_link import BrokerConfig, MqttLink
 from protocols.payloads.artifacts import GET as ARTIFACT_GET, artifact_message, parse_get
@@ -59,15 +59,15 @@ from protocols.payloads.secagg import SECAGG_TYPE
 from protocols.rounds import Declined, ResultArrived, ResultInvalid
 from protocols.topics import AGGREGATOR_ID, Topics
 
-from . import job_control, reporting, unlearning
+from . import reporting
 from .active_job import ActiveJob, ServiceStats, ValidatedResult
 from .artifacts import ArtifactShelf
 from .async_runner import AsyncJobRunner
 from .broker_security import BrokerSecurity
 from .crash_points import CrashPoints
-from .enrollment import DeviceCredentials
 from .fleet import Fleet
-from .ingest import IngestWorkers
+from .ingest import IngestWorkers, accepted_parser, refusal
+from .operator_actions import OperatorActions
 from .jobs import Job
 from .job_runner import JobRunner
 from .jobs.registry import KINDS, build_job, job_kind_name
@@ -78,7 +78,7 @@ from .store import Store, StoreError
 log = logging.getLogger("fedfleet.aggregator")
 
 
-class AggregatorService:
+class AggregatorService(OperatorActions):
     def __init__(self, job: Job | None, broker: BrokerConfig, out_dir: Path, topics: Topics = Topics(),
                  enrolled: set[str] | None = None, eval_set: tuple[np.ndarray, np.ndarray] | None = None,
                  chunk_size: int = DEFAULT_CHUNK_SIZE, max_message_bytes: int = 256 * 1024 * 1024,
@@ -196,45 +196,6 @@ class AggregatorService:
                 except Exception as exc:  # handed to the caller (the API turns it into a 4xx)
                     fut.set_exception(exc)
 
-    # ------------------------------------------------------------------ operator actions (service thread)
-    def enroll(self, device_id: str, public_key: bytes | None = None) -> DeviceCredentials:
-        return self.fleet.enroll(device_id, public_key)
-
-    def revoke(self, device_id: str) -> None:
-        """Revoke now: the broker refuses it after the reload, this service ignores it at once."""
-        self.fleet.revoke(device_id)
-        self._device_lost(device_id)
-
-    def set_fleet_mode(self, mode: str) -> str:
-        self.fleet.set_mode(mode)
-        self._update_live(force=True)
-        return self.fleet.mode
-
-    def forget_device(self, device_id: str, job_id: str | None = None) -> list[dict]:
-        """Remove a device's data from every job that holds it (or ``job_id`` only), where that can be
-        exact (plaintext Fed3R); each job's line says what was done or why not (``unlearning.py``)."""
-        if self.store is None:
-            raise StoreError("forgetting needs the aggregator's store")
-        report = []
-        for job in unlearning.jobs_to_forget(self.store, device_id, job_id):
-            active = self.active is not None and self.active.job_id == job["job_id"]
-            line = unlearning.forget_stored(self.store, {**job, "state": "running"} if active else job,
-                                            device_id, self.eval_set)
-            if active and line["forgotten"]:
-                self._job_broken(f"device {device_id} forgotten")      # rebuilt from what the store still holds
-            report.append(line)
-        if job_id is not None and not report:
-            raise KeyError(f"job {job_id!r} holds no data of {device_id!r}")
-        return report
-
-    def create_job(self, kind: str, config: dict) -> dict:
-        return job_control.create_job(self.store, kind, config)
-
-    def control_job(self, job_id: str, action: str) -> dict:
-        """start / pause / resume / cancel."""
-        return job_control.control_job(self.store, self.active, job_id, action)
-
-    # ------------------------------------------------------------------ jobs
     def _activate(self, job: Job, out_dir: Path) -> None:
         a = ActiveJob(job, job_kind_name(job), Path(out_dir))
         a.out_dir.mkdir(parents=True, exist_ok=True)
@@ -407,21 +368,12 @@ class AggregatorService:
         and round are still there (a verdict that never comes leaves nothing behind)."""
         a = self.active
         self.ingest.done(device)
-        if future.exception() is not None:      # what raised there would have raised here: refused alike
-            return self._reject(device, "malformed", f"ingest worker: {future.exception()!r}"[:300])
-        if device in self.fleet.revoked:         # revoked while its result was in a worker
-            return self._reject(device, "revoked device")
-        verdict = future.result()
-        if verdict.reason_class in ("malformed", "bad signature"):
-            return self._reject(device, verdict.reason_class, verdict.detail)
+        refused = refusal(future, device in self.fleet.revoked)
+        if refused is not None:
+            return self._reject(device, *refused)
         if a is None or ref.job != a.job_id or ref.round not in a.rounds:
             return self._reject(device, "unknown round", f"job {ref.job} round {ref.round} is gone")
-        def parse():
-            if verdict.reason_class is not None:
-                raise EnvelopeError(verdict.detail)
-            return a.job.parse_accepted(decode_checked(raw))      # the worker's checks are not repeated
-
-        self._accept(a.rounds[ref.round], device, header.id, kind, raw, parse)
+        self._accept(a.rounds[ref.round], device, header.id, kind, raw, accepted_parser(future.result(), a.job, raw))
 
     def _on_artifact_get(self, device: str, env: Envelope) -> None:
         try:

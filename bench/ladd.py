@@ -158,7 +158,7 @@ def main() -> int:
     print("  aggregator per round    " + ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in
                                                     costs["aggregate_s_per_round"].items()))
     print("  pre-training            " + ", ".join(f"{k} {v:.1f} s" for k, v in costs["pretrain_s"].items()))
-    print(f"  mIoU                    " + ", ".join(f"{m} {v['miou']:.4f}" for m, v in seed["methods"].items()))
+    print("  mIoU                    " + ", ".join(f"{m} {v['miou']:.4f}" for m, v in seed["methods"].items()))
     (OUT_DIR / "ladd.json").write_text(json.dumps({"in_process": local, "mqtt": {"costs": costs,
                                                    "miou": {m: v["miou"] for m, v in seed["methods"].items()}}},
                                                   indent=1))

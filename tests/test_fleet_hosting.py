@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from aggregator.broker_security import BrokerSecurity, hash_password
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob

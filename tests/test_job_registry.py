@@ -10,7 +10,7 @@ from starlette.testclient import TestClient
 from aggregator.api.app import create_app
 from aggregator.cli import build_parser
 from aggregator.jobs.config_limits import FIELD_LIMITS, Range, undeclared_fields
-from aggregator.jobs.ladd import LaddConfig, LaddJob, save_initial_model
+from aggregator.jobs.ladd import LaddJob, save_initial_model
 from aggregator.jobs.registry import KINDS, build_job, full_config, job_kind_name, validate_job_config
 
 from test_admin_api import AUTH, TOKEN, start_service

@@ -39,7 +39,7 @@ def test_train_head_runs_in_numpy_where_torch_cannot_be_imported():
     weight, bias, features, labels = _problem(seed=1)
     expected = local_sgd(_TorchHeadStepper(weight, bias, LocalTraining()), len(labels), features, labels,
                          LocalTraining())[1]
-    code = f"""
+    code = """
 import sys, json
 sys.modules['torch'] = None
 import numpy as np
@@ -49,7 +49,7 @@ c, d, n = 7, 24, 130
 w = rng.normal(size=(c, d)).astype(np.float32) * 0.1; b = rng.normal(size=c).astype(np.float32) * 0.1
 f = rng.normal(size=(n, d)).astype(np.float32); y = rng.integers(0, c, n).astype(np.int64)
 t = train_head(w, b, f, y, LocalTraining())
-print(json.dumps({{"runtime": t.runtime, "loss": t.mean_loss, "torch": sys.modules['torch'] is None}}))
+print(json.dumps({"runtime": t.runtime, "loss": t.mean_loss, "torch": sys.modules['torch'] is None}))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60,
                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})

@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 
 from aggregator.api.app import create_app
 from aggregator.api.server import ApiServer

@@ -1,0 +1,53 @@
+"""What an operator does to a running aggregator (enrol, revoke, fleet mode, forget a device,
+create and control jobs), as methods of the service that the admin API runs on the service thread
+through :meth:`AggregatorService.call`: the mutations of fleet and store have one writer."""
+
+from __future__ import annotations
+
+from . import job_control, unlearning
+from .enrollment import DeviceCredentials
+from .store import StoreError
+
+
+class OperatorActions:
+    """Mixed into :class:`aggregator.service.AggregatorService`, whose state (``fleet``, ``store``,
+    ``active``, ``eval_set``) and hooks (``_device_lost``, ``_job_broken``, ``_update_live``) it uses."""
+
+    def enroll(self, device_id: str, public_key: bytes | None = None) -> DeviceCredentials:
+        return self.fleet.enroll(device_id, public_key)
+
+    def revoke(self, device_id: str) -> None:
+        """Revoke now: the broker refuses it after the reload, this service ignores it at once."""
+        self.fleet.revoke(device_id)
+        self._device_lost(device_id)
+
+    def set_fleet_mode(self, mode: str) -> str:
+        self.fleet.set_mode(mode)
+        self._update_live(force=True)
+        return self.fleet.mode
+
+    def forget_device(self, device_id: str, job_id: str | None = None) -> list[dict]:
+        """Remove a device's data from every job that holds it (or ``job_id`` only), where that can be
+        exact (plaintext Fed3R); each job's line says what was done or why not (``unlearning.py``)."""
+        if self.store is None:
+            raise StoreError("forgetting needs the aggregator's store")
+        report = []
+        for job in unlearning.jobs_to_forget(self.store, device_id, job_id):
+            active = self.active is not None and self.active.job_id == job["job_id"]
+            line = unlearning.forget_stored(self.store, {**job, "state": "running"} if active else job,
+                                            device_id, self.eval_set)
+            if active and line["forgotten"]:
+                self._job_broken(f"device {device_id} forgotten")      # rebuilt from what the store still holds
+            report.append(line)
+        if job_id is not None and not report:
+            raise KeyError(f"job {job_id!r} holds no data of {device_id!r}")
+        return report
+
+    def create_job(self, kind: str, config: dict) -> dict:
+        return job_control.create_job(self.store, kind, config)
+
+    def control_job(self, job_id: str, action: str) -> dict:
+        """start / pause / resume / cancel."""
+        return job_control.control_job(self.store, self.active, job_id, action)
+
+    # ------------------------------------------------------------------ jobs
