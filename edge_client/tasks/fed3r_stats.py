@@ -31,6 +31,10 @@ class Fed3RStatsTask:
             dtype = str(params.get("dtype", "float64"))
             factor_ok = bool(params.get("factor", False)) and not dense
             rf_cfg = params.get("random_features")
+            clip_norm = float(params.get("feature_clip_norm", 0.0))
+            cap = int(params["max_samples"]) if params.get("cap_samples") else None
+            if not (clip_norm >= 0 and np.isfinite(clip_norm)) or (cap is not None and cap < 1):
+                raise ValueError("feature_clip_norm must be >= 0 and max_samples >= 1")
         except (KeyError, TypeError, ValueError) as exc:
             raise TaskDeclined(f"bad fed3r.stats params: {exc}") from exc
         if self.labels.max() >= num_classes:
@@ -42,9 +46,12 @@ class Fed3RStatsTask:
         rf = None
         if rf_cfg:
             rf = RandomFourierFeatures(int(rf_cfg["dim"]), float(rf_cfg["sigma"]), int(rf_cfg["seed"]))
-        acc = Fed3RAccumulator(num_classes, extractor.feature_dim, fit_intercept, rf, keep_rows=factor_ok)
-        feats = extractor.extract(self.images)
-        acc.update(feats, self.labels)
+        acc = Fed3RAccumulator(num_classes, extractor.feature_dim, fit_intercept, rf, keep_rows=factor_ok,
+                               feature_clip_norm=clip_norm)
+        # DP caps the samples per device (the first max_samples: a choice that does not look at the data)
+        images, labels = (self.images, self.labels) if cap is None else (self.images[:cap], self.labels[:cap])
+        feats = extractor.extract(images)
+        acc.update(feats, labels)
         return encode_smallest(acc, num_classes, dense, dtype)
 
 

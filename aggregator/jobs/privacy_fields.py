@@ -1,0 +1,68 @@
+"""Differential-privacy settings of a job's config, and the budget rule every DP job follows.
+
+``dp_noise_multiplier`` z > 0 turns DP on (0: off, the job is unchanged). ``dp_target_epsilon``
+with ``dp_delta`` is the budget: a job whose first release alone would exceed it refuses to be
+built (the admin API answers 400), and a job stops before a round that would exceed it. The
+accountant is ``aggregator.privacy`` (Google's dp-accounting); what one release is depends on
+the job kind (a FedAvg round; the whole of Fed3R, see ``aggregator/strategies/dp_fed3r.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..privacy import PrivacyAccountant
+
+
+@dataclass
+class PrivacyBudgetFields:
+    dp_noise_multiplier: float = 0.0     # z = σ / Δ; 0: no differential privacy
+    dp_target_epsilon: float = 0.0       # the job's budget at dp_delta; 0: no budget (ε is still reported)
+    dp_delta: float = 1e-5
+
+    @property
+    def dp(self) -> bool:
+        return self.dp_noise_multiplier > 0
+
+    def sampling_rate(self) -> float:
+        return 1.0
+
+    def accountant(self) -> PrivacyAccountant | None:
+        return PrivacyAccountant(self.dp_noise_multiplier, self.dp_delta, self.sampling_rate()) if self.dp else None
+
+    def refuse_over_budget(self, releases: int) -> None:
+        """ValueError when even ``releases`` releases would exceed the budget (the job must not start)."""
+        accountant = self.accountant()
+        if accountant is not None and not accountant.affordable(releases, self.dp_target_epsilon):
+            raise ValueError(f"privacy budget ε={self.dp_target_epsilon} (δ={self.dp_delta}) is exceeded by "
+                             f"{releases} release(s) at noise multiplier {self.dp_noise_multiplier}: "
+                             f"ε={accountant.epsilon(releases):.4g}; raise dp_noise_multiplier or the budget")
+
+    def privacy_report(self, releases: int) -> dict | None:
+        """What the job reports after ``releases`` releases (None without DP)."""
+        accountant = self.accountant()
+        if accountant is None:
+            return None
+        return {"epsilon": accountant.epsilon(releases), "delta": self.dp_delta, "releases": releases,
+                "noise_multiplier": self.dp_noise_multiplier, "sampling_rate": accountant.sampling_rate,
+                "target_epsilon": self.dp_target_epsilon or None}
+
+
+@dataclass
+class UpdateClippingFields(PrivacyBudgetFields):
+    """DP-FedAvg: per-device update clipping (fixed or adaptive) and the sampling the accountant assumes."""
+
+    dp_clip_norm: float = 1.0            # C (the initial C with adaptive clipping)
+    dp_adaptive_clip: bool = False       # Andrew et al. 2021: C follows the γ-quantile of update norms
+    dp_target_quantile: float = 0.5      # γ
+    dp_clip_lr: float = 0.2              # η
+    dp_count_stddev: float = 0.0         # σ_b of the clipped-count noise; 0: κ/20 (the paper's choice)
+    dp_population: int = 0               # eligible devices the κ are drawn from; 0: no amplification (q = 1)
+
+    def sampling_rate(self) -> float:
+        if self.dp_population <= 0:
+            return 1.0
+        return min(1.0, self.clients_per_round / self.dp_population)
+
+    def count_stddev(self) -> float:
+        return self.dp_count_stddev or self.clients_per_round / 20
