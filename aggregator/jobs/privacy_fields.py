@@ -56,7 +56,7 @@ class UpdateClippingFields(PrivacyBudgetFields):
     dp_adaptive_clip: bool = False       # Andrew et al. 2021: C follows the γ-quantile of update norms
     dp_target_quantile: float = 0.5      # γ
     dp_clip_lr: float = 0.2              # η
-    dp_count_stddev: float = 0.0         # σ_b of the clipped-count noise; 0: κ/20 (the paper's choice)
+    dp_count_stddev: float = 0.0         # σ_b of the clipped-count noise; 0: max(κ/20, z) (see count_stddev)
     dp_population: int = 0               # eligible devices the κ are drawn from; 0: no amplification (q = 1)
 
     def sampling_rate(self) -> float:
@@ -65,4 +65,6 @@ class UpdateClippingFields(PrivacyBudgetFields):
         return min(1.0, self.clients_per_round / self.dp_population)
 
     def count_stddev(self) -> float:
-        return self.dp_count_stddev or self.clients_per_round / 20
+        """σ_b: the paper's κ/20, but at least z, so the count takes at most a quarter of the budget
+        (z_Δ ≤ 1.155 z) even for small κ, where κ/20 would not even be allowed (σ_b must exceed z/2)."""
+        return self.dp_count_stddev or max(self.clients_per_round / 20, self.dp_noise_multiplier)

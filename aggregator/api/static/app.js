@@ -70,6 +70,9 @@ async function refresh() {
     $("contributions").textContent = job ? job.contributions : "-";
     $("online").textContent = status.devices_online ? status.devices_online.length : "-";
     $("accuracy").textContent = job && job.accuracy != null ? job.accuracy.toFixed(4) : "-";
+    const dp = job ? job.privacy : null;
+    $("privacy").textContent = dp ? `${dp.epsilon.toFixed(3)} (${dp.delta})` : "-";
+    $("privacy-detail").textContent = dp ? `z=${dp.noise_multiplier}, budget ${dp.target_epsilon ?? "none"}` : "no DP";
     drawRound(job ? job.current_round : null);
     const [devices, clusters] = await Promise.all([api("/api/devices"), api("/api/clusters")]);
     fillTable("fleet-table", devices.map((d) => [
