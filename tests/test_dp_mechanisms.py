@@ -92,7 +92,9 @@ def test_device_clipping_and_cap_bound_the_statistics_and_the_server_checks_them
     job = build_job("fed3r", {"num_classes": 3, "feature_dim": 6, "dp_noise_multiplier": 1.0,
                               "feature_clip_norm": F, "max_samples": N})
     params = job.config.task_params()
-    assert params["cap_samples"] and not params["factor"]
+    assert params["cap_samples"]
+    factor = job.parse_result(fed3r_envelope(fed3r_stats_task(n=2), params))      # n < p: the factor form
+    assert factor.r_factor is not None
     stats_ = job.parse_result(fed3r_envelope(fed3r_stats_task(), params))
     assert stats_.n == N
     A = np.zeros((7, 7))
@@ -102,6 +104,8 @@ def test_device_clipping_and_cap_bound_the_statistics_and_the_server_checks_them
     unclipped = {k: v for k, v in params.items() if k not in ("feature_clip_norm",)}
     with pytest.raises(EnvelopeError, match="clipped bound"):       # a device that did not clip is refused
         job.parse_result(fed3r_envelope(fed3r_stats_task(), unclipped))
+    with pytest.raises(EnvelopeError, match="clipped bound"):       # in either form
+        job.parse_result(fed3r_envelope(fed3r_stats_task(n=2), unclipped))
     with pytest.raises(EnvelopeError, match="cap"):
         job.parse_result(fed3r_envelope(fed3r_stats_task(), {**params, "max_samples": 40}))
 

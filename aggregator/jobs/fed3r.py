@@ -63,7 +63,7 @@ class Fed3RConfig(PrivacyBudgetFields, ModelFields):
     def task_params(self) -> dict:
         params = {**self.model_params(), "fit_intercept": self.fit_intercept,
                   "random_features": self.random_features, "format": self.b_format, "dtype": self.stats_dtype,
-                  "factor": self.factor_uploads and self.b_format == "sparse" and not self.dp}
+                  "factor": self.factor_uploads and self.b_format == "sparse"}
         if self.feature_clip_norm > 0:
             params.update(feature_clip_norm=self.feature_clip_norm, max_samples=self.max_samples, cap_samples=True)
         return params

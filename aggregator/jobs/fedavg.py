@@ -73,6 +73,8 @@ class FedAvgConfig(UpdateClippingFields, ModelFields):
         if self.rounds < 1 or self.clients_per_round < 1:
             raise ValueError("rounds and clients_per_round must be >= 1")
         if self.dp:
+            if self.dp_adaptive_clip and self.count_stddev() <= self.dp_noise_multiplier / 2:
+                raise ValueError(f"dp_count_stddev {self.count_stddev()} must exceed dp_noise_multiplier / 2")
             self.refuse_over_budget(1)
 
     @property

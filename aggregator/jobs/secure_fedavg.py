@@ -44,6 +44,13 @@ class SecureFedAvgConfig(FedAvgConfig):
     identity_file: str = ""                 # aggregator's Ed25519 private key (PEM)
     device_keys_file: str = ""              # JSON {device id: Ed25519 public key, hex}
 
+    def __post_init__(self):
+        super().__post_init__()
+        # Distributed DP: the devices clip and noise (no central noise); the clip norm stays fixed
+        # (the adaptive rule would need its clipped-count bits in the secure sum as well).
+        if self.dp and self.dp_adaptive_clip:
+            raise ValueError("dp_adaptive_clip is not available under secure aggregation (fixed dp_clip_norm only)")
+
 
 class SecureFedAvgJob(SecureGroupRounds, FedAvgJob):
     secure_kind = SECURE_FEDAVG_KIND
@@ -60,10 +67,6 @@ class SecureFedAvgJob(SecureGroupRounds, FedAvgJob):
         self.vector_length = weighted_length(self.trained_shapes())
         self.bound = float(config.max_samples) * max(float(config.max_abs_param), 1.0)
         self._sum: tuple[dict[str, np.ndarray], int, int] | None = None     # (mean, updates, Σ n) of the round
-        # Distributed DP: the devices clip and noise (no central noise); the clip norm stays fixed
-        # (the adaptive rule would need its clipped-count bits in the secure sum as well).
-        if config.dp and config.dp_adaptive_clip:
-            raise ValueError("adaptive clipping is not available under secure aggregation (fixed dp_clip_norm only)")
         self._round_dp: dict | None = None
 
     def next_participants(self, online: set[str]) -> list[str]:

@@ -47,12 +47,15 @@ def check_bounded(stats: Fed3RStats, max_samples: int, feature_clip_norm: float,
     """ValueError unless a contribution is within the bounds the sensitivity assumes."""
     if stats.n > max_samples:
         raise ValueError(f"{stats.n} samples exceed the job's cap of {max_samples}")
-    if stats.r_factor is not None:
-        raise ValueError("a DP Fed3R job takes the triangle form only")
     r2 = row_norm_bound(feature_clip_norm, fit_intercept) ** 2
     slack = 1 + 1e-9                                         # float64 rounding of the device's sums
-    a_norm = float(np.linalg.norm(stats.a_upper))
-    b_norm = float(np.linalg.norm(stats.b))
+    if stats.r_factor is not None:                           # A_k = RᵀR, b_k = Rᵀ QtY: ‖RᵀR‖_F = ‖RRᵀ‖_F (n×n, cheap)
+        R = np.asarray(stats.r_factor, dtype=np.float64)
+        a_norm = float(np.linalg.norm(R @ R.T))
+        b_norm = float(np.linalg.norm(R.T @ np.asarray(stats.qty, dtype=np.float64)))
+    else:
+        a_norm = float(np.linalg.norm(stats.a_upper))
+        b_norm = float(np.linalg.norm(stats.b))
     if a_norm > stats.n * r2 * slack or b_norm > stats.n * math.sqrt(r2) * slack:
         raise ValueError(f"statistics exceed the clipped bound (‖A‖={a_norm:.4g}, ‖b‖={b_norm:.4g} for "
                          f"n={stats.n}, F={feature_clip_norm}): features not clipped on the device")
