@@ -42,7 +42,9 @@ import torch
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from aggregator.jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob  # noqa: E402
 from aggregator.jobs.registry import build_job  # noqa: E402
+from aggregator.jobs.secure_fedavg import SecureFedAvgConfig, SecureFedAvgJob  # noqa: E402
 from aggregator.privacy import noise_multiplier_for  # noqa: E402
 from aggregator.strategies.dp_fed3r import fed3r_sensitivity  # noqa: E402
 from edge_client.data.idx import load_fashion_mnist  # noqa: E402
@@ -111,6 +113,20 @@ def secure_round(job, chosen, identities, agg, handlers, seed):
     job.secure = None                      # the round is over (what the service's routing does)
 
 
+def drive(job, ids, test, kind, tasks, secure, seed):
+    """Every round of a job until it is done; the test accuracy of its final model. ``secure``:
+    (device identities, aggregator identity, handler factory) for SecAgg rounds, else falsy."""
+    while chosen := job.next_participants(set(ids)):
+        if secure:
+            secure_round(job, chosen, *secure, seed + job.round)
+        else:
+            for d in chosen:
+                params, tensors = job.task_for(d)
+                job.apply(d, roundtrip(job, d, kind, *tasks[d](params, tensors)))
+        job.close_round(RoundClosed(job.round, tuple(chosen), (), (), ()))
+    return job.evaluate(*test)["accuracy"]
+
+
 def fed3r_config(fleet, z, secure, rounds):
     f = FLEETS[fleet]
     cfg = {"job_id": "dp-fed3r", "num_classes": C_CLASSES, "feature_dim": D, "clients_per_round": f["kappa"],
@@ -130,23 +146,12 @@ def run_fed3r(fleet, devices, test, z, secure, seed):
     cfg = fed3r_config(fleet, z, secure, rounds)
     tasks = {d: Fed3RStatsTask(*devices[d], lambda b, s, w: CachedRows()) for d in ids}
     if secure:
-        identities, agg, registry = _identities(ids)
-        from aggregator.jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob
-        job = Fed3RSyncJob(Fed3RSyncConfig(**cfg), identity=agg, registry=registry)
-        handlers = lambda d, rng: SecureFed3R(identities[d], agg.public_key_bytes, tasks[d], noise_rng=rng)  # noqa: E731
+        job, parts = secure_job(ids, tasks, lambda **keys: Fed3RSyncJob(Fed3RSyncConfig(**cfg), **keys), SecureFed3R)
     else:
-        job = build_job("fed3r", cfg)
+        job, parts = build_job("fed3r", cfg), None
         if z:
             job.strategy.rng = np.random.default_rng(seed)
-    while chosen := job.next_participants(set(ids)):
-        if secure:
-            secure_round(job, chosen, identities, agg, handlers, seed + job.round)
-        else:
-            for d in chosen:
-                params, _ = job.task_for(d)
-                job.apply(d, roundtrip(job, d, "fed3r.stats", *tasks[d](params)))
-        job.close_round(RoundClosed(job.round, tuple(chosen), (), (), ()))
-    return job.evaluate(*test)["accuracy"]
+    return drive(job, ids, test, "fed3r.stats", tasks, parts, seed)
 
 
 def run_fedavg(fleet, devices, test, z, secure, seed):
@@ -158,30 +163,22 @@ def run_fedavg(fleet, devices, test, z, secure, seed):
         cfg.update(dp_noise_multiplier=z, dp_delta=DELTA, dp_clip_norm=UPDATE_CLIP, dp_population=len(ids))
     tasks = {d: HeadTrainingTask(*devices[d], lambda b, s, w: CachedRows()) for d in ids}
     if secure:
-        identities, agg, registry = _identities(ids)
-        from aggregator.jobs.secure_fedavg import SecureFedAvgConfig, SecureFedAvgJob
-        job = SecureFedAvgJob(SecureFedAvgConfig(**cfg, max_samples=10_000, phase_timeout_s=30.0),
-                              identity=agg, registry=registry)
-        handlers = lambda d, rng: SecureFedAvgTraining(identities[d], agg.public_key_bytes, tasks[d], noise_rng=rng)  # noqa: E731
+        config = SecureFedAvgConfig(**cfg, max_samples=10_000, phase_timeout_s=30.0)
+        job, parts = secure_job(ids, tasks, lambda **keys: SecureFedAvgJob(config, **keys), SecureFedAvgTraining)
     else:
-        job = build_job("fedavg", cfg)
+        job, parts = build_job("fedavg", cfg), None
         if z:
             job.dp.rng = np.random.default_rng(seed)
-    while chosen := job.next_participants(set(ids)):
-        if secure:
-            secure_round(job, chosen, identities, agg, handlers, seed + job.round)
-        else:
-            for d in chosen:
-                params, head = job.task_for(d)
-                job.apply(d, roundtrip(job, d, "fedavg.head", *tasks[d](params, head)))
-        job.close_round(RoundClosed(job.round, tuple(chosen), (), (), ()))
-    return job.evaluate(*test)["accuracy"]
+    return drive(job, ids, test, "fedavg.head", tasks, parts, seed)
 
 
-def _identities(ids):
+def secure_job(ids, tasks, make_job, handler_cls):
+    """A secure job with fresh identities and the device handler factory its rounds need."""
     identities = {d: DeviceIdentity.generate(d) for d in ids}
     agg = DeviceIdentity.generate("aggregator")
-    return identities, agg, IdentityRegistry({d: i.public_key_bytes for d, i in identities.items()})
+    job = make_job(identity=agg, registry=IdentityRegistry({d: i.public_key_bytes for d, i in identities.items()}))
+    handlers = lambda d, rng: handler_cls(identities[d], agg.public_key_bytes, tasks[d], noise_rng=rng)  # noqa: E731
+    return job, (identities, agg, handlers)
 
 
 def noise_for(method, fleet, eps):
