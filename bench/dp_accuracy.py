@@ -24,7 +24,8 @@ C = 1, T = 30 rounds (10 for cross-device), client LR 0.1, 1 local epoch, random
 Each row takes one to three minutes on two shared cores (the demo fleet: about 40 minutes).
 
 Usage: nice -n 10 .venv/bin/python bench/dp_accuracy.py [--quick] [--fleets demo cross-device]
-Writes runs/bench/dp_accuracy.{json,png}.
+       [--methods fed3r fedavg] [--modes central secagg] [--plot-only]
+Writes runs/bench/dp_accuracy-<part>.json per part, and runs/bench/dp_accuracy.{json,png} over all parts.
 """
 
 from __future__ import annotations
@@ -194,44 +195,62 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="ε ∈ {1, 8} and the demo fleet only")
     ap.add_argument("--fleets", nargs="+", default=["demo"], choices=list(FLEETS))
+    ap.add_argument("--methods", nargs="+", default=["fed3r", "fedavg"], choices=["fed3r", "fedavg"])
+    ap.add_argument("--modes", nargs="+", default=["central", "secagg"], choices=["central", "secagg"])
+    ap.add_argument("--plot-only", action="store_true", help="merge the parts' JSON files into the figure")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     torch.set_num_threads(2)
     epsilons = (1.0, 8.0) if args.quick else EPSILONS
     fleets = ["demo"] if args.quick else args.fleets
+    if not args.plot_only:
+        run_part(fleets, args.methods, args.modes, epsilons, args.seed)
+    results = [row for part in sorted(OUT_DIR.glob("dp_accuracy-*.json")) for row in json.loads(part.read_text())]
+    (OUT_DIR / "dp_accuracy.json").write_text(json.dumps(results, indent=1))
+    print(plot_lines(OUT_DIR / "dp_accuracy.png", figure_panels(results)))
+
+
+def run_part(fleets, methods, modes, epsilons, seed) -> None:
+    """Rows of these fleets × methods × modes; written after every row to their own part file
+    (parts can run as parallel processes; ``--plot-only`` merges them)."""
     (Xtr, ytr), test = load_features(6000, 2000)
+    runs = {"fed3r": run_fed3r, "fedavg": run_fedavg}
+    out = OUT_DIR / f"dp_accuracy-{'+'.join(fleets)}-{'+'.join(methods)}-{'+'.join(modes)}.json"
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
     results = []
     for fleet in fleets:
         f = FLEETS[fleet]
-        parts = make_split(f["split"][0], ytr, f["devices"], args.seed, **f["split"][1])
+        parts = make_split(f["split"][0], ytr, f["devices"], seed, **f["split"][1])
         devices = {f"dev{i:04d}": (Xtr[idx], ytr[idx]) for i, idx in enumerate(parts) if len(idx)}
-        modes = ("central", "secagg") if fleet == "demo" else ("central",)
-        for method, run in (("fed3r", run_fed3r), ("fedavg", run_fedavg)):
-            for mode in modes:
+        for method in methods:
+            for mode in modes if fleet == "demo" else ("central",):
                 for eps in (None, *epsilons):
                     z = noise_for(method, fleet, eps)
                     t0 = time.perf_counter()
-                    acc = run(fleet, devices, test, z, mode == "secagg", args.seed)
+                    acc = runs[method](fleet, devices, test, z, mode == "secagg", seed)
                     row = {"fleet": fleet, "method": method, "mode": mode, "epsilon": eps, "delta": DELTA,
                            "noise_multiplier": z, "accuracy": acc, "seconds": time.perf_counter() - t0}
                     results.append(row)
                     print(json.dumps(row), flush=True)
-                    OUT_DIR.mkdir(parents=True, exist_ok=True)          # after every row: a long run keeps its results
-                    (OUT_DIR / "dp_accuracy.json").write_text(json.dumps(results, indent=1))
+                    out.write_text(json.dumps(results, indent=1))
+
+
+def figure_panels(results: list[dict]) -> list[dict]:
     panels = []
-    for fleet in fleets:
+    for fleet in sorted({r["fleet"] for r in results}, key=list(FLEETS).index):
         lines = {}
         for method in ("fed3r", "fedavg"):
             for mode in ("central", "secagg"):
                 rows = [r for r in results if (r["fleet"], r["method"], r["mode"]) == (fleet, method, mode)]
-                if rows:
-                    private = [r for r in rows if r["epsilon"] is not None]
+                private = sorted((r for r in rows if r["epsilon"] is not None), key=lambda r: r["epsilon"])
+                if private:
                     lines[f"{method} {mode}"] = ([r["epsilon"] for r in private], [r["accuracy"] for r in private])
-                    plain = next(r["accuracy"] for r in rows if r["epsilon"] is None)
-                    lines[f"{method} no DP"] = ([epsilons[0], epsilons[-1]], [plain, plain])
+                plain = [r["accuracy"] for r in rows if r["epsilon"] is None]
+                if plain and mode == "central":
+                    lines[f"{method} no DP"] = ([EPSILONS[0], EPSILONS[-1]], [plain[0], plain[0]])
         panels.append({"title": f"{fleet}: test accuracy vs ε (δ = {DELTA:g})", "xlabel": "ε", "ylabel": "accuracy",
                        "lines": lines, "logx": True})
-    print(plot_lines(OUT_DIR / "dp_accuracy.png", panels))
+    return panels
 
 
 if __name__ == "__main__":
