@@ -26,12 +26,12 @@ def gaussian_delta(epsilon, z):
     return norm.cdf(0.5 / z - epsilon * z) - np.exp(epsilon) * norm.cdf(-0.5 / z - epsilon * z)
 
 
-@pytest.mark.parametrize("z,rounds,q", [(1.0, 1, 1.0), (0.8, 30, 0.05), (2.0, 200, 0.2), (5.0, 10, 1.0)])
+@pytest.mark.parametrize("z,rounds,q", [(1.0, 1, 1.0), (0.8, 10, 0.05), (2.0, 50, 0.2), (5.0, 10, 1.0)])
 def test_accountant_is_the_library_and_sound(z, rounds, q):
     eps = PrivacyAccountant(z, 1e-5, q).epsilon(rounds)
     assert eps == pytest.approx(library_epsilon(z, rounds, q, 1e-5), rel=1e-12)
     # an independent bound: the near-exact PLD accountant never reports more than RDP does
-    exact = pld.PLDAccountant()
+    exact = pld.PLDAccountant(value_discretization_interval=1e-3)   # coarser: pessimistic, faster
     exact.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)) if q < 1
                   else dp_accounting.GaussianDpEvent(z), rounds)
     assert exact.get_epsilon(1e-5) <= eps * (1 + 1e-6)
@@ -40,8 +40,8 @@ def test_accountant_is_the_library_and_sound(z, rounds, q):
 
 
 def test_noise_multiplier_for_is_the_smallest_within_the_budget():
-    z = noise_multiplier_for(2.0, 1e-5, 20, 0.1)
-    assert library_epsilon(z, 20, 0.1, 1e-5) <= 2.0 < library_epsilon(z * 0.99, 20, 0.1, 1e-5)
+    z = noise_multiplier_for(2.0, 1e-5, 20)
+    assert library_epsilon(z, 20, 1.0, 1e-5) <= 2.0 < library_epsilon(z * 0.99, 20, 1.0, 1e-5)
 
 
 def test_fedavg_job_noise_has_the_scale_its_reported_epsilon_assumes():

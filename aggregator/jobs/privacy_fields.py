@@ -9,9 +9,16 @@ the job kind (a FedAvg round; the whole of Fed3R, see ``aggregator/strategies/dp
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from ..privacy import PrivacyAccountant
+
+
+@functools.lru_cache(maxsize=64)
+def _accountant(noise_multiplier: float, delta: float, sampling_rate: float) -> PrivacyAccountant:
+    """One accountant per setting, so its ε cache lives as long as the process (asked every round)."""
+    return PrivacyAccountant(noise_multiplier, delta, sampling_rate)
 
 
 @dataclass
@@ -28,7 +35,7 @@ class PrivacyBudgetFields:
         return 1.0
 
     def accountant(self) -> PrivacyAccountant | None:
-        return PrivacyAccountant(self.dp_noise_multiplier, self.dp_delta, self.sampling_rate()) if self.dp else None
+        return _accountant(self.dp_noise_multiplier, self.dp_delta, self.sampling_rate()) if self.dp else None
 
     def refuse_over_budget(self, releases: int) -> None:
         """ValueError when even ``releases`` releases would exceed the budget (the job must not start)."""
