@@ -16,10 +16,30 @@ how many it made; the library's Rényi-DP accountant composes them and converts 
 
 from __future__ import annotations
 
+import logging
 import math
+import sys
 
 import dp_accounting
+from absl import logging as absl_logging
 from dp_accounting import rdp
+
+
+class _SkippedOrders(logging.Filter):
+    """The RDP accountant warns, through absl, for every Rényi order whose series does not converge
+    at small sampling rates; it then leaves that order out of the minimum, which keeps ε an upper
+    bound. Dozens of these per ε would flood the service's log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "failed to converge" not in record.getMessage()
+
+
+logging.getLogger("absl").addFilter(_SkippedOrders())
+# absl's handler keeps the sys.stderr of its import time and closes it when logging shuts its
+# handlers down (``logging.config.dictConfig`` does, e.g. uvicorn's) unless it is the process's
+# own stderr: a stream swapped in at import time (a test's capture, a CLI's redirection) would be
+# closed under its owner.
+absl_logging.get_absl_handler().python_handler.stream = sys.__stderr__
 
 
 class PrivacyAccountant:
