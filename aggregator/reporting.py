@@ -32,6 +32,7 @@ def live_snapshot(a: ActiveJob | None, fleet: Fleet, stats: dict) -> dict:
     snap["job"] = {"job_id": a.job_id, "kind": a.kind, "state": a.final_state or a.state, "round": a.job.round,
                    "contributions": a.job.contributions,
                    "accuracy": a.history[-1].get("accuracy") if a.history else None,
+                   "privacy": a.history[-1].get("privacy") if a.history else None,
                    "stats": a.stats.to_dict(), "current_round": current}
     return snap
 
@@ -41,7 +42,7 @@ def status_body(a: ActiveJob, online: int, known: int, state: str | None = None)
     last = a.history[-1] if a.history else {}
     return {"state": state or a.final_state or a.state, "job": a.job_id, "round": a.job.round,
             "contributions": a.job.contributions, "devices_online": online, "devices_known": known,
-            "accuracy": last.get("accuracy"), "bytes_in": a.stats.bytes_in}
+            "accuracy": last.get("accuracy"), "privacy": last.get("privacy"), "bytes_in": a.stats.bytes_in}
 
 
 def job_summary(a: ActiveJob, state: str, final_eval: dict, bytes_out: int) -> dict:

@@ -2,9 +2,10 @@
 
 Features may arrive in batches (a device streams its images through the backbone), so the
 accumulator is incremental; the result is identical to computing ZᵀZ on the stacked matrix up
-to float64 summation order. The optional random-feature map (Fed3R-RF) and the appended
-constant-1 bias feature are applied here, before the statistics, exactly as the aggregator's
-evaluation applies them to test features.
+to float64 summation order. The optional random-feature map (Fed3R-RF), the clipping of
+each row to ``feature_clip_norm`` (differential privacy) and the appended constant-1 bias feature
+are applied here, before the statistics; the aggregator's evaluation applies the same map and
+bias to test features (not the clipping: a deployed head sees raw features).
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from protocols.random_features import RandomFourierFeatures
 
 class Fed3RAccumulator:
     def __init__(self, num_classes: int, feature_dim: int, fit_intercept: bool = True,
-                 random_features: RandomFourierFeatures | None = None, keep_rows: bool = False):
+                 random_features: RandomFourierFeatures | None = None, keep_rows: bool = False,
+                 feature_clip_norm: float = 0.0):
         self.num_classes = num_classes
+        self.feature_clip_norm = float(feature_clip_norm)
         # the rows are kept (for the exact factor form) only while they are fewer than the features
         self._rows: list[np.ndarray] | None = [] if keep_rows else None
         self._row_labels: list[np.ndarray] = []
@@ -40,6 +43,10 @@ class Fed3RAccumulator:
             raise ValueError("features contain NaN or Inf (broken backbone or input?)")
         if self.rf is not None:
             Z = self.rf.transform(Z)
+        if self.feature_clip_norm > 0:
+            # DP: every row's norm is bounded (before the bias feature), which bounds A_k and b_k
+            norms = np.linalg.norm(Z, axis=1, keepdims=True)
+            Z = Z * np.minimum(1.0, self.feature_clip_norm / np.maximum(norms, 1e-300))
         if self.fit_intercept:
             Z = np.hstack([Z, np.ones((Z.shape[0], 1))])
         return Z

@@ -41,6 +41,9 @@ def render_metrics(store, service=None) -> str:
         if job.get("accuracy") is not None:
             out.metric("fedfleet_job_accuracy", "gauge", "Accuracy of the active job's provisional model.",
                        [(labels, job["accuracy"])])
+        if job.get("privacy"):
+            out.metric("fedfleet_job_privacy_epsilon", "gauge", "ε spent by the active DP job at its δ (dp-accounting).",
+                       [(labels, job["privacy"]["epsilon"])])
         stats = job["stats"]
         out.metric("fedfleet_job_bytes_in_total", "counter", "Bytes received for the active job.",
                    [(labels, stats["bytes_in"])])

@@ -27,13 +27,15 @@ from protocols.envelope import Envelope, EnvelopeError, body_field
 from protocols.payloads.fed3r import KIND, Fed3RStats, parse_stats
 from protocols.rounds import RoundClosed
 
+from ..strategies.dp_fed3r import NoisyFed3R, check_bounded, fed3r_sensitivity
 from ..strategies.fed3r import Fed3R
 from .model_fields import ModelFields
+from .privacy_fields import PrivacyBudgetFields
 from .scheduling import OncePerDevice
 
 
 @dataclass
-class Fed3RConfig(ModelFields):
+class Fed3RConfig(PrivacyBudgetFields, ModelFields):
     job_id: str = "fed3r"
     lam: float = 0.01
     fit_intercept: bool = True
@@ -49,6 +51,21 @@ class Fed3RConfig(ModelFields):
     seed: int = 0
     factor_uploads: bool = True              # devices with fewer samples than features may send R (exact, smaller)
     streaming: bool = False                  # ask devices again: each sends only the samples the job lacks
+    feature_clip_norm: float = 0.0           # devices clip each feature row to this L2 norm (0: no clipping; DP needs it)
+    max_samples: int = 10_000                # per device: DP devices use at most this many (a seeded subset)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.dp:
+            if self.streaming:
+                raise ValueError("a DP Fed3R job cannot stream: each increment would be another release of a device")
+            if self.feature_clip_norm <= 0:
+                raise ValueError("a DP Fed3R job needs feature_clip_norm > 0 (it bounds each device's statistics)")
+            self.refuse_over_budget(1)       # every device is in one noisy round sum: one release in all
+
+    def dp_noise_stddev(self) -> float:
+        """σ = zΔ on every entry of the summed (packed A, B) (``aggregator.strategies.dp_fed3r``)."""
+        return self.dp_noise_multiplier * fed3r_sensitivity(self.max_samples, self.feature_clip_norm, self.fit_intercept)
 
     @property
     def p(self) -> int:
@@ -56,9 +73,12 @@ class Fed3RConfig(ModelFields):
         return base + (1 if self.fit_intercept else 0)
 
     def task_params(self) -> dict:
-        return {**self.model_params(), "fit_intercept": self.fit_intercept,
-                "random_features": self.random_features, "format": self.b_format, "dtype": self.stats_dtype,
-                "factor": self.factor_uploads and self.b_format == "sparse"}
+        params = {**self.model_params(), "fit_intercept": self.fit_intercept,
+                  "random_features": self.random_features, "format": self.b_format, "dtype": self.stats_dtype,
+                  "factor": self.factor_uploads and self.b_format == "sparse"}
+        if self.feature_clip_norm > 0:
+            params.update(feature_clip_norm=self.feature_clip_norm, max_samples=self.max_samples, cap_samples=True)
+        return params
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -75,8 +95,14 @@ class Fed3RJob(OncePerDevice):
     order_free = True   # the model depends only on *which* statistics were summed, not on their order
 
     def __post_init__(self):
-        if self.strategy is None:
-            c = self.config
+        c = self.config
+        if self.strategy is None and c.dp:
+            # The model moves only when a round's noisy sum is released: evaluated at round close, and
+            # never re-summed without noise (not order-free).
+            self.strategy = NoisyFed3R(c.num_classes, c.p, c.lam, c.fit_intercept, c.normalize_columns,
+                                       c.dp_noise_stddev())
+            self.order_free, self.evaluate_at_round_close = False, True
+        elif self.strategy is None:
             self.strategy = Fed3R(c.num_classes, c.p, c.lam, c.fit_intercept, c.normalize_columns)
         self._rng = random.Random(self.config.seed)
 
@@ -101,8 +127,15 @@ class Fed3RJob(OncePerDevice):
     def check_payload(self, env: Envelope) -> Fed3RStats:
         """Every check that depends on the message alone, none on the job's state: what an ingest
         worker (a copy of the job built from its config) runs."""
-        return parse_stats(env, self.config.p, self.config.num_classes, fit_intercept=self.config.fit_intercept,
-                           positive_definite=self.strategy.positive_definite)
+        c = self.config
+        stats = parse_stats(env, c.p, c.num_classes, fit_intercept=c.fit_intercept,
+                            positive_definite=self.strategy.positive_definite)
+        if c.dp:
+            try:
+                check_bounded(stats, c.max_samples, c.feature_clip_norm, c.fit_intercept)
+            except ValueError as exc:
+                raise EnvelopeError(str(exc)) from None
+        return stats
 
     def _check_increment(self, env: Envelope, stats: Fed3RStats) -> Fed3RStats:
         """Streaming: an increment must start exactly at the samples the job holds of its device."""
@@ -121,7 +154,9 @@ class Fed3RJob(OncePerDevice):
                                                       fit_intercept=self.config.fit_intercept, positive_definite=None))
 
     def close_round(self, closed: RoundClosed) -> None:
-        pass  # Fed3R is purely additive: nothing happens at round boundaries
+        if self.config.dp:
+            self.strategy.release()   # the round's sum, noised, joins the released sums
+        # without DP Fed3R is purely additive: nothing happens at round boundaries
 
     def model_arrays(self) -> dict[str, np.ndarray]:
         m = self.strategy.solve()
@@ -150,6 +185,9 @@ class Fed3RJob(OncePerDevice):
             if self.config.random_features:
                 Z = _rf_for(self.config).transform(Z)
             out["accuracy"] = model.score(Z, labels)
+        report = self.config.privacy_report(1 if self.contributions else 0)
+        if report is not None:
+            out["privacy"] = report
         return out
 
     def model(self):

@@ -10,6 +10,10 @@ them in (over-selection), so no straggler is left without a group; a member know
 is not waited for (``SecureGroupRounds.member_offline``). Devices that drop out mid-round are
 recovered from Shamir shares when at least t survive; otherwise the round fails and *nothing* is applied (the group can be retried).
 
+Distributed DP (``dp_noise_multiplier`` > 0): devices clip their features, cap their samples and
+add their share of Skellam noise in the ring (``protocols/secagg/distributed_dp.py``), leaving the
+sample count out; each group sum is released once, already noisy (``NoisyFed3R.add_noised``).
+
 The SecAgg sub-protocol and its service hooks are ``SecureGroupRounds`` (``secure_rounds.py``).
 """
 
@@ -26,6 +30,7 @@ from protocols.payloads.secagg import SYNC_KIND, sync_vector_length, unpack_sync
 from protocols.rounds import RoundClosed
 from protocols.secagg.fixedpoint import fed3r_bound
 
+from ..strategies.dp_fed3r import row_norm_bound
 from .fed3r import Fed3RConfig, Fed3RJob
 from .secure_rounds import MIN_GROUP, SecureGroupRounds, load_identities
 
@@ -69,6 +74,7 @@ class Fed3RSyncJob(SecureGroupRounds, Fed3RJob):
         self.bound = fed3r_bound(config.max_samples, max(feature_bound, 1.0))   # ≥ 1: the bias feature
         self.vector_length = sync_vector_length(config.p, config.num_classes)
         self.group_samples: list[int] = []
+        self._round_dp: dict | None = None
 
     @property
     def contributions(self) -> int:
@@ -82,21 +88,33 @@ class Fed3RSyncJob(SecureGroupRounds, Fed3RJob):
         if len(pool) - size < MIN_GROUP:
             size = len(pool)     # the stragglers join this group: left over alone they could never be summed
         chosen = super().next_participants(set(pool), size)
-        self.open_secure_round(self.round, chosen, self.vector_length, self.bound)
+        if self.config.dp:
+            c = self.config
+            r = row_norm_bound(c.feature_clip_norm, c.fit_intercept)
+            self._round_dp = self.open_dp_round(self.round, chosen, self.vector_length,
+                                                fed3r_bound(c.max_samples, max(r, 1.0)), c.dp_noise_stddev())
+        else:
+            self.open_secure_round(self.round, chosen, self.vector_length, self.bound)
         return chosen
 
     def finished(self, online: set[str], known: set[str]) -> bool:
         return len(self.eligible(known | online)) < MIN_GROUP
 
     def task_for(self, device: str) -> tuple[dict, dict[str, np.ndarray]]:
-        return {**self.config.task_params(), "group": f"g{self.round}"}, {}
+        params = {**self.config.task_params(), "group": f"g{self.round}"}
+        if self.config.dp:
+            params["dp"] = dict(self._round_dp)
+        return params, {}
 
     def parse_result(self, env: Envelope):
         raise EnvelopeError("fed3r.secure devices send secagg messages, never plain results")
 
     def on_secure_sum(self, total: np.ndarray, survivors: tuple[str, ...]) -> None:
         a_upper, b, n = unpack_sync_vector(total, self.config.p, self.config.num_classes)
-        self.strategy.add_dense(a_upper, b, n)
+        if self.config.dp:           # already noisy (the devices' shares); n is 0: counts are not released
+            self.strategy.add_noised(a_upper, b, n, len(survivors))
+        else:
+            self.strategy.add_dense(a_upper, b, n)
         self.group_samples.append(n)
         for d in survivors:
             self.contributed[d] = 0

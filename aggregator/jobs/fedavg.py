@@ -36,8 +36,10 @@ from protocols.payloads.fedavg import KIND, HeadUpdate, ModelUpdate, head_tensor
 from protocols.rounds import RoundClosed
 
 from ..evaluation import head_accuracy
+from ..strategies.dp_fedavg import AdaptiveClipNorm, DPFedAvg, FixedClipNorm
 from ..strategies.fedavg import FedAvg, WeightedMean
 from .model_fields import ModelFields
+from .privacy_fields import UpdateClippingFields
 
 log = logging.getLogger("fedfleet.aggregator")
 
@@ -46,7 +48,7 @@ FED3R_INIT_LR_FACTOR = 0.1
 
 
 @dataclass
-class FedAvgConfig(ModelFields):
+class FedAvgConfig(UpdateClippingFields, ModelFields):
     job_id: str = "fedavg"
     rounds: int = 100
     clients_per_round: int = 10          # κ: partial participation
@@ -70,6 +72,10 @@ class FedAvgConfig(ModelFields):
             raise ValueError(f"init must be one of {INITS}, got {self.init!r}")
         if self.rounds < 1 or self.clients_per_round < 1:
             raise ValueError("rounds and clients_per_round must be >= 1")
+        if self.dp:
+            if self.dp_adaptive_clip and self.count_stddev() <= self.dp_noise_multiplier / 2:
+                raise ValueError(f"dp_count_stddev {self.count_stddev()} must exceed dp_noise_multiplier / 2")
+            self.refuse_over_budget(1)
 
     @property
     def device_lr(self) -> float:
@@ -111,6 +117,12 @@ class FedAvgJob:
         c = self.config
         if self.strategy is None:
             self.strategy = FedAvg(c.server_lr, c.server_momentum)
+        # Central DP (DP-FedAvg) wraps the server step; the secure variant gets its noise from the devices.
+        self.dp: DPFedAvg | None = None
+        if c.dp:
+            clip = (AdaptiveClipNorm(c.dp_clip_norm, c.dp_target_quantile, c.dp_clip_lr, c.count_stddev())
+                    if c.dp_adaptive_clip else FixedClipNorm(c.dp_clip_norm))
+            self.dp = DPFedAvg(self.strategy, c.dp_noise_multiplier, clip, c.clients_per_round)
         if c.init == "fed3r" and self.initial_head is None and c.initial_head_file:
             # A finished Fed3R job's output: the normalised classifier, bias included ([P] §III-D).
             with np.load(c.initial_head_file) as fed3r_model:
@@ -146,9 +158,15 @@ class FedAvgJob:
         return cls(config, initial_head={"weight": ridge_model.coef_, "bias": ridge_model.intercept_})
 
     # ------------------------------------------------------------------ scheduling
+    @property
+    def budget_exhausted(self) -> bool:
+        """Whether one more round would exceed the job's privacy budget (it then stops, done)."""
+        accountant = self.config.accountant()
+        return accountant is not None and not accountant.affordable(self.round + 1, self.config.dp_target_epsilon)
+
     def next_participants(self, online: set[str]) -> list[str]:
         """Seeded sample of up to κ online devices; opens the next round. [] when done or nobody is there."""
-        if self._open or self.round >= self.config.rounds:
+        if self._open or self.round >= self.config.rounds or self.budget_exhausted:
             return []
         pool = sorted(online)
         k = min(self.config.clients_per_round, len(pool))
@@ -162,7 +180,7 @@ class FedAvgJob:
         return chosen
 
     def finished(self, online: set[str], known: set[str]) -> bool:
-        return self.round >= self.config.rounds and not self._open
+        return (self.round >= self.config.rounds or self.budget_exhausted) and not self._open
 
     @property
     def contributions(self) -> int:
@@ -207,13 +225,24 @@ class FedAvgJob:
             mean.add(tensors, n)
         return (mean.result() if mean.count else None), mean.count, mean.total_weight
 
+    def round_step(self) -> tuple[dict[str, np.ndarray] | None, int, int]:
+        """(the moved tensors or None, updates, Σ n_k) of the round being closed. The strategy moves
+        the tensors devices trained (all of them, or FT(φ)'s tail only); under DP every round
+        moves (a round without updates still releases noise, as the accountant counts it)."""
+        if self.dp is not None:
+            trained = {name: self.params[name] for name in self.trained_shapes()}
+            updates = [self._updates[d][0] for d in sorted(self._updates)]
+            return self.dp.step(trained, updates), len(updates), sum(n for _, n in self._updates.values())
+        mean, updates, samples = self.round_mean()
+        if mean is None:
+            return None, 0, 0
+        return self.strategy.step({name: self.params[name] for name in mean}, mean), updates, samples
+
     def close_round(self, closed: RoundClosed) -> None:
         if not self._open or closed.round != self.round:
             return
-        mean, updates, samples = self.round_mean()
-        if mean is not None:
-            # The strategy moves the tensors devices trained (all of them, or FT(φ)'s tail only).
-            moved = self.strategy.step({name: self.params[name] for name in mean}, mean)
+        moved, updates, samples = self.round_step()
+        if moved is not None:
             self.params = {**self.params, **moved}
         self.round_log.append({"round": self.round, "updates": updates, "samples": samples,
                                "dropped": len(closed.dropped), "declined": len(closed.declined),
@@ -227,20 +256,29 @@ class FedAvgJob:
                "server_steps": self.strategy.steps, "late_discarded": self.late_discarded}
         if features is not None:
             out["accuracy"] = head_accuracy(self.params["weight"], self.params["bias"], features, labels)
-        return out
+        return {**out, **self.privacy_entry()}
+
+    def privacy_entry(self) -> dict:
+        """{"privacy": ε(δ) after the rounds closed so far, ...} under DP, else {}."""
+        report = self.config.privacy_report(self.round - (1 if self._open else 0))
+        if report is None:
+            return {}
+        if self.dp is not None:
+            report["clip_norm"] = self.dp.clip.value
+        return {"privacy": {**report, "budget_exhausted": self.budget_exhausted}}
 
     def model_arrays(self) -> dict[str, np.ndarray]:
         return {k: v.copy() for k, v in self.params.items()}
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        return {**self.model_arrays(), **self.strategy.state_dict(),
-                "round": np.array([self.round], dtype=np.int64),
+        server = self.dp if self.dp is not None else self.strategy
+        return {**self.model_arrays(), **server.state_dict(), "round": np.array([self.round], dtype=np.int64),
                 "counts": np.array([self.samples, self.late_discarded], dtype=np.int64)}
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         """The model, server-optimizer state and sample counts as of the last closed round."""
         self.params = head_tensors(state["weight"], state["bias"])
-        self.strategy.load_state_dict(state)
+        (self.dp if self.dp is not None else self.strategy).load_state_dict(state)
         self.round = int(state["round"][0])
         self.samples, self.late_discarded = (int(x) for x in state["counts"])
         self._open = False

@@ -12,6 +12,10 @@ or the deadline) leaves the head and the server momentum untouched, as an empty 
 Bound: every entry of a device's vector is at most ``max_samples × max(max_abs_param, 1)`` in
 magnitude; devices whose trained head exceeds ``max_abs_param`` decline (the fixed-point range
 is part of the signed round configuration, so nothing can overflow silently).
+
+Distributed DP (``dp_noise_multiplier`` > 0): devices send ``[clip(θ_k − θ_t) | 1]`` with their
+share of Skellam noise (``protocols/secagg/distributed_dp.py``); the sum over the fixed κ is the
+noisy mean update, and the server never holds an un-noised sum.
 """
 
 from __future__ import annotations
@@ -40,6 +44,13 @@ class SecureFedAvgConfig(FedAvgConfig):
     identity_file: str = ""                 # aggregator's Ed25519 private key (PEM)
     device_keys_file: str = ""              # JSON {device id: Ed25519 public key, hex}
 
+    def __post_init__(self):
+        super().__post_init__()
+        # Distributed DP: the devices clip and noise (no central noise); the clip norm stays fixed
+        # (the adaptive rule would need its clipped-count bits in the secure sum as well).
+        if self.dp and self.dp_adaptive_clip:
+            raise ValueError("dp_adaptive_clip is not available under secure aggregation (fixed dp_clip_norm only)")
+
 
 class SecureFedAvgJob(SecureGroupRounds, FedAvgJob):
     secure_kind = SECURE_FEDAVG_KIND
@@ -56,6 +67,7 @@ class SecureFedAvgJob(SecureGroupRounds, FedAvgJob):
         self.vector_length = weighted_length(self.trained_shapes())
         self.bound = float(config.max_samples) * max(float(config.max_abs_param), 1.0)
         self._sum: tuple[dict[str, np.ndarray], int, int] | None = None     # (mean, updates, Σ n) of the round
+        self._round_dp: dict | None = None
 
     def next_participants(self, online: set[str]) -> list[str]:
         pool = {d for d in online if d in self.registry}     # no key, no secure round
@@ -64,14 +76,22 @@ class SecureFedAvgJob(SecureGroupRounds, FedAvgJob):
         chosen = super().next_participants(pool)
         if chosen:
             self._sum = None
-            self.open_secure_round(self.round, chosen, self.vector_length, self.bound)
+            if self.dp is not None:
+                c = self.config
+                self._round_dp = {"clip_norm": c.dp_clip_norm, **self.open_dp_round(
+                    self.round, chosen, self.vector_length, max(c.dp_clip_norm, 1.0), c.dp_noise_multiplier * c.dp_clip_norm)}
+            else:
+                self.open_secure_round(self.round, chosen, self.vector_length, self.bound)
         return chosen
 
     def task_for(self, device: str) -> tuple[dict, dict[str, np.ndarray]]:
         params, head = super().task_for(device)
         c = self.config
-        return {**params, "group": f"g{self.round}", "max_samples": c.max_samples,
-                "max_abs_param": c.max_abs_param, "vector_order": list(self.trained_shapes())}, head
+        params = {**params, "group": f"g{self.round}", "max_samples": c.max_samples,
+                  "max_abs_param": c.max_abs_param, "vector_order": list(self.trained_shapes())}
+        if self.dp is not None:
+            params["dp"] = dict(self._round_dp)
+        return params, head
 
     def parse_result(self, env: Envelope):
         raise EnvelopeError(f"{self.secure_kind} devices send secagg messages, never plain results")
@@ -85,13 +105,26 @@ class SecureFedAvgJob(SecureGroupRounds, FedAvgJob):
         sums, n = unpack_weighted_sum(total, self.trained_shapes())
         if n < 1:
             return
-        self._sum = ({name: weighted / n for name, weighted in sums.items()}, len(survivors), n)
+        if self.dp is not None:
+            # the noisy sum of clipped updates over the fixed κ (n counts the survivors: weights are 1)
+            self._sum = ({name: s / self.config.clients_per_round for name, s in sums.items()}, len(survivors), n)
+        else:
+            self._sum = ({name: weighted / n for name, weighted in sums.items()}, len(survivors), n)
         self.samples += n
         for d in survivors:
             self.contributed[d] = self.contributed.get(d, 0) + 1
 
     def round_mean(self) -> tuple[dict[str, np.ndarray] | None, int, int]:
         return self._sum if self._sum is not None else (None, 0, 0)
+
+    def round_step(self) -> tuple[dict[str, np.ndarray] | None, int, int]:
+        if self.dp is None:
+            return super().round_step()
+        mean_delta, updates, samples = self.round_mean()
+        if mean_delta is None:           # a failed round revealed nothing
+            return None, 0, 0
+        trained = {name: self.params[name] for name in mean_delta}
+        return self.dp.apply_mean_delta(trained, mean_delta), updates, samples
 
     def close_round(self, closed: RoundClosed) -> None:
         self.abort_secure_round(closed.round, "deadline")

@@ -33,6 +33,8 @@ from protocols.payloads.secagg import from_envelope, to_envelope
 from protocols.secagg import (AggregateReady, MemberOffline, Message, RoundConfig, RoundFailed, SecAggError,
                               ServerSecAgg, Timeout)
 from protocols.secagg.errors import LateMessage
+from protocols.secagg.config import default_threshold
+from protocols.secagg.distributed_dp import device_stddev, noise_scale_bits, noisy_bound
 from protocols.topics import AGGREGATOR_ID
 
 from ..mask_expansion import pick_mask_applier
@@ -66,16 +68,30 @@ class SecureGroupRounds:
 
     # ---------------------------------------------------------------- for the job
     def open_secure_round(self, round_id: int, members: list[str], vector_length: int, bound: float,
-                          group_id: str | None = None) -> None:
+                          group_id: str | None = None, scale_bits: int | None = None) -> None:
         """``group_id`` (default ``g<round>``) is signed into the round configuration; a job can
-        bind more of the round's contract to it (e.g. a digest of the vector layout)."""
+        bind more of the round's contract to it (e.g. a digest of the vector layout).
+        ``scale_bits``: pinned for distributed DP (default: the finest safe scale)."""
         config = RoundConfig.create(job_id=self.config.job_id, round_id=round_id, group_id=group_id or f"g{round_id}",
                                     aggregator_id=AGGREGATOR_ID, members=members, vector_length=vector_length,
-                                    bound=bound, graph=self.config.graph,
+                                    bound=bound, graph=self.config.graph, scale_bits=scale_bits,
                                     dropout_rate=self.config.expected_dropout)
         self.secure = ServerSecAgg(config, self.identity, self.registry, mask_applier=pick_mask_applier())
         self._newest_round = max(self._newest_round, round_id)
         self._start_pending = True
+
+    def open_dp_round(self, round_id: int, members: list[str], vector_length: int, data_bound: float,
+                      total_stddev: float) -> dict:
+        """A secure round under distributed DP: each member adds noise of stddev σ/√t (t the round's
+        threshold: no sum is revealed with fewer survivors), the bound makes room for it and the
+        scale is pinned; returns the ``dp`` task params the members need."""
+        threshold = default_threshold(len(members))
+        stddev = device_stddev(total_stddev, threshold)
+        bound = noisy_bound(data_bound, stddev)
+        scale_bits = noise_scale_bits(stddev, bound, len(members))
+        self.open_secure_round(round_id, members, vector_length, bound, scale_bits=scale_bits)
+        assert self.secure.config.threshold == threshold
+        return {"stddev": stddev, "scale_bits": scale_bits, "threshold": threshold}
 
     def on_secure_sum(self, total: np.ndarray, survivors: tuple[str, ...]) -> None:
         raise NotImplementedError

@@ -66,6 +66,10 @@ class Fed3R:
         t.diagonal().add_(tau)
         return int(torch.linalg.cholesky_ex(t, upper=True)[1]) == 0
 
+    def packed_upper(self) -> np.ndarray:
+        """Σ_k A_k as its packed upper triangle (row-major, what devices send), float64."""
+        return self._packed.cpu().numpy().copy()
+
     def _add_packed(self, packed: torch.Tensor) -> None:
         if packed.shape != self._packed.shape:
             raise ValueError(f"packed triangle has shape {tuple(packed.shape)}")

@@ -46,6 +46,10 @@ class Fed3RStatsTask:
             factor_ok = bool(params.get("factor", False)) and not dense
             rf_cfg = params.get("random_features")
             start = int(params.get("from_sample", 0))
+            clip_norm = float(params.get("feature_clip_norm", 0.0))
+            cap = int(params["max_samples"]) if params.get("cap_samples") else None
+            if not (clip_norm >= 0 and np.isfinite(clip_norm)) or (cap is not None and cap < 1):
+                raise ValueError("feature_clip_norm must be >= 0 and max_samples >= 1")
         except (KeyError, TypeError, ValueError) as exc:
             raise TaskDeclined(f"bad fed3r.stats params: {exc}") from exc
         if not 0 <= start <= len(self.images):
@@ -62,7 +66,10 @@ class Fed3RStatsTask:
         rf = None
         if rf_cfg:
             rf = RandomFourierFeatures(int(rf_cfg["dim"]), float(rf_cfg["sigma"]), int(rf_cfg["seed"]))
-        acc = Fed3RAccumulator(num_classes, extractor.feature_dim, fit_intercept, rf, keep_rows=factor_ok)
+        acc = Fed3RAccumulator(num_classes, extractor.feature_dim, fit_intercept, rf, keep_rows=factor_ok,
+                               feature_clip_norm=clip_norm)
+        if cap is not None:    # DP caps the samples per device (the first max_samples: a choice blind to the data)
+            images, labels = images[:cap], labels[:cap]
         acc.update(extractor.extract(images), labels)
         body, out = encode_smallest(acc, num_classes, dense, dtype)
         if "from_sample" in params:

@@ -2,7 +2,7 @@
 
 The device computes its dense statistics (the same ``Fed3RStatsTask`` as plain Fed3R) and
 packs them into the fixed-shape vector of ``protocols.payloads.secagg``; ``SecureUpdate`` does
-the rest.
+the rest. Under distributed DP (the task's ``dp``) the device adds its share of noise first.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from .secure_update import SecAggSessions, SecureUpdate
 
 class SecureFed3R(SecureUpdate):
     def __init__(self, identity: DeviceIdentity, aggregator_public_key: bytes, stats: Fed3RStatsTask,
-                 sessions: SecAggSessions | None = None):
-        super().__init__(identity, aggregator_public_key, sessions)
+                 sessions: SecAggSessions | None = None, noise_rng: np.random.Generator | None = None):
+        super().__init__(identity, aggregator_public_key, sessions, noise_rng)
         self.stats = stats
 
     def vector(self, params: dict, tensors: dict[str, np.ndarray]) -> np.ndarray:
@@ -28,7 +28,11 @@ class SecureFed3R(SecureUpdate):
         n = body["n"]
         if n > int(params["max_samples"]):
             raise TaskDeclined(f"{n} local samples exceed the round's bound of {params['max_samples']}")
-        return pack_sync_vector(stats["A_upper"], stats["b"], n)
+        if "dp" not in params:
+            return pack_sync_vector(stats["A_upper"], stats["b"], n)
+        # Distributed DP (features clipped, samples capped by the stats task): the sample count would
+        # be an un-noised release, so it is left out of the sum (0), and the statistics carry noise.
+        return self.add_noise(pack_sync_vector(stats["A_upper"], stats["b"], 0), params["dp"])
 
 
 __all__ = ["SecureFed3R"]

@@ -7,13 +7,15 @@ The device trains exactly as for the plain kind (the wrapped handler: ``fedavg.h
 (``protocols.payloads.secagg``; default weight, bias): the group sum gives Σ n_k θ_k and
 Σ n_k, hence the FedAvg mean, without any θ_k being seen. A trained tensor with an entry beyond
 the round's ``max_abs_param`` is refused here (declined), before secure aggregation would
-overflow its fixed-point range.
+overflow its fixed-point range. Under distributed DP (the task's ``dp``) the device sends its
+clipped update instead, with its share of the noise (``dp_vector``).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from protocols.clipping import clip_update
 from protocols.identity import DeviceIdentity
 from protocols.payloads.secagg import HEAD_ORDER, pack_weighted
 
@@ -21,12 +23,22 @@ from ..agent import TaskDeclined
 from .secure_update import SecAggSessions, SecureUpdate
 
 
+def _dp_clip_norm(dp: object) -> float:
+    try:
+        clip_norm = float(dp["clip_norm"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise TaskDeclined(f"bad dp params {dp!r}: {exc}") from exc
+    if not (np.isfinite(clip_norm) and clip_norm > 0):
+        raise TaskDeclined(f"bad dp clip norm {clip_norm!r}")
+    return clip_norm
+
+
 class SecureFedAvgTraining(SecureUpdate):
     """``training``: a FedAvg-family handler, ``(params, tensors) -> (body with n, trained tensors)``."""
 
     def __init__(self, identity: DeviceIdentity, aggregator_public_key: bytes, training,
-                 sessions: SecAggSessions | None = None):
-        super().__init__(identity, aggregator_public_key, sessions)
+                 sessions: SecAggSessions | None = None, noise_rng: np.random.Generator | None = None):
+        super().__init__(identity, aggregator_public_key, sessions, noise_rng)
         self.training = training
 
     def vector(self, params: dict, tensors: dict[str, np.ndarray]) -> np.ndarray:
@@ -34,6 +46,8 @@ class SecureFedAvgTraining(SecureUpdate):
         body, trained = self.training(params, tensors)
         if not isinstance(order, list) or sorted(order) != sorted(trained) or len(set(order)) != len(order):
             raise TaskDeclined(f"vector_order {order!r} does not name exactly the trained tensors {sorted(trained)}")
+        if "dp" in params:
+            return self.dp_vector(params["dp"], order, trained, tensors)
         n, limit = body["n"], float(params["max_abs_param"])
         if n > int(params["max_samples"]):
             raise TaskDeclined(f"{n} local samples exceed the round's bound of {params['max_samples']}")
@@ -42,5 +56,16 @@ class SecureFedAvgTraining(SecureUpdate):
             raise TaskDeclined(f"trained model has |θ| = {largest:.3g} > the round's bound {limit:g}")
         return pack_weighted(trained, order, n)
 
+    def dp_vector(self, dp: object, order: list, trained: dict[str, np.ndarray],
+                  start: dict[str, np.ndarray]) -> np.ndarray:
+        """Distributed DP-FedAvg: [clip(θ_k − θ_t) | 1] plus this device's share of noise; devices are
+        unweighted (n_k would make the sensitivity data-dependent), the server divides by κ."""
+        if not set(trained) <= set(start):
+            raise TaskDeclined("the task did not send every tensor the device trained")
+        clipped, _ = clip_update({k: np.asarray(v, np.float64) - np.asarray(start[k], np.float64)
+                                  for k, v in trained.items()}, _dp_clip_norm(dp))
+        return self.add_noise(pack_weighted(clipped, order, 1), dp)
+
 
 __all__ = ["SecureFedAvgTraining"]
+

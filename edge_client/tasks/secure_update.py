@@ -22,6 +22,7 @@ from protocols.envelope import Envelope
 from protocols.identity import DeviceIdentity
 from protocols.payloads.secagg import from_envelope, to_envelope
 from protocols.secagg import ClientSecAgg, ClientState, SecAggError
+from protocols.secagg.distributed_dp import add_skellam_noise
 
 from ..agent import TaskDeclined
 
@@ -67,13 +68,24 @@ class SecAggSessions:
 class SecureUpdate:
     """A protocol handler for the agent: ``on_task`` and ``on_message`` return envelopes to send.
 
-    ``sessions``: shared with the device's other secure task kinds (default: its own)."""
+    ``sessions``: shared with the device's other secure task kinds (default: its own).
+    ``noise_rng``: the source of the device's share of DP noise (OS entropy; seeded only in tests)."""
 
     def __init__(self, identity: DeviceIdentity, aggregator_public_key: bytes,
-                 sessions: SecAggSessions | None = None):
+                 sessions: SecAggSessions | None = None, noise_rng: np.random.Generator | None = None):
         self.identity = identity
         self.aggregator_public_key = aggregator_public_key
         self.sessions = sessions or SecAggSessions(identity.device_id)
+        self.noise_rng = noise_rng if noise_rng is not None else np.random.default_rng()
+
+    def add_noise(self, vector: np.ndarray, dp: object) -> np.ndarray:
+        """Distributed DP: the device's Skellam share on every entry but the last (the count), at the
+        round's scale (``protocols.secagg.distributed_dp``); ``dp`` is the task's {"stddev", "scale_bits"}."""
+        try:
+            stddev, scale_bits = float(dp["stddev"]), int(dp["scale_bits"])
+            return add_skellam_noise(vector, stddev, scale_bits, self.noise_rng, noised=slice(0, len(vector) - 1))
+        except (KeyError, TypeError, ValueError, SecAggError) as exc:
+            raise TaskDeclined(f"bad dp params {dp!r}: {exc}") from exc
 
     def vector(self, params: dict, tensors: dict[str, np.ndarray]) -> np.ndarray:
         """The float vector this device contributes to the group sum (raise TaskDeclined to refuse)."""

@@ -106,6 +106,10 @@ async function showJob(job, live) {
   $("contributions").textContent = isLive ? live.contributions : job.contributions;
   const last = evals.filter((e) => e.accuracy != null).pop();
   $("accuracy").textContent = last ? last.accuracy.toFixed(4) : "-";
+  const dpEval = evals.filter((e) => e.privacy != null).pop();
+  const dp = isLive && live.privacy ? live.privacy : dpEval ? dpEval.privacy : null;
+  $("privacy").textContent = dp ? `${dp.epsilon.toFixed(3)} (${dp.delta})` : "-";
+  $("privacy-detail").textContent = dp ? `z=${dp.noise_multiplier}, budget ${dp.target_epsilon ?? "none"}` : "no DP";
   drawRound(open);
   fillTable("rounds-table", rounds.slice(-15).reverse().map((r) => [r.round, r.state, r.participants.length,
     r.accepted.length, r.dropped.length, r.declined.length, r.rejected.length,

@@ -1,0 +1,77 @@
+"""Differential-privacy settings of a job's config, and the budget rule every DP job follows.
+
+``dp_noise_multiplier`` z > 0 turns DP on (0: off, the job is unchanged). ``dp_target_epsilon``
+with ``dp_delta`` is the budget: a job whose first release alone would exceed it refuses to be
+built (the admin API answers 400), and a job stops before a round that would exceed it. The
+accountant is ``aggregator.privacy`` (Google's dp-accounting); what one release is depends on
+the job kind (a FedAvg round; the whole of Fed3R, see ``aggregator/strategies/dp_fed3r.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from ..privacy import PrivacyAccountant
+
+
+@functools.lru_cache(maxsize=64)
+def _accountant(noise_multiplier: float, delta: float, sampling_rate: float) -> PrivacyAccountant:
+    """One accountant per setting, so its ε cache lives as long as the process (asked every round)."""
+    return PrivacyAccountant(noise_multiplier, delta, sampling_rate)
+
+
+@dataclass
+class PrivacyBudgetFields:
+    dp_noise_multiplier: float = 0.0     # z = σ / Δ; 0: no differential privacy
+    dp_target_epsilon: float = 0.0       # the job's budget at dp_delta; 0: no budget (ε is still reported)
+    dp_delta: float = 1e-5
+
+    @property
+    def dp(self) -> bool:
+        return self.dp_noise_multiplier > 0
+
+    def sampling_rate(self) -> float:
+        return 1.0
+
+    def accountant(self) -> PrivacyAccountant | None:
+        return _accountant(self.dp_noise_multiplier, self.dp_delta, self.sampling_rate()) if self.dp else None
+
+    def refuse_over_budget(self, releases: int) -> None:
+        """ValueError when even ``releases`` releases would exceed the budget (the job must not start)."""
+        accountant = self.accountant()
+        if accountant is not None and not accountant.affordable(releases, self.dp_target_epsilon):
+            raise ValueError(f"privacy budget ε={self.dp_target_epsilon} (δ={self.dp_delta}) is exceeded by "
+                             f"{releases} release(s) at noise multiplier {self.dp_noise_multiplier}: "
+                             f"ε={accountant.epsilon(releases):.4g}; raise dp_noise_multiplier or the budget")
+
+    def privacy_report(self, releases: int) -> dict | None:
+        """What the job reports after ``releases`` releases (None without DP)."""
+        accountant = self.accountant()
+        if accountant is None:
+            return None
+        return {"epsilon": accountant.epsilon(releases), "delta": self.dp_delta, "releases": releases,
+                "noise_multiplier": self.dp_noise_multiplier, "sampling_rate": accountant.sampling_rate,
+                "target_epsilon": self.dp_target_epsilon or None}
+
+
+@dataclass
+class UpdateClippingFields(PrivacyBudgetFields):
+    """DP-FedAvg: per-device update clipping (fixed or adaptive) and the sampling the accountant assumes."""
+
+    dp_clip_norm: float = 1.0            # C (the initial C with adaptive clipping)
+    dp_adaptive_clip: bool = False       # Andrew et al. 2021: C follows the γ-quantile of update norms
+    dp_target_quantile: float = 0.5      # γ
+    dp_clip_lr: float = 0.2              # η
+    dp_count_stddev: float = 0.0         # σ_b of the clipped-count noise; 0: max(κ/20, z) (see count_stddev)
+    dp_population: int = 0               # eligible devices the κ are drawn from; 0: no amplification (q = 1)
+
+    def sampling_rate(self) -> float:
+        if self.dp_population <= 0:
+            return 1.0
+        return min(1.0, self.clients_per_round / self.dp_population)
+
+    def count_stddev(self) -> float:
+        """σ_b: the paper's κ/20, but at least z, so the count takes at most a quarter of the budget
+        (z_Δ ≤ 1.155 z) even for small κ, where κ/20 would not even be allowed (σ_b must exceed z/2)."""
+        return self.dp_count_stddev or max(self.clients_per_round / 20, self.dp_noise_multiplier)

@@ -1,0 +1,94 @@
+"""A job's privacy budget: ε(δ) after its noisy releases, from Google's ``dp-accounting``.
+
+Nothing here computes a privacy bound by hand: the job says what one release is (the Gaussian
+mechanism with noise multiplier z = σ / Δ, on a Poisson sample of rate q of the population) and
+how many it made; the library's Rényi-DP accountant composes them and converts to (ε, δ).
+
+- FedAvg family: one release per round, ``PoissonSampledDpEvent(q, GaussianDpEvent(z))``
+  composed over the rounds. The scheduler samples a fixed κ of the online devices, not a Poisson
+  sample; q = κ / population is the usual approximation of DP-FedAvg (McMahan et al. 2018), valid
+  only when the operator's ``dp_population`` is a true lower bound of the eligible fleet. Without
+  a population (0) no amplification is claimed: q = 1.
+- Fed3R: each device's statistics enter exactly one noisy round sum and every later model is a
+  function of those sums, so by parallel composition the whole job is one Gaussian release
+  (``releases=1`` whatever the number of rounds).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+
+import dp_accounting
+from absl import logging as absl_logging
+from dp_accounting import rdp
+
+
+class _SkippedOrders(logging.Filter):
+    """The RDP accountant warns, through absl, for every Rényi order whose series does not converge
+    at small sampling rates; it then leaves that order out of the minimum, which keeps ε an upper
+    bound. Dozens of these per ε would flood the service's log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "failed to converge" not in record.getMessage()
+
+
+logging.getLogger("absl").addFilter(_SkippedOrders())
+# absl's handler keeps the sys.stderr of its import time and closes it when logging shuts its
+# handlers down (``logging.config.dictConfig`` does, e.g. uvicorn's) unless it is the process's
+# own stderr: a stream swapped in at import time (a test's capture, a CLI's redirection) would be
+# closed under its owner.
+absl_logging.get_absl_handler().python_handler.stream = sys.__stderr__
+
+
+class PrivacyAccountant:
+    """ε(δ) of ``releases`` compositions of a (sub)sampled Gaussian mechanism."""
+
+    def __init__(self, noise_multiplier: float, delta: float, sampling_rate: float = 1.0):
+        if not (math.isfinite(noise_multiplier) and noise_multiplier > 0):
+            raise ValueError(f"noise_multiplier must be a positive finite number, got {noise_multiplier}")
+        if not 0 < delta < 1:
+            raise ValueError(f"delta must lie in (0, 1), got {delta}")
+        if not 0 < sampling_rate <= 1:
+            raise ValueError(f"sampling rate must lie in (0, 1], got {sampling_rate}")
+        self.noise_multiplier, self.delta, self.sampling_rate = float(noise_multiplier), float(delta), float(sampling_rate)
+        self._cache: dict[int, float] = {0: 0.0}
+
+    def event(self) -> dp_accounting.DpEvent:
+        """One release, as the library describes it."""
+        gaussian = dp_accounting.GaussianDpEvent(self.noise_multiplier)
+        if self.sampling_rate == 1.0:
+            return gaussian
+        return dp_accounting.PoissonSampledDpEvent(self.sampling_rate, gaussian)
+
+    def epsilon(self, releases: int) -> float:
+        """ε at the job's δ after ``releases`` releases (0 for none)."""
+        if releases < 0:
+            raise ValueError("releases must be >= 0")
+        if releases not in self._cache:
+            accountant = rdp.RdpAccountant()
+            accountant.compose(self.event(), releases)
+            self._cache[releases] = float(accountant.get_epsilon(self.delta))
+        return self._cache[releases]
+
+    def affordable(self, releases: int, target_epsilon: float) -> bool:
+        """Whether ``releases`` releases stay within ``target_epsilon`` (0: no budget set)."""
+        return target_epsilon <= 0 or self.epsilon(releases) <= target_epsilon
+
+
+def noise_multiplier_for(target_epsilon: float, delta: float, releases: int, sampling_rate: float = 1.0) -> float:
+    """The smallest z (to 0.1 %) whose accountant keeps ``releases`` within ``target_epsilon``:
+    bisection over the library's ε, used to calibrate benches and examples."""
+    lo, hi = 1e-3, 1.0
+    while not PrivacyAccountant(hi, delta, sampling_rate).affordable(releases, target_epsilon):
+        lo, hi = hi, hi * 2
+        if hi > 1e6:
+            raise ValueError(f"no noise multiplier reaches ε={target_epsilon}")
+    while hi - lo > 1e-3 * hi:
+        mid = (lo + hi) / 2
+        if PrivacyAccountant(mid, delta, sampling_rate).affordable(releases, target_epsilon):
+            hi = mid
+        else:
+            lo = mid
+    return hi

@@ -1,0 +1,141 @@
+"""Central differential privacy around FedAvg: clip each device's update, add Gaussian noise.
+
+DP-FedAvg (McMahan et al. 2018), at the aggregator. For the round's updates θ_k of the
+parameters θ_t every device started from:
+
+    Δ_k  = θ_k − θ_t,   Δ̃_k = Δ_k · min(1, C / ‖Δ_k‖₂)           (‖Δ̃_k‖₂ ≤ C)
+    Δ̄    = (Σ_k Δ̃_k + N(0, (z_Δ C)² I)) / m                        (m = κ, fixed)
+    θ_{t+1} = the wrapped FedAvg/FedAvgM step towards θ_t + Δ̄
+
+The sum of clipped updates has L2 sensitivity C when one device is added or removed, so the
+noise multiplier is z_Δ (the denominator is the *expected* number of devices κ, never the
+number that answered, which would itself depend on who took part). Devices are unweighted:
+sample counts n_k would make the sensitivity data-dependent.
+
+Adaptive clipping (Andrew et al. 2021, "quantile-based"): besides its update each device
+contributes the bit b_k = 1[‖Δ_k‖ ≤ C]; the noisy fraction
+
+    b̄ = (Σ_k (b_k − ½) + N(0, σ_b²)) / m + ½,   C ← C · exp(−η (b̄ − γ))
+
+moves C geometrically towards the γ-quantile of the update norms. The bit sum has sensitivity ½,
+so the two Gaussian releases together equal one with multiplier z when
+z_Δ = (z⁻² − (2σ_b)⁻²)^(−½) (their Eq. 4): the accountant sees z either way.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+
+import numpy as np
+
+from protocols.clipping import clip_update
+
+from .fedavg import FedAvg, Params
+
+
+class ClipNorm(ABC):
+    """The clipping norm C of the next round and the noise multiplier left for the updates."""
+
+    def __init__(self, clip_norm: float):
+        if not (math.isfinite(clip_norm) and clip_norm > 0):
+            raise ValueError(f"clip norm must be a positive finite number, got {clip_norm}")
+        self.value = float(clip_norm)
+
+    @abstractmethod
+    def update_noise_multiplier(self, noise_multiplier: float) -> float:
+        """z_Δ: the multiplier of the update sum's noise when the job's total is ``noise_multiplier``."""
+
+    @abstractmethod
+    def observe(self, norms: list[float], expected: int, rng: np.random.Generator) -> None:
+        """Move C after a round whose updates had these norms (before clipping)."""
+
+
+class FixedClipNorm(ClipNorm):
+    def update_noise_multiplier(self, noise_multiplier: float) -> float:
+        return noise_multiplier
+
+    def observe(self, norms: list[float], expected: int, rng: np.random.Generator) -> None:
+        pass
+
+
+class AdaptiveClipNorm(ClipNorm):
+    """Quantile-based clipping: γ (``target_quantile``), η (``learning_rate``), σ_b (``count_stddev``)."""
+
+    def __init__(self, clip_norm: float, target_quantile: float = 0.5, learning_rate: float = 0.2,
+                 count_stddev: float = 1.0):
+        super().__init__(clip_norm)
+        if not 0 < target_quantile < 1:
+            raise ValueError(f"target quantile must lie in (0, 1), got {target_quantile}")
+        if not (learning_rate > 0 and count_stddev > 0):
+            raise ValueError("learning rate and count stddev must be > 0")
+        self.target_quantile, self.learning_rate, self.count_stddev = target_quantile, learning_rate, count_stddev
+
+    def update_noise_multiplier(self, noise_multiplier: float) -> float:
+        rest = noise_multiplier ** -2 - (2 * self.count_stddev) ** -2
+        if rest <= 0:
+            raise ValueError(f"the clipped-count noise σ_b = {self.count_stddev} must exceed z/2 = "
+                             f"{noise_multiplier / 2} (it would spend the whole budget)")
+        return rest ** -0.5
+
+    def observe(self, norms: list[float], expected: int, rng: np.random.Generator) -> None:
+        centred = sum((norm <= self.value) - 0.5 for norm in norms)
+        fraction = (centred + rng.normal(0.0, self.count_stddev)) / expected + 0.5
+        self.value *= math.exp(-self.learning_rate * (fraction - self.target_quantile))
+
+
+class DPFedAvg:
+    """Clip, sum, noise, then the wrapped strategy's step (FedAvg/FedAvgM: post-processing).
+
+    ``expected_clients`` is m (κ); ``rng`` is the noise source (OS entropy by default; a seeded
+    generator only in tests, since anyone knowing the seed can subtract the noise)."""
+
+    def __init__(self, strategy: FedAvg, noise_multiplier: float, clip: ClipNorm, expected_clients: int,
+                 rng: np.random.Generator | None = None):
+        if not noise_multiplier > 0 or expected_clients < 1:
+            raise ValueError("need noise_multiplier > 0 and expected_clients >= 1")
+        self.strategy, self.noise_multiplier, self.clip = strategy, float(noise_multiplier), clip
+        self.expected_clients = int(expected_clients)
+        self.update_multiplier = clip.update_noise_multiplier(self.noise_multiplier)
+        self.rng = rng if rng is not None else np.random.default_rng()
+        self.releases = 0
+
+    @property
+    def steps(self) -> int:
+        return self.strategy.steps
+
+    def noisy_mean_delta(self, params: Mapping[str, np.ndarray], updates: list[Mapping[str, np.ndarray]]) -> Params:
+        """Δ̄ of the round (``updates`` are the devices' θ_k); moves C afterwards (adaptive)."""
+        clip_norm = self.clip.value
+        total = {k: np.zeros(np.shape(v), dtype=np.float64) for k, v in params.items()}
+        norms = []
+        for theta in updates:
+            clipped, norm = clip_update({k: np.asarray(theta[k], np.float64) - np.asarray(params[k], np.float64)
+                                         for k in params}, clip_norm)
+            norms.append(norm)
+            for k in total:
+                total[k] += clipped[k]
+        stddev = self.update_multiplier * clip_norm
+        mean = {k: (s + self.rng.normal(0.0, stddev, s.shape)) / self.expected_clients for k, s in total.items()}
+        self.clip.observe(norms, self.expected_clients, self.rng)
+        self.releases += 1
+        return mean
+
+    def step(self, params: Mapping[str, np.ndarray], updates: list[Mapping[str, np.ndarray]]) -> Params:
+        """New parameters from the round's θ_k (a round with none still releases noise)."""
+        mean_delta = self.noisy_mean_delta(params, updates)
+        return self.apply_mean_delta(params, mean_delta)
+
+    def apply_mean_delta(self, params: Mapping[str, np.ndarray], mean_delta: Mapping[str, np.ndarray]) -> Params:
+        averaged = {k: np.asarray(params[k], np.float64) + mean_delta[k] for k in params}
+        return self.strategy.step(params, averaged)
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return {**self.strategy.state_dict(), "dp_clip_norm": np.array([self.clip.value]),
+                "dp_releases": np.array([self.releases], dtype=np.int64)}
+
+    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
+        self.strategy.load_state_dict(state)
+        self.clip.value = float(state["dp_clip_norm"][0])
+        self.releases = int(state["dp_releases"][0])

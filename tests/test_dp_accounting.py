@@ -1,0 +1,101 @@
+"""Privacy accounting: the ε a DP job reports is dp-accounting's for the noise it actually adds,
+and a job refuses to start, or stops before a round, when its budget would be exceeded."""
+
+import dp_accounting
+import numpy as np
+import pytest
+from dp_accounting import pld, rdp
+from scipy import stats
+from scipy.stats import norm
+
+from aggregator.jobs.registry import build_job
+from aggregator.privacy import PrivacyAccountant, noise_multiplier_for
+from protocols.rounds import RoundClosed
+
+
+def library_epsilon(z, rounds, q, delta):
+    """The library's own number, built here without aggregator.privacy."""
+    accountant = rdp.RdpAccountant()
+    event = dp_accounting.GaussianDpEvent(z)
+    accountant.compose(event if q == 1 else dp_accounting.PoissonSampledDpEvent(q, event), rounds)
+    return accountant.get_epsilon(delta)
+
+
+def gaussian_delta(epsilon, z):
+    """Exact δ(ε) of one Gaussian mechanism with multiplier z (Balle & Wang 2018, Thm 8)."""
+    return norm.cdf(0.5 / z - epsilon * z) - np.exp(epsilon) * norm.cdf(-0.5 / z - epsilon * z)
+
+
+@pytest.mark.parametrize("z,rounds,q", [(1.0, 1, 1.0), (0.8, 10, 0.05), (2.0, 50, 0.2), (5.0, 10, 1.0)])
+def test_accountant_is_the_library_and_sound(z, rounds, q):
+    eps = PrivacyAccountant(z, 1e-5, q).epsilon(rounds)
+    assert eps == pytest.approx(library_epsilon(z, rounds, q, 1e-5), rel=1e-12)
+    # an independent bound: the near-exact PLD accountant never reports more than RDP does
+    exact = pld.PLDAccountant(value_discretization_interval=1e-3)   # coarser: pessimistic, faster
+    exact.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)) if q < 1
+                  else dp_accounting.GaussianDpEvent(z), rounds)
+    assert exact.get_epsilon(1e-5) <= eps * (1 + 1e-6)
+    if rounds == 1 and q == 1.0:                         # and the closed form agrees it is sound
+        assert gaussian_delta(eps, z) <= 1e-5
+
+
+def test_noise_multiplier_for_is_the_smallest_within_the_budget():
+    z = noise_multiplier_for(2.0, 1e-5, 20)
+    assert library_epsilon(z, 20, 1.0, 1e-5) <= 2.0 < library_epsilon(z * 0.99, 20, 1.0, 1e-5)
+
+
+def test_fedavg_job_noise_has_the_scale_its_reported_epsilon_assumes():
+    """Rounds without updates release pure noise: N(0, (zC/κ)²) per entry, and the job's ε after
+    those rounds is the library's for (z, rounds, q = κ / population)."""
+    z, clip, kappa, population = 1.3, 0.7, 4, 40
+    cfg = {"num_classes": 10, "feature_dim": 1000, "rounds": 3, "clients_per_round": kappa,
+           "dp_noise_multiplier": z, "dp_clip_norm": clip, "dp_population": population}
+    job = build_job("fedavg", cfg)
+    job.dp.rng = np.random.default_rng(1)
+    steps = []
+    for _ in range(3):
+        before = job.params["weight"].astype(np.float64)
+        assert job.next_participants({"a", "b", "c", "d", "e"})
+        job.close_round(RoundClosed(job.round, (), ("a",), (), ()))
+        steps.append(job.params["weight"].astype(np.float64) - before)
+    noise = np.concatenate([s.ravel() for s in steps])
+    sigma = z * clip / kappa
+    dof = noise.size
+    lo, hi = stats.chi2.ppf([1e-6, 1 - 1e-6], dof) / dof
+    assert lo < np.mean(noise ** 2) / sigma ** 2 < hi
+    report = job.evaluate(None, None)["privacy"]
+    assert report["releases"] == 3 and report["sampling_rate"] == kappa / population
+    assert report["epsilon"] == pytest.approx(library_epsilon(z, 3, kappa / population, 1e-5), rel=1e-12)
+
+
+def test_job_refuses_to_start_when_one_round_exceeds_the_budget():
+    with pytest.raises(ValueError, match="privacy budget"):
+        build_job("fedavg", {"dp_noise_multiplier": 0.5, "dp_target_epsilon": 1.0})
+    with pytest.raises(ValueError, match="privacy budget"):
+        build_job("fed3r", {"dp_noise_multiplier": 0.5, "dp_target_epsilon": 1.0, "feature_clip_norm": 1.0})
+    with pytest.raises(ValueError, match="feature_clip_norm"):
+        build_job("fed3r", {"dp_noise_multiplier": 5.0})
+    with pytest.raises(ValueError, match="dp_delta"):
+        build_job("fedavg", {"dp_noise_multiplier": 1.0, "dp_delta": 0.5})
+
+
+def test_job_stops_before_the_round_that_would_exceed_the_budget():
+    z, q, target = 1.0, 0.1, 3.0
+    job = build_job("fedavg", {"num_classes": 3, "feature_dim": 4, "rounds": 1000, "clients_per_round": 2,
+                               "dp_noise_multiplier": z, "dp_population": 20, "dp_target_epsilon": target})
+    online = {"a", "b", "c"}
+    while job.next_participants(online):
+        job.close_round(RoundClosed(job.round, (), (), (), ()))
+    rounds = job.round
+    assert library_epsilon(z, rounds, q, 1e-5) <= target < library_epsilon(z, rounds + 1, q, 1e-5)
+    assert job.finished(online, online) and rounds < 1000
+    report = job.evaluate(None, None)["privacy"]
+    assert report["budget_exhausted"] and report["epsilon"] <= target
+
+
+def test_fed3r_is_one_release_whatever_the_rounds():
+    job = build_job("fed3r", {"num_classes": 3, "feature_dim": 4, "dp_noise_multiplier": 2.0,
+                              "feature_clip_norm": 1.0, "max_samples": 5})
+    assert job.evaluate(None, None)["privacy"]["epsilon"] == 0.0
+    job.strategy.released.n_contributions = 7            # as after several released rounds
+    assert job.evaluate(None, None)["privacy"]["epsilon"] == pytest.approx(library_epsilon(2.0, 1, 1.0, 1e-5))

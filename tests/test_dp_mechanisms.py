@@ -1,0 +1,187 @@
+"""The DP mechanisms against plain numpy references: clipping bounds hold (server and device
+side), DP-FedAvg is the clipped mean plus noise, adaptive clipping follows Andrew et al.'s rule,
+Fed3R statistics are bounded and noised at the stated scale, and under secure aggregation the
+devices' Skellam shares sum to the intended variance through the real SecAgg round."""
+
+import math
+
+import numpy as np
+import pytest
+from ops_fleet import Features
+from scipy import stats
+
+from aggregator.jobs.registry import build_job
+from aggregator.jobs.secure_fedavg import SecureFedAvgConfig, SecureFedAvgJob
+from aggregator.strategies.dp_fed3r import NoisyFed3R, check_bounded, fed3r_sensitivity
+from aggregator.strategies.dp_fedavg import AdaptiveClipNorm, DPFedAvg, FixedClipNorm
+from aggregator.strategies.fedavg import FedAvg
+from edge_client.tasks.fed3r_stats import Fed3RStatsTask
+from edge_client.tasks.secure_fedavg_training import SecureFedAvgTraining
+from protocols.clipping import clip_update, global_norm
+from protocols.envelope import EnvelopeError, decode, encode
+from protocols.identity import DeviceIdentity, IdentityRegistry
+from protocols.messages import TaskRef, result_message
+from protocols.payloads.fed3r import Fed3RStats
+from protocols.secagg import AggregateReady, Phase
+from protocols.secagg.driver import run_round
+
+
+def variance_ratio_ok(samples: np.ndarray, variance: float) -> bool:
+    """Mean square / variance inside the two-sided 1e-6 chi-square interval (mean-zero samples)."""
+    dof = samples.size
+    lo, hi = stats.chi2.ppf([1e-6, 1 - 1e-6], dof) / dof
+    return lo < float(np.mean(samples.astype(np.float64) ** 2)) / variance < hi
+
+
+def test_clipping_bounds_the_global_norm_and_keeps_the_direction():
+    rng = np.random.default_rng(0)
+    for scale in (1e-3, 1.0, 1e3):
+        delta = {"w": rng.normal(size=(4, 5)) * scale, "b": rng.normal(size=4) * scale}
+        clipped, norm = clip_update(delta, 0.5)
+        flat = np.concatenate([delta["w"].ravel(), delta["b"]])
+        assert norm == pytest.approx(np.linalg.norm(flat))
+        assert global_norm(clipped) <= 0.5 * (1 + 1e-12)
+        expected = flat * min(1.0, 0.5 / np.linalg.norm(flat))
+        np.testing.assert_allclose(np.concatenate([clipped["w"].ravel(), clipped["b"]]), expected, rtol=1e-12)
+
+
+def test_dp_fedavg_is_the_clipped_sum_over_kappa_plus_noise():
+    rng = np.random.default_rng(1)
+    params = {"weight": rng.normal(size=(3, 4)).astype(np.float32), "bias": rng.normal(size=3).astype(np.float32)}
+    updates = [{k: v + rng.normal(size=v.shape) * s for k, v in params.items()} for s in (0.01, 1.0, 30.0)]
+    dp = DPFedAvg(FedAvg(), 1e-12, FixedClipNorm(0.8), expected_clients=5, rng=np.random.default_rng(2))
+    new = dp.step(params, updates)
+    reference = {k: params[k].astype(np.float64).copy() for k in params}
+    for u in updates:
+        d = np.concatenate([(u[k] - params[k]).astype(np.float64).ravel() for k in ("weight", "bias")])
+        d *= min(1.0, 0.8 / np.linalg.norm(d))
+        reference["weight"] += d[:12].reshape(3, 4) / 5
+        reference["bias"] += d[12:] / 5
+    for k in params:
+        np.testing.assert_allclose(new[k], reference[k], rtol=1e-5, atol=1e-6)
+
+
+def test_adaptive_clipping_follows_the_quantile_rule_and_its_noise_split():
+    clip = AdaptiveClipNorm(1.0, target_quantile=0.5, learning_rate=0.2, count_stddev=2.0)
+    # Andrew et al. Eq. 4: the update noise keeps z overall once the count took its share
+    assert clip.update_noise_multiplier(1.0) == pytest.approx((1.0 - 1 / 16) ** -0.5)
+    with pytest.raises(ValueError, match="z/2"):
+        AdaptiveClipNorm(1.0, count_stddev=0.4).update_noise_multiplier(1.0)
+    quiet = AdaptiveClipNorm(1.0, 0.5, 0.2, count_stddev=1e-9)
+    quiet.observe([5.0, 5.0, 0.5, 5.0], expected=4, rng=np.random.default_rng(0))       # 1 of 4 under C
+    assert quiet.value == pytest.approx(math.exp(-0.2 * (0.25 - 0.5)))
+    norms = np.random.default_rng(3).uniform(1, 9, size=(300, 20))
+    for row in norms:
+        quiet.observe(list(row), expected=20, rng=np.random.default_rng(0))
+    assert abs(quiet.value - np.median(norms)) < 0.6
+
+
+def fed3r_stats_task(n=40, d=6, scale=5.0, seed=0):
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, 3, n)
+    return Fed3RStatsTask((rng.normal(size=(n, d)) * scale).astype(np.float32), y, lambda b, s, w: Features(d))
+
+
+def fed3r_envelope(task, params):
+    body, tensors = task({"num_classes": 3, "backbone": "x", "image_size": 8, "weights_sha256": "", **params})
+    return decode(encode(result_message("dev0", TaskRef("j", 1, "x" * 32), "fed3r.stats", body, tensors)))
+
+
+def test_device_clipping_and_cap_bound_the_statistics_and_the_server_checks_them():
+    F, N = 1.5, 25
+    job = build_job("fed3r", {"num_classes": 3, "feature_dim": 6, "dp_noise_multiplier": 1.0,
+                              "feature_clip_norm": F, "max_samples": N})
+    params = job.config.task_params()
+    assert params["cap_samples"]
+    factor = job.parse_result(fed3r_envelope(fed3r_stats_task(n=2), params))      # n < p: the factor form
+    assert factor.r_factor is not None
+    stats_ = job.parse_result(fed3r_envelope(fed3r_stats_task(), params))
+    assert stats_.n == N
+    A = np.zeros((7, 7))
+    A[np.triu_indices(7)] = stats_.a_upper
+    assert np.trace(A) <= N * (F ** 2 + 1) * (1 + 1e-12)            # Σ ‖z‖² over clipped rows + bias
+    assert np.linalg.norm(stats_.a_upper) <= N * (F ** 2 + 1) and np.linalg.norm(stats_.b) <= N * math.sqrt(F ** 2 + 1)
+    unclipped = {k: v for k, v in params.items() if k not in ("feature_clip_norm",)}
+    with pytest.raises(EnvelopeError, match="clipped bound"):       # a device that did not clip is refused
+        job.parse_result(fed3r_envelope(fed3r_stats_task(), unclipped))
+    with pytest.raises(EnvelopeError, match="clipped bound"):       # in either form
+        job.parse_result(fed3r_envelope(fed3r_stats_task(n=2), unclipped))
+    with pytest.raises(EnvelopeError, match="cap"):
+        job.parse_result(fed3r_envelope(fed3r_stats_task(), {**params, "max_samples": 40}))
+
+
+def test_noisy_fed3r_adds_noise_of_the_stated_scale_once_per_round():
+    p, C, sigma = 150, 5, 3.0
+    noisy = NoisyFed3R(C, p, 0.1, True, True, sigma, rng=np.random.default_rng(5))
+    rng = np.random.default_rng(6)
+    Z = rng.normal(size=(100, p))
+    A = Z.T @ Z
+    stats_ = Fed3RStats(n=100, p=p, a_upper=A[np.triu_indices(p)], class_ids=np.arange(C), b=rng.normal(size=(C, p)))
+    noisy.add(stats_)
+    assert noisy.released.n_contributions == 0                     # nothing released before the round closes
+    noisy.release()
+    noise_a = noisy.released.packed_upper() - A[np.triu_indices(p)]
+    noise_b = noisy.released.B.cpu().numpy() - stats_.b.T
+    assert variance_ratio_ok(np.concatenate([noise_a, noise_b.ravel()]), sigma ** 2)
+    noisy.release()                                                # an empty round releases nothing
+    assert noisy.releases == 1 and noisy.n_contributions == 1
+    huge = NoisyFed3R(C, p, 1e-3, True, True, 1e6, rng=np.random.default_rng(0))
+    huge.add(stats_)
+    huge.release()
+    assert np.isfinite(huge.solve().coef_).all()                   # an indefinite noisy A still solves (PSD projection)
+
+
+def test_fed3r_sensitivity_is_the_largest_device_contribution():
+    """Δ from docs/algorithms.md is attained: N identical rows of norm F in one class."""
+    F, N, d = 2.0, 7, 5
+    z = np.zeros(d)
+    z[0] = F
+    Zb = np.tile(np.append(z, 1.0), (N, 1))
+    A, b = Zb.T @ Zb, Zb.T @ np.eye(3)[np.zeros(N, int)]
+    worst = math.sqrt(np.sum(A[np.triu_indices(d + 1)] ** 2) + np.sum(b ** 2))
+    assert worst <= fed3r_sensitivity(N, F, True) * (1 + 1e-12)
+    assert worst >= 0.7 * fed3r_sensitivity(N, F, True)           # and the bound is not loose by much
+    check_bounded(Fed3RStats(n=N, p=d + 1, a_upper=A[np.triu_indices(d + 1)], class_ids=np.arange(3), b=b.T),
+                  N, F, True)
+
+
+class ZeroUpdate:
+    """A device that trained nothing: its update is exactly the head it was sent."""
+
+    def __call__(self, params, tensors):
+        return {"n": 10}, {k: v.copy() for k, v in tensors.items()}
+
+
+@pytest.mark.parametrize("dropped", [0, 1], ids=["all-survive", "one-drops"])
+def test_distributed_noise_sums_to_the_intended_variance_under_secagg(dropped):
+    ids = [f"dev{i}" for i in range(6)]
+    identities = {d: DeviceIdentity.generate(d) for d in ids}
+    agg = DeviceIdentity.generate("aggregator")
+    registry = IdentityRegistry({d: idt.public_key_bytes for d, idt in identities.items()})
+    z, clip = 1.5, 0.3
+    cfg = SecureFedAvgConfig(num_classes=10, feature_dim=2000, rounds=1, clients_per_round=6, seed=1,
+                             dp_noise_multiplier=z, dp_clip_norm=clip)
+    job = SecureFedAvgJob(cfg, identity=agg, registry=registry)
+    chosen = job.next_participants(set(ids))
+    config = job.secure.config
+    devices = {d: SecureFedAvgTraining(identities[d], agg.public_key_bytes, ZeroUpdate(),
+                                       noise_rng=np.random.default_rng(100 + i)) for i, d in enumerate(chosen)}
+    vectors = {d: devices[d].vector(*job.task_for(d)) for d in chosen}
+    dp = job.task_for(chosen[0])[0]["dp"]
+    assert dp["threshold"] == config.threshold and config.scale_bits == dp["scale_bits"]
+    assert dp["stddev"] == pytest.approx(z * clip / math.sqrt(config.threshold))
+    dropouts = {chosen[0]: Phase.MASKED_INPUT} if dropped else {}
+    run = run_round(config, agg, {d: identities[d] for d in chosen}, vectors, dropouts=dropouts)
+    assert isinstance(run.outcome, AggregateReady)
+    survivors = sorted(run.outcome.survivors)
+    total = run.outcome.decode()
+    assert len(survivors) == 6 - dropped >= config.threshold
+    # the ring added nothing: the sum is exactly the survivors' noisy vectors
+    assert np.array_equal(total, np.sum([vectors[d] for d in survivors], axis=0))
+    assert total[-1] == len(survivors)                              # the count entry carries no noise
+    assert variance_ratio_ok(total[:-1], len(survivors) * dp["stddev"] ** 2)
+    assert len(survivors) * dp["stddev"] ** 2 >= (z * clip) ** 2 * (1 - 1e-12)   # never less than σ²
+    before = {k: v.astype(np.float64) for k, v in job.params.items()}
+    job.on_secure_sum(total, tuple(survivors))
+    moved, _, _ = job.round_step()
+    np.testing.assert_allclose(moved["bias"] - before["bias"], total[-11:-1] / 6, rtol=1e-5, atol=1e-6)

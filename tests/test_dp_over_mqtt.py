@@ -1,0 +1,101 @@
+"""DP jobs end to end over mosquitto: a DP Fed3R job whose released statistics are the devices'
+clipped sums plus noise of the stated scale, and a DP FedAvg job that stops when its privacy
+budget would be exceeded; both report the accountant's ε in results.json."""
+
+import json
+import threading
+
+import dp_accounting
+import numpy as np
+from dp_accounting import rdp
+from ops_fleet import Features
+from scipy import stats
+
+from aggregator.jobs.registry import build_job
+from aggregator.service import AggregatorService
+from edge_client.agent import DeviceAgent
+from edge_client.tasks.fed3r_stats import Fed3RStatsTask
+from edge_client.tasks.head_training import HeadTrainingTask
+from protocols.mqtt_link import BrokerConfig
+
+D, C = 6, 3
+
+
+def device_data(i, n=30):
+    rng = np.random.default_rng(11 + i)
+    y = rng.integers(0, C, n)
+    return (3 * (rng.normal(size=(n, D)) + 2 * np.eye(C, D)[y])).astype(np.float32), y
+
+
+def gaussian_epsilon(z, rounds, q, delta):
+    accountant = rdp.RdpAccountant()
+    event = dp_accounting.GaussianDpEvent(z)
+    accountant.compose(event if q == 1 else dp_accounting.PoissonSampledDpEvent(q, event), rounds)
+    return accountant.get_epsilon(delta)
+
+
+def run_service(job, broker, tmp_path, ids, handlers):
+    svc = AggregatorService(job, BrokerConfig.from_url(broker.url), tmp_path, enrolled=set(ids),
+                            evaluate_every_contribution=False)
+    result = {}
+    t = threading.Thread(target=lambda: result.update(svc.run(timeout_s=120)), daemon=True)
+    t.start()
+    agents = [DeviceAgent(d, BrokerConfig.from_url(broker.url), handlers(i)).start() for i, d in enumerate(ids)]
+    t.join(120)
+    for a in agents:
+        a.stop()
+    return result
+
+
+def test_dp_fed3r_over_mosquitto_releases_clipped_sums_plus_noise(broker, tmp_path):
+    ids = [f"dev{i}" for i in range(5)]
+    F, N, z = 4.0, 20, 0.8
+    cfg = {"job_id": "dpf", "num_classes": C, "feature_dim": D, "clients_per_round": 2, "round_timeout_s": 30,
+           "expected_devices": 5, "dp_noise_multiplier": z, "dp_target_epsilon": 8.0, "feature_clip_norm": F,
+           "max_samples": N}
+    job = build_job("fed3r", cfg)
+    result = run_service(job, broker, tmp_path, ids,
+                         lambda i: {"fed3r.stats": Fed3RStatsTask(*device_data(i), lambda b, s, w: Features(D))})
+    assert result["state"] == "done" and len(job.contributed) == 5
+    # reference: every device's first N rows, clipped to F, bias appended
+    A, B = np.zeros((D + 1, D + 1)), np.zeros((D + 1, C))
+    for i in range(5):
+        Z, y = device_data(i)
+        Z, y = Z[:N].astype(np.float64), y[:N]
+        Z *= np.minimum(1.0, F / np.linalg.norm(Z, axis=1, keepdims=True))
+        Zb = np.hstack([Z, np.ones((N, 1))])
+        A += Zb.T @ Zb
+        B += Zb.T @ np.eye(C)[y]
+    iu = np.triu_indices(D + 1)
+    released = job.strategy.released
+    noise = np.concatenate([released.packed_upper() - A[iu], (released.B.cpu().numpy() - B).ravel()])
+    sigma2 = job.strategy.releases * job.config.dp_noise_stddev() ** 2       # one draw per released round
+    assert job.strategy.releases == 3 and np.abs(noise).min() > 0
+    lo, hi = stats.chi2.ppf([1e-6, 1 - 1e-6], noise.size) / noise.size
+    assert lo < np.mean(noise ** 2) / sigma2 < hi
+    saved = json.loads((tmp_path / "results.json").read_text())
+    privacy = saved["final"]["privacy"]
+    assert privacy["epsilon"] == gaussian_epsilon(z, 1, 1.0, 1e-5) and privacy["delta"] == 1e-5
+    assert all("privacy" in e for e in saved["history"])
+
+
+def test_dp_fedavg_over_mosquitto_stops_at_its_budget(broker, tmp_path):
+    ids = [f"dev{i}" for i in range(4)]
+    z, population, target = 1.0, 20, 3.0
+    cfg = {"job_id": "dpa", "num_classes": C, "feature_dim": D, "rounds": 50, "clients_per_round": 2,
+           "round_timeout_s": 30, "local_epochs": 1, "batch_size": 8, "client_lr": 0.05, "expected_devices": 4,
+           "dp_noise_multiplier": z, "dp_clip_norm": 0.5, "dp_population": population, "dp_target_epsilon": target,
+           "dp_adaptive_clip": True}
+    job = build_job("fedavg", cfg)
+    result = run_service(job, broker, tmp_path, ids,
+                         lambda i: {"fedavg.head": HeadTrainingTask(*device_data(i), lambda b, s, w: Features(D))})
+    assert result["state"] == "done"
+    rounds = len(result["rounds"])
+    q = 2 / population
+    assert gaussian_epsilon(z, rounds, q, 1e-5) <= target < gaussian_epsilon(z, rounds + 1, q, 1e-5)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    privacy = saved["final"]["privacy"]
+    assert privacy["releases"] == rounds and privacy["budget_exhausted"]
+    assert privacy["epsilon"] == gaussian_epsilon(z, rounds, q, 1e-5)
+    assert privacy["clip_norm"] != 0.5                     # adaptive clipping moved C
+    assert sum(len(r["accepted"]) for r in result["rounds"]) == 2 * rounds
