@@ -88,10 +88,13 @@ class JobRunner:
         if a.state == "paused" or not self._ready_to_start():
             return
         online = self.fleet.eligible_online() - a.quarantined
+        reachable = self.fleet.reachable(self.offline_grace_s) - a.quarantined
+        if isinstance(a.job, SecureGroupRounds):
+            a.job.note_reachable(reachable)
         participants = a.job.next_participants(online)
         if participants:
             self._open_round(participants, now)
-        elif a.job.finished(online, self.fleet.reachable(self.offline_grace_s) - a.quarantined):
+        elif a.job.finished(online, reachable):
             a.final_state = "done"
 
     # ------------------------------------------------------------------ actions of the round machine

@@ -138,3 +138,20 @@ def test_the_last_group_takes_the_stragglers_instead_of_leaving_too_few_for_a_gr
     job.contributed.update({d: 0 for d in chosen})
     assert sorted(job.next_participants(set(ids))) == sorted(set(ids) - set(chosen))
     assert job.finished(set(ids), set(ids)) is False
+
+
+def test_the_last_group_waits_for_stragglers_offline_within_their_grace():
+    """Six online and one eligible device offline for now (it dropped out and comes back): taking
+    the six would strand it alone, so no round opens until it is back, or no longer reachable."""
+    ids = [f"d{i}" for i in range(7)]
+    reg = IdentityRegistry({d: DeviceIdentity.generate(d).public_key_bytes for d in ids})
+    job = Fed3RSyncJob(Fed3RSyncConfig(job_id="s", num_classes=C, feature_dim=D, max_samples=10, clients_per_round=5),
+                       identity=DeviceIdentity.generate("aggregator"), registry=reg)
+    online = set(ids[:6])
+    job.note_reachable(set(ids))                      # d6 is offline within its grace period
+    assert job.next_participants(online) == [] and not job.finished(online, set(ids))
+    job.note_reachable(online)                        # its grace ran out: the six go on without it
+    assert job.next_participants(online) == ids[:6]
+    job = Fed3RSyncJob(job.config, identity=DeviceIdentity.generate("aggregator"), registry=reg)
+    job.note_reachable(set(ids))
+    assert job.next_participants(set(ids)) == ids     # back online: all seven in the last group

@@ -87,6 +87,9 @@ class Fed3RSyncJob(SecureGroupRounds, Fed3RJob):
         size = self.config.clients_per_round
         if len(pool) - size < MIN_GROUP:
             size = len(pool)     # the stragglers join this group: left over alone they could never be summed
+            away = set(self.eligible(self.reachable)) - set(pool)   # offline for now, within the grace period
+            if 0 < len(away) < MIN_GROUP:
+                return []        # this would be the last group: wait for them (or for their grace to run out)
         chosen = super().next_participants(set(pool), size)
         if self.config.dp:
             c = self.config

@@ -65,6 +65,11 @@ class SecureGroupRounds:
         self._settled: dict[int, tuple[str, ...]] = {}
         self.failed_rounds: list[tuple[int, str]] = []
         self._pending_sends: list[tuple[str, Envelope]] = []   # abort notices of a round closed by its deadline
+        self.reachable: set[str] = set()       # online, or offline within the grace period (the runner's view)
+
+    def note_reachable(self, devices: set[str]) -> None:
+        """Who may still answer (the runner tells before each round): a group can wait for them."""
+        self.reachable = set(devices)
 
     # ---------------------------------------------------------------- for the job
     def open_secure_round(self, round_id: int, members: list[str], vector_length: int, bound: float,
