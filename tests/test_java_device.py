@@ -6,7 +6,9 @@
 * Java devices and Python devices in one Fed3R job over mosquitto, every message signed both ways,
   give the centralized ridge over all their features (numpy and sklearn, relative error ≤ 1e-9),
   and so do they in one Fed3R-Sync group (SecAgg, and SecAgg+ with a device dropping out after
-  its shares), the aggregator seeing only masked vectors;
+  its shares), the aggregator seeing only masked vectors; the SecAgg group also holds Python
+  devices in a torch-free interpreter (``.venv-device``, only ``fedfleet[device]``:
+  tests/torch_free_devices.py), next to the full Python devices in this process;
 * the agent's MQTT life: back online after a broker restart, hostile inbox traffic dropped, results
   re-sent under one id until acknowledged, declines with reasons, last will, clean SIGTERM stop.
 
@@ -35,6 +37,7 @@ pytestmark = pytest.mark.skipif(java_build.missing() is not None, reason=str(jav
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "protocols" / "golden"
+DEVICE_PYTHON = ROOT / ".venv-device" / "bin" / "python"
 D, C, N = 6, 3, 30
 
 
@@ -92,11 +95,33 @@ class StopsAfterShares:
         return self.inner.on_message(env)
 
 
+def start_torch_free_devices(broker, tmp_path: Path, keys: dict, aggregator_key: bytes) -> subprocess.Popen:
+    """The LITE_IDS devices, in one process of the device venv's interpreter (no torch), reading
+    the same FeatureFiles as the Java devices; they stop when their stdin closes."""
+    devices = []
+    for d in LITE_IDS:
+        (tmp_path / f"{d}.pem").write_bytes(keys[d].to_pem())
+        devices.append({"id": d, "features": str(write_features(tmp_path / f"{d}.feat", *fleet_data(ALL_IDS.index(d)))),
+                        "identity": str(tmp_path / f"{d}.pem")})
+    config = tmp_path / "torch_free_devices.json"
+    config.write_text(json.dumps({"broker": broker.url, "aggregator_key": aggregator_key.hex(), "devices": devices}))
+    proc = subprocess.Popen([str(DEVICE_PYTHON), str(ROOT / "tests" / "torch_free_devices.py"), str(config)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    for d in LITE_IDS:              # connected before the job starts (it waits for all expected devices anyway)
+        line = proc.stdout.readline().strip()
+        if line != f"ONLINE {d}":
+            proc.kill()
+            pytest.fail(f"torch-free devices: {line!r}\n{proc.communicate(timeout=10)[1][-3000:]}")
+    return proc
+
+
 def run_mixed_fleet(java_cp: str, broker, tmp_path: Path, secure: bool, graph: str = "complete",
-                    dropper: str | None = None, java_chunk_size: int | None = None):
-    """3 Java devices (one JVM) and 3 Python devices, every envelope signed both ways, in one Fed3R
-    job (or Fed3R-Sync: one SecAgg group of all six, ``dropper`` silent after its shares); returns
-    (job, config, the envelopes the aggregator received (reassembled), the senders of chunks)."""
+                    dropper: str | None = None, java_chunk_size: int | None = None, torch_free: bool = False):
+    """3 Java devices (one JVM) and 3 Python devices (with ``torch_free``, 2 more in a torch-free
+    interpreter), every envelope signed both ways, in one Fed3R job (or Fed3R-Sync: one SecAgg group
+    of them all, ``dropper`` silent after its shares); returns (job, config, the envelopes the
+    aggregator received (reassembled), the senders of chunks, the devices)."""
     from ops_fleet import Features, RecordingService
 
     from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
@@ -108,12 +133,13 @@ def run_mixed_fleet(java_cp: str, broker, tmp_path: Path, secure: bool, graph: s
     from protocols.mqtt_link import BrokerConfig
     from protocols.payloads.secagg import SECAGG_TYPE, SYNC_KIND
 
+    devices = DEVICES + LITE_IDS if torch_free else DEVICES
     seeds = {d: os.urandom(32) for d in JAVA_IDS}
     keys = {**{d: DeviceIdentity.from_private_bytes(d, s) for d, s in seeds.items()},
-            **{d: DeviceIdentity.generate(d) for d in PY_IDS}}
+            **{d: DeviceIdentity.generate(d) for d in devices if d not in seeds}}
     agg = DeviceIdentity.generate("aggregator")
-    common = dict(job_id="mixed", num_classes=C, feature_dim=D, clients_per_round=len(DEVICES),
-                  expected_devices=len(DEVICES), start_timeout_s=30, round_timeout_s=60)
+    common = dict(job_id="mixed", num_classes=C, feature_dim=D, clients_per_round=len(devices),
+                  expected_devices=len(devices), start_timeout_s=30, round_timeout_s=60)
     if secure:
         cfg = Fed3RSyncConfig(**common, max_samples=100, max_abs_feature=20.0, phase_timeout_s=4, max_attempts=1,
                               graph=graph)
@@ -122,9 +148,10 @@ def run_mixed_fleet(java_cp: str, broker, tmp_path: Path, secure: bool, graph: s
     else:
         cfg = Fed3RConfig(**common, max_attempts=2)
         job = Fed3RJob(cfg)
-    service = RecordingService(job, broker.url, tmp_path / "out", set(DEVICES), timeout_s=90,
+    lite = start_torch_free_devices(broker, tmp_path, keys, agg.public_key_bytes) if torch_free else None
+    service = RecordingService(job, broker.url, tmp_path / "out", set(devices), timeout_s=90,
                                require_signatures=True, identity=agg)
-    for d in DEVICES:
+    for d in devices:
         service.svc.registry.enroll(d, keys[d].public_key_bytes)
 
     cmd = ["java", "-cp", java_cp, "org.fedfleet.device.HeadlessDevices", "--stop-on-stdin-eof", "--broker", broker.url,
@@ -150,25 +177,31 @@ def run_mixed_fleet(java_cp: str, broker, tmp_path: Path, secure: bool, graph: s
         a.stop()
     out, err = jvm.communicate(timeout=30)     # stdin closes: the Java devices say offline and exit
     assert jvm.returncode == 0, err[-3000:]
+    if lite is not None:                       # so do the torch-free ones
+        lite_out, lite_err = lite.communicate(timeout=30)
+        assert lite.returncode == 0, lite_err[-3000:]
+        for d in LITE_IDS:
+            assert f"STATS {d} done=1 declined=0" in lite_out, (lite_out, lite_err[-3000:])
     assert result.get("state") == "done", (result, err[-3000:])
-    assert sorted(result["contributed"]) == sorted(set(DEVICES) - {dropper}), (result, err[-3000:])
+    assert sorted(result["contributed"]) == sorted(set(devices) - {dropper}), (result, err[-3000:])
     for d in JAVA_IDS:
         assert f"ONLINE {d}" in out and f"STATS {d} done=1 declined=0 " in out, (out, err[-3000:])
     from protocols.envelope import decode
 
     chunk_senders = {env.sender for env in map(decode, service.seen) if env.type == "chunk"}
-    return job, cfg, service.received_envelopes(), chunk_senders
+    return job, cfg, service.received_envelopes(), chunk_senders, devices
 
 
-JAVA_IDS, PY_IDS = ["java0", "java1", "java2"], ["py0", "py1", "py2"]
+JAVA_IDS, PY_IDS, LITE_IDS = ["java0", "java1", "java2"], ["py0", "py1", "py2"], ["lite0", "lite1"]
 DEVICES = JAVA_IDS + PY_IDS
+ALL_IDS = DEVICES + LITE_IDS          # a device's index here seeds its synthetic data
 
 
 def assert_centralized_ridge(job, lam: float, devices=DEVICES) -> None:
     """The job's ridge equals the centralized one over the devices' features (bias as a column,
     regularised like the rest), by numpy and by sklearn."""
-    Z = np.vstack([fleet_data(DEVICES.index(d))[0] for d in devices]).astype(np.float64)
-    y = np.concatenate([fleet_data(DEVICES.index(d))[1] for d in devices])
+    Z = np.vstack([fleet_data(ALL_IDS.index(d))[0] for d in devices]).astype(np.float64)
+    y = np.concatenate([fleet_data(ALL_IDS.index(d))[1] for d in devices])
     Za, Y = np.hstack([Z, np.ones((len(Z), 1))]), np.eye(C)[y]
     W_ref = np.linalg.solve(Za.T @ Za + lam * np.eye(D + 1), Za.T @ Y)
     W_sk = Ridge(alpha=lam, fit_intercept=False, solver="cholesky").fit(Za, Y).coef_.T
@@ -178,20 +211,27 @@ def assert_centralized_ridge(job, lam: float, devices=DEVICES) -> None:
 
 
 def test_mixed_java_and_python_fleet_gives_the_centralized_ridge(java_cp, broker, tmp_path):
-    job, cfg, received, chunk_senders = run_mixed_fleet(java_cp, broker, tmp_path, secure=False, java_chunk_size=200)
+    job, cfg, received, chunk_senders, _ = run_mixed_fleet(java_cp, broker, tmp_path, secure=False, java_chunk_size=200)
     assert {env.sender for env in received if env.type == "result"} == set(DEVICES)
     assert chunk_senders == set(JAVA_IDS)        # the Java devices' results travelled as 200-byte chunks
     assert_centralized_ridge(job, cfg.lam)
 
 
-@pytest.mark.parametrize("graph, dropper", [("complete", None), ("regular", "py1")])
+@pytest.mark.parametrize("graph, dropper, torch_free", [("complete", None, True), ("regular", "py1", False)])
 def test_mixed_fleet_fed3r_sync_under_secure_aggregation_gives_the_centralized_ridge(java_cp, broker, tmp_path,
-                                                                                    graph, dropper):
-    """Java and Python devices in one SecAgg (complete graph) or SecAgg+ (4-regular graph over 6)
-    group of Fed3R-Sync: the aggregator only ever gets masked vectors, from Java devices too, and
-    the sum is the centralized ridge's statistics over the survivors; with a device that goes
-    silent after sending its shares, the Java devices reveal their shares of its mask key."""
-    job, cfg, received, _ = run_mixed_fleet(java_cp, broker, tmp_path, secure=True, graph=graph, dropper=dropper)
+                                                                                    graph, dropper, torch_free):
+    """Java and Python devices in one SecAgg (complete graph over 8: Java, full Python and
+    torch-free Python devices) or SecAgg+ (4-regular graph over 6) group of Fed3R-Sync: the
+    aggregator only ever gets masked vectors, from Java devices too, and the sum is the centralized
+    ridge's statistics over the survivors; with a device that goes silent after sending its shares,
+    the Java devices reveal their shares of its mask key."""
+    if torch_free:
+        if not DEVICE_PYTHON.exists():
+            pytest.skip(f"{DEVICE_PYTHON} is missing (the torch-free device venv): `make setup` builds it")
+        probe = subprocess.run([str(DEVICE_PYTHON), "-c", "import torch"], capture_output=True, text=True, check=False)
+        assert probe.returncode != 0 and "No module named 'torch'" in probe.stderr, "the device venv has torch"
+    job, cfg, received, _, devices = run_mixed_fleet(java_cp, broker, tmp_path, secure=True, graph=graph,
+                                                     dropper=dropper, torch_free=torch_free)
     types = {env.type for env in received}
     assert "secagg" in types and "result" not in types
     assert all("A_upper" not in env.tensors for env in received)
@@ -199,10 +239,10 @@ def test_mixed_fleet_fed3r_sync_under_secure_aggregation_gives_the_centralized_r
     def secagg(kind):
         return [env for env in received if env.type == "secagg" and env.body["secagg"]["type"] == kind]
 
-    survivors = [d for d in DEVICES if d != dropper]
+    survivors = [d for d in devices if d != dropper]
     assert {env.sender for env in secagg("secagg.masked_input")} == set(survivors)
-    assert {env.sender for env in secagg("secagg.encrypted_shares")} == set(DEVICES)
-    degree = 4 if graph == "regular" else len(DEVICES) - 1     # SecAgg+: each device shares with 4 of 5 peers
+    assert {env.sender for env in secagg("secagg.encrypted_shares")} == set(devices)
+    degree = 4 if graph == "regular" else len(devices) - 1     # SecAgg+: each device shares with 4 of 5 peers
     assert all(len(env.body["secagg"]["recipients"]) == degree for env in secagg("secagg.encrypted_shares"))
     if dropper:     # some Java device held a share of the dropper's mask key and revealed it, no b share of it
         revealed = [env.body["secagg"] for env in secagg("secagg.unmask_shares") if env.sender in JAVA_IDS]
