@@ -1,0 +1,123 @@
+"""The aggregator store's tables (SQLite, one file, WAL), with what each row means.
+:mod:`aggregator.store` is the only module that reads or writes them."""
+
+SCHEMA_VERSION = 1
+JOB_STATES = ("created", "queued", "running", "paused", "cancelled", "done", "stopped")
+FINAL_JOB_STATES = ("cancelled", "done")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS devices (
+    device_id     TEXT PRIMARY KEY,
+    status        TEXT NOT NULL DEFAULT 'enrolled' CHECK (status IN ('enrolled', 'revoked')),
+    public_key    BLOB,
+    mqtt_password_hash TEXT,
+    enrolled_at   REAL,
+    revoked_at    REAL,
+    last_seen     REAL,
+    online        INTEGER NOT NULL DEFAULT 0,
+    profile       TEXT NOT NULL DEFAULT '{}',
+    cluster       TEXT
+);
+CREATE TABLE IF NOT EXISTS jobs (
+    job_id      TEXT PRIMARY KEY,
+    kind        TEXT NOT NULL,
+    config      TEXT NOT NULL,
+    state       TEXT NOT NULL,
+    created_at  REAL NOT NULL,
+    updated_at  REAL NOT NULL,
+    started_at  REAL,
+    finished_at REAL,
+    counters    TEXT,
+    summary     TEXT
+);
+CREATE TABLE IF NOT EXISTS rounds (
+    job_id       TEXT NOT NULL REFERENCES jobs(job_id),
+    round        INTEGER NOT NULL,
+    state        TEXT NOT NULL CHECK (state IN ('open', 'closed')),
+    participants TEXT NOT NULL,
+    tasks        TEXT NOT NULL,
+    bookkeeping  TEXT NOT NULL,
+    opened_at    REAL NOT NULL,
+    deadline     REAL NOT NULL,
+    closed_at    REAL,
+    outcome      TEXT,
+    bytes_in     INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (job_id, round)
+);
+CREATE TABLE IF NOT EXISTS round_events (
+    job_id  TEXT NOT NULL,
+    round   INTEGER NOT NULL,
+    device  TEXT NOT NULL,
+    event   TEXT NOT NULL CHECK (event IN ('declined', 'rejected')),
+    reason  TEXT NOT NULL,
+    at      REAL NOT NULL,
+    PRIMARY KEY (job_id, round, device)
+);
+CREATE TABLE IF NOT EXISTS contributions (
+    seq         INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id      TEXT NOT NULL,
+    round       INTEGER NOT NULL,
+    device      TEXT NOT NULL,
+    message_id  TEXT NOT NULL,
+    payload     BLOB NOT NULL,
+    received_at REAL NOT NULL,
+    UNIQUE (job_id, message_id),
+    UNIQUE (job_id, round, device)
+);
+CREATE TABLE IF NOT EXISTS quarantine (
+    job_id      TEXT NOT NULL,
+    round       INTEGER NOT NULL,
+    device      TEXT NOT NULL,
+    message_id  TEXT NOT NULL,
+    reason      TEXT NOT NULL,
+    at          REAL NOT NULL,
+    PRIMARY KEY (job_id, message_id)
+);
+CREATE TABLE IF NOT EXISTS forgotten (
+    job_id        TEXT NOT NULL,
+    device        TEXT NOT NULL,
+    contributions INTEGER NOT NULL,
+    at            REAL NOT NULL,
+    PRIMARY KEY (job_id, device)
+);
+CREATE TABLE IF NOT EXISTS checkpoints (
+    job_id      TEXT PRIMARY KEY,
+    round       INTEGER NOT NULL,
+    state       BLOB NOT NULL,
+    contributed TEXT NOT NULL,
+    created_at  REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS evaluations (
+    job_id TEXT NOT NULL,
+    idx    INTEGER NOT NULL,
+    entry  TEXT NOT NULL,
+    PRIMARY KEY (job_id, idx)
+);
+CREATE TABLE IF NOT EXISTS models (
+    model_id      INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id        TEXT NOT NULL,
+    version       INTEGER NOT NULL,
+    round         INTEGER NOT NULL,
+    parent_id     INTEGER REFERENCES models(model_id),
+    contributions INTEGER NOT NULL,
+    sha256        TEXT NOT NULL,
+    arrays        BLOB NOT NULL,
+    metrics       TEXT NOT NULL,
+    final         INTEGER NOT NULL DEFAULT 0,
+    created_at    REAL NOT NULL,
+    UNIQUE (job_id, version)
+);
+CREATE TABLE IF NOT EXISTS clusters (
+    cluster_id TEXT PRIMARY KEY,
+    label      TEXT NOT NULL DEFAULT '',
+    job_id     TEXT,
+    model_id   INTEGER,
+    created_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS settings (
+    key   TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS contributions_by_job ON contributions (job_id, seq);
+"""
