@@ -14,6 +14,7 @@ from typing import Any
 
 from protocols.rounds import RoundClosed, RoundCoordinator
 
+from .canonical import AppliedContributions
 from .jobs import Job
 
 # Why a message was refused: a fixed set, so metrics labels and counters stay bounded whatever
@@ -74,6 +75,7 @@ class ActiveJob:
     cancelling: bool = False
     final_state: str | None = None              # done | cancelled once the job is over
     quarantined: set[str] = field(default_factory=set)   # devices whose contribution broke the job: not asked again
+    applied: AppliedContributions = field(default_factory=AppliedContributions)   # what the live job summed, in order
 
     @property
     def job_id(self) -> str:

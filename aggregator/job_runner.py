@@ -25,12 +25,12 @@ from protocols.topics import AGGREGATOR_ID
 from . import reporting
 from .round_log import FILE_NAME as ROUND_LOG, SETTING_PREFIX, RoundLog
 from .active_job import ActiveJob
+from .canonical import reported_job
 from .crash_points import CrashPoints
 from .fleet import Fleet
 from .jobs import Job
 from .jobs.registry import KINDS
 from .jobs.secure_rounds import SecureGroupRounds
-from .recovery import canonical_job
 from .store import FINAL_JOB_STATES, Store, StoreError
 
 log = logging.getLogger("fedfleet.aggregator")
@@ -132,6 +132,7 @@ class JobRunner:
         self.crash("contribution_stored")
         try:
             a.job.apply(act.device, act.result.payload)
+            a.applied.record(act.device, round_, act.message_id, act.result.payload, len(act.result.raw))
             self.events.write("contribution", round_, device=act.device, message_id=act.message_id)
             if self.eval_each:
                 self._record_eval()
@@ -189,9 +190,10 @@ class JobRunner:
         """(state_dict, contributed) of the job as this round closes: what a restart resumes from."""
         return self.a.job.state_dict(), self.a.job.contributed
 
-    def _record_eval(self) -> None:
+    def _record_eval(self, job: Job | None = None) -> None:
+        """Evaluate the live job (or ``job``, the model it reports) and record it in the history."""
         a = self.a
-        entry = a.job.evaluate(*self._eval_arrays())
+        entry = {**(job or a.job).evaluate(*self._eval_arrays()), "round": a.job.round}
         entry.update(t=time.time() - a.started_at, bytes_in=a.stats.bytes_in, bytes_out=self.bytes_sent())
         a.history.append(entry)
         self.events.evaluation(entry.get("round", a.job.round), entry)
@@ -261,13 +263,17 @@ class JobRunner:
         a = self.a
         state = a.final_state or "stopped"
         self.crash("job_finishing")
-        if not a.history or a.history[-1]["contributions"] != a.job.contributions:
-            self._record_eval()
-        final_job, final_eval = a.job, a.history[-1]
+        final_job = a.job
         if state in FINAL_JOB_STATES and self.store is not None and getattr(a.job, "order_free", False) \
                 and a.kind in KINDS:
-            final_job = self._canonical_job()
-            final_eval = {**final_eval, **final_job.evaluate(*self._eval_arrays()), "round": a.job.round}
+            final_job = reported_job(a.applied, a.job, self.store, a.kind, a.job_id)
+        if not a.history or a.history[-1]["contributions"] != a.job.contributions:
+            self._record_eval(final_job)            # the last evaluation is the reported model's
+            final_eval = a.history[-1]
+        elif final_job is a.job:
+            final_eval = a.history[-1]
+        else:
+            final_eval = {**a.history[-1], **final_job.evaluate(*self._eval_arrays()), "round": a.job.round}
         summary = reporting.job_summary(a, state, final_eval, self.bytes_sent())
         summary["not_contributed"] = {d: self.fleet.why_missing(d, self.offline_grace_s)
                                       for d in sorted(self.fleet.seen - set(a.job.contributed))}
@@ -284,7 +290,3 @@ class JobRunner:
         self.events.write("job_end", a.job.round, state=state, accuracy=final_eval.get("accuracy"))
         self.publish_status(state)
         return summary
-
-    def _canonical_job(self) -> Job:
-        """The job rebuilt from its stored contributions in device-id order (order-free jobs only)."""
-        return canonical_job(self.store, self.a.kind, self.a.job.config.to_dict(), self.a.job_id)

@@ -29,8 +29,6 @@ from protocols.envelope import decode
 from protocols.rounds import Declined, ResultInvalid, RoundClosed, RoundCoordinator, RoundState, Tick
 
 from .active_job import ActiveJob, ServiceStats
-from .jobs import SplitValidation
-from .jobs.registry import build_job
 from .store import FINAL_JOB_STATES, Store, StoreError
 
 log = logging.getLogger("fedfleet.aggregator")
@@ -39,6 +37,7 @@ log = logging.getLogger("fedfleet.aggregator")
 def restore_job(a: ActiveJob, row: dict, store: Store, checkpoints: bool) -> None:
     """Bring ``a`` (a freshly built job) to where the stored job was; see the module docstring."""
     t0 = time.perf_counter()
+    a.applied.invalidate()          # the live job starts from stored state: its sums are not canonical
     a.stats = ServiceStats.from_dict(row.get("counters") or {})
     a.started_at = row["started_at"] or row["created_at"]
     done_round = _load_checkpoint(a, store) if checkpoints else 0
@@ -63,16 +62,6 @@ def restore_job(a: ActiveJob, row: dict, store: Store, checkpoints: bool) -> Non
         store.set_job_state(a.job_id, "running")
     log.warning("job %s restored: %d rounds, checkpoint of round %d, %d contributions replayed in %.3fs",
                 a.job_id, len(rounds), done_round, replay.replayed, time.perf_counter() - t0)
-
-
-def canonical_job(store: Store, kind: str, config: dict, job_id: str):
-    """An order-free job (Fed3R) rebuilt from its stored contributions in device-id order: what
-    the finished job reports, so its model depends only on which devices contributed."""
-    fresh = build_job(kind, config)
-    parse = fresh.parse_accepted if isinstance(fresh, SplitValidation) else fresh.parse_result   # stored = validated
-    for c in store.contributions(job_id, canonical=True):
-        fresh.apply(c.device, parse(decode(c.payload)))
-    return fresh
 
 
 def _load_checkpoint(a: ActiveJob, store: Store) -> int:

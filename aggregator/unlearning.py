@@ -4,7 +4,7 @@ forget ID``).
 Fed3R's model is a function of Σ_k A_k and Σ_k B_k only, so deleting a device's stored
 statistics and re-solving gives *the* ridge solution without that device: equal, bit for bit, to a
 run the device never took part in, because both sum the remaining contributions in device-id
-order (``recovery.canonical_job``). What is deleted is gone from the store for good (its rows and
+order (``canonical.canonical_job``). What is deleted is gone from the store for good (its rows and
 the job's checkpoint, a sum that held it); a restart replays only what is left.
 
 Other kinds cannot forget exactly, and say why (``NOT_FORGETTABLE``): a gradient-trained model
@@ -15,7 +15,7 @@ and Fed3R-Sync never held the device's statistics on their own — only its grou
 
 from __future__ import annotations
 
-from .recovery import canonical_job
+from .canonical import canonical_job
 from .store import FINAL_JOB_STATES, Store
 
 FORGETTABLE = ("fed3r",)

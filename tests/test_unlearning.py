@@ -10,7 +10,7 @@ import numpy as np
 
 from aggregator.api.app import create_app
 from aggregator.api.server import ApiServer
-from aggregator.recovery import canonical_job
+from aggregator.canonical import canonical_job
 from aggregator.store import Store
 from fedfleet.admin import main as admin
 

@@ -62,7 +62,7 @@ class Fed3R:
         """Whether U + τI has a Cholesky factor, U symmetric and filled in its upper triangle only,
         on the strategy's device (the GPU when there is one): the Gram check ``parse_stats`` runs
         on every dense contribution, one factorisation that reads only that triangle."""
-        t = torch.as_tensor(upper, dtype=torch.float64, device=self.device)
+        t = torch.as_tensor(upper, device=self.device)       # in the array's precision (float32 or float64)
         t.diagonal().add_(tau)
         return int(torch.linalg.cholesky_ex(t, upper=True)[1]) == 0
 

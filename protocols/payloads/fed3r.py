@@ -27,8 +27,8 @@ factor costs r·p + r·m values against p(p+1)/2 + m·p: at d = 1280 and r ≤ 6
 paper's fp32 statistics. Absent ``a_format`` means ``"packed"`` (the triangle above).
 
 Before anything is stored, the statistics must be what they claim (``parse_stats``): exactly the
-declared tensors, finite, A symmetric positive semi-definite within the tolerance of its wire
-precision (A + τI has a Cholesky factor, τ = 4·p·ε(dtype)·max diag A), and consistent with n
+declared tensors, finite, A symmetric positive semi-definite within the float32 wire precision
+(D^-½AD^-½ + τI has a Cholesky factor, D = diag A, τ = 4·p·ε(float32); ``check_gram``), and consistent with n
 (with a bias column, A's last diagonal entry is n and the bias column of b holds class counts
 summing to n).
 """
@@ -141,14 +141,15 @@ def encode_stats(a_full: np.ndarray, class_ids: np.ndarray, b_rows: np.ndarray, 
     return body, tensors
 
 
-# (U, τ) -> whether U + τI has a Cholesky factor, U holding a symmetric matrix in its upper
-# triangle only (zeros below; ``triu_fill``); the aggregator injects its own (torch, on the GPU
-# when there is one) so that protocols stays free of torch; the default is LAPACK's through numpy.
+# (U, τ) -> whether U + τI has a Cholesky factor, computed in U's dtype (float32 or float64), U
+# holding a symmetric matrix in its upper triangle only (zeros below; ``triu_fill``); the
+# aggregator injects its own (torch, on the GPU when there is one) so that protocols stays free of
+# torch; the default is LAPACK's through numpy.
 PositiveDefinite = Callable[[np.ndarray, float], bool]
 
 
 def numpy_positive_definite(upper: np.ndarray, tau: float) -> bool:
-    shifted = upper.T + tau * np.eye(len(upper))     # lower-filled: numpy's Cholesky reads only that triangle
+    shifted = upper.T + tau * np.eye(len(upper), dtype=upper.dtype)   # lower-filled: numpy's Cholesky reads only that triangle
     try:
         np.linalg.cholesky(shifted)
         return True
@@ -244,17 +245,33 @@ def _parse_factor(msg: Envelope, n: int, p: int, num_classes: int) -> Fed3RStats
 
 
 def check_gram(a_upper: np.ndarray, p: int, eps: float, positive_definite: PositiveDefinite = numpy_positive_definite) -> None:
-    """Refuse a packed symmetric A that is not positive semi-definite within its wire precision:
-    A + τI must have a Cholesky factor, τ = 4·p·eps·max diag (rounding each entry of a Gram matrix
-    to the wire dtype moves its eigenvalues by less than that). One factorisation and nothing
-    else of size p²: it implies every cheaper necessary condition (|A_ij|² ≤ A_ii·A_jj, ...)."""
-    diag = a_upper[list(_row_starts(p)[:-1])]
+    """Refuse a packed symmetric A that is not positive semi-definite within the float32 wire
+    precision, the coarsest one a job accepts: with D = diag A, D^-½ A D^-½ + τI must have a
+    Cholesky factor, τ = 4·p·ε(float32) (rounding each entry of a Gram matrix to float32 moves the
+    eigenvalues of its unit-diagonal form by less than that). A sender could always have sent its
+    matrix in float32 and been held to exactly this bound, so checking a float64 matrix more
+    strictly would buy nothing against an attacker; per coordinate (D^-½ A D^-½) it is stricter than
+    one shift by the largest diagonal entry. The factorisation runs in float32, a third of the
+    float64 one's time: it is the largest cost of ingesting a dense upload. An honest matrix whose
+    float32 factorisation fails on rounding alone (never seen, but not excluded by the bound) gets
+    the float64 check at its own wire precision (τ = 4·p·eps·max diag) before it is refused."""
+    full = triu_fill(a_upper, p)
+    diag = full.diagonal().copy()
     if (diag < 0).any():
         raise EnvelopeError(f"{KIND}: A has a negative diagonal entry; not a Gram matrix")
-    scale = float(diag.max()) if diag.size else 0.0
-    tau = 4 * p * eps * scale + np.finfo(np.float64).tiny
-    if not positive_definite(triu_fill(a_upper, p), tau):
-        raise EnvelopeError(f"{KIND}: A is not positive semi-definite (within {tau:.3g}); not a Gram matrix")
+    dead = diag == 0
+    if dead.any() and (full[dead].any() or full[:, dead].any()):
+        raise EnvelopeError(f"{KIND}: A has a zero diagonal entry with a non-zero row; not a Gram matrix")
+    inv_sqrt = (1.0 / np.sqrt(np.where(dead, 1.0, diag))).astype(np.float32)
+    unit = full.astype(np.float32)                       # upper-filled; scaled in place to a unit diagonal
+    unit *= inv_sqrt[:, None]
+    unit *= inv_sqrt[None, :]
+    if positive_definite(unit, 4 * p * float(np.finfo(np.float32).eps)):
+        return
+    tau = 4 * p * eps * float(diag.max(initial=0.0)) + np.finfo(np.float64).tiny
+    if not positive_definite(full, tau):
+        raise EnvelopeError(f"{KIND}: A is not positive semi-definite (within its wire precision); "
+                            f"not a Gram matrix")
 
 
 def _check_counts(stats: Fed3RStats, n: int) -> None:
