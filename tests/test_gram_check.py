@@ -1,0 +1,67 @@
+"""The Gram check a dense Fed3R upload gets before it is stored (``check_gram``): positive
+semi-definite within the float32 wire precision, per coordinate (D^-½AD^-½ + τI, τ = 4·p·ε32),
+judged against numpy's eigenvalues of that unit-diagonal matrix; the same verdicts through the
+aggregator's torch factorisation and through LAPACK's via numpy."""
+
+import numpy as np
+import pytest
+
+from aggregator.strategies.fed3r import Fed3R
+from protocols.envelope import EnvelopeError
+from protocols.payloads.fed3r import check_gram, numpy_positive_definite, triu_pack
+
+P = 129
+EPS64, EPS32 = float(np.finfo(np.float64).eps), float(np.finfo(np.float32).eps)
+CHECKS = {"numpy": numpy_positive_definite, "torch": Fed3R(3, P, 0.01).positive_definite}
+
+
+def honest(rng, n) -> np.ndarray:
+    """ReLU-like features on very different scales, dead (all-zero) dimensions, a bias column."""
+    X = np.abs(rng.normal(size=(n, P - 1))) * 10.0 ** rng.uniform(-4, 4, P - 1)
+    X[:, rng.choice(P - 1, 20, replace=False)] = 0.0
+    Z = np.hstack([X, np.ones((n, 1))])
+    return Z.T @ Z
+
+
+def unit_min_eig(A: np.ndarray) -> float:
+    d = np.diag(A)
+    s = 1 / np.sqrt(np.where(d > 0, d, 1.0))
+    return float(np.linalg.eigvalsh(A * s[:, None] * s[None, :])[0])
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_honest_gram_matrices_pass_rank_deficient_or_not(check):
+    rng = np.random.default_rng(0)
+    for n in (3, 40, 500):
+        check_gram(triu_pack(honest(rng, n)), P, EPS64, CHECKS[check])
+        check_gram(triu_pack(honest(rng, n).astype(np.float32).astype(np.float64)), P, EPS32, CHECKS[check])
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_a_negative_direction_beyond_the_float32_bound_is_refused(check):
+    rng = np.random.default_rng(1)
+    A = honest(rng, 500)
+    d = np.sqrt(np.diag(A))
+    live = d > 0
+    S = A[np.ix_(live, live)] / np.outer(d[live], d[live])
+    lam, U = np.linalg.eigh(S)
+    for depth in (1e-2, 1e-1, 1.0):        # the unit-diagonal form's smallest eigenvalue moved to -depth
+        bad = A.copy()
+        bent = S - (lam[0] + depth) * np.outer(U[:, 0], U[:, 0])
+        bad[np.ix_(live, live)] = bent * np.outer(d[live], d[live])
+        assert unit_min_eig(bad) < -4 * P * EPS32
+        with pytest.raises(EnvelopeError, match="not positive semi-definite"):
+            check_gram(triu_pack(bad), P, EPS64, CHECKS[check])
+
+
+def test_a_zero_diagonal_entry_with_a_non_zero_row_and_a_negative_diagonal_are_refused():
+    A = honest(np.random.default_rng(2), 50)
+    dead = int(np.flatnonzero(np.diag(A) == 0)[0])
+    bad = A.copy()
+    bad[dead, -1] = bad[-1, dead] = 1e-3          # |A_ij|² > A_ii·A_jj = 0
+    with pytest.raises(EnvelopeError, match="zero diagonal entry"):
+        check_gram(triu_pack(bad), P, EPS64)
+    neg = A.copy()
+    neg[0, 0] = -1.0
+    with pytest.raises(EnvelopeError, match="negative diagonal"):
+        check_gram(triu_pack(neg), P, EPS64)
