@@ -169,11 +169,24 @@ def envelope_schema() -> dict:
 
 @lru_cache(maxsize=1)
 def _validator():
+    """The reference validator (python-jsonschema): it words the error of an invalid header."""
     import jsonschema
 
     schema = envelope_schema()
     jsonschema.Draft202012Validator.check_schema(schema)
     return jsonschema.Draft202012Validator(schema)
+
+
+@lru_cache(maxsize=1)
+def _fast_is_valid():
+    """``header -> bool`` by jsonschema-rs (compiled, ~150x faster: a chunked 6.6 MB upload is 26
+    headers, and the reference validator cost more per chunk than the broker takes to move it);
+    the reference validator where it is not installed."""
+    try:
+        import jsonschema_rs
+    except ImportError:
+        return _validator().is_valid
+    return jsonschema_rs.validator_for(envelope_schema()).is_valid
 
 
 def encode(msg: Envelope, signer: Signer | None = None) -> bytes:
@@ -260,11 +273,15 @@ def _checked_header(data: bytes, max_bytes: int) -> dict:
         header = parse_strict_json(data[PREFIX_LEN:PREFIX_LEN + hlen])
     except ValueError as exc:     # UnicodeError and JSONDecodeError are ValueErrors
         raise EnvelopeError(f"header is not strict UTF-8 JSON: {exc}") from exc
-    errors = sorted(_validator().iter_errors(header), key=lambda e: list(e.path))
-    if errors:
-        e = errors[0]
-        where = "/".join(str(p) for p in e.path) or "<header>"
-        raise EnvelopeError(f"header invalid at {where}: {e.message}")
+    if not _fast_is_valid()(header):
+        # the rare path (a broken or hostile sender): the reference validator says where. Its
+        # regular expressions are Python's, whose "$" also matches before a final newline; where
+        # it finds nothing the stricter ECMA-262 ones of jsonschema-rs refused, the header is refused.
+        errors = sorted(_validator().iter_errors(header), key=lambda e: list(e.path))
+        if not errors:
+            raise EnvelopeError("header invalid: a string field does not match its pattern")
+        where = "/".join(str(p) for p in errors[0].path) or "<header>"
+        raise EnvelopeError(f"header invalid at {where}: {errors[0].message}")
     _check_integer_fields(header)
     if header["v"] != PROTOCOL_VERSION:
         raise EnvelopeError(f"unsupported protocol version {header['v']} (this side speaks {PROTOCOL_VERSION})")
