@@ -78,6 +78,8 @@ class SecureLaddConfig(LaddConfig):
             raise ValueError("min_cluster_contributors must be >= 2 (a one-device slot is that device's update)")
         if self.max_samples < 1 or not self.max_abs_param > 0:
             raise ValueError("max_samples >= 1 and max_abs_param > 0 required")
+        if self.dp:
+            raise ValueError("ladd-secure does not take dp_* fields yet")
 
 
 class SecureLaddJob(SecureGroupRounds, LaddJob):
