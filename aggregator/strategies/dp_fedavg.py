@@ -102,9 +102,9 @@ class ClippedSum:
         for k, v in delta.items():
             if k not in self.total or np.shape(v) != self.total[k].shape:
                 raise ValueError(f"delta slot {k!r} is not one of the round's (or has the wrong shape)")
+            if not np.isfinite(v).all():
+                raise ValueError(f"delta slot {k!r} contains NaN or Inf")
         clipped, norm = clip_update(delta, self.clip_norm)
-        if not math.isfinite(norm):
-            raise ValueError("delta contains NaN or Inf")
         for k, v in clipped.items():
             self.total[k] += v
         self.norms.append(norm)

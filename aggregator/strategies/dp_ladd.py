@@ -78,8 +78,8 @@ class DPClusterAveraging(ClusterAveraging):
         for name, value in tensors.items():
             slot, start = ((cluster, self.start_clusters[cluster]) if self.is_cluster_specific(name)
                            else (GLOBAL, self.start_global))
-            if name not in start:
-                raise ValueError(f"update carries unknown tensor {name!r}")
+            if name not in start or np.shape(value) != np.shape(start[name]):
+                raise ValueError(f"update tensor {name!r} is not one of the round's slots (or has the wrong shape)")
             delta[(slot, name)] = np.asarray(value, np.float64) - np.asarray(start[name], np.float64)
         self.round_sum.add(delta)
         self._counted(cluster)
