@@ -1,7 +1,9 @@
-"""Central DP for LADD against numpy references: each device's joint delta (its φ and its cluster's
-θ together) is clipped to C, every released slot gets N(0, (zC)²) noise over the selected counts,
-the job's ε is dp-accounting's own for (z, training rounds, q), and a LADD job refuses to start
-(HTTP 422 through the admin API) or stops when its budget would be exceeded."""
+"""DP for LADD against numpy references. Central: each device's joint delta (its φ and its
+cluster's θ together) is clipped to C, every released slot gets N(0, (zC)²) noise over the
+selected counts, the job's ε is dp-accounting's own for (z, training rounds, q), and a LADD job
+refuses to start (HTTP 422 through the admin API) or stops when its budget would be exceeded.
+Distributed (ladd-secure): devices clip the same way and add their Skellam share in the ring,
+through a real SecAgg round with a dropout."""
 
 import dp_accounting
 import numpy as np
@@ -13,11 +15,19 @@ from starlette.testclient import TestClient
 from aggregator.api.app import create_app
 from aggregator.jobs.ladd import LaddConfig, LaddJob, save_initial_model
 from aggregator.jobs.registry import build_job
+from aggregator.jobs.secure_ladd import SecureLaddConfig, SecureLaddJob
+from edge_client.tasks.ladd_training import TrainedUpdate
+from edge_client.tasks.secure_ladd_training import SecureLaddTraining
 from protocols.files import file_sha256
-from protocols.payloads.ladd import encode_update, make_layout
+from protocols.identity import DeviceIdentity, IdentityRegistry
+from protocols.payloads.ladd import encode_update, make_layout, parse_train_task, unpack
+from protocols.payloads.secagg import SECURE_LADD_KIND, ClusterSlotLayout
 from protocols.rounds import RoundClosed
+from protocols.secagg import AggregateReady, Phase
+from protocols.secagg.driver import run_round
 
 from test_admin_api import AUTH, TOKEN, start_service
+from test_dp_mechanisms import variance_ratio_ok
 from test_ladd_aggregation import DEVICES, INITIAL, TRAINABLE, run_style_round, send
 
 SEG = {"num_classes": 5, "image_size": 64}
@@ -177,3 +187,74 @@ def test_ladd_over_budget_is_refused_at_creation_and_by_the_admin_api(broker, tm
     finally:
         svc.stop()
         thread.join(30)
+
+
+# ----------------------------------------------------------------------------- distributed DP (ladd-secure)
+class KnownUpdate:
+    """Stands in for the device's LaddTrainTask: the trained model is the task's model plus a fixed delta."""
+
+    def __init__(self, delta):
+        self.delta = delta
+
+    def train(self, params, tensors):
+        layout, flats = parse_train_task(params, tensors)
+        start = unpack(flats["model"], layout)
+        arrays = {k: (start[k] + self.delta[k]).astype(np.float32) for k in TRAINABLE}
+        return TrainedUpdate(arrays, make_layout(INITIAL, TRAINABLE), 5, params["cluster"], "", {})
+
+
+def test_secure_ladd_devices_clip_and_noise_in_the_ring_and_the_server_means_over_the_selected():
+    z, C = 1.2, 0.5
+    identities = {d: DeviceIdentity.generate(d) for d in DEVICES}
+    agg = DeviceIdentity.generate("aggregator")
+    registry = IdentityRegistry({d: idt.public_key_bytes for d, idt in identities.items()})
+    cfg = SecureLaddConfig(model=SEG, rounds=1, clients_per_round=9, k_min=2, k_max=4, kd_lambda=0.0, seed=3,
+                           dp_noise_multiplier=z, dp_clip_norm=C)
+    job = SecureLaddJob(cfg, initial=(INITIAL, TRAINABLE), identity=agg, registry=registry)
+    assert job.dp is None                           # no central noise: the devices add it
+    run_style_round(job, set(DEVICES))
+    labels = job.assignment
+    chosen = job.next_participants(set(DEVICES))
+    assert job.kind == SECURE_LADD_KIND and len(chosen) == 9
+    phi0 = {k: v.astype(np.float64) for k, v in job.phi.items()}
+    theta0 = {c: {k: v.astype(np.float64) for k, v in p.items()} for c, p in job.theta.items()}
+    rng = np.random.default_rng(5)
+    norms = dict(zip(chosen, [0.01, 0.2, 0.49, 0.8, 3.0, 10.0, 50.0, 1e3, 0.3]))
+    devices = {d: SecureLaddTraining(identities[d], agg.public_key_bytes, KnownUpdate(delta_of_norm(norms[d], rng)),
+                                     noise_rng=np.random.default_rng(100 + i)) for i, d in enumerate(chosen)}
+    vectors = {d: devices[d].vector(*job.task_for(d)) for d in chosen}
+    params = job.task_for(chosen[0])[0]
+    dp, slots, config = params["dp"], ClusterSlotLayout.from_json(params["slots"]), job.secure.config
+    assert all(slots.enabled) and dp["clip_norm"] == C and config.scale_bits == dp["scale_bits"]
+    assert dp["stddev"] == pytest.approx(z * C / np.sqrt(config.threshold))
+    # device side against numpy: the joint delta clipped to C, weight 1, plus noise only on the tensors
+    residual = []
+    for d in chosen:
+        start = {**job.phi, **job.theta[labels[d]]}
+        delta = {k: devices[d].last.arrays[k].astype(np.float64) - start[k].astype(np.float64) for k in TRAINABLE}
+        factor = min(1.0, C / np.sqrt(sum(np.sum(v ** 2) for v in delta.values())))
+        reference = slots.pack({k: v * factor for k, v in delta.items()}, 1, labels[d])
+        assert np.array_equal(vectors[d][slots.tensors_size:], reference[slots.tensors_size:])   # counts exact
+        residual.append(vectors[d][:slots.tensors_size] - reference[:slots.tensors_size])
+    assert variance_ratio_ok(np.concatenate(residual), dp["stddev"] ** 2)
+    # one device drops after the key exchange: the sum of the survivors still has noise ≥ (zC)²
+    dropped = next(d for d in chosen if labels[d] == labels[chosen[0]])
+    run = run_round(config, agg, {d: identities[d] for d in chosen}, vectors, dropouts={dropped: Phase.MASKED_INPUT})
+    assert isinstance(run.outcome, AggregateReady)
+    survivors = tuple(sorted(run.outcome.survivors))
+    total = run.outcome.decode()
+    assert np.array_equal(total, np.sum([vectors[d] for d in survivors], axis=0))
+    assert len(survivors) * dp["stddev"] ** 2 >= (z * C) ** 2 * (1 - 1e-12)
+    job.on_secure_sum(total, survivors)
+    job.close_round(RoundClosed(job.round, survivors, (dropped,), (), ()))
+    sums = slots.unpack_sum(total)
+    np.testing.assert_allclose(job.phi["tail.conv.weight"], phi0["tail.conv.weight"] + sums.phi["tail.conv.weight"] / 9,
+                               rtol=1e-6, atol=1e-6)
+    for c in job.theta:                              # every slot over its 3 selected devices, dropout or not
+        for name in THETA:
+            np.testing.assert_allclose(job.theta[c][name], theta0[c][name] + sums.theta[c][name] / 3,
+                                       rtol=1e-6, atol=1e-6)
+    report = job.evaluate(None, None)["privacy"]
+    assert report["releases"] == 1 and report["epsilon"] == pytest.approx(library_epsilon(z, 1, 1.0), rel=1e-12)
+    with pytest.raises(ValueError, match="adaptive"):
+        SecureLaddConfig(model=SEG, dp_noise_multiplier=z, dp_adaptive_clip=True)

@@ -145,6 +145,7 @@ class LaddJob:
     # hooks for variants (jobs/secure_ladd.py): the kind of training rounds, their smallest size
     train_kind = KIND_TRAIN
     min_train_participants = 1
+    central_dp = True          # False: the devices add the noise (distributed DP, jobs/secure_ladd.py)
 
     config: LaddConfig
     pretrainer: Pretrainer | None = None
@@ -192,7 +193,7 @@ class LaddJob:
         self._applied: set[str] = set()
         self._agg: ClusterAveraging | None = None
         # Central DP (aggregator/strategies/dp_ladd.py): DP-FedAvg's mechanism over LADD's slots
-        self.dp = ClippedGaussianSum(c.dp_noise_multiplier, c.clip_rule()) if c.dp else None
+        self.dp = ClippedGaussianSum(c.dp_noise_multiplier, c.clip_rule()) if c.dp and self.central_dp else None
         if self.initial is not None and c.clustering == "none":
             self._start_training(*self.initial)
 
@@ -300,8 +301,8 @@ class LaddJob:
         """{"privacy": ε(δ) after the training rounds closed so far, ...} under DP, else {}: each
         training round is one release (aggregator/strategies/dp_ladd.py), style rounds none."""
         releases = self.train_round - (1 if self._open and self.kind == self.train_kind else 0)
-        extra = {"clip_norm": self.dp.clip.value} if self.dp is not None else {}
-        return self.config.privacy_entry(releases, self.train_round, **extra)
+        clip_norm = self.dp.clip.value if self.dp is not None else self.config.dp_clip_norm
+        return self.config.privacy_entry(releases, self.train_round, clip_norm=clip_norm)
 
     @property
     def contributions(self) -> int:
