@@ -5,6 +5,8 @@ refuses to start (HTTP 422 through the admin API) or stops when its budget would
 Distributed (ladd-secure): devices clip the same way and add their Skellam share in the ring,
 through a real SecAgg round with a dropout."""
 
+import json
+
 import dp_accounting
 import numpy as np
 import pytest
@@ -16,16 +18,19 @@ from aggregator.api.app import create_app
 from aggregator.jobs.ladd import LaddConfig, LaddJob, save_initial_model
 from aggregator.jobs.registry import build_job
 from aggregator.jobs.secure_ladd import SecureLaddConfig, SecureLaddJob
+from edge_client.agent import DeviceAgent
 from edge_client.tasks.ladd_training import TrainedUpdate
 from edge_client.tasks.secure_ladd_training import SecureLaddTraining
 from protocols.files import file_sha256
 from protocols.identity import DeviceIdentity, IdentityRegistry
+from protocols.mqtt_link import BrokerConfig
 from protocols.payloads.ladd import encode_update, make_layout, parse_train_task, unpack
 from protocols.payloads.secagg import SECURE_LADD_KIND, ClusterSlotLayout
 from protocols.rounds import RoundClosed
 from protocols.secagg import AggregateReady, Phase
 from protocols.secagg.driver import run_round
 
+from ops_fleet import RecordingService
 from test_admin_api import AUTH, TOKEN, start_service
 from test_dp_mechanisms import variance_ratio_ok
 from test_ladd_aggregation import DEVICES, INITIAL, TRAINABLE, run_style_round, send
@@ -258,3 +263,61 @@ def test_secure_ladd_devices_clip_and_noise_in_the_ring_and_the_server_means_ove
     assert report["releases"] == 1 and report["epsilon"] == pytest.approx(library_epsilon(z, 1, 1.0), rel=1e-12)
     with pytest.raises(ValueError, match="adaptive"):
         SecureLaddConfig(model=SEG, dp_noise_multiplier=z, dp_adaptive_clip=True)
+
+
+# ----------------------------------------------------------------------------- over mosquitto
+class FixedStep:
+    """A device's ``ladd.train`` handler standing in for local self-training (the segmentation
+    network is not what this test is about): it answers w_c + its own fixed step, recording w_c."""
+
+    def __init__(self, step):
+        self.step, self.starts = step, []
+
+    def __call__(self, params, tensors=None):
+        layout, flats = parse_train_task(params, tensors)
+        start = unpack(flats["model"], layout)
+        self.starts.append({k: start[k].astype(np.float64) for k in TRAINABLE})
+        trained = {k: (start[k] + self.step[k]).astype(np.float32) for k in params["trainable"]}
+        return encode_update(trained, make_layout(start, params["trainable"]), 5, params["cluster"])
+
+
+def test_dp_ladd_over_mosquitto_reports_the_libraries_epsilon_and_stops_at_its_budget(broker, tmp_path):
+    ids, z, C, population, target = ["l0", "l1", "l2"], 1.0, 0.1, 30, 2.8
+    job = dp_job(job_id="dp-ladd", clustering="none", rounds=50, clients_per_round=3, expected_devices=3,
+                 round_timeout_s=30, dp_noise_multiplier=z, dp_clip_norm=C, dp_population=population,
+                 dp_target_epsilon=target)
+    job.dp.rng = np.random.default_rng(21)          # seeded only here, to take the noise out exactly
+    rng = np.random.default_rng(4)
+    handlers = {d: FixedStep(delta_of_norm(norm, rng)) for d, norm in zip(ids, (0.05, 0.4, 3.0))}
+    service = RecordingService(job, broker.url, tmp_path, set(ids), evaluate_every_contribution=False)
+    agents = [DeviceAgent(d, BrokerConfig.from_url(broker.url), {"ladd.train": handlers[d]}).start() for d in ids]
+    result = service.join(120)
+    for a in agents:
+        a.stop()
+    q = 3 / population
+    rounds = len(result["rounds"])
+    assert result.get("state") == "done" and rounds == 4, result          # ε(4) = 2.76 <= 2.8 < ε(5)
+    assert library_epsilon(z, rounds, q) <= target < library_epsilon(z, rounds + 1, q)
+    assert all(len(r["accepted"]) == 3 for r in result["rounds"])
+    # every round: the model moved by the clipped steps (over the 3 selected) plus the seeded noise
+    noise_rng = np.random.default_rng(21)           # one N(0, (zC)²) array per trained tensor, in layout order
+    models = [h.starts for h in handlers.values()]
+    final = {k: np.asarray(job.cluster_model(0)[k], np.float64) for k in TRAINABLE}
+    for t in range(rounds):
+        start, after = models[0][t], (models[0][t + 1] if t + 1 < rounds else final)
+        assert all(all(np.array_equal(m[t][k], start[k]) for k in TRAINABLE) for m in models)
+        clipped_sum = {k: 0.0 for k in TRAINABLE}
+        for h in handlers.values():
+            delta = {k: (start[k] + h.step[k]).astype(np.float32).astype(np.float64) - start[k] for k in TRAINABLE}
+            factor = min(1.0, C / np.sqrt(sum(np.sum(v ** 2) for v in delta.values())))
+            clipped_sum = {k: clipped_sum[k] + factor * delta[k] for k in TRAINABLE}
+        for k in TRAINABLE:
+            noise = noise_rng.normal(0.0, z * C, start[k].shape)
+            np.testing.assert_allclose(after[k], start[k] + (clipped_sum[k] + noise) / 3, rtol=0, atol=1e-6)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    privacy = saved["final"]["privacy"]
+    assert privacy["epsilon"] == library_epsilon(z, rounds, q) and privacy["budget_exhausted"]
+    assert privacy["releases"] == rounds and privacy["clip_norm"] == C
+    for entry in saved["history"]:                   # ε after every round is the library's for the rounds so far
+        p = entry["privacy"]
+        assert p["epsilon"] == (library_epsilon(z, p["releases"], q) if p["releases"] else 0)
