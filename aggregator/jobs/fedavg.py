@@ -36,7 +36,7 @@ from protocols.payloads.fedavg import KIND, HeadUpdate, ModelUpdate, head_tensor
 from protocols.rounds import RoundClosed
 
 from ..evaluation import head_accuracy
-from ..strategies.dp_fedavg import AdaptiveClipNorm, DPFedAvg, FixedClipNorm
+from ..strategies.dp_fedavg import DPFedAvg
 from ..strategies.fedavg import FedAvg, WeightedMean
 from .model_fields import ModelFields
 from .privacy_fields import UpdateClippingFields
@@ -72,10 +72,7 @@ class FedAvgConfig(UpdateClippingFields, ModelFields):
             raise ValueError(f"init must be one of {INITS}, got {self.init!r}")
         if self.rounds < 1 or self.clients_per_round < 1:
             raise ValueError("rounds and clients_per_round must be >= 1")
-        if self.dp:
-            if self.dp_adaptive_clip and self.count_stddev() <= self.dp_noise_multiplier / 2:
-                raise ValueError(f"dp_count_stddev {self.count_stddev()} must exceed dp_noise_multiplier / 2")
-            self.refuse_over_budget(1)
+        self.check_update_clipping()
 
     @property
     def device_lr(self) -> float:
@@ -120,9 +117,7 @@ class FedAvgJob:
         # Central DP (DP-FedAvg) wraps the server step; the secure variant gets its noise from the devices.
         self.dp: DPFedAvg | None = None
         if c.dp:
-            clip = (AdaptiveClipNorm(c.dp_clip_norm, c.dp_target_quantile, c.dp_clip_lr, c.count_stddev())
-                    if c.dp_adaptive_clip else FixedClipNorm(c.dp_clip_norm))
-            self.dp = DPFedAvg(self.strategy, c.dp_noise_multiplier, clip, c.clients_per_round)
+            self.dp = DPFedAvg(self.strategy, c.dp_noise_multiplier, c.clip_rule(), c.clients_per_round)
         if c.init == "fed3r" and self.initial_head is None and c.initial_head_file:
             # A finished Fed3R job's output: the normalised classifier, bias included ([P] §III-D).
             with np.load(c.initial_head_file) as fed3r_model:
@@ -161,8 +156,7 @@ class FedAvgJob:
     @property
     def budget_exhausted(self) -> bool:
         """Whether one more round would exceed the job's privacy budget (it then stops, done)."""
-        accountant = self.config.accountant()
-        return accountant is not None and not accountant.affordable(self.round + 1, self.config.dp_target_epsilon)
+        return self.config.budget_exhausted(self.round)
 
     def next_participants(self, online: set[str]) -> list[str]:
         """Seeded sample of up to κ online devices; opens the next round. [] when done or nobody is there."""
@@ -260,12 +254,8 @@ class FedAvgJob:
 
     def privacy_entry(self) -> dict:
         """{"privacy": ε(δ) after the rounds closed so far, ...} under DP, else {}."""
-        report = self.config.privacy_report(self.round - (1 if self._open else 0))
-        if report is None:
-            return {}
-        if self.dp is not None:
-            report["clip_norm"] = self.dp.clip.value
-        return {"privacy": {**report, "budget_exhausted": self.budget_exhausted}}
+        extra = {"clip_norm": self.dp.clip.value} if self.dp is not None else {}
+        return self.config.privacy_entry(self.round - (1 if self._open else 0), self.round, **extra)
 
     def model_arrays(self) -> dict[str, np.ndarray]:
         return {k: v.copy() for k, v in self.params.items()}

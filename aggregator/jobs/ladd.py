@@ -37,6 +37,7 @@ import logging
 import random
 import time
 import zlib
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -50,7 +51,11 @@ from protocols.payloads.ladd import (KIND_STYLE, KIND_TRAIN, ModelUpdate, SelfTr
                                      parse_update, train_task_tensors)
 from protocols.rounds import RoundClosed
 
-from ..strategies.ladd import ClusterSpecificAveraging, StyleClustering, SwaTeacher, cluster_specific_predicate
+from ..strategies.dp_fedavg import ClippedGaussianSum
+from ..strategies.dp_ladd import DPClusterAveraging
+from ..strategies.ladd import (ClusterAveraging, ClusterSpecificAveraging, StyleClustering, SwaTeacher,
+                               cluster_specific_predicate)
+from .privacy_fields import UpdateClippingFields
 
 log = logging.getLogger("fedfleet.aggregator")
 
@@ -60,7 +65,7 @@ Pretrainer = Callable[[np.ndarray], tuple[Arrays, list[str]]]
 
 
 @dataclass
-class LaddConfig:
+class LaddConfig(UpdateClippingFields):
     job_id: str = "ladd"
     model: dict = field(default_factory=dict)      # edge_client SegmentationSpec as a dict
     weights_sha256: str = ""                       # the devices' ImageNet encoder weights
@@ -105,6 +110,7 @@ class LaddConfig:
         if "image_size" not in self.model or "num_classes" not in self.model:
             raise ValueError("model must be a segmentation spec with at least num_classes and image_size")
         self.recipe(seed=0)          # refuse a recipe the devices would refuse, before any round
+        self.check_update_clipping()
 
     def recipe(self, seed: int) -> SelfTrainingRecipe:
         return SelfTrainingRecipe(epochs=self.local_epochs, batch_size=self.batch_size, lr=self.lr,
@@ -139,6 +145,7 @@ class LaddJob:
     # hooks for variants (jobs/secure_ladd.py): the kind of training rounds, their smallest size
     train_kind = KIND_TRAIN
     min_train_participants = 1
+    central_dp = True          # False: the devices add the noise (distributed DP, jobs/secure_ladd.py)
 
     config: LaddConfig
     pretrainer: Pretrainer | None = None
@@ -184,7 +191,9 @@ class LaddJob:
         self._open = False
         self._participants: frozenset[str] = frozenset()
         self._applied: set[str] = set()
-        self._agg: ClusterSpecificAveraging | None = None
+        self._agg: ClusterAveraging | None = None
+        # Central DP (aggregator/strategies/dp_ladd.py): DP-FedAvg's mechanism over LADD's slots
+        self.dp = ClippedGaussianSum(c.dp_noise_multiplier, c.clip_rule()) if c.dp and self.central_dp else None
         if self.initial is not None and c.clustering == "none":
             self._start_training(*self.initial)
 
@@ -251,7 +260,7 @@ class LaddJob:
                 return self._open_round(KIND_STYLE, pool)
             if self.phase == "styles" and self.styles and not c.min_styles:
                 self._finish_style_phase()      # nobody online is left to ask (others went offline)
-        if self.phase != "train" or self.train_round >= c.rounds:
+        if self.phase != "train" or self.train_round >= c.rounds or self.budget_exhausted:
             return []
         pool = sorted(d for d in online if d in self.assignment or c.clustering == "none")
         k = min(c.clients_per_round, len(pool))
@@ -262,8 +271,14 @@ class LaddJob:
             for d in chosen:
                 self.assignment.setdefault(d, 0)
         self.train_round += 1
-        self._agg = ClusterSpecificAveraging(self.is_theta)
+        self._agg = self._new_aggregation(chosen)
         return self._open_round(self.train_kind, chosen)
+
+    def _new_aggregation(self, chosen) -> ClusterAveraging:
+        if self.dp is None:
+            return ClusterSpecificAveraging(self.is_theta)
+        selected = Counter(self.assignment.get(d, 0) for d in chosen)      # "none": all in cluster 0
+        return DPClusterAveraging(self.dp, self.is_theta, self.trainable, self.phi, self.theta, selected)
 
     def _open_round(self, kind: str, chosen: list[str]) -> list[str]:
         self.kind = kind
@@ -274,7 +289,20 @@ class LaddJob:
         return chosen
 
     def finished(self, online: set[str], known: set[str]) -> bool:
-        return self.phase == "train" and self.train_round >= self.config.rounds and not self._open
+        return (self.phase == "train" and (self.train_round >= self.config.rounds or self.budget_exhausted)
+                and not self._open)
+
+    @property
+    def budget_exhausted(self) -> bool:
+        """Whether one more training round would exceed the job's privacy budget (it then stops)."""
+        return self.config.budget_exhausted(self.train_round)
+
+    def privacy_entry(self) -> dict:
+        """{"privacy": ε(δ) after the training rounds closed so far, ...} under DP, else {}: each
+        training round is one release (aggregator/strategies/dp_ladd.py), style rounds none."""
+        releases = self.train_round - (1 if self._open and self.kind == self.train_kind else 0)
+        clip_norm = self.dp.clip.value if self.dp is not None else self.config.dp_clip_norm
+        return self.config.privacy_entry(releases, self.train_round, clip_norm=clip_norm)
 
     @property
     def contributions(self) -> int:
@@ -349,7 +377,8 @@ class LaddJob:
         agg = self._agg
         if agg is None:
             return None, {}
-        return (agg.result(self.phi, self.theta) if agg.count else None), dict(agg.participants)
+        released = agg.count or isinstance(agg, DPClusterAveraging)      # under DP every round releases
+        return (agg.result(self.phi, self.theta) if released else None), dict(agg.participants)
 
     def _close_train_round(self, entry: dict) -> None:
         c = self.config
@@ -379,7 +408,7 @@ class LaddJob:
         out.update(self.last_metrics)
         if "miou" in self.last_metrics:
             out["accuracy"] = self.last_metrics["miou"]       # what the status topic shows
-        return out
+        return {**out, **self.privacy_entry()}
 
     def model_arrays(self) -> dict[str, np.ndarray]:
         out: dict[str, np.ndarray] = {}
@@ -405,6 +434,8 @@ class LaddJob:
         if devices:
             out["styles"] = np.stack([self.styles[d] for d in devices])
         out["round"] = np.array([self.round, self.train_round], dtype=np.int64)
+        if self.dp is not None:
+            out.update(self.dp.state_dict())
         cl = self.clustering
         meta = {"phase": self.phase, "kind": self.kind, "style_devices": devices, "assignment": self.assignment,
                 "trainable": self.trainable, "kd_confirmed": sorted(self.kd_confirmed),
@@ -418,6 +449,8 @@ class LaddJob:
         """Back to a checkpoint of :meth:`state_dict` (a restart); no round is open."""
         meta = json.loads(state["meta"].tobytes())
         self.round, self.train_round = (int(x) for x in state["round"])
+        if self.dp is not None:
+            self.dp.load_state_dict(state)
         self.phase, self.kind = meta["phase"], meta["kind"]
         self.styles = dict(zip(meta["style_devices"], state["styles"])) if meta["style_devices"] else {}
         self.assignment = {d: int(c) for d, c in meta["assignment"].items()}
@@ -456,7 +489,7 @@ class LaddJob:
             return
         self.round, self.train_round, self.kind = int(state["round"]), int(state["train_round"]), state["kind"]
         self._open, self._participants, self._applied = bool(state["open"]), frozenset(state["participants"]), set()
-        self._agg = ClusterSpecificAveraging(self.is_theta) if self.kind != KIND_STYLE else None
+        self._agg = self._new_aggregation(self._participants) if self.kind != KIND_STYLE else None
 
     def report(self) -> dict:
         """JSON-able summary: clustering, assignment, rounds."""

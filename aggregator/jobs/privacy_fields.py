@@ -2,7 +2,7 @@
 
 ``dp_noise_multiplier`` z > 0 turns DP on (0: off, the job is unchanged). ``dp_target_epsilon``
 with ``dp_delta`` is the budget: a job whose first release alone would exceed it refuses to be
-built (the admin API answers 400), and a job stops before a round that would exceed it. The
+built (the admin API answers 422), and a job stops before a round that would exceed it. The
 accountant is ``aggregator.privacy`` (Google's dp-accounting); what one release is depends on
 the job kind (a FedAvg round; the whole of Fed3R, see ``aggregator/strategies/dp_fed3r.py``).
 """
@@ -13,6 +13,7 @@ import functools
 from dataclasses import dataclass
 
 from ..privacy import PrivacyAccountant
+from ..strategies.dp_fedavg import AdaptiveClipNorm, ClipNorm, FixedClipNorm
 
 
 @functools.lru_cache(maxsize=64)
@@ -54,6 +55,19 @@ class PrivacyBudgetFields:
                 "noise_multiplier": self.dp_noise_multiplier, "sampling_rate": accountant.sampling_rate,
                 "target_epsilon": self.dp_target_epsilon or None}
 
+    def budget_exhausted(self, opened: int) -> bool:
+        """Whether one more release after ``opened`` would exceed the budget (the job then stops)."""
+        accountant = self.accountant()
+        return accountant is not None and not accountant.affordable(opened + 1, self.dp_target_epsilon)
+
+    def privacy_entry(self, releases: int, opened: int, **extra) -> dict:
+        """{"privacy": ε(δ) after ``releases`` closed releases, ...} under DP, else {} (``opened``
+        counts an open one too: what the budget check sees)."""
+        report = self.privacy_report(releases)
+        if report is None:
+            return {}
+        return {"privacy": {**report, **extra, "budget_exhausted": self.budget_exhausted(opened)}}
+
 
 @dataclass
 class UpdateClippingFields(PrivacyBudgetFields):
@@ -70,6 +84,20 @@ class UpdateClippingFields(PrivacyBudgetFields):
         if self.dp_population <= 0:
             return 1.0
         return min(1.0, self.clients_per_round / self.dp_population)
+
+    def check_update_clipping(self) -> None:
+        """Refuse (ValueError) a DP setting that cannot run or whose first round exceeds the budget."""
+        if not self.dp:
+            return
+        if self.dp_adaptive_clip and self.count_stddev() <= self.dp_noise_multiplier / 2:
+            raise ValueError(f"dp_count_stddev {self.count_stddev()} must exceed dp_noise_multiplier / 2")
+        self.refuse_over_budget(1)
+
+    def clip_rule(self) -> ClipNorm:
+        """The clipping norm C the job starts from: fixed, or adaptive (Andrew et al. 2021)."""
+        if self.dp_adaptive_clip:
+            return AdaptiveClipNorm(self.dp_clip_norm, self.dp_target_quantile, self.dp_clip_lr, self.count_stddev())
+        return FixedClipNorm(self.dp_clip_norm)
 
     def count_stddev(self) -> float:
         """σ_b: the paper's κ/20, but at least z, so the count takes at most a quarter of the budget

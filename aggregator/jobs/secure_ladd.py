@@ -36,6 +36,15 @@ device with more images or a trained entry beyond ``max_abs_param`` declines and
 goes on without it. The slot layout is bound to the signed round configuration through the
 group id (``ClusterSlotLayout.group_id``).
 
+Distributed DP (``dp_noise_multiplier`` > 0, fixed ``dp_clip_norm`` C): a device fills φ and
+its slot with its update w_k − w_c clipped to C as one vector (weight 1, count 1) and adds its
+share of Skellam noise (σ_dev = zC/√t, ``protocols/secagg/distributed_dp.py``) to φ and to
+*every* slot. Any revealed sum has at least t survivors, so φ and each enabled θ_c carry noise of
+variance ≥ (zC)² whoever dropped out; the server applies the means over the devices selected
+(``aggregator/strategies/dp_ladd.py``, one release per training round for the accountant) and
+never holds an un-noised sum. n and the per-cluster weights and counts carry no noise: the
+server knows the survivors and their clusters anyway.
+
 Cost: a device uploads (|φ| + C·|θ| + 1 + 2C) × 8 bytes instead of (|φ| + |θ|) × 4, i.e. the
 θ part grows C-fold (docs/ladd.md has the figures).
 """
@@ -51,10 +60,11 @@ import numpy as np
 from protocols.envelope import Envelope, EnvelopeError
 from protocols.identity import DeviceIdentity, IdentityRegistry
 from protocols.payloads.ladd import KIND_STYLE
-from protocols.payloads.secagg import SECURE_LADD_KIND, ClusterSlotLayout, ladd_slot_bound
+from protocols.payloads.secagg import SECURE_LADD_KIND, ClusterSlotLayout, SlotSums, ladd_slot_bound
 from protocols.rounds import RoundClosed
 from protocols.secagg import ConsistencyCheckRequest, Phase, UnmaskRequest
 
+from ..strategies.dp_ladd import GLOBAL, apply_mean_deltas
 from .ladd import Arrays, LaddConfig, LaddJob, Pretrainer
 from .secure_rounds import MIN_GROUP, SecureGroupRounds, load_identities
 
@@ -78,11 +88,14 @@ class SecureLaddConfig(LaddConfig):
             raise ValueError("min_cluster_contributors must be >= 2 (a one-device slot is that device's update)")
         if self.max_samples < 1 or not self.max_abs_param > 0:
             raise ValueError("max_samples >= 1 and max_abs_param > 0 required")
+        if self.dp and self.dp_adaptive_clip:       # its clipped-count bits would need the secure sum too
+            raise ValueError("dp_adaptive_clip is not available under secure aggregation (fixed dp_clip_norm only)")
 
 
 class SecureLaddJob(SecureGroupRounds, LaddJob):
     train_kind = SECURE_LADD_KIND
     min_train_participants = MIN_GROUP      # fewer cannot hide anyone's update in a sum
+    central_dp = False                      # under DP the devices add the noise in the ring
 
     def __init__(self, config: SecureLaddConfig, pretrainer: Pretrainer | None = None,
                  initial: tuple[Arrays, list[str]] | None = None, evaluator=None,
@@ -95,6 +108,7 @@ class SecureLaddJob(SecureGroupRounds, LaddJob):
         self.bound = ladd_slot_bound(config.max_samples, config.max_abs_param)
         self.slots: ClusterSlotLayout | None = None
         self._round_sum: tuple[tuple[Arrays, dict[int, Arrays]], dict[int, int]] | None = None
+        self._round_dp: dict | None = None
         self._gate_passed = False
         self._sum_refused = False
 
@@ -115,16 +129,25 @@ class SecureLaddJob(SecureGroupRounds, LaddJob):
     def _open_slot_round(self, chosen: list[str]) -> None:
         self.slots = self._slot_layout(chosen)
         self._round_sum, self._gate_passed, self._sum_refused = None, False, False
-        self.open_secure_round(self.round, chosen, self.slots.vector_length, self.bound,
-                               group_id=self.slots.group_id())
+        c = self.config
+        if c.dp:        # the data bound: clipped entries <= C, n and the counts <= 1
+            self._round_dp = {"clip_norm": c.dp_clip_norm, **self.open_dp_round(
+                self.round, chosen, self.slots.vector_length, max(c.dp_clip_norm, 1.0),
+                c.dp_noise_multiplier * c.dp_clip_norm, group_id=self.slots.group_id())}
+        else:
+            self.open_secure_round(self.round, chosen, self.slots.vector_length, self.bound,
+                                   group_id=self.slots.group_id())
 
     def task_for(self, device: str) -> tuple[dict, dict[str, np.ndarray]]:
         params, tensors = super().task_for(device)
         if self.kind != SECURE_LADD_KIND:
             return params, tensors
         c = self.config
-        return {**params, "group": self.slots.group_id(), "slots": self.slots.to_json(),
-                "max_samples": c.max_samples, "max_abs_param": c.max_abs_param}, tensors
+        params = {**params, "group": self.slots.group_id(), "slots": self.slots.to_json(),
+                  "max_samples": c.max_samples, "max_abs_param": c.max_abs_param}
+        if c.dp:
+            params["dp"] = dict(self._round_dp)
+        return params, tensors
 
     def parse_result(self, env: Envelope):
         if self.kind == SECURE_LADD_KIND:
@@ -177,20 +200,33 @@ class SecureLaddJob(SecureGroupRounds, LaddJob):
             self.failed_rounds.append((self.round, reason))
             self._sum_refused = True
             return
-        phi = {k: v.copy() for k, v in self.phi.items()}
-        for name, weighted in sums.phi.items():
-            phi[name] = (weighted / sums.n).astype(phi[name].dtype)
-        theta = {k: {name: v.copy() for name, v in part.items()} for k, part in self.theta.items()}
-        for k, weighted_part in sums.theta.items():
-            if sums.n_per_cluster[k] > 0:             # an enabled slot nobody filled keeps θ_k
-                for name, weighted in weighted_part.items():
-                    theta[k][name] = (weighted / sums.n_per_cluster[k]).astype(theta[k][name].dtype)
-        self._round_sum = ((phi, theta), {k: count[k] for k in sorted(count)})
+        new_model = self._noisy_means(sums) if self.config.dp else self._weighted_means(sums)
+        self._round_sum = (new_model, {k: count[k] for k in sorted(count)})
         self._applied = set(survivors)
         for d in survivors:
             self.contributed[d] = self.contributed.get(d, 0) + 1
         if self.config.kd_lambda > 0:
             self.kd_confirmed |= set(survivors)       # they trained, so they hold the KD teacher
+
+    def _weighted_means(self, sums: SlotSums) -> tuple[Arrays, dict[int, Arrays]]:
+        """φ ← Σ n φ / Σ n and θ_k ← Σ_k n θ / Σ_k n (an enabled slot nobody filled keeps θ_k)."""
+        phi = {k: v.copy() for k, v in self.phi.items()}
+        for name, weighted in sums.phi.items():
+            phi[name] = (weighted / sums.n).astype(phi[name].dtype)
+        theta = {k: {name: v.copy() for name, v in part.items()} for k, part in self.theta.items()}
+        for k, weighted_part in sums.theta.items():
+            if sums.n_per_cluster[k] > 0:
+                for name, weighted in weighted_part.items():
+                    theta[k][name] = (weighted / sums.n_per_cluster[k]).astype(theta[k][name].dtype)
+        return phi, theta
+
+    def _noisy_means(self, sums: SlotSums) -> tuple[Arrays, dict[int, Arrays]]:
+        """Distributed DP: the sums are Σ clipped deltas plus the survivors' noise, on φ and every
+        enabled slot; means over the devices *selected* (aggregator/strategies/dp_ladd.py)."""
+        released = {(GLOBAL, name): v for name, v in sums.phi.items()}
+        released.update({(k, name): v for k, part in sums.theta.items() for name, v in part.items()})
+        selected = Counter(self.assignment[d] for d in self._participants)
+        return apply_mean_deltas(self.phi, self.theta, released, selected)
 
     def _round_aggregate(self):
         if self.kind != SECURE_LADD_KIND:

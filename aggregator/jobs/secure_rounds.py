@@ -86,7 +86,7 @@ class SecureGroupRounds:
         self._start_pending = True
 
     def open_dp_round(self, round_id: int, members: list[str], vector_length: int, data_bound: float,
-                      total_stddev: float) -> dict:
+                      total_stddev: float, group_id: str | None = None) -> dict:
         """A secure round under distributed DP: each member adds noise of stddev σ/√t (t the round's
         threshold: no sum is revealed with fewer survivors), the bound makes room for it and the
         scale is pinned; returns the ``dp`` task params the members need."""
@@ -94,7 +94,7 @@ class SecureGroupRounds:
         stddev = device_stddev(total_stddev, threshold)
         bound = noisy_bound(data_bound, stddev)
         scale_bits = noise_scale_bits(stddev, bound, len(members))
-        self.open_secure_round(round_id, members, vector_length, bound, scale_bits=scale_bits)
+        self.open_secure_round(round_id, members, vector_length, bound, group_id=group_id, scale_bits=scale_bits)
         assert self.secure.config.threshold == threshold
         return {"stddev": stddev, "scale_bits": scale_bits, "threshold": threshold}
 

@@ -85,21 +85,78 @@ class AdaptiveClipNorm(ClipNorm):
         self.value *= math.exp(-self.learning_rate * (fraction - self.target_quantile))
 
 
-class DPFedAvg:
-    """Clip, sum, noise, then the wrapped strategy's step (FedAvg/FedAvgM: post-processing).
+class ClippedSum:
+    """One round's sum of per-device deltas, each clipped to C as one vector, over fixed slots.
 
-    ``expected_clients`` is m (κ); ``rng`` is the noise source (OS entropy by default; a seeded
-    generator only in tests, since anyone knowing the seed can subtract the noise)."""
+    The slots (name -> shape) are what the round releases; a device's delta may fill any subset
+    of them (LADD: the global slots and its own cluster's), and its clip covers all it fills, so
+    adding or removing one device moves the whole sum by at most C in L2."""
 
-    def __init__(self, strategy: FedAvg, noise_multiplier: float, clip: ClipNorm, expected_clients: int,
-                 rng: np.random.Generator | None = None):
-        if not noise_multiplier > 0 or expected_clients < 1:
-            raise ValueError("need noise_multiplier > 0 and expected_clients >= 1")
-        self.strategy, self.noise_multiplier, self.clip = strategy, float(noise_multiplier), clip
-        self.expected_clients = int(expected_clients)
+    def __init__(self, shapes: Mapping, clip_norm: float):
+        self.clip_norm = float(clip_norm)
+        self.total = {k: np.zeros(shape, dtype=np.float64) for k, shape in shapes.items()}
+        self.norms: list[float] = []
+
+    def add(self, delta: Mapping[object, np.ndarray]) -> None:
+        """Clip ``delta`` and add it; a delta naming an unknown slot or of the wrong shape changes nothing."""
+        for k, v in delta.items():
+            if k not in self.total or np.shape(v) != self.total[k].shape:
+                raise ValueError(f"delta slot {k!r} is not one of the round's (or has the wrong shape)")
+            if not np.isfinite(v).all():
+                raise ValueError(f"delta slot {k!r} contains NaN or Inf")
+        clipped, norm = clip_update(delta, self.clip_norm)
+        for k, v in clipped.items():
+            self.total[k] += v
+        self.norms.append(norm)
+
+
+class ClippedGaussianSum:
+    """The DP-FedAvg mechanism: per-device clipping to C and one Gaussian release of the sum per
+    round, N(0, (z_Δ C)² I) on every slot (shared by DP-FedAvg and DP-LADD).
+
+    ``rng`` is the noise source (OS entropy by default; a seeded generator only in tests, since
+    anyone knowing the seed can subtract the noise)."""
+
+    def __init__(self, noise_multiplier: float, clip: ClipNorm, rng: np.random.Generator | None = None):
+        if not noise_multiplier > 0:
+            raise ValueError("need noise_multiplier > 0")
+        self.noise_multiplier, self.clip = float(noise_multiplier), clip
         self.update_multiplier = clip.update_noise_multiplier(self.noise_multiplier)
         self.rng = rng if rng is not None else np.random.default_rng()
         self.releases = 0
+
+    def open_sum(self, shapes: Mapping) -> ClippedSum:
+        """A round's sum at the current C."""
+        return ClippedSum(shapes, self.clip.value)
+
+    def release(self, round_sum: ClippedSum, expected: int) -> dict:
+        """Σ clipped deltas + noise on every slot (released even when nobody contributed, as the
+        accountant counts it); moves C afterwards (adaptive, ``expected`` is m of the count)."""
+        stddev = self.update_multiplier * round_sum.clip_norm
+        noisy = {k: s + self.rng.normal(0.0, stddev, s.shape) for k, s in round_sum.total.items()}
+        self.clip.observe(round_sum.norms, expected, self.rng)
+        self.releases += 1
+        return noisy
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return {"dp_clip_norm": np.array([self.clip.value]), "dp_releases": np.array([self.releases], dtype=np.int64)}
+
+    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
+        self.clip.value = float(state["dp_clip_norm"][0])
+        self.releases = int(state["dp_releases"][0])
+
+
+class DPFedAvg(ClippedGaussianSum):
+    """Clip, sum, noise, then the wrapped strategy's step (FedAvg/FedAvgM: post-processing).
+
+    ``expected_clients`` is m (κ)."""
+
+    def __init__(self, strategy: FedAvg, noise_multiplier: float, clip: ClipNorm, expected_clients: int,
+                 rng: np.random.Generator | None = None):
+        if expected_clients < 1:
+            raise ValueError("need expected_clients >= 1")
+        super().__init__(noise_multiplier, clip, rng)
+        self.strategy, self.expected_clients = strategy, int(expected_clients)
 
     @property
     def steps(self) -> int:
@@ -107,20 +164,11 @@ class DPFedAvg:
 
     def noisy_mean_delta(self, params: Mapping[str, np.ndarray], updates: list[Mapping[str, np.ndarray]]) -> Params:
         """Δ̄ of the round (``updates`` are the devices' θ_k); moves C afterwards (adaptive)."""
-        clip_norm = self.clip.value
-        total = {k: np.zeros(np.shape(v), dtype=np.float64) for k, v in params.items()}
-        norms = []
+        round_sum = self.open_sum({k: np.shape(v) for k, v in params.items()})
         for theta in updates:
-            clipped, norm = clip_update({k: np.asarray(theta[k], np.float64) - np.asarray(params[k], np.float64)
-                                         for k in params}, clip_norm)
-            norms.append(norm)
-            for k in total:
-                total[k] += clipped[k]
-        stddev = self.update_multiplier * clip_norm
-        mean = {k: (s + self.rng.normal(0.0, stddev, s.shape)) / self.expected_clients for k, s in total.items()}
-        self.clip.observe(norms, self.expected_clients, self.rng)
-        self.releases += 1
-        return mean
+            round_sum.add({k: np.asarray(theta[k], np.float64) - np.asarray(params[k], np.float64) for k in params})
+        noisy = self.release(round_sum, self.expected_clients)
+        return {k: s / self.expected_clients for k, s in noisy.items()}
 
     def step(self, params: Mapping[str, np.ndarray], updates: list[Mapping[str, np.ndarray]]) -> Params:
         """New parameters from the round's θ_k (a round with none still releases noise)."""
@@ -132,10 +180,8 @@ class DPFedAvg:
         return self.strategy.step(params, averaged)
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        return {**self.strategy.state_dict(), "dp_clip_norm": np.array([self.clip.value]),
-                "dp_releases": np.array([self.releases], dtype=np.int64)}
+        return {**self.strategy.state_dict(), **super().state_dict()}
 
     def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
         self.strategy.load_state_dict(state)
-        self.clip.value = float(state["dp_clip_norm"][0])
-        self.releases = int(state["dp_releases"][0])
+        super().load_state_dict(state)

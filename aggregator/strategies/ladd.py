@@ -20,6 +20,7 @@ Pure tensor-in / tensor-out pieces (no transport, no rounds), spec §2.2-2.4:
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
@@ -144,14 +145,38 @@ def clustering_purity(labels: Iterable[int], truth: Iterable) -> float:
     return float(total / labels.size)
 
 
-class ClusterSpecificAveraging:
+class ClusterAveraging(ABC):
+    """One LADD round's aggregation: ``add`` each device's update (its cluster, its trained
+    tensors, its sample count), then ``result`` once for the new (φ, {c: θ_c})."""
+
+    def __init__(self):
+        self.participants: dict[int, int] = {}           # cluster -> updates this round
+
+    @property
+    def count(self) -> int:
+        return sum(self.participants.values())
+
+    def _counted(self, cluster: int) -> None:
+        self.participants[int(cluster)] = self.participants.get(int(cluster), 0) + 1
+
+    @abstractmethod
+    def add(self, cluster: int, tensors: Mapping[str, np.ndarray], n: int) -> None:
+        """Take one device's update; a bad one raises ValueError and changes nothing."""
+
+    @abstractmethod
+    def result(self, global_params: Mapping[str, np.ndarray], cluster_params: Mapping[int, Mapping[str, np.ndarray]]
+               ) -> tuple[Params, dict[int, Params]]:
+        """New (φ, {c: θ_c}); dtypes and untouched entries of the inputs are kept."""
+
+
+class ClusterSpecificAveraging(ClusterAveraging):
     """One round's φ / θ_c means; ``result`` applies them to the current parameters."""
 
     def __init__(self, is_cluster_specific: Callable[[str], bool]):
+        super().__init__()
         self.is_cluster_specific = is_cluster_specific
         self._global = WeightedMean()
         self._clusters: dict[int, WeightedMean] = {}
-        self.participants: dict[int, int] = {}           # cluster -> updates this round
 
     def add(self, cluster: int, tensors: Mapping[str, np.ndarray], n: int) -> None:
         phi = {k: v for k, v in tensors.items() if not self.is_cluster_specific(k)}
@@ -165,21 +190,16 @@ class ClusterSpecificAveraging:
             self._global.add(phi, n)
         if theta:
             self._clusters.setdefault(int(cluster), WeightedMean()).add(theta, n)
-        self.participants[int(cluster)] = self.participants.get(int(cluster), 0) + 1
-
-    @property
-    def count(self) -> int:
-        return sum(self.participants.values())
+        self._counted(cluster)
 
     def result(self, global_params: Mapping[str, np.ndarray], cluster_params: Mapping[int, Mapping[str, np.ndarray]]
                ) -> tuple[Params, dict[int, Params]]:
-        """New (φ, {c: θ_c}); dtypes and untouched entries of the inputs are kept."""
         phi = {k: np.array(v, copy=True) for k, v in global_params.items()}
         if self._global.count:
             for name, mean in self._global.result().items():
                 if name not in phi:
                     raise ValueError(f"update carries unknown global tensor {name!r}")
-                phi[name] = _cast_like(mean, phi[name])
+                phi[name] = cast_like(mean, phi[name])
         thetas = {c: {k: np.array(v, copy=True) for k, v in p.items()} for c, p in cluster_params.items()}
         for c, acc in self._clusters.items():
             if c not in thetas:
@@ -187,11 +207,11 @@ class ClusterSpecificAveraging:
             for name, mean in acc.result().items():
                 if name not in thetas[c]:
                     raise ValueError(f"update carries unknown cluster tensor {name!r}")
-                thetas[c][name] = _cast_like(mean, thetas[c][name])
+                thetas[c][name] = cast_like(mean, thetas[c][name])
         return phi, thetas
 
 
-def _cast_like(value: np.ndarray, like: np.ndarray) -> np.ndarray:
+def cast_like(value: np.ndarray, like: np.ndarray) -> np.ndarray:
     if value.shape != like.shape:
         raise ValueError(f"averaged tensor has shape {value.shape}, parameter {like.shape}")
     return value.astype(like.dtype)

@@ -15,22 +15,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from protocols.clipping import clip_update
 from protocols.identity import DeviceIdentity
 from protocols.payloads.secagg import HEAD_ORDER, pack_weighted
 
 from ..agent import TaskDeclined
 from .secure_update import SecAggSessions, SecureUpdate
-
-
-def _dp_clip_norm(dp: object) -> float:
-    try:
-        clip_norm = float(dp["clip_norm"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise TaskDeclined(f"bad dp params {dp!r}: {exc}") from exc
-    if not (np.isfinite(clip_norm) and clip_norm > 0):
-        raise TaskDeclined(f"bad dp clip norm {clip_norm!r}")
-    return clip_norm
 
 
 class SecureFedAvgTraining(SecureUpdate):
@@ -60,11 +49,7 @@ class SecureFedAvgTraining(SecureUpdate):
                   start: dict[str, np.ndarray]) -> np.ndarray:
         """Distributed DP-FedAvg: [clip(θ_k − θ_t) | 1] plus this device's share of noise; devices are
         unweighted (n_k would make the sensitivity data-dependent), the server divides by κ."""
-        if not set(trained) <= set(start):
-            raise TaskDeclined("the task did not send every tensor the device trained")
-        clipped, _ = clip_update({k: np.asarray(v, np.float64) - np.asarray(start[k], np.float64)
-                                  for k, v in trained.items()}, _dp_clip_norm(dp))
-        return self.add_noise(pack_weighted(clipped, order, 1), dp)
+        return self.add_noise(pack_weighted(self.clipped_delta(dp, trained, start), order, 1), dp)
 
 
 __all__ = ["SecureFedAvgTraining"]

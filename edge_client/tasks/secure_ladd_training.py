@@ -14,6 +14,9 @@ would overflow its fixed-point range or sum a vector the server would misread:
   round it joins);
 * the slots' tensors are not exactly the trained ones, or the device's cluster has no slot;
 * more than ``max_samples`` local images, or a trained entry with |w| > ``max_abs_param``.
+
+Under distributed DP (the task's ``dp``) the device sends its clipped update with weight 1 and
+its share of the noise instead (``dp_vector``): the bound then comes from the clip norm.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from protocols.identity import DeviceIdentity
+from protocols.payloads.ladd import parse_train_task, unpack
 from protocols.payloads.secagg import ClusterSlotLayout
 
 from ..agent import TaskDeclined
@@ -30,8 +34,8 @@ from .secure_update import SecAggSessions, SecureUpdate
 
 class SecureLaddTraining(SecureUpdate):
     def __init__(self, identity: DeviceIdentity, aggregator_public_key: bytes, training: LaddTrainTask,
-                 sessions: SecAggSessions | None = None):
-        super().__init__(identity, aggregator_public_key, sessions)
+                 sessions: SecAggSessions | None = None, noise_rng: np.random.Generator | None = None):
+        super().__init__(identity, aggregator_public_key, sessions, noise_rng)
         self.training = training
         self.last: TrainedUpdate | None = None      # the last plaintext update (never sent)
 
@@ -44,6 +48,8 @@ class SecureLaddTraining(SecureUpdate):
         if params.get("group") != slots.group_id():
             raise TaskDeclined("the task's group is not the group of its slot layout")
         trained = self.training.train(params, tensors)
+        if "dp" in params:
+            return self.dp_vector(params, slots, trained, tensors)
         if trained.n > max_samples:
             raise TaskDeclined(f"{trained.n} local images exceed the round's bound of {max_samples}")
         largest = max((float(np.abs(a).max()) for a in trained.arrays.values() if a.size), default=0.0)
@@ -55,6 +61,23 @@ class SecureLaddTraining(SecureUpdate):
             raise TaskDeclined(f"cannot fill the round's slots: {exc}") from exc
         self.last = trained
         return vector
+
+    def dp_vector(self, params: dict, slots: ClusterSlotLayout, trained: TrainedUpdate,
+                  tensors: dict[str, np.ndarray]) -> np.ndarray:
+        """Distributed DP-LADD: the slots filled with clip(w_k − w_c) (its φ and θ part clipped
+        together), weight 1, plus this device's share of noise on every tensor entry of every slot
+        (aggregator/strategies/dp_ladd.py); n and the cluster weights and counts stay exact."""
+        try:
+            layout, flats = parse_train_task(params, tensors)
+        except ValueError as exc:
+            raise TaskDeclined(f"bad ladd.train.secure task: {exc}") from exc
+        clipped = self.clipped_delta(params["dp"], trained.arrays, unpack(flats["model"], layout))
+        try:
+            vector = slots.pack(clipped, 1, trained.cluster)
+        except ValueError as exc:
+            raise TaskDeclined(f"cannot fill the round's slots: {exc}") from exc
+        self.last = trained
+        return self.add_noise(vector, params["dp"], noised=slice(0, slots.tensors_size))
 
 
 __all__ = ["SecureLaddTraining"]

@@ -18,6 +18,7 @@ import logging
 
 import numpy as np
 
+from protocols.clipping import clip_update
 from protocols.envelope import Envelope
 from protocols.identity import DeviceIdentity
 from protocols.payloads.secagg import from_envelope, to_envelope
@@ -78,14 +79,34 @@ class SecureUpdate:
         self.sessions = sessions or SecAggSessions(identity.device_id)
         self.noise_rng = noise_rng if noise_rng is not None else np.random.default_rng()
 
-    def add_noise(self, vector: np.ndarray, dp: object) -> np.ndarray:
-        """Distributed DP: the device's Skellam share on every entry but the last (the count), at the
-        round's scale (``protocols.secagg.distributed_dp``); ``dp`` is the task's {"stddev", "scale_bits"}."""
+    def add_noise(self, vector: np.ndarray, dp: object, noised: slice | None = None) -> np.ndarray:
+        """Distributed DP: the device's Skellam share on ``noised`` (default: every entry but the
+        last, the count), at the round's scale (``protocols.secagg.distributed_dp``); ``dp`` is the
+        task's {"stddev", "scale_bits"}."""
         try:
             stddev, scale_bits = float(dp["stddev"]), int(dp["scale_bits"])
-            return add_skellam_noise(vector, stddev, scale_bits, self.noise_rng, noised=slice(0, len(vector) - 1))
+            return add_skellam_noise(vector, stddev, scale_bits, self.noise_rng,
+                                     noised=slice(0, len(vector) - 1) if noised is None else noised)
         except (KeyError, TypeError, ValueError, SecAggError) as exc:
             raise TaskDeclined(f"bad dp params {dp!r}: {exc}") from exc
+
+    @staticmethod
+    def clipped_delta(dp: object, trained: dict[str, np.ndarray], start: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Distributed DP: the update θ_k − θ_t over every tensor the device trained, clipped to the
+        task's ``clip_norm`` as one vector (``protocols.clipping``)."""
+        if not set(trained) <= set(start):
+            raise TaskDeclined("the task did not send every tensor the device trained")
+        try:
+            clip_norm = float(dp["clip_norm"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TaskDeclined(f"bad dp params {dp!r}: {exc}") from exc
+        if not (np.isfinite(clip_norm) and clip_norm > 0):
+            raise TaskDeclined(f"bad dp clip norm {clip_norm!r}")
+        if any(np.shape(v) != np.shape(start[k]) for k, v in trained.items()):
+            raise TaskDeclined("a trained tensor's shape differs from the task's")
+        clipped, _ = clip_update({k: np.asarray(v, np.float64) - np.asarray(start[k], np.float64)
+                                  for k, v in trained.items()}, clip_norm)
+        return clipped
 
     def vector(self, params: dict, tensors: dict[str, np.ndarray]) -> np.ndarray:
         """The float vector this device contributes to the group sum (raise TaskDeclined to refuse)."""

@@ -190,8 +190,13 @@ class ClusterSlotLayout:
         return layout_size(self.slot_layout)
 
     @property
+    def tensors_size(self) -> int:
+        """The entries holding tensors (global and slots), before n and the cluster weights/counts."""
+        return self.global_size + self.n_clusters * self.slot_size
+
+    @property
     def vector_length(self) -> int:
-        return self.global_size + self.n_clusters * self.slot_size + 1 + 2 * self.n_clusters
+        return self.tensors_size + 1 + 2 * self.n_clusters
 
     def _slot_start(self, cluster: int) -> int:
         return self.global_size + cluster * self.slot_size
