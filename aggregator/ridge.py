@@ -44,8 +44,9 @@ class ClosedFormRidge:
         A, B = gram_statistics(Z, y, C, self.fit_intercept)
         return self.fit_statistics(A, B)
 
-    def fit_statistics(self, A, B) -> "ClosedFormRidge":
-        """Solve from sufficient statistics A (p×p, without λ) and B (p×C); numpy or torch."""
+    def fit_statistics(self, A, B, upper: bool = False) -> "ClosedFormRidge":
+        """Solve from sufficient statistics A (p×p, without λ) and B (p×C); numpy or torch.
+        ``upper``: only A's upper triangle is filled (and read), what a packed sum unpacks to fastest."""
         if self.lam <= 0:
             raise ValueError("lam must be > 0 (A alone may be singular)")
         dev = pick_device(self.device)
@@ -54,11 +55,12 @@ class ClosedFormRidge:
         p = A_t.shape[0]
         if A_t.shape != (p, p) or B_t.ndim != 2 or B_t.shape[0] != p:
             raise ValueError(f"shapes do not match: A {tuple(A_t.shape)}, B {tuple(B_t.shape)}")
-        reg = A_t + self.lam * torch.eye(p, dtype=torch.float64, device=dev)
-        L, info = torch.linalg.cholesky_ex(reg)
+        reg = A_t.clone()
+        reg.diagonal().add_(self.lam)
+        L, info = torch.linalg.cholesky_ex(reg, upper=upper)
         if int(info) != 0:
             raise np.linalg.LinAlgError("A + λI is not positive definite: statistics are corrupt (non-Gram A?)")
-        W = torch.cholesky_solve(B_t, L)                       # (p, C)
+        W = torch.cholesky_solve(B_t, L, upper=upper)          # (p, C)
         self.raw_weights_ = W.cpu().numpy()
         d = p - 1 if self.fit_intercept else p
         weights, bias = W[:d], (W[d] if self.fit_intercept else torch.zeros(W.shape[1], dtype=W.dtype, device=dev))
