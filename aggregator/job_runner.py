@@ -285,6 +285,7 @@ class JobRunner:
                                       final_eval, a.job.round)
             # an interrupted job (timeout, SIGTERM) stays "running"/"paused" in the store: the next
             # start of the service resumes it, exactly as after a crash
+        summary["finished_at"] = time.time()        # its final state is durable (the files below are copies)
         self.crash("job_finished")
         reporting.write_job_files(a.out_dir, final_job, summary)
         self.events.write("job_end", a.job.round, state=state, accuracy=final_eval.get("accuracy"))

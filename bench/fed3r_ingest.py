@@ -9,8 +9,10 @@ One run, one private mosquitto, the same publisher for both:
 3. aggregator: the same payloads go to the devices' outboxes, where the aggregator (its own
    process, a durable SQLite store with synchronous=FULL, ``--ingest-workers`` worker processes)
    reassembles, verifies, validates (one Cholesky per Gram matrix), stores before acking and sums
-   them; timed from the first byte published to the job finished: with "solve at the end", that
-   includes the final re-sum in device order, the solve and the store's final commit.
+   them; timed from the first byte published to the job finished (its final state committed,
+   ``finished_at``; not the service's shutdown after it): with "solve at the end", that includes
+   the final re-sum in device order when the results arrived in another order, the solve and the
+   store's final commit.
 Prints both rates and their ratio (aggregator ingest / raw broker).
 
     .venv/bin/python bench/fed3r_ingest.py [--devices 20] [--d 1280] [--ingest-workers 0 2]
@@ -98,7 +100,7 @@ def run_aggregator(url: str, tmp: str, ids: list[str], d: int, provisional: bool
             f.result()
     ready.set()
     summary = svc.run(timeout_s=900)
-    out.put((time.time(), summary["bytes_in"], summary["results_accepted"], svc.store.commit_seconds))
+    out.put((summary["finished_at"], summary["bytes_in"], summary["results_accepted"], svc.store.commit_seconds))
 
 
 # ---------------------------------------------------------------------- the devices
