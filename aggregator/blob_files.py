@@ -1,11 +1,18 @@
 """Contribution payloads as files beside the store's database: ``<db path>.blobs/<seq>.msg``.
 
 A file is named only by its row's sequence number (an integer SQLite allocated), never by anything a
-device sent, so no device or message id reaches the file system. A file is written once, never
-modified: :class:`aggregator.store.Store` writes it inside the transaction that inserts its row and
-makes it durable before that row commits, and deletes it only after the transaction that deleted
-the row committed. So a committed row never points at a missing file; what a crash can leave is the
-reverse, a file without a row, which :meth:`BlobFiles.sweep` deletes when the store opens.
+device sent, so no device or message id reaches the file system. :class:`aggregator.store.Store`
+writes a payload inside the transaction that inserts its row and makes it durable before that row
+commits, and deletes it only after the transaction that deleted the row committed. So a committed
+row never points at a missing file; what a crash can leave is the reverse, bytes of no row, which
+:meth:`BlobFiles.sweep` removes when the store opens.
+
+Durable names in batches: POSIX makes a new file's name durable with an fsync of its directory, not
+of the file (ext4, XFS and btrfs happen to do both with the file's fsync; other file systems need
+not), and that directory fsync cost about as much again as the SQLite commit of the row. So names
+are created ahead, :attr:`BlobFiles.SPARES` empty files at a time with one directory fsync; a payload
+is then written into its already durable name and only the file is fsynced. An empty file whose seq
+is above the table's AUTOINCREMENT mark is such a spare; SQLite gives each of those seqs out later.
 """
 
 from __future__ import annotations
@@ -15,16 +22,19 @@ import re
 from pathlib import Path
 from typing import Iterable
 
+_WRITE = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+
 
 class BlobFileError(OSError):
     """A row's payload file is missing or does not hold the number of bytes its row records."""
 
 
 class BlobFiles:
-    """The payload files of one store. ``durable``: fsync each file, and the directory entry that
-    names it, before :meth:`write` returns (what a power cut must not undo)."""
+    """The payload files of one store. ``durable``: a payload's bytes and its name are on disk (fsync)
+    before :meth:`write` returns (what a power cut must not undo)."""
 
     NAME = re.compile(r"([0-9]+)\.msg")
+    SPARES = 64                      # names made durable per directory fsync
 
     def __init__(self, directory: Path, durable: bool):
         self.directory = directory
@@ -37,11 +47,16 @@ class BlobFiles:
     def path(self, seq: int) -> Path:
         return self.directory / f"{int(seq):012d}.msg"
 
-    def write(self, seq: int, data: bytes, sync_dir: bool = True) -> None:
-        """Write ``data`` as the payload of row ``seq``. The name may exist only as an orphan (a seq
-        whose insert never committed is allocated again): it is truncated. A failed write leaves no file."""
+    def write(self, seq: int, data: bytes) -> None:
+        """Write ``data`` as the payload of row ``seq``, into its name made durable beforehand. The name
+        may hold bytes of no row (a seq whose insert never committed is given again): they are replaced.
+        A failed write leaves the file empty."""
         path = self.path(seq)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fd = os.open(path, _WRITE | os.O_TRUNC)
+        except FileNotFoundError:
+            self._create_names(seq)
+            fd = os.open(path, _WRITE | os.O_TRUNC)
         try:
             view = memoryview(data)
             while view:
@@ -49,16 +64,15 @@ class BlobFiles:
             if self.durable:
                 os.fsync(fd)
         except BaseException:
-            os.close(fd)
-            path.unlink(missing_ok=True)
+            os.ftruncate(fd, 0)
             raise
-        os.close(fd)
-        if sync_dir:
-            self.sync_dir()
+        finally:
+            os.close(fd)
 
-    def sync_dir(self) -> None:
-        """Make the names of the files written so far durable (POSIX leaves a new file's directory
-        entry to the directory's fsync, not the file's)."""
+    def _create_names(self, seq: int) -> None:
+        """Empty files for ``seq`` and the next seqs, their names durable with one directory fsync."""
+        for spare in range(seq, seq + self.SPARES):
+            os.close(os.open(self.path(spare), _WRITE | os.O_CREAT, 0o600))
         if self.durable:
             self._fsync_dir(self.directory)
 
@@ -76,11 +90,12 @@ class BlobFiles:
         for seq in seqs:
             self.path(seq).unlink(missing_ok=True)
 
-    def sweep(self, live: set[int]) -> tuple[int, list[int]]:
-        """Delete the payload files of no row in ``live`` (a crash between a file and its row's commit,
-        or between a delete's commit and the file's removal); returns (files deleted, sorted seqs of
-        ``live`` that have no file). Other names in the directory are left alone."""
-        removed, present = 0, set()
+    def sweep(self, live: set[int], high: int) -> tuple[int, list[int]]:
+        """Remove the bytes of no row in ``live`` (a crash between a file and its row's commit, or between
+        a delete's commit and the file's removal): a file of a seq up to ``high`` (the AUTOINCREMENT mark:
+        never given again) is deleted, one above it is emptied (a spare again). Returns (files that held
+        such bytes, sorted seqs of ``live`` with no file). Other names in the directory are left alone."""
+        dropped, present = 0, set()
         with os.scandir(self.directory) as entries:
             for entry in entries:
                 match = self.NAME.fullmatch(entry.name)
@@ -89,10 +104,15 @@ class BlobFiles:
                 seq = int(match[1])
                 if seq in live:
                     present.add(seq)
-                else:
+                    continue
+                dropped += entry.stat().st_size > 0
+                if seq <= high:
                     os.unlink(entry.path)
-                    removed += 1
-        return removed, sorted(live - present)
+                elif entry.stat().st_size:
+                    os.truncate(entry.path, 0)
+        if self.durable:
+            self._fsync_dir(self.directory)           # names a crashed process created before its fsync
+        return dropped, sorted(live - present)
 
     @staticmethod
     def _fsync_dir(directory: Path) -> None:

@@ -29,13 +29,13 @@ What is stored, and why that is enough to resume a job bit for bit after a crash
 
 Durability: ``synchronous=FULL`` in WAL mode makes every commit durable before it returns, so a
 caller that commits and *then* acknowledges never acknowledges something it could lose. Each
-public write method is one transaction. A contribution's payload file is written and fsynced (with
-its directory entry) inside the transaction that inserts its row, before that row commits, at FULL
-and at NORMAL (NORMAL may lose the last commits on a power cut, never keep a row without its bytes):
-a committed row always has its file. Files of deleted rows (quarantine, forget) are removed after
-the delete commits. A crash between the two leaves a file without a row, which opening the store
-deletes; it does so holding the write lock, so it never races a writer of another process between
-its file and its commit. The payloads are written once and read back as stored; no checksum is
+public write method is one transaction. A contribution's payload file is written and fsynced (into
+a name made durable beforehand) inside the transaction that inserts its row, before that row
+commits, at FULL and at NORMAL (NORMAL may lose the last commits on a power cut, never keep a row
+without its bytes): a committed row always has its file. Files of deleted rows (quarantine,
+forget) are removed after the delete commits. A crash between the two leaves bytes of no row,
+which opening the store removes; it does so holding the write lock, so it never races a writer of
+another process between its file and its commit. The payloads are written once and read back as stored; no checksum is
 kept beside them (the row's length catches a torn or truncated file; a result's own payload sha256
 is inside its envelope for a reader that wants to re-verify it). The writer is the aggregator's
 service thread; readers (the admin API thread) get their own connection per thread (WAL lets them
@@ -133,10 +133,12 @@ class Store:
             elif int(row[0]) != SCHEMA_VERSION:
                 raise StoreError(f"{self.path} has schema version {row[0]}, this aggregator uses {SCHEMA_VERSION}")
             # under the write lock: no writer (of any process) is between a payload file and its commit
-            removed, missing = self.blobs.sweep({r[0] for r in db.execute("SELECT seq FROM contributions")})
-        if removed:
-            log.warning("store %s: deleted %d payload file(s) of no contribution (a crash before their "
-                        "commit, or after their deletion)", self.path, removed)
+            high = db.execute("SELECT seq FROM sqlite_sequence WHERE name='contributions'").fetchone()
+            dropped, missing = self.blobs.sweep({r[0] for r in db.execute("SELECT seq FROM contributions")},
+                                                high[0] if high else 0)
+        if dropped:
+            log.warning("store %s: removed %d payload file(s) of no contribution (a crash before their "
+                        "commit, or after their deletion)", self.path, dropped)
         if missing:
             log.error("store %s: %d contribution(s) have no payload file in %s (seq %s...): restore the "
                       "DB file and its blob directory together", self.path, len(missing), self.blobs.directory,
@@ -149,8 +151,7 @@ class Store:
         then the table is rebuilt without them, keeping seqs and the AUTOINCREMENT high-water mark
         (a seq is never given twice, so a new row never meets the file of a deleted one)."""
         for seq, payload in db.execute("SELECT seq, payload FROM contributions"):
-            self.blobs.write(seq, payload, sync_dir=False)
-        self.blobs.sync_dir()
+            self.blobs.write(seq, payload)
         high = db.execute("SELECT seq FROM sqlite_sequence WHERE name='contributions'").fetchone()
         for statement in MIGRATE_FROM_V1:
             db.execute(statement)

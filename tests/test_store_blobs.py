@@ -9,6 +9,7 @@ device-chosen id ever names a file.
 
 import logging
 import os
+import re
 import sqlite3
 import subprocess
 import sys
@@ -35,13 +36,18 @@ def stored_files(tmp_path):
     return {str(p.relative_to(tmp_path)): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
 
 
+def payload_files(blobs):
+    """The blob directory's files that hold bytes (not the empty spares whose names are made durable ahead)."""
+    return {name: data for name, data in stored_files(blobs).items() if data}
+
+
 def holds(files: dict, data: bytes) -> list[str]:
     return [name for name, content in files.items() if data in content]
 
 
 def test_payloads_are_files_named_by_seq_and_read_back_exactly(tmp_path):
     store = new_store(tmp_path / "state.db")
-    payloads = {"dev01": b"", "dev02": b"x", "dev03": os.urandom(300_000)}
+    payloads = {"dev01": b"", "dev02": b"x", "dev03": os.urandom(300_000)}          # b"": a spare's size
     seqs = {d: store.add_contribution("j", 1, d, f"m-{d}", p) for d, p in payloads.items()}
     got = {c.device: (c.seq, c.payload) for c in store.contributions("j")}
     assert got == {d: (seqs[d], p) for d, p in payloads.items()}
@@ -84,9 +90,9 @@ def test_hostile_ids_never_name_a_file(tmp_path, device, message_id):
     seq = store.add_contribution("j", 1, device, message_id, payload)
     assert [(c.device, c.message_id, c.payload) for c in store.contributions("j")] == [(device, message_id, payload)]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["root"]           # nothing escaped beside it
-    names = set(stored_files(root))
-    assert names <= {"state.db", "state.db-wal", "state.db-shm", f"state.db.blobs/{seq:012d}.msg"}
-    assert f"state.db.blobs/{seq:012d}.msg" in names
+    for name in stored_files(root):
+        assert re.fullmatch(r"state\.db(-wal|-shm)?|state\.db\.blobs/[0-9]{12}\.msg", name), name
+    assert payload_files(root / "state.db.blobs") == {f"{seq:012d}.msg": payload}
 
 
 def test_forget_and_quarantine_delete_the_payload_files(tmp_path):
@@ -101,7 +107,7 @@ def test_forget_and_quarantine_delete_the_payload_files(tmp_path):
     store.quarantine("j", 1, "dev01", "m-dev01", "failed to apply")
     assert holds(stored_files(tmp_path), payloads["dev01"][:64]) == []
     assert [(c.device, c.payload) for c in store.contributions("j")] == [("dev03", payloads["dev03"])]
-    assert len(list((tmp_path / "state.db.blobs").iterdir())) == 1
+    assert len(payload_files(tmp_path / "state.db.blobs")) == 1
 
 
 CRASHING_WRITER = """
@@ -124,11 +130,11 @@ def test_a_kill_between_the_payload_file_and_its_commit_leaves_an_orphan_that_op
     # on disk at the kill: the second payload complete in its file, its row not committed
     assert sqlite3.connect(state).execute("SELECT seq, device FROM contributions").fetchall() == [(1, "dev01")]
     blobs = tmp_path / "state.db.blobs"
-    assert stored_files(blobs) == {"000000000001.msg": b"first" * 1000, "000000000002.msg": b"second" * 1000}
+    assert payload_files(blobs) == {"000000000001.msg": b"first" * 1000, "000000000002.msg": b"second" * 1000}
     with caplog.at_level(logging.WARNING, logger="fedfleet.aggregator"):
         store = Store(state)
-    assert "deleted 1 payload file(s) of no contribution" in caplog.text
-    assert stored_files(blobs) == {"000000000001.msg": b"first" * 1000}
+    assert "removed 1 payload file(s) of no contribution" in caplog.text
+    assert payload_files(blobs) == {"000000000001.msg": b"first" * 1000}
     # the seq of the insert that never committed is given again; its new file replaces nothing stale
     assert store.add_contribution("j", 1, "dev02", "m2-retry", b"retry") == 2
     assert [(c.device, c.payload) for c in store.contributions("j")] == [("dev01", b"first" * 1000),
@@ -197,7 +203,7 @@ def test_a_version_1_store_is_migrated_to_payload_files(tmp_path, caplog):
     files = stored_files(tmp_path)
     assert holds(files, payloads["dev01"][:64]) == ["state.db.blobs/000000000001.msg"]   # the DB let go of it
     assert (tmp_path / "state.db").stat().st_size < v1_size - 150_000          # ...and of its pages (VACUUM)
-    assert sorted(p.name for p in (tmp_path / "state.db.blobs").iterdir()) == [
+    assert sorted(payload_files(tmp_path / "state.db.blobs")) == [
         "000000000001.msg", "000000000002.msg", "000000000004.msg"]
     assert [c.payload for c in Store(tmp_path / "state.db").contributions("j")][-1] == b"new"
 
@@ -208,3 +214,22 @@ def test_a_store_of_an_unknown_schema_version_is_refused(tmp_path):
         "UPDATE meta SET value='3' WHERE key='schema_version'")
     with pytest.raises(StoreError, match="schema version 3, this aggregator uses 2"):
         Store(tmp_path / "state.db")
+
+
+def test_names_are_made_ahead_and_bytes_of_no_row_are_removed_at_open(tmp_path, caplog):
+    store = new_store(tmp_path / "state.db")
+    blobs = tmp_path / "state.db.blobs"
+    first = store.add_contribution("j", 1, "dev01", "m1", b"one")
+    assert sorted(p.name for p in blobs.iterdir()) == [f"{s:012d}.msg" for s in range(first, first + 64)]
+    second = store.add_contribution("j", 1, "dev02", "m2", b"two")       # into a spare: no new name
+    assert len(list(blobs.iterdir())) == 64 and store.blobs.path(second).read_bytes() == b"two"
+    # a delete committed, then a crash before its file went: the seq is never given again, the file goes
+    sqlite3.connect(tmp_path / "state.db", isolation_level=None).execute("DELETE FROM contributions WHERE seq=?",
+                                                                         (second,))
+    (blobs / "notes.txt").write_text("an operator's file")
+    with caplog.at_level(logging.WARNING, logger="fedfleet.aggregator"):
+        reopened = Store(tmp_path / "state.db")
+    assert "removed 1 payload file(s) of no contribution" in caplog.text
+    assert not store.blobs.path(second).exists() and (blobs / "notes.txt").exists()
+    assert payload_files(blobs) == {f"{first:012d}.msg": b"one", "notes.txt": b"an operator's file"}
+    assert reopened.add_contribution("j", 1, "dev03", "m3", b"three") == second + 1
