@@ -7,7 +7,7 @@ One run, one private mosquitto, the same publisher for both:
 2. raw: those exact chunk payloads go through the broker to a subscriber *process* that only
    counts bytes -> the broker's throughput for exactly these messages;
 3. aggregator: the same payloads go to the devices' outboxes, where the aggregator (its own
-   process, a durable store (SQLite, synchronous=FULL, payload files fsynced), ``--ingest-workers`` worker processes)
+   process, a durable SQLite store with synchronous=FULL, ``--ingest-workers`` worker processes)
    reassembles, verifies, validates (one Cholesky per Gram matrix), stores before acking and sums
    them; timed from the first byte published to the job finished: with "solve at the end", that
    includes the final re-sum in device order, the solve and the store's final commit.
