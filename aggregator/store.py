@@ -1,4 +1,5 @@
-"""Durable aggregator state in one SQLite file (WAL): a thin adapter, no protocol logic.
+"""Durable aggregator state in one SQLite file (WAL) and, beside it, a directory of contribution
+payload files (``<db path>.blobs/``, :mod:`aggregator.blob_files`): a thin adapter, no protocol logic.
 
 What is stored, and why that is enough to resume a job bit for bit after a crash:
 
@@ -10,8 +11,9 @@ What is stored, and why that is enough to resume a job bit for bit after a crash
                      participants (round number, attempts, RNG state); at close, the outcome.
 * ``round_events``   declines and rejected results of open rounds (so a restored round waits for
                      exactly the devices it was still waiting for).
-* ``contributions``  every accepted result: the raw, already validated envelope bytes and its
-                     message id, committed *before* the acknowledgement is published. Replaying
+* ``contributions``  every accepted result: its message id and the length of the raw, already
+                     validated envelope bytes, which are the file ``<seq>.msg`` in the blob
+                     directory; committed *before* the acknowledgement is published. Replaying
                      them in commit order (``seq``) through ``job.parse_result``/``job.apply``
                      rebuilds the job's float64 sums with the same additions in the same order.
 * ``quarantine``     accepted contributions that later failed to apply (e.g. statistics whose
@@ -27,8 +29,17 @@ What is stored, and why that is enough to resume a job bit for bit after a crash
 
 Durability: ``synchronous=FULL`` in WAL mode makes every commit durable before it returns, so a
 caller that commits and *then* acknowledges never acknowledges something it could lose. Each
-public write method is one transaction. The writer is the aggregator's service thread; readers
-(the admin API thread) get their own connection per thread (WAL lets them read while it writes).
+public write method is one transaction. A contribution's payload file is written and fsynced (into
+a name made durable beforehand) inside the transaction that inserts its row, before that row
+commits, at FULL and at NORMAL (NORMAL may lose the last commits on a power cut, never keep a row
+without its bytes): a committed row always has its file. Files of deleted rows (quarantine,
+forget) are removed after the delete commits. A crash between the two leaves bytes of no row,
+which opening the store removes; it does so holding the write lock, so it never races a writer of
+another process between its file and its commit. The payloads are written once and read back as stored; no checksum is
+kept beside them (the row's length catches a torn or truncated file; a result's own payload sha256
+is inside its envelope for a reader that wants to re-verify it). The writer is the aggregator's
+service thread; readers (the admin API thread) get their own connection per thread (WAL lets them
+read while it writes).
 """
 
 from __future__ import annotations
@@ -36,6 +47,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import sqlite3
 import threading
 import time
@@ -45,7 +57,11 @@ from typing import Iterator
 
 import numpy as np
 
-from .store_schema import FINAL_JOB_STATES, JOB_STATES, SCHEMA, SCHEMA_VERSION
+from .blob_files import BlobFileError, BlobFiles
+from .crash_points import CrashPoints
+from .store_schema import FINAL_JOB_STATES, JOB_STATES, MIGRATE_FROM_V1, SCHEMA, SCHEMA_VERSION
+
+log = logging.getLogger("fedfleet.aggregator")
 
 
 class StoreError(RuntimeError):
@@ -102,15 +118,49 @@ class Store:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.synchronous = synchronous
         self._local = threading.local()
-        self.commit_seconds = 0.0      # time spent in write transactions (for metrics and bench)
+        self.commit_seconds = 0.0      # time spent in write transactions, payload files included
         self.commits = 0
+        self.blobs = BlobFiles(self.path.with_name(self.path.name + ".blobs"), durable=synchronous != "OFF")
+        self._crash = CrashPoints.from_env()
         self.db.executescript(f"BEGIN IMMEDIATE; {SCHEMA} COMMIT;")
+        migrated = False
         with self._tx() as db:
             row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
             if row is None:
                 db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+            elif migrated := row[0] == "1":
+                self._migrate_from_v1(db)
             elif int(row[0]) != SCHEMA_VERSION:
                 raise StoreError(f"{self.path} has schema version {row[0]}, this aggregator uses {SCHEMA_VERSION}")
+            # under the write lock: no writer (of any process) is between a payload file and its commit
+            high = db.execute("SELECT seq FROM sqlite_sequence WHERE name='contributions'").fetchone()
+            dropped, missing = self.blobs.sweep({r[0] for r in db.execute("SELECT seq FROM contributions")},
+                                                high[0] if high else 0)
+        if dropped:
+            log.warning("store %s: removed %d payload file(s) of no contribution (a crash before their "
+                        "commit, or after their deletion)", self.path, dropped)
+        if missing:
+            log.error("store %s: %d contribution(s) have no payload file in %s (seq %s...): restore the "
+                      "DB file and its blob directory together", self.path, len(missing), self.blobs.directory,
+                      missing[:5])
+        if migrated:
+            self.db.execute("VACUUM")             # the v1 payloads' pages: returned to the file system
+
+    def _migrate_from_v1(self, db: sqlite3.Connection) -> None:
+        """Version 1 kept payloads in the table: each goes to its file (durable before this commit),
+        then the table is rebuilt without them, keeping seqs and the AUTOINCREMENT high-water mark
+        (a seq is never given twice, so a new row never meets the file of a deleted one)."""
+        for seq, payload in db.execute("SELECT seq, payload FROM contributions"):
+            self.blobs.write(seq, payload)
+        high = db.execute("SELECT seq FROM sqlite_sequence WHERE name='contributions'").fetchone()
+        for statement in MIGRATE_FROM_V1:
+            db.execute(statement)
+        if high is not None:
+            db.execute("DELETE FROM sqlite_sequence WHERE name='contributions'")
+            db.execute("INSERT INTO sqlite_sequence (name, seq) VALUES ('contributions', ?)", (high[0],))
+        db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
+        log.warning("store %s: migrated from schema version 1 (contribution payloads moved to %s)",
+                    self.path, self.blobs.directory)
 
     # ------------------------------------------------------------------ connections
     @property
@@ -318,14 +368,19 @@ class Store:
 
     # ------------------------------------------------------------------ contributions
     def add_contribution(self, job_id: str, round_: int, device: str, message_id: str, payload: bytes) -> int:
-        """Durably record one accepted result; returns its sequence number. Duplicates raise StoreError."""
+        """Durably record one accepted result; returns its sequence number. Duplicates raise StoreError
+        (before any file is written). The payload file, named by the seq the insert allocated, is
+        durable before the row commits."""
         now = time.time()
         try:
             with self._tx() as db:
-                cur = db.execute("INSERT INTO contributions (job_id, round, device, message_id, payload, received_at) "
-                                 "VALUES (?, ?, ?, ?, ?, ?)", (job_id, round_, device, message_id, payload, now))
+                seq = db.execute("INSERT INTO contributions (job_id, round, device, message_id, payload_bytes, "
+                                 "received_at) VALUES (?, ?, ?, ?, ?, ?)",
+                                 (job_id, round_, device, message_id, len(payload), now)).lastrowid
+                self.blobs.write(seq, payload)
+                self._crash("contribution_file_written")
                 db.execute("UPDATE devices SET last_seen=? WHERE device_id=?", (now, device))
-                return cur.lastrowid
+                return seq
         except sqlite3.IntegrityError as exc:
             raise StoreError(f"contribution {message_id} from {device} (round {round_}) is already stored") from exc
 
@@ -334,11 +389,18 @@ class Store:
         """Accepted contributions of rounds > ``after_round``, streamed by round, in commit order within
         a round (or by device id then round: ``canonical``). Round order is commit order for jobs with
         one open round at a time; an asynchronous job's one-device rounds close out of order."""
-        cols = "seq, job_id, round, device, message_id, " + ("payload" if with_payload else "x''") + ", received_at"
         order = "device, round" if canonical else "round, seq"
-        for r in self.db.execute(f"SELECT {cols} FROM contributions WHERE job_id=? AND round>? ORDER BY {order}",
-                                 (job_id, after_round)):
-            yield StoredContribution(r[0], r[1], r[2], r[3], r[4], bytes(r[5]), r[6])
+        for r in self.db.execute("SELECT seq, job_id, round, device, message_id, payload_bytes, received_at FROM "
+                                 f"contributions WHERE job_id=? AND round>? ORDER BY {order}", (job_id, after_round)):
+            payload = self._payload(r[0], r[5], job_id) if with_payload else b""
+            yield StoredContribution(r[0], r[1], r[2], r[3], r[4], payload, r[6])
+
+    def _payload(self, seq: int, nbytes: int, job_id: str) -> bytes:
+        try:
+            return self.blobs.read(seq, nbytes)
+        except BlobFileError as exc:
+            raise StoreError(f"contribution {seq} of job {job_id!r}: {exc} (a store is its DB file and its "
+                             f"blob directory: restore them together)") from exc
 
     def contribution_counts(self, job_id: str) -> dict[int, int]:
         return {r[0]: r[1] for r in self.db.execute(
@@ -350,11 +412,13 @@ class Store:
         the device counts as rejected in its round (a restored round does not wait for it)."""
         now = time.time()
         with self._tx() as db:
-            db.execute("DELETE FROM contributions WHERE job_id=? AND message_id=?", (job_id, message_id))
+            deleted = db.execute("DELETE FROM contributions WHERE job_id=? AND message_id=? RETURNING seq",
+                                 (job_id, message_id)).fetchall()
             db.execute("INSERT OR IGNORE INTO quarantine VALUES (?, ?, ?, ?, ?, ?)",
                        (job_id, round_, device, message_id, reason[:1000], now))
             db.execute("INSERT OR REPLACE INTO round_events VALUES (?, ?, ?, ?, ?, ?)",
                        (job_id, round_, device, "rejected", f"quarantined: {reason[:900]}", now))
+        self.blobs.remove(r[0] for r in deleted)          # after the commit: a crash between leaves an orphan
 
     def quarantined(self, job_id: str) -> list[dict]:
         return [dict(r) for r in self.db.execute(
@@ -365,14 +429,15 @@ class Store:
         """Delete a device's contributions to a job for good, in one transaction: the rows go, the
         job's checkpoint (a sum that still holds them) goes, the device is recorded as forgotten (never
         asked again) and counts as rejected in its rounds (a restored open round does not take it
-        back). Returns how many contributions were deleted."""
+        back). Their payload files are deleted once that transaction committed (a crash in between
+        leaves files of no row, which the next open deletes). Returns how many contributions were deleted."""
         now = time.time()
         with self._tx() as db:
-            rounds = [r[0] for r in db.execute("SELECT round FROM contributions WHERE job_id=? AND device=?",
-                                               (job_id, device))]
+            deleted = db.execute("DELETE FROM contributions WHERE job_id=? AND device=? RETURNING seq, round",
+                                 (job_id, device)).fetchall()
+            rounds = [r[1] for r in deleted]
             waiting = [r[0] for r in db.execute("SELECT round, participants FROM rounds WHERE job_id=? AND "
                                                 "state='open'", (job_id,)) if device in json.loads(r[1])]
-            db.execute("DELETE FROM contributions WHERE job_id=? AND device=?", (job_id, device))
             db.execute("DELETE FROM checkpoints WHERE job_id=?", (job_id,))
             db.execute("INSERT INTO forgotten VALUES (?, ?, ?, ?) ON CONFLICT (job_id, device) DO UPDATE SET "
                        "contributions = contributions + excluded.contributions, at = excluded.at",
@@ -380,7 +445,8 @@ class Store:
             for round_ in set(rounds) | set(waiting):
                 db.execute("INSERT OR REPLACE INTO round_events VALUES (?, ?, ?, 'rejected', 'forgotten', ?)",
                            (job_id, round_, device, now))
-            return len(rounds)
+        self.blobs.remove(r[0] for r in deleted)
+        return len(rounds)
 
     def forgotten(self, job_id: str) -> list[str]:
         return [r[0] for r in self.db.execute("SELECT device FROM forgotten WHERE job_id=? ORDER BY device",

@@ -1,9 +1,24 @@
-"""The aggregator store's tables (SQLite, one file, WAL), with what each row means.
+"""The aggregator store's tables (SQLite, one file, WAL; contribution payloads in files beside it),
+with what each row means.
 :mod:`aggregator.store` is the only module that reads or writes them."""
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2         # 2: contribution payloads in files (aggregator/blob_files.py), not in the table
 JOB_STATES = ("created", "queued", "running", "paused", "cancelled", "done", "stopped")
 FINAL_JOB_STATES = ("cancelled", "done")
+
+# the payload of row ``seq`` is the file ``<db path>.blobs/<seq>.msg``, of ``payload_bytes`` bytes
+CONTRIBUTIONS = """CREATE TABLE IF NOT EXISTS {name} (
+    seq           INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id        TEXT NOT NULL,
+    round         INTEGER NOT NULL,
+    device        TEXT NOT NULL,
+    message_id    TEXT NOT NULL,
+    payload_bytes INTEGER NOT NULL,
+    received_at   REAL NOT NULL,
+    UNIQUE (job_id, message_id),
+    UNIQUE (job_id, round, device)
+)"""
+CONTRIBUTIONS_INDEX = "CREATE INDEX IF NOT EXISTS contributions_by_job ON contributions (job_id, seq)"
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -54,17 +69,7 @@ CREATE TABLE IF NOT EXISTS round_events (
     at      REAL NOT NULL,
     PRIMARY KEY (job_id, round, device)
 );
-CREATE TABLE IF NOT EXISTS contributions (
-    seq         INTEGER PRIMARY KEY AUTOINCREMENT,
-    job_id      TEXT NOT NULL,
-    round       INTEGER NOT NULL,
-    device      TEXT NOT NULL,
-    message_id  TEXT NOT NULL,
-    payload     BLOB NOT NULL,
-    received_at REAL NOT NULL,
-    UNIQUE (job_id, message_id),
-    UNIQUE (job_id, round, device)
-);
+{contributions};
 CREATE TABLE IF NOT EXISTS quarantine (
     job_id      TEXT NOT NULL,
     round       INTEGER NOT NULL,
@@ -119,5 +124,17 @@ CREATE TABLE IF NOT EXISTS settings (
     key   TEXT PRIMARY KEY,
     value TEXT NOT NULL
 );
-CREATE INDEX IF NOT EXISTS contributions_by_job ON contributions (job_id, seq);
-"""
+{index};
+""".replace("{contributions}", CONTRIBUTIONS.format(name="contributions")).replace("{index}", CONTRIBUTIONS_INDEX)
+
+# Version 1 kept each payload in the table (``contributions.payload BLOB``). Once every payload is in
+# its file, the table is rebuilt in the version 2 shape (same seqs); the caller keeps the AUTOINCREMENT
+# high-water mark, which dropping the old table forgets.
+MIGRATE_FROM_V1 = (
+    CONTRIBUTIONS.format(name="contributions_v2"),
+    "INSERT INTO contributions_v2 (seq, job_id, round, device, message_id, payload_bytes, received_at) "
+    "SELECT seq, job_id, round, device, message_id, length(payload), received_at FROM contributions",
+    "DROP TABLE contributions",
+    "ALTER TABLE contributions_v2 RENAME TO contributions",
+    CONTRIBUTIONS_INDEX,
+)

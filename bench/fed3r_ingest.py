@@ -181,7 +181,7 @@ def main() -> None:
             what = "store+validate+sum+solve+evaluate each" if provisional else "store+validate+sum, solve at the end "
             print(f"aggregator ingest ({what}), {workers} ingest workers: {rate / 1e6:8.1f} MB/s  "
                   f"ratio to raw {rate / raw:.2f}"
-                  f"  (accepted={accepted}, {commit_s:.2f} s in SQLite commits)", flush=True)
+                  f"  (accepted={accepted}, {commit_s:.2f} s in store writes: SQLite + payload files)", flush=True)
             agg.join(60)
             pub.loop_stop()
             devices.close()

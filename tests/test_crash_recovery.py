@@ -12,6 +12,7 @@ import sqlite3
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,9 +30,9 @@ from ops_fleet import (REPO, Fleet, aggregator_cmd, aggregator_env, job_config, 
 DEVICES = [f"dev{i:02d}" for i in range(8)]
 
 # One crash per aggregator process, in the order the job passes them (counts are per process).
-CRASHES = ["presence:3", "restored", "round_opened", "task_sent:2", "result_received", "contribution_stored",
-           "evaluation_stored", "ack_sent", "round_closing", "round_closed", "contribution_stored:2",
-           "job_finishing", "job_finished"]
+CRASHES = ["presence:3", "restored", "round_opened", "task_sent:2", "result_received", "contribution_file_written",
+           "contribution_stored", "evaluation_stored", "ack_sent", "round_closing", "round_closed",
+           "contribution_stored:2", "job_finishing", "job_finished"]
 
 
 def load_outputs(out_dir):
@@ -57,6 +58,9 @@ def assert_exactly_once(state_db, outputs):
     devices = [d for d, _ in rows]
     assert sorted(devices) == DEVICES, "each device contributes exactly once"
     assert len({m for _, m in rows}) == len(rows)
+    sizes = dict(sqlite3.connect(state_db).execute("SELECT printf('%012d.msg', seq), payload_bytes FROM contributions"))
+    files = {f.name: f.stat().st_size for f in Path(f"{state_db}.blobs").iterdir() if f.stat().st_size}
+    assert files == sizes, "one payload file per row, as long as its row says, and no other (but empty spares)"
     assert sorted(results["contributed"]) == DEVICES and results["state"] == "done"
     assert stats["counts"].tolist() == [sum(results["contributed"].values()), len(DEVICES)]
     A_ref, B_ref = reference_sums(DEVICES)
@@ -75,14 +79,18 @@ def test_sigkill_at_every_crash_point_gives_the_uninterrupted_model(tmp_path, re
     assert len({c.split(":")[0] for c in CRASHES}) >= 10 and all(c.split(":")[0] in CRASH_POINTS for c in CRASHES)
     prepare(tmp_path, DEVICES)
     state = tmp_path / "state.db"
+    logs = []
     with MosquittoBroker() as broker, Fleet(broker.url, DEVICES):
         for crash in CRASHES:
             rc, log = run_aggregator(tmp_path, broker.url, state, crash)
             point, _, nth = crash.partition(":")
             assert rc == -9, f"expected a SIGKILL at {crash}, got exit {rc}:\n{log[-3000:]}"
             assert f"crash point {point} reached ({nth or 1})" in log
+            logs.append(log)
         rc, log = run_aggregator(tmp_path, broker.url, state)
     assert rc == 0, log[-3000:]
+    # killed with a result's payload file written and its row not committed: the next start deleted the file
+    assert "removed 1 payload file(s) of no contribution" in logs[CRASHES.index("contribution_file_written") + 1]
     outputs = load_outputs(tmp_path / "out")
     assert_exactly_once(state, outputs)
     assert_bit_identical(outputs, reference)

@@ -247,7 +247,7 @@ def crashed(case: Case, broker_url: str, work: Path) -> Path:
 
 def assert_no_empty_contributions(state: Path, case: Case) -> None:
     db = sqlite3.connect(state)
-    rows = db.execute("SELECT round, length(payload) FROM contributions").fetchall()
+    rows = db.execute("SELECT round, payload_bytes FROM contributions").fetchall()
     assert all(n > 0 for _, n in rows) and not {r for r, _ in rows} & case.secure_rounds, rows
     closed = dict(db.execute("SELECT round, outcome FROM rounds WHERE state='closed'").fetchall())
     for r in case.secure_rounds:

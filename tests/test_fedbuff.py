@@ -222,11 +222,11 @@ def test_async_job_killed_at_crash_points_resumes_its_buffer_exactly(broker, tmp
             assert rc == (0 if crash is None else -9), (crash, log[-3000:])
     db = sqlite3.connect(state)
     versions = {r: json.loads(b)["version"] for r, b in db.execute("SELECT round, bookkeeping FROM rounds")}
-    arrivals = []
-    for round_, payload in db.execute("SELECT round, payload FROM contributions ORDER BY seq"):
-        env = decode(payload)
-        arrivals.append(({k: env.tensors[k] for k in ("weight", "bias")}, versions[round_]))
     config = AsyncFedAvgConfig(**json.loads((tmp_path / "job.json").read_text()))
+    arrivals = []
+    for c in sorted(Store(state).contributions(config.job_id), key=lambda c: c.seq):     # arrival order
+        env = decode(c.payload)
+        arrivals.append(({k: env.tensors[k] for k in ("weight", "bias")}, versions[c.round]))
     models, _ = reference_fedbuff(initial(config), arrivals, 2, config.server_lr, 2, 0.5)
     final = np.load(tmp_path / "out" / "model.npz")
     results = json.loads((tmp_path / "out" / "results.json").read_text())

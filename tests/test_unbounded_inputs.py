@@ -113,9 +113,10 @@ def test_a_signed_result_with_an_extra_10_mb_tensor_is_refused_and_nothing_of_it
     assert fat.calls == 2                           # refused once, asked again, then contributed
     assert result["rejections"].get("invalid payload") == 1, result["rejections"]
     db = sqlite3.connect(tmp_path / "state.db")
-    rows = db.execute("SELECT device, length(payload) FROM contributions ORDER BY device").fetchall()
+    rows = db.execute("SELECT device, payload_bytes FROM contributions ORDER BY device").fetchall()
     assert [d for d, _ in rows] == DEVICES and max(n for _, n in rows) < 10_000, rows
-    assert sum(f.stat().st_size for f in tmp_path.glob("state.db*")) < EXTRA_BYTES      # WAL included
+    stored = [f for f in [*tmp_path.glob("state.db*"), *store.blobs.directory.iterdir()] if f.is_file()]
+    assert sum(f.stat().st_size for f in stored) < EXTRA_BYTES                 # WAL and payload files included
     events = db.execute("SELECT device, event, reason FROM round_events").fetchall()
     assert [(d, e) for d, e, _ in events] == [("dev01", "rejected")] and "padding" in events[0][2], events
     A_ref, B_ref = reference_sums(DEVICES)

@@ -64,7 +64,8 @@ def render_metrics(store, service=None) -> str:
     if service is not None:
         out.metric("fedfleet_store_commits_total", "counter", "SQLite write transactions.",
                    [({}, service.store.commits if service.store else 0)])
-        out.metric("fedfleet_store_commit_seconds_total", "counter", "Time spent in SQLite write transactions.",
+        out.metric("fedfleet_store_commit_seconds_total", "counter",
+                   "Time spent in store write transactions, contribution payload files included.",
                    [({}, service.store.commit_seconds if service.store else 0.0)])
         out.metric("fedfleet_mqtt_bytes_out_total", "counter", "Bytes published by the aggregator.",
                    [({}, service.link.bytes_sent)])

@@ -57,7 +57,8 @@ class ApiServer:
 def add_ops_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("operations")
     g.add_argument("--state", type=Path, default=None,
-                   help="SQLite state file: durable jobs, rounds and contributions; restarting resumes the job")
+                   help="SQLite state file (contribution payloads in FILE.blobs/ beside it; back up both): "
+                        "durable jobs, rounds and contributions; restarting resumes the job")
     g.add_argument("--durability", choices=["full", "normal"], default="full",
                    help="full: every commit is on disk before the ack (default); normal: faster, may lose the "
                         "last commits on power loss (never on a process crash)")

@@ -1,0 +1,123 @@
+"""Contribution payloads as files beside the store's database: ``<db path>.blobs/<seq>.msg``.
+
+A file is named only by its row's sequence number (an integer SQLite allocated), never by anything a
+device sent, so no device or message id reaches the file system. :class:`aggregator.store.Store`
+writes a payload inside the transaction that inserts its row and makes it durable before that row
+commits, and deletes it only after the transaction that deleted the row committed. So a committed
+row never points at a missing file; what a crash can leave is the reverse, bytes of no row, which
+:meth:`BlobFiles.sweep` removes when the store opens.
+
+Durable names in batches: POSIX makes a new file's name durable with an fsync of its directory, not
+of the file (ext4, XFS and btrfs happen to do both with the file's fsync; other file systems need
+not), and that directory fsync cost about as much again as the SQLite commit of the row. So names
+are created ahead, :attr:`BlobFiles.SPARES` empty files at a time with one directory fsync; a payload
+is then written into its already durable name and only the file is fsynced. An empty file whose seq
+is above the table's AUTOINCREMENT mark is such a spare; SQLite gives each of those seqs out later.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Iterable
+
+_WRITE = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class BlobFileError(OSError):
+    """A row's payload file is missing or does not hold the number of bytes its row records."""
+
+
+class BlobFiles:
+    """The payload files of one store. ``durable``: a payload's bytes and its name are on disk (fsync)
+    before :meth:`write` returns (what a power cut must not undo)."""
+
+    NAME = re.compile(r"([0-9]+)\.msg")
+    SPARES = 64                      # names made durable per directory fsync
+
+    def __init__(self, directory: Path, durable: bool):
+        self.directory = directory
+        self.durable = durable
+        if not directory.is_dir():
+            directory.mkdir(mode=0o700)               # device statistics: readable by the aggregator only
+            if durable:
+                self._fsync_dir(directory.parent)
+
+    def path(self, seq: int) -> Path:
+        return self.directory / f"{int(seq):012d}.msg"
+
+    def write(self, seq: int, data: bytes) -> None:
+        """Write ``data`` as the payload of row ``seq``, into its name made durable beforehand. The name
+        may hold bytes of no row (a seq whose insert never committed is given again): they are replaced.
+        A failed write leaves the file empty."""
+        path = self.path(seq)
+        try:
+            fd = os.open(path, _WRITE | os.O_TRUNC)
+        except FileNotFoundError:
+            self._create_names(seq)
+            fd = os.open(path, _WRITE | os.O_TRUNC)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            if self.durable:
+                os.fsync(fd)
+        except BaseException:
+            os.ftruncate(fd, 0)
+            raise
+        finally:
+            os.close(fd)
+
+    def _create_names(self, seq: int) -> None:
+        """Empty files for ``seq`` and the next seqs, their names durable with one directory fsync."""
+        for spare in range(seq, seq + self.SPARES):
+            os.close(os.open(self.path(spare), _WRITE | os.O_CREAT, 0o600))
+        if self.durable:
+            self._fsync_dir(self.directory)
+
+    def read(self, seq: int, nbytes: int) -> bytes:
+        path = self.path(seq)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError as exc:
+            raise BlobFileError(f"payload file {path} is missing") from exc
+        if len(data) != nbytes:
+            raise BlobFileError(f"payload file {path} holds {len(data)} bytes, its row records {nbytes}")
+        return data
+
+    def remove(self, seqs: Iterable[int]) -> None:
+        for seq in seqs:
+            self.path(seq).unlink(missing_ok=True)
+
+    def sweep(self, live: set[int], high: int) -> tuple[int, list[int]]:
+        """Remove the bytes of no row in ``live`` (a crash between a file and its row's commit, or between
+        a delete's commit and the file's removal): a file of a seq up to ``high`` (the AUTOINCREMENT mark:
+        never given again) is deleted, one above it is emptied (a spare again). Returns (files that held
+        such bytes, sorted seqs of ``live`` with no file). Other names in the directory are left alone."""
+        dropped, present = 0, set()
+        with os.scandir(self.directory) as entries:
+            for entry in entries:
+                match = self.NAME.fullmatch(entry.name)
+                if match is None or self.path(int(match[1])).name != entry.name:
+                    continue
+                seq = int(match[1])
+                if seq in live:
+                    present.add(seq)
+                    continue
+                dropped += entry.stat().st_size > 0
+                if seq <= high:
+                    os.unlink(entry.path)
+                elif entry.stat().st_size:
+                    os.truncate(entry.path, 0)
+        if self.durable:
+            self._fsync_dir(self.directory)           # names a crashed process created before its fsync
+        return dropped, sorted(live - present)
+
+    @staticmethod
+    def _fsync_dir(directory: Path) -> None:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -1,0 +1,235 @@
+"""Contribution payloads as files beside the store's SQLite file (``<db>.blobs/<seq>.msg``).
+
+Real SQLite, real files, a real process SIGKILLed between a payload file and its row's commit
+(the ``contribution_file_written`` crash point): the bytes read back are the bytes stored, a
+committed row always has its file, a file of no row is deleted at open, deleting rows (forget,
+quarantine) deletes their files, a version 1 store (payloads in the table) is migrated, and no
+device-chosen id ever names a file.
+"""
+
+import logging
+import os
+import re
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from aggregator.store import Store, StoreError
+from aggregator.store_schema import CONTRIBUTIONS, SCHEMA
+
+from ops_fleet import REPO
+
+
+def new_store(path, job="j"):
+    store = Store(path)
+    store.create_job(job, "fed3r", {})
+    store.open_round(job, 1, [], {}, {}, time.time() + 60)
+    return store
+
+
+def stored_files(tmp_path):
+    """Every file under tmp_path, relative, with its bytes."""
+    return {str(p.relative_to(tmp_path)): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+
+
+def payload_files(blobs):
+    """The blob directory's files that hold bytes (not the empty spares whose names are made durable ahead)."""
+    return {name: data for name, data in stored_files(blobs).items() if data}
+
+
+def holds(files: dict, data: bytes) -> list[str]:
+    return [name for name, content in files.items() if data in content]
+
+
+def test_payloads_are_files_named_by_seq_and_read_back_exactly(tmp_path):
+    store = new_store(tmp_path / "state.db")
+    payloads = {"dev01": b"", "dev02": b"x", "dev03": os.urandom(300_000)}          # b"": a spare's size
+    seqs = {d: store.add_contribution("j", 1, d, f"m-{d}", p) for d, p in payloads.items()}
+    got = {c.device: (c.seq, c.payload) for c in store.contributions("j")}
+    assert got == {d: (seqs[d], p) for d, p in payloads.items()}
+    for d, seq in seqs.items():
+        assert (tmp_path / "state.db.blobs" / f"{seq:012d}.msg").read_bytes() == payloads[d]
+    # the bytes are in their file only, not in the database or its WAL
+    assert holds(stored_files(tmp_path), payloads["dev03"][1000:1064]) == [f"state.db.blobs/{seqs['dev03']:012d}.msg"]
+    # a duplicate changes nothing on disk
+    before = stored_files(tmp_path / "state.db.blobs")
+    for dup in (("j", 1, "dev03", "m-dev03", b"other"), ("j", 1, "dev03", "m-new", b"other")):
+        with pytest.raises(StoreError, match="already stored"):
+            store.add_contribution(*dup)
+    assert stored_files(tmp_path / "state.db.blobs") == before
+
+
+def test_a_missing_or_truncated_file_is_a_clear_error_and_rows_without_payloads_read_no_file(tmp_path, caplog):
+    store = new_store(tmp_path / "state.db")
+    seq = store.add_contribution("j", 1, "dev01", "m1", b"0123456789")
+    path = tmp_path / "state.db.blobs" / f"{seq:012d}.msg"
+    path.write_bytes(b"01234")
+    with pytest.raises(StoreError, match="holds 5 bytes, its row records 10"):
+        list(store.contributions("j"))
+    path.unlink()
+    with pytest.raises(StoreError, match="missing .*restore them together"):
+        list(store.contributions("j"))
+    assert [(c.device, c.payload) for c in store.contributions("j", with_payload=False)] == [("dev01", b"")]
+    with caplog.at_level(logging.ERROR, logger="fedfleet.aggregator"):
+        Store(tmp_path / "state.db")                                  # opens, and says what is missing
+    assert "1 contribution(s) have no payload file" in caplog.text
+
+
+@pytest.mark.parametrize("device, message_id", [
+    ("../x", "../../y"), ("a/b", "/etc/passwd"), ("d" * 5000, "m" * 5000), ("ünï\u202ecode日本", "..\\..\\z"),
+    (".", ".."), ("dev\nline", "nul\x01byte"),
+])
+def test_hostile_ids_never_name_a_file(tmp_path, device, message_id):
+    root = tmp_path / "root"
+    store = new_store(root / "state.db")
+    payload = os.urandom(1000)
+    seq = store.add_contribution("j", 1, device, message_id, payload)
+    assert [(c.device, c.message_id, c.payload) for c in store.contributions("j")] == [(device, message_id, payload)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["root"]           # nothing escaped beside it
+    for name in stored_files(root):
+        assert re.fullmatch(r"state\.db(-wal|-shm)?|state\.db\.blobs/[0-9]{12}\.msg", name), name
+    assert payload_files(root / "state.db.blobs") == {f"{seq:012d}.msg": payload}
+
+
+def test_forget_and_quarantine_delete_the_payload_files(tmp_path):
+    store = new_store(tmp_path / "state.db")
+    payloads = {d: os.urandom(50_000) for d in ("dev01", "dev02", "dev03")}
+    for d, p in payloads.items():
+        store.add_contribution("j", 1, d, f"m-{d}", p)
+    assert store.forget_device("j", "dev02") == 1
+    files = stored_files(tmp_path)
+    assert holds(files, payloads["dev02"][:64]) == []                        # gone from every file on disk
+    assert all(holds(files, payloads[d][:64]) for d in ("dev01", "dev03"))
+    store.quarantine("j", 1, "dev01", "m-dev01", "failed to apply")
+    assert holds(stored_files(tmp_path), payloads["dev01"][:64]) == []
+    assert [(c.device, c.payload) for c in store.contributions("j")] == [("dev03", payloads["dev03"])]
+    assert len(payload_files(tmp_path / "state.db.blobs")) == 1
+
+
+CRASHING_WRITER = """
+import sys, time
+from aggregator.store import Store
+store = Store(sys.argv[1])
+store.create_job("j", "fed3r", {})
+store.open_round("j", 1, [], {}, {}, time.time() + 60)
+store.add_contribution("j", 1, "dev01", "m1", b"first" * 1000)
+store.add_contribution("j", 1, "dev02", "m2", b"second" * 1000)      # SIGKILLed before this row commits
+"""
+
+
+def test_a_kill_between_the_payload_file_and_its_commit_leaves_an_orphan_that_opening_deletes(tmp_path, caplog):
+    state = tmp_path / "state.db"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "FEDFLEET_CRASH_AT": "contribution_file_written:2"}
+    proc = subprocess.run([sys.executable, "-c", CRASHING_WRITER, str(state)], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == -9, proc.stderr
+    # on disk at the kill: the second payload complete in its file, its row not committed
+    assert sqlite3.connect(state).execute("SELECT seq, device FROM contributions").fetchall() == [(1, "dev01")]
+    blobs = tmp_path / "state.db.blobs"
+    assert payload_files(blobs) == {"000000000001.msg": b"first" * 1000, "000000000002.msg": b"second" * 1000}
+    with caplog.at_level(logging.WARNING, logger="fedfleet.aggregator"):
+        store = Store(state)
+    assert "removed 1 payload file(s) of no contribution" in caplog.text
+    assert payload_files(blobs) == {"000000000001.msg": b"first" * 1000}
+    # the seq of the insert that never committed is given again; its new file replaces nothing stale
+    assert store.add_contribution("j", 1, "dev02", "m2-retry", b"retry") == 2
+    assert [(c.device, c.payload) for c in store.contributions("j")] == [("dev01", b"first" * 1000),
+                                                                       ("dev02", b"retry")]
+
+
+def test_opening_waits_for_a_writer_between_its_file_and_its_commit(tmp_path):
+    """The orphan sweep of a second opener runs under the write lock, never between another writer's
+    file and its commit (which would leave a committed row without its file)."""
+    writer = new_store(tmp_path / "state.db")
+    db = writer.db
+    db.execute("BEGIN IMMEDIATE")                          # what add_contribution does, held open here
+    seq = db.execute("INSERT INTO contributions (job_id, round, device, message_id, payload_bytes, received_at) "
+                     "VALUES ('j', 1, 'dev01', 'm1', 4, 0)").lastrowid
+    writer.blobs.write(seq, b"data")
+    opened = []
+    opener = threading.Thread(target=lambda: opened.append(Store(tmp_path / "state.db")))
+    opener.start()
+    opener.join(0.5)
+    assert opener.is_alive() and writer.blobs.path(seq).exists()    # blocked on the lock, file untouched
+    db.execute("COMMIT")
+    opener.join(30)
+    assert [c.payload for c in opened[0].contributions("j")] == [b"data"]
+
+
+V1_CONTRIBUTIONS = """CREATE TABLE IF NOT EXISTS contributions (
+    seq         INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id      TEXT NOT NULL,
+    round       INTEGER NOT NULL,
+    device      TEXT NOT NULL,
+    message_id  TEXT NOT NULL,
+    payload     BLOB NOT NULL,
+    received_at REAL NOT NULL,
+    UNIQUE (job_id, message_id),
+    UNIQUE (job_id, round, device)
+)"""
+
+
+def make_v1_store(path, payloads: dict[str, bytes]) -> None:
+    """A store as schema version 1 wrote it: the payloads inside the contributions table."""
+    v1_schema = SCHEMA.replace(CONTRIBUTIONS.format(name="contributions"), V1_CONTRIBUTIONS)
+    assert v1_schema != SCHEMA
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.executescript(f"BEGIN; {v1_schema} INSERT INTO meta VALUES ('schema_version', '1'); COMMIT;")
+    for i, (device, payload) in enumerate(payloads.items()):
+        db.execute("INSERT INTO contributions (job_id, round, device, message_id, payload, received_at) "
+                   "VALUES ('j', 1, ?, ?, ?, ?)", (device, f"m{i}", payload, time.time()))
+    db.execute("DELETE FROM contributions WHERE device='gone'")      # a forgotten row: its seq is never reused
+    db.close()
+
+
+def test_a_version_1_store_is_migrated_to_payload_files(tmp_path, caplog):
+    payloads = {"dev01": os.urandom(200_000), "dev02": b"small", "gone": os.urandom(1000)}
+    make_v1_store(tmp_path / "state.db", payloads)
+    v1_size = (tmp_path / "state.db").stat().st_size
+    with caplog.at_level(logging.WARNING, logger="fedfleet.aggregator"):
+        store = Store(tmp_path / "state.db")
+    assert "migrated from schema version 1" in caplog.text
+    assert [(c.seq, c.device, c.payload) for c in store.contributions("j")] == [
+        (1, "dev01", payloads["dev01"]), (2, "dev02", b"small")]
+    assert store.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == "2"
+    assert "payload" not in {r[1] for r in store.db.execute("PRAGMA table_info(contributions)")}
+    assert store.add_contribution("j", 1, "dev03", "m9", b"new") == 4         # after the forgotten seq 3
+    store.close()
+    files = stored_files(tmp_path)
+    assert holds(files, payloads["dev01"][:64]) == ["state.db.blobs/000000000001.msg"]   # the DB let go of it
+    assert (tmp_path / "state.db").stat().st_size < v1_size - 150_000          # ...and of its pages (VACUUM)
+    assert sorted(payload_files(tmp_path / "state.db.blobs")) == [
+        "000000000001.msg", "000000000002.msg", "000000000004.msg"]
+    assert [c.payload for c in Store(tmp_path / "state.db").contributions("j")][-1] == b"new"
+
+
+def test_a_store_of_an_unknown_schema_version_is_refused(tmp_path):
+    Store(tmp_path / "state.db").close()
+    sqlite3.connect(tmp_path / "state.db", isolation_level=None).execute(
+        "UPDATE meta SET value='3' WHERE key='schema_version'")
+    with pytest.raises(StoreError, match="schema version 3, this aggregator uses 2"):
+        Store(tmp_path / "state.db")
+
+
+def test_names_are_made_ahead_and_bytes_of_no_row_are_removed_at_open(tmp_path, caplog):
+    store = new_store(tmp_path / "state.db")
+    blobs = tmp_path / "state.db.blobs"
+    first = store.add_contribution("j", 1, "dev01", "m1", b"one")
+    assert sorted(p.name for p in blobs.iterdir()) == [f"{s:012d}.msg" for s in range(first, first + 64)]
+    second = store.add_contribution("j", 1, "dev02", "m2", b"two")       # into a spare: no new name
+    assert len(list(blobs.iterdir())) == 64 and store.blobs.path(second).read_bytes() == b"two"
+    # a delete committed, then a crash before its file went: the seq is never given again, the file goes
+    sqlite3.connect(tmp_path / "state.db", isolation_level=None).execute("DELETE FROM contributions WHERE seq=?",
+                                                                         (second,))
+    (blobs / "notes.txt").write_text("an operator's file")
+    with caplog.at_level(logging.WARNING, logger="fedfleet.aggregator"):
+        reopened = Store(tmp_path / "state.db")
+    assert "removed 1 payload file(s) of no contribution" in caplog.text
+    assert not store.blobs.path(second).exists() and (blobs / "notes.txt").exists()
+    assert payload_files(blobs) == {f"{first:012d}.msg": b"one", "notes.txt": b"an operator's file"}
+    assert reopened.add_contribution("j", 1, "dev03", "m3", b"three") == second + 1
