@@ -72,9 +72,9 @@ class AsyncJobRunner(JobRunner):
         state, contributed = super()._checkpoint(act)
         return state, contributed, self.a.job.replay_floor
 
-    def _record_eval(self) -> None:
+    def _record_eval(self, job=None) -> None:
         # the model moves only at a server step: evaluate once per version, not per dispatch
         if self._evaluated_version == self.a.job.version and self.a.history:
             return
         self._evaluated_version = self.a.job.version
-        super()._record_eval()
+        super()._record_eval(job)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import os
 import sys
 import tempfile
 import threading
@@ -128,8 +129,8 @@ class Devices:
     def results(self) -> list[tuple[str, bytes]]:
         out = []
         for dev in self.ids:
-            msg = M.result_message(dev, self.tasks[dev], "fed3r.stats", *self.handler({}))
-            out += [(self.topics.outbox(dev), chunk) for chunk in split(encode(msg), msg.id, dev)]
+            self.whole = encode(M.result_message(dev, self.tasks[dev], "fed3r.stats", *self.handler({})))
+            out += [(self.topics.outbox(dev), chunk) for chunk in split(self.whole, decode(self.whole).id, dev)]
         return out
 
     def close(self) -> None:
@@ -137,6 +138,22 @@ class Devices:
             self.client.publish(self.topics.presence(dev), b"", qos=1, retain=True)   # clear the retained presence
         self.client.loop_stop()
         self.client.disconnect()
+
+
+def validation_cpu_s(whole: bytes, d: int) -> float:
+    """CPU seconds this machine takes to validate one result as an ingest worker does (full decode,
+    the job's message-only checks: the Gram check is most of it), on one thread."""
+    from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
+
+    import torch
+
+    torch.set_num_threads(1)
+    job = Fed3RJob(Fed3RConfig(num_classes=C, feature_dim=d))
+    job.check_payload(decode(whole))
+    t0 = time.process_time()
+    for _ in range(3):
+        job.check_payload(decode(whole))
+    return (time.process_time() - t0) / 3
 
 
 def main() -> None:
@@ -175,6 +192,13 @@ def main() -> None:
                 print(f"payload per device={total / args.devices / 1e6:.2f} MB")
                 print(f"raw broker throughput (same chunked payloads, counting subscriber): {raw / 1e6:8.1f} MB/s",
                       flush=True)
+                # What no ingest design avoids: each result's validation, CPU spread over this
+                # machine's cores while the broker and the publisher use them too.
+                cores, check = os.cpu_count() or 1, validation_cpu_s(devices.whole, args.d)
+                window = total / args.devices / raw
+                print(f"per device: the raw broker moves one in {window * 1e3:.1f} ms; validating it costs "
+                      f"{check * 1e3:.1f} ms of CPU -> on {cores} cores validation alone caps the ratio at "
+                      f"{min(1.0, cores * window / check):.2f} (the transfer's own CPU not counted)", flush=True)
             t0 = burst(pub, messages)
             t_done, bytes_in, accepted, commit_s = out.get(timeout=900)
             rate = total / (t_done - t0)
