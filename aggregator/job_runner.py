@@ -28,7 +28,8 @@ from .active_job import ActiveJob
 from .canonical import reported_job
 from .crash_points import CrashPoints
 from .fleet import Fleet
-from .jobs import Job
+from .contribution_writer import ContributionWriter
+from .jobs import Job, SplitValidation
 from .jobs.registry import KINDS
 from .jobs.secure_rounds import SecureGroupRounds
 from .store import FINAL_JOB_STATES, Store, StoreError
@@ -40,8 +41,12 @@ class JobRunner:
     def __init__(self, a: ActiveJob, fleet: Fleet, store: Store | None, crash: CrashPoints,
                  send: Callable[[str, Envelope], None], publish_status: Callable[[dict], None],
                  bytes_sent: Callable[[], int], on_fatal: Callable[..., None], eval_set=None,
-                 checkpoints: bool = True, evaluate_every_contribution: bool = True, offline_grace_s: float = 120.0):
+                 checkpoints: bool = True, evaluate_every_contribution: bool = True, offline_grace_s: float = 120.0,
+                 writer: ContributionWriter | None = None):
         self.a, self.fleet, self.store, self.crash = a, fleet, store, crash
+        # large results are stored on the writer's thread (aggregator/contribution_writer.py)
+        self.writer = writer if store is not None and isinstance(a.job, SplitValidation) else None
+        self._held_acks: dict[str, list[tuple[SendAck, int]]] = {}   # message id -> its acks, until durable
         self.on_fatal = on_fatal        # (reason, stop=False): rebuild the job from the store, or stop it
         self.send, self.publish_status_body, self.bytes_sent = send, publish_status, bytes_sent
         self.eval_set, self.checkpoints = eval_set, checkpoints
@@ -110,31 +115,64 @@ class JobRunner:
                 if not self._apply(round_, act):
                     return                  # quarantined: the job was rebuilt without it; the rest is void
             elif isinstance(act, SendAck):
-                a.stats.late += act.status == "late"
-                a.stats.duplicates += act.status == "duplicate"
-                self.send(act.device, M.ack_message(AGGREGATOR_ID, act.ref, act.status, act.reason))
-                if act.status in ("late", "duplicate"):
-                    self.events.write(act.status, round_, device=act.device)
-                if act.status == "accepted":
-                    self.crash("ack_sent")
+                if self.writer is not None and act.ref in self.writer.pending:
+                    # accepted, or a redelivery's duplicate: sent once the contribution is durable (on_stored)
+                    self._held_acks.setdefault(act.ref, []).append((act, round_))
+                else:
+                    self._send_ack(act, round_)
             elif isinstance(act, RoundClosed):
                 self._close_round(act)
+
+    def _send_ack(self, act: SendAck, round_: int) -> None:
+        a = self.a
+        a.stats.late += act.status == "late"
+        a.stats.duplicates += act.status == "duplicate"
+        self.send(act.device, M.ack_message(AGGREGATOR_ID, act.ref, act.status, act.reason))
+        if act.status in ("late", "duplicate"):
+            self.events.write(act.status, round_, device=act.device)
+        if act.status == "accepted":
+            self.crash("ack_sent")
+
+    def on_stored(self) -> None:
+        """Collect the contribution writer's finished writes: send the acks they held, or rebuild
+        the job from the store after a failed one (the store lacks it; its device sends it again)."""
+        if self.writer is None:
+            return
+        for message_id, error in self.writer.completed():
+            held = self._held_acks.pop(message_id, [])
+            if error is not None:
+                log.error("job %s: contribution %s not stored: %r", self.a.job_id, message_id, error)
+                self._held_acks.clear()
+                return self.on_fatal(f"a contribution could not be stored: {error!r}")
+            self.crash("contribution_stored")
+            for act, round_ in held:
+                self._send_ack(act, round_)
+
+    def flush_writes(self) -> None:
+        """Wait until every accepted contribution is durable (and its ack sent): before anything
+        reads the stored contributions or freezes state derived from them."""
+        if self.writer is not None and self.writer.pending:
+            self.writer.wait()
+            self.on_stored()
 
     def _apply(self, round_: int, act: ApplyResult) -> bool:
         """Store, apply and (per the job's cadence) evaluate one result; False if it was quarantined."""
         a = self.a
-        if self.store is not None:
+        if self.writer is not None:
+            self.writer.submit(a.job_id, round_, act.device, act.message_id, act.result.raw)
+        elif self.store is not None:
             try:
                 self.store.add_contribution(a.job_id, round_, act.device, act.message_id, act.result.raw)
             except StoreError as exc:       # cannot happen while the round machine works; never apply twice
                 log.error("not applied: %s", exc)
                 return True
-        self.crash("contribution_stored")
+            self.crash("contribution_stored")
         try:
             a.job.apply(act.device, act.result.payload)
             a.applied.record(act.device, round_, act.message_id, act.result.payload, len(act.result.raw))
             self.events.write("contribution", round_, device=act.device, message_id=act.message_id)
             if self.eval_each:
+                self.flush_writes()         # a stored evaluation never counts a contribution the store lacks
                 self._record_eval()
         except Exception as exc:            # validated, yet it breaks the model (e.g. the solve fails)
             self._quarantine(round_, act, f"{type(exc).__name__}: {exc}")
@@ -160,6 +198,7 @@ class JobRunner:
 
     def _close_round(self, act: RoundClosed) -> None:
         a = self.a
+        self.flush_writes()                 # the round's checkpoint must hold only durable contributions
         self.crash("round_closing")
         try:
             a.job.close_round(act)
@@ -261,6 +300,7 @@ class JobRunner:
     def finish(self) -> dict:
         """Write the job's outputs; with a store, commit its final state first (once)."""
         a = self.a
+        self.flush_writes()
         state = a.final_state or "stopped"
         self.crash("job_finishing")
         final_job = a.job

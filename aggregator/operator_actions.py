@@ -31,6 +31,8 @@ class OperatorActions:
         exact (plaintext Fed3R); each job's line says what was done or why not (``unlearning.py``)."""
         if self.store is None:
             raise StoreError("forgetting needs the aggregator's store")
+        if self.runner is not None:
+            self.runner.flush_writes()          # a pending write of the device's data must not land after
         report = []
         for job in unlearning.jobs_to_forget(self.store, device_id, job_id):
             active = self.active is not None and self.active.job_id == job["job_id"]

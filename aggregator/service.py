@@ -66,6 +66,7 @@ from .async_runner import AsyncJobRunner
 from .broker_security import BrokerSecurity
 from .crash_points import CrashPoints
 from .fleet import Fleet
+from .contribution_writer import ContributionWriter
 from .ingest import IngestWorkers, accepted_parser, refusal
 from .operator_actions import OperatorActions
 from .jobs import Job
@@ -113,8 +114,10 @@ class AggregatorService(OperatorActions):
         self.link = MqttLink(AGGREGATOR_ID, broker, on_message=lambda t, p: self._q.put(("mqtt", t, p)),
                              subscriptions=[(topics.all_outboxes, 1), (topics.all_presence, 1)],
                              on_connect=lambda: self._q.put(("connected",)))
-        # large results are decoded and validated in these processes (aggregator/ingest.py)
+        # large results are decoded and validated in these processes (aggregator/ingest.py), and
+        # stored on the writer's thread (aggregator/contribution_writer.py)
         self.ingest = IngestWorkers(ingest_workers) if ingest_workers else None
+        self.writer = ContributionWriter(store, lambda: self._q.put(("stored",))) if store is not None else None
         self.last_finished: ActiveJob | None = None
         self.active: ActiveJob | None = None
         self.runner: JobRunner | None = None
@@ -164,8 +167,9 @@ class AggregatorService(OperatorActions):
             if self.active is not None:
                 summary = self._finish_job()
             self.link.stop()
-            if self.ingest is not None:
-                self.ingest.close()
+            for part in (self.ingest, self.writer):
+                if part is not None:
+                    part.close()
         return summary
 
     def stop(self) -> None:
@@ -186,8 +190,10 @@ class AggregatorService(OperatorActions):
                 self._stats().reject("malformed")
         elif item[0] == "validated":
             self._on_validated(*item[1:])
-        elif item[0] == "connected":
-            self._resend_tasks(self.fleet.online)
+        elif item[0] == "stored" and self.runner is not None:
+            self.runner.on_stored()
+        elif item[0] == "connected" and self.runner is not None:
+            self.runner.resend_tasks(self.fleet.online)
         elif item[0] == "call":
             fn, fut = item[1], item[2]
             if fut.set_running_or_notify_cancel():
@@ -209,12 +215,14 @@ class AggregatorService(OperatorActions):
         runner_cls = AsyncJobRunner if getattr(job, "asynchronous", False) else JobRunner
         self.runner = runner_cls(a, self.fleet, self.store, self.crash, self._send, self._publish_status,
                                 lambda: self.link.bytes_sent, self._job_broken, self.eval_set, self.checkpoints,
-                                self.evaluate_every_contribution, self.offline_grace_s)
+                                self.evaluate_every_contribution, self.offline_grace_s, self.writer)
 
     def _job_broken(self, reason: str, stop: bool = False) -> None:
         """The job cannot go on as it is: rebuild it from the store (which no longer replays what
         broke it), or, when that is impossible, stop it durably with the reason (never a crash loop)."""
         a = self.active
+        if self.writer is not None:             # what is being written belongs in the rebuilt job
+            self.writer.settle()
         if not stop and self.store is not None and a.kind in KINDS:
             log.warning("job %s: rebuilt from the store after: %s", a.job_id, reason)
             self._activate(build_job(a.kind, self.store.job(a.job_id)["config"]), a.out_dir)
@@ -312,10 +320,10 @@ class AggregatorService(OperatorActions):
             return self._reject(device, "presence", str(exc))
         self.fleet.presence(device, online, info)
         self.crash("presence")
-        if online:
-            self._resend_tasks({device})
-        else:
+        if not online:
             self._device_lost(device)
+        elif self.runner is not None:
+            self.runner.resend_tasks({device})
 
     def _to_workers(self, device: str, env: Envelope) -> bool:
         """Whether a large message (header only so far) goes to the ingest workers: a result for
@@ -400,10 +408,6 @@ class AggregatorService(OperatorActions):
     def _device_lost(self, device: str) -> None:
         if self.runner is not None:
             self.runner.device_lost(device)
-
-    def _resend_tasks(self, devices: set[str]) -> None:
-        if self.runner is not None:
-            self.runner.resend_tasks(devices)
 
     def _reject(self, device: str, reason_class: str, detail: str = "") -> None:
         self._stats().reject(reason_class)
