@@ -36,6 +36,7 @@ from protocols.mqtt_link import BrokerConfig
 from protocols.topics import Topics
 
 from ..bundles import make_extractor
+from ..quiet import quiet_third_party_warnings
 from .host import DeviceHost, LazyTasks, rss_mb
 from .profiles import DeviceProfile
 
@@ -186,6 +187,7 @@ def run(spec: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    quiet_third_party_warnings()
     run(json.loads(Path(argv[0]).read_text()))
     return 0
 
