@@ -440,7 +440,7 @@ def format_report(r: dict) -> str:
               f"bytes down              {r['bytes_down'] / 1e6:.3f} MB",
               f"device hosts            {r.get('host_rss_mb', 0):.0f} MB RSS "
               f"({r.get('host_rss_mb_per_device', 0):.3f} MB per device, data and backbone included)",
-              f"device compute          {r['device_compute_s']:.1f} s total (incl. waits for a host's compute slot)",
+              f"device compute          {r['device_compute_s']:.1f} s total (a host's queue for its compute slot left out)",
               f"job time (aggregator)   {r.get('job_s') or 0:.1f} s   (first task to final model)",
               f"wall time               {r.get('wall_s', 0):.1f} s"]
     return "\n".join(lines)

@@ -176,6 +176,6 @@ def test_emulated_slowdown_scales_a_devices_compute_not_its_wait_for_the_hosts_c
     hooks = profile_hooks(DeviceProfile("dev", compute_slowdown=3.0), 0.0, np.random.default_rng(0),
                           lambda: second.slot_wait_s)
     slept = time.perf_counter()
-    hooks.after_compute(elapsed)
+    hooks.after_compute(elapsed - hooks.queued_s())        # what DeviceAgent._do_work hands it
     slept = time.perf_counter() - slept
     assert 0.35 < slept < 0.9, f"slept {slept:.2f} s for 0.2 s of compute at slowdown 3"

@@ -46,18 +46,19 @@ log = logging.getLogger("fedfleet.worker")
 
 def profile_hooks(profile: DeviceProfile, t0: float, rng: np.random.Generator,
                   slot_wait_s: Callable[[], float] = lambda: 0.0) -> AgentHooks:
-    """``slot_wait_s``: how long the task just computed waited for its host's compute slot. That
-    wait is the host's, not the device's: a slower device takes longer for its own compute only
-    (scaling the wait too would make a device that queued behind all of its host's others sleep
-    for minutes when a round asks every device at once)."""
+    """``slot_wait_s``: how long the task just run waited for its host's compute slot. That wait
+    is the host's, not the device's (``AgentHooks.queued_s``): a slower device takes longer for
+    its own compute only (stretching the wait too would make a device that queued behind all of
+    its host's others sleep for minutes when a round asks every device at once), and the
+    device's compute time in the statistics leaves it out."""
     def after_compute(elapsed: float) -> None:
-        time.sleep(profile.extra_compute_delay(max(0.0, elapsed - slot_wait_s())))
+        time.sleep(profile.extra_compute_delay(elapsed))
         if profile.draws_dropout(rng):
             raise DroppedOut()
 
     return AgentHooks(after_compute=after_compute,
                       before_upload=lambda n: time.sleep(profile.upload_delay(n)),
-                      is_available=lambda: profile.is_available(time.monotonic() - t0),
+                      is_available=lambda: profile.is_available(time.monotonic() - t0), queued_s=slot_wait_s,
                       info={"emulated": True, "slowdown": profile.compute_slowdown,
                             "upload_bytes_per_s": profile.upload_bytes_per_s})
 
