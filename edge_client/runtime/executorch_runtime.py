@@ -106,9 +106,14 @@ def _native_stderr_without(lines: re.Pattern):
     """Run the block with file descriptor 2 captured, then write back what it printed except the
     lines ``lines`` matches (native code writes to the descriptor, past ``sys.stderr``). Whatever
     another thread printed meanwhile comes out after the block, not lost."""
-    sys.stderr.flush()
-    with tempfile.TemporaryFile() as captured:
+    if sys.stderr is not None:
+        sys.stderr.flush()
+    try:
         saved = os.dup(2)
+    except OSError:                      # no descriptor 2 at all: nothing will be printed
+        yield
+        return
+    with tempfile.TemporaryFile() as captured:
         os.dup2(captured.fileno(), 2)
         try:
             yield
@@ -116,11 +121,10 @@ def _native_stderr_without(lines: re.Pattern):
             os.dup2(saved, 2)
             os.close(saved)
             captured.seek(0)
-            kept = [line for line in captured.read().decode(errors="replace").splitlines(keepends=True)
-                    if not lines.match(line)]
+            kept = [line for line in captured.read().splitlines(keepends=True)
+                    if not lines.match(line.decode(errors="replace"))]
             if kept:
-                sys.stderr.write("".join(kept))
-                sys.stderr.flush()
+                os.write(2, b"".join(kept))      # where they were headed, unchanged
 
 
 def executorch_threads() -> int:
