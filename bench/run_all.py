@@ -25,6 +25,7 @@ QUICK = {
     "ops.py": [],
     "fed3r_vs_fedavg.py": [],
     "personalization.py": [],
+    "fp_cross_validation.py": ["--repeats", "1"],
     "ladd.py": [],
     "ft_modes.py": ["--quick"],
     "quantization.py": ["--quick"],

@@ -54,6 +54,9 @@ class AgentHooks:
     """Behaviour shaping; defaults = a real device that is always on and never throttled."""
 
     after_compute: Callable[[float], None] = lambda elapsed: None     # may sleep, may raise DroppedOut
+    # seconds of the task just run that it spent queued for a compute slot shared with other devices
+    # (an emulation host's): neither the device's compute (stats) nor what a slower device stretches
+    queued_s: Callable[[], float] = lambda: 0.0
     before_upload: Callable[[int], None] = lambda nbytes: None        # may sleep (bandwidth cap)
     is_available: Callable[[], bool] = lambda: True
     offline_after_dropout_s: float = 5.0                              # emulated outage after a drop-out
@@ -253,7 +256,7 @@ class DeviceAgent:
                 outs = secure.on_task(act.ref.job, act.ref.round, act.params, act.tensors)
             else:
                 body, tensors = handler(act.params, act.tensors)
-            elapsed = time.perf_counter() - t0
+            elapsed = max(0.0, time.perf_counter() - t0 - self.hooks.queued_s())
             self.stats.compute_s += elapsed
             self.hooks.after_compute(elapsed)
         except DroppedOut:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .tasks.head_training import LocalTraining, TrainedHead, train_head
+from .tasks.numpy_head import train_heads_together
 
 FALLBACKS = ("error", "global")
 
@@ -164,7 +165,7 @@ def fp_recipe(base: LocalTraining | None = None, *, epochs: int = 25, batch_size
 
 
 def choose_fp_lr(weight: np.ndarray, bias: np.ndarray, features: np.ndarray, labels, recipe: LocalTraining,
-                 candidates, folds: int = 5, session=None) -> tuple[float, dict[float, float]]:
+                 candidates, folds: int = 5) -> tuple[float, dict[float, float]]:
     """Pick the FP(ψ) learning rate by k-fold cross-validation on the local training split:
     (chosen lr, {lr: cross-validated accuracy}).
 
@@ -177,6 +178,11 @@ def choose_fp_lr(weight: np.ndarray, bias: np.ndarray, features: np.ndarray, lab
     candidate, so list the preferred one first (the personalization job lists the gentler rate
     first: with equal evidence, stay closer to the federated model). With one candidate, or
     fewer rows than folds, the first candidate is returned untrained.
+
+    The folds × candidates heads are fine-tuned side by side in numpy
+    (:func:`~edge_client.tasks.numpy_head.train_heads_together`: the steps of ``train_head``, one
+    batched step for all of them), as the per-step overhead, not arithmetic, is what a tiny
+    k-class head's training costs.
     """
     candidates = [float(lr) for lr in candidates]
     if not candidates or any(not np.isfinite(lr) or lr <= 0 for lr in candidates):
@@ -187,13 +193,18 @@ def choose_fp_lr(weight: np.ndarray, bias: np.ndarray, features: np.ndarray, lab
     if len(candidates) == 1 or len(labels) < folds:
         return candidates[0], {}
     parts = np.array_split(np.random.default_rng(recipe.seed).permutation(len(labels)), folds)
+    fits = [np.concatenate([p for j, p in enumerate(parts) if j != k]) for k in range(folds)]
+    head = PersonalizedHead(weight, bias, labels, fallback="global")
+    features = head._check(features)
+    weights, biases = train_heads_together(head.weight, head.bias, features, head.label_map.to_local(labels),
+                                           fits, candidates, recipe)
+    if not (np.isfinite(weights).all() and np.isfinite(biases).all()):
+        raise FloatingPointError("local training diverged (NaN/Inf in the head); lower the learning rate")
     scores: dict[float, float] = {}
-    for lr in candidates:
+    for i, lr in enumerate(candidates):
         correct = 0
         for k, held in enumerate(parts):
-            fit = np.concatenate([p for j, p in enumerate(parts) if j != k])
-            head = PersonalizedHead(weight, bias, labels, fallback="global")
-            head.fine_tune(features[fit], labels[fit], replace(recipe, lr=lr), session)
+            head.weight, head.bias = weights[k, i], biases[k, i]
             correct += head.score(features[held], labels[held]).correct
         scores[lr] = correct / len(labels)
     best = max(candidates, key=lambda lr: (scores[lr], -candidates.index(lr)))

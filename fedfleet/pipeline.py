@@ -79,9 +79,9 @@ def run_pipeline(cfg: SimConfig, quiet: bool = False, compare_with: dict | None 
     if cfg.secure:
         job_fields, secure = _secure_setup(cfg, out, [p.device_id for p in prep.profiles],
                                            max(len(s) for s in prep.shards.values()))
-        fed3r_job.update(job_fields)
-        secure_fields = {k: job_fields[k] for k in ("graph", "max_samples", "phase_timeout_s", "identity_file",
-                                                    "device_keys_file")}
+        fed3r_job.update(job_fields)       # a one-shot group: its phase timeout scaled as its round's
+        secure_fields = {**{k: job_fields[k] for k in ("graph", "max_samples", "identity_file", "device_keys_file")},
+                         "phase_timeout_s": cfg.phase_timeout_s}
     phases: dict[str, dict] = {}
     steps = 3
     clock.done("setup (data, bundles, evaluation features)")
@@ -110,7 +110,8 @@ def run_pipeline(cfg: SimConfig, quiet: bool = False, compare_with: dict | None 
         oll_dir = out / "3-oll"
         oll_job = {**common, "job_id": "oll-sim", "head_file": str(ft_dir / "model.npz"),
                    "tail_stages": cfg.tail_stages if tail else 0,
-                   "clients_per_round": cfg.clients_per_round, "round_timeout_s": cfg.round_timeout_s,
+                   "clients_per_round": cfg.oneshot_clients_per_round,
+                   "round_timeout_s": cfg.round_timeout_s * cfg.oneshot_timeout_factor,
                    "max_attempts": cfg.max_attempts, "fp_epochs": cfg.fp_epochs, "fp_lrs": list(cfg.fp_lrs)}
         phases["oll"] = {"dir": oll_dir, "results": fleet.run_job(
             "personalize", oll_job, oll_dir, out / "eval_features.npz", cfg.devices)}

@@ -53,6 +53,10 @@ class SimConfig:
     broker: str | None = None               # None: start a private mosquitto
     topic_root: str = "fedfleet"
     clients_per_round: int = 10
+    # One-shot phases (Fed3R/Fed3R-Sync statistics, OLL reports: each device answers once) ask
+    # every device in one round instead of κ per round: a round waits for its slowest device, so
+    # ⌈K/κ⌉ rounds one after another wait ⌈K/κ⌉ times. FedAvg rounds keep κ.
+    oneshot_all_devices: bool = False
     round_timeout_s: float = 120.0
     max_attempts: int = 3
     lam: float = 0.01
@@ -79,14 +83,28 @@ class SimConfig:
     ft_server_momentum: float = 0.0         # > 0: FedAvgM
     fp_epochs: int = 25                     # FP(ψ) local epochs after OLL (0: OLL only)
     fp_lrs: tuple[float, ...] = (1e-4, 1e-3)   # candidates; each device picks one by local cross-validation
-    # device hosting (fedfleet.emulation.host): threads that run device steps per worker process
+    # device hosting (fedfleet.emulation.host): threads that run device steps per worker process;
+    # a device's emulated slowdown and upload pacing hold one, so devices answering at once need one each
     host_threads: int = 8
     evaluate: str = "contribution"          # aggregator evaluates per contribution, or per round (large fleets)
     ray: str | None = None                  # "auto" or a Ray address: device hosts as Ray actors
 
+    @property
+    def oneshot_clients_per_round(self) -> int:
+        """Devices per round of a one-shot phase (see ``oneshot_all_devices``)."""
+        return self.devices if self.oneshot_all_devices else self.clients_per_round
+
+    @property
+    def oneshot_timeout_factor(self) -> int:
+        """A one-shot round of all devices does the work of ⌈K/κ⌉ rounds, so its round (and, under
+        secure aggregation, phase) timeouts are that many times κ-rounds' (a device that drops out
+        is not waited for: it goes offline, and the round stops counting it)."""
+        return -(-self.oneshot_clients_per_round // self.clients_per_round)
+
 
 PRESETS = {
-    "demo": SimConfig(),
+    # every device of a host may be sleeping out its slowdown or upload at once (one-shot rounds of all)
+    "demo": SimConfig(oneshot_all_devices=True, host_threads=64),
     "smoke": SimConfig(devices=20, runtime="eager", train_limit=3000, test_limit=600, image_size=32, clients_per_round=5,
                        round_timeout_s=30, dropout_prob=0.1, slowdown=(1.0, 1.5), out_dir="runs/smoke",
                        retry_after_s=3.0, phase_timeout_s=10.0, ft_rounds=5, fp_epochs=5),
@@ -320,7 +338,8 @@ def prepare(cfg: SimConfig, say) -> Prepared:
            "weights_sha256": weights_sha256(cfg.backbone), "feature_dim": int(Zte.shape[1]), "lam": cfg.lam,
            "random_features": ({"seed": cfg.seed + 1, "dim": cfg.rf_dim, "sigma": cfg.rf_sigma}
                                if cfg.rf_dim else None),
-           "clients_per_round": cfg.clients_per_round, "round_timeout_s": cfg.round_timeout_s,
+           "clients_per_round": cfg.oneshot_clients_per_round,
+           "round_timeout_s": cfg.round_timeout_s * cfg.oneshot_timeout_factor,
            "max_attempts": cfg.max_attempts, "b_format": cfg.b_format, "expected_devices": cfg.devices,
            "start_timeout_s": 60.0, "seed": cfg.seed}
     return Prepared(out, Xtr, ytr, Xte, yte, Zte, shards, holdouts, profiles, extractor, job)
@@ -355,7 +374,8 @@ def _secure_setup(cfg: SimConfig, out: Path, device_ids: list[str], max_samples:
     from .emulation.identities import make_identities
 
     key_fields, for_workers = make_identities(out, device_ids)
-    job_fields = {"graph": cfg.secure_graph, "max_samples": int(max_samples), "phase_timeout_s": cfg.phase_timeout_s,
+    job_fields = {"graph": cfg.secure_graph, "max_samples": int(max_samples),
+                  "phase_timeout_s": cfg.phase_timeout_s * cfg.oneshot_timeout_factor,
                   "b_format": "dense", **key_fields}
     return job_fields, for_workers
 
@@ -420,7 +440,7 @@ def format_report(r: dict) -> str:
               f"bytes down              {r['bytes_down'] / 1e6:.3f} MB",
               f"device hosts            {r.get('host_rss_mb', 0):.0f} MB RSS "
               f"({r.get('host_rss_mb_per_device', 0):.3f} MB per device, data and backbone included)",
-              f"device compute          {r['device_compute_s']:.1f} s total (incl. waits for a host's compute slot)",
+              f"device compute          {r['device_compute_s']:.1f} s total (a host's queue for its compute slot left out)",
               f"job time (aggregator)   {r.get('job_s') or 0:.1f} s   (first task to final model)",
               f"wall time               {r.get('wall_s', 0):.1f} s"]
     return "\n".join(lines)

@@ -246,6 +246,11 @@ class LoopLink(MqttLink):
                     self.client.loop_read()
             if mask & selectors.EVENT_WRITE and self.client.socket() is sock:
                 self.client.loop_write()
+                if not self.client.want_write():
+                    # paho reports the end of a write interest only if it registered it itself; one
+                    # taken at socket open or restored by _misc would otherwise stay, and epoll
+                    # would report the idle socket writable on every call (a busy loop)
+                    self.loop._watch(self, sock, False)
         except Exception:     # one connection's trouble must not end the loop for the others
             log.exception("%s: network error", self.client_id)
             self._shutdown(sock)

@@ -145,3 +145,37 @@ def test_resent_chunked_result_gets_a_duplicate_ack(tmp_path, broker):
     assert result["duplicates"] >= 1 and sorted(result["contributed"]) == devices
     A_ref, _ = reference_sums(devices)
     np.testing.assert_allclose(np.load(tmp_path / "statistics.npz")["A"], A_ref, rtol=1e-12)
+
+
+def test_emulated_slowdown_scales_a_devices_compute_not_its_wait_for_the_hosts_compute_slot():
+    """Two devices share one compute slot: the second waits ~0.55 s for the first's task. Its
+    slowdown (×3) must stretch only its own 0.2 s of compute (0.4 s more), not the wait as well
+    (which would make it 1.5 s)."""
+    from fedfleet.emulation.host import LazyTasks
+    from fedfleet.emulation.profiles import DeviceProfile
+    from fedfleet.emulation.worker import profile_hooks
+
+    slot = threading.BoundedSemaphore(1)
+
+    def work(seconds):
+        def handler(params, tensors):
+            time.sleep(seconds)
+            return {}, {}
+        return handler
+
+    first = LazyTasks(lambda: {"k": work(0.6)}, ["k"], slot)
+    second = LazyTasks(lambda: {"k": work(0.2)}, ["k"], slot)
+    ahead = threading.Thread(target=first.run, args=("k", {}, {}))
+    ahead.start()
+    time.sleep(0.05)                      # the first device holds the slot
+    started = time.perf_counter()
+    second.run("k", {}, {})
+    elapsed = time.perf_counter() - started
+    ahead.join()
+    assert 0.4 < second.slot_wait_s < elapsed and first.slot_wait_s < 0.05
+    hooks = profile_hooks(DeviceProfile("dev", compute_slowdown=3.0), 0.0, np.random.default_rng(0),
+                          lambda: second.slot_wait_s)
+    slept = time.perf_counter()
+    hooks.after_compute(elapsed - hooks.queued_s())        # what DeviceAgent._do_work hands it
+    slept = time.perf_counter() - slept
+    assert 0.35 < slept < 0.9, f"slept {slept:.2f} s for 0.2 s of compute at slowdown 3"

@@ -4,13 +4,14 @@ same data, and train_head on a device where ``import torch`` fails."""
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from edge_client.tasks.head_training import LocalTraining, _TorchHeadStepper, local_sgd
-from edge_client.tasks.numpy_head import NumpyHeadStepper
+from edge_client.tasks.head_training import LocalTraining, _TorchHeadStepper, local_sgd, train_head
+from edge_client.tasks.numpy_head import NumpyHeadStepper, train_heads_together
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,3 +58,46 @@ print(json.dumps({"runtime": t.runtime, "loss": t.mean_loss, "torch": sys.module
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["runtime"] == "numpy" and got["torch"]
     assert got["loss"] == pytest.approx(expected, rel=1e-4)
+
+
+def test_heads_trained_together_equal_each_head_trained_alone_in_eager_torch():
+    """Row sets of different sizes (so their schedules end at different steps, and their last
+    batches are short) × two rates, weight decay on: each head as train_head trains it alone."""
+    weight, bias, features, labels = _problem(seed=2, n=150, d=24, c=5)
+    rng = np.random.default_rng(7)
+    row_sets = [np.sort(rng.choice(150, n, replace=False)) for n in (150, 97, 64, 33)]
+    lrs = [0.01, 0.05]
+    recipe = LocalTraining(epochs=4, batch_size=32, lr=1.0, weight_decay=0.01, temperature=0.5, seed=3)
+    weights, biases = train_heads_together(weight, bias, features, labels, row_sets, lrs, recipe)
+    assert weights.shape == (4, 2, 5, 24) and biases.shape == (4, 2, 5)
+    for g, rows in enumerate(row_sets):
+        for i, lr in enumerate(lrs):
+            alone = train_head(weight, bias, features[rows], labels[rows], replace(recipe, lr=lr))
+            assert alone.runtime == "torch"
+            np.testing.assert_allclose(weights[g, i], alone.weight, rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(biases[g, i], alone.bias, rtol=1e-4, atol=1e-5)
+    assert not np.allclose(weights[3, 1], weight)
+
+
+def test_cross_validated_rate_scores_equal_fold_by_fold_training_in_eager_torch():
+    """choose_fp_lr's scores against the loop it replaces: one PersonalizedHead per (rate, fold),
+    fine-tuned alone (train_head, eager torch) and scored on its held-out fold."""
+    from edge_client.oll import PersonalizedHead, choose_fp_lr
+
+    weight, bias, features, labels = _problem(seed=3, n=203, d=24, c=7)
+    labels = np.where(labels % 3 == 0, 1, labels % 3 + 3)           # three local labels of seven
+    recipe = LocalTraining(epochs=5, batch_size=16, lr=1.0, weight_decay=4e-5, temperature=0.1, seed=5)
+    lrs, folds = [1e-3, 3e-2], 5
+    chosen, scores = choose_fp_lr(weight, bias, features, labels, recipe, lrs, folds)
+    parts = np.array_split(np.random.default_rng(recipe.seed).permutation(len(labels)), folds)
+    expected = {}
+    for lr in lrs:
+        correct = 0
+        for k, held in enumerate(parts):
+            fit = np.concatenate([p for j, p in enumerate(parts) if j != k])
+            head = PersonalizedHead(weight, bias, labels, fallback="global")
+            head.fine_tune(features[fit], labels[fit], replace(recipe, lr=lr))
+            correct += head.score(features[held], labels[held]).correct
+        expected[lr] = correct / len(labels)
+    assert scores == pytest.approx(expected, abs=1.5 / len(labels))   # a borderline row may flip in the last bit
+    assert expected[lrs[0]] != expected[lrs[1]] and chosen == max(lrs, key=lambda lr: expected[lr])

@@ -22,6 +22,11 @@ call (whose gradients are discarded).
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import sys
+import tempfile
 import warnings
 
 import numpy as np
@@ -47,11 +52,29 @@ RUNTIME = "executorch"
 PIXELS_PER_CALL = 16 * 64 * 64
 
 
+def runtime_bindings():
+    """ExecuTorch's C++ runtime bindings (``executorch.extension.pybindings._C``).
+
+    Imported directly: their public wrapper ``portable_lib`` re-exports them, but first imports
+    ``executorch.exir`` (the whole export toolchain, which parses an operator YAML in pure Python:
+    ~10 s of a 2-core machine per process) for the class of one "experimental API" warning. The
+    bindings need only libtorch loaded, which ``import torch`` does. The wrapper stays the fallback
+    for an ExecuTorch whose bindings live elsewhere.
+    """
+    import torch  # noqa: F401  (loads libtorch.so, which the bindings link against)
+
+    try:
+        from executorch.extension.pybindings import _C
+    except ImportError:
+        from executorch.extension.pybindings import portable_lib as _C
+    return _C
+
+
 def executorch_version() -> str:
     """Installed ExecuTorch version; RuntimeUnavailableError when it cannot be imported."""
     try:
         from executorch.version import __version__
-        from executorch.extension.pybindings import portable_lib  # noqa: F401  (the runtime)
+        runtime_bindings()
     except ImportError as error:
         raise RuntimeUnavailableError(
             f"ExecuTorch is not usable here ({error}); install the `executorch` pip package "
@@ -68,18 +91,46 @@ def set_executorch_threads(count: int) -> int:
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ValueError(f"thread count must be a positive integer, got {count!r}")
     executorch_version()
-    from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
-
-    _unsafe_reset_threadpool(count)
+    with _native_stderr_without(NATIVE_STARTUP_LINES):
+        runtime_bindings()._unsafe_reset_threadpool(count)
     return executorch_threads()
+
+
+# What ExecuTorch's C++ runtime prints to stderr (its info level, fixed at build time) when it makes
+# its threadpool: cpuinfo probing ARM-only sysfs files and the pool's new size. Nothing to act on.
+NATIVE_STARTUP_LINES = re.compile(r"^\[(cpuinfo_utils|threadpool)\.cpp:\d+\] ")
+
+
+@contextlib.contextmanager
+def _native_stderr_without(lines: re.Pattern):
+    """Run the block with file descriptor 2 captured, then write back what it printed except the
+    lines ``lines`` matches (native code writes to the descriptor, past ``sys.stderr``). Whatever
+    another thread printed meanwhile comes out after the block, not lost."""
+    if sys.stderr is not None:
+        sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:                      # no descriptor 2 at all: nothing will be printed
+        yield
+        return
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = [line for line in captured.read().splitlines(keepends=True)
+                    if not lines.match(line.decode(errors="replace"))]
+            if kept:
+                os.write(2, b"".join(kept))      # where they were headed, unchanged
 
 
 def executorch_threads() -> int:
     """Threads in ExecuTorch's threadpool, i.e. what XNNPACK-delegated programs use."""
     executorch_version()
-    from executorch.extension.pybindings.portable_lib import _threadpool_get_thread_count
-
-    return _threadpool_get_thread_count()
+    return runtime_bindings()._threadpool_get_thread_count()
 
 
 def default_rows_per_call(image_size: int, threads: int) -> int:
@@ -114,7 +165,7 @@ class ExecuTorchInference:
     def __init__(self, program: bytes, spec: ArtifactSpec, image_size: int,
                  rows_per_call: int | None = None):
         _check_version(spec)
-        from executorch.extension.pybindings.portable_lib import _load_program_from_buffer
+        _load_program_from_buffer = runtime_bindings()._load_program_from_buffer
 
         if rows_per_call is not None and (isinstance(rows_per_call, bool) or
                                           not isinstance(rows_per_call, int) or rows_per_call < 1):

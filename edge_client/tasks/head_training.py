@@ -35,6 +35,7 @@ from protocols.payloads.fedavg import encode_head_update
 
 from ..agent import TaskDeclined
 from .extractors import ExtractorFactory, extractor_for
+from .numpy_head import batch_schedule
 
 log = logging.getLogger("fedfleet.device")
 
@@ -150,16 +151,9 @@ class SessionStepper:
 
 def local_sgd(stepper, rows: int, inputs: np.ndarray, labels: np.ndarray, recipe: LocalTraining) -> tuple[int, float]:
     """``recipe.epochs`` epochs of seeded-shuffled mini-batch steps; (steps, mean loss of the last epoch)."""
-    rng = np.random.default_rng(recipe.seed)
-    steps, losses = 0, []
-    for _ in range(recipe.epochs):
-        order = rng.permutation(rows)
-        losses = []
-        for start in range(0, len(order), recipe.batch_size):
-            batch = order[start:start + recipe.batch_size]
-            losses.append(stepper.step(inputs[batch], labels[batch]))
-            steps += 1
-    return steps, float(np.mean(losses))
+    batches = batch_schedule(rows, recipe)
+    losses = [stepper.step(inputs[batch], labels[batch]) for batch in batches]
+    return len(batches), float(np.mean(losses[-(len(batches) // recipe.epochs):]))
 
 
 def session_fits(session, num_classes: int, feature_dim: int, temperature: float) -> bool:

@@ -1,14 +1,47 @@
-"""The linear head's SGD step in numpy: what a torch-free device (``fedfleet[device]``) trains with.
+"""The linear head's SGD step in numpy: what a torch-free device (``fedfleet[device]``) trains with,
+and how a device trains many candidate heads side by side (OLL's cross-validation of FP(ψ) rates).
 
 Same step as the eager ``TemperatureScaledHead`` + SGD of ``head_training._TorchHeadStepper`` and
 the exported head training program: ``logits = f W^T + b``, mean cross-entropy on
 ``logits / T``, then ``param -= lr * (grad + weight_decay * param)``. The gradient is written out
-(softmax minus one-hot, divided by ``n T``) since a linear head needs no autograd.
+(softmax minus one-hot, weighted by each row's share of the batch, divided by ``T``) since a linear
+head needs no autograd.
+
+:func:`train_heads_together` runs that step for G row subsets × L learning rates in lockstep: one
+batched step moves all G·L heads, each on its own mini-batch of its own rows, so a device pays the
+per-step overhead (which dominates on a tiny k-class head) once instead of G·L times.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+
+def head_sgd_step(weight: np.ndarray, bias: np.ndarray, features: np.ndarray, labels: np.ndarray,
+                  row_share: np.ndarray, lr, temperature: np.float32, weight_decay: np.float32) -> np.ndarray:
+    """One SGD step, in place, of (stacks of) heads ``weight`` (..., C, d), ``bias`` (..., C) on
+    ``features`` (..., B, d) with ``labels`` (..., B) (leading axes broadcast against the heads').
+    ``row_share`` (..., B): each row's weight in the batch mean (1/n per row; 0 for padding rows);
+    ``lr`` a scalar or an array broadcasting to the heads' leading axes (0: that head stays put).
+    Returns the batch losses (the heads' leading axes)."""
+    scaled = (features @ np.swapaxes(weight, -1, -2) + bias[..., None, :]) / temperature
+    scaled -= scaled.max(axis=-1, keepdims=True)                  # log-softmax without overflow
+    log_p = scaled - np.log(np.exp(scaled).sum(axis=-1, keepdims=True))
+    shape = np.broadcast_shapes(log_p.shape[:-1], labels.shape, row_share.shape)
+    picked = np.broadcast_to(labels, shape)[..., None]
+    share = np.broadcast_to(row_share, shape)
+    loss = -(np.take_along_axis(log_p, picked, axis=-1)[..., 0] * share).sum(axis=-1)
+    d_logits = np.exp(log_p)
+    np.put_along_axis(d_logits, picked, np.take_along_axis(d_logits, picked, axis=-1) - 1.0, axis=-1)
+    d_logits *= (share / temperature)[..., None]                  # d mean-loss / d logits
+    grads = (np.swapaxes(d_logits, -1, -2) @ features, d_logits.sum(axis=-2))
+    lr = np.asarray(lr, dtype=np.float32)
+    for param, grad in zip((weight, bias), grads):
+        if weight_decay:
+            grad = grad + weight_decay * param
+        step = grad.astype(np.float32) * (lr.reshape(lr.shape + (1,) * (grad.ndim - lr.ndim)) if lr.ndim else lr)
+        param -= step
+    return loss
 
 
 class NumpyHeadStepper:
@@ -24,20 +57,47 @@ class NumpyHeadStepper:
 
     def step(self, features: np.ndarray, labels: np.ndarray) -> float:
         features = np.asarray(features, dtype=np.float32)
-        n = len(labels)
-        scaled = (features @ self.weight.T + self.bias) / self.temperature
-        scaled -= scaled.max(axis=1, keepdims=True)               # log-softmax without overflow
-        log_p = scaled - np.log(np.exp(scaled).sum(axis=1, keepdims=True))
-        loss = -float(log_p[np.arange(n), labels].mean())
-        d_logits = np.exp(log_p)
-        d_logits[np.arange(n), labels] -= 1.0
-        d_logits /= np.float32(n) * self.temperature               # d mean-loss / d logits
-        grads = (d_logits.T @ features, d_logits.sum(axis=0))
-        for param, grad in zip((self.weight, self.bias), grads):
-            if self.weight_decay:
-                grad = grad + self.weight_decay * param
-            param -= self.lr * grad.astype(np.float32)
-        return loss
+        share = np.full(len(labels), 1.0 / len(labels), dtype=np.float32)
+        return float(head_sgd_step(self.weight, self.bias, features, np.asarray(labels), share, self.lr,
+                                   self.temperature, self.weight_decay))
 
     def parameters(self) -> dict[str, np.ndarray]:
         return {"weight": self.weight.copy(), "bias": self.bias.copy()}
+
+
+def batch_schedule(rows: int, recipe) -> list[np.ndarray]:
+    """The mini-batches (row positions) of ``recipe.epochs`` seeded-shuffled epochs over ``rows``
+    rows: ``head_training.local_sgd``'s order, step by step."""
+    rng = np.random.default_rng(recipe.seed)
+    batches = []
+    for _ in range(recipe.epochs):
+        order = rng.permutation(rows)
+        batches += [order[start:start + recipe.batch_size] for start in range(0, rows, recipe.batch_size)]
+    return batches
+
+
+def train_heads_together(weight: np.ndarray, bias: np.ndarray, features: np.ndarray, labels: np.ndarray,
+                         row_sets: list[np.ndarray], lrs: list[float], recipe) -> tuple[np.ndarray, np.ndarray]:
+    """Heads (G, L, C, d) and biases (G, L, C): head (g, l) is ``(weight, bias)`` trained as
+    ``train_head(weight, bias, features[row_sets[g]], labels[row_sets[g]], recipe with lr=lrs[l])``
+    would train it (same batches, same steps; float32 rounding may differ in the last bits).
+    A row set with fewer steps than the longest one stops moving once its schedule ends."""
+    features = np.ascontiguousarray(features, dtype=np.float32)
+    labels = np.asarray(labels, dtype=np.int64)
+    G, L, B = len(row_sets), len(lrs), recipe.batch_size
+    schedules = [[np.asarray(rows)[batch] for batch in batch_schedule(len(rows), recipe)] for rows in row_sets]
+    heads_w = np.broadcast_to(np.asarray(weight, np.float32), (G, L, *np.shape(weight))).copy()
+    heads_b = np.broadcast_to(np.asarray(bias, np.float32), (G, L, len(bias))).copy()
+    lr = np.asarray(lrs, dtype=np.float32)
+    temperature, weight_decay = np.float32(recipe.temperature), np.float32(recipe.weight_decay)
+    for step in range(max(map(len, schedules))):
+        idx = np.zeros((G, B), dtype=np.int64)
+        share = np.zeros((G, B), dtype=np.float32)
+        active = np.zeros(G, dtype=np.float32)
+        for g, schedule in enumerate(schedules):
+            if step < len(schedule):
+                batch = schedule[step]
+                idx[g, :len(batch)], share[g, :len(batch)], active[g] = batch, 1.0 / len(batch), 1.0
+        head_sgd_step(heads_w, heads_b, features[idx][:, None], labels[idx][:, None], share[:, None],
+                      active[:, None] * lr[None, :], temperature, weight_decay)
+    return heads_w, heads_b

@@ -105,8 +105,7 @@ class PersonalizeTask:
         fp_lr = None
         if fp_epochs:
             try:
-                fp_lr, _ = choose_fp_lr(weight, bias, f_train, self.train_labels, recipe, lrs, folds,
-                                        self.training_session)
+                fp_lr, _ = choose_fp_lr(weight, bias, f_train, self.train_labels, recipe, lrs, folds)
                 head.fine_tune(f_train, self.train_labels, replace(recipe, lr=fp_lr), self.training_session)
             except FloatingPointError as exc:
                 raise TaskDeclined(str(exc)) from exc

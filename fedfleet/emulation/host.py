@@ -43,12 +43,15 @@ class LazyTasks:
     def __init__(self, build: Callable[[], dict], kinds: Iterable[str], compute_slot: threading.Semaphore):
         self._build, self._slot = build, compute_slot
         self.kinds = tuple(sorted(kinds))
+        self.slot_wait_s = 0.0      # how long the last task waited for the compute slot (no device compute)
 
     def handlers(self) -> dict[str, "LazyTask"]:
         return {k: LazyTask(self, k) for k in self.kinds}
 
     def run(self, kind: str, params: dict[str, Any], tensors: dict[str, np.ndarray]):
+        asked = time.perf_counter()
         with self._slot:
+            self.slot_wait_s = time.perf_counter() - asked
             handler = self._build()[kind]
             return handler(params, tensors)
 

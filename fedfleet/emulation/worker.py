@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -36,13 +37,20 @@ from protocols.mqtt_link import BrokerConfig
 from protocols.topics import Topics
 
 from ..bundles import make_extractor
+from ..quiet import quiet_third_party_warnings
 from .host import DeviceHost, LazyTasks, rss_mb
 from .profiles import DeviceProfile
 
 log = logging.getLogger("fedfleet.worker")
 
 
-def profile_hooks(profile: DeviceProfile, t0: float, rng: np.random.Generator) -> AgentHooks:
+def profile_hooks(profile: DeviceProfile, t0: float, rng: np.random.Generator,
+                  slot_wait_s: Callable[[], float] = lambda: 0.0) -> AgentHooks:
+    """``slot_wait_s``: how long the task just run waited for its host's compute slot. That wait
+    is the host's, not the device's (``AgentHooks.queued_s``): a slower device takes longer for
+    its own compute only (stretching the wait too would make a device that queued behind all of
+    its host's others sleep for minutes when a round asks every device at once), and the
+    device's compute time in the statistics leaves it out."""
     def after_compute(elapsed: float) -> None:
         time.sleep(profile.extra_compute_delay(elapsed))
         if profile.draws_dropout(rng):
@@ -50,7 +58,7 @@ def profile_hooks(profile: DeviceProfile, t0: float, rng: np.random.Generator) -
 
     return AgentHooks(after_compute=after_compute,
                       before_upload=lambda n: time.sleep(profile.upload_delay(n)),
-                      is_available=lambda: profile.is_available(time.monotonic() - t0),
+                      is_available=lambda: profile.is_available(time.monotonic() - t0), queued_s=slot_wait_s,
                       info={"emulated": True, "slowdown": profile.compute_slowdown,
                             "upload_bytes_per_s": profile.upload_bytes_per_s})
 
@@ -98,15 +106,15 @@ def _ladd_handlers(spec: dict, host: DeviceHost):
 
 
 def _classification_handlers(spec: dict, host: DeviceHost):
-    """device id -> its handlers on its shard of the labelled dataset (Fed3R, FedAvg, FT, OLL),
-    built per task (LazyTasks)."""
+    """device id -> its LazyTasks: handlers on its shard of the labelled dataset (Fed3R, FedAvg,
+    FT, OLL), built per task."""
     images, labels = load_dataset(spec["dataset"], spec.get("data_root"))
     shards = _indices(spec, "shards")
     holdouts = _indices(spec, "holdout") if spec.get("holdout_file") or spec.get("holdout") else None
     extractors = SharedExtractors(_extractor_factory(spec), spec.get("cache_dir"))
     return lambda device_id: _lazy_device_tasks(images, labels, shards[device_id],
                                                 holdouts[device_id] if holdouts is not None else None,
-                                                extractors, spec, host).handlers()
+                                                extractors, spec, host)
 
 
 def start_devices(spec: dict, host: DeviceHost) -> list[DeviceAgent]:
@@ -120,15 +128,17 @@ def start_devices(spec: dict, host: DeviceHost) -> list[DeviceAgent]:
     for dev in spec["devices"]:
         profile = DeviceProfile.from_dict(dev["profile"])
         device_id = profile.device_id
-        handlers = handlers_of(device_id)
+        tasks = handlers_of(device_id)        # LazyTasks (classification) or the handlers themselves (LADD)
+        handlers = tasks.handlers() if isinstance(tasks, LazyTasks) else tasks
+        slot_wait_s = (lambda tasks=tasks: tasks.slot_wait_s) if isinstance(tasks, LazyTasks) else (lambda: 0.0)
         rng = np.random.default_rng([spec.get("seed", 0), int(dev["index"])])
         protocol_handlers = {}
         if secure:
             identity = DeviceIdentity.from_private_bytes(device_id, bytes.fromhex(secure["device_keys"][device_id]))
             protocol_handlers = secure_handlers(identity, bytes.fromhex(secure["aggregator_public_key"]), handlers)
         host.add(lambda link_factory, device_id=device_id, profile=profile, handlers=handlers, rng=rng,
-                 protocol_handlers=protocol_handlers: DeviceAgent(
-                     device_id, broker, handlers, topics, hooks=profile_hooks(profile, t0, rng),
+                 protocol_handlers=protocol_handlers, slot_wait_s=slot_wait_s: DeviceAgent(
+                     device_id, broker, handlers, topics, hooks=profile_hooks(profile, t0, rng, slot_wait_s),
                      retry_after_s=spec.get("retry_after_s", 10.0), protocol_handlers=protocol_handlers,
                      link_factory=link_factory))
     return list(host.agents.values())
@@ -147,7 +157,23 @@ def _indices(spec: dict, name: str) -> dict[str, np.ndarray]:
 def host_devices(spec: dict) -> tuple[DeviceHost, list[DeviceAgent]]:
     """A started host with the spec's devices (local worker process or Ray actor)."""
     host = DeviceHost(step_threads=spec.get("step_threads", 8), compute_slots=spec.get("compute_slots", 1))
+    if spec.get("training_manifest"):
+        threading.Thread(target=warm_up_training, args=(spec["training_manifest"],), name="training-warm-up",
+                         daemon=True).start()
     return host, start_devices(spec, host)
+
+
+def warm_up_training(manifest: str) -> None:
+    """Load the head's training program once, in the background, so that the host's first FedAvg
+    task does not wait for the training runtime's import (ExecuTorch's training extension imports
+    its export toolchain: seconds of CPU, which the one-shot phases before FedAvg leave idle). A
+    failure is left for the tasks themselves to report."""
+    from edge_client.runtime import TrainingSession
+
+    try:
+        TrainingSession.load(manifest)
+    except Exception as exc:
+        log.info("training runtime warm-up: %s", exc)
 
 
 def device_totals(host: DeviceHost, agents: list[DeviceAgent]) -> dict:
@@ -186,6 +212,7 @@ def run(spec: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    quiet_third_party_warnings()
     run(json.loads(Path(argv[0]).read_text()))
     return 0
 
