@@ -47,6 +47,7 @@ class JobRunner:
         # large results are stored on the writer's thread (aggregator/contribution_writer.py)
         self.writer = writer if store is not None and isinstance(a.job, SplitValidation) else None
         self._held_acks: dict[str, list[tuple[SendAck, int]]] = {}   # message id -> its acks, until durable
+        self.rebuilt = False                    # a write failed and the job was rebuilt by a new runner
         self.on_fatal = on_fatal        # (reason, stop=False): rebuild the job from the store, or stop it
         self.send, self.publish_status_body, self.bytes_sent = send, publish_status, bytes_sent
         self.eval_set, self.checkpoints = eval_set, checkpoints
@@ -112,8 +113,8 @@ class JobRunner:
                     self.store.add_round_event(a.job_id, round_, act.device, event, act.reason)
                 self.events.write(event, round_, device=act.device, reason=act.reason)
             elif isinstance(act, ApplyResult):
-                if not self._apply(round_, act):
-                    return                  # quarantined: the job was rebuilt without it; the rest is void
+                if not self._apply(round_, act) or self.rebuilt:
+                    return                  # quarantined, or a write failed: the job was rebuilt; the rest is void
             elif isinstance(act, SendAck):
                 if self.writer is not None and act.ref in self.writer.pending:
                     # accepted, or a redelivery's duplicate: sent once the contribution is durable (on_stored)
@@ -143,6 +144,7 @@ class JobRunner:
             if error is not None:
                 log.error("job %s: contribution %s not stored: %r", self.a.job_id, message_id, error)
                 self._held_acks.clear()
+                self.rebuilt = True             # this runner's job is void: it acts no more
                 return self.on_fatal(f"a contribution could not be stored: {error!r}")
             self.crash("contribution_stored")
             for act, round_ in held:
@@ -173,6 +175,8 @@ class JobRunner:
             self.events.write("contribution", round_, device=act.device, message_id=act.message_id)
             if self.eval_each:
                 self.flush_writes()         # a stored evaluation never counts a contribution the store lacks
+                if self.rebuilt:
+                    return False
                 self._record_eval()
         except Exception as exc:            # validated, yet it breaks the model (e.g. the solve fails)
             self._quarantine(round_, act, f"{type(exc).__name__}: {exc}")
@@ -199,6 +203,8 @@ class JobRunner:
     def _close_round(self, act: RoundClosed) -> None:
         a = self.a
         self.flush_writes()                 # the round's checkpoint must hold only durable contributions
+        if self.rebuilt:
+            return
         self.crash("round_closing")
         try:
             a.job.close_round(act)
@@ -301,6 +307,8 @@ class JobRunner:
         """Write the job's outputs; with a store, commit its final state first (once)."""
         a = self.a
         self.flush_writes()
+        if self.rebuilt:    # a last write failed: the job stays running in the store, which resumes it
+            return {}
         state = a.final_state or "stopped"
         self.crash("job_finishing")
         final_job = a.job
