@@ -248,8 +248,14 @@ def figure_panels(results: list[dict]) -> list[dict]:
                 plain = [r["accuracy"] for r in rows if r["epsilon"] is None]
                 if plain and mode == "central":
                     lines[f"{method} no DP"] = ([EPSILONS[0], EPSILONS[-1]], [plain[0], plain[0]])
-        panels.append({"title": f"{fleet}: test accuracy vs ε (δ = {DELTA:g})", "xlabel": "ε", "ylabel": "accuracy",
-                       "lines": lines, "logx": True})
+        styles = {label: {"linestyle": "--", "linewidth": 1.5, "color": "C0" if label.startswith("fed3r") else "C1"}
+                  for label in lines if label.endswith("no DP")}
+        styles.update({label: {"marker": "o", "color": "C0" if label.startswith("fed3r") else "C1",
+                               "linestyle": "-" if label.endswith("central") else ":"}
+                       for label in lines if not label.endswith("no DP")})
+        panels.append({"title": f"{fleet}: test accuracy vs ε (δ = {DELTA:g})", "xlabel": "ε (log scale)",
+                       "ylabel": "test accuracy", "lines": lines, "logx": True, "xticks": list(EPSILONS),
+                       "ylim": (0.0, 1.0), "percent": True, "styles": styles})
     return panels
 
 

@@ -5,7 +5,7 @@ anyway (torch, scikit-learn); a device never draws one, so the device extras sta
 matplotlib and there is no second, lesser renderer to keep in step.
 
 A panel is ``{"title", "xlabel", "ylabel", "lines": {label: (xs, ys)}}`` with optional
-``"logx"``, ``"ylim"`` (a fixed range, so two reports compare by eye), ``"percent"`` (y ticks as
+``"logx"``, ``"xticks"`` (tick values written plainly), ``"ylim"`` (a fixed range, so two reports compare by eye), ``"percent"`` (y ticks as
 percentages), ``"styles": {label: matplotlib line kwargs}`` and ``"annotate_last"`` (labels of lines whose
 last value is written next to their end). ``{"bars": {label: value}}`` instead of ``"lines"``
 draws a bar panel with each value written on its bar. A line with a single point is drawn as a
@@ -22,7 +22,7 @@ def build_figure(panels: list[dict], title: str | None = None):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import PercentFormatter
+    from matplotlib.ticker import NullFormatter, PercentFormatter
 
     fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels), 5.0), squeeze=False)
     for ax, panel in zip(axes[0], panels):
@@ -36,6 +36,9 @@ def build_figure(panels: list[dict], title: str | None = None):
         ax.tick_params(labelsize=10)
         if panel.get("logx"):
             ax.set_xscale("log")
+        if panel.get("xticks"):          # these values, written plainly (not 6×10⁻¹ on a log axis)
+            ax.set_xticks(panel["xticks"], [f"{x:g}" for x in panel["xticks"]])
+            ax.xaxis.set_minor_formatter(NullFormatter())
         if panel.get("ylim"):
             ax.set_ylim(*panel["ylim"])
         if panel.get("percent"):
