@@ -14,7 +14,8 @@ summing the next results; what must wait for durability still does:
 
 The job applies a result before it is durable; if its write fails the job is rebuilt from the
 store (which lacks it), the device gets no ack and sends it again. Writes complete in submission
-order (one thread), so the table's order is the order the job applied them in.
+order (one thread), so the table's order is the order the job applied them in. Results that queued
+while a write was under way are stored together, each file durable, their rows in one commit.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from .store import Store
 
 
 class ContributionWriter:
+    MAX_BATCH = 16          # results per transaction when the writer is behind
+
     def __init__(self, store: Store, wake: Callable[[], None]):
         self.store, self.wake = store, wake      # wake(): the service thread should collect completions
         self._todo: queue.Queue = queue.Queue()
@@ -63,14 +66,25 @@ class ContributionWriter:
         self._thread.join(60)
 
     def _run(self) -> None:
-        while (item := self._todo.get()) is not None:
-            job_id, round_, device, message_id, payload = item
+        closing = False
+        while not closing:
+            batch = [self._todo.get()]
+            while batch[-1] is not None and len(batch) < self.MAX_BATCH:   # what queued meanwhile: one commit
+                try:
+                    batch.append(self._todo.get_nowait())
+                except queue.Empty:
+                    break
+            closing = batch[-1] is None
+            results = [item for item in batch if item is not None]
+            error = None
             try:
-                self.store.add_contribution(job_id, round_, device, message_id, payload)
-                self._done.append((message_id, None))
-            except BaseException as exc:        # handed to the service thread, which rebuilds the job
-                self._done.append((message_id, exc))
-            finally:
+                if results:
+                    self.store.add_contributions(results)
+            except BaseException as exc:        # none of the batch stored: the service thread rebuilds the job
+                error = exc
+            for item in results:
+                self._done.append((item[3], error))
+            for _ in batch:
                 self._todo.task_done()
+            if results:
                 self.wake()
-        self._todo.task_done()

@@ -371,17 +371,27 @@ class Store:
         """Durably record one accepted result; returns its sequence number. Duplicates raise StoreError
         (before any file is written). The payload file, named by the seq the insert allocated, is
         durable before the row commits."""
+        return self.add_contributions([(job_id, round_, device, message_id, payload)])[0]
+
+    def add_contributions(self, results: list[tuple[str, int, str, str, bytes]]) -> list[int]:
+        """``add_contribution`` for several (job_id, round, device, message_id, payload) in one
+        transaction: each payload file durable, then one commit for all their rows (a writer that
+        fell behind pays one commit per batch). All or none: on any error none is recorded."""
         now = time.time()
+        seqs = []
         try:
             with self._tx() as db:
-                seq = db.execute("INSERT INTO contributions (job_id, round, device, message_id, payload_bytes, "
-                                 "received_at) VALUES (?, ?, ?, ?, ?, ?)",
-                                 (job_id, round_, device, message_id, len(payload), now)).lastrowid
-                self.blobs.write(seq, payload)
-                self._crash("contribution_file_written")
-                db.execute("UPDATE devices SET last_seen=? WHERE device_id=?", (now, device))
-                return seq
+                for job_id, round_, device, message_id, payload in results:
+                    seq = db.execute("INSERT INTO contributions (job_id, round, device, message_id, payload_bytes, "
+                                     "received_at) VALUES (?, ?, ?, ?, ?, ?)",
+                                     (job_id, round_, device, message_id, len(payload), now)).lastrowid
+                    self.blobs.write(seq, payload)
+                    self._crash("contribution_file_written")
+                    db.execute("UPDATE devices SET last_seen=? WHERE device_id=?", (now, device))
+                    seqs.append(seq)
+                return seqs
         except sqlite3.IntegrityError as exc:
+            job_id, round_, device, message_id, _ = results[len(seqs)]
             raise StoreError(f"contribution {message_id} from {device} (round {round_}) is already stored") from exc
 
     def contributions(self, job_id: str, with_payload: bool = True, canonical: bool = False,

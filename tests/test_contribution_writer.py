@@ -28,11 +28,11 @@ class FailingOnce(Store):
         super().__init__(path)
         self.device, self.failed = device, threading.Event()
 
-    def add_contribution(self, job_id, round_, device, message_id, payload):
-        if device == self.device and not self.failed.is_set():
+    def add_contributions(self, results):
+        if any(r[2] == self.device for r in results) and not self.failed.is_set():
             self.failed.set()
             raise OSError(28, "No space left on device (injected)")
-        return super().add_contribution(job_id, round_, device, message_id, payload)
+        return super().add_contributions(results)
 
 
 def serve(broker, tmp_path, store):
