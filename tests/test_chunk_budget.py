@@ -84,6 +84,9 @@ def test_the_service_expires_a_devices_unfinished_chunks_on_its_own_clock(broker
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
+    deadline = time.time() + 20         # the service hears the devices: its subscriptions are live, so
+    while len(svc.online) < len(devices) and time.time() < deadline:    # no hog chunk goes unheard
+        time.sleep(0.05)
     hog = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="hog")
     hog.connect("127.0.0.1", broker.port)
     hog.loop_start()
