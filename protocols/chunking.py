@@ -216,9 +216,10 @@ class MessageAssembler:
         the caller decodes it in full — payload sha256, signature, tensors — wherever it likes
         (an aggregator's ingest workers) before acting on it. Single messages come back decoded
         in full, with ``True``."""
-        if decode_header(payload, max_bytes=self.max_message_bytes).type != CHUNK_TYPE:
-            return self._decode(payload, self.verifier, max_bytes=self.max_message_bytes), payload, True
-        env = self._decode(payload, self.verifier, max_bytes=self.max_message_bytes, hash_payload=False)
+        env = self._decode(payload, self.verifier, max_bytes=self.max_message_bytes,
+                           hash_payload=lambda kind: kind != CHUNK_TYPE)
+        if env.type != CHUNK_TYPE:
+            return env, payload, True
         whole = self.reassembler.add(env, now)
         if whole is None:
             return None

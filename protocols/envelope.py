@@ -220,17 +220,19 @@ def encode(msg: Envelope, signer: Signer | None = None) -> bytes:
 
 
 def decode(data: bytes, verifier: Verifier | None = None, *,
-           max_bytes: int = MAX_MESSAGE_BYTES, hash_payload: bool = True) -> Envelope:
+           max_bytes: int = MAX_MESSAGE_BYTES, hash_payload: bool | Callable[[str], bool] = True) -> Envelope:
     """Parse and validate ``data``; raise :class:`EnvelopeError` on any deviation.
 
     With a ``verifier`` the signature is mandatory and checked against the sender's key.
-    Tensors are returned as read-only views on ``data`` (no copy). ``hash_payload=False`` skips
-    only the payload's sha256, for a chunk: its bytes end up inside a whole message that is
-    decoded with every check (``chunking.MessageAssembler``), so hashing each chunk on the way
-    would only hash the same bytes twice.
+    Tensors are returned as read-only views on ``data`` (no copy). ``hash_payload`` (or, called
+    with the message's type, its answer) False skips only the payload's sha256, for a chunk: its
+    bytes end up inside a whole message that is decoded with every check
+    (``chunking.MessageAssembler``), so hashing each chunk on the way would hash them twice.
     """
     header = _checked_header(data, max_bytes)
     payload = memoryview(data)[PREFIX_LEN + struct.unpack_from("<I", data, 4)[0]:]
+    if callable(hash_payload):
+        hash_payload = hash_payload(header["type"])
     if hash_payload and hashlib.sha256(payload).hexdigest() != header["payload_sha256"]:
         raise EnvelopeError("payload sha256 mismatch (corrupted or truncated message)")
     sig = header.get("sig")

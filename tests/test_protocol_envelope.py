@@ -233,6 +233,27 @@ def test_chunk_tampering_and_limits():
     assert r.expire(now=11) == [("dev1", m.id)] and r.pending_bytes() == 0
 
 
+def test_an_assembler_refuses_a_chunk_corrupted_in_transit_though_it_hashes_no_chunk():
+    """A MessageAssembler hashes neither chunks nor the reassembled whole: a chunk whose bytes
+    changed under an intact header must still fail, at the whole message's full decode (eagerly,
+    or where the caller decodes a lazily returned message, as an aggregator's ingest worker does)."""
+    m = Envelope("result", "dev1", {}, {"x": np.arange(3000.0)})
+    parts = split(encode(m), m.id, "dev1", chunk_size=2048)
+    corrupt = bytearray(parts[1])
+    corrupt[-1] ^= 0xFF                     # the chunk's last data byte; its header is untouched
+    parts[1] = bytes(corrupt)
+    eager = MessageAssembler()
+    with pytest.raises(EnvelopeError, match="sha256"):
+        for part in parts:
+            eager.feed(part)
+    lazy = MessageAssembler()
+    got = [lazy.feed_lazy(part) for part in parts]
+    header, whole, checked = got[-1]
+    assert header.id == m.id and not checked            # routed on its header only...
+    with pytest.raises(EnvelopeError, match="sha256"):
+        decode(whole)                                    # ...and refused by the full decode
+
+
 def test_topics_layout_and_device_id_validation():
     t = Topics("fleet")
     assert t.inbox("dev7") == "fleet/v1/dev/dev7/in" and t.device_of("fleet/v1/dev/dev7/out") == "dev7"
