@@ -15,6 +15,7 @@ from pathlib import Path
 HERE = Path(__file__).parent
 QUICK = {
     "fed3r_ingest.py": ["--devices", "10", "--ingest-workers", "0", "2"],
+    "ingest_steps.py": [],
     "fed3r_precision.py": ["--train", "1000", "--test", "500", "--devices", "40"],
     "fed3r_solve.py": ["--dims", "1281", "2049", "4097"],
     "fed3r_paper_scale.py": ["--quick"],

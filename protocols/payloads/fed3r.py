@@ -251,8 +251,9 @@ def check_gram(a_upper: np.ndarray, p: int, eps: float, positive_definite: Posit
     eigenvalues of its unit-diagonal form by less than that). A sender could always have sent its
     matrix in float32 and been held to exactly this bound, so checking a float64 matrix more
     strictly would buy nothing against an attacker; per coordinate (D^-½ A D^-½) it is stricter than
-    one shift by the largest diagonal entry. The factorisation runs in float32, a third of the
-    float64 one's time: it is the largest cost of ingesting a dense upload. An honest matrix whose
+    one shift by the largest diagonal entry. The factorisation runs in float32, the check 1.5x
+    faster than the float64 one (``bench/ingest_steps.py``): it is the largest cost of ingesting a
+    dense upload. An honest matrix whose
     float32 factorisation fails on rounding alone (never seen, but not excluded by the bound) gets
     the float64 check at its own wire precision (τ = 4·p·eps·max diag) before it is refused."""
     full = triu_fill(a_upper, p)

@@ -1,0 +1,97 @@
+"""Per-step costs of ingesting one large Fed3R result, each against what it replaced, in one run.
+
+1. header validation of a 6.6 MB upload's 26 chunk headers: jsonschema-rs (now) vs
+   python-jsonschema (before), the same headers;
+2. the Gram check of a packed 1281 x 1281 A: float32 Cholesky of the unit-diagonal matrix
+   (``check_gram`` now) vs one float64 Cholesky of A + τI (before), on one thread;
+3. reassembling and decoding the upload: a MessageAssembler (one sha256 pass, at the whole
+   message's decode) vs each chunk decoded in full, the whole hashed by the Reassembler and
+   decoded in full again (three passes, before).
+
+Prints milliseconds per upload and the ratio before / now for each step.
+
+    .venv/bin/python bench/ingest_steps.py [--d 1280] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from aggregator.strategies.fed3r import Fed3R  # noqa: E402
+from protocols.chunking import MessageAssembler, Reassembler, split  # noqa: E402
+from protocols.envelope import (PREFIX_LEN, Envelope, _fast_is_valid, _validator, decode,  # noqa: E402
+                                encode, parse_strict_json)
+from protocols.payloads.fed3r import check_gram, encode_stats, triu_fill  # noqa: E402
+
+C = 10
+
+
+def seconds(fn, repeats: int) -> float:
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - t0) / repeats
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--d", type=int, default=1280)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    p, rng = args.d + 1, np.random.default_rng(0)
+    Z = np.hstack([rng.normal(size=(64, args.d)), np.ones((64, 1))])
+    y = rng.integers(0, C, 64)
+    ids = np.unique(y)
+    body, tensors = encode_stats(Z.T @ Z, ids, np.stack([Z[y == c].sum(0) for c in ids]), 64, C)
+    whole = encode(Envelope(type="result", sender="dev0001", body=body, tensors=tensors))
+    chunks = split(whole, decode(whole).id, "dev0001")
+    headers = [parse_strict_json(c[PREFIX_LEN:PREFIX_LEN + int.from_bytes(c[4:8], "little")]) for c in chunks]
+    print(f"d={args.d}: one upload of {len(whole) / 1e6:.2f} MB in {len(chunks)} chunks")
+
+    rows = []
+    fast, reference = _fast_is_valid(), _validator()
+    rows.append(("chunk header validation", seconds(lambda: [reference.is_valid(h) for h in headers], args.repeats),
+                 seconds(lambda: [fast(h) for h in headers], args.repeats)))
+
+    a_upper = decode(whole).tensors["A_upper"]
+    strategy = Fed3R(C, p, 0.01)
+    eps = float(np.finfo(np.float64).eps)
+
+    def float64_check():
+        full = triu_fill(a_upper, p)
+        tau = 4 * p * eps * float(full.diagonal().max())
+        assert strategy.positive_definite(full, tau)
+
+    rows.append(("Gram check", seconds(float64_check, args.repeats),
+                 seconds(lambda: check_gram(a_upper, p, eps, strategy.positive_definite), args.repeats)))
+
+    def three_passes():
+        r = Reassembler()
+        for c in chunks:
+            got = r.add(decode(c), now=0.0)
+        decode(got)
+
+    def assembler():
+        asm = MessageAssembler()
+        for c in chunks:
+            got = asm.feed_lazy(c, now=0.0)
+        decode(got[1])
+
+    rows.append(("reassemble + decode", seconds(three_passes, args.repeats), seconds(assembler, args.repeats)))
+    print(f"{'step':<26}{'before ms':>11}{'now ms':>9}{'before/now':>12}")
+    for name, before, now in rows:
+        print(f"{name:<26}{before * 1e3:>11.2f}{now * 1e3:>9.2f}{before / now:>12.1f}")
+
+
+if __name__ == "__main__":
+    main()
