@@ -150,12 +150,14 @@ class JobRunner:
             for act, round_ in held:
                 self._send_ack(act, round_)
 
-    def flush_writes(self) -> None:
+    def flush_writes(self) -> bool:
         """Wait until every accepted contribution is durable (and its ack sent): before anything
-        reads the stored contributions or freezes state derived from them."""
+        reads the stored contributions or freezes state derived from them. False when a write
+        failed: the job was rebuilt by another runner and this one must act no more."""
         if self.writer is not None and self.writer.pending:
             self.writer.wait()
             self.on_stored()
+        return not self.rebuilt
 
     def _apply(self, round_: int, act: ApplyResult) -> bool:
         """Store, apply and (per the job's cadence) evaluate one result; False if it was quarantined."""
@@ -174,8 +176,7 @@ class JobRunner:
             a.applied.record(act.device, round_, act.message_id, act.result.payload, len(act.result.raw))
             self.events.write("contribution", round_, device=act.device, message_id=act.message_id)
             if self.eval_each:
-                self.flush_writes()         # a stored evaluation never counts a contribution the store lacks
-                if self.rebuilt:
+                if not self.flush_writes():     # a stored evaluation never counts a contribution the store lacks
                     return False
                 self._record_eval()
         except Exception as exc:            # validated, yet it breaks the model (e.g. the solve fails)
@@ -202,8 +203,7 @@ class JobRunner:
 
     def _close_round(self, act: RoundClosed) -> None:
         a = self.a
-        self.flush_writes()                 # the round's checkpoint must hold only durable contributions
-        if self.rebuilt:
+        if not self.flush_writes():         # the round's checkpoint must hold only durable contributions
             return
         self.crash("round_closing")
         try:
@@ -241,7 +241,7 @@ class JobRunner:
         entry = {**(job or a.job).evaluate(*self._eval_arrays()), "round": a.job.round}
         entry.update(t=time.time() - a.started_at, bytes_in=a.stats.bytes_in, bytes_out=self.bytes_sent())
         a.history.append(entry)
-        self.events.evaluation(entry.get("round", a.job.round), entry)
+        self.events.evaluation(entry["round"], entry)
         if self.store is not None:
             self.store.add_evaluation(a.job_id, entry)
         self.publish_status()
@@ -306,8 +306,7 @@ class JobRunner:
     def finish(self) -> dict:
         """Write the job's outputs; with a store, commit its final state first (once)."""
         a = self.a
-        self.flush_writes()
-        if self.rebuilt:    # a last write failed: the job stays running in the store, which resumes it
+        if not self.flush_writes():    # a last write failed: the job stays running in the store, which resumes it
             return {}
         state = a.final_state or "stopped"
         self.crash("job_finishing")
