@@ -48,6 +48,9 @@ class JobRunner:
         self.writer = writer if store is not None and isinstance(a.job, SplitValidation) else None
         self._held_acks: dict[str, list[tuple[SendAck, int]]] = {}   # message id -> its acks, until durable
         self.rebuilt = False                    # a write failed and the job was rebuilt by a new runner
+        # an order-free job reports its contributions summed in device order (aggregator/canonical.py):
+        # only then is what it applied worth keeping
+        self.canonical = store is not None and getattr(a.job, "order_free", False) and a.kind in KINDS
         self.on_fatal = on_fatal        # (reason, stop=False): rebuild the job from the store, or stop it
         self.send, self.publish_status_body, self.bytes_sent = send, publish_status, bytes_sent
         self.eval_set, self.checkpoints = eval_set, checkpoints
@@ -173,7 +176,8 @@ class JobRunner:
             self.crash("contribution_stored")
         try:
             a.job.apply(act.device, act.result.payload)
-            a.applied.record(act.device, round_, act.message_id, act.result.payload, len(act.result.raw))
+            if self.canonical:
+                a.applied.record(act.device, round_, act.message_id, act.result.payload, len(act.result.raw))
             self.events.write("contribution", round_, device=act.device, message_id=act.message_id)
             if self.eval_each:
                 if not self.flush_writes():     # a stored evaluation never counts a contribution the store lacks
@@ -311,8 +315,7 @@ class JobRunner:
         state = a.final_state or "stopped"
         self.crash("job_finishing")
         final_job = a.job
-        if state in FINAL_JOB_STATES and self.store is not None and getattr(a.job, "order_free", False) \
-                and a.kind in KINDS:
+        if state in FINAL_JOB_STATES and self.canonical:
             final_job = reported_job(a.applied, a.job, self.store, a.kind, a.job_id)
         if not a.history or a.history[-1]["contributions"] != a.job.contributions:
             self._record_eval(final_job)            # the last evaluation is the reported model's
