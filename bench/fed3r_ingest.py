@@ -156,6 +156,17 @@ def validation_cpu_s(whole: bytes, d: int) -> float:
     return (time.process_time() - t0) / 3
 
 
+def busy_cpu_s() -> float | None:
+    """CPU-seconds all processes of this machine have used so far (Linux ``/proc/stat``: every state
+    but idle and I/O wait); None elsewhere."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq = fields
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
 def durable_write_s(data: bytes, directory: str, repeats: int = 5) -> float:
     """Seconds this disk takes to make one result durable (a new file written, then fsynced): the
     store does that for every result before its ack, whatever the ingest design."""
@@ -200,27 +211,39 @@ def main() -> None:
                 sub = ctx.Process(target=count_bytes, args=(broker.port, total, sub_ready, sub_out))
                 sub.start()
                 sub_ready.wait(60)
+                busy0 = busy_cpu_s()
                 t0 = burst(pub, [(f"raw/{i % 50}", p) for i, (_, p) in enumerate(messages)])
-                raw = total / (sub_out.get(timeout=600) - t0)
+                raw_wall = sub_out.get(timeout=600) - t0
+                raw_cpu = None if busy0 is None else busy_cpu_s() - busy0
+                raw = total / raw_wall
                 sub.join()
                 print(f"payload per device={total / args.devices / 1e6:.2f} MB")
                 print(f"raw broker throughput (same chunked payloads, counting subscriber): {raw / 1e6:8.1f} MB/s",
                       flush=True)
-                # What no ingest design avoids: each result's validation, CPU spread over this
-                # machine's cores while the broker and the publisher use them too.
+                # What no ingest design avoids: the raw path's CPU (the broker, the publisher, a
+                # subscriber receiving every byte) and each result's validation, on this machine's
+                # cores; and each result's durable write, on its disk.
                 cores, check = os.cpu_count() or 1, validation_cpu_s(devices.whole, args.d)
-                window, durable = total / args.devices / raw, durable_write_s(devices.whole, tmp)
+                window, durable = raw_wall / args.devices, durable_write_s(devices.whole, tmp)
                 print(f"per device: the raw broker moves one in {window * 1e3:.1f} ms; validating it costs "
-                      f"{check * 1e3:.1f} ms of CPU ({cores} cores); writing it durably (file + fsync) "
-                      f"{durable * 1e3:.1f} ms -> the disk alone caps the ratio at {min(1.0, window / durable):.2f}",
-                      flush=True)
+                      f"{check * 1e3:.1f} ms of CPU; writing it durably (file + fsync) {durable * 1e3:.1f} ms "
+                      f"-> the disk alone caps the ratio at {min(1.0, window / durable):.2f}", flush=True)
+                if raw_cpu is not None:
+                    floor = raw_cpu + args.devices * check
+                    print(f"CPU: the raw run used {raw_cpu:.2f} CPU-s in {raw_wall:.2f} s; the aggregator run needs at "
+                          f"least that plus {args.devices} validations = {floor:.2f} CPU-s, at least "
+                          f"{floor / cores:.2f} s on {cores} cores -> the CPU alone caps the ratio at "
+                          f"{min(1.0, raw_wall * cores / floor):.2f}", flush=True)
+            busy0 = busy_cpu_s()
             t0 = burst(pub, messages)
             t_done, bytes_in, accepted, commit_s = out.get(timeout=900)
+            used = "" if busy0 is None else f", {busy_cpu_s() - busy0:.2f} CPU-s used"
             rate = total / (t_done - t0)
             what = "store+validate+sum+solve+evaluate each" if provisional else "store+validate+sum, solve at the end "
             print(f"aggregator ingest ({what}), {workers} ingest workers: {rate / 1e6:8.1f} MB/s  "
                   f"ratio to raw {rate / raw:.2f}"
-                  f"  (accepted={accepted}, {commit_s:.2f} s in store writes: SQLite + payload files)", flush=True)
+                  f"  (accepted={accepted}, {t_done - t0:.2f} s{used}, {commit_s:.2f} s in store writes: SQLite + "
+                  f"payload files)", flush=True)
             agg.join(60)
             pub.loop_stop()
             devices.close()

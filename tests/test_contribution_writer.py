@@ -21,18 +21,22 @@ DEVICES = ["dev01", "dev02", "dev03", "dev04"]
 
 
 class FailingOnce(Store):
-    """A store whose disk fails once, on the first contribution of ``device`` (a fault injected
-    where no real one can be made on demand: the tests run as root, which no permission stops)."""
+    """A store whose disk fails once, writing the first payload file of ``device`` (its envelope
+    names its sender): a fault injected where no real one can be made on demand (the tests run as
+    root, which no permission stops). It fails on a file thread, as a full disk would."""
 
     def __init__(self, path, device: str):
         super().__init__(path)
         self.device, self.failed = device, threading.Event()
+        write = self.blobs.write
 
-    def add_contributions(self, results):
-        if any(r[2] == self.device for r in results) and not self.failed.is_set():
-            self.failed.set()
-            raise OSError(28, "No space left on device (injected)")
-        return super().add_contributions(results)
+        def failing_write(seq, data):
+            if f'"{self.device}"'.encode() in data[:4096] and not self.failed.is_set():
+                self.failed.set()
+                raise OSError(28, "No space left on device (injected)")
+            return write(seq, data)
+
+        self.blobs.write = failing_write
 
 
 def serve(broker, tmp_path, store):

@@ -65,3 +65,27 @@ def test_a_zero_diagonal_entry_with_a_non_zero_row_and_a_negative_diagonal_are_r
     neg[0, 0] = -1.0
     with pytest.raises(EnvelopeError, match="negative diagonal"):
         check_gram(triu_pack(neg), P, EPS64)
+
+
+def test_a_checked_parse_keeps_float64_views_and_sums_the_same():
+    """``parse_stats(checked=True)`` (bytes an ingest worker validated) skips the passes over every
+    value and hands back read-only views on the message's bytes; the sums from them are the sums
+    from the validated copies, bit for bit."""
+    import torch
+
+    from protocols.envelope import Envelope, decode, encode
+    from protocols.payloads.fed3r import encode_stats, parse_stats
+
+    rng = np.random.default_rng(3)
+    body, tensors = encode_stats(honest(rng, 40), np.arange(3), rng.normal(size=(3, P)), 40, 3)
+    env = decode(encode(Envelope(type="result", sender="dev01", body=body, tensors=tensors, id="ab" * 16)))
+    full = parse_stats(env, P, 3, fit_intercept=False)
+    checked = parse_stats(env, P, 3, fit_intercept=False, checked=True)
+    assert np.shares_memory(checked.a_upper, env.tensors["A_upper"]) and not checked.a_upper.flags.writeable
+    assert not np.shares_memory(full.a_upper, env.tensors["A_upper"])
+    sums = [Fed3R(3, P, 0.01), Fed3R(3, P, 0.01)]
+    for strategy, stats in zip(sums, (full, checked)):
+        strategy.add(stats)
+        strategy.add(stats)
+    assert torch.equal(sums[0].A, sums[1].A) and torch.equal(sums[0].B, sums[1].B)
+    assert np.array_equal(env.tensors["A_upper"], triu_pack(honest(np.random.default_rng(3), 40)))  # never written

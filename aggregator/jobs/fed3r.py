@@ -151,7 +151,7 @@ class Fed3RJob(OncePerDevice):
         store kept them): ``parse_result`` without the Gram matrix's Cholesky factorisation, which
         costs more than everything else together. Checks against the job's state belong here too."""
         return self._check_increment(env, parse_stats(env, self.config.p, self.config.num_classes,
-                                                      fit_intercept=self.config.fit_intercept, positive_definite=None))
+                                                      fit_intercept=self.config.fit_intercept, checked=True))
 
     def close_round(self, closed: RoundClosed) -> None:
         if self.config.dp:

@@ -9,6 +9,8 @@ Fed3R-Sync groups (sums of κ devices under secure aggregation) the same code pa
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
@@ -48,8 +50,8 @@ class Fed3R:
             self._add_packed((R.T @ R)[iu[0], iu[1]])
             self.B[:, ids] += R.T @ torch.as_tensor(stats.qty, dtype=torch.float64, device=self.device)
         else:
-            self._add_packed(torch.as_tensor(stats.a_upper, dtype=torch.float64, device=self.device))
-            self.B[:, ids] += torch.as_tensor(stats.b, dtype=torch.float64, device=self.device).T
+            self._add_packed(_read_only(stats.a_upper, self.device))
+            self.B[:, ids] += _read_only(stats.b, self.device).T
         self.n_samples += stats.n
         self.n_contributions += 1
         self._solved = None
@@ -117,3 +119,12 @@ class Fed3R:
         self._solved = None
 
 
+
+
+def _read_only(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``array`` as a float64 tensor on ``device``, only read: a checked result's statistics are
+    read-only views on its received bytes (``parse_stats(checked=True)``), which torch would copy
+    or warn about; on the CPU they are added in place of a copy, without the warning."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
+        return torch.as_tensor(array, dtype=torch.float64, device=device)

@@ -159,10 +159,12 @@ def numpy_positive_definite(upper: np.ndarray, tau: float) -> bool:
 
 def parse_stats(msg: Envelope, p: int, num_classes: int, max_samples: int = 10**9,
                 fit_intercept: bool = True,
-                positive_definite: PositiveDefinite | None = numpy_positive_definite) -> Fed3RStats:
+                positive_definite: PositiveDefinite = numpy_positive_definite, checked: bool = False) -> Fed3RStats:
     """Validate a ``fed3r.stats`` result against the job's (p, C); raise EnvelopeError if anything is
     off (shapes, dtypes, finiteness, a Gram matrix's properties, consistency with n).
-    ``positive_definite=None`` skips only the Gram check, for bytes that passed it already."""
+    ``checked``: these very bytes passed this function before (in an ingest worker, or before they
+    were stored): the passes over every value (finiteness, the Gram check) are skipped, and float64
+    tensors come back as the read-only views on ``msg``'s bytes they are, not copies."""
     n = body_field(msg, "n", int)
     if not (0 < n <= max_samples):
         raise EnvelopeError(f"{KIND}: sample count n={n} out of range (1..{max_samples})")
@@ -175,7 +177,7 @@ def parse_stats(msg: Envelope, p: int, num_classes: int, max_samples: int = 10**
     if a_format == "factor":
         stats = _parse_factor(msg, n, p, num_classes)
     elif a_format == "packed":
-        stats = _parse_packed(msg, fmt, n, p, num_classes, positive_definite)
+        stats = _parse_packed(msg, fmt, n, p, num_classes, None if checked else positive_definite)
     else:
         raise EnvelopeError(f"{KIND}: unknown a_format {a_format!r} (packed | factor)")
     if fit_intercept:
@@ -204,6 +206,7 @@ def _class_ids(msg: Envelope, num_classes: int) -> np.ndarray:
 
 def _parse_packed(msg: Envelope, fmt: str, n: int, p: int, num_classes: int,
                   positive_definite: PositiveDefinite | None) -> Fed3RStats:
+    """``positive_definite=None``: the bytes were checked before (``parse_stats(checked=True)``)."""
     a_dtype = _stats_dtype(msg, "A_upper")
     a = require_tensor(msg, "A_upper", a_dtype, (packed_len(p),))
     if fmt == "sparse":
@@ -216,11 +219,12 @@ def _parse_packed(msg: Envelope, fmt: str, n: int, p: int, num_classes: int,
         ids = np.arange(num_classes, dtype=np.int64)
     else:
         raise EnvelopeError(f"{KIND}: unknown format {fmt!r}")
+    if positive_definite is None:           # checked before: float64 views stay views (read-only)
+        return Fed3RStats(n=n, p=p, a_upper=np.asarray(a, np.float64), class_ids=ids, b=np.asarray(b, np.float64))
     require_finite(msg, "A_upper", "b")
     # Copies: the decoded tensors are read-only views on the received bytes.
     a, b = np.array(a, dtype=np.float64), np.array(b, dtype=np.float64)
-    if positive_definite is not None:       # None: these very bytes passed the check before
-        check_gram(a, p, np.finfo(a_dtype).eps, positive_definite)
+    check_gram(a, p, np.finfo(a_dtype).eps, positive_definite)
     return Fed3RStats(n=n, p=p, a_upper=a, class_ids=ids, b=b)
 
 
