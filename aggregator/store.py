@@ -113,7 +113,10 @@ def arrays_sha256(arrays: dict[str, np.ndarray]) -> str:
 
 
 class Store:
-    FILE_WRITERS = 4        # payload files written at once (bench/store_write.py: parallel fsyncs overlap)
+    # payload files written at once: buffered writes overlap their fsyncs (bench/store_write.py
+    # --buffered: 0.55x the time per result in batches of 4); O_DIRECT ones gained nothing on the
+    # development VM's disk, and may on a device with a deeper queue
+    FILE_WRITERS = 4
 
     def __init__(self, path: str | Path, synchronous: str = "FULL"):
         if synchronous not in ("FULL", "NORMAL", "OFF"):
@@ -574,8 +577,8 @@ def _model_row(r: sqlite3.Row) -> dict:
 class ContributionBatch:
     """Accepted contributions stored in one transaction, their payload files written side by side.
 
-    A 6.6 MB payload's write and fsync is mostly waiting on the disk, and a disk overlaps several
-    (``bench/store_write.py``), so each file is written on one of the store's file threads as soon
+    A payload's write and fsync is mostly waiting on the disk, and a disk may overlap several
+    (``Store.FILE_WRITERS``), so each file is written on one of the store's file threads as soon
     as its row is inserted, while the caller may add more. The transaction (SQLite's write lock)
     is open from the first insert to the commit, so every file is written under it, as the module
     says: a store opened meanwhile by another process never sweeps a file between its write and

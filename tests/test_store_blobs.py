@@ -280,3 +280,63 @@ def test_names_are_made_ahead_and_bytes_of_no_row_are_removed_at_open(tmp_path, 
     assert not store.blobs.path(second).exists() and (blobs / "notes.txt").exists()
     assert payload_files(blobs) == {f"{first:012d}.msg": b"one", "notes.txt": b"an operator's file"}
     assert reopened.add_contribution("j", 1, "dev03", "m3", b"three") == second + 1
+
+
+def large_sizes():
+    from aggregator.blob_files import BlobFiles
+    direct, bounce = BlobFiles.DIRECT_FROM, BlobFiles.BOUNCE
+    return [direct - 1, direct, direct + 4097, bounce - 1, bounce, bounce + 1, 2 * bounce + 4097]
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_large_payloads_read_back_exactly_around_or_through_the_page_cache(tmp_path, direct):
+    """Large payloads are written with O_DIRECT through an aligned buffer, the last block padded
+    and the file cut back: every size around the block and buffer boundaries reads back exactly,
+    as it does buffered."""
+    from aggregator.blob_files import BlobFiles
+    files = BlobFiles(tmp_path / "blobs", durable=True)
+    files.direct = direct and files.direct
+    for seq, size in enumerate(large_sizes(), start=1):
+        data = os.urandom(size)
+        files.write(seq, data)
+        assert files.path(seq).stat().st_size == size and files.read(seq, size) == data
+    assert files.direct == (direct and hasattr(os, "O_DIRECT"))   # this file system takes O_DIRECT
+
+
+def test_a_file_system_that_refuses_o_direct_gets_buffered_writes(tmp_path, monkeypatch):
+    """No file system here refuses O_DIRECT, so the refusal (EINVAL from fcntl) is injected."""
+    import errno
+    import fcntl
+
+    from aggregator.blob_files import BlobFiles
+    real = fcntl.fcntl
+
+    def refusing(fd, cmd, arg=0):
+        if cmd == fcntl.F_SETFL and arg & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, cmd, arg)
+
+    monkeypatch.setattr(fcntl, "fcntl", refusing)
+    files = BlobFiles(tmp_path / "blobs", durable=True)
+    data = os.urandom(BlobFiles.BOUNCE + 1)
+    files.write(1, data)
+    assert files.read(1, len(data)) == data and not files.direct
+
+
+def test_a_direct_write_that_fails_leaves_the_file_empty(tmp_path, monkeypatch):
+    from aggregator.blob_files import BlobFiles
+    files = BlobFiles(tmp_path / "blobs", durable=True)
+    files.write(1, os.urandom(BlobFiles.BOUNCE * 2))        # what a failed rewrite of the name must not keep
+    writes = []
+    real = os.write
+
+    def full_disk(fd, data):
+        writes.append(len(data))
+        if len(writes) == 2:                                # the second block of a direct write
+            raise OSError(28, "No space left on device (injected)")
+        return real(fd, data)
+
+    monkeypatch.setattr(os, "write", full_disk)
+    with pytest.raises(OSError, match="injected"):
+        files.write(1, os.urandom(BlobFiles.BOUNCE * 2))
+    assert files.path(1).stat().st_size == 0 and files.direct
