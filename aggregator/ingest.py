@@ -127,8 +127,10 @@ def _init_worker(threads: int, parent: int) -> None:
     import time
 
     import torch
+    from threadpoolctl import threadpool_limits
 
     torch.set_num_threads(threads)
+    threadpool_limits(threads)          # LAPACK's (the Gram check) too: workers share the cores
 
     def exit_with_parent() -> None:     # a SIGKILLed service must not leave its workers behind
         while os.getppid() == parent:

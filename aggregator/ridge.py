@@ -4,7 +4,7 @@ W* = (A + λI)⁻¹ B with A = ZᵀZ and B = ZᵀY over one-hot targets (Fed3R [
 ``fit_intercept`` a constant-1 column is appended to Z before A and B are formed, so λ also
 regularises the bias (as the reference code does). λ is added exactly once, here, never by
 devices. The solve is a Cholesky factorisation in float64 (A + λI is symmetric positive
-definite for λ > 0), on CUDA when available. Afterwards every class column is divided by the L2
+definite for λ > 0), on CUDA when available, else LAPACK's through scipy. Afterwards every class column is divided by the L2
 norm of its d weight entries (bias divided by the same norm; a zero norm counts as 1e-6): the
 paper's class-imbalance correction. Set ``normalize_columns=False`` for the plain ridge solution.
 """
@@ -14,7 +14,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .compute import pick_device
+from .compute import cholesky_in_place, cholesky_solve, pick_device
+
+NOT_POSITIVE_DEFINITE = "A + λI is not positive definite: statistics are corrupt (non-Gram A?)"
 
 
 def append_bias(Z: np.ndarray) -> np.ndarray:
@@ -55,12 +57,7 @@ class ClosedFormRidge:
         p = A_t.shape[0]
         if A_t.shape != (p, p) or B_t.ndim != 2 or B_t.shape[0] != p:
             raise ValueError(f"shapes do not match: A {tuple(A_t.shape)}, B {tuple(B_t.shape)}")
-        reg = A_t.clone()
-        reg.diagonal().add_(self.lam)
-        L, info = torch.linalg.cholesky_ex(reg, upper=upper)
-        if int(info) != 0:
-            raise np.linalg.LinAlgError("A + λI is not positive definite: statistics are corrupt (non-Gram A?)")
-        W = torch.cholesky_solve(B_t, L, upper=upper)          # (p, C)
+        W = self._solve(A_t, B_t, upper)                         # (p, C)
         self.raw_weights_ = W.cpu().numpy()
         d = p - 1 if self.fit_intercept else p
         weights, bias = W[:d], (W[d] if self.fit_intercept else torch.zeros(W.shape[1], dtype=W.dtype, device=dev))
@@ -74,6 +71,17 @@ class ClosedFormRidge:
         self.classes_ = np.arange(W.shape[1])
         return self
 
+    def _solve(self, A_t: torch.Tensor, B_t: torch.Tensor, upper: bool) -> torch.Tensor:
+        """(A + λI)⁻¹B by Cholesky: LAPACK in place on a copy on the CPU (``compute.cholesky_in_place``),
+        torch on the GPU."""
+        if A_t.device.type != "cpu":
+            return torch_ridge_solve(A_t, B_t, self.lam, upper)
+        reg = A_t.numpy().copy() if upper else A_t.numpy().T.copy()      # C order, the upper triangle read
+        factor, ok = cholesky_in_place(reg, self.lam)
+        if not ok:
+            raise np.linalg.LinAlgError(NOT_POSITIVE_DEFINITE)
+        return torch.from_numpy(cholesky_solve(factor, B_t.numpy()))
+
     def decision_function(self, Z: np.ndarray) -> np.ndarray:
         Z = np.asarray(Z, dtype=np.float64)
         if Z.ndim != 2 or Z.shape[1] != self.n_features_in_:
@@ -85,3 +93,14 @@ class ClosedFormRidge:
 
     def score(self, Z: np.ndarray, y: np.ndarray) -> float:
         return float((self.predict(Z) == np.asarray(y)).mean())
+
+
+def torch_ridge_solve(A_t: torch.Tensor, B_t: torch.Tensor, lam: float, upper: bool) -> torch.Tensor:
+    """(A + λI)⁻¹B with torch's Cholesky on A's device (what a GPU runs); ``upper``: only A's upper
+    triangle is read, else its lower one."""
+    reg = A_t.clone()
+    reg.diagonal().add_(lam)
+    L, info = torch.linalg.cholesky_ex(reg, upper=upper)
+    if int(info) != 0:
+        raise np.linalg.LinAlgError(NOT_POSITIVE_DEFINITE)
+    return torch.cholesky_solve(B_t, L, upper=upper)

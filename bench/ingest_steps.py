@@ -6,7 +6,12 @@
    (``check_gram`` now) vs one float64 Cholesky of A + τI (before), on one thread;
 3. reassembling and decoding the upload: a MessageAssembler (one sha256 pass, at the whole
    message's decode) vs each chunk decoded in full, the whole hashed by the Reassembler and
-   decoded in full again (three passes, before).
+   decoded in full again (three passes, before);
+4. the Gram check's factorisation alone (float32, 1281 x 1281): LAPACK's potrf through scipy, in
+   place on the transposed view (``aggregator.compute.cholesky_in_place``, now) vs torch's
+   ``cholesky_ex`` (before);
+5. the ridge solve of the summed statistics (float64, C = 10 classes): ``ClosedFormRidge`` on
+   the CPU (LAPACK, now) vs the same with torch's Cholesky and ``cholesky_solve`` (before).
 
 Prints milliseconds per upload and the ratio before / now for each step.
 
@@ -25,6 +30,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from threadpoolctl import threadpool_limits  # noqa: E402
+
+from aggregator.compute import cholesky_in_place  # noqa: E402
+from aggregator.ridge import ClosedFormRidge  # noqa: E402
 from aggregator.strategies.fed3r import Fed3R  # noqa: E402
 from protocols.chunking import MessageAssembler, Reassembler, split  # noqa: E402
 from protocols.envelope import (PREFIX_LEN, Envelope, _fast_is_valid, _validator, decode,  # noqa: E402
@@ -48,6 +57,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     torch.set_num_threads(1)
+    threadpool_limits(1)                # LAPACK through scipy and numpy: one thread, as torch
     p, rng = args.d + 1, np.random.default_rng(0)
     Z = np.hstack([rng.normal(size=(64, args.d)), np.ones((64, 1))])
     y = rng.integers(0, C, 64)
@@ -88,9 +98,35 @@ def main() -> None:
         decode(got[1])
 
     rows.append(("reassemble + decode", seconds(three_passes, args.repeats), seconds(assembler, args.repeats)))
+
+    unit = triu_fill(a_upper, p).astype(np.float32)
+    unit /= np.sqrt(np.outer(unit.diagonal(), unit.diagonal())) + np.float32(1e-30)
+    tau = 4 * p * float(np.finfo(np.float32).eps)
+
+    def torch_factor():
+        t = torch.from_numpy(unit.copy())
+        t.diagonal().add_(tau)
+        assert int(torch.linalg.cholesky_ex(t, upper=True)[1]) == 0
+
+    rows.append(("Gram factorisation", seconds(torch_factor, args.repeats),
+                 seconds(lambda: cholesky_in_place(unit.copy(), tau)[1] or _fail(), args.repeats)))
+
+    A, B = torch.from_numpy(triu_fill(a_upper, p)), torch.from_numpy(rng.normal(size=(p, C)))
+
+    def torch_solve():
+        reg = A.clone()
+        reg.diagonal().add_(0.01)
+        torch.cholesky_solve(B, torch.linalg.cholesky_ex(reg, upper=True)[0], upper=True)
+
+    rows.append(("ridge solve", seconds(torch_solve, args.repeats),
+                 seconds(lambda: ClosedFormRidge(0.01, device="cpu").fit_statistics(A, B, upper=True), args.repeats)))
     print(f"{'step':<26}{'before ms':>11}{'now ms':>9}{'before/now':>12}")
     for name, before, now in rows:
         print(f"{name:<26}{before * 1e3:>11.2f}{now * 1e3:>9.2f}{before / now:>12.1f}")
+
+
+def _fail():
+    raise AssertionError("the factorisation failed")
 
 
 if __name__ == "__main__":

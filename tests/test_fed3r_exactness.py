@@ -123,3 +123,27 @@ def test_random_features_are_reproducible_and_approximate_the_gaussian_kernel():
     assert np.abs(K_approx - K).max() < 0.08
     # omega entries are standard normal
     assert abs(a.omega_.mean()) < 0.05 and abs(a.omega_.std() - 1) < 0.05
+
+
+def test_the_cpu_and_gpu_solvers_agree_with_numpy():
+    """The CPU solve (LAPACK in place, through scipy) and the GPU one (torch's Cholesky, run here on
+    the CPU) give numpy's (A + λI)⁻¹B, from the upper triangle alone or the lower one; both refuse
+    a matrix that is not positive definite."""
+    import torch
+
+    from aggregator.ridge import torch_ridge_solve
+
+    rng = np.random.default_rng(7)
+    Z = np.hstack([rng.normal(size=(300, 30)) * 10.0 ** rng.uniform(-2, 2, 30), np.ones((300, 1))])
+    A, B, lam = Z.T @ Z, rng.normal(size=(31, 4)), 0.5
+    want = np.linalg.solve(A + lam * np.eye(31), B)
+    for upper, half in ((True, np.triu(A)), (False, np.tril(A))):
+        lapack = ClosedFormRidge(lam, device="cpu", normalize_columns=False).fit_statistics(half, B, upper=upper)
+        gpu_path = torch_ridge_solve(torch.from_numpy(half), torch.from_numpy(B), lam, upper).numpy()
+        np.testing.assert_allclose(lapack.raw_weights_, want, rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(gpu_path, want, rtol=1e-9, atol=1e-12)
+    indefinite = A - 2 * np.linalg.eigvalsh(A)[-1] * np.eye(31)
+    with pytest.raises(np.linalg.LinAlgError):
+        ClosedFormRidge(lam, device="cpu").fit_statistics(indefinite, B)
+    with pytest.raises(np.linalg.LinAlgError):
+        torch_ridge_solve(torch.from_numpy(indefinite), torch.from_numpy(B), lam, True)

@@ -1,18 +1,22 @@
 """The Gram check a dense Fed3R upload gets before it is stored (``check_gram``): positive
 semi-definite within the float32 wire precision, per coordinate (D^-½AD^-½ + τI, τ = 4·p·ε32),
 judged against numpy's eigenvalues of that unit-diagonal matrix; the same verdicts through the
-aggregator's torch factorisation and through LAPACK's via numpy."""
+aggregator's CPU factorisation (LAPACK in place, through scipy), its GPU one (torch, run here on
+the CPU) and numpy's."""
 
 import numpy as np
 import pytest
 
-from aggregator.strategies.fed3r import Fed3R
+import torch
+
+from aggregator.strategies.fed3r import Fed3R, torch_positive_definite
 from protocols.envelope import EnvelopeError
 from protocols.payloads.fed3r import check_gram, numpy_positive_definite, triu_pack
 
 P = 129
 EPS64, EPS32 = float(np.finfo(np.float64).eps), float(np.finfo(np.float32).eps)
-CHECKS = {"numpy": numpy_positive_definite, "torch": Fed3R(3, P, 0.01).positive_definite}
+CHECKS = {"numpy": numpy_positive_definite, "lapack": Fed3R(3, P, 0.01, device="cpu").positive_definite,
+          "torch": lambda upper, tau: torch_positive_definite(upper, tau, torch.device("cpu"))}
 
 
 def honest(rng, n) -> np.ndarray:
@@ -71,8 +75,6 @@ def test_a_checked_parse_keeps_float64_views_and_sums_the_same():
     """``parse_stats(checked=True)`` (bytes an ingest worker validated) skips the passes over every
     value and hands back read-only views on the message's bytes; the sums from them are the sums
     from the validated copies, bit for bit."""
-    import torch
-
     from protocols.envelope import Envelope, decode, encode
     from protocols.payloads.fed3r import encode_stats, parse_stats
 

@@ -16,7 +16,7 @@ import torch
 
 from protocols.payloads.fed3r import Fed3RStats, triu_fill
 
-from ..compute import pick_device
+from ..compute import cholesky_in_place, pick_device
 from ..ridge import ClosedFormRidge
 
 
@@ -62,11 +62,12 @@ class Fed3R:
 
     def positive_definite(self, upper: np.ndarray, tau: float) -> bool:
         """Whether U + τI has a Cholesky factor, U symmetric and filled in its upper triangle only,
-        on the strategy's device (the GPU when there is one): the Gram check ``parse_stats`` runs
-        on every dense contribution, one factorisation that reads only that triangle."""
-        t = torch.as_tensor(upper, device=self.device)       # in the array's precision (float32 or float64)
-        t.diagonal().add_(tau)
-        return int(torch.linalg.cholesky_ex(t, upper=True)[1]) == 0
+        on the strategy's device (LAPACK in place on the CPU, torch on the GPU): the Gram check
+        ``parse_stats`` runs on every dense contribution, one factorisation that reads only that
+        triangle. ``upper`` is scratch: it is overwritten."""
+        if self.device.type == "cpu":
+            return cholesky_in_place(upper, tau)[1]
+        return torch_positive_definite(upper, tau, self.device)
 
     def packed_upper(self) -> np.ndarray:
         """Σ_k A_k as its packed upper triangle (row-major, what devices send), float64."""
@@ -119,6 +120,14 @@ class Fed3R:
         self._solved = None
 
 
+
+
+def torch_positive_definite(upper: np.ndarray, tau: float, device: torch.device) -> bool:
+    """:meth:`Fed3R.positive_definite` with torch on ``device`` (what a GPU runs), in the array's
+    precision (float32 or float64)."""
+    t = torch.as_tensor(upper, device=device)
+    t.diagonal().add_(tau)
+    return int(torch.linalg.cholesky_ex(t, upper=True)[1]) == 0
 
 
 def _read_only(array: np.ndarray, device: torch.device) -> torch.Tensor:
