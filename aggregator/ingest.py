@@ -16,6 +16,12 @@ So the sums, the store and crash recovery are exactly those of inline ingest, an
 job's final model is still re-summed in device-id order. A verdict that never comes back (the process stops) leaves nothing
 behind: nothing was stored or acknowledged, and the device re-sends.
 
+A message reaches a worker through shared memory, not the pool's pipe: pickling 6.6 MB, the pipe's
+two kernel copies and the unpickling cost about as much CPU as the validation itself on the
+development VM (``bench/fed3r_ingest.py``, 0 vs 2 workers). The service copies the message into a
+reused segment (:class:`TransferBuffers`) and sends its name; the worker decodes it in place. The
+segment goes back to the free list with the verdict: the service keeps its own bytes of the message.
+
 Memory is bounded: at most ``max_pending`` messages are in the workers at once, and one per
 device; beyond that the service thread validates the message itself (back-pressure, never a drop).
 """
@@ -25,9 +31,11 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from multiprocessing.shared_memory import SharedMemory
 
 from protocols.envelope import Envelope, EnvelopeError, decode, decode_checked
 from protocols.identity import InvalidSignature, verify_signature
@@ -57,6 +65,7 @@ class IngestWorkers:
         self.max_pending = max_pending or 16 * workers
         self._pending: dict[str, int] = {}       # device -> messages of it in the workers
         self.warming: list[Future] = []
+        self.buffers = TransferBuffers(keep=4 * workers)
 
     @staticmethod
     def accepts(job) -> bool:
@@ -76,7 +85,11 @@ class IngestWorkers:
         """Validate ``whole`` (a reassembled result from ``device``) for the job ``kind``/``config``;
         the future's result is a :class:`Verdict`."""
         self._pending[device] = self._pending.get(device, 0) + 1
-        return self._call(validate_result, kind, json.dumps(config, sort_keys=True), whole, public_key, max_bytes)
+        segment = self.buffers.put(whole)
+        future = self._call(validate_shared, kind, json.dumps(config, sort_keys=True), segment.name, len(whole),
+                            public_key, max_bytes)
+        future.add_done_callback(lambda _: self.buffers.release(segment))
+        return future
 
     def _call(self, fn, *args) -> Future:
         future: Future = Future()
@@ -93,6 +106,50 @@ class IngestWorkers:
 
     def close(self) -> None:
         self._pool.terminate()
+        self.buffers.close()
+
+
+class TransferBuffers:
+    """Shared memory segments that carry messages to the workers, reused: a new segment's pages
+    cost a fault each on first touch, a reused one's nothing. Segments come back with their verdict
+    (on the pool's result thread, hence the lock); at most ``keep`` idle ones are kept."""
+
+    GRAIN = 1 << 20
+
+    def __init__(self, keep: int):
+        self.keep = keep
+        self._free: list[SharedMemory] = []
+        self._lock = threading.Lock()
+
+    def put(self, data: bytes) -> SharedMemory:
+        """A segment holding ``data`` at its start."""
+        with self._lock:
+            fits = [s for s in self._free if s.size >= len(data)]
+            segment = min(fits, key=lambda s: s.size) if fits else None
+            if segment is not None:
+                self._free.remove(segment)
+        if segment is None:
+            segment = SharedMemory(create=True, size=max(1, -(-len(data) // self.GRAIN)) * self.GRAIN)
+        segment.buf[:len(data)] = data
+        return segment
+
+    def release(self, segment: SharedMemory) -> None:
+        with self._lock:
+            if len(self._free) < self.keep:
+                self._free.append(segment)
+                return
+        _destroy(segment)
+
+    def close(self) -> None:
+        with self._lock:
+            free, self._free = self._free, []
+        for segment in free:
+            _destroy(segment)
+
+
+def _destroy(segment: SharedMemory) -> None:
+    segment.close()
+    segment.unlink()
 
 
 def refusal(future: Future, revoked: bool) -> tuple[str, str] | None:
@@ -155,7 +212,23 @@ def _warm_up(kind: str, config_json: str) -> None:
     time.sleep(0.5)             # hold this process so that the next warm-up lands on another one
 
 
-def validate_result(kind: str, config_json: str, whole: bytes, public_key: bytes | None, max_bytes: int) -> Verdict:
+def validate_shared(kind: str, config_json: str, name: str, length: int, public_key: bytes | None,
+                    max_bytes: int) -> Verdict:
+    """:func:`validate_result` of the first ``length`` bytes of the service's segment ``name``,
+    read in place (the service neither writes nor reuses it before this returns). The mapping is
+    closed again at once: one kept for a segment the service has destroyed would hold its memory."""
+    # Attaching registers the name with the resource tracker, which a spawned worker shares with
+    # the service (one registration per name): the service's unlink unregisters it.
+    segment = SharedMemory(name=name)
+    try:
+        with segment.buf[:length] as whole:
+            return validate_result(kind, config_json, whole, public_key, max_bytes)
+    finally:
+        segment.close()
+
+
+def validate_result(kind: str, config_json: str, whole: bytes | memoryview, public_key: bytes | None,
+                    max_bytes: int) -> Verdict:
     """Decode ``whole`` in full (signature required when ``public_key`` is given) and validate it
     as a result of the job; any failure becomes a :class:`Verdict`, never an exception."""
     def verify(sender: str, signed: bytes, signature: bytes) -> None:

@@ -89,8 +89,10 @@ def run_aggregator(url: str, tmp: str, ids: list[str], d: int, provisional: bool
     from protocols.mqtt_link import BrokerConfig
 
     import torch
+    from threadpoolctl import threadpool_limits
 
     torch.set_num_threads(1)    # on a shared 2-core machine, more intra-op threads only wait for each other
+    threadpool_limits(1)        # LAPACK's (the solve; the Gram check when inline) likewise
     cfg = Fed3RConfig(num_classes=C, feature_dim=d, clients_per_round=len(ids), expected_devices=len(ids),
                       round_timeout_s=600, job_id=f"ingest-{provisional}")
     svc = AggregatorService(Fed3RJob(cfg), BrokerConfig.from_url(url), Path(tmp), enrolled=set(ids),

@@ -275,7 +275,7 @@ def _checked_header(data: bytes, max_bytes: int) -> dict:
     if hlen > MAX_HEADER_BYTES or PREFIX_LEN + hlen > len(data):
         raise EnvelopeError(f"header length {hlen} exceeds the message or the {MAX_HEADER_BYTES}-byte limit")
     try:
-        header = parse_strict_json(data[PREFIX_LEN:PREFIX_LEN + hlen])
+        header = parse_strict_json(bytes(data[PREFIX_LEN:PREFIX_LEN + hlen]))    # data may be a memoryview
     except ValueError as exc:     # UnicodeError and JSONDecodeError are ValueErrors
         raise EnvelopeError(f"header is not strict UTF-8 JSON: {exc}") from exc
     if not _fast_is_valid()(header):

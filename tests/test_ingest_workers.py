@@ -160,3 +160,30 @@ def test_a_workers_verdict_classifies_what_is_wrong_with_a_message():
     assert validate_result("fed3r", cfg, bytes(corrupt), key, 1 << 30).reason_class == "malformed"
     poisoned = validate_result("fed3r", cfg, result(Indefinite(Z[parts[1]], y[parts[1]], C)), key, 1 << 30)
     assert poisoned.reason_class == "invalid payload" and "Gram" in poisoned.detail
+
+
+def test_transfer_buffers_are_reused_bounded_and_removed():
+    """Messages reach the workers through shared memory segments that are reused (a new segment's
+    pages cost a fault each), at most ``keep`` idle ones are kept, and closing removes them all."""
+    from multiprocessing.shared_memory import SharedMemory
+
+    import pytest
+
+    from aggregator.ingest import TransferBuffers
+
+    buffers = TransferBuffers(keep=2)
+    first = buffers.put(b"a" * 3_000_000)
+    assert bytes(first.buf[:3_000_000]) == b"a" * 3_000_000 and first.size % TransferBuffers.GRAIN == 0
+    buffers.release(first)
+    again = buffers.put(b"b" * 1000)                  # fits in the idle one: the same segment
+    assert again.name == first.name and bytes(again.buf[:1000]) == b"b" * 1000
+    held = [again, buffers.put(b"c"), buffers.put(b"d")]
+    for segment in held:
+        buffers.release(segment)
+    names = [s.name for s in held]
+    with pytest.raises(FileNotFoundError):
+        SharedMemory(name=names[2])                   # a third idle one is not kept: destroyed
+    buffers.close()
+    for name in names[:2]:
+        with pytest.raises(FileNotFoundError):
+            SharedMemory(name=name)
