@@ -119,6 +119,7 @@ class TransferBuffers:
     def __init__(self, keep: int):
         self.keep = keep
         self._free: list[SharedMemory] = []
+        self._segments: dict[str, SharedMemory] = {}   # every one not destroyed, idle or in flight
         self._lock = threading.Lock()
 
     def put(self, data: bytes) -> SharedMemory:
@@ -130,6 +131,8 @@ class TransferBuffers:
                 self._free.remove(segment)
         if segment is None:
             segment = SharedMemory(create=True, size=max(1, -(-len(data) // self.GRAIN)) * self.GRAIN)
+            with self._lock:
+                self._segments[segment.name] = segment
         segment.buf[:len(data)] = data
         return segment
 
@@ -138,12 +141,14 @@ class TransferBuffers:
             if len(self._free) < self.keep:
                 self._free.append(segment)
                 return
+            self._segments.pop(segment.name, None)
         _destroy(segment)
 
     def close(self) -> None:
+        """Destroy every segment, idle or still in flight (call once the workers are stopped)."""
         with self._lock:
-            free, self._free = self._free, []
-        for segment in free:
+            segments, self._segments, self._free = list(self._segments.values()), {}, []
+        for segment in segments:
             _destroy(segment)
 
 

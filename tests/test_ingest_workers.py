@@ -183,7 +183,8 @@ def test_transfer_buffers_are_reused_bounded_and_removed():
     names = [s.name for s in held]
     with pytest.raises(FileNotFoundError):
         SharedMemory(name=names[2])                   # a third idle one is not kept: destroyed
+    in_flight = buffers.put(b"e" * 5_000_000)         # never released: its worker was stopped
     buffers.close()
-    for name in names[:2]:
+    for name in names[:2] + [in_flight.name]:
         with pytest.raises(FileNotFoundError):
             SharedMemory(name=name)
