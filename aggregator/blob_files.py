@@ -51,9 +51,8 @@ class BlobFiles:
     def __init__(self, directory: Path, durable: bool):
         self.directory = directory
         self.durable = durable
-        self._named_to = 0                            # seqs up to this one have a durable name
         self.direct = durable and hasattr(os, "O_DIRECT")     # off for good once the file system refuses it
-        self._bounce = threading.local()              # one aligned buffer per writing thread
+        self._bounce = threading.local()              # one aligned buffer per thread that writes
         if not directory.is_dir():
             directory.mkdir(mode=0o700)               # device statistics: readable by the aggregator only
             if durable:
@@ -62,22 +61,15 @@ class BlobFiles:
     def path(self, seq: int) -> Path:
         return self.directory / f"{int(seq):012d}.msg"
 
-    def prepare(self, seq: int) -> None:
-        """Make ``seq``'s name durable if it is not yet: one thread at a time. Writers on several
-        threads (:class:`aggregator.store.ContributionBatch`) have it called first, so that none of
-        them writes into a name another is still making durable."""
-        if seq > self._named_to and not self.path(seq).exists():
-            self._create_names(seq)
-
     def write(self, seq: int, data: bytes) -> None:
-        """Write ``data`` as the payload of row ``seq``, into its name made durable beforehand
-        (:meth:`prepare`, here if it was not called). The name may hold bytes of no row (a seq whose
-        insert never committed is given again): they are replaced. A failed write leaves the file empty."""
+        """Write ``data`` as the payload of row ``seq``, into its name made durable beforehand. The name
+        may hold bytes of no row (a seq whose insert never committed is given again): they are replaced.
+        A failed write leaves the file empty."""
         path = self.path(seq)
         try:
             fd = os.open(path, _WRITE | os.O_TRUNC)
         except FileNotFoundError:
-            self.prepare(seq)
+            self._create_names(seq)
             fd = os.open(path, _WRITE | os.O_TRUNC)
         try:
             if not (self.direct and len(data) >= self.DIRECT_FROM and self._write_direct(fd, data)):
@@ -132,7 +124,6 @@ class BlobFiles:
             os.close(os.open(self.path(spare), _WRITE | os.O_CREAT, 0o600))
         if self.durable:
             self._fsync_dir(self.directory)
-        self._named_to = seq + self.SPARES - 1
 
     def read(self, seq: int, nbytes: int) -> bytes:
         path = self.path(seq)

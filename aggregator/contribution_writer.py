@@ -14,9 +14,8 @@ summing the next results; what must wait for durability still does:
 
 The job applies a result before it is durable; if its write fails the job is rebuilt from the
 store (which lacks it), the device gets no ack and sends it again. Writes complete in submission
-order (one thread), so the table's order is the order the job applied them in. Results submitted
-while a batch's payload files are being written join it: their files are written side by side
-(:class:`aggregator.store.ContributionBatch`), their rows committed together.
+order (one thread), so the table's order is the order the job applied them in. Results that queued
+while a write was under way are stored together, each file durable, their rows in one commit.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from .store import Store
 
 
 class ContributionWriter:
-    MAX_BATCH = 16          # results per transaction (one commit; their files written side by side)
+    MAX_BATCH = 16          # results per transaction when the writer is behind
 
     def __init__(self, store: Store, wake: Callable[[], None]):
         self.store, self.wake = store, wake      # wake(): the service thread should collect completions
@@ -69,43 +68,23 @@ class ContributionWriter:
     def _run(self) -> None:
         closing = False
         while not closing:
-            first = self._todo.get()
-            if first is _FILE_WRITTEN:          # of a batch that committed already
-                self._todo.task_done()
-                continue
-            if first is None:
-                break
-            results, error = [first], None
-            try:
-                batch = self.store.contribution_batch(on_file_written=lambda: self._todo.put(_FILE_WRITTEN))
+            batch = [self._todo.get()]
+            while batch[-1] is not None and len(batch) < self.MAX_BATCH:   # what queued meanwhile: one commit
                 try:
-                    batch.add(*first)
-                    closing = self._take_in(batch, results)
-                except BaseException:
-                    batch.abort()
-                    raise
-                batch.commit()
+                    batch.append(self._todo.get_nowait())
+                except queue.Empty:
+                    break
+            closing = batch[-1] is None
+            results = [item for item in batch if item is not None]
+            error = None
+            try:
+                if results:
+                    self.store.add_contributions(results)
             except BaseException as exc:        # none of the batch stored: the service thread rebuilds the job
                 error = exc
             for item in results:
                 self._done.append((item[3], error))
+            for _ in batch:
                 self._todo.task_done()
-            self.wake()
-        self._todo.task_done()                  # the None
-
-    def _take_in(self, batch, results: list) -> bool:
-        """Add to ``batch`` what is submitted while its files are being written, up to MAX_BATCH:
-        one commit for them all. Returns whether close() was called meanwhile."""
-        while len(results) < self.MAX_BATCH and not (batch.files_written() and self._todo.empty()):
-            item = self._todo.get()             # a new result, or a file of this batch written
-            if item is _FILE_WRITTEN:
-                self._todo.task_done()
-            elif item is None:
-                return True
-            else:
-                results.append(item)
-                batch.add(*item)
-        return False
-
-
-_FILE_WRITTEN = object()        # put on the queue when a payload file is written: the writer looks again
+            if results:
+                self.wake()

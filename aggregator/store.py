@@ -51,8 +51,6 @@ import logging
 import sqlite3
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -113,11 +111,6 @@ def arrays_sha256(arrays: dict[str, np.ndarray]) -> str:
 
 
 class Store:
-    # payload files written at once: buffered writes overlap their fsyncs (bench/store_write.py
-    # --buffered: 0.55x the time per result in batches of 4); O_DIRECT ones gained nothing on the
-    # development VM's disk, and may on a device with a deeper queue
-    FILE_WRITERS = 4
-
     def __init__(self, path: str | Path, synchronous: str = "FULL"):
         if synchronous not in ("FULL", "NORMAL", "OFF"):
             raise ValueError("synchronous must be FULL, NORMAL or OFF")
@@ -128,7 +121,6 @@ class Store:
         self.commit_seconds = 0.0      # time spent in write transactions, payload files included
         self.commits = 0
         self.blobs = BlobFiles(self.path.with_name(self.path.name + ".blobs"), durable=synchronous != "OFF")
-        self._file_writers: ThreadPoolExecutor | None = None
         self._crash = CrashPoints.from_env()
         self.db.executescript(f"BEGIN IMMEDIATE; {SCHEMA} COMMIT;")
         migrated = False
@@ -383,21 +375,24 @@ class Store:
 
     def add_contributions(self, results: list[tuple[str, int, str, str, bytes]]) -> list[int]:
         """``add_contribution`` for several (job_id, round, device, message_id, payload) in one
-        transaction (:class:`ContributionBatch`). All or none: on any error none is recorded."""
-        batch = self.contribution_batch()
+        transaction: each payload file durable, then one commit for all their rows (a writer that
+        fell behind pays one commit per batch). All or none: on any error none is recorded."""
+        now = time.time()
+        seqs = []
         try:
-            for result in results:
-                batch.add(*result)
-        except BaseException:
-            batch.abort()
-            raise
-        return batch.commit()
-
-    def contribution_batch(self, on_file_written: Callable[[], None] | None = None) -> "ContributionBatch":
-        """Open a transaction that stores contributions (:class:`ContributionBatch`)."""
-        if self._file_writers is None:
-            self._file_writers = ThreadPoolExecutor(self.FILE_WRITERS, thread_name_prefix="payload-files")
-        return ContributionBatch(self, self._file_writers, on_file_written)
+            with self._tx() as db:
+                for job_id, round_, device, message_id, payload in results:
+                    seq = db.execute("INSERT INTO contributions (job_id, round, device, message_id, payload_bytes, "
+                                     "received_at) VALUES (?, ?, ?, ?, ?, ?)",
+                                     (job_id, round_, device, message_id, len(payload), now)).lastrowid
+                    self.blobs.write(seq, payload)
+                    self._crash("contribution_file_written")
+                    db.execute("UPDATE devices SET last_seen=? WHERE device_id=?", (now, device))
+                    seqs.append(seq)
+                return seqs
+        except sqlite3.IntegrityError as exc:
+            job_id, round_, device, message_id, _ = results[len(seqs)]
+            raise StoreError(f"contribution {message_id} from {device} (round {round_}) is already stored") from exc
 
     def contributions(self, job_id: str, with_payload: bool = True, canonical: bool = False,
                       after_round: int = 0) -> Iterator[StoredContribution]:
@@ -572,67 +567,3 @@ def _model_row(r: sqlite3.Row) -> dict:
     d["metrics"] = json.loads(d["metrics"])
     d["final"] = bool(d["final"])
     return d
-
-
-class ContributionBatch:
-    """Accepted contributions stored in one transaction, their payload files written side by side.
-
-    A payload's write and fsync is mostly waiting on the disk, and a disk may overlap several
-    (``Store.FILE_WRITERS``), so each file is written on one of the store's file threads as soon
-    as its row is inserted, while the caller may add more. The transaction (SQLite's write lock)
-    is open from the first insert to the commit, so every file is written under it, as the module
-    says: a store opened meanwhile by another process never sweeps a file between its write and
-    its row's commit. :meth:`commit` waits for every file, then commits: a committed row always has
-    its durable file. :meth:`abort` waits for them too (a file written after the rollback could
-    land in a seq given again), then rolls back; the files then hold bytes of no row, replaced when
-    their seqs are given again or swept when the store next opens."""
-
-    def __init__(self, store: Store, writers: ThreadPoolExecutor, on_file_written: Callable[[], None] | None):
-        self.store, self._writers, self._on_file_written = store, writers, on_file_written
-        self._tx = store._tx()
-        self._db = self._tx.__enter__()
-        self._files: list[Future] = []
-        self.seqs: list[int] = []
-        self._now = time.time()
-
-    def __len__(self) -> int:
-        return len(self.seqs)
-
-    def add(self, job_id: str, round_: int, device: str, message_id: str, payload: bytes) -> int:
-        """Insert one contribution's row and start writing its file; returns its seq. A duplicate
-        raises StoreError before its file is started."""
-        try:
-            seq = self._db.execute("INSERT INTO contributions (job_id, round, device, message_id, payload_bytes, "
-                                   "received_at) VALUES (?, ?, ?, ?, ?, ?)",
-                                   (job_id, round_, device, message_id, len(payload), self._now)).lastrowid
-        except sqlite3.IntegrityError as exc:
-            raise StoreError(f"contribution {message_id} from {device} (round {round_}) is already stored") from exc
-        self._db.execute("UPDATE devices SET last_seen=? WHERE device_id=?", (self._now, device))
-        self.store.blobs.prepare(seq)              # a new name is made durable here, on one thread
-        future = self._writers.submit(self.store.blobs.write, seq, payload)
-        if self._on_file_written is not None:
-            future.add_done_callback(lambda _: self._on_file_written())
-        self._files.append(future)
-        self.seqs.append(seq)
-        return seq
-
-    def files_written(self) -> bool:
-        """Whether every file started so far is written (or failed)."""
-        return all(f.done() for f in self._files)
-
-    def commit(self) -> list[int]:
-        """Wait for every file, then commit the rows; returns their seqs. If a file failed, nothing
-        is committed and its error is raised."""
-        wait(self._files)
-        failed = next((f.exception() for f in self._files if f.exception() is not None), None)
-        if failed is not None:
-            self._tx.__exit__(type(failed), failed, None)
-            raise failed
-        for _ in self._files:
-            self.store._crash("contribution_file_written")
-        self._tx.__exit__(None, None, None)
-        return self.seqs
-
-    def abort(self) -> None:
-        wait(self._files)
-        self._tx.__exit__(RuntimeError, None, None)

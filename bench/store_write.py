@@ -7,15 +7,11 @@ but every payload written twice, to the WAL and again by the checkpoints, which 
 in a few). The two alternate, write by write, in one process, so both see the same disk and CPU;
 also timed: reading every payload back (the final re-sum of a Fed3R job reads them all).
 
-Then a batch of ``--batch`` results in one transaction (what the contribution writer commits when
-results arrive while it writes), its files written side by side on the store's file threads
-(``Store.FILE_WRITERS``) vs one after the other (one file thread), alternating batch by batch.
-
-Last, one payload file written around the page cache (``O_DIRECT``, what the store does for a
+Then one payload file written around the page cache (``O_DIRECT``, what the store does for a
 large payload) vs through it (buffered), alternating, each fsynced: wall time and this process's
 CPU time (user + kernel) per file.
 
-    .venv/bin/python bench/store_write.py [--mb 6.6] [--writes 60] [--batch 4]
+    .venv/bin/python bench/store_write.py [--mb 6.6] [--writes 60]
 """
 
 from __future__ import annotations
@@ -58,9 +54,6 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=float, default=6.6, help="payload size (6.6 MB: Fed3R statistics at d=1280)")
     ap.add_argument("--writes", type=int, default=60)
-    ap.add_argument("--batch", type=int, default=4, help="results per transaction in the batch comparison")
-    ap.add_argument("--buffered", action="store_true",
-                    help="batch comparison with buffered payload files (a file system without O_DIRECT)")
     args = ap.parse_args()
     payload = os.urandom(int(args.mb * 1e6))
     with tempfile.TemporaryDirectory() as tmp:
@@ -89,7 +82,6 @@ def main() -> None:
                   f"p90 {sorted(t)[int(0.9 * len(t))] * 1e3:6.1f} ms  max {max(t) * 1e3:6.1f} ms  read {read * 1e3:5.1f} ms")
         file_mean, blob_mean = means.values()
         print(f"  write time, payload file / SQLite BLOB: {file_mean / blob_mean:.2f}")
-        batches(Path(tmp), payload, args.writes // args.batch, args.batch, args.buffered)
         direct_vs_buffered(Path(tmp) / "files", payload, args.writes)
 
 
@@ -116,31 +108,6 @@ def direct_vs_buffered(directory: Path, payload: bytes, count: int) -> None:
               f"CPU mean {statistics.mean(cpu[direct]) * 1e3:6.1f} ms")
     print(f"  O_DIRECT / buffered: wall {statistics.mean(wall[True]) / statistics.mean(wall[False]):.2f}, "
           f"CPU {statistics.mean(cpu[True]) / max(statistics.mean(cpu[False]), 1e-9):.2f}")
-
-
-class OneFileThread(Store):
-    FILE_WRITERS = 1
-
-
-def batches(tmp: Path, payload: bytes, count: int, size: int, buffered: bool) -> None:
-    stores = {f"{Store.FILE_WRITERS} file threads": Store(tmp / "par" / "state.db"),
-              "1 file thread": OneFileThread(tmp / "seq" / "state.db")}
-    times: dict[str, list[float]] = {name: [] for name in stores}
-    for store in stores.values():
-        store.create_job("bench", "fed3r", {})
-        store.blobs.direct &= not buffered
-    for b in range(count):
-        for name in (list(stores) if b % 2 else list(stores)[::-1]):
-            results = [("bench", b + 1, f"d{i:04d}", f"m{b}-{i}", payload) for i in range(size)]
-            t0 = time.perf_counter()
-            stores[name].add_contributions(results)
-            times[name].append((time.perf_counter() - t0) / size)
-    how = "buffered" if buffered or not stores["1 file thread"].blobs.direct else "O_DIRECT"
-    print(f"{count} batches of {size} in one transaction, {how} files, alternating (per contribution):")
-    for name, t in times.items():
-        print(f"  {name:24s} mean {statistics.mean(t) * 1e3:6.1f} ms  median {statistics.median(t) * 1e3:6.1f} ms")
-    par, one = (statistics.mean(t) for t in times.values())
-    print(f"  batch write time, side by side / one after the other: {par / one:.2f}")
 
 
 if __name__ == "__main__":

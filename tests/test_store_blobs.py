@@ -143,66 +143,38 @@ def test_a_kill_between_the_payload_file_and_its_commit_leaves_an_orphan_that_op
 
 def test_opening_waits_for_a_writer_between_its_file_and_its_commit(tmp_path):
     """The orphan sweep of a second opener runs under the write lock, never between another writer's
-    file and its commit (which would leave a committed row without its file): a batch holds the
-    lock from its first insert to its commit, its files written meanwhile on other threads."""
+    file and its commit (which would leave a committed row without its file)."""
     writer = new_store(tmp_path / "state.db")
-    batch = writer.contribution_batch()
-    seq = batch.add("j", 1, "dev01", "m1", b"data")
-    while not batch.files_written():
-        time.sleep(0.01)
+    db = writer.db
+    db.execute("BEGIN IMMEDIATE")                          # what add_contribution does, held open here
+    seq = db.execute("INSERT INTO contributions (job_id, round, device, message_id, payload_bytes, received_at) "
+                     "VALUES ('j', 1, 'dev01', 'm1', 4, 0)").lastrowid
+    writer.blobs.write(seq, b"data")
     opened = []
     opener = threading.Thread(target=lambda: opened.append(Store(tmp_path / "state.db")))
     opener.start()
     opener.join(0.5)
-    assert opener.is_alive() and writer.blobs.path(seq).read_bytes() == b"data"   # blocked, file untouched
-    assert batch.commit() == [seq]
+    assert opener.is_alive() and writer.blobs.path(seq).exists()    # blocked on the lock, file untouched
+    db.execute("COMMIT")
     opener.join(30)
     assert [c.payload for c in opened[0].contributions("j")] == [b"data"]
 
 
-class SlowDisk(Store):
-    """Each payload file takes 0.2 s (a slow disk), and the most files in flight at once is kept;
-    the ``fail`` payload's write raises, as a full disk would."""
-
-    def __init__(self, path, fail: bytes | None = None):
-        super().__init__(path)
-        self.in_flight, self.most, self.lock = 0, 0, threading.Lock()
-        write = self.blobs.write
-
-        def slow_write(seq, data):
-            with self.lock:
-                self.in_flight += 1
-                self.most = max(self.most, self.in_flight)
-            try:
-                time.sleep(0.2)
-                if data == fail:
-                    raise OSError(28, "No space left on device (injected)")
-                write(seq, data)
-            finally:
-                with self.lock:
-                    self.in_flight -= 1
-
-        self.blobs.write = slow_write
-
-
-def test_a_batch_writes_its_files_side_by_side_and_commits_them_together(tmp_path):
-    store = SlowDisk(tmp_path / "state.db")
-    store.create_job("j", "fed3r", {})
-    payloads = {f"dev{i:02d}": os.urandom(100_000) for i in range(4)}
-    commits = store.commits
-    seqs = store.add_contributions([("j", 1, d, f"m-{d}", p) for d, p in payloads.items()])
-    assert store.most == Store.FILE_WRITERS == 4           # one after the other, the most would be 1
-    assert seqs == [1, 2, 3, 4] and store.commits == commits + 1
-    assert {c.device: c.payload for c in store.contributions("j")} == payloads
-
-
 def test_a_batch_whose_file_fails_commits_nothing_and_its_seqs_are_given_again(tmp_path):
-    store = SlowDisk(tmp_path / "state.db", fail=b"two")
+    store = Store(tmp_path / "state.db")
     store.create_job("j", "fed3r", {})
+    write = store.blobs.write
+
+    def full_disk(seq, data):            # the second payload's file fails, as a full disk would
+        if data == b"two":
+            raise OSError(28, "No space left on device (injected)")
+        write(seq, data)
+
+    store.blobs.write = full_disk
     with pytest.raises(OSError, match="injected"):
         store.add_contributions([("j", 1, "dev01", "m1", b"one"), ("j", 1, "dev02", "m2", b"two"),
                                  ("j", 1, "dev03", "m3", b"three")])
-    assert list(store.contributions("j")) == []            # all or none: dev01's and dev03's rows are gone too
+    assert list(store.contributions("j")) == []            # all or none: dev01's row is gone too
     assert store.add_contributions([("j", 1, "dev01", "m1", b"again")]) == [1]
     assert [(c.device, c.payload) for c in store.contributions("j")] == [("dev01", b"again")]
 
