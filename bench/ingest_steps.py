@@ -11,7 +11,10 @@
    place on the transposed view (``aggregator.compute.cholesky_in_place``, now) vs torch's
    ``cholesky_ex`` (before);
 5. the ridge solve of the summed statistics (float64, C = 10 classes): ``ClosedFormRidge`` on
-   the CPU (LAPACK, now) vs the same with torch's Cholesky and ``cholesky_solve`` (before).
+   the CPU (LAPACK, now) vs the same with torch's Cholesky and ``cholesky_solve`` (before);
+6. handing the upload to an ingest worker process and back, the worker hashing every byte as its
+   decode does: through a reused shared memory segment (``aggregator.ingest.TransferBuffers``,
+   now) vs pickled through the process pool's pipe (before).
 
 Prints milliseconds per upload and the ratio before / now for each step.
 
@@ -21,8 +24,11 @@ Prints milliseconds per upload and the ratio before / now for each step.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import multiprocessing
 import sys
 import time
+from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from threadpoolctl import threadpool_limits  # noqa: E402
 
 from aggregator.compute import cholesky_in_place  # noqa: E402
+from aggregator.ingest import TransferBuffers  # noqa: E402
 from aggregator.ridge import ClosedFormRidge  # noqa: E402
 from aggregator.strategies.fed3r import Fed3R  # noqa: E402
 from protocols.chunking import MessageAssembler, Reassembler, split  # noqa: E402
@@ -120,9 +127,44 @@ def main() -> None:
 
     rows.append(("ridge solve", seconds(torch_solve, args.repeats),
                  seconds(lambda: ClosedFormRidge(0.01, device="cpu").fit_statistics(A, B, upper=True), args.repeats)))
+    rows.append(handoff_row(whole, args.repeats))
     print(f"{'step':<26}{'before ms':>11}{'now ms':>9}{'before/now':>12}")
     for name, before, now in rows:
         print(f"{name:<26}{before * 1e3:>11.2f}{now * 1e3:>9.2f}{before / now:>12.1f}")
+
+
+def _hash_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _hash_shared(name: str, length: int) -> str:
+    segment = SharedMemory(name=name)
+    try:
+        with segment.buf[:length] as data:
+            return hashlib.sha256(data).hexdigest()
+    finally:
+        segment.close()
+
+
+def handoff_row(whole: bytes, repeats: int) -> tuple[str, float, float]:
+    buffers, pool = TransferBuffers(keep=2), multiprocessing.get_context("spawn").Pool(1)
+    want = hashlib.sha256(whole).hexdigest()
+
+    def pipe():
+        assert pool.apply(_hash_bytes, (whole,)) == want
+
+    def shared():
+        segment = buffers.put(whole)
+        try:
+            assert pool.apply(_hash_shared, (segment.name, len(whole))) == want
+        finally:
+            buffers.release(segment)
+
+    try:
+        return "hand-off to a worker", seconds(pipe, repeats), seconds(shared, repeats)
+    finally:
+        pool.terminate()
+        buffers.close()
 
 
 def _fail():
