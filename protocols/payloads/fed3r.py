@@ -177,7 +177,7 @@ def parse_stats(msg: Envelope, p: int, num_classes: int, max_samples: int = 10**
     if a_format == "factor":
         stats = _parse_factor(msg, n, p, num_classes)
     elif a_format == "packed":
-        stats = _parse_packed(msg, fmt, n, p, num_classes, None if checked else positive_definite)
+        stats = _parse_packed(msg, fmt, n, p, num_classes, positive_definite, checked)
     else:
         raise EnvelopeError(f"{KIND}: unknown a_format {a_format!r} (packed | factor)")
     if fit_intercept:
@@ -205,8 +205,7 @@ def _class_ids(msg: Envelope, num_classes: int) -> np.ndarray:
 
 
 def _parse_packed(msg: Envelope, fmt: str, n: int, p: int, num_classes: int,
-                  positive_definite: PositiveDefinite | None) -> Fed3RStats:
-    """``positive_definite=None``: the bytes were checked before (``parse_stats(checked=True)``)."""
+                  positive_definite: PositiveDefinite, checked: bool) -> Fed3RStats:
     a_dtype = _stats_dtype(msg, "A_upper")
     a = require_tensor(msg, "A_upper", a_dtype, (packed_len(p),))
     if fmt == "sparse":
@@ -219,7 +218,7 @@ def _parse_packed(msg: Envelope, fmt: str, n: int, p: int, num_classes: int,
         ids = np.arange(num_classes, dtype=np.int64)
     else:
         raise EnvelopeError(f"{KIND}: unknown format {fmt!r}")
-    if positive_definite is None:           # checked before: float64 views stay views (read-only)
+    if checked:                             # float64 views stay views (read-only)
         return Fed3RStats(n=n, p=p, a_upper=np.asarray(a, np.float64), class_ids=ids, b=np.asarray(b, np.float64))
     require_finite(msg, "A_upper", "b")
     # Copies: the decoded tensors are read-only views on the received bytes.
