@@ -13,9 +13,9 @@ import numpy as np
 from protocols.mqtt_link import BrokerConfig
 from protocols.topics import Topics
 
-from .api.server import add_ops_arguments, serve_with_ops
-from .artifacts import ArtifactShelf
-from .jobs.registry import KINDS, build_job
+from aggregator.api.server import add_ops_arguments, serve_with_ops
+from aggregator.service.artifacts import ArtifactShelf
+from aggregator.jobs.registry import KINDS, build_job
 
 
 def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:

@@ -46,7 +46,7 @@ sys.path.insert(0, str(REPO))
 from aggregator.jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob  # noqa: E402
 from aggregator.jobs.registry import build_job  # noqa: E402
 from aggregator.jobs.secure_fedavg import SecureFedAvgConfig, SecureFedAvgJob  # noqa: E402
-from aggregator.privacy import noise_multiplier_for  # noqa: E402
+from aggregator.compute.privacy import noise_multiplier_for  # noqa: E402
 from aggregator.strategies.dp_fed3r import fed3r_sensitivity  # noqa: E402
 from edge_client.data.idx import load_fashion_mnist  # noqa: E402
 from edge_client.features import FeatureExtractor  # noqa: E402

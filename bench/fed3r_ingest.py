@@ -84,8 +84,8 @@ def count_bytes(port: int, total: int, ready, out) -> None:
 
 def run_aggregator(url: str, tmp: str, ids: list[str], d: int, provisional: bool, workers: int, ready, out) -> None:
     from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
-    from aggregator.service import AggregatorService
-    from aggregator.store import Store
+    from aggregator.service.loop import AggregatorService
+    from aggregator.storage.store import Store
     from protocols.mqtt_link import BrokerConfig
 
     import torch
@@ -175,7 +175,7 @@ def durable_write_s(data: bytes, directory: str, repeats: int = 5) -> float:
     """Seconds this disk takes to make one result durable as the store does (its payload file
     written, O_DIRECT where the file system allows it, and fsynced): the store does that for every
     result before its ack, whatever the ingest design."""
-    from aggregator.blob_files import BlobFiles
+    from aggregator.storage.blob_files import BlobFiles
 
     files = BlobFiles(Path(directory) / "probe", durable=True)
     t0 = time.perf_counter()

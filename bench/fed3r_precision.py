@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from aggregator.ridge import ClosedFormRidge, gram_statistics
+from aggregator.compute.ridge import ClosedFormRidge, gram_statistics
 from aggregator.strategies.fed3r import Fed3R
 from edge_client.data import load_fashion_mnist
 from edge_client.features import FeatureExtractor

@@ -47,7 +47,7 @@ sys.path.insert(0, str(REPO))
 
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob  # noqa: E402
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob  # noqa: E402
-from aggregator.ridge import ClosedFormRidge  # noqa: E402
+from aggregator.compute.ridge import ClosedFormRidge  # noqa: E402
 from edge_client.data.idx import load_fashion_mnist  # noqa: E402
 from edge_client.features import FeatureExtractor  # noqa: E402
 from edge_client.tasks.fed3r_stats import Fed3RStatsTask  # noqa: E402

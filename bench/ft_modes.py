@@ -73,7 +73,7 @@ from fed3r_vs_fedavg import (BACKBONE, IMAGE_SIZE, NUM_CLASSES, OUT_DIR, REPO, S
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob  # noqa: E402
 from aggregator.jobs.fedavg_tail import TailFedAvgConfig, TailFedAvgJob  # noqa: E402
 from aggregator.jobs.personalize import PersonalizeConfig, PersonalizeJob  # noqa: E402
-from aggregator.tail_program import TailProgram  # noqa: E402
+from aggregator.compute.tail_program import TailProgram  # noqa: E402
 from edge_client.runtime import TrainingSession  # noqa: E402
 from edge_client.runtime.executorch_runtime import set_executorch_threads  # noqa: E402
 from edge_client.tasks.head_training import HeadTrainingTask  # noqa: E402

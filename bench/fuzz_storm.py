@@ -43,8 +43,8 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 import numpy as np  # noqa: E402
 import paho.mqtt.client as mqtt  # noqa: E402
 
-from aggregator.active_job import REJECTION_CLASSES  # noqa: E402
-from aggregator.store import Store  # noqa: E402
+from aggregator.service.active_job import REJECTION_CLASSES  # noqa: E402
+from aggregator.storage.store import Store  # noqa: E402
 from edge_client.fed3r import Fed3RAccumulator  # noqa: E402
 from fedfleet.emulation.broker import FLEET_BROKER_CONFIG, MosquittoBroker, free_port  # noqa: E402
 from fuzz_strategies import draw_examples, mutated_bytes, mutated_results, mutated_secagg  # noqa: E402

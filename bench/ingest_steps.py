@@ -8,12 +8,12 @@
    message's decode) vs each chunk decoded in full, the whole hashed by the Reassembler and
    decoded in full again (three passes, before);
 4. the Gram check's factorisation alone (float32, 1281 x 1281): LAPACK's potrf through scipy, in
-   place on the transposed view (``aggregator.compute.cholesky_in_place``, now) vs torch's
+   place on the transposed view (``aggregator.compute.device.cholesky_in_place``, now) vs torch's
    ``cholesky_ex`` (before);
 5. the ridge solve of the summed statistics (float64, C = 10 classes): ``ClosedFormRidge`` on
    the CPU (LAPACK, now) vs the same with torch's Cholesky and ``cholesky_solve`` (before);
 6. handing the upload to an ingest worker process and back, the worker hashing every byte as its
-   decode does: through a reused shared memory segment (``aggregator.ingest.TransferBuffers``,
+   decode does: through a reused shared memory segment (``aggregator.service.ingest.TransferBuffers``,
    now) vs pickled through the process pool's pipe (before).
 
 Prints milliseconds per upload and the ratio before / now for each step.
@@ -38,9 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from threadpoolctl import threadpool_limits  # noqa: E402
 
-from aggregator.compute import cholesky_in_place  # noqa: E402
-from aggregator.ingest import TransferBuffers  # noqa: E402
-from aggregator.ridge import ClosedFormRidge  # noqa: E402
+from aggregator.compute.device import cholesky_in_place  # noqa: E402
+from aggregator.service.ingest import TransferBuffers  # noqa: E402
+from aggregator.compute.ridge import ClosedFormRidge  # noqa: E402
 from aggregator.strategies.fed3r import Fed3R  # noqa: E402
 from protocols.chunking import MessageAssembler, Reassembler, split  # noqa: E402
 from protocols.envelope import (PREFIX_LEN, Envelope, _fast_is_valid, _validator, decode,  # noqa: E402

@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _synthetic import PrecomputedStats  # noqa: E402
 
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob  # noqa: E402
-from aggregator.service import AggregatorService  # noqa: E402
-from aggregator.store import Store  # noqa: E402
+from aggregator.service.loop import AggregatorService  # noqa: E402
+from aggregator.storage.store import Store  # noqa: E402
 from protocols import messages as M  # noqa: E402
 from protocols.envelope import encode  # noqa: E402
 from protocols.mqtt_link import BrokerConfig  # noqa: E402

@@ -12,7 +12,7 @@ samples as a local held-out split. The federation trains on the remaining 75% on
   T = 0.1, LR by the spec's rule (base 0.1 × 0.1 for a Fed3R-initialised head, × 0.1 again
   with OLL; without OLL only the first factor).
 
-WMA = Σ_k correct_k / Σ_k n_k (``aggregator.evaluation.weighted_mean_accuracy``). Held-out
+WMA = Σ_k correct_k / Σ_k n_k (``aggregator.compute.evaluation.weighted_mean_accuracy``). Held-out
 labels that a device never saw in training (possible under Dirichlet splits) break OLL's
 closed-set assumption; they are scored with the global head (OLL ``fallback="global"``) and
 their number is printed.
@@ -37,7 +37,7 @@ import torch
 from fed3r_vs_fedavg import (IMAGE_SIZE, OUT_DIR, SPLITS, Fleet, load_features, mean_std,  # noqa: E402
                              run_fed3r, run_fedavg)
 
-from aggregator.evaluation import head_logits, weighted_mean_accuracy  # noqa: E402
+from aggregator.compute.evaluation import head_logits, weighted_mean_accuracy  # noqa: E402
 from edge_client.oll import PersonalizedHead, choose_fp_lr, fp_recipe  # noqa: E402
 from edge_client.tasks.head_training import train_head  # noqa: E402
 from fedfleet.emulation.partition import make_split, train_holdout_split  # noqa: E402

@@ -3,7 +3,7 @@
 Exports two bundles of the same backbone (``export.export_bundle``; ExecuTorch + XNNPACK only,
 one fp32, one ``quantize="int8"``), extracts Fashion-MNIST features with each through
 ``edge_client.runtime`` as a device would, and fits the closed-form ridge classifier that
-Fed3R computes (``aggregator.ridge.ClosedFormRidge``, λ = 0.01, normalised class columns).
+Fed3R computes (``aggregator.compute.ridge.ClosedFormRidge``, λ = 0.01, normalised class columns).
 Fed3R's aggregated statistics equal the centralized ones exactly, so the centralized ridge
 accuracy *is* the Fed3R accuracy for any partition of the training images over devices.
 
@@ -36,7 +36,7 @@ sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != _H
 import numpy as np  # noqa: E402  (after the sys.path fix, like the imports below)
 import torch
 
-from aggregator.ridge import ClosedFormRidge
+from aggregator.compute.ridge import ClosedFormRidge
 from edge_client.data.idx import load_fashion_mnist
 from edge_client.models.preprocess import to_model_input
 from edge_client.runtime import load_inference

@@ -46,7 +46,7 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from aggregator.mask_expansion import CudaMaskApplier, ProcessMaskApplier, pick_mask_applier  # noqa: E402
+from aggregator.compute.mask_expansion import CudaMaskApplier, ProcessMaskApplier, pick_mask_applier  # noqa: E402
 from protocols.identity import DeviceIdentity  # noqa: E402
 from protocols.secagg import AggregateReady, MaskedInput, Phase, RoundConfig  # noqa: E402
 from protocols.secagg.crypto import apply_masks, default_mask_workers, usable_cores  # noqa: E402
@@ -269,7 +269,7 @@ def main(argv=None) -> int:
                         help="server threads for the final mask expansion (default: usable cores, "
                              f"capped; here {default_mask_workers()})")
     parser.add_argument("--mask-device", choices=("auto", "cpu", "cuda"), default="auto",
-                        help="where the secure server expands masks (aggregator.mask_expansion; auto: the "
+                        help="where the secure server expands masks (aggregator.compute.mask_expansion; auto: the "
                              "GPU when torch sees one and Triton imports)")
     parser.add_argument("--scaling", type=int, metavar="SEEDS", default=0,
                         help="also time the expansion of SEEDS masks of the largest m with 1, 2, 4, ... threads "

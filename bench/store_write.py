@@ -1,6 +1,6 @@
 """Durable write of one large accepted result: the store's payload file vs a SQLite BLOB (schema 1).
 
-The store (``aggregator.store.Store``, schema 2) writes a contribution's payload to its own file,
+The store (``aggregator.storage.store.Store``, schema 2) writes a contribution's payload to its own file,
 fsynced before the row's commit (two flushes per contribution: the file, then the WAL). Schema 1
 inserted the payload into the table (WAL, synchronous=FULL, 32 KiB pages: one flush per commit,
 but every payload written twice, to the WAL and again by the checkpoints, which stall one commit
@@ -27,8 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from aggregator.blob_files import BlobFiles  # noqa: E402
-from aggregator.store import Store  # noqa: E402
+from aggregator.storage.blob_files import BlobFiles  # noqa: E402
+from aggregator.storage.store import Store  # noqa: E402
 
 
 class BlobTable:

@@ -194,7 +194,7 @@ def _segmentation_spec(cfg: dict):
 
 def make_pretrainer(cfg: dict, seed: int, images: np.ndarray, labels: np.ndarray, log: dict):
     """style bank -> (pre-trained exchanged state, trainable names); also used with an empty bank."""
-    from aggregator.ladd_pretrain import PretrainRecipe, pretrain
+    from fedfleet.ladd.pretrain import PretrainRecipe, pretrain
     from edge_client.models.segmentation import SegmentationModel
 
     def run(bank: np.ndarray | None) -> tuple[dict[str, np.ndarray], list[str]]:
@@ -217,7 +217,7 @@ def _serve(spec: dict) -> None:
 
     from aggregator.jobs.ladd import LaddConfig, LaddJob
     from aggregator.jobs.secure_ladd import SecureLaddConfig, SecureLaddJob
-    from aggregator.service import AggregatorService
+    from aggregator.service.loop import AggregatorService
     from edge_client.models.segmentation import SegmentationModel
     from protocols.mqtt_link import BrokerConfig
     from protocols.topics import Topics

@@ -204,7 +204,7 @@ class RecordingService:
     a test can check what the aggregator saw (e.g. nothing but masked vectors)."""
 
     def __init__(self, job, broker_url: str, workdir: Path, enrolled: set[str], timeout_s: float = 150, **options):
-        from aggregator.service import AggregatorService
+        from aggregator.service.loop import AggregatorService
 
         self.svc = AggregatorService(job, BrokerConfig.from_url(broker_url), workdir, enrolled=enrolled, **options)
         self.seen: list[bytes] = []
@@ -267,7 +267,7 @@ def replay_round(replay, devices, tasks: dict, kind: str = "fedavg.head") -> lis
 def serve_until_done(job, broker_url: str, workdir: Path, handlers: dict, store=None, timeout_s: float = 60):
     """Serve ``job`` in-process until it ends, with one started DeviceAgent per device of
     ``handlers`` ({device: {kind: handler}}); (the service, its summary)."""
-    from aggregator.service import AggregatorService
+    from aggregator.service.loop import AggregatorService
 
     svc = AggregatorService(job, BrokerConfig.from_url(broker_url), workdir, enrolled=set(handlers), store=store,
                             tick_s=0.05)

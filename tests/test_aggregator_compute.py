@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from aggregator.compute import pick_device
-from aggregator.ridge import ClosedFormRidge
+from aggregator.compute.device import pick_device
+from aggregator.compute.ridge import ClosedFormRidge
 
 
 def test_auto_falls_back_to_cpu_without_a_gpu(monkeypatch):
@@ -40,7 +40,7 @@ def test_corrupt_statistics_are_refused():
 
 
 def test_compute_summary_follows_the_device_choice(monkeypatch):
-    from aggregator.compute import compute_summary
+    from aggregator.compute.summary import compute_summary
     from protocols.secagg.crypto import MAX_DEFAULT_MASK_WORKERS, default_mask_workers, usable_cores
 
     monkeypatch.setenv("FEDFLEET_DEVICE", "cpu")

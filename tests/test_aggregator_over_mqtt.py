@@ -11,7 +11,7 @@ import numpy as np
 import paho.mqtt.client as mqtt
 
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
-from aggregator.service import AggregatorService
+from aggregator.service.loop import AggregatorService
 from edge_client.agent import DeviceAgent
 from edge_client.fed3r import Fed3RAccumulator
 from protocols import messages as M

@@ -8,8 +8,8 @@ import time
 import numpy as np
 
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
-from aggregator.service import AggregatorService
-from aggregator.store import Store
+from aggregator.service.loop import AggregatorService
+from aggregator.storage.store import Store
 from edge_client.agent import DeviceAgent
 from protocols import messages as M
 from protocols.envelope import encode

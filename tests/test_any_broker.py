@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
-from aggregator.service import AggregatorService
+from aggregator.service.loop import AggregatorService
 from edge_client.agent import DeviceAgent
 from fedfleet.emulation.broker import MosquittoBroker
 from protocols.mqtt_link import BrokerConfig

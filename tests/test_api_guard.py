@@ -11,7 +11,7 @@ import pytest
 from aggregator.api.app import create_app
 from aggregator.api.guard import MAX_BODY_BYTES
 from aggregator.api.server import ApiServer
-from aggregator.store import Store
+from aggregator.storage.store import Store
 
 TOKEN = "guard-token-0123456789abcdef"
 

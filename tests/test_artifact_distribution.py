@@ -8,9 +8,9 @@ import numpy as np
 import paho.mqtt.client as mqtt
 import pytest
 
-from aggregator.artifacts import ArtifactShelf
+from aggregator.service.artifacts import ArtifactShelf
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
-from aggregator.service import AggregatorService
+from aggregator.service.loop import AggregatorService
 from edge_client.artifacts import ArtifactFetchError, fetch_bundle
 from edge_client.runtime import load_inference
 from protocols.envelope import Envelope, encode

@@ -15,10 +15,10 @@ import numpy as np
 import paho.mqtt.client as mqtt
 import pytest
 
-from aggregator.broker_security import BrokerSecurity, acl_text, hash_password, verify_password
+from aggregator.security.broker import BrokerSecurity, acl_text, hash_password, verify_password
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
-from aggregator.service import AggregatorService
-from aggregator.store import Store
+from aggregator.service.loop import AggregatorService
+from aggregator.storage.store import Store
 from fedfleet.emulation.broker import MosquittoBroker, free_port
 from protocols import messages as M
 from protocols.envelope import decode, encode
@@ -204,7 +204,7 @@ def test_an_account_cannot_take_over_another_devices_client_id(secured, tmp_path
     sec, port = secured
     ca = sec.ca_cert
     store = Store(tmp_path / "state.db")
-    from aggregator.enrollment import Enrollment
+    from aggregator.security.enrollment import Enrollment
 
     creds = {d: Enrollment(store, sec).enroll(d) for d in ("dev01", "dev02")}
     sec.reload()

@@ -7,9 +7,9 @@ job, a forgotten device, contributions over the memory budget) goes to the store
 import numpy as np
 import pytest
 
-from aggregator.canonical import AppliedContributions, canonical_job, reported_job
+from aggregator.service.canonical import AppliedContributions, canonical_job, reported_job
 from aggregator.jobs.registry import build_job
-from aggregator.store import Store
+from aggregator.storage.store import Store
 from protocols.envelope import Envelope, decode, encode
 from protocols.payloads.fed3r import encode_stats
 

@@ -10,7 +10,7 @@ import paho.mqtt.client as mqtt
 import pytest
 
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
-from aggregator.service import AggregatorService
+from aggregator.service.loop import AggregatorService
 from edge_client.agent import DeviceAgent
 from protocols.chunking import MessageAssembler, split
 from protocols.envelope import Envelope, EnvelopeError, encode

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
-from aggregator.service import AggregatorService
+from aggregator.service.loop import AggregatorService
 from edge_client.agent import DeviceAgent
 from protocols.envelope import MAGIC, MAX_JSON_DEPTH, EnvelopeError, check_json_depth, decode
 from protocols.mqtt_link import BrokerConfig

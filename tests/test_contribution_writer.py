@@ -1,4 +1,4 @@
-"""Contributions are stored on their own thread (``aggregator/contribution_writer.py``) while the
+"""Contributions are stored on their own thread (``aggregator/service/contribution_writer.py``) while the
 service goes on; a result's ack waits until it is durable. A write that fails (the disk, not the
 device) must never be acknowledged: the job is rebuilt from the store, which lacks it, the device
 sends it again, and the job ends exactly as a run where nothing failed — over mosquitto, with
@@ -9,10 +9,10 @@ import threading
 
 import numpy as np
 
-from aggregator.canonical import canonical_job
+from aggregator.service.canonical import canonical_job
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
-from aggregator.service import AggregatorService
-from aggregator.store import Store
+from aggregator.service.loop import AggregatorService
+from aggregator.storage.store import Store
 from protocols.mqtt_link import BrokerConfig
 
 from ops_fleet import Fleet, job_config, reference_sums

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
-from aggregator.crash_points import CRASH_POINTS
-from aggregator.service import AggregatorService
-from aggregator.store import Store
+from aggregator.service.crash_points import CRASH_POINTS
+from aggregator.service.loop import AggregatorService
+from aggregator.storage.store import Store
 from fedfleet.emulation.broker import MosquittoBroker
 from protocols.mqtt_link import BrokerConfig
 

@@ -35,8 +35,8 @@ import numpy as np
 import pytest
 
 from aggregator.jobs.registry import build_job
-from aggregator.service import AggregatorService
-from aggregator.store import Store
+from aggregator.service.loop import AggregatorService
+from aggregator.storage.store import Store
 from edge_client.handlers import LocalData, HandlerConfig, SharedExtractors, device_handlers, ladd_handlers, \
     secure_handlers
 from protocols.mqtt_link import BrokerConfig

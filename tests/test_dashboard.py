@@ -16,8 +16,8 @@ import pytest
 from aggregator.api.app import create_app
 from aggregator.api.server import ApiServer
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
-from aggregator.service import AggregatorService
-from aggregator.store import Store
+from aggregator.service.loop import AggregatorService
+from aggregator.storage.store import Store
 from protocols.mqtt_link import BrokerConfig
 
 from ops_fleet import REPO, Fleet, data_for, job_config

@@ -16,7 +16,7 @@ from sklearn.linear_model import Ridge
 
 from aggregator.jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob
 from aggregator.jobs.personalize import PersonalizeConfig, PersonalizeJob
-from aggregator.service import AggregatorService
+from aggregator.service.loop import AggregatorService
 from edge_client.data import load_fashion_mnist
 from edge_client.features import FeatureExtractor
 from edge_client.models import weights_sha256
@@ -114,7 +114,7 @@ def test_a_device_joins_from_the_credentials_enrolment_returned(broker, tmp_path
     import json
 
     from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
-    from aggregator.store import Store
+    from aggregator.storage.store import Store
 
     images, labels = load_fashion_mnist("train")
     x, y = device_data(images, labels, (0, 1, 2), 0)

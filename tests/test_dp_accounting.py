@@ -9,12 +9,12 @@ from scipy import stats
 from scipy.stats import norm
 
 from aggregator.jobs.registry import build_job
-from aggregator.privacy import PrivacyAccountant, noise_multiplier_for
+from aggregator.compute.privacy import PrivacyAccountant, noise_multiplier_for
 from protocols.rounds import RoundClosed
 
 
 def library_epsilon(z, rounds, q, delta):
-    """The library's own number, built here without aggregator.privacy."""
+    """The library's own number, built here without aggregator.compute.privacy."""
     accountant = rdp.RdpAccountant()
     event = dp_accounting.GaussianDpEvent(z)
     accountant.compose(event if q == 1 else dp_accounting.PoissonSampledDpEvent(q, event), rounds)

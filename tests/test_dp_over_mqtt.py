@@ -12,7 +12,7 @@ from ops_fleet import Features
 from scipy import stats
 
 from aggregator.jobs.registry import build_job
-from aggregator.service import AggregatorService
+from aggregator.service.loop import AggregatorService
 from edge_client.agent import DeviceAgent
 from edge_client.tasks.fed3r_stats import Fed3RStatsTask
 from edge_client.tasks.head_training import HeadTrainingTask

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from sklearn.linear_model import Ridge
 
-from aggregator.ridge import ClosedFormRidge
+from aggregator.compute.ridge import ClosedFormRidge
 from aggregator.strategies.fed3r import Fed3R
 from edge_client.fed3r import Fed3RAccumulator
 from protocols.envelope import Envelope, decode, encode
@@ -131,7 +131,7 @@ def test_the_cpu_and_gpu_solvers_agree_with_numpy():
     a matrix that is not positive definite."""
     import torch
 
-    from aggregator.ridge import torch_ridge_solve
+    from aggregator.compute.ridge import torch_ridge_solve
 
     rng = np.random.default_rng(7)
     Z = np.hstack([rng.normal(size=(300, 30)) * 10.0 ** rng.uniform(-2, 2, 30), np.ones((300, 1))])

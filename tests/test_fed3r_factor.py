@@ -173,7 +173,7 @@ def test_over_mosquitto_a_mixed_fleet_equals_the_centralized_ridge(broker, tmp_p
     import threading
 
     from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
-    from aggregator.service import AggregatorService
+    from aggregator.service.loop import AggregatorService
     from edge_client.agent import DeviceAgent
     from protocols.mqtt_link import BrokerConfig
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
-from aggregator.store import Store
+from aggregator.storage.store import Store
 from edge_client.agent import TaskDeclined
 from edge_client.tasks.fed3r_stats import Fed3RStatsTask
 from protocols import messages as M

@@ -10,7 +10,7 @@ from ops_fleet import Features, RecordingService
 from sklearn.linear_model import Ridge
 
 from aggregator.jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob
-from aggregator.service import AggregatorService
+from aggregator.service.loop import AggregatorService
 from edge_client.agent import AgentHooks, DeviceAgent, DroppedOut
 from edge_client.tasks.fed3r_stats import Fed3RStatsTask
 from edge_client.tasks.secure_fed3r import SecureFed3R
@@ -108,7 +108,7 @@ def test_secure_jobs_need_checkpoints_to_run_with_a_durable_store(tmp_path):
     """Without checkpoints a restart would have to replay per-device results, which a secure job
     never has: refuse that combination instead of pretending (with checkpoints: see
     test_crash_recovery.py::test_secure_fed3r_sync_job_survives_sigkill)."""
-    from aggregator.store import Store
+    from aggregator.storage.store import Store
 
     ids = ["a", "b", "c"]
     reg = IdentityRegistry({d: DeviceIdentity.generate(d).public_key_bytes for d in ids})

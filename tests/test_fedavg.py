@@ -5,9 +5,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from aggregator.evaluation import head_accuracy, weighted_mean_accuracy
+from aggregator.compute.evaluation import head_accuracy, weighted_mean_accuracy
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob, random_head
-from aggregator.ridge import ClosedFormRidge
+from aggregator.compute.ridge import ClosedFormRidge
 from aggregator.strategies.fedavg import FedAvg, FedAvgM, WeightedMean
 from protocols import messages as M
 from protocols.envelope import Envelope, EnvelopeError, decode, encode
@@ -189,7 +189,7 @@ def small_job(**kw):
 
 
 class Driver:
-    """What aggregator.service does with a job and its round machines, minus MQTT and clocks."""
+    """What aggregator.service.loop does with a job and its round machines, minus MQTT and clocks."""
 
     def __init__(self, job):
         self.job, self.rounds, self.acks = job, {}, []

@@ -9,7 +9,7 @@ import pytest
 from ops_fleet import Features, replay_round
 
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob
-from aggregator.service import AggregatorService
+from aggregator.service.loop import AggregatorService
 from edge_client.agent import DeviceAgent
 from edge_client.tasks.head_training import HeadTrainingTask
 from protocols.mqtt_link import BrokerConfig

@@ -15,8 +15,8 @@ from torch.nn import functional as F
 
 from aggregator.jobs.fedavg_tail import TailFedAvgConfig, TailFedAvgJob
 from aggregator.jobs.registry import build_job
-from aggregator.service import AggregatorService
-from aggregator.tail_program import TailProgram, TailProgramError
+from aggregator.service.loop import AggregatorService
+from aggregator.compute.tail_program import TailProgram, TailProgramError
 from edge_client.agent import DeviceAgent, TaskDeclined
 from edge_client.data import load_fashion_mnist
 from edge_client.models import build_backbone

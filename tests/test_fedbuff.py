@@ -9,7 +9,7 @@ import pytest
 
 from aggregator.jobs.fedavg_async import AsyncFedAvgConfig, AsyncFedAvgJob
 from aggregator.jobs.registry import build_job
-from aggregator.store import Store
+from aggregator.storage.store import Store
 from aggregator.strategies.fedbuff import FedBuff, staleness_weight
 from edge_client.features import FeatureExtractor
 from edge_client.tasks.head_training import HeadTrainingTask

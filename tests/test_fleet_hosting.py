@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 
-from aggregator.broker_security import BrokerSecurity, hash_password
+from aggregator.security.broker import BrokerSecurity, hash_password
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
-from aggregator.service import AggregatorService
+from aggregator.service.loop import AggregatorService
 from edge_client.agent import DeviceAgent
 from fedfleet.emulation.broker import MosquittoBroker, free_port
 from fedfleet.emulation.host import DeviceHost

@@ -1,4 +1,4 @@
-"""Parallel ingest workers (aggregator/ingest.py) over a real mosquitto, a real SQLite store and
+"""Parallel ingest workers (aggregator/service/ingest.py) over a real mosquitto, a real SQLite store and
 real Ed25519 signatures: results that go through the worker processes give the centralized ridge
 for a fleet mixing factor and dense uploads; a forged signature and statistics that are not a
 Gram matrix are refused by the workers and change nothing; SIGKILLs mid-ingest with the workers
@@ -10,8 +10,8 @@ import threading
 import numpy as np
 
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
-from aggregator.service import AggregatorService
-from aggregator.store import Store
+from aggregator.service.loop import AggregatorService
+from aggregator.storage.store import Store
 from edge_client.agent import DeviceAgent
 from fedfleet.emulation.broker import MosquittoBroker
 from protocols.envelope import decode
@@ -138,7 +138,7 @@ def test_a_workers_verdict_classifies_what_is_wrong_with_a_message():
     """``validate_result`` as a worker runs it (in this process): each refusal has its class."""
     import dataclasses
 
-    from aggregator.ingest import validate_result
+    from aggregator.service.ingest import validate_result
     from protocols.envelope import Envelope, encode
 
     Z, y, parts = fleet_data()
@@ -169,7 +169,7 @@ def test_transfer_buffers_are_reused_bounded_and_removed():
 
     import pytest
 
-    from aggregator.ingest import TransferBuffers
+    from aggregator.service.ingest import TransferBuffers
 
     buffers = TransferBuffers(keep=2)
     first = buffers.put(b"a" * 3_000_000)

@@ -6,8 +6,8 @@ import threading
 import time
 
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
-from aggregator.service import AggregatorService
-from aggregator.store import Store
+from aggregator.service.loop import AggregatorService
+from aggregator.storage.store import Store
 from edge_client.agent import AgentHooks, DeviceAgent, DroppedOut
 from protocols.mqtt_link import BrokerConfig
 

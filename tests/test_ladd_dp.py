@@ -40,7 +40,7 @@ THETA = ["head.conv.weight", "head.classifier.bias"]        # trainable and clus
 
 
 def library_epsilon(z, rounds, q, delta=1e-5):
-    """The library's own number, built here without aggregator.privacy."""
+    """The library's own number, built here without aggregator.compute.privacy."""
     accountant = rdp.RdpAccountant()
     event = dp_accounting.GaussianDpEvent(z)
     accountant.compose(event if q == 1 else dp_accounting.PoissonSampledDpEvent(q, event), rounds)

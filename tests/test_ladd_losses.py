@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from aggregator.ladd_pretrain import hnm_cross_entropy
+from fedfleet.ladd.pretrain import hnm_cross_entropy
 from edge_client.agent import TaskDeclined
 from edge_client.models.segmentation import (SegmentationModel, SegmentationSpec, bilinear_matrix,
                                              self_training_loss)

@@ -42,7 +42,7 @@ def test_the_tree_keeps_the_layering_rules():
 
 
 @pytest.mark.parametrize("package,line,culprit", [
-    ("protocols", "import aggregator.service\n", "aggregator"),
+    ("protocols", "import aggregator.service.loop\n", "aggregator"),
     ("edge_client", "def f():\n    from export import pipeline\n", "export"),          # a lazy import counts too
     ("aggregator", "from edge_client.agent import DeviceAgent\n", "edge_client")])
 def test_the_check_fails_on_a_deliberately_wrong_import(tmp_path, package, line, culprit):

@@ -1,4 +1,4 @@
-"""Server-side mask expansion: the GPU and worker-process appliers (aggregator/mask_expansion.py)
+"""Server-side mask expansion: the GPU and worker-process appliers (aggregator/compute/mask_expansion.py)
 and the ServerSecAgg hook they plug into.
 
 On CPU-only machines (CI) the AES tables and key schedule the kernel uses are checked by an
@@ -14,7 +14,7 @@ import os
 import numpy as np
 import pytest
 
-from aggregator.mask_expansion import (CudaMaskApplier, ProcessMaskApplier, aes128_round_keys, aes_sbox,
+from aggregator.compute.mask_expansion import (CudaMaskApplier, ProcessMaskApplier, aes128_round_keys, aes_sbox,
                                        aes_t_tables, pick_mask_applier, triton_available)
 from protocols.identity import DeviceIdentity
 from protocols.secagg import AggregateReady, Phase, RoundConfig

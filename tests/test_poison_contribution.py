@@ -11,8 +11,8 @@ from starlette.testclient import TestClient
 
 from aggregator.api.app import create_app
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
-from aggregator.service import AggregatorService
-from aggregator.store import Store
+from aggregator.service.loop import AggregatorService
+from aggregator.storage.store import Store
 from edge_client.agent import DeviceAgent
 from protocols.mqtt_link import BrokerConfig
 

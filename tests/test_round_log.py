@@ -1,4 +1,4 @@
-"""A job's round log (aggregator/round_log.py): ``rounds.jsonl`` written live by a real Fed3R job
+"""A job's round log (aggregator/storage/round_log.py): ``rounds.jsonl`` written live by a real Fed3R job
 over mosquitto, and ``fedfleet admin logs JOB --follow`` streaming it through the admin API while
 the job runs; what the log says is checked against the store's own records of the same job."""
 
@@ -13,9 +13,9 @@ import threading
 from aggregator.api.app import create_app
 from aggregator.api.server import ApiServer
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
-from aggregator.round_log import read_from
-from aggregator.service import AggregatorService
-from aggregator.store import Store
+from aggregator.storage.round_log import read_from
+from aggregator.service.loop import AggregatorService
+from aggregator.storage.store import Store
 from protocols.mqtt_link import BrokerConfig
 
 from ops_fleet import REPO, Fleet, data_for, job_config

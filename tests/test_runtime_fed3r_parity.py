@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from aggregator.ridge import ClosedFormRidge
+from aggregator.compute.ridge import ClosedFormRidge
 from edge_client.data import load_fashion_mnist
 from fedfleet.bundles import ensure_bundle, make_extractor
 

@@ -15,8 +15,8 @@ import pytest
 
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
 from aggregator.jobs.registry import validate_job_config
-from aggregator.service import AggregatorService
-from aggregator.store import Store, StoreError, arrays_sha256
+from aggregator.service.loop import AggregatorService
+from aggregator.storage.store import Store, StoreError, arrays_sha256
 from protocols import messages as M
 from protocols.envelope import encode
 from protocols.mqtt_link import BrokerConfig

@@ -18,8 +18,8 @@ import time
 
 import pytest
 
-from aggregator.store import Store, StoreError
-from aggregator.store_schema import CONTRIBUTIONS, SCHEMA
+from aggregator.storage.store import Store, StoreError
+from aggregator.storage.schema import CONTRIBUTIONS, SCHEMA
 
 from ops_fleet import REPO
 
@@ -112,7 +112,7 @@ def test_forget_and_quarantine_delete_the_payload_files(tmp_path):
 
 CRASHING_WRITER = """
 import sys, time
-from aggregator.store import Store
+from aggregator.storage.store import Store
 store = Store(sys.argv[1])
 store.create_job("j", "fed3r", {})
 store.open_round("j", 1, [], {}, {}, time.time() + 60)
@@ -255,7 +255,7 @@ def test_names_are_made_ahead_and_bytes_of_no_row_are_removed_at_open(tmp_path, 
 
 
 def large_sizes():
-    from aggregator.blob_files import BlobFiles
+    from aggregator.storage.blob_files import BlobFiles
     direct, bounce = BlobFiles.DIRECT_FROM, BlobFiles.BOUNCE
     return [direct - 1, direct, direct + 4097, bounce - 1, bounce, bounce + 1, 2 * bounce + 4097]
 
@@ -265,7 +265,7 @@ def test_large_payloads_read_back_exactly_around_or_through_the_page_cache(tmp_p
     """Large payloads are written with O_DIRECT through an aligned buffer, the last block padded
     and the file cut back: every size around the block and buffer boundaries reads back exactly,
     as it does buffered."""
-    from aggregator.blob_files import BlobFiles
+    from aggregator.storage.blob_files import BlobFiles
     files = BlobFiles(tmp_path / "blobs", durable=True)
     files.direct = direct and files.direct
     for seq, size in enumerate(large_sizes(), start=1):
@@ -280,7 +280,7 @@ def test_a_file_system_that_refuses_o_direct_gets_buffered_writes(tmp_path, monk
     import errno
     import fcntl
 
-    from aggregator.blob_files import BlobFiles
+    from aggregator.storage.blob_files import BlobFiles
     real = fcntl.fcntl
 
     def refusing(fd, cmd, arg=0):
@@ -296,7 +296,7 @@ def test_a_file_system_that_refuses_o_direct_gets_buffered_writes(tmp_path, monk
 
 
 def test_a_direct_write_that_fails_leaves_the_file_empty(tmp_path, monkeypatch):
-    from aggregator.blob_files import BlobFiles
+    from aggregator.storage.blob_files import BlobFiles
     files = BlobFiles(tmp_path / "blobs", durable=True)
     files.write(1, os.urandom(BlobFiles.BOUNCE * 2))        # what a failed rewrite of the name must not keep
     writes = []

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from aggregator.ladd_pretrain import apply_style
+from fedfleet.ladd.pretrain import apply_style
 from edge_client.style import extract_style, image_styles
 from protocols import messages as M
 from protocols.envelope import EnvelopeError, decode, encode

@@ -22,13 +22,13 @@ import numpy as np
 import pytest
 from sklearn.linear_model import Ridge
 
-from aggregator.artifacts import ArtifactShelf
+from aggregator.service.artifacts import ArtifactShelf
 from aggregator.jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob, random_head
 from aggregator.jobs.fedavg_tail import TailFedAvgConfig, TailFedAvgJob
 from aggregator.jobs.personalize import PersonalizeConfig, PersonalizeJob
-from aggregator.service import AggregatorService
-from aggregator.store import Store
+from aggregator.service.loop import AggregatorService
+from aggregator.storage.store import Store
 from edge_client.agent import DeviceAgent
 from edge_client.data import load_fashion_mnist
 from edge_client.data.split import train_holdout_split

@@ -10,8 +10,8 @@ import numpy as np
 
 from aggregator.api.app import create_app
 from aggregator.api.server import ApiServer
-from aggregator.canonical import canonical_job
-from aggregator.store import Store
+from aggregator.service.canonical import canonical_job
+from aggregator.storage.store import Store
 from fedfleet.admin import main as admin
 
 from ops_fleet import Fleet, reference_sums
@@ -108,7 +108,7 @@ def test_forgetting_during_a_running_job_rebuilds_it_and_never_asks_the_device_a
 
 
 def test_jobs_that_cannot_forget_exactly_say_why_and_keep_their_data(tmp_path):
-    from aggregator.unlearning import forget_stored
+    from aggregator.service.unlearning import forget_stored
 
     store = Store(tmp_path / "s.db")
     for kind in ("fedavg", "fed3r-sync"):

@@ -6,8 +6,8 @@ import pytest
 from cryptography.exceptions import InvalidSignature as CryptoInvalid
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from aggregator.enrollment import Enrollment
-from aggregator.store import Store, StoreError
+from aggregator.security.enrollment import Enrollment
+from aggregator.storage.store import Store, StoreError
 from protocols.identity import DeviceIdentity, IdentityRegistry, is_weak_public_key
 
 FORGERY = bytes.fromhex("01" + "00" * 31) + bytes(32)

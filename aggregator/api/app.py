@@ -22,14 +22,14 @@ from fastapi import Depends, FastAPI, HTTPException, Query, Request, status
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from ..compute import compute_summary
-from ..store import Store
-from .context import ApiContext
-from .guard import COOKIE, RequestGuard, presented_token, token_matches
-from .metrics import render_metrics
-from .routes_fleet import add_fleet_routes
-from .routes_jobs import add_job_routes, add_model_routes
-from .schemas import READ, Health
+from aggregator.compute.summary import compute_summary
+from aggregator.storage.store import Store
+from aggregator.api.context import ApiContext
+from aggregator.api.guard import COOKIE, RequestGuard, presented_token, token_matches
+from aggregator.api.metrics import render_metrics
+from aggregator.api.routes_fleet import add_fleet_routes
+from aggregator.api.routes_jobs import add_job_routes, add_model_routes
+from aggregator.api.schemas import READ, Health
 
 DASHBOARD_ASSETS = {"app.js": "text/javascript; charset=utf-8", "style.css": "text/css; charset=utf-8"}
 

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from fastapi import HTTPException, status
 
-from ..store import Store, StoreError
+from aggregator.storage.store import Store, StoreError
 
 
 @dataclass

@@ -8,8 +8,8 @@ from typing import Literal
 
 from fastapi import FastAPI, HTTPException, Path, Query, status
 
-from .context import ApiContext
-from .schemas import (ID_PATTERN, ONE, READ, WRITE, Cluster, Credentials, Device, EnrollRequest, FleetMode,
+from aggregator.api.context import ApiContext
+from aggregator.api.schemas import (ID_PATTERN, ONE, READ, WRITE, Cluster, Credentials, Device, EnrollRequest, FleetMode,
                       FleetSummary, Forgotten)
 
 DeviceId = Path(pattern=ID_PATTERN)

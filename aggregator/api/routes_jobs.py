@@ -10,11 +10,11 @@ from typing import Any, Literal
 from fastapi import FastAPI, HTTPException, Path, Query, status
 from fastapi.responses import Response
 
-from ..jobs.registry import validate_job_config
-from ..round_log import SETTING_PREFIX, read_from
-from ..store import Store
-from .context import ApiContext
-from .schemas import (ID_PATTERN, MAX_ID, ONE, READ, WRITE, Job, JobCreate, LineageEntry, Model, Quarantined,
+from aggregator.jobs.registry import validate_job_config
+from aggregator.storage.round_log import SETTING_PREFIX, read_from
+from aggregator.storage.store import Store
+from aggregator.api.context import ApiContext
+from aggregator.api.schemas import (ID_PATTERN, MAX_ID, ONE, READ, WRITE, Job, JobCreate, LineageEntry, Model, Quarantined,
                       Round, RoundLogPage)
 
 JobId = Path(pattern=ID_PATTERN)

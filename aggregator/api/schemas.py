@@ -15,8 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, create_model
 
 from protocols.topics import DEVICE_ID_RE
 
-from ..jobs.config_limits import FIELD_LIMITS, Fields, Items, OneOf, Pattern, Range, check_limit
-from ..jobs.registry import KINDS, kind_of
+from aggregator.jobs.config_limits import FIELD_LIMITS, Fields, Items, OneOf, Pattern, Range, check_limit
+from aggregator.jobs.registry import KINDS, kind_of
 
 ID_PATTERN = DEVICE_ID_RE.pattern
 MAX_ID = 2 ** 62

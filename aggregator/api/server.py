@@ -66,7 +66,7 @@ def add_ops_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-token-file", type=Path, default=None,
                    help=f"file holding the admin token (or set {TOKEN_ENV})")
     g.add_argument("--security-dir", type=Path, default=None,
-                   help="broker security files (python -m aggregator.broker_security DIR): the aggregator logs in "
+                   help="broker security files (python -m aggregator.security.broker DIR): the aggregator logs in "
                         "with its account there and rewrites passwd/ACL + reloads mosquitto on enrol/revoke")
     g.add_argument("--require-signatures", action="store_true",
                    help="accept only messages signed with the sender's enrolled Ed25519 key")
@@ -85,9 +85,9 @@ def admin_token(args) -> str | None:
 
 def serve_with_ops(args, job, broker: BrokerConfig, out_dir: Path, topics: Topics, **service_kw) -> dict:
     """Build store/security/API from ``args`` around an AggregatorService and run it."""
-    from ..broker_security import BrokerSecurity
-    from ..service import AggregatorService
-    from ..store import Store
+    from aggregator.security.broker import BrokerSecurity
+    from aggregator.service.loop import AggregatorService
+    from aggregator.storage.store import Store
 
     store = Store(args.state, synchronous=args.durability.upper()) if args.state else None
     security = None
@@ -108,7 +108,7 @@ def serve_with_ops(args, job, broker: BrokerConfig, out_dir: Path, topics: Topic
                                 identity=identity, **service_kw)
     api = None
     if args.api:
-        from .app import create_app
+        from aggregator.api.app import create_app
 
         token = admin_token(args)
         if not token:

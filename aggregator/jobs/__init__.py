@@ -1,6 +1,6 @@
 """Jobs: what to ask which devices, and what to do with their answers.
 
-A job is pure logic (no MQTT, no clock); ``aggregator.service`` drives any job through the
+A job is pure logic (no MQTT, no clock); ``aggregator.service.loop`` drives any job through the
 round protocol. One module per kind of job; each wraps a strategy from ``aggregator.strategies``.
 """
 
@@ -46,11 +46,11 @@ class Job(Protocol):
     # optional class attribute ``order_free = True``: the final model depends only on the set of
     # contributions, so the service re-sums them in a canonical order (bit-identical across runs)
     # a job that is also a ``SplitValidation`` gets its large results validated in parallel ingest
-    # workers (aggregator/ingest.py)
+    # workers (aggregator/service/ingest.py)
     # optional class attribute ``evaluate_at_round_close = True``: the model changes when a round
     # closes (FedAvg), so it is evaluated then, not only after each contribution
     # optional class attribute ``asynchronous = True``: no rounds; the service drives it with
-    # ``aggregator.async_runner.AsyncJobRunner`` (next_dispatches / open_dispatch, one-device rounds)
+    # ``aggregator.service.async_runner.AsyncJobRunner`` (next_dispatches / open_dispatch, one-device rounds)
 
 
 @runtime_checkable

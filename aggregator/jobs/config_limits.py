@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from protocols.topics import DEVICE_ID_RE
 
-from .fedavg import INITS
+from aggregator.jobs.fedavg import INITS
 
 
 @dataclass(frozen=True)

@@ -27,11 +27,11 @@ from protocols.envelope import Envelope, EnvelopeError, body_field
 from protocols.payloads.fed3r import KIND, Fed3RStats, parse_stats
 from protocols.rounds import RoundClosed
 
-from ..strategies.dp_fed3r import NoisyFed3R, check_bounded, fed3r_sensitivity
-from ..strategies.fed3r import Fed3R
-from .model_fields import ModelFields
-from .privacy_fields import PrivacyBudgetFields
-from .scheduling import OncePerDevice
+from aggregator.strategies.dp_fed3r import NoisyFed3R, check_bounded, fed3r_sensitivity
+from aggregator.strategies.fed3r import Fed3R
+from aggregator.jobs.model_fields import ModelFields
+from aggregator.jobs.privacy_fields import PrivacyBudgetFields
+from aggregator.jobs.scheduling import OncePerDevice
 
 
 @dataclass

@@ -30,9 +30,9 @@ from protocols.payloads.secagg import SYNC_KIND, sync_vector_length, unpack_sync
 from protocols.rounds import RoundClosed
 from protocols.secagg.fixedpoint import fed3r_bound
 
-from ..strategies.dp_fed3r import row_norm_bound
-from .fed3r import Fed3RConfig, Fed3RJob
-from .secure_rounds import MIN_GROUP, SecureGroupRounds, load_identities
+from aggregator.strategies.dp_fed3r import row_norm_bound
+from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
+from aggregator.jobs.secure_rounds import MIN_GROUP, SecureGroupRounds, load_identities
 
 log = logging.getLogger("fedfleet.aggregator.secagg")
 

@@ -1,6 +1,6 @@
 """A FedAvg(ψ) job: rounds of local head training on κ sampled devices, averaged by a strategy.
 
-Pure logic (no MQTT, no clock), driven by ``aggregator.service`` like the Fed3R job. Life of
+Pure logic (no MQTT, no clock), driven by ``aggregator.service.loop`` like the Fed3R job. Life of
 a round:
 
 1. ``next_participants(online)`` draws κ of the online devices (seeded ``random.Random``,
@@ -35,11 +35,11 @@ from protocols.envelope import Envelope, body_field
 from protocols.payloads.fedavg import KIND, HeadUpdate, ModelUpdate, head_tensors, parse_head_update
 from protocols.rounds import RoundClosed
 
-from ..evaluation import head_accuracy
-from ..strategies.dp_fedavg import DPFedAvg
-from ..strategies.fedavg import FedAvg, WeightedMean
-from .model_fields import ModelFields
-from .privacy_fields import UpdateClippingFields
+from aggregator.compute.evaluation import head_accuracy
+from aggregator.strategies.dp_fedavg import DPFedAvg
+from aggregator.strategies.fedavg import FedAvg, WeightedMean
+from aggregator.jobs.model_fields import ModelFields
+from aggregator.jobs.privacy_fields import UpdateClippingFields
 
 log = logging.getLogger("fedfleet.aggregator")
 

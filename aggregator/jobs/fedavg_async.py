@@ -1,6 +1,6 @@
 """FedAvg(ψ) without rounds: FedBuff's asynchronous buffered aggregation of head updates.
 
-Pure logic, driven by :class:`aggregator.async_runner.AsyncJobRunner`. There are no rounds to
+Pure logic, driven by :class:`aggregator.service.async_runner.AsyncJobRunner`. There are no rounds to
 wait for: every idle online device (up to ``clients_per_round`` at once: FedBuff's concurrency)
 is given a *dispatch*, the head of the current model version to train (``fedavg.head`` task,
 ``model_version`` in its params); a device that finishes is given a new dispatch with the then
@@ -33,8 +33,8 @@ import numpy as np
 from protocols.envelope import Envelope, EnvelopeError, body_field
 from protocols.rounds import RoundClosed
 
-from ..strategies.fedbuff import FedBuff
-from .fedavg import FedAvgConfig, FedAvgJob, RoundUpdate
+from aggregator.strategies.fedbuff import FedBuff
+from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob, RoundUpdate
 
 log = logging.getLogger("fedfleet.aggregator")
 

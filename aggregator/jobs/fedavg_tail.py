@@ -12,7 +12,7 @@ and a round's task carries all of it (wire kind ``fedavg.tail``,
 * ``"tail+head"``, FT(M): tail and head together.
 
 The pretrained tail and the evaluation come from the devices' bundle: its ``tail_eval.pt2``
-(``aggregator.tail_program``). The evaluation set is the trunk's activations of the test
+(``aggregator.compute.tail_program``). The evaluation set is the trunk's activations of the test
 images (flattened rows), so an evaluation runs only the tail and the head.
 """
 
@@ -25,8 +25,8 @@ import numpy as np
 from protocols.envelope import Envelope, body_field
 from protocols.payloads.fedavg import KIND_TAIL, TAIL_TRAIN_MODES, head_tensors, parse_model_update
 
-from ..tail_program import TailProgram
-from .fedavg import FedAvgConfig, FedAvgJob, RoundUpdate
+from aggregator.compute.tail_program import TailProgram
+from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob, RoundUpdate
 
 
 @dataclass

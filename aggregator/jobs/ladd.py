@@ -1,6 +1,6 @@
 """A LADD job (spec §2): styles once, clustering, server pre-training, then cluster-aware rounds.
 
-Pure logic (no MQTT, no clock), driven by ``aggregator.service`` like the other jobs. The job
+Pure logic (no MQTT, no clock), driven by ``aggregator.service.loop`` like the other jobs. The job
 has two kinds of rounds, so its ``kind`` is the kind of the round it opened last:
 
 ``ladd.style`` rounds
@@ -51,11 +51,11 @@ from protocols.payloads.ladd import (KIND_STYLE, KIND_TRAIN, ModelUpdate, SelfTr
                                      parse_update, train_task_tensors)
 from protocols.rounds import RoundClosed
 
-from ..strategies.dp_fedavg import ClippedGaussianSum
-from ..strategies.dp_ladd import DPClusterAveraging
-from ..strategies.ladd import (ClusterAveraging, ClusterSpecificAveraging, StyleClustering, SwaTeacher,
+from aggregator.strategies.dp_fedavg import ClippedGaussianSum
+from aggregator.strategies.dp_ladd import DPClusterAveraging
+from aggregator.strategies.ladd import (ClusterAveraging, ClusterSpecificAveraging, StyleClustering, SwaTeacher,
                                cluster_specific_predicate)
-from .privacy_fields import UpdateClippingFields
+from aggregator.jobs.privacy_fields import UpdateClippingFields
 
 log = logging.getLogger("fedfleet.aggregator")
 

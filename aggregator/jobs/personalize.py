@@ -33,9 +33,9 @@ from protocols.payloads.fedavg import TAIL_PREFIX, head_tensors
 from protocols.payloads.personalize import FALLBACKS, KIND, METHODS, PersonalizationReport, parse_report
 from protocols.rounds import RoundClosed
 
-from ..evaluation import head_accuracy, weighted_mean_accuracy
-from .model_fields import ModelFields
-from .scheduling import OncePerDevice
+from aggregator.compute.evaluation import head_accuracy, weighted_mean_accuracy
+from aggregator.jobs.model_fields import ModelFields
+from aggregator.jobs.scheduling import OncePerDevice
 
 
 @dataclass

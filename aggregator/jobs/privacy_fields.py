@@ -3,7 +3,7 @@
 ``dp_noise_multiplier`` z > 0 turns DP on (0: off, the job is unchanged). ``dp_target_epsilon``
 with ``dp_delta`` is the budget: a job whose first release alone would exceed it refuses to be
 built (the admin API answers 422), and a job stops before a round that would exceed it. The
-accountant is ``aggregator.privacy`` (Google's dp-accounting); what one release is depends on
+accountant is ``aggregator.compute.privacy`` (Google's dp-accounting); what one release is depends on
 the job kind (a FedAvg round; the whole of Fed3R, see ``aggregator/strategies/dp_fed3r.py``).
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from ..privacy import PrivacyAccountant
-from ..strategies.dp_fedavg import AdaptiveClipNorm, ClipNorm, FixedClipNorm
+from aggregator.compute.privacy import PrivacyAccountant
+from aggregator.strategies.dp_fedavg import AdaptiveClipNorm, ClipNorm, FixedClipNorm
 
 
 @functools.lru_cache(maxsize=64)

@@ -14,16 +14,16 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
-from .config_limits import validate_config
-from .fed3r import Fed3RConfig, Fed3RJob
-from .fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob
-from .fedavg import FedAvgConfig, FedAvgJob
-from .fedavg_async import AsyncFedAvgConfig, AsyncFedAvgJob
-from .fedavg_tail import TailFedAvgConfig, TailFedAvgJob
-from .ladd import LaddConfig, LaddJob
-from .personalize import PersonalizeConfig, PersonalizeJob
-from .secure_fedavg import SecureFedAvgConfig, SecureFedAvgJob, SecureTailFedAvgConfig, SecureTailFedAvgJob
-from .secure_ladd import SecureLaddConfig, SecureLaddJob
+from aggregator.jobs.config_limits import validate_config
+from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
+from aggregator.jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob
+from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob
+from aggregator.jobs.fedavg_async import AsyncFedAvgConfig, AsyncFedAvgJob
+from aggregator.jobs.fedavg_tail import TailFedAvgConfig, TailFedAvgJob
+from aggregator.jobs.ladd import LaddConfig, LaddJob
+from aggregator.jobs.personalize import PersonalizeConfig, PersonalizeJob
+from aggregator.jobs.secure_fedavg import SecureFedAvgConfig, SecureFedAvgJob, SecureTailFedAvgConfig, SecureTailFedAvgJob
+from aggregator.jobs.secure_ladd import SecureLaddConfig, SecureLaddJob
 
 
 @dataclass(frozen=True)

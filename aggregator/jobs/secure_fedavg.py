@@ -29,9 +29,9 @@ from protocols.identity import DeviceIdentity, IdentityRegistry
 from protocols.payloads.secagg import SECURE_FEDAVG_KIND, SECURE_TAIL_KIND, unpack_weighted_sum, weighted_length
 from protocols.rounds import RoundClosed
 
-from .fedavg import FedAvgConfig, FedAvgJob
-from .fedavg_tail import TailFedAvgConfig, TailFedAvgJob
-from .secure_rounds import MIN_GROUP, SecureGroupRounds, load_identities
+from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob
+from aggregator.jobs.fedavg_tail import TailFedAvgConfig, TailFedAvgJob
+from aggregator.jobs.secure_rounds import MIN_GROUP, SecureGroupRounds, load_identities
 
 
 @dataclass

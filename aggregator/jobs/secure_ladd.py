@@ -64,9 +64,9 @@ from protocols.payloads.secagg import SECURE_LADD_KIND, ClusterSlotLayout, SlotS
 from protocols.rounds import RoundClosed
 from protocols.secagg import ConsistencyCheckRequest, Phase, UnmaskRequest
 
-from ..strategies.dp_ladd import GLOBAL, apply_mean_deltas
-from .ladd import Arrays, LaddConfig, LaddJob, Pretrainer
-from .secure_rounds import MIN_GROUP, SecureGroupRounds, load_identities
+from aggregator.strategies.dp_ladd import GLOBAL, apply_mean_deltas
+from aggregator.jobs.ladd import Arrays, LaddConfig, LaddJob, Pretrainer
+from aggregator.jobs.secure_rounds import MIN_GROUP, SecureGroupRounds, load_identities
 
 log = logging.getLogger("fedfleet.aggregator.secagg")
 

@@ -13,7 +13,7 @@ pairs to publish — and ``settled(round)``, which tells it once which devices' 
 holds, so the round machine records them as accepted; ``secure_round_live(round)`` tells it
 whether a round can still produce a sum (not after a restart: secrets are never persisted, the
 job's state is checkpointed at each round close). ``abort_secure_round`` is for the deadline.
-The final unmasking runs on the GPU when there is one (aggregator/mask_expansion.py).
+The final unmasking runs on the GPU when there is one (aggregator/compute/mask_expansion.py).
 
 The mixer provides ``self.identity`` (the aggregator's Ed25519 identity), ``self.registry``
 (enrolled device keys) and ``self.config`` with ``job_id``, ``graph`` and ``phase_timeout_s``.
@@ -37,7 +37,7 @@ from protocols.secagg.config import default_threshold
 from protocols.secagg.distributed_dp import device_stddev, noise_scale_bits, noisy_bound
 from protocols.topics import AGGREGATOR_ID
 
-from ..mask_expansion import pick_mask_applier
+from aggregator.compute.mask_expansion import pick_mask_applier
 
 log = logging.getLogger("fedfleet.aggregator.secagg")
 MIN_GROUP = 3      # fewer devices cannot hide anyone's update in a sum

@@ -28,8 +28,8 @@ import torch
 
 from protocols.payloads.fed3r import Fed3RStats
 
-from ..ridge import ClosedFormRidge
-from .fed3r import Fed3R
+from aggregator.compute.ridge import ClosedFormRidge
+from aggregator.strategies.fed3r import Fed3R
 
 
 def row_norm_bound(feature_clip_norm: float, fit_intercept: bool) -> float:

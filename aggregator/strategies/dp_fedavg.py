@@ -32,7 +32,7 @@ import numpy as np
 
 from protocols.clipping import clip_update
 
-from .fedavg import FedAvg, Params
+from aggregator.strategies.fedavg import FedAvg, Params
 
 
 class ClipNorm(ABC):

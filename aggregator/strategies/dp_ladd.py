@@ -30,8 +30,8 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from .dp_fedavg import ClippedGaussianSum
-from .ladd import ClusterAveraging, Params, cast_like
+from aggregator.strategies.dp_fedavg import ClippedGaussianSum
+from aggregator.strategies.ladd import ClusterAveraging, Params, cast_like
 
 GLOBAL = "phi"
 

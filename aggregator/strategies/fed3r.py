@@ -16,8 +16,8 @@ import torch
 
 from protocols.payloads.fed3r import Fed3RStats, triu_fill
 
-from ..compute import cholesky_in_place, pick_device
-from ..ridge import ClosedFormRidge
+from aggregator.compute.device import cholesky_in_place, pick_device
+from aggregator.compute.ridge import ClosedFormRidge
 
 
 class Fed3R:

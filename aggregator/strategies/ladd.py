@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 
-from .fedavg import WeightedMean
+from aggregator.strategies.fedavg import WeightedMean
 
 Params = dict[str, np.ndarray]
 

@@ -30,7 +30,7 @@ v's advertised public key, which catches corrupted key shares. Removing the mask
 call, mask_applier(accumulator, signed seeds): by default crypto.apply_masks with the expansion
 split over `workers` threads (default: the usable cores, capped), bit-identical to one thread.
 A server with an accelerator passes its own applier (the aggregator's CUDA kernel,
-aggregator/mask_expansion.py); it must produce exactly crypto.apply_masks' bits.
+aggregator/compute/mask_expansion.py); it must produce exactly crypto.apply_masks' bits.
 
 Every incoming message must name this round's (job, round, group), be addressed to the
 aggregator, come from an enrolled member of the group, and verify under that member's

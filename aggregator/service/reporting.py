@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .active_job import ActiveJob
-from .fleet import Fleet
+from aggregator.service.active_job import ActiveJob
+from aggregator.security.fleet import Fleet
 
 
 def live_snapshot(a: ActiveJob | None, fleet: Fleet, stats: dict) -> dict:

@@ -40,8 +40,8 @@ from multiprocessing.shared_memory import SharedMemory
 from protocols.envelope import Envelope, EnvelopeError, decode, decode_checked
 from protocols.identity import InvalidSignature, verify_signature
 
-from .jobs import SplitValidation
-from .jobs.registry import build_job
+from aggregator.jobs import SplitValidation
+from aggregator.jobs.registry import build_job
 
 
 @dataclass(frozen=True)

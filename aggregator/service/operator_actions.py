@@ -4,13 +4,15 @@ through :meth:`AggregatorService.call`: the mutations of fleet and store have on
 
 from __future__ import annotations
 
-from . import job_control, unlearning
-from .enrollment import DeviceCredentials
-from .store import StoreError
+from aggregator.service import job_control
+
+from aggregator.service import unlearning
+from aggregator.security.enrollment import DeviceCredentials
+from aggregator.storage.store import StoreError
 
 
 class OperatorActions:
-    """Mixed into :class:`aggregator.service.AggregatorService`, whose state (``fleet``, ``store``,
+    """Mixed into :class:`aggregator.service.loop.AggregatorService`, whose state (``fleet``, ``store``,
     ``active``, ``eval_set``) and hooks (``_device_lost``, ``_job_broken``, ``_update_live``) it uses."""
 
     def enroll(self, device_id: str, public_key: bytes | None = None) -> DeviceCredentials:

@@ -19,9 +19,9 @@ import time
 from protocols.envelope import EnvelopeError
 from protocols.identity import IdentityRegistry, InvalidSignature, UnknownDevice
 
-from .broker_security import BrokerSecurity
-from .enrollment import DeviceCredentials, Enrollment
-from .store import Store, StoreError
+from aggregator.security.broker import BrokerSecurity
+from aggregator.security.enrollment import DeviceCredentials, Enrollment
+from aggregator.storage.store import Store, StoreError
 
 log = logging.getLogger("fedfleet.aggregator")
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .compute import pick_device
+from aggregator.compute.device import pick_device
 
 EVAL_BATCH = 4096
 

@@ -1,7 +1,7 @@
 """The runtime state of the job a service is serving, and its counters.
 
-Everything here is rebuilt from the store after a restart (``aggregator/recovery.py``); the
-service loop (``aggregator/service.py``) is its only writer.
+Everything here is rebuilt from the store after a restart (``aggregator/service/recovery.py``); the
+service loop (``aggregator/service/loop.py``) is its only writer.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 
 from protocols.rounds import RoundClosed, RoundCoordinator
 
-from .canonical import AppliedContributions
-from .jobs import Job
+from aggregator.service.canonical import AppliedContributions
+from aggregator.jobs import Job
 
 # Why a message was refused: a fixed set, so metrics labels and counters stay bounded whatever
 # devices send (the detail goes to the log, never into a label).

@@ -45,9 +45,9 @@ from protocols.secagg.crypto import (MASK_BLOCK_WORDS, MAX_DEFAULT_MASK_WORKERS,
                                      check_accumulator, check_workers, default_mask_workers, mask_slices,
                                      prg_keys, usable_cores)
 
-from .compute import pick_device
+from aggregator.compute.device import pick_device
 
-log = logging.getLogger("fedfleet.aggregator.mask_expansion")
+log = logging.getLogger("fedfleet.aggregator.compute.mask_expansion")
 
 AES128_ROUNDS = 10
 ROUND_KEY_WORDS = 4 * (AES128_ROUNDS + 1)   # 44 big-endian uint32 words per key

@@ -25,7 +25,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
-from .store import Store
+from aggregator.storage.store import Store
 
 
 class ContributionWriter:

@@ -1,7 +1,7 @@
 """Contribution payloads as files beside the store's database: ``<db path>.blobs/<seq>.msg``.
 
 A file is named only by its row's sequence number (an integer SQLite allocated), never by anything a
-device sent, so no device or message id reaches the file system. :class:`aggregator.store.Store`
+device sent, so no device or message id reaches the file system. :class:`aggregator.storage.store.Store`
 writes a payload inside the transaction that inserts its row and makes it durable before that row
 commits, and deletes it only after the transaction that deleted the row committed. So a committed
 row never points at a missing file; what a crash can leave is the reverse, bytes of no row, which

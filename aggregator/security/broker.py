@@ -250,7 +250,7 @@ class BrokerSecurity:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m aggregator.broker_security",
+    p = argparse.ArgumentParser(prog="python -m aggregator.security.broker",
                                 description="create the TLS, password and ACL files of a fedfleet-managed mosquitto")
     p.add_argument("directory", type=Path)
     p.add_argument("--port", type=int, default=8883)

@@ -1,5 +1,5 @@
 """Durable aggregator state in one SQLite file (WAL) and, beside it, a directory of contribution
-payload files (``<db path>.blobs/``, :mod:`aggregator.blob_files`): a thin adapter, no protocol logic.
+payload files (``<db path>.blobs/``, :mod:`aggregator.storage.blob_files`): a thin adapter, no protocol logic.
 
 What is stored, and why that is enough to resume a job bit for bit after a crash:
 
@@ -57,9 +57,9 @@ from typing import Iterator
 
 import numpy as np
 
-from .blob_files import BlobFileError, BlobFiles
-from .crash_points import CrashPoints
-from .store_schema import FINAL_JOB_STATES, JOB_STATES, MIGRATE_FROM_V1, SCHEMA, SCHEMA_VERSION
+from aggregator.storage.blob_files import BlobFileError, BlobFiles
+from aggregator.service.crash_points import CrashPoints
+from aggregator.storage.schema import FINAL_JOB_STATES, JOB_STATES, MIGRATE_FROM_V1, SCHEMA, SCHEMA_VERSION
 
 log = logging.getLogger("fedfleet.aggregator")
 

@@ -28,9 +28,9 @@ from typing import Any
 
 from protocols.envelope import decode
 
-from .jobs import Job, SplitValidation
-from .jobs.registry import build_job
-from .store import Store
+from aggregator.jobs import Job, SplitValidation
+from aggregator.jobs.registry import build_job
+from aggregator.storage.store import Store
 
 DEFAULT_BUDGET_BYTES = 1 << 30
 

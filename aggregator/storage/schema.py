@@ -1,8 +1,8 @@
 """The aggregator store's tables (SQLite, one file, WAL; contribution payloads in files beside it),
 with what each row means.
-:mod:`aggregator.store` is the only module that reads or writes them."""
+:mod:`aggregator.storage.store` is the only module that reads or writes them."""
 
-SCHEMA_VERSION = 2         # 2: contribution payloads in files (aggregator/blob_files.py), not in the table
+SCHEMA_VERSION = 2         # 2: contribution payloads in files (aggregator/storage/blob_files.py), not in the table
 JOB_STATES = ("created", "queued", "running", "paused", "cancelled", "done", "stopped")
 FINAL_JOB_STATES = ("cancelled", "done")
 

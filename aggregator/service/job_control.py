@@ -12,9 +12,9 @@ is serving.
 
 from __future__ import annotations
 
-from .active_job import ActiveJob
-from .jobs.registry import full_config
-from .store import Store, StoreError
+from aggregator.service.active_job import ActiveJob
+from aggregator.jobs.registry import full_config
+from aggregator.storage.store import Store, StoreError
 
 ALLOWED = {"start": ("created", "stopped"), "pause": ("running",), "resume": ("paused", "stopped"),
            "cancel": ("created", "queued", "running", "paused", "stopped")}

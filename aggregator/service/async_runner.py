@@ -2,7 +2,7 @@
 
 Each dispatch — one device given the current model version — is a round of one participant to
 the round machinery, so storing, acking, retries, deadlines, quarantine and the restart replay
-are :class:`~aggregator.job_runner.JobRunner`'s own; only the scheduling differs: many such
+are :class:`~aggregator.service.job_runner.JobRunner`'s own; only the scheduling differs: many such
 rounds are open at once, and at every tick each idle online device (up to the job's
 concurrency) is given a new one. The job's state is checkpointed at each dispatch's close (the
 base runner does that at every round close), which is what lets a restart resume the buffer.
@@ -14,7 +14,7 @@ import math
 
 from protocols.rounds import DeviceLost, RoundCoordinator, RoundState, Tick
 
-from .job_runner import JobRunner
+from aggregator.service.job_runner import JobRunner
 
 
 class AsyncJobRunner(JobRunner):

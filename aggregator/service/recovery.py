@@ -28,8 +28,8 @@ import time
 from protocols.envelope import decode
 from protocols.rounds import Declined, ResultInvalid, RoundClosed, RoundCoordinator, RoundState, Tick
 
-from .active_job import ActiveJob, ServiceStats
-from .store import FINAL_JOB_STATES, Store, StoreError
+from aggregator.service.active_job import ActiveJob, ServiceStats
+from aggregator.storage.store import FINAL_JOB_STATES, Store, StoreError
 
 log = logging.getLogger("fedfleet.aggregator")
 

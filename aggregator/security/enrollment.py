@@ -10,7 +10,7 @@ Enrolling a device gives it two credentials:
   only the PBKDF2 hash is stored, the password is returned once.
 
 Every change rewrites mosquitto's password file and ACL from the store and signals the broker
-(:class:`aggregator.broker_security.BrokerSecurity`), so it takes effect without a restart.
+(:class:`aggregator.security.broker.BrokerSecurity`), so it takes effect without a restart.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from dataclasses import asdict, dataclass
 from protocols.identity import DeviceIdentity, IdentityRegistry
 from protocols.topics import AGGREGATOR_ID, check_device_id
 
-from .broker_security import BrokerSecurity, hash_password, new_password
-from .store import Store, StoreError
+from aggregator.security.broker import BrokerSecurity, hash_password, new_password
+from aggregator.storage.store import Store, StoreError
 
 
 @dataclass(frozen=True)

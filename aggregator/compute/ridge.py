@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .compute import cholesky_in_place, cholesky_solve, pick_device
+from aggregator.compute.device import cholesky_in_place, cholesky_solve, pick_device
 
 NOT_POSITIVE_DEFINITE = "A + λI is not positive definite: statistics are corrupt (non-Gram A?)"
 

@@ -15,10 +15,10 @@ The decisions live elsewhere, each in a module of its own: the round rules in th
 :class:`~protocols.rounds.RoundCoordinator` (it emits the actions this loop executes, record
 actions before what depends on them); what to ask whom and what to do with answers in the job
 (``aggregator/jobs/``, built from the registry ``jobs/registry.py``); who is enrolled and online
-in :class:`~aggregator.fleet.Fleet`; recovery in ``recovery.py``; what is reported in
+in :class:`~aggregator.security.fleet.Fleet`; recovery in ``recovery.py``; what is reported in
 ``reporting.py``; the operator's job lifecycle in ``job_control.py``.
 
-Durability (with a :class:`aggregator.store.Store`): every state change is committed before
+Durability (with a :class:`aggregator.storage.store.Store`): every state change is committed before
 anything that depends on it leaves the process::
 
     step                                   committed first                      then
@@ -59,22 +59,22 @@ from protocols.payloads.secagg import SECAGG_TYPE
 from protocols.rounds import Declined, ResultArrived, ResultInvalid
 from protocols.topics import AGGREGATOR_ID, Topics
 
-from . import reporting
-from .active_job import ActiveJob, ServiceStats, ValidatedResult
-from .artifacts import ArtifactShelf
-from .async_runner import AsyncJobRunner
-from .broker_security import BrokerSecurity
-from .crash_points import CrashPoints
-from .fleet import Fleet
-from .contribution_writer import ContributionWriter
-from .ingest import IngestWorkers, accepted_parser, refusal
-from .operator_actions import OperatorActions
-from .jobs import Job
-from .job_runner import JobRunner
-from .jobs.registry import KINDS, build_job, job_kind_name
-from .jobs.secure_rounds import LateProtocolMessage, SecureGroupRounds
-from .recovery import restore_job
-from .store import Store, StoreError
+from aggregator.service import reporting
+from aggregator.service.active_job import ActiveJob, ServiceStats, ValidatedResult
+from aggregator.service.artifacts import ArtifactShelf
+from aggregator.service.async_runner import AsyncJobRunner
+from aggregator.security.broker import BrokerSecurity
+from aggregator.service.crash_points import CrashPoints
+from aggregator.security.fleet import Fleet
+from aggregator.service.contribution_writer import ContributionWriter
+from aggregator.service.ingest import IngestWorkers, accepted_parser, refusal
+from aggregator.service.operator_actions import OperatorActions
+from aggregator.jobs import Job
+from aggregator.service.job_runner import JobRunner
+from aggregator.jobs.registry import KINDS, build_job, job_kind_name
+from aggregator.jobs.secure_rounds import LateProtocolMessage, SecureGroupRounds
+from aggregator.service.recovery import restore_job
+from aggregator.storage.store import Store, StoreError
 
 log = logging.getLogger("fedfleet.aggregator")
 
@@ -114,8 +114,8 @@ class AggregatorService(OperatorActions):
         self.link = MqttLink(AGGREGATOR_ID, broker, on_message=lambda t, p: self._q.put(("mqtt", t, p)),
                              subscriptions=[(topics.all_outboxes, 1), (topics.all_presence, 1)],
                              on_connect=lambda: self._q.put(("connected",)))
-        # large results are decoded and validated in these processes (aggregator/ingest.py), and
-        # stored on the writer's thread (aggregator/contribution_writer.py)
+        # large results are decoded and validated in these processes (aggregator/service/ingest.py), and
+        # stored on the writer's thread (aggregator/service/contribution_writer.py)
         self.ingest = IngestWorkers(ingest_workers) if ingest_workers else None
         self.writer = ContributionWriter(store, lambda: self._q.put(("stored",))) if store is not None else None
         self.last_finished: ActiveJob | None = None

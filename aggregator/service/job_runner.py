@@ -4,7 +4,7 @@ decide against the store, the job and the outbox, closes them, and finishes the 
 The round rules are the sans-IO :class:`~protocols.rounds.RoundCoordinator`'s; what to ask whom
 and what an answer means are the job's. This module only keeps the order of effects that makes a
 crash harmless — every state change is committed before anything that depends on it leaves the
-process (the table in ``aggregator/service.py``) — and knows no socket: it sends through the
+process (the table in ``aggregator/service/loop.py``) — and knows no socket: it sends through the
 callables the service gives it.
 """
 
@@ -22,17 +22,17 @@ from protocols.rounds import (ApplyResult, DeviceLost, GroupSettled, RecordDecli
                               RoundCoordinator, SendAck, Tick)
 from protocols.topics import AGGREGATOR_ID
 
-from . import reporting
-from .round_log import FILE_NAME as ROUND_LOG, SETTING_PREFIX, RoundLog
-from .active_job import ActiveJob
-from .canonical import reported_job
-from .crash_points import CrashPoints
-from .fleet import Fleet
-from .contribution_writer import ContributionWriter
-from .jobs import Job, SplitValidation
-from .jobs.registry import KINDS
-from .jobs.secure_rounds import SecureGroupRounds
-from .store import FINAL_JOB_STATES, Store, StoreError
+from aggregator.service import reporting
+from aggregator.storage.round_log import FILE_NAME as ROUND_LOG, SETTING_PREFIX, RoundLog
+from aggregator.service.active_job import ActiveJob
+from aggregator.service.canonical import reported_job
+from aggregator.service.crash_points import CrashPoints
+from aggregator.security.fleet import Fleet
+from aggregator.service.contribution_writer import ContributionWriter
+from aggregator.jobs import Job, SplitValidation
+from aggregator.jobs.registry import KINDS
+from aggregator.jobs.secure_rounds import SecureGroupRounds
+from aggregator.storage.store import FINAL_JOB_STATES, Store, StoreError
 
 log = logging.getLogger("fedfleet.aggregator")
 
@@ -44,11 +44,11 @@ class JobRunner:
                  checkpoints: bool = True, evaluate_every_contribution: bool = True, offline_grace_s: float = 120.0,
                  writer: ContributionWriter | None = None):
         self.a, self.fleet, self.store, self.crash = a, fleet, store, crash
-        # large results are stored on the writer's thread (aggregator/contribution_writer.py)
+        # large results are stored on the writer's thread (aggregator/service/contribution_writer.py)
         self.writer = writer if store is not None and isinstance(a.job, SplitValidation) else None
         self._held_acks: dict[str, list[tuple[SendAck, int]]] = {}   # message id -> its acks, until durable
         self.rebuilt = False                    # a write failed and the job was rebuilt by a new runner
-        # an order-free job reports its contributions summed in device order (aggregator/canonical.py):
+        # an order-free job reports its contributions summed in device order (aggregator/service/canonical.py):
         # only then is what it applied worth keeping
         self.canonical = store is not None and getattr(a.job, "order_free", False) and a.kind in KINDS
         self.on_fatal = on_fatal        # (reason, stop=False): rebuild the job from the store, or stop it

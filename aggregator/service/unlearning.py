@@ -15,8 +15,8 @@ and Fed3R-Sync never held the device's statistics on their own — only its grou
 
 from __future__ import annotations
 
-from .canonical import canonical_job
-from .store import FINAL_JOB_STATES, Store
+from aggregator.service.canonical import canonical_job
+from aggregator.storage.store import FINAL_JOB_STATES, Store
 
 FORGETTABLE = ("fed3r",)
 NOT_FORGETTABLE = {

@@ -1,0 +1,1 @@
+"""Who may take part: enrollment, broker credentials and ACLs, the fleet's membership."""
