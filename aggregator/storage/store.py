@@ -418,7 +418,7 @@ class Store:
 
     # ------------------------------------------------------------------ quarantine
     def quarantine(self, job_id: str, round_: int, device: str, message_id: str, reason: str) -> None:
-        """Move an accepted contribution that failed to apply out of the replay, in one transaction;
+        """Move an accepted contribution that failed to apply (or that a fleet screen named) out of the replay, in one transaction;
         the device counts as rejected in its round (a restored round does not wait for it)."""
         now = time.time()
         with self._tx() as db:
@@ -426,6 +426,9 @@ class Store:
                                  (job_id, message_id)).fetchall()
             db.execute("INSERT OR IGNORE INTO quarantine VALUES (?, ?, ?, ?, ?, ?)",
                        (job_id, round_, device, message_id, reason[:1000], now))
+            # a checkpoint of a round at or after it holds it in its sums (a fleet screen quarantines
+            # a contribution of an earlier round): the replay starts from nothing instead
+            db.execute("DELETE FROM checkpoints WHERE job_id=? AND round>=?", (job_id, round_))
             db.execute("INSERT OR REPLACE INTO round_events VALUES (?, ?, ?, ?, ?, ?)",
                        (job_id, round_, device, "rejected", f"quarantined: {reason[:900]}", now))
         self.blobs.remove(r[0] for r in deleted)          # after the commit: a crash between leaves an orphan

@@ -1,0 +1,41 @@
+"""Bounded-influence settings of a job's config (docs/algorithms.md, "Bounded influence").
+
+On by default: no operator setting is needed for a job to refuse a device whose statistics no
+honest device could have computed, or that steers the model far more than the fleet's others.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from aggregator.strategies.robust_fed3r import EnergyScreen, FeatureBound
+
+
+@dataclass
+class Fed3RRobustnessFields:
+    """Fed3R: hard bounds from the backbone's output range, and the fleet's energy screen."""
+
+    # F: every feature lies in [-F, F]; 6 is the range the MobileNetV2 / EfficientNet-Lite bundles
+    # declare in their manifest (ReLU6, then average pooling); 0: no per-feature bound. With
+    # random features the bound is √(2/D), exactly, whatever this says.
+    max_abs_feature: float = 6.0
+    max_device_samples: int = 1_000_000     # n above this is refused (a device's claim weighs n)
+    screen_energy_ratio: float = 4.0        # screen e_k > ratio x the fleet's median (2x the feature scale); 0: off
+    screen_min_fleet: int = 5               # ...once this many devices are known
+
+    def feature_bound(self) -> FeatureBound:
+        rf = self.random_features
+        f = math.sqrt(2.0 / rf["dim"]) if rf else self.max_abs_feature
+        return FeatureBound(f, self.max_device_samples, self.fit_intercept)
+
+    def energy_screen(self) -> EnergyScreen:
+        """The fleet screen; off under DP (a device's statistics are bounded by clipping and
+        hidden in noise) and when streaming (a device's increments are not one contribution)."""
+        ratio = 0.0 if self.dp or self.streaming else self.screen_energy_ratio
+        return EnergyScreen(ratio, self.screen_min_fleet)
+
+    def check_robustness(self) -> None:
+        """ValueError for settings that cannot run (the admin API answers 422)."""
+        self.feature_bound()
+        self.energy_screen()
