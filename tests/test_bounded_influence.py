@@ -203,3 +203,23 @@ def test_bad_robustness_settings_are_refused():
     for bad in ({"screen_energy_ratio": 0.5}, {"screen_min_fleet": 0}, {"max_abs_feature": -1.0}):
         with pytest.raises(ValueError):
             build_job("fed3r", {"num_classes": C, "feature_dim": D, **bad})
+
+
+def test_the_manifest_declares_the_feature_range_and_refuses_a_bad_one(tmp_path):
+    from protocols.bundle_manifest import ArtifactSpec, BatchSpec, InputNormalisation, Manifest, ManifestError, TensorSpec
+
+    spec = ArtifactSpec("training", "eager", "2", "head.pt", "0" * 64, 1, BatchSpec(4, True),
+                        (TensorSpec("features", "float32", (4, D)), TensorSpec("labels", "int64", (4,)),
+                         TensorSpec("sample_weight", "float32", (4,))), (TensorSpec("loss", "float32", ()),), {},
+                        {"trainable_parameters": {"weight": [C, D], "bias": [C]}})
+    draft = Manifest(backbone="mobilenet_v2", weights_sha256="0" * 64, feature_dim=D, num_classes=C,
+                     temperature=1.0, output="features", input=InputNormalisation(64, (0.5,) * 3, (0.5,) * 3),
+                     artifacts=(spec,), created_with={}, feature_range=(0.0, 6.0))
+    data = draft.to_json()
+    assert data["backbone"]["feature_range"] == [0.0, 6.0]
+    assert Manifest.from_json(data).feature_range == (0.0, 6.0)
+    del data["backbone"]["feature_range"]
+    assert Manifest.from_json(data).feature_range is None            # optional: not every backbone bounds it
+    for bad in ([6.0, 0.0], [0.0], "x"):
+        with pytest.raises(ManifestError):
+            Manifest.from_json({**data, "backbone": {**data["backbone"], "feature_range": bad}})
