@@ -10,6 +10,10 @@ import math
 from dataclasses import dataclass
 
 from aggregator.strategies.robust_fed3r import EnergyScreen, FeatureBound
+from aggregator.strategies.robust_fedavg import (CoordinateMedian, Krum, Mean, NormBound, RobustAggregation,
+                                                 TrimmedMean)
+
+RULES = ("mean", "median", "trimmed_mean", "krum", "multi_krum")
 
 
 @dataclass
@@ -39,3 +43,33 @@ class Fed3RRobustnessFields:
         """ValueError for settings that cannot run (the admin API answers 422)."""
         self.feature_bound()
         self.energy_screen()
+
+
+@dataclass
+class FedAvgRobustnessFields:
+    """FedAvg family, plaintext: the round's norm bound and its aggregation rule."""
+
+    aggregator: str = "mean"                # one of RULES
+    norm_bound_multiplier: float = 3.0      # ‖θ_k − x_t‖ ≤ this × the round's median; 0: off
+    trim_fraction: float = 0.1              # trimmed_mean: β dropped at each end, per coordinate
+    krum_byzantine: int = 1                 # krum / multi_krum: f, the devices assumed malicious
+    krum_select: int = 0                    # multi_krum: updates kept (0: κ − f)
+
+    def robust_aggregation(self) -> RobustAggregation:
+        if self.aggregator not in RULES:
+            raise ValueError(f"aggregator must be one of {RULES}, got {self.aggregator!r}")
+        f = self.krum_byzantine
+        rule = {"mean": Mean, "median": CoordinateMedian,
+                "trimmed_mean": lambda: TrimmedMean(self.trim_fraction),
+                "krum": lambda: Krum(f, 1),
+                "multi_krum": lambda: Krum(f, self.krum_select or max(1, self.clients_per_round - f))}[self.aggregator]()
+        return RobustAggregation(rule, NormBound(self.norm_bound_multiplier))
+
+    def check_robust_aggregation(self) -> None:
+        """ValueError when the rule cannot hold its guarantee with κ devices a round (admin API: 422)."""
+        rule = self.robust_aggregation().rule
+        if self.clients_per_round < rule.min_updates():
+            raise ValueError(f"aggregator {self.aggregator!r} needs clients_per_round >= {rule.min_updates()} "
+                             f"(Krum: 2f + 3 with f={self.krum_byzantine}), got {self.clients_per_round}")
+        if self.dp and self.aggregator != "mean":
+            raise ValueError("a DP job averages its clipped updates: robust rules are for plaintext jobs")
