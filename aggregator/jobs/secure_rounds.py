@@ -50,6 +50,11 @@ def load_identities(identity_file: str, device_keys_file: str) -> tuple[DeviceId
     return identity, IdentityRegistry({d: bytes.fromhex(k) for d, k in keys.items()})
 
 
+class GroupSumOutOfBound(ValueError):
+    """A group's unmasked sum breaks the bound its members' honest inputs respect
+    (``on_secure_sum`` raises it): the group is discarded like a failed round and reported."""
+
+
 class LateProtocolMessage(EnvelopeError):
     """A secure-aggregation message for a round that already ended: answered with silence and
     counted as late, like a late result (a slow device's unmask share after the sum was made)."""
@@ -171,7 +176,12 @@ class SecureGroupRounds:
                 # Who is in the sum is decided here, by the protocol, not by the round machine's view
                 # of presence: a device may go offline right after sending its masked input.
                 survivors = tuple(sorted(o.survivors))
-                self.on_secure_sum(o.decode(), survivors)
+                try:
+                    self.on_secure_sum(o.decode(), survivors)
+                except GroupSumOutOfBound as exc:        # bounded influence: nothing of it is applied
+                    log.warning("secure round %d: group sum discarded: %s", round_id, exc)
+                    self._failed(round_id, f"group sum out of bound: {exc}")
+                    continue
                 self._settled[round_id] = survivors
                 log.info("secure round %d: sum of %d devices", round_id, len(survivors))
                 self.secure = None

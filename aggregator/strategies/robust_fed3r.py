@@ -33,9 +33,10 @@ import numpy as np
 
 from protocols.payloads.fed3r import Fed3RStats
 
-# float32 statistics carry ~1e-7 relative rounding, float64 sums ~1e-16: a 1e-5 relative slack
-# refuses nothing honest and gives an attacker nothing worth having.
-_SLACK = 1 + 1e-5
+# float32 statistics carry ~1e-7 relative rounding, float64 sums ~1e-16, a secure group's
+# fixed-point sum 2^-f per entry: a 1e-5 relative (1e-6 absolute) slack refuses nothing honest
+# and gives an attacker nothing worth having.
+_SLACK, _ABS = 1 + 1e-5, 1e-6
 
 
 def packed_diagonal(a_upper: np.ndarray, p: int) -> np.ndarray:
@@ -86,7 +87,7 @@ class FeatureBound:
         diag = gram_diagonal(stats)
         features = diag[:-1] if self.fit_intercept else diag
         worst = float(features.max(initial=0.0))
-        if worst > n * f * f * _SLACK:
+        if worst > n * f * f * _SLACK + _ABS:
             raise ValueError(f"features out of range: diag(A) reaches {worst:.4g} > n·F² = {n * f * f:.4g} "
                              f"(n={n}, F={f})")
         b = class_sums(stats)
@@ -94,10 +95,19 @@ class FeatureBound:
             counts, b = b[:, -1:], b[:, :-1]
         else:
             counts = np.full((len(b), 1), float(n))
-        excess = np.abs(b) - counts * f * _SLACK
+        excess = np.abs(b) - counts * f * _SLACK - _ABS
         if (excess > 0).any():
             raise ValueError(f"features out of range: a class sum of b exceeds its count·F (F={f}) by "
                              f"{float(excess.max()):.4g}")
+
+
+def check_group_sum(a_upper: np.ndarray, b: np.ndarray, n: int, members: int, bound: FeatureBound) -> None:
+    """ValueError unless a secure group's sum of statistics is within the sum of its members'
+    bounds: n ≤ members × the per-device cap, diag(A) ≤ n·F², |b[c, j]| ≤ count_c·F (each is a
+    sum of per-device bounds, so an honest group always passes). The server sees only the sum:
+    one member past its bound is caught when the others' slack cannot hide it (docs/secure-aggregation.md)."""
+    group = FeatureBound(bound.max_abs_feature, bound.max_samples * members, bound.fit_intercept)
+    group.check(Fed3RStats(n=n, p=len(b[0]), a_upper=a_upper, class_ids=np.arange(len(b)), b=b))
 
 
 class EnergyScreen:
