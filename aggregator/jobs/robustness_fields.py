@@ -73,3 +73,19 @@ class FedAvgRobustnessFields:
                              f"(Krum: 2f + 3 with f={self.krum_byzantine}), got {self.clients_per_round}")
         if self.dp and self.aggregator != "mean":
             raise ValueError("a DP job averages its clipped updates: robust rules are for plaintext jobs")
+
+
+@dataclass
+class SecureUpdateBoundFields:
+    """FedAvg family under secure aggregation: devices clip ‖θ_k − x_t‖ to C before masking, and
+    the server checks each group's sum against n·C (0: no clipping, no check). Robust rules need
+    each update: a secure job only averages."""
+
+    update_clip_norm: float = 0.0
+
+    def check_secure_bounds(self) -> None:
+        if self.aggregator != "mean":
+            raise ValueError(f"aggregator {self.aggregator!r} needs each device's update; a secure job sees "
+                             "only sums: use update_clip_norm to bound them")
+        if not (self.update_clip_norm >= 0 and math.isfinite(self.update_clip_norm)):
+            raise ValueError(f"update_clip_norm must be a finite number >= 0, got {self.update_clip_norm}")

@@ -31,11 +31,13 @@ from protocols.rounds import RoundClosed
 
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob
 from aggregator.jobs.fedavg_tail import TailFedAvgConfig, TailFedAvgJob
-from aggregator.jobs.secure_rounds import MIN_GROUP, SecureGroupRounds, load_identities
+from aggregator.jobs.robustness_fields import SecureUpdateBoundFields
+from aggregator.jobs.secure_rounds import MIN_GROUP, GroupSumOutOfBound, SecureGroupRounds, load_identities
+from aggregator.strategies.robust_fedavg import check_weighted_group_sum
 
 
 @dataclass
-class SecureFedAvgConfig(FedAvgConfig):
+class SecureFedAvgConfig(SecureUpdateBoundFields, FedAvgConfig):
     graph: str = "complete"                 # "complete" (SecAgg) or "regular" (SecAgg+)
     expected_dropout: float = 0.1           # SecAgg+: the degree and share threshold are chosen to survive it
     max_samples: int = 10_000               # per device
@@ -46,6 +48,7 @@ class SecureFedAvgConfig(FedAvgConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        self.check_secure_bounds()
         # Distributed DP: the devices clip and noise (no central noise); the clip norm stays fixed
         # (the adaptive rule would need its clipped-count bits in the secure sum as well).
         if self.dp and self.dp_adaptive_clip:
@@ -89,6 +92,8 @@ class SecureFedAvgJob(SecureGroupRounds, FedAvgJob):
         c = self.config
         params = {**params, "group": f"g{self.round}", "max_samples": c.max_samples,
                   "max_abs_param": c.max_abs_param, "vector_order": list(self.trained_shapes())}
+        if c.update_clip_norm > 0 and self.dp is None:      # bounded influence: clipped before masking
+            params["update_clip_norm"] = c.update_clip_norm
         if self.dp is not None:
             params["dp"] = dict(self._round_dp)
         return params, head
@@ -109,10 +114,21 @@ class SecureFedAvgJob(SecureGroupRounds, FedAvgJob):
             # the noisy sum of clipped updates over the fixed κ (n counts the survivors: weights are 1)
             self._sum = ({name: s / self.config.clients_per_round for name, s in sums.items()}, len(survivors), n)
         else:
+            self._check_group_sum(sums, n, survivors)
             self._sum = ({name: weighted / n for name, weighted in sums.items()}, len(survivors), n)
         self.samples += n
         for d in survivors:
             self.contributed[d] = self.contributed.get(d, 0) + 1
+
+    def _check_group_sum(self, sums: dict[str, np.ndarray], n: int, survivors: tuple[str, ...]) -> None:
+        """Bounded influence: GroupSumOutOfBound when the sum breaks its members' clipped bound n·C."""
+        c = self.config
+        if c.update_clip_norm > 0:
+            try:
+                check_weighted_group_sum(sums, n, {k: self.params[k] for k in sums}, len(survivors),
+                                         c.update_clip_norm, c.max_samples)
+            except ValueError as exc:
+                raise GroupSumOutOfBound(str(exc)) from None
 
     def round_mean(self) -> tuple[dict[str, np.ndarray] | None, int, int]:
         return self._sum if self._sum is not None else (None, 0, 0)

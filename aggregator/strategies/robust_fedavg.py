@@ -167,3 +167,15 @@ class RobustAggregation:
             return None, {**report, "skipped": f"{self.rule.name} needs at least {self.rule.min_updates()} updates"}
         bounded, scaled = self.bound.apply(current, updates)
         return self.rule.combine(bounded), {**report, "norm_bounded": scaled}
+
+
+def check_weighted_group_sum(sums: Mapping[str, np.ndarray], n: int, current: Mapping[str, np.ndarray],
+                             members: int, clip_norm: float, max_samples: int) -> None:
+    """ValueError unless a secure group's Σ n_k θ_k is what members who clipped ‖θ_k − x_t‖ ≤ C can
+    send: n ≤ members × max_samples and ‖Σ n_k θ_k − n·x_t‖ = ‖Σ n_k Δ_k‖ ≤ Σ n_k C = n·C. The
+    server sees the sum only: what a member inside the bound can still do is in docs/secure-aggregation.md."""
+    if n > members * max_samples:
+        raise ValueError(f"the group claims {n} samples, more than {members} members x {max_samples}")
+    norm = float(np.linalg.norm(_flatten(sums) - n * _flatten(current)))
+    if norm > n * clip_norm * (1 + 1e-5) + 1e-4:        # the fixed-point sum's rounding
+        raise ValueError(f"‖Σ n_k Δ_k‖ = {norm:.4g} exceeds n·C = {n * clip_norm:.4g} (n={n}, C={clip_norm})")
