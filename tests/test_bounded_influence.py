@@ -7,6 +7,7 @@ honest devices' sums are then bit-exact, and an honest fleet with the defaults o
 centralized ridge. Real agents over a real mosquitto, a real SQLite store."""
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -125,6 +126,56 @@ def test_an_honest_fleet_with_the_defaults_gives_the_centralized_ridge(broker, t
     ref = Ridge(alpha=0.01, fit_intercept=False, solver="cholesky").fit(Za, np.eye(C)[y]).coef_.T
     W = np.load(tmp_path / "out" / "model.npz")["raw_weights"]
     assert np.linalg.norm(W - ref) / np.linalg.norm(ref) <= 1e-9
+
+
+class GatedHandler(Handler):
+    def __init__(self, data, gate):
+        super().__init__(data)
+        self.gate = gate
+
+    def __call__(self, params, tensors=None):
+        self.gate.wait(60)
+        return super().__call__(params, tensors)
+
+
+def test_an_operator_can_release_a_screened_device_and_it_contributes_again(broker, tmp_path):
+    """κ = 6 of 7: round 1 holds the attacker (a seed that puts it there), round 2 the seventh
+    device, held back until the operator released the attacker through the admin API."""
+    def config(seed):
+        return {"num_classes": C, "feature_dim": D, "clients_per_round": 6, "round_timeout_s": 30,
+                "expected_devices": len(DEVICES), "seed": seed}
+    seed = next(s for s in range(100) if ATTACKER in build_job("fed3r", config(s)).next_participants(set(DEVICES)))
+    late = next(d for d in DEVICES if d not in build_job("fed3r", config(seed)).next_participants(set(DEVICES)))
+    store = Store(tmp_path / "state.db")
+    svc = AggregatorService(Fed3RJob(Fed3RConfig(**config(seed))), BrokerConfig.from_url(broker.url), tmp_path / "out",
+                            enrolled=set(DEVICES), store=store, tick_s=0.05)
+    result, gate = {}, threading.Event()
+    thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=60)), daemon=True)
+    thread.start()
+    handlers = {d: (GatedHandler(honest_data(i), gate) if d == late else
+                    Handler((scaled_data if d == ATTACKER else honest_data)(i))) for i, d in enumerate(DEVICES)}
+    agents = [DeviceAgent(d, BrokerConfig.from_url(broker.url), {"fed3r.stats": handlers[d]}, retry_after_s=1).start()
+              for d in DEVICES]
+    api = TestClient(create_app(store, TOKEN, svc))
+    deadline = time.time() + 30
+    while not api.get("/api/jobs/fed3r/quarantine", headers=AUTH).json() and time.time() < deadline:
+        time.sleep(0.1)
+    assert [q["device"] for q in api.get("/api/jobs/fed3r/quarantine", headers=AUTH).json()] == [ATTACKER]
+    released = api.post(f"/api/jobs/fed3r/quarantine/{ATTACKER}/release", headers=AUTH)
+    assert released.status_code == 200 and released.json() == [], released.text
+    assert api.post(f"/api/jobs/fed3r/quarantine/{ATTACKER}/release", headers=AUTH).status_code == 404
+    gate.set()
+    thread.join(60)
+    for a in agents:
+        a.stop()
+    assert result.get("state") == "done", result
+    assert sorted(result["contributed"]) == DEVICES           # asked again, and no longer screened
+    want = Fed3R(C, D + 1, device="cpu")
+    for d in DEVICES:
+        data = (scaled_data if d == ATTACKER else honest_data)(DEVICES.index(d))
+        want.add(parse_stats(decode(stats_wire(*data)), D + 1, C))
+    assert np.array_equal(np.load(tmp_path / "out" / "statistics.npz")["A"], want.A.numpy())
+    store.close()
 
 
 # ---------------------------------------------------------------- the pure checks

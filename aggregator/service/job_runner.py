@@ -198,6 +198,14 @@ class JobRunner:
         self._quarantine_one(round_, act.device, act.message_id, reason)
         self.on_fatal(f"contribution from {act.device} quarantined: {reason}")
 
+    def _screened(self, job) -> dict[str, str]:
+        """What the job's fleet screen named at this round close, less the devices an operator released."""
+        screened = getattr(job, "screened_out", None) or {}
+        if screened and self.store is not None:
+            exempt = self.store.screen_exempt(self.a.job_id)
+            screened = {d: why for d, why in screened.items() if d not in exempt}
+        return screened
+
     def _quarantine_screened(self, screened: dict[str, str]) -> None:
         """The job's fleet screen named devices at a round close (``aggregator/strategies/robust_fed3r.py``):
         every contribution of theirs is quarantined and the job rebuilt from the store without them,
@@ -226,8 +234,9 @@ class JobRunner:
         self.crash("round_closing")
         try:
             a.job.close_round(act)
-            if getattr(a.job, "screened_out", None):
-                return self._quarantine_screened(a.job.screened_out)
+            screened = self._screened(a.job)
+            if screened:
+                return self._quarantine_screened(screened)
             a.round_log.append(a.round_entry(act, a.opened_at.get(act.round), time.time()))
             if not self.eval_each:
                 self._record_eval()
