@@ -23,7 +23,7 @@ import pytest
 from aggregator.jobs.base import AsynchronousJob, Job, JobConfig, SplitValidation
 from aggregator.jobs.ladd import save_initial_model
 from aggregator.jobs.registry import KINDS, build_job
-from aggregator.jobs.secure_fields import SecureAggregationFields
+from aggregator.jobs.secure_fields import SecureAggregationFields, SecureUpdateFields
 from aggregator.jobs.secure_rounds import SecureGroupRounds
 from protocols.files import file_sha256
 
@@ -143,6 +143,30 @@ def test_the_redeclaration_check_fails_on_a_restated_default():
         round_timeout_s: float = 120.0          # JobConfig's default again
 
     assert redeclared_defaults(Restating) == ["Restating.round_timeout_s"]
+
+
+def hidden_overrides(config_cls: type) -> list[str]:
+    """``Class.field`` for every field whose default is not the one the nearest class declaring it
+    in the MRO gives: a field group listed before a kind's config hides that config's defaults."""
+    out = []
+    for f in dataclasses.fields(config_cls):
+        declaring = next(c for c in config_cls.__mro__ if f.name in c.__dict__.get("__annotations__", {}))
+        if _default(declaring.__dataclass_fields__[f.name]) != _default(f):
+            out.append(f"{config_cls.__name__}.{f.name}")
+    return out
+
+
+def test_every_config_has_the_defaults_its_classes_declare():
+    for spec in KINDS.values():
+        assert hidden_overrides(spec.config_cls) == [], spec.name
+
+
+def test_the_default_check_fails_when_a_field_group_hides_a_kinds_defaults():
+    @dataclasses.dataclass
+    class Hiding(SecureUpdateFields, KINDS["ladd"].config_cls):     # the group first: LADD's job_id, κ hidden
+        pass
+
+    assert hidden_overrides(Hiding) == ["Hiding.job_id", "Hiding.clients_per_round"]
 
 
 # ----------------------------------------------------------------------------- no probing

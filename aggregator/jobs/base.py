@@ -25,8 +25,13 @@ from protocols.rounds import RoundClosed
 
 @dataclass
 class JobConfig:
-    """The fields every job kind's config has; a kind's config adds its own (JSON field names are
-    the wire and storage format of configs: ``aggregator/jobs/config_limits.py`` limits each)."""
+    """The fields every job kind's config has; a kind's config adds its own and overrides the
+    defaults that differ (JSON field names are the storage and API format of configs:
+    ``aggregator/jobs/config_limits.py`` limits each). Field groups (``ModelFields``,
+    ``SecureAggregationFields``, ...) are subclasses too. A config derived from another kind's
+    lists that config *before* the groups it adds (``SecureFedAvgConfig(FedAvgConfig,
+    SecureUpdateFields)``): a dataclass takes each field from the first class in its MRO that has
+    it, and a group carries this class's defaults, which would hide the other kind's overrides."""
 
     job_id: str = "job"
     clients_per_round: int = 10          # κ: devices per round (an asynchronous job: at once)
