@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
 from .messages import TaskRef
-from .transition_table import ANY, IllegalTransition, Transition, TransitionTable
+from .transition_table import ANY, IllegalTransition, Transition, TransitionTable  # noqa: F401 (handle raises it)
 
 
 # ----------------------------------------------------------------------------- aggregator side

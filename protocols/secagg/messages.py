@@ -17,7 +17,8 @@ Each message class only *declares* its fields: a header field names its codec (`
 base64 bytes of a fixed length, a list of distinct ids, ...), an array field its dtype, rank and
 shape rules (`wire_array(...)`); the one generic `payload()` / `arrays()` / `parse_payload()` on
 `Message` encode and check every field from those declarations (`PAYLOAD` and `ARRAYS`, built by
-the `@wire_message` decorator from the dataclass fields, in declaration order). Verifying the signature and
+the `@wire_message` decorator from the dataclass fields, in declaration order; the codecs live in
+wire_fields.py). Verifying the signature and
 the context against the round is the state machines' job (they know the keys and the round).
 
 Client -> server: AdvertiseKeys, EncryptedShares, MaskedInput, ConsistencySignature, UnmaskShares.
@@ -26,9 +27,6 @@ Server -> client: RoundStart, KeyDirectory, ForwardedShares, ConsistencyCheckReq
 
 from __future__ import annotations
 
-import abc
-import base64
-import binascii
 import dataclasses
 import hashlib
 import json
@@ -43,12 +41,12 @@ from protocols.identity import DeviceIdentity, InvalidSignature, verify_signatur
 from .config import RoundConfig
 from .errors import BadSignature, ConfigError, MalformedMessage
 from .events import Phase
+from .wire_fields import (Base64Bytes, BoundedText, DistinctIds, WireArray, WireValue, b64, nonempty_str, rows,
+                          unb64, wire_array, wire_message, wire_value)
 
 MESSAGE_DOMAIN = b"fedfleet/secagg/message/v1\n"
 CONSISTENCY_DOMAIN = b"fedfleet/secagg/consistency/v1\n"
 _COMMON_FIELDS = ("job_id", "round_id", "group_id", "sender", "recipient")
-# Upper bound on list fields, so a hostile header cannot make us allocate without limit.
-MAX_LIST_ITEMS = 1 << 20
 
 M = TypeVar("M", bound="Message")
 
@@ -56,142 +54,6 @@ M = TypeVar("M", bound="Message")
 def _canonical_json(value: Any) -> bytes:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
                       allow_nan=False).encode()
-
-
-def _b64(raw: bytes) -> str:
-    return base64.b64encode(raw).decode("ascii")
-
-
-def _unb64(value: Any, what: str, length: int | None = None) -> bytes:
-    if not isinstance(value, str):
-        raise MalformedMessage(f"{what} must be a base64 string")
-    try:
-        raw = base64.b64decode(value, validate=True)
-    except (binascii.Error, ValueError):
-        raise MalformedMessage(f"{what} is not valid base64") from None
-    if length is not None and len(raw) != length:
-        raise MalformedMessage(f"{what} must be {length} bytes, got {len(raw)}")
-    return raw
-
-
-def _str(value: Any, what: str) -> str:
-    if not isinstance(value, str) or not value or len(value) > 256:
-        raise MalformedMessage(f"{what} must be a non-empty string (<= 256 chars)")
-    return value
-
-
-def _str_list(value: Any, what: str) -> tuple[str, ...]:
-    if not isinstance(value, list) or len(value) > MAX_LIST_ITEMS:
-        raise MalformedMessage(f"{what} must be a list")
-    items = tuple(_str(item, f"{what} item") for item in value)
-    if len(set(items)) != len(items):
-        raise MalformedMessage(f"{what} has duplicates")
-    return items
-
-
-def _rows(value: Any, what: str, width: int) -> list[list[Any]]:
-    if not isinstance(value, list) or len(value) > MAX_LIST_ITEMS:
-        raise MalformedMessage(f"{what} must be a list")
-    for row in value:
-        if not isinstance(row, list) or len(row) != width:
-            raise MalformedMessage(f"each {what} entry must be a list of {width} items")
-    return value
-
-
-class WireValue(abc.ABC):
-    """How one header field travels: its JSON form and the checks that refuse a bad one."""
-
-    @abc.abstractmethod
-    def encode(self, value: Any) -> Any: ...
-
-    @abc.abstractmethod
-    def decode(self, raw: Any, name: str) -> Any:
-        """The field's value from its JSON form; MalformedMessage when it is not acceptable."""
-
-    def read(self, name: str, payload: Mapping[str, Any], arrays: Mapping[str, np.ndarray],
-             parsed: Mapping[str, Any]) -> Any:
-        return self.decode(payload[name], name)
-
-
-@dataclass(frozen=True)
-class Base64Bytes(WireValue):
-    length: int
-
-    def encode(self, value: bytes) -> str:
-        return _b64(value)
-
-    def decode(self, raw: Any, name: str) -> bytes:
-        return _unb64(raw, name, self.length)
-
-
-class DistinctIds(WireValue):
-    """A list of distinct non-empty ids (at most MAX_LIST_ITEMS), held as a tuple."""
-
-    def encode(self, value: tuple[str, ...]) -> list[str]:
-        return list(value)
-
-    def decode(self, raw: Any, name: str) -> tuple[str, ...]:
-        return _str_list(raw, name)
-
-
-@dataclass(frozen=True)
-class BoundedText(WireValue):
-    max_chars: int
-
-    def encode(self, value: str) -> str:
-        return value
-
-    def decode(self, raw: Any, name: str) -> str:
-        if not isinstance(raw, str) or len(raw) > self.max_chars:
-            raise MalformedMessage(f"{name} must be a string of at most {self.max_chars} characters")
-        return raw
-
-
-@dataclass(frozen=True)
-class WireArray:
-    """How one array field travels: its dtype and rank, and optionally the length of its rows
-    (shape[1:] == (row_bytes,)) and the header list its rows belong to (shape[0] == len(list))."""
-
-    dtype: str
-    rank: int
-    row_bytes: int | None = None
-    rows_per: str | None = None
-
-    def read(self, name: str, payload: Mapping[str, Any], arrays: Mapping[str, np.ndarray],
-             parsed: Mapping[str, Any]) -> np.ndarray:
-        """The array (dtype and rank checked by from_wire) once its shape rules hold."""
-        array = arrays[name]
-        if self.row_bytes is not None and array.shape[1:] != (self.row_bytes,):
-            raise MalformedMessage(f"{name} must have {self.row_bytes}-byte rows")
-        if self.rows_per is not None and array.shape[0] != len(parsed[self.rows_per]):
-            raise MalformedMessage(f"{name}: {array.shape[0]} rows for {len(parsed[self.rows_per])} ids")
-        return array
-
-
-_WIRE = "wire"   # dataclass field metadata key holding a field's WireValue / WireArray
-
-
-def wire_value(codec: WireValue) -> Any:
-    return dataclasses.field(metadata={_WIRE: codec})
-
-
-def wire_array(dtype: str, rank: int, *, row_bytes: int | None = None, rows_per: str | None = None) -> Any:
-    return dataclasses.field(metadata={_WIRE: WireArray(dtype, rank, row_bytes, rows_per)})
-
-
-def wire_message(cls: type[M]) -> type[M]:
-    """Make `cls` a frozen keyword-only dataclass and collect its wire declarations."""
-    cls = dataclass(frozen=True, kw_only=True, eq=False)(cls)
-    declared = {f.name: f.metadata[_WIRE] for f in dataclasses.fields(cls) if _WIRE in f.metadata}
-    for name, spec in declared.items():
-        if isinstance(spec, WireArray) and spec.rows_per is not None:
-            # parse_payload reads fields in declaration order: the id list must come first
-            assert isinstance(declared.get(spec.rows_per), DistinctIds) and \
-                list(declared).index(spec.rows_per) < list(declared).index(name), (cls.__name__, name)
-    cls.WIRE_FIELDS = declared
-    cls.PAYLOAD = {name: spec for name, spec in declared.items() if isinstance(spec, WireValue)}
-    cls.ARRAYS = {name: spec for name, spec in declared.items() if isinstance(spec, WireArray)}
-    return cls
 
 
 def array_digest(array: np.ndarray) -> list[Any]:
@@ -264,7 +126,7 @@ class Message:
 
     def to_wire(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         header = self.header()
-        header["signature"] = _b64(self.signature)
+        header["signature"] = b64(self.signature)
         return header, {name: np.ascontiguousarray(a) for name, a in self.arrays().items()}
 
     @classmethod
@@ -288,8 +150,8 @@ class Message:
         round_id = header["round_id"]
         if not isinstance(round_id, int) or isinstance(round_id, bool) or round_id < 0:
             raise MalformedMessage("round_id must be a non-negative integer")
-        signature = _unb64(header["signature"], "signature")
-        common = {name: _str(header[name], name) for name in ("job_id", "group_id", "sender", "recipient")}
+        signature = unb64(header["signature"], "signature")
+        common = {name: nonempty_str(header[name], name) for name in ("job_id", "group_id", "sender", "recipient")}
         payload = {key: header[key] for key in cls.PAYLOAD}
         return cls(**common, round_id=round_id, signature=signature,
                    **cls.parse_payload(payload, checked_arrays))
@@ -322,8 +184,8 @@ class AdvertisedKeys:
     @cached_property
     def wire_row(self) -> list[str]:
         # one entry goes into k directories, each encoded twice (signature + wire): encode once
-        return [self.device_id, _b64(self.identity_public_key), _b64(self.cipher_public_key),
-                _b64(self.mask_public_key), _b64(self.advertise_signature)]
+        return [self.device_id, b64(self.identity_public_key), b64(self.cipher_public_key),
+                b64(self.mask_public_key), b64(self.advertise_signature)]
 
 
 class NeighbourKeysValue(WireValue):
@@ -333,9 +195,9 @@ class NeighbourKeysValue(WireValue):
         return [k.wire_row for k in value]
 
     def decode(self, raw: Any, name: str) -> tuple[AdvertisedKeys, ...]:
-        keys = tuple(AdvertisedKeys(_str(d, "neighbour"), _unb64(i, "identity key", 32), _unb64(c, "cipher key", 32),
-                                    _unb64(m, "mask key", 32), _unb64(s, "advertise signature", 64))
-                     for d, i, c, m, s in _rows(raw, name, 5))
+        keys = tuple(AdvertisedKeys(nonempty_str(d, "neighbour"), unb64(i, "identity key", 32), unb64(c, "cipher key", 32),
+                                    unb64(m, "mask key", 32), unb64(s, "advertise signature", 64))
+                     for d, i, c, m, s in rows(raw, name, 5))
         if len({k.device_id for k in keys}) != len(keys):
             raise MalformedMessage(f"{name} has duplicates")
         return keys
