@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from aggregator.jobs.base import JobConfig
 from aggregator.strategies.robust_fed3r import EnergyScreen, FeatureBound
 from aggregator.strategies.robust_fedavg import (CoordinateMedian, Krum, Mean, NormBound, RobustAggregation,
                                                  TrimmedMean)
@@ -17,7 +18,7 @@ RULES = ("mean", "median", "trimmed_mean", "krum", "multi_krum")
 
 
 @dataclass
-class Fed3RRobustnessFields:
+class Fed3RRobustnessFields(JobConfig):
     """Fed3R: hard bounds from the backbone's output range, and the fleet's energy screen."""
 
     # F: every feature lies in [-F, F]; 6 is the range the MobileNetV2 / EfficientNet-Lite bundles
@@ -46,7 +47,7 @@ class Fed3RRobustnessFields:
 
 
 @dataclass
-class FedAvgRobustnessFields:
+class FedAvgRobustnessFields(JobConfig):
     """FedAvg family, plaintext: the round's norm bound and its aggregation rule."""
 
     aggregator: str = "mean"                # one of RULES
@@ -76,12 +77,16 @@ class FedAvgRobustnessFields:
 
 
 @dataclass
-class SecureUpdateBoundFields:
+class SecureUpdateBoundFields(FedAvgRobustnessFields):
     """FedAvg family under secure aggregation: devices clip ‖θ_k − x_t‖ to C before masking, and
     the server checks each group's sum against n·C (0: no clipping, no check). Robust rules need
     each update: a secure job only averages."""
 
     update_clip_norm: float = 0.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.check_secure_bounds()
 
     def check_secure_bounds(self) -> None:
         if self.aggregator != "mean":
