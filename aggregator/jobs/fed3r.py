@@ -136,9 +136,9 @@ class Fed3RJob(OncePerDevice, SplitValidation):
         stats = parse_stats(env, c.p, c.num_classes, fit_intercept=c.fit_intercept,
                             positive_definite=self.strategy.positive_definite)
         try:
-            self._bound.check(stats)            # bounded influence (aggregator/strategies/robust_fed3r.py)
-            if c.dp:
+            if c.dp:                            # the clipping the privacy guarantee rests on: said first
                 check_bounded(stats, c.max_samples, c.feature_clip_norm, c.fit_intercept)
+            self._bound.check(stats)            # bounded influence (aggregator/strategies/robust_fed3r.py)
         except ValueError as exc:
             raise EnvelopeError(f"{KIND}: {exc}") from None
         return stats
