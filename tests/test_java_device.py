@@ -357,7 +357,7 @@ def test_java_device_declines_what_it_cannot_do_and_stops_cleanly_on_sigterm(jav
                   "random_features": None, "format": "sparse", "dtype": "float64"}
         cases = [("fed3r.stats", {**params, "random_features": {"seed": 1, "dim": 64, "sigma": 1.0}}, "random features"),
                  ("fed3r.stats", {**params, "num_classes": 2}, "outside the job's 2 classes"),
-                 ("fedavg.head", params, "unsupported task kind")]
+                 ("fedavg.tail", params, "unsupported task kind")]
         for round_, (kind, p, why) in enumerate(cases, start=1):
             task = M.task_message("aggregator", "j", round_, kind, p, 1e10)
             observer.publish(topics.inbox(dev), encode(task, signer=agg.sign), wait=True)

@@ -23,7 +23,7 @@ public final class Fed3RStatsTask implements TaskHandler {
     /** The task's statistics without encoding them (what the secure variant masks). */
     public Fed3RAccumulator accumulate(Map<String, Object> params) throws TaskDeclined {
         if (data.size() == 0) throw new TaskDeclined("no local training data");
-        int numClasses = (int) intParam(params, "num_classes", 1, 1 << 20);
+        int numClasses = (int) Params.integer(params, "num_classes", 1, 1 << 20);
         Object fit = params.getOrDefault("fit_intercept", Boolean.TRUE);
         if (!(fit instanceof Boolean)) throw new TaskDeclined("bad fed3r.stats params: fit_intercept must be a boolean");
         Object rf = params.get("random_features");
@@ -83,13 +83,5 @@ public final class Fed3RStatsTask implements TaskHandler {
         }
         out.add(Tensors.floats("b", dtype, new long[] {classes.length, p}, acc.bRows(classes)));
         return new Result(body, out);
-    }
-
-    static long intParam(Map<String, Object> params, String key, long min, long max) throws TaskDeclined {
-        Object v = params.get(key);
-        if (!(v instanceof BigInteger) || ((BigInteger) v).compareTo(BigInteger.valueOf(min)) < 0
-                || ((BigInteger) v).compareTo(BigInteger.valueOf(max)) > 0)
-            throw new TaskDeclined("bad task params: " + key + " must be an integer in [" + min + ", " + max + "], got " + v);
-        return ((BigInteger) v).longValue();
     }
 }

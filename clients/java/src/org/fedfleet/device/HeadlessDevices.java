@@ -1,5 +1,5 @@
 // Runs one or more Java devices in one process (a Linux board, a gateway, the test suite): each
-// answers fed3r.stats over its precomputed features (and fed3r.secure, Fed3R-Sync, when it has
+// answers fed3r.stats and fedavg.head over its precomputed features (and fed3r.secure, Fed3R-Sync, when it has
 // an identity and the aggregator's key).
 //
 //   java -cp fedfleet-device.jar:<Debian jars> org.fedfleet.device.HeadlessDevices \
@@ -44,6 +44,7 @@ public final class HeadlessDevices {
             FeatureFile data = FeatureFile.read(d[1]);
             Map<String, TaskHandler> handlers = new LinkedHashMap<>();
             handlers.put(Fed3RStatsTask.KIND, new Fed3RStatsTask(data, new PrecomputedFeatures(data.dim)));
+            handlers.put(FedAvgHeadTask.KIND, new FedAvgHeadTask(data, new PrecomputedFeatures(data.dim)));
             MqttAgent.Options o = copy(base);
             if (!d[2].equals("-")) {
                 o.signer = Identity.fromSeed(d[0], Envelope.unhex(d[2]));

@@ -14,7 +14,7 @@ public final class SecureFed3RTask implements SecureTask {
 
     @Override
     public double[] vector(Map<String, Object> params, List<Envelope.Tensor> tensors) throws TaskDeclined {
-        long maxSamples = Fed3RStatsTask.intParam(params, "max_samples", 1, Long.MAX_VALUE);
+        long maxSamples = Params.integer(params, "max_samples", 1, Long.MAX_VALUE);
         Fed3RAccumulator acc = stats.accumulate(params);
         if (acc.n() > maxSamples) throw new TaskDeclined(acc.n() + " local samples exceed the round's bound of " + maxSamples);
         double[] a = acc.aUpper();

@@ -1,0 +1,39 @@
+// Runs the Java device's fedavg.head handler on a task message and a FeatureFile, so
+// tests/test_java_tasks.py can compare its result with the Python device's on the same inputs.
+// Usage: java HeadTraining <task.bin> <features file> <result.bin>
+//        java HeadTraining --permutation <seed> <rows> <epochs> <batch_size>   (prints the batches)
+// Prints "STEPS <steps> LOSS <mean loss of the last epoch>", or "DECLINED <reason>".
+import java.math.BigInteger;
+import java.nio.file.*;
+import java.util.*;
+import org.fedfleet.device.*;
+import org.fedfleet.wire.*;
+
+public final class HeadTraining {
+    public static void main(String[] args) throws Exception {
+        if (args[0].equals("--permutation")) {
+            Map<String, Object> params = new LinkedHashMap<>();
+            params.put("seed", new BigInteger(args[1]));
+            params.put("epochs", new BigInteger(args[3]));
+            params.put("batch_size", new BigInteger(args[4]));
+            for (int[] batch : LocalTraining.fromParams(params).batchSchedule(Integer.parseInt(args[2]))) {
+                StringBuilder s = new StringBuilder("BATCH");
+                for (int r : batch) s.append(' ').append(r);
+                System.out.println(s);
+            }
+            return;
+        }
+        Envelope.Message msg = Envelope.decode(Files.readAllBytes(Paths.get(args[0])));
+        Messages.Task task = Messages.parseTask(msg);
+        FeatureFile data = FeatureFile.read(args[1]);
+        FedAvgHeadTask handler = new FedAvgHeadTask(data, new PrecomputedFeatures(data.dim));
+        try {
+            TaskHandler.Result r = handler.run(task.params, msg.tensors);
+            Files.write(Paths.get(args[2]), Envelope.encode(
+                    Messages.result("java0", task.ref, task.kind, r.body, Messages.newId(), Messages.now()), r.tensors, null));
+            System.out.println("STEPS " + handler.last.steps + " LOSS " + handler.last.meanLoss);
+        } catch (TaskDeclined e) {
+            System.out.println("DECLINED " + e.getMessage());
+        }
+    }
+}

@@ -1,0 +1,186 @@
+"""The Java device library's head-level tasks against the Python device on the same inputs:
+
+* the mini-batch order: the library's NumpyGenerator gives numpy's ``default_rng(seed)``
+  permutations bit for bit, so both devices visit the same rows in the same steps
+  (``edge_client.tasks.numpy_head.batch_schedule``);
+* ``fedavg.head`` (FedAvg(ψ), and FedBuff's ``model_version`` echoed): the Java device's trained
+  head equals the Python device's (its numpy step, what a torch-free device runs, and the eager
+  torch step of a full install) on the same features, initial head and recipe, within
+  ``HEAD_ATOL``; its result passes the aggregator's parser; a malformed task is declined with a
+  reason;
+* a mixed fleet over mosquitto: Java and Python devices in one FedAvg(ψ) job, all of them in
+  every round, give the head of an in-process replay in which Python devices hold the Java
+  devices' data.
+
+Tolerance. Both devices keep the head in float32 between steps and apply the same update; the
+Python device computes each step's logits, softmax and gradients in float32 (numpy/torch), the
+Java device in double, rounded once into the float32 update. A step therefore differs by at most
+the float32 rounding of the Python gradient (relative ~d·2⁻²⁴, ×1/T through the logits) times lr,
+plus one float32 ulp of the parameter; over the S ≤ 20 steps here, with |θ| ≲ 2, that is below
+S·(2·2⁻²⁴·2 + lr·1e-5) ≈ 1e-5. HEAD_ATOL = 1e-5 holds that with the measured differences around
+1e-7 (they are printed on failure), and is 10⁴ times smaller than what one local epoch moves the
+head, so a wrong loss, order or update would fail it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+
+import numpy as np
+import pytest
+
+import java_build
+from test_java_device import write_features
+
+pytestmark = pytest.mark.skipif(java_build.missing() is not None, reason=str(java_build.missing()))
+
+HEAD_ATOL = 1e-5
+D, C = 6, 4
+
+
+@pytest.fixture(scope="module")
+def java_cp() -> str:
+    return java_build.built()
+
+
+def java(java_cp: str, *args) -> str:
+    proc = subprocess.run(["java", "-cp", java_cp, "HeadTraining", *map(str, args)], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.parametrize("seed, rows, epochs, batch", [(0, 10, 1, 3), (7, 50, 3, 8), (2**40 + 5, 1000, 2, 64),
+                                                      (123456789012345678901234567890, 37, 2, 50)])
+def test_batch_schedule_is_numpys(java_cp, seed, rows, epochs, batch):
+    from edge_client.tasks.head_training import LocalTraining
+    from edge_client.tasks.numpy_head import batch_schedule
+
+    out = java(java_cp, "--permutation", seed, rows, epochs, batch)
+    got = [list(map(int, line.split()[1:])) for line in out.splitlines()]
+    want = [b.tolist() for b in batch_schedule(rows, LocalTraining(epochs=epochs, batch_size=batch, seed=seed))]
+    assert got == want
+
+
+def device_data(i: int, n: int = 37) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(900 + i)
+    y = rng.integers(0, C, n)
+    return (rng.normal(size=(n, D)) + 2 * np.eye(C, D)[y]).astype(np.float32), y
+
+
+def head_task(params: dict, tensors: dict) -> bytes:
+    from protocols import messages as M
+    from protocols.envelope import Envelope, encode
+
+    task = M.task_message("aggregator", "ft", 1, "fedavg.head", params, 1e10)
+    return encode(Envelope(task.type, task.sender, task.body, tensors, id=task.id, ts=task.ts))
+
+
+RECIPE = {"num_classes": C, "feature_dim": D, "backbone": "b", "image_size": 8, "weights_sha256": "",
+          "epochs": 3, "batch_size": 8, "lr": 0.05, "weight_decay": 4e-5, "temperature": 0.1, "seed": 11}
+
+
+def run_java_head(java_cp, tmp_path, params, tensors, data) -> tuple[str, object]:
+    from protocols.envelope import decode
+
+    (tmp_path / "task.bin").write_bytes(head_task(params, tensors))
+    feats = write_features(tmp_path / "f.feat", *data)
+    out = java(java_cp, tmp_path / "task.bin", feats, tmp_path / "result.bin")
+    return out, (decode((tmp_path / "result.bin").read_bytes()) if out.startswith("STEPS") else None)
+
+
+def test_fedavg_head_equals_the_python_device(java_cp, tmp_path):
+    from edge_client.tasks.head_training import LocalTraining, _TorchHeadStepper, local_sgd, train_head
+    from edge_client.tasks.numpy_head import NumpyHeadStepper
+    from protocols.payloads.fedavg import parse_head_update
+
+    Z, y = device_data(0)
+    rng = np.random.default_rng(3)
+    head = {"weight": (rng.normal(size=(C, D)) * 0.1).astype(np.float32), "bias": rng.normal(size=C).astype(np.float32)}
+    out, result = run_java_head(java_cp, tmp_path, {**RECIPE, "model_version": 4}, head, (Z, y))
+    update = parse_head_update(result, C, D)                     # what the aggregator accepts
+    assert update.n == len(y) and result.body["model_version"] == 4      # FedBuff's staleness echo
+    recipe = LocalTraining.from_params(RECIPE)
+    steps, java_loss = int(out.split()[1]), float(out.split()[3])
+    for stepper_class in (NumpyHeadStepper, _TorchHeadStepper):  # torch-free device, full install
+        stepper = stepper_class(head["weight"], head["bias"], recipe)
+        py_steps, py_loss = local_sgd(stepper, len(y), Z, y, recipe)
+        ref = stepper.parameters()
+        assert steps == py_steps == 15 and abs(java_loss - py_loss) <= 1e-5
+        for k, got in (("weight", update.weight), ("bias", update.bias)):
+            diff = np.abs(got - ref[k]).max()
+            assert diff <= HEAD_ATOL, (stepper_class.__name__, k, diff)
+            assert np.abs(ref[k] - head[k]).max() > 1e4 * HEAD_ATOL   # it trained: the tolerance can fail
+    trained = train_head(head["weight"], head["bias"], Z, y, recipe)     # what HeadTrainingTask runs here
+    assert np.abs(update.weight - trained.weight).max() <= HEAD_ATOL
+    _, without_version = run_java_head(java_cp, tmp_path, RECIPE, head, (Z, y))
+    assert "model_version" not in without_version.body
+
+
+@pytest.mark.parametrize("change, tensors, reason", [
+    ({"lr": -1.0}, None, "lr must be a finite number > 0"),
+    ({"seed": -3}, None, "seed must be an integer >= 0"),
+    ({"feature_dim": D + 1}, None, "shape"),
+    ({"num_classes": 2}, None, "outside the job's 2 classes"),
+    ({}, {"weight": np.zeros((C, D), np.float32)}, "no head tensor 'bias'"),
+    ({}, {"weight": np.full((C, D), np.nan, np.float32), "bias": np.zeros(C, np.float32)}, "NaN or Inf"),
+    ({"lr": 1e30}, None, "diverged"),
+])
+def test_malformed_fedavg_head_tasks_are_declined_with_a_reason(java_cp, tmp_path, change, tensors, reason):
+    head = tensors if tensors is not None else {"weight": np.zeros((change.get("num_classes", C), D), np.float32),
+                                                "bias": np.zeros(change.get("num_classes", C), np.float32)}
+    out, _ = run_java_head(java_cp, tmp_path, {**RECIPE, **change}, head, device_data(0))
+    assert out.startswith("DECLINED") and reason in out, out
+
+
+JAVA_IDS, PY_IDS = ["java0", "java1", "java2"], ["py0", "py1"]
+
+
+def test_mixed_java_and_python_fleet_runs_fedavg_head(java_cp, broker, tmp_path):
+    """Three Java devices (one JVM) and two Python devices in one FedAvg(ψ) job over mosquitto,
+    all five in each of 3 rounds: every device contributes every round, and the final head equals
+    an in-process replay of the same rounds in which Python devices hold the Java devices' data."""
+    from ops_fleet import Features, replay_round
+
+    from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob
+    from aggregator.service.loop import AggregatorService
+    from edge_client.agent import DeviceAgent
+    from edge_client.tasks.head_training import HeadTrainingTask
+    from protocols.mqtt_link import BrokerConfig
+
+    ids = JAVA_IDS + PY_IDS
+    cfg = dict(job_id="ft-mixed", num_classes=C, feature_dim=D, rounds=3, clients_per_round=len(ids),
+               round_timeout_s=60, local_epochs=2, batch_size=8, client_lr=0.05, expected_devices=len(ids),
+               start_timeout_s=30, seed=5)
+    job = FedAvgJob(FedAvgConfig(**cfg))
+    svc = AggregatorService(job, BrokerConfig.from_url(broker.url), tmp_path, enrolled=set(ids),
+                            evaluate_every_contribution=False)
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=120)), daemon=True)
+    thread.start()
+    cmd = ["java", "-cp", java_cp, "org.fedfleet.device.HeadlessDevices", "--stop-on-stdin-eof", "--broker", broker.url,
+           "--retry-after", "2", "--tick", "0.1"]
+    for i, d in enumerate(JAVA_IDS):
+        cmd += ["--device", d, str(write_features(tmp_path / f"{d}.feat", *device_data(i))), "-"]
+    jvm = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    tasks = {d: HeadTrainingTask(*device_data(i), lambda b, s, w: Features(D)) for i, d in enumerate(ids)}
+    agents = [DeviceAgent(d, BrokerConfig.from_url(broker.url), {"fedavg.head": tasks[d]}).start() for d in PY_IDS]
+    thread.join(120)
+    for a in agents:
+        a.stop()
+    out, err = jvm.communicate(timeout=30)
+    assert jvm.returncode == 0, err[-3000:]
+    assert result.get("state") == "done" and len(result["rounds"]) == 3, (result, err[-3000:])
+    assert all(sorted(r["accepted"]) == sorted(ids) for r in result["rounds"]), result["rounds"]
+    for d in JAVA_IDS:
+        assert f"STATS {d} done=3 declined=0" in out, (out, err[-3000:])
+
+    replay = FedAvgJob(FedAvgConfig(**cfg))
+    for r in result["rounds"]:
+        chosen = replay.next_participants(set(ids))
+        assert chosen == sorted(r["accepted"])
+        replay_round(replay, chosen, tasks)
+    for k in ("weight", "bias"):
+        assert np.abs(job.params[k] - replay.params[k]).max() <= HEAD_ATOL, k
+    assert not np.allclose(job.params["weight"], FedAvgJob(FedAvgConfig(**cfg)).params["weight"])   # it trained
