@@ -45,7 +45,7 @@ def java_cp() -> str:
 
 
 def java(java_cp: str, *args) -> str:
-    proc = subprocess.run(["java", "-cp", java_cp, "HeadTraining", *map(str, args)], capture_output=True, text=True,
+    proc = subprocess.run(["java", "-cp", java_cp, "TaskRunner", *map(str, args)], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
@@ -69,11 +69,11 @@ def device_data(i: int, n: int = 37) -> tuple[np.ndarray, np.ndarray]:
     return (rng.normal(size=(n, D)) + 2 * np.eye(C, D)[y]).astype(np.float32), y
 
 
-def head_task(params: dict, tensors: dict) -> bytes:
+def task_bytes(params: dict, tensors: dict, kind: str = "fedavg.head") -> bytes:
     from protocols import messages as M
     from protocols.envelope import Envelope, encode
 
-    task = M.task_message("aggregator", "ft", 1, "fedavg.head", params, 1e10)
+    task = M.task_message("aggregator", "ft", 1, kind, params, 1e10)
     return encode(Envelope(task.type, task.sender, task.body, tensors, id=task.id, ts=task.ts))
 
 
@@ -81,13 +81,14 @@ RECIPE = {"num_classes": C, "feature_dim": D, "backbone": "b", "image_size": 8, 
           "epochs": 3, "batch_size": 8, "lr": 0.05, "weight_decay": 4e-5, "temperature": 0.1, "seed": 11}
 
 
-def run_java_head(java_cp, tmp_path, params, tensors, data) -> tuple[str, object]:
+def run_java_task(java_cp, tmp_path, params, tensors, data, kind: str = "fedavg.head") -> tuple[str, object]:
+    """The Java handler of ``kind`` on one task: (its output lines, the result envelope or None)."""
     from protocols.envelope import decode
 
-    (tmp_path / "task.bin").write_bytes(head_task(params, tensors))
+    (tmp_path / "task.bin").write_bytes(task_bytes(params, tensors, kind))
     feats = write_features(tmp_path / "f.feat", *data)
     out = java(java_cp, tmp_path / "task.bin", feats, tmp_path / "result.bin")
-    return out, (decode((tmp_path / "result.bin").read_bytes()) if out.startswith("STEPS") else None)
+    return out, (decode((tmp_path / "result.bin").read_bytes()) if out.startswith("DONE") else None)
 
 
 def test_fedavg_head_equals_the_python_device(java_cp, tmp_path):
@@ -98,11 +99,11 @@ def test_fedavg_head_equals_the_python_device(java_cp, tmp_path):
     Z, y = device_data(0)
     rng = np.random.default_rng(3)
     head = {"weight": (rng.normal(size=(C, D)) * 0.1).astype(np.float32), "bias": rng.normal(size=C).astype(np.float32)}
-    out, result = run_java_head(java_cp, tmp_path, {**RECIPE, "model_version": 4}, head, (Z, y))
+    out, result = run_java_task(java_cp, tmp_path, {**RECIPE, "model_version": 4}, head, (Z, y))
     update = parse_head_update(result, C, D)                     # what the aggregator accepts
     assert update.n == len(y) and result.body["model_version"] == 4      # FedBuff's staleness echo
     recipe = LocalTraining.from_params(RECIPE)
-    steps, java_loss = int(out.split()[1]), float(out.split()[3])
+    steps, java_loss = int(out.split()[2]), float(out.split()[4])
     for stepper_class in (NumpyHeadStepper, _TorchHeadStepper):  # torch-free device, full install
         stepper = stepper_class(head["weight"], head["bias"], recipe)
         py_steps, py_loss = local_sgd(stepper, len(y), Z, y, recipe)
@@ -114,7 +115,7 @@ def test_fedavg_head_equals_the_python_device(java_cp, tmp_path):
             assert np.abs(ref[k] - head[k]).max() > 1e4 * HEAD_ATOL   # it trained: the tolerance can fail
     trained = train_head(head["weight"], head["bias"], Z, y, recipe)     # what HeadTrainingTask runs here
     assert np.abs(update.weight - trained.weight).max() <= HEAD_ATOL
-    _, without_version = run_java_head(java_cp, tmp_path, RECIPE, head, (Z, y))
+    _, without_version = run_java_task(java_cp, tmp_path, RECIPE, head, (Z, y))
     assert "model_version" not in without_version.body
 
 
@@ -130,7 +131,7 @@ def test_fedavg_head_equals_the_python_device(java_cp, tmp_path):
 def test_malformed_fedavg_head_tasks_are_declined_with_a_reason(java_cp, tmp_path, change, tensors, reason):
     head = tensors if tensors is not None else {"weight": np.zeros((change.get("num_classes", C), D), np.float32),
                                                 "bias": np.zeros(change.get("num_classes", C), np.float32)}
-    out, _ = run_java_head(java_cp, tmp_path, {**RECIPE, **change}, head, device_data(0))
+    out, _ = run_java_task(java_cp, tmp_path, {**RECIPE, **change}, head, device_data(0))
     assert out.startswith("DECLINED") and reason in out, out
 
 
@@ -184,3 +185,45 @@ def test_mixed_java_and_python_fleet_runs_fedavg_head(java_cp, broker, tmp_path)
     for k in ("weight", "bias"):
         assert np.abs(job.params[k] - replay.params[k]).max() <= HEAD_ATOL, k
     assert not np.allclose(job.params["weight"], FedAvgJob(FedAvgConfig(**cfg)).params["weight"])   # it trained
+
+
+FED3R_PARAMS = {"num_classes": C, "backbone": "b", "image_size": 8, "weights_sha256": "", "fit_intercept": True,
+                "random_features": None, "format": "sparse", "dtype": "float64"}
+
+
+@pytest.mark.parametrize("extra", [{"from_sample": 0}, {"from_sample": 25},
+                                   {"feature_clip_norm": 1.5, "max_samples": 20, "cap_samples": True},
+                                   {"from_sample": 10, "feature_clip_norm": 2.0, "max_samples": 9, "cap_samples": True}],
+                         ids=["stream-start", "stream-increment", "dp-clip-cap", "dp-increment"])
+def test_fed3r_stats_streaming_and_dp_equal_the_python_device(java_cp, tmp_path, extra):
+    """A streaming task's increment (the samples after from_sample, echoed) and a DP task's
+    clipped rows and capped sample count: the Java device's statistics are the Python device's
+    (both accumulate in float64; relative difference ≤ 1e-12, summation order only)."""
+    from ops_fleet import Features
+
+    from edge_client.tasks.fed3r_stats import Fed3RStatsTask
+
+    Z, y = device_data(1)
+    params = {**FED3R_PARAMS, **extra}
+    out, result = run_java_task(java_cp, tmp_path, params, {}, (Z, y), kind="fed3r.stats")
+    assert out.startswith("DONE"), out
+    body, tensors = Fed3RStatsTask(Z, y, lambda b, s, w: Features(D))(params, None)
+    for k in ("n", "from_sample"):
+        assert result.body.get(k) == body.get(k), k
+    assert set(result.tensors) == set(tensors)
+    for k, ref in tensors.items():
+        got = result.tensors[k]
+        assert got.dtype == ref.dtype and got.shape == ref.shape, k
+        assert np.abs(got - ref).max() <= 1e-12 * max(1.0, np.abs(ref).max()), k
+    if extra.get("cap_samples"):       # the clipping bit: unclipped statistics would differ
+        _, unclipped = Fed3RStatsTask(Z, y, lambda b, s, w: Features(D))({**params, "feature_clip_norm": 0.0}, None)
+        assert not np.allclose(unclipped["A_upper"], tensors["A_upper"])
+
+
+@pytest.mark.parametrize("extra, reason", [({"from_sample": 37}, "no new samples"),
+                                           ({"from_sample": 40}, "holds 40 samples of this device, it has 37"),
+                                           ({"feature_clip_norm": -1.0}, "feature_clip_norm"),
+                                           ({"cap_samples": True}, "max_samples")])
+def test_bad_streaming_and_dp_fed3r_tasks_are_declined(java_cp, tmp_path, extra, reason):
+    out, _ = run_java_task(java_cp, tmp_path, {**FED3R_PARAMS, **extra}, {}, device_data(1), kind="fed3r.stats")
+    assert out.startswith("DECLINED") and reason in out, out

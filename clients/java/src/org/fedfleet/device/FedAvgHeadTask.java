@@ -46,14 +46,20 @@ public final class FedAvgHeadTask implements TaskHandler {
             throw new TaskDeclined(e.getMessage());
         }
         last = trained;
+        return encode(trained.weight, trained.bias, numClasses, dim, labels.length, modelVersion);
+    }
+
+    /** Body and tensors of a fedavg.head result (protocols/payloads/fedavg.py encode_head_update),
+     *  with the task's model_version when it named one (null: a synchronous round). */
+    public static Result encode(float[] weight, float[] bias, int numClasses, int dim, long n, Long modelVersion) {
         Map<String, Object> body = new LinkedHashMap<>();
-        body.put("n", BigInteger.valueOf(labels.length));
+        body.put("n", BigInteger.valueOf(n));
         body.put("num_classes", BigInteger.valueOf(numClasses));
         body.put("feature_dim", BigInteger.valueOf(dim));
         if (modelVersion != null) body.put("model_version", BigInteger.valueOf(modelVersion));
         List<Envelope.Tensor> out = new ArrayList<>();
-        out.add(Tensors.floats("weight", "float32", new long[] {numClasses, dim}, widen(trained.weight)));
-        out.add(Tensors.floats("bias", "float32", new long[] {numClasses}, widen(trained.bias)));
+        out.add(Tensors.floats("weight", "float32", new long[] {numClasses, dim}, widen(weight)));
+        out.add(Tensors.floats("bias", "float32", new long[] {numClasses}, widen(bias)));
         return new Result(body, out);
     }
 

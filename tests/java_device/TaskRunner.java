@@ -1,15 +1,17 @@
-// Runs the Java device's fedavg.head handler on a task message and a FeatureFile, so
-// tests/test_java_tasks.py can compare its result with the Python device's on the same inputs.
-// Usage: java HeadTraining <task.bin> <features file> <result.bin>
-//        java HeadTraining --permutation <seed> <rows> <epochs> <batch_size>   (prints the batches)
-// Prints "STEPS <steps> LOSS <mean loss of the last epoch>", or "DECLINED <reason>".
+// Runs the Java device's handler of a task message's kind (fedavg.head, fed3r.stats) on a
+// FeatureFile, so tests/test_java_tasks.py can compare its result with the Python device's on the
+// same inputs.
+// Usage: java TaskRunner <task.bin> <features file> <result.bin>
+//        java TaskRunner --permutation <seed> <rows> <epochs> <batch_size>   (prints the batches)
+// Prints "DONE", with "STEPS <steps> LOSS <mean loss of the last epoch>" for fedavg.head, or
+// "DECLINED <reason>".
 import java.math.BigInteger;
 import java.nio.file.*;
 import java.util.*;
 import org.fedfleet.device.*;
 import org.fedfleet.wire.*;
 
-public final class HeadTraining {
+public final class TaskRunner {
     public static void main(String[] args) throws Exception {
         if (args[0].equals("--permutation")) {
             Map<String, Object> params = new LinkedHashMap<>();
@@ -26,12 +28,16 @@ public final class HeadTraining {
         Envelope.Message msg = Envelope.decode(Files.readAllBytes(Paths.get(args[0])));
         Messages.Task task = Messages.parseTask(msg);
         FeatureFile data = FeatureFile.read(args[1]);
-        FedAvgHeadTask handler = new FedAvgHeadTask(data, new PrecomputedFeatures(data.dim));
+        FedAvgHeadTask head = new FedAvgHeadTask(data, new PrecomputedFeatures(data.dim));
+        Map<String, TaskHandler> handlers = new HashMap<>();
+        handlers.put(FedAvgHeadTask.KIND, head);
+        handlers.put(Fed3RStatsTask.KIND, new Fed3RStatsTask(data, new PrecomputedFeatures(data.dim)));
         try {
-            TaskHandler.Result r = handler.run(task.params, msg.tensors);
+            TaskHandler.Result r = handlers.get(task.kind).run(task.params, msg.tensors);
             Files.write(Paths.get(args[2]), Envelope.encode(
                     Messages.result("java0", task.ref, task.kind, r.body, Messages.newId(), Messages.now()), r.tensors, null));
-            System.out.println("STEPS " + handler.last.steps + " LOSS " + handler.last.meanLoss);
+            System.out.println("DONE");
+            if (head.last != null) System.out.println("STEPS " + head.last.steps + " LOSS " + head.last.meanLoss);
         } catch (TaskDeclined e) {
             System.out.println("DECLINED " + e.getMessage());
         }
