@@ -1,10 +1,11 @@
-// Runs the Java device's handler of a task message's kind (fedavg.head, fed3r.stats) on a
-// FeatureFile, so tests/test_java_tasks.py can compare its result with the Python device's on the
-// same inputs.
-// Usage: java TaskRunner <task.bin> <features file> <result.bin>
+// Runs the Java device's handler of a task message's kind (fedavg.head, fed3r.stats,
+// oll.personalize) on a FeatureFile (and a held-out one), so tests/test_java_tasks.py can compare
+// its result with the Python device's on the same inputs.
+// Usage: java TaskRunner <task.bin> <features file> <result.bin> [<held-out features file>]
 //        java TaskRunner --permutation <seed> <rows> <epochs> <batch_size>   (prints the batches)
 // Prints "DONE", with "STEPS <steps> LOSS <mean loss of the last epoch>" for fedavg.head, or
-// "DECLINED <reason>".
+// "DECLINED <reason>"; for oll.personalize also the personalised head ("OLL_WEIGHT ...",
+// "OLL_BIAS ...", float32 values) and the cross-validated accuracies ("CV ...").
 import java.math.BigInteger;
 import java.nio.file.*;
 import java.util.*;
@@ -32,14 +33,32 @@ public final class TaskRunner {
         Map<String, TaskHandler> handlers = new HashMap<>();
         handlers.put(FedAvgHeadTask.KIND, head);
         handlers.put(Fed3RStatsTask.KIND, new Fed3RStatsTask(data, new PrecomputedFeatures(data.dim)));
+        PersonalizeTask personalize = null;
+        if (args.length > 3) {
+            personalize = new PersonalizeTask(data, FeatureFile.read(args[3]), new PrecomputedFeatures(data.dim));
+            handlers.put(PersonalizeTask.KIND, personalize);
+        }
         try {
             TaskHandler.Result r = handlers.get(task.kind).run(task.params, msg.tensors);
             Files.write(Paths.get(args[2]), Envelope.encode(
                     Messages.result("java0", task.ref, task.kind, r.body, Messages.newId(), Messages.now()), r.tensors, null));
             System.out.println("DONE");
             if (head.last != null) System.out.println("STEPS " + head.last.steps + " LOSS " + head.last.meanLoss);
+            if (personalize != null && personalize.head != null) {
+                System.out.println(line("OLL_WEIGHT", personalize.head.weight()));
+                System.out.println(line("OLL_BIAS", personalize.head.bias()));
+                StringBuilder cv = new StringBuilder("CV");
+                if (personalize.lastChoice != null) for (double s : personalize.lastChoice.scores) cv.append(' ').append(s);
+                System.out.println(cv);
+            }
         } catch (TaskDeclined e) {
             System.out.println("DECLINED " + e.getMessage());
         }
+    }
+
+    static String line(String tag, float[] values) {
+        StringBuilder s = new StringBuilder(tag);
+        for (float v : values) s.append(' ').append(v);
+        return s.toString();
     }
 }
