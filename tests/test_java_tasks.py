@@ -24,6 +24,7 @@ head, so a wrong loss, order or update would fail it.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import threading
 
@@ -135,19 +136,80 @@ def test_malformed_fedavg_head_tasks_are_declined_with_a_reason(java_cp, tmp_pat
     assert out.startswith("DECLINED") and reason in out, out
 
 
+@pytest.mark.parametrize("change, reason", [({}, None), ({"vector_order": ["bias", "weight"]}, None),
+                                            ({"vector_order": ["weight"]}, "does not name exactly"),
+                                            ({"max_abs_param": 0.01}, "> the round's bound 0.01"),
+                                            ({"max_samples": 10}, "exceed the round's bound of 10"),
+                                            ({"dp": {"clip_norm": 1.0, "stddev": 0.1, "scale_bits": 16}}, "distributed DP")])
+def test_secure_fedavg_vector_is_the_python_devices(java_cp, tmp_path, change, reason):
+    """fedavg.secure: the vector the Java device masks is [n·θ in vector_order | n] of its trained
+    head, the Python device's (protocols.payloads.secagg.pack_weighted) within n·HEAD_ATOL; heads
+    beyond the round's bounds and rounds under distributed DP are declined with a reason."""
+    from edge_client.tasks.head_training import LocalTraining, train_head
+    from protocols.payloads.secagg import pack_weighted
+
+    Z, y = device_data(0)
+    head = {"weight": np.zeros((C, D), np.float32), "bias": np.zeros(C, np.float32)}
+    params = {**RECIPE, "group": "g1", "max_samples": 100, "max_abs_param": 20.0, **change}
+    (tmp_path / "task.bin").write_bytes(task_bytes(params, head, "fedavg.secure"))
+    proc = subprocess.run(["java", "-cp", java_cp, "TaskRunner", str(tmp_path / "task.bin"),
+                           str(write_features(tmp_path / "f.feat", Z, y)), str(tmp_path / "unused.bin")],
+                          capture_output=True, text=True, timeout=60)
+    if reason is not None:
+        assert proc.stdout.startswith("DECLINED") and reason in proc.stdout, proc.stdout + proc.stderr[-2000:]
+        return
+    got = np.array(proc.stdout.split()[1:], dtype=np.float64)
+    trained = train_head(head["weight"], head["bias"], Z, y, LocalTraining.from_params(RECIPE))
+    want = pack_weighted({"weight": trained.weight, "bias": trained.bias}, params.get("vector_order", ["weight", "bias"]),
+                         len(y))
+    assert got.shape == want.shape and got[-1] == len(y)
+    assert np.abs(got - want).max() <= len(y) * HEAD_ATOL
+
+
 JAVA_IDS, PY_IDS = ["java0", "java1", "java2"], ["py0", "py1"]
 
 
-def test_mixed_java_and_python_fleet_runs_fedavg_head(java_cp, broker, tmp_path):
+def serve(job, broker_url: str, workdir, ids: list[str], **options) -> dict:
+    """The aggregator service on a thread (as a deployment runs it), until the job ends."""
+    from aggregator.service.loop import AggregatorService
+    from protocols.mqtt_link import BrokerConfig
+
+    workdir.mkdir(exist_ok=True)
+    svc = AggregatorService(job, BrokerConfig.from_url(broker_url), workdir, enrolled=set(ids),
+                            evaluate_every_contribution=False, **options)
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=120)), daemon=True)
+    thread.start()
+    return {"thread": thread, "result": result}
+
+
+def start_java_devices(java_cp, broker_url, tmp_path, extra: list[str], seeds: dict | None = None,
+                       scale: dict | None = None) -> subprocess.Popen:
+    """JAVA_IDS in one JVM (HeadlessDevices), each on device_data(i) (times scale[d]), with a held-out
+    split; signing with seeds[d] when given."""
+    cmd = ["java", "-cp", java_cp, "org.fedfleet.device.HeadlessDevices", "--stop-on-stdin-eof", "--broker", broker_url,
+           "--retry-after", "2", "--tick", "0.1", *extra]
+    for i, d in enumerate(JAVA_IDS):
+        Z, y = device_data(i)
+        feats = write_features(tmp_path / f"{d}.feat", Z * (scale or {}).get(d, 1.0), y)
+        held = write_features(tmp_path / f"{d}-test.feat", *personal_data(50 + i, 30, list(range(C))))
+        cmd += ["--holdout", d, str(held), "--device", d, str(feats), seeds[d].hex() if seeds else "-"]
+    return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_mixed_java_and_python_fleet_runs_fedavg_head_then_personalization(java_cp, broker, tmp_path):
     """Three Java devices (one JVM) and two Python devices in one FedAvg(ψ) job over mosquitto,
     all five in each of 3 rounds: every device contributes every round, and the final head equals
-    an in-process replay of the same rounds in which Python devices hold the Java devices' data."""
+    an in-process replay of the same rounds in which Python devices hold the Java devices' data.
+    Then a personalization job (OLL + FP(ψ)) of that head: every device reports, and each Java
+    device's report is what the Python device computes on its data."""
     from ops_fleet import Features, replay_round
 
     from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob
-    from aggregator.service.loop import AggregatorService
+    from aggregator.jobs.personalize import PersonalizeConfig, PersonalizeJob
     from edge_client.agent import DeviceAgent
     from edge_client.tasks.head_training import HeadTrainingTask
+    from edge_client.tasks.personalization import PersonalizeTask
     from protocols.mqtt_link import BrokerConfig
 
     ids = JAVA_IDS + PY_IDS
@@ -155,27 +217,33 @@ def test_mixed_java_and_python_fleet_runs_fedavg_head(java_cp, broker, tmp_path)
                round_timeout_s=60, local_epochs=2, batch_size=8, client_lr=0.05, expected_devices=len(ids),
                start_timeout_s=30, seed=5)
     job = FedAvgJob(FedAvgConfig(**cfg))
-    svc = AggregatorService(job, BrokerConfig.from_url(broker.url), tmp_path, enrolled=set(ids),
-                            evaluate_every_contribution=False)
-    result: dict = {}
-    thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=120)), daemon=True)
-    thread.start()
-    cmd = ["java", "-cp", java_cp, "org.fedfleet.device.HeadlessDevices", "--stop-on-stdin-eof", "--broker", broker.url,
-           "--retry-after", "2", "--tick", "0.1"]
-    for i, d in enumerate(JAVA_IDS):
-        cmd += ["--device", d, str(write_features(tmp_path / f"{d}.feat", *device_data(i))), "-"]
-    jvm = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    fedavg = serve(job, broker.url, tmp_path / "fedavg", ids)
+    jvm = start_java_devices(java_cp, broker.url, tmp_path, [])
     tasks = {d: HeadTrainingTask(*device_data(i), lambda b, s, w: Features(D)) for i, d in enumerate(ids)}
-    agents = [DeviceAgent(d, BrokerConfig.from_url(broker.url), {"fedavg.head": tasks[d]}).start() for d in PY_IDS]
-    thread.join(120)
-    for a in agents:
-        a.stop()
-    out, err = jvm.communicate(timeout=30)
+    personalize = {d: PersonalizeTask(*device_data(i), *personal_data(50 + i, 30, list(range(C))),
+                                      lambda b, s, w: Features(D)) for i, d in enumerate(ids)}
+    agents = [DeviceAgent(d, BrokerConfig.from_url(broker.url),
+                          {"fedavg.head": tasks[d], "oll.personalize": personalize[d]}).start() for d in PY_IDS]
+    try:
+        fedavg["thread"].join(120)
+        result = fedavg["result"]
+        assert result.get("state") == "done" and len(result["rounds"]) == 3, result
+        assert all(sorted(r["accepted"]) == sorted(ids) for r in result["rounds"]), result["rounds"]
+        pjob = PersonalizeJob(PersonalizeConfig(job_id="oll-mixed", num_classes=C, feature_dim=D, fp_epochs=4,
+                                                batch_size=16, fp_lrs=[0.001, 0.01], fp_folds=3,
+                                                clients_per_round=len(ids), expected_devices=len(ids),
+                                                start_timeout_s=30, round_timeout_s=60),
+                              head={k: job.params[k].astype(np.float32) for k in ("weight", "bias")})
+        personal = serve(pjob, broker.url, tmp_path / "oll", ids)
+        personal["thread"].join(120)
+        assert personal["result"].get("state") == "done", personal["result"]
+    finally:
+        for a in agents:
+            a.stop()
+        out, err = jvm.communicate(timeout=30)
     assert jvm.returncode == 0, err[-3000:]
-    assert result.get("state") == "done" and len(result["rounds"]) == 3, (result, err[-3000:])
-    assert all(sorted(r["accepted"]) == sorted(ids) for r in result["rounds"]), result["rounds"]
     for d in JAVA_IDS:
-        assert f"STATS {d} done=3 declined=0" in out, (out, err[-3000:])
+        assert f"STATS {d} done=4 declined=0" in out, (out, err[-3000:])
 
     replay = FedAvgJob(FedAvgConfig(**cfg))
     for r in result["rounds"]:
@@ -186,6 +254,67 @@ def test_mixed_java_and_python_fleet_runs_fedavg_head(java_cp, broker, tmp_path)
         assert np.abs(job.params[k] - replay.params[k]).max() <= HEAD_ATOL, k
     assert not np.allclose(job.params["weight"], FedAvgJob(FedAvgConfig(**cfg)).params["weight"])   # it trained
 
+    assert sorted(pjob.contributed) == sorted(ids)
+    params, head = pjob.task_for("java0")
+    for d in JAVA_IDS:          # what a Python device on the Java device's data reports
+        body, _ = personalize[d](params, head)
+        assert pjob.contributed[d] == body, d
+
+
+def test_mixed_java_and_python_fleet_runs_secure_fedavg(java_cp, broker, tmp_path):
+    """Secure FedAvg(ψ): Java and Python devices in one SecAgg group per round (the SecAgg messages
+    signed by each device's key, the tasks by the aggregator's); the aggregator sees only masked vectors and its head equals a plain in-process FedAvg
+    replay over the devices in each sum. One Java device's features are huge, so its trained head
+    breaks the round's max_abs_param: it declines and the rounds go on without it."""
+    from ops_fleet import Features, RecordingService, replay_round, start_secure_fedavg_agents
+
+    from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob
+    from aggregator.jobs.secure_fedavg import SecureFedAvgConfig, SecureFedAvgJob
+    from edge_client.tasks.head_training import HeadTrainingTask
+    from protocols.identity import DeviceIdentity, IdentityRegistry
+    from protocols.payloads.secagg import SECURE_FEDAVG_KIND
+
+    ids, outlier = JAVA_IDS + PY_IDS, "java2"
+    seeds = {d: os.urandom(32) for d in JAVA_IDS}
+    keys = {**{d: DeviceIdentity.from_private_bytes(d, s) for d, s in seeds.items()},
+            **{d: DeviceIdentity.generate(d) for d in PY_IDS}}
+    agg = DeviceIdentity.generate("aggregator")
+    plain = dict(job_id="sft-mixed", num_classes=C, feature_dim=D, rounds=2, clients_per_round=len(ids),
+                 round_timeout_s=60, local_epochs=2, batch_size=8, client_lr=0.05, expected_devices=len(ids),
+                 start_timeout_s=30, seed=4)
+    job = SecureFedAvgJob(SecureFedAvgConfig(**plain, max_samples=100, max_abs_param=20.0, phase_timeout_s=4),
+                          identity=agg, registry=IdentityRegistry({d: k.public_key_bytes for d, k in keys.items()}))
+    service = RecordingService(job, broker.url, tmp_path / "out", set(ids), evaluate_every_contribution=False,
+                               identity=agg)
+    scale = {outlier: 1000.0}
+    jvm = start_java_devices(java_cp, broker.url, tmp_path, ["--aggregator-key", agg.public_key_bytes.hex()],
+                             seeds=seeds, scale=scale)
+    tasks = {d: HeadTrainingTask(device_data(i)[0] * scale.get(d, 1.0), device_data(i)[1],
+                                 lambda b, s, w: Features(D)) for i, d in enumerate(ids)}
+    agents = start_secure_fedavg_agents(broker.url, {d: keys[d] for d in PY_IDS}, agg.public_key_bytes,
+                                        SECURE_FEDAVG_KIND, {d: tasks[d] for d in PY_IDS})
+    try:
+        result = service.join(150)
+    finally:
+        for a in agents:
+            a.stop()
+        out, err = jvm.communicate(timeout=30)
+    assert jvm.returncode == 0, err[-3000:]
+    assert result.get("state") == "done" and len(result["rounds"]) == 2 and not job.failed_rounds, (result, err[-3000:])
+    replay = FedAvgJob(FedAvgConfig(**plain))
+    for r in result["rounds"]:
+        chosen = replay.next_participants(set(ids))
+        assert sorted(r["accepted"]) == sorted(set(ids) - {outlier}) == sorted(set(chosen) - {outlier}), r
+        replay_round(replay, sorted(r["accepted"]), tasks)
+    for k in ("weight", "bias"):
+        assert np.abs(job.params[k] - replay.params[k]).max() <= HEAD_ATOL, k
+    received = service.received_envelopes()
+    assert {env.type for env in received} <= {"secagg", "decline", "presence"}   # no head in the clear
+    masked = {env.sender for env in received if env.type == "secagg" and env.body["secagg"]["type"] == "secagg.masked_input"}
+    assert masked == set(ids) - {outlier}
+    declines = [env for env in received if env.type == "decline" and env.sender == outlier]
+    assert len(declines) == 2 and all("> the round's bound 20" in env.body["reason"] for env in declines)
+    assert f"STATS {outlier} done=0 declined=2" in out, out
 
 FED3R_PARAMS = {"num_classes": C, "backbone": "b", "image_size": 8, "weights_sha256": "", "fit_intercept": True,
                 "random_features": None, "format": "sparse", "dtype": "float64"}

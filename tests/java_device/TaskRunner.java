@@ -3,7 +3,7 @@
 // its result with the Python device's on the same inputs.
 // Usage: java TaskRunner <task.bin> <features file> <result.bin> [<held-out features file>]
 //        java TaskRunner --permutation <seed> <rows> <epochs> <batch_size>   (prints the batches)
-// Prints "DONE", with "STEPS <steps> LOSS <mean loss of the last epoch>" for fedavg.head, or
+// fedavg.secure: prints "VECTOR ..." (what the device would sum under SecAgg). Otherwise prints "DONE", with "STEPS <steps> LOSS <mean loss of the last epoch>" for fedavg.head, or
 // "DECLINED <reason>"; for oll.personalize also the personalised head ("OLL_WEIGHT ...",
 // "OLL_BIAS ...", float32 values) and the cross-validated accuracies ("CV ...").
 import java.math.BigInteger;
@@ -39,6 +39,12 @@ public final class TaskRunner {
             handlers.put(PersonalizeTask.KIND, personalize);
         }
         try {
+            if (task.kind.equals(SecureFedAvgTask.KIND)) {      // the vector it would mask
+                StringBuilder v = new StringBuilder("VECTOR");
+                for (double x : new SecureFedAvgTask(head).vector(task.params, msg.tensors)) v.append(' ').append(x);
+                System.out.println(v);
+                return;
+            }
             TaskHandler.Result r = handlers.get(task.kind).run(task.params, msg.tensors);
             Files.write(Paths.get(args[2]), Envelope.encode(
                     Messages.result("java0", task.ref, task.kind, r.body, Messages.newId(), Messages.now()), r.tensors, null));

@@ -8,14 +8,14 @@ package org.fedfleet.device;
 import java.util.List;
 
 public final class HeadTrainer {
-    /** A trained head: weight (C·d, row-major), bias (C), the steps taken and the mean mini-batch
-     *  loss of the last epoch (each taken before its step). */
+    /** A trained head: weight (C·d, row-major), bias (C), the rows it was trained on, the steps
+     *  taken and the mean mini-batch loss of the last epoch (each taken before its step). */
     public static final class Trained {
         public final float[] weight, bias;
-        public final int steps;
+        public final int n, steps;
         public final double meanLoss;
-        Trained(float[] weight, float[] bias, int steps, double meanLoss) {
-            this.weight = weight; this.bias = bias; this.steps = steps; this.meanLoss = meanLoss;
+        Trained(float[] weight, float[] bias, int n, int steps, double meanLoss) {
+            this.weight = weight; this.bias = bias; this.n = n; this.steps = steps; this.meanLoss = meanLoss;
         }
     }
 
@@ -49,7 +49,7 @@ public final class HeadTrainer {
         }
         for (float v : w) if (!Float.isFinite(v)) throw new ArithmeticException("local training diverged (NaN/Inf in the head); lower the learning rate");
         for (float v : b) if (!Float.isFinite(v)) throw new ArithmeticException("local training diverged (NaN/Inf in the head); lower the learning rate");
-        return new Trained(w, b, batches.size(), lossSum / lastEpoch);
+        return new Trained(w, b, labels.length, batches.size(), lossSum / lastEpoch);
     }
 
     /** One SGD step on the rows `batch`, in place; returns the batch's mean loss before the step. */
