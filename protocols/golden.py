@@ -15,7 +15,7 @@ import numpy as np
 
 from .envelope import Envelope, encode
 from .payloads.fed3r import encode_factor, encode_stats
-from .payloads.fedavg import encode_head_update, encode_model_update, head_tensors
+from .payloads.fedavg import batch_schedule, encode_head_update, encode_model_update, head_tensors
 from .payloads.personalize import PersonalizationReport, encode_report
 
 _TS = 1767225600.0  # 2026-01-01T00:00:00Z
@@ -165,6 +165,18 @@ def _deterministic_chunks(data: bytes, parent: str, sender: str, size: int) -> l
             for i in range(n)]
 
 
+# What a local-training recipe's seed means (protocols.payloads.fedavg.batch_schedule): the
+# mini-batches of a few recipes, for devices in other languages; seeds past 64 bits included.
+SAMPLE_ORDER_FILE = "sample_order.json"
+
+
+def golden_sample_order() -> list[dict]:
+    cases = [(0, 10, 1, 3), (7, 50, 3, 8), (2**40 + 5, 1000, 2, 64), (123456789012345678901234567890, 37, 2, 50)]
+    return [{"seed": seed, "rows": rows, "epochs": epochs, "batch_size": batch,
+             "batches": [b.tolist() for b in batch_schedule(rows, epochs, batch, seed)]}
+            for seed, rows, epochs, batch in cases]
+
+
 def golden_dir() -> Path:
     return Path(str(resources.files("protocols").joinpath("golden")))
 
@@ -180,6 +192,7 @@ def write(directory: Path | None = None) -> None:
         if name in SIGNED:
             index[name]["public_key"] = golden_public_key().hex()
     (directory / "index.json").write_text(json.dumps(index, indent=1, sort_keys=True))
+    (directory / SAMPLE_ORDER_FILE).write_text(json.dumps(golden_sample_order()))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 * the mini-batch order: the library's NumpyGenerator gives numpy's ``default_rng(seed)``
   permutations bit for bit, so both devices visit the same rows in the same steps
-  (``edge_client.tasks.numpy_head.batch_schedule``);
+  (``protocols.payloads.fedavg.batch_schedule``, golden vector ``sample_order.json``);
 * ``fedavg.head`` (FedAvg(ψ), and FedBuff's ``model_version`` echoed): the Java device's trained
   head equals the Python device's (its numpy step, what a torch-free device runs, and the eager
   torch step of a full install) on the same features, initial head and recipe, within
@@ -52,16 +52,17 @@ def java(java_cp: str, *args) -> str:
     return proc.stdout
 
 
-@pytest.mark.parametrize("seed, rows, epochs, batch", [(0, 10, 1, 3), (7, 50, 3, 8), (2**40 + 5, 1000, 2, 64),
-                                                      (123456789012345678901234567890, 37, 2, 50)])
-def test_batch_schedule_is_numpys(java_cp, seed, rows, epochs, batch):
-    from edge_client.tasks.head_training import LocalTraining
-    from edge_client.tasks.numpy_head import batch_schedule
+def test_sample_order_is_the_golden_vectors(java_cp):
+    """The golden sample_order.json is what the protocol's batch_schedule (numpy's default_rng)
+    gives now, and the Java device's LocalTraining takes exactly those mini-batches."""
+    import json
 
-    out = java(java_cp, "--permutation", seed, rows, epochs, batch)
-    got = [list(map(int, line.split()[1:])) for line in out.splitlines()]
-    want = [b.tolist() for b in batch_schedule(rows, LocalTraining(epochs=epochs, batch_size=batch, seed=seed))]
-    assert got == want
+    from protocols import golden
+
+    path = golden.golden_dir() / golden.SAMPLE_ORDER_FILE
+    assert json.loads(path.read_text()) == golden.golden_sample_order()
+    out = java(java_cp, "--sample-order", path)
+    assert out.split("\n")[:-1] == [f"ORDER {i} ok" for i in range(len(golden.golden_sample_order()))], out
 
 
 def device_data(i: int, n: int = 37) -> tuple[np.ndarray, np.ndarray]:

@@ -2,7 +2,7 @@
 // oll.personalize) on a FeatureFile (and a held-out one), so tests/test_java_tasks.py can compare
 // its result with the Python device's on the same inputs.
 // Usage: java TaskRunner <task.bin> <features file> <result.bin> [<held-out features file>]
-//        java TaskRunner --permutation <seed> <rows> <epochs> <batch_size>   (prints the batches)
+//        java TaskRunner --sample-order <protocols/golden/sample_order.json>  (prints "ORDER <i> ok|differs")
 // fedavg.secure: prints "VECTOR ..." (what the device would sum under SecAgg). Otherwise prints "DONE", with "STEPS <steps> LOSS <mean loss of the last epoch>" for fedavg.head, or
 // "DECLINED <reason>"; for oll.personalize also the personalised head ("OLL_WEIGHT ...",
 // "OLL_BIAS ...", float32 values) and the cross-validated accuracies ("CV ...").
@@ -14,15 +14,19 @@ import org.fedfleet.wire.*;
 
 public final class TaskRunner {
     public static void main(String[] args) throws Exception {
-        if (args[0].equals("--permutation")) {
-            Map<String, Object> params = new LinkedHashMap<>();
-            params.put("seed", new BigInteger(args[1]));
-            params.put("epochs", new BigInteger(args[3]));
-            params.put("batch_size", new BigInteger(args[4]));
-            for (int[] batch : LocalTraining.fromParams(params).batchSchedule(Integer.parseInt(args[2]))) {
-                StringBuilder s = new StringBuilder("BATCH");
-                for (int r : batch) s.append(' ').append(r);
-                System.out.println(s);
+        if (args[0].equals("--sample-order")) {
+            List<?> cases = (List<?>) Json.parse(new String(Files.readAllBytes(Paths.get(args[1])), "UTF-8"));
+            for (int i = 0; i < cases.size(); i++) {
+                @SuppressWarnings("unchecked") Map<String, Object> c = (Map<String, Object>) cases.get(i);
+                List<int[]> got = LocalTraining.fromParams(c).batchSchedule(((BigInteger) c.get("rows")).intValue());
+                List<?> want = (List<?>) c.get("batches");
+                boolean same = got.size() == want.size();
+                for (int b = 0; same && b < got.size(); b++) {
+                    List<?> w = (List<?>) want.get(b);
+                    same = w.size() == got.get(b).length;
+                    for (int k = 0; same && k < w.size(); k++) same = ((BigInteger) w.get(k)).intValue() == got.get(b)[k];
+                }
+                System.out.println("ORDER " + i + (same ? " ok" : " differs"));
             }
             return;
         }
