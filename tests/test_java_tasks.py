@@ -167,6 +167,17 @@ def test_secure_fedavg_vector_is_the_python_devices(java_cp, tmp_path, change, r
     assert np.abs(got - want).max() <= len(y) * HEAD_ATOL
 
 
+def test_secure_fed3r_under_distributed_dp_is_declined(java_cp, tmp_path):
+    """A Fed3R-Sync round under distributed DP needs each device's noise share, which this library
+    does not draw: the Java device declines rather than put un-noised statistics into the sum
+    (and without dp it sends the plain statistics vector)."""
+    params = {**FED3R_PARAMS, "group": "g1", "max_samples": 100, "feature_clip_norm": 2.0, "cap_samples": True}
+    for extra, expect in (({"dp": {"stddev": 0.5, "scale_bits": 16}}, "DECLINED distributed DP"), ({}, "VECTOR")):
+        (tmp_path / "task.bin").write_bytes(task_bytes({**params, **extra}, {}, "fed3r.secure"))
+        out = java(java_cp, tmp_path / "task.bin", write_features(tmp_path / "f.feat", *device_data(1)), tmp_path / "x.bin")
+        assert out.startswith(expect), out
+
+
 JAVA_IDS, PY_IDS = ["java0", "java1", "java2"], ["py0", "py1"]
 
 

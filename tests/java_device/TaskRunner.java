@@ -3,7 +3,7 @@
 // its result with the Python device's on the same inputs.
 // Usage: java TaskRunner <task.bin> <features file> <result.bin> [<held-out features file>]
 //        java TaskRunner --sample-order <protocols/golden/sample_order.json>  (prints "ORDER <i> ok|differs")
-// fedavg.secure: prints "VECTOR ..." (what the device would sum under SecAgg). Otherwise prints "DONE", with "STEPS <steps> LOSS <mean loss of the last epoch>" for fedavg.head, or
+// fedavg.secure, fed3r.secure: prints "VECTOR ..." (what the device would sum under SecAgg). Otherwise prints "DONE", with "STEPS <steps> LOSS <mean loss of the last epoch>" for fedavg.head, or
 // "DECLINED <reason>"; for oll.personalize also the personalised head ("OLL_WEIGHT ...",
 // "OLL_BIAS ...", float32 values) and the cross-validated accuracies ("CV ...").
 import java.math.BigInteger;
@@ -43,9 +43,12 @@ public final class TaskRunner {
             handlers.put(PersonalizeTask.KIND, personalize);
         }
         try {
-            if (task.kind.equals(SecureFedAvgTask.KIND)) {      // the vector it would mask
+            Map<String, SecureTask> secure = new HashMap<>();
+            secure.put(SecureFedAvgTask.KIND, new SecureFedAvgTask(head));
+            secure.put(SecureFed3RTask.KIND, new SecureFed3RTask((Fed3RStatsTask) handlers.get(Fed3RStatsTask.KIND)));
+            if (secure.containsKey(task.kind)) {      // the vector it would mask
                 StringBuilder v = new StringBuilder("VECTOR");
-                for (double x : new SecureFedAvgTask(head).vector(task.params, msg.tensors)) v.append(' ').append(x);
+                for (double x : secure.get(task.kind).vector(task.params, msg.tensors)) v.append(' ').append(x);
                 System.out.println(v);
                 return;
             }

@@ -1,5 +1,7 @@
 // Task kind "fed3r.secure" (Fed3R-Sync): the dense float64 statistics of Fed3RStatsTask packed as
 // [A_upper (p(p+1)/2) | b (C·p, class-major) | n] (protocols/payloads/secagg.py pack_sync_vector).
+// Rounds under distributed DP (a task with "dp") are declined: this library does not draw the
+// device's Skellam noise share, and un-noised statistics must not enter a DP sum.
 package org.fedfleet.device;
 
 import java.util.List;
@@ -14,6 +16,8 @@ public final class SecureFed3RTask implements SecureTask {
 
     @Override
     public double[] vector(Map<String, Object> params, List<Envelope.Tensor> tensors) throws TaskDeclined {
+        if (params.containsKey("dp"))
+            throw new TaskDeclined("distributed DP (the device's Skellam noise share) is not supported by this device");
         long maxSamples = Params.integer(params, "max_samples", 1, Long.MAX_VALUE);
         Fed3RAccumulator acc = stats.accumulate(params);
         if (acc.n() > maxSamples) throw new TaskDeclined(acc.n() + " local samples exceed the round's bound of " + maxSamples);
