@@ -141,11 +141,12 @@ def test_malformed_fedavg_head_tasks_are_declined_with_a_reason(java_cp, tmp_pat
                                             ({"vector_order": ["weight"]}, "does not name exactly"),
                                             ({"max_abs_param": 0.01}, "> the round's bound 0.01"),
                                             ({"max_samples": 10}, "exceed the round's bound of 10"),
-                                            ({"dp": {"clip_norm": 1.0, "stddev": 0.1, "scale_bits": 16}}, "distributed DP")])
+                                            ({"dp": {"clip_norm": 1.0, "stddev": 0.1}}, "scale_bits"),
+                                            ({"dp": {"stddev": 0.1, "scale_bits": 16}}, "clip_norm is missing")])
 def test_secure_fedavg_vector_is_the_python_devices(java_cp, tmp_path, change, reason):
     """fedavg.secure: the vector the Java device masks is [n·θ in vector_order | n] of its trained
     head, the Python device's (protocols.payloads.secagg.pack_weighted) within n·HEAD_ATOL; heads
-    beyond the round's bounds and rounds under distributed DP are declined with a reason."""
+    beyond the round's bounds and malformed dp params are declined with a reason."""
     from edge_client.tasks.head_training import LocalTraining, train_head
     from protocols.payloads.secagg import pack_weighted
 
@@ -167,15 +168,63 @@ def test_secure_fedavg_vector_is_the_python_devices(java_cp, tmp_path, change, r
     assert np.abs(got - want).max() <= len(y) * HEAD_ATOL
 
 
-def test_secure_fed3r_under_distributed_dp_is_declined(java_cp, tmp_path):
-    """A Fed3R-Sync round under distributed DP needs each device's noise share, which this library
-    does not draw: the Java device declines rather than put un-noised statistics into the sum
-    (and without dp it sends the plain statistics vector)."""
-    params = {**FED3R_PARAMS, "group": "g1", "max_samples": 100, "feature_clip_norm": 2.0, "cap_samples": True}
-    for extra, expect in (({"dp": {"stddev": 0.5, "scale_bits": 16}}, "DECLINED distributed DP"), ({}, "VECTOR")):
-        (tmp_path / "task.bin").write_bytes(task_bytes({**params, **extra}, {}, "fed3r.secure"))
-        out = java(java_cp, tmp_path / "task.bin", write_features(tmp_path / "f.feat", *device_data(1)), tmp_path / "x.bin")
-        assert out.startswith(expect), out
+def java_vector(java_cp, tmp_path, params, tensors, kind, data) -> np.ndarray:
+    (tmp_path / "task.bin").write_bytes(task_bytes(params, tensors, kind))
+    out = java(java_cp, tmp_path / "task.bin", write_features(tmp_path / "f.feat", *data), tmp_path / "x.bin")
+    assert out.startswith("VECTOR"), out
+    return np.array(out.split()[1:], dtype=np.float64)
+
+
+GRID_BITS = 16      # the rounds' scale_bits here: the vectors lie on the 2^-16 grid
+
+
+def test_secure_vectors_under_distributed_dp_are_the_python_devices(java_cp, tmp_path):
+    """Distributed DP: fedavg.secure sends [clip(θ_k − θ_t) | 1] and fed3r.secure the clipped,
+    capped statistics with count 0, both rounded to the 2^-f grid with the device's noise share.
+    With a negligible noise (μ ≈ 1e-9 ring units) the Java vectors are the Python device's rounded
+    ones within one grid step (+ HEAD_ATOL for the trained head)."""
+    from ops_fleet import Features
+
+    from edge_client.tasks.fed3r_stats import Fed3RStatsTask
+    from edge_client.tasks.head_training import LocalTraining, train_head
+    from edge_client.tasks.secure_update import SecureUpdate
+    from protocols.payloads.secagg import pack_sync_vector, pack_weighted
+
+    Z, y = device_data(0)
+    head = {"weight": np.zeros((C, D), np.float32), "bias": np.zeros(C, np.float32)}
+    dp = {"clip_norm": 0.5, "stddev": 1e-9, "scale_bits": GRID_BITS}
+    got = java_vector(java_cp, tmp_path, {**RECIPE, "group": "g", "max_samples": 100, "max_abs_param": 20.0, "dp": dp},
+                      head, "fedavg.secure", (Z, y))
+    trained = train_head(head["weight"], head["bias"], Z, y, LocalTraining.from_params(RECIPE))
+    delta = SecureUpdate.clipped_delta(dp, {"weight": trained.weight, "bias": trained.bias}, head)
+    want = np.rint(np.ldexp(pack_weighted(delta, ["weight", "bias"], 1), GRID_BITS)) / 2.0 ** GRID_BITS
+    assert np.linalg.norm(trained.weight) > 1.0                       # the clipping bites
+    assert got[-1] == 1.0 and np.all(np.ldexp(got, GRID_BITS) == np.rint(np.ldexp(got, GRID_BITS)))
+    assert np.abs(got - want).max() <= 2.0 ** -GRID_BITS + HEAD_ATOL
+
+    params = {**FED3R_PARAMS, "group": "g", "max_samples": 20, "feature_clip_norm": 2.0, "cap_samples": True,
+              "dp": {"stddev": 1e-9, "scale_bits": GRID_BITS}}
+    got = java_vector(java_cp, tmp_path, params, {}, "fed3r.secure", device_data(1))
+    _, stats = Fed3RStatsTask(*device_data(1), lambda b, s, w: Features(D))(dict(params, format="dense", dtype="float64"))
+    want = np.rint(np.ldexp(pack_sync_vector(stats["A_upper"], stats["b"], 0), GRID_BITS)) / 2.0 ** GRID_BITS
+    assert got[-1] == 0.0 and np.abs(got - want).max() <= 2.0 ** -GRID_BITS
+
+
+@pytest.mark.parametrize("mu", [0.5, 50.0, 1e9])
+def test_skellam_noise_share_has_the_right_distribution(java_cp, mu):
+    """The noise share: Poisson(μ) − Poisson(μ) integers (multiplication method below μ = 10,
+    PTRS above), mean 0 and variance 2μ within 5 standard errors over 20 000 draws, and the same
+    distribution as numpy's draws (two-sample Kolmogorov-Smirnov, p > 1e-4)."""
+    from scipy.stats import ks_2samp
+
+    n = 20_000
+    draws = np.array(java(java_cp, "--skellam", np.sqrt(2 * mu), n).split()[1:], dtype=np.float64)
+    assert draws.shape == (n,)
+    var = 2 * mu
+    assert abs(draws.mean()) <= 5 * np.sqrt(var / n)
+    assert abs(draws.var() / var - 1) <= 5 * np.sqrt((2 + 1 / mu) / n)      # Skellam's excess kurtosis: 1/(2μ)
+    rng = np.random.default_rng(0)
+    assert ks_2samp(draws, rng.poisson(mu, n) - rng.poisson(mu, n)).pvalue > 1e-4
 
 
 JAVA_IDS, PY_IDS = ["java0", "java1", "java2"], ["py0", "py1"]

@@ -2,6 +2,7 @@
 // oll.personalize) on a FeatureFile (and a held-out one), so tests/test_java_tasks.py can compare
 // its result with the Python device's on the same inputs.
 // Usage: java TaskRunner <task.bin> <features file> <result.bin> [<held-out features file>]
+//        java TaskRunner --skellam <stddev> <count>   (prints "NOISE ...": Skellam draws, scale_bits 0)
 //        java TaskRunner --sample-order <protocols/golden/sample_order.json>  (prints "ORDER <i> ok|differs")
 // fedavg.secure, fed3r.secure: prints "VECTOR ..." (what the device would sum under SecAgg). Otherwise prints "DONE", with "STEPS <steps> LOSS <mean loss of the last epoch>" for fedavg.head, or
 // "DECLINED <reason>"; for oll.personalize also the personalised head ("OLL_WEIGHT ...",
@@ -14,6 +15,16 @@ import org.fedfleet.wire.*;
 
 public final class TaskRunner {
     public static void main(String[] args) throws Exception {
+        if (args[0].equals("--skellam")) {        // draws of the DP noise on the integer grid
+            Map<String, Object> dp = new LinkedHashMap<>();
+            dp.put("stddev", Double.parseDouble(args[1]));
+            dp.put("scale_bits", BigInteger.ZERO);
+            int count = Integer.parseInt(args[2]);
+            StringBuilder out = new StringBuilder("NOISE");
+            for (double x : new SkellamNoise().add(new double[count], dp, count)) out.append(' ').append((long) x);
+            System.out.println(out);
+            return;
+        }
         if (args[0].equals("--sample-order")) {
             List<?> cases = (List<?>) Json.parse(new String(Files.readAllBytes(Paths.get(args[1])), "UTF-8"));
             for (int i = 0; i < cases.size(); i++) {
