@@ -245,13 +245,13 @@ def serve(job, broker_url: str, workdir, ids: list[str], **options) -> dict:
 
 
 def start_java_devices(java_cp, broker_url, tmp_path, extra: list[str], seeds: dict | None = None,
-                       scale: dict | None = None) -> subprocess.Popen:
-    """JAVA_IDS in one JVM (HeadlessDevices), each on device_data(i) (times scale[d]), with a held-out
-    split; signing with seeds[d] when given."""
+                       scale: dict | None = None, data=None) -> subprocess.Popen:
+    """JAVA_IDS in one JVM (HeadlessDevices), each on data(i) (default device_data; times scale[d]),
+    with a held-out split; signing with seeds[d] when given."""
     cmd = ["java", "-cp", java_cp, "org.fedfleet.device.HeadlessDevices", "--stop-on-stdin-eof", "--broker", broker_url,
            "--retry-after", "2", "--tick", "0.1", *extra]
     for i, d in enumerate(JAVA_IDS):
-        Z, y = device_data(i)
+        Z, y = (data or device_data)(i)
         feats = write_features(tmp_path / f"{d}.feat", Z * (scale or {}).get(d, 1.0), y)
         held = write_features(tmp_path / f"{d}-test.feat", *personal_data(50 + i, 30, list(range(C))))
         cmd += ["--holdout", d, str(held), "--device", d, str(feats), seeds[d].hex() if seeds else "-"]
@@ -489,3 +489,68 @@ def test_bad_personalization_tasks_are_declined(java_cp, tmp_path, change, reaso
     out, _, _ = java_personalize(java_cp, tmp_path, {**PERSONALIZE, **change}, head,
                                  personal_data(1, 30, [0, 1]), personal_data(2, 20, [0, 1, 2]))
     assert out.startswith("DECLINED") and reason in out, out
+
+
+def test_mixed_fleet_fed3r_sync_under_distributed_dp_releases_clipped_sums_plus_noise(java_cp, broker, tmp_path):
+    """Fed3R-Sync under distributed DP with Java and Python devices in one SecAgg group: every
+    device clips its features, caps its samples and adds its noise share; what the aggregator
+    releases is the clipped sums plus noise of the stated scale (survivors × the per-device
+    variance, χ² bounds at 1e-6 over 31·32/2 + 31·4 = 620 entries: without the Java devices' shares
+    the ratio would be 0.4, 10 standard deviations off), so the Java devices' clipping (features
+    ~10× the clip norm), cap (20 of 37 samples) and noise are the protocol's."""
+    from ops_fleet import Features, RecordingService
+    from scipy import stats
+
+    from aggregator.jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob
+    from edge_client.agent import DeviceAgent
+    from edge_client.tasks.fed3r_stats import Fed3RStatsTask
+    from edge_client.tasks.secure_fed3r import SecureFed3R
+    from protocols.identity import DeviceIdentity, IdentityRegistry
+    from protocols.mqtt_link import BrokerConfig
+    from protocols.payloads.secagg import SECAGG_TYPE, SYNC_KIND
+
+    ids, F, N, dim = JAVA_IDS + PY_IDS, 4.0, 20, 30
+
+    def data(i):
+        rng = np.random.default_rng(700 + i)
+        y = rng.integers(0, C, 37)
+        return (10 * (rng.normal(size=(37, dim)) + 2 * np.eye(C, dim)[y])).astype(np.float32), y
+
+    seeds = {d: os.urandom(32) for d in JAVA_IDS}
+    keys = {**{d: DeviceIdentity.from_private_bytes(d, s) for d, s in seeds.items()},
+            **{d: DeviceIdentity.generate(d) for d in PY_IDS}}
+    agg = DeviceIdentity.generate("aggregator")
+    cfg = Fed3RSyncConfig(job_id="dp-sync", num_classes=C, feature_dim=dim, clients_per_round=len(ids),
+                          expected_devices=len(ids), start_timeout_s=30, round_timeout_s=60, max_samples=N,
+                          feature_clip_norm=F, dp_noise_multiplier=0.8, dp_target_epsilon=8.0, phase_timeout_s=4,
+                          max_attempts=1)
+    job = Fed3RSyncJob(cfg, identity=agg, registry=IdentityRegistry({d: k.public_key_bytes for d, k in keys.items()}))
+    service = RecordingService(job, broker.url, tmp_path / "out", set(ids), identity=agg)
+    jvm = start_java_devices(java_cp, broker.url, tmp_path, ["--aggregator-key", agg.public_key_bytes.hex()], seeds=seeds,
+                             data=data)
+    agents = []
+    for i, d in enumerate(PY_IDS, start=len(JAVA_IDS)):
+        secure = SecureFed3R(keys[d], agg.public_key_bytes, Fed3RStatsTask(*data(i), lambda b, s, w: Features(dim)))
+        agents.append(DeviceAgent(d, BrokerConfig.from_url(broker.url), {}, aggregator_key=agg.public_key_bytes,
+                                  protocol_handlers={SYNC_KIND: secure, SECAGG_TYPE: secure}).start())
+    try:
+        result = service.join(120)
+    finally:
+        for a in agents:
+            a.stop()
+        out, err = jvm.communicate(timeout=30)
+    assert result.get("state") == "done" and sorted(result["contributed"]) == sorted(ids), (result, err[-3000:])
+    A, B = np.zeros((dim + 1, dim + 1)), np.zeros((dim + 1, C))
+    for i in range(len(ids)):
+        Z, y = data(i)
+        Z, y = Z[:N].astype(np.float64), y[:N]
+        Z *= np.minimum(1.0, F / np.linalg.norm(Z, axis=1, keepdims=True))
+        Zb = np.hstack([Z, np.ones((N, 1))])
+        A += Zb.T @ Zb
+        B += Zb.T @ np.eye(C)[y]
+    released = job.strategy.released
+    noise = np.concatenate([released.packed_upper() - A[np.triu_indices(dim + 1)], (released.B.cpu().numpy() - B).ravel()])
+    assert job.strategy.releases == 1 and np.abs(noise).min() > 0
+    sigma2 = len(ids) * job._round_dp["stddev"] ** 2
+    lo, hi = stats.chi2.ppf([1e-6, 1 - 1e-6], noise.size) / noise.size
+    assert lo < np.mean(noise ** 2) / sigma2 < hi
