@@ -324,10 +324,13 @@ class MixedStats:
 
     def __init__(self, Z, y, C):
         self.Z, self.y, self.C = Z, y, C
+        self.sent: list[dict] = []               # the tensors of each upload
 
     def __call__(self, params, tensors=None):
         acc = device_stats(self.Z, self.y, self.C, keep_rows=bool(params.get("factor")))
-        return encode_smallest(acc, self.C, dense=False, dtype="float64")
+        body, out = encode_smallest(acc, self.C, dense=False, dtype="float64")
+        self.sent.append(out)
+        return body, out
 
 
 def test_over_mosquitto_a_mixed_fleet_equals_the_centralized_ridge(broker, tmp_path):
@@ -340,8 +343,11 @@ def test_over_mosquitto_a_mixed_fleet_equals_the_centralized_ridge(broker, tmp_p
 
     d, C = 24, 3
     rng = np.random.default_rng(7)
-    sizes = [5, 40, 12, 60, 3, 25]                          # below and above p = 25
-    Z = rng.normal(size=(sum(sizes), d))
+    sizes = [5, 40, 12, 60, 3, 25, 8]                       # below and above p = 25
+    Z = relu_features(rng, sum(sizes), d)                   # dead and dependent columns, like a backbone's
+    Z[:5, 1:4] = 0.0                                        # dead channels for the first device
+    Z[5:45, 20:] = 0.0                                      # a dense upload with zero columns
+    Z[50:52] = Z[46:48]                                     # repeated images (the 12-image device: rank 10)
     y = rng.integers(0, C, len(Z))
     parts = np.split(np.arange(len(y)), np.cumsum(sizes)[:-1])
     devices = [f"dev{i:02d}" for i in range(len(sizes))]
@@ -352,8 +358,9 @@ def test_over_mosquitto_a_mixed_fleet_equals_the_centralized_ridge(broker, tmp_p
     result = {}
     thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=60)), daemon=True)
     thread.start()
-    agents = [DeviceAgent(dev, BrokerConfig.from_url(broker.url), {"fed3r.stats": MixedStats(Z[i], y[i], C)},
-                          retry_after_s=2).start() for dev, i in zip(devices, parts)]
+    handlers = [MixedStats(Z[i], y[i], C) for i in parts]
+    agents = [DeviceAgent(dev, BrokerConfig.from_url(broker.url), {"fed3r.stats": handler},
+                          retry_after_s=2).start() for dev, handler in zip(devices, handlers)]
     thread.join(65)
     for a in agents:
         a.stop()
@@ -364,3 +371,7 @@ def test_over_mosquitto_a_mixed_fleet_equals_the_centralized_ridge(broker, tmp_p
     small = [a.stats.bytes_up for a, n in zip(agents, sizes) if n < d + 1]
     large = [a.stats.bytes_up for a, n in zip(agents, sizes) if n >= d + 1]
     assert max(small) < min(large)                          # the factor devices uploaded less
+    forms = [h.sent[-1] for h, n in zip(handlers, sizes) if n < d + 1]
+    assert all("R" in f for f in forms) and any("zero_columns" in f for f in forms)
+    assert [len(h.sent[-1]["R"]) for h, n in zip(handlers, sizes) if n == 12] == [10]
+    assert all("A_upper" in h.sent[-1] for h, n in zip(handlers, sizes) if n >= d + 1)
