@@ -230,6 +230,26 @@ def test_the_rotated_factor_is_a_factor_of_the_same_statistics():
         np.testing.assert_allclose(other["R"].T @ other["QtY"], tensors["R"].T @ tensors["QtY"], atol=1e-12)
 
 
+def test_the_golden_factor_vectors_are_what_a_device_computes_and_are_accepted():
+    """protocols/golden/result_fed3r_factor*.bin pin the wire form for other languages: the device's
+    own computation on the documented feature rows gives them, and the aggregator accepts them."""
+    from protocols import golden
+
+    vectors = golden.golden_messages()
+    features = {"result_fed3r_factor": np.array([[2.0, 1.0, 0.5], [0.0, 1.5, 0.25]]),      # Z = R, Q = I
+                "result_fed3r_factor_zero_columns": np.array([[2.0, 0.0, 1.0, 0.5], [0.0, 0.0, 0.0, 1.5]])}
+    for name, Z in features.items():
+        msg = decode(vectors[name])
+        p = Z.shape[1] + 1
+        stats = parse_stats(msg, p, 3)
+        body, tensors = encode_smallest(device_stats(Z, np.array([0, 2]), 3), 3, False, "float64")
+        assert body == {k: msg.body[k] for k in body} and set(tensors) == set(msg.tensors)
+        for key, value in tensors.items():
+            np.testing.assert_allclose(value, msg.tensors[key], rtol=0, atol=1e-15)
+        np.testing.assert_allclose(stats.full_factor().T @ stats.full_factor(),
+                                   np.hstack([Z, np.ones((2, 1))]).T @ np.hstack([Z, np.ones((2, 1))]), atol=1e-15)
+
+
 @pytest.fixture(scope="module")
 def mobilenet_features():
     """Fashion-MNIST training images through the pretrained MobileNetV2 (the product's backbone),
