@@ -129,9 +129,8 @@ def canonical_factor(Z: np.ndarray, Y: np.ndarray) -> tuple[np.ndarray, np.ndarr
             break
         j = col + int(independent[0])
         W[row:, col:j] = 0.0                                 # dependent columns: only rounding left below this row
-        x = W[row:, j].copy()
-        v = x
-        v[0] += np.copysign(np.linalg.norm(x), x[0])          # the reflector that maps x to -sign(x0)·|x|·e1
+        v = W[row:, j].copy()                                # x; the reflector that maps x to -sign(x0)·‖x‖·e1:
+        v[0] += np.copysign(np.linalg.norm(v), v[0])          # v = x + sign(x0)·‖x‖·e1
         vv = float(v @ v)
         W[row:, j:] -= np.outer(v, (2.0 / vv) * (v @ W[row:, j:]))
         V[row:] -= np.outer(v, (2.0 / vv) * (v @ V[row:]))
@@ -143,6 +142,6 @@ def canonical_factor(Z: np.ndarray, Y: np.ndarray) -> tuple[np.ndarray, np.ndarr
         col = j + 1
     r = len(pivots)
     R = W[:r]
-    for i, j in enumerate(pivots):                           # exact zeros before each pivot
+    for i, j in enumerate(pivots):       # exact zeros before each pivot (so by construction already; the wire needs it)
         R[i, :j] = 0.0
     return R, V[:r]
