@@ -251,8 +251,8 @@ def _parse_packed(msg: Envelope, fmt: str, n: int, p: int, num_classes: int,
 def _parse_factor(msg: Envelope, n: int, p: int, num_classes: int) -> Fed3RStats:
     if body_field(msg, "format", str) != "sparse":
         raise EnvelopeError(f"{KIND}: the factor form carries a sparse b (format 'sparse')")
-    base = {"R", "QtY", "class_ids"}
-    _exact_tensors(msg, base | {"zero_columns"} if "zero_columns" in msg.tensors else base)
+    names = {"R", "QtY", "class_ids"}
+    _exact_tensors(msg, (names | {"zero_columns"}) if "zero_columns" in msg.tensors else names)
     kept = _kept_columns(msg, p)
     dtype = _stats_dtype(msg, "R")
     r_factor = require_tensor(msg, "R", dtype, (None, len(kept)))
