@@ -86,7 +86,7 @@ def serve(args) -> int:
         shelf = ArtifactShelf()
         for bundle in args.artifacts:
             print(f"serving bundle {bundle}: manifest sha256 {shelf.add_bundle(bundle)}", flush=True)
-    announced = getattr(job.config, "bundle_sha256", "") if job is not None else ""
+    announced = job.config.device_bundle_sha256() if job is not None else ""
     if announced and (shelf is None or announced not in shelf):
         raise ValueError(f"the job runs on bundle {announced[:16]}…, which this aggregator does not serve: "
                          "pass that bundle's directory with --artifacts")

@@ -43,6 +43,13 @@ def golden_messages() -> dict[str, bytes]:
     factor_body.update({"job": "fed3r-demo", "round": 1, "task": "00" * 16, "kind": "fed3r.stats"})
     out["result_fed3r_factor"] = encode(Envelope("result", "dev0002", body=factor_body, tensors=factor_tensors,
                                                  id="12" * 16, ts=_TS + 5))
+    # the canonical factor with a zero column and a dependent one: Z = [[2, 0, 1, 0.5, 1], [0, 0, 0, 1.5, 1]]
+    # (column 1 zero in both rows, column 2 parallel to column 0, so the pivots are columns 0 and 3)
+    R = np.array([[2.0, 1.0, 0.5, 1.0], [0.0, 0.0, 1.5, 1.0]])
+    factor_body, factor_tensors = encode_factor(R, np.eye(2), np.array([0, 2]), 2, 3, zero_columns=np.array([1]))
+    factor_body.update({"job": "fed3r-demo", "round": 1, "task": "00" * 16, "kind": "fed3r.stats"})
+    out["result_fed3r_factor_zero_columns"] = encode(Envelope("result", "dev0003", body=factor_body,
+                                                              tensors=factor_tensors, id="13" * 16, ts=_TS + 5))
     out["ack_accepted"] = encode(Envelope("ack", "aggregator", {"ref": "11" * 16, "status": "accepted", "reason": ""},
                                           id="22" * 16, ts=_TS + 6))
     out["presence_online"] = encode(Envelope("presence", "dev0001", {"state": "online", "info": {"kinds": ["fed3r.stats"]}},

@@ -90,7 +90,7 @@ def serve(spec: dict) -> None:
         (out / name / "job_report.json").write_text(json.dumps({**job.report(), "aggregate_s": job.aggregate_s,
                                                                 "wall_s": timings[name],
                                                                 "bytes_sent": service.link.bytes_sent,
-                                                                "failed_rounds": getattr(job, "failed_rounds", [])}))
+                                                                "failed_rounds": job.failed_rounds if job.secure_rounds else []}))
         if not job.finished(set(), set()):
             raise SystemExit(f"{name} job did not finish (round {job.round}, phase {job.phase})")
         if first is None:
