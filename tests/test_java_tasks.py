@@ -554,3 +554,42 @@ def test_mixed_fleet_fed3r_sync_under_distributed_dp_releases_clipped_sums_plus_
     sigma2 = len(ids) * job._round_dp["stddev"] ** 2
     lo, hi = stats.chi2.ppf([1e-6, 1 - 1e-6], noise.size) / noise.size
     assert lo < np.mean(noise ** 2) / sigma2 < hi
+
+
+def factor_data(n: int, dim: int = 40) -> tuple[np.ndarray, np.ndarray]:
+    """ReLU-like features with dead channels (zero in every row), a column parallel to another and
+    a repeated image (two equal rows): what the canonical factor has to handle on real devices."""
+    rng = np.random.default_rng(31)
+    Z = np.maximum(rng.normal(size=(n, dim)), 0).astype(np.float32)
+    Z[:, [3, 17]] = 0.0
+    Z[:, 9] = 2 * Z[:, 4]
+    Z[-1] = Z[0]
+    return Z, rng.integers(0, C, n)
+
+
+@pytest.mark.parametrize("n, dtype", [(12, "float64"), (12, "float32"), (60, "float64")],
+                         ids=["factor", "factor-float32", "n>=p:packed"])
+def test_fed3r_factor_form_equals_the_python_device(java_cp, tmp_path, n, dtype):
+    """The exact factor form (a task with "factor": true): the Java device sends what the Python
+    device sends, the canonical R and QtY within 1e-12 of the largest entry (float64 Householder
+    steps in the same order; summation order only), the same zero_columns, class_ids and body, and
+    the aggregator's parser accepts it (canonical form, A and b consistent with n); with n ≥ p both
+    send the packed triangle."""
+    from ops_fleet import Features
+
+    from edge_client.tasks.fed3r_stats import Fed3RStatsTask
+    from protocols.payloads.fed3r import parse_stats
+
+    Z, y = factor_data(n)
+    params = {**FED3R_PARAMS, "factor": True, "dtype": dtype}
+    out, result = run_java_task(java_cp, tmp_path, params, {}, (Z, y), kind="fed3r.stats")
+    assert out.startswith("DONE"), out
+    body, tensors = Fed3RStatsTask(Z, y, lambda b, s, w: Features(Z.shape[1]))(params, None)
+    assert {k: result.body[k] for k in body} == body and set(result.tensors) == set(tensors)
+    assert (body.get("a_format") == "factor") == (n < Z.shape[1] + 1)
+    for k, ref in tensors.items():
+        got = result.tensors[k]
+        assert got.dtype == ref.dtype and got.shape == ref.shape, k
+        tol = 1e-12 if dtype == "float64" else 2 * np.finfo(np.float32).eps
+        assert np.abs(got.astype(np.float64) - ref).max() <= tol * max(1.0, np.abs(ref).max()), k
+    parse_stats(result, Z.shape[1] + 1, C)

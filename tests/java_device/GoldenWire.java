@@ -5,6 +5,8 @@
 //   chunk_<i>_of_result.bin     chunked_whole.bin cut into 200-byte chunks
 //   result_signed_edge_cases.bin  the signed vector re-signed by the library's Identity
 //   result_fed3r_increment.bin  a streaming fed3r.stats task (from_sample 3) over 3 older + the golden samples
+//   result_fed3r_factor.bin, result_fed3r_factor_zero_columns.bin  the exact factor form of the
+//                               golden task (with "factor": true) over the two samples each vector holds
 //   result_fedavg_head.bin, result_fedavg_async.bin  the fedavg.head update format (golden head values,
 //                               the async task's model_version echoed)
 // Usage: java GoldenWire <golden dir> <features file> <out dir>
@@ -34,6 +36,18 @@ public final class GoldenWire {
                 .run(incrementParams, taskMsg.tensors);
         write(out, "result_fed3r_increment", Envelope.encode(Messages.result("dev0001",
                 new TaskRef(task.ref.job, 2, task.ref.task), task.kind, inc.body, rep("c2"), TS + 5), inc.tensors, null));
+
+        // the factor form: Z = R, Q = I (class 0 then class 2); and a zero and a dependent column
+        Map<String, Object> factorParams = new LinkedHashMap<>(task.params);
+        factorParams.put("factor", Boolean.TRUE);
+        float[][][] factorRows = {{{2f, 1f, 0.5f}, {0f, 1.5f, 0.25f}}, {{2f, 0f, 1f, 0.5f}, {0f, 0f, 0f, 1.5f}}};
+        String[][] factorVectors = {{"result_fed3r_factor", "dev0002", "12"}, {"result_fed3r_factor_zero_columns", "dev0003", "13"}};
+        for (int k = 0; k < 2; k++) {
+            LocalData rows = new Rows(factorRows[k], new int[] {0, 2});
+            TaskHandler.Result f = new Fed3RStatsTask(rows, new PrecomputedFeatures(factorRows[k][0].length)).run(factorParams, taskMsg.tensors);
+            write(out, factorVectors[k][0], Envelope.encode(Messages.result(factorVectors[k][1], task.ref, task.kind, f.body,
+                    rep(factorVectors[k][2]), TS + 5), f.tensors, null));
+        }
 
         for (String[] v : new String[][] {{"task_fedavg_head", "result_fedavg_head", "77"}, {"task_fedavg_async", "result_fedavg_async", "c1"}}) {
             Envelope.Message headMsg = Envelope.decode(Files.readAllBytes(golden.resolve(v[0] + ".bin")));
@@ -80,6 +94,15 @@ public final class GoldenWire {
         @Override public int size() { return older + data.size(); }
         @Override public float[] input(int i) { return i < older ? new float[data.dim] : data.input(i - older); }
         @Override public int label(int i) { return i < older ? 0 : data.label(i - older); }
+    }
+
+    static final class Rows implements LocalData {
+        final float[][] rows;
+        final int[] labels;
+        Rows(float[][] rows, int[] labels) { this.rows = rows; this.labels = labels; }
+        @Override public int size() { return rows.length; }
+        @Override public float[] input(int i) { return rows[i]; }
+        @Override public int label(int i) { return labels[i]; }
     }
 
     static Envelope.Tensor tensor(Envelope.Message m, String name) {

@@ -6,6 +6,9 @@
 // featureClipNorm, which bounds what one sample adds to A and b.
 package org.fedfleet.device;
 
+import java.util.ArrayList;
+import java.util.List;
+
 public final class Fed3RAccumulator {
     public final int numClasses, featureDim, p;
     public final boolean fitIntercept;
@@ -14,6 +17,8 @@ public final class Fed3RAccumulator {
     private final double[][] b;      // numClasses x p
     private final long[] counts;
     private final double[] z;        // one augmented row, reused
+    private List<double[]> rows;     // the augmented rows, for the exact factor form, while fewer than p
+    private final List<Integer> rowLabels = new ArrayList<>();
 
     /** Most statistics values a device holds (A's triangle + b): 2^27 doubles, 1 GiB, as SecAgg's longest vector. */
     public static final long MAX_VALUES = 1L << 27;
@@ -59,6 +64,25 @@ public final class Fed3RAccumulator {
         double[] row = b[label];
         for (int j = 0; j < p; j++) row[j] += z[j];
         counts[label]++;
+        if (rows != null) {
+            rows.add(z.clone());
+            rowLabels.add(label);
+            if (rows.size() >= p) { rows = null; rowLabels.clear(); }
+        }
+    }
+
+    /** Keep the rows (from now on) for the exact factor form; they are dropped once there are p. */
+    public void keepRows() { rows = new ArrayList<>(); }
+
+    /** The canonical factor form over the kept rows and the present classes, or null when the rows
+     *  were not kept (not asked for, or n ≥ p). */
+    public CanonicalFactor factor() {
+        if (rows == null || rows.isEmpty()) return null;
+        long[] classes = presentClasses();
+        double[][] onehot = new double[rows.size()][classes.length];
+        for (int i = 0; i < rows.size(); i++)
+            for (int c = 0; c < classes.length; c++) onehot[i][c] = classes[c] == rowLabels.get(i) ? 1.0 : 0.0;
+        return CanonicalFactor.of(rows.toArray(new double[0][]), onehot);
     }
 
     public long n() {

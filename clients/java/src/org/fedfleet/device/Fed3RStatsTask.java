@@ -1,7 +1,9 @@
 // Task kind "fed3r.stats" (docs/protocol.md): the local samples through the feature extractor,
 // their Fed3R statistics, and the result body {n, p, num_classes, format} with tensors A_upper,
-// class_ids (sparse only) and b. The exact factor form is optional for a device and not sent here;
-// random-feature tasks (Fed3R-RF) are declined. A streaming task's from_sample is echoed.
+// class_ids (sparse only) and b; when the task allows the exact factor form ("factor": true, sparse)
+// and the device has fewer samples than features, the canonical factor (R, QtY, class_ids and
+// zero_columns) instead when it is smaller. Random-feature tasks (Fed3R-RF) are declined. A
+// streaming task's from_sample is echoed.
 package org.fedfleet.device;
 
 import java.math.BigInteger;
@@ -23,7 +25,9 @@ public final class Fed3RStatsTask implements TaskHandler {
      *  samples after the first from_sample (streaming: the aggregator holds those already), the
      *  first max_samples of them when the task caps samples (DP), rows clipped to
      *  feature_clip_norm when it is > 0. */
-    public Fed3RAccumulator accumulate(Map<String, Object> params) throws TaskDeclined {
+    public Fed3RAccumulator accumulate(Map<String, Object> params) throws TaskDeclined { return accumulate(params, false); }
+
+    private Fed3RAccumulator accumulate(Map<String, Object> params, boolean keepRows) throws TaskDeclined {
         if (data.size() == 0) throw new TaskDeclined("no local training data");
         int numClasses = (int) Params.integer(params, "num_classes", 1, 1 << 20);
         Object fit = params.getOrDefault("fit_intercept", Boolean.TRUE);
@@ -47,6 +51,7 @@ public final class Fed3RStatsTask implements TaskHandler {
         Fed3RAccumulator acc;
         try {
             acc = new Fed3RAccumulator(numClasses, extractor.featureDim(), (Boolean) fit, clipNorm);
+            if (keepRows) acc.keepRows();
         } catch (IllegalArgumentException e) {
             throw new TaskDeclined(e.getMessage());
         }
@@ -71,9 +76,49 @@ public final class Fed3RStatsTask implements TaskHandler {
         Object format = params.getOrDefault("format", "sparse"), dtype = params.getOrDefault("dtype", "float64");
         if (!"sparse".equals(format) && !"dense".equals(format)) throw new TaskDeclined("bad fed3r.stats params: format " + format);
         if (!"float64".equals(dtype) && !"float32".equals(dtype)) throw new TaskDeclined("bad fed3r.stats params: dtype " + dtype);
-        Result r = encode(accumulate(params), "dense".equals(format), (String) dtype);
+        Object factor = params.getOrDefault("factor", Boolean.FALSE);
+        if (!(factor instanceof Boolean)) throw new TaskDeclined("bad fed3r.stats params: factor must be a boolean");
+        boolean factorOk = (Boolean) factor && "sparse".equals(format);
+        Fed3RAccumulator acc = accumulate(params, factorOk);
+        CanonicalFactor f = factorOk ? acc.factor() : null;
+        long[] classes = acc.presentClasses();
+        Result r = f != null && factorValues(f, classes.length) < (long) acc.p * (acc.p + 1) / 2 + (long) classes.length * acc.p
+                && f.canonicalAs((String) dtype)
+                ? encodeFactor(acc, f, (String) dtype) : encode(acc, "dense".equals(format), (String) dtype);
         if (params.containsKey("from_sample")) r.body.put("from_sample", params.get("from_sample"));
         return r;
+    }
+
+    private static long factorValues(CanonicalFactor f, int classes) {
+        long rank = f.r.length;
+        return rank * f.columns + rank * classes + f.zeroColumns.length;
+    }
+
+    /** Body and tensors of the factor form (protocols/payloads/fed3r.py encode_factor). */
+    public static Result encodeFactor(Fed3RAccumulator acc, CanonicalFactor f, String dtype) {
+        Map<String, Object> body = new LinkedHashMap<>();
+        body.put("n", BigInteger.valueOf(acc.n()));
+        body.put("p", BigInteger.valueOf(acc.p));
+        body.put("num_classes", BigInteger.valueOf(acc.numClasses));
+        body.put("format", "sparse");
+        body.put("a_format", "factor");
+        long[] classes = acc.presentClasses();
+        List<Envelope.Tensor> out = new ArrayList<>();
+        out.add(Tensors.floats("R", dtype, new long[] {f.r.length, f.columns}, flat(f.r)));
+        out.add(Tensors.floats("QtY", dtype, new long[] {f.qty.length, classes.length}, flat(f.qty)));
+        out.add(Tensors.int64("class_ids", new long[] {classes.length}, classes));
+        if (f.zeroColumns.length > 0) out.add(Tensors.int64("zero_columns", new long[] {f.zeroColumns.length}, f.zeroColumns));
+        return new Result(body, out);
+    }
+
+    /** Row-major, with -0.0 (what a pivot's sign flip leaves of a zero) sent as 0.0: the same
+     *  number, and the bytes of the golden vectors. */
+    private static double[] flat(double[][] m) {
+        int cols = m.length == 0 ? 0 : m[0].length;
+        double[] out = new double[m.length * cols];
+        for (int i = 0; i < m.length; i++)
+            for (int k = 0; k < cols; k++) out[i * cols + k] = m[i][k] + 0.0;
+        return out;
     }
 
     /** Body and tensors of the packed form (protocols/payloads/fed3r.py encode_stats). */
