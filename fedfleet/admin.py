@@ -141,8 +141,9 @@ def _run(args, client: AdminClient) -> Any:
         return _device(args, client)
     if c == "jobs":
         j = client.get("/api/jobs")
-        return j, table(j, [("JOB", "job_id"), ("KIND", "kind"), ("STATE", "state"), ("ROUNDS", "rounds"),
-                            ("CONTRIBUTIONS", "contributions")])
+        rows = [{**x, "why": ((x.get("summary") or {}).get("error") or "")[:100] or None} for x in j]
+        return j, table(rows, [("JOB", "job_id"), ("KIND", "kind"), ("STATE", "state"), ("ROUNDS", "rounds"),
+                               ("CONTRIBUTIONS", "contributions"), ("WHY", "why")])
     if c == "job":
         return _job(args, client)
     if c == "round":
@@ -286,7 +287,7 @@ def _watch(args, client):
             print(json.dumps(last), flush=True)
         else:
             print(("\r" if tty else "") + progress_line(last), end="" if tty else "\n", flush=True)
-        over = job is None or job.get("state") in ("done", "cancelled", "stopped")
+        over = job is None or job.get("state") in (*FINAL_STATES, "stopped")
         if job is not None and args.job and job["job_id"] != args.job:
             over = True
         if (args.until_done and over) or (deadline and time.monotonic() > deadline):
@@ -313,7 +314,7 @@ def log_line(e: dict) -> str:
     return f"{when} {rnd} {e.get('event', '?'):<13}{' '.join(rest)}"
 
 
-FINAL_STATES = ("done", "cancelled")
+FINAL_STATES = ("done", "cancelled", "failed")
 
 
 def _logs(args, client):

@@ -3,8 +3,9 @@ with what each row means.
 :mod:`aggregator.storage.store` is the only module that reads or writes them."""
 
 SCHEMA_VERSION = 2         # 2: contribution payloads in files (aggregator/storage/blob_files.py), not in the table
-JOB_STATES = ("created", "queued", "running", "paused", "cancelled", "done", "stopped")
-FINAL_JOB_STATES = ("cancelled", "done")
+# failed: the job ran out of work with no contribution at all (aggregator/service/job_outcome.py)
+JOB_STATES = ("created", "queued", "running", "paused", "cancelled", "done", "failed", "stopped")
+FINAL_JOB_STATES = ("cancelled", "done", "failed")
 
 # the payload of row ``seq`` is the file ``<db path>.blobs/<seq>.msg``, of ``payload_bytes`` bytes
 CONTRIBUTIONS = """CREATE TABLE IF NOT EXISTS {name} (

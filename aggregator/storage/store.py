@@ -281,7 +281,7 @@ class Store:
         with self._tx() as db:
             cur = db.execute("UPDATE jobs SET state=?, updated_at=?, "
                              "started_at=CASE WHEN ?='running' AND started_at IS NULL THEN ? ELSE started_at END, "
-                             "finished_at=CASE WHEN ? IN ('cancelled','done','stopped') THEN ? ELSE finished_at END, "
+                             "finished_at=CASE WHEN ? IN ('cancelled','done','failed','stopped') THEN ? ELSE finished_at END, "
                              "summary=COALESCE(?, summary) WHERE job_id=?",
                              (state, now, state, now, state, now, json.dumps(summary) if summary else None, job_id))
             if cur.rowcount == 0:

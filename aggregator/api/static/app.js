@@ -75,7 +75,7 @@ function drawCurve(evals) {
 
 function showJobs(jobs, shown) {
   fillTable("jobs-table", jobs.map((j) => [j.job_id, j.kind, j.state, j.rounds, j.contributions,
-    ago(j.started_at), ago(j.finished_at)]), (tr, i) => {
+    ago(j.started_at), ago(j.finished_at), (j.summary && j.summary.error) || ""]), (tr, i) => {
     tr.dataset.job = jobs[i].job_id;
     if (jobs[i].job_id === shown) tr.className = "selected";
     tr.addEventListener("click", () => { chosenJob = jobs[i].job_id; refresh(); });
