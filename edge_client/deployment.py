@@ -163,6 +163,8 @@ class DeploymentFollower:
             self._tick(time.monotonic())
 
     def _on_payload(self, topic: str, payload: bytes) -> None:
+        if not payload:                     # a retained message cleared: nothing is assigned
+            return
         try:
             env = self.assembler.feed(payload)
             if env is None:

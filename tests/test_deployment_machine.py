@@ -11,8 +11,9 @@ from aggregator.deployments.cohort import CohortRule, in_fraction, parse_percent
 from aggregator.deployments.guard import DeviceReport, Guard, stage_metrics
 
 
-def deployment(stages=(0.5, 1.0), guard="wma_drop<=1.0", bake_s=10.0, min_reports=2):
-    return M.Deployment("d1", 7, "ab" * 32, CohortRule.parse("10%"), stages, Guard.parse(guard), bake_s, min_reports)
+def deployment(stages=(0.5, 1.0), guard="wma_drop<=1.0", bake_s=10.0, min_reports=2, patience_s=5.0):
+    return M.Deployment("d1", 7, "ab" * 32, CohortRule.parse("10%"), stages, Guard.parse(guard), bake_s, min_reports,
+                        patience_s)
 
 
 def good(n=10):
@@ -49,7 +50,9 @@ def test_a_failing_guard_or_too_few_reports_roll_back_with_the_reason():
     assert "wma_drop 20 is not <= 1" in d.reason and d.history[-1]["metrics"]["wma_drop"] == pytest.approx(20.0)
     d = deployment()
     d.handle(M.Start(0.0))
-    (act,) = d.handle(M.Tick(10.0, {"a": good(), "b": DeviceReport(refused="sha256 differs")}))
+    too_few = {"a": good(), "b": DeviceReport(refused="sha256 differs")}
+    assert d.handle(M.Tick(14.0, too_few)) == [] and d.state == "canary"          # patience: more may report
+    (act,) = d.handle(M.Tick(15.0, too_few))
     assert isinstance(act, M.RolledBack) and "1 report(s)" in act.reason and "fewer than 2" in act.reason
 
 
@@ -72,7 +75,7 @@ def test_the_operator_promotes_and_rolls_back_and_other_events_are_refused_chang
     assert M.Deployment.from_dict(d.to_dict()).to_dict() == d.to_dict()
 
 
-@pytest.mark.parametrize("bad", [dict(stages=(0.5,)), dict(stages=(0.5, 0.25, 1.0)), dict(bake_s=-1)])
+@pytest.mark.parametrize("bad", [dict(stages=(0.5,)), dict(stages=(0.5, 0.25, 1.0)), dict(bake_s=-1), dict(patience_s=-1)])
 def test_a_bad_deployment_is_refused(bad):
     with pytest.raises(ValueError):
         deployment(**bad)

@@ -24,6 +24,7 @@ import re
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -45,6 +46,18 @@ log = logging.getLogger("fedfleet.aggregator.deployments")
 _ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
+@dataclass
+class Served:
+    """A deployment the controller serves: its machine, its head file, and per device what it was
+    sent and reported (``{sent, sent_at, report}``, as stored)."""
+    dep: Deployment
+    head: bytes
+    sent: dict[str, dict]
+
+    def has_run(self, device: str) -> bool:
+        return (self.sent.get(device) or {}).get("sent") == D.RUN
+
+
 class DeploymentController:
     def __init__(self, store: Store, broker: BrokerConfig, topics: Topics = Topics(),
                  signer: Callable[[bytes], bytes] | None = None, verifier=None, tick_s: float = 0.5,
@@ -55,9 +68,8 @@ class DeploymentController:
         self._q: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.active: Deployment | None = None
-        self.head: bytes = b""                       # the active deployment's head file
-        self.sent: dict[str, dict] = {}              # device -> {sent, report} for the active deployment
+        self.active: Served | None = None        # in canary or widening
+        self.settled: Served | None = None       # the last completed: the version of every device not in a canary
         self.link = MqttLink(client_id, broker, on_message=lambda t, p: self._q.put(("mqtt", t, p)),
                              subscriptions=[(topics.all_deploy_outs, 1)])
         self._resume()
@@ -102,18 +114,23 @@ class DeploymentController:
                 log.exception("deployment controller: an event raised")
 
     def _resume(self) -> None:
-        """After a restart: the active deployment, its head, and who was sent what (nothing is re-sent)."""
-        for row in self.table.list():
-            if row["state"] in ACTIVE:
-                self._load(Deployment.from_dict(row["spec"]))
-                log.warning("deployment %s resumed in state %s, stage %d", row["deployment_id"], row["state"],
-                            self.active.stage)
+        """At start: the active and the settled deployment, their heads, and who was sent what
+        (a restart re-sends nothing)."""
+        rows = self.table.list()
+        active = [r for r in rows if r["state"] in ACTIVE]
+        complete = [r for r in rows if r["state"] == "complete"]
+        self.active = self._load(active[-1]["deployment_id"]) if active else None
+        self.settled = self._load(complete[-1]["deployment_id"]) if complete else None
+        if self.active is not None:
+            log.warning("deployment %s resumed in state %s, stage %d", self.active.dep.deployment_id,
+                        self.active.dep.state, self.active.dep.stage)
 
-    def _load(self, dep: Deployment) -> None:
-        self.active, self.head = dep, self._head_bytes(dep.model_id)
-        if hashlib.sha256(self.head).hexdigest() != dep.model_sha256:
+    def _load(self, deployment_id: str) -> Served:
+        dep = Deployment.from_dict(self.table.get(deployment_id)["spec"])
+        head = self._head_bytes(dep.model_id)
+        if hashlib.sha256(head).hexdigest() != dep.model_sha256:
             raise StoreError(f"model {dep.model_id}'s head no longer hashes to deployment {dep.deployment_id}'s")
-        self.sent = self.table.devices(dep.deployment_id)
+        return Served(dep, head, self.table.devices(deployment_id))
 
     def _head_bytes(self, model_id: int) -> bytes:
         raw = self.store.model_bytes(model_id)
@@ -124,63 +141,68 @@ class DeploymentController:
 
     # ------------------------------------------------------------------ operator actions
     def deploy(self, model_id: int, cohort: str = "5%", stages: str = "100%", guard: str = "wma_drop<=1.0",
-               bake_s: float = 600.0, min_reports: int = 1, deployment_id: str = "", seed: int = 0) -> dict:
+               bake_s: float = 600.0, min_reports: int = 1, patience_s: float = 600.0, deployment_id: str = "",
+               seed: int = 0) -> dict:
         if self.active is not None:
-            raise StoreError(f"deployment {self.active.deployment_id} is {self.active.state}: "
+            raise StoreError(f"deployment {self.active.dep.deployment_id} is {self.active.dep.state}: "
                              "promote it to the end or roll it back first")
         head = self._head_bytes(model_id)
         deployment_id = deployment_id or f"m{model_id}-{int(time.time())}"
         if not _ID.match(deployment_id):
             raise ValueError(f"deployment id {deployment_id!r}: use 1-64 of [A-Za-z0-9_.-]")
+        if self.table.get(deployment_id) is not None:
+            raise StoreError(f"deployment {deployment_id!r} already exists")
         fractions = tuple(parse_percent(s) for s in str(stages).split(",") if s.strip())
-        previous = self.table.list()
-        replaces = next((r["model_id"] for r in reversed(previous) if r["state"] == "complete"), None)
         dep = Deployment(deployment_id, model_id, hashlib.sha256(head).hexdigest(), CohortRule.parse(cohort, seed),
-                         fractions, Guard.parse(guard), float(bake_s), int(min_reports), replaces)
+                         fractions, Guard.parse(guard), float(bake_s), int(min_reports), float(patience_s),
+                         self.settled.dep.model_id if self.settled else None)
         actions = dep.handle(Start(time.time()))
         self.table.create(deployment_id, model_id, dep.state, dep.to_dict())
-        self.active, self.head, self.sent = dep, head, {}
+        self.active = Served(dep, head, {})
         log.info("deployment %s of model %d started: canary %s", deployment_id, model_id, dep.cohort.text())
-        self._apply(actions)
+        self._apply(self.active, actions)
         return self.show(deployment_id)
 
     def promote(self, deployment_id: str) -> dict:
-        self._apply(self._operated(deployment_id).handle(Promote(time.time())))
+        served = self._operated(deployment_id, (self.active,))
+        self._apply(served, served.dep.handle(Promote(time.time())))
         return self.show(deployment_id)
 
     def rollback(self, deployment_id: str, reason: str = "rolled back by the operator") -> dict:
-        """Roll back the active deployment, or the last one completed (every device it reached)."""
-        self._apply(self._operated(deployment_id, completed_too=True).handle(RollBack(time.time(), reason)))
+        """Roll back the active deployment, or the settled one (every device it reached)."""
+        served = self._operated(deployment_id, (self.active, self.settled))
+        self._apply(served, served.dep.handle(RollBack(time.time(), reason)))
         return self.show(deployment_id)
 
-    def _operated(self, deployment_id: str, completed_too: bool = False) -> Deployment:
+    def _operated(self, deployment_id: str, candidates) -> Served:
         row = self.table.get(deployment_id)
         if row is None:
             raise KeyError(f"no deployment {deployment_id!r}")
-        if self.active is not None and self.active.deployment_id == deployment_id:
-            return self.active
-        if completed_too and self.active is None and row["state"] == "complete":
-            self._load(Deployment.from_dict(row["spec"]))
-            return self.active
-        raise StoreError(f"deployment {deployment_id} is {row['state']}: nothing to do"
-                         + (f" (deployment {self.active.deployment_id} is the active one)" if self.active else ""))
+        for served in candidates:
+            if served is not None and served.dep.deployment_id == deployment_id:
+                return served
+        raise StoreError(f"deployment {deployment_id} is {row['state']}: not one this action applies to")
 
     def show(self, deployment_id: str) -> dict:
         return deployment_view(self.table, deployment_id, self._fleet())
 
     # ------------------------------------------------------------------ the rollout
     def _tick(self, now: float) -> None:
-        dep = self.active
-        if dep is None or dep.state not in ACTIVE:
+        fleet = self._fleet()
+        active = self.active
+        if self.settled is not None:        # devices new to the fleet, or back from a rolled-back canary
+            self._send_run(self.settled, sorted(d for d in fleet if not self.settled.has_run(d)
+                                                and (active is None or d not in active.sent)))
+        if active is None:
             return
-        members = self._members(dep)
-        self._send_run(sorted(d for d in members if (self.sent.get(d) or {}).get("sent") != D.RUN))
-        reports = {d: report_of(self.sent[d]["report"]) for d in members
-                   if d in self.sent and self.sent[d]["report"] is not None}
-        self._apply(dep.handle(Tick(now, reports)))
+        members = active.dep.cohort.stage(active.dep.stage_fraction, fleet)
+        self._send_run(active, sorted(d for d in members if not active.has_run(d)))
+        reports = {d: report_of(active.sent[d]["report"]) for d in members
+                   if d in active.sent and active.sent[d]["report"] is not None}
+        self._apply(active, active.dep.handle(Tick(now, reports)))
 
-    def _apply(self, actions: list) -> None:
-        dep = self.active
+    def _apply(self, served: Served, actions: list) -> None:
+        dep = served.dep
         if actions:             # a change of state: durable before anything leaves
             self.table.save(dep.deployment_id, dep.state, dep.to_dict())
         for act in actions:
@@ -188,23 +210,27 @@ class DeploymentController:
                 log.info("deployment %s: stage %d (%s)", dep.deployment_id, act.stage, dep.history[-1]["why"])
             elif isinstance(act, RolledBack):
                 log.warning("deployment %s rolled back: %s", dep.deployment_id, act.reason)
-                self._send(sorted(d for d, s in self.sent.items() if s["sent"] == D.RUN), D.ROLLBACK,
+                self._send(served, sorted(d for d in served.sent if served.has_run(d)), D.ROLLBACK,
                            D.rollback_message(AGGREGATOR_ID, dep.deployment_id, act.reason))
-        if dep.state not in ACTIVE:
+        if dep.state == "complete" and served is self.active:
+            self.active, self.settled = None, served
+        elif dep.state == "rolled_back":
+            self.active = None if served is self.active else self.active
+            self.settled = None if served is self.settled else self.settled
+        if dep.state not in ACTIVE and actions:
             log.info("deployment %s is %s", dep.deployment_id, dep.state)
-            self.active = None
 
-    def _send_run(self, devices: list[str]) -> None:
-        dep = self.active
-        self._send(devices, D.RUN, D.run_message(AGGREGATOR_ID, dep.deployment_id, dep.model_sha256,
-                                                 len(self.head), dep.model_id))
+    def _send_run(self, served: Served, devices: list[str]) -> None:
+        dep = served.dep
+        self._send(served, devices, D.RUN, D.run_message(AGGREGATOR_ID, dep.deployment_id, dep.model_sha256,
+                                                         len(served.head), dep.model_id))
 
-    def _send(self, devices: list[str], what: str, env) -> None:
+    def _send(self, served: Served, devices: list[str], what: str, env) -> None:
         if not devices:
             return
-        self.table.mark_sent(self.active.deployment_id, devices, what)     # a restart re-sends none of these
+        self.table.mark_sent(served.dep.deployment_id, devices, what)     # a restart re-sends none of these
         for d in devices:
-            self.sent.setdefault(d, {"report": None})["sent"] = what
+            served.sent.setdefault(d, {"report": None})["sent"] = what
             self.link.publish_envelope(self.topics.deploy(d), env, signer=self.signer, retain=True)
 
     def _fleet(self) -> dict[str, tuple[str, ...]]:
@@ -215,9 +241,6 @@ class DeploymentController:
                 tags = row["profile"].get("tags", ())
                 out[row["device_id"]] = tuple(tags.split(",") if isinstance(tags, str) else map(str, tags))
         return out
-
-    def _members(self, dep: Deployment) -> set[str]:
-        return dep.cohort.stage(dep.stage_fraction, self._fleet())
 
     # ------------------------------------------------------------------ inbound
     def _on_payload(self, topic: str, payload: bytes) -> None:
@@ -241,22 +264,28 @@ class DeploymentController:
             log.warning("deployment message from %s refused: %s", device, exc)
 
     def _on_fetch(self, device: str, sha: str) -> None:
-        dep = self.active
-        if dep is None or sha != dep.model_sha256 or (self.sent.get(device) or {}).get("sent") != D.RUN:
+        served = next((s for s in (self.active, self.settled)
+                       if s is not None and s.dep.model_sha256 == sha and s.has_run(device)), None)
+        if served is None:
             return log.warning("head %s… asked by %s: not the head assigned to it", sha[:16], device)
-        self.link.publish_envelope(self.topics.deploy_in(device),
-                                   artifact_message(AGGREGATOR_ID, sha, f"{dep.deployment_id}.npz", self.head),
-                                   signer=self.signer)
+        self.link.publish_envelope(self.topics.deploy_in(device), artifact_message(
+            AGGREGATOR_ID, sha, f"{served.dep.deployment_id}.npz", served.head), signer=self.signer)
 
     def _on_report(self, device: str, report: dict) -> None:
-        dep = self.active
-        if dep is None or report["deployment"] != dep.deployment_id or report["sha256"] != dep.model_sha256 \
-                or device not in self.sent:
-            return log.info("report from %s on %s ignored: not the active deployment's", device, report["deployment"])
+        """Stored when it is about the head sent to that device (the guard reads the active one's)."""
+        dep_id = report["deployment"]
+        served = next((s for s in (self.active, self.settled) if s is not None and s.dep.deployment_id == dep_id), None)
+        if served is not None:
+            sha, sent = served.dep.model_sha256, served.sent.get(device)
+        else:
+            row = self.table.get(dep_id)
+            sha, sent = (row["spec"]["model_sha256"], self.table.devices(dep_id).get(device)) if row else ("", None)
+        if sent is None or sent["sent"] != D.RUN or report["sha256"] != sha:
+            return log.info("report from %s on %s ignored: not about the head sent to it", device, dep_id)
         if report.get("refused"):
-            log.warning("deployment %s: %s refused the head: %s", dep.deployment_id, device, report["refused"])
-        self.table.record_report(dep.deployment_id, device, report)
-        self.sent[device]["report"] = report
+            log.warning("deployment %s: %s refused the head: %s", dep_id, device, report["refused"])
+        self.table.record_report(dep_id, device, report)
+        sent["report"] = report
 
 
 def report_of(stored: dict) -> DeviceReport:
@@ -281,5 +310,5 @@ def deployment_view(table: DeploymentStore, deployment_id: str, fleet: dict | No
     return {**{k: row[k] for k in ("deployment_id", "model_id", "state", "created_at", "updated_at")},
             "model_sha256": spec["model_sha256"], "replaces": spec["replaces"], "cohort": spec["cohort"],
             "stages": spec["stages"], "guard": spec["guard"], "bake_s": spec["bake_s"],
-            "min_reports": spec["min_reports"], "stage": spec["stage"], "reason": spec["reason"],
+            "min_reports": spec["min_reports"], "patience_s": spec["patience_s"], "stage": spec["stage"], "reason": spec["reason"],
             "history": spec["history"], "counts": counts, "devices": devices}

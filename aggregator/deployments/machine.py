@@ -24,7 +24,8 @@ STATES = ("draft", *ACTIVE, "complete", "rolled_back")
 TRANSITIONS = (
     (("draft",), "Start", "-", "canary", "Assign(stage 0)"),
     (ACTIVE, "Tick", "bake time not over", "=", "-"),
-    (ACTIVE, "Tick", "fewer reports than min_reports", "rolled_back", "RolledBack(reason)"),
+    (ACTIVE, "Tick", "too few reports, patience not over", "=", "-"),
+    (ACTIVE, "Tick", "too few reports after bake + patience", "rolled_back", "RolledBack(reason)"),
     (ACTIVE, "Tick", "guard fails", "rolled_back", "RolledBack(reason)"),
     (ACTIVE, "Tick", "guard passes, stages left", "widening", "Assign(next stage)"),
     (ACTIVE, "Tick", "guard passes, last stage", "complete", "Complete"),
@@ -93,6 +94,7 @@ class Deployment:
     guard: Guard
     bake_s: float
     min_reports: int = 1
+    patience_s: float = 60.0                # after the bake time: how long to wait for min_reports
     replaces: int | None = None             # the model id it replaces (None: what devices run now)
     state: str = "draft"
     stage: int = 0
@@ -104,8 +106,8 @@ class Deployment:
         if not self.stages or self.stages[-1] != 1.0 or any(not 0 < f <= 1 for f in self.stages) \
                 or list(self.stages) != sorted(self.stages):
             raise ValueError(f"stages {list(self.stages)}: increasing fractions in (0, 1] ending at 1.0 (100 %)")
-        if self.bake_s < 0 or self.min_reports < 0:
-            raise ValueError("bake time and min_reports cannot be negative")
+        if self.bake_s < 0 or self.min_reports < 0 or self.patience_s < 0:
+            raise ValueError("bake time, patience and min_reports cannot be negative")
 
     @property
     def stage_fraction(self) -> float | None:
@@ -141,7 +143,10 @@ class Deployment:
     def _judge(self, tick: Tick) -> list:
         metrics = stage_metrics(tick.reports)
         if metrics["reports"] < self.min_reports:
-            why = f"stage {self.stage}: {metrics['reports']:.0f} report(s) after the bake time, fewer than {self.min_reports}"
+            if tick.now - self.stage_started_at < self.bake_s + self.patience_s:
+                return []
+            why = (f"stage {self.stage}: {metrics['reports']:.0f} report(s) after the bake time and "
+                   f"{self.patience_s:g} s more, fewer than {self.min_reports}")
         else:
             failed = self.guard.failures(metrics)
             if not failed:
