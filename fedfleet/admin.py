@@ -5,7 +5,8 @@
     fedfleet admin job show|create|start|pause|resume|cancel|rounds ...
     fedfleet admin round JOB N
     fedfleet admin logs JOB [--follow]
-    fedfleet admin model show|download|lineage ID
+    fedfleet admin model show|download|lineage|deploy ID
+    fedfleet admin deployments | deployment show|promote|rollback ID   (model rollouts: admin_deployments.py)
 
 Tables and progress bars for people; ``--json`` prints the API's JSON unchanged, for scripts.
 The API address and token come from ``--url`` / ``--token`` (or ``--token-file``), else from
@@ -24,6 +25,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from . import admin_deployments
 from .help_format import HelpFormatter
 from typing import Any
 
@@ -164,6 +166,10 @@ def _run(args, client: AdminClient) -> Any:
                                          ("ACCURACY", "acc"), ("FINAL", "final_"), ("SHA256", "sha")])
     if c == "model":
         return _model(args, client)
+    if c == "deployments":
+        return admin_deployments.deployments(client, table)
+    if c == "deployment":
+        return admin_deployments.deployment(args, client)
     if c == "clusters":
         cl = client.get("/api/clusters")
         return cl, table(cl, [("CLUSTER", "cluster_id"), ("LABEL", "label"), ("JOB", "job_id"),
@@ -264,6 +270,8 @@ def _model(args, client):
     if args.action == "show":
         m = client.get(f"/api/models/{args.model_id}")
         return m, "\n".join(f"{k:<14}{v}" for k, v in m.items())
+    if args.action == "deploy":
+        return admin_deployments.deploy(args, client)
     if args.action == "lineage":
         lin = client.get(f"/api/models/{args.model_id}/lineage")
         return lin, "\n".join(f"v{m['version']} (id {m['model_id']}, round {m['round']}, {m['contributions']} "
@@ -380,10 +388,12 @@ def add_admin_parser(subparsers) -> argparse.ArgumentParser:
     lg.add_argument("--timeout", type=float, default=None, help="--follow: stop after this many seconds (default: none)")
     m = add("models", help="table of model versions")
     m.add_argument("--job", default=None, help="only this job's model versions")
-    mo = add("model", help="show / download / lineage of one model version")
-    mo.add_argument("action", choices=["show", "download", "lineage"])
+    mo = add("model", help="show / download / lineage of one model version, or deploy it to the fleet")
+    mo.add_argument("action", choices=["show", "download", "lineage", "deploy"])
     mo.add_argument("model_id", type=int)
     mo.add_argument("-o", "--output", default=None, help="download: file to write (.npz)")
+    admin_deployments.add_deploy_arguments(mo)
+    admin_deployments.add_deployment_parsers(add)
     add("clusters", help="table of clusters")
     add("metrics", help="the Prometheus metrics text")
     p.set_defaults(func=run_admin)

@@ -235,3 +235,63 @@ def store_state(store, deployment_id):
 
 def D_sha(head):
     return hashlib.sha256(D.head_npz(*head)).hexdigest()
+
+
+TOKEN = "deploy-token-0123456789abcdef"
+
+
+def test_the_operator_deploys_promotes_and_rolls_back_through_the_cli(setup, world, capsys):
+    from starlette.testclient import TestClient
+
+    from aggregator.api.app import create_app
+    from aggregator.api.server import ApiServer
+    from fedfleet.admin import main as admin
+
+    store, controller, fleet = setup
+    good = model_id(store, "good", *world["good"])
+    devices = DEVICES[:4]
+    for d in devices:
+        fleet.start(d)
+    ctl = controller()
+    api = ApiServer(create_app(store, TOKEN, None, ctl)).start()
+    base = ["--url", api.url, "--token", TOKEN]
+
+    def cli(*args, ok=True):
+        capsys.readouterr()
+        rc = admin([*args, *base])
+        out = capsys.readouterr()
+        assert (rc == 0) == ok, (args, rc, out.err)
+        return out.out if ok else out.err
+
+    try:
+        out = cli("model", "deploy", str(good), "--cohort", "devices:cam-0", "--stages", "50%,100%", "--bake", "1h",
+                  "--deployment-id", "ops-1")
+        assert "deployment ops-1: model" in out and "canary" in out and "stages devices:cam-0 -> 50% -> 100%" in out
+        good_sha = D_sha(world["good"])
+        wait_for(lambda: fleet.sha("cam-0") == good_sha, what="the canary device to swap")
+        assert all(fleet.sha(d) is None for d in devices[1:])               # a one-hour bake: nobody else yet
+        assert "ops-1 is canary" in cli("model", "deploy", str(good), ok=False)
+        assert "widening" in cli("deployment", "promote", "ops-1")          # 50 %
+        assert "now stage 2" in cli("deployment", "promote", "ops-1")      # 100 %
+        assert "complete" in cli("deployment", "promote", "ops-1")
+        wait_for(lambda: all(fleet.sha(d) == good_sha for d in devices), what="every device to swap")
+        assert "is complete" in cli("deployment", "promote", "ops-1", ok=False)
+        out = cli("deployment", "rollback", "ops-1", "--reason", "field complaints")
+        assert "rolled_back" in out and "reason    field complaints" in out
+        wait_for(lambda: all(fleet.sha(d) is None for d in devices), what="every device back to its own version")
+        line = cli("deployments").splitlines()[-1]
+        assert line.startswith("ops-1") and "rolled_back" in line and "field complaints" in line
+        shown = cli("deployment", "show", "ops-1")
+        assert "canary -> widening: promoted by the operator" in shown and "cam-0" in shown
+
+        client = TestClient(create_app(store, TOKEN, None, ctl))
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        assert client.post("/api/models/999/deploy", headers=auth, json={}).status_code == 404
+        bad = client.post(f"/api/models/{good}/deploy", headers=auth, json={"guard": "accuracy>0"})
+        assert bad.status_code == 422 and "METRIC OP NUMBER" in bad.json()["detail"]
+        assert client.get("/api/deployments/nope", headers=auth).status_code == 404
+        read_only = TestClient(create_app(store, TOKEN))
+        assert read_only.post(f"/api/models/{good}/deploy", headers=auth, json={}).status_code == 409
+        assert read_only.get("/api/deployments/ops-1", headers=auth).json()["state"] == "rolled_back"
+    finally:
+        api.stop()
