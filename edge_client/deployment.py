@@ -49,6 +49,7 @@ class HeadVersion:
     deployment: str
     W: np.ndarray
     b: np.ndarray
+    bundle_sha256: str = ""             # the exported bundle whose features it reads ("": the device's own)
 
     def logits(self, features: np.ndarray) -> np.ndarray:
         return np.asarray(features, dtype=np.float64) @ self.W.T + self.b
@@ -75,11 +76,11 @@ class ModelSlot:
             raise ValueError("no model version is deployed on this device yet")
         return head.logits(features).argmax(1)
 
-    def swap(self, data: bytes, sha256: str, deployment: str) -> HeadVersion:
+    def swap(self, data: bytes, sha256: str, deployment: str, bundle_sha256: str = "") -> HeadVersion:
         """Make the verified head file ``data`` current, keeping the current one as previous."""
         W, b = D.head_from_npz(data, sha256)
         _write_atomic(self.dir / f"{sha256}.npz", data)
-        new = HeadVersion(sha256, deployment, W, b)
+        new = HeadVersion(sha256, deployment, W, b, bundle_sha256)
         with self._lock:
             self._commit(new, self.current)
         return new
@@ -93,7 +94,8 @@ class ModelSlot:
             return True
 
     def _commit(self, current: HeadVersion | None, previous: HeadVersion | None) -> None:
-        entry = (lambda h: None if h is None else {"sha256": h.sha256, "deployment": h.deployment})
+        entry = (lambda h: None if h is None else {"sha256": h.sha256, "deployment": h.deployment,
+                                                   "bundle_sha256": h.bundle_sha256})
         _write_atomic(self.dir / STATE_FILE, json.dumps({"current": entry(current),
                                                          "previous": entry(previous)}).encode())
         self.current, self.previous = current, previous
@@ -106,7 +108,7 @@ class ModelSlot:
         if not entry:
             return None
         W, b = D.head_from_npz((self.dir / f"{entry['sha256']}.npz").read_bytes(), entry["sha256"])
-        return HeadVersion(entry["sha256"], entry["deployment"], W, b)
+        return HeadVersion(entry["sha256"], entry["deployment"], W, b, entry.get("bundle_sha256", ""))
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -119,11 +121,12 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 
 class DeploymentFollower:
-    """Follows the device's assignment: fetch, verify, evaluate on ``holdout()`` -> (features, labels),
-    swap, report. ``aggregator_key``: only assignments the aggregator signed are accepted."""
+    """Follows the device's assignment: fetch, verify, evaluate on ``holdout(bundle_sha256)`` ->
+    (features of the held-out split through that bundle, labels), swap, report. ``aggregator_key``:
+    only assignments the aggregator signed are accepted."""
 
     def __init__(self, device_id: str, broker: BrokerConfig, slot: ModelSlot,
-                 holdout: Callable[[], tuple[np.ndarray, np.ndarray]], topics: Topics = Topics(),
+                 holdout: Callable[[str], tuple[np.ndarray, np.ndarray]], topics: Topics = Topics(),
                  aggregator_key: bytes | None = None, signer=None, fetch_timeout_s: float = 60.0,
                  retry_s: float = 5.0, client_id: str | None = None):
         self.device_id, self.slot, self.holdout, self.topics, self.signer = device_id, slot, holdout, topics, signer
@@ -220,14 +223,15 @@ class DeploymentFollower:
         """Evaluate the candidate and the current head on the held-out split, swap, report the counts."""
         try:
             W, b = D.head_from_npz(data, a["sha256"])
-            Z, y = self.holdout()
+            bundle, current = a.get("bundle_sha256", ""), self.slot.current
+            Z, y = self.holdout(bundle)
             right = (lambda logits: int((logits.argmax(1) == y).sum()))
-            candidate = HeadVersion(a["sha256"], a["deployment"], W, b)
-            current = self.slot.current
-            counts = {"n": len(y), "correct_candidate": right(candidate.logits(Z)),
-                      "correct_current": right(current.logits(Z)) if current is not None else 0}
-            self.slot.swap(data, a["sha256"], a["deployment"])
-        except (EnvelopeError, ValueError) as exc:
+            # the current head is judged on its own bundle's features (the same ones, unless the bundle changed)
+            Z_current = Z if current is None or current.bundle_sha256 == bundle else self.holdout(current.bundle_sha256)[0]
+            counts = {"n": len(y), "correct_candidate": right(Z @ W.T + b),
+                      "correct_current": right(current.logits(Z_current)) if current is not None else 0}
+            self.slot.swap(data, a["sha256"], a["deployment"], bundle)
+        except (EnvelopeError, ValueError, OSError, RuntimeError) as exc:
             return self._refuse(f"head cannot be loaded, staying on the current version: {exc}", a)
         log.info("%s: now running %s of deployment %s (held-out %d/%d, was %d)", self.device_id, a["sha256"][:12],
                  a["deployment"], counts["correct_candidate"], counts["n"], counts["correct_current"])

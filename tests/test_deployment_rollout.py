@@ -73,7 +73,7 @@ class Fleet:
         self.followers = {}
 
     def start(self, device):
-        f = DeploymentFollower(device, self.broker, ModelSlot(self.tmp / device), lambda: self.world["holdout"][device],
+        f = DeploymentFollower(device, self.broker, ModelSlot(self.tmp / device), lambda bundle: self.world["holdout"][device],
                                topics=self.topics, aggregator_key=self.key, retry_s=0.5, fetch_timeout_s=10)
         self.followers[device] = f.start()
         return f
@@ -179,7 +179,7 @@ def test_unsigned_assignments_and_tampered_heads_are_refused_and_the_device_keep
         # a device without the key (and unknown to the controller) takes the assignment, but a head
         # that does not hash to it is refused
         trusting = DeploymentFollower("stranger", BrokerConfig.from_url(broker.url), ModelSlot(fleet.tmp / "stranger"),
-                                      lambda: world["holdout"]["cam-5"], topics=T, retry_s=0.3,
+                                      lambda bundle: world["holdout"]["cam-5"], topics=T, retry_s=0.3,
                                       fetch_timeout_s=10).start()
         fleet.followers["stranger"] = trusting
         asked = []

@@ -223,7 +223,12 @@ class DeploymentController:
     def _send_run(self, served: Served, devices: list[str]) -> None:
         dep = served.dep
         self._send(served, devices, D.RUN, D.run_message(AGGREGATOR_ID, dep.deployment_id, dep.model_sha256,
-                                                         len(served.head), dep.model_id))
+                                                         len(served.head), dep.model_id, self._bundle_of(dep.model_id)))
+
+    def _bundle_of(self, model_id: int) -> str:
+        """The exported bundle whose features the model's head reads: its job's (``""``: the devices' own)."""
+        job = self.store.job(self.store.model(model_id)["job_id"])
+        return str((job or {}).get("config", {}).get("bundle_sha256") or "")
 
     def _send(self, served: Served, devices: list[str], what: str, env) -> None:
         if not devices:

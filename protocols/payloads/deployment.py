@@ -7,7 +7,8 @@ fetches, and what it says about it. Topics (``protocols.topics.Topics``):
     {root}/v1/deploy/{device}/in     aggregator -> device: the head (``artifact``, chunked)
 
 * ``deployment.assign``  body ``{"deployment": id, "action": "run", "sha256": hex, "nbytes": int,
-  "model_id": int}`` — run this head (fetch it by sha256 unless kept); or ``{"deployment": id,
+  "model_id": int, "bundle_sha256": hex or ""}`` — run this head (fetch it by sha256 unless kept)
+  on the features of that exported bundle ("": the device's own); or ``{"deployment": id,
   "action": "rollback", "reason": text}`` — go back to the version run before that deployment.
   Signed by the aggregator; a device holding the aggregator's key refuses an unsigned one.
 * ``deployment.report``  body ``{"deployment": id, "sha256": hex, "n": int, "correct_candidate":
@@ -44,10 +45,12 @@ def check_deployment_id(value) -> str:
     return value
 
 
-def run_message(sender: str, deployment: str, sha256: str, nbytes: int, model_id: int) -> Envelope:
+def run_message(sender: str, deployment: str, sha256: str, nbytes: int, model_id: int,
+                bundle_sha256: str = "") -> Envelope:
     return Envelope(type=ASSIGN, sender=sender, body={"deployment": check_deployment_id(deployment), "action": RUN,
                                                       "sha256": check_sha(sha256), "nbytes": int(nbytes),
-                                                      "model_id": int(model_id)})
+                                                      "model_id": int(model_id),
+                                                      "bundle_sha256": check_sha(bundle_sha256) if bundle_sha256 else ""})
 
 
 def rollback_message(sender: str, deployment: str, reason: str) -> Envelope:
@@ -63,6 +66,8 @@ def parse_assignment(env: Envelope) -> dict:
     if out["action"] == RUN:
         out["sha256"] = check_sha(body_field(env, "sha256", str))
         out["nbytes"], out["model_id"] = body_field(env, "nbytes", int), body_field(env, "model_id", int)
+        bundle = env.body.get("bundle_sha256") or ""
+        out["bundle_sha256"] = check_sha(bundle) if bundle else ""
         if not 0 < out["nbytes"] <= MAX_HEAD_BYTES:
             raise EnvelopeError(f"head of {out['nbytes']} bytes: at most {MAX_HEAD_BYTES}")
     elif out["action"] == ROLLBACK:
