@@ -93,6 +93,8 @@ def test_guard_metrics_are_pooled_counts():
     assert m["wma_drop"] == pytest.approx(100 * (cur.sum() - cand.sum()) / n.sum())
     g = Guard.parse("wma_drop <= 1.5, refused<1")
     assert g.text == "wma_drop<=1.5,refused<1" and len(g.failures(m)) == (m["wma_drop"] > 1.5) + 1
+    empty = stage_metrics({"a": DeviceReport(n=0)})            # reports, but no held-out sample at all
+    assert empty["wma_drop"] is None and g.failures(empty) == ["wma_drop unknown (no held-out samples) is not <= 1.5"]
     for text in ("", "accuracy<=1", "wma_drop=<1", "wma_drop<=x"):
         with pytest.raises(ValueError):
             Guard.parse(text)

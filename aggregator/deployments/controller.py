@@ -68,6 +68,7 @@ class DeploymentController:
         self._q: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._next_tick = 0.0
         self.active: Served | None = None        # in canary or widening
         self.settled: Served | None = None       # the last completed: the version of every device not in a canary
         self.link = MqttLink(client_id, broker, on_message=lambda t, p: self._q.put(("mqtt", t, p)),
@@ -109,7 +110,9 @@ class DeploymentController:
                             fut.set_result(item[1]())
                         except Exception as exc:        # the caller's error (the API makes it a 4xx)
                             fut.set_exception(exc)
-                self._tick(time.time())
+                if time.monotonic() >= self._next_tick:      # not once per message: a fleet's reports come in bursts
+                    self._next_tick = time.monotonic() + self.tick_s
+                    self._tick(time.time())
             except Exception:           # one bad message or a failed write never stops the rollout thread
                 log.exception("deployment controller: an event raised")
 

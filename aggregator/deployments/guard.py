@@ -54,7 +54,8 @@ class Guard:
 
     def failures(self, metrics: dict[str, float]) -> list[str]:
         """The conditions the metrics break, as text (empty: the guard passes)."""
-        return [f"{m} {metrics[m]:.4g} is not {op} {v:g}" for m, op, v in self.conditions
+        return [f"{m} {'unknown (no held-out samples)' if metrics.get(m) is None else format(metrics[m], '.4g')} "
+                f"is not {op} {v:g}" for m, op, v in self.conditions
                 if metrics.get(m) is None or not OPS[op](metrics[m], v)]
 
 
