@@ -100,8 +100,9 @@ def versions(followers) -> dict[str, int]:
 def format_scenario(name: str, r: dict) -> str:
     lines = [f"  {name}: {r['state']}" + (f" ({r['reason']})" if r["reason"] else "")]
     for s in r["stages"]:
-        acc = (f"; judged on {s['reports']} report(s): candidate {s['wma_candidate']:.2f}% vs current "
-               f"{s['wma_current']:.2f}% held-out" if s.get("wma_candidate") is not None else "")
+        current = (f"current {s['wma_current']:.2f}%" if s.get("wma_current") else "no version deployed before")
+        acc = (f"; judged on {s['reports']} report(s): candidate {s['wma_candidate']:.2f}% held-out vs {current}"
+               if s.get("wma_candidate") is not None else "")
         lines.append(f"    stage {s['stage']} ({s['state']}): devices per version {s['versions']}{acc}")
     lines.append(f"    at the end: devices per version {r['final_versions']} of {r['devices']}")
     return "\n".join(lines)
