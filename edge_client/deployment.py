@@ -190,6 +190,9 @@ class DeploymentFollower:
             return
         current, previous = self.slot.current, self.slot.previous
         if current is not None and current.sha256 == a["sha256"]:
+            if current.deployment != a["deployment"]:       # the same head in a new deployment: judged, kept
+                data = (self.slot.dir / f"{current.sha256}.npz").read_bytes()
+                return self._adopt(a, data, swap=False)
             return                                          # already running it (a retained re-delivery)
         if previous is not None and previous.sha256 == a["sha256"]:
             data = (self.slot.dir / f"{previous.sha256}.npz").read_bytes()
@@ -219,7 +222,7 @@ class DeploymentFollower:
             return self._refuse(f"head refused, staying on the current version: {exc}", p)
         self._adopt(p, data)
 
-    def _adopt(self, a: dict, data: bytes) -> None:
+    def _adopt(self, a: dict, data: bytes, swap: bool = True) -> None:
         """Evaluate the candidate and the current head on the held-out split, swap, report the counts."""
         try:
             W, b = D.head_from_npz(data, a["sha256"])
@@ -230,9 +233,11 @@ class DeploymentFollower:
             Z_current = Z if current is None or current.bundle_sha256 == bundle else self.holdout(current.bundle_sha256)[0]
             counts = {"n": len(y), "correct_candidate": right(Z @ W.T + b),
                       "correct_current": right(current.logits(Z_current)) if current is not None else 0}
-            self.slot.swap(data, a["sha256"], a["deployment"], bundle)
-        except (EnvelopeError, ValueError, OSError, RuntimeError) as exc:
-            return self._refuse(f"head cannot be loaded, staying on the current version: {exc}", a)
+            if swap:
+                self.slot.swap(data, a["sha256"], a["deployment"], bundle)
+        except Exception as exc:        # the head, or the application's held-out features: refused, said why
+            return self._refuse(f"head cannot be loaded, staying on the current version: "
+                                f"{type(exc).__name__}: {exc}", a)
         log.info("%s: now running %s of deployment %s (held-out %d/%d, was %d)", self.device_id, a["sha256"][:12],
                  a["deployment"], counts["correct_candidate"], counts["n"], counts["correct_current"])
         self._report(D.report_message(self.device_id, a["deployment"], a["sha256"], **counts))

@@ -106,3 +106,14 @@ def format_scenario(name: str, r: dict) -> str:
         lines.append(f"    stage {s['stage']} ({s['state']}): devices per version {s['versions']}{acc}")
     lines.append(f"    at the end: devices per version {r['final_versions']} of {r['devices']}")
     return "\n".join(lines)
+
+
+DEPLOY_HEADER = ("rollout", "stage", "state", "devices per version", "reports", "candidate held-out %", "current %")
+
+
+def deployment_rows(deployments: dict) -> list[tuple]:
+    """One row per stage of each scenario, for the report's table."""
+    pct = (lambda v: "-" if v is None else f"{v:.2f}")
+    return [(name, s["stage"], s["state"], ", ".join(f"{k}: {v}" for k, v in sorted(s["versions"].items())),
+             s.get("reports", "-"), pct(s.get("wma_candidate")), pct(s.get("wma_current")))
+            for name, r in deployments.items() for s in r["stages"]]

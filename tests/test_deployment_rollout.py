@@ -47,7 +47,7 @@ def world():
     rng = np.random.default_rng(0)
     means = rng.normal(0, 3, (C, DIM))
     holdout = {}
-    for i, d in enumerate(DEVICES):
+    for d in DEVICES + ["cam-9"]:
         y = rng.integers(0, C, N_HOLDOUT)
         holdout[d] = (means[y] + rng.normal(0, 1.5, (N_HOLDOUT, DIM)), y)
     W, b = means, -0.5 * (means ** 2).sum(1)                 # nearest class mean
@@ -295,3 +295,27 @@ def test_the_operator_deploys_promotes_and_rolls_back_through_the_cli(setup, wor
         assert read_only.get("/api/deployments/ops-1", headers=auth).json()["state"] == "rolled_back"
     finally:
         api.stop()
+
+
+def test_rolling_back_the_settled_version_brings_back_the_one_before_for_every_device(setup, world):
+    store, controller, fleet = setup
+    good, other = model_id(store, "good", *world["good"]), model_id(store, "other", *world["broken"])
+    devices = DEVICES[:3]
+    for d in devices:
+        fleet.start(d)
+    ctl = controller()
+    ctl.call(lambda: ctl.deploy(good, cohort="devices:cam-0", stages="100%", bake_s=0, deployment_id="v1"))
+    good_sha, other_sha = D_sha(world["good"]), D_sha(world["broken"])
+    wait_for(lambda: all(fleet.sha(d) == good_sha for d in devices), what="v1 everywhere")
+    # the operator pushes v2 through without waiting for its guard, then takes it back
+    ctl.call(lambda: ctl.deploy(other, cohort="devices:cam-0", stages="100%", bake_s=3600, deployment_id="v2"))
+    ctl.call(lambda: ctl.promote("v2"))
+    assert ctl.call(lambda: ctl.promote("v2"))["state"] == "complete"
+    wait_for(lambda: all(fleet.sha(d) == other_sha for d in devices), what="v2 everywhere")
+    assert ctl.call(lambda: ctl.rollback("v2", "wrong labels"))["state"] == "rolled_back"
+    wait_for(lambda: all(fleet.sha(d) == good_sha for d in devices), what="v1 again everywhere")
+    # a device enrolled afterwards gets v1, the settled version again
+    store.enroll_device("cam-9", None, None)
+    fleet.start("cam-9")
+    wait_for(lambda: fleet.sha("cam-9") == good_sha, what="the new device on v1")
+    assert ctl.show("v2")["replaces"] == good and ctl.show("v2")["reason"] == "wrong labels"

@@ -55,3 +55,5 @@ def test_the_pipeline_rolls_the_fine_tuned_head_out_and_a_broken_one_back(tmp_pa
     assert broken["stages"][0]["wma_candidate"] < broken["stages"][0]["wma_current"] - 1
     assert broken["final_versions"] == {sha: len(devices)}           # every canary device went back
     assert json.loads((out / "report.json").read_text())["deployments"]["broken"]["state"] == "rolled_back"
+    page = (out / "report.html").read_text()
+    assert '<table id="deployments">' in page and "guard wma_drop&lt;=1 failed" in page

@@ -119,14 +119,16 @@ class DeploymentController:
     def _resume(self) -> None:
         """At start: the active and the settled deployment, their heads, and who was sent what
         (a restart re-sends nothing)."""
-        rows = self.table.list()
-        active = [r for r in rows if r["state"] in ACTIVE]
-        complete = [r for r in rows if r["state"] == "complete"]
+        active = [r for r in self.table.list() if r["state"] in ACTIVE]
         self.active = self._load(active[-1]["deployment_id"]) if active else None
-        self.settled = self._load(complete[-1]["deployment_id"]) if complete else None
+        self.settled = self._latest_complete()
         if self.active is not None:
             log.warning("deployment %s resumed in state %s, stage %d", self.active.dep.deployment_id,
                         self.active.dep.state, self.active.dep.stage)
+
+    def _latest_complete(self) -> Served | None:
+        complete = [r for r in self.table.list() if r["state"] == "complete"]
+        return self._load(complete[-1]["deployment_id"]) if complete else None
 
     def _load(self, deployment_id: str) -> Served:
         dep = Deployment.from_dict(self.table.get(deployment_id)["spec"])
@@ -217,9 +219,10 @@ class DeploymentController:
                            D.rollback_message(AGGREGATOR_ID, dep.deployment_id, act.reason))
         if dep.state == "complete" and served is self.active:
             self.active, self.settled = None, served
-        elif dep.state == "rolled_back":
-            self.active = None if served is self.active else self.active
-            self.settled = None if served is self.settled else self.settled
+        elif dep.state == "rolled_back" and served is self.active:
+            self.active = None
+        elif dep.state == "rolled_back":         # the settled version rolled back: the one before is again
+            self.settled = self._latest_complete()
         if dep.state not in ACTIVE and actions:
             log.info("deployment %s is %s", dep.deployment_id, dep.state)
 
