@@ -89,8 +89,8 @@ def serve(args) -> int:
         for bundle in args.artifacts:
             print(f"serving bundle {bundle}: manifest sha256 {shelf.add_bundle(bundle)}", flush=True)
     job = build_job(args.kind, with_served_bundle(args.kind, config, shelf)) if config is not None else None
-    announced = getattr(job.config, "bundle_sha256", "") if job is not None else ""
-    if announced and shelf is None:
+    announced = job.config.device_bundle_sha256() if job is not None else ""
+    if announced and shelf is None:            # a served shelf was checked by with_served_bundle
         raise ValueError(f"the job runs on bundle {announced[:16]}…, which this aggregator does not serve: "
                          "pass that bundle's directory with --artifacts")
     summary = serve_with_ops(args, job, broker, args.out,

@@ -36,7 +36,9 @@ from aggregator.jobs.ladd import LaddConfig, LaddJob  # noqa: E402
 from edge_client.models.segmentation import SegmentationModel  # noqa: E402
 from edge_client.tasks.ladd_training import LaddStyleTask, LaddTrainTask  # noqa: E402
 from fedfleet.emulation.synthetic_scenes import make_benchmark  # noqa: E402
-from fedfleet.ladd_pipeline import QUICK, LaddSimConfig, _job_configs, _segmentation_spec, make_pretrainer, run_ladd  # noqa: E402
+from fedfleet.ladd.aggregator_process import make_pretrainer, segmentation_spec  # noqa: E402
+from fedfleet.ladd.config import QUICK, LaddSimConfig  # noqa: E402
+from fedfleet.ladd.run import job_configs, run_ladd  # noqa: E402
 from protocols import messages as M  # noqa: E402
 from protocols.envelope import decode, encode  # noqa: E402
 from protocols.payloads.ladd import make_layout, pack  # noqa: E402
@@ -65,7 +67,7 @@ def in_process(cfg: LaddSimConfig, seed: int) -> dict:
     log: dict = {}
     t0 = time.perf_counter()
     pretrainer = make_pretrainer(c, seed, bench.source_images, bench.source_labels, log)
-    job = LaddJob(LaddConfig(**_job_configs(cfg, seed, len(devices))["ladd"]), pretrainer=pretrainer)
+    job = LaddJob(LaddConfig(**job_configs(cfg, seed, len(devices))["ladd"]), pretrainer=pretrainer)
     online = {d.device_id for d in devices}
     style_sizes, style_s = [], []
     parts = job.next_participants(online)
@@ -84,7 +86,7 @@ def in_process(cfg: LaddSimConfig, seed: int) -> dict:
     cluster_and_pretrain_s = time.perf_counter() - c0
     # two training rounds; every task's encoded size by what it carried, device time cold
     # (encoder features and KD targets computed) and warm (cached: the same task once more)
-    shared = SegmentationModel(_segmentation_spec(c), seed=seed)
+    shared = SegmentationModel(segmentation_spec(c), seed=seed)
     handlers = {d.device_id: LaddTrainTask(d.images, lambda spec: shared) for d in devices}
     sizes: dict[str, list[int]] = {}
     cold, warm, up, rounds = [], [], [], []

@@ -20,7 +20,8 @@ from .quiet import quiet_third_party_warnings
 
 def _simulate(args) -> int:
     if args.pipeline == "ladd":
-        from .ladd_pipeline import ladd_config_from_args, run_ladd
+        from .ladd.cli import ladd_config_from_args
+        from .ladd.run import run_ladd
 
         run_ladd(ladd_config_from_args(args))
         return 0
@@ -119,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "and a head with permuted classes back (the report shows each stage)")
     s.add_argument("--compare-with", help="fed3r-ft-oll: a plain run's output directory; this run's report (console, HTML, PNG) "
                         "then compares plain vs this run (default: no comparison)")
-    from .ladd_pipeline import add_ladd_arguments
+    from .ladd.cli import add_ladd_arguments
 
     add_ladd_arguments(s)
     s.set_defaults(func=_simulate)

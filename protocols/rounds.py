@@ -9,21 +9,12 @@ feeds events (a decoded message, a clock tick) and gets back a list of actions (
 send, work to start, results to apply). No sockets, threads or clocks live here, so every rule
 below is tested without a broker and the MQTT adapters stay thin.
 
-Aggregator side, one :class:`RoundCoordinator` per round::
-
-    state     event                               actions / next state
-    OPEN      ResultArrived(selected, new id)     ApplyResult, SendAck(accepted)     -> OPEN / CLOSED when all answered
-    OPEN      ResultArrived(id seen before)       SendAck(duplicate)                 (idempotent redelivery)
-    OPEN      ResultArrived(not selected)         SendAck(rejected)
-    OPEN      ResultArrived(device already done)  SendAck(duplicate)                 (second result never applied)
-    OPEN      ResultArrived(device lost)          ApplyResult, SendAck(accepted)     (it came back in time)
-    OPEN      ResultInvalid(pending device)       RecordRejected, SendAck(rejected)  (device counted as failed)
-    OPEN      ResultInvalid(anyone else)          SendAck(rejected)
-    OPEN      Declined(pending device)            RecordDeclined                     (device counted as declined)
-    OPEN      DeviceLost(device)                  device counted as dropped (went offline mid-task)
-    OPEN      GroupSettled(survivors)             survivors counted as accepted, RoundClosed -> CLOSED
-    OPEN      Tick(now >= deadline)               RoundClosed                          -> CLOSED
-    CLOSED    ResultArrived(anything)             SendAck(late) ; counted, never applied
+The rules are data: :data:`COORDINATOR_TABLE` (aggregator side, one :class:`RoundCoordinator` per
+round) and :data:`DEVICE_TABLE` (device side, one :class:`DeviceSession` per device) list, per
+(state, event type), the guarded rows that apply in order; ``handle`` fires the first row whose
+guard holds and refuses an event its state has no row for (:class:`IllegalTransition`, nothing
+changed). ``docs/protocol.md`` prints both tables as :func:`render_tables` renders them (a test
+keeps the two equal; ``python -m protocols.rounds`` prints them).
 
 Every action that changes what the round will report comes out of the machine *before* the
 actions that depend on it (``RecordRejected``/``RecordDeclined``/``ApplyResult`` before the ack and
@@ -34,22 +25,6 @@ to apply; the job already applied the sum and names the devices it holds.
 
 Late results are never carried into a later round: a result names its (job, round) and the
 server routes it only to that round's coordinator (closed rounds answer ``late``).
-
-Device side, one :class:`DeviceSession` per device::
-
-    state     event                          actions / next state
-    IDLE      TaskArrived(new task)          StartWork                      -> WORKING
-    WORKING   TaskArrived(same task)         -                              (redelivery while busy)
-    WORKING   WorkFinished(result)           SendResult                     -> REPORTED
-    WORKING   WorkFailed(reason)             SendDecline                    -> IDLE
-    REPORTED  ResultSent(now)                -                              (retry timer starts when the upload ends)
-    REPORTED  TaskArrived(same task)         SendResult (same message id)   (server may have lost it)
-    REPORTED  Tick (no ack expected)         -                              (a secure task's first protocol
-                                                                             message: the protocol's own
-                                                                             phases and timers follow)
-    REPORTED  Tick(now > next retry)         SendResult (same message id)   until max_retries
-    REPORTED  AckArrived(ref = result id)    -                              -> IDLE
-    any       TaskArrived(newer task)        StartWork                      -> WORKING (older work abandoned)
 
 Re-sending the *same* message id makes retries idempotent end to end: the aggregator applies an
 id at most once and answers duplicates with ``duplicate``.
@@ -62,6 +37,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
 from .messages import TaskRef
+from .transition_table import ANY, IllegalTransition, Transition, TransitionTable  # noqa: F401 (handle raises it)
 
 
 # ----------------------------------------------------------------------------- aggregator side
@@ -159,36 +135,8 @@ class RoundCoordinator:
     late: int = 0
 
     def handle(self, event) -> list:
-        if isinstance(event, ResultArrived):
-            return self._on_result(event)
-        if isinstance(event, ResultInvalid):
-            if self.state is RoundState.OPEN and event.device in self.pending:
-                self.rejected[event.device] = event.reason
-                return [RecordRejected(event.device, event.message_id, event.reason),
-                        SendAck(event.device, event.message_id, "rejected", event.reason)] + self._maybe_close()
-            return [SendAck(event.device, event.message_id, "rejected", event.reason)]
-        if isinstance(event, Declined):
-            if self.state is RoundState.OPEN and event.device in self.pending:
-                self.declined[event.device] = event.reason
-                return [RecordDeclined(event.device, event.reason)] + self._maybe_close()
-            return []
-        if isinstance(event, DeviceLost):
-            if self.state is RoundState.OPEN and event.device in self.pending:
-                self.lost.add(event.device)
-                return self._maybe_close()
-            return []
-        if isinstance(event, GroupSettled):
-            if self.state is not RoundState.OPEN:
-                return []
-            for device in sorted(set(event.survivors) & self.participants):
-                self.lost.discard(device)        # offline right after its masked input: its data IS in the sum
-                self.accepted[device] = f"group-{self.round}"
-            return self._close()
-        if isinstance(event, Tick):
-            if self.state is RoundState.OPEN and event.now >= self.deadline:
-                return self._close()
-            return []
-        raise TypeError(f"unknown event {event!r}")
+        """The actions for `event`, by COORDINATOR_TABLE (IllegalTransition for an event it lacks)."""
+        return COORDINATOR_TABLE.fire(self, event)
 
     @property
     def pending(self) -> frozenset[str]:
@@ -207,21 +155,53 @@ class RoundCoordinator:
         self.accepted[device] = message_id
         self.seen_ids.add(message_id)
 
-    def _on_result(self, ev: ResultArrived) -> list:
-        if ev.message_id in self.seen_ids:
-            return [SendAck(ev.device, ev.message_id, "duplicate")]
-        if self.state is RoundState.CLOSED:
-            self.late += 1
-            return [SendAck(ev.device, ev.message_id, "late", f"round {self.round} is closed")]
-        if ev.device not in self.participants:
-            return [SendAck(ev.device, ev.message_id, "rejected", f"not selected for round {self.round}")]
+    # -- effects of COORDINATOR_TABLE's rows -------------------------------------------------
+    def _ack_duplicate(self, ev: ResultArrived) -> list:
+        return [SendAck(ev.device, ev.message_id, "duplicate")]
+
+    def _ack_late(self, ev: ResultArrived) -> list:
+        self.late += 1
+        return [SendAck(ev.device, ev.message_id, "late", f"round {self.round} is closed")]
+
+    def _ack_not_selected(self, ev: ResultArrived) -> list:
+        return [SendAck(ev.device, ev.message_id, "rejected", f"not selected for round {self.round}")]
+
+    def _ack_already_answered(self, ev: ResultArrived) -> list:
+        return [SendAck(ev.device, ev.message_id, "duplicate", "device already answered this round")]
+
+    def _accept(self, ev: ResultArrived) -> list:
         self.lost.discard(ev.device)   # a device that reconnected in time and answers is welcome
-        if ev.device not in self.pending:
-            return [SendAck(ev.device, ev.message_id, "duplicate", "device already answered this round")]
         self.seen_ids.add(ev.message_id)
         self.accepted[ev.device] = ev.message_id
         return [ApplyResult(ev.device, ev.message_id, ev.result),
                 SendAck(ev.device, ev.message_id, "accepted")] + self._maybe_close()
+
+    def _reject(self, ev: ResultInvalid) -> list:
+        self.rejected[ev.device] = ev.reason
+        return [RecordRejected(ev.device, ev.message_id, ev.reason)] + self._ack_rejected(ev) + self._maybe_close()
+
+    def _ack_rejected(self, ev: ResultInvalid) -> list:
+        return [SendAck(ev.device, ev.message_id, "rejected", ev.reason)]
+
+    def _decline(self, ev: Declined) -> list:
+        self.declined[ev.device] = ev.reason
+        return [RecordDeclined(ev.device, ev.reason)] + self._maybe_close()
+
+    def _lose(self, ev: DeviceLost) -> list:
+        self.lost.add(ev.device)
+        return self._maybe_close()
+
+    def _settle(self, ev: GroupSettled) -> list:
+        for device in sorted(set(ev.survivors) & self.participants):
+            self.lost.discard(device)        # offline right after its masked input: its data IS in the sum
+            self.accepted[device] = f"group-{self.round}"
+        return self._close()
+
+    def _expire(self, ev: Tick) -> list:
+        return self._close()
+
+    def _ignore(self, ev) -> list:
+        return []
 
     def _maybe_close(self) -> list:
         return self._close() if not self.pending else []
@@ -230,6 +210,40 @@ class RoundCoordinator:
         self.state = RoundState.CLOSED
         return [RoundClosed(self.round, tuple(sorted(self.accepted)), tuple(sorted(self.pending | self.lost)),
                             tuple(sorted(self.declined)), tuple(sorted(self.rejected)))]
+
+
+def _is_pending(coord: RoundCoordinator, ev) -> bool:
+    return ev.device in coord.pending
+
+
+_C, _OPEN, _CLOSED = RoundCoordinator, RoundState.OPEN, RoundState.CLOSED
+COORDINATOR_TABLE = TransitionTable(RoundState, [
+    Transition(ANY, ResultArrived, "id seen before", _C._ack_duplicate, (SendAck,),
+               note="ack duplicate: idempotent redelivery", guard=lambda c, ev: ev.message_id in c.seen_ids),
+    Transition(_CLOSED, ResultArrived, "", _C._ack_late, (SendAck,), note="ack late; counted, never applied"),
+    Transition(_OPEN, ResultArrived, "device not selected", _C._ack_not_selected, (SendAck,),
+               note="ack rejected", guard=lambda c, ev: ev.device not in c.participants),
+    Transition(_OPEN, ResultArrived, "device already answered", _C._ack_already_answered, (SendAck,),
+               note="ack duplicate: a second result is never applied",
+               guard=lambda c, ev: ev.device in c.accepted.keys() | c.declined.keys() | c.rejected.keys()),
+    Transition(_OPEN, ResultArrived, "", _C._accept, (ApplyResult, SendAck, RoundClosed), (_CLOSED,),
+               note="ack accepted (a lost device came back in time); closes when nobody is pending"),
+    Transition(_OPEN, ResultInvalid, "device pending", _C._reject, (RecordRejected, SendAck, RoundClosed),
+               (_CLOSED,), note="ack rejected; device counted as rejected", guard=_is_pending),
+    Transition(ANY, ResultInvalid, "", _C._ack_rejected, (SendAck,), note="ack rejected, nothing recorded"),
+    Transition(_OPEN, Declined, "device pending", _C._decline, (RecordDeclined, RoundClosed), (_CLOSED,),
+               note="device counted as declined", guard=_is_pending),
+    Transition(ANY, Declined, "", _C._ignore, note="repeated or late decline"),
+    Transition(_OPEN, DeviceLost, "device pending", _C._lose, (RoundClosed,), (_CLOSED,),
+               note="counted as dropped (offline mid-task) unless it answers in time", guard=_is_pending),
+    Transition(ANY, DeviceLost, "", _C._ignore),
+    Transition(_OPEN, GroupSettled, "", _C._settle, (RoundClosed,), (_CLOSED,),
+               note="the survivors (selected ones) counted as accepted"),
+    Transition(_CLOSED, GroupSettled, "", _C._ignore, note="a round settles once"),
+    Transition(_OPEN, Tick, "now >= deadline", _C._expire, (RoundClosed,), (_CLOSED,),
+               guard=lambda c, ev: ev.now >= c.deadline),
+    Transition(ANY, Tick, "", _C._ignore),
+])
 
 
 # ----------------------------------------------------------------------------- device side
@@ -311,53 +325,103 @@ class DeviceSession:
     now: float = 0.0
 
     def handle(self, event) -> list:
-        if isinstance(event, TaskArrived):
-            return self._on_task(event)
-        if isinstance(event, WorkFinished):
-            if self.state is not DeviceState.WORKING or event.ref != self.current:
-                return []  # work for an abandoned task
-            self.finished[event.ref] = event
-            while len(self.finished) > self.keep_finished:      # a long-lived device keeps only recent results
-                del self.finished[next(iter(self.finished))]
-            self.state, self.attempts = DeviceState.REPORTED, 1
-            self.next_retry = self.now + self.retry_after_s if event.expects_ack else float("inf")
-            return [SendResult(event.message, 1)]
-        if isinstance(event, WorkFailed):
-            if self.state is DeviceState.WORKING and event.ref == self.current:
-                self.state, self.current = DeviceState.IDLE, None
-                return [SendDecline(event.ref, event.reason)]
-            return []
-        if isinstance(event, ResultSent):
-            # A slow upload must not count against the ack timeout (back-off doubles per attempt).
-            self.now = event.now
-            if self.state is DeviceState.REPORTED and self.finished[self.current].expects_ack:
-                self.next_retry = event.now + self.retry_after_s * 2 ** (self.attempts - 1)
-            return []
-        if isinstance(event, AckArrived):
-            done = self.finished.get(self.current) if self.current else None
-            if self.state is DeviceState.REPORTED and done is not None and done.message_id == event.ref_id:
-                self.state = DeviceState.IDLE
-                if not self.keep_acked_results:
-                    self.finished[self.current] = replace(done, message=None)
-            return []
-        if isinstance(event, Tick):
-            self.now = event.now
-            if (self.state is DeviceState.REPORTED and event.now >= self.next_retry
-                    and self.attempts <= self.max_retries):
-                self.attempts += 1
-                self.next_retry = event.now + self.retry_after_s * 2 ** (self.attempts - 1)
-                return [SendResult(self.finished[self.current].message, self.attempts)]
-            return []
-        raise TypeError(f"unknown event {event!r}")
+        """The actions for `event`, by DEVICE_TABLE (IllegalTransition for an event it lacks)."""
+        return DEVICE_TABLE.fire(self, event)
 
-    def _on_task(self, ev: TaskArrived) -> list:
-        if ev.ref in self.finished:
-            message = self.finished[ev.ref].message
-            return [] if message is None else [SendResult(message, self.attempts + 1)]
-        if self.state is DeviceState.WORKING and ev.ref == self.current:
-            return []
+    def _retry_delay(self) -> float:
+        return self.retry_after_s * 2 ** (self.attempts - 1)   # back-off doubles per attempt
+
+    # -- guards and effects of DEVICE_TABLE's rows -----------------------------------------------
+    def _is_current(self, ev) -> bool:
+        return ev.ref == self.current
+
+    def _acks_current_result(self, ev: AckArrived) -> bool:
+        done = self.finished.get(self.current) if self.current else None
+        return done is not None and done.message_id == ev.ref_id
+
+    def _retry_due(self, ev: Tick) -> bool:
+        return ev.now >= self.next_retry and self.attempts <= self.max_retries
+
+    def _resend_finished(self, ev: TaskArrived) -> list:
+        return [SendResult(self.finished[ev.ref].message, self.attempts + 1)]
+
+    def _start(self, ev: TaskArrived) -> list:
         self.current, self.state = ev.ref, DeviceState.WORKING
         return [StartWork(ev.ref, ev.kind, ev.params, ev.deadline, ev.tensors)]
+
+    def _report(self, ev: WorkFinished) -> list:
+        self.finished[ev.ref] = ev
+        while len(self.finished) > self.keep_finished:      # a long-lived device keeps only recent results
+            del self.finished[next(iter(self.finished))]
+        self.state, self.attempts = DeviceState.REPORTED, 1
+        self.next_retry = self.now + self.retry_after_s if ev.expects_ack else float("inf")
+        return [SendResult(ev.message, 1)]
+
+    def _decline(self, ev: WorkFailed) -> list:
+        self.state, self.current = DeviceState.IDLE, None
+        return [SendDecline(ev.ref, ev.reason)]
+
+    def _upload_ended(self, ev: ResultSent) -> list:
+        # A slow upload must not count against the ack timeout.
+        self.now = ev.now
+        self.next_retry = ev.now + self._retry_delay()
+        return []
+
+    def _acknowledged(self, ev: AckArrived) -> list:
+        self.state = DeviceState.IDLE
+        if not self.keep_acked_results:
+            self.finished[self.current] = replace(self.finished[self.current], message=None)
+        return []
+
+    def _retry(self, ev: Tick) -> list:
+        self.now = ev.now
+        self.attempts += 1
+        self.next_retry = ev.now + self._retry_delay()
+        return [SendResult(self.finished[self.current].message, self.attempts)]
+
+    def _clock(self, ev: Tick | ResultSent) -> list:
+        self.now = ev.now
+        return []
+
+    def _ignore(self, ev) -> list:
+        return []
+
+
+_D, _IDLE, _WORKING, _REPORTED = DeviceSession, DeviceState.IDLE, DeviceState.WORKING, DeviceState.REPORTED
+DEVICE_TABLE = TransitionTable(DeviceState, [
+    Transition(ANY, TaskArrived, "task answered, result kept", _D._resend_finished, (SendResult,),
+               note="same message id: the server may have lost it",
+               guard=lambda d, ev: ev.ref in d.finished and d.finished[ev.ref].message is not None),
+    Transition(ANY, TaskArrived, "task answered, result forgotten", _D._ignore,
+               note="acknowledged already (keep_acked_results off)", guard=lambda d, ev: ev.ref in d.finished),
+    Transition(_WORKING, TaskArrived, "the task at work", _D._ignore, note="redelivery while busy",
+               guard=_D._is_current),
+    Transition(ANY, TaskArrived, "", _D._start, (StartWork,), (_WORKING,),
+               note="a new task: older work is abandoned"),
+    Transition(_WORKING, WorkFinished, "the task at work", _D._report, (SendResult,), (_REPORTED,),
+               note="retry timer off when no ack is expected (a secure task's protocol message)",
+               guard=_D._is_current),
+    Transition(ANY, WorkFinished, "", _D._ignore, note="work for an abandoned task"),
+    Transition(_WORKING, WorkFailed, "the task at work", _D._decline, (SendDecline,), (_IDLE,),
+               guard=_D._is_current),
+    Transition(ANY, WorkFailed, "", _D._ignore, note="failure of an abandoned task"),
+    Transition(_REPORTED, ResultSent, "an ack is expected", _D._upload_ended,
+               note="retry timer starts when the upload ends",
+               guard=lambda d, ev: d.finished[d.current].expects_ack),
+    Transition(ANY, ResultSent, "", _D._clock),
+    Transition(_REPORTED, AckArrived, "ref = the result's id", _D._acknowledged, goes_to=(_IDLE,),
+               guard=_D._acks_current_result),
+    Transition(ANY, AckArrived, "", _D._ignore, note="ack of an older or unknown message"),
+    Transition(_REPORTED, Tick, "now >= next retry, retries left", _D._retry, (SendResult,),
+               note="same message id, back-off doubling, up to max_retries", guard=_D._retry_due),
+    Transition(ANY, Tick, "", _D._clock),
+])
+
+
+def render_tables() -> str:
+    """Both machines' tables as the text docs/protocol.md shows."""
+    return (f"Aggregator side, one RoundCoordinator per round:\n\n{COORDINATOR_TABLE.render()}\n\n"
+            f"Device side, one DeviceSession per device:\n\n{DEVICE_TABLE.render()}")
 
 
 def drain(machine, events: Iterable) -> list:
@@ -366,3 +430,7 @@ def drain(machine, events: Iterable) -> list:
     for ev in events:
         out.extend(machine.handle(ev))
     return out
+
+
+if __name__ == "__main__":
+    print(render_tables())

@@ -6,8 +6,10 @@ import json
 import numpy as np
 import pytest
 
-from fedfleet.ladd_pipeline import (METHODS, QUICK, LaddSimConfig, add_ladd_arguments, confusion,
-                                    ladd_config_from_args, miou, run_ladd, split_cluster_models)
+from fedfleet.ladd.cli import add_ladd_arguments, ladd_config_from_args
+from fedfleet.ladd.config import METHODS, QUICK, LaddSimConfig
+from fedfleet.ladd.metrics import confusion, miou, split_cluster_models
+from fedfleet.ladd.run import run_ladd
 
 
 def test_confusion_and_miou_against_sklearn():

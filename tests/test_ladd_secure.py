@@ -135,7 +135,7 @@ def test_golden_secure_ladd_task_parses_and_binds_its_layout():
 def test_secure_flag_maps_onto_the_pipeline_config():
     import argparse
 
-    from fedfleet.ladd_pipeline import add_ladd_arguments, ladd_config_from_args
+    from fedfleet.ladd.cli import add_ladd_arguments, ladd_config_from_args
 
     parser = argparse.ArgumentParser()
     add_ladd_arguments(parser)

@@ -1,12 +1,19 @@
 """The sans-IO round machines: every rule in the transition tables of protocols/rounds.py."""
 
+import enum
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
 import pytest
 
 from protocols.messages import TaskRef
-from protocols.rounds import (AckArrived, ResultSent, ApplyResult, Declined, DeviceLost, DeviceSession, DeviceState, GroupSettled,
+from protocols.rounds import (COORDINATOR_TABLE, DEVICE_TABLE, AckArrived, IllegalTransition, render_tables, ResultSent, ApplyResult, Declined, DeviceLost, DeviceSession, DeviceState, GroupSettled,
                               RecordDeclined, RecordRejected, ResultArrived,
                               ResultInvalid, RoundClosed, RoundCoordinator, SendAck, SendDecline, SendResult,
                               TaskArrived, Tick, WorkFailed, WorkFinished)
+from protocols.transition_table import Transition, TransitionTable
 
 
 def coord(devs=("a", "b", "c"), deadline=100.0):
@@ -167,3 +174,111 @@ def test_a_secure_task_goes_through_the_session_without_ack_retries():
     assert s.handle(Tick(1000.0)) == []                                   # no retry timer
     assert s.handle(task()) == [SendResult("KEYS", 2)]                   # redelivered task: same messages
     assert kinds(s.handle(task(r=2))) == ["StartWork"]                    # the next round's task starts anew
+
+
+# ---- the tables themselves --------------------------------------------------------------------
+def test_docs_show_the_tables_rendered_from_the_data():
+    text = (Path(__file__).resolve().parents[1] / "docs" / "protocol.md").read_text()
+    block = re.search(r"<!-- BEGIN rounds tables \(generated\) -->\n```text\n(.*?)\n```\n<!-- END rounds tables -->",
+                      text, re.S)
+    assert block is not None, "docs/protocol.md lost its generated rounds tables"
+    assert block.group(1) == render_tables(), "stale: paste `python -m protocols.rounds` into docs/protocol.md"
+
+
+def test_an_event_foreign_to_a_machine_is_refused_from_the_table_and_changes_nothing():
+    c = coord()
+    c.handle(ResultArrived("a", "m1", 1))
+    before = c.snapshot()
+    with pytest.raises(IllegalTransition, match="OPEN has no transition for TaskArrived"):
+        c.handle(task())
+    assert c.snapshot() == before and c.seen_ids == {"m1"}
+    s = DeviceSession()
+    s.handle(task())
+    with pytest.raises(IllegalTransition, match="WORKING has no transition for ResultArrived"):
+        s.handle(ResultArrived("a", "m1", 1))
+    assert s.state is DeviceState.WORKING and s.current == TaskRef("j", 1, "t1")
+
+
+class Door(enum.Enum):
+    SHUT = "shut"
+    OPEN = "open"
+
+
+@dataclass(frozen=True)
+class Push:
+    pass
+
+
+@dataclass
+class DoorMachine:
+    """A two-state machine whose table leaves (OPEN, Push) out."""
+    state: Door = Door.SHUT
+    pushes: int = 0
+
+    def open(self, ev):
+        self.pushes += 1
+        self.state = Door.OPEN
+        return ["opened"]
+
+
+def test_a_pair_missing_from_a_table_is_refused_while_its_other_states_fire():
+    table = TransitionTable(Door, [Transition(Door.SHUT, Push, "", DoorMachine.open, (str,), (Door.OPEN,))])
+    door = DoorMachine()
+    assert table.fire(door, Push()) == ["opened"] and door.state is Door.OPEN
+    with pytest.raises(IllegalTransition, match="DoorMachine in state OPEN has no transition for Push"):
+        table.fire(door, Push())
+    assert door.pushes == 1 and door.state is Door.OPEN
+
+
+def test_a_row_that_breaks_its_declaration_is_caught():
+    moves_elsewhere = TransitionTable(Door, [Transition(Door.SHUT, Push, "", DoorMachine.open, (str,))])
+    with pytest.raises(AssertionError, match="SHUT -> OPEN"):
+        moves_elsewhere.fire(DoorMachine(), Push())
+    emits_other = TransitionTable(Door, [Transition(Door.SHUT, Push, "", DoorMachine.open, (int,), (Door.OPEN,))])
+    with pytest.raises(AssertionError, match="emitted"):
+        emits_other.fire(DoorMachine(), Push())
+    with pytest.raises(ValueError, match="last row must be unguarded"):
+        TransitionTable(Door, [Transition(Door.SHUT, Push, "never", DoorMachine.open, guard=lambda m, ev: False)])
+
+
+def _walk(make, events, table, steps, seed):
+    """Random event sequences through fresh machines; the (state, row) pairs that fired."""
+    rng = random.Random(seed)
+    fired = set()
+    for _ in range(steps):
+        machine = make()
+        for _ in range(rng.randint(1, 30)):
+            event = rng.choice(events)(rng, machine)
+            fired.add((machine.state, table.select(machine, event)))
+            machine.handle(event)
+    return fired
+
+
+def test_every_coordinator_row_fires_in_every_state_it_names():
+    devs = ("a", "b", "c", "zz")
+    events = [lambda r, c: ResultArrived(r.choice(devs), f"m{r.randint(0, 4)}", 0),
+              lambda r, c: ResultInvalid(r.choice(devs), f"m{r.randint(0, 4)}", "bad"),
+              lambda r, c: Declined(r.choice(devs), "no data"), lambda r, c: DeviceLost(r.choice(devs)),
+              lambda r, c: GroupSettled(tuple(r.sample(devs, 2))), lambda r, c: Tick(r.uniform(0, 12))]
+    fired = _walk(lambda: coord(deadline=10.0), events, COORDINATOR_TABLE, 400, seed=1)
+    names = lambda pairs: {(s.name, COORDINATOR_TABLE.describe(row)) for s, row in pairs}
+    assert names(COORDINATOR_TABLE.entries()) - names(fired) == set()
+
+
+def test_every_device_row_fires_in_every_state_it_names():
+    def ref(r):
+        n = r.randint(1, 3)
+        return TaskRef("j", n, f"t{n}")
+
+    def finished(r, s):
+        done = s.current if s.current and r.random() < 0.7 else ref(r)
+        return WorkFinished(done, f"R{done.round}", f"r{done.round}", expects_ack=r.random() < 0.8)
+
+    events = [lambda r, s: TaskArrived(ref(r), "fed3r.stats", {}, 0.0), finished,
+              lambda r, s: WorkFailed(s.current if s.current and r.random() < 0.5 else ref(r), "no data"),
+              lambda r, s: ResultSent(r.uniform(0, 30)), lambda r, s: AckArrived(f"r{r.randint(1, 3)}", "accepted"),
+              lambda r, s: Tick(r.uniform(0, 60))]
+    fired = _walk(lambda: DeviceSession(retry_after_s=2, max_retries=2, keep_acked_results=False), events,
+                  DEVICE_TABLE, 600, seed=2)
+    names = lambda pairs: {(s.name, DEVICE_TABLE.describe(row)) for s, row in pairs}
+    assert names(DEVICE_TABLE.entries()) - names(fired) == set()

@@ -46,3 +46,73 @@ def test_sync_vector_layout_round_trips_and_checks_its_length():
     assert np.array_equal(a2, a) and np.array_equal(b2, b) and n == 17
     with pytest.raises(ValueError, match="shape"):
         unpack_sync_vector(v[:-1], p, C)
+
+
+# ---- the messages' wire declarations --------------------------------------------------------
+def one_of_each_message():
+    """Every secagg message type from a real round (consistency check on, one drop-out, so every
+    phase's messages exist) plus a RoundAborted, as decoded from its wire form."""
+    from protocols.secagg import Phase
+    from protocols.secagg.driver import make_identities, run_round
+    from protocols.secagg.messages import RoundAborted
+
+    identities = {i.device_id: i for i in make_identities(5)}
+    config = RoundConfig.create(job_id="j", round_id=1, group_id="g", aggregator_id="aggregator",
+                                members=list(identities), vector_length=4, bound=1.0, consistency_check=True)
+    seen = {}
+
+    def keep(message):
+        seen.setdefault(type(message), message)
+        return [message]
+
+    run_round(config, DeviceIdentity.generate("aggregator"), identities, lambda d: np.zeros(4),
+              dropouts={config.members[0]: Phase.MASKED_INPUT}, intercept=keep)
+    seen[RoundAborted] = RoundAborted(job_id="j", round_id=1, group_id="g", sender="aggregator", recipient="x",
+                                      reason="too few")
+    return seen
+
+
+MESSAGES = one_of_each_message()
+
+
+def test_every_message_type_is_exercised_and_declares_every_field_it_carries():
+    from dataclasses import fields
+
+    from protocols.secagg.messages import MESSAGE_TYPES, Message
+
+    assert set(MESSAGES) == set(MESSAGE_TYPES.values())
+    common = {f.name for f in fields(Message)}
+    for cls in MESSAGE_TYPES.values():
+        assert set(cls.WIRE_FIELDS) == {f.name for f in fields(cls)} - common, cls.__name__
+        header, arrays = MESSAGES[cls].to_wire()
+        assert set(header) - common - {"type"} == set(cls.PAYLOAD) and set(arrays) == set(cls.ARRAYS)
+
+
+def _refused(cls, header, arrays):
+    from protocols.secagg import MalformedMessage
+    from protocols.secagg.messages import decode as decode_message
+
+    with pytest.raises(MalformedMessage):
+        decode_message(header, arrays)
+
+
+@pytest.mark.parametrize("cls", sorted(MESSAGES, key=lambda c: c.__name__), ids=lambda c: c.__name__)
+def test_a_message_with_any_field_of_the_wrong_kind_or_shape_is_refused(cls):
+    """Every header field with a value of the wrong JSON type, every array of the wrong dtype or
+    rank, every row-indexed array with a row too few and every fixed-width array with a byte too
+    few per row is refused with MalformedMessage; the untouched message decodes to the same bytes."""
+    from protocols.secagg.messages import decode as decode_message
+
+    header, arrays = MESSAGES[cls].to_wire()
+    assert decode_message(header, arrays).canonical_bytes() == MESSAGES[cls].canonical_bytes()
+    for name in cls.PAYLOAD:
+        _refused(cls, {**header, name: 7}, arrays)
+    for name, array in arrays.items():
+        _refused(cls, header, {**arrays, name: array.astype(np.int64)})
+        _refused(cls, header, {**arrays, name: array[None]})
+        if cls.ARRAYS[name].rows_per is not None:
+            _refused(cls, header, {**arrays, name: array[:-1]})
+        if cls.ARRAYS[name].row_bytes is not None:
+            _refused(cls, header, {**arrays, name: array[:, :-1]})
+    for key in ("job_id", "signature", *cls.PAYLOAD):
+        _refused(cls, {k: v for k, v in header.items() if k != key}, arrays)

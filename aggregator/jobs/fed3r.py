@@ -19,7 +19,7 @@ times in a row is not, and the job is done when no device is left to ask.
 from __future__ import annotations
 
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -29,6 +29,7 @@ from protocols.rounds import RoundClosed
 
 from aggregator.strategies.dp_fed3r import NoisyFed3R, check_bounded, fed3r_sensitivity
 from aggregator.strategies.fed3r import Fed3R
+from aggregator.jobs.base import SplitValidation
 from aggregator.jobs.model_fields import ModelFields
 from aggregator.jobs.privacy_fields import PrivacyBudgetFields
 from aggregator.jobs.scheduling import OncePerDevice
@@ -41,14 +42,9 @@ class Fed3RConfig(PrivacyBudgetFields, ModelFields):
     fit_intercept: bool = True
     normalize_columns: bool = True
     random_features: dict | None = None     # {"seed": int, "dim": D, "sigma": float}
-    clients_per_round: int = 10
-    round_timeout_s: float = 120.0
     max_attempts: int = 3
     b_format: str = "sparse"
     stats_dtype: str = "float64"
-    expected_devices: int = 0                # start once this many devices are online (0: first one)
-    start_timeout_s: float = 60.0            # ...or after this long with whoever is there
-    seed: int = 0
     factor_uploads: bool = True              # devices with fewer samples than features may send R (exact, smaller)
     streaming: bool = False                  # ask devices again: each sends only the samples the job lacks
     feature_clip_norm: float = 0.0           # devices clip each feature row to this L2 norm (0: no clipping; DP needs it)
@@ -80,28 +76,31 @@ class Fed3RConfig(PrivacyBudgetFields, ModelFields):
             params.update(feature_clip_norm=self.feature_clip_norm, max_samples=self.max_samples, cap_samples=True)
         return params
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
 
 @dataclass
-class Fed3RJob(OncePerDevice):
+class Fed3RJob(OncePerDevice, SplitValidation):
     config: Fed3RConfig
     strategy: Fed3R = None
     contributed: dict[str, int] = field(default_factory=dict)      # device -> n samples
     attempts: dict[str, int] = field(default_factory=dict)
     round: int = 0
     kind: str = KIND
-    order_free = True   # the model depends only on *which* statistics were summed, not on their order
+
+    @property
+    def order_free(self) -> bool:
+        """The model depends only on *which* statistics were summed, not on their order; under DP it
+        moves only when a round's noisy sum is released, which is never re-summed without noise."""
+        return not self.config.dp
+
+    @property
+    def evaluate_at_round_close(self) -> bool:
+        return self.config.dp           # the noisy round sum is released at round close
 
     def __post_init__(self):
         c = self.config
         if self.strategy is None and c.dp:
-            # The model moves only when a round's noisy sum is released: evaluated at round close, and
-            # never re-summed without noise (not order-free).
             self.strategy = NoisyFed3R(c.num_classes, c.p, c.lam, c.fit_intercept, c.normalize_columns,
                                        c.dp_noise_stddev())
-            self.order_free, self.evaluate_at_round_close = False, True
         elif self.strategy is None:
             self.strategy = Fed3R(c.num_classes, c.p, c.lam, c.fit_intercept, c.normalize_columns)
         self._rng = random.Random(self.config.seed)

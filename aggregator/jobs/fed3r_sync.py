@@ -19,7 +19,6 @@ The SecAgg sub-protocol and its service hooks are ``SecureGroupRounds`` (``secur
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,20 +31,13 @@ from protocols.secagg.fixedpoint import fed3r_bound
 
 from aggregator.strategies.dp_fed3r import row_norm_bound
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
-from aggregator.jobs.secure_rounds import MIN_GROUP, SecureGroupRounds, load_identities
-
-log = logging.getLogger("fedfleet.aggregator.secagg")
+from aggregator.jobs.secure_fields import SecureAggregationFields
+from aggregator.jobs.secure_rounds import MIN_GROUP, SecureGroupRounds
 
 
 @dataclass
-class Fed3RSyncConfig(Fed3RConfig):
-    graph: str = "complete"                 # "complete" (SecAgg) or "regular" (SecAgg+)
-    expected_dropout: float = 0.1           # SecAgg+: the degree and share threshold are chosen to survive it
-    max_samples: int = 10_000               # per device; with the feature bound it fixes B and f
-    max_abs_feature: float = 6.0            # ReLU6 features of MobileNetV2 / EfficientNet-Lite
-    phase_timeout_s: float = 30.0
-    identity_file: str = ""                 # aggregator's Ed25519 private key (PEM)
-    device_keys_file: str = ""              # JSON {device id: Ed25519 public key, hex}
+class Fed3RSyncConfig(Fed3RConfig, SecureAggregationFields):
+    max_abs_feature: float = 6.0            # ReLU6 features of MobileNetV2 / EfficientNet-Lite; with max_samples: B and f
 
     def __post_init__(self):
         super().__post_init__()
@@ -65,9 +57,6 @@ class Fed3RSyncJob(SecureGroupRounds, Fed3RJob):
                  registry: IdentityRegistry | None = None):
         Fed3RJob.__init__(self, config)
         self.kind = SYNC_KIND       # Fed3RJob's dataclass field would otherwise say fed3r.stats
-        if identity is None or registry is None:
-            loaded_identity, loaded_registry = load_identities(config.identity_file, config.device_keys_file)
-            identity, registry = identity or loaded_identity, registry or loaded_registry
         self._init_secure(identity, registry)
         rf = config.random_features
         feature_bound = (np.sqrt(2.0 / rf["dim"]) if rf else config.max_abs_feature)

@@ -27,7 +27,7 @@ import dataclasses
 import logging
 import random
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -38,6 +38,7 @@ from protocols.rounds import RoundClosed
 from aggregator.compute.evaluation import head_accuracy
 from aggregator.strategies.dp_fedavg import DPFedAvg
 from aggregator.strategies.fedavg import FedAvg, WeightedMean
+from aggregator.jobs.base import Job
 from aggregator.jobs.model_fields import ModelFields
 from aggregator.jobs.privacy_fields import UpdateClippingFields
 
@@ -51,8 +52,6 @@ FED3R_INIT_LR_FACTOR = 0.1
 class FedAvgConfig(UpdateClippingFields, ModelFields):
     job_id: str = "fedavg"
     rounds: int = 100
-    clients_per_round: int = 10          # κ: partial participation
-    round_timeout_s: float = 120.0       # stragglers past this are dropped from the round
     local_epochs: int = 1
     batch_size: int = 50
     client_lr: float = 0.1               # base local LR (× 0.1 when init == "fed3r")
@@ -62,9 +61,6 @@ class FedAvgConfig(UpdateClippingFields, ModelFields):
     server_momentum: float = 0.0         # 0: FedAvg; > 0: FedAvgM
     init: str = "random"
     initial_head_file: str = ""          # init == "fed3r": a Fed3R job's model.npz (coef, intercept)
-    expected_devices: int = 0
-    start_timeout_s: float = 60.0
-    seed: int = 0
 
     def __post_init__(self):
         super().__post_init__()
@@ -77,9 +73,6 @@ class FedAvgConfig(UpdateClippingFields, ModelFields):
     @property
     def device_lr(self) -> float:
         return self.client_lr * (FED3R_INIT_LR_FACTOR if self.init == "fed3r" else 1.0)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -99,7 +92,7 @@ def random_head(num_classes: int, feature_dim: int, seed: int) -> dict[str, np.n
 
 
 @dataclass
-class FedAvgJob:
+class FedAvgJob(Job):
     config: FedAvgConfig
     initial_head: dict[str, np.ndarray] | None = None
     strategy: FedAvg | None = None

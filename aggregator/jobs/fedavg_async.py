@@ -34,6 +34,7 @@ from protocols.envelope import Envelope, EnvelopeError, body_field
 from protocols.rounds import RoundClosed
 
 from aggregator.strategies.fedbuff import FedBuff
+from aggregator.jobs.base import AsynchronousJob
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob, RoundUpdate
 
 log = logging.getLogger("fedfleet.aggregator")
@@ -41,10 +42,11 @@ log = logging.getLogger("fedfleet.aggregator")
 
 @dataclass
 class AsyncFedAvgConfig(FedAvgConfig):
+    """FedAvg's fields, where ``rounds`` counts server steps (model versions), ``clients_per_round``
+    is the concurrency (devices training at any moment) and ``round_timeout_s`` applies per
+    dispatch (a device silent this long is given up)."""
+
     job_id: str = "fedavg-async"
-    rounds: int = 100                    # server steps (model versions) to take
-    clients_per_round: int = 10          # concurrency: devices training at any moment
-    round_timeout_s: float = 120.0       # per dispatch: a device silent this long is given up
     buffer_size: int = 4                 # K: updates per server step
     max_staleness: int = 8               # older updates are acknowledged, counted, not applied
     staleness_exponent: float = 0.5      # s(τ) = (1+τ)^-a; 0.5: FedBuff's 1/√(1+τ)
@@ -64,9 +66,9 @@ class VersionedUpdate:
     update: object      # HeadUpdate
 
 
-class AsyncFedAvgJob(FedAvgJob):
-    asynchronous = True               # served by AsyncJobRunner: many one-device rounds open at once
-    evaluate_at_round_close = True    # AsyncJobRunner evaluates when the version moved
+class AsyncFedAvgJob(AsynchronousJob, FedAvgJob):
+    """Served by AsyncJobRunner: many one-device rounds open at once (``evaluate_at_round_close``,
+    FedAvg's: the runner evaluates when the version moved)."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -74,16 +76,13 @@ class AsyncFedAvgJob(FedAvgJob):
         self.buffer = FedBuff(self.params, c.buffer_size, c.server_lr, c.max_staleness, c.staleness_exponent)
         self.dispatches: dict[int, tuple[str, int]] = {}   # open dispatch round -> (device, version)
         self._applied: set[int] = set()       # applied dispatch rounds a checkpoint replay could meet again
-        self.replay_floor = 0                 # rounds <= this are closed and in the state
+        self.replay_floor = 0
 
     @property
     def version(self) -> int:
         return self.buffer.version
 
     # ------------------------------------------------------------------ scheduling
-    def next_participants(self, online: set[str]) -> list[str]:
-        raise TypeError("fedavg-async has no rounds: AsyncJobRunner asks next_dispatches")
-
     def next_dispatches(self, idle: set[str]) -> list[str]:
         """Devices to give a task now: seeded draw from the idle ones, up to the free concurrency."""
         free = self.config.clients_per_round - len(self.dispatches)

@@ -39,7 +39,7 @@ import time
 import zlib
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -55,6 +55,7 @@ from aggregator.strategies.dp_fedavg import ClippedGaussianSum
 from aggregator.strategies.dp_ladd import DPClusterAveraging
 from aggregator.strategies.ladd import (ClusterAveraging, ClusterSpecificAveraging, StyleClustering, SwaTeacher,
                                cluster_specific_predicate)
+from aggregator.jobs.base import Job
 from aggregator.jobs.privacy_fields import UpdateClippingFields
 
 log = logging.getLogger("fedfleet.aggregator")
@@ -66,6 +67,8 @@ Pretrainer = Callable[[np.ndarray], tuple[Arrays, list[str]]]
 
 @dataclass
 class LaddConfig(UpdateClippingFields):
+    """The fields every job has (``aggregator/jobs/base.py``), DP-FedAvg's clipping, and LADD's."""
+
     job_id: str = "ladd"
     model: dict = field(default_factory=dict)      # edge_client SegmentationSpec as a dict
     weights_sha256: str = ""                       # the devices' ImageNet encoder weights
@@ -90,16 +93,13 @@ class LaddConfig(UpdateClippingFields):
     swa_start: int = 0                             # t_START (0: no SWA teacher)
     min_styles: int = 0                            # styles needed before clustering (0: every device seen)
     style_attempts: int = 3
-    round_timeout_s: float = 120.0
-    expected_devices: int = 0
-    start_timeout_s: float = 60.0
-    seed: int = 0
     # the pretrained network (``save_initial_model``): what a job built from its stored config alone
     # (admin API, restart) starts from, since the server's FDA pre-training needs the device SDK's model
     initial_model_file: str = ""
     initial_model_sha256: str = ""
 
     def __post_init__(self):
+        super().__post_init__()
         if self.clustering not in ("styles", "none"):
             raise ValueError(f"clustering must be 'styles' or 'none', got {self.clustering!r}")
         cluster_specific_predicate(self.cluster_scope)
@@ -121,9 +121,6 @@ class LaddConfig(UpdateClippingFields):
     def image_size(self) -> int:
         return int(self.model["image_size"])
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
 
 @dataclass(frozen=True)
 class RoundPayload:
@@ -141,7 +138,7 @@ def save_initial_model(path, arrays: Arrays, trainable: list[str]) -> None:
 
 
 @dataclass
-class LaddJob:
+class LaddJob(Job):
     # hooks for variants (jobs/secure_ladd.py): the kind of training rounds, their smallest size
     train_kind = KIND_TRAIN
     min_train_participants = 1
@@ -186,6 +183,7 @@ class LaddJob:
         self.kd_confirmed: set[str] = set()
         self.round_log: list[dict] = []
         self.late_discarded = 0
+        self.kd_sha256 = ""                         # the KD teacher's digest, once training starts
         self.aggregate_s = 0.0                      # server time in aggregation + teacher updates
         self.last_metrics: dict = {}
         self._open = False
@@ -497,4 +495,4 @@ class LaddJob:
         return {"phase": self.phase, "train_rounds": self.train_round, "n_clusters": self.n_clusters,
                 "silhouette_scores": {str(k): v for k, v in (cl.silhouette_scores_ if cl else {}).items()},
                 "assignment": dict(self.assignment), "round_log": self.round_log,
-                "trainable": list(self.trainable), "kd_sha256": getattr(self, "kd_sha256", "")}
+                "trainable": list(self.trainable), "kd_sha256": self.kd_sha256}

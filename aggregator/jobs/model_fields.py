@@ -13,10 +13,11 @@ from dataclasses import dataclass
 from protocols.envelope import EnvelopeError
 from protocols.payloads.artifacts import check_sha
 
+from aggregator.jobs.base import JobConfig
+
 
 @dataclass
-class ModelFields:
-    job_id: str = "job"
+class ModelFields(JobConfig):
     num_classes: int = 10
     backbone: str = "mobilenet_v2"
     image_size: int = 64
@@ -25,11 +26,15 @@ class ModelFields:
     feature_dim: int = 1280
 
     def __post_init__(self):
+        super().__post_init__()
         if self.bundle_sha256:
             try:
                 check_sha(self.bundle_sha256)
             except EnvelopeError as exc:
                 raise ValueError(f"bundle_sha256: {exc}") from None
+
+    def device_bundle_sha256(self) -> str:
+        return self.bundle_sha256
 
     def model_params(self) -> dict:
         """The task params that say which model the device must run."""

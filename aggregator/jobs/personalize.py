@@ -24,7 +24,7 @@ candidate means "use exactly this rate".
 from __future__ import annotations
 
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -34,6 +34,7 @@ from protocols.payloads.personalize import FALLBACKS, KIND, METHODS, Personaliza
 from protocols.rounds import RoundClosed
 
 from aggregator.compute.evaluation import head_accuracy, weighted_mean_accuracy
+from aggregator.jobs.base import Job
 from aggregator.jobs.model_fields import ModelFields
 from aggregator.jobs.scheduling import OncePerDevice
 
@@ -50,12 +51,7 @@ class PersonalizeConfig(ModelFields):
     fp_folds: int = 5                    # cross-validation folds for the device's choice among fp_lrs
     weight_decay: float = 4e-5
     temperature: float = 0.1
-    clients_per_round: int = 10
-    round_timeout_s: float = 120.0
     max_attempts: int = 3
-    expected_devices: int = 0
-    start_timeout_s: float = 60.0
-    seed: int = 0
 
     def __post_init__(self):
         super().__post_init__()
@@ -73,9 +69,6 @@ class PersonalizeConfig(ModelFields):
         if self.clients_per_round < 1 or self.max_attempts < 1:
             raise ValueError("clients_per_round and max_attempts must be >= 1")
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
 
 def load_model(path: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """(head, tail) of a finished job's model.npz: the head is FedAvg's weight/bias or Fed3R's
@@ -90,7 +83,7 @@ def load_model(path: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]
 
 
 @dataclass
-class PersonalizeJob(OncePerDevice):
+class PersonalizeJob(OncePerDevice, Job):
     config: PersonalizeConfig
     head: dict[str, np.ndarray] | None = None
     tail: dict[str, np.ndarray] | None = None      # fine-tuned backbone tail (FT(φ)/FT(M)), sent with the head

@@ -13,6 +13,7 @@ import functools
 from dataclasses import dataclass
 
 from aggregator.compute.privacy import PrivacyAccountant
+from aggregator.jobs.base import JobConfig
 from aggregator.strategies.dp_fedavg import AdaptiveClipNorm, ClipNorm, FixedClipNorm
 
 
@@ -23,7 +24,7 @@ def _accountant(noise_multiplier: float, delta: float, sampling_rate: float) -> 
 
 
 @dataclass
-class PrivacyBudgetFields:
+class PrivacyBudgetFields(JobConfig):
     dp_noise_multiplier: float = 0.0     # z = σ / Δ; 0: no differential privacy
     dp_target_epsilon: float = 0.0       # the job's budget at dp_delta; 0: no budget (ε is still reported)
     dp_delta: float = 1e-5

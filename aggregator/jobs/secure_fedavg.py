@@ -31,25 +31,13 @@ from protocols.rounds import RoundClosed
 
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob
 from aggregator.jobs.fedavg_tail import TailFedAvgConfig, TailFedAvgJob
-from aggregator.jobs.secure_rounds import MIN_GROUP, SecureGroupRounds, load_identities
+from aggregator.jobs.secure_fields import SecureUpdateFields
+from aggregator.jobs.secure_rounds import MIN_GROUP, SecureGroupRounds
 
 
 @dataclass
-class SecureFedAvgConfig(FedAvgConfig):
-    graph: str = "complete"                 # "complete" (SecAgg) or "regular" (SecAgg+)
-    expected_dropout: float = 0.1           # SecAgg+: the degree and share threshold are chosen to survive it
-    max_samples: int = 10_000               # per device
-    max_abs_param: float = 100.0            # per head entry, after local training
-    phase_timeout_s: float = 30.0
-    identity_file: str = ""                 # aggregator's Ed25519 private key (PEM)
-    device_keys_file: str = ""              # JSON {device id: Ed25519 public key, hex}
-
-    def __post_init__(self):
-        super().__post_init__()
-        # Distributed DP: the devices clip and noise (no central noise); the clip norm stays fixed
-        # (the adaptive rule would need its clipped-count bits in the secure sum as well).
-        if self.dp and self.dp_adaptive_clip:
-            raise ValueError("dp_adaptive_clip is not available under secure aggregation (fixed dp_clip_norm only)")
+class SecureFedAvgConfig(FedAvgConfig, SecureUpdateFields):
+    """FedAvg's fields and the secure ones (``aggregator/jobs/secure_fields.py``)."""
 
 
 class SecureFedAvgJob(SecureGroupRounds, FedAvgJob):
@@ -60,9 +48,6 @@ class SecureFedAvgJob(SecureGroupRounds, FedAvgJob):
         # the plain job next in the MRO (FedAvgJob, or TailFedAvgJob for the tail variant)
         super(SecureGroupRounds, self).__init__(config, initial_head=initial_head, **model)
         self.kind = self.secure_kind
-        if identity is None or registry is None:
-            loaded_identity, loaded_registry = load_identities(config.identity_file, config.device_keys_file)
-            identity, registry = identity or loaded_identity, registry or loaded_registry
         self._init_secure(identity, registry)
         self.vector_length = weighted_length(self.trained_shapes())
         self.bound = float(config.max_samples) * max(float(config.max_abs_param), 1.0)

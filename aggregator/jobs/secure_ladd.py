@@ -66,21 +66,18 @@ from protocols.secagg import ConsistencyCheckRequest, Phase, UnmaskRequest
 
 from aggregator.strategies.dp_ladd import GLOBAL, apply_mean_deltas
 from aggregator.jobs.ladd import Arrays, LaddConfig, LaddJob, Pretrainer
-from aggregator.jobs.secure_rounds import MIN_GROUP, SecureGroupRounds, load_identities
+from aggregator.jobs.secure_fields import SecureUpdateFields
+from aggregator.jobs.secure_rounds import MIN_GROUP, SecureGroupRounds
 
 log = logging.getLogger("fedfleet.aggregator.secagg")
 
 
 @dataclass
-class SecureLaddConfig(LaddConfig):
-    graph: str = "complete"                 # "complete" (SecAgg) or "regular" (SecAgg+)
-    expected_dropout: float = 0.1           # SecAgg+: the degree and share threshold are chosen to survive it
-    max_samples: int = 10_000               # local images per device
-    max_abs_param: float = 100.0            # per trained entry
+class SecureLaddConfig(LaddConfig, SecureUpdateFields):
+    """LADD's fields, the secure ones (``aggregator/jobs/secure_fields.py``; ``max_samples``: local
+    images per device) and the smallest cluster a slot may sum."""
+
     min_cluster_contributors: int = 2       # fewer selected/surviving devices in a cluster: no θ_c update
-    phase_timeout_s: float = 30.0
-    identity_file: str = ""                 # aggregator's Ed25519 private key (PEM)
-    device_keys_file: str = ""              # JSON {device id: Ed25519 public key, hex}
 
     def __post_init__(self):
         super().__post_init__()
@@ -88,8 +85,6 @@ class SecureLaddConfig(LaddConfig):
             raise ValueError("min_cluster_contributors must be >= 2 (a one-device slot is that device's update)")
         if self.max_samples < 1 or not self.max_abs_param > 0:
             raise ValueError("max_samples >= 1 and max_abs_param > 0 required")
-        if self.dp and self.dp_adaptive_clip:       # its clipped-count bits would need the secure sum too
-            raise ValueError("dp_adaptive_clip is not available under secure aggregation (fixed dp_clip_norm only)")
 
 
 class SecureLaddJob(SecureGroupRounds, LaddJob):
@@ -101,9 +96,6 @@ class SecureLaddJob(SecureGroupRounds, LaddJob):
                  initial: tuple[Arrays, list[str]] | None = None, evaluator=None,
                  identity: DeviceIdentity | None = None, registry: IdentityRegistry | None = None):
         LaddJob.__init__(self, config, pretrainer=pretrainer, initial=initial, evaluator=evaluator)
-        if identity is None or registry is None:
-            loaded_identity, loaded_registry = load_identities(config.identity_file, config.device_keys_file)
-            identity, registry = identity or loaded_identity, registry or loaded_registry
         self._init_secure(identity, registry)
         self.bound = ladd_slot_bound(config.max_samples, config.max_abs_param)
         self.slots: ClusterSlotLayout | None = None

@@ -15,15 +15,16 @@ whether a round can still produce a sum (not after a restart: secrets are never 
 job's state is checkpointed at each round close). ``abort_secure_round`` is for the deadline.
 The final unmasking runs on the GPU when there is one (aggregator/compute/mask_expansion.py).
 
-The mixer provides ``self.identity`` (the aggregator's Ed25519 identity), ``self.registry``
-(enrolled device keys) and ``self.config`` with ``job_id``, ``graph`` and ``phase_timeout_s``.
+A job declares it by subclassing :class:`SecureGroupRounds` (``secure_rounds`` is then True) and
+calling :meth:`~SecureGroupRounds._init_secure` from its constructor; its config is a
+:class:`~aggregator.jobs.secure_fields.SecureAggregationFields`, whose files name the
+aggregator's Ed25519 identity and the enrolled device keys.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-from pathlib import Path
+from abc import abstractmethod
 
 import numpy as np
 
@@ -38,16 +39,10 @@ from protocols.secagg.distributed_dp import device_stddev, noise_scale_bits, noi
 from protocols.topics import AGGREGATOR_ID
 
 from aggregator.compute.mask_expansion import pick_mask_applier
+from aggregator.jobs.base import Job
 
 log = logging.getLogger("fedfleet.aggregator.secagg")
 MIN_GROUP = 3      # fewer devices cannot hide anyone's update in a sum
-
-
-def load_identities(identity_file: str, device_keys_file: str) -> tuple[DeviceIdentity, IdentityRegistry]:
-    """The aggregator's identity (PEM file) and the enrolled device keys (JSON {device: hex key})."""
-    identity = DeviceIdentity.from_pem(AGGREGATOR_ID, Path(identity_file).read_bytes())
-    keys = json.loads(Path(device_keys_file).read_text())
-    return identity, IdentityRegistry({d: bytes.fromhex(k) for d, k in keys.items()})
 
 
 class LateProtocolMessage(EnvelopeError):
@@ -55,8 +50,15 @@ class LateProtocolMessage(EnvelopeError):
     counted as late, like a late result (a slow device's unmask share after the sum was made)."""
 
 
-class SecureGroupRounds:
-    def _init_secure(self, identity: DeviceIdentity, registry: IdentityRegistry) -> None:
+class SecureGroupRounds(Job):
+    secure_rounds = True
+
+    def _init_secure(self, identity: DeviceIdentity | None, registry: IdentityRegistry | None) -> None:
+        """The aggregator's identity and the enrolled device keys: those given, else the files the
+        config names (a job built from its config alone)."""
+        if identity is None or registry is None:
+            loaded_identity, loaded_registry = self.config.load_identities()
+            identity, registry = identity or loaded_identity, registry or loaded_registry
         self.identity, self.registry = identity, registry
         self._newest_round = 0
         self.secure: ServerSecAgg | None = None
@@ -98,8 +100,9 @@ class SecureGroupRounds:
         assert self.secure.config.threshold == threshold
         return {"stddev": stddev, "scale_bits": scale_bits, "threshold": threshold}
 
+    @abstractmethod
     def on_secure_sum(self, total: np.ndarray, survivors: tuple[str, ...]) -> None:
-        raise NotImplementedError
+        """The round's group sum is in: add it to the model (``survivors``: whose data it holds)."""
 
     def on_secure_failure(self, round_id: int, reason: str) -> None:
         """Nothing was applied; jobs may count the failure (the default records it)."""

@@ -15,7 +15,7 @@ from typing import Any
 from protocols.rounds import RoundClosed, RoundCoordinator
 
 from aggregator.service.canonical import AppliedContributions
-from aggregator.jobs import Job
+from aggregator.jobs.base import Job
 
 # Why a message was refused: a fixed set, so metrics labels and counters stay bounded whatever
 # devices send (the detail goes to the log, never into a label).

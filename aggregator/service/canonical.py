@@ -28,7 +28,7 @@ from typing import Any
 
 from protocols.envelope import decode
 
-from aggregator.jobs import Job, SplitValidation
+from aggregator.jobs.base import Job
 from aggregator.jobs.registry import build_job
 from aggregator.storage.store import Store
 
@@ -81,7 +81,7 @@ def canonical_job(store: Store, kind: str, config: dict, job_id: str):
     """An order-free job (Fed3R) rebuilt from its stored contributions in device-id order: what
     the finished job reports, so its model depends only on which devices contributed."""
     fresh = build_job(kind, config)
-    parse = fresh.parse_accepted if isinstance(fresh, SplitValidation) else fresh.parse_result   # stored = validated
+    parse = fresh.parse_accepted        # the stored bytes were validated when they were accepted
     for c in store.contributions(job_id, canonical=True):
         fresh.apply(c.device, parse(decode(c.payload)))
     return fresh

@@ -40,7 +40,6 @@ from multiprocessing.shared_memory import SharedMemory
 from protocols.envelope import Envelope, EnvelopeError, decode, decode_checked
 from protocols.identity import InvalidSignature, verify_signature
 
-from aggregator.jobs import SplitValidation
 from aggregator.jobs.registry import build_job
 
 
@@ -71,7 +70,7 @@ class IngestWorkers:
     def accepts(job) -> bool:
         """Whether results of ``job`` can be validated here: its message-only checks
         (``check_payload``) can run on a copy, and it can re-parse bytes that passed them."""
-        return isinstance(job, SplitValidation)
+        return job.split_validation
 
     def has_room(self, device: str) -> bool:
         return sum(self._pending.values()) < self.max_pending and device not in self._pending

@@ -30,9 +30,8 @@ from aggregator.service.crash_points import CrashPoints
 from aggregator.service.job_outcome import judged_state
 from aggregator.security.fleet import Fleet
 from aggregator.service.contribution_writer import ContributionWriter
-from aggregator.jobs import Job, SplitValidation
+from aggregator.jobs.base import Job
 from aggregator.jobs.registry import KINDS
-from aggregator.jobs.secure_rounds import SecureGroupRounds
 from aggregator.storage.store import FINAL_JOB_STATES, Store, StoreError
 
 log = logging.getLogger("fedfleet.aggregator")
@@ -46,12 +45,12 @@ class JobRunner:
                  writer: ContributionWriter | None = None):
         self.a, self.fleet, self.store, self.crash = a, fleet, store, crash
         # large results are stored on the writer's thread (aggregator/service/contribution_writer.py)
-        self.writer = writer if store is not None and isinstance(a.job, SplitValidation) else None
+        self.writer = writer if store is not None and a.job.split_validation else None
         self._held_acks: dict[str, list[tuple[SendAck, int]]] = {}   # message id -> its acks, until durable
         self.rebuilt = False                    # a write failed and the job was rebuilt by a new runner
         # an order-free job reports its contributions summed in device order (aggregator/service/canonical.py):
         # only then is what it applied worth keeping
-        self.canonical = store is not None and getattr(a.job, "order_free", False) and a.kind in KINDS
+        self.canonical = store is not None and a.job.order_free and a.kind in KINDS
         self.on_fatal = on_fatal        # (reason, stop=False): rebuild the job from the store, or stop it
         self.send, self.publish_status_body, self.bytes_sent = send, publish_status, bytes_sent
         self.eval_set, self.checkpoints = eval_set, checkpoints
@@ -59,7 +58,7 @@ class JobRunner:
         self.offline_grace_s = offline_grace_s
         # A job whose model moves only at round close (FedAvg) would evaluate the same model after
         # every contribution; it is evaluated once per round instead.
-        self.eval_each = evaluate_every_contribution and not getattr(a.job, "evaluate_at_round_close", False)
+        self.eval_each = evaluate_every_contribution and not a.job.evaluate_at_round_close
         self.events = RoundLog(a.out_dir / ROUND_LOG, a.job_id)     # for people: admin logs --follow
         if store is not None:
             store.set_setting(SETTING_PREFIX + a.job_id, str(self.events.path.resolve()))
@@ -71,7 +70,7 @@ class JobRunner:
     def device_lost(self, device: str) -> None:
         if self.a.current is None:
             return
-        if isinstance(self.a.job, SecureGroupRounds):     # a secure phase stops waiting for it at once
+        if self.a.job.secure_rounds:      # a secure phase stops waiting for it at once
             for dev, msg in self.a.job.member_offline(device, time.monotonic()):
                 self.send(dev, msg)
         self.handle(self.a.current, DeviceLost(device))
@@ -87,7 +86,7 @@ class JobRunner:
         a = self.a
         if a.final_state:
             return
-        if a.current is not None and isinstance(a.job, SecureGroupRounds):
+        if a.current is not None and a.job.secure_rounds:
             self._secure_tick(now)
         if a.current is not None:
             expired = a.cancelling or not a.current.pending    # cancelled, or a restored round that had everyone
@@ -99,7 +98,7 @@ class JobRunner:
             return
         online = self.fleet.eligible_online() - a.quarantined
         reachable = self.fleet.reachable(self.offline_grace_s) - a.quarantined
-        if isinstance(a.job, SecureGroupRounds):
+        if a.job.secure_rounds:
             a.job.note_reachable(reachable)
         participants = a.job.next_participants(online)
         if participants:

@@ -69,10 +69,10 @@ from aggregator.security.fleet import Fleet
 from aggregator.service.contribution_writer import ContributionWriter
 from aggregator.service.ingest import IngestWorkers, accepted_parser, refusal
 from aggregator.service.operator_actions import OperatorActions
-from aggregator.jobs import Job
+from aggregator.jobs.base import Job
 from aggregator.service.job_runner import JobRunner
 from aggregator.jobs.registry import KINDS, build_job, job_kind_name
-from aggregator.jobs.secure_rounds import LateProtocolMessage, SecureGroupRounds
+from aggregator.jobs.secure_rounds import LateProtocolMessage
 from aggregator.service.recovery import restore_job
 from aggregator.storage.store import Store, StoreError
 
@@ -208,11 +208,11 @@ class AggregatorService(OperatorActions):
         if self.store is not None:
             self._load_stored(a)
         self.active = a
-        if self._signer is None and isinstance(job, SecureGroupRounds):
+        if self._signer is None and job.secure_rounds:
             self._signer = job.identity.sign      # a secure job's identity is the aggregator's: sign with it
         if self.ingest is not None and self.ingest.accepts(job):
             self.ingest.warm_up(a.kind, job.config.to_dict())
-        runner_cls = AsyncJobRunner if getattr(job, "asynchronous", False) else JobRunner
+        runner_cls = AsyncJobRunner if job.asynchronous else JobRunner
         self.runner = runner_cls(a, self.fleet, self.store, self.crash, self._send, self._publish_status,
                                 lambda: self.link.bytes_sent, self._job_broken, self.eval_set, self.checkpoints,
                                 self.evaluate_every_contribution, self.offline_grace_s, self.writer)
@@ -236,7 +236,7 @@ class AggregatorService(OperatorActions):
     def _load_stored(self, a: ActiveJob) -> None:
         """Create the job's row, or restore the job from it (same kind and config only)."""
         job = a.job
-        if isinstance(job, SecureGroupRounds) and not self.checkpoints:
+        if job.secure_rounds and not self.checkpoints:
             # A secure round's secrets are never persisted: what survives a restart is the job
             # state checkpointed at each round close (there are no per-device results to replay).
             raise TypeError(f"{type(job).__name__} (secure aggregation) needs checkpoints to run with a store")
@@ -306,7 +306,7 @@ class AggregatorService(OperatorActions):
             self._on_result(device, env, raw, nbytes, checked)
         elif env.type == ARTIFACT_GET:
             self._on_artifact_get(device, env)
-        elif env.type == SECAGG_TYPE and isinstance(getattr(self.active, "job", None), SecureGroupRounds):
+        elif env.type == SECAGG_TYPE and self.active is not None and self.active.job.secure_rounds:
             self._on_protocol(device, env)
         else:
             self._reject(device, "unexpected type", repr(env.type)[:80])

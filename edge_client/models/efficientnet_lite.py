@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from edge_client.models import Backbone
+from edge_client.models.backbone import Backbone
 
 # One row per stage: (repeats, kernel, first stride, expansion, in channels, out channels),
 # the lite0 block strings 'r1_k3_s11_e1_i32_o16', ... with width/depth multipliers of 1.0.

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from edge_client.models import Backbone
+from edge_client.models.backbone import Backbone
 
 # (expansion t, output channels c, repeats n, first stride s), from Table 2 of the paper.
 _INVERTED_RESIDUAL_SETTINGS = (

@@ -11,7 +11,14 @@ so a signature covers the array contents through their SHA-256 and nothing on th
 unsigned. `to_wire()` gives (JSON-able header with "type" and base64 "signature", {name: numpy
 array}), ready for the project's envelope (JSON header + raw little-endian tensor blobs);
 `decode(header, arrays)` / `Cls.from_wire` rebuild a message, checking every field's type and
-every array's dtype and rank, and raise MalformedMessage otherwise. Verifying the signature and
+every array's dtype, rank and shape, and raise MalformedMessage otherwise.
+
+Each message class only *declares* its fields: a header field names its codec (`wire_value(...)`:
+base64 bytes of a fixed length, a list of distinct ids, ...), an array field its dtype, rank and
+shape rules (`wire_array(...)`); the one generic `payload()` / `arrays()` / `parse_payload()` on
+`Message` encode and check every field from those declarations (`PAYLOAD` and `ARRAYS`, built by
+the `@wire_message` decorator from the dataclass fields, in declaration order; the codecs live in
+wire_fields.py). Verifying the signature and
 the context against the round is the state machines' job (they know the keys and the round).
 
 Client -> server: AdvertiseKeys, EncryptedShares, MaskedInput, ConsistencySignature, UnmaskShares.
@@ -20,8 +27,6 @@ Server -> client: RoundStart, KeyDirectory, ForwardedShares, ConsistencyCheckReq
 
 from __future__ import annotations
 
-import base64
-import binascii
 import dataclasses
 import hashlib
 import json
@@ -36,12 +41,12 @@ from protocols.identity import DeviceIdentity, InvalidSignature, verify_signatur
 from .config import RoundConfig
 from .errors import BadSignature, ConfigError, MalformedMessage
 from .events import Phase
+from .wire_fields import (Base64Bytes, BoundedText, DistinctIds, WireArray, WireValue, b64, nonempty_str, rows,
+                          unb64, wire_array, wire_message, wire_value)
 
 MESSAGE_DOMAIN = b"fedfleet/secagg/message/v1\n"
 CONSISTENCY_DOMAIN = b"fedfleet/secagg/consistency/v1\n"
 _COMMON_FIELDS = ("job_id", "round_id", "group_id", "sender", "recipient")
-# Upper bound on list fields, so a hostile header cannot make us allocate without limit.
-MAX_LIST_ITEMS = 1 << 20
 
 M = TypeVar("M", bound="Message")
 
@@ -49,46 +54,6 @@ M = TypeVar("M", bound="Message")
 def _canonical_json(value: Any) -> bytes:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
                       allow_nan=False).encode()
-
-
-def _b64(raw: bytes) -> str:
-    return base64.b64encode(raw).decode("ascii")
-
-
-def _unb64(value: Any, what: str, length: int | None = None) -> bytes:
-    if not isinstance(value, str):
-        raise MalformedMessage(f"{what} must be a base64 string")
-    try:
-        raw = base64.b64decode(value, validate=True)
-    except (binascii.Error, ValueError):
-        raise MalformedMessage(f"{what} is not valid base64") from None
-    if length is not None and len(raw) != length:
-        raise MalformedMessage(f"{what} must be {length} bytes, got {len(raw)}")
-    return raw
-
-
-def _str(value: Any, what: str) -> str:
-    if not isinstance(value, str) or not value or len(value) > 256:
-        raise MalformedMessage(f"{what} must be a non-empty string (<= 256 chars)")
-    return value
-
-
-def _str_list(value: Any, what: str) -> tuple[str, ...]:
-    if not isinstance(value, list) or len(value) > MAX_LIST_ITEMS:
-        raise MalformedMessage(f"{what} must be a list")
-    items = tuple(_str(item, f"{what} item") for item in value)
-    if len(set(items)) != len(items):
-        raise MalformedMessage(f"{what} has duplicates")
-    return items
-
-
-def _rows(value: Any, what: str, width: int) -> list[list[Any]]:
-    if not isinstance(value, list) or len(value) > MAX_LIST_ITEMS:
-        raise MalformedMessage(f"{what} must be a list")
-    for row in value:
-        if not isinstance(row, list) or len(row) != width:
-            raise MalformedMessage(f"each {what} entry must be a list of {width} items")
-    return value
 
 
 def array_digest(array: np.ndarray) -> list[Any]:
@@ -107,8 +72,11 @@ class Message:
     TYPE: ClassVar[str] = ""
     PHASE: ClassVar[Phase]
     FROM_CLIENT: ClassVar[bool]
-    # name -> (numpy dtype string, rank) of each array the message carries
-    ARRAYS: ClassVar[dict[str, tuple[str, int]]] = {}
+    # the fields beyond the common ones as declared, in declaration order (see wire_message), and
+    # split into the header's (PAYLOAD) and the arrays (ARRAYS)
+    WIRE_FIELDS: ClassVar[dict[str, WireValue | WireArray]] = {}
+    PAYLOAD: ClassVar[dict[str, WireValue]] = {}
+    ARRAYS: ClassVar[dict[str, WireArray]] = {}
 
     job_id: str
     round_id: int
@@ -117,20 +85,22 @@ class Message:
     recipient: str
     signature: bytes = b""
 
-    # -- per-type hooks ------------------------------------------------------------------
+    # -- the declared fields -------------------------------------------------------------
     def payload(self) -> dict[str, Any]:
         """JSON-able fields beyond the common ones."""
-        return {}
+        return {name: codec.encode(getattr(self, name)) for name, codec in self.PAYLOAD.items()}
 
     def arrays(self) -> dict[str, np.ndarray]:
-        return {}
+        return {name: getattr(self, name) for name in self.ARRAYS}
 
     @classmethod
     def parse_payload(cls, payload: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[str, Any]:
-        """Constructor keyword arguments from a checked payload; raise MalformedMessage."""
-        return {}
-
-    PAYLOAD_KEYS: ClassVar[tuple[str, ...]] = ()
+        """Constructor keyword arguments from the header fields and the arrays (of checked dtype
+        and rank), checked field by field in declaration order; raise MalformedMessage."""
+        parsed: dict[str, Any] = {}
+        for name, spec in cls.WIRE_FIELDS.items():
+            parsed[name] = spec.read(name, payload, arrays, parsed)
+        return parsed
 
     # -- generic -------------------------------------------------------------------------
     def header(self) -> dict[str, Any]:
@@ -156,7 +126,7 @@ class Message:
 
     def to_wire(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         header = self.header()
-        header["signature"] = _b64(self.signature)
+        header["signature"] = b64(self.signature)
         return header, {name: np.ascontiguousarray(a) for name, a in self.arrays().items()}
 
     @classmethod
@@ -165,50 +135,35 @@ class Message:
             raise MalformedMessage("header must be a mapping")
         if header.get("type") != cls.TYPE:
             raise MalformedMessage(f"expected a {cls.TYPE} message, got {header.get('type')!r}")
-        expected_keys = {"type", "signature", *_COMMON_FIELDS, *cls.PAYLOAD_KEYS}
+        expected_keys = {"type", "signature", *_COMMON_FIELDS, *cls.PAYLOAD}
         if set(header) != expected_keys:
             missing, extra = expected_keys - set(header), set(header) - expected_keys
             raise MalformedMessage(f"{cls.TYPE} header: missing {sorted(missing)}, unexpected {sorted(extra)}")
         if set(arrays) != set(cls.ARRAYS):
             raise MalformedMessage(f"{cls.TYPE} arrays must be exactly {sorted(cls.ARRAYS)}, got {sorted(arrays)}")
         checked_arrays = {}
-        for name, (dtype, rank) in cls.ARRAYS.items():
+        for name, spec in cls.ARRAYS.items():
             array = arrays[name]
-            if not isinstance(array, np.ndarray) or array.dtype != np.dtype(dtype) or array.ndim != rank:
-                raise MalformedMessage(f"{cls.TYPE} array {name!r} must be {dtype} of rank {rank}")
+            if not isinstance(array, np.ndarray) or array.dtype != np.dtype(spec.dtype) or array.ndim != spec.rank:
+                raise MalformedMessage(f"{cls.TYPE} array {name!r} must be {spec.dtype} of rank {spec.rank}")
             checked_arrays[name] = array
         round_id = header["round_id"]
         if not isinstance(round_id, int) or isinstance(round_id, bool) or round_id < 0:
             raise MalformedMessage("round_id must be a non-negative integer")
-        signature = _unb64(header["signature"], "signature")
-        common = {name: _str(header[name], name) for name in ("job_id", "group_id", "sender", "recipient")}
-        payload = {key: header[key] for key in cls.PAYLOAD_KEYS}
+        signature = unb64(header["signature"], "signature")
+        common = {name: nonempty_str(header[name], name) for name in ("job_id", "group_id", "sender", "recipient")}
+        payload = {key: header[key] for key in cls.PAYLOAD}
         return cls(**common, round_id=round_id, signature=signature,
                    **cls.parse_payload(payload, checked_arrays))
 
 
-def _share_rows(array: np.ndarray, owners: tuple[str, ...], what: str) -> None:
-    if array.shape[0] != len(owners):
-        raise MalformedMessage(f"{what}: {array.shape[0]} rows for {len(owners)} ids")
+class RoundConfigValue(WireValue):
+    def encode(self, value: RoundConfig) -> dict[str, Any]:
+        return value.to_dict()
 
-
-# ---- server -> client ---------------------------------------------------------------------
-
-@dataclass(frozen=True, kw_only=True, eq=False)
-class RoundStart(Message):
-    TYPE: ClassVar[str] = "secagg.round_start"
-    PHASE: ClassVar[Phase] = Phase.ADVERTISE_KEYS
-    FROM_CLIENT: ClassVar[bool] = False
-    PAYLOAD_KEYS: ClassVar[tuple[str, ...]] = ("config",)
-    config: RoundConfig
-
-    def payload(self) -> dict[str, Any]:
-        return {"config": self.config.to_dict()}
-
-    @classmethod
-    def parse_payload(cls, payload, arrays):
+    def decode(self, raw: Any, name: str) -> RoundConfig:
         try:
-            return {"config": RoundConfig.from_dict(payload["config"])}
+            return RoundConfig.from_dict(raw)
         except ConfigError as exc:
             raise MalformedMessage(f"round config rejected: {exc}") from None
         except TypeError as exc:
@@ -229,11 +184,36 @@ class AdvertisedKeys:
     @cached_property
     def wire_row(self) -> list[str]:
         # one entry goes into k directories, each encoded twice (signature + wire): encode once
-        return [self.device_id, _b64(self.identity_public_key), _b64(self.cipher_public_key),
-                _b64(self.mask_public_key), _b64(self.advertise_signature)]
+        return [self.device_id, b64(self.identity_public_key), b64(self.cipher_public_key),
+                b64(self.mask_public_key), b64(self.advertise_signature)]
 
 
-@dataclass(frozen=True, kw_only=True, eq=False)
+class NeighbourKeysValue(WireValue):
+    """Advertised keys as rows [device id, identity key, cipher key, mask key, signature] (base64)."""
+
+    def encode(self, value: tuple[AdvertisedKeys, ...]) -> list[list[str]]:
+        return [k.wire_row for k in value]
+
+    def decode(self, raw: Any, name: str) -> tuple[AdvertisedKeys, ...]:
+        keys = tuple(AdvertisedKeys(nonempty_str(d, "neighbour"), unb64(i, "identity key", 32), unb64(c, "cipher key", 32),
+                                    unb64(m, "mask key", 32), unb64(s, "advertise signature", 64))
+                     for d, i, c, m, s in rows(raw, name, 5))
+        if len({k.device_id for k in keys}) != len(keys):
+            raise MalformedMessage(f"{name} has duplicates")
+        return keys
+
+
+# ---- server -> client ---------------------------------------------------------------------
+
+@wire_message
+class RoundStart(Message):
+    TYPE: ClassVar[str] = "secagg.round_start"
+    PHASE: ClassVar[Phase] = Phase.ADVERTISE_KEYS
+    FROM_CLIENT: ClassVar[bool] = False
+    config: RoundConfig = wire_value(RoundConfigValue())
+
+
+@wire_message
 class KeyDirectory(Message):
     """U1 as a member bitmap, the recipient's neighbours' advertised keys, and -- only when the
     consistency check is on -- the identity keys of all of U1 in member order (to verify the
@@ -242,71 +222,29 @@ class KeyDirectory(Message):
     TYPE: ClassVar[str] = "secagg.key_directory"
     PHASE: ClassVar[Phase] = Phase.SHARE_KEYS
     FROM_CLIENT: ClassVar[bool] = False
-    PAYLOAD_KEYS: ClassVar[tuple[str, ...]] = ("neighbour_keys",)
-    ARRAYS: ClassVar[dict[str, tuple[str, int]]] = {"participants": ("|u1", 1), "identity_keys": ("|u1", 2)}
-    participants: np.ndarray
-    identity_keys: np.ndarray
-    neighbour_keys: tuple[AdvertisedKeys, ...]
-
-    def payload(self) -> dict[str, Any]:
-        return {"neighbour_keys": [k.wire_row for k in self.neighbour_keys]}
-
-    def arrays(self):
-        return {"participants": self.participants, "identity_keys": self.identity_keys}
-
-    @classmethod
-    def parse_payload(cls, payload, arrays):
-        if arrays["identity_keys"].shape[1:] != (32,):
-            raise MalformedMessage("identity_keys must have 32-byte rows")
-        keys = tuple(AdvertisedKeys(_str(d, "neighbour"), _unb64(i, "identity key", 32), _unb64(c, "cipher key", 32),
-                                    _unb64(m, "mask key", 32), _unb64(s, "advertise signature", 64))
-                     for d, i, c, m, s in _rows(payload["neighbour_keys"], "neighbour_keys", 5))
-        if len({k.device_id for k in keys}) != len(keys):
-            raise MalformedMessage("neighbour_keys has duplicates")
-        return {"participants": arrays["participants"], "identity_keys": arrays["identity_keys"],
-                "neighbour_keys": keys}
+    participants: np.ndarray = wire_array("|u1", 1)
+    identity_keys: np.ndarray = wire_array("|u1", 2, row_bytes=32)
+    neighbour_keys: tuple[AdvertisedKeys, ...] = wire_value(NeighbourKeysValue())
 
 
-@dataclass(frozen=True, kw_only=True, eq=False)
+@wire_message
 class ForwardedShares(Message):
     TYPE: ClassVar[str] = "secagg.forwarded_shares"
     PHASE: ClassVar[Phase] = Phase.MASKED_INPUT
     FROM_CLIENT: ClassVar[bool] = False
-    PAYLOAD_KEYS: ClassVar[tuple[str, ...]] = ("senders",)
-    ARRAYS: ClassVar[dict[str, tuple[str, int]]] = {"ciphertexts": ("|u1", 2)}
-    senders: tuple[str, ...]
-    ciphertexts: np.ndarray
-
-    def payload(self):
-        return {"senders": list(self.senders)}
-
-    def arrays(self):
-        return {"ciphertexts": self.ciphertexts}
-
-    @classmethod
-    def parse_payload(cls, payload, arrays):
-        senders = _str_list(payload["senders"], "senders")
-        _share_rows(arrays["ciphertexts"], senders, "ciphertexts")
-        return {"senders": senders, "ciphertexts": arrays["ciphertexts"]}
+    senders: tuple[str, ...] = wire_value(DistinctIds())
+    ciphertexts: np.ndarray = wire_array("|u1", 2, rows_per="senders")
 
 
-@dataclass(frozen=True, kw_only=True, eq=False)
+@wire_message
 class ConsistencyCheckRequest(Message):
     TYPE: ClassVar[str] = "secagg.consistency_request"
     PHASE: ClassVar[Phase] = Phase.CONSISTENCY_CHECK
     FROM_CLIENT: ClassVar[bool] = False
-    ARRAYS: ClassVar[dict[str, tuple[str, int]]] = {"survivors": ("|u1", 1)}
-    survivors: np.ndarray  # U3 as a member bitmap
-
-    def arrays(self):
-        return {"survivors": self.survivors}
-
-    @classmethod
-    def parse_payload(cls, payload, arrays):
-        return {"survivors": arrays["survivors"]}
+    survivors: np.ndarray = wire_array("|u1", 1)  # U3 as a member bitmap
 
 
-@dataclass(frozen=True, kw_only=True, eq=False)
+@wire_message
 class UnmaskRequest(Message):
     """U3 and U2 - U3 as member bitmaps, plus (with the consistency check) the signatures of U3
     by U4: `consistency_signers` is U4's bitmap and row i of `consistency_signatures` belongs to
@@ -315,26 +253,13 @@ class UnmaskRequest(Message):
     TYPE: ClassVar[str] = "secagg.unmask_request"
     PHASE: ClassVar[Phase] = Phase.UNMASK
     FROM_CLIENT: ClassVar[bool] = False
-    ARRAYS: ClassVar[dict[str, tuple[str, int]]] = {
-        "survivors": ("|u1", 1), "dropped": ("|u1", 1), "consistency_signers": ("|u1", 1),
-        "consistency_signatures": ("|u1", 2)}
-    survivors: np.ndarray
-    dropped: np.ndarray
-    consistency_signers: np.ndarray
-    consistency_signatures: np.ndarray
-
-    def arrays(self):
-        return {"survivors": self.survivors, "dropped": self.dropped,
-                "consistency_signers": self.consistency_signers, "consistency_signatures": self.consistency_signatures}
-
-    @classmethod
-    def parse_payload(cls, payload, arrays):
-        if arrays["consistency_signatures"].shape[1:] != (64,):
-            raise MalformedMessage("consistency_signatures must have 64-byte rows")
-        return dict(arrays)
+    survivors: np.ndarray = wire_array("|u1", 1)
+    dropped: np.ndarray = wire_array("|u1", 1)
+    consistency_signers: np.ndarray = wire_array("|u1", 1)
+    consistency_signatures: np.ndarray = wire_array("|u1", 2, row_bytes=64)
 
 
-@dataclass(frozen=True, kw_only=True, eq=False)
+@wire_message
 class RoundAborted(Message):
     """The server gave the round up (fewer than t answers in a phase, failed reconstruction, or
     its caller's deadline): nothing from this round is or will be applied. Sent in any phase
@@ -343,126 +268,58 @@ class RoundAborted(Message):
     TYPE: ClassVar[str] = "secagg.round_aborted"
     PHASE: ClassVar[Phase] = Phase.ADVERTISE_KEYS
     FROM_CLIENT: ClassVar[bool] = False
-    PAYLOAD_KEYS: ClassVar[tuple[str, ...]] = ("reason",)
-    MAX_REASON = 1000
-    reason: str
-
-    def payload(self) -> dict[str, Any]:
-        return {"reason": self.reason}
-
-    @classmethod
-    def parse_payload(cls, payload, arrays):
-        reason = payload["reason"]
-        if not isinstance(reason, str) or len(reason) > cls.MAX_REASON:
-            raise MalformedMessage(f"reason must be a string of at most {cls.MAX_REASON} characters")
-        return {"reason": reason}
+    MAX_REASON: ClassVar[int] = 1000
+    reason: str = wire_value(BoundedText(MAX_REASON))
 
 
 # ---- client -> server ---------------------------------------------------------------------
 
-@dataclass(frozen=True, kw_only=True, eq=False)
+@wire_message
 class AdvertiseKeys(Message):
     TYPE: ClassVar[str] = "secagg.advertise_keys"
     PHASE: ClassVar[Phase] = Phase.ADVERTISE_KEYS
     FROM_CLIENT: ClassVar[bool] = True
-    PAYLOAD_KEYS: ClassVar[tuple[str, ...]] = ("cipher_public_key", "mask_public_key")
-    cipher_public_key: bytes
-    mask_public_key: bytes
-
-    def payload(self):
-        return {"cipher_public_key": _b64(self.cipher_public_key), "mask_public_key": _b64(self.mask_public_key)}
-
-    @classmethod
-    def parse_payload(cls, payload, arrays):
-        return {"cipher_public_key": _unb64(payload["cipher_public_key"], "cipher_public_key", 32),
-                "mask_public_key": _unb64(payload["mask_public_key"], "mask_public_key", 32)}
+    cipher_public_key: bytes = wire_value(Base64Bytes(32))
+    mask_public_key: bytes = wire_value(Base64Bytes(32))
 
 
-@dataclass(frozen=True, kw_only=True, eq=False)
+@wire_message
 class EncryptedShares(Message):
     TYPE: ClassVar[str] = "secagg.encrypted_shares"
     PHASE: ClassVar[Phase] = Phase.SHARE_KEYS
     FROM_CLIENT: ClassVar[bool] = True
-    PAYLOAD_KEYS: ClassVar[tuple[str, ...]] = ("recipients", "self_mask_commitment")
-    ARRAYS: ClassVar[dict[str, tuple[str, int]]] = {"ciphertexts": ("|u1", 2)}
-    recipients: tuple[str, ...]
-    ciphertexts: np.ndarray
-    self_mask_commitment: bytes
-
-    def payload(self):
-        return {"recipients": list(self.recipients), "self_mask_commitment": _b64(self.self_mask_commitment)}
-
-    def arrays(self):
-        return {"ciphertexts": self.ciphertexts}
-
-    @classmethod
-    def parse_payload(cls, payload, arrays):
-        recipients = _str_list(payload["recipients"], "recipients")
-        _share_rows(arrays["ciphertexts"], recipients, "ciphertexts")
-        return {"recipients": recipients, "ciphertexts": arrays["ciphertexts"],
-                "self_mask_commitment": _unb64(payload["self_mask_commitment"], "self_mask_commitment", 32)}
+    recipients: tuple[str, ...] = wire_value(DistinctIds())
+    ciphertexts: np.ndarray = wire_array("|u1", 2, rows_per="recipients")
+    self_mask_commitment: bytes = wire_value(Base64Bytes(32))
 
 
-@dataclass(frozen=True, kw_only=True, eq=False)
+@wire_message
 class MaskedInput(Message):
     TYPE: ClassVar[str] = "secagg.masked_input"
     PHASE: ClassVar[Phase] = Phase.MASKED_INPUT
     FROM_CLIENT: ClassVar[bool] = True
-    ARRAYS: ClassVar[dict[str, tuple[str, int]]] = {"masked_input": ("<u8", 1)}
-    masked_input: np.ndarray
-
-    def arrays(self):
-        return {"masked_input": self.masked_input}
-
-    @classmethod
-    def parse_payload(cls, payload, arrays):
-        return {"masked_input": arrays["masked_input"]}
+    masked_input: np.ndarray = wire_array("<u8", 1)
 
 
-@dataclass(frozen=True, kw_only=True, eq=False)
+@wire_message
 class ConsistencySignature(Message):
     TYPE: ClassVar[str] = "secagg.consistency_signature"
     PHASE: ClassVar[Phase] = Phase.CONSISTENCY_CHECK
     FROM_CLIENT: ClassVar[bool] = True
-    PAYLOAD_KEYS: ClassVar[tuple[str, ...]] = ("survivors_signature",)
-    survivors_signature: bytes
-
-    def payload(self):
-        return {"survivors_signature": _b64(self.survivors_signature)}
-
-    @classmethod
-    def parse_payload(cls, payload, arrays):
-        return {"survivors_signature": _unb64(payload["survivors_signature"], "survivors_signature", 64)}
+    survivors_signature: bytes = wire_value(Base64Bytes(64))
 
 
-@dataclass(frozen=True, kw_only=True, eq=False)
+@wire_message
 class UnmaskShares(Message):
     """Shares of self-mask seeds b_v for surviving v, of mask keys s_v^SK for dropped v."""
 
     TYPE: ClassVar[str] = "secagg.unmask_shares"
     PHASE: ClassVar[Phase] = Phase.UNMASK
     FROM_CLIENT: ClassVar[bool] = True
-    PAYLOAD_KEYS: ClassVar[tuple[str, ...]] = ("self_mask_owners", "key_owners")
-    ARRAYS: ClassVar[dict[str, tuple[str, int]]] = {"self_mask_shares": ("|u1", 2), "key_shares": ("|u1", 2)}
-    self_mask_owners: tuple[str, ...]
-    self_mask_shares: np.ndarray
-    key_owners: tuple[str, ...]
-    key_shares: np.ndarray
-
-    def payload(self):
-        return {"self_mask_owners": list(self.self_mask_owners), "key_owners": list(self.key_owners)}
-
-    def arrays(self):
-        return {"self_mask_shares": self.self_mask_shares, "key_shares": self.key_shares}
-
-    @classmethod
-    def parse_payload(cls, payload, arrays):
-        self_owners = _str_list(payload["self_mask_owners"], "self_mask_owners")
-        key_owners = _str_list(payload["key_owners"], "key_owners")
-        _share_rows(arrays["self_mask_shares"], self_owners, "self_mask_shares")
-        _share_rows(arrays["key_shares"], key_owners, "key_shares")
-        return {"self_mask_owners": self_owners, "self_mask_shares": arrays["self_mask_shares"],
-                "key_owners": key_owners, "key_shares": arrays["key_shares"]}
+    self_mask_owners: tuple[str, ...] = wire_value(DistinctIds())
+    key_owners: tuple[str, ...] = wire_value(DistinctIds())
+    self_mask_shares: np.ndarray = wire_array("|u1", 2, rows_per="self_mask_owners")
+    key_shares: np.ndarray = wire_array("|u1", 2, rows_per="key_owners")
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {

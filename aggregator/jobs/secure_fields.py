@@ -1,0 +1,49 @@
+"""What every secure-aggregation job's config names: the SecAgg(+) group, its bounds, its keys.
+
+Fed3R-Sync, secure FedAvg (head and tail) and secure LADD each run their rounds as SecAgg (or
+SecAgg+) groups (``aggregator/jobs/secure_rounds.py``). One base config holds the fields they
+share and loads the aggregator's identity and the enrolled device keys the files name; the jobs
+whose devices send model updates (FedAvg, LADD) add a bound per trained entry.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from protocols.identity import DeviceIdentity, IdentityRegistry
+from protocols.topics import AGGREGATOR_ID
+
+from aggregator.jobs.base import JobConfig
+from aggregator.jobs.privacy_fields import UpdateClippingFields
+
+
+@dataclass
+class SecureAggregationFields(JobConfig):
+    graph: str = "complete"                 # "complete" (SecAgg) or "regular" (SecAgg+)
+    expected_dropout: float = 0.1           # SecAgg+: the degree and share threshold are chosen to survive it
+    max_samples: int = 10_000               # per device; with the per-entry bound it fixes the vector's bound
+    phase_timeout_s: float = 30.0
+    identity_file: str = ""                 # aggregator's Ed25519 private key (PEM)
+    device_keys_file: str = ""              # JSON {device id: Ed25519 public key, hex}
+
+    def load_identities(self) -> tuple[DeviceIdentity, IdentityRegistry]:
+        """The aggregator's identity (``identity_file``) and the enrolled device keys (``device_keys_file``)."""
+        identity = DeviceIdentity.from_pem(AGGREGATOR_ID, Path(self.identity_file).read_bytes())
+        keys = json.loads(Path(self.device_keys_file).read_text())
+        return identity, IdentityRegistry({d: bytes.fromhex(k) for d, k in keys.items()})
+
+
+@dataclass
+class SecureUpdateFields(SecureAggregationFields, UpdateClippingFields):
+    """Model updates summed under SecAgg: a bound per trained entry, and a fixed clip norm under DP."""
+
+    max_abs_param: float = 100.0            # per trained entry, after local training
+
+    def __post_init__(self):
+        super().__post_init__()
+        # Distributed DP: the devices clip and noise (no central noise); the clip norm stays fixed
+        # (the adaptive rule would need its clipped-count bits in the secure sum as well).
+        if self.dp and self.dp_adaptive_clip:
+            raise ValueError("dp_adaptive_clip is not available under secure aggregation (fixed dp_clip_norm only)")

@@ -1,0 +1,64 @@
+"""``fedfleet simulate --pipeline ladd`` options, and ``python -m fedfleet.ladd``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from fedfleet import ladd
+from fedfleet.ladd.config import QUICK, LaddSimConfig
+
+def add_ladd_arguments(parser: argparse.ArgumentParser) -> None:
+    """LADD options for ``fedfleet simulate``; options the parser already has (--out, --broker,
+    --workers, --image-size, --seed) are left alone and read by :func:`ladd_config_from_args`."""
+    have = set(parser._option_string_actions)
+
+    def add(flag, **kw):
+        if flag not in have:
+            parser.add_argument(flag, **kw)
+
+    add("--quick", action="store_true", help="LADD: seconds-long run (1 seed, 8 devices, 2 rounds)")
+    add("--ladd-config", help="LADD: JSON file of LaddSimConfig fields")
+    add("--seeds", help="LADD: comma-separated seeds (default 0,1,2)")
+    add("--devices-per-domain", type=int, help="LADD: devices per target domain (default 10)")
+    add("--domains", help="LADD: comma-separated target domains (default night,fog,sunset,rain)")
+    add("--rounds", type=int, help="LADD: federated rounds (default 12)")
+    add("--clients-per-round", type=int, help="devices per round, every pipeline (default: the preset's; LADD 8)")
+    add("--cluster-scope", choices=["head", "all"], help="LADD: cluster-specific tensors (default head)")
+    add("--baseline-no-kd", action="store_true", help="LADD: FedAvg+ST with pseudo-labels only (no KD, no SWA)")
+    add("--secure", action="store_true", help="LADD: sum each training round's updates under secure aggregation")
+    for flag, kw in (("--out", {}), ("--broker", {}), ("--workers", {"type": int}), ("--image-size", {"type": int})):
+        add(flag, **kw)
+
+
+def ladd_config_from_args(args: argparse.Namespace) -> LaddSimConfig:
+    base = json.loads(Path(args.ladd_config).read_text()) if getattr(args, "ladd_config", None) else {}
+    if getattr(args, "quick", False):
+        base = {**QUICK, "out_dir": "runs/ladd-quick", **base}
+    over = {"seeds": [int(s) for s in args.seeds.split(",")] if getattr(args, "seeds", None) else None,
+            "devices_per_domain": getattr(args, "devices_per_domain", None),
+            "domains": args.domains.split(",") if getattr(args, "domains", None) else None,
+            "rounds": getattr(args, "rounds", None), "clients_per_round": getattr(args, "clients_per_round", None),
+            "cluster_scope": getattr(args, "cluster_scope", None), "out_dir": getattr(args, "out", None),
+            "broker": getattr(args, "broker", None), "workers": getattr(args, "workers", None),
+            "image_size": getattr(args, "image_size", None)}
+    if getattr(args, "baseline_no_kd", False):
+        over["baseline_kd"] = False
+    if getattr(args, "secure", False):
+        over["secure"] = True
+    if getattr(args, "secure_graph", None):
+        over["secure_graph"] = args.secure_graph
+    return LaddSimConfig(**{**base, **{k: v for k, v in over.items() if v is not None}})
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="python -m fedfleet.ladd", description=ladd.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_ladd_arguments(parser)
+    from fedfleet.ladd.run import run_ladd
+
+    run_ladd(ladd_config_from_args(parser.parse_args(argv)))
+    return 0
