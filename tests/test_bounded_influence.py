@@ -213,6 +213,15 @@ def test_factor_and_dense_forms_have_the_same_diagonal_and_energy():
     assert energy_per_sample(dense, True) == pytest.approx((Z ** 2).sum() / len(Z), rel=1e-12)
     assert energy_per_sample(factor, True) == pytest.approx((Z ** 2).sum() / len(Z), rel=1e-12)
     FeatureBound(6.0, 1000, True).check(factor)
+    # the canonical factor covers the non-zero columns K only: the rest of diag(A) and b is zero
+    Za[:, 2] = 0.0
+    keep = np.array([j for j in range(D + 1) if j != 2])
+    _, r = np.linalg.qr(Za[:, keep])
+    q = Za[:, keep] @ np.linalg.inv(r)
+    partial = Fed3RStats(n=len(Z), p=D + 1, a_upper=None, class_ids=np.arange(C), b=None, r_factor=r,
+                         qty=q.T @ np.eye(C)[y], factor_columns=keep)
+    np.testing.assert_allclose(gram_diagonal(partial), (Za ** 2).sum(0), rtol=1e-12, atol=1e-12)
+    FeatureBound(6.0, 1000, True).check(partial)
 
 
 def test_energy_screen_is_the_median_rule_and_ignores_order():

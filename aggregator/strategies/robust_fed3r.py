@@ -45,18 +45,29 @@ def packed_diagonal(a_upper: np.ndarray, p: int) -> np.ndarray:
     return np.asarray(a_upper)[rows * (2 * p - rows + 1) // 2]
 
 
+def _factor_columns(stats: Fed3RStats) -> np.ndarray:
+    """The columns K the factor covers (A and b are zero elsewhere); all of them when unnamed."""
+    columns = stats.factor_columns
+    return np.arange(stats.p) if columns is None else np.asarray(columns)
+
+
 def gram_diagonal(stats: Fed3RStats) -> np.ndarray:
-    """diag(A_k), whichever form the device sent (A = RᵀR: the squared column norms of R)."""
+    """diag(A_k), whichever form the device sent (A[K, K] = RᵀR: the squared column norms of R)."""
     if stats.r_factor is not None:
         r = np.asarray(stats.r_factor, dtype=np.float64)
-        return np.einsum("ij,ij->j", r, r)
+        diag = np.zeros(stats.p)
+        diag[_factor_columns(stats)] = np.einsum("ij,ij->j", r, r)
+        return diag
     return packed_diagonal(stats.a_upper, stats.p)
 
 
 def class_sums(stats: Fed3RStats) -> np.ndarray:
     """b_k as an (m×p) array, one row per class the device holds."""
     if stats.r_factor is not None:
-        return (np.asarray(stats.r_factor, dtype=np.float64).T @ np.asarray(stats.qty, dtype=np.float64)).T
+        covered = (np.asarray(stats.r_factor, dtype=np.float64).T @ np.asarray(stats.qty, dtype=np.float64)).T
+        b = np.zeros((len(covered), stats.p))
+        b[:, _factor_columns(stats)] = covered
+        return b
     return np.asarray(stats.b)
 
 
