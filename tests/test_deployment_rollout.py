@@ -294,6 +294,17 @@ def test_the_operator_deploys_promotes_and_rolls_back_through_the_cli(setup, wor
         assert line.startswith("ops-1") and "rolled_back" in line and "field complaints" in line
         shown = cli("deployment", "show", "ops-1")
         assert "canary -> widening: promoted by the operator" in shown and "cam-0" in shown
+        # admin logs: every state change with its reason, in the job log's line format
+        logged = cli("logs", "--deployment", "ops-1").splitlines()
+        assert [line.split()[1:3] for line in logged] == [["canary", "deployment_id=ops-1"],
+                                                          ["widening", "deployment_id=ops-1"],
+                                                          ["widening", "deployment_id=ops-1"],
+                                                          ["complete", "deployment_id=ops-1"],
+                                                          ["rolled_back", "deployment_id=ops-1"]]
+        assert "why=promoted by the operator" in logged[1] and "why=field complaints" in logged[-1]
+        assert "admin logs: name a job" in cli("logs", ok=False)
+        assert "admin logs: name a job" in cli("logs", "job", "--deployment", "ops-1", ok=False)
+        assert "HTTP 404" in cli("logs", "--deployment", "nope", ok=False)
 
         client = TestClient(create_app(store, TOKEN, None, ctl))
         auth = {"Authorization": f"Bearer {TOKEN}"}
@@ -301,6 +312,14 @@ def test_the_operator_deploys_promotes_and_rolls_back_through_the_cli(setup, wor
         bad = client.post(f"/api/models/{good}/deploy", headers=auth, json={"guard": "accuracy>0"})
         assert bad.status_code == 422 and "METRIC OP NUMBER" in bad.json()["detail"]
         assert client.get("/api/deployments/nope", headers=auth).status_code == 404
+        history = client.get("/api/deployments/ops-1", headers=auth).json()["history"]
+        page = client.get("/api/deployments/ops-1/log?offset=3", headers=auth).json()
+        assert page["next_offset"] == len(history) == 5 and page["state"] == "rolled_back"
+        assert [(e["from"], e["event"], e["why"]) for e in page["lines"]] == \
+            [(h["from"], h["to"], h["why"]) for h in history[3:]]
+        assert client.get("/api/deployments/ops-1/log?offset=9", headers=auth).json() == \
+            {"lines": [], "next_offset": 9, "state": "rolled_back"}
+        assert client.get("/api/deployments/ops-1/log?offset=-1", headers=auth).status_code == 422
         read_only = TestClient(create_app(store, TOKEN))
         assert read_only.post(f"/api/models/{good}/deploy", headers=auth, json={}).status_code == 409
         assert read_only.get("/api/deployments/ops-1", headers=auth).json()["state"] == "rolled_back"
