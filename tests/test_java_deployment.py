@@ -8,15 +8,18 @@ directory, and against a numpy reference:
 * an unsigned assignment, one signed by another key, a tampered head and a file that is not a head
   are refused, and the slot keeps its version;
 * a device that personalises (OLL) predicts with the head pruned to its training labels, as the
-  Python device does, and refuses a head without a row for one of them.
+  Python device does, and refuses a head without a row for one of them;
+* the Java ``DeploymentFollower`` follows a rollout of the real controller over mosquitto (catch-up
+  on the retained assignment, counts equal to numpy's, rollback, an unsigned assignment refused).
 
-Driven through ``tests/java_device/SlotRunner.java`` (plain javac, Java 11 level)."""
+Driven through ``tests/java_device/SlotRunner.java`` and ``FollowerRunner.java`` (plain javac, Java 11 level)."""
 
 from __future__ import annotations
 
 import hashlib
 import io
 import subprocess
+import time
 
 import numpy as np
 import pytest
@@ -167,3 +170,94 @@ def test_a_personalising_java_device_predicts_with_the_oll_pruned_head_like_the_
     assert ModelSlot(tmp_path / "java").local_labels.tolist() == [1, 3, 4]
     out = slot_runner(java_cp, tmp_path / "java7", feats, agg.public_key_bytes.hex(), "0,7", msg, head)
     assert "[0, 5)" in out["REFUSED"] and out["CURRENT"] == "none"
+
+
+def store_state(store, deployment_id):
+    from aggregator.storage.deployments import DeploymentStore
+
+    return DeploymentStore(store).get(deployment_id)["state"]
+
+
+def wait_for(condition, what, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def running(slot_dir):
+    try:
+        current = ModelSlot(slot_dir).current
+    except (OSError, ValueError):       # not written yet
+        return None
+    return current.sha256 if current else None
+
+
+def test_a_java_device_follows_a_rollout_over_mosquitto(java_cp, world, broker, tmp_path):
+    """The Java DeploymentFollower against the real controller: an offline device catches up on its
+    retained assignment, reports OLL-pruned held-out counts equal to numpy's, swaps; a failing guard
+    rolls it back; an unsigned assignment is refused and it keeps its version."""
+    import paho.mqtt.client as mqtt
+
+    from aggregator.deployments.controller import DeploymentController
+    from aggregator.storage.store import Store
+    from protocols.mqtt_link import BrokerConfig
+    from protocols.topics import Topics
+
+    agg, (good, _), Z, y = world["aggregator"], world["heads"], world["Z"], world["y"]
+    broken = (good[0][[1, 2, 3, 4, 0]], good[1][[1, 2, 3, 4, 0]])
+    local = [0, 2, 3]
+    store = Store(tmp_path / "state.db")
+    store.enroll_device("jcam", None, None)
+    ids = {}
+    for name, (W, b) in (("good", good), ("broken", broken)):
+        store.create_job(name, "fedavg", {})
+        ids[name] = store.finish_job(name, "done", {}, {}, {"weight": W, "bias": b}, {}, 1)
+    topics = Topics(f"j{time.monotonic_ns()}")
+    ctl = DeploymentController(store, BrokerConfig.from_url(broker.url), topics, signer=agg.sign, tick_s=0.05).start()
+    feats, slot = write_features(tmp_path / "held.bin", Z, y), tmp_path / "jslot"
+    proc = None
+    try:
+        ctl.call(lambda: ctl.deploy(ids["good"], cohort="devices:jcam", stages="100%", bake_s=0.2,
+                                    deployment_id="good-1"))
+        time.sleep(0.5)                               # published while the device is offline: retained
+        proc = subprocess.Popen(["java", "-cp", java_cp, "FollowerRunner", broker.url, "jcam", topics.root,
+                                 agg.public_key_bytes.hex(), str(slot), str(feats), ",".join(map(str, local))],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "READY"
+        good_sha = hashlib.sha256(D.head_npz(*good)).hexdigest()
+        wait_for(lambda: store_state(store, "good-1") == "complete", "the rollout to complete")
+        wait_for(lambda: running(slot) == good_sha, "the Java device to swap")
+        report = ctl.show("good-1")["devices"]["jcam"]["report"]
+        right = int((reference(good, Z, local) == y).sum())
+        assert report == {"deployment": "good-1", "sha256": good_sha, "n": N, "correct_candidate": right,
+                          "correct_current": 0}
+
+        ctl.call(lambda: ctl.deploy(ids["broken"], cohort="devices:jcam", stages="100%", bake_s=0.2,
+                                    deployment_id="broken-1"))
+        wait_for(lambda: store_state(store, "broken-1") == "rolled_back", "the broken head's rollback")
+        report = ctl.show("broken-1")["devices"]["jcam"]["report"]
+        assert (report["correct_candidate"], report["correct_current"]) == \
+            (int((reference(broken, Z, local) == y).sum()), right)
+        wait_for(lambda: running(slot) == good_sha and ModelSlot(slot).previous is None, "the Java device back")
+
+        raw = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="intruder")
+        raw.connect("127.0.0.1", broker.port)
+        raw.loop_start()
+        evil = D.head_npz(*broken)
+        raw.publish(topics.deploy("jcam"), encode(D.run_message(AGGREGATOR_ID, "evil", hashlib.sha256(evil).hexdigest(),
+                                                                len(evil), 1)), qos=1, retain=True).wait_for_publish(5)
+        time.sleep(2)
+        raw.publish(topics.deploy("jcam"), b"", retain=True).wait_for_publish(5)
+        raw.loop_stop()
+        raw.disconnect()
+        out, err = proc.communicate("", timeout=30)
+        assert "CURRENT " + good_sha in out and "REFUSALS 1" in out, (out, err[-2000:])
+        assert "unsigned" in err or "signature" in err or "sig" in err, err[-2000:]
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+        ctl.stop()
+        store.close()

@@ -93,6 +93,9 @@ public final class ModelSlot {
         return v.head.predict(features, localLabels);
     }
 
+    /** The head file of a kept version (as written when it was swapped in). */
+    public byte[] keptBytes(Version v) throws IOException { return readAll(new File(dir, v.sha256 + ".npz")); }
+
     /** How many labelled samples ``head`` gets right the way this device predicts (the counts it reports). */
     public int correct(HeadFile head, float[][] features, int[] labels) {
         int[] pred = head.predict(features, localLabels);
