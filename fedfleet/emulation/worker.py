@@ -38,6 +38,7 @@ from protocols.topics import Topics
 
 from ..bundles import make_extractor
 from ..quiet import quiet_third_party_warnings
+from .broker import broker_for
 from .host import DeviceHost, LazyTasks, rss_mb
 from .profiles import DeviceProfile
 
@@ -121,7 +122,9 @@ def start_devices(spec: dict, host: DeviceHost) -> list[DeviceAgent]:
     """Every device of the spec as a DeviceAgent on ``host``; idle devices keep only their ids,
     profile and data (indices) (task state is built per task)."""
     handlers_of = (_ladd_handlers if spec.get("ladd_devices_file") else _classification_handlers)(spec, host)
-    broker = BrokerConfig.from_url(spec["broker"])
+    # devices dealt over the edge brokers of a broker tree (fedfleet.emulation.broker.BrokerTree)
+    broker_urls = spec.get("device_brokers") or [spec["broker"]]
+    brokers = {url: BrokerConfig.from_url(url) for url in broker_urls}
     topics = Topics(spec.get("topic_root", "fedfleet"))
     t0 = time.monotonic()
     secure = spec.get("secure")
@@ -136,8 +139,9 @@ def start_devices(spec: dict, host: DeviceHost) -> list[DeviceAgent]:
         if secure:
             identity = DeviceIdentity.from_private_bytes(device_id, bytes.fromhex(secure["device_keys"][device_id]))
             protocol_handlers = secure_handlers(identity, bytes.fromhex(secure["aggregator_public_key"]), handlers)
+        broker = brokers[broker_for(int(dev["index"]), broker_urls)]
         host.add(lambda link_factory, device_id=device_id, profile=profile, handlers=handlers, rng=rng,
-                 protocol_handlers=protocol_handlers, slot_wait_s=slot_wait_s: DeviceAgent(
+                 protocol_handlers=protocol_handlers, slot_wait_s=slot_wait_s, broker=broker: DeviceAgent(
                      device_id, broker, handlers, topics, hooks=profile_hooks(profile, t0, rng, slot_wait_s),
                      retry_after_s=spec.get("retry_after_s", 10.0), protocol_handlers=protocol_handlers,
                      link_factory=link_factory))
