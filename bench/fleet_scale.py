@@ -109,16 +109,17 @@ def wait_for_files(paths: list[Path], timeout_s: float) -> list[dict]:
 
 def measure(n: int, args, work: Path) -> dict:
     with BrokerTree.for_devices(n, Topics(), args.per_broker) as tree:
-        agg = start_aggregator(tree.url, work, device_ids(n), args.d)
+        agg = None if args.connect_only else start_aggregator(tree.url, work, device_ids(n), args.d)
         hosts = start_hosts(n, tree.device_urls, work, args)
         up = wait_for_files([out for _, out in hosts], 900)
-        rc = agg.wait(timeout=3600)
+        broker_mb = tree.rss_mb()
+        rc = agg.wait(timeout=3600) if agg else None
         t_done = time.time()
-        time.sleep(4.0)                  # every device has handled its ack: idle again
+        time.sleep(0 if agg is None else 4.0)      # every device has handled its ack: idle again
         for proc, out in hosts:
             out.unlink(missing_ok=True)
             proc.send_signal(signal.SIGTERM)
-        after = wait_for_files([out for _, out in hosts], 120)
+        after = wait_for_files([out for _, out in hosts], 300)
         for proc, _ in hosts:
             proc.wait(timeout=300)
     t0 = min(h["started_at"] for h in up)
@@ -129,8 +130,8 @@ def measure(n: int, args, work: Path) -> dict:
             "started_per_s": n / (max(h["connected_at"] for h in up) - t0),
             "rss_mb_per_device": sum(h["rss_added_mb"] for h in up) / n,
             "rss_mb_per_device_after_work": sum(h["rss_added_after_work_mb"] for h in after) / n,
-            "host_rss_mb": sum(h["rss_mb"] for h in up), "aggregator_exit": rc, "contributed": contributed,
-            "contributions_per_s": contributed / (t_done - t0), "wall_s": t_done - t0,
+            "host_rss_mb": sum(h["rss_mb"] for h in up), "broker_rss_mb": broker_mb, "aggregator_exit": rc,
+            "contributed": contributed, "contributions_per_s": contributed / (t_done - t0), "wall_s": t_done - t0,
             "open_file_limit": up[0]["open_file_limit"]}
 
 
@@ -141,6 +142,7 @@ def print_table(rows: list[dict]) -> None:
              ("started per s", lambda r: f"{r['started_per_s']:.0f}"),
              ("RSS per idle device", lambda r: f"{r['rss_mb_per_device'] * 1024:.0f} KiB"),
              ("  after its task", lambda r: f"{r['rss_mb_per_device_after_work'] * 1024:.0f} KiB"),
+             ("broker RSS", lambda r: f"{r['broker_rss_mb']:.0f} MB"),
              ("contributions", lambda r: f"{r['contributed']:,}"),
              ("contributions per s", lambda r: f"{r['contributions_per_s']:.0f}"),
              ("wall", lambda r: f"{r['wall_s']:.0f} s")]
@@ -155,6 +157,7 @@ def main() -> None:
     ap.add_argument("--d", type=int, default=64, help="feature dimension of the synthetic statistics")
     ap.add_argument("--per-host", type=int, default=12_500, help="devices per host process")
     ap.add_argument("--per-broker", type=int, default=17_000, help="devices per mosquitto (edges past one)")
+    ap.add_argument("--connect-only", action="store_true", help="start and connect the devices, no job")
     ap.add_argument("--host", action="store_true", help=argparse.SUPPRESS)
     for hidden in ("--fleet", "--first", "--count"):
         ap.add_argument(hidden, type=int, help=argparse.SUPPRESS)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from protocols.topics import Topics
 
-from .processes import stop_all
+from .processes import process_rss_mb, stop_all
 
 # A private broker for thousands of devices: no connection cap (the caller raises the descriptor
 # limit mosquitto inherits) and room to queue the chunks of ~1,000 concurrent uploads for the
@@ -167,6 +167,10 @@ class BrokerTree:
             self.stop()
             raise
         return self
+
+    def rss_mb(self) -> float:
+        """The brokers' resident memory together (Linux /proc), 0 where unknown."""
+        return sum(process_rss_mb(b.proc.pid) for b in (self.core, *self.edges) if b.proc)
 
     def stop(self) -> None:
         for broker in (*self.edges, self.core):

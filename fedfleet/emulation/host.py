@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable
 
@@ -32,6 +31,8 @@ import numpy as np
 
 from edge_client.agent import DeviceAgent
 from protocols.mqtt_eventloop import LoopLink, MqttEventLoop, raise_open_file_limit
+
+from .processes import process_rss_mb
 
 log = logging.getLogger("fedfleet.host")
 
@@ -183,10 +184,4 @@ class DeviceHost:
 
 def rss_mb() -> float:
     """This process's resident memory (Linux /proc), 0 where unknown."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
+    return process_rss_mb("self")
