@@ -284,6 +284,7 @@ class EmulatedFleet:
             raise RuntimeError(f"{what} aggregator failed (exit {rc}); log tail:\n{log_file.read_text()[-3000:]}")
 
     def __exit__(self, *exc) -> None:
+        self.broker_rss_mb = self.broker.rss_mb() if self.broker else None
         if self.hosts is not None:
             self.worker_stats = self.hosts.stop()
         if self.broker:
@@ -402,6 +403,7 @@ def run(cfg: SimConfig, quiet: bool = False) -> dict:
                                 cfg.devices)
     report = _report(cfg, results, fleet.worker_stats, prep)
     report["wall_s"] = time.monotonic() - t_start
+    report["broker_rss_mb"] = fleet.broker_rss_mb
     if cfg.ray:
         report["ray_placement"] = fleet.hosts.placement
     (out / "report.json").write_text(json.dumps(report, indent=1))
@@ -437,7 +439,8 @@ def _report(cfg, results, workers, prep: Prepared, job_dir: Path | None = None) 
               "rejections": results["rejections"], "late": results["late"], "duplicates": results["duplicates"],
               "fed3r_accuracy": results["final"].get("accuracy"), "history": results["history"],
               "dropouts": sum(w["dropouts"] for w in workers), "device_compute_s": sum(w["compute_s"] for w in workers),
-              "job_s": results.get("wall_s"), **fleet_figures(cfg, results, workers)}
+              "job_s": results.get("wall_s"),
+              **fleet_figures(cfg, results, workers), **upload_forms(workers, prep.fed3r_job.get("feature_dim"))}
     if cfg.rf_dim:
         from protocols.random_features import RandomFourierFeatures
 
@@ -460,10 +463,26 @@ def fleet_figures(cfg: SimConfig, results: dict, workers: list[dict]) -> dict:
     counted them, and as the devices sent them: retries included) and device-host memory."""
     contributed = max(1, len(results["contributed"]))
     rss = sum(w.get("rss_mb", 0.0) for w in workers)
-    return {"bytes_up_per_device": results["bytes_in"] / contributed,
+    connect_s = [w.get("connect_s") for w in workers]     # workers start their devices side by side
+    return {"devices_started_per_s": (cfg.devices / max(connect_s) if connect_s and None not in connect_s
+                                      and max(connect_s) > 0 else None),
+            "contributions_per_s": len(results["contributed"]) / results["wall_s"] if results.get("wall_s") else None,
+            "bytes_up_per_device": results["bytes_in"] / contributed,
             "device_bytes_up_per_device": sum(w["bytes_up"] for w in workers) / contributed,
             "host_rss_mb": rss, "host_rss_mb_per_device": rss / max(1, cfg.devices),
             "not_connected": sum(len(w.get("not_connected", {})) for w in workers)}
+
+
+def upload_forms(workers: list[dict], feature_dim: int | None) -> dict:
+    """How many devices sent the Fed3R factor form and how many the dense one, told apart by
+    size: a device's upload below half the dense upper triangle of A_k (8·p(p+1)/2 bytes, p the
+    bias-augmented dimension) is a factor (8·n·(p + C) bytes for n < p samples)."""
+    if not feature_dim:
+        return {}
+    p = feature_dim + 1
+    sent = [d["bytes_up"] for w in workers for d in w.get("per_device", {}).values() if d.get("tasks_done")]
+    factor = sum(b < 8 * p * (p + 1) / 4 for b in sent)
+    return {"factor_uploads": factor, "dense_uploads": len(sent) - factor}
 
 
 def format_report(r: dict) -> str:
@@ -477,10 +496,14 @@ def format_report(r: dict) -> str:
                   f"{r['central_samples']} samples)",
                   f"‖W_fed − W_central‖/‖W_central‖ = {r['rel_weight_error']:.2e}"]
     per_dev = r["bytes_up"] / max(1, r["contributed"])
-    lines += [f"bytes up (all devices)  {r['bytes_up'] / 1e6:.1f} MB  ({per_dev / 1e6:.2f} MB per contributing device)",
+    lines += [f"bytes up (all devices)  {r['bytes_up'] / 1e6:.1f} MB  ({per_dev / 1e6:.2f} MB per contributing device; "
+              f"{r.get('factor_uploads', '?')} factor-form / {r.get('dense_uploads', '?')} dense uploads)",
               f"bytes down              {r['bytes_down'] / 1e6:.3f} MB",
               f"device hosts            {r.get('host_rss_mb', 0):.0f} MB RSS "
               f"({r.get('host_rss_mb_per_device', 0):.3f} MB per device, data and backbone included)",
+              f"brokers                 {r.get('broker_rss_mb') or 0:.0f} MB RSS (mosquitto, at the end)",
+              f"devices started         {r.get('devices_started_per_s') or 0:.0f} per s (until all connected); "
+              f"{r.get('contributions_per_s') or 0:.1f} contributions per s (job time)",
               f"device compute          {r['device_compute_s']:.1f} s total (a host's queue for its compute slot left out)",
               f"job time (aggregator)   {r.get('job_s') or 0:.1f} s   (first task to final model)",
               f"wall time               {r.get('wall_s', 0):.1f} s"]

@@ -78,6 +78,7 @@ class DeviceHost:
         self.tick_s = tick_s
         self.connect_timeout_s = connect_timeout_s
         self.agents: dict[str, DeviceAgent] = {}
+        self.first_added_at: float | None = None       # time.monotonic() of the first add()
         self.step_errors = 0
         self._pool = ThreadPoolExecutor(step_threads, thread_name_prefix="device-step")
         self._lock = threading.Lock()
@@ -101,6 +102,8 @@ class DeviceHost:
     def add(self, make_agent: Callable[[Callable[..., LoopLink]], DeviceAgent]) -> DeviceAgent | None:
         """Create a device with ``make_agent(link_factory)`` and start it (connecting happens in the
         background). A device that cannot even be created is logged and skipped."""
+        if self.first_added_at is None:
+            self.first_added_at = time.monotonic()
         try:
             agent = make_agent(self.link_factory)
             agent.session.keep_acked_results = False   # an idle hosted device holds no past results
@@ -152,13 +155,20 @@ class DeviceHost:
     def connected(self) -> list[str]:
         return [d for d, a in self.agents.items() if a.link.connected.is_set()]
 
-    def wait_connected(self, count: int | None = None, timeout_s: float = 60.0) -> int:
+    def wait_connected(self, count: int | None = None, timeout_s: float = 60.0, poll_s: float = 0.1) -> int:
         """Wait until ``count`` devices (default: all) are connected; returns how many are."""
         want = len(self.agents) if count is None else count
         deadline = time.monotonic() + timeout_s
         while (n := len(self.connected())) < want and time.monotonic() < deadline:
-            time.sleep(0.1)
+            time.sleep(poll_s)
         return n
+
+    def seconds_to_connect_all(self, timeout_s: float = 900.0, poll_s: float = 0.5) -> float | None:
+        """Wait until every device is connected; seconds from the first device added until then
+        (the host's start rate is ``len(agents) / that``), None if some never connected."""
+        if self.wait_connected(timeout_s=timeout_s, poll_s=poll_s) < len(self.agents):
+            return None
+        return time.monotonic() - (self.first_added_at or time.monotonic())
 
     def connect_problems(self) -> dict[str, str]:
         """Devices not connected now, with the last reason their connection failed."""

@@ -204,12 +204,15 @@ def stop_devices(host: DeviceHost, agents: list[DeviceAgent]) -> dict:
 
 def run(spec: dict) -> None:
     host, agents = host_devices(spec)
+    started: dict = {}          # devices started per second: how long until all were connected
+    threading.Thread(target=lambda: started.update(connect_s=host.seconds_to_connect_all()), name="start-timer",
+                     daemon=True).start()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     if spec.get("stats_file"):     # written first: stopping thousands of devices takes a while
-        Path(spec["stats_file"]).write_text(json.dumps(device_totals(host, agents)))
+        Path(spec["stats_file"]).write_text(json.dumps({**device_totals(host, agents), **started}))
     host.stop()
 
 
