@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _synthetic import PrecomputedStats  # noqa: E402
 
 from edge_client.agent import DeviceAgent  # noqa: E402
-from fedfleet.emulation.broker import BrokerTree, broker_for  # noqa: E402
+from fedfleet.emulation.broker import BrokerTree, broker_for, loopback_source  # noqa: E402
 from fedfleet.emulation.host import DeviceHost, LazyTasks, rss_mb  # noqa: E402
 from protocols.mqtt_eventloop import raise_open_file_limit  # noqa: E402
 from protocols.mqtt_link import BrokerConfig  # noqa: E402
@@ -68,7 +68,7 @@ def run_host(args) -> None:
     when they started and connected and the RSS they added, then idles until SIGTERM."""
     urls, ids = args.brokers.split(","), device_ids(args.fleet)[args.first:args.first + args.count]
     stats = PrecomputedStats(args.d, 10)
-    host = DeviceHost(step_threads=8, tick_s=2.0)
+    host = DeviceHost(step_threads=8, tick_s=2.0, source_address=loopback_source(args.host_index))
     m0, t0 = rss_mb(), time.time()
     for i, dev in enumerate(ids, start=args.first):
         tasks = LazyTasks(lambda: {"fed3r.stats": stats}, ["fed3r.stats"], host.compute_slot)
@@ -92,7 +92,7 @@ def start_hosts(n: int, urls: list[str], work: Path, args) -> list[tuple[subproc
     hosts = []
     for h, first in enumerate(range(0, n, args.per_host)):
         out = work / f"host{h}.json"
-        cmd = [sys.executable, __file__, "--host", "--fleet", str(n), "--first", str(first),
+        cmd = [sys.executable, __file__, "--host", "--host-index", str(h), "--fleet", str(n), "--first", str(first),
                "--count", str(min(args.per_host, n - first)), "--brokers", ",".join(urls), "--out", str(out),
                "--d", str(args.d)]
         hosts.append((subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=str(REPO)),
@@ -159,7 +159,7 @@ def main() -> None:
     ap.add_argument("--per-broker", type=int, default=17_000, help="devices per mosquitto (edges past one)")
     ap.add_argument("--connect-only", action="store_true", help="start and connect the devices, no job")
     ap.add_argument("--host", action="store_true", help=argparse.SUPPRESS)
-    for hidden in ("--fleet", "--first", "--count"):
+    for hidden in ("--fleet", "--first", "--count", "--host-index"):
         ap.add_argument(hidden, type=int, help=argparse.SUPPRESS)
     ap.add_argument("--brokers", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)

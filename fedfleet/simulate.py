@@ -27,7 +27,7 @@ from protocols.mqtt_eventloop import raise_open_file_limit
 from protocols.mqtt_link import BrokerConfig
 from protocols.topics import Topics
 
-from .emulation.broker import BrokerTree
+from .emulation.broker import BrokerTree, loopback_source
 from .emulation.processes import stop_all
 from .emulation.partition import make_split, train_holdout_split
 from .emulation.profiles import sample_profiles
@@ -240,7 +240,9 @@ class EmulatedFleet:
                 "training_manifest": str(self.training_manifest) if self.training_manifest else None,
                 "tail_manifest": str(self.tail_manifest) if self.tail_manifest else None,
                 "ladd_devices_file": str(self.ladd_devices_file) if self.ladd_devices_file else None,
-                "broker": self.broker_url, "device_brokers": self.device_broker_urls, "topic_root": cfg.topic_root, "devices": mine, "seed": cfg.seed,
+                "broker": self.broker_url, "device_brokers": self.device_broker_urls,
+                # local hosts of a private broker tree connect from their own loopback address
+                "source_address": None if cfg.broker or cfg.ray else loopback_source(w), "topic_root": cfg.topic_root, "devices": mine, "seed": cfg.seed,
                 "cache_dir": cfg.cache_dir, "runtime": cfg.runtime, "threads": threads,
                 "step_threads": cfg.host_threads,
                 "retry_after_s": cfg.retry_after_s, "stats_file": str(out / f"worker{w}.json"),

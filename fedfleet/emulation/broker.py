@@ -129,6 +129,15 @@ def bridge_state_topic(name: str) -> str:
     return f"fedfleet-bridges/{name}/state"
 
 
+def loopback_source(host_index: int) -> str:
+    """The local address device host ``host_index`` connects from: 127.0.0.2, 127.0.0.3, ...
+    Each address has its own ~28,000 ephemeral ports, and 127.0.0.1's stay free for everything
+    else on the machine (a fleet that used them all up would fail every other bind there)."""
+    if not 0 <= host_index < 253:
+        raise ValueError(f"host index {host_index} outside 0..252 (127.0.0.2-254)")
+    return f"127.0.0.{2 + host_index}"
+
+
 def broker_for(index: int, urls: list[str]) -> str:
     """The broker URL device ``index`` connects to: devices dealt round-robin over ``urls``."""
     return urls[index % len(urls)]

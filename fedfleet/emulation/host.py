@@ -71,12 +71,13 @@ class DeviceHost:
     """Many :class:`DeviceAgent` s on one MQTT event loop and a few step threads."""
 
     def __init__(self, step_threads: int = 8, tick_s: float = 2.0, compute_slots: int = 1,
-                 connect_timeout_s: float = 15.0):
+                 connect_timeout_s: float = 15.0, source_address: str | None = None):
         self.open_file_limit = raise_open_file_limit()
         self.loop = MqttEventLoop()
         self.compute_slot = threading.BoundedSemaphore(compute_slots)
         self.tick_s = tick_s
         self.connect_timeout_s = connect_timeout_s
+        self.source_address = source_address      # the devices' local address (LoopLink)
         self.agents: dict[str, DeviceAgent] = {}
         self.first_added_at: float | None = None       # time.monotonic() of the first add()
         self.step_errors = 0
@@ -97,7 +98,8 @@ class DeviceHost:
             deliver(topic, payload)
             self.notify(device_id)
 
-        return LoopLink(self.loop, on_message=on_message, connect_timeout_s=self.connect_timeout_s, **kw)
+        return LoopLink(self.loop, on_message=on_message, connect_timeout_s=self.connect_timeout_s,
+                        source_address=self.source_address, **kw)
 
     def add(self, make_agent: Callable[[Callable[..., LoopLink]], DeviceAgent]) -> DeviceAgent | None:
         """Create a device with ``make_agent(link_factory)`` and start it (connecting happens in the
