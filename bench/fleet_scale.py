@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from _synthetic import PrecomputedStats  # noqa: E402
 
-from edge_client.agent import DeviceAgent  # noqa: E402
+from edge_client.agent import AgentHooks, DeviceAgent  # noqa: E402
 from fedfleet.emulation.broker import BrokerTree, broker_for, loopback_source  # noqa: E402
 from fedfleet.emulation.host import DeviceHost, LazyTasks, rss_mb  # noqa: E402
 from protocols.mqtt_eventloop import raise_open_file_limit  # noqa: E402
@@ -73,8 +73,8 @@ def run_host(args) -> None:
     for i, dev in enumerate(ids, start=args.first):
         tasks = LazyTasks(lambda: {"fed3r.stats": stats}, ["fed3r.stats"], host.compute_slot)
         broker = BrokerConfig.from_url(broker_for(i, urls))
-        host.add(lambda lf, dev=dev, tasks=tasks, broker=broker: DeviceAgent(dev, broker, tasks.handlers(),
-                                                                            retry_after_s=600, link_factory=lf))
+        host.add(lambda lf, dev=dev, tasks=tasks, broker=broker: DeviceAgent(
+            dev, broker, tasks.handlers(), retry_after_s=600, link_factory=lf, hooks=AgentHooks(always_available=True)))
     connected = host.wait_connected(timeout_s=600)
     report = {"started_at": t0, "connected_at": time.time(), "connected": connected, "rss_added_mb": rss_mb() - m0,
               "rss_mb": rss_mb(), "open_file_limit": host.open_file_limit}

@@ -9,7 +9,8 @@ the I/O around it changes:
   while devices compute, because no computation runs on the loop thread;
 * logic: a device's agent is *pumped* (:meth:`DeviceAgent.pump`: queued messages, then a tick) on
   a small pool of step threads when its link queued a message, and every ``tick_s`` for retries
-  and availability; a device is never pumped by two threads at once;
+  and availability while it has any (:attr:`DeviceAgent.wants_tick`); a device is never pumped by
+  two threads at once;
 * compute: task handlers run inside :class:`LazyTasks`, which takes one of the host's compute slots
   (one per host by default, as a 2-core machine runs two hosts) and builds the device's data and
   handlers only for the task's duration, so an idle device holds ids, profile and shard indices.
@@ -150,8 +151,11 @@ class DeviceHost:
 
     def _tick_all(self) -> None:
         while not self._stopping.wait(self.tick_s):
-            for device_id in list(self.agents):
-                self.notify(device_id)
+            # only devices a tick may change (see DeviceAgent.wants_tick): ticking 100,000 idle ones
+            # every 2 s took a core; a message still wakes any device (link_factory's on_message)
+            for device_id, agent in list(self.agents.items()):
+                if agent.wants_tick:
+                    self.notify(device_id)
 
     # reporting
     def connected(self) -> list[str]:

@@ -60,6 +60,7 @@ def profile_hooks(profile: DeviceProfile, t0: float, rng: np.random.Generator,
     return AgentHooks(after_compute=after_compute,
                       before_upload=lambda n: time.sleep(profile.upload_delay(n)),
                       is_available=lambda: profile.is_available(time.monotonic() - t0), queued_s=slot_wait_s,
+                      always_available=not profile.availability,
                       info={"emulated": True, "slowdown": profile.compute_slowdown,
                             "upload_bytes_per_s": profile.upload_bytes_per_s})
 
