@@ -206,6 +206,9 @@ class EmulatedFleet:
         cfg = self.cfg
         # mosquitto and the workers (children) inherit it: one descriptor per device
         self.open_file_limit = raise_open_file_limit()
+        self.n_workers = max(1, min(cfg.workers, cfg.devices))
+        n_brokers = max(1, BrokerTree.edges_for(cfg.devices, cfg.devices_per_broker))
+        check_devices_per_process(cfg, self.n_workers, n_brokers, self.open_file_limit)
         self.broker = None if cfg.broker else BrokerTree.for_devices(cfg.devices, Topics(cfg.topic_root),
                                                                      cfg.devices_per_broker).start()
         self.broker_url = cfg.broker or self.broker.url
@@ -227,8 +230,6 @@ class EmulatedFleet:
     def worker_specs(self) -> list[dict]:
         """One spec per device host (worker process or Ray actor); devices dealt round-robin."""
         cfg, out = self.cfg, self.out
-        self.n_workers = max(1, min(cfg.workers, cfg.devices))
-        check_devices_per_process(cfg, self.n_workers, len(self.device_broker_urls), self.open_file_limit)
         threads = max(1, (os.cpu_count() or 1) // self.n_workers)
         specs = []
         for w in range(self.n_workers):
@@ -296,7 +297,8 @@ class EmulatedFleet:
 def check_devices_per_process(cfg: SimConfig, n_workers: int, n_brokers: int, open_file_limit: int) -> None:
     """One clear error, before anything starts, where a worker or a broker would need more
     sockets than a process may open (each device holds one in its host and one in its broker)."""
-    per_worker, per_broker = -(-cfg.devices // n_workers), -(-cfg.devices // n_brokers)
+    per_worker = -(-cfg.devices // n_workers)
+    per_broker = 0 if cfg.broker else -(-cfg.devices // n_brokers)     # an external broker's limits are its own
     room = open_file_limit - 1000              # the process's own files, the bridge, the aggregator
     if max(per_worker, per_broker) > room and not cfg.ray:
         raise UserError(f"{cfg.devices} devices need ≤ {room} per process (open file limit {open_file_limit}): "

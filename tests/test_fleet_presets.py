@@ -1,14 +1,18 @@
 """The cross-device presets' data: fleet-100k draws a long-tailed, label-skewed number of Fashion-
 MNIST images per device, repeating images across devices, and the simulation's centralized
-reference counts an image once per device holding it, as the federated sums do."""
+reference counts an image once per device holding it, as the federated sums do; its layout fits
+one process's descriptor limit."""
 
 import dataclasses
 
 import numpy as np
+import pytest
 
 from edge_client.data import load_fashion_mnist
+from fedfleet.emulation.broker import BrokerTree
 from fedfleet.emulation.partition import make_split
-from fedfleet.simulate import Prepared, _report, load_config, split_params
+from fedfleet.errors import UserError
+from fedfleet.simulate import Prepared, _report, check_devices_per_process, load_config, split_params
 
 
 def test_fleet_100k_assignment_is_long_tailed_and_repeats_images():
@@ -61,3 +65,14 @@ def test_centralized_reference_counts_a_repeated_image_once_per_device(tmp_path)
     once = {"once": np.unique(held)}
     other = _report(cfg, dict(results, contributed=["once"]), workers, dataclasses.replace(prep, shards=once))
     assert other["rel_weight_error"] > 1e-3
+
+
+def test_fleet_100k_fits_a_20000_descriptor_limit_per_process_and_a_lean_layout_is_refused():
+    cfg = load_config("fleet-100k", {})
+    brokers = BrokerTree.edges_for(cfg.devices, cfg.devices_per_broker)
+    assert brokers == 6
+    check_devices_per_process(cfg, cfg.workers, brokers, 20_000)          # 12,500 per worker, ~16,700 per edge
+    with pytest.raises(UserError, match="raise --workers"):
+        check_devices_per_process(cfg, 2, brokers, 20_000)
+    with pytest.raises(UserError, match="devices_per_broker"):
+        check_devices_per_process(dataclasses.replace(cfg, devices_per_broker=50_000), cfg.workers, 2, 20_000)

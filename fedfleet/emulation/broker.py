@@ -156,7 +156,11 @@ class BrokerTree:
     @classmethod
     def for_devices(cls, n_devices: int, topics: Topics, per_edge: int = DEVICES_PER_EDGE) -> "BrokerTree":
         """No edges up to ``per_edge`` devices, else enough edges for ``per_edge`` devices each."""
-        return cls(0 if n_devices <= per_edge else -(-n_devices // per_edge), topics)
+        return cls(cls.edges_for(n_devices, per_edge), topics)
+
+    @staticmethod
+    def edges_for(n_devices: int, per_edge: int = DEVICES_PER_EDGE) -> int:
+        return 0 if n_devices <= per_edge else -(-n_devices // per_edge)
 
     @property
     def url(self) -> str:
