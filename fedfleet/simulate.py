@@ -243,7 +243,8 @@ class EmulatedFleet:
                 "ladd_devices_file": str(self.ladd_devices_file) if self.ladd_devices_file else None,
                 "broker": self.broker_url, "device_brokers": self.device_broker_urls,
                 # local hosts of a private broker tree connect from their own loopback address
-                "source_address": None if cfg.broker or cfg.ray else loopback_source(w), "topic_root": cfg.topic_root, "devices": mine, "seed": cfg.seed,
+                "source_address": None if cfg.broker or cfg.ray else loopback_source(w),
+                "topic_root": cfg.topic_root, "devices": mine, "seed": cfg.seed,
                 "cache_dir": cfg.cache_dir, "runtime": cfg.runtime, "threads": threads,
                 "step_threads": cfg.host_threads,
                 "retry_after_s": cfg.retry_after_s, "stats_file": str(out / f"worker{w}.json"),
