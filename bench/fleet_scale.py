@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _synthetic import PrecomputedStats  # noqa: E402
 
 from edge_client.agent import AgentHooks, DeviceAgent  # noqa: E402
-from fedfleet.emulation.broker import BrokerTree, broker_for, loopback_source  # noqa: E402
+from fedfleet.emulation.broker import BrokerTree, broker_for, loopback_sources  # noqa: E402
 from fedfleet.emulation.host import DeviceHost, LazyTasks, rss_mb  # noqa: E402
 from protocols.mqtt_eventloop import raise_open_file_limit  # noqa: E402
 from protocols.mqtt_link import BrokerConfig  # noqa: E402
@@ -70,7 +70,7 @@ def run_host(args) -> None:
     when they started and connected and the RSS they added, then idles until SIGTERM."""
     urls, ids = args.brokers.split(","), device_ids(args.fleet)[args.first:args.first + args.count]
     stats = PrecomputedStats(args.d, 10)
-    host = DeviceHost(step_threads=8, tick_s=2.0, source_address=loopback_source(args.host_index))
+    host = DeviceHost(step_threads=8, tick_s=2.0, source_addresses=loopback_sources(args.host_index, args.count))
     m0, t0 = rss_mb(), time.time()
     for i, dev in enumerate(ids, start=args.first):
         tasks = LazyTasks(lambda: {"fed3r.stats": stats}, ["fed3r.stats"], host.compute_slot)

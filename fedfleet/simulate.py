@@ -27,7 +27,7 @@ from protocols.mqtt_eventloop import raise_open_file_limit
 from protocols.mqtt_link import BrokerConfig
 from protocols.topics import Topics
 
-from .emulation.broker import BrokerTree, loopback_source
+from .emulation.broker import BrokerTree, loopback_sources
 from .emulation.processes import stop_all
 from .emulation.partition import make_split, train_holdout_split
 from .emulation.profiles import sample_profiles
@@ -243,7 +243,7 @@ class EmulatedFleet:
                 "ladd_devices_file": str(self.ladd_devices_file) if self.ladd_devices_file else None,
                 "broker": self.broker_url, "device_brokers": self.device_broker_urls,
                 # local hosts of a private broker tree connect from their own loopback address
-                "source_address": None if cfg.broker or cfg.ray else loopback_source(w),
+                "source_addresses": None if cfg.broker or cfg.ray else loopback_sources(w, len(mine)),
                 "topic_root": cfg.topic_root, "devices": mine, "seed": cfg.seed,
                 "cache_dir": cfg.cache_dir, "runtime": cfg.runtime, "threads": threads,
                 "step_threads": cfg.host_threads,

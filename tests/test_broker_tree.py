@@ -5,7 +5,7 @@ through its own edge, on real mosquittos."""
 import threading
 import time
 
-from fedfleet.emulation.broker import BrokerTree, broker_for, loopback_source
+from fedfleet.emulation.broker import BrokerTree, broker_for, loopback_sources
 from protocols.mqtt_eventloop import LoopLink, MqttEventLoop
 from protocols.mqtt_link import BrokerConfig, MqttLink
 from protocols.topics import Topics
@@ -24,12 +24,14 @@ def test_devices_spread_over_edges_reach_the_core_and_back():
     with BrokerTree.for_devices(n, topics, per_edge=12) as tree:
         assert len(tree.edges) == 3 and len(set(tree.device_urls)) == 3 and tree.url not in tree.device_urls
         loop = MqttEventLoop()
+        sources = loopback_sources(1, n, per_address=10)
+        assert sources == ["127.0.3.1", "127.0.3.2", "127.0.3.3"]
         devices = []
         for i in range(n):
             dev = f"d{i}"
             link = LoopLink(loop, dev, BrokerConfig.from_url(broker_for(i, tree.device_urls)),
                             on_message=lambda t, p, dev=dev: devices_by_id[dev].publish(topics.outbox(dev), p + b"!"),
-                            subscriptions=[(topics.inbox(dev), 1)], source_address=loopback_source(i % 2))
+                            subscriptions=[(topics.inbox(dev), 1)], source_address=sources[i // 10])
             devices.append(link)
         devices_by_id = {link.client_id: link for link in devices}
         aggregator = MqttLink("aggregator", BrokerConfig.from_url(tree.url), on_message=on_reply,
@@ -44,8 +46,7 @@ def test_devices_spread_over_edges_reach_the_core_and_back():
             edge_ports = [e.port for e in tree.edges]
             assert ports == [edge_ports[i % 3] for i in range(n)]
             # ... from its host's own loopback address (not 127.0.0.1's ephemeral ports)
-            sources = [link.client.socket().getsockname()[0] for link in devices]
-            assert sources == [f"127.0.0.{2 + i % 2}" for i in range(n)]
+            assert [link.client.socket().getsockname()[0] for link in devices] == [sources[i // 10] for i in range(n)]
             deadline = time.monotonic() + 30
             while not got_all.is_set() and time.monotonic() < deadline:    # a SUBACK may still be on its way
                 for i, link in enumerate(devices):

@@ -18,7 +18,7 @@ from test_fleet_hosting import start_service
 def test_a_lost_result_is_retried_by_the_ticker_and_an_idle_device_is_left_alone(tmp_path, broker):
     devices = ["dev00", "dev01"]
     svc, t, result = start_service(broker.url, tmp_path, devices)
-    host = DeviceHost(tick_s=0.2)
+    host = DeviceHost(tick_s=0.2, source_addresses=["127.0.9.1", "127.0.9.2"])
     lost = []
     try:
         for d in devices:
@@ -35,6 +35,7 @@ def test_a_lost_result_is_retried_by_the_ticker_and_an_idle_device_is_left_alone
                     return publish(topic, env, **kw)
                 agent.link.publish_envelope = lose_first
         t.join(30)
+        sources = [host.agents[d].link.client.socket().getsockname()[0] for d in devices]
         a0 = host.agents["dev00"]
         deadline = time.monotonic() + 5
         while a0.session.state is not DeviceState.IDLE and time.monotonic() < deadline:
@@ -46,5 +47,6 @@ def test_a_lost_result_is_retried_by_the_ticker_and_an_idle_device_is_left_alone
         host.stop()
     assert lost and sorted(result["contributed"]) == devices and a0.stats.acks.get("accepted") == 1
     assert idle_wants == [False, False] and varying_wants
+    assert sources == ["127.0.9.1", "127.0.9.2"]            # the host deals its source addresses
     A_ref, _ = reference_sums(devices)
     np.testing.assert_allclose(np.load(tmp_path / "statistics.npz")["A"], A_ref, rtol=1e-12)

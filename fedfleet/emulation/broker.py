@@ -129,13 +129,19 @@ def bridge_state_topic(name: str) -> str:
     return f"fedfleet-bridges/{name}/state"
 
 
-def loopback_source(host_index: int) -> str:
-    """The local address device host ``host_index`` connects from: 127.0.0.2, 127.0.0.3, ...
-    Each address has its own ~28,000 ephemeral ports, and 127.0.0.1's stay free for everything
-    else on the machine (a fleet that used them all up would fail every other bind there)."""
-    if not 0 <= host_index < 253:
-        raise ValueError(f"host index {host_index} outside 0..252 (127.0.0.2-254)")
-    return f"127.0.0.{2 + host_index}"
+DEVICES_PER_SOURCE_ADDRESS = 5_000
+
+
+def loopback_sources(host_index: int, n_devices: int, per_address: int = DEVICES_PER_SOURCE_ADDRESS) -> list[str]:
+    """The local addresses device host ``host_index`` connects its ``n_devices`` from:
+    127.0.{2 + host_index}.1, .2, ..., one per ``per_address`` devices. One address has ~28,000
+    ephemeral ports machine-wide, and connect() crawls as they run out (~15 devices/s past
+    28,000 connections from 127.0.0.1); 5,000 per address keep each far from that, and 127.0.0.1's
+    ports stay free for everything else on the machine."""
+    count = max(1, -(-n_devices // per_address))
+    if not 0 <= host_index < 252 or count > 254:
+        raise ValueError(f"host {host_index} with {n_devices} devices: outside 127.0.2-253.1-254")
+    return [f"127.0.{2 + host_index}.{1 + k}" for k in range(count)]
 
 
 def broker_for(index: int, urls: list[str]) -> str:

@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -72,13 +72,13 @@ class DeviceHost:
     """Many :class:`DeviceAgent` s on one MQTT event loop and a few step threads."""
 
     def __init__(self, step_threads: int = 8, tick_s: float = 2.0, compute_slots: int = 1,
-                 connect_timeout_s: float = 15.0, source_address: str | None = None):
+                 connect_timeout_s: float = 15.0, source_addresses: Sequence[str] = ()):
         self.open_file_limit = raise_open_file_limit()
         self.loop = MqttEventLoop()
         self.compute_slot = threading.BoundedSemaphore(compute_slots)
         self.tick_s = tick_s
         self.connect_timeout_s = connect_timeout_s
-        self.source_address = source_address      # the devices' local address (LoopLink)
+        self.source_addresses = tuple(source_addresses)    # the devices' local addresses, dealt round-robin
         self.agents: dict[str, DeviceAgent] = {}
         self.first_added_at: float | None = None       # time.monotonic() of the first add()
         self.step_errors = 0
@@ -100,7 +100,13 @@ class DeviceHost:
             self.notify(device_id)
 
         return LoopLink(self.loop, on_message=on_message, connect_timeout_s=self.connect_timeout_s,
-                        source_address=self.source_address, **kw)
+                        source_address=self._next_source_address(), **kw)
+
+    def _next_source_address(self) -> str | None:
+        """The local address of the device being added (the n-th gets the n-th, round-robin)."""
+        if not self.source_addresses:
+            return None
+        return self.source_addresses[len(self.agents) % len(self.source_addresses)]
 
     def add(self, make_agent: Callable[[Callable[..., LoopLink]], DeviceAgent]) -> DeviceAgent | None:
         """Create a device with ``make_agent(link_factory)`` and start it (connecting happens in the

@@ -162,7 +162,7 @@ def _indices(spec: dict, name: str) -> dict[str, np.ndarray]:
 def host_devices(spec: dict) -> tuple[DeviceHost, list[DeviceAgent]]:
     """A started host with the spec's devices (local worker process or Ray actor)."""
     host = DeviceHost(step_threads=spec.get("step_threads", 8), compute_slots=spec.get("compute_slots", 1),
-                      source_address=spec.get("source_address"))
+                      source_addresses=spec.get("source_addresses") or ())
     if spec.get("training_manifest"):
         threading.Thread(target=warm_up_training, args=(spec["training_manifest"],), name="training-warm-up",
                          daemon=True).start()
