@@ -46,6 +46,7 @@ def test_a_lost_result_is_retried_by_the_ticker_and_an_idle_device_is_left_alone
     finally:
         host.stop()
     assert lost and sorted(result["contributed"]) == devices and a0.stats.acks.get("accepted") == 1
+    assert len(result["rounds"]) == 1       # resent by the device's own retry, not re-asked in a later round
     assert idle_wants == [False, False] and varying_wants
     assert sources == ["127.0.9.1", "127.0.9.2"]            # the host deals its source addresses
     A_ref, _ = reference_sums(devices)
