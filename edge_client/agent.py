@@ -26,8 +26,8 @@ from protocols import messages as M
 from protocols.chunking import DEFAULT_CHUNK_SIZE, MessageAssembler
 from protocols.envelope import EnvelopeError, encode
 from protocols.mqtt_link import BrokerConfig, MqttLink
-from protocols.rounds import (AckArrived, DeviceSession, ResultSent, SendDecline, SendResult, StartWork,
-                              TaskArrived, Tick, WorkFailed, WorkFinished)
+from protocols.rounds import (AckArrived, DeviceSession, DeviceState, ResultSent, SendDecline, SendResult,
+                              StartWork, TaskArrived, Tick, WorkFailed, WorkFinished)
 from protocols.identity import sender_verifier
 from protocols.topics import AGGREGATOR_ID, Topics
 
@@ -59,6 +59,9 @@ class AgentHooks:
     queued_s: Callable[[], float] = lambda: 0.0
     before_upload: Callable[[int], None] = lambda nbytes: None        # may sleep (bandwidth cap)
     is_available: Callable[[], bool] = lambda: True
+    # is_available never turns False: an idle device that is online has nothing to do on a tick
+    # (a host of 100,000 emulated devices then ticks only those with something pending)
+    always_available: bool = False
     offline_after_dropout_s: float = 5.0                              # emulated outage after a drop-out
     info: dict[str, Any] = field(default_factory=dict)                # published with presence
 
@@ -152,6 +155,13 @@ class DeviceAgent:
                 break
             self._handle_raw(topic, payload)
         self._execute(self.session.handle(Tick(time.monotonic())))
+
+    @property
+    def wants_tick(self) -> bool:
+        """Whether a tick may do anything: a result awaiting its ack (retries), an outage to end,
+        an availability to follow. An idle, online, always available device's tick is a no-op."""
+        return not (self.hooks.always_available and self.online and self.session.state is DeviceState.IDLE
+                    and time.monotonic() >= self._outage_until)
 
     @property
     def has_messages(self) -> bool:

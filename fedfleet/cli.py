@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("simulate", help="run an emulated fleet against a real broker and aggregator",
                        formatter_class=HelpFormatter)
-    s.add_argument("--config", default="demo", help="preset (demo, smoke, fleet-10k) or a JSON file of SimConfig fields")
+    s.add_argument("--config", default="demo", help="preset (demo, smoke, fleet-10k, fleet-100k) or a JSON file of SimConfig fields")
     s.add_argument("--devices", type=int, help="number of emulated devices (default: the preset's)")
     s.add_argument("--broker", help="use this broker, mqtt://[user:pass@]host:port[?version=3.1.1] "
                                     "(default: a private mosquitto on a free loopback port)")

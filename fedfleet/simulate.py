@@ -27,7 +27,7 @@ from protocols.mqtt_eventloop import raise_open_file_limit
 from protocols.mqtt_link import BrokerConfig
 from protocols.topics import Topics
 
-from .emulation.broker import FLEET_BROKER_CONFIG, MosquittoBroker
+from .emulation.broker import BrokerTree, loopback_sources
 from .emulation.processes import stop_all
 from .emulation.partition import make_split, train_holdout_split
 from .emulation.profiles import sample_profiles
@@ -42,9 +42,11 @@ class SimConfig:
     data_root: str | None = None
     train_limit: int | None = None         # use a seeded subset of the training set
     test_limit: int | None = None
-    split: str = "dirichlet"                # iid | dirichlet | classes
+    split: str = "dirichlet"                # iid | dirichlet | classes | long-tailed
     alpha: float = 0.1
     classes_per_device: int = 2
+    mean_size: float = 5.0                  # long-tailed: images per device on average (images repeat
+    max_size: int = 50                      # across devices), at most max_size
     seed: int = 0
     backbone: str = "mobilenet_v2"
     image_size: int = 64
@@ -94,6 +96,9 @@ class SimConfig:
     host_threads: int = 8
     evaluate: str = "contribution"          # aggregator evaluates per contribution, or per round (large fleets)
     ray: str | None = None                  # "auto" or a Ray address: device hosts as Ray actors
+    # more devices than this: they connect to edge brokers bridged to the aggregator's (BrokerTree),
+    # as one process opens at most RLIMIT_NOFILE sockets and one loopback port has ~28k clients
+    devices_per_broker: int = 15_000
 
     @property
     def oneshot_clients_per_round(self) -> int:
@@ -122,6 +127,16 @@ PRESETS = {
                            split="dirichlet", alpha=0.1, clients_per_round=1000, round_timeout_s=900,
                            holdout_fraction=0.0, dropout_prob=0.0, slowdown=(1.0, 1.5), retry_after_s=300.0,
                            timeout_s=5400.0, host_threads=32, evaluate="round", out_dir="runs/fleet-10k"),
+    # 100,000 phones: each a long-tailed number of Fashion-MNIST's 60,000 training images (1 to 50,
+    # about 5, its own Dir(0.1) class mix), so images repeat across devices; 5 % drop out after
+    # computing and are asked again (max_attempts); 10,000 devices per round. Eight workers keep
+    # each host, and seven brokers (a core and six bridged edges, devices_per_broker) each broker,
+    # under the 20,000 sockets one process may open here.
+    "fleet-100k": SimConfig(devices=100_000, runtime="eager", test_limit=2000, image_size=32, split="long-tailed",
+                            alpha=0.1, mean_size=5.0, max_size=50, clients_per_round=10_000, round_timeout_s=900,
+                            holdout_fraction=0.0, dropout_prob=0.05, slowdown=(1.0, 1.5), retry_after_s=300.0,
+                            timeout_s=5400.0, workers=8, host_threads=32, evaluate="round",
+                            devices_per_broker=17_000, out_dir="runs/fleet-100k"),
 }
 
 
@@ -189,9 +204,15 @@ class EmulatedFleet:
 
     def __enter__(self) -> "EmulatedFleet":
         cfg = self.cfg
-        raise_open_file_limit()       # mosquitto (a child) inherits it: one descriptor per device
-        self.broker = None if cfg.broker else MosquittoBroker(extra_config=FLEET_BROKER_CONFIG).start()
+        # mosquitto and the workers (children) inherit it: one descriptor per device
+        self.open_file_limit = raise_open_file_limit()
+        self.n_workers = max(1, min(cfg.workers, cfg.devices))
+        n_brokers = max(1, BrokerTree.edges_for(cfg.devices, cfg.devices_per_broker))
+        check_devices_per_process(cfg, self.n_workers, n_brokers, self.open_file_limit)
+        self.broker = None if cfg.broker else BrokerTree.for_devices(cfg.devices, Topics(cfg.topic_root),
+                                                                     cfg.devices_per_broker).start()
         self.broker_url = cfg.broker or self.broker.url
+        self.device_broker_urls = [cfg.broker] if cfg.broker else self.broker.device_urls
         try:
             specs = self.worker_specs()
             if cfg.ray:
@@ -209,7 +230,6 @@ class EmulatedFleet:
     def worker_specs(self) -> list[dict]:
         """One spec per device host (worker process or Ray actor); devices dealt round-robin."""
         cfg, out = self.cfg, self.out
-        self.n_workers = max(1, min(cfg.workers, cfg.devices))
         threads = max(1, (os.cpu_count() or 1) // self.n_workers)
         specs = []
         for w in range(self.n_workers):
@@ -221,7 +241,10 @@ class EmulatedFleet:
                 "training_manifest": str(self.training_manifest) if self.training_manifest else None,
                 "tail_manifest": str(self.tail_manifest) if self.tail_manifest else None,
                 "ladd_devices_file": str(self.ladd_devices_file) if self.ladd_devices_file else None,
-                "broker": self.broker_url, "topic_root": cfg.topic_root, "devices": mine, "seed": cfg.seed,
+                "broker": self.broker_url, "device_brokers": self.device_broker_urls,
+                # local hosts of a private broker tree connect from their own loopback address
+                "source_addresses": None if cfg.broker or cfg.ray else loopback_sources(w, len(mine)),
+                "topic_root": cfg.topic_root, "devices": mine, "seed": cfg.seed,
                 "cache_dir": cfg.cache_dir, "runtime": cfg.runtime, "threads": threads,
                 "step_threads": cfg.host_threads,
                 "retry_after_s": cfg.retry_after_s, "stats_file": str(out / f"worker{w}.json"),
@@ -265,10 +288,23 @@ class EmulatedFleet:
             raise RuntimeError(f"{what} aggregator failed (exit {rc}); log tail:\n{log_file.read_text()[-3000:]}")
 
     def __exit__(self, *exc) -> None:
+        self.broker_rss_mb = self.broker.rss_mb() if self.broker else None
         if self.hosts is not None:
             self.worker_stats = self.hosts.stop()
         if self.broker:
             self.broker.stop()
+
+
+def check_devices_per_process(cfg: SimConfig, n_workers: int, n_brokers: int, open_file_limit: int) -> None:
+    """One clear error, before anything starts, where a worker or a broker would need more
+    sockets than a process may open (each device holds one in its host and one in its broker)."""
+    per_worker = -(-cfg.devices // n_workers)
+    per_broker = 0 if cfg.broker else -(-cfg.devices // n_brokers)     # an external broker's limits are its own
+    room = open_file_limit - 1000              # the process's own files, the bridge, the aggregator
+    if max(per_worker, per_broker) > room and not cfg.ray:
+        raise UserError(f"{cfg.devices} devices need ≤ {room} per process (open file limit {open_file_limit}): "
+                        f"{per_worker} per worker (raise --workers), {per_broker} per broker "
+                        f"(lower devices_per_broker, now {cfg.devices_per_broker})")
 
 
 class LocalHosts:
@@ -309,6 +345,13 @@ class Prepared:
     fed3r_job: dict
 
 
+def split_params(cfg: SimConfig) -> dict:
+    """The parameters ``make_split`` takes for the config's split kind."""
+    return {"iid": {}, "dirichlet": {"alpha": cfg.alpha}, "classes": {"k": cfg.classes_per_device},
+            "long-tailed": {"alpha": cfg.alpha, "mean_size": cfg.mean_size, "max_size": cfg.max_size},
+            }.get(cfg.split, {})
+
+
 def prepare(cfg: SimConfig, say) -> Prepared:
     from edge_client.models import weights_sha256
     from fedfleet.bundles import make_extractor
@@ -316,9 +359,7 @@ def prepare(cfg: SimConfig, say) -> Prepared:
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     Xtr, ytr, train_idx, Xte, yte = _load(cfg)
-    parts = make_split(cfg.split, ytr[train_idx], cfg.devices, cfg.seed,
-                       **({"alpha": cfg.alpha} if cfg.split == "dirichlet" else
-                          {"k": cfg.classes_per_device} if cfg.split == "classes" else {}))
+    parts = make_split(cfg.split, ytr[train_idx], cfg.devices, cfg.seed, **split_params(cfg))
     profiles = sample_profiles(cfg.devices, cfg.seed, slowdown=cfg.slowdown, bandwidth_bps=cfg.bandwidth_bps,
                                dropout_prob=cfg.dropout_prob, availability_fraction=cfg.availability_fraction)
     shards, holdouts = {}, {}
@@ -329,7 +370,7 @@ def prepare(cfg: SimConfig, say) -> Prepared:
     np.savez(out / "holdout.npz", **holdouts)
     (out / "enrolled.txt").write_text("\n".join(shards) + "\n")
     say(f"fedfleet simulate: {cfg.devices} devices, {len(train_idx)} training images ({cfg.split}"
-        f"{f' α={cfg.alpha}' if cfg.split == 'dirichlet' else ''}"
+        f"{f' α={cfg.alpha}' if 'alpha' in split_params(cfg) else ''}"
         f"{f', {cfg.holdout_fraction:.0%} of each device held out for personalization' if cfg.holdout_fraction else ''}"
         f"), {len(yte)} test images, {cfg.backbone}@{cfg.image_size}px")
 
@@ -367,6 +408,7 @@ def run(cfg: SimConfig, quiet: bool = False) -> dict:
                                 cfg.devices)
     report = _report(cfg, results, fleet.worker_stats, prep)
     report["wall_s"] = time.monotonic() - t_start
+    report["broker_rss_mb"] = fleet.broker_rss_mb
     if cfg.ray:
         report["ray_placement"] = fleet.hosts.placement
     (out / "report.json").write_text(json.dumps(report, indent=1))
@@ -402,7 +444,8 @@ def _report(cfg, results, workers, prep: Prepared, job_dir: Path | None = None) 
               "rejections": results["rejections"], "late": results["late"], "duplicates": results["duplicates"],
               "fed3r_accuracy": results["final"].get("accuracy"), "history": results["history"],
               "dropouts": sum(w["dropouts"] for w in workers), "device_compute_s": sum(w["compute_s"] for w in workers),
-              "job_s": results.get("wall_s"), **fleet_figures(cfg, results, workers)}
+              "job_s": results.get("wall_s"),
+              **fleet_figures(cfg, results, workers), **upload_forms(workers, prep.fed3r_job.get("feature_dim"))}
     if cfg.rf_dim:
         from protocols.random_features import RandomFourierFeatures
 
@@ -425,10 +468,26 @@ def fleet_figures(cfg: SimConfig, results: dict, workers: list[dict]) -> dict:
     counted them, and as the devices sent them: retries included) and device-host memory."""
     contributed = max(1, len(results["contributed"]))
     rss = sum(w.get("rss_mb", 0.0) for w in workers)
-    return {"bytes_up_per_device": results["bytes_in"] / contributed,
+    connect_s = [w.get("connect_s") for w in workers]     # workers start their devices side by side
+    return {"devices_started_per_s": (cfg.devices / max(connect_s) if connect_s and None not in connect_s
+                                      and max(connect_s) > 0 else None),
+            "contributions_per_s": len(results["contributed"]) / results["wall_s"] if results.get("wall_s") else None,
+            "bytes_up_per_device": results["bytes_in"] / contributed,
             "device_bytes_up_per_device": sum(w["bytes_up"] for w in workers) / contributed,
             "host_rss_mb": rss, "host_rss_mb_per_device": rss / max(1, cfg.devices),
             "not_connected": sum(len(w.get("not_connected", {})) for w in workers)}
+
+
+def upload_forms(workers: list[dict], feature_dim: int | None) -> dict:
+    """How many devices sent the Fed3R factor form and how many the dense one, told apart by
+    size: a device's upload below half the dense upper triangle of A_k (8·p(p+1)/2 bytes, p the
+    bias-augmented dimension) is a factor (8·n·(p + C) bytes for n < p samples)."""
+    if not feature_dim:
+        return {}
+    p = feature_dim + 1
+    sent = [d["bytes_up"] for w in workers for d in w.get("per_device", {}).values() if d.get("tasks_done")]
+    factor = sum(b < 8 * p * (p + 1) / 4 for b in sent)
+    return {"factor_uploads": factor, "dense_uploads": len(sent) - factor}
 
 
 def format_report(r: dict) -> str:
@@ -442,10 +501,14 @@ def format_report(r: dict) -> str:
                   f"{r['central_samples']} samples)",
                   f"‖W_fed − W_central‖/‖W_central‖ = {r['rel_weight_error']:.2e}"]
     per_dev = r["bytes_up"] / max(1, r["contributed"])
-    lines += [f"bytes up (all devices)  {r['bytes_up'] / 1e6:.1f} MB  ({per_dev / 1e6:.2f} MB per contributing device)",
+    lines += [f"bytes up (all devices)  {r['bytes_up'] / 1e6:.1f} MB  ({per_dev / 1e6:.2f} MB per contributing device; "
+              f"{r.get('factor_uploads', '?')} factor-form / {r.get('dense_uploads', '?')} dense uploads)",
               f"bytes down              {r['bytes_down'] / 1e6:.3f} MB",
               f"device hosts            {r.get('host_rss_mb', 0):.0f} MB RSS "
               f"({r.get('host_rss_mb_per_device', 0):.3f} MB per device, data and backbone included)",
+              f"brokers                 {r.get('broker_rss_mb') or 0:.0f} MB RSS (mosquitto, at the end)",
+              f"devices started         {r.get('devices_started_per_s') or 0:.0f} per s (until all connected); "
+              f"{r.get('contributions_per_s') or 0:.1f} contributions per s (job time)",
               f"device compute          {r['device_compute_s']:.1f} s total (a host's queue for its compute slot left out)",
               f"job time (aggregator)   {r.get('job_s') or 0:.1f} s   (first task to final model)",
               f"wall time               {r.get('wall_s', 0):.1f} s"]

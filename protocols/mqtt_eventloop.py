@@ -169,12 +169,18 @@ class LoopLink(MqttLink):
 
     ``start()`` only asks the loop to connect (it does not wait unless ``timeout`` is given): the
     link connects, and reconnects after a loss or a refusal, with backoff on its own; QoS 1
-    publishes made meanwhile are queued by paho and sent once connected."""
+    publishes made meanwhile are queued by paho and sent once connected.
+
+    ``source_address``: the local address the connection is made from (e.g. ``127.0.0.5``): a
+    host with tens of thousands of loopback connections gives them their own source address, as
+    one address offers ~28,000 ephemeral ports machine-wide (connect() slows to a crawl as they
+    run out, and every other process's bind to that address fails)."""
 
     def __init__(self, loop: MqttEventLoop, client_id: str, broker: BrokerConfig, *args,
-                 connect_timeout_s: float = 15.0, **kw):
+                 connect_timeout_s: float = 15.0, source_address: str | None = None, **kw):
         super().__init__(client_id, broker, *args, **kw)
         self.loop = loop
+        self.source_address = source_address or ""
         self.connect_timeout_s = connect_timeout_s
         self.connect_failures = 0
         self._backoff_s = 0.0
@@ -221,7 +227,8 @@ class LoopLink(MqttLink):
         self._connecting_since = time.monotonic()
         try:
             kw = self._connect_properties()
-            self.client.connect(self.broker.host, self.broker.port, keepalive=self.broker.keepalive, **kw)
+            self.client.connect(self.broker.host, self.broker.port, keepalive=self.broker.keepalive,
+                                bind_address=self.source_address, **kw)
         except (OSError, ValueError) as exc:
             self.last_connect_error = f"{type(exc).__name__}: {exc}"
             self._connecting_since = None

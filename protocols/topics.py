@@ -87,6 +87,17 @@ class Topics:
     def all_presence(self) -> str:
         return f"{self.base}/presence/+"
 
+    @property
+    def uplinks(self) -> tuple[str, ...]:
+        """Filters of every topic a device publishes on (a broker bridge carries these towards the
+        aggregator's broker, and only these: a device's upload reaches no other device's broker)."""
+        return (self.all_outboxes, self.all_presence, self.all_deploy_outs)
+
+    @property
+    def downlinks(self) -> tuple[str, ...]:
+        """Filters of every topic the aggregator publishes on for devices (bridged the other way)."""
+        return (f"{self.base}/dev/+/in", f"{self.base}/deploy/+/in", self.broadcast, self.status)
+
     def device_of(self, topic: str) -> str | None:
         """The device id in an outbox or presence topic, else None."""
         parts = topic.split("/")

@@ -6,10 +6,13 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
-from .processes import stop_all
+from protocols.topics import Topics
+
+from .processes import process_rss_mb, stop_all
 
 # A private broker for thousands of devices: no connection cap (the caller raises the descriptor
 # limit mosquitto inherits) and room to queue the chunks of ~1,000 concurrent uploads for the
@@ -102,3 +105,127 @@ class MosquittoBroker:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+# One process holds at most RLIMIT_NOFILE sockets (its hard limit: 20,000 on the machine this was
+# measured on, and only a privileged process may raise it), and one loopback destination
+# (address, port) offers ~28,000 source ports (net.ipv4.ip_local_port_range). Past that, devices
+# go to several brokers: each its own process with its own descriptors and its own port.
+DEVICES_PER_EDGE = 15_000
+
+
+def bridge_config(name: str, core_port: int, topics: Topics) -> str:
+    """An edge broker's bridge to the core broker: device uplinks out, aggregator downlinks in,
+    QoS 1 both ways; its state ("1" connected, "0" lost) is published on the core under
+    ``bridge_state_topic(name)``."""
+    lines = [f"connection {name}", f"address 127.0.0.1:{core_port}", f"remote_clientid {name}",
+             "cleansession true", "try_private true", "bridge_protocol_version mqttv311", "restart_timeout 1",
+             "notifications true", f"notification_topic {bridge_state_topic(name)}"]
+    lines += [f"topic {t} out 1" for t in topics.uplinks] + [f"topic {t} in 1" for t in topics.downlinks]
+    return "\n".join(lines) + "\n"
+
+
+def bridge_state_topic(name: str) -> str:
+    return f"fedfleet-bridges/{name}/state"
+
+
+DEVICES_PER_SOURCE_ADDRESS = 5_000
+
+
+def loopback_sources(host_index: int, n_devices: int, per_address: int = DEVICES_PER_SOURCE_ADDRESS) -> list[str]:
+    """The local addresses device host ``host_index`` connects its ``n_devices`` from:
+    127.0.{2 + host_index}.1, .2, ..., one per ``per_address`` devices. One address has ~28,000
+    ephemeral ports machine-wide, and connect() crawls as they run out (~15 devices/s past
+    28,000 connections from 127.0.0.1); 5,000 per address keep each far from that, and 127.0.0.1's
+    ports stay free for everything else on the machine."""
+    count = max(1, -(-n_devices // per_address))
+    if not 0 <= host_index < 252 or count > 254:
+        raise ValueError(f"host {host_index} with {n_devices} devices: outside 127.0.2-253.1-254")
+    return [f"127.0.{2 + host_index}.{1 + k}" for k in range(count)]
+
+
+def broker_for(index: int, urls: list[str]) -> str:
+    """The broker URL device ``index`` connects to: devices dealt round-robin over ``urls``."""
+    return urls[index % len(urls)]
+
+
+class BrokerTree:
+    """A core mosquitto (the aggregator's) and ``edges`` mosquittos bridged to it, each taking
+    an equal share of the devices (:func:`broker_for` over :attr:`device_urls`). With no edges,
+    devices connect to the core itself. Context manager, like :class:`MosquittoBroker`."""
+
+    def __init__(self, edges: int, topics: Topics, extra_config: str = FLEET_BROKER_CONFIG):
+        self.core = MosquittoBroker(extra_config=extra_config)
+        self.edges = [MosquittoBroker(extra_config=extra_config + bridge_config(f"edge{i}", self.core.port, topics))
+                      for i in range(edges)]
+
+    @classmethod
+    def for_devices(cls, n_devices: int, topics: Topics, per_edge: int = DEVICES_PER_EDGE) -> "BrokerTree":
+        """No edges up to ``per_edge`` devices, else enough edges for ``per_edge`` devices each."""
+        return cls(cls.edges_for(n_devices, per_edge), topics)
+
+    @staticmethod
+    def edges_for(n_devices: int, per_edge: int = DEVICES_PER_EDGE) -> int:
+        return 0 if n_devices <= per_edge else -(-n_devices // per_edge)
+
+    @property
+    def url(self) -> str:
+        return self.core.url
+
+    @property
+    def device_urls(self) -> list[str]:
+        return [e.url for e in self.edges] or [self.core.url]
+
+    def start(self, timeout: float = 30.0) -> "BrokerTree":
+        try:
+            self.core.start()
+            for edge in self.edges:
+                edge.start()
+            wait_for_bridges(self.core.port, [f"edge{i}" for i in range(len(self.edges))], timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def rss_mb(self) -> float:
+        """The brokers' resident memory together (Linux /proc), 0 where unknown."""
+        return sum(process_rss_mb(b.proc.pid) for b in (self.core, *self.edges) if b.proc)
+
+    def stop(self) -> None:
+        for broker in (*self.edges, self.core):
+            broker.stop()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def wait_for_bridges(core_port: int, names: list[str], timeout: float) -> None:
+    """Wait until every named bridge reports itself connected on the core (its retained state
+    message); TimeoutError naming those that did not."""
+    if not names:
+        return
+    import paho.mqtt.client as mqtt
+
+    up: set[str] = set()
+    all_up = threading.Event()
+
+    def on_message(client, userdata, msg):
+        name = msg.topic.split("/")[1]
+        (up.add if msg.payload == b"1" else up.discard)(name)
+        if up >= set(names):
+            all_up.set()
+
+    probe = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2)
+    probe.on_connect = lambda client, *a: client.subscribe(bridge_state_topic("+"), 1)
+    probe.on_message = on_message
+    probe.connect("127.0.0.1", core_port)
+    probe.loop_start()
+    try:
+        if not all_up.wait(timeout):
+            raise TimeoutError(f"broker bridges not connected within {timeout} s: {sorted(set(names) - up)}")
+    finally:
+        probe.disconnect()
+        probe.loop_stop()

@@ -9,7 +9,8 @@ the I/O around it changes:
   while devices compute, because no computation runs on the loop thread;
 * logic: a device's agent is *pumped* (:meth:`DeviceAgent.pump`: queued messages, then a tick) on
   a small pool of step threads when its link queued a message, and every ``tick_s`` for retries
-  and availability; a device is never pumped by two threads at once;
+  and availability while it has any (:attr:`DeviceAgent.wants_tick`); a device is never pumped by
+  two threads at once;
 * compute: task handlers run inside :class:`LazyTasks`, which takes one of the host's compute slots
   (one per host by default, as a 2-core machine runs two hosts) and builds the device's data and
   handlers only for the task's duration, so an idle device holds ids, profile and shard indices.
@@ -24,14 +25,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
 from edge_client.agent import DeviceAgent
 from protocols.mqtt_eventloop import LoopLink, MqttEventLoop, raise_open_file_limit
+
+from .processes import process_rss_mb
 
 log = logging.getLogger("fedfleet.host")
 
@@ -70,13 +72,15 @@ class DeviceHost:
     """Many :class:`DeviceAgent` s on one MQTT event loop and a few step threads."""
 
     def __init__(self, step_threads: int = 8, tick_s: float = 2.0, compute_slots: int = 1,
-                 connect_timeout_s: float = 15.0):
+                 connect_timeout_s: float = 15.0, source_addresses: Sequence[str] = ()):
         self.open_file_limit = raise_open_file_limit()
         self.loop = MqttEventLoop()
         self.compute_slot = threading.BoundedSemaphore(compute_slots)
         self.tick_s = tick_s
         self.connect_timeout_s = connect_timeout_s
+        self.source_addresses = tuple(source_addresses)    # the devices' local addresses, dealt round-robin
         self.agents: dict[str, DeviceAgent] = {}
+        self.first_added_at: float | None = None       # time.monotonic() of the first add()
         self.step_errors = 0
         self._pool = ThreadPoolExecutor(step_threads, thread_name_prefix="device-step")
         self._lock = threading.Lock()
@@ -95,11 +99,20 @@ class DeviceHost:
             deliver(topic, payload)
             self.notify(device_id)
 
-        return LoopLink(self.loop, on_message=on_message, connect_timeout_s=self.connect_timeout_s, **kw)
+        return LoopLink(self.loop, on_message=on_message, connect_timeout_s=self.connect_timeout_s,
+                        source_address=self._next_source_address(), **kw)
+
+    def _next_source_address(self) -> str | None:
+        """The local address of the device being added (the n-th gets the n-th, round-robin)."""
+        if not self.source_addresses:
+            return None
+        return self.source_addresses[len(self.agents) % len(self.source_addresses)]
 
     def add(self, make_agent: Callable[[Callable[..., LoopLink]], DeviceAgent]) -> DeviceAgent | None:
         """Create a device with ``make_agent(link_factory)`` and start it (connecting happens in the
         background). A device that cannot even be created is logged and skipped."""
+        if self.first_added_at is None:
+            self.first_added_at = time.monotonic()
         try:
             agent = make_agent(self.link_factory)
             agent.session.keep_acked_results = False   # an idle hosted device holds no past results
@@ -144,20 +157,30 @@ class DeviceHost:
 
     def _tick_all(self) -> None:
         while not self._stopping.wait(self.tick_s):
-            for device_id in list(self.agents):
-                self.notify(device_id)
+            # only devices a tick may change (see DeviceAgent.wants_tick): ticking 100,000 idle ones
+            # every 2 s took a core; a message still wakes any device (link_factory's on_message)
+            for device_id, agent in list(self.agents.items()):
+                if agent.wants_tick:
+                    self.notify(device_id)
 
     # reporting
     def connected(self) -> list[str]:
         return [d for d, a in self.agents.items() if a.link.connected.is_set()]
 
-    def wait_connected(self, count: int | None = None, timeout_s: float = 60.0) -> int:
+    def wait_connected(self, count: int | None = None, timeout_s: float = 60.0, poll_s: float = 0.1) -> int:
         """Wait until ``count`` devices (default: all) are connected; returns how many are."""
         want = len(self.agents) if count is None else count
         deadline = time.monotonic() + timeout_s
         while (n := len(self.connected())) < want and time.monotonic() < deadline:
-            time.sleep(0.1)
+            time.sleep(poll_s)
         return n
+
+    def seconds_to_connect_all(self, timeout_s: float = 900.0, poll_s: float = 0.5) -> float | None:
+        """Wait until every device is connected; seconds from the first device added until then
+        (the host's start rate is ``len(agents) / that``), None if some never connected."""
+        if self.wait_connected(timeout_s=timeout_s, poll_s=poll_s) < len(self.agents):
+            return None
+        return time.monotonic() - (self.first_added_at or time.monotonic())
 
     def connect_problems(self) -> dict[str, str]:
         """Devices not connected now, with the last reason their connection failed."""
@@ -183,10 +206,4 @@ class DeviceHost:
 
 def rss_mb() -> float:
     """This process's resident memory (Linux /proc), 0 where unknown."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
+    return process_rss_mb("self")

@@ -1,9 +1,11 @@
-"""Child processes of a simulation (aggregator, device workers): stop them all, politely first."""
+"""Child processes of a simulation (aggregator, device workers, brokers): stop them all, politely
+first; their memory."""
 
 from __future__ import annotations
 
 import signal
 import subprocess
+from pathlib import Path
 
 
 def stop_all(procs: list[subprocess.Popen], first_is_done: bool = True, grace_s: float = 30.0) -> None:
@@ -17,3 +19,14 @@ def stop_all(procs: list[subprocess.Popen], first_is_done: bool = True, grace_s:
             p.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
             p.kill()
+
+
+def process_rss_mb(pid: int | str) -> float:
+    """A process's resident memory (Linux /proc; ``"self"``: this one), 0 where unknown."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0

@@ -38,6 +38,7 @@ from protocols.topics import Topics
 
 from ..bundles import make_extractor
 from ..quiet import quiet_third_party_warnings
+from .broker import broker_for
 from .host import DeviceHost, LazyTasks, rss_mb
 from .profiles import DeviceProfile
 
@@ -59,6 +60,7 @@ def profile_hooks(profile: DeviceProfile, t0: float, rng: np.random.Generator,
     return AgentHooks(after_compute=after_compute,
                       before_upload=lambda n: time.sleep(profile.upload_delay(n)),
                       is_available=lambda: profile.is_available(time.monotonic() - t0), queued_s=slot_wait_s,
+                      always_available=not profile.availability,
                       info={"emulated": True, "slowdown": profile.compute_slowdown,
                             "upload_bytes_per_s": profile.upload_bytes_per_s})
 
@@ -121,7 +123,9 @@ def start_devices(spec: dict, host: DeviceHost) -> list[DeviceAgent]:
     """Every device of the spec as a DeviceAgent on ``host``; idle devices keep only their ids,
     profile and data (indices) (task state is built per task)."""
     handlers_of = (_ladd_handlers if spec.get("ladd_devices_file") else _classification_handlers)(spec, host)
-    broker = BrokerConfig.from_url(spec["broker"])
+    # devices dealt over the edge brokers of a broker tree (fedfleet.emulation.broker.BrokerTree)
+    broker_urls = spec.get("device_brokers") or [spec["broker"]]
+    brokers = {url: BrokerConfig.from_url(url) for url in broker_urls}
     topics = Topics(spec.get("topic_root", "fedfleet"))
     t0 = time.monotonic()
     secure = spec.get("secure")
@@ -136,8 +140,9 @@ def start_devices(spec: dict, host: DeviceHost) -> list[DeviceAgent]:
         if secure:
             identity = DeviceIdentity.from_private_bytes(device_id, bytes.fromhex(secure["device_keys"][device_id]))
             protocol_handlers = secure_handlers(identity, bytes.fromhex(secure["aggregator_public_key"]), handlers)
+        broker = brokers[broker_for(int(dev["index"]), broker_urls)]
         host.add(lambda link_factory, device_id=device_id, profile=profile, handlers=handlers, rng=rng,
-                 protocol_handlers=protocol_handlers, slot_wait_s=slot_wait_s: DeviceAgent(
+                 protocol_handlers=protocol_handlers, slot_wait_s=slot_wait_s, broker=broker: DeviceAgent(
                      device_id, broker, handlers, topics, hooks=profile_hooks(profile, t0, rng, slot_wait_s),
                      retry_after_s=spec.get("retry_after_s", 10.0), protocol_handlers=protocol_handlers,
                      link_factory=link_factory))
@@ -156,7 +161,8 @@ def _indices(spec: dict, name: str) -> dict[str, np.ndarray]:
 
 def host_devices(spec: dict) -> tuple[DeviceHost, list[DeviceAgent]]:
     """A started host with the spec's devices (local worker process or Ray actor)."""
-    host = DeviceHost(step_threads=spec.get("step_threads", 8), compute_slots=spec.get("compute_slots", 1))
+    host = DeviceHost(step_threads=spec.get("step_threads", 8), compute_slots=spec.get("compute_slots", 1),
+                      source_addresses=spec.get("source_addresses") or ())
     if spec.get("training_manifest"):
         threading.Thread(target=warm_up_training, args=(spec["training_manifest"],), name="training-warm-up",
                          daemon=True).start()
@@ -200,12 +206,15 @@ def stop_devices(host: DeviceHost, agents: list[DeviceAgent]) -> dict:
 
 def run(spec: dict) -> None:
     host, agents = host_devices(spec)
+    started: dict = {}          # devices started per second: how long until all were connected
+    threading.Thread(target=lambda: started.update(connect_s=host.seconds_to_connect_all()), name="start-timer",
+                     daemon=True).start()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     if spec.get("stats_file"):     # written first: stopping thousands of devices takes a while
-        Path(spec["stats_file"]).write_text(json.dumps(device_totals(host, agents)))
+        Path(spec["stats_file"]).write_text(json.dumps({**device_totals(host, agents), **started}))
     host.stop()
 
 
