@@ -1,3 +1,4 @@
+import collections
 import os
 
 import pytest
@@ -6,15 +7,15 @@ from shared_build import build_once, run_folder
 
 
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`make test` runs `-n N --dist loadfile`), the files holding a test
-    marked ``slow`` are collected first, so the workers start on them and the short files fill
-    in around them; a long file handed out last would run alone at the end. Only the order
-    changes, and only in xdist workers (a plain run keeps the files' order): the stable sort
-    keeps every file's tests together and in their own order."""
+    """Under pytest-xdist (`make test` runs `-n N --dist loadfile`), the files holding tests
+    marked ``slow`` are collected first, the most slow tests first, so the workers start on them
+    and the short files fill in around them; a long file handed out last would run alone at the
+    end. Only the order changes, and only in xdist workers (a plain run keeps the files' order):
+    the stable sort keeps every file's tests together and in their own order."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)
+    slow_tests = collections.Counter(item.path for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow_tests[item.path])
 
 
 @pytest.fixture
