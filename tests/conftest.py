@@ -1,4 +1,21 @@
+import collections
+import os
+
 import pytest
+
+from shared_build import build_once, run_folder
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`make test` runs `-n N --dist loadfile`), the files holding tests
+    marked ``slow`` are collected first, the most slow tests first, so the workers start on them
+    and the short files fill in around them; a long file handed out last would run alone at the
+    end. Only the order changes, and only in xdist workers (a plain run keeps the files' order):
+    the stable sort keeps every file's tests together and in their own order."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    slow_tests = collections.Counter(item.path for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow_tests[item.path])
 
 
 @pytest.fixture
@@ -15,15 +32,12 @@ def broker():
 
 
 @pytest.fixture(scope="session")
-def tail_bundle(tmp_path_factory):
+def tail_bundle(mobilenet_bundle_32px):
     """A 32 px MobileNetV2 bundle (its manifest path) whose last stage (1x1 conv 320->1280) is
-    trainable, exported once per session for every test that needs one. Eager inference keeps
-    the export fast; the training programs are ExecuTorch (and eager)."""
-    from export import export_bundle
-
-    out = tmp_path_factory.mktemp("tail") / "bundle"
-    return export_bundle("mobilenet_v2", out, num_classes=10, image_size=32, tail_stages=1, batch_size=8,
-                         inference_runtimes=("eager",))
+    trainable: the trunk, the tail's training programs (ExecuTorch and eager) and the aggregator's
+    tail_eval. The every-runtime bundle below holds exactly these (same export settings), so the
+    suite exports one bundle, not two; its inference programs are simply not used here."""
+    return mobilenet_bundle_32px / "manifest.json"
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -46,11 +60,12 @@ def mobilenet_bundle_32px(tmp_path_factory):
     """One small MobileNetV2 bundle (32 px, 10 classes) shared by the tests that need every runtime:
     inference in ExecuTorch, ONNX Runtime and eager torch (with the eager fp32 reference outputs the
     exporter records), the head's training program, and the FT(φ) programs of the last stage (trunk,
-    tail training, the aggregator's tail_eval). Returns the bundle's directory."""
+    tail training, the aggregator's tail_eval). Returns the bundle's directory; exported once per
+    run, shared by the xdist workers."""
     from export import export_bundle
     from export.parity import load_parity_images
 
-    out = tmp_path_factory.mktemp("mobilenet-32px") / "bundle"
-    export_bundle("mobilenet_v2", out, num_classes=10, image_size=32, batch_size=8, tail_stages=1,
-                  inference_runtimes=("executorch", "onnxruntime", "eager"), parity_images=load_parity_images(count=16))
-    return out
+    folder = build_once(run_folder(tmp_path_factory) / "mobilenet-32px", lambda d: export_bundle(
+        "mobilenet_v2", d / "bundle", num_classes=10, image_size=32, batch_size=8, tail_stages=1,
+        inference_runtimes=("executorch", "onnxruntime", "eager"), parity_images=load_parity_images(count=16)))
+    return folder / "bundle"

@@ -5,10 +5,13 @@ libmqtt-client-java). Nothing is downloaded."""
 from __future__ import annotations
 
 import functools
+import os
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+
+from shared_build import build_once
 
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = ROOT / "clients" / "java" / "src"
@@ -35,8 +38,14 @@ DRIVERS = (ROOT / "tests" / "conformance" / "java", ROOT / "tests" / "java_devic
 
 @functools.lru_cache(maxsize=1)
 def built() -> str:
-    """The library and every test driver, compiled once per test process; returns the classpath."""
-    return build(Path(tempfile.mkdtemp(prefix="fedfleet-java-")) / "classes", *DRIVERS)
+    """The library and every test driver, compiled once per pytest run (the xdist workers of a run
+    share PYTEST_XDIST_TESTRUNUID, and the first to ask compiles for all); returns the classpath."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:
+        return build(Path(tempfile.mkdtemp(prefix="fedfleet-java-")) / "classes", *DRIVERS)
+    folder = build_once(Path(tempfile.gettempdir()) / f"fedfleet-java-{run}",
+                        lambda d: build(d / "classes", *DRIVERS))
+    return classpath(folder / "classes")
 
 
 def build(out: Path, *extra_sources: Path) -> str:

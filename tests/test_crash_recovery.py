@@ -27,6 +27,8 @@ from protocols.mqtt_link import BrokerConfig
 from ops_fleet import (REPO, Fleet, aggregator_cmd, aggregator_env, job_config, prepare, reference_sums,
                        run_aggregator)
 
+pytestmark = pytest.mark.slow  # aggregator subprocesses killed and restarted: xdist starts this file first
+
 DEVICES = [f"dev{i:02d}" for i in range(8)]
 
 # One crash per aggregator process, in the order the job passes them (counts are per process).

@@ -255,6 +255,7 @@ def assert_no_empty_contributions(state: Path, case: Case) -> None:
         assert outcome["accepted"] and set(outcome["accepted"]) <= set(case.devices), outcome
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["fedavg-secure", "fedavg-tail", "fedavg-tail-secure", "personalize", "ladd",
                                   "ladd-secure"])
 def test_job_created_through_the_api_resumes_after_sigkills_to_the_uninterrupted_model(kind, broker, tmp_path,

@@ -32,6 +32,8 @@ from edge_client.runtime import (
 from export import export_bundle
 from export.parity import load_parity_images
 
+pytestmark = pytest.mark.slow  # two backbones exported to every runtime: xdist starts this file first
+
 IMAGE_SIZE = 64
 NUM_CLASSES = 10
 TOLERANCE = 1e-4  # the acceptance criterion; not to be loosened here

@@ -25,6 +25,8 @@ from export.parity import load_calibration_images
 from export.pipeline import INT8_RELATIVE_ERROR_TOLERANCE, ExportError
 from export.quantization import quantized_parity
 
+pytestmark = pytest.mark.slow  # int8 exports and calibration: xdist starts this file first
+
 IMAGE_SIZE = 32
 CALIBRATION_COUNT = 32
 FP32_TOLERANCE = 1e-4  # the fp32 artifacts' rule, unchanged by quantization

@@ -41,6 +41,7 @@ def two_node_cluster(tmp_path):
         shutil.rmtree(temp, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_ray_fleet_gives_the_local_fleets_model(tmp_path, two_node_cluster):
     base = dataclasses.replace(PRESETS["smoke"], devices=8, train_limit=400, test_limit=100, clients_per_round=4,
                                dropout_prob=0.0, slowdown=(1.0, 1.0), holdout_fraction=0.0, workers=2,

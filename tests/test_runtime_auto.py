@@ -14,6 +14,8 @@ from edge_client.runtime.inference import INFERENCE_BACKENDS
 from edge_client.runtime.verification import load_manifest
 from export.parity import load_parity_images
 
+pytestmark = pytest.mark.slow  # exports (or waits for) the every-runtime bundle: xdist starts this file first
+
 SIZE = 32
 
 
