@@ -69,3 +69,16 @@ def mobilenet_bundle_32px(tmp_path_factory):
         "mobilenet_v2", d / "bundle", num_classes=10, image_size=32, batch_size=8, tail_stages=1,
         inference_runtimes=("executorch", "onnxruntime", "eager"), parity_images=load_parity_images(count=16)))
     return folder / "bundle"
+
+
+@pytest.fixture(scope="session")
+def onnx_bundle_32px(tmp_path_factory):
+    """The bundle a torch-free device runs: MobileNetV2 at 32 px, 10 classes, ONNX Runtime
+    inference only, no training programs. Exported once per run and shared by the xdist workers:
+    read it, never write into it (a test that tampers with a file copies the bundle first)."""
+    from export import export_bundle
+
+    folder = build_once(run_folder(tmp_path_factory) / "mobilenet-32px-onnx", lambda d: export_bundle(
+        "mobilenet_v2", d / "bundle", num_classes=10, image_size=32, inference_runtimes=("onnxruntime",),
+        training=False))
+    return folder / "bundle"

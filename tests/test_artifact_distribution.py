@@ -1,6 +1,7 @@
 """Devices fetch an exported bundle from the aggregator over mosquitto, verify every digest, and
 run it; a file tampered with on the aggregator's side is refused (issue 4, distribution)."""
 
+import shutil
 import threading
 import time
 
@@ -19,12 +20,10 @@ from protocols.topics import Topics
 
 
 @pytest.fixture(scope="module")
-def bundle(tmp_path_factory):
-    from export import export_bundle
-
+def bundle(onnx_bundle_32px, tmp_path_factory):
+    """A private copy of the shared bundle: a test here tampers with its ONNX file."""
     out = tmp_path_factory.mktemp("bundle") / "mnv2-32"
-    export_bundle("mobilenet_v2", out, num_classes=10, image_size=32, inference_runtimes=("onnxruntime",),
-                  training=False)
+    shutil.copytree(onnx_bundle_32px, out)
     return out
 
 

@@ -33,13 +33,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def bundle(tmp_path_factory):
-    from export import export_bundle
-
-    out = tmp_path_factory.mktemp("bundle") / "mnv2-32"
-    export_bundle("mobilenet_v2", out, num_classes=C, image_size=32, inference_runtimes=("onnxruntime",),
-                  training=False)
-    return out
+def bundle(onnx_bundle_32px):
+    return onnx_bundle_32px
 
 
 def write_idx(path, array):
@@ -56,22 +51,24 @@ def wait_for(condition, timeout, what):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def device(broker, tmp_path, sha, idx):
+def device(broker, tmp_path, sha, idx, log_file):
+    """A real ``fedfleet device`` process; its output goes to ``log_file`` (read while it runs)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.Popen([sys.executable, "-m", "fedfleet.cli", "device", "--id", "cam1", "--broker", broker.url,
                              "--idx", *map(str, idx), "--runtime", "onnxruntime", "--threads", "1",
                              "--bundle-sha", sha, "--bundle-dir", str(tmp_path / "bundles"),
                              "--deployments", str(tmp_path / "deployed")],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+                            stdout=open(log_file, "w"), stderr=subprocess.STDOUT, text=True, env=env)
 
 
-def stop(proc):
+def stop(proc, log_file):
     proc.terminate()
     try:
-        return proc.communicate(timeout=30)[0]
+        proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         proc.kill()
-        return proc.communicate()[0]
+        proc.wait()
+    return log_file.read_text()
 
 
 def test_a_device_follows_a_rollout_on_its_bundles_features(broker, bundle, tmp_path):
@@ -103,7 +100,8 @@ def test_a_device_follows_a_rollout_on_its_bundles_features(broker, bundle, tmp_
     thread = threading.Thread(target=lambda: svc.run(timeout_s=300), daemon=True)
     thread.start()
     ctl = DeploymentController(store, BrokerConfig.from_url(broker.url), tick_s=0.1).start()
-    proc = device(broker, tmp_path, sha, idx)
+    logs = [tmp_path / "device-1.log", tmp_path / "device-2.log"]
+    proc = device(broker, tmp_path, sha, idx, logs[0])
     log = ""
     try:
         ctl.call(lambda: ctl.deploy(model, cohort="devices:cam1", stages="100%", bake_s=0, min_reports=1,
@@ -113,16 +111,16 @@ def test_a_device_follows_a_rollout_on_its_bundles_features(broker, bundle, tmp_
         assert report == {"deployment": "ridge-1", "sha256": hashlib.sha256(head_npz(W, b)).hexdigest(),
                           "n": len(holdout), "correct_candidate": expected, "correct_current": 0}
         sent_at = ctl.show("ridge-1")["devices"]["cam1"]["sent_at"]
-        log += stop(proc)
-        proc = device(broker, tmp_path, sha, idx)            # restarted: the same head, nothing fetched or sent
-        wait_for(lambda: (tmp_path / "deployed" / "slot.json").exists(), 5, "the slot file")
-        time.sleep(5)
-        log += stop(proc)
+        log += stop(proc, logs[0])
+        proc = device(broker, tmp_path, sha, idx, logs[1])   # restarted: the same head, nothing fetched or sent
+        wait_for(lambda: "running head" in logs[1].read_text(), 120, "the restarted device to load its head")
+        time.sleep(5)                                        # time to meet the retained assignment again
+        log += stop(proc, logs[1])
         assert "running head" in log and "of deployment ridge-1" in log, log[-3000:]
         assert ctl.show("ridge-1")["devices"]["cam1"] == {"sent": "run", "sent_at": sent_at, "report": report}
     finally:
         if proc.poll() is None:
-            log += stop(proc)
+            log += stop(proc, logs[1] if logs[1].exists() else logs[0])
         ctl.stop()
         svc.stop()
         thread.join(30)

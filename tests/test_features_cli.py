@@ -24,13 +24,8 @@ def write_idx(path, array):
 
 
 @pytest.fixture(scope="module")
-def bundle(tmp_path_factory):
-    from export import export_bundle
-
-    out = tmp_path_factory.mktemp("bundle") / "mobilenet_v2-32"
-    export_bundle("mobilenet_v2", out, num_classes=10, image_size=SIZE, inference_runtimes=("onnxruntime",),
-                  training=False)
-    return out
+def bundle(onnx_bundle_32px):
+    return onnx_bundle_32px
 
 
 def test_features_from_idx_and_from_a_subset_image_folder_match_the_eager_backbone(bundle, tmp_path, capsys):

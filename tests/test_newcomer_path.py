@@ -35,13 +35,8 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 @pytest.fixture(scope="module")
-def bundle(tmp_path_factory):
-    from export import export_bundle
-
-    out = tmp_path_factory.mktemp("bundle") / "mnv2-32"
-    export_bundle("mobilenet_v2", out, num_classes=10, image_size=32, inference_runtimes=("onnxruntime",),
-                  training=False)
-    return out
+def bundle(onnx_bundle_32px):
+    return onnx_bundle_32px
 
 
 def other_bundle(bundle, tmp_path):
