@@ -99,6 +99,15 @@ class DeviceProcesses:
                                             env=env)
         log.close()
 
+    def await_ready(self, names, line: str, timeout_s: float) -> None:
+        """Until each of ``names`` printed ``line.format(name)``; fails at once with the log of one that died."""
+        deadline = time.monotonic() + timeout_s
+        for name in names:
+            while line.format(name) not in self.log(name):
+                assert self.procs[name].poll() is None, f"{name} exited:\n{self.log(name)[-4000:]}"
+                assert time.monotonic() < deadline, f"{name} not ready in {timeout_s} s:\n{self.log(name)[-4000:]}"
+                time.sleep(0.5)
+
     def stop(self) -> dict[str, float]:
         cpu = {}
         for proc in self.procs.values():
@@ -219,6 +228,8 @@ def test_arm64_x86_and_java_devices_run_fed3r_and_fedavg_psi(bundle, broker, tmp
     devices.start("java", java)
     started = time.monotonic()
     try:
+        # a device that dies at start-up fails the test now, not after the job's start timeout
+        devices.await_ready(X86 + ARM64, "device {}: ", timeout_s=300)
         fed3r_result = run_job(fed3r, broker, tmp_path / "fed3r", shelf)
         fed3r_wall = time.monotonic() - started
         fedavg_result = run_job(fedavg, broker, tmp_path / "fedavg", shelf)
