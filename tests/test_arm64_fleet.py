@@ -275,7 +275,7 @@ def test_arm64_x86_and_java_devices_run_fed3r_and_fedavg_psi(bundle, broker, tmp
           f"{error_vs_x86:.3e}")
     print(f"  FedAvg(psi) head vs eager-torch FedAvg on the devices' features:       relative error "
           f"{fedavg_error:.3e}")
-    print(f"  Fed3R job wall time {fed3r_wall:.1f} s (devices started with the job)")
+    print(f"  wall time from the devices' start to the Fed3R model: {fed3r_wall:.1f} s")
     for name, seconds in cpu.items():
         print(f"  CPU time of {name:8s} (both jobs, start-up included): {seconds:7.1f} s")
     x86_cpu = np.mean([cpu[d] for d in X86])

@@ -46,6 +46,7 @@ PYVER=$(ls "$ROOTFS/usr/bin" | sed -n 's/^python3\.\([0-9]*\)$/3.\1/p' | head -1
 ABI=cp$(echo "$PYVER" | tr -d .)
 mkdir -p "$DIR/wheels"
 rm -f "$DIR"/wheels/fedfleet-*.whl
+"$HOST_PIP" install -q 'setuptools>=77' wheel      # pyproject.toml's build backend, in the host venv
 "$HOST_PIP" wheel -q --no-deps --no-build-isolation -w "$DIR/wheels" . >/dev/null
 rm -rf build ./*.egg-info
 WHEEL=$(ls "$DIR"/wheels/fedfleet-*.whl)
