@@ -188,6 +188,8 @@ def relative(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def test_arm64_x86_and_java_devices_run_fed3r_and_fedavg_psi(bundle, broker, tmp_path):
+    import onnxruntime
+
     from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
     from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob
     from aggregator.service.artifacts import ArtifactShelf
@@ -260,8 +262,6 @@ def test_arm64_x86_and_java_devices_run_fed3r_and_fedavg_psi(bundle, broker, tmp
     head = fedavg_reference(fedavg, computed, labels)
     fedavg_error = max(relative(fedavg.params[k], head[k]) for k in ("weight", "bias"))
 
-    import onnxruntime
-
     print(f"\nARM64 mixed fleet: ARM64 devices {probe.stdout.split()[0]} (qemu-aarch64-static, onnxruntime "
           f"{probe.stdout.split()[1]}), x86 reference onnxruntime {onnxruntime.__version__}")
     for dev in X86 + ARM64:
@@ -284,3 +284,5 @@ def test_arm64_x86_and_java_devices_run_fed3r_and_fedavg_psi(bundle, broker, tmp
 
     assert error_vs_computed <= 1e-6
     assert fedavg_error <= 1e-4
+    # other kernels round differently, but an ARM64 device computes the same features to float32 noise
+    assert all(relative(computed[dev], x86[dev]) <= 1e-4 for dev in ARM64)

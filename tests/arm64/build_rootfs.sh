@@ -63,11 +63,11 @@ $SUDO cp -u "$DIR"/wheels/*.whl "$ROOTFS/wheels/"
 in_rootfs() { "$(dirname "$0")/python.sh" "$ROOTFS" "" "$@"; }
 if [ "$(cat "$ROOTFS/.fedfleet-deps" 2>/dev/null)" != "$STAMP" ]; then
   echo "arm64: installing fedfleet[device] in the rootfs (pip under qemu)"
-  in_rootfs -m pip install -q --no-index --find-links /wheels --break-system-packages --root-user-action=ignore \
+  in_rootfs -m pip install -q --no-index --find-links /wheels --break-system-packages --root-user-action=ignore --no-warn-script-location \
       --no-compile "fedfleet[device]"
   echo "$STAMP" | $SUDO tee "$ROOTFS/.fedfleet-deps" >/dev/null
 fi
-in_rootfs -m pip install -q --no-index --no-deps --force-reinstall --break-system-packages --root-user-action=ignore \
+in_rootfs -m pip install -q --no-index --no-deps --force-reinstall --break-system-packages --root-user-action=ignore --no-warn-script-location \
     --no-compile "/wheels/$(basename "$WHEEL")"
 in_rootfs -c 'import platform, sys, numpy, onnxruntime, cryptography, paho.mqtt, fedfleet.device
 print(f"arm64: {platform.machine()} python {sys.version.split()[0]}, numpy {numpy.__version__}, onnxruntime {onnxruntime.__version__}")'
