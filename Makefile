@@ -3,6 +3,9 @@
 #                 emulated devices over a real mosquitto broker, then the same under secure
 #                 aggregation (Fed3R-Sync, secure FedAvg) with plain-vs-secure timings
 #   make test   - set up, then run the whole test suite
+#   make test-arm64 - (not part of make test; minutes) an aarch64 Debian userland run under qemu-user
+#                 with fedfleet[device] from PyPI's aarch64 wheels, as ARM64 devices in a mixed fleet
+#                 (x86, ARM64, Java) running Fed3R and FedAvg(psi); prints the ARM64-vs-x86 figures
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -11,7 +14,7 @@ DEVICE_VENV := .venv-device
 DEVICE_STAMP := $(DEVICE_VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: demo test setup system-deps bench clean java
+.PHONY: demo test test-arm64 setup system-deps bench clean java
 
 demo: setup
 	@echo "fedfleet: [demo 1/2] Fed3R -> FedAvg fine-tuning -> OLL on 100 emulated devices (plain aggregation)"
@@ -26,6 +29,13 @@ demo: setup
 # (tests/conftest.py), in collection order (--no-loadscope-reorder).
 test: setup
 	$(BIN)/python -m pytest -q -ra --durations=15 -n 3 --dist loadfile --no-loadscope-reorder
+
+# The rootfs and the aarch64 wheels are cached under the git-ignored $(ARM64_DIR) (build_rootfs.sh is
+# idempotent; it reinstalls only this tree's fedfleet wheel on a second run).
+ARM64_DIR := .arm64
+test-arm64: setup
+	tests/arm64/build_rootfs.sh $(ARM64_DIR) $(BIN)/pip
+	FEDFLEET_ARM64_ROOT=$(ARM64_DIR)/rootfs $(BIN)/python -m pytest -q -s -rA tests/test_arm64_fleet.py
 
 setup: system-deps $(STAMP) $(DEVICE_STAMP)
 
@@ -77,4 +87,4 @@ bench: setup
 	$(BIN)/python bench/run_all.py
 
 clean:
-	rm -rf $(VENV) $(DEVICE_VENV) .cache build *.egg-info
+	rm -rf $(VENV) $(DEVICE_VENV) $(ARM64_DIR) .cache build *.egg-info
