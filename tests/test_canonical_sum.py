@@ -1,21 +1,24 @@
-"""The model a finished Fed3R job reports is its contributions summed in device-id order, however
-it gets there: the live job itself (it summed in that order), a re-sum of the contributions kept
-in memory, or a re-sum read back from the store. All three give the same bytes as the store path
-and as numpy's sums, whatever the arrival order; anything the record cannot vouch for (a restored
-job, a forgotten device, contributions over the memory budget) goes to the store."""
+"""The model a finished Fed3R job reports is its contributions summed in the canonical bucketed
+order (aggregator/shards/buckets.py), however it gets there: a re-sum of the contributions kept in
+memory, or a re-sum read back from the store. Both give the bytes of numpy adding the same
+matrices in that order, whatever the arrival order and however the buckets are split between
+shards; anything the record cannot vouch for (a restored job, a forgotten device, contributions
+over the memory budget) goes to the store."""
 
 import numpy as np
 import pytest
 
 from aggregator.service.canonical import AppliedContributions, canonical_job, reported_job
+from aggregator.shards.buckets import bucket_of, shard_of_bucket
+from aggregator.shards.partial_sums import bucket_sums, reduce_buckets
 from aggregator.jobs.registry import build_job
 from aggregator.storage.store import Store
 from protocols.envelope import Envelope, decode, encode
 from protocols.payloads.fed3r import encode_stats
 
 P, C = 24, 4
-CONFIG = {"job_id": "fed3r-order", "num_classes": C, "feature_dim": P - 1, "clients_per_round": 8}
-DEVICES = [f"dev{i:02d}" for i in range(8)]
+CONFIG = {"job_id": "fed3r-order", "num_classes": C, "feature_dim": P - 1, "clients_per_round": 12}
+DEVICES = [f"dev{i:02d}" for i in range(12)]
 
 
 def device_payload(i: int) -> tuple[bytes, np.ndarray, np.ndarray]:
@@ -54,27 +57,61 @@ def model_bytes(job) -> dict[str, bytes]:
     return {k: v.tobytes() for k, v in job.model_arrays().items()}
 
 
-def test_every_path_reports_the_store_paths_bytes_whatever_the_arrival_order(tmp_path):
-    in_order, shuffled = list(range(8)), [5, 2, 7, 0, 3, 6, 1, 4]
+def bucketed_reference(devices: list[int]) -> np.ndarray:
+    """Σ A_k's upper triangle as numpy adds it by the definition: each bucket from zero in device-id
+    order, then the bucket sums from zero in bucket order."""
+    buckets: dict[int, np.ndarray] = {}
+    for i in sorted(devices, key=lambda i: (bucket_of(DEVICES[i]), DEVICES[i])):
+        b = bucket_of(DEVICES[i])
+        buckets[b] = buckets.get(b, np.zeros((P, P))) + np.triu(PAYLOADS[i][1])
+    total = np.zeros((P, P))
+    for b in sorted(buckets):
+        total = total + buckets[b]
+    return total
+
+
+def test_the_devices_fill_several_buckets_with_several_devices_in_one():
+    buckets = [bucket_of(d) for d in DEVICES]
+    assert len(set(buckets)) >= 3 and len(set(buckets)) < len(DEVICES)    # or the order proves little
+
+
+def test_every_path_reports_the_bucketed_sum_whatever_the_arrival_order(tmp_path):
+    in_order, shuffled = list(range(len(DEVICES))), [5, 2, 11, 7, 0, 9, 3, 6, 10, 1, 8, 4]
     store, live, applied = run(tmp_path, in_order)
-    assert reported_job(applied, live, store, "fed3r", CONFIG["job_id"]) is live      # no re-sum, no re-solve
+    from_memory = reported_job(applied, live, store, "fed3r", CONFIG["job_id"])
     reference = model_bytes(canonical_job(store, "fed3r", CONFIG, CONFIG["job_id"]))
-    assert model_bytes(live) == reference
+    assert from_memory is not live and model_bytes(from_memory) == reference
 
     store2, live2, applied2 = run(tmp_path, shuffled)
-    from_memory = reported_job(applied2, live2, store2, "fed3r", CONFIG["job_id"])
-    assert from_memory is not live2 and model_bytes(from_memory) == reference
+    assert model_bytes(reported_job(applied2, live2, store2, "fed3r", CONFIG["job_id"])) == reference
+    assert model_bytes(canonical_job(store2, "fed3r", CONFIG, CONFIG["job_id"])) == reference
     # the arrival order did change the live sums' last bits (or the test proves nothing)
     assert live2.strategy.A.cpu().numpy().tobytes() != live.strategy.A.cpu().numpy().tobytes()
-    # and the reported sums are numpy's
-    A_ref, B_ref = sum(p[1] for p in PAYLOADS), sum(p[2] for p in PAYLOADS)
-    np.testing.assert_allclose(from_memory.strategy.A.cpu().numpy(), A_ref, rtol=1e-12)
+    # the reported sums are numpy's, bit for bit, added in the bucketed order
+    A = from_memory.strategy.A.cpu().numpy()
+    assert np.triu(A).tobytes() == bucketed_reference(in_order).tobytes()
+    B_ref = sum(p[2] for p in PAYLOADS)
     np.testing.assert_allclose(from_memory.strategy.B.cpu().numpy(), B_ref, rtol=1e-12, atol=1e-9)
+    assert from_memory.contributed == {d: live.contributed[d] for d in sorted(DEVICES)}
+
+
+@pytest.mark.parametrize("shards", [2, 3, 4, 64])
+def test_shards_owning_whole_buckets_reduce_to_one_aggregators_bits(shards):
+    parsed = {i: build_job("fed3r", CONFIG).parse_result(decode(PAYLOADS[i][0])) for i in range(len(DEVICES))}
+    one = reduce_buckets("fed3r", CONFIG, bucket_sums("fed3r", CONFIG, [
+        (DEVICES[i], 1, lambda _j, i=i: parsed[i]) for i in range(len(DEVICES))]))
+    partial = []
+    for shard in reversed(range(shards)):           # shards report in any order, their devices in any order
+        mine = [i for i in reversed(range(len(DEVICES))) if shard_of_bucket(bucket_of(DEVICES[i]), shards) == shard]
+        partial += bucket_sums("fed3r", CONFIG, [(DEVICES[i], 1, lambda _j, i=i: parsed[i]) for i in mine])
+    assert model_bytes(reduce_buckets("fed3r", CONFIG, partial)) == model_bytes(one)
+    with pytest.raises(ValueError, match="twice"):          # a bucket reported twice would double it
+        reduce_buckets("fed3r", CONFIG, partial + partial[:1])
 
 
 @pytest.mark.parametrize("case", ["over budget", "restored", "forgotten"])
 def test_what_the_record_cannot_vouch_for_is_summed_from_the_store(tmp_path, case):
-    store, live, applied = run(tmp_path, [3, 1, 0, 2, 4, 5, 7, 6], budget=1 if case == "over budget" else 1 << 30)
+    store, live, applied = run(tmp_path, [3, 1, 0, 2, 4, 5, 7, 6, 11, 9, 10, 8], budget=1 if case == "over budget" else 1 << 30)
     if case == "restored":
         applied.invalidate()
     if case == "forgotten":
@@ -84,4 +121,4 @@ def test_what_the_record_cannot_vouch_for_is_summed_from_the_store(tmp_path, cas
     assert applied.payloads is None if case != "forgotten" else applied.payloads is not None
     assert model_bytes(reported) == model_bytes(canonical_job(store, "fed3r", CONFIG, CONFIG["job_id"]))
     if case == "forgotten":
-        assert DEVICES[2] not in reported.contributed and len(reported.contributed) == 7
+        assert DEVICES[2] not in reported.contributed and len(reported.contributed) == len(DEVICES) - 1
