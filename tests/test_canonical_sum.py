@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from aggregator.service.canonical import AppliedContributions, canonical_job, reported_job
-from aggregator.shards.buckets import bucket_of, shard_of_bucket
-from aggregator.shards.partial_sums import bucket_sums, reduce_buckets
+from aggregator.shards.buckets import NUM_BUCKETS, bucket_of, bucket_range
+from aggregator.shards.partial_sums import bucket_sums, range_sums, reduce_nodes
 from aggregator.jobs.registry import build_job
 from aggregator.storage.store import Store
 from protocols.envelope import Envelope, decode, encode
@@ -59,15 +59,18 @@ def model_bytes(job) -> dict[str, bytes]:
 
 def bucketed_reference(devices: list[int]) -> np.ndarray:
     """Σ A_k's upper triangle as numpy adds it by the definition: each bucket from zero in device-id
-    order, then the bucket sums from zero in bucket order."""
+    order, then the buckets pairwise up a binary tree (an empty bucket adds nothing)."""
     buckets: dict[int, np.ndarray] = {}
     for i in sorted(devices, key=lambda i: (bucket_of(DEVICES[i]), DEVICES[i])):
         b = bucket_of(DEVICES[i])
         buckets[b] = buckets.get(b, np.zeros((P, P))) + np.triu(PAYLOADS[i][1])
-    total = np.zeros((P, P))
-    for b in sorted(buckets):
-        total = total + buckets[b]
-    return total
+
+    def node(start, end):
+        if end - start == 1:
+            return buckets.get(start)
+        left, right = node(start, (start + end) // 2), node((start + end) // 2, end)
+        return left if right is None else right if left is None else left + right
+    return node(0, NUM_BUCKETS)
 
 
 def test_the_devices_fill_several_buckets_with_several_devices_in_one():
@@ -95,18 +98,26 @@ def test_every_path_reports_the_bucketed_sum_whatever_the_arrival_order(tmp_path
     assert from_memory.contributed == {d: live.contributed[d] for d in sorted(DEVICES)}
 
 
-@pytest.mark.parametrize("shards", [2, 3, 4, 64])
-def test_shards_owning_whole_buckets_reduce_to_one_aggregators_bits(shards):
+@pytest.mark.parametrize("shards", [1, 2, 3, 4, 7, 64])
+def test_shards_owning_bucket_ranges_reduce_to_one_aggregators_bits(shards):
     parsed = {i: build_job("fed3r", CONFIG).parse_result(decode(PAYLOADS[i][0])) for i in range(len(DEVICES))}
-    one = reduce_buckets("fed3r", CONFIG, bucket_sums("fed3r", CONFIG, [
-        (DEVICES[i], 1, lambda _j, i=i: parsed[i]) for i in range(len(DEVICES))]))
-    partial = []
+    everything = [(DEVICES[i], 1, lambda _j, i=i: parsed[i]) for i in range(len(DEVICES))]
+    one = reduce_nodes("fed3r", CONFIG, range_sums("fed3r", bucket_sums("fed3r", CONFIG, everything), 0, NUM_BUCKETS))
+    nodes = {}
     for shard in reversed(range(shards)):           # shards report in any order, their devices in any order
-        mine = [i for i in reversed(range(len(DEVICES))) if shard_of_bucket(bucket_of(DEVICES[i]), shards) == shard]
-        partial += bucket_sums("fed3r", CONFIG, [(DEVICES[i], 1, lambda _j, i=i: parsed[i]) for i in mine])
-    assert model_bytes(reduce_buckets("fed3r", CONFIG, partial)) == model_bytes(one)
-    with pytest.raises(ValueError, match="twice"):          # a bucket reported twice would double it
-        reduce_buckets("fed3r", CONFIG, partial + partial[:1])
+        lo, hi = bucket_range(shard, shards)
+        mine = [c for c in reversed(everything) if lo <= bucket_of(c[0]) < hi]
+        nodes.update(range_sums("fed3r", bucket_sums("fed3r", CONFIG, mine), lo, hi))
+    assert len(nodes) <= 2 * 6 * shards
+    assert model_bytes(reduce_nodes("fed3r", CONFIG, nodes)) == model_bytes(one)
+    assert reduce_nodes("fed3r", CONFIG, nodes).contributed == one.contributed
+    if shards > 1:                                   # a shard missing, or one reported twice, is refused
+        lo, hi = bucket_range(0, shards)
+        missing = {n: v for n, v in nodes.items() if n[0] >= hi}
+        with pytest.raises(ValueError, match="exactly once"):
+            reduce_nodes("fed3r", CONFIG, missing)
+        with pytest.raises(ValueError, match="exactly once"):
+            reduce_nodes("fed3r", CONFIG, {**nodes, (0, NUM_BUCKETS): None})
 
 
 @pytest.mark.parametrize("case", ["over budget", "restored", "forgotten"])
