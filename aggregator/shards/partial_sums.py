@@ -26,10 +26,16 @@ Node = tuple[int, int]      # the buckets [start, end) under one node of the tre
 
 
 class AdditiveState(ABC):
-    """How two partial states of a job kind add up to the state of their union."""
+    """How two partial states of a job kind add up to the state of their union, and what the job
+    records of a contribution in ``contributed`` (the coordinator records it from a shard's receipt,
+    never seeing the contribution itself)."""
 
     @abstractmethod
     def add(self, left: dict[str, np.ndarray], right: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        ...
+
+    @abstractmethod
+    def contributed(self, payload: Any) -> Any:
         ...
 
 
@@ -41,6 +47,9 @@ class SummedArrays(AdditiveState):
         if left.keys() != right.keys():
             raise ValueError(f"partial states hold {sorted(right)} and {sorted(left)}")
         return {k: left[k] + right[k] for k in left}
+
+    def contributed(self, payload: Any) -> Any:
+        return int(payload.n)           # Fed3R: the samples a device's statistics hold
 
 
 ADDITIVE: dict[str, AdditiveState] = {"fed3r": SummedArrays()}
