@@ -32,7 +32,7 @@ An open round continues after a restart with its stored deadline; its pending pa
 their task again (same task id, so a device that already answered just re-sends the same
 result). Tasks are also re-sent when the aggregator reconnects and when a pending participant
 announces itself online (a broker restart loses in-flight messages). For an ``order_free`` job
-(Fed3R) the final model is re-summed from the stored contributions in device-id order, so it
+(Fed3R) the final model is re-summed from the stored contributions in canonical order, so it
 depends only on *which* devices contributed, never on arrival order, crashes or restarts.
 """
 

@@ -42,6 +42,7 @@ def shard_main(index: int, shards: int, broker: BrokerConfig, store_path: str, t
                     subscriptions=[(topics.all_presence, 1)])
     threading.Thread(target=_read_commands, args=(conn, inbox), daemon=True).start()
     link.start()
+    conn.send(("ready",))
     subscribed: set[str] = set()
     expired_at = 0.0
     while True:
@@ -102,6 +103,7 @@ class LocalShards:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         self.reply_timeout_s = reply_timeout_s
         self._ctx = mp.get_context("spawn")
+        self._ready = [threading.Event() for _ in range(shards)]
         self._procs: list = [None] * shards
         self._conns: list = [None] * shards
         self._replies: queue.Queue = queue.Queue()
@@ -113,11 +115,17 @@ class LocalShards:
     def store_path(self, index: int) -> Path:
         return self.store_dir / f"shard-{index}-of-{self.shards}.db"
 
-    def start(self, deliver: Callable[[tuple], None]) -> None:
-        """``deliver(("forward", topic, payload) | ("receipt", topic, raw))`` runs on reader threads."""
+    def start(self, deliver: Callable[[tuple], None], timeout_s: float = 120.0) -> None:
+        """Start the shards and wait until each is connected (so no result reaches the broker before
+        its shard can subscribe). ``deliver(("forward", topic, payload) | ("receipt", topic, raw))``
+        runs on reader threads."""
         self._deliver = deliver
         for i in range(self.shards):
             self._start(i)
+        for i, ready in enumerate(self._ready):
+            if not ready.wait(max(0.0, timeout_s)) or self._procs[i].exitcode is not None:
+                self.close()
+                raise ConnectionError(f"shard {i} did not connect to the broker within {timeout_s:.0f}s")
 
     def _start(self, index: int) -> None:
         ours, theirs = self._ctx.Pipe()
@@ -135,7 +143,10 @@ class LocalShards:
         try:
             while True:
                 msg = conn.recv()
-                (self._replies.put((index, *msg[1:])) if msg[0] == "sums" else self._deliver(msg))
+                if msg[0] == "ready":
+                    self._ready[index].set()
+                else:
+                    (self._replies.put((index, *msg[1:])) if msg[0] == "sums" else self._deliver(msg))
         except (EOFError, OSError):
             return
 
@@ -145,6 +156,9 @@ class LocalShards:
         if not job.order_free:
             raise ValueError(f"a {kind} job with this config is not order-free (e.g. DP noise at round close): "
                              f"it cannot be summed by shards")
+        if job.config.to_dict().get("streaming"):
+            # an increment is checked against the samples the job holds, which only the coordinator knows
+            raise ValueError("streaming Fed3R cannot run on shards yet: run it without --shards")
         self._job = (job.config.job_id, kind, job.config.to_dict())
         for conn in self._conns:
             conn.send(("job", *self._job))
