@@ -44,6 +44,7 @@ def shard_main(index: int, shards: int, broker: BrokerConfig, store_path: str, t
     link.start()
     conn.send(("ready",))
     subscribed: set[str] = set()
+    held: list = []         # outbox messages that came before the job did (a persistent session's queue)
     expired_at = 0.0
     while True:
         try:
@@ -58,11 +59,17 @@ def shard_main(index: int, shards: int, broker: BrokerConfig, store_path: str, t
         if item[0] == "cmd":
             if not _command(ingest, conn, item[1]):
                 break
+            if ingest.job_id is not None:
+                for queued in held:
+                    inbox.put(queued)
+                held = []
         elif "/presence/" in item[0]:
             device = topics.device_of(item[0])
             if device is not None and device not in subscribed and ingest.owns(device):
                 subscribed.add(device)
                 link.subscribe(topics.outbox(device))
+        elif ingest.job_id is None:
+            held.append(item)
         else:
             out = ingest.feed(*item)
             if isinstance(out, Receipt):
