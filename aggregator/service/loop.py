@@ -112,8 +112,7 @@ class AggregatorService(OperatorActions):
         self._stop = threading.Event()
         self.live: dict = {}                     # snapshot for the admin API, replaced atomically
         self._live_at = 0.0
-        # with shards (aggregator/shards/), they take the outboxes and hand this loop receipts and the rest
-        self.shards = shards
+        self.shards = shards        # aggregator/shards/: they take the outboxes and hand this loop receipts
         self.link = MqttLink(AGGREGATOR_ID, broker, on_message=lambda t, p: self._q.put(("mqtt", t, p)),
                              subscriptions=[(topics.all_outboxes, 1)] * (shards is None) + [(topics.all_presence, 1)],
                              on_connect=lambda: self._q.put(("connected",)))
@@ -288,6 +287,7 @@ class AggregatorService(OperatorActions):
     def _on_receipt(self, topic: str, raw: bytes) -> None:
         """A shard's receipt for a result it validated and stored (it came over our own pipe)."""
         env = decode(raw)
+        self._stats().bytes_in += env.body[RECEIPT]["bytes"]
         if env.sender in self.fleet.revoked:
             return self._reject(env.sender, "revoked device")
         self._on_envelope(env.sender, topic, env, raw, True, env.body[RECEIPT]["bytes"])

@@ -36,12 +36,17 @@ def shard_main(index: int, shards: int, broker: BrokerConfig, store_path: str, t
                max_message_bytes: int) -> None:
     """A shard process: MQTT in, receipts and forwards out, sums on request."""
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s shard{index} %(levelname)s %(message)s")
+    import torch
+    from threadpoolctl import threadpool_limits
+
+    torch.set_num_threads(1)            # the shards are the parallelism: one core's worth each, like the
+    threadpool_limits(1)                # ingest workers' (a BLAS pool per shard only waits for the others)
     ingest = ShardIngest(index, shards, Store(store_path), topics, max_message_bytes)
     inbox: queue.Queue = queue.Queue()
     link = MqttLink(f"{AGGREGATOR_ID}-shard{index}of{shards}", broker, on_message=lambda t, p: inbox.put((t, p)),
                     subscriptions=[(topics.all_presence, 1)])
     threading.Thread(target=_read_commands, args=(conn, inbox), daemon=True).start()
-    link.start()
+    link.start(timeout=60.0)
     conn.send(("ready",))
     subscribed: set[str] = set()
     held: list = []         # outbox messages that came before the job did (a persistent session's queue)
@@ -111,6 +116,7 @@ class LocalShards:
         self.reply_timeout_s = reply_timeout_s
         self._ctx = mp.get_context("spawn")
         self._ready = [threading.Event() for _ in range(shards)]
+        self._started_at = [0.0] * shards
         self._procs: list = [None] * shards
         self._conns: list = [None] * shards
         self._replies: queue.Queue = queue.Queue()
@@ -129,16 +135,21 @@ class LocalShards:
         self._deliver = deliver
         for i in range(self.shards):
             self._start(i)
-        for i, ready in enumerate(self._ready):
-            if not ready.wait(max(0.0, timeout_s)) or self._procs[i].exitcode is not None:
+        deadline = time.monotonic() + timeout_s
+        while not all(r.is_set() for r in self._ready):
+            if time.monotonic() > deadline:
                 self.close()
-                raise ConnectionError(f"shard {i} did not connect to the broker within {timeout_s:.0f}s")
+                waiting = [i for i, r in enumerate(self._ready) if not r.is_set()]
+                raise ConnectionError(f"shards {waiting} did not connect to the broker within {timeout_s:.0f}s")
+            self.watch()                # one that failed to start (e.g. its connection) gets another try
+            time.sleep(0.1)
 
     def _start(self, index: int) -> None:
         ours, theirs = self._ctx.Pipe()
         proc = self._ctx.Process(target=shard_main, name=f"fedfleet-shard{index}", daemon=True, args=(
             index, self.shards, self.broker, str(self.store_path(index)), self.topics, theirs, self.max_message_bytes))
         proc.start()
+        self._started_at[index] = time.monotonic()
         theirs.close()
         (self.store_dir / f"shard-{index}.pid").write_text(str(proc.pid))
         self._procs[index], self._conns[index] = proc, ours
@@ -173,7 +184,8 @@ class LocalShards:
     def watch(self) -> None:
         """Restart every shard process that died: it reopens its store and resumes."""
         for i, proc in enumerate(self._procs):
-            if proc is not None and proc.exitcode is not None:
+            # at most one start a second: a shard that cannot start does not spin the service
+            if proc is not None and proc.exitcode is not None and time.monotonic() - self._started_at[i] > 1.0:
                 log.error("shard %d exited (code %s): restarting it on its store", i, proc.exitcode)
                 self.restarts += 1
                 self._start(i)
