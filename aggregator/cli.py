@@ -14,8 +14,8 @@ from protocols.mqtt_link import BrokerConfig
 from protocols.topics import Topics
 
 from aggregator.api.server import add_ops_arguments, serve_with_ops
-from aggregator.service.artifacts import ArtifactShelf
-from aggregator.jobs.registry import KINDS, build_job
+from aggregator.service.artifacts import ArtifactShelf, with_served_bundle
+from aggregator.jobs.registry import KINDS, build_job, validate_job_config
 
 
 def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -78,7 +78,9 @@ def serve(args) -> int:
         raise ValueError("serve needs --config, or --state to resume the job that state file holds "
                          "(with --keep-serving: and then run jobs started through the API)")
     broker = BrokerConfig.from_url(args.broker, tls_ca=args.tls_ca)      # a bad address fails before any file
-    job = build_job(args.kind, read_json(args.config, "--config")) if args.config else None
+    config = read_json(args.config, "--config") if args.config else None
+    if config is not None:
+        validate_job_config(args.kind, config)                             # a bad config fails before the broker
     eval_set = read_eval_features(args.eval_features) if args.eval_features else None
     broker.check_reachable()
     enrolled = None
@@ -89,8 +91,9 @@ def serve(args) -> int:
         shelf = ArtifactShelf()
         for bundle in args.artifacts:
             print(f"serving bundle {bundle}: manifest sha256 {shelf.add_bundle(bundle)}", flush=True)
+    job = build_job(args.kind, with_served_bundle(args.kind, config, shelf)) if config is not None else None
     announced = job.config.device_bundle_sha256() if job is not None else ""
-    if announced and (shelf is None or announced not in shelf):
+    if announced and shelf is None:            # a served shelf was checked by with_served_bundle
         raise ValueError(f"the job runs on bundle {announced[:16]}…, which this aggregator does not serve: "
                          "pass that bundle's directory with --artifacts")
     summary = serve_with_ops(args, job, broker, args.out,

@@ -10,9 +10,9 @@ solution is compared with the centralized float64 ridge on all the training feat
   normalisation), W* the centralized solution (numpy float64, independent of the Fed3R code);
 * test accuracy of the job's model (column-normalised, as Fed3R serves it) next to the
   centralized model's;
-* bytes per device on the wire, and how many devices could send the exact factor (it is unique,
-  so sent, only when the leading n×n block of the device's feature matrix is non-singular:
-  MobileNetV2's ReLU features have dead dimensions, so on these features it often is not).
+* bytes per device on the wire, and how many devices sent the exact factor (the canonical one,
+  which every device with fewer samples than features can send and does when it is smaller;
+  ``bench/fed3r_factor_bytes.py`` compares it with the factor form before issue #25).
 
     .venv/bin/python bench/fed3r_precision.py [--train 3000] [--test 1000] [--devices 100] [--lam 0.01]
 """

@@ -122,6 +122,7 @@ class DeviceAgent:
             will=(topics.presence(device_id), encode(offline, signer=signer), True))
         self.online = False
         self._outage_until = 0.0
+        self._declined_for: set[str] = set()        # decline reasons already logged
 
     # lifecycle
     def start(self, own_thread: bool = True) -> "DeviceAgent":
@@ -238,6 +239,10 @@ class DeviceAgent:
                     self.session.handle(ResultSent(time.monotonic()))
             elif isinstance(act, SendDecline):
                 self.stats.tasks_declined += 1
+                if act.reason not in self._declined_for:      # once per reason: a device's owner learns why
+                    self._declined_for.add(act.reason)
+                    log.warning("%s: declined a task of job %s: %s (logged once per reason)",
+                                self.device_id, act.ref.job, act.reason)
                 self.link.publish_envelope(self.topics.outbox(self.device_id),
                                            M.decline_message(self.device_id, act.ref, act.reason), signer=self.signer)
 

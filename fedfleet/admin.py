@@ -5,7 +5,8 @@
     fedfleet admin job show|create|start|pause|resume|cancel|rounds ...
     fedfleet admin round JOB N
     fedfleet admin logs JOB [--follow]
-    fedfleet admin model show|download|lineage ID
+    fedfleet admin model show|download|lineage|deploy ID
+    fedfleet admin deployments | deployment show|promote|rollback ID   (model rollouts: admin_deployments.py)
 
 Tables and progress bars for people; ``--json`` prints the API's JSON unchanged, for scripts.
 The API address and token come from ``--url`` / ``--token`` (or ``--token-file``), else from
@@ -24,6 +25,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from . import admin_deployments
 from .help_format import HelpFormatter
 from typing import Any
 
@@ -141,8 +143,9 @@ def _run(args, client: AdminClient) -> Any:
         return _device(args, client)
     if c == "jobs":
         j = client.get("/api/jobs")
-        return j, table(j, [("JOB", "job_id"), ("KIND", "kind"), ("STATE", "state"), ("ROUNDS", "rounds"),
-                            ("CONTRIBUTIONS", "contributions")])
+        rows = [{**x, "why": ((x.get("summary") or {}).get("error") or "")[:100] or None} for x in j]
+        return j, table(rows, [("JOB", "job_id"), ("KIND", "kind"), ("STATE", "state"), ("ROUNDS", "rounds"),
+                               ("CONTRIBUTIONS", "contributions"), ("WHY", "why")])
     if c == "job":
         return _job(args, client)
     if c == "round":
@@ -163,6 +166,10 @@ def _run(args, client: AdminClient) -> Any:
                                          ("ACCURACY", "acc"), ("FINAL", "final_"), ("SHA256", "sha")])
     if c == "model":
         return _model(args, client)
+    if c == "deployments":
+        return admin_deployments.deployments(client, table)
+    if c == "deployment":
+        return admin_deployments.deployment(args, client)
     if c == "clusters":
         cl = client.get("/api/clusters")
         return cl, table(cl, [("CLUSTER", "cluster_id"), ("LABEL", "label"), ("JOB", "job_id"),
@@ -263,6 +270,8 @@ def _model(args, client):
     if args.action == "show":
         m = client.get(f"/api/models/{args.model_id}")
         return m, "\n".join(f"{k:<14}{v}" for k, v in m.items())
+    if args.action == "deploy":
+        return admin_deployments.deploy(args, client)
     if args.action == "lineage":
         lin = client.get(f"/api/models/{args.model_id}/lineage")
         return lin, "\n".join(f"v{m['version']} (id {m['model_id']}, round {m['round']}, {m['contributions']} "
@@ -286,7 +295,7 @@ def _watch(args, client):
             print(json.dumps(last), flush=True)
         else:
             print(("\r" if tty else "") + progress_line(last), end="" if tty else "\n", flush=True)
-        over = job is None or job.get("state") in ("done", "cancelled", "stopped")
+        over = job is None or job.get("state") in (*FINAL_STATES, "stopped")
         if job is not None and args.job and job["job_id"] != args.job:
             over = True
         if (args.until_done and over) or (deadline and time.monotonic() > deadline):
@@ -313,7 +322,7 @@ def log_line(e: dict) -> str:
     return f"{when} {rnd} {e.get('event', '?'):<13}{' '.join(rest)}"
 
 
-FINAL_STATES = ("done", "cancelled")
+FINAL_STATES = ("done", "cancelled", "failed")
 
 
 def _logs(args, client):
@@ -379,10 +388,12 @@ def add_admin_parser(subparsers) -> argparse.ArgumentParser:
     lg.add_argument("--timeout", type=float, default=None, help="--follow: stop after this many seconds (default: none)")
     m = add("models", help="table of model versions")
     m.add_argument("--job", default=None, help="only this job's model versions")
-    mo = add("model", help="show / download / lineage of one model version")
-    mo.add_argument("action", choices=["show", "download", "lineage"])
+    mo = add("model", help="show / download / lineage of one model version, or deploy it to the fleet")
+    mo.add_argument("action", choices=["show", "download", "lineage", "deploy"])
     mo.add_argument("model_id", type=int)
     mo.add_argument("-o", "--output", default=None, help="download: file to write (.npz)")
+    admin_deployments.add_deploy_arguments(mo)
+    admin_deployments.add_deployment_parsers(add)
     add("clusters", help="table of clusters")
     add("metrics", help="the Prometheus metrics text")
     p.set_defaults(func=run_admin)

@@ -32,7 +32,8 @@ def _simulate(args) -> int:
                  "image_size": args.image_size, "split": args.split, "alpha": args.alpha,
                  "runtime": args.runtime, "rf_dim": args.rf_dim, "workers": args.workers,
                  "secure": True if args.secure else None, "secure_graph": args.secure_graph,
-                 "clients_per_round": args.clients_per_round, "ray": args.ray}
+                 "clients_per_round": args.clients_per_round, "ray": args.ray,
+                 "deploy": True if args.deploy else None}
     cfg = load_config(args.config, overrides)
     if cfg.broker:
         from protocols.mqtt_link import BrokerConfig
@@ -114,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fed3r-ft-oll: fine-tune the head (psi, default), the backbone's last stages against the "
                         "frozen Fed3R head (phi), or both (M); OLL then personalises on the fine-tuned backbone")
     s.add_argument("--tail-stages", type=int, help="--ft-mode phi/M: backbone stages trained on device (default 1)")
+    s.add_argument("--deploy", action="store_true",
+                   help="fed3r-ft-oll (--ft-mode psi): then roll the fine-tuned head out to the fleet through a canary, "
+                        "and a head with permuted classes back (the report shows each stage)")
     s.add_argument("--compare-with", help="fed3r-ft-oll: a plain run's output directory; this run's report (console, HTML, PNG) "
                         "then compares plain vs this run (default: no comparison)")
     from .ladd.cli import add_ladd_arguments

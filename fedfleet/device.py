@@ -42,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the local train / held-out split")
     p.add_argument("--identity", type=Path, default=None,
                    help="this device's Ed25519 private key (PEM): sign every message, take part in secure rounds")
+    p.add_argument("--deployments", type=Path, default=None, metavar="DIR",
+                   help="follow model rollouts: keep the deployed head (and the one it replaced) in DIR, judge each "
+                        "candidate on the held-out split and report the counts (fedfleet admin model deploy)")
     p.add_argument("--aggregator-key", default=None,
                    help="the aggregator's Ed25519 public key (hex, from enrolment): only messages it signed are "
                         "accepted, and secure aggregation rounds need it (default: unverified, development)")
@@ -140,6 +143,9 @@ def run_device(args) -> int:
     agent = DeviceAgent(args.id, broker, handlers, Topics(args.topic_root), signer=signer,
                         protocol_handlers=protocol_handlers,
                         aggregator_key=bytes.fromhex(args.aggregator_key) if args.aggregator_key else None).start()
+    follower = None
+    if args.deployments:
+        follower = follow_deployments(args, broker, extractors, images[holdout_idx], labels[holdout_idx], signer)
     print(f"device {args.id}: {len(train_idx)} training / {len(holdout_idx)} held-out samples, tasks "
           f"{sorted(k for k, h in handlers.items() if not isinstance(h, Unsupported))}"
           f"{sorted(k for k in protocol_handlers if '.' in k)}", flush=True)
@@ -148,7 +154,33 @@ def run_device(args) -> int:
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     agent.stop()
+    if follower is not None:
+        follower.stop()
     return 0
+
+
+def follow_deployments(args, broker, extractors, holdout_images, holdout_labels, signer):
+    """Follow the device's rollout assignment (``edge_client.deployment``): a candidate head is judged on
+    the held-out split's features through the bundle it names (else --bundle-sha's)."""
+    from edge_client.deployment import DeploymentFollower, ModelSlot
+    from protocols.topics import Topics
+
+    features: dict[str, object] = {}
+
+    def holdout(bundle_sha: str):
+        sha = bundle_sha or args.bundle_sha
+        if not sha:
+            raise ValueError("the head names no bundle and this device has no --bundle-sha to read features with")
+        if sha not in features:
+            features[sha] = extractors.get(sha)[0].extract(holdout_images)
+        return features[sha], holdout_labels
+
+    slot = ModelSlot(args.deployments)
+    if slot.current is not None:
+        print(f"device {args.id}: running head {slot.current.sha256[:12]} of deployment {slot.current.deployment}",
+              flush=True)
+    return DeploymentFollower(args.id, broker, slot, holdout, Topics(args.topic_root), signer=signer,
+                              aggregator_key=bytes.fromhex(args.aggregator_key) if args.aggregator_key else None).start()
 
 
 def set_threads(runtime: str, threads: int) -> None:

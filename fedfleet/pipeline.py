@@ -116,7 +116,16 @@ def run_pipeline(cfg: SimConfig, quiet: bool = False, compare_with: dict | None 
         phases["oll"] = {"dir": oll_dir, "results": fleet.run_job(
             "personalize", oll_job, oll_dir, out / "eval_features.npz", cfg.devices)}
         clock.done("oll")
+        deployments = None
+        if cfg.deploy and not tail:
+            from .deploy_phase import run_deploy_scenarios
+
+            say("\n[deploy] the fine-tuned head to the fleet through a canary; then a broken head (classes permuted)")
+            deployments = run_deploy_scenarios(cfg, prep, ft_dir / "model.npz", fleet.broker_url, out / "4-deploy", say)
+            clock.done("deploy")
     report = pipeline_report(cfg, prep, phases, fleet.worker_stats)
+    if deployments is not None:
+        report["deployments"] = deployments
     clock.done("fleet stop and centralized reference")
     report["wall_s"], report["timings_s"] = time.monotonic() - clock.started, dict(clock.steps)
     if compare_with is not None:

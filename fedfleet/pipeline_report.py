@@ -191,6 +191,15 @@ held-out samples with a label outside the local training labels (scored by the g
                   'updates were summed under SecAgg; the aggregator saw only group sums.</p>')
     else:
         banner = '<p class="mode" id="mode">Plain aggregation: the aggregator saw each device\'s contribution.</p>'
+    deployed = ""
+    if report.get("deployments"):
+        from .deploy_phase import DEPLOY_HEADER, deployment_rows
+
+        outcomes = "".join(f"<li>{html.escape(n)}: {html.escape(r['state'])} {html.escape(r['reason'])}</li>"
+                           for n, r in report["deployments"].items())
+        deployed = ("<h2>Rollout to the fleet (canary, widening stages, guard on the devices' held-out counts)</h2>"
+                    + _table("deployments", DEPLOY_HEADER, deployment_rows(report["deployments"]))
+                    + f"<ul id=\"deploy-outcomes\">{outcomes}</ul>")
     compared = ""
     if report.get("compared_with"):
         compared = ("<h2>Plain vs secure aggregation (same fleet and config)</h2>"
@@ -216,6 +225,7 @@ th{{background:#f3f3f3}}td:first-child{{text-align:left}}.mode{{padding:.5em 1em
 (‖W_fed − W_central‖/‖W_central‖ = {fed3r.get('rel_weight_error') or float('nan'):.1e}).</p>
 {compared}
 {personalised}
+{deployed}
 <h2>Accuracy vs rounds, vs bytes, and personalised</h2>
 <img alt="accuracy vs rounds and bytes, personalised WMA" src="data:image/png;base64,{base64.b64encode(png).decode()}">
 </body></html>

@@ -44,7 +44,7 @@ class StatusWatcher:
                 f"acc {acc:.4f}" if acc is not None else
                 f"\r  round {s.get('round', 0):>3} [{'#' * filled}{'.' * (self.width - filled)}] "
                 f"{done}/{self.total} devices  online {s.get('devices_online', 0):>3}")
-        end = "\n" if s.get("state") in ("done", "stopped") else ""
+        end = "\n" if s.get("state") in ("done", "failed", "stopped") else ""
         sys.stdout.write(line + end)
         sys.stdout.flush()
 

@@ -82,6 +82,12 @@ class SimConfig:
     ft_client_lr: float = 0.001             # base local LR; devices get × 0.1 after the Fed3R init (spec §1.8)
     ft_server_momentum: float = 0.0         # > 0: FedAvgM
     fp_epochs: int = 25                     # FP(ψ) local epochs after OLL (0: OLL only)
+    # --deploy (fed3r-ft-oll, FT(ψ)): roll the fine-tuned head out through a canary, then a broken one back
+    deploy: bool = False
+    deploy_canary: str = "20%"
+    deploy_stages: str = "50%,100%"
+    deploy_guard: str = "wma_drop<=1.0"
+    deploy_bake_s: float = 1.0
     fp_lrs: tuple[float, ...] = (1e-4, 1e-3)   # candidates; each device picks one by local cross-validation
     # device hosting (fedfleet.emulation.host): threads that run device steps per worker process;
     # a device's emulated slowdown and upload pacing hold one, so devices answering at once need one each

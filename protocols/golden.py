@@ -15,7 +15,7 @@ import numpy as np
 
 from .envelope import Envelope, encode
 from .payloads.fed3r import encode_factor, encode_stats
-from .payloads.fedavg import encode_head_update, encode_model_update, head_tensors
+from .payloads.fedavg import batch_schedule, encode_head_update, encode_model_update, head_tensors
 from .payloads.personalize import PersonalizationReport, encode_report
 
 _TS = 1767225600.0  # 2026-01-01T00:00:00Z
@@ -43,6 +43,13 @@ def golden_messages() -> dict[str, bytes]:
     factor_body.update({"job": "fed3r-demo", "round": 1, "task": "00" * 16, "kind": "fed3r.stats"})
     out["result_fed3r_factor"] = encode(Envelope("result", "dev0002", body=factor_body, tensors=factor_tensors,
                                                  id="12" * 16, ts=_TS + 5))
+    # the canonical factor with a zero column and a dependent one: Z = [[2, 0, 1, 0.5, 1], [0, 0, 0, 1.5, 1]]
+    # (column 1 zero in both rows, column 2 parallel to column 0, so the pivots are columns 0 and 3)
+    R = np.array([[2.0, 1.0, 0.5, 1.0], [0.0, 0.0, 1.5, 1.0]])
+    factor_body, factor_tensors = encode_factor(R, np.eye(2), np.array([0, 2]), 2, 3, zero_columns=np.array([1]))
+    factor_body.update({"job": "fed3r-demo", "round": 1, "task": "00" * 16, "kind": "fed3r.stats"})
+    out["result_fed3r_factor_zero_columns"] = encode(Envelope("result", "dev0003", body=factor_body,
+                                                              tensors=factor_tensors, id="13" * 16, ts=_TS + 5))
     out["ack_accepted"] = encode(Envelope("ack", "aggregator", {"ref": "11" * 16, "status": "accepted", "reason": ""},
                                           id="22" * 16, ts=_TS + 6))
     out["presence_online"] = encode(Envelope("presence", "dev0001", {"state": "online", "info": {"kinds": ["fed3r.stats"]}},
@@ -165,6 +172,18 @@ def _deterministic_chunks(data: bytes, parent: str, sender: str, size: int) -> l
             for i in range(n)]
 
 
+# What a local-training recipe's seed means (protocols.payloads.fedavg.batch_schedule): the
+# mini-batches of a few recipes, for devices in other languages; seeds past 64 bits included.
+SAMPLE_ORDER_FILE = "sample_order.json"
+
+
+def golden_sample_order() -> list[dict]:
+    cases = [(0, 10, 1, 3), (7, 50, 3, 8), (2**40 + 5, 1000, 2, 64), (123456789012345678901234567890, 37, 2, 50)]
+    return [{"seed": seed, "rows": rows, "epochs": epochs, "batch_size": batch,
+             "batches": [b.tolist() for b in batch_schedule(rows, epochs, batch, seed)]}
+            for seed, rows, epochs, batch in cases]
+
+
 def golden_dir() -> Path:
     return Path(str(resources.files("protocols").joinpath("golden")))
 
@@ -180,6 +199,7 @@ def write(directory: Path | None = None) -> None:
         if name in SIGNED:
             index[name]["public_key"] = golden_public_key().hex()
     (directory / "index.json").write_text(json.dumps(index, indent=1, sort_keys=True))
+    (directory / SAMPLE_ORDER_FILE).write_text(json.dumps(golden_sample_order()))
 
 
 if __name__ == "__main__":

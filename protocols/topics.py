@@ -5,6 +5,9 @@
     {root}/v1/broadcast              aggregator -> every device (job announcements)
     {root}/v1/presence/{device}      retained "online"/"offline"; the offline one is the last will
     {root}/v1/status                 retained aggregator status (job, round, progress) for dashboards
+    {root}/v1/deploy/{device}        retained: the model version the device should run (rollout)
+    {root}/v1/deploy/{device}/out    device -> aggregator: head fetches and reports of a rollout
+    {root}/v1/deploy/{device}/in     aggregator -> device: the head it fetched
 
 The version segment lets a v2 fleet share a broker with v1 devices during a migration. Device
 ids are restricted to ``[A-Za-z0-9_.-]`` so they can never inject the MQTT wildcards ``+``/``#``
@@ -46,6 +49,27 @@ class Topics:
 
     def presence(self, device_id: str) -> str:
         return f"{self.base}/presence/{check_device_id(device_id)}"
+
+    def deploy(self, device_id: str) -> str:
+        return f"{self.base}/deploy/{check_device_id(device_id)}"
+
+    def deploy_out(self, device_id: str) -> str:
+        return self.deploy(device_id) + "/out"
+
+    def deploy_in(self, device_id: str) -> str:
+        return self.deploy(device_id) + "/in"
+
+    @property
+    def all_deploy_outs(self) -> str:
+        return f"{self.base}/deploy/+/out"
+
+    def deploy_device_of(self, topic: str) -> str | None:
+        """The device id in a deploy outbox topic, else None."""
+        head, _, rest = topic.partition(f"{self.base}/deploy/")
+        parts = rest.split("/")
+        if head or len(parts) != 2 or parts[1] != "out" or not DEVICE_ID_RE.match(parts[0]):
+            return None
+        return parts[0]
 
     @property
     def broadcast(self) -> str:

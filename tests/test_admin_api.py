@@ -54,7 +54,7 @@ def idle_api(broker, tmp_path):
 
 def sample_path(route: APIRoute) -> str:
     samples = {"device_id": "dev01", "job_id": "ops", "model_id": "1", "round_no": "1", "action": "pause",
-               "asset": "app.js"}
+               "asset": "app.js", "deployment_id": "d1"}
     path = route.path
     for name, value in samples.items():
         path = path.replace("{" + name + "}", value)

@@ -62,9 +62,10 @@ def test_java_device_bytes_equal_the_golden_vectors(java_cp, tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-3000:]
     index = json.loads((GOLDEN / "index.json").read_text())
-    names = ["result_fed3r_stats", "presence_online", "result_signed_edge_cases"] + \
+    names = ["result_fed3r_stats", "presence_online", "result_signed_edge_cases", "result_fed3r_increment",
+             "result_fed3r_factor", "result_fed3r_factor_zero_columns", "result_fedavg_head", "result_fedavg_async"] + \
             [n for n in index if n.startswith("chunk_")]
-    assert len(names) == 7
+    assert len(names) == 12
     for name in names:
         assert (out / f"{name}.bin").read_bytes() == (GOLDEN / index[name]["file"]).read_bytes(), name
     assert f"PUBLIC_KEY {index['result_signed_edge_cases']['public_key']}" in proc.stdout
@@ -357,7 +358,7 @@ def test_java_device_declines_what_it_cannot_do_and_stops_cleanly_on_sigterm(jav
                   "random_features": None, "format": "sparse", "dtype": "float64"}
         cases = [("fed3r.stats", {**params, "random_features": {"seed": 1, "dim": 64, "sigma": 1.0}}, "random features"),
                  ("fed3r.stats", {**params, "num_classes": 2}, "outside the job's 2 classes"),
-                 ("fedavg.head", params, "unsupported task kind")]
+                 ("fedavg.tail", params, "unsupported task kind")]
         for round_, (kind, p, why) in enumerate(cases, start=1):
             task = M.task_message("aggregator", "j", round_, kind, p, 1e10)
             observer.publish(topics.inbox(dev), encode(task, signer=agg.sign), wait=True)

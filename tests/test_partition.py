@@ -376,3 +376,32 @@ def test_sample_profiles_bad_params(kwargs, message):
 
 def test_sample_profiles_unlimited_bandwidth():
     assert all(p.upload_bytes_per_s is None for p in sample_profiles(3, 0, bandwidth_bps=None))
+
+
+# ----------------------------------------------------------------------------- long-tailed (cross-device)
+def test_long_tailed_sizes_have_the_asked_mean_and_a_long_tail():
+    labels = np.repeat(np.arange(10), 6000)
+    parts = make_split("long-tailed", labels, 20_000, seed=3, alpha=0.1)
+    sizes = np.array([len(p) for p in parts])
+    assert sizes.min() >= 1 and sizes.max() <= 50
+    assert 4.0 <= sizes.mean() <= 6.0                       # ~5 on average, as asked
+    assert np.median(sizes) < sizes.mean() and (sizes >= 20).sum() > 100    # skewed: a few hold dozens
+    assert sum(sizes) > len(labels)                         # more device samples than the data: repeats
+    assert all(len(np.unique(p)) == len(p) for p in parts)  # never twice on one device
+
+
+def test_long_tailed_devices_are_label_skewed_and_seeded():
+    labels = np.repeat(np.arange(10), 600)
+    skewed = make_split("long-tailed", labels, 500, seed=1, alpha=0.1, mean_size=20, max_size=50)
+    mixed = make_split("long-tailed", labels, 500, seed=1, alpha=100.0, mean_size=20, max_size=50)
+    classes_per_device = lambda parts: np.mean([len(np.unique(labels[p])) for p in parts])  # noqa: E731
+    assert classes_per_device(skewed) < 4 < 6 < classes_per_device(mixed)
+    again = make_split("long-tailed", labels, 500, seed=1, alpha=0.1, mean_size=20, max_size=50)
+    assert all(np.array_equal(a, b) for a, b in zip(skewed, again))
+
+
+@pytest.mark.parametrize("params", [{"alpha": 0.0}, {"alpha": 0.1, "mean_size": 0.5}, {"alpha": 0.1, "max_size": 2.5},
+                                    {"alpha": 0.1, "mean_size": 60, "max_size": 50}])
+def test_long_tailed_refuses_bad_parameters(params):
+    with pytest.raises(ValueError):
+        make_split("long-tailed", np.arange(100) % 10, 10, seed=0, **params)

@@ -19,7 +19,7 @@ import time
 import pytest
 
 from aggregator.storage.store import Store, StoreError
-from aggregator.storage.schema import CONTRIBUTIONS, SCHEMA
+from aggregator.storage.schema import CONTRIBUTIONS, SCHEMA, SCHEMA_VERSION
 
 from ops_fleet import REPO
 
@@ -215,7 +215,7 @@ def test_a_version_1_store_is_migrated_to_payload_files(tmp_path, caplog):
     assert "migrated from schema version 1" in caplog.text
     assert [(c.seq, c.device, c.payload) for c in store.contributions("j")] == [
         (1, "dev01", payloads["dev01"]), (2, "dev02", b"small")]
-    assert store.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == "2"
+    assert store.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == str(SCHEMA_VERSION)
     assert "payload" not in {r[1] for r in store.db.execute("PRAGMA table_info(contributions)")}
     assert store.add_contribution("j", 1, "dev03", "m9", b"new") == 4         # after the forgotten seq 3
     store.close()
@@ -230,8 +230,8 @@ def test_a_version_1_store_is_migrated_to_payload_files(tmp_path, caplog):
 def test_a_store_of_an_unknown_schema_version_is_refused(tmp_path):
     Store(tmp_path / "state.db").close()
     sqlite3.connect(tmp_path / "state.db", isolation_level=None).execute(
-        "UPDATE meta SET value='3' WHERE key='schema_version'")
-    with pytest.raises(StoreError, match="schema version 3, this aggregator uses 2"):
+        "UPDATE meta SET value='99' WHERE key='schema_version'")
+    with pytest.raises(StoreError, match=f"schema version 99, this aggregator uses {SCHEMA_VERSION}"):
         Store(tmp_path / "state.db")
 
 

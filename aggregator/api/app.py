@@ -27,6 +27,7 @@ from aggregator.storage.store import Store
 from aggregator.api.context import ApiContext
 from aggregator.api.guard import COOKIE, RequestGuard, presented_token, token_matches
 from aggregator.api.metrics import render_metrics
+from aggregator.api.routes_deployments import add_deployment_routes
 from aggregator.api.routes_fleet import add_fleet_routes
 from aggregator.api.routes_jobs import add_job_routes, add_model_routes
 from aggregator.api.schemas import READ, Health
@@ -34,17 +35,18 @@ from aggregator.api.schemas import READ, Health
 DASHBOARD_ASSETS = {"app.js": "text/javascript; charset=utf-8", "style.css": "text/css; charset=utf-8"}
 
 
-def create_app(store: Store, token: str, service=None) -> FastAPI:
+def create_app(store: Store, token: str, service=None, deployments=None) -> FastAPI:
     """``service``: the running AggregatorService (None: read-only API on a store)."""
     if not token or len(token) < 16:
         raise ValueError("the admin token must be at least 16 characters")
     app = FastAPI(title="fedfleet aggregator admin API", version="1", openapi_url=None, docs_url=None,
                   redoc_url=None, dependencies=[Depends(token_check(token))])
-    ctx = ApiContext(store, service)
+    ctx = ApiContext(store, service, deployments)
     add_service_routes(app, ctx, compute_summary())
     add_fleet_routes(app, ctx)
     add_job_routes(app, ctx)
     add_model_routes(app, ctx)
+    add_deployment_routes(app, ctx)
     add_dashboard_routes(app, token)
     app.add_middleware(RequestGuard, token=token)
     return app

@@ -17,6 +17,7 @@ from aggregator.storage.store import Store, StoreError
 class ApiContext:
     store: Store
     service: Any = None              # the running AggregatorService (None: read-only API on a store)
+    deployments: Any = None          # the DeploymentController beside it (None: deployments are read-only)
 
     def live(self) -> dict:
         return self.service.live if self.service is not None else {}
@@ -24,8 +25,20 @@ class ApiContext:
     def mutate(self, fn: Callable[[], Any]) -> Any:
         if self.service is None:
             raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, "no aggregator service in this process")
+        return self.run_on(self.service, fn)
+
+    def deploy_action(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the deployment controller's thread (its only writer)."""
+        if self.deployments is None:
+            raise HTTPException(status.HTTP_409_CONFLICT, "no deployment controller in this process "
+                                                          "(the aggregator runs one with --state)")
+        return self.run_on(self.deployments, fn)
+
+    @staticmethod
+    def run_on(owner: Any, fn: Callable[[], Any]) -> Any:
+        """``owner.call(fn)`` with its errors turned into HTTP statuses."""
         try:
-            return self.service.call(fn, timeout=10.0)
+            return owner.call(fn, timeout=10.0)
         except FutureTimeout:
             raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, "the aggregator is not answering") from None
         except KeyError as exc:

@@ -118,6 +118,12 @@ def serve_with_ops(args, job, broker: BrokerConfig, out_dir: Path, topics: Topic
     service = AggregatorService(job, broker, out_dir, topics, store=store, security=security,
                                 require_signatures=args.require_signatures, keep_serving=args.keep_serving,
                                 identity=identity, **service_kw)
+    deployments = None
+    if store is not None:                    # model rollouts, beside the service (aggregator/deployments/)
+        from aggregator.deployments.controller import DeploymentController
+
+        deployments = DeploymentController(store, broker, topics, signer=identity.sign if identity else None,
+                                           verifier=service.fleet.verify if args.require_signatures else None).start()
     api = None
     if args.api:
         from aggregator.api.app import create_app
@@ -126,7 +132,7 @@ def serve_with_ops(args, job, broker: BrokerConfig, out_dir: Path, topics: Topic
         if not token:
             raise SystemExit(f"--api needs a token: --api-token-file or {TOKEN_ENV}")
         host, _, port = args.api.rpartition(":")
-        api = ApiServer(create_app(store, token, service), host or "127.0.0.1", int(port)).start()
+        api = ApiServer(create_app(store, token, service, deployments), host or "127.0.0.1", int(port)).start()
         print(f"admin API on {api.url} (dashboard: {api.url}/dashboard/)", flush=True)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda *_: service.stop())     # clean stop; the job stays resumable
@@ -135,3 +141,5 @@ def serve_with_ops(args, job, broker: BrokerConfig, out_dir: Path, topics: Topic
     finally:
         if api:
             api.stop()
+        if deployments:
+            deployments.stop()

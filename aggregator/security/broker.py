@@ -84,11 +84,13 @@ def acl_text(topics: Topics, devices: Iterable[str]) -> str:
     t = topics
     lines = [f"user {AGGREGATOR_ID}",
              f"topic read {t.all_outboxes}", f"topic read {t.all_presence}",
-             f"topic write {t.base}/dev/+/in", f"topic write {t.broadcast}", f"topic readwrite {t.status}", ""]
+             f"topic write {t.base}/dev/+/in", f"topic write {t.broadcast}", f"topic readwrite {t.status}",
+             f"topic read {t.all_deploy_outs}", f"topic write {t.base}/deploy/+", f"topic write {t.base}/deploy/+/in", ""]
     for d in sorted(devices):
         check_device_id(d)   # no wildcards or extra levels can reach the ACL
         lines += [f"user {d}", f"topic write {t.outbox(d)}", f"topic write {t.presence(d)}",
-                  f"topic read {t.inbox(d)}", f"topic read {t.broadcast}", ""]
+                  f"topic read {t.inbox(d)}", f"topic read {t.broadcast}",
+                  f"topic read {t.deploy(d)}", f"topic read {t.deploy_in(d)}", f"topic write {t.deploy_out(d)}", ""]
     return "\n".join(lines) + "\n"
 
 

@@ -13,12 +13,15 @@ from pathlib import Path
 from protocols.bundle_manifest import MANIFEST_FILENAME, read_manifest
 from protocols.files import file_sha256
 
+from aggregator.jobs.registry import config_fields
+
 MAX_ARTIFACT_BYTES = 256 * 1024 * 1024
 
 
 class ArtifactShelf:
     def __init__(self, bundles: list[Path] = ()):
         self._files: dict[str, Path] = {}
+        self.bundles: list[str] = []            # manifest sha256s, in the order added
         for b in bundles:
             self.add_bundle(b)
 
@@ -37,6 +40,8 @@ class ArtifactShelf:
             self._files[spec.sha256] = path
         digest = file_sha256(manifest)
         self._files[digest] = manifest
+        if digest not in self.bundles:
+            self.bundles.append(digest)
         return digest
 
     def get(self, sha256: str) -> tuple[str, bytes] | None:
@@ -45,3 +50,24 @@ class ArtifactShelf:
 
     def __contains__(self, sha256: str) -> bool:
         return sha256 in self._files
+
+
+def with_served_bundle(kind: str, config: dict, shelf: ArtifactShelf | None) -> dict:
+    """A job config with the bundle its devices run settled when the job is created, not discovered
+    by devices declining every task: a kind that names a bundle (``bundle_sha256``) gets the one
+    bundle this aggregator serves when its config names none; a config naming a bundle the
+    aggregator does not serve (while it serves some) is refused, as is a silent choice between
+    several served bundles. Returns a new dict; ValueError says what to change."""
+    if shelf is None or not shelf.bundles or "bundle_sha256" not in {f.name for f in config_fields(kind)}:
+        return config
+    named = config.get("bundle_sha256") or ""
+    if not named:
+        if len(shelf.bundles) > 1:
+            raise ValueError(f"this aggregator serves {len(shelf.bundles)} bundles "
+                             f"({', '.join(b[:16] + '…' for b in shelf.bundles)}): name the job's in bundle_sha256")
+        return {**config, "bundle_sha256": shelf.bundles[0]}
+    if named not in shelf.bundles:
+        raise ValueError(f"bundle_sha256 {named[:16]}… is not a bundle this aggregator serves "
+                         f"({', '.join(b[:16] + '…' for b in shelf.bundles)}): pass its directory with --artifacts "
+                         "or leave bundle_sha256 out to use the served one")
+    return config

@@ -27,6 +27,7 @@ from aggregator.storage.round_log import FILE_NAME as ROUND_LOG, SETTING_PREFIX,
 from aggregator.service.active_job import ActiveJob
 from aggregator.service.canonical import reported_job
 from aggregator.service.crash_points import CrashPoints
+from aggregator.service.job_outcome import judged_state
 from aggregator.security.fleet import Fleet
 from aggregator.service.contribution_writer import ContributionWriter
 from aggregator.jobs.base import Job
@@ -312,6 +313,10 @@ class JobRunner:
         if not self.flush_writes():    # a last write failed: the job stays running in the store, which resumes it
             return {}
         state = a.final_state or "stopped"
+        failure = None
+        if state == "done":                     # ran out of work: done only if some device contributed
+            state, failure = judged_state(a, self.store)
+            a.final_state = state
         self.crash("job_finishing")
         final_job = a.job
         if state in FINAL_JOB_STATES and self.canonical:
@@ -324,14 +329,17 @@ class JobRunner:
         else:
             final_eval = {**a.history[-1], **final_job.evaluate(*self._eval_arrays()), "round": a.job.round}
         summary = reporting.job_summary(a, state, final_eval, self.bytes_sent())
+        if failure:
+            summary["error"] = failure
+            log.warning("job %s failed: %s", a.job_id, failure)
         summary["not_contributed"] = {d: self.fleet.why_missing(d, self.offline_grace_s)
                                       for d in sorted(self.fleet.seen - set(a.job.contributed))}
         if self.store is not None:
             row = self.store.job(a.job_id)
             if state in FINAL_JOB_STATES and row["state"] not in FINAL_JOB_STATES:
                 compact = {k: v for k, v in summary.items() if k not in ("history", "rounds")}
-                self.store.finish_job(a.job_id, state, compact, a.stats.to_dict(), final_job.model_arrays(),
-                                      final_eval, a.job.round)
+                model = final_job.model_arrays() if state != "failed" else None    # nothing was learnt
+                self.store.finish_job(a.job_id, state, compact, a.stats.to_dict(), model, final_eval, a.job.round)
             # an interrupted job (timeout, SIGTERM) stays "running"/"paused" in the store: the next
             # start of the service resumes it, exactly as after a crash
         summary["finished_at"] = time.time()        # its final state is durable (the files below are copies)

@@ -7,13 +7,14 @@ from __future__ import annotations
 from aggregator.service import job_control
 
 from aggregator.service import unlearning
+from aggregator.service.artifacts import with_served_bundle
 from aggregator.security.enrollment import DeviceCredentials
 from aggregator.storage.store import StoreError
 
 
 class OperatorActions:
     """Mixed into :class:`aggregator.service.loop.AggregatorService`, whose state (``fleet``, ``store``,
-    ``active``, ``eval_set``) and hooks (``_device_lost``, ``_job_broken``, ``_update_live``) it uses."""
+    ``active``, ``eval_set``, ``artifacts``) and hooks (``_device_lost``, ``_job_broken``, ``_update_live``) it uses."""
 
     def enroll(self, device_id: str, public_key: bytes | None = None) -> DeviceCredentials:
         return self.fleet.enroll(device_id, public_key)
@@ -48,7 +49,8 @@ class OperatorActions:
         return report
 
     def create_job(self, kind: str, config: dict) -> dict:
-        return job_control.create_job(self.store, kind, config)
+        """Store a new job; its bundle is the one this service serves unless the config names one."""
+        return job_control.create_job(self.store, kind, with_served_bundle(kind, config, self.artifacts))
 
     def control_job(self, job_id: str, action: str) -> dict:
         """start / pause / resume / cancel."""

@@ -1,10 +1,14 @@
 """The aggregator store's tables (SQLite, one file, WAL; contribution payloads in files beside it),
 with what each row means.
-:mod:`aggregator.storage.store` is the only module that reads or writes them."""
+:mod:`aggregator.storage.store` is the only module that reads or writes them, but for the
+deployment tables: :mod:`aggregator.storage.deployments`."""
 
-SCHEMA_VERSION = 2         # 2: contribution payloads in files (aggregator/storage/blob_files.py), not in the table
-JOB_STATES = ("created", "queued", "running", "paused", "cancelled", "done", "stopped")
-FINAL_JOB_STATES = ("cancelled", "done")
+# 2: contribution payloads in files (aggregator/storage/blob_files.py), not in the table
+# 3: the deployment tables (a version 2 store gains them, empty: MIGRATE_FROM_V2 is nothing more)
+SCHEMA_VERSION = 3
+# failed: the job ran out of work with no contribution at all (aggregator/service/job_outcome.py)
+JOB_STATES = ("created", "queued", "running", "paused", "cancelled", "done", "failed", "stopped")
+FINAL_JOB_STATES = ("cancelled", "done", "failed")
 
 # the payload of row ``seq`` is the file ``<db path>.blobs/<seq>.msg``, of ``payload_bytes`` bytes
 CONTRIBUTIONS = """CREATE TABLE IF NOT EXISTS {name} (
@@ -119,6 +123,22 @@ CREATE TABLE IF NOT EXISTS clusters (
     job_id     TEXT,
     model_id   INTEGER,
     created_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS deployments (
+    deployment_id TEXT PRIMARY KEY,
+    model_id      INTEGER NOT NULL,
+    state         TEXT NOT NULL,
+    spec          TEXT NOT NULL,    -- aggregator.deployments.machine.Deployment.to_dict(): rule, stage, history
+    created_at    REAL NOT NULL,
+    updated_at    REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS deployment_devices (
+    deployment_id TEXT NOT NULL,
+    device        TEXT NOT NULL,
+    sent          TEXT NOT NULL CHECK (sent IN ('run', 'rollback')),   -- the last assignment published
+    sent_at       REAL NOT NULL,
+    report        TEXT,             -- its last report on the candidate (JSON), if any
+    PRIMARY KEY (deployment_id, device)
 );
 CREATE TABLE IF NOT EXISTS settings (
     key   TEXT PRIMARY KEY,

@@ -130,6 +130,8 @@ class Store:
                 db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
             elif migrated := row[0] == "1":
                 self._migrate_from_v1(db)
+            elif row[0] == "2":             # the deployment tables, created above, are all version 3 adds
+                db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
             elif int(row[0]) != SCHEMA_VERSION:
                 raise StoreError(f"{self.path} has schema version {row[0]}, this aggregator uses {SCHEMA_VERSION}")
             # under the write lock: no writer (of any process) is between a payload file and its commit
@@ -281,7 +283,7 @@ class Store:
         with self._tx() as db:
             cur = db.execute("UPDATE jobs SET state=?, updated_at=?, "
                              "started_at=CASE WHEN ?='running' AND started_at IS NULL THEN ? ELSE started_at END, "
-                             "finished_at=CASE WHEN ? IN ('cancelled','done','stopped') THEN ? ELSE finished_at END, "
+                             "finished_at=CASE WHEN ? IN ('cancelled','done','failed','stopped') THEN ? ELSE finished_at END, "
                              "summary=COALESCE(?, summary) WHERE job_id=?",
                              (state, now, state, now, state, now, json.dumps(summary) if summary else None, job_id))
             if cur.rowcount == 0:

@@ -36,6 +36,7 @@ class Fed3R:
         self.n_samples = 0
         self.n_contributions = 0
         self._iu = None
+        self._row_starts = None                         # packed-triangle offset of each row (factor uploads)
         self._solved: ClosedFormRidge | None = None    # the solution of the current sums (a job solves them
                                                         # for evaluation, the round's model and the checkpoint)
 
@@ -45,16 +46,28 @@ class Fed3R:
             raise ValueError(f"statistics have p={stats.p}, strategy expects {self.p}")
         ids = torch.as_tensor(stats.class_ids, device=self.device)
         if stats.r_factor is not None:            # the exact factor form: A_k = RᵀR, b_k = (Rᵀ QtY)ᵀ
-            R = torch.as_tensor(stats.r_factor, dtype=torch.float64, device=self.device)
-            iu = self._triu_index()
-            self._add_packed((R.T @ R)[iu[0], iu[1]])
-            self.B[:, ids] += R.T @ torch.as_tensor(stats.qty, dtype=torch.float64, device=self.device)
+            self._add_factor(stats, ids)
         else:
             self._add_packed(_read_only(stats.a_upper, self.device))
             self.B[:, ids] += _read_only(stats.b, self.device).T
         self.n_samples += stats.n
         self.n_contributions += 1
         self._solved = None
+
+    def _add_factor(self, stats: Fed3RStats, ids: torch.Tensor) -> None:
+        """A_k[K, K] = RᵀR and b_k[:, K] = (Rᵀ QtY)ᵀ over the factor's columns K, added where they
+        sit in the packed triangle (entry (i, j), i ≤ j, at row_start[i] + j - i): the zero
+        columns cost nothing, about half the time of expanding R to all p columns at d = 1280."""
+        R = torch.as_tensor(stats.r_factor, dtype=torch.float64, device=self.device)
+        kept = torch.as_tensor(stats.factor_columns, device=self.device)
+        upper = torch.triu_indices(len(kept), len(kept), device=self.device)
+        rows, cols = kept[upper[0]], kept[upper[1]]
+        if self._row_starts is None:
+            i = torch.arange(self.p, device=self.device)
+            self._row_starts = i * self.p - i * (i - 1) // 2
+        self._packed[self._row_starts[rows] + cols - rows] += (R.T @ R)[upper[0], upper[1]]
+        self.B[kept.unsqueeze(1), ids.unsqueeze(0)] += R.T @ torch.as_tensor(stats.qty, dtype=torch.float64,
+                                                                            device=self.device)
 
     def add_dense(self, a_upper: np.ndarray, b_dense: np.ndarray, n: int) -> None:
         """Accumulate a dense (C×p) b, e.g. a group sum from secure aggregation."""

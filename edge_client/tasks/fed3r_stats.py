@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from protocols.payloads.fed3r import dense_values, encode_factor, encode_stats, factor_values
+from protocols.envelope import EnvelopeError
+from protocols.payloads.fed3r import check_canonical_factor, dense_values, encode_factor, encode_stats, factor_values
 from protocols.random_features import RandomFourierFeatures
 
 from ..agent import TaskDeclined
@@ -81,8 +82,13 @@ def encode_smallest(acc: Fed3RAccumulator, num_classes: int, dense: bool, dtype:
     """The exact factor form when the device kept its rows and it is smaller, else the triangle."""
     A, ids, b = acc.sparse()
     factor = acc.factor()
-    if factor is not None:
-        R, qty, ids = factor
-        if factor_values(len(R), acc.p, len(ids)) < dense_values(acc.p, len(ids)):
-            return encode_factor(R, qty, ids, acc.n, num_classes, dtype=dtype)
+    if factor is not None and factor_values(len(factor.r_factor), acc.p, len(ids), len(factor.zero_columns)) \
+            < dense_values(acc.p, len(ids)):
+        body, tensors = encode_factor(factor.r_factor, factor.qty, ids, acc.n, num_classes, dtype=dtype,
+                                      zero_columns=factor.zero_columns)
+        try:                 # rounding to the wire dtype may (in theory) flush a tiny entry to zero
+            check_canonical_factor(tensors["R"])
+            return body, tensors
+        except EnvelopeError:
+            pass
     return encode_stats(A, ids, b, acc.n, num_classes, dense=dense, dtype=dtype)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from protocols.payloads.fedavg import batch_schedule as protocol_batch_schedule
+
 
 def head_sgd_step(weight: np.ndarray, bias: np.ndarray, features: np.ndarray, labels: np.ndarray,
                   row_share: np.ndarray, lr, temperature: np.float32, weight_decay: np.float32) -> np.ndarray:
@@ -67,13 +69,9 @@ class NumpyHeadStepper:
 
 def batch_schedule(rows: int, recipe) -> list[np.ndarray]:
     """The mini-batches (row positions) of ``recipe.epochs`` seeded-shuffled epochs over ``rows``
-    rows: ``head_training.local_sgd``'s order, step by step."""
-    rng = np.random.default_rng(recipe.seed)
-    batches = []
-    for _ in range(recipe.epochs):
-        order = rng.permutation(rows)
-        batches += [order[start:start + recipe.batch_size] for start in range(0, rows, recipe.batch_size)]
-    return batches
+    rows: ``head_training.local_sgd``'s order, step by step (the protocol's definition,
+    ``protocols.payloads.fedavg.batch_schedule``, so other languages' devices take the same)."""
+    return protocol_batch_schedule(rows, recipe.epochs, recipe.batch_size, recipe.seed)
 
 
 def train_heads_together(weight: np.ndarray, bias: np.ndarray, features: np.ndarray, labels: np.ndarray,

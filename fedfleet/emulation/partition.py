@@ -2,7 +2,8 @@
 
 Every splitter takes a seed, builds its own ``numpy.random.Generator`` from it, and
 returns one sorted int64 index array per device. The same arguments always give the
-same split; no index appears on two devices.
+same split; no index appears on two devices, except in ``split_long_tailed``, which draws
+more device samples than the dataset holds (a cross-device fleet of 100,000 phones).
 
 Empty-device policy: no splitter ever returns an empty device. When the data cannot
 give every device at least one sample (``split_iid``), ``min_size`` samples
@@ -18,6 +19,10 @@ Kinds of heterogeneity:
   class on few devices; large alpha tends to IID. All samples are assigned.
 - ``split_k_classes``: pathological label skew, each device holds exactly k classes
   (k = 1 is the "alpha = 0" setting of the Fed3R paper when K equals the class count).
+- ``split_long_tailed``: cross-device fleets: each device draws a long-tailed number of
+  samples (a rounded log-normal clipped to [1, max_size], ``mean_size`` on average) with its
+  own class mix ``Dir_C(alpha)``, from the whole dataset with replacement across devices (never
+  twice on one device), so any number of devices can share one dataset.
 """
 
 from __future__ import annotations
@@ -188,12 +193,46 @@ def split_k_classes(labels, n_devices: int, k: int, seed: int) -> list[np.ndarra
     return _as_device_arrays(np.concatenate(chunks) for chunks in parts)
 
 
-_SPLIT_PARAMS = {"iid": set(), "dirichlet": {"alpha", "min_size"}, "classes": {"k"}}
-_REQUIRED_PARAMS = {"iid": set(), "dirichlet": {"alpha"}, "classes": {"k"}}
+def long_tailed_sizes(n_devices: int, mean_size: float, max_size: int, rng) -> np.ndarray:
+    """Per-device sample counts: round(LogNormal(μ, 1)) clipped to [1, max_size], μ set so the
+    unclipped mean is ``mean_size`` (most devices hold a handful, a few hold dozens)."""
+    mu = math.log(mean_size) - 0.5
+    return np.clip(np.rint(rng.lognormal(mu, 1.0, n_devices)), 1, max_size).astype(np.int64)
+
+
+def split_long_tailed(labels, n_devices: int, alpha: float, seed: int, mean_size: float = 5.0,
+                      max_size: int = 50) -> list[np.ndarray]:
+    """Each device: a long-tailed count of samples, its classes drawn from its own ``Dir_C(alpha)``
+    and, within a class, samples drawn without replacement on the device (with replacement
+    across devices). A device whose mix names a class it cannot fill takes what the class has."""
+    labels = _check_labels(labels)
+    n_devices = _check_n_devices(n_devices)
+    if not (isinstance(alpha, (int, float)) and math.isfinite(alpha) and alpha > 0):
+        raise ValueError(f"alpha must be a finite number > 0, got {alpha!r}")
+    if not (1 <= mean_size <= max_size) or int(max_size) != max_size:
+        raise ValueError(f"need 1 <= mean_size <= max_size (an int), got {mean_size!r}, {max_size!r}")
+    rng = np.random.default_rng(seed)
+    classes = np.unique(labels)
+    pools = [np.flatnonzero(labels == c) for c in classes]
+    sizes = long_tailed_sizes(n_devices, float(mean_size), int(max_size), rng)
+    mixes = rng.dirichlet(np.full(len(classes), float(alpha)), size=n_devices)
+    parts = []
+    for size, mix in zip(sizes, mixes):
+        per_class = np.bincount(rng.choice(len(classes), size=int(size), p=mix), minlength=len(classes))
+        chosen = [rng.choice(pools[c], size=min(k, len(pools[c])), replace=False)
+                  for c, k in enumerate(per_class) if k]
+        parts.append(np.concatenate(chosen))
+    return _as_device_arrays(parts)
+
+
+_SPLIT_PARAMS = {"iid": set(), "dirichlet": {"alpha", "min_size"}, "classes": {"k"},
+                 "long-tailed": {"alpha", "mean_size", "max_size"}}
+_REQUIRED_PARAMS = {"iid": set(), "dirichlet": {"alpha"}, "classes": {"k"}, "long-tailed": {"alpha"}}
 
 
 def make_split(kind: str, labels, n_devices: int, seed: int, **params) -> list[np.ndarray]:
-    """Dispatch by name: ``"iid"``, ``"dirichlet"`` (alpha, min_size=1) or ``"classes"`` (k)."""
+    """Dispatch by name: ``"iid"``, ``"dirichlet"`` (alpha, min_size=1), ``"classes"`` (k) or
+    ``"long-tailed"`` (alpha, mean_size=5, max_size=50)."""
     if kind not in _SPLIT_PARAMS:
         raise ValueError(f"unknown split kind {kind!r}; use one of {sorted(_SPLIT_PARAMS)}")
     unknown = set(params) - _SPLIT_PARAMS[kind]
@@ -208,6 +247,8 @@ def make_split(kind: str, labels, n_devices: int, seed: int, **params) -> list[n
         return split_iid(len(labels), n_devices, seed)
     if kind == "dirichlet":
         return split_dirichlet(labels, n_devices, seed=seed, **params)
+    if kind == "long-tailed":
+        return split_long_tailed(labels, n_devices, seed=seed, **params)
     return split_k_classes(labels, n_devices, seed=seed, **params)
 
 

@@ -16,15 +16,22 @@ Sending the upper triangle halves the upload; the sparse b saves (C - m)·p valu
 Exact factor form (body ``"a_format": "factor"``, sparse b only): a device with few samples sends
 instead of ``A_upper`` and ``b``
 
-* ``R``    (r, p)  upper-trapezoidal factor of Z (QR, diagonal made non-negative), r = n_k < p:
-                   RᵀR = A_k exactly; zeros below the diagonal, non-negative diagonal
-* ``QtY``  (r, m)  Qᵀ Y restricted to the present classes: b_k = (R ᵀ QtY)ᵀ exactly
+* ``zero_columns`` int64 (z,)  optional: the columns of Z that are zero in every local row (the
+                   zero rows and columns of A_k), strictly increasing, within [0, p); absent when
+                   there are none (never empty). K = the other q = p - z columns, in order.
+* ``R``    (r, q)  the canonical factor of A_k[K, K]: RᵀR = A_k[K, K], R in row echelon form
+                   (each row's first non-zero entry, its pivot, lies strictly right of the row
+                   above's), every pivot positive, no zero row and no zero column; r = rank A_k ≤ n
+* ``QtY``  (r, m)  Qᵀ Y restricted to the present classes (Z[:, K] = Q R): b_k[:, K] = (Rᵀ QtY)ᵀ
+                   exactly, b_k zero in the zero columns
 
-When R's leading r×r block is non-singular, R is determined by A_k alone (that block is the
-Cholesky factor of A_k's leading block) and QtY by (R, b_k), so the factor reveals nothing the
-dense statistics do not; a device whose factor is not unique sends the dense triangle. The
-factor costs r·p + r·m values against p(p+1)/2 + m·p: at d = 1280 and r ≤ 64 about 1/10 of the
-paper's fp32 statistics. Absent ``a_format`` means ``"packed"`` (the triangle above).
+R is a function of A_k alone: its pivots are the columns at which the rank of A_k[K, K]'s leading
+blocks grows, its pivot columns form the Cholesky factor of A_k's pivot block and the rest follow
+(``docs/algorithms.md``); QtY is then determined by (R, b_k). So the factor reveals nothing the
+dense statistics do not, exists for every device, and any R that passes ``check_canonical_factor``
+is the only factor of its own RᵀR the check accepts. It costs r·q + r·m + z values against
+p(p+1)/2 + m·p: at d = 1280 and r ≤ 64 about 1/10 of the paper's fp32 statistics. Absent
+``a_format`` means ``"packed"`` (the triangle above).
 
 Before anything is stored, the statistics must be what they claim (``parse_stats``): exactly the
 declared tensors, finite, A symmetric positive semi-definite within the float32 wire precision
@@ -96,18 +103,27 @@ class Fed3RStats:
     a_upper: np.ndarray | None   # (p(p+1)/2,), or None for the factor form
     class_ids: np.ndarray        # (m,) int64
     b: np.ndarray | None         # (m, p), or None for the factor form
-    r_factor: np.ndarray | None = None    # (r, p): A = RᵀR
-    qty: np.ndarray | None = None         # (r, m): b = (Rᵀ QtY)ᵀ
+    r_factor: np.ndarray | None = None    # (r, q): A[K, K] = RᵀR, K = factor_columns
+    qty: np.ndarray | None = None         # (r, m): b[:, K] = (Rᵀ QtY)ᵀ
+    factor_columns: np.ndarray | None = None   # (q,) int64 K: the columns R covers; A and b are zero elsewhere
 
     @property
     def values(self) -> int:
         """How many numbers the device sent (the upload's size, whatever the dtype)."""
-        parts = (self.a_upper, self.b) if self.r_factor is None else (self.r_factor, self.qty)
-        return sum(int(x.size) for x in parts)
+        if self.r_factor is None:
+            return int(self.a_upper.size + self.b.size)
+        return int(self.r_factor.size + self.qty.size + self.p - len(self.factor_columns))
+
+    def full_factor(self) -> np.ndarray:
+        """The factor as an (r, p) matrix, zeros in the zero columns: A = RᵀR, b = (Rᵀ QtY)ᵀ."""
+        full = np.zeros((len(self.r_factor), self.p))
+        full[:, self.factor_columns] = self.r_factor
+        return full
 
 
-def factor_values(r: int, p: int, m: int) -> int:
-    return r * p + r * m
+def factor_values(r: int, p: int, m: int, zero_columns: int = 0) -> int:
+    """Numbers in a factor upload: R (r × (p - z)), QtY (r × m) and the z zero-column indices."""
+    return r * (p - zero_columns) + r * m + zero_columns
 
 
 def dense_values(p: int, m: int) -> int:
@@ -115,14 +131,19 @@ def dense_values(p: int, m: int) -> int:
 
 
 def encode_factor(r_factor: np.ndarray, qty: np.ndarray, class_ids: np.ndarray, n: int, num_classes: int,
-                  dtype: str = "float64") -> tuple[dict, dict[str, np.ndarray]]:
-    """The factor form of a device's statistics (see the module docstring)."""
+                  dtype: str = "float64", zero_columns: np.ndarray | None = None) -> tuple[dict, dict[str, np.ndarray]]:
+    """The factor form of a device's statistics (see the module docstring): ``r_factor`` covers the
+    columns not in ``zero_columns`` (sent only when there are some)."""
     if dtype not in STATS_DTYPES:
         raise ValueError(f"stats dtype must be one of {STATS_DTYPES}")
-    body = {"n": int(n), "p": int(r_factor.shape[1]), "num_classes": int(num_classes), "format": "sparse",
-            "a_format": "factor"}
-    return body, {"R": np.asarray(r_factor).astype(dtype), "QtY": np.asarray(qty).astype(dtype),
-                  "class_ids": np.asarray(class_ids, dtype=np.int64)}
+    zero = np.asarray(zero_columns if zero_columns is not None else [], dtype=np.int64)
+    body = {"n": int(n), "p": int(r_factor.shape[1] + len(zero)), "num_classes": int(num_classes),
+            "format": "sparse", "a_format": "factor"}
+    tensors = {"R": np.asarray(r_factor).astype(dtype), "QtY": np.asarray(qty).astype(dtype),
+               "class_ids": np.asarray(class_ids, dtype=np.int64)}
+    if len(zero):
+        tensors["zero_columns"] = zero
+    return body, tensors
 
 
 def encode_stats(a_full: np.ndarray, class_ids: np.ndarray, b_rows: np.ndarray, n: int, num_classes: int,
@@ -230,21 +251,52 @@ def _parse_packed(msg: Envelope, fmt: str, n: int, p: int, num_classes: int,
 def _parse_factor(msg: Envelope, n: int, p: int, num_classes: int) -> Fed3RStats:
     if body_field(msg, "format", str) != "sparse":
         raise EnvelopeError(f"{KIND}: the factor form carries a sparse b (format 'sparse')")
-    _exact_tensors(msg, {"R", "QtY", "class_ids"})
+    names = {"R", "QtY", "class_ids"}
+    _exact_tensors(msg, (names | {"zero_columns"}) if "zero_columns" in msg.tensors else names)
+    kept = _kept_columns(msg, p)
     dtype = _stats_dtype(msg, "R")
-    r_factor = require_tensor(msg, "R", dtype, (None, p))
-    r = len(r_factor)
-    if not 1 <= r <= min(n, p):
-        raise EnvelopeError(f"{KIND}: factor R has {r} rows; expected 1..min(n={n}, p={p})")
+    r_factor = require_tensor(msg, "R", dtype, (None, len(kept)))
+    if not 1 <= len(r_factor) <= n:
+        raise EnvelopeError(f"{KIND}: factor R has {len(r_factor)} rows; expected 1..n={n}")
     ids = _class_ids(msg, num_classes)
-    qty = require_tensor(msg, "QtY", dtype, (r, len(ids)))
+    qty = require_tensor(msg, "QtY", dtype, (len(r_factor), len(ids)))
     require_finite(msg, "R", "QtY")
-    if np.tril(r_factor, -1).any():
-        raise EnvelopeError(f"{KIND}: factor R is not upper-trapezoidal (non-zero entries below its diagonal)")
-    if (np.diagonal(r_factor) < 0).any():
-        raise EnvelopeError(f"{KIND}: factor R has a negative diagonal entry")
-    return Fed3RStats(n=n, p=p, a_upper=None, class_ids=ids, b=None,
-                      r_factor=np.array(r_factor, dtype=np.float64), qty=np.array(qty, dtype=np.float64))
+    check_canonical_factor(r_factor)
+    return Fed3RStats(n=n, p=p, a_upper=None, class_ids=ids, b=None, r_factor=np.array(r_factor, dtype=np.float64),
+                      qty=np.array(qty, dtype=np.float64), factor_columns=kept)
+
+
+def _kept_columns(msg: Envelope, p: int) -> np.ndarray:
+    """The columns the factor covers: all p but the ``zero_columns`` (when sent: non-empty,
+    strictly increasing, within [0, p))."""
+    if "zero_columns" not in msg.tensors:
+        return np.arange(p, dtype=np.int64)
+    zero = require_tensor(msg, "zero_columns", "int64", (None,))
+    if len(zero) == 0 or len(zero) >= p or zero[0] < 0 or zero[-1] >= p or (np.diff(zero) <= 0).any():
+        raise EnvelopeError(f"{KIND}: zero_columns must be non-empty (else absent), strictly increasing, "
+                            f"within [0, {p}) and leave a column")
+    keep = np.ones(p, dtype=bool)
+    keep[zero] = False
+    return np.flatnonzero(keep).astype(np.int64)
+
+
+def check_canonical_factor(r_factor: np.ndarray) -> None:
+    """Refuse a factor that is not the canonical one of its RᵀR (``docs/algorithms.md``): R must be
+    in row echelon form with exact zeros before each row's pivot (its first non-zero entry), the
+    pivots strictly increasing and positive, no zero row and no zero column (a zero column belongs
+    in ``zero_columns``). Any other factor of the same A is an orthogonal transform of this one
+    and fails these conditions, so an accepted factor carries nothing beyond A (and b)."""
+    nonzero = r_factor != 0
+    if not nonzero.any(axis=1).all():
+        raise EnvelopeError(f"{KIND}: factor R has a zero row (its rows must be independent)")
+    if not nonzero.any(axis=0).all():
+        raise EnvelopeError(f"{KIND}: factor R has a zero column that is not listed in zero_columns")
+    pivots = nonzero.argmax(axis=1)
+    if (np.diff(pivots) <= 0).any():
+        raise EnvelopeError(f"{KIND}: factor R is not in row echelon form (each row's first non-zero entry "
+                            f"must lie right of the row above's)")
+    if (r_factor[np.arange(len(r_factor)), pivots] <= 0).any():
+        raise EnvelopeError(f"{KIND}: factor R has a negative pivot (each row's first non-zero entry must be positive)")
 
 
 def check_gram(a_upper: np.ndarray, p: int, eps: float, positive_definite: PositiveDefinite = numpy_positive_definite) -> None:
@@ -282,8 +334,9 @@ def _check_counts(stats: Fed3RStats, n: int) -> None:
     """With a bias column of ones, A's last diagonal entry is n and b's bias column holds the
     per-class counts, which sum to n (checked on the rounded wire values)."""
     if stats.r_factor is not None:
-        last = float(stats.r_factor[:, -1] @ stats.r_factor[:, -1])
-        counts = stats.r_factor[:, -1] @ stats.qty
+        bias = stats.full_factor()[:, -1]          # zero if the bias column was listed among the zero columns
+        last = float(bias @ bias)
+        counts = bias @ stats.qty
     else:
         last, counts = float(stats.a_upper[-1]), stats.b[:, -1]
     tol = 1e-4 * n + 1e-6

@@ -65,6 +65,20 @@ class ModelUpdate:
         return dict(self.trained)
 
 
+def batch_schedule(rows: int, epochs: int, batch_size: int, seed: int) -> list[np.ndarray]:
+    """What a local-training recipe's ``seed`` means: the row positions of each SGD step, for
+    ``epochs`` epochs over ``rows`` samples, each epoch one ``np.random.default_rng(seed)``
+    permutation (one generator for all epochs) cut into batches of ``batch_size`` (the last one
+    may be smaller). Devices in every language take the same mini-batches (golden vector
+    ``sample_order.json``: numpy's SeedSequence + PCG64 + Fisher-Yates, reproducible anywhere)."""
+    rng = np.random.default_rng(seed)
+    batches = []
+    for _ in range(epochs):
+        order = rng.permutation(rows)
+        batches += [order[start:start + batch_size] for start in range(0, rows, batch_size)]
+    return batches
+
+
 def head_tensors(weight: np.ndarray, bias: np.ndarray) -> dict[str, np.ndarray]:
     """The two head tensors in wire form (float32, C order), after a shape check."""
     weight = np.ascontiguousarray(weight, dtype=np.float32)

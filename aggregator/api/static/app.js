@@ -75,11 +75,22 @@ function drawCurve(evals) {
 
 function showJobs(jobs, shown) {
   fillTable("jobs-table", jobs.map((j) => [j.job_id, j.kind, j.state, j.rounds, j.contributions,
-    ago(j.started_at), ago(j.finished_at)]), (tr, i) => {
+    ago(j.started_at), ago(j.finished_at), (j.summary && j.summary.error) || ""]), (tr, i) => {
     tr.dataset.job = jobs[i].job_id;
     if (jobs[i].job_id === shown) tr.className = "selected";
     tr.addEventListener("click", () => { chosenJob = jobs[i].job_id; refresh(); });
   });
+}
+
+function showDeployments(deployments) {
+  deployments.sort((a, b) => b.created_at - a.created_at);
+  fillTable("deployments-table", deployments.map((d) => {
+    const last = [...d.history].reverse().find((h) => h.metrics && h.metrics.wma_candidate != null);
+    const acc = last ? `${last.metrics.wma_candidate.toFixed(2)}% / ${last.metrics.wma_current.toFixed(2)}%` : "-";
+    const cls = d.state === "rolled_back" ? "bad" : d.state === "complete" ? "good" : "";
+    return [d.deployment_id, d.model_id, { text: d.state, cls }, `${d.stage}/${d.stages.length}`, d.cohort, d.guard,
+      d.counts.sent_run, d.counts.reported, d.counts.refused, acc, d.reason || ""];
+  }));
 }
 
 function showDevices(devices, online) {
@@ -121,13 +132,14 @@ async function showJob(job, live) {
 
 async function refresh() {
   try {
-    const [status, jobs, devices, clusters] = await Promise.all([api("/api/status"), api("/api/jobs"),
-      api("/api/devices"), api("/api/clusters")]);
+    const [status, jobs, devices, clusters, deployments] = await Promise.all([api("/api/status"), api("/api/jobs"),
+      api("/api/devices"), api("/api/clusters"), api("/api/deployments")]);
     jobs.sort((a, b) => b.created_at - a.created_at);
     const live = status.job;
     const shownId = chosenJob || (live ? live.job_id : jobs.length ? jobs[0].job_id : null);
     showJobs(jobs, shownId);
     showDevices(devices, status.devices_online ? status.devices_online.length : devices.filter((d) => d.online).length);
+    showDeployments(deployments);
     fillTable("clusters-table", clusters.map((c) => [c.cluster_id, c.label, c.job_id, c.model_id, c.devices]));
     const job = jobs.find((j) => j.job_id === shownId);
     if (job) await showJob(job, live);

@@ -1,26 +1,39 @@
 // Fed3R client statistics (edge_client/fed3r.py): A = ZᵀZ (kept as its packed upper triangle,
 // row-major, the wire's A_upper order) and per-class feature sums b_c = Σ_{y=c} z, accumulated in
 // double precision whatever the feature precision; with fitIntercept a constant-1 column is
-// appended to Z, so A's last diagonal entry is n and b's last column holds the class counts.
+// appended to Z, so A's last diagonal entry is n and b's last column holds the class counts. With a
+// featureClipNorm > 0 (differential privacy) each feature row is first scaled to a norm of at most
+// featureClipNorm, which bounds what one sample adds to A and b.
 package org.fedfleet.device;
+
+import java.util.ArrayList;
+import java.util.List;
 
 public final class Fed3RAccumulator {
     public final int numClasses, featureDim, p;
     public final boolean fitIntercept;
+    public final double featureClipNorm;
     private final double[] aUpper;   // p(p+1)/2
     private final double[][] b;      // numClasses x p
     private final long[] counts;
     private final double[] z;        // one augmented row, reused
+    private List<double[]> rows;     // the augmented rows, for the exact factor form, while fewer than p
+    private final List<Integer> rowLabels = new ArrayList<>();
 
     /** Most statistics values a device holds (A's triangle + b): 2^27 doubles, 1 GiB, as SecAgg's longest vector. */
     public static final long MAX_VALUES = 1L << 27;
 
-    public Fed3RAccumulator(int numClasses, int featureDim, boolean fitIntercept) {
+    public Fed3RAccumulator(int numClasses, int featureDim, boolean fitIntercept) { this(numClasses, featureDim, fitIntercept, 0.0); }
+
+    public Fed3RAccumulator(int numClasses, int featureDim, boolean fitIntercept, double featureClipNorm) {
+        if (!(featureClipNorm >= 0) || Double.isInfinite(featureClipNorm))
+            throw new IllegalArgumentException("feature_clip_norm must be a finite number >= 0, got " + featureClipNorm);
         if (numClasses < 1 || featureDim < 1) throw new IllegalArgumentException("need at least one class and one feature");
         long p0 = featureDim + (fitIntercept ? 1L : 0L);
         if (p0 * (p0 + 1) / 2 + numClasses * p0 > MAX_VALUES)
             throw new IllegalArgumentException(numClasses + " classes x " + p0 + " features need more than " + MAX_VALUES + " statistics values");
         this.numClasses = numClasses; this.featureDim = featureDim; this.fitIntercept = fitIntercept;
+        this.featureClipNorm = featureClipNorm;
         this.p = featureDim + (fitIntercept ? 1 : 0);
         this.aUpper = new double[p * (p + 1) / 2];
         this.b = new double[numClasses][p];
@@ -36,6 +49,12 @@ public final class Fed3RAccumulator {
             if (!Float.isFinite(features[i])) throw new IllegalArgumentException("features contain NaN or Inf");
             z[i] = features[i];
         }
+        if (featureClipNorm > 0) {
+            double sq = 0;
+            for (int i = 0; i < featureDim; i++) sq += z[i] * z[i];
+            double scale = Math.min(1.0, featureClipNorm / Math.max(Math.sqrt(sq), 1e-300));
+            for (int i = 0; i < featureDim; i++) z[i] *= scale;
+        }
         if (fitIntercept) z[p - 1] = 1.0;
         int k = 0;
         for (int i = 0; i < p; i++) {
@@ -45,6 +64,25 @@ public final class Fed3RAccumulator {
         double[] row = b[label];
         for (int j = 0; j < p; j++) row[j] += z[j];
         counts[label]++;
+        if (rows != null) {
+            rows.add(z.clone());
+            rowLabels.add(label);
+            if (rows.size() >= p) { rows = null; rowLabels.clear(); }
+        }
+    }
+
+    /** Keep the rows (from now on) for the exact factor form; they are dropped once there are p. */
+    public void keepRows() { rows = new ArrayList<>(); }
+
+    /** The canonical factor form over the kept rows and the present classes, or null when the rows
+     *  were not kept (not asked for, or n ≥ p). */
+    public CanonicalFactor factor() {
+        if (rows == null || rows.isEmpty()) return null;
+        long[] classes = presentClasses();
+        double[][] onehot = new double[rows.size()][classes.length];
+        for (int i = 0; i < rows.size(); i++)
+            for (int c = 0; c < classes.length; c++) onehot[i][c] = classes[c] == rowLabels.get(i) ? 1.0 : 0.0;
+        return CanonicalFactor.of(rows.toArray(new double[0][]), onehot);
     }
 
     public long n() {

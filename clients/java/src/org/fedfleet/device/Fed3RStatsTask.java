@@ -1,7 +1,9 @@
 // Task kind "fed3r.stats" (docs/protocol.md): the local samples through the feature extractor,
 // their Fed3R statistics, and the result body {n, p, num_classes, format} with tensors A_upper,
-// class_ids (sparse only) and b. The exact factor form is optional for a device and not sent here;
-// random-feature tasks (Fed3R-RF) are declined.
+// class_ids (sparse only) and b; when the task allows the exact factor form ("factor": true, sparse)
+// and the device has fewer samples than features, the canonical factor (R, QtY, class_ids and
+// zero_columns) instead when it is smaller. Random-feature tasks (Fed3R-RF) are declined. A
+// streaming task's from_sample is echoed.
 package org.fedfleet.device;
 
 import java.math.BigInteger;
@@ -14,39 +16,53 @@ import org.fedfleet.wire.Tensors;
 
 public final class Fed3RStatsTask implements TaskHandler {
     public static final String KIND = "fed3r.stats";
-    private static final int BATCH = 64;
     private final LocalData data;
     private final FeatureExtractor extractor;
 
     public Fed3RStatsTask(LocalData data, FeatureExtractor extractor) { this.data = data; this.extractor = extractor; }
 
-    /** The task's statistics without encoding them (what the secure variant masks). */
-    public Fed3RAccumulator accumulate(Map<String, Object> params) throws TaskDeclined {
+    /** The task's statistics without encoding them (what the secure variant masks): over the
+     *  samples after the first from_sample (streaming: the aggregator holds those already), the
+     *  first max_samples of them when the task caps samples (DP), rows clipped to
+     *  feature_clip_norm when it is > 0. */
+    public Fed3RAccumulator accumulate(Map<String, Object> params) throws TaskDeclined { return accumulate(params, false); }
+
+    private Fed3RAccumulator accumulate(Map<String, Object> params, boolean keepRows) throws TaskDeclined {
         if (data.size() == 0) throw new TaskDeclined("no local training data");
-        int numClasses = (int) intParam(params, "num_classes", 1, 1 << 20);
+        int numClasses = (int) Params.integer(params, "num_classes", 1, 1 << 20);
         Object fit = params.getOrDefault("fit_intercept", Boolean.TRUE);
         if (!(fit instanceof Boolean)) throw new TaskDeclined("bad fed3r.stats params: fit_intercept must be a boolean");
         Object rf = params.get("random_features");
         if (rf != null && rf != org.fedfleet.wire.Json.NULL)
             throw new TaskDeclined("random features (Fed3R-RF) are not supported by this device");
+        int start = (int) Params.integer(params, "from_sample", 0, 0, Integer.MAX_VALUE);
+        if (start > data.size()) throw new TaskDeclined("the aggregator holds " + start + " samples of this device, it has " + data.size());
+        if (start == data.size()) throw new TaskDeclined("no new samples");
+        double clipNorm = Params.number(params, "feature_clip_norm", 0.0, true);
+        int end = data.size();
+        Object cap = params.getOrDefault("cap_samples", Boolean.FALSE);
+        if (!(cap instanceof Boolean)) throw new TaskDeclined("bad fed3r.stats params: cap_samples must be a boolean");
+        if ((Boolean) cap)     // DP caps the samples per device: the first max_samples, a choice blind to the data
+            end = (int) Math.min(end, start + Params.integer(params, "max_samples", 1, Integer.MAX_VALUE));
+        for (int i = start; i < data.size(); i++)
+            if (data.label(i) < 0 || data.label(i) >= numClasses)
+                throw new TaskDeclined("local label " + data.label(i) + " outside the job's " + numClasses + " classes");
         extractor.checkModel(params);
         Fed3RAccumulator acc;
         try {
-            acc = new Fed3RAccumulator(numClasses, extractor.featureDim(), (Boolean) fit);
+            acc = new Fed3RAccumulator(numClasses, extractor.featureDim(), (Boolean) fit, clipNorm);
+            if (keepRows) acc.keepRows();
         } catch (IllegalArgumentException e) {
             throw new TaskDeclined(e.getMessage());
         }
-        for (int start = 0; start < data.size(); start += BATCH) {
-            int end = Math.min(start + BATCH, data.size());
-            float[][] inputs = new float[end - start][];
-            for (int i = start; i < end; i++) inputs[i - start] = data.input(i);
+        for (int first = start; first < end; first += LocalFeatures.BATCH) {
+            int last = Math.min(first + LocalFeatures.BATCH, end);
+            float[][] inputs = new float[last - first][];
+            for (int i = first; i < last; i++) inputs[i - first] = data.input(i);
             float[][] feats = extractor.extract(inputs);
-            for (int i = start; i < end; i++) {
-                int label = data.label(i);
-                if (label < 0 || label >= numClasses)
-                    throw new TaskDeclined("local label " + label + " outside the job's " + numClasses + " classes");
+            for (int i = first; i < last; i++) {
                 try {
-                    acc.add(feats[i - start], label);
+                    acc.add(feats[i - first], data.label(i));
                 } catch (IllegalArgumentException e) {
                     throw new TaskDeclined(e.getMessage());
                 }
@@ -60,7 +76,49 @@ public final class Fed3RStatsTask implements TaskHandler {
         Object format = params.getOrDefault("format", "sparse"), dtype = params.getOrDefault("dtype", "float64");
         if (!"sparse".equals(format) && !"dense".equals(format)) throw new TaskDeclined("bad fed3r.stats params: format " + format);
         if (!"float64".equals(dtype) && !"float32".equals(dtype)) throw new TaskDeclined("bad fed3r.stats params: dtype " + dtype);
-        return encode(accumulate(params), "dense".equals(format), (String) dtype);
+        Object factor = params.getOrDefault("factor", Boolean.FALSE);
+        if (!(factor instanceof Boolean)) throw new TaskDeclined("bad fed3r.stats params: factor must be a boolean");
+        boolean factorOk = (Boolean) factor && "sparse".equals(format);
+        Fed3RAccumulator acc = accumulate(params, factorOk);
+        CanonicalFactor f = factorOk ? acc.factor() : null;
+        long[] classes = acc.presentClasses();
+        Result r = f != null && factorValues(f, classes.length) < (long) acc.p * (acc.p + 1) / 2 + (long) classes.length * acc.p
+                && f.canonicalAs((String) dtype)
+                ? encodeFactor(acc, f, (String) dtype) : encode(acc, "dense".equals(format), (String) dtype);
+        if (params.containsKey("from_sample")) r.body.put("from_sample", params.get("from_sample"));
+        return r;
+    }
+
+    private static long factorValues(CanonicalFactor f, int classes) {
+        long rank = f.r.length;
+        return rank * f.columns + rank * classes + f.zeroColumns.length;
+    }
+
+    /** Body and tensors of the factor form (protocols/payloads/fed3r.py encode_factor). */
+    public static Result encodeFactor(Fed3RAccumulator acc, CanonicalFactor f, String dtype) {
+        Map<String, Object> body = new LinkedHashMap<>();
+        body.put("n", BigInteger.valueOf(acc.n()));
+        body.put("p", BigInteger.valueOf(acc.p));
+        body.put("num_classes", BigInteger.valueOf(acc.numClasses));
+        body.put("format", "sparse");
+        body.put("a_format", "factor");
+        long[] classes = acc.presentClasses();
+        List<Envelope.Tensor> out = new ArrayList<>();
+        out.add(Tensors.floats("R", dtype, new long[] {f.r.length, f.columns}, flat(f.r)));
+        out.add(Tensors.floats("QtY", dtype, new long[] {f.qty.length, classes.length}, flat(f.qty)));
+        out.add(Tensors.int64("class_ids", new long[] {classes.length}, classes));
+        if (f.zeroColumns.length > 0) out.add(Tensors.int64("zero_columns", new long[] {f.zeroColumns.length}, f.zeroColumns));
+        return new Result(body, out);
+    }
+
+    /** Row-major, with -0.0 (what a pivot's sign flip leaves of a zero) sent as 0.0: the same
+     *  number, and the bytes of the golden vectors. */
+    private static double[] flat(double[][] m) {
+        int cols = m.length == 0 ? 0 : m[0].length;
+        double[] out = new double[m.length * cols];
+        for (int i = 0; i < m.length; i++)
+            for (int k = 0; k < cols; k++) out[i * cols + k] = m[i][k] + 0.0;
+        return out;
     }
 
     /** Body and tensors of the packed form (protocols/payloads/fed3r.py encode_stats). */
@@ -83,13 +141,5 @@ public final class Fed3RStatsTask implements TaskHandler {
         }
         out.add(Tensors.floats("b", dtype, new long[] {classes.length, p}, acc.bRows(classes)));
         return new Result(body, out);
-    }
-
-    static long intParam(Map<String, Object> params, String key, long min, long max) throws TaskDeclined {
-        Object v = params.get(key);
-        if (!(v instanceof BigInteger) || ((BigInteger) v).compareTo(BigInteger.valueOf(min)) < 0
-                || ((BigInteger) v).compareTo(BigInteger.valueOf(max)) > 0)
-            throw new TaskDeclined("bad task params: " + key + " must be an integer in [" + min + ", " + max + "], got " + v);
-        return ((BigInteger) v).longValue();
     }
 }

@@ -1,10 +1,11 @@
 // Runs one or more Java devices in one process (a Linux board, a gateway, the test suite): each
-// answers fed3r.stats over its precomputed features (and fed3r.secure, Fed3R-Sync, when it has
-// an identity and the aggregator's key).
+// answers fed3r.stats and fedavg.head over its precomputed features (and fed3r.secure, Fed3R-Sync,
+// and fedavg.secure when it has an identity and the aggregator's key; oll.personalize when it is
+// given a held-out split with --holdout).
 //
 //   java -cp fedfleet-device.jar:<Debian jars> org.fedfleet.device.HeadlessDevices \
 //        --broker mqtt://127.0.0.1:1883 [--root fedfleet] [--aggregator-key HEX] [--retry-after S] \
-//        [--tick S] [--chunk-size BYTES] \
+//        [--tick S] [--chunk-size BYTES] [--holdout ID HELD_OUT_FEATURES_FILE ...] \
 //        [--stop-on-stdin-eof] --device ID FEATURES_FILE [SEED_HEX|-] [--device ...]
 //
 // Runs until SIGTERM/SIGINT (a systemd service), or with --stop-on-stdin-eof until standard input
@@ -25,6 +26,7 @@ public final class HeadlessDevices {
         boolean stdinStops = false;
         MqttAgent.Options base = new MqttAgent.Options();
         List<String[]> devices = new ArrayList<>();
+        Map<String, String> holdout = new LinkedHashMap<>();
         for (int k = 0; k < args.length; k++) {
             switch (args[k]) {
                 case "--broker": broker = new URI(args[++k]); break;
@@ -34,6 +36,7 @@ public final class HeadlessDevices {
                 case "--tick": base.tickS = Double.parseDouble(args[++k]); break;
                 case "--chunk-size": base.chunkSize = Integer.parseInt(args[++k]); break;
                 case "--device": devices.add(new String[] {args[++k], args[++k], args[++k]}); break;
+                case "--holdout": holdout.put(args[++k], args[++k]); break;
                 case "--stop-on-stdin-eof": stdinStops = true; break;
                 default: throw new IllegalArgumentException("unknown argument " + args[k]);
             }
@@ -44,11 +47,16 @@ public final class HeadlessDevices {
             FeatureFile data = FeatureFile.read(d[1]);
             Map<String, TaskHandler> handlers = new LinkedHashMap<>();
             handlers.put(Fed3RStatsTask.KIND, new Fed3RStatsTask(data, new PrecomputedFeatures(data.dim)));
+            handlers.put(FedAvgHeadTask.KIND, new FedAvgHeadTask(data, new PrecomputedFeatures(data.dim)));
+            if (holdout.containsKey(d[0]))
+                handlers.put(PersonalizeTask.KIND, new PersonalizeTask(data, FeatureFile.read(holdout.get(d[0])), new PrecomputedFeatures(data.dim)));
             MqttAgent.Options o = copy(base);
             if (!d[2].equals("-")) {
                 o.signer = Identity.fromSeed(d[0], Envelope.unhex(d[2]));
-                if (o.aggregatorKey != null)      // enrolled and trusting the aggregator: Fed3R-Sync too
+                if (o.aggregatorKey != null) {    // enrolled and trusting the aggregator: Fed3R-Sync and secure FedAvg too
                     o.secure.put(SecureFed3RTask.KIND, new SecureFed3RTask((Fed3RStatsTask) handlers.get(Fed3RStatsTask.KIND)));
+                    o.secure.put(SecureFedAvgTask.KIND, new SecureFedAvgTask((FedAvgHeadTask) handlers.get(FedAvgHeadTask.KIND)));
+                }
             }
             o.info.put("sdk", "java");
             agents.add(new MqttAgent(d[0], broker, handlers, o).start());

@@ -1,0 +1,107 @@
+"""Admin routes about deployments (issue 29): roll a model version out through a canary cohort,
+promote it, roll it back, and see every stage, device and report (``fedfleet admin model deploy``,
+``fedfleet admin deployment ...``). Reads come from the store; changes run on the deployment
+controller's thread."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Literal
+
+from fastapi import FastAPI, HTTPException, Path, status
+from pydantic import BaseModel, Field
+
+from aggregator.api.context import ApiContext
+from aggregator.api.schemas import MAX_ID, ONE, READ, WRITE
+from aggregator.deployments.controller import deployment_view
+from aggregator.storage.deployments import DeploymentStore
+
+DEPLOYMENT_ID = r"^[A-Za-z0-9_.-]{1,64}$"
+DeploymentId = Path(pattern=DEPLOYMENT_ID)
+
+
+class DeploymentCreate(BaseModel):
+    deployment_id: str = Field(default="", pattern=r"^([A-Za-z0-9_.-]{1,64})?$",
+                               description="default: m<model id>-<unix time>")
+    cohort: str = Field(default="5%", max_length=4096,
+                        description="the canary: a seeded fraction (5%), tags:a,b (device profile tags) "
+                                    "or devices:id1,id2")
+    stages: str = Field(default="100%", max_length=200, description="widening fractions after the canary, "
+                                                                     "ending at 100% (e.g. 25%,100%)")
+    guard: str = Field(default="wma_drop<=1.0", max_length=500,
+                       description="METRIC OP NUMBER[,...] over reports, METRIC one of reports, refused, "
+                                   "wma_candidate, wma_current, wma_drop (percentage points)")
+    bake_s: float = Field(default=600.0, ge=0, le=30 * 86400, description="seconds each stage runs before it is judged")
+    min_reports: int = Field(default=1, ge=0, le=10 ** 6, description="fewer reports than this fail the stage")
+    patience_s: float = Field(default=600.0, ge=0, le=30 * 86400,
+                              description="after the bake time, how long to wait for min_reports")
+    seed: int = Field(default=0, ge=0, le=2 ** 31, description="the seed of the fraction cohorts")
+
+
+class Rollback(BaseModel):
+    reason: str = Field(default="rolled back by the operator", max_length=500)
+
+
+class DeploymentOut(BaseModel):
+    deployment_id: str
+    model_id: int
+    state: Literal["draft", "canary", "widening", "complete", "rolled_back"]
+    created_at: float
+    updated_at: float
+    model_sha256: str
+    replaces: int | None
+    cohort: str
+    stages: list[float]
+    guard: str
+    bake_s: float
+    min_reports: int
+    patience_s: float
+    stage: int
+    reason: str
+    history: list[dict[str, Any]] = Field(description="every state change: time, from, to, stage, why, metrics")
+    counts: dict[str, int] = Field(description="devices sent the candidate, sent a rollback, that reported, "
+                                               "that refused it; fleet: known devices")
+    devices: dict[str, dict[str, Any]] = Field(description="per device: what it was sent, when, and its report "
+                                                           "(held-out counts only, or why it refused)")
+
+
+def add_deployment_routes(app: FastAPI, ctx: ApiContext) -> None:
+    get, post = (partial(method, tags=["deployments"]) for method in (app.get, app.post))
+    table = DeploymentStore(ctx.store)
+
+    def view(deployment_id: str) -> dict:
+        try:
+            return deployment_view(table, deployment_id)
+        except KeyError:
+            raise HTTPException(status.HTTP_404_NOT_FOUND, f"no deployment {deployment_id!r}") from None
+
+    @get("/api/deployments", response_model=list[DeploymentOut], responses=READ)
+    def deployments() -> list[dict]:
+        return [view(r["deployment_id"]) for r in table.list()]
+
+    @get("/api/deployments/{deployment_id}", response_model=DeploymentOut, responses=ONE)
+    def deployment(deployment_id: str = DeploymentId) -> dict:
+        return view(deployment_id)
+
+    @post("/api/models/{model_id}/deploy", response_model=DeploymentOut, status_code=201, responses=WRITE,
+          description="roll the model version out: canary cohort, guard on the devices' held-out counts, "
+                      "bake time, widening stages (``fedfleet admin model deploy ID``)")
+    def deploy(req: DeploymentCreate, model_id: int = Path(ge=1, le=MAX_ID)) -> dict:
+        if ctx.store.model(model_id) is None:
+            raise HTTPException(status.HTTP_404_NOT_FOUND, f"no model {model_id}")
+        c = ctx.deployments
+        return ctx.deploy_action(lambda: c.deploy(model_id, **req.model_dump()))
+
+    @post("/api/deployments/{deployment_id}/promote", response_model=DeploymentOut, responses=WRITE,
+          description="widen to the next stage now (the last: complete), without waiting for the bake time")
+    def promote(deployment_id: str = DeploymentId) -> dict:
+        view(deployment_id)
+        c = ctx.deployments
+        return ctx.deploy_action(lambda: c.promote(deployment_id))
+
+    @post("/api/deployments/{deployment_id}/rollback", response_model=DeploymentOut, responses=WRITE,
+          description="every device the deployment reached goes back to the version it kept")
+    def rollback(req: Rollback | None = None, deployment_id: str = DeploymentId) -> dict:
+        view(deployment_id)
+        c, reason = ctx.deployments, (req or Rollback()).reason
+        return ctx.deploy_action(lambda: c.rollback(deployment_id, reason))

@@ -1,0 +1,325 @@
+"""The deployment controller: the I/O around :class:`~aggregator.deployments.machine.Deployment`.
+
+It runs beside the aggregator service on its own thread and MQTT connection (deployment traffic
+has its own topics, ``protocols/payloads/deployment.py``), with one active deployment at a time:
+
+* each tick it publishes a signed, retained ``run`` assignment to every device of the current
+  stage that was not sent one yet (known, not revoked devices; offline ones get it on reconnect),
+  and feeds the machine the reports of that stage's devices;
+* it answers head fetches (``artifact.get`` on a device's deploy outbox) with the head's bytes;
+* it stores each report, each assignment sent and each state change (``DeploymentStore``) before
+  acting on it, so a restarted aggregator resumes the same deployment and re-sends nothing;
+* on a rollback it publishes a retained ``rollback`` to every device it had sent ``run``.
+
+Operator actions (deploy, promote, rollback) run on its thread through :meth:`call`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import queue
+import re
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from protocols.chunking import MessageAssembler
+from protocols.envelope import EnvelopeError
+from protocols.mqtt_link import BrokerConfig, MqttLink
+from protocols.payloads import deployment as D
+from protocols.payloads.artifacts import GET as ARTIFACT_GET, artifact_message, parse_get
+from protocols.topics import AGGREGATOR_ID, Topics
+
+from aggregator.deployments.cohort import CohortRule, parse_percent
+from aggregator.deployments.guard import DeviceReport, Guard
+from aggregator.deployments.machine import ACTIVE, Assign, Deployment, RollBack, RolledBack, Start, Tick, Promote
+from aggregator.storage.deployments import DeploymentStore
+from aggregator.storage.store import Store, StoreError
+
+log = logging.getLogger("fedfleet.aggregator.deployments")
+_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+@dataclass
+class Served:
+    """A deployment the controller serves: its machine, its head file, and per device what it was
+    sent and reported (``{sent, sent_at, report}``, as stored)."""
+    dep: Deployment
+    head: bytes
+    sent: dict[str, dict]
+
+    def has_run(self, device: str) -> bool:
+        return (self.sent.get(device) or {}).get("sent") == D.RUN
+
+
+class DeploymentController:
+    def __init__(self, store: Store, broker: BrokerConfig, topics: Topics = Topics(),
+                 signer: Callable[[bytes], bytes] | None = None, verifier=None, tick_s: float = 0.5,
+                 client_id: str = AGGREGATOR_ID + ".deployments"):
+        self.store, self.table, self.topics, self.signer = store, DeploymentStore(store), topics, signer
+        self.tick_s = tick_s
+        self.assembler = MessageAssembler(verifier=verifier, max_message_bytes=1024 * 1024)
+        self._q: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._next_tick = 0.0
+        self.active: Served | None = None        # in canary or widening
+        self.settled: Served | None = None       # the last completed: the version of every device not in a canary
+        self.link = MqttLink(client_id, broker, on_message=lambda t, p: self._q.put(("mqtt", t, p)),
+                             subscriptions=[(topics.all_deploy_outs, 1)])
+        self._resume()
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> "DeploymentController":
+        self.link.start()
+        self._thread = threading.Thread(target=self._run, name="deployments", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+        self.link.stop()
+
+    def call(self, fn: Callable[[], Any], timeout: float = 10.0) -> Any:
+        """Run ``fn`` on the controller's thread and return its result or raise its error."""
+        fut: Future = Future()
+        self._q.put(("call", fn, fut))
+        return fut.result(timeout)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                item = self._q.get(timeout=self.tick_s)
+            except queue.Empty:
+                item = None
+            try:
+                if item is not None and item[0] == "mqtt":
+                    self._on_payload(item[1], item[2])
+                elif item is not None:
+                    fut = item[2]
+                    if fut.set_running_or_notify_cancel():
+                        try:
+                            fut.set_result(item[1]())
+                        except Exception as exc:        # the caller's error (the API makes it a 4xx)
+                            fut.set_exception(exc)
+                if time.monotonic() >= self._next_tick:      # not once per message: a fleet's reports come in bursts
+                    self._next_tick = time.monotonic() + self.tick_s
+                    self._tick(time.time())
+            except Exception:           # one bad message or a failed write never stops the rollout thread
+                log.exception("deployment controller: an event raised")
+
+    def _resume(self) -> None:
+        """At start: the active and the settled deployment, their heads, and who was sent what
+        (a restart re-sends nothing)."""
+        active = [r for r in self.table.list() if r["state"] in ACTIVE]
+        self.active = self._load(active[-1]["deployment_id"]) if active else None
+        self.settled = self._latest_complete()
+        if self.active is not None:
+            log.warning("deployment %s resumed in state %s, stage %d", self.active.dep.deployment_id,
+                        self.active.dep.state, self.active.dep.stage)
+
+    def _latest_complete(self) -> Served | None:
+        complete = [r for r in self.table.list() if r["state"] == "complete"]
+        return self._load(complete[-1]["deployment_id"]) if complete else None
+
+    def _load(self, deployment_id: str) -> Served:
+        dep = Deployment.from_dict(self.table.get(deployment_id)["spec"])
+        head = self._head_bytes(dep.model_id)
+        if hashlib.sha256(head).hexdigest() != dep.model_sha256:
+            raise StoreError(f"model {dep.model_id}'s head no longer hashes to deployment {dep.deployment_id}'s")
+        return Served(dep, head, self.table.devices(deployment_id))
+
+    def _head_bytes(self, model_id: int) -> bytes:
+        raw = self.store.model_bytes(model_id)
+        if raw is None:
+            raise KeyError(f"no model {model_id}")
+        with np.load(io.BytesIO(raw), allow_pickle=False) as z:
+            return D.head_npz(*D.head_arrays({k: z[k] for k in z.files}))
+
+    # ------------------------------------------------------------------ operator actions
+    def deploy(self, model_id: int, cohort: str = "5%", stages: str = "100%", guard: str = "wma_drop<=1.0",
+               bake_s: float = 600.0, min_reports: int = 1, patience_s: float = 600.0, deployment_id: str = "",
+               seed: int = 0) -> dict:
+        if self.active is not None:
+            raise StoreError(f"deployment {self.active.dep.deployment_id} is {self.active.dep.state}: "
+                             "promote it to the end or roll it back first")
+        head = self._head_bytes(model_id)
+        deployment_id = deployment_id or f"m{model_id}-{int(time.time())}"
+        if not _ID.match(deployment_id):
+            raise ValueError(f"deployment id {deployment_id!r}: use 1-64 of [A-Za-z0-9_.-]")
+        if self.table.get(deployment_id) is not None:
+            raise StoreError(f"deployment {deployment_id!r} already exists")
+        fractions = tuple(parse_percent(s) for s in str(stages).split(",") if s.strip())
+        dep = Deployment(deployment_id, model_id, hashlib.sha256(head).hexdigest(), CohortRule.parse(cohort, seed),
+                         fractions, Guard.parse(guard), float(bake_s), int(min_reports), float(patience_s),
+                         self.settled.dep.model_id if self.settled else None)
+        actions = dep.handle(Start(time.time()))
+        self.table.create(deployment_id, model_id, dep.state, dep.to_dict())
+        self.active = Served(dep, head, {})
+        log.info("deployment %s of model %d started: canary %s", deployment_id, model_id, dep.cohort.text())
+        self._apply(self.active, actions)
+        return self.show(deployment_id)
+
+    def promote(self, deployment_id: str) -> dict:
+        served = self._operated(deployment_id, (self.active,))
+        self._apply(served, served.dep.handle(Promote(time.time())))
+        return self.show(deployment_id)
+
+    def rollback(self, deployment_id: str, reason: str = "rolled back by the operator") -> dict:
+        """Roll back the active deployment, or the settled one (every device it reached)."""
+        served = self._operated(deployment_id, (self.active, self.settled))
+        self._apply(served, served.dep.handle(RollBack(time.time(), reason)))
+        return self.show(deployment_id)
+
+    def _operated(self, deployment_id: str, candidates) -> Served:
+        row = self.table.get(deployment_id)
+        if row is None:
+            raise KeyError(f"no deployment {deployment_id!r}")
+        for served in candidates:
+            if served is not None and served.dep.deployment_id == deployment_id:
+                return served
+        raise StoreError(f"deployment {deployment_id} is {row['state']}: not one this action applies to")
+
+    def show(self, deployment_id: str) -> dict:
+        return deployment_view(self.table, deployment_id, self._fleet())
+
+    # ------------------------------------------------------------------ the rollout
+    def _tick(self, now: float) -> None:
+        fleet = self._fleet()
+        active = self.active
+        if self.settled is not None:        # devices new to the fleet, or back from a rolled-back canary
+            self._send_run(self.settled, sorted(d for d in fleet if not self.settled.has_run(d)
+                                                and (active is None or d not in active.sent)))
+        if active is None:
+            return
+        members = active.dep.cohort.stage(active.dep.stage_fraction, fleet)
+        self._send_run(active, sorted(d for d in members if not active.has_run(d)))
+        reports = {d: report_of(active.sent[d]["report"]) for d in members
+                   if d in active.sent and active.sent[d]["report"] is not None}
+        self._apply(active, active.dep.handle(Tick(now, reports)))
+
+    def _apply(self, served: Served, actions: list) -> None:
+        dep = served.dep
+        if actions:             # a change of state: durable before anything leaves
+            self.table.save(dep.deployment_id, dep.state, dep.to_dict())
+        for act in actions:
+            if isinstance(act, Assign):
+                log.info("deployment %s: stage %d (%s)", dep.deployment_id, act.stage, dep.history[-1]["why"])
+            elif isinstance(act, RolledBack):
+                log.warning("deployment %s rolled back: %s", dep.deployment_id, act.reason)
+                self._send(served, sorted(d for d in served.sent if served.has_run(d)), D.ROLLBACK,
+                           D.rollback_message(AGGREGATOR_ID, dep.deployment_id, act.reason))
+        if dep.state == "complete" and served is self.active:
+            self.active, self.settled = None, served
+        elif dep.state == "rolled_back" and served is self.active:
+            self.active = None
+        elif dep.state == "rolled_back":         # the settled version rolled back: the one before is again
+            self.settled = self._latest_complete()
+        if dep.state not in ACTIVE and actions:
+            log.info("deployment %s is %s", dep.deployment_id, dep.state)
+
+    def _send_run(self, served: Served, devices: list[str]) -> None:
+        dep = served.dep
+        self._send(served, devices, D.RUN, D.run_message(AGGREGATOR_ID, dep.deployment_id, dep.model_sha256,
+                                                         len(served.head), dep.model_id, self._bundle_of(dep.model_id)))
+
+    def _bundle_of(self, model_id: int) -> str:
+        """The exported bundle whose features the model's head reads: its job's (``""``: the devices' own)."""
+        job = self.store.job(self.store.model(model_id)["job_id"])
+        return str((job or {}).get("config", {}).get("bundle_sha256") or "")
+
+    def _send(self, served: Served, devices: list[str], what: str, env) -> None:
+        if not devices:
+            return
+        self.table.mark_sent(served.dep.deployment_id, devices, what)     # a restart re-sends none of these
+        for d in devices:
+            served.sent.setdefault(d, {"report": None})["sent"] = what
+            self.link.publish_envelope(self.topics.deploy(d), env, signer=self.signer, retain=True)
+
+    def _fleet(self) -> dict[str, tuple[str, ...]]:
+        """Known, not revoked devices -> their tags (from the profile they announce)."""
+        out = {}
+        for row in self.store.devices():
+            if row["status"] != "revoked":
+                tags = row["profile"].get("tags", ())
+                out[row["device_id"]] = tuple(tags.split(",") if isinstance(tags, str) else map(str, tags))
+        return out
+
+    # ------------------------------------------------------------------ inbound
+    def _on_payload(self, topic: str, payload: bytes) -> None:
+        device = self.topics.deploy_device_of(topic)
+        try:
+            env = self.assembler.feed(payload) if device is not None else None
+        except EnvelopeError as exc:
+            return log.warning("deployment message on %s refused: %s", topic[:120], exc)
+        if env is None:
+            return
+        if env.sender != device or device not in self._fleet():
+            return log.warning("deployment message from %r on %s refused: not that known device", env.sender, topic)
+        try:
+            if env.type == ARTIFACT_GET:
+                self._on_fetch(device, parse_get(env))
+            elif env.type == D.REPORT:
+                self._on_report(device, D.parse_report(env))
+            else:
+                log.warning("deployment message of type %r from %s ignored", env.type[:40], device)
+        except EnvelopeError as exc:
+            log.warning("deployment message from %s refused: %s", device, exc)
+
+    def _on_fetch(self, device: str, sha: str) -> None:
+        served = next((s for s in (self.active, self.settled)
+                       if s is not None and s.dep.model_sha256 == sha and s.has_run(device)), None)
+        if served is None:
+            return log.warning("head %s… asked by %s: not the head assigned to it", sha[:16], device)
+        self.link.publish_envelope(self.topics.deploy_in(device), artifact_message(
+            AGGREGATOR_ID, sha, f"{served.dep.deployment_id}.npz", served.head), signer=self.signer)
+
+    def _on_report(self, device: str, report: dict) -> None:
+        """Stored when it is about the head sent to that device (the guard reads the active one's)."""
+        dep_id = report["deployment"]
+        served = next((s for s in (self.active, self.settled) if s is not None and s.dep.deployment_id == dep_id), None)
+        if served is not None:
+            sha, sent = served.dep.model_sha256, served.sent.get(device)
+        else:
+            row = self.table.get(dep_id)
+            sha, sent = (row["spec"]["model_sha256"], self.table.devices(dep_id).get(device)) if row else ("", None)
+        if sent is None or sent["sent"] != D.RUN or report["sha256"] != sha:
+            return log.info("report from %s on %s ignored: not about the head sent to it", device, dep_id)
+        if report.get("refused"):
+            log.warning("deployment %s: %s refused the head: %s", dep_id, device, report["refused"])
+        self.table.record_report(dep_id, device, report)
+        sent["report"] = report
+
+
+def report_of(stored: dict) -> DeviceReport:
+    if stored.get("refused"):
+        return DeviceReport(refused=stored["refused"])
+    return DeviceReport(stored["n"], stored["correct_candidate"], stored["correct_current"])
+
+
+def deployment_view(table: DeploymentStore, deployment_id: str, fleet: dict | None = None) -> dict:
+    """A deployment as the API shows it: its rule and history, and per device what it was sent and said."""
+    row = table.get(deployment_id)
+    if row is None:
+        raise KeyError(f"no deployment {deployment_id!r}")
+    devices = table.devices(deployment_id)
+    spec = row["spec"]
+    counts = {"sent_run": sum(d["sent"] == D.RUN for d in devices.values()),
+              "sent_rollback": sum(d["sent"] == D.ROLLBACK for d in devices.values()),
+              "reported": sum(bool(d["report"]) and not d["report"].get("refused") for d in devices.values()),
+              "refused": sum(bool(d["report"]) and bool(d["report"].get("refused")) for d in devices.values())}
+    if fleet is not None:
+        counts["fleet"] = len(fleet)
+    return {**{k: row[k] for k in ("deployment_id", "model_id", "state", "created_at", "updated_at")},
+            "model_sha256": spec["model_sha256"], "replaces": spec["replaces"], "cohort": spec["cohort"],
+            "stages": spec["stages"], "guard": spec["guard"], "bake_s": spec["bake_s"],
+            "min_reports": spec["min_reports"], "patience_s": spec["patience_s"], "stage": spec["stage"], "reason": spec["reason"],
+            "history": spec["history"], "counts": counts, "devices": devices}

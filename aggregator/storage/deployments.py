@@ -1,0 +1,59 @@
+"""The deployment tables (``deployments``, ``deployment_devices`` in ``schema.py``): every state
+change of a rollout and every assignment published, so a restarted aggregator resumes the same
+deployment and re-sends nothing a device already has. Written by the deployment controller alone
+(its own thread; SQLite serialises it with the service's writes)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from aggregator.storage.store import Store, StoreError
+
+
+class DeploymentStore:
+    def __init__(self, store: Store):
+        self.store = store
+
+    def create(self, deployment_id: str, model_id: int, state: str, spec: dict) -> None:
+        now = time.time()
+        with self.store._tx() as db:
+            if db.execute("SELECT 1 FROM deployments WHERE deployment_id=?", (deployment_id,)).fetchone():
+                raise StoreError(f"deployment {deployment_id!r} already exists")
+            db.execute("INSERT INTO deployments VALUES (?, ?, ?, ?, ?, ?)",
+                       (deployment_id, model_id, state, json.dumps(spec), now, now))
+
+    def save(self, deployment_id: str, state: str, spec: dict) -> None:
+        with self.store._tx() as db:
+            db.execute("UPDATE deployments SET state=?, spec=?, updated_at=? WHERE deployment_id=?",
+                       (state, json.dumps(spec), time.time(), deployment_id))
+
+    def get(self, deployment_id: str) -> dict | None:
+        r = self.store.db.execute("SELECT * FROM deployments WHERE deployment_id=?", (deployment_id,)).fetchone()
+        return _row(r) if r else None
+
+    def list(self) -> list[dict]:
+        return [_row(r) for r in self.store.db.execute("SELECT * FROM deployments ORDER BY created_at, deployment_id")]
+
+    def mark_sent(self, deployment_id: str, devices: list[str], sent: str) -> None:
+        with self.store._tx() as db:
+            db.executemany("INSERT INTO deployment_devices VALUES (?, ?, ?, ?, NULL) ON CONFLICT (deployment_id, "
+                           "device) DO UPDATE SET sent=excluded.sent, sent_at=excluded.sent_at",
+                           [(deployment_id, d, sent, time.time()) for d in devices])
+
+    def record_report(self, deployment_id: str, device: str, report: dict) -> None:
+        with self.store._tx() as db:
+            db.execute("UPDATE deployment_devices SET report=? WHERE deployment_id=? AND device=?",
+                       (json.dumps(report), deployment_id, device))
+
+    def devices(self, deployment_id: str) -> dict[str, dict]:
+        """device -> {sent, sent_at, report}."""
+        return {r["device"]: {"sent": r["sent"], "sent_at": r["sent_at"],
+                              "report": json.loads(r["report"]) if r["report"] else None}
+                for r in self.store.db.execute("SELECT * FROM deployment_devices WHERE deployment_id=? "
+                                               "ORDER BY device", (deployment_id,))}
+
+
+def _row(r) -> dict:
+    return {"deployment_id": r["deployment_id"], "model_id": r["model_id"], "state": r["state"],
+            "spec": json.loads(r["spec"]), "created_at": r["created_at"], "updated_at": r["updated_at"]}

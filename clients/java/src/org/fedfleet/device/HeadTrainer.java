@@ -1,0 +1,86 @@
+// Local SGD on a linear softmax head, the Python device's step (edge_client/tasks/numpy_head.py):
+// logits = f W^T + b, mean cross-entropy on logits / T over the mini-batch, then
+// param -= lr * (grad + weight_decay * param) (torch.optim.SGD with weight decay), batches in
+// LocalTraining's seeded order. The head is held in float32 between steps, as on the Python
+// device; each step's gradient is computed in double and rounded once into the float32 update.
+package org.fedfleet.device;
+
+import java.util.List;
+
+public final class HeadTrainer {
+    /** A trained head: weight (C·d, row-major), bias (C), the rows it was trained on, the steps
+     *  taken and the mean mini-batch loss of the last epoch (each taken before its step). */
+    public static final class Trained {
+        public final float[] weight, bias;
+        public final int n, steps;
+        public final double meanLoss;
+        Trained(float[] weight, float[] bias, int n, int steps, double meanLoss) {
+            this.weight = weight; this.bias = bias; this.n = n; this.steps = steps; this.meanLoss = meanLoss;
+        }
+    }
+
+    private final int numClasses, dim;
+    private final float lr, weightDecay, temperature;     // float32, as numpy_head holds them
+
+    public HeadTrainer(int numClasses, int dim, LocalTraining recipe) {
+        this.numClasses = numClasses; this.dim = dim;
+        this.lr = (float) recipe.lr; this.weightDecay = (float) recipe.weightDecay; this.temperature = (float) recipe.temperature;
+    }
+
+    /** recipe.epochs epochs from (weight, bias) over features (n × dim) with labels in [0, C).
+     *  IllegalArgumentException for bad shapes or labels, ArithmeticException when training diverges. */
+    public Trained train(float[] weight, float[] bias, float[][] features, int[] labels, LocalTraining recipe) {
+        if (weight.length != numClasses * dim || bias.length != numClasses)
+            throw new IllegalArgumentException("head must be (" + numClasses + ", " + dim + ") and (" + numClasses + ")");
+        if (features.length == 0 || labels.length != features.length)
+            throw new IllegalArgumentException("need one label per feature row and at least one row");
+        for (int k = 0; k < labels.length; k++) {
+            if (features[k].length != dim) throw new IllegalArgumentException("feature row " + k + " has " + features[k].length + " values, not " + dim);
+            if (labels[k] < 0 || labels[k] >= numClasses)
+                throw new IllegalArgumentException("label " + labels[k] + " outside [0, " + numClasses + ")");
+        }
+        float[] w = weight.clone(), b = bias.clone();
+        List<int[]> batches = recipe.batchSchedule(labels.length);
+        int lastEpoch = batches.size() / recipe.epochs;
+        double lossSum = 0;
+        for (int s = 0; s < batches.size(); s++) {
+            double loss = step(w, b, features, labels, batches.get(s));
+            if (s >= batches.size() - lastEpoch) lossSum += loss;
+        }
+        for (float v : w) if (!Float.isFinite(v)) throw new ArithmeticException("local training diverged (NaN/Inf in the head); lower the learning rate");
+        for (float v : b) if (!Float.isFinite(v)) throw new ArithmeticException("local training diverged (NaN/Inf in the head); lower the learning rate");
+        return new Trained(w, b, labels.length, batches.size(), lossSum / lastEpoch);
+    }
+
+    /** One SGD step on the rows `batch`, in place; returns the batch's mean loss before the step. */
+    double step(float[] w, float[] b, float[][] features, int[] labels, int[] batch) {
+        double[] gradW = new double[w.length], gradB = new double[b.length], scaled = new double[numClasses];
+        double share = 1.0 / batch.length, loss = 0;
+        for (int row : batch) {
+            float[] f = features[row];
+            double max = Double.NEGATIVE_INFINITY;
+            for (int c = 0; c < numClasses; c++) {
+                double z = b[c];
+                for (int j = 0; j < dim; j++) z += (double) f[j] * w[c * dim + j];
+                scaled[c] = z / temperature;
+                max = Math.max(max, scaled[c]);
+            }
+            double norm = 0;
+            for (int c = 0; c < numClasses; c++) norm += Math.exp(scaled[c] - max);
+            double logNorm = max + Math.log(norm);
+            loss -= share * (scaled[labels[row]] - logNorm);
+            for (int c = 0; c < numClasses; c++) {      // d mean-loss / d logits: (softmax - onehot) / (B·T)
+                double g = (Math.exp(scaled[c] - logNorm) - (c == labels[row] ? 1 : 0)) * share / temperature;
+                gradB[c] += g;
+                for (int j = 0; j < dim; j++) gradW[c * dim + j] += g * f[j];
+            }
+        }
+        update(w, gradW);
+        update(b, gradB);
+        return loss;
+    }
+
+    private void update(float[] param, double[] grad) {
+        for (int k = 0; k < param.length; k++) param[k] = (float) (param[k] - lr * (grad[k] + weightDecay * param[k]));
+    }
+}

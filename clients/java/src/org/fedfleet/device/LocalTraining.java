@@ -1,0 +1,50 @@
+// The local SGD recipe of a task's params (edge_client/tasks/head_training.py LocalTraining):
+// epochs, batch_size, lr, weight_decay, temperature, seed, with the Python device's defaults and
+// checks, and its mini-batch schedule: per epoch a seeded numpy permutation of the rows, cut into
+// batches of batch_size (the last one may be smaller).
+package org.fedfleet.device;
+
+import java.math.BigInteger;
+import java.util.ArrayList;
+import java.util.Arrays;
+import java.util.List;
+import java.util.Map;
+
+public final class LocalTraining {
+    public final int epochs, batchSize;
+    public final double lr, weightDecay, temperature;
+    public final BigInteger seed;
+
+    public LocalTraining(int epochs, int batchSize, double lr, double weightDecay, double temperature, BigInteger seed) {
+        this.epochs = epochs; this.batchSize = batchSize; this.lr = lr; this.weightDecay = weightDecay;
+        this.temperature = temperature; this.seed = seed;
+    }
+
+    /** The recipe a task's params name; missing fields take the Fed3R paper's FL defaults ([P] §IV). */
+    public static LocalTraining fromParams(Map<String, Object> params) throws TaskDeclined {
+        return new LocalTraining(
+                (int) Params.integer(params, "epochs", 1, 1, 1 << 20),
+                (int) Params.integer(params, "batch_size", 50, 1, 1 << 30),
+                Params.number(params, "lr", 0.1, false), Params.number(params, "weight_decay", 4e-5, true),
+                Params.number(params, "temperature", 0.1, false), seed(params));
+    }
+
+    /** The row positions of each SGD step, in order: batch_schedule of numpy_head.py. */
+    public List<int[]> batchSchedule(int rows) {
+        NumpyGenerator rng = NumpyGenerator.fromSeed(seed);
+        List<int[]> batches = new ArrayList<>();
+        for (int e = 0; e < epochs; e++) {
+            int[] order = rng.permutation(rows);
+            for (int start = 0; start < rows; start += batchSize)
+                batches.add(Arrays.copyOfRange(order, start, Math.min(rows, start + batchSize)));
+        }
+        return batches;
+    }
+
+    private static BigInteger seed(Map<String, Object> params) throws TaskDeclined {
+        Object v = params.getOrDefault("seed", BigInteger.ZERO);
+        if (!(v instanceof BigInteger) || ((BigInteger) v).signum() < 0)
+            throw new TaskDeclined("bad task params: seed must be an integer >= 0, got " + v);
+        return (BigInteger) v;
+    }
+}

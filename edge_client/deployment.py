@@ -1,0 +1,253 @@
+"""The device side of a model rollout (``protocols/payloads/deployment.py``).
+
+:class:`ModelSlot` holds the head the application predicts with (``slot.predict(features)``) and
+the one it replaced; a swap writes the new head's file, then replaces the small state file in one
+``os.replace``, and only then changes the head in memory: a crash leaves the old or the new
+version, never half of one, and a restart finds it again (each file checked against its sha256).
+
+:class:`DeploymentFollower` listens on the device's retained deploy topic (its own MQTT client
+beside the agent's), so an offline device receives the current assignment when it reconnects.
+For a ``run`` it fetches the head in chunks unless it holds it, checks the sha256 and the head's
+shape, counts on its held-out split how many samples the candidate and its current head get
+right, swaps, and reports the counts; for a ``rollback`` it goes back to the version it kept.
+An assignment that is not signed by the aggregator (when the device holds its key) is refused;
+a head that cannot be fetched, verified or loaded is refused and reported with the reason; in
+both cases the device stays on its version and logs why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from protocols.chunking import MessageAssembler
+from protocols.envelope import EnvelopeError
+from protocols.identity import sender_verifier
+from protocols.mqtt_link import BrokerConfig, MqttLink
+from protocols.payloads import deployment as D
+from protocols.payloads.artifacts import ARTIFACT, get_message, parse_artifact
+from protocols.topics import AGGREGATOR_ID, Topics
+
+log = logging.getLogger("fedfleet.device")
+STATE_FILE = "slot.json"
+
+
+@dataclass(frozen=True)
+class HeadVersion:
+    sha256: str
+    deployment: str
+    W: np.ndarray
+    b: np.ndarray
+    bundle_sha256: str = ""             # the exported bundle whose features it reads ("": the device's own)
+
+    def logits(self, features: np.ndarray) -> np.ndarray:
+        return np.asarray(features, dtype=np.float64) @ self.W.T + self.b
+
+
+class ModelSlot:
+    """The deployed head (current) and the one it replaced (previous), kept in ``state_dir``."""
+
+    def __init__(self, state_dir: Path):
+        self.dir = Path(state_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self.current: HeadVersion | None = None
+        self.previous: HeadVersion | None = None
+        state = self.dir / STATE_FILE
+        if state.exists():
+            saved = json.loads(state.read_text())
+            self.current, self.previous = (self._read(saved.get(k)) for k in ("current", "previous"))
+
+    def predict(self, features: np.ndarray) -> np.ndarray:
+        """Class indices for (n, d) features with the deployed head (ValueError with none deployed)."""
+        head = self.current
+        if head is None:
+            raise ValueError("no model version is deployed on this device yet")
+        return head.logits(features).argmax(1)
+
+    def swap(self, data: bytes, sha256: str, deployment: str, bundle_sha256: str = "") -> HeadVersion:
+        """Make the verified head file ``data`` current, keeping the current one as previous."""
+        W, b = D.head_from_npz(data, sha256)
+        _write_atomic(self.dir / f"{sha256}.npz", data)
+        new = HeadVersion(sha256, deployment, W, b, bundle_sha256)
+        with self._lock:
+            self._commit(new, self.current)
+        return new
+
+    def revert(self, deployment: str) -> bool:
+        """Back to the kept version if the current one came from ``deployment``; whether it did."""
+        with self._lock:
+            if self.current is None or self.current.deployment != deployment:
+                return False
+            self._commit(self.previous, None)
+            return True
+
+    def _commit(self, current: HeadVersion | None, previous: HeadVersion | None) -> None:
+        entry = (lambda h: None if h is None else {"sha256": h.sha256, "deployment": h.deployment,
+                                                   "bundle_sha256": h.bundle_sha256})
+        _write_atomic(self.dir / STATE_FILE, json.dumps({"current": entry(current),
+                                                         "previous": entry(previous)}).encode())
+        self.current, self.previous = current, previous
+        keep = {f"{h.sha256}.npz" for h in (current, previous) if h is not None}
+        for f in self.dir.glob("*.npz"):                    # versions neither kept nor running
+            if f.name not in keep:
+                f.unlink(missing_ok=True)
+
+    def _read(self, entry: dict | None) -> HeadVersion | None:
+        if not entry:
+            return None
+        W, b = D.head_from_npz((self.dir / f"{entry['sha256']}.npz").read_bytes(), entry["sha256"])
+        return HeadVersion(entry["sha256"], entry["deployment"], W, b, entry.get("bundle_sha256", ""))
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class DeploymentFollower:
+    """Follows the device's assignment: fetch, verify, evaluate on ``holdout(bundle_sha256)`` ->
+    (features of the held-out split through that bundle, labels), swap, report. ``aggregator_key``:
+    only assignments the aggregator signed are accepted."""
+
+    def __init__(self, device_id: str, broker: BrokerConfig, slot: ModelSlot,
+                 holdout: Callable[[str], tuple[np.ndarray, np.ndarray]], topics: Topics = Topics(),
+                 aggregator_key: bytes | None = None, signer=None, fetch_timeout_s: float = 60.0,
+                 retry_s: float = 5.0, client_id: str | None = None):
+        self.device_id, self.slot, self.holdout, self.topics, self.signer = device_id, slot, holdout, topics, signer
+        self.fetch_timeout_s, self.retry_s = fetch_timeout_s, retry_s
+        self.assembler = MessageAssembler(
+            verifier=sender_verifier(AGGREGATOR_ID, aggregator_key) if aggregator_key else None)
+        self.refusals: list[str] = []                # why assignments or heads were refused, in order
+        self.reports: list[dict] = []                # what this device reported
+        self._pending: dict | None = None            # the run being fetched: assignment + when asked
+        self._q: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.link = MqttLink(client_id or f"{device_id}.deploy", broker, on_message=lambda t, p: self._q.put((t, p)),
+                             subscriptions=[(topics.deploy(device_id), 1), (topics.deploy_in(device_id), 1)])
+
+    def start(self) -> "DeploymentFollower":
+        self.link.start()
+        self._thread = threading.Thread(target=self._run, name=f"{self.device_id}-deploy", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+        self.link.stop()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                topic, payload = self._q.get(timeout=0.2)
+                self._on_payload(topic, payload)
+            except queue.Empty:
+                pass
+            except Exception:               # one bad message never stops the device
+                log.exception("%s: deployment message raised", self.device_id)
+            self._tick(time.monotonic())
+
+    def _on_payload(self, topic: str, payload: bytes) -> None:
+        if not payload:                     # a retained message cleared: nothing is assigned
+            return
+        try:
+            env = self.assembler.feed(payload)
+            if env is None:
+                return
+            if env.sender != AGGREGATOR_ID:
+                raise EnvelopeError(f"message from {env.sender!r}, expected the aggregator")
+            if topic == self.topics.deploy(self.device_id):
+                return self._on_assignment(D.parse_assignment(env))
+            if env.type == ARTIFACT and self._pending is not None:
+                self._on_head(env)
+        except EnvelopeError as exc:
+            self._refuse(f"assignment refused: {exc}")
+
+    def _on_assignment(self, a: dict) -> None:
+        if a["action"] == D.ROLLBACK:
+            self._pending = None if self._pending and self._pending["deployment"] == a["deployment"] else self._pending
+            if self.slot.revert(a["deployment"]):
+                log.warning("%s: deployment %s rolled back (%s): running the kept version again", self.device_id,
+                            a["deployment"], a.get("reason", ""))
+            return
+        current, previous = self.slot.current, self.slot.previous
+        if current is not None and current.sha256 == a["sha256"]:
+            if current.deployment != a["deployment"]:       # the same head in a new deployment: judged, kept
+                data = (self.slot.dir / f"{current.sha256}.npz").read_bytes()
+                return self._adopt(a, data, swap=False)
+            return                                          # already running it (a retained re-delivery)
+        if previous is not None and previous.sha256 == a["sha256"]:
+            data = (self.slot.dir / f"{previous.sha256}.npz").read_bytes()
+            return self._adopt(a, data)
+        self._pending = {**a, "asked": 0.0, "since": time.monotonic()}
+
+    def _tick(self, now: float) -> None:
+        p = self._pending
+        if p is None:
+            return
+        if now - p["since"] > self.fetch_timeout_s:
+            self._pending = None
+            return self._refuse(f"no head {p['sha256'][:16]}… within {self.fetch_timeout_s:g}s", p)
+        if now - p["asked"] >= self.retry_s:
+            p["asked"] = now
+            self.link.publish_envelope(self.topics.deploy_out(self.device_id), get_message(self.device_id, p["sha256"]),
+                                       signer=self.signer)
+
+    def _on_head(self, env) -> None:
+        p = self._pending
+        if env.body.get("sha256") != p["sha256"]:
+            return
+        self._pending = None
+        try:
+            _, data = parse_artifact(env, p["sha256"])
+        except EnvelopeError as exc:
+            return self._refuse(f"head refused, staying on the current version: {exc}", p)
+        self._adopt(p, data)
+
+    def _adopt(self, a: dict, data: bytes, swap: bool = True) -> None:
+        """Evaluate the candidate and the current head on the held-out split, swap, report the counts."""
+        try:
+            W, b = D.head_from_npz(data, a["sha256"])
+            bundle, current = a.get("bundle_sha256", ""), self.slot.current
+            Z, y = self.holdout(bundle)
+            right = (lambda logits: int((logits.argmax(1) == y).sum()))
+            # the current head is judged on its own bundle's features (the same ones, unless the bundle changed)
+            Z_current = Z if current is None or current.bundle_sha256 == bundle else self.holdout(current.bundle_sha256)[0]
+            counts = {"n": len(y), "correct_candidate": right(Z @ W.T + b),
+                      "correct_current": right(current.logits(Z_current)) if current is not None else 0}
+            if swap:
+                self.slot.swap(data, a["sha256"], a["deployment"], bundle)
+        except Exception as exc:        # the head, or the application's held-out features: refused, said why
+            return self._refuse(f"head cannot be loaded, staying on the current version: "
+                                f"{type(exc).__name__}: {exc}", a)
+        log.info("%s: now running %s of deployment %s (held-out %d/%d, was %d)", self.device_id, a["sha256"][:12],
+                 a["deployment"], counts["correct_candidate"], counts["n"], counts["correct_current"])
+        self._report(D.report_message(self.device_id, a["deployment"], a["sha256"], **counts))
+
+    def _refuse(self, why: str, a: dict | None = None) -> None:
+        log.warning("%s: %s", self.device_id, why)
+        self.refusals.append(why)
+        if a is not None:
+            self._report(D.report_message(self.device_id, a["deployment"], a["sha256"], refused=why))
+
+    def _report(self, env) -> None:
+        self.reports.append(dict(env.body))
+        self.link.publish_envelope(self.topics.deploy_out(self.device_id), env, signer=self.signer)

@@ -1,0 +1,119 @@
+"""``fedfleet simulate --pipeline fed3r-ft-oll --deploy``: after training, the fine-tuned head goes to
+the emulated fleet through a canary, the way an operator would roll it out, and a second scenario
+deploys the same head with its classes permuted (a broken export) to show the automatic rollback.
+
+Both run the real deployment controller (``aggregator/deployments/``) on a store of their own and
+one :class:`edge_client.deployment.DeploymentFollower` per device on the fleet's broker (in this
+process, beside the device hosts), each judging candidates on its device's held-out split (the
+pipeline's; the features through the same backbone). The report gives, per stage, the devices on
+each version and the pooled held-out accuracy of candidate and current version they reported.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from aggregator.deployments.controller import DeploymentController
+from aggregator.storage.store import Store
+from edge_client.deployment import DeploymentFollower, ModelSlot
+from protocols.mqtt_link import BrokerConfig
+from protocols.topics import Topics
+
+SCENARIOS = ("fine-tuned", "broken")
+
+
+def run_deploy_scenarios(cfg, prep, model_file: Path, broker_url: str, out: Path, say) -> dict:
+    """The two rollouts; returns {scenario: {state, reason, stages: [...], versions: {...}}}."""
+    out.mkdir(parents=True, exist_ok=True)
+    with np.load(model_file) as z:
+        W, b = z["weight"], z["bias"]
+    perm = np.roll(np.arange(len(b)), 1)
+    store = Store(out / "deploy.db")
+    devices = sorted(prep.holdouts)
+    for d in devices:
+        store.enroll_device(d, None, None)
+    models = {}
+    for name, (w, bias) in {"fine-tuned": (W, b), "broken": (W[perm], b[perm])}.items():
+        store.create_job(f"deploy-{name}", "fedavg", {})
+        models[name] = store.finish_job(f"deploy-{name}", "done", {}, {}, {"weight": w, "bias": bias}, {}, 1)
+    features = {d: prep.extractor.extract(prep.Xtr[prep.holdouts[d]]) for d in devices}
+    labels = {d: prep.ytr[prep.holdouts[d]] for d in devices}
+    broker, topics = BrokerConfig.from_url(broker_url), Topics(f"deploy{time.monotonic_ns()}")
+    followers = {d: DeploymentFollower(d, broker, ModelSlot(out / "devices" / d),
+                                       lambda bundle, d=d: (features[d], labels[d]), topics, retry_s=1.0).start()
+                 for d in devices}
+    ctl = DeploymentController(store, broker, topics, tick_s=0.1).start()
+    report = {}
+    try:
+        for name in SCENARIOS:
+            say(f"  deploy {name} head (model {models[name]}): canary {cfg.deploy_canary}, stages "
+                f"{cfg.deploy_stages}, guard {cfg.deploy_guard}, bake {cfg.deploy_bake_s:g} s")
+            report[name] = _rollout(ctl, followers, models[name], name, cfg)
+            say(format_scenario(name, report[name]))
+    finally:
+        ctl.stop()
+        for f in followers.values():
+            f.stop()
+        store.close()
+    return report
+
+
+def _rollout(ctl, followers, model_id: int, name: str, cfg) -> dict:
+    """Deploy, then sample which version each device runs whenever the stage changes, until it is over."""
+    dep_id = f"{name}-{model_id}"
+    ctl.call(lambda: ctl.deploy(model_id, cohort=cfg.deploy_canary, stages=cfg.deploy_stages, guard=cfg.deploy_guard,
+                                bake_s=cfg.deploy_bake_s, min_reports=1, patience_s=cfg.deploy_bake_s * 10,
+                                deployment_id=dep_id))
+    deadline = time.monotonic() + 60 + 20 * cfg.deploy_bake_s
+    stages, seen = [], None
+    while time.monotonic() < deadline:
+        view = ctl.show(dep_id)
+        if (view["state"], view["stage"]) != seen:
+            seen = (view["state"], view["stage"])
+            stages.append({"state": view["state"], "stage": view["stage"]})
+        stages[-1]["versions"] = versions(followers)          # the last sample: just before the next stage
+        if view["state"] in ("complete", "rolled_back"):
+            break
+        time.sleep(0.1)
+    time.sleep(1.0)                                  # the last assignments (rollback, late swaps) land
+    view = ctl.show(dep_id)
+    judged = [h for h in view["history"] if h.get("metrics")]
+    for entry, h in zip(stages, judged):
+        m = h["metrics"]
+        entry.update(reports=int(m["reports"]), wma_candidate=m["wma_candidate"], wma_current=m["wma_current"])
+    return {"deployment": dep_id, "state": view["state"], "reason": view["reason"], "stages": stages,
+            "final_versions": versions(followers), "devices": len(followers)}
+
+
+def versions(followers) -> dict[str, int]:
+    """How many devices run each version (head sha256 prefix; 'none' for the device's own)."""
+    out: dict[str, int] = {}
+    for f in followers.values():
+        key = f.slot.current.sha256[:12] if f.slot.current else "none"
+        out[key] = out.get(key, 0) + 1
+    return out
+
+
+def format_scenario(name: str, r: dict) -> str:
+    lines = [f"  {name}: {r['state']}" + (f" ({r['reason']})" if r["reason"] else "")]
+    for s in r["stages"]:
+        current = (f"current {s['wma_current']:.2f}%" if s.get("wma_current") else "no version deployed before")
+        acc = (f"; judged on {s['reports']} report(s): candidate {s['wma_candidate']:.2f}% held-out vs {current}"
+               if s.get("wma_candidate") is not None else "")
+        lines.append(f"    stage {s['stage']} ({s['state']}): devices per version {s['versions']}{acc}")
+    lines.append(f"    at the end: devices per version {r['final_versions']} of {r['devices']}")
+    return "\n".join(lines)
+
+
+DEPLOY_HEADER = ("rollout", "stage", "state", "devices per version", "reports", "candidate held-out %", "current %")
+
+
+def deployment_rows(deployments: dict) -> list[tuple]:
+    """One row per stage of each scenario, for the report's table."""
+    pct = (lambda v: "-" if v is None else f"{v:.2f}")
+    return [(name, s["stage"], s["state"], ", ".join(f"{k}: {v}" for k, v in sorted(s["versions"].items())),
+             s.get("reports", "-"), pct(s.get("wma_candidate")), pct(s.get("wma_current")))
+            for name, r in deployments.items() for s in r["stages"]]

@@ -1,0 +1,119 @@
+"""The deployment state machine, its guard and its cohorts (issue 29), without I/O: the module's
+docstring is its transition table; every path through the table; metrics against plain sums."""
+
+import hashlib
+
+import numpy as np
+import pytest
+
+from aggregator.deployments import machine as M
+from aggregator.deployments.cohort import CohortRule, in_fraction, parse_percent
+from aggregator.deployments.guard import DeviceReport, Guard, stage_metrics
+
+
+def deployment(stages=(0.5, 1.0), guard="wma_drop<=1.0", bake_s=10.0, min_reports=2, patience_s=5.0):
+    return M.Deployment("d1", 7, "ab" * 32, CohortRule.parse("10%"), stages, Guard.parse(guard), bake_s, min_reports,
+                        patience_s)
+
+
+def good(n=10):
+    return DeviceReport(n=n, correct_candidate=9, correct_current=9)
+
+
+def test_the_docstring_is_the_transition_table():
+    assert M.transition_table() in M.__doc__
+    for states, event, _, nxt, _ in M.TRANSITIONS:
+        assert set(states) <= set(M.STATES) and nxt in (*M.STATES, "=")
+        assert hasattr(M, event)
+
+
+def test_a_passing_guard_widens_stage_by_stage_after_the_bake_time_then_completes():
+    d = deployment()
+    assert d.handle(M.Start(100.0)) == [M.Assign(0)] and d.state == "canary"
+    assert d.handle(M.Tick(105.0, {"a": good(), "b": good()})) == []          # still baking
+    assert d.handle(M.Tick(110.0, {"a": good(), "b": good()})) == [M.Assign(1)]
+    assert (d.state, d.stage, d.stage_fraction) == ("widening", 1, 0.5)
+    assert d.handle(M.Tick(115.0, {"a": good(), "b": good()})) == []          # the new stage bakes anew
+    assert d.handle(M.Tick(120.0, {"a": good(), "b": good(), "c": good()})) == [M.Assign(2)]
+    assert d.stage_fraction == 1.0 and d.last_stage
+    assert d.handle(M.Tick(130.0, {"a": good(), "b": good()})) == [M.Complete()] and d.state == "complete"
+    assert d.handle(M.Tick(140.0, {})) == []
+    assert [h["to"] for h in d.history] == ["canary", "widening", "widening", "complete"]
+
+
+def test_a_failing_guard_or_too_few_reports_roll_back_with_the_reason():
+    d = deployment()
+    d.handle(M.Start(0.0))
+    worse = DeviceReport(n=10, correct_candidate=5, correct_current=9)
+    (act,) = d.handle(M.Tick(10.0, {"a": worse, "b": good()}))
+    assert isinstance(act, M.RolledBack) and d.state == "rolled_back"
+    assert "wma_drop 20 is not <= 1" in d.reason and d.history[-1]["metrics"]["wma_drop"] == pytest.approx(20.0)
+    d = deployment()
+    d.handle(M.Start(0.0))
+    too_few = {"a": good(), "b": DeviceReport(refused="sha256 differs")}
+    assert d.handle(M.Tick(14.0, too_few)) == [] and d.state == "canary"          # patience: more may report
+    (act,) = d.handle(M.Tick(15.0, too_few))
+    assert isinstance(act, M.RolledBack) and "1 report(s)" in act.reason and "fewer than 2" in act.reason
+
+
+def test_the_operator_promotes_and_rolls_back_and_other_events_are_refused_changing_nothing():
+    d = deployment(stages=(1.0,))
+    with pytest.raises(M.DeploymentError, match="draft: cannot promote"):
+        d.handle(M.Promote(0.0))
+    d.handle(M.Start(0.0))
+    with pytest.raises(M.DeploymentError, match="canary: cannot start"):
+        d.handle(M.Start(1.0))
+    assert d.handle(M.Promote(1.0)) == [M.Assign(1)] and d.stage_fraction == 1.0    # no bake wait
+    assert d.handle(M.Promote(1.5)) == [M.Complete()] and d.state == "complete"     # the last stage done
+    before = d.to_dict()
+    with pytest.raises(M.DeploymentError):
+        d.handle(M.Promote(2.0))
+    assert d.to_dict() == before
+    assert d.handle(M.RollBack(3.0, "operator")) == [M.RolledBack("operator")] and d.state == "rolled_back"
+    with pytest.raises(M.DeploymentError):
+        d.handle(M.RollBack(4.0, "again"))
+    assert M.Deployment.from_dict(d.to_dict()).to_dict() == d.to_dict()
+
+
+@pytest.mark.parametrize("bad", [dict(stages=(0.5,)), dict(stages=(0.5, 0.25, 1.0)), dict(bake_s=-1), dict(patience_s=-1)])
+def test_a_bad_deployment_is_refused(bad):
+    with pytest.raises(ValueError):
+        deployment(**bad)
+
+
+def test_guard_metrics_are_pooled_counts():
+    rng = np.random.default_rng(0)
+    n = rng.integers(1, 50, 6)
+    cand, cur = (np.array([rng.integers(0, k + 1) for k in n]) for _ in range(2))
+    reports = {f"d{i}": DeviceReport(int(n[i]), int(cand[i]), int(cur[i])) for i in range(6)}
+    reports["x"] = DeviceReport(refused="no")
+    m = stage_metrics(reports)
+    assert m["reports"] == 6 and m["refused"] == 1
+    assert m["wma_candidate"] == pytest.approx(100 * cand.sum() / n.sum())
+    assert m["wma_drop"] == pytest.approx(100 * (cur.sum() - cand.sum()) / n.sum())
+    g = Guard.parse("wma_drop <= 1.5, refused<1")
+    assert g.text == "wma_drop<=1.5,refused<1" and len(g.failures(m)) == (m["wma_drop"] > 1.5) + 1
+    empty = stage_metrics({"a": DeviceReport(n=0)})            # reports, but no held-out sample at all
+    assert empty["wma_drop"] is None and g.failures(empty) == ["wma_drop unknown (no held-out samples) is not <= 1.5"]
+    for text in ("", "accuracy<=1", "wma_drop=<1", "wma_drop<=x"):
+        with pytest.raises(ValueError):
+            Guard.parse(text)
+
+
+def test_cohorts_are_seeded_nested_and_follow_tags_or_lists():
+    devices = {f"cam-{i:03d}": (("north",) if i % 4 == 0 else ()) for i in range(400)}
+    point = {d: int.from_bytes(hashlib.sha256(f"3:{d}".encode()).digest()[:8], "big") / 2 ** 64 for d in devices}
+    rule = CohortRule.parse("10%", seed=3)
+    canary = rule.canary(devices)
+    assert canary == {d for d, p in point.items() if p < 0.1} and 20 <= len(canary) <= 60
+    quarter = rule.stage(0.25, devices)
+    assert canary <= quarter and quarter == {d for d, p in point.items() if p < 0.25}
+    assert rule.stage(1.0, devices) == set(devices)
+    assert CohortRule.parse("10%", seed=4).canary(devices) != canary
+    assert CohortRule.parse("tags:north").canary(devices) == {d for d, t in devices.items() if "north" in t}
+    assert CohortRule.parse("devices:cam-001,cam-002,ghost").canary(devices) == {"cam-001", "cam-002"}
+    assert in_fraction("x", 1.0, 0) and not in_fraction("x", 0.0, 0)
+    assert parse_percent("5%") == 0.05 and parse_percent("0.25") == 0.25
+    for bad in ("0%", "150%", "five", "devices:", "devices:a/b"):
+        with pytest.raises(ValueError):
+            CohortRule.parse(bad)

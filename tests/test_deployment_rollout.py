@@ -1,0 +1,321 @@
+"""Model rollout over a real mosquitto (issue 29): the deployment controller beside a store, devices
+following their retained assignment with :class:`edge_client.deployment.DeploymentFollower`.
+
+* promotion reaches every enrolled device, and each device's reported counts are the held-out
+  counts computed here with numpy; the application predicts with the deployed head;
+* a failing guard (a head with permuted classes) rolls every canary device back to the version
+  it kept, and the devices outside the canary never see the candidate;
+* an offline device receives the current version when it comes online;
+* an unsigned assignment (when the device holds the aggregator's key) and a tampered head are
+  refused: the device keeps running its version and says why;
+* a restarted controller resumes the same deployment and re-sends nothing.
+"""
+
+import hashlib
+import time
+
+import numpy as np
+import paho.mqtt.client as mqtt
+import pytest
+
+from aggregator.deployments.controller import DeploymentController
+from aggregator.storage.store import Store
+from edge_client.deployment import DeploymentFollower, ModelSlot
+from protocols.envelope import encode
+from protocols.identity import DeviceIdentity
+from protocols.mqtt_link import BrokerConfig
+from protocols.payloads import deployment as D
+from protocols.payloads.artifacts import artifact_message
+from protocols.topics import AGGREGATOR_ID, Topics
+
+C, DIM, N_HOLDOUT = 3, 8, 40
+DEVICES = [f"cam-{i}" for i in range(6)]
+
+
+def wait_for(condition, timeout=30.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def world():
+    """Class means, each device's held-out features, a good head and the same head with classes permuted."""
+    rng = np.random.default_rng(0)
+    means = rng.normal(0, 3, (C, DIM))
+    holdout = {}
+    for d in DEVICES + ["cam-9"]:
+        y = rng.integers(0, C, N_HOLDOUT)
+        holdout[d] = (means[y] + rng.normal(0, 1.5, (N_HOLDOUT, DIM)), y)
+    W, b = means, -0.5 * (means ** 2).sum(1)                 # nearest class mean
+    perm = np.array([1, 2, 0])
+    return {"holdout": holdout, "good": (W, b), "broken": (W[perm], b[perm])}
+
+
+def model_id(store, job_id, W, b):
+    store.create_job(job_id, "fed3r", {})
+    return store.finish_job(job_id, "done", {}, {}, {"coef": W, "intercept": b}, {}, 1)
+
+
+def correct(head, Z, y):
+    """Independent reference: the head as devices receive it (float32), argmax of the logits."""
+    W, b = (np.asarray(a, dtype=np.float32).astype(np.float64) for a in head)
+    return int(((Z @ W.T + b).argmax(1) == y).sum())
+
+
+class Fleet:
+    def __init__(self, broker, tmp_path, world, key=None):
+        self.broker, self.tmp, self.world, self.key = BrokerConfig.from_url(broker.url), tmp_path, world, key
+        self.topics = Topics(f"t{time.monotonic_ns()}")       # retained messages of other tests stay apart
+        self.followers = {}
+
+    def start(self, device):
+        f = DeploymentFollower(device, self.broker, ModelSlot(self.tmp / device), lambda bundle: self.world["holdout"][device],
+                               topics=self.topics, aggregator_key=self.key, retry_s=0.5, fetch_timeout_s=10)
+        self.followers[device] = f.start()
+        return f
+
+    def sha(self, device):
+        cur = self.followers[device].slot.current
+        return cur.sha256 if cur else None
+
+    def stop(self):
+        for f in self.followers.values():
+            f.stop()
+
+
+@pytest.fixture
+def setup(broker, tmp_path, world):
+    store = Store(tmp_path / "state.db")
+    for d in DEVICES:
+        store.enroll_device(d, None, None)
+    agg = DeviceIdentity.generate(AGGREGATOR_ID)
+    controllers, fleet = [], Fleet(broker, tmp_path, world, key=agg.public_key_bytes)
+
+    def controller():
+        c = DeploymentController(store, BrokerConfig.from_url(broker.url), fleet.topics, signer=agg.sign,
+                                 tick_s=0.05).start()
+        controllers.append(c)
+        return c
+    yield store, controller, fleet
+    fleet.stop()
+    for c in controllers:
+        c.stop()
+
+
+def test_promotion_reaches_every_device_and_a_failing_guard_rolls_the_canary_back(setup, world):
+    store, controller, fleet = setup
+    good, broken = model_id(store, "good", *world["good"]), model_id(store, "broken", *world["broken"])
+    for d in DEVICES[:-1]:                       # the last device is offline during the rollout
+        fleet.start(d)
+    ctl = controller()
+    shown = ctl.call(lambda: ctl.deploy(good, cohort="devices:cam-0,cam-1", stages="100%", guard="wma_drop<=1.0",
+                                        bake_s=0.2, min_reports=2, deployment_id="good-1"))
+    assert shown["state"] == "canary" and shown["cohort"] == "devices:cam-0,cam-1"
+    wait_for(lambda: store_state(store, "good-1") == "complete", what="the good head's rollout to complete")
+    good_sha = D_sha(world["good"])
+    wait_for(lambda: all(fleet.sha(d) == good_sha for d in DEVICES[:-1]), what="every online device to swap")
+    wait_for(lambda: ctl.show("good-1")["counts"]["reported"] == len(DEVICES) - 1, what="every online device's report")
+    view = ctl.show("good-1")
+    assert [h["to"] for h in view["history"]] == ["canary", "widening", "complete"]
+    for d in DEVICES[:-1]:                       # counts only, equal to the reference; nothing before: 0
+        Z, y = world["holdout"][d]
+        assert view["devices"][d]["report"] == {"deployment": "good-1", "sha256": good_sha, "n": N_HOLDOUT,
+                                                "correct_candidate": correct(world["good"], Z, y),
+                                                "correct_current": 0}
+        np.testing.assert_array_equal(fleet.followers[d].slot.predict(Z),
+                                      (Z @ np.float32(world["good"][0]).T.astype(float) + world["good"][1]).argmax(1))
+
+    # the offline device comes online: its retained assignment is waiting
+    late = fleet.start(DEVICES[-1])
+    wait_for(lambda: fleet.sha(DEVICES[-1]) == good_sha, what="the late device to catch up")
+
+    # a broken head (classes permuted): the canary evaluates it, the guard fails, the canary goes back
+    ctl.call(lambda: ctl.deploy(broken, cohort="devices:cam-2,cam-3", stages="50%,100%", bake_s=0.2,
+                                deployment_id="broken-1"))
+    wait_for(lambda: store_state(store, "broken-1") == "rolled_back", what="the broken head's rollback")
+    wait_for(lambda: all(fleet.sha(d) == good_sha for d in DEVICES), what="the canary back on the good head")
+    view = ctl.show("broken-1")
+    assert "guard wma_drop<=1 failed" in view["reason"], view["reason"]
+    assert sorted(view["devices"]) == ["cam-2", "cam-3"] and view["counts"]["sent_rollback"] == 2
+    for d in ("cam-2", "cam-3"):
+        Z, y = world["holdout"][d]
+        rep = view["devices"][d]["report"]
+        assert (rep["correct_candidate"], rep["correct_current"]) == (correct(world["broken"], Z, y),
+                                                                     correct(world["good"], Z, y))
+    for d in set(DEVICES) - {"cam-2", "cam-3"}:  # never sent the candidate
+        assert all(r["deployment"] != "broken-1" for r in fleet.followers[d].reports)
+    assert late.slot.previous is None and fleet.followers["cam-2"].slot.previous is None
+
+
+def test_unsigned_assignments_and_tampered_heads_are_refused_and_the_device_keeps_its_version(setup, world, broker):
+    store, controller, fleet = setup
+    T = fleet.topics
+    good = model_id(store, "good", *world["good"])
+    ctl = controller()
+    for d in ("cam-0", "cam-1"):
+        fleet.start(d)
+    ctl.call(lambda: ctl.deploy(good, cohort="devices:cam-0,cam-1", stages="100%", bake_s=0.1, min_reports=2,
+                                deployment_id="good-1"))
+    good_sha = D_sha(world["good"])
+    wait_for(lambda: fleet.sha("cam-0") == good_sha and fleet.sha("cam-1") == good_sha, what="the swap")
+
+    raw = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="intruder")
+    raw.connect("127.0.0.1", broker.port)
+    raw.loop_start()
+    try:
+        evil = D.head_npz(*world["broken"])
+        sha = hashlib.sha256(evil).hexdigest()
+        # unsigned, on a device holding the aggregator's key: refused before anything is fetched
+        raw.publish(T.deploy("cam-0"), encode(D.run_message(AGGREGATOR_ID, "evil", sha, len(evil), 1)),
+                    qos=1, retain=True).wait_for_publish(5)
+        wait_for(lambda: fleet.followers["cam-0"].refusals, what="the unsigned assignment's refusal")
+        assert "unsigned" in fleet.followers["cam-0"].refusals[-1] or "signature" in fleet.followers["cam-0"].refusals[-1]
+        assert fleet.sha("cam-0") == good_sha
+
+        # a device without the key (and unknown to the controller) takes the assignment, but a head
+        # that does not hash to it is refused
+        trusting = DeploymentFollower("stranger", BrokerConfig.from_url(broker.url), ModelSlot(fleet.tmp / "stranger"),
+                                      lambda bundle: world["holdout"]["cam-5"], topics=T, retry_s=0.3,
+                                      fetch_timeout_s=10).start()
+        fleet.followers["stranger"] = trusting
+        asked = []
+        raw.on_message = lambda c, u, m: asked.append(m.topic)
+        raw.subscribe(T.deploy_out("stranger"), qos=1)
+        raw.publish(T.deploy("stranger"), encode(D.run_message(AGGREGATOR_ID, "evil", sha, len(evil), 1)),
+                    qos=1, retain=True).wait_for_publish(5)
+        wait_for(lambda: asked, what="the device to ask for the head")
+        tampered = evil[:-1] + bytes([evil[-1] ^ 1])
+        raw.publish(T.deploy_in("stranger"), encode(artifact_message(AGGREGATOR_ID, sha, "evil.npz", tampered)),
+                    qos=1).wait_for_publish(5)
+        wait_for(lambda: trusting.refusals, what="the tampered head's refusal")
+        assert "differs from the requested" in trusting.refusals[-1] and trusting.slot.current is None
+        assert trusting.reports[-1]["refused"] == trusting.refusals[-1]
+    finally:
+        raw.publish(T.deploy("cam-0"), b"", retain=True).wait_for_publish(5)
+        raw.publish(T.deploy("stranger"), b"", retain=True).wait_for_publish(5)
+        raw.loop_stop()
+        raw.disconnect()
+
+
+def test_a_restarted_controller_resumes_the_deployment_and_resends_nothing(setup, world):
+    store, controller, fleet = setup
+    good = model_id(store, "good", *world["good"])
+    for d in DEVICES:
+        fleet.start(d)
+    ctl = controller()
+    # a long bake: the canary swaps, then the controller goes down mid-rollout
+    ctl.call(lambda: ctl.deploy(good, cohort="devices:cam-0,cam-1,cam-2", stages="100%", bake_s=3.0,
+                                min_reports=3, deployment_id="good-1"))
+    good_sha = D_sha(world["good"])
+    wait_for(lambda: all(fleet.sha(d) == good_sha for d in ("cam-0", "cam-1", "cam-2")), what="the canary swap")
+    wait_for(lambda: ctl.show("good-1")["counts"]["reported"] == 3, what="the canary's reports stored")
+    ctl.stop()
+    sent_at = {d: v["sent_at"] for d, v in ctl.show("good-1")["devices"].items()}
+    reports = {d: len(f.reports) for d, f in fleet.followers.items()}
+
+    ctl2 = controller()
+    assert ctl2.active is not None and ctl2.active.dep.deployment_id == "good-1" and ctl2.active.dep.state == "canary"
+    wait_for(lambda: store_state(store, "good-1") == "complete", what="the resumed rollout to complete")
+    wait_for(lambda: all(fleet.sha(d) == good_sha for d in DEVICES), what="every device to swap")
+    after = ctl2.show("good-1")["devices"]
+    assert {d: after[d]["sent_at"] for d in sent_at} == sent_at          # the canary was not sent it again
+    assert all(len(fleet.followers[d].reports) == reports[d] for d in sent_at)
+
+
+def store_state(store, deployment_id):
+    from aggregator.storage.deployments import DeploymentStore
+
+    row = DeploymentStore(store).get(deployment_id)
+    return row["state"] if row else None
+
+
+def D_sha(head):
+    return hashlib.sha256(D.head_npz(*head)).hexdigest()
+
+
+TOKEN = "deploy-token-0123456789abcdef"
+
+
+def test_the_operator_deploys_promotes_and_rolls_back_through_the_cli(setup, world, capsys):
+    from starlette.testclient import TestClient
+
+    from aggregator.api.app import create_app
+    from aggregator.api.server import ApiServer
+    from fedfleet.admin import main as admin
+
+    store, controller, fleet = setup
+    good = model_id(store, "good", *world["good"])
+    devices = DEVICES[:4]
+    for d in devices:
+        fleet.start(d)
+    ctl = controller()
+    api = ApiServer(create_app(store, TOKEN, None, ctl)).start()
+    base = ["--url", api.url, "--token", TOKEN]
+
+    def cli(*args, ok=True):
+        capsys.readouterr()
+        rc = admin([*args, *base])
+        out = capsys.readouterr()
+        assert (rc == 0) == ok, (args, rc, out.err)
+        return out.out if ok else out.err
+
+    try:
+        out = cli("model", "deploy", str(good), "--cohort", "devices:cam-0", "--stages", "50%,100%", "--bake", "1h",
+                  "--deployment-id", "ops-1")
+        assert "deployment ops-1: model" in out and "canary" in out and "stages devices:cam-0 -> 50% -> 100%" in out
+        good_sha = D_sha(world["good"])
+        wait_for(lambda: fleet.sha("cam-0") == good_sha, what="the canary device to swap")
+        assert all(fleet.sha(d) is None for d in devices[1:])               # a one-hour bake: nobody else yet
+        assert "ops-1 is canary" in cli("model", "deploy", str(good), ok=False)
+        assert "widening" in cli("deployment", "promote", "ops-1")          # 50 %
+        assert "now stage 2" in cli("deployment", "promote", "ops-1")      # 100 %
+        assert "complete" in cli("deployment", "promote", "ops-1")
+        wait_for(lambda: all(fleet.sha(d) == good_sha for d in devices), what="every device to swap")
+        assert "is complete" in cli("deployment", "promote", "ops-1", ok=False)
+        out = cli("deployment", "rollback", "ops-1", "--reason", "field complaints")
+        assert "rolled_back" in out and "reason    field complaints" in out
+        wait_for(lambda: all(fleet.sha(d) is None for d in devices), what="every device back to its own version")
+        line = cli("deployments").splitlines()[-1]
+        assert line.startswith("ops-1") and "rolled_back" in line and "field complaints" in line
+        shown = cli("deployment", "show", "ops-1")
+        assert "canary -> widening: promoted by the operator" in shown and "cam-0" in shown
+
+        client = TestClient(create_app(store, TOKEN, None, ctl))
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        assert client.post("/api/models/999/deploy", headers=auth, json={}).status_code == 404
+        bad = client.post(f"/api/models/{good}/deploy", headers=auth, json={"guard": "accuracy>0"})
+        assert bad.status_code == 422 and "METRIC OP NUMBER" in bad.json()["detail"]
+        assert client.get("/api/deployments/nope", headers=auth).status_code == 404
+        read_only = TestClient(create_app(store, TOKEN))
+        assert read_only.post(f"/api/models/{good}/deploy", headers=auth, json={}).status_code == 409
+        assert read_only.get("/api/deployments/ops-1", headers=auth).json()["state"] == "rolled_back"
+    finally:
+        api.stop()
+
+
+def test_rolling_back_the_settled_version_brings_back_the_one_before_for_every_device(setup, world):
+    store, controller, fleet = setup
+    good, other = model_id(store, "good", *world["good"]), model_id(store, "other", *world["broken"])
+    devices = DEVICES[:3]
+    for d in devices:
+        fleet.start(d)
+    ctl = controller()
+    ctl.call(lambda: ctl.deploy(good, cohort="devices:cam-0", stages="100%", bake_s=0, deployment_id="v1"))
+    good_sha, other_sha = D_sha(world["good"]), D_sha(world["broken"])
+    wait_for(lambda: all(fleet.sha(d) == good_sha for d in devices), what="v1 everywhere")
+    # the operator pushes v2 through without waiting for its guard, then takes it back
+    ctl.call(lambda: ctl.deploy(other, cohort="devices:cam-0", stages="100%", bake_s=3600, deployment_id="v2"))
+    ctl.call(lambda: ctl.promote("v2"))
+    assert ctl.call(lambda: ctl.promote("v2"))["state"] == "complete"
+    wait_for(lambda: all(fleet.sha(d) == other_sha for d in devices), what="v2 everywhere")
+    assert ctl.call(lambda: ctl.rollback("v2", "wrong labels"))["state"] == "rolled_back"
+    wait_for(lambda: all(fleet.sha(d) == good_sha for d in devices), what="v1 again everywhere")
+    # a device enrolled afterwards gets v1, the settled version again
+    store.enroll_device("cam-9", None, None)
+    fleet.start("cam-9")
+    wait_for(lambda: fleet.sha("cam-9") == good_sha, what="the new device on v1")
+    assert ctl.show("v2")["replaces"] == good and ctl.show("v2")["reason"] == "wrong labels"
