@@ -91,3 +91,21 @@ def test_shards_sum_the_coordinators_accepted_ids_to_one_aggregators_bytes(tmp_p
     with pytest.raises(StoreError, match="lacks accepted"):      # an accepted id no shard holds
         shards[0].sums("sharded", [(d, "f" * 32) for d in DEVICES if shard_of(d, 3) == 0])
     assert [bucket_range(k, 3) for k in range(3)] == [(0, 21), (21, 42), (42, NUM_BUCKETS)]
+
+
+def test_jobs_shards_cannot_sum_and_impossible_shard_counts_are_refused_with_the_reason(tmp_path):
+    from aggregator.shards.local import LocalShards, check_shardable
+    from protocols.mqtt_link import BrokerConfig
+
+    check_shardable(build_job("fed3r", CONFIG), "fed3r")
+    fedavg = {"job_id": "f", "num_classes": C, "feature_dim": P - 1, "clients_per_round": 2, "rounds": 1}
+    with pytest.raises(ValueError, match="no additive state"):
+        check_shardable(build_job("fedavg", fedavg), "fedavg")
+    with pytest.raises(ValueError, match="not order-free"):
+        check_shardable(build_job("fed3r", {**CONFIG, "dp_noise_multiplier": 1.0, "max_samples": 10,
+                                            "feature_clip_norm": 1.0}), "fed3r")
+    with pytest.raises(ValueError, match="streaming"):
+        check_shardable(build_job("fed3r", {**CONFIG, "streaming": True}), "fed3r")
+    for count in (0, NUM_BUCKETS + 1):
+        with pytest.raises(ValueError, match="between 1 and"):
+            LocalShards(count, BrokerConfig.from_url("mqtt://127.0.0.1:1"), tmp_path)

@@ -104,6 +104,17 @@ def _command(ingest: ShardIngest, conn, cmd: tuple) -> bool:
     return cmd[0] != "stop"
 
 
+def check_shardable(job: Job, kind: str) -> None:
+    """Refuse, with the reason, a job whose sums shards cannot take."""
+    additive(kind)
+    if not job.order_free:
+        raise ValueError(f"a {kind} job with this config is not order-free (e.g. DP noise at round close): "
+                         f"it cannot be summed by shards")
+    if job.config.to_dict().get("streaming"):
+        # an increment is checked against the samples the job holds, which only the coordinator knows
+        raise ValueError("streaming Fed3R cannot run on shards yet: run it without --shards")
+
+
 class LocalShards:
     """The coordinator's side: start, feed with the job, ask for sums, restart the dead."""
 
@@ -169,14 +180,8 @@ class LocalShards:
             return
 
     def set_job(self, job: Job, kind: str) -> None:
-        """Serve ``job`` (refused, changing nothing, unless its sums are order-free and additive)."""
-        additive(kind)
-        if not job.order_free:
-            raise ValueError(f"a {kind} job with this config is not order-free (e.g. DP noise at round close): "
-                             f"it cannot be summed by shards")
-        if job.config.to_dict().get("streaming"):
-            # an increment is checked against the samples the job holds, which only the coordinator knows
-            raise ValueError("streaming Fed3R cannot run on shards yet: run it without --shards")
+        """Serve ``job`` (refused, changing nothing, unless it is shardable)."""
+        check_shardable(job, kind)
         self._job = (job.config.job_id, kind, job.config.to_dict())
         for conn in self._conns:
             conn.send(("job", *self._job))
