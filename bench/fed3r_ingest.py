@@ -108,9 +108,14 @@ def run_aggregator(url: str, tmp: str, ids: list[str], d: int, provisional: bool
     if svc.ingest is not None:
         for f in svc.ingest.warming:          # a serving aggregator's workers are up: don't time their start
             f.result()
+    stop_shards = None
+    if svc.shards is not None:      # stopped after the summary is out: their interpreters' teardown is no ingest
+        stop_shards, svc.shards.close = svc.shards.close, lambda: None
     ready.set()
     summary = svc.run(timeout_s=900)
     out.put((summary["finished_at"], summary["bytes_in"], summary["results_accepted"], svc.store.commit_seconds))
+    if stop_shards is not None:
+        stop_shards()
 
 
 # ---------------------------------------------------------------------- the devices
