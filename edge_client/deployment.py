@@ -13,6 +13,12 @@ right, swaps, and reports the counts; for a ``rollback`` it goes back to the ver
 An assignment that is not signed by the aggregator (when the device holds its key) is refused;
 a head that cannot be fetched, verified or loaded is refused and reported with the reason; in
 both cases the device stays on its version and logs why.
+
+A device that personalises (OLL, ``edge_client/oll.py``) gives the slot its local training labels:
+it then predicts with the deployed head pruned to those classes, and judges every candidate and
+its current head the same way, so the accuracy the fleet's guard sees is the one its application
+gets. The labels live in the slot's state file, so the application's own ``ModelSlot(dir)`` predicts
+the same way as the device process that follows the rollouts.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from typing import Callable
 
 import numpy as np
 
+from edge_client.oll import prune
 from protocols.chunking import MessageAssembler
 from protocols.envelope import EnvelopeError
 from protocols.identity import sender_verifier
@@ -54,27 +61,52 @@ class HeadVersion:
     def logits(self, features: np.ndarray) -> np.ndarray:
         return np.asarray(features, dtype=np.float64) @ self.W.T + self.b
 
+    def predict(self, features: np.ndarray, local_labels: np.ndarray | None = None) -> np.ndarray:
+        """Global class ids; with ``local_labels`` the head is OLL-pruned to them first (the answer
+        is always one of them; ValueError when the head has no row for one of them)."""
+        if local_labels is None:
+            return self.logits(features).argmax(1)
+        W, b, label_map = prune(self.W, self.b, local_labels)
+        return label_map.to_global((np.asarray(features, dtype=np.float64) @ W.T + b).argmax(1))
+
 
 class ModelSlot:
-    """The deployed head (current) and the one it replaced (previous), kept in ``state_dir``."""
+    """The deployed head (current) and the one it replaced (previous), kept in ``state_dir``.
+    ``local_labels``: the device personalises (OLL) with these training labels (kept in the state
+    file; None: the ones saved there, if any)."""
 
-    def __init__(self, state_dir: Path):
+    def __init__(self, state_dir: Path, local_labels=None):
         self.dir = Path(state_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self.current: HeadVersion | None = None
         self.previous: HeadVersion | None = None
+        self.local_labels: np.ndarray | None = None
         state = self.dir / STATE_FILE
         if state.exists():
             saved = json.loads(state.read_text())
             self.current, self.previous = (self._read(saved.get(k)) for k in ("current", "previous"))
+            if saved.get("local_labels") is not None:
+                self.local_labels = np.asarray(saved["local_labels"], dtype=np.int64)
+        if local_labels is not None:
+            labels = np.unique(np.asarray(local_labels))
+            if labels.ndim != 1 or labels.size == 0 or not np.issubdtype(labels.dtype, np.integer) or labels.min() < 0:
+                raise ValueError(f"local labels must be non-negative integers, got {labels.dtype} {labels.shape}")
+            self.local_labels = labels.astype(np.int64)
+            with self._lock:
+                self._commit(self.current, self.previous)
 
     def predict(self, features: np.ndarray) -> np.ndarray:
-        """Class indices for (n, d) features with the deployed head (ValueError with none deployed)."""
+        """Class ids for (n, d) features with the deployed head, OLL-pruned when the device
+        personalises (ValueError with none deployed)."""
         head = self.current
         if head is None:
             raise ValueError("no model version is deployed on this device yet")
-        return head.logits(features).argmax(1)
+        return head.predict(features, self.local_labels)
+
+    def correct(self, head: HeadVersion, features: np.ndarray, labels: np.ndarray) -> int:
+        """How many of the labelled samples ``head`` gets right the way this device predicts."""
+        return int((head.predict(features, self.local_labels) == np.asarray(labels)).sum())
 
     def swap(self, data: bytes, sha256: str, deployment: str, bundle_sha256: str = "") -> HeadVersion:
         """Make the verified head file ``data`` current, keeping the current one as previous."""
@@ -96,8 +128,9 @@ class ModelSlot:
     def _commit(self, current: HeadVersion | None, previous: HeadVersion | None) -> None:
         entry = (lambda h: None if h is None else {"sha256": h.sha256, "deployment": h.deployment,
                                                    "bundle_sha256": h.bundle_sha256})
-        _write_atomic(self.dir / STATE_FILE, json.dumps({"current": entry(current),
-                                                         "previous": entry(previous)}).encode())
+        labels = None if self.local_labels is None else self.local_labels.tolist()
+        _write_atomic(self.dir / STATE_FILE, json.dumps({"current": entry(current), "previous": entry(previous),
+                                                         "local_labels": labels}).encode())
         self.current, self.previous = current, previous
         keep = {f"{h.sha256}.npz" for h in (current, previous) if h is not None}
         for f in self.dir.glob("*.npz"):                    # versions neither kept nor running
@@ -227,12 +260,12 @@ class DeploymentFollower:
         try:
             W, b = D.head_from_npz(data, a["sha256"])
             bundle, current = a.get("bundle_sha256", ""), self.slot.current
+            candidate = HeadVersion(a["sha256"], a["deployment"], W, b, bundle)
             Z, y = self.holdout(bundle)
-            right = (lambda logits: int((logits.argmax(1) == y).sum()))
             # the current head is judged on its own bundle's features (the same ones, unless the bundle changed)
             Z_current = Z if current is None or current.bundle_sha256 == bundle else self.holdout(current.bundle_sha256)[0]
-            counts = {"n": len(y), "correct_candidate": right(Z @ W.T + b),
-                      "correct_current": right(current.logits(Z_current)) if current is not None else 0}
+            counts = {"n": len(y), "correct_candidate": self.slot.correct(candidate, Z, y),
+                      "correct_current": self.slot.correct(current, Z_current, y) if current is not None else 0}
             if swap:
                 self.slot.swap(data, a["sha256"], a["deployment"], bundle)
         except Exception as exc:        # the head, or the application's held-out features: refused, said why

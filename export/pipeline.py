@@ -250,7 +250,8 @@ def export_bundle(backbone: str, out_dir: str | Path, *, num_classes: int, image
         output="logits" if full_model else "features",
         input=InputNormalisation(image_size=image_size, mean=tuple(backbone_module.mean),
                                  std=tuple(backbone_module.std)),
-        artifacts=(), created_with=_versions(), tail=tail_spec)
+        artifacts=(), created_with=_versions(), tail=tail_spec,
+        feature_range=getattr(backbone_module, "feature_range", None))
 
     artifacts: list[_Artifact] = []
     failures: list[str] = []

@@ -323,20 +323,27 @@ def log_line(e: dict) -> str:
 
 
 FINAL_STATES = ("done", "cancelled", "failed")
+DEPLOYMENT_FINAL_STATES = ("complete", "rolled_back")
 
 
 def _logs(args, client):
-    """Print the job's round log; with --follow keep printing new lines until the job is over."""
+    """Print the job's round log, or a deployment's state changes with their reasons; with --follow
+    keep printing new lines until the job or the deployment is over."""
+    if (args.job_id is None) == (args.deployment is None):
+        raise AdminError("admin logs: name a job (admin logs JOB) or a deployment (admin logs --deployment ID)")
+    path, final = ((f"/api/jobs/{args.job_id}/log", FINAL_STATES) if args.deployment is None else
+                   (f"/api/deployments/{args.deployment}/log", DEPLOYMENT_FINAL_STATES))
     offset, deadline = 0, time.monotonic() + args.timeout if args.timeout else None
     while True:
-        page = client.get(f"/api/jobs/{args.job_id}/log?offset={offset}")
+        page = client.get(f"{path}?offset={offset}")
         for e in page["lines"]:
             print(json.dumps(e) if args.json else log_line(e), flush=True)
         more = page["next_offset"] != offset
         offset = page["next_offset"]
         if more:
             continue                    # a long log comes in pages: read them all before waiting
-        if not args.follow or page["job_state"] in FINAL_STATES or (deadline and time.monotonic() > deadline):
+        state = page.get("job_state", page.get("state"))
+        if not args.follow or state in final or (deadline and time.monotonic() > deadline):
             return None, None
         time.sleep(args.interval)
 
@@ -380,10 +387,13 @@ def add_admin_parser(subparsers) -> argparse.ArgumentParser:
     r = add("round", help="one round in detail: participants, drop-outs, timings, bytes")
     r.add_argument("job_id", help="the job")
     r.add_argument("round", type=int, help="the round number")
-    lg = add("logs", help="the job's round log (rounds open/close, contributions, rejections, evaluations)")
-    lg.add_argument("job_id", help="the job")
+    lg = add("logs", help="the job's round log (rounds open/close, contributions, rejections, evaluations), or "
+                          "a deployment's state changes with their reasons (--deployment)")
+    lg.add_argument("job_id", nargs="?", default=None, help="the job")
+    lg.add_argument("--deployment", default=None, metavar="ID",
+                    help="instead of a job's: this deployment's log (canary, each promotion and rollback, and why)")
     lg.add_argument("-f", "--follow", action="store_true",
-                    help="keep printing new lines as they are written, until the job is done or cancelled")
+                    help="keep printing new lines as they are written, until the job (deployment) is over")
     lg.add_argument("--interval", type=float, default=1.0, help="--follow: seconds between polls (default 1)")
     lg.add_argument("--timeout", type=float, default=None, help="--follow: stop after this many seconds (default: none)")
     m = add("models", help="table of model versions")

@@ -5,7 +5,8 @@ deploys the same head with its classes permuted (a broken export) to show the au
 Both run the real deployment controller (``aggregator/deployments/``) on a store of their own and
 one :class:`edge_client.deployment.DeploymentFollower` per device on the fleet's broker (in this
 process, beside the device hosts), each judging candidates on its device's held-out split (the
-pipeline's; the features through the same backbone). The report gives, per stage, the devices on
+pipeline's; the features through the same backbone). The pipeline's devices personalise (its last
+phase is OLL), so each judges and predicts with the head pruned to its training split's labels. The report gives, per stage, the devices on
 each version and the pooled held-out accuracy of candidate and current version they reported.
 """
 
@@ -42,7 +43,7 @@ def run_deploy_scenarios(cfg, prep, model_file: Path, broker_url: str, out: Path
     features = {d: prep.extractor.extract(prep.Xtr[prep.holdouts[d]]) for d in devices}
     labels = {d: prep.ytr[prep.holdouts[d]] for d in devices}
     broker, topics = BrokerConfig.from_url(broker_url), Topics(f"deploy{time.monotonic_ns()}")
-    followers = {d: DeploymentFollower(d, broker, ModelSlot(out / "devices" / d),
+    followers = {d: DeploymentFollower(d, broker, ModelSlot(out / "devices" / d, prep.ytr[prep.shards[d]]),
                                        lambda bundle, d=d: (features[d], labels[d]), topics, retry_s=1.0).start()
                  for d in devices}
     ctl = DeploymentController(store, broker, topics, tick_s=0.1).start()

@@ -45,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deployments", type=Path, default=None, metavar="DIR",
                    help="follow model rollouts: keep the deployed head (and the one it replaced) in DIR, judge each "
                         "candidate on the held-out split and report the counts (fedfleet admin model deploy)")
+    p.add_argument("--personalize", action="store_true",
+                   help="with --deployments: predict with the deployed head pruned to this device's training labels "
+                        "(OLL), and judge each candidate and the current head that way")
     p.add_argument("--aggregator-key", default=None,
                    help="the aggregator's Ed25519 public key (hex, from enrolment): only messages it signed are "
                         "accepted, and secure aggregation rounds need it (default: unverified, development)")
@@ -97,6 +100,8 @@ def run_device(args) -> int:
 
     from .errors import UserError
 
+    if args.personalize and not args.deployments:
+        raise UserError("--personalize applies to the deployed head: it needs --deployments DIR")
     if args.credentials:
         apply_credentials(args)
     if args.id is None:
@@ -145,7 +150,8 @@ def run_device(args) -> int:
                         aggregator_key=bytes.fromhex(args.aggregator_key) if args.aggregator_key else None).start()
     follower = None
     if args.deployments:
-        follower = follow_deployments(args, broker, extractors, images[holdout_idx], labels[holdout_idx], signer)
+        follower = follow_deployments(args, broker, extractors, images[holdout_idx], labels[holdout_idx], signer,
+                                      labels[train_idx] if args.personalize else None)
     print(f"device {args.id}: {len(train_idx)} training / {len(holdout_idx)} held-out samples, tasks "
           f"{sorted(k for k, h in handlers.items() if not isinstance(h, Unsupported))}"
           f"{sorted(k for k in protocol_handlers if '.' in k)}", flush=True)
@@ -159,9 +165,10 @@ def run_device(args) -> int:
     return 0
 
 
-def follow_deployments(args, broker, extractors, holdout_images, holdout_labels, signer):
+def follow_deployments(args, broker, extractors, holdout_images, holdout_labels, signer, local_labels=None):
     """Follow the device's rollout assignment (``edge_client.deployment``): a candidate head is judged on
-    the held-out split's features through the bundle it names (else --bundle-sha's)."""
+    the held-out split's features through the bundle it names (else --bundle-sha's); OLL-pruned to
+    ``local_labels`` (the training labels) when the device personalises."""
     from edge_client.deployment import DeploymentFollower, ModelSlot
     from protocols.topics import Topics
 
@@ -175,7 +182,7 @@ def follow_deployments(args, broker, extractors, holdout_images, holdout_labels,
             features[sha] = extractors.get(sha)[0].extract(holdout_images)
         return features[sha], holdout_labels
 
-    slot = ModelSlot(args.deployments)
+    slot = ModelSlot(args.deployments, local_labels)
     if slot.current is not None:
         print(f"device {args.id}: running head {slot.current.sha256[:12]} of deployment {slot.current.deployment}",
               flush=True)

@@ -124,6 +124,8 @@ MANIFEST_SCHEMA: dict[str, Any] = {
                 "name": {"type": "string", "minLength": 1},
                 "weights_sha256": {"type": "string", "pattern": _SHA256_PATTERN},
                 "feature_dim": {"type": "integer", "minimum": 1},
+                # [lo, hi] every feature lies in (optional: not every backbone bounds it)
+                "feature_range": {"type": "array", "items": {"type": "number"}, "minItems": 2, "maxItems": 2},
             },
         },
         "task": {
@@ -315,6 +317,7 @@ class Manifest:
     created_with: Mapping[str, str]
     directory: Path = Path(".")
     tail: TailSpec | None = None  # present when the bundle can fine-tune the backbone's tail
+    feature_range: tuple[float, float] | None = None  # what every feature lies in, if the backbone bounds it
 
     def find(self, kind: str, runtime: str) -> ArtifactSpec | None:
         for spec in self.artifacts:
@@ -330,12 +333,13 @@ class Manifest:
 
     def to_json(self) -> dict[str, Any]:
         extra = {} if self.tail is None else {"tail": self.tail.to_json()}
+        bounded = {} if self.feature_range is None else {"feature_range": [float(v) for v in self.feature_range]}
         return {
             **extra,
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
             "backbone": {"name": self.backbone, "weights_sha256": self.weights_sha256,
-                         "feature_dim": self.feature_dim},
+                         "feature_dim": self.feature_dim, **bounded},
             "task": {"num_classes": self.num_classes, "temperature": self.temperature,
                      "output": self.output},
             "input": self.input.to_json(),
@@ -371,6 +375,8 @@ class Manifest:
             created_with=dict(data["created_with"]),
             directory=Path(directory),
             tail=TailSpec.from_json(data["tail"]) if "tail" in data else None,
+            feature_range=(tuple(float(v) for v in data["backbone"]["feature_range"])
+                           if "feature_range" in data["backbone"] else None),
         )
         _check_consistency(manifest)
         return manifest
@@ -388,6 +394,10 @@ def _validate(data: Any) -> None:
 def _check_consistency(manifest: Manifest) -> None:
     if not math.isfinite(manifest.temperature):
         raise ManifestError("manifest task.temperature must be finite")
+    if manifest.feature_range is not None:
+        lo, hi = manifest.feature_range
+        if not (math.isfinite(lo) and math.isfinite(hi) and lo <= hi):
+            raise ManifestError(f"manifest backbone.feature_range {[lo, hi]} must be finite with lo <= hi")
     seen_files: set[str] = set()
     seen_pairs: set[tuple[str, str]] = set()
     for spec in manifest.artifacts:

@@ -17,7 +17,10 @@ from protocols.envelope import Envelope, decode, encode
 from protocols.payloads.fed3r import encode_stats
 
 P, C = 24, 4
-CONFIG = {"job_id": "fed3r-order", "num_classes": C, "feature_dim": P - 1, "clients_per_round": 12}
+# features spanning 1e-3..1e3 (a float-rounding stress test), far outside any backbone's output
+# range: the bounded-influence defaults (docs/algorithms.md) would refuse them, so they are off
+CONFIG = {"job_id": "fed3r-order", "num_classes": C, "feature_dim": P - 1, "clients_per_round": 12,
+          "max_abs_feature": 0.0, "screen_energy_ratio": 0.0}
 DEVICES = [f"dev{i:02d}" for i in range(12)]
 
 

@@ -43,6 +43,8 @@ CASES = [
      "does not exist"),
     ("device: credentials of another device", ["device", "--id", "cam2", "--credentials", "{d}/creds.json",
                                                "--idx", "{d}/a.idx", "{d}/b.idx"], "differs"),
+    ("device: --personalize without --deployments", ["device", "--id", "cam1", "--idx", "{d}/a.idx", "{d}/b.idx",
+                                                     "--personalize"], "needs --deployments"),
     ("admin: API down", ["admin", "status", "--token", "t" * 20, "--url", "http://127.0.0.1:1"], "cannot reach"),
 ]
 

@@ -8,7 +8,8 @@ following their retained assignment with :class:`edge_client.deployment.Deployme
 * an offline device receives the current version when it comes online;
 * an unsigned assignment (when the device holds the aggregator's key) and a tampered head are
   refused: the device keeps running its version and says why;
-* a restarted controller resumes the same deployment and re-sends nothing.
+* a restarted controller resumes the same deployment and re-sends nothing;
+* a device that personalises (OLL) judges and predicts with the head pruned to its local labels.
 """
 
 import hashlib
@@ -60,6 +61,15 @@ def model_id(store, job_id, W, b):
     return store.finish_job(job_id, "done", {}, {}, {"coef": W, "intercept": b}, {}, 1)
 
 
+def oll_correct(head, Z, y, local_labels):
+    """Independent reference for OLL: only the rows of the local classes compete; the argmax's
+    row is mapped back to its class id (held-out samples of other classes are always wrong)."""
+    W, b = (np.asarray(a, dtype=np.float32).astype(np.float64) for a in head)
+    rows = sorted(set(int(c) for c in local_labels))
+    pred = np.array(rows)[(Z @ W[rows].T + b[rows]).argmax(1)]
+    return int((pred == y).sum()), pred
+
+
 def correct(head, Z, y):
     """Independent reference: the head as devices receive it (float32), argmax of the logits."""
     W, b = (np.asarray(a, dtype=np.float32).astype(np.float64) for a in head)
@@ -72,8 +82,9 @@ class Fleet:
         self.topics = Topics(f"t{time.monotonic_ns()}")       # retained messages of other tests stay apart
         self.followers = {}
 
-    def start(self, device):
-        f = DeploymentFollower(device, self.broker, ModelSlot(self.tmp / device), lambda bundle: self.world["holdout"][device],
+    def start(self, device, local_labels=None):
+        f = DeploymentFollower(device, self.broker, ModelSlot(self.tmp / device, local_labels),
+                               lambda bundle: self.world["holdout"][device],
                                topics=self.topics, aggregator_key=self.key, retry_s=0.5, fetch_timeout_s=10)
         self.followers[device] = f.start()
         return f
@@ -283,6 +294,17 @@ def test_the_operator_deploys_promotes_and_rolls_back_through_the_cli(setup, wor
         assert line.startswith("ops-1") and "rolled_back" in line and "field complaints" in line
         shown = cli("deployment", "show", "ops-1")
         assert "canary -> widening: promoted by the operator" in shown and "cam-0" in shown
+        # admin logs: every state change with its reason, in the job log's line format
+        logged = cli("logs", "--deployment", "ops-1").splitlines()
+        assert [line.split()[1:3] for line in logged] == [["canary", "deployment_id=ops-1"],
+                                                          ["widening", "deployment_id=ops-1"],
+                                                          ["widening", "deployment_id=ops-1"],
+                                                          ["complete", "deployment_id=ops-1"],
+                                                          ["rolled_back", "deployment_id=ops-1"]]
+        assert "why=promoted by the operator" in logged[1] and "why=field complaints" in logged[-1]
+        assert "admin logs: name a job" in cli("logs", ok=False)
+        assert "admin logs: name a job" in cli("logs", "job", "--deployment", "ops-1", ok=False)
+        assert "HTTP 404" in cli("logs", "--deployment", "nope", ok=False)
 
         client = TestClient(create_app(store, TOKEN, None, ctl))
         auth = {"Authorization": f"Bearer {TOKEN}"}
@@ -290,6 +312,14 @@ def test_the_operator_deploys_promotes_and_rolls_back_through_the_cli(setup, wor
         bad = client.post(f"/api/models/{good}/deploy", headers=auth, json={"guard": "accuracy>0"})
         assert bad.status_code == 422 and "METRIC OP NUMBER" in bad.json()["detail"]
         assert client.get("/api/deployments/nope", headers=auth).status_code == 404
+        history = client.get("/api/deployments/ops-1", headers=auth).json()["history"]
+        page = client.get("/api/deployments/ops-1/log?offset=3", headers=auth).json()
+        assert page["next_offset"] == len(history) == 5 and page["state"] == "rolled_back"
+        assert [(e["from"], e["event"], e["why"]) for e in page["lines"]] == \
+            [(h["from"], h["to"], h["why"]) for h in history[3:]]
+        assert client.get("/api/deployments/ops-1/log?offset=9", headers=auth).json() == \
+            {"lines": [], "next_offset": 9, "state": "rolled_back"}
+        assert client.get("/api/deployments/ops-1/log?offset=-1", headers=auth).status_code == 422
         read_only = TestClient(create_app(store, TOKEN))
         assert read_only.post(f"/api/models/{good}/deploy", headers=auth, json={}).status_code == 409
         assert read_only.get("/api/deployments/ops-1", headers=auth).json()["state"] == "rolled_back"
@@ -319,3 +349,48 @@ def test_rolling_back_the_settled_version_brings_back_the_one_before_for_every_d
     fleet.start("cam-9")
     wait_for(lambda: fleet.sha("cam-9") == good_sha, what="the new device on v1")
     assert ctl.show("v2")["replaces"] == good and ctl.show("v2")["reason"] == "wrong labels"
+
+
+def test_a_personalising_device_judges_and_predicts_with_the_oll_pruned_head(setup, world):
+    store, controller, fleet = setup
+    good, broken = model_id(store, "good", *world["good"]), model_id(store, "broken", *world["broken"])
+    local = {"cam-0": [2, 0, 2], "cam-1": [1]}         # training labels: OLL keeps classes {0, 2} and {1}
+    for d, labels in local.items():
+        fleet.start(d, np.array(labels))
+    fleet.start("cam-2")                                # does not personalise: the full head
+    ctl = controller()
+    ctl.call(lambda: ctl.deploy(good, cohort="devices:cam-0,cam-1,cam-2", stages="100%", bake_s=0.1, min_reports=3,
+                                deployment_id="good-1"))
+    wait_for(lambda: store_state(store, "good-1") == "complete", what="the first head's rollout")
+    ctl.call(lambda: ctl.deploy(broken, cohort="devices:cam-0,cam-1,cam-2", stages="100%", bake_s=0.1,
+                                min_reports=3, guard="wma_drop<=100", deployment_id="broken-1"))
+    wait_for(lambda: ctl.show("broken-1")["counts"]["reported"] == 3, what="the three reports on the second head")
+    view = ctl.show("broken-1")
+    for d, labels in local.items():
+        Z, y = world["holdout"][d]
+        good_right, good_pred = oll_correct(world["good"], Z, y, labels)
+        broken_right, broken_pred = oll_correct(world["broken"], Z, y, labels)
+        assert set(y) - set(labels), "the held-out split must hold classes the device never trained on"
+        assert good_right != correct(world["good"], Z, y) or broken_right != correct(world["broken"], Z, y)
+        rep = view["devices"][d]["report"]
+        assert (rep["correct_candidate"], rep["correct_current"]) == (broken_right, good_right)
+        np.testing.assert_array_equal(fleet.followers[d].slot.predict(Z), broken_pred)
+        # the application's own slot on the same directory predicts the same way (the labels are kept)
+        np.testing.assert_array_equal(ModelSlot(fleet.tmp / d).predict(Z), broken_pred)
+    Z, y = world["holdout"]["cam-2"]
+    rep = view["devices"]["cam-2"]["report"]
+    assert (rep["correct_candidate"], rep["correct_current"]) == (correct(world["broken"], Z, y),
+                                                                 correct(world["good"], Z, y))
+
+
+def test_local_labels_the_head_has_no_row_for_are_refused_and_the_device_keeps_its_version(setup, world):
+    store, controller, fleet = setup
+    good = model_id(store, "good", *world["good"])
+    follower = fleet.start("cam-0", np.array([0, C]))        # a class the 3-class head does not have
+    ctl = controller()
+    ctl.call(lambda: ctl.deploy(good, cohort="devices:cam-0", stages="100%", bake_s=0.1, deployment_id="good-1"))
+    wait_for(lambda: follower.refusals, what="the refusal")
+    assert "cannot be loaded" in follower.refusals[-1] and f"[0, {C})" in follower.refusals[-1]
+    assert follower.slot.current is None and follower.reports[-1]["refused"] == follower.refusals[-1]
+    with pytest.raises(ValueError, match="non-negative integers"):
+        ModelSlot(fleet.tmp / "cam-x", np.array([0.5]))

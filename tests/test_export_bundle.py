@@ -127,6 +127,7 @@ def test_manifest_describes_every_file(bundle):
     assert np.allclose(manifest.input.mean, backbone.mean)
     assert np.allclose(manifest.input.std, backbone.std)
     assert manifest.temperature == pytest.approx(0.1)
+    assert manifest.feature_range == backbone.feature_range == (0.0, 6.0)    # ReLU6 then pooling
     offered = {(spec.kind, spec.runtime) for spec in manifest.artifacts}
     assert offered == {("inference", "executorch"), ("inference", "onnxruntime"),
                        ("inference", "eager"), ("training", "executorch"), ("training", "eager")}

@@ -56,10 +56,10 @@ def test_a_shard_stores_and_receipts_its_devices_once_and_forwards_the_rest(tmp_
     assert isinstance(first, Receipt) and isinstance(again, Receipt)
     def what(r):                # the same result (its bytes on the wire differ: each send has its timestamp)
         env = decode(r.raw)
-        return env.id, {k: v for k, v in env.body.items() if k != RECEIPT}, env.body[RECEIPT]["contributed"]
+        return env.id, {k: v for k, v in env.body.items() if k != RECEIPT}, env.body[RECEIPT]["job"]
     assert what(first) == what(again)
     receipt = decode(first.raw)
-    assert receipt.id == f"{mine[0]:032x}" and not receipt.tensors and receipt.body[RECEIPT]["contributed"] == 4 + mine[0]
+    assert receipt.id == f"{mine[0]:032x}" and not receipt.tensors and receipt.body[RECEIPT]["job"]["contributed"] == 4 + mine[0]
     assert shard.stored == 1 and len(list(shard.store.contributions("sharded"))) == 1
     assert isinstance(feed(shard, mine[1], result(mine[1], job="other")), Forward)           # not the active job
     assert isinstance(feed(shard, mine[1], result(mine[1], corrupt=True)), Forward)          # refused by the job
@@ -87,6 +87,10 @@ def test_shards_sum_the_coordinators_accepted_ids_to_one_aggregators_bytes(tmp_p
     for k, v in reference.model_arrays().items():
         assert got[k].tobytes() == v.tobytes(), k
     assert coordinator.contributed == {d: 4 + i for i, d in enumerate(DEVICES) if i != late}
+    direct = build_job("fed3r", CONFIG)                     # the fleet screen's input, as one aggregator keeps it
+    for i in (i for i in range(len(DEVICES)) if i != late):
+        direct.apply(DEVICES[i], direct.parse_result(decode(result(i))))
+    assert direct.energies and coordinator.inner.energies == direct.energies
     assert sorted(coordinator.reduced().contributed) == sorted(coordinator.contributed)
     with pytest.raises(StoreError, match="lacks accepted"):      # an accepted id no shard holds
         shards[0].sums("sharded", [(d, "f" * 32) for d in DEVICES if shard_of(d, 3) == 0])

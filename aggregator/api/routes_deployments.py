@@ -8,7 +8,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Any, Literal
 
-from fastapi import FastAPI, HTTPException, Path, status
+from fastapi import FastAPI, HTTPException, Path, Query, status
 from pydantic import BaseModel, Field
 
 from aggregator.api.context import ApiContext
@@ -65,6 +65,23 @@ class DeploymentOut(BaseModel):
                                                            "(held-out counts only, or why it refused)")
 
 
+class DeploymentLogPage(BaseModel):
+    lines: list[dict[str, Any]] = Field(description="the deployment's state changes from ``offset`` on, oldest first: "
+                                                    "time, from, to, stage, why (a promotion's or rollback's reason) "
+                                                    "and the stage's metrics")
+    next_offset: int = Field(description="pass as ?offset= to get the changes after these")
+    state: str
+
+
+def log_lines(view: dict, offset: int) -> list[dict]:
+    """The deployment's history from entry ``offset`` on as log events (the shape of the job's round
+    log, ``fedfleet admin logs``; the event is the state entered): the metrics the stage was judged on
+    become fields of their own."""
+    return [{"t": h["t"], "deployment_id": view["deployment_id"], "event": h["to"], "stage": h["stage"],
+             "from": h["from"], "why": h["why"], **(h.get("metrics") or {})}
+            for h in view["history"][offset:]]
+
+
 def add_deployment_routes(app: FastAPI, ctx: ApiContext) -> None:
     get, post = (partial(method, tags=["deployments"]) for method in (app.get, app.post))
     table = DeploymentStore(ctx.store)
@@ -82,6 +99,13 @@ def add_deployment_routes(app: FastAPI, ctx: ApiContext) -> None:
     @get("/api/deployments/{deployment_id}", response_model=DeploymentOut, responses=ONE)
     def deployment(deployment_id: str = DeploymentId) -> dict:
         return view(deployment_id)
+
+    @get("/api/deployments/{deployment_id}/log", response_model=DeploymentLogPage, responses=ONE,
+         description="the deployment's state changes with their reasons from entry ``offset`` on "
+                     "(``fedfleet admin logs --deployment ID --follow`` polls it with ``next_offset``)")
+    def deployment_log(deployment_id: str = DeploymentId, offset: int = Query(default=0, ge=0, le=MAX_ID)) -> dict:
+        v = view(deployment_id)
+        return {"lines": log_lines(v, offset), "next_offset": max(offset, len(v["history"])), "state": v["state"]}
 
     @post("/api/models/{model_id}/deploy", response_model=DeploymentOut, status_code=201, responses=WRITE,
           description="roll the model version out: canary cohort, guard on the devices' held-out counts, "

@@ -49,10 +49,18 @@ def add_job_routes(app: FastAPI, ctx: ApiContext) -> None:
         return ctx.job_out(ctx.mutate(lambda: ctx.service.control_job(job_id, action)))
 
     @get("/api/jobs/{job_id}/quarantine", response_model=list[Quarantined], responses=ONE,
-           description="contributions that passed validation but broke the job: kept out of it, with the reason")
+           description="contributions that passed validation but broke the job, or that its fleet screen named: "
+                       "kept out of it, with the reason")
     def quarantine(job_id: str = JobId) -> list[dict]:
         ctx.job(job_id)
         return store.quarantined(job_id)
+
+    @post("/api/jobs/{job_id}/quarantine/{device_id}/release", response_model=list[Quarantined], responses=WRITE,
+          description="reverse a quarantine: the device may be asked again and the job's fleet screen spares it; "
+                      "answers the job's remaining quarantine")
+    def release_quarantine(job_id: str = JobId, device_id: str = Path(pattern=ID_PATTERN)) -> list[dict]:
+        ctx.job(job_id)
+        return ctx.mutate(lambda: ctx.service.release_quarantine(job_id, device_id))
 
     @get("/api/jobs/{job_id}/rounds", response_model=list[Round], responses=ONE)
     def rounds(job_id: str = JobId) -> list[dict]:

@@ -122,6 +122,12 @@ class Job(ABC):
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         """Back to a checkpoint of :meth:`state_dict` (a restart)."""
 
+    def screened_devices(self) -> dict[str, str]:
+        """Devices the job's fleet screen named at the round close just made (device -> why): the
+        service quarantines their contributions and rebuilds the job without them (plaintext Fed3R,
+        ``aggregator/strategies/robust_fed3r.py``). None by default."""
+        return {}
+
     @abstractmethod
     def bookkeeping(self) -> dict:
         """JSON-able scheduling state as of the round just opened (stored with the round)."""

@@ -83,13 +83,17 @@ FIELD_LIMITS: dict[str, Range | OneOf | Pattern | Fields | Items] = {
                                "sigma": (float, Range(1e-12, 1e12))}),
     # secure aggregation
     "graph": OneOf(("complete", "regular")), "expected_dropout": Range(0, 0.49), "max_samples": Range(1, 10_000_000),
-    "max_abs_feature": Range(1e-6, 1e6), "max_abs_param": Range(1e-6, 1e6),
+    "max_abs_feature": Range(0, 1e6), "max_abs_param": Range(1e-6, 1e6),
     "identity_file": PATH, "device_keys_file": PATH,
     # differential privacy (aggregator/jobs/privacy_fields.py)
     "dp_noise_multiplier": Range(0, 1e4), "dp_target_epsilon": Range(0, 1e4), "dp_delta": Range(1e-15, 0.1),
     "dp_clip_norm": Range(1e-9, 1e9), "dp_adaptive_clip": OneOf((True, False)), "dp_target_quantile": Range(1e-3, 0.999),
     "dp_clip_lr": Range(1e-6, 10), "dp_count_stddev": Range(0, 1e6), "dp_population": COUNT,
     "feature_clip_norm": Range(0, 1e6),
+    # bounded influence (aggregator/jobs/robustness_fields.py)
+    "aggregator": OneOf(("mean", "median", "trimmed_mean", "krum", "multi_krum")),
+    "norm_bound_multiplier": Range(0, 1e6), "trim_fraction": Range(0, 0.499), "krum_byzantine": Range(0, 100_000),
+    "krum_select": Range(0, 100_000), "update_clip_norm": Range(0, 1e9), "max_device_samples": Range(1, 1_000_000_000), "screen_energy_ratio": Range(0, 1e6), "screen_min_fleet": Range(1, 1_000_000),
     # FedAvg family
     "local_epochs": Range(1, 1000), "batch_size": Range(1, 1_000_000), "client_lr": Range(0, 100),
     "weight_decay": Range(0, 10), "temperature": Range(1e-6, 1e6), "server_lr": Range(0, 100),

@@ -32,11 +32,13 @@ from aggregator.strategies.fed3r import Fed3R
 from aggregator.jobs.base import SplitValidation
 from aggregator.jobs.model_fields import ModelFields
 from aggregator.jobs.privacy_fields import PrivacyBudgetFields
+from aggregator.jobs.robustness_fields import Fed3RRobustnessFields
+from aggregator.strategies.robust_fed3r import energy_per_sample
 from aggregator.jobs.scheduling import OncePerDevice
 
 
 @dataclass
-class Fed3RConfig(PrivacyBudgetFields, ModelFields):
+class Fed3RConfig(Fed3RRobustnessFields, PrivacyBudgetFields, ModelFields):
     job_id: str = "fed3r"
     lam: float = 0.01
     fit_intercept: bool = True
@@ -52,6 +54,7 @@ class Fed3RConfig(PrivacyBudgetFields, ModelFields):
 
     def __post_init__(self):
         super().__post_init__()
+        self.check_robustness()
         if self.dp:
             if self.streaming:
                 raise ValueError("a DP Fed3R job cannot stream: each increment would be another release of a device")
@@ -85,6 +88,8 @@ class Fed3RJob(OncePerDevice, SplitValidation):
     attempts: dict[str, int] = field(default_factory=dict)
     round: int = 0
     kind: str = KIND
+    energies: dict[str, float] = field(default_factory=dict)     # device -> energy per sample (the screen's input)
+    screened_out: dict[str, str] = field(default_factory=dict)   # device -> why, at the last round close
 
     @property
     def order_free(self) -> bool:
@@ -98,6 +103,7 @@ class Fed3RJob(OncePerDevice, SplitValidation):
 
     def __post_init__(self):
         c = self.config
+        self._bound, self._screen = c.feature_bound(), c.energy_screen()
         if self.strategy is None and c.dp:
             self.strategy = NoisyFed3R(c.num_classes, c.p, c.lam, c.fit_intercept, c.normalize_columns,
                                        c.dp_noise_stddev())
@@ -129,11 +135,12 @@ class Fed3RJob(OncePerDevice, SplitValidation):
         c = self.config
         stats = parse_stats(env, c.p, c.num_classes, fit_intercept=c.fit_intercept,
                             positive_definite=self.strategy.positive_definite)
-        if c.dp:
-            try:
+        try:
+            if c.dp:                            # the clipping the privacy guarantee rests on: said first
                 check_bounded(stats, c.max_samples, c.feature_clip_norm, c.fit_intercept)
-            except ValueError as exc:
-                raise EnvelopeError(str(exc)) from None
+            self._bound.check(stats)            # bounded influence (aggregator/strategies/robust_fed3r.py)
+        except ValueError as exc:
+            raise EnvelopeError(f"{KIND}: {exc}") from None
         return stats
 
     def _check_increment(self, env: Envelope, stats: Fed3RStats) -> Fed3RStats:
@@ -155,7 +162,9 @@ class Fed3RJob(OncePerDevice, SplitValidation):
     def close_round(self, closed: RoundClosed) -> None:
         if self.config.dp:
             self.strategy.release()   # the round's sum, noised, joins the released sums
-        # without DP Fed3R is purely additive: nothing happens at round boundaries
+        # without DP Fed3R is purely additive; the fleet screen runs over every device seen so far,
+        # and the service quarantines what it names (the job is rebuilt from the store without it)
+        self.screened_out = self._screen.outliers(self.energies)
 
     def model_arrays(self) -> dict[str, np.ndarray]:
         m = self.strategy.solve()
@@ -172,6 +181,8 @@ class Fed3RJob(OncePerDevice, SplitValidation):
             raise ValueError(f"{device} already contributed")  # the round machine prevents this
         self.strategy.add(stats)
         self.contributed[device] = self.contributed.get(device, 0) + stats.n
+        if self._screen.active:
+            self.energies[device] = energy_per_sample(stats, self.config.fit_intercept)
         if self.config.streaming:
             self.attempts[device] = 0       # delivered: it may be asked again for what it gathers next
 
@@ -191,6 +202,19 @@ class Fed3RJob(OncePerDevice, SplitValidation):
 
     def model(self):
         return self.strategy.solve()
+
+    def screened_devices(self) -> dict[str, str]:
+        return self.screened_out
+
+    def bookkeeping(self) -> dict:
+        return {**super().bookkeeping(), "energies": dict(self.energies)}
+
+    def restore_bookkeeping(self, state: dict) -> None:
+        super().restore_bookkeeping(state)
+        # merged with what the replay re-applied (and re-measured); a device whose contribution the
+        # job no longer holds (quarantined since) is no longer part of the fleet
+        kept = {d: float(e) for d, e in state.get("energies", {}).items() if d in self.contributed}
+        self.energies = {**kept, **self.energies}
 
 
 _RF_CACHE: dict = {}

@@ -32,13 +32,12 @@ from protocols.secagg.fixedpoint import fed3r_bound
 from aggregator.strategies.dp_fed3r import row_norm_bound
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
 from aggregator.jobs.secure_fields import SecureAggregationFields
-from aggregator.jobs.secure_rounds import MIN_GROUP, SecureGroupRounds
+from aggregator.jobs.secure_rounds import MIN_GROUP, GroupSumOutOfBound, SecureGroupRounds
+from aggregator.strategies.robust_fed3r import FeatureBound, check_group_sum
 
 
 @dataclass
 class Fed3RSyncConfig(Fed3RConfig, SecureAggregationFields):
-    max_abs_feature: float = 6.0            # ReLU6 features of MobileNetV2 / EfficientNet-Lite; with max_samples: B and f
-
     def __post_init__(self):
         super().__post_init__()
         if self.streaming:
@@ -61,6 +60,7 @@ class Fed3RSyncJob(SecureGroupRounds, Fed3RJob):
         rf = config.random_features
         feature_bound = (np.sqrt(2.0 / rf["dim"]) if rf else config.max_abs_feature)
         self.bound = fed3r_bound(config.max_samples, max(feature_bound, 1.0))   # ≥ 1: the bias feature
+        self._group_bound = FeatureBound(feature_bound, config.max_samples, config.fit_intercept)
         self.vector_length = sync_vector_length(config.p, config.num_classes)
         self.group_samples: list[int] = []
         self._round_dp: dict | None = None
@@ -106,6 +106,10 @@ class Fed3RSyncJob(SecureGroupRounds, Fed3RJob):
         if self.config.dp:           # already noisy (the devices' shares); n is 0: counts are not released
             self.strategy.add_noised(a_upper, b, n, len(survivors))
         else:
+            try:
+                check_group_sum(a_upper, b, n, len(survivors), self._group_bound)
+            except ValueError as exc:
+                raise GroupSumOutOfBound(str(exc)) from None
             self.strategy.add_dense(a_upper, b, n)
         self.group_samples.append(n)
         for d in survivors:

@@ -7,13 +7,15 @@ a round:
    sorted pool, so a seed fixes the whole participation schedule) and opens round t.
 2. ``task_for(device)`` sends the global head *as of the opening* ({"weight" (C, d),
    "bias" (C,)} float32) and the local recipe (epochs, batch, lr, wd, T, a per-device seed).
-3. ``apply`` adds each accepted update to the round's :class:`WeightedMean` (weight n_k).
+3. ``apply`` keeps each accepted update for the round (its tensors and weight n_k).
    An update is applied only if it names the open round and comes from one of its
    participants; anything else (a late result of a closed round that slipped past the round
    machine, a stranger) is discarded and counted in ``late_discarded``: a late update never
    reaches a later round's average.
 4. ``close_round`` (all answered, or the deadline passed: stragglers are simply missing)
-   takes one server step with the strategy (FedAvg / FedAvgM). A round with no update leaves
+   bounds each update's norm, combines them with the job's rule (the sample-weighted mean, or a
+   robust one: ``aggregator/strategies/robust_fedavg.py``) and takes one server step with the
+   strategy (FedAvg / FedAvgM). A round with no update leaves
    the head and the server momentum unchanged.
 
 Initialisation (``init``): "random" (nn.Linear's U(±1/√d), seeded), "zeros", or "fed3r": the
@@ -37,10 +39,11 @@ from protocols.rounds import RoundClosed
 
 from aggregator.compute.evaluation import head_accuracy
 from aggregator.strategies.dp_fedavg import DPFedAvg
-from aggregator.strategies.fedavg import FedAvg, WeightedMean
+from aggregator.strategies.fedavg import FedAvg
 from aggregator.jobs.base import Job
 from aggregator.jobs.model_fields import ModelFields
 from aggregator.jobs.privacy_fields import UpdateClippingFields
+from aggregator.jobs.robustness_fields import FedAvgRobustnessFields
 
 log = logging.getLogger("fedfleet.aggregator")
 
@@ -49,7 +52,7 @@ FED3R_INIT_LR_FACTOR = 0.1
 
 
 @dataclass
-class FedAvgConfig(UpdateClippingFields, ModelFields):
+class FedAvgConfig(FedAvgRobustnessFields, UpdateClippingFields, ModelFields):
     job_id: str = "fedavg"
     rounds: int = 100
     local_epochs: int = 1
@@ -69,6 +72,7 @@ class FedAvgConfig(UpdateClippingFields, ModelFields):
         if self.rounds < 1 or self.clients_per_round < 1:
             raise ValueError("rounds and clients_per_round must be >= 1")
         self.check_update_clipping()
+        self.check_robust_aggregation()
 
     @property
     def device_lr(self) -> float:
@@ -206,11 +210,15 @@ class FedAvgJob(Job):
         """(Σ n_k θ_k / Σ n_k or None, updates, Σ n_k) of the round being closed."""
         # Averaged in device-id order, so the result depends on which updates arrived, never on
         # their arrival order (a restarted aggregator reproduces the model bit for bit).
-        mean = WeightedMean()
-        for device in sorted(self._updates):
-            tensors, n = self._updates[device]
-            mean.add(tensors, n)
-        return (mean.result() if mean.count else None), mean.count, mean.total_weight
+        # Bounded influence (aggregator/strategies/robust_fedavg.py): the norm bound, then the job's rule.
+        updates = [self._updates[d] for d in sorted(self._updates)]
+        if not updates:
+            return None, 0, 0
+        current = {name: self.params[name] for name in updates[0][0]}
+        combined, report = self.config.robust_aggregation().aggregate(current, updates)
+        if report.get("skipped") or report.get("norm_bounded"):
+            log.warning("round %d: %s", self.round, report)
+        return combined, (len(updates) if combined is not None else 0), sum(n for _, n in updates)
 
     def round_step(self) -> tuple[dict[str, np.ndarray] | None, int, int]:
         """(the moved tensors or None, updates, Σ n_k) of the round being closed. The strategy moves

@@ -53,6 +53,8 @@ from protocols.rounds import RoundClosed
 
 from aggregator.strategies.dp_fedavg import ClippedGaussianSum
 from aggregator.strategies.dp_ladd import DPClusterAveraging
+from aggregator.strategies.robust_ladd import RobustClusterAveraging
+from aggregator.jobs.robustness_fields import FedAvgRobustnessFields
 from aggregator.strategies.ladd import (ClusterAveraging, ClusterSpecificAveraging, StyleClustering, SwaTeacher,
                                cluster_specific_predicate)
 from aggregator.jobs.base import Job
@@ -66,8 +68,8 @@ Pretrainer = Callable[[np.ndarray], tuple[Arrays, list[str]]]
 
 
 @dataclass
-class LaddConfig(UpdateClippingFields):
-    """The fields every job has (``aggregator/jobs/base.py``), DP-FedAvg's clipping, and LADD's."""
+class LaddConfig(FedAvgRobustnessFields, UpdateClippingFields):
+    """The fields every job has (``aggregator/jobs/base.py``), DP-FedAvg's clipping, the robust rule within each cluster, and LADD's."""
 
     job_id: str = "ladd"
     model: dict = field(default_factory=dict)      # edge_client SegmentationSpec as a dict
@@ -111,6 +113,7 @@ class LaddConfig(UpdateClippingFields):
             raise ValueError("model must be a segmentation spec with at least num_classes and image_size")
         self.recipe(seed=0)          # refuse a recipe the devices would refuse, before any round
         self.check_update_clipping()
+        self.check_robust_aggregation()
 
     def recipe(self, seed: int) -> SelfTrainingRecipe:
         return SelfTrainingRecipe(epochs=self.local_epochs, batch_size=self.batch_size, lr=self.lr,
@@ -273,6 +276,9 @@ class LaddJob(Job):
         return self._open_round(self.train_kind, chosen)
 
     def _new_aggregation(self, chosen) -> ClusterAveraging:
+        c = self.config
+        if self.dp is None and (c.aggregator != "mean" or c.norm_bound_multiplier):   # bounded influence
+            return RobustClusterAveraging(self.is_theta, c.robust_aggregation())
         if self.dp is None:
             return ClusterSpecificAveraging(self.is_theta)
         selected = Counter(self.assignment.get(d, 0) for d in chosen)      # "none": all in cluster 0

@@ -31,13 +31,16 @@ from protocols.rounds import RoundClosed
 
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob
 from aggregator.jobs.fedavg_tail import TailFedAvgConfig, TailFedAvgJob
+from aggregator.jobs.robustness_fields import SecureUpdateBoundFields
 from aggregator.jobs.secure_fields import SecureUpdateFields
-from aggregator.jobs.secure_rounds import MIN_GROUP, SecureGroupRounds
+from aggregator.jobs.secure_rounds import MIN_GROUP, GroupSumOutOfBound, SecureGroupRounds
+from aggregator.strategies.robust_fedavg import check_weighted_group_sum
 
 
 @dataclass
-class SecureFedAvgConfig(FedAvgConfig, SecureUpdateFields):
-    """FedAvg's fields and the secure ones (``aggregator/jobs/secure_fields.py``)."""
+class SecureFedAvgConfig(FedAvgConfig, SecureUpdateFields, SecureUpdateBoundFields):
+    """FedAvg's fields, the secure ones (``aggregator/jobs/secure_fields.py``) and the group-sum bound
+    (``aggregator/jobs/robustness_fields.py``)."""
 
 
 class SecureFedAvgJob(SecureGroupRounds, FedAvgJob):
@@ -74,6 +77,8 @@ class SecureFedAvgJob(SecureGroupRounds, FedAvgJob):
         c = self.config
         params = {**params, "group": f"g{self.round}", "max_samples": c.max_samples,
                   "max_abs_param": c.max_abs_param, "vector_order": list(self.trained_shapes())}
+        if c.update_clip_norm > 0 and self.dp is None:      # bounded influence: clipped before masking
+            params["update_clip_norm"] = c.update_clip_norm
         if self.dp is not None:
             params["dp"] = dict(self._round_dp)
         return params, head
@@ -94,10 +99,21 @@ class SecureFedAvgJob(SecureGroupRounds, FedAvgJob):
             # the noisy sum of clipped updates over the fixed κ (n counts the survivors: weights are 1)
             self._sum = ({name: s / self.config.clients_per_round for name, s in sums.items()}, len(survivors), n)
         else:
+            self._check_group_sum(sums, n, survivors)
             self._sum = ({name: weighted / n for name, weighted in sums.items()}, len(survivors), n)
         self.samples += n
         for d in survivors:
             self.contributed[d] = self.contributed.get(d, 0) + 1
+
+    def _check_group_sum(self, sums: dict[str, np.ndarray], n: int, survivors: tuple[str, ...]) -> None:
+        """Bounded influence: GroupSumOutOfBound when the sum breaks its members' clipped bound n·C."""
+        c = self.config
+        if c.update_clip_norm > 0:
+            try:
+                check_weighted_group_sum(sums, n, {k: self.params[k] for k in sums}, len(survivors),
+                                         c.update_clip_norm, c.max_samples)
+            except ValueError as exc:
+                raise GroupSumOutOfBound(str(exc)) from None
 
     def round_mean(self) -> tuple[dict[str, np.ndarray] | None, int, int]:
         return self._sum if self._sum is not None else (None, 0, 0)

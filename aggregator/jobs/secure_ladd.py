@@ -81,6 +81,8 @@ class SecureLaddConfig(LaddConfig, SecureUpdateFields):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.aggregator != "mean":
+            raise ValueError(f"aggregator {self.aggregator!r} needs each device's update; a secure job sees only sums")
         if self.min_cluster_contributors < 2:
             raise ValueError("min_cluster_contributors must be >= 2 (a one-device slot is that device's update)")
         if self.max_samples < 1 or not self.max_abs_param > 0:

@@ -45,6 +45,11 @@ log = logging.getLogger("fedfleet.aggregator.secagg")
 MIN_GROUP = 3      # fewer devices cannot hide anyone's update in a sum
 
 
+class GroupSumOutOfBound(ValueError):
+    """A group's unmasked sum breaks the bound its members' honest inputs respect
+    (``on_secure_sum`` raises it): the group is discarded like a failed round and reported."""
+
+
 class LateProtocolMessage(EnvelopeError):
     """A secure-aggregation message for a round that already ended: answered with silence and
     counted as late, like a late result (a slow device's unmask share after the sum was made)."""
@@ -174,7 +179,12 @@ class SecureGroupRounds(Job):
                 # Who is in the sum is decided here, by the protocol, not by the round machine's view
                 # of presence: a device may go offline right after sending its masked input.
                 survivors = tuple(sorted(o.survivors))
-                self.on_secure_sum(o.decode(), survivors)
+                try:
+                    self.on_secure_sum(o.decode(), survivors)
+                except GroupSumOutOfBound as exc:        # bounded influence: nothing of it is applied
+                    log.warning("secure round %d: group sum discarded: %s", round_id, exc)
+                    self._failed(round_id, f"group sum out of bound: {exc}")
+                    continue
                 self._settled[round_id] = survivors
                 log.info("secure round %d: sum of %d devices", round_id, len(survivors))
                 self.secure = None

@@ -195,15 +195,37 @@ class JobRunner:
         """Keep a contribution that passed validation but broke the job out of the job for good: out
         of the store's replay (a restart never meets it again), rejected to its device, and the job
         rebuilt without it (``on_fatal`` below); without a store the job cannot be rebuilt: it stops."""
-        a = self.a
-        log.error("job %s: contribution %s from %s quarantined: %s", a.job_id, act.message_id, act.device, reason)
-        a.stats.reject("quarantined")
-        a.quarantined.add(act.device)
-        self.send(act.device, M.ack_message(AGGREGATOR_ID, act.message_id, "rejected", f"quarantined: {reason}"))
-        self.events.write("quarantined", round_, device=act.device, reason=reason)
-        if self.store is not None:
-            self.store.quarantine(a.job_id, round_, act.device, act.message_id, reason)
+        self._quarantine_one(round_, act.device, act.message_id, reason)
         self.on_fatal(f"contribution from {act.device} quarantined: {reason}")
+
+    def _screened(self, job: Job) -> dict[str, str]:
+        """What the job's fleet screen named at this round close, less the devices an operator released."""
+        screened = job.screened_devices()
+        if screened and self.store is not None:
+            exempt = self.store.screen_exempt(self.a.job_id)
+            screened = {d: why for d, why in screened.items() if d not in exempt}
+        return screened
+
+    def _quarantine_screened(self, screened: dict[str, str]) -> None:
+        """The job's fleet screen named devices at a round close (``aggregator/strategies/robust_fed3r.py``):
+        every contribution of theirs is quarantined and the job rebuilt from the store without them,
+        exactly (the round closes again in the rebuilt job)."""
+        stored = list(self.store.contributions(self.a.job_id, with_payload=False)) if self.store is not None else []
+        for device, reason in screened.items():
+            for c in (c for c in stored if c.device == device):
+                self._quarantine_one(c.round, device, c.message_id, reason)
+            self.a.quarantined.add(device)
+        self.on_fatal(f"screened out: {', '.join(screened)}", stop=self.store is None)
+
+    def _quarantine_one(self, round_: int, device: str, message_id: str, reason: str) -> None:
+        a = self.a
+        log.error("job %s: contribution %s from %s quarantined: %s", a.job_id, message_id, device, reason)
+        a.stats.reject("quarantined")
+        a.quarantined.add(device)
+        self.send(device, M.ack_message(AGGREGATOR_ID, message_id, "rejected", f"quarantined: {reason}"))
+        self.events.write("quarantined", round_, device=device, reason=reason)
+        if self.store is not None:
+            self.store.quarantine(a.job_id, round_, device, message_id, reason)
 
     def _close_round(self, act: RoundClosed) -> None:
         a = self.a
@@ -212,6 +234,9 @@ class JobRunner:
         self.crash("round_closing")
         try:
             a.job.close_round(act)
+            screened = self._screened(a.job)
+            if screened:
+                return self._quarantine_screened(screened)
             a.round_log.append(a.round_entry(act, a.opened_at.get(act.round), time.time()))
             if not self.eval_each:
                 self._record_eval()

@@ -48,6 +48,18 @@ class OperatorActions:
             raise KeyError(f"job {job_id!r} holds no data of {device_id!r}")
         return report
 
+    def release_quarantine(self, job_id: str, device_id: str) -> list[dict]:
+        """Reverse a quarantine (e.g. a fleet screen's): the device may be asked again, and the job's
+        screen spares it from now on; a running job is rebuilt from the store to see it. Returns the
+        job's remaining quarantine."""
+        if self.store is None:
+            raise StoreError("releasing a quarantine needs the aggregator's store")
+        if not self.store.release_quarantine(job_id, device_id):
+            raise KeyError(f"job {job_id!r} has no quarantined contribution of {device_id!r}")
+        if self.active is not None and self.active.job_id == job_id and not self.active.final_state:
+            self._job_broken(f"quarantine of {device_id} released")
+        return self.store.quarantined(job_id)
+
     def create_job(self, kind: str, config: dict) -> dict:
         """Store a new job; its bundle is the one this service serves unless the config names one."""
         return job_control.create_job(self.store, kind, with_served_bundle(kind, config, self.artifacts))

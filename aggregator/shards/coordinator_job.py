@@ -21,6 +21,7 @@ from protocols.envelope import Envelope, EnvelopeError
 from protocols.rounds import RoundClosed
 
 from aggregator.jobs.base import Job
+from aggregator.shards.partial_sums import additive
 from aggregator.shards.shard import RECEIPT
 
 # (kind, config, job id, accepted (device, message id)s) -> the reduced job
@@ -69,16 +70,21 @@ class ShardedJob(Job):
     # receipts in place of results
     def parse_result(self, env: Envelope) -> tuple[str, Any]:
         receipt = env.body.get(RECEIPT)
-        if not isinstance(receipt, dict) or "contributed" not in receipt:
+        if not isinstance(receipt, dict) or not isinstance(receipt.get("job"), dict):
             raise EnvelopeError("a sharded job takes its results from its shards' receipts only")
-        return env.id, receipt["contributed"]
+        return env.id, receipt["job"]
 
-    def apply(self, device: str, payload: tuple[str, Any]) -> None:
-        message_id, contributed = payload
+    def apply(self, device: str, payload: tuple[str, dict]) -> None:
+        message_id, kept = payload
         if device in self.inner.contributed:
             raise ValueError(f"{device} already contributed")  # the round machine prevents this
         self.accepted.append((device, message_id))
-        self.inner.contributed[device] = contributed
+        additive(self.kind_name).record(self.inner, device, kept)
+
+    def screened_devices(self) -> dict[str, str]:
+        """The job's fleet screen over the energies the receipts carried: the service quarantines
+        those devices and rebuilds this job from its store without their receipts."""
+        return self.inner.screened_devices()
 
     # the model: the shards' sums, reduced
     def reduced(self) -> Job:

@@ -27,32 +27,44 @@ Node = tuple[int, int]      # the buckets [start, end) under one node of the tre
 
 class AdditiveState(ABC):
     """How two partial states of a job kind add up to the state of their union, and what the job
-    records of a contribution in ``contributed`` (the coordinator records it from a shard's receipt,
-    never seeing the contribution itself)."""
+    keeps of each contribution besides its sums: a shard puts it in its receipt (:meth:`receipt`),
+    the coordinator's job records it (:meth:`record`) without ever seeing the contribution."""
 
     @abstractmethod
     def add(self, left: dict[str, np.ndarray], right: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         ...
 
     @abstractmethod
-    def contributed(self, payload: Any) -> Any:
+    def receipt(self, job: Job, payload: Any) -> dict:
+        ...
+
+    @abstractmethod
+    def record(self, job: Job, device: str, receipt: dict) -> None:
         ...
 
 
-class SummedArrays(AdditiveState):
-    """Every array of the state adds elementwise: Fed3R's Σ A_k (kept symmetric: both triangles
-    see the same additions), Σ B_k and its (samples, contributions) counts."""
+class Fed3RSums(AdditiveState):
+    """Every array of Fed3R's state adds elementwise: Σ A_k (kept symmetric: both triangles see the
+    same additions), Σ B_k and the (samples, contributions) counts. Besides its sums the job keeps
+    each device's samples and, for the fleet screen at round close, its energy per sample."""
 
     def add(self, left: dict[str, np.ndarray], right: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if left.keys() != right.keys():
             raise ValueError(f"partial states hold {sorted(right)} and {sorted(left)}")
         return {k: left[k] + right[k] for k in left}
 
-    def contributed(self, payload: Any) -> Any:
-        return int(payload.n)           # Fed3R: the samples a device's statistics hold
+    def receipt(self, job: Job, payload: Any) -> dict:
+        from aggregator.strategies.robust_fed3r import energy_per_sample
+
+        return {"contributed": int(payload.n), "energy": energy_per_sample(payload, job.config.fit_intercept)}
+
+    def record(self, job: Job, device: str, receipt: dict) -> None:
+        job.contributed[device] = int(receipt["contributed"])
+        if job.config.energy_screen().active:
+            job.energies[device] = float(receipt["energy"])
 
 
-ADDITIVE: dict[str, AdditiveState] = {"fed3r": SummedArrays()}
+ADDITIVE: dict[str, AdditiveState] = {"fed3r": Fed3RSums()}
 
 
 @dataclass

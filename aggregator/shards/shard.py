@@ -37,7 +37,7 @@ from aggregator.storage.store import Store, StoreError
 
 log = logging.getLogger("fedfleet.aggregator.shard")
 
-RECEIPT = "shard_receipt"       # the body field of a receipt: {"shard", "contributed", "bytes"}
+RECEIPT = "shard_receipt"       # the body field of a receipt: {"shard", "bytes", "job": what the job keeps}
 
 
 @dataclass
@@ -54,9 +54,9 @@ class Receipt:
     raw: bytes
 
 
-def receipt_envelope(env: Envelope, shard: int, contributed, nbytes: int) -> Envelope:
+def receipt_envelope(env: Envelope, shard: int, kept: dict, nbytes: int) -> Envelope:
     body = {k: env.body[k] for k in ("job", "round", "task", "kind")}
-    body[RECEIPT] = {"shard": shard, "contributed": contributed, "bytes": nbytes}
+    body[RECEIPT] = {"shard": shard, "bytes": nbytes, "job": kept}
     return Envelope(type=M.RESULT, sender=env.sender, body=body, id=env.id)
 
 
@@ -115,8 +115,8 @@ class ShardIngest:
         except StoreError:          # stored before (a re-send): receipted again, never stored twice
             pass
         self.receipted += 1
-        contributed = additive(self.kind).contributed(payload)
-        return Receipt(topic, encode(receipt_envelope(env, self.index, contributed, nbytes)))
+        kept = additive(self.kind).receipt(self._validator, payload)
+        return Receipt(topic, encode(receipt_envelope(env, self.index, kept, nbytes)))
 
     def expire(self, now: float) -> None:
         for sender, parent in self.assembler.reassembler.expire(now):

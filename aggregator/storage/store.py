@@ -62,6 +62,7 @@ from aggregator.service.crash_points import CrashPoints
 from aggregator.storage.schema import FINAL_JOB_STATES, JOB_STATES, MIGRATE_FROM_V1, SCHEMA, SCHEMA_VERSION
 
 log = logging.getLogger("fedfleet.aggregator")
+SCREEN_EXEMPT_PREFIX = "screen_exempt:"     # settings key: the devices a job's fleet screen spares
 
 
 class StoreError(RuntimeError):
@@ -427,7 +428,7 @@ class Store:
 
     # ------------------------------------------------------------------ quarantine
     def quarantine(self, job_id: str, round_: int, device: str, message_id: str, reason: str) -> None:
-        """Move an accepted contribution that failed to apply out of the replay, in one transaction;
+        """Move an accepted contribution that failed to apply (or that a fleet screen named) out of the replay, in one transaction;
         the device counts as rejected in its round (a restored round does not wait for it)."""
         now = time.time()
         with self._tx() as db:
@@ -435,9 +436,30 @@ class Store:
                                  (job_id, message_id)).fetchall()
             db.execute("INSERT OR IGNORE INTO quarantine VALUES (?, ?, ?, ?, ?, ?)",
                        (job_id, round_, device, message_id, reason[:1000], now))
+            # a checkpoint of a round at or after it holds it in its sums (a fleet screen quarantines
+            # a contribution of an earlier round): the replay starts from nothing instead
+            db.execute("DELETE FROM checkpoints WHERE job_id=? AND round>=?", (job_id, round_))
             db.execute("INSERT OR REPLACE INTO round_events VALUES (?, ?, ?, ?, ?, ?)",
                        (job_id, round_, device, "rejected", f"quarantined: {reason[:900]}", now))
         self.blobs.remove(r[0] for r in deleted)          # after the commit: a crash between leaves an orphan
+
+    def release_quarantine(self, job_id: str, device: str) -> int:
+        """An operator's reversal: ``device`` leaves the job's quarantine (it may be asked again; its
+        quarantined bytes are gone, so it sends again) and is exempt from the job's fleet screen from
+        now on. Returns how many quarantined contributions it had (0: nothing to release)."""
+        with self._tx() as db:
+            released = db.execute("DELETE FROM quarantine WHERE job_id=? AND device=? RETURNING device",
+                                  (job_id, device)).fetchall()
+            if released:
+                key = SCREEN_EXEMPT_PREFIX + job_id
+                row = db.execute("SELECT value FROM settings WHERE key=?", (key,)).fetchone()
+                exempt = sorted(set(json.loads(row[0]) if row else []) | {device})
+                db.execute("INSERT OR REPLACE INTO settings VALUES (?, ?)", (key, json.dumps(exempt)))
+        return len(released)
+
+    def screen_exempt(self, job_id: str) -> set[str]:
+        """Devices an operator released from the job's quarantine: its fleet screen spares them."""
+        return set(json.loads(self.setting(SCREEN_EXEMPT_PREFIX + job_id) or "[]"))
 
     def quarantined(self, job_id: str) -> list[dict]:
         return [dict(r) for r in self.db.execute(

@@ -22,6 +22,9 @@ class Backbone(nn.Module):
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
     native_image_size: int = 224  # the resolution the ImageNet weights were trained at
+    # [lo, hi] every output feature lies in, when the architecture bounds it (a final ReLU6, then
+    # average pooling: [0, 6]); bundles declare it, and Fed3R bounds a device's statistics with it
+    feature_range: tuple[float, float] | None = None
 
     def feature_map(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

@@ -120,6 +120,7 @@ class _ConvBNReLU6(nn.Module):
 class EfficientNetLite0(Backbone):
     name = "efficientnet_lite0"
     feature_dim = _HEAD_CHANNELS
+    feature_range = (0.0, 6.0)      # ReLU6, then average pooling
     mean = (127.0 / 255.0, 127.0 / 255.0, 127.0 / 255.0)
     std = (128.0 / 255.0, 128.0 / 255.0, 128.0 / 255.0)
 

@@ -66,6 +66,7 @@ class InvertedResidual(nn.Module):
 class MobileNetV2(Backbone):
     name = "mobilenet_v2"
     feature_dim = _HEAD_CHANNELS
+    feature_range = (0.0, 6.0)      # ReLU6, then average pooling
     mean = (0.485, 0.456, 0.406)
     std = (0.229, 0.224, 0.225)
 

@@ -7,7 +7,8 @@ The device trains exactly as for the plain kind (the wrapped handler: ``fedavg.h
 (``protocols.payloads.secagg``; default weight, bias): the group sum gives Σ n_k θ_k and
 Σ n_k, hence the FedAvg mean, without any θ_k being seen. A trained tensor with an entry beyond
 the round's ``max_abs_param`` is refused here (declined), before secure aggregation would
-overflow its fixed-point range. Under distributed DP (the task's ``dp``) the device sends its
+overflow its fixed-point range. With the task's ``update_clip_norm`` C the device first clips its
+update θ − θ_t to norm C (the aggregator checks each group's sum against Σ n_k·C). Under distributed DP (the task's ``dp``) the device sends its
 clipped update instead, with its share of the noise (``dp_vector``).
 """
 
@@ -40,6 +41,9 @@ class SecureFedAvgTraining(SecureUpdate):
         n, limit = body["n"], float(params["max_abs_param"])
         if n > int(params["max_samples"]):
             raise TaskDeclined(f"{n} local samples exceed the round's bound of {params['max_samples']}")
+        if params.get("update_clip_norm"):     # bounded influence: the server checks the group's sum against n·C
+            clipped = self.clipped_delta({"clip_norm": params["update_clip_norm"]}, trained, tensors)
+            trained = {k: np.asarray(tensors[k], np.float64) + clipped[k] for k in trained}
         largest = max(float(np.abs(t).max()) for t in trained.values())
         if largest > limit:
             raise TaskDeclined(f"trained model has |θ| = {largest:.3g} > the round's bound {limit:g}")

@@ -89,7 +89,8 @@ function showDeployments(deployments) {
     const acc = last ? `${last.metrics.wma_candidate.toFixed(2)}% / ${last.metrics.wma_current.toFixed(2)}%` : "-";
     const cls = d.state === "rolled_back" ? "bad" : d.state === "complete" ? "good" : "";
     return [d.deployment_id, d.model_id, { text: d.state, cls }, `${d.stage}/${d.stages.length}`, d.cohort, d.guard,
-      d.counts.sent_run, d.counts.reported, d.counts.refused, acc, d.reason || ""];
+      // a rollback's reason, else why it last changed state (a promotion: the guard it passed, or the operator)
+      d.counts.sent_run, d.counts.reported, d.counts.refused, acc, d.reason || (d.history.at(-1) || {}).why || ""];
   }));
 }
 

@@ -1,0 +1,155 @@
+"""Bounded influence for plaintext Fed3R: what one device's statistics may claim.
+
+Fed3R sums every device's (A_k, b_k) exactly, so without a bound one device with fabricated
+features 1000x larger than anyone's owns the summed A and the "exact" ridge is its classifier.
+Two defences, both on the statistics the device sent and nothing else (docs/algorithms.md,
+"Bounded influence"):
+
+1. **Hard bounds** (:class:`FeatureBound`): with every feature in [-F, F] (the exported
+   backbone's output range, which the bundle's manifest declares; MobileNetV2 features after
+   ReLU6 and average pooling lie in [0, 6]) a genuine Gram matrix of n rows has
+
+       diag(A_k)_j = Σ_i z_ij² ≤ n·F²,     |b_k[c, j]| = |Σ_{i in class c} z_ij| ≤ count_c·F,
+
+   and n must be within the job's per-device cap. A contribution beyond either is refused before
+   anything is stored: a pure function of the message, so it runs in the ingest workers and an
+   attacker is refused the same whenever it answers.
+
+2. **Fleet-relative screening** (:class:`EnergyScreen`) of what passes: a device's energy per
+   sample e_k = Σ_j diag(A_k)_j / n_k (the mean squared feature norm, bias column excluded)
+   against the median of the fleet's. Honest devices running the same backbone have energies
+   within a small factor of each other; one that scales its features by s has s² times the
+   median. Screening is a function of the *set* of energies seen, re-run at every round close
+   over all of them, so a device that answered first (when there was no fleet to compare with)
+   is screened again, and the same way, once the fleet is there.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import numpy as np
+
+from protocols.payloads.fed3r import Fed3RStats
+
+# float32 statistics carry ~1e-7 relative rounding, float64 sums ~1e-16, a secure group's
+# fixed-point sum 2^-f per entry: a 1e-5 relative (1e-6 absolute) slack refuses nothing honest
+# and gives an attacker nothing worth having.
+_SLACK, _ABS = 1 + 1e-5, 1e-6
+
+
+def packed_diagonal(a_upper: np.ndarray, p: int) -> np.ndarray:
+    """The diagonal of a symmetric (p×p) matrix from its row-major packed upper triangle."""
+    rows = np.arange(p)
+    return np.asarray(a_upper)[rows * (2 * p - rows + 1) // 2]
+
+
+def _factor_columns(stats: Fed3RStats) -> np.ndarray:
+    """The columns K the factor covers (A and b are zero elsewhere); all of them when unnamed."""
+    columns = stats.factor_columns
+    return np.arange(stats.p) if columns is None else np.asarray(columns)
+
+
+def gram_diagonal(stats: Fed3RStats) -> np.ndarray:
+    """diag(A_k), whichever form the device sent (A[K, K] = RᵀR: the squared column norms of R)."""
+    if stats.r_factor is not None:
+        r = np.asarray(stats.r_factor, dtype=np.float64)
+        diag = np.zeros(stats.p)
+        diag[_factor_columns(stats)] = np.einsum("ij,ij->j", r, r)
+        return diag
+    return packed_diagonal(stats.a_upper, stats.p)
+
+
+def class_sums(stats: Fed3RStats) -> np.ndarray:
+    """b_k as an (m×p) array, one row per class the device holds."""
+    if stats.r_factor is not None:
+        covered = (np.asarray(stats.r_factor, dtype=np.float64).T @ np.asarray(stats.qty, dtype=np.float64)).T
+        b = np.zeros((len(covered), stats.p))
+        b[:, _factor_columns(stats)] = covered
+        return b
+    return np.asarray(stats.b)
+
+
+def energy_per_sample(stats: Fed3RStats, fit_intercept: bool) -> float:
+    """e_k = trace(A_k)/n_k over the features, without the bias column's constant 1 per sample."""
+    diag = gram_diagonal(stats)
+    features = diag[:-1] if fit_intercept else diag
+    return float(features.sum()) / stats.n
+
+
+class FeatureBound:
+    """The hard bounds of a contribution whose features lie in [-F, F] (F = ``max_abs_feature``;
+    0: no per-feature bound) and whose sample count is at most ``max_samples``."""
+
+    def __init__(self, max_abs_feature: float, max_samples: int, fit_intercept: bool):
+        if not (max_abs_feature >= 0 and math.isfinite(max_abs_feature)) or max_samples < 1:
+            raise ValueError("need a finite max_abs_feature >= 0 and max_samples >= 1")
+        self.max_abs_feature, self.max_samples, self.fit_intercept = max_abs_feature, max_samples, fit_intercept
+
+    def check(self, stats: Fed3RStats) -> None:
+        """ValueError naming the first bound the statistics break."""
+        n = stats.n
+        if n > self.max_samples:
+            raise ValueError(f"{n} samples exceed the job's cap of {self.max_samples} per device")
+        if not self.max_abs_feature:
+            return
+        f = self.max_abs_feature
+        diag = gram_diagonal(stats)
+        features = diag[:-1] if self.fit_intercept else diag
+        worst = float(features.max(initial=0.0))
+        if worst > n * f * f * _SLACK + _ABS:
+            raise ValueError(f"features out of range: diag(A) reaches {worst:.4g} > n·F² = {n * f * f:.4g} "
+                             f"(n={n}, F={f})")
+        b = class_sums(stats)
+        if self.fit_intercept:       # the bias column holds each class's count (checked by parse_stats)
+            counts, b = b[:, -1:], b[:, :-1]
+        else:
+            counts = np.full((len(b), 1), float(n))
+        excess = np.abs(b) - counts * f * _SLACK - _ABS
+        if (excess > 0).any():
+            raise ValueError(f"features out of range: a class sum of b exceeds its count·F (F={f}) by "
+                             f"{float(excess.max()):.4g}")
+
+
+def check_group_sum(a_upper: np.ndarray, b: np.ndarray, n: int, members: int, bound: FeatureBound) -> None:
+    """ValueError unless a secure group's sum of statistics is within the sum of its members'
+    bounds: n ≤ members × the per-device cap, diag(A) ≤ n·F², |b[c, j]| ≤ count_c·F (each is a
+    sum of per-device bounds, so an honest group always passes). The server sees only the sum:
+    one member past its bound is caught when the others' slack cannot hide it (docs/secure-aggregation.md)."""
+    group = FeatureBound(bound.max_abs_feature, bound.max_samples * members, bound.fit_intercept)
+    group.check(Fed3RStats(n=n, p=len(b[0]), a_upper=a_upper, class_ids=np.arange(len(b)), b=b))
+
+
+class EnergyScreen:
+    """Devices whose energy per sample exceeds ``ratio`` times the fleet's median, once at least
+    ``min_fleet`` devices are known (``ratio`` 0: no screening). The median is the robust
+    statistic: up to half the fleet can lie without moving it past the honest devices' range."""
+
+    def __init__(self, ratio: float, min_fleet: int):
+        if ratio != 0 and not (ratio > 1 and math.isfinite(ratio)):
+            raise ValueError(f"the energy screen's ratio must be 0 (off) or > 1, got {ratio}")
+        if min_fleet < 1:
+            raise ValueError(f"the energy screen needs min_fleet >= 1, got {min_fleet}")
+        self.ratio, self.min_fleet = ratio, min_fleet
+
+    @property
+    def active(self) -> bool:
+        return self.ratio > 0
+
+    def threshold(self, energies: Mapping[str, float]) -> float | None:
+        """The largest energy per sample the fleet admits; None while the fleet is too small."""
+        if not self.active or len(energies) < self.min_fleet:
+            return None
+        median = float(np.median(np.fromiter(energies.values(), dtype=np.float64)))
+        return self.ratio * median if median > 0 else None     # a fleet of zero features: nothing to compare
+
+    def outliers(self, energies: Mapping[str, float]) -> dict[str, str]:
+        """{device: why} for every device the fleet screens out (sorted by device id)."""
+        limit = self.threshold(energies)
+        if limit is None:
+            return {}
+        median = limit / self.ratio
+        return {d: (f"screened: energy per sample {e:.4g} is {e / median:.3g}x the fleet's median "
+                    f"{median:.4g} (limit {self.ratio}x over {len(energies)} devices)")
+                for d, e in sorted(energies.items()) if e > limit}

@@ -1,0 +1,345 @@
+"""Attacks and defences (issue #26): test accuracy of Fed3R and FedAvg(ψ) with 1/10/20 % of the
+demo fleet malicious, per defence, against the honest-only run.
+
+Fleet: the demo's 100 devices, Dirichlet α = 0.1, over a seeded subset of 6,000 Fashion-MNIST
+training images; MobileNetV2 features at 32 px, computed once (eager) and cached in .cache/features.
+The malicious devices are the first ⌈f·K⌉ device ids (the seeded split makes them arbitrary);
+every job runs through the real job code (results encoded, decoded, validated: a refused result
+counts as not delivered). Attacks (what a malicious device sends):
+
+- ``scaling``: Fed3R: its features ×1000 (a genuine Gram matrix, labels kept); FedAvg: θ_t + 20·Δ;
+- ``scaling_in_range``: Fed3R only: features ×3, clipped to the backbone's range [0, 6];
+- ``label_flip``: trains on / sums labels C − 1 − y;
+- ``sign_flip``: FedAvg: θ_t − 4·Δ; Fed3R: b negated (A kept);
+- ``alie`` ("a little is enough", Baruch et al. 2019), FedAvg only: every attacker of a round sends
+  μ − z·σ of that round's honest updates, coordinate-wise, z from the paper's rule;
+- ``backdoor``: its images get a 4×4 white patch (bottom right) and label 0, added to its clean
+  data; "backdoor" is the share of patched test images (true label ≠ 0) classified 0.
+
+Defences: Fed3R ``none`` (max_abs_feature 0, screen off) and ``default`` (the bound F = 6 and the
+fleet energy screen; a screened device is quarantined and the job re-summed without it, as the
+service does); FedAvg ``none`` (mean, no norm bound), ``default`` (mean + norm bound 3x median),
+``median``, ``trimmed_mean`` (β = 0.2), ``multi_krum`` (f = 2). Secure aggregation: Fed3R-Sync
+with the group check, the malicious fraction at 10 %, reported as it is (in-process SecAgg rounds).
+
+Usage: nice -n 10 .venv/bin/python bench/robustness.py [--quick] [--plot-only]
+Writes runs/bench/robustness.{json,png} and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import sys
+import time
+
+import numpy as np
+import torch
+from scipy.stats import norm
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from aggregator.jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob  # noqa: E402
+from aggregator.jobs.registry import build_job  # noqa: E402
+from edge_client.data.idx import load_fashion_mnist  # noqa: E402
+from edge_client.features import FeatureExtractor  # noqa: E402
+from edge_client.fed3r import Fed3RAccumulator  # noqa: E402
+from edge_client.tasks.head_training import HeadTrainingTask  # noqa: E402
+from fedfleet.emulation.partition import make_split  # noqa: E402
+from protocols import messages as M  # noqa: E402
+from protocols.envelope import EnvelopeError, decode, encode  # noqa: E402
+from protocols.payloads.fed3r import encode_stats  # noqa: E402
+from protocols.payloads.secagg import SYNC_KIND  # noqa: E402
+from protocols.rounds import RoundClosed  # noqa: E402
+
+OUT_DIR = REPO / "runs" / "bench"
+D, C = 1280, 10
+DEVICES, KAPPA, FEDAVG_ROUNDS = 100, 10, 30
+FRACTIONS = (0.01, 0.1, 0.2)
+FED3R_ATTACKS = ("scaling", "scaling_in_range", "label_flip", "sign_flip", "backdoor")
+FEDAVG_ATTACKS = ("scaling", "label_flip", "sign_flip", "alie", "backdoor")
+FED3R_DEFENCES = {"none": {"max_abs_feature": 0.0, "screen_energy_ratio": 0.0}, "default": {}}
+FEDAVG_DEFENCES = {"none": {"norm_bound_multiplier": 0.0}, "default": {},
+                   "median": {"aggregator": "median"}, "trimmed_mean": {"aggregator": "trimmed_mean", "trim_fraction": 0.2},
+                   "multi_krum": {"aggregator": "multi_krum", "krum_byzantine": 2}}
+
+
+class CachedRows:
+    feature_dim = D
+
+    def extract(self, rows):
+        return np.asarray(rows, dtype=np.float32)
+
+
+def with_trigger(images: np.ndarray) -> np.ndarray:
+    out = images.copy()
+    out[:, -5:-1, -5:-1] = 255
+    return out
+
+
+def load_data(n_train: int, n_test: int):
+    """(train features, labels, triggered train features), (test ...), (triggered test features of label ≠ 0)."""
+    extractor = FeatureExtractor.eager("mobilenet_v2", image_size=32, batch_size=256,
+                                       cache_dir=REPO / ".cache" / "features", threads=2)
+    out = []
+    for split, n, seed in (("train", n_train, 0), ("test", n_test, 1)):
+        images, labels = load_fashion_mnist(split)
+        idx = np.sort(np.random.default_rng(seed).choice(len(images), n, replace=False))
+        out.append((extractor.extract(images[idx]), labels[idx].astype(np.int64),
+                    extractor.extract(with_trigger(images[idx]))))
+    return out
+
+
+# ---------------------------------------------------------------- Fed3R
+def fed3r_body(Z, y, negate_b=False, dense=False):
+    acc = Fed3RAccumulator(C, Z.shape[1])
+    acc.update(Z, y)
+    A, ids, b = acc.sparse()
+    return encode_stats(A, ids, -b if negate_b else b, acc.n, C, dense=dense)
+
+
+def fed3r_data(attack, Z, y, Zt):
+    """(features, labels, negate b) a device with this data sends under ``attack`` (None: honest)."""
+    if attack == "scaling":
+        return 1000 * Z, y, False
+    if attack == "scaling_in_range":
+        return np.clip(3 * Z, 0, 6), y, False
+    if attack == "label_flip":
+        return Z, C - 1 - y, False
+    if attack == "sign_flip":
+        return Z, y, True
+    if attack == "backdoor":
+        return np.vstack([Z, Zt]), np.concatenate([y, np.zeros(len(y), np.int64)]), False
+    return Z, y, False
+
+
+def run_fed3r(devices, bad, attack, defence, test):
+    """Final test accuracy, backdoor success, refused and screened devices (honest ones among them)."""
+    cfg = {"job_id": "robust-fed3r", "num_classes": C, "feature_dim": D, "clients_per_round": KAPPA,
+           **FED3R_DEFENCES[defence]}
+    job, ids = build_job("fed3r", cfg), sorted(devices)
+    bodies = {d: fed3r_body(*fed3r_data(attack if d in bad else None, *devices[d])) for d in ids}
+    refused, screened = set(), set()
+    while chosen := job.next_participants(set(ids) - screened - refused):
+        for d in chosen:
+            msg = M.result_message(d, M.TaskRef(cfg["job_id"], job.round, "x" * 32), "fed3r.stats", *bodies[d])
+            try:
+                job.apply(d, job.parse_result(decode(encode(msg))))
+            except EnvelopeError:
+                refused.add(d)
+        job.close_round(RoundClosed(job.round, tuple(chosen), (), (), ()))
+        if job.screened_out:        # the service quarantines them and re-sums the job from its store
+            screened |= set(job.screened_out)
+            job = resum(cfg, bodies, set(job.contributed) - screened, job)
+    return fed3r_scores(job.model(), test) + ({"refused": sorted(refused), "screened": sorted(screened)},)
+
+
+def resum(cfg, bodies, keep, old):
+    fresh = build_job("fed3r", cfg)
+    for d in sorted(keep):
+        fresh.apply(d, fresh.parse_result(decode(encode(M.result_message(
+            d, M.TaskRef(cfg["job_id"], 1, "x" * 32), "fed3r.stats", *bodies[d])))))
+    fresh.round, fresh.attempts, fresh._rng = old.round, old.attempts, old._rng
+    fresh.contributed.update({d: n for d, n in old.contributed.items() if d not in fresh.contributed})
+    return fresh
+
+
+def fed3r_scores(model, test):
+    (Zte, yte, Zte_trig) = test
+    backdoor = Zte_trig[yte != 0]
+    return float(model.score(Zte, yte)), float((model.predict(backdoor) == 0).mean())
+
+
+def run_fed3r_secure(devices, bad, attack, test):
+    """Fed3R-Sync with the group check: in-process SecAgg rounds (``bench/dp_accuracy.py``'s driver)."""
+    from dp_accuracy import secure_job, secure_round
+    from edge_client.tasks.secure_fed3r import SecureFed3R
+
+    class Rows:
+        def __init__(self, Z, y):
+            self.Z, self.y = Z, y
+
+        def __call__(self, params, tensors=None):
+            return fed3r_body(self.Z, self.y, dense=True)
+
+    ids = sorted(devices)
+    tasks = {d: Rows(*fed3r_data(attack if d in bad else None, *devices[d])[:2]) for d in ids}
+    config = Fed3RSyncConfig(job_id="robust-sync", num_classes=C, feature_dim=D, clients_per_round=KAPPA,
+                             max_samples=10_000, phase_timeout_s=30.0)
+    job, parts = secure_job(ids, tasks, lambda **keys: Fed3RSyncJob(config, **keys), SecureFed3R)
+    while chosen := job.next_participants(set(ids)):
+        try:
+            secure_round(job, chosen, *parts, job.round)
+        except Exception as exc:      # noqa: BLE001 - a discarded group, or a device's refusal, is a result here
+            job.secure = None
+            job.failed_rounds.append((job.round, f"{type(exc).__name__}: {exc}"))
+        job.close_round(RoundClosed(job.round, tuple(chosen), (), (), ()))
+    return fed3r_scores(job.model(), test) + ({"discarded_groups": len(job.failed_rounds)},)
+
+
+# ---------------------------------------------------------------- FedAvg(ψ)
+def alie_z(n: int, f: int) -> float:
+    s = math.floor(n / 2 + 1) - f
+    return float(norm.ppf((n - s) / n)) if n > s else 0.0
+
+
+def run_fedavg(devices, bad, attack, defence, test, seed):
+    cfg = {"job_id": "robust-fedavg", "num_classes": C, "feature_dim": D, "rounds": FEDAVG_ROUNDS,
+           "clients_per_round": KAPPA, "local_epochs": 1, "batch_size": 16, "client_lr": 0.1, "seed": seed,
+           **FEDAVG_DEFENCES[defence]}
+    job, ids = build_job("fedavg", cfg), sorted(devices)
+    tasks = {}
+    for d in ids:
+        Z, y, Zt = devices[d]
+        if d in bad and attack == "label_flip":
+            Z, y = Z, C - 1 - y
+        elif d in bad and attack == "backdoor":
+            Z, y = np.vstack([Z, Zt]), np.concatenate([y, np.zeros(len(y), np.int64)])
+        tasks[d] = HeadTrainingTask(Z, y, lambda b, s, w: CachedRows())
+    while chosen := job.next_participants(set(ids)):
+        outputs = {}
+        for d in chosen:
+            params, tensors = job.task_for(d)
+            outputs[d] = (tensors, *tasks[d](params, tensors))
+        poison_round(outputs, bad, attack)
+        for d in chosen:
+            _, body, trained = outputs[d]
+            msg = M.result_message(d, M.TaskRef(cfg["job_id"], job.round, "x" * 32), "fedavg.head", body, trained)
+            job.apply(d, job.parse_result(decode(encode(msg))))
+        job.close_round(RoundClosed(job.round, tuple(chosen), (), (), ()))
+    (Zte, yte, Zte_trig) = test
+    W, b = job.params["weight"], job.params["bias"]
+    accuracy = float(((Zte @ W.T + b).argmax(1) == yte).mean())
+    backdoor = float(((Zte_trig[yte != 0] @ W.T + b).argmax(1) == 0).mean())
+    return accuracy, backdoor, {}
+
+
+def poison_round(outputs, bad, attack):
+    """Model-poisoning attacks rewrite the malicious devices' trained tensors in place."""
+    mine = [d for d in outputs if d in bad]
+    if not mine or attack not in ("scaling", "sign_flip", "alie"):
+        return
+    if attack == "alie":
+        honest = [d for d in outputs if d not in bad] or mine
+        z = alie_z(len(outputs), len(mine))
+        for name in ("weight", "bias"):
+            stack = np.stack([outputs[d][2][name].astype(np.float64) for d in honest])
+            forged = (stack.mean(0) - z * stack.std(0)).astype(np.float32)
+            for d in mine:
+                outputs[d][2][name] = forged
+        return
+    factor = 20.0 if attack == "scaling" else -4.0
+    for d in mine:
+        start, _, trained = outputs[d]
+        for name in trained:
+            trained[name] = (start[name] + factor * (trained[name] - start[name])).astype(np.float32)
+
+
+# ---------------------------------------------------------------- the run
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="10 % attackers only, fewer FedAvg rounds")
+    ap.add_argument("--plot-only", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    out = OUT_DIR / "robustness.json"
+    if not args.plot_only:
+        rows = run_all(args)
+        OUT_DIR.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(rows, indent=1))
+    rows = json.loads(out.read_text())
+    print(table(rows))
+    plot(rows, OUT_DIR / "robustness.png")
+
+
+def run_all(args) -> list[dict]:
+    global FEDAVG_ROUNDS
+    if args.quick:
+        FEDAVG_ROUNDS = 10
+    (Xtr, ytr, Xtr_trig), test = load_data(6000, 2000)
+    parts = make_split("dirichlet", ytr, DEVICES, args.seed, alpha=0.1)
+    devices = {f"dev{i:04d}": (Xtr[idx], ytr[idx], Xtr_trig[idx]) for i, idx in enumerate(parts) if len(idx)}
+    ids = sorted(devices)
+    fractions = (0.1,) if args.quick else FRACTIONS
+    rows = []
+
+    def record(method, mode, attack, fraction, defence, fn):
+        t0 = time.perf_counter()
+        accuracy, backdoor, extra = fn()
+        row = {"method": method, "mode": mode, "attack": attack, "fraction": fraction, "defence": defence,
+               "accuracy": accuracy, "backdoor": backdoor, **extra, "seconds": round(time.perf_counter() - t0, 1)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    for defence in FED3R_DEFENCES:
+        record("fed3r", "plain", "honest", 0.0, defence, lambda: run_fed3r(devices, set(), None, defence, test))
+    for defence in FEDAVG_DEFENCES:
+        record("fedavg", "plain", "honest", 0.0, defence,
+               lambda: run_fedavg(devices, set(), None, defence, test, args.seed))
+    for fraction in fractions:
+        bad = set(ids[:math.ceil(fraction * len(ids))])
+        for attack in FED3R_ATTACKS:
+            for defence in FED3R_DEFENCES:
+                record("fed3r", "plain", attack, fraction, defence,
+                       lambda: run_fed3r(devices, bad, attack, defence, test))
+        for attack in FEDAVG_ATTACKS:
+            for defence in FEDAVG_DEFENCES:
+                record("fedavg", "plain", attack, fraction, defence,
+                       lambda: run_fedavg(devices, bad, attack, defence, test, args.seed))
+    bad = set(ids[:math.ceil(0.1 * len(ids))])
+    record("fed3r", "secure", "honest", 0.0, "group check", lambda: run_fed3r_secure(devices, set(), None, test))
+    for attack in ("scaling", "scaling_in_range", "label_flip", "backdoor"):
+        record("fed3r", "secure", attack, 0.1, "group check", lambda: run_fed3r_secure(devices, bad, attack, test))
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    honest = {(r["method"], r["mode"], r["defence"]): r["accuracy"] for r in rows if r["attack"] == "honest"}
+    lines = ["| method | mode | attack | malicious | defence | accuracy | vs honest | backdoor | notes |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        base = honest.get((r["method"], r["mode"], r["defence"]))
+        delta = "" if base is None or r["attack"] == "honest" else f"{100 * (r['accuracy'] - base):+.1f}"
+        notes = ", ".join(f"{k} {len(v) if isinstance(v, list) else v}" for k, v in r.items()
+                          if k in ("refused", "screened", "discarded_groups"))
+        lines.append(f"| {r['method']} | {r['mode']} | {r['attack']} | {100 * r['fraction']:.0f} % | {r['defence']} | "
+                     f"{100 * r['accuracy']:.1f} | {delta} | {100 * r['backdoor']:.1f} | {notes} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(m, a) for m, attacks in (("fed3r", FED3R_ATTACKS), ("fedavg", FEDAVG_ATTACKS)) for a in attacks]
+    fig, axes = plt.subplots(2, 5, figsize=(20, 7), sharey=True)
+    for ax, (method, attack) in zip(axes.ravel(), panels):
+        defences = FED3R_DEFENCES if method == "fed3r" else FEDAVG_DEFENCES
+        for i, defence in enumerate(defences):
+            pts = sorted((r["fraction"], r["accuracy"]) for r in rows
+                         if (r["method"], r["mode"], r["attack"], r["defence"]) == (method, "plain", attack, defence))
+            if pts:
+                ax.plot([100 * f for f, _ in pts], [100 * a for _, a in pts], marker="o", label=defence, color=f"C{i}")
+            base = [r["accuracy"] for r in rows if (r["method"], r["attack"], r["defence"]) == (method, "honest", defence)]
+            if base:
+                ax.axhline(100 * base[0], color=f"C{i}", linestyle=":", linewidth=1)
+        ax.set_title(f"{method}: {attack}")
+        ax.set_xlabel("malicious devices (%)")
+        ax.legend(fontsize=7)
+    axes[0, 0].set_ylabel("test accuracy (%)")
+    axes[1, 0].set_ylabel("test accuracy (%)")
+    fig.suptitle("Attacks vs defences on the demo fleet (dotted: honest-only run of each defence)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

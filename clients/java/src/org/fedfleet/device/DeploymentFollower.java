@@ -1,0 +1,284 @@
+// Follows a device's model rollout over MQTT (issue 29; the Java side of edge_client/deployment.py
+// DeploymentFollower, protocols/payloads/deployment.py): its own connection, subscribed to the
+// device's retained deploy topic (so an offline device gets its assignment on reconnect) and its
+// deploy inbox. For a `run` it asks for the head (`artifact.get` on the deploy outbox, again every
+// retryS until fetchTimeoutS), verifies it (ModelSlot.swap: sha256, shape), counts on the held-out
+// split how many samples the candidate and its current head get right (OLL-pruned when the slot
+// personalises), swaps and reports the counts; for a `rollback` it goes back to the kept version.
+// An assignment the aggregator did not sign (with aggregatorKey), or a head that cannot be
+// fetched, verified or loaded, is refused: the device keeps its version and reports why.
+package org.fedfleet.device;
+
+import java.net.URI;
+import java.util.ArrayList;
+import java.util.Collections;
+import java.util.LinkedHashMap;
+import java.util.List;
+import java.util.Map;
+import java.util.concurrent.BlockingQueue;
+import java.util.concurrent.LinkedBlockingQueue;
+import java.util.concurrent.TimeUnit;
+import java.util.logging.Level;
+import java.util.logging.Logger;
+import org.fedfleet.wire.Envelope;
+import org.fedfleet.wire.Envelope.EnvelopeError;
+import org.fedfleet.wire.Reassembler;
+import org.fusesource.hawtbuf.Buffer;
+import org.fusesource.hawtbuf.UTF8Buffer;
+import org.fusesource.mqtt.client.Callback;
+import org.fusesource.mqtt.client.CallbackConnection;
+import org.fusesource.mqtt.client.Listener;
+import org.fusesource.mqtt.client.MQTT;
+import org.fusesource.mqtt.client.QoS;
+import org.fusesource.mqtt.client.Topic;
+
+public final class DeploymentFollower implements AutoCloseable {
+    private static final Logger LOG = Logger.getLogger("fedfleet.device");
+
+    /** The held-out split: its labels, and its features through the bundle a head reads ("": the device's own). */
+    public interface HeldOut {
+        float[][] features(String bundleSha256) throws Exception;
+        int[] labels();
+    }
+
+    public static final class Options {
+        public Topics topics = new Topics();
+        public Envelope.Signer signer;          // the device's Identity when the aggregator requires signatures
+        public byte[] aggregatorKey;            // only assignments and heads the aggregator signed are taken
+        public String username, password;
+        public double retryS = 5.0, fetchTimeoutS = 60.0;
+    }
+
+    public final String deviceId;
+    public final ModelSlot slot;
+    public final List<String> refusals = Collections.synchronizedList(new ArrayList<String>());
+    public final List<Map<String, Object>> reports = Collections.synchronizedList(new ArrayList<Map<String, Object>>());
+    private final HeldOut heldOut;
+    private final Options o;
+    private final CallbackConnection connection;
+    private final BlockingQueue<Inbound> inbox = new LinkedBlockingQueue<>(256);
+    private final Reassembler reassembler = new Reassembler(300, 4, HeadFile.MAX_HEAD_BYTES * 2);
+    private ModelSlot.Assignment pending;
+    private double pendingSince, pendingAsked;
+    private volatile boolean running;
+    private Thread thread;
+
+    @SuppressWarnings("deprecation")   // Listener: ExtendedListener's extra callbacks are not needed
+    public DeploymentFollower(String deviceId, URI broker, ModelSlot slot, HeldOut heldOut, Options options) throws Exception {
+        this.deviceId = Topics.checkDeviceId(deviceId);
+        this.slot = slot; this.heldOut = heldOut; this.o = options;
+        MQTT mqtt = new MQTT();
+        mqtt.setHost(MqttAgent.transportUri(broker));
+        mqtt.setClientId(deviceId + ".deploy");
+        mqtt.setVersion("3.1.1");
+        mqtt.setCleanSession(false);
+        mqtt.setKeepAlive((short) 30);
+        if (options.username != null) { mqtt.setUserName(options.username); mqtt.setPassword(options.password); }
+        mqtt.setConnectAttemptsMax(-1);
+        mqtt.setReconnectAttemptsMax(-1);
+        mqtt.setReconnectDelay(200);
+        mqtt.setReconnectDelayMax(5000);
+        connection = mqtt.callbackConnection();
+        connection.listener(new Listener() {
+            @Override public void onConnected() { subscribe(); }
+            @Override public void onDisconnected() {}
+            @Override public void onPublish(UTF8Buffer topic, Buffer body, Runnable ack) {
+                if (!inbox.offer(new Inbound(topic.toString(), body.toByteArray())))
+                    LOG.warning(deviceId + ": deployment inbox full, dropped a message");
+                ack.run();
+            }
+            @Override public void onFailure(Throwable e) { LOG.log(Level.WARNING, deviceId + ": deployment connection failure", e); }
+        });
+    }
+
+    public DeploymentFollower start() {
+        running = true;
+        connection.getDispatchQueue().execute(() -> connection.connect(new Callback<Void>() {
+            @Override public void onSuccess(Void v) {}
+            @Override public void onFailure(Throwable e) { LOG.log(Level.WARNING, deviceId + ": connect failed", e); }
+        }));
+        thread = new Thread(this::run, "fedfleet-deploy-" + deviceId);
+        thread.setDaemon(true);
+        thread.start();
+        return this;
+    }
+
+    @Override
+    public void close() {
+        running = false;
+        java.util.concurrent.CountDownLatch done = new java.util.concurrent.CountDownLatch(1);
+        try {
+            if (thread != null) thread.join(10_000);
+            connection.getDispatchQueue().execute(() -> connection.disconnect(new Callback<Void>() {
+                @Override public void onSuccess(Void v) { done.countDown(); }
+                @Override public void onFailure(Throwable e) { done.countDown(); }
+            }));
+            done.await(5, TimeUnit.SECONDS);
+        } catch (InterruptedException e) {
+            Thread.currentThread().interrupt();
+        }
+    }
+
+    private void subscribe() {
+        connection.subscribe(new Topic[] {new Topic(deployTopic(), QoS.AT_LEAST_ONCE), new Topic(deployTopic() + "/in", QoS.AT_LEAST_ONCE)},
+                new Callback<byte[]>() {
+                    @Override public void onSuccess(byte[] granted) {}
+                    @Override public void onFailure(Throwable e) { LOG.warning(deviceId + ": deploy subscribe failed: " + e); }
+                });
+    }
+
+    private String deployTopic() { return o.topics.root + "/v1/deploy/" + deviceId; }
+
+    private void run() {
+        while (running) {
+            try {
+                Inbound m = inbox.poll(200, TimeUnit.MILLISECONDS);
+                if (m != null) onPayload(m.topic, m.payload);
+                tick(monotonic());
+            } catch (InterruptedException e) {
+                return;
+            } catch (RuntimeException e) {      // one bad message never stops the device
+                LOG.log(Level.SEVERE, deviceId + ": deployment message raised", e);
+            }
+        }
+    }
+
+    private void onPayload(String topic, byte[] payload) {
+        if (payload.length == 0) return;                  // a retained assignment cleared
+        try {
+            Envelope.Message env = Envelope.decode(payload, o.aggregatorKey, HeadFile.MAX_HEAD_BYTES * 2);
+            byte[] whole = payload;
+            if ("chunk".equals(env.type())) {
+                whole = reassembler.add(env, monotonic());
+                if (whole == null) return;
+                env = Envelope.decode(whole, o.aggregatorKey, HeadFile.MAX_HEAD_BYTES * 2);
+            }
+            if (!Topics.AGGREGATOR_ID.equals(env.sender())) throw new EnvelopeError("message from " + env.sender() + ", expected the aggregator");
+            if (topic.equals(deployTopic())) onAssignment(ModelSlot.assignment(whole, o.aggregatorKey));
+            else if ("artifact".equals(env.type()) && pending != null) onHead(env);
+        } catch (EnvelopeError e) {
+            refuse("assignment refused: " + e.getMessage(), null);
+        }
+    }
+
+    private void onAssignment(ModelSlot.Assignment a) {
+        if (a.action.equals(ModelSlot.ROLLBACK)) {
+            if (pending != null && pending.deployment.equals(a.deployment)) pending = null;
+            try {
+                if (slot.revert(a.deployment))
+                    LOG.warning(deviceId + ": deployment " + a.deployment + " rolled back (" + a.reason + "): running the kept version again");
+            } catch (java.io.IOException e) {
+                refuse("rollback of " + a.deployment + " not written: " + e.getMessage(), null);
+            }
+            return;
+        }
+        ModelSlot.Version current = slot.current(), previous = slot.previous();
+        if (current != null && current.sha256.equals(a.sha256)) {
+            if (!current.deployment.equals(a.deployment)) adopt(a, current.head, null);   // judged again, kept
+            return;                                        // else: already running it (a retained re-delivery)
+        }
+        if (previous != null && previous.sha256.equals(a.sha256)) {
+            try {
+                adopt(a, previous.head, slot.keptBytes(previous));
+            } catch (java.io.IOException e) {
+                refuse("kept head unreadable: " + e.getMessage(), a);
+            }
+            return;
+        }
+        pending = a;
+        pendingSince = monotonic();
+        pendingAsked = Double.NEGATIVE_INFINITY;
+    }
+
+    private void tick(double now) {
+        ModelSlot.Assignment p = pending;
+        if (p == null) return;
+        if (now - pendingSince > o.fetchTimeoutS) {
+            pending = null;
+            refuse("no head " + p.sha256.substring(0, 16) + "… within " + o.fetchTimeoutS + "s", p);
+        } else if (now - pendingAsked >= o.retryS) {
+            pendingAsked = now;
+            Map<String, Object> body = new LinkedHashMap<>();
+            body.put("sha256", p.sha256);
+            publish("artifact.get", body);
+        }
+    }
+
+    private void onHead(Envelope.Message env) {
+        ModelSlot.Assignment p = pending;
+        if (!p.sha256.equals(env.body().get("sha256"))) return;
+        pending = null;
+        Envelope.Tensor data = env.tensors.isEmpty() ? null : env.tensors.get(0);
+        if (data == null || !"data".equals(data.name) || !"uint8".equals(data.dtype)) {
+            refuse("head refused, staying on the current version: the artifact has no uint8 'data' tensor", p);
+            return;
+        }
+        try {
+            adopt(p, HeadFile.parse(data.data), data.data);
+        } catch (java.io.IOException e) {
+            refuse("head cannot be loaded, staying on the current version: " + e.getMessage(), p);
+        }
+    }
+
+    /** Count on the held-out split, swap (unless ``data`` is null: the head is already current), report. */
+    private void adopt(ModelSlot.Assignment a, HeadFile candidate, byte[] data) {
+        Map<String, Object> counts = new LinkedHashMap<>();
+        try {
+            ModelSlot.Version current = slot.current();
+            float[][] z = heldOut.features(a.bundleSha256);
+            int[] y = heldOut.labels();
+            float[][] zCurrent = current == null || current.bundleSha256.equals(a.bundleSha256) ? z : heldOut.features(current.bundleSha256);
+            counts.put("n", y.length);
+            counts.put("correct_candidate", slot.correct(candidate, z, y));
+            counts.put("correct_current", current == null ? 0 : slot.correct(current.head, zCurrent, y));
+            if (data != null) slot.swap(data, a.sha256, a.deployment, a.bundleSha256);
+        } catch (Exception e) {      // the head (sha256, shape, OLL labels) or the held-out features: refused, said why
+            refuse("head cannot be loaded, staying on the current version: " + e.getClass().getSimpleName() + ": " + e.getMessage(), a);
+            return;
+        }
+        LOG.info(deviceId + ": now running " + a.sha256.substring(0, 12) + " of deployment " + a.deployment);
+        report(a, counts);
+    }
+
+    private void refuse(String why, ModelSlot.Assignment a) {
+        LOG.warning(deviceId + ": " + why);
+        refusals.add(why);
+        if (a != null) {
+            Map<String, Object> body = new LinkedHashMap<>();
+            body.put("refused", why.length() > 500 ? why.substring(0, 500) : why);
+            report(a, body);
+        }
+    }
+
+    private void report(ModelSlot.Assignment a, Map<String, Object> fields) {
+        Map<String, Object> body = new LinkedHashMap<>();
+        body.put("deployment", a.deployment);
+        body.put("sha256", a.sha256);
+        body.putAll(fields);
+        reports.add(body);
+        publish("deployment.report", body);
+    }
+
+    private void publish(String type, Map<String, Object> body) {
+        try {
+            byte[] msg = Envelope.encode(Messages.header(type, deviceId, body, Messages.newId(), Messages.now()),
+                    Collections.<Envelope.Tensor>emptyList(), o.signer);
+            connection.getDispatchQueue().execute(() -> connection.publish(deployTopic() + "/out", msg, QoS.AT_LEAST_ONCE, false,
+                    new Callback<Void>() {
+                        @Override public void onSuccess(Void v) {}
+                        @Override public void onFailure(Throwable e) { LOG.warning(deviceId + ": " + type + " not sent: " + e); }
+                    }));
+        } catch (EnvelopeError e) {
+            LOG.severe(deviceId + ": cannot encode " + type + ": " + e.getMessage());
+        }
+    }
+
+    private static double monotonic() { return System.nanoTime() / 1e9; }
+
+    /** A message as the MQTT client's thread queued it for the follower's thread. */
+    private static final class Inbound {
+        final String topic;
+        final byte[] payload;
+        Inbound(String topic, byte[] payload) { this.topic = topic; this.payload = payload; }
+    }
+}

@@ -1,0 +1,245 @@
+// The deployed model the application predicts with (issue 29; the Java side of
+// edge_client/deployment.py ModelSlot, on the same files, so either library can open a slot the
+// other wrote): the current head and the one it replaced, in a directory holding <sha256>.npz per
+// kept head and slot.json naming them ({"current": {sha256, deployment, bundle_sha256} or null,
+// "previous": ..., "local_labels": [...] or null}).
+//
+// A swap verifies the head file against the sha256 its signed assignment named, writes the file,
+// then replaces slot.json in one atomic rename, and only then changes the version in memory (one
+// volatile reference to an immutable pair): a reader predicts with the old or the new head, never
+// half of one, and a crash leaves the old or the new version on disk. A device that personalises
+// (OLL) gives its training labels: it predicts with the head pruned to those classes, as it
+// judged the candidate (the labels are kept in slot.json). java.io only (no java.nio.file), as the
+// rest of the library, for Android: the rename is rename(2), atomic within one directory.
+package org.fedfleet.device;
+
+import java.io.File;
+import java.io.FileInputStream;
+import java.io.FileOutputStream;
+import java.io.IOException;
+import java.math.BigInteger;
+import java.nio.charset.StandardCharsets;
+import java.util.ArrayList;
+import java.util.LinkedHashMap;
+import java.util.List;
+import java.util.Map;
+import java.util.TreeSet;
+import java.util.regex.Pattern;
+import org.fedfleet.wire.Envelope;
+import org.fedfleet.wire.Json;
+
+public final class ModelSlot {
+    public static final String STATE_FILE = "slot.json", ASSIGN = "deployment.assign", RUN = "run", ROLLBACK = "rollback";
+    private static final Pattern SHA = Pattern.compile("^[0-9a-f]{64}$"), ID = Pattern.compile("^[A-Za-z0-9_.-]{1,64}$");
+
+    /** One kept version: its head file's sha256, the deployment that brought it, the bundle whose features it reads. */
+    public static final class Version {
+        public final String sha256, deployment, bundleSha256;
+        public final HeadFile head;
+        Version(String sha256, String deployment, String bundleSha256, HeadFile head) {
+            this.sha256 = sha256; this.deployment = deployment; this.bundleSha256 = bundleSha256; this.head = head;
+        }
+    }
+
+    /** A verified assignment: run a head (sha256, nbytes, bundleSha256) or roll a deployment back (reason). */
+    public static final class Assignment {
+        public final String deployment, action, sha256, bundleSha256, reason;
+        public final long nbytes;
+        Assignment(String deployment, String action, String sha256, long nbytes, String bundleSha256, String reason) {
+            this.deployment = deployment; this.action = action; this.sha256 = sha256; this.nbytes = nbytes;
+            this.bundleSha256 = bundleSha256; this.reason = reason;
+        }
+    }
+
+    private static final class State {
+        final Version current, previous;
+        State(Version current, Version previous) { this.current = current; this.previous = previous; }
+    }
+
+    public final File dir;
+    private final int[] localLabels;              // sorted, distinct; null: the full head
+    private volatile State state;
+
+    public ModelSlot(File dir) throws IOException { this(dir, null); }
+
+    /** ``localLabels``: the device personalises (OLL) with these training labels (null: those kept in slot.json, if any). */
+    public ModelSlot(File dir, int[] localLabels) throws IOException {
+        this.dir = dir;
+        if (!dir.isDirectory() && !dir.mkdirs()) throw new IOException("cannot create " + dir);
+        File file = new File(dir, STATE_FILE);
+        Map<String, Object> saved = file.exists() ? object(parseJson(readAll(file))) : null;
+        State loaded = new State(null, null);
+        int[] labels = null;
+        if (saved != null) {
+            loaded = new State(read(saved.get("current")), read(saved.get("previous")));
+            Object kept = saved.get("local_labels");
+            if (kept instanceof List) labels = ((List<?>) kept).stream().mapToInt(x -> ((BigInteger) x).intValue()).toArray();
+        }
+        this.localLabels = localLabels != null ? distinctSorted(localLabels) : labels;
+        this.state = loaded;
+        if (localLabels != null) synchronized (this) { commit(loaded); }
+    }
+
+    public Version current() { return state.current; }
+
+    public Version previous() { return state.previous; }
+
+    public int[] localLabels() { return localLabels == null ? null : localLabels.clone(); }
+
+    /** Class ids for the rows of ``features`` with the deployed head (OLL-pruned when the device personalises). */
+    public int[] predict(float[][] features) {
+        Version v = state.current;
+        if (v == null) throw new IllegalStateException("no model version is deployed on this device yet");
+        return v.head.predict(features, localLabels);
+    }
+
+    /** The head file of a kept version (as written when it was swapped in). */
+    public byte[] keptBytes(Version v) throws IOException { return readAll(new File(dir, v.sha256 + ".npz")); }
+
+    /** How many labelled samples ``head`` gets right the way this device predicts (the counts it reports). */
+    public int correct(HeadFile head, float[][] features, int[] labels) {
+        int[] pred = head.predict(features, localLabels);
+        int right = 0;
+        for (int i = 0; i < pred.length; i++) if (pred[i] == labels[i]) right++;
+        return right;
+    }
+
+    /** The assignment in a retained deploy message; with ``aggregatorKey`` (raw Ed25519) only one the
+     *  aggregator signed. EnvelopeError says why it is refused. */
+    public static Assignment assignment(byte[] message, byte[] aggregatorKey) throws Envelope.EnvelopeError {
+        Envelope.Message env = Envelope.decode(message, aggregatorKey, 1 << 20);
+        if (!ASSIGN.equals(env.type())) throw new Envelope.EnvelopeError("expected " + ASSIGN + ", got " + env.type());
+        if (!Topics.AGGREGATOR_ID.equals(env.sender()))
+            throw new Envelope.EnvelopeError("assignment from " + env.sender() + ", expected the aggregator");
+        Map<String, Object> b = env.body();
+        String deployment = text(b, "deployment", ID), action = text(b, "action", null);
+        if (ROLLBACK.equals(action))
+            return new Assignment(deployment, action, "", 0, "", b.get("reason") instanceof String ? (String) b.get("reason") : "");
+        if (!RUN.equals(action)) throw new Envelope.EnvelopeError("unknown deployment action " + action);
+        if (!(b.get("nbytes") instanceof BigInteger)) throw new Envelope.EnvelopeError("nbytes must be an integer");
+        long nbytes = ((BigInteger) b.get("nbytes")).longValue();
+        if (nbytes <= 0 || nbytes > HeadFile.MAX_HEAD_BYTES) throw new Envelope.EnvelopeError("head of " + nbytes + " bytes");
+        Object bundle = b.get("bundle_sha256");
+        String bundleSha = bundle == null || "".equals(bundle) ? "" : text(b, "bundle_sha256", SHA);
+        return new Assignment(deployment, action, text(b, "sha256", SHA), nbytes, bundleSha, "");
+    }
+
+    /** Make the head file ``data`` current, keeping the current one as previous; IOException (and
+     *  nothing changed) when it does not hash to ``sha256`` or is not a head. */
+    public synchronized Version swap(byte[] data, String sha256, String deployment, String bundleSha256) throws IOException {
+        String digest = Envelope.hex(Envelope.sha256(data));
+        if (!digest.equals(sha256))
+            throw new IOException("head sha256 " + digest.substring(0, 16) + "… differs from the assigned " + sha256);
+        HeadFile head = HeadFile.parse(data);
+        if (localLabels != null) head.predict(new float[0][], localLabels);     // a class it has no row for: refused now
+        writeAtomic(new File(dir, sha256 + ".npz"), data);
+        Version v = new Version(sha256, deployment, bundleSha256, head);
+        commit(new State(v, state.current));
+        return v;
+    }
+
+    /** Back to the kept version if the current one came from ``deployment``; whether it did. */
+    public synchronized boolean revert(String deployment) throws IOException {
+        State s = state;
+        if (s.current == null || !s.current.deployment.equals(deployment)) return false;
+        commit(new State(s.previous, null));
+        return true;
+    }
+
+    private void commit(State next) throws IOException {
+        Map<String, Object> doc = new LinkedHashMap<>();
+        doc.put("current", entry(next.current));
+        doc.put("previous", entry(next.previous));
+        List<Object> labels = new ArrayList<>();
+        if (localLabels != null) for (int c : localLabels) labels.add(BigInteger.valueOf(c));
+        doc.put("local_labels", localLabels == null ? Json.NULL : labels);
+        try {
+            writeAtomic(new File(dir, STATE_FILE), Json.canonical(doc));
+        } catch (Json.JsonError e) {
+            throw new IOException(e.getMessage());
+        }
+        state = next;
+        File[] files = dir.listFiles();
+        for (File f : files == null ? new File[0] : files) {        // versions neither kept nor running
+            String name = f.getName();
+            boolean kept = (next.current != null && name.equals(next.current.sha256 + ".npz"))
+                    || (next.previous != null && name.equals(next.previous.sha256 + ".npz"));
+            if (name.endsWith(".npz") && !kept && !f.delete()) throw new IOException("cannot remove " + f);
+        }
+    }
+
+    private static Object entry(Version v) {
+        if (v == null) return Json.NULL;
+        Map<String, Object> e = new LinkedHashMap<>();
+        e.put("sha256", v.sha256);
+        e.put("deployment", v.deployment);
+        e.put("bundle_sha256", v.bundleSha256);
+        return e;
+    }
+
+    private Version read(Object entry) throws IOException {
+        if (!(entry instanceof Map)) return null;
+        Map<String, Object> e = object(entry);
+        String sha = (String) e.get("sha256");
+        if (sha == null || !SHA.matcher(sha).matches()) throw new IOException(STATE_FILE + ": bad sha256 " + sha);
+        byte[] data = readAll(new File(dir, sha + ".npz"));
+        if (!Envelope.hex(Envelope.sha256(data)).equals(sha)) throw new IOException(sha + ".npz no longer hashes to its name");
+        Object bundle = e.get("bundle_sha256");
+        return new Version(sha, (String) e.get("deployment"), bundle instanceof String ? (String) bundle : "", HeadFile.parse(data));
+    }
+
+    private static void writeAtomic(File path, byte[] data) throws IOException {
+        File tmp = File.createTempFile("." + path.getName(), ".tmp", path.getParentFile());
+        try (FileOutputStream out = new FileOutputStream(tmp)) {
+            out.write(data);
+            out.getFD().sync();
+        }
+        if (!tmp.renameTo(path)) {
+            tmp.delete();
+            throw new IOException("cannot replace " + path);
+        }
+    }
+
+    private static byte[] readAll(File file) throws IOException {
+        long size = file.length();
+        if (size > HeadFile.MAX_HEAD_BYTES) throw new IOException(file + " is larger than a head");
+        byte[] data = new byte[(int) size];
+        try (FileInputStream in = new FileInputStream(file)) {
+            int at = 0;
+            for (int n; at < data.length && (n = in.read(data, at, data.length - at)) > 0; ) at += n;
+            if (at != data.length || in.read() != -1) throw new IOException(file + " changed while read");
+        }
+        return data;
+    }
+
+    private static int[] distinctSorted(int[] labels) {
+        TreeSet<Integer> set = new TreeSet<>();
+        for (int c : labels) {
+            if (c < 0) throw new IllegalArgumentException("local labels must be non-negative, got " + c);
+            set.add(c);
+        }
+        if (set.isEmpty()) throw new IllegalArgumentException("no local labels");
+        return set.stream().mapToInt(Integer::intValue).toArray();
+    }
+
+    private static Object parseJson(byte[] data) throws IOException {
+        try {
+            return Json.parse(new String(data, StandardCharsets.UTF_8));
+        } catch (Json.JsonError e) {
+            throw new IOException(STATE_FILE + ": " + e.getMessage());
+        }
+    }
+
+    @SuppressWarnings("unchecked")
+    private static Map<String, Object> object(Object o) throws IOException {
+        if (!(o instanceof Map)) throw new IOException(STATE_FILE + ": not a JSON object");
+        return (Map<String, Object>) o;
+    }
+
+    private static String text(Map<String, Object> b, String key, Pattern pattern) throws Envelope.EnvelopeError {
+        Object v = b.get(key);
+        if (!(v instanceof String) || (pattern != null && !pattern.matcher((String) v).matches()))
+            throw new Envelope.EnvelopeError("assignment field '" + key + "' is missing or malformed: " + v);
+        return (String) v;
+    }
+}

@@ -1,0 +1,35 @@
+// Runs the Java library's DeploymentFollower for tests/test_java_deployment.py until stdin closes.
+// Usage: java FollowerRunner <broker mqtt://host:port> <device id> <topic root> <aggregator key hex | ->
+//                            <slot dir> <held-out features file> [<local labels a,b,..>]
+// Prints "READY" once started; on exit "REFUSALS <n>" and "CURRENT <sha>|none".
+import java.io.File;
+import java.net.URI;
+import java.util.Arrays;
+import org.fedfleet.device.*;
+import org.fedfleet.wire.Envelope;
+
+public final class FollowerRunner {
+    public static void main(String[] args) throws Exception {
+        int[] local = args.length > 6 ? Arrays.stream(args[6].split(",")).mapToInt(Integer::parseInt).toArray() : null;
+        ModelSlot slot = new ModelSlot(new File(args[4]), local);
+        FeatureFile held = FeatureFile.read(args[5]);
+        float[][] rows = new float[held.n][];
+        int[] labels = new int[held.n];
+        for (int i = 0; i < held.n; i++) { rows[i] = held.input(i); labels[i] = held.label(i); }
+        DeploymentFollower.Options o = new DeploymentFollower.Options();
+        o.topics = new Topics(args[2]);
+        o.aggregatorKey = args[3].equals("-") ? null : Envelope.unhex(args[3]);
+        o.retryS = 0.5;
+        o.fetchTimeoutS = 20;
+        DeploymentFollower f = new DeploymentFollower(args[1], new URI(args[0]), slot, new DeploymentFollower.HeldOut() {
+            @Override public float[][] features(String bundleSha256) { return rows; }
+            @Override public int[] labels() { return labels; }
+        }, o).start();
+        System.out.println("READY");
+        System.out.flush();
+        while (System.in.read() != -1) { }
+        f.close();
+        System.out.println("REFUSALS " + f.refusals.size());
+        System.out.println("CURRENT " + (slot.current() == null ? "none" : slot.current().sha256));
+    }
+}

@@ -1,0 +1,285 @@
+"""Bounded influence in plaintext Fed3R (issue #26): one device cannot own the summed statistics.
+
+A fabricated but valid-looking contribution (a genuine Gram matrix of features 1000x larger,
+labels flipped, bias entries equal to n) is refused; one that stays within the backbone's range
+but scales its features is screened out against the fleet at round close and quarantined; the
+honest devices' sums are then bit-exact, and an honest fleet with the defaults on gives the
+centralized ridge. Real agents over a real mosquitto, a real SQLite store."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from sklearn.linear_model import Ridge
+from starlette.testclient import TestClient
+
+from aggregator.api.app import create_app
+from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
+from aggregator.jobs.registry import build_job
+from aggregator.service.loop import AggregatorService
+from aggregator.storage.store import Store
+from aggregator.strategies.fed3r import Fed3R
+from aggregator.strategies.robust_fed3r import EnergyScreen, FeatureBound, energy_per_sample, gram_diagonal
+from edge_client.agent import DeviceAgent
+from edge_client.fed3r import Fed3RAccumulator
+from protocols.envelope import Envelope, decode, encode
+from protocols.mqtt_link import BrokerConfig
+from protocols.payloads.fed3r import Fed3RStats, encode_stats, parse_stats, triu_pack
+from protocols.rounds import RoundClosed
+
+from test_admin_api import AUTH, TOKEN
+
+D, C = 6, 3
+DEVICES = [f"dev{i:02d}" for i in range(7)]
+ATTACKER = "dev03"
+
+
+def honest_data(i):
+    rng = np.random.default_rng(100 + i)
+    return np.clip(rng.normal(size=(40, D)), -6, 6), rng.integers(0, C, 40)
+
+
+def fabricated_data(i):
+    """A genuine Gram matrix of features 1000x any honest device's, labels flipped."""
+    Z, y = honest_data(i)
+    return 1000 * Z, (C - 1) - y
+
+
+def scaled_data(i):
+    """Within the backbone's range [-6, 6], but three times the honest scale (9x the energy)."""
+    Z, y = honest_data(i)
+    return np.clip(3 * Z, -6, 6), (C - 1) - y
+
+
+def stats_wire(Z, y) -> bytes:
+    acc = Fed3RAccumulator(C, D)
+    acc.update(Z, y)
+    A, ids, b = acc.sparse()
+    return encode(Envelope("result", "x", *encode_stats(A, ids, b, acc.n, C)))
+
+
+class Handler:
+    def __init__(self, data):
+        self.Z, self.y = data
+
+    def __call__(self, params, tensors=None):
+        acc = Fed3RAccumulator(C, D)
+        acc.update(self.Z, self.y)
+        A, ids, b = acc.sparse()
+        return encode_stats(A, ids, b, acc.n, C)
+
+
+def honest_canonical_sum(devices) -> Fed3R:
+    """The honest devices' statistics summed in device-id order: what the job must hold, bit for bit."""
+    server = Fed3R(C, D + 1, device="cpu")
+    for d in sorted(devices):
+        server.add(parse_stats(decode(stats_wire(*honest_data(DEVICES.index(d)))), D + 1, C))
+    return server
+
+
+def run_fleet(broker, tmp_path, attack):
+    config = Fed3RConfig(num_classes=C, feature_dim=D, clients_per_round=len(DEVICES), round_timeout_s=20,
+                         expected_devices=len(DEVICES))
+    store = Store(tmp_path / "state.db")
+    svc = AggregatorService(Fed3RJob(config), BrokerConfig.from_url(broker.url), tmp_path / "out",
+                            enrolled=set(DEVICES), store=store, tick_s=0.05)
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=60)), daemon=True)
+    thread.start()
+    agents = [DeviceAgent(d, BrokerConfig.from_url(broker.url),
+                          {"fed3r.stats": Handler((attack if d == ATTACKER and attack else honest_data)(i))},
+                          retry_after_s=1).start() for i, d in enumerate(DEVICES)]
+    thread.join(60)
+    for a in agents:
+        a.stop()
+    assert not thread.is_alive() and result.get("state") == "done", result
+    return result, store
+
+
+@pytest.mark.parametrize("attack, refused", [(fabricated_data, True), (scaled_data, False)])
+def test_an_outsized_contribution_is_kept_out_and_the_honest_sums_are_exact(broker, tmp_path, attack, refused):
+    result, store = run_fleet(broker, tmp_path, attack)
+    honest = [d for d in DEVICES if d != ATTACKER]
+    assert sorted(result["contributed"]) == honest
+    want = honest_canonical_sum(honest)
+    state = np.load(tmp_path / "out" / "statistics.npz")
+    assert np.array_equal(state["A"], want.A.numpy()) and np.array_equal(state["B"], want.B.numpy())
+    assert [c.device for c in store.contributions("fed3r")].count(ATTACKER) == 0
+    if refused:       # out of range: refused at validation, never stored
+        assert store.quarantined("fed3r") == []
+        assert result["rejections"].get("invalid payload", 0) >= 1, result["rejections"]
+    else:             # in range, yet 9x the fleet's energy: quarantined at round close, visible in the API
+        api = TestClient(create_app(store, TOKEN, None))
+        listed = api.get("/api/jobs/fed3r/quarantine", headers=AUTH).json()
+        assert [q["device"] for q in listed] == [ATTACKER] and listed[0]["reason"].startswith("screened")
+    store.close()
+
+
+def test_an_honest_fleet_with_the_defaults_gives_the_centralized_ridge(broker, tmp_path):
+    result, store = run_fleet(broker, tmp_path, None)
+    store.close()
+    assert sorted(result["contributed"]) == DEVICES
+    Z = np.vstack([honest_data(i)[0] for i in range(len(DEVICES))])
+    y = np.concatenate([honest_data(i)[1] for i in range(len(DEVICES))])
+    Za = np.hstack([Z, np.ones((len(Z), 1))])
+    ref = Ridge(alpha=0.01, fit_intercept=False, solver="cholesky").fit(Za, np.eye(C)[y]).coef_.T
+    W = np.load(tmp_path / "out" / "model.npz")["raw_weights"]
+    assert np.linalg.norm(W - ref) / np.linalg.norm(ref) <= 1e-9
+
+
+class GatedHandler(Handler):
+    def __init__(self, data, gate):
+        super().__init__(data)
+        self.gate = gate
+
+    def __call__(self, params, tensors=None):
+        self.gate.wait(60)
+        return super().__call__(params, tensors)
+
+
+def test_an_operator_can_release_a_screened_device_and_it_contributes_again(broker, tmp_path):
+    """κ = 6 of 7: round 1 holds the attacker (a seed that puts it there), round 2 the seventh
+    device, held back until the operator released the attacker through the admin API."""
+    def config(seed):
+        return {"num_classes": C, "feature_dim": D, "clients_per_round": 6, "round_timeout_s": 30,
+                "expected_devices": len(DEVICES), "seed": seed}
+    seed = next(s for s in range(100) if ATTACKER in build_job("fed3r", config(s)).next_participants(set(DEVICES)))
+    late = next(d for d in DEVICES if d not in build_job("fed3r", config(seed)).next_participants(set(DEVICES)))
+    store = Store(tmp_path / "state.db")
+    svc = AggregatorService(Fed3RJob(Fed3RConfig(**config(seed))), BrokerConfig.from_url(broker.url), tmp_path / "out",
+                            enrolled=set(DEVICES), store=store, tick_s=0.05)
+    result, gate = {}, threading.Event()
+    thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=60)), daemon=True)
+    thread.start()
+    handlers = {d: (GatedHandler(honest_data(i), gate) if d == late else
+                    Handler((scaled_data if d == ATTACKER else honest_data)(i))) for i, d in enumerate(DEVICES)}
+    agents = [DeviceAgent(d, BrokerConfig.from_url(broker.url), {"fed3r.stats": handlers[d]}, retry_after_s=1).start()
+              for d in DEVICES]
+    api = TestClient(create_app(store, TOKEN, svc))
+    deadline = time.time() + 30
+    while not api.get("/api/jobs/fed3r/quarantine", headers=AUTH).json() and time.time() < deadline:
+        time.sleep(0.1)
+    assert [q["device"] for q in api.get("/api/jobs/fed3r/quarantine", headers=AUTH).json()] == [ATTACKER]
+    released = api.post(f"/api/jobs/fed3r/quarantine/{ATTACKER}/release", headers=AUTH)
+    assert released.status_code == 200 and released.json() == [], released.text
+    assert api.post(f"/api/jobs/fed3r/quarantine/{ATTACKER}/release", headers=AUTH).status_code == 404
+    gate.set()
+    thread.join(60)
+    for a in agents:
+        a.stop()
+    assert result.get("state") == "done", result
+    assert sorted(result["contributed"]) == DEVICES           # asked again, and no longer screened
+    want = Fed3R(C, D + 1, device="cpu")
+    for d in DEVICES:
+        data = (scaled_data if d == ATTACKER else honest_data)(DEVICES.index(d))
+        want.add(parse_stats(decode(stats_wire(*data)), D + 1, C))
+    assert np.array_equal(np.load(tmp_path / "out" / "statistics.npz")["A"], want.A.numpy())
+    store.close()
+
+
+# ---------------------------------------------------------------- the pure checks
+def parsed(Z, y) -> Fed3RStats:
+    return parse_stats(decode(stats_wire(Z, y)), D + 1, C)
+
+
+def test_feature_bound_matches_the_definition():
+    bound = FeatureBound(6.0, 1000, fit_intercept=True)
+    Z, y = honest_data(0)
+    bound.check(parsed(Z, y))
+    with pytest.raises(ValueError, match="out of range"):
+        bound.check(parsed(*fabricated_data(0)))
+    with pytest.raises(ValueError, match="cap"):
+        FeatureBound(6.0, 10, True).check(parsed(Z, y))
+    # a single feature of one sample just beyond F breaks diag(A) ≤ n·F² only when the others
+    # cannot hide it: all samples at F + 0.1 in one column
+    Z2 = Z.copy()
+    Z2[:, 2] = 6.1
+    with pytest.raises(ValueError, match="out of range"):
+        bound.check(parsed(Z2, y))
+
+
+def test_factor_and_dense_forms_have_the_same_diagonal_and_energy():
+    Z, y = honest_data(1)
+    Za = np.hstack([Z, np.ones((len(Z), 1))])
+    dense = Fed3RStats(n=len(Z), p=D + 1, a_upper=triu_pack(Za.T @ Za), class_ids=np.arange(C),
+                       b=(np.eye(C)[y].T @ Za))
+    _, r = np.linalg.qr(Za)
+    q = Za @ np.linalg.inv(r)
+    factor = Fed3RStats(n=len(Z), p=D + 1, a_upper=None, class_ids=np.arange(C), b=None,
+                        r_factor=r, qty=q.T @ np.eye(C)[y])
+    np.testing.assert_allclose(gram_diagonal(factor), (Za ** 2).sum(0), rtol=1e-12)
+    np.testing.assert_allclose(gram_diagonal(dense), (Za ** 2).sum(0), rtol=1e-12)
+    assert energy_per_sample(dense, True) == pytest.approx((Z ** 2).sum() / len(Z), rel=1e-12)
+    assert energy_per_sample(factor, True) == pytest.approx((Z ** 2).sum() / len(Z), rel=1e-12)
+    FeatureBound(6.0, 1000, True).check(factor)
+    # the canonical factor covers the non-zero columns K only: the rest of diag(A) and b is zero
+    Za[:, 2] = 0.0
+    keep = np.array([j for j in range(D + 1) if j != 2])
+    _, r = np.linalg.qr(Za[:, keep])
+    q = Za[:, keep] @ np.linalg.inv(r)
+    partial = Fed3RStats(n=len(Z), p=D + 1, a_upper=None, class_ids=np.arange(C), b=None, r_factor=r,
+                         qty=q.T @ np.eye(C)[y], factor_columns=keep)
+    np.testing.assert_allclose(gram_diagonal(partial), (Za ** 2).sum(0), rtol=1e-12, atol=1e-12)
+    FeatureBound(6.0, 1000, True).check(partial)
+
+
+def test_energy_screen_is_the_median_rule_and_ignores_order():
+    rng = np.random.default_rng(0)
+    energies = {f"d{i}": float(e) for i, e in enumerate(rng.uniform(5, 7, 9))}
+    energies["evil"] = 40.0
+    screen = EnergyScreen(4.0, 5)
+    median = np.median(list(energies.values()))
+    want = {d for d, e in energies.items() if e > 4.0 * median}
+    assert set(screen.outliers(energies)) == want == {"evil"}
+    shuffled = dict(sorted(energies.items(), key=lambda kv: rng.random()))
+    assert screen.outliers(shuffled) == screen.outliers(energies)
+    assert EnergyScreen(4.0, 11).outliers(energies) == {}          # too few devices to compare with
+    assert EnergyScreen(0.0, 1).outliers(energies) == {}            # off
+
+
+@pytest.mark.parametrize("attacker_round", [0, 1])
+def test_the_job_screens_an_attacker_the_same_whether_it_answers_first_or_last(attacker_round):
+    job = build_job("fed3r", {"num_classes": C, "feature_dim": D, "clients_per_round": 5})
+    honest = [d for d in DEVICES if d != ATTACKER]
+    rounds = [[ATTACKER] + honest[:4], honest[4:]] if attacker_round == 0 else [honest[:5], honest[5:] + [ATTACKER]]
+    for r, members in enumerate(rounds, 1):
+        for d in members:
+            data = scaled_data if d == ATTACKER else honest_data
+            job.apply(d, job.parse_result(Envelope("result", d, *_body(*data(DEVICES.index(d))))))
+        job.close_round(RoundClosed(r, tuple(members), (), (), ()))
+        if ATTACKER in members:
+            assert list(job.screened_out) == [ATTACKER]
+
+
+def _body(Z, y):
+    acc = Fed3RAccumulator(C, D)
+    acc.update(Z, y)
+    A, ids, b = acc.sparse()
+    return encode_stats(A, ids, b, acc.n, C)
+
+
+def test_bad_robustness_settings_are_refused():
+    for bad in ({"screen_energy_ratio": 0.5}, {"screen_min_fleet": 0}, {"max_abs_feature": -1.0}):
+        with pytest.raises(ValueError):
+            build_job("fed3r", {"num_classes": C, "feature_dim": D, **bad})
+
+
+def test_the_manifest_declares_the_feature_range_and_refuses_a_bad_one(tmp_path):
+    from protocols.bundle_manifest import ArtifactSpec, BatchSpec, InputNormalisation, Manifest, ManifestError, TensorSpec
+
+    spec = ArtifactSpec("training", "eager", "2", "head.pt", "0" * 64, 1, BatchSpec(4, True),
+                        (TensorSpec("features", "float32", (4, D)), TensorSpec("labels", "int64", (4,)),
+                         TensorSpec("sample_weight", "float32", (4,))), (TensorSpec("loss", "float32", ()),), {},
+                        {"trainable_parameters": {"weight": [C, D], "bias": [C]}})
+    draft = Manifest(backbone="mobilenet_v2", weights_sha256="0" * 64, feature_dim=D, num_classes=C,
+                     temperature=1.0, output="features", input=InputNormalisation(64, (0.5,) * 3, (0.5,) * 3),
+                     artifacts=(spec,), created_with={}, feature_range=(0.0, 6.0))
+    data = draft.to_json()
+    assert data["backbone"]["feature_range"] == [0.0, 6.0]
+    assert Manifest.from_json(data).feature_range == (0.0, 6.0)
+    del data["backbone"]["feature_range"]
+    assert Manifest.from_json(data).feature_range is None            # optional: not every backbone bounds it
+    for bad in ([6.0, 0.0], [0.0], "x"):
+        with pytest.raises(ManifestError):
+            Manifest.from_json({**data, "backbone": {**data["backbone"], "feature_range": bad}})
