@@ -43,6 +43,9 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
                    help="evaluate the model after every contribution (default) or once per round (large fleets)")
     s.add_argument("--ingest-workers", type=int, default=0, metavar="N",
                    help="decode and validate large results in N worker processes (0: on the service thread)")
+    s.add_argument("--shards", type=int, default=0, metavar="K",
+                   help="receive, validate, store and sum results in K shard processes, each owning the "
+                        "devices of a fixed range of buckets (order-free jobs: Fed3R); 0: in this process")
     add_ops_arguments(s)
     return p
 
@@ -96,7 +99,7 @@ def serve(args) -> int:
     summary = serve_with_ops(args, job, broker, args.out,
                              Topics(args.topic_root), enrolled=enrolled, eval_set=eval_set, artifacts=shelf,
                              evaluate_every_contribution=args.evaluate == "contribution",
-                             ingest_workers=args.ingest_workers)
+                             ingest_workers=args.ingest_workers, shards=args.shards)
     final = summary.get("final", {})
     print(json.dumps({"state": summary.get("state"), "contributions": final.get("contributions"),
                       "accuracy": final.get("accuracy")}))

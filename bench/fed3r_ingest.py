@@ -11,11 +11,14 @@ One run, one private mosquitto, the same publisher for both:
    reassembles, verifies, validates (one Cholesky per Gram matrix), stores before acking and sums
    them; timed from the first byte published to the job finished (its final state committed,
    ``finished_at``; not the service's shutdown after it): with "solve at the end", that includes
-   the final re-sum in device order when the results arrived in another order, the solve and the
+   the final re-sum in canonical order, the solve and the
    store's final commit.
-Prints both rates and their ratio (aggregator ingest / raw broker).
+4. the same with K shard processes (``aggregator serve --shards K``, ``aggregator/shards/``): each
+   receives, validates, stores and sums its buckets' devices; the coordinator reduces their sums.
+Prints the rates, their ratio (aggregator ingest / raw broker) and the CPU-seconds per result
+(the whole machine's busy time: broker, publisher and every aggregator process).
 
-    .venv/bin/python bench/fed3r_ingest.py [--devices 20] [--d 1280] [--ingest-workers 0 2]
+    .venv/bin/python bench/fed3r_ingest.py [--devices 20] [--d 1280] [--ingest-workers 0 2] [--shards 1 2 4]
 """
 
 from __future__ import annotations
@@ -82,9 +85,11 @@ def count_bytes(port: int, total: int, ready, out) -> None:
     sub.loop_stop()
 
 
-def run_aggregator(url: str, tmp: str, ids: list[str], d: int, provisional: bool, workers: int, ready, out) -> None:
+def run_aggregator(url: str, tmp: str, ids: list[str], d: int, provisional: bool, workers: int, ready, out,
+                   shards: int = 0) -> None:
     from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
     from aggregator.service.loop import AggregatorService
+    from aggregator.shards.local import LocalShards
     from aggregator.storage.store import Store
     from protocols.mqtt_link import BrokerConfig
 
@@ -95,15 +100,22 @@ def run_aggregator(url: str, tmp: str, ids: list[str], d: int, provisional: bool
     threadpool_limits(1)        # LAPACK's (the solve; the Gram check when inline) likewise
     cfg = Fed3RConfig(num_classes=C, feature_dim=d, clients_per_round=len(ids), expected_devices=len(ids),
                       round_timeout_s=600, job_id=f"ingest-{provisional}")
-    svc = AggregatorService(Fed3RJob(cfg), BrokerConfig.from_url(url), Path(tmp), enrolled=set(ids),
+    broker = BrokerConfig.from_url(url)
+    svc = AggregatorService(Fed3RJob(cfg), broker, Path(tmp), enrolled=set(ids),
                             evaluate_every_contribution=provisional, store=Store(Path(tmp) / "state.db"),
-                            ingest_workers=workers)
+                            ingest_workers=workers,
+                            shards=LocalShards(shards, broker, Path(tmp) / "shards") if shards else None)
     if svc.ingest is not None:
         for f in svc.ingest.warming:          # a serving aggregator's workers are up: don't time their start
             f.result()
+    stop_shards = None
+    if svc.shards is not None:      # stopped after the summary is out: their interpreters' teardown is no ingest
+        stop_shards, svc.shards.close = svc.shards.close, lambda: None
     ready.set()
     summary = svc.run(timeout_s=900)
     out.put((summary["finished_at"], summary["bytes_in"], summary["results_accepted"], svc.store.commit_seconds))
+    if stop_shards is not None:
+        stop_shards()
 
 
 # ---------------------------------------------------------------------- the devices
@@ -190,23 +202,28 @@ def main() -> None:
     ap.add_argument("--d", type=int, default=1280)
     ap.add_argument("--ingest-workers", type=int, nargs="+", default=[2],
                     help="worker processes; several values: one aggregator run each, the same raw baseline")
+    ap.add_argument("--shards", type=int, nargs="*", default=[1, 2, 4],
+                    help="then one run per value with that many shard processes (aggregator serve --shards K)")
     args = ap.parse_args()
     ctx = multiprocessing.get_context("spawn")
     handler = PrecomputedStats(args.d, C)
     print(f"devices={args.devices} d={args.d}")
     raw = None
-    runs = [(False, w) for w in args.ingest_workers] + [(True, args.ingest_workers[-1])]
-    for provisional, workers in runs:
+    runs = [(False, w, 0) for w in args.ingest_workers] + [(True, args.ingest_workers[-1], 0)]
+    runs += [(False, 0, k) for k in args.shards]
+    for provisional, workers, shards in runs:
         with MosquittoBroker() as broker, tempfile.TemporaryDirectory() as tmp:
             ids = [f"dev{i:04d}" for i in range(args.devices)]
             ready, out = ctx.Event(), ctx.Queue()
             agg = ctx.Process(target=run_aggregator, args=(broker.url, tmp, ids, args.d, provisional, workers,
-                                                           ready, out))
+                                                           ready, out, shards))
             agg.start()
             ready.wait(300)
             devices = Devices(broker.port, ids, handler)
             devices.all_tasks.wait(300)
             messages = devices.results()
+            if shards:
+                time.sleep(1.0)     # each shard subscribes to its devices' outboxes when it sees their presence
             total = sum(len(p) for _, p in messages)
             pub = publisher(broker.port)
             if raw is None:         # the broker's rate for exactly these payloads, once
@@ -240,10 +257,12 @@ def main() -> None:
             busy0 = busy_cpu_s()
             t0 = burst(pub, messages)
             t_done, bytes_in, accepted, commit_s = out.get(timeout=900)
-            used = "" if busy0 is None else f", {busy_cpu_s() - busy0:.2f} CPU-s used"
+            cpu = None if busy0 is None else busy_cpu_s() - busy0
+            used = "" if cpu is None else f", {cpu:.2f} CPU-s used, {cpu / args.devices * 1e3:.0f} CPU-ms per result"
             rate = total / (t_done - t0)
             what = "store+validate+sum+solve+evaluate each" if provisional else "store+validate+sum, solve at the end "
-            print(f"aggregator ingest ({what}), {workers} ingest workers: {rate / 1e6:8.1f} MB/s  "
+            how = f"{shards} shard processes" if shards else f"{workers} ingest workers"
+            print(f"aggregator ingest ({what}), {how}: {rate / 1e6:8.1f} MB/s  "
                   f"ratio to raw {rate / raw:.2f}"
                   f"  (accepted={accepted}, {t_done - t0:.2f} s{used}, {commit_s:.2f} s in store writes: SQLite + "
                   f"payload files)", flush=True)

@@ -142,6 +142,12 @@ class MqttLink:
         finally:
             self.client.loop_stop()
 
+    def subscribe(self, topic: str, qos: int = 1) -> None:
+        """Subscribe now (if connected) and again after every reconnect."""
+        self.subscriptions.append((topic, qos))
+        if self.connected.is_set():
+            self.client.subscribe(topic, qos=qos)
+
     def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False, wait: bool = False) -> None:
         info = self.client.publish(topic, payload, qos=qos, retain=retain)
         self.bytes_sent += len(payload)

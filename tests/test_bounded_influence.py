@@ -71,10 +71,27 @@ class Handler:
 
 
 def honest_canonical_sum(devices) -> Fed3R:
-    """The honest devices' statistics summed in device-id order: what the job must hold, bit for bit."""
+    """The honest devices' statistics in the canonical order: what the job must hold, bit for bit."""
+    return canonical_sum_of({d: honest_data(DEVICES.index(d)) for d in devices})
+
+
+def canonical_sum_of(data: dict) -> Fed3R:
+    """Devices' statistics (device -> (Z, y)) summed in the canonical order (aggregator/shards/buckets.py):
+    each bucket in device-id order from zero, then the buckets pairwise up the fixed tree."""
+    from aggregator.shards.buckets import NUM_BUCKETS, bucket_of
+
+    buckets = {}
+    for d in sorted(data):
+        server = buckets.setdefault(bucket_of(d), Fed3R(C, D + 1, device="cpu"))
+        server.add(parse_stats(decode(stats_wire(*data[d])), D + 1, C))
+
+    def node(start, end):
+        if end - start == 1:
+            return buckets[start].state_dict() if start in buckets else None
+        left, right = node(start, (start + end) // 2), node((start + end) // 2, end)
+        return left if right is None else right if left is None else {k: left[k] + right[k] for k in left}
     server = Fed3R(C, D + 1, device="cpu")
-    for d in sorted(devices):
-        server.add(parse_stats(decode(stats_wire(*honest_data(DEVICES.index(d)))), D + 1, C))
+    server.load_state_dict(node(0, NUM_BUCKETS))
     return server
 
 
@@ -170,10 +187,7 @@ def test_an_operator_can_release_a_screened_device_and_it_contributes_again(brok
         a.stop()
     assert result.get("state") == "done", result
     assert sorted(result["contributed"]) == DEVICES           # asked again, and no longer screened
-    want = Fed3R(C, D + 1, device="cpu")
-    for d in DEVICES:
-        data = (scaled_data if d == ATTACKER else honest_data)(DEVICES.index(d))
-        want.add(parse_stats(decode(stats_wire(*data)), D + 1, C))
+    want = canonical_sum_of({d: (scaled_data if d == ATTACKER else honest_data)(i) for i, d in enumerate(DEVICES)})
     assert np.array_equal(np.load(tmp_path / "out" / "statistics.npz")["A"], want.A.numpy())
     store.close()
 

@@ -1,13 +1,16 @@
-"""The model a finished Fed3R job reports is its contributions summed in device-id order, however
-it gets there: the live job itself (it summed in that order), a re-sum of the contributions kept
-in memory, or a re-sum read back from the store. All three give the same bytes as the store path
-and as numpy's sums, whatever the arrival order; anything the record cannot vouch for (a restored
-job, a forgotten device, contributions over the memory budget) goes to the store."""
+"""The model a finished Fed3R job reports is its contributions summed in the canonical bucketed
+order (aggregator/shards/buckets.py), however it gets there: a re-sum of the contributions kept in
+memory, or a re-sum read back from the store. Both give the bytes of numpy adding the same
+matrices in that order, whatever the arrival order and however the buckets are split between
+shards; anything the record cannot vouch for (a restored job, a forgotten device, contributions
+over the memory budget) goes to the store."""
 
 import numpy as np
 import pytest
 
 from aggregator.service.canonical import AppliedContributions, canonical_job, reported_job
+from aggregator.shards.buckets import NUM_BUCKETS, bucket_of, bucket_range
+from aggregator.shards.partial_sums import bucket_sums, range_sums, reduce_nodes
 from aggregator.jobs.registry import build_job
 from aggregator.storage.store import Store
 from protocols.envelope import Envelope, decode, encode
@@ -16,9 +19,9 @@ from protocols.payloads.fed3r import encode_stats
 P, C = 24, 4
 # features spanning 1e-3..1e3 (a float-rounding stress test), far outside any backbone's output
 # range: the bounded-influence defaults (docs/algorithms.md) would refuse them, so they are off
-CONFIG = {"job_id": "fed3r-order", "num_classes": C, "feature_dim": P - 1, "clients_per_round": 8,
+CONFIG = {"job_id": "fed3r-order", "num_classes": C, "feature_dim": P - 1, "clients_per_round": 12,
           "max_abs_feature": 0.0, "screen_energy_ratio": 0.0}
-DEVICES = [f"dev{i:02d}" for i in range(8)]
+DEVICES = [f"dev{i:02d}" for i in range(12)]
 
 
 def device_payload(i: int) -> tuple[bytes, np.ndarray, np.ndarray]:
@@ -57,27 +60,72 @@ def model_bytes(job) -> dict[str, bytes]:
     return {k: v.tobytes() for k, v in job.model_arrays().items()}
 
 
-def test_every_path_reports_the_store_paths_bytes_whatever_the_arrival_order(tmp_path):
-    in_order, shuffled = list(range(8)), [5, 2, 7, 0, 3, 6, 1, 4]
+def bucketed_reference(devices: list[int]) -> np.ndarray:
+    """Σ A_k's upper triangle as numpy adds it by the definition: each bucket from zero in device-id
+    order, then the buckets pairwise up a binary tree (an empty bucket adds nothing)."""
+    buckets: dict[int, np.ndarray] = {}
+    for i in sorted(devices, key=lambda i: (bucket_of(DEVICES[i]), DEVICES[i])):
+        b = bucket_of(DEVICES[i])
+        buckets[b] = buckets.get(b, np.zeros((P, P))) + np.triu(PAYLOADS[i][1])
+
+    def node(start, end):
+        if end - start == 1:
+            return buckets.get(start)
+        left, right = node(start, (start + end) // 2), node((start + end) // 2, end)
+        return left if right is None else right if left is None else left + right
+    return node(0, NUM_BUCKETS)
+
+
+def test_the_devices_fill_several_buckets_with_several_devices_in_one():
+    buckets = [bucket_of(d) for d in DEVICES]
+    assert len(set(buckets)) >= 3 and len(set(buckets)) < len(DEVICES)    # or the order proves little
+
+
+def test_every_path_reports_the_bucketed_sum_whatever_the_arrival_order(tmp_path):
+    in_order, shuffled = list(range(len(DEVICES))), [5, 2, 11, 7, 0, 9, 3, 6, 10, 1, 8, 4]
     store, live, applied = run(tmp_path, in_order)
-    assert reported_job(applied, live, store, "fed3r", CONFIG["job_id"]) is live      # no re-sum, no re-solve
+    from_memory = reported_job(applied, live, store, "fed3r", CONFIG["job_id"])
     reference = model_bytes(canonical_job(store, "fed3r", CONFIG, CONFIG["job_id"]))
-    assert model_bytes(live) == reference
+    assert from_memory is not live and model_bytes(from_memory) == reference
 
     store2, live2, applied2 = run(tmp_path, shuffled)
-    from_memory = reported_job(applied2, live2, store2, "fed3r", CONFIG["job_id"])
-    assert from_memory is not live2 and model_bytes(from_memory) == reference
+    assert model_bytes(reported_job(applied2, live2, store2, "fed3r", CONFIG["job_id"])) == reference
+    assert model_bytes(canonical_job(store2, "fed3r", CONFIG, CONFIG["job_id"])) == reference
     # the arrival order did change the live sums' last bits (or the test proves nothing)
     assert live2.strategy.A.cpu().numpy().tobytes() != live.strategy.A.cpu().numpy().tobytes()
-    # and the reported sums are numpy's
-    A_ref, B_ref = sum(p[1] for p in PAYLOADS), sum(p[2] for p in PAYLOADS)
-    np.testing.assert_allclose(from_memory.strategy.A.cpu().numpy(), A_ref, rtol=1e-12)
+    # the reported sums are numpy's, bit for bit, added in the bucketed order
+    A = from_memory.strategy.A.cpu().numpy()
+    assert np.triu(A).tobytes() == bucketed_reference(in_order).tobytes()
+    B_ref = sum(p[2] for p in PAYLOADS)
     np.testing.assert_allclose(from_memory.strategy.B.cpu().numpy(), B_ref, rtol=1e-12, atol=1e-9)
+    assert from_memory.contributed == {d: live.contributed[d] for d in sorted(DEVICES)}
+
+
+@pytest.mark.parametrize("shards", [1, 2, 3, 4, 7, 64])
+def test_shards_owning_bucket_ranges_reduce_to_one_aggregators_bits(shards):
+    parsed = {i: build_job("fed3r", CONFIG).parse_result(decode(PAYLOADS[i][0])) for i in range(len(DEVICES))}
+    everything = [(DEVICES[i], 1, lambda _j, i=i: parsed[i]) for i in range(len(DEVICES))]
+    one = reduce_nodes("fed3r", CONFIG, range_sums("fed3r", bucket_sums("fed3r", CONFIG, everything), 0, NUM_BUCKETS))
+    nodes = {}
+    for shard in reversed(range(shards)):           # shards report in any order, their devices in any order
+        lo, hi = bucket_range(shard, shards)
+        mine = [c for c in reversed(everything) if lo <= bucket_of(c[0]) < hi]
+        nodes.update(range_sums("fed3r", bucket_sums("fed3r", CONFIG, mine), lo, hi))
+    assert len(nodes) <= 2 * 6 * shards
+    assert model_bytes(reduce_nodes("fed3r", CONFIG, nodes)) == model_bytes(one)
+    assert reduce_nodes("fed3r", CONFIG, nodes).contributed == one.contributed
+    if shards > 1:                                   # a shard missing, or one reported twice, is refused
+        lo, hi = bucket_range(0, shards)
+        missing = {n: v for n, v in nodes.items() if n[0] >= hi}
+        with pytest.raises(ValueError, match="exactly once"):
+            reduce_nodes("fed3r", CONFIG, missing)
+        with pytest.raises(ValueError, match="exactly once"):
+            reduce_nodes("fed3r", CONFIG, {**nodes, (0, NUM_BUCKETS): None})
 
 
 @pytest.mark.parametrize("case", ["over budget", "restored", "forgotten"])
 def test_what_the_record_cannot_vouch_for_is_summed_from_the_store(tmp_path, case):
-    store, live, applied = run(tmp_path, [3, 1, 0, 2, 4, 5, 7, 6], budget=1 if case == "over budget" else 1 << 30)
+    store, live, applied = run(tmp_path, [3, 1, 0, 2, 4, 5, 7, 6, 11, 9, 10, 8], budget=1 if case == "over budget" else 1 << 30)
     if case == "restored":
         applied.invalidate()
     if case == "forgotten":
@@ -87,4 +135,4 @@ def test_what_the_record_cannot_vouch_for_is_summed_from_the_store(tmp_path, cas
     assert applied.payloads is None if case != "forgotten" else applied.payloads is not None
     assert model_bytes(reported) == model_bytes(canonical_job(store, "fed3r", CONFIG, CONFIG["job_id"]))
     if case == "forgotten":
-        assert DEVICES[2] not in reported.contributed and len(reported.contributed) == 7
+        assert DEVICES[2] not in reported.contributed and len(reported.contributed) == len(DEVICES) - 1

@@ -67,7 +67,7 @@ def test_a_failed_store_write_is_never_acknowledged_and_the_job_ends_as_if_it_ha
     assert len(store.rounds("ops")) == 1
     got, want = final_model(store), final_model(clean)
     for k in want:
-        assert np.array_equal(got[k], want[k]), k              # bit for bit: summed in device order
+        assert np.array_equal(got[k], want[k]), k              # bit for bit: summed in canonical order
     A_ref, _ = reference_sums(DEVICES)
     rebuilt = canonical_job(store, "fed3r", store.job("ops")["config"], "ops")
     np.testing.assert_allclose(rebuilt.strategy.A.cpu().numpy(), A_ref, rtol=1e-12)

@@ -13,7 +13,7 @@ What orders effects stays on the service thread, unchanged: the round machine, t
 write before the ack, the sum into the job (``job.parse_accepted`` reads the tensors as views on
 the same bytes, skips only the checks the worker ran, and runs those that need the job's state).
 So the sums, the store and crash recovery are exactly those of inline ingest, and an order-free
-job's final model is still re-summed in device-id order. A verdict that never comes back (the process stops) leaves nothing
+job's final model is still re-summed in canonical order. A verdict that never comes back (the process stops) leaves nothing
 behind: nothing was stored or acknowledged, and the device re-sends.
 
 A message reaches a worker through shared memory, not the pool's pipe: pickling 6.6 MB, the pipe's

@@ -48,7 +48,7 @@ class JobRunner:
         self.writer = writer if store is not None and a.job.split_validation else None
         self._held_acks: dict[str, list[tuple[SendAck, int]]] = {}   # message id -> its acks, until durable
         self.rebuilt = False                    # a write failed and the job was rebuilt by a new runner
-        # an order-free job reports its contributions summed in device order (aggregator/service/canonical.py):
+        # an order-free job reports its contributions summed in canonical order (aggregator/service/canonical.py):
         # only then is what it applied worth keeping
         self.canonical = store is not None and a.job.order_free and a.kind in KINDS
         self.on_fatal = on_fatal        # (reason, stop=False): rebuild the job from the store, or stop it

@@ -32,13 +32,12 @@ An open round continues after a restart with its stored deadline; its pending pa
 their task again (same task id, so a device that already answered just re-sends the same
 result). Tasks are also re-sent when the aggregator reconnects and when a pending participant
 announces itself online (a broker restart loses in-flight messages). For an ``order_free`` job
-(Fed3R) the final model is re-summed from the stored contributions in device-id order, so it
+(Fed3R) the final model is re-summed from the stored contributions in canonical order, so it
 depends only on *which* devices contributed, never on arrival order, crashes or restarts.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
@@ -73,8 +72,10 @@ from aggregator.jobs.base import Job
 from aggregator.service.job_runner import JobRunner
 from aggregator.jobs.registry import KINDS, build_job, job_kind_name
 from aggregator.jobs.secure_rounds import LateProtocolMessage
-from aggregator.service.recovery import restore_job
-from aggregator.storage.store import Store, StoreError
+from aggregator.service.recovery import open_stored
+from aggregator.shards.coordinator_job import RECEIPT, ShardedJob
+from aggregator.shards.local import LocalShards
+from aggregator.storage.store import Store
 
 log = logging.getLogger("fedfleet.aggregator")
 
@@ -88,7 +89,7 @@ class AggregatorService(OperatorActions):
                  require_signatures: bool = False, keep_serving: bool = False,
                  crash: CrashPoints | None = None, checkpoints: bool = True,
                  artifacts: ArtifactShelf | None = None, offline_grace_s: float = 120.0,
-                 identity: DeviceIdentity | None = None, ingest_workers: int = 0):
+                 identity: DeviceIdentity | None = None, ingest_workers: int = 0, shards: LocalShards | None = None):
         self.topics, self.artifacts, self.eval_set = topics, artifacts, eval_set
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -111,9 +112,12 @@ class AggregatorService(OperatorActions):
         self._stop = threading.Event()
         self.live: dict = {}                     # snapshot for the admin API, replaced atomically
         self._live_at = 0.0
+        self.shards = shards        # aggregator/shards/: they take the outboxes and hand this loop receipts
         self.link = MqttLink(AGGREGATOR_ID, broker, on_message=lambda t, p: self._q.put(("mqtt", t, p)),
-                             subscriptions=[(topics.all_outboxes, 1), (topics.all_presence, 1)],
+                             subscriptions=[(topics.all_outboxes, 1)] * (shards is None) + [(topics.all_presence, 1)],
                              on_connect=lambda: self._q.put(("connected",)))
+        if shards is not None:
+            shards.start(lambda item: self._q.put(("mqtt" if item[0] == "forward" else "receipt", *item[1:])))
         # large results are decoded and validated in these processes (aggregator/service/ingest.py), and
         # stored on the writer's thread (aggregator/service/contribution_writer.py)
         self.ingest = IngestWorkers(ingest_workers) if ingest_workers else None
@@ -167,7 +171,7 @@ class AggregatorService(OperatorActions):
             if self.active is not None:
                 summary = self._finish_job()
             self.link.stop()
-            for part in (self.ingest, self.writer):
+            for part in (self.ingest, self.writer, self.shards):
                 if part is not None:
                     part.close()
         return summary
@@ -182,9 +186,9 @@ class AggregatorService(OperatorActions):
         return fut.result(timeout)
 
     def _dispatch(self, item: tuple) -> None:
-        if item[0] == "mqtt":
+        if item[0] in ("mqtt", "receipt"):
             try:
-                self._on_payload(item[1], item[2])
+                (self._on_payload if item[0] == "mqtt" else self._on_receipt)(item[1], item[2])
             except Exception:       # last resort: whatever one message causes is that message's refusal
                 log.exception("message on %s refused: it raised an unexpected error", item[1][:120])
                 self._stats().reject("malformed")
@@ -203,10 +207,14 @@ class AggregatorService(OperatorActions):
                     fut.set_exception(exc)
 
     def _activate(self, job: Job, out_dir: Path) -> None:
-        a = ActiveJob(job, job_kind_name(job), Path(out_dir))
+        kind = job_kind_name(job)
+        if self.shards is not None:         # its sums are the shards'
+            self.shards.set_job(job, kind)
+            job = ShardedJob(job, kind, self.shards.reduce)
+        a = ActiveJob(job, kind, Path(out_dir))
         a.out_dir.mkdir(parents=True, exist_ok=True)
         if self.store is not None:
-            self._load_stored(a)
+            open_stored(a, self.store, self.checkpoints, self.crash)
         self.active = a
         if self._signer is None and job.secure_rounds:
             self._signer = job.identity.sign      # a secure job's identity is the aggregator's: sign with it
@@ -232,25 +240,6 @@ class AggregatorService(OperatorActions):
         a.final_state = "stopped"
         if self.store is not None:
             self.store.set_job_state(a.job_id, "stopped", {"error": reason})
-
-    def _load_stored(self, a: ActiveJob) -> None:
-        """Create the job's row, or restore the job from it (same kind and config only)."""
-        job = a.job
-        if job.secure_rounds and not self.checkpoints:
-            # A secure round's secrets are never persisted: what survives a restart is the job
-            # state checkpointed at each round close (there are no per-device results to replay).
-            raise TypeError(f"{type(job).__name__} (secure aggregation) needs checkpoints to run with a store")
-        row = self.store.job(a.job_id)
-        config = job.config.to_dict()
-        if row is None:
-            self.store.create_job(a.job_id, a.kind, config, state="running")
-            self.store.set_job_state(a.job_id, "running")
-            a.started_at = self.store.job(a.job_id)["started_at"]
-            return
-        if row["kind"] != a.kind or json.loads(json.dumps(config)) != row["config"]:
-            raise StoreError(f"job {a.job_id!r} is stored with a different kind/config; use a new job_id")
-        restore_job(a, row, self.store, self.checkpoints)
-        self.crash("restored")
 
     def _start_next_job(self) -> bool:
         """With a store: resume an interrupted job, else start the oldest queued one."""
@@ -293,8 +282,18 @@ class AggregatorService(OperatorActions):
             return self._reject(device, "bad signature" if signature else "malformed", str(exc))
         if got is None:
             return
-        env, raw, checked = got
-        nbytes = self._device_bytes.pop(device, 0)
+        self._on_envelope(device, topic, *got, self._device_bytes.pop(device, 0))
+
+    def _on_receipt(self, topic: str, raw: bytes) -> None:
+        """A shard's receipt for a result it validated and stored (it came over our own pipe)."""
+        env = decode(raw)
+        self._stats().bytes_in += env.body[RECEIPT]["bytes"]
+        if env.sender in self.fleet.revoked:
+            return self._reject(env.sender, "revoked device")
+        self._on_envelope(env.sender, topic, env, raw, True, env.body[RECEIPT]["bytes"])
+
+    def _on_envelope(self, device: str, topic: str, env: Envelope, raw: bytes, checked: bool, nbytes: int) -> None:
+        outbox = topic.endswith("/out")
         if env.sender != device:
             return self._reject(device, "wrong sender", f"sender {env.sender!r} does not own topic {topic}")
         if outbox and not self.fleet.may_contribute(device):
@@ -435,6 +434,8 @@ class AggregatorService(OperatorActions):
             self._device_bytes = {d: n for d, n in self._device_bytes.items() if d in holding}
         if self.runner is not None:
             self.runner.tick(now)
+        if self.shards is not None:
+            self.shards.watch()
 
     def _update_live(self, force: bool = False) -> None:
         if not force and time.monotonic() - self._live_at < 0.2:

@@ -21,6 +21,7 @@ died with the old process); the service closes it at its next tick.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -32,6 +33,26 @@ from aggregator.service.active_job import ActiveJob, ServiceStats
 from aggregator.storage.store import FINAL_JOB_STATES, Store, StoreError
 
 log = logging.getLogger("fedfleet.aggregator")
+
+
+def open_stored(a: ActiveJob, store: Store, checkpoints: bool, crash) -> None:
+    """Create the job's row, or restore the job from it (same kind and config only)."""
+    job = a.job
+    if job.secure_rounds and not checkpoints:
+        # A secure round's secrets are never persisted: what survives a restart is the job
+        # state checkpointed at each round close (there are no per-device results to replay).
+        raise TypeError(f"{type(job).__name__} (secure aggregation) needs checkpoints to run with a store")
+    row = store.job(a.job_id)
+    config = job.config.to_dict()
+    if row is None:
+        store.create_job(a.job_id, a.kind, config, state="running")
+        store.set_job_state(a.job_id, "running")
+        a.started_at = store.job(a.job_id)["started_at"]
+        return
+    if row["kind"] != a.kind or json.loads(json.dumps(config)) != row["config"]:
+        raise StoreError(f"job {a.job_id!r} is stored with a different kind/config; use a new job_id")
+    restore_job(a, row, store, checkpoints)
+    crash("restored")
 
 
 def restore_job(a: ActiveJob, row: dict, store: Store, checkpoints: bool) -> None:

@@ -408,6 +408,13 @@ class Store:
             payload = self._payload(r[0], r[5], job_id) if with_payload else b""
             yield StoredContribution(r[0], r[1], r[2], r[3], r[4], payload, r[6])
 
+    def contribution_payload(self, job_id: str, seq: int) -> bytes:
+        """The stored bytes of one contribution (``seq`` from :meth:`contributions`)."""
+        row = self.db.execute("SELECT payload_bytes FROM contributions WHERE job_id=? AND seq=?", (job_id, seq)).fetchone()
+        if row is None:
+            raise StoreError(f"job {job_id!r} has no contribution {seq}")
+        return self._payload(seq, row[0], job_id)
+
     def _payload(self, seq: int, nbytes: int, job_id: str) -> bytes:
         try:
             return self.blobs.read(seq, nbytes)

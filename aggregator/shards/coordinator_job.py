@@ -1,0 +1,111 @@
+"""The job as the coordinator of K shards serves it: the round rules and the scheduling are the
+job's own; the sums are the shards'.
+
+:class:`ShardedJob` wraps a freshly built order-free job (Fed3R). Its results are the shards'
+receipts (``shard.py``): applying one records what the device contributed and the accepted
+(device, message id) — never a tensor. Its model is the shards' node sums over exactly those ids,
+reduced in the canonical tree (``partial_sums.py``), so it equals one aggregator's bit for bit; it
+is recomputed only when the accepted set grew (each shard re-sums only the buckets that changed).
+The accepted ids are what its state restores: checkpointed at each round close (beside the reduced
+sums, for the reader), replayed from the coordinator's store (which keeps the receipts) after a
+restart, exactly like any job's contributions.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from protocols.envelope import Envelope, EnvelopeError
+from protocols.rounds import RoundClosed
+
+from aggregator.jobs.base import Job
+from aggregator.shards.partial_sums import additive
+from aggregator.shards.shard import RECEIPT
+
+# (kind, config, job id, accepted (device, message id)s) -> the reduced job
+Reducer = Callable[[str, dict, str, list[tuple[str, str]]], Job]
+ACCEPTED = "shard_accepted"         # the state's one array: "device\tmessage id" per accepted receipt
+
+
+class ShardedJob(Job):
+    order_free = False              # the reduction is canonical already: nothing to re-sum at the end
+    evaluate_at_round_close = True  # a model is a reduction over the shards: once per round
+
+    def __init__(self, inner: Job, kind: str, reduce: Reducer):
+        self.inner, self.kind_name, self._reduce = inner, kind, reduce
+        self.config = inner.config
+        self.accepted: list[tuple[str, str]] = []
+        self._model: tuple[int, Job] | None = None      # (len(accepted) it holds, the reduced job)
+
+    # the job's own scheduling
+    kind = property(lambda self: self.inner.kind)
+    round = property(lambda self: self.inner.round)
+    contributed = property(lambda self: self.inner.contributed,
+                           lambda self, value: setattr(self.inner, "contributed", value))
+
+    @property
+    def contributions(self) -> int:
+        return len(self.accepted)
+
+    def next_participants(self, online: set[str]) -> list[str]:
+        return self.inner.next_participants(online)
+
+    def task_for(self, device: str) -> tuple[dict, dict[str, np.ndarray]]:
+        return self.inner.task_for(device)
+
+    def finished(self, online: set[str], known: set[str]) -> bool:
+        return self.inner.finished(online, known)
+
+    def bookkeeping(self) -> dict:
+        return self.inner.bookkeeping()
+
+    def restore_bookkeeping(self, state: dict) -> None:
+        self.inner.restore_bookkeeping(state)
+
+    def close_round(self, closed: RoundClosed) -> None:
+        self.inner.close_round(closed)
+
+    # receipts in place of results
+    def parse_result(self, env: Envelope) -> tuple[str, Any]:
+        receipt = env.body.get(RECEIPT)
+        if not isinstance(receipt, dict) or not isinstance(receipt.get("job"), dict):
+            raise EnvelopeError("a sharded job takes its results from its shards' receipts only")
+        return env.id, receipt["job"]
+
+    def apply(self, device: str, payload: tuple[str, dict]) -> None:
+        message_id, kept = payload
+        if device in self.inner.contributed:
+            raise ValueError(f"{device} already contributed")  # the round machine prevents this
+        self.accepted.append((device, message_id))
+        additive(self.kind_name).record(self.inner, device, kept)
+
+    def screened_devices(self) -> dict[str, str]:
+        """The job's fleet screen over the energies the receipts carried: the service quarantines
+        those devices and rebuilds this job from its store without their receipts."""
+        return self.inner.screened_devices()
+
+    # the model: the shards' sums, reduced
+    def reduced(self) -> Job:
+        if self._model is None or self._model[0] != len(self.accepted):
+            job = self._reduce(self.kind_name, self.config.to_dict(), self.config.job_id, list(self.accepted))
+            job.round = self.inner.round
+            self._model = (len(self.accepted), job)
+        return self._model[1]
+
+    def evaluate(self, features: np.ndarray | None, labels: np.ndarray | None) -> dict:
+        return self.reduced().evaluate(features, labels)
+
+    def model_arrays(self) -> dict[str, np.ndarray]:
+        return self.reduced().model_arrays()
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """The reduced sums (what ``statistics.npz`` shows, as one aggregator's would) and the
+        accepted ids (all a restart needs: the sums are the shards')."""
+        ids = np.array([f"{d}\t{m}" for d, m in self.accepted], dtype=str)
+        return {**self.reduced().state_dict(), ACCEPTED: ids}
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        self.accepted = [tuple(str(x).split("\t", 1)) for x in state[ACCEPTED]]
+        self._model = None

@@ -1,0 +1,153 @@
+"""One shard's ingest: reassemble, validate and durably store the results of the devices in its
+bucket range, and hand the coordinator a small receipt for each; sum its buckets on request.
+
+No socket here: :class:`ShardIngest` is fed ``(topic, payload)`` pairs and returns what the
+coordinator must be told (``local.py`` moves the bytes: MQTT in, a pipe out). What it forwards:
+
+* a result of the active job whose payload passes the job's checks (``check_payload``, the
+  expensive part: decoding, the Gram matrix's Cholesky) is stored first — raw envelope, keyed by
+  (job, message id), so a device's re-send after a crash is found, not stored twice — and then
+  becomes a *receipt*: the result's reference (job, round, task, kind) and what the job records of
+  it, no tensors. The coordinator runs the round rules on the receipt and acks the device; a
+  receipt for a contribution it refuses (late, duplicate, revoked) leaves an orphan here that no
+  sum ever counts, because sums are taken over the coordinator's accepted (device, message id)s;
+* everything else it is not sure of (presence, declines, artifact requests, results of another
+  job, a result that fails validation) goes to the coordinator as the whole message's bytes, to
+  be judged (and refused with its reason) on the coordinator's ordinary path.
+
+Crashes: a result stored but not yet receipted is re-sent by its device (it is not acked) and
+receipted then; a receipt the coordinator accepted is already durable here.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+from protocols import messages as M
+from protocols.chunking import MessageAssembler
+from protocols.envelope import Envelope, EnvelopeError, decode, encode
+from protocols.topics import Topics
+
+from aggregator.jobs.registry import build_job
+from aggregator.shards.buckets import bucket_of, bucket_range
+from aggregator.shards.partial_sums import Node, PartialSum, additive, bucket_sums, range_sums
+from aggregator.storage.store import Store, StoreError
+
+log = logging.getLogger("fedfleet.aggregator.shard")
+
+RECEIPT = "shard_receipt"       # the body field of a receipt: {"shard", "bytes", "job": what the job keeps}
+
+
+@dataclass
+class Forward:
+    """A whole message for the coordinator's ordinary path."""
+    topic: str
+    payload: bytes
+
+
+@dataclass
+class Receipt:
+    """A stored, validated result: its encoded receipt envelope (what the coordinator stores)."""
+    topic: str
+    raw: bytes
+
+
+def receipt_envelope(env: Envelope, shard: int, kept: dict, nbytes: int) -> Envelope:
+    body = {k: env.body[k] for k in ("job", "round", "task", "kind")}
+    body[RECEIPT] = {"shard": shard, "bytes": nbytes, "job": kept}
+    return Envelope(type=M.RESULT, sender=env.sender, body=body, id=env.id)
+
+
+class ShardIngest:
+    def __init__(self, index: int, shards: int, store: Store, topics: Topics = Topics(),
+                 max_message_bytes: int = 256 * 1024 * 1024, verifier: Callable | None = None):
+        self.index, self.shards, self.store, self.topics = index, shards, store, topics
+        self.lo, self.hi = bucket_range(index, shards)
+        self.assembler = MessageAssembler(verifier=verifier, max_message_bytes=max_message_bytes)
+        self.job_id: str | None = None
+        self.kind, self.config, self._validator = "", {}, None
+        self._bytes: dict[str, int] = {}
+        self._cache: dict[int, tuple[frozenset, PartialSum]] = {}      # bucket -> (its keys, its sum)
+        self.stored = self.receipted = 0
+
+    def owns(self, device: str) -> bool:
+        return self.lo <= bucket_of(device) < self.hi
+
+    def set_job(self, job_id: str, kind: str, config: dict) -> None:
+        """The job whose results this shard takes (``None``-like empty id: none)."""
+        additive(kind)                      # a kind whose sums cannot be split is refused here
+        self.job_id, self.kind, self.config = job_id, kind, config
+        self._validator, self._cache = build_job(kind, config), {}
+        if self.store.job(job_id) is None:
+            self.store.create_job(job_id, kind, config, state="running")
+
+    def feed(self, topic: str, payload: bytes) -> Forward | Receipt | None:
+        device = self.topics.device_of(topic)
+        if device is None or not topic.endswith("/out") or not self.owns(device):
+            return Forward(topic, payload)
+        self._bytes[device] = self._bytes.get(device, 0) + len(payload)
+        try:
+            got = self.assembler.feed_whole(payload)
+        except EnvelopeError:
+            self._bytes.pop(device, None)
+            return Forward(topic, payload)          # refused on the coordinator's path, with its reason
+        if got is None:
+            return None
+        env, raw = got
+        nbytes = self._bytes.pop(device, len(raw))
+        if env.type != M.RESULT or self.job_id is None or env.sender != device:
+            return Forward(topic, raw)
+        return self._result(topic, device, env, raw, nbytes)
+
+    def _result(self, topic: str, device: str, env: Envelope, raw: bytes, nbytes: int) -> Forward | Receipt:
+        try:
+            ref, kind = M.parse_result_ref(env)
+            if ref.job != self.job_id or kind != self._validator.kind:
+                return Forward(topic, raw)
+            payload = self._validator.check_payload(env)
+        except EnvelopeError:
+            return Forward(topic, raw)
+        try:
+            self.store.add_contribution(self.job_id, ref.round, device, env.id, raw)
+            self.stored += 1
+        except StoreError:          # stored before (a re-send): receipted again, never stored twice
+            pass
+        self.receipted += 1
+        kept = additive(self.kind).receipt(self._validator, payload)
+        return Receipt(topic, encode(receipt_envelope(env, self.index, kept, nbytes)))
+
+    def expire(self, now: float) -> None:
+        for sender, parent in self.assembler.reassembler.expire(now):
+            log.warning("shard %d: partial message %s from %s expired unfinished", self.index, parent, sender)
+        holding = self.assembler.reassembler.senders()
+        self._bytes = {d: n for d, n in self._bytes.items() if d in holding}
+
+    def sums(self, job_id: str, accepted: list[tuple[str, str]]) -> dict[Node, PartialSum | None]:
+        """The sums of this shard's covering nodes over the coordinator's accepted (device, message
+        id)s in its range; a bucket is summed again only when its accepted set changed."""
+        if job_id != self.job_id:
+            raise ValueError(f"shard {self.index} serves job {self.job_id!r}, not {job_id!r}")
+        mine = {(d, m) for d, m in accepted if self.owns(d)}
+        stored = {(c.device, c.message_id): c for c in self.store.contributions(job_id, with_payload=False)
+                  if (c.device, c.message_id) in mine}
+        if len(stored) != len(mine):
+            lost = sorted(mine - stored.keys())[:5]
+            raise StoreError(f"shard {self.index} lacks accepted contributions {lost} (its store was replaced?)")
+        by_bucket: dict[int, list] = {}
+        for key, c in stored.items():
+            by_bucket.setdefault(bucket_of(key[0]), []).append(c)
+        buckets = {}
+        for bucket, members in by_bucket.items():
+            keys = frozenset((c.device, c.message_id) for c in members)
+            cached = self._cache.get(bucket)
+            if cached is None or cached[0] != keys:
+                summed = bucket_sums(self.kind, self.config, [(c.device, c.round, self._loader(c.seq)) for c in members])
+                cached = self._cache[bucket] = (keys, summed[bucket])
+            buckets[bucket] = cached[1]
+        return range_sums(self.kind, buckets, self.lo, self.hi)
+
+    def _loader(self, seq: int):
+        job_id = self.job_id
+        return lambda job: job.parse_accepted(decode(self.store.contribution_payload(job_id, seq)))

@@ -1,0 +1,115 @@
+"""One shard's ingest without sockets (aggregator/shards/shard.py): what it stores, what it
+receipts, what it forwards to the coordinator, and its sums against one aggregator's canonical
+model. Real envelopes (chunked), a real store."""
+
+import numpy as np
+import pytest
+
+from aggregator.jobs.registry import build_job
+from aggregator.shards.buckets import NUM_BUCKETS, bucket_range, shard_of
+from aggregator.shards.coordinator_job import ShardedJob
+from aggregator.shards.partial_sums import canonical_sum, reduce_nodes
+from aggregator.shards.shard import RECEIPT, Forward, Receipt, ShardIngest
+from aggregator.storage.store import Store, StoreError
+from protocols import messages as M
+from protocols.chunking import split
+from protocols.envelope import decode, encode
+from protocols.payloads.fed3r import encode_stats
+from protocols.topics import Topics
+
+P, C = 16, 3
+CONFIG = {"job_id": "sharded", "num_classes": C, "feature_dim": P - 1, "clients_per_round": 12}
+DEVICES = [f"dev{i:02d}" for i in range(12)]
+TOPICS = Topics()
+
+
+def result(i: int, job: str = "sharded", corrupt: bool = False) -> bytes:
+    rng = np.random.default_rng(i)
+    n = 4 + i
+    Z = np.hstack([rng.normal(size=(n, P - 1)), np.ones((n, 1))])
+    y = rng.integers(0, C, n)
+    ids = np.unique(y)
+    A = Z.T @ Z
+    if corrupt:
+        A[0, 0] = -1.0                          # not a Gram matrix: the job's check refuses it
+    body, tensors = encode_stats(A, ids, np.stack([Z[y == c].sum(0) for c in ids]), n, C)
+    env = M.result_message(DEVICES[i], M.TaskRef(job, 1, "t"), "fed3r.stats", body, tensors)
+    env.id = f"{i:032x}"
+    return encode(env)
+
+
+def feed(shard: ShardIngest, i: int, raw: bytes):
+    """Every chunk of device i's message; the shard's answer to the last one."""
+    outs = [shard.feed(TOPICS.outbox(DEVICES[i]), part) for part in split(raw, decode(raw).id, DEVICES[i], chunk_size=2048)]
+    assert all(o is None for o in outs[:-1])
+    return outs[-1]
+
+
+def test_a_shard_stores_and_receipts_its_devices_once_and_forwards_the_rest(tmp_path):
+    shard = ShardIngest(0, 2, Store(tmp_path / "s0.db"))
+    shard.set_job("sharded", "fed3r", CONFIG)
+    mine = [i for i in range(len(DEVICES)) if shard_of(DEVICES[i], 2) == 0]
+    other = next(i for i in range(len(DEVICES)) if shard_of(DEVICES[i], 2) == 1)
+    assert mine and shard.owns(DEVICES[mine[0]]) and not shard.owns(DEVICES[other])
+    first = feed(shard, mine[0], result(mine[0]))
+    again = feed(shard, mine[0], result(mine[0]))            # the device re-sends: not acked yet
+    assert isinstance(first, Receipt) and isinstance(again, Receipt)
+    def what(r):                # the same result (its bytes on the wire differ: each send has its timestamp)
+        env = decode(r.raw)
+        return env.id, {k: v for k, v in env.body.items() if k != RECEIPT}, env.body[RECEIPT]["job"]
+    assert what(first) == what(again)
+    receipt = decode(first.raw)
+    assert receipt.id == f"{mine[0]:032x}" and not receipt.tensors and receipt.body[RECEIPT]["job"]["contributed"] == 4 + mine[0]
+    assert shard.stored == 1 and len(list(shard.store.contributions("sharded"))) == 1
+    assert isinstance(feed(shard, mine[1], result(mine[1], job="other")), Forward)           # not the active job
+    assert isinstance(feed(shard, mine[1], result(mine[1], corrupt=True)), Forward)          # refused by the job
+    assert isinstance(shard.feed(TOPICS.outbox(DEVICES[other]), result(other)), Forward)     # not its device
+    assert shard.stored == 1
+
+
+def test_shards_sum_the_coordinators_accepted_ids_to_one_aggregators_bytes(tmp_path):
+    shards = [ShardIngest(k, 3, Store(tmp_path / f"s{k}.db")) for k in range(3)]
+    for s in shards:
+        s.set_job("sharded", "fed3r", CONFIG)
+    receipts = {}
+    for i in reversed(range(len(DEVICES))):
+        receipts[i] = feed(shards[shard_of(DEVICES[i], 3)], i, result(i))
+    late = 5                                                # receipted, but the coordinator refused it
+    coordinator = ShardedJob(build_job("fed3r", CONFIG), "fed3r",
+                             lambda kind, config, job_id, accepted: reduce_nodes(kind, config, {
+                                 n: v for s in shards for n, v in s.sums(job_id, accepted).items()}))
+    for i in range(len(DEVICES)):
+        if i != late:
+            coordinator.apply(DEVICES[i], coordinator.parse_result(decode(receipts[i].raw)))
+    reference = canonical_sum("fed3r", CONFIG, [(DEVICES[i], 1, lambda job, i=i: job.parse_result(decode(result(i))))
+                                                for i in range(len(DEVICES)) if i != late])
+    got = coordinator.model_arrays()
+    for k, v in reference.model_arrays().items():
+        assert got[k].tobytes() == v.tobytes(), k
+    assert coordinator.contributed == {d: 4 + i for i, d in enumerate(DEVICES) if i != late}
+    direct = build_job("fed3r", CONFIG)                     # the fleet screen's input, as one aggregator keeps it
+    for i in (i for i in range(len(DEVICES)) if i != late):
+        direct.apply(DEVICES[i], direct.parse_result(decode(result(i))))
+    assert direct.energies and coordinator.inner.energies == direct.energies
+    assert sorted(coordinator.reduced().contributed) == sorted(coordinator.contributed)
+    with pytest.raises(StoreError, match="lacks accepted"):      # an accepted id no shard holds
+        shards[0].sums("sharded", [(d, "f" * 32) for d in DEVICES if shard_of(d, 3) == 0])
+    assert [bucket_range(k, 3) for k in range(3)] == [(0, 21), (21, 42), (42, NUM_BUCKETS)]
+
+
+def test_jobs_shards_cannot_sum_and_impossible_shard_counts_are_refused_with_the_reason(tmp_path):
+    from aggregator.shards.local import LocalShards, check_shardable
+    from protocols.mqtt_link import BrokerConfig
+
+    check_shardable(build_job("fed3r", CONFIG), "fed3r")
+    fedavg = {"job_id": "f", "num_classes": C, "feature_dim": P - 1, "clients_per_round": 2, "rounds": 1}
+    with pytest.raises(ValueError, match="no additive state"):
+        check_shardable(build_job("fedavg", fedavg), "fedavg")
+    with pytest.raises(ValueError, match="not order-free"):
+        check_shardable(build_job("fed3r", {**CONFIG, "dp_noise_multiplier": 1.0, "max_samples": 10,
+                                            "feature_clip_norm": 1.0}), "fed3r")
+    with pytest.raises(ValueError, match="streaming"):
+        check_shardable(build_job("fed3r", {**CONFIG, "streaming": True}), "fed3r")
+    for count in (0, NUM_BUCKETS + 1):
+        with pytest.raises(ValueError, match="between 1 and"):
+            LocalShards(count, BrokerConfig.from_url("mqtt://127.0.0.1:1"), tmp_path)

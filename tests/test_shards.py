@@ -1,0 +1,133 @@
+"""``aggregator serve --shards K`` over a real mosquitto with real device agents: K shard
+processes receive, validate, store and sum the results of their buckets' devices; the coordinator
+reduces their sums. The model must be the bytes of one unsharded aggregator's (the canonical
+bucketed order does not depend on K), every device must count once, and a shard SIGKILLed
+mid-ingest must resume from its store with the same bytes."""
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from aggregator.shards.buckets import shard_of
+from fedfleet.emulation.broker import MosquittoBroker
+
+from ops_fleet import REPO, Fleet, aggregator_cmd, aggregator_env, prepare, reference_sums, run_aggregator
+
+DEVICES = [f"dev{i:02d}" for i in range(10)]
+
+
+def outputs(out_dir):
+    return dict(np.load(out_dir / "model.npz")), dict(np.load(out_dir / "statistics.npz")), \
+        json.loads((out_dir / "results.json").read_text())
+
+
+def shard_rows(state, shards: int) -> list[list[tuple[str, str]]]:
+    return [sqlite3.connect(f"{state}.shards/shard-{i}-of-{shards}.db").execute(
+        "SELECT device, message_id FROM contributions").fetchall() for i in range(shards)]
+
+
+@pytest.fixture(scope="module")
+def unsharded(tmp_path_factory):
+    work = tmp_path_factory.mktemp("unsharded")
+    prepare(work, DEVICES)
+    with MosquittoBroker() as broker, Fleet(broker.url, DEVICES):
+        rc, log = run_aggregator(work, broker.url, work / "state.db")
+    assert rc == 0, log[-3000:]
+    return outputs(work / "out")
+
+
+def assert_same_model(got, want):
+    model, stats, results = got
+    assert sorted(model) == sorted(want[0])
+    for name in want[0]:
+        assert model[name].tobytes() == want[0][name].tobytes(), name          # bit for bit
+    for name in ("A", "B", "counts"):
+        assert stats[name].tobytes() == want[1][name].tobytes(), name
+    assert sorted(results["contributed"]) == DEVICES and results["state"] == "done"
+    A_ref, B_ref = reference_sums(DEVICES)                                     # and right
+    np.testing.assert_allclose(stats["A"], A_ref, rtol=1e-12)
+    np.testing.assert_allclose(stats["B"], B_ref, rtol=1e-12)
+
+
+def assert_each_device_once(state, shards: int, orphans_allowed: bool = False) -> None:
+    """The coordinator accepted each device once, every accepted result is in its owner's store;
+    a shard holds only its own devices (and, after a coordinator crash, maybe results it receipted
+    that the coordinator never accepted: orphans no sum counts)."""
+    rows = shard_rows(state, shards)
+    for i, held in enumerate(rows):
+        assert all(shard_of(d, shards) == i for d, _ in held), "a shard holds only its buckets' devices"
+    receipts = sqlite3.connect(state).execute("SELECT device, message_id FROM contributions").fetchall()
+    assert sorted(d for d, _ in receipts) == DEVICES
+    stored = sorted(r for held in rows for r in held)
+    assert set(receipts) <= set(stored) and (orphans_allowed or sorted(receipts) == stored)
+
+
+def test_two_shards_give_one_aggregators_model_bit_for_bit(tmp_path, unsharded):
+    assert len({shard_of(d, 2) for d in DEVICES}) == 2            # both shards have devices
+    prepare(tmp_path, DEVICES)
+    with MosquittoBroker() as broker, Fleet(broker.url, DEVICES):
+        rc, log = run_aggregator(tmp_path, broker.url, tmp_path / "state.db", extra=["--shards", "2"])
+    assert rc == 0, log[-3000:]
+    assert_same_model(outputs(tmp_path / "out"), unsharded)
+    assert_each_device_once(tmp_path / "state.db", 2)
+
+
+def test_a_shard_sigkilled_mid_ingest_resumes_bit_for_bit(tmp_path, unsharded):
+    prepare(tmp_path, DEVICES)
+    state = tmp_path / "state.db"
+    victim = shard_of(DEVICES[0], 2)
+    held = [d for d in DEVICES if shard_of(d, 2) == victim][1:]     # the victim's later devices wait
+    gates = {d: threading.Event() for d in held}
+    with MosquittoBroker() as broker, Fleet(broker.url, DEVICES, gates=gates):
+        proc = subprocess.Popen(aggregator_cmd(tmp_path, broker.url, state, ["--shards", "2"]), env=aggregator_env(),
+                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:           # the victim has stored some results, not all
+                try:
+                    if shard_rows(state, 2)[victim]:
+                        break
+                except sqlite3.OperationalError:
+                    pass
+                time.sleep(0.2)
+            else:
+                pytest.fail("the shard never stored a result")
+            os.kill(int((tmp_path / "state.db.shards" / f"shard-{victim}.pid").read_text()), signal.SIGKILL)
+            for g in gates.values():
+                g.set()
+            out, _ = proc.communicate(timeout=120)
+        finally:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    assert f"shard {victim} exited" in out
+    assert_same_model(outputs(tmp_path / "out"), unsharded)
+    assert_each_device_once(state, 2)
+
+
+def test_the_coordinator_sigkilled_at_its_crash_points_resumes_the_shards_bit_for_bit(tmp_path, unsharded):
+    """The coordinator dies (and its shards with it) after storing a receipt, after acking, at a
+    round's close; each restart brings the shards back on their stores."""
+    prepare(tmp_path, DEVICES)
+    state = tmp_path / "state.db"
+    crashed, logs = [], ""
+    with MosquittoBroker() as broker, Fleet(broker.url, DEVICES):
+        for crash in ("contribution_stored:2", "ack_sent:3", "round_closing", None):
+            rc, log = run_aggregator(tmp_path, broker.url, state, crash=crash, extra=["--shards", "2"])
+            logs += log
+            if rc == 0:
+                break
+            assert rc == -9, log[-3000:]
+            crashed.append(crash)
+        else:
+            pytest.fail("the job did not finish")
+    assert rc == 0 and len(crashed) >= 2, (crashed, log[-3000:])
+    assert "receipts only" not in logs              # no device's result reached the coordinator itself
+    assert_same_model(outputs(tmp_path / "out"), unsharded)
+    assert_each_device_once(state, 2, orphans_allowed=True)
