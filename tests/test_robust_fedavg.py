@@ -6,7 +6,7 @@ import pytest
 
 from aggregator.jobs.fedavg import FedAvgConfig
 from aggregator.jobs.registry import build_job
-from aggregator.strategies.robust_fedavg import CoordinateMedian, Krum, Mean, NormBound, TrimmedMean
+from aggregator.strategies.robust_fedavg import CenteredClipping, CoordinateMedian, Krum, Mean, NormBound, TrimmedMean
 
 
 def fixed_updates(m=7, seed=3):
@@ -57,6 +57,37 @@ def test_krum_and_multi_krum_equal_the_reference_and_drop_an_outlier(select):
     chosen = krum_reference(x, 2, select)
     assert Krum(2, select).chosen(ups) == chosen and 4 not in chosen
     assert_params(Krum(2, select).combine(ups), (n[chosen, None] * x[chosen]).sum(0) / n[chosen].sum())
+
+
+def centered_clipping_reference(x, n, radius_multiplier, iterations):
+    """Karimireddy et al.'s iteration written out per update, from the coordinate-wise median."""
+    v = np.median(x, axis=0)
+    tau = radius_multiplier * np.median([np.linalg.norm(row - v) for row in x])
+    for _ in range(iterations):
+        step = np.zeros_like(v)
+        for row, weight in zip(x, n / n.sum()):
+            r = row - v
+            step += weight * r * min(1.0, tau / np.linalg.norm(r))
+        v = v + step
+    return v
+
+
+@pytest.mark.parametrize("radius_multiplier, iterations", [(1.0, 1), (1.0, 3), (2.0, 5)])
+def test_centered_clipping_equals_the_reference_and_bounds_an_outlier(radius_multiplier, iterations):
+    ups = fixed_updates()
+    ups[4] = ({"weight": ups[4][0]["weight"] - 100.0, "bias": ups[4][0]["bias"]}, ups[4][1])
+    x, n = as_matrix(ups), np.array([w for _, w in ups], dtype=float)
+    got = CenteredClipping(radius_multiplier, iterations).combine(ups)
+    assert_params(got, centered_clipping_reference(x, n, radius_multiplier, iterations))
+    honest = np.delete(x, 4, axis=0)
+    assert np.all(as_matrix([(got, 1)]) > honest.min(0) - 3 * radius_multiplier * iterations)   # not dragged to -100
+
+
+def test_centered_clipping_with_everything_within_the_radius_is_fedavg_bit_for_bit():
+    ups = fixed_updates()
+    got = CenteredClipping(1e3, 3).combine(ups)
+    want = Mean().combine(ups)
+    assert all(np.array_equal(got[k], want[k]) for k in want)
 
 
 def test_norm_bound_scales_only_what_exceeds_the_multiple_of_the_median():
