@@ -103,9 +103,25 @@ def test_norm_bound_scales_only_what_exceeds_the_multiple_of_the_median():
         assert all(got[k] is want[k] for k in want)       # untouched: the same arrays, the same bits
 
 
-def test_an_honest_round_with_the_default_bound_averages_exactly_as_fedavg():
+def test_the_default_bound_clips_each_update_to_the_rounds_median_norm():
     job = build_job("fedavg", {"num_classes": 2, "feature_dim": 3, "clients_per_round": 7, "init": "zeros"})
     ups = fixed_updates()
+    job._updates = {f"d{i}": u for i, u in enumerate(ups)}
+    combined, count, samples = job.round_mean()
+    x, n = as_matrix(ups), np.array([w for _, w in ups], dtype=float)
+    norms = np.linalg.norm(x, axis=1)               # the head starts at zero: Δ_k = θ_k
+    clipped = x * np.minimum(1.0, np.median(norms) / norms)[:, None]
+    assert count == 7
+    assert_params(combined, (n[:, None] * clipped).sum(0) / n.sum())
+
+
+def test_an_honest_round_whose_norms_agree_averages_exactly_as_fedavg():
+    """Updates of one norm (one vector, its coordinates' signs flipped per device) are all within
+    the default bound: passed through untouched, their mean is FedAvg's bit for bit."""
+    job = build_job("fedavg", {"num_classes": 2, "feature_dim": 3, "clients_per_round": 7, "init": "zeros"})
+    rng = np.random.default_rng(4)
+    v = rng.normal(size=8)
+    ups = [(split(v * rng.choice([-1.0, 1.0], size=8)), int(rng.integers(1, 50))) for _ in range(7)]
     job._updates = {f"d{i}": u for i, u in enumerate(ups)}
     combined, count, samples = job.round_mean()
     want = Mean().combine([job._updates[d] for d in sorted(job._updates)])
