@@ -18,9 +18,10 @@ counts as not delivered). Attacks (what a malicious device sends):
 
 Defences: Fed3R ``none`` (max_abs_feature 0, screen off) and ``default`` (the bound F = 6 and the
 fleet energy screen; a screened device is quarantined and the job re-summed without it, as the
-service does); FedAvg ``none`` (mean, no norm bound), ``default`` (the job's defaults: mean + norm
-bound 1x the round's median), ``bound 3x`` (the first default), ``centered_clipping`` (τ = the
-median distance, 3 iterations), ``median``, ``trimmed_mean`` (β = 0.2), ``multi_krum`` (f = 2).
+service does); FedAvg ``none`` (mean, no norm bound), ``default`` (the job's defaults: mean +
+norm bound 1x the round's median), ``bound 3x`` (the first default), ``bound 1.5x``,
+``centered_clipping`` (τ = the median distance, 3 iterations, no norm bound), ``median``,
+``trimmed_mean`` (β = 0.2), ``multi_krum`` (f = 2).
 Secure aggregation: Fed3R-Sync with the group check, the malicious fraction at 10 %, reported as it
 is (in-process SecAgg rounds).
 
@@ -76,6 +77,7 @@ FED3R_ATTACKS = ("scaling", "scaling_in_range", "label_flip", "sign_flip", "back
 FEDAVG_ATTACKS = ("scaling", "label_flip", "sign_flip", "alie", "backdoor")
 FED3R_DEFENCES = {"none": {"max_abs_feature": 0.0, "screen_energy_ratio": 0.0}, "default": {}}
 FEDAVG_DEFENCES = {"none": {"norm_bound_multiplier": 0.0}, "default": {}, "bound 3x": {"norm_bound_multiplier": 3.0},
+                   "bound 1.5x": {"norm_bound_multiplier": 1.5},
                    "centered_clipping": {"aggregator": "centered_clipping", "norm_bound_multiplier": 0.0},
                    "median": {"aggregator": "median"}, "trimmed_mean": {"aggregator": "trimmed_mean", "trim_fraction": 0.2},
                    "multi_krum": {"aggregator": "multi_krum", "krum_byzantine": 2}}
@@ -335,26 +337,34 @@ def run_all(args) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    """One line per (method, mode, attack, fraction, defence): the mean over seeds, and the mean of
-    each seed's difference to its own honest run (the seeds' range in brackets when there are several)."""
-    honest = {(r["method"], r["mode"], r["defence"], r.get("seed", 0)): r["accuracy"]
-              for r in rows if r["attack"] == "honest"}
+    """One line per (method, mode, attack, fraction, defence): the mean over seeds of the final
+    accuracy and (FedAvg) of the last 5 rounds', each with the mean of every seed's difference to
+    its own honest run (the seeds' range in brackets when there are several)."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["method"], r["mode"], r["attack"], r["fraction"], r["defence"]), []).append(r)
-    lines = ["| method | mode | attack | malicious | defence | seeds | accuracy | vs honest | backdoor | notes |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | mode | attack | malicious | defence | seeds | accuracy | vs honest | last 5 | vs honest "
+             "| backdoor | notes |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (method, mode, attack, fraction, defence), runs in groups.items():
-        deltas = [100 * (r["accuracy"] - honest[method, mode, defence, r.get("seed", 0)]) for r in runs
-                  if (method, mode, defence, r.get("seed", 0)) in honest]
-        delta = "" if attack == "honest" or not deltas else f"{np.mean(deltas):+.1f}" + (
-            f" [{min(deltas):+.1f}, {max(deltas):+.1f}]" if len(deltas) > 1 else "")
+        cells = [mean_and_delta(rows, runs, metric) for metric in ("accuracy", "last5")]
         notes = ", ".join(f"{k} {len(v) if isinstance(v, list) else v}" for k, v in runs[0].items()
                           if k in ("refused", "screened", "discarded_groups"))
         lines.append(f"| {method} | {mode} | {attack} | {100 * fraction:.0f} % | {defence} | {len(runs)} | "
-                     f"{100 * np.mean([r['accuracy'] for r in runs]):.1f} | {delta} | "
-                     f"{100 * np.mean([r['backdoor'] for r in runs]):.1f} | {notes} |")
+                     f"{' | '.join(cells)} | {100 * np.mean([r['backdoor'] for r in runs]):.1f} | {notes} |")
     return "\n".join(lines)
+
+
+def mean_and_delta(rows: list[dict], runs: list[dict], metric: str) -> str:
+    """"mean | paired difference to the honest runs" of ``metric`` over ``runs`` (empty cells without it)."""
+    if any(metric not in r for r in runs):
+        return " | "
+    honest = {(r["method"], r["mode"], r["defence"], r.get("seed", 0)): r[metric]
+              for r in rows if r["attack"] == "honest" and metric in r}
+    deltas = [100 * (r[metric] - honest[key]) for r in runs
+              if (key := (r["method"], r["mode"], r["defence"], r.get("seed", 0))) in honest]
+    delta = "" if runs[0]["attack"] == "honest" or not deltas else f"{np.mean(deltas):+.1f}" + (
+        f" [{min(deltas):+.1f}, {max(deltas):+.1f}]" if len(deltas) > 1 else "")
+    return f"{100 * np.mean([r[metric] for r in runs]):.1f} | {delta}"
 
 
 def plot(rows: list[dict], path: pathlib.Path) -> None:
