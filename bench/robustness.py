@@ -18,11 +18,22 @@ counts as not delivered). Attacks (what a malicious device sends):
 
 Defences: Fed3R ``none`` (max_abs_feature 0, screen off) and ``default`` (the bound F = 6 and the
 fleet energy screen; a screened device is quarantined and the job re-summed without it, as the
-service does); FedAvg ``none`` (mean, no norm bound), ``default`` (mean + norm bound 3x median),
-``median``, ``trimmed_mean`` (β = 0.2), ``multi_krum`` (f = 2). Secure aggregation: Fed3R-Sync
-with the group check, the malicious fraction at 10 %, reported as it is (in-process SecAgg rounds).
+service does); FedAvg ``none`` (mean, no norm bound), ``default`` (the job's defaults: mean +
+norm bound 1x the round's median), ``bound 3x`` (the first default), ``bound 1.5x``,
+``centered_clipping`` (τ = the median distance, 3 iterations, no norm bound), ``median``,
+``trimmed_mean`` (β = 0.2), ``multi_krum`` (f = 2).
+Secure aggregation: Fed3R-Sync with the group check, the malicious fraction at 10 %, reported as it
+is (in-process SecAgg rounds).
 
-Usage: nice -n 10 .venv/bin/python bench/robustness.py [--quick] [--plot-only]
+FedAvg devices train with the numpy head step (``edge_client/tasks/numpy_head.py``: the
+torch-free device's, the same SGD step as eager torch), since torch's per-step overhead dominates
+a 1280 x 10 head: a 30-round run takes about a second, so each figure is a mean over ``--seeds``
+seeds (the seed draws the split, hence which devices are malicious, and the participation
+schedule), and "vs honest" is paired: each seed's run against the same seed's honest run. One
+run's final accuracy moves by several points from seed to seed on this non-IID fleet.
+
+Usage: nice -n 10 .venv/bin/python bench/robustness.py [--quick] [--plot-only] [--fedavg-only]
+       [--seeds S] [--rounds T] [--defences a,b]
 Writes runs/bench/robustness.{json,png} and prints the table.
 """
 
@@ -47,7 +58,9 @@ from aggregator.jobs.registry import build_job  # noqa: E402
 from edge_client.data.idx import load_fashion_mnist  # noqa: E402
 from edge_client.features import FeatureExtractor  # noqa: E402
 from edge_client.fed3r import Fed3RAccumulator  # noqa: E402
+from edge_client.tasks import head_training  # noqa: E402
 from edge_client.tasks.head_training import HeadTrainingTask  # noqa: E402
+from edge_client.tasks.numpy_head import NumpyHeadStepper  # noqa: E402
 from fedfleet.emulation.partition import make_split  # noqa: E402
 from protocols import messages as M  # noqa: E402
 from protocols.envelope import EnvelopeError, decode, encode  # noqa: E402
@@ -58,11 +71,14 @@ from protocols.rounds import RoundClosed  # noqa: E402
 OUT_DIR = REPO / "runs" / "bench"
 D, C = 1280, 10
 DEVICES, KAPPA, FEDAVG_ROUNDS = 100, 10, 30
+LAST_ROUNDS = 5         # FedAvg's "last 5": the mean accuracy of the last rounds' models (less noisy than the final one)
 FRACTIONS = (0.01, 0.1, 0.2)
 FED3R_ATTACKS = ("scaling", "scaling_in_range", "label_flip", "sign_flip", "backdoor")
 FEDAVG_ATTACKS = ("scaling", "label_flip", "sign_flip", "alie", "backdoor")
 FED3R_DEFENCES = {"none": {"max_abs_feature": 0.0, "screen_energy_ratio": 0.0}, "default": {}}
-FEDAVG_DEFENCES = {"none": {"norm_bound_multiplier": 0.0}, "default": {},
+FEDAVG_DEFENCES = {"none": {"norm_bound_multiplier": 0.0}, "default": {}, "bound 3x": {"norm_bound_multiplier": 3.0},
+                   "bound 1.5x": {"norm_bound_multiplier": 1.5},
+                   "centered_clipping": {"aggregator": "centered_clipping", "norm_bound_multiplier": 0.0},
                    "median": {"aggregator": "median"}, "trimmed_mean": {"aggregator": "trimmed_mean", "trim_fraction": 0.2},
                    "multi_krum": {"aggregator": "multi_krum", "krum_byzantine": 2}}
 
@@ -199,6 +215,7 @@ def run_fedavg(devices, bad, attack, defence, test, seed):
         elif d in bad and attack == "backdoor":
             Z, y = np.vstack([Z, Zt]), np.concatenate([y, np.zeros(len(y), np.int64)])
         tasks[d] = HeadTrainingTask(Z, y, lambda b, s, w: CachedRows())
+    trail = []          # (accuracy, backdoor) after each round
     while chosen := job.next_participants(set(ids)):
         outputs = {}
         for d in chosen:
@@ -210,11 +227,18 @@ def run_fedavg(devices, bad, attack, defence, test, seed):
             msg = M.result_message(d, M.TaskRef(cfg["job_id"], job.round, "x" * 32), "fedavg.head", body, trained)
             job.apply(d, job.parse_result(decode(encode(msg))))
         job.close_round(RoundClosed(job.round, tuple(chosen), (), (), ()))
+        trail.append(head_scores(job.params, test))
+    accuracy, backdoor = trail[-1]
+    return accuracy, backdoor, {"last5": float(np.mean([a for a, _ in trail[-LAST_ROUNDS:]]))}
+
+
+def head_scores(params, test) -> tuple[float, float]:
+    """(test accuracy, backdoor success) of a linear head."""
     (Zte, yte, Zte_trig) = test
-    W, b = job.params["weight"], job.params["bias"]
+    W, b = params["weight"], params["bias"]
     accuracy = float(((Zte @ W.T + b).argmax(1) == yte).mean())
     backdoor = float(((Zte_trig[yte != 0] @ W.T + b).argmax(1) == 0).mean())
-    return accuracy, backdoor, {}
+    return accuracy, backdoor
 
 
 def poison_round(outputs, bad, attack):
@@ -243,9 +267,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="10 % attackers only, fewer FedAvg rounds")
     ap.add_argument("--plot-only", action="store_true")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="the first seed")
+    ap.add_argument("--seeds", type=int, default=1, help="FedAvg: runs per figure (seeds seed, seed + 1, ...)")
+    ap.add_argument("--rounds", type=int, default=0, help="FedAvg rounds (default 30, 10 with --quick)")
+    ap.add_argument("--fedavg-only", action="store_true", help="skip Fed3R and the secure runs")
+    ap.add_argument("--defences", default="", help="FedAvg defences to run, comma-separated (default: all)")
     args = ap.parse_args()
     torch.set_num_threads(2)
+    head_training._plain_stepper = NumpyHeadStepper     # see the module docstring
     out = OUT_DIR / "robustness.json"
     if not args.plot_only:
         rows = run_all(args)
@@ -256,59 +285,86 @@ def main() -> None:
     plot(rows, OUT_DIR / "robustness.png")
 
 
+def fleet(ytr, Xtr, Xtr_trig, seed: int) -> dict:
+    parts = make_split("dirichlet", ytr, DEVICES, seed, alpha=0.1)
+    return {f"dev{i:04d}": (Xtr[idx], ytr[idx], Xtr_trig[idx]) for i, idx in enumerate(parts) if len(idx)}
+
+
+def malicious(devices: dict, fraction: float) -> set[str]:
+    return set(sorted(devices)[:math.ceil(fraction * len(devices))])
+
+
 def run_all(args) -> list[dict]:
     global FEDAVG_ROUNDS
-    if args.quick:
-        FEDAVG_ROUNDS = 10
+    FEDAVG_ROUNDS = args.rounds or (10 if args.quick else FEDAVG_ROUNDS)
     (Xtr, ytr, Xtr_trig), test = load_data(6000, 2000)
-    parts = make_split("dirichlet", ytr, DEVICES, args.seed, alpha=0.1)
-    devices = {f"dev{i:04d}": (Xtr[idx], ytr[idx], Xtr_trig[idx]) for i, idx in enumerate(parts) if len(idx)}
-    ids = sorted(devices)
+    devices = fleet(ytr, Xtr, Xtr_trig, args.seed)
     fractions = (0.1,) if args.quick else FRACTIONS
+    fedavg_defences = args.defences.split(",") if args.defences else list(FEDAVG_DEFENCES)
     rows = []
 
-    def record(method, mode, attack, fraction, defence, fn):
+    def record(method, mode, attack, fraction, defence, fn, seed=args.seed):
         t0 = time.perf_counter()
         accuracy, backdoor, extra = fn()
         row = {"method": method, "mode": mode, "attack": attack, "fraction": fraction, "defence": defence,
-               "accuracy": accuracy, "backdoor": backdoor, **extra, "seconds": round(time.perf_counter() - t0, 1)}
+               "seed": seed, "accuracy": accuracy, "backdoor": backdoor, **extra,
+               "seconds": round(time.perf_counter() - t0, 1)}
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    for defence in FED3R_DEFENCES:
-        record("fed3r", "plain", "honest", 0.0, defence, lambda: run_fed3r(devices, set(), None, defence, test))
-    for defence in FEDAVG_DEFENCES:
-        record("fedavg", "plain", "honest", 0.0, defence,
-               lambda: run_fedavg(devices, set(), None, defence, test, args.seed))
-    for fraction in fractions:
-        bad = set(ids[:math.ceil(fraction * len(ids))])
-        for attack in FED3R_ATTACKS:
-            for defence in FED3R_DEFENCES:
-                record("fed3r", "plain", attack, fraction, defence,
-                       lambda: run_fed3r(devices, bad, attack, defence, test))
-        for attack in FEDAVG_ATTACKS:
-            for defence in FEDAVG_DEFENCES:
+    if not args.fedavg_only:
+        for defence in FED3R_DEFENCES:
+            record("fed3r", "plain", "honest", 0.0, defence, lambda: run_fed3r(devices, set(), None, defence, test))
+        for fraction in fractions:
+            for attack in FED3R_ATTACKS:
+                for defence in FED3R_DEFENCES:
+                    record("fed3r", "plain", attack, fraction, defence,
+                           lambda: run_fed3r(devices, malicious(devices, fraction), attack, defence, test))
+    for seed in range(args.seed, args.seed + args.seeds):
+        seed_devices = fleet(ytr, Xtr, Xtr_trig, seed)
+        for attack, fraction in [("honest", 0.0)] + [(a, f) for f in fractions for a in FEDAVG_ATTACKS]:
+            bad = malicious(seed_devices, fraction)
+            for defence in fedavg_defences:
                 record("fedavg", "plain", attack, fraction, defence,
-                       lambda: run_fedavg(devices, bad, attack, defence, test, args.seed))
-    bad = set(ids[:math.ceil(0.1 * len(ids))])
-    record("fed3r", "secure", "honest", 0.0, "group check", lambda: run_fed3r_secure(devices, set(), None, test))
-    for attack in ("scaling", "scaling_in_range", "label_flip", "backdoor"):
-        record("fed3r", "secure", attack, 0.1, "group check", lambda: run_fed3r_secure(devices, bad, attack, test))
+                       lambda: run_fedavg(seed_devices, bad, None if attack == "honest" else attack, defence,
+                                          test, seed), seed)
+    if not args.fedavg_only:
+        bad = malicious(devices, 0.1)
+        record("fed3r", "secure", "honest", 0.0, "group check", lambda: run_fed3r_secure(devices, set(), None, test))
+        for attack in ("scaling", "scaling_in_range", "label_flip", "backdoor"):
+            record("fed3r", "secure", attack, 0.1, "group check", lambda: run_fed3r_secure(devices, bad, attack, test))
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    honest = {(r["method"], r["mode"], r["defence"]): r["accuracy"] for r in rows if r["attack"] == "honest"}
-    lines = ["| method | mode | attack | malicious | defence | accuracy | vs honest | backdoor | notes |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    """One line per (method, mode, attack, fraction, defence): the mean over seeds of the final
+    accuracy and (FedAvg) of the last 5 rounds', each with the mean of every seed's difference to
+    its own honest run (the seeds' range in brackets when there are several)."""
+    groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        base = honest.get((r["method"], r["mode"], r["defence"]))
-        delta = "" if base is None or r["attack"] == "honest" else f"{100 * (r['accuracy'] - base):+.1f}"
-        notes = ", ".join(f"{k} {len(v) if isinstance(v, list) else v}" for k, v in r.items()
+        groups.setdefault((r["method"], r["mode"], r["attack"], r["fraction"], r["defence"]), []).append(r)
+    lines = ["| method | mode | attack | malicious | defence | seeds | accuracy | vs honest | last 5 | vs honest "
+             "| backdoor | notes |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (method, mode, attack, fraction, defence), runs in groups.items():
+        cells = [mean_and_delta(rows, runs, metric) for metric in ("accuracy", "last5")]
+        notes = ", ".join(f"{k} {len(v) if isinstance(v, list) else v}" for k, v in runs[0].items()
                           if k in ("refused", "screened", "discarded_groups"))
-        lines.append(f"| {r['method']} | {r['mode']} | {r['attack']} | {100 * r['fraction']:.0f} % | {r['defence']} | "
-                     f"{100 * r['accuracy']:.1f} | {delta} | {100 * r['backdoor']:.1f} | {notes} |")
+        lines.append(f"| {method} | {mode} | {attack} | {100 * fraction:.0f} % | {defence} | {len(runs)} | "
+                     f"{' | '.join(cells)} | {100 * np.mean([r['backdoor'] for r in runs]):.1f} | {notes} |")
     return "\n".join(lines)
+
+
+def mean_and_delta(rows: list[dict], runs: list[dict], metric: str) -> str:
+    """"mean | paired difference to the honest runs" of ``metric`` over ``runs`` (empty cells without it)."""
+    if any(metric not in r for r in runs):
+        return " | "
+    honest = {(r["method"], r["mode"], r["defence"], r.get("seed", 0)): r[metric]
+              for r in rows if r["attack"] == "honest" and metric in r}
+    deltas = [100 * (r[metric] - honest[key]) for r in runs
+              if (key := (r["method"], r["mode"], r["defence"], r.get("seed", 0))) in honest]
+    delta = "" if runs[0]["attack"] == "honest" or not deltas else f"{np.mean(deltas):+.1f}" + (
+        f" [{min(deltas):+.1f}, {max(deltas):+.1f}]" if len(deltas) > 1 else "")
+    return f"{100 * np.mean([r[metric] for r in runs]):.1f} | {delta}"
 
 
 def plot(rows: list[dict], path: pathlib.Path) -> None:
@@ -322,13 +378,18 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
     for ax, (method, attack) in zip(axes.ravel(), panels):
         defences = FED3R_DEFENCES if method == "fed3r" else FEDAVG_DEFENCES
         for i, defence in enumerate(defences):
-            pts = sorted((r["fraction"], r["accuracy"]) for r in rows
-                         if (r["method"], r["mode"], r["attack"], r["defence"]) == (method, "plain", attack, defence))
-            if pts:
-                ax.plot([100 * f for f, _ in pts], [100 * a for _, a in pts], marker="o", label=defence, color=f"C{i}")
-            base = [r["accuracy"] for r in rows if (r["method"], r["attack"], r["defence"]) == (method, "honest", defence)]
+            by_fraction: dict[float, list[float]] = {}          # the mean over seeds
+            for r in rows:
+                if (r["method"], r["mode"], r["attack"], r["defence"]) == (method, "plain", attack, defence):
+                    by_fraction.setdefault(r["fraction"], []).append(r["accuracy"])
+            if by_fraction:
+                fractions = sorted(by_fraction)
+                ax.plot([100 * f for f in fractions], [100 * np.mean(by_fraction[f]) for f in fractions],
+                        marker="o", label=defence, color=f"C{i}")
+            base = [r["accuracy"] for r in rows if (r["method"], r["mode"], r["attack"], r["defence"])
+                    == (method, "plain", "honest", defence)]
             if base:
-                ax.axhline(100 * base[0], color=f"C{i}", linestyle=":", linewidth=1)
+                ax.axhline(100 * np.mean(base), color=f"C{i}", linestyle=":", linewidth=1)
         ax.set_title(f"{method}: {attack}")
         ax.set_xlabel("malicious devices (%)")
         ax.legend(fontsize=7)

@@ -6,7 +6,7 @@ import pytest
 
 from aggregator.jobs.fedavg import FedAvgConfig
 from aggregator.jobs.registry import build_job
-from aggregator.strategies.robust_fedavg import CoordinateMedian, Krum, Mean, NormBound, TrimmedMean
+from aggregator.strategies.robust_fedavg import CenteredClipping, CoordinateMedian, Krum, Mean, NormBound, TrimmedMean
 
 
 def fixed_updates(m=7, seed=3):
@@ -59,6 +59,40 @@ def test_krum_and_multi_krum_equal_the_reference_and_drop_an_outlier(select):
     assert_params(Krum(2, select).combine(ups), (n[chosen, None] * x[chosen]).sum(0) / n[chosen].sum())
 
 
+def centered_clipping_reference(x, n, radius_multiplier, iterations):
+    """Karimireddy et al.'s iteration written out per update, from the coordinate-wise median."""
+    v = np.median(x, axis=0)
+    tau = radius_multiplier * np.median([np.linalg.norm(row - v) for row in x])
+    for _ in range(iterations):
+        step = np.zeros_like(v)
+        for row, weight in zip(x, n / n.sum()):
+            r = row - v
+            step += weight * r * min(1.0, tau / np.linalg.norm(r))
+        v = v + step
+    return v
+
+
+@pytest.mark.parametrize("radius_multiplier, iterations", [(1.0, 1), (1.0, 3), (2.0, 5)])
+def test_centered_clipping_equals_the_reference_and_bounds_an_outlier(radius_multiplier, iterations):
+    ups = fixed_updates()
+    ups[4] = ({"weight": ups[4][0]["weight"] - 100.0, "bias": ups[4][0]["bias"]}, ups[4][1])
+    x, n = as_matrix(ups), np.array([w for _, w in ups], dtype=float)
+    got = CenteredClipping(radius_multiplier, iterations).combine(ups)
+    assert_params(got, centered_clipping_reference(x, n, radius_multiplier, iterations))
+    honest = np.delete(x, 4, axis=0)
+    honest_mean = (np.delete(n, 4)[:, None] * honest).sum(0) / np.delete(n, 4).sum()
+    plain_mean = (n[:, None] * x).sum(0) / n.sum()
+    moved = np.linalg.norm(as_matrix([(got, 1)])[0] - honest_mean)
+    assert moved < np.linalg.norm(plain_mean - honest_mean) / 5        # the outlier no longer drags the result
+
+
+def test_centered_clipping_with_everything_within_the_radius_is_fedavg_bit_for_bit():
+    ups = fixed_updates()
+    got = CenteredClipping(1e3, 3).combine(ups)
+    want = Mean().combine(ups)
+    assert all(np.array_equal(got[k], want[k]) for k in want)
+
+
 def test_norm_bound_scales_only_what_exceeds_the_multiple_of_the_median():
     current = {"weight": np.zeros((2, 3)), "bias": np.zeros(2)}
     ups = fixed_updates()
@@ -72,9 +106,25 @@ def test_norm_bound_scales_only_what_exceeds_the_multiple_of_the_median():
         assert all(got[k] is want[k] for k in want)       # untouched: the same arrays, the same bits
 
 
-def test_an_honest_round_with_the_default_bound_averages_exactly_as_fedavg():
+def test_the_default_bound_clips_each_update_to_the_rounds_median_norm():
     job = build_job("fedavg", {"num_classes": 2, "feature_dim": 3, "clients_per_round": 7, "init": "zeros"})
     ups = fixed_updates()
+    job._updates = {f"d{i}": u for i, u in enumerate(ups)}
+    combined, count, samples = job.round_mean()
+    x, n = as_matrix(ups), np.array([w for _, w in ups], dtype=float)
+    norms = np.linalg.norm(x, axis=1)               # the head starts at zero: Δ_k = θ_k
+    clipped = x * np.minimum(1.0, np.median(norms) / norms)[:, None]
+    assert count == 7
+    assert_params(combined, (n[:, None] * clipped).sum(0) / n.sum())
+
+
+def test_an_honest_round_whose_norms_agree_averages_exactly_as_fedavg():
+    """Updates of one norm (one vector, its coordinates' signs flipped per device) are all within
+    the default bound: passed through untouched, their mean is FedAvg's bit for bit."""
+    job = build_job("fedavg", {"num_classes": 2, "feature_dim": 3, "clients_per_round": 7, "init": "zeros"})
+    rng = np.random.default_rng(4)
+    v = rng.normal(size=8)
+    ups = [(split(v * rng.choice([-1.0, 1.0], size=8)), int(rng.integers(1, 50))) for _ in range(7)]
     job._updates = {f"d{i}": u for i, u in enumerate(ups)}
     combined, count, samples = job.round_mean()
     want = Mean().combine([job._updates[d] for d in sorted(job._updates)])

@@ -91,7 +91,8 @@ FIELD_LIMITS: dict[str, Range | OneOf | Pattern | Fields | Items] = {
     "dp_clip_lr": Range(1e-6, 10), "dp_count_stddev": Range(0, 1e6), "dp_population": COUNT,
     "feature_clip_norm": Range(0, 1e6),
     # bounded influence (aggregator/jobs/robustness_fields.py)
-    "aggregator": OneOf(("mean", "median", "trimmed_mean", "krum", "multi_krum")),
+    "aggregator": OneOf(("mean", "median", "trimmed_mean", "krum", "multi_krum", "centered_clipping")),
+    "clip_radius_multiplier": Range(1e-6, 1e6), "clip_iterations": Range(1, 100),
     "norm_bound_multiplier": Range(0, 1e6), "trim_fraction": Range(0, 0.499), "krum_byzantine": Range(0, 100_000),
     "krum_select": Range(0, 100_000), "update_clip_norm": Range(0, 1e9), "max_device_samples": Range(1, 1_000_000_000), "screen_energy_ratio": Range(0, 1e6), "screen_min_fleet": Range(1, 1_000_000),
     # FedAvg family

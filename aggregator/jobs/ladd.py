@@ -72,6 +72,9 @@ class LaddConfig(FedAvgRobustnessFields, UpdateClippingFields):
     """The fields every job has (``aggregator/jobs/base.py``), DP-FedAvg's clipping, the robust rule within each cluster, and LADD's."""
 
     job_id: str = "ladd"
+    # LADD keeps the first bound, 3x the median norm: the FedAvg family's 1x was measured on
+    # FedAvg(ψ)'s linear head, not on a segmentation network's clusters.
+    norm_bound_multiplier: float = 3.0
     model: dict = field(default_factory=dict)      # edge_client SegmentationSpec as a dict
     weights_sha256: str = ""                       # the devices' ImageNet encoder weights
     style_b: int = 1                               # style window (2b+1)²

@@ -136,6 +136,7 @@ class SecureFedAvgJob(SecureGroupRounds, FedAvgJob):
 @dataclass
 class SecureTailFedAvgConfig(SecureFedAvgConfig, TailFedAvgConfig):
     job_id: str = "fedavg-tail-secure"
+    norm_bound_multiplier: float = 3.0      # FT(φ)'s, which SecureFedAvgConfig's (FedAvg(ψ)'s 1x) would hide
 
 
 class SecureTailFedAvgJob(SecureFedAvgJob, TailFedAvgJob):

@@ -4,11 +4,14 @@ A round's updates are (θ_k, n_k): the tensors device k trained, and its sample 
 (docs/algorithms.md, "Bounded influence"):
 
 * :class:`NormBound`, on by default: Δ_k = θ_k − x_t is scaled to at most ``multiplier`` times
-  the median ‖Δ‖ of the round (a fleet-relative bound: no constant to tune per model). An update
-  within the bound is passed through untouched (the same bits), so an honest round whose norms
-  are alike averages exactly as FedAvg does.
+  the median ‖Δ‖ of the round (a fleet-relative bound: no constant to tune per model). The job's
+  default multiplier is 1: every update is clipped to the round's median norm, so no device pushes
+  harder than the typical one. An update within the bound is passed through untouched (the same
+  bits); an honest round whose norms differ is therefore not FedAvg's bit for bit (about half its
+  updates are scaled down), which on the non-IID demo fleet costs no accuracy (it gains some).
 * a rule (:class:`RobustRule`): the sample-weighted mean (FedAvg), the coordinate-wise median,
-  the coordinate-wise trimmed mean (Yin et al. 2018), Krum / Multi-Krum (Blanchard et al. 2017).
+  the coordinate-wise trimmed mean (Yin et al. 2018), Krum / Multi-Krum (Blanchard et al. 2017),
+  centred clipping (Karimireddy et al. 2021).
   Each states the fewest updates its guarantee needs (``min_updates``); a job checks that against
   κ when it is created, and a round that ends with fewer updates moves nothing.
 
@@ -124,6 +127,39 @@ class Krum(RobustRule):
 
     def combine(self, updates: Sequence[Update]) -> Params:
         return Mean().combine([updates[i] for i in self.chosen(updates)])
+
+
+class CenteredClipping(RobustRule):
+    """Centred clipping (Karimireddy, He & Jaggi 2021): from a robust start v (the coordinate-wise
+    median), ``iterations`` times v ← v + Σ w_k (θ_k − v)·min(1, τ/‖θ_k − v‖), w_k = n_k/Σ n_k.
+    τ is fleet-relative: ``radius_multiplier`` × the median ‖θ_k − v‖ at the start. A device far
+    from the others moves v by at most w_k·τ per iteration whatever it sends; when no update lies
+    beyond τ the fixed point is the mean itself, returned as FedAvg computes it (the same bits)."""
+
+    name = "centered_clipping"
+
+    def __init__(self, radius_multiplier: float = 1.0, iterations: int = 3):
+        if not (radius_multiplier > 0 and math.isfinite(radius_multiplier)) or iterations < 1:
+            raise ValueError(f"centred clipping needs a radius multiplier > 0 and iterations >= 1, "
+                             f"got {radius_multiplier}, {iterations}")
+        self.radius_multiplier, self.iterations = radius_multiplier, iterations
+
+    def combine(self, updates: Sequence[Update]) -> Params:
+        x = np.stack([_flatten(t) for t, _ in updates])
+        weights = np.array([n for _, n in updates], dtype=np.float64)
+        weights /= weights.sum()
+        centre = np.median(x, axis=0)
+        radius = self.radius_multiplier * float(np.median(np.linalg.norm(x - centre, axis=1)))
+        if radius == 0:                 # most updates are the median itself: nothing to clip against
+            return _unflatten(centre, updates[0][0])
+        for _ in range(self.iterations):
+            residuals = x - centre
+            distances = np.linalg.norm(residuals, axis=1)
+            if (distances <= radius).all():     # unclipped, the next iterate is the mean
+                return Mean().combine(updates)
+            shrink = np.minimum(1.0, radius / np.maximum(distances, np.finfo(float).tiny))
+            centre = centre + (weights * shrink) @ residuals
+        return _unflatten(centre, updates[0][0])
 
 
 class NormBound:
