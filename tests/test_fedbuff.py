@@ -143,6 +143,59 @@ def test_job_dispatches_the_current_version_and_checks_the_echo():
     assert twin.buffer.buffered == 1
 
 
+def test_a_restart_replaying_an_answered_round_still_open_never_applies_an_update_twice():
+    """The replay walks the stored rounds in order: a round answered but not yet closed when the
+    process died is applied again early and closed only at the next tick, after the later rounds'
+    closes were replayed. The checkpoint taken at that close must still keep every applied round
+    from a second replay (it once set its floor below rounds it no longer marked)."""
+    config = AsyncFedAvgConfig(num_classes=C, feature_dim=D, clients_per_round=3, buffer_size=2,
+                               max_staleness=2, rounds=5)
+    rng = np.random.default_rng(3)
+    live = AsyncFedAvgJob(config)
+    bookkeeping, results, stored = {}, {}, []          # per round; stored: rounds with a contribution
+
+    def open_(job, device):
+        r = job.open_dispatch(device)
+        bookkeeping[r] = job.bookkeeping()
+        return r
+
+    def answer(job, r, device):
+        results[r] = (device, result_env(job, device, r, head(rng), 5, bookkeeping[r]["version"]))
+        stored.append(r)
+        job.apply(device, job.parse_result(results[r][1]))
+
+    def restart(state, floor, open_rounds):
+        """What aggregator/service/recovery.py does: the checkpoint, then the rounds above its floor."""
+        job = AsyncFedAvgJob(config)
+        job.load_state_dict(state)
+        for r in sorted(bookkeeping):
+            if r > floor:
+                job.restore_bookkeeping(bookkeeping[r])
+                if r in stored:
+                    job.apply(results[r][0], job.parse_result(results[r][1]))
+                if r not in open_rounds:
+                    job.close_round(RoundClosed(r, (), (), (), ()))
+        job.keep_dispatches(open_rounds)
+        return job
+
+    r1, r2, r3 = (open_(live, d) for d in ("a", "b", "c"))
+    answer(live, r3, "c")
+    live.close_round(RoundClosed(r3, ("c",), (), (), ()))
+    r4 = open_(live, "d")
+    answer(live, r2, "b")
+    live.close_round(RoundClosed(r2, ("b",), (), (), ()))
+    r5 = open_(live, "c")
+    checkpoint = live.state_dict(), live.replay_floor
+    answer(live, r1, "a")                     # stored, then the process dies before its round closes
+    first = restart(*checkpoint, {r1: "a", r4: "d", r5: "c"})
+    first.close_round(RoundClosed(r1, ("a",), (), (), ()))           # the restored round's next tick
+    second = restart(first.state_dict(), first.replay_floor, {r4: "d", r5: "c"})
+    for job in (first, second):
+        assert (job.version, job.buffer.buffered, job.buffer.applied) == (1, 1, 3)
+        for k, v in live.buffer.state_dict().items():
+            np.testing.assert_array_equal(job.buffer.state_dict()[k], v)
+
+
 def pixel_extractor():
     proj = np.random.default_rng(99).normal(size=(3 * SIZE * SIZE, D)).astype(np.float32) / 20
     return FeatureExtractor(lambda x: x.reshape(len(x), -1) @ proj, image_size=SIZE,

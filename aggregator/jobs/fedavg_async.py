@@ -74,7 +74,7 @@ class AsyncFedAvgJob(AsynchronousJob, FedAvgJob):
         super().__post_init__()
         c = self.config
         self.buffer = FedBuff(self.params, c.buffer_size, c.server_lr, c.max_staleness, c.staleness_exponent)
-        self.dispatches: dict[int, tuple[str, int]] = {}   # open dispatch round -> (device, version)
+        self.dispatches: dict[int, tuple[str, int]] = {}   # dispatch round not yet closed -> (device, version)
         self._applied: set[int] = set()       # applied dispatch rounds a checkpoint replay could meet again
         self.replay_floor = 0
 
@@ -131,7 +131,9 @@ class AsyncFedAvgJob(AsynchronousJob, FedAvgJob):
     def apply(self, device: str, payload: VersionedUpdate) -> None:
         if payload.round in self._applied:
             return                      # already in the checkpointed state (restart replay)
-        dispatched = self.dispatches.pop(payload.round, None)
+        # the dispatch stays until its round closes (close_round): an answered round still open, as
+        # a replayed one is until the next tick, must hold the replay floor below it
+        dispatched = self.dispatches.get(payload.round)
         if dispatched is None or dispatched[0] != device:
             self.late_discarded += 1    # the round machine answers these before they get here
             return
@@ -146,9 +148,12 @@ class AsyncFedAvgJob(AsynchronousJob, FedAvgJob):
         # This close's checkpoint (and every later one) is taken at a round >= floor: applied
         # dispatches above it must stay marked, those below can never be replayed again.
         # Every round up to the floor is closed and, if answered, in the state: a restart replays the
-        # rounds above it (the checkpoint says so), skipping the applied ones marked here.
+        # rounds above it (the checkpoint says so), skipping the applied ones marked here. The
+        # floor never falls below an unmarked round because self.dispatches holds every round not
+        # yet closed, answered ones included (were an answered round left out, a later close could
+        # set the floor below it after its mark was dropped: the next restart applied it twice).
         self.replay_floor = min([*self.dispatches, closed.round]) - 1
-        self.dispatches.pop(closed.round, None)          # closed unanswered: the device is free again
+        self.dispatches.pop(closed.round, None)          # answered or not: the device is free again
         self._applied = {r for r in self._applied if r > self.replay_floor}
 
     # ------------------------------------------------------------------ model and state
