@@ -149,6 +149,13 @@ def reduce_nodes(kind: str, config: dict, nodes: dict[Node, PartialSum | None]) 
 
 
 def canonical_sum(kind: str, config: dict, contributions: Iterable[Contribution]) -> Job:
-    """One aggregator's canonical model: the whole tree over its bucket sums."""
+    """One aggregator's canonical model: the whole tree over its bucket sums. An order-free kind
+    with no float sums to bucket (personalization's counts: any order gives the same state) is
+    applied in plain (device, round) order instead."""
+    if kind not in ADDITIVE:
+        job = build_job(kind, config)
+        for device, _round, load in sorted(contributions, key=lambda c: canonical_key(c[0], c[1])):
+            job.apply(device, load(job))
+        return job
     buckets = bucket_sums(kind, config, contributions)
     return reduce_nodes(kind, config, range_sums(kind, buckets, 0, NUM_BUCKETS))
