@@ -199,6 +199,18 @@ def run_aggregator(workdir: Path, broker_url: str, state: Path, crash: str | Non
     return proc.returncode, proc.stdout + proc.stderr + f"\n[{time.monotonic() - t0:.1f}s]"
 
 
+def run_uninterrupted(workdir: Path, devices, **job) -> Path:
+    """The reference a crash test compares with: the same job prepared in ``workdir`` and run once
+    to the end by the same subprocess entry point, on a fresh broker and state. Its output folder."""
+    from fedfleet.emulation.broker import MosquittoBroker
+
+    prepare(workdir, devices, **job)
+    with MosquittoBroker() as broker, Fleet(broker.url, devices):
+        rc, log = run_aggregator(workdir, broker.url, workdir / "state.db")
+    assert rc == 0, log[-3000:]
+    return workdir / "out"
+
+
 class RecordingService:
     """An in-process AggregatorService run on a thread, recording every payload it receives, so
     a test can check what the aggregator saw (e.g. nothing but masked vectors)."""

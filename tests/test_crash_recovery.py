@@ -25,7 +25,7 @@ from fedfleet.emulation.broker import MosquittoBroker
 from protocols.mqtt_link import BrokerConfig
 
 from ops_fleet import (REPO, Fleet, aggregator_cmd, aggregator_env, job_config, prepare, reference_sums,
-                       run_aggregator)
+                       run_aggregator, run_uninterrupted)
 
 pytestmark = pytest.mark.slow  # aggregator subprocesses killed and restarted: xdist starts this file first
 
@@ -46,12 +46,7 @@ def load_outputs(out_dir):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """An uninterrupted run of the same job (same subprocess entry point, fresh broker and state)."""
-    work = tmp_path_factory.mktemp("reference")
-    prepare(work, DEVICES)
-    with MosquittoBroker() as broker, Fleet(broker.url, DEVICES):
-        rc, log = run_aggregator(work, broker.url, work / "state.db")
-    assert rc == 0, log[-3000:]
-    return load_outputs(work / "out")
+    return load_outputs(run_uninterrupted(tmp_path_factory.mktemp("reference"), DEVICES))
 
 
 def assert_exactly_once(state_db, outputs):

@@ -18,7 +18,8 @@ import pytest
 from aggregator.shards.buckets import shard_of
 from fedfleet.emulation.broker import MosquittoBroker
 
-from ops_fleet import REPO, Fleet, aggregator_cmd, aggregator_env, prepare, reference_sums, run_aggregator
+from ops_fleet import (REPO, Fleet, aggregator_cmd, aggregator_env, prepare, reference_sums, run_aggregator,
+                       run_uninterrupted)
 
 DEVICES = [f"dev{i:02d}" for i in range(10)]
 
@@ -35,12 +36,7 @@ def shard_rows(state, shards: int) -> list[list[tuple[str, str]]]:
 
 @pytest.fixture(scope="module")
 def unsharded(tmp_path_factory):
-    work = tmp_path_factory.mktemp("unsharded")
-    prepare(work, DEVICES)
-    with MosquittoBroker() as broker, Fleet(broker.url, DEVICES):
-        rc, log = run_aggregator(work, broker.url, work / "state.db")
-    assert rc == 0, log[-3000:]
-    return outputs(work / "out")
+    return outputs(run_uninterrupted(tmp_path_factory.mktemp("unsharded"), DEVICES))
 
 
 def assert_same_model(got, want):
