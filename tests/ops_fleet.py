@@ -199,6 +199,16 @@ def run_aggregator(workdir: Path, broker_url: str, state: Path, crash: str | Non
     return proc.returncode, proc.stdout + proc.stderr + f"\n[{time.monotonic() - t0:.1f}s]"
 
 
+def wait_for(condition, timeout: float = 30.0, what: str = "condition") -> None:
+    """Poll ``condition`` every 50 ms until it holds; an AssertionError naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 def run_uninterrupted(workdir: Path, devices, **job) -> Path:
     """The reference a crash test compares with: the same job prepared in ``workdir`` and run once
     to the end by the same subprocess entry point, on a fresh broker and state. Its output folder."""

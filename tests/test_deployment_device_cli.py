@@ -25,6 +25,7 @@ from edge_client.data.split import train_holdout_split
 from edge_client.features import FeatureExtractor
 from protocols.mqtt_link import BrokerConfig
 from protocols.payloads.deployment import head_npz
+from ops_fleet import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 N, C = 60, 10
@@ -40,15 +41,6 @@ def bundle(onnx_bundle_32px):
 def write_idx(path, array):
     path.write_bytes(struct.pack(">HBB", 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
                      + array.tobytes())
-
-
-def wait_for(condition, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def device(broker, tmp_path, sha, idx, log_file):

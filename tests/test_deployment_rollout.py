@@ -28,18 +28,10 @@ from protocols.mqtt_link import BrokerConfig
 from protocols.payloads import deployment as D
 from protocols.payloads.artifacts import artifact_message
 from protocols.topics import AGGREGATOR_ID, Topics
+from ops_fleet import wait_for
 
 C, DIM, N_HOLDOUT = 3, 8, 40
 DEVICES = [f"cam-{i}" for i in range(6)]
-
-
-def wait_for(condition, timeout=30.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture(scope="module")

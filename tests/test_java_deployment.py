@@ -31,6 +31,7 @@ from protocols.identity import DeviceIdentity
 from protocols.payloads import deployment as D
 from protocols.topics import AGGREGATOR_ID
 from test_java_device import write_features
+from ops_fleet import wait_for
 
 pytestmark = pytest.mark.skipif(java_build.missing() is not None, reason=str(java_build.missing()))
 
@@ -178,15 +179,6 @@ def store_state(store, deployment_id):
     return DeploymentStore(store).get(deployment_id)["state"]
 
 
-def wait_for(condition, what, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def running(slot_dir):
     try:
         current = ModelSlot(slot_dir).current
@@ -228,8 +220,8 @@ def test_a_java_device_follows_a_rollout_over_mosquitto(java_cp, world, broker, 
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert proc.stdout.readline().strip() == "READY"
         good_sha = hashlib.sha256(D.head_npz(*good)).hexdigest()
-        wait_for(lambda: store_state(store, "good-1") == "complete", "the rollout to complete")
-        wait_for(lambda: running(slot) == good_sha, "the Java device to swap")
+        wait_for(lambda: store_state(store, "good-1") == "complete", 60.0, "the rollout to complete")
+        wait_for(lambda: running(slot) == good_sha, 60.0, "the Java device to swap")
         report = ctl.show("good-1")["devices"]["jcam"]["report"]
         right = int((reference(good, Z, local) == y).sum())
         assert report == {"deployment": "good-1", "sha256": good_sha, "n": N, "correct_candidate": right,
@@ -237,11 +229,11 @@ def test_a_java_device_follows_a_rollout_over_mosquitto(java_cp, world, broker, 
 
         ctl.call(lambda: ctl.deploy(ids["broken"], cohort="devices:jcam", stages="100%", bake_s=0.2,
                                     deployment_id="broken-1"))
-        wait_for(lambda: store_state(store, "broken-1") == "rolled_back", "the broken head's rollback")
+        wait_for(lambda: store_state(store, "broken-1") == "rolled_back", 60.0, "the broken head's rollback")
         report = ctl.show("broken-1")["devices"]["jcam"]["report"]
         assert (report["correct_candidate"], report["correct_current"]) == \
             (int((reference(broken, Z, local) == y).sum()), right)
-        wait_for(lambda: running(slot) == good_sha and ModelSlot(slot).previous is None, "the Java device back")
+        wait_for(lambda: running(slot) == good_sha and ModelSlot(slot).previous is None, 60.0, "the Java device back")
 
         raw = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="intruder")
         raw.connect("127.0.0.1", broker.port)
