@@ -242,14 +242,35 @@ def test_energy_screen_is_the_median_rule_and_ignores_order():
     rng = np.random.default_rng(0)
     energies = {f"d{i}": float(e) for i, e in enumerate(rng.uniform(5, 7, 9))}
     energies["evil"] = 40.0
+    samples = {d: 100 for d in energies}
     screen = EnergyScreen(4.0, 5)
     median = np.median(list(energies.values()))
     want = {d for d, e in energies.items() if e > 4.0 * median}
-    assert set(screen.outliers(energies)) == want == {"evil"}
+    assert set(screen.outliers(energies, samples)) == want == {"evil"}
     shuffled = dict(sorted(energies.items(), key=lambda kv: rng.random()))
-    assert screen.outliers(shuffled) == screen.outliers(energies)
-    assert EnergyScreen(4.0, 11).outliers(energies) == {}          # too few devices to compare with
-    assert EnergyScreen(0.0, 1).outliers(energies) == {}            # off
+    assert screen.outliers(shuffled, samples) == screen.outliers(energies, samples)
+    assert EnergyScreen(4.0, 11).outliers(energies, samples) == {}          # too few devices to compare with
+    assert EnergyScreen(0.0, 1).outliers(energies, samples) == {}            # off
+
+
+def test_energy_screen_widens_its_limit_for_devices_of_few_samples():
+    """ρ(n) = ratio + slack/√n times the median, per device: a one-image device at 9x the median is a
+    plausible honest image, a 100-image device at 9x is not (reference: the formula in plain numpy)."""
+    rng = np.random.default_rng(1)
+    energies = {f"d{i:02d}": float(e) for i, e in enumerate(rng.uniform(0.5, 1.5, 40))}
+    samples = {d: int(n) for d, n in zip(energies, rng.integers(1, 200, 40))}
+    energies |= {"one": 9.0, "two": 9.0, "many": 9.0, "few_ok": 3.0}
+    samples |= {"one": 1, "two": 2, "many": 100, "few_ok": 30}
+    screen = EnergyScreen(2.5, 5, 9.5)
+    median = float(np.median(list(energies.values())))
+    limits = {d: (2.5 + 9.5 / np.sqrt(samples[d])) * median for d in energies}
+    want = {d for d, e in energies.items() if e > limits[d]}
+    assert set(screen.outliers(energies, samples)) == want
+    assert {"many"} <= want and not {"one", "two", "few_ok"} & want
+    assert EnergyScreen(2.5, 5).outliers(energies, samples).keys() == {
+        d for d, e in energies.items() if e > 2.5 * median}                   # no slack: one limit for all
+    with pytest.raises(ValueError):
+        EnergyScreen(2.5, 5, -1.0)
 
 
 @pytest.mark.parametrize("attacker_round", [0, 1])
@@ -274,7 +295,8 @@ def _body(Z, y):
 
 
 def test_bad_robustness_settings_are_refused():
-    for bad in ({"screen_energy_ratio": 0.5}, {"screen_min_fleet": 0}, {"max_abs_feature": -1.0}):
+    for bad in ({"screen_energy_ratio": 0.5}, {"screen_min_fleet": 0}, {"max_abs_feature": -1.0},
+                {"screen_sample_slack": float("nan")}):
         with pytest.raises(ValueError):
             build_job("fed3r", {"num_classes": C, "feature_dim": D, **bad})
 

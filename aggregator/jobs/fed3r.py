@@ -164,7 +164,7 @@ class Fed3RJob(OncePerDevice, SplitValidation):
             self.strategy.release()   # the round's sum, noised, joins the released sums
         # without DP Fed3R is purely additive; the fleet screen runs over every device seen so far,
         # and the service quarantines what it names (the job is rebuilt from the store without it)
-        self.screened_out = self._screen.outliers(self.energies)
+        self.screened_out = self._screen.outliers(self.energies, self.contributed)
 
     def model_arrays(self) -> dict[str, np.ndarray]:
         m = self.strategy.solve()

@@ -26,7 +26,9 @@ class Fed3RRobustnessFields(JobConfig):
     # random features the bound is √(2/D), exactly, whatever this says.
     max_abs_feature: float = 6.0
     max_device_samples: int = 1_000_000     # n above this is refused (a device's claim weighs n)
-    screen_energy_ratio: float = 4.0        # screen e_k > ratio x the fleet's median (2x the feature scale); 0: off
+    # screen e_k > (ratio + sample_slack / √n_k) x the fleet's median (EnergyScreen says why); 0: off
+    screen_energy_ratio: float = 2.5
+    screen_sample_slack: float = 9.5
     screen_min_fleet: int = 5               # ...once this many devices are known
 
     def feature_bound(self) -> FeatureBound:
@@ -38,7 +40,7 @@ class Fed3RRobustnessFields(JobConfig):
         """The fleet screen; off under DP (a device's statistics are bounded by clipping and
         hidden in noise) and when streaming (a device's increments are not one contribution)."""
         ratio = 0.0 if self.dp or self.streaming else self.screen_energy_ratio
-        return EnergyScreen(ratio, self.screen_min_fleet)
+        return EnergyScreen(ratio, self.screen_min_fleet, self.screen_sample_slack)
 
     def check_robustness(self) -> None:
         """ValueError for settings that cannot run (the admin API answers 422)."""
