@@ -182,11 +182,9 @@ class FeatureExtractor:
         handle = tempfile.NamedTemporaryFile(
             dir=path.parent, prefix=path.stem + ".", suffix=".tmp", delete=False)
         try:
-            with handle:
-                np.save(handle, features, allow_pickle=False)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(handle.name, path)
+            with handle:    # no fsync: a cache file torn by a crash fails to load and is recomputed
+                np.save(handle, features, allow_pickle=False)    # (an fsync per device was a third of a
+            os.replace(handle.name, path)                        # fleet device's task time)
         except BaseException:
             pathlib.Path(handle.name).unlink(missing_ok=True)
             raise

@@ -80,10 +80,10 @@ class Fed3RStatsTask:
 
 def encode_smallest(acc: Fed3RAccumulator, num_classes: int, dense: bool, dtype: str):
     """The exact factor form when the device kept its rows and it is smaller, else the triangle."""
-    A, ids, b = acc.sparse()
-    factor = acc.factor()
-    if factor is not None and factor_values(len(factor.r_factor), acc.p, len(ids), len(factor.zero_columns)) \
-            < dense_values(acc.p, len(ids)):
+    factor = acc.factor()       # first: the dense A is built only if it is what goes out
+    if factor is not None and factor_values(len(factor.r_factor), acc.p, len(factor.class_ids),
+                                            len(factor.zero_columns)) < dense_values(acc.p, len(factor.class_ids)):
+        ids = factor.class_ids
         body, tensors = encode_factor(factor.r_factor, factor.qty, ids, acc.n, num_classes, dtype=dtype,
                                       zero_columns=factor.zero_columns)
         try:                 # rounding to the wire dtype may (in theory) flush a tiny entry to zero
@@ -91,4 +91,5 @@ def encode_smallest(acc: Fed3RAccumulator, num_classes: int, dense: bool, dtype:
             return body, tensors
         except EnvelopeError:
             pass
+    A, ids, b = acc.sparse()
     return encode_stats(A, ids, b, acc.n, num_classes, dense=dense, dtype=dtype)
