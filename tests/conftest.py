@@ -5,6 +5,14 @@ import pytest
 
 from shared_build import build_once, run_folder
 
+from aggregator.compute import privacy
+
+# dp-accounting (absl) is imported lazily by the aggregator, the first time a privacy budget is
+# computed, so that processes without DP do not pay for it. In the test processes it is imported
+# here, at collection, as before: imported inside a test, absl's logging set-up would meet that
+# test's capture streams.
+privacy._accounting()
+
 
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (`make test` runs `-n N --dist loadfile`), the files holding tests

@@ -16,13 +16,10 @@ how many it made; the library's Rényi-DP accountant composes them and converts 
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import sys
-
-import dp_accounting
-from absl import logging as absl_logging
-from dp_accounting import rdp
 
 
 class _SkippedOrders(logging.Filter):
@@ -34,12 +31,21 @@ class _SkippedOrders(logging.Filter):
         return "failed to converge" not in record.getMessage()
 
 
-logging.getLogger("absl").addFilter(_SkippedOrders())
-# absl's handler keeps the sys.stderr of its import time and closes it when logging shuts its
-# handlers down (``logging.config.dictConfig`` does, e.g. uvicorn's) unless it is the process's
-# own stderr: a stream swapped in at import time (a test's capture, a CLI's redirection) would be
-# closed under its owner.
-absl_logging.get_absl_handler().python_handler.stream = sys.__stderr__
+@functools.cache
+def _accounting():
+    """dp-accounting, imported the first time a budget is computed: it costs ~0.5 s, and most
+    aggregator processes (every job without DP) never need it."""
+    import dp_accounting
+    from absl import logging as absl_logging
+    from dp_accounting import rdp
+
+    logging.getLogger("absl").addFilter(_SkippedOrders())
+    # absl's handler keeps the sys.stderr of its import time and closes it when logging shuts its
+    # handlers down (``logging.config.dictConfig`` does, e.g. uvicorn's) unless it is the process's
+    # own stderr: a stream swapped in at import time (a test's capture, a CLI's redirection) would
+    # be closed under its owner.
+    absl_logging.get_absl_handler().python_handler.stream = sys.__stderr__
+    return dp_accounting, rdp
 
 
 class PrivacyAccountant:
@@ -55,8 +61,9 @@ class PrivacyAccountant:
         self.noise_multiplier, self.delta, self.sampling_rate = float(noise_multiplier), float(delta), float(sampling_rate)
         self._cache: dict[int, float] = {0: 0.0}
 
-    def event(self) -> dp_accounting.DpEvent:
-        """One release, as the library describes it."""
+    def event(self):
+        """One release, as the library describes it (a ``dp_accounting.DpEvent``)."""
+        dp_accounting, _ = _accounting()
         gaussian = dp_accounting.GaussianDpEvent(self.noise_multiplier)
         if self.sampling_rate == 1.0:
             return gaussian
@@ -67,7 +74,7 @@ class PrivacyAccountant:
         if releases < 0:
             raise ValueError("releases must be >= 0")
         if releases not in self._cache:
-            accountant = rdp.RdpAccountant()
+            accountant = _accounting()[1].RdpAccountant()
             accountant.compose(self.event(), releases)
             self._cache[releases] = float(accountant.get_epsilon(self.delta))
         return self._cache[releases]
