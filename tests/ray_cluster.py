@@ -6,15 +6,29 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
+import socket
 import subprocess
 import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-from fedfleet.emulation.broker import free_port
-
 REPO = Path(__file__).resolve().parents[1]
+
+
+def head_port() -> int:
+    """A port free on every address, below the ephemeral range (32768+): the head's gRPC server
+    binds 0.0.0.0, and on a machine holding a large emulated fleet's connections an ephemeral port
+    free on 127.0.0.1 was seen refused there (every one of 7 tries; none of 5 below the range)."""
+    while True:
+        port = random.randrange(20000, 32000)
+        try:
+            with socket.socket() as s:
+                s.bind(("0.0.0.0", port))
+            return port
+        except OSError:
+            continue
 
 
 @contextmanager
@@ -24,7 +38,7 @@ def two_node_ray_cluster(resources: tuple[dict, dict] = ({}, {})):
 
     ray_bin = shutil.which("ray", path=str(Path(sys.executable).parent)) or shutil.which("ray")
     assert ray_bin, "the ray CLI comes with fedfleet[ray]"
-    port = free_port()
+    port = head_port()
     env = dict(os.environ, PYTHONPATH=str(REPO), RAY_USAGE_STATS_ENABLED="0", OMP_NUM_THREADS="1")
     common = ["--num-cpus", "1", "--disable-usage-stats"]
     temp = Path("/tmp") / f"ray-fedfleet-{os.getpid()}"      # ray wants a short socket path
