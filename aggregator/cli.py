@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from protocols.mqtt_link import BrokerConfig
+from protocols.ray_cluster import check_reachable as check_ray_reachable
 from protocols.topics import Topics
 
 from aggregator.api.server import add_ops_arguments, serve_with_ops
@@ -46,6 +47,12 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     s.add_argument("--shards", type=int, default=0, metavar="K",
                    help="receive, validate, store and sum results in K shard processes, each owning the "
                         "devices of a fixed range of buckets (order-free jobs: Fed3R); 0: in this process")
+    s.add_argument("--ray", metavar="auto|HOST:PORT", default=None,
+                   help="with --shards: run the K shards as Ray actors (one CPU each) on this Ray cluster "
+                        "(auto: the one `ray start` started here; needs fedfleet[ray]). Shard i's store "
+                        "(STATE.shards/) is on the node that runs it: a node started with the resource "
+                        "fedfleet_shard_<i> always gets shard i, else the stores must be on a file system "
+                        "every node sees for a restarted coordinator to resume. Every node must reach --broker")
     add_ops_arguments(s)
     return p
 
@@ -77,11 +84,15 @@ def serve(args) -> int:
     if args.config is None and args.state is None:
         raise ValueError("serve needs --config, or --state to resume the job that state file holds "
                          "(with --keep-serving: and then run jobs started through the API)")
+    if args.ray and not args.shards:
+        raise ValueError("--ray places the shards on a Ray cluster: give --shards K too")
     broker = BrokerConfig.from_url(args.broker, tls_ca=args.tls_ca)      # a bad address fails before any file
     config = read_json(args.config, "--config") if args.config else None
     if config is not None:
         validate_job_config(args.kind, config)                             # a bad config fails before the broker
     eval_set = read_eval_features(args.eval_features) if args.eval_features else None
+    if args.ray:
+        check_ray_reachable(args.ray)                                     # ray.init alone retries for minutes
     broker.check_reachable()
     enrolled = None
     if args.enrolled:

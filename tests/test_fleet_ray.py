@@ -3,42 +3,20 @@ and a second node joined with ``ray start --address``, both on this machine) giv
 model as the same fleet hosted by local worker processes, and the actors ran on both nodes."""
 
 import dataclasses
-import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-ray = pytest.importorskip("ray")
+pytest.importorskip("ray")
 
-from fedfleet.emulation.broker import free_port  # noqa: E402
 from fedfleet.simulate import PRESETS, run  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
+from ray_cluster import two_node_ray_cluster  # noqa: E402
 
 
 @pytest.fixture
-def two_node_cluster(tmp_path):
-    ray_bin = shutil.which("ray", path=str(Path(sys.executable).parent)) or shutil.which("ray")
-    assert ray_bin, "the ray CLI comes with fedfleet[ray]"
-    port = free_port()
-    env = dict(os.environ, PYTHONPATH=str(REPO), RAY_USAGE_STATS_ENABLED="0", OMP_NUM_THREADS="1")
-    common = ["--num-cpus", "1", "--disable-usage-stats"]
-    temp = Path("/tmp") / f"ray-fedfleet-{os.getpid()}"      # ray wants a short socket path
-    try:
-        subprocess.run([ray_bin, "start", "--head", "--port", str(port), "--include-dashboard", "false",
-                        "--temp-dir", str(temp), *common], env=env, check=True, capture_output=True, timeout=120)
-        subprocess.run([ray_bin, "start", "--address", f"127.0.0.1:{port}", *common], env=env, check=True,
-                       capture_output=True, timeout=120)
-        yield f"127.0.0.1:{port}"
-    finally:
-        if ray.is_initialized():
-            ray.shutdown()
-        subprocess.run([ray_bin, "stop", "--force"], env=env, capture_output=True, timeout=120)
-        shutil.rmtree(temp, ignore_errors=True)
+def two_node_cluster():
+    with two_node_ray_cluster() as address:
+        yield address
 
 
 @pytest.mark.slow

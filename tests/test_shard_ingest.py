@@ -98,7 +98,8 @@ def test_shards_sum_the_coordinators_accepted_ids_to_one_aggregators_bytes(tmp_p
 
 
 def test_jobs_shards_cannot_sum_and_impossible_shard_counts_are_refused_with_the_reason(tmp_path):
-    from aggregator.shards.local import LocalShards, check_shardable
+    from aggregator.shards.local import LocalShards
+    from aggregator.shards.pool import check_shardable
     from protocols.mqtt_link import BrokerConfig
 
     check_shardable(build_job("fed3r", CONFIG), "fed3r")

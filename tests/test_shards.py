@@ -2,8 +2,10 @@
 processes receive, validate, store and sum the results of their buckets' devices; the coordinator
 reduces their sums. The model must be the bytes of one unsharded aggregator's (the canonical
 bucketed order does not depend on K), every device must count once, and a shard SIGKILLed
-mid-ingest must resume from its store with the same bytes."""
+mid-ingest must resume from its store with the same bytes. With ``--ray`` the shards are Ray
+actors on a two-node local Ray cluster, one per node: the same bytes as the local shards'."""
 
+import importlib.util
 import json
 import os
 import signal
@@ -22,6 +24,8 @@ from ops_fleet import (REPO, Fleet, aggregator_cmd, aggregator_env, prepare, ref
                        run_uninterrupted)
 
 DEVICES = [f"dev{i:02d}" for i in range(10)]
+# Ray is an optional extra (fedfleet[ray]); `make setup` installs it, so these run in CI
+needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs fedfleet[ray]")
 
 
 def outputs(out_dir):
@@ -37,6 +41,23 @@ def shard_rows(state, shards: int) -> list[list[tuple[str, str]]]:
 @pytest.fixture(scope="module")
 def unsharded(tmp_path_factory):
     return outputs(run_uninterrupted(tmp_path_factory.mktemp("unsharded"), DEVICES))
+
+
+@pytest.fixture(scope="module")
+def ray_nodes():
+    """A two-node Ray cluster: shard 0's actor goes to the head, shard 1's to the second node (the
+    custom resource each holds, ``aggregator/shards/ray_shards.py``)."""
+    from ray_cluster import two_node_ray_cluster
+
+    with two_node_ray_cluster(({"fedfleet_shard_0": 1}, {"fedfleet_shard_1": 1})) as address:
+        yield address
+
+
+def shard_options(on: str, request) -> list[str]:
+    return ["--shards", "2"] + (["--ray", request.getfixturevalue("ray_nodes")] if on == "ray" else [])
+
+
+ON = ["local", pytest.param("ray", marks=[pytest.mark.slow, needs_ray])]       # processes here, or Ray actors
 
 
 def assert_same_model(got, want):
@@ -65,24 +86,53 @@ def assert_each_device_once(state, shards: int, orphans_allowed: bool = False) -
     assert set(receipts) <= set(stored) and (orphans_allowed or sorted(receipts) == stored)
 
 
-def test_two_shards_give_one_aggregators_model_bit_for_bit(tmp_path, unsharded):
+@pytest.fixture(scope="module")
+def local_shards_run(tmp_path_factory):
+    """The job on two local shard processes: its outputs and its state file."""
+    workdir = tmp_path_factory.mktemp("local-shards")
+    prepare(workdir, DEVICES)
+    with MosquittoBroker() as broker, Fleet(broker.url, DEVICES):
+        rc, log = run_aggregator(workdir, broker.url, workdir / "state.db", extra=["--shards", "2"])
+    assert rc == 0, log[-3000:]
+    return outputs(workdir / "out"), workdir / "state.db"
+
+
+def test_two_shards_give_one_aggregators_model_bit_for_bit(local_shards_run, unsharded):
     assert len({shard_of(d, 2) for d in DEVICES}) == 2            # both shards have devices
+    got, state = local_shards_run
+    assert_same_model(got, unsharded)
+    assert_each_device_once(state, 2)
+
+
+@pytest.mark.slow
+@needs_ray
+def test_shards_as_ray_actors_on_two_nodes_give_the_local_shards_model_bit_for_bit(tmp_path, ray_nodes,
+                                                                                  local_shards_run, unsharded):
     prepare(tmp_path, DEVICES)
     with MosquittoBroker() as broker, Fleet(broker.url, DEVICES):
-        rc, log = run_aggregator(tmp_path, broker.url, tmp_path / "state.db", extra=["--shards", "2"])
+        rc, log = run_aggregator(tmp_path, broker.url, tmp_path / "state.db", extra=["--shards", "2", "--ray", ray_nodes])
     assert rc == 0, log[-3000:]
-    assert_same_model(outputs(tmp_path / "out"), unsharded)
+    got = outputs(tmp_path / "out")
+    assert_same_model(got, local_shards_run[0])                   # the local shards' bytes
+    assert_same_model(got, unsharded)                             # and one aggregator's
     assert_each_device_once(tmp_path / "state.db", 2)
+    placement = json.loads((tmp_path / "state.db.shards" / "placement.json").read_text())
+    assert sorted(p["shard"] for p in placement) == [0, 1]
+    assert len({p["node_id"] for p in placement}) == 2            # one actor on each node
+    assert all(p["resources"].get(f"fedfleet_shard_{p['shard']}") == 1 for p in placement)
 
 
-def test_a_shard_sigkilled_mid_ingest_resumes_bit_for_bit(tmp_path, unsharded):
+@pytest.mark.parametrize("on", ON)
+def test_a_shard_sigkilled_mid_ingest_resumes_bit_for_bit(tmp_path, unsharded, on, request):
+    """A shard process, or a shard's Ray actor, dies: the coordinator restarts it on its store."""
+    options = shard_options(on, request)
     prepare(tmp_path, DEVICES)
     state = tmp_path / "state.db"
     victim = shard_of(DEVICES[0], 2)
     held = [d for d in DEVICES if shard_of(d, 2) == victim][1:]     # the victim's later devices wait
     gates = {d: threading.Event() for d in held}
     with MosquittoBroker() as broker, Fleet(broker.url, DEVICES, gates=gates):
-        proc = subprocess.Popen(aggregator_cmd(tmp_path, broker.url, state, ["--shards", "2"]), env=aggregator_env(),
+        proc = subprocess.Popen(aggregator_cmd(tmp_path, broker.url, state, options), env=aggregator_env(),
                                 cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
             deadline = time.monotonic() + 60
@@ -107,15 +157,21 @@ def test_a_shard_sigkilled_mid_ingest_resumes_bit_for_bit(tmp_path, unsharded):
     assert_each_device_once(state, 2)
 
 
-def test_the_coordinator_sigkilled_at_its_crash_points_resumes_the_shards_bit_for_bit(tmp_path, unsharded):
+@pytest.mark.parametrize("on,crashes", [
+    ("local", ("contribution_stored:2", "ack_sent:3", "round_closing")),
+    pytest.param("ray", ("ack_sent:3",), marks=[pytest.mark.slow, needs_ray])])
+def test_the_coordinator_sigkilled_at_its_crash_points_resumes_the_shards_bit_for_bit(tmp_path, unsharded, on,
+                                                                                     crashes, request):
     """The coordinator dies (and its shards with it) after storing a receipt, after acking, at a
-    round's close; each restart brings the shards back on their stores."""
+    round's close; each restart brings the shards back on their stores. On Ray (one crash point:
+    each start joins the cluster) the new actors go to the nodes holding their stores."""
+    options = shard_options(on, request)
     prepare(tmp_path, DEVICES)
     state = tmp_path / "state.db"
     crashed, logs = [], ""
     with MosquittoBroker() as broker, Fleet(broker.url, DEVICES):
-        for crash in ("contribution_stored:2", "ack_sent:3", "round_closing", None):
-            rc, log = run_aggregator(tmp_path, broker.url, state, crash=crash, extra=["--shards", "2"])
+        for crash in (*crashes, None):
+            rc, log = run_aggregator(tmp_path, broker.url, state, crash=crash, extra=options)
             logs += log
             if rc == 0:
                 break
@@ -123,7 +179,7 @@ def test_the_coordinator_sigkilled_at_its_crash_points_resumes_the_shards_bit_fo
             crashed.append(crash)
         else:
             pytest.fail("the job did not finish")
-    assert rc == 0 and len(crashed) >= 2, (crashed, log[-3000:])
+    assert rc == 0 and len(crashed) >= min(2, len(crashes)), (crashed, log[-3000:])
     assert "receipts only" not in logs              # no device's result reached the coordinator itself
     assert_same_model(outputs(tmp_path / "out"), unsharded)
     assert_each_device_once(state, 2, orphans_allowed=True)

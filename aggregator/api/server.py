@@ -83,17 +83,24 @@ def admin_token(args) -> str | None:
     return os.environ.get(TOKEN_ENV)
 
 
-def local_shards(args, count: int, job, broker: BrokerConfig, out_dir: Path, topics: Topics):
-    """``--shards K``: K shard processes, their stores beside the service's (``STATE.shards/``);
-    a job they cannot serve is refused before any starts."""
+def shard_pool(args, count: int, job, broker: BrokerConfig, out_dir: Path, topics: Topics):
+    """``--shards K``: K shard processes here, or with ``--ray ADDRESS`` K actors on that Ray cluster,
+    their stores beside the service's (``STATE.shards/``); a job they cannot serve is refused
+    before any starts."""
     from aggregator.jobs.registry import job_kind_name
-    from aggregator.shards.local import LocalShards, check_shardable
+    from aggregator.shards.pool import check_shardable
 
     if job is not None:
         check_shardable(job, job_kind_name(job))
     if args.require_signatures:
         raise SystemExit("--shards does not verify device signatures yet: run without --require-signatures")
     store_dir = Path(f"{args.state}.shards") if args.state else Path(out_dir) / "shards"
+    if getattr(args, "ray", None):
+        from aggregator.shards.ray_shards import RayShards
+
+        return RayShards(args.ray, count, broker, store_dir.resolve(), topics)
+    from aggregator.shards.local import LocalShards
+
     return LocalShards(count, broker, store_dir, topics)
 
 
@@ -113,7 +120,7 @@ def serve_with_ops(args, job, broker: BrokerConfig, out_dir: Path, topics: Topic
     if (args.api or args.keep_serving) and store is None:
         raise SystemExit("--api and --keep-serving need --state")
     count = service_kw.pop("shards", 0)
-    service_kw["shards"] = local_shards(args, count, job, broker, out_dir, topics) if count else None
+    service_kw["shards"] = shard_pool(args, count, job, broker, out_dir, topics) if count else None
     identity = None
     if args.identity:
         from protocols.identity import DeviceIdentity

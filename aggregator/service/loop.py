@@ -74,7 +74,7 @@ from aggregator.jobs.registry import KINDS, build_job, job_kind_name
 from aggregator.jobs.secure_rounds import LateProtocolMessage
 from aggregator.service.recovery import open_stored
 from aggregator.shards.coordinator_job import RECEIPT, ShardedJob
-from aggregator.shards.local import LocalShards
+from aggregator.shards.pool import ShardPool
 from aggregator.storage.store import Store
 
 log = logging.getLogger("fedfleet.aggregator")
@@ -89,7 +89,7 @@ class AggregatorService(OperatorActions):
                  require_signatures: bool = False, keep_serving: bool = False,
                  crash: CrashPoints | None = None, checkpoints: bool = True,
                  artifacts: ArtifactShelf | None = None, offline_grace_s: float = 120.0,
-                 identity: DeviceIdentity | None = None, ingest_workers: int = 0, shards: LocalShards | None = None):
+                 identity: DeviceIdentity | None = None, ingest_workers: int = 0, shards: ShardPool | None = None):
         self.topics, self.artifacts, self.eval_set = topics, artifacts, eval_set
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)

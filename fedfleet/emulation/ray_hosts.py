@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[2]
+from protocols.ray_cluster import join_ray
 
 
 class DeviceHostActor:
@@ -62,18 +62,8 @@ class RayHosts:
     local cluster started with ``ray start``), spread over its nodes."""
 
     def __init__(self, address: str, out: Path):
-        try:
-            import ray
-        except ImportError as exc:
-            raise SystemExit("--ray needs Ray: pip install 'fedfleet[ray]'") from exc
-        self.ray = ray
+        self.ray, self.own_session = join_ray(address)
         self.out = out
-        self.own_session = not ray.is_initialized()
-        if self.own_session:
-            # The actors import fedfleet from this checkout when the cluster's nodes share this
-            # machine's file system (a local cluster); a real cluster installs fedfleet on every node.
-            ray.init(address=address, log_to_driver=False,
-                     runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}})
         self.actors: list = []
         self.placement: list[dict] = []
 

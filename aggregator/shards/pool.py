@@ -1,0 +1,169 @@
+"""The coordinator's side of K shards, whatever runs them.
+
+:class:`ShardPool` is all the service knows of its shards: start them, tell them the job, ask for
+their sums over the accepted ids and reduce them, restart one that died (on the same store: it
+resumes), stop them. Every shard runs the same loop (``local.py``'s :func:`shard_main` around a
+:class:`~aggregator.shards.shard.ShardIngest`) and speaks the same messages; a subclass says only
+how a shard is started, reached and found dead: a local process and a pipe (``local.py``,
+``LocalShards``) or a Ray actor on a cluster's node (``ray_shards.py``, ``RayShards``).
+
+Messages, coordinator → shard: ``("job", job_id, kind, config)``, ``("sums", request, job_id,
+accepted)``, ``("stop",)``; shard → coordinator: ``("ready",)`` once connected to the broker,
+``("receipt", topic, raw)``, ``("forward", topic, payload)``, ``("sums", request, node sums or the
+reason it has none)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Callable
+
+from protocols.mqtt_link import BrokerConfig
+from protocols.topics import Topics
+
+from aggregator.jobs.base import Job
+from aggregator.shards.buckets import bucket_range
+from aggregator.shards.partial_sums import additive, reduce_nodes
+
+log = logging.getLogger("fedfleet.aggregator.shards")
+
+
+def check_shardable(job: Job, kind: str) -> None:
+    """Refuse, with the reason, a job whose sums shards cannot take."""
+    additive(kind)
+    if not job.order_free:
+        raise ValueError(f"a {kind} job with this config is not order-free (e.g. DP noise at round close): "
+                         f"it cannot be summed by shards")
+    if job.config.to_dict().get("streaming"):
+        # an increment is checked against the samples the job holds, which only the coordinator knows
+        raise ValueError("streaming Fed3R cannot run on shards yet: run it without --shards")
+
+
+class ShardPool(ABC):
+    """K shards, shard i owning bucket range i and the store ``store_path(i)``."""
+
+    def __init__(self, shards: int, broker: BrokerConfig, store_dir: Path, topics: Topics = Topics(),
+                 max_message_bytes: int = 256 * 1024 * 1024, reply_timeout_s: float = 600.0):
+        bucket_range(0, shards)             # a count no bucket range fits is refused here
+        self.shards, self.broker, self.topics = shards, broker, topics
+        self.store_dir, self.max_message_bytes = Path(store_dir), max_message_bytes
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        self.reply_timeout_s = reply_timeout_s
+        self._ready = [threading.Event() for _ in range(shards)]
+        self._started_at = [0.0] * shards
+        self._replies: queue.Queue = queue.Queue()
+        self._deliver: Callable[[tuple], None] = lambda item: None
+        self._job: tuple | None = None
+        self._request = 0
+        self.restarts = 0
+
+    def store_path(self, index: int) -> Path:
+        return self.store_dir / f"shard-{index}-of-{self.shards}.db"
+
+    def shard_args(self, index: int) -> tuple:
+        """What :func:`~aggregator.shards.local.shard_main` takes besides its channel."""
+        return index, self.shards, self.broker, str(self.store_path(index)), self.topics, self.max_message_bytes
+
+    # ---------------------------------------------------------------- how a shard runs: the subclass's
+    @abstractmethod
+    def _launch(self, index: int) -> None:
+        """Start shard ``index`` (a dead one's successor: on the same store) and hand every message it
+        sends to :meth:`_received`, from any thread."""
+
+    @abstractmethod
+    def _send(self, index: int, command: tuple) -> None:
+        """Send ``command`` to shard ``index``, in order; one a dead shard misses is sent again
+        after its restart (the job by :meth:`_start`, sums by :meth:`reduce`)."""
+
+    @abstractmethod
+    def _exited(self, index: int) -> str | None:
+        """How shard ``index`` ended (its exit code, the error), or None while it runs."""
+
+    @abstractmethod
+    def _stop(self) -> None:
+        """End every shard, after each was sent ``("stop",)``."""
+
+    # ---------------------------------------------------------------- the coordinator's side
+    def start(self, deliver: Callable[[tuple], None], timeout_s: float = 120.0) -> None:
+        """Start the shards and wait until each is connected (so no result reaches the broker before
+        its shard can subscribe). ``deliver(("forward", topic, payload) | ("receipt", topic, raw))``
+        runs on reader threads."""
+        self._deliver = deliver
+        for i in range(self.shards):
+            self._start(i)
+        deadline = time.monotonic() + timeout_s
+        while not all(r.is_set() for r in self._ready):
+            if time.monotonic() > deadline:
+                self.close()
+                waiting = [i for i, r in enumerate(self._ready) if not r.is_set()]
+                raise ConnectionError(f"shards {waiting} did not start and connect to the broker within "
+                                      f"{timeout_s:.0f}s")
+            self.watch()                # one that failed to start (e.g. its connection) gets another try
+            time.sleep(0.1)
+
+    def _start(self, index: int) -> None:
+        self._started_at[index] = time.monotonic()
+        self._launch(index)
+        if self._job is not None:
+            self._send(index, ("job", *self._job))
+
+    def _received(self, index: int, msg: tuple) -> None:
+        if msg[0] == "ready":
+            self._ready[index].set()
+        elif msg[0] == "sums":
+            self._replies.put((index, *msg[1:]))
+        else:
+            self._deliver(msg)
+
+    def set_job(self, job: Job, kind: str) -> None:
+        """Serve ``job`` (refused, changing nothing, unless it is shardable)."""
+        check_shardable(job, kind)
+        self._job = (job.config.job_id, kind, job.config.to_dict())
+        for i in range(self.shards):
+            self._send(i, ("job", *self._job))
+
+    def watch(self) -> None:
+        """Restart every shard that died: it reopens its store and resumes."""
+        for i in range(self.shards):
+            ended = self._exited(i)
+            # at most one start a second: a shard that cannot start does not spin the service
+            if ended is not None and time.monotonic() - self._started_at[i] > 1.0:
+                log.error("shard %d exited (%s): restarting it on its store", i, ended)
+                self.restarts += 1
+                self._start(i)
+
+    def reduce(self, kind: str, config: dict, job_id: str, accepted: list[tuple[str, str]]) -> Job:
+        """The canonical model of ``accepted`` (device, message id)s: the shards' node sums reduced."""
+        self._request += 1
+        request, nodes, waiting = self._request, {}, set(range(self.shards))
+        for i in waiting:
+            self._send(i, ("sums", request, job_id, accepted))
+        deadline = time.monotonic() + self.reply_timeout_s
+        while waiting:
+            try:
+                index, got_request, sums = self._replies.get(timeout=1.0)
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"shards {sorted(waiting)} did not send their sums")
+                for i in list(waiting):             # a shard that died meanwhile: restarted and asked again
+                    if self._exited(i) is not None:
+                        self.watch()
+                        self._send(i, ("sums", request, job_id, accepted))
+                continue
+            if got_request != request or index not in waiting:
+                continue
+            if isinstance(sums, str):
+                raise RuntimeError(f"shard {index} cannot sum: {sums}")
+            nodes.update(sums)
+            waiting.discard(index)
+        return reduce_nodes(kind, config, nodes)
+
+    def close(self) -> None:
+        for i in range(self.shards):
+            self._send(i, ("stop",))
+        self._stop()

@@ -1,0 +1,181 @@
+"""K shards as Ray actors (``aggregator serve --shards K --ray ADDRESS``): the same shard loop as a
+local shard process (``local.py``'s :func:`shard_main`: its own MQTT client, its own store), run
+by an actor on one of the cluster's nodes; the coordinator reaches it through Ray in place of a
+pipe (:class:`RayShards`, a ``pool.py`` :class:`ShardPool` like ``LocalShards``).
+
+Where a shard runs is where its store is: ``store_path(i)`` is opened on the node that runs actor
+i. A shard restarted while the coordinator runs goes back to that node (node affinity), so it
+resumes from its store. To resume after the coordinator itself restarts, shard i must land on
+that node again: a node started with the custom resource ``fedfleet_shard_<i>`` (``ray start
+--resources '{"fedfleet_shard_0": 1}'``) gets shard i every time; without one, the shards are
+spread over the nodes by Ray, and their store directory must be one every node sees (a shared
+file system). ``placement.json`` in the coordinator's store directory says which node runs which
+shard. Every node must reach the broker at the address the coordinator was given.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import socket
+import threading
+from pathlib import Path
+
+from protocols.mqtt_link import BrokerConfig
+from protocols.ray_cluster import join_ray
+from protocols.topics import Topics
+
+from aggregator.shards.local import shard_main
+from aggregator.shards.pool import ShardPool
+
+PIN_RESOURCE = "fedfleet_shard_"    # + i: the custom resource of the node that runs shard i
+COMMAND_TIMEOUT_S = 60.0            # for an actor to take the previous command (it may still be starting)
+
+
+class QueueChannel:
+    """What :func:`shard_main` speaks through inside an actor: commands in, messages out."""
+
+    def __init__(self):
+        self.commands: queue.Queue = queue.Queue()
+        self.messages: queue.Queue = queue.Queue()
+
+    def send(self, message: tuple) -> None:
+        self.messages.put(message)
+
+    def recv(self) -> tuple:
+        return self.commands.get()
+
+
+class ShardActor:
+    """The actor body (wrapped by ``ray.remote`` in :class:`RayShards`): the shard loop on a thread;
+    the coordinator puts commands with :meth:`command` and long-polls messages with :meth:`take`."""
+
+    def __init__(self, index: int, shards: int, broker: BrokerConfig, store_path: str, topics: Topics,
+                 max_message_bytes: int):
+        self.index, self.store_path = index, store_path
+        self.channel = QueueChannel()
+        self.thread = threading.Thread(target=self._run, daemon=True, args=(
+            index, shards, broker, store_path, topics, max_message_bytes))
+        self.thread.start()
+
+    def _run(self, *shard_args) -> None:
+        try:
+            shard_main(*shard_args, self.channel)
+        except BaseException:
+            # the actor ends with its shard, as a process would: the coordinator restarts it
+            logging.getLogger("fedfleet.aggregator.shards").exception("shard %d failed", self.index)
+            os._exit(1)
+
+    def where(self) -> dict:
+        import ray
+
+        context = ray.get_runtime_context()
+        return {"shard": self.index, "node_id": context.get_node_id(), "host": socket.gethostname(),
+                "pid": os.getpid(), "store": self.store_path, "resources": context.get_assigned_resources()}
+
+    def command(self, command: tuple) -> None:
+        self.channel.commands.put(command)
+
+    def take(self, timeout_s: float) -> list[tuple]:
+        """The messages the shard sent: at least one, or none after ``timeout_s``."""
+        try:
+            out = [self.channel.messages.get(timeout=timeout_s)]
+        except queue.Empty:
+            return []
+        while len(out) < 256:
+            try:
+                out.append(self.channel.messages.get_nowait())
+            except queue.Empty:
+                break
+        return out
+
+    def join(self, timeout_s: float) -> bool:
+        self.thread.join(timeout_s)
+        return not self.thread.is_alive()
+
+
+class RayShards(ShardPool):
+    """The shards as Ray actors, one CPU each, on the cluster at ``address`` ("auto": the local
+    cluster started with ``ray start``; else its head's host:port)."""
+
+    def __init__(self, address: str, shards: int, broker: BrokerConfig, store_dir: Path, topics: Topics = Topics(),
+                 max_message_bytes: int = 256 * 1024 * 1024, reply_timeout_s: float = 600.0):
+        super().__init__(shards, broker, store_dir, topics, max_message_bytes, reply_timeout_s)
+        self.ray, self._joined = join_ray(address)
+        # threaded: take() waits for messages while commands come in
+        self._remote = self.ray.remote(num_cpus=1, max_concurrency=4)(ShardActor)
+        self._actors: list = [None] * shards
+        self._pending: list = [None] * shards       # each actor's last command: the next waits for it (order)
+        self._ended: list[str | None] = [None] * shards
+        self.placement: list[dict | None] = [None] * shards
+        self._placement_lock = threading.Lock()
+
+    def _options(self, index: int) -> dict:
+        pinned = f"{PIN_RESOURCE}{index}"
+        if pinned in self.ray.cluster_resources():
+            return {"resources": {pinned: 1}}
+        if self.placement[index] is not None:      # restarted where its store is
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            return {"scheduling_strategy": NodeAffinitySchedulingStrategy(self.placement[index]["node_id"], soft=False)}
+        return {"scheduling_strategy": "SPREAD"}
+
+    def _launch(self, index: int) -> None:
+        old, self._actors[index] = self._actors[index], None
+        if old is not None:         # dead, or never placed: either way never two shards on one store
+            self.ray.kill(old)
+        actor = self._remote.options(**self._options(index)).remote(*self.shard_args(index))
+        self._actors[index], self._pending[index], self._ended[index] = actor, None, None
+        threading.Thread(target=self._read, args=(index, actor), daemon=True).start()
+
+    def _read(self, index: int, actor) -> None:
+        try:
+            where = self.ray.get(actor.where.remote())
+            if self._actors[index] is actor:
+                self._placed(index, where)
+            while self._actors[index] is actor:
+                for message in self.ray.get(actor.take.remote(1.0)):
+                    self._received(index, message)
+        except self.ray.exceptions.RayError as exc:
+            if self._actors[index] is actor:
+                self._ended[index] = _reason(exc)
+
+    def _placed(self, index: int, where: dict) -> None:
+        with self._placement_lock:
+            self.placement[index] = where
+            path = self.store_dir / "placement.json"
+            path.with_suffix(".tmp").write_text(json.dumps([p for p in self.placement if p], indent=1))
+            path.with_suffix(".tmp").replace(path)
+
+    def _send(self, index: int, command: tuple) -> None:
+        actor = self._actors[index]
+        if actor is None or self._ended[index] is not None:
+            return                                  # dead: watch() restarts it
+        try:
+            if self._pending[index] is not None:    # a threaded actor may run two calls out of order
+                self.ray.get(self._pending[index], timeout=COMMAND_TIMEOUT_S)
+            self._pending[index] = actor.command.remote(command)
+        except self.ray.exceptions.RayError as exc:
+            self._ended[index] = _reason(exc)
+
+    def _exited(self, index: int) -> str | None:
+        return self._ended[index]
+
+    def _stop(self) -> None:
+        live = [a for a in self._actors if a is not None]
+        try:                                        # each leaves the broker cleanly, then goes
+            self.ray.get([a.join.remote(10.0) for a in live], timeout=15.0)
+        except self.ray.exceptions.RayError:
+            pass
+        self._actors = [None] * self.shards
+        for actor in live:
+            self.ray.kill(actor)
+        if self._joined:
+            self.ray.shutdown()
+
+
+def _reason(exc: Exception) -> str:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {first[:200]}"
