@@ -23,11 +23,8 @@ import java.util.logging.Logger;
 import org.fedfleet.wire.Envelope;
 import org.fedfleet.wire.Envelope.EnvelopeError;
 import org.fedfleet.wire.Reassembler;
-import org.fusesource.hawtbuf.Buffer;
-import org.fusesource.hawtbuf.UTF8Buffer;
 import org.fusesource.mqtt.client.Callback;
 import org.fusesource.mqtt.client.CallbackConnection;
-import org.fusesource.mqtt.client.Listener;
 import org.fusesource.mqtt.client.QoS;
 import org.fusesource.mqtt.client.Topic;
 
@@ -62,22 +59,13 @@ public final class DeploymentFollower implements AutoCloseable {
     private volatile boolean running;
     private Thread thread;
 
-    @SuppressWarnings("deprecation")   // Listener: ExtendedListener's extra callbacks are not needed
     public DeploymentFollower(String deviceId, URI broker, ModelSlot slot, HeldOut heldOut, Options options) throws Exception {
         this.deviceId = Topics.checkDeviceId(deviceId);
         this.slot = slot; this.heldOut = heldOut; this.o = options;
         connection = DeviceConnection.settings(broker, deviceId + ".deploy", options.username, options.password)
                 .callbackConnection();
-        connection.listener(new Listener() {
-            @Override public void onConnected() { subscribe(); }
-            @Override public void onDisconnected() {}
-            @Override public void onPublish(UTF8Buffer topic, Buffer body, Runnable ack) {
-                if (!inbox.offer(new Inbound(topic.toString(), body.toByteArray())))
-                    LOG.warning(deviceId + ": deployment inbox full, dropped a message");
-                ack.run();
-            }
-            @Override public void onFailure(Throwable e) { LOG.log(Level.WARNING, deviceId + ": deployment connection failure", e); }
-        });
+        DeviceConnection.listen(connection, deviceId + ": deployment", this::subscribe, () -> {},
+                (topic, payload) -> inbox.offer(new Inbound(topic, payload)));
     }
 
     public DeploymentFollower start() {
@@ -89,11 +77,7 @@ public final class DeploymentFollower implements AutoCloseable {
     @Override
     public void close() {
         running = false;
-        try {
-            if (thread != null) thread.join(10_000);
-        } catch (InterruptedException e) {
-            Thread.currentThread().interrupt();
-        }
+        DeviceConnection.join(thread);
         DeviceConnection.disconnect(connection);
     }
 

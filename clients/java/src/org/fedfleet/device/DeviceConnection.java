@@ -7,10 +7,14 @@ package org.fedfleet.device;
 import java.net.URI;
 import java.util.concurrent.CountDownLatch;
 import java.util.concurrent.TimeUnit;
+import java.util.function.BiPredicate;
 import java.util.logging.Level;
 import java.util.logging.Logger;
 import org.fusesource.mqtt.client.Callback;
+import org.fusesource.hawtbuf.Buffer;
+import org.fusesource.hawtbuf.UTF8Buffer;
 import org.fusesource.mqtt.client.CallbackConnection;
+import org.fusesource.mqtt.client.Listener;
 import org.fusesource.mqtt.client.MQTT;
 
 final class DeviceConnection {
@@ -34,6 +38,24 @@ final class DeviceConnection {
         return mqtt;
     }
 
+    /** On the client's thread: {@code onConnected} after every (re)connect, {@code onDisconnected} after a loss,
+     *  and every message (topic, payload) handed to {@code queue} for the owner's thread, then acknowledged;
+     *  {@code queue} answers false when the owner's inbox is full (the message is dropped, said in the log).
+     *  {@code label} starts the log lines ("dev1:", "dev1: deployment"). */
+    @SuppressWarnings("deprecation")   // Listener: ExtendedListener's extra callbacks are not needed
+    static void listen(CallbackConnection connection, String label, Runnable onConnected, Runnable onDisconnected,
+                       BiPredicate<String, byte[]> queue) {
+        connection.listener(new Listener() {
+            @Override public void onConnected() { onConnected.run(); }
+            @Override public void onDisconnected() { onDisconnected.run(); }
+            @Override public void onPublish(UTF8Buffer topic, Buffer body, Runnable ack) {
+                if (!queue.test(topic.toString(), body.toByteArray())) LOG.warning(label + " inbox full, dropped a message");
+                ack.run();
+            }
+            @Override public void onFailure(Throwable e) { LOG.log(Level.WARNING, label + " connection failure", e); }
+        });
+    }
+
     /** Asks the client to connect (it retries on its own) and starts the owner's daemon thread running {@code loop}. */
     static Thread start(CallbackConnection connection, String deviceId, Runnable loop, String threadName) {
         connection.getDispatchQueue().execute(() -> connection.connect(new Callback<Void>() {
@@ -44,6 +66,15 @@ final class DeviceConnection {
         thread.setDaemon(true);
         thread.start();
         return thread;
+    }
+
+    /** Waits up to 10 s for the owner's thread (null: never started) to see it should stop. */
+    static void join(Thread thread) {
+        try {
+            if (thread != null) thread.join(10_000);
+        } catch (InterruptedException e) {
+            Thread.currentThread().interrupt();
+        }
     }
 
     /** A clean disconnect (the last will is not fired), waiting for it up to 5 s. */

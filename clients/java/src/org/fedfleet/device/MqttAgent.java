@@ -27,11 +27,9 @@ import org.fedfleet.wire.Chunker;
 import org.fedfleet.wire.Envelope;
 import org.fedfleet.wire.Envelope.EnvelopeError;
 import org.fedfleet.wire.Reassembler;
-import org.fusesource.hawtbuf.Buffer;
 import org.fusesource.hawtbuf.UTF8Buffer;
 import org.fusesource.mqtt.client.Callback;
 import org.fusesource.mqtt.client.CallbackConnection;
-import org.fusesource.mqtt.client.Listener;
 import org.fusesource.mqtt.client.MQTT;
 import org.fusesource.mqtt.client.QoS;
 import org.fusesource.mqtt.client.Topic;
@@ -71,7 +69,6 @@ public final class MqttAgent implements AutoCloseable {
     private final CountDownLatch firstConnect = new CountDownLatch(1);
     private final SecAggSessions secagg;
 
-    @SuppressWarnings("deprecation")   // Listener: ExtendedListener's extra callbacks are not needed
     public MqttAgent(String deviceId, URI broker, Map<String, TaskHandler> handlers, Options options) throws Exception {
         this.deviceId = Topics.checkDeviceId(deviceId);
         this.handlers = new LinkedHashMap<>(handlers);
@@ -91,15 +88,8 @@ public final class MqttAgent implements AutoCloseable {
         mqtt.setWillRetain(true);
         mqtt.setWillQos(QoS.AT_LEAST_ONCE);
         connection = mqtt.callbackConnection();
-        connection.listener(new Listener() {
-            @Override public void onConnected() { announce(); }
-            @Override public void onDisconnected() { LOG.info(deviceId + ": disconnected, reconnecting"); }
-            @Override public void onPublish(UTF8Buffer topic, Buffer body, Runnable ack) {
-                if (!inbox.offer(body.toByteArray())) LOG.warning(deviceId + ": inbox full, dropped a message");
-                ack.run();
-            }
-            @Override public void onFailure(Throwable e) { LOG.log(Level.WARNING, deviceId + ": connection failure", e); }
-        });
+        DeviceConnection.listen(connection, deviceId + ":", this::announce,
+                () -> LOG.info(deviceId + ": disconnected, reconnecting"), (topic, payload) -> inbox.offer(payload));
     }
 
     // ---------------- lifecycle ----------------
@@ -118,11 +108,7 @@ public final class MqttAgent implements AutoCloseable {
     @Override
     public void close() {
         running = false;
-        try {
-            if (thread != null) thread.join(10_000);
-        } catch (InterruptedException e) {
-            Thread.currentThread().interrupt();
-        }
+        DeviceConnection.join(thread);
         try {
             publish(o.topics.presence(deviceId), presence(false), true, Math.min(o.publishTimeoutS, 5.0));
         } catch (Exception e) {
