@@ -41,7 +41,7 @@ from edge_client.oll import prune
 from protocols.chunking import MessageAssembler
 from protocols.envelope import EnvelopeError
 from protocols.identity import sender_verifier
-from protocols.mqtt_link import BrokerConfig, MqttLink
+from protocols.mqtt_link import BrokerConfig, LinkWorker, MqttLink
 from protocols.payloads import deployment as D
 from protocols.payloads.artifacts import ARTIFACT, get_message, parse_artifact
 from protocols.topics import AGGREGATOR_ID, Topics
@@ -153,7 +153,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-class DeploymentFollower:
+class DeploymentFollower(LinkWorker):
     """Follows the device's assignment: fetch, verify, evaluate on ``holdout(bundle_sha256)`` ->
     (features of the held-out split through that bundle, labels), swap, report. ``aggregator_key``:
     only assignments the aggregator signed are accepted."""
@@ -162,6 +162,7 @@ class DeploymentFollower:
                  holdout: Callable[[str], tuple[np.ndarray, np.ndarray]], topics: Topics = Topics(),
                  aggregator_key: bytes | None = None, signer=None, fetch_timeout_s: float = 60.0,
                  retry_s: float = 5.0, client_id: str | None = None):
+        super().__init__(thread_name=f"{device_id}-deploy")
         self.device_id, self.slot, self.holdout, self.topics, self.signer = device_id, slot, holdout, topics, signer
         self.fetch_timeout_s, self.retry_s = fetch_timeout_s, retry_s
         self.assembler = MessageAssembler(
@@ -169,23 +170,8 @@ class DeploymentFollower:
         self.refusals: list[str] = []                # why assignments or heads were refused, in order
         self.reports: list[dict] = []                # what this device reported
         self._pending: dict | None = None            # the run being fetched: assignment + when asked
-        self._q: queue.Queue = queue.Queue()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self.link = MqttLink(client_id or f"{device_id}.deploy", broker, on_message=lambda t, p: self._q.put((t, p)),
                              subscriptions=[(topics.deploy(device_id), 1), (topics.deploy_in(device_id), 1)])
-
-    def start(self) -> "DeploymentFollower":
-        self.link.start()
-        self._thread = threading.Thread(target=self._run, name=f"{self.device_id}-deploy", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(10)
-        self.link.stop()
 
     def _run(self) -> None:
         while not self._stop.is_set():

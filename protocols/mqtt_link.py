@@ -10,10 +10,12 @@ Works with any MQTT 3.1.1 or 5 broker: the version is part of the broker address
 
 from __future__ import annotations
 
+import queue
 import ssl
 import threading
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Self
 
 import paho.mqtt.client as mqtt
 
@@ -185,3 +187,35 @@ class MqttLink:
     def _handle_message(self, client, userdata, msg):
         self.bytes_received += len(msg.payload)
         self._on_message(msg.topic, msg.payload)
+
+
+class LinkWorker(ABC):
+    """An MQTT link and one thread of its own that handles what the link receives.
+
+    paho calls ``on_message`` on its network thread, which must not block: the subclass's link only
+    puts what arrives on ``self._q``, and :meth:`_run` (the worker's thread) takes it from there, in
+    order, until ``self._stop`` is set. A subclass calls ``__init__`` first, then creates ``self.link``."""
+
+    link: MqttLink
+
+    def __init__(self, thread_name: str):
+        self._q: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._thread_name = thread_name
+
+    def start(self) -> Self:
+        self.link.start()
+        self._thread = threading.Thread(target=self._run, name=self._thread_name, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+        self.link.stop()
+
+    @abstractmethod
+    def _run(self) -> None:
+        """The worker's loop: handle ``self._q`` until ``self._stop`` is set."""

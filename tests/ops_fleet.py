@@ -61,6 +61,31 @@ def reference_sums(devices, dtype=np.float64) -> tuple[np.ndarray, np.ndarray]:
     return A, B
 
 
+def clipped_sums(data, num_classes: int, n: int, clip: float) -> tuple[np.ndarray, np.ndarray]:
+    """(A, B) = Σ ZᵀZ, Σ ZᵀY of DP Fed3R, plain numpy: of every device's (Z, y) in ``data`` its first
+    ``n`` rows, each scaled to norm at most ``clip``, bias column appended."""
+    A = B = 0.0
+    for Z, y in data:
+        Z, y = Z[:n].astype(np.float64), y[:n]
+        Z *= np.minimum(1.0, clip / np.linalg.norm(Z, axis=1, keepdims=True))
+        Zb = np.hstack([Z, np.ones((len(Z), 1))])
+        A = A + Zb.T @ Zb
+        B = B + Zb.T @ np.eye(num_classes)[y]
+    return A, B
+
+
+def assert_noise_of_variance(released, A: np.ndarray, B: np.ndarray, sigma2: float) -> None:
+    """What a DP job released (``packed_upper()`` of A, ``B``) is the exact sums plus noise in every
+    entry, of mean square sigma2 within χ² bounds at 1e-6."""
+    from scipy import stats
+
+    noise = np.concatenate([released.packed_upper() - A[np.triu_indices(len(A))],
+                            (released.B.cpu().numpy() - B).ravel()])
+    assert np.abs(noise).min() > 0
+    lo, hi = stats.chi2.ppf([1e-6, 1 - 1e-6], noise.size) / noise.size
+    assert lo < np.mean(noise ** 2) / sigma2 < hi
+
+
 class Features:
     """Stands in for the backbone in tests: the synthetic 'images' already are features (the
     backbones and exported runtimes are tested on real images elsewhere)."""

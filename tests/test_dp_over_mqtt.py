@@ -8,8 +8,7 @@ import threading
 import dp_accounting
 import numpy as np
 from dp_accounting import rdp
-from ops_fleet import Features
-from scipy import stats
+from ops_fleet import Features, assert_noise_of_variance, clipped_sums
 
 from aggregator.jobs.registry import build_job
 from aggregator.service.loop import AggregatorService
@@ -58,21 +57,10 @@ def test_dp_fed3r_over_mosquitto_releases_clipped_sums_plus_noise(broker, tmp_pa
                          lambda i: {"fed3r.stats": Fed3RStatsTask(*device_data(i), lambda b, s, w: Features(D))})
     assert result["state"] == "done" and len(job.contributed) == 5
     # reference: every device's first N rows, clipped to F, bias appended
-    A, B = np.zeros((D + 1, D + 1)), np.zeros((D + 1, C))
-    for i in range(5):
-        Z, y = device_data(i)
-        Z, y = Z[:N].astype(np.float64), y[:N]
-        Z *= np.minimum(1.0, F / np.linalg.norm(Z, axis=1, keepdims=True))
-        Zb = np.hstack([Z, np.ones((N, 1))])
-        A += Zb.T @ Zb
-        B += Zb.T @ np.eye(C)[y]
-    iu = np.triu_indices(D + 1)
-    released = job.strategy.released
-    noise = np.concatenate([released.packed_upper() - A[iu], (released.B.cpu().numpy() - B).ravel()])
+    A, B = clipped_sums(map(device_data, range(5)), C, N, F)
+    assert job.strategy.releases == 3
     sigma2 = job.strategy.releases * job.config.dp_noise_stddev() ** 2       # one draw per released round
-    assert job.strategy.releases == 3 and np.abs(noise).min() > 0
-    lo, hi = stats.chi2.ppf([1e-6, 1 - 1e-6], noise.size) / noise.size
-    assert lo < np.mean(noise ** 2) / sigma2 < hi
+    assert_noise_of_variance(job.strategy.released, A, B, sigma2)
     saved = json.loads((tmp_path / "results.json").read_text())
     privacy = saved["final"]["privacy"]
     assert privacy["epsilon"] == gaussian_epsilon(z, 1, 1.0, 1e-5) and privacy["delta"] == 1e-5

@@ -160,6 +160,12 @@ class CountingForward:
             return self.backbone(torch.from_numpy(batch)).numpy()
 
 
+def counting_extractor(backbone, size: int = 32, **kw) -> tuple[CountingForward, FeatureExtractor]:
+    """An extractor on the real backbone's forward (which counts its images), normalising as the backbone does."""
+    forward = CountingForward(backbone)
+    return forward, FeatureExtractor(forward, image_size=size, mean=backbone.mean, std=backbone.std, **kw)
+
+
 def direct_features(backbone, images: np.ndarray, size: int) -> np.ndarray:
     batch = to_model_input(images, size, backbone.mean, backbone.std)
     with torch.inference_mode():
@@ -168,9 +174,7 @@ def direct_features(backbone, images: np.ndarray, size: int) -> np.ndarray:
 
 def test_batched_extraction_equals_one_forward_pass(mobilenet):
     images = random_images(20, seed=8)
-    forward = CountingForward(mobilenet)
-    extractor = FeatureExtractor(forward, image_size=32, mean=mobilenet.mean, std=mobilenet.std,
-                                 batch_size=7)
+    forward, extractor = counting_extractor(mobilenet, batch_size=7)
     features = extractor.extract(images)
     assert features.shape == (20, 1280) and features.dtype == np.float32
     assert forward.images_seen == 20
@@ -179,14 +183,12 @@ def test_batched_extraction_equals_one_forward_pass(mobilenet):
 
 
 def test_feature_dim_is_probed_when_not_given(mobilenet):
-    extractor = FeatureExtractor(CountingForward(mobilenet), image_size=32,
-                                 mean=mobilenet.mean, std=mobilenet.std)
+    _, extractor = counting_extractor(mobilenet)
     assert extractor.feature_dim == 1280
 
 
 def test_empty_batch_gives_empty_features(mobilenet):
-    extractor = FeatureExtractor(CountingForward(mobilenet), image_size=32,
-                                 mean=mobilenet.mean, std=mobilenet.std, feature_dim=1280)
+    _, extractor = counting_extractor(mobilenet, feature_dim=1280)
     assert extractor.extract(np.zeros((0, 28, 28), np.uint8)).shape == (0, 1280)
 
 
@@ -206,9 +208,7 @@ def cache_files(directory):
 
 def test_cache_hit_returns_identical_features_without_running_the_model(mobilenet, tmp_path):
     images = random_images(10, seed=10)
-    forward = CountingForward(mobilenet)
-    extractor = FeatureExtractor(forward, image_size=32, mean=mobilenet.mean, std=mobilenet.std,
-                                 cache_dir=tmp_path, cache_key="mobilenet_v2-test")
+    forward, extractor = counting_extractor(mobilenet, cache_dir=tmp_path, cache_key="mobilenet_v2-test")
     first = extractor.extract(images)
     assert forward.images_seen == 10
     files = cache_files(tmp_path)
@@ -218,8 +218,7 @@ def test_cache_hit_returns_identical_features_without_running_the_model(mobilene
     assert forward.images_seen == 10
     np.testing.assert_array_equal(again, first)
 
-    fresh = FeatureExtractor(CountingForward(mobilenet), image_size=32, mean=mobilenet.mean,
-                             std=mobilenet.std, cache_dir=tmp_path, cache_key="mobilenet_v2-test")
+    _, fresh = counting_extractor(mobilenet, cache_dir=tmp_path, cache_key="mobilenet_v2-test")
     np.testing.assert_array_equal(fresh.extract(images), first)
 
 
@@ -227,9 +226,7 @@ def test_cache_misses_on_other_images_size_key_or_shape(mobilenet, tmp_path):
     images = random_images(8, seed=11)
 
     def extractor(size=32, key="k"):
-        forward = CountingForward(mobilenet)
-        return forward, FeatureExtractor(forward, image_size=size, mean=mobilenet.mean,
-                                         std=mobilenet.std, cache_dir=tmp_path, cache_key=key)
+        return counting_extractor(mobilenet, size, cache_dir=tmp_path, cache_key=key)
 
     forward, base = extractor()
     base_features = base.extract(images)
@@ -247,18 +244,14 @@ def test_cache_misses_on_other_images_size_key_or_shape(mobilenet, tmp_path):
         assert features.shape == (len(variant_images), 1280)
     assert len(cache_files(tmp_path)) == 1 + len(variants)
     # The miss on one changed pixel recomputed that image's features: only row 3 moves.
-    changed = FeatureExtractor(CountingForward(mobilenet), image_size=32, mean=mobilenet.mean,
-                               std=mobilenet.std, cache_dir=tmp_path,
-                               cache_key="k").extract(one_pixel_changed)
+    changed = extractor()[1].extract(one_pixel_changed)
     unchanged_rows = [row for row in range(8) if row != 3]
     np.testing.assert_allclose(changed[unchanged_rows], base_features[unchanged_rows], atol=1e-5)
 
 
 def test_corrupt_cache_file_is_recomputed(mobilenet, tmp_path):
     images = random_images(4, seed=12)
-    forward = CountingForward(mobilenet)
-    extractor = FeatureExtractor(forward, image_size=32, mean=mobilenet.mean, std=mobilenet.std,
-                                 cache_dir=tmp_path, cache_key="k")
+    forward, extractor = counting_extractor(mobilenet, cache_dir=tmp_path, cache_key="k")
     first = extractor.extract(images)
     (cache_file,) = tmp_path.iterdir()
     cache_file.write_bytes(cache_file.read_bytes()[:100])  # truncated, as after a crash
@@ -269,8 +262,7 @@ def test_corrupt_cache_file_is_recomputed(mobilenet, tmp_path):
 
 
 def test_bad_images_fail_before_the_model_runs(mobilenet):
-    forward = CountingForward(mobilenet)
-    extractor = FeatureExtractor(forward, image_size=32, mean=mobilenet.mean, std=mobilenet.std)
+    forward, extractor = counting_extractor(mobilenet)
     with pytest.raises(ValueError, match="NaN"):
         extractor.extract(np.full((3, 28, 28), np.nan, np.float32))
     assert forward.images_seen == 0

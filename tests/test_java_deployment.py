@@ -79,13 +79,19 @@ def run_assignment(tmp_path, name, head_bytes, deployment, signer):
     return msg, tmp_path / f"{name}.npz", sha
 
 
+def swap_in_first_head(java_cp, world, tmp_path):
+    """The held-out split's features file, and a Java slot into which dep-1's signed assignment swapped
+    head 1: (features file, slot folder, aggregator key as hex, head 1's sha256, what the slot runner printed)."""
+    agg = world["aggregator"]
+    feats = write_features(tmp_path / "held.bin", world["Z"], world["y"])
+    slot, key = tmp_path / "slot", agg.public_key_bytes.hex()
+    msg, head, sha = run_assignment(tmp_path, "h1", D.head_npz(*world["heads"][0]), "dep-1", agg.sign)
+    return feats, slot, key, sha, slot_runner(java_cp, slot, feats, key, "-", msg, head)
+
+
 def test_the_java_slot_swaps_predicts_and_rolls_back_like_the_python_device(java_cp, world, tmp_path):
     agg, (h1, h2), Z, y = world["aggregator"], world["heads"], world["Z"], world["y"]
-    key = agg.public_key_bytes.hex()
-    feats = write_features(tmp_path / "held.bin", Z, y)
-    slot = tmp_path / "slot"
-    msg1, file1, sha1 = run_assignment(tmp_path, "h1", D.head_npz(*h1), "dep-1", agg.sign)
-    out = slot_runner(java_cp, slot, feats, key, "-", msg1, file1)
+    feats, slot, key, sha1, out = swap_in_first_head(java_cp, world, tmp_path)
     assert out["SWAPPED"] == sha1 and out["CURRENT"] == sha1 and out["PREVIOUS"] == "none"
     np.testing.assert_array_equal(np.array(out["PREDICT"].split(), int), reference(h1, Z))
     assert int(out["CORRECT"]) == int((reference(h1, Z) == y).sum())
@@ -119,12 +125,9 @@ def test_the_java_slot_swaps_predicts_and_rolls_back_like_the_python_device(java
 
 
 def test_the_java_slot_refuses_unsigned_tampered_and_malformed_versions(java_cp, world, tmp_path):
-    agg, (h1, h2), Z, y = world["aggregator"], world["heads"], world["Z"], world["y"]
-    key = agg.public_key_bytes.hex()
-    feats = write_features(tmp_path / "held.bin", Z, y)
-    slot = tmp_path / "slot"
-    msg1, file1, sha1 = run_assignment(tmp_path, "h1", D.head_npz(*h1), "dep-1", agg.sign)
-    assert slot_runner(java_cp, slot, feats, key, "-", msg1, file1)["SWAPPED"] == sha1
+    agg, (h1, h2), Z = world["aggregator"], world["heads"], world["Z"]
+    feats, slot, key, sha1, out = swap_in_first_head(java_cp, world, tmp_path)
+    assert out["SWAPPED"] == sha1
     state = (slot / "slot.json").read_bytes()
 
     unsigned, file2, _ = run_assignment(tmp_path, "h2", D.head_npz(*h2), "dep-2", None)

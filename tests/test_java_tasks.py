@@ -258,6 +258,13 @@ def start_java_devices(java_cp, broker_url, tmp_path, extra: list[str], seeds: d
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def stop_mixed_fleet(agents, jvm: subprocess.Popen) -> tuple[str, str]:
+    """Stops the Python agents, then the JVM's devices (their stdin closed): the JVM's stdout and stderr."""
+    for a in agents:
+        a.stop()
+    return jvm.communicate(timeout=30)
+
+
 def test_mixed_java_and_python_fleet_runs_fedavg_head_then_personalization(java_cp, broker, tmp_path):
     """Three Java devices (one JVM) and two Python devices in one FedAvg(ψ) job over mosquitto,
     all five in each of 3 rounds: every device contributes every round, and the final head equals
@@ -299,9 +306,7 @@ def test_mixed_java_and_python_fleet_runs_fedavg_head_then_personalization(java_
         personal["thread"].join(120)
         assert personal["result"].get("state") == "done", personal["result"]
     finally:
-        for a in agents:
-            a.stop()
-        out, err = jvm.communicate(timeout=30)
+        out, err = stop_mixed_fleet(agents, jvm)
     assert jvm.returncode == 0, err[-3000:]
     for d in JAVA_IDS:
         assert f"STATS {d} done=4 declined=0" in out, (out, err[-3000:])
@@ -357,9 +362,7 @@ def test_mixed_java_and_python_fleet_runs_secure_fedavg(java_cp, broker, tmp_pat
     try:
         result = service.join(150)
     finally:
-        for a in agents:
-            a.stop()
-        out, err = jvm.communicate(timeout=30)
+        out, err = stop_mixed_fleet(agents, jvm)
     assert jvm.returncode == 0, err[-3000:]
     assert result.get("state") == "done" and len(result["rounds"]) == 2 and not job.failed_rounds, (result, err[-3000:])
     # the secure sum is FedAvg's plain mean of the accepted updates: the replay bounds no norm
@@ -499,8 +502,7 @@ def test_mixed_fleet_fed3r_sync_under_distributed_dp_releases_clipped_sums_plus_
     variance, χ² bounds at 1e-6 over 31·32/2 + 31·4 = 620 entries: without the Java devices' shares
     the ratio would be 0.4, 10 standard deviations off), so the Java devices' clipping (features
     ~10× the clip norm), cap (20 of 37 samples) and noise are the protocol's."""
-    from ops_fleet import Features, RecordingService
-    from scipy import stats
+    from ops_fleet import Features, RecordingService, assert_noise_of_variance, clipped_sums
 
     from aggregator.jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob
     from edge_client.agent import DeviceAgent
@@ -537,24 +539,11 @@ def test_mixed_fleet_fed3r_sync_under_distributed_dp_releases_clipped_sums_plus_
     try:
         result = service.join(120)
     finally:
-        for a in agents:
-            a.stop()
-        out, err = jvm.communicate(timeout=30)
+        out, err = stop_mixed_fleet(agents, jvm)
     assert result.get("state") == "done" and sorted(result["contributed"]) == sorted(ids), (result, err[-3000:])
-    A, B = np.zeros((dim + 1, dim + 1)), np.zeros((dim + 1, C))
-    for i in range(len(ids)):
-        Z, y = data(i)
-        Z, y = Z[:N].astype(np.float64), y[:N]
-        Z *= np.minimum(1.0, F / np.linalg.norm(Z, axis=1, keepdims=True))
-        Zb = np.hstack([Z, np.ones((N, 1))])
-        A += Zb.T @ Zb
-        B += Zb.T @ np.eye(C)[y]
-    released = job.strategy.released
-    noise = np.concatenate([released.packed_upper() - A[np.triu_indices(dim + 1)], (released.B.cpu().numpy() - B).ravel()])
-    assert job.strategy.releases == 1 and np.abs(noise).min() > 0
-    sigma2 = len(ids) * job._round_dp["stddev"] ** 2
-    lo, hi = stats.chi2.ppf([1e-6, 1 - 1e-6], noise.size) / noise.size
-    assert lo < np.mean(noise ** 2) / sigma2 < hi
+    A, B = clipped_sums(map(data, range(len(ids))), C, N, F)
+    assert job.strategy.releases == 1
+    assert_noise_of_variance(job.strategy.released, A, B, len(ids) * job._round_dp["stddev"] ** 2)
 
 
 def factor_data(n: int, dim: int = 40) -> tuple[np.ndarray, np.ndarray]:

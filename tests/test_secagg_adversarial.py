@@ -492,28 +492,28 @@ def test_malformed_wire_forms_raise_malformed_message(mutation):
         decode(header, arrays)
 
 
-def test_malformed_structured_fields():
+def _pending_wire_after(steps):
     r = Round(n=5)
-    header, arrays = r.pending[0].to_wire()
-    bad_config = dict(header)
-    bad_config["config"] = {**header["config"], "bound": 2.0**70}  # would overflow: refused
+    for _ in range(steps):
+        r.step()
+    return r.pending[0].to_wire()
+
+
+def _short_neighbour_keys(header):
+    return [[e[0], e[1], base64.b64encode(b"x").decode(), e[3], e[4]] for e in header["neighbour_keys"]]
+
+
+@pytest.mark.parametrize("steps, kind, corrupt", [
+    (0, RoundStart, lambda h, a: ({**h, "config": {**h["config"], "bound": 2.0**70}}, a)),  # would overflow
+    (1, KeyDirectory, lambda h, a: (h, {**a, "identity_keys": a["identity_keys"][:, :-1]})),
+    (1, KeyDirectory, lambda h, a: ({**h, "neighbour_keys": _short_neighbour_keys(h)}, a)),
+    (2, ForwardedShares, lambda h, a: ({**h, "senders": h["senders"] + h["senders"][:1]}, a)),  # duplicate sender
+], ids=["config_bound", "identity_key_width", "short_neighbour_key", "duplicate_sender"])
+def test_malformed_structured_fields(steps, kind, corrupt):
+    header, arrays = _pending_wire_after(steps)
+    assert isinstance(decode(header, arrays), kind)      # the message as sent is accepted
     with pytest.raises(MalformedMessage):
-        decode(bad_config, arrays)
-    r.step()
-    header, arrays = r.pending[0].to_wire()
-    assert isinstance(decode(header, arrays), KeyDirectory)
-    with pytest.raises(MalformedMessage):
-        decode(header, {**arrays, "identity_keys": arrays["identity_keys"][:, :-1]})
-    short_key = dict(header)
-    short_key["neighbour_keys"] = [[e[0], e[1], base64.b64encode(b"x").decode(), e[3], e[4]]
-                                   for e in header["neighbour_keys"]]
-    with pytest.raises(MalformedMessage):
-        decode(short_key, arrays)
-    r.step()
-    header, arrays = r.pending[0].to_wire()
-    assert isinstance(decode(header, arrays), ForwardedShares)
-    with pytest.raises(MalformedMessage):
-        decode({**header, "senders": header["senders"] + header["senders"][:1]}, arrays)  # duplicate sender
+        decode(*corrupt(header, arrays))
 
 
 def test_round_start_and_advertise_are_wire_stable():

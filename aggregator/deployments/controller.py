@@ -21,7 +21,6 @@ import io
 import logging
 import queue
 import re
-import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ import numpy as np
 
 from protocols.chunking import MessageAssembler
 from protocols.envelope import EnvelopeError
-from protocols.mqtt_link import BrokerConfig, MqttLink
+from protocols.mqtt_link import BrokerConfig, LinkWorker, MqttLink
 from protocols.payloads import deployment as D
 from protocols.payloads.artifacts import GET as ARTIFACT_GET, artifact_message, parse_get
 from protocols.topics import AGGREGATOR_ID, Topics
@@ -58,16 +57,14 @@ class Served:
         return (self.sent.get(device) or {}).get("sent") == D.RUN
 
 
-class DeploymentController:
+class DeploymentController(LinkWorker):
     def __init__(self, store: Store, broker: BrokerConfig, topics: Topics = Topics(),
                  signer: Callable[[bytes], bytes] | None = None, verifier=None, tick_s: float = 0.5,
                  client_id: str = AGGREGATOR_ID + ".deployments"):
+        super().__init__(thread_name="deployments")
         self.store, self.table, self.topics, self.signer = store, DeploymentStore(store), topics, signer
         self.tick_s = tick_s
         self.assembler = MessageAssembler(verifier=verifier, max_message_bytes=1024 * 1024)
-        self._q: queue.Queue = queue.Queue()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._next_tick = 0.0
         self.active: Served | None = None        # in canary or widening
         self.settled: Served | None = None       # the last completed: the version of every device not in a canary
@@ -75,19 +72,7 @@ class DeploymentController:
                              subscriptions=[(topics.all_deploy_outs, 1)])
         self._resume()
 
-    # ------------------------------------------------------------------ lifecycle
-    def start(self) -> "DeploymentController":
-        self.link.start()
-        self._thread = threading.Thread(target=self._run, name="deployments", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(10)
-        self.link.stop()
-
+    # ------------------------------------------------------------------ lifecycle (start, stop: LinkWorker)
     def call(self, fn: Callable[[], Any], timeout: float = 10.0) -> Any:
         """Run ``fn`` on the controller's thread and return its result or raise its error."""
         fut: Future = Future()

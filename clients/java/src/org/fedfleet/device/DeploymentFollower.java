@@ -23,12 +23,8 @@ import java.util.logging.Logger;
 import org.fedfleet.wire.Envelope;
 import org.fedfleet.wire.Envelope.EnvelopeError;
 import org.fedfleet.wire.Reassembler;
-import org.fusesource.hawtbuf.Buffer;
-import org.fusesource.hawtbuf.UTF8Buffer;
 import org.fusesource.mqtt.client.Callback;
 import org.fusesource.mqtt.client.CallbackConnection;
-import org.fusesource.mqtt.client.Listener;
-import org.fusesource.mqtt.client.MQTT;
 import org.fusesource.mqtt.client.QoS;
 import org.fusesource.mqtt.client.Topic;
 
@@ -63,60 +59,26 @@ public final class DeploymentFollower implements AutoCloseable {
     private volatile boolean running;
     private Thread thread;
 
-    @SuppressWarnings("deprecation")   // Listener: ExtendedListener's extra callbacks are not needed
     public DeploymentFollower(String deviceId, URI broker, ModelSlot slot, HeldOut heldOut, Options options) throws Exception {
         this.deviceId = Topics.checkDeviceId(deviceId);
         this.slot = slot; this.heldOut = heldOut; this.o = options;
-        MQTT mqtt = new MQTT();
-        mqtt.setHost(MqttAgent.transportUri(broker));
-        mqtt.setClientId(deviceId + ".deploy");
-        mqtt.setVersion("3.1.1");
-        mqtt.setCleanSession(false);
-        mqtt.setKeepAlive((short) 30);
-        if (options.username != null) { mqtt.setUserName(options.username); mqtt.setPassword(options.password); }
-        mqtt.setConnectAttemptsMax(-1);
-        mqtt.setReconnectAttemptsMax(-1);
-        mqtt.setReconnectDelay(200);
-        mqtt.setReconnectDelayMax(5000);
-        connection = mqtt.callbackConnection();
-        connection.listener(new Listener() {
-            @Override public void onConnected() { subscribe(); }
-            @Override public void onDisconnected() {}
-            @Override public void onPublish(UTF8Buffer topic, Buffer body, Runnable ack) {
-                if (!inbox.offer(new Inbound(topic.toString(), body.toByteArray())))
-                    LOG.warning(deviceId + ": deployment inbox full, dropped a message");
-                ack.run();
-            }
-            @Override public void onFailure(Throwable e) { LOG.log(Level.WARNING, deviceId + ": deployment connection failure", e); }
-        });
+        connection = DeviceConnection.settings(broker, deviceId + ".deploy", options.username, options.password)
+                .callbackConnection();
+        DeviceConnection.listen(connection, deviceId + ": deployment", this::subscribe, () -> {},
+                (topic, payload) -> inbox.offer(new Inbound(topic, payload)));
     }
 
     public DeploymentFollower start() {
         running = true;
-        connection.getDispatchQueue().execute(() -> connection.connect(new Callback<Void>() {
-            @Override public void onSuccess(Void v) {}
-            @Override public void onFailure(Throwable e) { LOG.log(Level.WARNING, deviceId + ": connect failed", e); }
-        }));
-        thread = new Thread(this::run, "fedfleet-deploy-" + deviceId);
-        thread.setDaemon(true);
-        thread.start();
+        thread = DeviceConnection.start(connection, deviceId, this::run, "fedfleet-deploy-" + deviceId);
         return this;
     }
 
     @Override
     public void close() {
         running = false;
-        java.util.concurrent.CountDownLatch done = new java.util.concurrent.CountDownLatch(1);
-        try {
-            if (thread != null) thread.join(10_000);
-            connection.getDispatchQueue().execute(() -> connection.disconnect(new Callback<Void>() {
-                @Override public void onSuccess(Void v) { done.countDown(); }
-                @Override public void onFailure(Throwable e) { done.countDown(); }
-            }));
-            done.await(5, TimeUnit.SECONDS);
-        } catch (InterruptedException e) {
-            Thread.currentThread().interrupt();
-        }
+        DeviceConnection.join(thread);
+        DeviceConnection.disconnect(connection);
     }
 
     private void subscribe() {

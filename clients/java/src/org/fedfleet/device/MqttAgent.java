@@ -27,11 +27,9 @@ import org.fedfleet.wire.Chunker;
 import org.fedfleet.wire.Envelope;
 import org.fedfleet.wire.Envelope.EnvelopeError;
 import org.fedfleet.wire.Reassembler;
-import org.fusesource.hawtbuf.Buffer;
 import org.fusesource.hawtbuf.UTF8Buffer;
 import org.fusesource.mqtt.client.Callback;
 import org.fusesource.mqtt.client.CallbackConnection;
-import org.fusesource.mqtt.client.Listener;
 import org.fusesource.mqtt.client.MQTT;
 import org.fusesource.mqtt.client.QoS;
 import org.fusesource.mqtt.client.Topic;
@@ -71,7 +69,6 @@ public final class MqttAgent implements AutoCloseable {
     private final CountDownLatch firstConnect = new CountDownLatch(1);
     private final SecAggSessions secagg;
 
-    @SuppressWarnings("deprecation")   // Listener: ExtendedListener's extra callbacks are not needed
     public MqttAgent(String deviceId, URI broker, Map<String, TaskHandler> handlers, Options options) throws Exception {
         this.deviceId = Topics.checkDeviceId(deviceId);
         this.handlers = new LinkedHashMap<>(handlers);
@@ -85,43 +82,20 @@ public final class MqttAgent implements AutoCloseable {
             throw new IllegalArgumentException("secure task kinds need the device's Identity as signer and the aggregator's key");
         if (options.aggregatorKey == null)
             LOG.warning(deviceId + ": not verifying the aggregator's messages (no aggregator key): development mode only");
-        MQTT mqtt = new MQTT();
-        mqtt.setHost(transportUri(broker));
-        mqtt.setClientId(deviceId);
-        mqtt.setVersion("3.1.1");
-        mqtt.setCleanSession(false);
-        mqtt.setKeepAlive((short) 30);
-        if (options.username != null) { mqtt.setUserName(options.username); mqtt.setPassword(options.password); }
+        MQTT mqtt = DeviceConnection.settings(broker, deviceId, options.username, options.password);
         mqtt.setWillTopic(options.topics.presence(deviceId));
         mqtt.setWillMessage(new UTF8Buffer(presence(false)));   // binary envelope; UTF8Buffer only wraps the bytes
         mqtt.setWillRetain(true);
         mqtt.setWillQos(QoS.AT_LEAST_ONCE);
-        mqtt.setConnectAttemptsMax(-1);
-        mqtt.setReconnectAttemptsMax(-1);
-        mqtt.setReconnectDelay(200);
-        mqtt.setReconnectDelayMax(5000);
         connection = mqtt.callbackConnection();
-        connection.listener(new Listener() {
-            @Override public void onConnected() { announce(); }
-            @Override public void onDisconnected() { LOG.info(deviceId + ": disconnected, reconnecting"); }
-            @Override public void onPublish(UTF8Buffer topic, Buffer body, Runnable ack) {
-                if (!inbox.offer(body.toByteArray())) LOG.warning(deviceId + ": inbox full, dropped a message");
-                ack.run();
-            }
-            @Override public void onFailure(Throwable e) { LOG.log(Level.WARNING, deviceId + ": connection failure", e); }
-        });
+        DeviceConnection.listen(connection, deviceId + ":", this::announce,
+                () -> LOG.info(deviceId + ": disconnected, reconnecting"), (topic, payload) -> inbox.offer(payload));
     }
 
     // ---------------- lifecycle ----------------
     public MqttAgent start() {
         running = true;
-        connection.getDispatchQueue().execute(() -> connection.connect(new Callback<Void>() {
-            @Override public void onSuccess(Void v) {}
-            @Override public void onFailure(Throwable e) { LOG.log(Level.WARNING, deviceId + ": connect failed", e); }
-        }));
-        thread = new Thread(this::run, "fedfleet-agent-" + deviceId);
-        thread.setDaemon(true);
-        thread.start();
+        thread = DeviceConnection.start(connection, deviceId, this::run, "fedfleet-agent-" + deviceId);
         return this;
     }
 
@@ -134,26 +108,13 @@ public final class MqttAgent implements AutoCloseable {
     @Override
     public void close() {
         running = false;
-        try {
-            if (thread != null) thread.join(10_000);
-        } catch (InterruptedException e) {
-            Thread.currentThread().interrupt();
-        }
+        DeviceConnection.join(thread);
         try {
             publish(o.topics.presence(deviceId), presence(false), true, Math.min(o.publishTimeoutS, 5.0));
         } catch (Exception e) {
             LOG.warning(deviceId + ": could not publish offline presence: " + e);
         }
-        CountDownLatch done = new CountDownLatch(1);
-        connection.getDispatchQueue().execute(() -> connection.disconnect(new Callback<Void>() {
-            @Override public void onSuccess(Void v) { done.countDown(); }
-            @Override public void onFailure(Throwable e) { done.countDown(); }
-        }));
-        try {
-            done.await(5, TimeUnit.SECONDS);
-        } catch (InterruptedException e) {
-            Thread.currentThread().interrupt();
-        }
+        DeviceConnection.disconnect(connection);
     }
 
     private void announce() {
@@ -334,16 +295,6 @@ public final class MqttAgent implements AutoCloseable {
         if (!done.await((long) (timeoutS * 1000), TimeUnit.MILLISECONDS))
             throw new Exception("publish to " + topic + " not acknowledged in " + timeoutS + " s");
         if (failure[0] != null) throw new Exception("publish to " + topic + " failed: " + failure[0]);
-    }
-
-    /** fedfleet's broker addresses (mqtt://host:port, mqtts://) as the client's transports (tcp://, ssl://). */
-    static URI transportUri(URI broker) throws java.net.URISyntaxException {
-        String scheme = broker.getScheme();
-        if ("mqtt".equals(scheme) || "tcp".equals(scheme))
-            return new URI("tcp", null, broker.getHost(), broker.getPort() < 0 ? 1883 : broker.getPort(), null, null, null);
-        if ("mqtts".equals(scheme) || "ssl".equals(scheme) || "tls".equals(scheme))
-            return new URI("ssl", null, broker.getHost(), broker.getPort() < 0 ? 8883 : broker.getPort(), null, null, null);
-        throw new IllegalArgumentException("broker URL " + broker + ": the scheme must be mqtt:// or mqtts://");
     }
 
     private static double monotonic() { return System.nanoTime() / 1e9; }

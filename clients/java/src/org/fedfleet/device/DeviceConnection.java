@@ -1,0 +1,103 @@
+// What a device's MQTT connections share (MqttAgent's and DeploymentFollower's): a persistent
+// MQTT 3.1.1 session (clean session off, so what is published while it reconnects is delivered)
+// that connects and reconnects on its own, forever, with backoff from 0.2 s to 5 s; the owner's
+// own thread handles what the client's thread queues; close waits up to 5 s for a clean disconnect.
+package org.fedfleet.device;
+
+import java.net.URI;
+import java.util.concurrent.CountDownLatch;
+import java.util.concurrent.TimeUnit;
+import java.util.function.BiPredicate;
+import java.util.logging.Level;
+import java.util.logging.Logger;
+import org.fusesource.mqtt.client.Callback;
+import org.fusesource.hawtbuf.Buffer;
+import org.fusesource.hawtbuf.UTF8Buffer;
+import org.fusesource.mqtt.client.CallbackConnection;
+import org.fusesource.mqtt.client.Listener;
+import org.fusesource.mqtt.client.MQTT;
+
+final class DeviceConnection {
+    private static final Logger LOG = Logger.getLogger("fedfleet.device");
+
+    private DeviceConnection() {}
+
+    /** The settings every device connection uses; the caller adds its own (a last will) before connecting. */
+    static MQTT settings(URI broker, String clientId, String username, String password) throws java.net.URISyntaxException {
+        MQTT mqtt = new MQTT();
+        mqtt.setHost(transportUri(broker));
+        mqtt.setClientId(clientId);
+        mqtt.setVersion("3.1.1");
+        mqtt.setCleanSession(false);
+        mqtt.setKeepAlive((short) 30);
+        if (username != null) { mqtt.setUserName(username); mqtt.setPassword(password); }
+        mqtt.setConnectAttemptsMax(-1);
+        mqtt.setReconnectAttemptsMax(-1);
+        mqtt.setReconnectDelay(200);
+        mqtt.setReconnectDelayMax(5000);
+        return mqtt;
+    }
+
+    /** On the client's thread: {@code onConnected} after every (re)connect, {@code onDisconnected} after a loss,
+     *  and every message (topic, payload) handed to {@code queue} for the owner's thread, then acknowledged;
+     *  {@code queue} answers false when the owner's inbox is full (the message is dropped, said in the log).
+     *  {@code label} starts the log lines ("dev1:", "dev1: deployment"). */
+    @SuppressWarnings("deprecation")   // Listener: ExtendedListener's extra callbacks are not needed
+    static void listen(CallbackConnection connection, String label, Runnable onConnected, Runnable onDisconnected,
+                       BiPredicate<String, byte[]> queue) {
+        connection.listener(new Listener() {
+            @Override public void onConnected() { onConnected.run(); }
+            @Override public void onDisconnected() { onDisconnected.run(); }
+            @Override public void onPublish(UTF8Buffer topic, Buffer body, Runnable ack) {
+                if (!queue.test(topic.toString(), body.toByteArray())) LOG.warning(label + " inbox full, dropped a message");
+                ack.run();
+            }
+            @Override public void onFailure(Throwable e) { LOG.log(Level.WARNING, label + " connection failure", e); }
+        });
+    }
+
+    /** Asks the client to connect (it retries on its own) and starts the owner's daemon thread running {@code loop}. */
+    static Thread start(CallbackConnection connection, String deviceId, Runnable loop, String threadName) {
+        connection.getDispatchQueue().execute(() -> connection.connect(new Callback<Void>() {
+            @Override public void onSuccess(Void v) {}
+            @Override public void onFailure(Throwable e) { LOG.log(Level.WARNING, deviceId + ": connect failed", e); }
+        }));
+        Thread thread = new Thread(loop, threadName);
+        thread.setDaemon(true);
+        thread.start();
+        return thread;
+    }
+
+    /** Waits up to 10 s for the owner's thread (null: never started) to see it should stop. */
+    static void join(Thread thread) {
+        try {
+            if (thread != null) thread.join(10_000);
+        } catch (InterruptedException e) {
+            Thread.currentThread().interrupt();
+        }
+    }
+
+    /** A clean disconnect (the last will is not fired), waiting for it up to 5 s. */
+    static void disconnect(CallbackConnection connection) {
+        CountDownLatch done = new CountDownLatch(1);
+        connection.getDispatchQueue().execute(() -> connection.disconnect(new Callback<Void>() {
+            @Override public void onSuccess(Void v) { done.countDown(); }
+            @Override public void onFailure(Throwable e) { done.countDown(); }
+        }));
+        try {
+            done.await(5, TimeUnit.SECONDS);
+        } catch (InterruptedException e) {
+            Thread.currentThread().interrupt();
+        }
+    }
+
+    /** fedfleet's broker addresses (mqtt://host:port, mqtts://) as the client's transports (tcp://, ssl://). */
+    static URI transportUri(URI broker) throws java.net.URISyntaxException {
+        String scheme = broker.getScheme();
+        if ("mqtt".equals(scheme) || "tcp".equals(scheme))
+            return new URI("tcp", null, broker.getHost(), broker.getPort() < 0 ? 1883 : broker.getPort(), null, null, null);
+        if ("mqtts".equals(scheme) || "ssl".equals(scheme) || "tls".equals(scheme))
+            return new URI("ssl", null, broker.getHost(), broker.getPort() < 0 ? 8883 : broker.getPort(), null, null, null);
+        throw new IllegalArgumentException("broker URL " + broker + ": the scheme must be mqtt:// or mqtts://");
+    }
+}
