@@ -1,6 +1,8 @@
 """A two-node Ray cluster on this machine for the Ray tests: a head and a second node joined with
 ``ray start --address``, one CPU each, each with the custom resources a test asks for (so it can
-place an actor on a chosen node); torn down with ``ray stop`` afterwards."""
+place an actor on a chosen node); torn down afterwards by stopping exactly that cluster's
+processes (``ray stop`` would stop every Ray process on the machine, another test worker's cluster
+too). One cluster at a time (a file lock): two would only fight over the 2 cores."""
 
 from __future__ import annotations
 
@@ -8,11 +10,15 @@ import json
 import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
+
+from filelock import FileLock
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -47,13 +53,62 @@ def two_node_ray_cluster(resources: tuple[dict, dict] = ({}, {})):
         proc = subprocess.run([ray_bin, "start", *args, *common], env=env, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, f"ray start {' '.join(args)}: {proc.stderr[-2000:]}"
 
-    try:
-        ray_start("--head", "--port", str(port), "--include-dashboard", "false", "--temp-dir", str(temp),
-                  "--resources", json.dumps(resources[0]))
-        ray_start("--address", f"127.0.0.1:{port}", "--resources", json.dumps(resources[1]))
-        yield f"127.0.0.1:{port}"
-    finally:
-        if ray.is_initialized():
-            ray.shutdown()
-        subprocess.run([ray_bin, "stop", "--force"], env=env, capture_output=True, timeout=120)
-        shutil.rmtree(temp, ignore_errors=True)
+    with FileLock("/tmp/fedfleet-ray-tests.lock"):
+        try:
+            ray_start("--head", "--port", str(port), "--include-dashboard", "false", "--temp-dir", str(temp),
+                      "--resources", json.dumps(resources[0]))
+            ray_start("--address", f"127.0.0.1:{port}", "--resources", json.dumps(resources[1]))
+            yield f"127.0.0.1:{port}"
+        finally:
+            if ray.is_initialized():
+                ray.shutdown()
+            stop_cluster(temp, port)
+            shutil.rmtree(temp, ignore_errors=True)
+
+
+def stop_cluster(temp: Path, port: int, grace_s: float = 10.0) -> None:
+    """End every process of the cluster: those that name its temp dir (session) or its head's port
+    on their command line (head, second node), and their descendants (agents and workers retitle
+    themselves ``ray::...``), found before any is signalled."""
+    marks = (str(temp).encode(), f"127.0.0.1:{port}".encode(), f"--port={port}".encode(), f"--port {port}".encode())
+    cluster: set[int] = set()
+
+    def scan() -> None:
+        parents = {}
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit() or int(proc.name) == os.getpid():
+                continue
+            try:
+                cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ")
+                parents[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if any(m in cmdline for m in marks):
+                cluster.add(int(proc.name))
+        grown = True
+        while grown:
+            more = {pid for pid, parent in parents.items() if parent in cluster} - cluster
+            cluster.update(more)
+            grown = bool(more)
+
+    def alive() -> list[int]:
+        running = []
+        for pid in cluster:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue            # gone
+            if state != "Z":
+                running.append(pid)
+        return running
+
+    scan()
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in alive():
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+        deadline = time.monotonic() + grace_s
+        while alive() and time.monotonic() < deadline:
+            time.sleep(0.2)
