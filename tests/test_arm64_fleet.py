@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 
 import java_build
+from aggregator.jobs.robustness_fields import NO_BOUNDS
 
 ROOT = Path(__file__).resolve().parents[1]
 ARM64_ROOTFS = os.environ.get("FEDFLEET_ARM64_ROOT", "")
@@ -216,7 +217,7 @@ def test_arm64_x86_and_java_devices_run_fed3r_and_fedavg_psi(bundle, broker, tmp
     fed3r = Fed3RJob(Fed3RConfig(job_id="fed3r-arm64", lam=LAM, **common))
     # norm bound off: the check below is FedAvg's plain weighted mean of the devices' heads
     fedavg = FedAvgJob(FedAvgConfig(job_id="fedavg-arm64", rounds=2, batch_size=16, client_lr=0.05, seed=3,
-                                    norm_bound_multiplier=0.0, **common))
+                                    **NO_BOUNDS, **common))
 
     devices = DeviceProcesses(tmp_path)
     for dev in X86:

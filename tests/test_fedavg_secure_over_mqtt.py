@@ -9,6 +9,7 @@ from ops_fleet import Features, RecordingService, replay_round, start_secure_fed
 
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob
 from aggregator.jobs.secure_fedavg import SecureFedAvgConfig, SecureFedAvgJob
+from aggregator.jobs.robustness_fields import NO_BOUNDS
 from edge_client.tasks.head_training import HeadTrainingTask
 from protocols.identity import DeviceIdentity, IdentityRegistry
 from protocols.payloads.secagg import SECURE_FEDAVG_KIND
@@ -43,7 +44,7 @@ def test_secure_fedavg_equals_plain_fedavg_over_the_summed_devices(broker, tmp_p
     assert result.get("state") == "done", result
     assert len(result["rounds"]) == 3 and not job.failed_rounds
 
-    replay = FedAvgJob(FedAvgConfig(**plain, norm_bound_multiplier=0.0))   # the plain mean a secure sum is
+    replay = FedAvgJob(FedAvgConfig(**plain, **NO_BOUNDS))   # the plain mean a secure sum is
     outlier_sampled = False
     for r in result["rounds"]:
         chosen = replay.next_participants(set(ids))                  # same seeded sampling as the secure job

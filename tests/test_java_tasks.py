@@ -33,6 +33,7 @@ import pytest
 
 import java_build
 from test_java_device import write_features
+from aggregator.jobs.robustness_fields import NO_BOUNDS
 
 pytestmark = pytest.mark.skipif(java_build.missing() is not None, reason=str(java_build.missing()))
 
@@ -366,7 +367,7 @@ def test_mixed_java_and_python_fleet_runs_secure_fedavg(java_cp, broker, tmp_pat
     assert jvm.returncode == 0, err[-3000:]
     assert result.get("state") == "done" and len(result["rounds"]) == 2 and not job.failed_rounds, (result, err[-3000:])
     # the secure sum is FedAvg's plain mean of the accepted updates: the replay bounds no norm
-    replay = FedAvgJob(FedAvgConfig(**plain, norm_bound_multiplier=0.0))
+    replay = FedAvgJob(FedAvgConfig(**plain, **NO_BOUNDS))
     for r in result["rounds"]:
         chosen = replay.next_participants(set(ids))
         assert sorted(r["accepted"]) == sorted(set(ids) - {outlier}) == sorted(set(chosen) - {outlier}), r

@@ -6,7 +6,8 @@ import pytest
 
 from aggregator.jobs.fedavg import FedAvgConfig
 from aggregator.jobs.registry import build_job
-from aggregator.strategies.robust_fedavg import CenteredClipping, CoordinateMedian, Krum, Mean, NormBound, TrimmedMean
+from aggregator.strategies.robust_fedavg import (CenteredClipping, CoordinateMedian, DirectionScreen, InfluenceBound, Krum,
+                                                 Mean, NormBound, TrimmedMean)
 
 
 def fixed_updates(m=7, seed=3):
@@ -106,22 +107,69 @@ def test_norm_bound_scales_only_what_exceeds_the_multiple_of_the_median():
         assert all(got[k] is want[k] for k in want)       # untouched: the same arrays, the same bits
 
 
-def test_the_default_bound_clips_each_update_to_the_rounds_median_norm():
-    job = build_job("fedavg", {"num_classes": 2, "feature_dim": 3, "clients_per_round": 7, "init": "zeros"})
-    ups = fixed_updates()
+def test_the_defaults_equal_a_numpy_reference_of_norm_bound_influence_bound_and_direction_screen():
+    """FedAvg(ψ)'s defaults, in numpy: Δ_k clipped to the median ‖Δ‖, then to the median n·‖Δ‖
+    (n_k kept), then the updates whose cosine to the coordinate-wise median Δ is ≤ 0 left out,
+    then the n-weighted mean. Two attackers: one sign-flipped, one with a huge claimed n."""
+    job = build_job("fedavg", {"num_classes": 2, "feature_dim": 3, "clients_per_round": 9, "init": "zeros"})
+    rng = np.random.default_rng(7)
+    base = rng.normal(size=8)
+    ups = [(split(base + 0.5 * rng.normal(size=8)), int(rng.integers(5, 50))) for _ in range(7)]
+    ups.append((split(-4 * base), 20))                               # sign flipped, scaled
+    ups.append((split(base + 0.5 * rng.normal(size=8)), 100_000))    # claims a huge sample count
     job._updates = {f"d{i}": u for i, u in enumerate(ups)}
     combined, count, samples = job.round_mean()
     x, n = as_matrix(ups), np.array([w for _, w in ups], dtype=float)
     norms = np.linalg.norm(x, axis=1)               # the head starts at zero: Δ_k = θ_k
-    clipped = x * np.minimum(1.0, np.median(norms) / norms)[:, None]
-    assert count == 7
-    assert_params(combined, (n[:, None] * clipped).sum(0) / n.sum())
+    x = x * np.minimum(1.0, np.median(norms) / norms)[:, None]
+    pulls = n * np.linalg.norm(x, axis=1)
+    x = x * np.minimum(1.0, np.median(pulls) / pulls)[:, None]
+    ref = np.median(x, axis=0)
+    keep = x @ ref > 0
+    assert not keep[7] and keep[:7].all() and keep[8]                # the sign-flipped update is left out
+    assert count == 9
+    assert_params(combined, (n[keep, None] * x[keep]).sum(0) / n[keep].sum())
+    # the huge claim pulls no harder than the round's median pull
+    assert n[8] * np.linalg.norm(x[8]) == pytest.approx(np.median(n * np.linalg.norm(
+        as_matrix(ups) * np.minimum(1.0, np.median(norms) / norms)[:, None], axis=1)), rel=1e-12)
 
 
-def test_an_honest_round_whose_norms_agree_averages_exactly_as_fedavg():
-    """Updates of one norm (one vector, its coordinates' signs flipped per device) are all within
-    the default bound: passed through untouched, their mean is FedAvg's bit for bit."""
+def test_influence_bound_and_direction_screen_alone():
+    current = {"weight": np.zeros((2, 3)), "bias": np.zeros(2)}
+    ups = fixed_updates()
+    bounded, scaled = InfluenceBound(2.0).apply(current, ups)
+    pulls = np.array([w for _, w in ups]) * np.linalg.norm(as_matrix(ups), axis=1)
+    assert scaled == int((pulls > 2.0 * np.median(pulls)).sum())
+    got = np.array([w for _, w in bounded]) * np.linalg.norm(as_matrix(bounded), axis=1)
+    np.testing.assert_allclose(got, np.minimum(pulls, 2.0 * np.median(pulls)), rtol=1e-12)
+    assert InfluenceBound(0.0).apply(current, ups) == (ups, 0)
+    kept, dropped = DirectionScreen().apply(current, ups)
+    ref = np.median(as_matrix(ups), axis=0)
+    want = [u for u, row in zip(ups, as_matrix(ups)) if row @ ref > 0]
+    assert dropped == len(ups) - len(want) and [id(u[0]) for u in kept] == [id(u[0]) for u in want]
+    with pytest.raises(ValueError):
+        InfluenceBound(0.5)
+
+
+def test_an_honest_round_that_agrees_averages_exactly_as_fedavg():
+    """Updates of one norm, one sample count and one general direction (a few small coordinates'
+    signs flipped per device) are within every default bound: passed through untouched, their
+    mean is FedAvg's bit for bit."""
     job = build_job("fedavg", {"num_classes": 2, "feature_dim": 3, "clients_per_round": 7, "init": "zeros"})
+    rng = np.random.default_rng(4)
+    v = np.array([3.0, -2.5, 4.0, 2.0, -3.5, 0.1, -0.2, 0.15])
+    ups = [(split(v * np.r_[np.ones(5), rng.choice([-1.0, 1.0], size=3)]), 12) for _ in range(7)]
+    job._updates = {f"d{i}": u for i, u in enumerate(ups)}
+    combined, count, samples = job.round_mean()
+    want = Mean().combine([job._updates[d] for d in sorted(job._updates)])
+    assert count == 7 and all(np.array_equal(combined[k], want[k]) for k in want)
+
+
+def test_with_only_the_norm_bound_a_round_whose_norms_agree_averages_exactly_as_fedavg():
+    """Updates of one norm (one vector, its coordinates' signs flipped per device) are all within
+    the norm bound: passed through untouched, their mean is FedAvg's bit for bit."""
+    job = build_job("fedavg", {"num_classes": 2, "feature_dim": 3, "clients_per_round": 7, "init": "zeros",
+                               "influence_bound_multiplier": 0.0, "direction_screen": False})
     rng = np.random.default_rng(4)
     v = rng.normal(size=8)
     ups = [(split(v * rng.choice([-1.0, 1.0], size=8)), int(rng.integers(1, 50))) for _ in range(7)]

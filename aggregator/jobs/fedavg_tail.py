@@ -35,6 +35,8 @@ class TailFedAvgConfig(FedAvgConfig):
     # FT(φ)/FT(M) keep the first bound, 3x the median norm: FedAvg(ψ)'s 1x was measured on a
     # linear head, not on a backbone's tail.
     norm_bound_multiplier: float = 3.0
+    influence_bound_multiplier: float = 0.0   # the influence bound and direction screen: measured on
+    direction_screen: bool = False            # FedAvg(ψ)'s head only
     tail_stages: int = 1                 # the bundle's split (devices check theirs matches)
     train: str = "tail"                  # "tail": FT(φ), head frozen; "tail+head": FT(M)
     tail_program_file: str = ""          # the bundle's tail_eval.pt2 (pretrained tail + evaluation)

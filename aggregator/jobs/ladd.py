@@ -75,6 +75,8 @@ class LaddConfig(FedAvgRobustnessFields, UpdateClippingFields):
     # LADD keeps the first bound, 3x the median norm: the FedAvg family's 1x was measured on
     # FedAvg(ψ)'s linear head, not on a segmentation network's clusters.
     norm_bound_multiplier: float = 3.0
+    influence_bound_multiplier: float = 0.0   # the influence bound and direction screen: measured on
+    direction_screen: bool = False            # FedAvg(ψ)'s head only
     model: dict = field(default_factory=dict)      # edge_client SegmentationSpec as a dict
     weights_sha256: str = ""                       # the devices' ImageNet encoder weights
     style_b: int = 1                               # style window (2b+1)²

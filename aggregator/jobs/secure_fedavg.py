@@ -137,6 +137,8 @@ class SecureFedAvgJob(SecureGroupRounds, FedAvgJob):
 class SecureTailFedAvgConfig(SecureFedAvgConfig, TailFedAvgConfig):
     job_id: str = "fedavg-tail-secure"
     norm_bound_multiplier: float = 3.0      # FT(φ)'s, which SecureFedAvgConfig's (FedAvg(ψ)'s 1x) would hide
+    influence_bound_multiplier: float = 0.0   # the influence bound and direction screen: measured on
+    direction_screen: bool = False            # FedAvg(ψ)'s head only
 
 
 class SecureTailFedAvgJob(SecureFedAvgJob, TailFedAvgJob):

@@ -190,11 +190,66 @@ class NormBound:
         return out, scaled
 
 
-class RobustAggregation:
-    """A round's updates through the norm bound, then the rule."""
+class InfluenceBound:
+    """Scale Δ_k so that a device's pull on the weighted mean, n_k·‖Δ_k‖, is at most ``multiplier``
+    × the round's median of n_j·‖Δ_j‖ (0: off). The norm bound caps ‖Δ_k‖ alone, so a device with
+    many samples (or one that claims them: n_k is a claim) still outweighs several honest ones;
+    this caps the product the mean actually weighs. n_k itself is kept (it is what the mean divides
+    by), so a bounded device's update is shortened, never re-weighted."""
 
-    def __init__(self, rule: RobustRule, bound: NormBound):
-        self.rule, self.bound = rule, bound
+    def __init__(self, multiplier: float):
+        if multiplier != 0 and not (multiplier >= 1 and math.isfinite(multiplier)):
+            raise ValueError(f"the influence bound's multiplier must be 0 (off) or >= 1, got {multiplier}")
+        self.multiplier = multiplier
+
+    def apply(self, current: Mapping[str, np.ndarray], updates: Sequence[Update]) -> tuple[list[Update], int]:
+        """(the bounded updates, how many were scaled); one within the bound is returned as it was."""
+        if not self.multiplier or not updates:
+            return list(updates), 0
+        x = _flatten(current)
+        deltas = [_flatten(t) - x for t, _ in updates]
+        pulls = np.array([n * np.linalg.norm(d) for (_, n), d in zip(updates, deltas)])
+        limit = self.multiplier * float(np.median(pulls))
+        if limit == 0:
+            return list(updates), 0
+        out, scaled = [], 0
+        for (tensors, n), delta, pull in zip(updates, deltas, pulls):
+            if pull > limit:
+                out.append((_unflatten(x + delta * (limit / pull), tensors), n))
+                scaled += 1
+            else:
+                out.append((tensors, n))
+        return out, scaled
+
+
+class DirectionScreen:
+    """Leave out an update whose Δ_k points away from the round's coordinate-wise median Δ (cosine
+    ≤ 0), unless that would leave none. A norm bound makes a sign-flipped update honest-sized but
+    keeps its direction; against the median of the round (which a minority cannot move far) its
+    cosine is negative, while honest non-IID updates, which disagree on *which* classes they move,
+    still share the median's direction. A function of the round's set of updates."""
+
+    def apply(self, current: Mapping[str, np.ndarray], updates: Sequence[Update]) -> tuple[list[Update], int]:
+        """(the kept updates, how many were left out)."""
+        if len(updates) < 3:        # no majority to define a direction
+            return list(updates), 0
+        x = _flatten(current)
+        deltas = np.stack([_flatten(t) - x for t, _ in updates])
+        reference = np.median(deltas, axis=0)
+        scale = np.linalg.norm(deltas, axis=1) * np.linalg.norm(reference)
+        kept = [u for u, d, s in zip(updates, deltas, scale) if s > 0 and float(d @ reference) > 0]
+        if not kept:
+            return list(updates), 0
+        return kept, len(updates) - len(kept)
+
+
+class RobustAggregation:
+    """A round's updates through the norm bound, the influence bound and the direction screen
+    (each optional), then the rule."""
+
+    def __init__(self, rule: RobustRule, bound: NormBound, influence: InfluenceBound | None = None,
+                 direction: DirectionScreen | None = None):
+        self.rule, self.bound, self.influence, self.direction = rule, bound, influence, direction
 
     def aggregate(self, current: Mapping[str, np.ndarray], updates: Sequence[Update]) -> tuple[Params | None, dict]:
         """(the combined tensors, or None when the round has too few updates for the rule; a report)."""
@@ -202,7 +257,12 @@ class RobustAggregation:
         if len(updates) < self.rule.min_updates():
             return None, {**report, "skipped": f"{self.rule.name} needs at least {self.rule.min_updates()} updates"}
         bounded, scaled = self.bound.apply(current, updates)
-        return self.rule.combine(bounded), {**report, "norm_bounded": scaled}
+        report["norm_bounded"] = scaled
+        if self.influence is not None:
+            bounded, report["influence_bounded"] = self.influence.apply(current, bounded)
+        if self.direction is not None:
+            bounded, report["direction_screened"] = self.direction.apply(current, bounded)
+        return self.rule.combine(bounded), report
 
 
 def check_weighted_group_sum(sums: Mapping[str, np.ndarray], n: int, current: Mapping[str, np.ndarray],
