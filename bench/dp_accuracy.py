@@ -82,7 +82,9 @@ class CachedRows:
         return np.asarray(rows, dtype=np.float32)
 
 
-def load_features(n_train: int, n_test: int):
+def load_features(n_train: int, n_test: int, also=None):
+    """[(train features, labels), (test ...)] of seeded Fashion-MNIST subsets (MobileNetV2, 32 px,
+    cached); with ``also`` (images -> images) each tuple adds the features of ``also(images)``."""
     extractor = FeatureExtractor.eager("mobilenet_v2", image_size=32, batch_size=256,
                                        cache_dir=REPO / ".cache" / "features", threads=2)
     out = []
@@ -90,7 +92,8 @@ def load_features(n_train: int, n_test: int):
         images, labels = load_fashion_mnist(split)
         idx = np.sort(np.random.default_rng(seed).choice(len(images), n, replace=False))
         t0 = time.perf_counter()
-        out.append((extractor.extract(images[idx]), labels[idx].astype(np.int64)))
+        row = (extractor.extract(images[idx]), labels[idx].astype(np.int64))
+        out.append(row + ((extractor.extract(also(images[idx])),) if also is not None else ()))
         print(f"features {split}: {out[-1][0].shape} in {time.perf_counter() - t0:.1f}s", flush=True)
     return out
 

@@ -57,8 +57,7 @@ sys.path.insert(0, str(REPO))
 
 from aggregator.jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob  # noqa: E402
 from aggregator.jobs.registry import build_job  # noqa: E402
-from edge_client.data.idx import load_fashion_mnist  # noqa: E402
-from edge_client.features import FeatureExtractor  # noqa: E402
+from dp_accuracy import CachedRows, load_features  # noqa: E402
 from edge_client.fed3r import Fed3RAccumulator  # noqa: E402
 from edge_client.tasks import head_training  # noqa: E402
 from edge_client.tasks.head_training import HeadTrainingTask  # noqa: E402
@@ -91,13 +90,6 @@ FEDAVG_DEFENCES = {"none": {"norm_bound_multiplier": 0.0, "influence_bound_multi
                    "multi_krum": {"aggregator": "multi_krum", "krum_byzantine": 2}}
 
 
-class CachedRows:
-    feature_dim = D
-
-    def extract(self, rows):
-        return np.asarray(rows, dtype=np.float32)
-
-
 def with_trigger(images: np.ndarray) -> np.ndarray:
     out = images.copy()
     out[:, -5:-1, -5:-1] = 255
@@ -105,16 +97,8 @@ def with_trigger(images: np.ndarray) -> np.ndarray:
 
 
 def load_data(n_train: int, n_test: int):
-    """(train features, labels, triggered train features), (test ...), (triggered test features of label ≠ 0)."""
-    extractor = FeatureExtractor.eager("mobilenet_v2", image_size=32, batch_size=256,
-                                       cache_dir=REPO / ".cache" / "features", threads=2)
-    out = []
-    for split, n, seed in (("train", n_train, 0), ("test", n_test, 1)):
-        images, labels = load_fashion_mnist(split)
-        idx = np.sort(np.random.default_rng(seed).choice(len(images), n, replace=False))
-        out.append((extractor.extract(images[idx]), labels[idx].astype(np.int64),
-                    extractor.extract(with_trigger(images[idx]))))
-    return out
+    """(train features, labels, triggered train features), (test ...)."""
+    return load_features(n_train, n_test, also=with_trigger)
 
 
 # ---------------------------------------------------------------- Fed3R

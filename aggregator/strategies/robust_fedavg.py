@@ -162,64 +162,62 @@ class CenteredClipping(RobustRule):
         return _unflatten(centre, updates[0][0])
 
 
-class NormBound:
-    """Scale Δ_k = θ_k − x_t to at most ``multiplier`` × the round's median ‖Δ‖ (0: off)."""
+class _MedianBound(ABC):
+    """Scale Δ_k = θ_k − x_t so that its size (what a subclass measures) is at most ``multiplier``
+    × the round's median size (0: off); an update within the bound is returned as it was (the
+    same bits). Scaling Δ_k by c scales either size by c."""
+
+    what = "bound"
 
     def __init__(self, multiplier: float):
         if multiplier != 0 and not (multiplier >= 1 and math.isfinite(multiplier)):
-            raise ValueError(f"the norm bound's multiplier must be 0 (off) or >= 1, got {multiplier}")
+            raise ValueError(f"the {self.what}'s multiplier must be 0 (off) or >= 1, got {multiplier}")
         self.multiplier = multiplier
 
+    @abstractmethod
+    def size(self, delta: np.ndarray, n: int) -> float:
+        """What the bound caps, for an update Δ of n samples."""
+
     def apply(self, current: Mapping[str, np.ndarray], updates: Sequence[Update]) -> tuple[list[Update], int]:
-        """(the bounded updates, how many were scaled); an update within the bound is returned as it was."""
+        """(the bounded updates, how many were scaled)."""
         if not self.multiplier or not updates:
             return list(updates), 0
         x = _flatten(current)
         deltas = [_flatten(t) - x for t, _ in updates]
-        norms = np.array([np.linalg.norm(d) for d in deltas])
-        limit = self.multiplier * float(np.median(norms))
+        sizes = np.array([self.size(d, n) for (_, n), d in zip(updates, deltas)])
+        limit = self.multiplier * float(np.median(sizes))
         if limit == 0:              # most devices did not move: nothing to compare the others with
             return list(updates), 0
         out, scaled = [], 0
-        for (tensors, n), delta, norm in zip(updates, deltas, norms):
-            if norm > limit:
-                out.append((_unflatten(x + delta * (limit / norm), tensors), n))
+        for (tensors, n), delta, size in zip(updates, deltas, sizes):
+            if size > limit:
+                out.append((_unflatten(x + delta * (limit / size), tensors), n))
                 scaled += 1
             else:
                 out.append((tensors, n))
         return out, scaled
 
 
-class InfluenceBound:
+class NormBound(_MedianBound):
+    """Scale Δ_k = θ_k − x_t to at most ``multiplier`` × the round's median ‖Δ‖ (0: off)."""
+
+    what = "norm bound"
+
+    def size(self, delta: np.ndarray, n: int) -> float:
+        return float(np.linalg.norm(delta))
+
+
+class InfluenceBound(_MedianBound):
     """Scale Δ_k so that a device's pull on the weighted mean, n_k·‖Δ_k‖, is at most ``multiplier``
-    × the round's median of n_j·‖Δ_j‖ (0: off). The norm bound caps ‖Δ_k‖ alone, so a device with
-    many samples (or one that claims them: n_k is a claim) still outweighs several honest ones;
-    this caps the product the mean actually weighs. n_k itself is kept (it is what the mean divides
+    × the round's median pull (0: off). The norm bound caps ‖Δ_k‖ alone, so a device with many
+    samples (or one that claims them: n_k is a claim) still outweighs several honest ones; this
+    caps the product the mean actually weighs. n_k itself is kept (it is what the mean divides
     by), so a bounded device's update is shortened, never re-weighted."""
 
-    def __init__(self, multiplier: float):
-        if multiplier != 0 and not (multiplier >= 1 and math.isfinite(multiplier)):
-            raise ValueError(f"the influence bound's multiplier must be 0 (off) or >= 1, got {multiplier}")
-        self.multiplier = multiplier
+    what = "influence bound"
 
-    def apply(self, current: Mapping[str, np.ndarray], updates: Sequence[Update]) -> tuple[list[Update], int]:
-        """(the bounded updates, how many were scaled); one within the bound is returned as it was."""
-        if not self.multiplier or not updates:
-            return list(updates), 0
-        x = _flatten(current)
-        deltas = [_flatten(t) - x for t, _ in updates]
-        pulls = np.array([n * np.linalg.norm(d) for (_, n), d in zip(updates, deltas)])
-        limit = self.multiplier * float(np.median(pulls))
-        if limit == 0:
-            return list(updates), 0
-        out, scaled = [], 0
-        for (tensors, n), delta, pull in zip(updates, deltas, pulls):
-            if pull > limit:
-                out.append((_unflatten(x + delta * (limit / pull), tensors), n))
-                scaled += 1
-            else:
-                out.append((tensors, n))
-        return out, scaled
+    def size(self, delta: np.ndarray, n: int) -> float:
+        return n * float(np.linalg.norm(delta))
 
 
 class DirectionScreen:
