@@ -182,9 +182,9 @@ class FeatureExtractor:
         handle = tempfile.NamedTemporaryFile(
             dir=path.parent, prefix=path.stem + ".", suffix=".tmp", delete=False)
         try:
-            with handle:    # no fsync: a cache file torn by a crash fails to load and is recomputed
-                np.save(handle, features, allow_pickle=False)    # (an fsync per device was a third of a
-            os.replace(handle.name, path)                        # fleet device's task time)
+            with handle:    # no fsync (a disk flush per emulated device): a cache file torn by a
+                np.save(handle, features, allow_pickle=False)    # crash fails to load and is recomputed
+            os.replace(handle.name, path)
         except BaseException:
             pathlib.Path(handle.name).unlink(missing_ok=True)
             raise

@@ -36,9 +36,8 @@ class Fed3RAccumulator:
         base = self.rf.n_components if self.rf is not None else feature_dim
         self.input_dim = feature_dim
         self.p = base + (1 if fit_intercept else 0)
-        # A (p x p float64: 13 MB at p = 1,281) is built only when it is sent: a device of a few
-        # images that sends the factor form never touches it (at 10,000 devices its allocation and
-        # page faults were the fleet's largest per-device cost after the backbone)
+        # A (p x p float64: 13 MB at p = 1,281) is built only when it is read: a device of a few
+        # images that sends the factor form never allocates it
         self._A: np.ndarray | None = None
         self.B = np.zeros((num_classes, self.p), dtype=np.float64)
         self.counts = np.zeros(num_classes, dtype=np.int64)
@@ -69,6 +68,8 @@ class Fed3RAccumulator:
         if self._rows is not None:
             self._rows.append(Z)
             self._row_labels.append(labels)
+            if self._A is not None:         # A was read already: keep it current
+                self._A += Z.T @ Z
             if sum(len(z) for z in self._rows) >= self.p:
                 self._gram()
                 self._rows, self._row_labels = None, []

@@ -395,3 +395,22 @@ def test_over_mosquitto_a_mixed_fleet_equals_the_centralized_ridge(broker, tmp_p
     assert all("R" in f for f in forms) and any("zero_columns" in f for f in forms)
     assert [len(h.sent[-1]["R"]) for h, n in zip(handlers, sizes) if n == 12] == [10]
     assert all("A_upper" in h.sent[-1] for h, n in zip(handlers, sizes) if n >= d + 1)
+
+
+def test_the_lazy_gram_matrix_equals_the_eager_sum_however_it_is_read():
+    """A device that keeps its rows builds A only when it is read; reading it early, between
+    updates, or only once the rows outgrow p gives the same bits as adding each chunk's ZᵀZ
+    as it arrives (numpy, independent of the accumulator)."""
+    rng = np.random.default_rng(11)
+    chunks = [(np.maximum(rng.normal(size=(k, 6)), 0), rng.integers(0, 3, k)) for k in (2, 1, 3, 4)]
+    want = np.zeros((7, 7))
+    for Z, _ in chunks:
+        Za = np.hstack([Z, np.ones((len(Z), 1))])
+        want += Za.T @ Za
+    for read_after in (None, 0, 1, 2):
+        acc = Fed3RAccumulator(3, 6, keep_rows=True)
+        for i, (Z, y) in enumerate(chunks):
+            acc.update(Z, y)
+            if i == read_after:
+                acc.A                       # noqa: B018 - a read mid-way must not freeze A
+        assert np.array_equal(acc.A, want)
