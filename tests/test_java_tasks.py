@@ -331,6 +331,7 @@ def test_mixed_java_and_python_fleet_runs_secure_fedavg(java_cp, broker, tmp_pat
 
     from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob
     from aggregator.jobs.secure_fedavg import SecureFedAvgConfig, SecureFedAvgJob
+    from aggregator.jobs.robustness_fields import PLAIN_MEAN
     from edge_client.tasks.head_training import HeadTrainingTask
     from protocols.identity import DeviceIdentity, IdentityRegistry
     from protocols.payloads.secagg import SECURE_FEDAVG_KIND
@@ -362,8 +363,8 @@ def test_mixed_java_and_python_fleet_runs_secure_fedavg(java_cp, broker, tmp_pat
         out, err = jvm.communicate(timeout=30)
     assert jvm.returncode == 0, err[-3000:]
     assert result.get("state") == "done" and len(result["rounds"]) == 2 and not job.failed_rounds, (result, err[-3000:])
-    # the secure sum is FedAvg's plain mean of the accepted updates: the replay bounds no norm
-    replay = FedAvgJob(FedAvgConfig(**plain, norm_bound_multiplier=0.0))
+    # the secure sum is FedAvg's plain mean of the accepted updates: the replay bounds nothing
+    replay = FedAvgJob(FedAvgConfig(**plain, **PLAIN_MEAN))
     for r in result["rounds"]:
         chosen = replay.next_participants(set(ids))
         assert sorted(r["accepted"]) == sorted(set(ids) - {outlier}) == sorted(set(chosen) - {outlier}), r
