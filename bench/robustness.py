@@ -18,12 +18,12 @@ counts as not delivered). Attacks (what a malicious device sends):
 
 Defences: Fed3R ``none`` (max_abs_feature 0, screen off) and ``default`` (the bound F = 6 and the
 fleet energy screen; a screened device is quarantined and the job re-summed without it, as the
-service does); FedAvg ``none`` (mean, every bound off), ``default`` (the job's defaults: mean +
-norm bound 1x the round's median + influence bound 1x + direction screen), ``bound 1x`` (stop
-30's default: the norm bound alone), ``bound 1x + influence``, ``bound 1x + direction``,
-``bound 3x`` (the first default), ``bound 1.5x``, ``centered_clipping`` (τ = the median
-distance, 3 iterations, no bounds), and with the default bounds ``median``, ``trimmed_mean``
-(β = 0.2), ``multi_krum`` (f = 2).
+service does); FedAvg ``none`` (every layer off: FedAvg's mean), ``default`` (the job's defaults:
+norm bound 1x the round's median, contribution bound 0.5x, direction screen, round history
+β = 0.7, mean), ``no screen`` / ``no history`` / ``no weight bound`` (the default less one layer),
+``bound 1x`` (the second default: the norm bound alone), ``bound 3x`` (the first default),
+``bound 1.5x``, ``centered_clipping`` (τ = the median distance, 3 iterations, no norm bound), and
+with the 1x bound ``median``, ``trimmed_mean`` (β = 0.2), ``multi_krum`` (f = 2).
 Secure aggregation: Fed3R-Sync with the group check, the malicious fraction at 10 %, reported as it
 is (in-process SecAgg rounds).
 
@@ -57,6 +57,7 @@ sys.path.insert(0, str(REPO))
 
 from aggregator.jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob  # noqa: E402
 from aggregator.jobs.registry import build_job  # noqa: E402
+from aggregator.jobs.robustness_fields import PLAIN_MEAN  # noqa: E402
 from dp_accuracy import CachedRows, load_features  # noqa: E402
 from edge_client.fed3r import Fed3RAccumulator  # noqa: E402
 from edge_client.tasks import head_training  # noqa: E402
@@ -77,17 +78,16 @@ FRACTIONS = (0.01, 0.1, 0.2)
 FED3R_ATTACKS = ("scaling", "scaling_in_range", "label_flip", "sign_flip", "backdoor")
 FEDAVG_ATTACKS = ("scaling", "label_flip", "sign_flip", "alie", "backdoor")
 FED3R_DEFENCES = {"none": {"max_abs_feature": 0.0, "screen_energy_ratio": 0.0}, "default": {}}
-FEDAVG_DEFENCES = {"none": {"norm_bound_multiplier": 0.0, "influence_bound_multiplier": 0.0, "direction_screen": False},
-                   "default": {},
-                   "bound 1x": {"influence_bound_multiplier": 0.0, "direction_screen": False},   # the stop-30 default
-                   "bound 1x + influence": {"direction_screen": False},
-                   "bound 1x + direction": {"influence_bound_multiplier": 0.0},
-                   "bound 3x": {"norm_bound_multiplier": 3.0, "influence_bound_multiplier": 0.0, "direction_screen": False},
-                   "bound 1.5x": {"norm_bound_multiplier": 1.5, "influence_bound_multiplier": 0.0, "direction_screen": False},
-                   "centered_clipping": {"aggregator": "centered_clipping", "norm_bound_multiplier": 0.0,
-                                         "influence_bound_multiplier": 0.0, "direction_screen": False},
-                   "median": {"aggregator": "median"}, "trimmed_mean": {"aggregator": "trimmed_mean", "trim_fraction": 0.2},
-                   "multi_krum": {"aggregator": "multi_krum", "krum_byzantine": 2}}
+BOUND_1X = {**PLAIN_MEAN, "norm_bound_multiplier": 1.0}       # the second default: the norm bound alone
+FEDAVG_DEFENCES = {"none": PLAIN_MEAN, "default": {},
+                   "no screen": {"direction_screen": False}, "no history": {"history_momentum": 0.0},
+                   "no weight bound": {"contribution_bound_multiplier": 0.0},
+                   "bound 1x": BOUND_1X, "bound 3x": {**PLAIN_MEAN, "norm_bound_multiplier": 3.0},
+                   "bound 1.5x": {**PLAIN_MEAN, "norm_bound_multiplier": 1.5},
+                   "centered_clipping": {**PLAIN_MEAN, "aggregator": "centered_clipping"},
+                   "median": {**BOUND_1X, "aggregator": "median"},
+                   "trimmed_mean": {**BOUND_1X, "aggregator": "trimmed_mean", "trim_fraction": 0.2},
+                   "multi_krum": {**BOUND_1X, "aggregator": "multi_krum", "krum_byzantine": 2}}
 
 
 def with_trigger(images: np.ndarray) -> np.ndarray:

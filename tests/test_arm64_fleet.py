@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 
 import java_build
-from aggregator.jobs.robustness_fields import NO_BOUNDS
+from aggregator.jobs.robustness_fields import PLAIN_MEAN
 
 ROOT = Path(__file__).resolve().parents[1]
 ARM64_ROOTFS = os.environ.get("FEDFLEET_ARM64_ROOT", "")
@@ -193,6 +193,7 @@ def test_arm64_x86_and_java_devices_run_fed3r_and_fedavg_psi(bundle, broker, tmp
 
     from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
     from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob
+    from aggregator.jobs.robustness_fields import PLAIN_MEAN
     from aggregator.service.artifacts import ArtifactShelf
 
     if java_build.missing():
@@ -215,9 +216,9 @@ def test_arm64_x86_and_java_devices_run_fed3r_and_fedavg_psi(bundle, broker, tmp
     common = dict(num_classes=C, image_size=SIZE, feature_dim=D, bundle_sha256=sha, expected_devices=len(FLEET),
                   clients_per_round=len(FLEET), start_timeout_s=400, round_timeout_s=400)
     fed3r = Fed3RJob(Fed3RConfig(job_id="fed3r-arm64", lam=LAM, **common))
-    # norm bound off: the check below is FedAvg's plain weighted mean of the devices' heads
+    # bounded-influence defaults off: the check below is FedAvg's plain weighted mean of the devices' heads
     fedavg = FedAvgJob(FedAvgConfig(job_id="fedavg-arm64", rounds=2, batch_size=16, client_lr=0.05, seed=3,
-                                    **NO_BOUNDS, **common))
+                                    **PLAIN_MEAN, **common))
 
     devices = DeviceProcesses(tmp_path)
     for dev in X86:

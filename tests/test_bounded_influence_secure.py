@@ -7,7 +7,7 @@ import numpy as np
 from ops_fleet import Features, RecordingService
 
 from aggregator.jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob
-from aggregator.jobs.robustness_fields import NO_BOUNDS
+from aggregator.jobs.robustness_fields import PLAIN_MEAN
 from edge_client.agent import DeviceAgent
 from edge_client.tasks.fed3r_stats import Fed3RStatsTask
 from edge_client.tasks.secure_fed3r import SecureFed3R
@@ -81,7 +81,7 @@ def test_secure_fedavg_discards_a_group_whose_sum_breaks_n_times_c_and_the_other
     agg = DeviceIdentity.generate("aggregator")
     registry = IdentityRegistry({d: idt.public_key_bytes for d, idt in identities.items()})
     plain = dict(job_id="sfb", num_classes=3, feature_dim=6, rounds=4, clients_per_round=3, round_timeout_s=60,
-                 local_epochs=2, batch_size=8, client_lr=0.05, expected_devices=6, seed=1, **NO_BOUNDS)
+                 local_epochs=2, batch_size=8, client_lr=0.05, expected_devices=6, seed=1, **PLAIN_MEAN)
     job = SecureFedAvgJob(SecureFedAvgConfig(**plain, max_samples=100, max_abs_param=1e4, phase_timeout_s=3,
                                              update_clip_norm=5.0), identity=agg, registry=registry)
     service = RecordingService(job, broker.url, tmp_path, set(ids), evaluate_every_contribution=False)

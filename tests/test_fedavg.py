@@ -8,8 +8,9 @@ from hypothesis import given, settings, strategies as st
 from aggregator.compute.evaluation import head_accuracy, weighted_mean_accuracy
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob, random_head
 from aggregator.compute.ridge import ClosedFormRidge
+from aggregator.jobs.robustness_fields import PLAIN_MEAN
 from aggregator.strategies.fedavg import FedAvg, FedAvgM, WeightedMean
-from aggregator.jobs.robustness_fields import NO_BOUNDS
+from aggregator.jobs.robustness_fields import PLAIN_MEAN
 from protocols import messages as M
 from protocols.envelope import Envelope, EnvelopeError, decode, encode
 from protocols.payloads.fedavg import KIND, encode_head_update, parse_head_update
@@ -219,7 +220,7 @@ class Driver:
 
 
 def test_job_sends_the_global_head_and_averages_by_samples():
-    job = small_job(kappa=3, rounds=1, **NO_BOUNDS)     # FedAvg's own mean: the default bound off
+    job = small_job(kappa=3, rounds=1, **PLAIN_MEAN)     # FedAvg's own mean: the bounded-influence defaults off
     drv = Driver(job)
     chosen, tasks = drv.open([f"d{i}" for i in range(8)])
     assert len(chosen) == 3
@@ -250,7 +251,7 @@ def test_participation_is_seeded_and_partial():
 
 
 def test_late_updates_never_enter_a_later_round():
-    job = small_job(kappa=2, rounds=2, server_momentum=0.9, **NO_BOUNDS)   # plain FedAvgM steps
+    job = small_job(kappa=2, rounds=2, server_momentum=0.9, **PLAIN_MEAN)   # plain FedAvgM steps
     drv = Driver(job)
     rng = np.random.default_rng(9)
     (d1, d2), _ = drv.open(["a", "b"])

@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob
+from aggregator.jobs.robustness_fields import PLAIN_MEAN
 from aggregator.strategies.fedavg import FedAvg
-from aggregator.jobs.robustness_fields import NO_BOUNDS
+from aggregator.jobs.robustness_fields import PLAIN_MEAN
 from edge_client.agent import TaskDeclined
 from edge_client.features import FeatureExtractor
 from edge_client.tasks.head_training import HeadTrainingTask, LocalTraining, train_head
@@ -90,7 +91,7 @@ def test_one_round_through_job_handlers_and_wire_equals_weighted_mean():
     devices = {f"dev{i}": device_data(i, 20 + 13 * i) for i in range(4)}
     handlers = {d: HeadTrainingTask(x, y, lambda *a: extractor) for d, (x, y) in devices.items()}
     job = FedAvgJob(FedAvgConfig(num_classes=C, feature_dim=D, image_size=SIZE, clients_per_round=4, rounds=1,
-                                 local_epochs=2, batch_size=8, **NO_BOUNDS))   # FedAvg's own mean
+                                 local_epochs=2, batch_size=8, **PLAIN_MEAN))   # FedAvg's own mean
     chosen = job.next_participants(set(devices))
     expected = []
     for d in chosen:

@@ -8,8 +8,9 @@ import pytest
 from ops_fleet import Features, RecordingService, replay_round, start_secure_fedavg_agents
 
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob
+from aggregator.jobs.robustness_fields import PLAIN_MEAN
 from aggregator.jobs.secure_fedavg import SecureFedAvgConfig, SecureFedAvgJob
-from aggregator.jobs.robustness_fields import NO_BOUNDS
+from aggregator.jobs.robustness_fields import PLAIN_MEAN
 from edge_client.tasks.head_training import HeadTrainingTask
 from protocols.identity import DeviceIdentity, IdentityRegistry
 from protocols.payloads.secagg import SECURE_FEDAVG_KIND
@@ -44,7 +45,7 @@ def test_secure_fedavg_equals_plain_fedavg_over_the_summed_devices(broker, tmp_p
     assert result.get("state") == "done", result
     assert len(result["rounds"]) == 3 and not job.failed_rounds
 
-    replay = FedAvgJob(FedAvgConfig(**plain, **NO_BOUNDS))   # the plain mean a secure sum is
+    replay = FedAvgJob(FedAvgConfig(**plain, **PLAIN_MEAN))   # the plain mean a secure sum is
     outlier_sampled = False
     for r in result["rounds"]:
         chosen = replay.next_participants(set(ids))                  # same seeded sampling as the secure job

@@ -33,7 +33,7 @@ import pytest
 
 import java_build
 from test_java_device import write_features
-from aggregator.jobs.robustness_fields import NO_BOUNDS
+from aggregator.jobs.robustness_fields import PLAIN_MEAN
 
 pytestmark = pytest.mark.skipif(java_build.missing() is not None, reason=str(java_build.missing()))
 
@@ -337,6 +337,7 @@ def test_mixed_java_and_python_fleet_runs_secure_fedavg(java_cp, broker, tmp_pat
 
     from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob
     from aggregator.jobs.secure_fedavg import SecureFedAvgConfig, SecureFedAvgJob
+    from aggregator.jobs.robustness_fields import PLAIN_MEAN
     from edge_client.tasks.head_training import HeadTrainingTask
     from protocols.identity import DeviceIdentity, IdentityRegistry
     from protocols.payloads.secagg import SECURE_FEDAVG_KIND
@@ -366,8 +367,8 @@ def test_mixed_java_and_python_fleet_runs_secure_fedavg(java_cp, broker, tmp_pat
         out, err = stop_mixed_fleet(agents, jvm)
     assert jvm.returncode == 0, err[-3000:]
     assert result.get("state") == "done" and len(result["rounds"]) == 2 and not job.failed_rounds, (result, err[-3000:])
-    # the secure sum is FedAvg's plain mean of the accepted updates: the replay bounds no norm
-    replay = FedAvgJob(FedAvgConfig(**plain, **NO_BOUNDS))
+    # the secure sum is FedAvg's plain mean of the accepted updates: the replay bounds nothing
+    replay = FedAvgJob(FedAvgConfig(**plain, **PLAIN_MEAN))
     for r in result["rounds"]:
         chosen = replay.next_participants(set(ids))
         assert sorted(r["accepted"]) == sorted(set(ids) - {outlier}) == sorted(set(chosen) - {outlier}), r

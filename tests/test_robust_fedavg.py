@@ -1,13 +1,19 @@
-"""Robust FedAvg rules (issue #26) against plain numpy references on fixed inputs, their
-conditions checked when a job is created, and the default norm bound leaving honest rounds exact."""
+"""Robust FedAvg rules and layers (issue #26) against plain numpy references on fixed inputs,
+their conditions checked when a job is created, the default pipeline (norm bound, contribution
+bound, direction screen, mean, round history) as one numpy reference over rounds, and the
+history surviving a checkpoint."""
 
 import numpy as np
 import pytest
 
 from aggregator.jobs.fedavg import FedAvgConfig
 from aggregator.jobs.registry import build_job
-from aggregator.strategies.robust_fedavg import (CenteredClipping, CoordinateMedian, DirectionScreen, InfluenceBound, Krum,
-                                                 Mean, NormBound, TrimmedMean)
+from aggregator.jobs.robustness_fields import PLAIN_MEAN
+from aggregator.strategies.robust_fedavg import (CenteredClipping, ContributionBound, CoordinateMedian, DirectionScreen,
+                                                 Krum, Mean, NormBound, RoundHistory, TrimmedMean)
+from protocols.rounds import RoundClosed
+
+NORM_BOUND_ONLY = {**PLAIN_MEAN, "norm_bound_multiplier": 1.0}
 
 
 def fixed_updates(m=7, seed=3):
@@ -107,69 +113,24 @@ def test_norm_bound_scales_only_what_exceeds_the_multiple_of_the_median():
         assert all(got[k] is want[k] for k in want)       # untouched: the same arrays, the same bits
 
 
-def test_the_defaults_equal_a_numpy_reference_of_norm_bound_influence_bound_and_direction_screen():
-    """FedAvg(ψ)'s defaults, in numpy: Δ_k clipped to the median ‖Δ‖, then to the median n·‖Δ‖
-    (n_k kept), then the updates whose cosine to the coordinate-wise median Δ is ≤ 0 left out,
-    then the n-weighted mean. Two attackers: one sign-flipped, one with a huge claimed n."""
-    job = build_job("fedavg", {"num_classes": 2, "feature_dim": 3, "clients_per_round": 9, "init": "zeros"})
-    rng = np.random.default_rng(7)
-    base = rng.normal(size=8)
-    ups = [(split(base + 0.5 * rng.normal(size=8)), int(rng.integers(5, 50))) for _ in range(7)]
-    ups.append((split(-4 * base), 20))                               # sign flipped, scaled
-    ups.append((split(base + 0.5 * rng.normal(size=8)), 100_000))    # claims a huge sample count
+def test_the_1x_bound_clips_each_update_to_the_rounds_median_norm():
+    job = build_job("fedavg", {"num_classes": 2, "feature_dim": 3, "clients_per_round": 7, "init": "zeros",
+                               **NORM_BOUND_ONLY})
+    ups = fixed_updates()
     job._updates = {f"d{i}": u for i, u in enumerate(ups)}
     combined, count, samples = job.round_mean()
     x, n = as_matrix(ups), np.array([w for _, w in ups], dtype=float)
     norms = np.linalg.norm(x, axis=1)               # the head starts at zero: Δ_k = θ_k
-    x = x * np.minimum(1.0, np.median(norms) / norms)[:, None]
-    pulls = n * np.linalg.norm(x, axis=1)
-    x = x * np.minimum(1.0, np.median(pulls) / pulls)[:, None]
-    ref = np.median(x, axis=0)
-    keep = x @ ref > 0
-    assert not keep[7] and keep[:7].all() and keep[8]                # the sign-flipped update is left out
-    assert count == 9
-    assert_params(combined, (n[keep, None] * x[keep]).sum(0) / n[keep].sum())
-    # the huge claim pulls no harder than the round's median pull
-    assert n[8] * np.linalg.norm(x[8]) == pytest.approx(np.median(n * np.linalg.norm(
-        as_matrix(ups) * np.minimum(1.0, np.median(norms) / norms)[:, None], axis=1)), rel=1e-12)
+    clipped = x * np.minimum(1.0, np.median(norms) / norms)[:, None]
+    assert count == 7
+    assert_params(combined, (n[:, None] * clipped).sum(0) / n.sum())
 
 
-def test_influence_bound_and_direction_screen_alone():
-    current = {"weight": np.zeros((2, 3)), "bias": np.zeros(2)}
-    ups = fixed_updates()
-    bounded, scaled = InfluenceBound(2.0).apply(current, ups)
-    pulls = np.array([w for _, w in ups]) * np.linalg.norm(as_matrix(ups), axis=1)
-    assert scaled == int((pulls > 2.0 * np.median(pulls)).sum())
-    got = np.array([w for _, w in bounded]) * np.linalg.norm(as_matrix(bounded), axis=1)
-    np.testing.assert_allclose(got, np.minimum(pulls, 2.0 * np.median(pulls)), rtol=1e-12)
-    assert InfluenceBound(0.0).apply(current, ups) == (ups, 0)
-    kept, dropped = DirectionScreen().apply(current, ups)
-    ref = np.median(as_matrix(ups), axis=0)
-    want = [u for u, row in zip(ups, as_matrix(ups)) if row @ ref > 0]
-    assert dropped == len(ups) - len(want) and [id(u[0]) for u in kept] == [id(u[0]) for u in want]
-    with pytest.raises(ValueError):
-        InfluenceBound(0.5)
-
-
-def test_an_honest_round_that_agrees_averages_exactly_as_fedavg():
-    """Updates of one norm, one sample count and one general direction (a few small coordinates'
-    signs flipped per device) are within every default bound: passed through untouched, their
-    mean is FedAvg's bit for bit."""
-    job = build_job("fedavg", {"num_classes": 2, "feature_dim": 3, "clients_per_round": 7, "init": "zeros"})
-    rng = np.random.default_rng(4)
-    v = np.array([3.0, -2.5, 4.0, 2.0, -3.5, 0.1, -0.2, 0.15])
-    ups = [(split(v * np.r_[np.ones(5), rng.choice([-1.0, 1.0], size=3)]), 12) for _ in range(7)]
-    job._updates = {f"d{i}": u for i, u in enumerate(ups)}
-    combined, count, samples = job.round_mean()
-    want = Mean().combine([job._updates[d] for d in sorted(job._updates)])
-    assert count == 7 and all(np.array_equal(combined[k], want[k]) for k in want)
-
-
-def test_with_only_the_norm_bound_a_round_whose_norms_agree_averages_exactly_as_fedavg():
+def test_an_honest_round_whose_norms_agree_averages_exactly_as_fedavg_under_the_1x_bound():
     """Updates of one norm (one vector, its coordinates' signs flipped per device) are all within
-    the norm bound: passed through untouched, their mean is FedAvg's bit for bit."""
+    the 1x bound: passed through untouched, their mean is FedAvg's bit for bit."""
     job = build_job("fedavg", {"num_classes": 2, "feature_dim": 3, "clients_per_round": 7, "init": "zeros",
-                               "influence_bound_multiplier": 0.0, "direction_screen": False})
+                               **NORM_BOUND_ONLY})
     rng = np.random.default_rng(4)
     v = rng.normal(size=8)
     ups = [(split(v * rng.choice([-1.0, 1.0], size=8)), int(rng.integers(1, 50))) for _ in range(7)]
@@ -179,14 +140,134 @@ def test_with_only_the_norm_bound_a_round_whose_norms_agree_averages_exactly_as_
     assert count == 7 and all(np.array_equal(combined[k], want[k]) for k in want)
 
 
+# ---------------------------------------------------------------- FedAvg(ψ)'s default layers
+def contribution_bound_reference(x, n, multiplier):
+    """w_k = n_k · min(1, c·median_j(n_j‖x_j‖) / (n_k‖x_k‖)), written out per update (x: the Δ rows)."""
+    pulls = [n_k * np.linalg.norm(row) for row, n_k in zip(x, n)]
+    limit = multiplier * np.median(pulls)
+    return np.array([n_k * min(1.0, limit / pull) for n_k, pull in zip(n, pulls)])
+
+
+def test_contribution_bound_lowers_only_the_weights_above_the_multiple_of_the_median_pull():
+    current = {"weight": np.zeros((2, 3)), "bias": np.zeros(2)}
+    ups = fixed_updates()
+    got, lowered = ContributionBound(0.5).apply(current, ups)
+    want = contribution_bound_reference(as_matrix(ups), [n for _, n in ups], 0.5)
+    np.testing.assert_allclose([w for _, w in got], want, rtol=1e-12)
+    assert lowered == int((want < [n for _, n in ups]).sum()) > 0
+    assert all(g is u for (g, _), (u, _) in zip(got, ups))          # the tensors are untouched
+    for (_, w), (_, n) in zip(got, ups):            # a weight within the bound stays the count (FedAvg's int)
+        assert (type(w) is int and w == n) or w < n
+
+
+def test_direction_screen_leaves_out_what_opposes_the_coordinate_wise_median():
+    current = {"weight": np.full((2, 3), 0.5), "bias": np.full(2, -0.5)}
+    ups = fixed_updates()
+    x = as_matrix(ups) - as_matrix([(current, 1)])[0]
+    opposed = x @ np.median(x, axis=0) <= 0
+    assert 0 < opposed.sum() < len(ups)
+    kept, screened = DirectionScreen(True).apply(current, ups)
+    assert screened == opposed.sum() and [u for u, o in zip(ups, opposed) if not o] == kept
+    assert DirectionScreen(False).apply(current, ups) == (ups, 0)
+    assert DirectionScreen(True).apply(current, ups[:2]) == (ups[:2], 0)        # no majority to define it
+
+
+def default_pipeline_reference(x0, rounds, beta=0.7, contribution=0.5):
+    """FedAvg(ψ)'s defaults written out in numpy: per round, clip Δ_k to the median norm, bound
+    w_k·‖Δ_k‖ by contribution × its median, keep ⟨Δ_k, median Δ⟩ > 0, a = Σ w Δ / Σ w over those
+    kept, s = a (first round) or β s + (1 − β) a, x ← x + s."""
+    x, s = x0.astype(np.float64), None
+    for ups in rounds:
+        d = as_matrix(ups) - x
+        norms = np.linalg.norm(d, axis=1)
+        d = d * np.minimum(1.0, np.median(norms) / norms)[:, None]
+        w = contribution_bound_reference(d, np.array([n for _, n in ups], dtype=float), contribution)
+        keep = d @ np.median(d, axis=0) > 0
+        a = (w[keep, None] * d[keep]).sum(0) / w[keep].sum()
+        s = a if s is None else beta * s + (1 - beta) * a
+        x = (x + s).astype(np.float32)         # the job keeps the head in float32
+    return x
+
+
+def job_rounds(job, rounds):
+    for ups in rounds:
+        job.next_participants({f"d{i}" for i in range(len(ups))})
+        job._updates = {f"d{i}": u for i, u in enumerate(ups)}
+        job.close_round(RoundClosed(job.round, tuple(job._updates), (), (), ()))
+
+
+def outlier_rounds():
+    """Three rounds of 7 updates; one device sends a large, sign-flipped update with a large count."""
+    rounds = []
+    for r in range(3):
+        ups = fixed_updates(seed=10 + r)
+        ups[2] = ({k: -8 * v for k, v in ups[2][0].items()}, 400)
+        rounds.append(ups)
+    return rounds
+
+
+def test_the_default_pipeline_equals_the_numpy_reference_over_rounds():
+    job = build_job("fedavg", {"num_classes": 2, "feature_dim": 3, "clients_per_round": 7, "init": "zeros", "rounds": 3})
+    rounds = outlier_rounds()
+    _, report = job.config.robust_aggregation().aggregate(job.params, rounds[0])
+    assert report["norm_bounded"] and report["weight_bounded"] and report["screened"]    # every layer acts
+    job_rounds(job, rounds)
+    got = as_matrix([({"weight": job.params["weight"], "bias": job.params["bias"]}, 1)])[0]
+    np.testing.assert_allclose(got, default_pipeline_reference(np.zeros(8), rounds), rtol=1e-5, atol=1e-6)
+
+
+def test_the_round_history_survives_a_checkpoint():
+    """A job resumed from round 2's checkpoint ends where the uninterrupted one does, bit for bit;
+    without the history's state it would not."""
+    cfg = {"num_classes": 2, "feature_dim": 3, "clients_per_round": 7, "init": "zeros", "rounds": 3}
+    rounds = outlier_rounds()
+    whole, first = build_job("fedavg", cfg), build_job("fedavg", cfg)
+    job_rounds(whole, rounds)
+    job_rounds(first, rounds[:2])
+    state = first.state_dict()
+    assert "history.step" in state
+    resumed, forgetful = build_job("fedavg", cfg), build_job("fedavg", cfg)
+    resumed.load_state_dict(state)
+    forgetful.load_state_dict({k: v for k, v in state.items() if not k.startswith("history.")})
+    job_rounds(resumed, rounds[2:])
+    job_rounds(forgetful, rounds[2:])
+    assert all(np.array_equal(resumed.params[k], whole.params[k]) for k in whole.params)
+    assert not np.array_equal(forgetful.params["weight"], whole.params["weight"])
+
+
+def test_round_history_is_the_exponential_average_of_the_steps():
+    history, x = RoundHistory(0.7), {"w": np.zeros(3)}
+    steps = [np.array([1.0, 0.0, 2.0]), np.array([-1.0, 4.0, 0.0]), np.array([0.5, 0.5, 0.5])]
+    want = steps[0]
+    assert np.array_equal(history.step(x, {"w": steps[0]})["w"], want)
+    for a in steps[1:]:
+        want = 0.7 * want + 0.3 * a
+        np.testing.assert_allclose(history.step(x, {"w": a})["w"], want, rtol=1e-15)
+    combined = {"w": steps[0]}
+    assert RoundHistory(0.0).step(x, combined) is combined and RoundHistory(0.0).state_dict() == {}     # off
+
+
 @pytest.mark.parametrize("bad", [{"aggregator": "krum", "krum_byzantine": 3},          # 7 < 2·3 + 3
                                  {"aggregator": "multi_krum", "clients_per_round": 4},
                                  {"aggregator": "nope"}, {"norm_bound_multiplier": 0.5},
+                                 {"contribution_bound_multiplier": -1.0}, {"history_momentum": 1.0},
+                                 {"history_momentum": -0.1}, {"direction_screen": "yes"},
                                  {"aggregator": "median", "dp_noise_multiplier": 1.0}])
 def test_a_rule_whose_condition_fails_is_refused_when_the_job_is_created(bad):
     with pytest.raises(ValueError):
         build_job("fedavg", {"num_classes": 2, "feature_dim": 3, "clients_per_round": 7, **bad})
     assert FedAvgConfig(clients_per_round=5, aggregator="krum", krum_byzantine=1).aggregator == "krum"
+
+
+@pytest.mark.parametrize("layer", [{"contribution_bound_multiplier": 0.5}, {"direction_screen": True},
+                                   {"history_momentum": 0.7}])
+def test_the_plaintext_layers_are_off_and_refused_under_secure_aggregation(layer):
+    from aggregator.jobs.secure_fedavg import SecureFedAvgConfig
+
+    config = SecureFedAvgConfig()
+    assert not (config.contribution_bound_multiplier or config.direction_screen or config.history_momentum)
+    with pytest.raises(ValueError, match="plaintext"):
+        SecureFedAvgConfig(**layer)
 
 
 # ---------------------------------------------------------------- LADD: the rule within each cluster

@@ -27,9 +27,10 @@ from aggregator.jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob, random_head
 from aggregator.jobs.fedavg_tail import TailFedAvgConfig, TailFedAvgJob
 from aggregator.jobs.personalize import PersonalizeConfig, PersonalizeJob
+from aggregator.jobs.robustness_fields import PLAIN_MEAN
 from aggregator.service.loop import AggregatorService
 from aggregator.storage.store import Store
-from aggregator.jobs.robustness_fields import NO_BOUNDS
+from aggregator.jobs.robustness_fields import PLAIN_MEAN
 from edge_client.agent import DeviceAgent
 from edge_client.data import load_fashion_mnist
 from edge_client.data.split import train_holdout_split
@@ -161,9 +162,9 @@ def test_torch_free_devices_run_fedavg_psi_then_oll(device_python, bundle, fleet
     sha = shelf.add_bundle(bundle)
     common = dict(num_classes=C, image_size=SIZE, feature_dim=1280, bundle_sha256=sha, expected_devices=3,
                   clients_per_round=3, start_timeout_s=120, round_timeout_s=120)
-    # norm bound off: this test holds the device path to FedAvg's plain weighted mean
+    # bounded-influence defaults off: this test holds the device path to FedAvg's plain weighted mean
     fedavg = FedAvgJob(FedAvgConfig(job_id="ft", rounds=2, batch_size=16, client_lr=0.05, seed=3,
-                                    **NO_BOUNDS, **common))
+                                    **PLAIN_MEAN, **common))
     with TorchFreeDevices(device_python, broker, fleet_data, tmp_path):
         ft_result = run_job(fedavg, broker, tmp_path / "ft", list(DEVICES), shelf)
         oll = PersonalizeJob(PersonalizeConfig(job_id="oll", head_file=str(tmp_path / "ft" / "model.npz"),

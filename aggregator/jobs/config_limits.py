@@ -93,8 +93,9 @@ FIELD_LIMITS: dict[str, Range | OneOf | Pattern | Fields | Items] = {
     # bounded influence (aggregator/jobs/robustness_fields.py)
     "aggregator": OneOf(("mean", "median", "trimmed_mean", "krum", "multi_krum", "centered_clipping")),
     "clip_radius_multiplier": Range(1e-6, 1e6), "clip_iterations": Range(1, 100),
-    "norm_bound_multiplier": Range(0, 1e6), "influence_bound_multiplier": Range(0, 1e6),
-    "direction_screen": OneOf((True, False)), "trim_fraction": Range(0, 0.499), "krum_byzantine": Range(0, 100_000),
+    "norm_bound_multiplier": Range(0, 1e6), "trim_fraction": Range(0, 0.499), "krum_byzantine": Range(0, 100_000),
+    "contribution_bound_multiplier": Range(0, 1e6), "direction_screen": OneOf((True, False)),
+    "history_momentum": Range(0, 0.99),
     "krum_select": Range(0, 100_000), "update_clip_norm": Range(0, 1e9), "max_device_samples": Range(1, 1_000_000_000), "screen_energy_ratio": Range(0, 1e6), "screen_sample_slack": Range(0, 1e6), "screen_min_fleet": Range(1, 1_000_000),
     # FedAvg family
     "local_epochs": Range(1, 1000), "batch_size": Range(1, 1_000_000), "client_lr": Range(0, 100),

@@ -13,10 +13,11 @@ a round:
    machine, a stranger) is discarded and counted in ``late_discarded``: a late update never
    reaches a later round's average.
 4. ``close_round`` (all answered, or the deadline passed: stragglers are simply missing)
-   bounds each update's norm, combines them with the job's rule (the sample-weighted mean, or a
-   robust one: ``aggregator/strategies/robust_fedavg.py``) and takes one server step with the
-   strategy (FedAvg / FedAvgM). A round with no update leaves
-   the head and the server momentum unchanged.
+   bounds each update's norm and weight, screens updates that oppose the round's median,
+   combines the rest with the job's rule (the weighted mean, or a robust one), steps along the
+   round history's momentum (``aggregator/strategies/robust_fedavg.py``) and takes one server
+   step with the strategy (FedAvg / FedAvgM). A round with no update leaves the head, the
+   history and the server momentum unchanged.
 
 Initialisation (``init``): "random" (nn.Linear's U(±1/√d), seeded), "zeros", or "fed3r": the
 normalised Fed3R classifier, bias included (:meth:`FedAvgJob.from_fed3r`), i.e. Fed3R+FT(ψ).
@@ -130,6 +131,7 @@ class FedAvgJob(Job):
         else:
             head = random_head(c.num_classes, c.feature_dim, c.seed)
         self.params: dict[str, np.ndarray] = head
+        self.history = c.round_history()      # bounded influence's state across rounds (checkpointed)
         self._rng = random.Random(c.seed)
         self._open = False
         self._participants: frozenset[str] = frozenset()
@@ -207,16 +209,18 @@ class FedAvgJob(Job):
         self.samples += payload.update.n
 
     def round_mean(self) -> tuple[dict[str, np.ndarray] | None, int, int]:
-        """(Σ n_k θ_k / Σ n_k or None, updates, Σ n_k) of the round being closed."""
+        """(the round's combined tensors or None, updates, Σ n_k) of the round being closed:
+        Σ n_k θ_k / Σ n_k with every bounded-influence layer off."""
         # Averaged in device-id order, so the result depends on which updates arrived, never on
         # their arrival order (a restarted aggregator reproduces the model bit for bit).
-        # Bounded influence (aggregator/strategies/robust_fedavg.py): the norm bound, then the job's rule.
+        # Bounded influence (aggregator/strategies/robust_fedavg.py): the norm and contribution
+        # bounds, the direction screen, then the job's rule.
         updates = [self._updates[d] for d in sorted(self._updates)]
         if not updates:
             return None, 0, 0
         current = {name: self.params[name] for name in updates[0][0]}
         combined, report = self.config.robust_aggregation().aggregate(current, updates)
-        if report.get("skipped") or report.get("norm_bounded"):
+        if report.get("skipped") or report.get("norm_bounded") or report.get("screened"):
             log.warning("round %d: %s", self.round, report)
         return combined, (len(updates) if combined is not None else 0), sum(n for _, n in updates)
 
@@ -231,7 +235,8 @@ class FedAvgJob(Job):
         mean, updates, samples = self.round_mean()
         if mean is None:
             return None, 0, 0
-        return self.strategy.step({name: self.params[name] for name in mean}, mean), updates, samples
+        current = {name: self.params[name] for name in mean}
+        return self.strategy.step(current, self.history.step(current, mean)), updates, samples
 
     def close_round(self, closed: RoundClosed) -> None:
         if not self._open or closed.round != self.round:
@@ -263,13 +268,15 @@ class FedAvgJob(Job):
 
     def state_dict(self) -> dict[str, np.ndarray]:
         server = self.dp if self.dp is not None else self.strategy
-        return {**self.model_arrays(), **server.state_dict(), "round": np.array([self.round], dtype=np.int64),
+        return {**self.model_arrays(), **server.state_dict(), **self.history.state_dict(),
+                "round": np.array([self.round], dtype=np.int64),
                 "counts": np.array([self.samples, self.late_discarded], dtype=np.int64)}
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         """The model, server-optimizer state and sample counts as of the last closed round."""
         self.params = head_tensors(state["weight"], state["bias"])
         (self.dp if self.dp is not None else self.strategy).load_state_dict(state)
+        self.history.load_state_dict(state)
         self.round = int(state["round"][0])
         self.samples, self.late_discarded = (int(x) for x in state["counts"])
         self._open = False

@@ -32,11 +32,12 @@ from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob, RoundUpdate
 @dataclass
 class TailFedAvgConfig(FedAvgConfig):
     job_id: str = "fedavg-tail"
-    # FT(φ)/FT(M) keep the first bound, 3x the median norm: FedAvg(ψ)'s 1x was measured on a
-    # linear head, not on a backbone's tail.
+    # FT(φ)/FT(M) keep the first bound, 3x the median norm, and nothing else: FedAvg(ψ)'s
+    # defaults were measured on a linear head, not on a backbone's tail.
     norm_bound_multiplier: float = 3.0
-    influence_bound_multiplier: float = 0.0   # the influence bound and direction screen: measured on
-    direction_screen: bool = False            # FedAvg(ψ)'s head only
+    contribution_bound_multiplier: float = 0.0
+    direction_screen: bool = False
+    history_momentum: float = 0.0
     tail_stages: int = 1                 # the bundle's split (devices check theirs matches)
     train: str = "tail"                  # "tail": FT(φ), head frozen; "tail+head": FT(M)
     tail_program_file: str = ""          # the bundle's tail_eval.pt2 (pretrained tail + evaluation)

@@ -72,11 +72,12 @@ class LaddConfig(FedAvgRobustnessFields, UpdateClippingFields):
     """The fields every job has (``aggregator/jobs/base.py``), DP-FedAvg's clipping, the robust rule within each cluster, and LADD's."""
 
     job_id: str = "ladd"
-    # LADD keeps the first bound, 3x the median norm: the FedAvg family's 1x was measured on
-    # FedAvg(ψ)'s linear head, not on a segmentation network's clusters.
+    # LADD keeps the first bound, 3x the median norm, and nothing else: FedAvg(ψ)'s defaults were
+    # measured on its linear head, not on a segmentation network's clusters.
     norm_bound_multiplier: float = 3.0
-    influence_bound_multiplier: float = 0.0   # the influence bound and direction screen: measured on
-    direction_screen: bool = False            # FedAvg(ψ)'s head only
+    contribution_bound_multiplier: float = 0.0
+    direction_screen: bool = False
+    history_momentum: float = 0.0       # LADD has none: refused (its clusters' θ_c move in rounds of their own)
     model: dict = field(default_factory=dict)      # edge_client SegmentationSpec as a dict
     weights_sha256: str = ""                       # the devices' ImageNet encoder weights
     style_b: int = 1                               # style window (2b+1)²
@@ -119,6 +120,8 @@ class LaddConfig(FedAvgRobustnessFields, UpdateClippingFields):
         self.recipe(seed=0)          # refuse a recipe the devices would refuse, before any round
         self.check_update_clipping()
         self.check_robust_aggregation()
+        if self.history_momentum:
+            raise ValueError("LADD has no round history (history_momentum must be 0)")
 
     def recipe(self, seed: int) -> SelfTrainingRecipe:
         return SelfTrainingRecipe(epochs=self.local_epochs, batch_size=self.batch_size, lr=self.lr,
@@ -282,7 +285,7 @@ class LaddJob(Job):
 
     def _new_aggregation(self, chosen) -> ClusterAveraging:
         c = self.config
-        if self.dp is None and (c.aggregator != "mean" or c.norm_bound_multiplier):   # bounded influence
+        if self.dp is None and c.bounds_updates():
             return RobustClusterAveraging(self.is_theta, c.robust_aggregation())
         if self.dp is None:
             return ClusterSpecificAveraging(self.is_theta)

@@ -42,6 +42,11 @@ class SecureFedAvgConfig(FedAvgConfig, SecureUpdateFields, SecureUpdateBoundFiel
     """FedAvg's fields, the secure ones (``aggregator/jobs/secure_fields.py``) and the group-sum bound
     (``aggregator/jobs/robustness_fields.py``)."""
 
+    # plaintext defences (they need each update), which FedAvgConfig's defaults would otherwise set
+    contribution_bound_multiplier: float = 0.0
+    direction_screen: bool = False
+    history_momentum: float = 0.0
+
 
 class SecureFedAvgJob(SecureGroupRounds, FedAvgJob):
     secure_kind = SECURE_FEDAVG_KIND
@@ -137,8 +142,6 @@ class SecureFedAvgJob(SecureGroupRounds, FedAvgJob):
 class SecureTailFedAvgConfig(SecureFedAvgConfig, TailFedAvgConfig):
     job_id: str = "fedavg-tail-secure"
     norm_bound_multiplier: float = 3.0      # FT(φ)'s, which SecureFedAvgConfig's (FedAvg(ψ)'s 1x) would hide
-    influence_bound_multiplier: float = 0.0   # the influence bound and direction screen: measured on
-    direction_screen: bool = False            # FedAvg(ψ)'s head only
 
 
 class SecureTailFedAvgJob(SecureFedAvgJob, TailFedAvgJob):
