@@ -133,6 +133,12 @@ class RoundCoordinator:
     seen_ids: set[str] = field(default_factory=set)
     lost: set[str] = field(default_factory=set)
     late: int = 0
+    # participants − accepted − declined − rejected − lost, kept as the rows change them: read on
+    # every event, and recomputing it was O(κ) per result (most of a 10,000-device round's time)
+    _waiting: set[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        self._waiting = set(self.participants) - set(self.accepted) - set(self.declined) - set(self.rejected) - self.lost
 
     def handle(self, event) -> list:
         """The actions for `event`, by COORDINATOR_TABLE (IllegalTransition for an event it lacks)."""
@@ -140,20 +146,28 @@ class RoundCoordinator:
 
     @property
     def pending(self) -> frozenset[str]:
-        """Participants the round still waits for (read-only: the machine owns this bookkeeping)."""
-        return frozenset(self.participants - set(self.accepted) - set(self.declined) - set(self.rejected)
-                         - self.lost)
+        """Participants the round still waits for (a copy, O(κ): the machine owns this bookkeeping;
+        :meth:`is_pending` and :attr:`pending_count` are the per-event reads)."""
+        return frozenset(self._waiting)
+
+    def is_pending(self, device: str) -> bool:
+        return device in self._waiting
+
+    @property
+    def pending_count(self) -> int:
+        return len(self._waiting)
 
     def snapshot(self) -> dict:
         """A JSON-able view of the round for status pages."""
         return {"round": self.round, "state": self.state.value, "participants": sorted(self.participants),
                 "accepted": sorted(self.accepted), "declined": sorted(self.declined),
-                "rejected": sorted(self.rejected), "lost": sorted(self.lost), "pending": sorted(self.pending)}
+                "rejected": sorted(self.rejected), "lost": sorted(self.lost), "pending": sorted(self._waiting)}
 
     def restore(self, device: str, message_id: str) -> None:
         """Re-apply bookkeeping for a result already durably applied (after a restart)."""
         self.accepted[device] = message_id
         self.seen_ids.add(message_id)
+        self._waiting.discard(device)
 
     # -- effects of COORDINATOR_TABLE's rows -------------------------------------------------
     def _ack_duplicate(self, ev: ResultArrived) -> list:
@@ -173,11 +187,13 @@ class RoundCoordinator:
         self.lost.discard(ev.device)   # a device that reconnected in time and answers is welcome
         self.seen_ids.add(ev.message_id)
         self.accepted[ev.device] = ev.message_id
+        self._waiting.discard(ev.device)
         return [ApplyResult(ev.device, ev.message_id, ev.result),
                 SendAck(ev.device, ev.message_id, "accepted")] + self._maybe_close()
 
     def _reject(self, ev: ResultInvalid) -> list:
         self.rejected[ev.device] = ev.reason
+        self._waiting.discard(ev.device)
         return [RecordRejected(ev.device, ev.message_id, ev.reason)] + self._ack_rejected(ev) + self._maybe_close()
 
     def _ack_rejected(self, ev: ResultInvalid) -> list:
@@ -185,16 +201,19 @@ class RoundCoordinator:
 
     def _decline(self, ev: Declined) -> list:
         self.declined[ev.device] = ev.reason
+        self._waiting.discard(ev.device)
         return [RecordDeclined(ev.device, ev.reason)] + self._maybe_close()
 
     def _lose(self, ev: DeviceLost) -> list:
         self.lost.add(ev.device)
+        self._waiting.discard(ev.device)
         return self._maybe_close()
 
     def _settle(self, ev: GroupSettled) -> list:
         for device in sorted(set(ev.survivors) & self.participants):
             self.lost.discard(device)        # offline right after its masked input: its data IS in the sum
             self.accepted[device] = f"group-{self.round}"
+            self._waiting.discard(device)
         return self._close()
 
     def _expire(self, ev: Tick) -> list:
@@ -204,16 +223,16 @@ class RoundCoordinator:
         return []
 
     def _maybe_close(self) -> list:
-        return self._close() if not self.pending else []
+        return self._close() if not self._waiting else []
 
     def _close(self) -> list:
         self.state = RoundState.CLOSED
-        return [RoundClosed(self.round, tuple(sorted(self.accepted)), tuple(sorted(self.pending | self.lost)),
+        return [RoundClosed(self.round, tuple(sorted(self.accepted)), tuple(sorted(self._waiting | self.lost)),
                             tuple(sorted(self.declined)), tuple(sorted(self.rejected)))]
 
 
 def _is_pending(coord: RoundCoordinator, ev) -> bool:
-    return ev.device in coord.pending
+    return coord.is_pending(ev.device)
 
 
 _C, _OPEN, _CLOSED = RoundCoordinator, RoundState.OPEN, RoundState.CLOSED
@@ -225,7 +244,7 @@ COORDINATOR_TABLE = TransitionTable(RoundState, [
                note="ack rejected", guard=lambda c, ev: ev.device not in c.participants),
     Transition(_OPEN, ResultArrived, "device already answered", _C._ack_already_answered, (SendAck,),
                note="ack duplicate: a second result is never applied",
-               guard=lambda c, ev: ev.device in c.accepted.keys() | c.declined.keys() | c.rejected.keys()),
+               guard=lambda c, ev: ev.device in c.accepted or ev.device in c.declined or ev.device in c.rejected),
     Transition(_OPEN, ResultArrived, "", _C._accept, (ApplyResult, SendAck, RoundClosed), (_CLOSED,),
                note="ack accepted (a lost device came back in time); closes when nobody is pending"),
     Transition(_OPEN, ResultInvalid, "device pending", _C._reject, (RecordRejected, SendAck, RoundClosed),

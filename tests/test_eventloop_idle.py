@@ -7,6 +7,7 @@ registered. Measured as the loop thread's own CPU time (Linux thread CPU clock).
 import threading
 import time
 
+from fedfleet.emulation.broker import free_port
 from protocols.mqtt_eventloop import LoopLink, MqttEventLoop
 from protocols.mqtt_link import BrokerConfig
 
@@ -34,5 +35,31 @@ def test_an_unneeded_write_interest_does_not_keep_the_loop_busy(broker):
         assert all(link.connected.is_set() for link in links)
     finally:
         for link in links:
+            link.stop()
+        loop.stop()
+
+
+def test_a_loop_opens_at_most_its_cap_of_connections_awaiting_their_connack(broker):
+    """A host of thousands of devices opens its connections a cap at a time (a burst overflowed
+    the broker's accept queue and turned into reconnect storms); every device still connects, and
+    an attempt that fails (nothing listening) frees its place instead of holding it."""
+    loop = MqttEventLoop()
+    loop.connector.max_awaiting = 3
+    dead = BrokerConfig(port=free_port())
+    failing = LoopLink(loop, "nobody-listens", dead, on_message=lambda t, p: None)
+    links = [LoopLink(loop, f"capped{i}", BrokerConfig.from_url(broker.url), on_message=lambda t, p: None)
+             for i in range(30)]
+    try:
+        failing.start()
+        for link in links:
+            link.start()
+        deadline = time.monotonic() + 30
+        while not all(link.connected.is_set() for link in links) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(link.connected.is_set() for link in links)
+        assert failing.connect_failures >= 1 and not failing.connected.is_set()
+        assert 1 <= loop.connector.peak_awaiting <= 3
+    finally:
+        for link in links + [failing]:
             link.stop()
         loop.stop()

@@ -71,6 +71,10 @@ class Fleet:
         """Enrolled (or the fleet is open) — what an outbox message's sender must be."""
         return self.mode == "open" or device in (self.enrolled or ())
 
+    def online_not_enrolled(self) -> set[str]:
+        """Online devices whose results would be refused as not enrolled (none in open mode)."""
+        return set() if self.mode == "open" else self.online - (self.enrolled or set())
+
     def eligible_online(self) -> set[str]:
         """Online devices whose results would be accepted: the only ones given tasks."""
         return {d for d in self.online if self.allowed(d)}

@@ -36,7 +36,7 @@ class AsyncJobRunner(JobRunner):
 
     def resend_tasks(self, devices: set[str]) -> None:
         for round_, coord in list(self._open.items()):
-            for dev in sorted(devices & coord.pending):
+            for dev in sorted(d for d in devices if coord.is_pending(d)):
                 self._send_task(round_, dev)
 
     def tick(self, now: float) -> None:
@@ -44,7 +44,7 @@ class AsyncJobRunner(JobRunner):
         if a.final_state:
             return
         for coord in list(self._open.values()):
-            expired = a.cancelling or not coord.pending or a.job.hopeless(coord.round)
+            expired = a.cancelling or not coord.pending_count or a.job.hopeless(coord.round)
             self.handle(coord, Tick(math.inf if expired else now))
         if a.cancelling:
             if not self._open:

@@ -79,7 +79,7 @@ class JobRunner:
         """Re-send the open round's task to those of ``devices`` it still waits for."""
         coord = self.a.current
         if coord is not None:
-            for dev in sorted(devices & coord.pending):
+            for dev in sorted(d for d in devices if coord.is_pending(d)):
                 self._send_task(coord.round, dev)
 
     def tick(self, now: float) -> None:
@@ -89,7 +89,7 @@ class JobRunner:
         if a.current is not None and a.job.secure_rounds:
             self._secure_tick(now)
         if a.current is not None:
-            expired = a.cancelling or not a.current.pending    # cancelled, or a restored round that had everyone
+            expired = a.cancelling or not a.current.pending_count    # cancelled, or a restored round that had everyone
             return self.handle(a.current, Tick(math.inf if expired else now))
         if a.cancelling:
             a.final_state = "cancelled"

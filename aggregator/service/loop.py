@@ -79,6 +79,9 @@ from aggregator.storage.store import Store
 
 log = logging.getLogger("fedfleet.aggregator")
 
+LIVE_EVERY_S = 0.2          # the admin API's live snapshot: at most this often...
+LIVE_COST_FACTOR = 20.0     # ...and at most once per 20x its own cost (see _update_live)
+
 
 class AggregatorService(OperatorActions):
     def __init__(self, job: Job | None, broker: BrokerConfig, out_dir: Path, topics: Topics = Topics(),
@@ -438,10 +441,14 @@ class AggregatorService(OperatorActions):
             self.shards.watch()
 
     def _update_live(self, force: bool = False) -> None:
-        if not force and time.monotonic() - self._live_at < 0.2:
+        # The snapshot sorts the online fleet: O(N log N), 0.1 s at 100,000 devices. Taken every
+        # 0.2 s it was half of the service thread's time there; spaced to 20x its own cost, it
+        # stays within 5 % of the thread at any fleet size (and every 0.2 s for small fleets).
+        if not force and time.monotonic() < self._live_at:
             return
-        self._live_at = time.monotonic()
+        started = time.monotonic()
         self.live = reporting.live_snapshot(self.active, self.fleet, self.stats.to_dict())
+        self._live_at = started + max(LIVE_EVERY_S, LIVE_COST_FACTOR * (time.monotonic() - started))
 
     def _finish_job(self) -> dict:
         summary = self.runner.finish()

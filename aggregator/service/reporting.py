@@ -19,7 +19,7 @@ from aggregator.security.fleet import Fleet
 def live_snapshot(a: ActiveJob | None, fleet: Fleet, stats: dict) -> dict:
     """The admin API's view of the service (replaced atomically, read from other threads)."""
     snap: dict = {"time": time.time(), "devices_online": sorted(fleet.online), "revoked": sorted(fleet.revoked),
-                  "not_enrolled": sorted(d for d in fleet.online if not fleet.may_contribute(d)),
+                  "not_enrolled": sorted(fleet.online_not_enrolled()),
                   "fleet_mode": fleet.mode, "last_seen": dict(fleet.last_seen), "job": None, "stats": stats}
     if a is None:
         return snap

@@ -17,6 +17,7 @@ Run as ``python -m fedfleet.emulation.worker SPEC.json``; stops on SIGTERM/SIGIN
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import signal
@@ -125,7 +126,9 @@ def start_devices(spec: dict, host: DeviceHost) -> list[DeviceAgent]:
     handlers_of = (_ladd_handlers if spec.get("ladd_devices_file") else _classification_handlers)(spec, host)
     # devices dealt over the edge brokers of a broker tree (fedfleet.emulation.broker.BrokerTree)
     broker_urls = spec.get("device_brokers") or [spec["broker"]]
-    brokers = {url: BrokerConfig.from_url(url) for url in broker_urls}
+    # a fleet's keepalive: every device pings once per keepalive, and a host's one loop answers them all
+    brokers = {url: dataclasses.replace(BrokerConfig.from_url(url), keepalive=int(spec.get("keepalive_s", 30)))
+               for url in broker_urls}
     topics = Topics(spec.get("topic_root", "fedfleet"))
     t0 = time.monotonic()
     secure = spec.get("secure")
@@ -190,6 +193,8 @@ def device_totals(host: DeviceHost, agents: list[DeviceAgent]) -> dict:
               "dropouts": sum(a.stats.dropouts for a in agents),
               "devices": len(agents), "rss_mb": rss_mb(), "step_errors": host.step_errors,
               "not_connected": host.connect_problems(),
+              "loop_lag_max_s": host.loop.max_lag_s,
+              "connections_lost": sum(getattr(a.link, "connections_lost", 0) for a in agents),
               "per_device": {a.device_id: {"bytes_up": a.stats.bytes_up, "bytes_down": a.link.bytes_received,
                                            "compute_s": a.stats.compute_s,
                                            "tasks_done": a.stats.tasks_done, "dropouts": a.stats.dropouts,
@@ -222,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     quiet_third_party_warnings()
+    # The MQTT loop thread waits for the GIL after each socket call while the step and compute
+    # threads hold it; at the default 5 ms hand-over a host of 12,500 devices fell behind their
+    # keepalives and lost its connections (docs/deployment.md, fleet-100k). 1 ms keeps it current.
+    sys.setswitchinterval(0.001)
     run(json.loads(Path(argv[0]).read_text()))
     return 0
 
