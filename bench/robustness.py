@@ -24,8 +24,9 @@ norm bound 1x the round's median, contribution bound 0.5x, direction screen, rou
 ``bound 1x`` (the second default: the norm bound alone), ``bound 3x`` (the first default),
 ``bound 1.5x``, ``centered_clipping`` (τ = the median distance, 3 iterations, no norm bound), and
 with the 1x bound ``median``, ``trimmed_mean`` (β = 0.2), ``multi_krum`` (f = 2).
-Secure aggregation: Fed3R-Sync with the group check, the malicious fraction at 10 %, reported as it
-is (in-process SecAgg rounds).
+Secure aggregation, the malicious fraction at 10 %, reported as it is (in-process SecAgg rounds):
+Fed3R-Sync with the group check; FedAvg(ψ) with devices clipping ‖Δ‖ to ``SECURE_CLIP`` before
+masking and the group check, with and without the round history (``SECURE_FEDAVG_DEFENCES``).
 
 FedAvg devices train with the numpy head step (``edge_client/tasks/numpy_head.py``: the
 torch-free device's, the same SGD step as eager torch), since torch's per-step overhead dominates
@@ -58,11 +59,14 @@ sys.path.insert(0, str(REPO))
 from aggregator.jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob  # noqa: E402
 from aggregator.jobs.registry import build_job  # noqa: E402
 from aggregator.jobs.robustness_fields import PLAIN_MEAN  # noqa: E402
+from aggregator.jobs.secure_rounds import GroupSumOutOfBound  # noqa: E402
+from aggregator.jobs.secure_fedavg import SecureFedAvgConfig, SecureFedAvgJob  # noqa: E402
 from dp_accuracy import CachedRows, load_features  # noqa: E402
 from edge_client.fed3r import Fed3RAccumulator  # noqa: E402
 from edge_client.tasks import head_training  # noqa: E402
 from edge_client.tasks.head_training import HeadTrainingTask  # noqa: E402
 from edge_client.tasks.numpy_head import NumpyHeadStepper  # noqa: E402
+from edge_client.tasks.secure_fedavg_training import SecureFedAvgTraining  # noqa: E402
 from fedfleet.emulation.partition import make_split  # noqa: E402
 from protocols import messages as M  # noqa: E402
 from protocols.envelope import EnvelopeError, decode, encode  # noqa: E402
@@ -73,6 +77,9 @@ from protocols.rounds import RoundClosed  # noqa: E402
 OUT_DIR = REPO / "runs" / "bench"
 D, C = 1280, 10
 DEVICES, KAPPA, FEDAVG_ROUNDS = 100, 10, 30
+# Secure FedAvg's clip C (update_clip_norm): about the median honest ‖Δ‖ of a first round on this
+# fleet (seed 0: 10th/50th/90th percentiles 3.4 / 5.3 / 8.4); the operator sets C, the server sees sums only
+SECURE_CLIP = 5.0
 LAST_ROUNDS = 5         # FedAvg's "last 5": the mean accuracy of the last rounds' models (less noisy than the final one)
 FRACTIONS = (0.01, 0.1, 0.2)
 FED3R_ATTACKS = ("scaling", "scaling_in_range", "label_flip", "sign_flip", "backdoor")
@@ -194,19 +201,23 @@ def alie_z(n: int, f: int) -> float:
     return float(norm.ppf((n - s) / n)) if n > s else 0.0
 
 
+def fedavg_data(attack, Z, y, Zt):
+    """(features, labels) a FedAvg device trains on under ``attack`` (None: honest); the model
+    attacks (scaling, sign flipping, ALIE) train honestly and change what they send."""
+    if attack == "label_flip":
+        return Z, C - 1 - y
+    if attack == "backdoor":
+        return np.vstack([Z, Zt]), np.concatenate([y, np.zeros(len(y), np.int64)])
+    return Z, y
+
+
 def run_fedavg(devices, bad, attack, defence, test, seed):
     cfg = {"job_id": "robust-fedavg", "num_classes": C, "feature_dim": D, "rounds": FEDAVG_ROUNDS,
            "clients_per_round": KAPPA, "local_epochs": 1, "batch_size": 16, "client_lr": 0.1, "seed": seed,
            **FEDAVG_DEFENCES[defence]}
     job, ids = build_job("fedavg", cfg), sorted(devices)
-    tasks = {}
-    for d in ids:
-        Z, y, Zt = devices[d]
-        if d in bad and attack == "label_flip":
-            Z, y = Z, C - 1 - y
-        elif d in bad and attack == "backdoor":
-            Z, y = np.vstack([Z, Zt]), np.concatenate([y, np.zeros(len(y), np.int64)])
-        tasks[d] = HeadTrainingTask(Z, y, lambda b, s, w: CachedRows())
+    tasks = {d: HeadTrainingTask(*fedavg_data(attack if d in bad else None, *devices[d]), lambda b, s, w: CachedRows())
+             for d in ids}
     trail = []          # (accuracy, backdoor) after each round
     while chosen := job.next_participants(set(ids)):
         outputs = {}
@@ -217,11 +228,80 @@ def run_fedavg(devices, bad, attack, defence, test, seed):
         for d in chosen:
             _, body, trained = outputs[d]
             msg = M.result_message(d, M.TaskRef(cfg["job_id"], job.round, "x" * 32), "fedavg.head", body, trained)
-            job.apply(d, job.parse_result(decode(encode(msg))))
+            try:
+                job.apply(d, job.parse_result(decode(encode(msg))))
+            except EnvelopeError:   # refused (e.g. NaN once an undefended model diverged): not delivered
+                pass
         job.close_round(RoundClosed(job.round, tuple(chosen), (), (), ()))
         trail.append(head_scores(job.params, test))
     accuracy, backdoor = trail[-1]
     return accuracy, backdoor, {"last5": float(np.mean([a for a, _ in trail[-LAST_ROUNDS:]]))}
+
+
+class PoisonedTraining:
+    """A malicious device's training under secure aggregation: its (possibly poisoned) data's
+    update, stretched to θ_t + factor·Δ (scaling: 20, sign flip: −4). ``clips``: whether it still
+    clips to the round's C as its task asks (an attacker who stays inside the group's bound) or
+    sends the update as it is (one that does not care whether its group is discarded)."""
+
+    def __init__(self, task, factor: float, clips: bool):
+        self.task, self.factor, self.clips = task, factor, clips
+
+    def __call__(self, params, tensors):
+        body, trained = self.task(params, tensors)
+        if self.factor != 1.0:
+            trained = {k: (tensors[k] + self.factor * (t - tensors[k])).astype(np.float32) for k, t in trained.items()}
+        return body, trained
+
+
+def secure_handler(identity, aggregator_key, training, noise_rng):
+    """The device handler a secure FedAvg device runs: the real one, or for an attacker that does
+    not clip, the real one asked without the round's ``update_clip_norm``."""
+    handler = SecureFedAvgTraining(identity, aggregator_key, training, noise_rng=noise_rng)
+    if isinstance(training, PoisonedTraining) and not training.clips:
+        honest_vector = handler.vector
+        handler.vector = lambda params, tensors: honest_vector(
+            {k: v for k, v in params.items() if k != "update_clip_norm"}, tensors)
+    return handler
+
+
+SECURE_FEDAVG_DEFENCES = {"clip + group check": {}, "clip + group check + history": {"history_momentum": 0.7}}
+
+
+def run_fedavg_secure(devices, bad, attack, defence, test, seed):
+    """FedAvg(ψ) under secure aggregation (in-process SecAgg rounds, ``bench/dp_accuracy.py``'s
+    driver): devices clip ‖Δ‖ to ``SECURE_CLIP`` before masking, the server checks each group's sum
+    against n·C and discards a group that breaks it. Scaling does not clip (its groups break the
+    bound); sign flipping clips (it stays inside); label flipping and the backdoor train honestly on
+    poisoned data. A discarded group's round moves nothing. Defences: the clip and group check
+    alone, or with the round history (β = 0.7, the plaintext default's; it needs only the sum)."""
+    from dp_accuracy import secure_job, secure_round
+
+    cfg = {"job_id": "robust-fedavg-secure", "num_classes": C, "feature_dim": D, "rounds": FEDAVG_ROUNDS,
+           "clients_per_round": KAPPA, "local_epochs": 1, "batch_size": 16, "client_lr": 0.1, "seed": seed,
+           "update_clip_norm": SECURE_CLIP, "max_samples": 10_000, "phase_timeout_s": 30.0,
+           **SECURE_FEDAVG_DEFENCES[defence]}
+    ids = sorted(devices)
+    tasks = {}
+    for d in ids:
+        task = HeadTrainingTask(*fedavg_data(attack if d in bad else None, *devices[d]), lambda b, s, w: CachedRows())
+        if d in bad and attack in ("scaling", "sign_flip"):
+            task = PoisonedTraining(task, 20.0 if attack == "scaling" else -4.0, clips=attack == "sign_flip")
+        tasks[d] = task
+    config = SecureFedAvgConfig(**cfg)
+    job, parts = secure_job(ids, tasks, lambda **keys: SecureFedAvgJob(config, **keys), secure_handler)
+    trail = []
+    while chosen := job.next_participants(set(ids)):
+        try:
+            secure_round(job, chosen, *parts, seed * 1000 + job.round)
+        except GroupSumOutOfBound as exc:       # what the service does: the group is discarded, reported
+            job.secure = None
+            job.failed_rounds.append((job.round, str(exc)))
+        job.close_round(RoundClosed(job.round, tuple(chosen), (), (), ()))
+        trail.append(head_scores(job.params, test))
+    accuracy, backdoor = trail[-1]
+    return accuracy, backdoor, {"last5": float(np.mean([a for a, _ in trail[-LAST_ROUNDS:]])),
+                                "discarded_groups": len(job.failed_rounds)}
 
 
 def head_scores(params, test) -> tuple[float, float]:
@@ -325,6 +405,14 @@ def run_all(args) -> list[dict]:
         record("fed3r", "secure", "honest", 0.0, "group check", lambda: run_fed3r_secure(devices, set(), None, test))
         for attack in ("scaling", "scaling_in_range", "label_flip", "backdoor"):
             record("fed3r", "secure", attack, 0.1, "group check", lambda: run_fed3r_secure(devices, bad, attack, test))
+        for seed in range(args.seed, args.seed + args.seeds):
+            seed_devices = fleet(ytr, Xtr, Xtr_trig, seed)
+            bad = malicious(seed_devices, 0.1)
+            for attack in ("honest", "scaling", "sign_flip", "label_flip", "backdoor"):
+                for defence in SECURE_FEDAVG_DEFENCES:
+                    record("fedavg", "secure", attack, 0.0 if attack == "honest" else 0.1, defence,
+                           lambda: run_fedavg_secure(seed_devices, set() if attack == "honest" else bad, attack,
+                                                     defence, test, seed), seed)
     return rows
 
 

@@ -259,8 +259,7 @@ def test_a_rule_whose_condition_fails_is_refused_when_the_job_is_created(bad):
     assert FedAvgConfig(clients_per_round=5, aggregator="krum", krum_byzantine=1).aggregator == "krum"
 
 
-@pytest.mark.parametrize("layer", [{"contribution_bound_multiplier": 0.5}, {"direction_screen": True},
-                                   {"history_momentum": 0.7}])
+@pytest.mark.parametrize("layer", [{"contribution_bound_multiplier": 0.5}, {"direction_screen": True}])
 def test_the_plaintext_layers_are_off_and_refused_under_secure_aggregation(layer):
     from aggregator.jobs.secure_fedavg import SecureFedAvgConfig
 
@@ -268,6 +267,14 @@ def test_the_plaintext_layers_are_off_and_refused_under_secure_aggregation(layer
     assert not (config.contribution_bound_multiplier or config.direction_screen or config.history_momentum)
     with pytest.raises(ValueError, match="plaintext"):
         SecureFedAvgConfig(**layer)
+
+
+def test_a_secure_job_may_step_along_the_round_history_which_needs_only_the_rounds_sum():
+    from aggregator.jobs.secure_fedavg import SecureFedAvgConfig
+
+    assert SecureFedAvgConfig(history_momentum=0.7).round_history().momentum == 0.7
+    with pytest.raises(ValueError, match="momentum"):
+        SecureFedAvgConfig(history_momentum=1.0)
 
 
 # ---------------------------------------------------------------- LADD: the rule within each cluster

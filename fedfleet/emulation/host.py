@@ -23,6 +23,7 @@ task fails; other devices never notice.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +37,8 @@ from protocols.mqtt_eventloop import LoopLink, MqttEventLoop, raise_open_file_li
 from .processes import process_rss_mb
 
 log = logging.getLogger("fedfleet.host")
+
+LOOP_GIL_SWITCH_S = 0.001      # the interpreter's GIL switch interval in a process hosting devices
 
 
 class LazyTasks:
@@ -74,6 +77,11 @@ class DeviceHost:
     def __init__(self, step_threads: int = 8, tick_s: float = 2.0, compute_slots: int = 1,
                  connect_timeout_s: float = 15.0, source_addresses: Sequence[str] = ()):
         self.open_file_limit = raise_open_file_limit()
+        # The MQTT loop thread waits for the GIL after each socket call while step and compute
+        # threads hold it; at the default 5 ms hand-over a host of 12,500 devices fell 95 s behind
+        # its keepalives and lost its connections (docs/deployment.md, fleet-100k). Process-wide:
+        # a host process is there to host.
+        sys.setswitchinterval(min(sys.getswitchinterval(), LOOP_GIL_SWITCH_S))
         self.loop = MqttEventLoop()
         self.compute_slot = threading.BoundedSemaphore(compute_slots)
         self.tick_s = tick_s

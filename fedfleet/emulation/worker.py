@@ -227,10 +227,6 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     quiet_third_party_warnings()
-    # The MQTT loop thread waits for the GIL after each socket call while the step and compute
-    # threads hold it; at the default 5 ms hand-over a host of 12,500 devices fell behind their
-    # keepalives and lost its connections (docs/deployment.md, fleet-100k). 1 ms keeps it current.
-    sys.setswitchinterval(0.001)
     run(json.loads(Path(argv[0]).read_text()))
     return 0
 
