@@ -13,6 +13,7 @@ from __future__ import annotations
 import queue
 import ssl
 import threading
+from collections import deque
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, Self
@@ -24,6 +25,11 @@ from .envelope import Envelope, encode
 
 
 PROTOCOL_VERSIONS = ("5", "3.1.1")
+# QoS 1 publishes handed to paho and not yet acknowledged, at most. paho numbers them with 16-bit
+# message ids: past 65,535 outstanding, ids are reused, the reused entries overwrite each other and
+# the link stalls (measured: an aggregator opening a round of 100,000 devices delivered 65,727
+# tasks, then nothing). Publishes beyond it wait in the link's own queue, in order.
+MAX_UNACKED = 32_768
 
 
 @dataclass(frozen=True)
@@ -113,6 +119,10 @@ class MqttLink:
         self.client.reconnect_delay_set(min_delay=1, max_delay=30)
         self.client.max_inflight_messages_set(64)
         self.client.max_queued_messages_set(0)
+        self._unacked = 0                   # QoS 1 publishes paho holds (see MAX_UNACKED)
+        self._held: deque[tuple[str, bytes, bool]] = deque()     # publishes waiting for room, in order
+        self._held_lock = threading.Lock()
+        self.client.on_publish = self._handle_published
         self.client.on_connect = self._handle_connect
         self.client.on_disconnect = self._handle_disconnect
         self.client.on_message = self._handle_message
@@ -151,10 +161,24 @@ class MqttLink:
             self.client.subscribe(topic, qos=qos)
 
     def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False, wait: bool = False) -> None:
-        info = self.client.publish(topic, payload, qos=qos, retain=retain)
+        """Publish; a QoS 1 publish beyond MAX_UNACKED outstanding is held here and handed to paho
+        as acknowledgements make room (``wait`` publishes are never held: a device's few)."""
         self.bytes_sent += len(payload)
+        if qos:
+            with self._held_lock:
+                if not wait and (self._held or self._unacked >= MAX_UNACKED):
+                    self._held.append((topic, payload, retain))
+                    return
+                self._unacked += 1
+        # never under _held_lock: paho calls _handle_published holding its own lock, which this needs
+        info = self.client.publish(topic, payload, qos=qos, retain=retain)
         if wait:
             info.wait_for_publish(timeout=60)
+
+    @property
+    def held(self) -> int:
+        """Publishes waiting for room under MAX_UNACKED."""
+        return len(self._held)
 
     def publish_envelope(self, topic: str, env: Envelope, signer=None, chunk_size: int = DEFAULT_CHUNK_SIZE,
                          retain: bool = False, wait: bool = False,
@@ -171,10 +195,32 @@ class MqttLink:
         return total
 
     # paho callbacks (network thread)
+    def _handle_published(self, client, userdata, mid, reason_code=None, properties=None):
+        # paho holds its outgoing-message lock here, so a publish handed over now keeps its place
+        # ahead of any publish another thread makes meanwhile
+        with self._held_lock:
+            # QoS 0 publishes report here too without having counted: the floor keeps the count
+            # from going negative (it may then run below paho's true number, far under 65,535)
+            self._unacked = max(0, self._unacked - 1)
+        self._drain(client)
+
+    def _drain(self, client) -> None:
+        """Hand held publishes to paho while there is room."""
+        while True:
+            with self._held_lock:
+                if not self._held or self._unacked >= MAX_UNACKED:
+                    return
+                topic, payload, retain = self._held.popleft()
+                self._unacked += 1
+            client.publish(topic, payload, qos=1, retain=retain)
+
     def _handle_connect(self, client, userdata, flags, reason_code, properties=None):
         if reason_code.is_failure:
             self.last_connect_error = str(reason_code)
             return
+        with self._held_lock:        # a clean session drops what paho held without acknowledging it
+            self._unacked = len(getattr(client, "_out_messages", ()))
+        self._drain(client)
         for topic, qos in self.subscriptions:
             client.subscribe(topic, qos=qos)
         if self._on_connect_hook:
