@@ -79,9 +79,6 @@ from aggregator.storage.store import Store
 
 log = logging.getLogger("fedfleet.aggregator")
 
-LIVE_EVERY_S = 0.2          # the admin API's live snapshot: at most this often...
-LIVE_COST_FACTOR = 20.0     # ...and at most once per 20x its own cost (see _update_live)
-
 
 class AggregatorService(OperatorActions):
     def __init__(self, job: Job | None, broker: BrokerConfig, out_dir: Path, topics: Topics = Topics(),
@@ -114,7 +111,7 @@ class AggregatorService(OperatorActions):
         self._q: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self.live: dict = {}                     # snapshot for the admin API, replaced atomically
-        self._live_at = 0.0
+        self._live_pacing = reporting.Pacing()
         self.shards = shards        # aggregator/shards/: they take the outboxes and hand this loop receipts
         self.link = MqttLink(AGGREGATOR_ID, broker, on_message=lambda t, p: self._q.put(("mqtt", t, p)),
                              subscriptions=[(topics.all_outboxes, 1)] * (shards is None) + [(topics.all_presence, 1)],
@@ -441,14 +438,9 @@ class AggregatorService(OperatorActions):
             self.shards.watch()
 
     def _update_live(self, force: bool = False) -> None:
-        # The snapshot sorts the online fleet: O(N log N), 0.1 s at 100,000 devices. Taken every
-        # 0.2 s it was half of the service thread's time there; spaced to 20x its own cost, it
-        # stays within 5 % of the thread at any fleet size (and every 0.2 s for small fleets).
-        if not force and time.monotonic() < self._live_at:
-            return
-        started = time.monotonic()
-        self.live = reporting.live_snapshot(self.active, self.fleet, self.stats.to_dict())
-        self._live_at = started + max(LIVE_EVERY_S, LIVE_COST_FACTOR * (time.monotonic() - started))
+        if force or self._live_pacing.due():
+            with self._live_pacing.timed():
+                self.live = reporting.live_snapshot(self.active, self.fleet, self.stats.to_dict())
 
     def _finish_job(self) -> dict:
         summary = self.runner.finish()

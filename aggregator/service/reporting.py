@@ -8,12 +8,33 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
 from aggregator.service.active_job import ActiveJob
 from aggregator.security.fleet import Fleet
+
+
+class Pacing:
+    """When to retake the live snapshot: at most every ``every_s``, and at most once per
+    ``cost_factor`` times what the last one took. Why: the snapshot sorts the online fleet, O(N log
+    N), 0.1 s at 100,000 devices; taken every 0.2 s it was half of the service thread's time there.
+    Spaced to 20x its own cost it stays within 5 % of the thread at any fleet size."""
+
+    def __init__(self, every_s: float = 0.2, cost_factor: float = 20.0):
+        self.every_s, self.cost_factor = every_s, cost_factor
+        self._next = 0.0
+
+    def due(self) -> bool:
+        return time.monotonic() >= self._next
+
+    @contextmanager
+    def timed(self):
+        started = time.monotonic()
+        yield
+        self._next = started + max(self.every_s, self.cost_factor * (time.monotonic() - started))
 
 
 def live_snapshot(a: ActiveJob | None, fleet: Fleet, stats: dict) -> dict:
