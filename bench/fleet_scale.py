@@ -29,7 +29,6 @@ after 72,662 results: the aggregator's 100,000 task publishes outran paho's 16-b
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import signal
@@ -79,7 +78,7 @@ def run_host(args) -> None:
     m0, t0 = rss_mb(), time.time()
     for i, dev in enumerate(ids, start=args.first):
         tasks = LazyTasks(lambda: {"fed3r.stats": stats}, ["fed3r.stats"], host.compute_slot)
-        broker = dataclasses.replace(BrokerConfig.from_url(broker_for(i, urls)), keepalive=300)   # as fleet-100k
+        broker = BrokerConfig.from_url(broker_for(i, urls), keepalive=300)      # as fleet-100k
         host.add(lambda lf, dev=dev, tasks=tasks, broker=broker: DeviceAgent(
             dev, broker, tasks.handlers(), retry_after_s=600, link_factory=lf, hooks=AgentHooks(always_available=True)))
     connected = host.wait_connected(timeout_s=600)

@@ -164,6 +164,8 @@ def load_config(name_or_path: str, overrides: dict) -> SimConfig:
                             f"(SimConfig fields: {', '.join(sorted(fields))})")
         cfg = SimConfig(**data)
     cfg = dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
+    if type(cfg.keepalive_s) is not int or not 1 <= cfg.keepalive_s <= 65_535:     # MQTT's two-byte field
+        raise UserError(f"keepalive_s must be a whole number of seconds in 1..65535, got {cfg.keepalive_s!r}")
     if cfg.broker:
         BrokerConfig.from_url(cfg.broker)        # a bad address fails here, before any file is written
     return cfg

@@ -76,3 +76,12 @@ def test_fleet_100k_fits_a_20000_descriptor_limit_per_process_and_a_lean_layout_
         check_devices_per_process(cfg, 2, brokers, 20_000)
     with pytest.raises(UserError, match="devices_per_broker"):
         check_devices_per_process(dataclasses.replace(cfg, devices_per_broker=50_000), cfg.workers, 2, 20_000)
+
+
+@pytest.mark.parametrize("keepalive", [0, -5, 70_000, "30", 2.5, None])
+def test_a_keepalive_outside_mqtts_field_is_one_clear_error(tmp_path, keepalive):
+    path = tmp_path / "fleet.json"
+    path.write_text(__import__("json").dumps({"devices": 10, "keepalive_s": keepalive}))
+    with pytest.raises(UserError, match="keepalive_s"):
+        load_config(str(path), {})
+    assert load_config("fleet-100k", {}).keepalive_s == 300

@@ -17,7 +17,6 @@ Run as ``python -m fedfleet.emulation.worker SPEC.json``; stops on SIGTERM/SIGIN
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import signal
@@ -127,8 +126,7 @@ def start_devices(spec: dict, host: DeviceHost) -> list[DeviceAgent]:
     # devices dealt over the edge brokers of a broker tree (fedfleet.emulation.broker.BrokerTree)
     broker_urls = spec.get("device_brokers") or [spec["broker"]]
     # a fleet's keepalive: every device pings once per keepalive, and a host's one loop answers them all
-    brokers = {url: dataclasses.replace(BrokerConfig.from_url(url), keepalive=int(spec.get("keepalive_s", 30)))
-               for url in broker_urls}
+    brokers = {url: BrokerConfig.from_url(url, keepalive=spec.get("keepalive_s", 30)) for url in broker_urls}
     topics = Topics(spec.get("topic_root", "fedfleet"))
     t0 = time.monotonic()
     secure = spec.get("secure")
@@ -194,7 +192,7 @@ def device_totals(host: DeviceHost, agents: list[DeviceAgent]) -> dict:
               "devices": len(agents), "rss_mb": rss_mb(), "step_errors": host.step_errors,
               "not_connected": host.connect_problems(),
               "loop_lag_max_s": host.loop.max_lag_s,
-              "connections_lost": sum(getattr(a.link, "connections_lost", 0) for a in agents),
+              "connections_lost": sum(a.link.connections_lost for a in agents),
               "per_device": {a.device_id: {"bytes_up": a.stats.bytes_up, "bytes_down": a.link.bytes_received,
                                            "compute_s": a.stats.compute_s,
                                            "tasks_done": a.stats.tasks_done, "dropouts": a.stats.dropouts,
