@@ -125,8 +125,8 @@ PRESETS = {
     # round of ~1,000 uploads, hence the long retry and round timeouts; the model is evaluated once
     # per round. An upload's bandwidth pacing holds one of the host's step threads (host_threads).
     # Both fleet presets run the exported ExecuTorch program (the default runtime), as phones do:
-    # a device's few images take 0.5 ms there against eager torch's 5 ms, which at 100,000
-    # devices was most of the hosts' CPU.
+    # a device's 5 images take 12x less there than through eager torch (bench/service_hot_paths.py),
+    # which at 100,000 devices was most of the hosts' CPU.
     "fleet-10k": SimConfig(devices=10_000, train_limit=50_000, test_limit=2000, image_size=32,
                            split="dirichlet", alpha=0.1, clients_per_round=1000, round_timeout_s=900,
                            holdout_fraction=0.0, dropout_prob=0.0, slowdown=(1.0, 1.5), retry_after_s=300.0,
