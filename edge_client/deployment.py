@@ -263,9 +263,10 @@ class DeploymentFollower(LinkWorker):
 
     def _refuse(self, why: str, a: dict | None = None) -> None:
         log.warning("%s: %s", self.device_id, why)
-        self.refusals.append(why)
         if a is not None:
             self._report(D.report_message(self.device_id, a["deployment"], a["sha256"], refused=why))
+        # recorded after its report: whoever sees the refusal (a status page, a test) sees the report
+        self.refusals.append(why)
 
     def _report(self, env) -> None:
         self.reports.append(dict(env.body))
