@@ -16,6 +16,7 @@ from protocols.rounds import RoundClosed, RoundCoordinator
 
 from aggregator.service.canonical import AppliedContributions
 from aggregator.jobs.base import Job
+from aggregator.storage.schema import JobState
 
 # Why a message was refused: a fixed set, so metrics labels and counters stay bounded whatever
 # devices send (the detail goes to the log, never into a label).
@@ -59,7 +60,7 @@ class ActiveJob:
     job: Job
     kind: str
     out_dir: Path
-    state: str = "running"                      # running | paused
+    state: JobState = JobState.RUNNING                 # running | paused
     rounds: dict[int, RoundCoordinator] = field(default_factory=dict)
     current: RoundCoordinator | None = None
     tasks: dict[int, dict[str, str]] = field(default_factory=dict)     # round -> device -> task id
