@@ -21,7 +21,9 @@ from aggregator.jobs.privacy_fields import UpdateClippingFields
 
 @dataclass
 class SecureAggregationFields(JobConfig):
-    graph: str = "complete"                 # "complete" (SecAgg) or "regular" (SecAgg+)
+    # "auto": the complete graph (SecAgg) up to 128 members, SecAgg+'s regular graph above
+    # (protocols.secagg.config.resolve_graph); or "complete" / "regular" whatever the size
+    graph: str = "auto"
     expected_dropout: float = 0.1           # SecAgg+: the degree and share threshold are chosen to survive it
     max_samples: int = 10_000               # per device; with the per-entry bound it fixes the vector's bound
     phase_timeout_s: float = 30.0
