@@ -38,6 +38,130 @@ def _create(members, **over):
                               bound=over.pop("bound", 1.0), **over)
 
 
+# ---------------------------------------------------------------- the auto graph and its degree
+def test_auto_picks_the_complete_graph_up_to_the_threshold_and_secagg_plus_above():
+    small = [f"dev{i:04d}" for i in range(AUTO_COMPLETE_MAX_MEMBERS)]
+    large = small + ["dev9999"]
+    assert _create(small).graph == GRAPH_COMPLETE and _create(small).degree == len(small) - 1
+    config = _create(large)
+    assert config.graph == GRAPH_REGULAR and config.degree == regular_degree(len(large)) < len(large) // 2
+    assert resolve_graph("complete", 5000) == GRAPH_COMPLETE and resolve_graph("regular", 10) == GRAPH_REGULAR
+    assert Fed3RSyncConfig(job_id="s", num_classes=2, feature_dim=2).graph == "auto"      # every job's default
+
+
+@pytest.mark.parametrize("n", [129, 500, 2000, 10_000])
+@pytest.mark.parametrize("dropout", [0.1, 0.2])
+def test_the_default_degree_meets_the_correctness_and_security_targets(n, dropout):
+    """Correctness: n · P[fewer than t' of the k+1 holders answer] <= 2^-20 (scipy's binomial
+    tail); security: C(n,2) · δ^k <= 2^-40 (two dropped runs of k/2 split the ring, next test);
+    and k is the smallest even degree meeting both, floored at 2⌈log2 n⌉."""
+    k = regular_degree(n, dropout)
+    assert k % 2 == 0 and k < n - 1
+    t_share = (k + 1) // 2 + 1
+
+    def fails_log2(degree):
+        holders = degree + 1
+        short = binom.cdf((degree + 1) // 2, holders, 1 - dropout)      # fewer than t' = ⌊h/2⌋+1 answer
+        return max(math.log2(n) + math.log2(max(short, 1e-300)),
+                   math.log2(math.comb(n, 2)) + degree * math.log2(dropout))
+
+    assert t_share == (k + 1) // 2 + 1 and fails_log2(k) <= CORRECTNESS_LOG2 and SECURITY_LOG2 <= CORRECTNESS_LOG2
+    assert math.log2(math.comb(n, 2)) + k * math.log2(dropout) <= SECURITY_LOG2
+    floor = 2 * math.ceil(math.log2(n))
+    assert k == floor or fails_log2(k - 2) > CORRECTNESS_LOG2
+
+
+def test_the_ring_graph_splits_only_when_two_runs_of_half_the_degree_drop():
+    """The premise of the security bound, checked by brute force on small rings: the survivors of
+    a SecAgg+ graph are disconnected exactly when two disjoint runs of >= k/2 consecutive ring
+    positions are all gone (scipy's connected components as the reference)."""
+    rng = random.Random(7)
+    for n, k in [(16, 4), (21, 6), (30, 8)]:
+        members = [f"d{i:02d}" for i in range(n)]
+        graph = NeighbourGraph.random_regular(members, k, bytes(32))
+        ring = list(graph._ring)
+        for _ in range(300):
+            gone = set(rng.sample(ring, rng.randint(1, n - 3)))
+            alive = [m for m in ring if m not in gone]
+            index = {m: i for i, m in enumerate(alive)}
+            edges = [(index[u], index[v]) for u in alive for v in graph.neighbours(u) if v in index]
+            rows, cols = [e[0] for e in edges], [e[1] for e in edges]
+            adjacency = csr_matrix((np.ones(len(rows)), (rows, cols)), shape=(len(alive), len(alive)))
+            components = connected_components(adjacency, directed=False)[0]
+            positions = [i for i, m in enumerate(ring) if m not in gone]
+            gaps = [(positions[(j + 1) % len(positions)] - positions[j] - 1) % n for j in range(len(positions))]
+            assert (components > 1) == (sum(g >= k // 2 for g in gaps) >= 2), (n, k, sorted(gone))
+
+
+# ---------------------------------------------------------------- 2,000 members: every message fits
+def test_a_2000_member_group_with_the_default_graph_sends_only_messages_the_envelope_carries():
+    """Real server and clients through RoundStart, AdvertiseKeys and KeyDirectory for all 2,000 (the
+    complete graph's key directory would be about 500 KB of header), a device's EncryptedShares, and the later
+    messages at their largest (every peer's share, every member a survivor and a signer), each
+    encoded by the envelope's encoder."""
+    n = 2000
+    identities = {i.device_id: i for i in make_identities(n, prefix="dev")}
+    config = _create(identities, vector_length=1000)
+    assert config.graph == GRAPH_REGULAR and config.degree == regular_degree(n) and config.consistency_check
+    server = ServerSecAgg(config, AGGREGATOR,
+                          IdentityRegistry({d: i.public_key_bytes for d, i in identities.items()}))
+    clients = {d: ClientSecAgg(i, "aggregator", AGGREGATOR.public_key_bytes, job_id="job", round_id=1,
+                               group_id="g1") for d, i in identities.items()}
+    largest: dict[str, int] = {}
+
+    def sent(messages, every=1):
+        """The messages, each ``every``-th encoded by the envelope's encoder (it raises past the
+        limits; every member's message of one type is built by the same code from same-sized
+        ids, keys and k, so a sample stands for all); the largest header of each type is kept."""
+        messages = [m for m in messages if isinstance(m, Message)]
+        for m in messages[::every]:
+            wire = encode(to_envelope(m))
+            largest[m.TYPE] = max(largest.get(m.TYPE, 0), struct.unpack_from("<I", wire, 4)[0])
+        return messages
+
+    advertised = [reply for start in sent(server.start(), 50) for reply in clients[start.recipient].handle(start)]
+    directories = sent([out for up in sent(advertised, 50) for out in server.handle(up)], 10)
+    assert len(directories) == n and all(len(d.neighbour_keys) == config.degree for d in directories)
+    sent([r for d in directories[:3] for r in clients[d.recipient].handle(d)])
+    # the later phases at their largest: a device's k shares forwarded and returned, every member a
+    # survivor and a consistency signer
+    me, k = config.members[0], config.degree
+    peers = config.members[1: k + 1]
+    everyone = config.to_bitmap(config.members)
+    big = [ForwardedShares(job_id="job", round_id=1, group_id="g1", sender="aggregator", recipient=me,
+                           senders=tuple(peers), ciphertexts=np.zeros((k, 100), np.uint8)).signed(AGGREGATOR),
+           UnmaskRequest(job_id="job", round_id=1, group_id="g1", sender="aggregator", recipient=me,
+                         survivors=everyone, dropped=np.zeros_like(everyone), consistency_signers=everyone,
+                         consistency_signatures=np.zeros((n, 64), np.uint8)).signed(AGGREGATOR),
+           UnmaskShares(job_id="job", round_id=1, group_id="g1", sender=me, recipient="aggregator",
+                        self_mask_owners=tuple(peers[: k // 2 + 1]), key_owners=tuple(peers[k // 2 + 1:]),
+                        self_mask_shares=np.zeros((k // 2 + 1, 36), np.uint8),
+                        key_shares=np.zeros((k - k // 2 - 1, 36), np.uint8)).signed(identities[me])]
+    sent(big)
+    assert max(largest.values()) < MAX_HEADER_BYTES // 2, largest
+    assert set(largest) >= {"secagg.round_start", "secagg.advertise_keys", "secagg.key_directory",
+                            "secagg.encrypted_shares", "secagg.forwarded_shares", "secagg.unmask_request",
+                            "secagg.unmask_shares"}
+
+
+# ---------------------------------------------------------------- above the threshold: exact
+def test_a_round_with_the_default_graph_above_the_auto_threshold_is_exact_with_dropouts():
+    n, m = AUTO_COMPLETE_MAX_MEMBERS + 12, 6
+    identities = {i.device_id: i for i in make_identities(n, prefix="dev")}
+    config = _create(identities, vector_length=m, bound=50.0, consistency_check=False)
+    assert config.graph == GRAPH_REGULAR
+    rng = np.random.default_rng(1)
+    inputs = {d: rng.uniform(-50, 50, m) for d in identities}
+    dropped = random.Random(1).sample(sorted(identities), n // 10)           # the declared 10 %
+    dropouts = {d: (Phase.MASKED_INPUT if i % 2 else Phase.SHARE_KEYS) for i, d in enumerate(dropped)}
+    run = run_round(config, AGGREGATOR, identities, inputs, dropouts=dropouts, report_offline=True)
+    assert isinstance(run.outcome, AggregateReady), run.outcome
+    survivors = sorted(set(identities) - set(dropped))
+    assert sorted(run.outcome.survivors) == survivors
+    expected = plain_fixed_point_sum(config, [inputs[d] for d in survivors])
+    np.testing.assert_array_equal(run.outcome.sum_uint64, expected)
+
+
 # ---------------------------------------------------------------- a message that cannot be built
 def test_a_key_directory_too_large_for_the_envelope_fails_the_round_once_with_its_reason(caplog):
     """The complete graph forced on 300 members: each key directory's header (about 240 bytes per
@@ -88,3 +212,4 @@ def test_the_size_check_refuses_what_the_envelope_encoder_refuses():
                 encode(raw)
             with pytest.raises(UnsendableMessage, match="secagg.forwarded_shares to dev0"):
                 to_envelope(message)
+
