@@ -213,3 +213,34 @@ def test_the_size_check_refuses_what_the_envelope_encoder_refuses():
             with pytest.raises(UnsendableMessage, match="secagg.forwarded_shares to dev0"):
                 to_envelope(message)
 
+
+# ---------------------------------------------------------------- phase timer: no progress, not age
+def test_a_phase_times_out_after_phase_timeout_without_an_answer_not_after_it_opened():
+    """A large group's answers keep arriving for longer than phase_timeout_s (each device computes
+    and uploads in turn): the phase stays open while they come, and times out only once none has
+    come for phase_timeout_s. A fixed timer would have closed it at t = 10 and made the later
+    answers late."""
+    ids = [f"dev{i}" for i in range(5)]
+    identities = {d: DeviceIdentity.generate(d) for d in ids}
+    registry = IdentityRegistry({d: i.public_key_bytes for d, i in identities.items()})
+    job = Fed3RSyncJob(Fed3RSyncConfig(job_id="slow", num_classes=2, feature_dim=2, clients_per_round=5,
+                                       max_samples=10, phase_timeout_s=10.0), identity=AGGREGATOR, registry=registry)
+    job.next_participants(set(ids))
+    round_id = job.secure.config.round_id
+    clients = {d: ClientSecAgg(identities[d], "aggregator", AGGREGATOR.public_key_bytes, job_id="slow",
+                               round_id=round_id, group_id=f"g{round_id}") for d in ids}
+    starts = dict(job.on_protocol_tick(0.0))
+
+    def answer(device, now):
+        [reply] = clients[device].handle(from_envelope(starts[device]))
+        return job.on_protocol(device, to_envelope(reply), now)
+
+    for i, device in enumerate(ids[:3]):                  # one answer every 6 s: 0 → 18 s
+        assert answer(device, 6.0 * (i + 1)) == []
+        assert job.on_protocol_tick(6.0 * (i + 1) + 5.0) == []       # 11, 17, 23 s: still open
+    assert job.secure.phase is Phase.ADVERTISE_KEYS
+    assert answer(ids[3], 27.0) == []                      # 27 s after it opened, 9 s after the last
+    assert job.on_protocol_tick(36.0) == []                # 9 s without an answer: still waiting for dev4
+    directories = job.on_protocol_tick(37.5)               # 10.5 s without: it closes with the four
+    assert sorted(device for device, _ in directories) == ids[:4]
+    assert job.secure.phase is Phase.SHARE_KEYS
