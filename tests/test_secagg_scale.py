@@ -146,7 +146,7 @@ def test_a_2000_member_group_with_the_default_graph_sends_only_messages_the_enve
 
 # ---------------------------------------------------------------- above the threshold: exact
 def test_a_round_with_the_default_graph_above_the_auto_threshold_is_exact_with_dropouts():
-    n, m = AUTO_COMPLETE_MAX_MEMBERS + 12, 6
+    n, m = AUTO_COMPLETE_MAX_MEMBERS + 1, 6
     identities = {i.device_id: i for i in make_identities(n, prefix="dev")}
     config = _create(identities, vector_length=m, bound=50.0, consistency_check=False)
     assert config.graph == GRAPH_REGULAR
