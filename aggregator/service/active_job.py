@@ -85,6 +85,10 @@ class ActiveJob:
     def round_entry(self, closed: RoundClosed, opened_at: float | None, closed_at: float | None) -> dict:
         """One line of the job's round log (results.json, the API, the report)."""
         t = (closed_at - self.started_at) if closed_at else None
-        return {"round": closed.round, "accepted": list(closed.accepted), "dropped": list(closed.dropped),
-                "declined": list(closed.declined), "rejected": list(closed.rejected), "t": t,
-                "opened_at": opened_at, "closed_at": closed_at}
+        entry = {"round": closed.round, "accepted": list(closed.accepted), "dropped": list(closed.dropped),
+                 "declined": list(closed.declined), "rejected": list(closed.rejected), "t": t,
+                 "opened_at": opened_at, "closed_at": closed_at}
+        failure = self.job.secure_failure(closed.round) if self.job.secure_rounds else None
+        if failure is not None:      # a secure round that produced no sum says why
+            entry["secure_failure"] = failure
+        return entry
