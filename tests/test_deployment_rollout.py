@@ -126,7 +126,8 @@ def test_promotion_reaches_every_device_and_a_failing_guard_rolls_the_canary_bac
     assert [h["to"] for h in view["history"]] == ["canary", "widening", "complete"]
     for d in DEVICES[:-1]:                       # counts only, equal to the reference; nothing before: 0
         Z, y = world["holdout"][d]
-        assert view["devices"][d]["report"] == {"deployment": "good-1", "sha256": good_sha, "n": N_HOLDOUT,
+        assert view["devices"][d]["report"] == {"deployment": "good-1", "seq": ctl.last[d][1], "sha256": good_sha,
+                                                "n": N_HOLDOUT,
                                                 "correct_candidate": correct(world["good"], Z, y),
                                                 "correct_current": 0}
         np.testing.assert_array_equal(fleet.followers[d].slot.predict(Z),
@@ -173,7 +174,8 @@ def test_unsigned_assignments_and_tampered_heads_are_refused_and_the_device_keep
         evil = D.head_npz(*world["broken"])
         sha = hashlib.sha256(evil).hexdigest()
         # unsigned, on a device holding the aggregator's key: refused before anything is fetched
-        raw.publish(T.deploy("cam-0"), encode(D.run_message(AGGREGATOR_ID, "evil", sha, len(evil), 1)),
+        raw.publish(T.deploy("cam-0"), encode(D.run_message(AGGREGATOR_ID, "evil", sha, len(evil), 1,
+                                                                     device="cam-0", seq=2 ** 61)),
                     qos=1, retain=True).wait_for_publish(5)
         wait_for(lambda: fleet.followers["cam-0"].refusals, what="the unsigned assignment's refusal")
         assert "unsigned" in fleet.followers["cam-0"].refusals[-1] or "signature" in fleet.followers["cam-0"].refusals[-1]
@@ -188,7 +190,8 @@ def test_unsigned_assignments_and_tampered_heads_are_refused_and_the_device_keep
         asked = []
         raw.on_message = lambda c, u, m: asked.append(m.topic)
         raw.subscribe(T.deploy_out("stranger"), qos=1)
-        raw.publish(T.deploy("stranger"), encode(D.run_message(AGGREGATOR_ID, "evil", sha, len(evil), 1)),
+        raw.publish(T.deploy("stranger"), encode(D.run_message(AGGREGATOR_ID, "evil", sha, len(evil), 1,
+                                                                       device="stranger", seq=1)),
                     qos=1, retain=True).wait_for_publish(5)
         wait_for(lambda: asked, what="the device to ask for the head")
         tampered = evil[:-1] + bytes([evil[-1] ^ 1])

@@ -60,7 +60,10 @@ class DeploymentOut(BaseModel):
     reason: str
     history: list[dict[str, Any]] = Field(description="every state change: time, from, to, stage, why, metrics")
     counts: dict[str, int] = Field(description="devices sent the candidate, sent a rollback, that reported, "
-                                               "that refused it; fleet: known devices")
+                                               "that refused it; fleet: known devices; late_reports: reports refused as "
+                                               "not about the device's last assignment; refused:<class>: refusals "
+                                               "devices reported, by class (signature, hash, stale, device, timeout, "
+                                               "load)")
     devices: dict[str, dict[str, Any]] = Field(description="per device: what it was sent, when, and its report "
                                                            "(held-out counts only, or why it refused)")
 

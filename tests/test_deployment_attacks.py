@@ -1,0 +1,98 @@
+"""Rollouts against an attacker (issue 37), over a real mosquitto, with the controller and the
+followers of ``test_deployment_rollout.py``:
+
+* replay: a validly signed assignment and head of an older version, captured while it rolled
+  out and republished after a newer one, are refused (stale sequence) and the device keeps the
+  newer version; the same assignment republished on another device's topic is refused (it names
+  its device); a late report on the finished deployment is refused and counted, the stored one
+  unchanged; the refusals the device reports are counted per deployment by class.
+"""
+
+import time
+
+import numpy as np
+import paho.mqtt.client as mqtt
+import pytest
+
+from protocols.envelope import decode, encode
+from protocols.payloads import deployment as D
+from test_deployment_rollout import D_sha, model_id, setup, store_state, world  # noqa: F401 (fixtures)
+from ops_fleet import wait_for
+
+
+class Sniffer:
+    """Anyone on the broker path: records what is published on the topics it reads, republishes at will."""
+
+    def __init__(self, broker, topics):
+        self.seen: dict[str, list[bytes]] = {}
+        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"sniffer-{time.monotonic_ns()}")
+        self.client.on_message = lambda c, u, m: self.seen.setdefault(m.topic, []).append(bytes(m.payload))
+        self.client.connect("127.0.0.1", broker.port)
+        self.client.loop_start()
+        for t in topics:
+            self.client.subscribe(t, qos=1)
+
+    def publish(self, topic, payload, retain=False):
+        self.client.publish(topic, payload, qos=1, retain=retain).wait_for_publish(5)
+
+    def close(self):
+        self.client.loop_stop()
+        self.client.disconnect()
+
+
+def test_a_replayed_older_assignment_and_head_are_refused_and_late_reports_counted(setup, world, broker):
+    store, controller, fleet = setup
+    T = fleet.topics
+    W, b = world["good"]
+    v1, v2 = model_id(store, "v1", W, b), model_id(store, "v2", W * 1.5, b * 1.5)    # same argmax, other bytes
+    sha1, sha2 = D_sha((W, b)), D_sha((W * 1.5, b * 1.5))
+    sniffer = Sniffer(broker, [T.deploy("cam-0"), T.deploy_in("cam-0")])
+    for d in ("cam-0", "cam-1"):
+        fleet.start(d)
+    ctl = controller()
+    try:
+        ctl.call(lambda: ctl.deploy(v1, cohort="devices:cam-0,cam-1", stages="100%", bake_s=0, min_reports=2,
+                                    deployment_id="v1"))
+        wait_for(lambda: store_state(store, "v1") == "complete" and fleet.sha("cam-0") == sha1, what="v1 everywhere")
+        old_assignment = sniffer.seen[T.deploy("cam-0")][-1]
+        old_head = next(p for p in sniffer.seen[T.deploy_in("cam-0")] if decode(p).body.get("sha256") == sha1)
+        assert D.parse_assignment(decode(old_assignment))["sha256"] == sha1       # what was captured: v1's, signed
+        v1_report = ctl.show("v1")["devices"]["cam-0"]["report"]
+
+        ctl.call(lambda: ctl.deploy(v2, cohort="devices:cam-0,cam-1", stages="100%", bake_s=0, min_reports=2,
+                                    deployment_id="v2"))
+        wait_for(lambda: store_state(store, "v2") == "complete" and fleet.sha("cam-0") == sha2, what="v2 on cam-0")
+        wait_for(lambda: fleet.sha("cam-1") == sha2, what="v2 on cam-1")
+        follower = fleet.followers["cam-0"]
+        refusals = len(follower.refusals)
+
+        # the downgrade: v1's signed assignment and head republished (retained, as the original)
+        sniffer.publish(T.deploy("cam-0"), old_assignment, retain=True)
+        sniffer.publish(T.deploy_in("cam-0"), old_head)
+        wait_for(lambda: len(follower.refusals) > refusals, what="the replay's refusal")
+        assert "older than the one held" in follower.refusals[-1], follower.refusals[-1]
+        time.sleep(0.5)                          # time enough to fetch and swap, had it been taken (it took 10 ms)
+        assert fleet.sha("cam-0") == sha2 and follower.slot.seq == ctl.last["cam-0"][1]
+        assert follower.reports[-1]["reason"] == "stale"
+
+        # redirected: cam-0's assignment on cam-1's topic
+        other = fleet.followers["cam-1"]
+        n_other = len(other.refusals)
+        sniffer.publish(T.deploy("cam-1"), old_assignment, retain=True)
+        wait_for(lambda: len(other.refusals) > n_other, what="the redirected assignment's refusal")
+        assert "is for 'cam-0', not this device" in other.refusals[-1] and fleet.sha("cam-1") == sha2
+
+        # a late report on the finished v1 (what the replay used to produce), sent as the device
+        late = D.report_message("cam-0", "v1", sha1, n=40, correct_candidate=40, correct_current=0,
+                                seq=v1_report["seq"])
+        sniffer.publish(T.deploy_out("cam-0"), encode(late))
+        wait_for(lambda: ctl.show("v1")["counts"]["late_reports"] == 1, what="the late report counted")
+        assert ctl.show("v1")["devices"]["cam-0"]["report"] == v1_report
+        # the device's refusals, by class, on the deployment it runs
+        wait_for(lambda: ctl.show("v2")["counts"].get("refused:stale") == 1, what="the stale refusal counted")
+        assert ctl.show("v2")["counts"].get("refused:device") == 1
+        assert ctl.show("v2")["state"] == "complete" and ctl.show("v2")["counts"]["refused"] == 0
+    finally:
+        for d in ("cam-0", "cam-1"):
+            sniffer.publish(T.deploy(d), b"", retain=True)
+        sniffer.close()
