@@ -168,6 +168,18 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def refusal_of(a: dict, device_id: str, held_seq: int) -> tuple[str, str] | None:
+    """(reason class, why) when a signed assignment must be refused by device ``device_id`` holding
+    sequence ``held_seq``; None when it may be acted on (the same sequence again is a retained
+    re-delivery, not a replay: acting on it again changes nothing). The Java ``ModelSlot.admit``
+    is the same rule (tests/test_java_deployment.py runs both on the same messages)."""
+    if a["device"] != device_id:            # signed for another device, republished on this one's topic
+        return "device", f"assignment {a['seq']} of {a['deployment']} is for {a['device']!r}, not this device: refused"
+    if a["seq"] < held_seq:                 # a captured older assignment replayed: never back in time
+        return "stale", f"assignment {a['seq']} of {a['deployment']} is older than the one held ({held_seq}): refused"
+    return None
+
+
 class DeploymentFollower(LinkWorker):
     """Follows the device's assignment: fetch, verify, evaluate on ``holdout(bundle_sha256)`` ->
     (features of the held-out split through that bundle, labels), swap, report. ``aggregator_key``:
@@ -224,12 +236,9 @@ class DeploymentFollower(LinkWorker):
             self._refuse(f"assignment refused: {exc}", None, "load")
 
     def _on_assignment(self, a: dict) -> None:
-        if a["device"] != self.device_id:       # signed for another device, republished on this one's topic
-            return self._refuse(f"assignment {a['seq']} of {a['deployment']} is for {a['device']!r}, not this "
-                                f"device: refused", None, "device")
-        if a["seq"] < self.slot.seq:            # a captured older assignment replayed: never back in time
-            return self._refuse(f"assignment {a['seq']} of {a['deployment']} is older than the one held "
-                                f"({self.slot.seq}): refused", None, "stale")
+        refusal = refusal_of(a, self.device_id, self.slot.seq)
+        if refusal is not None:
+            return self._refuse(refusal[1], None, refusal[0])
         self.slot.hold_seq(a["seq"])            # the same seq again: a retained re-delivery, handled below
         if a["action"] == D.ROLLBACK:
             self._pending = None if self._pending and self._pending["deployment"] == a["deployment"] else self._pending
