@@ -5,7 +5,11 @@ followers of ``test_deployment_rollout.py``:
   out and republished after a newer one, are refused (stale sequence) and the device keeps the
   newer version; the same assignment republished on another device's topic is refused (it names
   its device); a late report on the finished deployment is refused and counted, the stored one
-  unchanged; the refusals the device reports are counted per deployment by class.
+  unchanged; the refusals the device reports are counted per deployment by class;
+* a lying canary device: one of three reports, signed and well-formed, counts far beyond any
+  held-out split, inflated for a broken head and deflated for a good one; the honest devices'
+  verdict stands both times (rollback, promotion), and the decision records the liar's claimed n
+  next to the weight it was given.
 """
 
 import time
@@ -14,9 +18,10 @@ import numpy as np
 import paho.mqtt.client as mqtt
 import pytest
 
-from protocols.envelope import decode, encode
+from edge_client.deployment import DeploymentFollower, ModelSlot
+from protocols.envelope import Envelope, decode, encode
 from protocols.payloads import deployment as D
-from test_deployment_rollout import D_sha, model_id, setup, store_state, world  # noqa: F401 (fixtures)
+from test_deployment_rollout import N_HOLDOUT, D_sha, correct, model_id, setup, store_state, world  # noqa: F401
 from ops_fleet import wait_for
 
 
@@ -96,3 +101,57 @@ def test_a_replayed_older_assignment_and_head_are_refused_and_late_reports_count
         for d in ("cam-0", "cam-1"):
             sniffer.publish(T.deploy(d), b"", retain=True)
         sniffer.close()
+
+
+class LyingFollower(DeploymentFollower):
+    """An enrolled device that evaluates honestly, then reports what it likes: ``lie`` "inflate"
+    (the candidate is perfect, its current head useless) or "deflate" (the other way round)."""
+    lie = None
+
+    def _report(self, env):
+        if self.lie and "n" in env.body:
+            big = 10 ** 9
+            body = {**env.body, "n": big, "correct_candidate": big if self.lie == "inflate" else 0,
+                    "correct_current": 0 if self.lie == "inflate" else big}
+            env = Envelope(type=env.type, sender=env.sender, body=body)
+        super()._report(env)
+
+
+def test_a_lying_canary_device_cannot_move_the_honest_canarys_verdict(setup, world, broker):
+    store, controller, fleet = setup
+    W, b = world["good"]
+    good, broken = model_id(store, "good", W, b), model_id(store, "broken", *world["broken"])
+    good2 = model_id(store, "good2", W * 1.5, b * 1.5)                      # the same predictions, other bytes
+    canary = "devices:cam-0,cam-1,cam-2"
+    for d in ("cam-0", "cam-1"):
+        fleet.start(d)
+    liar = LyingFollower("cam-2", fleet.broker, ModelSlot(fleet.tmp / "cam-2"), lambda bundle: world["holdout"]["cam-2"],
+                         topics=fleet.topics, aggregator_key=fleet.key, retry_s=0.5, fetch_timeout_s=10)
+    fleet.followers["cam-2"] = liar.start()
+    ctl = controller()
+    ctl.call(lambda: ctl.deploy(good, cohort=canary, stages="100%", bake_s=0, deployment_id="base"))
+    wait_for(lambda: store_state(store, "base") == "complete", what="the honest first rollout")
+
+    liar.lie = "inflate"                              # a head with permuted classes, praised by the liar
+    ctl.call(lambda: ctl.deploy(broken, cohort=canary, stages="100%", bake_s=0.3, deployment_id="broken-1"))
+    wait_for(lambda: store_state(store, "broken-1") in ("rolled_back", "complete"), what="the broken head judged")
+    view = ctl.show("broken-1")
+    assert view["state"] == "rolled_back" and "median_drop" in view["reason"], view["reason"]
+    evidence = view["history"][-1]["metrics"]["evidence"]
+    assert evidence["cam-2"]["n"] == 10 ** 9 and evidence["cam-2"]["weight"] == N_HOLDOUT   # its earlier n
+    honest = []
+    for d in ("cam-0", "cam-1"):
+        Z, y = world["holdout"][d]
+        honest.append(100 * (correct(world["good"], Z, y) - correct(world["broken"], Z, y)) / N_HOLDOUT)
+        assert evidence[d] == {"n": N_HOLDOUT, "weight": N_HOLDOUT, "drop": honest[-1]}
+    assert view["history"][-1]["metrics"]["median_drop"] == sorted([*honest, -100.0])[1] > 1.0
+
+    liar.lie = "deflate"                              # a good head, slandered by the liar
+    wait_for(lambda: all(fleet.sha(d) == D_sha(world["good"]) for d in ("cam-0", "cam-1", "cam-2")),
+             what="the canary back on the good head")
+    ctl.call(lambda: ctl.deploy(good2, cohort=canary, stages="100%", bake_s=0.3, deployment_id="good-2"))
+    wait_for(lambda: store_state(store, "good-2") in ("rolled_back", "complete"), what="the good head judged")
+    view = ctl.show("good-2")
+    assert view["state"] == "complete", view["reason"]
+    metrics = view["history"][-1]["metrics"]
+    assert metrics["evidence"]["cam-2"]["drop"] == 100.0 and metrics["median_drop"] == 0.0

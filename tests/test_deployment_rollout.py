@@ -138,12 +138,12 @@ def test_promotion_reaches_every_device_and_a_failing_guard_rolls_the_canary_bac
     wait_for(lambda: fleet.sha(DEVICES[-1]) == good_sha, what="the late device to catch up")
 
     # a broken head (classes permuted): the canary evaluates it, the guard fails, the canary goes back
-    ctl.call(lambda: ctl.deploy(broken, cohort="devices:cam-2,cam-3", stages="50%,100%", bake_s=0.2,
+    ctl.call(lambda: ctl.deploy(broken, cohort="devices:cam-2,cam-3", stages="50%,100%", bake_s=0.2, min_reports=2,
                                 deployment_id="broken-1"))
     wait_for(lambda: store_state(store, "broken-1") == "rolled_back", what="the broken head's rollback")
     wait_for(lambda: all(fleet.sha(d) == good_sha for d in DEVICES), what="the canary back on the good head")
     view = ctl.show("broken-1")
-    assert "guard wma_drop<=1 failed" in view["reason"], view["reason"]
+    assert "guard median_drop<=1 failed" in view["reason"], view["reason"]
     assert sorted(view["devices"]) == ["cam-2", "cam-3"] and view["counts"]["sent_rollback"] == 2
     for d in ("cam-2", "cam-3"):
         Z, y = world["holdout"][d]
@@ -329,7 +329,7 @@ def test_rolling_back_the_settled_version_brings_back_the_one_before_for_every_d
     for d in devices:
         fleet.start(d)
     ctl = controller()
-    ctl.call(lambda: ctl.deploy(good, cohort="devices:cam-0", stages="100%", bake_s=0, deployment_id="v1"))
+    ctl.call(lambda: ctl.deploy(good, cohort="devices:cam-0", stages="100%", bake_s=0, min_reports=1, deployment_id="v1"))
     good_sha, other_sha = D_sha(world["good"]), D_sha(world["broken"])
     wait_for(lambda: all(fleet.sha(d) == good_sha for d in devices), what="v1 everywhere")
     # the operator pushes v2 through without waiting for its guard, then takes it back
@@ -383,7 +383,8 @@ def test_local_labels_the_head_has_no_row_for_are_refused_and_the_device_keeps_i
     good = model_id(store, "good", *world["good"])
     follower = fleet.start("cam-0", np.array([0, C]))        # a class the 3-class head does not have
     ctl = controller()
-    ctl.call(lambda: ctl.deploy(good, cohort="devices:cam-0", stages="100%", bake_s=0.1, deployment_id="good-1"))
+    ctl.call(lambda: ctl.deploy(good, cohort="devices:cam-0", stages="100%", bake_s=0.1, min_reports=1,
+                                deployment_id="good-1"))
     wait_for(lambda: follower.refusals, what="the refusal")
     assert "cannot be loaded" in follower.refusals[-1] and f"[0, {C})" in follower.refusals[-1]
     assert follower.slot.current is None and follower.reports[-1]["refused"] == follower.refusals[-1]

@@ -261,7 +261,7 @@ def test_a_java_device_follows_a_rollout_over_mosquitto(java_cp, world, broker, 
     feats, slot = write_features(tmp_path / "held.bin", Z, y), tmp_path / "jslot"
     proc = None
     try:
-        ctl.call(lambda: ctl.deploy(ids["good"], cohort="devices:jcam", stages="100%", bake_s=0.2,
+        ctl.call(lambda: ctl.deploy(ids["good"], cohort="devices:jcam", stages="100%", bake_s=0.2, min_reports=1,
                                     deployment_id="good-1"))
         time.sleep(0.5)                               # published while the device is offline: retained
         proc = subprocess.Popen(["java", "-cp", java_cp, "FollowerRunner", broker.url, "jcam", topics.root,
@@ -277,7 +277,7 @@ def test_a_java_device_follows_a_rollout_over_mosquitto(java_cp, world, broker, 
                           "correct_candidate": right,
                           "correct_current": 0}
 
-        ctl.call(lambda: ctl.deploy(ids["broken"], cohort="devices:jcam", stages="100%", bake_s=0.2,
+        ctl.call(lambda: ctl.deploy(ids["broken"], cohort="devices:jcam", stages="100%", bake_s=0.2, min_reports=1,
                                     deployment_id="broken-1"))
         wait_for(lambda: store_state(store, "broken-1") == "rolled_back", 60.0, "the broken head's rollback")
         report = ctl.show("broken-1")["devices"]["jcam"]["report"]

@@ -41,7 +41,7 @@ from protocols.payloads.artifacts import GET as ARTIFACT_GET, artifact_message, 
 from protocols.topics import AGGREGATOR_ID, CONTROLLER_ROLE, Topics
 
 from aggregator.deployments.cohort import CohortRule, parse_percent
-from aggregator.deployments.guard import DeviceReport, Guard
+from aggregator.deployments.guard import DEFAULT_GUARD, DEFAULT_MIN_REPORTS, DeviceReport, Guard
 from aggregator.deployments.machine import ACTIVE, Assign, Deployment, RollBack, RolledBack, Start, Tick, Promote
 from aggregator.storage.deployments import DeploymentStore
 from aggregator.storage.store import Store, StoreError
@@ -65,10 +65,13 @@ class Served:
 class DeploymentController(LinkWorker):
     def __init__(self, store: Store, broker: BrokerConfig, topics: Topics = Topics(),
                  signer: Callable[[bytes], bytes] | None = None, verifier=None, tick_s: float = 0.5,
-                 client_id: str | None = None):
+                 client_id: str | None = None, max_device_n: int = 1000):
         super().__init__(thread_name="deployments")
         self.store, self.table, self.topics, self.signer = store, DeploymentStore(store), topics, signer
         self.tick_s = tick_s
+        # a device's weight in the guard: at most the held-out size it reported in earlier deployments,
+        # never above max_device_n (a device's counts are its claim, not a fact)
+        self.max_device_n, self._known_n = int(max_device_n), {}
         self.assembler = MessageAssembler(verifier=verifier, max_message_bytes=1024 * 1024)
         self._next_tick = 0.0
         self.active: Served | None = None        # in canary or widening
@@ -116,6 +119,7 @@ class DeploymentController(LinkWorker):
         (a restart re-sends nothing)."""
         active = [r for r in self.table.list() if r["state"] in ACTIVE]
         self.active = self._load(active[-1]["deployment_id"]) if active else None
+        self._known_n = self.table.reported_sizes(exclude=self.active.dep.deployment_id if self.active else "")
         self.settled = self._latest_complete()
         if self.active is not None:
             log.warning("deployment %s resumed in state %s, stage %d", self.active.dep.deployment_id,
@@ -140,8 +144,8 @@ class DeploymentController(LinkWorker):
             return D.head_npz(*D.head_arrays({k: z[k] for k in z.files}))
 
     # ------------------------------------------------------------------ operator actions
-    def deploy(self, model_id: int, cohort: str = "5%", stages: str = "100%", guard: str = "wma_drop<=1.0",
-               bake_s: float = 600.0, min_reports: int = 1, patience_s: float = 600.0, deployment_id: str = "",
+    def deploy(self, model_id: int, cohort: str = "5%", stages: str = "100%", guard: str = DEFAULT_GUARD,
+               bake_s: float = 600.0, min_reports: int = DEFAULT_MIN_REPORTS, patience_s: float = 600.0, deployment_id: str = "",
                seed: int = 0) -> dict:
         if self.active is not None:
             raise StoreError(f"deployment {self.active.dep.deployment_id} is {self.active.dep.state}: "
@@ -158,6 +162,7 @@ class DeploymentController(LinkWorker):
                          self.settled.dep.model_id if self.settled else None)
         actions = dep.handle(Start(time.time()))
         self.table.create(deployment_id, model_id, dep.state, dep.to_dict())
+        self._known_n = self.table.reported_sizes(exclude=deployment_id)
         self.active = Served(dep, head, {})
         log.info("deployment %s of model %d started: canary %s", deployment_id, model_id, dep.cohort.text())
         self._apply(self.active, actions)
@@ -199,7 +204,8 @@ class DeploymentController(LinkWorker):
         self._send_run(active, sorted(d for d in members if not active.has_run(d)))
         reports = {d: report_of(active.sent[d]["report"]) for d in members
                    if d in active.sent and active.sent[d]["report"] is not None}
-        self._apply(active, active.dep.handle(Tick(now, reports)))
+        caps = {d: min(self.max_device_n, self._known_n.get(d, self.max_device_n)) for d in reports}
+        self._apply(active, active.dep.handle(Tick(now, reports, caps)))
 
     def _apply(self, served: Served, actions: list) -> None:
         dep = served.dep

@@ -56,6 +56,7 @@ class Start:
 class Tick:
     now: float
     reports: dict[str, DeviceReport]
+    caps: dict[str, int] = field(default_factory=dict)     # per device, the most samples its report may weigh
 
 
 @dataclass(frozen=True)
@@ -141,7 +142,7 @@ class Deployment:
         return self._judge(event)
 
     def _judge(self, tick: Tick) -> list:
-        metrics = stage_metrics(tick.reports)
+        metrics = stage_metrics(tick.reports, tick.caps)
         if metrics["reports"] < self.min_reports:
             if tick.now - self.stage_started_at < self.bake_s + self.patience_s:
                 return []

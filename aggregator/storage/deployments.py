@@ -71,6 +71,16 @@ class DeploymentStore:
             db.execute("UPDATE deployment_devices SET report=? WHERE deployment_id=? AND device=?",
                        (json.dumps(report), deployment_id, device))
 
+    def reported_sizes(self, exclude: str = "") -> dict[str, int]:
+        """device -> the smallest held-out size it reported in any deployment but ``exclude``."""
+        out: dict[str, int] = {}
+        for device, report in self.store.db.execute("SELECT device, report FROM deployment_devices WHERE "
+                                                    "report IS NOT NULL AND deployment_id != ?", (exclude,)):
+            n = json.loads(report).get("n")
+            if isinstance(n, int) and n > 0:
+                out[device] = min(n, out.get(device, n))
+        return out
+
     def devices(self, deployment_id: str) -> dict[str, dict]:
         """device -> {sent, sent_at, report}."""
         return {r["device"]: {"sent": r["sent"], "sent_at": r["sent_at"],
