@@ -87,8 +87,9 @@ def deployment_text(d: dict) -> str:
         lines.append(f"  reason    {d['reason']}")
     for h in d["history"]:
         m = h.get("metrics") or {}
-        acc = (f" (candidate {m['wma_candidate']:.2f}%, current {m['wma_current']:.2f}%, {m['reports']:.0f} reports)"
-               if m.get("wma_candidate") is not None else "")
+        median = f", median drop {m['median_drop']:.2f} pp" if m.get("median_drop") is not None else ""
+        acc = (f" (candidate {m['wma_candidate']:.2f}%, current {m['wma_current']:.2f}%{median}, "
+               f"{m['reports']:.0f} reports)" if m.get("wma_candidate") is not None else "")
         lines.append(f"  {time.strftime('%H:%M:%S', time.localtime(h['t']))} {h['from']} -> {h['to']}: {h['why']}{acc}")
     for dev, s in sorted(d["devices"].items()):
         r = s["report"] or {}

@@ -48,7 +48,7 @@ class Rollback(BaseModel):
 class DeploymentOut(BaseModel):
     deployment_id: str
     model_id: int
-    state: Literal["draft", "canary", "widening", "complete", "rolled_back"]
+    state: Literal["draft", "canary", "widening", "complete", "rolled_back", "halted"]
     created_at: float
     updated_at: float
     model_sha256: str
@@ -84,7 +84,9 @@ def log_lines(view: dict, offset: int) -> list[dict]:
     log, ``fedfleet admin logs``; the event is the state entered): the metrics the stage was judged on
     become fields of their own."""
     return [{"t": h["t"], "deployment_id": view["deployment_id"], "event": h["to"], "stage": h["stage"],
-             "from": h["from"], "why": h["why"], **(h.get("metrics") or {})}
+             "from": h["from"], "why": h["why"],
+             # per-device evidence stays in the deployment's history (one field per device is no log line)
+             **{k: v for k, v in (h.get("metrics") or {}).items() if k != "evidence"}}
             for h in view["history"][offset:]]
 
 

@@ -27,6 +27,7 @@ import logging
 import queue
 import re
 import time
+import zipfile
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -42,12 +43,17 @@ from protocols.topics import AGGREGATOR_ID, CONTROLLER_ROLE, Topics
 
 from aggregator.deployments.cohort import CohortRule, parse_percent
 from aggregator.deployments.guard import DEFAULT_GUARD, DEFAULT_MIN_REPORTS, DeviceReport, Guard
-from aggregator.deployments.machine import ACTIVE, Assign, Deployment, RollBack, RolledBack, Start, Tick, Promote
+from aggregator.deployments.machine import (ACTIVE, Assign, Deployment, Halt, Promote, RollBack, RolledBack, Start,
+                                            Tick)
 from aggregator.storage.deployments import DeploymentStore
-from aggregator.storage.store import Store, StoreError
+from aggregator.storage.store import Store, StoreError, arrays_sha256
 
 log = logging.getLogger("fedfleet.aggregator.deployments")
 _ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+class CorruptModel(StoreError):
+    """A stored model whose bytes no longer match its hash."""
 
 
 @dataclass
@@ -129,19 +135,38 @@ class DeploymentController(LinkWorker):
         complete = [r for r in self.table.list() if r["state"] == "complete"]
         return self._load(complete[-1]["deployment_id"]) if complete else None
 
-    def _load(self, deployment_id: str) -> Served:
+    def _load(self, deployment_id: str) -> Served | None:
+        """The deployment as served; None when its model's stored head is corrupt: the deployment is
+        halted with the reason (its devices keep what they run) and the model marked corrupt, and
+        nothing else stops (a fault in one artifact is not a reason to take the service down)."""
         dep = Deployment.from_dict(self.table.get(deployment_id)["spec"])
-        head = self._head_bytes(dep.model_id)
-        if hashlib.sha256(head).hexdigest() != dep.model_sha256:
-            raise StoreError(f"model {dep.model_id}'s head no longer hashes to deployment {dep.deployment_id}'s")
+        try:
+            head = self._head_bytes(dep.model_id)
+            if hashlib.sha256(head).hexdigest() != dep.model_sha256:
+                raise CorruptModel(f"model {dep.model_id}'s head no longer hashes to deployment {deployment_id}'s")
+        except (CorruptModel, KeyError) as exc:
+            reason = f"halted: {exc.args[0] if exc.args else exc}"
+            self.store.set_setting(f"model.{dep.model_id}.corrupt", reason)
+            dep.handle(Halt(time.time(), reason))
+            self.table.save(deployment_id, dep.state, dep.to_dict())
+            log.error("deployment %s %s; the service and every other deployment go on", deployment_id, reason)
+            return None
         return Served(dep, head, self.table.devices(deployment_id))
 
     def _head_bytes(self, model_id: int) -> bytes:
-        raw = self.store.model_bytes(model_id)
-        if raw is None:
+        """The head file of a stored model; CorruptModel when its stored arrays are unreadable or no
+        longer hash to the sha256 recorded when it was stored."""
+        raw, row = self.store.model_bytes(model_id), self.store.model(model_id)
+        if raw is None or row is None:
             raise KeyError(f"no model {model_id}")
-        with np.load(io.BytesIO(raw), allow_pickle=False) as z:
-            return D.head_npz(*D.head_arrays({k: z[k] for k in z.files}))
+        try:
+            with np.load(io.BytesIO(raw), allow_pickle=False) as z:
+                arrays = {k: z[k] for k in z.files}
+        except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
+            raise CorruptModel(f"model {model_id}'s stored arrays are unreadable ({type(exc).__name__}: {exc})") from None
+        if arrays_sha256(arrays) != row["sha256"]:
+            raise CorruptModel(f"model {model_id}'s stored arrays no longer hash to the sha256 recorded with them")
+        return D.head_npz(*D.head_arrays(arrays))
 
     # ------------------------------------------------------------------ operator actions
     def deploy(self, model_id: int, cohort: str = "5%", stages: str = "100%", guard: str = DEFAULT_GUARD,
