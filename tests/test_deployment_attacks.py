@@ -21,6 +21,7 @@ import pytest
 from edge_client.deployment import DeploymentFollower, ModelSlot
 from protocols.envelope import Envelope, decode, encode
 from protocols.payloads import deployment as D
+from test_broker_security import secured  # noqa: F401 (fixture)
 from test_deployment_rollout import N_HOLDOUT, D_sha, correct, model_id, setup, store_state, world  # noqa: F401
 from ops_fleet import wait_for
 
@@ -204,3 +205,62 @@ def test_a_corrupted_stored_head_halts_its_deployment_and_nothing_else(setup, wo
     ctl2.call(lambda: ctl2.deploy(third, cohort="devices:cam-1", stages="100%", bake_s=0, min_reports=1,
                                   deployment_id="third"))
     wait_for(lambda: store_state(store, "third") == "complete", what="another model's rollout")
+
+
+def test_on_the_generated_acl_broker_no_two_connections_share_an_identity(secured, tmp_path, world):
+    """The aggregator's service and deployment controller, a device's agent connection and its
+    deployment follower, all on the TLS + ACL broker fedfleet generates (the user name is the
+    client id), through a whole rollout with a 2 s keepalive: the broker closes none of the four
+    connections (with one account each for service and controller, and for agent and follower,
+    each pair closed the other in turn, about once a second). 12 s: several keepalive periods and
+    reconnect delays, enough to show that churn, not the minutes a soak test would run."""
+    import threading
+
+    from aggregator.deployments.controller import DeploymentController
+    from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
+    from aggregator.service.loop import AggregatorService
+    from aggregator.storage.store import Store
+    from ops_fleet import job_config
+    from protocols.mqtt_link import BrokerConfig, MqttLink
+    from protocols.topics import AGGREGATOR_ID, Topics
+
+    sec, port = secured
+    store = Store(tmp_path / "state.db")
+    broker = BrokerConfig("127.0.0.1", port, AGGREGATOR_ID, sec.aggregator_password, tls_ca=str(sec.ca_cert),
+                          keepalive=2)
+    svc = AggregatorService(Fed3RJob(Fed3RConfig(**job_config(["dev01"], start_timeout_s=60))), broker,
+                            tmp_path / "out", store=store, security=sec, tick_s=0.05)
+    creds = svc.enroll("dev01", None)
+    device = BrokerConfig("127.0.0.1", port, "dev01", creds.mqtt_password, tls_ca=str(sec.ca_cert), keepalive=2)
+    W, b = world["good"]
+    store.create_job("heads", "fed3r", {})
+    model = store.finish_job("heads", "done", {}, {}, {"coef": W, "intercept": b}, {}, 1)
+    thread = threading.Thread(target=svc.run, kwargs={"timeout_s": 60}, daemon=True)
+    thread.start()
+    ctl = DeploymentController(store, broker, Topics(), tick_s=0.05).start()
+    agent = MqttLink("dev01", device, on_message=lambda t, p: None, subscriptions=[(Topics().inbox("dev01"), 1)])
+    agent.start()                                # the agent's connection, as edge_client/agent.py opens it
+    follower = DeploymentFollower("dev01", device, ModelSlot(tmp_path / "slot"), lambda bundle: world["holdout"]["cam-0"],
+                                  retry_s=0.5).start()
+    links = {"service": svc.link, "controller": ctl.link, "agent": agent, "follower": follower.link}
+    closed = {name: 0 for name in links}
+    for name, link in links.items():            # count every connection the broker closes
+        handler = link.client.on_disconnect
+        link.client.on_disconnect = (lambda h, n: lambda *a: (closed.__setitem__(n, closed[n] + 1), h(*a)))(handler, name)
+    try:
+        assert all(link.connected.wait(10) for link in links.values())
+        ctl.call(lambda: ctl.deploy(model, cohort="devices:dev01", stages="100%", bake_s=0, min_reports=1,
+                                    deployment_id="acl-1"))
+        wait_for(lambda: store_state(store, "acl-1") == "complete", 15, "the rollout on the ACL broker")
+        assert follower.slot.current.sha256 == D_sha((W, b))
+        time.sleep(12)
+        assert closed == {name: 0 for name in links}, closed
+        assert all(link.connected.is_set() for link in links.values())
+        assert {link.client._client_id.decode() for link in links.values()} == \
+            {"aggregator", "aggregator/deployments", "dev01", "dev01/deploy"}
+    finally:
+        follower.stop()
+        agent.stop()
+        ctl.stop()
+        svc.stop()
+        thread.join(10)
