@@ -264,3 +264,65 @@ def test_on_the_generated_acl_broker_no_two_connections_share_an_identity(secure
         ctl.stop()
         svc.stop()
         thread.join(10)
+
+
+def test_a_refusal_names_its_class_and_forgeries_cannot_make_a_device_flood_reports(broker, tmp_path, world):
+    """A device holding the aggregator's key, driven by a test-held aggregator identity over the
+    broker: a head altered after signing is refused as ``signature``, one whose bytes do not hash
+    to the assignment (signed as such) as ``hash``, an assignment whose head never comes as
+    ``timeout``, each reported against its own assignment; 30 forged assignments make one report."""
+    from protocols.identity import DeviceIdentity
+    from protocols.mqtt_link import BrokerConfig
+    from protocols.payloads.artifacts import artifact_message
+    from protocols.topics import AGGREGATOR_ID, Topics
+
+    agg = DeviceIdentity.generate(AGGREGATOR_ID)
+    T = Topics(f"r{time.monotonic_ns()}")
+    sniffer = Sniffer(broker, [T.deploy_out("cam-0")])
+    follower = DeploymentFollower("cam-0", BrokerConfig.from_url(broker.url), ModelSlot(tmp_path / "slot"),
+                                  lambda bundle: world["holdout"]["cam-0"], topics=T, aggregator_key=agg.public_key_bytes,
+                                  retry_s=0.2, fetch_timeout_s=1.0, refusal_interval_s=60).start()
+    head = D.head_npz(*world["good"])
+    sha = D_sha(world["good"])
+
+    def assign(dep, seq, sha=sha):
+        sniffer.publish(T.deploy("cam-0"), encode(D.run_message(AGGREGATOR_ID, dep, sha, len(head), 1, device="cam-0",
+                                                                seq=seq), signer=agg.sign), retain=True)
+
+    def reports():
+        return [decode(p).body for p in sniffer.seen.get(T.deploy_out("cam-0"), []) if decode(p).type == D.REPORT]
+    try:
+        assign("d1", 1)                          # the head, altered after the aggregator signed it
+        wait_for(lambda: T.deploy_out("cam-0") in sniffer.seen, what="the head asked for")
+        signed = bytearray(encode(artifact_message(AGGREGATOR_ID, sha, "d1.npz", head), signer=agg.sign))
+        signed[len(signed) // 2] ^= 1
+        sniffer.publish(T.deploy_in("cam-0"), bytes(signed))
+        wait_for(lambda: len(reports()) == 1, what="the signature refusal")
+        assign("d2", 2)                          # a signed head whose bytes are not the assigned ones
+        wait_for(lambda: follower._pending is not None, what="d2 pending")
+        other = D.head_npz(*world["broken"])
+        sniffer.publish(T.deploy_in("cam-0"), encode(artifact_message(AGGREGATOR_ID, sha, "d2.npz", other),
+                                                     signer=agg.sign))
+        wait_for(lambda: len(reports()) == 2, what="the hash refusal")
+        assign("d3", 3)                          # nobody answers
+        wait_for(lambda: len(reports()) == 3, what="the timeout refusal")
+        got = [(r["deployment"], r["seq"], r["reason"]) for r in reports()]
+        assert got == [("d1", 1, "signature"), ("d2", 2, "hash"), ("d3", 3, "timeout")], got
+        assert follower.slot.current is None
+
+        assign("d4", 4)                          # now a head is taken, then forgeries rain
+        sniffer.publish(T.deploy_in("cam-0"), encode(artifact_message(AGGREGATOR_ID, sha, "d4.npz", head),
+                                                     signer=agg.sign))
+        wait_for(lambda: follower.slot.current is not None, what="the d4 swap")
+        before, refusals = len(reports()), len(follower.refusals)
+        for i in range(30):
+            sniffer.publish(T.deploy("cam-0"), encode(D.run_message(AGGREGATOR_ID, f"x{i}", sha, len(head), 1,
+                                                                    device="cam-0", seq=100 + i)), retain=True)
+        wait_for(lambda: len(follower.refusals) == refusals + 30, what="thirty refusals")
+        time.sleep(0.3)
+        flood = reports()[before:]
+        assert [(r["deployment"], r["seq"], r["reason"]) for r in flood] == [("d4", 4, "signature")], flood
+    finally:
+        sniffer.publish(T.deploy("cam-0"), b"", retain=True)
+        follower.stop()
+        sniffer.close()
