@@ -24,7 +24,7 @@ AGGREGATOR_ID = "aggregator"
 # A second MQTT connection of one party logs in as ``{account}/{role}`` (BrokerConfig.for_role):
 # on a broker that takes the user name as client id, two connections of one account would close
 # each other in turn. ``/`` is in no device id, so no device can be named like another's role.
-DEPLOY_ROLE, CONTROLLER_ROLE = "deploy", "deployments"
+DEPLOY_ROLE, CONTROLLER_ROLE, FETCH_ROLE = "deploy", "deployments", "fetch"
 
 
 def role_account(account: str, role: str) -> str:

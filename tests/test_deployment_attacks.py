@@ -208,8 +208,8 @@ def test_a_corrupted_stored_head_halts_its_deployment_and_nothing_else(setup, wo
 
 
 def test_on_the_generated_acl_broker_no_two_connections_share_an_identity(secured, tmp_path, world):
-    """The aggregator's service and deployment controller, a device's agent connection and its
-    deployment follower, all on the TLS + ACL broker fedfleet generates (the user name is the
+    """The aggregator's service and deployment controller, a device's agent connection, its
+    deployment follower and its on-demand bundle fetch, all on the TLS + ACL broker fedfleet generates (the user name is the
     client id), through a whole rollout with a 2 s keepalive: the broker closes none of the four
     connections (with one account each for service and controller, and for agent and follower,
     each pair closed the other in turn, about once a second). 12 s: several keepalive periods and
@@ -222,7 +222,7 @@ def test_on_the_generated_acl_broker_no_two_connections_share_an_identity(secure
     from aggregator.storage.store import Store
     from ops_fleet import job_config
     from protocols.mqtt_link import BrokerConfig, MqttLink
-    from protocols.topics import AGGREGATOR_ID, Topics
+    from protocols.topics import AGGREGATOR_ID, FETCH_ROLE, Topics
 
     sec, port = secured
     store = Store(tmp_path / "state.db")
@@ -242,7 +242,11 @@ def test_on_the_generated_acl_broker_no_two_connections_share_an_identity(secure
     agent.start()                                # the agent's connection, as edge_client/agent.py opens it
     follower = DeploymentFollower("dev01", device, ModelSlot(tmp_path / "slot"), lambda bundle: world["holdout"]["cam-0"],
                                   retry_s=0.5).start()
-    links = {"service": svc.link, "controller": ctl.link, "agent": agent, "follower": follower.link}
+    fetch_broker = device.for_role(FETCH_ROLE)     # a bundle fetched on demand, as fedfleet/device.py does
+    fetch = MqttLink(fetch_broker.username, fetch_broker, on_message=lambda t, p: None,
+                     subscriptions=[(Topics().inbox("dev01"), 1)], clean_start=True)
+    fetch.start()
+    links = {"service": svc.link, "controller": ctl.link, "agent": agent, "follower": follower.link, "fetch": fetch}
     closed = {name: 0 for name in links}
     for name, link in links.items():            # count every connection the broker closes
         handler = link.client.on_disconnect
@@ -257,8 +261,9 @@ def test_on_the_generated_acl_broker_no_two_connections_share_an_identity(secure
         assert closed == {name: 0 for name in links}, closed
         assert all(link.connected.is_set() for link in links.values())
         assert {link.client._client_id.decode() for link in links.values()} == \
-            {"aggregator", "aggregator/deployments", "dev01", "dev01/deploy"}
+            {"aggregator", "aggregator/deployments", "dev01", "dev01/deploy", "dev01/fetch"}
     finally:
+        fetch.stop()
         follower.stop()
         agent.stop()
         ctl.stop()
