@@ -307,10 +307,14 @@ class DeploymentFollower(LinkWorker):
         is the held one), it is that assignment's answer; anything else (a forged, stale or
         misaddressed message) is reported against the version running, once per class per
         ``refusal_interval_s``: the operator learns of an attack, an attacker cannot make the
-        device flood the aggregator."""
+        device flood the aggregator. An assignment's own refusals: once per class."""
         log.warning("%s: %s", self.device_id, why)
         if a is None or a["seq"] != self.slot.seq:
             a = self._unbound_report_target(reason)
+        elif reason in a.setdefault("refused_as", set()):     # forged heads while it is fetched: said once
+            a = None
+        else:
+            a["refused_as"].add(reason)
         if a is not None:
             self._report(D.report_message(self.device_id, a["deployment"], a["sha256"], refused=why,
                                           seq=a["seq"], reason=reason))

@@ -62,6 +62,8 @@ public final class DeploymentFollower implements AutoCloseable {
     private ModelSlot.Assignment pending;
     private double pendingSince, pendingAsked;
     private final Map<String, Double> lastUnbound = new java.util.HashMap<>();   // refusal class -> when last reported
+    private final java.util.Set<String> boundReasons = new java.util.HashSet<>(); // classes reported for assignment boundSeq
+    private long boundSeq = -1;
     private volatile boolean running;
     private Thread thread;
 
@@ -237,7 +239,10 @@ public final class DeploymentFollower implements AutoCloseable {
     private void refuse(String why, ModelSlot.Assignment a, String reason) {
         LOG.warning(deviceId + ": " + why);
         String deployment = a == null ? null : a.deployment, sha = a == null ? null : a.sha256;
-        if (a == null || a.seq != slot.seq()) {
+        if (a != null && a.seq == slot.seq()) {            // an assignment's own refusals: once per class
+            if (a.seq != boundSeq) { boundSeq = a.seq; boundReasons.clear(); }
+            if (!boundReasons.add(reason)) deployment = null;
+        } else {
             ModelSlot.Version current = slot.current();
             double now = monotonic();
             Double last = lastUnbound.get(reason);
