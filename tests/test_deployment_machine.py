@@ -148,3 +148,15 @@ def test_the_median_drop_and_bounded_weights_keep_a_minority_of_liars_from_movin
     assert stage_metrics({**honest, "x": liars["deflate"]})["wma_drop"] > 99
     assert DeviceReport(100, 37, 81).bounded(10) == DeviceReport(10, 4, 8)
     assert DeviceReport(refused="sig").bounded(1) == DeviceReport(refused="sig")
+
+
+def test_a_halted_deployment_keeps_its_reason_and_takes_no_further_event_but_ticks():
+    d = deployment()
+    d.handle(M.Start(0.0))
+    assert d.handle(M.Halt(1.0, "halted: model 7's head no longer hashes")) == []
+    assert d.state == "halted" and d.reason.startswith("halted: model 7") and d.history[-1]["to"] == "halted"
+    assert d.handle(M.Tick(100.0, {"a": good(), "b": good()})) == [] and d.state == "halted"
+    for event in (M.Promote(2.0), M.RollBack(2.0, "x"), M.Halt(2.0, "y")):
+        with pytest.raises(M.DeploymentError):
+            d.handle(event)
+    assert M.Deployment.from_dict(d.to_dict()).state == "halted"
