@@ -321,11 +321,11 @@ class DeploymentController(LinkWorker):
         by class, and never replaces counts the device already reported (a forged message the
         device refuses later says nothing about the head it judged)."""
         dep_id = report["deployment"]
-        if self.table.get(dep_id) is None:
+        served = next((s for s in (self.active, self.settled) if s is not None and s.dep.deployment_id == dep_id), None)
+        if served is None and self.table.get(dep_id) is None:      # counted only for a deployment that exists
             return log.info("report from %s on unknown deployment %r ignored", device, dep_id)
         if report.get("refused"):
             self._count(dep_id, f"refused:{report['reason']}")
-        served = next((s for s in (self.active, self.settled) if s is not None and s.dep.deployment_id == dep_id), None)
         sent = served.sent.get(device) if served is not None else None
         if (sent is None or sent["sent"] != D.RUN or report["sha256"] != served.dep.model_sha256
                 or self.last.get(device) != (dep_id, report["seq"])):
