@@ -60,7 +60,7 @@ def check_deployment_id(value) -> str:
 
 def check_seq(value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < MAX_SEQ:
-        raise EnvelopeError(f"assignment sequence {value!r}: an integer in 1..2**62")
+        raise EnvelopeError(f"assignment sequence {value!r}: an integer in 1..2**62-1")
     return value
 
 
