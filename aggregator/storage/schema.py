@@ -6,7 +6,8 @@ deployment tables: :mod:`aggregator.storage.deployments`."""
 import enum
 
 # 2: contribution payloads in files (aggregator/storage/blob_files.py), not in the table
-# 3: the deployment tables (a version 2 store gains them, empty: MIGRATE_FROM_V2 is nothing more)
+# 3: the deployment tables (a version 2 store gains them, empty: MIGRATE_FROM_V2 is nothing more;
+#    a version 3 store made before deployment_assignments / deployment_counters gains them the same way)
 SCHEMA_VERSION = 3
 
 
@@ -155,6 +156,22 @@ CREATE TABLE IF NOT EXISTS deployment_devices (
     sent_at       REAL NOT NULL,
     report        TEXT,             -- its last report on the candidate (JSON), if any
     PRIMARY KEY (deployment_id, device)
+);
+-- each device's last assignment (run or rollback, of any deployment) and its sequence: a report is
+-- taken only about it, and the next one sent has a higher seq (devices refuse a lower one)
+CREATE TABLE IF NOT EXISTS deployment_assignments (
+    device        TEXT PRIMARY KEY,
+    deployment_id TEXT NOT NULL,
+    seq           INTEGER NOT NULL,
+    sent          TEXT NOT NULL CHECK (sent IN ('run', 'rollback'))
+);
+-- per deployment, how many reports were refused as late (not about the device's last assignment)
+-- and how many refusals devices reported, by class (name ``late_reports`` or ``refused:<class>``)
+CREATE TABLE IF NOT EXISTS deployment_counters (
+    deployment_id TEXT NOT NULL,
+    name          TEXT NOT NULL,
+    value         INTEGER NOT NULL,
+    PRIMARY KEY (deployment_id, name)
 );
 CREATE TABLE IF NOT EXISTS settings (
     key   TEXT PRIMARY KEY,
