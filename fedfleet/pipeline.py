@@ -41,6 +41,8 @@ from protocols.payloads.fedavg import KIND_TAIL as FEDAVG_TAIL_KIND
 from protocols.payloads.personalize import KIND as PERSONALIZE_KIND
 from protocols.payloads.secagg import SECURE_FEDAVG_KIND, SECURE_TAIL_KIND, SYNC_KIND
 
+from aggregator.strategies.fedopt import make_server_optimizer
+
 from .pipeline_report import FT_MODES, format_pipeline_report, ft_label, write_plots_and_html
 from .progress import StepClock
 from .simulate import EmulatedFleet, SimConfig, _report, _secure_setup, prepare
@@ -59,6 +61,8 @@ def run_pipeline(cfg: SimConfig, quiet: bool = False, compare_with: dict | None 
         raise ValueError("personalization needs a local held-out split: set holdout_fraction > 0")
     if cfg.ft_mode not in FT_MODES:
         raise ValueError(f"ft_mode must be one of {sorted(FT_MODES)}, got {cfg.ft_mode!r}")
+    # a bad server optimizer fails here, before the fleet starts, not when the FT job is created
+    make_server_optimizer(cfg.ft_server_optimizer, cfg.ft_server_lr, cfg.ft_server_momentum)
     tail = cfg.ft_mode != "psi"
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     clock = StepClock(say)
@@ -100,6 +104,7 @@ def run_pipeline(cfg: SimConfig, quiet: bool = False, compare_with: dict | None 
         ft_job = {**common, "job_id": "fedavg-ft-sim", "rounds": cfg.ft_rounds,
                   "clients_per_round": cfg.clients_per_round, "round_timeout_s": cfg.round_timeout_s,
                   "client_lr": cfg.ft_client_lr, "server_momentum": cfg.ft_server_momentum,
+                  "server_optimizer": cfg.ft_server_optimizer, "server_lr": cfg.ft_server_lr,
                   "init": "fed3r", "initial_head_file": str(fed3r_dir / "model.npz"), **secure_fields, **ft_extra}
         phases["fedavg-ft"] = {"dir": ft_dir, "results": fleet.run_job(
             ft_kind, ft_job, ft_dir, ft_eval, cfg.ft_rounds * cfg.clients_per_round)}

@@ -16,8 +16,9 @@ a round:
    bounds each update's norm and weight, screens updates that oppose the round's median,
    combines the rest with the job's rule (the weighted mean, or a robust one), steps along the
    round history's momentum (``aggregator/strategies/robust_fedavg.py``) and takes one server
-   step with the strategy (FedAvg / FedAvgM). A round with no update leaves the head, the
-   history and the server momentum unchanged.
+   step with the strategy (FedAvg / FedAvgM, or FedOpt's Adam / Yogi / Adagrad:
+   ``server_optimizer``). A round with no update leaves the head, the history and the server
+   optimizer's state unchanged.
 
 Initialisation (``init``): "random" (nn.Linear's U(±1/√d), seeded), "zeros", or "fed3r": the
 normalised Fed3R classifier, bias included (:meth:`FedAvgJob.from_fed3r`), i.e. Fed3R+FT(ψ).
@@ -40,9 +41,10 @@ from protocols.rounds import RoundClosed
 
 from aggregator.compute.evaluation import head_accuracy
 from aggregator.strategies.dp_fedavg import DPFedAvg
-from aggregator.strategies.fedavg import FedAvg
+from aggregator.strategies.fedavg import ServerOptimizer
 from aggregator.jobs.base import Job
 from aggregator.jobs.model_fields import ModelFields
+from aggregator.jobs.optimizer_fields import ServerOptimizerFields
 from aggregator.jobs.privacy_fields import UpdateClippingFields
 from aggregator.jobs.robustness_fields import FedAvgRobustnessFields
 
@@ -53,7 +55,7 @@ FED3R_INIT_LR_FACTOR = 0.1
 
 
 @dataclass
-class FedAvgConfig(FedAvgRobustnessFields, UpdateClippingFields, ModelFields):
+class FedAvgConfig(ServerOptimizerFields, FedAvgRobustnessFields, UpdateClippingFields, ModelFields):
     job_id: str = "fedavg"
     rounds: int = 100
     local_epochs: int = 1
@@ -61,8 +63,6 @@ class FedAvgConfig(FedAvgRobustnessFields, UpdateClippingFields, ModelFields):
     client_lr: float = 0.1               # base local LR (× 0.1 when init == "fed3r")
     weight_decay: float = 4e-5
     temperature: float = 0.1
-    server_lr: float = 1.0
-    server_momentum: float = 0.0         # 0: FedAvg; > 0: FedAvgM
     init: str = "random"
     initial_head_file: str = ""          # init == "fed3r": a Fed3R job's model.npz (coef, intercept)
 
@@ -74,10 +74,17 @@ class FedAvgConfig(FedAvgRobustnessFields, UpdateClippingFields, ModelFields):
             raise ValueError("rounds and clients_per_round must be >= 1")
         self.check_update_clipping()
         self.check_robust_aggregation()
+        self.check_server_optimizer()
 
     @property
     def device_lr(self) -> float:
         return self.client_lr * (FED3R_INIT_LR_FACTOR if self.init == "fed3r" else 1.0)
+
+    def device_params(self, seed: int) -> dict:
+        """A task's params: the model and the local recipe (with this device's batch seed)."""
+        return {**self.model_params(), "feature_dim": self.feature_dim, "epochs": self.local_epochs,
+                "batch_size": self.batch_size, "lr": self.device_lr, "weight_decay": self.weight_decay,
+                "temperature": self.temperature, "seed": seed}
 
 
 @dataclass(frozen=True)
@@ -100,7 +107,7 @@ def random_head(num_classes: int, feature_dim: int, seed: int) -> dict[str, np.n
 class FedAvgJob(Job):
     config: FedAvgConfig
     initial_head: dict[str, np.ndarray] | None = None
-    strategy: FedAvg | None = None
+    strategy: ServerOptimizer | None = None
     contributed: dict[str, int] = field(default_factory=dict)     # device -> accepted updates
     round: int = 0
     kind: str = KIND
@@ -111,7 +118,7 @@ class FedAvgJob(Job):
     def __post_init__(self):
         c = self.config
         if self.strategy is None:
-            self.strategy = FedAvg(c.server_lr, c.server_momentum)
+            self.strategy = c.server_step()
         # Central DP (DP-FedAvg) wraps the server step; the secure variant gets its noise from the devices.
         self.dp: DPFedAvg | None = None
         if c.dp:
@@ -182,9 +189,7 @@ class FedAvgJob(Job):
     def task_for(self, device: str) -> tuple[dict, dict[str, np.ndarray]]:
         c = self.config
         seed = zlib.crc32(f"{c.seed}:{self.round}:{device}".encode())
-        params = {**c.model_params(), "feature_dim": c.feature_dim, "epochs": c.local_epochs, "batch_size": c.batch_size, "lr": c.device_lr,
-                  "weight_decay": c.weight_decay, "temperature": c.temperature, "seed": seed}
-        return params, {k: v.copy() for k, v in self.params.items()}
+        return c.device_params(seed), {k: v.copy() for k, v in self.params.items()}
 
     # ------------------------------------------------------------------ results
     def trained_shapes(self) -> dict[str, tuple[int, ...]]:
