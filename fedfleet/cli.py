@@ -22,7 +22,8 @@ def simulate_overrides(args) -> dict:
     """SimConfig fields the command line sets (None: the preset's)."""
     return {"ft_rounds": args.ft_rounds, "fp_epochs": args.fp_epochs, "ft_mode": args.ft_mode,
             "tail_stages": args.tail_stages, "ft_server_optimizer": args.server_optimizer,
-            "ft_server_lr": args.server_lr, "devices": args.devices, "broker": args.broker, "out_dir": args.out,
+            "ft_server_lr": args.server_lr, "ft_local_rule": args.local_rule, "ft_sam_rho": args.sam_rho,
+            "ft_prox_mu": args.prox_mu, "ft_served_model": args.served_model, "devices": args.devices, "broker": args.broker, "out_dir": args.out,
             "seed": args.seed, "image_size": args.image_size, "split": args.split, "alpha": args.alpha,
             "runtime": args.runtime, "rf_dim": args.rf_dim, "workers": args.workers,
             "secure": True if args.secure else None, "secure_graph": args.secure_graph,
@@ -123,6 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fed3r-ft-oll: the fine-tuning's server step: sgd (FedAvg/FedAvgM, default) or FedOpt's "
                         "adam, yogi, adagrad (Reddi et al. 2021) on the round's pseudo-gradient")
     s.add_argument("--server-lr", type=float, help="fed3r-ft-oll: η of the server step (default 1.0; FedOpt wants ~0.01-0.1)")
+    s.add_argument("--local-rule", choices=["sgd", "sam", "asam"],
+                   help="fed3r-ft-oll: the devices' local step: sgd (default), sam (FedSAM) or asam (FedASAM), "
+                        "two gradient evaluations per step")
+    s.add_argument("--sam-rho", type=float, help="--local-rule sam/asam: the ascent radius ρ (default 0.1)")
+    s.add_argument("--prox-mu", type=float, help="fed3r-ft-oll: FedProx's proximal weight μ (default 0: off)")
+    s.add_argument("--served-model", choices=["last", "swa", "wima"],
+                   help="fed3r-ft-oll: the fine-tuned model reported and deployed: the last (default), server SWA "
+                        "from 0.75 of the rounds, or WiMA's mean of the last 10")
     s.add_argument("--tail-stages", type=int, help="--ft-mode phi/M: backbone stages trained on device (default 1)")
     s.add_argument("--deploy", action="store_true",
                    help="fed3r-ft-oll (--ft-mode psi): then roll the fine-tuned head out to the fleet through a canary, "

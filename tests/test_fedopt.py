@@ -143,12 +143,18 @@ def test_simulate_flag_reaches_the_config_and_a_bad_choice_fails_before_the_run(
     import dataclasses
 
     from fedfleet.cli import build_parser, simulate_overrides
-    from fedfleet.pipeline import run_pipeline
+    from fedfleet.pipeline import ft_optimizer_fields, run_pipeline
     from fedfleet.simulate import load_config
 
     args = build_parser().parse_args(["simulate", "--config", "smoke", "--pipeline", "fed3r-ft-oll",
-                                      "--server-optimizer", "yogi", "--server-lr", "0.03"])
+                                      "--server-optimizer", "yogi", "--server-lr", "0.03", "--local-rule", "asam",
+                                      "--sam-rho", "0.5", "--prox-mu", "0.01", "--served-model", "swa"])
     cfg = load_config(args.config, simulate_overrides(args))
     assert (cfg.ft_server_optimizer, cfg.ft_server_lr) == ("yogi", 0.03)
-    with pytest.raises(ValueError, match="server_momentum"):      # refused before any data or fleet
-        run_pipeline(dataclasses.replace(cfg, ft_server_optimizer="adam", ft_server_momentum=0.9), quiet=True)
+    assert (cfg.ft_local_rule, cfg.ft_sam_rho, cfg.ft_prox_mu, cfg.ft_served_model) == ("asam", 0.5, 0.01, "swa")
+    job = FedAvgConfig(**ft_optimizer_fields(cfg))
+    assert (job.local_rule, job.served_model, job.swa_start_round) == ("asam", "swa", 3)     # 0.75 of 5 rounds
+    for bad, match in (({"ft_server_optimizer": "adam", "ft_server_momentum": 0.9}, "server_momentum"),
+                       ({"ft_local_rule": "lion"}, "local_rule"), ({"ft_served_model": "ema"}, "served_model")):
+        with pytest.raises(ValueError, match=match):      # refused before any data or fleet
+            run_pipeline(dataclasses.replace(cfg, **bad), quiet=True)

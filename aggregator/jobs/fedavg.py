@@ -6,7 +6,8 @@ a round:
 1. ``next_participants(online)`` draws κ of the online devices (seeded ``random.Random``,
    sorted pool, so a seed fixes the whole participation schedule) and opens round t.
 2. ``task_for(device)`` sends the global head *as of the opening* ({"weight" (C, d),
-   "bias" (C,)} float32) and the local recipe (epochs, batch, lr, wd, T, a per-device seed).
+   "bias" (C,)} float32) and the local recipe (epochs, batch, lr, wd, T, a per-device seed, the
+   local step rule: SGD, FedProx, FedSAM or FedASAM).
 3. ``apply`` keeps each accepted update for the round (its tensors and weight n_k).
    An update is applied only if it names the open round and comes from one of its
    participants; anything else (a late result of a closed round that slipped past the round
@@ -44,7 +45,7 @@ from aggregator.strategies.dp_fedavg import DPFedAvg
 from aggregator.strategies.fedavg import ServerOptimizer
 from aggregator.jobs.base import Job
 from aggregator.jobs.model_fields import ModelFields
-from aggregator.jobs.optimizer_fields import ServerOptimizerFields
+from aggregator.jobs.optimizer_fields import LocalRuleFields, ServedModelFields, ServerOptimizerFields
 from aggregator.jobs.privacy_fields import UpdateClippingFields
 from aggregator.jobs.robustness_fields import FedAvgRobustnessFields
 
@@ -55,7 +56,7 @@ FED3R_INIT_LR_FACTOR = 0.1
 
 
 @dataclass
-class FedAvgConfig(ServerOptimizerFields, FedAvgRobustnessFields, UpdateClippingFields, ModelFields):
+class FedAvgConfig(ServerOptimizerFields, LocalRuleFields, ServedModelFields, FedAvgRobustnessFields, UpdateClippingFields, ModelFields):
     job_id: str = "fedavg"
     rounds: int = 100
     local_epochs: int = 1
@@ -75,16 +76,24 @@ class FedAvgConfig(ServerOptimizerFields, FedAvgRobustnessFields, UpdateClipping
         self.check_update_clipping()
         self.check_robust_aggregation()
         self.check_server_optimizer()
+        self.local_rule_recipe()
+        self.served_model_rule()
 
     @property
     def device_lr(self) -> float:
-        return self.client_lr * (FED3R_INIT_LR_FACTOR if self.init == "fed3r" else 1.0)
+        return self.client_lr * self.device_lr_factor
 
-    def device_params(self, seed: int) -> dict:
-        """A task's params: the model and the local recipe (with this device's batch seed)."""
+    @property
+    def device_lr_factor(self) -> float:
+        return FED3R_INIT_LR_FACTOR if self.init == "fed3r" else 1.0
+
+    def device_params(self, seed: int, client_lr: float | None = None) -> dict:
+        """A task's params: the model, the local recipe (with this device's batch seed and the round's
+        client LR, default ``client_lr``; × 0.1 after a Fed3R init) and step rule."""
+        lr = self.device_lr if client_lr is None else client_lr * self.device_lr_factor
         return {**self.model_params(), "feature_dim": self.feature_dim, "epochs": self.local_epochs,
-                "batch_size": self.batch_size, "lr": self.device_lr, "weight_decay": self.weight_decay,
-                "temperature": self.temperature, "seed": seed}
+                "batch_size": self.batch_size, "lr": lr, "weight_decay": self.weight_decay,
+                "temperature": self.temperature, "seed": seed, **self.local_rule_recipe().to_params()}
 
 
 @dataclass(frozen=True)
@@ -138,6 +147,7 @@ class FedAvgJob(Job):
         else:
             head = random_head(c.num_classes, c.feature_dim, c.seed)
         self.params: dict[str, np.ndarray] = head
+        self.served = c.served_model_rule()      # what is evaluated, reported, saved: w^t, SWA or WiMA
         self.history = c.round_history()      # bounded influence's state across rounds (checkpointed)
         self._rng = random.Random(c.seed)
         self._open = False
@@ -189,7 +199,8 @@ class FedAvgJob(Job):
     def task_for(self, device: str) -> tuple[dict, dict[str, np.ndarray]]:
         c = self.config
         seed = zlib.crc32(f"{c.seed}:{self.round}:{device}".encode())
-        return c.device_params(seed), {k: v.copy() for k, v in self.params.items()}
+        return (c.device_params(seed, self.served.client_lr(self.round, c.client_lr)),
+                {k: v.copy() for k, v in self.params.items()})
 
     # ------------------------------------------------------------------ results
     def trained_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -249,6 +260,7 @@ class FedAvgJob(Job):
         moved, updates, samples = self.round_step()
         if moved is not None:
             self.params = {**self.params, **moved}
+        self.served.observe(self.round, self.params)
         self.round_log.append({"round": self.round, "updates": updates, "samples": samples,
                                "dropped": len(closed.dropped), "declined": len(closed.declined),
                                "rejected": len(closed.rejected)})
@@ -260,7 +272,8 @@ class FedAvgJob(Job):
         out = {"round": self.round, "contributions": self.contributions, "samples": self.samples,
                "server_steps": self.strategy.steps, "late_discarded": self.late_discarded}
         if features is not None:
-            out["accuracy"] = head_accuracy(self.params["weight"], self.params["bias"], features, labels)
+            served = self.served_params()
+            out["accuracy"] = head_accuracy(served["weight"], served["bias"], features, labels)
         return {**out, **self.privacy_entry()}
 
     def privacy_entry(self) -> dict:
@@ -268,12 +281,17 @@ class FedAvgJob(Job):
         extra = {"clip_norm": self.dp.clip.value} if self.dp is not None else {}
         return self.config.privacy_entry(self.round - (1 if self._open else 0), self.round, **extra)
 
+    def served_params(self) -> dict[str, np.ndarray]:
+        """The model the job serves: the last global model, its SWA or its window average."""
+        return self.served.served(self.params)
+
     def model_arrays(self) -> dict[str, np.ndarray]:
-        return {k: v.copy() for k, v in self.params.items()}
+        return self.served_params()
 
     def state_dict(self) -> dict[str, np.ndarray]:
         server = self.dp if self.dp is not None else self.strategy
-        return {**self.model_arrays(), **server.state_dict(), **self.history.state_dict(),
+        return {**{k: v.copy() for k, v in self.params.items()}, **server.state_dict(), **self.history.state_dict(),
+                **self.served.state_dict(),
                 "round": np.array([self.round], dtype=np.int64),
                 "counts": np.array([self.samples, self.late_discarded], dtype=np.int64)}
 
@@ -282,6 +300,7 @@ class FedAvgJob(Job):
         self.params = head_tensors(state["weight"], state["bias"])
         (self.dp if self.dp is not None else self.strategy).load_state_dict(state)
         self.history.load_state_dict(state)
+        self.served.load_state_dict(state)
         self.round = int(state["round"][0])
         self.samples, self.late_discarded = (int(x) for x in state["counts"])
         self._open = False

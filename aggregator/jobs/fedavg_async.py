@@ -55,8 +55,9 @@ class AsyncFedAvgConfig(FedAvgConfig):
         super().__post_init__()
         if self.server_momentum:
             raise ValueError("fedavg-async has no server momentum (FedBuff steps with server_lr only)")
-        if self.server_optimizer != "sgd":
-            raise ValueError("fedavg-async steps with FedBuff's server_lr only (server_optimizer must be 'sgd')")
+        if self.server_optimizer != "sgd" or self.served_model != "last":
+            raise ValueError("fedavg-async steps with FedBuff's server_lr only and serves its last model "
+                             "(server_optimizer must be 'sgd', served_model 'last')")
         if self.buffer_size < 1 or self.max_staleness < 0:
             raise ValueError("buffer_size must be >= 1 and max_staleness >= 0")
 

@@ -1,5 +1,6 @@
 """The optimizer fields of the FedAvg family's configs: the server's step (FedAvg/FedAvgM or
-FedOpt's Adam, Yogi, Adagrad).
+FedOpt's Adam, Yogi, Adagrad), the devices' local step rule (SGD, FedProx, FedSAM, FedASAM) and
+the model the job serves (the last global model, SWA or WiMA).
 
 A mixin, like ``robustness_fields.py`` and ``privacy_fields.py``: every FedAvg-family kind (plain,
 tail, secure) inherits the fields, checks them once in ``__post_init__`` and builds its server
@@ -11,8 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from protocols.payloads.fedavg import LocalRuleRecipe
+
 from aggregator.strategies.fedavg import ServerOptimizer
 from aggregator.strategies.fedopt import SERVER_OPTIMIZERS, make_server_optimizer
+from aggregator.strategies.model_averaging import LastModel, ServedModel, StochasticWeightAveraging, WindowAverage
 
 
 @dataclass
@@ -33,3 +37,37 @@ class ServerOptimizerFields:
         return make_server_optimizer(self.server_optimizer, self.server_lr, self.server_momentum,
                                      self.server_beta1, self.server_beta2, self.server_tau)
 
+
+@dataclass
+class LocalRuleFields:
+    """The devices' local step rule, sent in every task as ``LocalRuleRecipe`` params
+    (``edge_client/tasks/local_rules.py`` runs it in every trainer)."""
+
+    local_rule: str = "sgd"              # "sgd" | "sam" (FedSAM) | "asam" (FedASAM): 2 gradients per step
+    sam_rho: float = LocalRuleRecipe.sam_rho
+    asam_eta: float = LocalRuleRecipe.asam_eta
+    prox_mu: float = 0.0                 # > 0: FedProx's proximal term μ/2‖w − w_global‖² (any rule)
+
+    def local_rule_recipe(self) -> LocalRuleRecipe:
+        """The recipe devices get (its checks run when the config is created)."""
+        return LocalRuleRecipe(self.local_rule, self.sam_rho, self.asam_eta, self.prox_mu)
+
+
+@dataclass
+class ServedModelFields:
+    """Which model the job evaluates, reports and saves (``aggregator/strategies/model_averaging.py``)."""
+
+    served_model: str = "last"           # "last" | "swa" (server SWA) | "wima" (window average)
+    swa_start_round: int = 1             # t₀: the first round of SWA's first cycle
+    swa_cycle_rounds: int = 1            # c: a cycle's rounds; the mean takes each cycle's last model
+    swa_lr_min: float = 0.0              # γ₂, the cycle's lowest client LR (0: constant, the job's client_lr)
+    wima_window: int = 10                # W: WiMA serves the mean of the last W global models
+
+    def served_model_rule(self) -> ServedModel:
+        if self.served_model == "swa":
+            return StochasticWeightAveraging(self.swa_start_round, self.swa_cycle_rounds, self.swa_lr_min or None)
+        if self.served_model == "wima":
+            return WindowAverage(self.wima_window)
+        if self.served_model != "last":
+            raise ValueError(f"served_model must be 'last', 'swa' or 'wima', got {self.served_model!r}")
+        return LastModel()
