@@ -151,3 +151,38 @@ def test_training_program_sam_step_equals_the_eager_twins(mobilenet_bundle_32px)
     reference.step(x, y)
     np.testing.assert_allclose(stepper.parameters()["weight"], reference.parameters()["weight"], atol=1e-5)
     assert isinstance(rule_for(recipe.rule), SharpnessAware)
+
+
+def test_tail_program_sam_step_equals_the_eager_twins(tail_bundle):
+    """FT(φ) (the tail trains, the head is frozen) with FedSAM through the exported tail training
+    program (ExecuTorch) and its eager twin: the frozen head is neither perturbed nor moved."""
+    from edge_client.runtime import TrainingSession
+    from edge_client.tasks.numpy_head import batch_schedule
+
+    sessions = {rt: TrainingSession.load(tail_bundle, prefer=(rt,), kind="tail_training") for rt in ("executorch", "eager")}
+    assert {s.runtime for s in sessions.values()} == {"executorch", "eager"}
+    rng = np.random.default_rng(4)
+    start = sessions["eager"].get_parameters()       # the pretrained tail; the bundle's head is zeros (no tail gradient)
+    start.update(weight=rng.normal(scale=0.05, size=start["weight"].shape).astype(np.float32),
+                 bias=rng.normal(scale=0.05, size=start["bias"].shape).astype(np.float32))
+    trained = frozenset(name for name in start if name.startswith("tail."))
+    rows = (0.5 * rng.random((10, *sessions["eager"].input_shape))).astype(np.float32)
+    labels = rng.integers(0, sessions["eager"].num_classes, 10)
+    recipe = LocalTraining(batch_size=5, lr=0.05, temperature=sessions["eager"].manifest.temperature,
+                           rule=LocalRuleRecipe("sam", sam_rho=0.05))
+    after = {}
+    for rt, session in sessions.items():
+        stepper = SessionStepper(session, start, recipe, trained)
+        for batch in batch_schedule(len(labels), recipe):
+            stepper.step(rows[batch], labels[batch])
+        after[rt] = stepper.parameters()
+    plain = SessionStepper(sessions["eager"], start, LocalTraining(batch_size=5, lr=0.05,
+                                                                   temperature=recipe.temperature), trained)
+    for batch in batch_schedule(len(labels), recipe):
+        plain.step(rows[batch], labels[batch])
+    moved = max(np.abs(plain.parameters()[k] - after["eager"][k]).max() for k in trained)
+    assert moved > 1e-3                                          # SAM's step is not SGD's
+    for name in start:
+        np.testing.assert_allclose(after["executorch"][name], after["eager"][name], atol=1e-6, err_msg=name)
+        if name not in trained:
+            np.testing.assert_array_equal(after["eager"][name], start[name])
