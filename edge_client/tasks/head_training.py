@@ -157,18 +157,18 @@ class SessionStepper:
 
     def step(self, features: np.ndarray, labels: np.ndarray) -> float:
         now = {k: self._current[k] for k in self.trained}
-        moved = False
+        held = now                           # the parameters the program holds
 
         def gradient_at(params):
-            nonlocal moved
-            if params is not now:            # SAM's perturbed point: the program computes there
+            nonlocal held
+            if params is not held:           # e.g. SAM's perturbed point: the program computes there
                 self.session.set_parameters({**self._current, **params})
-                moved = True
+                held = params
             loss, gradients = self.session.loss_and_gradients(features, labels)
             return loss, {k: gradients[k] for k in self.trained}
 
         loss, direction = self.rule.direction(now, gradient_at, self.start)
-        if moved:
+        if held is not now:
             self.session.set_parameters(self._current)
         self.session.sgd_step(direction, self.recipe.lr)
         after = self.session.get_parameters()
