@@ -186,3 +186,43 @@ def test_tail_program_sam_step_equals_the_eager_twins(tail_bundle):
         np.testing.assert_allclose(after["executorch"][name], after["eager"][name], atol=1e-6, err_msg=name)
         if name not in trained:
             np.testing.assert_array_equal(after["eager"][name], start[name])
+
+
+def test_session_stepper_gives_a_rule_the_gradient_at_whatever_point_it_asks_for():
+    """A rule may go back to w after a perturbed point: the program must compute at w again, and the
+    step start from w (a quadratic loss ½‖p − 1‖² held in a stand-in runtime)."""
+    from edge_client.tasks.local_rules import LocalRule
+
+    class Quadratic:
+        runtime = "stand-in"
+
+        def __init__(self):
+            self.p = None
+
+        def set_parameters(self, params):
+            self.p = {k: np.array(v) for k, v in params.items()}
+
+        def get_parameters(self):
+            return {k: v.copy() for k, v in self.p.items()}
+
+        def loss_and_gradients(self, features, labels):
+            return 0.0, {k: v - 1.0 for k, v in self.p.items()}
+
+        def sgd_step(self, directions, lr):
+            for k, d in directions.items():
+                self.p[k] = self.p[k] - np.float32(lr) * d
+
+    seen = []
+
+    class ThereAndBack(LocalRule):
+        def direction(self, params, gradient_at, global_params):
+            gradient_at({k: v + 5.0 for k, v in params.items()})
+            loss, g = gradient_at(params)
+            seen.append(g)
+            return loss, g
+
+    stepper = SessionStepper(Quadratic(), {"w": np.zeros(2, np.float32)}, LocalTraining(lr=0.5, weight_decay=0.0))
+    stepper.rule = ThereAndBack()
+    stepper.step(np.zeros((1, 1), np.float32), np.zeros(1, np.int64))
+    np.testing.assert_array_equal(seen[0]["w"], [-1.0, -1.0])                 # computed at w = 0, not at 5
+    np.testing.assert_array_equal(stepper.parameters()["w"], [0.5, 0.5])       # stepped from w = 0
