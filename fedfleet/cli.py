@@ -18,6 +18,19 @@ from .help_format import HelpFormatter
 from .quiet import quiet_third_party_warnings
 
 
+def simulate_overrides(args) -> dict:
+    """SimConfig fields the command line sets (None: the preset's)."""
+    return {"ft_rounds": args.ft_rounds, "fp_epochs": args.fp_epochs, "ft_mode": args.ft_mode,
+            "tail_stages": args.tail_stages, "ft_server_optimizer": args.server_optimizer,
+            "ft_server_lr": args.server_lr, "ft_local_rule": args.local_rule, "ft_sam_rho": args.sam_rho,
+            "ft_prox_mu": args.prox_mu, "ft_served_model": args.served_model, "devices": args.devices, "broker": args.broker, "out_dir": args.out,
+            "seed": args.seed, "image_size": args.image_size, "split": args.split, "alpha": args.alpha,
+            "runtime": args.runtime, "rf_dim": args.rf_dim, "workers": args.workers,
+            "secure": True if args.secure else None, "secure_graph": args.secure_graph,
+            "clients_per_round": args.clients_per_round, "ray": args.ray,
+            "deploy": True if args.deploy else None}
+
+
 def _simulate(args) -> int:
     if args.pipeline == "ladd":
         from .ladd.cli import ladd_config_from_args
@@ -27,14 +40,7 @@ def _simulate(args) -> int:
         return 0
     from .simulate import load_config, run
 
-    overrides = {"ft_rounds": args.ft_rounds, "fp_epochs": args.fp_epochs, "ft_mode": args.ft_mode,
-                 "tail_stages": args.tail_stages, "devices": args.devices, "broker": args.broker, "out_dir": args.out, "seed": args.seed,
-                 "image_size": args.image_size, "split": args.split, "alpha": args.alpha,
-                 "runtime": args.runtime, "rf_dim": args.rf_dim, "workers": args.workers,
-                 "secure": True if args.secure else None, "secure_graph": args.secure_graph,
-                 "clients_per_round": args.clients_per_round, "ray": args.ray,
-                 "deploy": True if args.deploy else None}
-    cfg = load_config(args.config, overrides)
+    cfg = load_config(args.config, simulate_overrides(args))
     if cfg.broker:
         from protocols.mqtt_link import BrokerConfig
 
@@ -116,6 +122,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ft-mode", choices=["psi", "phi", "M"],
                    help="fed3r-ft-oll: fine-tune the head (psi, default), the backbone's last stages against the "
                         "frozen Fed3R head (phi), or both (M); OLL then personalises on the fine-tuned backbone")
+    s.add_argument("--server-optimizer", choices=["sgd", "adam", "yogi", "adagrad"],
+                   help="fed3r-ft-oll: the fine-tuning's server step: sgd (FedAvg/FedAvgM, default) or FedOpt's "
+                        "adam, yogi, adagrad (Reddi et al. 2021) on the round's pseudo-gradient")
+    s.add_argument("--server-lr", type=float, help="fed3r-ft-oll: η of the server step (default 1.0; FedOpt wants ~0.01-0.1)")
+    s.add_argument("--local-rule", choices=["sgd", "sam", "asam"],
+                   help="fed3r-ft-oll: the devices' local step: sgd (default), sam (FedSAM) or asam (FedASAM), "
+                        "two gradient evaluations per step")
+    s.add_argument("--sam-rho", type=float, help="--local-rule sam/asam: the ascent radius ρ (default 0.1)")
+    s.add_argument("--prox-mu", type=float, help="fed3r-ft-oll: FedProx's proximal weight μ (default 0: off)")
+    s.add_argument("--served-model", choices=["last", "swa", "wima"],
+                   help="fed3r-ft-oll: the fine-tuned model reported and deployed: the last (default), server SWA "
+                        "from 0.75 of the rounds, or WiMA's mean of the last 10")
     s.add_argument("--tail-stages", type=int, help="--ft-mode phi/M: backbone stages trained on device (default 1)")
     s.add_argument("--deploy", action="store_true",
                    help="fed3r-ft-oll (--ft-mode psi): then roll the fine-tuned head out to the fleet through a canary, "

@@ -41,6 +41,9 @@ from protocols.payloads.fedavg import KIND_TAIL as FEDAVG_TAIL_KIND
 from protocols.payloads.personalize import KIND as PERSONALIZE_KIND
 from protocols.payloads.secagg import SECURE_FEDAVG_KIND, SECURE_TAIL_KIND, SYNC_KIND
 
+from aggregator.jobs.fedavg import FedAvgConfig
+from aggregator.jobs.registry import validate_job_config
+
 from .pipeline_report import FT_MODES, format_pipeline_report, ft_label, write_plots_and_html
 from .progress import StepClock
 from .simulate import EmulatedFleet, SimConfig, _report, _secure_setup, prepare
@@ -52,6 +55,12 @@ PHASE_KINDS = {"fed3r": (FED3R_KIND, SYNC_KIND),
                "oll": (PERSONALIZE_KIND,)}
 
 
+def ft_optimizer_fields(cfg: SimConfig) -> dict:
+    """The fine-tuning job's local rule and served model (SWA from 0.75 T, the thesis's start)."""
+    return {"local_rule": cfg.ft_local_rule, "sam_rho": cfg.ft_sam_rho, "prox_mu": cfg.ft_prox_mu,
+            "served_model": cfg.ft_served_model, "swa_start_round": max(1, (3 * cfg.ft_rounds) // 4)}
+
+
 def run_pipeline(cfg: SimConfig, quiet: bool = False, compare_with: dict | None = None) -> dict:
     """Run the three phases; ``compare_with``: a plain run's report, which a secure run's report
     then carries (its comparison table and its curves, dashed)."""
@@ -59,6 +68,11 @@ def run_pipeline(cfg: SimConfig, quiet: bool = False, compare_with: dict | None 
         raise ValueError("personalization needs a local held-out split: set holdout_fraction > 0")
     if cfg.ft_mode not in FT_MODES:
         raise ValueError(f"ft_mode must be one of {sorted(FT_MODES)}, got {cfg.ft_mode!r}")
+    # a bad optimizer choice fails here, before the fleet starts, not when the FT job is created
+    validate_job_config("fedavg", {"server_optimizer": cfg.ft_server_optimizer, "server_lr": cfg.ft_server_lr,
+                                   "server_momentum": cfg.ft_server_momentum, **ft_optimizer_fields(cfg)})
+    FedAvgConfig(server_optimizer=cfg.ft_server_optimizer, server_lr=cfg.ft_server_lr,
+                 server_momentum=cfg.ft_server_momentum, **ft_optimizer_fields(cfg))
     tail = cfg.ft_mode != "psi"
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     clock = StepClock(say)
@@ -100,6 +114,8 @@ def run_pipeline(cfg: SimConfig, quiet: bool = False, compare_with: dict | None 
         ft_job = {**common, "job_id": "fedavg-ft-sim", "rounds": cfg.ft_rounds,
                   "clients_per_round": cfg.clients_per_round, "round_timeout_s": cfg.round_timeout_s,
                   "client_lr": cfg.ft_client_lr, "server_momentum": cfg.ft_server_momentum,
+                  "server_optimizer": cfg.ft_server_optimizer, "server_lr": cfg.ft_server_lr,
+                  **ft_optimizer_fields(cfg),
                   "init": "fed3r", "initial_head_file": str(fed3r_dir / "model.npz"), **secure_fields, **ft_extra}
         phases["fedavg-ft"] = {"dir": ft_dir, "results": fleet.run_job(
             ft_kind, ft_job, ft_dir, ft_eval, cfg.ft_rounds * cfg.clients_per_round)}

@@ -83,6 +83,12 @@ class SimConfig:
     tail_stages: int = 1                    # phi / M: backbone stages trained on device
     ft_client_lr: float = 0.001             # base local LR; devices get × 0.1 after the Fed3R init (spec §1.8)
     ft_server_momentum: float = 0.0         # > 0: FedAvgM
+    ft_server_optimizer: str = "sgd"        # sgd (FedAvg/FedAvgM) | adam | yogi | adagrad (FedOpt)
+    ft_server_lr: float = 1.0               # η of the server step (FedOpt wants ~0.01-0.1)
+    ft_local_rule: str = "sgd"              # the devices' step: sgd | sam (FedSAM) | asam (FedASAM)
+    ft_sam_rho: float = 0.1                 # SAM/ASAM's ρ
+    ft_prox_mu: float = 0.0                 # > 0: FedProx's μ (with any local rule)
+    ft_served_model: str = "last"           # last | swa (from 0.75·ft_rounds, every round) | wima (last 10)
     fp_epochs: int = 25                     # FP(ψ) local epochs after OLL (0: OLL only)
     # --deploy (fed3r-ft-oll, FT(ψ)): roll the fine-tuned head out through a canary, then a broken one back
     deploy: bool = False

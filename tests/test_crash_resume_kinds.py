@@ -7,7 +7,9 @@ the job with ``POST /api/jobs`` and starts it; the process SIGKILLs itself at a 
 each killed at the next point of the kind's list, the last one running the job to its end. The
 reference is the same job built from the same config and run without interruption (in process,
 with a store too). test_crash_recovery.py kills Fed3R and FedAvg at every crash point; here one
-point per kind keeps the test short, chosen so the kinds together cover both restore paths.
+point per kind keeps the test short, chosen so the kinds together cover both restore paths. The
+FedAvg kinds step with FedOpt (Adam, Yogi) and serve WiMA / SWA (their moments, ring and mean are
+part of what must come back), their devices step with FedASAM+FedProx / FedSAM.
 
 Crash points: plain kinds are killed mid-round (after a contribution was stored, before the
 round's close was committed), so a restart loads the last checkpoint and replays stored
@@ -89,7 +91,9 @@ def fedavg_secure(work: Path) -> Case:
     devices = [f"dev{i:02d}" for i in range(4)]
     keys = SecureKeys.create(work, devices)
     config = common(devices, num_classes=C, feature_dim=D, rounds=3, clients_per_round=3, local_epochs=2,
-                    batch_size=8, client_lr=0.05, server_momentum=0.9, max_abs_param=50.0, **SECURE_FIELDS,
+                    batch_size=8, client_lr=0.05, server_optimizer="adam", server_lr=0.05, max_abs_param=50.0,
+                    served_model="wima", wima_window=2, local_rule="asam", sam_rho=0.5, prox_mu=0.01,
+                    **SECURE_FIELDS,
                     **keys.job_fields(work))
     return Case("fedavg-secure", devices, config, with_secure(keys, feature_handlers),
                 ["round_closed:2"], {1, 2, 3})
@@ -117,6 +121,7 @@ def tail_case(kind: str, work: Path, manifest: Path, images, labels) -> Case:
 
     config = common(devices, num_classes=10, feature_dim=1280, image_size=TAIL_SIZE, rounds=2, clients_per_round=3,
                     local_epochs=1, batch_size=6, client_lr=0.01, train="tail+head", tail_stages=1, init="zeros",
+                    server_optimizer="yogi", server_lr=0.01, served_model="swa", local_rule="sam", sam_rho=0.05,
                     tail_program_file=str(manifest.parent / "tail_eval.pt2"))
     if kind == "fedavg-tail":
         return Case(kind, devices, config, with_secure(None, plain), ["contribution_stored:2"])

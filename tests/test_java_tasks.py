@@ -94,7 +94,10 @@ def run_java_task(java_cp, tmp_path, params, tensors, data, kind: str = "fedavg.
     return out, (decode((tmp_path / "result.bin").read_bytes()) if out.startswith("DONE") else None)
 
 
-def test_fedavg_head_equals_the_python_device(java_cp, tmp_path):
+@pytest.mark.parametrize("rule", [{}, {"local_rule": "sam", "sam_rho": 0.2},
+                                  {"local_rule": "asam", "sam_rho": 0.5, "asam_eta": 0.2, "prox_mu": 0.1}])
+def test_fedavg_head_equals_the_python_device(java_cp, tmp_path, rule):
+    """Plain SGD, FedSAM, FedASAM+FedProx (edge_client/tasks/local_rules.py) steps of the Java head trainer."""
     from edge_client.tasks.head_training import LocalTraining, _TorchHeadStepper, local_sgd, train_head
     from edge_client.tasks.numpy_head import NumpyHeadStepper
     from protocols.payloads.fedavg import parse_head_update
@@ -102,10 +105,10 @@ def test_fedavg_head_equals_the_python_device(java_cp, tmp_path):
     Z, y = device_data(0)
     rng = np.random.default_rng(3)
     head = {"weight": (rng.normal(size=(C, D)) * 0.1).astype(np.float32), "bias": rng.normal(size=C).astype(np.float32)}
-    out, result = run_java_task(java_cp, tmp_path, {**RECIPE, "model_version": 4}, head, (Z, y))
+    out, result = run_java_task(java_cp, tmp_path, {**RECIPE, **rule, "model_version": 4}, head, (Z, y))
     update = parse_head_update(result, C, D)                     # what the aggregator accepts
     assert update.n == len(y) and result.body["model_version"] == 4      # FedBuff's staleness echo
-    recipe = LocalTraining.from_params(RECIPE)
+    recipe = LocalTraining.from_params({**RECIPE, **rule})
     steps, java_loss = int(out.split()[2]), float(out.split()[4])
     for stepper_class in (NumpyHeadStepper, _TorchHeadStepper):  # torch-free device, full install
         stepper = stepper_class(head["weight"], head["bias"], recipe)
@@ -118,8 +121,12 @@ def test_fedavg_head_equals_the_python_device(java_cp, tmp_path):
             assert np.abs(ref[k] - head[k]).max() > 1e4 * HEAD_ATOL   # it trained: the tolerance can fail
     trained = train_head(head["weight"], head["bias"], Z, y, recipe)     # what HeadTrainingTask runs here
     assert np.abs(update.weight - trained.weight).max() <= HEAD_ATOL
-    _, without_version = run_java_task(java_cp, tmp_path, RECIPE, head, (Z, y))
-    assert "model_version" not in without_version.body
+    if not rule:
+        _, without_version = run_java_task(java_cp, tmp_path, RECIPE, head, (Z, y))
+        assert "model_version" not in without_version.body
+    else:      # the rule changed the step, by more than the tolerance
+        plain = train_head(head["weight"], head["bias"], Z, y, LocalTraining.from_params(RECIPE))
+        assert np.abs(plain.weight - update.weight).max() > 10 * HEAD_ATOL
 
 
 @pytest.mark.parametrize("change, tensors, reason", [
@@ -130,6 +137,9 @@ def test_fedavg_head_equals_the_python_device(java_cp, tmp_path):
     ({}, {"weight": np.zeros((C, D), np.float32)}, "no head tensor 'bias'"),
     ({}, {"weight": np.full((C, D), np.nan, np.float32), "bias": np.zeros(C, np.float32)}, "NaN or Inf"),
     ({"lr": 1e30}, None, "diverged"),
+    ({"local_rule": "nesterov"}, None, "local_rule must be one of"),
+    ({"local_rule": "sam", "sam_rho": 0.0}, None, "needs sam_rho > 0"),
+    ({"prox_mu": -0.5}, None, "prox_mu must be a finite number"),
 ])
 def test_malformed_fedavg_head_tasks_are_declined_with_a_reason(java_cp, tmp_path, change, tensors, reason):
     head = tensors if tensors is not None else {"weight": np.zeros((change.get("num_classes", C), D), np.float32),

@@ -19,9 +19,12 @@ import types
 import typing
 from dataclasses import dataclass
 
+from protocols.payloads.fedavg import LOCAL_RULES
 from protocols.topics import DEVICE_ID_RE
 
 from aggregator.jobs.fedavg import INITS
+from aggregator.strategies.fedopt import SERVER_OPTIMIZERS
+from aggregator.strategies.model_averaging import SERVED_MODELS
 
 
 @dataclass(frozen=True)
@@ -100,7 +103,11 @@ FIELD_LIMITS: dict[str, Range | OneOf | Pattern | Fields | Items] = {
     # FedAvg family
     "local_epochs": Range(1, 1000), "batch_size": Range(1, 1_000_000), "client_lr": Range(0, 100),
     "weight_decay": Range(0, 10), "temperature": Range(1e-6, 1e6), "server_lr": Range(0, 100),
-    "server_momentum": Range(0, 1), "buffer_size": Range(1, 100_000), "max_staleness": Range(0, 10_000),
+    "server_momentum": Range(0, 1), "server_optimizer": OneOf(SERVER_OPTIMIZERS), "server_beta1": Range(0, 0.9999),
+    "server_beta2": Range(0, 0.9999), "server_tau": Range(1e-12, 1e3), "local_rule": OneOf(LOCAL_RULES),
+    "sam_rho": Range(0, 100), "asam_eta": Range(0, 100), "prox_mu": Range(0, 1e4), "served_model": OneOf(SERVED_MODELS),
+    "swa_start_round": Range(1, 1_000_000), "swa_cycle_rounds": Range(1, 100_000), "swa_lr_min": Range(0, 100),
+    "wima_window": Range(1, 1000), "buffer_size": Range(1, 100_000), "max_staleness": Range(0, 10_000),
     "staleness_exponent": Range(0, 10), "init": OneOf(INITS), "initial_head_file": PATH,
     # FT(φ)/FT(M)
     "train": OneOf(("tail", "tail+head")), "tail_stages": Range(0, 64), "tail_program_file": PATH,

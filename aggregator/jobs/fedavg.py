@@ -6,7 +6,8 @@ a round:
 1. ``next_participants(online)`` draws κ of the online devices (seeded ``random.Random``,
    sorted pool, so a seed fixes the whole participation schedule) and opens round t.
 2. ``task_for(device)`` sends the global head *as of the opening* ({"weight" (C, d),
-   "bias" (C,)} float32) and the local recipe (epochs, batch, lr, wd, T, a per-device seed).
+   "bias" (C,)} float32) and the local recipe (epochs, batch, lr, wd, T, a per-device seed, the
+   local step rule: SGD, FedProx, FedSAM or FedASAM).
 3. ``apply`` keeps each accepted update for the round (its tensors and weight n_k).
    An update is applied only if it names the open round and comes from one of its
    participants; anything else (a late result of a closed round that slipped past the round
@@ -16,8 +17,9 @@ a round:
    bounds each update's norm and weight, screens updates that oppose the round's median,
    combines the rest with the job's rule (the weighted mean, or a robust one), steps along the
    round history's momentum (``aggregator/strategies/robust_fedavg.py``) and takes one server
-   step with the strategy (FedAvg / FedAvgM). A round with no update leaves the head, the
-   history and the server momentum unchanged.
+   step with the strategy (FedAvg / FedAvgM, or FedOpt's Adam / Yogi / Adagrad:
+   ``server_optimizer``). A round with no update leaves the head, the history and the server
+   optimizer's state unchanged.
 
 Initialisation (``init``): "random" (nn.Linear's U(±1/√d), seeded), "zeros", or "fed3r": the
 normalised Fed3R classifier, bias included (:meth:`FedAvgJob.from_fed3r`), i.e. Fed3R+FT(ψ).
@@ -40,9 +42,10 @@ from protocols.rounds import RoundClosed
 
 from aggregator.compute.evaluation import head_accuracy
 from aggregator.strategies.dp_fedavg import DPFedAvg
-from aggregator.strategies.fedavg import FedAvg
+from aggregator.strategies.fedavg import ServerOptimizer
 from aggregator.jobs.base import Job
 from aggregator.jobs.model_fields import ModelFields
+from aggregator.jobs.optimizer_fields import LocalRuleFields, ServedModelFields, ServerOptimizerFields
 from aggregator.jobs.privacy_fields import UpdateClippingFields
 from aggregator.jobs.robustness_fields import FedAvgRobustnessFields
 
@@ -53,7 +56,7 @@ FED3R_INIT_LR_FACTOR = 0.1
 
 
 @dataclass
-class FedAvgConfig(FedAvgRobustnessFields, UpdateClippingFields, ModelFields):
+class FedAvgConfig(ServerOptimizerFields, LocalRuleFields, ServedModelFields, FedAvgRobustnessFields, UpdateClippingFields, ModelFields):
     job_id: str = "fedavg"
     rounds: int = 100
     local_epochs: int = 1
@@ -61,8 +64,6 @@ class FedAvgConfig(FedAvgRobustnessFields, UpdateClippingFields, ModelFields):
     client_lr: float = 0.1               # base local LR (× 0.1 when init == "fed3r")
     weight_decay: float = 4e-5
     temperature: float = 0.1
-    server_lr: float = 1.0
-    server_momentum: float = 0.0         # 0: FedAvg; > 0: FedAvgM
     init: str = "random"
     initial_head_file: str = ""          # init == "fed3r": a Fed3R job's model.npz (coef, intercept)
 
@@ -74,10 +75,25 @@ class FedAvgConfig(FedAvgRobustnessFields, UpdateClippingFields, ModelFields):
             raise ValueError("rounds and clients_per_round must be >= 1")
         self.check_update_clipping()
         self.check_robust_aggregation()
+        self.check_server_optimizer()
+        self.local_rule_recipe()
+        self.served_model_rule()
 
     @property
     def device_lr(self) -> float:
-        return self.client_lr * (FED3R_INIT_LR_FACTOR if self.init == "fed3r" else 1.0)
+        return self.client_lr * self.device_lr_factor
+
+    @property
+    def device_lr_factor(self) -> float:
+        return FED3R_INIT_LR_FACTOR if self.init == "fed3r" else 1.0
+
+    def device_params(self, seed: int, client_lr: float | None = None) -> dict:
+        """A task's params: the model, the local recipe (with this device's batch seed and the round's
+        client LR, default ``client_lr``; × 0.1 after a Fed3R init) and step rule."""
+        lr = self.device_lr if client_lr is None else client_lr * self.device_lr_factor
+        return {**self.model_params(), "feature_dim": self.feature_dim, "epochs": self.local_epochs,
+                "batch_size": self.batch_size, "lr": lr, "weight_decay": self.weight_decay,
+                "temperature": self.temperature, "seed": seed, **self.local_rule_recipe().to_params()}
 
 
 @dataclass(frozen=True)
@@ -100,7 +116,7 @@ def random_head(num_classes: int, feature_dim: int, seed: int) -> dict[str, np.n
 class FedAvgJob(Job):
     config: FedAvgConfig
     initial_head: dict[str, np.ndarray] | None = None
-    strategy: FedAvg | None = None
+    strategy: ServerOptimizer | None = None
     contributed: dict[str, int] = field(default_factory=dict)     # device -> accepted updates
     round: int = 0
     kind: str = KIND
@@ -111,7 +127,7 @@ class FedAvgJob(Job):
     def __post_init__(self):
         c = self.config
         if self.strategy is None:
-            self.strategy = FedAvg(c.server_lr, c.server_momentum)
+            self.strategy = c.server_step()
         # Central DP (DP-FedAvg) wraps the server step; the secure variant gets its noise from the devices.
         self.dp: DPFedAvg | None = None
         if c.dp:
@@ -131,6 +147,7 @@ class FedAvgJob(Job):
         else:
             head = random_head(c.num_classes, c.feature_dim, c.seed)
         self.params: dict[str, np.ndarray] = head
+        self.served = c.served_model_rule()      # what is evaluated, reported, saved: w^t, SWA or WiMA
         self.history = c.round_history()      # bounded influence's state across rounds (checkpointed)
         self._rng = random.Random(c.seed)
         self._open = False
@@ -182,9 +199,8 @@ class FedAvgJob(Job):
     def task_for(self, device: str) -> tuple[dict, dict[str, np.ndarray]]:
         c = self.config
         seed = zlib.crc32(f"{c.seed}:{self.round}:{device}".encode())
-        params = {**c.model_params(), "feature_dim": c.feature_dim, "epochs": c.local_epochs, "batch_size": c.batch_size, "lr": c.device_lr,
-                  "weight_decay": c.weight_decay, "temperature": c.temperature, "seed": seed}
-        return params, {k: v.copy() for k, v in self.params.items()}
+        return (c.device_params(seed, self.served.client_lr(self.round, c.client_lr)),
+                {k: v.copy() for k, v in self.params.items()})
 
     # ------------------------------------------------------------------ results
     def trained_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -244,6 +260,7 @@ class FedAvgJob(Job):
         moved, updates, samples = self.round_step()
         if moved is not None:
             self.params = {**self.params, **moved}
+        self.served.observe(self.round, self.params)
         self.round_log.append({"round": self.round, "updates": updates, "samples": samples,
                                "dropped": len(closed.dropped), "declined": len(closed.declined),
                                "rejected": len(closed.rejected)})
@@ -255,7 +272,8 @@ class FedAvgJob(Job):
         out = {"round": self.round, "contributions": self.contributions, "samples": self.samples,
                "server_steps": self.strategy.steps, "late_discarded": self.late_discarded}
         if features is not None:
-            out["accuracy"] = head_accuracy(self.params["weight"], self.params["bias"], features, labels)
+            served = self.served_params()
+            out["accuracy"] = head_accuracy(served["weight"], served["bias"], features, labels)
         return {**out, **self.privacy_entry()}
 
     def privacy_entry(self) -> dict:
@@ -263,12 +281,17 @@ class FedAvgJob(Job):
         extra = {"clip_norm": self.dp.clip.value} if self.dp is not None else {}
         return self.config.privacy_entry(self.round - (1 if self._open else 0), self.round, **extra)
 
+    def served_params(self) -> dict[str, np.ndarray]:
+        """The model the job serves: the last global model, its SWA or its window average."""
+        return self.served.served(self.params)
+
     def model_arrays(self) -> dict[str, np.ndarray]:
-        return {k: v.copy() for k, v in self.params.items()}
+        return self.served_params()
 
     def state_dict(self) -> dict[str, np.ndarray]:
         server = self.dp if self.dp is not None else self.strategy
-        return {**self.model_arrays(), **server.state_dict(), **self.history.state_dict(),
+        return {**{k: v.copy() for k, v in self.params.items()}, **server.state_dict(), **self.history.state_dict(),
+                **self.served.state_dict(),
                 "round": np.array([self.round], dtype=np.int64),
                 "counts": np.array([self.samples, self.late_discarded], dtype=np.int64)}
 
@@ -277,6 +300,7 @@ class FedAvgJob(Job):
         self.params = head_tensors(state["weight"], state["bias"])
         (self.dp if self.dp is not None else self.strategy).load_state_dict(state)
         self.history.load_state_dict(state)
+        self.served.load_state_dict(state)
         self.round = int(state["round"][0])
         self.samples, self.late_discarded = (int(x) for x in state["counts"])
         self._open = False

@@ -57,6 +57,9 @@ class AsyncFedAvgConfig(FedAvgConfig):
         super().__post_init__()
         if self.server_momentum:
             raise ValueError("fedavg-async has no server momentum (FedBuff steps with server_lr only)")
+        if self.server_optimizer != "sgd" or self.served_model != "last":
+            raise ValueError("fedavg-async steps with FedBuff's server_lr only and serves its last model "
+                             "(server_optimizer must be 'sgd', served_model 'last')")
         if self.buffer_size < 1 or self.max_staleness < 0:
             raise ValueError("buffer_size must be >= 1 and max_staleness >= 0")
         rule = self.robust_aggregation().rule          # a step combines buffer_size updates, not κ
@@ -122,10 +125,7 @@ class AsyncFedAvgJob(AsynchronousJob, FedAvgJob):
         round_, version = next((r, v) for r, (d, v) in self.dispatches.items() if d == device)
         c = self.config
         seed = zlib.crc32(f"{c.seed}:{round_}:{device}".encode())
-        params = {**c.model_params(), "feature_dim": c.feature_dim, "epochs": c.local_epochs,
-                  "batch_size": c.batch_size, "lr": c.device_lr, "weight_decay": c.weight_decay,
-                  "temperature": c.temperature, "seed": seed, "model_version": version}
-        return params, {k: np.array(v) for k, v in self.buffer.model_for(version).items()}
+        return {**c.device_params(seed), "model_version": version}, {k: np.array(v) for k, v in self.buffer.model_for(version).items()}
 
     # ------------------------------------------------------------------ results
     def parse_result(self, env: Envelope) -> VersionedUpdate:

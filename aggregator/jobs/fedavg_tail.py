@@ -81,7 +81,7 @@ class TailFedAvgJob(FedAvgJob):
     def evaluate(self, features: np.ndarray | None, labels: np.ndarray | None) -> dict:
         out = super().evaluate(None, None)
         if features is not None:
-            out["accuracy"] = self.program.accuracy(self.params, features, labels)
+            out["accuracy"] = self.program.accuracy(self.served_params(), features, labels)
         return out
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:

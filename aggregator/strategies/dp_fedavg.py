@@ -32,7 +32,7 @@ import numpy as np
 
 from protocols.clipping import clip_update
 
-from aggregator.strategies.fedavg import FedAvg, Params
+from aggregator.strategies.fedavg import Params, ServerOptimizer
 
 
 class ClipNorm(ABC):
@@ -147,11 +147,11 @@ class ClippedGaussianSum:
 
 
 class DPFedAvg(ClippedGaussianSum):
-    """Clip, sum, noise, then the wrapped strategy's step (FedAvg/FedAvgM: post-processing).
+    """Clip, sum, noise, then the wrapped strategy's step (FedAvg/FedAvgM/FedOpt: post-processing).
 
     ``expected_clients`` is m (κ)."""
 
-    def __init__(self, strategy: FedAvg, noise_multiplier: float, clip: ClipNorm, expected_clients: int,
+    def __init__(self, strategy: ServerOptimizer, noise_multiplier: float, clip: ClipNorm, expected_clients: int,
                  rng: np.random.Generator | None = None):
         if expected_clients < 1:
             raise ValueError("need expected_clients >= 1")

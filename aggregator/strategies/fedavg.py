@@ -19,11 +19,39 @@ classes hold tensors as ``dict[str, ndarray]`` and know nothing about rounds or 
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 
 import numpy as np
 
 Params = dict[str, np.ndarray]
+
+
+class ServerOptimizer(ABC):
+    """One server step per round: the round's combined parameters x̄ in, the next global x out.
+
+    Implementations: :class:`FedAvg`/:class:`FedAvgM` here, FedAdam/FedYogi/FedAdagrad in
+    ``aggregator/strategies/fedopt.py``. They see only x_t and x̄ (never the devices' updates), so
+    every one of them also runs under secure aggregation and after DP's noisy mean. Their state
+    (momentum, moments) is server state a job checkpoints through ``state_dict``."""
+
+    steps: int
+
+    @abstractmethod
+    def step(self, params: Mapping[str, np.ndarray], averaged: Mapping[str, np.ndarray]) -> Params:
+        """New global parameters (dtype of ``params``) from the current ones and the round's mean."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Flat arrays (names distinct from a model's tensors) that restore the optimizer exactly."""
+
+    @abstractmethod
+    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None: ...
+
+    @staticmethod
+    def check_matching(params: Mapping[str, np.ndarray], averaged: Mapping[str, np.ndarray]) -> None:
+        if set(params) != set(averaged):
+            raise ValueError(f"averaged tensors {sorted(averaged)} do not match parameters {sorted(params)}")
 
 
 class WeightedMean:
@@ -58,7 +86,7 @@ class WeightedMean:
         return {name: s / self.total_weight for name, s in self._sums.items()}
 
 
-class FedAvg:
+class FedAvg(ServerOptimizer):
     """Server step x_{t+1} = x_t − η·(β v_t + (x_t − x̄)); defaults η = 1, β = 0 (plain FedAvg)."""
 
     def __init__(self, server_lr: float = 1.0, momentum: float = 0.0):
@@ -80,9 +108,7 @@ class FedAvg:
         return acc.result()
 
     def step(self, params: Mapping[str, np.ndarray], averaged: Mapping[str, np.ndarray]) -> Params:
-        """New global parameters (dtype of ``params``) from the current ones and the round's mean."""
-        if set(params) != set(averaged):
-            raise ValueError(f"averaged tensors {sorted(averaged)} do not match parameters {sorted(params)}")
+        self.check_matching(params, averaged)
         self.steps += 1
         if self.server_lr == 1.0 and self.momentum == 0.0:
             return {k: np.asarray(averaged[k]).astype(np.asarray(params[k]).dtype) for k in params}

@@ -129,8 +129,20 @@ class TrainingSession:
         loss, gradients = self.loss_and_gradients(features, labels)
         if trained is not None:
             gradients = {name: grad for name, grad in gradients.items() if name in trained}
-        self._trainer.sgd_step(gradients, lr)
+        self.sgd_step(gradients, lr)
         return loss
+
+    def sgd_step(self, directions: dict[str, np.ndarray], lr: float) -> None:
+        """p ← p − lr·d through the runtime's SGD for the named tensors: a step whose direction a
+        local rule chose (``edge_client/tasks/local_rules.py``: SAM's gradient at w + ε̂, FedProx's pull)."""
+        lr = _check_learning_rate(lr)
+        unknown = set(directions) - set(self.parameter_shapes)
+        if unknown:
+            raise ValueError(f"unknown tensors to train: {sorted(unknown)}")
+        for name, d in directions.items():
+            if np.shape(d) != self.parameter_shapes[name]:
+                raise ValueError(f"direction {name!r} has shape {np.shape(d)}, expected {self.parameter_shapes[name]}")
+        self._trainer.sgd_step({name: np.asarray(d, dtype=np.float32) for name, d in directions.items()}, lr)
 
     def _padded(self, features: np.ndarray, labels: np.ndarray):
         rows = len(features)

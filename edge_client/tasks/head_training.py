@@ -9,7 +9,9 @@ in the task params, extracts features of the local training set with the frozen 
 and OLL's FP(ψ) (``edge_client.oll``) both call it. Per epoch it shuffles the rows with a
 seeded generator, cuts them into mini-batches of ``batch_size`` (the last one may be smaller)
 and takes one SGD step per batch on the temperature-scaled cross-entropy CE(logits / T, y)
-with L2 weight decay (torch.optim.SGD semantics: g ← ∇loss + wd·θ; θ ← θ − lr·g).
+with L2 weight decay (torch.optim.SGD semantics: g ← d + wd·θ; θ ← θ − lr·g), where the direction
+d is the loss gradient or what the task's local rule makes of it (``local_rules.py``: FedProx's
+pull to the global head, FedSAM/FedASAM's gradient at the perturbed head).
 
 Two backends compute that step:
 
@@ -31,10 +33,11 @@ from typing import Any
 
 import numpy as np
 
-from protocols.payloads.fedavg import encode_head_update
+from protocols.payloads.fedavg import LocalRuleRecipe, encode_head_update
 
 from ..agent import TaskDeclined
 from .extractors import ExtractorFactory, extractor_for
+from .local_rules import rule_for
 from .numpy_head import batch_schedule
 
 log = logging.getLogger("fedfleet.device")
@@ -52,6 +55,7 @@ class LocalTraining:
     weight_decay: float = 4e-5
     temperature: float = 0.1
     seed: int = 0
+    rule: LocalRuleRecipe = LocalRuleRecipe()     # the step's direction: SGD, FedProx, FedSAM, FedASAM
 
     def __post_init__(self):
         for name in ("epochs", "batch_size"):
@@ -65,14 +69,16 @@ class LocalTraining:
                 raise ValueError(f"{name} must be a finite number {'>=' if low_ok else '>'} 0, got {value!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.rule, LocalRuleRecipe):
+            raise ValueError(f"rule must be a LocalRuleRecipe, got {type(self.rule).__name__}")
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> "LocalTraining":
-        fields = {k: params[k] for k in cls.__dataclass_fields__ if k in params}
-        return cls(**fields)
+        fields = {k: params[k] for k in cls.__dataclass_fields__ if k in params and k != "rule"}
+        return cls(**fields, rule=LocalRuleRecipe.from_params(params))
 
     def to_params(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**{k: v for k, v in asdict(self).items() if k != "rule"}, **self.rule.to_params()}
 
 
 @dataclass
@@ -101,26 +107,38 @@ class _TorchHeadStepper:
             self.head.weight.copy_(torch.from_numpy(weight))
             self.head.bias.copy_(torch.from_numpy(bias))
         self.lr, self.weight_decay = recipe.lr, recipe.weight_decay
+        self.rule = rule_for(recipe.rule)
+        self.start = {"weight": weight.copy(), "bias": bias.copy()}       # the round's global head
 
     def step(self, features: np.ndarray, labels: np.ndarray) -> float:
         torch = self._torch
-        self.head.zero_grad(set_to_none=True)
-        loss, _ = self.head(torch.from_numpy(features), torch.from_numpy(labels),
-                            torch.ones(len(labels)))
-        loss.backward()
+        inputs = (torch.from_numpy(features), torch.from_numpy(labels), torch.ones(len(labels)))
+
+        def gradient_at(params):
+            # a functional call: the rule may ask for the gradient at perturbed parameters (SAM)
+            # without the module's own parameters moving
+            tensors = {k: torch.from_numpy(np.asarray(v)).requires_grad_(True) for k, v in params.items()}
+            loss, _ = torch.func.functional_call(self.head, tensors, inputs)
+            grads = torch.autograd.grad(loss, list(tensors.values()))
+            return float(loss.detach()), {k: g.numpy() for k, g in zip(tensors, grads)}
+
+        params = {"weight": self.head.weight.detach().numpy(), "bias": self.head.bias.detach().numpy()}
+        loss, direction = self.rule.direction(params, gradient_at, self.start)
         # torch.optim.SGD's update, written out: its first step imports torch._dynamo (seconds).
         with torch.no_grad():
-            for param in (self.head.weight, self.head.bias):
-                grad = param.grad.add(param, alpha=self.weight_decay) if self.weight_decay else param.grad
+            for name, param in (("weight", self.head.weight), ("bias", self.head.bias)):
+                grad = torch.from_numpy(np.asarray(direction[name]))
+                grad = grad.add(param, alpha=self.weight_decay) if self.weight_decay else grad
                 param.add_(grad, alpha=-self.lr)
-        return float(loss.detach())
+        return loss
 
     def parameters(self) -> dict[str, np.ndarray]:
         return {"weight": self.head.weight.detach().numpy().copy(), "bias": self.head.bias.detach().numpy().copy()}
 
 
 class SessionStepper:
-    """TrainingSession backend: the runtime's loss, gradients and SGD; weight decay added here.
+    """TrainingSession backend: the runtime's loss, gradients and SGD; weight decay added here. The
+    local rule's extra gradient evaluations (SAM: at w + ε̂) are more calls of the program.
 
     ``trained`` names the tensors that move (default: all of the program's); the others keep
     their start values (FT(φ) trains the tail against a frozen head).
@@ -132,11 +150,27 @@ class SessionStepper:
         self.runtime = session.runtime
         self.recipe = recipe
         self.trained = frozenset(start) if trained is None else trained
+        self.rule = rule_for(recipe.rule)
         session.set_parameters(start)
         self._current = {k: v.copy() for k, v in start.items()}
+        self.start = {k: v.copy() for k, v in start.items() if k in self.trained}   # the round's global model
 
     def step(self, features: np.ndarray, labels: np.ndarray) -> float:
-        loss = self.session.train_step(features, labels, lr=self.recipe.lr, trained=self.trained)
+        now = {k: self._current[k] for k in self.trained}
+        held = now                           # the parameters the program holds
+
+        def gradient_at(params):
+            nonlocal held
+            if params is not held:           # e.g. SAM's perturbed point: the program computes there
+                self.session.set_parameters({**self._current, **params})
+                held = params
+            loss, gradients = self.session.loss_and_gradients(features, labels)
+            return loss, {k: gradients[k] for k in self.trained}
+
+        loss, direction = self.rule.direction(now, gradient_at, self.start)
+        if held is not now:
+            self.session.set_parameters(self._current)
+        self.session.sgd_step(direction, self.recipe.lr)
         after = self.session.get_parameters()
         if self.recipe.weight_decay:
             shrink = np.float32(self.recipe.lr * self.recipe.weight_decay)

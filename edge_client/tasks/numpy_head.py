@@ -3,7 +3,8 @@ and how a device trains many candidate heads side by side (OLL's cross-validatio
 
 Same step as the eager ``TemperatureScaledHead`` + SGD of ``head_training._TorchHeadStepper`` and
 the exported head training program: ``logits = f W^T + b``, mean cross-entropy on
-``logits / T``, then ``param -= lr * (grad + weight_decay * param)``. The gradient is written out
+``logits / T``, then ``param -= lr * (d + weight_decay * param)`` where the step's direction d is
+the gradient, or what the job's local rule makes of it (``local_rules.py``: FedProx, FedSAM, FedASAM). The gradient is written out
 (softmax minus one-hot, weighted by each row's share of the batch, divided by ``T``) since a linear
 head needs no autograd.
 
@@ -18,14 +19,14 @@ import numpy as np
 
 from protocols.payloads.fedavg import batch_schedule as protocol_batch_schedule
 
+from .local_rules import apply_step, rule_for
 
-def head_sgd_step(weight: np.ndarray, bias: np.ndarray, features: np.ndarray, labels: np.ndarray,
-                  row_share: np.ndarray, lr, temperature: np.float32, weight_decay: np.float32) -> np.ndarray:
-    """One SGD step, in place, of (stacks of) heads ``weight`` (..., C, d), ``bias`` (..., C) on
-    ``features`` (..., B, d) with ``labels`` (..., B) (leading axes broadcast against the heads').
-    ``row_share`` (..., B): each row's weight in the batch mean (1/n per row; 0 for padding rows);
-    ``lr`` a scalar or an array broadcasting to the heads' leading axes (0: that head stays put).
-    Returns the batch losses (the heads' leading axes)."""
+
+def head_loss_and_gradients(weight: np.ndarray, bias: np.ndarray, features: np.ndarray, labels: np.ndarray,
+                            row_share: np.ndarray, temperature: np.float32) -> tuple[np.ndarray, tuple]:
+    """(batch losses, (∂/∂weight, ∂/∂bias)) of (stacks of) heads ``weight`` (..., C, d), ``bias``
+    (..., C) on ``features`` (..., B, d) with ``labels`` (..., B) (leading axes broadcast against the
+    heads'). ``row_share`` (..., B): each row's weight in the batch mean (1/n per row; 0 for padding)."""
     scaled = (features @ np.swapaxes(weight, -1, -2) + bias[..., None, :]) / temperature
     scaled -= scaled.max(axis=-1, keepdims=True)                  # log-softmax without overflow
     log_p = scaled - np.log(np.exp(scaled).sum(axis=-1, keepdims=True))
@@ -36,7 +37,15 @@ def head_sgd_step(weight: np.ndarray, bias: np.ndarray, features: np.ndarray, la
     d_logits = np.exp(log_p)
     np.put_along_axis(d_logits, picked, np.take_along_axis(d_logits, picked, axis=-1) - 1.0, axis=-1)
     d_logits *= (share / temperature)[..., None]                  # d mean-loss / d logits
-    grads = (np.swapaxes(d_logits, -1, -2) @ features, d_logits.sum(axis=-2))
+    return loss, (np.swapaxes(d_logits, -1, -2) @ features, d_logits.sum(axis=-2))
+
+
+def head_sgd_step(weight: np.ndarray, bias: np.ndarray, features: np.ndarray, labels: np.ndarray,
+                  row_share: np.ndarray, lr, temperature: np.float32, weight_decay: np.float32) -> np.ndarray:
+    """One SGD step, in place, of (stacks of) heads (see :func:`head_loss_and_gradients`);
+    ``lr`` a scalar or an array broadcasting to the heads' leading axes (0: that head stays put).
+    Returns the batch losses (the heads' leading axes)."""
+    loss, grads = head_loss_and_gradients(weight, bias, features, labels, row_share, temperature)
     lr = np.asarray(lr, dtype=np.float32)
     for param, grad in zip((weight, bias), grads):
         if weight_decay:
@@ -54,14 +63,25 @@ class NumpyHeadStepper:
     def __init__(self, weight: np.ndarray, bias: np.ndarray, recipe):
         self.weight = np.array(weight, dtype=np.float32)
         self.bias = np.array(bias, dtype=np.float32)
+        self.start = {"weight": self.weight.copy(), "bias": self.bias.copy()}     # the round's global head
         self.temperature = np.float32(recipe.temperature)
         self.lr, self.weight_decay = np.float32(recipe.lr), np.float32(recipe.weight_decay)
+        self.rule = rule_for(recipe.rule)
 
     def step(self, features: np.ndarray, labels: np.ndarray) -> float:
-        features = np.asarray(features, dtype=np.float32)
+        features, labels = np.asarray(features, dtype=np.float32), np.asarray(labels)
         share = np.full(len(labels), 1.0 / len(labels), dtype=np.float32)
-        return float(head_sgd_step(self.weight, self.bias, features, np.asarray(labels), share, self.lr,
-                                   self.temperature, self.weight_decay))
+
+        def gradient_at(params):
+            loss, (d_weight, d_bias) = head_loss_and_gradients(params["weight"], params["bias"], features, labels,
+                                                               share, self.temperature)
+            return float(loss), {"weight": d_weight, "bias": d_bias}
+
+        params = {"weight": self.weight, "bias": self.bias}
+        loss, direction = self.rule.direction(params, gradient_at, self.start)
+        for name, param in params.items():
+            apply_step(param, direction[name], self.lr, self.weight_decay)
+        return loss
 
     def parameters(self) -> dict[str, np.ndarray]:
         return {"weight": self.weight.copy(), "bias": self.bias.copy()}

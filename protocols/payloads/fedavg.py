@@ -5,7 +5,8 @@ Task (aggregator -> device), tensors of the ``task`` message:
 * ``weight``  float32 (C, d)  the current global head, ``logits = f @ weight.T + bias``
 * ``bias``    float32 (C,)
 
-and in ``params`` the local-training recipe (see ``aggregator.jobs.fedavg.FedAvgConfig``).
+and in ``params`` the local-training recipe (see ``aggregator.jobs.fedavg.FedAvgConfig``) and
+the local step rule, :class:`LocalRuleRecipe` (plain SGD, FedProx, FedSAM, FedASAM).
 
 Result (device -> aggregator), tensors of the ``result`` message:
 
@@ -30,7 +31,9 @@ named tensors instead:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
@@ -42,6 +45,44 @@ HEAD_TENSORS = ("weight", "bias")
 TAIL_PREFIX = "tail."
 # what a fedavg.tail device trains -> whether the head is among the trained tensors
 TAIL_TRAIN_MODES = {"tail": False, "tail+head": True}
+
+
+LOCAL_RULES = ("sgd", "sam", "asam")
+
+
+@dataclass(frozen=True)
+class LocalRuleRecipe:
+    """How a device turns a mini-batch's gradient into its step: task params of every FedAvg-family
+    task, validated on both sides (the job's config, the device's parse).
+
+    ``local_rule``: "sgd"; "sam" (FedSAM: descend with the gradient at w + ρ g/‖g‖); "asam"
+    (FedASAM: at w + ρ T² g/‖T g‖, T = diag(|w| + η)). ``prox_mu`` μ > 0 adds FedProx's proximal
+    term μ/2‖w − w_global‖² to the local objective under any rule. Defaults: ρ = 0.1, the thesis's
+    SAM ρ on CIFAR-10 at α = 0 (its ASAM ρ there is 0.7), and its ASAM η = 0.2.
+    """
+
+    local_rule: str = "sgd"
+    sam_rho: float = 0.1
+    asam_eta: float = 0.2
+    prox_mu: float = 0.0
+
+    def __post_init__(self):
+        if self.local_rule not in LOCAL_RULES:
+            raise ValueError(f"local_rule must be one of {LOCAL_RULES}, got {self.local_rule!r}")
+        for name, hi in (("sam_rho", 100.0), ("asam_eta", 100.0), ("prox_mu", 1e4)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.floating)) or not math.isfinite(v) \
+                    or not 0 <= v <= hi:
+                raise ValueError(f"{name} must be a finite number in [0, {hi}], got {v!r}")
+        if self.local_rule != "sgd" and self.sam_rho <= 0:
+            raise ValueError(f"{self.local_rule} needs sam_rho > 0")
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any]) -> "LocalRuleRecipe":
+        return cls(**{k: params[k] for k in cls.__dataclass_fields__ if k in params})
+
+    def to_params(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 @dataclass(frozen=True)

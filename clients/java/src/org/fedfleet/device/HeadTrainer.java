@@ -1,6 +1,7 @@
 // Local SGD on a linear softmax head, the Python device's step (edge_client/tasks/numpy_head.py):
 // logits = f W^T + b, mean cross-entropy on logits / T over the mini-batch, then
-// param -= lr * (grad + weight_decay * param) (torch.optim.SGD with weight decay), batches in
+// param -= lr * (d + weight_decay * param) (torch.optim.SGD with weight decay; d the gradient or
+// what the task's local rule makes of it: FedSAM, FedASAM, FedProx, as local_rules.py), batches in
 // LocalTraining's seeded order. The head is held in float32 between steps, as on the Python
 // device; each step's gradient is computed in double and rounded once into the float32 update.
 package org.fedfleet.device;
@@ -21,10 +22,14 @@ public final class HeadTrainer {
 
     private final int numClasses, dim;
     private final float lr, weightDecay, temperature;     // float32, as numpy_head holds them
+    private final String rule;                             // edge_client/tasks/local_rules.py's rules
+    private final double rho, eta, mu;
+    private float[] startW, startB;                        // the round's global head (FedProx's anchor)
 
     public HeadTrainer(int numClasses, int dim, LocalTraining recipe) {
         this.numClasses = numClasses; this.dim = dim;
         this.lr = (float) recipe.lr; this.weightDecay = (float) recipe.weightDecay; this.temperature = (float) recipe.temperature;
+        this.rule = recipe.localRule; this.rho = recipe.samRho; this.eta = recipe.asamEta; this.mu = recipe.proxMu;
     }
 
     /** recipe.epochs epochs from (weight, bias) over features (n × dim) with labels in [0, C).
@@ -40,6 +45,7 @@ public final class HeadTrainer {
                 throw new IllegalArgumentException("label " + labels[k] + " outside [0, " + numClasses + ")");
         }
         float[] w = weight.clone(), b = bias.clone();
+        startW = weight.clone(); startB = bias.clone();
         List<int[]> batches = recipe.batchSchedule(labels.length);
         int lastEpoch = batches.size() / recipe.epochs;
         double lossSum = 0;
@@ -52,9 +58,53 @@ public final class HeadTrainer {
         return new Trained(w, b, labels.length, batches.size(), lossSum / lastEpoch);
     }
 
-    /** One SGD step on the rows `batch`, in place; returns the batch's mean loss before the step. */
+    /** One step on the rows `batch`, in place; returns the batch's mean loss before the step. Its
+     *  direction: the gradient (sgd), or the gradient at w + ε̂, ε̂ = ρ T² g/‖T g‖ (T = 1: sam;
+     *  T = |w| + η: asam), plus μ(w − w_global) under FedProx; then w -= lr (d + wd w). */
     double step(float[] w, float[] b, float[][] features, int[] labels, int[] batch) {
-        double[] gradW = new double[w.length], gradB = new double[b.length], scaled = new double[numClasses];
+        double[] gradW = new double[w.length], gradB = new double[b.length];
+        double loss = gradient(w, b, features, labels, batch, gradW, gradB);
+        if (!rule.equals("sgd")) {
+            boolean adaptive = rule.equals("asam");
+            double norm = 0;
+            for (int k = 0; k < w.length; k++) norm += sq((adaptive ? Math.abs(w[k]) + eta : 1) * gradW[k]);
+            for (int k = 0; k < b.length; k++) norm += sq((adaptive ? Math.abs(b[k]) + eta : 1) * gradB[k]);
+            double scale = rho / (Math.sqrt(norm) + 1e-12);
+            float[] pw = perturbed(w, gradW, scale, adaptive), pb = perturbed(b, gradB, scale, adaptive);
+            gradW = new double[w.length]; gradB = new double[b.length];
+            gradient(pw, pb, features, labels, batch, gradW, gradB);
+        }
+        if (mu > 0) loss += proximal(w, startW, gradW) + proximal(b, startB, gradB);
+        update(w, gradW);
+        update(b, gradB);
+        return loss;
+    }
+
+    private static double sq(double x) { return x * x; }
+
+    private float[] perturbed(float[] param, double[] grad, double scale, boolean adaptive) {
+        float[] out = new float[param.length];
+        for (int k = 0; k < param.length; k++) {
+            double t = adaptive ? Math.abs(param[k]) + eta : 1;
+            out[k] = param[k] + (float) (scale * t * t * grad[k]);
+        }
+        return out;
+    }
+
+    /** Adds μ(w − w_global) to grad; returns μ/2‖w − w_global‖² (the objective's proximal term). */
+    private double proximal(float[] param, float[] start, double[] grad) {
+        double term = 0;
+        for (int k = 0; k < param.length; k++) {
+            double pull = (double) param[k] - start[k];
+            grad[k] += mu * pull;
+            term += 0.5 * mu * pull * pull;
+        }
+        return term;
+    }
+
+    /** The batch's mean loss at (w, b), its gradient accumulated into gradW, gradB (double). */
+    private double gradient(float[] w, float[] b, float[][] features, int[] labels, int[] batch, double[] gradW, double[] gradB) {
+        double[] scaled = new double[numClasses];
         double share = 1.0 / batch.length, loss = 0;
         for (int row : batch) {
             float[] f = features[row];
@@ -75,8 +125,6 @@ public final class HeadTrainer {
                 for (int j = 0; j < dim; j++) gradW[c * dim + j] += g * f[j];
             }
         }
-        update(w, gradW);
-        update(b, gradB);
         return loss;
     }
 

@@ -1,6 +1,7 @@
 // The local SGD recipe of a task's params (edge_client/tasks/head_training.py LocalTraining):
-// epochs, batch_size, lr, weight_decay, temperature, seed, with the Python device's defaults and
-// checks, and its mini-batch schedule: per epoch a seeded numpy permutation of the rows, cut into
+// epochs, batch_size, lr, weight_decay, temperature, seed, and the local step rule
+// (protocols/payloads/fedavg.py LocalRuleRecipe: local_rule sgd | sam | asam, sam_rho, asam_eta,
+// prox_mu), with the Python device's defaults and checks, and its mini-batch schedule: per epoch a seeded numpy permutation of the rows, cut into
 // batches of batch_size (the last one may be smaller).
 package org.fedfleet.device;
 
@@ -14,10 +15,18 @@ public final class LocalTraining {
     public final int epochs, batchSize;
     public final double lr, weightDecay, temperature;
     public final BigInteger seed;
+    public final String localRule;                       // "sgd", "sam" (FedSAM) or "asam" (FedASAM)
+    public final double samRho, asamEta, proxMu;         // ρ, ASAM's η, FedProx's μ (0: off)
 
     public LocalTraining(int epochs, int batchSize, double lr, double weightDecay, double temperature, BigInteger seed) {
+        this(epochs, batchSize, lr, weightDecay, temperature, seed, "sgd", 0.1, 0.2, 0.0);
+    }
+
+    public LocalTraining(int epochs, int batchSize, double lr, double weightDecay, double temperature, BigInteger seed,
+                         String localRule, double samRho, double asamEta, double proxMu) {
         this.epochs = epochs; this.batchSize = batchSize; this.lr = lr; this.weightDecay = weightDecay;
         this.temperature = temperature; this.seed = seed;
+        this.localRule = localRule; this.samRho = samRho; this.asamEta = asamEta; this.proxMu = proxMu;
     }
 
     /** The recipe a task's params name; missing fields take the Fed3R paper's FL defaults ([P] §IV). */
@@ -26,7 +35,23 @@ public final class LocalTraining {
                 (int) Params.integer(params, "epochs", 1, 1, 1 << 20),
                 (int) Params.integer(params, "batch_size", 50, 1, 1 << 30),
                 Params.number(params, "lr", 0.1, false), Params.number(params, "weight_decay", 4e-5, true),
-                Params.number(params, "temperature", 0.1, false), seed(params));
+                Params.number(params, "temperature", 0.1, false), seed(params), rule(params),
+                bounded(params, "sam_rho", 0.1, 100), bounded(params, "asam_eta", 0.2, 100), bounded(params, "prox_mu", 0.0, 1e4));
+    }
+
+    private static String rule(Map<String, Object> params) throws TaskDeclined {
+        String rule = params.containsKey("local_rule") ? Params.string(params, "local_rule") : "sgd";
+        if (!rule.equals("sgd") && !rule.equals("sam") && !rule.equals("asam"))
+            throw new TaskDeclined("bad task params: local_rule must be one of sgd, sam, asam, got " + rule);
+        if (!rule.equals("sgd") && Params.number(params, "sam_rho", 0.1, true) <= 0)
+            throw new TaskDeclined("bad task params: " + rule + " needs sam_rho > 0");
+        return rule;
+    }
+
+    private static double bounded(Map<String, Object> params, String key, double dflt, double max) throws TaskDeclined {
+        double x = Params.number(params, key, dflt, true);
+        if (x > max) throw new TaskDeclined("bad task params: " + key + " must be a finite number in [0, " + max + "], got " + x);
+        return x;
     }
 
     /** The row positions of each SGD step, in order: batch_schedule of numpy_head.py. */
