@@ -22,6 +22,7 @@ from aggregator.jobs.fedavg_async import AsyncFedAvgConfig, AsyncFedAvgJob
 from aggregator.jobs.fedavg_tail import TailFedAvgConfig, TailFedAvgJob
 from aggregator.jobs.ladd import LaddConfig, LaddJob
 from aggregator.jobs.partial import PartialConfig, PartialPersonalizationJob
+from aggregator.jobs.scaffold import ScaffoldConfig, ScaffoldJob
 from aggregator.jobs.personalize import PersonalizeConfig, PersonalizeJob
 from aggregator.jobs.secure_fedavg import SecureFedAvgConfig, SecureFedAvgJob, SecureTailFedAvgConfig, SecureTailFedAvgJob
 from aggregator.jobs.secure_ladd import SecureLaddConfig, SecureLaddJob
@@ -56,6 +57,8 @@ KINDS: dict[str, JobKind] = {k.name: k for k in (
     JobKind("fedavg-tail-secure", SecureTailFedAvgConfig, SecureTailFedAvgJob, "FT(φ)/FT(M) summed under SecAgg"),
     JobKind("pp", PartialConfig, PartialPersonalizationJob,
             "FedSim/FedAlt partial personalization: shared head weights averaged, each device's bias kept on it"),
+    JobKind("scaffold", ScaffoldConfig, ScaffoldJob,
+            "Scaffold(ψ): FedAvg of the head corrected by control variates; each device keeps its own c_k"),
     JobKind("personalize", PersonalizeConfig, PersonalizeJob, "OLL and OLL+FP(ψ) on every device; held-out WMA"),
     JobKind("ladd", LaddConfig, LaddJob, "LADD: style clustering and cluster-specific self-training (segmentation)",
             _ladd_factory(LaddJob)),
