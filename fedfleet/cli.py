@@ -39,7 +39,9 @@ def _simulate(args) -> int:
         from protocols.mqtt_link import BrokerConfig
 
         BrokerConfig.from_url(cfg.broker).check_reachable()
-    if args.pipeline == "fed3r-ft-oll":
+    from .pipeline import PIPELINES
+
+    if args.pipeline in PIPELINES:
         from .pipeline import run_pipeline
 
         plain = None
@@ -49,10 +51,10 @@ def _simulate(args) -> int:
             from .errors import load_json_file
 
             plain = load_json_file(str(Path(args.compare_with, "report.json")), "--compare-with")
-        report = run_pipeline(cfg, compare_with=plain)
+        report = run_pipeline(cfg, compare_with=plain, pipeline=args.pipeline)
         if "oll" in report["phases"]:
             return 0 if report["phases"]["oll"].get("wma") else 1
-        return 0 if report["phases"]["fedavg-ft"].get("accuracy") is not None else 1
+        return 0 if report["phases"][PIPELINES[args.pipeline][1]].get("accuracy") is not None else 1
     report = run(cfg)
     return 0 if report.get("contributed") else 1
 
@@ -105,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "default: local processes)")
     s.add_argument("--secure", action="store_true", help="Fed3R-Sync: sum statistics under secure aggregation")
     s.add_argument("--secure-graph", choices=["complete", "regular"], help="SecAgg (complete) or SecAgg+ (regular)")
-    s.add_argument("--pipeline", choices=["fed3r", "fed3r-ft-oll", "ladd"], default="fed3r",
+    s.add_argument("--pipeline", choices=["fed3r", "fed3r-ft-oll", "fed3r-pp-oll", "fed3r-ft-pp-oll", "ladd"], default="fed3r",
                    help="fed3r: classification (Fed3R / Fed3R-Sync); fed3r-ft-oll: Fed3R, then FedAvg(ψ) "
                         "fine-tuning from it, then OLL personalization on every device, with an HTML report; "
                         "ladd: segmentation on unlabelled devices (source-only vs FedAvg+self-training vs LADD)")

@@ -84,6 +84,10 @@ class SimConfig:
     ft_client_lr: float = 0.001             # base local LR; devices get × 0.1 after the Fed3R init (spec §1.8)
     ft_server_momentum: float = 0.0         # > 0: FedAvgM
     fp_epochs: int = 25                     # FP(ψ) local epochs after OLL (0: OLL only)
+    # --pipeline fed3r-pp-oll / fed3r-ft-pp-oll: partial personalization (shared head weight, personal bias)
+    pp_rounds: int = 20
+    pp_algorithm: str = "fedalt"            # fedalt | fedsim
+    pp_client_lr: float = 0.1               # base local LR; devices get × 0.1 (the head starts at Fed3R's)
     # --deploy (fed3r-ft-oll, FT(ψ)): roll the fine-tuned head out through a canary, then a broken one back
     deploy: bool = False
     deploy_canary: str = "20%"

@@ -25,6 +25,7 @@ from protocols.payloads.partial import ALGORITHMS, KIND, SHARED, PartialUpdate, 
 from aggregator.compute.evaluation import weighted_mean_accuracy
 from aggregator.jobs.device_state_fields import DeviceStateFields, DeviceStateRun
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob, RoundUpdate
+from aggregator.jobs.personalize import load_model
 
 
 @dataclass
@@ -47,6 +48,11 @@ class PartialPersonalizationJob(FedAvgJob):
     """FedSim / FedAlt with personal v_k = bias on the devices (see the module docstring)."""
 
     def __init__(self, config: PartialConfig, initial_head: dict[str, np.ndarray] | None = None, strategy=None):
+        if initial_head is None and config.initial_head_file:
+            # a Fed3R model (coef, intercept) or a fine-tuned one (weight, bias): PP after Fed3R or after FT
+            initial_head, tail = load_model(config.initial_head_file)
+            if tail:
+                raise ValueError("partial personalization of the head cannot start from a fine-tuned backbone tail")
         super().__init__(config, initial_head=initial_head, strategy=strategy, kind=KIND)
         self.device_state = DeviceStateRun()
         self.heldout: dict[str, tuple[int, int, int]] = {}     # device -> (n_test, correct, correct_global), latest
