@@ -110,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--pipeline", choices=["fed3r", "fed3r-ft-oll", "fed3r-pp-oll", "fed3r-ft-pp-oll", "ladd"], default="fed3r",
                    help="fed3r: classification (Fed3R / Fed3R-Sync); fed3r-ft-oll: Fed3R, then FedAvg(ψ) "
                         "fine-tuning from it, then OLL personalization on every device, with an HTML report; "
+                        "fed3r-pp-oll / fed3r-ft-pp-oll: FedAlt partial personalization (shared head weight, "
+                        "each device's own bias) before OLL, without / after fine-tuning; "
                         "ladd: segmentation on unlabelled devices (source-only vs FedAvg+self-training vs LADD)")
     s.add_argument("--ft-rounds", type=int, help="fed3r-ft-oll: FedAvg(ψ) fine-tuning rounds")
     s.add_argument("--fp-epochs", type=int, help="fed3r-ft-oll: local FP(ψ) epochs after OLL (0: OLL only)")

@@ -99,3 +99,14 @@ def test_state_binding_refuses_malformed_params(bad):
     state = {"run": "ab" * 8, "round": 1, **bad}
     with pytest.raises(ValueError):
         StateBinding.from_params({"state": state})
+
+
+def test_fedfleet_device_forget_state_empties_the_store_and_exits(tmp_path, capsys):
+    from fedfleet.cli import main
+
+    store = DeviceStateStore(tmp_path / "state")
+    store.save("a", "aa" * 8, 1, arrays())
+    store.save("b", "aa" * 8, 1, arrays())
+    assert main(["device", "--idx", "x", "y", "--state-dir", str(tmp_path / "state"), "--forget-state"]) == 0
+    assert DeviceStateStore(tmp_path / "state").jobs() == []
+    assert "2 file(s) removed" in capsys.readouterr().out
