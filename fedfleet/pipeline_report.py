@@ -104,6 +104,9 @@ def phase_sentences(report: dict) -> dict[str, str]:
                 f"{wma['global']:.2%} (global head) to {wma['oll']:.2%} ({_points(wma['global'], wma['oll'])})")
         if "oll_fp" in wma:
             text += f"; local fine-tuning FP(ψ) added {_points(wma['oll'], wma['oll_fp'])} more ({wma['oll_fp']:.2%})"
+        if "personal" in wma:
+            text += (f"; each device's own bias from partial personalization alone gives {wma['personal']:.2%} "
+                     f"({_points(wma['global'], wma['personal'])} over the global head)")
         out["oll"] = text + "."
     return out
 

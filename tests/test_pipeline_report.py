@@ -13,7 +13,8 @@ import pytest
 pytest.importorskip("matplotlib")
 
 from fedfleet.pipeline_report import (ACCURACY_RANGE, METHOD_NAMES, comparison_rows, format_pipeline_report,  # noqa: E402
-                                      phase_sentences, report_panels, report_title, write_plots_and_html)
+                                      phase_sentences, render_html, report_panels, report_title,
+                                      write_plots_and_html)
 from fedfleet.plots import build_figure  # noqa: E402
 from fedfleet.simulate import PRESETS  # noqa: E402
 
@@ -123,7 +124,7 @@ def test_secure_report_says_it_is_secure_and_carries_the_comparison_table(tmp_pa
         assert img.size[0] > 3 * img.size[1] * 0.9         # three panels side by side
 
 
-def test_a_pp_pipeline_report_plots_the_pp_rounds_after_fed3r_and_says_what_the_own_bias_gave(tmp_path):
+def test_a_pp_pipeline_report_plots_the_pp_rounds_after_fed3r_and_says_what_the_own_bias_gave():
     """fed3r-pp-oll: no fine-tuning phase; the pp phase's curve continues from Fed3R's end, its
     sentence states the personal and shared WMA it reports, OLL's bars include 'own bias (PP)'."""
     report = fake_run(3, False)
@@ -140,5 +141,5 @@ def test_a_pp_pipeline_report_plots_the_pp_rounds_after_fed3r_and_says_what_the_
     sentence = phase_sentences(report)["pp"]
     assert "81.00%" in sentence and "64.00%" in sentence and "+17.00 points" in sentence
     assert "FT(" not in report_title(report)
-    write_plots_and_html(report, tmp_path)
-    assert "own bias (PP)" in (tmp_path / "report.html").read_text()
+    assert "81.00% (+17.00 points over the global head)" in phase_sentences(report)["oll"]
+    assert "own bias (PP)" in render_html(report, b"png")
