@@ -1,6 +1,8 @@
 """FedSim / FedAlt partial personalization (pp.head): device step against a numpy reference, the
 job's rounds through the wire, the personal part kept on (and only on) the device."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -195,3 +197,18 @@ def test_the_oll_job_evaluates_each_device_with_its_own_bias(tmp_path):
     env = decode(encode(M.result_message("dev0", M.TaskRef("personalize", 1, "t"), OLL_KIND, body, {})))
     oll.apply("dev0", oll.parse_result(env))
     assert set(oll.summary()["wma"]) == {"global", "personal", "oll"}
+
+
+def test_a_restored_job_keeps_its_run_and_reports_the_same_wma(tmp_path):
+    handlers = {f"dev{i}": device(i, tmp_path) for i in range(3)}
+    job = make_job(clients_per_round=2)
+    for _ in range(2):
+        run_round(job, handlers)
+    job.next_participants(set(handlers))               # round 3 opens: its bookkeeping is stored
+    restored = make_job(clients_per_round=2)
+    restored.load_state_dict(job.state_dict())
+    restored.contributed = dict(job.contributed)        # the service keeps these itself (JSON)
+    restored.restore_bookkeeping(json.loads(json.dumps(job.bookkeeping())))
+    assert restored.device_state.run == job.device_state.run and restored.round == job.round
+    assert restored.evaluate(None, None) == job.evaluate(None, None)
+    assert restored.task_for("dev0")[0]["state"] == job.task_for("dev0")[0]["state"]

@@ -97,8 +97,13 @@ class PartialPersonalizationJob(FedAvgJob):
         self.device_state.load_state_dict(state)
 
     def bookkeeping(self) -> dict:
-        return {**super().bookkeeping(), **self.device_state.bookkeeping()}
+        """With the held-out reports of the rounds closed so far (JSON, stored at each round open):
+        a restarted job reports the same WMA; the open round's reports come back with its replay."""
+        return {**super().bookkeeping(), **self.device_state.bookkeeping(),
+                "heldout": {d: list(r) for d, r in sorted(self.heldout.items())}}
 
     def restore_bookkeeping(self, state: dict) -> None:
         super().restore_bookkeeping(state)
         self.device_state.restore_bookkeeping(state)
+        stored = {str(d): tuple(int(x) for x in r) for d, r in (state.get("heldout") or {}).items()}
+        self.heldout = {**stored, **self.heldout}       # reports replayed into the open round are newer
