@@ -40,7 +40,8 @@ from protocols.payloads.ladd import KIND_TRAIN as LADD_TRAIN_KIND
 from protocols.payloads.partial import KIND as PP_KIND
 from protocols.payloads.scaffold import KIND as SCAFFOLD_KIND
 from protocols.payloads.personalize import KIND as PERSONALIZE_KIND
-from protocols.payloads.secagg import SECAGG_TYPE, SECURE_FEDAVG_KIND, SECURE_LADD_KIND, SECURE_TAIL_KIND, SYNC_KIND
+from protocols.payloads.secagg import (SECAGG_TYPE, SECURE_FEDAVG_KIND, SECURE_LADD_KIND, SECURE_PP_KIND, SECURE_TAIL_KIND,
+                                       SYNC_KIND)
 
 # (backbone, image_size) -> a FeatureExtractor; e.g. fedfleet.bundles.make_extractor bound to a runtime
 ExtractorFactory = Callable[[str, int], object]
@@ -199,6 +200,7 @@ def _secure_ladd(*args) -> object:
 SECURE_VARIANTS = {FED3R_KIND: (SYNC_KIND, SecureFed3R),
                    FEDAVG_KIND: (SECURE_FEDAVG_KIND, SecureFedAvgTraining),
                    FEDAVG_TAIL_KIND: (SECURE_TAIL_KIND, SecureFedAvgTraining),
+                   PP_KIND: (SECURE_PP_KIND, SecureFedAvgTraining),
                    LADD_TRAIN_KIND: (SECURE_LADD_KIND, _secure_ladd)}
 
 

@@ -48,7 +48,7 @@ from protocols.payloads.fedavg import KIND as FEDAVG_KIND
 from protocols.payloads.fedavg import KIND_TAIL as FEDAVG_TAIL_KIND
 from protocols.payloads.partial import KIND as PP_KIND
 from protocols.payloads.personalize import KIND as PERSONALIZE_KIND
-from protocols.payloads.secagg import SECURE_FEDAVG_KIND, SECURE_TAIL_KIND, SYNC_KIND
+from protocols.payloads.secagg import SECURE_FEDAVG_KIND, SECURE_PP_KIND, SECURE_TAIL_KIND, SYNC_KIND
 
 from .pipeline_report import FT_MODES, format_pipeline_report, ft_label, write_plots_and_html
 from .progress import StepClock
@@ -60,7 +60,7 @@ PIPELINES = {"fed3r-ft-oll": ("fed3r", "fedavg-ft", "oll"),
 # task kinds of each phase, plain and secure
 PHASE_KINDS = {"fed3r": (FED3R_KIND, SYNC_KIND),
                "fedavg-ft": (FEDAVG_KIND, SECURE_FEDAVG_KIND, FEDAVG_TAIL_KIND, SECURE_TAIL_KIND),
-               "pp": (PP_KIND,),
+               "pp": (PP_KIND, SECURE_PP_KIND),
                "oll": (PERSONALIZE_KIND,)}
 
 
@@ -69,9 +69,8 @@ def run_pipeline(cfg: SimConfig, quiet: bool = False, compare_with: dict | None 
     """Run the pipeline's phases; ``compare_with``: a plain run's report, which a secure run's report
     then carries (its comparison table and its curves, dashed)."""
     names = PIPELINES[pipeline]
-    if "pp" in names and (cfg.secure or cfg.ft_mode != "psi"):
-        raise ValueError("partial personalization runs on the head, in the clear: not after FT(φ)/FT(M) "
-                         "and not under secure aggregation yet")
+    if "pp" in names and cfg.ft_mode != "psi":
+        raise ValueError("partial personalization runs on the head: not after FT(φ)/FT(M) (no tail in pp tasks yet)")
     if not cfg.holdout_fraction:
         raise ValueError("personalization needs a local held-out split: set holdout_fraction > 0")
     if cfg.ft_mode not in FT_MODES:
@@ -126,14 +125,15 @@ def run_pipeline(cfg: SimConfig, quiet: bool = False, compare_with: dict | None 
         personal = {}
         if "pp" in names:
             step = names.index("pp") + 1
-            say(f"\n[{step}/{steps}] pp: {cfg.pp_algorithm} partial personalization (shared head weight, each "
+            say(f"\n[{step}/{steps}] pp{'-secure' if cfg.secure else ''}: {cfg.pp_algorithm} partial personalization (shared head weight, each "
                 f"device's bias kept on it), {cfg.pp_rounds} rounds of κ={cfg.clients_per_round}")
             pp_dir = out / f"{step}-pp"
             pp_job = {**common, "job_id": "pp-sim", "rounds": cfg.pp_rounds, "clients_per_round": cfg.clients_per_round,
                       "round_timeout_s": cfg.round_timeout_s, "client_lr": cfg.pp_client_lr,
-                      "pp_algorithm": cfg.pp_algorithm, "init": "fed3r", "initial_head_file": str(head_dir / "model.npz")}
+                      "pp_algorithm": cfg.pp_algorithm, "init": "fed3r", "initial_head_file": str(head_dir / "model.npz"),
+                      **secure_fields}
             phases["pp"] = {"dir": pp_dir, "results": fleet.run_job(
-                "pp", pp_job, pp_dir, out / "eval_features.npz", cfg.pp_rounds * cfg.clients_per_round)}
+                "pp-secure" if cfg.secure else "pp", pp_job, pp_dir, out / "eval_features.npz", cfg.pp_rounds * cfg.clients_per_round)}
             head_dir, personal = pp_dir, {"personal_job": "pp-sim"}
             clock.done("pp")
 

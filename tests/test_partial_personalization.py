@@ -212,3 +212,28 @@ def test_a_restored_job_keeps_its_run_and_reports_the_same_wma(tmp_path):
     assert restored.device_state.run == job.device_state.run and restored.round == job.round
     assert restored.evaluate(None, None) == job.evaluate(None, None)
     assert restored.task_for("dev0")[0]["state"] == job.task_for("dev0")[0]["state"]
+
+
+def test_the_secure_variant_masks_exactly_the_shared_weight_the_plain_task_trains(tmp_path):
+    """pp-secure: the job asks for [n·u | n] only (the bias never enters the sum), and a device's
+    SecAgg client packs what its plain pp.head handler trained, keeping its v_k as the plain one does."""
+    from aggregator.jobs.registry import build_job
+    from edge_client.tasks.secure_fedavg_training import SecureFedAvgTraining
+    from ops_fleet import SecureKeys
+    from protocols.payloads.secagg import pack_weighted
+
+    devices = [f"dev{i}" for i in range(3)]
+    keys = SecureKeys.create(tmp_path, devices)
+    job = build_job("pp-secure", {"num_classes": C, "feature_dim": D, "image_size": SIZE, "clients_per_round": 3,
+                                  "rounds": 2, "batch_size": 8, "max_samples": 100, "max_abs_param": 50.0,
+                                  **keys.job_fields(tmp_path)})
+    assert job.kind == "pp.head.secure" and job.vector_length == C * D + 1
+    job.next_participants(set(devices))
+    params, tensors = job.task_for("dev0")
+    assert params["vector_order"] == ["weight"] and params["state"]["run"] == job.device_state.run
+    plain, wrapped = device(0, tmp_path / "plain"), device(0, tmp_path / "secure")
+    client = SecureFedAvgTraining(keys.devices["dev0"], keys.aggregator.public_key_bytes, wrapped)
+    body, out = plain(params, tensors)
+    np.testing.assert_array_equal(client.vector(params, tensors), pack_weighted(out, ["weight"], body["n"]))
+    np.testing.assert_array_equal(wrapped.store.load("pp-secure", None).arrays["bias"],
+                                  plain.store.load("pp-secure", None).arrays["bias"])

@@ -24,7 +24,8 @@ from aggregator.jobs.ladd import LaddConfig, LaddJob
 from aggregator.jobs.partial import PartialConfig, PartialPersonalizationJob
 from aggregator.jobs.scaffold import ScaffoldConfig, ScaffoldJob
 from aggregator.jobs.personalize import PersonalizeConfig, PersonalizeJob
-from aggregator.jobs.secure_fedavg import SecureFedAvgConfig, SecureFedAvgJob, SecureTailFedAvgConfig, SecureTailFedAvgJob
+from aggregator.jobs.secure_fedavg import (SecureFedAvgConfig, SecureFedAvgJob, SecurePartialConfig, SecurePartialJob,
+                                           SecureTailFedAvgConfig, SecureTailFedAvgJob)
 from aggregator.jobs.secure_ladd import SecureLaddConfig, SecureLaddJob
 
 
@@ -57,6 +58,8 @@ KINDS: dict[str, JobKind] = {k.name: k for k in (
     JobKind("fedavg-tail-secure", SecureTailFedAvgConfig, SecureTailFedAvgJob, "FT(φ)/FT(M) summed under SecAgg"),
     JobKind("pp", PartialConfig, PartialPersonalizationJob,
             "FedSim/FedAlt partial personalization: shared head weights averaged, each device's bias kept on it"),
+    JobKind("pp-secure", SecurePartialConfig, SecurePartialJob,
+            "FedSim/FedAlt with each round's shared-weight updates summed under SecAgg"),
     JobKind("scaffold", ScaffoldConfig, ScaffoldJob,
             "Scaffold(ψ): FedAvg of the head corrected by control variates; each device keeps its own c_k"),
     JobKind("personalize", PersonalizeConfig, PersonalizeJob, "OLL and OLL+FP(ψ) on every device; held-out WMA"),
