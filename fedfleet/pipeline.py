@@ -25,6 +25,7 @@ head, the head's weight shared and averaged, each device's bias personal, kept i
 state store (``edge_client.state``; the emulated devices' stores are under the run's
 ``device_state/``) and never sent; OLL then evaluates every device with its own bias too
 (``personal_job``). ``fed3r-pp-oll`` skips fine-tuning: the paper's "Fed3R + PP without FT".
+With ``secure`` the pp rounds sum the shared weight's updates under SecAgg (``pp-secure``).
 
 Each device keeps ``holdout_fraction`` of its data as that held-out split: no phase trains on it.
 With ``secure`` the first two phases run under secure aggregation (Fed3R-Sync, then secure
