@@ -165,7 +165,9 @@ def rows(seeds: list[int], quick: bool) -> list[dict]:
          "ours": f"{pm(runs['scaffold'])} vs {pm(runs['fedavg'])} test acc",
          "holds": verdict(runs["scaffold"], runs["fedavg"], strict=True),
          "why": f"{setting}; both from the same random head, E=1, B=50, lr {SCRATCH_LR}, {ft_rounds} rounds: "
-                f"{sc_diff:+.2f} pts"},
+                f"{sc_diff:+.2f} pts; each device is sampled ~{ft_rounds * KAPPA / DEVICES:.0f}× in that time, so most "
+                f"tasks start from c_k = 0 and c takes {KAPPA / DEVICES:.0%} of the mean Δc a round: Scaffold's "
+                f"correction needs more visits per device than these rounds give"},
         {"claim": "stale device state (Scaffold c_k reset after a gap)", "source": "002 §V (Scaffold N/A on Users-120K)",
          "paper": "N/A (state too stale)",
          "ours": f"{pm(runs['scaffold_stale'])} vs {pm(runs['scaffold'])} test acc",
