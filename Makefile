@@ -3,6 +3,8 @@
 #                 emulated devices over a real mosquitto broker, then the same under secure
 #                 aggregation (Fed3R-Sync, secure FedAvg) with plain-vs-secure timings
 #   make test   - set up, then run the whole test suite
+#   make test-fast - the edit loop's tier: every test that starts no broker, bundle export, process,
+#                 JVM or Ray cluster (tests/conftest.py marks those `integration`); about a minute
 #   make test-arm64 - (not part of make test; minutes) an aarch64 Debian userland run under qemu-user
 #                 with fedfleet[device] from PyPI's aarch64 wheels, as ARM64 devices in a mixed fleet
 #                 (x86, ARM64, Java) running Fed3R and FedAvg(psi); prints the ARM64-vs-x86 figures
@@ -14,7 +16,7 @@ DEVICE_VENV := .venv-device
 DEVICE_STAMP := $(DEVICE_VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: demo test test-arm64 setup system-deps bench clean java
+.PHONY: demo test test-fast test-arm64 setup system-deps bench clean java
 
 demo: setup
 	@echo "fedfleet: [demo 1/2] Fed3R -> FedAvg fine-tuning -> OLL on 100 emulated devices (plain aggregation)"
@@ -29,6 +31,9 @@ demo: setup
 # (tests/conftest.py), in collection order (--no-loadscope-reorder).
 test: setup
 	$(BIN)/python -m pytest -q -ra --durations=15 -n 3 --dist loadfile --no-loadscope-reorder
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -n 3 -m "not integration"
 
 # The rootfs and the aarch64 wheels are cached under the git-ignored $(ARM64_DIR) (build_rootfs.sh is
 # idempotent; it reinstalls only this tree's fedfleet wheel on a second run).

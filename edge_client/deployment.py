@@ -10,9 +10,14 @@ beside the agent's), so an offline device receives the current assignment when i
 For a ``run`` it fetches the head in chunks unless it holds it, checks the sha256 and the head's
 shape, counts on its held-out split how many samples the candidate and its current head get
 right, swaps, and reports the counts; for a ``rollback`` it goes back to the version it kept.
-An assignment that is not signed by the aggregator (when the device holds its key) is refused;
-a head that cannot be fetched, verified or loaded is refused and reported with the reason; in
-both cases the device stays on its version and logs why.
+An assignment that is not signed by the aggregator (when the device holds its key), names
+another device, or carries a sequence below the one the slot holds (a captured assignment
+replayed later) is refused; a head is taken only as the answer to the assignment being fetched
+(its sha256 and its deployment); a head that cannot be fetched, verified or loaded is refused.
+In every case the device stays on its version, logs why and reports the reason's class
+(``protocols.payloads.deployment.REFUSAL_REASONS``), at most one report per class every
+``refusal_interval_s`` for what does not answer its own assignment (a flood of forged messages
+becomes a trickle of reports).
 
 A device that personalises (OLL, ``edge_client/oll.py``) gives the slot its local training labels:
 it then predicts with the deployed head pruned to those classes, and judges every candidate and
@@ -44,7 +49,7 @@ from protocols.identity import sender_verifier
 from protocols.mqtt_link import BrokerConfig, LinkWorker, MqttLink
 from protocols.payloads import deployment as D
 from protocols.payloads.artifacts import ARTIFACT, get_message, parse_artifact
-from protocols.topics import AGGREGATOR_ID, Topics
+from protocols.topics import AGGREGATOR_ID, DEPLOY_ROLE, Topics
 
 log = logging.getLogger("fedfleet.device")
 STATE_FILE = "slot.json"
@@ -82,10 +87,12 @@ class ModelSlot:
         self.current: HeadVersion | None = None
         self.previous: HeadVersion | None = None
         self.local_labels: np.ndarray | None = None
+        self.seq = 0                    # the highest assignment sequence accepted: a lower one is a replay
         state = self.dir / STATE_FILE
         if state.exists():
             saved = json.loads(state.read_text())
             self.current, self.previous = (self._read(saved.get(k)) for k in ("current", "previous"))
+            self.seq = int(saved.get("seq", 0))
             if saved.get("local_labels") is not None:
                 self.local_labels = np.asarray(saved["local_labels"], dtype=np.int64)
         if local_labels is not None:
@@ -125,12 +132,20 @@ class ModelSlot:
             self._commit(self.previous, None)
             return True
 
+    def hold_seq(self, seq: int) -> None:
+        """Keep ``seq`` as the highest accepted (durable before the assignment is acted on: a
+        restart cannot forget it and take an older one again)."""
+        with self._lock:
+            if seq > self.seq:
+                self.seq = seq
+                self._commit(self.current, self.previous)
+
     def _commit(self, current: HeadVersion | None, previous: HeadVersion | None) -> None:
         entry = (lambda h: None if h is None else {"sha256": h.sha256, "deployment": h.deployment,
                                                    "bundle_sha256": h.bundle_sha256})
         labels = None if self.local_labels is None else self.local_labels.tolist()
         _write_atomic(self.dir / STATE_FILE, json.dumps({"current": entry(current), "previous": entry(previous),
-                                                         "local_labels": labels}).encode())
+                                                         "local_labels": labels, "seq": self.seq}).encode())
         self.current, self.previous = current, previous
         keep = {f"{h.sha256}.npz" for h in (current, previous) if h is not None}
         for f in self.dir.glob("*.npz"):                    # versions neither kept nor running
@@ -153,6 +168,18 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def refusal_of(a: dict, device_id: str, held_seq: int) -> tuple[str, str] | None:
+    """(reason class, why) when a signed assignment must be refused by device ``device_id`` holding
+    sequence ``held_seq``; None when it may be acted on (the same sequence again is a retained
+    re-delivery, not a replay: acting on it again changes nothing). The Java ``ModelSlot.admit``
+    is the same rule (tests/test_java_deployment.py runs both on the same messages)."""
+    if a["device"] != device_id:            # signed for another device, republished on this one's topic
+        return "device", f"assignment {a['seq']} of {a['deployment']} is for {a['device']!r}, not this device: refused"
+    if a["seq"] < held_seq:                 # a captured older assignment replayed: never back in time
+        return "stale", f"assignment {a['seq']} of {a['deployment']} is older than the one held ({held_seq}): refused"
+    return None
+
+
 class DeploymentFollower(LinkWorker):
     """Follows the device's assignment: fetch, verify, evaluate on ``holdout(bundle_sha256)`` ->
     (features of the held-out split through that bundle, labels), swap, report. ``aggregator_key``:
@@ -161,16 +188,19 @@ class DeploymentFollower(LinkWorker):
     def __init__(self, device_id: str, broker: BrokerConfig, slot: ModelSlot,
                  holdout: Callable[[str], tuple[np.ndarray, np.ndarray]], topics: Topics = Topics(),
                  aggregator_key: bytes | None = None, signer=None, fetch_timeout_s: float = 60.0,
-                 retry_s: float = 5.0, client_id: str | None = None):
+                 retry_s: float = 5.0, client_id: str | None = None, refusal_interval_s: float = 10.0):
         super().__init__(thread_name=f"{device_id}-deploy")
         self.device_id, self.slot, self.holdout, self.topics, self.signer = device_id, slot, holdout, topics, signer
-        self.fetch_timeout_s, self.retry_s = fetch_timeout_s, retry_s
+        self.fetch_timeout_s, self.retry_s, self.refusal_interval_s = fetch_timeout_s, retry_s, refusal_interval_s
+        self._last_unbound: dict[str, float] = {}    # refusal class -> when one not about our assignment was reported
         self.assembler = MessageAssembler(
             verifier=sender_verifier(AGGREGATOR_ID, aggregator_key) if aggregator_key else None)
         self.refusals: list[str] = []                # why assignments or heads were refused, in order
         self.reports: list[dict] = []                # what this device reported
         self._pending: dict | None = None            # the run being fetched: assignment + when asked
-        self.link = MqttLink(client_id or f"{device_id}.deploy", broker, on_message=lambda t, p: self._q.put((t, p)),
+        # its own account when the broker has them (BrokerConfig.for_role): one MQTT identity per connection
+        broker = broker.for_role(DEPLOY_ROLE)
+        self.link = MqttLink(client_id or broker.username or f"{device_id}.deploy", broker, on_message=lambda t, p: self._q.put((t, p)),
                              subscriptions=[(topics.deploy(device_id), 1), (topics.deploy_in(device_id), 1)])
 
     def _run(self) -> None:
@@ -187,20 +217,29 @@ class DeploymentFollower(LinkWorker):
     def _on_payload(self, topic: str, payload: bytes) -> None:
         if not payload:                     # a retained message cleared: nothing is assigned
             return
+        is_assignment = topic == self.topics.deploy(self.device_id)
         try:
             env = self.assembler.feed(payload)
             if env is None:
                 return
             if env.sender != AGGREGATOR_ID:
                 raise EnvelopeError(f"message from {env.sender!r}, expected the aggregator")
-            if topic == self.topics.deploy(self.device_id):
+        except EnvelopeError as exc:     # not a message the aggregator signed: a forgery, or a tampered head
+            what = "assignment" if is_assignment else "head"
+            return self._refuse(f"{what} refused: {exc}", None if is_assignment else self._pending, "signature")
+        try:
+            if is_assignment:
                 return self._on_assignment(D.parse_assignment(env))
             if env.type == ARTIFACT and self._pending is not None:
                 self._on_head(env)
         except EnvelopeError as exc:
-            self._refuse(f"assignment refused: {exc}")
+            self._refuse(f"assignment refused: {exc}", None, "load")
 
     def _on_assignment(self, a: dict) -> None:
+        refusal = refusal_of(a, self.device_id, self.slot.seq)
+        if refusal is not None:
+            return self._refuse(refusal[1], None, refusal[0])
+        self.slot.hold_seq(a["seq"])            # the same seq again: a retained re-delivery, handled below
         if a["action"] == D.ROLLBACK:
             self._pending = None if self._pending and self._pending["deployment"] == a["deployment"] else self._pending
             if self.slot.revert(a["deployment"]):
@@ -224,21 +263,23 @@ class DeploymentFollower(LinkWorker):
             return
         if now - p["since"] > self.fetch_timeout_s:
             self._pending = None
-            return self._refuse(f"no head {p['sha256'][:16]}… within {self.fetch_timeout_s:g}s", p)
+            return self._refuse(f"no head {p['sha256'][:16]}… within {self.fetch_timeout_s:g}s", p, "timeout")
         if now - p["asked"] >= self.retry_s:
             p["asked"] = now
             self.link.publish_envelope(self.topics.deploy_out(self.device_id), get_message(self.device_id, p["sha256"]),
                                        signer=self.signer)
 
     def _on_head(self, env) -> None:
+        """Taken only as the answer to the assignment being fetched: its sha256 and its deployment's
+        file name (a replayed head of another deployment is not this assignment's, even signed)."""
         p = self._pending
-        if env.body.get("sha256") != p["sha256"]:
+        if env.body.get("sha256") != p["sha256"] or env.body.get("name") != f"{p['deployment']}.npz":
             return
         self._pending = None
         try:
             _, data = parse_artifact(env, p["sha256"])
         except EnvelopeError as exc:
-            return self._refuse(f"head refused, staying on the current version: {exc}", p)
+            return self._refuse(f"head refused, staying on the current version: {exc}", p, "hash")
         self._adopt(p, data)
 
     def _adopt(self, a: dict, data: bytes, swap: bool = True) -> None:
@@ -256,17 +297,36 @@ class DeploymentFollower(LinkWorker):
                 self.slot.swap(data, a["sha256"], a["deployment"], bundle)
         except Exception as exc:        # the head, or the application's held-out features: refused, said why
             return self._refuse(f"head cannot be loaded, staying on the current version: "
-                                f"{type(exc).__name__}: {exc}", a)
+                                f"{type(exc).__name__}: {exc}", a, "load")
         log.info("%s: now running %s of deployment %s (held-out %d/%d, was %d)", self.device_id, a["sha256"][:12],
                  a["deployment"], counts["correct_candidate"], counts["n"], counts["correct_current"])
-        self._report(D.report_message(self.device_id, a["deployment"], a["sha256"], **counts))
+        self._report(D.report_message(self.device_id, a["deployment"], a["sha256"], seq=a["seq"], **counts))
 
-    def _refuse(self, why: str, a: dict | None = None) -> None:
+    def _refuse(self, why: str, a: dict | None, reason: str) -> None:
+        """Log and report a refusal of class ``reason``. About the assignment being acted on (``a``
+        is the held one), it is that assignment's answer; anything else (a forged, stale or
+        misaddressed message) is reported against the version running, once per class per
+        ``refusal_interval_s``: the operator learns of an attack, an attacker cannot make the
+        device flood the aggregator. An assignment's own refusals: once per class."""
         log.warning("%s: %s", self.device_id, why)
+        if a is None or a["seq"] != self.slot.seq:
+            a = self._unbound_report_target(reason)
+        elif reason in a.setdefault("refused_as", set()):     # forged heads while it is fetched: said once
+            a = None
+        else:
+            a["refused_as"].add(reason)
         if a is not None:
-            self._report(D.report_message(self.device_id, a["deployment"], a["sha256"], refused=why))
+            self._report(D.report_message(self.device_id, a["deployment"], a["sha256"], refused=why,
+                                          seq=a["seq"], reason=reason))
         # recorded after its report: whoever sees the refusal (a status page, a test) sees the report
         self.refusals.append(why)
+
+    def _unbound_report_target(self, reason: str) -> dict | None:
+        now, current = time.monotonic(), self.slot.current
+        if current is None or self.slot.seq == 0 or now - self._last_unbound.get(reason, -1e18) < self.refusal_interval_s:
+            return None
+        self._last_unbound[reason] = now
+        return {"deployment": current.deployment, "sha256": current.sha256, "seq": self.slot.seq}
 
     def _report(self, env) -> None:
         self.reports.append(dict(env.body))

@@ -1,6 +1,6 @@
 """``fedfleet admin`` commands about model rollouts (issue 29), beside ``fedfleet/admin.py``:
 
-    fedfleet admin model deploy ID [--cohort 5%] [--stages 25%,100%] [--guard "wma_drop<=1.0"] [--bake 10m]
+    fedfleet admin model deploy ID [--cohort 5%] [--stages 25%,100%] [--guard "median_drop<=1.0"] [--bake 10m]
     fedfleet admin deployments
     fedfleet admin deployment show|promote|rollback ID [--reason TEXT]
 """
@@ -27,11 +27,13 @@ def add_deploy_arguments(parser) -> None:
     parser.add_argument("--cohort", default="5%", help="deploy: the canary (5%%, tags:a,b or devices:id1,id2)")
     parser.add_argument("--stages", default="100%", help="deploy: widening fractions after the canary, ending at "
                                                          "100%% (e.g. 25%%,100%%)")
-    parser.add_argument("--guard", default="wma_drop<=1.0",
-                        help="deploy: METRIC OP NUMBER[,...] on the devices' held-out counts (wma_drop in "
-                             "percentage points; also wma_candidate, wma_current, reports, refused)")
+    parser.add_argument("--guard", default="median_drop<=1.0",
+                        help="deploy: METRIC OP NUMBER[,...] on the devices' held-out counts (median_drop: "
+                             "the median device's accuracy drop in percentage points, robust to a minority of "
+                             "lying devices; also wma_drop, wma_candidate, wma_current, reports, refused)")
     parser.add_argument("--bake", default="10m", help="deploy: how long each stage runs before it is judged")
-    parser.add_argument("--min-reports", type=int, default=1, help="deploy: fewer reports fail the stage")
+    parser.add_argument("--min-reports", type=int, default=3, help="deploy: fewer reports (distinct devices) fail "
+                                                                             "the stage")
     parser.add_argument("--patience", default="10m", help="deploy: after the bake time, how long to wait for "
                                                          "--min-reports")
     parser.add_argument("--deployment-id", default="", help="deploy: its id (default m<ID>-<unix time>)")
@@ -85,8 +87,9 @@ def deployment_text(d: dict) -> str:
         lines.append(f"  reason    {d['reason']}")
     for h in d["history"]:
         m = h.get("metrics") or {}
-        acc = (f" (candidate {m['wma_candidate']:.2f}%, current {m['wma_current']:.2f}%, {m['reports']:.0f} reports)"
-               if m.get("wma_candidate") is not None else "")
+        median = f", median drop {m['median_drop']:.2f} pp" if m.get("median_drop") is not None else ""
+        acc = (f" (candidate {m['wma_candidate']:.2f}%, current {m['wma_current']:.2f}%{median}, "
+               f"{m['reports']:.0f} reports)" if m.get("wma_candidate") is not None else "")
         lines.append(f"  {time.strftime('%H:%M:%S', time.localtime(h['t']))} {h['from']} -> {h['to']}: {h['why']}{acc}")
     for dev, s in sorted(d["devices"].items()):
         r = s["report"] or {}

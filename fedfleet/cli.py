@@ -106,7 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="place the device hosts as Ray actors on this Ray cluster (needs fedfleet[ray]; "
                         "default: local processes)")
     s.add_argument("--secure", action="store_true", help="Fed3R-Sync: sum statistics under secure aggregation")
-    s.add_argument("--secure-graph", choices=["complete", "regular"], help="SecAgg (complete) or SecAgg+ (regular)")
+    s.add_argument("--secure-graph", choices=["auto", "complete", "regular"],
+                   help="SecAgg (complete), SecAgg+ (regular), or by group size (auto, the default: complete up to "
+                        "128 members)")
     s.add_argument("--pipeline", choices=["fed3r", "fed3r-ft-oll", "fed3r-pp-oll", "fed3r-ft-pp-oll", "ladd"], default="fed3r",
                    help="fed3r: classification (Fed3R / Fed3R-Sync); fed3r-ft-oll: Fed3R, then FedAvg(ψ) "
                         "fine-tuning from it, then OLL personalization on every device, with an HTML report; "

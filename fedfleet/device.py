@@ -280,12 +280,15 @@ class FetchedBundles:
 
         from edge_client.artifacts import fetch_bundle
         from edge_client.features import FeatureExtractor
+        from protocols.topics import FETCH_ROLE
 
         with self.lock:
             if sha not in self.fetched:
-                # its own MQTT client id: the agent's connection stays up while the bundle comes in
-                manifest = fetch_bundle(self.device_id, self.broker, sha, self.bundle_dir / sha[:16], self.topics,
-                                        client_id=f"{self.device_id}.fetch")
+                # its own MQTT identity (account {id}/fetch where the broker has accounts): the agent's
+                # connection stays up while the bundle comes in
+                broker = self.broker.for_role(FETCH_ROLE)
+                manifest = fetch_bundle(self.device_id, broker, sha, self.bundle_dir / sha[:16], self.topics,
+                                        client_id=broker.username or f"{self.device_id}.fetch")
                 extractor = FeatureExtractor.from_bundle(manifest, self.runtime, self.cache_dir, sha)
                 if self.runtime == "auto":
                     print(f"bundle {sha[:16]}: --runtime auto chose {extractor.runtime}; " + "; ".join(

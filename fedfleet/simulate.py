@@ -75,7 +75,7 @@ class SimConfig:
     timeout_s: float = 1800.0
     retry_after_s: float = 10.0
     secure: bool = False                    # Fed3R-Sync: statistics summed under secure aggregation
-    secure_graph: str = "complete"          # complete (SecAgg) | regular (SecAgg+)
+    secure_graph: str = "auto"              # auto (by group size) | complete (SecAgg) | regular (SecAgg+)
     phase_timeout_s: float = 60.0
     # --pipeline fed3r-ft-oll: FedAvg(ψ) fine-tuning from the Fed3R head, then OLL on every device
     ft_rounds: int = 30

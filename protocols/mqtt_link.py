@@ -15,13 +15,14 @@ import ssl
 import threading
 from collections import deque
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Self
 
 import paho.mqtt.client as mqtt
 
 from .chunking import DEFAULT_CHUNK_SIZE, split
 from .envelope import Envelope, encode
+from .topics import role_account
 
 
 PROTOCOL_VERSIONS = ("5", "3.1.1")
@@ -69,6 +70,13 @@ class BrokerConfig:
         return cls(host=u.hostname or "127.0.0.1", port=port or (8883 if u.scheme == "mqtts" else 1883),
                    username=unquote(u.username) if u.username else None,
                    password=unquote(u.password) if u.password else None, protocol=version, **kw)
+
+    def for_role(self, role: str) -> "BrokerConfig":
+        """The config of this party's connection for ``role`` (the deployment follower, the
+        deployment controller): its own account ``{user}/{role}`` with the same password when the
+        broker authenticates (the generated ACL broker has one for each), so every connection has
+        its own MQTT identity; unchanged on a broker without accounts."""
+        return self if not self.username else replace(self, username=role_account(self.username, role))
 
     def check_reachable(self, timeout: float = 3.0) -> None:
         """Fail fast (ConnectionError, one clear line) when nothing listens at the broker's address,

@@ -21,6 +21,14 @@ from dataclasses import dataclass
 
 DEVICE_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 AGGREGATOR_ID = "aggregator"
+# A second MQTT connection of one party logs in as ``{account}/{role}`` (BrokerConfig.for_role):
+# on a broker that takes the user name as client id, two connections of one account would close
+# each other in turn. ``/`` is in no device id, so no device can be named like another's role.
+DEPLOY_ROLE, CONTROLLER_ROLE, FETCH_ROLE = "deploy", "deployments", "fetch"
+
+
+def role_account(account: str, role: str) -> str:
+    return f"{account}/{role}"
 
 
 def check_device_id(device_id: str) -> str:

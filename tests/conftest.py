@@ -1,5 +1,7 @@
 import collections
+import functools
 import os
+import re
 
 import pytest
 
@@ -14,7 +16,48 @@ from aggregator.compute import privacy
 privacy._accounting()
 
 
+# The fast tier (`make test-fast`, the edit loop) is every test not marked ``integration``. A test
+# is integration when it brings up something that takes seconds to start — a broker, an exported
+# bundle, another process, a JVM, a Ray cluster, a browser: it asks for one of these fixtures, is
+# marked ``slow``, or its file starts one itself (found in its source, so a new file needs no list).
+INTEGRATION_FIXTURES = frozenset({"broker", "mobilenet_bundle_32px", "tail_bundle", "onnx_bundle_32px"})
+STARTS_SOMETHING = re.compile(r"subprocess\.|MosquittoBroker\(|java_build|two_node_ray_cluster|second_broker|"
+                              r"export_bundle\(|chromium|EmulatedFleet|serve_until_done|from export.cli import")
+# Tests in otherwise fast files that export a program, train on a real backbone or spawn workers
+# (file::test, every parametrisation; "[prefix" narrows to those whose parameters start so).
+INTEGRATION_TESTS = (
+    "test_backbones.py::test_pretrained_features_beat_random_init_on_fashion_mnist",
+    "test_backbones.py::test_exports_with_dynamic_batch_and_matches_eager",
+    "test_ladd_losses.py::test_executorch_training_program_matches_eager",
+    "test_ladd_losses.py::test_model_exports_for_inference",
+    "test_fed3r_factor.py::test_on_mobilenet_features_devices_send_the_factor_and_the_model_equals_the_dense_one",
+    "test_mask_expansion.py::test_process_applier_is_bit_identical_to_apply_masks",
+    "test_secagg_protocol.py::test_secagg_plus_survives_the_declared_dropout_rate",
+    "test_fleet_presets.py::test_fleet_100k_assignment_is_long_tailed_and_repeats_images",
+    "test_data_readers.py::test_fashion_mnist_splits",
+    "test_job_contract.py::test_every_kind_builds_a_job_that_keeps_the_contract[fedavg-tail",   # the tail bundle
+)
+
+
+def _listed(item) -> bool:
+    name = f"{item.path.name}::{item.name}"
+    return any(name.startswith(t if "[" in t else t + "[") or name == t for t in INTEGRATION_TESTS)
+
+
+@functools.cache
+def _file_starts_something(path) -> bool:
+    return bool(STARTS_SOMETHING.search(path.read_text()))
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if (INTEGRATION_FIXTURES.intersection(item.fixturenames) or item.get_closest_marker("slow")
+                or _file_starts_something(item.path) or _listed(item)):
+            item.add_marker(pytest.mark.integration)
+    _slow_files_first(items)
+
+
+def _slow_files_first(items):
     """Under pytest-xdist (`make test` runs `-n N --dist loadfile`), the files holding tests
     marked ``slow`` are collected first, the most slow tests first, so the workers start on them
     and the short files fill in around them; a long file handed out last would run alone at the

@@ -100,7 +100,8 @@ def test_a_device_follows_a_rollout_on_its_bundles_features(broker, bundle, tmp_
                                     deployment_id="ridge-1"))
         wait_for(lambda: ctl.show("ridge-1")["state"] == "complete", 180, "the rollout to complete")
         report = ctl.show("ridge-1")["devices"]["cam1"]["report"]
-        assert report == {"deployment": "ridge-1", "sha256": hashlib.sha256(head_npz(W, b)).hexdigest(),
+        assert report == {"deployment": "ridge-1", "seq": ctl.last["cam1"][1],
+                          "sha256": hashlib.sha256(head_npz(W, b)).hexdigest(),
                           "n": len(holdout), "correct_candidate": expected, "correct_current": 0}
         sent_at = ctl.show("ridge-1")["devices"]["cam1"]["sent_at"]
         log += stop(proc, logs[0])

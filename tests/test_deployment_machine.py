@@ -117,3 +117,46 @@ def test_cohorts_are_seeded_nested_and_follow_tags_or_lists():
     for bad in ("0%", "150%", "five", "devices:", "devices:a/b"):
         with pytest.raises(ValueError):
             CohortRule.parse(bad)
+
+
+def test_the_median_drop_and_bounded_weights_keep_a_minority_of_liars_from_moving_the_verdict():
+    """Per-device drops against numpy's median; a liar's weight is capped (counts scaled to the cap,
+    same accuracy); with k < n/2 liars claiming anything at all, the median stays within the honest
+    devices' drops, so the verdict of honest devices that agree is unchanged (issue 37)."""
+    rng = np.random.default_rng(1)
+    n = rng.integers(20, 60, 5)
+    cand, cur = (np.array([rng.integers(0, k + 1) for k in n]) for _ in range(2))
+    honest = {f"d{i}": DeviceReport(int(n[i]), int(cand[i]), int(cur[i])) for i in range(5)}
+    drops = 100 * (cur - cand) / n
+    m = stage_metrics(honest)
+    assert m["median_drop"] == pytest.approx(np.median(drops))
+    assert m["evidence"]["d0"] == {"n": int(n[0]), "weight": int(n[0]), "drop": pytest.approx(drops[0])}
+
+    liars = {"inflate": DeviceReport(10 ** 9, 10 ** 9, 0), "deflate": DeviceReport(10 ** 9, 0, 10 ** 9)}
+    caps = {d: int(k) for d, k in zip(honest, n)} | {"inflate": 50, "deflate": 50}
+    for k in (1, 2):                                          # 1 or 2 liars among 6 or 7 devices: k < n/2
+        for side in ("inflate", "deflate"):
+            reports = {**honest, **{f"{side}{j}": liars[side] for j in range(k)}}
+            got = stage_metrics(reports, {**caps, **{f"{side}{j}": 50 for j in range(k)}})
+            assert drops.min() <= got["median_drop"] <= drops.max()
+            assert got["evidence"][f"{side}0"]["weight"] == 50 and got["evidence"][f"{side}0"]["n"] == 10 ** 9
+            # the pooled drop: the liar weighs its cap, as plain sums with its counts scaled to 50 say
+            lc, lr = (50, 0) if side == "inflate" else (0, 50)
+            pooled = 100 * (cur.sum() + k * lr - cand.sum() - k * lc) / (n.sum() + 50 * k)
+            assert got["wma_drop"] == pytest.approx(pooled)
+    # uncapped, one liar owns the pooled metric (what the guard used to decide on)
+    assert stage_metrics({**honest, "x": liars["deflate"]})["wma_drop"] > 99
+    assert DeviceReport(100, 37, 81).bounded(10) == DeviceReport(10, 4, 8)
+    assert DeviceReport(refused="sig").bounded(1) == DeviceReport(refused="sig")
+
+
+def test_a_halted_deployment_keeps_its_reason_and_takes_no_further_event_but_ticks():
+    d = deployment()
+    d.handle(M.Start(0.0))
+    assert d.handle(M.Halt(1.0, "halted: model 7's head no longer hashes")) == []
+    assert d.state == "halted" and d.reason.startswith("halted: model 7") and d.history[-1]["to"] == "halted"
+    assert d.handle(M.Tick(100.0, {"a": good(), "b": good()})) == [] and d.state == "halted"
+    for event in (M.Promote(2.0), M.RollBack(2.0, "x"), M.Halt(2.0, "y")):
+        with pytest.raises(M.DeploymentError):
+            d.handle(event)
+    assert M.Deployment.from_dict(d.to_dict()).state == "halted"

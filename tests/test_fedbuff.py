@@ -9,6 +9,7 @@ import pytest
 
 from aggregator.jobs.fedavg_async import AsyncFedAvgConfig, AsyncFedAvgJob
 from aggregator.jobs.registry import build_job
+from aggregator.jobs.robustness_fields import PLAIN_MEAN
 from aggregator.storage.store import Store
 from aggregator.strategies.fedbuff import FedBuff, staleness_weight
 from edge_client.features import FeatureExtractor
@@ -221,7 +222,8 @@ class SlowDevice(HeadTrainingTask):
 def test_async_job_over_mosquitto_equals_numpy_fedbuff_of_the_stored_arrivals(broker, tmp_path):
     devices = {"dev0": 0.05, "dev1": 0.1, "dev2": 3.0}                       # the slow one goes stale
     config = AsyncFedAvgConfig(num_classes=C, feature_dim=D, image_size=SIZE, clients_per_round=3, buffer_size=2,
-                               max_staleness=1, rounds=6, round_timeout_s=20, expected_devices=3, batch_size=8)
+                               max_staleness=1, rounds=6, round_timeout_s=20, expected_devices=3, batch_size=8,
+                               **PLAIN_MEAN)       # the paper's step: every bounded-influence layer off
     store = Store(tmp_path / "agg.db")
     svc, result = serve_until_done(AsyncFedAvgJob(config), broker.url, tmp_path,
                                    {d: {KIND: SlowDevice(i, delay)} for i, (d, delay) in enumerate(devices.items())},
@@ -267,7 +269,7 @@ def test_async_job_killed_at_crash_points_resumes_its_buffer_exactly(broker, tmp
 
     devices = [f"dev{i:02d}" for i in range(4)]
     prepare(tmp_path, devices, kind="fedavg-async", server_momentum=0.0, rounds=7, buffer_size=2,
-            max_staleness=2, clients_per_round=3, round_timeout_s=30)  # rounds: server steps
+            max_staleness=2, clients_per_round=3, round_timeout_s=30, **PLAIN_MEAN)  # rounds: server steps
     state = tmp_path / "state.db"
     with Fleet(broker.url, devices, kind="fedavg-async"):
         for crash in [*ASYNC_CRASHES, None]:
@@ -287,3 +289,42 @@ def test_async_job_killed_at_crash_points_resumes_its_buffer_exactly(broker, tmp
     version = results["final"]["version"]
     for k in ("weight", "bias"):
         np.testing.assert_allclose(final[k], models[version][k].astype(np.float32), rtol=1e-6, atol=1e-6)
+
+
+def test_the_async_job_bounds_an_attackers_influence_with_fedavg_psi_layers_and_defaults():
+    """The fedavg-async job's FedBuff composes FedAvg(ψ)'s layers with its defaults (issue 37): a
+    step with one attacker among K=4 (a 1,000x update) moves the model as RobustAggregation and
+    RoundHistory, called here on the same buffered updates, say, by at most the honest updates'
+    largest norm; the plain FedBuff moves it by about the attacker's 1,000/K."""
+    from aggregator.strategies.robust_fedavg import RobustAggregation, RoundHistory
+
+    config = AsyncFedAvgConfig(num_classes=C, feature_dim=D, clients_per_round=4, buffer_size=4)
+    job = AsyncFedAvgJob(config)
+    assert isinstance(job.buffer.aggregation, RobustAggregation) and isinstance(job.buffer.history, RoundHistory)
+    assert job.buffer.history.momentum == config.history_momentum == 0.7 and config.norm_bound_multiplier == 1.0
+    rng = np.random.default_rng(7)
+    x0 = {k: np.asarray(v, dtype=np.float64) for k, v in job.buffer.params.items()}
+    honest = [{k: v + rng.normal(0, 0.01, v.shape) for k, v in x0.items()} for _ in range(3)]
+    attacker = {k: v - 1000 * (h - v) for (k, v), h in zip(x0.items(), honest[0].values())}
+    plain = FedBuff(x0, buffer_size=4)
+    for trained in (*honest, attacker):
+        job.buffer.add(trained, 0)
+        plain.add(trained, 0)
+    aggregation, history = config.robust_aggregation(), config.round_history()
+    combined, report = aggregation.aggregate(x0, [(t, 1) for t in (*honest, attacker)])
+    expected = history.step(x0, combined)
+    for k in x0:
+        np.testing.assert_allclose(job.buffer.params[k], expected[k].astype(np.float32), rtol=1e-6, atol=1e-7)
+    assert report["norm_bounded"] >= 1 and report["screened"] == 1          # the attacker: clipped and left out
+    norm = lambda p: np.sqrt(sum(((p[k].astype(np.float64) - x0[k]) ** 2).sum() for k in x0))
+    assert norm(job.buffer.params) <= max(norm(h) for h in honest) + 1e-6
+    assert norm(plain.params) > 100 * max(norm(h) for h in honest)
+    # its state (the buffered updates, the history's momentum) survives a checkpoint mid-buffer
+    job.buffer.add(honest[1], 1)
+    twin = AsyncFedAvgJob(config)
+    twin.buffer.load_state_dict(job.buffer.state_dict())
+    for fb in (job.buffer, twin.buffer):
+        for trained in (honest[0], honest[2], attacker):
+            fb.add(trained, 1)
+    for k in x0:
+        np.testing.assert_array_equal(twin.buffer.params[k], job.buffer.params[k])

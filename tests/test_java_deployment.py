@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
+import json
 import subprocess
 import time
 
@@ -26,7 +28,7 @@ import pytest
 
 import java_build
 from edge_client.deployment import ModelSlot
-from protocols.envelope import encode
+from protocols.envelope import decode, encode
 from protocols.identity import DeviceIdentity
 from protocols.payloads import deployment as D
 from protocols.topics import AGGREGATOR_ID
@@ -71,11 +73,14 @@ def write_message(path, env, signer=None):
     return path
 
 
-def run_assignment(tmp_path, name, head_bytes, deployment, signer):
+SEQ = itertools.count(1)          # every assignment a later one, as the controller numbers them
+
+
+def run_assignment(tmp_path, name, head_bytes, deployment, signer, device="jdev", seq=None):
     sha = hashlib.sha256(head_bytes).hexdigest()
     (tmp_path / f"{name}.npz").write_bytes(head_bytes)
-    msg = write_message(tmp_path / f"{name}.bin", D.run_message(AGGREGATOR_ID, deployment, sha, len(head_bytes), 1),
-                        signer)
+    msg = write_message(tmp_path / f"{name}.bin", D.run_message(AGGREGATOR_ID, deployment, sha, len(head_bytes), 1,
+                                                                device=device, seq=seq or next(SEQ)), signer)
     return msg, tmp_path / f"{name}.npz", sha
 
 
@@ -105,7 +110,8 @@ def test_the_java_slot_swaps_predicts_and_rolls_back_like_the_python_device(java
     np.testing.assert_array_equal(np.array(out["PREDICT"].split(), int), reference(h2, Z))
     assert sorted(p.name for p in slot.glob("*.npz")) == sorted([f"{sha1}.npz", f"{sha2}.npz"])
 
-    back = write_message(tmp_path / "rb.bin", D.rollback_message(AGGREGATOR_ID, "dep-2", "guard failed"), agg.sign)
+    back = write_message(tmp_path / "rb.bin", D.rollback_message(AGGREGATOR_ID, "dep-2", "guard failed",
+                                                                          device="jdev", seq=next(SEQ)), agg.sign)
     out = slot_runner(java_cp, slot, feats, key, "-", back)
     assert (out["REVERTED"], out["CURRENT"], out["PREVIOUS"]) == ("true", sha1, "none")
     assert slot_runner(java_cp, slot, feats, key, "-", back)["REVERTED"] == "false"   # not from dep-2 any more
@@ -128,7 +134,7 @@ def test_the_java_slot_refuses_unsigned_tampered_and_malformed_versions(java_cp,
     agg, (h1, h2), Z = world["aggregator"], world["heads"], world["Z"]
     feats, slot, key, sha1, out = swap_in_first_head(java_cp, world, tmp_path)
     assert out["SWAPPED"] == sha1
-    state = (slot / "slot.json").read_bytes()
+    state = version_on_disk(slot)
 
     unsigned, file2, _ = run_assignment(tmp_path, "h2", D.head_npz(*h2), "dep-2", None)
     stranger = DeviceIdentity.generate(AGGREGATOR_ID)
@@ -147,9 +153,49 @@ def test_the_java_slot_refuses_unsigned_tampered_and_malformed_versions(java_cp,
         out = slot_runner(java_cp, slot, feats, key, "-", message, head)
         assert why in out["REFUSED"], out
         assert (out["CURRENT"], out["PREVIOUS"]) == (sha1, "none")
-        assert (slot / "slot.json").read_bytes() == state               # nothing changed on disk
+        assert version_on_disk(slot) == state               # nothing changed on disk (but the sequence taken)
     np.testing.assert_array_equal(np.array(out["PREDICT"].split(), int), reference(h1, Z))
-    assert slot_runner(java_cp, slot, feats, key, "-", good2, file2)["SWAPPED"] == sha2
+    assert slot_runner(java_cp, slot, feats, key, "-", good2, file2)["REASON"] == "stale"    # older than odd's
+    again, _, _ = run_assignment(tmp_path, "again", D.head_npz(*h2), "dep-2", agg.sign)    # re-sent: a new seq
+    assert slot_runner(java_cp, slot, feats, key, "-", again, file2)["SWAPPED"] == sha2
+
+
+def version_on_disk(slot):
+    return {k: v for k, v in json.loads((slot / "slot.json").read_bytes()).items() if k != "seq"}
+
+
+def test_the_java_slot_refuses_replayed_and_misaddressed_assignments_like_the_python_device(java_cp, world, tmp_path):
+    """Golden vectors: one sequence of signed messages through the Java slot (one process per
+    message: the sequence held must survive a restart) and through the Python device's rule
+    (``refusal_of`` and its ``ModelSlot``), step by step the same decision and version."""
+    from edge_client.deployment import refusal_of
+
+    agg, (h1, h2), Z = world["aggregator"], world["heads"], world["Z"]
+    feats, key = write_features(tmp_path / "held.bin", Z, world["y"]), agg.public_key_bytes.hex()
+    first, head1, sha1 = run_assignment(tmp_path, "h1", D.head_npz(*h1), "dep-1", agg.sign, seq=10)
+    second, head2, sha2 = run_assignment(tmp_path, "h2", D.head_npz(*h2), "dep-2", agg.sign, seq=20)
+    other, _, _ = run_assignment(tmp_path, "other", D.head_npz(*h1), "dep-3", agg.sign, device="jother", seq=30)
+    rollback = (lambda seq: write_message(tmp_path / f"rb{seq}.bin", D.rollback_message(
+        AGGREGATOR_ID, "dep-2", "guard failed", device="jdev", seq=seq), agg.sign))
+    steps = [(first, head1), (second, head2), (first, head1), (other, head1), (rollback(15), None),
+             (rollback(25), None)]
+    python = ModelSlot(tmp_path / "py")
+    for message, head in steps:
+        a = D.parse_assignment(decode(message.read_bytes()))
+        refusal = refusal_of(a, "jdev", python.seq)
+        if refusal is None:
+            python.hold_seq(a["seq"])
+            if a["action"] == D.ROLLBACK:
+                python.revert(a["deployment"])
+            elif python.current is None or python.current.sha256 != a["sha256"]:
+                python.swap(head.read_bytes(), a["sha256"], a["deployment"])
+        out = slot_runner(java_cp, tmp_path / "java", feats, key, "-", message, *([head] if head else []))
+        assert out.get("REASON") == (refusal[0] if refusal else None), (a, out)
+        assert out["CURRENT"] == (python.current.sha256 if python.current else "none"), (a, out)
+        assert int(out["SEQ"]) == python.seq
+    # what the rule gives here, independently: the replay (10 < 20) and the old rollback (15 < 20)
+    # refused as stale, the other device's refused, the newer rollback taken
+    assert python.seq == 25 and python.current.sha256 == sha1 and ModelSlot(tmp_path / "java").seq == 25
 
 
 def test_a_personalising_java_device_predicts_with_the_oll_pruned_head_like_the_python_device(java_cp, world,
@@ -215,7 +261,7 @@ def test_a_java_device_follows_a_rollout_over_mosquitto(java_cp, world, broker, 
     feats, slot = write_features(tmp_path / "held.bin", Z, y), tmp_path / "jslot"
     proc = None
     try:
-        ctl.call(lambda: ctl.deploy(ids["good"], cohort="devices:jcam", stages="100%", bake_s=0.2,
+        ctl.call(lambda: ctl.deploy(ids["good"], cohort="devices:jcam", stages="100%", bake_s=0.2, min_reports=1,
                                     deployment_id="good-1"))
         time.sleep(0.5)                               # published while the device is offline: retained
         proc = subprocess.Popen(["java", "-cp", java_cp, "FollowerRunner", broker.url, "jcam", topics.root,
@@ -227,10 +273,11 @@ def test_a_java_device_follows_a_rollout_over_mosquitto(java_cp, world, broker, 
         wait_for(lambda: running(slot) == good_sha, 60.0, "the Java device to swap")
         report = ctl.show("good-1")["devices"]["jcam"]["report"]
         right = int((reference(good, Z, local) == y).sum())
-        assert report == {"deployment": "good-1", "sha256": good_sha, "n": N, "correct_candidate": right,
+        assert report == {"deployment": "good-1", "seq": ctl.last["jcam"][1], "sha256": good_sha, "n": N,
+                          "correct_candidate": right,
                           "correct_current": 0}
 
-        ctl.call(lambda: ctl.deploy(ids["broken"], cohort="devices:jcam", stages="100%", bake_s=0.2,
+        ctl.call(lambda: ctl.deploy(ids["broken"], cohort="devices:jcam", stages="100%", bake_s=0.2, min_reports=1,
                                     deployment_id="broken-1"))
         wait_for(lambda: store_state(store, "broken-1") == "rolled_back", 60.0, "the broken head's rollback")
         report = ctl.show("broken-1")["devices"]["jcam"]["report"]
@@ -243,7 +290,7 @@ def test_a_java_device_follows_a_rollout_over_mosquitto(java_cp, world, broker, 
         raw.loop_start()
         evil = D.head_npz(*broken)
         raw.publish(topics.deploy("jcam"), encode(D.run_message(AGGREGATOR_ID, "evil", hashlib.sha256(evil).hexdigest(),
-                                                                len(evil), 1)), qos=1, retain=True).wait_for_publish(5)
+                                                                len(evil), 1, device="jcam", seq=2 ** 61)), qos=1, retain=True).wait_for_publish(5)
         time.sleep(2)
         raw.publish(topics.deploy("jcam"), b"", retain=True).wait_for_publish(5)
         raw.loop_stop()

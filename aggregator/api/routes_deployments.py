@@ -14,6 +14,7 @@ from pydantic import BaseModel, Field
 from aggregator.api.context import ApiContext
 from aggregator.api.schemas import MAX_ID, ONE, READ, WRITE
 from aggregator.deployments.controller import deployment_view
+from aggregator.deployments.guard import DEFAULT_GUARD, DEFAULT_MIN_REPORTS
 from aggregator.storage.deployments import DeploymentStore
 
 DEPLOYMENT_ID = r"^[A-Za-z0-9_.-]{1,64}$"
@@ -28,11 +29,13 @@ class DeploymentCreate(BaseModel):
                                     "or devices:id1,id2")
     stages: str = Field(default="100%", max_length=200, description="widening fractions after the canary, "
                                                                      "ending at 100% (e.g. 25%,100%)")
-    guard: str = Field(default="wma_drop<=1.0", max_length=500,
+    guard: str = Field(default=DEFAULT_GUARD, max_length=500,
                        description="METRIC OP NUMBER[,...] over reports, METRIC one of reports, refused, "
+                                   "median_drop (the median device's accuracy drop, robust to liars), "
                                    "wma_candidate, wma_current, wma_drop (percentage points)")
     bake_s: float = Field(default=600.0, ge=0, le=30 * 86400, description="seconds each stage runs before it is judged")
-    min_reports: int = Field(default=1, ge=0, le=10 ** 6, description="fewer reports than this fail the stage")
+    min_reports: int = Field(default=DEFAULT_MIN_REPORTS, ge=0, le=10 ** 6, description="fewer reports (distinct devices) than this "
+                                                                                        "fail the stage")
     patience_s: float = Field(default=600.0, ge=0, le=30 * 86400,
                               description="after the bake time, how long to wait for min_reports")
     seed: int = Field(default=0, ge=0, le=2 ** 31, description="the seed of the fraction cohorts")
@@ -45,7 +48,7 @@ class Rollback(BaseModel):
 class DeploymentOut(BaseModel):
     deployment_id: str
     model_id: int
-    state: Literal["draft", "canary", "widening", "complete", "rolled_back"]
+    state: Literal["draft", "canary", "widening", "complete", "rolled_back", "halted"]
     created_at: float
     updated_at: float
     model_sha256: str
@@ -60,7 +63,10 @@ class DeploymentOut(BaseModel):
     reason: str
     history: list[dict[str, Any]] = Field(description="every state change: time, from, to, stage, why, metrics")
     counts: dict[str, int] = Field(description="devices sent the candidate, sent a rollback, that reported, "
-                                               "that refused it; fleet: known devices")
+                                               "that refused it; fleet: known devices; late_reports: reports refused as "
+                                               "not about the device's last assignment; refused:<class>: refusals "
+                                               "devices reported, by class (signature, hash, stale, device, timeout, "
+                                               "load)")
     devices: dict[str, dict[str, Any]] = Field(description="per device: what it was sent, when, and its report "
                                                            "(held-out counts only, or why it refused)")
 
@@ -78,7 +84,9 @@ def log_lines(view: dict, offset: int) -> list[dict]:
     log, ``fedfleet admin logs``; the event is the state entered): the metrics the stage was judged on
     become fields of their own."""
     return [{"t": h["t"], "deployment_id": view["deployment_id"], "event": h["to"], "stage": h["stage"],
-             "from": h["from"], "why": h["why"], **(h.get("metrics") or {})}
+             "from": h["from"], "why": h["why"],
+             # per-device evidence stays in the deployment's history (one field per device is no log line)
+             **{k: v for k, v in (h.get("metrics") or {}).items() if k != "evidence"}}
             for h in view["history"][offset:]]
 
 

@@ -9,7 +9,12 @@ has its own topics, ``protocols/payloads/deployment.py``), with one active deplo
 * it answers head fetches (``artifact.get`` on a device's deploy outbox) with the head's bytes;
 * it stores each report, each assignment sent and each state change (``DeploymentStore``) before
   acting on it, so a restarted aggregator resumes the same deployment and re-sends nothing;
-* on a rollback it publishes a retained ``rollback`` to every device it had sent ``run``.
+* on a rollback it publishes a retained ``rollback`` to every device it had sent ``run``;
+* every assignment names its device and carries a sequence above any that device was sent before
+  (``DeploymentStore.mark_sent``): devices refuse a lower one, so a replayed capture is refused. A
+  report is taken only about the device's last assignment (its deployment and sequence); any other
+  (a late report on a finished deployment, a replay) is refused and counted per deployment, as are
+  the refusals devices report, by class.
 
 Operator actions (deploy, promote, rollback) run on its thread through :meth:`call`.
 """
@@ -22,6 +27,7 @@ import logging
 import queue
 import re
 import time
+import zipfile
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -33,16 +39,21 @@ from protocols.envelope import EnvelopeError
 from protocols.mqtt_link import BrokerConfig, LinkWorker, MqttLink
 from protocols.payloads import deployment as D
 from protocols.payloads.artifacts import GET as ARTIFACT_GET, artifact_message, parse_get
-from protocols.topics import AGGREGATOR_ID, Topics
+from protocols.topics import AGGREGATOR_ID, CONTROLLER_ROLE, Topics
 
 from aggregator.deployments.cohort import CohortRule, parse_percent
-from aggregator.deployments.guard import DeviceReport, Guard
-from aggregator.deployments.machine import ACTIVE, Assign, Deployment, RollBack, RolledBack, Start, Tick, Promote
+from aggregator.deployments.guard import DEFAULT_GUARD, DEFAULT_MIN_REPORTS, DeviceReport, Guard
+from aggregator.deployments.machine import (ACTIVE, Assign, Deployment, Halt, Promote, RollBack, RolledBack, Start,
+                                            Tick)
 from aggregator.storage.deployments import DeploymentStore
-from aggregator.storage.store import Store, StoreError
+from aggregator.storage.store import Store, StoreError, arrays_sha256
 
 log = logging.getLogger("fedfleet.aggregator.deployments")
 _ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+class CorruptModel(StoreError):
+    """A stored model whose bytes no longer match its hash."""
 
 
 @dataclass
@@ -60,15 +71,22 @@ class Served:
 class DeploymentController(LinkWorker):
     def __init__(self, store: Store, broker: BrokerConfig, topics: Topics = Topics(),
                  signer: Callable[[bytes], bytes] | None = None, verifier=None, tick_s: float = 0.5,
-                 client_id: str = AGGREGATOR_ID + ".deployments"):
+                 client_id: str | None = None, max_device_n: int = 1000):
         super().__init__(thread_name="deployments")
         self.store, self.table, self.topics, self.signer = store, DeploymentStore(store), topics, signer
         self.tick_s = tick_s
+        # a device's weight in the guard: at most the held-out size it reported in earlier deployments,
+        # never above max_device_n (a device's counts are its claim, not a fact)
+        self.max_device_n, self._known_n = int(max_device_n), {}
         self.assembler = MessageAssembler(verifier=verifier, max_message_bytes=1024 * 1024)
         self._next_tick = 0.0
         self.active: Served | None = None        # in canary or widening
         self.settled: Served | None = None       # the last completed: the version of every device not in a canary
-        self.link = MqttLink(client_id, broker, on_message=lambda t, p: self._q.put(("mqtt", t, p)),
+        self.last = self.table.last_assignments()   # device -> (deployment, seq) it was last sent
+        self._counts: dict[tuple[str, str], int] = {}    # counters not yet stored: (deployment, name) -> n
+        # its own account when the broker has them (BrokerConfig.for_role): one MQTT identity per connection
+        broker = broker.for_role(CONTROLLER_ROLE)
+        self.link = MqttLink(client_id or broker.username or AGGREGATOR_ID + ".deployments", broker, on_message=lambda t, p: self._q.put(("mqtt", t, p)),
                              subscriptions=[(topics.all_deploy_outs, 1)])
         self._resume()
 
@@ -97,6 +115,7 @@ class DeploymentController(LinkWorker):
                             fut.set_exception(exc)
                 if time.monotonic() >= self._next_tick:      # not once per message: a fleet's reports come in bursts
                     self._next_tick = time.monotonic() + self.tick_s
+                    self._flush_counts()
                     self._tick(time.time())
             except Exception:           # one bad message or a failed write never stops the rollout thread
                 log.exception("deployment controller: an event raised")
@@ -106,6 +125,7 @@ class DeploymentController(LinkWorker):
         (a restart re-sends nothing)."""
         active = [r for r in self.table.list() if r["state"] in ACTIVE]
         self.active = self._load(active[-1]["deployment_id"]) if active else None
+        self._known_n = self.table.reported_sizes(exclude=self.active.dep.deployment_id if self.active else "")
         self.settled = self._latest_complete()
         if self.active is not None:
             log.warning("deployment %s resumed in state %s, stage %d", self.active.dep.deployment_id,
@@ -115,23 +135,42 @@ class DeploymentController(LinkWorker):
         complete = [r for r in self.table.list() if r["state"] == "complete"]
         return self._load(complete[-1]["deployment_id"]) if complete else None
 
-    def _load(self, deployment_id: str) -> Served:
+    def _load(self, deployment_id: str) -> Served | None:
+        """The deployment as served; None when its model's stored head is corrupt: the deployment is
+        halted with the reason (its devices keep what they run) and the model marked corrupt, and
+        nothing else stops (a fault in one artifact is not a reason to take the service down)."""
         dep = Deployment.from_dict(self.table.get(deployment_id)["spec"])
-        head = self._head_bytes(dep.model_id)
-        if hashlib.sha256(head).hexdigest() != dep.model_sha256:
-            raise StoreError(f"model {dep.model_id}'s head no longer hashes to deployment {dep.deployment_id}'s")
+        try:
+            head = self._head_bytes(dep.model_id)
+            if hashlib.sha256(head).hexdigest() != dep.model_sha256:
+                raise CorruptModel(f"model {dep.model_id}'s head no longer hashes to deployment {deployment_id}'s")
+        except (CorruptModel, KeyError) as exc:
+            reason = f"halted: {exc.args[0] if exc.args else exc}"
+            self.store.set_setting(f"model.{dep.model_id}.corrupt", reason)
+            dep.handle(Halt(time.time(), reason))
+            self.table.save(deployment_id, dep.state, dep.to_dict())
+            log.error("deployment %s %s; the service and every other deployment go on", deployment_id, reason)
+            return None
         return Served(dep, head, self.table.devices(deployment_id))
 
     def _head_bytes(self, model_id: int) -> bytes:
-        raw = self.store.model_bytes(model_id)
-        if raw is None:
+        """The head file of a stored model; CorruptModel when its stored arrays are unreadable or no
+        longer hash to the sha256 recorded when it was stored."""
+        raw, row = self.store.model_bytes(model_id), self.store.model(model_id)
+        if raw is None or row is None:
             raise KeyError(f"no model {model_id}")
-        with np.load(io.BytesIO(raw), allow_pickle=False) as z:
-            return D.head_npz(*D.head_arrays({k: z[k] for k in z.files}))
+        try:
+            with np.load(io.BytesIO(raw), allow_pickle=False) as z:
+                arrays = {k: z[k] for k in z.files}
+        except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
+            raise CorruptModel(f"model {model_id}'s stored arrays are unreadable ({type(exc).__name__}: {exc})") from None
+        if arrays_sha256(arrays) != row["sha256"]:
+            raise CorruptModel(f"model {model_id}'s stored arrays no longer hash to the sha256 recorded with them")
+        return D.head_npz(*D.head_arrays(arrays))
 
     # ------------------------------------------------------------------ operator actions
-    def deploy(self, model_id: int, cohort: str = "5%", stages: str = "100%", guard: str = "wma_drop<=1.0",
-               bake_s: float = 600.0, min_reports: int = 1, patience_s: float = 600.0, deployment_id: str = "",
+    def deploy(self, model_id: int, cohort: str = "5%", stages: str = "100%", guard: str = DEFAULT_GUARD,
+               bake_s: float = 600.0, min_reports: int = DEFAULT_MIN_REPORTS, patience_s: float = 600.0, deployment_id: str = "",
                seed: int = 0) -> dict:
         if self.active is not None:
             raise StoreError(f"deployment {self.active.dep.deployment_id} is {self.active.dep.state}: "
@@ -148,6 +187,7 @@ class DeploymentController(LinkWorker):
                          self.settled.dep.model_id if self.settled else None)
         actions = dep.handle(Start(time.time()))
         self.table.create(deployment_id, model_id, dep.state, dep.to_dict())
+        self._known_n = self.table.reported_sizes(exclude=deployment_id)
         self.active = Served(dep, head, {})
         log.info("deployment %s of model %d started: canary %s", deployment_id, model_id, dep.cohort.text())
         self._apply(self.active, actions)
@@ -189,7 +229,8 @@ class DeploymentController(LinkWorker):
         self._send_run(active, sorted(d for d in members if not active.has_run(d)))
         reports = {d: report_of(active.sent[d]["report"]) for d in members
                    if d in active.sent and active.sent[d]["report"] is not None}
-        self._apply(active, active.dep.handle(Tick(now, reports)))
+        caps = {d: min(self.max_device_n, self._known_n.get(d, self.max_device_n)) for d in reports}
+        self._apply(active, active.dep.handle(Tick(now, reports, caps)))
 
     def _apply(self, served: Served, actions: list) -> None:
         dep = served.dep
@@ -201,7 +242,8 @@ class DeploymentController(LinkWorker):
             elif isinstance(act, RolledBack):
                 log.warning("deployment %s rolled back: %s", dep.deployment_id, act.reason)
                 self._send(served, sorted(d for d in served.sent if served.has_run(d)), D.ROLLBACK,
-                           D.rollback_message(AGGREGATOR_ID, dep.deployment_id, act.reason))
+                           lambda d, seq: D.rollback_message(AGGREGATOR_ID, dep.deployment_id, act.reason,
+                                                             device=d, seq=seq))
         if dep.state == "complete" and served is self.active:
             self.active, self.settled = None, served
         elif dep.state == "rolled_back" and served is self.active:
@@ -213,21 +255,26 @@ class DeploymentController(LinkWorker):
 
     def _send_run(self, served: Served, devices: list[str]) -> None:
         dep = served.dep
-        self._send(served, devices, D.RUN, D.run_message(AGGREGATOR_ID, dep.deployment_id, dep.model_sha256,
-                                                         len(served.head), dep.model_id, self._bundle_of(dep.model_id)))
+        if not devices:
+            return
+        bundle = self._bundle_of(dep.model_id)
+        self._send(served, devices, D.RUN, lambda d, seq: D.run_message(
+            AGGREGATOR_ID, dep.deployment_id, dep.model_sha256, len(served.head), dep.model_id, bundle, device=d, seq=seq))
 
     def _bundle_of(self, model_id: int) -> str:
         """The exported bundle whose features the model's head reads: its job's (``""``: the devices' own)."""
         job = self.store.job(self.store.model(model_id)["job_id"])
         return str((job or {}).get("config", {}).get("bundle_sha256") or "")
 
-    def _send(self, served: Served, devices: list[str], what: str, env) -> None:
+    def _send(self, served: Served, devices: list[str], what: str, message: Callable[[str, int], Any]) -> None:
+        """Publish ``message(device, seq)`` to each device, retained, under a new sequence."""
         if not devices:
             return
-        self.table.mark_sent(served.dep.deployment_id, devices, what)     # a restart re-sends none of these
+        seq = self.table.mark_sent(served.dep.deployment_id, devices, what)     # a restart re-sends none of these
         for d in devices:
             served.sent.setdefault(d, {"report": None})["sent"] = what
-            self.link.publish_envelope(self.topics.deploy(d), env, signer=self.signer, retain=True)
+            self.last[d] = (served.dep.deployment_id, seq)
+            self.link.publish_envelope(self.topics.deploy(d), message(d, seq), signer=self.signer, retain=True)
 
     def _fleet(self) -> dict[str, tuple[str, ...]]:
         """Known, not revoked devices -> their tags (from the profile they announce)."""
@@ -260,28 +307,49 @@ class DeploymentController(LinkWorker):
             log.warning("deployment message from %s refused: %s", device, exc)
 
     def _on_fetch(self, device: str, sha: str) -> None:
-        served = next((s for s in (self.active, self.settled)
-                       if s is not None and s.dep.model_sha256 == sha and s.has_run(device)), None)
+        last = self.last.get(device, ("",))[0]
+        served = next((s for s in (self.active, self.settled) if s is not None and s.dep.model_sha256 == sha
+                       and s.has_run(device) and s.dep.deployment_id == last), None)
         if served is None:
             return log.warning("head %s… asked by %s: not the head assigned to it", sha[:16], device)
         self.link.publish_envelope(self.topics.deploy_in(device), artifact_message(
             AGGREGATOR_ID, sha, f"{served.dep.deployment_id}.npz", served.head), signer=self.signer)
 
     def _on_report(self, device: str, report: dict) -> None:
-        """Stored when it is about the head sent to that device (the guard reads the active one's)."""
+        """Stored when it is about the device's last assignment, a run of a deployment still served
+        (the guard reads the active one's); any other is refused and counted. A refusal is counted
+        by class, and never replaces counts the device already reported (a forged message the
+        device refuses later says nothing about the head it judged)."""
         dep_id = report["deployment"]
         served = next((s for s in (self.active, self.settled) if s is not None and s.dep.deployment_id == dep_id), None)
-        if served is not None:
-            sha, sent = served.dep.model_sha256, served.sent.get(device)
-        else:
-            row = self.table.get(dep_id)
-            sha, sent = (row["spec"]["model_sha256"], self.table.devices(dep_id).get(device)) if row else ("", None)
-        if sent is None or sent["sent"] != D.RUN or report["sha256"] != sha:
-            return log.info("report from %s on %s ignored: not about the head sent to it", device, dep_id)
+        if served is None and self.table.get(dep_id) is None:      # counted only for a deployment that exists
+            return log.info("report from %s on unknown deployment %r ignored", device, dep_id)
         if report.get("refused"):
-            log.warning("deployment %s: %s refused the head: %s", dep_id, device, report["refused"])
+            self._count(dep_id, f"refused:{report['reason']}")
+        sent = served.sent.get(device) if served is not None else None
+        if (sent is None or sent["sent"] != D.RUN or report["sha256"] != served.dep.model_sha256
+                or self.last.get(device) != (dep_id, report["seq"])):
+            self._count(dep_id, "late_reports")
+            return log.warning("report from %s on %s (assignment %d) refused: not about its last assignment %s",
+                               device, dep_id, report["seq"], self.last.get(device))
+        if report.get("refused"):
+            if sent["report"] is not None and not sent["report"].get("refused"):
+                return log.warning("deployment %s: %s reports a %s refusal after judging the head: %s", dep_id,
+                                   device, report["reason"], report["refused"])
+            log.warning("deployment %s: %s refused the head (%s): %s", dep_id, device, report["reason"],
+                        report["refused"])
         self.table.record_report(dep_id, device, report)
         sent["report"] = report
+
+    def _count(self, deployment_id: str, name: str) -> None:
+        self._counts[(deployment_id, name)] = self._counts.get((deployment_id, name), 0) + 1
+
+    def _flush_counts(self) -> None:
+        """Counters are stored once per tick, not once per message: a device flooding reports
+        costs the store one write per tick."""
+        if self._counts:
+            counts, self._counts = self._counts, {}
+            self.table.add_counts(counts)
 
 
 def report_of(stored: dict) -> DeviceReport:
@@ -301,6 +369,7 @@ def deployment_view(table: DeploymentStore, deployment_id: str, fleet: dict | No
               "sent_rollback": sum(d["sent"] == D.ROLLBACK for d in devices.values()),
               "reported": sum(bool(d["report"]) and not d["report"].get("refused") for d in devices.values()),
               "refused": sum(bool(d["report"]) and bool(d["report"].get("refused")) for d in devices.values())}
+    counts.update({"late_reports": 0, **table.counters(deployment_id)})     # and refused:<class> as devices said
     if fleet is not None:
         counts["fleet"] = len(fleet)
     return {**{k: row[k] for k in ("deployment_id", "model_id", "state", "created_at", "updated_at")},

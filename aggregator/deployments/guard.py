@@ -3,11 +3,22 @@ from the counts devices report (never an image, never a per-sample value).
 
 Metrics, over the devices of the current stage that reported on the candidate:
 
-    reports        devices that evaluated the candidate
+    reports        devices that evaluated the candidate (distinct devices: one report each)
     refused        devices that could not load or verify it (they stay on their version)
+    median_drop    the median over devices of each device's accuracy drop (its current head's
+                   accuracy minus the candidate's on its held-out split), percentage points
     wma_candidate  weighted mean accuracy of the candidate, % (correct / held-out samples, pooled)
     wma_current    the same for the version it replaces
     wma_drop       wma_current - wma_candidate, percentage points (positive: the candidate is worse)
+
+A device's counts are its own claim. Its weight in the pooled ``wma_*`` is bounded by what it can
+have (``bounded``: at most the held-out size it reported before, never above a cap), so a liar
+moves them by at most its share of the capped weight; ``median_drop`` weighs every device alike,
+so k liars among n judged devices keep it between the lowest and highest honest device's drop
+while k < n / 2: a canary of n tolerates ceil(n / 2) - 1 liars (3: 1, 5: 2, 20: 9) whenever its
+honest devices agree on which side of the threshold the candidate is. The default guard is
+``median_drop<=1.0`` with at least 3 reports (``min_reports``); every decision records the
+metrics and each device's evidence (claimed n, weight used, drop).
 
 A guard is one or more ``METRIC OP NUMBER`` joined by ``,`` (``wma_drop<=1.0,refused<=0``); ops
 ``<= < >= > ==``. Too few reports (``min_reports``) fails the stage as well: a rollout nobody
@@ -20,7 +31,10 @@ import operator
 import re
 from dataclasses import dataclass
 
-METRICS = ("reports", "refused", "wma_candidate", "wma_current", "wma_drop")
+import numpy as np
+
+METRICS = ("reports", "refused", "median_drop", "wma_candidate", "wma_current", "wma_drop")
+DEFAULT_GUARD, DEFAULT_MIN_REPORTS = "median_drop<=1.0", 3
 OPS = {"<=": operator.le, "<": operator.lt, ">=": operator.ge, ">": operator.gt, "==": operator.eq}
 _CONDITION = re.compile(r"^\s*([a-z_]+)\s*(<=|>=|==|<|>)\s*(-?[0-9]+(?:\.[0-9]+)?)\s*$")
 
@@ -32,6 +46,18 @@ class DeviceReport:
     correct_candidate: int = 0
     correct_current: int = 0
     refused: str = ""
+
+    def bounded(self, cap: int) -> "DeviceReport":
+        """The same accuracies on at most ``cap`` samples: a device's weight is bounded by what it can
+        have, whatever it claims (counts scaled down, rounded; a refusal unchanged)."""
+        if self.refused or self.n <= cap:
+            return self
+        scale = cap / self.n
+        return DeviceReport(cap, round(self.correct_candidate * scale), round(self.correct_current * scale))
+
+    def drop(self) -> float | None:
+        """This device's accuracy drop in percentage points (None without samples)."""
+        return 100.0 * (self.correct_current - self.correct_candidate) / self.n if self.n else None
 
 
 @dataclass(frozen=True)
@@ -59,11 +85,17 @@ class Guard:
                 if metrics.get(m) is None or not OPS[op](metrics[m], v)]
 
 
-def stage_metrics(reports: dict[str, DeviceReport]) -> dict[str, float | None]:
-    """The guard's metrics over the reports of a stage's devices (accuracies None without samples)."""
-    judged = [r for r in reports.values() if not r.refused]
-    n = sum(r.n for r in judged)
-    cand = 100.0 * sum(r.correct_candidate for r in judged) / n if n else None
-    cur = 100.0 * sum(r.correct_current for r in judged) / n if n else None
-    return {"reports": float(len(judged)), "refused": float(len(reports) - len(judged)), "wma_candidate": cand,
-            "wma_current": cur, "wma_drop": (cur - cand) if n else None}
+def stage_metrics(reports: dict[str, DeviceReport], caps: dict[str, int] | None = None) -> dict:
+    """The guard's metrics over the reports of a stage's devices, each bounded by its cap in
+    ``caps`` (none: as claimed); accuracies None without samples. ``evidence``: per judged device
+    its claimed n, the weight used and its drop."""
+    judged = {d: r for d, r in reports.items() if not r.refused}
+    used = {d: r.bounded(caps[d]) if caps and d in caps else r for d, r in judged.items()}
+    n = sum(r.n for r in used.values())
+    cand = 100.0 * sum(r.correct_candidate for r in used.values()) / n if n else None
+    cur = 100.0 * sum(r.correct_current for r in used.values()) / n if n else None
+    drops = [x for x in (r.drop() for r in used.values()) if x is not None]
+    evidence = {d: {"n": judged[d].n, "weight": r.n, "drop": r.drop()} for d, r in sorted(used.items())}
+    return {"reports": float(len(judged)), "refused": float(len(reports) - len(judged)),
+            "median_drop": float(np.median(drops)) if drops else None, "wma_candidate": cand,
+            "wma_current": cur, "wma_drop": (cur - cand) if n else None, "evidence": evidence}

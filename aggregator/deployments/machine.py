@@ -4,6 +4,9 @@
     state                          event     condition                                   next         actions
 {table}
 
+``Halt``: the model's stored head no longer hashes to the deployment's (a fault at rest): nothing
+more is sent or judged, devices keep what they run, the reason is kept; the service goes on.
+
 A stage's devices are its cohort (``cohort.py``): stage 0 the canary, stage i the canary plus the
 seeded fraction ``stages[i-1]``; the last stage is 100 %. ``Tick`` carries the reports of the
 current stage's devices on the candidate (``guard.DeviceReport``). Any other (state, event) is
@@ -18,7 +21,7 @@ from aggregator.deployments.cohort import CohortRule
 from aggregator.deployments.guard import DeviceReport, Guard, stage_metrics
 
 ACTIVE = ("canary", "widening")
-STATES = ("draft", *ACTIVE, "complete", "rolled_back")
+STATES = ("draft", *ACTIVE, "complete", "rolled_back", "halted")
 
 # (states, event, condition, next state ("=": unchanged), actions): the rules, in the order checked
 TRANSITIONS = (
@@ -29,10 +32,11 @@ TRANSITIONS = (
     (ACTIVE, "Tick", "guard fails", "rolled_back", "RolledBack(reason)"),
     (ACTIVE, "Tick", "guard passes, stages left", "widening", "Assign(next stage)"),
     (ACTIVE, "Tick", "guard passes, last stage", "complete", "Complete"),
-    (("draft", "complete", "rolled_back"), "Tick", "-", "=", "-"),
+    (("draft", "complete", "rolled_back", "halted"), "Tick", "-", "=", "-"),
     (ACTIVE, "Promote", "stages left", "widening", "Assign(next stage)"),
     (ACTIVE, "Promote", "last stage", "complete", "Complete"),
     (("draft", *ACTIVE, "complete"), "RollBack", "-", "rolled_back", "RolledBack(reason)"),
+    (("draft", *ACTIVE, "complete"), "Halt", "-", "halted", "-"),
 )
 
 
@@ -56,6 +60,7 @@ class Start:
 class Tick:
     now: float
     reports: dict[str, DeviceReport]
+    caps: dict[str, int] = field(default_factory=dict)     # per device, the most samples its report may weigh
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,12 @@ class Promote:
 
 @dataclass(frozen=True)
 class RollBack:
+    now: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class Halt:
     now: float
     reason: str
 
@@ -131,6 +142,9 @@ class Deployment:
     def _handle(self, event) -> list:
         if isinstance(event, Start):
             return self._enter("canary", 0, event.now, "started")
+        if isinstance(event, Halt):
+            self._go("halted", event.now, event.reason)
+            return []
         if isinstance(event, RollBack):
             self._go("rolled_back", event.now, event.reason)
             return [RolledBack(event.reason)]
@@ -141,7 +155,7 @@ class Deployment:
         return self._judge(event)
 
     def _judge(self, tick: Tick) -> list:
-        metrics = stage_metrics(tick.reports)
+        metrics = stage_metrics(tick.reports, tick.caps)
         if metrics["reports"] < self.min_reports:
             if tick.now - self.stage_started_at < self.bake_s + self.patience_s:
                 return []
@@ -170,7 +184,7 @@ class Deployment:
         self.history.append({"t": now, "from": self.state, "to": state, "stage": self.stage, "why": why,
                              **({"metrics": metrics} if metrics else {})})
         self.state = state
-        if state == "rolled_back":
+        if state in ("rolled_back", "halted"):
             self.reason = why
 
     # ------------------------------------------------------------------ storage

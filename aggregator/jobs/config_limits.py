@@ -82,7 +82,7 @@ FIELD_LIMITS: dict[str, Range | OneOf | Pattern | Fields | Items] = {
     "random_features": Fields({"seed": (int, Range(0, 2 ** 32 - 1)), "dim": (int, Range(1, 8192)),
                                "sigma": (float, Range(1e-12, 1e12))}),
     # secure aggregation
-    "graph": OneOf(("complete", "regular")), "expected_dropout": Range(0, 0.49), "max_samples": Range(1, 10_000_000),
+    "graph": OneOf(("auto", "complete", "regular")), "expected_dropout": Range(0, 0.49), "max_samples": Range(1, 10_000_000),
     "max_abs_feature": Range(0, 1e6), "max_abs_param": Range(1e-6, 1e6),
     "identity_file": PATH, "device_keys_file": PATH,
     # differential privacy (aggregator/jobs/privacy_fields.py)

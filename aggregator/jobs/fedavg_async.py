@@ -11,7 +11,9 @@ The device echoes ``model_version`` in its result; ``parse_result`` refuses a re
 version is not the one this job dispatched for that round (the server's record decides the
 base model, never the device's claim). ``apply`` hands the trained head to
 :class:`~aggregator.strategies.fedbuff.FedBuff`, which steps every ``buffer_size`` arrivals
-with weight 1/√(1+staleness) and drops (counts) updates older than ``max_staleness``.
+with weight 1/√(1+staleness) and drops (counts) updates older than ``max_staleness``; each step
+bounds its updates' influence with FedAvg(ψ)'s layers and defaults (norm and contribution
+bounds, direction screen, rule, history momentum; ``PLAIN_MEAN`` turns them off).
 
 Durability: the job's whole state (kept model versions, the open buffer, outstanding
 dispatches, and the applied dispatches a replay could meet again) is checkpointed at every
@@ -57,6 +59,10 @@ class AsyncFedAvgConfig(FedAvgConfig):
             raise ValueError("fedavg-async has no server momentum (FedBuff steps with server_lr only)")
         if self.buffer_size < 1 or self.max_staleness < 0:
             raise ValueError("buffer_size must be >= 1 and max_staleness >= 0")
+        rule = self.robust_aggregation().rule          # a step combines buffer_size updates, not κ
+        if self.buffer_size < rule.min_updates():
+            raise ValueError(f"aggregator {self.aggregator!r} needs buffer_size >= {rule.min_updates()}, "
+                             f"got {self.buffer_size}")
 
 
 @dataclass(frozen=True)
@@ -73,7 +79,10 @@ class AsyncFedAvgJob(AsynchronousJob, FedAvgJob):
     def __post_init__(self):
         super().__post_init__()
         c = self.config
-        self.buffer = FedBuff(self.params, c.buffer_size, c.server_lr, c.max_staleness, c.staleness_exponent)
+        # FedAvg(ψ)'s bounded influence, composed: a step's K buffered updates go through the layers a
+        # synchronous round's go through, with the same defaults (AsyncFedAvgConfig inherits them)
+        self.buffer = FedBuff(self.params, c.buffer_size, c.server_lr, c.max_staleness, c.staleness_exponent,
+                              aggregation=c.robust_aggregation(), history=c.round_history())
         self.dispatches: dict[int, tuple[str, int]] = {}   # dispatch round not yet closed -> (device, version)
         self._applied: set[int] = set()       # applied dispatch rounds a checkpoint replay could meet again
         self.replay_floor = 0

@@ -21,10 +21,12 @@ from aggregator.jobs.privacy_fields import UpdateClippingFields
 
 @dataclass
 class SecureAggregationFields(JobConfig):
-    graph: str = "complete"                 # "complete" (SecAgg) or "regular" (SecAgg+)
+    # "auto": the complete graph (SecAgg) up to 128 members, SecAgg+'s regular graph above
+    # (protocols.secagg.config.resolve_graph); or "complete" / "regular" whatever the size
+    graph: str = "auto"
     expected_dropout: float = 0.1           # SecAgg+: the degree and share threshold are chosen to survive it
     max_samples: int = 10_000               # per device; with the per-entry bound it fixes the vector's bound
-    phase_timeout_s: float = 30.0
+    phase_timeout_s: float = 30.0           # a phase gives up on its missing members this long after its last answer
     identity_file: str = ""                 # aggregator's Ed25519 private key (PEM)
     device_keys_file: str = ""              # JSON {device id: Ed25519 public key, hex}
 

@@ -30,7 +30,7 @@ import numpy as np
 
 from protocols.envelope import Envelope, EnvelopeError
 from protocols.identity import DeviceIdentity, IdentityRegistry
-from protocols.payloads.secagg import from_envelope, to_envelope
+from protocols.payloads.secagg import UnsendableMessage, from_envelope, to_envelope
 from protocols.secagg import (AggregateReady, MemberOffline, Message, RoundConfig, RoundFailed, SecAggError,
                               ServerSecAgg, Timeout)
 from protocols.secagg.errors import LateMessage
@@ -150,11 +150,14 @@ class SecureGroupRounds(Job):
             raise EnvelopeError(f"secagg: {type(exc).__name__}: {exc}") from exc
 
     def _feed(self, event, now: float) -> list[tuple[str, Envelope]]:
-        """One event into the running round; a phase that closed restarts the phase timer."""
-        before = self.secure.phase
+        """One event into the running round. Every accepted answer (and every closed phase) restarts
+        the phase timer: a phase times out after ``phase_timeout_s`` without progress, not
+        ``phase_timeout_s`` after it opened. A group of 1,000 devices that each compute their
+        statistics and upload megabytes keeps answering for longer than any one device needs;
+        a fixed timer cut such phases off and turned the slower devices' answers late (the round
+        deadline still bounds the whole round)."""
         out = self.secure.handle(event)
-        if self.secure.phase != before:
-            self._phase_at = now
+        self._phase_at = now
         return self._route(out)
 
     def member_offline(self, device: str, now: float) -> list[tuple[str, Envelope]]:
@@ -173,7 +176,10 @@ class SecureGroupRounds(Job):
         sends = []
         for o in outputs:
             if isinstance(o, Message):
-                sends.append((o.recipient, to_envelope(o)))
+                try:
+                    sends.append((o.recipient, to_envelope(o)))
+                except UnsendableMessage as exc:
+                    return self._unsendable(exc)
             elif isinstance(o, AggregateReady):
                 round_id = self.secure.config.round_id
                 # Who is in the sum is decided here, by the protocol, not by the round machine's view
@@ -193,6 +199,18 @@ class SecureGroupRounds(Job):
                 log.warning("secure round %d failed: %s (nothing applied)", round_id, o.reason)
                 self._failed(round_id, str(o.reason))
         return sends
+
+    def _unsendable(self, exc: UnsendableMessage) -> list[tuple[str, Envelope]]:
+        """A message of the round cannot be built (e.g. a complete graph's key directory beyond the
+        envelope's header limit): the round cannot go on, so it fails now with that reason, once,
+        and its members are told to erase their secrets; nothing the phase produced is sent."""
+        round_id = self.secure.config.round_id
+        log.error("secure round %d: a message cannot be sent (%s): round failed, nothing applied", round_id, exc)
+        return self._route(self.secure.abort(f"message cannot be sent: {exc}"))
+
+    def secure_failure(self, round_: int) -> str | None:
+        """Why round ``round_`` produced no sum (None: it did, or has not ended)."""
+        return next((reason for failed, reason in reversed(self.failed_rounds) if failed == round_), None)
 
     def _failed(self, round_id: int, reason: str) -> None:
         self.failed_rounds.append((round_id, reason))

@@ -19,8 +19,17 @@ Files in ``directory`` (all written atomically: temp file + rename):
 
 ACL, with T = ``{root}/v1``::
 
-    aggregator   read  T/dev/+/out, T/presence/+     write T/dev/+/in, T/broadcast, T/status
-    device d     write T/dev/d/out, T/presence/d     read  T/dev/d/in, T/broadcast
+    aggregator              read  T/dev/+/out, T/presence/+   write T/dev/+/in, T/broadcast, T/status
+    aggregator/deployments  read  T/deploy/+/out               write T/deploy/+, T/deploy/+/in
+    device d                write T/dev/d/out, T/presence/d   read  T/dev/d/in, T/broadcast
+    d/deploy                read  T/deploy/d, T/deploy/d/in    write T/deploy/d/out
+    d/fetch                 read  T/dev/d/in                   write T/dev/d/out   (a bundle fetched on demand)
+
+Every connection has its own account (``protocols.topics.role_account``), and so its own client id
+(the broker takes the user name as client id): the aggregator's service and its deployment
+controller, a device's agent, its deployment follower and its bundle fetch, each log in as themselves, with the
+same password, and never close each other's connection or share a session. ``/`` is in no device
+id, so no device can be enrolled under another's role account.
 """
 
 from __future__ import annotations
@@ -43,7 +52,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from protocols.topics import AGGREGATOR_ID, Topics, check_device_id
+from protocols.topics import (AGGREGATOR_ID, CONTROLLER_ROLE, DEPLOY_ROLE, FETCH_ROLE, Topics, check_device_id,
+                              role_account)
 
 PBKDF2_ITERATIONS = 1000
 SALT_BYTES = 12
@@ -84,13 +94,16 @@ def acl_text(topics: Topics, devices: Iterable[str]) -> str:
     t = topics
     lines = [f"user {AGGREGATOR_ID}",
              f"topic read {t.all_outboxes}", f"topic read {t.all_presence}",
-             f"topic write {t.base}/dev/+/in", f"topic write {t.broadcast}", f"topic readwrite {t.status}",
+             f"topic write {t.base}/dev/+/in", f"topic write {t.broadcast}", f"topic readwrite {t.status}", "",
+             f"user {role_account(AGGREGATOR_ID, CONTROLLER_ROLE)}",
              f"topic read {t.all_deploy_outs}", f"topic write {t.base}/deploy/+", f"topic write {t.base}/deploy/+/in", ""]
     for d in sorted(devices):
         check_device_id(d)   # no wildcards or extra levels can reach the ACL
         lines += [f"user {d}", f"topic write {t.outbox(d)}", f"topic write {t.presence(d)}",
-                  f"topic read {t.inbox(d)}", f"topic read {t.broadcast}",
-                  f"topic read {t.deploy(d)}", f"topic read {t.deploy_in(d)}", f"topic write {t.deploy_out(d)}", ""]
+                  f"topic read {t.inbox(d)}", f"topic read {t.broadcast}", "",
+                  f"user {role_account(d, DEPLOY_ROLE)}",
+                  f"topic read {t.deploy(d)}", f"topic read {t.deploy_in(d)}", f"topic write {t.deploy_out(d)}", "",
+                  f"user {role_account(d, FETCH_ROLE)}", f"topic write {t.outbox(d)}", f"topic read {t.inbox(d)}", ""]
     return "\n".join(lines) + "\n"
 
 
@@ -207,9 +220,12 @@ class BrokerSecurity:
         return self.secret_file.read_text().strip()
 
     def write_access_files(self, device_password_hashes: dict[str, str]) -> None:
-        """Rewrite passwd and ACL for exactly these devices (plus the aggregator account)."""
-        accounts = {AGGREGATOR_ID: hash_password(self.aggregator_password, self.iterations),
-                    **{check_device_id(d): h for d, h in device_password_hashes.items()}}
+        """Rewrite passwd and ACL for exactly these devices (plus the aggregator account), each with
+        its role accounts (the same password)."""
+        aggregator = hash_password(self.aggregator_password, self.iterations)
+        accounts = {AGGREGATOR_ID: aggregator, role_account(AGGREGATOR_ID, CONTROLLER_ROLE): aggregator}
+        for d, h in device_password_hashes.items():
+            accounts[check_device_id(d)] = accounts[role_account(d, DEPLOY_ROLE)] = accounts[role_account(d, FETCH_ROLE)] = h
         owner = self._owner
         _write_atomic(self.passwd_file, password_file_text(accounts).encode(), 0o600, owner)
         _write_atomic(self.acl_file, acl_text(self.topics, device_password_hashes).encode(), 0o600, owner)

@@ -16,6 +16,7 @@ from protocols.rounds import RoundClosed, RoundCoordinator
 
 from aggregator.service.canonical import AppliedContributions
 from aggregator.jobs.base import Job
+from aggregator.storage.schema import JobState
 
 # Why a message was refused: a fixed set, so metrics labels and counters stay bounded whatever
 # devices send (the detail goes to the log, never into a label).
@@ -59,7 +60,7 @@ class ActiveJob:
     job: Job
     kind: str
     out_dir: Path
-    state: str = "running"                      # running | paused
+    state: JobState = JobState.RUNNING                 # running | paused
     rounds: dict[int, RoundCoordinator] = field(default_factory=dict)
     current: RoundCoordinator | None = None
     tasks: dict[int, dict[str, str]] = field(default_factory=dict)     # round -> device -> task id
@@ -84,6 +85,10 @@ class ActiveJob:
     def round_entry(self, closed: RoundClosed, opened_at: float | None, closed_at: float | None) -> dict:
         """One line of the job's round log (results.json, the API, the report)."""
         t = (closed_at - self.started_at) if closed_at else None
-        return {"round": closed.round, "accepted": list(closed.accepted), "dropped": list(closed.dropped),
-                "declined": list(closed.declined), "rejected": list(closed.rejected), "t": t,
-                "opened_at": opened_at, "closed_at": closed_at}
+        entry = {"round": closed.round, "accepted": list(closed.accepted), "dropped": list(closed.dropped),
+                 "declined": list(closed.declined), "rejected": list(closed.rejected), "t": t,
+                 "opened_at": opened_at, "closed_at": closed_at}
+        failure = self.job.secure_failure(closed.round) if self.job.secure_rounds else None
+        if failure is not None:      # a secure round that produced no sum says why
+            entry["secure_failure"] = failure
+        return entry

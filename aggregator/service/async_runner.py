@@ -15,6 +15,7 @@ import math
 from protocols.rounds import DeviceLost, RoundCoordinator, RoundState, Tick
 
 from aggregator.service.job_runner import JobRunner
+from aggregator.storage.schema import JobState
 
 
 class AsyncJobRunner(JobRunner):
@@ -48,12 +49,12 @@ class AsyncJobRunner(JobRunner):
             self.handle(coord, Tick(math.inf if expired else now))
         if a.cancelling:
             if not self._open:
-                a.final_state = "cancelled"
+                a.final_state = JobState.CANCELLED
             return
-        if a.state == "paused" or not self._ready_to_start():
+        if a.state == JobState.PAUSED or not self._ready_to_start():
             return
         if a.job.finished(set(), set()):
-            a.final_state = "done"
+            a.final_state = JobState.DONE
             return
         idle = self.fleet.eligible_online() - a.quarantined - {d for c in self._open.values() for d in c.participants}
         for device in a.job.next_dispatches(idle):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from aggregator.service.active_job import ActiveJob
 from aggregator.storage.store import Store
+from aggregator.storage.schema import JobState
 
 MAX_REASON_CHARS = 1000
 
@@ -14,19 +15,19 @@ MAX_REASON_CHARS = 1000
 def judged_state(a: ActiveJob, store: Store | None) -> tuple[str, str | None]:
     """("done", None) when some device contributed, else ("failed", why)."""
     if a.job.contributions > 0:
-        return "done", None
+        return JobState.DONE, None
     answers = device_answers(a, store)
     for entry in a.round_log:              # asked, but never answered before the round's deadline
         for device in entry.get("dropped", ()):
             answers.setdefault(device, ("dropped", "no answer before the round's deadline"))
     if not answers:
-        return "failed", "no device contributed: none was asked (no eligible device online)"
+        return JobState.FAILED, "no device contributed: none was asked (no eligible device online)"
     by_reason: dict[str, list[str]] = {}
     for device, (event, reason) in sorted(answers.items()):
         by_reason.setdefault(f"{event}: {reason or 'no reason given'}", []).append(device)
     parts = [f"{why} ({', '.join(devices)})" for why, devices in sorted(by_reason.items(), key=lambda kv: -len(kv[1]))]
     text = f"no device contributed in {a.job.round} round(s); " + "; ".join(parts)
-    return "failed", text if len(text) <= MAX_REASON_CHARS else text[:MAX_REASON_CHARS - 1] + "…"
+    return JobState.FAILED, text if len(text) <= MAX_REASON_CHARS else text[:MAX_REASON_CHARS - 1] + "…"
 
 
 def device_answers(a: ActiveJob, store: Store | None) -> dict[str, tuple[str, str]]:

@@ -33,6 +33,7 @@ from aggregator.service.contribution_writer import ContributionWriter
 from aggregator.jobs.base import Job
 from aggregator.jobs.registry import KINDS
 from aggregator.storage.store import FINAL_JOB_STATES, Store, StoreError
+from aggregator.storage.schema import JobState
 
 log = logging.getLogger("fedfleet.aggregator")
 
@@ -92,9 +93,9 @@ class JobRunner:
             expired = a.cancelling or not a.current.pending_count    # cancelled, or a restored round that had everyone
             return self.handle(a.current, Tick(math.inf if expired else now))
         if a.cancelling:
-            a.final_state = "cancelled"
+            a.final_state = JobState.CANCELLED
             return
-        if a.state == "paused" or not self._ready_to_start():
+        if a.state == JobState.PAUSED or not self._ready_to_start():
             return
         online = self.fleet.eligible_online() - a.quarantined
         reachable = self.fleet.reachable(self.offline_grace_s) - a.quarantined
@@ -104,7 +105,7 @@ class JobRunner:
         if participants:
             self._open_round(participants, now)
         elif a.job.finished(online, reachable):
-            a.final_state = "done"
+            a.final_state = JobState.DONE
 
     # ------------------------------------------------------------------ actions of the round machine
     def execute(self, actions: list, round_: int) -> None:
@@ -337,9 +338,9 @@ class JobRunner:
         a = self.a
         if not self.flush_writes():    # a last write failed: the job stays running in the store, which resumes it
             return {}
-        state = a.final_state or "stopped"
+        state = a.final_state or JobState.STOPPED
         failure = None
-        if state == "done":                     # ran out of work: done only if some device contributed
+        if state == JobState.DONE:                     # ran out of work: done only if some device contributed
             state, failure = judged_state(a, self.store)
             a.final_state = state
         self.crash("job_finishing")
@@ -363,7 +364,7 @@ class JobRunner:
             row = self.store.job(a.job_id)
             if state in FINAL_JOB_STATES and row["state"] not in FINAL_JOB_STATES:
                 compact = {k: v for k, v in summary.items() if k not in ("history", "rounds")}
-                model = final_job.model_arrays() if state != "failed" else None    # nothing was learnt
+                model = final_job.model_arrays() if state != JobState.FAILED else None    # nothing was learnt
                 self.store.finish_job(a.job_id, state, compact, a.stats.to_dict(), model, final_eval, a.job.round)
             # an interrupted job (timeout, SIGTERM) stays "running"/"paused" in the store: the next
             # start of the service resumes it, exactly as after a crash

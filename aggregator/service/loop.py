@@ -16,7 +16,7 @@ The decisions live elsewhere, each in a module of its own: the round rules in th
 actions before what depends on them); what to ask whom and what to do with answers in the job
 (``aggregator/jobs/``, built from the registry ``jobs/registry.py``); who is enrolled and online
 in :class:`~aggregator.security.fleet.Fleet`; recovery in ``recovery.py``; what is reported in
-``reporting.py``; the operator's job lifecycle in ``job_control.py``.
+``reporting.py``; the operator's job lifecycle in ``job_lifecycle.py``.
 
 Durability (with a :class:`aggregator.storage.store.Store`): every state change is committed before
 anything that depends on it leaves the process::
@@ -58,7 +58,7 @@ from protocols.payloads.secagg import SECAGG_TYPE
 from protocols.rounds import Declined, ResultArrived, ResultInvalid
 from protocols.topics import AGGREGATOR_ID, Topics
 
-from aggregator.service import reporting
+from aggregator.service import job_lifecycle, reporting
 from aggregator.service.active_job import ActiveJob, ServiceStats, ValidatedResult
 from aggregator.service.artifacts import ArtifactShelf
 from aggregator.service.async_runner import AsyncJobRunner
@@ -76,6 +76,7 @@ from aggregator.service.recovery import open_stored
 from aggregator.shards.coordinator_job import RECEIPT, ShardedJob
 from aggregator.shards.pool import ShardPool
 from aggregator.storage.store import Store
+from aggregator.storage.schema import JobState
 
 log = logging.getLogger("fedfleet.aggregator")
 
@@ -237,27 +238,27 @@ class AggregatorService(OperatorActions):
             self.active.stats, self.active.started = a.stats, a.started
             return
         log.error("job %s stopped: %s", a.job_id, reason)
-        a.final_state = "stopped"
+        a.final_state = JobState.STOPPED
         if self.store is not None:
-            self.store.set_job_state(a.job_id, "stopped", {"error": reason})
+            self.store.set_job_state(a.job_id, JobState.STOPPED, {"error": reason})
 
     def _start_next_job(self) -> bool:
         """With a store: resume an interrupted job, else start the oldest queued one."""
         if self.store is None:
             return False
-        rows = [j for j in self.store.jobs() if j["state"] in ("running", "paused")] or \
+        rows = [j for j in self.store.jobs() if j["state"] in (JobState.RUNNING, JobState.PAUSED)] or \
             ([self.store.next_queued_job()] if self.store.next_queued_job() else [])
         if not rows:
             return False
         row = rows[0]
         try:
             job = build_job(row["kind"], row["config"])
-            if row["state"] == "queued":
-                self.store.set_job_state(row["job_id"], "running")
+            if row["state"] == JobState.QUEUED:
+                job_lifecycle.take_up(self.store, row["job_id"])
             self._activate(job, self.out_dir / row["job_id"])
         except Exception as exc:  # a stored job that cannot be built must not stop the service
             log.error("cannot start job %s: %s", row["job_id"], exc)
-            self.store.set_job_state(row["job_id"], "stopped", {"error": str(exc)})
+            self.store.set_job_state(row["job_id"], JobState.STOPPED, {"error": str(exc)})
             return False
         return True
 

@@ -4,12 +4,13 @@ through :meth:`AggregatorService.call`: the mutations of fleet and store have on
 
 from __future__ import annotations
 
-from aggregator.service import job_control
+from aggregator.service import job_lifecycle
 
 from aggregator.service import unlearning
 from aggregator.service.artifacts import with_served_bundle
 from aggregator.security.enrollment import DeviceCredentials
 from aggregator.storage.store import StoreError
+from aggregator.storage.schema import JobState
 
 
 class OperatorActions:
@@ -39,7 +40,7 @@ class OperatorActions:
         report = []
         for job in unlearning.jobs_to_forget(self.store, device_id, job_id):
             active = self.active is not None and self.active.job_id == job["job_id"]
-            line = unlearning.forget_stored(self.store, {**job, "state": "running"} if active else job,
+            line = unlearning.forget_stored(self.store, {**job, "state": JobState.RUNNING} if active else job,
                                             device_id, self.eval_set)
             if active and line["forgotten"]:
                 self._job_broken(f"device {device_id} forgotten")      # rebuilt from what the store still holds
@@ -62,10 +63,10 @@ class OperatorActions:
 
     def create_job(self, kind: str, config: dict) -> dict:
         """Store a new job; its bundle is the one this service serves unless the config names one."""
-        return job_control.create_job(self.store, kind, with_served_bundle(kind, config, self.artifacts))
+        return job_lifecycle.create_job(self.store, kind, with_served_bundle(kind, config, self.artifacts))
 
     def control_job(self, job_id: str, action: str) -> dict:
         """start / pause / resume / cancel."""
-        return job_control.control_job(self.store, self.active, job_id, action)
+        return job_lifecycle.control_job(self.store, self.active, job_id, action)
 
     # ------------------------------------------------------------------ jobs

@@ -31,6 +31,7 @@ from protocols.rounds import Declined, ResultInvalid, RoundClosed, RoundCoordina
 
 from aggregator.service.active_job import ActiveJob, ServiceStats
 from aggregator.storage.store import FINAL_JOB_STATES, Store, StoreError
+from aggregator.storage.schema import JobState
 
 log = logging.getLogger("fedfleet.aggregator")
 
@@ -45,8 +46,8 @@ def open_stored(a: ActiveJob, store: Store, checkpoints: bool, crash) -> None:
     row = store.job(a.job_id)
     config = job.config.to_dict()
     if row is None:
-        store.create_job(a.job_id, a.kind, config, state="running")
-        store.set_job_state(a.job_id, "running")
+        store.create_job(a.job_id, a.kind, config, state=JobState.RUNNING)
+        store.set_job_state(a.job_id, JobState.RUNNING)
         a.started_at = store.job(a.job_id)["started_at"]
         return
     if row["kind"] != a.kind or json.loads(json.dumps(config)) != row["config"]:
@@ -77,10 +78,10 @@ def restore_job(a: ActiveJob, row: dict, store: Store, checkpoints: bool) -> Non
     a.quarantined = {q["device"] for q in store.quarantined(a.job_id)} | set(store.forgotten(a.job_id))
     if row["state"] in FINAL_JOB_STATES:
         a.final_state = row["state"]
-    elif row["state"] == "paused":
-        a.state = "paused"
+    elif row["state"] == JobState.PAUSED:
+        a.state = JobState.PAUSED
     else:
-        store.set_job_state(a.job_id, "running")
+        store.set_job_state(a.job_id, JobState.RUNNING)
     log.warning("job %s restored: %d rounds, checkpoint of round %d, %d contributions replayed in %.3fs",
                 a.job_id, len(rounds), done_round, replay.replayed, time.perf_counter() - t0)
 

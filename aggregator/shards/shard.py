@@ -34,6 +34,7 @@ from aggregator.jobs.registry import build_job
 from aggregator.shards.buckets import bucket_of, bucket_range
 from aggregator.shards.partial_sums import Node, PartialSum, additive, bucket_sums, range_sums
 from aggregator.storage.store import Store, StoreError
+from aggregator.storage.schema import JobState
 
 log = logging.getLogger("fedfleet.aggregator.shard")
 
@@ -81,7 +82,7 @@ class ShardIngest:
         self.job_id, self.kind, self.config = job_id, kind, config
         self._validator, self._cache = build_job(kind, config), {}
         if self.store.job(job_id) is None:
-            self.store.create_job(job_id, kind, config, state="running")
+            self.store.create_job(job_id, kind, config, state=JobState.RUNNING)
 
     def feed(self, topic: str, payload: bytes) -> Forward | Receipt | None:
         device = self.topics.device_of(topic)

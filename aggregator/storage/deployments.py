@@ -35,16 +35,51 @@ class DeploymentStore:
     def list(self) -> list[dict]:
         return [_row(r) for r in self.store.db.execute("SELECT * FROM deployments ORDER BY created_at, deployment_id")]
 
-    def mark_sent(self, deployment_id: str, devices: list[str], sent: str) -> None:
+    def mark_sent(self, deployment_id: str, devices: list[str], sent: str) -> int:
+        """Record that ``devices`` are sent ``sent`` of this deployment; returns the assignment's
+        sequence: above every one sent before, and never below the wall clock in milliseconds, so
+        even a store restored from an older backup numbers its next assignment above what devices hold."""
+        now = time.time()
         with self.store._tx() as db:
+            (high,) = db.execute("SELECT COALESCE(MAX(seq), 0) FROM deployment_assignments").fetchone()
+            seq = max(high + 1, int(now * 1000))
             db.executemany("INSERT INTO deployment_devices VALUES (?, ?, ?, ?, NULL) ON CONFLICT (deployment_id, "
                            "device) DO UPDATE SET sent=excluded.sent, sent_at=excluded.sent_at",
-                           [(deployment_id, d, sent, time.time()) for d in devices])
+                           [(deployment_id, d, sent, now) for d in devices])
+            db.executemany("INSERT OR REPLACE INTO deployment_assignments VALUES (?, ?, ?, ?)",
+                           [(d, deployment_id, seq, sent) for d in devices])
+        return seq
+
+    def last_assignments(self) -> dict[str, tuple[str, int]]:
+        """device -> (deployment, seq) of the last assignment sent to it."""
+        return {r[0]: (r[1], r[2]) for r in self.store.db.execute(
+            "SELECT device, deployment_id, seq FROM deployment_assignments")}
+
+    def add_counts(self, counts: dict[tuple[str, str], int]) -> None:
+        """Add to the (deployment, name) counters."""
+        with self.store._tx() as db:
+            db.executemany("INSERT INTO deployment_counters VALUES (?, ?, ?) ON CONFLICT (deployment_id, name) "
+                           "DO UPDATE SET value = value + excluded.value",
+                           [(dep, name, n) for (dep, name), n in counts.items()])
+
+    def counters(self, deployment_id: str) -> dict[str, int]:
+        return dict(self.store.db.execute("SELECT name, value FROM deployment_counters WHERE deployment_id=? "
+                                          "ORDER BY name", (deployment_id,)).fetchall())
 
     def record_report(self, deployment_id: str, device: str, report: dict) -> None:
         with self.store._tx() as db:
             db.execute("UPDATE deployment_devices SET report=? WHERE deployment_id=? AND device=?",
                        (json.dumps(report), deployment_id, device))
+
+    def reported_sizes(self, exclude: str = "") -> dict[str, int]:
+        """device -> the smallest held-out size it reported in any deployment but ``exclude``."""
+        out: dict[str, int] = {}
+        for device, report in self.store.db.execute("SELECT device, report FROM deployment_devices WHERE "
+                                                    "report IS NOT NULL AND deployment_id != ?", (exclude,)):
+            n = json.loads(report).get("n")
+            if isinstance(n, int) and n > 0:
+                out[device] = min(n, out.get(device, n))
+        return out
 
     def devices(self, deployment_id: str) -> dict[str, dict]:
         """device -> {sent, sent_at, report}."""

@@ -3,12 +3,29 @@ with what each row means.
 :mod:`aggregator.storage.store` is the only module that reads or writes them, but for the
 deployment tables: :mod:`aggregator.storage.deployments`."""
 
+import enum
+
 # 2: contribution payloads in files (aggregator/storage/blob_files.py), not in the table
-# 3: the deployment tables (a version 2 store gains them, empty: MIGRATE_FROM_V2 is nothing more)
+# 3: the deployment tables (a version 2 store gains them, empty: MIGRATE_FROM_V2 is nothing more;
+#    a version 3 store made before deployment_assignments / deployment_counters gains them the same way)
 SCHEMA_VERSION = 3
-# failed: the job ran out of work with no contribution at all (aggregator/service/job_outcome.py)
-JOB_STATES = ("created", "queued", "running", "paused", "cancelled", "done", "failed", "stopped")
-FINAL_JOB_STATES = ("cancelled", "done", "failed")
+
+
+class JobState(enum.StrEnum):
+    """A job's stored state; what moves it is aggregator/service/job_lifecycle.py. A StrEnum, so
+    the stored text, the API's JSON and comparisons with the plain strings stay as they were."""
+    CREATED = "created"
+    QUEUED = "queued"
+    RUNNING = "running"
+    PAUSED = "paused"
+    STOPPED = "stopped"             # the service gave up on it (its error says why); start/resume again
+    CANCELLED = "cancelled"
+    DONE = "done"
+    FAILED = "failed"               # ran out of work with no contribution at all (service/job_outcome.py)
+
+
+JOB_STATES = tuple(JobState)
+FINAL_JOB_STATES = (JobState.CANCELLED, JobState.DONE, JobState.FAILED)
 
 # the payload of row ``seq`` is the file ``<db path>.blobs/<seq>.msg``, of ``payload_bytes`` bytes
 CONTRIBUTIONS = """CREATE TABLE IF NOT EXISTS {name} (
@@ -139,6 +156,22 @@ CREATE TABLE IF NOT EXISTS deployment_devices (
     sent_at       REAL NOT NULL,
     report        TEXT,             -- its last report on the candidate (JSON), if any
     PRIMARY KEY (deployment_id, device)
+);
+-- each device's last assignment (run or rollback, of any deployment) and its sequence: a report is
+-- taken only about it, and the next one sent has a higher seq (devices refuse a lower one)
+CREATE TABLE IF NOT EXISTS deployment_assignments (
+    device        TEXT PRIMARY KEY,
+    deployment_id TEXT NOT NULL,
+    seq           INTEGER NOT NULL,
+    sent          TEXT NOT NULL CHECK (sent IN ('run', 'rollback'))
+);
+-- per deployment, how many reports were refused as late (not about the device's last assignment)
+-- and how many refusals devices reported, by class (name ``late_reports`` or ``refused:<class>``)
+CREATE TABLE IF NOT EXISTS deployment_counters (
+    deployment_id TEXT NOT NULL,
+    name          TEXT NOT NULL,
+    value         INTEGER NOT NULL,
+    PRIMARY KEY (deployment_id, name)
 );
 CREATE TABLE IF NOT EXISTS settings (
     key   TEXT PRIMARY KEY,

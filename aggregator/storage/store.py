@@ -59,7 +59,7 @@ import numpy as np
 
 from aggregator.storage.blob_files import BlobFileError, BlobFiles
 from aggregator.service.crash_points import CrashPoints
-from aggregator.storage.schema import FINAL_JOB_STATES, JOB_STATES, MIGRATE_FROM_V1, SCHEMA, SCHEMA_VERSION
+from aggregator.storage.schema import JobState, FINAL_JOB_STATES, JOB_STATES, MIGRATE_FROM_V1, SCHEMA, SCHEMA_VERSION
 
 log = logging.getLogger("fedfleet.aggregator")
 SCREEN_EXEMPT_PREFIX = "screen_exempt:"     # settings key: the devices a job's fleet screen spares
@@ -267,7 +267,7 @@ class Store:
             "AND mqtt_password_hash IS NOT NULL ORDER BY device_id")}
 
     # ------------------------------------------------------------------ jobs
-    def create_job(self, job_id: str, kind: str, config: dict, state: str = "created") -> None:
+    def create_job(self, job_id: str, kind: str, config: dict, state: JobState = JobState.CREATED) -> None:
         if state not in JOB_STATES:
             raise StoreError(f"unknown job state {state!r}")
         now = time.time()

@@ -13,9 +13,16 @@ An update older than ``max_staleness`` steps is not buffered (its base model is 
 it is counted in ``stale_dropped``. The strategy keeps the models of the last ``max_staleness``
 + 1 versions, the only ones an accepted update can be based on, so memory is bounded.
 
-Tensors are ``dict[str, ndarray]``; the buffer sums in float64 in arrival order (the step is
-defined by arrival order: that is what asynchronous means). Nothing here knows devices, rounds or
-transport; ``aggregator/jobs/fedavg_async.py`` feeds it.
+Bounded influence (``aggregation``, ``history``: the layers of FedAvg(ψ),
+``aggregator/strategies/robust_fedavg.py``, composed, with the job's defaults): a step treats
+the buffer's K updates as FedAvg treats a round's, θ_k = x_t + s(τ_k) Δ_k with weight 1 (FedBuff
+weighs devices uniformly): norm bound, contribution bound, direction screen, the rule, then the
+history's momentum; x_{t+1} = x_t + η (target − x_t). Without them (None) the step is the paper's.
+
+Tensors are ``dict[str, ndarray]``; the buffer keeps each update in float64 in arrival order and
+the paper's step sums them in that order (the step is defined by arrival order: that is what
+asynchronous means). Nothing here knows devices, rounds or transport;
+``aggregator/jobs/fedavg_async.py`` feeds it.
 """
 
 from __future__ import annotations
@@ -23,9 +30,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 
+import logging
+
 import numpy as np
 
+from aggregator.strategies.robust_fedavg import RobustAggregation, RoundHistory
+
 Params = dict[str, np.ndarray]
+log = logging.getLogger("fedfleet.aggregator")
 
 
 class AsyncStrategy(ABC):
@@ -57,7 +69,8 @@ def staleness_weight(staleness: int, exponent: float = 0.5) -> float:
 
 class FedBuff(AsyncStrategy):
     def __init__(self, initial: Mapping[str, np.ndarray], buffer_size: int = 4, server_lr: float = 1.0,
-                 max_staleness: int = 8, staleness_exponent: float = 0.5):
+                 max_staleness: int = 8, staleness_exponent: float = 0.5,
+                 aggregation: RobustAggregation | None = None, history: RoundHistory | None = None):
         if buffer_size < 1:
             raise ValueError(f"buffer_size must be >= 1, got {buffer_size}")
         if max_staleness < 0:
@@ -68,7 +81,9 @@ class FedBuff(AsyncStrategy):
         self.max_staleness, self.staleness_exponent = int(max_staleness), float(staleness_exponent)
         self.version = 0
         self._models: dict[int, Params] = {0: {k: np.array(v) for k, v in initial.items()}}
-        self._sum: dict[str, np.ndarray] = {}
+        self.aggregation, self.history = aggregation, history
+        self._buffer: list[dict[str, np.ndarray]] = []   # s(τ_k) Δ_k of the buffered updates, in arrival order
+        self.last_report: dict = {}                      # what the bounded-influence layers did at the last step
         self.buffered = 0
         self.stale_dropped = 0
         self.applied = 0                 # updates that went into a server step or the open buffer
@@ -105,8 +120,7 @@ class FedBuff(AsyncStrategy):
             if not np.isfinite(value).all():
                 raise ValueError(f"update tensor {name!r} contains NaN or Inf")
             deltas[name] = weight * (value - np.asarray(base[name], dtype=np.float64))
-        for name, delta in deltas.items():       # only after every check: a bad update changes nothing
-            self._sum[name] = self._sum[name] + delta if name in self._sum else delta
+        self._buffer.append(deltas)                # only after every check: a bad update changes nothing
         self.buffered += 1
         self.applied += 1
         if self.buffered < self.buffer_size:
@@ -116,14 +130,31 @@ class FedBuff(AsyncStrategy):
 
     def _step(self) -> None:
         current = self.params
-        scale = self.server_lr / self.buffer_size
-        new = {name: (np.asarray(x, dtype=np.float64) + scale * self._sum[name]).astype(np.asarray(x).dtype)
-               for name, x in current.items()}
+        x = {name: np.asarray(value, dtype=np.float64) for name, value in current.items()}
+        new = {name: (x[name] + move).astype(np.asarray(current[name]).dtype)
+               for name, move in self._move(x).items()}
         self.version += 1
         self._models[self.version] = new
         for old in [v for v in self._models if v < self.version - self.max_staleness]:
             del self._models[old]
-        self._sum, self.buffered = {}, 0
+        self._buffer, self.buffered = [], 0
+
+    def _move(self, x: Params) -> Params:
+        """What the step adds: η/K Σ s(τ_k) Δ_k (the paper), or η (target − x_t) bounded."""
+        if self.aggregation is None:
+            total = {}
+            for deltas in self._buffer:            # summed in arrival order, as the paper's step
+                for name, delta in deltas.items():
+                    total[name] = total[name] + delta if name in total else delta
+            return {name: self.server_lr / self.buffer_size * value for name, value in total.items()}
+        updates = [({name: x[name] + delta for name, delta in deltas.items()}, 1) for deltas in self._buffer]
+        combined, self.last_report = self.aggregation.aggregate(x, updates)
+        if combined is None:                       # too few updates for the rule's guarantee: no move
+            return {name: np.zeros_like(value) for name, value in x.items()}
+        if self.last_report.get("norm_bounded") or self.last_report.get("screened"):
+            log.warning("fedbuff step %d: %s", self.version + 1, self.last_report)
+        target = self.history.step(x, combined) if self.history is not None else combined
+        return {name: self.server_lr * (target[name] - x[name]) for name in x}
 
     # persistence: the kept versions, the open buffer and the counters (exact float64 sums)
     def state_dict(self) -> dict[str, np.ndarray]:
@@ -132,18 +163,25 @@ class FedBuff(AsyncStrategy):
         for version, model in self._models.items():
             for name, value in model.items():
                 out[f"model.{version}.{name}"] = value
-        for name, value in self._sum.items():
-            out[f"buffer.{name}"] = value
-        return out
+        for i, deltas in enumerate(self._buffer):
+            for name, value in deltas.items():
+                out[f"buffer.{i}.{name}"] = value
+        return {**out, **(self.history.state_dict() if self.history is not None else {})}
 
     def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
         self.version, self.buffered, self.stale_dropped, self.applied = (int(x) for x in state["fedbuff.counters"])
-        self._models, self._sum = {}, {}
+        self._models, buffer = {}, {}
         for key, value in state.items():
             if key.startswith("model."):
                 version, name = key[len("model."):].split(".", 1)
                 self._models.setdefault(int(version), {})[name] = np.array(value)
             elif key.startswith("buffer."):
-                self._sum[key[len("buffer."):]] = np.array(value, dtype=np.float64)
+                # buffer.{i}.{name}; a checkpoint of the summing buffer (buffer.{name}) is one entry
+                index, _, name = key[len("buffer."):].partition(".")
+                index, name = (int(index), name) if index.isdigit() and name else (0, key[len("buffer."):])
+                buffer.setdefault(index, {})[name] = np.array(value, dtype=np.float64)
+        self._buffer = [buffer[i] for i in sorted(buffer)]
+        if self.history is not None:
+            self.history.load_state_dict(state)
         if self.version not in self._models:
             raise ValueError(f"state has no model for its version {self.version}")

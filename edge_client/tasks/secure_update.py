@@ -21,7 +21,7 @@ import numpy as np
 from protocols.clipping import clip_update
 from protocols.envelope import Envelope
 from protocols.identity import DeviceIdentity
-from protocols.payloads.secagg import from_envelope, to_envelope
+from protocols.payloads.secagg import UnsendableMessage, from_envelope, to_envelope
 from protocols.secagg import ClientSecAgg, ClientState, SecAggError
 from protocols.secagg.distributed_dp import add_skellam_noise
 
@@ -52,14 +52,19 @@ class SecAggSessions:
             log.info("%s: secagg message for an unknown session %s/%s/%s", self.device_id,
                      msg.job_id, msg.round_id, msg.group_id)
             return []
+        key = (msg.job_id, msg.round_id, msg.group_id)
         try:
             replies = [to_envelope(r) for r in client.handle(msg)]
         except SecAggError as exc:
             log.warning("%s: secagg error: %s", self.device_id, exc)
             return []
+        except UnsendableMessage as exc:       # its answer cannot travel: sit the round out (a dropout)
+            self.sessions.pop(key, None)
+            log.warning("%s: leaves secure round %s/%s: %s", self.device_id, msg.job_id, msg.round_id, exc)
+            return []
         if client.state in (ClientState.FINISHED, ClientState.ABORTED):
             # done, or the server aborted the round (its secrets are already erased)
-            self.sessions.pop((msg.job_id, msg.round_id, msg.group_id), None)
+            self.sessions.pop(key, None)
             if client.abort_reason is not None:
                 log.info("%s: secure round %s/%s aborted by the aggregator: %s", self.device_id, msg.job_id,
                          msg.round_id, client.abort_reason)

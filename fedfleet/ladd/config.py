@@ -48,7 +48,7 @@ class LaddSimConfig:
     round_timeout_s: float = 60.0
     dropout_prob: float = 0.0
     secure: bool = False                       # training rounds summed under SecAgg(+) (SecureLaddJob)
-    secure_graph: str = "complete"             # complete (SecAgg) | regular (SecAgg+)
+    secure_graph: str = "auto"                 # auto (by group size) | complete (SecAgg) | regular (SecAgg+)
     phase_timeout_s: float = 10.0              # per secure-aggregation phase
     min_cluster_contributors: int = 2          # fewer selected devices in a cluster: its θ_c waits
     slowdown: tuple[float, float] = (1.0, 1.0)

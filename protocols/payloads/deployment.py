@@ -6,15 +6,21 @@ fetches, and what it says about it. Topics (``protocols.topics.Topics``):
     {root}/v1/deploy/{device}/out    device -> aggregator: ``artifact.get`` for the head, reports
     {root}/v1/deploy/{device}/in     aggregator -> device: the head (``artifact``, chunked)
 
-* ``deployment.assign``  body ``{"deployment": id, "action": "run", "sha256": hex, "nbytes": int,
-  "model_id": int, "bundle_sha256": hex or ""}`` — run this head (fetch it by sha256 unless kept)
-  on the features of that exported bundle ("": the device's own); or ``{"deployment": id,
-  "action": "rollback", "reason": text}`` — go back to the version run before that deployment.
-  Signed by the aggregator; a device holding the aggregator's key refuses an unsigned one.
-* ``deployment.report``  body ``{"deployment": id, "sha256": hex, "n": int, "correct_candidate":
-  int, "correct_current": int}``: counts on the device's held-out split, never a sample; or
-  ``{"deployment": id, "sha256": hex, "refused": text}`` when it cannot fetch, verify or load the
-  head (it keeps running its version).
+* ``deployment.assign``  body ``{"deployment": id, "device": id, "seq": int, "action": "run",
+  "sha256": hex, "nbytes": int, "model_id": int, "bundle_sha256": hex or ""}`` — run this head
+  (fetch it by sha256 unless kept) on the features of that exported bundle ("": the device's own);
+  or ``{"deployment": id, "device": id, "seq": int, "action": "rollback", "reason": text}`` — go
+  back to the version run before that deployment. Signed by the aggregator; a device holding the
+  aggregator's key refuses an unsigned one. ``device`` names the one device it is for (a copy
+  republished on another device's topic is refused) and ``seq`` is the aggregator's sequence,
+  increasing with every assignment it sends a device (a rollback is a new, higher one): the
+  device keeps the highest it accepted and refuses a lower one, so a captured assignment replayed
+  later cannot take it back to an old version.
+* ``deployment.report``  body ``{"deployment": id, "seq": int, "sha256": hex, "n": int,
+  "correct_candidate": int, "correct_current": int}``: counts on the device's held-out split,
+  never a sample, about the assignment ``seq``; or ``{"deployment": id, "seq": int, "sha256": hex,
+  "refused": text, "reason": class}`` when it cannot fetch, verify or load the head (it keeps
+  running its version); ``reason`` is one of ``REFUSAL_REASONS``.
 
 The head is an ``.npz`` of a linear classifier over the backbone's features: ``coef`` (C, d) and
 ``intercept`` (C,) (Fed3R), or ``weight`` and ``bias`` (FedAvg); logits = features @ W.T + b.
@@ -30,10 +36,17 @@ import zipfile
 import numpy as np
 
 from ..envelope import Envelope, EnvelopeError, body_field
+from ..topics import check_device_id
 from .artifacts import check_sha
 
 ASSIGN, REPORT = "deployment.assign", "deployment.report"
 RUN, ROLLBACK = "run", "rollback"
+# why a device refused an assignment or its head: the class the operator sees per deployment
+# (the text beside it says the rest). signature: not signed by the aggregator; hash: the head does
+# not hash to the assignment; stale: an assignment older than the one the device holds; device:
+# an assignment for another device; timeout: no head in time; load: a head that is not a usable one
+REFUSAL_REASONS = ("signature", "hash", "stale", "device", "timeout", "load")
+MAX_SEQ = 2 ** 62
 MAX_HEAD_BYTES = 64 * 1024 * 1024
 _ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _HEAD_NAMES = (("coef", "intercept"), ("weight", "bias"))
@@ -45,24 +58,40 @@ def check_deployment_id(value) -> str:
     return value
 
 
+def check_seq(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < MAX_SEQ:
+        raise EnvelopeError(f"assignment sequence {value!r}: an integer in 1..2**62-1")
+    return value
+
+
+def _addressed(deployment: str, device: str, seq: int) -> dict:
+    return {"deployment": check_deployment_id(deployment), "device": check_device_id(device), "seq": check_seq(seq)}
+
+
 def run_message(sender: str, deployment: str, sha256: str, nbytes: int, model_id: int,
-                bundle_sha256: str = "") -> Envelope:
-    return Envelope(type=ASSIGN, sender=sender, body={"deployment": check_deployment_id(deployment), "action": RUN,
+                bundle_sha256: str = "", *, device: str, seq: int) -> Envelope:
+    return Envelope(type=ASSIGN, sender=sender, body={**_addressed(deployment, device, seq), "action": RUN,
                                                       "sha256": check_sha(sha256), "nbytes": int(nbytes),
                                                       "model_id": int(model_id),
                                                       "bundle_sha256": check_sha(bundle_sha256) if bundle_sha256 else ""})
 
 
-def rollback_message(sender: str, deployment: str, reason: str) -> Envelope:
-    return Envelope(type=ASSIGN, sender=sender, body={"deployment": check_deployment_id(deployment),
+def rollback_message(sender: str, deployment: str, reason: str, *, device: str, seq: int) -> Envelope:
+    return Envelope(type=ASSIGN, sender=sender, body={**_addressed(deployment, device, seq),
                                                       "action": ROLLBACK, "reason": str(reason)[:500]})
 
 
 def parse_assignment(env: Envelope) -> dict:
+    """The assignment's fields; EnvelopeError for anything malformed (a missing device or sequence
+    included: an assignment that names neither is one nobody can bind to a device and a time)."""
     if env.type != ASSIGN:
         raise EnvelopeError(f"expected {ASSIGN}, got {env.type!r}")
-    out = {"deployment": check_deployment_id(body_field(env, "deployment", str)),
-           "action": body_field(env, "action", str)}
+    try:
+        device = check_device_id(body_field(env, "device", str))
+    except ValueError as exc:
+        raise EnvelopeError(str(exc)) from None
+    out = {"deployment": check_deployment_id(body_field(env, "deployment", str)), "device": device,
+           "seq": check_seq(body_field(env, "seq", int)), "action": body_field(env, "action", str)}
     if out["action"] == RUN:
         out["sha256"] = check_sha(body_field(env, "sha256", str))
         out["nbytes"], out["model_id"] = body_field(env, "nbytes", int), body_field(env, "model_id", int)
@@ -78,11 +107,17 @@ def parse_assignment(env: Envelope) -> dict:
 
 
 def report_message(sender: str, deployment: str, sha256: str, n: int = 0, correct_candidate: int = 0,
-                   correct_current: int = 0, refused: str = "") -> Envelope:
-    body = {"deployment": check_deployment_id(deployment), "sha256": check_sha(sha256)}
-    body.update({"refused": refused[:500]} if refused else
+                   correct_current: int = 0, refused: str = "", *, seq: int, reason: str = "load") -> Envelope:
+    body = {"deployment": check_deployment_id(deployment), "seq": check_seq(seq), "sha256": check_sha(sha256)}
+    body.update({"refused": refused[:500], "reason": check_reason(reason)} if refused else
                 {"n": int(n), "correct_candidate": int(correct_candidate), "correct_current": int(correct_current)})
     return Envelope(type=REPORT, sender=sender, body=body)
+
+
+def check_reason(value) -> str:
+    if value not in REFUSAL_REASONS:
+        raise EnvelopeError(f"refusal reason {str(value)[:40]!r}: one of {', '.join(REFUSAL_REASONS)}")
+    return value
 
 
 def parse_report(env: Envelope) -> dict:
@@ -90,9 +125,10 @@ def parse_report(env: Envelope) -> dict:
     if env.type != REPORT:
         raise EnvelopeError(f"expected {REPORT}, got {env.type!r}")
     out = {"deployment": check_deployment_id(body_field(env, "deployment", str)),
-           "sha256": check_sha(body_field(env, "sha256", str))}
+           "seq": check_seq(body_field(env, "seq", int)), "sha256": check_sha(body_field(env, "sha256", str))}
     if "refused" in env.body:
         out["refused"] = str(body_field(env, "refused", str))[:500] or "refused"
+        out["reason"] = check_reason(env.body.get("reason"))
         return out
     for key in ("n", "correct_candidate", "correct_current"):
         out[key] = body_field(env, key, int)

@@ -38,7 +38,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ..envelope import Envelope, EnvelopeError
+from ..envelope import MAX_HEADER_BYTES, MAX_MESSAGE_BYTES, Envelope, EnvelopeError, canonical_json
 from ..secagg import Message, SecAggError, decode
 from .fed3r import packed_len
 from .ladd import Layout, layout_from_json, layout_size, layout_to_json
@@ -53,9 +53,36 @@ MAX_SLOT_CLUSTERS = 64
 MAX_SLOT_VECTOR = 2 ** 27          # RoundConfig's largest vector_length
 
 
+# What encode() adds to the header beyond the envelope's fields and body: the payload's sha256
+# and a signature (under 300 bytes), and a descriptor per tensor (name, dtype, shape, offset,
+# nbytes: under 160 bytes plus the name). Rounded up: a message this close to the limit is refused.
+_HEADER_OVERHEAD_BYTES = 512
+_TENSOR_DESCRIPTOR_BYTES = 192
+
+
+class UnsendableMessage(EnvelopeError):
+    """A secagg message too large for one envelope (header or whole): it cannot be sent, so the
+    round it belongs to cannot go on. The sender fails the round (aggregator) or sits it out
+    (device) with this reason, once."""
+
+
 def to_envelope(msg: Message) -> Envelope:
+    """The message as an envelope, checked against the envelope's size limits before anything is
+    published (raise :class:`UnsendableMessage`): a SecAgg message's header grows with its key
+    directory and id lists, and one that only fails inside the transport would fail there once
+    per message, with nothing telling the round why."""
     header, arrays = msg.to_wire()
-    return Envelope(type=SECAGG_TYPE, sender=msg.sender, body={"secagg": header}, tensors=dict(arrays))
+    env = Envelope(type=SECAGG_TYPE, sender=msg.sender, body={"secagg": header}, tensors=dict(arrays))
+    header_bytes = (len(canonical_json(env.header_fields())) + _HEADER_OVERHEAD_BYTES
+                    + sum(_TENSOR_DESCRIPTOR_BYTES + len(name) for name in arrays))
+    if header_bytes > MAX_HEADER_BYTES:
+        raise UnsendableMessage(f"{msg.TYPE} to {msg.recipient}: its header needs about {header_bytes} bytes, over "
+                                f"the envelope's {MAX_HEADER_BYTES}-byte limit")
+    total = header_bytes + sum(a.nbytes for a in arrays.values())
+    if total > MAX_MESSAGE_BYTES:
+        raise UnsendableMessage(f"{msg.TYPE} to {msg.recipient}: {total} bytes, over the envelope's "
+                                f"{MAX_MESSAGE_BYTES}-byte limit")
+    return env
 
 
 def from_envelope(env: Envelope) -> Message:

@@ -4,7 +4,7 @@
 Integration sketch (the lead's transport carries `to_wire()` output in its envelope):
 
     config = RoundConfig.create(job_id=..., round_id=..., group_id=..., aggregator_id=...,
-                                members=device_ids, vector_length=m, bound=B, graph="regular")
+                                members=device_ids, vector_length=m, bound=B)   # graph="auto"
     server = ServerSecAgg(config, aggregator_identity, enrolled_registry)
     send_all(server.start())
     on upload (header, arrays): send_all(server.handle(decode(header, arrays)))
@@ -19,7 +19,7 @@ See protocols/secagg/driver.py for a complete in-memory run and docs/secure-aggr
 """
 
 from .client import ClientSecAgg, ClientState
-from .config import GRAPH_COMPLETE, GRAPH_REGULAR, RoundConfig
+from .config import GRAPH_AUTO, GRAPH_COMPLETE, GRAPH_REGULAR, RoundConfig
 from .errors import (AuthenticationError, BadSignature, ConfigError, DecryptionError, InputError,
                      MalformedMessage, ProtocolViolation, ReconstructionError, ReplayedMessage, SecAggError,
                      UnexpectedMessage, UnknownSender, WrongContext)
@@ -32,7 +32,8 @@ from .messages import (AdvertiseKeys, ConsistencyCheckRequest, ConsistencySignat
 from .server import MaskApplier, ServerSecAgg, ServerState
 
 __all__ = [
-    "ClientSecAgg", "ClientState", "ServerSecAgg", "ServerState", "MaskApplier", "RoundConfig", "GRAPH_COMPLETE", "GRAPH_REGULAR",
+    "ClientSecAgg", "ClientState", "ServerSecAgg", "ServerState", "MaskApplier", "RoundConfig", "GRAPH_AUTO", "GRAPH_COMPLETE",
+    "GRAPH_REGULAR",
     "Phase", "Timeout", "MemberOffline", "AggregateReady", "RoundFailed", "FixedPointCodec", "fed3r_bound", "max_scale_bits",
     "NeighbourGraph", "default_degree", "Message", "decode", "RoundStart", "KeyDirectory", "ForwardedShares",
     "ConsistencyCheckRequest", "UnmaskRequest", "RoundAborted", "AdvertiseKeys", "EncryptedShares", "MaskedInput",

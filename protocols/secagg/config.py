@@ -18,10 +18,19 @@ import numpy as np
 
 from .errors import ConfigError, MalformedMessage
 from .fixedpoint import FixedPointCodec, max_scale_bits
-from .graph import NeighbourGraph, default_degree, degree_for, share_threshold_for
+from .graph import NeighbourGraph, regular_degree, share_threshold_for
 
 GRAPH_COMPLETE = "complete"
 GRAPH_REGULAR = "regular"
+GRAPH_AUTO = "auto"            # RoundConfig.create picks one of the two from the group size
+# graph="auto": groups up to this size use the complete graph. Its cost per device grows with n
+# (n mask expansions, n - 1 key agreements and AEAD shares, a key directory of n entries that
+# outgrows the 64 KiB envelope header at about 250 members), while SecAgg+'s degree for the
+# default 10 % dropout is about 30 from n = 50 on; at 128 members the complete graph costs about
+# 4x SecAgg+'s per device and its key directory still fits the header with room to spare. Above
+# it the sparse graph is the only one that scales; the complete graph stays the stronger choice
+# against an actively malicious server (docs/secure-aggregation.md, "Choosing the graph").
+AUTO_COMPLETE_MAX_MEMBERS = 128
 GRAPH_SEED_BYTES = 32
 # 2^27 words = 1 GiB per vector: far above any model here, low enough to bound memory per message.
 MAX_VECTOR_LENGTH = 1 << 27
@@ -36,6 +45,14 @@ def default_threshold(n: int) -> int:
 def majority_share_threshold(holders: int) -> int:
     """Smallest t' with 2 t' > holders: no two disjoint holder sets can both reach t'."""
     return holders // 2 + 1
+
+
+def resolve_graph(graph: str, n: int) -> str:
+    """The graph a round of n members runs: ``graph`` itself, or for "auto" the complete graph up
+    to AUTO_COMPLETE_MAX_MEMBERS members and SecAgg+'s regular graph above."""
+    if graph == GRAPH_AUTO:
+        return GRAPH_COMPLETE if n <= AUTO_COMPLETE_MAX_MEMBERS else GRAPH_REGULAR
+    return graph
 
 
 def _check_id(name: str, value: Any) -> str:
@@ -74,22 +91,23 @@ class RoundConfig:
     def create(cls, *, job_id: str, round_id: int, group_id: str, aggregator_id: str,
                members: Sequence[str], vector_length: int, bound: float,
                scale_bits: int | None = None, threshold: int | None = None,
-               graph: str = GRAPH_COMPLETE, degree: int | None = None,
+               graph: str = GRAPH_AUTO, degree: int | None = None,
                share_threshold: int | None = None, graph_seed: bytes | None = None,
                consistency_check: bool = True, dropout_rate: float = 0.1,
                corruption_rate: float = 0.0) -> "RoundConfig":
-        """Fill the defaults: t = ceil(2n/3), the finest safe scale, and for SecAgg+ the degree k and
-        share threshold t' that the declared dropout and corruption rates need
-        (:func:`~protocols.secagg.graph.degree_for`), a fresh random graph seed."""
+        """Fill the defaults: the graph ("auto": :func:`resolve_graph`), t = ceil(2n/3), the finest
+        safe scale, and for SecAgg+ the degree k and share threshold t' that the declared dropout
+        and corruption rates need (:func:`~protocols.secagg.graph.regular_degree`), a fresh random
+        graph seed."""
         ordered = tuple(sorted(members))
         n = len(ordered)
+        graph = resolve_graph(graph, n)
         if scale_bits is None:
             scale_bits = max_scale_bits(max(n, 1), bound)
         threshold = default_threshold(n) if threshold is None else threshold
         if graph == GRAPH_REGULAR:
-            if degree is None:                         # O(log n) for privacy, more if dropouts need it
-                degree = min(max(default_degree(n), degree_for(n, dropout_rate, corruption_rate)), n - 1)
-                degree -= degree % 2                   # n - 1 may be odd
+            if degree is None:                         # O(log n), more if dropouts or corruptions need it
+                degree = regular_degree(n, dropout_rate, corruption_rate)
             holders = min(degree, n - 1) + 1
             if share_threshold is None:
                 share_threshold = min(share_threshold_for(holders, corruption_rate), threshold)

@@ -21,6 +21,11 @@ from typing import Sequence
 from .crypto import expand_mask
 
 _GRAPH_DOMAIN = b"fedfleet/secagg/graph/v1"
+# The failure probabilities SecAgg+'s degree is chosen for (Bell et al. 2020 fix 2^-η for
+# correctness and 2^-σ for security; we take η = 20, a group failing about once in a million
+# rounds, and σ = 40, the usual statistical security parameter).
+CORRECTNESS_LOG2 = -20
+SECURITY_LOG2 = -40
 
 
 def default_degree(n: int) -> int:
@@ -34,7 +39,8 @@ def share_threshold_for(holders: int, corruption_rate: float = 0.0) -> int:
     return max(holders // 2 + 1, math.floor(corruption_rate * holders) + 1)
 
 
-def degree_for(n: int, dropout_rate: float = 0.1, corruption_rate: float = 0.0, failure_log2: int = -20) -> int:
+def degree_for(n: int, dropout_rate: float = 0.1, corruption_rate: float = 0.0,
+               failure_log2: int = CORRECTNESS_LOG2) -> int:
     """The smallest even degree k (SecAgg+, Bell et al. 2020) for which every one of the n
     neighbourhoods of k + 1 share holders still reaches its share threshold when each device drops
     out independently with ``dropout_rate``: n · P[Binomial(k+1, 1 - dropout_rate) < t'] ≤
@@ -49,6 +55,39 @@ def degree_for(n: int, dropout_rate: float = 0.1, corruption_rate: float = 0.0, 
         if n * p_short <= 2.0 ** failure_log2:
             return k
     return n - 1
+
+
+def split_probability_log2(n: int, degree: int, removed_rate: float) -> float:
+    """log2 of a union bound on the probability that the survivors' graph falls apart when each
+    device is removed (dropped out, or corrupted and colluding with the server) independently with
+    ``removed_rate``. On the Harary ring (k/2 neighbours each side) the survivors stay connected
+    unless two runs of >= k/2 consecutive ring positions are all removed: any edge spans at most
+    k/2 positions, so one such run only opens the ring into a path. Were it split, the server
+    would learn each part's sum. P <= C(n, 2) · rate^k."""
+    if degree >= n - 1:
+        return -math.inf                      # the complete graph never splits
+    if removed_rate <= 0:
+        return -math.inf
+    return math.log2(math.comb(n, 2)) + degree * math.log2(removed_rate)
+
+
+def secure_degree_for(n: int, removed_rate: float, security_log2: int = SECURITY_LOG2) -> int:
+    """The smallest even degree whose split probability (:func:`split_probability_log2`) is at most
+    2^security_log2; n - 1 when none below it is."""
+    for k in range(2, n - 1, 2):
+        if split_probability_log2(n, k, removed_rate) <= security_log2:
+            return k
+    return n - 1
+
+
+def regular_degree(n: int, dropout_rate: float = 0.1, corruption_rate: float = 0.0) -> int:
+    """SecAgg+'s default degree for a group of n: the largest of the O(log n) floor
+    (:func:`default_degree`), the correctness bound (:func:`degree_for`) and the security bound
+    (:func:`secure_degree_for`, dropouts and corruptions together), even and at most n - 1."""
+    degree = max(default_degree(n), degree_for(n, dropout_rate, corruption_rate),
+                 secure_degree_for(n, min(dropout_rate + corruption_rate, 1.0)))
+    degree = min(degree, n - 1)
+    return degree - degree % 2                # n - 1 may be odd
 
 
 class NeighbourGraph:

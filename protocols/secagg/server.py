@@ -211,7 +211,10 @@ class ServerSecAgg:
     def _phase_answered(self) -> bool:
         """Everyone expected in the current phase answered, except members known to be offline."""
         phase = self.phase
-        return set(self._expected(phase)) - set(self._received[phase]) <= self._offline
+        expected, received = self._expected(phase), self._received[phase]
+        if len(received) + len(self._offline) < len(expected):
+            return False            # more are missing than are known offline: O(1) for all but the last answers
+        return set(expected) - set(received) <= self._offline
 
     def _holders(self, owner: str) -> frozenset[str]:
         return self._graph.neighbours(owner) | {owner}

@@ -3,8 +3,9 @@
 // aggregator's key unless "-") and its head file, then prints what it runs and predicts.
 // Usage: java SlotRunner <slot dir> <aggregator key hex | -> <features file> [<local labels a,b,..> | -]
 //                        [<assignment.bin> [<head.npz>]]
-// Prints "REFUSED <why>" (nothing changed), "SWAPPED <sha>", "REVERTED true|false"; then
-// "CURRENT <sha>|none", "PREVIOUS <sha>|none", and with a current head "CORRECT <n>" (on the
+// The assignment must name the device -Ddevice=<id> (default jdev) and a sequence not below the slot's.
+// Prints "REFUSED <why>" (nothing changed; "REASON <class>" after a refusal of ModelSlot.admit),
+// "SWAPPED <sha>", "REVERTED true|false"; then "CURRENT <sha>|none", "PREVIOUS <sha>|none", "SEQ <held>", and with a current head "CORRECT <n>" (on the
 // features file's labels) and "PREDICT <class ids>".
 import java.nio.file.*;
 import java.util.Arrays;
@@ -19,12 +20,16 @@ public final class SlotRunner {
         if (args.length > 4) {
             try {
                 ModelSlot.Assignment a = ModelSlot.assignment(Files.readAllBytes(Paths.get(args[4])), key);
+                slot.admit(a, System.getProperty("device", "jdev"));
                 if (a.action.equals(ModelSlot.ROLLBACK)) {
                     System.out.println("REVERTED " + slot.revert(a.deployment));
                 } else {
                     byte[] head = Files.readAllBytes(Paths.get(args[5]));
                     System.out.println("SWAPPED " + slot.swap(head, a.sha256, a.deployment, a.bundleSha256).sha256);
                 }
+            } catch (ModelSlot.Refusal e) {
+                System.out.println("REFUSED " + e.getMessage());
+                System.out.println("REASON " + e.reason);
             } catch (Envelope.EnvelopeError | java.io.IOException | IllegalArgumentException e) {
                 System.out.println("REFUSED " + e.getMessage());
             }
@@ -32,6 +37,7 @@ public final class SlotRunner {
         ModelSlot.Version cur = slot.current(), prev = slot.previous();
         System.out.println("CURRENT " + (cur == null ? "none" : cur.sha256));
         System.out.println("PREVIOUS " + (prev == null ? "none" : prev.sha256));
+        System.out.println("SEQ " + slot.seq());
         if (cur != null) {
             FeatureFile f = FeatureFile.read(args[2]);
             float[][] rows = new float[f.n][];

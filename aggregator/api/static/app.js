@@ -87,10 +87,16 @@ function showDeployments(deployments) {
   fillTable("deployments-table", deployments.map((d) => {
     const last = [...d.history].reverse().find((h) => h.metrics && h.metrics.wma_candidate != null);
     const acc = last ? `${last.metrics.wma_candidate.toFixed(2)}% / ${last.metrics.wma_current.toFixed(2)}%` : "-";
-    const cls = d.state === "rolled_back" ? "bad" : d.state === "complete" ? "good" : "";
+    const cls = d.state === "rolled_back" || d.state === "halted" ? "bad" : d.state === "complete" ? "good" : "";
+    // the refusals devices reported, by class (an attack reads as signature/hash/stale/device, a slow
+    // network as timeout), and reports refused as not about the device's last assignment
+    const classes = Object.entries(d.counts).filter(([k, v]) => k.startsWith("refused:") && v)
+      .map(([k, v]) => `${k.slice(8)} ${v}`);
+    if (d.counts.late_reports) classes.push(`late reports ${d.counts.late_reports}`);
+    const refused = classes.length ? `${d.counts.refused} (${classes.join(", ")})` : d.counts.refused;
     return [d.deployment_id, d.model_id, { text: d.state, cls }, `${d.stage}/${d.stages.length}`, d.cohort, d.guard,
       // a rollback's reason, else why it last changed state (a promotion: the guard it passed, or the operator)
-      d.counts.sent_run, d.counts.reported, d.counts.refused, acc, d.reason || (d.history.at(-1) || {}).why || ""];
+      d.counts.sent_run, d.counts.reported, refused, acc, d.reason || (d.history.at(-1) || {}).why || ""];
   }));
 }
 

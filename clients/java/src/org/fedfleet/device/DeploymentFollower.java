@@ -5,8 +5,13 @@
 // retryS until fetchTimeoutS), verifies it (ModelSlot.swap: sha256, shape), counts on the held-out
 // split how many samples the candidate and its current head get right (OLL-pruned when the slot
 // personalises), swaps and reports the counts; for a `rollback` it goes back to the kept version.
-// An assignment the aggregator did not sign (with aggregatorKey), or a head that cannot be
-// fetched, verified or loaded, is refused: the device keeps its version and reports why.
+// An assignment the aggregator did not sign (with aggregatorKey), one for another device or older
+// than the sequence the slot holds (ModelSlot.admit: a replayed capture), or a head that cannot be
+// fetched, verified or loaded, is refused: the device keeps its version and reports why, with the
+// reason's class; what does not answer its own assignment is reported at most once per class per
+// refusalIntervalS. A head is taken only as the answer to the assignment being fetched (its sha256
+// and its deployment's file name). With a username, it logs in as "{username}/deploy" (its own
+// account on the generated ACL broker: one MQTT identity per connection).
 package org.fedfleet.device;
 
 import java.net.URI;
@@ -42,7 +47,7 @@ public final class DeploymentFollower implements AutoCloseable {
         public Envelope.Signer signer;          // the device's Identity when the aggregator requires signatures
         public byte[] aggregatorKey;            // only assignments and heads the aggregator signed are taken
         public String username, password;
-        public double retryS = 5.0, fetchTimeoutS = 60.0;
+        public double retryS = 5.0, fetchTimeoutS = 60.0, refusalIntervalS = 10.0;
     }
 
     public final String deviceId;
@@ -56,14 +61,18 @@ public final class DeploymentFollower implements AutoCloseable {
     private final Reassembler reassembler = new Reassembler(300, 4, HeadFile.MAX_HEAD_BYTES * 2);
     private ModelSlot.Assignment pending;
     private double pendingSince, pendingAsked;
+    private final Map<String, Double> lastUnbound = new java.util.HashMap<>();   // refusal class -> when last reported
+    private final java.util.Set<String> boundReasons = new java.util.HashSet<>(); // classes reported for assignment boundSeq
+    private long boundSeq = -1;
     private volatile boolean running;
     private Thread thread;
 
     public DeploymentFollower(String deviceId, URI broker, ModelSlot slot, HeldOut heldOut, Options options) throws Exception {
         this.deviceId = Topics.checkDeviceId(deviceId);
         this.slot = slot; this.heldOut = heldOut; this.o = options;
-        connection = DeviceConnection.settings(broker, deviceId + ".deploy", options.username, options.password)
-                .callbackConnection();
+        String account = options.username == null ? null : options.username + "/deploy";
+        connection = DeviceConnection.settings(broker, account == null ? deviceId + ".deploy" : account, account,
+                options.password).callbackConnection();
         DeviceConnection.listen(connection, deviceId + ": deployment", this::subscribe, () -> {},
                 (topic, payload) -> inbox.offer(new Inbound(topic, payload)));
     }
@@ -107,30 +116,46 @@ public final class DeploymentFollower implements AutoCloseable {
 
     private void onPayload(String topic, byte[] payload) {
         if (payload.length == 0) return;                  // a retained assignment cleared
+        boolean isAssignment = topic.equals(deployTopic());
+        Envelope.Message env;
+        byte[] whole = payload;
         try {
-            Envelope.Message env = Envelope.decode(payload, o.aggregatorKey, HeadFile.MAX_HEAD_BYTES * 2);
-            byte[] whole = payload;
+            env = Envelope.decode(payload, o.aggregatorKey, HeadFile.MAX_HEAD_BYTES * 2);
             if ("chunk".equals(env.type())) {
                 whole = reassembler.add(env, monotonic());
                 if (whole == null) return;
                 env = Envelope.decode(whole, o.aggregatorKey, HeadFile.MAX_HEAD_BYTES * 2);
             }
             if (!Topics.AGGREGATOR_ID.equals(env.sender())) throw new EnvelopeError("message from " + env.sender() + ", expected the aggregator");
-            if (topic.equals(deployTopic())) onAssignment(ModelSlot.assignment(whole, o.aggregatorKey));
+        } catch (EnvelopeError e) {     // not a message the aggregator signed: a forgery, or a tampered head
+            refuse((isAssignment ? "assignment" : "head") + " refused: " + e.getMessage(), isAssignment ? null : pending, "signature");
+            return;
+        }
+        try {
+            if (isAssignment) onAssignment(ModelSlot.assignment(whole, o.aggregatorKey));
             else if ("artifact".equals(env.type()) && pending != null) onHead(env);
         } catch (EnvelopeError e) {
-            refuse("assignment refused: " + e.getMessage(), null);
+            refuse("assignment refused: " + e.getMessage(), null, "load");
         }
     }
 
     private void onAssignment(ModelSlot.Assignment a) {
+        try {
+            slot.admit(a, deviceId);
+        } catch (ModelSlot.Refusal r) {
+            refuse(r.getMessage(), null, r.reason);
+            return;
+        } catch (java.io.IOException e) {
+            refuse("assignment " + a.seq + " not written: " + e.getMessage(), null, "load");
+            return;
+        }
         if (a.action.equals(ModelSlot.ROLLBACK)) {
             if (pending != null && pending.deployment.equals(a.deployment)) pending = null;
             try {
                 if (slot.revert(a.deployment))
                     LOG.warning(deviceId + ": deployment " + a.deployment + " rolled back (" + a.reason + "): running the kept version again");
             } catch (java.io.IOException e) {
-                refuse("rollback of " + a.deployment + " not written: " + e.getMessage(), null);
+                refuse("rollback of " + a.deployment + " not written: " + e.getMessage(), null, "load");
             }
             return;
         }
@@ -143,7 +168,7 @@ public final class DeploymentFollower implements AutoCloseable {
             try {
                 adopt(a, previous.head, slot.keptBytes(previous));
             } catch (java.io.IOException e) {
-                refuse("kept head unreadable: " + e.getMessage(), a);
+                refuse("kept head unreadable: " + e.getMessage(), a, "load");
             }
             return;
         }
@@ -157,7 +182,7 @@ public final class DeploymentFollower implements AutoCloseable {
         if (p == null) return;
         if (now - pendingSince > o.fetchTimeoutS) {
             pending = null;
-            refuse("no head " + p.sha256.substring(0, 16) + "… within " + o.fetchTimeoutS + "s", p);
+            refuse("no head " + p.sha256.substring(0, 16) + "… within " + o.fetchTimeoutS + "s", p, "timeout");
         } else if (now - pendingAsked >= o.retryS) {
             pendingAsked = now;
             Map<String, Object> body = new LinkedHashMap<>();
@@ -168,17 +193,23 @@ public final class DeploymentFollower implements AutoCloseable {
 
     private void onHead(Envelope.Message env) {
         ModelSlot.Assignment p = pending;
-        if (!p.sha256.equals(env.body().get("sha256"))) return;
+        if (!p.sha256.equals(env.body().get("sha256")) || !(p.deployment + ".npz").equals(env.body().get("name"))) return;
         pending = null;
         Envelope.Tensor data = env.tensors.isEmpty() ? null : env.tensors.get(0);
         if (data == null || !"data".equals(data.name) || !"uint8".equals(data.dtype)) {
-            refuse("head refused, staying on the current version: the artifact has no uint8 'data' tensor", p);
+            refuse("head refused, staying on the current version: the artifact has no uint8 'data' tensor", p, "load");
+            return;
+        }
+        String digest = Envelope.hex(Envelope.sha256(data.data));
+        if (!digest.equals(p.sha256)) {
+            refuse("head refused, staying on the current version: sha256 " + digest.substring(0, 16) + "… differs from the requested "
+                    + p.sha256.substring(0, 16) + "…", p, "hash");
             return;
         }
         try {
             adopt(p, HeadFile.parse(data.data), data.data);
         } catch (java.io.IOException e) {
-            refuse("head cannot be loaded, staying on the current version: " + e.getMessage(), p);
+            refuse("head cannot be loaded, staying on the current version: " + e.getMessage(), p, "load");
         }
     }
 
@@ -195,27 +226,47 @@ public final class DeploymentFollower implements AutoCloseable {
             counts.put("correct_current", current == null ? 0 : slot.correct(current.head, zCurrent, y));
             if (data != null) slot.swap(data, a.sha256, a.deployment, a.bundleSha256);
         } catch (Exception e) {      // the head (sha256, shape, OLL labels) or the held-out features: refused, said why
-            refuse("head cannot be loaded, staying on the current version: " + e.getClass().getSimpleName() + ": " + e.getMessage(), a);
+            refuse("head cannot be loaded, staying on the current version: " + e.getClass().getSimpleName() + ": " + e.getMessage(), a, "load");
             return;
         }
         LOG.info(deviceId + ": now running " + a.sha256.substring(0, 12) + " of deployment " + a.deployment);
         report(a, counts);
     }
 
-    private void refuse(String why, ModelSlot.Assignment a) {
+    /** Log and report a refusal of class ``reason``: as the answer to ``a`` when it is the assignment held,
+     *  else (a forged, stale or misaddressed message) against the version running, once per class per
+     *  refusalIntervalS (a flood of forgeries becomes a trickle of reports). */
+    private void refuse(String why, ModelSlot.Assignment a, String reason) {
         LOG.warning(deviceId + ": " + why);
-        refusals.add(why);
-        if (a != null) {
+        String deployment = a == null ? null : a.deployment, sha = a == null ? null : a.sha256;
+        if (a != null && a.seq == slot.seq()) {            // an assignment's own refusals: once per class
+            if (a.seq != boundSeq) { boundSeq = a.seq; boundReasons.clear(); }
+            if (!boundReasons.add(reason)) deployment = null;
+        } else {
+            ModelSlot.Version current = slot.current();
+            double now = monotonic();
+            Double last = lastUnbound.get(reason);
+            boolean due = current != null && slot.seq() > 0 && (last == null || now - last >= o.refusalIntervalS);
+            deployment = due ? current.deployment : null;
+            sha = due ? current.sha256 : null;
+            if (due) lastUnbound.put(reason, now);
+        }
+        if (deployment != null) {
             Map<String, Object> body = new LinkedHashMap<>();
             body.put("refused", why.length() > 500 ? why.substring(0, 500) : why);
-            report(a, body);
+            body.put("reason", reason);
+            report(deployment, slot.seq(), sha, body);
         }
+        refusals.add(why);       // after its report: whoever sees the refusal sees the report
     }
 
-    private void report(ModelSlot.Assignment a, Map<String, Object> fields) {
+    private void report(ModelSlot.Assignment a, Map<String, Object> fields) { report(a.deployment, a.seq, a.sha256, fields); }
+
+    private void report(String deployment, long seq, String sha256, Map<String, Object> fields) {
         Map<String, Object> body = new LinkedHashMap<>();
-        body.put("deployment", a.deployment);
-        body.put("sha256", a.sha256);
+        body.put("deployment", deployment);
+        body.put("seq", java.math.BigInteger.valueOf(seq));
+        body.put("sha256", sha256);
         body.putAll(fields);
         reports.add(body);
         publish("deployment.report", body);

@@ -41,14 +41,23 @@ public final class ModelSlot {
         }
     }
 
-    /** A verified assignment: run a head (sha256, nbytes, bundleSha256) or roll a deployment back (reason). */
+    /** A verified assignment for ``device`` under sequence ``seq``: run a head (sha256, nbytes,
+     *  bundleSha256) or roll a deployment back (reason). */
     public static final class Assignment {
-        public final String deployment, action, sha256, bundleSha256, reason;
-        public final long nbytes;
-        Assignment(String deployment, String action, String sha256, long nbytes, String bundleSha256, String reason) {
-            this.deployment = deployment; this.action = action; this.sha256 = sha256; this.nbytes = nbytes;
-            this.bundleSha256 = bundleSha256; this.reason = reason;
+        public final String deployment, device, action, sha256, bundleSha256, reason;
+        public final long seq, nbytes;
+        Assignment(String deployment, String device, long seq, String action, String sha256, long nbytes, String bundleSha256,
+                   String reason) {
+            this.deployment = deployment; this.device = device; this.seq = seq; this.action = action; this.sha256 = sha256;
+            this.nbytes = nbytes; this.bundleSha256 = bundleSha256; this.reason = reason;
         }
+    }
+
+    /** Why an assignment is refused before anything is done: its class (protocols/payloads/deployment.py
+     *  REFUSAL_REASONS) and the text. */
+    public static final class Refusal extends Exception {
+        public final String reason;
+        Refusal(String reason, String why) { super(why); this.reason = reason; }
     }
 
     private static final class State {
@@ -59,6 +68,7 @@ public final class ModelSlot {
     public final File dir;
     private final int[] localLabels;              // sorted, distinct; null: the full head
     private volatile State state;
+    private volatile long seq;                    // the highest assignment sequence accepted: a lower one is a replay
 
     public ModelSlot(File dir) throws IOException { this(dir, null); }
 
@@ -73,6 +83,7 @@ public final class ModelSlot {
         if (saved != null) {
             loaded = new State(read(saved.get("current")), read(saved.get("previous")));
             Object kept = saved.get("local_labels");
+            if (saved.get("seq") instanceof BigInteger) seq = ((BigInteger) saved.get("seq")).longValue();
             if (kept instanceof List) labels = ((List<?>) kept).stream().mapToInt(x -> ((BigInteger) x).intValue()).toArray();
         }
         this.localLabels = localLabels != null ? distinctSorted(localLabels) : labels;
@@ -85,6 +96,25 @@ public final class ModelSlot {
     public Version previous() { return state.previous; }
 
     public int[] localLabels() { return localLabels == null ? null : localLabels.clone(); }
+
+    public long seq() { return seq; }
+
+    /** Take assignment ``a`` on device ``deviceId``: Refusal when it names another device or carries a
+     *  sequence below the one held (a replayed capture); else its sequence is held (durably, before
+     *  anything is done). The same sequence again is a retained re-delivery, not a replay. The rule of
+     *  edge_client/deployment.py refusal_of. */
+    public synchronized void admit(Assignment a, String deviceId) throws Refusal, IOException {
+        if (!a.device.equals(deviceId))
+            throw new Refusal("device", "assignment " + a.seq + " of " + a.deployment + " is for '" + a.device
+                    + "', not this device: refused");
+        if (a.seq < seq)
+            throw new Refusal("stale", "assignment " + a.seq + " of " + a.deployment + " is older than the one held ("
+                    + seq + "): refused");
+        if (a.seq > seq) {
+            seq = a.seq;
+            commit(state);
+        }
+    }
 
     /** Class ids for the rows of ``features`` with the deployed head (OLL-pruned when the device personalises). */
     public int[] predict(float[][] features) {
@@ -112,16 +142,22 @@ public final class ModelSlot {
         if (!Topics.AGGREGATOR_ID.equals(env.sender()))
             throw new Envelope.EnvelopeError("assignment from " + env.sender() + ", expected the aggregator");
         Map<String, Object> b = env.body();
-        String deployment = text(b, "deployment", ID), action = text(b, "action", null);
+        String deployment = text(b, "deployment", ID), device = text(b, "device", ID), action = text(b, "action", null);
+        if (Topics.AGGREGATOR_ID.equals(device)) throw new Envelope.EnvelopeError("assignment for the aggregator");
+        if (!(b.get("seq") instanceof BigInteger)) throw new Envelope.EnvelopeError("assignment sequence must be an integer");
+        BigInteger bigSeq = (BigInteger) b.get("seq");
+        if (bigSeq.signum() <= 0 || bigSeq.bitLength() > 62) throw new Envelope.EnvelopeError("assignment sequence " + bigSeq + ": 1..2**62");
+        long seq = bigSeq.longValue();
         if (ROLLBACK.equals(action))
-            return new Assignment(deployment, action, "", 0, "", b.get("reason") instanceof String ? (String) b.get("reason") : "");
+            return new Assignment(deployment, device, seq, action, "", 0, "",
+                    b.get("reason") instanceof String ? (String) b.get("reason") : "");
         if (!RUN.equals(action)) throw new Envelope.EnvelopeError("unknown deployment action " + action);
         if (!(b.get("nbytes") instanceof BigInteger)) throw new Envelope.EnvelopeError("nbytes must be an integer");
         long nbytes = ((BigInteger) b.get("nbytes")).longValue();
         if (nbytes <= 0 || nbytes > HeadFile.MAX_HEAD_BYTES) throw new Envelope.EnvelopeError("head of " + nbytes + " bytes");
         Object bundle = b.get("bundle_sha256");
         String bundleSha = bundle == null || "".equals(bundle) ? "" : text(b, "bundle_sha256", SHA);
-        return new Assignment(deployment, action, text(b, "sha256", SHA), nbytes, bundleSha, "");
+        return new Assignment(deployment, device, seq, action, text(b, "sha256", SHA), nbytes, bundleSha, "");
     }
 
     /** Make the head file ``data`` current, keeping the current one as previous; IOException (and
@@ -153,6 +189,7 @@ public final class ModelSlot {
         List<Object> labels = new ArrayList<>();
         if (localLabels != null) for (int c : localLabels) labels.add(BigInteger.valueOf(c));
         doc.put("local_labels", localLabels == null ? Json.NULL : labels);
+        doc.put("seq", BigInteger.valueOf(seq));
         try {
             writeAtomic(new File(dir, STATE_FILE), Json.canonical(doc));
         } catch (Json.JsonError e) {

@@ -1,0 +1,338 @@
+"""Rollouts against an attacker (issue 37), over a real mosquitto, with the controller and the
+followers of ``test_deployment_rollout.py``:
+
+* replay: a validly signed assignment and head of an older version, captured while it rolled
+  out and republished after a newer one, are refused (stale sequence) and the device keeps the
+  newer version; the same assignment republished on another device's topic is refused (it names
+  its device); a late report on the finished deployment is refused and counted, the stored one
+  unchanged; the refusals the device reports are counted per deployment by class;
+* a lying canary device: one of three reports, signed and well-formed, counts far beyond any
+  held-out split, inflated for a broken head and deflated for a good one; the honest devices'
+  verdict stands both times (rollback, promotion), and the decision records the liar's claimed n
+  next to the weight it was given.
+"""
+
+import time
+
+import numpy as np
+import paho.mqtt.client as mqtt
+import pytest
+
+from edge_client.deployment import DeploymentFollower, ModelSlot
+from protocols.envelope import Envelope, decode, encode
+from protocols.payloads import deployment as D
+from test_broker_security import secured  # noqa: F401 (fixture)
+from test_deployment_rollout import N_HOLDOUT, D_sha, correct, model_id, setup, store_state, world  # noqa: F401
+from ops_fleet import wait_for
+
+
+class Sniffer:
+    """Anyone on the broker path: records what is published on the topics it reads, republishes at will."""
+
+    def __init__(self, broker, topics):
+        self.seen: dict[str, list[bytes]] = {}
+        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"sniffer-{time.monotonic_ns()}")
+        self.client.on_message = lambda c, u, m: self.seen.setdefault(m.topic, []).append(bytes(m.payload))
+        self.client.connect("127.0.0.1", broker.port)
+        self.client.loop_start()
+        for t in topics:
+            self.client.subscribe(t, qos=1)
+
+    def publish(self, topic, payload, retain=False):
+        self.client.publish(topic, payload, qos=1, retain=retain).wait_for_publish(5)
+
+    def close(self):
+        self.client.loop_stop()
+        self.client.disconnect()
+
+
+def test_a_replayed_older_assignment_and_head_are_refused_and_late_reports_counted(setup, world, broker):
+    store, controller, fleet = setup
+    T = fleet.topics
+    W, b = world["good"]
+    v1, v2 = model_id(store, "v1", W, b), model_id(store, "v2", W * 1.5, b * 1.5)    # same argmax, other bytes
+    sha1, sha2 = D_sha((W, b)), D_sha((W * 1.5, b * 1.5))
+    sniffer = Sniffer(broker, [T.deploy("cam-0"), T.deploy_in("cam-0")])
+    for d in ("cam-0", "cam-1"):
+        fleet.start(d)
+    ctl = controller()
+    try:
+        ctl.call(lambda: ctl.deploy(v1, cohort="devices:cam-0,cam-1", stages="100%", bake_s=0, min_reports=2,
+                                    deployment_id="v1"))
+        wait_for(lambda: store_state(store, "v1") == "complete" and fleet.sha("cam-0") == sha1, what="v1 everywhere")
+        old_assignment = sniffer.seen[T.deploy("cam-0")][-1]
+        old_head = next(p for p in sniffer.seen[T.deploy_in("cam-0")] if decode(p).body.get("sha256") == sha1)
+        assert D.parse_assignment(decode(old_assignment))["sha256"] == sha1       # what was captured: v1's, signed
+        v1_report = ctl.show("v1")["devices"]["cam-0"]["report"]
+
+        ctl.call(lambda: ctl.deploy(v2, cohort="devices:cam-0,cam-1", stages="100%", bake_s=0, min_reports=2,
+                                    deployment_id="v2"))
+        wait_for(lambda: store_state(store, "v2") == "complete" and fleet.sha("cam-0") == sha2, what="v2 on cam-0")
+        wait_for(lambda: fleet.sha("cam-1") == sha2, what="v2 on cam-1")
+        follower = fleet.followers["cam-0"]
+        refusals = len(follower.refusals)
+
+        # the downgrade: v1's signed assignment and head republished (retained, as the original)
+        sniffer.publish(T.deploy("cam-0"), old_assignment, retain=True)
+        sniffer.publish(T.deploy_in("cam-0"), old_head)
+        wait_for(lambda: len(follower.refusals) > refusals, what="the replay's refusal")
+        assert "older than the one held" in follower.refusals[-1], follower.refusals[-1]
+        time.sleep(0.5)                          # time enough to fetch and swap, had it been taken (it took 10 ms)
+        assert fleet.sha("cam-0") == sha2 and follower.slot.seq == ctl.last["cam-0"][1]
+        assert follower.reports[-1]["reason"] == "stale"
+
+        # redirected: cam-0's assignment on cam-1's topic
+        other = fleet.followers["cam-1"]
+        n_other = len(other.refusals)
+        sniffer.publish(T.deploy("cam-1"), old_assignment, retain=True)
+        wait_for(lambda: len(other.refusals) > n_other, what="the redirected assignment's refusal")
+        assert "is for 'cam-0', not this device" in other.refusals[-1] and fleet.sha("cam-1") == sha2
+
+        # a late report on the finished v1 (what the replay used to produce), sent as the device
+        late = D.report_message("cam-0", "v1", sha1, n=40, correct_candidate=40, correct_current=0,
+                                seq=v1_report["seq"])
+        sniffer.publish(T.deploy_out("cam-0"), encode(late))
+        wait_for(lambda: ctl.show("v1")["counts"]["late_reports"] == 1, what="the late report counted")
+        assert ctl.show("v1")["devices"]["cam-0"]["report"] == v1_report
+        # the device's refusals, by class, on the deployment it runs
+        wait_for(lambda: ctl.show("v2")["counts"].get("refused:stale") == 1, what="the stale refusal counted")
+        assert ctl.show("v2")["counts"].get("refused:device") == 1
+        assert ctl.show("v2")["state"] == "complete" and ctl.show("v2")["counts"]["refused"] == 0
+    finally:
+        for d in ("cam-0", "cam-1"):
+            sniffer.publish(T.deploy(d), b"", retain=True)
+        sniffer.close()
+
+
+class LyingFollower(DeploymentFollower):
+    """An enrolled device that evaluates honestly, then reports what it likes: ``lie`` "inflate"
+    (the candidate is perfect, its current head useless) or "deflate" (the other way round)."""
+    lie = None
+
+    def _report(self, env):
+        if self.lie and "n" in env.body:
+            big = 10 ** 9
+            body = {**env.body, "n": big, "correct_candidate": big if self.lie == "inflate" else 0,
+                    "correct_current": 0 if self.lie == "inflate" else big}
+            env = Envelope(type=env.type, sender=env.sender, body=body)
+        super()._report(env)
+
+
+def test_a_lying_canary_device_cannot_move_the_honest_canarys_verdict(setup, world, broker):
+    store, controller, fleet = setup
+    W, b = world["good"]
+    good, broken = model_id(store, "good", W, b), model_id(store, "broken", *world["broken"])
+    good2 = model_id(store, "good2", W * 1.5, b * 1.5)                      # the same predictions, other bytes
+    canary = "devices:cam-0,cam-1,cam-2"
+    for d in ("cam-0", "cam-1"):
+        fleet.start(d)
+    liar = LyingFollower("cam-2", fleet.broker, ModelSlot(fleet.tmp / "cam-2"), lambda bundle: world["holdout"]["cam-2"],
+                         topics=fleet.topics, aggregator_key=fleet.key, retry_s=0.5, fetch_timeout_s=10)
+    fleet.followers["cam-2"] = liar.start()
+    ctl = controller()
+    ctl.call(lambda: ctl.deploy(good, cohort=canary, stages="100%", bake_s=0, deployment_id="base"))
+    wait_for(lambda: store_state(store, "base") == "complete", what="the honest first rollout")
+
+    liar.lie = "inflate"                              # a head with permuted classes, praised by the liar
+    ctl.call(lambda: ctl.deploy(broken, cohort=canary, stages="100%", bake_s=0.3, deployment_id="broken-1"))
+    wait_for(lambda: store_state(store, "broken-1") in ("rolled_back", "complete"), what="the broken head judged")
+    view = ctl.show("broken-1")
+    assert view["state"] == "rolled_back" and "median_drop" in view["reason"], view["reason"]
+    evidence = view["history"][-1]["metrics"]["evidence"]
+    assert evidence["cam-2"]["n"] == 10 ** 9 and evidence["cam-2"]["weight"] == N_HOLDOUT   # its earlier n
+    honest = []
+    for d in ("cam-0", "cam-1"):
+        Z, y = world["holdout"][d]
+        honest.append(100 * (correct(world["good"], Z, y) - correct(world["broken"], Z, y)) / N_HOLDOUT)
+        assert evidence[d] == {"n": N_HOLDOUT, "weight": N_HOLDOUT, "drop": honest[-1]}
+    assert view["history"][-1]["metrics"]["median_drop"] == sorted([*honest, -100.0])[1] > 1.0
+
+    liar.lie = "deflate"                              # a good head, slandered by the liar
+    wait_for(lambda: all(fleet.sha(d) == D_sha(world["good"]) for d in ("cam-0", "cam-1", "cam-2")),
+             what="the canary back on the good head")
+    ctl.call(lambda: ctl.deploy(good2, cohort=canary, stages="100%", bake_s=0.3, deployment_id="good-2"))
+    wait_for(lambda: store_state(store, "good-2") in ("rolled_back", "complete"), what="the good head judged")
+    view = ctl.show("good-2")
+    assert view["state"] == "complete", view["reason"]
+    metrics = view["history"][-1]["metrics"]
+    assert metrics["evidence"]["cam-2"]["drop"] == 100.0 and metrics["median_drop"] == 0.0
+
+
+def test_a_corrupted_stored_head_halts_its_deployment_and_nothing_else(setup, world):
+    """Someone with disk access replaces a stored head (a valid file, other arrays) and flips a bit
+    in another: the restarted controller starts (it refused to, with StoreError), halts the
+    deployment of the altered model with the reason, and goes on serving the settled version to a
+    new device and rolling out another model; deploying the bit-flipped model is one clear error."""
+    from aggregator.deployments.controller import CorruptModel, deployment_view
+    from aggregator.storage.deployments import DeploymentStore
+    from aggregator.storage.store import npz_bytes
+
+    store, controller, fleet = setup
+    W, b = world["good"]
+    base, other, third, flipped = (model_id(store, name, W * k, b * k) for name, k in
+                                   (("base", 1.0), ("other", 1.5), ("third", 2.0), ("flipped", 2.5)))
+    for d in ("cam-0", "cam-1"):
+        fleet.start(d)
+    ctl = controller()
+    ctl.call(lambda: ctl.deploy(base, cohort="devices:cam-0,cam-1", stages="100%", bake_s=0, min_reports=2,
+                                deployment_id="base"))
+    wait_for(lambda: store_state(store, "base") == "complete", what="the base rollout")
+    ctl.call(lambda: ctl.deploy(other, cohort="devices:cam-0", stages="100%", bake_s=3600, deployment_id="other"))
+    other_sha = D_sha((W * 1.5, b * 1.5))
+    wait_for(lambda: fleet.sha("cam-0") == other_sha, what="the canary on the other head")
+    ctl.stop()
+
+    with store._tx() as db:                 # the disk: one head replaced, one bit flipped in another
+        db.execute("UPDATE models SET arrays=? WHERE model_id=?",
+                   (npz_bytes({"coef": world["broken"][0], "intercept": world["broken"][1]}), other))
+        raw = bytearray(store.model_bytes(flipped))
+        raw[len(raw) // 2] ^= 1
+        db.execute("UPDATE models SET arrays=? WHERE model_id=?", (bytes(raw), flipped))
+
+    ctl2 = controller()                     # starts: the fault is one deployment's, not the service's
+    view = deployment_view(DeploymentStore(store), "other")
+    assert view["state"] == "halted" and "no longer hash" in view["reason"], view["reason"]
+    assert ctl2.active is None and ctl2.settled.dep.deployment_id == "base"
+    assert "no longer hash" in store.setting(f"model.{other}.corrupt")
+    assert fleet.sha("cam-0") == other_sha   # devices keep what they run; nothing more is sent for it
+
+    store.enroll_device("cam-9", None, None)  # the service goes on: a new device gets the settled version
+    fleet.start("cam-9")
+    wait_for(lambda: fleet.sha("cam-9") == D_sha((W, b)), what="the new device on the settled version")
+    with pytest.raises(CorruptModel, match="unreadable"):
+        ctl2.call(lambda: ctl2.deploy(flipped, cohort="devices:cam-1", deployment_id="flipped"))
+    assert DeploymentStore(store).get("flipped") is None
+    ctl2.call(lambda: ctl2.deploy(third, cohort="devices:cam-1", stages="100%", bake_s=0, min_reports=1,
+                                  deployment_id="third"))
+    wait_for(lambda: store_state(store, "third") == "complete", what="another model's rollout")
+
+
+def test_on_the_generated_acl_broker_no_two_connections_share_an_identity(secured, tmp_path, world):
+    """The aggregator's service and deployment controller, a device's agent connection, its
+    deployment follower and its on-demand bundle fetch, all on the TLS + ACL broker fedfleet generates (the user name is the
+    client id), through a whole rollout and 5 s more with a 1 s keepalive: the broker closes none
+    of the connections (with one account for service and controller, and one for agent and
+    follower, each pair closed the other in turn about once a second, and this rollout did not
+    complete in 15 s). 5 s: several keepalive periods and reconnect delays, enough to show that
+    churn, not the minutes a soak test would run."""
+    import threading
+
+    from aggregator.deployments.controller import DeploymentController
+    from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
+    from aggregator.service.loop import AggregatorService
+    from aggregator.storage.store import Store
+    from ops_fleet import job_config
+    from protocols.mqtt_link import BrokerConfig, MqttLink
+    from protocols.topics import AGGREGATOR_ID, FETCH_ROLE, Topics
+
+    sec, port = secured
+    store = Store(tmp_path / "state.db")
+    broker = BrokerConfig("127.0.0.1", port, AGGREGATOR_ID, sec.aggregator_password, tls_ca=str(sec.ca_cert),
+                          keepalive=1)
+    svc = AggregatorService(Fed3RJob(Fed3RConfig(**job_config(["dev01"], start_timeout_s=60))), broker,
+                            tmp_path / "out", store=store, security=sec, tick_s=0.05)
+    creds = svc.enroll("dev01", None)
+    device = BrokerConfig("127.0.0.1", port, "dev01", creds.mqtt_password, tls_ca=str(sec.ca_cert), keepalive=1)
+    W, b = world["good"]
+    store.create_job("heads", "fed3r", {})
+    model = store.finish_job("heads", "done", {}, {}, {"coef": W, "intercept": b}, {}, 1)
+    thread = threading.Thread(target=svc.run, kwargs={"timeout_s": 60}, daemon=True)
+    thread.start()
+    ctl = DeploymentController(store, broker, Topics(), tick_s=0.05).start()
+    agent = MqttLink("dev01", device, on_message=lambda t, p: None, subscriptions=[(Topics().inbox("dev01"), 1)])
+    agent.start()                                # the agent's connection, as edge_client/agent.py opens it
+    follower = DeploymentFollower("dev01", device, ModelSlot(tmp_path / "slot"), lambda bundle: world["holdout"]["cam-0"],
+                                  retry_s=0.5).start()
+    fetch_broker = device.for_role(FETCH_ROLE)     # a bundle fetched on demand, as fedfleet/device.py does
+    fetch = MqttLink(fetch_broker.username, fetch_broker, on_message=lambda t, p: None,
+                     subscriptions=[(Topics().inbox("dev01"), 1)], clean_start=True)
+    fetch.start()
+    links = {"service": svc.link, "controller": ctl.link, "agent": agent, "follower": follower.link, "fetch": fetch}
+    closed = {name: 0 for name in links}
+    for name, link in links.items():            # count every connection the broker closes
+        handler = link.client.on_disconnect
+        link.client.on_disconnect = (lambda h, n: lambda *a: (closed.__setitem__(n, closed[n] + 1), h(*a)))(handler, name)
+    try:
+        assert all(link.connected.wait(10) for link in links.values())
+        ctl.call(lambda: ctl.deploy(model, cohort="devices:dev01", stages="100%", bake_s=0, min_reports=1,
+                                    deployment_id="acl-1"))
+        wait_for(lambda: store_state(store, "acl-1") == "complete", 15, "the rollout on the ACL broker")
+        assert follower.slot.current.sha256 == D_sha((W, b))
+        time.sleep(5)
+        assert closed == {name: 0 for name in links}, closed
+        assert all(link.connected.is_set() for link in links.values())
+        assert {link.client._client_id.decode() for link in links.values()} == \
+            {"aggregator", "aggregator/deployments", "dev01", "dev01/deploy", "dev01/fetch"}
+    finally:
+        fetch.stop()
+        follower.stop()
+        agent.stop()
+        ctl.stop()
+        svc.stop()
+        thread.join(10)
+
+
+def test_a_refusal_names_its_class_and_forgeries_cannot_make_a_device_flood_reports(broker, tmp_path, world):
+    """A device holding the aggregator's key, driven by a test-held aggregator identity over the
+    broker: a head altered after signing is refused as ``signature``, one whose bytes do not hash
+    to the assignment (signed as such) as ``hash``, an assignment whose head never comes as
+    ``timeout``, each reported against its own assignment (once per class, however many forged
+    heads come); 30 forged assignments make one report."""
+    from protocols.identity import DeviceIdentity
+    from protocols.mqtt_link import BrokerConfig
+    from protocols.payloads.artifacts import artifact_message
+    from protocols.topics import AGGREGATOR_ID, Topics
+
+    agg = DeviceIdentity.generate(AGGREGATOR_ID)
+    T = Topics(f"r{time.monotonic_ns()}")
+    sniffer = Sniffer(broker, [T.deploy_out("cam-0")])
+    follower = DeploymentFollower("cam-0", BrokerConfig.from_url(broker.url), ModelSlot(tmp_path / "slot"),
+                                  lambda bundle: world["holdout"]["cam-0"], topics=T, aggregator_key=agg.public_key_bytes,
+                                  retry_s=0.2, fetch_timeout_s=1.0, refusal_interval_s=60).start()
+    head = D.head_npz(*world["good"])
+    sha = D_sha(world["good"])
+
+    def assign(dep, seq, sha=sha):
+        sniffer.publish(T.deploy("cam-0"), encode(D.run_message(AGGREGATOR_ID, dep, sha, len(head), 1, device="cam-0",
+                                                                seq=seq), signer=agg.sign), retain=True)
+
+    def reports():
+        return [decode(p).body for p in sniffer.seen.get(T.deploy_out("cam-0"), []) if decode(p).type == D.REPORT]
+    try:
+        assign("d1", 1)                          # the head, altered after the aggregator signed it
+        wait_for(lambda: T.deploy_out("cam-0") in sniffer.seen, what="the head asked for")
+        signed = bytearray(encode(artifact_message(AGGREGATOR_ID, sha, "d1.npz", head), signer=agg.sign))
+        signed[len(signed) // 2] ^= 1
+        for _ in range(5):                       # refused each time, reported once for the assignment
+            sniffer.publish(T.deploy_in("cam-0"), bytes(signed))
+        wait_for(lambda: len(follower.refusals) == 5, what="the five signature refusals")
+        time.sleep(0.2)
+        assert len(reports()) == 1
+        assign("d2", 2)                          # a signed head whose bytes are not the assigned ones
+        wait_for(lambda: follower._pending is not None, what="d2 pending")
+        other = D.head_npz(*world["broken"])
+        sniffer.publish(T.deploy_in("cam-0"), encode(artifact_message(AGGREGATOR_ID, sha, "d2.npz", other),
+                                                     signer=agg.sign))
+        wait_for(lambda: len(reports()) == 2, what="the hash refusal")
+        assign("d3", 3)                          # nobody answers
+        wait_for(lambda: len(reports()) == 3, what="the timeout refusal")
+        got = [(r["deployment"], r["seq"], r["reason"]) for r in reports()]
+        assert got == [("d1", 1, "signature"), ("d2", 2, "hash"), ("d3", 3, "timeout")], got
+        assert follower.slot.current is None
+
+        assign("d4", 4)                          # now a head is taken, then forgeries rain
+        sniffer.publish(T.deploy_in("cam-0"), encode(artifact_message(AGGREGATOR_ID, sha, "d4.npz", head),
+                                                     signer=agg.sign))
+        wait_for(lambda: follower.slot.current is not None, what="the d4 swap")
+        before, refusals = len(reports()), len(follower.refusals)
+        for i in range(30):
+            sniffer.publish(T.deploy("cam-0"), encode(D.run_message(AGGREGATOR_ID, f"x{i}", sha, len(head), 1,
+                                                                    device="cam-0", seq=100 + i)), retain=True)
+        wait_for(lambda: len(follower.refusals) == refusals + 30, what="thirty refusals")
+        time.sleep(0.3)
+        flood = reports()[before:]
+        assert [(r["deployment"], r["seq"], r["reason"]) for r in flood] == [("d4", 4, "signature")], flood
+    finally:
+        sniffer.publish(T.deploy("cam-0"), b"", retain=True)
+        follower.stop()
+        sniffer.close()

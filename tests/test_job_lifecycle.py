@@ -1,0 +1,86 @@
+"""The job lifecycle's transition table (aggregator/service/job_lifecycle.py) against the rules the
+operator's guide states, through a real SQLite store, and against the copy docs/operations.md shows."""
+
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from protocols.transition_table import IllegalTransition
+
+from aggregator.service.job_lifecycle import (OPERATOR_EVENTS, CancelAfterRound, JobLifecycle, PickedUp, ServeAs,
+                                              StoreState, control_job, render_table, take_up)
+from aggregator.storage.schema import FINAL_JOB_STATES, JobState
+from aggregator.storage.store import Store, StoreError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The operator's guide, written out independently of the table: action -> {from state: stored state
+# after it, for a job this service does not serve now}.
+GUIDE = {"start": {"created": "queued", "stopped": "queued"},
+         "pause": {"running": "paused"},
+         "resume": {"paused": "queued", "stopped": "queued"},
+         "cancel": {s: "cancelled" for s in ("created", "queued", "running", "paused", "stopped")}}
+
+
+@pytest.mark.parametrize("action", sorted(GUIDE))
+@pytest.mark.parametrize("state", [s.value for s in JobState])
+def test_an_unserved_job_moves_as_the_guide_says(state, action):
+    machine = JobLifecycle(state, served=False)
+    if state not in GUIDE[action]:
+        with pytest.raises(IllegalTransition):
+            machine.handle(OPERATOR_EVENTS[action]())
+        assert machine.state == state                      # refused before anything changed
+        return
+    assert machine.handle(OPERATOR_EVENTS[action]()) == [StoreState(JobState(GUIDE[action][state]))]
+    assert machine.state == GUIDE[action][state]
+
+
+def test_a_served_job_pauses_resumes_and_cancels_after_its_round():
+    m = JobLifecycle("running", served=True)
+    assert m.handle(OPERATOR_EVENTS["pause"]()) == [StoreState(JobState.PAUSED), ServeAs(JobState.PAUSED)]
+    assert m.handle(OPERATOR_EVENTS["resume"]()) == [StoreState(JobState.RUNNING), ServeAs(JobState.RUNNING)]
+    assert m.handle(OPERATOR_EVENTS["cancel"]()) == [CancelAfterRound()]
+    assert m.state is JobState.RUNNING                     # the runner writes cancelled after the round
+
+
+def test_final_states_have_no_way_out():
+    for state in FINAL_JOB_STATES:
+        for event in (*OPERATOR_EVENTS.values(), PickedUp):
+            with pytest.raises(IllegalTransition):
+                JobLifecycle(state, served=False).handle(event())
+
+
+def test_an_unknown_stored_state_is_refused():
+    with pytest.raises(ValueError):
+        JobLifecycle("half-done", served=False)
+
+
+def test_actions_through_the_store(tmp_path):
+    store = Store(tmp_path / "state.db")
+    try:
+        store.create_job("j", "fed3r", {"job_id": "j"})
+        with pytest.raises(StoreError, match="cannot pause job j in state 'created'"):
+            control_job(store, None, "j", "pause")
+        assert store.job("j")["state"] == "created"
+        with pytest.raises(ValueError, match="unknown action"):
+            control_job(store, None, "j", "explode")
+        with pytest.raises(KeyError):
+            control_job(store, None, "nobody", "start")
+        assert control_job(store, None, "j", "start")["state"] == "queued"
+        take_up(store, "j")
+        assert store.job("j")["state"] == "running"
+        served = SimpleNamespace(job_id="j", state=JobState.RUNNING, cancelling=False)
+        assert control_job(store, served, "j", "pause")["state"] == "paused" and served.state == "paused"
+        assert control_job(store, served, "j", "cancel")["state"] == "paused" and served.cancelling
+        other = SimpleNamespace(job_id="k", state=JobState.RUNNING, cancelling=False)
+        assert control_job(store, other, "j", "cancel")["state"] == "cancelled" and not other.cancelling
+    finally:
+        store.close()
+
+
+def test_docs_show_the_table_the_code_runs():
+    block = re.search(r"```job-lifecycle\n(.*?)\n```", (ROOT / "docs" / "operations.md").read_text(), re.S)
+    assert block and block.group(1) == render_table(), \
+        "stale: paste `python -m aggregator.service.job_lifecycle` into docs/operations.md"

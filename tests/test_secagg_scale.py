@@ -1,0 +1,246 @@
+"""Secure aggregation in large groups (issue #38): with the default graph ("auto") a group of 2,000
+builds messages that fit the envelope, a round above the auto threshold is exact, the degree meets
+its stated failure bounds, and a message that cannot be built fails its round once, with its reason.
+
+References are independent of the code under test: scipy's binomial tail for the correctness bound,
+scipy's connected components for the split rule, the plain fixed-point sum for exactness, and the
+envelope's own encoder for the limits."""
+
+import math
+import random
+import struct
+
+import numpy as np
+import pytest
+from scipy.sparse import csr_matrix
+from scipy.sparse.csgraph import connected_components
+from scipy.stats import binom
+
+from aggregator.jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob
+from aggregator.service.active_job import ActiveJob
+from protocols.envelope import MAX_HEADER_BYTES, Envelope, EnvelopeError, encode
+from protocols.identity import DeviceIdentity, IdentityRegistry
+from protocols.payloads.secagg import SECAGG_TYPE, UnsendableMessage, from_envelope, to_envelope
+from protocols.rounds import RoundClosed
+from protocols.secagg import (AggregateReady, ClientSecAgg, GRAPH_COMPLETE, GRAPH_REGULAR, Message, Phase, RoundConfig,
+                              ServerSecAgg)
+from protocols.secagg.config import AUTO_COMPLETE_MAX_MEMBERS, resolve_graph
+from protocols.secagg.driver import make_identities, plain_fixed_point_sum, run_round
+from protocols.secagg.graph import CORRECTNESS_LOG2, SECURITY_LOG2, NeighbourGraph, regular_degree
+from protocols.secagg.messages import ForwardedShares, UnmaskRequest, UnmaskShares
+
+AGGREGATOR = DeviceIdentity.generate("aggregator")
+
+
+def _create(members, **over):
+    return RoundConfig.create(job_id="job", round_id=1, group_id="g1", aggregator_id="aggregator",
+                              members=list(members), vector_length=over.pop("vector_length", 8),
+                              bound=over.pop("bound", 1.0), **over)
+
+
+# ---------------------------------------------------------------- the auto graph and its degree
+def test_auto_picks_the_complete_graph_up_to_the_threshold_and_secagg_plus_above():
+    small = [f"dev{i:04d}" for i in range(AUTO_COMPLETE_MAX_MEMBERS)]
+    large = small + ["dev9999"]
+    assert _create(small).graph == GRAPH_COMPLETE and _create(small).degree == len(small) - 1
+    config = _create(large)
+    assert config.graph == GRAPH_REGULAR and config.degree == regular_degree(len(large)) < len(large) // 2
+    assert resolve_graph("complete", 5000) == GRAPH_COMPLETE and resolve_graph("regular", 10) == GRAPH_REGULAR
+    assert Fed3RSyncConfig(job_id="s", num_classes=2, feature_dim=2).graph == "auto"      # every job's default
+
+
+@pytest.mark.parametrize("n", [129, 500, 2000, 10_000])
+@pytest.mark.parametrize("dropout", [0.1, 0.2])
+def test_the_default_degree_meets_the_correctness_and_security_targets(n, dropout):
+    """Correctness: n · P[fewer than t' of the k+1 holders answer] <= 2^-20 (scipy's binomial
+    tail); security: C(n,2) · δ^k <= 2^-40 (two dropped runs of k/2 split the ring, next test);
+    and k is the smallest even degree meeting both, floored at 2⌈log2 n⌉."""
+    k = regular_degree(n, dropout)
+    assert k % 2 == 0 and k < n - 1
+    t_share = (k + 1) // 2 + 1
+
+    def fails_log2(degree):
+        holders = degree + 1
+        short = binom.cdf((degree + 1) // 2, holders, 1 - dropout)      # fewer than t' = ⌊h/2⌋+1 answer
+        return max(math.log2(n) + math.log2(max(short, 1e-300)),
+                   math.log2(math.comb(n, 2)) + degree * math.log2(dropout))
+
+    assert t_share == (k + 1) // 2 + 1 and fails_log2(k) <= CORRECTNESS_LOG2 and SECURITY_LOG2 <= CORRECTNESS_LOG2
+    assert math.log2(math.comb(n, 2)) + k * math.log2(dropout) <= SECURITY_LOG2
+    floor = 2 * math.ceil(math.log2(n))
+    assert k == floor or fails_log2(k - 2) > CORRECTNESS_LOG2
+
+
+def test_the_ring_graph_splits_only_when_two_runs_of_half_the_degree_drop():
+    """The premise of the security bound, checked by brute force on small rings: the survivors of
+    a SecAgg+ graph are disconnected exactly when two disjoint runs of >= k/2 consecutive ring
+    positions are all gone (scipy's connected components as the reference)."""
+    rng = random.Random(7)
+    for n, k in [(16, 4), (21, 6), (30, 8)]:
+        members = [f"d{i:02d}" for i in range(n)]
+        graph = NeighbourGraph.random_regular(members, k, bytes(32))
+        ring = list(graph._ring)
+        for _ in range(300):
+            gone = set(rng.sample(ring, rng.randint(1, n - 3)))
+            alive = [m for m in ring if m not in gone]
+            index = {m: i for i, m in enumerate(alive)}
+            edges = [(index[u], index[v]) for u in alive for v in graph.neighbours(u) if v in index]
+            rows, cols = [e[0] for e in edges], [e[1] for e in edges]
+            adjacency = csr_matrix((np.ones(len(rows)), (rows, cols)), shape=(len(alive), len(alive)))
+            components = connected_components(adjacency, directed=False)[0]
+            positions = [i for i, m in enumerate(ring) if m not in gone]
+            gaps = [(positions[(j + 1) % len(positions)] - positions[j] - 1) % n for j in range(len(positions))]
+            assert (components > 1) == (sum(g >= k // 2 for g in gaps) >= 2), (n, k, sorted(gone))
+
+
+# ---------------------------------------------------------------- 2,000 members: every message fits
+def test_a_2000_member_group_with_the_default_graph_sends_only_messages_the_envelope_carries():
+    """Real server and clients through RoundStart, AdvertiseKeys and KeyDirectory for all 2,000 (the
+    complete graph's key directory would be about 500 KB of header), a device's EncryptedShares, and the later
+    messages at their largest (every peer's share, every member a survivor and a signer), each
+    encoded by the envelope's encoder."""
+    n = 2000
+    identities = {i.device_id: i for i in make_identities(n, prefix="dev")}
+    config = _create(identities, vector_length=1000)
+    assert config.graph == GRAPH_REGULAR and config.degree == regular_degree(n) and config.consistency_check
+    server = ServerSecAgg(config, AGGREGATOR,
+                          IdentityRegistry({d: i.public_key_bytes for d, i in identities.items()}))
+    clients = {d: ClientSecAgg(i, "aggregator", AGGREGATOR.public_key_bytes, job_id="job", round_id=1,
+                               group_id="g1") for d, i in identities.items()}
+    largest: dict[str, int] = {}
+
+    def sent(messages, every=1):
+        """The messages, each ``every``-th encoded by the envelope's encoder (it raises past the
+        limits; every member's message of one type is built by the same code from same-sized
+        ids, keys and k, so a sample stands for all); the largest header of each type is kept."""
+        messages = [m for m in messages if isinstance(m, Message)]
+        for m in messages[::every]:
+            wire = encode(to_envelope(m))
+            largest[m.TYPE] = max(largest.get(m.TYPE, 0), struct.unpack_from("<I", wire, 4)[0])
+        return messages
+
+    advertised = [reply for start in sent(server.start(), 50) for reply in clients[start.recipient].handle(start)]
+    directories = sent([out for up in sent(advertised, 50) for out in server.handle(up)], 10)
+    assert len(directories) == n and all(len(d.neighbour_keys) == config.degree for d in directories)
+    sent([r for d in directories[:3] for r in clients[d.recipient].handle(d)])
+    # the later phases at their largest: a device's k shares forwarded and returned, every member a
+    # survivor and a consistency signer
+    me, k = config.members[0], config.degree
+    peers = config.members[1: k + 1]
+    everyone = config.to_bitmap(config.members)
+    big = [ForwardedShares(job_id="job", round_id=1, group_id="g1", sender="aggregator", recipient=me,
+                           senders=tuple(peers), ciphertexts=np.zeros((k, 100), np.uint8)).signed(AGGREGATOR),
+           UnmaskRequest(job_id="job", round_id=1, group_id="g1", sender="aggregator", recipient=me,
+                         survivors=everyone, dropped=np.zeros_like(everyone), consistency_signers=everyone,
+                         consistency_signatures=np.zeros((n, 64), np.uint8)).signed(AGGREGATOR),
+           UnmaskShares(job_id="job", round_id=1, group_id="g1", sender=me, recipient="aggregator",
+                        self_mask_owners=tuple(peers[: k // 2 + 1]), key_owners=tuple(peers[k // 2 + 1:]),
+                        self_mask_shares=np.zeros((k // 2 + 1, 36), np.uint8),
+                        key_shares=np.zeros((k - k // 2 - 1, 36), np.uint8)).signed(identities[me])]
+    sent(big)
+    assert max(largest.values()) < MAX_HEADER_BYTES // 2, largest
+    assert set(largest) >= {"secagg.round_start", "secagg.advertise_keys", "secagg.key_directory",
+                            "secagg.encrypted_shares", "secagg.forwarded_shares", "secagg.unmask_request",
+                            "secagg.unmask_shares"}
+
+
+# ---------------------------------------------------------------- above the threshold: exact
+def test_a_round_with_the_default_graph_above_the_auto_threshold_is_exact_with_dropouts():
+    n, m = AUTO_COMPLETE_MAX_MEMBERS + 1, 6
+    identities = {i.device_id: i for i in make_identities(n, prefix="dev")}
+    config = _create(identities, vector_length=m, bound=50.0, consistency_check=False)
+    assert config.graph == GRAPH_REGULAR
+    rng = np.random.default_rng(1)
+    inputs = {d: rng.uniform(-50, 50, m) for d in identities}
+    dropped = random.Random(1).sample(sorted(identities), n // 10)           # the declared 10 %
+    dropouts = {d: (Phase.MASKED_INPUT if i % 2 else Phase.SHARE_KEYS) for i, d in enumerate(dropped)}
+    run = run_round(config, AGGREGATOR, identities, inputs, dropouts=dropouts, report_offline=True)
+    assert isinstance(run.outcome, AggregateReady), run.outcome
+    survivors = sorted(set(identities) - set(dropped))
+    assert sorted(run.outcome.survivors) == survivors
+    expected = plain_fixed_point_sum(config, [inputs[d] for d in survivors])
+    np.testing.assert_array_equal(run.outcome.sum_uint64, expected)
+
+
+# ---------------------------------------------------------------- a message that cannot be built
+def test_a_key_directory_too_large_for_the_envelope_fails_the_round_once_with_its_reason(caplog):
+    """The complete graph forced on 300 members: each key directory's header (about 240 bytes per
+    member) exceeds 64 KiB. The job fails the round at once with that reason, tells the members to
+    erase their secrets, raises nothing, and the round log entry says why."""
+    n = 300
+    identities = {i.device_id: i for i in make_identities(n, prefix="dev")}
+    registry = IdentityRegistry({d: i.public_key_bytes for d, i in identities.items()})
+    job = Fed3RSyncJob(Fed3RSyncConfig(job_id="big", num_classes=2, feature_dim=2, clients_per_round=n,
+                                       max_samples=10, graph="complete"), identity=AGGREGATOR, registry=registry)
+    chosen = job.next_participants(set(identities))
+    round_id = job.secure.config.round_id
+    clients = {d: ClientSecAgg(identities[d], "aggregator", AGGREGATOR.public_key_bytes, job_id="big",
+                               round_id=round_id, group_id=f"g{round_id}") for d in chosen}
+    starts = job.on_protocol_tick(0.0)
+    assert len(starts) == n
+    sends = []
+    for device, env in starts:
+        for reply in clients[device].handle(from_envelope(env)):
+            sends += job.on_protocol(device, to_envelope(reply), 1.0)      # never raises
+    assert job.secure is None and job.settled(round_id) == ()
+    [(failed_round, reason)] = job.failed_rounds
+    assert failed_round == round_id and "secagg.key_directory" in reason and str(MAX_HEADER_BYTES) in reason
+    assert len(sends) == n and all(from_envelope(env).TYPE == "secagg.round_aborted" for _, env in sends)
+    assert sum(r.levelname == "ERROR" for r in caplog.records) == 1             # one error, no traceback
+    assert not any(r.exc_info for r in caplog.records)
+    for device, env in sends:                                              # devices erase their secrets
+        clients[device].handle(from_envelope(env))
+    assert all(c.abort_reason is not None for c in clients.values())
+    active = ActiveJob(job=job, kind="fed3r-sync", out_dir=None)
+    entry = active.round_entry(RoundClosed(round_id, (), tuple(chosen), (), ()), 0.0, 1.0)
+    assert entry["secure_failure"] == reason
+
+
+def test_the_size_check_refuses_what_the_envelope_encoder_refuses():
+    """to_envelope refuses (UnsendableMessage, an EnvelopeError) a message whose header encode()
+    would refuse, and passes one well inside the limit."""
+    for n_ids, fits in [(100, True), (200, True), (300, False), (1000, False)]:
+        ids = tuple(f"{'peer' * 60}{i:05d}" for i in range(n_ids))            # 245-byte ids
+        message = ForwardedShares(job_id="job", round_id=1, group_id="g1", sender="aggregator", recipient="dev0",
+                                  senders=ids, ciphertexts=np.zeros((n_ids, 100), np.uint8)).signed(AGGREGATOR)
+        header, arrays = message.to_wire()
+        raw = Envelope(type=SECAGG_TYPE, sender="aggregator", body={"secagg": header}, tensors=dict(arrays))
+        if fits:
+            assert len(encode(raw)) > 0 and to_envelope(message).body == raw.body
+        else:
+            with pytest.raises(EnvelopeError, match="header too large"):
+                encode(raw)
+            with pytest.raises(UnsendableMessage, match="secagg.forwarded_shares to dev0"):
+                to_envelope(message)
+
+
+# ---------------------------------------------------------------- phase timer: no progress, not age
+def test_a_phase_times_out_after_phase_timeout_without_an_answer_not_after_it_opened():
+    """A large group's answers keep arriving for longer than phase_timeout_s (each device computes
+    and uploads in turn): the phase stays open while they come, and times out only once none has
+    come for phase_timeout_s. A fixed timer would have closed it at t = 10 and made the later
+    answers late."""
+    ids = [f"dev{i}" for i in range(5)]
+    identities = {d: DeviceIdentity.generate(d) for d in ids}
+    registry = IdentityRegistry({d: i.public_key_bytes for d, i in identities.items()})
+    job = Fed3RSyncJob(Fed3RSyncConfig(job_id="slow", num_classes=2, feature_dim=2, clients_per_round=5,
+                                       max_samples=10, phase_timeout_s=10.0), identity=AGGREGATOR, registry=registry)
+    job.next_participants(set(ids))
+    round_id = job.secure.config.round_id
+    clients = {d: ClientSecAgg(identities[d], "aggregator", AGGREGATOR.public_key_bytes, job_id="slow",
+                               round_id=round_id, group_id=f"g{round_id}") for d in ids}
+    starts = dict(job.on_protocol_tick(0.0))
+
+    def answer(device, now):
+        [reply] = clients[device].handle(from_envelope(starts[device]))
+        return job.on_protocol(device, to_envelope(reply), now)
+
+    for i, device in enumerate(ids[:3]):                  # one answer every 6 s: 0 → 18 s
+        assert answer(device, 6.0 * (i + 1)) == []
+        assert job.on_protocol_tick(6.0 * (i + 1) + 5.0) == []       # 11, 17, 23 s: still open
+    assert job.secure.phase is Phase.ADVERTISE_KEYS
+    assert answer(ids[3], 27.0) == []                      # 27 s after it opened, 9 s after the last
+    assert job.on_protocol_tick(36.0) == []                # 9 s without an answer: still waiting for dev4
+    directories = job.on_protocol_tick(37.5)               # 10.5 s without: it closes with the four
+    assert sorted(device for device, _ in directories) == ids[:4]
+    assert job.secure.phase is Phase.SHARE_KEYS
