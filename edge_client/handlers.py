@@ -22,7 +22,10 @@ import numpy as np
 from edge_client.agent import TaskDeclined
 from edge_client.runtime.base import torch_installed
 from edge_client.tasks.fed3r_stats import Fed3RStatsTask
+from edge_client.state import DeviceStateStore
 from edge_client.tasks.head_training import HeadTrainingTask
+from edge_client.tasks.partial_training import PartialTrainingTask
+from edge_client.tasks.scaffold_training import ScaffoldTrainingTask
 from edge_client.tasks.personalization import PersonalizeTask
 from edge_client.tasks.secure_fed3r import SecureFed3R
 from edge_client.tasks.secure_fedavg_training import SecureFedAvgTraining
@@ -34,8 +37,11 @@ from protocols.payloads.fedavg import KIND as FEDAVG_KIND
 from protocols.payloads.fedavg import KIND_TAIL as FEDAVG_TAIL_KIND
 from protocols.payloads.ladd import KIND_STYLE as LADD_STYLE_KIND
 from protocols.payloads.ladd import KIND_TRAIN as LADD_TRAIN_KIND
+from protocols.payloads.partial import KIND as PP_KIND
+from protocols.payloads.scaffold import KIND as SCAFFOLD_KIND
 from protocols.payloads.personalize import KIND as PERSONALIZE_KIND
-from protocols.payloads.secagg import SECAGG_TYPE, SECURE_FEDAVG_KIND, SECURE_LADD_KIND, SECURE_TAIL_KIND, SYNC_KIND
+from protocols.payloads.secagg import (SECAGG_TYPE, SECURE_FEDAVG_KIND, SECURE_LADD_KIND, SECURE_PP_KIND, SECURE_TAIL_KIND,
+                                       SYNC_KIND)
 
 # (backbone, image_size) -> a FeatureExtractor; e.g. fedfleet.bundles.make_extractor bound to a runtime
 ExtractorFactory = Callable[[str, int], object]
@@ -141,15 +147,21 @@ class _Locked:
             return self._x.session()
 
 
-def device_handlers(data: LocalData, extractors, config: HandlerConfig) -> dict:
+def device_handlers(data: LocalData, extractors, config: HandlerConfig,
+                    state: DeviceStateStore | None = None) -> dict:
     """One device's task handlers: Fed3R statistics and FedAvg head training on its training
     split (and FT(φ)/FT(M) of the backbone's tail with a tail bundle); with a held-out split
-    also OLL personalization (evaluated on the held-out split). Kinds it cannot run (FT(φ)/FT(M)
-    without a tail bundle; backbone training on a torch-free device) get an :class:`Unsupported`
-    handler, so the decline says why."""
+    also OLL personalization (evaluated on the held-out split); with a state store (the
+    device's own, ``edge_client.state``) the stateful kinds (FedSim/FedAlt partial
+    personalization, Scaffold). Kinds it cannot run (FT(φ)/FT(M) without a tail bundle; backbone training
+    on a torch-free device; stateful kinds without a store) get a handler that declines, saying why."""
     x, y = data.images[data.train_idx], data.labels[data.train_idx]
+    holdout = data.holdout_idx if data.holdout_idx is not None and len(data.holdout_idx) else None
+    held_x, held_y = (None, None) if holdout is None else (data.images[holdout], data.labels[holdout])
     handlers = {FED3R_KIND: Fed3RStatsTask(x, y, extractors),
-                FEDAVG_KIND: HeadTrainingTask(x, y, extractors, config.training_manifest)}
+                FEDAVG_KIND: HeadTrainingTask(x, y, extractors, config.training_manifest),
+                PP_KIND: PartialTrainingTask(x, y, extractors, state, held_x, held_y),
+                SCAFFOLD_KIND: ScaffoldTrainingTask(x, y, extractors, state)}
     tail_features = None
     if torch_free():
         for kind in (FEDAVG_TAIL_KIND, LADD_TRAIN_KIND):
@@ -161,9 +173,9 @@ def device_handlers(data: LocalData, extractors, config: HandlerConfig) -> dict:
     else:
         handlers[FEDAVG_TAIL_KIND] = Unsupported(f"{FEDAVG_TAIL_KIND} needs a tail bundle (exported with "
                                                  "--tail-stages; fedfleet device --tail-bundle)")
-    if data.holdout_idx is not None and len(data.holdout_idx):
-        handlers[PERSONALIZE_KIND] = PersonalizeTask(x, y, data.images[data.holdout_idx], data.labels[data.holdout_idx],
-                                                     extractors, tail_features=tail_features)
+    if holdout is not None:
+        handlers[PERSONALIZE_KIND] = PersonalizeTask(x, y, held_x, held_y, extractors, tail_features=tail_features,
+                                                     state=state)
     return handlers
 
 
@@ -188,6 +200,7 @@ def _secure_ladd(*args) -> object:
 SECURE_VARIANTS = {FED3R_KIND: (SYNC_KIND, SecureFed3R),
                    FEDAVG_KIND: (SECURE_FEDAVG_KIND, SecureFedAvgTraining),
                    FEDAVG_TAIL_KIND: (SECURE_TAIL_KIND, SecureFedAvgTraining),
+                   PP_KIND: (SECURE_PP_KIND, SecureFedAvgTraining),
                    LADD_TRAIN_KIND: (SECURE_LADD_KIND, _secure_ladd)}
 
 

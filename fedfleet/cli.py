@@ -45,7 +45,9 @@ def _simulate(args) -> int:
         from protocols.mqtt_link import BrokerConfig
 
         BrokerConfig.from_url(cfg.broker).check_reachable()
-    if args.pipeline == "fed3r-ft-oll":
+    from .pipeline import PIPELINES
+
+    if args.pipeline in PIPELINES:
         from .pipeline import run_pipeline
 
         plain = None
@@ -55,10 +57,10 @@ def _simulate(args) -> int:
             from .errors import load_json_file
 
             plain = load_json_file(str(Path(args.compare_with, "report.json")), "--compare-with")
-        report = run_pipeline(cfg, compare_with=plain)
+        report = run_pipeline(cfg, compare_with=plain, pipeline=args.pipeline)
         if "oll" in report["phases"]:
             return 0 if report["phases"]["oll"].get("wma") else 1
-        return 0 if report["phases"]["fedavg-ft"].get("accuracy") is not None else 1
+        return 0 if report["phases"][PIPELINES[args.pipeline][1]].get("accuracy") is not None else 1
     report = run(cfg)
     return 0 if report.get("contributed") else 1
 
@@ -113,9 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--secure-graph", choices=["auto", "complete", "regular"],
                    help="SecAgg (complete), SecAgg+ (regular), or by group size (auto, the default: complete up to "
                         "128 members)")
-    s.add_argument("--pipeline", choices=["fed3r", "fed3r-ft-oll", "ladd"], default="fed3r",
+    s.add_argument("--pipeline", choices=["fed3r", "fed3r-ft-oll", "fed3r-pp-oll", "fed3r-ft-pp-oll", "ladd"], default="fed3r",
                    help="fed3r: classification (Fed3R / Fed3R-Sync); fed3r-ft-oll: Fed3R, then FedAvg(ψ) "
                         "fine-tuning from it, then OLL personalization on every device, with an HTML report; "
+                        "fed3r-pp-oll / fed3r-ft-pp-oll: FedAlt partial personalization (shared head weight, "
+                        "each device's own bias) before OLL, without / after fine-tuning; "
                         "ladd: segmentation on unlabelled devices (source-only vs FedAvg+self-training vs LADD)")
     s.add_argument("--ft-rounds", type=int, help="fed3r-ft-oll: FedAvg(ψ) fine-tuning rounds")
     s.add_argument("--fp-epochs", type=int, help="fed3r-ft-oll: local FP(ψ) epochs after OLL (0: OLL only)")

@@ -40,6 +40,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="share of the local data kept out of all training, for personalization (OLL) reports; "
                         "0 disables personalization tasks")
     p.add_argument("--seed", type=int, default=0, help="seed of the local train / held-out split")
+    p.add_argument("--state-dir", type=Path, default=None,
+                   help="where this device keeps per-job state between rounds (partial personalization's personal "
+                        "part, Scaffold's control variate): stateful tasks need it (default: none, they are declined)")
+    p.add_argument("--state-budget-mb", type=float, default=16.0,
+                   help="the most state all jobs together may keep in --state-dir; a job needing more is declined")
+    p.add_argument("--forget-state", action="store_true",
+                   help="delete every job's state in --state-dir and exit (the operator forgot this device)")
     p.add_argument("--identity", type=Path, default=None,
                    help="this device's Ed25519 private key (PEM): sign every message, take part in secure rounds")
     p.add_argument("--deployments", type=Path, default=None, metavar="DIR",
@@ -100,6 +107,8 @@ def run_device(args) -> int:
 
     from .errors import UserError
 
+    if args.forget_state:
+        return forget_state(args)
     if args.personalize and not args.deployments:
         raise UserError("--personalize applies to the deployed head: it needs --deployments DIR")
     if args.credentials:
@@ -136,7 +145,8 @@ def run_device(args) -> int:
         extractors.get(args.bundle_sha)          # at boot: fail early on a bad or unreachable bundle
     handlers = device_handlers(LocalData(images, labels, train_idx, holdout_idx), extractors,
                                HandlerConfig(str(args.training_bundle) if args.training_bundle else None,
-                                             str(args.tail_bundle) if args.tail_bundle else None))
+                                             str(args.tail_bundle) if args.tail_bundle else None),
+                               state=state_store(args))
     signer, protocol_handlers = None, {}
     if args.identity:
         from protocols.identity import DeviceIdentity
@@ -162,6 +172,31 @@ def run_device(args) -> int:
     agent.stop()
     if follower is not None:
         follower.stop()
+    return 0
+
+
+def state_store(args):
+    """The device's per-job state store (``edge_client.state``) in --state-dir, or None."""
+    from edge_client.state import DeviceStateStore
+
+    from .errors import UserError
+
+    if args.state_dir is None:
+        return None
+    if not 0 <= args.state_budget_mb <= 1 << 20:
+        raise UserError("--state-budget-mb must be in [0, 1048576]")
+    return DeviceStateStore(args.state_dir, int(args.state_budget_mb * 2**20))
+
+
+def forget_state(args) -> int:
+    from .errors import UserError
+
+    if args.state_dir is None:
+        raise UserError("--forget-state needs --state-dir")
+    from edge_client.state import DeviceStateStore
+
+    gone = DeviceStateStore(args.state_dir).forget() if args.state_dir.exists() else 0
+    print(f"device state in {args.state_dir}: {gone} file(s) removed", flush=True)
     return 0
 
 

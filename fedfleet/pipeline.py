@@ -1,6 +1,7 @@
-"""``fedfleet simulate --pipeline fed3r-ft-oll``: the seeds' full pipeline on the emulated fleet.
+"""``fedfleet simulate --pipeline fed3r-ft-oll`` (and ``fed3r-pp-oll``, ``fed3r-ft-pp-oll``): the
+seeds' pipeline on the emulated fleet.
 
-Three jobs run one after the other against the same fleet (one broker, the same device
+Three (or four) jobs run one after the other against the same fleet (one broker, the same device
 processes, each job with a fresh aggregator process, as an operator would run them):
 
 1. **fed3r**: every device sends its ridge statistics once; the aggregator solves the closed
@@ -17,6 +18,14 @@ processes, each job with a fresh aggregator process, as an operator would run th
    its local held-out split; the aggregator reports the WMA of the global head, OLL and OLL+FP.
    After FT(φ)/FT(M) the fine-tuned tail goes with the head, and devices personalise on the
    fine-tuned backbone's features (trunk program, then the tail's eager twin).
+
+With ``pp`` in the pipeline (Phase 3 of the paper, partial personalization) a **pp** job runs
+before OLL: FedAlt or FedSim (``pp_algorithm``) for ``pp_rounds`` rounds from the previous phase's
+head, the head's weight shared and averaged, each device's bias personal, kept in the device's
+state store (``edge_client.state``; the emulated devices' stores are under the run's
+``device_state/``) and never sent; OLL then evaluates every device with its own bias too
+(``personal_job``). ``fed3r-pp-oll`` skips fine-tuning: the paper's "Fed3R + PP without FT".
+With ``secure`` the pp rounds sum the shared weight's updates under SecAgg (``pp-secure``).
 
 Each device keeps ``holdout_fraction`` of its data as that held-out split: no phase trains on it.
 With ``secure`` the first two phases run under secure aggregation (Fed3R-Sync, then secure
@@ -38,8 +47,9 @@ import numpy as np
 from protocols.payloads.fed3r import KIND as FED3R_KIND
 from protocols.payloads.fedavg import KIND as FEDAVG_KIND
 from protocols.payloads.fedavg import KIND_TAIL as FEDAVG_TAIL_KIND
+from protocols.payloads.partial import KIND as PP_KIND
 from protocols.payloads.personalize import KIND as PERSONALIZE_KIND
-from protocols.payloads.secagg import SECURE_FEDAVG_KIND, SECURE_TAIL_KIND, SYNC_KIND
+from protocols.payloads.secagg import SECURE_FEDAVG_KIND, SECURE_PP_KIND, SECURE_TAIL_KIND, SYNC_KIND
 
 from aggregator.jobs.fedavg import FedAvgConfig
 from aggregator.jobs.registry import validate_job_config
@@ -48,10 +58,13 @@ from .pipeline_report import FT_MODES, format_pipeline_report, ft_label, write_p
 from .progress import StepClock
 from .simulate import EmulatedFleet, SimConfig, _report, _secure_setup, prepare
 
-PIPELINES = {"fed3r-ft-oll": ("fed3r", "fedavg-ft", "oll")}
+PIPELINES = {"fed3r-ft-oll": ("fed3r", "fedavg-ft", "oll"),
+             "fed3r-pp-oll": ("fed3r", "pp", "oll"),
+             "fed3r-ft-pp-oll": ("fed3r", "fedavg-ft", "pp", "oll")}
 # task kinds of each phase, plain and secure
 PHASE_KINDS = {"fed3r": (FED3R_KIND, SYNC_KIND),
                "fedavg-ft": (FEDAVG_KIND, SECURE_FEDAVG_KIND, FEDAVG_TAIL_KIND, SECURE_TAIL_KIND),
+               "pp": (PP_KIND, SECURE_PP_KIND),
                "oll": (PERSONALIZE_KIND,)}
 
 
@@ -61,9 +74,13 @@ def ft_optimizer_fields(cfg: SimConfig) -> dict:
             "served_model": cfg.ft_served_model, "swa_start_round": max(1, (3 * cfg.ft_rounds) // 4)}
 
 
-def run_pipeline(cfg: SimConfig, quiet: bool = False, compare_with: dict | None = None) -> dict:
-    """Run the three phases; ``compare_with``: a plain run's report, which a secure run's report
+def run_pipeline(cfg: SimConfig, quiet: bool = False, compare_with: dict | None = None,
+                 pipeline: str = "fed3r-ft-oll") -> dict:
+    """Run the pipeline's phases; ``compare_with``: a plain run's report, which a secure run's report
     then carries (its comparison table and its curves, dashed)."""
+    names = PIPELINES[pipeline]
+    if "pp" in names and cfg.ft_mode != "psi":
+        raise ValueError("partial personalization runs on the head: not after FT(φ)/FT(M) (no tail in pp tasks yet)")
     if not cfg.holdout_fraction:
         raise ValueError("personalization needs a local held-out split: set holdout_fraction > 0")
     if cfg.ft_mode not in FT_MODES:
@@ -97,7 +114,7 @@ def run_pipeline(cfg: SimConfig, quiet: bool = False, compare_with: dict | None 
         secure_fields = {**{k: job_fields[k] for k in ("graph", "max_samples", "identity_file", "device_keys_file")},
                          "phase_timeout_s": cfg.phase_timeout_s}
     phases: dict[str, dict] = {}
-    steps = 3
+    steps = len(names)
     clock.done("setup (data, bundles, evaluation features)")
     with EmulatedFleet(cfg, out, prep.profiles, secure, quiet, holdout_file=out / "holdout.npz",
                        training_manifest=training_manifest, tail_manifest=tail_manifest) as fleet:
@@ -109,22 +126,38 @@ def run_pipeline(cfg: SimConfig, quiet: bool = False, compare_with: dict | None 
             "fed3r-sync" if cfg.secure else "fed3r", fed3r_job, fed3r_dir, out / "eval_features.npz", cfg.devices)}
         clock.done("fed3r")
 
-        say(f"\n[2/{steps}] fedavg-ft: {ft_label(cfg)}, {cfg.ft_rounds} rounds of κ={cfg.clients_per_round}")
-        ft_dir = out / "2-fedavg-ft"
-        ft_job = {**common, "job_id": "fedavg-ft-sim", "rounds": cfg.ft_rounds,
-                  "clients_per_round": cfg.clients_per_round, "round_timeout_s": cfg.round_timeout_s,
-                  "client_lr": cfg.ft_client_lr, "server_momentum": cfg.ft_server_momentum,
-                  "server_optimizer": cfg.ft_server_optimizer, "server_lr": cfg.ft_server_lr,
-                  **ft_optimizer_fields(cfg),
-                  "init": "fed3r", "initial_head_file": str(fed3r_dir / "model.npz"), **secure_fields, **ft_extra}
-        phases["fedavg-ft"] = {"dir": ft_dir, "results": fleet.run_job(
-            ft_kind, ft_job, ft_dir, ft_eval, cfg.ft_rounds * cfg.clients_per_round)}
-        clock.done("fedavg-ft")
+        head_dir = fed3r_dir
+        if "fedavg-ft" in names:
+            say(f"\n[2/{steps}] fedavg-ft: {ft_label(cfg)}, {cfg.ft_rounds} rounds of κ={cfg.clients_per_round}")
+            ft_dir = head_dir = out / "2-fedavg-ft"
+            ft_job = {**common, "job_id": "fedavg-ft-sim", "rounds": cfg.ft_rounds,
+                      "clients_per_round": cfg.clients_per_round, "round_timeout_s": cfg.round_timeout_s,
+                      "client_lr": cfg.ft_client_lr, "server_momentum": cfg.ft_server_momentum,
+                      "server_optimizer": cfg.ft_server_optimizer, "server_lr": cfg.ft_server_lr,
+                      **ft_optimizer_fields(cfg),
+                      "init": "fed3r", "initial_head_file": str(fed3r_dir / "model.npz"), **secure_fields, **ft_extra}
+            phases["fedavg-ft"] = {"dir": ft_dir, "results": fleet.run_job(
+                ft_kind, ft_job, ft_dir, ft_eval, cfg.ft_rounds * cfg.clients_per_round)}
+            clock.done("fedavg-ft")
+        personal = {}
+        if "pp" in names:
+            step = names.index("pp") + 1
+            say(f"\n[{step}/{steps}] pp{'-secure' if cfg.secure else ''}: {cfg.pp_algorithm} partial personalization (shared head weight, each "
+                f"device's bias kept on it), {cfg.pp_rounds} rounds of κ={cfg.clients_per_round}")
+            pp_dir = out / f"{step}-pp"
+            pp_job = {**common, "job_id": "pp-sim", "rounds": cfg.pp_rounds, "clients_per_round": cfg.clients_per_round,
+                      "round_timeout_s": cfg.round_timeout_s, "client_lr": cfg.pp_client_lr,
+                      "pp_algorithm": cfg.pp_algorithm, "init": "fed3r", "initial_head_file": str(head_dir / "model.npz"),
+                      **secure_fields}
+            phases["pp"] = {"dir": pp_dir, "results": fleet.run_job(
+                "pp-secure" if cfg.secure else "pp", pp_job, pp_dir, out / "eval_features.npz", cfg.pp_rounds * cfg.clients_per_round)}
+            head_dir, personal = pp_dir, {"personal_job": "pp-sim"}
+            clock.done("pp")
 
-        what = f"the fine-tuned head{' and backbone tail' if tail else ''}"
-        say(f"\n[3/3] oll: personalise {what} on every device (FP(ψ) {cfg.fp_epochs} epochs)")
-        oll_dir = out / "3-oll"
-        oll_job = {**common, "job_id": "oll-sim", "head_file": str(ft_dir / "model.npz"),
+        what = f"the {'personalized' if personal else 'fine-tuned'} head{' and backbone tail' if tail else ''}"
+        say(f"\n[{steps}/{steps}] oll: personalise {what} on every device (FP(ψ) {cfg.fp_epochs} epochs)")
+        oll_dir = out / f"{steps}-oll"
+        oll_job = {**common, "job_id": "oll-sim", "head_file": str(head_dir / "model.npz"), **personal,
                    "tail_stages": cfg.tail_stages if tail else 0,
                    "clients_per_round": cfg.oneshot_clients_per_round,
                    "round_timeout_s": cfg.round_timeout_s * cfg.oneshot_timeout_factor,
@@ -137,7 +170,8 @@ def run_pipeline(cfg: SimConfig, quiet: bool = False, compare_with: dict | None 
             from .deploy_phase import run_deploy_scenarios
 
             say("\n[deploy] the fine-tuned head to the fleet through a canary; then a broken head (classes permuted)")
-            deployments = run_deploy_scenarios(cfg, prep, ft_dir / "model.npz", fleet.broker_url, out / "4-deploy", say)
+            deployments = run_deploy_scenarios(cfg, prep, head_dir / "model.npz", fleet.broker_url,
+                                               out / f"{steps + 1}-deploy", say)
             clock.done("deploy")
     report = pipeline_report(cfg, prep, phases, fleet.worker_stats)
     if deployments is not None:
@@ -190,21 +224,23 @@ def pipeline_report(cfg: SimConfig, prep, phases: dict, workers: list[dict]) -> 
     report = {"config": dataclasses.asdict(cfg), "devices": devices, "phases": {}}
     for name, phase in phases.items():
         r = phase["results"]
-        entry = {"rounds": len(r["rounds"]), "contributions": len(r["contributed"]) if name != "fedavg-ft"
+        entry = {"rounds": len(r["rounds"]), "contributions": len(r["contributed"]) if name not in ("fedavg-ft", "pp")
                  else sum(r["contributed"].values()),
                  "bytes_up": r["bytes_in"], "bytes_down": r["bytes_out"],
                  "bytes_up_per_device": r["bytes_in"] / devices, "bytes_down_per_device": r["bytes_out"] / devices,
                  "job_s": r.get("wall_s"), "device": device_compute(workers, PHASE_KINDS[name]),
                  "history": [{k: h.get(k) for k in ("round", "contributions", "accuracy", "bytes_in", "bytes_out",
-                                                    "global_accuracy", "wma")} for h in r["history"]],
+                                                    "global_accuracy", "wma", "personal_wma")} for h in r["history"]],
                  "rejections": r["rejections"], "late": r["late"]}
         final = r["final"]
         if name == "fed3r":
             central = _report(cfg, r, workers, prep, job_dir=phase["dir"])
             entry.update(accuracy=final.get("accuracy"), central_accuracy=central.get("central_accuracy"),
                          rel_weight_error=central.get("rel_weight_error"))
-        elif name == "fedavg-ft":
-            entry.update(accuracy=final.get("accuracy"), initial_accuracy=phases["fed3r"]["results"]["final"].get("accuracy"))
+        elif name in ("fedavg-ft", "pp"):
+            previous = list(phases)[list(phases).index(name) - 1]
+            entry.update(accuracy=final.get("accuracy"), initial_accuracy=phases[previous]["results"]["final"].get("accuracy"),
+                         personal_wma=final.get("personal_wma"), global_wma=final.get("global_wma"))
         else:
             entry.update(accuracy=final.get("global_accuracy"), wma=final.get("wma"),
                          fp_lr_chosen=final.get("fp_lr_chosen"), test_samples=final.get("test_samples"),

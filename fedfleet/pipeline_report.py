@@ -1,4 +1,4 @@
-"""The fed3r-ft-oll pipeline's report: ``report.png``, ``report.html`` and the console summary.
+"""The fed3r-ft-oll (fed3r-pp-oll, fed3r-ft-pp-oll) pipeline's report: ``report.png``, ``report.html`` and the console summary.
 
 What it shows, for a plain and a secure run alike so the two compare by eye: test accuracy of
 the shared model against cumulative rounds and bytes (y fixed to 0-100 %), the personalised
@@ -18,7 +18,8 @@ import numpy as np
 
 from .plots import plot_lines
 
-METHOD_NAMES = {"global": "global head", "oll": "OLL", "oll_fp": "OLL+FP(ψ)"}
+METHOD_NAMES = {"global": "global head", "personal": "own bias (PP)", "oll": "OLL", "oll_fp": "OLL+FP(ψ)"}
+TRAINING_PHASES = ("fed3r", "fedavg-ft", "pp")      # the phases that move the shared model, in pipeline order
 FT_MODES = {"psi": ("FT(ψ)", None), "phi": ("FT(φ)", "tail"), "M": ("FT(M)", "tail+head")}   # label, train
 ACCURACY_RANGE = (0.0, 1.0)      # every report's accuracy axes: plain and secure runs compare by eye
 PHASE_HEADER = ("phase", "rounds", "tasks done", "test acc.", "MB up/device", "MB down/device",
@@ -36,14 +37,25 @@ def is_secure(report: dict) -> bool:
     return bool(report["config"].get("secure"))
 
 
+def training_phases(report: dict) -> list[str]:
+    return [name for name in TRAINING_PHASES if name in report["phases"]]
+
+
+def phase_label(report: dict, name: str) -> str:
+    if name == "pp":
+        return f"{report['config'].get('pp_algorithm', 'fedalt')} (shared weight)"
+    return "Fed3R" if name == "fed3r" else ft_label(report["config"])
+
+
 def accuracy_curves(report: dict) -> dict:
     """Test accuracy of the shared model against cumulative rounds and cumulative bytes (up + down)."""
     curves, rounds0, bytes0 = {}, 0, 0
-    for name in ("fed3r", "fedavg-ft"):
+    names = training_phases(report)
+    for i, name in enumerate(names):
         hist = [h for h in report["phases"][name]["history"] if h.get("accuracy") is not None]
-        if name == "fedavg-ft":
-            # FedAvg evaluates after each round; its starting point is where Fed3R ended
-            start = report["phases"]["fed3r"]
+        if i:
+            # FedAvg-family jobs evaluate after each round; their starting point is where the last phase ended
+            start = report["phases"][names[i - 1]]
             hist = [{"round": 0, "accuracy": start["accuracy"], "bytes_in": 0, "bytes_out": 0}] + hist
         rounds = [rounds0 + h["round"] for h in hist]
         moved = [bytes0 + (h.get("bytes_in") or 0) + (h.get("bytes_out") or 0) for h in hist]
@@ -81,12 +93,20 @@ def phase_sentences(report: dict) -> dict[str, str]:
                             f"{_points(ft['initial_accuracy'], ft['accuracy'])}"
                             f"{' of test accuracy' if verb == 'added' else ''} "
                             f"({ft['initial_accuracy']:.2%} → {ft['accuracy']:.2%}).")
+    pp = phases.get("pp")
+    if pp and pp.get("personal_wma") is not None:
+        out["pp"] = (f"Partial personalization ({report['config'].get('pp_algorithm', 'fedalt')}, {pp['rounds']} rounds): "
+                     f"each device's own bias gives {pp['personal_wma']:.2%} held-out WMA against "
+                     f"{pp['global_wma']:.2%} with the shared head ({_points(pp['global_wma'], pp['personal_wma'])}).")
     wma = (phases.get("oll") or {}).get("wma") or {}
     if "global" in wma and "oll" in wma:
         text = (f"Personalisation: pruning the head to each device's labels (OLL) moved the held-out WMA from "
                 f"{wma['global']:.2%} (global head) to {wma['oll']:.2%} ({_points(wma['global'], wma['oll'])})")
         if "oll_fp" in wma:
             text += f"; local fine-tuning FP(ψ) added {_points(wma['oll'], wma['oll_fp'])} more ({wma['oll_fp']:.2%})"
+        if "personal" in wma:
+            text += (f"; each device's own bias from partial personalization alone gives {wma['personal']:.2%} "
+                     f"({_points(wma['global'], wma['personal'])} over the global head)")
         out["oll"] = text + "."
     return out
 
@@ -94,7 +114,7 @@ def phase_sentences(report: dict) -> dict[str, str]:
 def comparison_rows(plain: dict, secure: dict) -> list[tuple]:
     """Per phase, job time, bytes up and accuracy of a plain run next to a secure one."""
     rows = []
-    for name in ("fed3r", "fedavg-ft"):
+    for name in (n for n in training_phases(plain) if n in secure["phases"]):
         p, s = plain["phases"][name], secure["phases"][name]
         rows.append((name, f"{p['job_s']:.1f}", f"{s['job_s']:.1f}", f"{s['job_s'] / p['job_s']:.2f}",
                      f"{p['bytes_up'] / 1e6:.1f}", f"{s['bytes_up'] / 1e6:.1f}", f"{s['bytes_up'] / p['bytes_up']:.2f}",
@@ -122,15 +142,14 @@ def write_plots_and_html(report: dict, out: Path) -> str:
 def report_panels(report: dict) -> list[dict]:
     """The plot's panels (fedfleet.plots): accuracy vs rounds, vs bytes, personalised WMA bars."""
     curves = accuracy_curves(report)
-    ft = ft_label(report["config"])
-    by_rounds = {"Fed3R": curves["fed3r"]["by_round"], ft: curves["fedavg-ft"]["by_round"]}
-    by_bytes = {"Fed3R": (np.array(curves["fed3r"]["bytes"]) / 1e6, curves["fed3r"]["accuracy"]),
-                ft: (np.array(curves["fedavg-ft"]["bytes"]) / 1e6, curves["fedavg-ft"]["accuracy"])}
+    labels = {name: phase_label(report, name) for name in training_phases(report)}
+    by_rounds = {label: curves[name]["by_round"] for name, label in labels.items()}
+    by_bytes = {label: (np.array(curves[name]["bytes"]) / 1e6, curves[name]["accuracy"]) for name, label in labels.items()}
     styles = {}
     plain = report.get("compared_with")
     if plain:        # the plain run's curves, dashed, under the secure run's
         plain_curves = accuracy_curves(plain)
-        for label, key in (("Fed3R", "fed3r"), (ft, "fedavg-ft")):
+        for key, label in labels.items():
             name = f"{label} (plain run)"
             by_rounds[name] = plain_curves[key]["by_round"]
             by_bytes[name] = (np.array(plain_curves[key]["bytes"]) / 1e6, plain_curves[key]["accuracy"])
@@ -138,7 +157,7 @@ def report_panels(report: dict) -> list[dict]:
     accuracy_axis = {"ylabel": "test accuracy (shared model)", "ylim": ACCURACY_RANGE, "percent": True,
                      "styles": styles}
     panels = [{"title": "accuracy vs rounds", "xlabel": "rounds (cumulative over phases)", "lines": by_rounds,
-               "annotate_last": ["Fed3R", ft], **accuracy_axis},
+               "annotate_last": list(labels.values()), **accuracy_axis},
               {"title": "accuracy vs bytes", "xlabel": "MB moved, up + down (cumulative)", "lines": by_bytes,
                **accuracy_axis}]
     wma = (report["phases"].get("oll") or {}).get("wma") or {}
@@ -151,7 +170,8 @@ def report_panels(report: dict) -> list[dict]:
 def report_title(report: dict) -> str:
     phases = " → ".join(report["phases"])
     mode = "SECURE aggregation (Fed3R-Sync, secure FedAvg)" if is_secure(report) else "plain aggregation"
-    return f"fedfleet simulate: {phases}, {ft_label(report['config'])}, {mode}"
+    ft = f", {ft_label(report['config'])}" if "fedavg-ft" in report["phases"] else ""
+    return f"fedfleet simulate: {phases}{ft}, {mode}"
 
 
 def _phase_rows(report: dict) -> list[tuple]:

@@ -90,6 +90,10 @@ class SimConfig:
     ft_prox_mu: float = 0.0                 # > 0: FedProx's μ (with any local rule)
     ft_served_model: str = "last"           # last | swa (from 0.75·ft_rounds, every round) | wima (last 10)
     fp_epochs: int = 25                     # FP(ψ) local epochs after OLL (0: OLL only)
+    # --pipeline fed3r-pp-oll / fed3r-ft-pp-oll: partial personalization (shared head weight, personal bias)
+    pp_rounds: int = 20
+    pp_algorithm: str = "fedalt"            # fedalt | fedsim
+    pp_client_lr: float = 0.1               # base local LR; devices get × 0.1 (the head starts at Fed3R's)
     # --deploy (fed3r-ft-oll, FT(ψ)): roll the fine-tuned head out through a canary, then a broken one back
     deploy: bool = False
     deploy_canary: str = "20%"
@@ -261,6 +265,7 @@ class EmulatedFleet:
                 "source_addresses": None if cfg.broker or cfg.ray else loopback_sources(w, len(mine)),
                 "topic_root": cfg.topic_root, "devices": mine, "seed": cfg.seed,
                 "cache_dir": cfg.cache_dir, "runtime": cfg.runtime, "threads": threads,
+                "state_dir": str(out / "device_state"),       # each device's own store, <state_dir>/<device id>
                 "step_threads": cfg.host_threads, "keepalive_s": cfg.keepalive_s,
                 "retry_after_s": cfg.retry_after_s, "stats_file": str(out / f"worker{w}.json"),
                 "secure": None if self.secure is None else {

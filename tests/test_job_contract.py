@@ -41,6 +41,9 @@ EXPECTED = {
     "fedavg-tail":        (False, True, False, False, False),
     "fedavg-tail-secure": (False, True, False, True, False),
     "personalize":        (True, False, False, False, False),
+    "pp":                 (False, True, False, False, False),
+    "pp-secure":          (False, True, False, True, False),
+    "scaffold":           (False, True, False, False, False),
     "ladd":               (False, False, False, False, False),
     "ladd-secure":        (False, False, False, True, False),
 }

@@ -13,7 +13,8 @@ import pytest
 pytest.importorskip("matplotlib")
 
 from fedfleet.pipeline_report import (ACCURACY_RANGE, METHOD_NAMES, comparison_rows, format_pipeline_report,  # noqa: E402
-                                      phase_sentences, report_panels, report_title, write_plots_and_html)
+                                      phase_sentences, render_html, report_panels, report_title,
+                                      write_plots_and_html)
 from fedfleet.plots import build_figure  # noqa: E402
 from fedfleet.simulate import PRESETS  # noqa: E402
 
@@ -65,8 +66,8 @@ def test_plain_and_secure_reports_share_fixed_accuracy_axes_and_put_personalised
         assert list(fed3r_line.get_ydata()) == [fed3r_hist[1]["accuracy"], fed3r_hist[2]["accuracy"]]
         assert list(by_bytes.get_lines()[0].get_ydata()) == [h["accuracy"] for h in fed3r_hist]
         heights = [bar.get_height() for bar in personalised.patches]
-        assert heights == pytest.approx([wma[m] for m in METHOD_NAMES])
-        assert [t.get_text() for t in personalised.get_xticklabels()] == list(METHOD_NAMES.values())
+        assert heights == pytest.approx([wma[m] for m in METHOD_NAMES if m in wma])
+        assert [t.get_text() for t in personalised.get_xticklabels()] == [METHOD_NAMES[m] for m in wma]
     # the secure plot also carries the plain run's curves (dashed)
     assert len(axes["plain"][0].get_lines()) == 2
     labels = [line.get_label() for line in axes["secure"][0].get_lines()]
@@ -121,3 +122,24 @@ def test_secure_report_says_it_is_secure_and_carries_the_comparison_table(tmp_pa
 
     with Image.open(tmp_path / "report.png") as img:
         assert img.size[0] > 3 * img.size[1] * 0.9         # three panels side by side
+
+
+def test_a_pp_pipeline_report_plots_the_pp_rounds_after_fed3r_and_says_what_the_own_bias_gave():
+    """fed3r-pp-oll: no fine-tuning phase; the pp phase's curve continues from Fed3R's end, its
+    sentence states the personal and shared WMA it reports, OLL's bars include 'own bias (PP)'."""
+    report = fake_run(3, False)
+    pp = report["phases"].pop("fedavg-ft")
+    pp.update(personal_wma=0.81, global_wma=0.64)
+    report["phases"] = {"fed3r": report["phases"]["fed3r"], "pp": pp, "oll": report["phases"]["oll"]}
+    report["phases"]["oll"]["wma"] = {"global": 0.64, "personal": 0.81, "oll": 0.85}
+    rounds_ax, _, bars = build_figure(report_panels(report), report_title(report)).axes
+    fed3r_rounds = report["phases"]["fed3r"]["history"][-1]["round"]
+    pp_line = [line for line in rounds_ax.get_lines() if "fedalt" in line.get_label()][0]
+    assert pp_line.get_xdata()[0] == fed3r_rounds
+    assert pp_line.get_ydata()[0] == pytest.approx(report["phases"]["fed3r"]["accuracy"])
+    assert [t.get_text() for t in bars.get_xticklabels()] == [METHOD_NAMES[m] for m in ("global", "personal", "oll")]
+    sentence = phase_sentences(report)["pp"]
+    assert "81.00%" in sentence and "64.00%" in sentence and "+17.00 points" in sentence
+    assert "FT(" not in report_title(report)
+    assert "81.00% (+17.00 points over the global head)" in phase_sentences(report)["oll"]
+    assert "own bias (PP)" in render_html(report, b"png")

@@ -30,7 +30,7 @@ import numpy as np
 
 from protocols.envelope import Envelope
 from protocols.payloads.fedavg import TAIL_PREFIX, head_tensors
-from protocols.payloads.personalize import FALLBACKS, KIND, METHODS, PersonalizationReport, parse_report
+from protocols.payloads.personalize import FALLBACKS, KIND, METHODS, PERSONAL, PersonalizationReport, parse_report
 from protocols.rounds import RoundClosed
 
 from aggregator.compute.evaluation import head_accuracy, weighted_mean_accuracy
@@ -52,6 +52,7 @@ class PersonalizeConfig(ModelFields):
     weight_decay: float = 4e-5
     temperature: float = 0.1
     max_attempts: int = 3
+    personal_job: str = ""               # a pp job whose personal part (bias) each device kept: evaluated too
 
     def __post_init__(self):
         super().__post_init__()
@@ -68,6 +69,8 @@ class PersonalizeConfig(ModelFields):
             raise ValueError(f"tail_stages must be an integer >= 0, got {self.tail_stages!r}")
         if self.clients_per_round < 1 or self.max_attempts < 1:
             raise ValueError("clients_per_round and max_attempts must be >= 1")
+        if self.personal_job and self.tail_stages:
+            raise ValueError("personal_job (a head-level pp job) cannot follow a fine-tuned backbone tail")
 
 
 def load_model(path: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
@@ -122,10 +125,13 @@ class PersonalizeJob(OncePerDevice, Job):
                   "fp_epochs": c.fp_epochs, "batch_size": c.batch_size, "fp_lrs": list(c.fp_lrs),
                   "fp_folds": c.fp_folds, "weight_decay": c.weight_decay,
                   "temperature": c.temperature, "seed": c.seed, "tail_stages": c.tail_stages}
+        if c.personal_job:
+            params["personal_job"] = c.personal_job
         return params, self.model_arrays()
 
     def parse_result(self, env: Envelope) -> PersonalizationReport:
-        return parse_report(env, self.config.num_classes, with_fp=self.config.fp_epochs > 0)
+        return parse_report(env, self.config.num_classes, with_fp=self.config.fp_epochs > 0,
+                            with_personal=bool(self.config.personal_job))
 
     def apply(self, device: str, report: PersonalizationReport) -> None:
         if device in self.contributed:
@@ -138,7 +144,8 @@ class PersonalizeJob(OncePerDevice, Job):
         pass   # reports are independent: nothing happens at round boundaries
 
     def methods(self) -> tuple[str, ...]:
-        return METHODS if self.config.fp_epochs else tuple(m for m in METHODS if m != "oll_fp")
+        methods = METHODS if self.config.fp_epochs else tuple(m for m in METHODS if m != "oll_fp")
+        return methods[:1] + (PERSONAL,) + methods[1:] if self.config.personal_job else methods
 
     def summary(self) -> dict:
         """WMA per method over the devices that reported, and how the devices chose FP learning rates."""

@@ -21,8 +21,11 @@ from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob
 from aggregator.jobs.fedavg_async import AsyncFedAvgConfig, AsyncFedAvgJob
 from aggregator.jobs.fedavg_tail import TailFedAvgConfig, TailFedAvgJob
 from aggregator.jobs.ladd import LaddConfig, LaddJob
+from aggregator.jobs.partial import PartialConfig, PartialPersonalizationJob
+from aggregator.jobs.scaffold import ScaffoldConfig, ScaffoldJob
 from aggregator.jobs.personalize import PersonalizeConfig, PersonalizeJob
-from aggregator.jobs.secure_fedavg import SecureFedAvgConfig, SecureFedAvgJob, SecureTailFedAvgConfig, SecureTailFedAvgJob
+from aggregator.jobs.secure_fedavg import (SecureFedAvgConfig, SecureFedAvgJob, SecurePartialConfig, SecurePartialJob,
+                                           SecureTailFedAvgConfig, SecureTailFedAvgJob)
 from aggregator.jobs.secure_ladd import SecureLaddConfig, SecureLaddJob
 
 
@@ -53,6 +56,12 @@ KINDS: dict[str, JobKind] = {k.name: k for k in (
     JobKind("fedavg-secure", SecureFedAvgConfig, SecureFedAvgJob, "FedAvg(ψ) with each round's updates summed under SecAgg"),
     JobKind("fedavg-tail", TailFedAvgConfig, TailFedAvgJob, "FedAvg of the backbone's last stages: FT(φ) or FT(M)"),
     JobKind("fedavg-tail-secure", SecureTailFedAvgConfig, SecureTailFedAvgJob, "FT(φ)/FT(M) summed under SecAgg"),
+    JobKind("pp", PartialConfig, PartialPersonalizationJob,
+            "FedSim/FedAlt partial personalization: shared head weights averaged, each device's bias kept on it"),
+    JobKind("pp-secure", SecurePartialConfig, SecurePartialJob,
+            "FedSim/FedAlt with each round's shared-weight updates summed under SecAgg"),
+    JobKind("scaffold", ScaffoldConfig, ScaffoldJob,
+            "Scaffold(ψ): FedAvg of the head corrected by control variates; each device keeps its own c_k"),
     JobKind("personalize", PersonalizeConfig, PersonalizeJob, "OLL and OLL+FP(ψ) on every device; held-out WMA"),
     JobKind("ladd", LaddConfig, LaddJob, "LADD: style clustering and cluster-specific self-training (segmentation)",
             _ladd_factory(LaddJob)),

@@ -26,11 +26,13 @@ import numpy as np
 
 from protocols.envelope import Envelope, EnvelopeError
 from protocols.identity import DeviceIdentity, IdentityRegistry
-from protocols.payloads.secagg import SECURE_FEDAVG_KIND, SECURE_TAIL_KIND, unpack_weighted_sum, weighted_length
+from protocols.payloads.secagg import (SECURE_FEDAVG_KIND, SECURE_PP_KIND, SECURE_TAIL_KIND, unpack_weighted_sum,
+                                       weighted_length)
 from protocols.rounds import RoundClosed
 
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob
 from aggregator.jobs.fedavg_tail import TailFedAvgConfig, TailFedAvgJob
+from aggregator.jobs.partial import PartialConfig, PartialPersonalizationJob
 from aggregator.jobs.robustness_fields import SecureUpdateBoundFields
 from aggregator.jobs.secure_fields import SecureUpdateFields
 from aggregator.jobs.secure_rounds import MIN_GROUP, GroupSumOutOfBound, SecureGroupRounds
@@ -149,3 +151,17 @@ class SecureTailFedAvgJob(SecureFedAvgJob, TailFedAvgJob):
     under secure aggregation (wire kind ``fedavg.tail.secure``)."""
 
     secure_kind = SECURE_TAIL_KIND
+
+
+@dataclass
+class SecurePartialConfig(SecureFedAvgConfig, PartialConfig):
+    job_id: str = "pp-secure"
+
+
+class SecurePartialJob(SecureFedAvgJob, PartialPersonalizationJob):
+    """FedSim/FedAlt (``aggregator.jobs.partial``) with each round's shared-weight updates summed
+    under secure aggregation (wire kind ``pp.head.secure``); the personal biases stay on the
+    devices as in the plain job. A secure round has no per-device result, so the job reports no
+    held-out counts of its own: the ``personalize`` job that follows (``personal_job``) does."""
+
+    secure_kind = SECURE_PP_KIND

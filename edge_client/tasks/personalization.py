@@ -27,10 +27,11 @@ from typing import Any
 import numpy as np
 
 from protocols.payloads.fedavg import TAIL_PREFIX
-from protocols.payloads.personalize import FALLBACKS, KIND, PersonalizationReport, encode_report
+from protocols.payloads.personalize import FALLBACKS, KIND, PERSONAL, PersonalizationReport, encode_report
 
 from ..agent import TaskDeclined
 from ..oll import OutOfLocalLabels, PersonalizedHead, choose_fp_lr
+from ..state import DeviceStateStore
 from .extractors import ExtractorFactory, extractor_for
 from .head_training import LocalTraining
 from .tail_training import TailFeatures, check_model_tensors
@@ -43,9 +44,10 @@ class PersonalizeTask:
 
     def __init__(self, train_images: np.ndarray, train_labels: np.ndarray, test_images: np.ndarray,
                  test_labels: np.ndarray, extractor_factory: ExtractorFactory, training_session=None,
-                 tail_features: TailFeatures | None = None):
+                 tail_features: TailFeatures | None = None, state: DeviceStateStore | None = None):
         """``tail_features``: the device's tail bundle as a feature source, for tasks whose
-        global model has a fine-tuned backbone tail (None: such tasks are declined)."""
+        global model has a fine-tuned backbone tail (None: such tasks are declined); ``state``:
+        the device's state store, where a ``pp`` job left its personal part (``personal_job``)."""
         if len(train_images) != len(train_labels) or len(test_images) != len(test_labels):
             raise ValueError("images and labels differ in length")
         self.train_images, self.train_labels = train_images, np.asarray(train_labels, dtype=np.int64)
@@ -53,6 +55,7 @@ class PersonalizeTask:
         self.extractor_factory = extractor_factory
         self.training_session = training_session
         self.tail_features = tail_features
+        self.state = state
         self.head: PersonalizedHead | None = None
         self.last: PersonalizationReport | None = None
 
@@ -67,6 +70,7 @@ class PersonalizeTask:
             fp_epochs = int(params.get("fp_epochs", 0))
             lrs = [float(lr) for lr in params.get("fp_lrs", [])]
             folds = int(params.get("fp_folds", 5))
+            personal_job = str(params.get("personal_job", ""))
             recipe = LocalTraining.from_params({**params, "epochs": max(fp_epochs, 1)})
         except (KeyError, TypeError, ValueError) as exc:
             raise TaskDeclined(f"bad oll.personalize params: {exc}") from exc
@@ -96,6 +100,9 @@ class PersonalizeTask:
         y_test = self.test_labels
 
         correct = {"global": int(((f_test @ weight.T + bias).argmax(axis=1) == y_test).sum())}
+        if personal_job:
+            bias = self._personal_bias(personal_job, bias)      # the device's own model: OLL and FP start there
+            correct[PERSONAL] = int(((f_test @ weight.T + bias).argmax(axis=1) == y_test).sum())
         head = PersonalizedHead(weight, bias, self.train_labels, fallback=fallback)
         try:
             scored = head.score(f_test, y_test)
@@ -114,6 +121,16 @@ class PersonalizeTask:
         self.last = PersonalizationReport(len(self.train_labels), len(y_test), head.label_map.k, correct,
                                           scored.fallback, fp_lr)
         return encode_report(self.last)
+
+    def _personal_bias(self, job_id: str, global_bias: np.ndarray) -> np.ndarray:
+        """The bias v_k the ``pp`` job ``job_id`` left in the state store; the global bias when it
+        left none (the device was never sampled, or its state expired): FedSim/FedAlt's v_k of a
+        device that never trained."""
+        entry = self.state.load(job_id, run=None) if self.state is not None else None
+        personal = None if entry is None else entry.arrays.get("bias")
+        if personal is None or personal.shape != global_bias.shape or not np.isfinite(personal).all():
+            return global_bias
+        return personal.astype(np.float32)
 
     def _fine_tuned_features(self, params: dict[str, Any], tail_stages: int,
                              tensors: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:

@@ -32,6 +32,7 @@ from edge_client.agent import AgentHooks, DeviceAgent, DroppedOut
 from edge_client.data import load_fashion_mnist
 from edge_client.handlers import (HandlerConfig, LocalData, SharedExtractors, device_handlers, ladd_handlers,
                                   secure_handlers)
+from edge_client.state import DeviceStateStore
 from protocols.identity import DeviceIdentity
 from protocols.mqtt_link import BrokerConfig
 from protocols.topics import Topics
@@ -71,11 +72,14 @@ def load_dataset(name: str, root: str | None):
     raise ValueError(f"unknown dataset {name!r}")
 
 
-def _lazy_device_tasks(images, labels, train_idx, holdout_idx, extractors, spec, host: DeviceHost) -> LazyTasks:
-    """The device's handlers, built per task from the host's shared dataset (see LazyTasks)."""
+def _lazy_device_tasks(images, labels, train_idx, holdout_idx, extractors, spec, host: DeviceHost,
+                       state_dir: Path | None = None) -> LazyTasks:
+    """The device's handlers, built per task from the host's shared dataset (see LazyTasks); its
+    per-job state lives in ``state_dir`` (on disk: it outlives the task and the worker process)."""
     def build() -> dict:
         return device_handlers(LocalData(images, labels, train_idx, holdout_idx), extractors,
-                               HandlerConfig(spec.get("training_manifest"), spec.get("tail_manifest")))
+                               HandlerConfig(spec.get("training_manifest"), spec.get("tail_manifest")),
+                               state=DeviceStateStore(state_dir) if state_dir is not None else None)
 
     kinds = build().keys()          # built once to learn the kinds it offers, then dropped
     return LazyTasks(build, kinds, host.compute_slot)
@@ -114,9 +118,11 @@ def _classification_handlers(spec: dict, host: DeviceHost):
     shards = _indices(spec, "shards")
     holdouts = _indices(spec, "holdout") if spec.get("holdout_file") or spec.get("holdout") else None
     extractors = SharedExtractors(_extractor_factory(spec), spec.get("cache_dir"))
+    state_root = Path(spec["state_dir"]) if spec.get("state_dir") else None
     return lambda device_id: _lazy_device_tasks(images, labels, shards[device_id],
                                                 holdouts[device_id] if holdouts is not None else None,
-                                                extractors, spec, host)
+                                                extractors, spec, host,
+                                                state_root / device_id if state_root is not None else None)
 
 
 def start_devices(spec: dict, host: DeviceHost) -> list[DeviceAgent]:

@@ -21,7 +21,11 @@ counts on the device's local held-out split:
 * ``local_classes``        k = |C_k|, the labels OLL keeps
 * ``correct``              {"global": int, "oll": int, "oll_fp": int}: held-out samples that the
                            global head, the OLL-pruned head and the OLL head after FP(ψ)
-                           classify correctly ("oll_fp" absent when ``fp_epochs`` is 0)
+                           classify correctly ("oll_fp" absent when ``fp_epochs`` is 0); after
+                           partial personalization (task param ``personal_job``: the ``pp`` job
+                           whose personal part the device keeps) also "personal": the global
+                           weight with the device's own bias v_k, which OLL and FP(ψ) then
+                           start from
 * ``fallback``             held-out samples whose label is outside C_k (scored by the global
                            head when the task's fallback is "global")
 * ``fp_lr``                the FP(ψ) learning rate the device used (null without FP)
@@ -39,6 +43,7 @@ from ..envelope import Envelope, EnvelopeError, body_field
 
 KIND = "oll.personalize"
 METHODS = ("global", "oll", "oll_fp")
+PERSONAL = "personal"           # with the device's personal part (after a ``pp`` job)
 FALLBACKS = ("error", "global")
 
 
@@ -61,7 +66,8 @@ def encode_report(report: PersonalizationReport) -> tuple[dict, dict]:
             "fp_lr": None if report.fp_lr is None else float(report.fp_lr)}, {}
 
 
-def parse_report(msg: Envelope, num_classes: int, with_fp: bool, max_samples: int = 10**9) -> PersonalizationReport:
+def parse_report(msg: Envelope, num_classes: int, with_fp: bool, max_samples: int = 10**9,
+                 with_personal: bool = False) -> PersonalizationReport:
     """Validate an ``oll.personalize`` result; raise EnvelopeError if anything is off."""
     if msg.tensors:
         raise EnvelopeError(f"{KIND}: a personalization result carries no tensors, got {sorted(msg.tensors)}")
@@ -74,7 +80,7 @@ def parse_report(msg: Envelope, num_classes: int, with_fp: bool, max_samples: in
     if not 1 <= k <= num_classes:
         raise EnvelopeError(f"{KIND}: local_classes={k} outside 1..{num_classes}")
     correct = body_field(msg, "correct", dict)
-    expected = set(METHODS) if with_fp else set(METHODS) - {"oll_fp"}
+    expected = (set(METHODS) if with_fp else set(METHODS) - {"oll_fp"}) | ({PERSONAL} if with_personal else set())
     if set(correct) != expected:
         raise EnvelopeError(f"{KIND}: correct counts for {sorted(correct)}, expected {sorted(expected)}")
     for method, count in correct.items():

@@ -48,6 +48,7 @@ SYNC_KIND = "fed3r.secure"
 SECURE_TAIL_KIND = "fedavg.tail.secure"     # FT(φ)/FT(M) tail updates, summed
 SECURE_FEDAVG_KIND = "fedavg.secure"
 SECURE_LADD_KIND = "ladd.train.secure"
+SECURE_PP_KIND = "pp.head.secure"           # partial personalization: the shared weight's updates, summed
 MAX_SLOT_CLUSTERS = 64
 MAX_SLOT_VECTOR = 2 ** 27          # RoundConfig's largest vector_length
 

@@ -1,0 +1,117 @@
+"""Scaffold(ψ) (Karimireddy et al. 2020, option II): FedAvg of the head with control variates.
+
+Everything is :class:`~aggregator.jobs.fedavg.FedAvgJob`'s (sampling, deadlines, bounded
+influence on y, the server step w ← w + η_g · mean(y − w), FedAvgM, Fed3R initialisation); on
+top, the job holds the server control c (checkpointed with the model) and sends it with each
+task; each device keeps its own c_k in its state store (``edge_client/tasks/scaffold_training.py``)
+and returns Δc with its trained head. At round close, over the S devices whose update was
+accepted: c ← c + (|S| / K) · mean(Δc), K the fleet's size (``total_devices``; 0: the devices
+that contributed so far, a lower bound that grows as the job meets its fleet).
+
+A device's Δc is bounded: each is clipped to ``control_clip_norm`` before the mean, so no device
+moves c by more than that times |S|/K / |S| per round. A device not sampled keeps its c_k (at the
+device), and one sampled again after more than ``state_max_staleness`` rounds restarts from
+c_k = 0 (``aggregator/jobs/device_state_fields.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from protocols.envelope import Envelope, body_field
+from protocols.payloads.scaffold import CONTROL, HEAD, KIND, ScaffoldUpdate, parse_scaffold_update
+from protocols.rounds import RoundClosed
+
+from aggregator.jobs.device_state_fields import DeviceStateFields, DeviceStateRun
+from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob, RoundUpdate
+
+
+@dataclass
+class ScaffoldConfig(FedAvgConfig, DeviceStateFields):
+    job_id: str = "scaffold"
+    total_devices: int = 0               # K in c's update; 0: the devices that contributed so far
+    control_clip_norm: float = 1000.0    # each device's Δc is clipped to this L2 norm
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.check_device_state()
+        if self.dp:
+            raise ValueError("Scaffold's control variates are outside DP-FedAvg's accounting: no dp with scaffold")
+        if isinstance(self.total_devices, bool) or not isinstance(self.total_devices, int) or self.total_devices < 0:
+            raise ValueError(f"total_devices must be an integer >= 0, got {self.total_devices!r}")
+        if not 0 < self.control_clip_norm < float("inf"):
+            raise ValueError(f"control_clip_norm must be a finite number > 0, got {self.control_clip_norm!r}")
+
+
+def clip_to_norm(tensors: dict[str, np.ndarray], bound: float) -> dict[str, np.ndarray]:
+    """The tensors scaled (together) to L2 norm ``bound`` when their norm exceeds it."""
+    norm = float(np.sqrt(sum(float(np.sum(np.square(t, dtype=np.float64))) for t in tensors.values())))
+    scale = min(1.0, bound / norm) if norm > 0 else 1.0
+    return {k: np.asarray(t, np.float64) * scale for k, t in tensors.items()}
+
+
+class ScaffoldJob(FedAvgJob):
+    """Scaffold on the head: FedAvgJob plus the server control c (see the module docstring)."""
+
+    def __init__(self, config: ScaffoldConfig, initial_head: dict[str, np.ndarray] | None = None, strategy=None):
+        super().__init__(config, initial_head=initial_head, strategy=strategy, kind=KIND)
+        self.device_state = DeviceStateRun()
+        self.control = {k: np.zeros_like(self.params[k]) for k in HEAD}
+        self._controls: dict[str, dict[str, np.ndarray]] = {}     # this round's Δc, by device
+
+    def task_for(self, device: str) -> tuple[dict, dict[str, np.ndarray]]:
+        params, tensors = super().task_for(device)
+        c = self.config
+        params = {**params, "job_id": c.job_id, "state": c.binding(self.device_state.run, self.round).to_params()}
+        return params, {**tensors, **{CONTROL + k: v.copy() for k, v in self.control.items()}}
+
+    def parse_result(self, env: Envelope) -> RoundUpdate:
+        update = parse_scaffold_update(env, self.config.num_classes, self.config.feature_dim)
+        return RoundUpdate(body_field(env, "round", int), update)
+
+    def apply(self, device: str, payload: RoundUpdate) -> None:
+        fresh = device not in self._updates
+        super().apply(device, payload)
+        update: ScaffoldUpdate = payload.update
+        if fresh and device in self._updates:           # accepted into the open round
+            self._controls[device] = clip_to_norm(update.delta_control, self.config.control_clip_norm)
+
+    def control_step(self) -> None:
+        """c ← c + (|S| / K) · mean(Δc) over the round's accepted updates (device-id order)."""
+        accepted = [self._controls[d] for d in sorted(self._controls) if d in self._updates]
+        if not accepted:
+            return
+        fleet = max(self.config.total_devices, len(self.contributed), len(accepted))
+        for k in HEAD:
+            mean = np.mean([delta[k] for delta in accepted], axis=0)
+            self.control[k] = (self.control[k] + (len(accepted) / fleet) * mean).astype(np.float32)
+
+    def close_round(self, closed: RoundClosed) -> None:
+        if self._open and closed.round == self.round:
+            self.control_step()
+        self._controls = {}
+        super().close_round(closed)
+
+    def next_participants(self, online: set[str]) -> list[str]:
+        chosen = super().next_participants(online)
+        if chosen:
+            self._controls = {}
+        return chosen
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return {**super().state_dict(), **{CONTROL + k: v.copy() for k, v in self.control.items()},
+                **self.device_state.state_dict()}
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        super().load_state_dict(state)
+        self.control = {k: np.asarray(state[CONTROL + k], dtype=np.float32).copy() for k in HEAD}
+        self.device_state.load_state_dict(state)
+
+    def bookkeeping(self) -> dict:
+        return {**super().bookkeeping(), **self.device_state.bookkeeping()}
+
+    def restore_bookkeeping(self, state: dict) -> None:
+        super().restore_bookkeeping(state)
+        self.device_state.restore_bookkeeping(state)

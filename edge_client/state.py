@@ -1,0 +1,210 @@
+"""A device's own store of per-job state: what a stateful algorithm keeps between its rounds.
+
+Partial personalization (FedSim/FedAlt: the personal part v_k), Scaffold (the control variate
+c_k) and ADMM-style methods (duals) need a device to remember something from one task of a job
+to the next. Handlers are rebuilt per task (an emulated host keeps nothing in memory between
+tasks, a phone's app may be killed between rounds), so the state lives on the device's disk:
+
+* **one file per job**, ``<sha256(job id)[:32]>.npz`` in the device's state folder: the job's
+  arrays plus a JSON header (job id, the round it was written at, the job's ``run``, when it
+  expires); loaded with ``allow_pickle=False`` (a state file is data, never code);
+* **atomic**: written to a temporary file in the same folder, fsynced, renamed over the old one
+  and the folder fsynced, so a device killed mid-write finds the previous state or the new one,
+  never a torn file (a torn or foreign file reads as "no state" and is removed);
+* **bound** to (job id, run, round): a task names its job, the job's run (a new job with a
+  reused id starts from nothing, never from an older job's state) and the round; an entry of
+  another run is dropped on sight;
+* **bounded**: the store has a byte budget for all jobs together; :meth:`DeviceStateStore.admit`
+  refuses a job whose state would not fit next to the other jobs' (the handler declines the
+  task with that reason, and the aggregator records it); nothing is ever evicted to make room;
+* **dropped** when it expires (each task says for how long the job may still need it, the
+  job's horizon; expired entries go on the next open), when the job's run changes, and all at
+  once by :meth:`DeviceStateStore.forget` (the operator forgot the device; ``fedfleet device
+  --forget-state``);
+* **never sent**: nothing here publishes anything; a handler uploads only what its algorithm
+  uploads (FedSim's Δu, Scaffold's Δy and Δc), never the stored arrays themselves.
+
+Staleness (a device sampled again after many rounds, the cross-device norm): an entry written
+more than ``max_staleness`` rounds before the task's round is treated as absent
+(:meth:`DeviceStateStore.load` with ``max_staleness``): FedSim/FedAlt restart the personal part
+from the global value, Scaffold restarts c_k from 0, which is the value of a device never
+sampled. Reset rather than decay: a decayed c_k still points along gradients of a model that
+is many server steps away, while 0 is the unbiased choice the algorithm itself makes for a
+newcomer; the cost (a stale device's first step is plain FedAvg's) is measured in
+``bench/claims/personalization.py``.
+
+Numpy only, so the torch-free device (``fedfleet[device]``) keeps state too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+DEFAULT_BUDGET_BYTES = 16 * 2**20          # all jobs together; a 10-class head on 1,280-d features is 51 KB
+DEFAULT_TTL_S = 7 * 24 * 3600.0            # a task that names no horizon: a week
+_HEADER = "__state_header__"
+_SUFFIX = ".npz"
+
+
+class StateBudgetExceeded(Exception):
+    """A job's state would not fit in the device's state budget (the task is declined)."""
+
+
+@dataclass(frozen=True)
+class StateEntry:
+    """One job's state as stored: its arrays, the round it was written at, the job's run."""
+
+    job_id: str
+    run: str
+    round: int
+    arrays: dict[str, np.ndarray]
+    expires_at: float
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+
+def state_bytes(arrays: dict[str, np.ndarray]) -> int:
+    """Bytes the arrays take in the store (their data; the header and npz framing are small)."""
+    return sum(np.asarray(a).nbytes for a in arrays.values())
+
+
+class DeviceStateStore:
+    """Per-job state of one device in ``root`` (created if absent), within ``budget_bytes``."""
+
+    def __init__(self, root: str | os.PathLike, budget_bytes: int = DEFAULT_BUDGET_BYTES,
+                 clock=time.time):
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be an integer >= 0, got {budget_bytes!r}")
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.budget_bytes = budget_bytes
+        self._clock = clock
+        self.sweep()
+
+    # ------------------------------------------------------------------ files
+    def _path(self, job_id: str) -> Path:
+        # hashed: a job id never becomes a path component (no traversal, no odd characters)
+        return self.root / (hashlib.sha256(job_id.encode()).hexdigest()[:32] + _SUFFIX)
+
+    def _read(self, path: Path) -> StateEntry | None:
+        """The entry in ``path``, or None (and the file removed) when it is torn or not ours."""
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                header = json.loads(bytes(data[_HEADER]).decode())
+                arrays = {k: data[k] for k in data.files if k != _HEADER}
+            return StateEntry(str(header["job_id"]), str(header["run"]), int(header["round"]), arrays,
+                              float(header["expires_at"]))
+        except FileNotFoundError:
+            return None
+        except Exception:           # torn, foreign or tampered: never trusted, never fatal
+            path.unlink(missing_ok=True)
+            return None
+
+    def _entries(self) -> list[tuple[Path, StateEntry]]:
+        out = []
+        for path in sorted(self.root.glob("*" + _SUFFIX)):
+            entry = self._read(path)
+            if entry is not None:
+                out.append((path, entry))
+        return out
+
+    def sweep(self) -> int:
+        """Remove expired entries (and leftover temporary files); how many entries went."""
+        for tmp in self.root.glob(".tmp-*"):
+            tmp.unlink(missing_ok=True)
+        now, gone = self._clock(), 0
+        for path, entry in self._entries():
+            if entry.expires_at <= now:
+                path.unlink(missing_ok=True)
+                gone += 1
+        return gone
+
+    def used_bytes(self, excluding: str | None = None) -> int:
+        """Bytes of state held for every job (but ``excluding``)."""
+        return sum(e.nbytes for _, e in self._entries() if e.job_id != excluding)
+
+    # ------------------------------------------------------------------ the API handlers use
+    def admit(self, job_id: str, nbytes: int) -> None:
+        """Raise :class:`StateBudgetExceeded` unless ``nbytes`` of state for ``job_id`` fit next
+        to the other jobs' state."""
+        others = self.used_bytes(excluding=job_id)
+        if others + nbytes > self.budget_bytes:
+            raise StateBudgetExceeded(
+                f"job {job_id}'s device state needs {nbytes} bytes; this device's state budget is "
+                f"{self.budget_bytes} bytes with {others} held by other jobs")
+
+    def load(self, job_id: str, run: str | None, round_: int | None = None,
+             max_staleness: int | None = None) -> StateEntry | None:
+        """The job's entry, or None: none stored, another run's (dropped), expired, or (with
+        ``round_`` and ``max_staleness``) written more than ``max_staleness`` rounds earlier.
+        ``run`` None: whichever run's the store holds (a later job reading what this one left,
+        e.g. the OLL job evaluating each device with its personal part)."""
+        path = self._path(job_id)
+        entry = self._read(path)
+        if entry is None:
+            return None
+        if entry.job_id != job_id or (run is not None and entry.run != run) or entry.expires_at <= self._clock():
+            path.unlink(missing_ok=True)
+            return None
+        if round_ is not None and max_staleness is not None and round_ - entry.round > max_staleness:
+            return None         # too old to trust: the caller restarts (overwritten on save)
+        return entry
+
+    def save(self, job_id: str, run: str, round_: int, arrays: dict[str, np.ndarray],
+             ttl_s: float = DEFAULT_TTL_S) -> StateEntry:
+        """Store the job's state atomically (after :meth:`admit` of its size)."""
+        arrays = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
+        if _HEADER in arrays or any(a.dtype == object for a in arrays.values()):
+            raise ValueError("state arrays must be numeric and not named " + _HEADER)
+        self.admit(job_id, state_bytes(arrays))
+        entry = StateEntry(job_id, run, int(round_), arrays, self._clock() + float(ttl_s))
+        header = json.dumps({"job_id": job_id, "run": run, "round": entry.round, "expires_at": entry.expires_at})
+        buffer = io.BytesIO()
+        np.savez(buffer, **arrays, **{_HEADER: np.frombuffer(header.encode(), dtype=np.uint8)})
+        self._write_atomically(self._path(job_id), buffer.getvalue())
+        return entry
+
+    def _write_atomically(self, path: Path, data: bytes) -> None:
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=self.root)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        dir_fd = os.open(self.root, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)        # the rename itself survives a power cut
+        finally:
+            os.close(dir_fd)
+
+    def drop(self, job_id: str) -> bool:
+        """Remove the job's state (its job ended); whether there was any."""
+        path = self._path(job_id)
+        existed = path.exists()
+        path.unlink(missing_ok=True)
+        return existed
+
+    def forget(self) -> int:
+        """Remove every job's state (the operator forgot this device); how many entries went."""
+        entries = list(self.root.glob("*" + _SUFFIX)) + list(self.root.glob(".tmp-*"))
+        for path in entries:
+            path.unlink(missing_ok=True)
+        return len(entries)
+
+    def jobs(self) -> list[str]:
+        return [entry.job_id for _, entry in self._entries()]

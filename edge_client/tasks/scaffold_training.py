@@ -1,0 +1,77 @@
+"""``scaffold.head``: Scaffold's local pass on the head, with the device's control c_k kept in its
+state store (``protocols.payloads.scaffold``; spec: ``learning_after_fed3r.md``, Phase 2).
+
+Each step is ``fedavg.head``'s numpy step (temperature-scaled cross-entropy, L2 weight decay)
+followed by the control correction −lr (c − c_k), i.e. y ← y − lr (∇f_k(y) + wd·y − c_k + c).
+After the K steps, option II: c_k⁺ = c_k − c + (w − y) / (K lr). The device stores c_k⁺ (with
+the c_k it started from, so a redelivered task starts there again) before it sends y and
+Δc = c_k⁺ − c_k. A device with no usable c_k (first time, another run's, stale) starts from 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from protocols.payloads.fedavg import encode_model_update
+from protocols.payloads.scaffold import CONTROL, DELTA_CONTROL, HEAD, KIND
+
+from ..agent import TaskDeclined
+from .head_training import LocalTraining
+from .numpy_head import NumpyHeadStepper, batch_schedule
+from .stateful_head import StatefulHeadTask
+
+
+def scaffold_pass(weight: np.ndarray, bias: np.ndarray, control: dict[str, np.ndarray],
+                  device_control: dict[str, np.ndarray], features: np.ndarray, labels: np.ndarray,
+                  recipe: LocalTraining) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(y, c_k⁺): the K corrected local steps from w = (weight, bias) and option II's new control."""
+    stepper = NumpyHeadStepper(weight, bias, recipe)
+    lr = np.float32(recipe.lr)
+    correction = {k: (np.asarray(control[k], np.float32) - np.asarray(device_control[k], np.float32)) * lr
+                  for k in HEAD}
+    batches = batch_schedule(len(labels), recipe)
+    for batch in batches:
+        stepper.step(features[batch], labels[batch])
+        stepper.weight -= correction["weight"]
+        stepper.bias -= correction["bias"]
+    y = stepper.parameters()
+    start = {"weight": np.asarray(weight, np.float32), "bias": np.asarray(bias, np.float32)}
+    scale = np.float32(1.0 / (len(batches) * recipe.lr))
+    new_control = {k: (np.asarray(device_control[k], np.float32) - np.asarray(control[k], np.float32)
+                       + (start[k] - y[k]) * scale) for k in HEAD}
+    if not all(np.isfinite(v).all() for v in (*y.values(), *new_control.values())):
+        raise FloatingPointError("local training diverged (NaN/Inf in the head); lower the learning rate")
+    return y, new_control
+
+
+class ScaffoldTrainingTask(StatefulHeadTask):
+    """Handler for ``scaffold.head``: ``(params, tensors) -> (body, y and Δc)``."""
+
+    kind = KIND
+
+    def __call__(self, params: dict[str, Any], tensors: dict[str, np.ndarray] | None = None):
+        task = self.read(params, tensors)
+        try:
+            recipe = LocalTraining.from_params(params)
+        except (TypeError, ValueError) as exc:
+            raise TaskDeclined(f"bad {KIND} params: {exc}") from exc
+        head = {"weight": task.weight, "bias": task.bias}
+        control = {k: np.asarray((tensors or {}).get(CONTROL + k)) for k in HEAD}
+        if any(control[k].shape != head[k].shape or control[k].dtype != np.float32
+               or not np.isfinite(control[k]).all() for k in HEAD):
+            raise TaskDeclined(f"{KIND} task must carry finite float32 control.weight and control.bias "
+                               "shaped like the head")
+        self.admit(task, head)
+        stored = self.start_value(task, {k: v.shape for k, v in head.items()})
+        start = stored if stored is not None else {k: np.zeros_like(v) for k, v in head.items()}
+        try:
+            y, new_control = scaffold_pass(task.weight, task.bias, control, start, task.features, self.labels,
+                                           recipe)
+        except FloatingPointError as exc:
+            raise TaskDeclined(str(exc)) from exc
+        self.keep(task, start, new_control)
+        delta = {DELTA_CONTROL + k: new_control[k] - start[k] for k in HEAD}
+        body, out = encode_model_update({**y, **delta}, len(self.labels))
+        return {**body, "restarted": stored is None}, out

@@ -1,0 +1,129 @@
+"""What the device's stateful head tasks (``pp.head``, ``scaffold.head``) share: reading a task
+that carries a global head and a state binding, the device's features, the state store's answer.
+
+Both train the linear head with the numpy step (``edge_client.tasks.numpy_head``) on every
+device, torch or not: the same float32 arithmetic everywhere, and nothing a torch-free device
+lacks. Each keeps its per-job state in the device's :class:`~edge_client.state.DeviceStateStore`
+and writes it *before* the result goes out, with the value it started from: a task redelivered
+for the same round (the device was killed before its result was acknowledged) starts again from
+that value, so a redelivery computes the same result instead of training twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from protocols.payloads.stateful import StateBinding
+
+from ..agent import TaskDeclined
+from ..state import DeviceStateStore, StateBudgetExceeded, state_bytes
+from .extractors import ExtractorFactory, extractor_for
+
+PREVIOUS = "previous."          # the stored value a round started from (redelivery starts there again)
+
+
+@dataclass(frozen=True)
+class HeadTask:
+    """A validated stateful head task: the job, its head, the state binding, the local features."""
+
+    job_id: str
+    weight: np.ndarray
+    bias: np.ndarray
+    binding: StateBinding
+    features: np.ndarray
+    holdout: np.ndarray | None
+
+
+class StatefulHeadTask:
+    """Base of the stateful head handlers: local data, features, the state store (None: the
+    device keeps no state and declines)."""
+
+    kind = ""
+
+    def __init__(self, images: np.ndarray, labels: np.ndarray, extractor_factory: ExtractorFactory,
+                 store: DeviceStateStore | None, holdout_images: np.ndarray | None = None,
+                 holdout_labels: np.ndarray | None = None):
+        if len(images) != len(labels):
+            raise ValueError("images and labels differ in length")
+        self.images, self.labels = images, np.asarray(labels, dtype=np.int64)
+        self.holdout_images = holdout_images
+        self.holdout_labels = None if holdout_labels is None else np.asarray(holdout_labels, dtype=np.int64)
+        self.extractor_factory, self.store = extractor_factory, store
+
+    def read(self, params: dict[str, Any], tensors: dict[str, np.ndarray] | None) -> HeadTask:
+        """The task's inputs, checked; TaskDeclined with the reason otherwise."""
+        if self.store is None:
+            raise TaskDeclined(f"{self.kind} keeps state on the device and this device has no state store "
+                               "(fedfleet device --state-dir)")
+        if len(self.images) == 0:
+            raise TaskDeclined("no local training data")
+        try:
+            job_id = str(params["job_id"])
+            num_classes, feature_dim = int(params["num_classes"]), int(params["feature_dim"])
+            binding = StateBinding.from_params(params)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TaskDeclined(f"bad {self.kind} params: {exc}") from exc
+        tensors = tensors or {}
+        weight, bias = np.asarray(tensors.get("weight")), np.asarray(tensors.get("bias"))
+        if weight.shape != (num_classes, feature_dim) or bias.shape != (num_classes,) \
+                or weight.dtype != np.float32 or bias.dtype != np.float32:
+            raise TaskDeclined(f"{self.kind} task must carry float32 weight ({num_classes}, {feature_dim}) "
+                               f"and bias ({num_classes},)")
+        if not (np.isfinite(weight).all() and np.isfinite(bias).all()):
+            raise TaskDeclined("global head contains NaN or Inf")
+        if self.labels.min() < 0 or self.labels.max() >= num_classes:
+            raise TaskDeclined(f"local label {self.labels.max()} outside the job's {num_classes} classes")
+        try:
+            extractor = extractor_for(self.extractor_factory, params)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TaskDeclined(f"bad {self.kind} params: {exc}") from exc
+        if extractor.feature_dim != feature_dim:
+            raise TaskDeclined(f"backbone gives {extractor.feature_dim}-d features, task expects {feature_dim}")
+        features = extractor.extract(self.images)
+        holdout = None
+        if self.holdout_labels is not None and len(self.holdout_labels) \
+                and self.holdout_labels.max() < num_classes and self.holdout_labels.min() >= 0:
+            holdout = extractor.extract(self.holdout_images)
+        return HeadTask(job_id, weight, bias, binding, features, holdout)
+
+    def admit(self, task: HeadTask, state: dict[str, np.ndarray]) -> None:
+        """Decline unless the job's state (kept twice: the value and the one it started from) fits."""
+        try:
+            self.store.admit(task.job_id, 2 * state_bytes(state))
+        except StateBudgetExceeded as exc:
+            raise TaskDeclined(str(exc)) from exc
+
+    def start_value(self, task: HeadTask, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray] | None:
+        """The stored state this round starts from, or None (none, another run's, stale, malformed).
+        A task of the round the state was written at (a redelivery) starts from what that round started from."""
+        b = task.binding
+        entry = self.store.load(task.job_id, b.run, b.round, b.max_staleness)
+        if entry is None:
+            return None
+        prefix = PREVIOUS if entry.round == b.round else ""
+        if entry.round > b.round:
+            return None                 # written at a later round than this task's: not ours to continue
+        value = {name: entry.arrays.get(prefix + name) for name in shapes}
+        if any(v is None or v.shape != shape or v.dtype != np.float32 or not np.isfinite(v).all()
+               for (name, shape), v in zip(shapes.items(), value.values())):
+            return None
+        return value
+
+    def keep(self, task: HeadTask, started: dict[str, np.ndarray], now: dict[str, np.ndarray]) -> None:
+        """Store this round's state (and the value it started from) before the result goes out."""
+        arrays = {**{name: np.asarray(v, np.float32) for name, v in now.items()},
+                  **{PREVIOUS + name: np.asarray(v, np.float32) for name, v in started.items()}}
+        try:
+            self.store.save(task.job_id, task.binding.run, task.binding.round, arrays, task.binding.ttl_s)
+        except StateBudgetExceeded as exc:
+            raise TaskDeclined(str(exc)) from exc
+
+
+def holdout_correct(weight: np.ndarray, bias: np.ndarray, features: np.ndarray | None,
+                    labels: np.ndarray | None) -> int:
+    if features is None:
+        return 0
+    return int(((features @ weight.T + bias).argmax(axis=1) == labels).sum())

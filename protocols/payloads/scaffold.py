@@ -1,0 +1,53 @@
+"""Payload of ``scaffold.head`` tasks and results: Scaffold (Karimireddy et al. 2020, option II)
+on the linear head.
+
+Task (aggregator -> device): tensors ``weight`` (C, d), ``bias`` (C,) (the global head w) and
+``control.weight``, ``control.bias`` (the server control c); ``params``: the model fields,
+``feature_dim``, the local recipe of ``fedavg.head`` (epochs, batch_size, lr, weight_decay,
+temperature, seed), ``job_id`` and the state binding (``protocols.payloads.stateful``).
+
+The device keeps its control c_k in its state store (0 the first time, and after it went stale),
+takes K local steps y ← y − lr (∇f_k(y) + wd·y − c_k + c) and sets
+c_k⁺ = c_k − c + (w − y) / (K lr).
+
+Result (device -> aggregator): tensors ``weight``, ``bias`` (y: the trained head; the server's
+Δy = y − w) and ``delta_control.weight``, ``delta_control.bias`` (Δc = c_k⁺ − c_k), float32 and
+finite, ``n`` in the body: twice FedAvg(ψ)'s upload.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..envelope import Envelope
+from .fedavg import parse_model_update
+
+KIND = "scaffold.head"
+CONTROL = "control."                 # the server control c, in a task
+DELTA_CONTROL = "delta_control."     # the device's Δc, in a result
+HEAD = ("weight", "bias")
+
+
+@dataclass(frozen=True)
+class ScaffoldUpdate:
+    n: int
+    head: dict[str, np.ndarray]            # y
+    delta_control: dict[str, np.ndarray]   # Δc, by head tensor name
+
+    def tensors(self) -> dict[str, np.ndarray]:
+        return dict(self.head)
+
+
+def result_shapes(num_classes: int, feature_dim: int) -> dict[str, tuple[int, ...]]:
+    head = {"weight": (num_classes, feature_dim), "bias": (num_classes,)}
+    return {**head, **{DELTA_CONTROL + name: shape for name, shape in head.items()}}
+
+
+def parse_scaffold_update(msg: Envelope, num_classes: int, feature_dim: int,
+                          max_samples: int = 10**9) -> ScaffoldUpdate:
+    """Validate a ``scaffold.head`` result (exactly y and Δc, float32, finite); EnvelopeError otherwise."""
+    update = parse_model_update(msg, result_shapes(num_classes, feature_dim), max_samples)
+    t = update.trained
+    return ScaffoldUpdate(update.n, {k: t[k] for k in HEAD}, {k: t[DELTA_CONTROL + k] for k in HEAD})

@@ -1,0 +1,57 @@
+"""What a stateful task tells its device about the state the job keeps there.
+
+Tasks of stateful job kinds (partial personalization ``pp.head``, Scaffold ``scaffold.head``)
+carry in ``params`` a ``state`` object: the binding under which the device stores its per-job
+state (``edge_client.state.DeviceStateStore``):
+
+* ``run``            the job's run (hex): a job created again under the same id has another run,
+                     and a device never reuses an earlier run's state
+* ``round``          the task's round; the device writes its state at this round
+* ``max_staleness``  state written more than this many rounds before ``round`` is not trusted
+                     (FedSim/FedAlt restart the personal part from the global value, Scaffold
+                     restarts c_k from 0)
+* ``ttl_s``          how long the device keeps the state after this task (the job's horizon):
+                     it is dropped then, whether or not the job says so
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+RUN_PATTERN = re.compile(r"[0-9a-f]{8,64}")
+MAX_TTL_S = 365 * 24 * 3600.0
+
+
+@dataclass(frozen=True)
+class StateBinding:
+    run: str
+    round: int
+    max_staleness: int = 50
+    ttl_s: float = 7 * 24 * 3600.0
+
+    def __post_init__(self):
+        if not isinstance(self.run, str) or not RUN_PATTERN.fullmatch(self.run):
+            raise ValueError(f"state run must be 8-64 lowercase hex digits, got {self.run!r}")
+        for name in ("round", "max_staleness"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 10**9:
+                raise ValueError(f"state {name} must be an integer in 0..1e9, got {value!r}")
+        if isinstance(self.ttl_s, bool) or not isinstance(self.ttl_s, (int, float)) \
+                or not math.isfinite(self.ttl_s) or not 0 < self.ttl_s <= MAX_TTL_S:
+            raise ValueError(f"state ttl_s must be in (0, {MAX_TTL_S:g}] seconds, got {self.ttl_s!r}")
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any]) -> "StateBinding":
+        state = params.get("state")
+        if not isinstance(state, dict):
+            raise ValueError("a stateful task needs a 'state' object in its params")
+        unknown = set(state) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown state fields {sorted(unknown)}")
+        return cls(**state)
+
+    def to_params(self) -> dict[str, Any]:
+        return asdict(self)

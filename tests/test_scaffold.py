@@ -1,0 +1,173 @@
+"""Scaffold(ψ), option II: the device pass and the server's control step against numpy references;
+c in the job's checkpoint, c_k in the device's state store."""
+
+import numpy as np
+import pytest
+
+from aggregator.jobs.fedavg import FedAvgConfig
+from aggregator.jobs.robustness_fields import PLAIN_MEAN
+from aggregator.jobs.scaffold import ScaffoldConfig, ScaffoldJob
+from edge_client.features import FeatureExtractor
+from edge_client.state import DeviceStateStore
+from edge_client.tasks.head_training import LocalTraining
+from edge_client.tasks.numpy_head import NumpyHeadStepper, batch_schedule
+from edge_client.tasks.scaffold_training import ScaffoldTrainingTask, scaffold_pass
+from protocols import messages as M
+from protocols.envelope import decode, encode
+from protocols.payloads.scaffold import KIND
+from protocols.rounds import RoundClosed
+
+C, D, SIZE = 3, 8, 8
+
+
+def reference_pass(W, b, c, ck, Z, y, r):
+    """float64: y ← y − lr (∇f(y) + wd·y − c_k + c) per mini-batch; c_k⁺ = c_k − c + (w − y)/(K lr)."""
+    x = {"weight": W.astype(np.float64), "bias": b.astype(np.float64)}
+    rng = np.random.default_rng(r.seed)
+    K = 0
+    for _ in range(r.epochs):
+        order = rng.permutation(len(y))
+        for s in range(0, len(y), r.batch_size):
+            rows = order[s:s + r.batch_size]
+            logits = (Z[rows] @ x["weight"].T + x["bias"]) / r.temperature
+            p = np.exp(logits - logits.max(axis=1, keepdims=True))
+            p /= p.sum(axis=1, keepdims=True)
+            p[np.arange(len(rows)), y[rows]] -= 1.0
+            g = p / (r.temperature * len(rows))
+            grads = {"weight": g.T @ Z[rows], "bias": g.sum(axis=0)}
+            x = {k: x[k] - r.lr * (grads[k] + r.weight_decay * x[k] - ck[k] + c[k]) for k in x}
+            K += 1
+    w = {"weight": W, "bias": b}
+    return x, {k: ck[k] - c[k] + (w[k] - x[k]) / (K * r.lr) for k in x}
+
+
+def rand_head(rng, scale=0.1):
+    return {"weight": (scale * rng.normal(size=(C, D))).astype(np.float32),
+            "bias": (scale * rng.normal(size=C)).astype(np.float32)}
+
+
+@pytest.mark.parametrize("recipe", [LocalTraining(epochs=2, batch_size=10, lr=0.05, seed=1),
+                                    LocalTraining(epochs=1, batch_size=16, lr=0.1, weight_decay=0.2, seed=2)])
+def test_device_pass_matches_numpy_reference(recipe):
+    rng = np.random.default_rng(recipe.seed)
+    Z, y = rng.normal(size=(53, D)).astype(np.float32), rng.integers(0, C, 53)
+    w, c, ck = rand_head(rng), rand_head(rng, 0.5), rand_head(rng, 0.5)
+    out, new_ck = scaffold_pass(w["weight"], w["bias"], c, ck, Z, y, recipe)
+    ref, ref_ck = reference_pass(w["weight"], w["bias"], c, ck, Z.astype(np.float64), y, recipe)
+    for k in ("weight", "bias"):
+        np.testing.assert_allclose(out[k], ref[k], rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(new_ck[k], ref_ck[k], rtol=1e-3, atol=1e-3)
+
+
+def test_with_zero_controls_it_is_the_fedavg_step():
+    rng = np.random.default_rng(5)
+    Z, y = rng.normal(size=(40, D)).astype(np.float32), rng.integers(0, C, 40)
+    w, zero = rand_head(rng), {"weight": np.zeros((C, D), np.float32), "bias": np.zeros(C, np.float32)}
+    recipe = LocalTraining(epochs=2, batch_size=8, lr=0.05, seed=3)
+    out, _ = scaffold_pass(w["weight"], w["bias"], zero, zero, Z, y, recipe)
+    plain = NumpyHeadStepper(w["weight"], w["bias"], recipe)
+    for batch in batch_schedule(len(y), recipe):
+        plain.step(Z[batch], y[batch])
+    np.testing.assert_array_equal(out["weight"], plain.weight)
+    np.testing.assert_array_equal(out["bias"], plain.bias)
+
+
+def pixel_extractor():
+    proj = np.random.default_rng(99).normal(size=(3 * SIZE * SIZE, D)).astype(np.float32) / 20
+    return FeatureExtractor(lambda x: x.reshape(len(x), -1) @ proj, image_size=SIZE,
+                            mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25), feature_dim=D)
+
+
+EXTRACTOR = pixel_extractor()
+
+
+def device(i, root):
+    rng = np.random.default_rng(i)
+    n = 25 + 5 * i
+    x, y = rng.integers(0, 256, (n, SIZE, SIZE), dtype=np.uint8), rng.integers(0, C, n)
+    return ScaffoldTrainingTask(x, y, lambda *a, **k: EXTRACTOR, DeviceStateStore(root / f"dev{i}"))
+
+
+def make_job(**overrides):
+    return ScaffoldJob(ScaffoldConfig(**{"num_classes": C, "feature_dim": D, "image_size": SIZE,
+                                         "clients_per_round": 2, "rounds": 4, "local_epochs": 1, "batch_size": 8,
+                                         "client_lr": 0.05, "total_devices": 4, **PLAIN_MEAN, **overrides}))
+
+
+def run_round(job, handlers, tamper=None):
+    chosen = job.next_participants(set(handlers))
+    sent = {}
+    for d in chosen:
+        params, tensors = job.task_for(d)
+        task = decode(encode(M.task_message("aggregator", job.config.job_id, job.round, KIND, params, 1e9)))
+        body, out = handlers[d](task.body["params"], tensors)
+        if tamper:
+            out = tamper(d, out)
+        env = decode(encode(M.result_message(d, M.TaskRef(job.config.job_id, job.round, task.id), KIND, body, out)))
+        job.apply(d, job.parse_result(env))
+        sent[d] = (tensors, body, out)
+    job.close_round(RoundClosed(job.round, tuple(chosen), (), (), ()))
+    return sent
+
+
+def test_server_steps_match_the_formulas_and_devices_keep_their_controls(tmp_path):
+    handlers = {f"dev{i}": device(i, tmp_path) for i in range(4)}
+    job = make_job(server_lr=0.7)
+    ck = {d: {"weight": np.zeros((C, D)), "bias": np.zeros(C)} for d in handlers}
+    for _ in range(3):
+        w, c = {k: job.params[k].astype(np.float64) for k in ("weight", "bias")}, dict(job.control)
+        sent = run_round(job, handlers)
+        n = {d: body["n"] for d, (_, body, _) in sent.items()}
+        for k in ("weight", "bias"):
+            mean_y = sum(n[d] * out[k].astype(np.float64) for d, (_, _, out) in sent.items()) / sum(n.values())
+            np.testing.assert_allclose(job.params[k], w[k] + 0.7 * (mean_y - w[k]), rtol=1e-5, atol=1e-6)
+            mean_dc = np.mean([out["delta_control." + k] for _, _, out in sent.values()], axis=0)
+            np.testing.assert_allclose(job.control[k], c[k] + len(sent) / 4 * mean_dc, rtol=1e-5, atol=1e-6)
+        for d, (tensors, body, out) in sent.items():
+            stored = handlers[d].store.load(job.config.job_id, job.device_state.run).arrays
+            for k in ("weight", "bias"):
+                ck[d][k] = ck[d][k] + out["delta_control." + k]
+                np.testing.assert_allclose(stored[k], ck[d][k], rtol=1e-5, atol=1e-6)
+    assert np.abs(job.control["weight"]).sum() > 0
+
+
+def test_control_and_run_survive_a_checkpoint(tmp_path):
+    handlers = {f"dev{i}": device(i, tmp_path) for i in range(4)}
+    job = make_job()
+    run_round(job, handlers)
+    restored = make_job()
+    restored.load_state_dict(job.state_dict())
+    assert restored.device_state.run == job.device_state.run
+    for k in ("weight", "bias"):
+        np.testing.assert_array_equal(restored.control[k], job.control[k])
+
+
+def test_one_device_moves_c_by_at_most_its_clipped_share(tmp_path):
+    handlers = {f"dev{i}": device(i, tmp_path) for i in range(4)}
+    job = make_job(control_clip_norm=1.0, clients_per_round=4)
+
+    def huge(d, out):
+        return {**out, "delta_control.weight": np.full((C, D), 1e6, np.float32)} if d == "dev0" else out
+
+    sent = run_round(job, handlers, tamper=huge)
+    honest = [clip for d, (_, _, out) in sent.items() if d != "dev0"
+              for clip in [np.sqrt(sum(np.sum(out["delta_control." + k].astype(np.float64) ** 2)
+                                       for k in ("weight", "bias")))]]
+    total = np.sqrt(sum(np.sum(job.control[k].astype(np.float64) ** 2) for k in ("weight", "bias")))
+    assert total <= (1.0 + sum(min(1.0, h) for h in honest)) / 4 + 1e-6
+
+
+def test_stale_control_restarts_from_zero(tmp_path):
+    h = device(0, tmp_path)
+    job = make_job(clients_per_round=1, state_max_staleness=2)
+    run_round(job, {"dev0": h})
+    job.next_participants({"dev0"})
+    job.round += 5
+    body, out = h(*job.task_for("dev0"))
+    assert body["restarted"] is True
+
+
+def test_dp_is_refused():
+    with pytest.raises(ValueError, match="dp"):
+        ScaffoldConfig(num_classes=C, feature_dim=D, dp_noise_multiplier=1.0, dp_clip_norm=1.0)
+    assert FedAvgConfig(num_classes=C, feature_dim=D, dp_noise_multiplier=1.0, dp_clip_norm=1.0).dp
