@@ -19,7 +19,8 @@ float32, their sums in different orders). One step's gradient differs by at most
 rounding of the logits, κ_z = (d+2)·ε·F·Θ/T (ε = 2^-24, F = max|f|, Θ a bound on |θ| along the
 way), carried through the softmax (Lipschitz 1) into the gradient (×F/T), plus the rounding of
 the gradient's own sum, (B+C+2)·ε·F/T; the update adds one float32 rounding of θ, ε·Θ. Over S
-steps at rate lr: tol = S·(lr·(κ_z·F/T + (B+C+2)·ε·F/T) + ε·Θ), first order (the measured
+steps at rate lr: tol = S·(lr·(κ_z·F/T + (B+C+2)·ε·F/T) + ε·Θ), first order, Θ the largest |θ| at
+the start and the ends plus one step's reach lr·2F/T (the measured
 worst measured difference over the fuzzed cases is about half of it, printed by the test). It replaces the 1e-5 once asserted: at lr
 0.3, T 0.1 and 24 steps the OLL fine-tune legitimately drifts 2.6e-5.
 """
@@ -152,7 +153,9 @@ def write_cases(folder: Path, keys, seed: int) -> dict[str, list[tuple]]:
 def run_devices(folder: Path, keys) -> dict[str, list[dict]]:
     """Each device over every case: the Java one in one JVM, the torch-free one in one process."""
     agg = keys["aggregator"].public_key_bytes.hex()
-    java = subprocess.Popen(["java", "-cp", java_build.built(), "TaskRunner", "--batch", str(folder / "java.cases"), agg,
+    # C1 only and the serial collector: a third of the JIT's CPU for a run of seconds (2.9 s against 8.3 s)
+    java = subprocess.Popen(["java", "-XX:TieredStopAtLevel=1", "-XX:+UseSerialGC", "-cp", java_build.built(),
+                             "TaskRunner", "--batch", str(folder / "java.cases"), agg,
                              keys["java"].private_bytes().hex()], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     numpy_device = subprocess.Popen([str(DEVICE_PYTHON), str(Path(__file__).with_name("fuzz_device.py")),
                                      str(folder / "numpy.cases"), agg, keys["numpy"].private_bytes().hex(),
@@ -181,12 +184,13 @@ def java_statuses(out: str, folder: Path) -> list[dict]:
     return cases
 
 
-def head_tolerance(params: dict, start: dict, Z: np.ndarray, steps: int, batch: int) -> float:
+def head_tolerance(params: dict, start: dict, Z: np.ndarray, steps: int, batch: int, *ends: dict) -> float:
     """The float32 rounding two correct head steppers may differ by after ``steps`` steps (module
-    docstring), with Θ bounded by where S steps at rate lr can take the head."""
+    docstring); Θ: the largest |θ| of the start and the ``ends`` (the heads compared) plus what
+    one step can move a parameter, lr·2F/T."""
     C, d = start["weight"].shape
     F, T, lr = max(1.0, float(np.abs(Z).max())), params["temperature"], params["lr"]
-    theta = max(float(np.abs(start["weight"]).max()), float(np.abs(start["bias"]).max())) + steps * lr * 2 * F / T
+    theta = max(float(np.abs(np.asarray(v, np.float64)).max()) for h in (start, *ends) for v in h.values()) + lr * 2 * F / T
     logits = (d + 2) * EPS32 * F * theta / T
     return steps * (lr * (logits * F / T + (batch + C + 2) * EPS32 * F / T) + EPS32 * theta)
 
@@ -223,7 +227,8 @@ def compare_payloads(kind: str, case: tuple, results: dict, report: dict) -> Non
             if (np.signbit(got_t) != np.signbit(want_t))[equal].any():
                 report["failures"].append((device, name, "-0.0 vs +0.0", got_t[equal & (np.signbit(got_t) != np.signbit(want_t))]))
             if kind == "fedavg.head":
-                tol = head_tolerance(params, start, Z, report["steps"], params["batch_size"])
+                tol = head_tolerance(params, start, Z, report["steps"], params["batch_size"],
+                                     dict(ref.tensors), dict(got.tensors))
             else:
                 tol = stats_tolerance(want_t, str(want_t.dtype))
             diff = float(np.abs(got_t.astype(np.float64) - want_t).max()) if want_t.size else 0.0
