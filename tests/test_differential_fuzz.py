@@ -20,9 +20,9 @@ rounding of the logits, κ_z = (d+2)·ε·F·Θ/T (ε = 2^-24, F = max|f|, Θ a 
 way), carried through the softmax (Lipschitz 1) into the gradient (×F/T), plus the rounding of
 the gradient's own sum, (B+C+2)·ε·F/T; the update adds one float32 rounding of θ, ε·Θ. Over S
 steps at rate lr: tol = S·(lr·(κ_z·F/T + (B+C+2)·ε·F/T) + ε·Θ), first order, Θ the largest |θ| at
-the start and the ends plus one step's reach lr·2F/T (the measured
-worst measured difference over the fuzzed cases is about a quarter of it, printed by the test). It replaces the 1e-5 once asserted: at lr
-0.3, T 0.1 and 24 steps the OLL fine-tune legitimately drifts 2.6e-5.
+the start and the ends plus one step's reach lr·2F/T (the worst measured difference over the
+fuzzed cases is about a quarter of it, printed by the test). It replaces the 1e-5 once asserted:
+at lr 0.3, T 0.1 and 24 steps the OLL fine-tune legitimately drifts 2.6e-5.
 
 On the code before this fuzzer (c2bf56a) it fails three ways: the Java device refuses 25 + 25
 tasks signed by the aggregator (a 2^-k rate written with 17 digits by Java, 16 by Python: the
