@@ -33,6 +33,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from protocols.payloads.fedavg import trained_out_of_bounds
+
 from .tasks.head_training import LocalTraining, TrainedHead, train_head
 from .tasks.numpy_head import train_heads_together
 
@@ -198,8 +200,9 @@ def choose_fp_lr(weight: np.ndarray, bias: np.ndarray, features: np.ndarray, lab
     features = head._check(features)
     weights, biases = train_heads_together(head.weight, head.bias, features, head.label_map.to_local(labels),
                                            fits, candidates, recipe)
-    if not (np.isfinite(weights).all() and np.isfinite(biases).all()):
-        raise FloatingPointError("local training diverged (NaN/Inf in the head); lower the learning rate")
+    broken = trained_out_of_bounds({"weight": weights, "bias": biases})
+    if broken:              # the protocol's rule, as for any trained head (Java: FpLearningRate via HeadTrainer)
+        raise FloatingPointError(f"local training diverged ({broken}); lower the learning rate")
     scores: dict[float, float] = {}
     for i, lr in enumerate(candidates):
         correct = 0

@@ -20,7 +20,10 @@ gaps and no overlap, so a decoder can reject a truncated or padded message befor
 Headers are serialised canonically (sorted keys, no whitespace) so the same message always
 encodes to the same bytes; the golden vectors in ``golden/`` pin that down for other languages.
 An optional Ed25519 signature (``sig``, hex) covers ``canonical(header without sig)``; because the
-header includes ``payload_sha256`` the signature binds the tensors too. Signing is injected as a
+header includes ``payload_sha256`` the signature binds the tensors too. A receiver verifies it over
+the header bytes *as received* with the ``"sig"`` member cut out (:func:`signed_header_bytes`),
+never over its own re-encoding: two codecs that wrote one float differently (Java once wrote
+2^-24 with 17 digits, Python with 16) would otherwise refuse each other's signatures. Signing is injected as a
 callable so this module needs no key material and stays free of I/O.
 """
 
@@ -230,7 +233,8 @@ def decode(data: bytes, verifier: Verifier | None = None, *,
     (``chunking.MessageAssembler``), so hashing each chunk on the way would hash them twice.
     """
     header = _checked_header(data, max_bytes)
-    payload = memoryview(data)[PREFIX_LEN + struct.unpack_from("<I", data, 4)[0]:]
+    hlen = struct.unpack_from("<I", data, 4)[0]
+    payload = memoryview(data)[PREFIX_LEN + hlen:]
     if callable(hash_payload):
         hash_payload = hash_payload(header["type"])
     if hash_payload and hashlib.sha256(payload).hexdigest() != header["payload_sha256"]:
@@ -239,9 +243,29 @@ def decode(data: bytes, verifier: Verifier | None = None, *,
     if verifier is not None:
         if sig is None:
             raise EnvelopeError(f"unsigned message from {header['sender']!r}")
-        unsigned = {k: v for k, v in header.items() if k != "sig"}
-        verifier(header["sender"], canonical_json(unsigned), bytes.fromhex(sig))
+        signed = signed_header_bytes(bytes(data[PREFIX_LEN:PREFIX_LEN + hlen]), sig)
+        verifier(header["sender"], signed, bytes.fromhex(sig))
     return _envelope(header, _decode_tensors(header["tensors"], payload))
+
+
+def signed_header_bytes(header_bytes: bytes, sig: str) -> bytes:
+    """What the signature ``sig`` of a received header covers: the header bytes exactly as received
+    with the member ``"sig":"<sig>"`` and the comma joining it to a neighbour cut out. For a
+    canonical header (what every sender writes) that is ``canonical(header without sig)``, the bytes
+    the sender signed, whatever this side's float formatter would write. The member must occur
+    exactly once, written as the canonical writer writes it (a nested ``sig`` key holding the
+    same signature, or a spaced or escaped one, is refused): the cut is then the top-level member,
+    and the bytes left parse to the header the receiver acts on, less its ``sig``."""
+    member = b'"sig":"' + sig.encode("ascii") + b'"'
+    at = header_bytes.find(member)
+    if at < 0 or header_bytes.find(member, at + 1) >= 0:
+        raise EnvelopeError('the header must hold its "sig" member exactly once, written canonically')
+    end = at + len(member)
+    if header_bytes[at - 1:at] == b",":
+        at -= 1
+    elif header_bytes[end:end + 1] == b",":
+        end += 1
+    return header_bytes[:at] + header_bytes[end:]
 
 
 def decode_header(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Envelope:

@@ -50,6 +50,13 @@ def golden_messages() -> dict[str, bytes]:
     factor_body.update({"job": "fed3r-demo", "round": 1, "task": "00" * 16, "kind": "fed3r.stats"})
     out["result_fed3r_factor_zero_columns"] = encode(Envelope("result", "dev0003", body=factor_body,
                                                               tensors=factor_tensors, id="13" * 16, ts=_TS + 5))
+    # signed zeros: Z = [[0, 1], [0.5, 1]] (classes 0 and 2, bias column last) gives R exactly and a
+    # QtY whose zero the pivot's sign flip made -0.0; a canonical payload writes it +0.0
+    R = np.array([[0.5, 1.0, 1.0], [0.0, 1.0, 1.0]])
+    factor_body, factor_tensors = encode_factor(R, np.array([[-0.0, 1.0], [1.0, 0.0]]), np.array([0, 2]), 2, 3)
+    factor_body.update({"job": "fed3r-demo", "round": 1, "task": "00" * 16, "kind": "fed3r.stats"})
+    out["result_fed3r_factor_signed_zero"] = encode(Envelope("result", "dev0004", body=factor_body,
+                                                             tensors=factor_tensors, id="14" * 16, ts=_TS + 5))
     out["ack_accepted"] = encode(Envelope("ack", "aggregator", {"ref": "11" * 16, "status": "accepted", "reason": ""},
                                           id="22" * 16, ts=_TS + 6))
     out["presence_online"] = encode(Envelope("presence", "dev0001", {"state": "online", "info": {"kinds": ["fed3r.stats"]}},

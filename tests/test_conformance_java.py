@@ -76,6 +76,9 @@ def canonical_lines() -> bytes:
     floats = [float(x) for x in bits if math.isfinite(x)]
     floats += [float(x) for x in rng.standard_normal(500) * 10.0 ** rng.integers(-30, 30, 500)]
     floats += [float(np.float32(x)) for x in rng.standard_normal(300)]  # float32 tensors' values as JSON
+    # every power of two: the gap below one is half the gap above, where a formatter that tries only
+    # the half-even rounding at each length writes 17 digits (2^-24) instead of repr's 16
+    floats += [s * 2.0 ** e for e in range(-1074, 1024) for s in (1, -1)]
     floats += [1e16, 9999999999999998.0, 1e-4, 9.999999999999999e-05, 1e22, 1e23, 2**53 + 2.0, 0.1 + 0.2]
     docs = [[floats[i:i + 200]] for i in range(0, len(floats), 200)]
     docs += [{"k\u00e9y": "\u0000\u001f\u007f\u0080\u07ff\u0800\uffff\U00010000\U0010ffff"},

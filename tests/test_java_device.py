@@ -63,9 +63,9 @@ def test_java_device_bytes_equal_the_golden_vectors(java_cp, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     index = json.loads((GOLDEN / "index.json").read_text())
     names = ["result_fed3r_stats", "presence_online", "result_signed_edge_cases", "result_fed3r_increment",
-             "result_fed3r_factor", "result_fed3r_factor_zero_columns", "result_fedavg_head", "result_fedavg_async"] + \
-            [n for n in index if n.startswith("chunk_")]
-    assert len(names) == 12
+             "result_fed3r_factor", "result_fed3r_factor_zero_columns", "result_fed3r_factor_signed_zero",
+             "result_fedavg_head", "result_fedavg_async"] + [n for n in index if n.startswith("chunk_")]
+    assert len(names) == 13
     for name in names:
         assert (out / f"{name}.bin").read_bytes() == (GOLDEN / index[name]["file"]).read_bytes(), name
     assert f"PUBLIC_KEY {index['result_signed_edge_cases']['public_key']}" in proc.stdout

@@ -14,12 +14,13 @@
 
 Tolerance. Both devices keep the head in float32 between steps and apply the same update; the
 Python device computes each step's logits, softmax and gradients in float32 (numpy/torch), the
-Java device in double, rounded once into the float32 update. A step therefore differs by at most
-the float32 rounding of the Python gradient (relative ~d·2⁻²⁴, ×1/T through the logits) times lr,
-plus one float32 ulp of the parameter; over the S ≤ 20 steps here, with |θ| ≲ 2, that is below
-S·(2·2⁻²⁴·2 + lr·1e-5) ≈ 1e-5. HEAD_ATOL = 1e-5 holds that with the measured differences around
-1e-7 (they are printed on failure), and is 10⁴ times smaller than what one local epoch moves the
-head, so a wrong loss, order or update would fail it.
+Java device in double, rounded once into the float32 update. How far two correct steppers may
+part after S steps is derived from that arithmetic in ``test_differential_fuzz.head_tolerance``
+(float32 rounding of the logits and of the gradient's sums, times lr, plus one rounding of θ per
+step): the single-task checks below use it, and check that it is far below what training moves
+the head. It grows with lr·S/T: at lr 0.3, T 0.1 and 24 steps an OLL fine-tune legitimately
+drifts 2.6e-5, past the 1e-5 once asserted. HEAD_ATOL = 1e-5 stays for the fleet replays here
+(a few steps at lr 0.05, where the derived bound is below it).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import numpy as np
 import pytest
 
 import java_build
+from test_differential_fuzz import head_tolerance
 from test_java_device import write_features
 from aggregator.jobs.robustness_fields import PLAIN_MEAN
 
@@ -115,18 +117,19 @@ def test_fedavg_head_equals_the_python_device(java_cp, tmp_path, rule):
         py_steps, py_loss = local_sgd(stepper, len(y), Z, y, recipe)
         ref = stepper.parameters()
         assert steps == py_steps == 15 and abs(java_loss - py_loss) <= 1e-5
+        tol = head_tolerance(RECIPE, head, Z, steps, RECIPE["batch_size"], ref, update.tensors())
         for k, got in (("weight", update.weight), ("bias", update.bias)):
             diff = np.abs(got - ref[k]).max()
-            assert diff <= HEAD_ATOL, (stepper_class.__name__, k, diff)
-            assert np.abs(ref[k] - head[k]).max() > 1e4 * HEAD_ATOL   # it trained: the tolerance can fail
+            assert diff <= tol, (stepper_class.__name__, k, diff, tol)
+            assert np.abs(ref[k] - head[k]).max() > 10 * tol   # it trained: the tolerance can fail
     trained = train_head(head["weight"], head["bias"], Z, y, recipe)     # what HeadTrainingTask runs here
-    assert np.abs(update.weight - trained.weight).max() <= HEAD_ATOL
+    assert np.abs(update.weight - trained.weight).max() <= tol
     if not rule:
         _, without_version = run_java_task(java_cp, tmp_path, RECIPE, head, (Z, y))
         assert "model_version" not in without_version.body
     else:      # the rule changed the step, by more than the tolerance
         plain = train_head(head["weight"], head["bias"], Z, y, LocalTraining.from_params(RECIPE))
-        assert np.abs(plain.weight - update.weight).max() > 10 * HEAD_ATOL
+        assert np.abs(plain.weight - update.weight).max() > 10 * tol
 
 
 @pytest.mark.parametrize("change, tensors, reason", [
@@ -461,8 +464,8 @@ def java_personalize(java_cp, tmp_path, params, head, train, held_out):
 def test_oll_and_fp_personalization_equal_the_python_device(java_cp, tmp_path, fp_epochs):
     """OLL's pruning and label map, the FP(ψ) rate's cross-validation (same folds, same per-fold
     training) and the fine-tuned head: the Java device reports the Python device's counts and
-    rate exactly, and holds the Python device's personalised head within HEAD_ATOL (the same
-    float32-vs-float64 argument as fedavg.head). The counts are exactly equal because no held-out
+    rate exactly, and holds the Python device's personalised head within the derived head_tolerance
+    (the same float32-vs-float64 argument as fedavg.head). The counts are exactly equal because no held-out
     or cross-validation sample lies within that tolerance of a decision boundary here (checked)."""
     from ops_fleet import Features
 
@@ -483,10 +486,15 @@ def test_oll_and_fp_personalization_equal_the_python_device(java_cp, tmp_path, f
     assert {k: result.body[k] for k in body} == body and report.fallback > 0 and report.local_classes == 3
     weight = np.array(lines["OLL_WEIGHT"], dtype=np.float32).reshape(3, D)
     bias = np.array(lines["OLL_BIAS"], dtype=np.float32)
-    assert np.abs(weight - python.head.weight).max() <= HEAD_ATOL and np.abs(bias - python.head.bias).max() <= HEAD_ATOL
-    # no held-out sample near a boundary of the Python head: the counts' equality is not luck
+    steps = fp_epochs * -(-len(train[1]) // params["batch_size"])
+    tol = head_tolerance({**params, "lr": report.fp_lr or 0.0}, head, train[0], steps, params["batch_size"],
+                         {"weight": weight, "bias": bias}, {"weight": python.head.weight, "bias": python.head.bias})
+    diff = max(np.abs(weight - python.head.weight).max(), np.abs(bias - python.head.bias).max())
+    assert diff <= tol
+    # no held-out sample near a boundary of the Python head: the counts' equality is not luck (heads
+    # that differ by diff move a logit by at most diff·(‖f‖₁ + 1), a gap between two by twice that)
     logits = np.sort(held_out[0] @ python.head.weight.T + python.head.bias, axis=1)
-    assert (logits[:, -1] - logits[:, -2]).min() > 100 * HEAD_ATOL
+    assert (logits[:, -1] - logits[:, -2]).min() > 2 * diff * (np.abs(held_out[0]).sum(axis=1).max() + 1)
     if fp_epochs:
         recipe = LocalTraining.from_params({**params, "epochs": fp_epochs})
         lr, scores = choose_fp_lr(head["weight"], head["bias"], train[0], train[1], recipe, params["fp_lrs"], 4)

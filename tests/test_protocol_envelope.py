@@ -161,6 +161,36 @@ def test_signature_binds_header_and_payload():
         decode(_raw(forged, payload), verifier)
 
 
+def test_a_signature_is_verified_over_the_bytes_received_not_a_re_encoding():
+    """A sender whose float formatter writes 2^-24 with 17 digits (``5.9604644775390625e-08``;
+    repr writes 16) signs its own bytes: the signature holds here, where a re-encoding would write
+    repr's digits; the received member ``"sig"`` must be there once, canonically written."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from protocols.envelope import signed_header_bytes
+
+    key = Ed25519PrivateKey.generate()
+    raw_public = key.public_key().public_bytes_raw()
+    header, payload = _header_and_payload(sample())
+    header["body"]["lr"] = 2.0 ** -24
+    other_writer = canonical_json(header).replace(b"5.960464477539063e-08", b"5.9604644775390625e-08")
+    assert other_writer != canonical_json(header) and json.loads(other_writer) == header
+    sig = key.sign(other_writer).hex()
+    received = other_writer[:-1] + b',"sig":"' + sig.encode() + b'"}'    # "v" sorts before nothing: sig last
+    assert signed_header_bytes(received, sig) == other_writer
+    canonical_order = canonical_json({**header, "sig": sig})
+    assert signed_header_bytes(canonical_order, sig) == canonical_json(header)
+    verify = lambda sender, data, signature: verify_signature(raw_public, data, signature)
+    message = b"FFE1" + struct.pack("<I", len(received)) + received + payload
+    assert decode(message, verify).body["lr"] == 2.0 ** -24
+    with pytest.raises(Exception, match="signature"):              # re-encoding would have refused it
+        verify_signature(raw_public, canonical_json(header), bytes.fromhex(sig))
+    for bad in (received.replace(b'"sig":"', b'"sig": "'),                       # spaced: not canonical
+                received.replace(b'"body":{', b'"body":{"sig":"' + sig.encode() + b'",')):   # twice
+        with pytest.raises(EnvelopeError, match="exactly once"):
+            decode(b"FFE1" + struct.pack("<I", len(bad)) + bad + payload, verify)
+
+
 def test_chunking_round_trip_with_duplicates_and_reordering():
     m = Envelope("result", "dev1", {}, {"x": np.random.default_rng(0).normal(size=5000)})
     data = encode(m)

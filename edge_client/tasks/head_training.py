@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from protocols.payloads.fedavg import LocalRuleRecipe, encode_head_update
+from protocols.payloads.fedavg import LocalRuleRecipe, encode_head_update, trained_out_of_bounds
 
 from ..agent import TaskDeclined
 from .extractors import ExtractorFactory, extractor_for
@@ -239,8 +239,9 @@ def train_head(weight: np.ndarray, bias: np.ndarray, features: np.ndarray, label
     steps, mean_loss = local_sgd(stepper, len(labels), features, labels, recipe)
     trained = stepper.parameters()
     w, b = trained["weight"], trained["bias"]
-    if not (np.isfinite(w).all() and np.isfinite(b).all()):
-        raise FloatingPointError("local training diverged (NaN/Inf in the head); lower the learning rate")
+    broken = trained_out_of_bounds({"weight": w, "bias": b})
+    if broken:              # the protocol's rule, the same on every device (HeadTrainer.java)
+        raise FloatingPointError(f"local training diverged ({broken}); lower the learning rate")
     return TrainedHead(w, b, steps, mean_loss, stepper.runtime)
 
 

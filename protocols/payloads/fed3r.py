@@ -130,6 +130,14 @@ def dense_values(p: int, m: int) -> int:
     return packed_len(p) + m * p
 
 
+def positive_zeros(values: np.ndarray, dtype: str) -> np.ndarray:
+    """``values`` in the wire ``dtype`` with every -0.0 written as +0.0 (x + 0.0 is x for every other
+    x): the statistics are canonical payloads, so equal values must be equal bytes and equal
+    payload hashes on every device (a pivot's sign flip leaves -0.0 where Java's device, like
+    this one now, sends +0.0)."""
+    return np.asarray(values).astype(dtype) + np.zeros((), dtype)
+
+
 def encode_factor(r_factor: np.ndarray, qty: np.ndarray, class_ids: np.ndarray, n: int, num_classes: int,
                   dtype: str = "float64", zero_columns: np.ndarray | None = None) -> tuple[dict, dict[str, np.ndarray]]:
     """The factor form of a device's statistics (see the module docstring): ``r_factor`` covers the
@@ -139,7 +147,7 @@ def encode_factor(r_factor: np.ndarray, qty: np.ndarray, class_ids: np.ndarray, 
     zero = np.asarray(zero_columns if zero_columns is not None else [], dtype=np.int64)
     body = {"n": int(n), "p": int(r_factor.shape[1] + len(zero)), "num_classes": int(num_classes),
             "format": "sparse", "a_format": "factor"}
-    tensors = {"R": np.asarray(r_factor).astype(dtype), "QtY": np.asarray(qty).astype(dtype),
+    tensors = {"R": positive_zeros(r_factor, dtype), "QtY": positive_zeros(qty, dtype),
                "class_ids": np.asarray(class_ids, dtype=np.int64)}
     if len(zero):
         tensors["zero_columns"] = zero
@@ -155,10 +163,10 @@ def encode_stats(a_full: np.ndarray, class_ids: np.ndarray, b_rows: np.ndarray, 
     if dense:
         full_b = np.zeros((num_classes, p), dtype=np.float64)
         full_b[class_ids] = b_rows
-        tensors = {"A_upper": triu_pack(a_full).astype(dtype), "b": full_b.astype(dtype)}
+        tensors = {"A_upper": positive_zeros(triu_pack(a_full), dtype), "b": positive_zeros(full_b, dtype)}
     else:
-        tensors = {"A_upper": triu_pack(a_full).astype(dtype),
-                   "class_ids": np.asarray(class_ids, dtype=np.int64), "b": np.asarray(b_rows).astype(dtype)}
+        tensors = {"A_upper": positive_zeros(triu_pack(a_full), dtype),
+                   "class_ids": np.asarray(class_ids, dtype=np.int64), "b": positive_zeros(b_rows, dtype)}
     return body, tensors
 
 
@@ -297,6 +305,8 @@ def check_canonical_factor(r_factor: np.ndarray) -> None:
                             f"must lie right of the row above's)")
     if (r_factor[np.arange(len(r_factor)), pivots] <= 0).any():
         raise EnvelopeError(f"{KIND}: factor R has a negative pivot (each row's first non-zero entry must be positive)")
+    if (np.signbit(r_factor) & ~nonzero).any():
+        raise EnvelopeError(f"{KIND}: factor R holds -0.0 (a canonical payload writes every zero as +0.0)")
 
 
 def check_gram(a_upper: np.ndarray, p: int, eps: float, positive_definite: PositiveDefinite = numpy_positive_definite) -> None:

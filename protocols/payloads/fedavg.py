@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from ..envelope import Envelope, EnvelopeError, body_field, require_finite, require_tensor
+from ..envelope import Envelope, EnvelopeError, body_field, require_tensor
 
 KIND = "fedavg.head"
 KIND_TAIL = "fedavg.tail"
@@ -83,6 +83,29 @@ class LocalRuleRecipe:
 
     def to_params(self) -> dict[str, Any]:
         return asdict(self)
+
+
+# What a trained parameter may hold on the wire: a finite float32 of magnitude at most 2^20.
+# Every device declines local training that ends outside it as diverged (the Python device:
+# train_head and encode_model_update; the Java device: HeadTrainer.MAX_ABS_TRAINED), and the
+# aggregator refuses a result outside it, so whether a task diverged no longer depends on the
+# runtime (float32 logits overflow to NaN on the Python device long after a double-precision
+# device still holds a finite ±5e18 head). Why 2^20: float32's spacing there is 2^-3, so an SGD
+# step below 1/16 no longer moves such a parameter (a head that got there has left the range
+# where float32 training works), and its logits f·θ/T stay finite in float32 for any feature a
+# float32 extractor can give, so no device overflows before it crosses the bound.
+MAX_ABS_TRAINED = 2.0 ** 20
+
+
+def trained_out_of_bounds(tensors: dict[str, np.ndarray]) -> str | None:
+    """Why trained tensors break the protocol's bound (NaN/Inf, or |x| > MAX_ABS_TRAINED), or None."""
+    for name, value in tensors.items():
+        value = np.asarray(value)
+        if not np.isfinite(value).all():
+            return f"tensor {name!r} contains NaN or Inf"
+        if value.size and float(np.abs(value).max()) > MAX_ABS_TRAINED:
+            return f"tensor {name!r} holds |x| = {float(np.abs(value).max()):g} > {MAX_ABS_TRAINED:g} (2^20)"
+    return None
 
 
 @dataclass(frozen=True)
@@ -132,8 +155,9 @@ def head_tensors(weight: np.ndarray, bias: np.ndarray) -> dict[str, np.ndarray]:
 def encode_model_update(tensors: dict[str, np.ndarray], n: int) -> tuple[dict, dict[str, np.ndarray]]:
     """(body, tensors) of a result carrying trained named tensors (float32, finite) and n."""
     tensors = {name: np.ascontiguousarray(value, dtype=np.float32) for name, value in tensors.items()}
-    if not all(np.isfinite(t).all() for t in tensors.values()):
-        raise ValueError("the trained model contains NaN or Inf (diverged local training?)")
+    broken = trained_out_of_bounds(tensors)
+    if broken:
+        raise ValueError(f"the trained model breaks the protocol's bound: {broken} (diverged local training?)")
     if int(n) < 1:
         raise ValueError(f"sample count must be >= 1, got {n}")
     return {"n": int(n)}, tensors
@@ -159,7 +183,9 @@ def parse_model_update(msg: Envelope, shapes: dict[str, tuple[int, ...]],
                             f"{sorted(extra)}, missing {sorted(missing)}")
     tensors = {name: np.asarray(require_tensor(msg, name, "float32", shape))
                for name, shape in shapes.items()}
-    require_finite(msg, *shapes)
+    broken = trained_out_of_bounds(tensors)
+    if broken:       # no device sends it: each declines such training as diverged
+        raise EnvelopeError(f"{msg.type}: a trained parameter no device sends: {broken}")
     return ModelUpdate(n, tensors)
 
 

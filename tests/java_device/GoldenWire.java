@@ -5,7 +5,7 @@
 //   chunk_<i>_of_result.bin     chunked_whole.bin cut into 200-byte chunks
 //   result_signed_edge_cases.bin  the signed vector re-signed by the library's Identity
 //   result_fed3r_increment.bin  a streaming fed3r.stats task (from_sample 3) over 3 older + the golden samples
-//   result_fed3r_factor.bin, result_fed3r_factor_zero_columns.bin  the exact factor form of the
+//   result_fed3r_factor.bin, result_fed3r_factor_zero_columns.bin, result_fed3r_factor_signed_zero.bin  the exact factor form of the
 //                               golden task (with "factor": true) over the two samples each vector holds
 //   result_fedavg_head.bin, result_fedavg_async.bin  the fedavg.head update format (golden head values,
 //                               the async task's model_version echoed)
@@ -40,9 +40,12 @@ public final class GoldenWire {
         // the factor form: Z = R, Q = I (class 0 then class 2); and a zero and a dependent column
         Map<String, Object> factorParams = new LinkedHashMap<>(task.params);
         factorParams.put("factor", Boolean.TRUE);
-        float[][][] factorRows = {{{2f, 1f, 0.5f}, {0f, 1.5f, 0.25f}}, {{2f, 0f, 1f, 0.5f}, {0f, 0f, 0f, 1.5f}}};
-        String[][] factorVectors = {{"result_fed3r_factor", "dev0002", "12"}, {"result_fed3r_factor_zero_columns", "dev0003", "13"}};
-        for (int k = 0; k < 2; k++) {
+        // and one whose QtY holds a zero the pivot's sign flip makes -0.0: sent as +0.0
+        float[][][] factorRows = {{{2f, 1f, 0.5f}, {0f, 1.5f, 0.25f}}, {{2f, 0f, 1f, 0.5f}, {0f, 0f, 0f, 1.5f}},
+                {{0f, 1f}, {0.5f, 1f}}};
+        String[][] factorVectors = {{"result_fed3r_factor", "dev0002", "12"}, {"result_fed3r_factor_zero_columns", "dev0003", "13"},
+                {"result_fed3r_factor_signed_zero", "dev0004", "14"}};
+        for (int k = 0; k < factorRows.length; k++) {
             LocalData rows = new Rows(factorRows[k], new int[] {0, 2});
             TaskHandler.Result f = new Fed3RStatsTask(rows, new PrecomputedFeatures(factorRows[k][0].length)).run(factorParams, taskMsg.tensors);
             write(out, factorVectors[k][0], Envelope.encode(Messages.result(factorVectors[k][1], task.ref, task.kind, f.body,

@@ -4,6 +4,11 @@
 // Usage: java TaskRunner <task.bin> <features file> <result.bin> [<held-out features file>]
 //        java TaskRunner --skellam <stddev> <count>   (prints "NOISE ...": Skellam draws, scale_bits 0)
 //        java TaskRunner --sample-order <protocols/golden/sample_order.json>  (prints "ORDER <i> ok|differs")
+//        java TaskRunner --batch <cases file> <aggregator public key hex> <device seed hex>: one JVM for
+//          many cases (tests/test_differential_fuzz.py), each line of the file "<task.bin> <features>
+//          <result.bin> [<held-out features>]"; each task's signature is verified under the aggregator's
+//          key, each result signed as device "java0"; prints "CASE <i>" and then what a single run prints
+//          (or "REFUSED <why>" for a task the codec refuses), per case.
 // fedavg.secure, fed3r.secure: prints "VECTOR ..." (what the device would sum under SecAgg). Otherwise prints "DONE", with "STEPS <steps> LOSS <mean loss of the last epoch>" for fedavg.head, or
 // "DECLINED <reason>"; for oll.personalize also the personalised head ("OLL_WEIGHT ...",
 // "OLL_BIAS ...", float32 values) and the cross-validated accuracies ("CV ...").
@@ -41,7 +46,33 @@ public final class TaskRunner {
             }
             return;
         }
-        Envelope.Message msg = Envelope.decode(Files.readAllBytes(Paths.get(args[0])));
+        if (args[0].equals("--batch")) {
+            byte[] aggregatorKey = Envelope.unhex(args[2]);
+            Identity device = Identity.fromSeed("java0", Envelope.unhex(args[3]));
+            List<String> lines = Files.readAllLines(Paths.get(args[1]));
+            StringBuilder out = new StringBuilder();
+            for (int i = 0; i < lines.size(); i++) {
+                String[] c = lines.get(i).split(" ");
+                out.append("CASE ").append(i).append('\n');
+                Envelope.Message msg;
+                try {
+                    msg = Envelope.decode(Files.readAllBytes(Paths.get(c[0])), aggregatorKey, Envelope.MAX_MESSAGE_BYTES);
+                } catch (Envelope.EnvelopeError e) {
+                    out.append("REFUSED ").append(e.getMessage()).append('\n');
+                    continue;
+                }
+                out.append(runTask(msg, c, device));
+            }
+            System.out.print(out);
+            return;
+        }
+        System.out.print(runTask(Envelope.decode(Files.readAllBytes(Paths.get(args[0]))), args, null));
+    }
+
+    /** The handler of the task's kind on the features args[1] (held-out args[3]); the result goes
+     *  to args[2], signed when a signer is given; returns what main prints. */
+    static String runTask(Envelope.Message msg, String[] args, Envelope.Signer signer) throws Exception {
+        StringBuilder printed = new StringBuilder();
         Messages.Task task = Messages.parseTask(msg);
         FeatureFile data = FeatureFile.read(args[1]);
         FedAvgHeadTask head = new FedAvgHeadTask(data, new PrecomputedFeatures(data.dim));
@@ -60,24 +91,24 @@ public final class TaskRunner {
             if (secure.containsKey(task.kind)) {      // the vector it would mask
                 StringBuilder v = new StringBuilder("VECTOR");
                 for (double x : secure.get(task.kind).vector(task.params, msg.tensors)) v.append(' ').append(x);
-                System.out.println(v);
-                return;
+                return v.append('\n').toString();
             }
             TaskHandler.Result r = handlers.get(task.kind).run(task.params, msg.tensors);
             Files.write(Paths.get(args[2]), Envelope.encode(
-                    Messages.result("java0", task.ref, task.kind, r.body, Messages.newId(), Messages.now()), r.tensors, null));
-            System.out.println("DONE");
-            if (head.last != null) System.out.println("STEPS " + head.last.steps + " LOSS " + head.last.meanLoss);
+                    Messages.result("java0", task.ref, task.kind, r.body, Messages.newId(), Messages.now()), r.tensors, signer));
+            printed.append("DONE\n");
+            if (head.last != null) printed.append("STEPS " + head.last.steps + " LOSS " + head.last.meanLoss + "\n");
             if (personalize != null && personalize.head != null) {
-                System.out.println(line("OLL_WEIGHT", personalize.head.weight()));
-                System.out.println(line("OLL_BIAS", personalize.head.bias()));
+                printed.append(line("OLL_WEIGHT", personalize.head.weight())).append('\n');
+                printed.append(line("OLL_BIAS", personalize.head.bias())).append('\n');
                 StringBuilder cv = new StringBuilder("CV");
                 if (personalize.lastChoice != null) for (double s : personalize.lastChoice.scores) cv.append(' ').append(s);
-                System.out.println(cv);
+                printed.append(cv).append('\n');
             }
         } catch (TaskDeclined e) {
-            System.out.println("DECLINED " + e.getMessage());
+            printed.append("DECLINED " + e.getMessage() + "\n");
         }
+        return printed.toString();
     }
 
     static String line(String tag, float[] values) {

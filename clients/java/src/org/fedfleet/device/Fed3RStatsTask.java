@@ -104,21 +104,30 @@ public final class Fed3RStatsTask implements TaskHandler {
         body.put("a_format", "factor");
         long[] classes = acc.presentClasses();
         List<Envelope.Tensor> out = new ArrayList<>();
-        out.add(Tensors.floats("R", dtype, new long[] {f.r.length, f.columns}, flat(f.r)));
-        out.add(Tensors.floats("QtY", dtype, new long[] {f.qty.length, classes.length}, flat(f.qty)));
+        out.add(Tensors.floats("R", dtype, new long[] {f.r.length, f.columns}, flat(f.r, dtype)));
+        out.add(Tensors.floats("QtY", dtype, new long[] {f.qty.length, classes.length}, flat(f.qty, dtype)));
         out.add(Tensors.int64("class_ids", new long[] {classes.length}, classes));
         if (f.zeroColumns.length > 0) out.add(Tensors.int64("zero_columns", new long[] {f.zeroColumns.length}, f.zeroColumns));
         return new Result(body, out);
     }
 
-    /** Row-major, with -0.0 (what a pivot's sign flip leaves of a zero) sent as 0.0: the same
-     *  number, and the bytes of the golden vectors. */
-    private static double[] flat(double[][] m) {
+    /** Row-major, with -0.0 (what a pivot's sign flip leaves of a zero) sent as 0.0. */
+    private static double[] flat(double[][] m, String dtype) {
         int cols = m.length == 0 ? 0 : m[0].length;
         double[] out = new double[m.length * cols];
         for (int i = 0; i < m.length; i++)
-            for (int k = 0; k < cols; k++) out[i * cols + k] = m[i][k] + 0.0;
-        return out;
+            for (int k = 0; k < cols; k++) out[i * cols + k] = m[i][k];
+        return positiveZeros(out, dtype);
+    }
+
+    /** The values rounded to the wire dtype, every -0.0 as +0.0 (x + 0.0 is x for every other x),
+     *  in place: the statistics are canonical payloads, equal values must be equal bytes on every
+     *  device (protocols/payloads/fed3r.py positive_zeros). Rounded first: a tiny negative double
+     *  becomes -0.0 in float32. */
+    static double[] positiveZeros(double[] values, String dtype) {
+        boolean single = "float32".equals(dtype);
+        for (int k = 0; k < values.length; k++) values[k] = (single ? (double) (float) values[k] : values[k]) + 0.0;
+        return values;
     }
 
     /** Body and tensors of the packed form (protocols/payloads/fed3r.py encode_stats). */
@@ -130,7 +139,7 @@ public final class Fed3RStatsTask implements TaskHandler {
         body.put("num_classes", BigInteger.valueOf(acc.numClasses));
         body.put("format", dense ? "dense" : "sparse");
         List<Envelope.Tensor> out = new ArrayList<>();
-        out.add(Tensors.floats("A_upper", dtype, new long[] {(long) p * (p + 1) / 2}, acc.aUpper()));
+        out.add(Tensors.floats("A_upper", dtype, new long[] {(long) p * (p + 1) / 2}, positiveZeros(acc.aUpper(), dtype)));
         long[] classes;
         if (dense) {
             classes = new long[acc.numClasses];
@@ -139,7 +148,7 @@ public final class Fed3RStatsTask implements TaskHandler {
             classes = acc.presentClasses();
             out.add(Tensors.int64("class_ids", new long[] {classes.length}, classes));
         }
-        out.add(Tensors.floats("b", dtype, new long[] {classes.length, p}, acc.bRows(classes)));
+        out.add(Tensors.floats("b", dtype, new long[] {classes.length, p}, positiveZeros(acc.bRows(classes), dtype)));
         return new Result(body, out);
     }
 }

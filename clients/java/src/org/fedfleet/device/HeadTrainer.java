@@ -53,10 +53,27 @@ public final class HeadTrainer {
             double loss = step(w, b, features, labels, batches.get(s));
             if (s >= batches.size() - lastEpoch) lossSum += loss;
         }
-        for (float v : w) if (!Float.isFinite(v)) throw new ArithmeticException("local training diverged (NaN/Inf in the head); lower the learning rate");
-        for (float v : b) if (!Float.isFinite(v)) throw new ArithmeticException("local training diverged (NaN/Inf in the head); lower the learning rate");
+        checkBounded("weight", w);
+        checkBounded("bias", b);
         return new Trained(w, b, labels.length, batches.size(), lossSum / lastEpoch);
     }
+
+    /** The protocol's bound on a trained parameter (protocols/payloads/fedavg.py MAX_ABS_TRAINED):
+     *  finite and |x| ≤ 2^20. Training that ends outside it is declined as diverged, as on the
+     *  Python device: this device's double-precision logits would not overflow where the Python
+     *  device's float32 ones do, so "not NaN" alone let it upload a ±5e18 head the others decline. */
+    public static final double MAX_ABS_TRAINED = 1 << 20;
+
+    static void checkBounded(String name, float[] values) {
+        for (float v : values) {
+            if (!Float.isFinite(v))
+                throw new ArithmeticException("local training diverged (tensor '" + name + "' contains NaN or Inf); lower the learning rate");
+            if (Math.abs(v) > MAX_ABS_TRAINED)
+                throw new ArithmeticException("local training diverged (tensor '" + name + "' holds |x| = " + Math.abs(v)
+                        + " > 1.04858e+06 (2^20)); lower the learning rate");
+        }
+    }
+
 
     /** One step on the rows `batch`, in place; returns the batch's mean loss before the step. Its
      *  direction: the gradient (sgd), or the gradient at w + ε̂, ε̂ = ρ T² g/‖T g‖ (T = 1: sam;

@@ -91,7 +91,7 @@ public final class Envelope {
         byte[] payload = Arrays.copyOfRange(data, (int) (8 + hlen), data.length);
         if (!hex(sha256(payload)).equals(h.get("payload_sha256")))
             throw new EnvelopeError("payload sha256 mismatch (corrupted or truncated message)");
-        if (publicKey != null) verifySignature(h, publicKey);
+        if (publicKey != null) verifySignature(h, Arrays.copyOfRange(data, 8, (int) (8 + hlen)), publicKey);
         return new Message(h, tiles((List<Object>) h.get("tensors"), payload));
     }
 
@@ -208,17 +208,47 @@ public final class Envelope {
     }
 
     // ---------------- signatures (Ed25519 over canonical(header without sig)) ----------------
-    public static void verifySignature(Map<String, Object> h, byte[] rawPublicKey) throws EnvelopeError {
+    /** Verifies the parsed header {@code h}'s signature over the header bytes exactly as received
+     *  ({@code headerBytes}) with the "sig" member cut out ({@link #signedHeaderBytes}), never over
+     *  this side's re-encoding, so that no float written differently by another codec can make a
+     *  valid signature fail. */
+    public static void verifySignature(Map<String, Object> h, byte[] headerBytes, byte[] rawPublicKey) throws EnvelopeError {
         if (!(h.get("sig") instanceof String)) throw new EnvelopeError("unsigned message from " + h.get("sender"));
         if (rawPublicKey.length != 32) throw new EnvelopeError("an Ed25519 public key is 32 bytes, got " + rawPublicKey.length);
-        Map<String, Object> unsigned = new LinkedHashMap<>(h);
-        unsigned.remove("sig");
-        byte[] data = canonical(unsigned), sig = unhex((String) h.get("sig"));
+        String sigHex = (String) h.get("sig");
+        byte[] data = signedHeaderBytes(headerBytes, sigHex), sig = unhex(sigHex);
         // BouncyCastle's RFC 8032 Ed25519: Android's own provider has it only from API 33
         Ed25519Signer v = new Ed25519Signer();
         v.init(false, new Ed25519PublicKeyParameters(rawPublicKey, 0));
         v.update(data, 0, data.length);
         if (!v.verifySignature(sig)) throw new EnvelopeError("Ed25519 signature does not verify");
+    }
+
+    /** What a received header's signature covers (protocols/envelope.py signed_header_bytes): the
+     *  header bytes with the member "sig":"&lt;sig&gt;" and the comma joining it to a neighbour cut
+     *  out; for the canonical header every sender writes, canonical(header without sig). The member
+     *  must occur exactly once, written canonically. */
+    public static byte[] signedHeaderBytes(byte[] header, String sigHex) throws EnvelopeError {
+        byte[] member = ("\"sig\":\"" + sigHex + "\"").getBytes(StandardCharsets.US_ASCII);
+        int at = indexOf(header, member, 0);
+        if (at < 0 || indexOf(header, member, at + 1) >= 0)
+            throw new EnvelopeError("the header must hold its \"sig\" member exactly once, written canonically");
+        int end = at + member.length;
+        if (at > 0 && header[at - 1] == ',') at--;
+        else if (end < header.length && header[end] == ',') end++;
+        byte[] out = new byte[header.length - (end - at)];
+        System.arraycopy(header, 0, out, 0, at);
+        System.arraycopy(header, end, out, at, header.length - end);
+        return out;
+    }
+
+    private static int indexOf(byte[] hay, byte[] needle, int from) {
+        outer:
+        for (int i = from; i + needle.length <= hay.length; i++) {
+            for (int k = 0; k < needle.length; k++) if (hay[i + k] != needle[k]) continue outer;
+            return i;
+        }
+        return -1;
     }
 
     public static byte[] sha256(byte[] b) {

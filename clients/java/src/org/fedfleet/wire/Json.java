@@ -227,14 +227,25 @@ public final class Json {
         b.append('"');
     }
 
-    /** Shortest round-tripping decimal; fixed notation for exponents -4..15, else d.ddde±XX. */
+    /** Python's repr(float): the shortest decimal that parses back to d, the nearer to d's exact
+     *  value when both neighbours at that length do (docs/protocol.md "Canonical JSON"); fixed
+     *  notation for exponents -4..15, else d.ddde±XX. Both neighbours are tried, not only the
+     *  half-even rounding: at a power of two the gap below is half the gap above, so the rounding
+     *  can miss while the neighbour away from zero parses back (2^-24: 5.960464477539063e-08). */
     public static String formatFloat(double d) throws JsonError {
         if (Double.isNaN(d) || Double.isInfinite(d)) throw new JsonError("NaN/Infinity cannot be encoded");
         if (d == 0) return (1 / d < 0) ? "-0.0" : "0.0";
         BigDecimal exact = new BigDecimal(d), r = exact;
         for (int p = 1; p <= 17; p++) {
-            r = exact.round(new MathContext(p, RoundingMode.HALF_EVEN));
-            if (Double.parseDouble(r.toString()) == d) break;
+            BigDecimal down = exact.round(new MathContext(p, RoundingMode.DOWN)),
+                    up = exact.round(new MathContext(p, RoundingMode.UP));
+            boolean downOk = Double.parseDouble(down.toString()) == d, upOk = Double.parseDouble(up.toString()) == d;
+            if (downOk && upOk) {
+                int cmp = exact.subtract(down).abs().compareTo(up.subtract(exact).abs());
+                r = cmp < 0 ? down : cmp > 0 ? up : exact.round(new MathContext(p, RoundingMode.HALF_EVEN));
+                break;
+            }
+            if (downOk || upOk) { r = downOk ? down : up; break; }
         }
         r = r.stripTrailingZeros();
         String digits = r.unscaledValue().abs().toString();
