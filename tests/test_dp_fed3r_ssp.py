@@ -134,14 +134,15 @@ def test_job_chooses_its_mechanism_and_refuses_bad_ones():
 
 
 def test_secure_fed3r_noise_is_one_stddev_the_devices_can_add():
-    """Under SecAgg every device adds one Skellam stddev to its whole vector: ssp keeps its λ and
-    accounting there but noises the blocks alike, at zΔ (the Gaussian mechanism's own)."""
+    """Under SecAgg every device adds one Skellam stddev to its whole vector: ssp keeps its λ rule
+    there but noises the blocks alike, at zΔ, and is accounted with RDP like every Skellam job."""
     from aggregator.jobs.fed3r_sync import Fed3RSyncConfig
 
     cfg = Fed3RSyncConfig(num_classes=3, feature_dim=5, dp_noise_multiplier=2.0, feature_clip_norm=1.0, max_samples=4,
                           clients_per_round=5)
     mechanism = cfg.mechanism()
-    assert isinstance(mechanism, UniformSSP) and mechanism.accounting == "pld"
+    assert isinstance(mechanism, UniformSSP) and mechanism.accounting == "rdp"
+    assert cfg.privacy_report(1)["accounting"] == "rdp"
     sens = Fed3RSensitivity.of(4, 1.0, True)
     assert cfg.dp_noise_stddev() == pytest.approx(2.0 * sens.joint, rel=1e-12)
     assert mechanism.scale().noise_multiplier(sens) == pytest.approx(2.0, rel=1e-12)

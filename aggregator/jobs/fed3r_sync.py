@@ -48,10 +48,12 @@ class Fed3RSyncConfig(Fed3RConfig, SecureAggregationFields):
     def task_params(self) -> dict:
         return {**super().task_params(), "format": "dense", "dtype": "float64", "max_samples": self.max_samples}
 
+    def accounting(self) -> str:
+        return self.mechanism().accounting
+
     def mechanism(self) -> Fed3RMechanism:
         """The job's mechanism with one noise stddev on every entry: each device adds one Skellam
-        stddev to its whole vector, so ``ssp``'s per-block split is not available here (its λ and
-        accounting are)."""
+        stddev to its whole vector, so ``ssp``'s per-block split is not available here (its λ is)."""
         sensitivity = Fed3RSensitivity.of(self.max_samples, self.feature_clip_norm, self.fit_intercept)
         uniform = UniformSSP if self.dp_mechanism == CalibratedSSP.name else UniformGaussian
         return uniform(self.dp_noise_multiplier, sensitivity)

@@ -197,11 +197,13 @@ class CalibratedSSP(Fed3RMechanism):
 
 
 class UniformSSP(CalibratedSSP):
-    """The same noise on every entry, λ from the noise, PLD accounting: ``ssp`` under secure
-    aggregation, where every device adds one Skellam stddev to its whole vector
-    (``protocols/secagg/distributed_dp.py``), so the blocks cannot be noised apart."""
+    """``ssp`` under secure aggregation: the same noise zΔ on every entry, because every device adds
+    one Skellam stddev to its whole vector (``protocols/secagg/distributed_dp.py``), so the blocks
+    cannot be noised apart there; λ from the noise as ``ssp``; RDP accounting, as for every
+    distributed-noise job (the bound that lets the Skellam sum be accounted as a Gaussian, Agarwal,
+    Kairouz & Liu 2021, is a Rényi-DP statement)."""
 
-    name = "ssp-uniform"
+    name, accounting = "ssp-uniform", "rdp"
 
     def __init__(self, noise_multiplier: float, sensitivity: Fed3RSensitivity):
         super().__init__(noise_multiplier, sensitivity)
