@@ -23,7 +23,8 @@ The fleet's sum is formed as Σ_i w_i z_i z_iᵀ over the distinct images i a de
 many devices kept it) — the same sum in another order, which the wire path (tested elsewhere to
 1e-12) would reach device by device. Nothing is tuned on the test set. The closing lines print
 the goals' differences and, for ``ssp`` at ε = 1, where the points go: noise on A only, on B
-only, and the same λ without noise (the regulariser's own cost).
+only, and the same λ without noise (the regulariser's own cost); then, as a bound on what any λ
+rule could give this mechanism, the best λ of a grid chosen on the test set (ε = 1 and 4).
 
     nice -n 10 .venv/bin/python bench/dp_fleet_scale.py [--fleets 10000 100000] [--cap 10] [--ssp-cap 1] [--clip 8]
 """
@@ -106,19 +107,24 @@ class Ablated(Fed3RMechanism):
         return self.ssp.regulariser(p, lam)
 
 
-def oracle_subspace(a: np.ndarray, b: np.ndarray, threshold: float, test) -> tuple[int, float]:
-    """(k, accuracy) of the ridge restricted to the k eigen-directions of the *exact* A whose
-    eigenvalue exceeds ``threshold``: what a release of A noised at that level could at best keep.
-    A direction of A + E (E Wigner, off-diagonal stddev s) with eigenvalue θ < s√p cannot be told
-    from the noise (the BBP transition: its eigenvector is uncorrelated with the noisy A's), so
-    threshold = s√p, half the noise's spectral edge."""
-    w, v = np.linalg.eigh(a)
-    keep = w > threshold
-    vk = v[:, keep]
-    W = vk @ ((vk.T @ b) / (w[keep] + 0.01)[:, None])
-    coef = W[:-1] / np.maximum(np.linalg.norm(W[:-1], axis=0), 1e-6)
-    bias = W[-1] / np.maximum(np.linalg.norm(W[:-1], axis=0), 1e-6)
-    return int(keep.sum()), float(((test[0] @ coef + bias).argmax(1) == test[1]).mean())
+LAMBDA_GRID = (0.01, 0.03, 0.06, 0.1, 0.15, 2 / (3 * math.pi), 0.3, 0.5, 1.0)   # × the noise's spectral edge E
+
+
+def best_lambda_on_test(sums, mechanism: CalibratedSSP, test, seed: int) -> tuple[float, float]:
+    """(fraction of E, accuracy) of the λ that does best *on the test set* for this very release:
+    an upper bound for any rule choosing λ of this mechanism (so never the job's choice)."""
+    a, b, n = sums
+    strategy = NoisyFed3R(C, a.shape[0], 0.01, True, True, mechanism, rng=np.random.default_rng(seed))
+    strategy.pending.add_dense(a[np.triu_indices(a.shape[0])], b.T, n)
+    strategy.release()
+    r = strategy.released
+    eigenvalues, vectors = torch.linalg.eigh(r.A)
+    psd = (vectors * eigenvalues.clamp(min=0.0)) @ vectors.T
+    edge = mechanism.scale().spectral_edge(a.shape[0])
+    scores = [(ClosedFormRidge(c * edge, True, True, device="cpu").fit_statistics(psd, r.B).score(*test), c)
+              for c in LAMBDA_GRID]
+    acc, c = max(scores)
+    return c, acc
 
 
 def mechanism_for(kind: str, eps: float, delta: float, cap: int, clip: float, b_share: float) -> Fed3RMechanism:
@@ -177,9 +183,8 @@ def main() -> None:
         ablations = {"A noise only": Ablated(ssp1, True, False), "B noise only": Ablated(ssp1, False, True),
                      "no noise (λ only)": Ablated(ssp1, False, False)}
         losses = {k: plain - released_accuracy(*sums, m, test, args.seed) for k, m in ablations.items()}
-        p = sums[0].shape[0]
-        oracles = [(eps, *oracle_subspace(sums[0], sums[1], m.scale().a_off_diagonal * math.sqrt(p), test))
-                   for eps, m in zip(EPSILONS, mechanisms)]
+        oracles = [(eps, *best_lambda_on_test(sums, m, test, args.seed)) for eps, m in zip(EPSILONS, mechanisms)
+                   if eps in (1.0, 4.0)]
         summary.append((n_devices, plain, rows, losses, oracles))
     for n_devices, plain, rows, losses, oracles in summary:
         for kind, accs in rows.items():
@@ -187,9 +192,9 @@ def main() -> None:
                   f"({plain - accs[0]:+.3f} below; goal ≤ 0.02), ε=4 keeps {accs[2] / plain:.3f} "
                   f"({plain - accs[2]:+.3f} below; goal ≤ 0.01)")
         print(f"{n_devices} devices, ssp at ε=1, points lost to: " + ", ".join(f"{k} {v:+.3f}" for k, v in losses.items()))
-        print(f"{n_devices} devices, the bound: directions of the exact A above ssp's noise floor s√p, and the "
-              "exact ridge on them alone: " + ", ".join(f"ε={e}: k={k} → {acc:.3f} ({plain - acc:+.3f})"
-                                                         for e, k, acc in oracles))
+        print(f"{n_devices} devices, the bound for ssp's λ rule (λ = 0.21 E): the best λ of the grid on the test "
+              "set itself, same release: " + ", ".join(f"ε={e}: λ = {c:.2f} E → {acc:.3f} ({plain - acc:+.3f})"
+                                                       for e, c, acc in oracles))
     print(f"total {time.perf_counter() - t0:.0f}s")
 
 
