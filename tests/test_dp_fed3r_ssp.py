@@ -12,7 +12,7 @@ from dp_accounting import pld, rdp
 from scipy import stats
 from scipy.stats import norm
 
-from aggregator.compute.privacy import PrivacyAccountant
+from aggregator.compute.privacy import PLD_DISCRETIZATION, PrivacyAccountant
 from aggregator.jobs.registry import build_job
 from aggregator.strategies.dp_fed3r import (CalibratedSSP, Fed3RSensitivity, NoisyFed3R, UniformGaussian,
                                             UniformSSP)
@@ -106,9 +106,12 @@ def test_pld_accounting_is_dp_accountings_and_sound():
     z, delta = 3.0, 1e-5
     job = build_job("fed3r", {"dp_noise_multiplier": z, "dp_delta": delta, "feature_clip_norm": 4.0, "max_samples": 2})
     report = job.config.privacy_report(1)
-    accountant = pld.PLDAccountant()
+    accountant = pld.PLDAccountant(value_discretization_interval=PLD_DISCRETIZATION)
     accountant.compose(dp_accounting.GaussianDpEvent(z))
     assert report["epsilon"] == pytest.approx(accountant.get_epsilon(delta), rel=1e-12)
+    finer = pld.PLDAccountant()                                   # the library's default grid: never more
+    finer.compose(dp_accounting.GaussianDpEvent(z))
+    assert finer.get_epsilon(delta) <= report["epsilon"] <= finer.get_epsilon(delta) * (1 + 1e-3)
     assert report["accounting"] == "pld"
     eps = report["epsilon"]
     assert norm.cdf(0.5 / z - eps * z) - np.exp(eps) * norm.cdf(-0.5 / z - eps * z) <= delta * (1 + 1e-6)

@@ -54,6 +54,12 @@ def _accounting():
     return dp_accounting, rdp
 
 
+# The PLD accountant's grid for the privacy loss: coarser than its default (1e-4) is pessimistic,
+# never optimistic, and one Gaussian release comes out the same to 5 digits ten times faster
+# (0.06 s instead of 0.6 s at z = 1), which a job pays when it is built.
+PLD_DISCRETIZATION = 1e-3
+
+
 class PrivacyAccountant:
     """ε(δ) of ``releases`` compositions of a (sub)sampled Gaussian mechanism."""
 
@@ -87,7 +93,8 @@ class PrivacyAccountant:
             raise ValueError("releases must be >= 0")
         if releases not in self._cache:
             dp_accounting, rdp = _accounting()
-            accountant = rdp.RdpAccountant() if self.accounting == "rdp" else dp_accounting.pld.PLDAccountant()
+            accountant = rdp.RdpAccountant() if self.accounting == "rdp" else \
+                dp_accounting.pld.PLDAccountant(value_discretization_interval=PLD_DISCRETIZATION)
             accountant.compose(self.event(), releases)
             self._cache[releases] = float(accountant.get_epsilon(self.delta))
         return self._cache[releases]
