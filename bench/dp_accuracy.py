@@ -138,7 +138,8 @@ def fed3r_config(fleet, z, secure, rounds):
     if z:
         sigma = z * fed3r_sensitivity(f["max_samples"], FEATURE_CLIP, True)
         cfg.update(dp_noise_multiplier=z, dp_delta=DELTA, feature_clip_norm=FEATURE_CLIP,
-                   max_samples=f["max_samples"], lam=max(0.01, 2 * sigma * math.sqrt(rounds * (D + 1))))
+                   max_samples=f["max_samples"], lam=max(0.01, 2 * sigma * math.sqrt(rounds * (D + 1))),
+                   dp_mechanism="gaussian")     # the mechanism its table measured (ssp: bench/dp_fleet_scale.py)
     if secure:
         cfg.update(max_samples=f["max_samples"] if z else 10_000, phase_timeout_s=30.0)
     return cfg

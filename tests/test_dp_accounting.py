@@ -95,7 +95,7 @@ def test_job_stops_before_the_round_that_would_exceed_the_budget():
 
 def test_fed3r_is_one_release_whatever_the_rounds():
     job = build_job("fed3r", {"num_classes": 3, "feature_dim": 4, "dp_noise_multiplier": 2.0,
-                              "feature_clip_norm": 1.0, "max_samples": 5})
+                              "feature_clip_norm": 1.0, "max_samples": 5, "dp_mechanism": "gaussian"})   # RDP-accounted
     assert job.evaluate(None, None)["privacy"]["epsilon"] == 0.0
     job.strategy.released.n_contributions = 7            # as after several released rounds
     assert job.evaluate(None, None)["privacy"]["epsilon"] == pytest.approx(library_epsilon(2.0, 1, 1.0, 1e-5))

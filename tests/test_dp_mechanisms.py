@@ -12,7 +12,8 @@ from scipy import stats
 
 from aggregator.jobs.registry import build_job
 from aggregator.jobs.secure_fedavg import SecureFedAvgConfig, SecureFedAvgJob
-from aggregator.strategies.dp_fed3r import NoisyFed3R, check_bounded, fed3r_sensitivity
+from aggregator.strategies.dp_fed3r import (Fed3RSensitivity, NoisyFed3R, UniformGaussian, check_bounded,
+                                            fed3r_sensitivity)
 from aggregator.strategies.dp_fedavg import AdaptiveClipNorm, DPFedAvg, FixedClipNorm
 from aggregator.strategies.fedavg import FedAvg
 from edge_client.tasks.fed3r_stats import Fed3RStatsTask
@@ -112,7 +113,8 @@ def test_device_clipping_and_cap_bound_the_statistics_and_the_server_checks_them
 
 def test_noisy_fed3r_adds_noise_of_the_stated_scale_once_per_round():
     p, C, sigma = 150, 5, 3.0
-    noisy = NoisyFed3R(C, p, 0.1, True, True, sigma, rng=np.random.default_rng(5))
+    uniform = UniformGaussian(1.0, Fed3RSensitivity(sigma, 0.0))       # zΔ = σ on every entry
+    noisy = NoisyFed3R(C, p, 0.1, True, True, uniform, rng=np.random.default_rng(5))
     rng = np.random.default_rng(6)
     Z = rng.normal(size=(100, p))
     A = Z.T @ Z
@@ -125,7 +127,8 @@ def test_noisy_fed3r_adds_noise_of_the_stated_scale_once_per_round():
     assert variance_ratio_ok(np.concatenate([noise_a, noise_b.ravel()]), sigma ** 2)
     noisy.release()                                                # an empty round releases nothing
     assert noisy.releases == 1 and noisy.n_contributions == 1
-    huge = NoisyFed3R(C, p, 1e-3, True, True, 1e6, rng=np.random.default_rng(0))
+    huge = NoisyFed3R(C, p, 1e-3, True, True, UniformGaussian(1.0, Fed3RSensitivity(1e6, 0.0)),
+                      rng=np.random.default_rng(0))
     huge.add(stats_)
     huge.release()
     assert np.isfinite(huge.solve().coef_).all()                   # an indefinite noisy A still solves (PSD projection)

@@ -51,7 +51,7 @@ def test_dp_fed3r_over_mosquitto_releases_clipped_sums_plus_noise(broker, tmp_pa
     F, N, z = 4.0, 20, 0.8
     cfg = {"job_id": "dpf", "num_classes": C, "feature_dim": D, "clients_per_round": 2, "round_timeout_s": 30,
            "expected_devices": 5, "dp_noise_multiplier": z, "dp_target_epsilon": 8.0, "feature_clip_norm": F,
-           "max_samples": N}
+           "max_samples": N, "dp_mechanism": "gaussian"}    # one stddev on every entry (ssp: test_dp_fed3r_ssp.py)
     job = build_job("fed3r", cfg)
     result = run_service(job, broker, tmp_path, ids,
                          lambda i: {"fed3r.stats": Fed3RStatsTask(*device_data(i), lambda b, s, w: Features(D))})
@@ -59,7 +59,7 @@ def test_dp_fed3r_over_mosquitto_releases_clipped_sums_plus_noise(broker, tmp_pa
     # reference: every device's first N rows, clipped to F, bias appended
     A, B = clipped_sums(map(device_data, range(5)), C, N, F)
     assert job.strategy.releases == 3
-    sigma2 = job.strategy.releases * job.config.dp_noise_stddev() ** 2       # one draw per released round
+    sigma2 = job.strategy.releases * job.config.mechanism().scale().b ** 2   # one draw per released round
     assert_noise_of_variance(job.strategy.released, A, B, sigma2)
     saved = json.loads((tmp_path / "results.json").read_text())
     privacy = saved["final"]["privacy"]

@@ -12,6 +12,12 @@ how many it made; the library's Rényi-DP accountant composes them and converts 
 - Fed3R: each device's statistics enter exactly one noisy round sum and every later model is a
   function of those sums, so by parallel composition the whole job is one Gaussian release
   (``releases=1`` whatever the number of rounds).
+
+Two of the library's accountants: ``"rdp"`` (Rényi DP, the default: fast for many sampled
+rounds, but its conversion to (ε, δ) is loose) and ``"pld"`` (privacy loss distributions:
+near-exact, pessimistic only by its discretisation). For one unsampled Gaussian release (Fed3R)
+PLD is what the mechanism really costs: at δ = 1e-5 it allows z = 3.73 for ε = 1 where RDP asks
+4.05 (1.08 against 1.16 at ε = 4), the same guarantee with 8 % less noise.
 """
 
 from __future__ import annotations
@@ -48,16 +54,28 @@ def _accounting():
     return dp_accounting, rdp
 
 
+# The PLD accountant's grid for the privacy loss: coarser than its default (1e-4) is pessimistic,
+# never optimistic, and one Gaussian release comes out the same to 5 digits ten times faster
+# (0.06 s instead of 0.6 s at z = 1), which a job pays when it is built.
+PLD_DISCRETIZATION = 1e-3
+
+
 class PrivacyAccountant:
     """ε(δ) of ``releases`` compositions of a (sub)sampled Gaussian mechanism."""
 
-    def __init__(self, noise_multiplier: float, delta: float, sampling_rate: float = 1.0):
+    ACCOUNTING = ("rdp", "pld")
+
+    def __init__(self, noise_multiplier: float, delta: float, sampling_rate: float = 1.0,
+                 accounting: str = "rdp"):
         if not (math.isfinite(noise_multiplier) and noise_multiplier > 0):
             raise ValueError(f"noise_multiplier must be a positive finite number, got {noise_multiplier}")
         if not 0 < delta < 1:
             raise ValueError(f"delta must lie in (0, 1), got {delta}")
         if not 0 < sampling_rate <= 1:
             raise ValueError(f"sampling rate must lie in (0, 1], got {sampling_rate}")
+        if accounting not in self.ACCOUNTING:
+            raise ValueError(f"accounting must be one of {self.ACCOUNTING}, got {accounting!r}")
+        self.accounting = accounting
         self.noise_multiplier, self.delta, self.sampling_rate = float(noise_multiplier), float(delta), float(sampling_rate)
         self._cache: dict[int, float] = {0: 0.0}
 
@@ -74,7 +92,9 @@ class PrivacyAccountant:
         if releases < 0:
             raise ValueError("releases must be >= 0")
         if releases not in self._cache:
-            accountant = _accounting()[1].RdpAccountant()
+            dp_accounting, rdp = _accounting()
+            accountant = rdp.RdpAccountant() if self.accounting == "rdp" else \
+                dp_accounting.pld.PLDAccountant(value_discretization_interval=PLD_DISCRETIZATION)
             accountant.compose(self.event(), releases)
             self._cache[releases] = float(accountant.get_epsilon(self.delta))
         return self._cache[releases]
@@ -84,17 +104,19 @@ class PrivacyAccountant:
         return target_epsilon <= 0 or self.epsilon(releases) <= target_epsilon
 
 
-def noise_multiplier_for(target_epsilon: float, delta: float, releases: int, sampling_rate: float = 1.0) -> float:
+def noise_multiplier_for(target_epsilon: float, delta: float, releases: int, sampling_rate: float = 1.0,
+                         accounting: str = "rdp") -> float:
     """The smallest z (to 0.1 %) whose accountant keeps ``releases`` within ``target_epsilon``:
     bisection over the library's ε, used to calibrate benches and examples."""
     lo, hi = 1e-3, 1.0
-    while not PrivacyAccountant(hi, delta, sampling_rate).affordable(releases, target_epsilon):
+    account = lambda z: PrivacyAccountant(z, delta, sampling_rate, accounting)   # noqa: E731
+    while not account(hi).affordable(releases, target_epsilon):
         lo, hi = hi, hi * 2
         if hi > 1e6:
             raise ValueError(f"no noise multiplier reaches ε={target_epsilon}")
     while hi - lo > 1e-3 * hi:
         mid = (lo + hi) / 2
-        if PrivacyAccountant(mid, delta, sampling_rate).affordable(releases, target_epsilon):
+        if account(mid).affordable(releases, target_epsilon):
             hi = mid
         else:
             lo = mid

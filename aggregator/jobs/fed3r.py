@@ -27,7 +27,8 @@ from protocols.envelope import Envelope, EnvelopeError, body_field
 from protocols.payloads.fed3r import KIND, Fed3RStats, parse_stats
 from protocols.rounds import RoundClosed
 
-from aggregator.strategies.dp_fed3r import NoisyFed3R, check_bounded, fed3r_sensitivity
+from aggregator.strategies.dp_fed3r import (MECHANISMS, CalibratedSSP, Fed3RMechanism, Fed3RSensitivity, NoisyFed3R,
+                                            check_bounded)
 from aggregator.strategies.fed3r import Fed3R
 from aggregator.jobs.base import SplitValidation
 from aggregator.jobs.model_fields import ModelFields
@@ -50,7 +51,9 @@ class Fed3RConfig(Fed3RRobustnessFields, PrivacyBudgetFields, ModelFields):
     factor_uploads: bool = True              # devices with fewer samples than features may send R (exact, smaller)
     streaming: bool = False                  # ask devices again: each sends only the samples the job lacks
     feature_clip_norm: float = 0.0           # devices clip each feature row to this L2 norm (0: no clipping; DP needs it)
-    max_samples: int = 10_000                # per device: DP devices use at most this many (a seeded subset)
+    max_samples: int = 10_000                # per device: DP devices use at most this many (their first N)
+    dp_mechanism: str = "ssp"                # aggregator/strategies/dp_fed3r.py: "ssp" or "gaussian"
+    dp_b_share: float = 0.2                  # ssp: the share of the release's budget spent on B
 
     def __post_init__(self):
         super().__post_init__()
@@ -60,11 +63,20 @@ class Fed3RConfig(Fed3RRobustnessFields, PrivacyBudgetFields, ModelFields):
                 raise ValueError("a DP Fed3R job cannot stream: each increment would be another release of a device")
             if self.feature_clip_norm <= 0:
                 raise ValueError("a DP Fed3R job needs feature_clip_norm > 0 (it bounds each device's statistics)")
+            if self.dp_mechanism not in MECHANISMS:
+                raise ValueError(f"dp_mechanism must be one of {sorted(MECHANISMS)}, got {self.dp_mechanism!r}")
+            self.mechanism()                 # refuses a bad dp_b_share before anything runs
             self.refuse_over_budget(1)       # every device is in one noisy round sum: one release in all
 
-    def dp_noise_stddev(self) -> float:
-        """σ = zΔ on every entry of the summed (packed A, B) (``aggregator.strategies.dp_fed3r``)."""
-        return self.dp_noise_multiplier * fed3r_sensitivity(self.max_samples, self.feature_clip_norm, self.fit_intercept)
+    def accounting(self) -> str:
+        return MECHANISMS[self.dp_mechanism].accounting
+
+    def mechanism(self) -> Fed3RMechanism:
+        """The DP mechanism of the job's one release (``aggregator.strategies.dp_fed3r``)."""
+        sensitivity = Fed3RSensitivity.of(self.max_samples, self.feature_clip_norm, self.fit_intercept)
+        if self.dp_mechanism == CalibratedSSP.name:
+            return CalibratedSSP(self.dp_noise_multiplier, sensitivity, self.dp_b_share)
+        return MECHANISMS[self.dp_mechanism](self.dp_noise_multiplier, sensitivity)
 
     @property
     def p(self) -> int:
@@ -105,8 +117,7 @@ class Fed3RJob(OncePerDevice, SplitValidation):
         c = self.config
         self._bound, self._screen = c.feature_bound(), c.energy_screen()
         if self.strategy is None and c.dp:
-            self.strategy = NoisyFed3R(c.num_classes, c.p, c.lam, c.fit_intercept, c.normalize_columns,
-                                       c.dp_noise_stddev())
+            self.strategy = NoisyFed3R(c.num_classes, c.p, c.lam, c.fit_intercept, c.normalize_columns, c.mechanism())
         elif self.strategy is None:
             self.strategy = Fed3R(c.num_classes, c.p, c.lam, c.fit_intercept, c.normalize_columns)
         self._rng = random.Random(self.config.seed)

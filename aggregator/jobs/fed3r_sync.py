@@ -29,7 +29,8 @@ from protocols.payloads.secagg import SYNC_KIND, sync_vector_length, unpack_sync
 from protocols.rounds import RoundClosed
 from protocols.secagg.fixedpoint import fed3r_bound
 
-from aggregator.strategies.dp_fed3r import row_norm_bound
+from aggregator.strategies.dp_fed3r import (CalibratedSSP, Fed3RMechanism, Fed3RSensitivity, UniformGaussian,
+                                            UniformSSP, row_norm_bound)
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
 from aggregator.jobs.secure_fields import SecureAggregationFields
 from aggregator.jobs.secure_rounds import MIN_GROUP, GroupSumOutOfBound, SecureGroupRounds
@@ -46,6 +47,20 @@ class Fed3RSyncConfig(Fed3RConfig, SecureAggregationFields):
 
     def task_params(self) -> dict:
         return {**super().task_params(), "format": "dense", "dtype": "float64", "max_samples": self.max_samples}
+
+    def accounting(self) -> str:
+        return self.mechanism().accounting
+
+    def mechanism(self) -> Fed3RMechanism:
+        """The job's mechanism with one noise stddev on every entry: each device adds one Skellam
+        stddev to its whole vector, so ``ssp``'s per-block split is not available here (its λ is)."""
+        sensitivity = Fed3RSensitivity.of(self.max_samples, self.feature_clip_norm, self.fit_intercept)
+        uniform = UniformSSP if self.dp_mechanism == CalibratedSSP.name else UniformGaussian
+        return uniform(self.dp_noise_multiplier, sensitivity)
+
+    def dp_noise_stddev(self) -> float:
+        """σ on every entry of a group's sum, which the devices' shares add up to."""
+        return self.mechanism().scale().a_diagonal
 
 
 class Fed3RSyncJob(SecureGroupRounds, Fed3RJob):

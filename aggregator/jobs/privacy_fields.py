@@ -18,9 +18,9 @@ from aggregator.strategies.dp_fedavg import AdaptiveClipNorm, ClipNorm, FixedCli
 
 
 @functools.lru_cache(maxsize=64)
-def _accountant(noise_multiplier: float, delta: float, sampling_rate: float) -> PrivacyAccountant:
+def _accountant(noise_multiplier: float, delta: float, sampling_rate: float, accounting: str) -> PrivacyAccountant:
     """One accountant per setting, so its ε cache lives as long as the process (asked every round)."""
-    return PrivacyAccountant(noise_multiplier, delta, sampling_rate)
+    return PrivacyAccountant(noise_multiplier, delta, sampling_rate, accounting)
 
 
 @dataclass
@@ -36,8 +36,15 @@ class PrivacyBudgetFields(JobConfig):
     def sampling_rate(self) -> float:
         return 1.0
 
+    def accounting(self) -> str:
+        """Which of dp-accounting's accountants (``aggregator.compute.privacy``): RDP unless the job's
+        mechanism is one release, where PLD is exact."""
+        return "rdp"
+
     def accountant(self) -> PrivacyAccountant | None:
-        return _accountant(self.dp_noise_multiplier, self.dp_delta, self.sampling_rate()) if self.dp else None
+        if not self.dp:
+            return None
+        return _accountant(self.dp_noise_multiplier, self.dp_delta, self.sampling_rate(), self.accounting())
 
     def refuse_over_budget(self, releases: int) -> None:
         """ValueError when even ``releases`` releases would exceed the budget (the job must not start)."""
@@ -54,6 +61,7 @@ class PrivacyBudgetFields(JobConfig):
             return None
         return {"epsilon": accountant.epsilon(releases), "delta": self.dp_delta, "releases": releases,
                 "noise_multiplier": self.dp_noise_multiplier, "sampling_rate": accountant.sampling_rate,
+                "accounting": accountant.accounting,
                 "target_epsilon": self.dp_target_epsilon or None}
 
     def budget_exhausted(self, opened: int) -> bool:

@@ -1,27 +1,42 @@
-"""Fed3R with the Gaussian mechanism on the summed statistics (central DP).
+"""Fed3R with a Gaussian mechanism on the summed statistics (central DP), two of them.
 
-A device's contribution is bounded on the device (``edge_client.fed3r``): at most N samples, each
-feature row z clipped to ‖z‖ ≤ F before the constant-1 bias feature is appended, so every row has
-‖z‖² ≤ R² = F² (+ 1 with the intercept). Then
+A device's contribution is bounded on the device (``edge_client.fed3r``): each feature row z is
+clipped to ‖z‖ ≤ F before the constant-1 bias feature is appended, so every row has
+‖z‖² ≤ R² = F² (+ 1 with the intercept), and the device uses at most N samples (its first N). So
 
-    ‖A_k‖_F = ‖Σ_i z_i z_iᵀ‖_F ≤ Σ_i ‖z_i‖² ≤ N R²,     ‖b_k‖_F = ‖Σ_i z_i y_iᵀ‖_F ≤ Σ_i ‖z_i‖ ≤ N R
+    ‖A_k‖_F ≤ N R² = Δ_A,     ‖b_k‖_F ≤ N R = Δ_B
 
-(y_i one-hot), and the packed upper triangle holds each entry of A_k at most once, so adding or
-removing one device moves the vector (packed A, B) by at most Δ = N R √(R² + 1) in L2
-(docs/algorithms.md). :func:`check_bounded` refuses a contribution beyond these norms, so the
-bound holds whatever the device did.
+(y_i one-hot; :func:`check_bounded` refuses a contribution beyond these norms, so the bounds
+hold whatever the device did).
 
-Each round's sum gets independent noise N(0, (zΔ)²) on every entry of the packed A and of B and is
-then added to the released sums; the model is solved from released sums only. A device is in
-one round, so every model the job publishes is post-processing of noisy sums each device
-touched once (parallel composition): the job is a single Gaussian release with multiplier z.
-The noisy A may not be positive semi-definite; :meth:`NoisyFed3R.solve` projects it onto the PSD
-cone (eigenvalues clipped at 0) before the ridge solve — post-processing, free of privacy cost.
+Each round's sum gets independent noise and is then added to the released sums; the model is
+solved from released sums only. A device is in one round, so every model the job publishes is
+post-processing of noisy sums each device touched once (parallel composition): the job is one
+Gaussian release. A mechanism (:class:`Fed3RMechanism`) says how that release's noise is spread
+over the entries and how the model is solved; its noise multiplier z is the Gaussian mechanism's
+of the whole release (noise of unit variance on entries scaled by their stddev, whose
+sensitivity is 1/z: :meth:`NoiseScale.noise_multiplier`).
+
+- ``gaussian`` (:class:`UniformGaussian`): N(0, (zΔ)²) on every entry of the packed A and of B,
+  Δ = √(Δ_A² + Δ_B²); λ the job's; RDP accounting.
+- ``ssp`` (:class:`CalibratedSSP`, sufficient-statistics perturbation calibrated per block, the
+  default): N(0, σ_A²) on A's diagonal and N(0, σ_A²/2) off it (A's Frobenius norm counts each
+  off-diagonal entry twice, so the symmetric noise matrix is Analyze Gauss with half the
+  variance off the diagonal at the same sensitivity), N(0, σ_B²) on B, with the release's budget
+  split between the blocks: σ_A = zΔ_A/√(1−s), σ_B = zΔ_B/√s. λ is chosen from the noise alone
+  (no privacy cost): the mean eigenvalue the noise leaves after the PSD projection; PLD
+  accounting (exact for one Gaussian release).
+
+The noisy A may not be positive semi-definite: ``solve`` projects it onto the PSD cone (eigenvalues
+clipped at 0) before the ridge solve — post-processing, free of privacy cost.
 """
 
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -37,10 +52,27 @@ def row_norm_bound(feature_clip_norm: float, fit_intercept: bool) -> float:
     return math.sqrt(feature_clip_norm ** 2 + (1.0 if fit_intercept else 0.0))
 
 
+@dataclass(frozen=True)
+class Fed3RSensitivity:
+    """How far one device moves A (Frobenius norm) and B: Δ_A = N R², Δ_B = N R."""
+
+    a: float
+    b: float
+
+    @classmethod
+    def of(cls, max_samples: int, feature_clip_norm: float, fit_intercept: bool) -> "Fed3RSensitivity":
+        r = row_norm_bound(feature_clip_norm, fit_intercept)
+        return cls(max_samples * r * r, max_samples * r)
+
+    @property
+    def joint(self) -> float:
+        """Δ = √(Δ_A² + Δ_B²) = N R √(R² + 1): the L2 sensitivity of (packed A, B)."""
+        return math.hypot(self.a, self.b)
+
+
 def fed3r_sensitivity(max_samples: int, feature_clip_norm: float, fit_intercept: bool) -> float:
     """Δ = N R √(R² + 1): the L2 sensitivity of (packed A, B) to one device."""
-    r = row_norm_bound(feature_clip_norm, fit_intercept)
-    return max_samples * r * math.sqrt(r * r + 1.0)
+    return Fed3RSensitivity.of(max_samples, feature_clip_norm, fit_intercept).joint
 
 
 def check_bounded(stats: Fed3RStats, max_samples: int, feature_clip_norm: float, fit_intercept: bool) -> None:
@@ -61,16 +93,136 @@ def check_bounded(stats: Fed3RStats, max_samples: int, feature_clip_norm: float,
                          f"n={stats.n}, F={feature_clip_norm}): features not clipped on the device")
 
 
+@dataclass(frozen=True)
+class NoiseScale:
+    """The stddev of one release's noise on each kind of entry: A's diagonal, A's off-diagonal, B."""
+
+    a_diagonal: float
+    a_off_diagonal: float
+    b: float
+
+    def __post_init__(self):
+        for name in ("a_diagonal", "a_off_diagonal", "b"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"noise stddev {name} must be a positive finite number, got {value}")
+
+    @classmethod
+    def uniform(cls, stddev: float) -> "NoiseScale":
+        return cls(stddev, stddev, stddev)
+
+    def noise_multiplier(self, sensitivity: Fed3RSensitivity) -> float:
+        """z of the release as one Gaussian mechanism: divide every entry by its stddev (unit noise);
+        one device then moves the vector by at most √(Σ_ii A_ii²/σ_d² + Σ_i<j A_ij²/σ_o² + ‖B‖²/σ_B²)
+        ≤ √(Δ_A²/min(σ_d², 2σ_o²) + Δ_B²/σ_B²), since ‖A‖_F² = Σ A_ii² + 2 Σ_i<j A_ij²; z is its inverse."""
+        a_scale = min(self.a_diagonal, math.sqrt(2.0) * self.a_off_diagonal)
+        return 1.0 / math.hypot(sensitivity.a / a_scale, sensitivity.b / self.b)
+
+    def spectral_edge(self, p: int) -> float:
+        """2σ_o√p: where the spectrum of the symmetric noise matrix ends (Wigner's semicircle)."""
+        return 2.0 * self.a_off_diagonal * math.sqrt(p)
+
+    def draw(self, p: int, num_classes: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """(noise of the packed upper triangle, noise of B (p × C))."""
+        packed = rng.normal(0.0, self.a_off_diagonal, p * (p + 1) // 2)
+        diagonal = np.cumsum(np.r_[0, np.arange(p, 1, -1)])          # packed index of A_ii, row-major
+        packed[diagonal] = rng.normal(0.0, self.a_diagonal, p)
+        return packed, rng.normal(0.0, self.b, (p, num_classes))
+
+
+class Fed3RMechanism(ABC):
+    """One DP Fed3R mechanism: the noise of the (single) release, how it is accounted, and the
+    model solved from the released sums."""
+
+    name: ClassVar[str]
+    accounting: ClassVar[str]          # aggregator.compute.privacy's accountant for its z
+
+    def __init__(self, noise_multiplier: float, sensitivity: Fed3RSensitivity):
+        if not (math.isfinite(noise_multiplier) and noise_multiplier > 0):
+            raise ValueError(f"noise multiplier must be a positive finite number, got {noise_multiplier}")
+        self.noise_multiplier, self.sensitivity = float(noise_multiplier), sensitivity
+
+    @abstractmethod
+    def scale(self) -> NoiseScale:
+        """The stddevs of the noise on the sum; their ``noise_multiplier`` is this mechanism's z."""
+
+    @abstractmethod
+    def regulariser(self, p: int, lam: float) -> float:
+        """λ of the ridge solve, from the job's λ and the noise (never the data)."""
+
+    def solve(self, released: Fed3R) -> ClosedFormRidge:
+        """The ridge solution of the released sums, A projected onto the PSD cone (post-processing)."""
+        eigenvalues, vectors = torch.linalg.eigh(released.A)
+        psd = (vectors * eigenvalues.clamp(min=0.0)) @ vectors.T
+        model = ClosedFormRidge(self.regulariser(released.p, released.lam), released.fit_intercept,
+                                released.normalize_columns, device=str(released.device))
+        return model.fit_statistics(psd, released.B)
+
+
+class UniformGaussian(Fed3RMechanism):
+    """N(0, (zΔ)²) on every entry of (packed A, B); the job's λ (the mechanism of issue 25)."""
+
+    name, accounting = "gaussian", "rdp"
+
+    def scale(self) -> NoiseScale:
+        return NoiseScale.uniform(self.noise_multiplier * self.sensitivity.joint)
+
+    def regulariser(self, p: int, lam: float) -> float:
+        return lam
+
+
+class CalibratedSSP(Fed3RMechanism):
+    """Sufficient-statistics perturbation calibrated per block (module docstring): half the variance
+    off A's diagonal, a share ``b_share`` of the budget on B, λ from the noise."""
+
+    name, accounting = "ssp", "pld"
+    # the mean of max(0, μ) for μ on the semicircle [−E, E] is 2E/(3π): the eigenvalue the PSD
+    # projection leaves, on average, in a direction that holds noise only. λ of that size damps
+    # such directions as much as the noise itself inflates them, and no more (no data consulted).
+    EDGE_FRACTION = 2.0 / (3.0 * math.pi)
+
+    def __init__(self, noise_multiplier: float, sensitivity: Fed3RSensitivity, b_share: float = 0.2):
+        super().__init__(noise_multiplier, sensitivity)
+        if not 0 < b_share < 1:
+            raise ValueError(f"b_share must lie in (0, 1), got {b_share}")
+        self.b_share = float(b_share)
+
+    def scale(self) -> NoiseScale:
+        z, s = self.noise_multiplier, self.b_share
+        sigma_a = z * self.sensitivity.a / math.sqrt(1.0 - s)
+        return NoiseScale(sigma_a, sigma_a / math.sqrt(2.0), z * self.sensitivity.b / math.sqrt(s))
+
+    def regulariser(self, p: int, lam: float) -> float:
+        return max(lam, self.EDGE_FRACTION * self.scale().spectral_edge(p))
+
+
+class UniformSSP(CalibratedSSP):
+    """``ssp`` under secure aggregation: the same noise zΔ on every entry, because every device adds
+    one Skellam stddev to its whole vector (``protocols/secagg/distributed_dp.py``), so the blocks
+    cannot be noised apart there; λ from the noise as ``ssp``; RDP accounting, as for every
+    distributed-noise job (the bound that lets the Skellam sum be accounted as a Gaussian, Agarwal,
+    Kairouz & Liu 2021, is a Rényi-DP statement)."""
+
+    name, accounting = "ssp-uniform", "rdp"
+
+    def __init__(self, noise_multiplier: float, sensitivity: Fed3RSensitivity):
+        super().__init__(noise_multiplier, sensitivity)
+
+    def scale(self) -> NoiseScale:
+        return NoiseScale.uniform(self.noise_multiplier * self.sensitivity.joint)
+
+
+MECHANISMS: dict[str, type[Fed3RMechanism]] = {m.name: m for m in (UniformGaussian, CalibratedSSP)}
+
+
 class NoisyFed3R:
     """Round sums (``pending``) noised into the released sums (``released``) at each round close."""
 
     def __init__(self, num_classes: int, p: int, lam: float, fit_intercept: bool, normalize_columns: bool,
-                 noise_stddev: float, rng: np.random.Generator | None = None):
-        if not (math.isfinite(noise_stddev) and noise_stddev > 0):
-            raise ValueError(f"noise stddev must be a positive finite number, got {noise_stddev}")
+                 mechanism: Fed3RMechanism, rng: np.random.Generator | None = None):
         make = lambda: Fed3R(num_classes, p, lam, fit_intercept, normalize_columns)   # noqa: E731
         self.pending, self.released = make(), make()
-        self.noise_stddev = float(noise_stddev)
+        self.mechanism = mechanism
         self.rng = rng if rng is not None else np.random.default_rng()
         self.releases = 0
 
@@ -91,11 +243,10 @@ class NoisyFed3R:
         if not self.pending.n_contributions:
             return
         p = self.pending
-        packed = p.packed_upper()
-        noisy_a = packed + self.rng.normal(0.0, self.noise_stddev, packed.shape)
-        noisy_b = p.B.cpu().numpy() + self.rng.normal(0.0, self.noise_stddev, tuple(p.B.shape))
+        noise_a, noise_b = self.mechanism.scale().draw(p.p, p.num_classes, self.rng)
+        noisy_b = p.B.cpu().numpy() + noise_b
         self.pending = Fed3R(p.num_classes, p.p, p.lam, p.fit_intercept, p.normalize_columns)
-        self.add_noised(noisy_a, noisy_b.T, p.n_samples, p.n_contributions)
+        self.add_noised(p.packed_upper() + noise_a, noisy_b.T, p.n_samples, p.n_contributions)
 
     @property
     def n_contributions(self) -> int:
@@ -106,11 +257,7 @@ class NoisyFed3R:
         return self.released.n_samples
 
     def solve(self) -> ClosedFormRidge:
-        r = self.released
-        eigenvalues, vectors = torch.linalg.eigh(r.A)
-        psd = (vectors * eigenvalues.clamp(min=0.0)) @ vectors.T
-        model = ClosedFormRidge(r.lam, r.fit_intercept, r.normalize_columns, device=str(r.device))
-        return model.fit_statistics(psd, r.B)
+        return self.mechanism.solve(self.released)
 
     def state_dict(self) -> dict[str, np.ndarray]:
         return {**self.released.state_dict(), "dp_releases": np.array([self.releases], dtype=np.int64)}

@@ -1,0 +1,151 @@
+"""DP Fed3R's mechanisms against independent references: the per-block noise of ``ssp`` (numpy
+reference on fixed inputs with the noise seeded; χ² of each block's scale), its noise multiplier
+against the worst device computed entry by entry, its ε against dp-accounting used directly, and
+the job's choice of mechanism (central and under secure aggregation)."""
+
+import math
+
+import dp_accounting
+import numpy as np
+import pytest
+from dp_accounting import pld, rdp
+from scipy import stats
+from scipy.stats import norm
+
+from aggregator.compute.privacy import PLD_DISCRETIZATION, PrivacyAccountant
+from aggregator.jobs.registry import build_job
+from aggregator.strategies.dp_fed3r import (CalibratedSSP, Fed3RSensitivity, NoisyFed3R, UniformGaussian,
+                                            UniformSSP)
+from protocols.payloads.fed3r import Fed3RStats
+
+
+def chi2_ok(noise: np.ndarray, stddev: float) -> bool:
+    lo, hi = stats.chi2.ppf([1e-6, 1 - 1e-6], noise.size) / noise.size
+    return lo < float(np.mean(noise ** 2)) / stddev ** 2 < hi
+
+
+def statistics(p: int, C: int, n: int, seed: int):
+    rng = np.random.default_rng(seed)
+    Z = np.hstack([rng.normal(size=(n, p - 1)), np.ones((n, 1))])
+    Y = np.eye(C)[rng.integers(0, C, n)]
+    return Z.T @ Z, Z.T @ Y
+
+
+def test_ssp_noise_per_block_has_its_stated_scale():
+    p, C = 200, 10
+    sens = Fed3RSensitivity.of(3, 2.0, True)
+    scale = CalibratedSSP(1.5, sens, b_share=0.3).scale()
+    assert scale.a_off_diagonal == pytest.approx(scale.a_diagonal / math.sqrt(2), rel=1e-15)
+    packed, noise_b = scale.draw(p, C, np.random.default_rng(3))
+    iu = np.triu_indices(p)
+    diagonal = iu[0] == iu[1]
+    assert chi2_ok(packed[diagonal], scale.a_diagonal)
+    assert chi2_ok(packed[~diagonal], scale.a_off_diagonal)
+    assert chi2_ok(noise_b.ravel(), scale.b)
+    # and no other scale passes: 10 % off is far outside the χ² interval at these sizes
+    assert not chi2_ok(packed[~diagonal], 1.1 * scale.a_off_diagonal)
+
+
+def test_ssp_release_and_solve_equal_a_numpy_reference():
+    """Fixed sums, the noise seeded: the released sums and the model are what a plain numpy
+    implementation of the mechanism gives (PSD projection, λ = max(λ_job, 2E/(3π)), column norms)."""
+    p, C, n, lam = 40, 4, 300, 0.01
+    A, B = statistics(p, C, n, 0)
+    mechanism = CalibratedSSP(2.0, Fed3RSensitivity.of(1, 3.0, True), b_share=0.25)
+    noisy = NoisyFed3R(C, p, lam, True, True, mechanism, rng=np.random.default_rng(7))
+    noisy.add(Fed3RStats(n=n, p=p, a_upper=A[np.triu_indices(p)], class_ids=np.arange(C), b=B.T))
+    noisy.release()
+    model = noisy.solve()
+    # the reference, from the stddevs of the docstring's formulas
+    z, d_a, d_b, s = 2.0, 10.0, math.sqrt(10.0), 0.25
+    sigma_a, sigma_b = z * d_a / math.sqrt(1 - s), z * d_b / math.sqrt(s)
+    rng = np.random.default_rng(7)
+    iu = np.triu_indices(p)
+    e = rng.normal(0.0, sigma_a / math.sqrt(2), len(iu[0]))
+    e[iu[0] == iu[1]] = rng.normal(0.0, sigma_a, p)
+    E = np.zeros((p, p))
+    E[iu] = e
+    E = E + np.triu(E, 1).T
+    noisy_b = B + rng.normal(0.0, sigma_b, (p, C))
+    np.testing.assert_allclose(noisy.released.A.numpy(), A + E, rtol=0, atol=1e-9)
+    np.testing.assert_allclose(noisy.released.B.numpy(), noisy_b, rtol=0, atol=1e-9)
+    w, v = np.linalg.eigh(A + E)
+    psd = (v * np.clip(w, 0, None)) @ v.T
+    ref_lam = max(lam, 2 / (3 * math.pi) * 2 * sigma_a / math.sqrt(2) * math.sqrt(p))
+    W = np.linalg.solve(psd + ref_lam * np.eye(p), noisy_b)
+    norms = np.linalg.norm(W[:-1], axis=0)
+    np.testing.assert_allclose(model.coef_, (W[:-1] / norms).T, rtol=1e-7, atol=1e-10)
+    np.testing.assert_allclose(model.intercept_, W[-1] / norms, rtol=1e-7, atol=1e-10)
+
+
+@pytest.mark.parametrize("mechanism", [CalibratedSSP(1.7, Fed3RSensitivity.of(5, 2.0, True), 0.2),
+                                       UniformGaussian(1.7, Fed3RSensitivity.of(5, 2.0, True)),
+                                       UniformSSP(1.7, Fed3RSensitivity.of(5, 2.0, True))],
+                         ids=["ssp", "gaussian", "ssp-uniform"])
+def test_noise_multiplier_bounds_the_worst_device_entry_by_entry(mechanism):
+    """A device of N identical rows of norm R on one axis (the bound is attained there): its
+    statistics divided entry by entry by their noise stddevs have norm ≤ 1/z, and the bound is tight."""
+    N, F, p, C = 5, 2.0, 6, 3
+    z_row = np.zeros(p)
+    z_row[0], z_row[-1] = F, 1.0
+    Z = np.tile(z_row, (N, 1))
+    A, b = Z.T @ Z, Z.T @ np.eye(C)[np.zeros(N, int)]
+    scale = mechanism.scale()
+    iu = np.triu_indices(p)
+    per_entry = np.where(iu[0] == iu[1], scale.a_diagonal, scale.a_off_diagonal)
+    moved = math.sqrt(np.sum((A[iu] / per_entry) ** 2) + np.sum((b / scale.b) ** 2))
+    assert scale.noise_multiplier(mechanism.sensitivity) == pytest.approx(mechanism.noise_multiplier, rel=1e-12)
+    assert moved <= 1 / mechanism.noise_multiplier * (1 + 1e-12)
+    assert moved >= 0.5 / mechanism.noise_multiplier                   # the bound is not loose by much
+
+
+def test_pld_accounting_is_dp_accountings_and_sound():
+    """ε of a ssp job is the PLD accountant's for GaussianDpEvent(z), built here with the library
+    directly; the closed form of the Gaussian mechanism (Balle & Wang 2018) agrees it is sound, and
+    it is below RDP's for the same z (the noise the same guarantee needs is smaller)."""
+    z, delta = 3.0, 1e-5
+    job = build_job("fed3r", {"dp_noise_multiplier": z, "dp_delta": delta, "feature_clip_norm": 4.0, "max_samples": 2})
+    report = job.config.privacy_report(1)
+    accountant = pld.PLDAccountant(value_discretization_interval=PLD_DISCRETIZATION)
+    accountant.compose(dp_accounting.GaussianDpEvent(z))
+    assert report["epsilon"] == pytest.approx(accountant.get_epsilon(delta), rel=1e-12)
+    finer = pld.PLDAccountant()                                   # the library's default grid: never more
+    finer.compose(dp_accounting.GaussianDpEvent(z))
+    assert finer.get_epsilon(delta) <= report["epsilon"] <= finer.get_epsilon(delta) * (1 + 1e-3)
+    assert report["accounting"] == "pld"
+    eps = report["epsilon"]
+    assert norm.cdf(0.5 / z - eps * z) - np.exp(eps) * norm.cdf(-0.5 / z - eps * z) <= delta * (1 + 1e-6)
+    rdp_accountant = rdp.RdpAccountant()
+    rdp_accountant.compose(dp_accounting.GaussianDpEvent(z))
+    assert eps < rdp_accountant.get_epsilon(delta)
+    assert PrivacyAccountant(z, delta, accounting="pld").affordable(1, eps * (1 + 1e-9))
+
+
+def test_job_chooses_its_mechanism_and_refuses_bad_ones():
+    base = {"num_classes": 3, "feature_dim": 5, "dp_noise_multiplier": 2.0, "feature_clip_norm": 1.0, "max_samples": 4}
+    job = build_job("fed3r", base)
+    assert isinstance(job.strategy.mechanism, CalibratedSSP)                     # the default
+    legacy = build_job("fed3r", {**base, "dp_mechanism": "gaussian"})
+    assert isinstance(legacy.strategy.mechanism, UniformGaussian)
+    assert legacy.config.privacy_report(1)["accounting"] == "rdp"
+    sigma = 2.0 * 4 * math.sqrt(2.0) * math.sqrt(3.0)                           # z N R √(R²+1), R² = 2
+    scale = legacy.strategy.mechanism.scale()
+    assert scale.a_diagonal == scale.a_off_diagonal == scale.b == pytest.approx(sigma, rel=1e-12)
+    for bad in ({"dp_mechanism": "laplace"}, {"dp_b_share": 1.0}, {"dp_b_share": 0.0}):
+        with pytest.raises(ValueError):
+            build_job("fed3r", {**base, **bad})
+
+
+def test_secure_fed3r_noise_is_one_stddev_the_devices_can_add():
+    """Under SecAgg every device adds one Skellam stddev to its whole vector: ssp keeps its λ rule
+    there but noises the blocks alike, at zΔ, and is accounted with RDP like every Skellam job."""
+    from aggregator.jobs.fed3r_sync import Fed3RSyncConfig
+
+    cfg = Fed3RSyncConfig(num_classes=3, feature_dim=5, dp_noise_multiplier=2.0, feature_clip_norm=1.0, max_samples=4,
+                          clients_per_round=5)
+    mechanism = cfg.mechanism()
+    assert isinstance(mechanism, UniformSSP) and mechanism.accounting == "rdp"
+    assert cfg.privacy_report(1)["accounting"] == "rdp"
+    sens = Fed3RSensitivity.of(4, 1.0, True)
+    assert cfg.dp_noise_stddev() == pytest.approx(2.0 * sens.joint, rel=1e-12)
+    assert mechanism.scale().noise_multiplier(sens) == pytest.approx(2.0, rel=1e-12)
