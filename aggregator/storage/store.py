@@ -45,11 +45,12 @@ from aggregator.storage.exclusions import SCREEN_EXEMPT_PREFIX, ExclusionReposit
 from aggregator.storage.jobs import JobRepository
 from aggregator.storage.models import ModelRepository, arrays_sha256, npz_bytes
 from aggregator.storage.rounds import RoundRepository, StoredRound
-from aggregator.storage.schema import FINAL_JOB_STATES, MIGRATE_FROM_V1, SCHEMA, SCHEMA_VERSION
+from aggregator.storage.schema import FINAL_JOB_STATES, JOB_STATES, MIGRATE_FROM_V1, SCHEMA, SCHEMA_VERSION, JobState
 from aggregator.storage.settings import SettingRepository
 
-__all__ = ["Store", "StoreError", "StoredRound", "StoredContribution", "FINAL_JOB_STATES", "SCREEN_EXEMPT_PREFIX",
-           "arrays_sha256", "npz_bytes"]
+# the names callers imported from this module before the split keep working
+__all__ = ["Store", "StoreError", "StoredRound", "StoredContribution", "JobState", "JOB_STATES", "FINAL_JOB_STATES",
+           "SCREEN_EXEMPT_PREFIX", "arrays_sha256", "npz_bytes"]
 
 log = logging.getLogger("fedfleet.aggregator")
 
