@@ -66,6 +66,11 @@ class StoreConnection:
             conn.close()
             self._local.conn = None
 
+    def _create_tables(self, schema: str) -> None:
+        """``schema`` (``CREATE ... IF NOT EXISTS`` statements) in one write transaction; a script, so
+        not inside :meth:`_tx` (``executescript`` would commit that transaction first)."""
+        self.db.executescript(f"BEGIN IMMEDIATE; {schema} COMMIT;")
+
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
         """One write transaction on this thread's connection, counted in ``commits`` and timed in

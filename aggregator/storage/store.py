@@ -62,7 +62,7 @@ class Store(DeviceRepository, JobRepository, RoundRepository, ContributionReposi
 
     def __init__(self, path: str | Path, synchronous: str = "FULL"):
         super().__init__(path, synchronous)
-        self.db.executescript(f"BEGIN IMMEDIATE; {SCHEMA} COMMIT;")
+        self._create_tables(SCHEMA)
         migrated = False
         with self._tx() as db:
             row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
