@@ -1,0 +1,92 @@
+"""The fleet as the store knows it: devices (enrolment with an Ed25519 public key and an MQTT
+password hash, enrolled or revoked; presence: last seen, online, profile) and the named groups
+clustered jobs put them in (``clusters``, ``devices.cluster``)."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+
+from aggregator.storage.connection import StoreConnection, StoreError
+
+
+class DeviceRepository(StoreConnection):
+    def enroll_device(self, device_id: str, public_key: bytes | None, mqtt_password_hash: str | None) -> None:
+        """Enrol (or re-enrol a revoked) device; re-enrolling an active device is refused."""
+        now = time.time()
+        with self._tx() as db:
+            row = db.execute("SELECT status FROM devices WHERE device_id=?", (device_id,)).fetchone()
+            if row is not None and row["status"] == "enrolled":
+                raise StoreError(f"device {device_id!r} is already enrolled; revoke it first")
+            db.execute("INSERT INTO devices (device_id, status, public_key, mqtt_password_hash, enrolled_at) "
+                       "VALUES (?, 'enrolled', ?, ?, ?) ON CONFLICT(device_id) DO UPDATE SET status='enrolled', "
+                       "public_key=excluded.public_key, mqtt_password_hash=excluded.mqtt_password_hash, "
+                       "enrolled_at=excluded.enrolled_at, revoked_at=NULL",
+                       (device_id, public_key, mqtt_password_hash, now))
+
+    def revoke_device(self, device_id: str) -> None:
+        with self._tx() as db:
+            cur = db.execute("UPDATE devices SET status='revoked', revoked_at=?, mqtt_password_hash=NULL, online=0 "
+                             "WHERE device_id=? AND status='enrolled'", (time.time(), device_id))
+            if cur.rowcount == 0:
+                raise StoreError(f"device {device_id!r} is not enrolled")
+
+    def device_seen(self, device_id: str, online: bool | None = None, profile: dict | None = None,
+                    at: float | None = None) -> None:
+        """Record presence / activity of a device in the table (others are not learnt from traffic)."""
+        at = time.time() if at is None else at
+        with self._tx() as db:
+            db.execute("UPDATE devices SET last_seen=? WHERE device_id=?", (at, device_id))
+            if online is not None:
+                db.execute("UPDATE devices SET online=? WHERE device_id=?", (int(online), device_id))
+            if profile is not None:
+                db.execute("UPDATE devices SET profile=? WHERE device_id=?", (json.dumps(profile), device_id))
+
+    def mark_all_offline(self) -> None:
+        """At start-up: presence is re-learnt from the broker's retained messages."""
+        with self._tx() as db:
+            db.execute("UPDATE devices SET online=0")
+
+    def devices(self) -> list[dict]:
+        return [_device_row(r) for r in self.db.execute("SELECT * FROM devices ORDER BY device_id")]
+
+    def device(self, device_id: str) -> dict | None:
+        r = self.db.execute("SELECT * FROM devices WHERE device_id=?", (device_id,)).fetchone()
+        return _device_row(r) if r else None
+
+    def enrolled_keys(self) -> dict[str, bytes | None]:
+        """Active devices -> raw Ed25519 public key (None for devices enrolled without one)."""
+        return {r["device_id"]: (bytes(r["public_key"]) if r["public_key"] is not None else None)
+                for r in self.db.execute("SELECT device_id, public_key FROM devices WHERE status='enrolled'")}
+
+    def password_hashes(self) -> dict[str, str]:
+        return {r["device_id"]: r["mqtt_password_hash"] for r in self.db.execute(
+            "SELECT device_id, mqtt_password_hash FROM devices WHERE status='enrolled' "
+            "AND mqtt_password_hash IS NOT NULL ORDER BY device_id")}
+
+    # ------------------------------------------------------------------ clusters
+    def set_cluster(self, device_id: str, cluster_id: str | None) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE devices SET cluster=? WHERE device_id=?", (cluster_id, device_id))
+
+    def upsert_cluster(self, cluster_id: str, label: str = "", job_id: str | None = None,
+                       model_id: int | None = None) -> None:
+        with self._tx() as db:
+            db.execute("INSERT INTO clusters VALUES (?, ?, ?, ?, ?) ON CONFLICT(cluster_id) DO UPDATE SET "
+                       "label=excluded.label, job_id=excluded.job_id, model_id=excluded.model_id",
+                       (cluster_id, label, job_id, model_id, time.time()))
+
+    def clusters(self) -> list[dict]:
+        rows = self.db.execute(
+            "SELECT c.cluster_id, c.label, c.job_id, c.model_id, c.created_at, "
+            "(SELECT COUNT(*) FROM devices d WHERE d.cluster=c.cluster_id) AS devices FROM clusters c "
+            "ORDER BY c.cluster_id")
+        return [dict(r) for r in rows]
+
+
+def _device_row(r: sqlite3.Row) -> dict:
+    return {"device_id": r["device_id"], "status": r["status"],
+            "public_key": bytes(r["public_key"]).hex() if r["public_key"] is not None else None,
+            "enrolled_at": r["enrolled_at"], "revoked_at": r["revoked_at"], "last_seen": r["last_seen"],
+            "online": bool(r["online"]), "profile": json.loads(r["profile"] or "{}"), "cluster": r["cluster"]}

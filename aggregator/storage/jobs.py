@@ -1,0 +1,71 @@
+"""Jobs (``jobs``: kind, config, state, summary, counters) and their state changes; a job's
+rounds are :mod:`aggregator.storage.rounds`. What moves a job between states is
+``aggregator/service/job_lifecycle.py``: here a state is only checked to be one."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+
+import numpy as np
+
+from aggregator.storage.connection import StoreConnection, StoreError
+from aggregator.storage.models import add_model_version
+from aggregator.storage.schema import FINAL_JOB_STATES, JOB_STATES, JobState
+
+
+class JobRepository(StoreConnection):
+    def create_job(self, job_id: str, kind: str, config: dict, state: JobState = JobState.CREATED) -> None:
+        if state not in JOB_STATES:
+            raise StoreError(f"unknown job state {state!r}")
+        now = time.time()
+        with self._tx() as db:
+            if db.execute("SELECT 1 FROM jobs WHERE job_id=?", (job_id,)).fetchone():
+                raise StoreError(f"job {job_id!r} already exists")
+            db.execute("INSERT INTO jobs (job_id, kind, config, state, created_at, updated_at) VALUES (?,?,?,?,?,?)",
+                       (job_id, kind, json.dumps(config, sort_keys=True), state, now, now))
+
+    def set_job_state(self, job_id: str, state: str, summary: dict | None = None) -> None:
+        if state not in JOB_STATES:
+            raise StoreError(f"unknown job state {state!r}")
+        now = time.time()
+        with self._tx() as db:
+            cur = db.execute("UPDATE jobs SET state=?, updated_at=?, "
+                             "started_at=CASE WHEN ?='running' AND started_at IS NULL THEN ? ELSE started_at END, "
+                             "finished_at=CASE WHEN ? IN ('cancelled','done','failed','stopped') THEN ? ELSE finished_at END, "
+                             "summary=COALESCE(?, summary) WHERE job_id=?",
+                             (state, now, state, now, state, now, json.dumps(summary) if summary else None, job_id))
+            if cur.rowcount == 0:
+                raise StoreError(f"no job {job_id!r}")
+
+    def finish_job(self, job_id: str, state: str, summary: dict, counters: dict,
+                   final_model: dict[str, np.ndarray] | None, metrics: dict, round_: int) -> int | None:
+        """Final state, summary and final model version of a job, in one transaction."""
+        if state not in FINAL_JOB_STATES:
+            raise StoreError(f"{state!r} is not a final job state")
+        now = time.time()
+        with self._tx() as db:
+            model_id = (add_model_version(db, job_id, round_, final_model, metrics, final=True)
+                        if final_model is not None else None)
+            db.execute("UPDATE jobs SET state=?, updated_at=?, finished_at=?, summary=?, counters=? WHERE job_id=?",
+                       (state, now, now, json.dumps(summary), json.dumps(counters), job_id))
+            return model_id
+
+    def job(self, job_id: str) -> dict | None:
+        r = self.db.execute("SELECT * FROM jobs WHERE job_id=?", (job_id,)).fetchone()
+        return _job_row(r) if r else None
+
+    def jobs(self) -> list[dict]:
+        return [_job_row(r) for r in self.db.execute("SELECT * FROM jobs ORDER BY created_at, job_id")]
+
+    def next_queued_job(self) -> dict | None:
+        r = self.db.execute("SELECT * FROM jobs WHERE state='queued' ORDER BY updated_at, job_id LIMIT 1").fetchone()
+        return _job_row(r) if r else None
+
+
+def _job_row(r: sqlite3.Row) -> dict:
+    return {"job_id": r["job_id"], "kind": r["kind"], "config": json.loads(r["config"]), "state": r["state"],
+            "created_at": r["created_at"], "updated_at": r["updated_at"], "started_at": r["started_at"],
+            "finished_at": r["finished_at"], "summary": json.loads(r["summary"]) if r["summary"] else None,
+            "counters": json.loads(r["counters"]) if r["counters"] else {}}

@@ -1,0 +1,89 @@
+"""A job's rounds: one row per opened round (``rounds``: participants, the task message id sent
+to each, the deadline, the job's bookkeeping right after it picked them; at close, the outcome),
+the declines and rejected results of open rounds (``round_events``, so a restored round waits for
+exactly the devices it was still waiting for) and the job's state as of its last closed round
+(``checkpoints``, written in the round-close transaction, so a restart replays only the
+contributions of the open round instead of the whole job)."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from aggregator.storage.connection import StoreConnection, StoreError
+from aggregator.storage.models import add_model_version, npz_bytes
+
+
+@dataclass(frozen=True)
+class StoredRound:
+    job_id: str
+    round: int
+    state: str
+    participants: tuple[str, ...]
+    tasks: dict[str, str]
+    bookkeeping: dict
+    opened_at: float
+    deadline: float
+    closed_at: float | None
+    outcome: dict | None
+    bytes_in: int
+
+
+class RoundRepository(StoreConnection):
+    def open_round(self, job_id: str, round_: int, participants: list[str], tasks: dict[str, str],
+                   bookkeeping: dict, deadline: float) -> None:
+        with self._tx() as db:
+            db.execute("INSERT INTO rounds (job_id, round, state, participants, tasks, bookkeeping, opened_at, "
+                       "deadline) VALUES (?, ?, 'open', ?, ?, ?, ?, ?)",
+                       (job_id, round_, json.dumps(sorted(participants)), json.dumps(tasks),
+                        json.dumps(bookkeeping), time.time(), deadline))
+
+    def add_round_event(self, job_id: str, round_: int, device: str, event: str, reason: str) -> None:
+        with self._tx() as db:
+            db.execute("INSERT OR IGNORE INTO round_events VALUES (?, ?, ?, ?, ?, ?)",
+                       (job_id, round_, device, event, reason, time.time()))
+
+    def close_round(self, job_id: str, round_: int, outcome: dict, model: dict[str, np.ndarray] | None = None,
+                    metrics: dict | None = None, bytes_in: int | None = None, counters: dict | None = None,
+                    checkpoint: tuple[dict[str, np.ndarray], dict] | None = None) -> int | None:
+        """Mark the round closed and, in the same transaction, record the model version it produced and
+        the job's state after it (``checkpoint`` = (state_dict, contributed[, replay_after]): a restart
+        replays the contributions of rounds after ``replay_after``, this round by default)."""
+        with self._tx() as db:
+            if checkpoint is not None:
+                replay_after = checkpoint[2] if len(checkpoint) > 2 else round_
+                db.execute("INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?)",
+                           (job_id, replay_after, npz_bytes(checkpoint[0]), json.dumps(checkpoint[1]), time.time()))
+            cur = db.execute("UPDATE rounds SET state='closed', closed_at=?, outcome=?, "
+                             "bytes_in=COALESCE(?, bytes_in) WHERE job_id=? AND round=? AND state='open'",
+                             (time.time(), json.dumps(outcome), bytes_in, job_id, round_))
+            if cur.rowcount == 0:
+                raise StoreError(f"round {round_} of job {job_id!r} is not open")
+            if counters is not None:
+                db.execute("UPDATE jobs SET counters=? WHERE job_id=?", (json.dumps(counters), job_id))
+            if model is None:
+                return None
+            return add_model_version(db, job_id, round_, model, metrics or {}, final=False)
+
+    def checkpoint(self, job_id: str) -> tuple[int, dict[str, np.ndarray], dict] | None:
+        """(round, state_dict, contributed) as of the job's last closed round, if one was recorded."""
+        r = self.db.execute("SELECT round, state, contributed FROM checkpoints WHERE job_id=?", (job_id,)).fetchone()
+        if r is None:
+            return None
+        with np.load(io.BytesIO(bytes(r["state"]))) as z:
+            return r["round"], {k: z[k] for k in z.files}, json.loads(r["contributed"])
+
+    def rounds(self, job_id: str) -> list[StoredRound]:
+        return [StoredRound(r["job_id"], r["round"], r["state"], tuple(json.loads(r["participants"])),
+                            json.loads(r["tasks"]), json.loads(r["bookkeeping"]), r["opened_at"], r["deadline"],
+                            r["closed_at"], json.loads(r["outcome"]) if r["outcome"] else None, r["bytes_in"])
+                for r in self.db.execute("SELECT * FROM rounds WHERE job_id=? ORDER BY round", (job_id,))]
+
+    def round_events(self, job_id: str, round_: int) -> list[dict]:
+        return [dict(r) for r in self.db.execute(
+            "SELECT device, event, reason, at FROM round_events WHERE job_id=? AND round=? ORDER BY at",
+            (job_id, round_))]
