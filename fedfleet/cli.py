@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from .errors import run_reporting_errors
@@ -53,6 +54,8 @@ def _simulate(args) -> int:
         if "oll" in report["phases"]:
             return 0 if report["phases"]["oll"].get("wma") else 1
         return 0 if report["phases"]["fedavg-ft"].get("accuracy") is not None else 1
+    if args.pipeline == "fedncm":
+        cfg = dataclasses.replace(cfg, classifier="fedncm")
     report = run(cfg)
     return 0 if report.get("contributed") else 1
 
@@ -105,8 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "default: local processes)")
     s.add_argument("--secure", action="store_true", help="Fed3R-Sync: sum statistics under secure aggregation")
     s.add_argument("--secure-graph", choices=["complete", "regular"], help="SecAgg (complete) or SecAgg+ (regular)")
-    s.add_argument("--pipeline", choices=["fed3r", "fed3r-ft-oll", "ladd"], default="fed3r",
-                   help="fed3r: classification (Fed3R / Fed3R-Sync); fed3r-ft-oll: Fed3R, then FedAvg(ψ) "
+    s.add_argument("--pipeline", choices=["fed3r", "fedncm", "fed3r-ft-oll", "ladd"], default="fed3r",
+                   help="fed3r: classification (Fed3R / Fed3R-Sync); fedncm: the class-mean baseline on "
+                        "Fed3R's upload (FedNCM / FedNCM-Sync); fed3r-ft-oll: Fed3R, then FedAvg(ψ) "
                         "fine-tuning from it, then OLL personalization on every device, with an HTML report; "
                         "ladd: segmentation on unlabelled devices (source-only vs FedAvg+self-training vs LADD)")
     s.add_argument("--ft-rounds", type=int, help="fed3r-ft-oll: FedAvg(ψ) fine-tuning rounds")
