@@ -36,7 +36,7 @@ from _ft_data import NUM_CLASSES, OUT_DIR, accuracy, demo_partition, load_data, 
 
 TEMPERATURE, BATCH, MOMENTUM, WEIGHT_DECAY = 0.1, 50, 0.9, 4e-5
 HEAD_LRS = (1e-6, 1e-5, 1e-4, 1e-3)       # 1/T = 10 and ‖z‖ ≈ 37 (64 px features): the head's gradients are large
-TAIL_LRS = (1e-4, 1e-3)
+TAIL_LRS = (1e-5, 1e-4)
 
 
 def evaluate(tail, head, inputs: np.ndarray, labels: np.ndarray, batch: int = 4096) -> float:
@@ -88,14 +88,15 @@ def main(argv=None):
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--modes", nargs="+", default=["psi", "phi", "M"], choices=["psi", "phi", "M"])
     ap.add_argument("--tail-stages", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--tail-lrs", type=float, nargs="+", default=list(TAIL_LRS))
     ap.add_argument("--seed", type=int, default=0, help="the demo's partition seed (SimConfig.seed)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (more oversubscribe a shared machine)")
     ap.add_argument("--quick", action="store_true", help="2 epochs, 1 tail stage, the middle LRs only")
     args = ap.parse_args(argv)
-    head_lrs, tail_lrs = HEAD_LRS, TAIL_LRS
+    head_lrs, tail_lrs = HEAD_LRS, tuple(args.tail_lrs)
     if args.quick:
         args.epochs, args.tail_stages = min(args.epochs, 2), args.tail_stages[:1]
-        head_lrs, tail_lrs = (1e-3, 1e-2), (1e-3,)
+        head_lrs, tail_lrs = (1e-6, 1e-5), (1e-5,)
     torch.manual_seed(args.seed)
     wall0 = time.perf_counter()
     data = load_data(args.threads)
