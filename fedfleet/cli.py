@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from .errors import run_reporting_errors
@@ -61,6 +62,8 @@ def _simulate(args) -> int:
         if "oll" in report["phases"]:
             return 0 if report["phases"]["oll"].get("wma") else 1
         return 0 if report["phases"][PIPELINES[args.pipeline][1]].get("accuracy") is not None else 1
+    if args.pipeline == "fedncm":
+        cfg = dataclasses.replace(cfg, classifier="fedncm")
     report = run(cfg)
     return 0 if report.get("contributed") else 1
 
@@ -115,8 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--secure-graph", choices=["auto", "complete", "regular"],
                    help="SecAgg (complete), SecAgg+ (regular), or by group size (auto, the default: complete up to "
                         "128 members)")
-    s.add_argument("--pipeline", choices=["fed3r", "fed3r-ft-oll", "fed3r-pp-oll", "fed3r-ft-pp-oll", "ladd"], default="fed3r",
-                   help="fed3r: classification (Fed3R / Fed3R-Sync); fed3r-ft-oll: Fed3R, then FedAvg(ψ) "
+    s.add_argument("--pipeline", choices=["fed3r", "fedncm", "fed3r-ft-oll", "fed3r-pp-oll", "fed3r-ft-pp-oll", "ladd"],
+                   default="fed3r",
+                   help="fed3r: classification (Fed3R / Fed3R-Sync); fedncm: the class-mean baseline on "
+                        "Fed3R's upload (FedNCM / FedNCM-Sync); fed3r-ft-oll: Fed3R, then FedAvg(ψ) "
                         "fine-tuning from it, then OLL personalization on every device, with an HTML report; "
                         "fed3r-pp-oll / fed3r-ft-pp-oll: FedAlt partial personalization (shared head weight, "
                         "each device's own bias) before OLL, without / after fine-tuning; "

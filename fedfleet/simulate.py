@@ -75,6 +75,7 @@ class SimConfig:
     timeout_s: float = 1800.0
     retry_after_s: float = 10.0
     secure: bool = False                    # Fed3R-Sync: statistics summed under secure aggregation
+    classifier: str = "fed3r"               # --pipeline fed3r: "fed3r" (ridge) or "fedncm" (class means, same upload)
     secure_graph: str = "auto"              # auto (by group size) | complete (SecAgg) | regular (SecAgg+)
     phase_timeout_s: float = 60.0
     # --pipeline fed3r-ft-oll: FedAvg(ψ) fine-tuning from the Fed3R head, then OLL on every device
@@ -424,8 +425,8 @@ def run(cfg: SimConfig, quiet: bool = False) -> dict:
                                            max(len(s) for s in prep.shards.values()))
         job.update(job_fields)
     with EmulatedFleet(cfg, out, prep.profiles, secure, quiet) as fleet:
-        results = fleet.run_job("fed3r-sync" if cfg.secure else "fed3r", job, out, out / "eval_features.npz",
-                                cfg.devices)
+        results = fleet.run_job(f"{cfg.classifier}-sync" if cfg.secure else cfg.classifier, job, out,
+                                out / "eval_features.npz", cfg.devices)
     report = _report(cfg, results, fleet.worker_stats, prep)
     report["wall_s"] = time.monotonic() - t_start
     report["broker_rss_mb"] = fleet.broker_rss_mb
@@ -471,7 +472,9 @@ def _report(cfg, results, workers, prep: Prepared, job_dir: Path | None = None) 
 
         rf = RandomFourierFeatures(cfg.rf_dim, cfg.rf_sigma, cfg.seed + 1).fit(n_features=Z.shape[1])
         Z, Zte = rf.transform(Z), rf.transform(Zte)
-    if len(y):
+    if len(y) and cfg.classifier == "fedncm":
+        report.update(central_ncm(Z, y, Zte, yte, fed["raw_weights"]))
+    elif len(y):
         Za = np.hstack([Z.astype(np.float64), np.ones((len(Z), 1))])
         W = Ridge(alpha=cfg.lam, fit_intercept=False, solver="cholesky").fit(Za, np.eye(10)[y]).coef_.T
         norms = np.linalg.norm(W[:-1], axis=0)
@@ -481,6 +484,20 @@ def _report(cfg, results, workers, prep: Prepared, job_dir: Path | None = None) 
         report["rel_weight_error"] = float(np.linalg.norm(fed["raw_weights"] - W) / np.linalg.norm(W))
         report["central_samples"] = int(len(y))
     return report
+
+
+def central_ncm(Z, y, Zte, yte, fed_raw: np.ndarray, num_classes: int = 10) -> dict:
+    """The centralized FedNCM reference, in numpy: class means of the same features, normalised;
+    its test accuracy and the relative error of the federated means (FedNCM's raw_weights: the
+    means (d, C), then the class counts)."""
+    Z = Z.astype(np.float64)
+    counts = np.bincount(y, minlength=num_classes)
+    means = np.stack([Z[y == c].mean(axis=0) if counts[c] else np.zeros(Z.shape[1]) for c in range(num_classes)], 1)
+    norms = np.linalg.norm(means, axis=0)
+    norms[norms == 0] = 1.0
+    scores = Zte.astype(np.float64) @ (means / norms)
+    return {"central_accuracy": float((scores.argmax(1) == yte).mean()), "central_samples": int(len(y)),
+            "rel_weight_error": float(np.linalg.norm(fed_raw[:-1] - means) / np.linalg.norm(means))}
 
 
 def fleet_figures(cfg: SimConfig, results: dict, workers: list[dict]) -> dict:
@@ -513,13 +530,15 @@ def upload_forms(workers: list[dict], feature_dim: int | None) -> dict:
 
 
 def format_report(r: dict) -> str:
-    title = "Fed3R-Sync (secure aggregation)" if r["config"].get("secure") else "Fed3R"
+    name = {"fedncm": "FedNCM"}.get(r["config"].get("classifier"), "Fed3R")
+    title = f"{name}-Sync (secure aggregation)" if r["config"].get("secure") else name
     lines = ["", f"=== fedfleet simulate: {title} ===",
              f"devices contributed     {r['contributed']}/{r['devices']} in {r['rounds']} rounds "
              f"({r['dropouts']} drop-outs retried, {r['late']} late results discarded)",
-             f"Fed3R accuracy          {r['fed3r_accuracy']:.4f}"]
+             f"{name + ' accuracy':23s} {r['fed3r_accuracy']:.4f}"]
     if "central_accuracy" in r:
-        lines += [f"centralized ridge acc.  {r['central_accuracy']:.4f}   (sklearn, same features, "
+        reference = "centralized NCM acc.    " if name == "FedNCM" else "centralized ridge acc.  "
+        lines += [f"{reference}{r['central_accuracy']:.4f}   ({'numpy' if name == 'FedNCM' else 'sklearn'}, same features, "
                   f"{r['central_samples']} samples)",
                   f"‖W_fed − W_central‖/‖W_central‖ = {r['rel_weight_error']:.2e}"]
     per_dev = r["bytes_up"] / max(1, r["contributed"])

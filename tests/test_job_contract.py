@@ -35,6 +35,8 @@ CAPABILITIES = ("order_free", "evaluate_at_round_close", "asynchronous", "secure
 EXPECTED = {
     "fed3r":              (True, False, False, False, True),
     "fed3r-sync":         (False, False, False, True, True),
+    "fedncm":             (True, False, False, False, True),
+    "fedncm-sync":        (False, False, False, True, True),
     "fedavg":             (False, True, False, False, False),
     "fedavg-async":       (False, True, True, False, False),
     "fedavg-secure":      (False, True, False, True, False),

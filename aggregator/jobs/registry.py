@@ -20,6 +20,7 @@ from aggregator.jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob
 from aggregator.jobs.fedavg_async import AsyncFedAvgConfig, AsyncFedAvgJob
 from aggregator.jobs.fedavg_tail import TailFedAvgConfig, TailFedAvgJob
+from aggregator.jobs.fedncm import FedNCMConfig, FedNCMJob, FedNCMSyncConfig, FedNCMSyncJob
 from aggregator.jobs.ladd import LaddConfig, LaddJob
 from aggregator.jobs.partial import PartialConfig, PartialPersonalizationJob
 from aggregator.jobs.scaffold import ScaffoldConfig, ScaffoldJob
@@ -50,6 +51,9 @@ def _ladd_factory(job_cls: type) -> Callable:
 KINDS: dict[str, JobKind] = {k.name: k for k in (
     JobKind("fed3r", Fed3RConfig, Fed3RJob, "Fed3R: each device sends its ridge statistics once; exact closed form"),
     JobKind("fed3r-sync", Fed3RSyncConfig, Fed3RSyncJob, "Fed3R-Sync: the statistics summed in groups under SecAgg"),
+    JobKind("fedncm", FedNCMConfig, FedNCMJob,
+            "FedNCM: Fed3R's device task, solved as normalised class means (the Fed3R paper's baseline)"),
+    JobKind("fedncm-sync", FedNCMSyncConfig, FedNCMSyncJob, "FedNCM on Fed3R-Sync's secure group sums"),
     JobKind("fedavg", FedAvgConfig, FedAvgJob, "FedAvg/FedAvgM rounds fine-tuning the classifier head (FT(ψ))"),
     JobKind("fedavg-async", AsyncFedAvgConfig, AsyncFedAvgJob,
             "FedAvg(ψ) without rounds: FedBuff, a server step every K arrivals, staleness-weighted"),

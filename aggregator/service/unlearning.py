@@ -18,11 +18,12 @@ from __future__ import annotations
 from aggregator.service.canonical import canonical_job
 from aggregator.storage.store import FINAL_JOB_STATES, Store
 
-FORGETTABLE = ("fed3r",)
+FORGETTABLE = ("fed3r", "fedncm")      # sums of per-device statistics: re-summed without the device
 NOT_FORGETTABLE = {
     "fed3r-sync": "the device's statistics exist only inside its group's masked sum: removing them needs the "
                   "group re-summed without it, i.e. the other members' masked inputs again (a new secure round)",
 }
+NOT_FORGETTABLE["fedncm-sync"] = NOT_FORGETTABLE["fed3r-sync"]
 GRADIENT = "a gradient-trained model keeps every update's influence in all later rounds: no exact removal"
 
 
