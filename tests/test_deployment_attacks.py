@@ -214,7 +214,8 @@ def test_on_the_generated_acl_broker_no_two_connections_share_an_identity(secure
     of the connections (with one account for service and controller, and one for agent and
     follower, each pair closed the other in turn about once a second, and this rollout did not
     complete in 15 s). 5 s: several keepalive periods and reconnect delays, enough to show that
-    churn, not the minutes a soak test would run."""
+    churn. FEDFLEET_ACL_SOAK_S=180 holds the connections for minutes (a soak run outside make test)."""
+    import os
     import threading
 
     from aggregator.deployments.controller import DeploymentController
@@ -236,7 +237,8 @@ def test_on_the_generated_acl_broker_no_two_connections_share_an_identity(secure
     W, b = world["good"]
     store.create_job("heads", "fed3r", {})
     model = store.finish_job("heads", "done", {}, {}, {"coef": W, "intercept": b}, {}, 1)
-    thread = threading.Thread(target=svc.run, kwargs={"timeout_s": 60}, daemon=True)
+    hold_s = float(os.environ.get("FEDFLEET_ACL_SOAK_S", "5"))
+    thread = threading.Thread(target=svc.run, kwargs={"timeout_s": 60 + hold_s}, daemon=True)
     thread.start()
     ctl = DeploymentController(store, broker, Topics(), tick_s=0.05).start()
     agent = MqttLink("dev01", device, on_message=lambda t, p: None, subscriptions=[(Topics().inbox("dev01"), 1)])
@@ -258,7 +260,7 @@ def test_on_the_generated_acl_broker_no_two_connections_share_an_identity(secure
                                     deployment_id="acl-1"))
         wait_for(lambda: store_state(store, "acl-1") == "complete", 15, "the rollout on the ACL broker")
         assert follower.slot.current.sha256 == D_sha((W, b))
-        time.sleep(5)
+        time.sleep(hold_s)
         assert closed == {name: 0 for name in links}, closed
         assert all(link.connected.is_set() for link in links.values())
         assert {link.client._client_id.decode() for link in links.values()} == \
