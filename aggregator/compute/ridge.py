@@ -32,7 +32,23 @@ def gram_statistics(Z: np.ndarray, y: np.ndarray, num_classes: int, fit_intercep
     return Zb.T @ Zb, Zb.T @ Y
 
 
-class ClosedFormRidge:
+class LinearClassifier:
+    """A fitted linear head's predictions (sklearn's names): coef_ (C, d), intercept_ (C,), n_features_in_."""
+
+    def decision_function(self, Z: np.ndarray) -> np.ndarray:
+        Z = np.asarray(Z, dtype=np.float64)
+        if Z.ndim != 2 or Z.shape[1] != self.n_features_in_:
+            raise ValueError(f"expected (n, {self.n_features_in_}) features, got {Z.shape}")
+        return Z @ self.coef_.T + self.intercept_
+
+    def predict(self, Z: np.ndarray) -> np.ndarray:
+        return self.decision_function(Z).argmax(axis=1)
+
+    def score(self, Z: np.ndarray, y: np.ndarray) -> float:
+        return float((self.predict(Z) == np.asarray(y)).mean())
+
+
+class ClosedFormRidge(LinearClassifier):
     def __init__(self, lam: float = 0.01, fit_intercept: bool = True, normalize_columns: bool = True,
                  device: str = "auto"):
         self.lam = lam
@@ -82,17 +98,6 @@ class ClosedFormRidge:
             raise np.linalg.LinAlgError(NOT_POSITIVE_DEFINITE)
         return torch.from_numpy(cholesky_solve(factor, B_t.numpy()))
 
-    def decision_function(self, Z: np.ndarray) -> np.ndarray:
-        Z = np.asarray(Z, dtype=np.float64)
-        if Z.ndim != 2 or Z.shape[1] != self.n_features_in_:
-            raise ValueError(f"expected (n, {self.n_features_in_}) features, got {Z.shape}")
-        return Z @ self.coef_.T + self.intercept_
-
-    def predict(self, Z: np.ndarray) -> np.ndarray:
-        return self.decision_function(Z).argmax(axis=1)
-
-    def score(self, Z: np.ndarray, y: np.ndarray) -> float:
-        return float((self.predict(Z) == np.asarray(y)).mean())
 
 
 def torch_ridge_solve(A_t: torch.Tensor, B_t: torch.Tensor, lam: float, upper: bool) -> torch.Tensor:

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from aggregator.compute.ridge import LinearClassifier
 from aggregator.strategies.fed3r import Fed3R
 
 
-class NearestClassMeans:
+class NearestClassMeans(LinearClassifier):
     """The solved FedNCM head with ``ClosedFormRidge``'s read interface (``coef_``, ``intercept_``,
     ``raw_weights_``, ``score``), so a Fed3R job stores and evaluates it unchanged."""
 
@@ -40,18 +41,6 @@ class NearestClassMeans:
         self.raw_weights_ = np.vstack([means, counts[None, :]])
         self.n_features_in_ = sums.shape[0]
         self.classes_ = np.arange(len(counts))
-
-    def decision_function(self, Z: np.ndarray) -> np.ndarray:
-        Z = np.asarray(Z, dtype=np.float64)
-        if Z.ndim != 2 or Z.shape[1] != self.n_features_in_:
-            raise ValueError(f"expected (n, {self.n_features_in_}) features, got {Z.shape}")
-        return Z @ self.coef_.T + self.intercept_
-
-    def predict(self, Z: np.ndarray) -> np.ndarray:
-        return self.decision_function(Z).argmax(axis=1)
-
-    def score(self, Z: np.ndarray, y: np.ndarray) -> float:
-        return float((self.predict(Z) == np.asarray(y)).mean())
 
 
 class FedNCM(Fed3R):
