@@ -105,3 +105,19 @@ def test_a_ladd_job_sends_its_rule_and_the_device_runs_it():
     assert body["steps"] == 1 and body["gradient_evaluations"] == 2        # two passes per SAM step
     plain, _ = device({**params, "local_rule": "sgd", "prox_mu": 0.0}, tensors)
     assert plain["gradient_evaluations"] == 1
+
+
+def test_the_ladd_command_line_selects_the_rule_for_both_jobs():
+    import argparse
+
+    from fedfleet.ladd.cli import add_ladd_arguments, ladd_config_from_args
+    from fedfleet.ladd.run import job_configs
+
+    parser = argparse.ArgumentParser()
+    add_ladd_arguments(parser)
+    cfg = ladd_config_from_args(parser.parse_args(["--quick", "--local-rule", "sam", "--sam-rho", "0.3",
+                                                   "--prox-mu", "0.01"]))
+    assert (cfg.local_rule, cfg.sam_rho, cfg.prox_mu) == ("sam", 0.3, 0.01)
+    for fields in job_configs(cfg, 0, 8).values():          # LADD and its FedAvg+ST baseline
+        assert LaddConfig(**fields).recipe(0).rule == LocalRuleRecipe("sam", 0.3, cfg.asam_eta, 0.01)
+    assert ladd_config_from_args(parser.parse_args(["--quick"])).local_rule == "sgd"

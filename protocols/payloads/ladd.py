@@ -18,8 +18,10 @@ all-white image), which the parser enforces.
 
 ``ladd.train``
 --------------
-Task params (among the recipe): ``model`` (the segmentation spec), ``layout`` and
-``layout_sha256`` of the exchanged state, ``trainable`` (names, a subset of the layout, in
+Task params (among the recipe, ``SelfTrainingRecipe``, whose step rule travels flat as the
+FedAvg family's ``LocalRuleRecipe`` params ``local_rule``, ``sam_rho``, ``asam_eta``,
+``prox_mu``): ``model`` (the segmentation spec), ``layout`` and ``layout_sha256`` of the
+exchanged state, ``trainable`` (names, a subset of the layout, in
 layout order), ``cluster``, ``teacher`` ("model" when the pseudo-label teacher equals the
 model, else "tensor"), ``kd_sha256`` (digest of the packed pre-trained model, the KD teacher).
 Task tensors: ``model`` float32 (L,) always; ``teacher`` (L,) when params say "tensor";
