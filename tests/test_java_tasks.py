@@ -614,6 +614,8 @@ def test_java_sam_step_reproduces_the_golden_training_vector(java_cp, tmp_path, 
     import json
 
     from edge_client import golden_training
+    from edge_client.tasks.head_training import LocalTraining, local_sgd
+    from edge_client.tasks.numpy_head import NumpyHeadStepper
     from protocols.envelope import decode
     from protocols.identity import DeviceIdentity
 
@@ -631,13 +633,11 @@ def test_java_sam_step_reproduces_the_golden_training_vector(java_cp, tmp_path, 
     result = decode((tmp_path / "result.bin").read_bytes())
     want = {k: np.array(case[k], np.float32) for k in ("weight", "bias")}
     start = golden_training.start_head()
-    Z, _ = golden_training.features()
+    Z, y = golden_training.features()
     tol = head_tolerance(case["params"], start, Z, case["steps"], case["params"]["batch_size"], want, result.tensors)
     for k in ("weight", "bias"):
         assert np.abs(result.tensors[k] - want[k]).max() <= tol, (k, tol)
     plain = {**case["params"], "local_rule": "sgd", "prox_mu": 0.0}       # the rule moved the head far past tol
-    from edge_client.tasks.head_training import LocalTraining, local_sgd
-    from edge_client.tasks.numpy_head import NumpyHeadStepper
     stepper = NumpyHeadStepper(start["weight"], start["bias"], LocalTraining.from_params(plain))
-    local_sgd(stepper, len(Z), Z, golden_training.features()[1], LocalTraining.from_params(plain))
+    local_sgd(stepper, len(y), Z, y, LocalTraining.from_params(plain))
     assert np.abs(stepper.parameters()["weight"] - want["weight"]).max() > 10 * tol

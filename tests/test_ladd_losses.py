@@ -233,6 +233,9 @@ def test_train_handler_end_to_end_and_caches(model):
     (lambda p, t: p.update(model={**SPEC.to_dict(), "image_size": 64}), "64px"),
     (lambda p, t: p.update(kd_sha256="f" * 64), "kd_model does not match"),
     (lambda p, t: t.update(extra=t["model"]), "unexpected"),
+    (lambda p, t: p.update(local_rule="nesterov"), "local_rule must be one of"),
+    (lambda p, t: p.update(local_rule="sam", sam_rho=0.0), "needs sam_rho > 0"),
+    (lambda p, t: p.update(prox_mu=float("inf")), "prox_mu"),
 ])
 def test_train_handler_declines_bad_tasks(model, mutate, match):
     images = np.random.default_rng(6).integers(0, 256, (3, 32, 32, 3), np.uint8)
