@@ -136,10 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "adam, yogi, adagrad (Reddi et al. 2021) on the round's pseudo-gradient")
     s.add_argument("--server-lr", type=float, help="fed3r-ft-oll: η of the server step (default 1.0; FedOpt wants ~0.01-0.1)")
     s.add_argument("--local-rule", choices=["sgd", "sam", "asam"],
-                   help="fed3r-ft-oll: the devices' local step: sgd (default), sam (FedSAM) or asam (FedASAM), "
+                   help="fed3r-ft-oll, ladd: the devices' local step: sgd (default), sam (FedSAM) or asam (FedASAM), "
                         "two gradient evaluations per step")
     s.add_argument("--sam-rho", type=float, help="--local-rule sam/asam: the ascent radius ρ (default 0.1)")
-    s.add_argument("--prox-mu", type=float, help="fed3r-ft-oll: FedProx's proximal weight μ (default 0: off)")
+    s.add_argument("--prox-mu", type=float, help="fed3r-ft-oll, ladd: FedProx's proximal weight μ (default 0: off)")
     s.add_argument("--served-model", choices=["last", "swa", "wima"],
                    help="fed3r-ft-oll: the fine-tuned model reported and deployed: the last (default), server SWA "
                         "from 0.75 of the rounds, or WiMA's mean of the last 10")

@@ -3,6 +3,8 @@
 A client in another language proves its codec by decoding every ``*.bin`` to the content in
 ``index.json`` and re-encoding that content to the identical bytes. Regenerate (only when the
 protocol version changes) with ``python -m protocols.golden``.
+Training vectors (a task, its features and the head the Python device trains) are in
+``golden/training/``, written by ``edge_client/golden_training.py`` (they need the device's code).
 """
 
 from __future__ import annotations

@@ -603,3 +603,41 @@ def test_fed3r_factor_form_equals_the_python_device(java_cp, tmp_path, n, dtype)
         tol = 1e-12 if dtype == "float64" else 2 * np.finfo(np.float32).eps
         assert np.abs(got.astype(np.float64) - ref).max() <= tol * max(1.0, np.abs(ref).max()), k
     parse_stats(result, Z.shape[1] + 1, C)
+
+
+@pytest.mark.parametrize("name", ["task_fedavg_head_sam", "task_fedavg_head_asam_prox"])
+def test_java_sam_step_reproduces_the_golden_training_vector(java_cp, tmp_path, name):
+    """The signed FedSAM / FedASAM+FedProx fedavg.head tasks of protocols/golden/training/ (written
+    by edge_client/golden_training.py from the Python device's numpy step): the Java device verifies
+    each task's signature and trains the golden head within head_tolerance; the files on disk are
+    what the generator produces now."""
+    import json
+
+    from edge_client import golden_training
+    from edge_client.tasks.head_training import LocalTraining, local_sgd
+    from edge_client.tasks.numpy_head import NumpyHeadStepper
+    from protocols.envelope import decode
+    from protocols.identity import DeviceIdentity
+
+    folder = golden_training.training_dir()
+    want_index, files = golden_training.training_vectors()
+    assert json.loads((folder / "index.json").read_text()) == json.loads(json.dumps(want_index))
+    assert all((folder / f).read_bytes() == data for f, data in files.items())
+    case = want_index[name]
+    (tmp_path / "cases").write_text(f"{folder / case['task']} {folder / case['features']} {tmp_path / 'result.bin'}\n")
+    device = DeviceIdentity.from_private_bytes("java0", bytes(32))
+    out = java(java_cp, "--batch", tmp_path / "cases", case["public_key"], device.private_bytes().hex())
+    lines = out.splitlines()
+    assert lines[0] == "CASE 0" and lines[1] == "DONE", out
+    assert int(lines[2].split()[1]) == case["steps"] and abs(float(lines[2].split()[3]) - case["loss"]) <= 1e-5
+    result = decode((tmp_path / "result.bin").read_bytes())
+    want = {k: np.array(case[k], np.float32) for k in ("weight", "bias")}
+    start = golden_training.start_head()
+    Z, y = golden_training.features()
+    tol = head_tolerance(case["params"], start, Z, case["steps"], case["params"]["batch_size"], want, result.tensors)
+    for k in ("weight", "bias"):
+        assert np.abs(result.tensors[k] - want[k]).max() <= tol, (k, tol)
+    plain = {**case["params"], "local_rule": "sgd", "prox_mu": 0.0}       # the rule moved the head far past tol
+    stepper = NumpyHeadStepper(start["weight"], start["bias"], LocalTraining.from_params(plain))
+    local_sgd(stepper, len(y), Z, y, LocalTraining.from_params(plain))
+    assert np.abs(stepper.parameters()["weight"] - want["weight"]).max() > 10 * tol

@@ -1,6 +1,7 @@
 """LADD on the device: pseudo-label thresholding, L_pseudo + λ·L_KD, HNM, the network's pieces,
 local SGD, and the ``ladd.train`` handler's checks."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -232,6 +233,9 @@ def test_train_handler_end_to_end_and_caches(model):
     (lambda p, t: p.update(model={**SPEC.to_dict(), "image_size": 64}), "64px"),
     (lambda p, t: p.update(kd_sha256="f" * 64), "kd_model does not match"),
     (lambda p, t: t.update(extra=t["model"]), "unexpected"),
+    (lambda p, t: p.update(local_rule="nesterov"), "local_rule must be one of"),
+    (lambda p, t: p.update(local_rule="sam", sam_rho=0.0), "needs sam_rho > 0"),
+    (lambda p, t: p.update(prox_mu=float("inf")), "prox_mu"),
 ])
 def test_train_handler_declines_bad_tasks(model, mutate, match):
     images = np.random.default_rng(6).integers(0, 256, (3, 32, 32, 3), np.uint8)
@@ -264,3 +268,15 @@ def test_executorch_training_program_matches_eager():
     for name in names:
         np.testing.assert_allclose(program.arrays[name], eager.arrays[name], rtol=1e-4, atol=1e-6)
         assert not np.allclose(program.arrays[name], start[name])
+    # FedASAM + FedProx (edge_client/tasks/local_rules.py): two program calls per step, the same
+    # lowered program (its cache key does not hold the rule), the eager twin's result
+    from protocols.payloads.fedavg import LocalRuleRecipe
+    sharp = dataclasses.replace(recipe, rule=LocalRuleRecipe("asam", sam_rho=1.0, asam_eta=0.1, prox_mu=0.5))
+    net.load_exchanged(start)
+    eager_sam = self_train(net, names, frozen, pseudo, kd_probs, kd_mask, sharp, "eager")
+    net.load_exchanged(start)
+    program_sam = self_train(net, names, frozen, pseudo, kd_probs, kd_mask, sharp, "executorch")
+    assert program_sam.gradient_evaluations == eager_sam.gradient_evaluations == 4
+    for name in names:
+        np.testing.assert_allclose(program_sam.arrays[name], eager_sam.arrays[name], rtol=1e-4, atol=1e-6)
+    assert max(np.abs(eager_sam.arrays[k] - eager.arrays[k]).max() for k in names) > 1e-3

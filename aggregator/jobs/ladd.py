@@ -58,6 +58,7 @@ from aggregator.jobs.robustness_fields import FedAvgRobustnessFields
 from aggregator.strategies.ladd import (ClusterAveraging, ClusterSpecificAveraging, StyleClustering, SwaTeacher,
                                cluster_specific_predicate)
 from aggregator.jobs.base import Job
+from aggregator.jobs.optimizer_fields import LocalRuleFields
 from aggregator.jobs.privacy_fields import UpdateClippingFields
 
 log = logging.getLogger("fedfleet.aggregator")
@@ -68,8 +69,9 @@ Pretrainer = Callable[[np.ndarray], tuple[Arrays, list[str]]]
 
 
 @dataclass
-class LaddConfig(FedAvgRobustnessFields, UpdateClippingFields):
-    """The fields every job has (``aggregator/jobs/base.py``), DP-FedAvg's clipping, the robust rule within each cluster, and LADD's."""
+class LaddConfig(LocalRuleFields, FedAvgRobustnessFields, UpdateClippingFields):
+    """The fields every job has (``aggregator/jobs/base.py``), DP-FedAvg's clipping, the robust rule within each cluster,
+    the devices' local step rule (FedSAM/FedASAM/FedProx on the decoder), and LADD's."""
 
     job_id: str = "ladd"
     # LADD keeps the first bound, 3x the median norm, and nothing else: FedAvg(ψ)'s defaults were
@@ -126,7 +128,8 @@ class LaddConfig(FedAvgRobustnessFields, UpdateClippingFields):
     def recipe(self, seed: int) -> SelfTrainingRecipe:
         return SelfTrainingRecipe(epochs=self.local_epochs, batch_size=self.batch_size, lr=self.lr,
                                   momentum=self.momentum, kd_lambda=self.kd_lambda, kd_alpha=self.kd_alpha,
-                                  pseudo_quantile=self.pseudo_quantile, pseudo_cap=self.pseudo_cap, seed=seed)
+                                  pseudo_quantile=self.pseudo_quantile, pseudo_cap=self.pseudo_cap, seed=seed,
+                                  rule=self.local_rule_recipe())
 
     @property
     def image_size(self) -> int:

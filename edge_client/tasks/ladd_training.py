@@ -54,6 +54,7 @@ from protocols.payloads.ladd import (SelfTrainingRecipe, encode_style, encode_up
 from ..agent import TaskDeclined
 from ..models.segmentation import IGNORE, SegmentationModel, SegmentationSpec, self_training_loss
 from ..style import extract_style
+from .local_rules import rule_for
 
 __all__ = ["LaddStyleTask", "LaddTrainTask", "SelfTrainingRecipe", "TrainedUpdate", "kd_targets", "self_train",
            "threshold_pseudo_labels"]
@@ -94,6 +95,7 @@ def kd_targets(kd_logits: torch.Tensor, alpha: float, quantile: float, cap: floa
 class SelfTrainingResult:
     arrays: dict[str, np.ndarray]      # the trainable tensors after training
     steps: int
+    gradient_evaluations: int          # forward+backward passes: steps × the rule's (SAM/ASAM: 2)
     loss: float                        # mean loss over the last epoch
     pseudo_loss: float                 # its parts (NaN when the runtime reports only the total)
     kd_loss: float
@@ -107,7 +109,9 @@ class _EagerStepper:
     def __init__(self, model: SegmentationModel, trainable: list[str], recipe: SelfTrainingRecipe):
         model.eval()                       # BatchNorm frozen on device
         self.model, self.names, self.kd_lambda = model, trainable, recipe.kd_lambda
-        self.params = model.set_trainable(trainable)
+        model.set_trainable(trainable)
+        named = dict(model.named_parameters())
+        self.params = [named[k] for k in trainable]        # in ``names`` order, as the rule's dicts
 
     def step(self, frozen, pseudo, kd_probs, kd_mask) -> tuple[tuple[float, float, float], list[torch.Tensor]]:
         logits = self.model.logits_from_features(frozen)
@@ -180,16 +184,41 @@ class _ExecuTorchStepper:
 STEPPERS = {"eager": _EagerStepper, "executorch": _ExecuTorchStepper}
 
 
+def _gradient_function(stepper, params: dict[str, np.ndarray], batch: tuple, losses: list):
+    """``gradient_at`` of local_rules for one mini-batch: evaluates the stepper at any values of the
+    trained tensors (SAM's perturbed point is written into them and the originals put back),
+    appending each evaluation's (loss, pseudo, kd) to ``losses``."""
+    def gradient_at(values):
+        moved = [k for k in params if values[k] is not params[k]]
+        saved = {k: params[k].copy() for k in moved}
+        for k in moved:
+            params[k][...] = values[k]
+        try:
+            parts, grads = stepper.step(*batch)
+        finally:
+            for k in moved:
+                params[k][...] = saved[k]
+        losses.append(parts)
+        return parts[0], {k: g.detach().numpy() for k, g in zip(stepper.names, grads)}
+    return gradient_at
+
+
 def self_train(model: SegmentationModel, trainable: list[str], frozen: torch.Tensor, pseudo: np.ndarray,
                kd_probs: torch.Tensor, kd_mask: torch.Tensor, recipe: SelfTrainingRecipe,
                runtime: str = "eager") -> SelfTrainingResult:
-    """E epochs of momentum SGD (torch.optim.SGD semantics, fixed lr) on L_pseudo + λ·L_KD."""
+    """E epochs of momentum SGD (torch.optim.SGD semantics, fixed lr) on L_pseudo + λ·L_KD, each
+    step's direction by the recipe's local rule (``local_rules``: SGD, FedProx, FedSAM, FedASAM)."""
     n = len(frozen)
     if not (len(pseudo) == len(kd_probs) == len(kd_mask) == n) or n == 0:
         raise ValueError("features, pseudo-labels and KD targets must have the same, non-zero length")
     if runtime not in STEPPERS:
         raise ValueError(f"runtime must be one of {sorted(STEPPERS)}, got {runtime!r}")
     stepper = STEPPERS[runtime](model, list(trainable), recipe)
+    rule = rule_for(recipe.rule)
+    # the rule works on numpy views of the trained tensors (they share memory), so the SAM/ASAM/
+    # FedProx arithmetic is local_rules' one implementation; FedProx pulls towards the received decoder
+    params = {k: p.detach().numpy() for k, p in zip(stepper.names, stepper.params)}
+    received = {k: v.copy() for k, v in params.items()}
     pseudo_t = torch.from_numpy(np.ascontiguousarray(pseudo, dtype=np.int64))
     velocity: list[torch.Tensor | None] = [None] * len(stepper.params)
     rng = np.random.default_rng(recipe.seed)
@@ -199,18 +228,22 @@ def self_train(model: SegmentationModel, trainable: list[str], frozen: torch.Ten
         order = rng.permutation(n)
         for start in range(0, n, recipe.batch_size):
             rows = torch.from_numpy(np.sort(order[start:start + recipe.batch_size]))
-            losses, grads = stepper.step(frozen[rows], pseudo_t[rows], kd_probs[rows], kd_mask[rows])
+            batch = (frozen[rows], pseudo_t[rows], kd_probs[rows], kd_mask[rows])
+            losses: list[tuple[float, float, float]] = []
+            _, direction = rule.direction(params, _gradient_function(stepper, params, batch, losses), received)
             with torch.no_grad():
-                for i, (p, g) in enumerate(zip(stepper.params, grads)):
+                for i, (p, name) in enumerate(zip(stepper.params, stepper.names)):
+                    g = torch.from_numpy(np.ascontiguousarray(direction[name]))
                     velocity[i] = g.clone() if velocity[i] is None else velocity[i].mul_(recipe.momentum).add_(g)
                     p.add_(velocity[i], alpha=-recipe.lr)
-            last.append(losses)
+            last.append(losses[0])          # the loss at the step's start (the model's own parameters)
             steps += 1
     arrays = stepper.finish()
     if not all(np.isfinite(a).all() for a in arrays.values()):
         raise FloatingPointError("local self-training diverged (NaN/Inf); lower the learning rate")
     mean = np.mean(last, axis=0)
-    return SelfTrainingResult(arrays, steps, float(mean[0]), float(mean[1]), float(mean[2]))
+    return SelfTrainingResult(arrays, steps, steps * rule.evaluations_per_step, float(mean[0]), float(mean[1]),
+                              float(mean[2]))
 
 
 class LaddStyleTask:
@@ -323,6 +356,7 @@ class LaddTrainTask:
                 raise TaskDeclined(str(exc)) from exc
         info = {"loss": self.last.loss, "pseudo_loss": self.last.pseudo_loss, "kd_loss": self.last.kd_loss,
                 "kept_fraction": float((pseudo != IGNORE).mean()), "steps": self.last.steps,
+                "gradient_evaluations": self.last.gradient_evaluations,
                 "seconds": time.perf_counter() - t0, "runtime": self.runtime}
         info = {k: v for k, v in info.items() if not isinstance(v, float) or math.isfinite(v)}
         return TrainedUpdate(self.last.arrays, make_layout(self.last.arrays, trainable), len(self.images), cluster,

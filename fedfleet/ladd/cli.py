@@ -29,6 +29,10 @@ def add_ladd_arguments(parser: argparse.ArgumentParser) -> None:
     add("--cluster-scope", choices=["head", "all"], help="LADD: cluster-specific tensors (default head)")
     add("--baseline-no-kd", action="store_true", help="LADD: FedAvg+ST with pseudo-labels only (no KD, no SWA)")
     add("--secure", action="store_true", help="LADD: sum each training round's updates under secure aggregation")
+    # fedfleet simulate has these already (its fine-tuning's); python -m fedfleet.ladd gets them here
+    add("--local-rule", choices=["sgd", "sam", "asam"], help="LADD: the decoder's local step (FedSAM/FedASAM)")
+    add("--sam-rho", type=float, help="LADD: --local-rule sam/asam's ascent radius ρ (default 0.1)")
+    add("--prox-mu", type=float, help="LADD: FedProx's μ around the received decoder (default 0: off)")
     for flag, kw in (("--out", {}), ("--broker", {}), ("--workers", {"type": int}), ("--image-size", {"type": int})):
         add(flag, **kw)
 
@@ -43,7 +47,8 @@ def ladd_config_from_args(args: argparse.Namespace) -> LaddSimConfig:
             "rounds": getattr(args, "rounds", None), "clients_per_round": getattr(args, "clients_per_round", None),
             "cluster_scope": getattr(args, "cluster_scope", None), "out_dir": getattr(args, "out", None),
             "broker": getattr(args, "broker", None), "workers": getattr(args, "workers", None),
-            "image_size": getattr(args, "image_size", None)}
+            "image_size": getattr(args, "image_size", None), "local_rule": getattr(args, "local_rule", None),
+            "sam_rho": getattr(args, "sam_rho", None), "prox_mu": getattr(args, "prox_mu", None)}
     if getattr(args, "baseline_no_kd", False):
         over["baseline_kd"] = False
     if getattr(args, "secure", False):

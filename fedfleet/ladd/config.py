@@ -35,6 +35,10 @@ class LaddSimConfig:
     batch_size: int = 8
     lr: float = 0.01
     kd_lambda: float = 10.0
+    local_rule: str = "sgd"                    # the decoder's local step: sgd | sam (FedSAM) | asam (FedASAM)
+    sam_rho: float = 0.1
+    asam_eta: float = 0.2
+    prox_mu: float = 0.0                       # > 0: FedProx around the received decoder
     teacher_every: int = 2
     swa_start: int = 6
     cluster_scope: str = "head"

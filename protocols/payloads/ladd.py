@@ -18,8 +18,10 @@ all-white image), which the parser enforces.
 
 ``ladd.train``
 --------------
-Task params (among the recipe): ``model`` (the segmentation spec), ``layout`` and
-``layout_sha256`` of the exchanged state, ``trainable`` (names, a subset of the layout, in
+Task params (among the recipe, ``SelfTrainingRecipe``, whose step rule travels flat as the
+FedAvg family's ``LocalRuleRecipe`` params ``local_rule``, ``sam_rho``, ``asam_eta``,
+``prox_mu``): ``model`` (the segmentation spec), ``layout`` and ``layout_sha256`` of the
+exchanged state, ``trainable`` (names, a subset of the layout, in
 layout order), ``cluster``, ``teacher`` ("model" when the pseudo-label teacher equals the
 model, else "tensor"), ``kd_sha256`` (digest of the packed pre-trained model, the KD teacher).
 Task tensors: ``model`` float32 (L,) always; ``teacher`` (L,) when params say "tensor";
@@ -42,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from ..envelope import Envelope, EnvelopeError, body_field, require_finite, require_tensor
+from .fedavg import LocalRuleRecipe
 
 KIND_STYLE = "ladd.style"
 KIND_TRAIN = "ladd.train"
@@ -73,6 +76,8 @@ class SelfTrainingRecipe:
     pseudo_quantile: float = 0.66
     pseudo_cap: float = 0.9
     seed: int = 0
+    # the step's direction (SGD, FedProx, FedSAM, FedASAM): the FedAvg family's params, flat in the task
+    rule: LocalRuleRecipe = LocalRuleRecipe()
 
     def __post_init__(self):
         for name in ("epochs", "batch_size"):
@@ -88,13 +93,16 @@ class SelfTrainingRecipe:
                 raise ValueError(f"{name} must be a finite number in {'[' if lo_ok else '('}{lo}, {hi}], got {v!r}")
         if self.momentum >= 1:
             raise ValueError("momentum must be < 1")
+        if not isinstance(self.rule, LocalRuleRecipe):
+            raise ValueError(f"rule must be a LocalRuleRecipe, got {type(self.rule).__name__}")
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> "SelfTrainingRecipe":
-        return cls(**{k: params[k] for k in cls.__dataclass_fields__ if k in params})
+        fields = {k: params[k] for k in cls.__dataclass_fields__ if k in params and k != "rule"}
+        return cls(**fields, rule=LocalRuleRecipe.from_params(params))
 
     def to_params(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**{k: v for k, v in asdict(self).items() if k != "rule"}, **self.rule.to_params()}
 
 
 def layout_to_json(layout: Layout) -> list:
@@ -237,7 +245,7 @@ def parse_update(msg: Envelope, trainable_layout: Layout, expected_cluster: int,
     if flat.size and float(np.abs(flat).max()) > max_abs:
         raise EnvelopeError(f"{KIND_TRAIN}: parameter magnitude above {max_abs:g} (diverged or hostile)")
     kd = msg.body.get("kd_sha256", "")
-    info = {k: msg.body[k] for k in ("loss", "kept_fraction", "steps", "seconds")
+    info = {k: msg.body[k] for k in ("loss", "kept_fraction", "steps", "gradient_evaluations", "seconds")
             if isinstance(msg.body.get(k), (int, float)) and not isinstance(msg.body.get(k), bool)}
     return ModelUpdate(n, cluster, unpack(flat, trainable_layout), kd if isinstance(kd, str) else "", info)
 

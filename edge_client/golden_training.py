@@ -1,0 +1,100 @@
+"""Golden training vectors: signed ``fedavg.head`` tasks with a local rule (FedSAM; FedASAM with
+FedProx), their features and the head the Python device trains from them, on disk in
+``protocols/golden/training/`` so a device in another language (the Java library's
+``HeadTrainer``, tests/test_java_tasks.py) proves its SAM step without running Python.
+
+The wire vectors (``protocols/golden.py``) cannot hold these: the expected head is the Python
+device's own training (``NumpyHeadStepper``, what a torch-free device runs, bit-reproducible on any
+install), and ``protocols`` imports no device code. Regenerate (when the recipe's meaning or the
+device's step changes) with ``python -m edge_client.golden_training``; a test checks the files are
+what this module produces now.
+
+Files: ``index.json`` ({name: task file, features file, the aggregator's public key, the expected
+``weight``/``bias`` as float32 values written as JSON numbers, ``steps``, ``loss``}), one
+``<name>.bin`` per signed task, and ``features.feat`` (the FeatureFile format of the Java device:
+int32 n, int32 d, n·d float32, n int32 labels, little-endian).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from protocols.envelope import Envelope, encode
+from protocols.golden import GOLDEN_SIGNING_SEED, golden_dir
+from protocols.identity import DeviceIdentity
+
+from .tasks.head_training import LocalTraining, local_sgd
+from .tasks.numpy_head import NumpyHeadStepper
+
+FEATURES_FILE = "features.feat"
+C, D, N = 4, 6, 37
+RECIPE = {"num_classes": C, "feature_dim": D, "backbone": "b", "image_size": 8, "weights_sha256": "",
+          "epochs": 3, "batch_size": 8, "lr": 0.05, "weight_decay": 4e-5, "temperature": 0.1, "seed": 11}
+RULES = {"task_fedavg_head_sam": {"local_rule": "sam", "sam_rho": 0.2},
+         "task_fedavg_head_asam_prox": {"local_rule": "asam", "sam_rho": 0.5, "asam_eta": 0.2, "prox_mu": 0.1}}
+_TS = 1767225600.0            # 2026-01-01T00:00:00Z, as protocols/golden.py
+_DEADLINE = 4102444800.0      # 2100-01-01: a device checking deadlines still runs the vector
+
+
+def training_dir() -> Path:
+    return golden_dir() / "training"
+
+
+def aggregator_identity() -> DeviceIdentity:
+    """The vectors' signer: the golden seed, as the aggregator."""
+    return DeviceIdentity.from_private_bytes("aggregator", GOLDEN_SIGNING_SEED)
+
+
+def features() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(900)
+    y = rng.integers(0, C, N)
+    return (rng.normal(size=(N, D)) + 2 * np.eye(C, D)[y]).astype(np.float32), y
+
+
+def start_head() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(3)
+    return {"weight": (rng.normal(size=(C, D)) * 0.1).astype(np.float32), "bias": rng.normal(size=C).astype(np.float32)}
+
+
+def feature_bytes(Z: np.ndarray, y: np.ndarray) -> bytes:
+    return struct.pack("<ii", *Z.shape) + np.asarray(Z, "<f4").tobytes() + np.asarray(y, "<i4").tobytes()
+
+
+def training_vectors() -> tuple[dict, dict[str, bytes]]:
+    """(index.json's content, {file name: bytes})."""
+    Z, y = features()
+    head = start_head()
+    signer = aggregator_identity()
+    index, files = {}, {FEATURES_FILE: feature_bytes(Z, y)}
+    for i, (name, rule) in enumerate(RULES.items()):
+        params = {**RECIPE, **rule}
+        task = Envelope("task", "aggregator", id=f"{0xd0 + i:02x}" * 16, ts=_TS, tensors=head,
+                        body={"job": "sam-golden", "round": 1, "kind": "fedavg.head", "deadline": _DEADLINE,
+                              "params": params})
+        files[f"{name}.bin"] = encode(task, signer=signer.sign)
+        stepper = NumpyHeadStepper(head["weight"], head["bias"], LocalTraining.from_params(params))
+        steps, loss = local_sgd(stepper, len(y), Z, y, LocalTraining.from_params(params))
+        trained = stepper.parameters()
+        index[name] = {"task": f"{name}.bin", "features": FEATURES_FILE, "public_key": signer.public_key_bytes.hex(),
+                       "params": params, "steps": steps, "loss": loss,
+                       "weight": np.asarray(trained["weight"], np.float32).tolist(),
+                       "bias": np.asarray(trained["bias"], np.float32).tolist()}
+    return index, files
+
+
+def write(directory: Path | None = None) -> None:
+    directory = directory or training_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    index, files = training_vectors()
+    for name, data in files.items():
+        (directory / name).write_bytes(data)
+    (directory / "index.json").write_text(json.dumps(index, indent=1, sort_keys=True))
+
+
+if __name__ == "__main__":
+    write()
+    print(f"wrote training vectors to {training_dir()}")
