@@ -254,3 +254,20 @@ def test_registry_validates_fedgloss_fields():
     for bad in ({"fedgloss_rho": -1.0}, {"admm_beta": 1e12}, {"admm_beta": "x"}):
         with pytest.raises(ValueError):
             validate_job_config("fedgloss", {"num_classes": C, "feature_dim": D, **bad})
+
+
+def test_simulate_flag_reaches_the_config_and_a_bad_combination_fails_before_the_run():
+    import dataclasses
+
+    from fedfleet.cli import build_parser, simulate_overrides
+    from fedfleet.pipeline import run_pipeline
+    from fedfleet.simulate import load_config
+
+    args = build_parser().parse_args(["simulate", "--config", "smoke", "--pipeline", "fed3r-ft-oll",
+                                      "--ft-algorithm", "fedgloss", "--local-rule", "sam"])
+    cfg = load_config(args.config, simulate_overrides(args))
+    assert (cfg.ft_algorithm, cfg.ft_local_rule) == ("fedgloss", "sam")
+    for bad, match in (({"ft_server_momentum": 0.9}, "server_momentum"), ({"ft_algorithm": "fedsmoo"}, "ft_algorithm"),
+                       ({"secure": True}, "secure"), ({"ft_mode": "phi"}, "secure or ft_mode")):
+        with pytest.raises(ValueError, match=match):      # refused before any data or fleet
+            run_pipeline(dataclasses.replace(cfg, **bad), quiet=True)
