@@ -47,12 +47,12 @@ import numpy as np
 from protocols.payloads.fed3r import KIND as FED3R_KIND
 from protocols.payloads.fedavg import KIND as FEDAVG_KIND
 from protocols.payloads.fedavg import KIND_TAIL as FEDAVG_TAIL_KIND
+from protocols.payloads.fedgloss import KIND as FEDGLOSS_KIND
 from protocols.payloads.partial import KIND as PP_KIND
 from protocols.payloads.personalize import KIND as PERSONALIZE_KIND
 from protocols.payloads.secagg import SECURE_FEDAVG_KIND, SECURE_PP_KIND, SECURE_TAIL_KIND, SYNC_KIND
 
-from aggregator.jobs.fedavg import FedAvgConfig
-from aggregator.jobs.registry import validate_job_config
+from aggregator.jobs.registry import kind_of, validate_job_config
 
 from .pipeline_report import FT_MODES, format_pipeline_report, ft_label, write_plots_and_html
 from .progress import StepClock
@@ -61,9 +61,10 @@ from .simulate import EmulatedFleet, SimConfig, _report, _secure_setup, prepare
 PIPELINES = {"fed3r-ft-oll": ("fed3r", "fedavg-ft", "oll"),
              "fed3r-pp-oll": ("fed3r", "pp", "oll"),
              "fed3r-ft-pp-oll": ("fed3r", "fedavg-ft", "pp", "oll")}
+FT_ALGORITHMS = ("fedavg", "fedgloss")      # the fine-tuning job's kind (ft_algorithm): its registry name
 # task kinds of each phase, plain and secure
 PHASE_KINDS = {"fed3r": (FED3R_KIND, SYNC_KIND),
-               "fedavg-ft": (FEDAVG_KIND, SECURE_FEDAVG_KIND, FEDAVG_TAIL_KIND, SECURE_TAIL_KIND),
+               "fedavg-ft": (FEDAVG_KIND, SECURE_FEDAVG_KIND, FEDAVG_TAIL_KIND, SECURE_TAIL_KIND, FEDGLOSS_KIND),
                "pp": (PP_KIND, SECURE_PP_KIND),
                "oll": (PERSONALIZE_KIND,)}
 
@@ -86,10 +87,14 @@ def run_pipeline(cfg: SimConfig, quiet: bool = False, compare_with: dict | None 
     if cfg.ft_mode not in FT_MODES:
         raise ValueError(f"ft_mode must be one of {sorted(FT_MODES)}, got {cfg.ft_mode!r}")
     # a bad optimizer choice fails here, before the fleet starts, not when the FT job is created
-    validate_job_config("fedavg", {"server_optimizer": cfg.ft_server_optimizer, "server_lr": cfg.ft_server_lr,
-                                   "server_momentum": cfg.ft_server_momentum, **ft_optimizer_fields(cfg)})
-    FedAvgConfig(server_optimizer=cfg.ft_server_optimizer, server_lr=cfg.ft_server_lr,
-                 server_momentum=cfg.ft_server_momentum, **ft_optimizer_fields(cfg))
+    if cfg.ft_algorithm not in FT_ALGORITHMS:
+        raise ValueError(f"ft_algorithm must be one of {FT_ALGORITHMS}, got {cfg.ft_algorithm!r}")
+    if cfg.ft_algorithm == "fedgloss" and (cfg.secure or cfg.ft_mode != "psi"):
+        raise ValueError("ft_algorithm fedgloss fine-tunes the head in plain rounds: not with secure or ft_mode phi/M")
+    optimizer = {"server_optimizer": cfg.ft_server_optimizer, "server_lr": cfg.ft_server_lr,
+                 "server_momentum": cfg.ft_server_momentum, **ft_optimizer_fields(cfg)}
+    validate_job_config(cfg.ft_algorithm, optimizer)
+    kind_of(cfg.ft_algorithm).config_cls(**optimizer)
     tail = cfg.ft_mode != "psi"
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     clock = StepClock(say)
@@ -103,6 +108,8 @@ def run_pipeline(cfg: SimConfig, quiet: bool = False, compare_with: dict | None 
     common = {k: prep.fed3r_job[k] for k in ("num_classes", "backbone", "image_size", "weights_sha256",
                                              "feature_dim", "expected_devices", "start_timeout_s", "seed")}
     ft_kind, ft_eval, ft_extra = "fedavg-secure" if cfg.secure else "fedavg", out / "eval_features.npz", {}
+    if cfg.ft_algorithm == "fedgloss":
+        ft_kind, ft_extra = "fedgloss", {"total_devices": cfg.devices}
     if tail:
         tail_manifest, ft_eval, ft_extra = _tail_setup(cfg, prep, say)
         ft_kind = "fedavg-tail-secure" if cfg.secure else "fedavg-tail"

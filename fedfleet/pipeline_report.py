@@ -29,8 +29,9 @@ COMPARE_HEADER = ("phase", "job s plain", "job s secure", "ratio", "MB up plain"
 
 
 def ft_label(cfg_or_report) -> str:
-    mode = cfg_or_report["ft_mode"] if isinstance(cfg_or_report, dict) else cfg_or_report.ft_mode
-    return "Fed3R+" + FT_MODES[mode][0]
+    get = cfg_or_report.get if isinstance(cfg_or_report, dict) else lambda k, d=None: getattr(cfg_or_report, k, d)
+    gloss = " FedGloSS" if get("ft_algorithm", "fedavg") == "fedgloss" else ""
+    return "Fed3R+" + FT_MODES[get("ft_mode")][0] + gloss
 
 
 def is_secure(report: dict) -> bool:

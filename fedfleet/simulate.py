@@ -85,6 +85,7 @@ class SimConfig:
     ft_client_lr: float = 0.001             # base local LR; devices get × 0.1 after the Fed3R init (spec §1.8)
     ft_server_momentum: float = 0.0         # > 0: FedAvgM
     ft_server_optimizer: str = "sgd"        # sgd (FedAvg/FedAvgM) | adam | yogi | adagrad (FedOpt)
+    ft_algorithm: str = "fedavg"            # fedavg (the FedAvg family above) | fedgloss (FedGloSS(ψ): server SAM + ADMM)
     ft_server_lr: float = 1.0               # η of the server step (FedOpt wants ~0.01-0.1)
     ft_local_rule: str = "sgd"              # the devices' step: sgd | sam (FedSAM) | asam (FedASAM)
     ft_sam_rho: float = 0.1                 # SAM/ASAM's ρ

@@ -46,6 +46,7 @@ EXPECTED = {
     "pp":                 (False, True, False, False, False),
     "pp-secure":          (False, True, False, True, False),
     "scaffold":           (False, True, False, False, False),
+    "fedgloss":           (False, True, False, False, False),
     "ladd":               (False, False, False, False, False),
     "ladd-secure":        (False, False, False, True, False),
 }

@@ -1,7 +1,7 @@
 """What a job whose devices keep state between its rounds (``edge_client.state``) tells them.
 
-Partial personalization (``pp.head``) and Scaffold (``scaffold.head``) bind each task's device
-state to the job's *run*: a random id made when the job is created, kept in its checkpoint and
+Partial personalization (``pp.head``), Scaffold (``scaffold.head``) and FedGloSS (``fedgloss.head``)
+bind each task's device state to the job's *run*: a random id made when the job is created, kept in its checkpoint and
 in each round's bookkeeping, so a restarted aggregator continues the same run (devices continue
 their state) while a job created again under the same id starts a new one (devices drop the old
 state instead of continuing it). The config says how old a device's state may be before the

@@ -224,9 +224,11 @@ class FedAvgJob(Job):
         self.contributed[device] = self.contributed.get(device, 0) + 1
         self.samples += payload.update.n
 
-    def round_mean(self) -> tuple[dict[str, np.ndarray] | None, int, int]:
+    def round_mean(self, start: dict[str, np.ndarray] | None = None) -> tuple[dict[str, np.ndarray] | None, int, int]:
         """(the round's combined tensors or None, updates, Σ n_k) of the round being closed:
-        Σ n_k θ_k / Σ n_k with every bounded-influence layer off."""
+        Σ n_k θ_k / Σ n_k with every bounded-influence layer off. ``start``: the point the devices
+        trained from when it is not the global model (FedGloSS's perturbed w̃), which the layers
+        measure updates from."""
         # Averaged in device-id order, so the result depends on which updates arrived, never on
         # their arrival order (a restarted aggregator reproduces the model bit for bit).
         # Bounded influence (aggregator/strategies/robust_fedavg.py): the norm and contribution
@@ -234,7 +236,7 @@ class FedAvgJob(Job):
         updates = [self._updates[d] for d in sorted(self._updates)]
         if not updates:
             return None, 0, 0
-        current = {name: self.params[name] for name in updates[0][0]}
+        current = {name: (start or self.params)[name] for name in updates[0][0]}
         combined, report = self.config.robust_aggregation().aggregate(current, updates)
         if report.get("skipped") or report.get("norm_bounded") or report.get("screened"):
             log.warning("round %d: %s", self.round, report)

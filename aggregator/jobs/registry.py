@@ -19,6 +19,7 @@ from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
 from aggregator.jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob
 from aggregator.jobs.fedavg_async import AsyncFedAvgConfig, AsyncFedAvgJob
+from aggregator.jobs.fedgloss import FedGlossConfig, FedGlossJob
 from aggregator.jobs.fedavg_tail import TailFedAvgConfig, TailFedAvgJob
 from aggregator.jobs.fedncm import FedNCMConfig, FedNCMJob, FedNCMSyncConfig, FedNCMSyncJob
 from aggregator.jobs.ladd import LaddConfig, LaddJob
@@ -66,6 +67,8 @@ KINDS: dict[str, JobKind] = {k.name: k for k in (
             "FedSim/FedAlt with each round's shared-weight updates summed under SecAgg"),
     JobKind("scaffold", ScaffoldConfig, ScaffoldJob,
             "Scaffold(ψ): FedAvg of the head corrected by control variates; each device keeps its own c_k"),
+    JobKind("fedgloss", FedGlossConfig, FedGlossJob,
+            "FedGloSS(ψ): server-side SAM from the last round's pseudo-gradient plus ADMM; each device keeps its dual"),
     JobKind("personalize", PersonalizeConfig, PersonalizeJob, "OLL and OLL+FP(ψ) on every device; held-out WMA"),
     JobKind("ladd", LaddConfig, LaddJob, "LADD: style clustering and cluster-specific self-training (segmentation)",
             _ladd_factory(LaddJob)),

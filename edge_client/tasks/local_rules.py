@@ -16,6 +16,8 @@ direction d the step takes; the trainer then applies its own update, the same fo
   (ASAM's reference code leaves biases at T = 1; on a linear head that changes little).
 * :class:`Proximal` (FedProx, Li et al. 2020) around any of them: d + μ(w − w_global), the
   gradient of μ/2‖w − w_global‖² added to the wrapped rule's direction.
+* :class:`AdmmDual` (FedGloSS's local step, thesis Alg. 5 line 15) around any of them:
+  d − σ_k + (w − w_global)/β, a proximal term with μ = 1/β plus the device's ADMM dual σ_k.
 
 Norms are over all trained tensors together (SAM's "global" ε), in float64; the perturbed
 parameters and the directions keep the trainer's dtype (float32). The trainer hands the rule
@@ -111,6 +113,23 @@ class Proximal(LocalRule):
         pull = {k: np.asarray(params[k], np.float64) - np.asarray(global_params[k], np.float64) for k in params}
         loss += 0.5 * self.mu * global_norm(pull) ** 2
         return loss, {k: (d[k] + self.mu * pull[k]).astype(np.asarray(d[k]).dtype) for k in d}
+
+
+class AdmmDual(Proximal):
+    """ADMM's local subproblem around another rule: f_k − σ_kᵀ(w − w_global) + 1/(2β)‖w − w_global‖²,
+    σ_k the device's dual (kept in its state store between rounds, fixed during a round)."""
+
+    def __init__(self, beta: float, dual: Mapping[str, np.ndarray], inner: LocalRule):
+        if not np.isfinite(beta) or beta <= 0:
+            raise ValueError(f"ADMM needs beta > 0, got {beta}")
+        super().__init__(1.0 / beta, inner)
+        self.dual = {k: np.asarray(v, np.float64) for k, v in dual.items()}
+
+    def direction(self, params, gradient_at, global_params):
+        loss, d = super().direction(params, gradient_at, global_params)
+        loss -= sum(float(np.sum(self.dual[k] * (np.asarray(params[k], np.float64)
+                                                  - np.asarray(global_params[k], np.float64)))) for k in params)
+        return loss, {k: (d[k] - self.dual[k]).astype(np.asarray(d[k]).dtype) for k in d}
 
 
 def rule_for(recipe: LocalRuleRecipe) -> LocalRule:

@@ -1,4 +1,4 @@
-"""What the device's stateful head tasks (``pp.head``, ``scaffold.head``) share: reading a task
+"""What the device's stateful head tasks (``pp.head``, ``scaffold.head``, ``fedgloss.head``) share: reading a task
 that carries a global head and a state binding, the device's features, the state store's answer.
 
 Both train the linear head with the numpy step (``edge_client.tasks.numpy_head``) on every

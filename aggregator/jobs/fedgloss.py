@@ -1,0 +1,92 @@
+"""FedGloSS(ψ) (Caldarola et al., thesis §4.4, Alg. 5): server-side SAM on the head, with ADMM, at
+FedAvg's traffic.
+
+Everything is :class:`~aggregator.jobs.fedavg.FedAvgJob`'s (sampling, deadlines, bounded
+influence, Fed3R initialisation, the served model); the server step is
+:class:`~aggregator.strategies.fedgloss.FedGlossServer` (Δ̃ᵗ⁻¹ and the global dual σ, checkpointed
+with the model). Each task carries the perturbed head w̃ = w + ρ Δ̃ᵗ⁻¹/‖Δ̃ᵗ⁻¹‖ instead of w, and
+the ADMM β; each device keeps its dual σ_k in its state store
+(``edge_client/tasks/fedgloss_training.py``) and returns its trained head, as in FedAvg. The
+bounded-influence layers measure each update from w̃, the point it was trained from.
+
+σ's step weighs the round by |Cᵗ|/K, K the fleet's size (``total_devices``; 0: the devices
+that contributed so far, a lower bound that grows as the job meets its fleet), as Scaffold's c.
+A device not sampled keeps its σ_k (at the device); one sampled again after more than
+``state_max_staleness`` rounds restarts from σ_k = 0 (``aggregator/jobs/device_state_fields.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from protocols.payloads.fedgloss import KIND, AdmmRecipe
+
+from aggregator.jobs.device_state_fields import DeviceStateFields, DeviceStateRun
+from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob
+from aggregator.strategies.fedgloss import FedGlossServer
+
+
+@dataclass
+class FedGlossConfig(FedAvgConfig, DeviceStateFields):
+    job_id: str = "fedgloss"
+    fedgloss_rho: float = 0.01           # the server's ascent radius ρ (thesis: 0.01-0.15, < 0.2)
+    admm_beta: float = 10.0              # ADMM's β, on the server and every device (thesis: 10)
+    total_devices: int = 0               # K in σ's step; 0: the devices that contributed so far
+
+    def __post_init__(self):
+        AdmmRecipe(self.admm_beta)       # before super(): its server step is built from it
+        super().__post_init__()
+        self.check_device_state()
+        if self.dp:
+            raise ValueError("FedGloSS's duals are outside DP-FedAvg's accounting: no dp with fedgloss")
+        if isinstance(self.total_devices, bool) or not isinstance(self.total_devices, int) or self.total_devices < 0:
+            raise ValueError(f"total_devices must be an integer >= 0, got {self.total_devices!r}")
+        if self.server_optimizer != "sgd" or self.server_momentum:
+            raise ValueError("fedgloss is its own server step: server_optimizer must be 'sgd' and "
+                             "server_momentum 0 (server_lr is its η)")
+
+    def server_step(self) -> FedGlossServer:
+        return FedGlossServer(self.fedgloss_rho, self.admm_beta, self.server_lr)
+
+
+class FedGlossJob(FedAvgJob):
+    """FedGloSS on the head: FedAvgJob sending w̃ and stepping with FedGlossServer."""
+
+    strategy: FedGlossServer
+
+    def __init__(self, config: FedGlossConfig, initial_head: dict[str, np.ndarray] | None = None, strategy=None):
+        super().__init__(config, initial_head=initial_head, strategy=strategy, kind=KIND)
+        self.device_state = DeviceStateRun()
+
+    def task_for(self, device: str) -> tuple[dict, dict[str, np.ndarray]]:
+        params, _ = super().task_for(device)
+        c = self.config
+        params = {**params, "job_id": c.job_id, "state": c.binding(self.device_state.run, self.round).to_params(),
+                  **AdmmRecipe(c.admm_beta).to_params()}
+        return params, self.strategy.perturbed(self.params)
+
+    def round_step(self) -> tuple[dict[str, np.ndarray] | None, int, int]:
+        start = self.strategy.perturbed(self.params)          # w̃ᵗ: what this round's devices started from
+        mean, updates, samples = self.round_mean(start)
+        if mean is None:
+            return None, 0, 0
+        current = {name: self.params[name] for name in mean}
+        # |Cᵗ|/K; K a lower bound (the devices met so far) when the config does not name the fleet
+        fleet = max(self.config.total_devices, len(self.contributed), updates)
+        return self.strategy.step(current, self.history.step(start, mean), updates / fleet), updates, samples
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return {**super().state_dict(), **self.device_state.state_dict()}
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        super().load_state_dict(state)
+        self.device_state.load_state_dict(state)
+
+    def bookkeeping(self) -> dict:
+        return {**super().bookkeeping(), **self.device_state.bookkeeping()}
+
+    def restore_bookkeeping(self, state: dict) -> None:
+        super().restore_bookkeeping(state)
+        self.device_state.restore_bookkeeping(state)

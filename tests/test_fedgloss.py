@@ -1,0 +1,273 @@
+"""FedGloSS(ψ) (thesis §4.4, Alg. 5): the device's ADMM pass and the server's ascent/descent steps
+against plain-loop numpy references; Δ̃ and σ in the job's checkpoint, σ_k in the device's store."""
+
+import numpy as np
+import pytest
+
+from aggregator.jobs.fedgloss import FedGlossConfig, FedGlossJob
+from aggregator.jobs.registry import validate_job_config
+from aggregator.jobs.robustness_fields import PLAIN_MEAN
+from aggregator.strategies.fedgloss import FedGlossServer
+from edge_client.agent import TaskDeclined
+from edge_client.features import FeatureExtractor
+from edge_client.state import DeviceStateStore
+from edge_client.tasks.fedgloss_training import FedGlossTrainingTask, fedgloss_pass
+from edge_client.tasks.head_training import LocalTraining
+from protocols import messages as M
+from protocols.envelope import decode, encode
+from protocols.payloads.fedavg import LocalRuleRecipe
+from protocols.payloads.fedgloss import KIND
+from protocols.rounds import RoundClosed
+
+C, D, SIZE = 3, 8, 8
+HEAD = ("weight", "bias")
+
+
+def gradient(x, Z, y, T):
+    logits = (Z @ x["weight"].T + x["bias"]) / T
+    p = np.exp(logits - logits.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    p[np.arange(len(y)), y] -= 1.0
+    g = p / (T * len(y))
+    return {"weight": g.T @ Z, "bias": g.sum(axis=0)}
+
+
+def reference_pass(W, b, sigma, Z, y, r, beta):
+    """float64 Alg. 5 lines 8-19: x ← x − lr (g + wd·x − σ + (x − w̃)/β); σ ← σ − (x_E − w̃)/β;
+    g the plain gradient, or (SAM) the gradient at x + ρ g/‖g‖."""
+    start = {"weight": W.astype(np.float64), "bias": b.astype(np.float64)}
+    x = dict(start)
+    rng = np.random.default_rng(r.seed)
+    for _ in range(r.epochs):
+        order = rng.permutation(len(y))
+        for s in range(0, len(y), r.batch_size):
+            rows = order[s:s + r.batch_size]
+            g = gradient(x, Z[rows], y[rows], r.temperature)
+            if r.rule.local_rule == "sam":
+                norm = np.sqrt(sum(np.sum(v ** 2) for v in g.values()))
+                g = gradient({k: x[k] + r.rule.sam_rho * g[k] / norm for k in x}, Z[rows], y[rows], r.temperature)
+            x = {k: x[k] - r.lr * (g[k] + r.weight_decay * x[k] - sigma[k] + (x[k] - start[k]) / beta) for k in x}
+    return x, {k: sigma[k] - (x[k] - start[k]) / beta for k in x}
+
+
+def rand_head(rng, scale=0.1):
+    return {"weight": (scale * rng.normal(size=(C, D))).astype(np.float32),
+            "bias": (scale * rng.normal(size=C)).astype(np.float32)}
+
+
+@pytest.mark.parametrize("recipe,beta", [
+    (LocalTraining(epochs=2, batch_size=10, lr=0.05, seed=1), 10.0),
+    (LocalTraining(epochs=1, batch_size=16, lr=0.1, weight_decay=0.2, seed=2), 0.5),
+    (LocalTraining(epochs=1, batch_size=12, lr=0.1, seed=3, rule=LocalRuleRecipe("sam", sam_rho=0.05)), 2.0)])
+def test_device_pass_matches_numpy_reference(recipe, beta):
+    rng = np.random.default_rng(recipe.seed)
+    Z, y = rng.normal(size=(53, D)).astype(np.float32), rng.integers(0, C, 53)
+    w, sigma = rand_head(rng), rand_head(rng, 0.5)
+    out, new_sigma = fedgloss_pass(w["weight"], w["bias"], sigma, Z, y, recipe, beta)
+    ref, ref_sigma = reference_pass(w["weight"], w["bias"], {k: v.astype(np.float64) for k, v in sigma.items()},
+                                    Z.astype(np.float64), y, recipe, beta)
+    for k in HEAD:
+        np.testing.assert_allclose(out[k], ref[k], rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(new_sigma[k], ref_sigma[k], rtol=1e-4, atol=1e-5)
+    assert not np.allclose(new_sigma["weight"], sigma["weight"])
+
+
+def test_server_steps_match_a_plain_loop_reference():
+    rng = np.random.default_rng(7)
+    rho, beta, lr, p = 0.3, 4.0, 0.8, 0.5
+    server = FedGlossServer(rho, beta, lr)
+    w = {k: v for k, v in rand_head(rng).items()}
+    ref_w = {k: v.astype(np.float64) for k, v in w.items()}
+    ref_prev, ref_sigma = None, {k: np.zeros_like(v) for k, v in ref_w.items()}
+    for t in range(4):
+        # reference: ε̃ = ρ Δ̃ᵗ⁻¹/‖Δ̃ᵗ⁻¹‖ (0 at first), w̃ = w + ε̃ (as float32, what is sent)
+        if ref_prev is None:
+            ref_tilde = {k: v.astype(np.float32).astype(np.float64) for k, v in ref_w.items()}
+        else:
+            norm = np.sqrt(np.sum(ref_prev["weight"] ** 2) + np.sum(ref_prev["bias"] ** 2))
+            ref_tilde = {k: (ref_w[k] + rho * ref_prev[k] / norm).astype(np.float32).astype(np.float64)
+                         for k in HEAD}
+        tilde = server.perturbed(w)
+        for k in HEAD:
+            assert tilde[k].dtype == np.float32
+            np.testing.assert_allclose(tilde[k], ref_tilde[k], rtol=1e-6, atol=1e-7)
+        mean = {k: (tilde[k] + 0.2 * rng.normal(size=tilde[k].shape)).astype(np.float32) for k in HEAD}
+        w = server.step(w, mean, participation=p)
+        new_sigma, new_prev, new_w = {}, {}, {}
+        for k in HEAD:
+            m = mean[k].astype(np.float64)
+            new_sigma[k] = ref_sigma[k] - p * (m - ref_w[k]) / beta
+            new_prev[k] = ref_tilde[k] - m
+            new_w[k] = ref_w[k] - lr * new_prev[k] - beta * new_sigma[k]
+        ref_sigma, ref_prev, ref_w = new_sigma, new_prev, new_w
+        for k in HEAD:
+            np.testing.assert_allclose(w[k], ref_w[k], rtol=1e-5, atol=1e-6)
+    assert server.steps == 4
+
+
+def test_participation_scales_only_the_dual_step():
+    rng = np.random.default_rng(3)
+    w, mean = rand_head(rng), rand_head(rng)
+    full, part = FedGlossServer(0.0, 2.0), FedGlossServer(0.0, 2.0)
+    out_full, out_part = full.step(w, mean), part.step(w, mean, participation=0.25)
+    for k in HEAD:
+        np.testing.assert_allclose(part.dual[k], 0.25 * full.dual[k], rtol=1e-12)
+        np.testing.assert_allclose(out_part[k], mean[k].astype(np.float64) + 0.25 * (mean[k] - w[k].astype(np.float64)),
+                                   rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="participation"):
+        part.step(w, mean, participation=0.0)
+
+
+def pixel_extractor():
+    proj = np.random.default_rng(99).normal(size=(3 * SIZE * SIZE, D)).astype(np.float32) / 20
+    return FeatureExtractor(lambda x: x.reshape(len(x), -1) @ proj, image_size=SIZE,
+                            mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25), feature_dim=D)
+
+
+EXTRACTOR = pixel_extractor()
+
+
+def device(i, root):
+    rng = np.random.default_rng(i)
+    n = 25 + 5 * i
+    x, y = rng.integers(0, 256, (n, SIZE, SIZE), dtype=np.uint8), rng.integers(0, C, n)
+    return FedGlossTrainingTask(x, y, lambda *a, **k: EXTRACTOR, DeviceStateStore(root / f"dev{i}"))
+
+
+def make_job(**overrides):
+    return FedGlossJob(FedGlossConfig(**{"num_classes": C, "feature_dim": D, "image_size": SIZE,
+                                         "clients_per_round": 2, "rounds": 5, "local_epochs": 1, "batch_size": 8,
+                                         "client_lr": 0.05, "fedgloss_rho": 0.05, "admm_beta": 2.0, "total_devices": 4,
+                                         **PLAIN_MEAN, **overrides}))
+
+
+def run_round(job, handlers):
+    chosen = job.next_participants(set(handlers))
+    sent = {}
+    for d in chosen:
+        params, tensors = job.task_for(d)
+        task = decode(encode(M.task_message("aggregator", job.config.job_id, job.round, KIND, params, 1e9)))
+        body, out = handlers[d](task.body["params"], tensors)
+        env = decode(encode(M.result_message(d, M.TaskRef(job.config.job_id, job.round, task.id), KIND, body, out)))
+        job.apply(d, job.parse_result(env))
+        sent[d] = (tensors, body, out)
+    job.close_round(RoundClosed(job.round, tuple(chosen), (), (), ()))
+    return sent
+
+
+def test_job_rounds_follow_alg5_and_devices_keep_their_duals(tmp_path):
+    handlers = {f"dev{i}": device(i, tmp_path) for i in range(4)}
+    job = make_job()
+    beta, rho = 2.0, 0.05
+    sigma = {k: np.zeros_like(v, dtype=np.float64) for k, v in job.params.items()}
+    prev = None
+    duals = {d: {k: np.zeros_like(v, dtype=np.float64) for k, v in job.params.items()} for d in handlers}
+    for t in range(3):
+        w = {k: job.params[k].astype(np.float64) for k in HEAD}
+        sent = run_round(job, handlers)
+        tensors = next(iter(sent.values()))[0]
+        if prev is None:
+            expected_tilde = w
+        else:
+            norm = np.sqrt(sum(np.sum(prev[k] ** 2) for k in HEAD))
+            expected_tilde = {k: w[k] + rho * prev[k] / norm for k in HEAD}
+        n = {d: body["n"] for d, (_, body, _) in sent.items()}
+        mean = {k: sum(n[d] * out[k].astype(np.float64) for d, (_, _, out) in sent.items()) / sum(n.values())
+                for k in HEAD}
+        for k in HEAD:
+            np.testing.assert_allclose(tensors[k], expected_tilde[k], rtol=1e-6, atol=1e-7)
+            sigma[k] = sigma[k] - len(sent) / 4 * (mean[k] - w[k]) / beta
+        prev = {k: tensors[k].astype(np.float64) - mean[k] for k in HEAD}
+        for k in HEAD:
+            np.testing.assert_allclose(job.params[k], w[k] - prev[k] - beta * sigma[k], rtol=1e-5, atol=1e-6)
+        for d, (sent_tensors, _, out) in sent.items():
+            stored = handlers[d].store.load(job.config.job_id, job.device_state.run).arrays
+            for k in HEAD:
+                duals[d][k] = duals[d][k] - (out[k].astype(np.float64) - sent_tensors[k]) / beta
+                np.testing.assert_allclose(stored[k], duals[d][k], rtol=1e-5, atol=1e-6)
+    assert any(np.abs(dual["weight"]).sum() > 0 for dual in duals.values())
+
+
+def test_checkpoint_continues_bit_identically(tmp_path):
+    straight = make_job()
+    devices_a = {f"dev{i}": device(i, tmp_path / "a") for i in range(4)}
+    for _ in range(3):
+        run_round(straight, devices_a)
+    interrupted = make_job()
+    devices_b = {f"dev{i}": device(i, tmp_path / "b") for i in range(4)}
+    for _ in range(2):
+        run_round(interrupted, devices_b)
+    restored = make_job()
+    restored.load_state_dict(interrupted.state_dict())
+    restored.restore_bookkeeping(interrupted.bookkeeping())
+    restored.contributed = dict(interrupted.contributed)      # the service checkpoints it alongside
+    assert restored.device_state.run == interrupted.device_state.run
+    run_round(restored, devices_b)
+    for k in HEAD:
+        np.testing.assert_array_equal(restored.params[k], straight.params[k])
+    a, b = straight.state_dict(), restored.state_dict()
+    for name in a:
+        if name.startswith("fedgloss_"):
+            np.testing.assert_array_equal(a[name], b[name])
+    assert any(name.startswith("fedgloss_dual.") for name in a)
+
+
+@pytest.mark.parametrize("bad", [{"admm_beta": None}, {"admm_beta": -1.0}, {"admm_beta": float("nan")},
+                                 {"admm_beta": True}, {"admm_beta": "10"}, {"admm_beta": 1e9}])
+def test_device_declines_malformed_params_and_keeps_no_state(tmp_path, bad):
+    h = device(0, tmp_path)
+    job = make_job(clients_per_round=1)
+    job.next_participants({"dev0"})
+    params, tensors = job.task_for("dev0")
+    params = {**params, **bad}
+    if bad["admm_beta"] is None:
+        del params["admm_beta"]
+    with pytest.raises(TaskDeclined, match="admm_beta"):
+        h(params, tensors)
+    assert h.store.load(job.config.job_id, job.device_state.run) is None
+
+
+def test_stale_dual_restarts_from_zero(tmp_path):
+    h = device(0, tmp_path)
+    job = make_job(clients_per_round=1, state_max_staleness=2)
+    run_round(job, {"dev0": h})
+    job.next_participants({"dev0"})
+    body, _ = h(*job.task_for("dev0"))
+    assert body["restarted"] is False
+    job.round += 5
+    body, _ = h(*job.task_for("dev0"))
+    assert body["restarted"] is True
+
+
+@pytest.mark.parametrize("config,match", [({"dp_noise_multiplier": 1.0, "dp_clip_norm": 1.0}, "dp"),
+                                          ({"server_optimizer": "adam"}, "server_optimizer"),
+                                          ({"server_momentum": 0.9}, "server_optimizer"),
+                                          ({"admm_beta": 0.0}, "admm_beta"),
+                                          ({"total_devices": -1}, "total_devices")])
+def test_config_refuses_what_fedgloss_cannot_run(config, match):
+    with pytest.raises(ValueError, match=match):
+        FedGlossConfig(num_classes=C, feature_dim=D, **config)
+
+
+def test_registry_validates_fedgloss_fields():
+    validate_job_config("fedgloss", {"num_classes": C, "feature_dim": D, "fedgloss_rho": 0.1, "admm_beta": 10.0})
+    for bad in ({"fedgloss_rho": -1.0}, {"admm_beta": 1e12}, {"admm_beta": "x"}):
+        with pytest.raises(ValueError):
+            validate_job_config("fedgloss", {"num_classes": C, "feature_dim": D, **bad})
+
+
+def test_simulate_flag_reaches_the_config_and_a_bad_combination_fails_before_the_run():
+    import dataclasses
+
+    from fedfleet.cli import build_parser, simulate_overrides
+    from fedfleet.pipeline import run_pipeline
+    from fedfleet.simulate import load_config
+
+    args = build_parser().parse_args(["simulate", "--config", "smoke", "--pipeline", "fed3r-ft-oll",
+                                      "--ft-algorithm", "fedgloss", "--local-rule", "sam"])
+    cfg = load_config(args.config, simulate_overrides(args))
+    assert (cfg.ft_algorithm, cfg.ft_local_rule) == ("fedgloss", "sam")
+    for bad, match in (({"ft_server_momentum": 0.9}, "server_momentum"), ({"ft_algorithm": "fedsmoo"}, "ft_algorithm"),
+                       ({"secure": True}, "secure"), ({"ft_mode": "phi"}, "secure or ft_mode")):
+        with pytest.raises(ValueError, match=match):      # refused before any data or fleet
+            run_pipeline(dataclasses.replace(cfg, **bad), quiet=True)
