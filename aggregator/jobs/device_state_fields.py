@@ -58,3 +58,25 @@ class DeviceStateRun:
 
     def restore_bookkeeping(self, state: dict) -> None:
         self.load_state_dict({RUN_KEY: np.frombuffer(str(state.get(RUN_KEY, self.run)).encode(), dtype=np.uint8)})
+
+
+class StatefulDevicesJob:
+    """Mixin, before the job class it extends (``class ScaffoldJob(StatefulDevicesJob, FedAvgJob)``):
+    the job's run travels in its checkpoint and its round bookkeeping beside the job's own state.
+    The job sets ``self.device_state = DeviceStateRun()`` when it is built."""
+
+    device_state: DeviceStateRun
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return {**super().state_dict(), **self.device_state.state_dict()}
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        super().load_state_dict(state)
+        self.device_state.load_state_dict(state)
+
+    def bookkeeping(self) -> dict:
+        return {**super().bookkeeping(), **self.device_state.bookkeeping()}
+
+    def restore_bookkeeping(self, state: dict) -> None:
+        super().restore_bookkeeping(state)
+        self.device_state.restore_bookkeeping(state)

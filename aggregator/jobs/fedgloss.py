@@ -23,7 +23,7 @@ import numpy as np
 
 from protocols.payloads.fedgloss import KIND, AdmmRecipe
 
-from aggregator.jobs.device_state_fields import DeviceStateFields, DeviceStateRun
+from aggregator.jobs.device_state_fields import DeviceStateFields, DeviceStateRun, StatefulDevicesJob
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob
 from aggregator.strategies.fedgloss import FedGlossServer
 
@@ -51,7 +51,7 @@ class FedGlossConfig(FedAvgConfig, DeviceStateFields):
         return FedGlossServer(self.fedgloss_rho, self.admm_beta, self.server_lr)
 
 
-class FedGlossJob(FedAvgJob):
+class FedGlossJob(StatefulDevicesJob, FedAvgJob):
     """FedGloSS on the head: FedAvgJob sending w̃ and stepping with FedGlossServer."""
 
     strategy: FedGlossServer
@@ -77,16 +77,3 @@ class FedGlossJob(FedAvgJob):
         fleet = max(self.config.total_devices, len(self.contributed), updates)
         return self.strategy.step(current, self.history.step(start, mean), updates / fleet), updates, samples
 
-    def state_dict(self) -> dict[str, np.ndarray]:
-        return {**super().state_dict(), **self.device_state.state_dict()}
-
-    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
-        super().load_state_dict(state)
-        self.device_state.load_state_dict(state)
-
-    def bookkeeping(self) -> dict:
-        return {**super().bookkeeping(), **self.device_state.bookkeeping()}
-
-    def restore_bookkeeping(self, state: dict) -> None:
-        super().restore_bookkeeping(state)
-        self.device_state.restore_bookkeeping(state)

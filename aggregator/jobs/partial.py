@@ -23,7 +23,7 @@ from protocols.envelope import Envelope, body_field
 from protocols.payloads.partial import ALGORITHMS, KIND, SHARED, PartialUpdate, parse_partial_update
 
 from aggregator.compute.evaluation import weighted_mean_accuracy
-from aggregator.jobs.device_state_fields import DeviceStateFields, DeviceStateRun
+from aggregator.jobs.device_state_fields import DeviceStateFields, DeviceStateRun, StatefulDevicesJob
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob, RoundUpdate
 from aggregator.jobs.personalize import load_model
 
@@ -44,7 +44,7 @@ class PartialConfig(FedAvgConfig, DeviceStateFields):
             raise ValueError(f"personal_epochs must be an integer >= 0, got {self.personal_epochs!r}")
 
 
-class PartialPersonalizationJob(FedAvgJob):
+class PartialPersonalizationJob(StatefulDevicesJob, FedAvgJob):
     """FedSim / FedAlt with personal v_k = bias on the devices (see the module docstring)."""
 
     def __init__(self, config: PartialConfig, initial_head: dict[str, np.ndarray] | None = None, strategy=None):
@@ -89,21 +89,12 @@ class PartialPersonalizationJob(FedAvgJob):
             out["heldout_devices"] = len(reports)
         return out
 
-    def state_dict(self) -> dict[str, np.ndarray]:
-        return {**super().state_dict(), **self.device_state.state_dict()}
-
-    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
-        super().load_state_dict(state)
-        self.device_state.load_state_dict(state)
-
     def bookkeeping(self) -> dict:
         """With the held-out reports of the rounds closed so far (JSON, stored at each round open):
         a restarted job reports the same WMA; the open round's reports come back with its replay."""
-        return {**super().bookkeeping(), **self.device_state.bookkeeping(),
-                "heldout": {d: list(r) for d, r in sorted(self.heldout.items())}}
+        return {**super().bookkeeping(), "heldout": {d: list(r) for d, r in sorted(self.heldout.items())}}
 
     def restore_bookkeeping(self, state: dict) -> None:
         super().restore_bookkeeping(state)
-        self.device_state.restore_bookkeeping(state)
         stored = {str(d): tuple(int(x) for x in r) for d, r in (state.get("heldout") or {}).items()}
         self.heldout = {**stored, **self.heldout}       # reports replayed into the open round are newer

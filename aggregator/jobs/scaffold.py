@@ -24,7 +24,7 @@ from protocols.envelope import Envelope, body_field
 from protocols.payloads.scaffold import CONTROL, HEAD, KIND, ScaffoldUpdate, parse_scaffold_update
 from protocols.rounds import RoundClosed
 
-from aggregator.jobs.device_state_fields import DeviceStateFields, DeviceStateRun
+from aggregator.jobs.device_state_fields import DeviceStateFields, DeviceStateRun, StatefulDevicesJob
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob, RoundUpdate
 
 
@@ -52,7 +52,7 @@ def clip_to_norm(tensors: dict[str, np.ndarray], bound: float) -> dict[str, np.n
     return {k: np.asarray(t, np.float64) * scale for k, t in tensors.items()}
 
 
-class ScaffoldJob(FedAvgJob):
+class ScaffoldJob(StatefulDevicesJob, FedAvgJob):
     """Scaffold on the head: FedAvgJob plus the server control c (see the module docstring)."""
 
     def __init__(self, config: ScaffoldConfig, initial_head: dict[str, np.ndarray] | None = None, strategy=None):
@@ -101,17 +101,8 @@ class ScaffoldJob(FedAvgJob):
         return chosen
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        return {**super().state_dict(), **{CONTROL + k: v.copy() for k, v in self.control.items()},
-                **self.device_state.state_dict()}
+        return {**super().state_dict(), **{CONTROL + k: v.copy() for k, v in self.control.items()}}
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         super().load_state_dict(state)
         self.control = {k: np.asarray(state[CONTROL + k], dtype=np.float32).copy() for k in HEAD}
-        self.device_state.load_state_dict(state)
-
-    def bookkeeping(self) -> dict:
-        return {**super().bookkeeping(), **self.device_state.bookkeeping()}
-
-    def restore_bookkeeping(self, state: dict) -> None:
-        super().restore_bookkeeping(state)
-        self.device_state.restore_bookkeeping(state)
