@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from protocols.payloads.fedavg import trained_out_of_bounds
+from protocols.payloads.fedavg import raise_if_diverged
 
 from .tasks.head_training import LocalTraining, TrainedHead, train_head
 from .tasks.numpy_head import train_heads_together
@@ -200,9 +200,8 @@ def choose_fp_lr(weight: np.ndarray, bias: np.ndarray, features: np.ndarray, lab
     features = head._check(features)
     weights, biases = train_heads_together(head.weight, head.bias, features, head.label_map.to_local(labels),
                                            fits, candidates, recipe)
-    broken = trained_out_of_bounds({"weight": weights, "bias": biases})
-    if broken:              # the protocol's rule, as for any trained head (Java: FpLearningRate via HeadTrainer)
-        raise FloatingPointError(f"local training diverged ({broken}); lower the learning rate")
+    # the protocol's rule, as for any trained head (Java: FpLearningRate via HeadTrainer)
+    raise_if_diverged({"weight": weights, "bias": biases})
     scores: dict[float, float] = {}
     for i, lr in enumerate(candidates):
         correct = 0

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from protocols.payloads.fedavg import encode_head_update
+from protocols.payloads.fedavg import encode_head_update, raise_if_diverged
 from protocols.payloads.fedgloss import KIND, AdmmRecipe
 
 from ..agent import TaskDeclined
@@ -37,8 +37,7 @@ def fedgloss_pass(weight: np.ndarray, bias: np.ndarray, dual: dict[str, np.ndarr
     new_dual = {k: (np.asarray(dual[k], np.float64)
                     - (trained[k].astype(np.float64) - stepper.start[k].astype(np.float64)) / beta).astype(np.float32)
                 for k in trained}
-    if not all(np.isfinite(v).all() for v in (*trained.values(), *new_dual.values())):
-        raise FloatingPointError("local training diverged (NaN/Inf in the head); lower the learning rate")
+    raise_if_diverged({**trained, **{f"dual.{k}": v for k, v in new_dual.items()}})
     return trained, new_dual
 
 

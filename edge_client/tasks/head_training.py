@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from protocols.payloads.fedavg import LocalRuleRecipe, encode_head_update, trained_out_of_bounds
+from protocols.payloads.fedavg import LocalRuleRecipe, encode_head_update, raise_if_diverged
 
 from ..agent import TaskDeclined
 from .extractors import ExtractorFactory, extractor_for
@@ -239,9 +239,7 @@ def train_head(weight: np.ndarray, bias: np.ndarray, features: np.ndarray, label
     steps, mean_loss = local_sgd(stepper, len(labels), features, labels, recipe)
     trained = stepper.parameters()
     w, b = trained["weight"], trained["bias"]
-    broken = trained_out_of_bounds({"weight": w, "bias": b})
-    if broken:              # the protocol's rule, the same on every device (HeadTrainer.java)
-        raise FloatingPointError(f"local training diverged ({broken}); lower the learning rate")
+    raise_if_diverged({"weight": w, "bias": b})     # the protocol's rule, the same on every device (HeadTrainer.java)
     return TrainedHead(w, b, steps, mean_loss, stepper.runtime)
 
 

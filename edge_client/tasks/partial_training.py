@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from protocols.payloads.fedavg import batch_schedule
+from protocols.payloads.fedavg import batch_schedule, raise_if_diverged
 from protocols.payloads.partial import KIND, PartialRecipe, encode_partial_update
 
 from ..agent import TaskDeclined
@@ -52,8 +52,7 @@ def train_partial(weight: np.ndarray, personal_bias: np.ndarray, features: np.nd
     else:
         sgd_epochs(u, v, features, labels, recipe, recipe.personal_epochs, recipe.seed, ("bias",))
         sgd_epochs(u, v, features, labels, recipe, recipe.epochs, (recipe.seed + 1) % 2**32, ("weight",))
-    if not (np.isfinite(u).all() and np.isfinite(v).all()):
-        raise FloatingPointError("local training diverged (NaN/Inf in the head); lower the learning rate")
+    raise_if_diverged({"weight": u, "bias": v})
     return u, v
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from protocols.payloads.fedavg import encode_model_update
+from protocols.payloads.fedavg import encode_model_update, raise_if_diverged
 from protocols.payloads.scaffold import CONTROL, DELTA_CONTROL, HEAD, KIND
 
 from ..agent import TaskDeclined
@@ -41,8 +41,7 @@ def scaffold_pass(weight: np.ndarray, bias: np.ndarray, control: dict[str, np.nd
     scale = np.float32(1.0 / (len(batches) * recipe.lr))
     new_control = {k: (np.asarray(device_control[k], np.float32) - np.asarray(control[k], np.float32)
                        + (start[k] - y[k]) * scale) for k in HEAD}
-    if not all(np.isfinite(v).all() for v in (*y.values(), *new_control.values())):
-        raise FloatingPointError("local training diverged (NaN/Inf in the head); lower the learning rate")
+    raise_if_diverged({**y, **{f"control.{k}": v for k, v in new_control.items()}})
     return y, new_control
 
 

@@ -108,6 +108,13 @@ def trained_out_of_bounds(tensors: dict[str, np.ndarray]) -> str | None:
     return None
 
 
+def raise_if_diverged(tensors: dict[str, np.ndarray]) -> None:
+    """The device side of that bound: FloatingPointError (the task is declined as diverged)."""
+    broken = trained_out_of_bounds(tensors)
+    if broken:
+        raise FloatingPointError(f"local training diverged ({broken}); lower the learning rate")
+
+
 @dataclass(frozen=True)
 class HeadUpdate:
     n: int                  # local samples the head was trained on
