@@ -121,7 +121,7 @@ def tail_case(kind: str, work: Path, manifest: Path, images, labels) -> Case:
 
     config = common(devices, num_classes=10, feature_dim=1280, image_size=TAIL_SIZE, rounds=2, clients_per_round=3,
                     local_epochs=1, batch_size=6, client_lr=0.01, train="tail+head", tail_stages=1, init="zeros",
-                    server_optimizer="yogi", server_lr=0.01, served_model="swa", local_rule="sam", sam_rho=0.05,
+                    server_optimizer="yogi", server_lr=0.01, served_model="swa",
                     tail_program_file=str(manifest.parent / "tail_eval.pt2"))
     if kind == "fedavg-tail":
         return Case(kind, devices, config, with_secure(None, plain), ["contribution_stored:2"])
