@@ -9,15 +9,13 @@ from aggregator.jobs.registry import validate_job_config
 from aggregator.jobs.robustness_fields import PLAIN_MEAN
 from aggregator.strategies.fedgloss import FedGlossServer
 from edge_client.agent import TaskDeclined
-from edge_client.features import FeatureExtractor
 from edge_client.state import DeviceStateStore
 from edge_client.tasks.fedgloss_training import FedGlossTrainingTask, fedgloss_pass
 from edge_client.tasks.head_training import LocalTraining
-from protocols import messages as M
-from protocols.envelope import decode, encode
 from protocols.payloads.fedavg import LocalRuleRecipe
 from protocols.payloads.fedgloss import KIND
-from protocols.rounds import RoundClosed
+
+from stateful_jobs import pixel_extractor, run_round
 
 C, D, SIZE = 3, 8, 8
 HEAD = ("weight", "bias")
@@ -118,13 +116,9 @@ def test_participation_scales_only_the_dual_step():
         part.step(w, mean, participation=0.0)
 
 
-def pixel_extractor():
-    proj = np.random.default_rng(99).normal(size=(3 * SIZE * SIZE, D)).astype(np.float32) / 20
-    return FeatureExtractor(lambda x: x.reshape(len(x), -1) @ proj, image_size=SIZE,
-                            mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25), feature_dim=D)
 
 
-EXTRACTOR = pixel_extractor()
+EXTRACTOR = pixel_extractor(SIZE, D)
 
 
 def device(i, root):
@@ -141,18 +135,6 @@ def make_job(**overrides):
                                          **PLAIN_MEAN, **overrides}))
 
 
-def run_round(job, handlers):
-    chosen = job.next_participants(set(handlers))
-    sent = {}
-    for d in chosen:
-        params, tensors = job.task_for(d)
-        task = decode(encode(M.task_message("aggregator", job.config.job_id, job.round, KIND, params, 1e9)))
-        body, out = handlers[d](task.body["params"], tensors)
-        env = decode(encode(M.result_message(d, M.TaskRef(job.config.job_id, job.round, task.id), KIND, body, out)))
-        job.apply(d, job.parse_result(env))
-        sent[d] = (tensors, body, out)
-    job.close_round(RoundClosed(job.round, tuple(chosen), (), (), ()))
-    return sent
 
 
 def test_job_rounds_follow_alg5_and_devices_keep_their_duals(tmp_path):
@@ -164,15 +146,15 @@ def test_job_rounds_follow_alg5_and_devices_keep_their_duals(tmp_path):
     duals = {d: {k: np.zeros_like(v, dtype=np.float64) for k, v in job.params.items()} for d in handlers}
     for t in range(3):
         w = {k: job.params[k].astype(np.float64) for k in HEAD}
-        sent = run_round(job, handlers)
-        tensors = next(iter(sent.values()))[0]
+        sent = run_round(job, handlers, KIND)
+        tensors = next(iter(sent.values()))[1]
         if prev is None:
             expected_tilde = w
         else:
             norm = np.sqrt(sum(np.sum(prev[k] ** 2) for k in HEAD))
             expected_tilde = {k: w[k] + rho * prev[k] / norm for k in HEAD}
-        n = {d: body["n"] for d, (_, body, _) in sent.items()}
-        mean = {k: sum(n[d] * out[k].astype(np.float64) for d, (_, _, out) in sent.items()) / sum(n.values())
+        n = {d: body["n"] for d, (_, _, body, _) in sent.items()}
+        mean = {k: sum(n[d] * out[k].astype(np.float64) for d, (_, _, _, out) in sent.items()) / sum(n.values())
                 for k in HEAD}
         for k in HEAD:
             np.testing.assert_allclose(tensors[k], expected_tilde[k], rtol=1e-6, atol=1e-7)
@@ -180,7 +162,7 @@ def test_job_rounds_follow_alg5_and_devices_keep_their_duals(tmp_path):
         prev = {k: tensors[k].astype(np.float64) - mean[k] for k in HEAD}
         for k in HEAD:
             np.testing.assert_allclose(job.params[k], w[k] - prev[k] - beta * sigma[k], rtol=1e-5, atol=1e-6)
-        for d, (sent_tensors, _, out) in sent.items():
+        for d, (_, sent_tensors, _, out) in sent.items():
             stored = handlers[d].store.load(job.config.job_id, job.device_state.run).arrays
             for k in HEAD:
                 duals[d][k] = duals[d][k] - (out[k].astype(np.float64) - sent_tensors[k]) / beta
@@ -192,17 +174,17 @@ def test_checkpoint_continues_bit_identically(tmp_path):
     straight = make_job()
     devices_a = {f"dev{i}": device(i, tmp_path / "a") for i in range(4)}
     for _ in range(3):
-        run_round(straight, devices_a)
+        run_round(straight, devices_a, KIND)
     interrupted = make_job()
     devices_b = {f"dev{i}": device(i, tmp_path / "b") for i in range(4)}
     for _ in range(2):
-        run_round(interrupted, devices_b)
+        run_round(interrupted, devices_b, KIND)
     restored = make_job()
     restored.load_state_dict(interrupted.state_dict())
     restored.restore_bookkeeping(interrupted.bookkeeping())
     restored.contributed = dict(interrupted.contributed)      # the service checkpoints it alongside
     assert restored.device_state.run == interrupted.device_state.run
-    run_round(restored, devices_b)
+    run_round(restored, devices_b, KIND)
     for k in HEAD:
         np.testing.assert_array_equal(restored.params[k], straight.params[k])
     a, b = straight.state_dict(), restored.state_dict()
@@ -230,7 +212,7 @@ def test_device_declines_malformed_params_and_keeps_no_state(tmp_path, bad):
 def test_stale_dual_restarts_from_zero(tmp_path):
     h = device(0, tmp_path)
     job = make_job(clients_per_round=1, state_max_staleness=2)
-    run_round(job, {"dev0": h})
+    run_round(job, {"dev0": h}, KIND)
     job.next_participants({"dev0"})
     body, _ = h(*job.task_for("dev0"))
     assert body["restarted"] is False

@@ -10,7 +10,6 @@ from aggregator.jobs.partial import PartialConfig, PartialPersonalizationJob
 from aggregator.jobs.personalize import PersonalizeConfig, PersonalizeJob
 from aggregator.jobs.robustness_fields import PLAIN_MEAN
 from edge_client.agent import TaskDeclined
-from edge_client.features import FeatureExtractor
 from edge_client.state import DeviceStateStore
 from edge_client.tasks.partial_training import PartialTrainingTask, train_partial
 from edge_client.tasks.personalization import PersonalizeTask
@@ -18,7 +17,8 @@ from protocols import messages as M
 from protocols.envelope import EnvelopeError, decode, encode
 from protocols.payloads.partial import KIND, PartialRecipe
 from protocols.payloads.personalize import KIND as OLL_KIND
-from protocols.rounds import RoundClosed
+
+from stateful_jobs import pixel_extractor, run_round
 
 C, D, SIZE = 3, 8, 8
 
@@ -65,13 +65,9 @@ def test_local_pass_matches_numpy_reference(recipe):
         np.testing.assert_array_equal(v, b)
 
 
-def pixel_extractor():
-    proj = np.random.default_rng(99).normal(size=(3 * SIZE * SIZE, D)).astype(np.float32) / 20
-    return FeatureExtractor(lambda x: x.reshape(len(x), -1) @ proj, image_size=SIZE,
-                            mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25), feature_dim=D)
 
 
-EXTRACTOR = pixel_extractor()
+EXTRACTOR = pixel_extractor(SIZE, D)
 
 
 def device(i, tmp_path, budget=2**20):
@@ -88,18 +84,6 @@ def make_job(**overrides):
         "local_epochs": 1, "batch_size": 8, "client_lr": 0.05, **PLAIN_MEAN, **overrides}))
 
 
-def run_round(job, handlers, only=None):
-    chosen = job.next_participants(set(only or handlers))
-    sent = {}
-    for d in chosen:
-        params, tensors = job.task_for(d)
-        task = decode(encode(M.task_message("aggregator", job.config.job_id, job.round, KIND, params, 1e9)))
-        body, out = handlers[d](task.body["params"], tensors)
-        env = decode(encode(M.result_message(d, M.TaskRef(job.config.job_id, job.round, task.id), KIND, body, out)))
-        job.apply(d, job.parse_result(env))
-        sent[d] = (task.body["params"], tensors, body, out)
-    job.close_round(RoundClosed(job.round, tuple(chosen), (), (), ()))
-    return sent
 
 
 def test_rounds_average_u_keep_each_v_on_its_device_and_continue_from_it(tmp_path):
@@ -108,7 +92,7 @@ def test_rounds_average_u_keep_each_v_on_its_device_and_continue_from_it(tmp_pat
     global_bias = job.params["bias"].copy()
     v = {d: global_bias for d in handlers}
     for _ in range(2):
-        sent = run_round(job, handlers)
+        sent = run_round(job, handlers, KIND)
         expected_u, total = 0.0, 0
         for d, (params, tensors, body, out) in sent.items():
             assert set(out) == {"weight"}                        # v_k never leaves the device
@@ -130,7 +114,7 @@ def test_rounds_average_u_keep_each_v_on_its_device_and_continue_from_it(tmp_pat
 def test_redelivered_task_gives_the_same_result(tmp_path):
     h = device(0, tmp_path)
     job = make_job(clients_per_round=1)
-    run_round(job, {"dev0": h})
+    run_round(job, {"dev0": h}, KIND)
     job.next_participants({"dev0"})
     params, tensors = job.task_for("dev0")
     first = h(params, tensors)
@@ -142,7 +126,7 @@ def test_redelivered_task_gives_the_same_result(tmp_path):
 def test_stale_or_foreign_state_restarts_from_the_global_bias(tmp_path):
     h = device(0, tmp_path)
     job = make_job(clients_per_round=1, state_max_staleness=0)
-    run_round(job, {"dev0": h})
+    run_round(job, {"dev0": h}, KIND)
     job.next_participants({"dev0"})
     job.round += 1                                  # the device was not sampled for a round
     params, tensors = job.task_for("dev0")
@@ -184,7 +168,7 @@ def test_the_oll_job_evaluates_each_device_with_its_own_bias(tmp_path):
     h = device(0, tmp_path)
     job = make_job(clients_per_round=1, rounds=3)
     for _ in range(3):
-        run_round(job, {"dev0": h})
+        run_round(job, {"dev0": h}, KIND)
     oll = PersonalizeJob(PersonalizeConfig(num_classes=C, feature_dim=D, image_size=SIZE, fp_epochs=0,
                                            personal_job=job.config.job_id), head=job.model_arrays())
     task = PersonalizeTask(h.images, h.labels, h.holdout_images, h.holdout_labels, lambda *a, **k: EXTRACTOR,
@@ -203,7 +187,7 @@ def test_a_restored_job_keeps_its_run_and_reports_the_same_wma(tmp_path):
     handlers = {f"dev{i}": device(i, tmp_path) for i in range(3)}
     job = make_job(clients_per_round=2)
     for _ in range(2):
-        run_round(job, handlers)
+        run_round(job, handlers, KIND)
     job.next_participants(set(handlers))               # round 3 opens: its bookkeeping is stored
     restored = make_job(clients_per_round=2)
     restored.load_state_dict(job.state_dict())

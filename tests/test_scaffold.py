@@ -7,15 +7,13 @@ import pytest
 from aggregator.jobs.fedavg import FedAvgConfig
 from aggregator.jobs.robustness_fields import PLAIN_MEAN
 from aggregator.jobs.scaffold import ScaffoldConfig, ScaffoldJob
-from edge_client.features import FeatureExtractor
 from edge_client.state import DeviceStateStore
 from edge_client.tasks.head_training import LocalTraining
 from edge_client.tasks.numpy_head import NumpyHeadStepper, batch_schedule
 from edge_client.tasks.scaffold_training import ScaffoldTrainingTask, scaffold_pass
-from protocols import messages as M
-from protocols.envelope import decode, encode
 from protocols.payloads.scaffold import KIND
-from protocols.rounds import RoundClosed
+
+from stateful_jobs import pixel_extractor, run_round
 
 C, D, SIZE = 3, 8, 8
 
@@ -72,13 +70,9 @@ def test_with_zero_controls_it_is_the_fedavg_step():
     np.testing.assert_array_equal(out["bias"], plain.bias)
 
 
-def pixel_extractor():
-    proj = np.random.default_rng(99).normal(size=(3 * SIZE * SIZE, D)).astype(np.float32) / 20
-    return FeatureExtractor(lambda x: x.reshape(len(x), -1) @ proj, image_size=SIZE,
-                            mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25), feature_dim=D)
 
 
-EXTRACTOR = pixel_extractor()
+EXTRACTOR = pixel_extractor(SIZE, D)
 
 
 def device(i, root):
@@ -94,20 +88,6 @@ def make_job(**overrides):
                                          "client_lr": 0.05, "total_devices": 4, **PLAIN_MEAN, **overrides}))
 
 
-def run_round(job, handlers, tamper=None):
-    chosen = job.next_participants(set(handlers))
-    sent = {}
-    for d in chosen:
-        params, tensors = job.task_for(d)
-        task = decode(encode(M.task_message("aggregator", job.config.job_id, job.round, KIND, params, 1e9)))
-        body, out = handlers[d](task.body["params"], tensors)
-        if tamper:
-            out = tamper(d, out)
-        env = decode(encode(M.result_message(d, M.TaskRef(job.config.job_id, job.round, task.id), KIND, body, out)))
-        job.apply(d, job.parse_result(env))
-        sent[d] = (tensors, body, out)
-    job.close_round(RoundClosed(job.round, tuple(chosen), (), (), ()))
-    return sent
 
 
 def test_server_steps_match_the_formulas_and_devices_keep_their_controls(tmp_path):
@@ -116,14 +96,14 @@ def test_server_steps_match_the_formulas_and_devices_keep_their_controls(tmp_pat
     ck = {d: {"weight": np.zeros((C, D)), "bias": np.zeros(C)} for d in handlers}
     for _ in range(3):
         w, c = {k: job.params[k].astype(np.float64) for k in ("weight", "bias")}, dict(job.control)
-        sent = run_round(job, handlers)
-        n = {d: body["n"] for d, (_, body, _) in sent.items()}
+        sent = run_round(job, handlers, KIND)
+        n = {d: body["n"] for d, (_, _, body, _) in sent.items()}
         for k in ("weight", "bias"):
-            mean_y = sum(n[d] * out[k].astype(np.float64) for d, (_, _, out) in sent.items()) / sum(n.values())
+            mean_y = sum(n[d] * out[k].astype(np.float64) for d, (_, _, _, out) in sent.items()) / sum(n.values())
             np.testing.assert_allclose(job.params[k], w[k] + 0.7 * (mean_y - w[k]), rtol=1e-5, atol=1e-6)
-            mean_dc = np.mean([out["delta_control." + k] for _, _, out in sent.values()], axis=0)
+            mean_dc = np.mean([out["delta_control." + k] for _, _, _, out in sent.values()], axis=0)
             np.testing.assert_allclose(job.control[k], c[k] + len(sent) / 4 * mean_dc, rtol=1e-5, atol=1e-6)
-        for d, (tensors, body, out) in sent.items():
+        for d, (_, tensors, body, out) in sent.items():
             stored = handlers[d].store.load(job.config.job_id, job.device_state.run).arrays
             for k in ("weight", "bias"):
                 ck[d][k] = ck[d][k] + out["delta_control." + k]
@@ -134,7 +114,7 @@ def test_server_steps_match_the_formulas_and_devices_keep_their_controls(tmp_pat
 def test_control_and_run_survive_a_checkpoint(tmp_path):
     handlers = {f"dev{i}": device(i, tmp_path) for i in range(4)}
     job = make_job()
-    run_round(job, handlers)
+    run_round(job, handlers, KIND)
     restored = make_job()
     restored.load_state_dict(job.state_dict())
     assert restored.device_state.run == job.device_state.run
@@ -149,8 +129,8 @@ def test_one_device_moves_c_by_at_most_its_clipped_share(tmp_path):
     def huge(d, out):
         return {**out, "delta_control.weight": np.full((C, D), 1e6, np.float32)} if d == "dev0" else out
 
-    sent = run_round(job, handlers, tamper=huge)
-    honest = [clip for d, (_, _, out) in sent.items() if d != "dev0"
+    sent = run_round(job, handlers, KIND, tamper=huge)
+    honest = [clip for d, (_, _, _, out) in sent.items() if d != "dev0"
               for clip in [np.sqrt(sum(np.sum(out["delta_control." + k].astype(np.float64) ** 2)
                                        for k in ("weight", "bias")))]]
     total = np.sqrt(sum(np.sum(job.control[k].astype(np.float64) ** 2) for k in ("weight", "bias")))
@@ -160,7 +140,7 @@ def test_one_device_moves_c_by_at_most_its_clipped_share(tmp_path):
 def test_stale_control_restarts_from_zero(tmp_path):
     h = device(0, tmp_path)
     job = make_job(clients_per_round=1, state_max_staleness=2)
-    run_round(job, {"dev0": h})
+    run_round(job, {"dev0": h}, KIND)
     job.next_participants({"dev0"})
     job.round += 5
     body, out = h(*job.task_for("dev0"))

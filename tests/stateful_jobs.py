@@ -1,0 +1,34 @@
+"""What the stateful head-task tests (pp, scaffold, fedgloss) share: a seeded extractor that
+projects pixels (no backbone, so they stay unit tests) and one round driven through the real
+task and result encoding."""
+
+import numpy as np
+
+from edge_client.features import FeatureExtractor
+from protocols import messages as M
+from protocols.envelope import decode, encode
+from protocols.rounds import RoundClosed
+
+
+def pixel_extractor(size: int, dim: int) -> FeatureExtractor:
+    proj = np.random.default_rng(99).normal(size=(3 * size * size, dim)).astype(np.float32) / 20
+    return FeatureExtractor(lambda x: x.reshape(len(x), -1) @ proj, image_size=size,
+                            mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25), feature_dim=dim)
+
+
+def run_round(job, handlers, kind: str, only=None, tamper=None) -> dict:
+    """One round: each chosen device gets its task through encode/decode, its result goes back the
+    same way (``tamper(device, tensors)`` may change it on the wire). device -> (params, tensors, body, out)."""
+    chosen = job.next_participants(set(only or handlers))
+    sent = {}
+    for d in chosen:
+        params, tensors = job.task_for(d)
+        task = decode(encode(M.task_message("aggregator", job.config.job_id, job.round, kind, params, 1e9)))
+        body, out = handlers[d](task.body["params"], tensors)
+        if tamper:
+            out = tamper(d, out)
+        env = decode(encode(M.result_message(d, M.TaskRef(job.config.job_id, job.round, task.id), kind, body, out)))
+        job.apply(d, job.parse_result(env))
+        sent[d] = (task.body["params"], tensors, body, out)
+    job.close_round(RoundClosed(job.round, tuple(chosen), (), (), ()))
+    return sent
