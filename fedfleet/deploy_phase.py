@@ -84,7 +84,8 @@ def _rollout(ctl, followers, model_id: int, name: str, cfg) -> dict:
     judged = [h for h in view["history"] if h.get("metrics")]
     for entry, h in zip(stages, judged):
         m = h["metrics"]
-        entry.update(reports=int(m["reports"]), wma_candidate=m["wma_candidate"], wma_current=m["wma_current"])
+        entry.update(reports=int(m["reports"]), wma_candidate=m["wma_candidate"], wma_current=m["wma_current"],
+                     judged=sorted(m.get("evidence", {})))
     return {"deployment": dep_id, "state": view["state"], "reason": view["reason"], "stages": stages,
             "final_versions": versions(followers), "devices": len(followers)}
 
