@@ -21,9 +21,7 @@ import copy
 import dataclasses
 import importlib.metadata
 import logging
-import math
 import platform
-from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -64,38 +62,27 @@ from export.parity import (
     load_parity_images,
     training_parity,
 )
-from export.quantization import INT8_SCHEME, QUANTIZATION_MODES, quantize_int8, quantized_parity
+from export.quantization import INT8_SCHEME, quantize_int8, quantized_parity
+from export.request import DEFAULT_INFERENCE_RUNTIMES, INT8_RELATIVE_ERROR_TOLERANCE, ExportError, ExportRequest
 from export.training_program import lower_training_program
 
 __all__ = [
     "DEFAULT_INFERENCE_RUNTIMES",
     "INT8_RELATIVE_ERROR_TOLERANCE",
     "ExportError",
+    "ExportRequest",
     "ParityError",
     "export_bundle",
 ]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_INFERENCE_RUNTIMES = ("executorch", "onnxruntime", "eager")
 DEFAULT_TRAINING_RUNTIMES = ("executorch", "eager")
 # SGD step size of the training parity check. The tail program uses a smaller one: with T = 0.1
 # its pretrained conv weights get large gradients, and at 0.05 three steps amplify the chunked
 # float sums (1e-6) to 1e-4; fine-tuning LRs are far below either.
 PARITY_LR = 0.05
 TAIL_PARITY_LR = 0.005
-# Largest relative L2 error ||Q - F|| / ||F|| of an int8 program's outputs vs eager fp32 on the
-# parity images. With export.quantization's scheme, on 64 Fashion-MNIST test images, both
-# backbones measured 0.17-0.18 at 32-64 px and 0.25-0.26 at 128-224 px; the same scheme without
-# the conv+ReLU6 fusion 0.34-0.39, and calibration on black images 0.70. What int8 costs in
-# accuracy is measured by bench/quantization.py.
-INT8_RELATIVE_ERROR_TOLERANCE = 0.3
-
-
-class ExportError(RuntimeError):
-    """The export request cannot be fulfilled (bad arguments, unusable weights, ...)."""
-
-
 class ParityError(ExportError):
     """An artifact disagrees with eager torch beyond tolerance; no bundle was written."""
 
@@ -151,186 +138,164 @@ def _load_head(path: Path | None, num_classes: int, feature_dim: int) -> dict[st
         raise ExportError(f"head weights {path}: {error}") from error
 
 
-def _check_arguments(num_classes, image_size, temperature, batch_size, inference_runtimes,
-                     tolerance, gradient_tolerance, tail_stages, quantize,
-                     quantized_tolerance) -> None:
-    def positive_int(value, what):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ExportError(f"{what} must be a positive integer, got {value!r}")
-
-    positive_int(num_classes, "num_classes")
-    positive_int(image_size, "image_size")
-    positive_int(batch_size, "batch_size")
-    if isinstance(tail_stages, bool) or not isinstance(tail_stages, int) or tail_stages < 0:
-        raise ExportError(f"tail_stages must be an integer >= 0, got {tail_stages!r}")
-    if image_size < 32:
-        raise ExportError(f"image_size must be >= 32 (five stride-2 stages), got {image_size}")
-    for value, what in ((temperature, "temperature"), (tolerance, "tolerance"),
-                        (gradient_tolerance, "gradient_tolerance"),
-                        (quantized_tolerance, "quantized_tolerance")):
-        if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-            raise ExportError(f"{what} must be a positive finite number, got {value!r}")
-    unknown = set(inference_runtimes) - set(DEFAULT_INFERENCE_RUNTIMES)
-    if unknown or len(set(inference_runtimes)) != len(inference_runtimes):
-        raise ExportError(
-            f"inference runtimes must be distinct names from {list(DEFAULT_INFERENCE_RUNTIMES)}, "
-            f"got {list(inference_runtimes)}")
-    if quantize is not None and quantize not in QUANTIZATION_MODES:
-        raise ExportError(f"quantize must be None or one of {list(QUANTIZATION_MODES)}, "
-                          f"got {quantize!r}")
-    if quantize is not None and "executorch" not in inference_runtimes:
-        raise ExportError(f"{quantize} quantization applies to the ExecuTorch inference program: "
-                          "add executorch to the inference runtimes")
-
-
-def export_bundle(backbone: str, out_dir: str | Path, *, num_classes: int, image_size: int = 224,
-                  weights: str | Path | None = None, head_weights: str | Path | None = None,
-                  full_model: bool = False, temperature: float = 0.1, batch_size: int = 32,
-                  inference_runtimes: Sequence[str] = DEFAULT_INFERENCE_RUNTIMES,
-                  training: bool = True, parity_images: ParityImages | None = None,
-                  tolerance: float = 1e-4, gradient_tolerance: float = 1e-5,
-                  tail_stages: int = 0, overwrite: bool = False, quantize: str | None = None,
-                  calibration_images: ParityImages | None = None,
-                  quantized_tolerance: float = INT8_RELATIVE_ERROR_TOLERANCE) -> Path:
-    """Export ``backbone`` for a ``num_classes`` task to ``out_dir``; returns the manifest path.
-
-    ``full_model``: inference artifacts return logits of the head (``head_weights``, an
-    ``.npz`` with ``weight`` (C, d) and ``bias`` (C,), is then required); otherwise they
-    return the pooled features. ``head_weights`` also initialises the training program
-    (zeros otherwise; devices normally ``set_parameters`` from the Fed3R solution).
-    ``batch_size``: the ExecuTorch inference bound and the training program's fixed batch.
-    ``tail_stages`` > 0 adds what FT(φ)/FT(M) need (``edge_client.models.tail``): trunk
-    programs (images -> activations before the last ``tail_stages`` stages) for the same
-    inference runtimes, and tail_training programs (tail + head, BatchNorm frozen).
-    ``quantize="int8"``: the ExecuTorch inference program is int8 (``inference_xnnpack_int8.pte``),
-    calibrated on ``calibration_images`` (default: Fashion-MNIST train images) and refused
-    unless its relative L2 error vs eager fp32 on the parity images is <= ``quantized_tolerance``.
-    """
-    inference_runtimes = tuple(inference_runtimes)
-    _check_arguments(num_classes, image_size, temperature, batch_size, inference_runtimes,
-                     tolerance, gradient_tolerance, tail_stages, quantize, quantized_tolerance)
-    if not inference_runtimes and not training:
-        raise ExportError("nothing to export: no inference runtime and no training program")
-    if full_model and head_weights is None:
-        raise ExportError("a full model (logits) needs head weights (--head-weights file.npz)")
-
-    backbone_module, backbone_digest = _load_backbone(
-        backbone, None if weights is None else Path(weights))
-    feature_dim = int(backbone_module.feature_dim)
-    head = _load_head(None if head_weights is None else Path(head_weights), num_classes, feature_dim)
-    model = InferenceModel(backbone_module, num_classes if full_model else None, feature_dim)
-    if full_model:
-        model.head.weight.data.copy_(torch.from_numpy(head["weight"]))
-        model.head.bias.data.copy_(torch.from_numpy(head["bias"]))
-
-    parity_images = parity_images or load_parity_images()
-    if quantize is not None:
-        calibration_images = calibration_images or load_calibration_images()
-    inputs = to_model_input(parity_images.images, image_size, backbone_module.mean,
-                            backbone_module.std)
-    with torch.no_grad():
-        input_tensor = torch.from_numpy(inputs)
-        features = backbone_module(input_tensor).numpy()
-        reference = model(input_tensor).numpy()
-    tail_spec = trunk = tail = None
-    if tail_stages:
-        try:
-            trunk, tail = split_backbone(backbone_module, tail_stages)
-        except ValueError as error:
-            raise ExportError(str(error)) from error
-        with torch.no_grad():
-            activations = trunk(input_tensor).numpy()
-        tail_spec = TailSpec(stages=tail_stages, activation_shape=tuple(activations.shape[1:]),
-                             parameters={f"tail.{name}": tuple(param.shape)
-                                         for name, param in tail.named_parameters()})
-
-    draft = Manifest(
-        backbone=backbone, weights_sha256=backbone_digest, feature_dim=feature_dim,
-        num_classes=num_classes, temperature=float(temperature),
-        output="logits" if full_model else "features",
-        input=InputNormalisation(image_size=image_size, mean=tuple(backbone_module.mean),
-                                 std=tuple(backbone_module.std)),
-        artifacts=(), created_with=_versions(), tail=tail_spec,
-        feature_range=getattr(backbone_module, "feature_range", None))
-
-    artifacts: list[_Artifact] = []
+def export_bundle(backbone: str, out_dir: str | Path, **options) -> Path:
+    """Export ``backbone`` to ``out_dir`` as :class:`ExportRequest` ``options`` say (``num_classes``
+    required); returns the manifest path. Every artifact is checked in its runtime against eager
+    torch first: a failure raises :class:`ParityError` and writes nothing."""
+    request = ExportRequest(backbone, out_dir, **options)
+    sources = _Sources.build(request)
     failures: list[str] = []
-    programs = [("inference", model, reference)]
-    if trunk is not None:
-        programs.append(("trunk", TrunkModel(trunk), activations))
-    for kind, module, expected in programs:
-        for runtime in inference_runtimes:
-            quantized = kind == "inference" and runtime == "executorch" and quantize is not None
-            logger.info("exporting %s %s%s artifact for %s", runtime, kind,
-                        f" ({quantize})" if quantized else "", backbone)
-            artifact = _inference_artifact(runtime, kind, module, input_tensor, draft, batch_size,
-                                           calibration_images if quantized else None)
-            runtime_object = INFERENCE_BACKENDS[runtime](artifact.data, artifact.spec, draft)
-            if quantized:
-                measured = quantized_parity(runtime_object.run(inputs), expected)
-                artifact.spec = dataclasses.replace(artifact.spec, parity={
-                    **measured.to_json(), "tolerance": quantized_tolerance,
-                    "tolerance_metric": "relative_l2_error", "reference": "eager torch (fp32)",
-                    "inputs": parity_images.source})
-                if not measured.relative_l2_error <= quantized_tolerance:
-                    failures.append(
-                        f"{artifact.spec.file}: relative L2 error {measured.relative_l2_error:.3g} "
-                        f"vs eager fp32 exceeds tolerance {quantized_tolerance:g}")
-            else:
-                error = inference_parity(runtime_object, inputs, expected)
-                artifact.spec = dataclasses.replace(artifact.spec, parity={
-                    "max_abs_error": error, "tolerance": tolerance, "reference": "eager torch",
-                    "inputs": parity_images.source})
-                if not error <= tolerance:
-                    failures.append(f"{artifact.spec.file}: max abs error {error:.3g} vs eager "
-                                    f"exceeds tolerance {tolerance:g}")
-            artifacts.append(artifact)
-    _record_reference(artifacts, model, draft)
-
-    if tail is not None:
-        logger.info("exporting the server's tail evaluation program")
-        artifact, error = _tail_eval_artifact(tail, head, activations, draft)
-        artifact.spec = dataclasses.replace(artifact.spec, parity={
-            "max_abs_error": error, "tolerance": tolerance, "reference": "eager torch",
-            "inputs": f"eager trunk activations of {parity_images.source}"})
-        if not error <= tolerance:
-            failures.append(f"{artifact.spec.file}: max abs error {error:.3g} vs eager "
-                            f"exceeds tolerance {tolerance:g}")
-        artifacts.append(artifact)
-
-    if training:
-        rows = min(len(features), batch_size + max(1, batch_size // 4))  # a full + a padded chunk
-        labels = (parity_images.labels[:rows] if parity_images.labels is not None
-                  else np.arange(rows)) % num_classes
-        trainables = [(None, features)]
-        if tail is not None:
-            trainables.append((tail, activations))
-        for program_tail, program_inputs in trainables:
-            for runtime in DEFAULT_TRAINING_RUNTIMES:
-                logger.info("exporting %s %straining artifact", runtime,
-                            "" if program_tail is None else "tail ")
-                artifact = _training_artifact(runtime, head, draft, batch_size, program_tail)
-                trainer = TRAINING_BACKENDS[runtime](artifact.data, artifact.spec, draft)
-                session = TrainingSession(trainer, artifact.spec, draft)
-                measured = training_parity(session, program_inputs[:rows], labels.astype(np.int64),
-                                           temperature, tail=copy.deepcopy(program_tail),
-                                           lr=PARITY_LR if program_tail is None else TAIL_PARITY_LR)
-                artifact.spec = dataclasses.replace(artifact.spec, parity={
-                    **measured.to_json(), "tolerance": gradient_tolerance,
-                    "reference": "torch autograd + torch.optim.SGD",
-                    "inputs": f"eager {'features' if program_tail is None else 'trunk activations'}"
-                              f" of {parity_images.source}"})
-                worst = max(measured.gradient_max_abs_error, measured.sgd_max_abs_error)
-                if not worst <= gradient_tolerance:
-                    failures.append(
-                        f"{artifact.spec.file}: gradient error {measured.gradient_max_abs_error:.3g}"
-                        f" / SGD error {measured.sgd_max_abs_error:.3g} exceed {gradient_tolerance:g}")
-                artifacts.append(artifact)
-
+    artifacts = _inference_artifacts(request, sources, failures)
+    _record_reference(artifacts, sources.model, sources.draft)
+    if sources.tail is not None:
+        artifacts.append(_checked_tail_eval(request, sources, failures))
+    if request.training:
+        artifacts += _training_artifacts(request, sources, failures)
     if failures:
         raise ParityError(failures, {a.spec.file: dict(a.spec.parity) for a in artifacts})
-    manifest = dataclasses.replace(draft, artifacts=tuple(a.spec for a in artifacts))
-    return write_bundle(out_dir, manifest, {a.spec.file: a.data for a in artifacts}, overwrite)
+    manifest = dataclasses.replace(sources.draft, artifacts=tuple(a.spec for a in artifacts))
+    return write_bundle(out_dir, manifest, {a.spec.file: a.data for a in artifacts}, request.overwrite)
+
+
+@dataclasses.dataclass
+class _Sources:
+    """What every artifact is built from and checked against: the eager modules, the parity
+    images (model input), their eager outputs, and the manifest without artifacts."""
+
+    model: torch.nn.Module
+    head: dict[str, np.ndarray]
+    parity_images: ParityImages
+    calibration_images: ParityImages | None
+    inputs: np.ndarray
+    features: np.ndarray
+    reference: np.ndarray
+    draft: Manifest
+    trunk: torch.nn.Module | None = None
+    tail: TailModel | None = None
+    activations: np.ndarray | None = None
+
+    @property
+    def input_tensor(self) -> torch.Tensor:
+        return torch.from_numpy(self.inputs)
+
+    @classmethod
+    def build(cls, r: ExportRequest) -> "_Sources":
+        backbone, digest = _load_backbone(r.backbone, None if r.weights is None else Path(r.weights))
+        feature_dim = int(backbone.feature_dim)
+        head = _load_head(None if r.head_weights is None else Path(r.head_weights), r.num_classes, feature_dim)
+        model = InferenceModel(backbone, r.num_classes if r.full_model else None, feature_dim)
+        if r.full_model:
+            model.head.weight.data.copy_(torch.from_numpy(head["weight"]))
+            model.head.bias.data.copy_(torch.from_numpy(head["bias"]))
+        parity_images = r.parity_images or load_parity_images()
+        calibration = (r.calibration_images or load_calibration_images()) if r.quantize is not None else None
+        inputs = to_model_input(parity_images.images, r.image_size, backbone.mean, backbone.std)
+        with torch.no_grad():
+            features = backbone(torch.from_numpy(inputs)).numpy()
+            reference = model(torch.from_numpy(inputs)).numpy()
+        trunk = tail = activations = tail_spec = None
+        if r.tail_stages:
+            try:
+                trunk, tail = split_backbone(backbone, r.tail_stages)
+            except ValueError as error:
+                raise ExportError(str(error)) from error
+            with torch.no_grad():
+                activations = trunk(torch.from_numpy(inputs)).numpy()
+            tail_spec = TailSpec(stages=r.tail_stages, activation_shape=tuple(activations.shape[1:]),
+                                 parameters={f"tail.{name}": tuple(param.shape)
+                                             for name, param in tail.named_parameters()})
+        draft = Manifest(
+            backbone=r.backbone, weights_sha256=digest, feature_dim=feature_dim,
+            num_classes=r.num_classes, temperature=float(r.temperature),
+            output="logits" if r.full_model else "features",
+            input=InputNormalisation(image_size=r.image_size, mean=tuple(backbone.mean), std=tuple(backbone.std)),
+            artifacts=(), created_with=_versions(), tail=tail_spec,
+            feature_range=getattr(backbone, "feature_range", None))
+        return cls(model, head, parity_images, calibration, inputs, features, reference, draft, trunk, tail,
+                   activations)
+
+
+def _inference_artifacts(r: ExportRequest, src: _Sources, failures: list[str]) -> list[_Artifact]:
+    """The inference (and, with a tail, trunk) program per runtime, each run in its runtime on the
+    parity images: fp32 within ``tolerance`` (max abs), int8 within ``quantized_tolerance`` (relative L2)."""
+    artifacts = []
+    programs = [("inference", src.model, src.reference)]
+    if src.trunk is not None:
+        programs.append(("trunk", TrunkModel(src.trunk), src.activations))
+    for kind, module, expected in programs:
+        for runtime in r.inference_runtimes:
+            quantized = kind == "inference" and runtime == "executorch" and r.quantize is not None
+            logger.info("exporting %s %s%s artifact for %s", runtime, kind,
+                        f" ({r.quantize})" if quantized else "", r.backbone)
+            artifact = _inference_artifact(runtime, kind, module, src.input_tensor, src.draft, r.batch_size,
+                                           src.calibration_images if quantized else None)
+            outputs_of = INFERENCE_BACKENDS[runtime](artifact.data, artifact.spec, src.draft)
+            if quantized:
+                measured = quantized_parity(outputs_of.run(src.inputs), expected)
+                artifact.spec = dataclasses.replace(artifact.spec, parity={
+                    **measured.to_json(), "tolerance": r.quantized_tolerance,
+                    "tolerance_metric": "relative_l2_error", "reference": "eager torch (fp32)",
+                    "inputs": src.parity_images.source})
+                if not measured.relative_l2_error <= r.quantized_tolerance:
+                    failures.append(
+                        f"{artifact.spec.file}: relative L2 error {measured.relative_l2_error:.3g} "
+                        f"vs eager fp32 exceeds tolerance {r.quantized_tolerance:g}")
+            else:
+                error = inference_parity(outputs_of, src.inputs, expected)
+                artifact.spec = dataclasses.replace(artifact.spec, parity={
+                    "max_abs_error": error, "tolerance": r.tolerance, "reference": "eager torch",
+                    "inputs": src.parity_images.source})
+                if not error <= r.tolerance:
+                    failures.append(f"{artifact.spec.file}: max abs error {error:.3g} vs eager "
+                                    f"exceeds tolerance {r.tolerance:g}")
+            artifacts.append(artifact)
+    return artifacts
+
+
+def _checked_tail_eval(r: ExportRequest, src: _Sources, failures: list[str]) -> _Artifact:
+    """The server's tail evaluation program (tail + head on trunk activations), checked on the
+    eager trunk's activations of the parity images."""
+    logger.info("exporting the server's tail evaluation program")
+    artifact, error = _tail_eval_artifact(src.tail, src.head, src.activations, src.draft)
+    artifact.spec = dataclasses.replace(artifact.spec, parity={
+        "max_abs_error": error, "tolerance": r.tolerance, "reference": "eager torch",
+        "inputs": f"eager trunk activations of {src.parity_images.source}"})
+    if not error <= r.tolerance:
+        failures.append(f"{artifact.spec.file}: max abs error {error:.3g} vs eager exceeds tolerance {r.tolerance:g}")
+    return artifact
+
+
+def _training_artifacts(r: ExportRequest, src: _Sources, failures: list[str]) -> list[_Artifact]:
+    """The head's (and, with a tail, the tail + head's) training program per training runtime,
+    each stepped in its runtime against torch autograd and ``torch.optim.SGD``."""
+    artifacts = []
+    rows = min(len(src.features), r.batch_size + max(1, r.batch_size // 4))  # a full + a padded chunk
+    labels = (src.parity_images.labels[:rows] if src.parity_images.labels is not None
+              else np.arange(rows)) % r.num_classes
+    trainables = [(None, src.features)]
+    if src.tail is not None:
+        trainables.append((src.tail, src.activations))
+    for program_tail, program_inputs in trainables:
+        for runtime in DEFAULT_TRAINING_RUNTIMES:
+            logger.info("exporting %s %straining artifact", runtime, "" if program_tail is None else "tail ")
+            artifact = _training_artifact(runtime, src.head, src.draft, r.batch_size, program_tail)
+            trainer = TRAINING_BACKENDS[runtime](artifact.data, artifact.spec, src.draft)
+            session = TrainingSession(trainer, artifact.spec, src.draft)
+            measured = training_parity(session, program_inputs[:rows], labels.astype(np.int64), r.temperature,
+                                       tail=copy.deepcopy(program_tail),
+                                       lr=PARITY_LR if program_tail is None else TAIL_PARITY_LR)
+            artifact.spec = dataclasses.replace(artifact.spec, parity={
+                **measured.to_json(), "tolerance": r.gradient_tolerance,
+                "reference": "torch autograd + torch.optim.SGD",
+                "inputs": f"eager {'features' if program_tail is None else 'trunk activations'}"
+                          f" of {src.parity_images.source}"})
+            worst = max(measured.gradient_max_abs_error, measured.sgd_max_abs_error)
+            if not worst <= r.gradient_tolerance:
+                failures.append(
+                    f"{artifact.spec.file}: gradient error {measured.gradient_max_abs_error:.3g}"
+                    f" / SGD error {measured.sgd_max_abs_error:.3g} exceed {r.gradient_tolerance:g}")
+            artifacts.append(artifact)
+    return artifacts
 
 
 def _record_reference(artifacts: list[_Artifact], model: torch.nn.Module, draft: Manifest) -> None:

@@ -22,7 +22,7 @@ from .quiet import quiet_third_party_warnings
 def simulate_overrides(args) -> dict:
     """SimConfig fields the command line sets (None: the preset's)."""
     return {"ft_rounds": args.ft_rounds, "fp_epochs": args.fp_epochs, "ft_mode": args.ft_mode,
-            "tail_stages": args.tail_stages, "ft_server_optimizer": args.server_optimizer,
+            "tail_stages": args.tail_stages, "tail_bundle": args.tail_bundle, "ft_server_optimizer": args.server_optimizer,
             "ft_algorithm": args.ft_algorithm,
             "ft_server_lr": args.server_lr, "ft_local_rule": args.local_rule, "ft_sam_rho": args.sam_rho,
             "ft_prox_mu": args.prox_mu, "ft_served_model": args.served_model, "devices": args.devices, "broker": args.broker, "out_dir": args.out,
@@ -94,7 +94,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"fedfleet {version('fedfleet')}")
     p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
+    _add_simulate_parser(sub)
 
+    from aggregator.cli import build_parser as agg_parser
+
+    a = sub.add_parser("aggregator", help="run the aggregator service", formatter_class=HelpFormatter)
+    agg_parser(a)
+    a.set_defaults(func=_aggregator)
+
+    d = sub.add_parser("device", help="run one device agent on local data", formatter_class=HelpFormatter)
+    from .device import add_arguments
+
+    add_arguments(d)
+    d.set_defaults(func=_device)
+
+    from .admin import add_admin_parser
+
+    add_admin_parser(sub)
+
+    f = sub.add_parser("features", help="build the evaluation-features .npz (aggregator serve --eval-features) "
+                                        "from an image folder or IDX files through a bundle",
+                       formatter_class=HelpFormatter)
+    from .features import add_arguments as add_feature_arguments
+
+    add_feature_arguments(f)
+    f.set_defaults(func=_features)
+
+    # `fedfleet export ...` is handed whole to export.cli (see main); listed here for --help.
+    sub.add_parser("export", help="build ExecuTorch (.pte) / ONNX bundles with a manifest and parity check")
+    return p
+
+
+def _add_simulate_parser(sub) -> None:
     s = sub.add_parser("simulate", help="run an emulated fleet against a real broker and aggregator",
                        formatter_class=HelpFormatter)
     s.add_argument("--config", default="demo", help="preset (demo, smoke, fleet-10k, fleet-100k) or a JSON file of SimConfig fields")
@@ -127,6 +158,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "fed3r-pp-oll / fed3r-ft-pp-oll: FedAlt partial personalization (shared head weight, "
                         "each device's own bias) before OLL, without / after fine-tuning; "
                         "ladd: segmentation on unlabelled devices (source-only vs FedAvg+self-training vs LADD)")
+    _add_fine_tuning_arguments(s)
+    from .ladd.cli import add_ladd_arguments
+
+    add_ladd_arguments(s)
+    s.set_defaults(func=_simulate)
+
+
+def _add_fine_tuning_arguments(s) -> None:
+    """The pipelines' options after Fed3R: fine-tuning, its optimisers, personalization, rollout."""
     s.add_argument("--ft-rounds", type=int, help="fed3r-ft-oll: FedAvg(ψ) fine-tuning rounds")
     s.add_argument("--fp-epochs", type=int, help="fed3r-ft-oll: local FP(ψ) epochs after OLL (0: OLL only)")
     s.add_argument("--ft-mode", choices=["psi", "phi", "M"],
@@ -149,43 +189,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fed3r-ft-oll: the fine-tuned model reported and deployed: the last (default), server SWA "
                         "from 0.75 of the rounds, or WiMA's mean of the last 10")
     s.add_argument("--tail-stages", type=int, help="--ft-mode phi/M: backbone stages trained on device (default 1)")
+    s.add_argument("--tail-bundle", metavar="MANIFEST",
+                   help="--ft-mode phi/M: an exported bundle's manifest.json holding the tail programs for "
+                        "--tail-stages (fedfleet export --tail-stages N; default: export one into .cache/bundles)")
     s.add_argument("--deploy", action="store_true",
                    help="fed3r-ft-oll (--ft-mode psi): then roll the fine-tuned head out to the fleet through a canary, "
                         "and a head with permuted classes back (the report shows each stage)")
     s.add_argument("--compare-with", help="fed3r-ft-oll: a plain run's output directory; this run's report (console, HTML, PNG) "
                         "then compares plain vs this run (default: no comparison)")
-    from .ladd.cli import add_ladd_arguments
-
-    add_ladd_arguments(s)
-    s.set_defaults(func=_simulate)
-
-    from aggregator.cli import build_parser as agg_parser
-
-    a = sub.add_parser("aggregator", help="run the aggregator service", formatter_class=HelpFormatter)
-    agg_parser(a)
-    a.set_defaults(func=_aggregator)
-
-    d = sub.add_parser("device", help="run one device agent on local data", formatter_class=HelpFormatter)
-    from .device import add_arguments
-
-    add_arguments(d)
-    d.set_defaults(func=_device)
-
-    from .admin import add_admin_parser
-
-    add_admin_parser(sub)
-
-    f = sub.add_parser("features", help="build the evaluation-features .npz (aggregator serve --eval-features) "
-                                        "from an image folder or IDX files through a bundle",
-                       formatter_class=HelpFormatter)
-    from .features import add_arguments as add_feature_arguments
-
-    add_feature_arguments(f)
-    f.set_defaults(func=_features)
-
-    # `fedfleet export ...` is handed whole to export.cli (see main); listed here for --help.
-    sub.add_parser("export", help="build ExecuTorch (.pte) / ONNX bundles with a manifest and parity check")
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

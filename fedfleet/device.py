@@ -97,44 +97,16 @@ def run_device(args) -> int:
     import numpy as np
 
     from edge_client.agent import DeviceAgent
-    from edge_client.data import load_idx_dataset
-    from edge_client.data.image_folder import load_image_folder
     from edge_client.data.split import train_holdout_split
-    from edge_client.handlers import (HandlerConfig, LocalData, SharedExtractors, Unsupported, device_handlers,
-                                      secure_handlers, torch_free)
+    from edge_client.handlers import HandlerConfig, LocalData, SharedExtractors, Unsupported, device_handlers, \
+        torch_free
     from protocols.mqtt_link import BrokerConfig
     from protocols.topics import Topics
 
-    from .errors import UserError
-
     if args.forget_state:
         return forget_state(args)
-    if args.personalize and not args.deployments:
-        raise UserError("--personalize applies to the deployed head: it needs --deployments DIR")
-    if args.credentials:
-        apply_credentials(args)
-    if args.id is None:
-        raise UserError("a device needs --id (or --credentials from enrolment)")
-    BrokerConfig.from_url(args.broker)            # a bad address fails before the data is loaded
-    if args.runtime is None:
-        args.runtime = "auto" if torch_free() else "eager"
-    if torch_free() and args.runtime in ("eager", "executorch"):
-        raise UserError(f"--runtime {args.runtime} needs torch; this device is torch-free (fedfleet[device]): "
-                        "use --runtime onnxruntime, or install 'fedfleet[device-executorch]'")
-
-    if args.idx:
-        images, labels = load_idx_dataset(*args.idx)
-    else:
-        if not args.classes:
-            raise UserError("--image-folder needs --classes (the job's class names, in order): ids taken from "
-                            "the folders present would mislabel a device that holds only some classes")
-        images, labels, _ = load_image_folder(args.image_folder, classes=args.classes.split(","))
-    if args.threads is not None:
-        if args.threads < 1:
-            raise SystemExit("--threads must be >= 1")
-        set_threads(args.runtime, args.threads)
-    if not 0 <= args.holdout_fraction < 1:
-        raise SystemExit("--holdout-fraction must be in [0, 1)")
+    _check_device_arguments(args)
+    images, labels = _local_images(args)
     train_idx, holdout_idx = train_holdout_split(np.arange(len(labels)), args.holdout_fraction, args.seed)
     broker = BrokerConfig.from_url(args.broker, tls_ca=args.tls_ca)
     # Without torch there is no local export: features come only from a bundle (--bundle-sha or the job's).
@@ -147,14 +119,7 @@ def run_device(args) -> int:
                                HandlerConfig(str(args.training_bundle) if args.training_bundle else None,
                                              str(args.tail_bundle) if args.tail_bundle else None),
                                state=state_store(args))
-    signer, protocol_handlers = None, {}
-    if args.identity:
-        from protocols.identity import DeviceIdentity
-
-        identity = DeviceIdentity.from_pem(args.id, args.identity.read_bytes())
-        signer = identity.sign
-        if args.aggregator_key:
-            protocol_handlers = secure_handlers(identity, bytes.fromhex(args.aggregator_key), handlers)
+    signer, protocol_handlers = _signing(args, handlers)
     agent = DeviceAgent(args.id, broker, handlers, Topics(args.topic_root), signer=signer,
                         protocol_handlers=protocol_handlers,
                         aggregator_key=bytes.fromhex(args.aggregator_key) if args.aggregator_key else None).start()
@@ -173,6 +138,65 @@ def run_device(args) -> int:
     if follower is not None:
         follower.stop()
     return 0
+
+
+def _check_device_arguments(args) -> None:
+    """Refuse what cannot work before any data is loaded (and fill what enrolment gave)."""
+    from edge_client.handlers import torch_free
+    from protocols.mqtt_link import BrokerConfig
+
+    from .errors import UserError
+
+    if args.personalize and not args.deployments:
+        raise UserError("--personalize applies to the deployed head: it needs --deployments DIR")
+    if args.credentials:
+        apply_credentials(args)
+    if args.id is None:
+        raise UserError("a device needs --id (or --credentials from enrolment)")
+    BrokerConfig.from_url(args.broker)            # a bad address fails before the data is loaded
+    if args.runtime is None:
+        args.runtime = "auto" if torch_free() else "eager"
+    if torch_free() and args.runtime in ("eager", "executorch"):
+        raise UserError(f"--runtime {args.runtime} needs torch; this device is torch-free (fedfleet[device]): "
+                        "use --runtime onnxruntime, or install 'fedfleet[device-executorch]'")
+
+
+def _local_images(args):
+    """The device's own labelled images (IDX files or an image folder), with its thread count set."""
+    from edge_client.data import load_idx_dataset
+    from edge_client.data.image_folder import load_image_folder
+
+    from .errors import UserError
+
+    if args.idx:
+        images, labels = load_idx_dataset(*args.idx)
+    else:
+        if not args.classes:
+            raise UserError("--image-folder needs --classes (the job's class names, in order): ids taken from "
+                            "the folders present would mislabel a device that holds only some classes")
+        images, labels, _ = load_image_folder(args.image_folder, classes=args.classes.split(","))
+    if args.threads is not None:
+        if args.threads < 1:
+            raise SystemExit("--threads must be >= 1")
+        set_threads(args.runtime, args.threads)
+    if not 0 <= args.holdout_fraction < 1:
+        raise SystemExit("--holdout-fraction must be in [0, 1)")
+    return images, labels
+
+
+def _signing(args, handlers: dict) -> tuple:
+    """(signer, protocol handlers): the device's signature and, with the aggregator's key, the
+    secure-aggregation handlers around its task handlers; (None, {}) without an identity."""
+    from edge_client.handlers import secure_handlers
+
+    if not args.identity:
+        return None, {}
+    from protocols.identity import DeviceIdentity
+
+    identity = DeviceIdentity.from_pem(args.id, args.identity.read_bytes())
+    if not args.aggregator_key:
+        return identity.sign, {}
+    return identity.sign, secure_handlers(identity, bytes.fromhex(args.aggregator_key), handlers)
 
 
 def state_store(args):

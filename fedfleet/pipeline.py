@@ -203,9 +203,16 @@ def _tail_setup(cfg: SimConfig, prep, say) -> tuple[Path, Path, dict]:
     from .bundles import ensure_tail_bundle
 
     t0 = time.monotonic()
-    manifest_path = ensure_tail_bundle(cfg.backbone, cfg.image_size, 10, cfg.tail_stages)
+    manifest_path = (Path(cfg.tail_bundle) if cfg.tail_bundle
+                     else ensure_tail_bundle(cfg.backbone, cfg.image_size, 10, cfg.tail_stages))
     manifest = read_manifest(manifest_path)
     program = manifest.find("tail_eval", "eager")
+    if (program is None or manifest.tail is None or manifest.tail.stages != cfg.tail_stages
+            or manifest.input.image_size != cfg.image_size or manifest.backbone != cfg.backbone
+            or manifest.num_classes != 10):
+        raise ValueError(f"{manifest_path}: not a 10-class {cfg.backbone} bundle of {cfg.tail_stages} trainable "
+                         f"tail stage(s) at {cfg.image_size} px (export one with --backbone {cfg.backbone} "
+                         f"--num-classes 10 --tail-stages {cfg.tail_stages} --image-size {cfg.image_size})")
     activations = TrunkActivations(manifest_path, cfg.cache_dir).extract(prep.Xte)
     eval_file = prep.out / f"eval_trunk{cfg.tail_stages}.npz"
     np.savez(eval_file, Z=activations.reshape(len(activations), -1), y=prep.yte)

@@ -82,6 +82,8 @@ class SimConfig:
     ft_rounds: int = 30
     ft_mode: str = "psi"                    # psi: FT(ψ) head | phi: FT(φ) backbone tail, head frozen | M: both
     tail_stages: int = 1                    # phi / M: backbone stages trained on device
+    tail_bundle: str | None = None          # phi / M: an exported bundle's manifest with those stages' programs
+                                            # (fedfleet export --tail-stages N); None: exported into .cache/bundles
     ft_client_lr: float = 0.001             # base local LR; devices get × 0.1 after the Fed3R init (spec §1.8)
     ft_server_momentum: float = 0.0         # > 0: FedAvgM
     ft_server_optimizer: str = "sgd"        # sgd (FedAvg/FedAvgM) | adam | yogi | adagrad (FedOpt)

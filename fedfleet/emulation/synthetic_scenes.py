@@ -124,29 +124,50 @@ def _smooth_noise(rng: np.random.Generator, size: int, scale: float) -> np.ndarr
     return (n - n.mean()) / (n.std() + 1e-9)
 
 
-def render_scene(rng: np.random.Generator, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """One clean scene: float32 (S, S, 3) in [0, 1] and uint8 (S, S) class ids."""
-    S = size
-    yy, xx = np.mgrid[0:S, 0:S].astype(np.float32) / S
-    img = np.zeros((S, S, 3), np.float32)
-    lab = np.full((S, S), SKY, np.uint8)
+class _Canvas:
+    """A scene being painted: the image, its label map, the pixel grid in [0, 1) and the scene's rng."""
 
-    def paint(mask, colour, texture=None, amp=0.0, cls=None):
-        shade = np.ones((S, S), np.float32) if texture is None else 1.0 + amp * _patch(rng, texture, S)
-        img[mask] = (np.asarray(colour, np.float32)[None, :] * shade[mask][:, None])
+    def __init__(self, rng: np.random.Generator, size: int):
+        self.rng, self.size = rng, size
+        self.yy, self.xx = np.mgrid[0:size, 0:size].astype(np.float32) / size
+        self.img = np.zeros((size, size, 3), np.float32)
+        self.lab = np.full((size, size), SKY, np.uint8)
+
+    def paint(self, mask, colour, texture=None, amp=0.0, cls=None):
+        S = self.size
+        shade = np.ones((S, S), np.float32) if texture is None else 1.0 + amp * _patch(self.rng, texture, S)
+        self.img[mask] = (np.asarray(colour, np.float32)[None, :] * shade[mask][:, None])
         if cls is not None:
-            lab[mask] = cls
+            self.lab[mask] = cls
 
+
+def render_scene(rng: np.random.Generator, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """One clean scene: float32 (S, S, 3) in [0, 1] and uint8 (S, S) class ids. Painted back to
+    front (sky, skyline, ground, then objects far to near), every layer drawing from ``rng`` in
+    this order, so a seed gives one scene."""
+    c = _Canvas(rng, size)
     horizon = rng.uniform(0.38, 0.52)
-    # sky: vertical gradient plus soft clouds
+    _paint_sky(c, horizon)
+    _paint_skyline(c, horizon)
+    vx, road_half = _paint_ground(c, horizon)
+    _paint_objects(c, horizon, vx, road_half)
+    return np.clip(c.img, 0.0, 1.0), c.lab
+
+
+def _paint_sky(c: _Canvas, horizon: float) -> None:
+    """A vertical gradient plus soft clouds."""
+    rng = c.rng
     top = np.array([0.30, 0.52, 0.88]) + rng.normal(0, 0.04, 3)
     bottom = np.array([0.68, 0.80, 0.95]) + rng.normal(0, 0.03, 3)
-    t = np.clip(yy / max(horizon, 1e-3), 0, 1)[..., None]
-    img[:] = (1 - t) * top + t * bottom
-    clouds = np.clip(_smooth_noise(rng, S, 0.08) - 0.6, 0, None)[..., None] * 0.35
-    img[:] = img + clouds * (1.0 - img)
+    t = np.clip(c.yy / max(horizon, 1e-3), 0, 1)[..., None]
+    c.img[:] = (1 - t) * top + t * bottom
+    clouds = np.clip(_smooth_noise(rng, c.size, 0.08) - 0.6, 0, None)[..., None] * 0.35
+    c.img[:] = c.img + clouds * (1.0 - c.img)
 
-    # buildings along the horizon, with gaps filled by trees
+
+def _paint_skyline(c: _Canvas, horizon: float) -> None:
+    """Buildings along the horizon, with gaps filled by trees."""
+    rng, xx, yy = c.rng, c.xx, c.yy
     x = -rng.uniform(0, 0.1)
     tree_spots = []
     while x < 1.0:
@@ -156,13 +177,13 @@ def render_scene(rng: np.random.Generator, size: int) -> tuple[np.ndarray, np.nd
             mask = (xx >= x) & (xx < x + width) & (yy >= roof) & (yy < horizon + 0.02)
             base = np.array([[0.72, 0.62, 0.48], [0.55, 0.55, 0.56], [0.62, 0.38, 0.30],
                              [0.80, 0.76, 0.66]][rng.integers(4)]) * rng.uniform(0.85, 1.1)
-            paint(mask, base, "brick", 0.18, BUILDING)
+            c.paint(mask, base, "brick", 0.18, BUILDING)
             # windows: a grid of dark panes (still "building")
             pitch_x, pitch_y = rng.uniform(0.05, 0.08), rng.uniform(0.06, 0.09)
             wx = ((xx - x) % pitch_x) < pitch_x * 0.5
             wy = ((yy - roof) % pitch_y) < pitch_y * 0.5
             win = mask & wx & wy & (yy > roof + 0.02) & (yy < horizon - 0.02)
-            img[win] = np.array([0.20, 0.24, 0.30]) * rng.uniform(0.8, 1.3)
+            c.img[win] = np.array([0.20, 0.24, 0.30]) * rng.uniform(0.8, 1.3)
         else:
             tree_spots.append(x + width / 2)
         x += width
@@ -172,9 +193,13 @@ def render_scene(rng: np.random.Generator, size: int) -> tuple[np.ndarray, np.nd
         r = rng.uniform(0.06, 0.12)
         cy = horizon - r * rng.uniform(0.3, 0.9)
         mask = ((xx - cx) / r) ** 2 + ((yy - cy) / (r * 1.2)) ** 2 < 1
-        paint(mask, np.array([0.22, 0.48, 0.18]) * rng.uniform(0.8, 1.2), "grass", 0.35, VEGETATION)
+        c.paint(mask, np.array([0.22, 0.48, 0.18]) * rng.uniform(0.8, 1.2), "grass", 0.35, VEGETATION)
 
-    # ground: road in perspective, sidewalks beside it, lawn beyond
+
+def _paint_ground(c: _Canvas, horizon: float) -> tuple[float, np.ndarray]:
+    """A road in perspective, sidewalks beside it, lawn beyond; returns the vanishing point's x
+    and the road's half width per pixel (the objects stand on them)."""
+    rng, xx, yy = c.rng, c.xx, c.yy
     vx = rng.uniform(0.38, 0.62)
     depth = np.clip((yy - horizon) / (1 - horizon), 0, 1)
     road_half = depth * rng.uniform(0.3, 0.48) + 0.01
@@ -183,38 +208,51 @@ def render_scene(rng: np.random.Generator, size: int) -> tuple[np.ndarray, np.nd
     road = ground & (np.abs(xx - vx) < road_half)
     sidewalk = ground & ~road & (np.abs(xx - vx) < walk)
     lawn = ground & ~road & ~sidewalk
-    paint(lawn, np.array([0.30, 0.52, 0.22]) * rng.uniform(0.85, 1.15), "grass", 0.3, VEGETATION)
-    paint(sidewalk, np.array([0.70, 0.66, 0.60]) * rng.uniform(0.9, 1.1), "paving", 0.12, SIDEWALK)
-    paint(road, np.array([0.33, 0.33, 0.35]) * rng.uniform(0.8, 1.2), "gravel", 0.15, ROAD)
+    c.paint(lawn, np.array([0.30, 0.52, 0.22]) * rng.uniform(0.85, 1.15), "grass", 0.3, VEGETATION)
+    c.paint(sidewalk, np.array([0.70, 0.66, 0.60]) * rng.uniform(0.9, 1.1), "paving", 0.12, SIDEWALK)
+    c.paint(road, np.array([0.33, 0.33, 0.35]) * rng.uniform(0.8, 1.2), "gravel", 0.15, ROAD)
     dash = road & (np.abs(xx - vx) < 0.006 + 0.012 * depth) & ((depth * 6 + rng.random()) % 1.0 < 0.5)
-    img[dash] = 0.92
+    c.img[dash] = 0.92
+    return vx, road_half
 
-    # objects, far to near (painter's order): vehicles on the road, pedestrians on sidewalks
+
+def _paint_objects(c: _Canvas, horizon: float, vx: float, road_half: np.ndarray) -> None:
+    """Vehicles on the road and pedestrians on the sidewalks, far to near (painter's order)."""
+    rng = c.rng
     objects = [("car", rng.uniform(horizon + 0.08, 0.98)) for _ in range(rng.integers(1, 4))]
     objects += [("person", rng.uniform(horizon + 0.06, 0.98)) for _ in range(rng.integers(0, 4))]
     for kind, base_y in sorted(objects, key=lambda o: o[1]):
         d = (base_y - horizon) / (1 - horizon)
         if kind == "car":
-            w, h = 0.12 + 0.3 * d, 0.07 + 0.16 * d
-            cx = vx + rng.uniform(-0.7, 0.7) * (d * 0.4)
-            body = (np.abs(xx - cx) < w / 2) & (yy > base_y - h) & (yy < base_y - 0.12 * h)
-            colour = rng.uniform(0.05, 0.95, 3)
-            colour[rng.integers(3)] = rng.uniform(0.7, 1.0)
-            paint(body, colour, None, 0.0, VEHICLE)
-            glass = (np.abs(xx - cx) < w * 0.36) & (yy > base_y - h) & (yy < base_y - 0.62 * h)
-            img[glass] = np.array([0.15, 0.18, 0.22])
-            for side in (-1, 1):
-                wheel = ((xx - (cx + side * w * 0.3)) / (w * 0.1)) ** 2 + ((yy - (base_y - 0.12 * h)) / (h * 0.14)) ** 2 < 1
-                paint(wheel, (0.05, 0.05, 0.05), None, 0.0, VEHICLE)
+            _paint_car(c, base_y, d, vx)
         else:
-            h, w = 0.1 + 0.3 * d, 0.03 + 0.06 * d
-            side = rng.choice((-1, 1))
-            cx = vx + side * ((road_half.max() * d) + (0.05 + 0.12 * d) * rng.uniform(0.3, 1.0))
-            torso = ((xx - cx) / (w / 2)) ** 2 + ((yy - (base_y - 0.45 * h)) / (0.45 * h)) ** 2 < 1
-            paint(torso, rng.uniform(0.05, 0.9, 3), None, 0.0, PERSON)
-            head = ((xx - cx) / (w * 0.32)) ** 2 + ((yy - (base_y - 0.93 * h)) / (0.1 * h)) ** 2 < 1
-            paint(head, np.array([0.85, 0.65, 0.5]) * rng.uniform(0.6, 1.1), None, 0.0, PERSON)
-    return np.clip(img, 0.0, 1.0), lab
+            _paint_person(c, base_y, d, vx, road_half)
+
+
+def _paint_car(c: _Canvas, base_y: float, d: float, vx: float) -> None:
+    rng, xx, yy = c.rng, c.xx, c.yy
+    w, h = 0.12 + 0.3 * d, 0.07 + 0.16 * d
+    cx = vx + rng.uniform(-0.7, 0.7) * (d * 0.4)
+    body = (np.abs(xx - cx) < w / 2) & (yy > base_y - h) & (yy < base_y - 0.12 * h)
+    colour = rng.uniform(0.05, 0.95, 3)
+    colour[rng.integers(3)] = rng.uniform(0.7, 1.0)
+    c.paint(body, colour, None, 0.0, VEHICLE)
+    glass = (np.abs(xx - cx) < w * 0.36) & (yy > base_y - h) & (yy < base_y - 0.62 * h)
+    c.img[glass] = np.array([0.15, 0.18, 0.22])
+    for side in (-1, 1):
+        wheel = ((xx - (cx + side * w * 0.3)) / (w * 0.1)) ** 2 + ((yy - (base_y - 0.12 * h)) / (h * 0.14)) ** 2 < 1
+        c.paint(wheel, (0.05, 0.05, 0.05), None, 0.0, VEHICLE)
+
+
+def _paint_person(c: _Canvas, base_y: float, d: float, vx: float, road_half: np.ndarray) -> None:
+    rng, xx, yy = c.rng, c.xx, c.yy
+    h, w = 0.1 + 0.3 * d, 0.03 + 0.06 * d
+    side = rng.choice((-1, 1))
+    cx = vx + side * ((road_half.max() * d) + (0.05 + 0.12 * d) * rng.uniform(0.3, 1.0))
+    torso = ((xx - cx) / (w / 2)) ** 2 + ((yy - (base_y - 0.45 * h)) / (0.45 * h)) ** 2 < 1
+    c.paint(torso, rng.uniform(0.05, 0.9, 3), None, 0.0, PERSON)
+    head = ((xx - cx) / (w * 0.32)) ** 2 + ((yy - (base_y - 0.93 * h)) / (0.1 * h)) ** 2 < 1
+    c.paint(head, np.array([0.85, 0.65, 0.5]) * rng.uniform(0.6, 1.1), None, 0.0, PERSON)
 
 
 # ----------------------------------------------------------------------------- domains
