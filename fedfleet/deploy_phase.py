@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from aggregator.deployments.controller import DeploymentController
+from aggregator.deployments.machine import DeploymentState
 from aggregator.storage.store import Store
 from edge_client.deployment import DeploymentFollower, ModelSlot
 from protocols.mqtt_link import BrokerConfig
@@ -76,7 +77,7 @@ def _rollout(ctl, followers, model_id: int, name: str, cfg) -> dict:
             seen = (view["state"], view["stage"])
             stages.append({"state": view["state"], "stage": view["stage"]})
         stages[-1]["versions"] = versions(followers)          # the last sample: just before the next stage
-        if view["state"] in ("complete", "rolled_back"):
+        if view["state"] in (DeploymentState.COMPLETE, DeploymentState.ROLLED_BACK):
             break
         time.sleep(0.1)
     time.sleep(1.0)                                  # the last assignments (rollback, late swaps) land
