@@ -17,6 +17,7 @@ from protocols.topics import Topics
 from aggregator.api.server import add_ops_arguments, serve_with_ops
 from aggregator.service.artifacts import ArtifactShelf, with_served_bundle
 from aggregator.jobs.registry import KINDS, build_job, validate_job_config
+from aggregator.storage.schema import JobState
 
 
 def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -114,7 +115,7 @@ def serve(args) -> int:
     final = summary.get("final", {})
     print(json.dumps({"state": summary.get("state"), "contributions": final.get("contributions"),
                       "accuracy": final.get("accuracy")}))
-    return 0 if summary.get("state") == "done" else 1
+    return 0 if summary.get("state") == JobState.DONE else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from aggregator.deployments.controller import DeploymentController
+from aggregator.deployments.machine import DeploymentState
+from aggregator.storage.schema import JobState
 from aggregator.storage.store import Store
 from edge_client.deployment import DeploymentFollower, ModelSlot
 from protocols.mqtt_link import BrokerConfig
@@ -39,7 +41,7 @@ def run_deploy_scenarios(cfg, prep, model_file: Path, broker_url: str, out: Path
     models = {}
     for name, (w, bias) in {"fine-tuned": (W, b), "broken": (W[perm], b[perm])}.items():
         store.create_job(f"deploy-{name}", "fedavg", {})
-        models[name] = store.finish_job(f"deploy-{name}", "done", {}, {}, {"weight": w, "bias": bias}, {}, 1)
+        models[name] = store.finish_job(f"deploy-{name}", JobState.DONE, {}, {}, {"weight": w, "bias": bias}, {}, 1)
     features = {d: prep.extractor.extract(prep.Xtr[prep.holdouts[d]]) for d in devices}
     labels = {d: prep.ytr[prep.holdouts[d]] for d in devices}
     broker, topics = BrokerConfig.from_url(broker_url), Topics(f"deploy{time.monotonic_ns()}")
@@ -76,7 +78,7 @@ def _rollout(ctl, followers, model_id: int, name: str, cfg) -> dict:
             seen = (view["state"], view["stage"])
             stages.append({"state": view["state"], "stage": view["stage"]})
         stages[-1]["versions"] = versions(followers)          # the last sample: just before the next stage
-        if view["state"] in ("complete", "rolled_back"):
+        if view["state"] in (DeploymentState.COMPLETE, DeploymentState.ROLLED_BACK):
             break
         time.sleep(0.1)
     time.sleep(1.0)                                  # the last assignments (rollback, late swaps) land

@@ -1,6 +1,6 @@
 """Transition tables as data for the project's sans-IO state machines (h11 ``_state.py`` style).
 
-A machine's rules are a list of :class:`Transition` rows: in this state (or in any), on this event
+A machine's rules are a list of :class:`Transition` rows: in this state (or these, or any), on this event
 type, when this guard holds, run this effect, which may emit these action types and move to these
 states. :meth:`TransitionTable.fire` looks the (state, event type) pair up, picks the first row
 whose guard holds and runs its effect; a pair the table does not name is refused with
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 ANY = None   # a row's state: the row applies in every state (after the rows declared before it)
+StateSet = enum.Enum | tuple[enum.Enum, ...] | None   # one state, several (one row, one rule), or ANY
 
 
 class IllegalTransition(TypeError):
@@ -29,7 +30,7 @@ def _always(machine: Any, event: Any) -> bool:
 
 @dataclass(frozen=True)
 class Transition:
-    state: enum.Enum | None        # ANY: every state
+    state: StateSet                # ANY: every state; a tuple: each of those states
     event: type
     when: str                      # the guard as the table prints it ("" when unguarded)
     effect: Callable[[Any, Any], list]
@@ -39,7 +40,16 @@ class Transition:
     guard: Callable[[Any, Any], bool] = _always
 
     def applies_in(self, state: enum.Enum) -> bool:
-        return self.state is ANY or self.state is state
+        return self.state is ANY or self.state is state or (isinstance(self.state, tuple) and state in self.state)
+
+    def state_text(self) -> str:
+        if self.state is ANY:
+            return "any"
+        if not isinstance(self.state, tuple):
+            return self.state.name
+        others = [s.name for s in type(self.state[0]) if s not in self.state]
+        # the shorter of the two lists: "all but FINISHED|ABORTED" reads better than five live states
+        return f"all but {'|'.join(others)}" if len(others) < len(self.state) else "|".join(s.name for s in self.state)
 
 
 class TransitionTable:
@@ -81,19 +91,18 @@ class TransitionTable:
         return actions
 
     def describe(self, row: Transition) -> str:
-        state = "any" if row.state is ANY else row.state.name
-        return f"{state} {row.event.__name__}" + (f" [{row.when}]" if row.when else "")
+        return f"{row.state_text()} {row.event.__name__}" + (f" [{row.when}]" if row.when else "")
 
     def _follows_another(self, row: Transition) -> bool:
         earlier = self.rows[:self.rows.index(row)]
-        return any(e.event is row.event and (e.state is ANY or row.state is ANY or e.state is row.state)
+        return any(e.event is row.event and any(e.applies_in(s) and row.applies_in(s) for s in self.states)
                    for e in earlier)
 
     def render(self) -> str:
         """The table as fixed-width text, one line per row (what docs/protocol.md shows)."""
         header = ("state", "event", "when", "actions", "next", "note")
         lines = [header] + [(
-            "any" if r.state is ANY else r.state.name,
+            r.state_text(),
             r.event.__name__,
             r.when or ("otherwise" if self._follows_another(r) else "-"),
             ", ".join(t.__name__ for t in r.emits) or "-",

@@ -6,7 +6,7 @@ controller's thread."""
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import FastAPI, HTTPException, Path, Query, status
 from pydantic import BaseModel, Field
@@ -15,6 +15,7 @@ from aggregator.api.context import ApiContext
 from aggregator.api.schemas import MAX_ID, ONE, READ, WRITE
 from aggregator.deployments.controller import deployment_view
 from aggregator.deployments.guard import DEFAULT_GUARD, DEFAULT_MIN_REPORTS
+from aggregator.deployments.machine import DeploymentState
 from aggregator.storage.deployments import DeploymentStore
 
 DEPLOYMENT_ID = r"^[A-Za-z0-9_.-]{1,64}$"
@@ -48,7 +49,7 @@ class Rollback(BaseModel):
 class DeploymentOut(BaseModel):
     deployment_id: str
     model_id: int
-    state: Literal["draft", "canary", "widening", "complete", "rolled_back", "halted"]
+    state: DeploymentState
     created_at: float
     updated_at: float
     model_sha256: str

@@ -43,8 +43,8 @@ from protocols.topics import AGGREGATOR_ID, CONTROLLER_ROLE, Topics
 
 from aggregator.deployments.cohort import CohortRule, parse_percent
 from aggregator.deployments.guard import DEFAULT_GUARD, DEFAULT_MIN_REPORTS, DeviceReport, Guard
-from aggregator.deployments.machine import (ACTIVE, Assign, Deployment, Halt, Promote, RollBack, RolledBack, Start,
-                                            Tick)
+from aggregator.deployments.machine import (ACTIVE, Assign, Deployment, DeploymentState, Halt, Promote, RollBack,
+                                            RolledBack, Start, Tick)
 from aggregator.storage.deployments import DeploymentStore
 from aggregator.storage.store import Store, StoreError, arrays_sha256
 
@@ -132,7 +132,7 @@ class DeploymentController(LinkWorker):
                         self.active.dep.state, self.active.dep.stage)
 
     def _latest_complete(self) -> Served | None:
-        complete = [r for r in self.table.list() if r["state"] == "complete"]
+        complete = [r for r in self.table.list() if r["state"] == DeploymentState.COMPLETE]
         return self._load(complete[-1]["deployment_id"]) if complete else None
 
     def _load(self, deployment_id: str) -> Served | None:
@@ -244,11 +244,11 @@ class DeploymentController(LinkWorker):
                 self._send(served, sorted(d for d in served.sent if served.has_run(d)), D.ROLLBACK,
                            lambda d, seq: D.rollback_message(AGGREGATOR_ID, dep.deployment_id, act.reason,
                                                              device=d, seq=seq))
-        if dep.state == "complete" and served is self.active:
+        if dep.state is DeploymentState.COMPLETE and served is self.active:
             self.active, self.settled = None, served
-        elif dep.state == "rolled_back" and served is self.active:
+        elif dep.state is DeploymentState.ROLLED_BACK and served is self.active:
             self.active = None
-        elif dep.state == "rolled_back":         # the settled version rolled back: the one before is again
+        elif dep.state is DeploymentState.ROLLED_BACK:         # the settled version rolled back: the one before is again
             self.settled = self._latest_complete()
         if dep.state not in ACTIVE and actions:
             log.info("deployment %s is %s", dep.deployment_id, dep.state)

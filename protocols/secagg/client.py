@@ -8,25 +8,10 @@ thread or clock. Events are the aggregator's messages (already decoded with
 messages.decode) and Timeout(phase) from the caller's clock. The float input vector is given at
 construction or later with `provide_input(x)`; it is needed only when the masked input is built.
 
-    state              event                     action                              next state
-    WAITING_CONFIG     RoundStart                check config, encode input, fresh   ADVERTISED
-                                                 X25519 keys c_u, s_u -> AdvertiseKeys
-    ADVERTISED         KeyDirectory              check neighbours' key signatures,   SHARES_SENT
-                                                 Shamir-split s_u^SK and b_u among
-                                                 {u} + N(u), AEAD-encrypt per
-                                                 neighbour -> EncryptedShares
-    SHARES_SENT        ForwardedShares           decrypt shares of U2 neighbours,    INPUT_SENT
-                                                 y_u = x_u + PRG(b_u)
-                                                 + sum_v sign(u,v) PRG(s_uv) -> MaskedInput
-    INPUT_SENT         ConsistencyCheckRequest   sign U3 -> ConsistencySignature     CONSISTENCY_SENT
-    INPUT_SENT         UnmaskRequest             (no consistency check configured)   FINISHED
-    CONSISTENCY_SENT   UnmaskRequest             check >= t signatures on U3; for    FINISHED
-                                                 each peer v: share of b_v if v in U3
-                                                 else share of s_v^SK if v dropped
-                                                 -> UnmaskShares
-    any non-final      Timeout(any phase)        erase secrets                       ABORTED
-    any non-final      RoundAborted              erase secrets (the server gave up)  ABORTED
-    FINISHED/ABORTED   RoundAborted              nothing                             unchanged
+The rules are one :class:`~protocols.transition_table.TransitionTable`, :data:`CLIENT_TABLE`
+(``python -m protocols.secagg`` prints it and the server's; docs/secure-aggregation.md shows it, a test
+keeps the two equal). A phase's row runs its handler, which checks the message and computes the
+reply, then commits; its ``ABORTED`` is a ProtocolViolation (below).
 
 Every incoming message must come from the aggregator, be addressed to this device, carry this
 round's (job, round, group) and verify under the aggregator's identity key; otherwise
@@ -45,11 +30,12 @@ from __future__ import annotations
 
 import enum
 import os
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from protocols.identity import DeviceIdentity, InvalidSignature, verify_signature
+from protocols.transition_table import IllegalTransition, Transition, TransitionTable
 
 from . import shamir
 from .config import RoundConfig
@@ -77,14 +63,6 @@ class ClientState(str, enum.Enum):
 
 
 _S = ClientState
-TRANSITIONS: dict[tuple[ClientState, type], ClientState] = {
-    (_S.WAITING_CONFIG, RoundStart): _S.ADVERTISED,
-    (_S.ADVERTISED, KeyDirectory): _S.SHARES_SENT,
-    (_S.SHARES_SENT, ForwardedShares): _S.INPUT_SENT,
-    (_S.INPUT_SENT, ConsistencyCheckRequest): _S.CONSISTENCY_SENT,
-    (_S.INPUT_SENT, UnmaskRequest): _S.FINISHED,
-    (_S.CONSISTENCY_SENT, UnmaskRequest): _S.FINISHED,
-}
 FINAL_STATES = frozenset({_S.FINISHED, _S.ABORTED})
 
 
@@ -126,40 +104,46 @@ class ClientSecAgg:
         self._raw_input, self._encoded_input = values, encoded
 
     def handle(self, event: Message | Timeout) -> list[Message]:
-        if isinstance(event, Timeout):
-            if self.state not in FINAL_STATES:
-                self._abort()
-            return []
-        if not isinstance(event, Message):
+        """The replies to `event`, by CLIENT_TABLE. A message is authenticated first; one the table
+        has no row for in this state is refused (UnexpectedMessage, ReplayedMessage), changing nothing."""
+        if isinstance(event, Message):
+            self._authenticate(event)
+        elif not isinstance(event, Timeout):
             raise UnexpectedMessage(f"not a secagg event: {type(event).__name__}")
-        self._authenticate(event)
-        if isinstance(event, RoundAborted):
-            self.abort_reason = event.reason
-            if self.state not in FINAL_STATES:
-                self._abort()
-            return []
-        if self.state in FINAL_STATES:
-            raise UnexpectedMessage(f"{event.TYPE}: round already {self.state.value}")
-        next_state = TRANSITIONS.get((self.state, type(event)))
-        # the two INPUT_SENT rows are exclusive: which one applies is fixed by the signed config
-        skips_check = self.state is _S.INPUT_SENT and \
-            isinstance(event, UnmaskRequest) == self.config.consistency_check
-        if next_state is None or skips_check:
-            if type(event) in self._handled:
-                raise ReplayedMessage(f"{event.TYPE} already handled")
-            raise UnexpectedMessage(f"{event.TYPE} not expected in state {self.state.value}")
-        handler = {RoundStart: self._on_round_start, KeyDirectory: self._on_key_directory,
-                   ForwardedShares: self._on_forwarded_shares,
-                   ConsistencyCheckRequest: self._on_consistency_request,
-                   UnmaskRequest: self._on_unmask_request}[type(event)]
         try:
-            outgoing = handler(event)
-        except ProtocolViolation:
-            self._abort()
-            raise
-        self._handled.add(type(event))
-        self.state = next_state
-        return outgoing
+            return CLIENT_TABLE.fire(self, event)
+        except IllegalTransition:
+            raise self._refusal(event) from None
+
+    def _refusal(self, message: Message) -> UnexpectedMessage:
+        if self.state in FINAL_STATES:
+            return UnexpectedMessage(f"{message.TYPE}: round already {self.state.value}")
+        if type(message) in self._handled:
+            return ReplayedMessage(f"{message.TYPE} already handled")
+        return UnexpectedMessage(f"{message.TYPE} not expected in state {self.state.value}")
+
+    # ---- guards and effects of CLIENT_TABLE's rows (the phase handlers are below) --------
+    def _checks_consistency(self, _message) -> bool:
+        return self.config.consistency_check
+
+    def _refuse(self, message: Message) -> list[Message]:
+        raise self._refusal(message)
+
+    def _time_out(self, _timeout: Timeout) -> list[Message]:
+        self._abort()
+        return []
+
+    def _server_aborted(self, message: RoundAborted) -> list[Message]:
+        self.abort_reason = message.reason
+        self._abort()
+        return []
+
+    def _note_abort_reason(self, message: RoundAborted) -> list[Message]:
+        self.abort_reason = message.reason
+        return []
+
+    def _ignore(self, _event) -> list[Message]:
+        return []
 
     # ---- checks ------------------------------------------------------------------------
     def _authenticate(self, message: Message) -> None:
@@ -361,3 +345,48 @@ class ClientSecAgg:
     def _abort(self) -> None:
         self._erase_secrets()
         self.state = ClientState.ABORTED
+
+
+def _phase(handler: Callable[[ClientSecAgg, Message], list[Message]], next_state: ClientState):
+    """A phase row's effect: the handler computes the reply, then the phase is recorded and the
+    state moves on. A ProtocolViolation (the server provably misbehaves) aborts the round first."""
+    def effect(client: ClientSecAgg, message: Message) -> list[Message]:
+        try:
+            outgoing = handler(client, message)
+        except ProtocolViolation:
+            client._abort()
+            raise
+        client._handled.add(type(message))
+        client.state = next_state
+        return outgoing
+    return effect
+
+
+_C = ClientSecAgg
+_LIVE = tuple(state for state in ClientState if state not in FINAL_STATES)
+_OVER = (_S.FINISHED, _S.ABORTED)
+CLIENT_TABLE = TransitionTable(ClientState, [
+    Transition(_S.WAITING_CONFIG, RoundStart, "", _phase(_C._on_round_start, _S.ADVERTISED), (AdvertiseKeys,),
+               (_S.ADVERTISED,), note="check the config, encode the input, fresh X25519 keys c_u, s_u"),
+    Transition(_S.ADVERTISED, KeyDirectory, "", _phase(_C._on_key_directory, _S.SHARES_SENT), (EncryptedShares,),
+               (_S.SHARES_SENT, _S.ABORTED), note="check neighbours' key signatures; Shamir-split s_u^SK, b_u; "
+               "encrypt a share per neighbour"),
+    Transition(_S.SHARES_SENT, ForwardedShares, "", _phase(_C._on_forwarded_shares, _S.INPUT_SENT), (MaskedInput,),
+               (_S.INPUT_SENT, _S.ABORTED), note="decrypt U2's shares; y_u = x_u + PRG(b_u) + sum_v +-PRG(s_uv)"),
+    Transition(_S.INPUT_SENT, ConsistencyCheckRequest, "the config has the check",
+               _phase(_C._on_consistency_request, _S.CONSISTENCY_SENT), (ConsistencySignature,),
+               (_S.CONSISTENCY_SENT, _S.ABORTED), note="sign U3", guard=_C._checks_consistency),
+    Transition(_S.INPUT_SENT, ConsistencyCheckRequest, "", _C._refuse, note="refused (UnexpectedMessage)"),
+    Transition(_S.INPUT_SENT, UnmaskRequest, "the config has the check", _C._refuse,
+               note="refused: U3 is signed first", guard=_C._checks_consistency),
+    Transition(_S.INPUT_SENT, UnmaskRequest, "", _phase(_C._on_unmask_request, _S.FINISHED), (UnmaskShares,),
+               (_S.FINISHED, _S.ABORTED), note="as below, no signatures to check"),
+    Transition(_S.CONSISTENCY_SENT, UnmaskRequest, "", _phase(_C._on_unmask_request, _S.FINISHED), (UnmaskShares,),
+               (_S.FINISHED, _S.ABORTED), note="check >= t signatures on U3; per peer the share of b_v or of "
+               "s_v^SK, never both; erase secrets"),
+    Transition(_LIVE, Timeout, "", _C._time_out, goes_to=(_S.ABORTED,), note="any phase's: erase secrets"),
+    Transition(_OVER, Timeout, "", _C._ignore),
+    Transition(_LIVE, RoundAborted, "", _C._server_aborted, goes_to=(_S.ABORTED,),
+               note="the server gave up: erase secrets, keep its reason"),
+    Transition(_OVER, RoundAborted, "", _C._note_abort_reason, note="keep its reason"),
+])

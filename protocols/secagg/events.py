@@ -58,3 +58,15 @@ class RoundFailed:
 
     reason: str
     phase: Phase
+
+
+@dataclass(frozen=True)
+class StartRound:
+    """The server's own event behind ``ServerSecAgg.start()``: send the round's config to every member."""
+
+
+@dataclass(frozen=True)
+class AbortRound:
+    """The server's own event behind ``ServerSecAgg.abort(reason)``: the caller's deadline gave the round up."""
+
+    reason: str

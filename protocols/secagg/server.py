@@ -10,17 +10,11 @@ survivors' encoded inputs modulo 2^64) or RoundFailed (no partial sum). A phase 
 as every device expected in it has answered (members the caller reported with MemberOffline are
 not waited for), or when Timeout(that phase) arrives.
 
-    state              event                 on phase close                           next state
-    IDLE               start()               RoundStart to all members                WAIT_ADVERTISE
-    WAIT_ADVERTISE     AdvertiseKeys (U1)    |U1| >= t: KeyDirectory to each of U1   WAIT_SHARES
-    WAIT_SHARES        EncryptedShares (U2)  |U2| >= t: ForwardedShares to each of U2  WAIT_MASKED
-    WAIT_MASKED        MaskedInput (U3)      |U3| >= t: ConsistencyCheckRequest       WAIT_CONSISTENCY
-                                             (or UnmaskRequest if no check)           (or WAIT_UNMASK)
-    WAIT_CONSISTENCY   ConsistencySig. (U4)  |U4| >= t: UnmaskRequest to U4           WAIT_UNMASK
-    WAIT_UNMASK        UnmaskShares (U5)     |U5| >= t: reconstruct b_u (u in U3) and  DONE
-                                             s_v^SK (v in U2 - U3), remove masks
-                                             -> AggregateReady
-    any wait state     a phase with too few participants, or failed reconstruction   FAILED
+The rules are one :class:`~protocols.transition_table.TransitionTable`, :data:`SERVER_TABLE`
+(``python -m protocols.secagg`` prints it and the client's; docs/secure-aggregation.md shows
+them, a test keeps the two equal). Each wait state has one :class:`PhaseRule`: the message it
+accepts (U1 .. U5 are who delivered it), the check run before anything is kept, and what closing
+it sends; a phase with fewer than t participants, or a failed reconstruction, ends in FAILED.
 
 Masked inputs are added into one uint64 accumulator as they arrive (nothing per-client is
 kept). At the end the server subtracts PRG(b_u) for every survivor and, for every dropped v
@@ -43,6 +37,7 @@ untouched and the round goes on.
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Sequence
 
@@ -50,6 +45,7 @@ import numpy as np
 
 from protocols.identity import DeviceIdentity, IdentityRegistry, InvalidSignature, UnknownDevice, \
     verify_signature
+from protocols.transition_table import ANY, IllegalTransition, Transition, TransitionTable
 
 from . import shamir
 from .config import RoundConfig
@@ -59,7 +55,7 @@ from .derivation import SECRET_BYTES, SHARE_BYTES, SHARE_CIPHERTEXT_BYTES, Round
     pair_mask_sign, self_mask_commitment
 from .errors import (BadSignature, ConfigError, LateMessage, MalformedMessage, ReconstructionError, ReplayedMessage,
                      UnexpectedMessage, UnknownSender, WrongContext)
-from .events import AggregateReady, MemberOffline, Phase, RoundFailed, Timeout
+from .events import AbortRound, AggregateReady, MemberOffline, Phase, RoundFailed, StartRound, Timeout
 from .graph import NeighbourGraph
 from .messages import (AdvertisedKeys, AdvertiseKeys, ConsistencyCheckRequest, ConsistencySignature,
                        EncryptedShares, ForwardedShares, KeyDirectory, MaskedInput, Message, RoundAborted, RoundStart,
@@ -82,14 +78,6 @@ class ServerState(str, enum.Enum):
 
 
 _S = ServerState
-# wait state -> (phase, message type accepted, states the phase may close into)
-TRANSITIONS: dict[ServerState, tuple[Phase, type, tuple[ServerState, ...]]] = {
-    _S.WAIT_ADVERTISE: (Phase.ADVERTISE_KEYS, AdvertiseKeys, (_S.WAIT_SHARES, _S.FAILED)),
-    _S.WAIT_SHARES: (Phase.SHARE_KEYS, EncryptedShares, (_S.WAIT_MASKED, _S.FAILED)),
-    _S.WAIT_MASKED: (Phase.MASKED_INPUT, MaskedInput, (_S.WAIT_CONSISTENCY, _S.WAIT_UNMASK, _S.FAILED)),
-    _S.WAIT_CONSISTENCY: (Phase.CONSISTENCY_CHECK, ConsistencySignature, (_S.WAIT_UNMASK, _S.FAILED)),
-    _S.WAIT_UNMASK: (Phase.UNMASK, UnmaskShares, (_S.DONE, _S.FAILED)),
-}
 FINAL_STATES = frozenset({_S.DONE, _S.FAILED})
 _PHASE_ORDER = list(Phase)
 Output = Message | AggregateReady | RoundFailed
@@ -129,52 +117,84 @@ class ServerSecAgg:
 
     # ---- public API --------------------------------------------------------------------
     def start(self) -> list[Output]:
-        if self.state is not ServerState.IDLE:
-            raise UnexpectedMessage("round already started")
-        outgoing = [self._message(RoundStart, member, config=self.config) for member in self.config.members]
-        self.state = ServerState.WAIT_ADVERTISE
-        return outgoing
+        try:
+            return SERVER_TABLE.fire(self, StartRound())
+        except IllegalTransition:
+            raise UnexpectedMessage("round already started") from None
 
     @property
     def phase(self) -> Phase | None:
-        entry = TRANSITIONS.get(self.state)
-        return entry[0] if entry else None
+        rule = PHASES.get(self.state)
+        return rule.phase if rule else None
 
     def participants(self, phase: Phase) -> tuple[str, ...]:
         """Who has delivered the message of `phase` so far (U1 .. U5)."""
         return tuple(sorted(self._received[phase]))
 
     def handle(self, event: Message | Timeout | MemberOffline) -> list[Output]:
-        if isinstance(event, Timeout):
-            if self.state in TRANSITIONS and event.phase == self.phase:
-                return self._close_phase()
-            return []  # stale timeout of a phase already closed
-        if isinstance(event, MemberOffline):
-            if event.device not in self._members:
-                return []
-            self._offline.add(event.device)
-            return self._close_phase() if self.state in TRANSITIONS and self._phase_answered() else []
-        if not isinstance(event, Message):
+        """The outputs for `event`, by SERVER_TABLE. A message is authenticated first; one the table
+        has no row for in this state is refused (LateMessage, ReplayedMessage, UnexpectedMessage)."""
+        if isinstance(event, Message):
+            self._authenticate(event)
+        elif not isinstance(event, (Timeout, MemberOffline)):
             raise UnexpectedMessage(f"not a secagg event: {type(event).__name__}")
-        self._authenticate(event)
-        if self.state not in TRANSITIONS:
-            raise LateMessage(f"{event.TYPE} from {event.sender!r}: round is {self.state.value}")
-        phase, accepted, _ = TRANSITIONS[self.state]
-        if event.sender in self._received[event.PHASE]:
-            raise ReplayedMessage(f"{event.TYPE} from {event.sender!r} already received")
-        if _PHASE_ORDER.index(event.PHASE) < _PHASE_ORDER.index(phase):
-            raise LateMessage(f"{event.TYPE} from {event.sender!r}: phase {event.PHASE.value} has closed")
-        if type(event) is not accepted:
-            raise UnexpectedMessage(f"{event.TYPE} from {event.sender!r} does not belong to phase {phase.value}")
-        if event.sender not in self._expected(phase):
-            raise UnexpectedMessage(f"{event.sender!r} is not a participant of phase {phase.value}")
-        record = {AdvertiseKeys: self._check_advertise, EncryptedShares: self._check_shares,
-                  MaskedInput: self._accumulate, ConsistencySignature: self._check_consistency,
-                  UnmaskShares: self._check_unmask}[accepted](event)
-        self._received[phase][event.sender] = record
-        self._offline.discard(event.sender)          # it answered: it is back
-        if self._phase_answered():
-            return self._close_phase()
+        try:
+            return SERVER_TABLE.fire(self, event)
+        except IllegalTransition:
+            raise self._refusal(event) from None
+
+    def _refusal(self, message: Message) -> UnexpectedMessage:
+        """Why `message` does not fit the round now (the first that applies)."""
+        if self.state not in PHASES:
+            return LateMessage(f"{message.TYPE} from {message.sender!r}: round is {self.state.value}")
+        phase = self.phase
+        if message.sender in self._received[message.PHASE]:
+            return ReplayedMessage(f"{message.TYPE} from {message.sender!r} already received")
+        if _PHASE_ORDER.index(message.PHASE) < _PHASE_ORDER.index(phase):
+            return LateMessage(f"{message.TYPE} from {message.sender!r}: phase {message.PHASE.value} has closed")
+        return UnexpectedMessage(f"{message.TYPE} from {message.sender!r} does not belong to phase {phase.value}")
+
+    # ---- guards and effects of SERVER_TABLE's rows ---------------------------------------
+    def _send_round_start(self, _ev: StartRound) -> list[Output]:
+        outgoing = [self._message(RoundStart, member, config=self.config) for member in self.config.members]
+        self.state = ServerState.WAIT_ADVERTISE
+        return outgoing
+
+    def _receive(self, message: Message) -> list[Output]:
+        """Check, keep, and close the phase once everyone expected answered."""
+        phase = self.phase
+        if message.sender in self._received[phase]:
+            raise self._refusal(message)
+        if message.sender not in self._expected(phase):
+            raise UnexpectedMessage(f"{message.sender!r} is not a participant of phase {phase.value}")
+        self._received[phase][message.sender] = PHASES[self.state].check(self, message)
+        self._offline.discard(message.sender)          # it answered: it is back
+        return self._close_phase() if self._phase_answered() else []
+
+    def _times_out_open_phase(self, timeout: Timeout) -> bool:
+        return timeout.phase == self.phase
+
+    def _close_on_timeout(self, _timeout: Timeout) -> list[Output]:
+        return self._close_phase()
+
+    def _not_a_member(self, event: MemberOffline) -> bool:
+        return event.device not in self._members
+
+    def _offline_completes_phase(self, event: MemberOffline) -> bool:
+        return self._phase_answered(self._offline | {event.device})
+
+    def _offline_closes(self, event: MemberOffline) -> list[Output]:
+        self._offline.add(event.device)
+        return self._close_phase()
+
+    def _note_offline(self, event: MemberOffline) -> list[Output]:
+        self._offline.add(event.device)
+        return []
+
+    def _abort_round(self, event: AbortRound) -> list[Output]:
+        return self._fail(f"aborted: {event.reason}")
+
+    def _ignore(self, _event) -> list[Output]:
         return []
 
     # ---- helpers -----------------------------------------------------------------------
@@ -208,13 +228,15 @@ class ServerSecAgg:
                                    else Phase.MASKED_INPUT)}[phase]
         return self._members if previous is None else self._received[previous]
 
-    def _phase_answered(self) -> bool:
-        """Everyone expected in the current phase answered, except members known to be offline."""
+    def _phase_answered(self, offline: set[str] | None = None) -> bool:
+        """Everyone expected in the current phase answered, except members known to be offline
+        (`offline`: those, the members known so far by default)."""
+        offline = self._offline if offline is None else offline
         phase = self.phase
         expected, received = self._expected(phase), self._received[phase]
-        if len(received) + len(self._offline) < len(expected):
+        if len(received) + len(offline) < len(expected):
             return False            # more are missing than are known offline: O(1) for all but the last answers
-        return set(expected) - set(received) <= self._offline
+        return set(expected) - set(received) <= offline
 
     def _holders(self, owner: str) -> frozenset[str]:
         return self._graph.neighbours(owner) | {owner}
@@ -272,9 +294,7 @@ class ServerSecAgg:
     def abort(self, reason: str) -> list[Output]:
         """Give the round up now (the caller's deadline): RoundFailed plus a RoundAborted notice
         for every member. [] when the round is already over."""
-        if self.state in FINAL_STATES:
-            return []
-        return self._fail(f"aborted: {reason}")
+        return SERVER_TABLE.fire(self, AbortRound(reason))
 
     def _fail(self, reason: str) -> list[Output]:
         failed = RoundFailed(reason, self.phase)
@@ -286,17 +306,11 @@ class ServerSecAgg:
         return [failed, *notices]
 
     def _close_phase(self) -> list[Output]:
-        state, phase = self.state, self.phase
+        phase = self.phase
         count = len(self._received[phase])
         if count < self.config.threshold:
-            outputs = self._fail(f"{phase.value}: {count} participants < threshold {self.config.threshold}")
-        else:
-            outputs = {Phase.ADVERTISE_KEYS: self._send_key_directories, Phase.SHARE_KEYS: self._forward_shares,
-                       Phase.MASKED_INPUT: self._request_consistency_or_unmask,
-                       Phase.CONSISTENCY_CHECK: self._request_unmask, Phase.UNMASK: self._finish}[phase]()
-        if self.state not in TRANSITIONS[state][2]:  # the table above is the contract
-            raise AssertionError(f"illegal transition {state.value} -> {self.state.value}")
-        return outputs
+            return self._fail(f"{phase.value}: {count} participants < threshold {self.config.threshold}")
+        return PHASES[self.state].close(self)
 
     def _send_key_directories(self) -> list[Output]:
         advertised = self._received[Phase.ADVERTISE_KEYS]
@@ -408,3 +422,54 @@ class ServerSecAgg:
         ready = AggregateReady(total, survivors, self.config.codec)
         self.state, self.outcome = ServerState.DONE, ready
         return [ready]
+
+
+@dataclass(frozen=True)
+class PhaseRule:
+    """What one wait state of the server does."""
+    phase: Phase
+    message: type                                  # the one message type the phase accepts
+    check: Callable[[ServerSecAgg, Message], Any]  # raises before anything is kept, else returns what to keep
+    close: Callable[[ServerSecAgg], list[Output]]  # with >= t participants: the next phase's messages
+    sends: tuple[type, ...]                        # what `close` sends
+    closes_into: tuple[ServerState, ...]
+
+
+_V = ServerSecAgg
+PHASES: dict[ServerState, PhaseRule] = {
+    _S.WAIT_ADVERTISE: PhaseRule(Phase.ADVERTISE_KEYS, AdvertiseKeys, _V._check_advertise, _V._send_key_directories,
+                                 (KeyDirectory,), (_S.WAIT_SHARES,)),
+    _S.WAIT_SHARES: PhaseRule(Phase.SHARE_KEYS, EncryptedShares, _V._check_shares, _V._forward_shares,
+                              (ForwardedShares,), (_S.WAIT_MASKED,)),
+    _S.WAIT_MASKED: PhaseRule(Phase.MASKED_INPUT, MaskedInput, _V._accumulate, _V._request_consistency_or_unmask,
+                              (ConsistencyCheckRequest, UnmaskRequest), (_S.WAIT_CONSISTENCY, _S.WAIT_UNMASK)),
+    _S.WAIT_CONSISTENCY: PhaseRule(Phase.CONSISTENCY_CHECK, ConsistencySignature, _V._check_consistency,
+                                   _V._request_unmask, (UnmaskRequest,), (_S.WAIT_UNMASK,)),
+    _S.WAIT_UNMASK: PhaseRule(Phase.UNMASK, UnmaskShares, _V._check_unmask, _V._finish, (AggregateReady,), (_S.DONE,)),
+}
+_FAILS = (RoundFailed, RoundAborted)           # a phase ending with fewer than t: the round fails, members told
+
+
+def _phase_rows(state: ServerState, rule: PhaseRule) -> list[Transition]:
+    sends, goes_to = (*rule.sends, *_FAILS), (*rule.closes_into, _S.FAILED)
+    return [
+        Transition(state, rule.message, "", _V._receive, sends, goes_to,
+                   note="check, keep; closes the phase when every expected member answered"),
+        Transition(state, Timeout, f"Timeout({rule.phase.value})", _V._close_on_timeout, sends, goes_to,
+                   note="closes the phase", guard=_V._times_out_open_phase),
+        Transition(state, MemberOffline, "the others all answered", _V._offline_closes, sends, goes_to,
+                   note="closes the phase", guard=_V._offline_completes_phase),
+    ]
+
+
+SERVER_TABLE = TransitionTable(ServerState, [
+    Transition(_S.IDLE, StartRound, "", _V._send_round_start, (RoundStart,), (_S.WAIT_ADVERTISE,),
+               note="start(): the signed config to every member"),
+    Transition(ANY, MemberOffline, "not a member", _V._ignore, guard=_V._not_a_member),
+    *(row for state, rule in PHASES.items() for row in _phase_rows(state, rule)),
+    Transition(ANY, Timeout, "", _V._ignore, note="a stale timeout (its phase closed)"),
+    Transition(ANY, MemberOffline, "", _V._note_offline, note="not waited for from now on"),
+    Transition((_S.IDLE, *PHASES), AbortRound, "", _V._abort_round, _FAILS, (_S.FAILED,),
+               note="abort(reason): the caller's deadline"),
+    Transition((_S.DONE, _S.FAILED), AbortRound, "", _V._ignore, note="the round is over"),
+])

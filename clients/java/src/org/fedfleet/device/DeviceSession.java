@@ -6,7 +6,7 @@
 //   WORKING   workFinished(result)  SendResult                  -> REPORTED
 //   WORKING   workFailed(reason)    SendDecline                 -> IDLE
 //   REPORTED  resultSent(now)       -                           (the retry timer starts when the upload ends)
-//   REPORTED  task(same)            SendResult (same message)   (the server may have lost it)
+//   REPORTED  task(same)            SendResult (same message)   (the server may have lost it; nothing for a secure task's)
 //   REPORTED  tick(now > retry)     SendResult (same message)   exponential back-off, up to maxRetries
 //   REPORTED  ack(ref = result id)  -                           -> IDLE
 package org.fedfleet.device;
@@ -70,7 +70,8 @@ public final class DeviceSession {
 
     public List<Action> onTask(Messages.Task task, List<org.fedfleet.wire.Envelope.Tensor> tensors) {
         Finished done = finished.get(task.ref);
-        if (done != null) return one(new SendResult(done.message, done.messageId, attempts + 1));
+        if (done != null)   // a secure task's result (no message) is answered with nothing, as Python's table says
+            return done.message == null ? Collections.<Action>emptyList() : one(new SendResult(done.message, done.messageId, attempts + 1));
         if (state == State.WORKING && task.ref.equals(current)) return Collections.emptyList();
         current = task.ref;
         state = State.WORKING;

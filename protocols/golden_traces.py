@@ -1,0 +1,131 @@
+"""Golden traces of the device's round machine: recorded event sequences and what the machine
+answers to each event (its actions and its state), in ``protocols/golden/traces/``.
+
+The device side of the round rules lives twice: :class:`protocols.rounds.DeviceSession` (its
+table, ``DEVICE_TABLE``) and the Java library's ``org.fedfleet.device.DeviceSession``. Both are fed
+the same traces (tests/test_device_session_traces.py); each must answer every event with the
+recorded actions and state. A trace is JSON: ``session`` (the machine's settings), ``steps``, each
+an ``event`` with the ``actions`` and ``state`` that follow it. Events and actions name a task by
+its ref ``[job, round, task]``; a result's message is opaque text (null: a secure task's, whose
+protocol messages go out through its own session). The traces are the named scenarios below plus
+seeded random walks; together they fire every row of ``DEVICE_TABLE`` in every state it names (the
+test checks). Regenerate (only when the round rules change, reviewing the diff) with
+``python -m protocols.golden_traces``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+from .messages import TaskRef
+from .rounds import (AckArrived, DeviceSession, ResultSent, SendDecline, SendResult, StartWork, TaskArrived, Tick,
+                     WorkFailed, WorkFinished)
+
+TRACE_DIR = Path(__file__).resolve().parent / "golden" / "traces"
+SESSION = {"retry_after_s": 5.0, "max_retries": 2, "keep_finished": 2}
+
+
+def _ref(n: int) -> list:
+    return ["job", n, f"t{n}"]
+
+
+def _finished(n: int, secure: bool = False) -> dict:
+    return {"type": "finished", "ref": _ref(n), "message": None if secure else f"R{n}", "message_id": f"r{n}",
+            "expects_ack": not secure}
+
+
+# the named scenarios: one behaviour each, as a reader of docs/protocol.md would try it
+SCENARIOS: dict[str, list[dict]] = {
+    "task_result_ack": [{"type": "task", "ref": _ref(1)}, _finished(1), {"type": "sent", "now": 1.0},
+                        {"type": "ack", "ref_id": "r1"}, {"type": "tick", "now": 60.0}],
+    "retries_back_off_then_stop": [{"type": "task", "ref": _ref(1)}, _finished(1), {"type": "sent", "now": 0.5},
+                                   *({"type": "tick", "now": t} for t in (4.0, 5.5, 6.0, 15.0, 16.0, 40.0, 99.0))],
+    "redelivery_while_busy_and_after": [{"type": "task", "ref": _ref(1)}, {"type": "task", "ref": _ref(1)},
+                                        _finished(1), {"type": "task", "ref": _ref(1)},
+                                        {"type": "ack", "ref_id": "r1"}, {"type": "task", "ref": _ref(1)}],
+    "decline_and_abandoned_work": [{"type": "task", "ref": _ref(1)}, {"type": "task", "ref": _ref(2)},
+                                   _finished(1), {"type": "failed", "ref": _ref(1), "reason": "old"},
+                                   {"type": "failed", "ref": _ref(2), "reason": "no data"},
+                                   {"type": "ack", "ref_id": "r2"}],
+    "secure_task_is_never_retried_or_resent": [{"type": "task", "ref": _ref(3)}, _finished(3, secure=True),
+                                               {"type": "sent", "now": 1.0}, {"type": "tick", "now": 100.0},
+                                               {"type": "task", "ref": _ref(3)}, {"type": "task", "ref": _ref(1)},
+                                               {"type": "task", "ref": _ref(3)},
+                                               {"type": "failed", "ref": _ref(1), "reason": "no data"},
+                                               {"type": "task", "ref": _ref(3)}],
+    "only_the_recent_results_are_kept": [*(e for n in (1, 2, 3) for e in ({"type": "task", "ref": _ref(n)},
+                                                                          _finished(n), {"type": "ack",
+                                                                                         "ref_id": f"r{n}"})),
+                                         {"type": "task", "ref": _ref(1)}, {"type": "task", "ref": _ref(3)}],
+}
+
+
+def _random_walk(seed: int, length: int = 60) -> list[dict]:
+    """Events drawn at random (refs 1-3, a mostly rising clock), as test_protocol_rounds' walks."""
+    rng, now, events = random.Random(seed), 0.0, []
+    for _ in range(length):
+        now += rng.choice((0.0, 0.5, 2.0, 6.0, 15.0))
+        n = rng.randint(1, 3)
+        kind = rng.choice(("task", "finished", "failed", "sent", "ack", "tick", "tick"))
+        events.append({"task": {"type": "task", "ref": _ref(n)},
+                       "finished": _finished(n, secure=rng.random() < 0.2),
+                       "failed": {"type": "failed", "ref": _ref(n), "reason": "no data"},
+                       "sent": {"type": "sent", "now": now},
+                       "ack": {"type": "ack", "ref_id": f"r{n}"},
+                       "tick": {"type": "tick", "now": now}}[kind])
+    return events
+
+
+def traces() -> dict[str, list[dict]]:
+    """Every trace's events, by name."""
+    return {**SCENARIOS, **{f"random_walk_{seed}": _random_walk(seed) for seed in (1, 2, 3, 4)}}
+
+
+def event_of(e: dict) -> Any:
+    """A trace event as protocols.rounds' event."""
+    ref = TaskRef(*e["ref"]) if "ref" in e else None
+    return {"task": lambda: TaskArrived(ref, "fed3r.stats", {}, 0.0),
+            "finished": lambda: WorkFinished(ref, e["message"], e["message_id"], e["expects_ack"]),
+            "failed": lambda: WorkFailed(ref, e["reason"]),
+            "sent": lambda: ResultSent(e["now"]),
+            "ack": lambda: AckArrived(e["ref_id"], "accepted"),
+            "tick": lambda: Tick(e["now"])}[e["type"]]()
+
+
+def action_json(action: Any) -> dict:
+    if isinstance(action, StartWork):
+        return {"type": "StartWork", "ref": [action.ref.job, action.ref.round, action.ref.task]}
+    if isinstance(action, SendResult):
+        return {"type": "SendResult", "message": action.message, "attempt": action.attempt}
+    if isinstance(action, SendDecline):
+        return {"type": "SendDecline", "ref": [action.ref.job, action.ref.round, action.ref.task],
+                "reason": action.reason}
+    raise TypeError(f"no trace form for {action!r}")
+
+
+def replay(session: dict, events: list[dict], on_event=None) -> list[dict]:
+    """Feed `events` to a fresh Python DeviceSession: the step after each (actions, state).
+    ``on_event(machine, event)``: called before each event is handled (the tests' row coverage)."""
+    machine = DeviceSession(**session)
+    steps = []
+    for e in events:
+        event = event_of(e)
+        if on_event is not None:
+            on_event(machine, event)
+        actions = [action_json(a) for a in machine.handle(event)]
+        steps.append({"event": e, "actions": actions, "state": machine.state.name})
+    return steps
+
+
+def write(directory: Path = TRACE_DIR) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, events in traces().items():
+        steps = ",\n ".join(json.dumps(step) for step in replay(SESSION, events))     # a step a line: diffs read
+        (directory / f"{name}.json").write_text(f'{{"session": {json.dumps(SESSION)},\n "steps": [\n {steps}]}}\n')
+
+
+if __name__ == "__main__":
+    write()

@@ -1,0 +1,111 @@
+// Replays the golden traces of the device's round machine (protocols/golden/traces/, written by
+// protocols/golden_traces.py) through the Java library's DeviceSession, so
+// tests/test_device_session_traces.py can compare its actions and states with the recorded ones.
+// In the library's package: a decoded task is built here without a signed envelope.
+// Usage: java org.fedfleet.device.SessionTraces <trace.json>...; prints one JSON line per trace:
+//   {"trace": <file name>, "steps": [{"actions": [...], "state": "IDLE"}, ...]}
+package org.fedfleet.device;
+
+import java.math.BigInteger;
+import java.nio.charset.StandardCharsets;
+import java.nio.file.Files;
+import java.nio.file.Path;
+import java.nio.file.Paths;
+import java.util.ArrayList;
+import java.util.Collections;
+import java.util.LinkedHashMap;
+import java.util.List;
+import java.util.Map;
+import org.fedfleet.wire.Envelope;
+import org.fedfleet.wire.Json;
+
+public final class SessionTraces {
+    public static void main(String[] args) throws Exception {
+        for (String file : args) {
+            Path path = Paths.get(file);
+            Map<String, Object> trace = map(Json.parse(new String(Files.readAllBytes(path), StandardCharsets.UTF_8)));
+            Map<String, Object> settings = map(trace.get("session"));
+            DeviceSession session = new DeviceSession(num(settings.get("retry_after_s")),
+                    (int) num(settings.get("max_retries")), (int) num(settings.get("keep_finished")));
+            List<Object> steps = new ArrayList<>();
+            for (Object step : list(trace.get("steps"))) {
+                List<Object> actions = new ArrayList<>();
+                for (DeviceSession.Action a : feed(session, map(map(step).get("event")))) actions.add(json(a));
+                Map<String, Object> out = new LinkedHashMap<>();
+                out.put("actions", actions);
+                out.put("state", session.state().name());
+                steps.add(out);
+            }
+            Map<String, Object> line = new LinkedHashMap<>();
+            line.put("trace", path.getFileName().toString());
+            line.put("steps", steps);
+            System.out.println(new String(Json.canonical(line), StandardCharsets.UTF_8));
+        }
+    }
+
+    private static List<DeviceSession.Action> feed(DeviceSession s, Map<String, Object> e) {
+        String type = (String) e.get("type");
+        switch (type) {
+            case "task":
+                return s.onTask(new Messages.Task(ref(e), "fed3r.stats", new LinkedHashMap<>(), 0.0),
+                                Collections.<Envelope.Tensor>emptyList());
+            case "finished": {
+                Object message = e.get("message");
+                byte[] bytes = message == Json.NULL ? null : ((String) message).getBytes(StandardCharsets.UTF_8);
+                return s.onWorkFinished(ref(e), bytes, (String) e.get("message_id"), (Boolean) e.get("expects_ack"));
+            }
+            case "failed":
+                return s.onWorkFailed(ref(e), (String) e.get("reason"));
+            case "sent":
+                s.onResultSent(num(e.get("now")));
+                return Collections.emptyList();
+            case "ack":
+                s.onAck((String) e.get("ref_id"));
+                return Collections.emptyList();
+            case "tick":
+                return s.onTick(num(e.get("now")));
+            default:
+                throw new IllegalArgumentException("unknown trace event " + type);
+        }
+    }
+
+    private static Map<String, Object> json(DeviceSession.Action a) {
+        Map<String, Object> out = new LinkedHashMap<>();
+        if (a instanceof DeviceSession.StartWork) {
+            out.put("type", "StartWork");
+            out.put("ref", refJson(((DeviceSession.StartWork) a).task.ref));
+        } else if (a instanceof DeviceSession.SendResult) {
+            DeviceSession.SendResult r = (DeviceSession.SendResult) a;
+            out.put("type", "SendResult");
+            out.put("message", r.message == null ? Json.NULL : new String(r.message, StandardCharsets.UTF_8));
+            out.put("attempt", BigInteger.valueOf(r.attempt));
+        } else {
+            DeviceSession.SendDecline d = (DeviceSession.SendDecline) a;
+            out.put("type", "SendDecline");
+            out.put("ref", refJson(d.ref));
+            out.put("reason", d.reason);
+        }
+        return out;
+    }
+
+    private static TaskRef ref(Map<String, Object> e) {
+        List<Object> r = list(e.get("ref"));
+        return new TaskRef((String) r.get(0), ((BigInteger) r.get(1)).longValue(), (String) r.get(2));
+    }
+
+    private static List<Object> refJson(TaskRef ref) {
+        List<Object> out = new ArrayList<>();
+        out.add(ref.job);
+        out.add(BigInteger.valueOf(ref.round));
+        out.add(ref.task);
+        return out;
+    }
+
+    private static double num(Object v) { return ((Number) v).doubleValue(); }
+
+    @SuppressWarnings("unchecked")
+    private static Map<String, Object> map(Object v) { return (Map<String, Object>) v; }
+
+    @SuppressWarnings("unchecked")
+    private static List<Object> list(Object v) { return (List<Object>) v; }
+}
