@@ -1,8 +1,11 @@
 """Full bundles for both backbones: parity of .pte / .onnx with eager torch on real images,
 the manifest's contents, refusal of tampered files, and errors for missing runtimes.
 
-Each backbone is exported once per module (64 px, the slow part: ~20 s per .pte); the
-images compared here (Fashion-MNIST test[1000:1045]) are not the ones the exporter used.
+MobileNetV2 is the suite's shared bundle (conftest ``mobilenet_bundle_32px``: 32 px, batch bound
+8, the FT(φ) tail programs too); EfficientNet-Lite0 is exported here at 64 px with the default
+batch bound 32 and runtimes (the slow part: ~20 s per .pte), so both an 8-row and a 32-row
+bound run 45 rows (full chunks and a partial one). The images compared here (Fashion-MNIST
+test[1000:1045]) are not the ones the exporter used.
 """
 
 from __future__ import annotations
@@ -34,32 +37,28 @@ from export.parity import load_parity_images
 
 pytestmark = pytest.mark.slow  # two backbones exported to every runtime: xdist starts this file first
 
-IMAGE_SIZE = 64
+IMAGE_SIZE = 64          # the EfficientNet-Lite0 bundle exported here; MobileNetV2's is the shared 32 px one
 NUM_CLASSES = 10
 TOLERANCE = 1e-4  # the acceptance criterion; not to be loosened here
 BACKBONE_NAMES = ("mobilenet_v2", "efficientnet_lite0")
 
-_bundles: dict[str, object] = {}
-
-
-@pytest.fixture(scope="module", params=BACKBONE_NAMES)
-def bundle(request, tmp_path_factory):
-    name = request.param
-    if name not in _bundles:
-        out = tmp_path_factory.mktemp(name) / "bundle"
-        _bundles[name] = export_bundle(name, out, num_classes=NUM_CLASSES, image_size=IMAGE_SIZE,
-                                       parity_images=load_parity_images(count=48))
-    return name, _bundles[name]
+@pytest.fixture(scope="module")
+def efficientnet_bundle(tmp_path_factory):
+    out = tmp_path_factory.mktemp("efficientnet_lite0") / "bundle"
+    return export_bundle("efficientnet_lite0", out, num_classes=NUM_CLASSES, image_size=IMAGE_SIZE,
+                         parity_images=load_parity_images(count=48))
 
 
 @pytest.fixture(scope="module")
-def mobilenet_bundle(tmp_path_factory):
-    if "mobilenet_v2" not in _bundles:
-        out = tmp_path_factory.mktemp("mobilenet_v2") / "bundle"
-        _bundles["mobilenet_v2"] = export_bundle(
-            "mobilenet_v2", out, num_classes=NUM_CLASSES, image_size=IMAGE_SIZE,
-            parity_images=load_parity_images(count=48))
-    return _bundles["mobilenet_v2"]
+def mobilenet_bundle(mobilenet_bundle_32px):
+    """The shared bundle's manifest: read it, never write into it (tampering tests copy it)."""
+    return mobilenet_bundle_32px / "manifest.json"
+
+
+@pytest.fixture(scope="module", params=BACKBONE_NAMES)
+def bundle(request):
+    name = request.param
+    return name, request.getfixturevalue("mobilenet_bundle" if name == "mobilenet_v2" else "efficientnet_bundle")
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +67,9 @@ def test_images():
     return images[1000:1045], labels[1000:1045]
 
 
-def eager_features(name, images):
+def eager_features(name, images, image_size):
     backbone = build_backbone(name)
-    inputs = to_model_input(images, IMAGE_SIZE, backbone.mean, backbone.std)
+    inputs = to_model_input(images, image_size, backbone.mean, backbone.std)
     with torch.no_grad():
         return inputs, backbone(torch.from_numpy(inputs)).numpy()
 
@@ -78,7 +77,8 @@ def eager_features(name, images):
 @pytest.mark.parametrize("runtime", ["executorch", "onnxruntime", "eager"])
 def test_artifact_matches_eager_on_real_images(bundle, runtime, test_images):
     name, manifest_path = bundle
-    inputs, expected = eager_features(name, test_images[0])  # 45 rows: a full + a partial batch
+    size = read_manifest(manifest_path).input.image_size
+    inputs, expected = eager_features(name, test_images[0], size)  # 45 rows: full chunks + a partial one
     model = load_inference(manifest_path, prefer=(runtime,))
     assert model.runtime == runtime
     outputs = model.run(inputs)
@@ -93,17 +93,18 @@ def test_executorch_row_slicing_keeps_results(mobilenet_bundle, test_images):
     from edge_client.runtime.executorch_runtime import ExecuTorchInference
     from edge_client.runtime.verification import read_verified
 
-    inputs, expected = eager_features("mobilenet_v2", test_images[0][:11])
     manifest = read_manifest(mobilenet_bundle)
+    size = manifest.input.image_size
+    inputs, expected = eager_features("mobilenet_v2", test_images[0][:11], size)
     spec = manifest.find("inference", "executorch")
     program = read_verified(manifest, spec)
-    for rows_per_call in (1, 4, 32):
-        model = ExecuTorchInference(program, spec, IMAGE_SIZE, rows_per_call=rows_per_call)
+    for rows_per_call in (1, 4, spec.batch.max):
+        model = ExecuTorchInference(program, spec, size, rows_per_call=rows_per_call)
         error = float(np.max(np.abs(model.run(inputs) - expected)))
         assert error <= TOLERANCE, f"rows_per_call={rows_per_call}: max abs error {error:.3g}"
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="rows_per_call"):
-            ExecuTorchInference(program, spec, IMAGE_SIZE, rows_per_call=bad)
+            ExecuTorchInference(program, spec, size, rows_per_call=bad)
 
 
 def test_executorch_threadpool_size_is_settable():
@@ -125,14 +126,18 @@ def test_manifest_describes_every_file(bundle):
     manifest = read_manifest(manifest_path)
     backbone = build_backbone(name)
     assert manifest.backbone == name and manifest.weights_sha256 == weights_sha256(name)
-    assert manifest.input.image_size == IMAGE_SIZE
+    assert manifest.input.image_size == (32 if name == "mobilenet_v2" else IMAGE_SIZE)
     assert np.allclose(manifest.input.mean, backbone.mean)
     assert np.allclose(manifest.input.std, backbone.std)
     assert manifest.temperature == pytest.approx(0.1)
     assert manifest.feature_range == backbone.feature_range == (0.0, 6.0)    # ReLU6 then pooling
     offered = {(spec.kind, spec.runtime) for spec in manifest.artifacts}
-    assert offered == {("inference", "executorch"), ("inference", "onnxruntime"),
-                       ("inference", "eager"), ("training", "executorch"), ("training", "eager")}
+    runtimes = ("executorch", "onnxruntime", "eager")
+    expected = {("inference", r) for r in runtimes} | {("training", "executorch"), ("training", "eager")}
+    if manifest.tail is not None:               # the shared MobileNetV2 bundle: FT(φ)'s programs too
+        expected |= {("trunk", r) for r in runtimes} | {("tail_training", "executorch"),
+                                                        ("tail_training", "eager"), ("tail_eval", "eager")}
+    assert offered == expected
     bundle_dir = manifest_path.parent
     assert sorted(p.name for p in bundle_dir.iterdir()) == sorted(
         [spec.file for spec in manifest.artifacts] + ["manifest.json"])
@@ -145,7 +150,7 @@ def test_manifest_describes_every_file(bundle):
     assert pte.details["delegate"] == "xnnpack" and pte.details["delegate_calls"] == 1
     # The whole graph, global average pooling included, runs inside the XNNPACK delegate.
     assert pte.details["portable_ops"] == {}
-    assert pte.batch.max == 32 and pte.outputs[0].name == "features"
+    assert pte.batch.max == (8 if name == "mobilenet_v2" else 32) and pte.outputs[0].name == "features"
     assert 0 <= pte.parity["max_abs_error"] <= TOLERANCE
     training = manifest.find("training", "executorch")
     assert training.details["trainable_parameters"] == {"weight": [NUM_CLASSES, 1280],
@@ -231,7 +236,7 @@ def test_missing_runtime_names_the_alternatives(mobilenet_bundle, without_execut
     # With the default preferences the next installed runtime takes over.
     fallback = load_inference(mobilenet_bundle)
     assert fallback.runtime == "onnxruntime"
-    inputs, expected = eager_features("mobilenet_v2", test_images[0][:8])
+    inputs, expected = eager_features("mobilenet_v2", test_images[0][:8], read_manifest(mobilenet_bundle).input.image_size)
     assert np.max(np.abs(fallback.run(inputs) - expected)) <= TOLERANCE
 
     with pytest.raises(RuntimeUnavailableError, match="eager"):
