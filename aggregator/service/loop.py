@@ -73,7 +73,7 @@ from aggregator.service.job_runner import JobRunner
 from aggregator.jobs.registry import KINDS, build_job, job_kind_name
 from aggregator.jobs.secure_rounds import LateProtocolMessage
 from aggregator.service.recovery import open_stored
-from aggregator.shards.coordinator_job import RECEIPT, ShardedJob
+from aggregator.shards.coordinator_job import RECEIPT
 from aggregator.shards.pool import ShardPool
 from aggregator.storage.store import Store
 from aggregator.storage.schema import JobState
@@ -211,7 +211,7 @@ class AggregatorService(OperatorActions):
         kind = job_kind_name(job)
         if self.shards is not None:         # its sums are the shards'
             self.shards.set_job(job, kind)
-            job = ShardedJob(job, kind, self.shards.reduce)
+            job = self.shards.coordinator_job(job, kind)
         a = ActiveJob(job, kind, Path(out_dir))
         a.out_dir.mkdir(parents=True, exist_ok=True)
         if self.store is not None:
