@@ -108,3 +108,21 @@ def test_one_aggregators_tree_mean_is_the_bound_layers_mean(tmp_path):
     assert count == len(chosen) and samples == sum(n for _, n in updates)
     for k in want:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-12, atol=1e-15)
+
+
+def test_simulate_shards_each_job_shards_can_sum_and_says_why_not_for_the_others():
+    """``fedfleet simulate --shards K``: the aggregator options each job of a pipeline gets."""
+    import dataclasses
+
+    from fedfleet.simulate import PRESETS, aggregator_shards
+
+    cfg = dataclasses.replace(PRESETS["smoke"], shards=2)
+    fed3r = {"job_id": "f", "num_classes": C, "feature_dim": D}
+    assert aggregator_shards(cfg, "fed3r", fed3r) == (["--shards", "2"], "")
+    assert aggregator_shards(dataclasses.replace(cfg, ray="auto"), "fedavg", CONFIG) == (
+        ["--shards", "2", "--ray", "auto"], "")
+    options, why = aggregator_shards(cfg, "fedavg", {**CONFIG, "direction_screen": True})
+    assert options == [] and "direction_screen" in why
+    options, why = aggregator_shards(cfg, "personalize", {})
+    assert options == [] and "personalize" in why
+    assert aggregator_shards(dataclasses.replace(cfg, shards=0), "fed3r", fed3r) == ([], "")
