@@ -126,3 +126,30 @@ def test_simulate_shards_each_job_shards_can_sum_and_says_why_not_for_the_others
     options, why = aggregator_shards(cfg, "personalize", {})
     assert options == [] and "personalize" in why
     assert aggregator_shards(dataclasses.replace(cfg, shards=0), "fed3r", fed3r) == ([], "")
+
+
+def test_a_device_message_carrying_a_shard_receipt_is_refused_and_changes_nothing(tmp_path):
+    """Only the shards' own pipe carries receipts: a device that writes one into its result (on its
+    outbox, which a shard forwards when the result fails its checks, or on its presence topic, which
+    reaches the coordinator directly) would otherwise be taken for a validated, stored update."""
+    import time
+
+    from aggregator.service.loop import AggregatorService
+    from aggregator.shards.shard import RECEIPT
+    from protocols.mqtt_link import BrokerConfig
+
+    config = {**CONFIG, "clients_per_round": 2, "expected_devices": 2, "rounds": 1}
+    svc = AggregatorService(build_job("fedavg", config), BrokerConfig(port=1), tmp_path / "out",
+                            enrolled={"dev00", "dev01"}, store=Store(tmp_path / "state.db"))   # never connects
+    for device in ("dev00", "dev01"):
+        svc._on_payload(TOPICS.presence(device), encode(M.presence_message(device, "online", {})))
+    svc._tick(time.monotonic())
+    job = svc.active.job
+    assert job.round == 1
+    forged = M.result_message("dev00", M.TaskRef(config["job_id"], 1, "t"), KIND, {"n": 10**6}, {})
+    forged.body[RECEIPT] = {"shard": 0, "bytes": 1, "job": {"n": 10**6}}
+    before = svc._stats().rejections["malformed"]
+    for topic in (TOPICS.outbox("dev00"), TOPICS.presence("dev00")):
+        svc._on_payload(topic, encode(forged))
+    assert svc._stats().rejections["malformed"] == before + 2
+    assert job.contributed == {} and job.samples == 0 and not list(svc.store.contributions(config["job_id"]))

@@ -270,8 +270,7 @@ class AggregatorService(OperatorActions):
             return self._reject("?", "bad topic", topic[:80])
         if device in self.fleet.revoked:
             return self._reject(device, "revoked device")
-        outbox = topic.endswith("/out")
-        if outbox:
+        if topic.endswith("/out"):
             self._device_bytes[device] = self._device_bytes.get(device, 0) + len(payload)
         try:
             got = self.assembler.feed_lazy(payload, lazy=self.ingest is not None)
@@ -281,9 +280,10 @@ class AggregatorService(OperatorActions):
             self._device_bytes.pop(device, None)
             signature = str(exc).startswith(("signature", "unsigned"))
             return self._reject(device, "bad signature" if signature else "malformed", str(exc))
-        if got is None:
-            return
-        self._on_envelope(device, topic, *got, self._device_bytes.pop(device, 0))
+        if got is not None and RECEIPT in got[0].body:      # only our shards' pipe carries receipts (_on_receipt)
+            return self._reject(device, "malformed", "a device's message carries a shard receipt")
+        if got is not None:
+            self._on_envelope(device, topic, *got, self._device_bytes.pop(device, 0))
 
     def _on_receipt(self, topic: str, raw: bytes) -> None:
         """A shard's receipt for a result it validated and stored (it came over our own pipe)."""
