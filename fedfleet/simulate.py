@@ -327,11 +327,10 @@ def aggregator_shards(cfg: SimConfig, kind: str, job: dict) -> tuple[list[str], 
     any other job runs in one aggregator process, and the reason is said."""
     if not cfg.shards:
         return [], ""
-    from aggregator.jobs.registry import build_job
-    from aggregator.shards.partial_sums import ADDITIVE
+    from aggregator.jobs.registry import KINDS, build_job
     from aggregator.shards.pool import check_shardable
 
-    if kind not in ADDITIVE:
+    if kind not in KINDS or KINDS[kind].shard_sums is None:
         return [], f"shards cannot sum a {kind} job yet"
     try:
         check_shardable(build_job(kind, job), kind)

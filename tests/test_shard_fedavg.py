@@ -153,3 +153,16 @@ def test_a_device_message_carrying_a_shard_receipt_is_refused_and_changes_nothin
         svc._on_payload(topic, encode(forged))
     assert svc._stats().rejections["malformed"] == before + 2
     assert job.contributed == {} and job.samples == 0 and not list(svc.store.contributions(config["job_id"]))
+
+
+def test_only_fed3r_and_fedavg_declare_shard_sums_none_inherits_them():
+    """A kind is shardable by its own registry entry: FedNCM (a Fed3R job) and FedAvg's subclasses
+    (FT(φ), pp, Scaffold, FedGloSS, FedBuff, secure) sum or step otherwise, and a new kind starts
+    unshardable until it declares how its sums split."""
+    from aggregator.jobs.registry import KINDS
+    from aggregator.shards.partial_sums import additive
+
+    assert {name for name, kind in KINDS.items() if kind.shard_sums is not None} == {"fed3r", "fedavg"}
+    for name in ("fedncm", "fedavg-tail", "pp", "scaffold", "fedgloss", "fedavg-async", "fedavg-secure"):
+        with pytest.raises(ValueError, match="no additive state"):
+            additive(name)

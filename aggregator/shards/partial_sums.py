@@ -6,7 +6,8 @@ is the root of a fixed binary tree over the ``NUM_BUCKETS`` buckets, each node t
 children (an empty bucket is no operand at all, so no ``0 + x`` changes a sign bit). Whoever
 holds a subtree's buckets may sum it (one aggregator all of them; a shard the subtrees inside
 its range, :func:`covering_nodes`): the additions, hence the bits, are the same for any K.
-How two states add is the job kind's: an :class:`AdditiveState` per kind (``ADDITIVE``); the tree
+How two states add is the job kind's: the :class:`AdditiveState` its registry entry declares
+(``JobKind.shard_sums``: Fed3R's ``fed3r_sums.py``, FedAvg's ``fedavg_sums.py``); the tree
 itself is ``sum_tree.py``'s, which FedAvg's round sums (``fedavg_sums.py``) share.
 """
 
@@ -15,66 +16,21 @@ from __future__ import annotations
 from itertools import groupby
 from typing import Any, Iterable
 
-import numpy as np
-
 from aggregator.jobs.base import Job
-from aggregator.jobs.registry import build_job
+from aggregator.jobs.registry import KINDS, build_job, kind_of
 from aggregator.shards.buckets import NUM_BUCKETS, bucket_of, canonical_key
-from aggregator.shards.fedavg_sums import FedAvgRoundSums
-from aggregator.shards.sum_tree import (AdditiveState, Contribution, Node, PartialSum, add_elementwise, root_sum,
-                                        subtree_sums)
+from aggregator.shards.sum_tree import AdditiveState, Contribution, Node, PartialSum, root_sum, subtree_sums
 
-__all__ = ["ADDITIVE", "Contribution", "Node", "PartialSum", "additive", "bucket_sums", "canonical_sum",
+__all__ = ["Contribution", "Node", "PartialSum", "additive", "bucket_sums", "canonical_sum",
            "range_sums", "reduce_nodes"]
 
 
-class Fed3RSums(AdditiveState):
-    """Every array of Fed3R's state adds elementwise: Σ A_k (kept symmetric: both triangles see the
-    same additions), Σ B_k and the (samples, contributions) counts. A bucket is summed by a fresh
-    job applying its contributions. Besides its sums the job keeps each device's samples and, for
-    the fleet screen at round close, its energy per sample."""
-
-    def refusal(self, job: Job) -> str:
-        if not job.order_free:
-            return "a fed3r job with this config is not order-free (e.g. DP noise at round close): " \
-                   "it cannot be summed by shards"
-        if job.config.to_dict().get("streaming"):
-            # an increment is checked against the samples the job holds, which only the coordinator knows
-            return "streaming Fed3R cannot run on shards yet: run it without --shards"
-        return ""
-
-    def check(self, job: Job, env) -> Any:
-        return job.check_payload(env)
-
-    def sum_bucket(self, new_job, members: list[Contribution], context: Any) -> PartialSum:
-        job = new_job()
-        for device, _round, load in members:
-            job.apply(device, load(job))
-        return PartialSum(job.state_dict(), dict(job.contributed))
-
-    def add(self, left: dict[str, np.ndarray], right: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return add_elementwise(left, right)
-
-    def receipt(self, job: Job, payload: Any) -> dict:
-        from aggregator.strategies.robust_fed3r import energy_per_sample
-
-        return {"contributed": int(payload.n), "energy": energy_per_sample(payload, job.config.fit_intercept)}
-
-    def record(self, job: Job, device: str, receipt: dict) -> None:
-        job.contributed[device] = int(receipt["contributed"])
-        if job.config.energy_screen().active:
-            job.energies[device] = float(receipt["energy"])
-
-
-# The job kinds shards can sum (aggregator/jobs/registry.py's names): a kind's subclasses (FedNCM,
-# FT(φ), pp, ...) sum or step differently, so a kind is listed here by name, never inherited.
-ADDITIVE: dict[str, AdditiveState] = {"fed3r": Fed3RSums(), "fedavg": FedAvgRoundSums()}
-
-
 def additive(kind: str) -> AdditiveState:
-    if kind not in ADDITIVE:
+    """How shards sum ``kind``: the capability its registry entry declares (``JobKind.shard_sums``)."""
+    sums = kind_of(kind).shard_sums if kind in KINDS else None
+    if sums is None:
         raise ValueError(f"job kind {kind!r} has no additive state: it cannot be summed in buckets")
-    return ADDITIVE[kind]
+    return sums
 
 
 def by_bucket(contributions: Iterable[Contribution]) -> dict[int, list[Contribution]]:
@@ -109,7 +65,7 @@ def canonical_sum(kind: str, config: dict, contributions: Iterable[Contribution]
     """One aggregator's canonical model: the whole tree over its bucket sums. An order-free kind
     with no float sums to bucket (personalization's counts: any order gives the same state) is
     applied in plain (device, round) order instead."""
-    if kind not in ADDITIVE:
+    if kind not in KINDS or kind_of(kind).shard_sums is None:
         job = build_job(kind, config)
         for device, _round, load in sorted(contributions, key=lambda c: canonical_key(c[0], c[1])):
             job.apply(device, load(job))
