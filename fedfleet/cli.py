@@ -29,7 +29,7 @@ def simulate_overrides(args) -> dict:
             "seed": args.seed, "image_size": args.image_size, "split": args.split, "alpha": args.alpha,
             "runtime": args.runtime, "rf_dim": args.rf_dim, "workers": args.workers,
             "secure": True if args.secure else None, "secure_graph": args.secure_graph,
-            "clients_per_round": args.clients_per_round, "ray": args.ray,
+            "clients_per_round": args.clients_per_round, "ray": args.ray, "shards": args.shards,
             "deploy": True if args.deploy else None}
 
 
@@ -146,6 +146,10 @@ def _add_simulate_parser(sub) -> None:
     s.add_argument("--ray", metavar="auto|ADDRESS",
                    help="place the device hosts as Ray actors on this Ray cluster (needs fedfleet[ray]; "
                         "default: local processes)")
+    s.add_argument("--shards", type=int, metavar="K",
+                   help="run each job's aggregator with --shards K (with --ray: on that cluster too): Fed3R, and "
+                        "the FedAvg(ψ) fine-tuning without its direction screen (it needs every update in one "
+                        "place); a job shards cannot sum runs in one aggregator process, and says why")
     s.add_argument("--secure", action="store_true", help="Fed3R-Sync: sum statistics under secure aggregation")
     s.add_argument("--secure-graph", choices=["auto", "complete", "regular"],
                    help="SecAgg (complete), SecAgg+ (regular), or by group size (auto, the default: complete up to "

@@ -113,6 +113,8 @@ def run_pipeline(cfg: SimConfig, quiet: bool = False, compare_with: dict | None 
     if tail:
         tail_manifest, ft_eval, ft_extra = _tail_setup(cfg, prep, say)
         ft_kind = "fedavg-tail-secure" if cfg.secure else "fedavg-tail"
+    if cfg.shards and ft_kind == "fedavg":  # the direction screen's coordinate-wise median needs every update in one place
+        ft_extra = {**ft_extra, "direction_screen": False}
     fed3r_job, secure, secure_fields = dict(prep.fed3r_job), None, {}
     if cfg.secure:
         job_fields, secure = _secure_setup(cfg, out, [p.device_id for p in prep.profiles],

@@ -111,6 +111,7 @@ class SimConfig:
     keepalive_s: int = 30                   # the devices' MQTT keepalive (each pings the broker this often)
     evaluate: str = "contribution"          # aggregator evaluates per contribution, or per round (large fleets)
     ray: str | None = None                  # "auto" or a Ray address: device hosts as Ray actors
+    shards: int = 0                         # each job's aggregator with --shards K (on ``ray``'s cluster too)
     # more devices than this: they connect to edge brokers bridged to the aggregator's (BrokerTree),
     # as one process opens at most RLIMIT_NOFILE sockets and one loopback port has ~28k clients
     devices_per_broker: int = 15_000
@@ -285,11 +286,14 @@ class EmulatedFleet:
         (job_dir / "job.json").write_text(json.dumps(job, indent=1))
         watcher = StatusWatcher(self.broker_url, Topics(cfg.topic_root), total=progress_total, quiet=self.quiet,
                                 job_id=job["job_id"])
+        shards, unsharded = aggregator_shards(cfg, kind, job)
+        if unsharded and not self.quiet:
+            print(f"  {kind}: one aggregator process, not {cfg.shards} shards ({unsharded})", flush=True)
         try:
             self.run_aggregator(["aggregator", "serve", "--config", str(job_dir / "job.json"), "--kind", kind,
                                  "--broker", self.broker_url, "--topic-root", cfg.topic_root, "--out", str(job_dir),
                                  "--eval-features", str(eval_features), "--enrolled", str(self.out / "enrolled.txt"),
-                                 "--timeout", str(cfg.timeout_s), "--evaluate", cfg.evaluate],
+                                 "--timeout", str(cfg.timeout_s), "--evaluate", cfg.evaluate, *shards],
                                 job_dir / "aggregator.log", kind, cfg.timeout_s + 60)
         finally:
             watcher.close()
@@ -317,6 +321,24 @@ class EmulatedFleet:
             self.worker_stats = self.hosts.stop()
         if self.broker:
             self.broker.stop()
+
+
+def aggregator_shards(cfg: SimConfig, kind: str, job: dict) -> tuple[list[str], str]:
+    """(``aggregator serve``'s shard options for one job of the run, why it has none): with
+    ``cfg.shards`` K, ``--shards K`` (and ``--ray`` on the devices' cluster) for a job shards can sum;
+    any other job runs in one aggregator process, and the reason is said."""
+    if not cfg.shards:
+        return [], ""
+    from aggregator.jobs.registry import KINDS, build_job
+    from aggregator.shards.pool import check_shardable
+
+    if kind not in KINDS or KINDS[kind].shard_sums is None:
+        return [], f"shards cannot sum a {kind} job yet"
+    try:
+        check_shardable(build_job(kind, job), kind)
+    except ValueError as exc:
+        return [], str(exc)
+    return ["--shards", str(cfg.shards)] + (["--ray", cfg.ray] if cfg.ray else []), ""
 
 
 def check_devices_per_process(cfg: SimConfig, n_workers: int, n_brokers: int, open_file_limit: int) -> None:

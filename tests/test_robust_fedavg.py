@@ -128,16 +128,19 @@ def test_the_1x_bound_clips_each_update_to_the_rounds_median_norm():
 
 def test_an_honest_round_whose_norms_agree_averages_exactly_as_fedavg_under_the_1x_bound():
     """Updates of one norm (one vector, its coordinates' signs flipped per device) are all within
-    the 1x bound: passed through untouched, their mean is FedAvg's bit for bit."""
-    job = build_job("fedavg", {"num_classes": 2, "feature_dim": 3, "clients_per_round": 7, "init": "zeros",
-                               **NORM_BOUND_ONLY})
+    the 1x bound: passed through untouched, their mean is FedAvg's bit for bit (the plain mean's
+    job, summing in the same canonical order) and the weighted mean (numpy's, to rounding)."""
+    config = {"num_classes": 2, "feature_dim": 3, "clients_per_round": 7, "init": "zeros"}
+    job, plain = build_job("fedavg", {**config, **NORM_BOUND_ONLY}), build_job("fedavg", {**config, **PLAIN_MEAN})
     rng = np.random.default_rng(4)
     v = rng.normal(size=8)
     ups = [(split(v * rng.choice([-1.0, 1.0], size=8)), int(rng.integers(1, 50))) for _ in range(7)]
-    job._updates = {f"d{i}": u for i, u in enumerate(ups)}
+    job._updates = plain._updates = {f"d{i}": u for i, u in enumerate(ups)}
     combined, count, samples = job.round_mean()
-    want = Mean().combine([job._updates[d] for d in sorted(job._updates)])
+    want = plain.round_mean()[0]
     assert count == 7 and all(np.array_equal(combined[k], want[k]) for k in want)
+    n = np.array([w for _, w in ups], dtype=float)
+    assert_params(combined, (n[:, None] * as_matrix(ups)).sum(0) / n.sum())
 
 
 # ---------------------------------------------------------------- FedAvg(ψ)'s default layers

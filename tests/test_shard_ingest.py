@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from aggregator.jobs.registry import build_job
+from aggregator.jobs.robustness_fields import PLAIN_MEAN
 from aggregator.shards.buckets import NUM_BUCKETS, bucket_range, shard_of
 from aggregator.shards.coordinator_job import ShardedJob
 from aggregator.shards.partial_sums import canonical_sum, reduce_nodes
@@ -103,9 +104,17 @@ def test_jobs_shards_cannot_sum_and_impossible_shard_counts_are_refused_with_the
     from protocols.mqtt_link import BrokerConfig
 
     check_shardable(build_job("fed3r", CONFIG), "fed3r")
-    fedavg = {"job_id": "f", "num_classes": C, "feature_dim": P - 1, "clients_per_round": 2, "rounds": 1}
-    with pytest.raises(ValueError, match="no additive state"):
+    fedavg = {"job_id": "f", "num_classes": C, "feature_dim": P - 1, "clients_per_round": 3, "rounds": 1}
+    check_shardable(build_job("fedavg", {**fedavg, "direction_screen": False}), "fedavg")    # the norm and weight bounds split
+    with pytest.raises(ValueError, match="direction_screen"):                                 # its median needs every update
         check_shardable(build_job("fedavg", fedavg), "fedavg")
+    with pytest.raises(ValueError, match="'median' needs every update"):
+        check_shardable(build_job("fedavg", {**fedavg, "direction_screen": False, "aggregator": "median"}), "fedavg")
+    with pytest.raises(ValueError, match="DP FedAvg"):
+        check_shardable(build_job("fedavg", {**fedavg, **PLAIN_MEAN, "dp_noise_multiplier": 1.0, "dp_clip_norm": 1.0}),
+                        "fedavg")
+    with pytest.raises(ValueError, match="no additive state"):
+        check_shardable(build_job("scaffold", fedavg), "scaffold")      # a FedAvg subclass: shardable by name only
     with pytest.raises(ValueError, match="not order-free"):
         check_shardable(build_job("fed3r", {**CONFIG, "dp_noise_multiplier": 1.0, "max_samples": 10,
                                             "feature_clip_norm": 1.0}), "fed3r")

@@ -183,3 +183,81 @@ def test_the_coordinator_sigkilled_at_its_crash_points_resumes_the_shards_bit_fo
     assert "receipts only" not in logs              # no device's result reached the coordinator itself
     assert_same_model(outputs(tmp_path / "out"), unsharded)
     assert_each_device_once(state, 2, orphans_allowed=True)
+
+
+# ---------------------------------------------------------------- FedAvg(ψ) rounds on shards
+# two rounds of six of the ten devices, the norm and contribution bounds on (they close in phases:
+# aggregator/shards/fedavg_sums.py); the direction screen needs every update in one place
+FEDAVG = {"kind": "fedavg", "rounds": 2, "clients_per_round": 6, "direction_screen": False}
+
+
+def run_fedavg(workdir, extra=(), crash=None):
+    prepare(workdir, DEVICES, **FEDAVG)
+    with MosquittoBroker() as broker, Fleet(broker.url, DEVICES, kind="fedavg"):
+        rc, log = run_aggregator(workdir, broker.url, workdir / "state.db", crash=crash, extra=list(extra))
+    return rc, log
+
+
+def fedavg_outputs(out_dir):
+    return dict(np.load(out_dir / "model.npz")), json.loads((out_dir / "results.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def fedavg_unsharded(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("fedavg-unsharded")
+    rc, log = run_fedavg(workdir)
+    assert rc == 0, log[-3000:]
+    return fedavg_outputs(workdir / "out")
+
+
+def assert_same_fedavg_model(got, want):
+    assert sorted(got[0]) == sorted(want[0])
+    for name in want[0]:
+        assert got[0][name].tobytes() == want[0][name].tobytes(), name          # bit for bit
+    assert got[1]["contributed"] == want[1]["contributed"] and got[1]["state"] == "done"
+    assert sum(want[1]["contributed"].values()) == FEDAVG["rounds"] * FEDAVG["clients_per_round"]
+
+
+def fedavg_rounds_held(state, shard: int) -> set[int]:
+    try:
+        return {r for (r,) in sqlite3.connect(f"{state}.shards/shard-{shard}-of-2.db").execute(
+            "SELECT round FROM contributions")}
+    except sqlite3.OperationalError:
+        return set()
+
+
+@pytest.mark.parametrize("on", ON)
+def test_fedavg_rounds_on_two_shards_give_one_aggregators_model_bit_for_bit(tmp_path, fedavg_unsharded, on, request):
+    """Local shard processes, or Ray actors on the two-node cluster (one per node)."""
+    rc, log = run_fedavg(tmp_path, shard_options(on, request))
+    assert rc == 0, log[-3000:]
+    assert_same_fedavg_model(fedavg_outputs(tmp_path / "out"), fedavg_unsharded)
+    assert "receipts only" not in log               # every update reached the coordinator as a receipt
+    rows = shard_rows(tmp_path / "state.db", 2)
+    assert all(rows) and all(shard_of(d, 2) == i for i, held in enumerate(rows) for d, _ in held)
+
+
+def test_fedavg_on_shards_resumes_bit_for_bit_after_the_coordinator_and_a_shard_are_sigkilled(tmp_path,
+                                                                                            fedavg_unsharded):
+    """The coordinator dies closing round 1 (its shards with it); restarted, it closes the round
+    again on the shards' stores. Then a shard is SIGKILLed once it holds a round-2 update: restarted
+    on its store, it answers round 2's close."""
+    options = ["--shards", "2"]
+    rc, log = run_fedavg(tmp_path, options, crash="round_closing")
+    assert rc == -9, log[-3000:]
+    state, victim = tmp_path / "state.db", 0
+    with MosquittoBroker() as broker, Fleet(broker.url, DEVICES, kind="fedavg"):
+        proc = subprocess.Popen(aggregator_cmd(tmp_path, broker.url, state, options), env=aggregator_env(),
+                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + 60
+            while 2 not in fedavg_rounds_held(state, victim) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert 2 in fedavg_rounds_held(state, victim), "the shard never stored a round-2 update"
+            os.kill(int((tmp_path / "state.db.shards" / f"shard-{victim}.pid").read_text()), signal.SIGKILL)
+            out, _ = proc.communicate(timeout=120)
+        finally:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    assert f"shard {victim} exited" in out
+    assert_same_fedavg_model(fedavg_outputs(tmp_path / "out"), fedavg_unsharded)

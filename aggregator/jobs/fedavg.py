@@ -48,6 +48,7 @@ from aggregator.jobs.model_fields import ModelFields
 from aggregator.jobs.optimizer_fields import LocalRuleFields, ServedModelFields, ServerOptimizerFields
 from aggregator.jobs.privacy_fields import UpdateClippingFields
 from aggregator.jobs.robustness_fields import FedAvgRobustnessFields
+from aggregator.shards.fedavg_sums import local_round_mean
 
 log = logging.getLogger("fedfleet.aggregator")
 
@@ -212,17 +213,26 @@ class FedAvgJob(Job):
         return RoundUpdate(body_field(env, "round", int), update)
 
     def apply(self, device: str, payload: RoundUpdate) -> None:
-        if not self._open or payload.round != self.round or device not in self._participants \
-                or device in self._updates:
-            # The round machine answers these `late`/`duplicate` before they get here; if one
-            # slips through anyway it is dropped, never averaged into another round.
-            self.late_discarded += 1
-            log.warning("discarded update from %s for round %d (open round: %s)", device, payload.round,
-                        self.round if self._open else "none")
-            return
-        self._updates[device] = (payload.update.tensors(), payload.update.n)
+        if self.admits(device, payload.round, self._updates):
+            self._updates[device] = (payload.update.tensors(), payload.update.n)
+            self.record_update(device, payload.update.n)
+
+    def admits(self, device: str, round_: int, applied) -> bool:
+        """Whether an update of ``device`` naming ``round_`` belongs to the open round (``applied``:
+        the devices it holds already); counted in ``late_discarded`` when it does not."""
+        if self._open and round_ == self.round and device in self._participants and device not in applied:
+            return True
+        # The round machine answers these `late`/`duplicate` before they get here; if one
+        # slips through anyway it is dropped, never averaged into another round.
+        self.late_discarded += 1
+        log.warning("discarded update from %s for round %d (open round: %s)", device, round_,
+                    self.round if self._open else "none")
+        return False
+
+    def record_update(self, device: str, n: int) -> None:
+        """What the job keeps of an admitted update besides its tensors (reports, DP accounting)."""
         self.contributed[device] = self.contributed.get(device, 0) + 1
-        self.samples += payload.update.n
+        self.samples += n
 
     def round_mean(self, start: dict[str, np.ndarray] | None = None) -> tuple[dict[str, np.ndarray] | None, int, int]:
         """(the round's combined tensors or None, updates, Σ n_k) of the round being closed:
@@ -237,10 +247,16 @@ class FedAvgJob(Job):
         if not updates:
             return None, 0, 0
         current = {name: (start or self.params)[name] for name in updates[0][0]}
+        samples = sum(n for _, n in updates)
+        if not self.config.needs_every_update():
+            # sums that shards can split: added up the canonical bucket tree, as K shards would
+            # add them (aggregator/shards/fedavg_sums.py), so one aggregator's bits are theirs
+            combined = local_round_mean(self.config, current, self._updates)
+            return combined, (len(updates) if combined is not None else 0), samples
         combined, report = self.config.robust_aggregation().aggregate(current, updates)
         if report.get("skipped") or report.get("norm_bounded") or report.get("screened"):
             log.warning("round %d: %s", self.round, report)
-        return combined, (len(updates) if combined is not None else 0), sum(n for _, n in updates)
+        return combined, (len(updates) if combined is not None else 0), samples
 
     def round_step(self) -> tuple[dict[str, np.ndarray] | None, int, int]:
         """(the moved tensors or None, updates, Σ n_k) of the round being closed. The strategy moves
@@ -250,16 +266,27 @@ class FedAvgJob(Job):
             trained = {name: self.params[name] for name in self.trained_shapes()}
             updates = [self._updates[d][0] for d in sorted(self._updates)]
             return self.dp.step(trained, updates), len(updates), sum(n for _, n in self._updates.values())
-        mean, updates, samples = self.round_mean()
+        return self.server_step(*self.round_mean())
+
+    def server_step(self, mean: dict[str, np.ndarray] | None, updates: int, samples: int):
+        """(the moved tensors or None, updates, Σ n_k) from the round's combined tensors: the round
+        history, then the strategy's step (a sharded job's coordinator takes it on the shards' sums)."""
         if mean is None:
             return None, 0, 0
         current = {name: self.params[name] for name in mean}
         return self.strategy.step(current, self.history.step(current, mean)), updates, samples
 
+    def closes(self, round_: int) -> bool:
+        """Whether closing ``round_`` closes the open round (else it changes nothing)."""
+        return self._open and round_ == self.round
+
     def close_round(self, closed: RoundClosed) -> None:
-        if not self._open or closed.round != self.round:
-            return
-        moved, updates, samples = self.round_step()
+        if self.closes(closed.round):
+            self.finish_round(closed, self.round_step())
+
+    def finish_round(self, closed: RoundClosed, stepped: tuple[dict[str, np.ndarray] | None, int, int]) -> None:
+        """Move to the round's stepped tensors (None: nothing moves), log it and close it."""
+        moved, updates, samples = stepped
         if moved is not None:
             self.params = {**self.params, **moved}
         self.served.observe(self.round, self.params)

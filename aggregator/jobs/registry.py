@@ -29,6 +29,9 @@ from aggregator.jobs.personalize import PersonalizeConfig, PersonalizeJob
 from aggregator.jobs.secure_fedavg import (SecureFedAvgConfig, SecureFedAvgJob, SecurePartialConfig, SecurePartialJob,
                                            SecureTailFedAvgConfig, SecureTailFedAvgJob)
 from aggregator.jobs.secure_ladd import SecureLaddConfig, SecureLaddJob
+from aggregator.shards.fed3r_sums import Fed3RSums
+from aggregator.shards.fedavg_sums import FedAvgRoundSums
+from aggregator.shards.sum_tree import AdditiveState
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,9 @@ class JobKind:
     job_cls: type
     summary: str                                   # one line for --help and the API schema
     factory: Callable | None = None                # config -> job (default: job_cls(config))
+    # How shards sum this kind (aggregator/shards/; None: --shards refuses it). Declared per kind,
+    # never inherited: a subclass (FedNCM, FT(φ), pp, Scaffold, ...) aggregates otherwise.
+    shard_sums: AdditiveState | None = None
 
     def build(self, config) -> object:
         return (self.factory or self.job_cls)(config)
@@ -50,12 +56,14 @@ def _ladd_factory(job_cls: type) -> Callable:
 
 
 KINDS: dict[str, JobKind] = {k.name: k for k in (
-    JobKind("fed3r", Fed3RConfig, Fed3RJob, "Fed3R: each device sends its ridge statistics once; exact closed form"),
+    JobKind("fed3r", Fed3RConfig, Fed3RJob, "Fed3R: each device sends its ridge statistics once; exact closed form",
+            shard_sums=Fed3RSums()),
     JobKind("fed3r-sync", Fed3RSyncConfig, Fed3RSyncJob, "Fed3R-Sync: the statistics summed in groups under SecAgg"),
     JobKind("fedncm", FedNCMConfig, FedNCMJob,
             "FedNCM: Fed3R's device task, solved as normalised class means (the Fed3R paper's baseline)"),
     JobKind("fedncm-sync", FedNCMSyncConfig, FedNCMSyncJob, "FedNCM on Fed3R-Sync's secure group sums"),
-    JobKind("fedavg", FedAvgConfig, FedAvgJob, "FedAvg/FedAvgM rounds fine-tuning the classifier head (FT(ψ))"),
+    JobKind("fedavg", FedAvgConfig, FedAvgJob, "FedAvg/FedAvgM rounds fine-tuning the classifier head (FT(ψ))",
+            shard_sums=FedAvgRoundSums()),
     JobKind("fedavg-async", AsyncFedAvgConfig, AsyncFedAvgJob,
             "FedAvg(ψ) without rounds: FedBuff, a server step every K arrivals, staleness-weighted"),
     JobKind("fedavg-secure", SecureFedAvgConfig, SecureFedAvgJob, "FedAvg(ψ) with each round's updates summed under SecAgg"),

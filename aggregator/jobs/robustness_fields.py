@@ -98,6 +98,17 @@ class FedAvgRobustnessFields(JobConfig):
         return self.aggregator != "mean" or bool(self.norm_bound_multiplier or self.contribution_bound_multiplier
                                                  or self.direction_screen)
 
+    def needs_every_update(self) -> str:
+        """Why a round's combined update needs every update in one place ("" when sums of them do:
+        the sample-weighted mean behind the norm and contribution bounds, whose fleet statistics
+        are one number per update; aggregator/shards/fedavg_sums.py)."""
+        if self.aggregator != "mean":
+            return f"aggregator {self.aggregator!r} needs every update of the round in one place"
+        if self.direction_screen:
+            return ("direction_screen compares every update with the round's coordinate-wise median, "
+                    "which needs every update in one place: set direction_screen false")
+        return ""
+
     def check_robust_aggregation(self) -> None:
         """ValueError when the rule cannot hold its guarantee with κ devices a round (admin API: 422)."""
         if not isinstance(self.direction_screen, bool):

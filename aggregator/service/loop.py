@@ -73,7 +73,7 @@ from aggregator.service.job_runner import JobRunner
 from aggregator.jobs.registry import KINDS, build_job, job_kind_name
 from aggregator.jobs.secure_rounds import LateProtocolMessage
 from aggregator.service.recovery import open_stored
-from aggregator.shards.coordinator_job import RECEIPT, ShardedJob
+from aggregator.shards.coordinator_job import RECEIPT
 from aggregator.shards.pool import ShardPool
 from aggregator.storage.store import Store
 from aggregator.storage.schema import JobState
@@ -211,7 +211,7 @@ class AggregatorService(OperatorActions):
         kind = job_kind_name(job)
         if self.shards is not None:         # its sums are the shards'
             self.shards.set_job(job, kind)
-            job = ShardedJob(job, kind, self.shards.reduce)
+            job = self.shards.coordinator_job(job, kind)
         a = ActiveJob(job, kind, Path(out_dir))
         a.out_dir.mkdir(parents=True, exist_ok=True)
         if self.store is not None:
@@ -270,8 +270,7 @@ class AggregatorService(OperatorActions):
             return self._reject("?", "bad topic", topic[:80])
         if device in self.fleet.revoked:
             return self._reject(device, "revoked device")
-        outbox = topic.endswith("/out")
-        if outbox:
+        if topic.endswith("/out"):
             self._device_bytes[device] = self._device_bytes.get(device, 0) + len(payload)
         try:
             got = self.assembler.feed_lazy(payload, lazy=self.ingest is not None)
@@ -281,9 +280,10 @@ class AggregatorService(OperatorActions):
             self._device_bytes.pop(device, None)
             signature = str(exc).startswith(("signature", "unsigned"))
             return self._reject(device, "bad signature" if signature else "malformed", str(exc))
-        if got is None:
-            return
-        self._on_envelope(device, topic, *got, self._device_bytes.pop(device, 0))
+        if got is not None and RECEIPT in got[0].body:      # only our shards' pipe carries receipts (_on_receipt)
+            return self._reject(device, "malformed", "a device's message carries a shard receipt")
+        if got is not None:
+            self._on_envelope(device, topic, *got, self._device_bytes.pop(device, 0))
 
     def _on_receipt(self, topic: str, raw: bytes) -> None:
         """A shard's receipt for a result it validated and stored (it came over our own pipe)."""

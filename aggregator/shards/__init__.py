@@ -1,4 +1,6 @@
-"""Aggregation beyond one process: the canonical bucketed order (``buckets.py``), bucket sums and
-their reduction (``partial_sums.py``), one shard's ingest (``shard.py``), the coordinator's side of
-K shards (``pool.py``) and what runs them: local processes (``local.py``) or Ray actors
-(``ray_shards.py``). docs/architecture.md, "Shards"."""
+"""Aggregation beyond one process: the canonical bucketed order (``buckets.py``), the reduction
+tree (``sum_tree.py``), bucket sums and their reduction to a job (``partial_sums.py``), a FedAvg
+round's sums (``fedavg_sums.py``), one shard's ingest (``shard.py``), the coordinator's side of K
+shards (``pool.py``; the job it serves: ``coordinator_job.py``, ``coordinator_rounds.py``) and what
+runs them: local processes (``local.py``) or Ray actors (``ray_shards.py``). docs/architecture.md,
+"Shards"."""

@@ -95,10 +95,11 @@ def _read_commands(conn, inbox: queue.Queue) -> None:
 def _command(ingest: ShardIngest, conn, cmd: tuple) -> bool:
     if cmd[0] == "job":
         ingest.set_job(*cmd[1:])
-    elif cmd[0] == "sums":
-        request, job_id, accepted = cmd[1:]
+    elif cmd[0] in ("sums", "statistics"):
+        request, job_id, accepted, context = cmd[1:]
+        answer = ingest.sums if cmd[0] == "sums" else ingest.statistics
         try:
-            conn.send(("sums", request, ingest.sums(job_id, accepted)))
+            conn.send(("sums", request, answer(job_id, accepted, context)))
         except Exception as exc:            # said to the coordinator, which cannot reduce without it
             conn.send(("sums", request, f"{type(exc).__name__}: {exc}"))
     return cmd[0] != "stop"

@@ -7,10 +7,10 @@ resumes), stop them. Every shard runs the same loop (``local.py``'s :func:`shard
 how a shard is started, reached and found dead: a local process and a pipe (``local.py``,
 ``LocalShards``) or a Ray actor on a cluster's node (``ray_shards.py``, ``RayShards``).
 
-Messages, coordinator → shard: ``("job", job_id, kind, config)``, ``("sums", request, job_id,
-accepted)``, ``("stop",)``; shard → coordinator: ``("ready",)`` once connected to the broker,
-``("receipt", topic, raw)``, ``("forward", topic, payload)``, ``("sums", request, node sums or the
-reason it has none)``.
+Messages, coordinator → shard: ``("job", job_id, kind, config)``, ``("sums" | "statistics",
+request, job_id, accepted, context)``, ``("stop",)``; shard → coordinator: ``("ready",)`` once
+connected to the broker, ``("receipt", topic, raw)``, ``("forward", topic, payload)``, ``("sums",
+request, node sums or statistics, or the reason it has none)``.
 """
 
 from __future__ import annotations
@@ -21,13 +21,15 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from protocols.mqtt_link import BrokerConfig
 from protocols.topics import Topics
 
 from aggregator.jobs.base import Job
 from aggregator.shards.buckets import bucket_range
+from aggregator.shards.coordinator_job import ShardedJob
+from aggregator.shards.coordinator_rounds import ShardedRoundsJob
 from aggregator.shards.partial_sums import additive, reduce_nodes
 
 log = logging.getLogger("fedfleet.aggregator.shards")
@@ -35,13 +37,9 @@ log = logging.getLogger("fedfleet.aggregator.shards")
 
 def check_shardable(job: Job, kind: str) -> None:
     """Refuse, with the reason, a job whose sums shards cannot take."""
-    additive(kind)
-    if not job.order_free:
-        raise ValueError(f"a {kind} job with this config is not order-free (e.g. DP noise at round close): "
-                         f"it cannot be summed by shards")
-    if job.config.to_dict().get("streaming"):
-        # an increment is checked against the samples the job holds, which only the coordinator knows
-        raise ValueError("streaming Fed3R cannot run on shards yet: run it without --shards")
+    reason = additive(kind).refusal(job)
+    if reason:
+        raise ValueError(reason)
 
 
 class ShardPool(ABC):
@@ -139,29 +137,42 @@ class ShardPool(ABC):
 
     def reduce(self, kind: str, config: dict, job_id: str, accepted: list[tuple[str, str]]) -> Job:
         """The canonical model of ``accepted`` (device, message id)s: the shards' node sums reduced."""
+        return reduce_nodes(kind, config, self.ask("sums", job_id, accepted))
+
+    def ask(self, what: str, job_id: str, accepted: list[tuple[str, str]], context: Any = None) -> dict:
+        """Every shard's answer over the ``accepted`` ids it holds, merged: ``"sums"`` (its covering
+        nodes' sums) or ``"statistics"`` (device -> the per-update statistic a round's close asks
+        for); ``context``: what the close decided so far (None for a kind that needs nothing)."""
         self._request += 1
-        request, nodes, waiting = self._request, {}, set(range(self.shards))
+        request, merged, waiting = self._request, {}, set(range(self.shards))
+        command = (what, request, job_id, accepted, context)
         for i in waiting:
-            self._send(i, ("sums", request, job_id, accepted))
+            self._send(i, command)
         deadline = time.monotonic() + self.reply_timeout_s
         while waiting:
             try:
-                index, got_request, sums = self._replies.get(timeout=1.0)
+                index, got_request, answer = self._replies.get(timeout=1.0)
             except queue.Empty:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"shards {sorted(waiting)} did not send their sums")
+                    raise TimeoutError(f"shards {sorted(waiting)} did not send their {what}")
                 for i in list(waiting):             # a shard that died meanwhile: restarted and asked again
                     if self._exited(i) is not None:
                         self.watch()
-                        self._send(i, ("sums", request, job_id, accepted))
+                        self._send(i, command)
                 continue
             if got_request != request or index not in waiting:
                 continue
-            if isinstance(sums, str):
-                raise RuntimeError(f"shard {index} cannot sum: {sums}")
-            nodes.update(sums)
+            if isinstance(answer, str):
+                raise RuntimeError(f"shard {index} cannot answer {what}: {answer}")
+            merged.update(answer)
             waiting.discard(index)
-        return reduce_nodes(kind, config, nodes)
+        return merged
+
+    def coordinator_job(self, job: Job, kind: str) -> Job:
+        """``job`` as the coordinator serves it on these shards (after :meth:`set_job`)."""
+        if additive(kind).per_round:
+            return ShardedRoundsJob(job, kind, self)
+        return ShardedJob(job, kind, self.reduce)
 
     def close(self) -> None:
         for i in range(self.shards):

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from protocols import messages as M
 from protocols.chunking import MessageAssembler
@@ -32,7 +32,7 @@ from protocols.topics import Topics
 
 from aggregator.jobs.registry import build_job
 from aggregator.shards.buckets import bucket_of, bucket_range
-from aggregator.shards.partial_sums import Node, PartialSum, additive, bucket_sums, range_sums
+from aggregator.shards.partial_sums import Contribution, Node, PartialSum, additive, bucket_sums, by_bucket, range_sums
 from aggregator.storage.store import Store, StoreError
 from aggregator.storage.schema import JobState
 
@@ -107,7 +107,7 @@ class ShardIngest:
             ref, kind = M.parse_result_ref(env)
             if ref.job != self.job_id or kind != self._validator.kind:
                 return Forward(topic, raw)
-            payload = self._validator.check_payload(env)
+            payload = additive(self.kind).check(self._validator, env)
         except EnvelopeError:
             return Forward(topic, raw)
         try:
@@ -125,9 +125,30 @@ class ShardIngest:
         holding = self.assembler.reassembler.senders()
         self._bytes = {d: n for d, n in self._bytes.items() if d in holding}
 
-    def sums(self, job_id: str, accepted: list[tuple[str, str]]) -> dict[Node, PartialSum | None]:
+    def sums(self, job_id: str, accepted: list[tuple[str, str]], context: Any = None) -> dict[Node, PartialSum | None]:
         """The sums of this shard's covering nodes over the coordinator's accepted (device, message
-        id)s in its range; a bucket is summed again only when its accepted set changed."""
+        id)s in its range; a bucket is summed again only when its accepted set changed (always, for
+        a kind whose sums depend on the round's ``context``)."""
+        buckets = {}
+        for bucket, members in self._accepted_members(job_id, accepted).items():
+            keys = frozenset((c.device, c.message_id) for c in members)
+            cached = None if context is not None else self._cache.get(bucket)
+            if cached is None or cached[0] != keys:
+                summed = bucket_sums(self.kind, self.config, self._contributions(members), context)
+                cached = (keys, summed[bucket])
+                if context is None:
+                    self._cache[bucket] = cached
+            buckets[bucket] = cached[1]
+        return range_sums(self.kind, buckets, self.lo, self.hi)
+
+    def statistics(self, job_id: str, accepted: list[tuple[str, str]], context: Any) -> dict[str, float]:
+        """device -> the statistic a round's close asks of each accepted update this shard holds."""
+        adder, members = additive(self.kind), self._accepted_members(job_id, accepted)
+        ordered = [c for bucket in sorted(members) for c in self._contributions(members[bucket])]
+        return adder.statistics(lambda: build_job(self.kind, self.config), ordered, context)
+
+    def _accepted_members(self, job_id: str, accepted: list[tuple[str, str]]) -> dict[int, list]:
+        """bucket -> the stored rows of the accepted (device, message id)s in this shard's range."""
         if job_id != self.job_id:
             raise ValueError(f"shard {self.index} serves job {self.job_id!r}, not {job_id!r}")
         mine = {(d, m) for d, m in accepted if self.owns(d)}
@@ -136,18 +157,15 @@ class ShardIngest:
         if len(stored) != len(mine):
             lost = sorted(mine - stored.keys())[:5]
             raise StoreError(f"shard {self.index} lacks accepted contributions {lost} (its store was replaced?)")
-        by_bucket: dict[int, list] = {}
+        by_bucket_rows: dict[int, list] = {}
         for key, c in stored.items():
-            by_bucket.setdefault(bucket_of(key[0]), []).append(c)
-        buckets = {}
-        for bucket, members in by_bucket.items():
-            keys = frozenset((c.device, c.message_id) for c in members)
-            cached = self._cache.get(bucket)
-            if cached is None or cached[0] != keys:
-                summed = bucket_sums(self.kind, self.config, [(c.device, c.round, self._loader(c.seq)) for c in members])
-                cached = self._cache[bucket] = (keys, summed[bucket])
-            buckets[bucket] = cached[1]
-        return range_sums(self.kind, buckets, self.lo, self.hi)
+            by_bucket_rows.setdefault(bucket_of(key[0]), []).append(c)
+        return by_bucket_rows
+
+    def _contributions(self, rows: list) -> list[Contribution]:
+        """Stored rows as contributions in canonical order, each loaded when the sum reaches it."""
+        return [c for members in by_bucket((c.device, c.round, self._loader(c.seq)) for c in rows).values()
+                for c in members]
 
     def _loader(self, seq: int):
         job_id = self.job_id

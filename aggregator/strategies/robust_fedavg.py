@@ -42,14 +42,14 @@ Params = dict[str, np.ndarray]
 Update = tuple[Mapping[str, np.ndarray], float]     # (θ_k, its weight: n_k, or less once bounded)
 
 
-def _flatten(tensors: Mapping[str, np.ndarray]) -> np.ndarray:
+def flatten(tensors: Mapping[str, np.ndarray]) -> np.ndarray:
     return np.concatenate([np.asarray(tensors[k], dtype=np.float64).ravel() for k in sorted(tensors)])
 
 
 def _deltas(current: Mapping[str, np.ndarray], updates: Sequence[Update]) -> tuple[np.ndarray, np.ndarray]:
     """(x_t flattened, the matrix of Δ_k = θ_k − x_t, one row per update)."""
-    x = _flatten(current)
-    return x, np.stack([_flatten(t) - x for t, _ in updates])
+    x = flatten(current)
+    return x, np.stack([flatten(t) - x for t, _ in updates])
 
 
 def _unflatten(vector: np.ndarray, like: Mapping[str, np.ndarray]) -> Params:
@@ -90,7 +90,7 @@ class Mean(RobustRule):
                 mean.add(tensors, n)
             return mean.result()
         weights = np.array([w for _, w in updates], dtype=np.float64)
-        return _unflatten(weights @ np.stack([_flatten(t) for t, _ in updates]) / weights.sum(), updates[0][0])
+        return _unflatten(weights @ np.stack([flatten(t) for t, _ in updates]) / weights.sum(), updates[0][0])
 
 
 class CoordinateMedian(RobustRule):
@@ -99,7 +99,7 @@ class CoordinateMedian(RobustRule):
     name = "median"
 
     def combine(self, updates: Sequence[Update]) -> Params:
-        stacked = np.stack([_flatten(t) for t, _ in updates])
+        stacked = np.stack([flatten(t) for t, _ in updates])
         return _unflatten(np.median(stacked, axis=0), updates[0][0])
 
 
@@ -117,7 +117,7 @@ class TrimmedMean(RobustRule):
         return int(math.floor(self.trim_fraction * m))
 
     def combine(self, updates: Sequence[Update]) -> Params:
-        stacked = np.sort(np.stack([_flatten(t) for t, _ in updates]), axis=0)
+        stacked = np.sort(np.stack([flatten(t) for t, _ in updates]), axis=0)
         k = self.trimmed(len(updates))
         return _unflatten(stacked[k:len(updates) - k].mean(axis=0), updates[0][0])
 
@@ -139,7 +139,7 @@ class Krum(RobustRule):
 
     def chosen(self, updates: Sequence[Update]) -> list[int]:
         """Indices of the selected updates (ties broken by position: callers pass a sorted round)."""
-        x = np.stack([_flatten(t) for t, _ in updates])
+        x = np.stack([flatten(t) for t, _ in updates])
         distances = ((x[:, None, :] - x[None, :, :]) ** 2).sum(axis=2)
         nearest = len(updates) - self.byzantine - 2
         scores = [np.sort(np.delete(row, i))[:nearest].sum() for i, row in enumerate(distances)]
@@ -165,7 +165,7 @@ class CenteredClipping(RobustRule):
         self.radius_multiplier, self.iterations = radius_multiplier, iterations
 
     def combine(self, updates: Sequence[Update]) -> Params:
-        x = np.stack([_flatten(t) for t, _ in updates])
+        x = np.stack([flatten(t) for t, _ in updates])
         weights = np.array([n for _, n in updates], dtype=np.float64)
         weights /= weights.sum()
         centre = np.median(x, axis=0)
@@ -196,17 +196,32 @@ class NormBound:
             return list(updates), 0
         x, deltas = _deltas(current, updates)
         norms = np.linalg.norm(deltas, axis=1)
-        limit = self.multiplier * float(np.median(norms))
-        if limit == 0:              # most devices did not move: nothing to compare the others with
-            return list(updates), 0
-        out, scaled = [], 0
-        for (tensors, n), delta, norm in zip(updates, deltas, norms):
-            if norm > limit:
-                out.append((_unflatten(x + delta * (limit / norm), tensors), n))
-                scaled += 1
-            else:
-                out.append((tensors, n))
-        return out, scaled
+        limit = self.limit(norms)
+        out = [self._bounded(x, tensors, n, delta, float(norm), limit) for (tensors, n), delta, norm in
+               zip(updates, deltas, norms)]
+        return out, int((norms > limit).sum()) if limit else 0
+
+    # One update at a time, for sums split across shards (aggregator/shards/fedavg_sums.py): the
+    # round's statistics are gathered first, the limit decided on all of them, then each applied.
+    def limit(self, norms) -> float:
+        """The round's bound from every update's ‖Δ‖; 0 when most devices did not move (nothing
+        to compare the others with: nothing is scaled)."""
+        return self.multiplier * float(np.median(norms))
+
+    @staticmethod
+    def statistic(x: np.ndarray, tensors: Mapping[str, np.ndarray], weight: float) -> float:
+        """‖Δ_k‖ of one update (``x``: x_t flattened)."""
+        return float(np.linalg.norm(flatten(tensors) - x))
+
+    def bound_one(self, x: np.ndarray, tensors: Mapping[str, np.ndarray], weight: float, limit: float) -> Update:
+        delta = flatten(tensors) - x
+        return self._bounded(x, tensors, weight, delta, float(np.linalg.norm(delta)), limit)
+
+    @staticmethod
+    def _bounded(x, tensors, weight, delta: np.ndarray, norm: float, limit: float) -> Update:
+        if limit and norm > limit:
+            return _unflatten(x + delta * (limit / norm), tensors), weight
+        return tensors, weight
 
 
 class ContributionBound:
@@ -228,11 +243,27 @@ class ContributionBound:
             return list(updates), 0
         weights = np.array([w for _, w in updates], dtype=np.float64)
         pulls = weights * np.linalg.norm(_deltas(current, updates)[1], axis=1)
-        limit = self.multiplier * float(np.median(pulls))
-        if limit == 0:              # most devices did not move: nothing to compare the others with
-            return list(updates), 0
-        out = [(t, float(w * limit / pull)) if pull > limit else (t, w) for (t, w), pull in zip(updates, pulls)]
-        return out, int((pulls > limit).sum())
+        limit = self.limit(pulls)
+        out = [self._bounded(t, w, float(pull), limit) for (t, w), pull in zip(updates, pulls)]
+        return out, int((pulls > limit).sum()) if limit else 0
+
+    # one update at a time, as NormBound's (for sums split across shards)
+    def limit(self, pulls) -> float:
+        """The round's bound from every update's pull; 0 when most devices did not move (nothing
+        to compare the others with: no weight is lowered)."""
+        return self.multiplier * float(np.median(pulls))
+
+    @staticmethod
+    def statistic(x: np.ndarray, tensors: Mapping[str, np.ndarray], weight: float) -> float:
+        """w_k·‖Δ_k‖ of one update (``x``: x_t flattened)."""
+        return weight * float(np.linalg.norm(flatten(tensors) - x))
+
+    def bound_one(self, x: np.ndarray, tensors: Mapping[str, np.ndarray], weight: float, limit: float) -> Update:
+        return self._bounded(tensors, weight, self.statistic(x, tensors, weight), limit)
+
+    @staticmethod
+    def _bounded(tensors, weight, pull: float, limit: float) -> Update:
+        return (tensors, float(weight * limit / pull)) if limit and pull > limit else (tensors, weight)
 
 
 class DirectionScreen:
@@ -308,8 +339,8 @@ class RoundHistory:
         """The tensors to move to: ``combined`` itself when off, else x_t + s_t."""
         if not self.momentum:
             return combined
-        x = _flatten({k: current[k] for k in combined})
-        a = _flatten(combined) - x
+        x = flatten({k: current[k] for k in combined})
+        a = flatten(combined) - x
         self.smoothed = a if self.smoothed is None else self.momentum * self.smoothed + (1 - self.momentum) * a
         return _unflatten(x + self.smoothed, combined)
 
@@ -328,6 +359,6 @@ def check_weighted_group_sum(sums: Mapping[str, np.ndarray], n: int, current: Ma
     server sees the sum only: what a member inside the bound can still do is in docs/secure-aggregation.md."""
     if n > members * max_samples:
         raise ValueError(f"the group claims {n} samples, more than {members} members x {max_samples}")
-    norm = float(np.linalg.norm(_flatten(sums) - n * _flatten(current)))
+    norm = float(np.linalg.norm(flatten(sums) - n * flatten(current)))
     if norm > n * clip_norm * (1 + 1e-5) + 1e-4:        # the fixed-point sum's rounding
         raise ValueError(f"‖Σ n_k Δ_k‖ = {norm:.4g} exceeds n·C = {n * clip_norm:.4g} (n={n}, C={clip_norm})")

@@ -1,0 +1,120 @@
+"""A FedAvg(ψ) job as the coordinator of K shards serves it: the rounds, the participants, the
+server step and the model are the job's own; each round's sum is the shards'.
+
+:class:`ShardedRoundsJob` wraps a freshly built ``fedavg`` job. Its results are the shards'
+receipts (``shard.py``): applying one admits it to the open round by the job's own rule (the
+round it names, a participant, once) and records its sample count: never a tensor. At the
+round's close it asks the shards, in phases (``fedavg_sums.py``): each bound layer's statistic of
+every accepted update (the coordinator decides the layer's limit on all of them), then their
+subtree sums of the bounded, weighted updates; it adds those up the fixed tree, divides, and the
+job takes its server step (history, FedAvg / FedAvgM / FedOpt) on that mean, exactly as one
+aggregator does on its own updates: the same bits.
+
+Restarts: the job's state is checkpointed at each round close as one aggregator's is (the model,
+the server optimizer's state); a round open at a crash is rebuilt from the coordinator's store,
+which keeps its receipts, and closed on the sums of the shards' stores.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from protocols.envelope import Envelope, EnvelopeError, body_field
+from protocols.rounds import RoundClosed
+
+from aggregator.jobs.base import Job
+from aggregator.shards.fedavg_sums import RoundContext, bound_layers, round_mean
+from aggregator.shards.partial_sums import additive
+from aggregator.shards.shard import RECEIPT
+from aggregator.shards.sum_tree import root_sum
+
+
+class ShardedRoundsJob(Job):
+    evaluate_at_round_close = True
+
+    def __init__(self, inner: Job, kind: str, pool):
+        self.inner, self.kind_name, self.pool = inner, kind, pool
+        self.config = inner.config
+        self.sums = additive(kind)
+        self.layers = bound_layers(inner.config)
+        self.round_accepted: dict[str, tuple[str, int]] = {}    # device -> (message id, n_k), open round
+
+    # the job's own scheduling
+    kind = property(lambda self: self.inner.kind)
+    round = property(lambda self: self.inner.round)
+    contributed = property(lambda self: self.inner.contributed,
+                           lambda self, value: setattr(self.inner, "contributed", value))
+    contributions = property(lambda self: self.inner.contributions)
+
+    def next_participants(self, online: set[str]) -> list[str]:
+        chosen = self.inner.next_participants(online)
+        if chosen:
+            self.round_accepted = {}
+        return chosen
+
+    def task_for(self, device: str) -> tuple[dict, dict[str, np.ndarray]]:
+        return self.inner.task_for(device)
+
+    def finished(self, online: set[str], known: set[str]) -> bool:
+        return self.inner.finished(online, known)
+
+    def bookkeeping(self) -> dict:
+        return self.inner.bookkeeping()
+
+    def restore_bookkeeping(self, state: dict) -> None:
+        before = self.inner.round
+        self.inner.restore_bookkeeping(state)
+        if self.inner.round != before:          # it entered the stored round: nothing applied to it yet
+            self.round_accepted = {}
+
+    # receipts in place of results
+    def parse_result(self, env: Envelope) -> tuple[str, int, dict]:
+        receipt = env.body.get(RECEIPT)
+        if not isinstance(receipt, dict) or not isinstance(receipt.get("job"), dict):
+            raise EnvelopeError("a sharded job takes its results from its shards' receipts only")
+        return env.id, body_field(env, "round", int), receipt["job"]
+
+    def apply(self, device: str, payload: tuple[str, int, dict]) -> None:
+        message_id, round_, kept = payload
+        if self.inner.admits(device, round_, self.round_accepted):
+            self.round_accepted[device] = (message_id, int(kept["n"]))
+            self.sums.record(self.inner, device, kept)
+
+    # the round's close: the shards' sums
+    def close_round(self, closed: RoundClosed) -> None:
+        if not self.inner.closes(closed.round):
+            return
+        accepted = sorted((device, mid) for device, (mid, _n) in self.round_accepted.items())
+        samples = sum(n for _mid, n in self.round_accepted.values())
+        mean = self._round_mean(accepted) if accepted else None
+        self.inner.finish_round(closed, self.inner.server_step(mean, len(accepted) if mean is not None else 0,
+                                                               samples))
+        self.round_accepted = {}
+
+    def _round_mean(self, accepted: list[tuple[str, str]]) -> dict[str, np.ndarray] | None:
+        job_id = self.config.job_id
+        current = {name: self.inner.params[name] for name in self.inner.trained_shapes()}
+
+        def statistics(context: RoundContext) -> dict[str, float]:
+            return self.pool.ask("statistics", job_id, accepted, context)
+
+        def root(context: RoundContext):
+            return root_sum(self.sums, self.pool.ask("sums", job_id, accepted, context))
+
+        return round_mean(self.layers, current, statistics, root)
+
+    # the model: the job's
+    def evaluate(self, features: np.ndarray | None, labels: np.ndarray | None) -> dict:
+        return self.inner.evaluate(features, labels)
+
+    def model_arrays(self) -> dict[str, np.ndarray]:
+        return self.inner.model_arrays()
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+        self.round_accepted = {}

@@ -1,0 +1,152 @@
+"""A FedAvg(ψ) round's sum, split in buckets: what shards add, and what one aggregator adds the
+same way so that both give the same bits.
+
+A round's combined update is Σ w_k θ'_k / Σ w_k over its accepted updates, where θ'_k, w_k are the
+update and its sample count n_k after the bounded-influence layers that need only one number per
+update from the fleet (``aggregator/strategies/robust_fedavg.py``): the norm bound (‖Δ_k‖, limit
+a multiple of their median) and the contribution bound (w_k·‖Δ_k‖, likewise). The round closes in
+phases (:func:`round_mean`): for each layer, every update's statistic is gathered and the limit
+decided on all of them; then each bucket sums w_k θ'_k and w_k in canonical (device id) order, and
+the bucket sums are added up the fixed tree (``sum_tree.py``). With shards the statistics and the
+subtree sums come from the shards that hold the updates; with one aggregator from its own memory
+(:func:`local_round_mean`): the same per-update arithmetic, the same additions.
+
+Layers that need every update at once (the direction screen's coordinate-wise median, the robust
+rules) cannot be split this way: such a config is refused on shards (``FedAvgRoundSums.refusal``)
+and one aggregator combines it as before. DP FedAvg is refused too (its clipped, noised mean is
+taken at the coordinator over every update).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import groupby
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from aggregator.shards.buckets import NUM_BUCKETS, bucket_of, canonical_key
+from aggregator.shards.sum_tree import AdditiveState, Contribution, PartialSum, add_elementwise, node_sum
+from aggregator.strategies.robust_fedavg import flatten
+
+WEIGHT = "weight_total"         # a bucket state's Σ w_k (float64: a contribution bound makes w_k fractional)
+SUM = "sum."                    # + tensor name: Σ w_k θ'_k (float64)
+
+Params = dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class RoundContext:
+    """What a round's close has decided when it asks for statistics or sums: the tensors the
+    devices trained from (x_t) and the limit of each bound layer decided so far (0: no bounding).
+    Statistics are asked for the first layer without a limit."""
+
+    current: Params
+    limits: tuple[float, ...] = ()
+
+
+def bound_layers(config) -> list:
+    """The config's per-update bound layers that are on, in the order they apply."""
+    aggregation = config.robust_aggregation()
+    return [layer for layer in (aggregation.bound, aggregation.contribution) if layer.multiplier]
+
+
+def _bounded(layers: list, x: np.ndarray, tensors: Mapping[str, np.ndarray], weight, limits: tuple[float, ...]):
+    for layer, limit in zip(layers, limits):
+        tensors, weight = layer.bound_one(x, tensors, weight, limit)
+    return tensors, weight
+
+
+def update_statistics(layers: list, context: RoundContext, updates) -> dict[str, float]:
+    """device -> the statistic of the next undecided layer, of each (device, tensors, n) update."""
+    x, out = flatten(context.current), {}
+    layer = layers[len(context.limits)]
+    for device, tensors, n in updates:
+        t, w = _bounded(layers, x, tensors, n, context.limits)
+        out[device] = layer.statistic(x, t, w)
+    return out
+
+
+def weighted_sum(layers: list, context: RoundContext, updates) -> PartialSum:
+    """Σ w_k θ'_k and Σ w_k of (device, tensors, n) updates, in the order given (a bucket's, canonical)."""
+    x, sums, total, contributed = flatten(context.current), {}, 0.0, {}
+    for device, tensors, n in updates:
+        t, w = _bounded(layers, x, tensors, n, context.limits)
+        for name, value in t.items():
+            term = w * np.asarray(value, dtype=np.float64)
+            if name in sums:
+                sums[name] += term
+            else:
+                sums[name] = term
+        total += float(w)
+        contributed[device] = int(n)
+    return PartialSum({**{SUM + k: v for k, v in sums.items()}, WEIGHT: np.array([total])}, contributed)
+
+
+def round_mean(layers: list, current: Params, statistics: Callable[[RoundContext], dict[str, float]],
+               root: Callable[[RoundContext], PartialSum | None]) -> Params | None:
+    """The round's combined tensors (None when no update counts): each layer's limit from every
+    update's statistic (``statistics``), then the root of the tree of bounded sums (``root``)."""
+    limits: tuple[float, ...] = ()
+    for layer in layers:
+        limits += (layer.limit(list(statistics(RoundContext(current, limits)).values())),)
+    total = root(RoundContext(current, limits))
+    if total is None or not total.state[WEIGHT][0] > 0:
+        return None
+    weight = total.state[WEIGHT][0]
+    return {name[len(SUM):]: s / weight for name, s in total.state.items() if name.startswith(SUM)}
+
+
+def local_round_mean(config, current: Params, updates: Mapping[str, tuple[Params, int]]) -> Params | None:
+    """One aggregator's round mean over its ``updates`` (device -> (θ_k, n_k)): the shards' arithmetic."""
+    layers, adder = bound_layers(config), FedAvgRoundSums()
+    ordered = sorted(updates, key=lambda d: canonical_key(d, 0))
+    triples = [(d, *updates[d]) for d in ordered]
+
+    def root(context: RoundContext) -> PartialSum | None:
+        leaves = {(b, b + 1): weighted_sum(layers, context, list(members))
+                  for b, members in groupby(triples, key=lambda u: bucket_of(u[0]))}
+        return node_sum(adder, leaves, (0, NUM_BUCKETS))
+
+    return round_mean(layers, current, lambda context: update_statistics(layers, context, triples), root)
+
+
+class FedAvgRoundSums(AdditiveState):
+    """FedAvg(ψ)'s round sums on shards: a shard checks a head update with the job's own parser, its
+    receipt carries the sample count, and at the round's close it reports statistics and bucket sums
+    over the round's accepted updates it holds (``context``: a :class:`RoundContext`)."""
+
+    per_round = True
+
+    def refusal(self, job) -> str:
+        if job.dp is not None:
+            return "DP FedAvg clips and noises every update at the coordinator: it cannot run on shards yet"
+        return job.config.needs_every_update()
+
+    def check(self, job, env) -> Any:
+        return job.parse_result(env)
+
+    @staticmethod
+    def _updates(job, members: list[Contribution]) -> list[tuple[str, Params, int]]:
+        out = []
+        for device, _round, load in members:
+            update = load(job).update
+            out.append((device, update.tensors(), update.n))
+        return out
+
+    def statistics(self, new_job, members: list[Contribution], context: RoundContext) -> dict[str, float]:
+        job = new_job()
+        return update_statistics(bound_layers(job.config), context, self._updates(job, members))
+
+    def sum_bucket(self, new_job, members: list[Contribution], context: RoundContext) -> PartialSum:
+        job = new_job()
+        return weighted_sum(bound_layers(job.config), context, self._updates(job, members))
+
+    def add(self, left: dict[str, np.ndarray], right: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return add_elementwise(left, right)
+
+    def receipt(self, job, payload) -> dict:
+        return {"n": int(payload.update.n)}
+
+    def record(self, job, device: str, receipt: dict) -> None:
+        job.record_update(device, int(receipt["n"]))

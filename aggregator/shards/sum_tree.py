@@ -1,0 +1,127 @@
+"""The reduction tree every sharded sum is added up: partial sums, how two of a kind add, and the
+fixed binary tree over the ``NUM_BUCKETS`` buckets (``buckets.py``).
+
+Pure arithmetic on numpy arrays, importing no job: a job kind whose one-aggregator sum must be
+the shards' bit for bit (FedAvg's round mean, ``fedavg_sums.py``) sums its own updates up this
+same tree. Each node is the sum of its two children; an empty bucket is no operand at all (no
+``0 + x`` changes a sign bit). Whoever holds a subtree's buckets may sum it (one aggregator all
+of them; a shard the subtrees inside its range, :func:`covering_nodes`): the additions, hence
+the bits, are the same for any number of shards.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from aggregator.shards.buckets import NUM_BUCKETS
+
+Node = tuple[int, int]      # the buckets [start, end) under one node of the tree
+
+
+@dataclass
+class PartialSum:
+    state: dict[str, np.ndarray]
+    contributed: dict[str, Any] = field(default_factory=dict)
+
+
+# (device, round, payload loader): the loader parses the contribution when the sum reaches it, so
+# a bucket's payloads are read and decoded one at a time
+Contribution = tuple[str, int, Callable[[Any], Any]]
+
+
+class AdditiveState(ABC):
+    """How a job kind's contributions are summed by shards: how a bucket sums its contributions
+    (:meth:`sum_bucket`), how two partial states add up to the state of their union (:meth:`add`),
+    how a shard checks a result (:meth:`check`) and what the job keeps of each contribution besides
+    its sums: a shard puts it in its receipt (:meth:`receipt`), the coordinator's job records it
+    (:meth:`record`) without ever seeing the contribution."""
+
+    per_round: bool = False
+    """The sums are one round's updates, asked for at each round close (FedAvg), not the whole
+    job's contributions (Fed3R)."""
+
+    @abstractmethod
+    def refusal(self, job: Any) -> str:
+        """Why shards cannot sum this job as configured ("" when they can)."""
+
+    @abstractmethod
+    def check(self, job: Any, env: Any) -> Any:
+        """The validated payload of a result (``EnvelopeError`` for an invalid one), on a shard."""
+
+    @abstractmethod
+    def sum_bucket(self, new_job: Callable[[], Any], members: list[Contribution], context: Any) -> PartialSum:
+        """The sum of one bucket's ``members`` (in canonical order); ``context``: what the round's
+        close decided (None for a kind that needs nothing)."""
+
+    @abstractmethod
+    def add(self, left: dict[str, np.ndarray], right: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        ...
+
+    @abstractmethod
+    def receipt(self, job: Any, payload: Any) -> dict:
+        ...
+
+    @abstractmethod
+    def record(self, job: Any, device: str, receipt: dict) -> None:
+        ...
+
+    def statistics(self, new_job: Callable[[], Any], members: list[Contribution], context: Any) -> dict[str, float]:
+        """Per-update statistics a round's close decides on (device -> value): none by default."""
+        raise ValueError(f"{type(self).__name__} sums need no per-update statistics")
+
+
+def add_elementwise(left: dict[str, np.ndarray], right: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    if left.keys() != right.keys():
+        raise ValueError(f"partial states hold {sorted(right)} and {sorted(left)}")
+    return {k: left[k] + right[k] for k in left}
+
+
+def covering_nodes(lo: int, hi: int, node: Node = (0, NUM_BUCKETS)) -> list[Node]:
+    """The largest nodes of the tree whose buckets all lie in ``[lo, hi)``, left to right."""
+    start, end = node
+    if hi <= start or end <= lo:
+        return []
+    if lo <= start and end <= hi:
+        return [node]
+    mid = (start + end) // 2
+    return covering_nodes(lo, hi, (start, mid)) + covering_nodes(lo, hi, (mid, end))
+
+
+def combine(adder: AdditiveState, left: PartialSum | None, right: PartialSum | None) -> PartialSum | None:
+    if left is None or right is None:
+        return left if right is None else right
+    if left.contributed.keys() & right.contributed.keys():
+        raise ValueError("two partial sums hold the same device")
+    return PartialSum(adder.add(left.state, right.state), {**left.contributed, **right.contributed})
+
+
+def node_sum(adder: AdditiveState, known: dict[Node, PartialSum | None], node: Node = (0, NUM_BUCKETS)):
+    """A node's sum: given in ``known``, else its children's (an unknown bucket is empty)."""
+    if node in known:
+        return known[node]
+    start, end = node
+    if end - start == 1:
+        return None
+    mid = (start + end) // 2
+    return combine(adder, node_sum(adder, known, (start, mid)), node_sum(adder, known, (mid, end)))
+
+
+def subtree_sums(adder: AdditiveState, buckets: dict[int, PartialSum], lo: int, hi: int) -> dict[Node, PartialSum | None]:
+    """What the owner of buckets ``[lo, hi)`` reports: the sums of its covering nodes."""
+    if any(not lo <= b < hi for b in buckets):
+        raise ValueError(f"buckets {sorted(b for b in buckets if not lo <= b < hi)} are outside [{lo}, {hi})")
+    leaves = {(b, b + 1): s for b, s in buckets.items()}
+    return {n: node_sum(adder, leaves, n) for n in covering_nodes(lo, hi)}
+
+
+def root_sum(adder: AdditiveState, nodes: dict[Node, PartialSum | None]) -> PartialSum | None:
+    """The tree's root from node sums that cover every bucket once (None: nothing was summed)."""
+    covered = sorted(b for start, end in nodes for b in range(start, end))
+    if covered != list(range(NUM_BUCKETS)):
+        raise ValueError("the partial sums do not cover every bucket exactly once (a bucket given twice "
+                         "would double, one missing would be lost)")
+    return node_sum(adder, nodes)

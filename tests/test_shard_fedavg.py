@@ -1,0 +1,168 @@
+"""FedAvg(ψ) rounds on shards without sockets (aggregator/shards/fedavg_sums.py,
+coordinator_rounds.py): real head-update envelopes (chunked) fed to K shard ingests with real
+stores, a coordinator job closing each round on their statistics and sums, against one
+aggregator's job given the same updates. The models must be the same bytes for every K, with the
+norm and contribution bounds on (they close in phases), and the round's mean must be the layers'
+own (the vectorised, unsplit ``RobustAggregation``) to rounding."""
+
+import numpy as np
+import pytest
+
+from aggregator.jobs.registry import build_job
+from aggregator.shards.buckets import shard_of
+from aggregator.shards.coordinator_rounds import ShardedRoundsJob
+from aggregator.shards.shard import Receipt, ShardIngest
+from aggregator.storage.store import Store
+from protocols import messages as M
+from protocols.chunking import split
+from protocols.envelope import decode, encode
+from protocols.payloads.fedavg import KIND, encode_head_update
+from protocols.rounds import RoundClosed
+from protocols.topics import Topics
+
+C, D = 3, 5
+DEVICES = [f"dev{i:02d}" for i in range(10)]
+CONFIG = {"job_id": "sharded-fedavg", "num_classes": C, "feature_dim": D, "clients_per_round": 9, "rounds": 2,
+          "direction_screen": False, "server_optimizer": "yogi", "server_lr": 0.5, "seed": 3}
+TOPICS = Topics()
+
+
+class InProcessShards:
+    """What ShardedRoundsJob asks of a ShardPool, answered by shard ingests in this process."""
+
+    def __init__(self, shards: list[ShardIngest]):
+        self.shards, self.asked = shards, []
+
+    def ask(self, what: str, job_id: str, accepted, context=None) -> dict:
+        self.asked.append(what)
+        merged = {}
+        for s in self.shards:
+            merged.update(s.sums(job_id, accepted, context) if what == "sums" else s.statistics(job_id, accepted, context))
+        return merged
+
+
+def update_message(device: str, round_: int, head: dict, rng) -> bytes:
+    """A device's trained head: the served one moved by noise; dev01 pushes 40 times harder."""
+    scale = 40.0 if device == "dev01" else 1.0
+    weight = head["weight"] + scale * rng.normal(scale=0.1, size=(C, D))
+    bias = head["bias"] + scale * rng.normal(scale=0.1, size=C)
+    body, tensors = encode_head_update(weight, bias, int(rng.integers(5, 60)))
+    env = M.result_message(device, M.TaskRef(CONFIG["job_id"], round_, "t"), KIND, body, tensors)
+    env.id = f"{round_:04x}{int(device[3:]):028x}"
+    return encode(env)
+
+
+def feed(shard: ShardIngest, device: str, raw: bytes) -> Receipt:
+    outs = [shard.feed(TOPICS.outbox(device), part) for part in split(raw, decode(raw).id, device, chunk_size=256)]
+    assert isinstance(outs[-1], Receipt)
+    return outs[-1]
+
+
+def run_rounds(tmp_path, shards_count: int, late: str):
+    """(one aggregator's job, the coordinator's job, what the coordinator asked) after the job's rounds."""
+    shards = [ShardIngest(k, shards_count, Store(tmp_path / f"k{shards_count}-s{k}.db")) for k in range(shards_count)]
+    for s in shards:
+        s.set_job(CONFIG["job_id"], "fedavg", CONFIG)
+    pool = InProcessShards(shards)
+    single, coordinator = build_job("fedavg", CONFIG), ShardedRoundsJob(build_job("fedavg", CONFIG), "fedavg", pool)
+    rng = np.random.default_rng(7)
+    for _ in range(CONFIG["rounds"]):
+        chosen = single.next_participants(set(DEVICES))
+        assert coordinator.next_participants(set(DEVICES)) == chosen
+        for device in reversed(chosen):         # arrival order is not the canonical order
+            raw = update_message(device, single.round, single.task_for(device)[1], rng)
+            receipt = feed(shards[shard_of(device, shards_count)], device, raw)
+            if device == late:                  # receipted, but the coordinator refused it: in no sum
+                continue
+            single.apply(device, single.parse_result(decode(raw)))
+            coordinator.apply(device, coordinator.parse_result(decode(receipt.raw)))
+        closed = RoundClosed(single.round, tuple(d for d in chosen if d != late), (), (), ())
+        single.close_round(closed)
+        coordinator.close_round(closed)
+    return single, coordinator, pool.asked
+
+
+@pytest.mark.parametrize("shards_count", [2, 3])
+def test_shards_close_fedavg_rounds_to_one_aggregators_bytes(tmp_path, shards_count):
+    single, coordinator, asked = run_rounds(tmp_path, shards_count, late="dev04")
+    assert asked == ["statistics", "statistics", "sums"] * CONFIG["rounds"]     # norm, then weight bound, then sums
+    for name, value in single.state_dict().items():
+        assert coordinator.state_dict()[name].tobytes() == value.tobytes(), name
+    assert coordinator.contributed == single.contributed and "dev04" not in single.contributed
+    assert coordinator.inner.samples == single.samples and coordinator.round == single.round == 2
+
+
+def test_one_aggregators_tree_mean_is_the_bound_layers_mean(tmp_path):
+    """The canonical tree sum is the unsplit layers' result (another code path: vectorised norms,
+    a BLAS product) up to rounding, with the outlier bounded."""
+    job = build_job("fedavg", CONFIG)
+    rng = np.random.default_rng(1)
+    chosen = job.next_participants(set(DEVICES))
+    for device in chosen:
+        job.apply(device, job.parse_result(decode(update_message(device, 1, job.task_for(device)[1], rng))))
+    current = {k: job.params[k] for k in ("weight", "bias")}
+    updates = [job._updates[d] for d in sorted(job._updates)]
+    want, report = job.config.robust_aggregation().aggregate(current, updates)
+    assert report["norm_bounded"] >= 1 and report["weight_bounded"] >= 1        # both layers bite
+    got, count, samples = job.round_mean()
+    assert count == len(chosen) and samples == sum(n for _, n in updates)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-12, atol=1e-15)
+
+
+def test_simulate_shards_each_job_shards_can_sum_and_says_why_not_for_the_others():
+    """``fedfleet simulate --shards K``: the aggregator options each job of a pipeline gets."""
+    import dataclasses
+
+    from fedfleet.simulate import PRESETS, aggregator_shards
+
+    cfg = dataclasses.replace(PRESETS["smoke"], shards=2)
+    fed3r = {"job_id": "f", "num_classes": C, "feature_dim": D}
+    assert aggregator_shards(cfg, "fed3r", fed3r) == (["--shards", "2"], "")
+    assert aggregator_shards(dataclasses.replace(cfg, ray="auto"), "fedavg", CONFIG) == (
+        ["--shards", "2", "--ray", "auto"], "")
+    options, why = aggregator_shards(cfg, "fedavg", {**CONFIG, "direction_screen": True})
+    assert options == [] and "direction_screen" in why
+    options, why = aggregator_shards(cfg, "personalize", {})
+    assert options == [] and "personalize" in why
+    assert aggregator_shards(dataclasses.replace(cfg, shards=0), "fed3r", fed3r) == ([], "")
+
+
+def test_a_device_message_carrying_a_shard_receipt_is_refused_and_changes_nothing(tmp_path):
+    """Only the shards' own pipe carries receipts: a device that writes one into its result (on its
+    outbox, which a shard forwards when the result fails its checks, or on its presence topic, which
+    reaches the coordinator directly) would otherwise be taken for a validated, stored update."""
+    import time
+
+    from aggregator.service.loop import AggregatorService
+    from aggregator.shards.shard import RECEIPT
+    from protocols.mqtt_link import BrokerConfig
+
+    config = {**CONFIG, "clients_per_round": 2, "expected_devices": 2, "rounds": 1}
+    svc = AggregatorService(build_job("fedavg", config), BrokerConfig(port=1), tmp_path / "out",
+                            enrolled={"dev00", "dev01"}, store=Store(tmp_path / "state.db"))   # never connects
+    for device in ("dev00", "dev01"):
+        svc._on_payload(TOPICS.presence(device), encode(M.presence_message(device, "online", {})))
+    svc._tick(time.monotonic())
+    job = svc.active.job
+    assert job.round == 1
+    forged = M.result_message("dev00", M.TaskRef(config["job_id"], 1, "t"), KIND, {"n": 10**6}, {})
+    forged.body[RECEIPT] = {"shard": 0, "bytes": 1, "job": {"n": 10**6}}
+    before = svc._stats().rejections["malformed"]
+    for topic in (TOPICS.outbox("dev00"), TOPICS.presence("dev00")):
+        svc._on_payload(topic, encode(forged))
+    assert svc._stats().rejections["malformed"] == before + 2
+    assert job.contributed == {} and job.samples == 0 and not list(svc.store.contributions(config["job_id"]))
+
+
+def test_only_fed3r_and_fedavg_declare_shard_sums_none_inherits_them():
+    """A kind is shardable by its own registry entry: FedNCM (a Fed3R job) and FedAvg's subclasses
+    (FT(φ), pp, Scaffold, FedGloSS, FedBuff, secure) sum or step otherwise, and a new kind starts
+    unshardable until it declares how its sums split."""
+    from aggregator.jobs.registry import KINDS
+    from aggregator.shards.partial_sums import additive
+
+    assert {name for name, kind in KINDS.items() if kind.shard_sums is not None} == {"fed3r", "fedavg"}
+    for name in ("fedncm", "fedavg-tail", "pp", "scaffold", "fedgloss", "fedavg-async", "fedavg-secure"):
+        with pytest.raises(ValueError, match="no additive state"):
+            additive(name)
