@@ -26,7 +26,7 @@ from protocols.payloads.partial import ALGORITHMS, KIND, SHARED, parse_partial_u
 from aggregator.jobs.device_state_fields import DeviceStateFields, DeviceStateRun, StatefulDevicesJob
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob, RoundUpdate
 from aggregator.jobs.personal_wma import PersonalWmaJob
-from aggregator.jobs.personalize import load_model
+from aggregator.jobs.personalize import load_head
 
 
 @dataclass
@@ -51,9 +51,7 @@ class PartialPersonalizationJob(PersonalWmaJob, StatefulDevicesJob, FedAvgJob):
     def __init__(self, config: PartialConfig, initial_head: dict[str, np.ndarray] | None = None, strategy=None):
         if initial_head is None and config.initial_head_file:
             # a Fed3R model (coef, intercept) or a fine-tuned one (weight, bias): PP after Fed3R or after FT
-            initial_head, tail = load_model(config.initial_head_file)
-            if tail:
-                raise ValueError("partial personalization of the head cannot start from a fine-tuned backbone tail")
+            initial_head = load_head(config.initial_head_file, "partial personalization")
         super().__init__(config, initial_head=initial_head, strategy=strategy, kind=KIND)
         self.device_state = DeviceStateRun()
 

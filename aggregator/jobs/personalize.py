@@ -85,6 +85,15 @@ def load_model(path: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]
         raise ValueError(f"{path}: no head in it (expected weight/bias or coef/intercept, found {model.files})")
 
 
+def load_head(path: str, what: str) -> dict[str, np.ndarray]:
+    """The head of a head-only model.npz: a Fed3R model or a fine-tuned head (``what``, a job that
+    trains the head alone, cannot start from a fine-tuned backbone tail)."""
+    head, tail = load_model(path)
+    if tail:
+        raise ValueError(f"{what} of the head cannot start from a fine-tuned backbone tail")
+    return head
+
+
 @dataclass
 class PersonalizeJob(OncePerDevice, Job):
     config: PersonalizeConfig
