@@ -119,13 +119,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--secure-graph", choices=["auto", "complete", "regular"],
                    help="SecAgg (complete), SecAgg+ (regular), or by group size (auto, the default: complete up to "
                         "128 members)")
-    s.add_argument("--pipeline", choices=["fed3r", "fedncm", "fed3r-ft-oll", "fed3r-pp-oll", "fed3r-ft-pp-oll", "ladd"],
+    s.add_argument("--pipeline", choices=["fed3r", "fedncm", "fed3r-ft-oll", "fed3r-pp-oll", "fed3r-ft-pp-oll", "fed3r-ditto-oll",
+                                            "fed3r-ft-ditto-oll", "ladd"],
                    default="fed3r",
                    help="fed3r: classification (Fed3R / Fed3R-Sync); fedncm: the class-mean baseline on "
                         "Fed3R's upload (FedNCM / FedNCM-Sync); fed3r-ft-oll: Fed3R, then FedAvg(ψ) "
                         "fine-tuning from it, then OLL personalization on every device, with an HTML report; "
                         "fed3r-pp-oll / fed3r-ft-pp-oll: FedAlt partial personalization (shared head weight, "
                         "each device's own bias) before OLL, without / after fine-tuning; "
+                        "fed3r-ditto-oll / fed3r-ft-ditto-oll: Ditto there instead (each device's own head, "
+                        "pulled to the averaged one; config ditto_lambda); "
                         "ladd: segmentation on unlabelled devices (source-only vs FedAvg+self-training vs LADD)")
     s.add_argument("--ft-rounds", type=int, help="fed3r-ft-oll: FedAvg(ψ) fine-tuning rounds")
     s.add_argument("--fp-epochs", type=int, help="fed3r-ft-oll: local FP(ψ) epochs after OLL (0: OLL only)")

@@ -1,4 +1,4 @@
-"""``fedfleet simulate --pipeline fed3r-ft-oll`` (and ``fed3r-pp-oll``, ``fed3r-ft-pp-oll``): the
+"""``fedfleet simulate --pipeline fed3r-ft-oll`` (and ``fed3r-pp-oll``, ``fed3r-ft-pp-oll``, the ditto ones): the
 seeds' pipeline on the emulated fleet.
 
 Three (or four) jobs run one after the other against the same fleet (one broker, the same device
@@ -26,6 +26,10 @@ state store (``edge_client.state``; the emulated devices' stores are under the r
 ``device_state/``) and never sent; OLL then evaluates every device with its own bias too
 (``personal_job``). ``fed3r-pp-oll`` skips fine-tuning: the paper's "Fed3R + PP without FT".
 With ``secure`` the pp rounds sum the shared weight's updates under SecAgg (``pp-secure``).
+``fed3r-ditto-oll`` / ``fed3r-ft-ditto-oll`` run a **ditto** job there instead (plain rounds only):
+the head averaged as FedAvg(ψ), each device's own head trained towards it (λ ``ditto_lambda``) and
+kept in its state store; OLL then starts from each device's own head. It shares ``pp_rounds`` and
+``pp_client_lr`` with the pp phase.
 
 Each device keeps ``holdout_fraction`` of its data as that held-out split: no phase trains on it.
 With ``secure`` the first two phases run under secure aggregation (Fed3R-Sync, then secure
@@ -44,6 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
+from protocols.payloads.ditto import KIND as DITTO_KIND
 from protocols.payloads.fed3r import KIND as FED3R_KIND
 from protocols.payloads.fedavg import KIND as FEDAVG_KIND
 from protocols.payloads.fedavg import KIND_TAIL as FEDAVG_TAIL_KIND
@@ -60,12 +65,21 @@ from .simulate import EmulatedFleet, SimConfig, _report, _secure_setup, prepare
 
 PIPELINES = {"fed3r-ft-oll": ("fed3r", "fedavg-ft", "oll"),
              "fed3r-pp-oll": ("fed3r", "pp", "oll"),
-             "fed3r-ft-pp-oll": ("fed3r", "fedavg-ft", "pp", "oll")}
+             "fed3r-ft-pp-oll": ("fed3r", "fedavg-ft", "pp", "oll"),
+             "fed3r-ditto-oll": ("fed3r", "ditto", "oll"),
+             "fed3r-ft-ditto-oll": ("fed3r", "fedavg-ft", "ditto", "oll")}
+# the phases whose devices keep a personal part (the OLL job then scores each device with its own):
+# what each does, and its job fields beyond the common ones
+PERSONAL_PHASES = {"pp": lambda cfg: (f"{cfg.pp_algorithm} partial personalization (shared head weight, each "
+                                      "device's bias kept on it)", {"pp_algorithm": cfg.pp_algorithm}),
+                   "ditto": lambda cfg: (f"Ditto (the head averaged, each device's own head kept on it, "
+                                         f"λ={cfg.ditto_lambda:g})", {"ditto_lambda": cfg.ditto_lambda})}
 FT_ALGORITHMS = ("fedavg", "fedgloss")      # the fine-tuning job's kind (ft_algorithm): its registry name
 # task kinds of each phase, plain and secure
 PHASE_KINDS = {"fed3r": (FED3R_KIND, SYNC_KIND),
                "fedavg-ft": (FEDAVG_KIND, SECURE_FEDAVG_KIND, FEDAVG_TAIL_KIND, SECURE_TAIL_KIND, FEDGLOSS_KIND),
                "pp": (PP_KIND, SECURE_PP_KIND),
+               "ditto": (DITTO_KIND,),
                "oll": (PERSONALIZE_KIND,)}
 
 
@@ -80,8 +94,11 @@ def run_pipeline(cfg: SimConfig, quiet: bool = False, compare_with: dict | None 
     """Run the pipeline's phases; ``compare_with``: a plain run's report, which a secure run's report
     then carries (its comparison table and its curves, dashed)."""
     names = PIPELINES[pipeline]
-    if "pp" in names and cfg.ft_mode != "psi":
-        raise ValueError("partial personalization runs on the head: not after FT(φ)/FT(M) (no tail in pp tasks yet)")
+    if set(PERSONAL_PHASES) & set(names) and cfg.ft_mode != "psi":
+        raise ValueError("partial personalization and Ditto run on the head: not after FT(φ)/FT(M) (no tail in "
+                         "their tasks yet)")
+    if "ditto" in names and cfg.secure:
+        raise ValueError("Ditto runs in plain rounds (no secure variant yet): not with secure")
     if not cfg.holdout_fraction:
         raise ValueError("personalization needs a local held-out split: set holdout_fraction > 0")
     if cfg.ft_mode not in FT_MODES:
@@ -147,19 +164,18 @@ def run_pipeline(cfg: SimConfig, quiet: bool = False, compare_with: dict | None 
                 ft_kind, ft_job, ft_dir, ft_eval, cfg.ft_rounds * cfg.clients_per_round)}
             clock.done("fedavg-ft")
         personal = {}
-        if "pp" in names:
-            step = names.index("pp") + 1
-            say(f"\n[{step}/{steps}] pp{'-secure' if cfg.secure else ''}: {cfg.pp_algorithm} partial personalization (shared head weight, each "
-                f"device's bias kept on it), {cfg.pp_rounds} rounds of κ={cfg.clients_per_round}")
-            pp_dir = out / f"{step}-pp"
-            pp_job = {**common, "job_id": "pp-sim", "rounds": cfg.pp_rounds, "clients_per_round": cfg.clients_per_round,
-                      "round_timeout_s": cfg.round_timeout_s, "client_lr": cfg.pp_client_lr,
-                      "pp_algorithm": cfg.pp_algorithm, "init": "fed3r", "initial_head_file": str(head_dir / "model.npz"),
-                      **secure_fields}
-            phases["pp"] = {"dir": pp_dir, "results": fleet.run_job(
-                "pp-secure" if cfg.secure else "pp", pp_job, pp_dir, out / "eval_features.npz", cfg.pp_rounds * cfg.clients_per_round)}
-            head_dir, personal = pp_dir, {"personal_job": "pp-sim"}
-            clock.done("pp")
+        for name in (n for n in names if n in PERSONAL_PHASES):
+            step, kind = names.index(name) + 1, f"{name}-secure" if cfg.secure else name
+            does, fields = PERSONAL_PHASES[name](cfg)
+            say(f"\n[{step}/{steps}] {kind}: {does}, {cfg.pp_rounds} rounds of κ={cfg.clients_per_round}")
+            job_dir, job_id = out / f"{step}-{name}", f"{name}-sim"
+            job = {**common, "job_id": job_id, "rounds": cfg.pp_rounds, "clients_per_round": cfg.clients_per_round,
+                   "round_timeout_s": cfg.round_timeout_s, "client_lr": cfg.pp_client_lr, **fields,
+                   "init": "fed3r", "initial_head_file": str(head_dir / "model.npz"), **secure_fields}
+            phases[name] = {"dir": job_dir, "results": fleet.run_job(
+                kind, job, job_dir, out / "eval_features.npz", cfg.pp_rounds * cfg.clients_per_round)}
+            head_dir, personal = job_dir, {"personal_job": job_id}
+            clock.done(name)
 
         what = f"the {'personalized' if personal else 'fine-tuned'} head{' and backbone tail' if tail else ''}"
         say(f"\n[{steps}/{steps}] oll: personalise {what} on every device (FP(ψ) {cfg.fp_epochs} epochs)")
@@ -231,7 +247,7 @@ def pipeline_report(cfg: SimConfig, prep, phases: dict, workers: list[dict]) -> 
     report = {"config": dataclasses.asdict(cfg), "devices": devices, "phases": {}}
     for name, phase in phases.items():
         r = phase["results"]
-        entry = {"rounds": len(r["rounds"]), "contributions": len(r["contributed"]) if name not in ("fedavg-ft", "pp")
+        entry = {"rounds": len(r["rounds"]), "contributions": len(r["contributed"]) if name not in ("fedavg-ft", *PERSONAL_PHASES)
                  else sum(r["contributed"].values()),
                  "bytes_up": r["bytes_in"], "bytes_down": r["bytes_out"],
                  "bytes_up_per_device": r["bytes_in"] / devices, "bytes_down_per_device": r["bytes_out"] / devices,
@@ -244,7 +260,7 @@ def pipeline_report(cfg: SimConfig, prep, phases: dict, workers: list[dict]) -> 
             central = _report(cfg, r, workers, prep, job_dir=phase["dir"])
             entry.update(accuracy=final.get("accuracy"), central_accuracy=central.get("central_accuracy"),
                          rel_weight_error=central.get("rel_weight_error"))
-        elif name in ("fedavg-ft", "pp"):
+        elif name in ("fedavg-ft", *PERSONAL_PHASES):
             previous = list(phases)[list(phases).index(name) - 1]
             entry.update(accuracy=final.get("accuracy"), initial_accuracy=phases[previous]["results"]["final"].get("accuracy"),
                          personal_wma=final.get("personal_wma"), global_wma=final.get("global_wma"))

@@ -19,13 +19,18 @@ import numpy as np
 from .plots import plot_lines
 
 METHOD_NAMES = {"global": "global head", "personal": "own bias (PP)", "oll": "OLL", "oll_fp": "OLL+FP(ψ)"}
-TRAINING_PHASES = ("fed3r", "fedavg-ft", "pp")      # the phases that move the shared model, in pipeline order
+TRAINING_PHASES = ("fed3r", "fedavg-ft", "pp", "ditto")      # the phases that move the shared model, in pipeline order
 FT_MODES = {"psi": ("FT(ψ)", None), "phi": ("FT(φ)", "tail"), "M": ("FT(M)", "tail+head")}   # label, train
 ACCURACY_RANGE = (0.0, 1.0)      # every report's accuracy axes: plain and secure runs compare by eye
 PHASE_HEADER = ("phase", "rounds", "tasks done", "test acc.", "MB up/device", "MB down/device",
                 "device compute s", "ms/task", "job s")
 COMPARE_HEADER = ("phase", "job s plain", "job s secure", "ratio", "MB up plain", "MB up secure", "ratio",
                   "acc. plain", "acc. secure")
+
+
+def method_name(report: dict, method: str) -> str:
+    """The OLL report's name for a method; the personal part is a head after Ditto, a bias after pp."""
+    return "own head (Ditto)" if method == "personal" and "ditto" in report["phases"] else METHOD_NAMES[method]
 
 
 def ft_label(cfg_or_report) -> str:
@@ -45,6 +50,8 @@ def training_phases(report: dict) -> list[str]:
 def phase_label(report: dict, name: str) -> str:
     if name == "pp":
         return f"{report['config'].get('pp_algorithm', 'fedalt')} (shared weight)"
+    if name == "ditto":
+        return f"Ditto λ={report['config'].get('ditto_lambda', 0.1):g} (global head)"
     return "Fed3R" if name == "fed3r" else ft_label(report["config"])
 
 
@@ -99,6 +106,11 @@ def phase_sentences(report: dict) -> dict[str, str]:
         out["pp"] = (f"Partial personalization ({report['config'].get('pp_algorithm', 'fedalt')}, {pp['rounds']} rounds): "
                      f"each device's own bias gives {pp['personal_wma']:.2%} held-out WMA against "
                      f"{pp['global_wma']:.2%} with the shared head ({_points(pp['global_wma'], pp['personal_wma'])}).")
+    ditto = phases.get("ditto")
+    if ditto and ditto.get("personal_wma") is not None:
+        out["ditto"] = (f"Ditto ({ditto['rounds']} rounds): each device's own head gives {ditto['personal_wma']:.2%} "
+                        f"held-out WMA against {ditto['global_wma']:.2%} with the global head "
+                        f"({_points(ditto['global_wma'], ditto['personal_wma'])}).")
     wma = (phases.get("oll") or {}).get("wma") or {}
     if "global" in wma and "oll" in wma:
         text = (f"Personalisation: pruning the head to each device's labels (OLL) moved the held-out WMA from "
@@ -106,7 +118,8 @@ def phase_sentences(report: dict) -> dict[str, str]:
         if "oll_fp" in wma:
             text += f"; local fine-tuning FP(ψ) added {_points(wma['oll'], wma['oll_fp'])} more ({wma['oll_fp']:.2%})"
         if "personal" in wma:
-            text += (f"; each device's own bias from partial personalization alone gives {wma['personal']:.2%} "
+            own = "head from Ditto" if "ditto" in phases else "bias from partial personalization"
+            text += (f"; each device's own {own} alone gives {wma['personal']:.2%} "
                      f"({_points(wma['global'], wma['personal'])} over the global head)")
         out["oll"] = text + "."
     return out
@@ -164,7 +177,7 @@ def report_panels(report: dict) -> list[dict]:
     wma = (report["phases"].get("oll") or {}).get("wma") or {}
     if wma:
         panels.append({"title": "personalised accuracy (WMA, local held-out data)", "ylabel": "WMA",
-                       "bars": {METHOD_NAMES[m]: v for m, v in wma.items()}, "ylim": ACCURACY_RANGE, "percent": True})
+                       "bars": {method_name(report, m): v for m, v in wma.items()}, "ylim": ACCURACY_RANGE, "percent": True})
     return panels
 
 
@@ -199,7 +212,7 @@ def render_html(report: dict, png: bytes) -> str:
     if oll is None:
         personalised = "<p>This run had no personalization phase.</p>"
     else:
-        wma = [(METHOD_NAMES[m], f"{v:.4f}") for m, v in (oll.get("wma") or {}).items()]
+        wma = [(method_name(report, m), f"{v:.4f}") for m, v in (oll.get("wma") or {}).items()]
         personalised = f"""<h2>Personalised accuracy (WMA over {oll.get('test_samples')} local held-out samples)</h2>
 {_table("wma", ("method", "WMA"), wma)}
 <p>FP(ψ) learning rates chosen by the devices' cross-validation: {html.escape(json.dumps(oll.get('fp_lr_chosen')))};

@@ -96,6 +96,7 @@ class SimConfig:
     pp_rounds: int = 20
     pp_algorithm: str = "fedalt"            # fedalt | fedsim
     pp_client_lr: float = 0.1               # base local LR; devices get × 0.1 (the head starts at Fed3R's)
+    ditto_lambda: float = 0.1               # --pipeline fed3r-ditto-oll / fed3r-ft-ditto-oll: Ditto's λ (pp_rounds, pp_client_lr)
     # --deploy (fed3r-ft-oll, FT(ψ)): roll the fine-tuned head out through a canary, then a broken one back
     deploy: bool = False
     deploy_canary: str = "20%"

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from aggregator.jobs.ditto import DittoConfig, DittoJob
+from aggregator.jobs.personalize import PersonalizeConfig, PersonalizeJob
 from aggregator.jobs.registry import build_job
 from aggregator.jobs.robustness_fields import PLAIN_MEAN
 from aggregator.service.loop import AggregatorService
@@ -16,6 +17,7 @@ from edge_client.agent import DeviceAgent, TaskDeclined
 from edge_client.state import DeviceStateStore
 from edge_client.tasks.ditto_training import DittoTrainingTask, ditto_pass
 from edge_client.tasks.head_training import LocalTraining
+from edge_client.tasks.personalization import PersonalizeTask
 from fedfleet.emulation.broker import MosquittoBroker
 from protocols import messages as M
 from protocols.envelope import EnvelopeError, decode, encode
@@ -243,3 +245,32 @@ def test_rounds_over_a_real_broker_report_the_wma_of_the_saved_personal_heads(tm
                    for d, h in handlers.items()) / sum(len(h.holdout_labels) for h in handlers.values())
     assert report["personal_wma"] == pytest.approx(personal, abs=1e-12)
     assert report["heldout_devices"] == 2
+
+
+def test_the_oll_job_evaluates_each_device_with_its_own_head(tmp_path):
+    h = device(0, tmp_path)
+    job = make_job(clients_per_round=1, rounds=2)
+    for _ in range(2):
+        run_round(job, {"dev0": h}, KIND)
+    oll = PersonalizeJob(PersonalizeConfig(num_classes=C, feature_dim=D, image_size=SIZE, fp_epochs=0,
+                                           personal_job=job.config.job_id), head=job.model_arrays())
+    task = PersonalizeTask(h.images, h.labels, h.holdout_images, h.holdout_labels, lambda *a, **k: EXTRACTOR,
+                           state=h.store)
+    body, _ = task(*oll.task_for("dev0"))
+    v = h.store.load(job.config.job_id, None).arrays
+    f = EXTRACTOR.extract(h.holdout_images)
+    assert body["correct"]["personal"] == int(((f @ v["weight"].T + v["bias"]).argmax(1) == h.holdout_labels).sum())
+    np.testing.assert_array_equal(task.head.global_weight, v["weight"])      # OLL starts from the personal head
+    assert not np.array_equal(v["weight"], job.params["weight"])
+
+
+def test_the_ditto_pipelines_refuse_what_they_cannot_run_before_the_run():
+    import dataclasses
+
+    from fedfleet.pipeline import run_pipeline
+    from fedfleet.simulate import load_config
+
+    cfg = load_config("smoke", {})
+    for bad, match in (({"secure": True}, "plain rounds"), ({"ft_mode": "phi"}, "not after FT")):
+        with pytest.raises(ValueError, match=match):      # refused before any data or fleet
+            run_pipeline(dataclasses.replace(cfg, **bad), quiet=True, pipeline="fed3r-ditto-oll")

@@ -52,7 +52,7 @@ class PersonalizeConfig(ModelFields):
     weight_decay: float = 4e-5
     temperature: float = 0.1
     max_attempts: int = 3
-    personal_job: str = ""               # a pp job whose personal part (bias) each device kept: evaluated too
+    personal_job: str = ""               # a pp/ditto job whose personal part (bias; head) each device kept: evaluated too
 
     def __post_init__(self):
         super().__post_init__()
@@ -70,7 +70,7 @@ class PersonalizeConfig(ModelFields):
         if self.clients_per_round < 1 or self.max_attempts < 1:
             raise ValueError("clients_per_round and max_attempts must be >= 1")
         if self.personal_job and self.tail_stages:
-            raise ValueError("personal_job (a head-level pp job) cannot follow a fine-tuned backbone tail")
+            raise ValueError("personal_job (a head-level pp or ditto job) cannot follow a fine-tuned backbone tail")
 
 
 def load_model(path: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:

@@ -47,7 +47,7 @@ class PersonalizeTask:
                  tail_features: TailFeatures | None = None, state: DeviceStateStore | None = None):
         """``tail_features``: the device's tail bundle as a feature source, for tasks whose
         global model has a fine-tuned backbone tail (None: such tasks are declined); ``state``:
-        the device's state store, where a ``pp`` job left its personal part (``personal_job``)."""
+        the device's state store, where a ``pp`` or ``ditto`` job left its personal part (``personal_job``)."""
         if len(train_images) != len(train_labels) or len(test_images) != len(test_labels):
             raise ValueError("images and labels differ in length")
         self.train_images, self.train_labels = train_images, np.asarray(train_labels, dtype=np.int64)
@@ -101,7 +101,7 @@ class PersonalizeTask:
 
         correct = {"global": int(((f_test @ weight.T + bias).argmax(axis=1) == y_test).sum())}
         if personal_job:
-            bias = self._personal_bias(personal_job, bias)      # the device's own model: OLL and FP start there
+            weight, bias = self._personal_head(personal_job, weight, bias)   # the device's own: OLL and FP start there
             correct[PERSONAL] = int(((f_test @ weight.T + bias).argmax(axis=1) == y_test).sum())
         head = PersonalizedHead(weight, bias, self.train_labels, fallback=fallback)
         try:
@@ -122,15 +122,21 @@ class PersonalizeTask:
                                           scored.fallback, fp_lr)
         return encode_report(self.last)
 
-    def _personal_bias(self, job_id: str, global_bias: np.ndarray) -> np.ndarray:
-        """The bias v_k the ``pp`` job ``job_id`` left in the state store; the global bias when it
-        left none (the device was never sampled, or its state expired): FedSim/FedAlt's v_k of a
-        device that never trained."""
+    def _personal_head(self, job_id: str, weight: np.ndarray, bias: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The personal part the job ``job_id`` left in the state store: a ``pp`` job's bias v_k
+        (with the global weight), a ``ditto`` job's whole head; the global tensor for any part
+        it left none of (the device was never sampled, or its state expired): the personal
+        model of a device that never trained."""
         entry = self.state.load(job_id, run=None) if self.state is not None else None
-        personal = None if entry is None else entry.arrays.get("bias")
-        if personal is None or personal.shape != global_bias.shape or not np.isfinite(personal).all():
-            return global_bias
-        return personal.astype(np.float32)
+        stored = {} if entry is None else entry.arrays
+
+        def personal(name: str, global_value: np.ndarray) -> np.ndarray:
+            value = stored.get(name)
+            if value is None or value.shape != global_value.shape or not np.isfinite(value).all():
+                return global_value
+            return value.astype(np.float32)
+
+        return personal("weight", weight), personal("bias", bias)       # a pp entry has no weight: the shared one
 
     def _fine_tuned_features(self, params: dict[str, Any], tail_stages: int,
                              tensors: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:

@@ -22,10 +22,10 @@ counts on the device's local held-out split:
 * ``correct``              {"global": int, "oll": int, "oll_fp": int}: held-out samples that the
                            global head, the OLL-pruned head and the OLL head after FP(ψ)
                            classify correctly ("oll_fp" absent when ``fp_epochs`` is 0); after
-                           partial personalization (task param ``personal_job``: the ``pp`` job
-                           whose personal part the device keeps) also "personal": the global
-                           weight with the device's own bias v_k, which OLL and FP(ψ) then
-                           start from
+                           partial personalization or Ditto (task param ``personal_job``: the
+                           ``pp`` or ``ditto`` job whose personal part the device keeps) also
+                           "personal": the global weight with the device's own bias v_k (pp),
+                           or its own head v_k (ditto), which OLL and FP(ψ) then start from
 * ``fallback``             held-out samples whose label is outside C_k (scored by the global
                            head when the task's fallback is "global")
 * ``fp_lr``                the FP(ψ) learning rate the device used (null without FP)
@@ -43,7 +43,7 @@ from ..envelope import Envelope, EnvelopeError, body_field
 
 KIND = "oll.personalize"
 METHODS = ("global", "oll", "oll_fp")
-PERSONAL = "personal"           # with the device's personal part (after a ``pp`` job)
+PERSONAL = "personal"           # with the device's personal part (after a ``pp`` or ``ditto`` job)
 FALLBACKS = ("error", "global")
 
 
