@@ -150,6 +150,11 @@ class _Locked:
         with self._lock:
             return self._x.session()
 
+    def exclusive(self, work):
+        """``work(the shared object)`` holding the lock throughout (a sequence of calls that must not interleave)."""
+        with self._lock:
+            return work(self._x)
+
 
 def device_handlers(data: LocalData, extractors, config: HandlerConfig,
                     state: DeviceStateStore | None = None) -> dict:

@@ -28,8 +28,9 @@ state store (``edge_client.state``; the emulated devices' stores are under the r
 With ``secure`` the pp rounds sum the shared weight's updates under SecAgg (``pp-secure``).
 ``fed3r-ditto-oll`` / ``fed3r-ft-ditto-oll`` run a **ditto** job there instead (plain rounds only):
 the head averaged as FedAvg(ψ), each device's own head trained towards it (λ ``ditto_lambda``) and
-kept in its state store; OLL then starts from each device's own head. It shares ``pp_rounds`` and
-``pp_client_lr`` with the pp phase.
+kept in its state store; OLL then starts from each device's own head. Its global head trains at
+the FT phase's LR (``ft_client_lr``), each device's own head at the pp phase's (``pp_client_lr`` ×
+0.1), for ``pp_rounds`` rounds.
 
 Each device keeps ``holdout_fraction`` of its data as that held-out split: no phase trains on it.
 With ``secure`` the first two phases run under secure aggregation (Fed3R-Sync, then secure
@@ -57,6 +58,7 @@ from protocols.payloads.partial import KIND as PP_KIND
 from protocols.payloads.personalize import KIND as PERSONALIZE_KIND
 from protocols.payloads.secagg import SECURE_FEDAVG_KIND, SECURE_PP_KIND, SECURE_TAIL_KIND, SYNC_KIND
 
+from aggregator.jobs.fedavg import FED3R_INIT_LR_FACTOR
 from aggregator.jobs.registry import kind_of, validate_job_config
 
 from .pipeline_report import FT_MODES, format_pipeline_report, ft_label, write_plots_and_html
@@ -72,8 +74,11 @@ PIPELINES = {"fed3r-ft-oll": ("fed3r", "fedavg-ft", "oll"),
 # what each does, and its job fields beyond the common ones
 PERSONAL_PHASES = {"pp": lambda cfg: (f"{cfg.pp_algorithm} partial personalization (shared head weight, each "
                                       "device's bias kept on it)", {"pp_algorithm": cfg.pp_algorithm}),
+                   # Ditto's global head trains as the FT phase's (its LR); each device's own head at pp's
                    "ditto": lambda cfg: (f"Ditto (the head averaged, each device's own head kept on it, "
-                                         f"λ={cfg.ditto_lambda:g})", {"ditto_lambda": cfg.ditto_lambda})}
+                                         f"λ={cfg.ditto_lambda:g})",
+                                         {"ditto_lambda": cfg.ditto_lambda, "client_lr": cfg.ft_client_lr,
+                                          "personal_lr": FED3R_INIT_LR_FACTOR * cfg.pp_client_lr})}
 FT_ALGORITHMS = ("fedavg", "fedgloss")      # the fine-tuning job's kind (ft_algorithm): its registry name
 # task kinds of each phase, plain and secure
 PHASE_KINDS = {"fed3r": (FED3R_KIND, SYNC_KIND),

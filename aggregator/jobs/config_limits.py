@@ -120,7 +120,7 @@ FIELD_LIMITS: dict[str, Range | OneOf | Pattern | Fields | Items] = {
     "tail_program_sha256": SHA256_OR_EMPTY,
     # personalization
     "head_file": PATH, "fallback": OneOf(("error", "global")), "fp_epochs": Range(0, 10_000),
-    "fp_lrs": Items(Range(1e-9, 10), 16), "fp_folds": Range(2, 100),
+    "fp_lrs": Items(Range(1e-9, 10), 16), "fp_folds": Range(2, 100), "fp_part": OneOf(("psi", "phi", "M")),
     "personal_job": Pattern(r"^(" + DEVICE_ID_RE.pattern.strip("^$") + r")?$"),
     # LADD
     "model": SEGMENTATION_SPEC, "style_b": Range(0, 8), "clustering": OneOf(("styles", "none")),

@@ -30,7 +30,8 @@ import numpy as np
 
 from protocols.envelope import Envelope
 from protocols.payloads.fedavg import TAIL_PREFIX, head_tensors
-from protocols.payloads.personalize import FALLBACKS, KIND, METHODS, PERSONAL, PersonalizationReport, parse_report
+from protocols.payloads.personalize import (FALLBACKS, FP_PARTS, KIND, METHODS, PERSONAL, PersonalizationReport,
+                                            parse_report)
 from protocols.rounds import RoundClosed
 
 from aggregator.compute.evaluation import head_accuracy, weighted_mean_accuracy
@@ -53,6 +54,7 @@ class PersonalizeConfig(ModelFields):
     temperature: float = 0.1
     max_attempts: int = 3
     personal_job: str = ""               # a pp/ditto job whose personal part (bias; head) each device kept: evaluated too
+    fp_part: str = "psi"                 # what FP fine-tunes: the head (psi), the backbone's tail (phi), both (M)
 
     def __post_init__(self):
         super().__post_init__()
@@ -69,6 +71,8 @@ class PersonalizeConfig(ModelFields):
             raise ValueError(f"tail_stages must be an integer >= 0, got {self.tail_stages!r}")
         if self.clients_per_round < 1 or self.max_attempts < 1:
             raise ValueError("clients_per_round and max_attempts must be >= 1")
+        if self.fp_part not in FP_PARTS:
+            raise ValueError(f"fp_part must be one of {FP_PARTS}, got {self.fp_part!r}")
         if self.personal_job and self.tail_stages:
             raise ValueError("personal_job (a head-level pp or ditto job) cannot follow a fine-tuned backbone tail")
 
@@ -136,6 +140,8 @@ class PersonalizeJob(OncePerDevice, Job):
                   "temperature": c.temperature, "seed": c.seed, "tail_stages": c.tail_stages}
         if c.personal_job:
             params["personal_job"] = c.personal_job
+        if c.fp_part != "psi":           # FP(φ)/FP(M): devices with a tail bundle (a task without it: FP(ψ))
+            params["fp_part"] = c.fp_part
         return params, self.model_arrays()
 
     def parse_result(self, env: Envelope) -> PersonalizationReport:

@@ -11,7 +11,10 @@ what OLL does with held-out labels outside the local training labels), and the F
 ``fp_epochs`` (0: OLL only), ``batch_size``, ``weight_decay``, ``temperature``, ``seed`` and
 ``fp_lrs`` (candidate learning rates; with more than one the device picks one by
 ``fp_folds``-fold cross-validation on its *training* split, ties to the earlier candidate,
-then fine-tunes on all of it).
+then fine-tunes on all of it). ``fp_part`` (absent: "psi") says what FP fine-tunes: "psi" the
+pruned head, "phi" the backbone's tail through the device's tail bundle with the OLL head frozen,
+"M" the tail and the OLL head (``edge_client/tasks/tail_personalization.py``; a device without a
+tail bundle declines); ``correct.oll_fp`` then counts that model.
 
 Result (device -> aggregator): no tensors. The personalised head stays on the device (it is
 the device's model; sending it would leak the local label set and more). The body reports
@@ -45,6 +48,7 @@ KIND = "oll.personalize"
 METHODS = ("global", "oll", "oll_fp")
 PERSONAL = "personal"           # with the device's personal part (after a ``pp`` or ``ditto`` job)
 FALLBACKS = ("error", "global")
+FP_PARTS = ("psi", "phi", "M")    # task param ``fp_part``: FP of the head, of the backbone's tail, of both
 
 
 @dataclass(frozen=True)
