@@ -21,7 +21,7 @@ from .quiet import quiet_third_party_warnings
 
 def simulate_overrides(args) -> dict:
     """SimConfig fields the command line sets (None: the preset's)."""
-    return {"ft_rounds": args.ft_rounds, "fp_epochs": args.fp_epochs, "ft_mode": args.ft_mode,
+    return {"ft_rounds": args.ft_rounds, "fp_epochs": args.fp_epochs, "fp_part": args.fp_part, "ft_mode": args.ft_mode,
             "tail_stages": args.tail_stages, "ft_server_optimizer": args.server_optimizer,
             "ft_algorithm": args.ft_algorithm,
             "ft_server_lr": args.server_lr, "ft_local_rule": args.local_rule, "ft_sam_rho": args.sam_rho,
@@ -132,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "ladd: segmentation on unlabelled devices (source-only vs FedAvg+self-training vs LADD)")
     s.add_argument("--ft-rounds", type=int, help="fed3r-ft-oll: FedAvg(ψ) fine-tuning rounds")
     s.add_argument("--fp-epochs", type=int, help="fed3r-ft-oll: local FP(ψ) epochs after OLL (0: OLL only)")
+    s.add_argument("--fp-part", choices=["psi", "phi", "M"],
+                   help="the pipelines' OLL phase: what local fine-tuning after OLL trains: the OLL head (psi, default), "
+                        "the backbone's last stages through the tail bundle (phi: FP(φ)), or both (M: FP(M))")
     s.add_argument("--ft-mode", choices=["psi", "phi", "M"],
                    help="fed3r-ft-oll: fine-tune the head (psi, default), the backbone's last stages against the "
                         "frozen Fed3R head (phi), or both (M); OLL then personalises on the fine-tuned backbone")

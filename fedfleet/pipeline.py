@@ -17,7 +17,9 @@ processes, each job with a fresh aggregator process, as an operator would run th
    fine-tunes it locally (FP(ψ), LR picked by local cross-validation) and reports counts on
    its local held-out split; the aggregator reports the WMA of the global head, OLL and OLL+FP.
    After FT(φ)/FT(M) the fine-tuned tail goes with the head, and devices personalise on the
-   fine-tuned backbone's features (trunk program, then the tail's eager twin).
+   fine-tuned backbone's features (trunk program, then the tail's eager twin). ``fp_part`` phi / M
+   fine-tunes the backbone's tail (and the OLL head) instead of the head alone: FP(φ)/FP(M), the
+   devices then get the tail bundle even after FT(ψ).
 
 With ``pp`` in the pipeline (Phase 3 of the paper, partial personalization) a **pp** job runs
 before OLL: FedAlt or FedSim (``pp_algorithm``) for ``pp_rounds`` rounds from the previous phase's
@@ -61,7 +63,7 @@ from protocols.payloads.secagg import SECURE_FEDAVG_KIND, SECURE_PP_KIND, SECURE
 from aggregator.jobs.fedavg import FED3R_INIT_LR_FACTOR
 from aggregator.jobs.registry import kind_of, validate_job_config
 
-from .pipeline_report import FT_MODES, format_pipeline_report, ft_label, write_plots_and_html
+from .pipeline_report import FP_LABELS, FT_MODES, format_pipeline_report, ft_label, write_plots_and_html
 from .progress import StepClock
 from .simulate import EmulatedFleet, SimConfig, _report, _secure_setup, prepare
 
@@ -108,6 +110,8 @@ def run_pipeline(cfg: SimConfig, quiet: bool = False, compare_with: dict | None 
         raise ValueError("personalization needs a local held-out split: set holdout_fraction > 0")
     if cfg.ft_mode not in FT_MODES:
         raise ValueError(f"ft_mode must be one of {sorted(FT_MODES)}, got {cfg.ft_mode!r}")
+    if cfg.fp_part not in FP_LABELS:
+        raise ValueError(f"fp_part must be one of {sorted(FP_LABELS)}, got {cfg.fp_part!r}")
     # a bad optimizer choice fails here, before the fleet starts, not when the FT job is created
     if cfg.ft_algorithm not in FT_ALGORITHMS:
         raise ValueError(f"ft_algorithm must be one of {FT_ALGORITHMS}, got {cfg.ft_algorithm!r}")
@@ -135,6 +139,10 @@ def run_pipeline(cfg: SimConfig, quiet: bool = False, compare_with: dict | None 
     if tail:
         tail_manifest, ft_eval, ft_extra = _tail_setup(cfg, prep, say)
         ft_kind = "fedavg-tail-secure" if cfg.secure else "fedavg-tail"
+    elif cfg.fp_part != "psi":           # FP(φ)/FP(M) after OLL: the devices train the tail bundle's program
+        from .bundles import ensure_tail_bundle
+
+        tail_manifest = ensure_tail_bundle(cfg.backbone, cfg.image_size, 10, cfg.tail_stages)
     fed3r_job, secure, secure_fields = dict(prep.fed3r_job), None, {}
     if cfg.secure:
         job_fields, secure = _secure_setup(cfg, out, [p.device_id for p in prep.profiles],
@@ -183,13 +191,15 @@ def run_pipeline(cfg: SimConfig, quiet: bool = False, compare_with: dict | None 
             clock.done(name)
 
         what = f"the {'personalized' if personal else 'fine-tuned'} head{' and backbone tail' if tail else ''}"
-        say(f"\n[{steps}/{steps}] oll: personalise {what} on every device (FP(ψ) {cfg.fp_epochs} epochs)")
+        say(f"\n[{steps}/{steps}] oll: personalise {what} on every device (FP({FP_LABELS[cfg.fp_part]}) "
+            f"{cfg.fp_epochs} epochs)")
         oll_dir = out / f"{steps}-oll"
         oll_job = {**common, "job_id": "oll-sim", "head_file": str(head_dir / "model.npz"), **personal,
                    "tail_stages": cfg.tail_stages if tail else 0,
                    "clients_per_round": cfg.oneshot_clients_per_round,
                    "round_timeout_s": cfg.round_timeout_s * cfg.oneshot_timeout_factor,
-                   "max_attempts": cfg.max_attempts, "fp_epochs": cfg.fp_epochs, "fp_lrs": list(cfg.fp_lrs)}
+                   "max_attempts": cfg.max_attempts, "fp_epochs": cfg.fp_epochs, "fp_lrs": list(cfg.fp_lrs),
+                   "fp_part": cfg.fp_part}
         phases["oll"] = {"dir": oll_dir, "results": fleet.run_job(
             "personalize", oll_job, oll_dir, out / "eval_features.npz", cfg.devices)}
         clock.done("oll")

@@ -92,6 +92,7 @@ class SimConfig:
     ft_prox_mu: float = 0.0                 # > 0: FedProx's μ (with any local rule)
     ft_served_model: str = "last"           # last | swa (from 0.75·ft_rounds, every round) | wima (last 10)
     fp_epochs: int = 25                     # FP(ψ) local epochs after OLL (0: OLL only)
+    fp_part: str = "psi"                    # what FP fine-tunes: the OLL head (psi), the backbone's tail (phi), both (M)
     # --pipeline fed3r-pp-oll / fed3r-ft-pp-oll: partial personalization (shared head weight, personal bias)
     pp_rounds: int = 20
     pp_algorithm: str = "fedalt"            # fedalt | fedsim
