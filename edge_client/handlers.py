@@ -26,6 +26,7 @@ from edge_client.state import DeviceStateStore
 from edge_client.tasks.head_training import HeadTrainingTask
 from edge_client.tasks.partial_training import PartialTrainingTask
 from edge_client.tasks.fedgloss_training import FedGlossTrainingTask
+from edge_client.tasks.ditto_training import DittoTrainingTask
 from edge_client.tasks.scaffold_training import ScaffoldTrainingTask
 from edge_client.tasks.personalization import PersonalizeTask
 from edge_client.tasks.secure_fed3r import SecureFed3R
@@ -40,6 +41,7 @@ from protocols.payloads.ladd import KIND_STYLE as LADD_STYLE_KIND
 from protocols.payloads.ladd import KIND_TRAIN as LADD_TRAIN_KIND
 from protocols.payloads.partial import KIND as PP_KIND
 from protocols.payloads.fedgloss import KIND as FEDGLOSS_KIND
+from protocols.payloads.ditto import KIND as DITTO_KIND
 from protocols.payloads.scaffold import KIND as SCAFFOLD_KIND
 from protocols.payloads.personalize import KIND as PERSONALIZE_KIND
 from protocols.payloads.secagg import (SECAGG_TYPE, SECURE_FEDAVG_KIND, SECURE_LADD_KIND, SECURE_PP_KIND, SECURE_TAIL_KIND,
@@ -148,6 +150,11 @@ class _Locked:
         with self._lock:
             return self._x.session()
 
+    def exclusive(self, work):
+        """``work(the shared object)`` holding the lock throughout (a sequence of calls that must not interleave)."""
+        with self._lock:
+            return work(self._x)
+
 
 def device_handlers(data: LocalData, extractors, config: HandlerConfig,
                     state: DeviceStateStore | None = None) -> dict:
@@ -155,7 +162,7 @@ def device_handlers(data: LocalData, extractors, config: HandlerConfig,
     split (and FT(φ)/FT(M) of the backbone's tail with a tail bundle); with a held-out split
     also OLL personalization (evaluated on the held-out split); with a state store (the
     device's own, ``edge_client.state``) the stateful kinds (FedSim/FedAlt partial
-    personalization, Scaffold, FedGloSS). Kinds it cannot run (FT(φ)/FT(M) without a tail bundle; backbone training
+    personalization, Scaffold, FedGloSS, Ditto). Kinds it cannot run (FT(φ)/FT(M) without a tail bundle; backbone training
     on a torch-free device; stateful kinds without a store) get a handler that declines, saying why."""
     x, y = data.images[data.train_idx], data.labels[data.train_idx]
     holdout = data.holdout_idx if data.holdout_idx is not None and len(data.holdout_idx) else None
@@ -164,7 +171,8 @@ def device_handlers(data: LocalData, extractors, config: HandlerConfig,
                 FEDAVG_KIND: HeadTrainingTask(x, y, extractors, config.training_manifest),
                 PP_KIND: PartialTrainingTask(x, y, extractors, state, held_x, held_y),
                 SCAFFOLD_KIND: ScaffoldTrainingTask(x, y, extractors, state),
-                FEDGLOSS_KIND: FedGlossTrainingTask(x, y, extractors, state)}
+                FEDGLOSS_KIND: FedGlossTrainingTask(x, y, extractors, state),
+                DITTO_KIND: DittoTrainingTask(x, y, extractors, state, held_x, held_y)}
     tail_features = None
     if torch_free():
         for kind in (FEDAVG_TAIL_KIND, LADD_TRAIN_KIND):

@@ -186,16 +186,11 @@ def choose_fp_lr(weight: np.ndarray, bias: np.ndarray, features: np.ndarray, lab
     batched step for all of them), as the per-step overhead, not arithmetic, is what a tiny
     k-class head's training costs.
     """
-    candidates = [float(lr) for lr in candidates]
-    if not candidates or any(not np.isfinite(lr) or lr <= 0 for lr in candidates):
-        raise ValueError(f"candidate learning rates must be finite and > 0, got {candidates}")
-    if isinstance(folds, bool) or not isinstance(folds, (int, np.integer)) or folds < 2:
-        raise ValueError(f"folds must be an integer >= 2, got {folds!r}")
+    candidates = check_candidates(candidates, folds)
     labels = np.asarray(labels, dtype=np.int64)
     if len(candidates) == 1 or len(labels) < folds:
         return candidates[0], {}
-    parts = np.array_split(np.random.default_rng(recipe.seed).permutation(len(labels)), folds)
-    fits = [np.concatenate([p for j, p in enumerate(parts) if j != k]) for k in range(folds)]
+    parts, fits = cv_folds(len(labels), folds, recipe.seed)
     head = PersonalizedHead(weight, bias, labels, fallback="global")
     features = head._check(features)
     weights, biases = train_heads_together(head.weight, head.bias, features, head.label_map.to_local(labels),
@@ -209,5 +204,25 @@ def choose_fp_lr(weight: np.ndarray, bias: np.ndarray, features: np.ndarray, lab
             head.weight, head.bias = weights[k, i], biases[k, i]
             correct += head.score(features[held], labels[held]).correct
         scores[lr] = correct / len(labels)
-    best = max(candidates, key=lambda lr: (scores[lr], -candidates.index(lr)))
-    return best, scores
+    return best_candidate(candidates, scores), scores
+
+
+def check_candidates(candidates, folds) -> list[float]:
+    """The candidate learning rates as floats; ValueError unless all are finite and > 0 and folds >= 2."""
+    candidates = [float(lr) for lr in candidates]
+    if not candidates or any(not np.isfinite(lr) or lr <= 0 for lr in candidates):
+        raise ValueError(f"candidate learning rates must be finite and > 0, got {candidates}")
+    if isinstance(folds, bool) or not isinstance(folds, (int, np.integer)) or folds < 2:
+        raise ValueError(f"folds must be an integer >= 2, got {folds!r}")
+    return candidates
+
+
+def cv_folds(rows: int, folds: int, seed: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(held-out parts, the rows each fold trains on): ``rows`` cut into ``folds`` seeded parts."""
+    parts = np.array_split(np.random.default_rng(seed).permutation(rows), folds)
+    return parts, [np.concatenate([p for j, p in enumerate(parts) if j != k]) for k in range(folds)]
+
+
+def best_candidate(candidates: list[float], scores: dict[float, float]) -> float:
+    """The best-scoring candidate; ties go to the earlier one (the gentler rate, listed first)."""
+    return max(candidates, key=lambda lr: (scores[lr], -candidates.index(lr)))

@@ -21,7 +21,7 @@ from .quiet import quiet_third_party_warnings
 
 def simulate_overrides(args) -> dict:
     """SimConfig fields the command line sets (None: the preset's)."""
-    return {"ft_rounds": args.ft_rounds, "fp_epochs": args.fp_epochs, "ft_mode": args.ft_mode,
+    return {"ft_rounds": args.ft_rounds, "fp_epochs": args.fp_epochs, "fp_part": args.fp_part, "ft_mode": args.ft_mode,
             "tail_stages": args.tail_stages, "tail_bundle": args.tail_bundle, "ft_server_optimizer": args.server_optimizer,
             "ft_algorithm": args.ft_algorithm,
             "ft_server_lr": args.server_lr, "ft_local_rule": args.local_rule, "ft_sam_rho": args.sam_rho,
@@ -154,13 +154,16 @@ def _add_simulate_parser(sub) -> None:
     s.add_argument("--secure-graph", choices=["auto", "complete", "regular"],
                    help="SecAgg (complete), SecAgg+ (regular), or by group size (auto, the default: complete up to "
                         "128 members)")
-    s.add_argument("--pipeline", choices=["fed3r", "fedncm", "fed3r-ft-oll", "fed3r-pp-oll", "fed3r-ft-pp-oll", "ladd"],
+    s.add_argument("--pipeline", choices=["fed3r", "fedncm", "fed3r-ft-oll", "fed3r-pp-oll", "fed3r-ft-pp-oll", "fed3r-ditto-oll",
+                                          "fed3r-ft-ditto-oll", "ladd"],
                    default="fed3r",
                    help="fed3r: classification (Fed3R / Fed3R-Sync); fedncm: the class-mean baseline on "
                         "Fed3R's upload (FedNCM / FedNCM-Sync); fed3r-ft-oll: Fed3R, then FedAvg(ψ) "
                         "fine-tuning from it, then OLL personalization on every device, with an HTML report; "
                         "fed3r-pp-oll / fed3r-ft-pp-oll: FedAlt partial personalization (shared head weight, "
                         "each device's own bias) before OLL, without / after fine-tuning; "
+                        "fed3r-ditto-oll / fed3r-ft-ditto-oll: Ditto there instead (each device's own head, "
+                        "pulled to the averaged one; config ditto_lambda); "
                         "ladd: segmentation on unlabelled devices (source-only vs FedAvg+self-training vs LADD)")
     _add_fine_tuning_arguments(s)
     from .ladd.cli import add_ladd_arguments
@@ -173,6 +176,9 @@ def _add_fine_tuning_arguments(s) -> None:
     """The pipelines' options after Fed3R: fine-tuning, its optimisers, personalization, rollout."""
     s.add_argument("--ft-rounds", type=int, help="fed3r-ft-oll: FedAvg(ψ) fine-tuning rounds")
     s.add_argument("--fp-epochs", type=int, help="fed3r-ft-oll: local FP(ψ) epochs after OLL (0: OLL only)")
+    s.add_argument("--fp-part", choices=["psi", "phi", "M"],
+                   help="the pipelines' OLL phase: what local fine-tuning after OLL trains: the OLL head (psi, default), "
+                        "the backbone's last stages through the tail bundle (phi: FP(φ)), or both (M: FP(M))")
     s.add_argument("--ft-mode", choices=["psi", "phi", "M"],
                    help="fed3r-ft-oll: fine-tune the head (psi, default), the backbone's last stages against the "
                         "frozen Fed3R head (phi), or both (M); OLL then personalises on the fine-tuned backbone")

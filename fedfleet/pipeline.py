@@ -1,4 +1,4 @@
-"""``fedfleet simulate --pipeline fed3r-ft-oll`` (and ``fed3r-pp-oll``, ``fed3r-ft-pp-oll``): the
+"""``fedfleet simulate --pipeline fed3r-ft-oll`` (and ``fed3r-pp-oll``, ``fed3r-ft-pp-oll``, the ditto ones): the
 seeds' pipeline on the emulated fleet.
 
 Three (or four) jobs run one after the other against the same fleet (one broker, the same device
@@ -17,7 +17,9 @@ processes, each job with a fresh aggregator process, as an operator would run th
    fine-tunes it locally (FP(ψ), LR picked by local cross-validation) and reports counts on
    its local held-out split; the aggregator reports the WMA of the global head, OLL and OLL+FP.
    After FT(φ)/FT(M) the fine-tuned tail goes with the head, and devices personalise on the
-   fine-tuned backbone's features (trunk program, then the tail's eager twin).
+   fine-tuned backbone's features (trunk program, then the tail's eager twin). ``fp_part`` phi / M
+   fine-tunes the backbone's tail (and the OLL head) instead of the head alone: FP(φ)/FP(M), the
+   devices then get the tail bundle even after FT(ψ).
 
 With ``pp`` in the pipeline (Phase 3 of the paper, partial personalization) a **pp** job runs
 before OLL: FedAlt or FedSim (``pp_algorithm``) for ``pp_rounds`` rounds from the previous phase's
@@ -26,6 +28,11 @@ state store (``edge_client.state``; the emulated devices' stores are under the r
 ``device_state/``) and never sent; OLL then evaluates every device with its own bias too
 (``personal_job``). ``fed3r-pp-oll`` skips fine-tuning: the paper's "Fed3R + PP without FT".
 With ``secure`` the pp rounds sum the shared weight's updates under SecAgg (``pp-secure``).
+``fed3r-ditto-oll`` / ``fed3r-ft-ditto-oll`` run a **ditto** job there instead (plain rounds only):
+the head averaged as FedAvg(ψ), each device's own head trained towards it (λ ``ditto_lambda``) and
+kept in its state store; OLL then starts from each device's own head. Its global head trains at
+the FT phase's LR (``ft_client_lr``), each device's own head at the pp phase's (``pp_client_lr`` ×
+0.1), for ``pp_rounds`` rounds.
 
 Each device keeps ``holdout_fraction`` of its data as that held-out split: no phase trains on it.
 With ``secure`` the first two phases run under secure aggregation (Fed3R-Sync, then secure
@@ -44,6 +51,7 @@ from pathlib import Path
 
 import numpy as np
 
+from protocols.payloads.ditto import KIND as DITTO_KIND
 from protocols.payloads.fed3r import KIND as FED3R_KIND
 from protocols.payloads.fedavg import KIND as FEDAVG_KIND
 from protocols.payloads.fedavg import KIND_TAIL as FEDAVG_TAIL_KIND
@@ -52,20 +60,33 @@ from protocols.payloads.partial import KIND as PP_KIND
 from protocols.payloads.personalize import KIND as PERSONALIZE_KIND
 from protocols.payloads.secagg import SECURE_FEDAVG_KIND, SECURE_PP_KIND, SECURE_TAIL_KIND, SYNC_KIND
 
+from aggregator.jobs.fedavg import FED3R_INIT_LR_FACTOR
 from aggregator.jobs.registry import kind_of, validate_job_config
 
-from .pipeline_report import FT_MODES, format_pipeline_report, ft_label, write_plots_and_html
+from .pipeline_report import FP_LABELS, FT_MODES, format_pipeline_report, ft_label, write_plots_and_html
 from .progress import StepClock
 from .simulate import EmulatedFleet, SimConfig, _report, _secure_setup, prepare
 
 PIPELINES = {"fed3r-ft-oll": ("fed3r", "fedavg-ft", "oll"),
              "fed3r-pp-oll": ("fed3r", "pp", "oll"),
-             "fed3r-ft-pp-oll": ("fed3r", "fedavg-ft", "pp", "oll")}
+             "fed3r-ft-pp-oll": ("fed3r", "fedavg-ft", "pp", "oll"),
+             "fed3r-ditto-oll": ("fed3r", "ditto", "oll"),
+             "fed3r-ft-ditto-oll": ("fed3r", "fedavg-ft", "ditto", "oll")}
+# the phases whose devices keep a personal part (the OLL job then scores each device with its own):
+# what each does, and its job fields beyond the common ones
+PERSONAL_PHASES = {"pp": lambda cfg: (f"{cfg.pp_algorithm} partial personalization (shared head weight, each "
+                                      "device's bias kept on it)", {"pp_algorithm": cfg.pp_algorithm}),
+                   # Ditto's global head trains as the FT phase's (its LR); each device's own head at pp's
+                   "ditto": lambda cfg: (f"Ditto (the head averaged, each device's own head kept on it, "
+                                         f"λ={cfg.ditto_lambda:g})",
+                                         {"ditto_lambda": cfg.ditto_lambda, "client_lr": cfg.ft_client_lr,
+                                          "personal_lr": FED3R_INIT_LR_FACTOR * cfg.pp_client_lr})}
 FT_ALGORITHMS = ("fedavg", "fedgloss")      # the fine-tuning job's kind (ft_algorithm): its registry name
 # task kinds of each phase, plain and secure
 PHASE_KINDS = {"fed3r": (FED3R_KIND, SYNC_KIND),
                "fedavg-ft": (FEDAVG_KIND, SECURE_FEDAVG_KIND, FEDAVG_TAIL_KIND, SECURE_TAIL_KIND, FEDGLOSS_KIND),
                "pp": (PP_KIND, SECURE_PP_KIND),
+               "ditto": (DITTO_KIND,),
                "oll": (PERSONALIZE_KIND,)}
 
 
@@ -80,12 +101,17 @@ def run_pipeline(cfg: SimConfig, quiet: bool = False, compare_with: dict | None 
     """Run the pipeline's phases; ``compare_with``: a plain run's report, which a secure run's report
     then carries (its comparison table and its curves, dashed)."""
     names = PIPELINES[pipeline]
-    if "pp" in names and cfg.ft_mode != "psi":
-        raise ValueError("partial personalization runs on the head: not after FT(φ)/FT(M) (no tail in pp tasks yet)")
+    if set(PERSONAL_PHASES) & set(names) and cfg.ft_mode != "psi":
+        raise ValueError("partial personalization and Ditto run on the head: not after FT(φ)/FT(M) (no tail in "
+                         "their tasks yet)")
+    if "ditto" in names and cfg.secure:
+        raise ValueError("Ditto runs in plain rounds (no secure variant yet): not with secure")
     if not cfg.holdout_fraction:
         raise ValueError("personalization needs a local held-out split: set holdout_fraction > 0")
     if cfg.ft_mode not in FT_MODES:
         raise ValueError(f"ft_mode must be one of {sorted(FT_MODES)}, got {cfg.ft_mode!r}")
+    if cfg.fp_part not in FP_LABELS:
+        raise ValueError(f"fp_part must be one of {sorted(FP_LABELS)}, got {cfg.fp_part!r}")
     # a bad optimizer choice fails here, before the fleet starts, not when the FT job is created
     if cfg.ft_algorithm not in FT_ALGORITHMS:
         raise ValueError(f"ft_algorithm must be one of {FT_ALGORITHMS}, got {cfg.ft_algorithm!r}")
@@ -113,6 +139,8 @@ def run_pipeline(cfg: SimConfig, quiet: bool = False, compare_with: dict | None 
     if tail:
         tail_manifest, ft_eval, ft_extra = _tail_setup(cfg, prep, say)
         ft_kind = "fedavg-tail-secure" if cfg.secure else "fedavg-tail"
+    elif cfg.fp_part != "psi":           # FP(φ)/FP(M) after OLL: the devices train the tail bundle's program
+        tail_manifest = tail_bundle_manifest(cfg)
     if cfg.shards and ft_kind == "fedavg":  # the direction screen's coordinate-wise median needs every update in one place
         ft_extra = {**ft_extra, "direction_screen": False}
     fed3r_job, secure, secure_fields = dict(prep.fed3r_job), None, {}
@@ -149,28 +177,29 @@ def run_pipeline(cfg: SimConfig, quiet: bool = False, compare_with: dict | None 
                 ft_kind, ft_job, ft_dir, ft_eval, cfg.ft_rounds * cfg.clients_per_round)}
             clock.done("fedavg-ft")
         personal = {}
-        if "pp" in names:
-            step = names.index("pp") + 1
-            say(f"\n[{step}/{steps}] pp{'-secure' if cfg.secure else ''}: {cfg.pp_algorithm} partial personalization (shared head weight, each "
-                f"device's bias kept on it), {cfg.pp_rounds} rounds of κ={cfg.clients_per_round}")
-            pp_dir = out / f"{step}-pp"
-            pp_job = {**common, "job_id": "pp-sim", "rounds": cfg.pp_rounds, "clients_per_round": cfg.clients_per_round,
-                      "round_timeout_s": cfg.round_timeout_s, "client_lr": cfg.pp_client_lr,
-                      "pp_algorithm": cfg.pp_algorithm, "init": "fed3r", "initial_head_file": str(head_dir / "model.npz"),
-                      **secure_fields}
-            phases["pp"] = {"dir": pp_dir, "results": fleet.run_job(
-                "pp-secure" if cfg.secure else "pp", pp_job, pp_dir, out / "eval_features.npz", cfg.pp_rounds * cfg.clients_per_round)}
-            head_dir, personal = pp_dir, {"personal_job": "pp-sim"}
-            clock.done("pp")
+        for name in (n for n in names if n in PERSONAL_PHASES):
+            step, kind = names.index(name) + 1, f"{name}-secure" if cfg.secure else name
+            does, fields = PERSONAL_PHASES[name](cfg)
+            say(f"\n[{step}/{steps}] {kind}: {does}, {cfg.pp_rounds} rounds of κ={cfg.clients_per_round}")
+            job_dir, job_id = out / f"{step}-{name}", f"{name}-sim"
+            job = {**common, "job_id": job_id, "rounds": cfg.pp_rounds, "clients_per_round": cfg.clients_per_round,
+                   "round_timeout_s": cfg.round_timeout_s, "client_lr": cfg.pp_client_lr, **fields,
+                   "init": "fed3r", "initial_head_file": str(head_dir / "model.npz"), **secure_fields}
+            phases[name] = {"dir": job_dir, "results": fleet.run_job(
+                kind, job, job_dir, out / "eval_features.npz", cfg.pp_rounds * cfg.clients_per_round)}
+            head_dir, personal = job_dir, {"personal_job": job_id}
+            clock.done(name)
 
         what = f"the {'personalized' if personal else 'fine-tuned'} head{' and backbone tail' if tail else ''}"
-        say(f"\n[{steps}/{steps}] oll: personalise {what} on every device (FP(ψ) {cfg.fp_epochs} epochs)")
+        say(f"\n[{steps}/{steps}] oll: personalise {what} on every device (FP({FP_LABELS[cfg.fp_part]}) "
+            f"{cfg.fp_epochs} epochs)")
         oll_dir = out / f"{steps}-oll"
         oll_job = {**common, "job_id": "oll-sim", "head_file": str(head_dir / "model.npz"), **personal,
                    "tail_stages": cfg.tail_stages if tail else 0,
                    "clients_per_round": cfg.oneshot_clients_per_round,
                    "round_timeout_s": cfg.round_timeout_s * cfg.oneshot_timeout_factor,
-                   "max_attempts": cfg.max_attempts, "fp_epochs": cfg.fp_epochs, "fp_lrs": list(cfg.fp_lrs)}
+                   "max_attempts": cfg.max_attempts, "fp_epochs": cfg.fp_epochs, "fp_lrs": list(cfg.fp_lrs),
+                   "fp_part": cfg.fp_part}
         phases["oll"] = {"dir": oll_dir, "results": fleet.run_job(
             "personalize", oll_job, oll_dir, out / "eval_features.npz", cfg.devices)}
         clock.done("oll")
@@ -196,25 +225,34 @@ def run_pipeline(cfg: SimConfig, quiet: bool = False, compare_with: dict | None 
     return report
 
 
+def tail_bundle_manifest(cfg: SimConfig) -> Path:
+    """The FT(φ)/FT(M) and FP(φ)/FP(M) bundle's manifest: ``cfg.tail_bundle``, checked against the
+    run's backbone, size and tail stages, or one exported into .cache/bundles."""
+    from edge_client.runtime import read_manifest
+
+    from .bundles import ensure_tail_bundle
+
+    if not cfg.tail_bundle:
+        return ensure_tail_bundle(cfg.backbone, cfg.image_size, 10, cfg.tail_stages)
+    manifest = read_manifest(Path(cfg.tail_bundle))
+    if (manifest.find("tail_eval", "eager") is None or manifest.tail is None or manifest.tail.stages != cfg.tail_stages
+            or manifest.input.image_size != cfg.image_size or manifest.backbone != cfg.backbone
+            or manifest.num_classes != 10):
+        raise ValueError(f"{cfg.tail_bundle}: not a 10-class {cfg.backbone} bundle of {cfg.tail_stages} trainable "
+                         f"tail stage(s) at {cfg.image_size} px (export one with --backbone {cfg.backbone} "
+                         f"--num-classes 10 --tail-stages {cfg.tail_stages} --image-size {cfg.image_size})")
+    return Path(cfg.tail_bundle)
+
+
 def _tail_setup(cfg: SimConfig, prep, say) -> tuple[Path, Path, dict]:
     """The FT(φ)/FT(M) bundle, the test set's trunk activations (the aggregator evaluates the
     tail + head on them) and the job fields that name the bundle's evaluation program."""
     from edge_client.runtime import read_manifest
     from edge_client.tasks.tail_training import TrunkActivations
 
-    from .bundles import ensure_tail_bundle
-
     t0 = time.monotonic()
-    manifest_path = (Path(cfg.tail_bundle) if cfg.tail_bundle
-                     else ensure_tail_bundle(cfg.backbone, cfg.image_size, 10, cfg.tail_stages))
-    manifest = read_manifest(manifest_path)
-    program = manifest.find("tail_eval", "eager")
-    if (program is None or manifest.tail is None or manifest.tail.stages != cfg.tail_stages
-            or manifest.input.image_size != cfg.image_size or manifest.backbone != cfg.backbone
-            or manifest.num_classes != 10):
-        raise ValueError(f"{manifest_path}: not a 10-class {cfg.backbone} bundle of {cfg.tail_stages} trainable "
-                         f"tail stage(s) at {cfg.image_size} px (export one with --backbone {cfg.backbone} "
-                         f"--num-classes 10 --tail-stages {cfg.tail_stages} --image-size {cfg.image_size})")
+    manifest_path = tail_bundle_manifest(cfg)
+    program = read_manifest(manifest_path).find("tail_eval", "eager")
     activations = TrunkActivations(manifest_path, cfg.cache_dir).extract(prep.Xte)
     eval_file = prep.out / f"eval_trunk{cfg.tail_stages}.npz"
     np.savez(eval_file, Z=activations.reshape(len(activations), -1), y=prep.yte)
@@ -240,7 +278,7 @@ def pipeline_report(cfg: SimConfig, prep, phases: dict, workers: list[dict]) -> 
     report = {"config": dataclasses.asdict(cfg), "devices": devices, "phases": {}}
     for name, phase in phases.items():
         r = phase["results"]
-        entry = {"rounds": len(r["rounds"]), "contributions": len(r["contributed"]) if name not in ("fedavg-ft", "pp")
+        entry = {"rounds": len(r["rounds"]), "contributions": len(r["contributed"]) if name not in ("fedavg-ft", *PERSONAL_PHASES)
                  else sum(r["contributed"].values()),
                  "bytes_up": r["bytes_in"], "bytes_down": r["bytes_out"],
                  "bytes_up_per_device": r["bytes_in"] / devices, "bytes_down_per_device": r["bytes_out"] / devices,
@@ -253,7 +291,7 @@ def pipeline_report(cfg: SimConfig, prep, phases: dict, workers: list[dict]) -> 
             central = _report(cfg, r, workers, prep, job_dir=phase["dir"])
             entry.update(accuracy=final.get("accuracy"), central_accuracy=central.get("central_accuracy"),
                          rel_weight_error=central.get("rel_weight_error"))
-        elif name in ("fedavg-ft", "pp"):
+        elif name in ("fedavg-ft", *PERSONAL_PHASES):
             previous = list(phases)[list(phases).index(name) - 1]
             entry.update(accuracy=final.get("accuracy"), initial_accuracy=phases[previous]["results"]["final"].get("accuracy"),
                          personal_wma=final.get("personal_wma"), global_wma=final.get("global_wma"))

@@ -19,13 +19,28 @@ import numpy as np
 from .plots import plot_lines
 
 METHOD_NAMES = {"global": "global head", "personal": "own bias (PP)", "oll": "OLL", "oll_fp": "OLL+FP(ψ)"}
-TRAINING_PHASES = ("fed3r", "fedavg-ft", "pp")      # the phases that move the shared model, in pipeline order
+TRAINING_PHASES = ("fed3r", "fedavg-ft", "pp", "ditto")      # the phases that move the shared model, in pipeline order
 FT_MODES = {"psi": ("FT(ψ)", None), "phi": ("FT(φ)", "tail"), "M": ("FT(M)", "tail+head")}   # label, train
+FP_LABELS = {"psi": "ψ", "phi": "φ", "M": "M"}       # what FP after OLL fine-tunes (config fp_part)
 ACCURACY_RANGE = (0.0, 1.0)      # every report's accuracy axes: plain and secure runs compare by eye
 PHASE_HEADER = ("phase", "rounds", "tasks done", "test acc.", "MB up/device", "MB down/device",
                 "device compute s", "ms/task", "job s")
 COMPARE_HEADER = ("phase", "job s plain", "job s secure", "ratio", "MB up plain", "MB up secure", "ratio",
                   "acc. plain", "acc. secure")
+
+
+def method_name(report: dict, method: str) -> str:
+    """The OLL report's name for a method; the personal part is a head after Ditto, a bias after pp;
+    FP is of the part the run fine-tuned."""
+    if method == "personal" and "ditto" in report["phases"]:
+        return "own head (Ditto)"
+    if method == "oll_fp":
+        return f"OLL+{fp_label(report)}"
+    return METHOD_NAMES[method]
+
+
+def fp_label(report: dict) -> str:
+    return f"FP({FP_LABELS[report['config'].get('fp_part', 'psi')]})"
 
 
 def ft_label(cfg_or_report) -> str:
@@ -45,6 +60,8 @@ def training_phases(report: dict) -> list[str]:
 def phase_label(report: dict, name: str) -> str:
     if name == "pp":
         return f"{report['config'].get('pp_algorithm', 'fedalt')} (shared weight)"
+    if name == "ditto":
+        return f"Ditto λ={report['config'].get('ditto_lambda', 0.1):g} (global head)"
     return "Fed3R" if name == "fed3r" else ft_label(report["config"])
 
 
@@ -99,14 +116,20 @@ def phase_sentences(report: dict) -> dict[str, str]:
         out["pp"] = (f"Partial personalization ({report['config'].get('pp_algorithm', 'fedalt')}, {pp['rounds']} rounds): "
                      f"each device's own bias gives {pp['personal_wma']:.2%} held-out WMA against "
                      f"{pp['global_wma']:.2%} with the shared head ({_points(pp['global_wma'], pp['personal_wma'])}).")
+    ditto = phases.get("ditto")
+    if ditto and ditto.get("personal_wma") is not None:
+        out["ditto"] = (f"Ditto ({ditto['rounds']} rounds): each device's own head gives {ditto['personal_wma']:.2%} "
+                        f"held-out WMA against {ditto['global_wma']:.2%} with the global head "
+                        f"({_points(ditto['global_wma'], ditto['personal_wma'])}).")
     wma = (phases.get("oll") or {}).get("wma") or {}
     if "global" in wma and "oll" in wma:
         text = (f"Personalisation: pruning the head to each device's labels (OLL) moved the held-out WMA from "
                 f"{wma['global']:.2%} (global head) to {wma['oll']:.2%} ({_points(wma['global'], wma['oll'])})")
         if "oll_fp" in wma:
-            text += f"; local fine-tuning FP(ψ) added {_points(wma['oll'], wma['oll_fp'])} more ({wma['oll_fp']:.2%})"
+            text += f"; local fine-tuning {fp_label(report)} added {_points(wma['oll'], wma['oll_fp'])} more ({wma['oll_fp']:.2%})"
         if "personal" in wma:
-            text += (f"; each device's own bias from partial personalization alone gives {wma['personal']:.2%} "
+            own = "head from Ditto" if "ditto" in phases else "bias from partial personalization"
+            text += (f"; each device's own {own} alone gives {wma['personal']:.2%} "
                      f"({_points(wma['global'], wma['personal'])} over the global head)")
         out["oll"] = text + "."
     return out
@@ -164,7 +187,7 @@ def report_panels(report: dict) -> list[dict]:
     wma = (report["phases"].get("oll") or {}).get("wma") or {}
     if wma:
         panels.append({"title": "personalised accuracy (WMA, local held-out data)", "ylabel": "WMA",
-                       "bars": {METHOD_NAMES[m]: v for m, v in wma.items()}, "ylim": ACCURACY_RANGE, "percent": True})
+                       "bars": {method_name(report, m): v for m, v in wma.items()}, "ylim": ACCURACY_RANGE, "percent": True})
     return panels
 
 
@@ -199,10 +222,10 @@ def render_html(report: dict, png: bytes) -> str:
     if oll is None:
         personalised = "<p>This run had no personalization phase.</p>"
     else:
-        wma = [(METHOD_NAMES[m], f"{v:.4f}") for m, v in (oll.get("wma") or {}).items()]
+        wma = [(method_name(report, m), f"{v:.4f}") for m, v in (oll.get("wma") or {}).items()]
         personalised = f"""<h2>Personalised accuracy (WMA over {oll.get('test_samples')} local held-out samples)</h2>
 {_table("wma", ("method", "WMA"), wma)}
-<p>FP(ψ) learning rates chosen by the devices' cross-validation: {html.escape(json.dumps(oll.get('fp_lr_chosen')))};
+<p>{fp_label(report)} learning rates chosen by the devices' cross-validation: {html.escape(json.dumps(oll.get('fp_lr_chosen')))};
 held-out samples with a label outside the local training labels (scored by the global head):
 {oll.get('fallback_samples')}.</p>"""
     sentences = "".join(f'<li data-phase="{html.escape(k)}">{html.escape(v)}</li>'
@@ -261,7 +284,7 @@ def format_pipeline_report(report: dict) -> str:
     lines += list(phase_sentences(report).values())
     oll = report["phases"].get("oll")
     if oll and oll.get("fp_lr_chosen"):
-        lines.append(f"FP(ψ) learning rates chosen by local cross-validation: {oll['fp_lr_chosen']}")
+        lines.append(f"{fp_label(report)} learning rates chosen by local cross-validation: {oll['fp_lr_chosen']}")
     if report.get("timings_s"):
         lines.append(timings_line(report))
     if report.get("compared_with"):

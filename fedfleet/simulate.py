@@ -94,10 +94,12 @@ class SimConfig:
     ft_prox_mu: float = 0.0                 # > 0: FedProx's μ (with any local rule)
     ft_served_model: str = "last"           # last | swa (from 0.75·ft_rounds, every round) | wima (last 10)
     fp_epochs: int = 25                     # FP(ψ) local epochs after OLL (0: OLL only)
+    fp_part: str = "psi"                    # what FP fine-tunes: the OLL head (psi), the backbone's tail (phi), both (M)
     # --pipeline fed3r-pp-oll / fed3r-ft-pp-oll: partial personalization (shared head weight, personal bias)
     pp_rounds: int = 20
     pp_algorithm: str = "fedalt"            # fedalt | fedsim
     pp_client_lr: float = 0.1               # base local LR; devices get × 0.1 (the head starts at Fed3R's)
+    ditto_lambda: float = 0.1               # --pipeline fed3r-ditto-oll / fed3r-ft-ditto-oll: Ditto's λ (pp_rounds, pp_client_lr)
     # --deploy (fed3r-ft-oll, FT(ψ)): roll the fine-tuned head out through a canary, then a broken one back
     deploy: bool = False
     deploy_canary: str = "20%"

@@ -47,6 +47,7 @@ EXPECTED = {
     "pp-secure":          (False, True, False, True, False),
     "scaffold":           (False, True, False, False, False),
     "fedgloss":           (False, True, False, False, False),
+    "ditto":              (False, True, False, False, False),
     "ladd":               (False, False, False, False, False),
     "ladd-secure":        (False, False, False, True, False),
 }

@@ -143,3 +143,21 @@ def test_a_pp_pipeline_report_plots_the_pp_rounds_after_fed3r_and_says_what_the_
     assert "FT(" not in report_title(report)
     assert "81.00% (+17.00 points over the global head)" in phase_sentences(report)["oll"]
     assert "own bias (PP)" in render_html(report, b"png")
+
+
+def test_a_ditto_pipeline_report_plots_the_ditto_rounds_and_names_the_own_head():
+    """fed3r-ditto-oll: the ditto phase's curve (its global head) continues from Fed3R's end; its
+    sentence and OLL's bars speak of each device's own head, not a bias; FP is named by its part."""
+    report = fake_run(3, False)
+    ditto = report["phases"].pop("fedavg-ft")
+    ditto.update(personal_wma=0.79, global_wma=0.70)
+    report["config"].update(ditto_lambda=0.5, fp_part="phi")
+    report["phases"] = {"fed3r": report["phases"]["fed3r"], "ditto": ditto, "oll": report["phases"]["oll"]}
+    report["phases"]["oll"]["wma"] = {"global": 0.70, "personal": 0.79, "oll": 0.85, "oll_fp": 0.88}
+    rounds_ax, _, bars = build_figure(report_panels(report), report_title(report)).axes
+    line = [line for line in rounds_ax.get_lines() if "Ditto λ=0.5" in line.get_label()][0]
+    assert line.get_xdata()[0] == report["phases"]["fed3r"]["history"][-1]["round"]
+    assert [t.get_text() for t in bars.get_xticklabels()] == ["global head", "own head (Ditto)", "OLL", "OLL+FP(φ)"]
+    assert "local fine-tuning FP(φ) added +3.00 points" in phase_sentences(report)["oll"]
+    assert "79.00%" in phase_sentences(report)["ditto"] and "+9.00 points" in phase_sentences(report)["ditto"]
+    assert "own head from Ditto alone gives 79.00%" in phase_sentences(report)["oll"]

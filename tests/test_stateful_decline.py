@@ -1,15 +1,17 @@
-"""The stateful head tasks (pp.head, scaffold.head, fedgloss.head) decline training that leaves
+"""The stateful head tasks (pp.head, scaffold.head, fedgloss.head, ditto.head) decline training that leaves
 the protocol's bound exactly as fedavg.head does (protocols.payloads.fedavg.MAX_ABS_TRAINED): a
 finite head past 2^20 is diverged on every device, not uploaded for the aggregator to refuse."""
 
 import numpy as np
 import pytest
 
+from edge_client.tasks.ditto_training import ditto_pass
 from edge_client.tasks.fedgloss_training import fedgloss_pass
 from edge_client.tasks.head_training import LocalTraining
 from edge_client.tasks.partial_training import train_partial
 from edge_client.tasks.scaffold_training import scaffold_pass
 from protocols.payloads.fedavg import MAX_ABS_TRAINED, raise_if_diverged
+from protocols.payloads.ditto import DittoRecipe
 from protocols.payloads.partial import PartialRecipe
 
 C, D = 3, 4
@@ -29,6 +31,8 @@ PASSES = {
     "scaffold": lambda w, lr: scaffold_pass(w, ZERO["bias"], ZERO, ZERO, Z, Y, LocalTraining(epochs=1, batch_size=10, lr=lr)),
     "pp": lambda w, lr: train_partial(w, ZERO["bias"], Z, Y, PartialRecipe(batch_size=10, lr=lr)),
     "fedgloss": lambda w, lr: fedgloss_pass(w, ZERO["bias"], ZERO, Z, Y, LocalTraining(epochs=1, batch_size=10, lr=lr), 10.0),
+    "ditto": lambda w, lr: ditto_pass(w, ZERO["bias"], ZERO, Z, Y, LocalTraining(epochs=1, batch_size=10, lr=lr),
+                                      DittoRecipe(0.1, 1, lr)),
 }
 
 

@@ -109,17 +109,18 @@ FIELD_LIMITS: dict[str, Range | OneOf | Pattern | Fields | Items] = {
     "swa_start_round": Range(1, 1_000_000), "swa_cycle_rounds": Range(1, 100_000), "swa_lr_min": Range(0, 100),
     "wima_window": Range(1, 1000), "buffer_size": Range(1, 100_000), "max_staleness": Range(0, 10_000),
     "staleness_exponent": Range(0, 10), "init": OneOf(INITS), "initial_head_file": PATH,
-    # stateful devices (aggregator/jobs/device_state_fields.py): partial personalization, Scaffold, FedGloSS
+    # stateful devices (aggregator/jobs/device_state_fields.py): partial personalization, Scaffold, FedGloSS, Ditto
     "state_max_staleness": Range(0, 1_000_000), "state_ttl_s": Range(1, 365 * 86400),
     "pp_algorithm": OneOf(("fedsim", "fedalt")), "personal_epochs": Range(0, 1000),
     "total_devices": Range(0, 100_000_000), "control_clip_norm": Range(1e-9, 1e9),
     "fedgloss_rho": Range(0, 100), "admm_beta": Range(1e-9, 1e6),
+    "ditto_lambda": Range(1e-9, 1e4), "personal_lr": Range(0, 100),
     # FT(φ)/FT(M)
     "train": OneOf(("tail", "tail+head")), "tail_stages": Range(0, 64), "tail_program_file": PATH,
     "tail_program_sha256": SHA256_OR_EMPTY,
     # personalization
     "head_file": PATH, "fallback": OneOf(("error", "global")), "fp_epochs": Range(0, 10_000),
-    "fp_lrs": Items(Range(1e-9, 10), 16), "fp_folds": Range(2, 100),
+    "fp_lrs": Items(Range(1e-9, 10), 16), "fp_folds": Range(2, 100), "fp_part": OneOf(("psi", "phi", "M")),
     "personal_job": Pattern(r"^(" + DEVICE_ID_RE.pattern.strip("^$") + r")?$"),
     # LADD
     "model": SEGMENTATION_SPEC, "style_b": Range(0, 8), "clustering": OneOf(("styles", "none")),

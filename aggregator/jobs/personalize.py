@@ -30,7 +30,8 @@ import numpy as np
 
 from protocols.envelope import Envelope
 from protocols.payloads.fedavg import TAIL_PREFIX, head_tensors
-from protocols.payloads.personalize import FALLBACKS, KIND, METHODS, PERSONAL, PersonalizationReport, parse_report
+from protocols.payloads.personalize import (FALLBACKS, FP_PARTS, KIND, METHODS, PERSONAL, PersonalizationReport,
+                                            parse_report)
 from protocols.rounds import RoundClosed
 
 from aggregator.compute.evaluation import head_accuracy, weighted_mean_accuracy
@@ -52,7 +53,8 @@ class PersonalizeConfig(ModelFields):
     weight_decay: float = 4e-5
     temperature: float = 0.1
     max_attempts: int = 3
-    personal_job: str = ""               # a pp job whose personal part (bias) each device kept: evaluated too
+    personal_job: str = ""               # a pp/ditto job whose personal part (bias; head) each device kept: evaluated too
+    fp_part: str = "psi"                 # what FP fine-tunes: the head (psi), the backbone's tail (phi), both (M)
 
     def __post_init__(self):
         super().__post_init__()
@@ -69,8 +71,10 @@ class PersonalizeConfig(ModelFields):
             raise ValueError(f"tail_stages must be an integer >= 0, got {self.tail_stages!r}")
         if self.clients_per_round < 1 or self.max_attempts < 1:
             raise ValueError("clients_per_round and max_attempts must be >= 1")
+        if self.fp_part not in FP_PARTS:
+            raise ValueError(f"fp_part must be one of {FP_PARTS}, got {self.fp_part!r}")
         if self.personal_job and self.tail_stages:
-            raise ValueError("personal_job (a head-level pp job) cannot follow a fine-tuned backbone tail")
+            raise ValueError("personal_job (a head-level pp or ditto job) cannot follow a fine-tuned backbone tail")
 
 
 def load_model(path: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
@@ -83,6 +87,15 @@ def load_model(path: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]
             if w in model.files and b in model.files:
                 return head_tensors(model[w], model[b]), tail
         raise ValueError(f"{path}: no head in it (expected weight/bias or coef/intercept, found {model.files})")
+
+
+def load_head(path: str, what: str) -> dict[str, np.ndarray]:
+    """The head of a head-only model.npz: a Fed3R model or a fine-tuned head (``what``, a job that
+    trains the head alone, cannot start from a fine-tuned backbone tail)."""
+    head, tail = load_model(path)
+    if tail:
+        raise ValueError(f"{what} of the head cannot start from a fine-tuned backbone tail")
+    return head
 
 
 @dataclass
@@ -127,6 +140,8 @@ class PersonalizeJob(OncePerDevice, Job):
                   "temperature": c.temperature, "seed": c.seed, "tail_stages": c.tail_stages}
         if c.personal_job:
             params["personal_job"] = c.personal_job
+        if c.fp_part != "psi":           # FP(φ)/FP(M): devices with a tail bundle (a task without it: FP(ψ))
+            params["fp_part"] = c.fp_part
         return params, self.model_arrays()
 
     def parse_result(self, env: Envelope) -> PersonalizationReport:

@@ -17,6 +17,7 @@ from typing import Callable
 from aggregator.jobs.config_limits import validate_config
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
 from aggregator.jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob
+from aggregator.jobs.ditto import DittoConfig, DittoJob
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob
 from aggregator.jobs.fedavg_async import AsyncFedAvgConfig, AsyncFedAvgJob
 from aggregator.jobs.fedgloss import FedGlossConfig, FedGlossJob
@@ -77,6 +78,8 @@ KINDS: dict[str, JobKind] = {k.name: k for k in (
             "Scaffold(ψ): FedAvg of the head corrected by control variates; each device keeps its own c_k"),
     JobKind("fedgloss", FedGlossConfig, FedGlossJob,
             "FedGloSS(ψ): server-side SAM from the last round's pseudo-gradient plus ADMM; each device keeps its dual"),
+    JobKind("ditto", DittoConfig, DittoJob,
+            "Ditto(ψ): FedAvg of the head; each device also keeps a personal head pulled to the global one"),
     JobKind("personalize", PersonalizeConfig, PersonalizeJob, "OLL and OLL+FP(ψ) on every device; held-out WMA"),
     JobKind("ladd", LaddConfig, LaddJob, "LADD: style clustering and cluster-specific self-training (segmentation)",
             _ladd_factory(LaddJob)),

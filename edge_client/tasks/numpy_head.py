@@ -60,10 +60,13 @@ class NumpyHeadStepper:
 
     runtime = "numpy"
 
-    def __init__(self, weight: np.ndarray, bias: np.ndarray, recipe):
+    def __init__(self, weight: np.ndarray, bias: np.ndarray, recipe, anchor: dict[str, np.ndarray] | None = None):
+        """``anchor``: the round's global head, where a proximal rule pulls (default: the start;
+        Ditto's personal pass starts from the device's own head and is pulled to the task's)."""
         self.weight = np.array(weight, dtype=np.float32)
         self.bias = np.array(bias, dtype=np.float32)
-        self.start = {"weight": self.weight.copy(), "bias": self.bias.copy()}     # the round's global head
+        anchor = anchor or {"weight": self.weight, "bias": self.bias}
+        self.start = {k: np.array(anchor[k], dtype=np.float32) for k in ("weight", "bias")}
         self.temperature = np.float32(recipe.temperature)
         self.lr, self.weight_decay = np.float32(recipe.lr), np.float32(recipe.weight_decay)
         self.rule = rule_for(recipe.rule)

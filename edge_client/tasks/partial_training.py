@@ -22,7 +22,7 @@ from protocols.payloads.partial import KIND, PartialRecipe, encode_partial_updat
 
 from ..agent import TaskDeclined
 from .numpy_head import head_sgd_step
-from .stateful_head import StatefulHeadTask, holdout_correct
+from .stateful_head import StatefulHeadTask
 
 
 def sgd_epochs(weight: np.ndarray, bias: np.ndarray, features: np.ndarray, labels: np.ndarray,
@@ -75,8 +75,5 @@ class PartialTrainingTask(StatefulHeadTask):
         except FloatingPointError as exc:
             raise TaskDeclined(str(exc)) from exc
         self.keep(task, {"bias": start}, {"bias": v})
-        n_test = 0 if task.holdout is None else len(self.holdout_labels)
-        return encode_partial_update(u, len(self.labels), n_test,
-                                     holdout_correct(task.weight, v, task.holdout, self.holdout_labels),
-                                     holdout_correct(task.weight, task.bias, task.holdout, self.holdout_labels),
-                                     restarted=stored is None)
+        return encode_partial_update(u, len(self.labels), self.personal_report(
+            task, {"weight": task.weight, "bias": v}, stored is None))

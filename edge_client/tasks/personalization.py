@@ -34,6 +34,7 @@ from ..oll import OutOfLocalLabels, PersonalizedHead, choose_fp_lr
 from ..state import DeviceStateStore
 from .extractors import ExtractorFactory, extractor_for
 from .head_training import LocalTraining
+from .tail_personalization import FP_PARTS, TailFineTuning, masked_head
 from .tail_training import TailFeatures, check_model_tensors
 
 log = logging.getLogger("fedfleet.device")
@@ -47,7 +48,7 @@ class PersonalizeTask:
                  tail_features: TailFeatures | None = None, state: DeviceStateStore | None = None):
         """``tail_features``: the device's tail bundle as a feature source, for tasks whose
         global model has a fine-tuned backbone tail (None: such tasks are declined); ``state``:
-        the device's state store, where a ``pp`` job left its personal part (``personal_job``)."""
+        the device's state store, where a ``pp`` or ``ditto`` job left its personal part (``personal_job``)."""
         if len(train_images) != len(train_labels) or len(test_images) != len(test_labels):
             raise ValueError("images and labels differ in length")
         self.train_images, self.train_labels = train_images, np.asarray(train_labels, dtype=np.int64)
@@ -57,6 +58,7 @@ class PersonalizeTask:
         self.tail_features = tail_features
         self.state = state
         self.head: PersonalizedHead | None = None
+        self.fine_tuned: dict[str, np.ndarray] | None = None     # FP(φ)/FP(M)'s model (tail and head)
         self.last: PersonalizationReport | None = None
 
     def __call__(self, params: dict[str, Any], tensors: dict[str, np.ndarray] | None = None) -> tuple[dict, dict]:
@@ -71,11 +73,14 @@ class PersonalizeTask:
             lrs = [float(lr) for lr in params.get("fp_lrs", [])]
             folds = int(params.get("fp_folds", 5))
             personal_job = str(params.get("personal_job", ""))
+            fp_part = str(params.get("fp_part", "psi"))
             recipe = LocalTraining.from_params({**params, "epochs": max(fp_epochs, 1)})
         except (KeyError, TypeError, ValueError) as exc:
             raise TaskDeclined(f"bad oll.personalize params: {exc}") from exc
         if fallback not in FALLBACKS:
             raise TaskDeclined(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
+        if fp_part not in ("psi", *FP_PARTS):
+            raise TaskDeclined(f"fp_part must be one of {('psi', *FP_PARTS)}, got {fp_part!r}")
         if fp_epochs < 0 or (fp_epochs and not lrs):
             raise TaskDeclined("fp_epochs must be >= 0, and FP needs at least one learning rate in fp_lrs")
         if not tensors or "weight" not in tensors or "bias" not in tensors:
@@ -101,7 +106,7 @@ class PersonalizeTask:
 
         correct = {"global": int(((f_test @ weight.T + bias).argmax(axis=1) == y_test).sum())}
         if personal_job:
-            bias = self._personal_bias(personal_job, bias)      # the device's own model: OLL and FP start there
+            weight, bias = self._personal_head(personal_job, weight, bias)   # the device's own: OLL and FP start there
             correct[PERSONAL] = int(((f_test @ weight.T + bias).argmax(axis=1) == y_test).sum())
         head = PersonalizedHead(weight, bias, self.train_labels, fallback=fallback)
         try:
@@ -112,25 +117,35 @@ class PersonalizeTask:
         fp_lr = None
         if fp_epochs:
             try:
-                fp_lr, _ = choose_fp_lr(weight, bias, f_train, self.train_labels, recipe, lrs, folds)
-                head.fine_tune(f_train, self.train_labels, replace(recipe, lr=fp_lr), self.training_session)
+                if fp_part == "psi":
+                    fp_lr, _ = choose_fp_lr(weight, bias, f_train, self.train_labels, recipe, lrs, folds)
+                    head.fine_tune(f_train, self.train_labels, replace(recipe, lr=fp_lr), self.training_session)
+                    correct["oll_fp"] = head.score(f_test, y_test).correct
+                else:
+                    fp_lr, correct["oll_fp"] = self._fine_tune_tail(params, tensors, tail_stages, head, f_test,
+                                                                    fp_part, recipe, lrs, folds)
             except FloatingPointError as exc:
                 raise TaskDeclined(str(exc)) from exc
-            correct["oll_fp"] = head.score(f_test, y_test).correct
         self.head = head
         self.last = PersonalizationReport(len(self.train_labels), len(y_test), head.label_map.k, correct,
                                           scored.fallback, fp_lr)
         return encode_report(self.last)
 
-    def _personal_bias(self, job_id: str, global_bias: np.ndarray) -> np.ndarray:
-        """The bias v_k the ``pp`` job ``job_id`` left in the state store; the global bias when it
-        left none (the device was never sampled, or its state expired): FedSim/FedAlt's v_k of a
-        device that never trained."""
+    def _personal_head(self, job_id: str, weight: np.ndarray, bias: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The personal part the job ``job_id`` left in the state store: a ``pp`` job's bias v_k
+        (with the global weight), a ``ditto`` job's whole head; the global tensor for any part
+        it left none of (the device was never sampled, or its state expired): the personal
+        model of a device that never trained."""
         entry = self.state.load(job_id, run=None) if self.state is not None else None
-        personal = None if entry is None else entry.arrays.get("bias")
-        if personal is None or personal.shape != global_bias.shape or not np.isfinite(personal).all():
-            return global_bias
-        return personal.astype(np.float32)
+        stored = {} if entry is None else entry.arrays
+
+        def personal(name: str, global_value: np.ndarray) -> np.ndarray:
+            value = stored.get(name)
+            if value is None or value.shape != global_value.shape or not np.isfinite(value).all():
+                return global_value
+            return value.astype(np.float32)
+
+        return personal("weight", weight), personal("bias", bias)       # a pp entry has no weight: the shared one
 
     def _fine_tuned_features(self, params: dict[str, Any], tail_stages: int,
                              tensors: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -138,12 +153,44 @@ class PersonalizeTask:
         if self.tail_features is None:
             raise TaskDeclined("this device has no tail bundle: it cannot personalise a fine-tuned backbone")
         session = self.tail_features.session()
-        m = session.manifest
-        wanted = (str(params["backbone"]), int(params["image_size"]), tail_stages, int(params["feature_dim"]),
-                  str(params.get("weights_sha256") or m.weights_sha256))
-        if wanted != (m.backbone, m.input.image_size, m.tail.stages, m.feature_dim, m.weights_sha256):
-            raise TaskDeclined(f"task wants {wanted[0]} at {wanted[1]} px with a {wanted[2]}-stage tail and "
-                               f"{wanted[3]}-d features; the tail bundle is {m.backbone} at {m.input.image_size} "
-                               f"px, {m.tail.stages} stage(s), {m.feature_dim}-d (or other weights)")
+        check_tail_bundle(session.manifest, params, tail_stages)
         model = check_model_tensors(tensors, session.parameter_shapes, KIND)
         return self.tail_features.extract(model, self.train_images, self.test_images)
+
+    def _fine_tune_tail(self, params: dict[str, Any], tensors: dict[str, np.ndarray], tail_stages: int,
+                        head: PersonalizedHead, f_test: np.ndarray, part: str, recipe: LocalTraining,
+                        lrs: list[float], folds: int) -> tuple[float, int]:
+        """FP(φ)/FP(M) from the OLL head (``edge_client/tasks/tail_personalization.py``): (the
+        learning rate cross-validation chose, the held-out samples the fine-tuned model gets right;
+        labels outside the local ones are scored as OLL scored them). The model stays on the device."""
+        if self.tail_features is None:
+            raise TaskDeclined(f"FP({part}) trains the backbone's tail: this device has no tail bundle")
+
+        def work(tail):         # one device at a time on a shared session, start to end
+            session = tail.session()
+            check_tail_bundle(session.manifest, params, tail_stages or session.manifest.tail.stages)
+            start = check_model_tensors(tensors, session.parameter_shapes, KIND) if tail_stages \
+                else tail.bundled_parameters()      # after FT(ψ): the pretrained tail
+            fp = TailFineTuning(session, {**start, **masked_head(head)}, part, recipe)
+            train_x, test_x = tail.activations(self.train_images), tail.activations(self.test_images)
+            lr, _ = fp.choose_lr(train_x, self.train_labels, lrs, folds)
+            model = fp.fit(train_x, self.train_labels, lr)
+            return lr, model, fp.predict(model, test_x)
+
+        lr, self.fine_tuned, predicted = self.tail_features.exclusive(work)
+        inside = head.label_map.contains(self.test_labels)
+        correct = int((predicted[inside] == self.test_labels[inside]).sum())
+        if not inside.all():
+            correct += head.score(f_test[~inside], self.test_labels[~inside]).correct   # the global head's
+        return lr, correct
+
+
+def check_tail_bundle(m, params: dict[str, Any], tail_stages: int) -> None:
+    """Decline unless the device's tail bundle is the task's model (backbone, size, tail, shapes, weights)."""
+    wanted = (str(params["backbone"]), int(params["image_size"]), tail_stages, int(params["feature_dim"]),
+              int(params["num_classes"]), str(params.get("weights_sha256") or m.weights_sha256))
+    if wanted != (m.backbone, m.input.image_size, m.tail.stages, m.feature_dim, m.num_classes, m.weights_sha256):
+        raise TaskDeclined(f"task wants {wanted[0]} at {wanted[1]} px with a {wanted[2]}-stage tail, "
+                           f"{wanted[3]}-d features and {wanted[4]} classes; the tail bundle is {m.backbone} at "
+                           f"{m.input.image_size} px, {m.tail.stages} stage(s), {m.feature_dim}-d, {m.num_classes} "
+                           "classes (or other weights)")

@@ -1,4 +1,4 @@
-"""What the device's stateful head tasks (``pp.head``, ``scaffold.head``, ``fedgloss.head``) share: reading a task
+"""What the device's stateful head tasks (``pp.head``, ``scaffold.head``, ``fedgloss.head``, ``ditto.head``) share: reading a task
 that carries a global head and a state binding, the device's features, the state store's answer.
 
 Both train the linear head with the numpy step (``edge_client.tasks.numpy_head``) on every
@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from protocols.payloads.partial import PersonalReport
 from protocols.payloads.stateful import StateBinding
 
 from ..agent import TaskDeclined
@@ -120,6 +121,13 @@ class StatefulHeadTask:
             self.store.save(task.job_id, task.binding.run, task.binding.round, arrays, task.binding.ttl_s)
         except StateBudgetExceeded as exc:
             raise TaskDeclined(str(exc)) from exc
+
+    def personal_report(self, task: HeadTask, personal: dict[str, np.ndarray], restarted: bool) -> PersonalReport:
+        """The held-out counts with the device's personal head and with the task's global head."""
+        n_test = 0 if task.holdout is None else len(self.holdout_labels)
+        return PersonalReport(n_test,
+                              holdout_correct(personal["weight"], personal["bias"], task.holdout, self.holdout_labels),
+                              holdout_correct(task.weight, task.bias, task.holdout, self.holdout_labels), restarted)
 
 
 def holdout_correct(weight: np.ndarray, bias: np.ndarray, features: np.ndarray | None,

@@ -161,6 +161,7 @@ class TailFeatures:
         self.manifest_path, self.cache_dir = manifest, cache_dir
         self._trunk = trunk
         self._session = None
+        self._bundled: dict[str, np.ndarray] = {}
 
     def session(self):
         """The eager tail_training session (loaded on first use); TaskDeclined if unusable."""
@@ -170,11 +171,28 @@ class TailFeatures:
         try:
             if self._session is None:
                 self._session = TrainingSession.load(self.manifest_path, prefer=("eager",), kind="tail_training")
+                self._bundled = self._session.get_parameters()
             if self._trunk is None:
                 self._trunk = TrunkActivations(self.manifest_path, self.cache_dir)
         except (ArtifactError, RuntimeUnavailableError) as exc:
             raise TaskDeclined(f"tail bundle unusable for features: {exc}") from exc
         return self._session
+
+    def bundled_parameters(self) -> dict[str, np.ndarray]:
+        """The program's parameters as the bundle shipped them (the pretrained tail), whatever
+        tasks set since: what FP(φ)/FP(M) start the tail from when the global model has none."""
+        self.session()
+        return {k: v.copy() for k, v in self._bundled.items()}
+
+    def exclusive(self, work):
+        """``work(self)``: what a shared wrapper (``edge_client.handlers``) runs holding its lock, so
+        a device's many calls on the session (FP(φ)'s training) never interleave with another's."""
+        return work(self)
+
+    def activations(self, images: np.ndarray) -> np.ndarray:
+        """The trunk's (cached) activations of these images: the tail program's inputs."""
+        self.session()
+        return self._trunk.extract(images)
 
     def extract(self, model: dict[str, np.ndarray], *image_sets: np.ndarray) -> tuple[np.ndarray, ...]:
         """(n, feature_dim) features of each set of uint8 images under `model` (every tensor of the

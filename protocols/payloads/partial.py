@@ -74,27 +74,48 @@ class PartialRecipe:
 
 
 @dataclass(frozen=True)
+class PersonalReport:
+    """What a device with a personal part reports beside its upload (``pp.head``, ``ditto.head``):
+    on its held-out split (``n_test`` 0 when it has none) how many its personal model and the
+    task's global model get right, and whether its personal part restarted from the global value."""
+
+    n_test: int
+    correct: int                # held-out, with the device's personal part after this round
+    correct_global: int         # held-out, with the task's global model
+    restarted: bool
+
+    def to_body(self) -> dict:
+        return {"n_test": int(self.n_test), "correct": int(self.correct),
+                "correct_global": int(self.correct_global), "restarted": bool(self.restarted)}
+
+
+def parse_personal_report(msg: Envelope, kind: str, max_samples: int = 10**9) -> PersonalReport:
+    """The report's body fields, checked (EnvelopeError: counts outside 0..n_test, n_test out of range)."""
+    n_test = body_field(msg, "n_test", int)
+    if not 0 <= n_test <= max_samples:
+        raise EnvelopeError(f"{kind}: n_test={n_test} out of range (0..{max_samples})")
+    counts = [body_field(msg, name, int) for name in ("correct", "correct_global")]
+    if not all(0 <= c <= n_test for c in counts):
+        raise EnvelopeError(f"{kind}: held-out counts {counts} must lie in 0..n_test={n_test}")
+    return PersonalReport(n_test, *counts, body_field(msg, "restarted", bool))
+
+
+@dataclass(frozen=True)
 class PartialUpdate:
     n: int
     weight: np.ndarray          # u after local training
-    n_test: int
-    correct: int                # held-out, (task's u, v_k)
-    correct_global: int         # held-out, (task's u, global v)
-    restarted: bool
+    report: PersonalReport      # held-out: (task's u, v_k) and (task's u, global v)
 
     def tensors(self) -> dict[str, np.ndarray]:
         return {"weight": self.weight}
 
 
-def encode_partial_update(weight: np.ndarray, n: int, n_test: int, correct: int, correct_global: int,
-                          restarted: bool) -> tuple[dict, dict[str, np.ndarray]]:
+def encode_partial_update(weight: np.ndarray, n: int, report: PersonalReport) -> tuple[dict, dict[str, np.ndarray]]:
     weight = np.ascontiguousarray(weight, dtype=np.float32)
     if not np.isfinite(weight).all():
         raise ValueError("the trained shared part contains NaN or Inf (diverged local training?)")
     C, d = weight.shape
-    return ({"n": int(n), "num_classes": int(C), "feature_dim": int(d), "n_test": int(n_test),
-             "correct": int(correct), "correct_global": int(correct_global), "restarted": bool(restarted)},
-            {"weight": weight})
+    return {"n": int(n), "num_classes": int(C), "feature_dim": int(d), **report.to_body()}, {"weight": weight}
 
 
 def parse_partial_update(msg: Envelope, num_classes: int, feature_dim: int,
@@ -105,11 +126,4 @@ def parse_partial_update(msg: Envelope, num_classes: int, feature_dim: int,
         raise EnvelopeError(f"{KIND}: head shape ({msg.body['num_classes']}, {msg.body['feature_dim']}) "
                             f"!= job's ({num_classes}, {feature_dim})")
     update = parse_model_update(msg, {"weight": (num_classes, feature_dim)}, max_samples)
-    n_test = body_field(msg, "n_test", int)
-    if not 0 <= n_test <= max_samples:
-        raise EnvelopeError(f"{KIND}: n_test={n_test} out of range (0..{max_samples})")
-    counts = [body_field(msg, name, int) for name in ("correct", "correct_global")]
-    if not all(0 <= c <= n_test for c in counts):
-        raise EnvelopeError(f"{KIND}: held-out counts {counts} must lie in 0..n_test={n_test}")
-    restarted = body_field(msg, "restarted", bool)
-    return PartialUpdate(update.n, update.trained["weight"], n_test, *counts, restarted)
+    return PartialUpdate(update.n, update.trained["weight"], parse_personal_report(msg, KIND, max_samples))

@@ -11,7 +11,10 @@ what OLL does with held-out labels outside the local training labels), and the F
 ``fp_epochs`` (0: OLL only), ``batch_size``, ``weight_decay``, ``temperature``, ``seed`` and
 ``fp_lrs`` (candidate learning rates; with more than one the device picks one by
 ``fp_folds``-fold cross-validation on its *training* split, ties to the earlier candidate,
-then fine-tunes on all of it).
+then fine-tunes on all of it). ``fp_part`` (absent: "psi") says what FP fine-tunes: "psi" the
+pruned head, "phi" the backbone's tail through the device's tail bundle with the OLL head frozen,
+"M" the tail and the OLL head (``edge_client/tasks/tail_personalization.py``; a device without a
+tail bundle declines); ``correct.oll_fp`` then counts that model.
 
 Result (device -> aggregator): no tensors. The personalised head stays on the device (it is
 the device's model; sending it would leak the local label set and more). The body reports
@@ -22,10 +25,10 @@ counts on the device's local held-out split:
 * ``correct``              {"global": int, "oll": int, "oll_fp": int}: held-out samples that the
                            global head, the OLL-pruned head and the OLL head after FP(ψ)
                            classify correctly ("oll_fp" absent when ``fp_epochs`` is 0); after
-                           partial personalization (task param ``personal_job``: the ``pp`` job
-                           whose personal part the device keeps) also "personal": the global
-                           weight with the device's own bias v_k, which OLL and FP(ψ) then
-                           start from
+                           partial personalization or Ditto (task param ``personal_job``: the
+                           ``pp`` or ``ditto`` job whose personal part the device keeps) also
+                           "personal": the global weight with the device's own bias v_k (pp),
+                           or its own head v_k (ditto), which OLL and FP(ψ) then start from
 * ``fallback``             held-out samples whose label is outside C_k (scored by the global
                            head when the task's fallback is "global")
 * ``fp_lr``                the FP(ψ) learning rate the device used (null without FP)
@@ -43,8 +46,9 @@ from ..envelope import Envelope, EnvelopeError, body_field
 
 KIND = "oll.personalize"
 METHODS = ("global", "oll", "oll_fp")
-PERSONAL = "personal"           # with the device's personal part (after a ``pp`` job)
+PERSONAL = "personal"           # with the device's personal part (after a ``pp`` or ``ditto`` job)
 FALLBACKS = ("error", "global")
+FP_PARTS = ("psi", "phi", "M")    # task param ``fp_part``: FP of the head, of the backbone's tail, of both
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,56 @@
+"""The held-out WMA of a job whose devices keep a personal model (``pp.head``, ``ditto.head``).
+
+Each accepted result carries a :class:`~protocols.payloads.partial.PersonalReport`: on the
+device's held-out split, how many its personal model and the task's global model get right. The
+job keeps each device's latest report and reports the sample-weighted mean accuracy (WMA, the
+Fed3R paper's "weighted accuracy") of both: ``personal_wma`` (each device with its own model)
+and ``global_wma``. The reports travel in the round bookkeeping, so a restarted job reports the
+same WMA.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from protocols.payloads.partial import PersonalReport
+
+from aggregator.compute.evaluation import weighted_mean_accuracy
+
+
+class PersonalWmaJob:
+    """Mixin, before the job class it extends (``class DittoJob(PersonalWmaJob, StatefulDevicesJob,
+    FedAvgJob)``); the job's round updates have a ``report`` (:class:`PersonalReport`)."""
+
+    heldout: dict[str, tuple[int, int, int]]        # device -> (n_test, correct, correct_global), latest
+
+    def __init__(self, *args, **kwargs):
+        self.heldout = {}
+        super().__init__(*args, **kwargs)
+
+    def apply(self, device: str, payload) -> None:
+        accepted = payload.round == self.round and device not in self._updates
+        super().apply(device, payload)
+        report: PersonalReport = payload.update.report
+        if accepted and device in self._updates and report.n_test:
+            self.heldout[device] = (report.n_test, report.correct, report.correct_global)
+
+    def evaluate(self, features: np.ndarray | None, labels: np.ndarray | None) -> dict:
+        """The job's own report plus the held-out WMA with each device's personal model and with the global one."""
+        out = super().evaluate(features, labels)
+        if self.heldout:
+            reports = [self.heldout[d] for d in sorted(self.heldout)]
+            totals = [n for n, _, _ in reports]
+            out["personal_wma"] = weighted_mean_accuracy([c for _, c, _ in reports], totals)
+            out["global_wma"] = weighted_mean_accuracy([g for _, _, g in reports], totals)
+            out["heldout_devices"] = len(reports)
+        return out
+
+    def bookkeeping(self) -> dict:
+        """With the held-out reports of the rounds closed so far (JSON, stored at each round open):
+        a restarted job reports the same WMA; the open round's reports come back with its replay."""
+        return {**super().bookkeeping(), "heldout": {d: list(r) for d, r in sorted(self.heldout.items())}}
+
+    def restore_bookkeeping(self, state: dict) -> None:
+        super().restore_bookkeeping(state)
+        stored = {str(d): tuple(int(x) for x in r) for d, r in (state.get("heldout") or {}).items()}
+        self.heldout = {**stored, **self.heldout}       # reports replayed into the open round are newer
