@@ -87,9 +87,15 @@ class CachedFeatures:
         self.feature_dim = features.shape[1]
 
     def extract(self, images: np.ndarray) -> np.ndarray:
-        if images is not self.images:
+        """The rows of this device's images (the task handler passes a view: the samples from
+        ``from_sample`` on)."""
+        if images is self.images:
+            return self.features
+        if images.base is not self.images:
             raise ValueError("this cached extractor only knows its own device's images")
-        return self.features
+        start = (images.__array_interface__["data"][0] - self.images.__array_interface__["data"][0]) \
+            // self.images.strides[0]
+        return self.features[start:start + len(images)]
 
 
 def backbone_flops_per_image(image_size: int = IMAGE_SIZE) -> float:
