@@ -27,13 +27,13 @@ from typing import Any
 import numpy as np
 
 from protocols.payloads.fedavg import TAIL_PREFIX
-from protocols.payloads.personalize import FALLBACKS, KIND, PERSONAL, PersonalizationReport, encode_report
+from protocols.payloads.personalize import KIND, PERSONAL, PersonalizationReport, PersonalizeParams, encode_report
 
 from ..agent import TaskDeclined
 from ..oll import OutOfLocalLabels, PersonalizedHead, choose_fp_lr
 from ..state import DeviceStateStore
 from .extractors import ExtractorFactory, extractor_for
-from .head_training import LocalTraining
+from .params import read_params
 from .tail_training import TailFeatures, check_model_tensors
 
 log = logging.getLogger("fedfleet.device")
@@ -62,22 +62,9 @@ class PersonalizeTask:
     def __call__(self, params: dict[str, Any], tensors: dict[str, np.ndarray] | None = None) -> tuple[dict, dict]:
         if len(self.train_labels) == 0 or len(self.test_labels) == 0:
             raise TaskDeclined("personalization needs local training and held-out data")
-        try:
-            num_classes, feature_dim = int(params["num_classes"]), int(params["feature_dim"])
-            str(params["backbone"]), int(params["image_size"])     # checked here: a malformed task declines
-            tail_stages = int(params.get("tail_stages", 0))
-            fallback = str(params.get("fallback", "error"))
-            fp_epochs = int(params.get("fp_epochs", 0))
-            lrs = [float(lr) for lr in params.get("fp_lrs", [])]
-            folds = int(params.get("fp_folds", 5))
-            personal_job = str(params.get("personal_job", ""))
-            recipe = LocalTraining.from_params({**params, "epochs": max(fp_epochs, 1)})
-        except (KeyError, TypeError, ValueError) as exc:
-            raise TaskDeclined(f"bad oll.personalize params: {exc}") from exc
-        if fallback not in FALLBACKS:
-            raise TaskDeclined(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
-        if fp_epochs < 0 or (fp_epochs and not lrs):
-            raise TaskDeclined("fp_epochs must be >= 0, and FP needs at least one learning rate in fp_lrs")
+        task = read_params(PersonalizeParams, params, KIND)
+        num_classes, feature_dim, tail_stages = task.model.num_classes, task.feature_dim, task.tail_stages
+        fp_epochs, lrs, folds, recipe = task.fp_epochs, [float(lr) for lr in task.fp_lrs], task.fp_folds, task.recipe()
         if not tensors or "weight" not in tensors or "bias" not in tensors:
             raise TaskDeclined("oll.personalize task carries no head tensors (weight, bias)")
         weight, bias = np.asarray(tensors["weight"]), np.asarray(tensors["bias"])
@@ -89,21 +76,21 @@ class PersonalizeTask:
             if labels.min() < 0 or labels.max() >= num_classes:
                 raise TaskDeclined(f"local label {labels.max()} outside the job's {num_classes} classes")
         if tail_stages:
-            f_train, f_test = self._fine_tuned_features(params, tail_stages, tensors)
+            f_train, f_test = self._fine_tuned_features(task, tensors)
         elif any(name.startswith(TAIL_PREFIX) for name in tensors):
             raise TaskDeclined("task carries backbone tail tensors but says tail_stages = 0")
         else:
-            extractor = extractor_for(self.extractor_factory, params)
+            extractor = extractor_for(self.extractor_factory, task.model)
             if extractor.feature_dim != feature_dim:
                 raise TaskDeclined(f"backbone gives {extractor.feature_dim}-d features, task expects {feature_dim}")
             f_train, f_test = extractor.extract(self.train_images), extractor.extract(self.test_images)
         y_test = self.test_labels
 
         correct = {"global": int(((f_test @ weight.T + bias).argmax(axis=1) == y_test).sum())}
-        if personal_job:
-            bias = self._personal_bias(personal_job, bias)      # the device's own model: OLL and FP start there
+        if task.personal_job:
+            bias = self._personal_bias(task.personal_job, bias)      # the device's own model: OLL and FP start there
             correct[PERSONAL] = int(((f_test @ weight.T + bias).argmax(axis=1) == y_test).sum())
-        head = PersonalizedHead(weight, bias, self.train_labels, fallback=fallback)
+        head = PersonalizedHead(weight, bias, self.train_labels, fallback=task.fallback)
         try:
             scored = head.score(f_test, y_test)
         except OutOfLocalLabels as exc:
@@ -132,15 +119,15 @@ class PersonalizeTask:
             return global_bias
         return personal.astype(np.float32)
 
-    def _fine_tuned_features(self, params: dict[str, Any], tail_stages: int,
+    def _fine_tuned_features(self, task: PersonalizeParams,
                              tensors: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         """Training and held-out features through the task's fine-tuned tail."""
         if self.tail_features is None:
             raise TaskDeclined("this device has no tail bundle: it cannot personalise a fine-tuned backbone")
         session = self.tail_features.session()
         m = session.manifest
-        wanted = (str(params["backbone"]), int(params["image_size"]), tail_stages, int(params["feature_dim"]),
-                  str(params.get("weights_sha256") or m.weights_sha256))
+        wanted = (task.model.backbone, task.model.image_size, task.tail_stages, task.feature_dim,
+                  task.model.weights_sha256 or m.weights_sha256)
         if wanted != (m.backbone, m.input.image_size, m.tail.stages, m.feature_dim, m.weights_sha256):
             raise TaskDeclined(f"task wants {wanted[0]} at {wanted[1]} px with a {wanted[2]}-stage tail and "
                                f"{wanted[3]}-d features; the tail bundle is {m.backbone} at {m.input.image_size} "
