@@ -9,6 +9,9 @@
 * What the aggregator's jobs send parses as the type the table names for the job's wire kind
   (the job kind <-> wire kind declaration of aggregator/jobs/registry.py), and a device declines
   a task whose params its type refuses, through the agent's task entry point.
+* The JSON Schema and docs/protocol.md's tables are the ones rendered from the types, and the
+  golden params vectors (protocols/golden/task_params/) are read the same, and refused for the
+  same fields, by the Python types and the Java device's typed classes.
 """
 
 from __future__ import annotations
@@ -333,3 +336,48 @@ def test_each_schema_accepts_the_example_and_says_what_the_type_requires(kind):
         if key != VERSION_KEY and not isinstance(value, dict):
             with pytest.raises(jsonschema.ValidationError):
                 jsonschema.validate({**wire, key: _wrong_type(value)}, schema)
+
+
+# ----------------------------------------------------------------------------- golden vectors: Python and Java
+GOLDEN_KINDS = ("fed3r.stats", "fedavg.head", "oll.personalize")       # the kinds the Java device serves
+
+
+def test_the_checked_in_golden_params_are_the_rendered_ones_and_python_reads_them():
+    from protocols.task_params_golden import CASES, GOLDEN_DIR, render
+
+    assert sorted(CASES) == sorted(GOLDEN_KINDS)
+    for kind in GOLDEN_KINDS:
+        text = (GOLDEN_DIR / f"{kind}.json").read_text()
+        assert text == render(kind), "stale: run `python -m protocols.task_params_golden`"
+        golden = json.loads(text)
+        for case in golden["valid"]:
+            assert TASK_PARAMS[kind].from_params(case["params"]).to_params() == case["canonical"]
+        for case in golden["invalid"]:
+            with pytest.raises(ValueError, match=case["field"]):
+                TASK_PARAMS[kind].from_params(case["params"])
+
+
+def test_the_java_device_reads_and_refuses_the_golden_params_as_python_does():
+    """The Java device's typed params classes against the same vectors: each valid case read to the
+    same canonical params (every default the same), each invalid one declined naming its field."""
+    import subprocess
+
+    import java_build
+    from protocols.task_params_golden import GOLDEN_DIR
+
+    if java_build.missing():
+        pytest.skip(java_build.missing())
+    classpath = java_build.built()
+    for kind in GOLDEN_KINDS:
+        path = GOLDEN_DIR / f"{kind}.json"
+        golden = json.loads(path.read_text())
+        proc = subprocess.run(["java", "-cp", classpath, "ParamsRunner", str(path)], capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        lines = proc.stdout.splitlines()
+        valid = [json.loads(line.split(" ", 2)[2]) for line in lines if line.startswith("VALID ")]
+        assert valid == [case["canonical"] for case in golden["valid"]], kind
+        outcomes = [line.split(" ", 2)[2] for line in lines if line.startswith("INVALID ")]
+        assert len(outcomes) == len(golden["invalid"])
+        for case, outcome in zip(golden["invalid"], outcomes):
+            assert outcome.startswith("DECLINED ") and case["field"] in outcome, (kind, case, outcome)

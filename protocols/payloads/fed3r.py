@@ -83,7 +83,7 @@ class Fed3RStatsParams(TaskParams):
     KIND = KIND
     model: ModelSpec = part(ModelSpec)
     fit_intercept: bool = True
-    random_features: RandomFeaturesSpec | None = nested(RandomFeaturesSpec)
+    random_features: RandomFeaturesSpec | None = nested(RandomFeaturesSpec, omit_none=False)     # null: none
     format: str = choice("sparse", B_FORMATS)
     dtype: str = choice("float64", STATS_DTYPES)
     factor: bool = False

@@ -101,8 +101,8 @@ class LocalTraining(WireParams):
             if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) \
                     or not math.isfinite(value) or value < 0 or (value == 0 and not low_ok):
                 raise ValueError(f"{name} must be a finite number {'>=' if low_ok else '>'} 0, got {value!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or self.seed < 0:
+            raise ValueError(f"seed must be an integer >= 0 (numpy's generators take no other), got {self.seed!r}")
         if not isinstance(self.rule, LocalRuleRecipe):
             raise ValueError(f"rule must be a LocalRuleRecipe, got {type(self.rule).__name__}")
 

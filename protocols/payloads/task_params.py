@@ -45,9 +45,9 @@ def part(cls: type) -> Any:
     return dataclasses.field(default_factory=cls, metadata={PART: cls})
 
 
-def nested(cls: type, default: Any = None) -> Any:
-    """A field that travels as one JSON object (None: left out of the params)."""
-    return dataclasses.field(default=default, metadata={NESTED: cls, OPTIONAL: True})
+def nested(cls: type, default: Any = None, omit_none: bool = True) -> Any:
+    """A field that travels as one JSON object (None: left out of the params, or sent as null)."""
+    return dataclasses.field(default=default, metadata={NESTED: cls, OPTIONAL: omit_none})
 
 
 def optional(default: Any = None) -> Any:
@@ -179,8 +179,7 @@ class TaskParams(WireParams):
         if isinstance(params, dict):
             version = params.get(VERSION_KEY, 1)
             if version != PARAMS_VERSION or isinstance(version, bool):
-                raise ValueError(f"{cls.KIND} params version {version!r} is not the one this device speaks "
-                                 f"({PARAMS_VERSION})")
+                raise ValueError(f"{VERSION_KEY} {version!r} is not the one this device speaks ({PARAMS_VERSION})")
         return super().from_params(params)
 
     def to_params(self) -> dict[str, Any]:
