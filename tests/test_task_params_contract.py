@@ -328,14 +328,15 @@ def test_each_schema_accepts_the_example_and_says_what_the_type_requires(kind):
     from protocols.task_params_schema import kind_schema
 
     schema, wire = kind_schema(kind), EXAMPLES[kind].to_params()
-    jsonschema.validate(wire, schema)
-    for key in TASK_PARAMS[kind].required_keys():
-        with pytest.raises(jsonschema.ValidationError):
-            jsonschema.validate({k: v for k, v in wire.items() if k != key}, schema)
-    for key, value in wire.items():      # a wrong JSON type: the schema refuses what the type refuses
-        if key != VERSION_KEY and not isinstance(value, dict):
-            with pytest.raises(jsonschema.ValidationError):
-                jsonschema.validate({**wire, key: _wrong_type(value)}, schema)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    validator = jsonschema.Draft202012Validator(schema)
+    assert validator.is_valid(wire)
+    missing = [key for key in TASK_PARAMS[kind].required_keys()
+               if validator.is_valid({k: v for k, v in wire.items() if k != key})]
+    assert missing == [], "the schema does not require what the type requires"
+    wrong = [key for key, value in wire.items()       # a wrong JSON type: the schema refuses what the type refuses
+             if key != VERSION_KEY and not isinstance(value, dict) and validator.is_valid({**wire, key: _wrong_type(value)})]
+    assert wrong == []
 
 
 # ----------------------------------------------------------------------------- golden vectors: Python and Java
