@@ -98,7 +98,7 @@ def test_drop_and_forget(tmp_path):
 def test_state_binding_refuses_malformed_params(bad):
     state = {"run": "ab" * 8, "round": 1, **bad}
     with pytest.raises(ValueError):
-        StateBinding.from_params({"state": state})
+        StateBinding.from_params(state)
 
 
 def test_fedfleet_device_forget_state_empties_the_store_and_exits(tmp_path, capsys):

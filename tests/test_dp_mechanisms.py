@@ -92,8 +92,8 @@ def test_device_clipping_and_cap_bound_the_statistics_and_the_server_checks_them
     F, N = 1.5, 25
     job = build_job("fed3r", {"num_classes": 3, "feature_dim": 6, "dp_noise_multiplier": 1.0,
                               "feature_clip_norm": F, "max_samples": N})
-    params = job.config.task_params()
-    assert params["cap_samples"]
+    params = job.task_for("dev0")[0]
+    assert params["cap_samples"] and params["max_samples"] == N
     factor = job.parse_result(fed3r_envelope(fed3r_stats_task(n=2), params))      # n < p: the factor form
     assert factor.r_factor is not None
     stats_ = job.parse_result(fed3r_envelope(fed3r_stats_task(), params))

@@ -396,7 +396,7 @@ def test_secure_update_declines_a_vector_order_that_is_not_what_it_trained(bundl
     start = _model(TailProgram(bundle.parent / "tail_eval.pt2"))
     secure = SecureFedAvgTraining(DeviceIdentity.generate("s0"), DeviceIdentity.generate("agg").public_key_bytes,
                                 TailTrainingTask(images, labels, bundle))
-    params = _params(max_samples=100, max_abs_param=50.0)
+    params = _params(group="g1", max_samples=100, max_abs_param=50.0)
     for order in (["weight", "bias"], ["tail.stages.0.0.weight", "tail.stages.0.0.weight"], "tail.stages.0.0.weight"):
         with pytest.raises(TaskDeclined, match="vector_order"):
             secure.vector({**params, "vector_order": order}, start)

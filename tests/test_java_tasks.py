@@ -210,7 +210,7 @@ def test_secure_vectors_under_distributed_dp_are_the_python_devices(java_cp, tmp
     got = java_vector(java_cp, tmp_path, {**RECIPE, "group": "g", "max_samples": 100, "max_abs_param": 20.0, "dp": dp},
                       head, "fedavg.secure", (Z, y))
     trained = train_head(head["weight"], head["bias"], Z, y, LocalTraining.from_params(RECIPE))
-    delta = SecureUpdate.clipped_delta(dp, {"weight": trained.weight, "bias": trained.bias}, head)
+    delta = SecureUpdate.clipped_delta(dp["clip_norm"], {"weight": trained.weight, "bias": trained.bias}, head)
     want = np.rint(np.ldexp(pack_weighted(delta, ["weight", "bias"], 1), GRID_BITS)) / 2.0 ** GRID_BITS
     assert np.linalg.norm(trained.weight) > 1.0                       # the clipping bites
     assert got[-1] == 1.0 and np.all(np.ldexp(got, GRID_BITS) == np.rint(np.ldexp(got, GRID_BITS)))

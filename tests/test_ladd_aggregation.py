@@ -7,7 +7,7 @@ from aggregator.jobs.ladd import LaddConfig, LaddJob
 from aggregator.strategies.ladd import ClusterSpecificAveraging, SwaTeacher, cluster_specific_predicate
 from protocols import messages as M
 from protocols.envelope import EnvelopeError, decode, encode
-from protocols.payloads.ladd import (encode_style, encode_update, layout_digest, make_layout, pack, packed_digest,
+from protocols.payloads.ladd import (StyleParams, encode_style, encode_update, layout_digest, make_layout, pack, packed_digest,
                                      parse_train_task, unpack)
 from protocols.rounds import RoundClosed
 
@@ -110,7 +110,7 @@ def run_style_round(job, online):
     assert job.kind == "ladd.style" and parts == sorted(online)
     for d in parts:
         params, tensors = job.task_for(d)
-        assert params == {"b": 1, "image_size": 64} and tensors == {}
+        assert StyleParams.from_params(params) == StyleParams(b=1, image_size=64) and tensors == {}
         job.apply(d, send(job, d, "ladd.style", *encode_style(style_of(d), 4, 1)))
     job.close_round(RoundClosed(job.round, tuple(parts), (), (), ()))
     return parts

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from protocols.envelope import Envelope, body_field
-from protocols.payloads.ditto import KIND, DittoRecipe, parse_ditto_update
+from protocols.payloads.ditto import KIND, DittoParams, DittoRecipe, parse_ditto_update
 
 from aggregator.jobs.device_state_fields import DeviceStateFields, DeviceStateRun, StatefulDevicesJob
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob, RoundUpdate
@@ -56,11 +56,12 @@ class DittoJob(PersonalWmaJob, StatefulDevicesJob, FedAvgJob):
         super().__init__(config, initial_head=initial_head, strategy=strategy, kind=KIND)
         self.device_state = DeviceStateRun()
 
-    def task_for(self, device: str) -> tuple[dict, dict[str, np.ndarray]]:
-        params, tensors = super().task_for(device)
-        c = self.config
-        return {**params, "job_id": c.job_id, "state": c.binding(self.device_state.run, self.round).to_params(),
-                **c.ditto_recipe().to_params()}, tensors
+    def task_params(self, device: str) -> DittoParams:
+        c, ditto = self.config, self.config.ditto_recipe()
+        return DittoParams.extending(super().task_params(device), job_id=c.job_id,
+                                     state=c.binding(self.device_state.run, self.round),
+                                     ditto_lambda=ditto.ditto_lambda, personal_epochs=ditto.personal_epochs,
+                                     personal_lr=ditto.personal_lr)
 
     def parse_result(self, env: Envelope) -> RoundUpdate:
         update = parse_ditto_update(env, self.config.num_classes, self.config.feature_dim)

@@ -18,13 +18,14 @@ times in a row is not, and the job is done when no device is left to ask.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from protocols.envelope import Envelope, EnvelopeError, body_field
-from protocols.payloads.fed3r import KIND, Fed3RStats, parse_stats
+from protocols.payloads.fed3r import KIND, Fed3RStats, Fed3RStatsParams, RandomFeaturesSpec, parse_stats
 from protocols.rounds import RoundClosed
 
 from aggregator.strategies.dp_fed3r import (MECHANISMS, CalibratedSSP, Fed3RMechanism, Fed3RSensitivity, NoisyFed3R,
@@ -83,13 +84,14 @@ class Fed3RConfig(Fed3RRobustnessFields, PrivacyBudgetFields, ModelFields):
         base = self.random_features["dim"] if self.random_features else self.feature_dim
         return base + (1 if self.fit_intercept else 0)
 
-    def task_params(self) -> dict:
-        params = {**self.model_params(), "fit_intercept": self.fit_intercept,
-                  "random_features": self.random_features, "format": self.b_format, "dtype": self.stats_dtype,
-                  "factor": self.factor_uploads and self.b_format == "sparse"}
-        if self.feature_clip_norm > 0:
-            params.update(feature_clip_norm=self.feature_clip_norm, max_samples=self.max_samples, cap_samples=True)
-        return params
+    def task_params(self) -> Fed3RStatsParams:
+        rf = self.random_features
+        clipped = self.feature_clip_norm > 0
+        return Fed3RStatsParams(
+            self.model_spec(), self.fit_intercept, None if rf is None else RandomFeaturesSpec(rf["dim"], rf["sigma"], rf["seed"]),
+            self.b_format, self.stats_dtype, self.factor_uploads and self.b_format == "sparse",
+            feature_clip_norm=self.feature_clip_norm if clipped else None,
+            max_samples=self.max_samples if clipped else None, cap_samples=True if clipped else None)
 
 
 @dataclass
@@ -134,8 +136,8 @@ class Fed3RJob(OncePerDevice, SplitValidation):
     def task_for(self, device: str) -> tuple[dict, dict[str, np.ndarray]]:
         params = self.config.task_params()
         if self.config.streaming:
-            params["from_sample"] = self.contributed.get(device, 0)
-        return params, {}
+            params = dataclasses.replace(params, from_sample=self.contributed.get(device, 0))
+        return params.to_params(), {}
 
     def parse_result(self, env: Envelope) -> Fed3RStats:
         return self._check_increment(env, self.check_payload(env))

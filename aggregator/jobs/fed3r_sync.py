@@ -19,13 +19,17 @@ The SecAgg sub-protocol and its service hooks are ``SecureGroupRounds`` (``secur
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 
 from protocols.envelope import Envelope, EnvelopeError
 from protocols.identity import DeviceIdentity, IdentityRegistry
+from protocols.payloads.fed3r import Fed3RStatsParams
 from protocols.payloads.secagg import SYNC_KIND, sync_vector_length, unpack_sync_vector
+from protocols.payloads.secure_tasks import SecureFed3RParams
+from protocols.payloads.task_params import DpRound
 from protocols.rounds import RoundClosed
 from protocols.secagg.fixedpoint import fed3r_bound
 
@@ -45,8 +49,8 @@ class Fed3RSyncConfig(Fed3RConfig, SecureAggregationFields):
             # an increment would be a group sum whose members' counts the job cannot check
             raise ValueError("fed3r-sync does not stream: run a new Fed3R-Sync job over the new data")
 
-    def task_params(self) -> dict:
-        return {**super().task_params(), "format": "dense", "dtype": "float64", "max_samples": self.max_samples}
+    def task_params(self) -> Fed3RStatsParams:
+        return dataclasses.replace(super().task_params(), format="dense", dtype="float64", max_samples=self.max_samples)
 
     def accounting(self) -> str:
         return self.mechanism().accounting
@@ -108,10 +112,8 @@ class Fed3RSyncJob(SecureGroupRounds, Fed3RJob):
         return len(self.eligible(known | online)) < MIN_GROUP
 
     def task_for(self, device: str) -> tuple[dict, dict[str, np.ndarray]]:
-        params = {**self.config.task_params(), "group": f"g{self.round}"}
-        if self.config.dp:
-            params["dp"] = dict(self._round_dp)
-        return params, {}
+        dp = DpRound(**self._round_dp) if self.config.dp else None
+        return SecureFed3RParams.extending(self.config.task_params(), group=f"g{self.round}", dp=dp).to_params(), {}
 
     def parse_result(self, env: Envelope):
         raise EnvelopeError("fed3r.secure devices send secagg messages, never plain results")

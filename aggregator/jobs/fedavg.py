@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from protocols.envelope import Envelope, body_field
-from protocols.payloads.fedavg import KIND, HeadUpdate, ModelUpdate, head_tensors, parse_head_update
+from protocols.payloads.fedavg import (KIND, HeadTrainingParams, HeadUpdate, LocalTraining, ModelUpdate, head_tensors,
+                                      parse_head_update)
 from protocols.rounds import RoundClosed
 
 from aggregator.compute.evaluation import head_accuracy
@@ -88,13 +89,13 @@ class FedAvgConfig(ServerOptimizerFields, LocalRuleFields, ServedModelFields, Fe
     def device_lr_factor(self) -> float:
         return FED3R_INIT_LR_FACTOR if self.init == "fed3r" else 1.0
 
-    def device_params(self, seed: int, client_lr: float | None = None) -> dict:
+    def device_params(self, seed: int, client_lr: float | None = None) -> HeadTrainingParams:
         """A task's params: the model, the local recipe (with this device's batch seed and the round's
         client LR, default ``client_lr``; × 0.1 after a Fed3R init) and step rule."""
         lr = self.device_lr if client_lr is None else client_lr * self.device_lr_factor
-        return {**self.model_params(), "feature_dim": self.feature_dim, "epochs": self.local_epochs,
-                "batch_size": self.batch_size, "lr": lr, "weight_decay": self.weight_decay,
-                "temperature": self.temperature, "seed": seed, **self.local_rule_recipe().to_params()}
+        return HeadTrainingParams(self.model_spec(), self.feature_dim, LocalTraining(
+            self.local_epochs, self.batch_size, lr, self.weight_decay, self.temperature, seed,
+            self.local_rule_recipe()))
 
 
 @dataclass(frozen=True)
@@ -197,11 +198,14 @@ class FedAvgJob(Job):
     def contributions(self) -> int:
         return sum(self.contributed.values())
 
-    def task_for(self, device: str) -> tuple[dict, dict[str, np.ndarray]]:
+    def task_params(self, device: str) -> HeadTrainingParams:
+        """What ``task_for`` sends as params (subclasses extend it with their kind's fields)."""
         c = self.config
         seed = zlib.crc32(f"{c.seed}:{self.round}:{device}".encode())
-        return (c.device_params(seed, self.served.client_lr(self.round, c.client_lr)),
-                {k: v.copy() for k, v in self.params.items()})
+        return c.device_params(seed, self.served.client_lr(self.round, c.client_lr))
+
+    def task_for(self, device: str) -> tuple[dict, dict[str, np.ndarray]]:
+        return self.task_params(device).to_params(), {k: v.copy() for k, v in self.params.items()}
 
     # ------------------------------------------------------------------ results
     def trained_shapes(self) -> dict[str, tuple[int, ...]]:

@@ -26,6 +26,7 @@ server steps.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import zlib
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from protocols.envelope import Envelope, EnvelopeError, body_field
+from protocols.payloads.fedavg import HeadTrainingParams
 from protocols.rounds import RoundClosed
 
 from aggregator.strategies.fedbuff import FedBuff
@@ -121,11 +123,14 @@ class AsyncFedAvgJob(AsynchronousJob, FedAvgJob):
     def finished(self, online: set[str], known: set[str]) -> bool:
         return self.version >= self.config.rounds
 
-    def task_for(self, device: str) -> tuple[dict, dict[str, np.ndarray]]:
+    def task_params(self, device: str) -> HeadTrainingParams:
         round_, version = next((r, v) for r, (d, v) in self.dispatches.items() if d == device)
-        c = self.config
-        seed = zlib.crc32(f"{c.seed}:{round_}:{device}".encode())
-        return {**c.device_params(seed), "model_version": version}, {k: np.array(v) for k, v in self.buffer.model_for(version).items()}
+        seed = zlib.crc32(f"{self.config.seed}:{round_}:{device}".encode())
+        return dataclasses.replace(self.config.device_params(seed), model_version=version)
+
+    def task_for(self, device: str) -> tuple[dict, dict[str, np.ndarray]]:
+        params = self.task_params(device)
+        return params.to_params(), {k: np.array(v) for k, v in self.buffer.model_for(params.model_version).items()}
 
     # ------------------------------------------------------------------ results
     def parse_result(self, env: Envelope) -> VersionedUpdate:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from protocols.envelope import Envelope, body_field
-from protocols.payloads.fedavg import KIND_TAIL, TAIL_TRAIN_MODES, head_tensors, parse_model_update
+from protocols.payloads.fedavg import KIND_TAIL, TAIL_TRAIN_MODES, TailTrainingParams, head_tensors, parse_model_update
 
 from aggregator.compute.tail_program import TailProgram
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob, RoundUpdate
@@ -67,9 +67,9 @@ class TailFedAvgJob(FedAvgJob):
         self.trained = tuple(name for name in self.params
                              if name.startswith("tail.") or TAIL_TRAIN_MODES[config.train])
 
-    def task_for(self, device: str) -> tuple[dict, dict[str, np.ndarray]]:
-        params, tensors = super().task_for(device)
-        return {**params, "tail_stages": self.config.tail_stages, "train": self.config.train}, tensors
+    def task_params(self, device: str) -> TailTrainingParams:
+        return TailTrainingParams.extending(super().task_params(device), tail_stages=self.config.tail_stages,
+                                            train=self.config.train)
 
     def trained_shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: self.params[name].shape for name in self.trained}

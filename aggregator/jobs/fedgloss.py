@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from protocols.payloads.fedgloss import KIND, AdmmRecipe
+from protocols.payloads.fedgloss import KIND, AdmmRecipe, FedGlossParams
 
 from aggregator.jobs.device_state_fields import DeviceStateFields, DeviceStateRun, StatefulDevicesJob
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob
@@ -61,11 +61,12 @@ class FedGlossJob(StatefulDevicesJob, FedAvgJob):
         self.device_state = DeviceStateRun()
 
     def task_for(self, device: str) -> tuple[dict, dict[str, np.ndarray]]:
-        params, _ = super().task_for(device)
+        return self.task_params(device).to_params(), self.strategy.perturbed(self.params)
+
+    def task_params(self, device: str) -> FedGlossParams:
         c = self.config
-        params = {**params, "job_id": c.job_id, "state": c.binding(self.device_state.run, self.round).to_params(),
-                  **AdmmRecipe(c.admm_beta).to_params()}
-        return params, self.strategy.perturbed(self.params)
+        return FedGlossParams.extending(super().task_params(device), job_id=c.job_id,
+                                        state=c.binding(self.device_state.run, self.round), admm=AdmmRecipe(c.admm_beta))
 
     def round_step(self) -> tuple[dict[str, np.ndarray] | None, int, int]:
         start = self.strategy.perturbed(self.params)          # w̃ᵗ: what this round's devices started from

@@ -46,8 +46,8 @@ import numpy as np
 
 from protocols.envelope import Envelope, EnvelopeError, body_field
 from protocols.files import check_file_sha256
-from protocols.payloads.ladd import (KIND_STYLE, KIND_TRAIN, ModelUpdate, SelfTrainingRecipe, StyleResult,
-                                     layout_digest, layout_to_json, make_layout, pack, packed_digest, parse_style,
+from protocols.payloads.ladd import (KIND_STYLE, KIND_TRAIN, LaddTrainParams, ModelUpdate, SelfTrainingRecipe, StyleParams,
+                                     StyleResult, layout_digest, make_layout, pack, packed_digest, parse_style,
                                      parse_update, train_task_tensors)
 from protocols.rounds import RoundClosed
 
@@ -324,19 +324,24 @@ class LaddJob(Job):
         return sum(self.contributed.values())
 
     def task_for(self, device: str) -> tuple[dict, dict[str, np.ndarray]]:
-        c = self.config
         if self.kind == KIND_STYLE:
-            return {"b": c.style_b, "image_size": c.image_size}, {}
+            return StyleParams(self.config.style_b, self.config.image_size).to_params(), {}
+        params, tensors = self.train_task(device)
+        return params.to_params(), tensors
+
+    def train_task(self, device: str) -> tuple[LaddTrainParams, dict[str, np.ndarray]]:
+        """A ``ladd.train`` task's params and tensors for ``device``."""
+        c = self.config
         cluster = self.assignment[device]
         model = self.cluster_model(cluster)
         teacher = self.teachers[cluster].params
         same = all(np.array_equal(teacher[k], model[k]) for k in model)
         send_kd = c.kd_lambda > 0 and device not in self.kd_confirmed
-        params = {"model": c.model, "weights_sha256": c.weights_sha256, "cluster": cluster,
-                  "layout": layout_to_json(self.layout), "layout_sha256": layout_digest(self.layout),
-                  "trainable": list(self.trainable), "teacher": "model" if same else "tensor",
-                  "kd_sha256": self.kd_sha256 if c.kd_lambda > 0 else "",
-                  **c.recipe(zlib.crc32(f"{c.seed}:{self.round}:{device}".encode())).to_params()}
+        params = LaddTrainParams(
+            dict(c.model), cluster, tuple((name, tuple(shape)) for name, shape in self.layout),
+            layout_digest(self.layout), tuple(self.trainable), teacher="model" if same else "tensor",
+            weights_sha256=c.weights_sha256, kd_sha256=self.kd_sha256 if c.kd_lambda > 0 else "",
+            recipe=c.recipe(zlib.crc32(f"{c.seed}:{self.round}:{device}".encode())))
         tensors = train_task_tensors(pack(model, self.layout), None if same else pack(teacher, self.layout),
                                      self.kd_flat if send_kd else None)
         return params, tensors

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from protocols.envelope import EnvelopeError
 from protocols.payloads.artifacts import check_sha
+from protocols.payloads.task_params import ModelSpec
 
 from aggregator.jobs.base import JobConfig
 
@@ -36,7 +37,6 @@ class ModelFields(JobConfig):
     def device_bundle_sha256(self) -> str:
         return self.bundle_sha256
 
-    def model_params(self) -> dict:
+    def model_spec(self) -> ModelSpec:
         """The task params that say which model the device must run."""
-        return {"num_classes": self.num_classes, "backbone": self.backbone, "image_size": self.image_size,
-                "weights_sha256": self.weights_sha256, "bundle_sha256": self.bundle_sha256}
+        return ModelSpec(self.num_classes, self.backbone, self.image_size, self.weights_sha256, self.bundle_sha256)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from protocols.envelope import Envelope, body_field
-from protocols.payloads.partial import ALGORITHMS, KIND, SHARED, parse_partial_update
+from protocols.payloads.partial import ALGORITHMS, KIND, SHARED, PartialParams, parse_partial_update
 
 from aggregator.jobs.device_state_fields import DeviceStateFields, DeviceStateRun, StatefulDevicesJob
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob, RoundUpdate
@@ -55,11 +55,11 @@ class PartialPersonalizationJob(PersonalWmaJob, StatefulDevicesJob, FedAvgJob):
         super().__init__(config, initial_head=initial_head, strategy=strategy, kind=KIND)
         self.device_state = DeviceStateRun()
 
-    def task_for(self, device: str) -> tuple[dict, dict[str, np.ndarray]]:
-        params, tensors = super().task_for(device)
+    def task_params(self, device: str) -> PartialParams:
         c = self.config
-        return {**params, "algorithm": c.pp_algorithm, "personal_epochs": c.personal_epochs, "job_id": c.job_id,
-                "state": c.binding(self.device_state.run, self.round).to_params()}, tensors
+        return PartialParams.extending(super().task_params(device), algorithm=c.pp_algorithm,
+                                       personal_epochs=c.personal_epochs, job_id=c.job_id,
+                                       state=c.binding(self.device_state.run, self.round))
 
     def trained_shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: self.params[name].shape for name in SHARED}

@@ -31,7 +31,7 @@ import numpy as np
 from protocols.envelope import Envelope
 from protocols.payloads.fedavg import TAIL_PREFIX, head_tensors
 from protocols.payloads.personalize import (FALLBACKS, FP_PARTS, KIND, METHODS, PERSONAL, PersonalizationReport,
-                                            parse_report)
+                                            PersonalizeParams, parse_report)
 from protocols.rounds import RoundClosed
 
 from aggregator.compute.evaluation import head_accuracy, weighted_mean_accuracy
@@ -134,15 +134,10 @@ class PersonalizeJob(OncePerDevice, Job):
 
     def task_for(self, device: str) -> tuple[dict, dict[str, np.ndarray]]:
         c = self.config
-        params = {**c.model_params(), "feature_dim": c.feature_dim, "fallback": c.fallback,
-                  "fp_epochs": c.fp_epochs, "batch_size": c.batch_size, "fp_lrs": list(c.fp_lrs),
-                  "fp_folds": c.fp_folds, "weight_decay": c.weight_decay,
-                  "temperature": c.temperature, "seed": c.seed, "tail_stages": c.tail_stages}
-        if c.personal_job:
-            params["personal_job"] = c.personal_job
-        if c.fp_part != "psi":           # FP(φ)/FP(M): devices with a tail bundle (a task without it: FP(ψ))
-            params["fp_part"] = c.fp_part
-        return params, self.model_arrays()
+        params = PersonalizeParams(c.model_spec(), c.feature_dim, c.fallback, c.fp_epochs, c.batch_size,
+                                   tuple(c.fp_lrs), c.fp_folds, c.weight_decay, c.temperature, c.seed, c.tail_stages,
+                                   personal_job=c.personal_job or None, fp_part=c.fp_part)
+        return params.to_params(), self.model_arrays()
 
     def parse_result(self, env: Envelope) -> PersonalizationReport:
         return parse_report(env, self.config.num_classes, with_fp=self.config.fp_epochs > 0,

@@ -14,6 +14,20 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
+from protocols.payloads.ditto import KIND as DITTO_KIND
+from protocols.payloads.fed3r import KIND as FED3R_KIND
+from protocols.payloads.fedavg import KIND as FEDAVG_KIND
+from protocols.payloads.fedavg import KIND_TAIL as FEDAVG_TAIL_KIND
+from protocols.payloads.fedgloss import KIND as FEDGLOSS_KIND
+from protocols.payloads.ladd import KIND_STYLE as LADD_STYLE_KIND
+from protocols.payloads.ladd import KIND_TRAIN as LADD_TRAIN_KIND
+from protocols.payloads.partial import KIND as PP_KIND
+from protocols.payloads.personalize import KIND as PERSONALIZE_KIND
+from protocols.payloads.scaffold import KIND as SCAFFOLD_KIND
+from protocols.payloads.secagg import (SECURE_FEDAVG_KIND, SECURE_LADD_KIND, SECURE_PP_KIND, SECURE_TAIL_KIND,
+                                       SYNC_KIND)
+from protocols.payloads.task_kinds import TASK_PARAMS
+
 from aggregator.jobs.config_limits import validate_config
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
 from aggregator.jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob
@@ -41,10 +55,16 @@ class JobKind:
     config_cls: type
     job_cls: type
     summary: str                                   # one line for --help and the API schema
+    task_kinds: tuple[str, ...]                    # the wire kinds its tasks have (protocols/payloads/task_kinds.py)
     factory: Callable | None = None                # config -> job (default: job_cls(config))
     # How shards sum this kind (aggregator/shards/; None: --shards refuses it). Declared per kind,
     # never inherited: a subclass (FedNCM, FT(φ), pp, Scaffold, ...) aggregates otherwise.
     shard_sums: AdditiveState | None = None
+
+    def __post_init__(self):
+        unknown = [k for k in self.task_kinds if k not in TASK_PARAMS]
+        if unknown or not self.task_kinds:
+            raise ValueError(f"job kind {self.name}: task kinds {unknown or '()'} have no declared params type")
 
     def build(self, config) -> object:
         return (self.factory or self.job_cls)(config)
@@ -56,36 +76,51 @@ def _ladd_factory(job_cls: type) -> Callable:
     return build
 
 
+FED3R, FED3R_SYNC = (FED3R_KIND,), (SYNC_KIND,)
 KINDS: dict[str, JobKind] = {k.name: k for k in (
     JobKind("fed3r", Fed3RConfig, Fed3RJob, "Fed3R: each device sends its ridge statistics once; exact closed form",
-            shard_sums=Fed3RSums()),
-    JobKind("fed3r-sync", Fed3RSyncConfig, Fed3RSyncJob, "Fed3R-Sync: the statistics summed in groups under SecAgg"),
+            FED3R, shard_sums=Fed3RSums()),
+    JobKind("fed3r-sync", Fed3RSyncConfig, Fed3RSyncJob, "Fed3R-Sync: the statistics summed in groups under SecAgg",
+            FED3R_SYNC),
     JobKind("fedncm", FedNCMConfig, FedNCMJob,
-            "FedNCM: Fed3R's device task, solved as normalised class means (the Fed3R paper's baseline)"),
-    JobKind("fedncm-sync", FedNCMSyncConfig, FedNCMSyncJob, "FedNCM on Fed3R-Sync's secure group sums"),
+            "FedNCM: Fed3R's device task, solved as normalised class means (the Fed3R paper's baseline)", FED3R),
+    JobKind("fedncm-sync", FedNCMSyncConfig, FedNCMSyncJob, "FedNCM on Fed3R-Sync's secure group sums", FED3R_SYNC),
     JobKind("fedavg", FedAvgConfig, FedAvgJob, "FedAvg/FedAvgM rounds fine-tuning the classifier head (FT(ψ))",
-            shard_sums=FedAvgRoundSums()),
+            (FEDAVG_KIND,), shard_sums=FedAvgRoundSums()),
     JobKind("fedavg-async", AsyncFedAvgConfig, AsyncFedAvgJob,
-            "FedAvg(ψ) without rounds: FedBuff, a server step every K arrivals, staleness-weighted"),
-    JobKind("fedavg-secure", SecureFedAvgConfig, SecureFedAvgJob, "FedAvg(ψ) with each round's updates summed under SecAgg"),
-    JobKind("fedavg-tail", TailFedAvgConfig, TailFedAvgJob, "FedAvg of the backbone's last stages: FT(φ) or FT(M)"),
-    JobKind("fedavg-tail-secure", SecureTailFedAvgConfig, SecureTailFedAvgJob, "FT(φ)/FT(M) summed under SecAgg"),
+            "FedAvg(ψ) without rounds: FedBuff, a server step every K arrivals, staleness-weighted", (FEDAVG_KIND,)),
+    JobKind("fedavg-secure", SecureFedAvgConfig, SecureFedAvgJob, "FedAvg(ψ) with each round's updates summed under SecAgg",
+            (SECURE_FEDAVG_KIND,)),
+    JobKind("fedavg-tail", TailFedAvgConfig, TailFedAvgJob, "FedAvg of the backbone's last stages: FT(φ) or FT(M)",
+            (FEDAVG_TAIL_KIND,)),
+    JobKind("fedavg-tail-secure", SecureTailFedAvgConfig, SecureTailFedAvgJob, "FT(φ)/FT(M) summed under SecAgg",
+            (SECURE_TAIL_KIND,)),
     JobKind("pp", PartialConfig, PartialPersonalizationJob,
-            "FedSim/FedAlt partial personalization: shared head weights averaged, each device's bias kept on it"),
+            "FedSim/FedAlt partial personalization: shared head weights averaged, each device's bias kept on it",
+            (PP_KIND,)),
     JobKind("pp-secure", SecurePartialConfig, SecurePartialJob,
-            "FedSim/FedAlt with each round's shared-weight updates summed under SecAgg"),
+            "FedSim/FedAlt with each round's shared-weight updates summed under SecAgg", (SECURE_PP_KIND,)),
     JobKind("scaffold", ScaffoldConfig, ScaffoldJob,
-            "Scaffold(ψ): FedAvg of the head corrected by control variates; each device keeps its own c_k"),
+            "Scaffold(ψ): FedAvg of the head corrected by control variates; each device keeps its own c_k",
+            (SCAFFOLD_KIND,)),
     JobKind("fedgloss", FedGlossConfig, FedGlossJob,
-            "FedGloSS(ψ): server-side SAM from the last round's pseudo-gradient plus ADMM; each device keeps its dual"),
+            "FedGloSS(ψ): server-side SAM from the last round's pseudo-gradient plus ADMM; each device keeps its dual",
+            (FEDGLOSS_KIND,)),
     JobKind("ditto", DittoConfig, DittoJob,
-            "Ditto(ψ): FedAvg of the head; each device also keeps a personal head pulled to the global one"),
-    JobKind("personalize", PersonalizeConfig, PersonalizeJob, "OLL and OLL+FP(ψ) on every device; held-out WMA"),
+            "Ditto(ψ): FedAvg of the head; each device also keeps a personal head pulled to the global one",
+            (DITTO_KIND,)),
+    JobKind("personalize", PersonalizeConfig, PersonalizeJob, "OLL and OLL+FP(ψ) on every device; held-out WMA",
+            (PERSONALIZE_KIND,)),
     JobKind("ladd", LaddConfig, LaddJob, "LADD: style clustering and cluster-specific self-training (segmentation)",
-            _ladd_factory(LaddJob)),
+            (LADD_STYLE_KIND, LADD_TRAIN_KIND), _ladd_factory(LaddJob)),
     JobKind("ladd-secure", SecureLaddConfig, SecureLaddJob, "LADD with each cluster's updates summed under SecAgg",
-            _ladd_factory(SecureLaddJob)),
+            (LADD_STYLE_KIND, SECURE_LADD_KIND), _ladd_factory(SecureLaddJob)),
 )}
+
+
+def job_kinds_sending(task_kind: str) -> list[str]:
+    """The job kinds whose tasks include ``task_kind`` (a wire kind)."""
+    return sorted(name for name, spec in KINDS.items() if task_kind in spec.task_kinds)
 
 
 def kind_of(name: str) -> JobKind:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from protocols.envelope import Envelope, body_field
-from protocols.payloads.scaffold import CONTROL, HEAD, KIND, ScaffoldUpdate, parse_scaffold_update
+from protocols.payloads.scaffold import CONTROL, HEAD, KIND, ScaffoldParams, ScaffoldUpdate, parse_scaffold_update
 from protocols.rounds import RoundClosed
 
 from aggregator.jobs.device_state_fields import DeviceStateFields, DeviceStateRun, StatefulDevicesJob
@@ -63,9 +63,12 @@ class ScaffoldJob(StatefulDevicesJob, FedAvgJob):
 
     def task_for(self, device: str) -> tuple[dict, dict[str, np.ndarray]]:
         params, tensors = super().task_for(device)
-        c = self.config
-        params = {**params, "job_id": c.job_id, "state": c.binding(self.device_state.run, self.round).to_params()}
         return params, {**tensors, **{CONTROL + k: v.copy() for k, v in self.control.items()}}
+
+    def task_params(self, device: str) -> ScaffoldParams:
+        c = self.config
+        return ScaffoldParams.extending(super().task_params(device), job_id=c.job_id,
+                                        state=c.binding(self.device_state.run, self.round))
 
     def parse_result(self, env: Envelope) -> RoundUpdate:
         update = parse_scaffold_update(env, self.config.num_classes, self.config.feature_dim)

@@ -28,6 +28,8 @@ from protocols.envelope import Envelope, EnvelopeError
 from protocols.identity import DeviceIdentity, IdentityRegistry
 from protocols.payloads.secagg import (SECURE_FEDAVG_KIND, SECURE_PP_KIND, SECURE_TAIL_KIND, unpack_weighted_sum,
                                        weighted_length)
+from protocols.payloads.task_kinds import params_type
+from protocols.payloads.task_params import DpRound
 from protocols.rounds import RoundClosed
 
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob
@@ -79,16 +81,14 @@ class SecureFedAvgJob(SecureGroupRounds, FedAvgJob):
                 self.open_secure_round(self.round, chosen, self.vector_length, self.bound)
         return chosen
 
-    def task_for(self, device: str) -> tuple[dict, dict[str, np.ndarray]]:
-        params, head = super().task_for(device)
+    def task_params(self, device: str):
+        """The plain kind's params (the job next in the MRO) as the secure kind's type (the table's)."""
         c = self.config
-        params = {**params, "group": f"g{self.round}", "max_samples": c.max_samples,
-                  "max_abs_param": c.max_abs_param, "vector_order": list(self.trained_shapes())}
-        if c.update_clip_norm > 0 and self.dp is None:      # bounded influence: clipped before masking
-            params["update_clip_norm"] = c.update_clip_norm
-        if self.dp is not None:
-            params["dp"] = dict(self._round_dp)
-        return params, head
+        clip = c.update_clip_norm if c.update_clip_norm > 0 and self.dp is None else None   # clipped before masking
+        return params_type(self.secure_kind).extending(
+            super().task_params(device), group=f"g{self.round}", max_samples=c.max_samples,
+            max_abs_param=c.max_abs_param, vector_order=tuple(self.trained_shapes()), update_clip_norm=clip,
+            dp=DpRound(**self._round_dp) if self.dp is not None else None)
 
     def parse_result(self, env: Envelope):
         raise EnvelopeError(f"{self.secure_kind} devices send secagg messages, never plain results")

@@ -61,6 +61,8 @@ from protocols.envelope import Envelope, EnvelopeError
 from protocols.identity import DeviceIdentity, IdentityRegistry
 from protocols.payloads.ladd import KIND_STYLE
 from protocols.payloads.secagg import SECURE_LADD_KIND, ClusterSlotLayout, SlotSums, ladd_slot_bound
+from protocols.payloads.secure_tasks import SecureLaddParams
+from protocols.payloads.task_params import DpRound
 from protocols.rounds import RoundClosed
 from protocols.secagg import ConsistencyCheckRequest, Phase, UnmaskRequest
 
@@ -132,16 +134,12 @@ class SecureLaddJob(SecureGroupRounds, LaddJob):
             self.open_secure_round(self.round, chosen, self.slots.vector_length, self.bound,
                                    group_id=self.slots.group_id())
 
-    def task_for(self, device: str) -> tuple[dict, dict[str, np.ndarray]]:
-        params, tensors = super().task_for(device)
-        if self.kind != SECURE_LADD_KIND:
-            return params, tensors
+    def train_task(self, device: str) -> tuple[SecureLaddParams, dict[str, np.ndarray]]:
+        params, tensors = super().train_task(device)
         c = self.config
-        params = {**params, "group": self.slots.group_id(), "slots": self.slots.to_json(),
-                  "max_samples": c.max_samples, "max_abs_param": c.max_abs_param}
-        if c.dp:
-            params["dp"] = dict(self._round_dp)
-        return params, tensors
+        return SecureLaddParams.extending(params, group=self.slots.group_id(), slots=self.slots.to_json(),
+                                          max_samples=c.max_samples, max_abs_param=c.max_abs_param,
+                                          dp=DpRound(**self._round_dp) if c.dp else None), tensors
 
     def parse_result(self, env: Envelope):
         if self.kind == SECURE_LADD_KIND:

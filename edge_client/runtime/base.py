@@ -66,15 +66,15 @@ def check_image_batch(x: object, image_size: int) -> np.ndarray:
     return np.ascontiguousarray(x)
 
 
-def check_parameter_dict(params: object, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+def check_parameter_dict(values: object, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
     """Validate trainable parameters (exact names, shapes, finite); returns float32 copies."""
-    if not isinstance(params, dict):
-        raise TypeError(f"parameters must be a dict of numpy arrays, got {type(params).__name__}")
-    if set(params) != set(shapes):
-        raise ValueError(f"parameters must be exactly {sorted(shapes)}, got {sorted(params)}")
+    if not isinstance(values, dict):
+        raise TypeError(f"parameters must be a dict of numpy arrays, got {type(values).__name__}")
+    if set(values) != set(shapes):
+        raise ValueError(f"parameters must be exactly {sorted(shapes)}, got {sorted(values)}")
     checked = {}
     for name, shape in shapes.items():
-        value = np.asarray(params[name])
+        value = np.asarray(values[name])
         if value.shape != shape:
             raise ValueError(f"parameter {name!r} must have shape {shape}, got {value.shape}")
         if not np.issubdtype(value.dtype, np.floating):

@@ -122,15 +122,15 @@ class EagerTrainer:
             return self._head.tail(torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32))).numpy()
 
     def get_parameters(self) -> dict[str, np.ndarray]:
-        params = dict(self._head.named_parameters())
-        return {name: params[name].detach().numpy().copy() for name in self._parameter_names}
+        values = dict(self._head.named_parameters())
+        return {name: values[name].detach().numpy().copy() for name in self._parameter_names}
 
-    def set_parameters(self, params: dict[str, np.ndarray]) -> None:
+    def set_parameters(self, values: dict[str, np.ndarray]) -> None:
         import torch
 
         with torch.no_grad():
             for name, param in self._head.named_parameters():
-                param.copy_(torch.from_numpy(params[name]))
+                param.copy_(torch.from_numpy(values[name]))
 
     def forward_backward(self, features: np.ndarray, labels: np.ndarray,
                          sample_weight: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
@@ -140,14 +140,14 @@ class EagerTrainer:
         loss, _ = self._head(torch.from_numpy(features), torch.from_numpy(labels),
                              torch.from_numpy(sample_weight))
         loss.backward()
-        params = dict(self._head.named_parameters())
-        return loss.item(), {name: params[name].grad.numpy().copy()
+        values = dict(self._head.named_parameters())
+        return loss.item(), {name: values[name].grad.numpy().copy()
                              for name in self._parameter_names}
 
     def sgd_step(self, gradients: dict[str, np.ndarray], lr: float) -> None:
         import torch
 
-        params = dict(self._head.named_parameters())
+        values = dict(self._head.named_parameters())
         with torch.no_grad():
             for name, grad in gradients.items():     # only the tensors being trained
-                params[name].add_(torch.from_numpy(grad), alpha=-lr)
+                values[name].add_(torch.from_numpy(grad), alpha=-lr)

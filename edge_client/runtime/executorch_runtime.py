@@ -232,11 +232,11 @@ class ExecuTorchTrainer:
         return {name: self._parameters[name].detach().numpy().copy()
                 for name in self._parameter_names}
 
-    def set_parameters(self, params: dict[str, np.ndarray]) -> None:
+    def set_parameters(self, values: dict[str, np.ndarray]) -> None:
         import torch
 
         for name in self._parameter_names:
-            self._parameters[name].copy_(torch.from_numpy(params[name]))
+            self._parameters[name].copy_(torch.from_numpy(values[name]))
 
     def forward_backward(self, features: np.ndarray, labels: np.ndarray,
                          sample_weight: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:

@@ -74,10 +74,10 @@ class TrainingSession:
         trainer = open_first_available(manifest, kind, prefer, TRAINING_BACKENDS)
         return cls(trainer, manifest.find(kind, trainer.runtime), manifest)
 
-    def set_parameters(self, params: dict[str, np.ndarray]) -> None:
+    def set_parameters(self, values: dict[str, np.ndarray]) -> None:
         """Overwrite every trainable tensor, e.g. {"weight": (C, d), "bias": (C,)} from Fed3R
         (plus the ``tail.*`` tensors for a tail_training program)."""
-        self._trainer.set_parameters(check_parameter_dict(params, self.parameter_shapes))
+        self._trainer.set_parameters(check_parameter_dict(values, self.parameter_shapes))
 
     def get_parameters(self) -> dict[str, np.ndarray]:
         """Copies of the current parameters, read back from the runtime."""

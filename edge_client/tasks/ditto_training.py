@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from protocols.payloads.ditto import KIND, DittoRecipe, encode_ditto_update
+from protocols.payloads.ditto import KIND, DittoParams, DittoRecipe, encode_ditto_update
 from protocols.payloads.fedavg import raise_if_diverged
 
 from ..agent import TaskDeclined
@@ -62,14 +62,11 @@ class DittoTrainingTask(StatefulHeadTask):
     """Handler for ``ditto.head``: ``(params, tensors) -> (body, ψ_k)``."""
 
     kind = KIND
+    params_type = DittoParams
 
     def __call__(self, params: dict[str, Any], tensors: dict[str, np.ndarray] | None = None):
         task = self.read(params, tensors)
-        try:
-            recipe = LocalTraining.from_params(params)
-            ditto = DittoRecipe.from_params(params)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise TaskDeclined(f"bad {KIND} params: {exc!r}") from exc
+        recipe, ditto = task.params.training, task.params.ditto()
         head = {"weight": task.weight, "bias": task.bias}
         self.admit(task, head)
         stored = self.start_value(task, {k: v.shape for k, v in head.items()})

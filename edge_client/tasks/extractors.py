@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from protocols.payloads.task_params import ModelSpec
+
 ExtractorFactory = Callable[..., Any]
 
 
-def extractor_for(factory: ExtractorFactory, params: dict[str, Any]):
+def extractor_for(factory: ExtractorFactory, model: ModelSpec):
     """The extractor for a task's ``backbone``, ``image_size``, ``weights_sha256`` and, when
-    present, ``bundle_sha256`` params (KeyError / ValueError on missing or malformed ones)."""
-    args = (str(params["backbone"]), int(params["image_size"]), str(params.get("weights_sha256", "")))
-    bundle = str(params.get("bundle_sha256") or "")
-    return factory(*args, bundle_sha256=bundle) if bundle else factory(*args)
+    set, ``bundle_sha256``."""
+    args = (model.backbone, model.image_size, model.weights_sha256)
+    return factory(*args, bundle_sha256=model.bundle_sha256) if model.bundle_sha256 else factory(*args)

@@ -14,12 +14,14 @@ from typing import Any
 import numpy as np
 
 from protocols.envelope import EnvelopeError
-from protocols.payloads.fed3r import check_canonical_factor, dense_values, encode_factor, encode_stats, factor_values
+from protocols.payloads.fed3r import (KIND, Fed3RStatsParams, check_canonical_factor, dense_values, encode_factor,
+                                      encode_stats, factor_values)
 from protocols.random_features import RandomFourierFeatures
 
 from ..agent import TaskDeclined
 from ..fed3r import Fed3RAccumulator
 from .extractors import ExtractorFactory, extractor_for
+from .params import read_params
 
 
 class Fed3RStatsTask:
@@ -39,20 +41,8 @@ class Fed3RStatsTask:
     def __call__(self, params: dict[str, Any], tensors: dict | None = None) -> tuple[dict, dict[str, np.ndarray]]:
         if len(self.images) == 0:
             raise TaskDeclined("no local training data")
-        try:
-            num_classes = int(params["num_classes"])
-            fit_intercept = bool(params.get("fit_intercept", True))
-            dense = params.get("format", "sparse") == "dense"
-            dtype = str(params.get("dtype", "float64"))
-            factor_ok = bool(params.get("factor", False)) and not dense
-            rf_cfg = params.get("random_features")
-            start = int(params.get("from_sample", 0))
-            clip_norm = float(params.get("feature_clip_norm", 0.0))
-            cap = int(params["max_samples"]) if params.get("cap_samples") else None
-            if not (clip_norm >= 0 and np.isfinite(clip_norm)) or (cap is not None and cap < 1):
-                raise ValueError("feature_clip_norm must be >= 0 and max_samples >= 1")
-        except (KeyError, TypeError, ValueError) as exc:
-            raise TaskDeclined(f"bad fed3r.stats params: {exc}") from exc
+        task = read_params(Fed3RStatsParams, params, KIND)
+        num_classes, dense, start = task.model.num_classes, task.format == "dense", task.from_sample or 0
         if not 0 <= start <= len(self.images):
             raise TaskDeclined(f"the aggregator holds {start} samples of this device, it has {len(self.images)}")
         if start == len(self.images):
@@ -60,20 +50,17 @@ class Fed3RStatsTask:
         images, labels = self.images[start:], self.labels[start:]
         if labels.max() >= num_classes:
             raise TaskDeclined(f"local label {labels.max()} outside the job's {num_classes} classes")
-        try:
-            extractor = extractor_for(self.extractor_factory, params)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise TaskDeclined(f"bad fed3r.stats params: {exc}") from exc
-        rf = None
-        if rf_cfg:
-            rf = RandomFourierFeatures(int(rf_cfg["dim"]), float(rf_cfg["sigma"]), int(rf_cfg["seed"]))
-        acc = Fed3RAccumulator(num_classes, extractor.feature_dim, fit_intercept, rf, keep_rows=factor_ok,
-                               feature_clip_norm=clip_norm)
+        extractor = extractor_for(self.extractor_factory, task.model)
+        spec = task.random_features
+        rf = None if spec is None else RandomFourierFeatures(spec.dim, float(spec.sigma), spec.seed)
+        acc = Fed3RAccumulator(num_classes, extractor.feature_dim, task.fit_intercept, rf,
+                               keep_rows=task.factor and not dense, feature_clip_norm=task.feature_clip_norm or 0.0)
+        cap = task.sample_cap
         if cap is not None:    # DP caps the samples per device (the first max_samples: a choice blind to the data)
             images, labels = images[:cap], labels[:cap]
         acc.update(extractor.extract(images), labels)
-        body, out = encode_smallest(acc, num_classes, dense, dtype)
-        if "from_sample" in params:
+        body, out = encode_smallest(acc, num_classes, dense, task.dtype)
+        if task.from_sample is not None:
             body["from_sample"] = start
         return body, out
 

@@ -16,10 +16,10 @@ from typing import Any
 import numpy as np
 
 from protocols.payloads.fedavg import encode_head_update, raise_if_diverged
-from protocols.payloads.fedgloss import KIND, AdmmRecipe
+from protocols.payloads.fedavg import LocalTraining
+from protocols.payloads.fedgloss import KIND, FedGlossParams
 
 from ..agent import TaskDeclined
-from .head_training import LocalTraining
 from .local_rules import AdmmDual
 from .numpy_head import NumpyHeadStepper, batch_schedule
 from .stateful_head import StatefulHeadTask
@@ -45,14 +45,11 @@ class FedGlossTrainingTask(StatefulHeadTask):
     """Handler for ``fedgloss.head``: ``(params, tensors) -> (body, the trained head)``."""
 
     kind = KIND
+    params_type = FedGlossParams
 
     def __call__(self, params: dict[str, Any], tensors: dict[str, np.ndarray] | None = None):
         task = self.read(params, tensors)
-        try:
-            recipe = LocalTraining.from_params(params)
-            admm = AdmmRecipe.from_params(params)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise TaskDeclined(f"bad {KIND} params: {exc!r}") from exc
+        recipe, admm = task.params.training, task.params.admm
         head = {"weight": task.weight, "bias": task.bias}
         self.admit(task, head)
         stored = self.start_value(task, {k: v.shape for k, v in head.items()})

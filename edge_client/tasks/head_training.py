@@ -28,57 +28,21 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from protocols.payloads.fedavg import LocalRuleRecipe, encode_head_update, raise_if_diverged
+from protocols.payloads.fedavg import KIND, HeadTrainingParams, LocalTraining, encode_head_update, raise_if_diverged
 
 from ..agent import TaskDeclined
 from .extractors import ExtractorFactory, extractor_for
 from .local_rules import rule_for
+from .params import read_params
 from .numpy_head import batch_schedule
 
 log = logging.getLogger("fedfleet.device")
 
-
-
-@dataclass(frozen=True)
-class LocalTraining:
-    """The local SGD recipe. Defaults: the Fed3R paper's FL setting ([P] §IV: E = 1, B = 50,
-    lr 0.1, wd 4e-5, T = 0.1)."""
-
-    epochs: int = 1
-    batch_size: int = 50
-    lr: float = 0.1
-    weight_decay: float = 4e-5
-    temperature: float = 0.1
-    seed: int = 0
-    rule: LocalRuleRecipe = LocalRuleRecipe()     # the step's direction: SGD, FedProx, FedSAM, FedASAM
-
-    def __post_init__(self):
-        for name in ("epochs", "batch_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        for name, low_ok in (("lr", False), ("weight_decay", True), ("temperature", False)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) \
-                    or not math.isfinite(value) or value < 0 or (value == 0 and not low_ok):
-                raise ValueError(f"{name} must be a finite number {'>=' if low_ok else '>'} 0, got {value!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        if not isinstance(self.rule, LocalRuleRecipe):
-            raise ValueError(f"rule must be a LocalRuleRecipe, got {type(self.rule).__name__}")
-
-    @classmethod
-    def from_params(cls, params: dict[str, Any]) -> "LocalTraining":
-        fields = {k: params[k] for k in cls.__dataclass_fields__ if k in params and k != "rule"}
-        return cls(**fields, rule=LocalRuleRecipe.from_params(params))
-
-    def to_params(self) -> dict[str, Any]:
-        return {**{k: v for k, v in asdict(self).items() if k != "rule"}, **self.rule.to_params()}
 
 
 @dataclass
@@ -114,16 +78,16 @@ class _TorchHeadStepper:
         torch = self._torch
         inputs = (torch.from_numpy(features), torch.from_numpy(labels), torch.ones(len(labels)))
 
-        def gradient_at(params):
+        def gradient_at(current):
             # a functional call: the rule may ask for the gradient at perturbed parameters (SAM)
             # without the module's own parameters moving
-            tensors = {k: torch.from_numpy(np.asarray(v)).requires_grad_(True) for k, v in params.items()}
+            tensors = {k: torch.from_numpy(np.asarray(v)).requires_grad_(True) for k, v in current.items()}
             loss, _ = torch.func.functional_call(self.head, tensors, inputs)
             grads = torch.autograd.grad(loss, list(tensors.values()))
             return float(loss.detach()), {k: g.numpy() for k, g in zip(tensors, grads)}
 
-        params = {"weight": self.head.weight.detach().numpy(), "bias": self.head.bias.detach().numpy()}
-        loss, direction = self.rule.direction(params, gradient_at, self.start)
+        current = {"weight": self.head.weight.detach().numpy(), "bias": self.head.bias.detach().numpy()}
+        loss, direction = self.rule.direction(current, gradient_at, self.start)
         # torch.optim.SGD's update, written out: its first step imports torch._dynamo (seconds).
         with torch.no_grad():
             for name, param in (("weight", self.head.weight), ("bias", self.head.bias)):
@@ -159,11 +123,11 @@ class SessionStepper:
         now = {k: self._current[k] for k in self.trained}
         held = now                           # the parameters the program holds
 
-        def gradient_at(params):
+        def gradient_at(point):
             nonlocal held
-            if params is not held:           # e.g. SAM's perturbed point: the program computes there
-                self.session.set_parameters({**self._current, **params})
-                held = params
+            if point is not held:           # e.g. SAM's perturbed point: the program computes there
+                self.session.set_parameters({**self._current, **point})
+                held = point
             loss, gradients = self.session.loss_and_gradients(features, labels)
             return loss, {k: gradients[k] for k in self.trained}
 
@@ -282,14 +246,8 @@ class HeadTrainingTask:
                  ) -> tuple[dict, dict[str, np.ndarray]]:
         if len(self.images) == 0:
             raise TaskDeclined("no local training data")
-        try:
-            num_classes, feature_dim = int(params["num_classes"]), int(params["feature_dim"])
-            recipe = LocalTraining.from_params(params)
-            str(params["backbone"]), int(params["image_size"])     # checked here: a malformed task declines
-            # an asynchronous job's task names the model version it carries: the result echoes it
-            model_version = int(params["model_version"]) if "model_version" in params else None
-        except (KeyError, TypeError, ValueError) as exc:
-            raise TaskDeclined(f"bad fedavg.head params: {exc}") from exc
+        task = read_params(HeadTrainingParams, params, KIND)
+        num_classes, feature_dim, recipe = task.model.num_classes, task.feature_dim, task.training
         if not tensors or "weight" not in tensors or "bias" not in tensors:
             raise TaskDeclined("fedavg.head task carries no head tensors (weight, bias)")
         weight, bias = np.asarray(tensors["weight"]), np.asarray(tensors["bias"])
@@ -300,7 +258,7 @@ class HeadTrainingTask:
             raise TaskDeclined("global head contains NaN or Inf")
         if self.labels.min() < 0 or self.labels.max() >= num_classes:
             raise TaskDeclined(f"local label {self.labels.max()} outside the job's {num_classes} classes")
-        extractor = extractor_for(self.extractor_factory, params)
+        extractor = extractor_for(self.extractor_factory, task.model)
         if extractor.feature_dim != feature_dim:
             raise TaskDeclined(f"backbone gives {extractor.feature_dim}-d features, task expects {feature_dim}")
         features = extractor.extract(self.images)
@@ -309,6 +267,6 @@ class HeadTrainingTask:
         except FloatingPointError as exc:
             raise TaskDeclined(str(exc)) from exc
         body, tensors = encode_head_update(self.last.weight, self.last.bias, len(self.labels))
-        if model_version is not None:
-            body["model_version"] = model_version
+        if task.model_version is not None:     # an asynchronous job's task: the result echoes the version
+            body["model_version"] = task.model_version
         return body, tensors

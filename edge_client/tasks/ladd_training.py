@@ -48,13 +48,14 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from protocols.payloads.ladd import (SelfTrainingRecipe, encode_style, encode_update, layout_digest, make_layout, packed_digest,
-                                     parse_train_task, unpack)
+from protocols.payloads.ladd import (KIND_STYLE, KIND_TRAIN, LaddTrainParams, SelfTrainingRecipe, StyleParams, encode_style,
+                                     encode_update, layout_digest, make_layout, packed_digest, parse_train_task, unpack)
 
 from ..agent import TaskDeclined
 from ..models.segmentation import IGNORE, SegmentationModel, SegmentationSpec, self_training_loss
 from ..style import extract_style
 from .local_rules import rule_for
+from .params import read_params
 
 __all__ = ["LaddStyleTask", "LaddTrainTask", "SelfTrainingRecipe", "TrainedUpdate", "kd_targets", "self_train",
            "threshold_pseudo_labels"]
@@ -184,20 +185,20 @@ class _ExecuTorchStepper:
 STEPPERS = {"eager": _EagerStepper, "executorch": _ExecuTorchStepper}
 
 
-def _gradient_function(stepper, params: dict[str, np.ndarray], batch: tuple, losses: list):
+def _gradient_function(stepper, current: dict[str, np.ndarray], batch: tuple, losses: list):
     """``gradient_at`` of local_rules for one mini-batch: evaluates the stepper at any values of the
     trained tensors (SAM's perturbed point is written into them and the originals put back),
     appending each evaluation's (loss, pseudo, kd) to ``losses``."""
     def gradient_at(values):
-        moved = [k for k in params if values[k] is not params[k]]
-        saved = {k: params[k].copy() for k in moved}
+        moved = [k for k in current if values[k] is not current[k]]
+        saved = {k: current[k].copy() for k in moved}
         for k in moved:
-            params[k][...] = values[k]
+            current[k][...] = values[k]
         try:
             parts, grads = stepper.step(*batch)
         finally:
             for k in moved:
-                params[k][...] = saved[k]
+                current[k][...] = saved[k]
         losses.append(parts)
         return parts[0], {k: g.detach().numpy() for k, g in zip(stepper.names, grads)}
     return gradient_at
@@ -217,8 +218,8 @@ def self_train(model: SegmentationModel, trainable: list[str], frozen: torch.Ten
     rule = rule_for(recipe.rule)
     # the rule works on numpy views of the trained tensors (they share memory), so the SAM/ASAM/
     # FedProx arithmetic is local_rules' one implementation; FedProx pulls towards the received decoder
-    params = {k: p.detach().numpy() for k, p in zip(stepper.names, stepper.params)}
-    received = {k: v.copy() for k, v in params.items()}
+    current = {k: p.detach().numpy() for k, p in zip(stepper.names, stepper.params)}
+    received = {k: v.copy() for k, v in current.items()}
     pseudo_t = torch.from_numpy(np.ascontiguousarray(pseudo, dtype=np.int64))
     velocity: list[torch.Tensor | None] = [None] * len(stepper.params)
     rng = np.random.default_rng(recipe.seed)
@@ -230,7 +231,7 @@ def self_train(model: SegmentationModel, trainable: list[str], frozen: torch.Ten
             rows = torch.from_numpy(np.sort(order[start:start + recipe.batch_size]))
             batch = (frozen[rows], pseudo_t[rows], kd_probs[rows], kd_mask[rows])
             losses: list[tuple[float, float, float]] = []
-            _, direction = rule.direction(params, _gradient_function(stepper, params, batch, losses), received)
+            _, direction = rule.direction(current, _gradient_function(stepper, current, batch, losses), received)
             with torch.no_grad():
                 for i, (p, name) in enumerate(zip(stepper.params, stepper.names)):
                     g = torch.from_numpy(np.ascontiguousarray(direction[name]))
@@ -256,12 +257,8 @@ class LaddStyleTask:
                  ) -> tuple[dict, dict[str, np.ndarray]]:
         if len(self.images) == 0:
             raise TaskDeclined("no local images")
-        try:
-            b, size = int(params["b"]), int(params["image_size"])
-            if not 0 <= b <= 8 or not 16 <= size <= 1024:
-                raise ValueError(f"b={b} or image_size={size} out of range")
-        except (KeyError, TypeError, ValueError) as exc:
-            raise TaskDeclined(f"bad ladd.style params: {exc}") from exc
+        task = read_params(StyleParams, params, KIND_STYLE)
+        b, size = task.b, task.image_size
         return encode_style(extract_style(self.images, b, (size, size)), len(self.images), b)
 
 
@@ -299,20 +296,18 @@ class LaddTrainTask:
         self.last: SelfTrainingResult | None = None
 
     def _decode(self, params: dict[str, Any], tensors: dict[str, np.ndarray] | None):
+        task = read_params(LaddTrainParams, params, KIND_TRAIN)
         try:
-            spec = SegmentationSpec.from_dict(params["model"])
-            recipe = SelfTrainingRecipe.from_params(params)
-            cluster = int(params["cluster"])
-            layout, flats = parse_train_task(params, tensors or {})
-            trainable = [str(n) for n in params["trainable"]]
-        except (KeyError, TypeError, ValueError) as exc:
+            spec = SegmentationSpec.from_dict(task.model)
+            layout, flats = parse_train_task(task, tensors or {})
+        except (TypeError, ValueError) as exc:
             raise TaskDeclined(f"bad ladd.train task: {exc}") from exc
-        if self.expected_weights_sha256 is not None and params.get("weights_sha256") \
-                and params["weights_sha256"] != self.expected_weights_sha256():
+        if self.expected_weights_sha256 is not None and task.weights_sha256 \
+                and task.weights_sha256 != self.expected_weights_sha256():
             raise TaskDeclined("job wants different encoder weights than this device has")
         if spec.image_size != self.images.shape[1] or spec.image_size != self.images.shape[2]:
             raise TaskDeclined(f"job works on {spec.image_size}px images, local images are {self.images.shape[1:3]}")
-        return spec, recipe, cluster, layout, flats, trainable
+        return spec, task, layout, flats
 
     def __call__(self, params: dict[str, Any], tensors: dict[str, np.ndarray] | None = None
                  ) -> tuple[dict, dict[str, np.ndarray]]:
@@ -324,7 +319,8 @@ class LaddTrainTask:
         """The local step itself, before any encoding (``secure_ladd_training`` sums it instead)."""
         if len(self.images) == 0:
             raise TaskDeclined("no local images")
-        spec, recipe, cluster, layout, flats, trainable = self._decode(params, tensors)
+        spec, task, layout, flats = self._decode(params, tensors)
+        recipe, cluster, trainable = task.recipe, task.cluster, list(task.trainable)
         t0 = time.perf_counter()
         with self.lock:
             model = self.model_factory(spec)
@@ -339,7 +335,7 @@ class LaddTrainTask:
             order = {name: i for i, (name, _) in enumerate(layout)}
             trainable = sorted(trainable, key=order.__getitem__)
             frozen = self._frozen_features(model, spec)
-            kd_sha = str(params.get("kd_sha256", ""))
+            kd_sha = task.kd_sha256
             if recipe.kd_lambda > 0:
                 kd_probs, kd_mask = self._kd_targets(model, spec, layout, flats, kd_sha, recipe, frozen)
             else:

@@ -2,7 +2,7 @@
 
 A trainer (numpy, eager torch, a training program through ``TrainingSession``; the head's and
 the backbone tail's) owns the parameters and knows how to compute the mini-batch's loss and
-gradient at any parameters: ``gradient_at(params) -> (loss, ∇loss)``. A rule decides which
+gradient at any parameters: ``gradient_at(current) -> (loss, ∇loss)``. A rule decides which
 direction d the step takes; the trainer then applies its own update, the same for every rule:
 
     w ← w − lr · (d + wd · w)                  (torch.optim.SGD's weight decay, as before)
@@ -49,15 +49,15 @@ class LocalRule(ABC):
     evaluations_per_step = 1          # gradient evaluations (forward + backward passes) per step
 
     @abstractmethod
-    def direction(self, params: Mapping[str, np.ndarray], gradient_at: GradientAt,
+    def direction(self, current: Mapping[str, np.ndarray], gradient_at: GradientAt,
                   global_params: Mapping[str, np.ndarray]) -> tuple[float, Params]:
-        """(the mini-batch loss at ``params``, the step's direction d, dtype of ``params``).
-        ``params`` are the trained tensors now; ``global_params`` the round's start (the task's)."""
+        """(the mini-batch loss at ``current``, the step's direction d, dtype of ``current``).
+        ``current`` are the trained tensors now; ``global_params`` the round's start (the task's)."""
 
 
 class PlainGradient(LocalRule):
-    def direction(self, params, gradient_at, global_params):
-        return gradient_at(params)
+    def direction(self, current, gradient_at, global_params):
+        return gradient_at(current)
 
 
 class SharpnessAware(LocalRule):
@@ -70,16 +70,16 @@ class SharpnessAware(LocalRule):
             raise ValueError(f"SAM needs rho > 0, got {rho}")
         self.rho = float(rho)
 
-    def perturbation(self, params: Mapping[str, np.ndarray], gradient: Mapping[str, np.ndarray]) -> Params:
+    def perturbation(self, current: Mapping[str, np.ndarray], gradient: Mapping[str, np.ndarray]) -> Params:
         """ε̂ = ρ g/‖g‖ (zero for a zero gradient: there is no ascent direction)."""
         scale = self.rho / (global_norm(gradient) + 1e-12)
-        return {k: np.asarray(scale * np.asarray(g, np.float64), dtype=np.asarray(params[k]).dtype)
+        return {k: np.asarray(scale * np.asarray(g, np.float64), dtype=np.asarray(current[k]).dtype)
                 for k, g in gradient.items()}
 
-    def direction(self, params, gradient_at, global_params):
-        loss, gradient = gradient_at(params)
-        eps = self.perturbation(params, gradient)
-        _, sharp = gradient_at({k: params[k] + eps[k] for k in params})
+    def direction(self, current, gradient_at, global_params):
+        loss, gradient = gradient_at(current)
+        eps = self.perturbation(current, gradient)
+        _, sharp = gradient_at({k: current[k] + eps[k] for k in current})
         return loss, sharp
 
 
@@ -92,11 +92,11 @@ class AdaptiveSharpnessAware(SharpnessAware):
             raise ValueError(f"ASAM needs eta >= 0, got {eta}")
         self.eta = float(eta)
 
-    def perturbation(self, params, gradient):
-        t = {k: np.abs(np.asarray(params[k], np.float64)) + self.eta for k in params}
+    def perturbation(self, current, gradient):
+        t = {k: np.abs(np.asarray(current[k], np.float64)) + self.eta for k in current}
         scaled = {k: t[k] * np.asarray(g, np.float64) for k, g in gradient.items()}       # T g
         scale = self.rho / (global_norm(scaled) + 1e-12)
-        return {k: np.asarray(scale * t[k] * scaled[k], dtype=np.asarray(params[k]).dtype) for k in scaled}
+        return {k: np.asarray(scale * t[k] * scaled[k], dtype=np.asarray(current[k]).dtype) for k in scaled}
 
 
 class Proximal(LocalRule):
@@ -108,9 +108,9 @@ class Proximal(LocalRule):
         self.mu, self.inner = float(mu), inner
         self.evaluations_per_step = inner.evaluations_per_step
 
-    def direction(self, params, gradient_at, global_params):
-        loss, d = self.inner.direction(params, gradient_at, global_params)
-        pull = {k: np.asarray(params[k], np.float64) - np.asarray(global_params[k], np.float64) for k in params}
+    def direction(self, current, gradient_at, global_params):
+        loss, d = self.inner.direction(current, gradient_at, global_params)
+        pull = {k: np.asarray(current[k], np.float64) - np.asarray(global_params[k], np.float64) for k in current}
         loss += 0.5 * self.mu * global_norm(pull) ** 2
         return loss, {k: (d[k] + self.mu * pull[k]).astype(np.asarray(d[k]).dtype) for k in d}
 
@@ -125,10 +125,10 @@ class AdmmDual(Proximal):
         super().__init__(1.0 / beta, inner)
         self.dual = {k: np.asarray(v, np.float64) for k, v in dual.items()}
 
-    def direction(self, params, gradient_at, global_params):
-        loss, d = super().direction(params, gradient_at, global_params)
-        loss -= sum(float(np.sum(self.dual[k] * (np.asarray(params[k], np.float64)
-                                                  - np.asarray(global_params[k], np.float64)))) for k in params)
+    def direction(self, current, gradient_at, global_params):
+        loss, d = super().direction(current, gradient_at, global_params)
+        loss -= sum(float(np.sum(self.dual[k] * (np.asarray(current[k], np.float64)
+                                                  - np.asarray(global_params[k], np.float64)))) for k in current)
         return loss, {k: (d[k] - self.dual[k]).astype(np.asarray(d[k]).dtype) for k in d}
 
 

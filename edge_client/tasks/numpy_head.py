@@ -75,14 +75,14 @@ class NumpyHeadStepper:
         features, labels = np.asarray(features, dtype=np.float32), np.asarray(labels)
         share = np.full(len(labels), 1.0 / len(labels), dtype=np.float32)
 
-        def gradient_at(params):
-            loss, (d_weight, d_bias) = head_loss_and_gradients(params["weight"], params["bias"], features, labels,
+        def gradient_at(current):
+            loss, (d_weight, d_bias) = head_loss_and_gradients(current["weight"], current["bias"], features, labels,
                                                                share, self.temperature)
             return float(loss), {"weight": d_weight, "bias": d_bias}
 
-        params = {"weight": self.weight, "bias": self.bias}
-        loss, direction = self.rule.direction(params, gradient_at, self.start)
-        for name, param in params.items():
+        current = {"weight": self.weight, "bias": self.bias}
+        loss, direction = self.rule.direction(current, gradient_at, self.start)
+        for name, param in current.items():
             apply_step(param, direction[name], self.lr, self.weight_decay)
         return loss
 

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from protocols.payloads.fedavg import batch_schedule, raise_if_diverged
-from protocols.payloads.partial import KIND, PartialRecipe, encode_partial_update
+from protocols.payloads.partial import KIND, PartialParams, PartialRecipe, encode_partial_update
 
 from ..agent import TaskDeclined
 from .numpy_head import head_sgd_step
@@ -60,13 +60,11 @@ class PartialTrainingTask(StatefulHeadTask):
     """Handler for ``pp.head``: ``(params, tensors) -> (body, {"weight": u})``."""
 
     kind = KIND
+    params_type = PartialParams
 
     def __call__(self, params: dict[str, Any], tensors: dict[str, np.ndarray] | None = None):
         task = self.read(params, tensors)
-        try:
-            recipe = PartialRecipe.from_params(params)
-        except (TypeError, ValueError) as exc:
-            raise TaskDeclined(f"bad {KIND} params: {exc}") from exc
+        recipe = task.params.recipe()
         self.admit(task, {"bias": task.bias})
         stored = self.start_value(task, {"bias": task.bias.shape})
         start = stored["bias"] if stored is not None else task.bias

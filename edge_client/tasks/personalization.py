@@ -27,14 +27,15 @@ from typing import Any
 import numpy as np
 
 from protocols.payloads.fedavg import TAIL_PREFIX
-from protocols.payloads.personalize import FALLBACKS, KIND, PERSONAL, PersonalizationReport, encode_report
+from protocols.payloads.personalize import KIND, PERSONAL, PersonalizationReport, PersonalizeParams, encode_report
 
 from ..agent import TaskDeclined
 from ..oll import OutOfLocalLabels, PersonalizedHead, choose_fp_lr
 from ..state import DeviceStateStore
 from .extractors import ExtractorFactory, extractor_for
 from .head_training import LocalTraining
-from .tail_personalization import FP_PARTS, TailFineTuning, masked_head
+from .params import read_params
+from .tail_personalization import TailFineTuning, masked_head
 from .tail_training import TailFeatures, check_model_tensors
 
 log = logging.getLogger("fedfleet.device")
@@ -64,25 +65,9 @@ class PersonalizeTask:
     def __call__(self, params: dict[str, Any], tensors: dict[str, np.ndarray] | None = None) -> tuple[dict, dict]:
         if len(self.train_labels) == 0 or len(self.test_labels) == 0:
             raise TaskDeclined("personalization needs local training and held-out data")
-        try:
-            num_classes, feature_dim = int(params["num_classes"]), int(params["feature_dim"])
-            str(params["backbone"]), int(params["image_size"])     # checked here: a malformed task declines
-            tail_stages = int(params.get("tail_stages", 0))
-            fallback = str(params.get("fallback", "error"))
-            fp_epochs = int(params.get("fp_epochs", 0))
-            lrs = [float(lr) for lr in params.get("fp_lrs", [])]
-            folds = int(params.get("fp_folds", 5))
-            personal_job = str(params.get("personal_job", ""))
-            fp_part = str(params.get("fp_part", "psi"))
-            recipe = LocalTraining.from_params({**params, "epochs": max(fp_epochs, 1)})
-        except (KeyError, TypeError, ValueError) as exc:
-            raise TaskDeclined(f"bad oll.personalize params: {exc}") from exc
-        if fallback not in FALLBACKS:
-            raise TaskDeclined(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
-        if fp_part not in ("psi", *FP_PARTS):
-            raise TaskDeclined(f"fp_part must be one of {('psi', *FP_PARTS)}, got {fp_part!r}")
-        if fp_epochs < 0 or (fp_epochs and not lrs):
-            raise TaskDeclined("fp_epochs must be >= 0, and FP needs at least one learning rate in fp_lrs")
+        task = read_params(PersonalizeParams, params, KIND)
+        num_classes, feature_dim, tail_stages = task.model.num_classes, task.feature_dim, task.tail_stages
+        fp_epochs, lrs, folds, recipe = task.fp_epochs, [float(lr) for lr in task.fp_lrs], task.fp_folds, task.recipe()
         if not tensors or "weight" not in tensors or "bias" not in tensors:
             raise TaskDeclined("oll.personalize task carries no head tensors (weight, bias)")
         weight, bias = np.asarray(tensors["weight"]), np.asarray(tensors["bias"])
@@ -94,21 +79,21 @@ class PersonalizeTask:
             if labels.min() < 0 or labels.max() >= num_classes:
                 raise TaskDeclined(f"local label {labels.max()} outside the job's {num_classes} classes")
         if tail_stages:
-            f_train, f_test = self._fine_tuned_features(params, tail_stages, tensors)
+            f_train, f_test = self._fine_tuned_features(task, tensors)
         elif any(name.startswith(TAIL_PREFIX) for name in tensors):
             raise TaskDeclined("task carries backbone tail tensors but says tail_stages = 0")
         else:
-            extractor = extractor_for(self.extractor_factory, params)
+            extractor = extractor_for(self.extractor_factory, task.model)
             if extractor.feature_dim != feature_dim:
                 raise TaskDeclined(f"backbone gives {extractor.feature_dim}-d features, task expects {feature_dim}")
             f_train, f_test = extractor.extract(self.train_images), extractor.extract(self.test_images)
         y_test = self.test_labels
 
         correct = {"global": int(((f_test @ weight.T + bias).argmax(axis=1) == y_test).sum())}
-        if personal_job:
-            weight, bias = self._personal_head(personal_job, weight, bias)   # the device's own: OLL and FP start there
+        if task.personal_job:
+            weight, bias = self._personal_head(task.personal_job, weight, bias)   # the device's own: OLL and FP start there
             correct[PERSONAL] = int(((f_test @ weight.T + bias).argmax(axis=1) == y_test).sum())
-        head = PersonalizedHead(weight, bias, self.train_labels, fallback=fallback)
+        head = PersonalizedHead(weight, bias, self.train_labels, fallback=task.fallback)
         try:
             scored = head.score(f_test, y_test)
         except OutOfLocalLabels as exc:
@@ -117,13 +102,12 @@ class PersonalizeTask:
         fp_lr = None
         if fp_epochs:
             try:
-                if fp_part == "psi":
+                if task.fp_part == "psi":
                     fp_lr, _ = choose_fp_lr(weight, bias, f_train, self.train_labels, recipe, lrs, folds)
                     head.fine_tune(f_train, self.train_labels, replace(recipe, lr=fp_lr), self.training_session)
                     correct["oll_fp"] = head.score(f_test, y_test).correct
                 else:
-                    fp_lr, correct["oll_fp"] = self._fine_tune_tail(params, tensors, tail_stages, head, f_test,
-                                                                    fp_part, recipe, lrs, folds)
+                    fp_lr, correct["oll_fp"] = self._fine_tune_tail(task, tensors, head, f_test, recipe, lrs)
             except FloatingPointError as exc:
                 raise TaskDeclined(str(exc)) from exc
         self.head = head
@@ -147,33 +131,33 @@ class PersonalizeTask:
 
         return personal("weight", weight), personal("bias", bias)       # a pp entry has no weight: the shared one
 
-    def _fine_tuned_features(self, params: dict[str, Any], tail_stages: int,
+    def _fine_tuned_features(self, task: PersonalizeParams,
                              tensors: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         """Training and held-out features through the task's fine-tuned tail."""
         if self.tail_features is None:
             raise TaskDeclined("this device has no tail bundle: it cannot personalise a fine-tuned backbone")
         session = self.tail_features.session()
-        check_tail_bundle(session.manifest, params, tail_stages)
+        check_tail_bundle(session.manifest, task, task.tail_stages)
         model = check_model_tensors(tensors, session.parameter_shapes, KIND)
         return self.tail_features.extract(model, self.train_images, self.test_images)
 
-    def _fine_tune_tail(self, params: dict[str, Any], tensors: dict[str, np.ndarray], tail_stages: int,
-                        head: PersonalizedHead, f_test: np.ndarray, part: str, recipe: LocalTraining,
-                        lrs: list[float], folds: int) -> tuple[float, int]:
+    def _fine_tune_tail(self, task: PersonalizeParams, tensors: dict[str, np.ndarray], head: PersonalizedHead,
+                        f_test: np.ndarray, recipe: LocalTraining, lrs: list[float]) -> tuple[float, int]:
         """FP(φ)/FP(M) from the OLL head (``edge_client/tasks/tail_personalization.py``): (the
         learning rate cross-validation chose, the held-out samples the fine-tuned model gets right;
         labels outside the local ones are scored as OLL scored them). The model stays on the device."""
+        part, tail_stages = task.fp_part, task.tail_stages
         if self.tail_features is None:
             raise TaskDeclined(f"FP({part}) trains the backbone's tail: this device has no tail bundle")
 
         def work(tail):         # one device at a time on a shared session, start to end
             session = tail.session()
-            check_tail_bundle(session.manifest, params, tail_stages or session.manifest.tail.stages)
+            check_tail_bundle(session.manifest, task, tail_stages or session.manifest.tail.stages)
             start = check_model_tensors(tensors, session.parameter_shapes, KIND) if tail_stages \
                 else tail.bundled_parameters()      # after FT(ψ): the pretrained tail
             fp = TailFineTuning(session, {**start, **masked_head(head)}, part, recipe)
             train_x, test_x = tail.activations(self.train_images), tail.activations(self.test_images)
-            lr, _ = fp.choose_lr(train_x, self.train_labels, lrs, folds)
+            lr, _ = fp.choose_lr(train_x, self.train_labels, lrs, task.fp_folds)
             model = fp.fit(train_x, self.train_labels, lr)
             return lr, model, fp.predict(model, test_x)
 
@@ -185,10 +169,11 @@ class PersonalizeTask:
         return lr, correct
 
 
-def check_tail_bundle(m, params: dict[str, Any], tail_stages: int) -> None:
+def check_tail_bundle(m, task: PersonalizeParams, tail_stages: int) -> None:
     """Decline unless the device's tail bundle is the task's model (backbone, size, tail, shapes, weights)."""
-    wanted = (str(params["backbone"]), int(params["image_size"]), tail_stages, int(params["feature_dim"]),
-              int(params["num_classes"]), str(params.get("weights_sha256") or m.weights_sha256))
+    model = task.model
+    wanted = (model.backbone, model.image_size, tail_stages, task.feature_dim, model.num_classes,
+              model.weights_sha256 or m.weights_sha256)
     if wanted != (m.backbone, m.input.image_size, m.tail.stages, m.feature_dim, m.num_classes, m.weights_sha256):
         raise TaskDeclined(f"task wants {wanted[0]} at {wanted[1]} px with a {wanted[2]}-stage tail, "
                            f"{wanted[3]}-d features and {wanted[4]} classes; the tail bundle is {m.backbone} at "

@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 
 from protocols.payloads.fedavg import encode_model_update, raise_if_diverged
-from protocols.payloads.scaffold import CONTROL, DELTA_CONTROL, HEAD, KIND
+from protocols.payloads.fedavg import LocalTraining
+from protocols.payloads.scaffold import CONTROL, DELTA_CONTROL, HEAD, KIND, ScaffoldParams
 
 from ..agent import TaskDeclined
-from .head_training import LocalTraining
 from .numpy_head import NumpyHeadStepper, batch_schedule
 from .stateful_head import StatefulHeadTask
 
@@ -49,13 +49,11 @@ class ScaffoldTrainingTask(StatefulHeadTask):
     """Handler for ``scaffold.head``: ``(params, tensors) -> (body, y and Δc)``."""
 
     kind = KIND
+    params_type = ScaffoldParams
 
     def __call__(self, params: dict[str, Any], tensors: dict[str, np.ndarray] | None = None):
         task = self.read(params, tensors)
-        try:
-            recipe = LocalTraining.from_params(params)
-        except (TypeError, ValueError) as exc:
-            raise TaskDeclined(f"bad {KIND} params: {exc}") from exc
+        recipe = task.params.training
         head = {"weight": task.weight, "bias": task.bias}
         control = {k: np.asarray((tensors or {}).get(CONTROL + k)) for k in HEAD}
         if any(control[k].shape != head[k].shape or control[k].dtype != np.float32

@@ -10,29 +10,36 @@ from __future__ import annotations
 import numpy as np
 
 from protocols.identity import DeviceIdentity
-from protocols.payloads.secagg import pack_sync_vector
+import dataclasses
+
+from protocols.payloads.secagg import SYNC_KIND, pack_sync_vector
+from protocols.payloads.secure_tasks import SecureFed3RParams
 
 from ..agent import TaskDeclined
 from .fed3r_stats import Fed3RStatsTask
+from .params import read_params
 from .secure_update import SecAggSessions, SecureUpdate
 
 
 class SecureFed3R(SecureUpdate):
+    round_type = SecureFed3RParams
+
     def __init__(self, identity: DeviceIdentity, aggregator_public_key: bytes, stats: Fed3RStatsTask,
                  sessions: SecAggSessions | None = None, noise_rng: np.random.Generator | None = None):
         super().__init__(identity, aggregator_public_key, sessions, noise_rng)
         self.stats = stats
 
     def vector(self, params: dict, tensors: dict[str, np.ndarray]) -> np.ndarray:
-        body, stats = self.stats(dict(params, format="dense", dtype="float64"))
+        task = read_params(SecureFed3RParams, params, SYNC_KIND)
+        body, stats = self.stats(dataclasses.replace(task, format="dense", dtype="float64"))
         n = body["n"]
-        if n > int(params["max_samples"]):
-            raise TaskDeclined(f"{n} local samples exceed the round's bound of {params['max_samples']}")
-        if "dp" not in params:
+        if n > task.max_samples:
+            raise TaskDeclined(f"{n} local samples exceed the round's bound of {task.max_samples}")
+        if task.dp is None:
             return pack_sync_vector(stats["A_upper"], stats["b"], n)
         # Distributed DP (features clipped, samples capped by the stats task): the sample count would
         # be an un-noised release, so it is left out of the sum (0), and the statistics carry noise.
-        return self.add_noise(pack_sync_vector(stats["A_upper"], stats["b"], 0), params["dp"])
+        return self.add_noise(pack_sync_vector(stats["A_upper"], stats["b"], 0), task.dp)
 
 
 __all__ = ["SecureFed3R"]

@@ -17,9 +17,12 @@ from __future__ import annotations
 import numpy as np
 
 from protocols.identity import DeviceIdentity
-from protocols.payloads.secagg import HEAD_ORDER, pack_weighted
+from protocols.payloads.secagg import SECURE_FEDAVG_KIND, pack_weighted
+from protocols.payloads.secure_tasks import SecureUpdateRound
+from protocols.payloads.task_params import DpRound
 
 from ..agent import TaskDeclined
+from .params import read_params
 from .secure_update import SecAggSessions, SecureUpdate
 
 
@@ -32,28 +35,29 @@ class SecureFedAvgTraining(SecureUpdate):
         self.training = training
 
     def vector(self, params: dict, tensors: dict[str, np.ndarray]) -> np.ndarray:
-        order = params.get("vector_order", list(HEAD_ORDER))
-        body, trained = self.training(params, tensors)
-        if not isinstance(order, list) or sorted(order) != sorted(trained) or len(set(order)) != len(order):
+        secure = read_params(SecureUpdateRound, params, SECURE_FEDAVG_KIND)
+        order = list(secure.vector_order)
+        body, trained = self.training(params, tensors)      # the plain handler reads the plain kind's params
+        if sorted(order) != sorted(trained):
             raise TaskDeclined(f"vector_order {order!r} does not name exactly the trained tensors {sorted(trained)}")
-        if "dp" in params:
-            return self.dp_vector(params["dp"], order, trained, tensors)
-        n, limit = body["n"], float(params["max_abs_param"])
-        if n > int(params["max_samples"]):
-            raise TaskDeclined(f"{n} local samples exceed the round's bound of {params['max_samples']}")
-        if params.get("update_clip_norm"):     # bounded influence: the server checks the group's sum against n·C
-            clipped = self.clipped_delta({"clip_norm": params["update_clip_norm"]}, trained, tensors)
+        if secure.dp is not None:
+            return self.dp_vector(secure.dp, order, trained, tensors)
+        n, limit = body["n"], float(secure.max_abs_param)
+        if n > secure.max_samples:
+            raise TaskDeclined(f"{n} local samples exceed the round's bound of {secure.max_samples}")
+        if secure.update_clip_norm:     # bounded influence: the server checks the group's sum against n·C
+            clipped = self.clipped_delta(secure.update_clip_norm, trained, tensors)
             trained = {k: np.asarray(tensors[k], np.float64) + clipped[k] for k in trained}
         largest = max(float(np.abs(t).max()) for t in trained.values())
         if largest > limit:
             raise TaskDeclined(f"trained model has |θ| = {largest:.3g} > the round's bound {limit:g}")
         return pack_weighted(trained, order, n)
 
-    def dp_vector(self, dp: object, order: list, trained: dict[str, np.ndarray],
+    def dp_vector(self, dp: DpRound, order: list, trained: dict[str, np.ndarray],
                   start: dict[str, np.ndarray]) -> np.ndarray:
         """Distributed DP-FedAvg: [clip(θ_k − θ_t) | 1] plus this device's share of noise; devices are
         unweighted (n_k would make the sensitivity data-dependent), the server divides by κ."""
-        return self.add_noise(pack_weighted(self.clipped_delta(dp, trained, start), order, 1), dp)
+        return self.add_noise(pack_weighted(self.clipped_delta(dp.clip_norm, trained, start), order, 1), dp)
 
 
 __all__ = ["SecureFedAvgTraining"]

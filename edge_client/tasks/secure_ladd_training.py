@@ -25,14 +25,18 @@ import numpy as np
 
 from protocols.identity import DeviceIdentity
 from protocols.payloads.ladd import parse_train_task, unpack
-from protocols.payloads.secagg import ClusterSlotLayout
+from protocols.payloads.secagg import SECURE_LADD_KIND, ClusterSlotLayout
+from protocols.payloads.secure_tasks import SecureLaddParams
 
 from ..agent import TaskDeclined
 from .ladd_training import LaddTrainTask, TrainedUpdate
+from .params import read_params
 from .secure_update import SecAggSessions, SecureUpdate
 
 
 class SecureLaddTraining(SecureUpdate):
+    round_type = SecureLaddParams
+
     def __init__(self, identity: DeviceIdentity, aggregator_public_key: bytes, training: LaddTrainTask,
                  sessions: SecAggSessions | None = None, noise_rng: np.random.Generator | None = None):
         super().__init__(identity, aggregator_public_key, sessions, noise_rng)
@@ -40,16 +44,11 @@ class SecureLaddTraining(SecureUpdate):
         self.last: TrainedUpdate | None = None      # the last plaintext update (never sent)
 
     def vector(self, params: dict, tensors: dict[str, np.ndarray]) -> np.ndarray:
-        try:
-            slots = ClusterSlotLayout.from_json(params.get("slots"))
-            max_samples, limit = int(params["max_samples"]), float(params["max_abs_param"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise TaskDeclined(f"bad ladd.train.secure params: {exc}") from exc
-        if params.get("group") != slots.group_id():
-            raise TaskDeclined("the task's group is not the group of its slot layout")
-        trained = self.training.train(params, tensors)
-        if "dp" in params:
-            return self.dp_vector(params, slots, trained, tensors)
+        task = read_params(SecureLaddParams, params, SECURE_LADD_KIND)
+        slots, max_samples, limit = task.slot_layout(), task.max_samples, float(task.max_abs_param)
+        trained = self.training.train(params, tensors)      # the plain handler reads the plain kind's params
+        if task.dp is not None:
+            return self.dp_vector(task, slots, trained, tensors)
         if trained.n > max_samples:
             raise TaskDeclined(f"{trained.n} local images exceed the round's bound of {max_samples}")
         largest = max((float(np.abs(a).max()) for a in trained.arrays.values() if a.size), default=0.0)
@@ -62,22 +61,22 @@ class SecureLaddTraining(SecureUpdate):
         self.last = trained
         return vector
 
-    def dp_vector(self, params: dict, slots: ClusterSlotLayout, trained: TrainedUpdate,
+    def dp_vector(self, task: SecureLaddParams, slots: ClusterSlotLayout, trained: TrainedUpdate,
                   tensors: dict[str, np.ndarray]) -> np.ndarray:
         """Distributed DP-LADD: the slots filled with clip(w_k − w_c) (its φ and θ part clipped
         together), weight 1, plus this device's share of noise on every tensor entry of every slot
         (aggregator/strategies/dp_ladd.py); n and the cluster weights and counts stay exact."""
         try:
-            layout, flats = parse_train_task(params, tensors)
+            layout, flats = parse_train_task(task, tensors)
         except ValueError as exc:
             raise TaskDeclined(f"bad ladd.train.secure task: {exc}") from exc
-        clipped = self.clipped_delta(params["dp"], trained.arrays, unpack(flats["model"], layout))
+        clipped = self.clipped_delta(task.dp.clip_norm, trained.arrays, unpack(flats["model"], layout))
         try:
             vector = slots.pack(clipped, 1, trained.cluster)
         except ValueError as exc:
             raise TaskDeclined(f"cannot fill the round's slots: {exc}") from exc
         self.last = trained
-        return self.add_noise(vector, params["dp"], noised=slice(0, slots.tensors_size))
+        return self.add_noise(vector, task.dp, noised=slice(0, slots.tensors_size))
 
 
 __all__ = ["SecureLaddTraining"]

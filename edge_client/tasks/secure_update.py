@@ -22,10 +22,13 @@ from protocols.clipping import clip_update
 from protocols.envelope import Envelope
 from protocols.identity import DeviceIdentity
 from protocols.payloads.secagg import UnsendableMessage, from_envelope, to_envelope
+from protocols.payloads.secure_tasks import SecureUpdateRound
+from protocols.payloads.task_params import DpRound, WireParams
 from protocols.secagg import ClientSecAgg, ClientState, SecAggError
 from protocols.secagg.distributed_dp import add_skellam_noise
 
 from ..agent import TaskDeclined
+from .params import read_params
 
 log = logging.getLogger("fedfleet.device.secagg")
 
@@ -84,34 +87,32 @@ class SecureUpdate:
         self.sessions = sessions or SecAggSessions(identity.device_id)
         self.noise_rng = noise_rng if noise_rng is not None else np.random.default_rng()
 
-    def add_noise(self, vector: np.ndarray, dp: object, noised: slice | None = None) -> np.ndarray:
+    def add_noise(self, vector: np.ndarray, dp: DpRound, noised: slice | None = None) -> np.ndarray:
         """Distributed DP: the device's Skellam share on ``noised`` (default: every entry but the
-        last, the count), at the round's scale (``protocols.secagg.distributed_dp``); ``dp`` is the
-        task's {"stddev", "scale_bits"}."""
+        last, the count), at the round's scale (``protocols.secagg.distributed_dp``)."""
         try:
-            stddev, scale_bits = float(dp["stddev"]), int(dp["scale_bits"])
-            return add_skellam_noise(vector, stddev, scale_bits, self.noise_rng,
+            return add_skellam_noise(vector, float(dp.stddev), int(dp.scale_bits), self.noise_rng,
                                      noised=slice(0, len(vector) - 1) if noised is None else noised)
-        except (KeyError, TypeError, ValueError, SecAggError) as exc:
+        except (ValueError, SecAggError) as exc:
             raise TaskDeclined(f"bad dp params {dp!r}: {exc}") from exc
 
     @staticmethod
-    def clipped_delta(dp: object, trained: dict[str, np.ndarray], start: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Distributed DP: the update θ_k − θ_t over every tensor the device trained, clipped to the
-        task's ``clip_norm`` as one vector (``protocols.clipping``)."""
+    def clipped_delta(clip_norm: float | None, trained: dict[str, np.ndarray],
+                      start: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The update θ_k − θ_t over every tensor the device trained, clipped to ``clip_norm`` as
+        one vector (``protocols.clipping``): distributed DP's clip, or bounded influence's."""
         if not set(trained) <= set(start):
             raise TaskDeclined("the task did not send every tensor the device trained")
-        try:
-            clip_norm = float(dp["clip_norm"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise TaskDeclined(f"bad dp params {dp!r}: {exc}") from exc
-        if not (np.isfinite(clip_norm) and clip_norm > 0):
-            raise TaskDeclined(f"bad dp clip norm {clip_norm!r}")
+        if clip_norm is None or not (np.isfinite(clip_norm) and clip_norm > 0):
+            raise TaskDeclined(f"bad clip norm {clip_norm!r}")
         if any(np.shape(v) != np.shape(start[k]) for k, v in trained.items()):
             raise TaskDeclined("a trained tensor's shape differs from the task's")
         clipped, _ = clip_update({k: np.asarray(v, np.float64) - np.asarray(start[k], np.float64)
                                   for k, v in trained.items()}, clip_norm)
         return clipped
+
+    # the secure round's fields this wrapper reads (the plain handler it wraps reads the plain kind's)
+    round_type: type[WireParams] = SecureUpdateRound
 
     def vector(self, params: dict, tensors: dict[str, np.ndarray]) -> np.ndarray:
         """The float vector this device contributes to the group sum (raise TaskDeclined to refuse)."""
@@ -120,7 +121,7 @@ class SecureUpdate:
     def on_task(self, job: str, round_: int, params: dict, tensors: dict[str, np.ndarray] | None = None
                 ) -> list[Envelope]:
         vector = self.vector(params, tensors or {})
-        key = (job, round_, str(params["group"]))
+        key = (job, round_, read_params(self.round_type, params).group)
         try:
             client = ClientSecAgg(self.identity, "aggregator", self.aggregator_public_key, job_id=job,
                                   round_id=round_, group_id=key[2], input_vector=vector)

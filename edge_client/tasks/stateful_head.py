@@ -17,19 +17,21 @@ from typing import Any
 import numpy as np
 
 from protocols.payloads.partial import PersonalReport
-from protocols.payloads.stateful import StateBinding
+from protocols.payloads.stateful import StateBinding, StatefulHeadParams
 
 from ..agent import TaskDeclined
 from ..state import DeviceStateStore, StateBudgetExceeded, state_bytes
 from .extractors import ExtractorFactory, extractor_for
+from .params import read_params
 
 PREVIOUS = "previous."          # the stored value a round started from (redelivery starts there again)
 
 
 @dataclass(frozen=True)
 class HeadTask:
-    """A validated stateful head task: the job, its head, the state binding, the local features."""
+    """A validated stateful head task: its params, the job, its head, the state binding, the local features."""
 
+    params: StatefulHeadParams
     job_id: str
     weight: np.ndarray
     bias: np.ndarray
@@ -43,6 +45,7 @@ class StatefulHeadTask:
     device keeps no state and declines)."""
 
     kind = ""
+    params_type: type[StatefulHeadParams] = StatefulHeadParams     # the kind's declared params
 
     def __init__(self, images: np.ndarray, labels: np.ndarray, extractor_factory: ExtractorFactory,
                  store: DeviceStateStore | None, holdout_images: np.ndarray | None = None,
@@ -61,12 +64,8 @@ class StatefulHeadTask:
                                "(fedfleet device --state-dir)")
         if len(self.images) == 0:
             raise TaskDeclined("no local training data")
-        try:
-            job_id = str(params["job_id"])
-            num_classes, feature_dim = int(params["num_classes"]), int(params["feature_dim"])
-            binding = StateBinding.from_params(params)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise TaskDeclined(f"bad {self.kind} params: {exc}") from exc
+        p = read_params(self.params_type, params, self.kind)
+        num_classes, feature_dim = p.model.num_classes, p.feature_dim
         tensors = tensors or {}
         weight, bias = np.asarray(tensors.get("weight")), np.asarray(tensors.get("bias"))
         if weight.shape != (num_classes, feature_dim) or bias.shape != (num_classes,) \
@@ -77,10 +76,7 @@ class StatefulHeadTask:
             raise TaskDeclined("global head contains NaN or Inf")
         if self.labels.min() < 0 or self.labels.max() >= num_classes:
             raise TaskDeclined(f"local label {self.labels.max()} outside the job's {num_classes} classes")
-        try:
-            extractor = extractor_for(self.extractor_factory, params)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise TaskDeclined(f"bad {self.kind} params: {exc}") from exc
+        extractor = extractor_for(self.extractor_factory, p.model)
         if extractor.feature_dim != feature_dim:
             raise TaskDeclined(f"backbone gives {extractor.feature_dim}-d features, task expects {feature_dim}")
         features = extractor.extract(self.images)
@@ -88,7 +84,7 @@ class StatefulHeadTask:
         if self.holdout_labels is not None and len(self.holdout_labels) \
                 and self.holdout_labels.max() < num_classes and self.holdout_labels.min() >= 0:
             holdout = extractor.extract(self.holdout_images)
-        return HeadTask(job_id, weight, bias, binding, features, holdout)
+        return HeadTask(p, p.job_id, weight, bias, p.state, features, holdout)
 
     def admit(self, task: HeadTask, state: dict[str, np.ndarray]) -> None:
         """Decline unless the job's state (kept twice: the value and the one it started from) fits."""

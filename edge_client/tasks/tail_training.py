@@ -24,10 +24,11 @@ from typing import Any
 
 import numpy as np
 
-from protocols.payloads.fedavg import KIND_TAIL, TAIL_PREFIX, TAIL_TRAIN_MODES, encode_model_update
+from protocols.payloads.fedavg import KIND_TAIL, TAIL_PREFIX, TAIL_TRAIN_MODES, TailTrainingParams, encode_model_update
 
 from ..agent import TaskDeclined
-from .head_training import LocalTraining, SessionStepper, local_sgd
+from .head_training import SessionStepper, local_sgd
+from .params import read_params
 
 log = logging.getLogger("fedfleet.device")
 
@@ -97,17 +98,12 @@ class TailTrainingTask:
                  ) -> tuple[dict, dict[str, np.ndarray]]:
         if len(self.images) == 0:
             raise TaskDeclined("no local training data")
-        try:
-            recipe = LocalTraining.from_params(params)
-            num_classes, tail_stages = int(params["num_classes"]), int(params["tail_stages"])
-            mode, backbone, image_size = str(params["train"]), str(params["backbone"]), int(params["image_size"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise TaskDeclined(f"bad fedavg.tail params: {exc}") from exc
-        if mode not in TAIL_TRAIN_MODES:
-            raise TaskDeclined(f"train must be one of {sorted(TAIL_TRAIN_MODES)}, got {mode!r}")
+        task = read_params(TailTrainingParams, params, KIND_TAIL)
+        recipe, num_classes, tail_stages, mode = task.training, task.model.num_classes, task.tail_stages, task.train
+        backbone, image_size = task.model.backbone, task.model.image_size
         session, trunk = self._load()
         m = session.manifest
-        wanted_weights = str(params.get("weights_sha256") or m.weights_sha256)
+        wanted_weights = task.model.weights_sha256 or m.weights_sha256
         if (m.backbone, m.input.image_size, m.tail.stages, m.num_classes, wanted_weights) != \
                 (backbone, image_size, tail_stages, num_classes, m.weights_sha256):
             raise TaskDeclined(f"task wants {backbone} at {image_size} px, tail {tail_stages}, {num_classes} "

@@ -29,6 +29,7 @@ import numpy as np
 from ..envelope import Envelope
 from .fedavg import encode_head_update, parse_head_update
 from .partial import PersonalReport, parse_personal_report
+from .stateful import StatefulHeadParams
 
 KIND = "ditto.head"
 MAX_LAMBDA = 1e4            # FedProx's μ bound (LocalRuleRecipe.prox_mu): λ is that μ on the personal pass
@@ -61,6 +62,25 @@ class DittoRecipe:
 
     def to_params(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class DittoParams(StatefulHeadParams):
+    """``ditto.head`` params: a stateful head task's (the device keeps v_k under the binding) plus
+    the personal pass (:class:`DittoRecipe`'s fields, all required: a device never guesses λ)."""
+
+    KIND = KIND
+    REQUIRED_KEYS = ("ditto_lambda", "personal_epochs", "personal_lr")
+    ditto_lambda: float = 0.1
+    personal_epochs: int = 1
+    personal_lr: float = 0.01
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.ditto()            # refuses a bad λ, personal_epochs or personal_lr
+
+    def ditto(self) -> DittoRecipe:
+        return DittoRecipe(self.ditto_lambda, self.personal_epochs, self.personal_lr)
 
 
 @dataclass(frozen=True)

@@ -49,9 +49,67 @@ from typing import Callable
 import numpy as np
 
 from ..envelope import Envelope, EnvelopeError, body_field, require_finite, require_tensor
+from .task_params import (ModelSpec, TaskParams, WireParams, check_bool, check_choices, check_int, check_number, choice,
+                          nested, optional, part)
 
 KIND = "fed3r.stats"
 STATS_DTYPES = ("float64", "float32")
+B_FORMATS = ("sparse", "dense")
+MAX_RANDOM_FEATURES = 100_000
+
+
+@dataclass(frozen=True)
+class RandomFeaturesSpec(WireParams):
+    """Random Fourier features the device maps its features through (``protocols.random_features``)."""
+
+    dim: int
+    sigma: float
+    seed: int
+
+    def __post_init__(self):
+        check_int("random_features.dim", self.dim, 1, MAX_RANDOM_FEATURES)
+        check_number("random_features.sigma", self.sigma, low_open=True)
+        check_int("random_features.seed", self.seed, 0, 2**63 - 1)
+
+
+@dataclass(frozen=True)
+class Fed3RStatsParams(TaskParams):
+    """``fed3r.stats`` params. ``format``: the b form; ``dtype``: the statistics' wire dtype;
+    ``factor``: the device may send the exact factor form when it is smaller (sparse only);
+    ``feature_clip_norm`` > 0: each feature row clipped to it (DP's and Fed3R-Sync's bound);
+    ``cap_samples``: the device sends at most ``max_samples`` samples (the first ones);
+    ``from_sample`` (streaming): the samples the aggregator already holds of this device."""
+
+    KIND = KIND
+    model: ModelSpec = part(ModelSpec)
+    fit_intercept: bool = True
+    random_features: RandomFeaturesSpec | None = nested(RandomFeaturesSpec, omit_none=False)     # null: none
+    format: str = choice("sparse", B_FORMATS)
+    dtype: str = choice("float64", STATS_DTYPES)
+    factor: bool = False
+    feature_clip_norm: float | None = optional()
+    max_samples: int | None = optional()
+    cap_samples: bool | None = optional()
+    from_sample: int | None = optional()
+
+    def __post_init__(self):
+        for name in ("fit_intercept", "factor"):
+            check_bool(name, getattr(self, name))
+        check_choices(self)
+        if self.feature_clip_norm is not None:
+            check_number("feature_clip_norm", self.feature_clip_norm)
+        if self.max_samples is not None:
+            check_int("max_samples", self.max_samples, 1)
+        if self.cap_samples is not None:
+            check_bool("cap_samples", self.cap_samples)
+            if self.cap_samples and self.max_samples is None:
+                raise ValueError("cap_samples needs max_samples")
+        if self.from_sample is not None:
+            check_int("from_sample", self.from_sample)
+
+    @property
+    def sample_cap(self) -> int | None:
+        return self.max_samples if self.cap_samples else None
 
 
 def triu_pack(a: np.ndarray) -> np.ndarray:

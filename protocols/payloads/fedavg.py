@@ -32,12 +32,12 @@ named tensors instead:
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..envelope import Envelope, EnvelopeError, body_field, require_tensor
+from .task_params import ModelSpec, TaskParams, WireParams, check_choices, check_int, choice, optional, part
 
 KIND = "fedavg.head"
 KIND_TAIL = "fedavg.tail"
@@ -51,7 +51,7 @@ LOCAL_RULES = ("sgd", "sam", "asam")
 
 
 @dataclass(frozen=True)
-class LocalRuleRecipe:
+class LocalRuleRecipe(WireParams):
     """How a device turns a mini-batch's gradient into its step: task params of every FedAvg-family
     task, validated on both sides (the job's config, the device's parse).
 
@@ -61,14 +61,13 @@ class LocalRuleRecipe:
     SAM ρ on CIFAR-10 at α = 0 (its ASAM ρ there is 0.7), and its ASAM η = 0.2.
     """
 
-    local_rule: str = "sgd"
+    local_rule: str = choice("sgd", LOCAL_RULES)
     sam_rho: float = 0.1
     asam_eta: float = 0.2
     prox_mu: float = 0.0
 
     def __post_init__(self):
-        if self.local_rule not in LOCAL_RULES:
-            raise ValueError(f"local_rule must be one of {LOCAL_RULES}, got {self.local_rule!r}")
+        check_choices(self)
         for name, hi in (("sam_rho", 100.0), ("asam_eta", 100.0), ("prox_mu", 1e4)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float, np.floating)) or not math.isfinite(v) \
@@ -77,12 +76,68 @@ class LocalRuleRecipe:
         if self.local_rule != "sgd" and self.sam_rho <= 0:
             raise ValueError(f"{self.local_rule} needs sam_rho > 0")
 
-    @classmethod
-    def from_params(cls, params: dict[str, Any]) -> "LocalRuleRecipe":
-        return cls(**{k: params[k] for k in cls.__dataclass_fields__ if k in params})
 
-    def to_params(self) -> dict[str, Any]:
-        return asdict(self)
+@dataclass(frozen=True)
+class LocalTraining(WireParams):
+    """The local SGD recipe of every head-training task (FedAvg(ψ), FT(φ)/FT(M), Scaffold, FedGloSS,
+    partial personalization, OLL's FP(ψ)). Defaults: the Fed3R paper's FL setting ([P] §IV: E = 1,
+    B = 50, lr 0.1, wd 4e-5, T = 0.1)."""
+
+    epochs: int = 1
+    batch_size: int = 50
+    lr: float = 0.1
+    weight_decay: float = 4e-5
+    temperature: float = 0.1
+    seed: int = 0
+    rule: LocalRuleRecipe = part(LocalRuleRecipe)     # the step's direction: SGD, FedProx, FedSAM, FedASAM
+
+    def __post_init__(self):
+        for name in ("epochs", "batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name, low_ok in (("lr", False), ("weight_decay", True), ("temperature", False)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) \
+                    or not math.isfinite(value) or value < 0 or (value == 0 and not low_ok):
+                raise ValueError(f"{name} must be a finite number {'>=' if low_ok else '>'} 0, got {value!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or self.seed < 0:
+            raise ValueError(f"seed must be an integer >= 0 (numpy's generators take no other), got {self.seed!r}")
+        if not isinstance(self.rule, LocalRuleRecipe):
+            raise ValueError(f"rule must be a LocalRuleRecipe, got {type(self.rule).__name__}")
+
+
+@dataclass(frozen=True)
+class HeadTrainingParams(TaskParams):
+    """``fedavg.head`` params: the model, the head's feature dimension, the local recipe, and
+    (asynchronous FedAvg) the model version the task carries, which the result echoes."""
+
+    KIND = KIND
+    model: ModelSpec = part(ModelSpec)
+    feature_dim: int = 1280
+    training: LocalTraining = part(LocalTraining)
+    model_version: int | None = optional()
+
+    def __post_init__(self):
+        check_int("feature_dim", self.feature_dim, 1, 1_000_000)
+        if self.model_version is not None:
+            check_int("model_version", self.model_version)
+
+
+@dataclass(frozen=True)
+class TailTrainingParams(HeadTrainingParams):
+    """``fedavg.tail`` params: ``fedavg.head``'s plus the tail's stages and what trains
+    (``train``: "tail", FT(φ), or "tail+head", FT(M))."""
+
+    KIND = KIND_TAIL
+    REQUIRED_KEYS = ("tail_stages", "train")      # the device never guesses the split or what trains
+    tail_stages: int = 1
+    train: str = choice("tail", TAIL_TRAIN_MODES)
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_int("tail_stages", self.tail_stages, 1, 64)
+        check_choices(self)
 
 
 # What a trained parameter may hold on the wire: a finite float32 of magnitude at most 2^20.

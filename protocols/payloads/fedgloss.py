@@ -18,18 +18,21 @@ upload, like the download, is FedAvg's (1× traffic).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
+
+from .stateful import StatefulHeadParams
+from .task_params import WireParams, part
 
 KIND = "fedgloss.head"
 MAX_ADMM_BETA = 1e6
 
 
 @dataclass(frozen=True)
-class AdmmRecipe:
+class AdmmRecipe(WireParams):
     """FedGloSS's ADMM weight β, the same on the server (its dual step) and every device (the
     penalty (w − w̃)/β and the dual step): validated on both sides."""
 
+    REQUIRED_KEYS = ("admm_beta",)    # a device never guesses the server's β
     admm_beta: float = 10.0          # the thesis's β (Table A.5)
 
     def __post_init__(self):
@@ -38,10 +41,11 @@ class AdmmRecipe:
                 or not 0 < v <= MAX_ADMM_BETA:
             raise ValueError(f"admm_beta must be a finite number in (0, {MAX_ADMM_BETA:g}], got {v!r}")
 
-    @classmethod
-    def from_params(cls, params: dict[str, Any]) -> "AdmmRecipe":
-        """The task's recipe; KeyError when it names no β (a device never guesses the server's)."""
-        return cls(admm_beta=params["admm_beta"])
 
-    def to_params(self) -> dict[str, Any]:
-        return asdict(self)
+
+@dataclass(frozen=True)
+class FedGlossParams(StatefulHeadParams):
+    """``fedgloss.head`` params: a stateful head task's (the device keeps its dual) plus β."""
+
+    KIND = KIND
+    admm: AdmmRecipe = part(AdmmRecipe)

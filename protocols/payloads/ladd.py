@@ -38,13 +38,15 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from ..envelope import Envelope, EnvelopeError, body_field, require_finite, require_tensor
 from .fedavg import LocalRuleRecipe
+from .task_params import (TaskParams, WireParams, check_choices, check_int, check_sha_or_empty, check_str, choice, part,
+                          to_json)
 
 KIND_STYLE = "ladd.style"
 KIND_TRAIN = "ladd.train"
@@ -63,7 +65,7 @@ def make_layout(arrays: dict[str, np.ndarray], names: list[str] | None = None) -
 
 
 @dataclass(frozen=True)
-class SelfTrainingRecipe:
+class SelfTrainingRecipe(WireParams):
     """The local self-training recipe of a ``ladd.train`` task (its params besides the model
     fields): what the server asks for and what the device runs, validated on both sides."""
 
@@ -77,7 +79,7 @@ class SelfTrainingRecipe:
     pseudo_cap: float = 0.9
     seed: int = 0
     # the step's direction (SGD, FedProx, FedSAM, FedASAM): the FedAvg family's params, flat in the task
-    rule: LocalRuleRecipe = LocalRuleRecipe()
+    rule: LocalRuleRecipe = part(LocalRuleRecipe)
 
     def __post_init__(self):
         for name in ("epochs", "batch_size"):
@@ -93,16 +95,62 @@ class SelfTrainingRecipe:
                 raise ValueError(f"{name} must be a finite number in {'[' if lo_ok else '('}{lo}, {hi}], got {v!r}")
         if self.momentum >= 1:
             raise ValueError("momentum must be < 1")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not isinstance(self.rule, LocalRuleRecipe):
             raise ValueError(f"rule must be a LocalRuleRecipe, got {type(self.rule).__name__}")
 
-    @classmethod
-    def from_params(cls, params: dict[str, Any]) -> "SelfTrainingRecipe":
-        fields = {k: params[k] for k in cls.__dataclass_fields__ if k in params and k != "rule"}
-        return cls(**fields, rule=LocalRuleRecipe.from_params(params))
 
-    def to_params(self) -> dict[str, Any]:
-        return {**{k: v for k, v in asdict(self).items() if k != "rule"}, **self.rule.to_params()}
+@dataclass(frozen=True)
+class StyleParams(TaskParams):
+    """``ladd.style`` params: the spectrum window's half-width and the resize before the FFT."""
+
+    KIND = KIND_STYLE
+    b: int
+    image_size: int
+
+    def __post_init__(self):
+        check_int("b", self.b, 0, MAX_STYLE_B)
+        check_int("image_size", self.image_size, 16, 1024)
+
+
+TEACHERS = ("model", "tensor")
+MAX_TRAINABLE = 100_000
+
+
+@dataclass(frozen=True)
+class LaddTrainParams(TaskParams):
+    """``ladd.train`` params (module doc). ``model`` is the segmentation spec, a JSON object the
+    device's model code parses (it holds the architecture's own fields)."""
+
+    KIND = KIND_TRAIN
+    model: dict
+    cluster: int
+    layout: tuple
+    layout_sha256: str
+    trainable: tuple[str, ...]
+    teacher: str = choice("model", TEACHERS)
+    weights_sha256: str = ""
+    kd_sha256: str = ""
+    recipe: SelfTrainingRecipe = part(SelfTrainingRecipe)
+
+    def __post_init__(self):
+        if not isinstance(self.model, dict) or not all(isinstance(k, str) for k in self.model):
+            raise ValueError(f"model must be a JSON object (the segmentation spec), got {self.model!r}")
+        check_int("cluster", self.cluster, 0, 1_000)
+        if layout_digest(self.parsed_layout()) != self.layout_sha256:
+            raise ValueError("layout_sha256 does not match the layout")
+        if not isinstance(self.trainable, tuple) or not 1 <= len(self.trainable) <= MAX_TRAINABLE:
+            raise ValueError(f"trainable must name 1 to {MAX_TRAINABLE} tensors")
+        for name in self.trainable:
+            check_str("trainable[i]", name)
+        check_choices(self)
+        check_sha_or_empty("weights_sha256", self.weights_sha256)
+        check_sha_or_empty("kd_sha256", self.kd_sha256)
+
+    def parsed_layout(self) -> Layout:
+        """The exchanged state's layout (ValueError if malformed)."""
+        return layout_from_json(to_json(self.layout))
 
 
 def layout_to_json(layout: Layout) -> list:
@@ -260,13 +308,13 @@ def train_task_tensors(model: np.ndarray, teacher: np.ndarray | None, kd_model: 
     return out
 
 
-def parse_train_task(params: dict, tensors: dict[str, np.ndarray]) -> tuple[Layout, dict[str, np.ndarray]]:
-    """Device side: check the task's layout and flat tensors; returns (layout, {role: flat})."""
-    layout = layout_from_json(params.get("layout"))
-    if params.get("layout_sha256") != layout_digest(layout):
-        raise ValueError("layout_sha256 does not match the layout")
+def parse_train_task(task: "LaddTrainParams | dict", tensors: dict[str, np.ndarray]) -> tuple[Layout, dict[str, np.ndarray]]:
+    """Device side: check the task's flat tensors against its layout; returns (layout, {role: flat})."""
+    if not isinstance(task, LaddTrainParams):
+        task = LaddTrainParams.from_params(task)
+    layout = task.parsed_layout()
     size = layout_size(layout)
-    roles = {"model"} | ({"teacher"} if params.get("teacher") == "tensor" else set())
+    roles = {"model"} | ({"teacher"} if task.teacher == "tensor" else set())
     out = {}
     for role in ("model", "teacher", "kd_model"):
         if role not in tensors:

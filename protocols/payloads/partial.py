@@ -28,6 +28,8 @@ import numpy as np
 
 from ..envelope import Envelope, EnvelopeError, body_field
 from .fedavg import parse_model_update
+from .stateful import StatefulHeadParams
+from .task_params import check_choices, choice
 
 KIND = "pp.head"
 ALGORITHMS = ("fedsim", "fedalt")
@@ -98,6 +100,27 @@ def parse_personal_report(msg: Envelope, kind: str, max_samples: int = 10**9) ->
     if not all(0 <= c <= n_test for c in counts):
         raise EnvelopeError(f"{kind}: held-out counts {counts} must lie in 0..n_test={n_test}")
     return PersonalReport(n_test, *counts, body_field(msg, "restarted", bool))
+
+
+@dataclass(frozen=True)
+class PartialParams(StatefulHeadParams):
+    """``pp.head`` params: a stateful head task's (the device keeps v_k under the binding) plus
+    FedSim/FedAlt's choice and personal epochs; :meth:`recipe` is what the device runs (the local
+    recipe's step rule is not used: the personal part's epochs take plain SGD steps)."""
+
+    KIND = KIND
+    algorithm: str = choice("fedalt", ALGORITHMS)
+    personal_epochs: int = 1
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_choices(self)
+        self.recipe()        # refuses a bad algorithm or personal_epochs
+
+    def recipe(self) -> PartialRecipe:
+        t = self.training
+        return PartialRecipe(self.algorithm, t.epochs, self.personal_epochs, t.batch_size, t.lr, t.weight_decay,
+                             t.temperature, t.seed)
 
 
 @dataclass(frozen=True)

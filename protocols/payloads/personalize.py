@@ -43,12 +43,56 @@ import math
 from dataclasses import dataclass
 
 from ..envelope import Envelope, EnvelopeError, body_field
+from .fedavg import LocalTraining
+from .task_params import ModelSpec, TaskParams, check_choices, check_int, check_number, check_str, choice, optional, part
 
 KIND = "oll.personalize"
 METHODS = ("global", "oll", "oll_fp")
 PERSONAL = "personal"           # with the device's personal part (after a ``pp`` or ``ditto`` job)
 FALLBACKS = ("error", "global")
 FP_PARTS = ("psi", "phi", "M")    # task param ``fp_part``: FP of the head, of the backbone's tail, of both
+MAX_FP_LRS = 16
+
+
+@dataclass(frozen=True)
+class PersonalizeParams(TaskParams):
+    """``oll.personalize`` params (module doc); :meth:`recipe` is FP(ψ)'s local recipe, whose
+    learning rate the device then picks among ``fp_lrs``."""
+
+    KIND = KIND
+    model: ModelSpec = part(ModelSpec)
+    feature_dim: int = 1280
+    fallback: str = choice("error", FALLBACKS)
+    fp_epochs: int = 0
+    batch_size: int = 50
+    fp_lrs: tuple[float, ...] = ()
+    fp_folds: int = 5
+    weight_decay: float = 4e-5
+    temperature: float = 0.1
+    seed: int = 0
+    tail_stages: int = 0
+    personal_job: str | None = optional()
+    fp_part: str = choice("psi", FP_PARTS)      # FP of the head (psi), the backbone's tail (phi) or both (M)
+
+    def __post_init__(self):
+        check_int("feature_dim", self.feature_dim, 1, 1_000_000)
+        check_choices(self)
+        check_int("fp_epochs", self.fp_epochs, 0, 10_000)
+        if not isinstance(self.fp_lrs, tuple) or len(self.fp_lrs) > MAX_FP_LRS:
+            raise ValueError(f"fp_lrs must be a list of at most {MAX_FP_LRS} learning rates, got {self.fp_lrs!r}")
+        for lr in self.fp_lrs:
+            check_number("fp_lrs[i]", lr, low_open=True)
+        if self.fp_epochs and not self.fp_lrs:
+            raise ValueError("FP (fp_epochs > 0) needs at least one learning rate in fp_lrs")
+        check_int("fp_folds", self.fp_folds, 2, 20)
+        check_int("tail_stages", self.tail_stages, 0, 64)
+        if self.personal_job is not None:
+            check_str("personal_job", self.personal_job, max_len=128)
+        self.recipe()           # refuses a bad batch_size, weight_decay, temperature or seed
+
+    def recipe(self) -> LocalTraining:
+        return LocalTraining(epochs=max(self.fp_epochs, 1), batch_size=self.batch_size,
+                             weight_decay=self.weight_decay, temperature=self.temperature, seed=self.seed)
 
 
 @dataclass(frozen=True)

@@ -23,11 +23,19 @@ import numpy as np
 
 from ..envelope import Envelope
 from .fedavg import parse_model_update
+from .stateful import StatefulHeadParams
 
 KIND = "scaffold.head"
 CONTROL = "control."                 # the server control c, in a task
 DELTA_CONTROL = "delta_control."     # the device's Δc, in a result
 HEAD = ("weight", "bias")
+
+
+@dataclass(frozen=True)
+class ScaffoldParams(StatefulHeadParams):
+    """``scaffold.head`` params: a stateful head task's (the device keeps c_k under the binding)."""
+
+    KIND = KIND
 
 
 @dataclass(frozen=True)

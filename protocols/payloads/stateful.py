@@ -21,12 +21,15 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .fedavg import HeadTrainingParams
+from .task_params import WireParams, check_str, nested
+
 RUN_PATTERN = re.compile(r"[0-9a-f]{8,64}")
 MAX_TTL_S = 365 * 24 * 3600.0
 
 
 @dataclass(frozen=True)
-class StateBinding:
+class StateBinding(WireParams):
     run: str
     round: int
     max_staleness: int = 50
@@ -44,14 +47,36 @@ class StateBinding:
             raise ValueError(f"state ttl_s must be in (0, {MAX_TTL_S:g}] seconds, got {self.ttl_s!r}")
 
     @classmethod
-    def from_params(cls, params: dict[str, Any]) -> "StateBinding":
-        state = params.get("state")
+    def from_params(cls, state: dict[str, Any]) -> "StateBinding":
+        """The binding from the task's ``state`` object (unknown fields refused: a binding the device
+        half understands could make it continue another run's state)."""
         if not isinstance(state, dict):
             raise ValueError("a stateful task needs a 'state' object in its params")
         unknown = set(state) - set(cls.__dataclass_fields__)
         if unknown:
             raise ValueError(f"unknown state fields {sorted(unknown)}")
-        return cls(**state)
+        try:
+            return cls(**state)
+        except TypeError as exc:
+            raise ValueError(f"state: {exc}") from None
 
     def to_params(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class StatefulHeadParams(HeadTrainingParams):
+    """A stateful head task's params (``pp.head``, ``scaffold.head``, ``fedgloss.head``):
+    ``fedavg.head``'s plus the job whose state the device keeps and the state binding."""
+
+    REQUIRED_KEYS = ("job_id", "state")
+    job_id: str = ""
+    state: StateBinding | None = nested(StateBinding)
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_str("job_id", self.job_id, max_len=128)
+        if not self.job_id:
+            raise ValueError("a stateful task needs a job_id")
+        if not isinstance(self.state, StateBinding):
+            raise ValueError("a stateful task needs a 'state' object in its params")

@@ -25,32 +25,29 @@ public final class Fed3RStatsTask implements TaskHandler {
      *  samples after the first from_sample (streaming: the aggregator holds those already), the
      *  first max_samples of them when the task caps samples (DP), rows clipped to
      *  feature_clip_norm when it is > 0. */
-    public Fed3RAccumulator accumulate(Map<String, Object> params) throws TaskDeclined { return accumulate(params, false); }
-
-    private Fed3RAccumulator accumulate(Map<String, Object> params, boolean keepRows) throws TaskDeclined {
+    public Fed3RAccumulator accumulate(Map<String, Object> params) throws TaskDeclined {
         if (data.size() == 0) throw new TaskDeclined("no local training data");
-        int numClasses = (int) Params.integer(params, "num_classes", 1, 1 << 20);
-        Object fit = params.getOrDefault("fit_intercept", Boolean.TRUE);
-        if (!(fit instanceof Boolean)) throw new TaskDeclined("bad fed3r.stats params: fit_intercept must be a boolean");
-        Object rf = params.get("random_features");
-        if (rf != null && rf != org.fedfleet.wire.Json.NULL)
+        return accumulate(Fed3RStatsParams.fromParams(params), params, false);
+    }
+
+    private Fed3RAccumulator accumulate(Fed3RStatsParams task, Map<String, Object> params, boolean keepRows) throws TaskDeclined {
+        int numClasses = task.model.numClasses;
+        if (task.randomFeatures != null)
             throw new TaskDeclined("random features (Fed3R-RF) are not supported by this device");
-        int start = (int) Params.integer(params, "from_sample", 0, 0, Integer.MAX_VALUE);
+        int start = task.fromSample == null ? 0 : (int) Math.min(task.fromSample, Integer.MAX_VALUE);
         if (start > data.size()) throw new TaskDeclined("the aggregator holds " + start + " samples of this device, it has " + data.size());
         if (start == data.size()) throw new TaskDeclined("no new samples");
-        double clipNorm = Params.number(params, "feature_clip_norm", 0.0, true);
+        double clipNorm = task.featureClipNorm == null ? 0.0 : task.featureClipNorm;
         int end = data.size();
-        Object cap = params.getOrDefault("cap_samples", Boolean.FALSE);
-        if (!(cap instanceof Boolean)) throw new TaskDeclined("bad fed3r.stats params: cap_samples must be a boolean");
-        if ((Boolean) cap)     // DP caps the samples per device: the first max_samples, a choice blind to the data
-            end = (int) Math.min(end, start + Params.integer(params, "max_samples", 1, Integer.MAX_VALUE));
+        if (task.sampleCap() != null)     // DP caps the samples per device: the first max_samples, a choice blind to the data
+            end = (int) Math.min(end, start + task.sampleCap());
         for (int i = start; i < data.size(); i++)
             if (data.label(i) < 0 || data.label(i) >= numClasses)
                 throw new TaskDeclined("local label " + data.label(i) + " outside the job's " + numClasses + " classes");
         extractor.checkModel(params);
         Fed3RAccumulator acc;
         try {
-            acc = new Fed3RAccumulator(numClasses, extractor.featureDim(), (Boolean) fit, clipNorm);
+            acc = new Fed3RAccumulator(numClasses, extractor.featureDim(), task.fitIntercept, clipNorm);
             if (keepRows) acc.keepRows();
         } catch (IllegalArgumentException e) {
             throw new TaskDeclined(e.getMessage());
@@ -73,19 +70,17 @@ public final class Fed3RStatsTask implements TaskHandler {
 
     @Override
     public Result run(Map<String, Object> params, List<Envelope.Tensor> tensors) throws TaskDeclined {
-        Object format = params.getOrDefault("format", "sparse"), dtype = params.getOrDefault("dtype", "float64");
-        if (!"sparse".equals(format) && !"dense".equals(format)) throw new TaskDeclined("bad fed3r.stats params: format " + format);
-        if (!"float64".equals(dtype) && !"float32".equals(dtype)) throw new TaskDeclined("bad fed3r.stats params: dtype " + dtype);
-        Object factor = params.getOrDefault("factor", Boolean.FALSE);
-        if (!(factor instanceof Boolean)) throw new TaskDeclined("bad fed3r.stats params: factor must be a boolean");
-        boolean factorOk = (Boolean) factor && "sparse".equals(format);
-        Fed3RAccumulator acc = accumulate(params, factorOk);
+        if (data.size() == 0) throw new TaskDeclined("no local training data");
+        Fed3RStatsParams task = Fed3RStatsParams.fromParams(params);
+        String format = task.format, dtype = task.dtype;
+        boolean factorOk = task.factor && "sparse".equals(format);
+        Fed3RAccumulator acc = accumulate(task, params, factorOk);
         CanonicalFactor f = factorOk ? acc.factor() : null;
         long[] classes = acc.presentClasses();
         Result r = f != null && factorValues(f, classes.length) < (long) acc.p * (acc.p + 1) / 2 + (long) classes.length * acc.p
-                && f.canonicalAs((String) dtype)
-                ? encodeFactor(acc, f, (String) dtype) : encode(acc, "dense".equals(format), (String) dtype);
-        if (params.containsKey("from_sample")) r.body.put("from_sample", params.get("from_sample"));
+                && f.canonicalAs(dtype)
+                ? encodeFactor(acc, f, dtype) : encode(acc, "dense".equals(format), dtype);
+        if (task.fromSample != null) r.body.put("from_sample", BigInteger.valueOf(task.fromSample));
         return r;
     }
 

@@ -25,22 +25,23 @@ public final class FedAvgHeadTask implements TaskHandler {
 
     @Override
     public Result run(Map<String, Object> params, List<Envelope.Tensor> tensors) throws TaskDeclined {
-        HeadTrainer.Trained trained = train(params, tensors);
+        if (data.size() == 0) throw new TaskDeclined("no local training data");
+        HeadTrainingParams task = HeadTrainingParams.fromParams(params);
+        HeadTrainer.Trained trained = train(task, params, tensors);
         int numClasses = trained.bias.length;
-        Long modelVersion = params.containsKey("model_version")
-                ? Params.integer(params, "model_version", 0, Long.MAX_VALUE) : null;
-        return encode(trained.weight, trained.bias, numClasses, trained.weight.length / numClasses, trained.n, modelVersion);
+        return encode(trained.weight, trained.bias, numClasses, trained.weight.length / numClasses, trained.n, task.modelVersion);
     }
 
     /** The task's head after local training (what the secure variant masks). */
     public HeadTrainer.Trained train(Map<String, Object> params, List<Envelope.Tensor> tensors) throws TaskDeclined {
         if (data.size() == 0) throw new TaskDeclined("no local training data");
-        int numClasses = (int) Params.integer(params, "num_classes", 1, 1 << 20);
-        int dim = (int) Params.integer(params, "feature_dim", 1, 1 << 24);
-        LocalTraining recipe = LocalTraining.fromParams(params);
-        Params.string(params, "backbone");
-        Params.integer(params, "image_size", 1, 1 << 16);
-        if (params.containsKey("model_version")) Params.integer(params, "model_version", 0, Long.MAX_VALUE);
+        return train(HeadTrainingParams.fromParams(params), params, tensors);
+    }
+
+    private HeadTrainer.Trained train(HeadTrainingParams task, Map<String, Object> params, List<Envelope.Tensor> tensors)
+            throws TaskDeclined {
+        int numClasses = task.model.numClasses, dim = task.featureDim;
+        LocalTraining recipe = task.recipe;
         float[] weight = headTensor(tensors, "weight", new long[] {numClasses, dim});
         float[] bias = headTensor(tensors, "bias", new long[] {numClasses});
         int[] labels = LocalFeatures.labels(data, numClasses);

@@ -54,6 +54,20 @@ public final class LocalTraining {
         return x;
     }
 
+    /** This recipe's task params (protocols/payloads/fedavg.py LocalTraining.to_params). */
+    void toParams(Map<String, Object> out) {
+        out.put("epochs", BigInteger.valueOf(epochs));
+        out.put("batch_size", BigInteger.valueOf(batchSize));
+        out.put("lr", lr);
+        out.put("weight_decay", weightDecay);
+        out.put("temperature", temperature);
+        out.put("seed", seed);
+        out.put("local_rule", localRule);
+        out.put("sam_rho", samRho);
+        out.put("asam_eta", asamEta);
+        out.put("prox_mu", proxMu);
+    }
+
     /** The row positions of each SGD step, in order: batch_schedule of numpy_head.py. */
     public List<int[]> batchSchedule(int rows) {
         NumpyGenerator rng = NumpyGenerator.fromSeed(seed);

@@ -30,22 +30,16 @@ public final class PersonalizeTask implements TaskHandler {
     @Override
     public Result run(Map<String, Object> params, List<Envelope.Tensor> tensors) throws TaskDeclined {
         if (train.size() == 0 || heldOut.size() == 0) throw new TaskDeclined("personalization needs local training and held-out data");
-        int numClasses = (int) Params.integer(params, "num_classes", 1, 1 << 20);
-        int dim = (int) Params.integer(params, "feature_dim", 1, 1 << 24);
-        Params.string(params, "backbone");
-        Params.integer(params, "image_size", 1, 1 << 16);
-        if (Params.integer(params, "tail_stages", 0, 0, 1 << 10) > 0)
+        PersonalizeParams task = PersonalizeParams.fromParams(params);
+        if (task.fpEpochs > 0 && !task.fpPart.equals("psi"))        // FP(φ)/FP(M) train the backbone's tail: no tail program here
+            throw new TaskDeclined("FP(" + task.fpPart + ") fine-tunes the backbone's tail; this device fine-tunes the head only (FP(ψ))");
+        int numClasses = task.model.numClasses, dim = task.featureDim;
+        if (task.tailStages > 0)
             throw new TaskDeclined("this device has no tail bundle: it cannot personalise a fine-tuned backbone");
-        String fallback = params.containsKey("fallback") ? Params.string(params, "fallback") : "error";
-        if (!fallback.equals("error") && !fallback.equals("global"))
-            throw new TaskDeclined("fallback must be one of ('error', 'global'), got '" + fallback + "'");
-        int fpEpochs = (int) Params.integer(params, "fp_epochs", 0, 0, 1 << 20);
-        double[] lrs = learningRates(params.getOrDefault("fp_lrs", new ArrayList<Object>()));
-        int folds = (int) Params.integer(params, "fp_folds", 5, 2, 1 << 20);
-        Map<String, Object> withEpochs = new LinkedHashMap<>(params);
-        withEpochs.put("epochs", BigInteger.valueOf(Math.max(fpEpochs, 1)));
-        LocalTraining recipe = LocalTraining.fromParams(withEpochs);
-        if (fpEpochs > 0 && lrs.length == 0) throw new TaskDeclined("FP needs at least one learning rate in fp_lrs");
+        String fallback = task.fallback;
+        int fpEpochs = task.fpEpochs, folds = task.fpFolds;
+        double[] lrs = task.fpLrs;
+        LocalTraining recipe = task.recipe;
         for (Envelope.Tensor t : tensors)
             if (t.name.startsWith("tail.")) throw new TaskDeclined("task carries backbone tail tensors but says tail_stages = 0");
         float[] weight = FedAvgHeadTask.headTensor(tensors, "weight", new long[] {numClasses, dim});
@@ -96,20 +90,5 @@ public final class PersonalizeTask implements TaskHandler {
         body.put("fallback", BigInteger.valueOf(scored.fallback));
         body.put("fp_lr", fpLr);
         return new Result(body, new ArrayList<Envelope.Tensor>());
-    }
-
-    private static double[] learningRates(Object v) throws TaskDeclined {
-        if (!(v instanceof List)) throw new TaskDeclined("bad oll.personalize params: fp_lrs must be a list of numbers");
-        List<?> list = (List<?>) v;
-        double[] out = new double[list.size()];
-        for (int i = 0; i < out.length; i++) {
-            Object x = list.get(i);
-            if (x instanceof Double) out[i] = (Double) x;
-            else if (x instanceof BigInteger) out[i] = ((BigInteger) x).doubleValue();
-            else throw new TaskDeclined("bad oll.personalize params: fp_lrs must be a list of numbers, got " + x);
-            if (!Double.isFinite(out[i]) || out[i] <= 0)
-                throw new TaskDeclined("bad oll.personalize params: candidate learning rates must be finite and > 0, got " + x);
-        }
-        return out;
     }
 }

@@ -1,0 +1,121 @@
+"""Params of the secure task kinds: a plain kind's params plus the secure round's.
+
+A secure kind's device computes what the plain kind computes (the same handler, the same
+params) and contributes it to a group sum (``protocols.payloads.secagg``), so each secure type
+*is* its plain type (a subclass: the plain handler accepts it) with the round's fields beside:
+
+* ``group``          the secure round's group (bound to its signed round configuration)
+* ``max_samples``    the largest sample count a member may put in the sum
+* ``max_abs_param``  the largest |value| a trained tensor may hold (the fixed-point range)
+* ``dp``             under distributed DP, the round's noise (:class:`DpRound`)
+
+and, per kind, ``vector_order`` (the FedAvg family: the trained tensors' order in the vector),
+``update_clip_norm`` (bounded influence without DP) or ``slots`` (LADD's cluster slot layout).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .fed3r import Fed3RStatsParams
+from .fedavg import HeadTrainingParams, TailTrainingParams
+from .ladd import LaddTrainParams
+from .partial import PartialParams
+from .secagg import (HEAD_ORDER, SECURE_FEDAVG_KIND, SECURE_LADD_KIND, SECURE_PP_KIND, SECURE_TAIL_KIND, SYNC_KIND,
+                     ClusterSlotLayout)
+from .task_params import DpRound, WireParams, check_int, check_number, check_str, nested, optional
+
+MAX_GROUP_ID = 128
+
+
+def _check_group(group: Any) -> None:
+    check_str("group", group, max_len=MAX_GROUP_ID)
+    if not group:
+        raise ValueError("a secure task needs its group")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SecureFed3RParams(Fed3RStatsParams):
+    """``fed3r.secure`` params: dense float64 statistics (whatever ``format``/``dtype`` say: a sum
+    needs fixed shapes), ``max_samples`` required."""
+
+    KIND = SYNC_KIND
+    REQUIRED_KEYS = ("max_samples",)
+    group: str
+    dp: DpRound | None = nested(DpRound)
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_group(self.group)
+        if self.max_samples is None:
+            raise ValueError("a secure Fed3R task needs max_samples")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SecureUpdateRound(WireParams):
+    """The FedAvg family's secure round fields (module doc). The device's SecAgg wrapper reads
+    these; the plain handler it wraps reads the plain kind's type from the same params."""
+
+    group: str
+    max_samples: int
+    max_abs_param: float
+    vector_order: tuple[str, ...] = HEAD_ORDER
+    update_clip_norm: float | None = optional()
+    dp: DpRound | None = nested(DpRound)
+
+    def __post_init__(self):
+        parent = getattr(super(), "__post_init__", None)     # the plain type's checks, in a secure kind's type
+        if parent is not None:
+            parent()
+        _check_group(self.group)
+        check_int("max_samples", self.max_samples, 1)
+        check_number("max_abs_param", self.max_abs_param, low_open=True)
+        if not isinstance(self.vector_order, tuple) or not self.vector_order \
+                or len(set(self.vector_order)) != len(self.vector_order):
+            raise ValueError(f"vector_order must name distinct tensors, got {self.vector_order!r}")
+        for name in self.vector_order:
+            check_str("vector_order[i]", name)
+        if self.update_clip_norm is not None:
+            check_number("update_clip_norm", self.update_clip_norm)
+        if self.dp is not None and self.dp.clip_norm is None:
+            raise ValueError("dp of a secure update round needs its clip_norm")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SecureFedAvgParams(SecureUpdateRound, HeadTrainingParams):
+    KIND = SECURE_FEDAVG_KIND
+
+
+@dataclass(frozen=True, kw_only=True)
+class SecureTailParams(SecureUpdateRound, TailTrainingParams):
+    KIND = SECURE_TAIL_KIND
+
+
+@dataclass(frozen=True, kw_only=True)
+class SecurePartialParams(SecureUpdateRound, PartialParams):
+    KIND = SECURE_PP_KIND
+
+
+@dataclass(frozen=True, kw_only=True)
+class SecureLaddParams(LaddTrainParams):
+    """``ladd.train.secure`` params: ``ladd.train``'s plus the round's slot layout (``slots``, a
+    JSON object: ``ClusterSlotLayout``), whose group id ``group`` must be."""
+
+    KIND = SECURE_LADD_KIND
+    group: str
+    slots: dict
+    max_samples: int
+    max_abs_param: float
+    dp: DpRound | None = nested(DpRound)
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_group(self.group)
+        if self.group != self.slot_layout().group_id():
+            raise ValueError("the task's group is not the group of its slot layout")
+        check_int("max_samples", self.max_samples, 1)
+        check_number("max_abs_param", self.max_abs_param, low_open=True)
+
+    def slot_layout(self) -> ClusterSlotLayout:
+        return ClusterSlotLayout.from_json(self.slots)

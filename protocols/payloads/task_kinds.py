@@ -1,0 +1,32 @@
+"""Every task kind a device may be sent, and the one type that declares its params.
+
+The device's handlers parse a task's params with the type named here (declining a task whose
+params it refuses), the JSON Schema in ``protocols/schema/task_params/`` and the parameter
+tables in ``docs/protocol.md`` are rendered from it (``protocols/task_params_schema.py``), and
+the aggregator's job kinds name the task kinds they send (``aggregator/jobs/registry.py``).
+"""
+
+from __future__ import annotations
+
+from .ditto import DittoParams
+from .fed3r import Fed3RStatsParams
+from .fedavg import HeadTrainingParams, TailTrainingParams
+from .fedgloss import FedGlossParams
+from .ladd import LaddTrainParams, StyleParams
+from .partial import PartialParams
+from .personalize import PersonalizeParams
+from .scaffold import ScaffoldParams
+from .secure_tasks import SecureFed3RParams, SecureFedAvgParams, SecureLaddParams, SecurePartialParams, SecureTailParams
+from .task_params import TaskParams
+
+TASK_PARAMS: dict[str, type[TaskParams]] = {t.KIND: t for t in (
+    Fed3RStatsParams, HeadTrainingParams, TailTrainingParams, PersonalizeParams, StyleParams, LaddTrainParams,
+    PartialParams, ScaffoldParams, FedGlossParams, DittoParams,
+    SecureFed3RParams, SecureFedAvgParams, SecureTailParams, SecureLaddParams, SecurePartialParams,
+)}
+
+
+def params_type(kind: str) -> type[TaskParams]:
+    if kind not in TASK_PARAMS:
+        raise ValueError(f"unknown task kind {kind!r} (known: {', '.join(sorted(TASK_PARAMS))})")
+    return TASK_PARAMS[kind]
