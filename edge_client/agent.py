@@ -163,10 +163,6 @@ class DeviceAgent:
         return not (self.hooks.always_available and self.online and self.session.state is DeviceState.IDLE
                     and time.monotonic() >= self._outage_until)
 
-    @property
-    def has_messages(self) -> bool:
-        return not self._inbox.empty()
-
     def _go_online(self) -> None:
         self.link.start()
         self.online = True

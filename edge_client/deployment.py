@@ -28,7 +28,6 @@ the same way as the device process that follows the rollouts.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
