@@ -12,7 +12,8 @@ tick), which decides: log and go on (the default: one bad message never stops th
 re-raise to end the loop. A ``call``'s error always goes back to its caller.
 
 The loop runs on a thread of its own (:meth:`start`, :meth:`stop`), or on the caller's, one item
-at a time (:meth:`serve_one`: the service interleaves its job lifecycle between items).
+at a time (:meth:`serve_one`: the service interleaves its job lifecycle between items), or is
+pumped (:meth:`serve_pending`: a device host drives thousands of device agents on a few threads).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class MessageLoop:
 
     # ------------------------------------------------------------------ any thread
     def post(self, item: Any) -> None:
-        """Queue ``item`` for ``handle`` (never blocks: safe on paho's network thread)."""
+        """Queue ``item`` (not None) for ``handle`` (never blocks: safe on paho's network thread)."""
         self._q.put(item)
 
     def call(self, fn: Callable[[], Any], timeout: float = 30.0) -> Any:
@@ -89,17 +90,36 @@ class MessageLoop:
             item = self._q.get(timeout=self.tick_s)
         except queue.Empty:
             item = None
+        if item is not None:
+            self._serve(item)
+        self._tick_once()
+
+    def serve_pending(self) -> None:
+        """Handle every item queued now, never waiting, then tick once: for a party pumped by a host
+        that drives many (``fedfleet/emulation/host.py``); must not run concurrently with itself."""
+        self._owner = threading.get_ident()
+        while True:
+            try:
+                item = self._q.get_nowait()
+            except queue.Empty:
+                break
+            self._serve(item)
+        self._tick_once()
+
+    def _serve(self, item: Any) -> None:
         if isinstance(item, _Call):
             if item.result.set_running_or_notify_cancel():
                 try:
                     item.result.set_result(item.fn())
                 except Exception as exc:        # the caller's error (the API makes it a 4xx)
                     item.result.set_exception(exc)
-        elif item is not None:
+        else:
             try:
                 self._handle(item)
             except Exception as exc:
                 self._failed(item, exc)
+
+    def _tick_once(self) -> None:
         if self._tick is not None:
             try:
                 self._tick(time.monotonic())

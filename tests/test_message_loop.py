@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -155,3 +156,15 @@ def test_the_tick_runs_when_quiet():
         assert ticks.wait(5)
     finally:
         loop.stop()
+
+
+def test_a_pumped_loop_handles_what_is_queued_then_ticks_once_without_waiting():
+    rec, ticks = Recorder(raise_on={"bad"}), []
+    loop = MessageLoop(rec, ticks.append, tick_s=60.0, name="t-pump", failed=lambda item, exc: None)
+    for item in ("a", "bad", "b"):
+        loop.post(item)
+    t0 = time.monotonic()
+    loop.serve_pending()
+    assert rec.seen == ["a", "b"] and len(ticks) == 1
+    loop.serve_pending()                          # nothing queued: a tick only, still no wait for tick_s
+    assert rec.seen == ["a", "b"] and len(ticks) == 2 and time.monotonic() - t0 < 5
