@@ -65,6 +65,11 @@ class MessageLoop:
     def stopping(self) -> bool:
         return self._stopping.is_set()
 
+    @property
+    def alive(self) -> bool:
+        """Whether the loop's own thread (:meth:`start`) is serving (not ended by ``failed``)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def stop(self, join_s: float = 10.0) -> None:
         """Stop after the item in hand; join the loop's own thread (if :meth:`start` made one)."""
         self._stopping.set()

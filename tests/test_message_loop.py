@@ -129,6 +129,11 @@ def test_failed_may_end_the_loop_by_re_raising():
     loop.post("fatal")
     with pytest.raises(ValueError, match="bad item fatal"):
         loop.run()                               # on the caller's thread, as the service serves
+    own = MessageLoop(Recorder(raise_on={"fatal"}), tick_s=0.01, name="t-fatal-own", failed=failed).start()
+    assert own.alive
+    own.post("fatal")
+    own._thread.join(5)
+    assert not own.alive                         # its own thread ended (as a device's on a failing tick)
 
 
 def test_stop_while_busy_finishes_the_item_in_hand_and_joins():
@@ -143,7 +148,7 @@ def test_stop_while_busy_finishes_the_item_in_hand_and_joins():
     assert stopper.is_alive()                     # stop waits for the item in hand...
     rec.release.set()
     stopper.join(5)
-    assert not stopper.is_alive() and not loop._thread.is_alive()
+    assert not stopper.is_alive() and not loop.alive
     assert rec.seen == ["slow"]                   # ...and takes nothing after it
     with pytest.raises(TimeoutError):
         loop.call(lambda: 1, timeout=0.05)        # a stopped loop runs no call
