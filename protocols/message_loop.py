@@ -1,5 +1,5 @@
 """One thread that owns a party's state, fed by a queue: the aggregator service, the deployment
-controller and the device's deployment follower each run on one.
+controller, the device agent and the device's deployment follower each run on one.
 
 paho calls back on its network thread, which must not block and must not touch the party's state:
 the link's callback only :meth:`MessageLoop.post` s what arrived. The loop's thread takes the items
@@ -103,13 +103,16 @@ class MessageLoop:
         """Handle every item queued now, never waiting, then tick once: for a party pumped by a host
         that drives many (``fedfleet/emulation/host.py``); must not run concurrently with itself."""
         self._owner = threading.get_ident()
-        while True:
-            try:
-                item = self._q.get_nowait()
-            except queue.Empty:
-                break
-            self._serve(item)
-        self._tick_once()
+        try:
+            while True:
+                try:
+                    item = self._q.get_nowait()
+                except queue.Empty:
+                    break
+                self._serve(item)
+            self._tick_once()
+        finally:                # the host's next pump may come on another of its threads
+            self._owner = None
 
     def _serve(self, item: Any) -> None:
         if isinstance(item, _Call):
