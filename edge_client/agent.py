@@ -1,7 +1,8 @@
 """The device agent: runs tasks from the aggregator over MQTT.
 
-One agent = one device identity and one MQTT connection. The paho network thread only queues
-raw payloads; the agent's own thread decodes them, drives the sans-IO
+One agent = one device identity and one MQTT connection. The paho network thread only posts
+raw payloads to the agent's :class:`~protocols.message_loop.MessageLoop`; the loop's thread (or a
+device host pumping it) decodes them, drives the sans-IO
 :class:`protocols.rounds.DeviceSession` and executes its actions (start work, send result,
 retry). Work itself is done by *task handlers* registered per ``kind`` (e.g. ``fed3r.stats``),
 so the agent knows nothing about any algorithm.
@@ -14,8 +15,6 @@ availability windows; a real device uses the defaults (no shaping).
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
@@ -25,6 +24,7 @@ import numpy as np
 from protocols import messages as M
 from protocols.chunking import DEFAULT_CHUNK_SIZE, MessageAssembler
 from protocols.envelope import EnvelopeError, encode
+from protocols.message_loop import MessageLoop
 from protocols.mqtt_link import BrokerConfig, MqttLink
 from protocols.rounds import (AckArrived, DeviceSession, DeviceState, ResultSent, SendDecline, SendResult,
                               StartWork, TaskArrived, Tick, WorkFailed, WorkFinished)
@@ -113,14 +113,13 @@ class DeviceAgent:
             DeviceAgent._warned_unverified = True
             log.warning("devices are not verifying the aggregator's messages (no aggregator key): "
                         "development mode only")
-        self._inbox: queue.Queue = queue.Queue()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        # what the link receives, handled on the agent's thread (or when a device host pumps it)
+        self.loop = MessageLoop(self._handle, self._tick, tick_s, name=f"agent-{device_id}", failed=self._failed)
         offline = M.presence_message(device_id, "offline")
         # The link is the agent's only I/O: a threaded paho link on a real device, a link on a shared
         # event loop when one process hosts thousands of emulated devices (fedfleet.emulation.host).
         self.link = link_factory(
-            client_id=device_id, broker=broker, on_message=lambda t, p: self._inbox.put((t, p)),
+            client_id=device_id, broker=broker, on_message=lambda t, p: self.loop.post((t, p)),
             subscriptions=[(topics.inbox(device_id), 1)], on_connect=self._announce,
             will=(topics.presence(device_id), encode(offline, signer=signer), True))
         self.online = False
@@ -134,27 +133,18 @@ class DeviceAgent:
         if self.hooks.is_available():
             self._go_online()
         if own_thread:
-            self._thread = threading.Thread(target=self._run, name=f"agent-{self.device_id}", daemon=True)
-            self._thread.start()
+            self.loop.start()
         return self
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread:
-            self._thread.join(timeout=10)
+        self.loop.stop()
         self._go_offline()
 
     def pump(self) -> None:
         """Handle every queued message, then one tick (retries, availability); never blocks on
         the inbox. Must not run concurrently with itself."""
         self._follow_availability()
-        while True:
-            try:
-                topic, payload = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            self._handle_raw(topic, payload)
-        self._execute(self.session.handle(Tick(time.monotonic())))
+        self.loop.serve_pending()
 
     @property
     def wants_tick(self) -> bool:
@@ -162,10 +152,6 @@ class DeviceAgent:
         an availability to follow. An idle, online, always available device's tick is a no-op."""
         return not (self.hooks.always_available and self.online and self.session.state is DeviceState.IDLE
                     and time.monotonic() >= self._outage_until)
-
-    @property
-    def has_messages(self) -> bool:
-        return not self._inbox.empty()
 
     def _go_online(self) -> None:
         self.link.start()
@@ -184,25 +170,24 @@ class DeviceAgent:
         self.link.publish(self.topics.presence(self.device_id),
                           encode(M.presence_message(self.device_id, "online", info), signer=self.signer), retain=True)
 
-    # the agent thread
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._follow_availability()
-            try:
-                topic, payload = self._inbox.get(timeout=self.tick_s)
-            except queue.Empty:
-                self._execute(self.session.handle(Tick(time.monotonic())))
-                continue
-            self._handle_raw(topic, payload)
-            self._execute(self.session.handle(Tick(time.monotonic())))
+    # the agent's loop (protocols/message_loop.py)
+    def _handle(self, item: tuple[str, bytes]) -> None:
+        self._on_payload(item[1])
 
-    def _handle_raw(self, topic: str, payload: bytes) -> None:
-        try:
-            self._on_payload(payload)
-        except EnvelopeError as exc:
-            log.warning("%s: dropped malformed message on %s: %s", self.device_id, topic, exc)
-        except Exception:       # one bad message never stops the device
-            log.exception("%s: dropped a message on %s that raised an unexpected error", self.device_id, topic)
+    def _tick(self, now: float) -> None:
+        """After each message and every ``tick_s`` of quiet: retries and deadlines, then availability
+        (which the next wait follows)."""
+        self._execute(self.session.handle(Tick(now)))
+        self._follow_availability()
+
+    def _failed(self, item: tuple[str, bytes] | None, exc: Exception) -> None:
+        if item is None:        # a tick's error ends the agent's thread (a device host logs it), as it always has
+            raise exc
+        if isinstance(exc, EnvelopeError):
+            log.warning("%s: dropped malformed message on %s: %s", self.device_id, item[0], exc)
+        else:                   # one bad message never stops the device
+            log.error("%s: dropped a message on %s that raised an unexpected error", self.device_id, item[0],
+                      exc_info=exc)
 
     def _follow_availability(self) -> None:
         available = self.hooks.is_available() and time.monotonic() >= self._outage_until

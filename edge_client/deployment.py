@@ -28,11 +28,9 @@ the same way as the device process that follows the rollouts.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-import queue
 import tempfile
 import threading
 import time
@@ -189,7 +187,7 @@ class DeploymentFollower(LinkWorker):
                  holdout: Callable[[str], tuple[np.ndarray, np.ndarray]], topics: Topics = Topics(),
                  aggregator_key: bytes | None = None, signer=None, fetch_timeout_s: float = 60.0,
                  retry_s: float = 5.0, client_id: str | None = None, refusal_interval_s: float = 10.0):
-        super().__init__(thread_name=f"{device_id}-deploy")
+        super().__init__(thread_name=f"{device_id}-deploy", tick_s=0.2)
         self.device_id, self.slot, self.holdout, self.topics, self.signer = device_id, slot, holdout, topics, signer
         self.fetch_timeout_s, self.retry_s, self.refusal_interval_s = fetch_timeout_s, retry_s, refusal_interval_s
         self._last_unbound: dict[str, float] = {}    # refusal class -> when one not about our assignment was reported
@@ -200,19 +198,16 @@ class DeploymentFollower(LinkWorker):
         self._pending: dict | None = None            # the run being fetched: assignment + when asked
         # its own account when the broker has them (BrokerConfig.for_role): one MQTT identity per connection
         broker = broker.for_role(DEPLOY_ROLE)
-        self.link = MqttLink(client_id or broker.username or f"{device_id}.deploy", broker, on_message=lambda t, p: self._q.put((t, p)),
+        self.link = MqttLink(client_id or broker.username or f"{device_id}.deploy", broker, on_message=self._post,
                              subscriptions=[(topics.deploy(device_id), 1), (topics.deploy_in(device_id), 1)])
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                topic, payload = self._q.get(timeout=0.2)
-                self._on_payload(topic, payload)
-            except queue.Empty:
-                pass
-            except Exception:               # one bad message never stops the device
-                log.exception("%s: deployment message raised", self.device_id)
-            self._tick(time.monotonic())
+    def _handle(self, item: tuple[str, bytes]) -> None:
+        self._on_payload(*item)
+
+    def _failed(self, item: tuple[str, bytes] | None, exc: Exception) -> None:
+        if item is None:                    # a tick's error ends the thread, as it always has: only messages are isolated
+            raise exc
+        log.error("%s: deployment message raised", self.device_id, exc_info=exc)     # the device goes on
 
     def _on_payload(self, topic: str, payload: bytes) -> None:
         if not payload:                     # a retained message cleared: nothing is assigned

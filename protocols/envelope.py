@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import numpy as np
 
@@ -379,9 +379,3 @@ def body_field(msg: Envelope, key: str, kinds: type | tuple[type, ...]) -> Any:
     if not isinstance(val, kinds):
         raise EnvelopeError(f"{msg.type}: body field {key!r} must be {kinds}, got {type(val).__name__}")
     return val
-
-
-def as_mapping(msg: Envelope) -> Mapping[str, Any]:
-    """A JSON-able summary (for logs and golden-vector descriptions)."""
-    return {**msg.header_fields(), "tensors": {k: {"dtype": _wire_name(v.dtype), "shape": list(v.shape)}
-                                               for k, v in msg.tensors.items()}}

@@ -3,25 +3,26 @@
 It only moves bytes: QoS 1 publishes, automatic reconnect with exponential backoff, re-subscribe
 and a hook on every (re)connect, a last will, and chunked publishing of large envelopes. Message
 semantics live in the sans-IO modules (envelope, chunking, rounds); callers receive raw
-``(topic, payload)`` pairs on paho's network thread and should hand them to their own queue.
+``(topic, payload)`` pairs on paho's network thread and should post them to their own
+:class:`~protocols.message_loop.MessageLoop` (:class:`LinkWorker`: a link with one of its own).
 Works with any MQTT 3.1.1 or 5 broker: the version is part of the broker address
 (``mqtt://host:1883?version=3.1.1``, default 5).
 """
 
 from __future__ import annotations
 
-import queue
 import ssl
 import threading
 from collections import deque
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
-from typing import Callable, Self
+from typing import Any, Callable, Self
 
 import paho.mqtt.client as mqtt
 
 from .chunking import DEFAULT_CHUNK_SIZE, split
 from .envelope import Envelope, encode
+from .message_loop import MessageLoop
 from .topics import role_account
 
 
@@ -244,32 +245,45 @@ class MqttLink:
 
 
 class LinkWorker(ABC):
-    """An MQTT link and one thread of its own that handles what the link receives.
+    """An MQTT link and a :class:`~protocols.message_loop.MessageLoop` on a thread of its own that
+    handles what the link receives.
 
-    paho calls ``on_message`` on its network thread, which must not block: the subclass's link only
-    puts what arrives on ``self._q``, and :meth:`_run` (the worker's thread) takes it from there, in
-    order, until ``self._stop`` is set. A subclass calls ``__init__`` first, then creates ``self.link``."""
+    The subclass's link only posts what arrives (``on_message=self._post``); the loop's thread hands
+    each item to :meth:`_handle`, in order, and calls :meth:`_tick` after each and every ``tick_s``
+    of quiet; :meth:`call` runs code on that thread. What ``_handle`` or ``_tick`` raises goes to
+    :meth:`_failed` (by default: logged, and the loop goes on). A subclass calls ``__init__``
+    first, then creates ``self.link``."""
 
     link: MqttLink
 
-    def __init__(self, thread_name: str):
-        self._q: queue.Queue = queue.Queue()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._thread_name = thread_name
+    def __init__(self, thread_name: str, tick_s: float):
+        self.loop = MessageLoop(self._handle, self._tick, tick_s, name=thread_name, failed=self._failed)
+
+    def _post(self, topic: str, payload: bytes) -> None:
+        """The link's ``on_message``: paho's network thread only queues."""
+        self.loop.post((topic, payload))
 
     def start(self) -> Self:
         self.link.start()
-        self._thread = threading.Thread(target=self._run, name=self._thread_name, daemon=True)
-        self._thread.start()
+        self.loop.start()
         return self
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(10)
+        self.loop.stop()
         self.link.stop()
 
+    def call(self, fn: Callable[[], Any], timeout: float = 10.0) -> Any:
+        """Run ``fn`` on the worker's thread and return its result or raise its error."""
+        return self.loop.call(fn, timeout)
+
     @abstractmethod
-    def _run(self) -> None:
-        """The worker's loop: handle ``self._q`` until ``self._stop`` is set."""
+    def _handle(self, item: tuple[str, bytes]) -> None:
+        """One ``(topic, payload)`` the link received."""
+
+    @abstractmethod
+    def _tick(self, now: float) -> None:
+        """Time passed (``now``: ``time.monotonic()``)."""
+
+    def _failed(self, item: tuple[str, bytes] | None, exc: Exception) -> None:
+        """``_handle(item)`` (``item`` None: ``_tick``) raised ``exc``; re-raise to end the loop."""
+        self.loop.log_failure(item, exc)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable
+from typing import Any
 
 from .messages import TaskRef
 from .transition_table import ANY, IllegalTransition, Transition, TransitionTable  # noqa: F401 (handle raises it)
@@ -442,14 +442,6 @@ def render_tables() -> str:
     """Both machines' tables as the text docs/protocol.md shows."""
     return (f"Aggregator side, one RoundCoordinator per round:\n\n{COORDINATOR_TABLE.render()}\n\n"
             f"Device side, one DeviceSession per device:\n\n{DEVICE_TABLE.render()}")
-
-
-def drain(machine, events: Iterable) -> list:
-    """Feed several events, concatenating the actions (convenience for tests and adapters)."""
-    out: list = []
-    for ev in events:
-        out.extend(machine.handle(ev))
-    return out
 
 
 if __name__ == "__main__":

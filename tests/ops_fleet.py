@@ -186,8 +186,8 @@ class Fleet:
         return self
 
     def __exit__(self, *exc):
-        for a in self.agents:
-            a._stop.set()
+        for a in self.agents:       # all told to stop first: each stop() then waits for one agent only
+            a.loop.stop(join_s=0)
         for a in self.agents:
             a.stop()
 

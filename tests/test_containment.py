@@ -51,7 +51,7 @@ def test_a_live_job_survives_deeply_nested_headers_on_every_topic(broker, tmp_pa
         for topic in (topics.outbox("dev00"), topics.presence("dev01"), topics.inbox("dev02")):
             bad.publish(topic, payload, qos=1).wait_for_publish(5)
     time.sleep(1.0)
-    assert thread.is_alive() and all(a._thread.is_alive() for a in agents)
+    assert thread.is_alive() and all(a.loop.alive for a in agents)
     gate.set()
     thread.join(60)
     for a in agents:

@@ -39,12 +39,3 @@ def weighted_mean_accuracy(correct, totals) -> float:
     if totals.sum() == 0:
         raise ValueError("no evaluation samples on any device")
     return float(correct.sum() / totals.sum())
-
-
-def unweighted_mean_accuracy(correct, totals) -> float:
-    """Plain mean of per-device accuracies over devices with n_k > 0 (for comparison only)."""
-    correct, totals = np.asarray(correct, dtype=np.float64), np.asarray(totals, dtype=np.float64)
-    keep = totals > 0
-    if not keep.any():
-        raise ValueError("no evaluation samples on any device")
-    return float((correct[keep] / totals[keep]).mean())

@@ -24,11 +24,9 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
-import queue
 import re
 import time
 import zipfile
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -72,7 +70,7 @@ class DeploymentController(LinkWorker):
     def __init__(self, store: Store, broker: BrokerConfig, topics: Topics = Topics(),
                  signer: Callable[[bytes], bytes] | None = None, verifier=None, tick_s: float = 0.5,
                  client_id: str | None = None, max_device_n: int = 1000):
-        super().__init__(thread_name="deployments")
+        super().__init__(thread_name="deployments", tick_s=tick_s)
         self.store, self.table, self.topics, self.signer = store, DeploymentStore(store), topics, signer
         self.tick_s = tick_s
         # a device's weight in the guard: at most the held-out size it reported in earlier deployments,
@@ -86,39 +84,20 @@ class DeploymentController(LinkWorker):
         self._counts: dict[tuple[str, str], int] = {}    # counters not yet stored: (deployment, name) -> n
         # its own account when the broker has them (BrokerConfig.for_role): one MQTT identity per connection
         broker = broker.for_role(CONTROLLER_ROLE)
-        self.link = MqttLink(client_id or broker.username or AGGREGATOR_ID + ".deployments", broker, on_message=lambda t, p: self._q.put(("mqtt", t, p)),
+        self.link = MqttLink(client_id or broker.username or AGGREGATOR_ID + ".deployments", broker, on_message=self._post,
                              subscriptions=[(topics.all_deploy_outs, 1)])
         self._resume()
 
-    # ------------------------------------------------------------------ lifecycle (start, stop: LinkWorker)
-    def call(self, fn: Callable[[], Any], timeout: float = 10.0) -> Any:
-        """Run ``fn`` on the controller's thread and return its result or raise its error."""
-        fut: Future = Future()
-        self._q.put(("call", fn, fut))
-        return fut.result(timeout)
+    # ------------------------------------------------------------------ lifecycle (start, stop, call: LinkWorker;
+    # what raises is logged and the thread goes on: one bad message or a failed write never stops the rollout)
+    def _handle(self, item: tuple[str, bytes]) -> None:
+        self._on_payload(*item)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                item = self._q.get(timeout=self.tick_s)
-            except queue.Empty:
-                item = None
-            try:
-                if item is not None and item[0] == "mqtt":
-                    self._on_payload(item[1], item[2])
-                elif item is not None:
-                    fut = item[2]
-                    if fut.set_running_or_notify_cancel():
-                        try:
-                            fut.set_result(item[1]())
-                        except Exception as exc:        # the caller's error (the API makes it a 4xx)
-                            fut.set_exception(exc)
-                if time.monotonic() >= self._next_tick:      # not once per message: a fleet's reports come in bursts
-                    self._next_tick = time.monotonic() + self.tick_s
-                    self._flush_counts()
-                    self._tick(time.time())
-            except Exception:           # one bad message or a failed write never stops the rollout thread
-                log.exception("deployment controller: an event raised")
+    def _tick(self, now: float) -> None:
+        if now >= self._next_tick:          # not once per message: a fleet's reports come in bursts
+            self._next_tick = now + self.tick_s
+            self._flush_counts()
+            self._roll_out(time.time())
 
     def _resume(self) -> None:
         """At start: the active and the settled deployment, their heads, and who was sent what
@@ -217,7 +196,8 @@ class DeploymentController(LinkWorker):
         return deployment_view(self.table, deployment_id, self._fleet())
 
     # ------------------------------------------------------------------ the rollout
-    def _tick(self, now: float) -> None:
+    def _roll_out(self, now: float) -> None:
+        """Assign the current stage's devices that were not sent one yet, and feed the machine their reports."""
         fleet = self._fleet()
         active = self.active
         if self.settled is not None:        # devices new to the fleet, or back from a rolled-back canary

@@ -1,6 +1,7 @@
 """The aggregator process as a thin I/O loop: receive, route, send, tick.
 
-Threading: paho's network thread only enqueues ``(topic, payload)``; one service thread does
+Threading: paho's network thread only posts ``(topic, payload)`` to the service's
+:class:`~protocols.message_loop.MessageLoop`; one service thread (the caller of :meth:`run`) does
 everything else, so job state has a single writer and needs no locks. The admin API (another
 thread) reads the store and the ``live`` snapshot, and runs every mutation (enrol, revoke,
 create, pause, ...) on the service thread through :meth:`AggregatorService.call`.
@@ -39,10 +40,7 @@ depends only on *which* devices contributed, never on arrival order, crashes or 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable
 
@@ -52,6 +50,7 @@ from protocols import messages as M
 from protocols.chunking import DEFAULT_CHUNK_SIZE, MessageAssembler
 from protocols.envelope import Envelope, EnvelopeError, decode, encode
 from protocols.identity import DeviceIdentity
+from protocols.message_loop import MessageLoop
 from protocols.mqtt_link import BrokerConfig, MqttLink
 from protocols.payloads.artifacts import GET as ARTIFACT_GET, artifact_message, parse_get
 from protocols.payloads.secagg import SECAGG_TYPE
@@ -109,20 +108,20 @@ class AggregatorService(OperatorActions):
         self.stats = ServiceStats()             # messages that belong to no job (bad topic, malformed, ...)
         self._device_bytes: dict[str, int] = {}  # bytes of a device's message being reassembled
         self._expired_at = 0.0
-        self._q: queue.Queue = queue.Queue()
-        self._stop = threading.Event()
+        # inbound items: ("mqtt", topic, payload), ("receipt", topic, raw), ("validated", ...), ("stored",), ("connected",)
+        self.loop = MessageLoop(self._dispatch, self._tick, tick_s, name="aggregator", failed=self._refused)
         self.live: dict = {}                     # snapshot for the admin API, replaced atomically
         self._live_pacing = reporting.Pacing()
         self.shards = shards        # aggregator/shards/: they take the outboxes and hand this loop receipts
-        self.link = MqttLink(AGGREGATOR_ID, broker, on_message=lambda t, p: self._q.put(("mqtt", t, p)),
+        self.link = MqttLink(AGGREGATOR_ID, broker, on_message=lambda t, p: self.loop.post(("mqtt", t, p)),
                              subscriptions=[(topics.all_outboxes, 1)] * (shards is None) + [(topics.all_presence, 1)],
-                             on_connect=lambda: self._q.put(("connected",)))
+                             on_connect=lambda: self.loop.post(("connected",)))
         if shards is not None:
-            shards.start(lambda item: self._q.put(("mqtt" if item[0] == "forward" else "receipt", *item[1:])))
+            shards.start(lambda item: self.loop.post(("mqtt" if item[0] == "forward" else "receipt", *item[1:])))
         # large results are decoded and validated in these processes (aggregator/service/ingest.py), and
         # stored on the writer's thread (aggregator/service/contribution_writer.py)
         self.ingest = IngestWorkers(ingest_workers) if ingest_workers else None
-        self.writer = ContributionWriter(store, lambda: self._q.put(("stored",))) if store is not None else None
+        self.writer = ContributionWriter(store, lambda: self.loop.post(("stored",))) if store is not None else None
         self.last_finished: ActiveJob | None = None
         self.active: ActiveJob | None = None
         self.runner: JobRunner | None = None
@@ -152,17 +151,13 @@ class AggregatorService(OperatorActions):
         self.link.start()
         t0 = time.monotonic()
         try:
-            while not self._stop.is_set():
+            while not self.loop.stopping:
                 if timeout_s is not None and time.monotonic() - t0 > timeout_s:
                     log.error("service timed out after %.0fs", timeout_s)
                     break
                 if self.active is None and not self._start_next_job() and not self.keep_serving:
                     break
-                try:
-                    self._dispatch(self._q.get(timeout=self.tick_s))
-                except queue.Empty:
-                    pass
-                self._tick(time.monotonic())
+                self.loop.serve_one()          # one item (or tick_s of quiet), then _tick
                 if self.active is not None and self.active.final_state:
                     summary = self._finish_job()
                     if not self.keep_serving:
@@ -178,34 +173,29 @@ class AggregatorService(OperatorActions):
         return summary
 
     def stop(self) -> None:
-        self._stop.set()
+        self.loop.stop()
 
     def call(self, fn: Callable[[], Any], timeout: float = 30.0) -> Any:
         """Run ``fn`` on the service thread (the only writer) and return its result or raise its error."""
-        fut: Future = Future()
-        self._q.put(("call", fn, fut))
-        return fut.result(timeout)
+        return self.loop.call(fn, timeout)
 
     def _dispatch(self, item: tuple) -> None:
         if item[0] in ("mqtt", "receipt"):
-            try:
-                (self._on_payload if item[0] == "mqtt" else self._on_receipt)(item[1], item[2])
-            except Exception:       # last resort: whatever one message causes is that message's refusal
-                log.exception("message on %s refused: it raised an unexpected error", item[1][:120])
-                self._stats().reject("malformed")
+            (self._on_payload if item[0] == "mqtt" else self._on_receipt)(item[1], item[2])
         elif item[0] == "validated":
             self._on_validated(*item[1:])
         elif item[0] == "stored" and self.runner is not None:
             self.runner.on_stored()
         elif item[0] == "connected" and self.runner is not None:
             self.runner.resend_tasks(self.fleet.online)
-        elif item[0] == "call":
-            fn, fut = item[1], item[2]
-            if fut.set_running_or_notify_cancel():
-                try:
-                    fut.set_result(fn())
-                except Exception as exc:  # handed to the caller (the API turns it into a 4xx)
-                    fut.set_exception(exc)
+
+    def _refused(self, item: tuple | None, exc: Exception) -> None:
+        """Last resort: whatever one inbound message causes is that message's refusal; anything
+        else that raises (the tick, a worker's verdict, the writer's) ends :meth:`run`."""
+        if item is None or item[0] not in ("mqtt", "receipt"):
+            raise exc
+        log.error("message on %s refused: it raised an unexpected error", item[1][:120], exc_info=exc)
+        self._stats().reject("malformed")
 
     def _activate(self, job: Job, out_dir: Path) -> None:
         kind = job_kind_name(job)
@@ -369,7 +359,7 @@ class AggregatorService(OperatorActions):
         a = self.active
         key = self.fleet.registry.public_key(device) if self.fleet.registry is not None else None
         future = self.ingest.submit(device, a.kind, a.job.config.to_dict(), raw, key, self.assembler.max_message_bytes)
-        future.add_done_callback(lambda f: self._q.put(("validated", device, header, raw, ref, kind, f)))
+        future.add_done_callback(lambda f: self.loop.post(("validated", device, header, raw, ref, kind, f)))
 
     def _on_validated(self, device: str, header: Envelope, raw: bytes, ref: M.TaskRef, kind: str, future) -> None:
         """A worker's verdict on a large result: on from where ``_on_result`` left it, if its job

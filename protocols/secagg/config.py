@@ -42,11 +42,6 @@ def default_threshold(n: int) -> int:
     return max(2, math.ceil(2 * n / 3))
 
 
-def majority_share_threshold(holders: int) -> int:
-    """Smallest t' with 2 t' > holders: no two disjoint holder sets can both reach t'."""
-    return holders // 2 + 1
-
-
 def resolve_graph(graph: str, n: int) -> str:
     """The graph a round of n members runs: ``graph`` itself, or for "auto" the complete graph up
     to AUTO_COMPLETE_MAX_MEMBERS members and SecAgg+'s regular graph above."""

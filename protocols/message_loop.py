@@ -1,0 +1,139 @@
+"""One thread that owns a party's state, fed by a queue: the aggregator service, the deployment
+controller, the device agent and the device's deployment follower each run on one.
+
+paho calls back on its network thread, which must not block and must not touch the party's state:
+the link's callback only :meth:`MessageLoop.post` s what arrived. The loop's thread takes the items
+in order, hands each to ``handle``, and calls ``tick(now)`` after each item and after every
+``tick_s`` of quiet, so the state has a single writer and needs no locks. Any other thread (the
+admin API) runs code on that thread with :meth:`MessageLoop.call` and gets its result or its error.
+
+What raises in ``handle`` or ``tick`` goes to ``failed(item, exc)`` (``item`` is None for the
+tick), which decides: log and go on (the default: one bad message never stops the loop), or
+re-raise to end the loop. A ``call``'s error always goes back to its caller.
+
+The loop runs on a thread of its own (:meth:`start`, :meth:`stop`), or on the caller's, one item
+at a time (:meth:`serve_one`: the service interleaves its job lifecycle between items), or is
+pumped (:meth:`serve_pending`: a device host drives thousands of device agents on a few threads).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Callable
+
+log = logging.getLogger("fedfleet.loop")
+
+
+@dataclass(frozen=True)
+class _Call:
+    fn: Callable[[], Any]
+    result: Future
+
+
+class MessageLoop:
+    def __init__(self, handle: Callable[[Any], None], tick: Callable[[float], None] | None = None,
+                 tick_s: float = 0.2, name: str = "message-loop",
+                 failed: Callable[[Any, Exception], None] | None = None):
+        self._handle, self._tick, self.tick_s, self.name = handle, tick, tick_s, name
+        self._failed = failed or self.log_failure
+        self._q: queue.Queue = queue.Queue()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._owner: int | None = None           # the thread serving the loop (calls from it run at once)
+
+    # ------------------------------------------------------------------ any thread
+    def post(self, item: Any) -> None:
+        """Queue ``item`` (not None) for ``handle`` (never blocks: safe on paho's network thread)."""
+        self._q.put(item)
+
+    def call(self, fn: Callable[[], Any], timeout: float = 30.0) -> Any:
+        """Run ``fn`` on the loop's thread, after what is queued, and return its result or raise its
+        error (TimeoutError when the loop does not get to it within ``timeout``). On the loop's own
+        thread it runs at once: queued behind itself it would wait for ever."""
+        if threading.get_ident() == self._owner:
+            return fn()
+        fut: Future = Future()
+        self._q.put(_Call(fn, fut))
+        return fut.result(timeout)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the loop's own thread (:meth:`start`) is serving (not ended by ``failed``)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self, join_s: float = 10.0) -> None:
+        """Stop after the item in hand; join the loop's own thread (if :meth:`start` made one)."""
+        self._stopping.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(join_s)
+
+    # ------------------------------------------------------------------ the loop's thread
+    def start(self) -> "MessageLoop":
+        """Serve on a thread of the loop's own until :meth:`stop`."""
+        self._thread = threading.Thread(target=self.run, name=self.name, daemon=True)
+        self._thread.start()
+        return self
+
+    def run(self) -> None:
+        """Serve on this thread until :meth:`stop` (or until ``failed`` re-raises)."""
+        while not self._stopping.is_set():
+            self.serve_one()
+
+    def serve_one(self) -> None:
+        """Handle the next item (waiting at most ``tick_s`` for one), then tick."""
+        self._owner = threading.get_ident()
+        try:
+            item = self._q.get(timeout=self.tick_s)
+        except queue.Empty:
+            item = None
+        if item is not None:
+            self._serve(item)
+        self._tick_once()
+
+    def serve_pending(self) -> None:
+        """Handle every item queued now, never waiting, then tick once: for a party pumped by a host
+        that drives many (``fedfleet/emulation/host.py``); must not run concurrently with itself."""
+        self._owner = threading.get_ident()
+        try:
+            while True:
+                try:
+                    item = self._q.get_nowait()
+                except queue.Empty:
+                    break
+                self._serve(item)
+            self._tick_once()
+        finally:                # the host's next pump may come on another of its threads
+            self._owner = None
+
+    def _serve(self, item: Any) -> None:
+        if isinstance(item, _Call):
+            if item.result.set_running_or_notify_cancel():
+                try:
+                    item.result.set_result(item.fn())
+                except Exception as exc:        # the caller's error (the API makes it a 4xx)
+                    item.result.set_exception(exc)
+        else:
+            try:
+                self._handle(item)
+            except Exception as exc:
+                self._failed(item, exc)
+
+    def _tick_once(self) -> None:
+        if self._tick is not None:
+            try:
+                self._tick(time.monotonic())
+            except Exception as exc:
+                self._failed(None, exc)
+
+    def log_failure(self, item: Any, exc: Exception) -> None:
+        what = "the tick" if item is None else repr(item)[:120]
+        log.error("%s: %s raised; the loop goes on", self.name, what, exc_info=exc)

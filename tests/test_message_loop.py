@@ -1,0 +1,175 @@
+"""protocols/message_loop.py without a broker: order, call(), errors, stop."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from protocols.message_loop import MessageLoop
+
+
+class Recorder:
+    """A loop's handler that records (thread, item) and raises on items it is told to."""
+
+    def __init__(self, raise_on=(), block_on=None):
+        self.seen: list = []
+        self.threads: set[int] = set()
+        self.raise_on, self.block_on = set(raise_on), block_on
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.done = threading.Event()
+
+    def __call__(self, item) -> None:
+        self.threads.add(threading.get_ident())
+        if item == self.block_on:
+            self.entered.set()
+            self.release.wait(5)
+        if item in self.raise_on:
+            raise ValueError(f"bad item {item}")
+        self.seen.append(item)
+        if item == "last":
+            self.done.set()
+
+
+def test_items_are_handled_in_order_on_the_loops_own_thread():
+    rec = Recorder()
+    loop = MessageLoop(rec, tick_s=0.01, name="t-order").start()
+    try:
+        items = [("mqtt", f"topic/{i}", bytes([i])) for i in range(200)]
+        posters = [threading.Thread(target=lambda chunk=items[k::4]: [loop.post(x) for x in chunk]) for k in range(4)]
+        for i in items[:50]:
+            loop.post(i)
+        loop.post("last")
+        assert rec.done.wait(5)
+        assert rec.seen == [*items[:50], "last"]      # one poster: its order exactly
+        rec.done.clear()
+        for p in posters:
+            p.start()
+        for p in posters:
+            p.join()
+        loop.post("last")
+        assert rec.done.wait(5)
+        # several posters: each poster's items in its own order, none lost or doubled
+        later = rec.seen[51:-1]
+        assert sorted(later) == sorted(items)
+        for k in range(4):
+            assert [x for x in later if x in items[k::4]] == items[k::4]
+        assert rec.threads == {loop._thread.ident} and threading.get_ident() not in rec.threads
+    finally:
+        loop.stop()
+
+
+def test_call_returns_the_result_or_raises_the_error_and_runs_after_what_is_queued():
+    rec = Recorder()
+    loop = MessageLoop(rec, tick_s=0.01, name="t-call").start()
+    try:
+        for i in range(20):
+            loop.post(i)
+        # run on the loop's thread, after the 20 items queued before it
+        seen, thread = loop.call(lambda: (list(rec.seen), threading.get_ident()))
+        assert seen == list(range(20)) and thread == loop._thread.ident
+        with pytest.raises(KeyError, match="no such thing"):
+            loop.call(lambda: {}["no such thing"])
+        assert loop.call(lambda: 6 * 7) == 42          # an error in one call leaves the loop serving
+    finally:
+        loop.stop()
+
+
+def test_call_from_the_loops_own_thread_runs_at_once():
+    box = {}
+    loop = MessageLoop(lambda item: box.update(inner=loop.call(lambda: threading.get_ident(), timeout=1)),
+                       tick_s=0.01, name="t-inline").start()
+    try:
+        loop.post("x")
+        assert loop.call(lambda: box.get("inner")) == loop._thread.ident      # no wait on itself
+    finally:
+        loop.stop()
+
+
+def test_a_raising_handler_or_tick_does_not_stop_the_loop_by_default():
+    rec = Recorder(raise_on={"bad-1", "bad-2"})
+    ticks = []
+
+    def tick(now: float) -> None:
+        ticks.append(now)
+        if len(ticks) == 1:
+            raise RuntimeError("a tick that fails once")
+
+    failed = []
+    loop = MessageLoop(rec, tick, tick_s=0.01, name="t-errors",
+                       failed=lambda item, exc: failed.append((item, type(exc))))
+    loop.start()
+    try:
+        for item in ("a", "bad-1", "b", "bad-2", "last"):
+            loop.post(item)
+        assert rec.done.wait(5)
+        assert rec.seen == ["a", "b", "last"]
+        assert ("bad-1", ValueError) in failed and ("bad-2", ValueError) in failed
+        assert (None, RuntimeError) in failed and len(failed) == 3
+        assert loop.call(lambda: len(ticks)) >= 5 and ticks == sorted(ticks)
+    finally:
+        loop.stop()
+    # the default policy: logged, and the loop goes on
+    rec2 = Recorder(raise_on={"bad"})
+    loop2 = MessageLoop(rec2, tick_s=0.01, name="t-default").start()
+    try:
+        loop2.post("bad")
+        loop2.post("last")
+        assert rec2.done.wait(5) and rec2.seen == ["last"]
+    finally:
+        loop2.stop()
+
+
+def test_failed_may_end_the_loop_by_re_raising():
+    def failed(item, exc):
+        raise exc
+
+    loop = MessageLoop(Recorder(raise_on={"fatal"}), tick_s=0.01, name="t-fatal", failed=failed)
+    loop.post("fatal")
+    with pytest.raises(ValueError, match="bad item fatal"):
+        loop.run()                               # on the caller's thread, as the service serves
+    own = MessageLoop(Recorder(raise_on={"fatal"}), tick_s=0.01, name="t-fatal-own", failed=failed).start()
+    assert own.alive
+    own.post("fatal")
+    own._thread.join(5)
+    assert not own.alive                         # its own thread ended (as a device's on a failing tick)
+
+
+def test_stop_while_busy_finishes_the_item_in_hand_and_joins():
+    rec = Recorder(block_on="slow")
+    loop = MessageLoop(rec, tick_s=0.01, name="t-stop").start()
+    loop.post("slow")
+    loop.post("never")
+    assert rec.entered.wait(5)
+    stopper = threading.Thread(target=loop.stop)
+    stopper.start()
+    stopper.join(0.05)
+    assert stopper.is_alive()                     # stop waits for the item in hand...
+    rec.release.set()
+    stopper.join(5)
+    assert not stopper.is_alive() and not loop.alive
+    assert rec.seen == ["slow"]                   # ...and takes nothing after it
+    with pytest.raises(TimeoutError):
+        loop.call(lambda: 1, timeout=0.05)        # a stopped loop runs no call
+
+
+def test_the_tick_runs_when_quiet():
+    ticks = threading.Event()
+    loop = MessageLoop(lambda item: None, lambda now: ticks.set(), tick_s=0.01, name="t-quiet").start()
+    try:
+        assert ticks.wait(5)
+    finally:
+        loop.stop()
+
+
+def test_a_pumped_loop_handles_what_is_queued_then_ticks_once_without_waiting():
+    rec, ticks = Recorder(raise_on={"bad"}), []
+    loop = MessageLoop(rec, ticks.append, tick_s=60.0, name="t-pump", failed=lambda item, exc: None)
+    for item in ("a", "bad", "b"):
+        loop.post(item)
+    t0 = time.monotonic()
+    loop.serve_pending()
+    assert rec.seen == ["a", "b"] and len(ticks) == 1
+    loop.serve_pending()                          # nothing queued: a tick only, still no wait for tick_s
+    assert rec.seen == ["a", "b"] and len(ticks) == 2 and time.monotonic() - t0 < 5
