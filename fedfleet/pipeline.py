@@ -101,117 +101,33 @@ def run_pipeline(cfg: SimConfig, quiet: bool = False, compare_with: dict | None 
     """Run the pipeline's phases; ``compare_with``: a plain run's report, which a secure run's report
     then carries (its comparison table and its curves, dashed)."""
     names = PIPELINES[pipeline]
-    if set(PERSONAL_PHASES) & set(names) and cfg.ft_mode != "psi":
-        raise ValueError("partial personalization and Ditto run on the head: not after FT(φ)/FT(M) (no tail in "
-                         "their tasks yet)")
-    if "ditto" in names and cfg.secure:
-        raise ValueError("Ditto runs in plain rounds (no secure variant yet): not with secure")
-    if not cfg.holdout_fraction:
-        raise ValueError("personalization needs a local held-out split: set holdout_fraction > 0")
-    if cfg.ft_mode not in FT_MODES:
-        raise ValueError(f"ft_mode must be one of {sorted(FT_MODES)}, got {cfg.ft_mode!r}")
-    if cfg.fp_part not in FP_LABELS:
-        raise ValueError(f"fp_part must be one of {sorted(FP_LABELS)}, got {cfg.fp_part!r}")
-    # a bad optimizer choice fails here, before the fleet starts, not when the FT job is created
-    if cfg.ft_algorithm not in FT_ALGORITHMS:
-        raise ValueError(f"ft_algorithm must be one of {FT_ALGORITHMS}, got {cfg.ft_algorithm!r}")
-    if cfg.ft_algorithm == "fedgloss" and (cfg.secure or cfg.ft_mode != "psi"):
-        raise ValueError("ft_algorithm fedgloss fine-tunes the head in plain rounds: not with secure or ft_mode phi/M")
-    optimizer = {"server_optimizer": cfg.ft_server_optimizer, "server_lr": cfg.ft_server_lr,
-                 "server_momentum": cfg.ft_server_momentum, **ft_optimizer_fields(cfg)}
-    validate_job_config(cfg.ft_algorithm, optimizer)
-    kind_of(cfg.ft_algorithm).config_cls(**optimizer)
-    tail = cfg.ft_mode != "psi"
+    check_pipeline_config(cfg, names)
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     clock = StepClock(say)
     prep = prepare(cfg, say)
     out = prep.out
-    training_manifest = tail_manifest = None
+    training_manifest = None
     if cfg.runtime.startswith("executorch"):      # the head's training program (fp32 on the features)
         from .bundles import ensure_training_bundle
 
         training_manifest = ensure_training_bundle(cfg.backbone, cfg.image_size, num_classes=10)
-    common = {k: prep.fed3r_job[k] for k in ("num_classes", "backbone", "image_size", "weights_sha256",
-                                             "feature_dim", "expected_devices", "start_timeout_s", "seed")}
-    ft_kind, ft_eval, ft_extra = "fedavg-secure" if cfg.secure else "fedavg", out / "eval_features.npz", {}
-    if cfg.ft_algorithm == "fedgloss":
-        ft_kind, ft_extra = "fedgloss", {"total_devices": cfg.devices}
-    if tail:
-        tail_manifest, ft_eval, ft_extra = _tail_setup(cfg, prep, say)
-        ft_kind = "fedavg-tail-secure" if cfg.secure else "fedavg-tail"
-    elif cfg.fp_part != "psi":           # FP(φ)/FP(M) after OLL: the devices train the tail bundle's program
-        tail_manifest = tail_bundle_manifest(cfg)
-    if cfg.shards and ft_kind == "fedavg":  # the direction screen's coordinate-wise median needs every update in one place
-        ft_extra = {**ft_extra, "direction_screen": False}
-    fed3r_job, secure, secure_fields = dict(prep.fed3r_job), None, {}
-    if cfg.secure:
-        job_fields, secure = _secure_setup(cfg, out, [p.device_id for p in prep.profiles],
-                                           max(len(s) for s in prep.shards.values()))
-        fed3r_job.update(job_fields)       # a one-shot group: its phase timeout scaled as its round's
-        secure_fields = {**{k: job_fields[k] for k in ("graph", "max_samples", "identity_file", "device_keys_file")},
-                         "phase_timeout_s": cfg.phase_timeout_s}
-    phases: dict[str, dict] = {}
-    steps = len(names)
+    phases = _Phases(cfg, prep, names, say, clock)
+    phases.plan_fine_tuning()
+    secure = phases.plan_secure()
     clock.done("setup (data, bundles, evaluation features)")
     with EmulatedFleet(cfg, out, prep.profiles, secure, quiet, holdout_file=out / "holdout.npz",
-                       training_manifest=training_manifest, tail_manifest=tail_manifest) as fleet:
+                       training_manifest=training_manifest, tail_manifest=phases.tail_manifest) as fleet:
         clock.done("fleet start (broker, device hosts)")
-        say(f"\n[1/{steps}] fed3r{'-sync (secure aggregation)' if cfg.secure else ''}: closed-form classifier "
-            "from one round of statistics per device")
-        fed3r_dir = out / "1-fed3r"
-        phases["fed3r"] = {"dir": fed3r_dir, "results": fleet.run_job(
-            "fed3r-sync" if cfg.secure else "fed3r", fed3r_job, fed3r_dir, out / "eval_features.npz", cfg.devices)}
-        clock.done("fed3r")
-
-        head_dir = fed3r_dir
-        if "fedavg-ft" in names:
-            say(f"\n[2/{steps}] fedavg-ft: {ft_label(cfg)}, {cfg.ft_rounds} rounds of κ={cfg.clients_per_round}")
-            ft_dir = head_dir = out / "2-fedavg-ft"
-            ft_job = {**common, "job_id": "fedavg-ft-sim", "rounds": cfg.ft_rounds,
-                      "clients_per_round": cfg.clients_per_round, "round_timeout_s": cfg.round_timeout_s,
-                      "client_lr": cfg.ft_client_lr, "server_momentum": cfg.ft_server_momentum,
-                      "server_optimizer": cfg.ft_server_optimizer, "server_lr": cfg.ft_server_lr,
-                      **ft_optimizer_fields(cfg),
-                      "init": "fed3r", "initial_head_file": str(fed3r_dir / "model.npz"), **secure_fields, **ft_extra}
-            phases["fedavg-ft"] = {"dir": ft_dir, "results": fleet.run_job(
-                ft_kind, ft_job, ft_dir, ft_eval, cfg.ft_rounds * cfg.clients_per_round)}
-            clock.done("fedavg-ft")
-        personal = {}
-        for name in (n for n in names if n in PERSONAL_PHASES):
-            step, kind = names.index(name) + 1, f"{name}-secure" if cfg.secure else name
-            does, fields = PERSONAL_PHASES[name](cfg)
-            say(f"\n[{step}/{steps}] {kind}: {does}, {cfg.pp_rounds} rounds of κ={cfg.clients_per_round}")
-            job_dir, job_id = out / f"{step}-{name}", f"{name}-sim"
-            job = {**common, "job_id": job_id, "rounds": cfg.pp_rounds, "clients_per_round": cfg.clients_per_round,
-                   "round_timeout_s": cfg.round_timeout_s, "client_lr": cfg.pp_client_lr, **fields,
-                   "init": "fed3r", "initial_head_file": str(head_dir / "model.npz"), **secure_fields}
-            phases[name] = {"dir": job_dir, "results": fleet.run_job(
-                kind, job, job_dir, out / "eval_features.npz", cfg.pp_rounds * cfg.clients_per_round)}
-            head_dir, personal = job_dir, {"personal_job": job_id}
-            clock.done(name)
-
-        what = f"the {'personalized' if personal else 'fine-tuned'} head{' and backbone tail' if tail else ''}"
-        say(f"\n[{steps}/{steps}] oll: personalise {what} on every device (FP({FP_LABELS[cfg.fp_part]}) "
-            f"{cfg.fp_epochs} epochs)")
-        oll_dir = out / f"{steps}-oll"
-        oll_job = {**common, "job_id": "oll-sim", "head_file": str(head_dir / "model.npz"), **personal,
-                   "tail_stages": cfg.tail_stages if tail else 0,
-                   "clients_per_round": cfg.oneshot_clients_per_round,
-                   "round_timeout_s": cfg.round_timeout_s * cfg.oneshot_timeout_factor,
-                   "max_attempts": cfg.max_attempts, "fp_epochs": cfg.fp_epochs, "fp_lrs": list(cfg.fp_lrs),
-                   "fp_part": cfg.fp_part}
-        phases["oll"] = {"dir": oll_dir, "results": fleet.run_job(
-            "personalize", oll_job, oll_dir, out / "eval_features.npz", cfg.devices)}
-        clock.done("oll")
+        head_dir = phases.run(fleet)
         deployments = None
-        if cfg.deploy and not tail:
+        if cfg.deploy and not phases.tail:
             from .deploy_phase import run_deploy_scenarios
 
             say("\n[deploy] the fine-tuned head to the fleet through a canary; then a broken head (classes permuted)")
             deployments = run_deploy_scenarios(cfg, prep, head_dir / "model.npz", fleet.broker_url,
-                                               out / f"{steps + 1}-deploy", say)
+                                               out / f"{len(names) + 1}-deploy", say)
             clock.done("deploy")
-    report = pipeline_report(cfg, prep, phases, fleet.worker_stats)
+    report = pipeline_report(cfg, prep, phases.done, fleet.worker_stats)
     if deployments is not None:
         report["deployments"] = deployments
     clock.done("fleet stop and centralized reference")
@@ -223,6 +139,128 @@ def run_pipeline(cfg: SimConfig, quiet: bool = False, compare_with: dict | None 
     say(format_pipeline_report(report))
     say(f"\nwrote {out / 'report.json'}, {out / 'report.png'} ({engine}) and {out / 'report.html'}")
     return report
+
+
+def check_pipeline_config(cfg: SimConfig, names: tuple[str, ...]) -> None:
+    """Refuse a combination the pipeline cannot run, before the fleet starts (not when a job is created)."""
+    if set(PERSONAL_PHASES) & set(names) and cfg.ft_mode != "psi":
+        raise ValueError("partial personalization and Ditto run on the head: not after FT(φ)/FT(M) (no tail in "
+                         "their tasks yet)")
+    if "ditto" in names and cfg.secure:
+        raise ValueError("Ditto runs in plain rounds (no secure variant yet): not with secure")
+    if not cfg.holdout_fraction:
+        raise ValueError("personalization needs a local held-out split: set holdout_fraction > 0")
+    if cfg.ft_mode not in FT_MODES:
+        raise ValueError(f"ft_mode must be one of {sorted(FT_MODES)}, got {cfg.ft_mode!r}")
+    if cfg.fp_part not in FP_LABELS:
+        raise ValueError(f"fp_part must be one of {sorted(FP_LABELS)}, got {cfg.fp_part!r}")
+    if cfg.ft_algorithm not in FT_ALGORITHMS:
+        raise ValueError(f"ft_algorithm must be one of {FT_ALGORITHMS}, got {cfg.ft_algorithm!r}")
+    if cfg.ft_algorithm == "fedgloss" and (cfg.secure or cfg.ft_mode != "psi"):
+        raise ValueError("ft_algorithm fedgloss fine-tunes the head in plain rounds: not with secure or ft_mode phi/M")
+    optimizer = {"server_optimizer": cfg.ft_server_optimizer, "server_lr": cfg.ft_server_lr,
+                 "server_momentum": cfg.ft_server_momentum, **ft_optimizer_fields(cfg)}
+    validate_job_config(cfg.ft_algorithm, optimizer)
+    kind_of(cfg.ft_algorithm).config_cls(**optimizer)
+
+
+class _Phases:
+    """The pipeline's jobs, one after another on one fleet, each starting from the last one's
+    head: Fed3R, fine-tuning, partial personalization or Ditto, OLL. ``done``: phase name ->
+    its folder and results."""
+
+    def __init__(self, cfg: SimConfig, prep, names: tuple[str, ...], say, clock: StepClock):
+        self.cfg, self.prep, self.names, self.say, self.clock = cfg, prep, names, say, clock
+        self.steps, self.out, self.tail = len(names), prep.out, cfg.ft_mode != "psi"
+        self.common = {k: prep.fed3r_job[k] for k in ("num_classes", "backbone", "image_size", "weights_sha256",
+                                                      "feature_dim", "expected_devices", "start_timeout_s", "seed")}
+        self.fed3r_job, self.secure_fields = dict(prep.fed3r_job), {}
+        self.tail_manifest: Path | None = None
+        self.done: dict[str, dict] = {}
+
+    def plan_fine_tuning(self) -> None:
+        """The FT job's kind, evaluation file and extra fields (FT(φ)/FT(M): the tail bundle's)."""
+        cfg = self.cfg
+        self.ft_kind, self.ft_eval, self.ft_extra = ("fedavg-secure" if cfg.secure else "fedavg",
+                                                     self.out / "eval_features.npz", {})
+        if cfg.ft_algorithm == "fedgloss":
+            self.ft_kind, self.ft_extra = "fedgloss", {"total_devices": cfg.devices}
+        if self.tail:
+            self.tail_manifest, self.ft_eval, self.ft_extra = _tail_setup(cfg, self.prep, self.say)
+            self.ft_kind = "fedavg-tail-secure" if cfg.secure else "fedavg-tail"
+        elif cfg.fp_part != "psi":           # FP(φ)/FP(M) after OLL: the devices train the tail bundle's program
+            self.tail_manifest = tail_bundle_manifest(cfg)
+        if cfg.shards and self.ft_kind == "fedavg":  # the direction screen's median needs every update in one place
+            self.ft_extra = {**self.ft_extra, "direction_screen": False}
+
+    def plan_secure(self):
+        """With ``cfg.secure``: the keys and the secure fields every job gets; the fleet's secure setup (or None)."""
+        cfg = self.cfg
+        if not cfg.secure:
+            return None
+        job_fields, secure = _secure_setup(cfg, self.out, [p.device_id for p in self.prep.profiles],
+                                           max(len(s) for s in self.prep.shards.values()))
+        self.fed3r_job.update(job_fields)       # a one-shot group: its phase timeout scaled as its round's
+        self.secure_fields = {**{k: job_fields[k] for k in ("graph", "max_samples", "identity_file",
+                                                            "device_keys_file")},
+                              "phase_timeout_s": cfg.phase_timeout_s}
+        return secure
+
+    def run(self, fleet) -> Path:
+        """Every phase on ``fleet``; the folder of the head OLL personalised."""
+        cfg, out, self.fleet = self.cfg, self.out, fleet
+        self.say(f"\n[1/{self.steps}] fed3r{'-sync (secure aggregation)' if cfg.secure else ''}: closed-form "
+                 "classifier from one round of statistics per device")
+        head_dir = out / "1-fed3r"
+        self._job("fed3r", "fed3r-sync" if cfg.secure else "fed3r", self.fed3r_job, head_dir,
+                  out / "eval_features.npz", cfg.devices)
+        fed3r_head = head_dir / "model.npz"
+        if "fedavg-ft" in self.names:
+            self.say(f"\n[2/{self.steps}] fedavg-ft: {ft_label(cfg)}, {cfg.ft_rounds} rounds of "
+                     f"κ={cfg.clients_per_round}")
+            head_dir = out / "2-fedavg-ft"
+            ft_job = {**self.common, "job_id": "fedavg-ft-sim", "rounds": cfg.ft_rounds,
+                      "clients_per_round": cfg.clients_per_round, "round_timeout_s": cfg.round_timeout_s,
+                      "client_lr": cfg.ft_client_lr, "server_momentum": cfg.ft_server_momentum,
+                      "server_optimizer": cfg.ft_server_optimizer, "server_lr": cfg.ft_server_lr,
+                      **ft_optimizer_fields(cfg), "init": "fed3r", "initial_head_file": str(fed3r_head),
+                      **self.secure_fields, **self.ft_extra}
+            self._job("fedavg-ft", self.ft_kind, ft_job, head_dir, self.ft_eval, cfg.ft_rounds * cfg.clients_per_round)
+        personal = {}
+        for name in (n for n in self.names if n in PERSONAL_PHASES):
+            head_dir, personal = self._personal_phase(name, head_dir)
+        self._oll(head_dir, personal)
+        return head_dir
+
+    def _personal_phase(self, name: str, head_dir: Path) -> tuple[Path, dict]:
+        cfg = self.cfg
+        step, kind = self.names.index(name) + 1, f"{name}-secure" if cfg.secure else name
+        does, fields = PERSONAL_PHASES[name](cfg)
+        self.say(f"\n[{step}/{self.steps}] {kind}: {does}, {cfg.pp_rounds} rounds of κ={cfg.clients_per_round}")
+        job_dir, job_id = self.out / f"{step}-{name}", f"{name}-sim"
+        job = {**self.common, "job_id": job_id, "rounds": cfg.pp_rounds, "clients_per_round": cfg.clients_per_round,
+               "round_timeout_s": cfg.round_timeout_s, "client_lr": cfg.pp_client_lr, **fields,
+               "init": "fed3r", "initial_head_file": str(head_dir / "model.npz"), **self.secure_fields}
+        self._job(name, kind, job, job_dir, self.out / "eval_features.npz", cfg.pp_rounds * cfg.clients_per_round)
+        return job_dir, {"personal_job": job_id}
+
+    def _oll(self, head_dir: Path, personal: dict) -> None:
+        cfg, steps = self.cfg, self.steps
+        what = f"the {'personalized' if personal else 'fine-tuned'} head{' and backbone tail' if self.tail else ''}"
+        self.say(f"\n[{steps}/{steps}] oll: personalise {what} on every device (FP({FP_LABELS[cfg.fp_part]}) "
+                 f"{cfg.fp_epochs} epochs)")
+        oll_job = {**self.common, "job_id": "oll-sim", "head_file": str(head_dir / "model.npz"), **personal,
+                   "tail_stages": cfg.tail_stages if self.tail else 0,
+                   "clients_per_round": cfg.oneshot_clients_per_round,
+                   "round_timeout_s": cfg.round_timeout_s * cfg.oneshot_timeout_factor,
+                   "max_attempts": cfg.max_attempts, "fp_epochs": cfg.fp_epochs, "fp_lrs": list(cfg.fp_lrs),
+                   "fp_part": cfg.fp_part}
+        self._job("oll", "personalize", oll_job, self.out / f"{steps}-oll", self.out / "eval_features.npz",
+                  cfg.devices)
+
+    def _job(self, name: str, kind: str, job: dict, job_dir: Path, eval_file: Path, tasks: int) -> None:
+        self.done[name] = {"dir": job_dir, "results": self.fleet.run_job(kind, job, job_dir, eval_file, tasks)}
+        self.clock.done(name)
 
 
 def tail_bundle_manifest(cfg: SimConfig) -> Path:

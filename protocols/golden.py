@@ -21,10 +21,33 @@ from .payloads.fedavg import batch_schedule, encode_head_update, encode_model_up
 from .payloads.personalize import PersonalizationReport, encode_report
 
 _TS = 1767225600.0  # 2026-01-01T00:00:00Z
+# the head tasks' params (fedavg.head, fedavg.tail, FedBuff's versioned task)
+_RECIPE = {"num_classes": 3, "feature_dim": 2, "backbone": "mobilenet_v2", "image_size": 64, "weights_sha256": "",
+           "epochs": 1, "batch_size": 50, "lr": 0.01, "weight_decay": 4e-5, "temperature": 0.1, "seed": 7}
 
 
 def golden_messages() -> dict[str, bytes]:
     out: dict[str, bytes] = {}
+    body, tensors = _fed3r_messages(out)
+    out["ack_accepted"] = encode(Envelope("ack", "aggregator", {"ref": "11" * 16, "status": "accepted", "reason": ""},
+                                          id="22" * 16, ts=_TS + 6))
+    out["presence_online"] = encode(Envelope("presence", "dev0001", {"state": "online", "info": {"kinds": ["fed3r.stats"]}},
+                                             id="33" * 16, ts=_TS))
+    head, head_body, head_update = _head_messages(out)
+    _tail_and_async_messages(out, head, head_body, head_update, body, tensors)
+    # A chunked message cut into 200-byte slices (4 chunks); chunk ids are derived, not random, here.
+    big = Envelope("result", "dev0001", body=body, tensors=tensors, id="44" * 16, ts=_TS + 7)
+    data = encode(big)
+    for i, part in enumerate(_deterministic_chunks(data, big.id, "dev0001", 200)):
+        out[f"chunk_{i}_of_result"] = part
+    out["chunked_whole"] = data
+    out["result_signed_edge_cases"] = _signed_edge_cases()
+    return out
+
+
+def _fed3r_messages(out: dict[str, bytes]) -> tuple[dict, dict]:
+    """fed3r.stats: the task, the statistics (dense), the factor forms; returns the statistics'
+    body and tensors (the chunked and streaming vectors reuse them)."""
     task = Envelope("task", "aggregator", id="00" * 16, ts=_TS,
                     body={"job": "fed3r-demo", "round": 1, "kind": "fed3r.stats", "deadline": _TS + 120,
                           "params": {"num_classes": 3, "backbone": "mobilenet_v2", "image_size": 64,
@@ -59,17 +82,16 @@ def golden_messages() -> dict[str, bytes]:
     factor_body.update({"job": "fed3r-demo", "round": 1, "task": "00" * 16, "kind": "fed3r.stats"})
     out["result_fed3r_factor_signed_zero"] = encode(Envelope("result", "dev0004", body=factor_body,
                                                              tensors=factor_tensors, id="14" * 16, ts=_TS + 5))
-    out["ack_accepted"] = encode(Envelope("ack", "aggregator", {"ref": "11" * 16, "status": "accepted", "reason": ""},
-                                          id="22" * 16, ts=_TS + 6))
-    out["presence_online"] = encode(Envelope("presence", "dev0001", {"state": "online", "info": {"kinds": ["fed3r.stats"]}},
-                                             id="33" * 16, ts=_TS))
+    return body, tensors
+
+
+def _head_messages(out: dict[str, bytes]) -> tuple[dict, dict, dict]:
+    """fedavg.head out and back, oll.personalize; returns the head and the head update's body and tensors."""
     # fedavg.head: a (3 classes, 2 features) head out and back; oll.personalize: counts only
     head = head_tensors(np.array([[0.5, -1.0], [0.25, 2.0], [-0.75, 0.0]]), np.array([0.125, -0.5, 0.0]))
-    recipe = {"num_classes": 3, "feature_dim": 2, "backbone": "mobilenet_v2", "image_size": 64, "weights_sha256": "",
-              "epochs": 1, "batch_size": 50, "lr": 0.01, "weight_decay": 4e-5, "temperature": 0.1, "seed": 7}
     out["task_fedavg_head"] = encode(Envelope("task", "aggregator", id="66" * 16, ts=_TS, tensors=head,
                                               body={"job": "ft-demo", "round": 2, "kind": "fedavg.head",
-                                                    "deadline": _TS + 120, "params": recipe}))
+                                                    "deadline": _TS + 120, "params": _RECIPE}))
     head_body, head_update = encode_head_update(head["weight"] * 0.5, head["bias"] + 0.25, 40)
     head_body.update({"job": "ft-demo", "round": 2, "task": "66" * 16, "kind": "fedavg.head"})
     out["result_fedavg_head"] = encode(Envelope("result", "dev0001", body=head_body, tensors=head_update,
@@ -83,13 +105,19 @@ def golden_messages() -> dict[str, bytes]:
     report, _ = encode_report(PersonalizationReport(80, 20, 2, {"global": 12, "oll": 17, "oll_fp": 19}, 0, 0.001))
     report.update({"job": "oll-demo", "round": 1, "task": "88" * 16, "kind": "oll.personalize"})
     out["result_oll_personalize"] = encode(Envelope("result", "dev0001", body=report, id="99" * 16, ts=_TS + 9))
+    return head, head_body, head_update
+
+
+def _tail_and_async_messages(out: dict[str, bytes], head: dict, head_body: dict, head_update: dict, body: dict,
+                             tensors: dict) -> None:
+    """fedavg.tail, secure LADD's task, FedBuff's versioned task and result, streaming Fed3R's increment."""
     # fedavg.tail: a (3, 2) head under a one-tensor tail (a 1x1 conv 1 -> 2 channels); FT(φ)
     # sends back the tail only
     tail_model = {"tail.stages.0.0.weight": np.array([[[[0.5]]], [[[-0.25]]]], dtype=np.float32), **head}
     out["task_fedavg_tail"] = encode(Envelope("task", "aggregator", id="aa" * 16, ts=_TS, tensors=tail_model,
                                               body={"job": "ft-phi-demo", "round": 3, "kind": "fedavg.tail",
                                                     "deadline": _TS + 120,
-                                                    "params": {**recipe, "tail_stages": 1, "train": "tail"}}))
+                                                    "params": {**_RECIPE, "tail_stages": 1, "train": "tail"}}))
     tail_body, tail_update = encode_model_update({"tail.stages.0.0.weight": tail_model["tail.stages.0.0.weight"] * 0.75},
                                                  40)
     tail_body.update({"job": "ft-phi-demo", "round": 3, "task": "aa" * 16, "kind": "fedavg.tail"})
@@ -99,21 +127,13 @@ def golden_messages() -> dict[str, bytes]:
     # fedavg-async: the task names the model version it carries, the result echoes it
     out["task_fedavg_async"] = encode(Envelope("task", "aggregator", id="c0" * 16, ts=_TS, tensors=head,
                                                body={"job": "async-demo", "round": 9, "kind": "fedavg.head",
-                                                     "deadline": _TS + 120, "params": {**recipe, "model_version": 4}}))
+                                                     "deadline": _TS + 120, "params": {**_RECIPE, "model_version": 4}}))
     out["result_fedavg_async"] = encode(Envelope("result", "dev0001", id="c1" * 16, ts=_TS + 5, tensors=head_update,
                                                  body={**head_body, "job": "async-demo", "round": 9,
                                                        "task": "c0" * 16, "model_version": 4}))
     # streaming Fed3R: an increment of the device's samples after the 3 the job already holds
     out["result_fed3r_increment"] = encode(Envelope("result", "dev0001", id="c2" * 16, ts=_TS + 5, tensors=tensors,
                                                     body={**body, "round": 2, "from_sample": 3}))
-    # A chunked message cut into 200-byte slices (4 chunks); chunk ids are derived, not random, here.
-    big = Envelope("result", "dev0001", body=body, tensors=tensors, id="44" * 16, ts=_TS + 7)
-    data = encode(big)
-    for i, part in enumerate(_deterministic_chunks(data, big.id, "dev0001", 200)):
-        out[f"chunk_{i}_of_result"] = part
-    out["chunked_whole"] = data
-    out["result_signed_edge_cases"] = _signed_edge_cases()
-    return out
 
 
 # The deterministic key of the signed vector (Ed25519 signatures are deterministic): public key
