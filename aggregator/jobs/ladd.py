@@ -25,6 +25,10 @@ has two kinds of rounds, so its ``kind`` is the kind of the round it opened last
 
 ``clustering = "none"`` gives FedAvg + self-training: one cluster, every tensor global.
 
+The job's phase (:class:`LaddPhase`: styles, train, done) moves only by :data:`LADD_TABLE`, fired
+where a phase can end (construction, a round's close, scheduling that finds nobody left to ask);
+``python -m aggregator.jobs.ladd`` prints the table docs/ladd.md shows (a test keeps the two equal).
+
 The server never needs the network itself, only named arrays: pre-training is injected
 (``pretrainer``), so this module does not import ``edge_client``. An optional ``evaluator``
 (job -> dict of metrics) is called after each training round for the history.
@@ -50,6 +54,7 @@ from protocols.payloads.ladd import (KIND_STYLE, KIND_TRAIN, LaddTrainParams, Mo
                                      StyleResult, layout_digest, make_layout, pack, packed_digest, parse_style,
                                      parse_update, train_task_tensors)
 from protocols.rounds import RoundClosed
+from protocols.transition_table import Transition, TransitionTable
 
 from aggregator.strategies.dp_fedavg import ClippedGaussianSum
 from aggregator.strategies.dp_ladd import DPClusterAveraging
@@ -58,6 +63,7 @@ from aggregator.jobs.robustness_fields import FedAvgRobustnessFields
 from aggregator.strategies.ladd import (ClusterAveraging, ClusterSpecificAveraging, StyleClustering, SwaTeacher,
                                cluster_specific_predicate)
 from aggregator.jobs.base import Job
+from aggregator.jobs.ladd_phases import Created, LaddPhase, NobodyLeftToAsk, StyleRoundClosed, TrainRoundClosed
 from aggregator.jobs.optimizer_fields import LocalRuleFields
 from aggregator.jobs.privacy_fields import UpdateClippingFields
 
@@ -183,7 +189,7 @@ class LaddJob(Job):
         self.is_theta = cluster_specific_predicate(c.cluster_scope if c.clustering == "styles" else "head")
         self._rng = random.Random(c.seed)
         self.kind = KIND_STYLE
-        self.phase = "styles"
+        self.phase = LaddPhase.STYLES
         self.train_round = 0
         self.styles: dict[str, np.ndarray] = {}
         self.style_attempts: dict[str, int] = {}
@@ -206,21 +212,64 @@ class LaddJob(Job):
         self._agg: ClusterAveraging | None = None
         # Central DP (aggregator/strategies/dp_ladd.py): DP-FedAvg's mechanism over LADD's slots
         self.dp = ClippedGaussianSum(c.dp_noise_multiplier, c.clip_rule()) if c.dp and self.central_dp else None
-        if self.initial is not None and c.clustering == "none":
-            self._start_training(*self.initial)
+        LADD_TABLE.fire(self, Created())
 
-    # ------------------------------------------------------------------ phases
+    # ------------------------------------------------------------------ phases (LADD_TABLE's guards and effects)
+    @property
+    def state(self) -> LaddPhase:
+        """What LADD_TABLE reads: the phase."""
+        return self.phase
+
     @property
     def n_clusters(self) -> int:
         return len(self.theta) if self.theta else 0
 
-    def _styles_complete(self) -> bool:
+    def _skips_styles(self, _event=None) -> bool:
+        return self.initial is not None and self.config.clustering == "none"
+
+    def _can_cluster_now(self, _event=None) -> bool:
+        """Nobody is left to ask: with ``min_styles`` 0 the styles in are enough."""
+        return bool(self.styles) and not self.config.min_styles
+
+    def _training_over(self, _event=None) -> bool:
+        """No training round is left: ``rounds`` opened, or one more would exceed the privacy budget."""
+        return self.train_round >= self.config.rounds or self.budget_exhausted
+
+    def _styles_complete(self, _event=None) -> bool:
         """``min_styles`` styles are in, or (0) every device asked so far answered or gave up."""
         if not self.styles:
             return False
         if self.config.min_styles:
             return len(self.styles) >= self.config.min_styles
         return all(d in self.styles or n >= self.config.style_attempts for d, n in self.style_attempts.items())
+
+    def _stay(self, _event) -> list:
+        return []
+
+    def _start_with_initial(self, _event: Created) -> list:
+        self._begin_training(*self.initial)
+        return []
+
+    def _cluster_what_is_in(self, _event: NobodyLeftToAsk) -> list:
+        self._finish_style_phase()
+        return []
+
+    def _cluster_closing_round(self, event: StyleRoundClosed) -> list:
+        self._finish_style_phase()
+        event.entry["clusters"] = self.n_clusters
+        return []
+
+    def _route_late_styles(self, _event: StyleRoundClosed) -> list:
+        if self.clustering is not None and self._applied:
+            new = sorted(self._applied)     # late devices: routed to the nearest centroid, no refit
+            labels = self.clustering.predict(np.stack([self.styles[d] for d in new]))
+            self.assignment.update({d: int(label) for d, label in zip(new, labels)})
+        return []
+
+    def _close_last_train_round(self, event: TrainRoundClosed) -> list:
+        self._close_train_round(event)
+        self.phase = LaddPhase.DONE
+        return []
 
     def _finish_style_phase(self) -> None:
         c = self.config
@@ -234,8 +283,12 @@ class LaddJob(Job):
         else:
             labels = np.zeros(len(devices), np.int64)
         arrays, trainable = self.initial if self.initial is not None else self.pretrainer(bank)
-        self._start_training(arrays, trainable, n_clusters=int(labels.max()) + 1)
+        self._begin_training(arrays, trainable, n_clusters=int(labels.max()) + 1)
         self.assignment = {d: int(label) for d, label in zip(devices, labels)}
+
+    def _begin_training(self, arrays: Arrays, trainable: list[str], n_clusters: int = 1) -> None:
+        self._start_training(arrays, trainable, n_clusters)
+        self.phase = LaddPhase.DONE if self._training_over() else LaddPhase.TRAIN     # rounds = 0: nothing to train
 
     def _start_training(self, arrays: Arrays, trainable: list[str], n_clusters: int = 1) -> None:
         arrays = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in arrays.items()}
@@ -252,7 +305,6 @@ class LaddJob(Job):
         self.phi = {k: v.copy() for k, v in arrays.items() if not self.is_theta(k)}
         self.theta = {c: {k: v.copy() for k, v in arrays.items() if self.is_theta(k)} for c in range(n_clusters)}
         self.teachers = {c: SwaTeacher(arrays) for c in range(n_clusters)}
-        self.phase = "train"
 
     def cluster_model(self, cluster: int) -> Arrays:
         """w_c = φ ∪ θ_c."""
@@ -261,18 +313,18 @@ class LaddJob(Job):
     # ------------------------------------------------------------------ scheduling
     def next_participants(self, online: set[str]) -> list[str]:
         c = self.config
-        if self._open or self.phase == "done":
+        if self._open or self.phase is LaddPhase.DONE:
             return []
-        if self.phase == "styles" or c.clustering == "styles":
+        if self.phase is LaddPhase.STYLES or c.clustering == "styles":
             pool = sorted(d for d in online if d not in self.styles
                           and self.style_attempts.get(d, 0) < c.style_attempts)
-            if pool and (self.phase == "styles" or self.train_round < c.rounds):
+            if pool:
                 for d in pool:
                     self.style_attempts[d] = self.style_attempts.get(d, 0) + 1
                 return self._open_round(KIND_STYLE, pool)
-            if self.phase == "styles" and self.styles and not c.min_styles:
-                self._finish_style_phase()      # nobody online is left to ask (others went offline)
-        if self.phase != "train" or self.train_round >= c.rounds or self.budget_exhausted:
+            if self.phase is LaddPhase.STYLES:
+                LADD_TABLE.fire(self, NobodyLeftToAsk())      # the silent went offline
+        if self.phase is not LaddPhase.TRAIN:       # TRAIN: a training round is left (DONE otherwise)
             return []
         pool = sorted(d for d in online if d in self.assignment or c.clustering == "none")
         k = min(c.clients_per_round, len(pool))
@@ -304,8 +356,7 @@ class LaddJob(Job):
         return chosen
 
     def finished(self, online: set[str], known: set[str]) -> bool:
-        return (self.phase == "train" and (self.train_round >= self.config.rounds or self.budget_exhausted)
-                and not self._open)
+        return self.phase is LaddPhase.DONE
 
     @property
     def budget_exhausted(self) -> bool:
@@ -379,17 +430,7 @@ class LaddJob(Job):
         entry = {"round": self.round, "kind": self.kind, "accepted": len(self._applied),
                  "dropped": len(closed.dropped), "declined": len(closed.declined)}
         self.kd_confirmed -= set(closed.declined)     # e.g. "kd model missing": send it again
-        if self.kind == KIND_STYLE:
-            if self.phase == "styles":
-                if self._styles_complete():
-                    self._finish_style_phase()
-                    entry["clusters"] = self.n_clusters
-            elif self.clustering is not None and self._applied:
-                new = sorted(self._applied)     # late devices: routed to the nearest centroid, no refit
-                labels = self.clustering.predict(np.stack([self.styles[d] for d in new]))
-                self.assignment.update({d: int(label) for d, label in zip(new, labels)})
-        else:
-            self._close_train_round(entry)
+        LADD_TABLE.fire(self, StyleRoundClosed(entry) if self.kind == KIND_STYLE else TrainRoundClosed(entry))
         self.round_log.append(entry)
 
     def _round_aggregate(self) -> tuple[tuple[Arrays, dict[int, Arrays]] | None, dict[int, int]]:
@@ -400,8 +441,8 @@ class LaddJob(Job):
         released = agg.count or isinstance(agg, DPClusterAveraging)      # under DP every round releases
         return (agg.result(self.phi, self.theta) if released else None), dict(agg.participants)
 
-    def _close_train_round(self, entry: dict) -> None:
-        c = self.config
+    def _close_train_round(self, event: TrainRoundClosed) -> list:
+        c, entry = self.config, event.entry
         t0 = time.perf_counter()
         new_model, per_cluster = self._round_aggregate()
         if new_model is not None:
@@ -419,6 +460,7 @@ class LaddJob(Job):
         self.aggregate_s += entry["aggregate_s"]
         if self.evaluator is not None:
             self.last_metrics = {"train_round": self.train_round, **self.evaluator(self)}
+        return []
 
     # ------------------------------------------------------------------ model and reports
     def evaluate(self, features: np.ndarray | None, labels: np.ndarray | None) -> dict:
@@ -471,14 +513,14 @@ class LaddJob(Job):
         self.round, self.train_round = (int(x) for x in state["round"])
         if self.dp is not None:
             self.dp.load_state_dict(state)
-        self.phase, self.kind = meta["phase"], meta["kind"]
+        phase, self.kind = LaddPhase(meta["phase"]), meta["kind"]
         self.styles = dict(zip(meta["style_devices"], state["styles"])) if meta["style_devices"] else {}
         self.assignment = {d: int(c) for d, c in meta["assignment"].items()}
         self.late_discarded = int(meta["late_discarded"])
         if "style_centroids" in state:
             self.clustering = StyleClustering.from_centroids(state["style_centroids"])
             self.clustering.silhouette_scores_ = {int(k): v for k, v in meta["silhouette_scores"].items()}
-        if self.phase == "train":
+        if phase is not LaddPhase.STYLES:
             pretrained = {k.removeprefix("pretrained."): v for k, v in state.items() if k.startswith("pretrained.")}
             self._start_training(pretrained, meta["trainable"], n_clusters=len(meta["teachers"]))
             self.phi = {k.removeprefix("phi."): v.copy() for k, v in state.items() if k.startswith("phi.")}
@@ -490,6 +532,8 @@ class LaddJob(Job):
                 teacher.averaged, teacher.version = meta["teachers"][str(c)]
         self.kd_confirmed = set(meta["kd_confirmed"])
         self._open, self._agg = False, None
+        # a checkpoint written before DONE existed says "train" after the last round: it meant DONE
+        self.phase = LaddPhase.DONE if phase is LaddPhase.TRAIN and self._training_over() else phase
 
     def bookkeeping(self) -> dict:
         """JSON-able scheduling state as of the round just opened (the service stores it with the round)."""
@@ -507,6 +551,9 @@ class LaddJob(Job):
         self._rng.setstate((version, tuple(internal), gauss))
         if int(state["round"]) <= self.round:
             return
+        if state["kind"] != KIND_STYLE and self.phase is LaddPhase.STYLES:
+            # a training round opened in the style phase: scheduling ended that phase (nobody left to ask)
+            LADD_TABLE.fire(self, NobodyLeftToAsk())
         self.round, self.train_round, self.kind = int(state["round"]), int(state["train_round"]), state["kind"]
         self._open, self._participants, self._applied = bool(state["open"]), frozenset(state["participants"]), set()
         self._agg = self._new_aggregation(self._participants) if self.kind != KIND_STYLE else None
@@ -518,3 +565,32 @@ class LaddJob(Job):
                 "silhouette_scores": {str(k): v for k, v in (cl.silhouette_scores_ if cl else {}).items()},
                 "assignment": dict(self.assignment), "round_log": self.round_log,
                 "trainable": list(self.trainable), "kd_sha256": self.kd_sha256}
+
+
+_J, _P = LaddJob, LaddPhase
+LADD_TABLE = TransitionTable(LaddPhase, [
+    Transition(_P.STYLES, Created, 'clustering "none", an initial model', _J._start_with_initial,
+               goes_to=(_P.TRAIN, _P.DONE), note="no style round: train from the initial model", guard=_J._skips_styles),
+    Transition(_P.STYLES, Created, "", _J._stay, note="ask the online devices for their styles"),
+    Transition(_P.STYLES, StyleRoundClosed, "the styles are in", _J._cluster_closing_round, goes_to=(_P.TRAIN, _P.DONE),
+               note="cluster the styles (KMeans, k by silhouette), pre-train", guard=_J._styles_complete),
+    Transition(_P.STYLES, StyleRoundClosed, "", _J._stay, note="ask again whoever has attempts left"),
+    Transition(_P.STYLES, NobodyLeftToAsk, "styles in, min_styles = 0", _J._cluster_what_is_in,
+               goes_to=(_P.TRAIN, _P.DONE), note="cluster without the silent ones, pre-train",
+               guard=_J._can_cluster_now),
+    Transition(_P.STYLES, NobodyLeftToAsk, "", _J._stay, note="wait for min_styles styles"),
+    Transition((_P.TRAIN, _P.DONE), StyleRoundClosed, "", _J._route_late_styles,
+               note="late devices: nearest centroid, no refit"),
+    Transition(_P.TRAIN, TrainRoundClosed, "t = rounds or the budget allows no more", _J._close_last_train_round,
+               goes_to=(_P.DONE,), note="aggregate, update the teachers; the job is finished",
+               guard=_J._training_over),
+    Transition(_P.TRAIN, TrainRoundClosed, "", _J._close_train_round, note="aggregate; every ω rounds the teachers"),
+])
+
+
+def render_table() -> str:
+    return LADD_TABLE.render()
+
+
+if __name__ == "__main__":
+    print(render_table())
