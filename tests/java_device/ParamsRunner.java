@@ -34,6 +34,8 @@ public final class ParamsRunner {
             case "fed3r.stats": return Fed3RStatsParams.fromParams(params).toParams();
             case "fedavg.head": return HeadTrainingParams.fromParams(params).toParams();
             case "oll.personalize": return PersonalizeParams.fromParams(params).toParams();
+            case "fed3r.secure": return SecureFed3RParams.fromParams(params).toParams();
+            case "fedavg.secure": return SecureFedAvgParams.fromParams(params).toParams();
             default: throw new IllegalArgumentException("no typed params for " + kind);
         }
     }
