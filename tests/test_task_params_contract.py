@@ -407,14 +407,15 @@ def test_the_java_device_reads_and_refuses_the_golden_params_as_python_does():
 
     if java_build.missing():
         pytest.skip(java_build.missing())
-    classpath = java_build.built()
-    for kind in GOLDEN_KINDS:
-        path = GOLDEN_DIR / f"{kind}.json"
+    paths = [GOLDEN_DIR / f"{kind}.json" for kind in GOLDEN_KINDS]
+    proc = subprocess.run(["java", "-cp", java_build.built(), "ParamsRunner", *map(str, paths)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    blocks = proc.stdout.split("KIND ")[1:]
+    assert [block.split("\n", 1)[0] for block in blocks] == list(GOLDEN_KINDS)
+    for kind, path, block in zip(GOLDEN_KINDS, paths, blocks):
         golden = json.loads(path.read_text())
-        proc = subprocess.run(["java", "-cp", classpath, "ParamsRunner", str(path)], capture_output=True, text=True,
-                              timeout=120)
-        assert proc.returncode == 0, proc.stderr
-        lines = proc.stdout.splitlines()
+        lines = block.splitlines()[1:]
         valid = [json.loads(line.split(" ", 2)[2]) for line in lines if line.startswith("VALID ")]
         assert valid == [case["canonical"] for case in golden["valid"]], kind
         outcomes = [line.split(" ", 2)[2] for line in lines if line.startswith("INVALID ")]
