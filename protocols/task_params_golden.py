@@ -1,5 +1,6 @@
 """Golden vectors of task params: what a device of any language must accept, read the same, and
-refuse (protocols/golden/task_params/<kind>.json), for the kinds the Java device serves.
+refuse (protocols/golden/task_params/<kind>.json), for the kinds the Java device serves (its plain
+kinds and the secure kinds it answers under SecAgg: fed3r.secure, fedavg.secure).
 
 Each file holds ``valid`` cases (``params`` as a task may carry them: minimal, full, with an
 unknown key; ``canonical``: the declared type's ``to_params()`` of them, every default filled
@@ -19,6 +20,9 @@ from .payloads.task_kinds import TASK_PARAMS
 GOLDEN_DIR = Path(__file__).resolve().parent / "golden" / "task_params"
 _MODEL = {"num_classes": 3, "backbone": "mobilenet_v2", "image_size": 64}
 _SHA = "ab" * 32
+_DP = {"stddev": 0.5, "scale_bits": 16}
+_SYNC = {**_MODEL, "group": "g1", "max_samples": 100}                         # fed3r.secure, minimal
+_SECURE_HEAD = {**_MODEL, "group": "g1", "max_samples": 100, "max_abs_param": 50.0}      # fedavg.secure, minimal
 
 # kind -> (valid params, [(field refused, params)])
 CASES: dict[str, tuple[list[dict], list[tuple[str, dict]]]] = {
@@ -58,6 +62,47 @@ CASES: dict[str, tuple[list[dict], list[tuple[str, dict]]]] = {
          ("fp_folds", {**_MODEL, "fp_folds": 21}), ("tail_stages", {**_MODEL, "tail_stages": -1}),
          ("batch_size", {**_MODEL, "batch_size": 0}), ("personal_job", {**_MODEL, "personal_job": 3}),
          ("fp_part", {**_MODEL, "fp_part": "tail"}), ("params_version", {**_MODEL, "params_version": 2})]),
+    "fed3r.secure": (
+        [_SYNC,
+         {**_MODEL, "weights_sha256": _SHA, "fit_intercept": False, "random_features": None, "format": "dense",
+          "dtype": "float64", "factor": False, "feature_clip_norm": 1.0, "max_samples": 20, "cap_samples": True,
+          "from_sample": 0, "group": "g-7", "dp": {**_DP, "threshold": 3, "clip_norm": 1.5}, "params_version": 1,
+          "a_field_from_the_future": "x"},
+         {**_SYNC, "dp": None, "format": "sparse", "dtype": "float32"}],
+        [("group", {**_MODEL, "max_samples": 20}), ("group", {**_SYNC, "group": ""}), ("group", {**_SYNC, "group": 5}),
+         ("group", {**_SYNC, "group": "g" * 129}), ("max_samples", {**_MODEL, "group": "g1"}),
+         ("max_samples", {**_SYNC, "max_samples": None}), ("max_samples", {**_SYNC, "max_samples": 0}),
+         ("max_samples", {**_SYNC, "max_samples": 1.5}), ("dp", {**_SYNC, "dp": "x"}), ("dp", {**_SYNC, "dp": [_DP]}),
+         ("stddev", {**_SYNC, "dp": {"scale_bits": 16}}), ("dp.stddev", {**_SYNC, "dp": {**_DP, "stddev": -1.0}}),
+         ("dp.scale_bits", {**_SYNC, "dp": {**_DP, "scale_bits": 63}}),
+         ("dp.scale_bits", {**_SYNC, "dp": {**_DP, "scale_bits": 1.5}}),
+         ("dp.threshold", {**_SYNC, "dp": {**_DP, "threshold": 0}}),
+         ("dp.clip_norm", {**_SYNC, "dp": {**_DP, "clip_norm": 0.0}}), ("format", {**_SYNC, "format": "csv"}),
+         ("params_version", {**_SYNC, "params_version": 2}), ("params_version", {**_SYNC, "params_version": "1"})]),
+    "fedavg.secure": (
+        [_SECURE_HEAD,
+         {**_MODEL, "feature_dim": 16, "epochs": 2, "batch_size": 8, "lr": 0.05, "weight_decay": 1e-05,
+          "temperature": 0.2, "seed": 7, "local_rule": "sam", "sam_rho": 0.5, "asam_eta": 0.3, "prox_mu": 0.0,
+          "model_version": 3, "group": "g-2", "max_samples": 64, "max_abs_param": 20, "vector_order": ["bias", "weight"],
+          "update_clip_norm": 2.0, "dp": {**_DP, "clip_norm": 1.5}, "params_version": 1,
+          "a_field_from_the_future": [None]},
+         {**_SECURE_HEAD, "dp": None, "update_clip_norm": None, "vector_order": ["weight"]}],
+        [("group", {**_MODEL, "max_samples": 100, "max_abs_param": 50.0}), ("group", {**_SECURE_HEAD, "group": ""}),
+         ("group", {**_SECURE_HEAD, "group": ["g1"]}), ("max_samples", {**_MODEL, "group": "g1", "max_abs_param": 50.0}),
+         ("max_samples", {**_SECURE_HEAD, "max_samples": 0}), ("max_samples", {**_SECURE_HEAD, "max_samples": "100"}),
+         ("max_samples", {**_SECURE_HEAD, "max_samples": 10**9 + 1}),
+         ("max_abs_param", {**_MODEL, "group": "g1", "max_samples": 100}),
+         ("max_abs_param", {**_SECURE_HEAD, "max_abs_param": 0.0}), ("max_abs_param", {**_SECURE_HEAD, "max_abs_param": -1}),
+         ("max_abs_param", {**_SECURE_HEAD, "max_abs_param": None}), ("vector_order", {**_SECURE_HEAD, "vector_order": []}),
+         ("vector_order", {**_SECURE_HEAD, "vector_order": ["weight", "weight"]}),
+         ("vector_order", {**_SECURE_HEAD, "vector_order": "weight"}), ("vector_order", {**_SECURE_HEAD, "vector_order": [5]}),
+         ("update_clip_norm", {**_SECURE_HEAD, "update_clip_norm": -1.0}),
+         ("update_clip_norm", {**_SECURE_HEAD, "update_clip_norm": "x"}), ("dp", {**_SECURE_HEAD, "dp": 1}),
+         ("clip_norm", {**_SECURE_HEAD, "dp": _DP}), ("dp.stddev", {**_SECURE_HEAD, "dp": {**_DP, "clip_norm": 1.0,
+                                                                                            "stddev": "x"}}),
+         ("dp.scale_bits", {**_SECURE_HEAD, "dp": {**_DP, "clip_norm": 1.0, "scale_bits": -1}}),
+         ("dp.clip_norm", {**_SECURE_HEAD, "dp": {**_DP, "clip_norm": -1.0}}), ("lr", {**_SECURE_HEAD, "lr": 0}),
+         ("params_version", {**_SECURE_HEAD, "params_version": 2})]),
 }
 
 

@@ -156,12 +156,16 @@ def test_malformed_fedavg_head_tasks_are_declined_with_a_reason(java_cp, tmp_pat
                                             ({"max_abs_param": 0.01}, "> the round's bound 0.01"),
                                             ({"max_samples": 10}, "exceed the round's bound of 10"),
                                             ({"dp": {"clip_norm": 1.0, "stddev": 0.1}}, "scale_bits"),
-                                            ({"dp": {"stddev": 0.1, "scale_bits": 16}}, "clip_norm is missing")])
+                                            ({"dp": {"stddev": 0.1, "scale_bits": 16}}, "needs its clip_norm"),
+                                            ({"update_clip_norm": 0.5}, None), ({"update_clip_norm": 0.0}, None),
+                                            ({"group": ""}, "needs its group"), ({"lr": 0}, "lr must be")])
 def test_secure_fedavg_vector_is_the_python_devices(java_cp, tmp_path, change, reason):
     """fedavg.secure: the vector the Java device masks is [n·θ in vector_order | n] of its trained
-    head, the Python device's (protocols.payloads.secagg.pack_weighted) within n·HEAD_ATOL; heads
-    beyond the round's bounds and malformed dp params are declined with a reason."""
+    head (θ_t + the update clipped to update_clip_norm when the task sets one), the Python device's
+    (protocols.payloads.secagg.pack_weighted, SecureUpdate.clipped_delta) within n·HEAD_ATOL; heads
+    beyond the round's bounds and malformed params are declined with a reason."""
     from edge_client.tasks.head_training import LocalTraining, train_head
+    from edge_client.tasks.secure_update import SecureUpdate
     from protocols.payloads.secagg import pack_weighted
 
     Z, y = device_data(0)
@@ -176,8 +180,12 @@ def test_secure_fedavg_vector_is_the_python_devices(java_cp, tmp_path, change, r
         return
     got = np.array(proc.stdout.split()[1:], dtype=np.float64)
     trained = train_head(head["weight"], head["bias"], Z, y, LocalTraining.from_params(RECIPE))
-    want = pack_weighted({"weight": trained.weight, "bias": trained.bias}, params.get("vector_order", ["weight", "bias"]),
-                         len(y))
+    tensors = {"weight": trained.weight, "bias": trained.bias}
+    if change.get("update_clip_norm"):        # bounded influence: θ_t + clip(θ_k − θ_t); 0 means no clip
+        delta = SecureUpdate.clipped_delta(change["update_clip_norm"], tensors, head)
+        assert np.linalg.norm(trained.weight) > 2 * change["update_clip_norm"]      # the clipping bites
+        tensors = {k: np.asarray(head[k], np.float64) + delta[k] for k in tensors}
+    want = pack_weighted(tensors, params.get("vector_order", ["weight", "bias"]), len(y))
     assert got.shape == want.shape and got[-1] == len(y)
     assert np.abs(got - want).max() <= len(y) * HEAD_ATOL
 

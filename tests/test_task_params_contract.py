@@ -1,8 +1,8 @@
 """Task parameters are a declared contract (protocols/payloads/task_kinds.py), checked three ways.
 
 * No device module reads a raw params dict: every handler parses its kind's declared type
-  (an AST scan of edge_client/tasks and edge_client/runtime, shown to fail on the idioms it
-  replaced).
+  (an AST scan of edge_client/tasks and edge_client/runtime, and a line scan of the Java device
+  outside its typed params classes, each shown to fail on the idioms it replaced).
 * Each kind's type round-trips (to_params -> JSON -> from_params is the identity) and refuses
   every field of a wrong JSON type, a missing required field, a version the device does not speak
   and each kind's out-of-range values, with ValueError.
@@ -19,6 +19,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -86,6 +87,38 @@ def test_the_raw_read_scan_catches_the_idioms_it_replaced():
                 "x = act.params['b']\n"
                 "ok = task.training.lr\n")
     assert raw_params_reads(replaced) == [1, 2, 3, 5, 6, 7]
+
+
+# the Java device: only its typed params classes (and the parts they compose) read a raw params map
+JAVA_DEVICE = ROOT / "clients" / "java" / "src"
+JAVA_PARAMS_PARTS = ("LocalTraining.java", "ModelSpec.java", "DpRound.java", "SecureUpdateRound.java")
+JAVA_RAW_READ = re.compile(r"\bparams\s*\.\s*(get|getOrDefault|containsKey|keySet|entrySet|values|put|remove)\s*\("
+                           r"|\b(Task)?Params\s*\.\s*(integer|number|string|present|bool|choice|require)\s*\(")
+
+
+def java_raw_params_reads(source: str) -> list[int]:
+    """Lines reading a raw params map: params.get/getOrDefault/containsKey(...) (also of
+    ``task.params``) or the field readers of Params/TaskParams."""
+    return [i for i, line in enumerate(source.splitlines(), 1) if JAVA_RAW_READ.search(line)]
+
+
+def test_no_java_device_class_but_the_typed_params_reads_a_raw_params_map():
+    offenders = {str(path.relative_to(ROOT)): java_raw_params_reads(path.read_text())
+                 for path in sorted(JAVA_DEVICE.rglob("*.java"))
+                 if not path.name.endswith("Params.java") and path.name not in JAVA_PARAMS_PARTS}
+    assert {p: lines for p, lines in offenders.items() if lines} == {}
+    assert all((JAVA_DEVICE / "org" / "fedfleet" / "device" / name).exists() for name in JAVA_PARAMS_PARTS)
+
+
+def test_the_java_raw_read_scan_catches_the_idioms_it_replaced():
+    replaced = ('Object group = w.task.params.get("group");\n'
+                'long maxSamples = Params.integer(params, "max_samples", 1, Long.MAX_VALUE);\n'
+                'if (params.containsKey("dp")) return noise.add(v, params.get("dp"), v.length - 1);\n'
+                'Object order = params.getOrDefault("vector_order", new ArrayList<Object>(HEAD_ORDER));\n'
+                'double stddev = Params.number(p, "stddev", Double.NaN, false);\n'
+                'SecureFedAvgParams task = SecureFedAvgParams.fromParams(params);\n'
+                'extractor.checkModel(task.model);\n')
+    assert java_raw_params_reads(replaced) == [1, 2, 3, 4, 5]
 
 
 # ----------------------------------------------------------------------------- examples per kind
@@ -300,7 +333,7 @@ def _agent_declines(handler, tasks: list[dict]) -> list[str]:
     agent = DeviceAgent("dev0", BrokerConfig(), {"fedavg.head": handler}, link_factory=RecordingLink)
     for round_, params in enumerate(tasks, 1):
         task = M.task_message("aggregator", "job-1", round_, "fedavg.head", params, deadline=4e9)
-        agent._handle_raw("inbox", encode(decode(encode(task))))
+        agent._handle(("inbox", encode(decode(encode(task)))))      # what the agent's loop serves
     return sent
 
 
@@ -345,7 +378,8 @@ def test_each_schema_accepts_the_example_and_says_what_the_type_requires(kind):
 
 
 # ----------------------------------------------------------------------------- golden vectors: Python and Java
-GOLDEN_KINDS = ("fed3r.stats", "fedavg.head", "oll.personalize")       # the kinds the Java device serves
+GOLDEN_KINDS = ("fed3r.stats", "fedavg.head", "oll.personalize",      # the kinds the Java device serves
+                "fed3r.secure", "fedavg.secure")
 
 
 def test_the_checked_in_golden_params_are_the_rendered_ones_and_python_reads_them():
@@ -373,14 +407,15 @@ def test_the_java_device_reads_and_refuses_the_golden_params_as_python_does():
 
     if java_build.missing():
         pytest.skip(java_build.missing())
-    classpath = java_build.built()
-    for kind in GOLDEN_KINDS:
-        path = GOLDEN_DIR / f"{kind}.json"
+    paths = [GOLDEN_DIR / f"{kind}.json" for kind in GOLDEN_KINDS]
+    proc = subprocess.run(["java", "-cp", java_build.built(), "ParamsRunner", *map(str, paths)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    blocks = proc.stdout.split("KIND ")[1:]
+    assert [block.split("\n", 1)[0] for block in blocks] == list(GOLDEN_KINDS)
+    for kind, path, block in zip(GOLDEN_KINDS, paths, blocks):
         golden = json.loads(path.read_text())
-        proc = subprocess.run(["java", "-cp", classpath, "ParamsRunner", str(path)], capture_output=True, text=True,
-                              timeout=120)
-        assert proc.returncode == 0, proc.stderr
-        lines = proc.stdout.splitlines()
+        lines = block.splitlines()[1:]
         valid = [json.loads(line.split(" ", 2)[2]) for line in lines if line.startswith("VALID ")]
         assert valid == [case["canonical"] for case in golden["valid"]], kind
         outcomes = [line.split(" ", 2)[2] for line in lines if line.startswith("INVALID ")]

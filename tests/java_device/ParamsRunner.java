@@ -1,18 +1,24 @@
 // Parses the task params of a golden vector file (protocols/golden/task_params/<kind>.json) with
 // the Java device's typed params class of the kind, so tests/test_task_params_contract.py can
 // check that both devices accept and refuse the same params and read them the same.
-// Usage: java ParamsRunner <golden file>; prints "VALID <i> <canonical JSON of toParams()>" per
-// valid case and "INVALID <i> DECLINED <reason>" or "INVALID <i> ACCEPTED" per invalid one.
+// Usage: java ParamsRunner <golden file>...; prints per file "KIND <kind>", then "VALID <i> <canonical
+// JSON of toParams()>" per valid case and "INVALID <i> DECLINED <reason>" or "INVALID <i> ACCEPTED"
+// per invalid one.
 import java.nio.file.*;
 import java.util.*;
 import org.fedfleet.device.*;
 import org.fedfleet.wire.*;
 
 public final class ParamsRunner {
-    @SuppressWarnings("unchecked")
     public static void main(String[] args) throws Exception {
-        Map<String, Object> golden = (Map<String, Object>) Json.parse(new String(Files.readAllBytes(Paths.get(args[0])), "UTF-8"));
+        for (String path : args) run(path);          // one JVM for every kind's file
+    }
+
+    @SuppressWarnings("unchecked")
+    private static void run(String path) throws Exception {
+        Map<String, Object> golden = (Map<String, Object>) Json.parse(new String(Files.readAllBytes(Paths.get(path)), "UTF-8"));
         String kind = (String) golden.get("kind");
+        System.out.println("KIND " + kind);
         List<?> valid = (List<?>) golden.get("valid"), invalid = (List<?>) golden.get("invalid");
         for (int i = 0; i < valid.size(); i++) {
             Map<String, Object> params = (Map<String, Object>) ((Map<String, Object>) valid.get(i)).get("params");
@@ -34,6 +40,8 @@ public final class ParamsRunner {
             case "fed3r.stats": return Fed3RStatsParams.fromParams(params).toParams();
             case "fedavg.head": return HeadTrainingParams.fromParams(params).toParams();
             case "oll.personalize": return PersonalizeParams.fromParams(params).toParams();
+            case "fed3r.secure": return SecureFed3RParams.fromParams(params).toParams();
+            case "fedavg.secure": return SecureFedAvgParams.fromParams(params).toParams();
             default: throw new IllegalArgumentException("no typed params for " + kind);
         }
     }

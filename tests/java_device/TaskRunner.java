@@ -21,9 +21,7 @@ import org.fedfleet.wire.*;
 public final class TaskRunner {
     public static void main(String[] args) throws Exception {
         if (args[0].equals("--skellam")) {        // draws of the DP noise on the integer grid
-            Map<String, Object> dp = new LinkedHashMap<>();
-            dp.put("stddev", Double.parseDouble(args[1]));
-            dp.put("scale_bits", BigInteger.ZERO);
+            DpRound dp = DpRound.of(Double.parseDouble(args[1]), 0);
             int count = Integer.parseInt(args[2]);
             StringBuilder out = new StringBuilder("NOISE");
             for (double x : new SkellamNoise().add(new double[count], dp, count)) out.append(' ').append((long) x);
@@ -90,7 +88,7 @@ public final class TaskRunner {
             secure.put(SecureFed3RTask.KIND, new SecureFed3RTask((Fed3RStatsTask) handlers.get(Fed3RStatsTask.KIND)));
             if (secure.containsKey(task.kind)) {      // the vector it would mask
                 StringBuilder v = new StringBuilder("VECTOR");
-                for (double x : secure.get(task.kind).vector(task.params, msg.tensors)) v.append(' ').append(x);
+                for (double x : secure.get(task.kind).contribute(task.params, msg.tensors).vector) v.append(' ').append(x);
                 return v.append('\n').toString();
             }
             TaskHandler.Result r = handlers.get(task.kind).run(task.params, msg.tensors);

@@ -3,11 +3,9 @@
 // are the features the exported program produced (PrecomputedFeatures).
 package org.fedfleet.device;
 
-import java.util.Map;
-
 public interface FeatureExtractor {
-    /** Declines a task whose model fields (backbone, image_size, weights_sha256, bundle_sha256) are not this extractor's. */
-    void checkModel(Map<String, Object> params) throws TaskDeclined;
+    /** Declines a task whose model (backbone, image_size, weights_sha256, bundle_sha256) is not this extractor's. */
+    void checkModel(ModelSpec model) throws TaskDeclined;
 
     int featureDim();
 

@@ -10,7 +10,7 @@ import org.fedfleet.wire.Json;
 
 public final class Fed3RStatsParams {
     static final String KIND = "fed3r.stats";
-    final TaskParams.Model model;
+    final ModelSpec model;
     final boolean fitIntercept, factor;
     final Object randomFeatures;            // a JSON object, or null (this device declines random features)
     final String format, dtype;
@@ -20,7 +20,7 @@ public final class Fed3RStatsParams {
 
     private Fed3RStatsParams(Map<String, Object> p) throws TaskDeclined {
         TaskParams.checkVersion(p, KIND);
-        model = TaskParams.Model.fromParams(p);
+        model = ModelSpec.fromParams(p);
         fitIntercept = TaskParams.bool(p, "fit_intercept", true);
         Object rf = p.get("random_features");
         if (TaskParams.present(p, "random_features") && !(rf instanceof Map))

@@ -25,12 +25,12 @@ public final class Fed3RStatsTask implements TaskHandler {
      *  samples after the first from_sample (streaming: the aggregator holds those already), the
      *  first max_samples of them when the task caps samples (DP), rows clipped to
      *  feature_clip_norm when it is > 0. */
-    public Fed3RAccumulator accumulate(Map<String, Object> params) throws TaskDeclined {
+    public Fed3RAccumulator accumulate(Fed3RStatsParams task) throws TaskDeclined {
         if (data.size() == 0) throw new TaskDeclined("no local training data");
-        return accumulate(Fed3RStatsParams.fromParams(params), params, false);
+        return accumulate(task, false);
     }
 
-    private Fed3RAccumulator accumulate(Fed3RStatsParams task, Map<String, Object> params, boolean keepRows) throws TaskDeclined {
+    private Fed3RAccumulator accumulate(Fed3RStatsParams task, boolean keepRows) throws TaskDeclined {
         int numClasses = task.model.numClasses;
         if (task.randomFeatures != null)
             throw new TaskDeclined("random features (Fed3R-RF) are not supported by this device");
@@ -44,7 +44,7 @@ public final class Fed3RStatsTask implements TaskHandler {
         for (int i = start; i < data.size(); i++)
             if (data.label(i) < 0 || data.label(i) >= numClasses)
                 throw new TaskDeclined("local label " + data.label(i) + " outside the job's " + numClasses + " classes");
-        extractor.checkModel(params);
+        extractor.checkModel(task.model);
         Fed3RAccumulator acc;
         try {
             acc = new Fed3RAccumulator(numClasses, extractor.featureDim(), task.fitIntercept, clipNorm);
@@ -74,7 +74,7 @@ public final class Fed3RStatsTask implements TaskHandler {
         Fed3RStatsParams task = Fed3RStatsParams.fromParams(params);
         String format = task.format, dtype = task.dtype;
         boolean factorOk = task.factor && "sparse".equals(format);
-        Fed3RAccumulator acc = accumulate(task, params, factorOk);
+        Fed3RAccumulator acc = accumulate(task, factorOk);
         CanonicalFactor f = factorOk ? acc.factor() : null;
         long[] classes = acc.presentClasses();
         Result r = f != null && factorValues(f, classes.length) < (long) acc.p * (acc.p + 1) / 2 + (long) classes.length * acc.p

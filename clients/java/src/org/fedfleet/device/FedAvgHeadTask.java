@@ -27,25 +27,20 @@ public final class FedAvgHeadTask implements TaskHandler {
     public Result run(Map<String, Object> params, List<Envelope.Tensor> tensors) throws TaskDeclined {
         if (data.size() == 0) throw new TaskDeclined("no local training data");
         HeadTrainingParams task = HeadTrainingParams.fromParams(params);
-        HeadTrainer.Trained trained = train(task, params, tensors);
+        HeadTrainer.Trained trained = train(task, tensors);
         int numClasses = trained.bias.length;
         return encode(trained.weight, trained.bias, numClasses, trained.weight.length / numClasses, trained.n, task.modelVersion);
     }
 
     /** The task's head after local training (what the secure variant masks). */
-    public HeadTrainer.Trained train(Map<String, Object> params, List<Envelope.Tensor> tensors) throws TaskDeclined {
+    public HeadTrainer.Trained train(HeadTrainingParams task, List<Envelope.Tensor> tensors) throws TaskDeclined {
         if (data.size() == 0) throw new TaskDeclined("no local training data");
-        return train(HeadTrainingParams.fromParams(params), params, tensors);
-    }
-
-    private HeadTrainer.Trained train(HeadTrainingParams task, Map<String, Object> params, List<Envelope.Tensor> tensors)
-            throws TaskDeclined {
         int numClasses = task.model.numClasses, dim = task.featureDim;
         LocalTraining recipe = task.recipe;
         float[] weight = headTensor(tensors, "weight", new long[] {numClasses, dim});
         float[] bias = headTensor(tensors, "bias", new long[] {numClasses});
         int[] labels = LocalFeatures.labels(data, numClasses);
-        extractor.checkModel(params);
+        extractor.checkModel(task.model);
         if (extractor.featureDim() != dim)
             throw new TaskDeclined("backbone gives " + extractor.featureDim() + "-d features, task expects " + dim);
         HeadTrainer.Trained trained;

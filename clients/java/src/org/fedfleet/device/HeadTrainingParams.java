@@ -8,14 +8,14 @@ import java.util.Map;
 
 public final class HeadTrainingParams {
     static final String KIND = "fedavg.head";
-    final TaskParams.Model model;
+    final ModelSpec model;
     final int featureDim;
     final LocalTraining recipe;
     final Long modelVersion;                // null: absent
 
     private HeadTrainingParams(Map<String, Object> p) throws TaskDeclined {
         TaskParams.checkVersion(p, KIND);
-        model = TaskParams.Model.fromParams(p);
+        model = ModelSpec.fromParams(p);
         featureDim = (int) Params.integer(p, "feature_dim", 1280, 1, 1_000_000);
         recipe = LocalTraining.fromParams(p);
         modelVersion = TaskParams.present(p, "model_version") ? Params.integer(p, "model_version", 0, 1_000_000_000) : null;

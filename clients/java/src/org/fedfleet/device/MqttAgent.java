@@ -257,12 +257,10 @@ public final class MqttAgent implements AutoCloseable {
     private void startSecure(DeviceSession.StartWork w, SecureTask secure) {
         TaskRef ref = w.task.ref;
         try {
-            Object group = w.task.params.get("group");
-            if (!(group instanceof String)) throw new TaskDeclined("secure task without a group");
-            double[] vector = secure.vector(w.task.params, w.tensors);
+            SecureTask.Contribution mine = secure.contribute(w.task.params, w.tensors);
             Identity id = (Identity) o.signer;
-            secagg.open(ref.job, ref.round, (String) group, new ClientSecAgg(deviceId, id, id.publicKey(), Topics.AGGREGATOR_ID,
-                    o.aggregatorKey, ref.job, ref.round, (String) group, vector));
+            secagg.open(ref.job, ref.round, mine.group, new ClientSecAgg(deviceId, id, id.publicKey(), Topics.AGGREGATOR_ID,
+                    o.aggregatorKey, ref.job, ref.round, mine.group, mine.vector));
         } catch (TaskDeclined e) {
             execute(session.onWorkFailed(ref, e.getMessage()));
             return;

@@ -11,7 +11,7 @@ import java.util.Map;
 
 public final class PersonalizeParams {
     static final String KIND = "oll.personalize";
-    final TaskParams.Model model;
+    final ModelSpec model;
     final int featureDim, fpEpochs, fpFolds, tailStages;
     final String fallback, personalJob;     // personalJob null: absent
     final String fpPart;                    // psi | phi | M: what FP fine-tunes (this library: psi only)
@@ -20,7 +20,7 @@ public final class PersonalizeParams {
 
     private PersonalizeParams(Map<String, Object> p) throws TaskDeclined {
         TaskParams.checkVersion(p, KIND);
-        model = TaskParams.Model.fromParams(p);
+        model = ModelSpec.fromParams(p);
         featureDim = (int) Params.integer(p, "feature_dim", 1280, 1, 1_000_000);
         fallback = TaskParams.choice(p, "fallback", "error", "error", "global");
         fpEpochs = (int) Params.integer(p, "fp_epochs", 0, 0, 10_000);

@@ -45,7 +45,7 @@ public final class PersonalizeTask implements TaskHandler {
         float[] weight = FedAvgHeadTask.headTensor(tensors, "weight", new long[] {numClasses, dim});
         float[] bias = FedAvgHeadTask.headTensor(tensors, "bias", new long[] {numClasses});
         int[] yTrain = LocalFeatures.labels(train, numClasses), yTest = LocalFeatures.labels(heldOut, numClasses);
-        extractor.checkModel(params);
+        extractor.checkModel(task.model);
         if (extractor.featureDim() != dim)
             throw new TaskDeclined("backbone gives " + extractor.featureDim() + "-d features, task expects " + dim);
         float[][] fTrain = LocalFeatures.extract(train, extractor), fTest = LocalFeatures.extract(heldOut, extractor);

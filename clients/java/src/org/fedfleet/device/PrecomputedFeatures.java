@@ -3,14 +3,12 @@
 // of a task but checks that the inputs have the dimension it was built for.
 package org.fedfleet.device;
 
-import java.util.Map;
-
 public final class PrecomputedFeatures implements FeatureExtractor {
     private final int dim;
 
     public PrecomputedFeatures(int dim) { this.dim = dim; }
 
-    @Override public void checkModel(Map<String, Object> params) {}
+    @Override public void checkModel(ModelSpec model) {}
 
     @Override public int featureDim() { return dim; }
 

@@ -1,6 +1,7 @@
 // A task kind answered under secure aggregation: the device computes one fixed-shape float
 // vector, and the group's SecAgg round (SecAggSessions) sums it with its peers' vectors; the
-// aggregator never sees it. Throw TaskDeclined to refuse (e.g. more samples than the round's bound).
+// aggregator never sees it. The task's typed params name the round's group. Throw TaskDeclined to
+// refuse (malformed params, more samples than the round's bound, ...).
 package org.fedfleet.device;
 
 import java.util.List;
@@ -8,5 +9,13 @@ import java.util.Map;
 import org.fedfleet.wire.Envelope;
 
 public interface SecureTask {
-    double[] vector(Map<String, Object> params, List<Envelope.Tensor> tensors) throws TaskDeclined;
+    /** This device's input to the task's secure round: the round's group and the vector. */
+    Contribution contribute(Map<String, Object> params, List<Envelope.Tensor> tensors) throws TaskDeclined;
+
+    final class Contribution {
+        public final String group;
+        public final double[] vector;
+
+        public Contribution(String group, double[] vector) { this.group = group; this.vector = vector; }
+    }
 }

@@ -6,7 +6,6 @@
 package org.fedfleet.device;
 
 import java.security.SecureRandom;
-import java.util.Map;
 import java.util.Random;
 
 public final class SkellamNoise {
@@ -18,14 +17,13 @@ public final class SkellamNoise {
 
     SkellamNoise(Random random) { this.random = random; }
 
-    /** The task's dp {"stddev", "scale_bits"} applied to v's entries [0, noisedEnd); TaskDeclined
-     *  for bad params or a noisy value beyond 2^52 ring units. */
-    public double[] add(double[] v, Object dp, int noisedEnd) throws TaskDeclined {
-        if (!(dp instanceof Map)) throw new TaskDeclined("bad dp params " + dp);
-        @SuppressWarnings("unchecked") Map<String, Object> p = (Map<String, Object>) dp;
-        double stddev = Params.number(p, "stddev", Double.NaN, false);
-        int bits = (int) Params.integer(p, "scale_bits", 0, EXACT_BITS);
-        if (Double.isNaN(stddev)) throw new TaskDeclined("bad dp params " + dp + ": stddev is missing");
+    /** The round's dp noise applied to v's entries [0, noisedEnd); TaskDeclined for a noise this
+     *  device cannot add (stddev 0, scale_bits beyond 52) or a noisy value beyond 2^52 ring units. */
+    public double[] add(double[] v, DpRound dp, int noisedEnd) throws TaskDeclined {
+        double stddev = dp.stddev;
+        int bits = dp.scaleBits;
+        if (!(stddev > 0) || bits > EXACT_BITS)
+            throw new TaskDeclined("bad dp params " + dp + ": needs stddev > 0 and scale_bits <= " + EXACT_BITS);
         double mu = Math.pow(stddev * Math.scalb(1.0, bits), 2) / 2;
         double[] out = new double[v.length];
         for (int k = 0; k < v.length; k++) {

@@ -1,6 +1,6 @@
 // What every task kind's typed params share (protocols/payloads/task_params.py): the version a
 // device speaks (params_version 1; absent means 1; another version declines the task), optional
-// fields (absent or JSON null), and the model fields. Unknown keys are ignored.
+// fields (absent or JSON null), required fields. Unknown keys are ignored. The model fields: ModelSpec.
 package org.fedfleet.device;
 
 import java.math.BigInteger;
@@ -21,6 +21,12 @@ final class TaskParams {
                     + " is not the one this device speaks (" + VERSION + ")");
     }
 
+    /** Declines params without one of `keys` (fields a task must name even where their value may be null). */
+    static void require(Map<String, Object> params, String kind, String... keys) throws TaskDeclined {
+        for (String key : keys)
+            if (!params.containsKey(key)) throw new TaskDeclined("bad " + kind + " params: missing field '" + key + "'");
+    }
+
     /** Whether an optional field is there (present and not null). */
     static boolean present(Map<String, Object> params, String key) {
         return params.containsKey(key) && params.get(key) != Json.NULL && params.get(key) != null;
@@ -36,36 +42,5 @@ final class TaskParams {
         String v = params.containsKey(key) ? Params.string(params, key) : dflt;
         for (String c : choices) if (c.equals(v)) return v;
         throw new TaskDeclined("bad task params: " + key + " must be one of " + String.join(", ", choices) + ", got " + v);
-    }
-
-    /** The model a classification task runs (protocols/payloads/task_params.py ModelSpec). */
-    static final class Model {
-        final int numClasses, imageSize;
-        final String backbone, weightsSha256, bundleSha256;
-
-        private Model(int numClasses, String backbone, int imageSize, String weightsSha256, String bundleSha256) {
-            this.numClasses = numClasses; this.backbone = backbone; this.imageSize = imageSize;
-            this.weightsSha256 = weightsSha256; this.bundleSha256 = bundleSha256;
-        }
-
-        static Model fromParams(Map<String, Object> params) throws TaskDeclined {
-            return new Model((int) Params.integer(params, "num_classes", 1, 1_000_000), Params.string(params, "backbone"),
-                    (int) Params.integer(params, "image_size", 1, 16_384), sha(params, "weights_sha256"), sha(params, "bundle_sha256"));
-        }
-
-        private static String sha(Map<String, Object> params, String key) throws TaskDeclined {
-            String v = params.containsKey(key) ? Params.string(params, key) : "";
-            if (!v.isEmpty() && !v.matches("[0-9a-f]{64}"))
-                throw new TaskDeclined("bad task params: " + key + " must be empty or 64 lowercase hex digits, got " + v);
-            return v;
-        }
-
-        void toParams(Map<String, Object> out) {
-            out.put("num_classes", BigInteger.valueOf(numClasses));
-            out.put("backbone", backbone);
-            out.put("image_size", BigInteger.valueOf(imageSize));
-            out.put("weights_sha256", weightsSha256);
-            out.put("bundle_sha256", bundleSha256);
-        }
     }
 }

@@ -1,0 +1,36 @@
+// fed3r.secure params (protocols/payloads/secure_tasks.py SecureFed3RParams): fed3r.stats's
+// (Fed3RStatsParams; the device sends dense float64 statistics whatever format and dtype say: a
+// sum needs fixed shapes) with max_samples required, plus the round's group and, under
+// distributed DP, its noise (dp). toParams() is their canonical form (golden vectors).
+package org.fedfleet.device;
+
+import java.util.Map;
+
+public final class SecureFed3RParams {
+    static final String KIND = "fed3r.secure";
+    final Fed3RStatsParams stats;
+    final String group;
+    final long maxSamples;
+    final DpRound dp;                       // null: absent (no distributed DP)
+
+    private SecureFed3RParams(Map<String, Object> p) throws TaskDeclined {
+        TaskParams.checkVersion(p, KIND);
+        TaskParams.require(p, KIND, "max_samples", "group");
+        stats = Fed3RStatsParams.fromParams(p);
+        group = SecureUpdateRound.group(p);
+        if (stats.maxSamples == null) throw new TaskDeclined("bad " + KIND + " params: a secure Fed3R task needs max_samples");
+        maxSamples = stats.maxSamples;
+        dp = TaskParams.present(p, "dp") ? DpRound.fromParams(p.get("dp")) : null;
+    }
+
+    public static SecureFed3RParams fromParams(Map<String, Object> params) throws TaskDeclined {
+        return new SecureFed3RParams(params);
+    }
+
+    public Map<String, Object> toParams() {
+        Map<String, Object> out = stats.toParams();
+        out.put("group", group);
+        if (dp != null) out.put("dp", dp.toParams());
+        return out;
+    }
+}
