@@ -72,7 +72,7 @@ from aggregator.service.job_runner import JobRunner
 from aggregator.jobs.registry import KINDS, build_job, job_kind_name
 from aggregator.jobs.secure_rounds import LateProtocolMessage
 from aggregator.service.recovery import open_stored
-from aggregator.shards.coordinator_job import RECEIPT
+from aggregator.shards.shard import RECEIPT
 from aggregator.shards.pool import ShardPool
 from aggregator.storage.store import Store
 from aggregator.storage.schema import JobState

@@ -17,62 +17,37 @@ from typing import Any, Callable
 
 import numpy as np
 
-from protocols.envelope import Envelope, EnvelopeError
+from protocols.envelope import Envelope
 from protocols.rounds import RoundClosed
 
 from aggregator.jobs.base import Job
+from aggregator.shards.coordinated_job import CoordinatedJob
 from aggregator.shards.partial_sums import additive
-from aggregator.shards.shard import RECEIPT
 
 # (kind, config, job id, accepted (device, message id)s) -> the reduced job
 Reducer = Callable[[str, dict, str, list[tuple[str, str]]], Job]
 ACCEPTED = "shard_accepted"         # the state's one array: "device\tmessage id" per accepted receipt
 
 
-class ShardedJob(Job):
+class ShardedJob(CoordinatedJob):
     order_free = False              # the reduction is canonical already: nothing to re-sum at the end
-    evaluate_at_round_close = True  # a model is a reduction over the shards: once per round
 
     def __init__(self, inner: Job, kind: str, reduce: Reducer):
-        self.inner, self.kind_name, self._reduce = inner, kind, reduce
-        self.config = inner.config
+        super().__init__(inner, kind)
+        self._reduce = reduce
         self.accepted: list[tuple[str, str]] = []
         self._model: tuple[int, Job] | None = None      # (len(accepted) it holds, the reduced job)
-
-    # the job's own scheduling
-    kind = property(lambda self: self.inner.kind)
-    round = property(lambda self: self.inner.round)
-    contributed = property(lambda self: self.inner.contributed,
-                           lambda self, value: setattr(self.inner, "contributed", value))
 
     @property
     def contributions(self) -> int:
         return len(self.accepted)
-
-    def next_participants(self, online: set[str]) -> list[str]:
-        return self.inner.next_participants(online)
-
-    def task_for(self, device: str) -> tuple[dict, dict[str, np.ndarray]]:
-        return self.inner.task_for(device)
-
-    def finished(self, online: set[str], known: set[str]) -> bool:
-        return self.inner.finished(online, known)
-
-    def bookkeeping(self) -> dict:
-        return self.inner.bookkeeping()
-
-    def restore_bookkeeping(self, state: dict) -> None:
-        self.inner.restore_bookkeeping(state)
 
     def close_round(self, closed: RoundClosed) -> None:
         self.inner.close_round(closed)
 
     # receipts in place of results
     def parse_result(self, env: Envelope) -> tuple[str, Any]:
-        receipt = env.body.get(RECEIPT)
-        if not isinstance(receipt, dict) or not isinstance(receipt.get("job"), dict):
-            raise EnvelopeError("a sharded job takes its results from its shards' receipts only")
-        return env.id, receipt["job"]
+        return env.id, self.receipt(env)
 
     def apply(self, device: str, payload: tuple[str, dict]) -> None:
         message_id, kept = payload

@@ -21,31 +21,24 @@ from typing import Any
 
 import numpy as np
 
-from protocols.envelope import Envelope, EnvelopeError, body_field
+from protocols.envelope import Envelope, body_field
 from protocols.rounds import RoundClosed
 
 from aggregator.jobs.base import Job
+from aggregator.shards.coordinated_job import CoordinatedJob
 from aggregator.shards.fedavg_sums import RoundContext, bound_layers, round_mean
 from aggregator.shards.partial_sums import additive
-from aggregator.shards.shard import RECEIPT
 from aggregator.shards.sum_tree import root_sum
 
 
-class ShardedRoundsJob(Job):
-    evaluate_at_round_close = True
-
+class ShardedRoundsJob(CoordinatedJob):
     def __init__(self, inner: Job, kind: str, pool):
-        self.inner, self.kind_name, self.pool = inner, kind, pool
-        self.config = inner.config
+        super().__init__(inner, kind)
+        self.pool = pool
         self.sums = additive(kind)
         self.layers = bound_layers(inner.config)
         self.round_accepted: dict[str, tuple[str, int]] = {}    # device -> (message id, n_k), open round
 
-    # the job's own scheduling
-    kind = property(lambda self: self.inner.kind)
-    round = property(lambda self: self.inner.round)
-    contributed = property(lambda self: self.inner.contributed,
-                           lambda self, value: setattr(self.inner, "contributed", value))
     contributions = property(lambda self: self.inner.contributions)
 
     def next_participants(self, online: set[str]) -> list[str]:
@@ -53,15 +46,6 @@ class ShardedRoundsJob(Job):
         if chosen:
             self.round_accepted = {}
         return chosen
-
-    def task_for(self, device: str) -> tuple[dict, dict[str, np.ndarray]]:
-        return self.inner.task_for(device)
-
-    def finished(self, online: set[str], known: set[str]) -> bool:
-        return self.inner.finished(online, known)
-
-    def bookkeeping(self) -> dict:
-        return self.inner.bookkeeping()
 
     def restore_bookkeeping(self, state: dict) -> None:
         before = self.inner.round
@@ -71,10 +55,7 @@ class ShardedRoundsJob(Job):
 
     # receipts in place of results
     def parse_result(self, env: Envelope) -> tuple[str, int, dict]:
-        receipt = env.body.get(RECEIPT)
-        if not isinstance(receipt, dict) or not isinstance(receipt.get("job"), dict):
-            raise EnvelopeError("a sharded job takes its results from its shards' receipts only")
-        return env.id, body_field(env, "round", int), receipt["job"]
+        return env.id, body_field(env, "round", int), self.receipt(env)
 
     def apply(self, device: str, payload: tuple[str, int, dict]) -> None:
         message_id, round_, kept = payload
