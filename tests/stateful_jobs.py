@@ -32,3 +32,22 @@ def run_round(job, handlers, kind: str, only=None, tamper=None) -> dict:
         sent[d] = (task.body["params"], tensors, body, out)
     job.close_round(RoundClosed(job.round, tuple(chosen), (), (), ()))
     return sent
+
+
+def minibatches(n: int, batch_size: int, epochs: int, seed: int):
+    """The head trainers' batch order (numpy reference): a fresh permutation per epoch, cut in order."""
+    rng = np.random.default_rng(seed)
+    for _ in range(epochs):
+        order = rng.permutation(n)
+        for s in range(0, n, batch_size):
+            yield order[s:s + batch_size]
+
+
+def ce_grads(x: dict, Z: np.ndarray, y: np.ndarray, rows: np.ndarray, temperature: float) -> dict:
+    """float64 gradients of the mean T-scaled cross-entropy over ``rows`` at head ``x`` (weight, bias)."""
+    logits = (Z[rows] @ x["weight"].T + x["bias"]) / temperature
+    p = np.exp(logits - logits.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    p[np.arange(len(rows)), y[rows]] -= 1.0
+    g = p / (temperature * len(rows))
+    return {"weight": g.T @ Z[rows], "bias": g.sum(axis=0)}

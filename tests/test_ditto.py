@@ -25,7 +25,7 @@ from protocols.mqtt_link import BrokerConfig
 from protocols.payloads.ditto import KIND, DittoRecipe
 from protocols.payloads.fedavg import LocalRuleRecipe
 
-from stateful_jobs import pixel_extractor, run_round
+from stateful_jobs import ce_grads, minibatches, pixel_extractor, run_round
 
 C, D, SIZE = 3, 8, 8
 
@@ -33,19 +33,10 @@ C, D, SIZE = 3, 8, 8
 def sgd(W, b, Z, y, r, epochs, lr, seed, anchor=None, mu=0.0):
     """float64 mini-batch SGD on T-scaled cross-entropy + wd, plus μ (θ − anchor) when μ > 0."""
     x = {"weight": W.astype(np.float64), "bias": b.astype(np.float64)}
-    rng = np.random.default_rng(seed)
-    for _ in range(epochs):
-        order = rng.permutation(len(y))
-        for s in range(0, len(y), r.batch_size):
-            rows = order[s:s + r.batch_size]
-            logits = (Z[rows] @ x["weight"].T + x["bias"]) / r.temperature
-            p = np.exp(logits - logits.max(axis=1, keepdims=True))
-            p /= p.sum(axis=1, keepdims=True)
-            p[np.arange(len(rows)), y[rows]] -= 1.0
-            g = p / (r.temperature * len(rows))
-            grads = {"weight": g.T @ Z[rows], "bias": g.sum(axis=0)}
-            pull = {k: mu * (x[k] - anchor[k]) if mu else 0.0 for k in x}
-            x = {k: x[k] - lr * (grads[k] + pull[k] + r.weight_decay * x[k]) for k in x}
+    for rows in minibatches(len(y), r.batch_size, epochs, seed):
+        grads = ce_grads(x, Z, y, rows, r.temperature)
+        pull = {k: mu * (x[k] - anchor[k]) if mu else 0.0 for k in x}
+        x = {k: x[k] - lr * (grads[k] + pull[k] + r.weight_decay * x[k]) for k in x}
     return x
 
 

@@ -13,7 +13,7 @@ from edge_client.tasks.numpy_head import NumpyHeadStepper, batch_schedule
 from edge_client.tasks.scaffold_training import ScaffoldTrainingTask, scaffold_pass
 from protocols.payloads.scaffold import KIND
 
-from stateful_jobs import pixel_extractor, run_round
+from stateful_jobs import ce_grads, minibatches, pixel_extractor, run_round
 
 C, D, SIZE = 3, 8, 8
 
@@ -21,20 +21,11 @@ C, D, SIZE = 3, 8, 8
 def reference_pass(W, b, c, ck, Z, y, r):
     """float64: y ← y − lr (∇f(y) + wd·y − c_k + c) per mini-batch; c_k⁺ = c_k − c + (w − y)/(K lr)."""
     x = {"weight": W.astype(np.float64), "bias": b.astype(np.float64)}
-    rng = np.random.default_rng(r.seed)
     K = 0
-    for _ in range(r.epochs):
-        order = rng.permutation(len(y))
-        for s in range(0, len(y), r.batch_size):
-            rows = order[s:s + r.batch_size]
-            logits = (Z[rows] @ x["weight"].T + x["bias"]) / r.temperature
-            p = np.exp(logits - logits.max(axis=1, keepdims=True))
-            p /= p.sum(axis=1, keepdims=True)
-            p[np.arange(len(rows)), y[rows]] -= 1.0
-            g = p / (r.temperature * len(rows))
-            grads = {"weight": g.T @ Z[rows], "bias": g.sum(axis=0)}
-            x = {k: x[k] - r.lr * (grads[k] + r.weight_decay * x[k] - ck[k] + c[k]) for k in x}
-            K += 1
+    for rows in minibatches(len(y), r.batch_size, r.epochs, r.seed):
+        grads = ce_grads(x, Z, y, rows, r.temperature)
+        x = {k: x[k] - r.lr * (grads[k] + r.weight_decay * x[k] - ck[k] + c[k]) for k in x}
+        K += 1
     w = {"weight": W, "bias": b}
     return x, {k: ck[k] - c[k] + (w[k] - x[k]) / (K * r.lr) for k in x}
 
