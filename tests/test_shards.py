@@ -57,7 +57,7 @@ def shard_options(on: str, request) -> list[str]:
     return ["--shards", "2"] + (["--ray", request.getfixturevalue("ray_nodes")] if on == "ray" else [])
 
 
-ON = ["local", pytest.param("ray", marks=[pytest.mark.slow, needs_ray])]       # processes here, or Ray actors
+ON = ["local", pytest.param("ray", marks=[pytest.mark.slow, needs_ray, pytest.mark.ray_cluster])]  # processes here, or Ray actors
 
 
 def assert_same_model(got, want):
@@ -105,6 +105,7 @@ def test_two_shards_give_one_aggregators_model_bit_for_bit(local_shards_run, uns
 
 
 @pytest.mark.slow
+@pytest.mark.ray_cluster
 @needs_ray
 def test_shards_as_ray_actors_on_two_nodes_give_the_local_shards_model_bit_for_bit(tmp_path, ray_nodes,
                                                                                   local_shards_run, unsharded):
