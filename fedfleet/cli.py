@@ -23,7 +23,7 @@ def simulate_overrides(args) -> dict:
     """SimConfig fields the command line sets (None: the preset's)."""
     return {"ft_rounds": args.ft_rounds, "fp_epochs": args.fp_epochs, "fp_part": args.fp_part, "ft_mode": args.ft_mode,
             "tail_stages": args.tail_stages, "tail_bundle": args.tail_bundle, "ft_server_optimizer": args.server_optimizer,
-            "ft_algorithm": args.ft_algorithm,
+            "ft_algorithm": args.ft_algorithm, "ft_init_scale": args.ft_init_scale,
             "ft_server_lr": args.server_lr, "ft_local_rule": args.local_rule, "ft_sam_rho": args.sam_rho,
             "ft_prox_mu": args.prox_mu, "ft_served_model": args.served_model, "devices": args.devices, "broker": args.broker, "out_dir": args.out,
             "seed": args.seed, "image_size": args.image_size, "split": args.split, "alpha": args.alpha,
@@ -189,6 +189,9 @@ def _add_fine_tuning_arguments(s) -> None:
                    help="fed3r-ft-oll (--ft-mode psi): fedavg (default: the FedAvg family the flags around pick) or "
                         "fedgloss (FedGloSS: server-side SAM from the last round's pseudo-gradient plus ADMM duals "
                         "kept on the devices, at FedAvg's traffic; any --local-rule)")
+    s.add_argument("--ft-init-scale", type=float, metavar="ALPHA",
+                   help="fed3r-ft-oll: start fine-tuning from ALPHA × the Fed3R head (the same predictions, wider "
+                        "logit margins at T = 0.1; default 1; bench/ft_init_scale.py measures 1, 3, 10)")
     s.add_argument("--server-lr", type=float, help="fed3r-ft-oll: η of the server step (default 1.0; FedOpt wants ~0.01-0.1)")
     s.add_argument("--local-rule", choices=["sgd", "sam", "asam"],
                    help="fed3r-ft-oll, ladd: the devices' local step: sgd (default), sam (FedSAM) or asam (FedASAM), "

@@ -159,7 +159,7 @@ def check_pipeline_config(cfg: SimConfig, names: tuple[str, ...]) -> None:
     if cfg.ft_algorithm == "fedgloss" and (cfg.secure or cfg.ft_mode != "psi"):
         raise ValueError("ft_algorithm fedgloss fine-tunes the head in plain rounds: not with secure or ft_mode phi/M")
     optimizer = {"server_optimizer": cfg.ft_server_optimizer, "server_lr": cfg.ft_server_lr,
-                 "server_momentum": cfg.ft_server_momentum, **ft_optimizer_fields(cfg)}
+                 "server_momentum": cfg.ft_server_momentum, "init_scale": cfg.ft_init_scale, **ft_optimizer_fields(cfg)}
     validate_job_config(cfg.ft_algorithm, optimizer)
     kind_of(cfg.ft_algorithm).config_cls(**optimizer)
 
@@ -224,6 +224,7 @@ class _Phases:
                       "client_lr": cfg.ft_client_lr, "server_momentum": cfg.ft_server_momentum,
                       "server_optimizer": cfg.ft_server_optimizer, "server_lr": cfg.ft_server_lr,
                       **ft_optimizer_fields(cfg), "init": "fed3r", "initial_head_file": str(fed3r_head),
+                      "init_scale": cfg.ft_init_scale,
                       **self.secure_fields, **self.ft_extra}
             self._job("fedavg-ft", self.ft_kind, ft_job, head_dir, self.ft_eval, cfg.ft_rounds * cfg.clients_per_round)
         personal = {}

@@ -85,6 +85,7 @@ class SimConfig:
     tail_bundle: str | None = None          # phi / M: an exported bundle's manifest with those stages' programs
                                             # (fedfleet export --tail-stages N); None: exported into .cache/bundles
     ft_client_lr: float = 0.001             # base local LR; devices get × 0.1 after the Fed3R init (spec §1.8)
+    ft_init_scale: float = 1.0              # the Fed3R head × this at the FT init (bench/ft_init_scale.py)
     ft_server_momentum: float = 0.0         # > 0: FedAvgM
     ft_server_optimizer: str = "sgd"        # sgd (FedAvg/FedAvgM) | adam | yogi | adagrad (FedOpt)
     ft_algorithm: str = "fedavg"            # fedavg (the FedAvg family above) | fedgloss (FedGloSS(ψ): server SAM + ADMM)

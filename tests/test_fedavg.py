@@ -310,6 +310,27 @@ def test_fed3r_init_and_evaluation():
         FedAvgJob.from_fed3r(FedAvgConfig(num_classes=C + 1, feature_dim=D), model)
 
 
+def test_fed3r_init_scale_widens_the_margins_and_keeps_the_predictions():
+    """init_scale α: the starting head is α × Fed3R's (float32 of the product), so every logit and
+    every margin is α times Fed3R's and the predictions are Fed3R's; a bad α is refused."""
+    rng = np.random.default_rng(12)
+    Z = rng.normal(size=(200, D))
+    y = rng.integers(0, C, 200)
+    model = ClosedFormRidge(0.01, device="cpu").fit(Z, y, C)
+    job = FedAvgJob.from_fed3r(FedAvgConfig(num_classes=C, feature_dim=D, init_scale=10.0), model)
+    np.testing.assert_array_equal(job.params["weight"], (model.coef_ * 10.0).astype(np.float32))
+    np.testing.assert_array_equal(job.params["bias"], (model.intercept_ * 10.0).astype(np.float32))
+    assert (job.evaluate(Z, y)["accuracy"]) == pytest.approx(float((model.predict(Z) == y).mean()))
+    plain = FedAvgJob.from_fed3r(FedAvgConfig(num_classes=C, feature_dim=D), model)
+    np.testing.assert_array_equal(plain.params["weight"], model.coef_.astype(np.float32))   # α = 1: Fed3R's bits
+    random_init = FedAvgJob(FedAvgConfig(num_classes=C, feature_dim=D, init="random", init_scale=10.0, seed=3))
+    np.testing.assert_array_equal(random_init.params["weight"],
+                                  FedAvgJob(FedAvgConfig(num_classes=C, feature_dim=D, seed=3)).params["weight"])
+    for bad in (0.0, -1.0, float("nan"), float("inf"), 1e4, True, "10"):
+        with pytest.raises(ValueError, match="init_scale"):
+            FedAvgConfig(num_classes=C, feature_dim=D, init_scale=bad)
+
+
 def test_job_state_round_trips():
     job = small_job(server_momentum=0.9, kappa=1)
     drv = Driver(job)

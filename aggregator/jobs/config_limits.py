@@ -109,6 +109,7 @@ FIELD_LIMITS: dict[str, Range | OneOf | Pattern | Fields | Items] = {
     "swa_start_round": Range(1, 1_000_000), "swa_cycle_rounds": Range(1, 100_000), "swa_lr_min": Range(0, 100),
     "wima_window": Range(1, 1000), "buffer_size": Range(1, 100_000), "max_staleness": Range(0, 10_000),
     "staleness_exponent": Range(0, 10), "init": OneOf(INITS), "initial_head_file": PATH,
+    "init_scale": Range(1e-3, 1e3),
     # stateful devices (aggregator/jobs/device_state_fields.py): partial personalization, Scaffold, FedGloSS, Ditto
     "state_max_staleness": Range(0, 1_000_000), "state_ttl_s": Range(1, 365 * 86400),
     "pp_algorithm": OneOf(("fedsim", "fedalt")), "personal_epochs": Range(0, 1000),

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import random
 import zlib
 from dataclasses import dataclass, field
@@ -68,11 +69,19 @@ class FedAvgConfig(ServerOptimizerFields, LocalRuleFields, ServedModelFields, Fe
     temperature: float = 0.1
     init: str = "random"
     initial_head_file: str = ""          # init == "fed3r": a Fed3R job's model.npz (coef, intercept)
+    # init == "fed3r": the starting head × this. The same predictions, with logit margins this many
+    # times wider at T: unit-norm Fed3R columns leave small margins, and the first label-skewed
+    # rounds then flip many predictions (bench/ft_init_scale.py: on the demo's data 30 rounds end
+    # -1.16 points below Fed3R at 1, +0.01 at 10)
+    init_scale: float = 1.0
 
     def __post_init__(self):
         super().__post_init__()
         if self.init not in INITS:
             raise ValueError(f"init must be one of {INITS}, got {self.init!r}")
+        if isinstance(self.init_scale, bool) or not isinstance(self.init_scale, (int, float)) \
+                or not math.isfinite(self.init_scale) or not 1e-3 <= self.init_scale <= 1e3:
+            raise ValueError(f"init_scale must be a number in [0.001, 1000], got {self.init_scale!r}")
         if self.rounds < 1 or self.clients_per_round < 1:
             raise ValueError("rounds and clients_per_round must be >= 1")
         self.check_update_clipping()
@@ -141,7 +150,9 @@ class FedAvgJob(Job):
         if c.init == "fed3r" and self.initial_head is None:
             raise ValueError("init='fed3r' needs initial_head_file (a Fed3R model.npz) or FedAvgJob.from_fed3r")
         if self.initial_head is not None:
-            head = head_tensors(self.initial_head["weight"], self.initial_head["bias"])
+            scale = c.init_scale if c.init == "fed3r" else 1.0
+            head = head_tensors(np.asarray(self.initial_head["weight"]) * scale,
+                                np.asarray(self.initial_head["bias"]) * scale)
             if head["weight"].shape != (c.num_classes, c.feature_dim):
                 raise ValueError(f"initial head is {head['weight'].shape}, job is ({c.num_classes}, {c.feature_dim})")
         elif c.init == "zeros":
