@@ -51,3 +51,19 @@ def ce_grads(x: dict, Z: np.ndarray, y: np.ndarray, rows: np.ndarray, temperatur
     p[np.arange(len(rows)), y[rows]] -= 1.0
     g = p / (temperature * len(rows))
     return {"weight": g.T @ Z[rows], "bias": g.sum(axis=0)}
+
+
+def oll_after(job, handler, extractor) -> tuple:
+    """OLL on ``handler``'s device after the stateful ``job`` (its model, ``personal_job`` = the job):
+    (the report's body, the arrays the job left in the device's store, the OLL task, the OLL job)."""
+    from aggregator.jobs.personalize import PersonalizeConfig, PersonalizeJob
+    from edge_client.tasks.personalization import PersonalizeTask
+
+    c = job.config
+    oll = PersonalizeJob(PersonalizeConfig(num_classes=c.num_classes, feature_dim=c.feature_dim,
+                                           image_size=c.image_size, fp_epochs=0, personal_job=c.job_id),
+                         head=job.model_arrays())
+    task = PersonalizeTask(handler.images, handler.labels, handler.holdout_images, handler.holdout_labels,
+                           lambda *a, **k: extractor, state=handler.store)
+    body, _ = task(*oll.task_for("dev0"))
+    return body, handler.store.load(c.job_id, None).arrays, task, oll

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from aggregator.jobs.ditto import DittoConfig, DittoJob
-from aggregator.jobs.personalize import PersonalizeConfig, PersonalizeJob
 from aggregator.jobs.registry import build_job
 from aggregator.jobs.robustness_fields import PLAIN_MEAN
 from aggregator.service.loop import AggregatorService
@@ -17,7 +16,6 @@ from edge_client.agent import DeviceAgent, TaskDeclined
 from edge_client.state import DeviceStateStore
 from edge_client.tasks.ditto_training import DittoTrainingTask, ditto_pass
 from edge_client.tasks.head_training import LocalTraining
-from edge_client.tasks.personalization import PersonalizeTask
 from fedfleet.emulation.broker import MosquittoBroker
 from protocols import messages as M
 from protocols.envelope import EnvelopeError, decode, encode
@@ -25,7 +23,7 @@ from protocols.mqtt_link import BrokerConfig
 from protocols.payloads.ditto import KIND, DittoRecipe
 from protocols.payloads.fedavg import LocalRuleRecipe
 
-from stateful_jobs import ce_grads, minibatches, pixel_extractor, run_round
+from stateful_jobs import ce_grads, minibatches, oll_after, pixel_extractor, run_round
 
 C, D, SIZE = 3, 8, 8
 
@@ -243,12 +241,7 @@ def test_the_oll_job_evaluates_each_device_with_its_own_head(tmp_path):
     job = make_job(clients_per_round=1, rounds=2)
     for _ in range(2):
         run_round(job, {"dev0": h}, KIND)
-    oll = PersonalizeJob(PersonalizeConfig(num_classes=C, feature_dim=D, image_size=SIZE, fp_epochs=0,
-                                           personal_job=job.config.job_id), head=job.model_arrays())
-    task = PersonalizeTask(h.images, h.labels, h.holdout_images, h.holdout_labels, lambda *a, **k: EXTRACTOR,
-                           state=h.store)
-    body, _ = task(*oll.task_for("dev0"))
-    v = h.store.load(job.config.job_id, None).arrays
+    body, v, task, _ = oll_after(job, h, EXTRACTOR)
     f = EXTRACTOR.extract(h.holdout_images)
     assert body["correct"]["personal"] == int(((f @ v["weight"].T + v["bias"]).argmax(1) == h.holdout_labels).sum())
     np.testing.assert_array_equal(task.head.global_weight, v["weight"])      # OLL starts from the personal head

@@ -7,18 +7,16 @@ import numpy as np
 import pytest
 
 from aggregator.jobs.partial import PartialConfig, PartialPersonalizationJob
-from aggregator.jobs.personalize import PersonalizeConfig, PersonalizeJob
 from aggregator.jobs.robustness_fields import PLAIN_MEAN
 from edge_client.agent import TaskDeclined
 from edge_client.state import DeviceStateStore
 from edge_client.tasks.partial_training import PartialTrainingTask, train_partial
-from edge_client.tasks.personalization import PersonalizeTask
 from protocols import messages as M
 from protocols.envelope import EnvelopeError, decode, encode
 from protocols.payloads.partial import KIND, PartialRecipe
 from protocols.payloads.personalize import KIND as OLL_KIND
 
-from stateful_jobs import pixel_extractor, run_round
+from stateful_jobs import oll_after, pixel_extractor, run_round
 
 C, D, SIZE = 3, 8, 8
 
@@ -169,13 +167,8 @@ def test_the_oll_job_evaluates_each_device_with_its_own_bias(tmp_path):
     job = make_job(clients_per_round=1, rounds=3)
     for _ in range(3):
         run_round(job, {"dev0": h}, KIND)
-    oll = PersonalizeJob(PersonalizeConfig(num_classes=C, feature_dim=D, image_size=SIZE, fp_epochs=0,
-                                           personal_job=job.config.job_id), head=job.model_arrays())
-    task = PersonalizeTask(h.images, h.labels, h.holdout_images, h.holdout_labels, lambda *a, **k: EXTRACTOR,
-                           state=h.store)
-    params, tensors = oll.task_for("dev0")
-    body, _ = task(params, tensors)
-    v = h.store.load(job.config.job_id, None).arrays["bias"]
+    body, stored, _, oll = oll_after(job, h, EXTRACTOR)
+    v = stored["bias"]
     f = EXTRACTOR.extract(h.holdout_images)
     assert body["correct"]["personal"] == int(((f @ job.params["weight"].T + v).argmax(1) == h.holdout_labels).sum())
     env = decode(encode(M.result_message("dev0", M.TaskRef("personalize", 1, "t"), OLL_KIND, body, {})))

@@ -186,3 +186,19 @@ def test_ft_phi_pipeline_fine_tunes_the_backbone_tail_against_the_frozen_fed3r_h
     oll = report["phases"]["oll"]
     assert oll["bytes_down_per_device"] > model["tail.stages.0.0.weight"].nbytes   # the tail went down
     assert_wma_recomputes(out, oll, fine_tuned_features, abs_tol=3 / oll["test_samples"])
+
+
+def test_a_tail_bundle_that_is_not_the_runs_is_refused_before_anything_runs(tail_bundle, tmp_path):
+    """``simulate --tail-bundle``: a bundle of another tail depth, input size or backbone is one
+    clear error naming the export that would fit, before any fleet starts."""
+    from fedfleet.pipeline import tail_bundle_manifest
+
+    ok = dataclasses.replace(PRESETS["smoke"], ft_mode="phi", tail_stages=1, tail_bundle=str(tail_bundle))
+    assert tail_bundle_manifest(ok) == tail_bundle
+    for wrong in (dict(tail_stages=2), dict(image_size=64), dict(backbone="efficientnet_lite0")):
+        with pytest.raises(ValueError, match="export one with"):
+            tail_bundle_manifest(dataclasses.replace(ok, **wrong))
+    from protocols.bundle_manifest import ManifestError
+
+    with pytest.raises(ManifestError, match="no manifest"):
+        tail_bundle_manifest(dataclasses.replace(ok, tail_bundle=str(tmp_path / "missing.json")))
