@@ -15,6 +15,10 @@ mechanism's accountant (dp-accounting) allows for one release at (ε, δ) (``noi
 
 - ``gaussian`` (issue 25's): N(0, (zΔ)²) on every entry, RDP accounting, N = ``--cap`` (10),
   λ = max(0.01, 2σ√p) (the noise matrix's spectral norm), as in bench/dp_accuracy.py.
+- ``ssp+center``: ``ssp`` with the job's private feature center (``dp_center_devices`` m =
+  ``--center-devices``, ``dp_center_clip_norm`` F_c = ``--center-clip``): m devices release the
+  mean of their rows clipped to F, the others clip their rows minus that mean to F_c
+  (aggregator/strategies/dp_center.py).
 - ``ssp`` (the default): per-block noise (half the variance off A's diagonal, ``--b-share`` of
   the budget on B), λ from the noise, PLD accounting, N = ``--ssp-cap`` (1: the per-device bound
   that maximises signal over noise when the fleet is this large, see docs/algorithms.md).
@@ -45,11 +49,13 @@ sys.path.insert(0, str(REPO))
 
 from aggregator.compute.privacy import noise_multiplier_for  # noqa: E402
 from aggregator.compute.ridge import ClosedFormRidge  # noqa: E402
+from aggregator.strategies.dp_center import PrivateFeatureCenter  # noqa: E402
 from aggregator.strategies.dp_fed3r import (CalibratedSSP, Fed3RMechanism, Fed3RSensitivity, NoiseScale,  # noqa: E402
                                             NoisyFed3R, UniformGaussian)
 from edge_client.data.idx import load_fashion_mnist  # noqa: E402
 from edge_client.features import FeatureExtractor  # noqa: E402
 from fedfleet.emulation.partition import split_long_tailed  # noqa: E402
+from protocols.payloads.fed3r import Fed3RStats  # noqa: E402
 
 EPSILONS = (1.0, 2.0, 4.0, 8.0)
 C = 10
@@ -141,6 +147,28 @@ def released_accuracy(a: np.ndarray, b: np.ndarray, n: int, mechanism: Fed3RMech
     return strategy.solve().score(*test)
 
 
+def centred_accuracy(ztr: np.ndarray, ytr: np.ndarray, parts: list[np.ndarray], eps: float, delta: float,
+                     args, test) -> float:
+    """``ssp`` with the job's private feature center (``dp_center_devices``): a seeded m of the fleet
+    release the mean of their rows clipped to F, the others centre on it and clip to F_c; the
+    model is solved and shifted back by the job's own classes (aggregator/strategies/dp_center.py)."""
+    order = np.random.default_rng(args.seed + 1).permutation(len(parts))
+    centre_parts, rest = [parts[i] for i in order[:args.center_devices]], [parts[i] for i in order[args.center_devices:]]
+    z = noise_multiplier_for(eps, delta, 1, accounting="pld")
+    mechanism = CalibratedSSP(z, Fed3RSensitivity.of(args.ssp_cap, args.center_clip, True), args.b_share)
+    p = ztr.shape[1] + 1
+    center = PrivateFeatureCenter(C, p, z, args.ssp_cap, args.clip)
+    strategy = NoisyFed3R(C, p, 0.01, True, True, mechanism, rng=np.random.default_rng(args.seed), center=center)
+    iu = np.triu_indices(p)
+    a, b, n = fleet_sums(clip_rows(ztr, args.clip), ytr, centre_parts, args.ssp_cap)
+    strategy.add(Fed3RStats(n=n, p=p, a_upper=a[iu], class_ids=np.arange(C), b=b.T))
+    strategy.release()                                   # the center round: only μ̂ is released
+    a, b, n = fleet_sums(clip_rows(ztr - center.value, args.center_clip), ytr, rest, args.ssp_cap)
+    strategy.pending.add_dense(a[iu], b.T, n)
+    strategy.release()
+    return strategy.solve().score(*test)                 # raw test features: the bias absorbed μ̂
+
+
 def mechanism_rows(name: str, sums, mechanisms: list[Fed3RMechanism], test, seed: int) -> list[float]:
     accs = [released_accuracy(*sums, m, test, seed) for m in mechanisms]
     print(f"{'':>8} {name:>9}: " + " ".join(f"{acc:>7.3f}" for acc in accs) + "   z: "
@@ -155,6 +183,10 @@ def main() -> None:
     ap.add_argument("--ssp-cap", type=int, default=1, help="N of the ssp mechanism")
     ap.add_argument("--clip", type=float, default=8.0, help="F: feature row clip norm (about the median norm)")
     ap.add_argument("--b-share", type=float, default=0.2, help="ssp: the share of the budget spent on B")
+    ap.add_argument("--center-devices", type=int, default=2000,
+                    help="ssp+center: devices of the center round (the job's dp_center_devices)")
+    ap.add_argument("--center-clip", type=float, default=5.5,
+                    help="ssp+center: F_c, the clip of the centred rows (about their median norm)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     torch.set_num_threads(2)
@@ -179,6 +211,11 @@ def main() -> None:
             print(f"{'':>8} {kind} N={cap}: {sums[2]} samples kept, no-DP accuracy on them "
                   f"{accuracy(sums[0], sums[1], 0.01, test):.3f}", flush=True)
             rows[kind] = mechanism_rows(kind, sums, mechanisms, test, args.seed)
+        accs = [centred_accuracy(ztr, ytr, parts, eps, delta, args, test) for eps in EPSILONS]
+        print(f"{'':>8} {'ssp+center':>9}: " + " ".join(f"{acc:>7.3f}" for acc in accs)
+              + f"   (m = {args.center_devices} devices release the mean at F = {args.clip}; F_c = {args.center_clip})",
+              flush=True)
+        rows["ssp+center"] = accs
         ssp1 = mechanisms[0]
         ablations = {"A noise only": Ablated(ssp1, True, False), "B noise only": Ablated(ssp1, False, True),
                      "no noise (λ only)": Ablated(ssp1, False, False)}

@@ -3,7 +3,8 @@
 Features may arrive in batches (a device streams its images through the backbone), so the
 accumulator is incremental; the result is identical to computing ZᵀZ on the stacked matrix up
 to float64 summation order. The optional random-feature map (Fed3R-RF), the clipping of
-each row to ``feature_clip_norm`` (differential privacy) and the appended constant-1 bias feature
+each row to ``feature_clip_norm`` (differential privacy; after subtracting ``feature_center``
+when the task carries one) and the appended constant-1 bias feature
 are applied here, before the statistics; the aggregator's evaluation applies the same map and
 bias to test features (not the clipping: a deployed head sees raw features).
 
@@ -23,9 +24,12 @@ from protocols.random_features import RandomFourierFeatures
 class Fed3RAccumulator:
     def __init__(self, num_classes: int, feature_dim: int, fit_intercept: bool = True,
                  random_features: RandomFourierFeatures | None = None, keep_rows: bool = False,
-                 feature_clip_norm: float = 0.0):
+                 feature_clip_norm: float = 0.0, feature_center: np.ndarray | None = None):
         self.num_classes = num_classes
         self.feature_clip_norm = float(feature_clip_norm)
+        self.feature_center = None if feature_center is None else np.asarray(feature_center, dtype=np.float64)
+        if self.feature_center is not None and self.feature_center.shape != (feature_dim,):
+            raise ValueError(f"feature_center must be ({feature_dim},), got {self.feature_center.shape}")
         # the rows are kept (for the exact factor form) only while they are fewer than the features
         self._rows: list[np.ndarray] | None = [] if keep_rows else None
         self._row_labels: list[np.ndarray] = []
@@ -48,6 +52,8 @@ class Fed3RAccumulator:
             raise ValueError(f"features must be (n, {self.input_dim}), got {Z.shape}")
         if not np.isfinite(Z).all():
             raise ValueError("features contain NaN or Inf (broken backbone or input?)")
+        if self.feature_center is not None:
+            Z = Z - self.feature_center      # DP's released mean: the clip then bounds what varies, not the mean
         if self.rf is not None:
             Z = self.rf.transform(Z)
         if self.feature_clip_norm > 0:

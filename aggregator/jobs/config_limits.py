@@ -93,6 +93,7 @@ FIELD_LIMITS: dict[str, Range | OneOf | Pattern | Fields | Items] = {
     "dp_clip_norm": Range(1e-9, 1e9), "dp_adaptive_clip": OneOf((True, False)), "dp_target_quantile": Range(1e-3, 0.999),
     "dp_clip_lr": Range(1e-6, 10), "dp_count_stddev": Range(0, 1e6), "dp_population": COUNT,
     "feature_clip_norm": Range(0, 1e6), "dp_mechanism": OneOf(("ssp", "gaussian")), "dp_b_share": Range(1e-3, 0.999),
+    "dp_center_devices": Range(0, 10_000_000), "dp_center_clip_norm": Range(0, 1e6),
     # bounded influence (aggregator/jobs/robustness_fields.py)
     "aggregator": OneOf(("mean", "median", "trimmed_mean", "krum", "multi_krum", "centered_clipping")),
     "clip_radius_multiplier": Range(1e-6, 1e6), "clip_iterations": Range(1, 100),

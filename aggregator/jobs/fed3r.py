@@ -25,11 +25,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from protocols.envelope import Envelope, EnvelopeError, body_field
-from protocols.payloads.fed3r import KIND, Fed3RStats, Fed3RStatsParams, RandomFeaturesSpec, parse_stats
+from protocols.payloads.fed3r import CENTER_TENSOR, KIND, Fed3RStats, Fed3RStatsParams, RandomFeaturesSpec, parse_stats
 from protocols.rounds import RoundClosed
 
 from aggregator.strategies.dp_fed3r import (MECHANISMS, CalibratedSSP, Fed3RMechanism, Fed3RSensitivity, NoisyFed3R,
                                             check_bounded)
+from aggregator.strategies.dp_center import PrivateFeatureCenter
 from aggregator.strategies.fed3r import Fed3R
 from aggregator.jobs.base import SplitValidation
 from aggregator.jobs.model_fields import ModelFields
@@ -55,6 +56,9 @@ class Fed3RConfig(Fed3RRobustnessFields, PrivacyBudgetFields, ModelFields):
     max_samples: int = 10_000                # per device: DP devices use at most this many (their first N)
     dp_mechanism: str = "ssp"                # aggregator/strategies/dp_fed3r.py: "ssp" or "gaussian"
     dp_b_share: float = 0.2                  # ssp: the share of the release's budget spent on B
+    dp_center_devices: int = 0               # > 0: a first round of this many devices releases the features'
+                                             # mean; later devices centre on it (strategies/dp_center.py)
+    dp_center_clip_norm: float = 0.0         # F_c: the clip of the centred rows (> 0 when centring)
 
     def __post_init__(self):
         super().__post_init__()
@@ -66,15 +70,33 @@ class Fed3RConfig(Fed3RRobustnessFields, PrivacyBudgetFields, ModelFields):
                 raise ValueError("a DP Fed3R job needs feature_clip_norm > 0 (it bounds each device's statistics)")
             if self.dp_mechanism not in MECHANISMS:
                 raise ValueError(f"dp_mechanism must be one of {sorted(MECHANISMS)}, got {self.dp_mechanism!r}")
+            self.check_centering()
             self.mechanism()                 # refuses a bad dp_b_share before anything runs
             self.refuse_over_budget(1)       # every device is in one noisy round sum: one release in all
+        elif self.dp_center_devices:
+            raise ValueError("dp_center_devices needs DP (dp_noise_multiplier > 0): the center is a DP release")
+
+    def check_centering(self) -> None:
+        if not self.dp_center_devices:
+            return
+        if not self.fit_intercept or self.random_features:
+            raise ValueError("dp_center_devices needs fit_intercept (the bias absorbs the shift) and no "
+                             "random_features (the center shifts the backbone's features)")
+        if self.dp_center_clip_norm <= 0:
+            raise ValueError("dp_center_devices needs dp_center_clip_norm > 0: the clip of the centred rows, "
+                             "about the median distance of a feature row from the mean")
+
+    @property
+    def row_clip_norm(self) -> float:
+        """The clip of the rows the model's released sums hold: F_c when centring, else F."""
+        return self.dp_center_clip_norm if self.dp_center_devices else self.feature_clip_norm
 
     def accounting(self) -> str:
         return MECHANISMS[self.dp_mechanism].accounting
 
     def mechanism(self) -> Fed3RMechanism:
         """The DP mechanism of the job's one release (``aggregator.strategies.dp_fed3r``)."""
-        sensitivity = Fed3RSensitivity.of(self.max_samples, self.feature_clip_norm, self.fit_intercept)
+        sensitivity = Fed3RSensitivity.of(self.max_samples, self.row_clip_norm, self.fit_intercept)
         if self.dp_mechanism == CalibratedSSP.name:
             return CalibratedSSP(self.dp_noise_multiplier, sensitivity, self.dp_b_share)
         return MECHANISMS[self.dp_mechanism](self.dp_noise_multiplier, sensitivity)
@@ -119,7 +141,10 @@ class Fed3RJob(OncePerDevice, SplitValidation):
         c = self.config
         self._bound, self._screen = c.feature_bound(), c.energy_screen()
         if self.strategy is None and c.dp:
-            self.strategy = NoisyFed3R(c.num_classes, c.p, c.lam, c.fit_intercept, c.normalize_columns, c.mechanism())
+            center = (PrivateFeatureCenter(c.num_classes, c.p, c.dp_noise_multiplier, c.max_samples, c.feature_clip_norm)
+                      if c.dp_center_devices else None)
+            self.strategy = NoisyFed3R(c.num_classes, c.p, c.lam, c.fit_intercept, c.normalize_columns, c.mechanism(),
+                                       center=center)
         elif self.strategy is None:
             self.strategy = Fed3R(c.num_classes, c.p, c.lam, c.fit_intercept, c.normalize_columns)
         self._rng = random.Random(self.config.seed)
@@ -133,10 +158,23 @@ class Fed3RJob(OncePerDevice, SplitValidation):
             return super().eligible(online)
         return sorted(d for d in online if self.attempts.get(d, 0) < self.config.max_attempts)
 
+    @property
+    def _centred(self) -> bool:
+        """Devices now centre their rows on the released feature center (``dp_center.py``)."""
+        return isinstance(self.strategy, NoisyFed3R) and self.strategy.center is not None and not self.strategy.centering
+
+    def next_participants(self, online: set[str], size: int | None = None) -> list[str]:
+        if isinstance(self.strategy, NoisyFed3R) and self.strategy.centering:
+            size = self.config.dp_center_devices       # the center round: the operator's m devices
+        return super().next_participants(online, size)
+
     def task_for(self, device: str) -> tuple[dict, dict[str, np.ndarray]]:
         params = self.config.task_params()
         if self.config.streaming:
             params = dataclasses.replace(params, from_sample=self.contributed.get(device, 0))
+        if self._centred:
+            params = dataclasses.replace(params, centered=True, feature_clip_norm=self.config.dp_center_clip_norm)
+            return params.to_params(), {CENTER_TENSOR: self.strategy.center.value}
         return params.to_params(), {}
 
     def parse_result(self, env: Envelope) -> Fed3RStats:
@@ -150,14 +188,24 @@ class Fed3RJob(OncePerDevice, SplitValidation):
                             positive_definite=self.strategy.positive_definite)
         try:
             if c.dp:                            # the clipping the privacy guarantee rests on: said first
-                check_bounded(stats, c.max_samples, c.feature_clip_norm, c.fit_intercept)
+                # (the loosest of the job's two clips here; the centred rounds' own below, in _check_increment)
+                check_bounded(stats, c.max_samples, max(c.feature_clip_norm, c.row_clip_norm), c.fit_intercept)
             self._bound.check(stats)            # bounded influence (aggregator/strategies/robust_fed3r.py)
         except ValueError as exc:
             raise EnvelopeError(f"{KIND}: {exc}") from None
         return stats
 
     def _check_increment(self, env: Envelope, stats: Fed3RStats) -> Fed3RStats:
-        """Streaming: an increment must start exactly at the samples the job holds of its device."""
+        """Streaming: an increment must start exactly at the samples the job holds of its device.
+        Centring: a result of the centred rounds is within their clip, one of the center round
+        within the first clip."""
+        c = self.config
+        if c.dp and c.dp_center_devices:
+            try:
+                check_bounded(stats, c.max_samples, c.row_clip_norm if self._centred else c.feature_clip_norm,
+                              c.fit_intercept)
+            except ValueError as exc:
+                raise EnvelopeError(f"{KIND}: {exc}") from None
         if self.config.streaming:
             start, held = body_field(env, "from_sample", int), self.contributed.get(env.sender, 0)
             if start != held:

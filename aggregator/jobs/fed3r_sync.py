@@ -48,6 +48,10 @@ class Fed3RSyncConfig(Fed3RConfig, SecureAggregationFields):
         if self.streaming:
             # an increment would be a group sum whose members' counts the job cannot check
             raise ValueError("fed3r-sync does not stream: run a new Fed3R-Sync job over the new data")
+        if self.dp_center_devices:
+            # the center round's sum would be a group sum noised by its members (distributed DP),
+            # released in a form the devices do not produce yet: central DP only for now
+            raise ValueError("fed3r-sync does not centre its features (dp_center_devices): use a DP fed3r job")
 
     def task_params(self) -> Fed3RStatsParams:
         return dataclasses.replace(super().task_params(), format="dense", dtype="float64", max_samples=self.max_samples)

@@ -44,6 +44,7 @@ import torch
 from protocols.payloads.fed3r import Fed3RStats
 
 from aggregator.compute.ridge import ClosedFormRidge
+from aggregator.strategies.dp_center import PrivateFeatureCenter, uncentred
 from aggregator.strategies.fed3r import Fed3R
 
 
@@ -219,15 +220,22 @@ class NoisyFed3R:
     """Round sums (``pending``) noised into the released sums (``released``) at each round close."""
 
     def __init__(self, num_classes: int, p: int, lam: float, fit_intercept: bool, normalize_columns: bool,
-                 mechanism: Fed3RMechanism, rng: np.random.Generator | None = None):
+                 mechanism: Fed3RMechanism, rng: np.random.Generator | None = None,
+                 center: PrivateFeatureCenter | None = None):
         make = lambda: Fed3R(num_classes, p, lam, fit_intercept, normalize_columns)   # noqa: E731
         self.pending, self.released = make(), make()
         self.mechanism = mechanism
         self.rng = rng if rng is not None else np.random.default_rng()
         self.releases = 0
+        self.center = center            # first the center round, then rounds of centred rows (dp_center.py)
+
+    @property
+    def centering(self) -> bool:
+        """The round in progress is the center round: its sums feed the center, not the model."""
+        return self.center is not None and not self.center.released
 
     def add(self, stats: Fed3RStats) -> None:
-        self.pending.add(stats)
+        (self.center if self.centering else self.pending).add(stats)
 
     def positive_definite(self, a: np.ndarray, tau: float) -> bool:
         return self.pending.positive_definite(a, tau)
@@ -240,6 +248,9 @@ class NoisyFed3R:
 
     def release(self) -> None:
         """Noise the round's sum into the released sums; a round with nothing is not released."""
+        if self.centering:
+            self.center.release(self.rng)
+            return
         if not self.pending.n_contributions:
             return
         p = self.pending
@@ -257,11 +268,15 @@ class NoisyFed3R:
         return self.released.n_samples
 
     def solve(self) -> ClosedFormRidge:
-        return self.mechanism.solve(self.released)
+        model = self.mechanism.solve(self.released)
+        return model if self.center is None or not self.center.released else uncentred(model, self.center.value)
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        return {**self.released.state_dict(), "dp_releases": np.array([self.releases], dtype=np.int64)}
+        center = {} if self.center is None else self.center.state_dict()
+        return {**self.released.state_dict(), **center, "dp_releases": np.array([self.releases], dtype=np.int64)}
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         self.released.load_state_dict(state)
         self.releases = int(state["dp_releases"][0])
+        if self.center is not None:
+            self.center.load_state_dict(state)

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 
 from protocols.envelope import EnvelopeError
-from protocols.payloads.fed3r import (KIND, Fed3RStatsParams, check_canonical_factor, dense_values, encode_factor,
-                                      encode_stats, factor_values)
+from protocols.payloads.fed3r import (CENTER_TENSOR, KIND, Fed3RStatsParams, check_canonical_factor, dense_values,
+                                      encode_factor, encode_stats, factor_values)
 from protocols.random_features import RandomFourierFeatures
 
 from ..agent import TaskDeclined
@@ -54,7 +54,8 @@ class Fed3RStatsTask:
         spec = task.random_features
         rf = None if spec is None else RandomFourierFeatures(spec.dim, float(spec.sigma), spec.seed)
         acc = Fed3RAccumulator(num_classes, extractor.feature_dim, task.fit_intercept, rf,
-                               keep_rows=task.factor and not dense, feature_clip_norm=task.feature_clip_norm or 0.0)
+                               keep_rows=task.factor and not dense, feature_clip_norm=task.feature_clip_norm or 0.0,
+                               feature_center=feature_center(task, tensors, extractor.feature_dim))
         cap = task.sample_cap
         if cap is not None:    # DP caps the samples per device (the first max_samples: a choice blind to the data)
             images, labels = images[:cap], labels[:cap]
@@ -63,6 +64,19 @@ class Fed3RStatsTask:
         if task.from_sample is not None:
             body["from_sample"] = start
         return body, out
+
+
+def feature_center(task: Fed3RStatsParams, tensors: dict | None, feature_dim: int) -> np.ndarray | None:
+    """The center a ``centered`` task carries: the feature dimension's finite vector, else a decline."""
+    if not task.centered:
+        return None
+    center = (tensors or {}).get(CENTER_TENSOR)
+    if center is None:
+        raise TaskDeclined(f"a centered {KIND} task without its {CENTER_TENSOR!r} tensor")
+    center = np.asarray(center, dtype=np.float64)
+    if center.shape != (feature_dim,) or not np.isfinite(center).all():
+        raise TaskDeclined(f"{CENTER_TENSOR} must be {feature_dim} finite values, got shape {center.shape}")
+    return center
 
 
 def encode_smallest(acc: Fed3RAccumulator, num_classes: int, dense: bool, dtype: str):

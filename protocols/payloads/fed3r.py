@@ -56,6 +56,7 @@ KIND = "fed3r.stats"
 STATS_DTYPES = ("float64", "float32")
 B_FORMATS = ("sparse", "dense")
 MAX_RANDOM_FEATURES = 100_000
+CENTER_TENSOR = "feature_center"      # a centered task's tensor: the vector every feature row is shifted by
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,11 @@ class Fed3RStatsParams(TaskParams):
     ``factor``: the device may send the exact factor form when it is smaller (sparse only);
     ``feature_clip_norm`` > 0: each feature row clipped to it (DP's and Fed3R-Sync's bound);
     ``cap_samples``: the device sends at most ``max_samples`` samples (the first ones);
-    ``from_sample`` (streaming): the samples the aggregator already holds of this device."""
+    ``from_sample`` (streaming): the samples the aggregator already holds of this device;
+    ``centered``: the task carries the tensor ``feature_center`` (the feature dimension's float64
+    vector, DP Fed3R's privately released mean) and the device subtracts it from every feature row
+    before clipping, so the clip bound is spent on what tells the classes apart rather than on the
+    mean all rows share (``docs/algorithms.md``, DP Fed3R)."""
 
     KIND = KIND
     model: ModelSpec = part(ModelSpec)
@@ -91,6 +96,7 @@ class Fed3RStatsParams(TaskParams):
     max_samples: int | None = optional()
     cap_samples: bool | None = optional()
     from_sample: int | None = optional()
+    centered: bool | None = optional()
 
     def __post_init__(self):
         for name in ("fit_intercept", "factor"):
@@ -106,6 +112,11 @@ class Fed3RStatsParams(TaskParams):
                 raise ValueError("cap_samples needs max_samples")
         if self.from_sample is not None:
             check_int("from_sample", self.from_sample)
+        if self.centered is not None:
+            check_bool("centered", self.centered)
+            if self.centered and (not self.feature_clip_norm or self.random_features is not None):
+                raise ValueError("centered needs feature_clip_norm and no random_features (the center is "
+                                 "subtracted from the backbone's features before the clip)")
 
     @property
     def sample_cap(self) -> int | None:

@@ -17,6 +17,7 @@ public final class Fed3RAccumulator {
     private final double[][] b;      // numClasses x p
     private final long[] counts;
     private final double[] z;        // one augmented row, reused
+    private double[] center;         // a centered task's feature_center, or null
     private List<double[]> rows;     // the augmented rows, for the exact factor form, while fewer than p
     private final List<Integer> rowLabels = new ArrayList<>();
 
@@ -42,12 +43,18 @@ public final class Fed3RAccumulator {
     }
 
     /** Adds one sample; features must be finite (a NaN means a broken backbone or input). */
+    /** Shift every row by `c` (a centered task's released mean) before the clip; null: none. */
+    public void center(double[] c) {
+        if (c != null && c.length != featureDim) throw new IllegalArgumentException("feature_center must have " + featureDim + " values");
+        center = c;
+    }
+
     public void add(float[] features, int label) {
         if (features.length != featureDim) throw new IllegalArgumentException("features must have " + featureDim + " values, got " + features.length);
         if (label < 0 || label >= numClasses) throw new IllegalArgumentException("label " + label + " outside [0, " + numClasses + ")");
         for (int i = 0; i < featureDim; i++) {
             if (!Float.isFinite(features[i])) throw new IllegalArgumentException("features contain NaN or Inf");
-            z[i] = features[i];
+            z[i] = center == null ? features[i] : (double) features[i] - center[i];
         }
         if (featureClipNorm > 0) {
             double sq = 0;

@@ -17,6 +17,7 @@ public final class Fed3RStatsParams {
     final Double featureClipNorm;           // null: absent
     final Long maxSamples, fromSample;
     final Boolean capSamples;
+    final Boolean centered;                 // true: rows shifted by the task's feature_center tensor before the clip
 
     private Fed3RStatsParams(Map<String, Object> p) throws TaskDeclined {
         TaskParams.checkVersion(p, KIND);
@@ -35,6 +36,9 @@ public final class Fed3RStatsParams {
         if (Boolean.TRUE.equals(capSamples) && maxSamples == null)
             throw new TaskDeclined("bad " + KIND + " params: cap_samples needs max_samples");
         fromSample = TaskParams.present(p, "from_sample") ? Params.integer(p, "from_sample", 0, 1_000_000_000) : null;
+        centered = TaskParams.present(p, "centered") ? TaskParams.bool(p, "centered", false) : null;
+        if (Boolean.TRUE.equals(centered) && (featureClipNorm == null || featureClipNorm == 0.0 || randomFeatures != null))
+            throw new TaskDeclined("bad " + KIND + " params: centered needs feature_clip_norm and no random_features");
     }
 
     public static Fed3RStatsParams fromParams(Map<String, Object> params) throws TaskDeclined {
@@ -56,6 +60,7 @@ public final class Fed3RStatsParams {
         if (maxSamples != null) out.put("max_samples", BigInteger.valueOf(maxSamples));
         if (capSamples != null) out.put("cap_samples", capSamples);
         if (fromSample != null) out.put("from_sample", BigInteger.valueOf(fromSample));
+        if (centered != null) out.put("centered", centered);
         out.put(TaskParams.VERSION_KEY, TaskParams.VERSION);
         return out;
     }

@@ -27,10 +27,31 @@ public final class Fed3RStatsTask implements TaskHandler {
      *  feature_clip_norm when it is > 0. */
     public Fed3RAccumulator accumulate(Fed3RStatsParams task) throws TaskDeclined {
         if (data.size() == 0) throw new TaskDeclined("no local training data");
-        return accumulate(task, false);
+        if (Boolean.TRUE.equals(task.centered)) throw new TaskDeclined("a centered " + KIND + " task needs its feature_center tensor");
+        return accumulate(task, false, null);
     }
 
-    private Fed3RAccumulator accumulate(Fed3RStatsParams task, boolean keepRows) throws TaskDeclined {
+    /** A centered task's feature_center: the feature dimension's finite values (else a decline). */
+    static double[] featureCenter(Fed3RStatsParams task, List<Envelope.Tensor> tensors, int featureDim) throws TaskDeclined {
+        if (!Boolean.TRUE.equals(task.centered)) return null;
+        for (Envelope.Tensor t : tensors) {
+            if (!t.name.equals("feature_center")) continue;
+            double[] center;
+            try {
+                center = Tensors.doubles(t);
+            } catch (Envelope.EnvelopeError e) {
+                throw new TaskDeclined(e.getMessage());
+            }
+            if (t.shape.length != 1 || center.length != featureDim)
+                throw new TaskDeclined("feature_center must be " + featureDim + " finite values, got shape " + java.util.Arrays.toString(t.shape));
+            for (double c : center)
+                if (!Double.isFinite(c)) throw new TaskDeclined("feature_center must be " + featureDim + " finite values");
+            return center;
+        }
+        throw new TaskDeclined("a centered " + KIND + " task without its 'feature_center' tensor");
+    }
+
+    private Fed3RAccumulator accumulate(Fed3RStatsParams task, boolean keepRows, List<Envelope.Tensor> tensors) throws TaskDeclined {
         int numClasses = task.model.numClasses;
         if (task.randomFeatures != null)
             throw new TaskDeclined("random features (Fed3R-RF) are not supported by this device");
@@ -49,6 +70,7 @@ public final class Fed3RStatsTask implements TaskHandler {
         try {
             acc = new Fed3RAccumulator(numClasses, extractor.featureDim(), task.fitIntercept, clipNorm);
             if (keepRows) acc.keepRows();
+            if (tensors != null) acc.center(featureCenter(task, tensors, extractor.featureDim()));
         } catch (IllegalArgumentException e) {
             throw new TaskDeclined(e.getMessage());
         }
@@ -74,7 +96,7 @@ public final class Fed3RStatsTask implements TaskHandler {
         Fed3RStatsParams task = Fed3RStatsParams.fromParams(params);
         String format = task.format, dtype = task.dtype;
         boolean factorOk = task.factor && "sparse".equals(format);
-        Fed3RAccumulator acc = accumulate(task, factorOk);
+        Fed3RAccumulator acc = accumulate(task, factorOk, tensors);
         CanonicalFactor f = factorOk ? acc.factor() : null;
         long[] classes = acc.presentClasses();
         Result r = f != null && factorValues(f, classes.length) < (long) acc.p * (acc.p + 1) / 2 + (long) classes.length * acc.p

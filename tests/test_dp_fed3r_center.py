@@ -1,0 +1,154 @@
+"""DP Fed3R's private feature center (``aggregator/strategies/dp_center.py``) against numpy: the
+center round releases only the noisy mean, the centred rounds' model equals a numpy ssp solve on
+rows centred and clipped by hand, shifted back to raw features; the job asks the operator's m
+devices first, then sends the center; bad centers and rows beyond the centred clip are refused."""
+
+import math
+
+import numpy as np
+import pytest
+from ops_fleet import Features
+from stateful_jobs import run_round
+
+from aggregator.jobs.registry import build_job
+from aggregator.strategies.dp_center import PrivateFeatureCenter
+from aggregator.strategies.dp_fed3r import CalibratedSSP, Fed3RSensitivity, NoisyFed3R
+from edge_client.agent import TaskDeclined
+from edge_client.tasks.fed3r_stats import Fed3RStatsTask
+from protocols.envelope import EnvelopeError, decode, encode
+from protocols.messages import TaskRef, result_message
+from protocols.payloads.fed3r import CENTER_TENSOR, KIND, Fed3RStats
+
+D, C = 12, 3
+
+
+def clip(Z, F):
+    return Z * np.minimum(1.0, F / np.linalg.norm(Z, axis=1, keepdims=True))
+
+
+def stats_of(Z, y):
+    Za = np.hstack([Z, np.ones((len(Z), 1))])
+    A, B = Za.T @ Za, Za.T @ np.eye(C)[y]
+    return Fed3RStats(n=len(Z), p=D + 1, a_upper=A[np.triu_indices(D + 1)], class_ids=np.arange(C), b=B.T), A, B
+
+
+def data(n, seed, offset=6.0):
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, C, n)
+    Z = offset + rng.normal(size=(n, D)) + 2.0 * np.eye(C, D)[y]      # a large shared mean, as ReLU features have
+    return Z, y
+
+
+def test_center_and_centred_solve_equal_a_numpy_reference():
+    z, F, Fc, N, lam = 1.5, 25.0, 4.0, 1, 0.01
+    (Z0, y0), (Z1, y1) = data(40, 0), data(200, 1)
+    mechanism = CalibratedSSP(z, Fed3RSensitivity.of(N, Fc, True), b_share=0.2)
+    center = PrivateFeatureCenter(C, D + 1, z, N, F)
+    noisy = NoisyFed3R(C, D + 1, lam, True, True, mechanism, rng=np.random.default_rng(3), center=center)
+    assert noisy.centering
+    for i in range(len(Z0)):                                          # the center round: one row per device
+        noisy.add(stats_of(clip(Z0[i:i + 1], F), y0[i:i + 1])[0])
+    noisy.release()
+    assert not noisy.centering and noisy.n_contributions == 0 and noisy.releases == 0   # nothing of the model released
+    rng = np.random.default_rng(3)                                    # the reference draws the same noise
+    column = np.r_[clip(Z0, F).sum(axis=0), len(Z0)] + rng.normal(0.0, z * N * math.hypot(F, 1.0), D + 1)
+    mu = column[:-1] / column[-1]
+    np.testing.assert_allclose(center.value, mu, rtol=1e-12, atol=1e-12)
+
+    rows = clip(Z1 - mu, Fc)
+    stats, A, B = stats_of(rows, y1)
+    noisy.add(stats)
+    noisy.release()
+    model = noisy.solve()
+    scale = mechanism.scale()                                         # ssp's noise, as tests/test_dp_fed3r_ssp.py
+    p, iu = D + 1, np.triu_indices(D + 1)
+    e = rng.normal(0.0, scale.a_off_diagonal, len(iu[0]))
+    e[iu[0] == iu[1]] = rng.normal(0.0, scale.a_diagonal, p)
+    E = np.zeros((p, p))
+    E[iu] = e
+    E = E + np.triu(E, 1).T
+    noisy_b = B + rng.normal(0.0, scale.b, (p, C))
+    w, v = np.linalg.eigh(A + E)
+    W = np.linalg.solve((v * np.clip(w, 0, None)) @ v.T + mechanism.regulariser(p, lam) * np.eye(p), noisy_b)
+    norms = np.linalg.norm(W[:-1], axis=0)
+    coef, bias = (W[:-1] / norms).T, W[-1] / norms
+    np.testing.assert_allclose(model.coef_, coef, rtol=1e-7, atol=1e-10)
+    np.testing.assert_allclose(model.intercept_, bias - coef @ mu, rtol=1e-7, atol=1e-9)    # shifted back
+    Zt, _ = data(50, 2)
+    np.testing.assert_allclose(Zt @ model.coef_.T + model.intercept_, (Zt - mu) @ coef.T + bias, atol=1e-9)
+    raw = model.raw_weights_
+    np.testing.assert_allclose(np.hstack([Zt, np.ones((50, 1))]) @ raw, np.hstack([Zt - mu, np.ones((50, 1))]) @ W,
+                               atol=1e-8)
+
+
+def handlers(devices, n=3):
+    out = {}
+    for i, d in enumerate(devices):
+        Z, y = data(n, 10 + i)
+        out[d] = Fed3RStatsTask(Z.astype(np.float32), y, lambda b, s, w: Features(D))
+    return out
+
+
+def config(**over):
+    return {"num_classes": C, "feature_dim": D, "dp_noise_multiplier": 2.0, "feature_clip_norm": 20.0,
+            "max_samples": 1, "dp_center_devices": 3, "dp_center_clip_norm": 3.0, "clients_per_round": 10,
+            "seed": 4, "max_abs_feature": 50.0, **over}
+
+
+def test_job_asks_m_devices_for_the_center_then_centres_the_rest():
+    devices = [f"cam-{i}" for i in range(8)]
+    job = build_job("fed3r", config())
+    h = handlers(devices)
+    first = run_round(job, h, KIND)
+    assert len(first) == 3 and all(not params.get("centered") for params, *_ in first.values())
+    mu = job.strategy.center.value
+    assert mu is not None and job.contributions == 0                  # the center round released only μ̂
+    second = run_round(job, h, KIND)
+    assert sorted(second) == sorted(set(devices) - set(first))        # each device once
+    for d, (params, tensors, body, out) in second.items():
+        assert params["centered"] and params["feature_clip_norm"] == 3.0
+        np.testing.assert_array_equal(tensors[CENTER_TENSOR], mu)
+        row = clip(h[d].images[:1].astype(np.float64) - mu, 3.0)      # what the device sent: its centred row
+        assert np.linalg.norm(row) <= 3.0 + 1e-9
+    assert job.contributions == 5 and job.strategy.releases == 1
+    state = job.state_dict()
+    again = build_job("fed3r", config())
+    again.load_state_dict(state)                                      # a restart keeps the center
+    np.testing.assert_array_equal(again.strategy.center.value, mu)
+    np.testing.assert_allclose(again.model().intercept_, job.model().intercept_, rtol=1e-12)
+
+
+def result_envelope(handler, params, tensors):
+    body, out = handler(params, tensors)
+    return decode(encode(result_message("cam-0", TaskRef("fed3r", 2, "x" * 32), KIND, body, out)))
+
+
+def test_bad_centers_are_declined_and_uncentred_rows_refused():
+    job = build_job("fed3r", config())
+    h = handlers(["cam-0", "cam-1", "cam-2"])
+    run_round(job, h, KIND)
+    params, tensors = job.task_for("cam-9")
+    device = handlers(["cam-9"])["cam-9"]
+    for bad in ({}, {CENTER_TENSOR: np.zeros(D + 1)}, {CENTER_TENSOR: np.full(D, np.nan)}):
+        with pytest.raises(TaskDeclined):
+            device(params, bad)
+    uncentred = {**params, "centered": None, "feature_clip_norm": 20.0}   # a device that ignores the center
+    with pytest.raises(EnvelopeError, match="clipped bound"):
+        job.parse_result(result_envelope(device, {k: v for k, v in uncentred.items() if v is not None}, {}))
+    job.parse_result(result_envelope(device, params, tensors))           # the honest one passes
+
+
+@pytest.mark.parametrize("over, message", [
+    ({"dp_noise_multiplier": 0.0}, "needs DP"),
+    ({"dp_center_clip_norm": 0.0}, "dp_center_clip_norm > 0"),
+    ({"fit_intercept": False}, "fit_intercept"),
+    ({"random_features": {"seed": 1, "dim": 16, "sigma": 1.0}}, "random_features"),
+])
+def test_job_refuses_a_centring_it_cannot_do(over, message):
+    with pytest.raises(ValueError, match=message):
+        build_job("fed3r", config(**over))
+
+
+def test_secure_fed3r_refuses_centring():
+    with pytest.raises(ValueError, match="does not centre"):
+        build_job("fed3r-sync", config())
