@@ -29,7 +29,7 @@ from protocols.secagg import ClientState, RoundConfig
 from protocols.secagg.driver import plain_fixed_point_sum, run_round
 from protocols.secagg.errors import ProtocolViolation, SecAggError
 from protocols.secagg.events import AggregateReady, Phase
-from protocols.secagg.messages import KeyDirectory, UnmaskRequest
+from protocols.secagg.messages import ConsistencyCheckRequest, KeyDirectory, UnmaskRequest
 
 pytestmark = pytest.mark.skipif(java_build.missing() is not None, reason=str(java_build.missing()))
 
@@ -137,6 +137,36 @@ def impostor_signed(msg):
     if not isinstance(msg, KeyDirectory) or msg.recipient != JAVA:
         return [msg]
     return [msg.signed(DeviceIdentity.generate("aggregator"))]
+
+
+def split_survivors(config):
+    """SecAgg+: the survivor set shown to the Java device leaves out two runs of k/2 ring
+    neighbours around it, which would split the survivors' graph into parts whose sums unmask."""
+    graph = config.neighbour_graph(config.members)
+    ring = list(graph._ring)
+    at = ring.index(JAVA)
+    removed = {ring[(at + offset) % len(ring)] for offset in (3, 4, 8, 9)}     # k = 4: runs of 2
+    survivors = config.to_bitmap([m for m in config.members if m not in removed])
+    assert not graph.connects(config.from_bitmap(survivors))
+
+    def attack(msg):
+        if not isinstance(msg, (ConsistencyCheckRequest, UnmaskRequest)) or msg.recipient != JAVA:
+            return [msg]
+        return [dataclasses.replace(msg, survivors=survivors).signed(AGGREGATOR)]
+    return attack
+
+
+def test_java_client_refuses_survivors_whose_graph_falls_apart(tmp_path):
+    config, identities, inputs, java = setup_round(tmp_path, "regular", n=12)
+    try:
+        run = run_round(config, AGGREGATOR, identities, inputs, intercept=split_survivors(config),
+                        record_server_view=True, client_factory=lambda d, i: java if d == JAVA else None)
+    finally:
+        java.close()
+    assert len(java.refusals) == 1 and "falls apart" in java.refusals[0], java.refusals
+    assert java.state is ClientState.ABORTED
+    sent = {f.to_message().TYPE for f in run.server_view if f.to_message().sender == JAVA}
+    assert "secagg.unmask_shares" not in sent and "secagg.consistency_signature" not in sent
 
 
 @pytest.mark.parametrize("attack, refusal, state", [

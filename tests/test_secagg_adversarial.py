@@ -312,8 +312,8 @@ def test_server_refuses_unmask_shares_that_reveal_both_secrets_of_a_peer():
 # ---- a misbehaving server ----------------------------------------------------------------
 
 
-def _unmask_ready(**options):
-    r = Round(n=6, consistency_check=False, **options)
+def _unmask_ready(n=6, **options):
+    r = Round(n=n, consistency_check=False, **options)
     for _ in range(3):
         r.step()
     return r, r.pending[0]
@@ -343,6 +343,32 @@ def test_client_refuses_to_be_declared_dropped_or_to_answer_twice():
     assert set(client2.revealed.values()) == {"self_mask"}
     with pytest.raises(UnexpectedMessage):
         client2.handle(request2)
+
+
+def test_client_refuses_survivors_whose_graph_falls_apart():
+    """SecAgg+: a server that claims chosen devices dropped (two runs of k/2 ring neighbours) would
+    learn each remaining part's sum; a client asked to unmask such a survivor set aborts, revealing
+    nothing. One run leaves a path, still connected: answered."""
+    def request_without(runs):
+        r, request = _unmask_ready(n=12, graph="regular", degree=4, threshold=7)
+        members = r.config.members
+        graph = r.config.neighbour_graph(members)
+        ring = list(graph._ring)
+        at = ring.index(request.recipient)
+        removed = {ring[(at + offset) % len(ring)] for start in runs for offset in range(start, start + 2)}
+        survivors = [m for m in members if m not in removed]
+        return r, resign(request, AGGREGATOR, survivors=r.config.to_bitmap(survivors),
+                         dropped=r.config.to_bitmap(sorted(removed))), graph, survivors
+
+    r, split, graph, survivors = request_without([3, 8])          # runs of k/2 = 2 on both sides: two parts
+    assert not graph.connects(survivors)
+    client = r.clients[split.recipient]
+    with pytest.raises(ProtocolViolation, match="falls apart"):
+        client.handle(split)
+    assert client.state is ClientState.ABORTED and client.revealed == {}
+    r, one_run, graph, survivors = request_without([3])
+    assert graph.connects(survivors)
+    assert r.clients[one_run.recipient].handle(one_run)           # answered: only the whole sum is learnt
 
 
 def test_consistency_check_catches_a_server_that_changes_the_survivor_set():

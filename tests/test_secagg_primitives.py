@@ -298,6 +298,36 @@ def test_random_regular_graph_is_regular_symmetric_and_seeded(n, degree):
     assert any(other.neighbours(m) != graph.neighbours(m) for m in members)
 
 
+def components(graph: NeighbourGraph, alive: set) -> int:
+    """Connected parts of the survivors' induced subgraph, by breadth-first search (the reference)."""
+    left, parts = set(alive), 0
+    while left:
+        parts += 1
+        frontier = [left.pop()]
+        while frontier:
+            nxt = [m for m in graph.neighbours(frontier.pop()) if m in left]
+            left -= set(nxt)
+            frontier += nxt
+    return parts
+
+
+@pytest.mark.parametrize("n, degree", [(12, 2), (30, 4), (41, 8), (9, 8)])
+def test_graph_connects_exactly_when_the_survivors_graph_is_connected(n, degree):
+    members = [f"d{i:02d}" for i in range(n)]
+    graph = NeighbourGraph.random_regular(members, degree, b"c" * 32)
+    rng = random.Random(n * degree)
+    split = 0
+    for _ in range(300):
+        rate = rng.choice([0.1, 0.3, 0.6, 0.9])
+        alive = {m for m in members if rng.random() > rate}
+        want = len(alive) > 0 and components(graph, alive) == 1
+        assert graph.connects(alive) == want, (sorted(alive), components(graph, alive) if alive else 0)
+        split += not want and bool(alive)
+    assert split > 10 or graph.is_complete                     # the draws do split the ring
+    with pytest.raises(KeyError):
+        graph.connects({"outsider"})
+
+
 def test_graph_degree_edge_cases():
     members = [f"d{i}" for i in range(7)]
     assert NeighbourGraph.random_regular(members, 6, b"s" * 32).is_complete

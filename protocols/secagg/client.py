@@ -46,6 +46,7 @@ from .derivation import SECRET_BYTES, SHARE_BYTES, SHARE_CIPHERTEXT_BYTES, Round
 from .errors import (DecryptionError, InputError, MalformedMessage, ProtocolViolation, ReplayedMessage,
                      UnexpectedMessage, UnknownSender, WrongContext)
 from .events import Timeout
+from .graph import NeighbourGraph
 from .messages import (AdvertiseKeys, ConsistencyCheckRequest, ConsistencySignature, EncryptedShares,
                        ForwardedShares, KeyDirectory, MaskedInput, Message, RoundAborted, RoundStart,
                        UnmaskRequest,
@@ -83,6 +84,7 @@ class ClientSecAgg:
         self._cipher_key = self._mask_key = None
         self._self_mask_seed: bytes | None = None
         self._participants: frozenset[str] = frozenset()
+        self._graph: NeighbourGraph | None = None          # over the participants, from the key directory
         self._identity_keys: dict[str, bytes] = {}
         self._neighbours: frozenset[str] = frozenset()
         self._neighbour_keys: dict[str, Any] = {}
@@ -178,6 +180,9 @@ class ClientSecAgg:
         stray = (set(survivors) & self._neighbours) - self._u2_neighbours
         if stray:
             raise ProtocolViolation(f"survivors {sorted(stray)} never sent their shares")
+        if not self._graph.connects(survivors):
+            # SecAgg+: dropouts the server chose could cut the graph; each part's sum would be unmasked
+            raise ProtocolViolation("the survivors' graph falls apart: the server would learn its parts' sums")
 
     # ---- handlers: compute, then commit -------------------------------------------------
     def _on_round_start(self, message: RoundStart) -> list[Message]:
@@ -203,7 +208,8 @@ class ClientSecAgg:
             raise ProtocolViolation("key directory leaves out this device, which advertised its keys")
         if len(participants) < config.threshold:
             raise ProtocolViolation(f"{len(participants)} participants < threshold {config.threshold}")
-        neighbours = config.neighbour_graph(participants).neighbours(self.device_id)
+        graph = config.neighbour_graph(participants)
+        neighbours = graph.neighbours(self.device_id)
         entries = {entry.device_id: entry for entry in message.neighbour_keys}
         if set(entries) != neighbours:
             raise ProtocolViolation("key directory does not hold exactly this device's graph neighbours")
@@ -242,7 +248,7 @@ class ClientSecAgg:
             ciphertexts[row] = np.frombuffer(blob, dtype=np.uint8)
         reply = self._reply(EncryptedShares, recipients=recipients, ciphertexts=ciphertexts,
                             self_mask_commitment=self_mask_commitment(self.context, self.device_id, self_mask_seed))
-        self._participants, self._identity_keys = frozenset(participants), identity_keys
+        self._participants, self._identity_keys, self._graph = frozenset(participants), identity_keys, graph
         self._neighbours, self._neighbour_keys = neighbours, entries
         self._share_keys, self._self_mask_seed = share_keys, self_mask_seed
         self._own_shares = tuple(share_of[self.device_id])

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from .crypto import expand_mask
 
@@ -125,6 +125,26 @@ class NeighbourGraph:
                                for offset in range(-self._half, self._half + 1) if offset)
         self._cache[member] = result
         return result
+
+    def connects(self, survivors: Iterable[str]) -> bool:
+        """Whether the survivors' induced subgraph is connected: else the server, which may add any
+        union of its parts' masked inputs, would learn each part's sum (SecAgg+'s actively chosen
+        dropouts). On the ring two survivors are adjacent across a run of fewer than k/2 removed
+        positions, so the parts are as many as the runs of ≥ k/2 removed: connected iff at most one."""
+        alive = set(survivors)
+        if not alive <= set(self.members):
+            raise KeyError(sorted(alive - set(self.members))[:3])
+        if self._ring is None or not alive:
+            return bool(alive)
+        n, long_runs, run = len(self._ring), 0, 0
+        start = next(i for i, m in enumerate(self._ring) if m in alive)     # a run never wraps past it
+        for step in range(1, n + 1):
+            if self._ring[(start + step) % n] in alive:
+                long_runs += run >= self._half
+                run = 0
+            else:
+                run += 1
+        return long_runs <= 1
 
     @classmethod
     def complete(cls, members: Sequence[str]) -> "NeighbourGraph":

@@ -158,6 +158,9 @@ public final class ClientSecAgg {
         stray.retainAll(neighbours);
         stray.removeAll(u2);
         if (!stray.isEmpty()) throw new ProtocolViolation("survivors " + stray + " never sent their shares");
+        // SecAgg+: dropouts the server chose could cut the graph; each part's sum would be unmasked
+        if (!config.connects(new ArrayList<>(participants), survivors))
+            throw new ProtocolViolation("the survivors' graph falls apart: the server would learn its parts' sums");
     }
 
     // ---------------- handlers: compute, then commit ----------------

@@ -134,7 +134,17 @@ public final class RoundConfig {
             out.remove(device);
             return out;
         }
-        // Fisher-Yates over the sorted participants, driven by the PRG of SHA-256(domain || seed || U1 joined by NUL)
+        List<String> ring = ring(ordered);
+        int position = ring.indexOf(device), half = degree / 2;
+        for (int offset = -half; offset <= half; offset++)
+            if (offset != 0) out.add(ring.get(Math.floorMod(position + offset, n)));
+        return out;
+    }
+
+    /** The SecAgg+ ring: Fisher-Yates over the sorted participants, driven by the PRG of
+     *  SHA-256(domain || seed || U1 joined by NUL). */
+    private List<String> ring(List<String> ordered) {
+        int n = ordered.size();
         List<String> ring = new ArrayList<>(ordered);
         byte[] digest = Crypto.sha256("fedfleet/secagg/graph/v1".getBytes(StandardCharsets.US_ASCII), graphSeed,
                 String.join("\0", ordered).getBytes(StandardCharsets.UTF_8));
@@ -144,10 +154,30 @@ public final class RoundConfig {
             int j = (int) Long.remainderUnsigned(words[i], i + 1);
             Collections.swap(ring, i, j);
         }
-        int position = ring.indexOf(device), half = degree / 2;
-        for (int offset = -half; offset <= half; offset++)
-            if (offset != 0) out.add(ring.get(Math.floorMod(position + offset, n)));
-        return out;
+        return ring;
+    }
+
+    /** Whether the survivors' induced subgraph of the graph over the participants is connected
+     *  (protocols/secagg/graph.py connects): on the ring, at most one run of >= k/2 removed positions. */
+    public boolean connects(List<String> participants, Set<String> survivors) {
+        List<String> ordered = new ArrayList<>(participants);
+        ordered.sort(Json.CODE_POINT_ORDER);
+        int n = ordered.size();
+        if (survivors.isEmpty()) return false;
+        if (graph.equals("complete") || degree >= n - 1) return true;
+        List<String> ring = ring(ordered);
+        int start = 0;
+        while (!survivors.contains(ring.get(start))) start++;
+        int longRuns = 0, run = 0, half = degree / 2;
+        for (int step = 1; step <= n; step++) {
+            if (survivors.contains(ring.get((start + step) % n))) {
+                if (run >= half) longRuns++;
+                run = 0;
+            } else {
+                run++;
+            }
+        }
+        return longRuns <= 1;
     }
 
     /** q = rint(x · 2^f) as the uint64 with the same bits; values outside ±bound or non-finite are refused. */
