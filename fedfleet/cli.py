@@ -125,16 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def job_field_choices(kind: str, field: str) -> tuple:
-    """The values a job kind's choice field takes, from the field's declaration (one source for the
-    job's validation, the API schema and these options)."""
-    from aggregator.jobs.config_limits import choices_of
-    from aggregator.jobs.registry import kind_of
-
-    return choices_of(kind_of(kind).config_cls, field)
-
-
 def _add_simulate_parser(sub) -> None:
+    # choices of job fields come from their declarations (the jobs' validation and API schema read them too)
+    from aggregator.jobs.registry import field_choices as job_field_choices
+
     s = sub.add_parser("simulate", help="run an emulated fleet against a real broker and aggregator",
                        formatter_class=HelpFormatter)
     s.add_argument("--config", default="demo", help="preset (demo, smoke, fleet-10k, fleet-100k) or a JSON file of SimConfig fields")
@@ -183,6 +177,8 @@ def _add_simulate_parser(sub) -> None:
 
 def _add_fine_tuning_arguments(s) -> None:
     """The pipelines' options after Fed3R: fine-tuning, its optimisers, personalization, rollout."""
+    from aggregator.jobs.registry import field_choices as job_field_choices
+
     s.add_argument("--ft-rounds", type=int, help="fed3r-ft-oll: FedAvg(ψ) fine-tuning rounds")
     s.add_argument("--fp-epochs", type=int, help="fed3r-ft-oll: local FP(ψ) epochs after OLL (0: OLL only)")
     s.add_argument("--fp-part", choices=job_field_choices("personalize", "fp_part"),

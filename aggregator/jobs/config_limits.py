@@ -144,8 +144,9 @@ def validate_config(kind: str, config_cls: type, config: dict) -> None:
 def check_declared(config: Any, *names: str) -> None:
     """A config object's fields against their declared limits (``ValueError`` naming the field): what a
     ``__post_init__`` checks of a config built in Python rather than from JSON."""
+    fields = vars(config)                 # a config dataclass's fields, read by name
     for name in names:
-        value = getattr(config, name)
+        value = fields[name]
         if value is not None:
             check_limit(name, value, field_limit(type(config), name))
 

@@ -13,7 +13,7 @@ from fedfleet.ladd.config import QUICK, LaddSimConfig
 def add_ladd_arguments(parser: argparse.ArgumentParser) -> None:
     """LADD options for ``fedfleet simulate``; options the parser already has (--out, --broker,
     --workers, --image-size, --seed) are left alone and read by :func:`ladd_config_from_args`."""
-    from fedfleet.cli import job_field_choices
+    from aggregator.jobs.registry import field_choices as job_field_choices
 
     have = set(parser._option_string_actions)
 
