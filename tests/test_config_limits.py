@@ -157,3 +157,16 @@ def test_the_cli_offers_the_declared_choices():
                 "cluster_scope": _declared(KINDS["ladd"].config_cls, "cluster_scope")}
     for dest, limit in expected.items():
         assert tuple(options[dest]) == limit.values, dest
+
+
+def test_a_field_without_a_limit_is_found_and_never_passed_unchecked():
+    from aggregator.jobs.base import JobConfig
+    from aggregator.jobs.config_limits import undeclared_fields
+
+    @dataclasses.dataclass
+    class Unlimited(JobConfig):
+        new_field: int = 3
+
+    assert undeclared_fields(Unlimited) == ["new_field"]
+    with pytest.raises(TypeError, match="new_field"):
+        validate_config("x", Unlimited, {"new_field": 4})
