@@ -126,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_simulate_parser(sub) -> None:
+    # choices of job fields come from their declarations (the jobs' validation and API schema read them too)
+    from aggregator.jobs.registry import field_choices as job_field_choices
+
     s = sub.add_parser("simulate", help="run an emulated fleet against a real broker and aggregator",
                        formatter_class=HelpFormatter)
     s.add_argument("--config", default="demo", help="preset (demo, smoke, fleet-10k, fleet-100k) or a JSON file of SimConfig fields")
@@ -151,7 +154,7 @@ def _add_simulate_parser(sub) -> None:
                         "the FedAvg(ψ) fine-tuning without its direction screen (it needs every update in one "
                         "place); a job shards cannot sum runs in one aggregator process, and says why")
     s.add_argument("--secure", action="store_true", help="Fed3R-Sync: sum statistics under secure aggregation")
-    s.add_argument("--secure-graph", choices=["auto", "complete", "regular"],
+    s.add_argument("--secure-graph", choices=job_field_choices("fed3r-sync", "graph"),
                    help="SecAgg (complete), SecAgg+ (regular), or by group size (auto, the default: complete up to "
                         "128 members)")
     s.add_argument("--pipeline", choices=["fed3r", "fedncm", "fed3r-ft-oll", "fed3r-pp-oll", "fed3r-ft-pp-oll", "fed3r-ditto-oll",
@@ -174,15 +177,17 @@ def _add_simulate_parser(sub) -> None:
 
 def _add_fine_tuning_arguments(s) -> None:
     """The pipelines' options after Fed3R: fine-tuning, its optimisers, personalization, rollout."""
+    from aggregator.jobs.registry import field_choices as job_field_choices
+
     s.add_argument("--ft-rounds", type=int, help="fed3r-ft-oll: FedAvg(ψ) fine-tuning rounds")
     s.add_argument("--fp-epochs", type=int, help="fed3r-ft-oll: local FP(ψ) epochs after OLL (0: OLL only)")
-    s.add_argument("--fp-part", choices=["psi", "phi", "M"],
+    s.add_argument("--fp-part", choices=job_field_choices("personalize", "fp_part"),
                    help="the pipelines' OLL phase: what local fine-tuning after OLL trains: the OLL head (psi, default), "
                         "the backbone's last stages through the tail bundle (phi: FP(φ)), or both (M: FP(M))")
     s.add_argument("--ft-mode", choices=["psi", "phi", "M"],
                    help="fed3r-ft-oll: fine-tune the head (psi, default), the backbone's last stages against the "
                         "frozen Fed3R head (phi), or both (M); OLL then personalises on the fine-tuned backbone")
-    s.add_argument("--server-optimizer", choices=["sgd", "adam", "yogi", "adagrad"],
+    s.add_argument("--server-optimizer", choices=job_field_choices("fedavg", "server_optimizer"),
                    help="fed3r-ft-oll: the fine-tuning's server step: sgd (FedAvg/FedAvgM, default) or FedOpt's "
                         "adam, yogi, adagrad (Reddi et al. 2021) on the round's pseudo-gradient")
     s.add_argument("--ft-algorithm", choices=["fedavg", "fedgloss"],
@@ -193,12 +198,12 @@ def _add_fine_tuning_arguments(s) -> None:
                    help="fed3r-ft-oll: start fine-tuning from ALPHA × the Fed3R head (the same predictions, wider "
                         "logit margins at T = 0.1; default 1; bench/ft_init_scale.py measures 1, 3, 10)")
     s.add_argument("--server-lr", type=float, help="fed3r-ft-oll: η of the server step (default 1.0; FedOpt wants ~0.01-0.1)")
-    s.add_argument("--local-rule", choices=["sgd", "sam", "asam"],
+    s.add_argument("--local-rule", choices=job_field_choices("fedavg", "local_rule"),
                    help="fed3r-ft-oll, ladd: the devices' local step: sgd (default), sam (FedSAM) or asam (FedASAM), "
                         "two gradient evaluations per step")
     s.add_argument("--sam-rho", type=float, help="--local-rule sam/asam: the ascent radius ρ (default 0.1)")
     s.add_argument("--prox-mu", type=float, help="fed3r-ft-oll, ladd: FedProx's proximal weight μ (default 0: off)")
-    s.add_argument("--served-model", choices=["last", "swa", "wima"],
+    s.add_argument("--served-model", choices=job_field_choices("fedavg", "served_model"),
                    help="fed3r-ft-oll: the fine-tuned model reported and deployed: the last (default), server SWA "
                         "from 0.75 of the rounds, or WiMA's mean of the last 10")
     s.add_argument("--tail-stages", type=int, help="--ft-mode phi/M: backbone stages trained on device (default 1)")

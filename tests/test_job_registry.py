@@ -9,7 +9,7 @@ from starlette.testclient import TestClient
 
 from aggregator.api.app import create_app
 from aggregator.cli import build_parser
-from aggregator.jobs.config_limits import FIELD_LIMITS, Range, undeclared_fields
+from aggregator.jobs.config_limits import Range, field_limit, undeclared_fields
 from aggregator.jobs.ladd import LaddJob, save_initial_model
 from aggregator.jobs.registry import KINDS, build_job, full_config, job_kind_name, validate_job_config
 
@@ -41,10 +41,11 @@ def test_every_kind_is_registered_once_with_every_field_limited():
 def test_limits_are_refused_for_every_kind(kind):
     fields = {f.name for f in dataclasses.fields(KINDS[kind].config_cls)}
     validate_job_config(kind, minimal_config(kind))                         # the defaults pass
-    ranged = [name for name in sorted(fields) if isinstance(FIELD_LIMITS[name], Range)]
+    config_cls = KINDS[kind].config_cls
+    ranged = [name for name in sorted(fields) if isinstance(field_limit(config_cls, name), Range)]
     assert ranged
     for name in ranged:
-        limit = FIELD_LIMITS[name]
+        limit = field_limit(config_cls, name)
         too_big = int(limit.hi) * 10 + 1 if limit.hi >= 1 else limit.hi * 10
         with pytest.raises(ValueError, match=name):
             validate_job_config(kind, {**minimal_config(kind), name: too_big})

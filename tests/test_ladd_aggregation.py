@@ -259,7 +259,7 @@ def test_config_and_construction_errors():
         LaddConfig(model={"num_classes": 2, "image_size": 16}, clustering="kmeans")
     with pytest.raises(ValueError, match="cluster scope"):
         LaddConfig(model={"num_classes": 2, "image_size": 16}, cluster_scope="bn")
-    with pytest.raises(ValueError, match="spec"):
+    with pytest.raises(ValueError, match="model must have the keys"):
         LaddConfig(model={})
     with pytest.raises(ValueError, match="pretrainer"):
         LaddJob(LaddConfig(model={"num_classes": 2, "image_size": 16}))

@@ -1,7 +1,7 @@
 """The admin API's request and response models (its OpenAPI schema), one place for every route.
 
-A job's config model is built per registered kind from its config dataclass and the field limits
-declared in ``aggregator/jobs/config_limits.py``, so the schema states what the service accepts.
+A job's config model is built per registered kind from its config dataclass and the limit each
+field declares (``aggregator/jobs/config_limits.py``), so the schema states what the service accepts.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, create_model
 
 from protocols.topics import DEVICE_ID_RE
 
-from aggregator.jobs.config_limits import FIELD_LIMITS, Fields, Items, OneOf, Pattern, Range, check_limit
+from aggregator.jobs.config_limits import Fields, Items, OneOf, Pattern, Range, check_limit, field_limit
 from aggregator.jobs.registry import KINDS, kind_of
 
 ID_PATTERN = DEVICE_ID_RE.pattern
@@ -88,7 +88,7 @@ class Credentials(BaseModel):
 
 
 def config_model(kind: str) -> type[BaseModel]:
-    """A pydantic model of a job kind's config, from its dataclass and the declared field limits
+    """A pydantic model of a job kind's config, from its dataclass and the limit each field declares
     (``aggregator/jobs/config_limits.py``), so the OpenAPI schema states what the service accepts."""
     config_cls = kind_of(kind).config_cls
     hints = typing.get_type_hints(config_cls)
@@ -97,7 +97,7 @@ def config_model(kind: str) -> type[BaseModel]:
         if f.name == "job_id":
             continue                                    # given once, in the request
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        limit = FIELD_LIMITS.get(f.name)
+        limit = field_limit(config_cls, f.name)
         try:
             if default is not None:
                 check_limit(f.name, default, limit)

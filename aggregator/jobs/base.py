@@ -22,23 +22,25 @@ import numpy as np
 from protocols.envelope import Envelope
 from protocols.rounds import RoundClosed
 
+from aggregator.jobs.config_limits import COUNT, JOB_ID, SEED, TIMEOUT_S, Range, limited
+
 
 @dataclass
 class JobConfig:
     """The fields every job kind's config has; a kind's config adds its own and overrides the
     defaults that differ (JSON field names are the storage and API format of configs:
-    ``aggregator/jobs/config_limits.py`` limits each). Field groups (``ModelFields``,
+    each declares its limit, ``aggregator/jobs/config_limits.py``). Field groups (``ModelFields``,
     ``SecureAggregationFields``, ...) are subclasses too. A config derived from another kind's
     lists that config *before* the groups it adds (``SecureFedAvgConfig(FedAvgConfig,
     SecureUpdateFields)``): a dataclass takes each field from the first class in its MRO that has
     it, and a group carries this class's defaults, which would hide the other kind's overrides."""
 
-    job_id: str = "job"
-    clients_per_round: int = 10          # κ: devices per round (an asynchronous job: at once)
-    round_timeout_s: float = 120.0       # stragglers past this are dropped from the round
-    expected_devices: int = 0            # start once this many devices are online (0: the first one)...
-    start_timeout_s: float = 60.0        # ...or after this long with whoever is there
-    seed: int = 0                        # fixes the participation schedule
+    job_id: str = limited("job", JOB_ID)
+    clients_per_round: int = limited(10, Range(1, 1_000_000))  # κ: devices per round (an asynchronous job: at once)
+    round_timeout_s: float = limited(120.0, TIMEOUT_S)         # stragglers past this are dropped from the round
+    expected_devices: int = limited(0, COUNT)       # start once this many devices are online (0: the first one)...
+    start_timeout_s: float = limited(60.0, Range(0, 7 * 86400))  # ...or after this long with whoever is there
+    seed: int = limited(0, SEED)                    # fixes the participation schedule
 
     def __post_init__(self):
         """Checks of the fields; every config's ``__post_init__`` calls its bases' first."""

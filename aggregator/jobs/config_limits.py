@@ -1,13 +1,20 @@
-"""Limits of job config fields, declared once per field name and checked before anything is built.
+"""Limits of job config fields: declared at each field, checked before anything is built.
 
 A config arrives from an operator (a JSON file, the admin API, a stored row after a restart); a
-typo must not allocate a 100 GB matrix or start a job that can never finish. The same field name
-means the same thing in every job kind (``num_classes`` of a Fed3R job and of a FedAvg job), so
-each name's limit is declared once in :data:`FIELD_LIMITS`; :func:`validate_config` checks a
-config dict against a config class: known fields only, JSON types matching the annotations, and
-every field's limit. ``tests/test_job_registry.py`` checks that every field of every registered
-kind has a declared limit, so a new field cannot slip in unchecked. The admin API builds its
-OpenAPI models from the same table (``aggregator/api/schemas.py``).
+typo must not allocate a 100 GB matrix or start a job that can never finish. Each config field
+declares its limit where it is declared, ``num_classes: int = limited(10, Range(1, 100_000))``
+(the limit rides in the dataclass field's metadata), and everything reads it from there:
+:func:`validate_config` (known fields only, JSON types matching the annotations, every field's
+limit), the admin API's OpenAPI models (``aggregator/api/schemas.py``) and the CLIs' choices
+(:func:`choices_of`). A subclass that only changes a default (``norm_bound_multiplier: float =
+3.0``) keeps the limit its base declared (:func:`field_limit` looks along the MRO).
+
+The same field name means the same thing in every job kind (``num_classes`` of a Fed3R job and of
+a FedAvg job): a field several kinds share is declared once in its field-group mixin
+(``ModelFields``, ``UpdateClippingFields``, ...), and a name that kinds declare on their own
+(``batch_size``) takes one of the named limits below. ``tests/test_job_registry.py`` checks that
+every field of every registered kind has a limit and that no two declarations of a name differ.
+A choice field names the enumeration that its code dispatches on (``OneOf(RULES)``), never a copy.
 """
 
 from __future__ import annotations
@@ -18,13 +25,11 @@ import re
 import types
 import typing
 from dataclasses import dataclass
+from typing import Any
 
-from protocols.payloads.fedavg import LOCAL_RULES
 from protocols.topics import DEVICE_ID_RE
 
-from aggregator.jobs.fedavg import INITS
-from aggregator.strategies.fedopt import SERVER_OPTIMIZERS
-from aggregator.strategies.model_averaging import SERVED_MODELS
+LIMIT = "config_limit"            # the dataclass field metadata key
 
 
 @dataclass(frozen=True)
@@ -59,79 +64,66 @@ class Items:
     max_items: int
 
 
+Limit = Range | OneOf | Pattern | Fields | Items
+
+
+def limited(default: Any = dataclasses.MISSING, limit: Limit | None = None, *,
+            default_factory: Any = dataclasses.MISSING) -> Any:
+    """A config field with its limit: ``x: int = limited(10, Range(1, 100))`` (a mutable default:
+    ``limited(limit=..., default_factory=list)``)."""
+    if limit is None:
+        raise TypeError("limited() needs a limit")
+    return dataclasses.field(default=default, default_factory=default_factory, metadata={LIMIT: limit})
+
+
+# Limits several declarations use.
+FLAG = OneOf((True, False))
 SHA256_OR_EMPTY = Pattern(r"^([0-9a-f]{64})?$")
 PATH = Pattern(r"^[^\x00-\x1f]{0,1024}$")          # a server-side file path, no control characters
 TIMEOUT_S = Range(1e-3, 7 * 86400)
 COUNT = Range(0, 1_000_000)
 SEED = Range(0, 2 ** 53 - 1)                         # JSON-safe: exact as a double
+JOB_ID = Pattern(DEVICE_ID_RE.pattern)
+# Names that kinds declare on their own, with defaults of their own (a kind that is not in the
+# family of another): one limit each, so the same name keeps one meaning.
+ROUNDS = Range(0, 1_000_000)                         # FedAvg family, LADD
+LOCAL_EPOCHS = Range(1, 1000)                        # FedAvg family, LADD
+BATCH_SIZE = Range(1, 1_000_000)                     # FedAvg family, personalization, LADD
+WEIGHT_DECAY = Range(0, 10)                          # FedAvg family, personalization
+TEMPERATURE = Range(1e-6, 1e6)                       # FedAvg family, personalization
+MAX_ATTEMPTS = Range(1, 1000)                        # Fed3R, personalization (each device once)
+MAX_SAMPLES = Range(1, 10_000_000)                   # Fed3R (DP's cap), secure kinds (the sum's bound)
+TAIL_STAGES = Range(0, 64)                           # FT(φ)/FT(M), personalization of their model
+PERSONAL_EPOCHS = Range(0, 1000)                     # pp (FedAlt), Ditto
+TOTAL_DEVICES = Range(0, 100_000_000)                # Scaffold, FedGloSS
+# LADD's model: edge_client's SegmentationSpec as a dict (the aggregator does not import edge_client)
 SEGMENTATION_SPEC = Fields({"num_classes": (int, Range(1, 254)), "image_size": (int, Range(16, 1024)),
                             "output_stride": (int, Range(8, 32)), "tail_blocks": (int, Range(0, 4)),
                             "head_channels": (int, Range(4, 512)), "aspp_rates": (list, Items(Range(1, 64), 8))},
                            required=("num_classes", "image_size"))
 
-FIELD_LIMITS: dict[str, Range | OneOf | Pattern | Fields | Items] = {
-    "job_id": Pattern(DEVICE_ID_RE.pattern),
-    # the model every classification job names
-    "num_classes": Range(1, 100_000), "feature_dim": Range(1, 8192), "image_size": Range(1, 4096),
-    "backbone": Pattern(r"^[a-z0-9_]{1,64}$"), "weights_sha256": SHA256_OR_EMPTY, "bundle_sha256": SHA256_OR_EMPTY,
-    # scheduling
-    "clients_per_round": Range(1, 1_000_000), "max_attempts": Range(1, 1000), "expected_devices": COUNT,
-    "round_timeout_s": TIMEOUT_S, "start_timeout_s": Range(0, 7 * 86400), "phase_timeout_s": TIMEOUT_S,
-    "rounds": Range(0, 1_000_000), "seed": SEED,
-    # Fed3R
-    "lam": Range(1e-12, 1e12), "fit_intercept": OneOf((True, False)), "normalize_columns": OneOf((True, False)),
-    "b_format": OneOf(("sparse", "dense")), "factor_uploads": OneOf((True, False)),
-    "streaming": OneOf((True, False)), "stats_dtype": OneOf(("float64", "float32")),
-    "random_features": Fields({"seed": (int, Range(0, 2 ** 32 - 1)), "dim": (int, Range(1, 8192)),
-                               "sigma": (float, Range(1e-12, 1e12))}),
-    # secure aggregation
-    "graph": OneOf(("auto", "complete", "regular")), "expected_dropout": Range(0, 0.49), "max_samples": Range(1, 10_000_000),
-    "max_abs_feature": Range(0, 1e6), "max_abs_param": Range(1e-6, 1e6),
-    "identity_file": PATH, "device_keys_file": PATH,
-    # differential privacy (aggregator/jobs/privacy_fields.py)
-    "dp_noise_multiplier": Range(0, 1e4), "dp_target_epsilon": Range(0, 1e4), "dp_delta": Range(1e-15, 0.1),
-    "dp_clip_norm": Range(1e-9, 1e9), "dp_adaptive_clip": OneOf((True, False)), "dp_target_quantile": Range(1e-3, 0.999),
-    "dp_clip_lr": Range(1e-6, 10), "dp_count_stddev": Range(0, 1e6), "dp_population": COUNT,
-    "feature_clip_norm": Range(0, 1e6), "dp_mechanism": OneOf(("ssp", "gaussian")), "dp_b_share": Range(1e-3, 0.999),
-    "dp_center_devices": Range(0, 10_000_000), "dp_center_clip_norm": Range(0, 1e6),
-    # bounded influence (aggregator/jobs/robustness_fields.py)
-    "aggregator": OneOf(("mean", "median", "trimmed_mean", "krum", "multi_krum", "centered_clipping")),
-    "clip_radius_multiplier": Range(1e-6, 1e6), "clip_iterations": Range(1, 100),
-    "norm_bound_multiplier": Range(0, 1e6), "trim_fraction": Range(0, 0.499), "krum_byzantine": Range(0, 100_000),
-    "contribution_bound_multiplier": Range(0, 1e6), "direction_screen": OneOf((True, False)),
-    "history_momentum": Range(0, 0.99),
-    "krum_select": Range(0, 100_000), "update_clip_norm": Range(0, 1e9), "max_device_samples": Range(1, 1_000_000_000), "screen_energy_ratio": Range(0, 1e6), "screen_sample_slack": Range(0, 1e6), "screen_min_fleet": Range(1, 1_000_000),
-    # FedAvg family
-    "local_epochs": Range(1, 1000), "batch_size": Range(1, 1_000_000), "client_lr": Range(0, 100),
-    "weight_decay": Range(0, 10), "temperature": Range(1e-6, 1e6), "server_lr": Range(0, 100),
-    "server_momentum": Range(0, 1), "server_optimizer": OneOf(SERVER_OPTIMIZERS), "server_beta1": Range(0, 0.9999),
-    "server_beta2": Range(0, 0.9999), "server_tau": Range(1e-12, 1e3), "local_rule": OneOf(LOCAL_RULES),
-    "sam_rho": Range(0, 100), "asam_eta": Range(0, 100), "prox_mu": Range(0, 1e4), "served_model": OneOf(SERVED_MODELS),
-    "swa_start_round": Range(1, 1_000_000), "swa_cycle_rounds": Range(1, 100_000), "swa_lr_min": Range(0, 100),
-    "wima_window": Range(1, 1000), "buffer_size": Range(1, 100_000), "max_staleness": Range(0, 10_000),
-    "staleness_exponent": Range(0, 10), "init": OneOf(INITS), "initial_head_file": PATH,
-    "init_scale": Range(1e-3, 1e3),
-    # stateful devices (aggregator/jobs/device_state_fields.py): partial personalization, Scaffold, FedGloSS, Ditto
-    "state_max_staleness": Range(0, 1_000_000), "state_ttl_s": Range(1, 365 * 86400),
-    "pp_algorithm": OneOf(("fedsim", "fedalt")), "personal_epochs": Range(0, 1000),
-    "total_devices": Range(0, 100_000_000), "control_clip_norm": Range(1e-9, 1e9),
-    "fedgloss_rho": Range(0, 100), "admm_beta": Range(1e-9, 1e6),
-    "ditto_lambda": Range(1e-9, 1e4), "personal_lr": Range(0, 100),
-    # FT(φ)/FT(M)
-    "train": OneOf(("tail", "tail+head")), "tail_stages": Range(0, 64), "tail_program_file": PATH,
-    "tail_program_sha256": SHA256_OR_EMPTY,
-    # personalization
-    "head_file": PATH, "fallback": OneOf(("error", "global")), "fp_epochs": Range(0, 10_000),
-    "fp_lrs": Items(Range(1e-9, 10), 16), "fp_folds": Range(2, 100), "fp_part": OneOf(("psi", "phi", "M")),
-    "personal_job": Pattern(r"^(" + DEVICE_ID_RE.pattern.strip("^$") + r")?$"),
-    # LADD
-    "model": SEGMENTATION_SPEC, "style_b": Range(0, 8), "clustering": OneOf(("styles", "none")),
-    "k_min": Range(1, 64), "k_max": Range(1, 64), "n_init": Range(1, 1000), "cluster_scope": OneOf(("head", "all")),
-    "lr": Range(0, 100), "momentum": Range(0, 1), "kd_lambda": Range(0, 1e6), "kd_alpha": Range(0, 1e6),
-    "pseudo_quantile": Range(0, 1), "pseudo_cap": Range(0, 1), "teacher_every": Range(1, 1_000_000),
-    "swa_start": Range(0, 1_000_000), "min_styles": COUNT, "style_attempts": Range(1, 1000),
-    "min_cluster_contributors": Range(1, 1_000_000), "initial_model_file": PATH, "initial_model_sha256": SHA256_OR_EMPTY,
-}
+
+def field_limit(config_cls: type, name: str) -> Limit | None:
+    """The limit of a config class's field: declared where the field is, or, when a subclass only
+    changed its default, where a base class declared it (None: declared nowhere)."""
+    for klass in config_cls.__mro__:
+        declared = vars(klass).get("__dataclass_fields__", {}).get(name)
+        if declared is not None and LIMIT in declared.metadata:
+            return declared.metadata[LIMIT]
+    return None
+
+
+def declared_limits(config_cls: type) -> dict[str, Limit | None]:
+    """name -> limit of every field of a config class."""
+    return {f.name: field_limit(config_cls, f.name) for f in dataclasses.fields(config_cls)}
+
+
+def choices_of(config_cls: type, name: str) -> tuple:
+    """The values a choice field takes (what a CLI offers as ``choices``)."""
+    limit = field_limit(config_cls, name)
+    if not isinstance(limit, OneOf):
+        raise TypeError(f"{config_cls.__name__}.{name} is not a choice field")
+    return limit.values
 
 
 def validate_config(kind: str, config_cls: type, config: dict) -> None:
@@ -139,21 +131,34 @@ def validate_config(kind: str, config_cls: type, config: dict) -> None:
     if not isinstance(config, dict):
         raise ValueError(f"{kind} config must be a JSON object, not {type(config).__name__}")
     hints = typing.get_type_hints(config_cls)
+    limits = declared_limits(config_cls)
     for key, value in config.items():
-        if key not in hints:
+        if key not in limits:
             raise ValueError(f"{kind} config has no field {key!r}")
         if not matches(value, hints[key]):
             raise ValueError(f"{kind} config field {key!r}: {value!r} is not a {hints[key]}")
         if value is not None:
-            check_limit(f"{kind} config field {key!r}", value, FIELD_LIMITS[key])
+            check_limit(f"{kind} config field {key!r}", value, limits[key])
+
+
+def check_declared(config: Any, *names: str) -> None:
+    """A config object's fields against their declared limits (``ValueError`` naming the field): what a
+    ``__post_init__`` checks of a config built in Python rather than from JSON."""
+    fields = vars(config)                 # a config dataclass's fields, read by name
+    for name in names:
+        value = fields[name]
+        if value is not None:
+            check_limit(name, value, field_limit(type(config), name))
 
 
 def undeclared_fields(config_cls: type) -> list[str]:
     """Fields of a config class with no declared limit (a registry test keeps this empty)."""
-    return [f.name for f in dataclasses.fields(config_cls) if f.name not in FIELD_LIMITS]
+    return [name for name, limit in declared_limits(config_cls).items() if limit is None]
 
 
-def check_limit(what: str, value, limit) -> None:
+def check_limit(what: str, value, limit: Limit | None) -> None:
+    if limit is None:
+        raise TypeError(f"{what} has no declared limit")       # a registry test keeps this from happening
     if isinstance(limit, Range) and not limit.lo <= value <= limit.hi:
         raise ValueError(f"{what}={value} is outside [{limit.lo}, {limit.hi}]")
     if isinstance(limit, Pattern) and not re.fullmatch(limit.regex, value):

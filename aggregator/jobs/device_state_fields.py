@@ -19,14 +19,17 @@ import numpy as np
 from protocols.payloads.stateful import MAX_TTL_S, StateBinding
 
 from aggregator.jobs.base import JobConfig
+from aggregator.jobs.config_limits import Range, limited
 
 RUN_KEY = "device_state_run"
 
 
 @dataclass
 class DeviceStateFields(JobConfig):
-    state_max_staleness: int = 50        # rounds; older device state is restarted (FedSim: global v; Scaffold: c_k = 0)
-    state_ttl_s: float = 7 * 24 * 3600.0  # how long a device keeps the job's state after a task
+    # rounds; older device state is restarted (FedSim: global v; Scaffold: c_k = 0)
+    state_max_staleness: int = limited(50, Range(0, 1_000_000))
+    # how long a device keeps the job's state after a task
+    state_ttl_s: float = limited(7 * 24 * 3600.0, Range(1, 365 * 86400))
 
     def check_device_state(self) -> None:
         if isinstance(self.state_max_staleness, bool) or not isinstance(self.state_max_staleness, int) \

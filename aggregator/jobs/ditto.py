@@ -21,6 +21,7 @@ import numpy as np
 from protocols.envelope import Envelope, body_field
 from protocols.payloads.ditto import KIND, DittoParams, DittoRecipe, parse_ditto_update
 
+from aggregator.jobs.config_limits import PERSONAL_EPOCHS, Range, limited
 from aggregator.jobs.device_state_fields import DeviceStateFields, DeviceStateRun, StatefulDevicesJob
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob, RoundUpdate
 from aggregator.jobs.personal_wma import PersonalWmaJob
@@ -30,9 +31,11 @@ from aggregator.jobs.personalize import load_head
 @dataclass
 class DittoConfig(FedAvgConfig, DeviceStateFields):
     job_id: str = "ditto"
-    ditto_lambda: float = 0.1            # λ, the personal head's pull to the global one (the paper's code: 0.1)
-    personal_epochs: int = 1             # epochs of the personal pass per round
-    personal_lr: float = 0.0             # its learning rate; 0: the global pass's (client_lr, × 0.1 after Fed3R)
+    # λ, the personal head's pull to the global one (the paper's code: 0.1)
+    ditto_lambda: float = limited(0.1, Range(1e-9, 1e4))
+    personal_epochs: int = limited(1, PERSONAL_EPOCHS)       # epochs of the personal pass per round
+    # its learning rate; 0: the global pass's (client_lr, × 0.1 after Fed3R)
+    personal_lr: float = limited(0.0, Range(0, 100))
 
     def __post_init__(self):
         super().__post_init__()

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from protocols.envelope import Envelope, EnvelopeError, body_field
-from protocols.payloads.fed3r import CENTER_TENSOR, KIND, Fed3RStats, Fed3RStatsParams, RandomFeaturesSpec, parse_stats
+from protocols.payloads.fed3r import (B_FORMATS, CENTER_TENSOR, KIND, STATS_DTYPES, Fed3RStats, Fed3RStatsParams,
+                                      RandomFeaturesSpec, parse_stats)
 from protocols.rounds import RoundClosed
 
 from aggregator.strategies.dp_fed3r import (MECHANISMS, CalibratedSSP, Fed3RMechanism, Fed3RSensitivity, NoisyFed3R,
@@ -33,6 +34,7 @@ from aggregator.strategies.dp_fed3r import (MECHANISMS, CalibratedSSP, Fed3RMech
 from aggregator.strategies.dp_center import PrivateFeatureCenter
 from aggregator.strategies.fed3r import Fed3R
 from aggregator.jobs.base import SplitValidation
+from aggregator.jobs.config_limits import FLAG, MAX_ATTEMPTS, MAX_SAMPLES, Fields, OneOf, Range, limited
 from aggregator.jobs.model_fields import ModelFields
 from aggregator.jobs.privacy_fields import PrivacyBudgetFields
 from aggregator.jobs.robustness_fields import Fed3RRobustnessFields
@@ -40,25 +42,33 @@ from aggregator.strategies.robust_fed3r import energy_per_sample
 from aggregator.jobs.scheduling import OncePerDevice
 
 
+RANDOM_FEATURES = Fields({"seed": (int, Range(0, 2 ** 32 - 1)), "dim": (int, Range(1, 8192)),
+                          "sigma": (float, Range(1e-12, 1e12))})
+
+
 @dataclass
 class Fed3RConfig(Fed3RRobustnessFields, PrivacyBudgetFields, ModelFields):
     job_id: str = "fed3r"
-    lam: float = 0.01
-    fit_intercept: bool = True
-    normalize_columns: bool = True
-    random_features: dict | None = None     # {"seed": int, "dim": D, "sigma": float}
-    max_attempts: int = 3
-    b_format: str = "sparse"
-    stats_dtype: str = "float64"
-    factor_uploads: bool = True              # devices with fewer samples than features may send R (exact, smaller)
-    streaming: bool = False                  # ask devices again: each sends only the samples the job lacks
-    feature_clip_norm: float = 0.0           # devices clip each feature row to this L2 norm (0: no clipping; DP needs it)
-    max_samples: int = 10_000                # per device: DP devices use at most this many (their first N)
-    dp_mechanism: str = "ssp"                # aggregator/strategies/dp_fed3r.py: "ssp" or "gaussian"
-    dp_b_share: float = 0.2                  # ssp: the share of the release's budget spent on B
-    dp_center_devices: int = 0               # > 0: a first round of this many devices releases the features'
-                                             # mean; later devices centre on it (strategies/dp_center.py)
-    dp_center_clip_norm: float = 0.0         # F_c: the clip of the centred rows (> 0 when centring)
+    lam: float = limited(0.01, Range(1e-12, 1e12))
+    fit_intercept: bool = limited(True, FLAG)
+    normalize_columns: bool = limited(True, FLAG)
+    random_features: dict | None = limited(None, RANDOM_FEATURES)     # {"seed": int, "dim": D, "sigma": float}
+    max_attempts: int = limited(3, MAX_ATTEMPTS)
+    b_format: str = limited("sparse", OneOf(B_FORMATS))
+    stats_dtype: str = limited("float64", OneOf(STATS_DTYPES))
+    # devices with fewer samples than features may send R (exact, smaller)
+    factor_uploads: bool = limited(True, FLAG)
+    streaming: bool = limited(False, FLAG)   # ask devices again: each sends only the samples the job lacks
+    # devices clip each feature row to this L2 norm (0: no clipping; DP needs it)
+    feature_clip_norm: float = limited(0.0, Range(0, 1e6))
+    max_samples: int = limited(10_000, MAX_SAMPLES)  # per device: DP devices use at most this many (their first N)
+    # aggregator/strategies/dp_fed3r.py: "ssp" or "gaussian"
+    dp_mechanism: str = limited("ssp", OneOf(tuple(MECHANISMS)))
+    dp_b_share: float = limited(0.2, Range(1e-3, 0.999))   # ssp: the share of the release's budget spent on B
+    # > 0: a first round of this many devices releases the features' mean; later devices centre on it
+    # (aggregator/strategies/dp_center.py)
+    dp_center_devices: int = limited(0, Range(0, 10_000_000))
+    dp_center_clip_norm: float = limited(0.0, Range(0, 1e6))   # F_c: the clip of the centred rows (> 0 when centring)
 
     def __post_init__(self):
         super().__post_init__()

@@ -46,6 +46,8 @@ from aggregator.compute.evaluation import head_accuracy
 from aggregator.strategies.dp_fedavg import DPFedAvg
 from aggregator.strategies.fedavg import ServerOptimizer
 from aggregator.jobs.base import Job
+from aggregator.jobs.config_limits import (BATCH_SIZE, LOCAL_EPOCHS, PATH, ROUNDS, TEMPERATURE, WEIGHT_DECAY, OneOf,
+                                           Range, limited)
 from aggregator.jobs.model_fields import ModelFields
 from aggregator.jobs.optimizer_fields import LocalRuleFields, ServedModelFields, ServerOptimizerFields
 from aggregator.jobs.privacy_fields import UpdateClippingFields
@@ -61,19 +63,19 @@ FED3R_INIT_LR_FACTOR = 0.1
 @dataclass
 class FedAvgConfig(ServerOptimizerFields, LocalRuleFields, ServedModelFields, FedAvgRobustnessFields, UpdateClippingFields, ModelFields):
     job_id: str = "fedavg"
-    rounds: int = 100
-    local_epochs: int = 1
-    batch_size: int = 50
-    client_lr: float = 0.1               # base local LR (× 0.1 when init == "fed3r")
-    weight_decay: float = 4e-5
-    temperature: float = 0.1
-    init: str = "random"
-    initial_head_file: str = ""          # init == "fed3r": a Fed3R job's model.npz (coef, intercept)
+    rounds: int = limited(100, ROUNDS)
+    local_epochs: int = limited(1, LOCAL_EPOCHS)
+    batch_size: int = limited(50, BATCH_SIZE)
+    client_lr: float = limited(0.1, Range(0, 100))      # base local LR (× 0.1 when init == "fed3r")
+    weight_decay: float = limited(4e-5, WEIGHT_DECAY)
+    temperature: float = limited(0.1, TEMPERATURE)
+    init: str = limited("random", OneOf(INITS))
+    initial_head_file: str = limited("", PATH)   # init == "fed3r": a Fed3R job's model.npz (coef, intercept)
     # init == "fed3r": the starting head × this. The same predictions, with logit margins this many
     # times wider at T: unit-norm Fed3R columns leave small margins, and the first label-skewed
     # rounds then flip many predictions (bench/ft_init_scale.py: on the demo's data 30 rounds end
     # -1.16 points below Fed3R at 1, +0.01 at 10)
-    init_scale: float = 1.0
+    init_scale: float = limited(1.0, Range(1e-3, 1e3))
 
     def __post_init__(self):
         super().__post_init__()

@@ -39,6 +39,7 @@ from protocols.rounds import RoundClosed
 
 from aggregator.strategies.fedbuff import FedBuff
 from aggregator.jobs.base import AsynchronousJob
+from aggregator.jobs.config_limits import Range, limited
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob, RoundUpdate
 
 log = logging.getLogger("fedfleet.aggregator")
@@ -51,9 +52,9 @@ class AsyncFedAvgConfig(FedAvgConfig):
     dispatch (a device silent this long is given up)."""
 
     job_id: str = "fedavg-async"
-    buffer_size: int = 4                 # K: updates per server step
-    max_staleness: int = 8               # older updates are acknowledged, counted, not applied
-    staleness_exponent: float = 0.5      # s(τ) = (1+τ)^-a; 0.5: FedBuff's 1/√(1+τ)
+    buffer_size: int = limited(4, Range(1, 100_000))        # K: updates per server step
+    max_staleness: int = limited(8, Range(0, 10_000))       # older updates are acknowledged, counted, not applied
+    staleness_exponent: float = limited(0.5, Range(0, 10))  # s(τ) = (1+τ)^-a; 0.5: FedBuff's 1/√(1+τ)
 
     def __post_init__(self):
         super().__post_init__()

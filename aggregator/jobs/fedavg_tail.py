@@ -26,6 +26,7 @@ from protocols.envelope import Envelope, body_field
 from protocols.payloads.fedavg import KIND_TAIL, TAIL_TRAIN_MODES, TailTrainingParams, head_tensors, parse_model_update
 
 from aggregator.compute.tail_program import TailProgram
+from aggregator.jobs.config_limits import PATH, SHA256_OR_EMPTY, TAIL_STAGES, OneOf, limited
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob, RoundUpdate
 
 
@@ -38,10 +39,10 @@ class TailFedAvgConfig(FedAvgConfig):
     contribution_bound_multiplier: float = 0.0
     direction_screen: bool = False
     history_momentum: float = 0.0
-    tail_stages: int = 1                 # the bundle's split (devices check theirs matches)
-    train: str = "tail"                  # "tail": FT(φ), head frozen; "tail+head": FT(M)
-    tail_program_file: str = ""          # the bundle's tail_eval.pt2 (pretrained tail + evaluation)
-    tail_program_sha256: str = ""        # its sha256 from the bundle manifest ("" = not checked)
+    tail_stages: int = limited(1, TAIL_STAGES)         # the bundle's split (devices check theirs matches)
+    train: str = limited("tail", OneOf(tuple(TAIL_TRAIN_MODES)))   # "tail": FT(φ), head frozen; "tail+head": FT(M)
+    tail_program_file: str = limited("", PATH)     # the bundle's tail_eval.pt2 (pretrained tail + evaluation)
+    tail_program_sha256: str = limited("", SHA256_OR_EMPTY)   # its sha256 from the bundle manifest ("" = not checked)
 
     def __post_init__(self):
         super().__post_init__()

@@ -23,6 +23,7 @@ import numpy as np
 
 from protocols.payloads.fedgloss import KIND, AdmmRecipe, FedGlossParams
 
+from aggregator.jobs.config_limits import TOTAL_DEVICES, Range, limited
 from aggregator.jobs.device_state_fields import DeviceStateFields, DeviceStateRun, StatefulDevicesJob
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob
 from aggregator.strategies.fedgloss import FedGlossServer
@@ -31,9 +32,9 @@ from aggregator.strategies.fedgloss import FedGlossServer
 @dataclass
 class FedGlossConfig(FedAvgConfig, DeviceStateFields):
     job_id: str = "fedgloss"
-    fedgloss_rho: float = 0.01           # the server's ascent radius ρ (thesis: 0.01-0.15, < 0.2)
-    admm_beta: float = 10.0              # ADMM's β, on the server and every device (thesis: 10)
-    total_devices: int = 0               # K in σ's step; 0: the devices that contributed so far
+    fedgloss_rho: float = limited(0.01, Range(0, 100))  # the server's ascent radius ρ (thesis: 0.01-0.15, < 0.2)
+    admm_beta: float = limited(10.0, Range(1e-9, 1e6))  # ADMM's β, on the server and every device (thesis: 10)
+    total_devices: int = limited(0, TOTAL_DEVICES)      # K in σ's step; 0: the devices that contributed so far
 
     def __post_init__(self):
         AdmmRecipe(self.admm_beta)       # before super(): its server step is built from it

@@ -60,9 +60,11 @@ from aggregator.strategies.dp_fedavg import ClippedGaussianSum
 from aggregator.strategies.dp_ladd import DPClusterAveraging
 from aggregator.strategies.robust_ladd import RobustClusterAveraging
 from aggregator.jobs.robustness_fields import FedAvgRobustnessFields
-from aggregator.strategies.ladd import (ClusterAveraging, ClusterSpecificAveraging, StyleClustering, SwaTeacher,
-                               cluster_specific_predicate)
+from aggregator.strategies.ladd import (CLUSTER_SCOPES, CLUSTERINGS, ClusterAveraging, ClusterSpecificAveraging,
+                                        StyleClustering, SwaTeacher, cluster_specific_predicate)
 from aggregator.jobs.base import Job
+from aggregator.jobs.config_limits import (BATCH_SIZE, COUNT, LOCAL_EPOCHS, PATH, ROUNDS, SEGMENTATION_SPEC,
+                                           SHA256_OR_EMPTY, OneOf, Range, check_declared, limited)
 from aggregator.jobs.ladd_phases import Created, LaddPhase, NobodyLeftToAsk, StyleRoundClosed, TrainRoundClosed
 from aggregator.jobs.optimizer_fields import LocalRuleFields
 from aggregator.jobs.privacy_fields import UpdateClippingFields
@@ -86,45 +88,43 @@ class LaddConfig(LocalRuleFields, FedAvgRobustnessFields, UpdateClippingFields):
     contribution_bound_multiplier: float = 0.0
     direction_screen: bool = False
     history_momentum: float = 0.0       # LADD has none: refused (its clusters' θ_c move in rounds of their own)
-    model: dict = field(default_factory=dict)      # edge_client SegmentationSpec as a dict
-    weights_sha256: str = ""                       # the devices' ImageNet encoder weights
-    style_b: int = 1                               # style window (2b+1)²
-    clustering: str = "styles"                     # "styles" (LADD) | "none" (FedAvg + self-training)
-    k_min: int = 2
-    k_max: int = 8
-    n_init: int = 10
-    cluster_scope: str = "head"                    # θ = "head" (LADD cls) | "all"
-    rounds: int = 12
+    model: dict = limited(limit=SEGMENTATION_SPEC, default_factory=dict)   # edge_client SegmentationSpec as a dict
+    weights_sha256: str = limited("", SHA256_OR_EMPTY)     # the devices' ImageNet encoder weights
+    style_b: int = limited(1, Range(0, 8))                 # style window (2b+1)²
+    clustering: str = limited("styles", OneOf(CLUSTERINGS))   # "styles" (LADD) | "none" (FedAvg + self-training)
+    k_min: int = limited(2, Range(1, 64))
+    k_max: int = limited(8, Range(1, 64))
+    n_init: int = limited(10, Range(1, 1000))
+    cluster_scope: str = limited("head", OneOf(CLUSTER_SCOPES))   # θ = "head" (LADD cls) | "all"
+    rounds: int = limited(12, ROUNDS)
     clients_per_round: int = 8
-    # the devices' self-training recipe: defaults and limits are the wire contract's
-    local_epochs: int = SelfTrainingRecipe.epochs
-    batch_size: int = SelfTrainingRecipe.batch_size
-    lr: float = SelfTrainingRecipe.lr
-    momentum: float = SelfTrainingRecipe.momentum
-    kd_lambda: float = SelfTrainingRecipe.kd_lambda
-    kd_alpha: float = SelfTrainingRecipe.kd_alpha
-    pseudo_quantile: float = SelfTrainingRecipe.pseudo_quantile
-    pseudo_cap: float = SelfTrainingRecipe.pseudo_cap
-    teacher_every: int = 1                         # ω
-    swa_start: int = 0                             # t_START (0: no SWA teacher)
-    min_styles: int = 0                            # styles needed before clustering (0: every device seen)
-    style_attempts: int = 3
+    # the devices' self-training recipe: defaults are the wire contract's (which checks them again)
+    local_epochs: int = limited(SelfTrainingRecipe.epochs, LOCAL_EPOCHS)
+    batch_size: int = limited(SelfTrainingRecipe.batch_size, BATCH_SIZE)
+    lr: float = limited(SelfTrainingRecipe.lr, Range(0, 100))
+    momentum: float = limited(SelfTrainingRecipe.momentum, Range(0, 1))
+    kd_lambda: float = limited(SelfTrainingRecipe.kd_lambda, Range(0, 1e6))
+    kd_alpha: float = limited(SelfTrainingRecipe.kd_alpha, Range(0, 1e6))
+    pseudo_quantile: float = limited(SelfTrainingRecipe.pseudo_quantile, Range(0, 1))
+    pseudo_cap: float = limited(SelfTrainingRecipe.pseudo_cap, Range(0, 1))
+    teacher_every: int = limited(1, Range(1, 1_000_000))   # ω
+    swa_start: int = limited(0, Range(0, 1_000_000))       # t_START (0: no SWA teacher)
+    min_styles: int = limited(0, COUNT)            # styles needed before clustering (0: every device seen)
+    style_attempts: int = limited(3, Range(1, 1000))
     # the pretrained network (``save_initial_model``): what a job built from its stored config alone
     # (admin API, restart) starts from, since the server's FDA pre-training needs the device SDK's model
-    initial_model_file: str = ""
-    initial_model_sha256: str = ""
+    initial_model_file: str = limited("", PATH)
+    initial_model_sha256: str = limited("", SHA256_OR_EMPTY)
 
     def __post_init__(self):
         super().__post_init__()
-        if self.clustering not in ("styles", "none"):
-            raise ValueError(f"clustering must be 'styles' or 'none', got {self.clustering!r}")
+        if self.clustering not in CLUSTERINGS:
+            raise ValueError(f"clustering must be one of {CLUSTERINGS}, got {self.clustering!r}")
         cluster_specific_predicate(self.cluster_scope)
-        if self.rounds < 0 or self.clients_per_round < 1 or self.teacher_every < 1 or self.swa_start < 0:
-            raise ValueError("rounds >= 0, clients_per_round >= 1, teacher_every >= 1, swa_start >= 0 required")
-        if not 0 <= self.style_b <= 8 or not 1 <= self.k_min <= self.k_max or self.n_init < 1:
-            raise ValueError("style_b in [0, 8], 1 <= k_min <= k_max, n_init >= 1 required")
-        if "image_size" not in self.model or "num_classes" not in self.model:
-            raise ValueError("model must be a segmentation spec with at least num_classes and image_size")
+        check_declared(self, "model", "rounds", "clients_per_round", "teacher_every", "swa_start", "style_b", "k_min",
+                       "n_init")
+        if self.k_min > self.k_max:
+            raise ValueError(f"k_min={self.k_min} must not exceed k_max={self.k_max}")
         self.recipe(seed=0)          # refuse a recipe the devices would refuse, before any round
         self.check_update_clipping()
         self.check_robust_aggregation()

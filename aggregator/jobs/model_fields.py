@@ -15,16 +15,17 @@ from protocols.payloads.artifacts import check_sha
 from protocols.payloads.task_params import ModelSpec
 
 from aggregator.jobs.base import JobConfig
+from aggregator.jobs.config_limits import SHA256_OR_EMPTY, Pattern, Range, limited
 
 
 @dataclass
 class ModelFields(JobConfig):
-    num_classes: int = 10
-    backbone: str = "mobilenet_v2"
-    image_size: int = 64
-    weights_sha256: str = ""
-    bundle_sha256: str = ""
-    feature_dim: int = 1280
+    num_classes: int = limited(10, Range(1, 100_000))
+    backbone: str = limited("mobilenet_v2", Pattern(r"^[a-z0-9_]{1,64}$"))
+    image_size: int = limited(64, Range(1, 4096))
+    weights_sha256: str = limited("", SHA256_OR_EMPTY)
+    bundle_sha256: str = limited("", SHA256_OR_EMPTY)
+    feature_dim: int = limited(1280, Range(1, 8192))
 
     def __post_init__(self):
         super().__post_init__()

@@ -23,6 +23,7 @@ import numpy as np
 from protocols.envelope import Envelope, body_field
 from protocols.payloads.partial import ALGORITHMS, KIND, SHARED, PartialParams, parse_partial_update
 
+from aggregator.jobs.config_limits import PERSONAL_EPOCHS, OneOf, limited
 from aggregator.jobs.device_state_fields import DeviceStateFields, DeviceStateRun, StatefulDevicesJob
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob, RoundUpdate
 from aggregator.jobs.personal_wma import PersonalWmaJob
@@ -32,8 +33,8 @@ from aggregator.jobs.personalize import load_head
 @dataclass
 class PartialConfig(FedAvgConfig, DeviceStateFields):
     job_id: str = "pp"
-    pp_algorithm: str = "fedalt"        # "fedsim": u and v_k together; "fedalt": v_k, then u
-    personal_epochs: int = 1            # FedAlt: epochs on v_k before local_epochs on u
+    pp_algorithm: str = limited("fedalt", OneOf(ALGORITHMS))  # "fedsim": u and v_k together; "fedalt": v_k, then u
+    personal_epochs: int = limited(1, PERSONAL_EPOCHS)        # FedAlt: epochs on v_k before local_epochs on u
 
     def __post_init__(self):
         super().__post_init__()

@@ -36,6 +36,8 @@ from protocols.rounds import RoundClosed
 
 from aggregator.compute.evaluation import head_accuracy, weighted_mean_accuracy
 from aggregator.jobs.base import Job
+from aggregator.jobs.config_limits import (BATCH_SIZE, JOB_ID, MAX_ATTEMPTS, PATH, TAIL_STAGES, TEMPERATURE,
+                                           WEIGHT_DECAY, Items, OneOf, Pattern, Range, limited)
 from aggregator.jobs.model_fields import ModelFields
 from aggregator.jobs.scheduling import OncePerDevice
 
@@ -43,18 +45,24 @@ from aggregator.jobs.scheduling import OncePerDevice
 @dataclass
 class PersonalizeConfig(ModelFields):
     job_id: str = "personalize"
-    head_file: str = ""                  # model.npz of a finished FedAvg (weight, bias) or Fed3R (coef, intercept) job
-    tail_stages: int = 0                 # > 0: head_file is a fedavg-tail model with this many fine-tuned stages
-    fallback: str = "global"             # held-out labels outside the local training labels: "error" | "global"
-    fp_epochs: int = 25                  # FP(ψ) local epochs; 0: OLL only
-    batch_size: int = 64
-    fp_lrs: list[float] = field(default_factory=lambda: [1e-4, 1e-3])   # preferred (on ties) first
-    fp_folds: int = 5                    # cross-validation folds for the device's choice among fp_lrs
-    weight_decay: float = 4e-5
-    temperature: float = 0.1
-    max_attempts: int = 3
-    personal_job: str = ""               # a pp/ditto job whose personal part (bias; head) each device kept: evaluated too
-    fp_part: str = "psi"                 # what FP fine-tunes: the head (psi), the backbone's tail (phi), both (M)
+    # model.npz of a finished FedAvg (weight, bias) or Fed3R (coef, intercept) job
+    head_file: str = limited("", PATH)
+    # > 0: head_file is a fedavg-tail model with this many fine-tuned stages
+    tail_stages: int = limited(0, TAIL_STAGES)
+    # held-out labels outside the local training labels: "error" | "global"
+    fallback: str = limited("global", OneOf(FALLBACKS))
+    fp_epochs: int = limited(25, Range(0, 10_000))       # FP(ψ) local epochs; 0: OLL only
+    batch_size: int = limited(64, BATCH_SIZE)
+    # preferred (on ties) first
+    fp_lrs: list[float] = limited(limit=Items(Range(1e-9, 10), 16), default_factory=lambda: [1e-4, 1e-3])
+    fp_folds: int = limited(5, Range(2, 100))   # cross-validation folds for the device's choice among fp_lrs
+    weight_decay: float = limited(4e-5, WEIGHT_DECAY)
+    temperature: float = limited(0.1, TEMPERATURE)
+    max_attempts: int = limited(3, MAX_ATTEMPTS)
+    # a pp/ditto job whose personal part (bias; head) each device kept: evaluated too ("": none)
+    personal_job: str = limited("", Pattern(r"^(" + JOB_ID.regex.strip("^$") + r")?$"))
+    # what FP fine-tunes: the head (psi), the backbone's tail (phi), both (M)
+    fp_part: str = limited("psi", OneOf(FP_PARTS))
 
     def __post_init__(self):
         super().__post_init__()

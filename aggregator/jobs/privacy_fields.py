@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from aggregator.compute.privacy import PrivacyAccountant
 from aggregator.jobs.base import JobConfig
+from aggregator.jobs.config_limits import COUNT, FLAG, Range, limited
 from aggregator.strategies.dp_fedavg import AdaptiveClipNorm, ClipNorm, FixedClipNorm
 
 
@@ -25,9 +26,10 @@ def _accountant(noise_multiplier: float, delta: float, sampling_rate: float, acc
 
 @dataclass
 class PrivacyBudgetFields(JobConfig):
-    dp_noise_multiplier: float = 0.0     # z = σ / Δ; 0: no differential privacy
-    dp_target_epsilon: float = 0.0       # the job's budget at dp_delta; 0: no budget (ε is still reported)
-    dp_delta: float = 1e-5
+    dp_noise_multiplier: float = limited(0.0, Range(0, 1e4))   # z = σ / Δ; 0: no differential privacy
+    # the job's budget at dp_delta; 0: no budget (ε is still reported)
+    dp_target_epsilon: float = limited(0.0, Range(0, 1e4))
+    dp_delta: float = limited(1e-5, Range(1e-15, 0.1))
 
     @property
     def dp(self) -> bool:
@@ -82,12 +84,14 @@ class PrivacyBudgetFields(JobConfig):
 class UpdateClippingFields(PrivacyBudgetFields):
     """DP-FedAvg: per-device update clipping (fixed or adaptive) and the sampling the accountant assumes."""
 
-    dp_clip_norm: float = 1.0            # C (the initial C with adaptive clipping)
-    dp_adaptive_clip: bool = False       # Andrew et al. 2021: C follows the γ-quantile of update norms
-    dp_target_quantile: float = 0.5      # γ
-    dp_clip_lr: float = 0.2              # η
-    dp_count_stddev: float = 0.0         # σ_b of the clipped-count noise; 0: max(κ/20, z) (see count_stddev)
-    dp_population: int = 0               # eligible devices the κ are drawn from; 0: no amplification (q = 1)
+    dp_clip_norm: float = limited(1.0, Range(1e-9, 1e9))       # C (the initial C with adaptive clipping)
+    dp_adaptive_clip: bool = limited(False, FLAG)    # Andrew et al. 2021: C follows the γ-quantile of update norms
+    dp_target_quantile: float = limited(0.5, Range(1e-3, 0.999))   # γ
+    dp_clip_lr: float = limited(0.2, Range(1e-6, 10))              # η
+    # σ_b of the clipped-count noise; 0: max(κ/20, z) (see count_stddev)
+    dp_count_stddev: float = limited(0.0, Range(0, 1e6))
+    # eligible devices the κ are drawn from; 0: no amplification (q = 1)
+    dp_population: int = limited(0, COUNT)
 
     def sampling_rate(self) -> float:
         if self.dp_population <= 0:

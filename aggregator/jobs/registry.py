@@ -28,7 +28,7 @@ from protocols.payloads.secagg import (SECURE_FEDAVG_KIND, SECURE_LADD_KIND, SEC
                                        SYNC_KIND)
 from protocols.payloads.task_kinds import TASK_PARAMS
 
-from aggregator.jobs.config_limits import validate_config
+from aggregator.jobs.config_limits import choices_of, validate_config
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
 from aggregator.jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob
 from aggregator.jobs.ditto import DittoConfig, DittoJob
@@ -155,6 +155,11 @@ def job_kind_name(job) -> str:
         if type(job) is spec.job_cls:
             return spec.name
     return type(job).__name__
+
+
+def field_choices(kind: str, field: str) -> tuple:
+    """The values a kind's choice field takes, from the field's declaration (what a CLI offers)."""
+    return choices_of(kind_of(kind).config_cls, field)
 
 
 def config_fields(kind: str) -> list[dataclasses.Field]:

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 
 from aggregator.jobs.base import JobConfig
+from aggregator.jobs.config_limits import FLAG, OneOf, Range, limited
 from aggregator.strategies.robust_fed3r import EnergyScreen, FeatureBound
 from aggregator.strategies.robust_fedavg import (CenteredClipping, ContributionBound, CoordinateMedian,
                                                  DirectionScreen, Krum, Mean, NormBound, RobustAggregation,
@@ -29,12 +30,13 @@ class Fed3RRobustnessFields(JobConfig):
     # F: every feature lies in [-F, F]; 6 is the range the MobileNetV2 / EfficientNet-Lite bundles
     # declare in their manifest (ReLU6, then average pooling); 0: no per-feature bound. With
     # random features the bound is √(2/D), exactly, whatever this says.
-    max_abs_feature: float = 6.0
-    max_device_samples: int = 1_000_000     # n above this is refused (a device's claim weighs n)
+    max_abs_feature: float = limited(6.0, Range(0, 1e6))
+    # n above this is refused (a device's claim weighs n)
+    max_device_samples: int = limited(1_000_000, Range(1, 1_000_000_000))
     # screen e_k > (ratio + sample_slack / √n_k) x the fleet's median (EnergyScreen says why); 0: off
-    screen_energy_ratio: float = 2.5
-    screen_sample_slack: float = 9.5
-    screen_min_fleet: int = 5               # ...once this many devices are known
+    screen_energy_ratio: float = limited(2.5, Range(0, 1e6))
+    screen_sample_slack: float = limited(9.5, Range(0, 1e6))
+    screen_min_fleet: int = limited(5, Range(1, 1_000_000))   # ...once this many devices are known
 
     def feature_bound(self) -> FeatureBound:
         rf = self.random_features
@@ -59,20 +61,23 @@ class FedAvgRobustnessFields(JobConfig):
     aggregation rule, and the round history. A DP job uses none of them (its clipped, noised mean
     is what the accountant assumes; a robust rule is refused there)."""
 
-    aggregator: str = "mean"                # one of RULES
+    aggregator: str = limited("mean", OneOf(RULES))
     # FedAvg(ψ)'s defaults held every attack of bench/robustness.py within 2 points of the honest
     # run with 10 % attackers on the demo fleet, and gained about 1 point honest (docs/algorithms.md,
     # "Bounded influence"). ‖θ_k − x_t‖ ≤ this × the round's median (0: off); 1: every update
     # clipped to the median norm.
-    norm_bound_multiplier: float = 1.0
-    contribution_bound_multiplier: float = 0.5  # w_k·‖Δ_k‖ ≤ this × the round's median (0: off)
-    direction_screen: bool = True           # leave out Δ_k with ⟨Δ_k, coordinate-wise median⟩ ≤ 0
-    history_momentum: float = 0.7           # β: the server steps along a momentum of the rounds' steps (0: off)
-    trim_fraction: float = 0.1              # trimmed_mean: β dropped at each end, per coordinate
-    krum_byzantine: int = 1                 # krum / multi_krum: f, the devices assumed malicious
-    krum_select: int = 0                    # multi_krum: updates kept (0: κ − f)
-    clip_radius_multiplier: float = 1.0     # centered_clipping: τ = this × the median distance to the start
-    clip_iterations: int = 3                # centered_clipping: clipping iterations
+    norm_bound_multiplier: float = limited(1.0, Range(0, 1e6))
+    # w_k·‖Δ_k‖ ≤ this × the round's median (0: off)
+    contribution_bound_multiplier: float = limited(0.5, Range(0, 1e6))
+    direction_screen: bool = limited(True, FLAG)    # leave out Δ_k with ⟨Δ_k, coordinate-wise median⟩ ≤ 0
+    # β: the server steps along a momentum of the rounds' steps (0: off)
+    history_momentum: float = limited(0.7, Range(0, 0.99))
+    trim_fraction: float = limited(0.1, Range(0, 0.499))   # trimmed_mean: β dropped at each end, per coordinate
+    krum_byzantine: int = limited(1, Range(0, 100_000))    # krum / multi_krum: f, the devices assumed malicious
+    krum_select: int = limited(0, Range(0, 100_000))       # multi_krum: updates kept (0: κ − f)
+    # centered_clipping: τ = this × the median distance to the start
+    clip_radius_multiplier: float = limited(1.0, Range(1e-6, 1e6))
+    clip_iterations: int = limited(3, Range(1, 100))       # centered_clipping: clipping iterations
 
     def robust_aggregation(self) -> RobustAggregation:
         if self.aggregator not in RULES:
@@ -131,7 +136,7 @@ class SecureUpdateBoundFields(FedAvgRobustnessFields):
     demo fleet it gained 4.4 points honest and 3.5–6 under each attack, but raised the backdoor's
     success from 17 % to 27 %; docs/secure-aggregation.md)."""
 
-    update_clip_norm: float = 0.0
+    update_clip_norm: float = limited(0.0, Range(0, 1e9))
     contribution_bound_multiplier: float = 0.0
     direction_screen: bool = False
     history_momentum: float = 0.0

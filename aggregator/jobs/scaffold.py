@@ -24,6 +24,7 @@ from protocols.envelope import Envelope, body_field
 from protocols.payloads.scaffold import CONTROL, HEAD, KIND, ScaffoldParams, ScaffoldUpdate, parse_scaffold_update
 from protocols.rounds import RoundClosed
 
+from aggregator.jobs.config_limits import TOTAL_DEVICES, Range, limited
 from aggregator.jobs.device_state_fields import DeviceStateFields, DeviceStateRun, StatefulDevicesJob
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob, RoundUpdate
 
@@ -31,8 +32,8 @@ from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob, RoundUpdate
 @dataclass
 class ScaffoldConfig(FedAvgConfig, DeviceStateFields):
     job_id: str = "scaffold"
-    total_devices: int = 0               # K in c's update; 0: the devices that contributed so far
-    control_clip_norm: float = 1000.0    # each device's Δc is clipped to this L2 norm
+    total_devices: int = limited(0, TOTAL_DEVICES)   # K in c's update; 0: the devices that contributed so far
+    control_clip_norm: float = limited(1000.0, Range(1e-9, 1e9))   # each device's Δc is clipped to this L2 norm
 
     def __post_init__(self):
         super().__post_init__()

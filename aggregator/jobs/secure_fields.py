@@ -13,9 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from protocols.identity import DeviceIdentity, IdentityRegistry
+from protocols.secagg.config import GRAPHS
 from protocols.topics import AGGREGATOR_ID
 
 from aggregator.jobs.base import JobConfig
+from aggregator.jobs.config_limits import MAX_SAMPLES, PATH, TIMEOUT_S, OneOf, Range, limited
 from aggregator.jobs.privacy_fields import UpdateClippingFields
 
 
@@ -23,12 +25,15 @@ from aggregator.jobs.privacy_fields import UpdateClippingFields
 class SecureAggregationFields(JobConfig):
     # "auto": the complete graph (SecAgg) up to 128 members, SecAgg+'s regular graph above
     # (protocols.secagg.config.resolve_graph); or "complete" / "regular" whatever the size
-    graph: str = "auto"
-    expected_dropout: float = 0.1           # SecAgg+: the degree and share threshold are chosen to survive it
-    max_samples: int = 10_000               # per device; with the per-entry bound it fixes the vector's bound
-    phase_timeout_s: float = 30.0           # a phase gives up on its missing members this long after its last answer
-    identity_file: str = ""                 # aggregator's Ed25519 private key (PEM)
-    device_keys_file: str = ""              # JSON {device id: Ed25519 public key, hex}
+    graph: str = limited("auto", OneOf(GRAPHS))
+    # SecAgg+: the degree and share threshold are chosen to survive it
+    expected_dropout: float = limited(0.1, Range(0, 0.49))
+    # per device; with the per-entry bound it fixes the vector's bound
+    max_samples: int = limited(10_000, MAX_SAMPLES)
+    # a phase gives up on its missing members this long after its last answer
+    phase_timeout_s: float = limited(30.0, TIMEOUT_S)
+    identity_file: str = limited("", PATH)          # aggregator's Ed25519 private key (PEM)
+    device_keys_file: str = limited("", PATH)       # JSON {device id: Ed25519 public key, hex}
 
     def load_identities(self) -> tuple[DeviceIdentity, IdentityRegistry]:
         """The aggregator's identity (``identity_file``) and the enrolled device keys (``device_keys_file``)."""
@@ -41,7 +46,7 @@ class SecureAggregationFields(JobConfig):
 class SecureUpdateFields(SecureAggregationFields, UpdateClippingFields):
     """Model updates summed under SecAgg: a bound per trained entry, and a fixed clip norm under DP."""
 
-    max_abs_param: float = 100.0            # per trained entry, after local training
+    max_abs_param: float = limited(100.0, Range(1e-6, 1e6))   # per trained entry, after local training
 
     def __post_init__(self):
         super().__post_init__()

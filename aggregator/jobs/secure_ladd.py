@@ -67,6 +67,7 @@ from protocols.rounds import RoundClosed
 from protocols.secagg import ConsistencyCheckRequest, Phase, UnmaskRequest
 
 from aggregator.strategies.dp_ladd import GLOBAL, apply_mean_deltas
+from aggregator.jobs.config_limits import Range, limited
 from aggregator.jobs.ladd import Arrays, LaddConfig, LaddJob, Pretrainer
 from aggregator.jobs.secure_fields import SecureUpdateFields
 from aggregator.jobs.secure_rounds import MIN_GROUP, SecureGroupRounds
@@ -79,7 +80,8 @@ class SecureLaddConfig(LaddConfig, SecureUpdateFields):
     """LADD's fields, the secure ones (``aggregator/jobs/secure_fields.py``; ``max_samples``: local
     images per device) and the smallest cluster a slot may sum."""
 
-    min_cluster_contributors: int = 2       # fewer selected/surviving devices in a cluster: no θ_c update
+    # fewer selected/surviving devices in a cluster: no θ_c update
+    min_cluster_contributors: int = limited(2, Range(1, 1_000_000))
 
     def __post_init__(self):
         super().__post_init__()

@@ -14,14 +14,14 @@ import math
 
 from protocols.rounds import DeviceLost, RoundCoordinator, RoundState, Tick
 
-from aggregator.service.job_runner import JobRunner
+from aggregator.service.job_runner import JobRunner, RunnerServices
 from aggregator.storage.schema import JobState
 
 
 class AsyncJobRunner(JobRunner):
-    def __init__(self, a, fleet, store, *args, **kwargs):
-        super().__init__(a, fleet, store, *args, **kwargs)
-        if store is not None and not self.checkpoints:
+    def __init__(self, a, services: RunnerServices):
+        super().__init__(a, services)
+        if self.store is not None and not self.checkpoints:
             # without a checkpoint per dispatch a restart would replay the updates in round
             # order, not in the arrival order the buffer saw: another model
             raise TypeError(f"{type(a.job).__name__} (asynchronous) needs checkpoints to run with a store")

@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 from protocols import messages as M
@@ -38,28 +39,44 @@ from aggregator.storage.schema import JobState
 log = logging.getLogger("fedfleet.aggregator")
 
 
+@dataclass(frozen=True)
+class RunnerServices:
+    """What the service lends the runner of each job it serves: its parts, its outbox, its settings."""
+
+    fleet: Fleet
+    store: Store | None
+    crash: CrashPoints
+    send: Callable[[str, Envelope], None]
+    publish_status: Callable[[dict], None]
+    bytes_sent: Callable[[], int]
+    on_fatal: Callable[..., None]       # (reason, stop=False): rebuild the job from the store, or stop it
+    eval_set: tuple | None = None       # (features, labels) the model is evaluated on
+    checkpoints: bool = True
+    evaluate_every_contribution: bool = True
+    offline_grace_s: float = 120.0
+    writer: ContributionWriter | None = None
+
+
 class JobRunner:
-    def __init__(self, a: ActiveJob, fleet: Fleet, store: Store | None, crash: CrashPoints,
-                 send: Callable[[str, Envelope], None], publish_status: Callable[[dict], None],
-                 bytes_sent: Callable[[], int], on_fatal: Callable[..., None], eval_set=None,
-                 checkpoints: bool = True, evaluate_every_contribution: bool = True, offline_grace_s: float = 120.0,
-                 writer: ContributionWriter | None = None):
-        self.a, self.fleet, self.store, self.crash = a, fleet, store, crash
+    def __init__(self, a: ActiveJob, services: RunnerServices):
+        s = services
+        store = s.store
+        self.a, self.fleet, self.store, self.crash = a, s.fleet, store, s.crash
         # large results are stored on the writer's thread (aggregator/service/contribution_writer.py)
-        self.writer = writer if store is not None and a.job.split_validation else None
+        self.writer = s.writer if store is not None and a.job.split_validation else None
         self._held_acks: dict[str, list[tuple[SendAck, int]]] = {}   # message id -> its acks, until durable
         self.rebuilt = False                    # a write failed and the job was rebuilt by a new runner
         # an order-free job reports its contributions summed in canonical order (aggregator/service/canonical.py):
         # only then is what it applied worth keeping
         self.canonical = store is not None and a.job.order_free and a.kind in KINDS
-        self.on_fatal = on_fatal        # (reason, stop=False): rebuild the job from the store, or stop it
-        self.send, self.publish_status_body, self.bytes_sent = send, publish_status, bytes_sent
-        self.eval_set, self.checkpoints = eval_set, checkpoints
+        self.on_fatal = s.on_fatal
+        self.send, self.publish_status_body, self.bytes_sent = s.send, s.publish_status, s.bytes_sent
+        self.eval_set, self.checkpoints = s.eval_set, s.checkpoints
         # a device offline for longer than this (or revoked) no longer keeps the job from finishing
-        self.offline_grace_s = offline_grace_s
+        self.offline_grace_s = s.offline_grace_s
         # A job whose model moves only at round close (FedAvg) would evaluate the same model after
         # every contribution; it is evaluated once per round instead.
-        self.eval_each = evaluate_every_contribution and not a.job.evaluate_at_round_close
+        self.eval_each = s.evaluate_every_contribution and not a.job.evaluate_at_round_close
         self.events = RoundLog(a.out_dir / ROUND_LOG, a.job_id)     # for people: admin logs --follow
         if store is not None:
             store.set_setting(SETTING_PREFIX + a.job_id, str(self.events.path.resolve()))

@@ -68,7 +68,7 @@ from aggregator.service.contribution_writer import ContributionWriter
 from aggregator.service.ingest import IngestWorkers, accepted_parser, refusal
 from aggregator.service.operator_actions import OperatorActions
 from aggregator.jobs.base import Job
-from aggregator.service.job_runner import JobRunner
+from aggregator.service.job_runner import JobRunner, RunnerServices
 from aggregator.jobs.registry import KINDS, build_job, job_kind_name
 from aggregator.jobs.secure_rounds import LateProtocolMessage
 from aggregator.service.recovery import open_stored
@@ -212,9 +212,11 @@ class AggregatorService(OperatorActions):
         if self.ingest is not None and self.ingest.accepts(job):
             self.ingest.warm_up(a.kind, job.config.to_dict())
         runner_cls = AsyncJobRunner if job.asynchronous else JobRunner
-        self.runner = runner_cls(a, self.fleet, self.store, self.crash, self._send, self._publish_status,
-                                lambda: self.link.bytes_sent, self._job_broken, self.eval_set, self.checkpoints,
-                                self.evaluate_every_contribution, self.offline_grace_s, self.writer)
+        self.runner = runner_cls(a, RunnerServices(
+            fleet=self.fleet, store=self.store, crash=self.crash, send=self._send, publish_status=self._publish_status,
+            bytes_sent=lambda: self.link.bytes_sent, on_fatal=self._job_broken, eval_set=self.eval_set,
+            checkpoints=self.checkpoints, evaluate_every_contribution=self.evaluate_every_contribution,
+            offline_grace_s=self.offline_grace_s, writer=self.writer))
 
     def _job_broken(self, reason: str, stop: bool = False) -> None:
         """The job cannot go on as it is: rebuild it from the store (which no longer replays what

@@ -30,6 +30,7 @@ from aggregator.strategies.fedavg import WeightedMean
 Params = dict[str, np.ndarray]
 
 CLUSTER_SCOPES = ("head", "all")
+CLUSTERINGS = ("styles", "none")        # LADD's style clusters, or one cluster (FedAvg + self-training)
 
 
 def cluster_specific_predicate(scope: str) -> Callable[[str], bool]:

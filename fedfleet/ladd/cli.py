@@ -13,6 +13,8 @@ from fedfleet.ladd.config import QUICK, LaddSimConfig
 def add_ladd_arguments(parser: argparse.ArgumentParser) -> None:
     """LADD options for ``fedfleet simulate``; options the parser already has (--out, --broker,
     --workers, --image-size, --seed) are left alone and read by :func:`ladd_config_from_args`."""
+    from aggregator.jobs.registry import field_choices as job_field_choices
+
     have = set(parser._option_string_actions)
 
     def add(flag, **kw):
@@ -26,11 +28,11 @@ def add_ladd_arguments(parser: argparse.ArgumentParser) -> None:
     add("--domains", help="LADD: comma-separated target domains (default night,fog,sunset,rain)")
     add("--rounds", type=int, help="LADD: federated rounds (default 12)")
     add("--clients-per-round", type=int, help="devices per round, every pipeline (default: the preset's; LADD 8)")
-    add("--cluster-scope", choices=["head", "all"], help="LADD: cluster-specific tensors (default head)")
+    add("--cluster-scope", choices=job_field_choices("ladd", "cluster_scope"), help="LADD: cluster-specific tensors (default head)")
     add("--baseline-no-kd", action="store_true", help="LADD: FedAvg+ST with pseudo-labels only (no KD, no SWA)")
     add("--secure", action="store_true", help="LADD: sum each training round's updates under secure aggregation")
     # fedfleet simulate has these already (its fine-tuning's); python -m fedfleet.ladd gets them here
-    add("--local-rule", choices=["sgd", "sam", "asam"], help="LADD: the decoder's local step (FedSAM/FedASAM)")
+    add("--local-rule", choices=job_field_choices("ladd", "local_rule"), help="LADD: the decoder's local step (FedSAM/FedASAM)")
     add("--sam-rho", type=float, help="LADD: --local-rule sam/asam's ascent radius ρ (default 0.1)")
     add("--prox-mu", type=float, help="LADD: FedProx's μ around the received decoder (default 0: off)")
     for flag, kw in (("--out", {}), ("--broker", {}), ("--workers", {"type": int}), ("--image-size", {"type": int})):

@@ -23,6 +23,7 @@ from .graph import NeighbourGraph, regular_degree, share_threshold_for
 GRAPH_COMPLETE = "complete"
 GRAPH_REGULAR = "regular"
 GRAPH_AUTO = "auto"            # RoundConfig.create picks one of the two from the group size
+GRAPHS = (GRAPH_AUTO, GRAPH_COMPLETE, GRAPH_REGULAR)
 # graph="auto": groups up to this size use the complete graph. Its cost per device grows with n
 # (n mask expansions, n - 1 key agreements and AEAD shares, a key directory of n entries that
 # outgrows the 64 KiB envelope header at about 250 members), while SecAgg+'s degree for the

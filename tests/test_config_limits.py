@@ -1,0 +1,172 @@
+"""Job config limits are declared at the fields: one limit per name across every config class, a
+bad value refused with one error naming the field (``validate_config`` and the admin API), the
+OpenAPI schema's bounds equal to the declarations, and the CLI's choices read from them."""
+
+import dataclasses
+
+import pytest
+from starlette.testclient import TestClient
+
+from aggregator.api.app import create_app
+from aggregator.jobs.config_limits import (LIMIT, Fields, Items, OneOf, Pattern, Range, field_limit, limited,
+                                           validate_config)
+from aggregator.jobs.fedavg_tail import TailFedAvgConfig
+from aggregator.jobs.registry import KINDS, validate_job_config
+from aggregator.jobs.robustness_fields import FedAvgRobustnessFields
+from aggregator.storage.store import Store
+
+from test_admin_api import AUTH, TOKEN
+from test_job_registry import minimal_config
+
+
+def declarations(classes) -> dict[str, dict]:
+    """name -> {limit: [classes that declare the name with it]}, over the classes and their bases:
+    only declarations a class makes itself (its own annotations) with a limit in their metadata."""
+    found: dict[str, dict] = {}
+    for cls in {klass for c in classes for klass in c.__mro__ if dataclasses.is_dataclass(klass)}:
+        for name in vars(cls).get("__annotations__", {}):
+            metadata = vars(cls)["__dataclass_fields__"][name].metadata
+            if LIMIT in metadata:
+                found.setdefault(name, {}).setdefault(repr(metadata[LIMIT]), []).append(cls.__qualname__)
+    return found
+
+
+def conflicts(classes) -> dict[str, dict]:
+    return {name: limits for name, limits in declarations(classes).items() if len(limits) > 1}
+
+
+def test_a_field_name_has_one_limit_in_every_config_class():
+    configs = [kind.config_cls for kind in KINDS.values()]
+    assert len(declarations(configs)) > 100
+    assert conflicts(configs) == {}
+
+
+def test_the_consistency_check_finds_two_limits_for_one_name():
+    @dataclasses.dataclass
+    class A:
+        batch_size: int = limited(8, Range(1, 100))
+
+    @dataclasses.dataclass
+    class B:
+        batch_size: int = limited(8, Range(1, 1000))
+
+    @dataclasses.dataclass
+    class C(A):
+        batch_size: int = 16              # a new default keeps A's limit: not a second declaration
+
+    assert conflicts([A, C]) == {}
+    assert set(conflicts([A, B, C])) == {"batch_size"}
+    assert field_limit(C, "batch_size") == Range(1, 100)
+
+
+def test_a_changed_default_keeps_the_declared_limit():
+    declared = FedAvgRobustnessFields.__dataclass_fields__["norm_bound_multiplier"].metadata[LIMIT]
+    assert TailFedAvgConfig.__dataclass_fields__["norm_bound_multiplier"].default == 3.0
+    assert field_limit(TailFedAvgConfig, "norm_bound_multiplier") == declared
+    with pytest.raises(ValueError, match="norm_bound_multiplier"):
+        validate_config("fedavg-tail", TailFedAvgConfig, {"norm_bound_multiplier": declared.hi * 2})
+
+
+BAD_VALUES = [("fedavg", "server_optimizer", "adamw"), ("fedavg", "aggregator", "mode"), ("fed3r", "lam", -1.0),
+              ("fed3r", "stats_dtype", "float16"), ("fed3r-sync", "graph", "star"), ("personalize", "fp_lrs", []),
+              ("personalize", "fallback", "oll"), ("fedavg-tail", "train", "head"), ("ladd", "model", {"num_classes": 4}),
+              ("ladd", "cluster_scope", "bn"), ("pp", "pp_algorithm", "fedavg"), ("scaffold", "total_devices", -1)]
+
+
+@pytest.mark.parametrize("kind, name, value", BAD_VALUES)
+def test_a_bad_value_is_refused_with_one_error_naming_the_field(kind, name, value):
+    config = {**minimal_config(kind), name: value}
+    with pytest.raises(ValueError, match=f"'{name}'") as refused:
+        validate_job_config(kind, config)
+    assert str(refused.value).count("config field") == 1
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory):
+    return TestClient(create_app(Store(tmp_path_factory.mktemp("limits") / "state.db"), TOKEN))
+
+
+def test_the_admin_api_refuses_a_bad_value_naming_the_field(api):
+    for kind, name, value in BAD_VALUES:
+        resp = api.post("/api/jobs", headers=AUTH,
+                        json={"job_id": "bad", "kind": kind, "config": {**minimal_config(kind), name: value}})
+        assert resp.status_code == 422, (kind, name, resp.text)
+        # the discriminated union reports the kind's model only: every error is about this field
+        locations = [err["loc"] for err in resp.json()["detail"]]
+        assert locations and all(loc[:4] == ["body", kind, "config", name] for loc in locations), (kind, locations)
+
+
+def _resolve(schema: dict, components: dict) -> dict:
+    """The property's own schema: through a $ref, and the non-null branch of an optional field."""
+    if "anyOf" in schema:
+        (schema,) = [s for s in schema["anyOf"] if s.get("type") != "null"]
+    if "$ref" in schema:
+        schema = components[schema["$ref"].rsplit("/", 1)[1]]
+    return schema
+
+
+def _declared(cls: type, name: str):
+    """The limit read straight from the dataclass: the first class along the MRO whose own field
+    carries one (a subclass may redeclare a field with a new default only)."""
+    for klass in cls.__mro__:
+        field = vars(klass).get("__dataclass_fields__", {}).get(name)
+        if field is not None and LIMIT in field.metadata:
+            return field.metadata[LIMIT]
+    raise AssertionError(f"{cls.__name__}.{name} has no limit")
+
+
+def _assert_bounds(prop: dict, limit, components: dict, where: str) -> None:
+    prop = _resolve(prop, components)
+    if isinstance(limit, Range):
+        assert (prop["minimum"], prop["maximum"]) == (limit.lo, limit.hi), where
+    elif isinstance(limit, OneOf):
+        assert sorted(map(repr, prop["enum"])) == sorted(map(repr, limit.values)), where
+    elif isinstance(limit, Pattern):
+        assert prop["pattern"] == limit.regex, where
+    elif isinstance(limit, Items):
+        assert (prop["minItems"], prop["maxItems"]) == (1, limit.max_items), where
+        _assert_bounds(prop["items"], limit.item, components, where + "[]")
+    else:
+        assert isinstance(limit, Fields), where
+        required = set(limit.spec if limit.required is None else limit.required)
+        assert set(prop["properties"]) == set(limit.spec) and set(prop.get("required", ())) == required, where
+        for key, (_, sub) in limit.spec.items():
+            _assert_bounds(prop["properties"][key], sub, components, f"{where}.{key}")
+
+
+def test_the_openapi_bounds_are_the_field_declarations(api):
+    components = api.app.openapi()["components"]["schemas"]
+    for name, kind in KINDS.items():
+        model = components["".join(part.capitalize() for part in name.split("-")) + "Config"]
+        fields = [f.name for f in dataclasses.fields(kind.config_cls) if f.name != "job_id"]
+        assert sorted(model["properties"]) == sorted(fields), name
+        for field in fields:
+            _assert_bounds(model["properties"][field], _declared(kind.config_cls, field), components, f"{name}.{field}")
+
+
+def test_the_cli_offers_the_declared_choices():
+    from fedfleet.cli import build_parser
+
+    simulate = build_parser()._subparsers._group_actions[0].choices["simulate"]
+    options = {action.dest: action.choices for action in simulate._actions}
+    expected = {"secure_graph": _declared(KINDS["fed3r-sync"].config_cls, "graph"),
+                "fp_part": _declared(KINDS["personalize"].config_cls, "fp_part"),
+                "server_optimizer": _declared(KINDS["fedavg"].config_cls, "server_optimizer"),
+                "local_rule": _declared(KINDS["fedavg"].config_cls, "local_rule"),
+                "served_model": _declared(KINDS["fedavg"].config_cls, "served_model"),
+                "cluster_scope": _declared(KINDS["ladd"].config_cls, "cluster_scope")}
+    for dest, limit in expected.items():
+        assert tuple(options[dest]) == limit.values, dest
+
+
+def test_a_field_without_a_limit_is_found_and_never_passed_unchecked():
+    from aggregator.jobs.base import JobConfig
+    from aggregator.jobs.config_limits import undeclared_fields
+
+    @dataclasses.dataclass
+    class Unlimited(JobConfig):
+        new_field: int = 3
+
+    assert undeclared_fields(Unlimited) == ["new_field"]
+    with pytest.raises(TypeError, match="new_field"):
+        validate_config("x", Unlimited, {"new_field": 4})
