@@ -379,7 +379,9 @@ def test_each_schema_accepts_the_example_and_says_what_the_type_requires(kind):
 
 # ----------------------------------------------------------------------------- golden vectors: Python and Java
 GOLDEN_KINDS = ("fed3r.stats", "fedavg.head", "oll.personalize",      # the kinds the Java device serves
-                "fed3r.secure", "fedavg.secure")
+                "fed3r.secure", "fedavg.secure", "scaffold.head", "ditto.head", "pp.head",
+                "fedavg.tail", "fedgloss.head", "ladd.style",               # and those it only reads
+                "fedavg.tail.secure", "pp.head.secure")
 
 
 def test_the_checked_in_golden_params_are_the_rendered_ones_and_python_reads_them():

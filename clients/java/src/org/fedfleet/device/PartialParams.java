@@ -10,8 +10,8 @@ public final class PartialParams extends StatefulHeadParams {
     public final String algorithm;
     public final int personalEpochs;
 
-    private PartialParams(Map<String, Object> p) throws TaskDeclined {
-        super(p, PartialTask.KIND);
+    private PartialParams(Map<String, Object> p, String kind) throws TaskDeclined {
+        super(p, kind);
         algorithm = TaskParams.choice(p, "algorithm", "fedalt", "fedsim", "fedalt");
         personalEpochs = (int) count(p, "personal_epochs", 1, 0);
         count(p, "epochs", 1, 1);
@@ -19,7 +19,12 @@ public final class PartialParams extends StatefulHeadParams {
     }
 
     public static PartialParams fromParams(Map<String, Object> params) throws TaskDeclined {
-        return new PartialParams(params);
+        return new PartialParams(params, PartialTask.KIND);
+    }
+
+    /** pp.head's fields of another kind's params (pp.head.secure), declining in its name. */
+    static PartialParams fromParams(Map<String, Object> params, String kind) throws TaskDeclined {
+        return new PartialParams(params, kind);
     }
 
     private static long count(Map<String, Object> p, String key, long dflt, long min) throws TaskDeclined {
