@@ -12,8 +12,8 @@ the Python device:
   same bytes;
 * a malformed task is declined with its reason, and a device without a state store declines.
 
-The mixed fleet (Java and Python devices in one stateful job over mosquitto) is in
-tests/test_java_tasks.py's idiom below.
+* a mixed fleet over mosquitto (tests/test_java_tasks.py's harness): Java and Python devices in
+  one Scaffold(ψ) job, the head and server control equal to an in-process replay's.
 """
 
 from __future__ import annotations
@@ -28,6 +28,11 @@ from test_differential_fuzz import head_tolerance
 from test_java_tasks import C, D, device_data, java, run_java_task, task_bytes
 
 pytestmark = pytest.mark.skipif(java_build.missing() is not None, reason=str(java_build.missing()))
+
+# the fleet replay's bounds (tests/test_java_tasks.py HEAD_ATOL: a few steps at lr 0.05); a control
+# carries (w − y) / (K lr), twice the head's difference at K = 10 steps of lr 0.05
+HEAD_ATOL = 1e-5
+CONTROL_ATOL = 2 * HEAD_ATOL
 
 
 @pytest.fixture(scope="module")
@@ -132,3 +137,59 @@ def test_a_java_device_without_a_state_store_declines_stateful_tasks(java_cp, tm
                            {"weight": np.zeros((C, D), np.float32), "bias": np.zeros(C, np.float32)}, device_data(0),
                            kind="scaffold.head")
     assert out.startswith("DECLINED") and "no state store" in out, out
+
+
+def test_mixed_java_and_python_fleet_runs_scaffold_with_state_kept_on_each_device(java_cp, broker, tmp_path):
+    """Three Java devices (one JVM, each with its state store) and two Python devices in one
+    Scaffold(ψ) job over mosquitto, all five in each of 2 rounds: every device contributes every
+    round (the second from the control it kept), and the final head and server control equal an
+    in-process replay in which Python devices (each with its own store) hold the Java devices' data;
+    each Java device keeps its c_k, which the Python store opens."""
+    from ops_fleet import Features, replay_round
+    from test_java_tasks import JAVA_IDS, PY_IDS, serve, start_java_devices, stop_mixed_fleet
+
+    from aggregator.jobs.scaffold import ScaffoldConfig, ScaffoldJob
+    from edge_client.agent import DeviceAgent
+    from edge_client.state import DeviceStateStore
+    from edge_client.tasks.scaffold_training import ScaffoldTrainingTask
+    from protocols.mqtt_link import BrokerConfig
+
+    ids = JAVA_IDS + PY_IDS
+    cfg = dict(job_id="scaffold-mixed", num_classes=C, feature_dim=D, rounds=2, clients_per_round=len(ids),
+               round_timeout_s=60, local_epochs=2, batch_size=8, client_lr=0.05, expected_devices=len(ids),
+               start_timeout_s=30, seed=5)
+    job = ScaffoldJob(ScaffoldConfig(**cfg))
+    served = serve(job, broker.url, tmp_path / "agg", ids)
+    jvm = start_java_devices(java_cp, broker.url, tmp_path, ["--state-dir", str(tmp_path / "java-state")])
+
+    def handler(i: int, d: str, where: str):
+        return ScaffoldTrainingTask(*device_data(i), lambda b, s, w: Features(D), DeviceStateStore(tmp_path / where / d))
+
+    agents = [DeviceAgent(d, BrokerConfig.from_url(broker.url), {"scaffold.head": handler(len(JAVA_IDS) + i, d, "py")})
+              .start() for i, d in enumerate(PY_IDS)]
+    try:
+        served["thread"].join(120)
+        result = served["result"]
+        assert result.get("state") == "done" and len(result["rounds"]) == 2, result
+        assert all(sorted(r["accepted"]) == sorted(ids) for r in result["rounds"]), result["rounds"]
+    finally:
+        out, err = stop_mixed_fleet(agents, jvm)
+    assert jvm.returncode == 0, err[-3000:]
+    for d in JAVA_IDS:
+        assert f"STATS {d} done=2 declined=0" in out, (out, err[-3000:])
+
+    replay = ScaffoldJob(ScaffoldConfig(**cfg))
+    tasks = {d: handler(i, d, "replay") for i, d in enumerate(ids)}
+    for r in result["rounds"]:
+        chosen = replay.next_participants(set(ids))
+        assert chosen == sorted(r["accepted"])
+        replay_round(replay, chosen, tasks, kind="scaffold.head")
+    for k in ("weight", "bias"):
+        assert np.abs(job.params[k] - replay.params[k]).max() <= HEAD_ATOL, k
+        assert np.abs(job.control[k] - replay.control[k]).max() <= CONTROL_ATOL, k
+    assert np.abs(job.control["weight"]).max() > 100 * CONTROL_ATOL        # the controls moved: the check can fail
+    for d in JAVA_IDS:          # each Java device keeps its own c_k, bound to the job's run, at round 2
+        kept = DeviceStateStore(tmp_path / "java-state" / d).load("scaffold-mixed", None)
+        mine = DeviceStateStore(tmp_path / "replay" / d).load("scaffold-mixed", None)
+        assert kept.round == mine.round == 2 and sorted(kept.arrays) == sorted(mine.arrays), d
+        assert all(np.abs(kept.arrays[k] - mine.arrays[k]).max() <= CONTROL_ATOL for k in kept.arrays), d

@@ -1,11 +1,13 @@
 // Runs one or more Java devices in one process (a Linux board, a gateway, the test suite): each
 // answers fed3r.stats and fedavg.head over its precomputed features (and fed3r.secure, Fed3R-Sync,
 // and fedavg.secure when it has an identity and the aggregator's key; oll.personalize when it is
-// given a held-out split with --holdout).
+// given a held-out split with --holdout; the stateful head tasks scaffold.head, ditto.head and
+// pp.head when given a state folder with --state-dir, each device keeping its DeviceStateStore in
+// <folder>/<id>).
 //
 //   java -cp fedfleet-device.jar:<Debian jars> org.fedfleet.device.HeadlessDevices \
 //        --broker mqtt://127.0.0.1:1883 [--root fedfleet] [--aggregator-key HEX] [--retry-after S] \
-//        [--tick S] [--chunk-size BYTES] [--holdout ID HELD_OUT_FEATURES_FILE ...] \
+//        [--tick S] [--chunk-size BYTES] [--holdout ID HELD_OUT_FEATURES_FILE ...] [--state-dir DIR] \
 //        [--stop-on-stdin-eof] --device ID FEATURES_FILE [SEED_HEX|-] [--device ...]
 //
 // Runs until SIGTERM/SIGINT (a systemd service), or with --stop-on-stdin-eof until standard input
@@ -27,6 +29,7 @@ public final class HeadlessDevices {
         MqttAgent.Options base = new MqttAgent.Options();
         List<String[]> devices = new ArrayList<>();
         Map<String, String> holdout = new LinkedHashMap<>();
+        java.io.File stateDir = null;
         for (int k = 0; k < args.length; k++) {
             switch (args[k]) {
                 case "--broker": broker = new URI(args[++k]); break;
@@ -37,6 +40,7 @@ public final class HeadlessDevices {
                 case "--chunk-size": base.chunkSize = Integer.parseInt(args[++k]); break;
                 case "--device": devices.add(new String[] {args[++k], args[++k], args[++k]}); break;
                 case "--holdout": holdout.put(args[++k], args[++k]); break;
+                case "--state-dir": stateDir = new java.io.File(args[++k]); break;
                 case "--stop-on-stdin-eof": stdinStops = true; break;
                 default: throw new IllegalArgumentException("unknown argument " + args[k]);
             }
@@ -50,6 +54,13 @@ public final class HeadlessDevices {
             handlers.put(FedAvgHeadTask.KIND, new FedAvgHeadTask(data, new PrecomputedFeatures(data.dim)));
             if (holdout.containsKey(d[0]))
                 handlers.put(PersonalizeTask.KIND, new PersonalizeTask(data, FeatureFile.read(holdout.get(d[0])), new PrecomputedFeatures(data.dim)));
+            if (stateDir != null) {
+                DeviceStateStore store = new DeviceStateStore(new java.io.File(stateDir, d[0]));
+                FeatureFile heldOut = holdout.containsKey(d[0]) ? FeatureFile.read(holdout.get(d[0])) : null;
+                handlers.put(ScaffoldTask.KIND, new ScaffoldTask(data, new PrecomputedFeatures(data.dim), store));
+                handlers.put(DittoTask.KIND, new DittoTask(data, heldOut, new PrecomputedFeatures(data.dim), store));
+                handlers.put(PartialTask.KIND, new PartialTask(data, heldOut, new PrecomputedFeatures(data.dim), store));
+            }
             MqttAgent.Options o = copy(base);
             if (!d[2].equals("-")) {
                 o.signer = Identity.fromSeed(d[0], Envelope.unhex(d[2]));
