@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .payloads.ladd import layout_digest
+from .payloads.secagg import ClusterSlotLayout
 from .payloads.task_kinds import TASK_PARAMS
 
 GOLDEN_DIR = Path(__file__).resolve().parent / "golden" / "task_params"
@@ -32,6 +34,11 @@ _FULL_STATE = {"run": "0123abcd" * 2, "round": 4, "max_staleness": 3, "ttl_s": 3
 _DITTO = {**_STATEFUL, "ditto_lambda": 0.1, "personal_epochs": 1, "personal_lr": 0.01}
 _TAIL = {**_MODEL, "tail_stages": 1, "train": "tail"}
 _SECURE = {"group": "g1", "max_samples": 100, "max_abs_param": 50.0}
+_LAYOUT = [["enc.w", [4]], ["head.w", [2, 3]], ["head.\u00e9", []]]        # a non-ASCII name: the digest's escaping
+_LADD = {"model": {"num_classes": 4, "image_size": 32}, "cluster": 1, "layout": _LAYOUT,
+         "layout_sha256": layout_digest([(n, tuple(s)) for n, s in _LAYOUT]), "trainable": ["head.w"]}
+_SLOTS = ClusterSlotLayout([("enc.w", (4,))], [("head.w", (2, 3))], (True, False))
+_SECURE_LADD = {**_LADD, "group": _SLOTS.group_id(), "slots": _SLOTS.to_json(), "max_samples": 10, "max_abs_param": 100.0}
 
 
 def _stateful_invalid(minimal: dict) -> list[tuple[str, dict]]:
@@ -191,6 +198,42 @@ CASES: dict[str, tuple[list[dict], list[tuple[str, dict]]]] = {
          ("job_id", {**_MODEL, **_SECURE, "state": _STATE}), ("state", {**_STATEFUL, **_SECURE, "state": {"round": 1}}),
          ("algorithm", {**_STATEFUL, **_SECURE, "algorithm": "fedavg"}),
          ("params_version", {**_STATEFUL, **_SECURE, "params_version": 2})]),
+    "ladd.train": (
+        [_LADD, {**_LADD, "teacher": "tensor", "weights_sha256": _SHA, "kd_sha256": "", "epochs": 10000, "batch_size": 1,
+                 "lr": 10, "momentum": 0.0, "kd_lambda": 1e4, "kd_alpha": 100, "pseudo_quantile": 1, "pseudo_cap": 1.0,
+                 "seed": -3, "local_rule": "sam", "sam_rho": 0.05, "asam_eta": 0.2, "prox_mu": 0.1, "params_version": 1,
+                 "a_field_from_the_future": 1}],
+        [*[(key, {k: v for k, v in _LADD.items() if k != key}) for key in _LADD],
+         ("model", {**_LADD, "model": [1]}), ("cluster", {**_LADD, "cluster": 1001}), ("cluster", {**_LADD, "cluster": -1}),
+         ("layout", {**_LADD, "layout": []}), ("layout", {**_LADD, "layout": [["a", [2]], ["a", [3]]]}),
+         ("layout", {**_LADD, "layout": [["a", [-2]]]}), ("layout", {**_LADD, "layout": [["a", [2.0]]]}),
+         ("layout", {**_LADD, "layout": [["a", [10**8]]]}), ("layout", {**_LADD, "layout": "x"}),
+         ("layout_sha256", {**_LADD, "layout_sha256": "0" * 64}), ("layout_sha256", {**_LADD, "layout": [["enc.w", [5]]]}),
+         ("trainable", {**_LADD, "trainable": []}), ("trainable", {**_LADD, "trainable": "head.w"}),
+         ("trainable", {**_LADD, "trainable": [3]}), ("teacher", {**_LADD, "teacher": "both"}),
+         ("weights_sha256", {**_LADD, "weights_sha256": "AB" * 32}), ("kd_sha256", {**_LADD, "kd_sha256": 5}),
+         ("epochs", {**_LADD, "epochs": 10001}), ("batch_size", {**_LADD, "batch_size": 0}), ("lr", {**_LADD, "lr": 0}),
+         ("lr", {**_LADD, "lr": 10.5}), ("momentum", {**_LADD, "momentum": 1.0}), ("momentum", {**_LADD, "momentum": -0.1}),
+         ("kd_lambda", {**_LADD, "kd_lambda": 1e4 + 1}), ("kd_alpha", {**_LADD, "kd_alpha": 0}),
+         ("pseudo_quantile", {**_LADD, "pseudo_quantile": 1.5}), ("pseudo_cap", {**_LADD, "pseudo_cap": 0.0}),
+         ("seed", {**_LADD, "seed": 1.5}), ("local_rule", {**_LADD, "local_rule": "adam"}),
+         ("prox_mu", {**_LADD, "prox_mu": 1e5}), ("params_version", {**_LADD, "params_version": 2})]),
+    "ladd.train.secure": (
+        [_SECURE_LADD, {**_SECURE_LADD, "dp": {**_DP, "clip_norm": 1.0}, "teacher": "tensor", "a_field_from_the_future": 1}],
+        [("group", {k: v for k, v in _SECURE_LADD.items() if k != "group"}),
+         ("slots", {k: v for k, v in _SECURE_LADD.items() if k != "slots"}),
+         ("max_samples", {k: v for k, v in _SECURE_LADD.items() if k != "max_samples"}),
+         ("max_abs_param", {k: v for k, v in _SECURE_LADD.items() if k != "max_abs_param"}),
+         ("group", {**_SECURE_LADD, "group": "g1"}), ("group", {**_SECURE_LADD, "group": ""}),
+         ("slots", {**_SECURE_LADD, "slots": {**_SLOTS.to_json(), "extra": []}}),
+         ("slots", {**_SECURE_LADD, "slots": {**_SLOTS.to_json(), "enabled": [1]}}),
+         ("slots", {**_SECURE_LADD, "slots": {**_SLOTS.to_json(), "enabled": []}}),
+         ("slots", {**_SECURE_LADD, "slots": {**_SLOTS.to_json(), "slot": [["enc.w", [4]]]}}),
+         ("slots", {**_SECURE_LADD, "slots": {"global": [], "slot": [], "enabled": [True]}}),
+         ("slots", {**_SECURE_LADD, "slots": {**_SLOTS.to_json(), "global": [["x", ["4"]]]}}),
+         ("max_samples", {**_SECURE_LADD, "max_samples": 0}), ("max_abs_param", {**_SECURE_LADD, "max_abs_param": 0.0}),
+         ("dp.stddev", {**_SECURE_LADD, "dp": {**_DP, "stddev": -1.0}}), ("layout_sha256", {**_SECURE_LADD, "layout_sha256": ""}),
+         ("params_version", {**_SECURE_LADD, "params_version": 2})]),
 }
 
 
