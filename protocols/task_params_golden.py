@@ -231,6 +231,7 @@ CASES: dict[str, tuple[list[dict], list[tuple[str, dict]]]] = {
          ("slots", {**_SECURE_LADD, "slots": {**_SLOTS.to_json(), "slot": [["enc.w", [4]]]}}),
          ("slots", {**_SECURE_LADD, "slots": {"global": [], "slot": [], "enabled": [True]}}),
          ("slots", {**_SECURE_LADD, "slots": {**_SLOTS.to_json(), "global": [["x", ["4"]]]}}),
+         ("slots", {**_SECURE_LADD, "slots": {**_SLOTS.to_json(), "slot": [["h", [40_000_000]]], "enabled": [True] * 4}}),
          ("max_samples", {**_SECURE_LADD, "max_samples": 0}), ("max_abs_param", {**_SECURE_LADD, "max_abs_param": 0.0}),
          ("dp.stddev", {**_SECURE_LADD, "dp": {**_DP, "stddev": -1.0}}), ("layout_sha256", {**_SECURE_LADD, "layout_sha256": ""}),
          ("params_version", {**_SECURE_LADD, "params_version": 2})]),

@@ -15,6 +15,7 @@ import java.util.Set;
 
 public final class SecureLaddParams extends LaddTrainParams {
     static final String KIND = "ladd.train.secure";
+    static final long MAX_SLOT_VECTOR = 1L << 27;
     private final String group;
     private final Map<String, Object> slots;
     private final long maxSamples;
@@ -46,16 +47,25 @@ public final class SecureLaddParams extends LaddTrainParams {
         if (!(enabled instanceof List) || !((List<?>) enabled).stream().allMatch(e -> e instanceof Boolean))
             throw bad(KIND, "slots: enabled must be a list of booleans");
         List<String> names = new ArrayList<>();
-        for (String part : new String[] {"global", "slot"}) {
+        long[] sizes = new long[2];                          // values of the global layout, of one slot
+        for (int k = 0; k < 2; k++) {
+            String part = k == 0 ? "global" : "slot";
             Object layout = s.get(part);
             if (layout instanceof List && ((List<?>) layout).isEmpty()) continue;
-            for (Object item : layout(layout, KIND, "slots: bad " + part + " layout")) names.add((String) ((List<?>) item).get(0));
+            for (Object item : layout(layout, KIND, "slots: bad " + part + " layout")) {
+                names.add((String) ((List<?>) item).get(0));
+                long size = 1;
+                for (Object dim : (List<?>) ((List<?>) item).get(1)) size *= ((BigInteger) dim).longValue();
+                sizes[k] += size;
+            }
         }
         int clusters = ((List<?>) enabled).size();
         if (clusters < 1 || clusters > 64) throw bad(KIND, "slots: 1 to 64 clusters, got " + clusters);
         Set<String> distinct = new HashSet<>(names);
         if (distinct.size() != names.size()) throw bad(KIND, "slots: a tensor name appears twice (global and slot names must be disjoint)");
         if (names.isEmpty()) throw bad(KIND, "slots: no tensors");
+        long vector = sizes[0] + clusters * sizes[1] + 1 + 2L * clusters;       // RoundConfig's largest vector_length
+        if (vector > MAX_SLOT_VECTOR) throw bad(KIND, "slots: vector of " + vector + " values, more than " + MAX_SLOT_VECTOR);
         return s;
     }
 
