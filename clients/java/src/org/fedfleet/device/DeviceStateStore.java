@@ -6,9 +6,11 @@
 // * one file per job, <sha256(job id)[:32]>.npz in the store's folder: the job's float32 arrays
 //   plus "__state_header__" (uint8 JSON: job_id, run, round, expires_at), the Python store's
 //   format, so either library opens what the other wrote;
-// * atomic: written to a ".tmp-" file in the same folder, synced, renamed over the old one (and
-//   the folder synced where the platform allows): a device killed mid-write finds the previous
-//   state or the new one; a torn or foreign file reads as "no state" and is removed;
+// * atomic: written to a ".tmp-" file in the same folder, synced, renamed over the old one
+//   (rename(2)): a device killed mid-write finds the previous state or the new one; a torn or
+//   foreign file reads as "no state" and is removed. Unlike the Python store the folder itself is
+//   not fsynced (java.io cannot open a folder): after a power cut right after a save the device may
+//   find the previous state, which the rounds treat as a redelivery from the older value;
 // * bound to (job id, run, round): an entry of another run is dropped on sight; one written more
 //   than max_staleness rounds before the task's round is treated as absent (the algorithm
 //   restarts: c_k = 0, v_k = the global head);
@@ -25,9 +27,7 @@ import java.io.FileInputStream;
 import java.io.FileOutputStream;
 import java.io.IOException;
 import java.math.BigInteger;
-import java.nio.channels.FileChannel;
 import java.nio.charset.StandardCharsets;
-import java.nio.file.StandardOpenOption;
 import java.util.ArrayList;
 import java.util.Arrays;
 import java.util.LinkedHashMap;
@@ -96,7 +96,9 @@ public final class DeviceStateStore {
             Npz.Array header = arrays.remove(HEADER);
             @SuppressWarnings("unchecked")
             Map<String, Object> h = (Map<String, Object>) Json.parse(new String(header.bytes(), StandardCharsets.UTF_8));
-            return new Entry((String) h.get("job_id"), (String) h.get("run"), ((BigInteger) h.get("round")).longValueExact(),
+            BigInteger round = (BigInteger) h.get("round");
+            if (round.bitLength() > 62) throw new IOException("round out of range");
+            return new Entry((String) h.get("job_id"), (String) h.get("run"), round.longValue(),
                     arrays, ((Number) h.get("expires_at")).doubleValue());
         } catch (Exception e) {          // torn, foreign or tampered: never trusted, never fatal
             file.delete();
@@ -191,11 +193,6 @@ public final class DeviceStateStore {
         } finally {
             tmp.delete();           // gone already after a successful rename
         }
-        try (FileChannel dir = FileChannel.open(root.toPath(), StandardOpenOption.READ)) {
-            dir.force(true);        // the rename itself survives a power cut
-        } catch (IOException | UnsupportedOperationException e) {
-            // a platform that cannot open a folder for syncing: the rename is still atomic
-        }
     }
 
     /** Remove the job's state (its job ended); whether there was any. */
@@ -219,8 +216,12 @@ public final class DeviceStateStore {
 
     private byte[] readAll(File file) throws IOException {
         if (file.length() > budgetBytes + (1 << 20)) throw new IOException(file + " is larger than the state budget");
+        byte[] data = new byte[(int) file.length()];
         try (FileInputStream in = new FileInputStream(file)) {
-            return in.readAllBytes();
+            int at = 0;
+            for (int n; at < data.length && (n = in.read(data, at, data.length - at)) > 0; ) at += n;
+            if (at != data.length) throw new IOException(file + " changed while it was read");
         }
+        return data;
     }
 }

@@ -52,7 +52,7 @@ public final class Npz {
         public byte[] bytes() {
             byte[] out = new byte[data.capacity()];
             ByteBuffer all = data.duplicate();
-            all.rewind();
+            ((java.nio.Buffer) all).rewind();          // Buffer's: ByteBuffer.rewind() is Java 9+ (Android 34+)
             all.get(out);
             return out;
         }

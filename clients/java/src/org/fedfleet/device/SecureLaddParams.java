@@ -40,7 +40,7 @@ public final class SecureLaddParams extends LaddTrainParams {
 
     /** ClusterSlotLayout.from_json's checks; the layout as written. */
     private static Map<String, Object> slots(Object value) throws TaskDeclined {
-        if (!(value instanceof Map) || !((Map<?, ?>) value).keySet().equals(new HashSet<>(List.of("global", "slot", "enabled"))))
+        if (!(value instanceof Map) || !((Map<?, ?>) value).keySet().equals(new HashSet<>(java.util.Arrays.asList("global", "slot", "enabled"))))
             throw bad(KIND, "slots must be an object with exactly 'global', 'slot' and 'enabled'");
         @SuppressWarnings("unchecked") Map<String, Object> s = (Map<String, Object>) value;
         Object enabled = s.get("enabled");

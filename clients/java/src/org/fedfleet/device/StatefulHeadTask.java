@@ -71,7 +71,7 @@ public abstract class StatefulHeadTask implements TaskHandler {
 
     /** A float32 tensor of exactly `shape` (null when absent, of another dtype or shape). */
     static float[] float32(List<Envelope.Tensor> tensors, String name, long[] shape) throws TaskDeclined {
-        for (Envelope.Tensor t : tensors == null ? List.<Envelope.Tensor>of() : tensors) {
+        for (Envelope.Tensor t : tensors == null ? java.util.Collections.<Envelope.Tensor>emptyList() : tensors) {
             if (!t.name.equals(name)) continue;
             if (!t.dtype.equals("float32") || !java.util.Arrays.equals(t.shape, shape)) return null;
             try {
