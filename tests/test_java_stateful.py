@@ -13,7 +13,8 @@ the Python device:
 * a malformed task is declined with its reason, and a device without a state store declines.
 
 * a mixed fleet over mosquitto (tests/test_java_tasks.py's harness): Java and Python devices in
-  one Scaffold(ψ) job, the head and server control equal to an in-process replay's.
+  one Scaffold(ψ), Ditto or FedAlt(ψ) job, the global head (and Scaffold's server control) and each
+  device's kept state equal to an in-process replay's.
 """
 
 from __future__ import annotations
@@ -139,34 +140,54 @@ def test_a_java_device_without_a_state_store_declines_stateful_tasks(java_cp, tm
     assert out.startswith("DECLINED") and "no state store" in out, out
 
 
-def test_mixed_java_and_python_fleet_runs_scaffold_with_state_kept_on_each_device(java_cp, broker, tmp_path):
-    """Three Java devices (one JVM, each with its state store) and two Python devices in one
-    Scaffold(ψ) job over mosquitto, all five in each of 2 rounds: every device contributes every
-    round (the second from the control it kept), and the final head and server control equal an
-    in-process replay in which Python devices (each with its own store) hold the Java devices' data;
-    each Java device keeps its c_k, which the Python store opens."""
-    from ops_fleet import Features, replay_round
-    from test_java_tasks import JAVA_IDS, PY_IDS, serve, start_java_devices, stop_mixed_fleet
-
+def stateful_kind(kind: str):
+    """(job type, its config type, config fields, the Python handler type) of a stateful head kind."""
+    from aggregator.jobs.ditto import DittoConfig, DittoJob
+    from aggregator.jobs.partial import PartialConfig, PartialPersonalizationJob
     from aggregator.jobs.scaffold import ScaffoldConfig, ScaffoldJob
+    from edge_client.tasks.ditto_training import DittoTrainingTask
+    from edge_client.tasks.partial_training import PartialTrainingTask
+    from edge_client.tasks.scaffold_training import ScaffoldTrainingTask
+
+    return {"scaffold.head": (ScaffoldJob, ScaffoldConfig, {}, ScaffoldTrainingTask),
+            "ditto.head": (DittoJob, DittoConfig, {"ditto_lambda": 0.5, "personal_epochs": 2, "personal_lr": 0.03},
+                           DittoTrainingTask),
+            "pp.head": (PartialPersonalizationJob, PartialConfig, {"pp_algorithm": "fedalt", "personal_epochs": 2},
+                        PartialTrainingTask)}[kind]
+
+
+@pytest.mark.parametrize("kind", ["scaffold.head", "ditto.head", "pp.head"])
+def test_mixed_java_and_python_fleet_runs_a_stateful_job_with_state_kept_on_each_device(java_cp, broker, tmp_path,
+                                                                                        kind):
+    """Three Java devices (one JVM, each with its state store and a held-out split) and two Python
+    devices in one Scaffold(ψ) / Ditto / FedAlt(ψ) job over mosquitto, all five in each of 2 rounds:
+    every device contributes every round (the second from the state it kept), and the final global
+    head (and Scaffold's server control) equal an in-process replay in which Python devices (each
+    with its own store) hold the Java devices' data; each Java device keeps the state the replay's
+    device keeps, which the Python store opens."""
+    from ops_fleet import Features, replay_round
+    from test_java_tasks import JAVA_IDS, PY_IDS, personal_data, serve, start_java_devices, stop_mixed_fleet
+
     from edge_client.agent import DeviceAgent
     from edge_client.state import DeviceStateStore
-    from edge_client.tasks.scaffold_training import ScaffoldTrainingTask
     from protocols.mqtt_link import BrokerConfig
 
+    job_type, config_type, fields, handler_type = stateful_kind(kind)
     ids = JAVA_IDS + PY_IDS
-    cfg = dict(job_id="scaffold-mixed", num_classes=C, feature_dim=D, rounds=2, clients_per_round=len(ids),
-               round_timeout_s=60, local_epochs=2, batch_size=8, client_lr=0.05, expected_devices=len(ids),
-               start_timeout_s=30, seed=5)
-    job = ScaffoldJob(ScaffoldConfig(**cfg))
+    cfg = dict(job_id=kind.replace(".", "-") + "-mixed", num_classes=C, feature_dim=D, rounds=2,
+               clients_per_round=len(ids), round_timeout_s=60, local_epochs=2, batch_size=8, client_lr=0.05,
+               expected_devices=len(ids), start_timeout_s=30, seed=5, **fields)
+    job = job_type(config_type(**cfg))
     served = serve(job, broker.url, tmp_path / "agg", ids)
     jvm = start_java_devices(java_cp, broker.url, tmp_path, ["--state-dir", str(tmp_path / "java-state")])
 
     def handler(i: int, d: str, where: str):
-        return ScaffoldTrainingTask(*device_data(i), lambda b, s, w: Features(D), DeviceStateStore(tmp_path / where / d))
+        store = DeviceStateStore(tmp_path / where / d)
+        held = () if kind == "scaffold.head" else personal_data(50 + i, 30, list(range(C)))   # the JVM's held-out split
+        return handler_type(*device_data(i), lambda b, s, w: Features(D), store, *held)
 
-    agents = [DeviceAgent(d, BrokerConfig.from_url(broker.url), {"scaffold.head": handler(len(JAVA_IDS) + i, d, "py")})
-              .start() for i, d in enumerate(PY_IDS)]
+    agents = [DeviceAgent(d, BrokerConfig.from_url(broker.url), {kind: handler(len(JAVA_IDS) + i, d, "py")}).start()
+              for i, d in enumerate(PY_IDS)]
     try:
         served["thread"].join(120)
         result = served["result"]
@@ -178,18 +199,20 @@ def test_mixed_java_and_python_fleet_runs_scaffold_with_state_kept_on_each_devic
     for d in JAVA_IDS:
         assert f"STATS {d} done=2 declined=0" in out, (out, err[-3000:])
 
-    replay = ScaffoldJob(ScaffoldConfig(**cfg))
+    replay = job_type(config_type(**cfg))
     tasks = {d: handler(i, d, "replay") for i, d in enumerate(ids)}
     for r in result["rounds"]:
         chosen = replay.next_participants(set(ids))
         assert chosen == sorted(r["accepted"])
-        replay_round(replay, chosen, tasks, kind="scaffold.head")
+        replay_round(replay, chosen, tasks, kind=kind)
     for k in ("weight", "bias"):
         assert np.abs(job.params[k] - replay.params[k]).max() <= HEAD_ATOL, k
-        assert np.abs(job.control[k] - replay.control[k]).max() <= CONTROL_ATOL, k
-    assert np.abs(job.control["weight"]).max() > 100 * CONTROL_ATOL        # the controls moved: the check can fail
-    for d in JAVA_IDS:          # each Java device keeps its own c_k, bound to the job's run, at round 2
-        kept = DeviceStateStore(tmp_path / "java-state" / d).load("scaffold-mixed", None)
-        mine = DeviceStateStore(tmp_path / "replay" / d).load("scaffold-mixed", None)
+        if kind == "scaffold.head":
+            assert np.abs(job.control[k] - replay.control[k]).max() <= CONTROL_ATOL, k
+    start = job_type(config_type(**cfg)).params["weight"]
+    assert np.abs(job.params["weight"] - start).max() > 100 * HEAD_ATOL            # it trained: the check can fail
+    for d in JAVA_IDS:          # each Java device keeps its own state, bound to the job's run, at round 2
+        kept = DeviceStateStore(tmp_path / "java-state" / d).load(cfg["job_id"], None)
+        mine = DeviceStateStore(tmp_path / "replay" / d).load(cfg["job_id"], None)
         assert kept.round == mine.round == 2 and sorted(kept.arrays) == sorted(mine.arrays), d
         assert all(np.abs(kept.arrays[k] - mine.arrays[k]).max() <= CONTROL_ATOL for k in kept.arrays), d
