@@ -6,6 +6,7 @@ line for line, and each library opens the files the other wrote (the same .npz f
 from __future__ import annotations
 
 import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
@@ -111,3 +112,21 @@ def test_each_library_opens_the_state_the_other_wrote_and_drops_a_torn_file(tmp_
     got = java_answers(folder, f"clock 1005\nopen 100000\nload pp-2 {RUN_B} 7 0\nload torn - - -\n", tmp_path)
     assert got == ["OK", "JOBS pp-2,sc-1", "ENTRY feedbeef 7 1.5 -2.0 | [1, 1]", "NONE"]
     assert not torn.exists()
+
+
+def test_forget_state_removes_each_java_devices_kept_state(tmp_path):
+    """HeadlessDevices --forget-state (the Java side of `fedfleet device --forget-state`): every
+    job's state of the named devices goes, another device's stays."""
+    from test_java_device import write_features
+
+    for device in ("java0", "java1"):
+        java_answers(tmp_path / "state" / device, f"clock {time.time()}\nopen 100000\nsave sc-1 {RUN_A} 3 3600 6\n"
+                     f"save dt-1 {RUN_A} 1 3600 2\n", tmp_path)
+    feats = write_features(tmp_path / "f.feat", np.zeros((2, 3), np.float32), np.array([0, 1]))
+    proc = subprocess.run(["java", "-cp", java_build.built(), "org.fedfleet.device.HeadlessDevices", "--state-dir",
+                           str(tmp_path / "state"), "--forget-state", "--device", "java0", str(feats), "-",
+                           "--device", "java9", str(feats), "-"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == ["FORGOT java0 2", "FORGOT java9 0"]
+    assert DeviceStateStore(tmp_path / "state" / "java0").jobs() == []
+    assert sorted(DeviceStateStore(tmp_path / "state" / "java1").jobs()) == ["dt-1", "sc-1"]
