@@ -10,7 +10,8 @@
 //   (rename(2)): a device killed mid-write finds the previous state or the new one; a torn or
 //   foreign file reads as "no state" and is removed. Unlike the Python store the folder itself is
 //   not fsynced (java.io cannot open a folder): after a power cut right after a save the device may
-//   find the previous state, which the rounds treat as a redelivery from the older value;
+//   find the state before it, and its next round continues from that older value (as from a
+//   state one round staler);
 // * bound to (job id, run, round): an entry of another run is dropped on sight; one written more
 //   than max_staleness rounds before the task's round is treated as absent (the algorithm
 //   restarts: c_k = 0, v_k = the global head);
