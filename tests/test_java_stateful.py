@@ -106,28 +106,32 @@ def test_java_stateful_head_tasks_reproduce_the_golden_vectors(java_cp, tmp_path
 
 
 STATE = {"run": "0123abcd", "round": 1}
+ROOMY = 1 << 20             # a state budget every task here fits in
 
 
-@pytest.mark.parametrize("kind, change, tensors, reason", [
-    ("scaffold.head", {}, {}, "control.weight and control.bias"),
-    ("scaffold.head", {"state": {**STATE, "extra": 1}}, {}, "unknown state fields"),
-    ("scaffold.head", {"state": None}, {}, "needs a 'state' object"),
-    ("ditto.head", {"ditto_lambda": 0.0}, {}, "ditto_lambda must be a finite number"),
-    ("ditto.head", {"personal_lr": None}, {}, "personal_lr"),
-    ("pp.head", {"algorithm": "ditto"}, {}, "algorithm must be one of"),
-    ("pp.head", {"job_id": ""}, {}, "needs a job_id"),
-    ("pp.head", {}, {"weight": np.zeros((C, D), np.float64)}, "must carry float32 weight"),
-    ("ditto.head", {"lr": 1e30}, {}, "diverged"),
+@pytest.mark.parametrize("kind, change, tensors, reason, budget", [
+    ("scaffold.head", {}, {}, "state budget is 100 bytes", 100),        # c_k and its previous value: 224 bytes
+    ("ditto.head", {}, {}, "state budget is 0 bytes", 0),
+    ("scaffold.head", {}, {}, "control.weight and control.bias", ROOMY),
+    ("scaffold.head", {"state": {**STATE, "extra": 1}}, {}, "unknown state fields", ROOMY),
+    ("scaffold.head", {"state": None}, {}, "needs a 'state' object", ROOMY),
+    ("ditto.head", {"ditto_lambda": 0.0}, {}, "ditto_lambda must be a finite number", ROOMY),
+    ("ditto.head", {"personal_lr": None}, {}, "personal_lr", ROOMY),
+    ("pp.head", {"algorithm": "ditto"}, {}, "algorithm must be one of", ROOMY),
+    ("pp.head", {"job_id": ""}, {}, "needs a job_id", ROOMY),
+    ("pp.head", {}, {"weight": np.zeros((C, D), np.float64)}, "must carry float32 weight", ROOMY),
+    ("ditto.head", {"lr": 1e30}, {}, "diverged", ROOMY),
 ])
-def test_malformed_stateful_tasks_are_declined_with_a_reason(java_cp, tmp_path, kind, change, tensors, reason):
+def test_malformed_stateful_tasks_are_declined_with_a_reason(java_cp, tmp_path, kind, change, tensors, reason, budget):
     from test_java_device import write_features
 
     params = {"num_classes": C, "feature_dim": D, "backbone": "b", "image_size": 8, "job_id": "j-1", "state": STATE,
               "ditto_lambda": 0.1, "personal_epochs": 1, "personal_lr": 0.01, **change}
     head = {"weight": np.zeros((C, D), np.float32), "bias": np.zeros(C, np.float32), **tensors}
-    (tmp_path / "task.bin").write_bytes(task_bytes(params, head, kind))
     feats = write_features(tmp_path / "f.feat", *device_data(0))
-    out = java(java_cp, tmp_path / "task.bin", feats, tmp_path / "result.bin", "-", tmp_path / "state")
+    control = {f"control.{k}": np.zeros_like(v) for k, v in head.items()} if budget < ROOMY else {}   # else well-formed
+    (tmp_path / "task.bin").write_bytes(task_bytes(params, {**head, **control}, kind))
+    out = java(java_cp, tmp_path / "task.bin", feats, tmp_path / "result.bin", "-", tmp_path / "state", budget)
     assert out.startswith("DECLINED") and reason in out, out
     assert list((tmp_path / "state").iterdir()) == []              # a declined task keeps nothing
 
