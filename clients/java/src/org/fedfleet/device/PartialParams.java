@@ -13,9 +13,9 @@ public final class PartialParams extends StatefulHeadParams {
     private PartialParams(Map<String, Object> p, String kind) throws TaskDeclined {
         super(p, kind);
         algorithm = TaskParams.choice(p, "algorithm", "fedalt", "fedsim", "fedalt");
-        personalEpochs = (int) count(p, "personal_epochs", 1, 0);
-        count(p, "epochs", 1, 1);
-        count(p, "batch_size", 50, 1);
+        personalEpochs = (int) count(p, "personal_epochs", 1, 0, kind);
+        count(p, "epochs", 1, 1, kind);
+        count(p, "batch_size", 50, 1, kind);
     }
 
     public static PartialParams fromParams(Map<String, Object> params) throws TaskDeclined {
@@ -27,11 +27,11 @@ public final class PartialParams extends StatefulHeadParams {
         return new PartialParams(params, kind);
     }
 
-    private static long count(Map<String, Object> p, String key, long dflt, long min) throws TaskDeclined {
+    private static long count(Map<String, Object> p, String key, long dflt, long min, String kind) throws TaskDeclined {
         Object v = p.containsKey(key) ? p.get(key) : BigInteger.valueOf(dflt);
         if (!(v instanceof BigInteger) || ((BigInteger) v).compareTo(BigInteger.valueOf(min)) < 0
                 || ((BigInteger) v).compareTo(BigInteger.valueOf(10_000)) > 0)
-            throw new TaskDeclined("bad pp.head params: " + key + " must be an integer in " + min + "..10000, got " + v);
+            throw new TaskDeclined("bad " + kind + " params: " + key + " must be an integer in " + min + "..10000, got " + v);
         return ((BigInteger) v).longValue();
     }
 
