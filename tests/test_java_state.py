@@ -18,6 +18,12 @@ from edge_client.state import DeviceStateStore, StateBudgetExceeded
 pytestmark = pytest.mark.skipif(java_build.missing() is not None, reason=str(java_build.missing()))
 
 RUN_A, RUN_B = "0123abcd", "feedbeef"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def java_cp() -> str:
+    return java_build.built()          # compiled once per test run (shared with the other Java tests)
+
 SCRIPT = f"""clock 1000
 open 400
 save sc-1 {RUN_A} 3 100 10
