@@ -379,7 +379,13 @@ def test_each_schema_accepts_the_example_and_says_what_the_type_requires(kind):
 
 # ----------------------------------------------------------------------------- golden vectors: Python and Java
 GOLDEN_KINDS = ("fed3r.stats", "fedavg.head", "oll.personalize",      # the kinds the Java device serves
-                "fed3r.secure", "fedavg.secure")
+                "fed3r.secure", "fedavg.secure", "scaffold.head", "ditto.head", "pp.head",
+                "fedavg.tail", "fedgloss.head", "ladd.style", "ladd.train",  # and those it only reads
+                "fedavg.tail.secure", "pp.head.secure", "ladd.train.secure")
+
+
+def test_every_task_kind_has_golden_params():
+    assert sorted(GOLDEN_KINDS) == sorted(TASK_PARAMS)
 
 
 def test_the_checked_in_golden_params_are_the_rendered_ones_and_python_reads_them():

@@ -42,6 +42,16 @@ public final class ParamsRunner {
             case "oll.personalize": return PersonalizeParams.fromParams(params).toParams();
             case "fed3r.secure": return SecureFed3RParams.fromParams(params).toParams();
             case "fedavg.secure": return SecureFedAvgParams.fromParams(params).toParams();
+            case "fedavg.tail": return TailTrainingParams.fromParams(params).toParams();
+            case "scaffold.head": return StatefulHeadParams.scaffold(params).toParams();
+            case "ditto.head": return DittoParams.fromParams(params).toParams();
+            case "pp.head": return PartialParams.fromParams(params).toParams();
+            case "fedgloss.head": return FedGlossParams.fromParams(params).toParams();
+            case "ladd.style": return StyleParams.fromParams(params).toParams();
+            case "fedavg.tail.secure": return SecureTailParams.fromParams(params).toParams();
+            case "pp.head.secure": return SecurePartialParams.fromParams(params).toParams();
+            case "ladd.train": return LaddTrainParams.fromParams(params).toParams();
+            case "ladd.train.secure": return SecureLaddParams.fromParams(params).toParams();
             default: throw new IllegalArgumentException("no typed params for " + kind);
         }
     }

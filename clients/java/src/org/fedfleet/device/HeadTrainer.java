@@ -25,6 +25,27 @@ public final class HeadTrainer {
     private final String rule;                             // edge_client/tasks/local_rules.py's rules
     private final double rho, eta, mu;
     private float[] startW, startB;                        // the round's global head (FedProx's anchor)
+    private float[] anchorW, anchorB;                      // another anchor (Ditto's personal pass: the task's head)
+    private float[] correctionW, correctionB;              // subtracted after each step (Scaffold's lr·(c − c_k))
+    private boolean trainWeight = true, trainBias = true;  // FedAlt moves one of them, holding the other
+
+    /** FedProx's pull towards (weight, bias) instead of the start (Ditto's personal pass). */
+    public HeadTrainer pulledTo(float[] weight, float[] bias) {
+        anchorW = weight.clone(); anchorB = bias.clone();
+        return this;
+    }
+
+    /** After each step, param -= correction in float32 (Scaffold: lr·(c − c_k), scaffold_training.py). */
+    public HeadTrainer corrected(float[] weight, float[] bias) {
+        correctionW = weight.clone(); correctionB = bias.clone();
+        return this;
+    }
+
+    /** Which tensors the steps move (the other held fixed: FedAlt's phases, partial_training.py). */
+    public HeadTrainer moving(boolean weight, boolean bias) {
+        trainWeight = weight; trainBias = bias;
+        return this;
+    }
 
     public HeadTrainer(int numClasses, int dim, LocalTraining recipe) {
         this.numClasses = numClasses; this.dim = dim;
@@ -45,12 +66,17 @@ public final class HeadTrainer {
                 throw new IllegalArgumentException("label " + labels[k] + " outside [0, " + numClasses + ")");
         }
         float[] w = weight.clone(), b = bias.clone();
-        startW = weight.clone(); startB = bias.clone();
+        startW = anchorW != null ? anchorW : weight.clone();
+        startB = anchorB != null ? anchorB : bias.clone();
         List<int[]> batches = recipe.batchSchedule(labels.length);
-        int lastEpoch = batches.size() / recipe.epochs;
+        int lastEpoch = Math.max(1, batches.size() / Math.max(1, recipe.epochs));     // 0 epochs: no steps
         double lossSum = 0;
         for (int s = 0; s < batches.size(); s++) {
             double loss = step(w, b, features, labels, batches.get(s));
+            if (correctionW != null) {
+                for (int k = 0; k < w.length; k++) w[k] -= correctionW[k];
+                for (int k = 0; k < b.length; k++) b[k] -= correctionB[k];
+            }
             if (s >= batches.size() - lastEpoch) lossSum += loss;
         }
         checkBounded("weight", w);
@@ -92,8 +118,8 @@ public final class HeadTrainer {
             gradient(pw, pb, features, labels, batch, gradW, gradB);
         }
         if (mu > 0) loss += proximal(w, startW, gradW) + proximal(b, startB, gradB);
-        update(w, gradW);
-        update(b, gradB);
+        if (trainWeight) update(w, gradW);
+        if (trainBias) update(b, gradB);
         return loss;
     }
 

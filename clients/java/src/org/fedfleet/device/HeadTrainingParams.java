@@ -13,8 +13,8 @@ public final class HeadTrainingParams {
     final LocalTraining recipe;
     final Long modelVersion;                // null: absent
 
-    private HeadTrainingParams(Map<String, Object> p) throws TaskDeclined {
-        TaskParams.checkVersion(p, KIND);
+    private HeadTrainingParams(Map<String, Object> p, String kind) throws TaskDeclined {
+        TaskParams.checkVersion(p, kind);
         model = ModelSpec.fromParams(p);
         featureDim = (int) Params.integer(p, "feature_dim", 1280, 1, 1_000_000);
         recipe = LocalTraining.fromParams(p);
@@ -22,7 +22,12 @@ public final class HeadTrainingParams {
     }
 
     public static HeadTrainingParams fromParams(Map<String, Object> params) throws TaskDeclined {
-        return new HeadTrainingParams(params);
+        return new HeadTrainingParams(params, KIND);
+    }
+
+    /** The head fields of another kind's params (a stateful head task's), declining in its name. */
+    static HeadTrainingParams fromParams(Map<String, Object> params, String kind) throws TaskDeclined {
+        return new HeadTrainingParams(params, kind);
     }
 
     public Map<String, Object> toParams() {

@@ -1,12 +1,16 @@
 // Runs one or more Java devices in one process (a Linux board, a gateway, the test suite): each
 // answers fed3r.stats and fedavg.head over its precomputed features (and fed3r.secure, Fed3R-Sync,
 // and fedavg.secure when it has an identity and the aggregator's key; oll.personalize when it is
-// given a held-out split with --holdout).
+// given a held-out split with --holdout; the stateful head tasks scaffold.head, ditto.head and
+// pp.head when given a state folder with --state-dir, each device keeping its DeviceStateStore in
+// <folder>/<id>, within --state-budget-mb MB each, default 16).
 //
 //   java -cp fedfleet-device.jar:<Debian jars> org.fedfleet.device.HeadlessDevices \
 //        --broker mqtt://127.0.0.1:1883 [--root fedfleet] [--aggregator-key HEX] [--retry-after S] \
-//        [--tick S] [--chunk-size BYTES] [--holdout ID HELD_OUT_FEATURES_FILE ...] \
-//        [--stop-on-stdin-eof] --device ID FEATURES_FILE [SEED_HEX|-] [--device ...]
+//        [--tick S] [--chunk-size BYTES] [--holdout ID HELD_OUT_FEATURES_FILE ...] [--state-dir DIR] \
+//        [--state-budget-mb MB] [--stop-on-stdin-eof] --device ID FEATURES_FILE [SEED_HEX|-] [--device ...]
+//   ... --state-dir DIR --forget-state --device ID ...: removes each device's kept state (the
+//   operator forgot the device; `fedfleet device --forget-state`), prints "FORGOT <id> <files>", exits.
 //
 // Runs until SIGTERM/SIGINT (a systemd service), or with --stop-on-stdin-eof until standard input
 // closes (the tests). Prints "ONLINE <id>" once a device has announced itself, and "STATS <id>
@@ -27,6 +31,9 @@ public final class HeadlessDevices {
         MqttAgent.Options base = new MqttAgent.Options();
         List<String[]> devices = new ArrayList<>();
         Map<String, String> holdout = new LinkedHashMap<>();
+        java.io.File stateDir = null;
+        long stateBudget = DeviceStateStore.DEFAULT_BUDGET_BYTES;
+        boolean forgetState = false;
         for (int k = 0; k < args.length; k++) {
             switch (args[k]) {
                 case "--broker": broker = new URI(args[++k]); break;
@@ -37,9 +44,20 @@ public final class HeadlessDevices {
                 case "--chunk-size": base.chunkSize = Integer.parseInt(args[++k]); break;
                 case "--device": devices.add(new String[] {args[++k], args[++k], args[++k]}); break;
                 case "--holdout": holdout.put(args[++k], args[++k]); break;
+                case "--state-dir": stateDir = new java.io.File(args[++k]); break;
+                case "--state-budget-mb": stateBudget = (long) (Double.parseDouble(args[++k]) * (1 << 20)); break;
+                case "--forget-state": forgetState = true; break;
                 case "--stop-on-stdin-eof": stdinStops = true; break;
                 default: throw new IllegalArgumentException("unknown argument " + args[k]);
             }
+        }
+        if (forgetState) {
+            if (stateDir == null) throw new IllegalArgumentException("--forget-state needs --state-dir");
+            for (String[] d : devices) {
+                java.io.File folder = new java.io.File(stateDir, d[0]);
+                System.out.println("FORGOT " + d[0] + " " + (folder.isDirectory() ? store(folder, stateBudget).forget() : 0));
+            }
+            return;
         }
         if (broker == null || devices.isEmpty()) throw new IllegalArgumentException("need --broker and at least one --device");
         List<MqttAgent> agents = new ArrayList<>();
@@ -50,6 +68,13 @@ public final class HeadlessDevices {
             handlers.put(FedAvgHeadTask.KIND, new FedAvgHeadTask(data, new PrecomputedFeatures(data.dim)));
             if (holdout.containsKey(d[0]))
                 handlers.put(PersonalizeTask.KIND, new PersonalizeTask(data, FeatureFile.read(holdout.get(d[0])), new PrecomputedFeatures(data.dim)));
+            if (stateDir != null) {
+                DeviceStateStore store = store(new java.io.File(stateDir, d[0]), stateBudget);
+                FeatureFile heldOut = holdout.containsKey(d[0]) ? FeatureFile.read(holdout.get(d[0])) : null;
+                handlers.put(ScaffoldTask.KIND, new ScaffoldTask(data, new PrecomputedFeatures(data.dim), store));
+                handlers.put(DittoTask.KIND, new DittoTask(data, heldOut, new PrecomputedFeatures(data.dim), store));
+                handlers.put(PartialTask.KIND, new PartialTask(data, heldOut, new PrecomputedFeatures(data.dim), store));
+            }
             MqttAgent.Options o = copy(base);
             if (!d[2].equals("-")) {
                 o.signer = Identity.fromSeed(d[0], Envelope.unhex(d[2]));
@@ -74,6 +99,10 @@ public final class HeadlessDevices {
         while (System.in.read() != -1) { /* run until stdin closes */ }
         stopAll(agents);
         System.exit(0);
+    }
+
+    private static DeviceStateStore store(java.io.File folder, long budgetBytes) throws java.io.IOException {
+        return new DeviceStateStore(folder, budgetBytes, () -> System.currentTimeMillis() / 1000.0);
     }
 
     private static void stopAll(List<MqttAgent> agents) {

@@ -39,7 +39,8 @@ public final class LocalTraining {
                 bounded(params, "sam_rho", 0.1, 100), bounded(params, "asam_eta", 0.2, 100), bounded(params, "prox_mu", 0.0, 1e4));
     }
 
-    private static String rule(Map<String, Object> params) throws TaskDeclined {
+    /** local_rule (sgd | sam | asam; sam and asam need sam_rho > 0): LocalRuleRecipe's check. */
+    static String rule(Map<String, Object> params) throws TaskDeclined {
         String rule = params.containsKey("local_rule") ? Params.string(params, "local_rule") : "sgd";
         if (!rule.equals("sgd") && !rule.equals("sam") && !rule.equals("asam"))
             throw new TaskDeclined("bad task params: local_rule must be one of sgd, sam, asam, got " + rule);
@@ -48,7 +49,7 @@ public final class LocalTraining {
         return rule;
     }
 
-    private static double bounded(Map<String, Object> params, String key, double dflt, double max) throws TaskDeclined {
+    static double bounded(Map<String, Object> params, String key, double dflt, double max) throws TaskDeclined {
         double x = Params.number(params, key, dflt, true);
         if (x > max) throw new TaskDeclined("bad task params: " + key + " must be a finite number in [0, " + max + "], got " + x);
         return x;

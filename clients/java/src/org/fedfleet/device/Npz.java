@@ -1,0 +1,151 @@
+// NumPy's .npz files (a zip of .npy arrays), the format of the Python device's head files
+// (HeadFile) and of its per-job state (DeviceStateStore): read any little-endian C-order array
+// of the dtypes below, write float32 and uint8 ones as np.savez does (.npy format 1.0), so a
+// file either library wrote the other opens.
+package org.fedfleet.device;
+
+import java.io.ByteArrayInputStream;
+import java.io.ByteArrayOutputStream;
+import java.io.IOException;
+import java.nio.ByteBuffer;
+import java.nio.ByteOrder;
+import java.nio.charset.StandardCharsets;
+import java.util.Arrays;
+import java.util.LinkedHashMap;
+import java.util.Map;
+import java.util.regex.Matcher;
+import java.util.regex.Pattern;
+import java.util.zip.ZipEntry;
+import java.util.zip.ZipInputStream;
+import java.util.zip.ZipOutputStream;
+
+public final class Npz {
+    private static final Pattern DESCR = Pattern.compile("'descr':\\s*'([<|=][fu][1248])'");
+    private static final Pattern FORTRAN = Pattern.compile("'fortran_order':\\s*(True|False)");
+    private static final Pattern SHAPE = Pattern.compile("'shape':\\s*\\(([0-9,\\s]*)\\)");
+
+    /** One array: its dtype ("f4", "f8", "u1", ...), shape and little-endian data. */
+    public static final class Array {
+        public final String dtype;
+        public final long[] shape;
+        final ByteBuffer data;
+        Array(String dtype, long[] shape, ByteBuffer data) { this.dtype = dtype; this.shape = shape; this.data = data; }
+
+        public int count() { return data.capacity() / Integer.parseInt(dtype.substring(1)); }
+
+        /** The values as double (float32 or float64 arrays; IOException otherwise). */
+        public double[] doubles() throws IOException {
+            if (!dtype.equals("f4") && !dtype.equals("f8")) throw new IOException("array of dtype " + dtype + " is not float32/float64");
+            double[] out = new double[count()];
+            for (int i = 0; i < out.length; i++) out[i] = dtype.equals("f8") ? data.getDouble(8 * i) : data.getFloat(4 * i);
+            return out;
+        }
+
+        /** The values of a float32 array (null for any other dtype). */
+        public float[] floats() {
+            if (!dtype.equals("f4")) return null;
+            float[] out = new float[count()];
+            for (int i = 0; i < out.length; i++) out[i] = data.getFloat(4 * i);
+            return out;
+        }
+
+        public byte[] bytes() {
+            byte[] out = new byte[data.capacity()];
+            ByteBuffer all = data.duplicate();
+            ((java.nio.Buffer) all).rewind();          // Buffer's: ByteBuffer.rewind() is Java 9+ (Android 34+)
+            all.get(out);
+            return out;
+        }
+    }
+
+    private Npz() {}
+
+    /** The arrays of an .npz (by name, without ".npy"); IOException when it is not one, an array
+     *  is malformed, or the arrays' data would pass maxBytes. */
+    public static Map<String, Array> read(byte[] npz, long maxBytes) throws IOException {
+        Map<String, Array> arrays = new LinkedHashMap<>();
+        long total = 0;
+        try (ZipInputStream zip = new ZipInputStream(new ByteArrayInputStream(npz))) {
+            for (ZipEntry e; (e = zip.getNextEntry()) != null; ) {
+                String name = e.getName();
+                if (!name.endsWith(".npy")) continue;
+                byte[] b = readAll(zip, maxBytes - total);
+                total += b.length;
+                arrays.put(name.substring(0, name.length() - 4), npy(b));
+            }
+        }
+        return arrays;
+    }
+
+    private static byte[] readAll(ZipInputStream zip, long maxBytes) throws IOException {
+        ByteArrayOutputStream out = new ByteArrayOutputStream();
+        byte[] buf = new byte[1 << 16];
+        for (int n; (n = zip.read(buf)) > 0; ) {
+            if (out.size() + n > maxBytes) throw new IOException("the arrays are larger than " + maxBytes + " bytes");
+            out.write(buf, 0, n);
+        }
+        return out.toByteArray();
+    }
+
+    private static Array npy(byte[] b) throws IOException {
+        if (b.length < 10 || (b[0] & 0xff) != 0x93 || !new String(b, 1, 5, StandardCharsets.US_ASCII).equals("NUMPY"))
+            throw new IOException("not an .npy array");
+        ByteBuffer buf = ByteBuffer.wrap(b).order(ByteOrder.LITTLE_ENDIAN);
+        int major = b[6], at = major == 1 ? 10 : 12;
+        long hlen = major == 1 ? Short.toUnsignedInt(buf.getShort(8)) : Integer.toUnsignedLong(buf.getInt(8));
+        if (major < 1 || major > 3 || at + hlen > b.length) throw new IOException("bad .npy header");
+        String header = new String(b, at, (int) hlen, StandardCharsets.ISO_8859_1);
+        Matcher d = DESCR.matcher(header), f = FORTRAN.matcher(header), s = SHAPE.matcher(header);
+        if (!d.find() || !f.find() || !s.find() || f.group(1).equals("True"))
+            throw new IOException("array is not a little-endian float or unsigned array in C order: " + header.trim());
+        long[] shape = Arrays.stream(s.group(1).split(",")).map(String::trim).filter(x -> !x.isEmpty())
+                .mapToLong(Long::parseLong).toArray();
+        long count = 1;
+        for (long n : shape) count = Math.multiplyExact(count, n);
+        String dtype = d.group(1).substring(1);
+        int size = Integer.parseInt(dtype.substring(1)), start = at + (int) hlen;
+        if (count * size != b.length - start) throw new IOException("array data is " + (b.length - start) + " bytes, shape needs " + count * size);
+        ByteBuffer data = ByteBuffer.wrap(Arrays.copyOfRange(b, start, b.length)).order(ByteOrder.LITTLE_ENDIAN);
+        return new Array(dtype, shape, data);
+    }
+
+    /** float32 values of the given shape, as an array to write. */
+    public static Array float32(long[] shape, float[] values) {
+        ByteBuffer data = ByteBuffer.allocate(4 * values.length).order(ByteOrder.LITTLE_ENDIAN);
+        for (float v : values) data.putFloat(v);
+        return new Array("f4", shape.clone(), data);
+    }
+
+    public static Array uint8(byte[] values) {
+        return new Array("u1", new long[] {values.length}, ByteBuffer.wrap(values.clone()).order(ByteOrder.LITTLE_ENDIAN));
+    }
+
+    /** The .npz of `arrays` (deflated entries; numpy reads stored and deflated alike). */
+    public static byte[] write(Map<String, Array> arrays) throws IOException {
+        ByteArrayOutputStream out = new ByteArrayOutputStream();
+        try (ZipOutputStream zip = new ZipOutputStream(out)) {
+            for (Map.Entry<String, Array> e : arrays.entrySet()) {
+                zip.putNextEntry(new ZipEntry(e.getKey() + ".npy"));
+                zip.write(npyHeader(e.getValue()));
+                zip.write(e.getValue().bytes());
+                zip.closeEntry();
+            }
+        }
+        return out.toByteArray();
+    }
+
+    /** .npy format 1.0's header: magic, version, length, the dict padded to a multiple of 64. */
+    private static byte[] npyHeader(Array a) {
+        StringBuilder shape = new StringBuilder("(");
+        for (long n : a.shape) shape.append(n).append(a.shape.length == 1 ? "," : ", ");
+        String dims = a.shape.length > 1 ? shape.substring(0, shape.length() - 2) + ")" : shape + ")";
+        String endian = a.dtype.endsWith("1") ? "|" : "<";
+        StringBuilder dict = new StringBuilder("{'descr': '" + endian + a.dtype + "', 'fortran_order': False, 'shape': " + dims + ", }");
+        while ((10 + dict.length() + 1) % 64 != 0) dict.append(' ');
+        dict.append('\n');
+        ByteBuffer h = ByteBuffer.allocate(10 + dict.length()).order(ByteOrder.LITTLE_ENDIAN);
+        h.put((byte) 0x93).put("NUMPY".getBytes(StandardCharsets.US_ASCII)).put((byte) 1).put((byte) 0);
+        h.putShort((short) dict.length()).put(dict.toString().getBytes(StandardCharsets.US_ASCII));
+        return h.array();
+    }
+}

@@ -1,0 +1,36 @@
+// A stateful head task's params (protocols/payloads/stateful.py StatefulHeadParams: scaffold.head,
+// ditto.head, pp.head): fedavg.head's (HeadTrainingParams, read in the task's kind) plus the job
+// whose state the device keeps (job_id) and the state binding (StateBinding); both required.
+package org.fedfleet.device;
+
+import java.util.Map;
+
+public class StatefulHeadParams {
+    public final HeadTrainingParams head;
+    public final String jobId;
+    public final StateBinding state;
+
+    StatefulHeadParams(Map<String, Object> p, String kind) throws TaskDeclined {
+        TaskParams.checkVersion(p, kind);
+        TaskParams.require(p, kind, "job_id", "state");
+        head = HeadTrainingParams.fromParams(p, kind);
+        Object job = p.get("job_id");
+        if (!(job instanceof String) || ((String) job).length() > 128)
+            throw new TaskDeclined("bad " + kind + " params: job_id must be a string of at most 128 characters, got " + job);
+        if (((String) job).isEmpty()) throw new TaskDeclined("bad " + kind + " params: a stateful task needs a job_id");
+        jobId = (String) job;
+        state = StateBinding.fromParams(p.get("state"), kind);
+    }
+
+    /** scaffold.head's params (protocols/payloads/scaffold.py ScaffoldParams): nothing beyond these. */
+    public static StatefulHeadParams scaffold(Map<String, Object> params) throws TaskDeclined {
+        return new StatefulHeadParams(params, ScaffoldTask.KIND);
+    }
+
+    public Map<String, Object> toParams() {
+        Map<String, Object> out = head.toParams();
+        out.put("job_id", jobId);
+        out.put("state", state.toParams());
+        return out;
+    }
+}

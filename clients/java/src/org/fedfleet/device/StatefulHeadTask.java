@@ -1,0 +1,164 @@
+// What the stateful head tasks (scaffold.head, ditto.head, pp.head) share, as on the Python device
+// (edge_client/tasks/stateful_head.py): reading a task that carries a global head and a state
+// binding, the local features (and held-out ones, for the personal report), and the device's
+// DeviceStateStore. A task's state is written *before* its result goes out, together with the value
+// the round started from ("previous.<name>"): a task redelivered for the same round (the device
+// was killed before its result was acknowledged) starts from that value again, so a redelivery
+// computes the same result instead of training twice.
+package org.fedfleet.device;
+
+import java.io.IOException;
+import java.math.BigInteger;
+import java.util.LinkedHashMap;
+import java.util.List;
+import java.util.Map;
+import org.fedfleet.wire.Envelope;
+import org.fedfleet.wire.Tensors;
+
+public abstract class StatefulHeadTask implements TaskHandler {
+    static final String PREVIOUS = "previous.";
+    private final LocalData data, heldOut;                 // heldOut: null when the device keeps none
+    private final FeatureExtractor extractor;
+    private final DeviceStateStore store;                  // null: the device keeps no state and declines
+
+    /** A validated task: its params, the global head, the local features and labels, the held-out ones (or null). */
+    static final class Read {
+        final StatefulHeadParams params;
+        final int numClasses, dim;
+        final float[] weight, bias;
+        final float[][] features, heldOutFeatures;
+        final int[] labels, heldOutLabels;
+        Read(StatefulHeadParams params, float[] weight, float[] bias, float[][] features, int[] labels,
+             float[][] heldOutFeatures, int[] heldOutLabels) {
+            this.params = params; this.numClasses = params.head.model.numClasses; this.dim = params.head.featureDim;
+            this.weight = weight; this.bias = bias; this.features = features; this.labels = labels;
+            this.heldOutFeatures = heldOutFeatures; this.heldOutLabels = heldOutLabels;
+        }
+        long[] shape(String name) { return name.endsWith("weight") ? new long[] {numClasses, dim} : new long[] {numClasses}; }
+    }
+
+    protected StatefulHeadTask(LocalData data, LocalData heldOut, FeatureExtractor extractor, DeviceStateStore store) {
+        this.data = data; this.heldOut = heldOut; this.extractor = extractor; this.store = store;
+    }
+
+    abstract String kind();
+
+    abstract StatefulHeadParams parse(Map<String, Object> params) throws TaskDeclined;
+
+    /** The task's inputs, checked in the Python device's order; TaskDeclined with the reason otherwise. */
+    final Read read(Map<String, Object> params, List<Envelope.Tensor> tensors) throws TaskDeclined {
+        if (store == null)
+            throw new TaskDeclined(kind() + " keeps state on the device and this device has no state store");
+        if (data.size() == 0) throw new TaskDeclined("no local training data");
+        StatefulHeadParams p = parse(params);
+        int numClasses = p.head.model.numClasses, dim = p.head.featureDim;
+        float[] weight = float32(tensors, "weight", new long[] {numClasses, dim}), bias = float32(tensors, "bias", new long[] {numClasses});
+        if (weight == null || bias == null)
+            throw new TaskDeclined(kind() + " task must carry float32 weight (" + numClasses + ", " + dim + ") and bias (" + numClasses + ",)");
+        if (!finite(weight) || !finite(bias)) throw new TaskDeclined("global head contains NaN or Inf");
+        int[] labels = LocalFeatures.labels(data, numClasses);
+        extractor.checkModel(p.head.model);
+        if (extractor.featureDim() != dim)
+            throw new TaskDeclined("backbone gives " + extractor.featureDim() + "-d features, task expects " + dim);
+        float[][] features = LocalFeatures.extract(data, extractor), heldOutFeatures = null;
+        int[] heldOutLabels = null;
+        if (heldOut != null && heldOut.size() > 0 && labelsWithin(heldOut, numClasses)) {
+            heldOutLabels = LocalFeatures.labels(heldOut, numClasses);
+            heldOutFeatures = LocalFeatures.extract(heldOut, extractor);
+        }
+        return new Read(p, weight, bias, features, labels, heldOutFeatures, heldOutLabels);
+    }
+
+    /** A float32 tensor of exactly `shape` (null when absent, of another dtype or shape). */
+    static float[] float32(List<Envelope.Tensor> tensors, String name, long[] shape) throws TaskDeclined {
+        for (Envelope.Tensor t : tensors == null ? java.util.Collections.<Envelope.Tensor>emptyList() : tensors) {
+            if (!t.name.equals(name)) continue;
+            if (!t.dtype.equals("float32") || !java.util.Arrays.equals(t.shape, shape)) return null;
+            try {
+                double[] v = Tensors.doubles(t);
+                float[] out = new float[v.length];
+                for (int k = 0; k < v.length; k++) out[k] = (float) v[k];
+                return out;
+            } catch (Envelope.EnvelopeError e) {
+                throw new TaskDeclined(e.getMessage());
+            }
+        }
+        return null;
+    }
+
+    static boolean finite(float[] values) {
+        for (float v : values) if (!Float.isFinite(v)) return false;
+        return true;
+    }
+
+    private static boolean labelsWithin(LocalData d, int numClasses) {
+        for (int i = 0; i < d.size(); i++) if (d.label(i) < 0 || d.label(i) >= numClasses) return false;
+        return true;
+    }
+
+    /** Declines unless the job's state (kept twice: the value and the one it started from) fits. */
+    final void admit(Read t, long stateBytes) throws TaskDeclined {
+        try {
+            store.admit(t.params.jobId, 2 * stateBytes);
+        } catch (DeviceStateStore.BudgetExceeded e) {
+            throw new TaskDeclined(e.getMessage());
+        }
+    }
+
+    /** The stored state this round starts from, or null (none, another run's, stale, written at a
+     *  later round, malformed). A task of the round the state was written at (a redelivery) starts
+     *  from what that round started from. */
+    final Map<String, float[]> startValue(Read t, String... names) {
+        StateBinding b = t.params.state;
+        DeviceStateStore.Entry e = store.load(t.params.jobId, b.run, b.round, b.maxStaleness);
+        if (e == null || e.round > b.round) return null;
+        String prefix = e.round == b.round ? PREVIOUS : "";
+        Map<String, float[]> out = new LinkedHashMap<>();
+        for (String name : names) {
+            Npz.Array a = e.arrays.get(prefix + name);
+            float[] v = a == null || !java.util.Arrays.equals(a.shape, t.shape(name)) ? null : a.floats();
+            if (v == null || !finite(v)) return null;
+            out.put(name, v);
+        }
+        return out;
+    }
+
+    /** Stores this round's state (and the value it started from) before the result goes out. */
+    final void keep(Read t, Map<String, float[]> started, Map<String, float[]> now) throws TaskDeclined {
+        Map<String, Npz.Array> arrays = new LinkedHashMap<>();
+        for (Map.Entry<String, float[]> e : now.entrySet()) arrays.put(e.getKey(), Npz.float32(t.shape(e.getKey()), e.getValue()));
+        for (Map.Entry<String, float[]> e : started.entrySet())
+            arrays.put(PREVIOUS + e.getKey(), Npz.float32(t.shape(e.getKey()), e.getValue()));
+        StateBinding b = t.params.state;
+        try {
+            store.save(t.params.jobId, b.run, b.round, arrays, b.ttlS);
+        } catch (DeviceStateStore.BudgetExceeded e) {
+            throw new TaskDeclined(e.getMessage());
+        } catch (IOException e) {
+            throw new TaskDeclined("cannot store the job's device state: " + e.getMessage());
+        }
+    }
+
+    /** The held-out counts with the device's personal head and with the task's global head
+     *  (protocols/payloads/partial.py PersonalReport), into `body`. */
+    final void personalReport(Read t, float[] weight, float[] bias, boolean restarted, Map<String, Object> body) {
+        int nTest = t.heldOutLabels == null ? 0 : t.heldOutLabels.length, mine = 0, global = 0;
+        for (int i = 0; i < nTest; i++) {
+            if (OllHead.argmax(weight, bias, t.dim, t.heldOutFeatures[i]) == t.heldOutLabels[i]) mine++;
+            if (OllHead.argmax(t.weight, t.bias, t.dim, t.heldOutFeatures[i]) == t.heldOutLabels[i]) global++;
+        }
+        body.put("n_test", BigInteger.valueOf(nTest));
+        body.put("correct", BigInteger.valueOf(mine));
+        body.put("correct_global", BigInteger.valueOf(global));
+        body.put("restarted", restarted);
+    }
+
+    /** HeadTrainer's training, an ArithmeticException (diverged) or bad input declining the task. */
+    static HeadTrainer.Trained train(HeadTrainer trainer, float[] weight, float[] bias, Read t, LocalTraining recipe) throws TaskDeclined {
+        try {
+            return trainer.train(weight, bias, t.features, t.labels, recipe);
+        } catch (ArithmeticException | IllegalArgumentException e) {
+            throw new TaskDeclined(e.getMessage());
+        }
+    }
+}

@@ -1,0 +1,222 @@
+"""The Java device's stateful head tasks (``scaffold.head``, ``ditto.head``, ``pp.head`` FedSim
+and FedAlt: clients/java ScaffoldTask, DittoTask, PartialTask over its DeviceStateStore) against
+the Python device:
+
+* golden vectors (``protocols/golden/training/stateful.json``, written by
+  edge_client/golden_training.py from the Python device's handlers and state store): two signed
+  rounds of one job per case, the Java device verifying each task's signature; its uploads, its
+  bodies (the held-out counts, ``restarted``) and the state it keeps (read back with the Python
+  device's store: the same files) equal the vectors', the float values within the derived float32
+  tolerance (tests/test_differential_fuzz.py head_tolerance, over both rounds' steps: round 2
+  starts from round 1's state); a redelivered round 2 starts from the same value and uploads the
+  same bytes;
+* a malformed task is declined with its reason, and a device without a state store declines.
+
+* a mixed fleet over mosquitto (tests/test_java_tasks.py's harness): Java and Python devices in
+  one Scaffold(ψ), Ditto or FedAlt(ψ) job, the global head (and Scaffold's server control) and each
+  device's kept state equal to an in-process replay's.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import java_build
+from test_differential_fuzz import head_tolerance
+from test_java_tasks import C, D, device_data, java, run_java_task, task_bytes
+
+pytestmark = pytest.mark.skipif(java_build.missing() is not None, reason=str(java_build.missing()))
+
+# the fleet replay's bounds (tests/test_java_tasks.py HEAD_ATOL: a few steps at lr 0.05); a control
+# carries (w − y) / (K lr), twice the head's difference at K = 10 steps of lr 0.05
+HEAD_ATOL = 1e-5
+CONTROL_ATOL = 2 * HEAD_ATOL
+
+
+@pytest.fixture(scope="module")
+def java_cp() -> str:
+    return java_build.built()
+
+
+def test_the_checked_in_stateful_vectors_are_what_the_python_device_computes_now(tmp_path):
+    from edge_client import golden_training as g
+
+    want, files = g.stateful_vectors(tmp_path)
+    folder = g.training_dir()
+    assert json.loads((folder / g.STATEFUL_INDEX).read_text()) == json.loads(json.dumps(want))
+    assert all((folder / f).read_bytes() == data for f, data in files.items()), "stale: python -m edge_client.golden_training"
+
+
+def steps_per_round(case: dict) -> int:
+    """Every SGD step a round takes (both passes of Ditto and FedAlt), for the tolerance."""
+    p, per_epoch = case["rounds"][0]["params"], -(-37 // case["rounds"][0]["params"]["batch_size"])
+    personal = p.get("personal_epochs", 0) if case["kind"] != "pp.head" or p["algorithm"] == "fedalt" else 0
+    return per_epoch * (p["epochs"] + personal)
+
+
+def test_java_stateful_head_tasks_reproduce_the_golden_vectors(java_cp, tmp_path):
+    from edge_client import golden_training as g
+    from edge_client.state import DeviceStateStore
+    from protocols.envelope import decode
+    from protocols.identity import DeviceIdentity
+
+    folder = g.training_dir()
+    index = json.loads((folder / g.STATEFUL_INDEX).read_text())
+    lines, where = [], []
+    for name, case in sorted(index.items()):
+        heldout = folder / case["heldout"] if case["kind"] != "scaffold.head" else "-"
+        for r, rnd in enumerate(case["rounds"] + [case["rounds"][-1]]):          # round 2 twice: a redelivery
+            lines.append(f"{folder / rnd['task']} {folder / case['features']} {tmp_path / f'{name}_{r}.bin'} "
+                         f"{heldout} {tmp_path / 'state' / name}")
+            where.append((name, r))
+    (tmp_path / "cases").write_text("\n".join(lines) + "\n")
+    key = next(iter(index.values()))["public_key"]
+    out = java(java_cp, "--batch", tmp_path / "cases", key, DeviceIdentity.from_private_bytes("java0", bytes(32))
+               .private_bytes().hex())
+    blocks = out.split("CASE ")[1:]
+    assert len(blocks) == len(lines) and all(b.split("\n")[1] == "DONE" for b in blocks), out
+    Z, _ = g.features()
+    for name, case in sorted(index.items()):
+        params = case["rounds"][0]["params"]
+        every = [{k: np.float32(v) for k, v in {**rnd["tensors"], **rnd["state"]}.items()} for rnd in case["rounds"]]
+        tol = head_tolerance(params, g.start_head(), Z, 2 * steps_per_round(case), params["batch_size"], *every)
+        if case["kind"] == "scaffold.head":          # Δc and c_k⁺ carry (w − y) / (K lr)
+            tol *= 1 + 1 / (steps_per_round(case) * params["lr"])
+        for r, rnd in enumerate(case["rounds"]):
+            result = decode((tmp_path / f"{name}_{r}.bin").read_bytes())
+            assert {k: result.body[k] for k in rnd["body"]} == rnd["body"], (name, r)
+            assert sorted(result.tensors) == sorted(rnd["tensors"]), (name, r)
+            for k, want in rnd["tensors"].items():
+                err = np.abs(result.tensors[k] - np.float32(want)).max()
+                assert err <= tol, (name, r, k, err, tol)
+        kept = DeviceStateStore(tmp_path / "state" / name).load(params["job_id"], g.RUN)
+        want_state = case["rounds"][-1]["state"]
+        assert kept is not None and kept.round == 2 and sorted(kept.arrays) == sorted(want_state), name
+        for k, want in want_state.items():
+            assert np.abs(kept.arrays[k] - np.float32(want)).max() <= tol, (name, k, tol)
+        moved = max(np.abs(np.float32(case["rounds"][1]["state"][k]) - np.float32(case["rounds"][0]["state"][k])).max()
+                    for k in want_state if not k.startswith("previous."))
+        assert moved > 10 * tol, (name, moved, tol)                # the check can tell a round from the next
+        again = decode((tmp_path / f"{name}_2.bin").read_bytes())
+        redelivered = decode((tmp_path / f"{name}_1.bin").read_bytes())
+        assert all(np.array_equal(again.tensors[k], redelivered.tensors[k]) for k in again.tensors), name
+
+
+STATE = {"run": "0123abcd", "round": 1}
+ROOMY = 1 << 20             # a state budget every task here fits in
+
+
+@pytest.mark.parametrize("kind, change, tensors, reason, budget", [
+    ("scaffold.head", {}, {}, "state budget is 100 bytes", 100),        # c_k and its previous value: 224 bytes
+    ("ditto.head", {}, {}, "state budget is 0 bytes", 0),
+    ("scaffold.head", {}, {}, "control.weight and control.bias", ROOMY),
+    ("scaffold.head", {"state": {**STATE, "extra": 1}}, {}, "unknown state fields", ROOMY),
+    ("scaffold.head", {"state": None}, {}, "needs a 'state' object", ROOMY),
+    ("ditto.head", {"ditto_lambda": 0.0}, {}, "ditto_lambda must be a finite number", ROOMY),
+    ("ditto.head", {"personal_lr": None}, {}, "personal_lr", ROOMY),
+    ("pp.head", {"algorithm": "ditto"}, {}, "algorithm must be one of", ROOMY),
+    ("pp.head", {"job_id": ""}, {}, "needs a job_id", ROOMY),
+    ("pp.head", {}, {"weight": np.zeros((C, D), np.float64)}, "must carry float32 weight", ROOMY),
+    ("ditto.head", {"lr": 1e30}, {}, "diverged", ROOMY),
+])
+def test_malformed_stateful_tasks_are_declined_with_a_reason(java_cp, tmp_path, kind, change, tensors, reason, budget):
+    from test_java_device import write_features
+
+    params = {"num_classes": C, "feature_dim": D, "backbone": "b", "image_size": 8, "job_id": "j-1", "state": STATE,
+              "ditto_lambda": 0.1, "personal_epochs": 1, "personal_lr": 0.01, **change}
+    head = {"weight": np.zeros((C, D), np.float32), "bias": np.zeros(C, np.float32), **tensors}
+    feats = write_features(tmp_path / "f.feat", *device_data(0))
+    control = {f"control.{k}": np.zeros_like(v) for k, v in head.items()} if budget < ROOMY else {}   # else well-formed
+    (tmp_path / "task.bin").write_bytes(task_bytes(params, {**head, **control}, kind))
+    out = java(java_cp, tmp_path / "task.bin", feats, tmp_path / "result.bin", "-", tmp_path / "state", budget)
+    assert out.startswith("DECLINED") and reason in out, out
+    assert list((tmp_path / "state").iterdir()) == []              # a declined task keeps nothing
+
+
+def test_a_java_device_without_a_state_store_declines_stateful_tasks(java_cp, tmp_path):
+    out, _ = run_java_task(java_cp, tmp_path, {"num_classes": C, "feature_dim": D, "backbone": "b", "image_size": 8,
+                                               "job_id": "j-1", "state": STATE},
+                           {"weight": np.zeros((C, D), np.float32), "bias": np.zeros(C, np.float32)}, device_data(0),
+                           kind="scaffold.head")
+    assert out.startswith("DECLINED") and "no state store" in out, out
+
+
+def stateful_kind(kind: str):
+    """(job type, its config type, config fields, the Python handler type) of a stateful head kind."""
+    from aggregator.jobs.ditto import DittoConfig, DittoJob
+    from aggregator.jobs.partial import PartialConfig, PartialPersonalizationJob
+    from aggregator.jobs.scaffold import ScaffoldConfig, ScaffoldJob
+    from edge_client.tasks.ditto_training import DittoTrainingTask
+    from edge_client.tasks.partial_training import PartialTrainingTask
+    from edge_client.tasks.scaffold_training import ScaffoldTrainingTask
+
+    return {"scaffold.head": (ScaffoldJob, ScaffoldConfig, {}, ScaffoldTrainingTask),
+            "ditto.head": (DittoJob, DittoConfig, {"ditto_lambda": 0.5, "personal_epochs": 2, "personal_lr": 0.03},
+                           DittoTrainingTask),
+            "pp.head": (PartialPersonalizationJob, PartialConfig, {"pp_algorithm": "fedalt", "personal_epochs": 2},
+                        PartialTrainingTask)}[kind]
+
+
+@pytest.mark.parametrize("kind", ["scaffold.head", "ditto.head", "pp.head"])
+def test_mixed_java_and_python_fleet_runs_a_stateful_job_with_state_kept_on_each_device(java_cp, broker, tmp_path,
+                                                                                        kind):
+    """Three Java devices (one JVM, each with its state store and a held-out split) and two Python
+    devices in one Scaffold(ψ) / Ditto / FedAlt(ψ) job over mosquitto, all five in each of 2 rounds:
+    every device contributes every round (the second from the state it kept), and the final global
+    head (and Scaffold's server control) equal an in-process replay in which Python devices (each
+    with its own store) hold the Java devices' data; each Java device keeps the state the replay's
+    device keeps, which the Python store opens."""
+    from ops_fleet import Features, replay_round
+    from test_java_tasks import JAVA_IDS, PY_IDS, personal_data, serve, start_java_devices, stop_mixed_fleet
+
+    from edge_client.agent import DeviceAgent
+    from edge_client.state import DeviceStateStore
+    from protocols.mqtt_link import BrokerConfig
+
+    job_type, config_type, fields, handler_type = stateful_kind(kind)
+    ids = JAVA_IDS + PY_IDS
+    cfg = dict(job_id=kind.replace(".", "-") + "-mixed", num_classes=C, feature_dim=D, rounds=2,
+               clients_per_round=len(ids), round_timeout_s=60, local_epochs=2, batch_size=8, client_lr=0.05,
+               expected_devices=len(ids), start_timeout_s=30, seed=5, **fields)
+    job = job_type(config_type(**cfg))
+    served = serve(job, broker.url, tmp_path / "agg", ids)
+    jvm = start_java_devices(java_cp, broker.url, tmp_path, ["--state-dir", str(tmp_path / "java-state")])
+
+    def handler(i: int, d: str, where: str):
+        store = DeviceStateStore(tmp_path / where / d)
+        held = () if kind == "scaffold.head" else personal_data(50 + i, 30, list(range(C)))   # the JVM's held-out split
+        return handler_type(*device_data(i), lambda b, s, w: Features(D), store, *held)
+
+    agents = [DeviceAgent(d, BrokerConfig.from_url(broker.url), {kind: handler(len(JAVA_IDS) + i, d, "py")}).start()
+              for i, d in enumerate(PY_IDS)]
+    try:
+        served["thread"].join(120)
+        result = served["result"]
+        assert result.get("state") == "done" and len(result["rounds"]) == 2, result
+        assert all(sorted(r["accepted"]) == sorted(ids) for r in result["rounds"]), result["rounds"]
+    finally:
+        out, err = stop_mixed_fleet(agents, jvm)
+    assert jvm.returncode == 0, err[-3000:]
+    for d in JAVA_IDS:
+        assert f"STATS {d} done=2 declined=0" in out, (out, err[-3000:])
+
+    replay = job_type(config_type(**cfg))
+    tasks = {d: handler(i, d, "replay") for i, d in enumerate(ids)}
+    for r in result["rounds"]:
+        chosen = replay.next_participants(set(ids))
+        assert chosen == sorted(r["accepted"])
+        replay_round(replay, chosen, tasks, kind=kind)
+    for k in ("weight", "bias"):
+        assert np.abs(job.params[k] - replay.params[k]).max() <= HEAD_ATOL, k
+        if kind == "scaffold.head":
+            assert np.abs(job.control[k] - replay.control[k]).max() <= CONTROL_ATOL, k
+    start = job_type(config_type(**cfg)).params["weight"]
+    assert np.abs(job.params["weight"] - start).max() > 100 * HEAD_ATOL            # it trained: the check can fail
+    for d in JAVA_IDS:          # each Java device keeps its own state, bound to the job's run, at round 2
+        kept = DeviceStateStore(tmp_path / "java-state" / d).load(cfg["job_id"], None)
+        mine = DeviceStateStore(tmp_path / "replay" / d).load(cfg["job_id"], None)
+        assert kept.round == mine.round == 2 and sorted(kept.arrays) == sorted(mine.arrays), d
+        assert all(np.abs(kept.arrays[k] - mine.arrays[k]).max() <= CONTROL_ATOL for k in kept.arrays), d
