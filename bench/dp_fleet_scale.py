@@ -185,7 +185,7 @@ def main() -> None:
     ap.add_argument("--b-share", type=float, default=0.2, help="ssp: the share of the budget spent on B")
     ap.add_argument("--center-devices", type=int, default=2000,
                     help="ssp+center: devices of the center round (the job's dp_center_devices)")
-    ap.add_argument("--center-clip", type=float, default=5.5,
+    ap.add_argument("--center-clip", type=float, default=4.0,
                     help="ssp+center: F_c, the clip of the centred rows (about their median norm)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
