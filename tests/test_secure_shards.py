@@ -1,0 +1,166 @@
+"""Secure jobs on shards (aggregator/shards/secure_groups.py) over a real mosquitto with real
+device agents and real SecAgg: each round's group runs its server machine on the shard
+``round % 2``, the coordinator applies the unmasked group sums. The model must be the bytes of one
+aggregator's run of the same job (same groups, same integers), the coordinator must never see a
+masked vector, and a shard SIGKILLed while hosting a group must fail that group with its reason,
+the job going on to the plain sums."""
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from aggregator.shards.buckets import shard_of
+from fedfleet.emulation.broker import MosquittoBroker
+
+from ops_fleet import (REPO, Features, Fleet, SecureKeys, aggregator_cmd, aggregator_env, data_for, feature_handlers,
+                       prepare, reference_sums, run_aggregator, with_secure)
+
+# Ray is an optional extra (fedfleet[ray]); `make setup` installs it, so the Ray test runs in CI
+needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs fedfleet[ray]")
+DEVICES = [f"dev{i:02d}" for i in range(3, 9)]      # dev08 is shard 1's, the others shard 0's
+SHARDS = ["--shards", "2"]
+
+
+def outputs(out_dir, files=("model.npz", "statistics.npz")):
+    return [dict(np.load(out_dir / f)) for f in files if (out_dir / f).exists()], \
+        json.loads((out_dir / "results.json").read_text())
+
+
+def assert_same_bytes(got, want):
+    assert [sorted(a) for a in got] == [sorted(a) for a in want]
+    for g, w in zip(got, want):
+        for name in w:
+            assert g[name].tobytes() == w[name].tobytes(), name         # bit for bit
+
+
+def run_secure(workdir, keys, kind: str, extra=(), **job) -> tuple[int, str]:
+    """The job on a fresh broker and state, its devices verifying that every message they get is
+    signed by the aggregator's key (a shard hosting a group signs as the aggregator)."""
+    prepare(workdir, DEVICES, kind=kind, max_samples=100, phase_timeout_s=5, **job, **keys.job_fields(workdir.parent))
+    handlers = None if kind == "fed3r-sync" else with_secure(keys, feature_handlers)
+    with MosquittoBroker() as broker, Fleet(broker.url, DEVICES, kind=kind, secure=keys, handlers=handlers,
+                                            aggregator_key=keys.aggregator.public_key_bytes):
+        return run_aggregator(workdir, broker.url, workdir / "state.db", extra=list(extra), timeout=90)
+
+
+def one_and_sharded(tmp_path, kind: str, sharded=SHARDS, **job):
+    """(one aggregator's, two shards') outputs of the same job with the same keys."""
+    keys = SecureKeys.create(tmp_path, DEVICES)
+    runs = []
+    for name, extra in (("one", ()), ("sharded", sharded)):
+        (tmp_path / name).mkdir()
+        rc, log = run_secure(tmp_path / name, keys, kind, extra, **job)
+        assert rc == 0, log[-3000:]
+        assert "rejected message" not in log            # no secagg message reached the coordinator
+        runs.append(outputs(tmp_path / name / "out"))
+    return runs
+
+
+def test_secure_fed3r_sync_on_two_shards_gives_one_aggregators_model_bit_for_bit(tmp_path):
+    """Two groups of three: round 1's hosted by shard 1, whose bucket holds one device of the six
+    (the others' messages reach it by the group's subscriptions), round 2's by shard 0."""
+    assert {shard_of(d, 2) for d in DEVICES} == {0, 1}
+    (want, _), (got, results) = one_and_sharded(tmp_path, "fed3r-sync")
+    assert_same_bytes(got, want)
+    assert sorted(results["contributed"]) == DEVICES and results["state"] == "done"
+    stats = got[1]
+    A_ref, B_ref = reference_sums(DEVICES, dtype=np.float32)                      # and right
+    np.testing.assert_allclose(stats["A"], A_ref, rtol=1e-10, atol=1e-8)
+    np.testing.assert_allclose(stats["B"], B_ref, rtol=1e-10, atol=1e-8)
+
+
+def test_secure_fedavg_on_two_shards_gives_one_aggregators_model_bit_for_bit(tmp_path):
+    """Two rounds of three of the six devices, each round's group on its own shard."""
+    (want, want_results), (got, results) = one_and_sharded(
+        tmp_path, "fedavg-secure", rounds=2, clients_per_round=3, local_epochs=1, max_abs_param=50.0)
+    assert_same_bytes(got, want)
+    assert results["contributed"] == want_results["contributed"] and results["state"] == "done"
+    assert sum(results["contributed"].values()) == 2 * 3
+
+
+@pytest.mark.slow
+@pytest.mark.ray_cluster
+@needs_ray
+def test_secure_fed3r_sync_on_ray_actor_shards_gives_one_aggregators_model_bit_for_bit(tmp_path):
+    """The shards as Ray actors on the two-node test cluster, one per node: the same bytes."""
+    from ray_cluster import two_node_ray_cluster
+
+    with two_node_ray_cluster(({"fedfleet_shard_0": 1}, {"fedfleet_shard_1": 1})) as address:
+        (want, _), (got, results) = one_and_sharded(tmp_path, "fed3r-sync", sharded=[*SHARDS, "--ray", address])
+    assert_same_bytes(got, want)
+    assert sorted(results["contributed"]) == DEVICES and results["state"] == "done"
+
+
+def gated_fed3r_handlers(keys, gate: threading.Event, reached: threading.Event):
+    """Fed3R-Sync devices that hold their statistics (the masked input phase: the group's keys are
+    out, its server machine is running on its shard) until ``gate`` is set."""
+    from edge_client.tasks.fed3r_stats import Fed3RStatsTask
+    from edge_client.tasks.secure_fed3r import SecureFed3R
+    from protocols.payloads.secagg import SECAGG_TYPE, SYNC_KIND
+
+    def build(device: str) -> tuple[dict, dict]:
+        Z, y = data_for(device)
+        stats = Fed3RStatsTask(Z, y, lambda b, s, w: Features())
+
+        def held(task):
+            reached.set()
+            gate.wait(60)
+            return stats(task)
+        handler = SecureFed3R(keys.devices[device], keys.aggregator.public_key_bytes, held)
+        return {}, {SYNC_KIND: handler, SECAGG_TYPE: handler}
+    return build
+
+
+def test_a_shard_sigkilled_hosting_a_group_fails_it_with_the_reason_and_the_job_goes_on(tmp_path):
+    """Round 1's group runs on shard 1; it is SIGKILLed mid-round. The group fails at once with
+    the reason (its secrets died with the shard), nothing of it applied; the restarted shard and
+    shard 0 host the next groups, which take every device: the plain sums."""
+    keys = SecureKeys.create(tmp_path, DEVICES)
+    prepare(tmp_path, DEVICES, kind="fed3r-sync", max_samples=100, phase_timeout_s=5, **keys.job_fields(tmp_path))
+    state, gate, reached = tmp_path / "state.db", threading.Event(), threading.Event()
+    with MosquittoBroker() as broker, Fleet(broker.url, DEVICES, handlers=gated_fed3r_handlers(keys, gate, reached),
+                                            aggregator_key=keys.aggregator.public_key_bytes):
+        proc = subprocess.Popen(aggregator_cmd(tmp_path, broker.url, state, SHARDS), env=aggregator_env(), cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            assert reached.wait(60), "round 1's group never reached its masked inputs"
+            os.kill(int((tmp_path / "state.db.shards" / "shard-1.pid").read_text()), signal.SIGKILL)
+            time.sleep(1.5)                     # the coordinator notices within its tick, before any input
+            gate.set()
+            out, _ = proc.communicate(timeout=90)
+        finally:
+            gate.set()
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    assert "shard 1 exited" in out
+    assert "secure round 1 failed on its shard: shard 1 hosting the group exited" in out
+    _, results = outputs(tmp_path / "out")
+    assert sorted(results["contributed"]) == DEVICES and results["state"] == "done"
+    stats = dict(np.load(tmp_path / "out" / "statistics.npz"))
+    A_ref, B_ref = reference_sums(DEVICES, dtype=np.float32)       # every device once, in the later groups
+    np.testing.assert_allclose(stats["A"], A_ref, rtol=1e-10, atol=1e-8)
+    np.testing.assert_allclose(stats["B"], B_ref, rtol=1e-10, atol=1e-8)
+
+
+def test_simulate_shards_takes_the_secure_kinds_shards_host_and_says_why_not_for_the_others(tmp_path):
+    """``fedfleet simulate --secure --shards K``: Fed3R-Sync and secure FedAvg(ψ) get the shard
+    options (their registry entries' ``shard_groups``); secure kinds without it run in one process."""
+    import dataclasses
+
+    from fedfleet.simulate import PRESETS, aggregator_shards
+    from ops_fleet import C, D
+
+    keys = SecureKeys.create(tmp_path, DEVICES)
+    cfg = dataclasses.replace(PRESETS["smoke"], shards=2, secure=True)
+    common = {"job_id": "s", "num_classes": C, "feature_dim": D, "max_samples": 100, **keys.job_fields(tmp_path)}
+    assert aggregator_shards(cfg, "fed3r-sync", common) == (["--shards", "2"], "")
+    assert aggregator_shards(cfg, "fedavg-secure", {**common, "rounds": 1}) == (["--shards", "2"], "")
+    options, why = aggregator_shards(cfg, "fedncm-sync", common)
+    assert options == [] and "fedncm-sync" in why
