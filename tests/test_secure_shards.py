@@ -19,8 +19,10 @@ import pytest
 from aggregator.shards.buckets import shard_of
 from fedfleet.emulation.broker import MosquittoBroker
 
-from ops_fleet import (REPO, Features, Fleet, SecureKeys, aggregator_cmd, aggregator_env, data_for, feature_handlers,
-                       prepare, reference_sums, run_aggregator, with_secure)
+from protocols.payloads.secagg import SECAGG_TYPE
+
+from ops_fleet import (REPO, Fleet, SecureKeys, aggregator_cmd, aggregator_env, feature_handlers, prepare, reference_sums,
+                       run_aggregator, secure_fed3r_handlers, with_secure)
 
 # Ray is an optional extra (fedfleet[ray]); `make setup` installs it, so the Ray test runs in CI
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs fedfleet[ray]")
@@ -98,23 +100,68 @@ def test_secure_fed3r_sync_on_ray_actor_shards_gives_one_aggregators_model_bit_f
     assert sorted(results["contributed"]) == DEVICES and results["state"] == "done"
 
 
-def gated_fed3r_handlers(keys, gate: threading.Event, reached: threading.Event):
-    """Fed3R-Sync devices that hold their statistics (the masked input phase: the group's keys are
-    out, its server machine is running on its shard) until ``gate`` is set."""
-    from edge_client.tasks.fed3r_stats import Fed3RStatsTask
-    from edge_client.tasks.secure_fed3r import SecureFed3R
-    from protocols.payloads.secagg import SECAGG_TYPE, SYNC_KIND
+def test_a_shard_takes_only_its_hosted_groups_secagg_messages_and_refuses_bad_ones_changing_nothing(tmp_path):
+    """Sans-IO, real keys and envelopes: shard 1 (whose bucket holds dev08 alone) hosts round 1's
+    group of dev03, dev04, dev08. It reads the members' outboxes, takes their secagg messages (a
+    malformed one or one claiming another sender is dropped, the group running on), leaves a
+    foreign member's other messages to its own shard, forwards what its bucket's devices send; a
+    shard hosting nothing drops every secagg message. An aborted group ends failed, with its reason."""
+    from aggregator.jobs.registry import build_job
+    from aggregator.shards.shard import Forward, Publish, ShardIngest
+    from aggregator.storage.store import Store
+    from protocols import messages as M
+    from protocols.envelope import Envelope, encode
+    from protocols.topics import Topics
+    from ops_fleet import job_config
 
+    keys, topics = SecureKeys.create(tmp_path, DEVICES), Topics()
+    config = {**job_config(DEVICES, "fed3r-sync"), "max_samples": 100, **keys.job_fields(tmp_path)}
+    coordinator = build_job("fed3r-sync", config)
+    members = ["dev03", "dev04", "dev08"]
+    assert sorted(coordinator.next_participants(set(members))) == members
+    group = coordinator.release_group()
+    host, idle = ShardIngest(1, 2, Store(tmp_path / "s1.db")), ShardIngest(0, 2, Store(tmp_path / "s0.db"))
+    for shard in (host, idle):
+        shard.set_job(config["job_id"], "fed3r-sync", config)
+    assert host.groups.open(group) == [] and host.reads("dev03") and not host.owns("dev03")
+    started = host.groups.tick(0.0)                     # the server machine's first phase, to every member
+    assert sorted(d for d, _ in started) == members
+
+    def sent(shard, device, env):
+        return shard.feed(topics.outbox(device), encode(env), 1.0)
+
+    garbage = Envelope(type=SECAGG_TYPE, sender="dev03", body={"secagg": {"round_id": 1, "phase": "nonsense"}})
+    assert sent(host, "dev03", garbage) == Publish([])
+    forged = Envelope(type=SECAGG_TYPE, sender="dev04", body=garbage.body)       # on dev03's outbox
+    assert sent(host, "dev03", forged) is None
+    assert host.job_id and host.groups.job.secure_round_live(1) and host.groups.outcomes() == []
+    decline = M.decline_message("dev03", M.TaskRef(config["job_id"], 1, "t"), "busy")
+    assert sent(host, "dev03", decline) is None                  # dev03's own shard forwards it
+    assert isinstance(sent(idle, "dev03", decline), Forward)
+    assert isinstance(sent(host, "dev05", decline), Forward)     # not a member, not its bucket: as before
+    assert sent(idle, "dev03", garbage) == Publish([])           # a group hosted elsewhere: dropped
+    aborted = host.groups.abort(1, "deadline")                   # the members are told to erase their secrets
+    assert sorted(d for d, _ in aborted) == members
+    assert host.groups.outcomes() == [("group", "failed", 1, "aborted: deadline")] and host.groups.held is None
+
+
+class HeldProtocol:
+    """A device's secagg handler that holds the group's first message (its server machine's start:
+    the group is running on its shard) until ``gate`` is set."""
+
+    def __init__(self, handler, gate: threading.Event, reached: threading.Event):
+        self.handler, self.gate, self.reached = handler, gate, reached
+
+    def on_message(self, env):
+        self.reached.set()
+        self.gate.wait(60)
+        return self.handler.on_message(env)
+
+
+def held_fed3r_handlers(keys, gate: threading.Event, reached: threading.Event):
     def build(device: str) -> tuple[dict, dict]:
-        Z, y = data_for(device)
-        stats = Fed3RStatsTask(Z, y, lambda b, s, w: Features())
-
-        def held(task):
-            reached.set()
-            gate.wait(60)
-            return stats(task)
-        handler = SecureFed3R(keys.devices[device], keys.aggregator.public_key_bytes, held)
-        return {}, {SYNC_KIND: handler, SECAGG_TYPE: handler}
+        handlers = secure_fed3r_handlers(device, keys)
+        return {}, {**handlers, SECAGG_TYPE: HeldProtocol(handlers[SECAGG_TYPE], gate, reached)}
     return build
 
 
@@ -125,14 +172,14 @@ def test_a_shard_sigkilled_hosting_a_group_fails_it_with_the_reason_and_the_job_
     keys = SecureKeys.create(tmp_path, DEVICES)
     prepare(tmp_path, DEVICES, kind="fed3r-sync", max_samples=100, phase_timeout_s=5, **keys.job_fields(tmp_path))
     state, gate, reached = tmp_path / "state.db", threading.Event(), threading.Event()
-    with MosquittoBroker() as broker, Fleet(broker.url, DEVICES, handlers=gated_fed3r_handlers(keys, gate, reached),
+    with MosquittoBroker() as broker, Fleet(broker.url, DEVICES, handlers=held_fed3r_handlers(keys, gate, reached),
                                             aggregator_key=keys.aggregator.public_key_bytes):
         proc = subprocess.Popen(aggregator_cmd(tmp_path, broker.url, state, SHARDS), env=aggregator_env(), cwd=REPO,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
-            assert reached.wait(60), "round 1's group never reached its masked inputs"
+            assert reached.wait(60), "round 1's group never started"
             os.kill(int((tmp_path / "state.db.shards" / "shard-1.pid").read_text()), signal.SIGKILL)
-            time.sleep(1.5)                     # the coordinator notices within its tick, before any input
+            time.sleep(1.0)                     # the coordinator notices within its tick; no key has come
             gate.set()
             out, _ = proc.communicate(timeout=90)
         finally:

@@ -121,6 +121,15 @@ def _group_command(ingest: ShardIngest, cmd: tuple, now: float) -> list:
     return ingest.groups.abort(cmd[1], cmd[2])
 
 
+def _shard_process(*args) -> None:
+    """A local shard's process: its loop, then out at once. Everything it stored is durable by
+    then; the interpreter's own shutdown (torch's, the link's threads') took seconds of every
+    job's end."""
+    shard_main(*args)
+    logging.shutdown()
+    os._exit(0)
+
+
 def _read_commands(conn, inbox: queue.Queue) -> None:
     try:
         while True:
@@ -154,7 +163,7 @@ class LocalShards(ShardPool):
 
     def _launch(self, index: int) -> None:
         ours, theirs = self._ctx.Pipe()
-        proc = self._ctx.Process(target=shard_main, name=f"fedfleet-shard{index}", daemon=True,
+        proc = self._ctx.Process(target=_shard_process, name=f"fedfleet-shard{index}", daemon=True,
                                  args=(*self.shard_args(index), theirs))
         proc.start()
         theirs.close()

@@ -57,7 +57,9 @@ class ShardGroups:
             return self.job.on_protocol(device, env, now)
         except EnvelopeError as exc:
             log.info("shard %d: secagg message from %s dropped: %s", self.index, device, exc)
-            return []
+        except Exception:       # last resort, as the coordinator's for any message: one sender cannot end the shard
+            log.exception("shard %d: secagg message from %s raised: dropped", self.index, device)
+        return []
 
     def tick(self, now: float) -> Sends:
         return self.job.on_protocol_tick(now)
