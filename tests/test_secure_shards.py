@@ -138,11 +138,14 @@ def test_a_shard_takes_only_its_hosted_groups_secagg_messages_and_refuses_bad_on
     decline = M.decline_message("dev03", M.TaskRef(config["job_id"], 1, "t"), "busy")
     assert sent(host, "dev03", decline) is None                  # dev03's own shard forwards it
     assert isinstance(sent(idle, "dev03", decline), Forward)
-    assert isinstance(sent(host, "dev05", decline), Forward)     # not a member, not its bucket: as before
+    assert sent(host, "dev05", decline) is None                  # not a member, not its bucket: its shard's
     assert sent(idle, "dev03", garbage) == Publish([])           # a group hosted elsewhere: dropped
     aborted = host.groups.abort(1, "deadline")                   # the members are told to erase their secrets
     assert sorted(d for d, _ in aborted) == members
     assert host.groups.outcomes() == [("group", "failed", 1, "aborted: deadline")] and host.groups.held is None
+    assert not host.reads("dev03") and host.reads("dev08")      # the group's other buckets' devices are let go
+    assert sent(host, "dev03", garbage) is None                  # a late message of theirs: their shards'
+    assert isinstance(sent(host, "dev08", decline), Forward)     # its own bucket's, as ever
 
 
 class HeldProtocol:

@@ -92,6 +92,7 @@ def shard_main(index: int, shards: int, broker: BrokerConfig, store_path: str, t
             _publish(ingest, link, topics, ingest.groups.tick(now))
             for outcome in ingest.groups.outcomes():
                 conn.send(outcome)
+                _unsubscribe_former(ingest, link, topics, subscribed)
     link.stop()
 
 
@@ -100,6 +101,14 @@ def _subscribe(link: MqttLink, topics: Topics, subscribed: set[str], devices) ->
         if device not in subscribed:
             subscribed.add(device)
             link.subscribe(topics.outbox(device))
+
+
+def _unsubscribe_former(ingest: ShardIngest, link: MqttLink, topics: Topics, subscribed: set[str]) -> None:
+    """A hosted group ended: stop reading its members of other buckets (each would otherwise reach
+    one more shard with every later message, up to every shard reading every device)."""
+    for device in sorted(d for d in subscribed if not ingest.reads(d)):
+        subscribed.discard(device)
+        link.unsubscribe(topics.outbox(device))
 
 
 def _publish(ingest: ShardIngest, link: MqttLink, topics: Topics, sends: list) -> None:

@@ -17,7 +17,9 @@ round's participants, the vector length, the bound and the fixed-point scale mak
 * **Routing.** A device's outbox is read by the shard owning its bucket (``buckets.py``, as for
   plain shards) and, while it is a member of a group hosted elsewhere, by that group's shard too:
   the host subscribes to its members' outboxes when the group is placed, before it sends the
-  group's first message (one MQTT connection: the broker sees the subscription first). A secagg
+  group's first message (one MQTT connection: the broker sees the subscription first), and
+  unsubscribes from those of other buckets when the group ends (else every shard would come to
+  read every device). A secagg
   message is taken only by the shard hosting its round and dropped by every other (the coordinator
   never sees one); everything else (presence, declines) goes to the coordinator through the
   device's own shard only. The host publishes the group's messages to its members' inboxes,

@@ -107,7 +107,9 @@ class ShardIngest:
     def feed(self, topic: str, payload: bytes, now: float = 0.0) -> Forward | Receipt | Publish | None:
         device = self.topics.device_of(topic)
         if device is None or not topic.endswith("/out") or not self.reads(device):
-            return Forward(topic, payload)
+            # another bucket's device: a secure job's shard reads it only for a group it hosts (a
+            # former member's late message is its own shard's to forward)
+            return None if self.groups is not None and device is not None else Forward(topic, payload)
         self._bytes[device] = self._bytes.get(device, 0) + len(payload)
         try:
             got = self.assembler.feed_whole(payload)

@@ -32,7 +32,7 @@ class ShardGroups:
         self.index, self.job = index, job
         job.hand_sums_to = self._summed
         self.held: int | None = None                # the round whose group runs here
-        self.members: set[str] = set()              # every device of a group placed here (their outboxes are read)
+        self.members: set[str] = set()              # the hosted group's devices (their outboxes are read)
         self._sum: tuple[np.ndarray, tuple[str, ...]] | None = None
 
     @property
@@ -44,7 +44,7 @@ class ShardGroups:
         sends = self.abort(self.held, "superseded by the next group") if self.held is not None else []
         self.job.host_group(config)
         self.held, self._sum = config.round_id, None
-        self.members |= set(config.members)
+        self.members = set(config.members)
         log.info("shard %d: hosting secure round %d (%d members)", self.index, config.round_id, len(config.members))
         return sends
 
@@ -80,7 +80,7 @@ class ShardGroups:
         survivors = self.job.settled(self.held)
         if survivors is None:
             return []
-        round_id, self.held = self.held, None
+        round_id, self.held, self.members = self.held, None, set()
         if not survivors:
             return [("group", "failed", round_id, self.job.secure_failure(round_id) or "failed")]
         total, survivors = self._sum
