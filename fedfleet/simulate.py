@@ -328,14 +328,18 @@ class EmulatedFleet:
 
 def aggregator_shards(cfg: SimConfig, kind: str, job: dict) -> tuple[list[str], str]:
     """(``aggregator serve``'s shard options for one job of the run, why it has none): with
-    ``cfg.shards`` K, ``--shards K`` (and ``--ray`` on the devices' cluster) for a job shards can sum;
+    ``cfg.shards`` K, ``--shards K`` (and ``--ray`` on the devices' cluster) for a job shards can sum
+    (or, a secure job, whose groups shards can host);
     any other job runs in one aggregator process, and the reason is said."""
     if not cfg.shards:
         return [], ""
-    from aggregator.jobs.registry import KINDS, build_job
+    from aggregator.jobs.registry import build_job
+    from aggregator.shards.partial_sums import shard_capability
     from aggregator.shards.pool import check_shardable
 
-    if kind not in KINDS or KINDS[kind].shard_sums is None:
+    try:
+        shard_capability(kind)              # the registry's: bucket sums, or secure groups shards host
+    except ValueError:
         return [], f"shards cannot sum a {kind} job yet"
     try:
         check_shardable(build_job(kind, job), kind)

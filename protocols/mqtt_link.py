@@ -169,6 +169,12 @@ class MqttLink:
         if self.connected.is_set():
             self.client.subscribe(topic, qos=qos)
 
+    def unsubscribe(self, topic: str) -> None:
+        """Stop receiving ``topic`` now (if connected) and after every reconnect."""
+        self.subscriptions = [(t, q) for t, q in self.subscriptions if t != topic]
+        if self.connected.is_set():
+            self.client.unsubscribe(topic)
+
     def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False, wait: bool = False) -> None:
         """Publish; a QoS 1 publish beyond MAX_UNACKED outstanding is held here and handed to paho
         as acknowledgements make room (``wait`` publishes are never held: a device's few)."""

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -137,6 +138,33 @@ def secure_fed3r_handlers(device: str, keys: SecureKeys) -> dict:
     handler = SecureFed3R(keys.devices[device], keys.aggregator.public_key_bytes,
                           Fed3RStatsTask(Z, y, lambda b, s, w: Features()))
     return {SYNC_KIND: handler, SECAGG_TYPE: handler}
+
+
+def features_of(device: str):
+    """A device's synthetic features as the device handlers' local data (20 training, the rest held out)."""
+    from edge_client.handlers import LocalData
+
+    Z, y = data_for(device)
+    return LocalData(Z.astype(np.float32), y, np.arange(20), np.arange(20, len(y)))
+
+
+def feature_handlers(device: str) -> dict:
+    """The real device handlers (FedAvg, OLL, ...) on a device's synthetic features."""
+    from edge_client.handlers import HandlerConfig, device_handlers
+
+    return device_handlers(features_of(device), lambda *_, **__: Features(), HandlerConfig())
+
+
+def with_secure(keys: "SecureKeys | None", plain) -> Callable[[str], tuple[dict, dict]]:
+    """A device's (handlers, protocol handlers): the plain ones, and with keys the secure ones around them."""
+    from edge_client.handlers import secure_handlers
+
+    def build(device: str) -> tuple[dict, dict]:
+        handlers = plain(device)
+        if keys is None:
+            return handlers, {}
+        return handlers, secure_handlers(keys.devices[device], keys.aggregator.public_key_bytes, handlers)
+    return build
 
 
 def job_config(devices, kind: str = "fed3r", **over) -> dict:

@@ -39,12 +39,11 @@ import pytest
 from aggregator.jobs.registry import build_job
 from aggregator.service.loop import AggregatorService
 from aggregator.storage.store import Store
-from edge_client.handlers import LocalData, HandlerConfig, SharedExtractors, device_handlers, ladd_handlers, \
-    secure_handlers
+from edge_client.handlers import LocalData, HandlerConfig, SharedExtractors, device_handlers, ladd_handlers
 from protocols.mqtt_link import BrokerConfig
 from protocols.topics import Topics
 
-from ops_fleet import C, D, REPO, Features, Fleet, SecureKeys, data_for
+from ops_fleet import C, D, REPO, Features, Fleet, SecureKeys, feature_handlers, with_secure
 
 TOKEN = "crash-resume-token"
 TAIL_SIZE = 32
@@ -59,25 +58,6 @@ class Case:
     handlers: Callable[[str], tuple[dict, dict]]
     crashes: list[str]
     secure_rounds: set[int] = field(default_factory=set)      # rounds summed under SecAgg
-
-
-def features_of(device: str) -> LocalData:
-    Z, y = data_for(device)
-    return LocalData(Z.astype(np.float32), y, np.arange(20), np.arange(20, len(y)))
-
-
-def feature_handlers(device: str) -> dict:
-    return device_handlers(features_of(device), lambda *_, **__: Features(), HandlerConfig())
-
-
-def with_secure(keys: SecureKeys | None, plain: Callable[[str], dict]) -> Callable[[str], tuple[dict, dict]]:
-    """A device's (handlers, protocol handlers): the plain ones, and with keys the secure ones around them."""
-    def build(device: str) -> tuple[dict, dict]:
-        handlers = plain(device)
-        if keys is None:
-            return handlers, {}
-        return handlers, secure_handlers(keys.devices[device], keys.aggregator.public_key_bytes, handlers)
-    return build
 
 
 def common(devices, **over) -> dict:

@@ -46,6 +46,7 @@ from aggregator.jobs.secure_fedavg import (SecureFedAvgConfig, SecureFedAvgJob, 
 from aggregator.jobs.secure_ladd import SecureLaddConfig, SecureLaddJob
 from aggregator.shards.fed3r_sums import Fed3RSums
 from aggregator.shards.fedavg_sums import FedAvgRoundSums
+from aggregator.shards.group_placement import SecureGroupPlacement
 from aggregator.shards.sum_tree import AdditiveState
 
 
@@ -60,6 +61,8 @@ class JobKind:
     # How shards sum this kind (aggregator/shards/; None: --shards refuses it). Declared per kind,
     # never inherited: a subclass (FedNCM, FT(φ), pp, Scaffold, ...) aggregates otherwise.
     shard_sums: AdditiveState | None = None
+    # How shards host this kind's secure groups (aggregator/shards/secure_groups.py; None: they do not).
+    shard_groups: SecureGroupPlacement | None = None
 
     def __post_init__(self):
         unknown = [k for k in self.task_kinds if k not in TASK_PARAMS]
@@ -81,7 +84,7 @@ KINDS: dict[str, JobKind] = {k.name: k for k in (
     JobKind("fed3r", Fed3RConfig, Fed3RJob, "Fed3R: each device sends its ridge statistics once; exact closed form",
             FED3R, shard_sums=Fed3RSums()),
     JobKind("fed3r-sync", Fed3RSyncConfig, Fed3RSyncJob, "Fed3R-Sync: the statistics summed in groups under SecAgg",
-            FED3R_SYNC),
+            FED3R_SYNC, shard_groups=SecureGroupPlacement()),
     JobKind("fedncm", FedNCMConfig, FedNCMJob,
             "FedNCM: Fed3R's device task, solved as normalised class means (the Fed3R paper's baseline)", FED3R),
     JobKind("fedncm-sync", FedNCMSyncConfig, FedNCMSyncJob, "FedNCM on Fed3R-Sync's secure group sums", FED3R_SYNC),
@@ -90,7 +93,7 @@ KINDS: dict[str, JobKind] = {k.name: k for k in (
     JobKind("fedavg-async", AsyncFedAvgConfig, AsyncFedAvgJob,
             "FedAvg(ψ) without rounds: FedBuff, a server step every K arrivals, staleness-weighted", (FEDAVG_KIND,)),
     JobKind("fedavg-secure", SecureFedAvgConfig, SecureFedAvgJob, "FedAvg(ψ) with each round's updates summed under SecAgg",
-            (SECURE_FEDAVG_KIND,)),
+            (SECURE_FEDAVG_KIND,), shard_groups=SecureGroupPlacement()),
     JobKind("fedavg-tail", TailFedAvgConfig, TailFedAvgJob, "FedAvg of the backbone's last stages: FT(φ) or FT(M)",
             (FEDAVG_TAIL_KIND,)),
     JobKind("fedavg-tail-secure", SecureTailFedAvgConfig, SecureTailFedAvgJob, "FT(φ)/FT(M) summed under SecAgg",

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 from abc import abstractmethod
+from typing import Callable
 
 import numpy as np
 
@@ -73,6 +74,8 @@ class SecureGroupRounds(Job):
         self.failed_rounds: list[tuple[int, str]] = []
         self._pending_sends: list[tuple[str, Envelope]] = []   # abort notices of a round closed by its deadline
         self.reachable: set[str] = set()       # online, or offline within the grace period (the runner's view)
+        # set on a shard hosting the job's groups: (round, unmasked sum, survivors) go there, unapplied
+        self.hand_sums_to: Callable[[int, np.ndarray, tuple[str, ...]], None] | None = None
 
     def note_reachable(self, devices: set[str]) -> None:
         """Who may still answer (the runner tells before each round): a group can wait for them."""
@@ -88,9 +91,22 @@ class SecureGroupRounds(Job):
                                     aggregator_id=AGGREGATOR_ID, members=members, vector_length=vector_length,
                                     bound=bound, graph=self.config.graph, scale_bits=scale_bits,
                                     dropout_rate=self.config.expected_dropout)
+        self.host_group(config)
+
+    def host_group(self, config: RoundConfig) -> None:
+        """Run the group's server machine in this process: the job's own, or on the shard a shard
+        coordinator placed the group on (``aggregator/shards/shard_groups.py``)."""
         self.secure = ServerSecAgg(config, self.identity, self.registry, mask_applier=pick_mask_applier())
-        self._newest_round = max(self._newest_round, round_id)
+        self._newest_round = max(self._newest_round, config.round_id)
         self._start_pending = True
+
+    def release_group(self) -> RoundConfig:
+        """Give the group just opened away, unstarted (a shard coordinator places it on a shard,
+        ``aggregator/shards/secure_groups.py``): its signed configuration; this job holds no machine."""
+        if self.secure is None or not self._start_pending:
+            raise RuntimeError("no unstarted secure group to release")
+        config, self.secure, self._start_pending = self.secure.config, None, False
+        return config
 
     def open_dp_round(self, round_id: int, members: list[str], vector_length: int, data_bound: float,
                       total_stddev: float, group_id: str | None = None) -> dict:
@@ -185,20 +201,29 @@ class SecureGroupRounds(Job):
                 # Who is in the sum is decided here, by the protocol, not by the round machine's view
                 # of presence: a device may go offline right after sending its masked input.
                 survivors = tuple(sorted(o.survivors))
-                try:
-                    self.on_secure_sum(o.decode(), survivors)
-                except GroupSumOutOfBound as exc:        # bounded influence: nothing of it is applied
-                    log.warning("secure round %d: group sum discarded: %s", round_id, exc)
-                    self._failed(round_id, f"group sum out of bound: {exc}")
-                    continue
-                self._settled[round_id] = survivors
-                log.info("secure round %d: sum of %d devices", round_id, len(survivors))
                 self.secure = None
+                if self.hand_sums_to is not None:       # a shard hosting the group: its coordinator applies it
+                    self.hand_sums_to(round_id, o.decode(), survivors)
+                    self._settled[round_id] = survivors
+                else:
+                    self.group_summed(round_id, o.decode(), survivors)
             elif isinstance(o, RoundFailed):
                 round_id = self.secure.config.round_id
                 log.warning("secure round %d failed: %s (nothing applied)", round_id, o.reason)
-                self._failed(round_id, str(o.reason))
+                self.group_failed(round_id, str(o.reason))
         return sends
+
+    def group_summed(self, round_id: int, total: np.ndarray, survivors: tuple[str, ...]) -> None:
+        """Apply a group's unmasked sum (made here, or on the shard hosting the group), or discard
+        it, failed, when it breaks its members' bound."""
+        try:
+            self.on_secure_sum(total, survivors)
+        except GroupSumOutOfBound as exc:        # bounded influence: nothing of it is applied
+            log.warning("secure round %d: group sum discarded: %s", round_id, exc)
+            self.group_failed(round_id, f"group sum out of bound: {exc}")
+            return
+        self._settled[round_id] = survivors
+        log.info("secure round %d: sum of %d devices", round_id, len(survivors))
 
     def _unsendable(self, exc: UnsendableMessage) -> list[tuple[str, Envelope]]:
         """A message of the round cannot be built (e.g. a complete graph's key directory beyond the
@@ -212,7 +237,8 @@ class SecureGroupRounds(Job):
         """Why round ``round_`` produced no sum (None: it did, or has not ended)."""
         return next((reason for failed, reason in reversed(self.failed_rounds) if failed == round_), None)
 
-    def _failed(self, round_id: int, reason: str) -> None:
+    def group_failed(self, round_id: int, reason: str) -> None:
+        """The group produced no sum (here, or on the shard hosting it): nothing applied, the reason kept."""
         self.failed_rounds.append((round_id, reason))
         self._settled[round_id] = ()
         self.secure = None

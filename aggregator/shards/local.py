@@ -25,8 +25,10 @@ from protocols.mqtt_link import BrokerConfig, MqttLink
 from protocols.topics import AGGREGATOR_ID, Topics
 
 from aggregator.shards.pool import ShardPool
-from aggregator.shards.shard import Forward, Receipt, ShardIngest
+from aggregator.shards.shard import Forward, Publish, Receipt, ShardIngest
 from aggregator.storage.store import Store
+
+log = logging.getLogger("fedfleet.aggregator.shard")
 
 
 def shard_main(index: int, shards: int, broker: BrokerConfig, store_path: str, topics: Topics,
@@ -53,15 +55,18 @@ def shard_main(index: int, shards: int, broker: BrokerConfig, store_path: str, t
     expired_at = 0.0
     while True:
         try:
-            item = inbox.get(timeout=1.0)
+            item = inbox.get(timeout=0.2)       # a hosted secure group's phase timers tick at least this often
         except queue.Empty:
             item = None
-        if time.monotonic() - expired_at > 1.0:
-            expired_at = time.monotonic()
+        now = time.monotonic()
+        if now - expired_at > 1.0:
+            expired_at = now
             ingest.expire(expired_at)
         if item is None:
-            continue
-        if item[0] == "cmd":
+            pass
+        elif item[0] == "cmd" and item[1][0].startswith("group_"):
+            _publish(ingest, link, topics, _group_command(ingest, item[1], now))
+        elif item[0] == "cmd":
             if not _command(ingest, conn, item[1]):
                 break
             if ingest.job_id is not None:
@@ -70,18 +75,68 @@ def shard_main(index: int, shards: int, broker: BrokerConfig, store_path: str, t
                 held = []
         elif "/presence/" in item[0]:
             device = topics.device_of(item[0])
-            if device is not None and device not in subscribed and ingest.owns(device):
-                subscribed.add(device)
-                link.subscribe(topics.outbox(device))
+            if device is not None and ingest.owns(device):
+                _subscribe(link, topics, subscribed, [device])
         elif ingest.job_id is None:
             held.append(item)
         else:
-            out = ingest.feed(*item)
+            out = ingest.feed(*item, now)
             if isinstance(out, Receipt):
                 conn.send(("receipt", out.topic, out.raw))
             elif isinstance(out, Forward):
                 conn.send(("forward", out.topic, out.payload))
+            elif isinstance(out, Publish):
+                _publish(ingest, link, topics, out.sends)
+        if ingest.groups is not None:
+            _subscribe(link, topics, subscribed, ingest.groups.members)   # before the group's first message
+            _publish(ingest, link, topics, ingest.groups.tick(now))
+            for outcome in ingest.groups.outcomes():
+                conn.send(outcome)
+                _unsubscribe_former(ingest, link, topics, subscribed)
     link.stop()
+
+
+def _subscribe(link: MqttLink, topics: Topics, subscribed: set[str], devices) -> None:
+    for device in devices:
+        if device not in subscribed:
+            subscribed.add(device)
+            link.subscribe(topics.outbox(device))
+
+
+def _unsubscribe_former(ingest: ShardIngest, link: MqttLink, topics: Topics, subscribed: set[str]) -> None:
+    """A hosted group ended: stop reading its members of other buckets (each would otherwise reach
+    one more shard with every later message, up to every shard reading every device)."""
+    for device in sorted(d for d in subscribed if not ingest.reads(d)):
+        subscribed.discard(device)
+        link.unsubscribe(topics.outbox(device))
+
+
+def _publish(ingest: ShardIngest, link: MqttLink, topics: Topics, sends: list) -> None:
+    """A hosted group's messages, signed as the aggregator's (its members accept no others)."""
+    for device, env in sends:
+        link.publish_envelope(topics.inbox(device), env, signer=ingest.groups.signer)
+
+
+def _group_command(ingest: ShardIngest, cmd: tuple, now: float) -> list:
+    """The coordinator's word on a secure group (``secure_groups.py``): host it, a member is gone,
+    give it up. The messages to publish."""
+    if ingest.groups is None:
+        log.warning("shard %d: %s for a job with no secure groups: ignored", ingest.index, cmd[0])
+        return []
+    if cmd[0] == "group_open":
+        return ingest.groups.open(cmd[1])
+    if cmd[0] == "group_offline":
+        return ingest.groups.offline(cmd[1], cmd[2], now)
+    return ingest.groups.abort(cmd[1], cmd[2])
+
+
+def _shard_process(*args) -> None:
+    """A local shard's process: its loop, then out at once. Everything it stored is durable by
+    then; the interpreter's own shutdown (torch's, the link's threads') took seconds of every
+    job's end."""
+    shard_main(*args)
+    logging.shutdown()
+    os._exit(0)
 
 
 def _read_commands(conn, inbox: queue.Queue) -> None:
@@ -117,7 +172,7 @@ class LocalShards(ShardPool):
 
     def _launch(self, index: int) -> None:
         ours, theirs = self._ctx.Pipe()
-        proc = self._ctx.Process(target=shard_main, name=f"fedfleet-shard{index}", daemon=True,
+        proc = self._ctx.Process(target=_shard_process, name=f"fedfleet-shard{index}", daemon=True,
                                  args=(*self.shard_args(index), theirs))
         proc.start()
         theirs.close()

@@ -19,10 +19,11 @@ from typing import Any, Iterable
 from aggregator.jobs.base import Job
 from aggregator.jobs.registry import KINDS, build_job, kind_of
 from aggregator.shards.buckets import NUM_BUCKETS, bucket_of, canonical_key
+from aggregator.shards.group_placement import SecureGroupPlacement
 from aggregator.shards.sum_tree import AdditiveState, Contribution, Node, PartialSum, root_sum, subtree_sums
 
 __all__ = ["Contribution", "Node", "PartialSum", "additive", "bucket_sums", "canonical_sum",
-           "range_sums", "reduce_nodes"]
+           "range_sums", "reduce_nodes", "shard_capability"]
 
 
 def additive(kind: str) -> AdditiveState:
@@ -31,6 +32,17 @@ def additive(kind: str) -> AdditiveState:
     if sums is None:
         raise ValueError(f"job kind {kind!r} has no additive state: it cannot be summed in buckets")
     return sums
+
+
+def shard_capability(kind: str) -> AdditiveState | SecureGroupPlacement:
+    """What shards do for ``kind``, as its registry entry declares: sum its contributions in
+    buckets (``JobKind.shard_sums``) or host its secure groups (``JobKind.shard_groups``)."""
+    spec = kind_of(kind) if kind in KINDS else None
+    capability = spec and (spec.shard_sums or spec.shard_groups)
+    if capability is None:
+        raise ValueError(f"job kind {kind!r} has no additive state and no secure groups shards can host: it "
+                         "cannot run on shards")
+    return capability
 
 
 def by_bucket(contributions: Iterable[Contribution]) -> dict[int, list[Contribution]]:

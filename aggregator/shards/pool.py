@@ -8,9 +8,12 @@ how a shard is started, reached and found dead: a local process and a pipe (``lo
 ``LocalShards``) or a Ray actor on a cluster's node (``ray_shards.py``, ``RayShards``).
 
 Messages, coordinator → shard: ``("job", job_id, kind, config)``, ``("sums" | "statistics",
-request, job_id, accepted, context)``, ``("stop",)``; shard → coordinator: ``("ready",)`` once
+request, job_id, accepted, context)``, ``("group_open", round config)``, ``("group_offline" |
+"group_abort", round, device | reason)``, ``("stop",)``; shard → coordinator: ``("ready",)`` once
 connected to the broker, ``("receipt", topic, raw)``, ``("forward", topic, payload)``, ``("sums",
-request, node sums or statistics, or the reason it has none)``.
+request, node sums or statistics, or the reason it has none)``, ``("group", "sum", round, total,
+survivors)`` or ``("group", "failed", round, reason)`` (a hosted secure group's end,
+``secure_groups.py``).
 """
 
 from __future__ import annotations
@@ -30,14 +33,16 @@ from aggregator.jobs.base import Job
 from aggregator.shards.buckets import bucket_range
 from aggregator.shards.coordinator_job import ShardedJob
 from aggregator.shards.coordinator_rounds import ShardedRoundsJob
-from aggregator.shards.partial_sums import additive, reduce_nodes
+from aggregator.shards.group_placement import SecureGroupPlacement
+from aggregator.shards.partial_sums import additive, reduce_nodes, shard_capability
+from aggregator.shards.secure_groups import ShardedSecureJob
 
 log = logging.getLogger("fedfleet.aggregator.shards")
 
 
 def check_shardable(job: Job, kind: str) -> None:
-    """Refuse, with the reason, a job whose sums shards cannot take."""
-    reason = additive(kind).refusal(job)
+    """Refuse, with the reason, a job whose sums (or secure groups) shards cannot take."""
+    reason = shard_capability(kind).refusal(job)
     if reason:
         raise ValueError(reason)
 
@@ -59,6 +64,8 @@ class ShardPool(ABC):
         self._job: tuple | None = None
         self._request = 0
         self.restarts = 0
+        self.placed: dict[int, int] = {}                    # secure round -> the shard hosting its group
+        self.group_outcomes: queue.Queue = queue.Queue()    # ("sum", round, total, survivors) | ("failed", round, reason)
 
     def store_path(self, index: int) -> Path:
         return self.store_dir / f"shard-{index}-of-{self.shards}.db"
@@ -115,6 +122,8 @@ class ShardPool(ABC):
             self._ready[index].set()
         elif msg[0] == "sums":
             self._replies.put((index, *msg[1:]))
+        elif msg[0] == "group":
+            self.group_outcomes.put(msg[1:])
         else:
             self._deliver(msg)
 
@@ -133,7 +142,29 @@ class ShardPool(ABC):
             if ended is not None and time.monotonic() - self._started_at[i] > 1.0:
                 log.error("shard %d exited (%s): restarting it on its store", i, ended)
                 self.restarts += 1
+                self._groups_lost(i, ended)
                 self._start(i)
+
+    # ---------------------------------------------------------------- secure groups (secure_groups.py)
+    def open_group(self, index: int, config) -> None:
+        """Shard ``index`` hosts ``config``'s group (a ``RoundConfig``) from now on."""
+        self.placed[config.round_id] = index
+        self._send(index, ("group_open", config))
+
+    def tell_group(self, round_id: int, command: str, *args) -> None:
+        """``"group_offline", device`` or ``"group_abort", reason`` to the shard hosting the round's group."""
+        if round_id in self.placed:
+            self._send(self.placed[round_id], (command, round_id, *args))
+
+    def group_ended(self, round_id: int) -> None:
+        self.placed.pop(round_id, None)
+
+    def _groups_lost(self, index: int, ended: str) -> None:
+        """A shard died with the groups it hosted: their secrets (never persisted) died with it, so
+        each fails now, with the reason, instead of at its round's deadline."""
+        for round_id in sorted(r for r, holder in self.placed.items() if holder == index):
+            self.group_outcomes.put(("failed", round_id, f"shard {index} hosting the group exited ({ended}): "
+                                                         "its secrets died with it"))
 
     def reduce(self, kind: str, config: dict, job_id: str, accepted: list[tuple[str, str]]) -> Job:
         """The canonical model of ``accepted`` (device, message id)s: the shards' node sums reduced."""
@@ -170,6 +201,8 @@ class ShardPool(ABC):
 
     def coordinator_job(self, job: Job, kind: str) -> Job:
         """``job`` as the coordinator serves it on these shards (after :meth:`set_job`)."""
+        if isinstance(shard_capability(kind), SecureGroupPlacement):
+            return ShardedSecureJob(job, kind, self)
         if additive(kind).per_round:
             return ShardedRoundsJob(job, kind, self)
         return ShardedJob(job, kind, self.reduce)

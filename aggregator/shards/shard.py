@@ -15,6 +15,10 @@ coordinator must be told (``local.py`` moves the bytes: MQTT in, a pipe out). Wh
   job, a result that fails validation) goes to the coordinator as the whole message's bytes, to
   be judged (and refused with its reason) on the coordinator's ordinary path.
 
+For a secure job (``secure_groups.py``) a shard receipts nothing: it hosts the SecAgg groups its
+coordinator places on it (``shard_groups.py``), reading their members' outboxes too, and takes
+every secagg message for its group (one for a group hosted elsewhere is dropped).
+
 Crashes: a result stored but not yet receipted is re-sent by its device (it is not acked) and
 receipted then; a receipt the coordinator accepted is already durable here.
 """
@@ -28,11 +32,15 @@ from typing import Any, Callable
 from protocols import messages as M
 from protocols.chunking import MessageAssembler
 from protocols.envelope import Envelope, EnvelopeError, decode, encode
+from protocols.payloads.secagg import SECAGG_TYPE
 from protocols.topics import Topics
 
 from aggregator.jobs.registry import build_job
 from aggregator.shards.buckets import bucket_of, bucket_range
-from aggregator.shards.partial_sums import Contribution, Node, PartialSum, additive, bucket_sums, by_bucket, range_sums
+from aggregator.shards.group_placement import SecureGroupPlacement
+from aggregator.shards.partial_sums import (Contribution, Node, PartialSum, additive, bucket_sums, by_bucket, range_sums,
+                                            shard_capability)
+from aggregator.shards.shard_groups import ShardGroups
 from aggregator.storage.store import Store, StoreError
 from aggregator.storage.schema import JobState
 
@@ -46,6 +54,12 @@ class Forward:
     """A whole message for the coordinator's ordinary path."""
     topic: str
     payload: bytes
+
+
+@dataclass
+class Publish:
+    """Messages of a secure group this shard hosts, for its members' inboxes (``shard_groups.py``)."""
+    sends: list[tuple[str, Envelope]]
 
 
 @dataclass
@@ -72,22 +86,30 @@ class ShardIngest:
         self._bytes: dict[str, int] = {}
         self._cache: dict[int, tuple[frozenset, PartialSum]] = {}      # bucket -> (its keys, its sum)
         self.stored = self.receipted = 0
+        self.groups: ShardGroups | None = None          # a secure job's: the group hosted here
+
+    def reads(self, device: str) -> bool:
+        """Whether this shard takes ``device``'s outbox: its bucket's, or a member of a group it hosts."""
+        return self.owns(device) or (self.groups is not None and device in self.groups.members)
 
     def owns(self, device: str) -> bool:
         return self.lo <= bucket_of(device) < self.hi
 
     def set_job(self, job_id: str, kind: str, config: dict) -> None:
         """The job whose results this shard takes (``None``-like empty id: none)."""
-        additive(kind)                      # a kind whose sums cannot be split is refused here
+        hosts_groups = isinstance(shard_capability(kind), SecureGroupPlacement)   # else refused here
         self.job_id, self.kind, self.config = job_id, kind, config
         self._validator, self._cache = build_job(kind, config), {}
+        self.groups = ShardGroups(self.index, self._validator) if hosts_groups else None
         if self.store.job(job_id) is None:
             self.store.create_job(job_id, kind, config, state=JobState.RUNNING)
 
-    def feed(self, topic: str, payload: bytes) -> Forward | Receipt | None:
+    def feed(self, topic: str, payload: bytes, now: float = 0.0) -> Forward | Receipt | Publish | None:
         device = self.topics.device_of(topic)
-        if device is None or not topic.endswith("/out") or not self.owns(device):
-            return Forward(topic, payload)
+        if device is None or not topic.endswith("/out") or not self.reads(device):
+            # another bucket's device: a secure job's shard reads it only for a group it hosts (a
+            # former member's late message is its own shard's to forward)
+            return None if self.groups is not None and device is not None else Forward(topic, payload)
         self._bytes[device] = self._bytes.get(device, 0) + len(payload)
         try:
             got = self.assembler.feed_whole(payload)
@@ -98,6 +120,10 @@ class ShardIngest:
             return None
         env, raw = got
         nbytes = self._bytes.pop(device, len(raw))
+        if self.groups is not None and env.type == SECAGG_TYPE and env.sender == device:
+            return Publish(self.groups.feed(device, env, now))      # never the coordinator's: it holds no group
+        if not self.owns(device):
+            return None             # a group member of another bucket: its own shard forwards this
         if env.type != M.RESULT or self.job_id is None or env.sender != device:
             return Forward(topic, raw)
         return self._result(topic, device, env, raw, nbytes)
@@ -105,8 +131,8 @@ class ShardIngest:
     def _result(self, topic: str, device: str, env: Envelope, raw: bytes, nbytes: int) -> Forward | Receipt:
         try:
             ref, kind = M.parse_result_ref(env)
-            if ref.job != self.job_id or kind != self._validator.kind:
-                return Forward(topic, raw)
+            if ref.job != self.job_id or kind != self._validator.kind or self.groups is not None:
+                return Forward(topic, raw)          # (a secure job's devices send no results: refused there)
             payload = additive(self.kind).check(self._validator, env)
         except EnvelopeError:
             return Forward(topic, raw)

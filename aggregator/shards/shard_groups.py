@@ -1,0 +1,91 @@
+"""A shard's side of secure groups (theory of operation: ``secure_groups.py``): the server machine
+of the group its coordinator placed on it, driven by the shard's loop (``local.py``).
+
+Sans-IO like :class:`~aggregator.shards.shard.ShardIngest`, which owns one: the machine is the
+job's own (:class:`~aggregator.jobs.secure_rounds.SecureGroupRounds`, built by the shard from the
+job's config, so with the aggregator's identity and the enrolled keys its files name), whose
+unmasked sum is handed on (:attr:`~aggregator.jobs.secure_rounds.SecureGroupRounds.hand_sums_to`)
+instead of applied. Each call returns the ``(device, envelope)`` pairs to publish (signed with the
+aggregator's identity, :attr:`signer`); :meth:`outcomes` what the coordinator must be told once the
+group ended: ``("group", "sum", round, total, survivors)`` or ``("group", "failed", round, reason)``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import numpy as np
+
+from protocols.envelope import Envelope, EnvelopeError
+from protocols.secagg import RoundConfig
+
+from aggregator.jobs.secure_rounds import SecureGroupRounds
+
+log = logging.getLogger("fedfleet.aggregator.shard")
+
+Sends = list[tuple[str, Envelope]]
+
+
+class ShardGroups:
+    def __init__(self, index: int, job: SecureGroupRounds):
+        self.index, self.job = index, job
+        job.hand_sums_to = self._summed
+        self.held: int | None = None                # the round whose group runs here
+        self.members: set[str] = set()              # the hosted group's devices (their outboxes are read)
+        self._sum: tuple[np.ndarray, tuple[str, ...]] | None = None
+
+    @property
+    def signer(self) -> Callable[[bytes], bytes]:
+        return self.job.identity.sign
+
+    def open(self, config: RoundConfig) -> Sends:
+        """Host ``config``'s group (one at a time: a group still held is given up first, failed)."""
+        sends = self.abort(self.held, "superseded by the next group") if self.held is not None else []
+        self.job.host_group(config)
+        self.held, self._sum = config.round_id, None
+        self.members = set(config.members)
+        log.info("shard %d: hosting secure round %d (%d members)", self.index, config.round_id, len(config.members))
+        return sends
+
+    def feed(self, device: str, env: Envelope, now: float) -> Sends:
+        """A member's secagg message: into the machine (refused: logged, dropped). A message for a
+        group hosted elsewhere, or ended, is dropped: its own shard reads it too."""
+        if self.held is None:
+            return []
+        try:
+            return self.job.on_protocol(device, env, now)
+        except EnvelopeError as exc:
+            log.info("shard %d: secagg message from %s dropped: %s", self.index, device, exc)
+        except Exception:       # last resort, as the coordinator's for any message: one sender cannot end the shard
+            log.exception("shard %d: secagg message from %s raised: dropped", self.index, device)
+        return []
+
+    def tick(self, now: float) -> Sends:
+        return self.job.on_protocol_tick(now)
+
+    def offline(self, round_id: int, device: str, now: float) -> Sends:
+        return self.job.member_offline(device, now) if round_id == self.held else []
+
+    def abort(self, round_id: int, reason: str) -> Sends:
+        """Give the group up (the coordinator closed its round); the abort notices go out now."""
+        if round_id != self.held:
+            return []
+        self.job.abort_secure_round(round_id, reason)
+        return self.job.on_protocol_tick(0.0)
+
+    def outcomes(self) -> list[tuple]:
+        if self.held is None:
+            return []
+        survivors = self.job.settled(self.held)
+        if survivors is None:
+            return []
+        round_id, self.held, self.members = self.held, None, set()
+        if not survivors:
+            return [("group", "failed", round_id, self.job.secure_failure(round_id) or "failed")]
+        total, survivors = self._sum
+        self._sum = None
+        return [("group", "sum", round_id, total, survivors)]
+
+    def _summed(self, round_id: int, total: np.ndarray, survivors: tuple[str, ...]) -> None:
+        self._sum = (total, survivors)

@@ -1,0 +1,216 @@
+"""Secure jobs on shards (aggregator/shards/secure_groups.py) over a real mosquitto with real
+device agents and real SecAgg: each round's group runs its server machine on the shard
+``round % 2``, the coordinator applies the unmasked group sums. The model must be the bytes of one
+aggregator's run of the same job (same groups, same integers), the coordinator must never see a
+masked vector, and a shard SIGKILLed while hosting a group must fail that group with its reason,
+the job going on to the plain sums."""
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from aggregator.shards.buckets import shard_of
+from fedfleet.emulation.broker import MosquittoBroker
+
+from protocols.payloads.secagg import SECAGG_TYPE
+
+from ops_fleet import (REPO, Fleet, SecureKeys, aggregator_cmd, aggregator_env, feature_handlers, prepare, reference_sums,
+                       run_aggregator, secure_fed3r_handlers, with_secure)
+
+# Ray is an optional extra (fedfleet[ray]); `make setup` installs it, so the Ray test runs in CI
+needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs fedfleet[ray]")
+DEVICES = [f"dev{i:02d}" for i in range(3, 9)]      # dev08 is shard 1's, the others shard 0's
+SHARDS = ["--shards", "2"]
+
+
+def outputs(out_dir, files=("model.npz", "statistics.npz")):
+    return [dict(np.load(out_dir / f)) for f in files if (out_dir / f).exists()], \
+        json.loads((out_dir / "results.json").read_text())
+
+
+def assert_same_bytes(got, want):
+    assert [sorted(a) for a in got] == [sorted(a) for a in want]
+    for g, w in zip(got, want):
+        for name in w:
+            assert g[name].tobytes() == w[name].tobytes(), name         # bit for bit
+
+
+def run_secure(workdir, keys, kind: str, extra=(), **job) -> tuple[int, str]:
+    """The job on a fresh broker and state, its devices verifying that every message they get is
+    signed by the aggregator's key (a shard hosting a group signs as the aggregator)."""
+    prepare(workdir, DEVICES, kind=kind, max_samples=100, phase_timeout_s=5, **job, **keys.job_fields(workdir.parent))
+    handlers = None if kind == "fed3r-sync" else with_secure(keys, feature_handlers)
+    with MosquittoBroker() as broker, Fleet(broker.url, DEVICES, kind=kind, secure=keys, handlers=handlers,
+                                            aggregator_key=keys.aggregator.public_key_bytes):
+        return run_aggregator(workdir, broker.url, workdir / "state.db", extra=list(extra), timeout=90)
+
+
+def one_and_sharded(tmp_path, kind: str, sharded=SHARDS, **job):
+    """(one aggregator's, two shards') outputs of the same job with the same keys."""
+    keys = SecureKeys.create(tmp_path, DEVICES)
+    runs = []
+    for name, extra in (("one", ()), ("sharded", sharded)):
+        (tmp_path / name).mkdir()
+        rc, log = run_secure(tmp_path / name, keys, kind, extra, **job)
+        assert rc == 0, log[-3000:]
+        assert "rejected message" not in log            # no secagg message reached the coordinator
+        runs.append(outputs(tmp_path / name / "out"))
+    return runs
+
+
+def test_secure_fed3r_sync_on_two_shards_gives_one_aggregators_model_bit_for_bit(tmp_path):
+    """Two groups of three: round 1's hosted by shard 1, whose bucket holds one device of the six
+    (the others' messages reach it by the group's subscriptions), round 2's by shard 0."""
+    assert {shard_of(d, 2) for d in DEVICES} == {0, 1}
+    (want, _), (got, results) = one_and_sharded(tmp_path, "fed3r-sync")
+    assert_same_bytes(got, want)
+    assert sorted(results["contributed"]) == DEVICES and results["state"] == "done"
+    stats = got[1]
+    A_ref, B_ref = reference_sums(DEVICES, dtype=np.float32)                      # and right
+    np.testing.assert_allclose(stats["A"], A_ref, rtol=1e-10, atol=1e-8)
+    np.testing.assert_allclose(stats["B"], B_ref, rtol=1e-10, atol=1e-8)
+
+
+def test_secure_fedavg_on_two_shards_gives_one_aggregators_model_bit_for_bit(tmp_path):
+    """Two rounds of three of the six devices, each round's group on its own shard."""
+    (want, want_results), (got, results) = one_and_sharded(
+        tmp_path, "fedavg-secure", rounds=2, clients_per_round=3, local_epochs=1, max_abs_param=50.0)
+    assert_same_bytes(got, want)
+    assert results["contributed"] == want_results["contributed"] and results["state"] == "done"
+    assert sum(results["contributed"].values()) == 2 * 3
+
+
+@pytest.mark.slow
+@pytest.mark.ray_cluster
+@needs_ray
+def test_secure_fed3r_sync_on_ray_actor_shards_gives_one_aggregators_model_bit_for_bit(tmp_path):
+    """The shards as Ray actors on the two-node test cluster, one per node: the same bytes."""
+    from ray_cluster import two_node_ray_cluster
+
+    with two_node_ray_cluster(({"fedfleet_shard_0": 1}, {"fedfleet_shard_1": 1})) as address:
+        (want, _), (got, results) = one_and_sharded(tmp_path, "fed3r-sync", sharded=[*SHARDS, "--ray", address])
+    assert_same_bytes(got, want)
+    assert sorted(results["contributed"]) == DEVICES and results["state"] == "done"
+
+
+def test_a_shard_takes_only_its_hosted_groups_secagg_messages_and_refuses_bad_ones_changing_nothing(tmp_path):
+    """Sans-IO, real keys and envelopes: shard 1 (whose bucket holds dev08 alone) hosts round 1's
+    group of dev03, dev04, dev08. It reads the members' outboxes, takes their secagg messages (a
+    malformed one or one claiming another sender is dropped, the group running on), leaves a
+    foreign member's other messages to its own shard, forwards what its bucket's devices send; a
+    shard hosting nothing drops every secagg message. An aborted group ends failed, with its reason."""
+    from aggregator.jobs.registry import build_job
+    from aggregator.shards.shard import Forward, Publish, ShardIngest
+    from aggregator.storage.store import Store
+    from protocols import messages as M
+    from protocols.envelope import Envelope, encode
+    from protocols.topics import Topics
+    from ops_fleet import job_config
+
+    keys, topics = SecureKeys.create(tmp_path, DEVICES), Topics()
+    config = {**job_config(DEVICES, "fed3r-sync"), "max_samples": 100, **keys.job_fields(tmp_path)}
+    coordinator = build_job("fed3r-sync", config)
+    members = ["dev03", "dev04", "dev08"]
+    assert sorted(coordinator.next_participants(set(members))) == members
+    group = coordinator.release_group()
+    host, idle = ShardIngest(1, 2, Store(tmp_path / "s1.db")), ShardIngest(0, 2, Store(tmp_path / "s0.db"))
+    for shard in (host, idle):
+        shard.set_job(config["job_id"], "fed3r-sync", config)
+    assert host.groups.open(group) == [] and host.reads("dev03") and not host.owns("dev03")
+    started = host.groups.tick(0.0)                     # the server machine's first phase, to every member
+    assert sorted(d for d, _ in started) == members
+
+    def sent(shard, device, env):
+        return shard.feed(topics.outbox(device), encode(env), 1.0)
+
+    garbage = Envelope(type=SECAGG_TYPE, sender="dev03", body={"secagg": {"round_id": 1, "phase": "nonsense"}})
+    assert sent(host, "dev03", garbage) == Publish([])
+    forged = Envelope(type=SECAGG_TYPE, sender="dev04", body=garbage.body)       # on dev03's outbox
+    assert sent(host, "dev03", forged) is None
+    assert host.job_id and host.groups.job.secure_round_live(1) and host.groups.outcomes() == []
+    decline = M.decline_message("dev03", M.TaskRef(config["job_id"], 1, "t"), "busy")
+    assert sent(host, "dev03", decline) is None                  # dev03's own shard forwards it
+    assert isinstance(sent(idle, "dev03", decline), Forward)
+    assert sent(host, "dev05", decline) is None                  # not a member, not its bucket: its shard's
+    assert sent(idle, "dev03", garbage) == Publish([])           # a group hosted elsewhere: dropped
+    aborted = host.groups.abort(1, "deadline")                   # the members are told to erase their secrets
+    assert sorted(d for d, _ in aborted) == members
+    assert host.groups.outcomes() == [("group", "failed", 1, "aborted: deadline")] and host.groups.held is None
+    assert not host.reads("dev03") and host.reads("dev08")      # the group's other buckets' devices are let go
+    assert sent(host, "dev03", garbage) is None                  # a late message of theirs: their shards'
+    assert isinstance(sent(host, "dev08", decline), Forward)     # its own bucket's, as ever
+
+
+class HeldProtocol:
+    """A device's secagg handler that holds the group's first message (its server machine's start:
+    the group is running on its shard) until ``gate`` is set."""
+
+    def __init__(self, handler, gate: threading.Event, reached: threading.Event):
+        self.handler, self.gate, self.reached = handler, gate, reached
+
+    def on_message(self, env):
+        self.reached.set()
+        self.gate.wait(60)
+        return self.handler.on_message(env)
+
+
+def held_fed3r_handlers(keys, gate: threading.Event, reached: threading.Event):
+    def build(device: str) -> tuple[dict, dict]:
+        handlers = secure_fed3r_handlers(device, keys)
+        return {}, {**handlers, SECAGG_TYPE: HeldProtocol(handlers[SECAGG_TYPE], gate, reached)}
+    return build
+
+
+def test_a_shard_sigkilled_hosting_a_group_fails_it_with_the_reason_and_the_job_goes_on(tmp_path):
+    """Round 1's group runs on shard 1; it is SIGKILLed mid-round. The group fails at once with
+    the reason (its secrets died with the shard), nothing of it applied; the restarted shard and
+    shard 0 host the next groups, which take every device: the plain sums."""
+    keys = SecureKeys.create(tmp_path, DEVICES)
+    prepare(tmp_path, DEVICES, kind="fed3r-sync", max_samples=100, phase_timeout_s=5, **keys.job_fields(tmp_path))
+    state, gate, reached = tmp_path / "state.db", threading.Event(), threading.Event()
+    with MosquittoBroker() as broker, Fleet(broker.url, DEVICES, handlers=held_fed3r_handlers(keys, gate, reached),
+                                            aggregator_key=keys.aggregator.public_key_bytes):
+        proc = subprocess.Popen(aggregator_cmd(tmp_path, broker.url, state, SHARDS), env=aggregator_env(), cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            assert reached.wait(60), "round 1's group never started"
+            os.kill(int((tmp_path / "state.db.shards" / "shard-1.pid").read_text()), signal.SIGKILL)
+            time.sleep(1.0)                     # the coordinator notices within its tick; no key has come
+            gate.set()
+            out, _ = proc.communicate(timeout=90)
+        finally:
+            gate.set()
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    assert "shard 1 exited" in out
+    assert "secure round 1 failed on its shard: shard 1 hosting the group exited" in out
+    _, results = outputs(tmp_path / "out")
+    assert sorted(results["contributed"]) == DEVICES and results["state"] == "done"
+    stats = dict(np.load(tmp_path / "out" / "statistics.npz"))
+    A_ref, B_ref = reference_sums(DEVICES, dtype=np.float32)       # every device once, in the later groups
+    np.testing.assert_allclose(stats["A"], A_ref, rtol=1e-10, atol=1e-8)
+    np.testing.assert_allclose(stats["B"], B_ref, rtol=1e-10, atol=1e-8)
+
+
+def test_simulate_shards_takes_the_secure_kinds_shards_host_and_says_why_not_for_the_others(tmp_path):
+    """``fedfleet simulate --secure --shards K``: Fed3R-Sync and secure FedAvg(ψ) get the shard
+    options (their registry entries' ``shard_groups``); secure kinds without it run in one process."""
+    import dataclasses
+
+    from fedfleet.simulate import PRESETS, aggregator_shards
+    from ops_fleet import C, D
+
+    keys = SecureKeys.create(tmp_path, DEVICES)
+    cfg = dataclasses.replace(PRESETS["smoke"], shards=2, secure=True)
+    common = {"job_id": "s", "num_classes": C, "feature_dim": D, "max_samples": 100, **keys.job_fields(tmp_path)}
+    assert aggregator_shards(cfg, "fed3r-sync", common) == (["--shards", "2"], "")
+    assert aggregator_shards(cfg, "fedavg-secure", {**common, "rounds": 1}) == (["--shards", "2"], "")
+    options, why = aggregator_shards(cfg, "fedncm-sync", common)
+    assert options == [] and "fedncm-sync" in why
