@@ -172,3 +172,57 @@ def test_devices_drop_a_completed_jobs_state_and_refuse_forged_and_replayed_noti
             a.stop()
         publisher.publish(topics.job_ends, b"", qos=1, retain=True).wait_for_publish(5)    # the broker keeps nothing
         publisher.loop_stop()
+
+
+def python_device_answers(folder, notices: list[bytes], key: bytes) -> list[str]:
+    """What the Python device's store answers to each message (the reference for the Java device)."""
+    from edge_client.state import DeviceStateStore
+    from protocols.identity import sender_verifier
+
+    store, answers = DeviceStateStore(folder), []
+    for raw in notices:
+        try:
+            ended = parse_job_ended(decode(raw, sender_verifier(AGGREGATOR_ID, key)))
+        except EnvelopeError:
+            answers.append("REFUSED")
+            continue
+        answers.append("ENDED " + ",".join(n.job for n in ended if store.drop_run(n.job, n.run)))
+    return answers + ["JOBS " + ",".join(sorted(store.jobs()))]
+
+
+def test_the_java_device_applies_job_ended_as_the_python_device_does(tmp_path):
+    """Both libraries' stores hold the same jobs (written by the Python store; the Java store opens
+    the same files); the same signed messages — a forged one, an unsigned one, a replay of an older
+    run, a malformed one, then the genuine one — leave the same jobs in each."""
+    import subprocess
+
+    import java_build
+    if java_build.missing() is not None:
+        pytest.skip(java_build.missing())
+    from edge_client.state import DeviceStateStore
+
+    aggregator, forger = DeviceIdentity.generate(AGGREGATOR_ID), DeviceIdentity.generate(AGGREGATOR_ID)
+    genuine = job_ended_message(AGGREGATOR_ID, [JobEnded("j1", RUN_A, "done"), JobEnded("j3", RUN_C, "failed"),
+                                                JobEnded("absent", RUN_A, "cancelled")])
+    malformed = job_ended_message(AGGREGATOR_ID, [JobEnded("j2", RUN_B, "done")])
+    malformed.body["ended"].append({"job": "j1", "run": RUN_A, "reason": "stopped"})
+    notices = [encode(genuine, signer=forger.sign), encode(genuine),
+               encode(job_ended_message(AGGREGATOR_ID, [JobEnded("j2", RUN_A, "done")]), signer=aggregator.sign),
+               encode(malformed, signer=aggregator.sign), encode(genuine, signer=aggregator.sign)]
+    for side in ("py", "java"):
+        store = DeviceStateStore(tmp_path / side)
+        for job, run in (("j1", RUN_A), ("j2", RUN_B), ("j3", RUN_C)):
+            store.save(job, run, 1, {"x": np.arange(3, dtype=np.float32)})
+    want = python_device_answers(tmp_path / "py", notices, aggregator.public_key_bytes)
+    assert want == ["REFUSED", "REFUSED", "ENDED ", "REFUSED", "ENDED j1,j3", "JOBS j2"]     # the reference itself
+    script = ["open 1000000"]
+    for i, raw in enumerate(notices):
+        (tmp_path / f"notice{i}.bin").write_bytes(raw)
+        script.append(f"ended {tmp_path / f'notice{i}.bin'} {aggregator.public_key_bytes.hex()}")
+    (tmp_path / "script").write_text("\n".join(script + ["open 1000000"]) + "\n")
+    out = subprocess.run(["java", "-cp", java_build.built(), "StateRunner", str(tmp_path / "java"), str(tmp_path / "script")],
+                         capture_output=True, text=True, timeout=60)
+    answers = out.stdout.splitlines()
+    assert answers[0] == "JOBS j1,j2,j3", out.stderr
+    assert [a.split(" ")[0] if a.startswith("REFUSED") else a for a in answers[1:]] == want, out.stdout + out.stderr
+    assert sorted(DeviceStateStore(tmp_path / "java").jobs()) == ["j2"]      # the Python store reads what Java left

@@ -201,6 +201,14 @@ public final class DeviceStateStore {
         return path(jobId).delete();
     }
 
+    /** Remove the job's state if it is `run`'s (that run of the job ended: `job.ended`); whether it was.
+     *  Another run's state stays: a notice replayed from an older run never wipes a newer one's. */
+    public synchronized boolean dropRun(String jobId, String run) {
+        File file = path(jobId);
+        Entry e = read(file);
+        return e != null && jobId.equals(e.jobId) && run.equals(e.run) && file.delete();
+    }
+
     /** Remove every job's state (the device forgotten); how many files went. */
     public synchronized int forget() {
         File[] files = root.listFiles((d, name) -> name.endsWith(SUFFIX) || name.startsWith(TMP));
