@@ -74,5 +74,9 @@ class JobEndNotices:
 
     def publish(self) -> None:
         """(Re)publish the retained list (after every connect: the broker may have lost it)."""
-        if self.notices:
+        if not self.notices:
+            return
+        try:
             self._publish(job_ended_message(AGGREGATOR_ID, self.notices))
+        except Exception as exc:        # no broker now: the stored list goes out on the next connect
+            log.warning("job-end notices not published (%s): sent again on the next connect", exc)

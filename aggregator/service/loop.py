@@ -124,8 +124,8 @@ class AggregatorService(OperatorActions):
         self.ingest = IngestWorkers(ingest_workers) if ingest_workers else None
         self.writer = ContributionWriter(store, lambda: self.loop.post(("stored",))) if store is not None else None
         # the jobs that ended lately, retained for every device to drop their state (service/job_end.py)
-        self.job_ends = JobEndNotices(store, lambda env: self.link.publish(
-            topics.job_ends, encode(env, signer=self._signer), retain=True))
+        self.job_ends = JobEndNotices(store, lambda env: self.link.publish(     # waited for: a stop may follow
+            topics.job_ends, encode(env, signer=self._signer), retain=True, wait=True))
         self.last_finished: ActiveJob | None = None
         self.active: ActiveJob | None = None
         self.runner: JobRunner | None = None
