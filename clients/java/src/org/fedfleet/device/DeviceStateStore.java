@@ -17,8 +17,10 @@
 //   restarts: c_k = 0, v_k = the global head);
 // * bounded: one byte budget for all jobs together; admit refuses a job whose state would not fit
 //   next to the other jobs' (the task is declined with that reason); nothing is evicted for room;
-// * dropped when it expires (each task names the job's horizon ttl_s; expired entries go on the
-//   next open), when the job's run changes, and all at once by forget() (the device forgotten);
+// * dropped when the aggregator says the job ended (`job.ended`, JobEnded: dropRun, only the run
+//   that ended), when it expires (each task names the job's horizon ttl_s: the fallback for a device
+//   that missed the notice; expired entries go on the next open), when the job's run changes, and
+//   all at once by forget() (the device forgotten);
 // * never sent: nothing here publishes anything.
 // java.io only (Android), as ModelSlot.
 package org.fedfleet.device;
