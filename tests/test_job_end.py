@@ -12,6 +12,7 @@ ends, its devices drop the state they kept for it, and nothing else.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -88,6 +89,23 @@ def test_the_aggregator_stores_its_list_and_finds_the_run_of_a_job_cancelled_whi
     restarted = []
     JobEndNotices(store, restarted.append).publish()          # a restarted service publishes the same list
     assert parse_job_ended(decode(encode(restarted[0]))) == [JobEnded("stateful", RUN_B, "cancelled")]
+
+
+def test_an_operator_cancelling_a_job_not_served_announces_its_end_even_with_no_broker_now(tmp_path):
+    """The cancel is stored and the notice listed (stored) at once; publishing it fails (no broker
+    here) without failing the cancel: it goes out on the service's next connect."""
+    from aggregator.jobs.device_state_fields import RUN_KEY
+    from aggregator.service.job_end import SETTING
+    from aggregator.service.loop import AggregatorService
+    from aggregator.storage.store import Store
+    from protocols.mqtt_link import BrokerConfig
+
+    store = Store(tmp_path / "agg.db")
+    svc = AggregatorService(None, BrokerConfig.from_url("mqtt://127.0.0.1:1"), tmp_path / "out", store=store)
+    svc.create_job("scaffold", {"job_id": "s1", "num_classes": 3, "feature_dim": 4})
+    store.open_round("s1", 1, ["d0"], {"d0": "t" * 32}, {RUN_KEY: RUN_A}, time.time() + 60)
+    assert svc.control_job("s1", "cancel")["state"] == "cancelled"
+    assert [JobEnded.from_wire(e) for e in json.loads(store.setting(SETTING))] == [JobEnded("s1", RUN_A, "cancelled")]
 
 
 # ---------------------------------------------------------------------------------------------- over mosquitto
@@ -190,15 +208,22 @@ def python_device_answers(folder, notices: list[bytes], key: bytes) -> list[str]
     return answers + ["JOBS " + ",".join(sorted(store.jobs()))]
 
 
-def test_the_java_device_applies_job_ended_as_the_python_device_does(tmp_path):
+@pytest.fixture(scope="module")
+def java_cp() -> str:
+    """The Java library and its test drivers, built once per run (shared with the other Java tests)."""
+    import java_build
+
+    if java_build.missing() is not None:
+        pytest.skip(java_build.missing())
+    return java_build.built()
+
+
+def test_the_java_device_applies_job_ended_as_the_python_device_does(java_cp, tmp_path):
     """Both libraries' stores hold the same jobs (written by the Python store; the Java store opens
     the same files); the same signed messages — a forged one, an unsigned one, a replay of an older
     run, a malformed one, then the genuine one — leave the same jobs in each."""
     import subprocess
 
-    import java_build
-    if java_build.missing() is not None:
-        pytest.skip(java_build.missing())
     from edge_client.state import DeviceStateStore
 
     aggregator, forger = DeviceIdentity.generate(AGGREGATOR_ID), DeviceIdentity.generate(AGGREGATOR_ID)
@@ -220,7 +245,7 @@ def test_the_java_device_applies_job_ended_as_the_python_device_does(tmp_path):
         (tmp_path / f"notice{i}.bin").write_bytes(raw)
         script.append(f"ended {tmp_path / f'notice{i}.bin'} {aggregator.public_key_bytes.hex()}")
     (tmp_path / "script").write_text("\n".join(script + ["open 1000000"]) + "\n")
-    out = subprocess.run(["java", "-cp", java_build.built(), "StateRunner", str(tmp_path / "java"), str(tmp_path / "script")],
+    out = subprocess.run(["java", "-cp", java_cp, "StateRunner", str(tmp_path / "java"), str(tmp_path / "script")],
                          capture_output=True, text=True, timeout=60)
     answers = out.stdout.splitlines()
     assert answers[0] == "JOBS j1,j2,j3", out.stderr
