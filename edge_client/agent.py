@@ -5,7 +5,9 @@ raw payloads to the agent's :class:`~protocols.message_loop.MessageLoop`; the lo
 device host pumping it) decodes them, drives the sans-IO
 :class:`protocols.rounds.DeviceSession` and executes its actions (start work, send result,
 retry). Work itself is done by *task handlers* registered per ``kind`` (e.g. ``fed3r.stats``),
-so the agent knows nothing about any algorithm.
+so the agent knows nothing about any algorithm. Given the device's state store (``state``), it also
+follows the aggregator's retained ``job.ended`` list and drops an ended job's state for the run
+that ended (protocols/payloads/job_end.py).
 
 ``AgentHooks`` is how the environment shapes behaviour without the agent knowing about it: the
 emulated fleet uses it for compute slowdown, upload bandwidth caps, mid-task drop-outs and
