@@ -5,7 +5,9 @@ raw payloads to the agent's :class:`~protocols.message_loop.MessageLoop`; the lo
 device host pumping it) decodes them, drives the sans-IO
 :class:`protocols.rounds.DeviceSession` and executes its actions (start work, send result,
 retry). Work itself is done by *task handlers* registered per ``kind`` (e.g. ``fed3r.stats``),
-so the agent knows nothing about any algorithm.
+so the agent knows nothing about any algorithm. Given the device's state store (``state``), it also
+follows the aggregator's retained ``job.ended`` list and drops an ended job's state for the run
+that ended (protocols/payloads/job_end.py).
 
 ``AgentHooks`` is how the environment shapes behaviour without the agent knowing about it: the
 emulated fleet uses it for compute slowdown, upload bandwidth caps, mid-task drop-outs and
@@ -26,10 +28,13 @@ from protocols.chunking import DEFAULT_CHUNK_SIZE, MessageAssembler
 from protocols.envelope import EnvelopeError, encode
 from protocols.message_loop import MessageLoop
 from protocols.mqtt_link import BrokerConfig, MqttLink
+from protocols.payloads.job_end import JOB_ENDED, MAX_NOTICES, parse_job_ended
 from protocols.rounds import (AckArrived, DeviceSession, DeviceState, ResultSent, SendDecline, SendResult,
                               StartWork, TaskArrived, Tick, WorkFailed, WorkFinished)
 from protocols.identity import sender_verifier
 from protocols.topics import AGGREGATOR_ID, Topics
+
+from edge_client.state import DeviceStateStore
 
 log = logging.getLogger("fedfleet.device")
 
@@ -91,8 +96,12 @@ class DeviceAgent:
                  protocol_handlers: dict[str, Any] | None = None,
                  signer: Callable[[bytes], bytes] | None = None,
                  link_factory: Callable[..., MqttLink] = MqttLink,
-                 aggregator_key: bytes | None = None):
+                 aggregator_key: bytes | None = None, state: DeviceStateStore | None = None):
         self.device_id = device_id
+        # the device's per-job state (the stateful handlers' store): a job's goes when the aggregator
+        # says the job ended (``job.ended`` on the retained Topics.job_ends, signed like its tasks)
+        self.state = state
+        self._ignored_ends: set[tuple[str, str]] = set()     # notices of jobs/runs this device holds nothing of
         # Ed25519 signing of every envelope (DeviceIdentity.sign) when the aggregator requires it.
         self.signer = signer
         # Multi-message protocols (secure aggregation): task kind or message type -> an object with
@@ -120,7 +129,8 @@ class DeviceAgent:
         # event loop when one process hosts thousands of emulated devices (fedfleet.emulation.host).
         self.link = link_factory(
             client_id=device_id, broker=broker, on_message=lambda t, p: self.loop.post((t, p)),
-            subscriptions=[(topics.inbox(device_id), 1)], on_connect=self._announce,
+            subscriptions=[(topics.inbox(device_id), 1)] + [(topics.job_ends, 1)] * (state is not None),
+            on_connect=self._announce,
             will=(topics.presence(device_id), encode(offline, signer=signer), True))
         self.online = False
         self._outage_until = 0.0
@@ -210,6 +220,8 @@ class DeviceAgent:
                 self.stats.bytes_up += self.link.publish_envelope(
                     self.topics.outbox(self.device_id), out, chunk_size=self.chunk_size, signer=self.signer,
                     before_each=self.hooks.before_upload)
+        elif env.type == JOB_ENDED:
+            self._on_job_ended(env)
         elif env.type == M.ACK:
             ref_id, status, reason = M.parse_ack(env)
             self.stats.acks[status] = self.stats.acks.get(status, 0) + 1
@@ -218,6 +230,21 @@ class DeviceAgent:
             self.session.handle(AckArrived(ref_id, status))
         else:
             log.info("%s: ignoring message type %s", self.device_id, env.type)
+
+    def _on_job_ended(self, env) -> None:
+        """Drop the state of each ended job this device holds for the run that ended; say once
+        per (job, run) that a notice changed nothing (the retained list comes on every connect)."""
+        if self.state is None:
+            return
+        for notice in parse_job_ended(env):
+            if self.state.drop_run(notice.job, notice.run):
+                log.info("%s: job %s %s: its state dropped", self.device_id, notice.job, notice.reason)
+            elif (notice.job, notice.run) not in self._ignored_ends:
+                if len(self._ignored_ends) >= 4 * MAX_NOTICES:       # bounded, whoever sends notices
+                    self._ignored_ends.clear()
+                self._ignored_ends.add((notice.job, notice.run))
+                log.info("%s: job %s (run %s) %s: no state of that run here, nothing dropped",
+                         self.device_id, notice.job, notice.run, notice.reason)
 
     def _execute(self, actions: list) -> None:
         for act in actions:

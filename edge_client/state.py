@@ -17,9 +17,11 @@ tasks, a phone's app may be killed between rounds), so the state lives on the de
 * **bounded**: the store has a byte budget for all jobs together; :meth:`DeviceStateStore.admit`
   refuses a job whose state would not fit next to the other jobs' (the handler declines the
   task with that reason, and the aggregator records it); nothing is ever evicted to make room;
-* **dropped** when it expires (each task says for how long the job may still need it, the
-  job's horizon; expired entries go on the next open), when the job's run changes, and all at
-  once by :meth:`DeviceStateStore.forget` (the operator forgot the device; ``fedfleet device
+* **dropped** when the aggregator says the job ended (``job.ended``, protocols/payloads/job_end.py:
+  :meth:`DeviceStateStore.drop_run`, only the run that ended), when it expires (each task says
+  for how long the job may still need it, the job's horizon: the fallback for a device that
+  missed the notice; expired entries go on the next open), when the job's run changes, and all
+  at once by :meth:`DeviceStateStore.forget` (the operator forgot the device; ``fedfleet device
   --forget-state``);
 * **never sent**: nothing here publishes anything; a handler uploads only what its algorithm
   uploads (FedSim's Δu, Scaffold's Δy and Δc), never the stored arrays themselves.
@@ -198,6 +200,16 @@ class DeviceStateStore:
         existed = path.exists()
         path.unlink(missing_ok=True)
         return existed
+
+    def drop_run(self, job_id: str, run: str) -> bool:
+        """Remove the job's state if it is ``run``'s (that run of the job ended); whether it was.
+        State of another run stays: a notice replayed from an older run never wipes a newer one's."""
+        path = self._path(job_id)
+        entry = self._read(path)
+        if entry is None or entry.job_id != job_id or entry.run != run:
+            return False
+        path.unlink(missing_ok=True)
+        return True
 
     def forget(self) -> int:
         """Remove every job's state (the operator forgot this device); how many entries went."""

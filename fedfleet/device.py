@@ -118,10 +118,10 @@ def run_device(args) -> int:
     handlers = device_handlers(LocalData(images, labels, train_idx, holdout_idx), extractors,
                                HandlerConfig(str(args.training_bundle) if args.training_bundle else None,
                                              str(args.tail_bundle) if args.tail_bundle else None),
-                               state=state_store(args))
+                               state=(state := state_store(args)))
     signer, protocol_handlers = _signing(args, handlers)
     agent = DeviceAgent(args.id, broker, handlers, Topics(args.topic_root), signer=signer,
-                        protocol_handlers=protocol_handlers,
+                        protocol_handlers=protocol_handlers, state=state,
                         aggregator_key=bytes.fromhex(args.aggregator_key) if args.aggregator_key else None).start()
     follower = None
     if args.deployments:

@@ -5,6 +5,7 @@
     {root}/v1/broadcast              aggregator -> every device (job announcements)
     {root}/v1/presence/{device}      retained "online"/"offline"; the offline one is the last will
     {root}/v1/status                 retained aggregator status (job, round, progress) for dashboards
+    {root}/v1/jobs/ended             retained: the jobs that ended lately (devices drop their state)
     {root}/v1/deploy/{device}        retained: the model version the device should run (rollout)
     {root}/v1/deploy/{device}/out    device -> aggregator: head fetches and reports of a rollout
     {root}/v1/deploy/{device}/in     aggregator -> device: the head it fetched
@@ -88,6 +89,11 @@ class Topics:
         return f"{self.base}/status"
 
     @property
+    def job_ends(self) -> str:
+        """Retained ``job.ended`` (protocols/payloads/job_end.py): every device reads it."""
+        return f"{self.base}/jobs/ended"
+
+    @property
     def all_outboxes(self) -> str:
         return f"{self.base}/dev/+/out"
 
@@ -104,7 +110,8 @@ class Topics:
     @property
     def downlinks(self) -> tuple[str, ...]:
         """Filters of every topic the aggregator publishes on for devices (bridged the other way)."""
-        return (f"{self.base}/dev/+/in", f"{self.base}/deploy/+/in", self.broadcast, self.status)
+        return (f"{self.base}/dev/+/in", f"{self.base}/deploy/+/in", self.broadcast, self.status,
+                self.job_ends)
 
     def device_of(self, topic: str) -> str | None:
         """The device id in an outbox or presence topic, else None."""

@@ -13,13 +13,15 @@ the Python device:
 * a malformed task is declined with its reason, and a device without a state store declines.
 
 * a mixed fleet over mosquitto (tests/test_java_tasks.py's harness): Java and Python devices in
-  one Scaffold(ψ), Ditto or FedAlt(ψ) job, the global head (and Scaffold's server control) and each
-  device's kept state equal to an in-process replay's.
+  one Scaffold(ψ), Ditto or FedAlt(ψ) job, the global head (and Scaffold's server control) equal
+  to an in-process replay's; when the job ends (``job.ended``) every device, Java or Python, drops
+  its state for the job (the state a Java device keeps after two rounds is the golden vectors').
 """
 
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -167,8 +169,9 @@ def test_mixed_java_and_python_fleet_runs_a_stateful_job_with_state_kept_on_each
     devices in one Scaffold(ψ) / Ditto / FedAlt(ψ) job over mosquitto, all five in each of 2 rounds:
     every device contributes every round (the second from the state it kept), and the final global
     head (and Scaffold's server control) equal an in-process replay in which Python devices (each
-    with its own store) hold the Java devices' data; each Java device keeps the state the replay's
-    device keeps, which the Python store opens."""
+    with its own store) hold the Java devices' data. Once the job is done, the aggregator's
+    ``job.ended`` makes every device drop its state for the job (opened with the Python store),
+    while the replay's devices, told nothing, still hold round 2's."""
     from ops_fleet import Features, replay_round
     from test_java_tasks import JAVA_IDS, PY_IDS, personal_data, serve, start_java_devices, stop_mixed_fleet
 
@@ -190,13 +193,19 @@ def test_mixed_java_and_python_fleet_runs_a_stateful_job_with_state_kept_on_each
         held = () if kind == "scaffold.head" else personal_data(50 + i, 30, list(range(C)))   # the JVM's held-out split
         return handler_type(*device_data(i), lambda b, s, w: Features(D), store, *held)
 
-    agents = [DeviceAgent(d, BrokerConfig.from_url(broker.url), {kind: handler(len(JAVA_IDS) + i, d, "py")}).start()
-              for i, d in enumerate(PY_IDS)]
+    py_handlers = {d: handler(len(JAVA_IDS) + i, d, "py") for i, d in enumerate(PY_IDS)}
+    agents = [DeviceAgent(d, BrokerConfig.from_url(broker.url), {kind: py_handlers[d]}, state=py_handlers[d].store).start()
+              for d in PY_IDS]
+    stores = [DeviceStateStore(tmp_path / "java-state" / d) for d in JAVA_IDS] + [h.store for h in py_handlers.values()]
     try:
         served["thread"].join(120)
         result = served["result"]
         assert result.get("state") == "done" and len(result["rounds"]) == 2, result
         assert all(sorted(r["accepted"]) == sorted(ids) for r in result["rounds"]), result["rounds"]
+        deadline = time.monotonic() + 10           # job.ended: every device, Java or Python, drops the job's state
+        while any(s.jobs() for s in stores) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(s.jobs() for s in stores), [s.jobs() for s in stores]
     finally:
         out, err = stop_mixed_fleet(agents, jvm)
     assert jvm.returncode == 0, err[-3000:]
@@ -215,8 +224,6 @@ def test_mixed_java_and_python_fleet_runs_a_stateful_job_with_state_kept_on_each
             assert np.abs(job.control[k] - replay.control[k]).max() <= CONTROL_ATOL, k
     start = job_type(config_type(**cfg)).params["weight"]
     assert np.abs(job.params["weight"] - start).max() > 100 * HEAD_ATOL            # it trained: the check can fail
-    for d in JAVA_IDS:          # each Java device keeps its own state, bound to the job's run, at round 2
-        kept = DeviceStateStore(tmp_path / "java-state" / d).load(cfg["job_id"], None)
-        mine = DeviceStateStore(tmp_path / "replay" / d).load(cfg["job_id"], None)
-        assert kept.round == mine.round == 2 and sorted(kept.arrays) == sorted(mine.arrays), d
-        assert all(np.abs(kept.arrays[k] - mine.arrays[k]).max() <= CONTROL_ATOL for k in kept.arrays), d
+    for d in JAVA_IDS:          # the replay's devices (no job.ended) still hold round 2's state; the Java devices none
+        assert DeviceStateStore(tmp_path / "replay" / d).load(cfg["job_id"], None).round == 2, d
+        assert DeviceStateStore(tmp_path / "java-state" / d).load(cfg["job_id"], None) is None, d

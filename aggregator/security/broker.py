@@ -19,9 +19,10 @@ Files in ``directory`` (all written atomically: temp file + rename):
 
 ACL, with T = ``{root}/v1``::
 
-    aggregator              read  T/dev/+/out, T/presence/+   write T/dev/+/in, T/broadcast, T/status
+    aggregator              read  T/dev/+/out, T/presence/+   write T/dev/+/in, T/broadcast, T/status,
+                                                               T/jobs/ended
     aggregator/deployments  read  T/deploy/+/out               write T/deploy/+, T/deploy/+/in
-    device d                write T/dev/d/out, T/presence/d   read  T/dev/d/in, T/broadcast
+    device d                write T/dev/d/out, T/presence/d   read  T/dev/d/in, T/broadcast, T/jobs/ended
     d/deploy                read  T/deploy/d, T/deploy/d/in    write T/deploy/d/out
     d/fetch                 read  T/dev/d/in                   write T/dev/d/out   (a bundle fetched on demand)
 
@@ -94,13 +95,14 @@ def acl_text(topics: Topics, devices: Iterable[str]) -> str:
     t = topics
     lines = [f"user {AGGREGATOR_ID}",
              f"topic read {t.all_outboxes}", f"topic read {t.all_presence}",
-             f"topic write {t.base}/dev/+/in", f"topic write {t.broadcast}", f"topic readwrite {t.status}", "",
+             f"topic write {t.base}/dev/+/in", f"topic write {t.broadcast}", f"topic readwrite {t.status}",
+             f"topic write {t.job_ends}", "",
              f"user {role_account(AGGREGATOR_ID, CONTROLLER_ROLE)}",
              f"topic read {t.all_deploy_outs}", f"topic write {t.base}/deploy/+", f"topic write {t.base}/deploy/+/in", ""]
     for d in sorted(devices):
         check_device_id(d)   # no wildcards or extra levels can reach the ACL
         lines += [f"user {d}", f"topic write {t.outbox(d)}", f"topic write {t.presence(d)}",
-                  f"topic read {t.inbox(d)}", f"topic read {t.broadcast}", "",
+                  f"topic read {t.inbox(d)}", f"topic read {t.broadcast}", f"topic read {t.job_ends}", "",
                   f"user {role_account(d, DEPLOY_ROLE)}",
                   f"topic read {t.deploy(d)}", f"topic read {t.deploy_in(d)}", f"topic write {t.deploy_out(d)}", "",
                   f"user {role_account(d, FETCH_ROLE)}", f"topic write {t.outbox(d)}", f"topic read {t.inbox(d)}", ""]

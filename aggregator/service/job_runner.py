@@ -28,6 +28,7 @@ from aggregator.storage.round_log import FILE_NAME as ROUND_LOG, SETTING_PREFIX,
 from aggregator.service.active_job import ActiveJob
 from aggregator.service.canonical import reported_job
 from aggregator.service.crash_points import CrashPoints
+from aggregator.service.job_end import JobEndNotices
 from aggregator.service.job_outcome import judged_state
 from aggregator.security.fleet import Fleet
 from aggregator.service.contribution_writer import ContributionWriter
@@ -55,6 +56,7 @@ class RunnerServices:
     evaluate_every_contribution: bool = True
     offline_grace_s: float = 120.0
     writer: ContributionWriter | None = None
+    job_ends: JobEndNotices | None = None    # told when the job ends: its devices drop their state
 
 
 class JobRunner:
@@ -69,7 +71,7 @@ class JobRunner:
         # an order-free job reports its contributions summed in canonical order (aggregator/service/canonical.py):
         # only then is what it applied worth keeping
         self.canonical = store is not None and a.job.order_free and a.kind in KINDS
-        self.on_fatal = s.on_fatal
+        self.on_fatal, self.job_ends = s.on_fatal, s.job_ends
         self.send, self.publish_status_body, self.bytes_sent = s.send, s.publish_status, s.bytes_sent
         self.eval_set, self.checkpoints = s.eval_set, s.checkpoints
         # a device offline for longer than this (or revoked) no longer keeps the job from finishing
@@ -385,6 +387,8 @@ class JobRunner:
                 self.store.finish_job(a.job_id, state, compact, a.stats.to_dict(), model, final_eval, a.job.round)
             # an interrupted job (timeout, SIGTERM) stays "running"/"paused" in the store: the next
             # start of the service resumes it, exactly as after a crash
+        if state in FINAL_JOB_STATES and self.job_ends is not None:     # durable first, then the devices drop its state
+            self.job_ends.ended(a.job_id, state, a.job)
         summary["finished_at"] = time.time()        # its final state is durable (the files below are copies)
         self.crash("job_finished")
         reporting.write_job_files(a.out_dir, final_job, summary)

@@ -68,6 +68,7 @@ from aggregator.service.contribution_writer import ContributionWriter
 from aggregator.service.ingest import IngestWorkers, accepted_parser, refusal
 from aggregator.service.operator_actions import OperatorActions
 from aggregator.jobs.base import Job
+from aggregator.service.job_end import JobEndNotices
 from aggregator.service.job_runner import JobRunner, RunnerServices
 from aggregator.jobs.registry import KINDS, build_job, job_kind_name
 from aggregator.jobs.secure_rounds import LateProtocolMessage
@@ -122,6 +123,9 @@ class AggregatorService(OperatorActions):
         # stored on the writer's thread (aggregator/service/contribution_writer.py)
         self.ingest = IngestWorkers(ingest_workers) if ingest_workers else None
         self.writer = ContributionWriter(store, lambda: self.loop.post(("stored",))) if store is not None else None
+        # the jobs that ended lately, retained for every device to drop their state (service/job_end.py)
+        self.job_ends = JobEndNotices(store, lambda env: self.link.publish(     # waited for: a stop may follow
+            topics.job_ends, encode(env, signer=self._signer), retain=True, wait=True))
         self.last_finished: ActiveJob | None = None
         self.active: ActiveJob | None = None
         self.runner: JobRunner | None = None
@@ -186,8 +190,10 @@ class AggregatorService(OperatorActions):
             self._on_validated(*item[1:])
         elif item[0] == "stored" and self.runner is not None:
             self.runner.on_stored()
-        elif item[0] == "connected" and self.runner is not None:
-            self.runner.resend_tasks(self.fleet.online)
+        elif item[0] == "connected":
+            self.job_ends.publish()
+            if self.runner is not None:
+                self.runner.resend_tasks(self.fleet.online)
 
     def _refused(self, item: tuple | None, exc: Exception) -> None:
         """Last resort: whatever one inbound message causes is that message's refusal; anything
@@ -216,7 +222,7 @@ class AggregatorService(OperatorActions):
             fleet=self.fleet, store=self.store, crash=self.crash, send=self._send, publish_status=self._publish_status,
             bytes_sent=lambda: self.link.bytes_sent, on_fatal=self._job_broken, eval_set=self.eval_set,
             checkpoints=self.checkpoints, evaluate_every_contribution=self.evaluate_every_contribution,
-            offline_grace_s=self.offline_grace_s, writer=self.writer))
+            offline_grace_s=self.offline_grace_s, writer=self.writer, job_ends=self.job_ends))
 
     def _job_broken(self, reason: str, stop: bool = False) -> None:
         """The job cannot go on as it is: rebuild it from the store (which no longer replays what

@@ -15,7 +15,7 @@ from aggregator.storage.schema import JobState
 
 class OperatorActions:
     """Mixed into :class:`aggregator.service.loop.AggregatorService`, whose state (``fleet``, ``store``,
-    ``active``, ``eval_set``, ``artifacts``) and hooks (``_device_lost``, ``_job_broken``, ``_update_live``) it uses."""
+    ``active``, ``eval_set``, ``artifacts``, ``job_ends``) and hooks (``_device_lost``, ``_job_broken``, ``_update_live``) it uses."""
 
     def enroll(self, device_id: str, public_key: bytes | None = None) -> DeviceCredentials:
         return self.fleet.enroll(device_id, public_key)
@@ -67,6 +67,9 @@ class OperatorActions:
 
     def control_job(self, job_id: str, action: str) -> dict:
         """start / pause / resume / cancel."""
-        return job_lifecycle.control_job(self.store, self.active, job_id, action)
+        row = job_lifecycle.control_job(self.store, self.active, job_id, action)
+        if row["state"] == JobState.CANCELLED:     # ended now (the served job ends when its open round closes)
+            self.job_ends.ended(job_id, JobState.CANCELLED)
+        return row
 
     # ------------------------------------------------------------------ jobs

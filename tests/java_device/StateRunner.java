@@ -8,6 +8,8 @@
 //                                               y = -x (shape (1, n)); "SAVED" or "BUDGET <reason>"
 //   load <job> <run|-> <round|-> <staleness|->  "NONE" or "ENTRY <run> <round> <x values> | <y shape>"
 //   drop <job> | forget | used                  "DROPPED true|false", "FORGOT <n>", "USED <bytes>"
+//   ended <file> <aggregator key hex>           a `job.ended` message (JobEnded) verified with the key and
+//                                               applied: "ENDED <jobs whose state went>" or "REFUSED <why>"
 import java.io.File;
 import java.nio.file.*;
 import java.util.*;
@@ -41,6 +43,7 @@ public final class StateRunner {
                 case "load": System.out.println(load(store, a)); break;
                 case "drop": System.out.println("DROPPED " + store.drop(a[1])); break;
                 case "forget": System.out.println("FORGOT " + store.forget()); break;
+                case "ended": System.out.println(ended(store, a[1], a[2])); break;
                 case "used": System.out.println("USED " + store.usedBytes(null)); break;
                 default: throw new IllegalArgumentException(line);
             }
@@ -63,6 +66,18 @@ public final class StateRunner {
         StringBuilder s = new StringBuilder("ENTRY " + e.run + " " + e.round);
         for (float v : e.arrays.get("x").floats()) s.append(' ').append(v);
         return s.append(" | ").append(Arrays.toString(e.arrays.get("y").shape)).toString();
+    }
+
+    private static String ended(DeviceStateStore store, String file, String keyHex) throws Exception {
+        try {
+            org.fedfleet.wire.Envelope.Message env = org.fedfleet.wire.Envelope.decode(
+                    Files.readAllBytes(Paths.get(file)), org.fedfleet.wire.Envelope.unhex(keyHex), 1 << 20);
+            List<String> jobs = new ArrayList<>();
+            for (JobEnded n : JobEnded.apply(JobEnded.parse(env), store)) jobs.add(n.job);
+            return "ENDED " + String.join(",", jobs);
+        } catch (org.fedfleet.wire.Envelope.EnvelopeError e) {
+            return "REFUSED " + e.getMessage();
+        }
     }
 
     private static String opt(String v) { return v.equals("-") ? null : v; }

@@ -17,8 +17,10 @@
 //   restarts: c_k = 0, v_k = the global head);
 // * bounded: one byte budget for all jobs together; admit refuses a job whose state would not fit
 //   next to the other jobs' (the task is declined with that reason); nothing is evicted for room;
-// * dropped when it expires (each task names the job's horizon ttl_s; expired entries go on the
-//   next open), when the job's run changes, and all at once by forget() (the device forgotten);
+// * dropped when the aggregator says the job ended (`job.ended`, JobEnded: dropRun, only the run
+//   that ended), when it expires (each task names the job's horizon ttl_s: the fallback for a device
+//   that missed the notice; expired entries go on the next open), when the job's run changes, and
+//   all at once by forget() (the device forgotten);
 // * never sent: nothing here publishes anything.
 // java.io only (Android), as ModelSlot.
 package org.fedfleet.device;
@@ -199,6 +201,14 @@ public final class DeviceStateStore {
     /** Remove the job's state (its job ended); whether there was any. */
     public synchronized boolean drop(String jobId) {
         return path(jobId).delete();
+    }
+
+    /** Remove the job's state if it is `run`'s (that run of the job ended: `job.ended`); whether it was.
+     *  Another run's state stays: a notice replayed from an older run never wipes a newer one's. */
+    public synchronized boolean dropRun(String jobId, String run) {
+        File file = path(jobId);
+        Entry e = read(file);
+        return e != null && jobId.equals(e.jobId) && run.equals(e.run) && file.delete();
     }
 
     /** Remove every job's state (the device forgotten); how many files went. */

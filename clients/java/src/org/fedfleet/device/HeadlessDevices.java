@@ -76,6 +76,7 @@ public final class HeadlessDevices {
                 handlers.put(PartialTask.KIND, new PartialTask(data, heldOut, new PrecomputedFeatures(data.dim), store));
             }
             MqttAgent.Options o = copy(base);
+            if (stateDir != null) o.state = store(new java.io.File(stateDir, d[0]), stateBudget);
             if (!d[2].equals("-")) {
                 o.signer = Identity.fromSeed(d[0], Envelope.unhex(d[2]));
                 if (o.aggregatorKey != null) {    // enrolled and trusting the aggregator: Fed3R-Sync and secure FedAvg too

@@ -51,6 +51,9 @@ public final class MqttAgent implements AutoCloseable {
         /** Task kinds answered under secure aggregation (e.g. SecureFed3RTask.KIND); they need
          *  signer to be the device's Identity (enrolled with the aggregator) and aggregatorKey. */
         public Map<String, SecureTask> secure = new LinkedHashMap<>();
+        /** The stateful handlers' store: a job's state goes when the aggregator says the job ended
+         *  (`job.ended` on the retained Topics.jobEnds, verified like every aggregator message). */
+        public DeviceStateStore state;
     }
 
     public final String deviceId;
@@ -68,6 +71,7 @@ public final class MqttAgent implements AutoCloseable {
     public final Map<String, Integer> acks = Collections.synchronizedMap(new HashMap<String, Integer>());
     private final CountDownLatch firstConnect = new CountDownLatch(1);
     private final SecAggSessions secagg;
+    private final java.util.Set<String> ignoredEnds = new java.util.HashSet<>();   // notices that changed nothing, logged once
 
     public MqttAgent(String deviceId, URI broker, Map<String, TaskHandler> handlers, Options options) throws Exception {
         this.deviceId = Topics.checkDeviceId(deviceId);
@@ -119,7 +123,9 @@ public final class MqttAgent implements AutoCloseable {
 
     private void announce() {
         // on every (re)connect: subscribe again (harmless with a persistent session) and say online
-        connection.subscribe(new Topic[] {new Topic(o.topics.inbox(deviceId), QoS.AT_LEAST_ONCE)}, new Callback<byte[]>() {
+        Topic inbox = new Topic(o.topics.inbox(deviceId), QoS.AT_LEAST_ONCE);
+        Topic[] topics = o.state == null ? new Topic[] {inbox} : new Topic[] {inbox, new Topic(o.topics.jobEnds(), QoS.AT_LEAST_ONCE)};
+        connection.subscribe(topics, new Callback<byte[]>() {
             @Override public void onSuccess(byte[] granted) {
                 try {
                     connection.publish(o.topics.presence(deviceId), presence(true), QoS.AT_LEAST_ONCE, true, new Callback<Void>() {
@@ -193,6 +199,8 @@ public final class MqttAgent implements AutoCloseable {
                     LOG.warning(deviceId + ": could not send a secagg reply: " + e);
                 }
             }
+        } else if (JobEnded.TYPE.equals(env.type())) {
+            if (o.state != null) onJobEnded(JobEnded.parse(env));
         } else if ("ack".equals(env.type())) {
             String[] ack = Messages.parseAck(env);
             acks.merge(ack[1], 1, Integer::sum);
@@ -200,6 +208,19 @@ public final class MqttAgent implements AutoCloseable {
             session.onAck(ack[0]);
         } else {
             LOG.info(deviceId + ": ignoring message type " + env.type());
+        }
+    }
+
+    /** Drop the state of each ended job held for the run that ended; once per (job, run), say a notice changed nothing. */
+    private void onJobEnded(List<JobEnded> notices) {
+        List<JobEnded> dropped = JobEnded.apply(notices, o.state);
+        for (JobEnded n : notices) {
+            if (dropped.contains(n)) {
+                LOG.info(deviceId + ": job " + n.job + " " + n.reason + ": its state dropped");
+            } else if (ignoredEnds.add(n.job + " " + n.run)) {
+                if (ignoredEnds.size() > 4 * JobEnded.MAX_NOTICES) { ignoredEnds.clear(); ignoredEnds.add(n.job + " " + n.run); }
+                LOG.info(deviceId + ": job " + n.job + " (run " + n.run + ") " + n.reason + ": no state of that run here");
+            }
         }
     }
 

@@ -25,4 +25,6 @@ public final class Topics {
     public String inbox(String device) { return root + "/v1/dev/" + checkDeviceId(device) + "/in"; }
     public String outbox(String device) { return root + "/v1/dev/" + checkDeviceId(device) + "/out"; }
     public String presence(String device) { return root + "/v1/presence/" + checkDeviceId(device); }
+    /** Retained `job.ended` (JobEnded): every device reads it. */
+    public String jobEnds() { return root + "/v1/jobs/ended"; }
 }
