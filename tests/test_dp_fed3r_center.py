@@ -103,6 +103,7 @@ def test_job_asks_m_devices_for_the_center_then_centres_the_rest():
     assert len(first) == 3 and all(not params.get("centered") for params, *_ in first.values())
     mu = job.strategy.center.value
     assert mu is not None and job.contributions == 0                  # the center round released only μ̂
+    assert job.evaluate(None, None)["privacy"]["releases"] == 1        # ... and that is the job's one release
     second = run_round(job, h, KIND)
     assert sorted(second) == sorted(set(devices) - set(first))        # each device once
     for d, (params, tensors, body, out) in second.items():

@@ -266,7 +266,10 @@ class Fed3RJob(OncePerDevice, SplitValidation):
             if self.config.random_features:
                 Z = _rf_for(self.config).transform(Z)
             out["accuracy"] = model.score(Z, labels)
-        report = self.config.privacy_report(1 if self.contributions else 0)
+        # the center round is a release too (of other devices: parallel composition keeps it one in all)
+        released = self.contributions or (isinstance(self.strategy, NoisyFed3R) and self.strategy.center is not None
+                                          and self.strategy.center.released)
+        report = self.config.privacy_report(1 if released else 0)
         if report is not None:
             out["privacy"] = report
         return out
