@@ -18,6 +18,7 @@ from edge_client.tasks.fed3r_stats import Fed3RStatsTask
 from protocols.envelope import EnvelopeError, decode, encode
 from protocols.messages import TaskRef, result_message
 from protocols.payloads.fed3r import CENTER_TENSOR, KIND, Fed3RStats
+from protocols.rounds import RoundClosed
 
 D, C = 12, 3
 
@@ -117,6 +118,22 @@ def test_job_asks_m_devices_for_the_center_then_centres_the_rest():
     again.load_state_dict(state)                                      # a restart keeps the center
     np.testing.assert_array_equal(again.strategy.center.value, mu)
     np.testing.assert_allclose(again.model().intercept_, job.model().intercept_, rtol=1e-12)
+
+
+def test_the_center_round_waits_for_its_m_devices_and_drops_a_round_most_of_them_left():
+    job = build_job("fed3r", config(dp_center_devices=4))
+    devices = [f"cam-{i}" for i in range(9)]
+    h = handlers(devices)
+    assert job.next_participants(set(devices[:3])) == []              # 3 online < m = 4: no round yet
+    chosen = job.next_participants(set(devices))
+    assert len(chosen) == 4
+    answered = chosen[0]                                              # the other three time out
+    job.apply(answered, job.parse_result(result_envelope(h[answered], *job.task_for(answered))))
+    job.close_round(RoundClosed(job.round, (answered,), tuple(chosen[1:]), (), ()))
+    assert job.strategy.centering and job.strategy.releases == 0      # 1 of 4 < 2: dropped, not released
+    assert job.evaluate(None, None)["privacy"]["releases"] == 0
+    again = job.next_participants(set(devices))
+    assert answered not in again and len(again) == 4                  # who answered is never asked again
 
 
 def result_envelope(handler, params, tensors):

@@ -111,11 +111,15 @@ def test_jobs_that_cannot_forget_exactly_say_why_and_keep_their_data(tmp_path):
     from aggregator.service.unlearning import forget_stored
 
     store = Store(tmp_path / "s.db")
-    for kind in ("fedavg", "fed3r-sync"):
-        store.create_job(kind, kind, {"job_id": kind}, state="done")
-        store.open_round(kind, 1, ["dev01"], {"dev01": "t"}, {}, time.time() + 60)
-        store.add_contribution(kind, 1, "dev01", f"m-{kind}", b"x")
-        line = forget_stored(store, store.job(kind), "dev01")
+    jobs = {"fedavg": ("fedavg", {}), "fed3r-sync": ("fed3r-sync", {}),
+            "dp-fed3r": ("fed3r", {"dp_noise_multiplier": 2.0, "feature_clip_norm": 8.0})}
+    for job_id, (kind, config) in jobs.items():
+        store.create_job(job_id, kind, {"job_id": job_id, **config}, state="done")
+        store.open_round(job_id, 1, ["dev01"], {"dev01": "t"}, {}, time.time() + 60)
+        store.add_contribution(job_id, 1, "dev01", f"m-{job_id}", b"x")
+        line = forget_stored(store, store.job(job_id), "dev01")
         assert not line["forgotten"] and line["reason"]
-        assert [c.device for c in store.contributions(kind)] == ["dev01"] and store.forgotten(kind) == []
+        assert [c.device for c in store.contributions(job_id)] == ["dev01"] and store.forgotten(job_id) == []
     assert "masked sum" in forget_stored(store, store.job("fed3r-sync"), "dev01")["reason"]
+    # a DP job's model is its noisy releases: re-solving without the device would release the rest again
+    assert "noisy releases" in forget_stored(store, store.job("dp-fed3r"), "dev01")["reason"]

@@ -151,8 +151,10 @@ class Fed3RJob(OncePerDevice, SplitValidation):
         c = self.config
         self._bound, self._screen = c.feature_bound(), c.energy_screen()
         if self.strategy is None and c.dp:
-            center = (PrivateFeatureCenter(c.num_classes, c.p, c.dp_noise_multiplier, c.max_samples, c.feature_clip_norm)
-                      if c.dp_center_devices else None)
+            # a center round of fewer than half its m devices is dropped, not released (dp_center.py)
+            center = None if not c.dp_center_devices else PrivateFeatureCenter(
+                c.num_classes, c.p, c.dp_noise_multiplier, c.max_samples, c.feature_clip_norm,
+                min_devices=(c.dp_center_devices + 1) // 2)
             self.strategy = NoisyFed3R(c.num_classes, c.p, c.lam, c.fit_intercept, c.normalize_columns, c.mechanism(),
                                        center=center)
         elif self.strategy is None:
@@ -175,7 +177,11 @@ class Fed3RJob(OncePerDevice, SplitValidation):
 
     def next_participants(self, online: set[str], size: int | None = None) -> list[str]:
         if isinstance(self.strategy, NoisyFed3R) and self.strategy.centering:
-            size = self.config.dp_center_devices       # the center round: the operator's m devices
+            # the center round: the operator's m devices, not whoever is online first (a center of a
+            # few devices would be mostly noise, and the job's one release of them cannot be redone)
+            if len(self.eligible(online)) < self.config.dp_center_devices:
+                return []
+            size = self.config.dp_center_devices
         return super().next_participants(online, size)
 
     def task_for(self, device: str) -> tuple[dict, dict[str, np.ndarray]]:

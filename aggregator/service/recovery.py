@@ -29,6 +29,7 @@ import time
 from protocols.envelope import decode
 from protocols.rounds import Declined, ResultInvalid, RoundClosed, RoundCoordinator, RoundState, Tick
 
+from aggregator.jobs.privacy_fields import PrivacyBudgetFields
 from aggregator.service.active_job import ActiveJob, ServiceStats
 from aggregator.storage.store import FINAL_JOB_STATES, Store, StoreError
 from aggregator.storage.schema import JobState
@@ -43,6 +44,10 @@ def open_stored(a: ActiveJob, store: Store, checkpoints: bool, crash) -> None:
         # A secure round's secrets are never persisted: what survives a restart is the job
         # state checkpointed at each round close (there are no per-device results to replay).
         raise TypeError(f"{type(job).__name__} (secure aggregation) needs checkpoints to run with a store")
+    if isinstance(job.config, PrivacyBudgetFields) and job.config.dp and not checkpoints:
+        # without checkpoints a restart replays the stored contributions, closing each round again:
+        # every DP release would happen twice, with fresh noise the accountant never saw
+        raise TypeError(f"{type(job).__name__} with differential privacy needs checkpoints to run with a store")
     row = store.job(a.job_id)
     config = job.config.to_dict()
     if row is None:

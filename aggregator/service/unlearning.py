@@ -19,6 +19,11 @@ from aggregator.service.canonical import canonical_job
 from aggregator.storage.store import FINAL_JOB_STATES, Store
 
 FORGETTABLE = ("fed3r", "fedncm")      # sums of per-device statistics: re-summed without the device
+# a DP job's model is a function of its noisy releases only: re-summing without the device would be a
+# second release of every other device (fresh noise, counted nowhere), and the sums it would need are
+# never released (docs/algorithms.md, DP Fed3R)
+DP_RELEASE = ("a DP job's model comes from its noisy releases; re-solving without the device would release "
+              "every other device's statistics again")
 NOT_FORGETTABLE = {
     "fed3r-sync": "the device's statistics exist only inside its group's masked sum: removing them needs the "
                   "group re-summed without it, i.e. the other members' masked inputs again (a new secure round)",
@@ -46,6 +51,8 @@ def forget_stored(store: Store, job: dict, device: str, eval_set=None) -> dict:
     kind = job["kind"]
     if kind not in FORGETTABLE:
         return {"job_id": job["job_id"], "kind": kind, "forgotten": False, "reason": NOT_FORGETTABLE.get(kind, GRADIENT)}
+    if float((job["config"] or {}).get("dp_noise_multiplier", 0) or 0) > 0:
+        return {"job_id": job["job_id"], "kind": kind, "forgotten": False, "reason": DP_RELEASE}
     deleted = store.forget_device(job["job_id"], device)
     out = {"job_id": job["job_id"], "kind": kind, "forgotten": True, "contributions_deleted": deleted}
     if job["state"] in FINAL_JOB_STATES:

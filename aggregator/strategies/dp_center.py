@@ -36,9 +36,11 @@ from aggregator.strategies.fed3r import Fed3R
 class PrivateFeatureCenter:
     """The center round's sum, and the center it releases (module docstring)."""
 
-    def __init__(self, num_classes: int, p: int, noise_multiplier: float, max_samples: int, clip_norm: float):
+    def __init__(self, num_classes: int, p: int, noise_multiplier: float, max_samples: int, clip_norm: float,
+                 min_devices: int = 1):
         # only the intercept row of this sum is ever read (and released); p counts the bias feature
         self.pending = Fed3R(num_classes, p, fit_intercept=True, normalize_columns=False, device="cpu")
+        self.min_devices = min_devices
         self.sensitivity = max_samples * float(np.hypot(clip_norm, 1.0))
         self.noise_multiplier = float(noise_multiplier)
         self.value: np.ndarray | None = None
@@ -53,9 +55,12 @@ class PrivateFeatureCenter:
         self.pending.add(stats)
 
     def release(self, rng: np.random.Generator) -> bool:
-        """Noise (Σ z_i, n) of the round and set the center; False (nothing released) when no device
-        contributed, so the next round is the center round again."""
-        if not self.pending.n_contributions:
+        """Noise (Σ z_i, n) of the round and set the center; False (nothing released) when fewer than
+        ``min_devices`` contributed (most of the round dropped out): their sums are dropped unreleased
+        (they are in no release, so privacy holds) and the next round is the center round again."""
+        if self.pending.n_contributions < max(self.min_devices, 1):
+            self.pending = Fed3R(self.pending.num_classes, self.pending.p, fit_intercept=True, normalize_columns=False,
+                                 device="cpu")
             return False
         column = self.pending.A[:, -1].cpu().numpy()                 # (Σ z_i, n): A's intercept column
         noisy = column + rng.normal(0.0, self.noise_multiplier * self.sensitivity, column.shape)
