@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import sqlite3
-import subprocess
 import threading
 import time
 
@@ -20,8 +19,7 @@ import pytest
 from aggregator.shards.buckets import shard_of
 from fedfleet.emulation.broker import MosquittoBroker
 
-from ops_fleet import (REPO, Fleet, aggregator_cmd, aggregator_env, prepare, reference_sums, run_aggregator,
-                       run_uninterrupted)
+from ops_fleet import Fleet, prepare, reference_sums, run_aggregator, run_uninterrupted, start_aggregator_in
 
 DEVICES = [f"dev{i:02d}" for i in range(10)]
 # Ray is an optional extra (fedfleet[ray]); `make setup` installs it, so these run in CI
@@ -133,8 +131,7 @@ def test_a_shard_sigkilled_mid_ingest_resumes_bit_for_bit(tmp_path, unsharded, o
     held = [d for d in DEVICES if shard_of(d, 2) == victim][1:]     # the victim's later devices wait
     gates = {d: threading.Event() for d in held}
     with MosquittoBroker() as broker, Fleet(broker.url, DEVICES, gates=gates):
-        proc = subprocess.Popen(aggregator_cmd(tmp_path, broker.url, state, options), env=aggregator_env(),
-                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = start_aggregator_in(tmp_path, broker.url, state, options)
         try:
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:           # the victim has stored some results, not all
@@ -149,9 +146,10 @@ def test_a_shard_sigkilled_mid_ingest_resumes_bit_for_bit(tmp_path, unsharded, o
             os.kill(int((tmp_path / "state.db.shards" / f"shard-{victim}.pid").read_text()), signal.SIGKILL)
             for g in gates.values():
                 g.set()
-            out, _ = proc.communicate(timeout=120)
+            proc.wait(120)
         finally:
             proc.kill()
+    out = proc.output()
     assert proc.returncode == 0, out[-3000:]
     assert f"shard {victim} exited" in out
     assert_same_model(outputs(tmp_path / "out"), unsharded)
@@ -248,17 +246,17 @@ def test_fedavg_on_shards_resumes_bit_for_bit_after_the_coordinator_and_a_shard_
     assert rc == -9, log[-3000:]
     state, victim = tmp_path / "state.db", 0
     with MosquittoBroker() as broker, Fleet(broker.url, DEVICES, kind="fedavg"):
-        proc = subprocess.Popen(aggregator_cmd(tmp_path, broker.url, state, options), env=aggregator_env(),
-                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = start_aggregator_in(tmp_path, broker.url, state, options)
         try:
             deadline = time.monotonic() + 60
             while 2 not in fedavg_rounds_held(state, victim) and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert 2 in fedavg_rounds_held(state, victim), "the shard never stored a round-2 update"
             os.kill(int((tmp_path / "state.db.shards" / f"shard-{victim}.pid").read_text()), signal.SIGKILL)
-            out, _ = proc.communicate(timeout=120)
+            proc.wait(120)
         finally:
             proc.kill()
+    out = proc.output()
     assert proc.returncode == 0, out[-3000:]
     assert f"shard {victim} exited" in out
     assert_same_fedavg_model(fedavg_outputs(tmp_path / "out"), fedavg_unsharded)
