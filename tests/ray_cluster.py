@@ -66,10 +66,12 @@ def two_node_ray_cluster(resources: tuple[dict, dict] = ({}, {})):
             shutil.rmtree(temp, ignore_errors=True)
 
 
-def stop_cluster(temp: Path, port: int, grace_s: float = 10.0) -> None:
+def stop_cluster(temp: Path, port: int, grace_s: float = 3.0) -> None:
     """End every process of the cluster: those that name its temp dir (session) or its head's port
     on their command line (head, second node), and their descendants (agents and workers retitle
-    themselves ``ray::...``), found before any is signalled."""
+    themselves ``ray::...``), found before any is signalled. SIGTERM, then SIGKILL after
+    ``grace_s``: the raylets end at once, but the GCS server and the autoscaler's monitor were seen
+    to outlive a SIGTERM by more than 10 s (a test cluster keeps nothing worth a graceful end)."""
     marks = (str(temp).encode(), f"127.0.0.1:{port}".encode(), f"--port={port}".encode(), f"--port {port}".encode())
     cluster: set[int] = set()
 
