@@ -41,18 +41,10 @@ def unsharded(tmp_path_factory):
     return outputs(run_uninterrupted(tmp_path_factory.mktemp("unsharded"), DEVICES))
 
 
-@pytest.fixture(scope="module")
-def ray_nodes():
-    """A two-node Ray cluster: shard 0's actor goes to the head, shard 1's to the second node (the
-    custom resource each holds, ``aggregator/shards/ray_shards.py``)."""
-    from ray_cluster import two_node_ray_cluster
-
-    with two_node_ray_cluster(({"fedfleet_shard_0": 1}, {"fedfleet_shard_1": 1})) as address:
-        yield address
-
-
 def shard_options(on: str, request) -> list[str]:
-    return ["--shards", "2"] + (["--ray", request.getfixturevalue("ray_nodes")] if on == "ray" else [])
+    """A shard's Ray actor goes where its custom resource is: shard 0's to the head, shard 1's to the
+    second node (``aggregator/shards/ray_shards.py``; the shared cluster's ``SharedCluster.RESOURCES``)."""
+    return ["--shards", "2"] + (["--ray", request.getfixturevalue("ray_test_cluster")] if on == "ray" else [])
 
 
 ON = ["local", pytest.param("ray", marks=[pytest.mark.slow, needs_ray, pytest.mark.ray_cluster])]  # processes here, or Ray actors
@@ -105,11 +97,12 @@ def test_two_shards_give_one_aggregators_model_bit_for_bit(local_shards_run, uns
 @pytest.mark.slow
 @pytest.mark.ray_cluster
 @needs_ray
-def test_shards_as_ray_actors_on_two_nodes_give_the_local_shards_model_bit_for_bit(tmp_path, ray_nodes,
+def test_shards_as_ray_actors_on_two_nodes_give_the_local_shards_model_bit_for_bit(tmp_path, ray_test_cluster,
                                                                                   local_shards_run, unsharded):
     prepare(tmp_path, DEVICES)
     with MosquittoBroker() as broker, Fleet(broker.url, DEVICES):
-        rc, log = run_aggregator(tmp_path, broker.url, tmp_path / "state.db", extra=["--shards", "2", "--ray", ray_nodes])
+        rc, log = run_aggregator(tmp_path, broker.url, tmp_path / "state.db",
+                                 extra=["--shards", "2", "--ray", ray_test_cluster])
     assert rc == 0, log[-3000:]
     got = outputs(tmp_path / "out")
     assert_same_model(got, local_shards_run[0])                   # the local shards' bytes
