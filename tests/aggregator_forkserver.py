@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -42,14 +43,25 @@ def serve() -> None:
 
     children: set[int] = set()
     stdin = os.fdopen(0, "rb", buffering=0)     # unbuffered: select() then sees every line that is not read yet
+    # a child's exit wakes select() (a byte on this pipe), so the server sleeps until there is work
+    woken, wake = os.pipe()
+    os.set_blocking(wake, False)
+    signal.set_wakeup_fd(wake)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
     while True:
-        ready, _, _ = select.select([stdin], [], [], 0.02)
-        if ready:
+        ready, _, _ = select.select([stdin, woken], [], [])
+        if woken in ready:
+            os.read(woken, 512)
+        if stdin in ready:
             line = stdin.readline()
             if not line:                       # the test process went away: so do we
                 return
             pid = os.fork()
             if pid == 0:
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)     # as in a fresh interpreter
+                os.close(woken)
+                os.close(wake)
                 _child(json.loads(line))       # never returns
             children.add(pid)
             _answer({"pid": pid})
