@@ -111,10 +111,12 @@ class ForkedAggregator:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        with self.server.changed:
-            if not self.server.changed.wait_for(lambda: self.pid in self.server.exits, timeout):
+        server = self.server
+        with server.changed:
+            if not server.changed.wait_for(lambda: self.pid in server.exits or server.gone, timeout):
                 raise subprocess.TimeoutExpired(f"aggregator {self.pid}", timeout)
-        return self.server.exits[self.pid]
+        assert self.pid in server.exits, f"the aggregator fork server ended ({server.proc.wait()}) before its child"
+        return server.exits[self.pid]
 
     def kill(self) -> None:
         if self.returncode is None:
@@ -147,6 +149,7 @@ class ForkServer:
         self.proc = subprocess.Popen([sys.executable, "-c", "from aggregator_forkserver import serve; serve()"],
                                      env=env, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.exits: dict[int, int] = {}
+        self.gone = False
         self.started: list[int] = []
         self.changed = threading.Condition()
         self.lock = threading.Lock()            # one start request in flight at a time
@@ -162,6 +165,7 @@ class ForkServer:
                     self.exits[message["exited"]] = message["rc"]
                 self.changed.notify_all()
         with self.changed:
+            self.gone = True                    # every answer read: no exit is reported any more
             self.changed.notify_all()
 
     def start(self, argv: list[str], env: dict, cwd: Path, log: Path, timeout: float = 60) -> ForkedAggregator:
@@ -171,9 +175,9 @@ class ForkServer:
             known = len(self.started)
             self.proc.stdin.write(request + "\n")
             self.proc.stdin.flush()
-            if not self.changed.wait_for(lambda: len(self.started) > known or self.proc.poll() is not None, timeout):
+            if not self.changed.wait_for(lambda: len(self.started) > known or self.gone, timeout):
                 raise AssertionError("the aggregator fork server did not answer")
-            assert len(self.started) > known, f"the aggregator fork server exited ({self.proc.poll()})"
+            assert len(self.started) > known, f"the aggregator fork server ended ({self.proc.wait()})"
             return ForkedAggregator(self, self.started[known], log)
 
 
