@@ -5,6 +5,7 @@ import re
 
 import pytest
 
+from ray_cluster import SharedCluster
 from shared_build import build_once, run_folder
 
 from aggregator.compute import privacy
@@ -20,7 +21,8 @@ privacy._accounting()
 # is integration when it brings up something that takes seconds to start — a broker, an exported
 # bundle, another process, a JVM, a Ray cluster, a browser: it asks for one of these fixtures, is
 # marked ``slow``, or its file starts one itself (found in its source, so a new file needs no list).
-INTEGRATION_FIXTURES = frozenset({"broker", "mobilenet_bundle_32px", "tail_bundle", "onnx_bundle_32px"})
+INTEGRATION_FIXTURES = frozenset({"broker", "mobilenet_bundle_32px", "tail_bundle", "onnx_bundle_32px",
+                                  "ray_test_cluster"})
 STARTS_SOMETHING = re.compile(r"subprocess\.|MosquittoBroker\(|java_build|two_node_ray_cluster|second_broker|"
                               r"export_bundle\(|chromium|EmulatedFleet|serve_until_done|from export.cli import")
 # Tests in otherwise fast files that export a program, train on a real backbone or spawn workers
@@ -69,11 +71,53 @@ def _slow_files_first(items):
     files: dict = {}
     for item in items:
         files.setdefault(item.path, len(files))
-    # Within a file, the tests on the machine's one shared Ray test cluster (``ray_cluster``) go
-    # last: the file's cluster then lives only while they run, not while its other tests do,
-    # and another worker waiting for the cluster lock (tests/ray_cluster.py) waits that much less.
+    # Within a file, the tests on the shared Ray test cluster (``ray_cluster``) go last: the
+    # cluster then lives only while they run (and the next RAY_CLUSTER_FILES' file's), not while
+    # the file's other tests do.
     items.sort(key=lambda item: (-slow_tests[item.path], files[item.path],
                                  item.get_closest_marker("ray_cluster") is not None))
+
+
+# The machine's one shared Ray test cluster (tests/ray_cluster.py): the files whose tests use it
+# (marked ``ray_cluster``) run on one xdist worker, one after the other, and that worker starts one
+# cluster for them all (each file starting its own cost a cluster's start and stop, and a worker
+# idle at the cluster lock while another file's cluster ran).
+RAY_CLUSTER_FILES = frozenset({"test_shards.py", "test_fleet_ray.py", "test_secure_shards.py"})
+_RAY = SharedCluster()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under ``--dist loadfile``: each file is a unit of work, as before, but the RAY_CLUSTER_FILES
+    are one unit (a worker runs them back to back, in collection order)."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class RayFilesTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid):
+            scope = super()._split_scope(nodeid)
+            return "ray-cluster-files" if scope.rpartition("/")[2] in RAY_CLUSTER_FILES else scope
+
+    return RayFilesTogether(config, log)
+
+
+@pytest.fixture
+def ray_test_cluster():
+    """The shared two-node Ray test cluster's head address (tests marked ``ray_cluster`` only)."""
+    return _RAY.get()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """The cluster stops once the tests go on to a file that does not use it (after the test's own
+    fixtures are torn down), not at the session's end: the worker runs other files without it."""
+    if nextitem is None or nextitem.path.name not in RAY_CLUSTER_FILES:
+        _RAY.close()
+
+
+def pytest_sessionfinish(session):
+    _RAY.close()        # an interrupted session too
 
 
 @pytest.fixture

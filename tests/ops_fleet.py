@@ -1,13 +1,13 @@
 """Shared fixtures for the operations tests: a small fleet of real DeviceAgents computing real
 Fed3R statistics of synthetic features, the independent numpy reference, and the aggregator as a
-subprocess (``python -m aggregator serve``) that a test may kill and restart."""
+process of its own (``python -m aggregator serve``, forked by tests/aggregator_forkserver.py) that a
+test may kill and restart."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -16,6 +16,7 @@ from typing import Callable
 
 import numpy as np
 
+from aggregator_forkserver import ForkedAggregator, run_aggregator_process, start_aggregator
 from edge_client.agent import DeviceAgent
 from edge_client.fed3r import Fed3RAccumulator
 from protocols.mqtt_link import BrokerConfig
@@ -245,11 +246,23 @@ def aggregator_env(crash: str | None = None) -> dict:
 
 def run_aggregator(workdir: Path, broker_url: str, state: Path, crash: str | None = None,
                    timeout: float = 120, extra: list[str] = ()) -> tuple[int, str]:
-    env = aggregator_env(crash)
-    t0 = time.monotonic()
-    proc = subprocess.run(aggregator_cmd(workdir, broker_url, state, extra), env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)
-    return proc.returncode, proc.stdout + proc.stderr + f"\n[{time.monotonic() - t0:.1f}s]"
+    """``python -m aggregator serve`` on the job prepared in ``workdir`` until it exits (forked from
+    tests/aggregator_forkserver.py, which imported the aggregator once); (exit status, output)."""
+    return run_aggregator_process(aggregator_cmd(workdir, broker_url, state, extra), aggregator_env(crash), REPO,
+                                  fresh_log(workdir), timeout)
+
+
+def start_aggregator_in(workdir: Path, broker_url: str, state: Path, extra: list[str] = ()) -> ForkedAggregator:
+    """:func:`run_aggregator` without waiting: the started process (``poll``, ``wait``, ``kill``, ``output``)."""
+    return start_aggregator(aggregator_cmd(workdir, broker_url, state, extra), aggregator_env(), REPO,
+                            fresh_log(workdir))
+
+
+def fresh_log(workdir: Path) -> Path:
+    """A new file for one aggregator process's output, beside its job."""
+    logs = workdir / "aggregator-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    return logs / f"{len(list(logs.iterdir())):03d}.log"
 
 
 def wait_for(condition, timeout: float = 30.0, what: str = "condition") -> None:

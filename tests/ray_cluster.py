@@ -66,10 +66,12 @@ def two_node_ray_cluster(resources: tuple[dict, dict] = ({}, {})):
             shutil.rmtree(temp, ignore_errors=True)
 
 
-def stop_cluster(temp: Path, port: int, grace_s: float = 10.0) -> None:
+def stop_cluster(temp: Path, port: int, grace_s: float = 3.0) -> None:
     """End every process of the cluster: those that name its temp dir (session) or its head's port
     on their command line (head, second node), and their descendants (agents and workers retitle
-    themselves ``ray::...``), found before any is signalled."""
+    themselves ``ray::...``), found before any is signalled. SIGTERM, then SIGKILL after
+    ``grace_s``: the raylets end at once, but the GCS server and the autoscaler's monitor were seen
+    to outlive a SIGTERM by more than 10 s (a test cluster keeps nothing worth a graceful end)."""
     marks = (str(temp).encode(), f"127.0.0.1:{port}".encode(), f"--port={port}".encode(), f"--port {port}".encode())
     cluster: set[int] = set()
 
@@ -112,3 +114,30 @@ def stop_cluster(temp: Path, port: int, grace_s: float = 10.0) -> None:
         deadline = time.monotonic() + grace_s
         while alive() and time.monotonic() < deadline:
             time.sleep(0.2)
+
+
+class SharedCluster:
+    """One two-node cluster for every test of a pytest process that asks for it: started by the
+    first, kept while the tests that need it run back to back, stopped by :meth:`close` (conftest
+    calls it after the last of a run of such tests, and at the session's end). Both nodes hold
+    every custom resource those tests ask for (``RESOURCES``), so one cluster serves them all;
+    each ``ray start`` costs seconds of CPU and its stop seconds more."""
+
+    RESOURCES = ({"fedfleet_shard_0": 1}, {"fedfleet_shard_1": 1})    # aggregator/shards/ray_shards.py
+
+    def __init__(self):
+        self._cluster = None
+        self.address: str | None = None
+
+    def get(self) -> str:
+        """The head's address (host:port), the cluster started if it is not running."""
+        if self.address is None:
+            cluster = two_node_ray_cluster(self.RESOURCES)
+            self.address = cluster.__enter__()
+            self._cluster = cluster
+        return self.address
+
+    def close(self) -> None:
+        cluster, self._cluster, self.address = self._cluster, None, None
+        if cluster is not None:
+            cluster.__exit__(None, None, None)

@@ -1,15 +1,13 @@
 """Crash and broker-restart recovery of a Fed3R job over a real mosquitto with real device agents.
 
-The aggregator runs as a subprocess (``python -m aggregator serve --state ...``) and SIGKILLs
-itself at a named crash point (``FEDFLEET_CRASH_AT``); the test restarts it on the same state
-file until the job completes. The result must be bit-identical to an uninterrupted run, every
+The aggregator runs as a process of its own (``python -m aggregator serve --state ...``, forked by
+tests/aggregator_forkserver.py) and SIGKILLs itself at a named crash point (``FEDFLEET_CRASH_AT``);
+the test restarts it on the same state file until the job completes. The result must be bit-identical to an uninterrupted run, every
 device must have contributed exactly once, and the sums must equal an independent numpy sum.
 """
 
 import json
-import signal
 import sqlite3
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -24,8 +22,8 @@ from aggregator.storage.store import Store
 from fedfleet.emulation.broker import MosquittoBroker
 from protocols.mqtt_link import BrokerConfig
 
-from ops_fleet import (REPO, Fleet, aggregator_cmd, aggregator_env, job_config, prepare, reference_sums,
-                       run_aggregator, run_uninterrupted)
+from ops_fleet import (Fleet, job_config, prepare, reference_sums, run_aggregator, run_uninterrupted,
+                       start_aggregator_in)
 
 pytestmark = pytest.mark.slow  # aggregator subprocesses killed and restarted: xdist starts this file first
 
@@ -229,15 +227,14 @@ def test_sigkill_at_random_times_gives_the_uninterrupted_model(tmp_path, referen
     with MosquittoBroker() as broker, Fleet(broker.url, DEVICES, compute_s=0.3):   # rounds that take a while
         for delay in rng.uniform(0.0, 0.3, size=5):
             before = stored_progress(state)
-            proc = subprocess.Popen(aggregator_cmd(tmp_path, broker.url, state), env=aggregator_env(), cwd=REPO,
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            proc = start_aggregator_in(tmp_path, broker.url, state)
             deadline = time.monotonic() + 60
             while proc.poll() is None and stored_progress(state) == before and time.monotonic() < deadline:
                 time.sleep(0.02)
             time.sleep(delay)
             if proc.poll() is not None:     # the job finished first
                 break
-            proc.send_signal(signal.SIGKILL)
+            proc.kill()
             proc.wait(10)
             kills.append(stored_progress(state))
         rc, log = run_aggregator(tmp_path, broker.url, state)

@@ -23,8 +23,8 @@ store holds no empty payload, and every secure round closed with its survivors a
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
-import subprocess
 import sys
 import threading
 import time
@@ -43,7 +43,8 @@ from edge_client.handlers import LocalData, HandlerConfig, SharedExtractors, dev
 from protocols.mqtt_link import BrokerConfig
 from protocols.topics import Topics
 
-from ops_fleet import C, D, REPO, Features, Fleet, SecureKeys, feature_handlers, with_secure
+from aggregator_forkserver import start_aggregator
+from ops_fleet import C, D, REPO, Features, Fleet, SecureKeys, feature_handlers, fresh_log, with_secure
 
 TOKEN = "crash-resume-token"
 TAIL_SIZE = 32
@@ -170,34 +171,30 @@ def uninterrupted(case: Case, broker_url: str, work: Path) -> Path:
 
 
 class AggregatorProcess:
-    """``python -m aggregator serve`` on the crash run's state file, its output collected."""
+    """``python -m aggregator serve`` on the crash run's state file (forked by
+    tests/aggregator_forkserver.py), its output collected."""
 
     def __init__(self, work: Path, broker_url: str, crash: str | None, *extra: str):
-        env = {k: v for k, v in __import__("os").environ.items() if k != "FEDFLEET_CRASH_AT"}
+        env = {k: v for k, v in os.environ.items() if k != "FEDFLEET_CRASH_AT"}
         env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
         if crash:
             env["FEDFLEET_CRASH_AT"] = crash
         cmd = [sys.executable, "-m", "aggregator", "serve", "--state", str(work / "state.db"), "--broker", broker_url,
                "--out", str(work / "out"), "--enrolled", str(work / "enrolled.txt"), "--timeout", "120",
                "--evaluate", "round", *extra]
-        self.proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: list[str] = []
-        self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
-        self.reader.start()
+        self.proc = start_aggregator(cmd, env, REPO, fresh_log(work))
 
     def api_url(self, timeout: float = 60) -> str:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and self.proc.poll() is None:
-            for line in list(self.lines):
+            for line in self.proc.output().splitlines():
                 if line.startswith("admin API on "):
                     return line.split()[3]
             time.sleep(0.05)
-        raise AssertionError("the admin API did not start:\n" + "".join(self.lines)[-3000:])
+        raise AssertionError("the admin API did not start:\n" + self.proc.output()[-3000:])
 
     def wait(self, timeout: float = 150) -> tuple[int, str]:
-        rc = self.proc.wait(timeout)
-        self.reader.join(10)
-        return rc, "".join(self.lines)
+        return self.proc.wait(timeout), self.proc.output()
 
 
 def post(url: str, body: dict | None = None) -> dict:

@@ -10,22 +10,16 @@ import pytest
 pytest.importorskip("ray")
 
 from fedfleet.simulate import PRESETS, run  # noqa: E402
-from ray_cluster import two_node_ray_cluster  # noqa: E402
-
-
-@pytest.fixture
-def two_node_cluster():
-    with two_node_ray_cluster() as address:
-        yield address
 
 
 @pytest.mark.slow
-def test_ray_fleet_gives_the_local_fleets_model(tmp_path, two_node_cluster):
+@pytest.mark.ray_cluster
+def test_ray_fleet_gives_the_local_fleets_model(tmp_path, ray_test_cluster):
     base = dataclasses.replace(PRESETS["smoke"], devices=8, train_limit=400, test_limit=100, clients_per_round=4,
                                dropout_prob=0.0, slowdown=(1.0, 1.0), holdout_fraction=0.0, workers=2,
                                cache_dir=str(tmp_path / "cache"))
     local = run(dataclasses.replace(base, out_dir=str(tmp_path / "local")), quiet=True)
-    on_ray = run(dataclasses.replace(base, out_dir=str(tmp_path / "ray"), ray=two_node_cluster), quiet=True)
+    on_ray = run(dataclasses.replace(base, out_dir=str(tmp_path / "ray"), ray=ray_test_cluster), quiet=True)
     assert local["contributed"] == on_ray["contributed"] == 8
     assert on_ray["rel_weight_error"] <= 1e-9
     W_local = np.load(tmp_path / "local" / "model.npz")["raw_weights"]

@@ -90,12 +90,9 @@ def test_secure_fedavg_on_two_shards_gives_one_aggregators_model_bit_for_bit(tmp
 @pytest.mark.slow
 @pytest.mark.ray_cluster
 @needs_ray
-def test_secure_fed3r_sync_on_ray_actor_shards_gives_one_aggregators_model_bit_for_bit(tmp_path):
+def test_secure_fed3r_sync_on_ray_actor_shards_gives_one_aggregators_model_bit_for_bit(tmp_path, ray_test_cluster):
     """The shards as Ray actors on the two-node test cluster, one per node: the same bytes."""
-    from ray_cluster import two_node_ray_cluster
-
-    with two_node_ray_cluster(({"fedfleet_shard_0": 1}, {"fedfleet_shard_1": 1})) as address:
-        (want, _), (got, results) = one_and_sharded(tmp_path, "fed3r-sync", sharded=[*SHARDS, "--ray", address])
+    (want, _), (got, results) = one_and_sharded(tmp_path, "fed3r-sync", sharded=[*SHARDS, "--ray", ray_test_cluster])
     assert_same_bytes(got, want)
     assert sorted(results["contributed"]) == DEVICES and results["state"] == "done"
 
@@ -142,7 +139,7 @@ def test_a_shard_takes_only_its_hosted_groups_secagg_messages_and_refuses_bad_on
     assert sent(idle, "dev03", garbage) == Publish([])           # a group hosted elsewhere: dropped
     aborted = host.groups.abort(1, "deadline")                   # the members are told to erase their secrets
     assert sorted(d for d, _ in aborted) == members
-    assert host.groups.outcomes() == [("group", "failed", 1, "aborted: deadline")] and host.groups.held is None
+    assert host.groups.outcomes() == [("group", host.job_id, "failed", 1, "aborted: deadline")] and host.groups.held is None
     assert not host.reads("dev03") and host.reads("dev08")      # the group's other buckets' devices are let go
     assert sent(host, "dev03", garbage) is None                  # a late message of theirs: their shards'
     assert isinstance(sent(host, "dev08", decline), Forward)     # its own bucket's, as ever
@@ -214,3 +211,8 @@ def test_simulate_shards_takes_the_secure_kinds_shards_host_and_says_why_not_for
     assert aggregator_shards(cfg, "fedavg-secure", {**common, "rounds": 1}) == (["--shards", "2"], "")
     options, why = aggregator_shards(cfg, "fedncm-sync", common)
     assert options == [] and "fedncm-sync" in why
+    from aggregator.jobs.registry import build_job
+    from aggregator.shards.pool import check_shardable
+    dp = build_job("fed3r-sync", {**common, "dp_noise_multiplier": 1.0, "feature_clip_norm": 8.0})
+    with pytest.raises(ValueError, match="differential privacy"):     # a dropped group's devices would be re-noised
+        check_shardable(dp, "fed3r-sync")

@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import sqlite3
-import subprocess
 import threading
 import time
 
@@ -20,8 +19,7 @@ import pytest
 from aggregator.shards.buckets import shard_of
 from fedfleet.emulation.broker import MosquittoBroker
 
-from ops_fleet import (REPO, Fleet, aggregator_cmd, aggregator_env, prepare, reference_sums, run_aggregator,
-                       run_uninterrupted)
+from ops_fleet import Fleet, prepare, reference_sums, run_aggregator, run_uninterrupted, start_aggregator_in
 
 DEVICES = [f"dev{i:02d}" for i in range(10)]
 # Ray is an optional extra (fedfleet[ray]); `make setup` installs it, so these run in CI
@@ -43,18 +41,10 @@ def unsharded(tmp_path_factory):
     return outputs(run_uninterrupted(tmp_path_factory.mktemp("unsharded"), DEVICES))
 
 
-@pytest.fixture(scope="module")
-def ray_nodes():
-    """A two-node Ray cluster: shard 0's actor goes to the head, shard 1's to the second node (the
-    custom resource each holds, ``aggregator/shards/ray_shards.py``)."""
-    from ray_cluster import two_node_ray_cluster
-
-    with two_node_ray_cluster(({"fedfleet_shard_0": 1}, {"fedfleet_shard_1": 1})) as address:
-        yield address
-
-
 def shard_options(on: str, request) -> list[str]:
-    return ["--shards", "2"] + (["--ray", request.getfixturevalue("ray_nodes")] if on == "ray" else [])
+    """A shard's Ray actor goes where its custom resource is: shard 0's to the head, shard 1's to the
+    second node (``aggregator/shards/ray_shards.py``; the shared cluster's ``SharedCluster.RESOURCES``)."""
+    return ["--shards", "2"] + (["--ray", request.getfixturevalue("ray_test_cluster")] if on == "ray" else [])
 
 
 ON = ["local", pytest.param("ray", marks=[pytest.mark.slow, needs_ray, pytest.mark.ray_cluster])]  # processes here, or Ray actors
@@ -107,11 +97,12 @@ def test_two_shards_give_one_aggregators_model_bit_for_bit(local_shards_run, uns
 @pytest.mark.slow
 @pytest.mark.ray_cluster
 @needs_ray
-def test_shards_as_ray_actors_on_two_nodes_give_the_local_shards_model_bit_for_bit(tmp_path, ray_nodes,
+def test_shards_as_ray_actors_on_two_nodes_give_the_local_shards_model_bit_for_bit(tmp_path, ray_test_cluster,
                                                                                   local_shards_run, unsharded):
     prepare(tmp_path, DEVICES)
     with MosquittoBroker() as broker, Fleet(broker.url, DEVICES):
-        rc, log = run_aggregator(tmp_path, broker.url, tmp_path / "state.db", extra=["--shards", "2", "--ray", ray_nodes])
+        rc, log = run_aggregator(tmp_path, broker.url, tmp_path / "state.db",
+                                 extra=["--shards", "2", "--ray", ray_test_cluster])
     assert rc == 0, log[-3000:]
     got = outputs(tmp_path / "out")
     assert_same_model(got, local_shards_run[0])                   # the local shards' bytes
@@ -133,8 +124,7 @@ def test_a_shard_sigkilled_mid_ingest_resumes_bit_for_bit(tmp_path, unsharded, o
     held = [d for d in DEVICES if shard_of(d, 2) == victim][1:]     # the victim's later devices wait
     gates = {d: threading.Event() for d in held}
     with MosquittoBroker() as broker, Fleet(broker.url, DEVICES, gates=gates):
-        proc = subprocess.Popen(aggregator_cmd(tmp_path, broker.url, state, options), env=aggregator_env(),
-                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = start_aggregator_in(tmp_path, broker.url, state, options)
         try:
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:           # the victim has stored some results, not all
@@ -149,9 +139,10 @@ def test_a_shard_sigkilled_mid_ingest_resumes_bit_for_bit(tmp_path, unsharded, o
             os.kill(int((tmp_path / "state.db.shards" / f"shard-{victim}.pid").read_text()), signal.SIGKILL)
             for g in gates.values():
                 g.set()
-            out, _ = proc.communicate(timeout=120)
+            proc.wait(120)
         finally:
             proc.kill()
+    out = proc.output()
     assert proc.returncode == 0, out[-3000:]
     assert f"shard {victim} exited" in out
     assert_same_model(outputs(tmp_path / "out"), unsharded)
@@ -248,17 +239,17 @@ def test_fedavg_on_shards_resumes_bit_for_bit_after_the_coordinator_and_a_shard_
     assert rc == -9, log[-3000:]
     state, victim = tmp_path / "state.db", 0
     with MosquittoBroker() as broker, Fleet(broker.url, DEVICES, kind="fedavg"):
-        proc = subprocess.Popen(aggregator_cmd(tmp_path, broker.url, state, options), env=aggregator_env(),
-                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = start_aggregator_in(tmp_path, broker.url, state, options)
         try:
             deadline = time.monotonic() + 60
             while 2 not in fedavg_rounds_held(state, victim) and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert 2 in fedavg_rounds_held(state, victim), "the shard never stored a round-2 update"
             os.kill(int((tmp_path / "state.db.shards" / f"shard-{victim}.pid").read_text()), signal.SIGKILL)
-            out, _ = proc.communicate(timeout=120)
+            proc.wait(120)
         finally:
             proc.kill()
+    out = proc.output()
     assert proc.returncode == 0, out[-3000:]
     assert f"shard {victim} exited" in out
     assert_same_fedavg_model(fedavg_outputs(tmp_path / "out"), fedavg_unsharded)

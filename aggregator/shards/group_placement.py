@@ -16,6 +16,10 @@ class SecureGroupPlacement:
         """Why shards cannot host this job's groups ("" when they can)."""
         if not job.secure_rounds:
             return f"{type(job).__name__} runs no secure groups: shards cannot host them"
+        if job.config.dp:
+            # a group's sum the coordinator drops at its deadline, after the host unmasked it, would
+            # leave its devices eligible for a second noisy sum the accountant never counts
+            return f"{type(job).__name__} with differential privacy does not run on shards"
         return ""
 
     @staticmethod

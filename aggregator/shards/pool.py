@@ -11,8 +11,8 @@ Messages, coordinator → shard: ``("job", job_id, kind, config)``, ``("sums" | 
 request, job_id, accepted, context)``, ``("group_open", round config)``, ``("group_offline" |
 "group_abort", round, device | reason)``, ``("stop",)``; shard → coordinator: ``("ready",)`` once
 connected to the broker, ``("receipt", topic, raw)``, ``("forward", topic, payload)``, ``("sums",
-request, node sums or statistics, or the reason it has none)``, ``("group", "sum", round, total,
-survivors)`` or ``("group", "failed", round, reason)`` (a hosted secure group's end,
+request, node sums or statistics, or the reason it has none)``, ``("group", job_id, "sum", round,
+total, survivors)`` or ``("group", job_id, "failed", round, reason)`` (a hosted secure group's end,
 ``secure_groups.py``).
 """
 
@@ -131,6 +131,11 @@ class ShardPool(ABC):
         """Serve ``job`` (refused, changing nothing, unless it is shardable)."""
         check_shardable(job, kind)
         self._job = (job.config.job_id, kind, job.config.to_dict())
+        # the last job's groups end with it: none placed any more, and their outcomes (tagged with
+        # that job's id, dropped by the coordinator) are never taken for the new job's rounds
+        self.placed.clear()
+        while not self.group_outcomes.empty():
+            self.group_outcomes.get_nowait()
         for i in range(self.shards):
             self._send(i, ("job", *self._job))
 
@@ -163,8 +168,8 @@ class ShardPool(ABC):
         """A shard died with the groups it hosted: their secrets (never persisted) died with it, so
         each fails now, with the reason, instead of at its round's deadline."""
         for round_id in sorted(r for r, holder in self.placed.items() if holder == index):
-            self.group_outcomes.put(("failed", round_id, f"shard {index} hosting the group exited ({ended}): "
-                                                         "its secrets died with it"))
+            self.group_outcomes.put((self._job[0], "failed", round_id,
+                                     f"shard {index} hosting the group exited ({ended}): its secrets died with it"))
 
     def reduce(self, kind: str, config: dict, job_id: str, accepted: list[tuple[str, str]]) -> Job:
         """The canonical model of ``accepted`` (device, message id)s: the shards' node sums reduced."""

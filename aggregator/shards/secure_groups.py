@@ -105,7 +105,9 @@ class ShardedSecureJob(CoordinatedJob):
                 return []
             self._group_outcome(*outcome)
 
-    def _group_outcome(self, what: str, round_id: int, *details: Any) -> None:
+    def _group_outcome(self, job_id: str, what: str, round_id: int, *details: Any) -> None:
+        if job_id != self.inner.config.job_id:
+            return log.info("a %s of job %r's secure round %d, not this job's: dropped", what, job_id, round_id)
         if round_id not in self.pool.placed:
             return log.info("secure round %d: its host's %s came after the round closed: dropped", round_id, what)
         self.pool.group_ended(round_id)

@@ -7,7 +7,8 @@ job's config, so with the aggregator's identity and the enrolled keys its files 
 unmasked sum is handed on (:attr:`~aggregator.jobs.secure_rounds.SecureGroupRounds.hand_sums_to`)
 instead of applied. Each call returns the ``(device, envelope)`` pairs to publish (signed with the
 aggregator's identity, :attr:`signer`); :meth:`outcomes` what the coordinator must be told once the
-group ended: ``("group", "sum", round, total, survivors)`` or ``("group", "failed", round, reason)``.
+group ended: ``("group", job_id, "sum", round, total, survivors)`` or ``("group", job_id, "failed", round,
+reason)`` (the job id: an outcome of a job the coordinator no longer serves is dropped there).
 """
 
 from __future__ import annotations
@@ -82,10 +83,10 @@ class ShardGroups:
             return []
         round_id, self.held, self.members = self.held, None, set()
         if not survivors:
-            return [("group", "failed", round_id, self.job.secure_failure(round_id) or "failed")]
+            return [("group", self.job.config.job_id, "failed", round_id, self.job.secure_failure(round_id) or "failed")]
         total, survivors = self._sum
         self._sum = None
-        return [("group", "sum", round_id, total, survivors)]
+        return [("group", self.job.config.job_id, "sum", round_id, total, survivors)]
 
     def _summed(self, round_id: int, total: np.ndarray, survivors: tuple[str, ...]) -> None:
         self._sum = (total, survivors)
