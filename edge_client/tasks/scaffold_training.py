@@ -48,7 +48,7 @@ def read_control(tensors: dict[str, np.ndarray] | None, shapes: dict[str, tuple[
     control = {k: np.asarray((tensors or {}).get(CONTROL + k)) for k in shapes}
     if any(control[k].shape != tuple(shapes[k]) or control[k].dtype != np.float32
            or not np.isfinite(control[k]).all() for k in shapes):
-        raise TaskDeclined(f"{kind} task must carry finite float32 {', '.join(CONTROL + k for k in shapes)} "
+        raise TaskDeclined(f"{kind} task must carry finite float32 {' and '.join(CONTROL + k for k in shapes)} "
                            "shaped like the tensors they control")
     return control
 
