@@ -383,7 +383,7 @@ def test_each_schema_accepts_the_example_and_says_what_the_type_requires(kind):
 # ----------------------------------------------------------------------------- golden vectors: Python and Java
 GOLDEN_KINDS = ("fed3r.stats", "fedavg.head", "oll.personalize",      # the kinds the Java device serves
                 "fed3r.secure", "fedavg.secure", "scaffold.head", "ditto.head", "pp.head",
-                "fedavg.tail", "fedgloss.head", "ladd.style", "ladd.train",  # and those it only reads
+                "fedavg.tail", "scaffold.tail", "fedgloss.head", "ladd.style", "ladd.train",  # and those it only reads
                 "fedavg.tail.secure", "pp.head.secure", "ladd.train.secure")
 
 
