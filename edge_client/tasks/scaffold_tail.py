@@ -48,14 +48,13 @@ class ScaffoldTailTask(TailTrainingTask, DeviceStateKeeper):
         key = StateKey(job.params.job_id, job.params.state)
         self.admit(key, control)
         stored = self.start_value(key, shapes)
-        start = stored if stored is not None else {k: np.zeros(s, np.float32) for k, s in shapes.items()}
-        correction = {k: control[k] - start[k] for k in shapes}
-        y = self.train(job, correction)
+        ck = stored if stored is not None else {k: np.zeros(s, np.float32) for k, s in shapes.items()}
+        y = self.train(job, correction={k: control[k] - ck[k] for k in shapes})     # c − c_k, every step
         try:
-            new_control = option_ii_control(control, start, job.start, y, self.last_steps, job.params.training.lr)
+            new_ck = option_ii_control(control, ck, job.start, y, self.last_steps, job.params.training.lr)
         except FloatingPointError as exc:
             raise TaskDeclined(str(exc)) from exc
-        self.keep(key, start, new_control)
-        delta = {DELTA_CONTROL + k: new_control[k] - start[k] for k in shapes}
+        self.keep(key, ck, new_ck)
+        delta = {DELTA_CONTROL + k: new_ck[k] - ck[k] for k in shapes}
         body, out = encode_model_update({**y, **delta}, len(self.labels))
         return {**body, "restarted": stored is None}, out
