@@ -13,6 +13,9 @@ frozen). The handler
    ``train = "tail"`` (FT(φ): the Fed3R head stays frozen) or everything for
    ``"tail+head"`` (FT(M));
 4. returns exactly the tensors it trained, with n_k.
+
+Steps 1-2 are ``prepare`` and step 3 ``train``: Scaffold on the tail
+(``edge_client/tasks/scaffold_tail.py``) reuses both, adding its control correction to each step.
 """
 
 from __future__ import annotations
