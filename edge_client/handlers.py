@@ -28,6 +28,7 @@ from edge_client.tasks.partial_training import PartialTrainingTask
 from edge_client.tasks.fedgloss_training import FedGlossTrainingTask
 from edge_client.tasks.ditto_training import DittoTrainingTask
 from edge_client.tasks.scaffold_training import ScaffoldTrainingTask
+from edge_client.tasks.scaffold_tail import ScaffoldTailTask
 from edge_client.tasks.personalization import PersonalizeTask
 from edge_client.tasks.secure_fed3r import SecureFed3R
 from edge_client.tasks.secure_fedavg_training import SecureFedAvgTraining
@@ -43,6 +44,7 @@ from protocols.payloads.partial import KIND as PP_KIND
 from protocols.payloads.fedgloss import KIND as FEDGLOSS_KIND
 from protocols.payloads.ditto import KIND as DITTO_KIND
 from protocols.payloads.scaffold import KIND as SCAFFOLD_KIND
+from protocols.payloads.scaffold import KIND_TAIL as SCAFFOLD_TAIL_KIND
 from protocols.payloads.personalize import KIND as PERSONALIZE_KIND
 from protocols.payloads.secagg import (SECAGG_TYPE, SECURE_FEDAVG_KIND, SECURE_LADD_KIND, SECURE_PP_KIND, SECURE_TAIL_KIND,
                                        SYNC_KIND)
@@ -175,15 +177,17 @@ def device_handlers(data: LocalData, extractors, config: HandlerConfig,
                 DITTO_KIND: DittoTrainingTask(x, y, extractors, state, held_x, held_y)}
     tail_features = None
     if torch_free():
-        for kind in (FEDAVG_TAIL_KIND, LADD_TRAIN_KIND):
+        for kind in (FEDAVG_TAIL_KIND, SCAFFOLD_TAIL_KIND, LADD_TRAIN_KIND):
             handlers[kind] = Unsupported(BACKBONE_TRAINING_NEEDS.format(kind=kind))
     elif config.tail_manifest:
-        handlers[FEDAVG_TAIL_KIND] = TailTrainingTask(x, y, config.tail_manifest,
-                                                      trunk=extractors.trunk(config.tail_manifest))
+        trunk = extractors.trunk(config.tail_manifest)
+        handlers[FEDAVG_TAIL_KIND] = TailTrainingTask(x, y, config.tail_manifest, trunk=trunk)
+        handlers[SCAFFOLD_TAIL_KIND] = ScaffoldTailTask(x, y, config.tail_manifest, state, trunk=trunk)
         tail_features = extractors.tail_features(config.tail_manifest)
     else:
-        handlers[FEDAVG_TAIL_KIND] = Unsupported(f"{FEDAVG_TAIL_KIND} needs a tail bundle (exported with "
-                                                 "--tail-stages; fedfleet device --tail-bundle)")
+        for kind in (FEDAVG_TAIL_KIND, SCAFFOLD_TAIL_KIND):
+            handlers[kind] = Unsupported(f"{kind} needs a tail bundle (exported with "
+                                         "--tail-stages; fedfleet device --tail-bundle)")
     if holdout is not None:
         handlers[PERSONALIZE_KIND] = PersonalizeTask(x, y, held_x, held_y, extractors, tail_features=tail_features,
                                                      state=state)

@@ -191,10 +191,12 @@ def _add_fine_tuning_arguments(s) -> None:
     s.add_argument("--server-optimizer", choices=job_field_choices("fedavg", "server_optimizer"),
                    help="fed3r-ft-oll: the fine-tuning's server step: sgd (FedAvg/FedAvgM, default) or FedOpt's "
                         "adam, yogi, adagrad (Reddi et al. 2021) on the round's pseudo-gradient")
-    s.add_argument("--ft-algorithm", choices=["fedavg", "fedgloss"],
-                   help="fed3r-ft-oll (--ft-mode psi): fedavg (default: the FedAvg family the flags around pick) or "
-                        "fedgloss (FedGloSS: server-side SAM from the last round's pseudo-gradient plus ADMM duals "
-                        "kept on the devices, at FedAvg's traffic; any --local-rule)")
+    s.add_argument("--ft-algorithm", choices=["fedavg", "fedgloss", "scaffold"],
+                   help="fed3r-ft-oll: fedavg (default: the FedAvg family the flags around pick), "
+                        "fedgloss (--ft-mode psi; FedGloSS: server-side SAM from the last round's pseudo-gradient plus "
+                        "ADMM duals kept on the devices, at FedAvg's traffic; any --local-rule) or scaffold "
+                        "(Scaffold, option II, on whatever --ft-mode trains: control variates, each device's kept "
+                        "on it, twice FedAvg's upload; plain rounds only)")
     s.add_argument("--ft-init-scale", type=float, metavar="ALPHA",
                    help="fed3r-ft-oll: start fine-tuning from ALPHA × the Fed3R head (the same predictions, wider "
                         "logit margins at T = 0.1; default 1; bench/ft_init_scale.py measures 1, 3, 10)")

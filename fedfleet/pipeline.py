@@ -56,6 +56,8 @@ from protocols.payloads.fed3r import KIND as FED3R_KIND
 from protocols.payloads.fedavg import KIND as FEDAVG_KIND
 from protocols.payloads.fedavg import KIND_TAIL as FEDAVG_TAIL_KIND
 from protocols.payloads.fedgloss import KIND as FEDGLOSS_KIND
+from protocols.payloads.scaffold import KIND as SCAFFOLD_KIND
+from protocols.payloads.scaffold import KIND_TAIL as SCAFFOLD_TAIL_KIND
 from protocols.payloads.partial import KIND as PP_KIND
 from protocols.payloads.personalize import KIND as PERSONALIZE_KIND
 from protocols.payloads.secagg import SECURE_FEDAVG_KIND, SECURE_PP_KIND, SECURE_TAIL_KIND, SYNC_KIND
@@ -81,10 +83,11 @@ PERSONAL_PHASES = {"pp": lambda cfg: (f"{cfg.pp_algorithm} partial personalizati
                                          f"λ={cfg.ditto_lambda:g})",
                                          {"ditto_lambda": cfg.ditto_lambda, "client_lr": cfg.ft_client_lr,
                                           "personal_lr": FED3R_INIT_LR_FACTOR * cfg.pp_client_lr})}
-FT_ALGORITHMS = ("fedavg", "fedgloss")      # the fine-tuning job's kind (ft_algorithm): its registry name
+FT_ALGORITHMS = ("fedavg", "fedgloss", "scaffold")   # the fine-tuning job's kind (ft_algorithm): its registry name
 # task kinds of each phase, plain and secure
 PHASE_KINDS = {"fed3r": (FED3R_KIND, SYNC_KIND),
-               "fedavg-ft": (FEDAVG_KIND, SECURE_FEDAVG_KIND, FEDAVG_TAIL_KIND, SECURE_TAIL_KIND, FEDGLOSS_KIND),
+               "fedavg-ft": (FEDAVG_KIND, SECURE_FEDAVG_KIND, FEDAVG_TAIL_KIND, SECURE_TAIL_KIND, FEDGLOSS_KIND,
+                             SCAFFOLD_KIND, SCAFFOLD_TAIL_KIND),
                "pp": (PP_KIND, SECURE_PP_KIND),
                "ditto": (DITTO_KIND,),
                "oll": (PERSONALIZE_KIND,)}
@@ -158,6 +161,8 @@ def check_pipeline_config(cfg: SimConfig, names: tuple[str, ...]) -> None:
         raise ValueError(f"ft_algorithm must be one of {FT_ALGORITHMS}, got {cfg.ft_algorithm!r}")
     if cfg.ft_algorithm == "fedgloss" and (cfg.secure or cfg.ft_mode != "psi"):
         raise ValueError("ft_algorithm fedgloss fine-tunes the head in plain rounds: not with secure or ft_mode phi/M")
+    if cfg.ft_algorithm == "scaffold" and cfg.secure:
+        raise ValueError("ft_algorithm scaffold runs in plain rounds (its Δc is not summed under SecAgg): not with secure")
     optimizer = {"server_optimizer": cfg.ft_server_optimizer, "server_lr": cfg.ft_server_lr,
                  "server_momentum": cfg.ft_server_momentum, "init_scale": cfg.ft_init_scale, **ft_optimizer_fields(cfg)}
     validate_job_config(cfg.ft_algorithm, optimizer)
@@ -183,11 +188,13 @@ class _Phases:
         cfg = self.cfg
         self.ft_kind, self.ft_eval, self.ft_extra = ("fedavg-secure" if cfg.secure else "fedavg",
                                                      self.out / "eval_features.npz", {})
-        if cfg.ft_algorithm == "fedgloss":
-            self.ft_kind, self.ft_extra = "fedgloss", {"total_devices": cfg.devices}
+        if cfg.ft_algorithm in ("fedgloss", "scaffold"):      # K in their server steps: the fleet's size
+            self.ft_kind, self.ft_extra = cfg.ft_algorithm, {"total_devices": cfg.devices}
         if self.tail:
-            self.tail_manifest, self.ft_eval, self.ft_extra = _tail_setup(cfg, self.prep, self.say)
-            self.ft_kind = "fedavg-tail-secure" if cfg.secure else "fedavg-tail"
+            self.tail_manifest, self.ft_eval, tail_fields = _tail_setup(cfg, self.prep, self.say)
+            self.ft_extra = {**self.ft_extra, **tail_fields}
+            self.ft_kind = ("fedavg-tail-secure" if cfg.secure else
+                            "scaffold-tail" if cfg.ft_algorithm == "scaffold" else "fedavg-tail")
         elif cfg.fp_part != "psi":           # FP(φ)/FP(M) after OLL: the devices train the tail bundle's program
             self.tail_manifest = tail_bundle_manifest(cfg)
         if cfg.shards and self.ft_kind == "fedavg":  # the direction screen's median needs every update in one place

@@ -45,8 +45,8 @@ def fp_label(report: dict) -> str:
 
 def ft_label(cfg_or_report) -> str:
     get = cfg_or_report.get if isinstance(cfg_or_report, dict) else lambda k, d=None: getattr(cfg_or_report, k, d)
-    gloss = " FedGloSS" if get("ft_algorithm", "fedavg") == "fedgloss" else ""
-    return "Fed3R+" + FT_MODES[get("ft_mode")][0] + gloss
+    algorithm = {"fedgloss": " FedGloSS", "scaffold": " Scaffold"}.get(get("ft_algorithm", "fedavg"), "")
+    return "Fed3R+" + FT_MODES[get("ft_mode")][0] + algorithm
 
 
 def is_secure(report: dict) -> bool:

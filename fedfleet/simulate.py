@@ -89,6 +89,7 @@ class SimConfig:
     ft_server_momentum: float = 0.0         # > 0: FedAvgM
     ft_server_optimizer: str = "sgd"        # sgd (FedAvg/FedAvgM) | adam | yogi | adagrad (FedOpt)
     ft_algorithm: str = "fedavg"            # fedavg (the FedAvg family above) | fedgloss (FedGloSS(ψ): server SAM + ADMM)
+    #                                         | scaffold (Scaffold on ft_mode's tensors: ψ, φ or M)
     ft_server_lr: float = 1.0               # η of the server step (FedOpt wants ~0.01-0.1)
     ft_local_rule: str = "sgd"              # the devices' step: sgd | sam (FedSAM) | asam (FedASAM)
     ft_sam_rho: float = 0.1                 # SAM/ASAM's ρ

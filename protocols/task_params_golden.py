@@ -33,6 +33,7 @@ _STATEFUL = {**_MODEL, "job_id": "job-1", "state": _STATE}                 # sca
 _FULL_STATE = {"run": "0123abcd" * 2, "round": 4, "max_staleness": 3, "ttl_s": 3600}
 _DITTO = {**_STATEFUL, "ditto_lambda": 0.1, "personal_epochs": 1, "personal_lr": 0.01}
 _TAIL = {**_MODEL, "tail_stages": 1, "train": "tail"}
+_STATEFUL_TAIL = {**_TAIL, "job_id": "job-1", "state": _STATE}              # scaffold.tail, minimal
 _SECURE = {"group": "g1", "max_samples": 100, "max_abs_param": 50.0}
 _LAYOUT = [["enc.w", [4]], ["head.w", [2, 3]], ["head.\u00e9", []]]        # a non-ASCII name: the digest's escaping
 _LADD = {"model": {"num_classes": 4, "image_size": 32}, "cluster": 1, "layout": _LAYOUT,
@@ -145,6 +146,13 @@ CASES: dict[str, tuple[list[dict], list[tuple[str, dict]]]] = {
         [_STATEFUL, {**_STATEFUL, **_RECIPE, "state": _FULL_STATE, "model_version": 1, "params_version": 1,
                      "a_field_from_the_future": {}}],
         _stateful_invalid(_STATEFUL)),
+    "scaffold.tail": (
+        [_STATEFUL_TAIL, {**_STATEFUL_TAIL, **_RECIPE, "train": "tail+head", "tail_stages": 64, "state": _FULL_STATE,
+                          "params_version": 1, "a_field_from_the_future": {}}],
+        _stateful_invalid(_STATEFUL_TAIL) + [
+            ("tail_stages", {k: v for k, v in _STATEFUL_TAIL.items() if k != "tail_stages"}),
+            ("train", {k: v for k, v in _STATEFUL_TAIL.items() if k != "train"}),
+            ("tail_stages", {**_STATEFUL_TAIL, "tail_stages": 0}), ("train", {**_STATEFUL_TAIL, "train": "head"})]),
     "ditto.head": (
         [_DITTO, {**_DITTO, **_RECIPE, "local_rule": "asam", "sam_rho": 0.5, "state": _FULL_STATE, "ditto_lambda": 2,
                   "personal_epochs": 10000, "personal_lr": 100, "a_field_from_the_future": "x"}],

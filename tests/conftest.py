@@ -38,6 +38,7 @@ INTEGRATION_TESTS = (
     "test_fleet_presets.py::test_fleet_100k_assignment_is_long_tailed_and_repeats_images",
     "test_data_readers.py::test_fashion_mnist_splits",
     "test_job_contract.py::test_every_kind_builds_a_job_that_keeps_the_contract[fedavg-tail",   # the tail bundle
+    "test_job_contract.py::test_every_kind_builds_a_job_that_keeps_the_contract[scaffold-tail",  # the tail bundle
 )
 
 

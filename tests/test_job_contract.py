@@ -46,6 +46,7 @@ EXPECTED = {
     "pp":                 (False, True, False, False, False),
     "pp-secure":          (False, True, False, True, False),
     "scaffold":           (False, True, False, False, False),
+    "scaffold-tail":      (False, True, False, False, False),
     "fedgloss":           (False, True, False, False, False),
     "ditto":              (False, True, False, False, False),
     "ladd":               (False, False, False, False, False),
@@ -69,7 +70,7 @@ def files(tmp_path_factory) -> dict[str, dict]:
 
 def config_for(kind: str, files: dict, request) -> dict:
     config = dict(files["keys"]) if kind.endswith(("-sync", "-secure")) else {}
-    if kind.startswith("fedavg-tail"):
+    if kind.startswith(("fedavg-tail", "scaffold-tail")):
         manifest = request.getfixturevalue("tail_bundle")
         config.update(image_size=32, tail_stages=1, tail_program_file=str(manifest.parent / "tail_eval.pt2"))
     config.update(files.get(kind.removesuffix("-secure"), {}))

@@ -16,7 +16,8 @@ from aggregator.jobs.registry import KINDS, build_job, full_config, job_kind_nam
 from test_admin_api import AUTH, TOKEN, start_service
 
 ALL_KINDS = ["fed3r", "fed3r-sync", "fedncm", "fedncm-sync", "fedavg", "fedavg-async", "fedavg-secure", "fedavg-tail",
-             "fedavg-tail-secure", "personalize", "pp", "pp-secure", "scaffold", "fedgloss", "ditto", "ladd", "ladd-secure"]
+             "fedavg-tail-secure", "personalize", "pp", "pp-secure", "scaffold", "scaffold-tail",
+             "fedgloss", "ditto", "ladd", "ladd-secure"]
 SEG = {"num_classes": 4, "image_size": 32}
 
 
@@ -24,7 +25,7 @@ def minimal_config(kind: str) -> dict:
     """The fewest fields a kind needs (what its config class refuses to default)."""
     if kind.startswith("ladd"):
         return {"model": dict(SEG)}
-    if kind.startswith("fedavg-tail"):
+    if kind.startswith(("fedavg-tail", "scaffold-tail")):
         return {"tail_program_file": "bundle/tail_eval.pt2"}
     return {}
 

@@ -32,7 +32,7 @@ from protocols.payloads.fedgloss import AdmmRecipe, FedGlossParams
 from protocols.payloads.ladd import LaddTrainParams, SelfTrainingRecipe, StyleParams, layout_digest
 from protocols.payloads.partial import PartialParams
 from protocols.payloads.personalize import PersonalizeParams
-from protocols.payloads.scaffold import ScaffoldParams
+from protocols.payloads.scaffold import ScaffoldParams, ScaffoldTailParams
 from protocols.payloads.secagg import ClusterSlotLayout
 from protocols.payloads.secure_tasks import (SecureFed3RParams, SecureFedAvgParams, SecureLaddParams,
                                              SecurePartialParams, SecureTailParams)
@@ -145,6 +145,8 @@ EXAMPLES = {
     "pp.head": PartialParams(MODEL, 1280, TRAINING, job_id="pp-1", state=STATE, algorithm="fedsim",
                              personal_epochs=0),
     "scaffold.head": ScaffoldParams(MODEL, 1280, TRAINING, job_id="sc-1", state=STATE),
+    "scaffold.tail": ScaffoldTailParams(MODEL, 1280, TRAINING, tail_stages=2, train="tail+head", job_id="sct-1",
+                                        state=STATE),
     "fedgloss.head": FedGlossParams(MODEL, 1280, TRAINING, job_id="fg-1", state=STATE, admm=AdmmRecipe(2.0)),
     "ditto.head": DittoParams(MODEL, 1280, TRAINING, job_id="dt-1", state=STATE, ditto_lambda=0.5, personal_epochs=2,
                               personal_lr=0.05),
@@ -172,6 +174,7 @@ OUT_OF_RANGE = {
     "pp.head": {"algorithm": "ditto", "personal_epochs": -1, "job_id": "",
                 "state": {"run": "XYZ", "round": 1}},
     "scaffold.head": {"state": {"run": "0123abcd", "round": 1, "extra": 1}},
+    "scaffold.tail": {"train": "head", "tail_stages": 0, "job_id": ""},
     "fedgloss.head": {"admm_beta": 0.0},
     "ditto.head": {"ditto_lambda": 0.0, "personal_epochs": 0, "personal_lr": -0.1},
     "fed3r.secure": {"group": "", "dp": {"stddev": -1.0, "scale_bits": 2, "threshold": 2}},
@@ -232,7 +235,7 @@ def test_each_required_field_missing_is_refused(kind):
         assert {"state", "job_id"} <= set(required)
     if kind == "fedgloss.head":
         assert "admm_beta" in required       # a device never guesses the server's β
-    if kind.startswith("fedavg.tail"):
+    if kind.startswith("fedavg.tail") or kind == "scaffold.tail":
         assert {"tail_stages", "train"} <= set(required)      # nor FT(φ) from FT(M)
 
 
@@ -380,7 +383,7 @@ def test_each_schema_accepts_the_example_and_says_what_the_type_requires(kind):
 # ----------------------------------------------------------------------------- golden vectors: Python and Java
 GOLDEN_KINDS = ("fed3r.stats", "fedavg.head", "oll.personalize",      # the kinds the Java device serves
                 "fed3r.secure", "fedavg.secure", "scaffold.head", "ditto.head", "pp.head",
-                "fedavg.tail", "fedgloss.head", "ladd.style", "ladd.train",  # and those it only reads
+                "fedavg.tail", "scaffold.tail", "fedgloss.head", "ladd.style", "ladd.train",  # and those it only reads
                 "fedavg.tail.secure", "pp.head.secure", "ladd.train.secure")
 
 

@@ -55,12 +55,13 @@ class TailFedAvgConfig(FedAvgConfig):
 
 
 class TailFedAvgJob(FedAvgJob):
-
+    """FT(φ)/FT(M) (see the module docstring); ``kind``: the wire kind of its tasks (Scaffold on
+    the tail sends ``scaffold.tail``)."""
 
     def __init__(self, config: TailFedAvgConfig, initial_head: dict[str, np.ndarray] | None = None,
-                 strategy=None, program: TailProgram | None = None):
+                 strategy=None, program: TailProgram | None = None, kind: str = KIND_TAIL):
         self.program = program or TailProgram(config.tail_program_file, config.tail_program_sha256)
-        super().__init__(config, initial_head=initial_head, strategy=strategy, kind=KIND_TAIL)
+        super().__init__(config, initial_head=initial_head, strategy=strategy, kind=kind)
         shapes = self.program.shapes()
         if shapes["weight"] != self.params["weight"].shape:
             raise ValueError(f"the tail program's head is {shapes['weight']}, the job's is {self.params['weight'].shape}")

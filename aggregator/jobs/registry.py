@@ -24,6 +24,7 @@ from protocols.payloads.ladd import KIND_TRAIN as LADD_TRAIN_KIND
 from protocols.payloads.partial import KIND as PP_KIND
 from protocols.payloads.personalize import KIND as PERSONALIZE_KIND
 from protocols.payloads.scaffold import KIND as SCAFFOLD_KIND
+from protocols.payloads.scaffold import KIND_TAIL as SCAFFOLD_TAIL_KIND
 from protocols.payloads.secagg import (SECURE_FEDAVG_KIND, SECURE_LADD_KIND, SECURE_PP_KIND, SECURE_TAIL_KIND,
                                        SYNC_KIND)
 from protocols.payloads.task_kinds import TASK_PARAMS
@@ -40,6 +41,7 @@ from aggregator.jobs.fedncm import FedNCMConfig, FedNCMJob, FedNCMSyncConfig, Fe
 from aggregator.jobs.ladd import LaddConfig, LaddJob
 from aggregator.jobs.partial import PartialConfig, PartialPersonalizationJob
 from aggregator.jobs.scaffold import ScaffoldConfig, ScaffoldJob
+from aggregator.jobs.scaffold_tail import ScaffoldTailConfig, ScaffoldTailJob
 from aggregator.jobs.personalize import PersonalizeConfig, PersonalizeJob
 from aggregator.jobs.secure_fedavg import (SecureFedAvgConfig, SecureFedAvgJob, SecurePartialConfig, SecurePartialJob,
                                            SecureTailFedAvgConfig, SecureTailFedAvgJob)
@@ -106,6 +108,9 @@ KINDS: dict[str, JobKind] = {k.name: k for k in (
     JobKind("scaffold", ScaffoldConfig, ScaffoldJob,
             "Scaffold(ψ): FedAvg of the head corrected by control variates; each device keeps its own c_k",
             (SCAFFOLD_KIND,)),
+    JobKind("scaffold-tail", ScaffoldTailConfig, ScaffoldTailJob,
+            "Scaffold(φ)/Scaffold(M): FT(φ)/FT(M) corrected by control variates; each device keeps its own c_k",
+            (SCAFFOLD_TAIL_KIND,)),
     JobKind("fedgloss", FedGlossConfig, FedGlossJob,
             "FedGloSS(ψ): server-side SAM from the last round's pseudo-gradient plus ADMM; each device keeps its dual",
             (FEDGLOSS_KIND,)),

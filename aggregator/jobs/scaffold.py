@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from protocols.envelope import Envelope, body_field
-from protocols.payloads.scaffold import CONTROL, HEAD, KIND, ScaffoldParams, ScaffoldUpdate, parse_scaffold_update
+from protocols.payloads.scaffold import CONTROL, HEAD, KIND, ScaffoldParams, ScaffoldUpdate, parse_control_update
 from protocols.rounds import RoundClosed
 
 from aggregator.jobs.config_limits import TOTAL_DEVICES, Range, limited
@@ -53,26 +53,32 @@ def clip_to_norm(tensors: dict[str, np.ndarray], bound: float) -> dict[str, np.n
     return {k: np.asarray(t, np.float64) * scale for k, t in tensors.items()}
 
 
-class ScaffoldJob(StatefulDevicesJob, FedAvgJob):
-    """Scaffold on the head: FedAvgJob plus the server control c (see the module docstring)."""
+class ScaffoldControls(StatefulDevicesJob):
+    """Mixin, before the FedAvg job it extends: the server control c over the tensors devices
+    train (``controlled``), sent with each task, updated from the accepted Δc at round close and
+    checkpointed with the model. Scaffold(ψ) controls the head, Scaffold on the tail
+    (``aggregator/jobs/scaffold_tail.py``) the tensors FT(φ)/FT(M) train."""
 
-    def __init__(self, config: ScaffoldConfig, initial_head: dict[str, np.ndarray] | None = None, strategy=None):
-        super().__init__(config, initial_head=initial_head, strategy=strategy, kind=KIND)
+    params_type: type = ScaffoldParams          # the wire params: the base job's plus job_id and state
+    controlled: tuple[str, ...]
+
+    def init_controls(self, controlled: tuple[str, ...]) -> None:
         self.device_state = DeviceStateRun()
-        self.control = {k: np.zeros_like(self.params[k]) for k in HEAD}
+        self.controlled = tuple(controlled)
+        self.control = {k: np.zeros_like(self.params[k]) for k in self.controlled}
         self._controls: dict[str, dict[str, np.ndarray]] = {}     # this round's Δc, by device
 
     def task_for(self, device: str) -> tuple[dict, dict[str, np.ndarray]]:
         params, tensors = super().task_for(device)
         return params, {**tensors, **{CONTROL + k: v.copy() for k, v in self.control.items()}}
 
-    def task_params(self, device: str) -> ScaffoldParams:
+    def task_params(self, device: str):
         c = self.config
-        return ScaffoldParams.extending(super().task_params(device), job_id=c.job_id,
-                                        state=c.binding(self.device_state.run, self.round))
+        return self.params_type.extending(super().task_params(device), job_id=c.job_id,
+                                          state=c.binding(self.device_state.run, self.round))
 
     def parse_result(self, env: Envelope) -> RoundUpdate:
-        update = parse_scaffold_update(env, self.config.num_classes, self.config.feature_dim)
+        update = parse_control_update(env, {k: self.params[k].shape for k in self.controlled})
         return RoundUpdate(body_field(env, "round", int), update)
 
     def apply(self, device: str, payload: RoundUpdate) -> None:
@@ -88,7 +94,7 @@ class ScaffoldJob(StatefulDevicesJob, FedAvgJob):
         if not accepted:
             return
         fleet = max(self.config.total_devices, len(self.contributed), len(accepted))
-        for k in HEAD:
+        for k in self.controlled:
             mean = np.mean([delta[k] for delta in accepted], axis=0)
             self.control[k] = (self.control[k] + (len(accepted) / fleet) * mean).astype(np.float32)
 
@@ -109,4 +115,12 @@ class ScaffoldJob(StatefulDevicesJob, FedAvgJob):
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         super().load_state_dict(state)
-        self.control = {k: np.asarray(state[CONTROL + k], dtype=np.float32).copy() for k in HEAD}
+        self.control = {k: np.asarray(state[CONTROL + k], dtype=np.float32).copy() for k in self.controlled}
+
+
+class ScaffoldJob(ScaffoldControls, FedAvgJob):
+    """Scaffold on the head: FedAvgJob plus the server control c (see the module docstring)."""
+
+    def __init__(self, config: ScaffoldConfig, initial_head: dict[str, np.ndarray] | None = None, strategy=None):
+        super().__init__(config, initial_head=initial_head, strategy=strategy, kind=KIND)
+        self.init_controls(HEAD)

@@ -105,12 +105,15 @@ class SessionStepper:
     local rule's extra gradient evaluations (SAM: at w + ε̂) are more calls of the program.
 
     ``trained`` names the tensors that move (default: all of the program's); the others keep
-    their start values (FT(φ) trains the tail against a frozen head).
+    their start values (FT(φ) trains the tail against a frozen head). ``correction``: a constant
+    added to each step's direction, by trained tensor (Scaffold's c − c_k: each program step
+    is then y ← y − lr (g + c − c_k), option II's corrected step, since the program steps once per call).
     """
 
     def __init__(self, session, start: dict[str, np.ndarray], recipe: LocalTraining,
-                 trained: frozenset[str] | None = None):
+                 trained: frozenset[str] | None = None, correction: dict[str, np.ndarray] | None = None):
         self.session = session
+        self.correction = correction or {}
         self.runtime = session.runtime
         self.recipe = recipe
         self.trained = frozenset(start) if trained is None else trained
@@ -132,6 +135,7 @@ class SessionStepper:
             return loss, {k: gradients[k] for k in self.trained}
 
         loss, direction = self.rule.direction(now, gradient_at, self.start)
+        direction = {k: d + self.correction[k] if k in self.correction else d for k, d in direction.items()}
         if held is not now:
             self.session.set_parameters(self._current)
         self.session.sgd_step(direction, self.recipe.lr)

@@ -23,26 +23,50 @@ from .numpy_head import NumpyHeadStepper, batch_schedule
 from .stateful_head import StatefulHeadTask
 
 
+def control_correction(control: dict[str, np.ndarray], device_control: dict[str, np.ndarray],
+                       lr: float = 1.0) -> dict[str, np.ndarray]:
+    """lr (c − c_k), float32: what option II subtracts from each local step beyond the gradient's."""
+    return {k: (np.asarray(control[k], np.float32) - np.asarray(device_control[k], np.float32)) * np.float32(lr)
+            for k in control}
+
+
+def option_ii_control(control: dict[str, np.ndarray], device_control: dict[str, np.ndarray],
+                      start: dict[str, np.ndarray], y: dict[str, np.ndarray], steps: int,
+                      lr: float) -> dict[str, np.ndarray]:
+    """c_k⁺ = c_k − c + (x − y) / (K lr), K the local steps taken; FloatingPointError if it or y diverged."""
+    scale = np.float32(1.0 / (steps * lr))
+    new_control = {k: (np.asarray(device_control[k], np.float32) - np.asarray(control[k], np.float32)
+                       + (np.asarray(start[k], np.float32) - y[k]) * scale) for k in control}
+    raise_if_diverged({**y, **{f"control.{k}": v for k, v in new_control.items()}})
+    return new_control
+
+
+def read_control(tensors: dict[str, np.ndarray] | None, shapes: dict[str, tuple[int, ...]],
+                 kind: str) -> dict[str, np.ndarray]:
+    """The task's server control c (``control.<name>`` for each trained tensor), declined unless
+    finite float32 shaped like the tensor it controls."""
+    control = {k: np.asarray((tensors or {}).get(CONTROL + k)) for k in shapes}
+    if any(control[k].shape != tuple(shapes[k]) or control[k].dtype != np.float32
+           or not np.isfinite(control[k]).all() for k in shapes):
+        raise TaskDeclined(f"{kind} task must carry finite float32 {' and '.join(CONTROL + k for k in shapes)} "
+                           "shaped like the tensors they control")
+    return control
+
+
 def scaffold_pass(weight: np.ndarray, bias: np.ndarray, control: dict[str, np.ndarray],
                   device_control: dict[str, np.ndarray], features: np.ndarray, labels: np.ndarray,
                   recipe: LocalTraining) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """(y, c_k⁺): the K corrected local steps from w = (weight, bias) and option II's new control."""
     stepper = NumpyHeadStepper(weight, bias, recipe)
-    lr = np.float32(recipe.lr)
-    correction = {k: (np.asarray(control[k], np.float32) - np.asarray(device_control[k], np.float32)) * lr
-                  for k in HEAD}
+    correction = control_correction({k: control[k] for k in HEAD}, device_control, recipe.lr)
     batches = batch_schedule(len(labels), recipe)
     for batch in batches:
         stepper.step(features[batch], labels[batch])
         stepper.weight -= correction["weight"]
         stepper.bias -= correction["bias"]
     y = stepper.parameters()
-    start = {"weight": np.asarray(weight, np.float32), "bias": np.asarray(bias, np.float32)}
-    scale = np.float32(1.0 / (len(batches) * recipe.lr))
-    new_control = {k: (np.asarray(device_control[k], np.float32) - np.asarray(control[k], np.float32)
-                       + (start[k] - y[k]) * scale) for k in HEAD}
-    raise_if_diverged({**y, **{f"control.{k}": v for k, v in new_control.items()}})
-    return y, new_control
+    start = {"weight": weight, "bias": bias}
+    return y, option_ii_control({k: control[k] for k in HEAD}, device_control, start, y, len(batches), recipe.lr)
 
 
 class ScaffoldTrainingTask(StatefulHeadTask):
@@ -55,11 +79,7 @@ class ScaffoldTrainingTask(StatefulHeadTask):
         task = self.read(params, tensors)
         recipe = task.params.training
         head = {"weight": task.weight, "bias": task.bias}
-        control = {k: np.asarray((tensors or {}).get(CONTROL + k)) for k in HEAD}
-        if any(control[k].shape != head[k].shape or control[k].dtype != np.float32
-               or not np.isfinite(control[k]).all() for k in HEAD):
-            raise TaskDeclined(f"{KIND} task must carry finite float32 control.weight and control.bias "
-                               "shaped like the head")
+        control = read_control(tensors, {k: v.shape for k, v in head.items()}, KIND)
         self.admit(task, head)
         stored = self.start_value(task, {k: v.shape for k, v in head.items()})
         start = stored if stored is not None else {k: np.zeros_like(v) for k, v in head.items()}

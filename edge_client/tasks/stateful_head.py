@@ -40,7 +40,62 @@ class HeadTask:
     holdout: np.ndarray | None
 
 
-class StatefulHeadTask:
+@dataclass(frozen=True)
+class StateKey:
+    """Where a task's state lives in the store: its job and the binding (a :class:`HeadTask` is one too)."""
+
+    job_id: str
+    binding: StateBinding
+
+
+class DeviceStateKeeper:
+    """The state store's side of a stateful task (``self.store``), shared by the head tasks and
+    Scaffold on the tail (``edge_client/tasks/scaffold_tail.py``): the budget check, the value a
+    round starts from (with the staleness and redelivery rules) and the write before the result goes out."""
+
+    store: DeviceStateStore | None
+    kind = ""
+
+    def require_store(self) -> None:
+        if self.store is None:
+            raise TaskDeclined(f"{self.kind} keeps state on the device and this device has no state store "
+                               "(fedfleet device --state-dir)")
+
+    def admit(self, task: StateKey | HeadTask, state: dict[str, np.ndarray]) -> None:
+        """Decline unless the job's state (kept twice: the value and the one it started from) fits."""
+        try:
+            self.store.admit(task.job_id, 2 * state_bytes(state))
+        except StateBudgetExceeded as exc:
+            raise TaskDeclined(str(exc)) from exc
+
+    def start_value(self, task: StateKey | HeadTask, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray] | None:
+        """The stored state this round starts from, or None (none, another run's, stale, malformed).
+        A task of the round the state was written at (a redelivery) starts from what that round started from."""
+        b = task.binding
+        entry = self.store.load(task.job_id, b.run, b.round, b.max_staleness)
+        if entry is None:
+            return None
+        prefix = PREVIOUS if entry.round == b.round else ""
+        if entry.round > b.round:
+            return None                 # written at a later round than this task's: not ours to continue
+        value = {name: entry.arrays.get(prefix + name) for name in shapes}
+        if any(v is None or v.shape != shape or v.dtype != np.float32 or not np.isfinite(v).all()
+               for (name, shape), v in zip(shapes.items(), value.values())):
+            return None
+        return value
+
+    def keep(self, task: StateKey | HeadTask, started: dict[str, np.ndarray], now: dict[str, np.ndarray]) -> None:
+        """Store this round's state (and the value it started from) before the result goes out."""
+        arrays = {**{name: np.asarray(v, np.float32) for name, v in now.items()},
+                  **{PREVIOUS + name: np.asarray(v, np.float32) for name, v in started.items()}}
+        try:
+            self.store.save(task.job_id, task.binding.run, task.binding.round, arrays, task.binding.ttl_s)
+        except StateBudgetExceeded as exc:
+            raise TaskDeclined(str(exc)) from exc
+
+
+
+class StatefulHeadTask(DeviceStateKeeper):
     """Base of the stateful head handlers: local data, features, the state store (None: the
     device keeps no state and declines)."""
 
@@ -59,9 +114,7 @@ class StatefulHeadTask:
 
     def read(self, params: dict[str, Any], tensors: dict[str, np.ndarray] | None) -> HeadTask:
         """The task's inputs, checked; TaskDeclined with the reason otherwise."""
-        if self.store is None:
-            raise TaskDeclined(f"{self.kind} keeps state on the device and this device has no state store "
-                               "(fedfleet device --state-dir)")
+        self.require_store()
         if len(self.images) == 0:
             raise TaskDeclined("no local training data")
         p = read_params(self.params_type, params, self.kind)
@@ -85,38 +138,6 @@ class StatefulHeadTask:
                 and self.holdout_labels.max() < num_classes and self.holdout_labels.min() >= 0:
             holdout = extractor.extract(self.holdout_images)
         return HeadTask(p, p.job_id, weight, bias, p.state, features, holdout)
-
-    def admit(self, task: HeadTask, state: dict[str, np.ndarray]) -> None:
-        """Decline unless the job's state (kept twice: the value and the one it started from) fits."""
-        try:
-            self.store.admit(task.job_id, 2 * state_bytes(state))
-        except StateBudgetExceeded as exc:
-            raise TaskDeclined(str(exc)) from exc
-
-    def start_value(self, task: HeadTask, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray] | None:
-        """The stored state this round starts from, or None (none, another run's, stale, malformed).
-        A task of the round the state was written at (a redelivery) starts from what that round started from."""
-        b = task.binding
-        entry = self.store.load(task.job_id, b.run, b.round, b.max_staleness)
-        if entry is None:
-            return None
-        prefix = PREVIOUS if entry.round == b.round else ""
-        if entry.round > b.round:
-            return None                 # written at a later round than this task's: not ours to continue
-        value = {name: entry.arrays.get(prefix + name) for name in shapes}
-        if any(v is None or v.shape != shape or v.dtype != np.float32 or not np.isfinite(v).all()
-               for (name, shape), v in zip(shapes.items(), value.values())):
-            return None
-        return value
-
-    def keep(self, task: HeadTask, started: dict[str, np.ndarray], now: dict[str, np.ndarray]) -> None:
-        """Store this round's state (and the value it started from) before the result goes out."""
-        arrays = {**{name: np.asarray(v, np.float32) for name, v in now.items()},
-                  **{PREVIOUS + name: np.asarray(v, np.float32) for name, v in started.items()}}
-        try:
-            self.store.save(task.job_id, task.binding.run, task.binding.round, arrays, task.binding.ttl_s)
-        except StateBudgetExceeded as exc:
-            raise TaskDeclined(str(exc)) from exc
 
     def personal_report(self, task: HeadTask, personal: dict[str, np.ndarray], restarted: bool) -> PersonalReport:
         """The held-out counts with the device's personal head and with the task's global head."""

@@ -13,12 +13,16 @@ frozen). The handler
    ``train = "tail"`` (FT(φ): the Fed3R head stays frozen) or everything for
    ``"tail+head"`` (FT(M));
 4. returns exactly the tensors it trained, with n_k.
+
+Steps 1-2 are ``prepare`` and step 3 ``train``: Scaffold on the tail
+(``edge_client/tasks/scaffold_tail.py``) reuses both, adding its control correction to each step.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +59,17 @@ class TrunkActivations:
 
     def extract(self, images: np.ndarray) -> np.ndarray:
         return self._extractor.extract(images).reshape(-1, *self.shape)
+
+
+@dataclass(frozen=True)
+class TailRound:
+    """A checked tail task: its params, the global model, the tensors that train, the trunk's activations."""
+
+    params: TailTrainingParams
+    start: dict[str, np.ndarray]
+    trained: frozenset[str]
+    activations: np.ndarray
+    session: Any
 
 
 class TailTrainingTask:
@@ -94,11 +109,13 @@ class TailTrainingTask:
             raise TaskDeclined(f"tail bundle unusable: {exc}") from exc
         return self._session, self._trunk
 
-    def __call__(self, params: dict[str, Any], tensors: dict[str, np.ndarray] | None = None
-                 ) -> tuple[dict, dict[str, np.ndarray]]:
+    def prepare(self, params: dict[str, Any], tensors: dict[str, np.ndarray] | None,
+                params_type: type[TailTrainingParams] = TailTrainingParams, kind: str = KIND_TAIL) -> TailRound:
+        """A task's checked inputs (its params as ``params_type``, the global model, what trains, the
+        trunk's activations); TaskDeclined with the reason otherwise."""
         if len(self.images) == 0:
             raise TaskDeclined("no local training data")
-        task = read_params(TailTrainingParams, params, KIND_TAIL)
+        task = read_params(params_type, params, kind)
         recipe, num_classes, tail_stages, mode = task.training, task.model.num_classes, task.tail_stages, task.train
         backbone, image_size = task.model.backbone, task.model.image_size
         session, trunk = self._load()
@@ -111,19 +128,27 @@ class TailTrainingTask:
                                f"{m.tail.stages}, {m.num_classes} classes (or other weights)")
         if not math.isclose(m.temperature, recipe.temperature, rel_tol=1e-6):
             raise TaskDeclined(f"task's temperature {recipe.temperature} differs from the program's {m.temperature}")
-        start = check_model_tensors(tensors, session.parameter_shapes, KIND_TAIL)
+        start = check_model_tensors(tensors, session.parameter_shapes, kind)
         if self.labels.min() < 0 or self.labels.max() >= num_classes:
             raise TaskDeclined(f"local label {self.labels.max()} outside the job's {num_classes} classes")
         trained = frozenset(name for name in start if name.startswith(TAIL_PREFIX) or TAIL_TRAIN_MODES[mode])
-        activations = trunk.extract(self.images)
-        stepper = SessionStepper(session, start, recipe, trained)
-        self.last_steps, self.last_loss = local_sgd(stepper, len(self.labels), activations, self.labels, recipe)
+        return TailRound(task, start, trained, trunk.extract(self.images), session)
+
+    def train(self, job: TailRound, correction: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        """The local SGD from the task's model; the trained tensors after it (``correction``: see SessionStepper)."""
+        stepper = SessionStepper(job.session, job.start, job.params.training, job.trained, correction)
+        self.last_steps, self.last_loss = local_sgd(stepper, len(self.labels), job.activations, self.labels,
+                                                    job.params.training)
         after = stepper.parameters()
+        return {name: after[name] for name in sorted(job.trained)}
+
+    def __call__(self, params: dict[str, Any], tensors: dict[str, np.ndarray] | None = None
+                 ) -> tuple[dict, dict[str, np.ndarray]]:
+        trained = self.train(self.prepare(params, tensors))
         try:
-            return encode_model_update({name: after[name] for name in sorted(trained)}, len(self.labels))
+            return encode_model_update(trained, len(self.labels))
         except ValueError as exc:        # NaN/Inf: diverged
             raise TaskDeclined(f"local training diverged: {exc}; lower the learning rate") from exc
-
 
 
 def check_model_tensors(tensors: dict[str, np.ndarray] | None, shapes: dict[str, tuple[int, ...]],

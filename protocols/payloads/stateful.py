@@ -1,6 +1,7 @@
 """What a stateful task tells its device about the state the job keeps there.
 
-Tasks of stateful job kinds (partial personalization ``pp.head``, Scaffold ``scaffold.head``)
+Tasks of stateful job kinds (partial personalization ``pp.head``, Scaffold ``scaffold.head`` and
+``scaffold.tail``)
 carry in ``params`` a ``state`` object: the binding under which the device stores its per-job
 state (``edge_client.state.DeviceStateStore``):
 

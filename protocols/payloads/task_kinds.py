@@ -15,13 +15,13 @@ from .fedgloss import FedGlossParams
 from .ladd import LaddTrainParams, StyleParams
 from .partial import PartialParams
 from .personalize import PersonalizeParams
-from .scaffold import ScaffoldParams
+from .scaffold import ScaffoldParams, ScaffoldTailParams
 from .secure_tasks import SecureFed3RParams, SecureFedAvgParams, SecureLaddParams, SecurePartialParams, SecureTailParams
 from .task_params import TaskParams
 
 TASK_PARAMS: dict[str, type[TaskParams]] = {t.KIND: t for t in (
     Fed3RStatsParams, HeadTrainingParams, TailTrainingParams, PersonalizeParams, StyleParams, LaddTrainParams,
-    PartialParams, ScaffoldParams, FedGlossParams, DittoParams,
+    PartialParams, ScaffoldParams, ScaffoldTailParams, FedGlossParams, DittoParams,
     SecureFed3RParams, SecureFedAvgParams, SecureTailParams, SecureLaddParams, SecurePartialParams,
 )}
 

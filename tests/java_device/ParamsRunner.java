@@ -44,6 +44,7 @@ public final class ParamsRunner {
             case "fedavg.secure": return SecureFedAvgParams.fromParams(params).toParams();
             case "fedavg.tail": return TailTrainingParams.fromParams(params).toParams();
             case "scaffold.head": return StatefulHeadParams.scaffold(params).toParams();
+            case "scaffold.tail": return ScaffoldTailParams.fromParams(params).toParams();
             case "ditto.head": return DittoParams.fromParams(params).toParams();
             case "pp.head": return PartialParams.fromParams(params).toParams();
             case "fedgloss.head": return FedGlossParams.fromParams(params).toParams();
