@@ -68,7 +68,10 @@ class OperatorActions:
     def control_job(self, job_id: str, action: str) -> dict:
         """start / pause / resume / cancel."""
         row = job_lifecycle.control_job(self.store, self.active, job_id, action)
-        if row["state"] == JobState.CANCELLED:     # ended now (the served job ends when its open round closes)
+        served = self.active is not None and self.active.job_id == job_id and not self.active.final_state
+        # a job not served ends now; the served one when its open round closes (the runner tells its
+        # devices then: told now, a device of that round would drop its state and then save it again)
+        if row["state"] == JobState.CANCELLED and not served:
             self.job_ends.ended(job_id, JobState.CANCELLED)
         return row
 

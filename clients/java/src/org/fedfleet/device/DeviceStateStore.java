@@ -101,6 +101,8 @@ public final class DeviceStateStore {
             Map<String, Object> h = (Map<String, Object>) Json.parse(new String(header.bytes(), StandardCharsets.UTF_8));
             BigInteger round = (BigInteger) h.get("round");
             if (round.bitLength() > 62) throw new IOException("round out of range");
+            if (!(h.get("job_id") instanceof String) || !(h.get("run") instanceof String))
+                throw new IOException("state header without its job_id and run");   // as torn: Python drops it too
             return new Entry((String) h.get("job_id"), (String) h.get("run"), round.longValue(),
                     arrays, ((Number) h.get("expires_at")).doubleValue());
         } catch (Exception e) {          // torn, foreign or tampered: never trusted, never fatal
