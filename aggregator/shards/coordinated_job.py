@@ -44,6 +44,19 @@ class CoordinatedJob(Job):
     def restore_bookkeeping(self, state: dict) -> None:
         self.inner.restore_bookkeeping(state)
 
+    # the model: the job's (a coordinator whose model is a reduction over the shards overrides these)
+    def evaluate(self, features: np.ndarray | None, labels: np.ndarray | None) -> dict:
+        return self.inner.evaluate(features, labels)
+
+    def model_arrays(self) -> dict[str, np.ndarray]:
+        return self.inner.model_arrays()
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+
     @staticmethod
     def receipt(env: Envelope) -> dict[str, Any]:
         """What the shard kept of the device's result (EnvelopeError: not a shard's receipt)."""

@@ -86,16 +86,6 @@ class ShardedRoundsJob(CoordinatedJob):
 
         return round_mean(self.layers, current, statistics, root)
 
-    # the model: the job's
-    def evaluate(self, features: np.ndarray | None, labels: np.ndarray | None) -> dict:
-        return self.inner.evaluate(features, labels)
-
-    def model_arrays(self) -> dict[str, np.ndarray]:
-        return self.inner.model_arrays()
-
-    def state_dict(self) -> dict[str, np.ndarray]:
-        return self.inner.state_dict()
-
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.inner.load_state_dict(state)
+        super().load_state_dict(state)
         self.round_accepted = {}

@@ -157,15 +157,3 @@ class ShardedSecureJob(CoordinatedJob):
 
     def apply(self, device: str, payload: Any) -> None:
         self.inner.apply(device, payload)
-
-    def evaluate(self, features: np.ndarray | None, labels: np.ndarray | None) -> dict:
-        return self.inner.evaluate(features, labels)
-
-    def model_arrays(self) -> dict[str, np.ndarray]:
-        return self.inner.model_arrays()
-
-    def state_dict(self) -> dict[str, np.ndarray]:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.inner.load_state_dict(state)
