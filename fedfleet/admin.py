@@ -324,6 +324,7 @@ def log_line(e: dict) -> str:
 
 FINAL_STATES = ("done", "cancelled", "failed")
 DEPLOYMENT_FINAL_STATES = ("complete", "rolled_back")
+FINAL_LINE_WAIT_S = 5.0             # --follow: how long a final job's log may take to show job_end
 
 
 def _logs(args, client):
@@ -334,16 +335,23 @@ def _logs(args, client):
     path, final = ((f"/api/jobs/{args.job_id}/log", FINAL_STATES) if args.deployment is None else
                    (f"/api/deployments/{args.deployment}/log", DEPLOYMENT_FINAL_STATES))
     offset, deadline = 0, time.monotonic() + args.timeout if args.timeout else None
+    # the job's state turns final a moment before its log's last line (job_end) is written: a
+    # follower that sees the final state waits for that line, a few seconds at most
+    last_line, ended_at = args.deployment is not None, None
     while True:
         page = client.get(f"{path}?offset={offset}")
         for e in page["lines"]:
             print(json.dumps(e) if args.json else log_line(e), flush=True)
+            last_line = last_line or e.get("event") == "job_end"
         more = page["next_offset"] != offset
         offset = page["next_offset"]
         if more:
             continue                    # a long log comes in pages: read them all before waiting
         state = page.get("job_state", page.get("state"))
-        if not args.follow or state in final or (deadline and time.monotonic() > deadline):
+        if state in final and ended_at is None:
+            ended_at = time.monotonic()
+        if (not args.follow or (state in final and (last_line or time.monotonic() - ended_at > FINAL_LINE_WAIT_S))
+                or (deadline and time.monotonic() > deadline)):
             return None, None
         time.sleep(args.interval)
 

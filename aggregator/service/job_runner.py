@@ -387,11 +387,11 @@ class JobRunner:
                 self.store.finish_job(a.job_id, state, compact, a.stats.to_dict(), model, final_eval, a.job.round)
             # an interrupted job (timeout, SIGTERM) stays "running"/"paused" in the store: the next
             # start of the service resumes it, exactly as after a crash
-        if state in FINAL_JOB_STATES and self.job_ends is not None:     # durable first, then the devices drop its state
-            self.job_ends.ended(a.job_id, state, a.job)
         summary["finished_at"] = time.time()        # its final state is durable (the files below are copies)
         self.crash("job_finished")
         reporting.write_job_files(a.out_dir, final_job, summary)
         self.events.write("job_end", a.job.round, state=state, accuracy=final_eval.get("accuracy"))
+        if state in FINAL_JOB_STATES and self.job_ends is not None:     # durable first, then the devices drop its state
+            self.job_ends.ended(a.job_id, state, a.job)
         self.publish_status(state)
         return summary
