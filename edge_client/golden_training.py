@@ -154,17 +154,17 @@ def stateful_vectors(workdir: Path) -> tuple[dict, dict[str, bytes]]:
         store = DeviceStateStore(workdir / case, clock=lambda: _TS)
         handler = handler_type(Z, y, lambda b, s, w: _GivenFeatures(D), store, Zh, yh) \
             if handler_type is not ScaffoldTrainingTask else handler_type(Z, y, lambda b, s, w: _GivenFeatures(D), store)
-        rounds = []
+        rounds, job_id = [], f"{case}-golden"
         for r in (1, 2):
-            params = {**STATEFUL_RECIPE, **extra, "job_id": f"{case}-golden", "state": {"run": RUN, "round": r,
-                                                                             "max_staleness": 5, "ttl_s": 3600.0}}
+            params = {**STATEFUL_RECIPE, **extra, "job_id": job_id, "state": {"run": RUN, "round": r,
+                                                                       "max_staleness": 5, "ttl_s": 3600.0}}
             tensors = round_tensors(kind, r)
             task = Envelope("task", "aggregator", id=f"{0xe0 + 2 * i + r:02x}" * 16, ts=_TS, tensors=tensors,
                             body={"job": f"{case}-golden", "round": r, "kind": kind, "deadline": _DEADLINE,
                                   "params": params})
             files[f"{case}_r{r}.bin"] = encode(task, signer=signer.sign)
             body, out = handler(params, tensors)
-            entry = store.load(params["job_id"], RUN)
+            entry = store.load(job_id, RUN)
             rounds.append({"task": f"{case}_r{r}.bin", "params": params, "body": body, "tensors": _floats(out),
                            "state": _floats(entry.arrays)})
         index[case] = {"kind": kind, "features": FEATURES_FILE, "heldout": HELDOUT_FILE,
