@@ -22,8 +22,7 @@ public final class ScaffoldTailParams {
 
     public Map<String, Object> toParams() {
         Map<String, Object> out = tail.toParams();
-        out.put("job_id", stateful.jobId);
-        out.put("state", stateful.state.toParams());
+        stateful.putBinding(out);
         return out;
     }
 }

@@ -29,8 +29,13 @@ public class StatefulHeadParams {
 
     public Map<String, Object> toParams() {
         Map<String, Object> out = head.toParams();
+        putBinding(out);
+        return out;
+    }
+
+    /** The job and state binding into `out` (what every stateful kind adds to its base params). */
+    void putBinding(Map<String, Object> out) {
         out.put("job_id", jobId);
         out.put("state", state.toParams());
-        return out;
     }
 }
