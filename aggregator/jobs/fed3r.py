@@ -273,9 +273,7 @@ class Fed3RJob(OncePerDevice, SplitValidation):
                 Z = _rf_for(self.config).transform(Z)
             out["accuracy"] = model.score(Z, labels)
         # the center round is a release too (of other devices: parallel composition keeps it one in all)
-        released = self.contributions or (isinstance(self.strategy, NoisyFed3R) and self.strategy.center is not None
-                                          and self.strategy.center.released)
-        report = self.config.privacy_report(1 if released else 0)
+        report = self.config.privacy_report(1 if self.contributions or self._centred else 0)
         if report is not None:
             out["privacy"] = report
         return out
