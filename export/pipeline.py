@@ -62,7 +62,7 @@ from export.parity import (
     load_parity_images,
     training_parity,
 )
-from export.quantization import INT8_SCHEME, quantize_int8, quantized_parity
+from export.quantization import INT8_SCHEME, QuantizedParity, quantize_int8, quantized_parity
 from export.request import DEFAULT_INFERENCE_RUNTIMES, INT8_RELATIVE_ERROR_TOLERANCE, ExportError, ExportRequest
 from export.training_program import lower_training_program
 
@@ -227,8 +227,16 @@ def _inference_artifacts(r: ExportRequest, src: _Sources, failures: list[str]) -
             quantized = kind == "inference" and runtime == "executorch" and r.quantize is not None
             logger.info("exporting %s %s%s artifact for %s", runtime, kind,
                         f" ({r.quantize})" if quantized else "", r.backbone)
-            artifact = _inference_artifact(runtime, kind, module, src.input_tensor, src.draft, r.batch_size,
-                                           src.calibration_images if quantized else None)
+            program_module, quantization = module, None
+            if quantized:
+                program_module, quantization = _quantized(module, src, r.batch_size)
+                refused = _quantized_parity_failure(r, f"{kind}_xnnpack_int8.pte", quantized_parity(
+                    _run_eager(program_module, src.inputs, r.batch_size), expected))
+                if refused:     # already beyond tolerance before lowering: the lowering is skipped
+                    failures.append(refused)
+                    continue
+            artifact = _inference_artifact(runtime, kind, program_module, src.input_tensor, src.draft,
+                                           r.batch_size, quantization)
             outputs_of = INFERENCE_BACKENDS[runtime](artifact.data, artifact.spec, src.draft)
             if quantized:
                 measured = quantized_parity(outputs_of.run(src.inputs), expected)
@@ -236,10 +244,9 @@ def _inference_artifacts(r: ExportRequest, src: _Sources, failures: list[str]) -
                     **measured.to_json(), "tolerance": r.quantized_tolerance,
                     "tolerance_metric": "relative_l2_error", "reference": "eager torch (fp32)",
                     "inputs": src.parity_images.source})
-                if not measured.relative_l2_error <= r.quantized_tolerance:
-                    failures.append(
-                        f"{artifact.spec.file}: relative L2 error {measured.relative_l2_error:.3g} "
-                        f"vs eager fp32 exceeds tolerance {r.quantized_tolerance:g}")
+                refused = _quantized_parity_failure(r, artifact.spec.file, measured)
+                if refused:
+                    failures.append(refused)
             else:
                 error = inference_parity(outputs_of, src.inputs, expected)
                 artifact.spec = dataclasses.replace(artifact.spec, parity={
@@ -321,23 +328,41 @@ def _output_spec(draft: Manifest, kind: str) -> tuple[TensorSpec, ...]:
     return (TensorSpec(draft.output, "float32", (None, width)),)
 
 
+def _quantized(model: torch.nn.Module, src: _Sources, batch_size: int) -> tuple[torch.fx.GraphModule, dict]:
+    """``model`` quantized to int8 on the calibration images, and the manifest's record of how."""
+    draft, calibration = src.draft, src.calibration_images
+    calibration_inputs = torch.from_numpy(to_model_input(
+        calibration.images, draft.input.image_size, draft.input.mean, draft.input.std))
+    return quantize_int8(model, src.input_tensor, calibration_inputs, batch_size), {
+        "mode": "int8", "scheme": INT8_SCHEME, "calibration_images": len(calibration_inputs),
+        "calibration_inputs": calibration.source}
+
+
+def _run_eager(model: torch.nn.Module, inputs: np.ndarray, max_batch: int) -> np.ndarray:
+    """``model`` on ``inputs`` in slices of at most ``max_batch`` rows (the bound it was traced with)."""
+    with torch.no_grad():
+        return np.concatenate([model(torch.from_numpy(inputs[start:start + max_batch])).numpy()
+                               for start in range(0, len(inputs), max_batch)])
+
+
+def _quantized_parity_failure(r: ExportRequest, file: str, measured: QuantizedParity) -> str | None:
+    """Why an int8 program is refused, or None. Checked twice: on the quantize/dequantize graph
+    before lowering (a badly calibrated program is refused without paying for the lowering),
+    then on the lowered program as the device runs it."""
+    if measured.relative_l2_error <= r.quantized_tolerance:
+        return None
+    return (f"{file}: relative L2 error {measured.relative_l2_error:.3g} "
+            f"vs eager fp32 exceeds tolerance {r.quantized_tolerance:g}")
+
+
 def _inference_artifact(runtime: str, kind: str, model: torch.nn.Module, example: torch.Tensor,
-                        draft: Manifest, batch_size: int,
-                        calibration: ParityImages | None = None) -> _Artifact:
+                        draft: Manifest, batch_size: int, quantization: dict | None = None) -> _Artifact:
     """``kind`` "inference" (``InferenceModel``) or "trunk" (``TrunkModel``); with
-    ``calibration`` (ExecuTorch only) the program is int8, calibrated on those images."""
+    ``quantization`` (ExecuTorch only) ``model`` is already the int8 graph it describes."""
     max_batch = None  # ONNX and eager take any batch
     output_spec = _output_spec(draft, kind)
     if runtime == "executorch":
-        suffix, quantization = "", None
-        if calibration is not None:
-            calibration_inputs = torch.from_numpy(to_model_input(
-                calibration.images, draft.input.image_size, draft.input.mean, draft.input.std))
-            model = quantize_int8(model, example, calibration_inputs, batch_size)
-            suffix, quantization = "_int8", {
-                "mode": "int8", "scheme": INT8_SCHEME,
-                "calibration_images": len(calibration_inputs),
-                "calibration_inputs": calibration.source}
+        suffix = "" if quantization is None else "_int8"
         program = lower_inference_program(model, example, batch_size)
         data, file, version, max_batch = (program.buffer, f"{kind}_xnnpack{suffix}.pte",
                                           executorch_version(), batch_size)

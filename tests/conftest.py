@@ -8,6 +8,8 @@ import pytest
 from ray_cluster import SharedCluster
 from shared_build import build_once, run_folder
 
+pytest_plugins = ("cpu_profile",)
+
 from aggregator.compute import privacy
 
 # dp-accounting (absl) is imported lazily by the aggregator, the first time a privacy budget is

@@ -1,0 +1,31 @@
+"""CPU seconds per test, for finding where the suite's time goes on a loaded machine: wall-clock
+durations (``--durations``) stretch with the load and count waits on shared builds, CPU time
+does not. On with ``FEDFLEET_CPU_PROFILE=<file>``: each test's CPU (the test process's own plus
+the children it reaped — brokers, aggregator processes, JVMs; not Ray's workers, which the Ray
+node starts) is appended to ``<file>`` as ``seconds<TAB>node id`` lines; sum them by file with
+``sort``/``awk``."""
+
+from __future__ import annotations
+
+import os
+import resource
+
+import pytest
+
+_TARGET = os.environ.get("FEDFLEET_CPU_PROFILE")
+
+
+def _cpu_seconds() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not _TARGET:
+        yield
+        return
+    start = _cpu_seconds()
+    yield
+    with open(_TARGET, "a") as out:      # one short append per test: xdist workers' lines do not interleave
+        out.write(f"{_cpu_seconds() - start:.2f}\t{item.nodeid}\n")
