@@ -12,10 +12,10 @@ import numpy as np
 
 from protocols.mqtt_link import BrokerConfig
 from protocols.ray_cluster import check_reachable as check_ray_reachable
-from protocols.topics import Topics
 
 from aggregator.api.server import add_ops_arguments, serve_with_ops
 from aggregator.service.artifacts import ArtifactShelf, with_served_bundle
+from aggregator.service.settings import ServiceSettings
 from aggregator.jobs.registry import KINDS, build_job, validate_job_config
 from aggregator.storage.schema import JobState
 
@@ -82,6 +82,13 @@ def read_eval_features(path: Path) -> tuple[np.ndarray, np.ndarray]:
     return Z, y
 
 
+def service_settings(args) -> ServiceSettings:
+    """The service's settings from the serve options (``ValueError`` naming a bad one)."""
+    return ServiceSettings(topic_root=args.topic_root, evaluate_every_contribution=args.evaluate == "contribution",
+                           require_signatures=args.require_signatures, keep_serving=args.keep_serving,
+                           ingest_workers=args.ingest_workers)
+
+
 def serve(args) -> int:
     if args.config is None and args.state is None:
         raise ValueError("serve needs --config, or --state to resume the job that state file holds "
@@ -89,6 +96,7 @@ def serve(args) -> int:
     if args.ray and not args.shards:
         raise ValueError("--ray places the shards on a Ray cluster: give --shards K too")
     broker = BrokerConfig.from_url(args.broker, tls_ca=args.tls_ca)      # a bad address fails before any file
+    settings = service_settings(args)                                     # so do bad service options
     config = read_json(args.config, "--config") if args.config else None
     if config is not None:
         validate_job_config(args.kind, config)                             # a bad config fails before the broker
@@ -109,10 +117,8 @@ def serve(args) -> int:
     if announced and shelf is None:            # a served shelf was checked by with_served_bundle
         raise ValueError(f"the job runs on bundle {announced[:16]}…, which this aggregator does not serve: "
                          "pass that bundle's directory with --artifacts")
-    summary = serve_with_ops(args, job, broker, args.out,
-                             Topics(args.topic_root), enrolled=enrolled, eval_set=eval_set, artifacts=shelf,
-                             evaluate_every_contribution=args.evaluate == "contribution",
-                             ingest_workers=args.ingest_workers, shards=args.shards)
+    summary = serve_with_ops(args, job, broker, args.out, settings, enrolled=enrolled, eval_set=eval_set,
+                             artifacts=shelf, shards=args.shards)
     final = summary.get("final", {})
     print(json.dumps({"state": summary.get("state"), "contributions": final.get("contributions"),
                       "accuracy": final.get("accuracy")}))

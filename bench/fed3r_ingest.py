@@ -89,6 +89,7 @@ def run_aggregator(url: str, tmp: str, ids: list[str], d: int, provisional: bool
                    shards: int = 0) -> None:
     from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
     from aggregator.service.loop import AggregatorService
+    from aggregator.service.settings import ServiceSettings
     from aggregator.shards.local import LocalShards
     from aggregator.storage.store import Store
     from protocols.mqtt_link import BrokerConfig
@@ -101,9 +102,9 @@ def run_aggregator(url: str, tmp: str, ids: list[str], d: int, provisional: bool
     cfg = Fed3RConfig(num_classes=C, feature_dim=d, clients_per_round=len(ids), expected_devices=len(ids),
                       round_timeout_s=600, job_id=f"ingest-{provisional}")
     broker = BrokerConfig.from_url(url)
-    svc = AggregatorService(Fed3RJob(cfg), broker, Path(tmp), enrolled=set(ids),
-                            evaluate_every_contribution=provisional, store=Store(Path(tmp) / "state.db"),
-                            ingest_workers=workers,
+    svc = AggregatorService(Fed3RJob(cfg), broker, Path(tmp),
+                            ServiceSettings(evaluate_every_contribution=provisional, ingest_workers=workers),
+                            enrolled=set(ids), store=Store(Path(tmp) / "state.db"),
                             shards=LocalShards(shards, broker, Path(tmp) / "shards") if shards else None)
     if svc.ingest is not None:
         for f in svc.ingest.warming:          # a serving aggregator's workers are up: don't time their start

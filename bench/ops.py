@@ -32,6 +32,7 @@ from _synthetic import PrecomputedStats  # noqa: E402
 
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob  # noqa: E402
 from aggregator.service.loop import AggregatorService  # noqa: E402
+from aggregator.service.settings import ServiceSettings  # noqa: E402
 from aggregator.storage.store import Store  # noqa: E402
 from protocols import messages as M  # noqa: E402
 from protocols.envelope import encode  # noqa: E402
@@ -51,8 +52,8 @@ def config(devices: list[str], d: int) -> dict:
 def service(devices, d, out: Path, store: Store | None, checkpoints: bool = True) -> AggregatorService:
     # BrokerConfig(port=1): the link is never started; acks are queued in paho and dropped.
     return AggregatorService(Fed3RJob(Fed3RConfig(**config(devices, d))), BrokerConfig(port=1), out,
-                             enrolled=set(devices), store=store, evaluate_every_contribution=False,
-                             checkpoints=checkpoints)
+                             ServiceSettings(evaluate_every_contribution=False, checkpoints=checkpoints),
+                             enrolled=set(devices), store=store)
 
 
 def ingest(devices, d, workdir: Path, synchronous: str | None) -> tuple[float, int]:

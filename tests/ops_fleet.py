@@ -291,10 +291,13 @@ class RecordingService:
     """An in-process AggregatorService run on a thread, recording every payload it receives, so
     a test can check what the aggregator saw (e.g. nothing but masked vectors)."""
 
-    def __init__(self, job, broker_url: str, workdir: Path, enrolled: set[str], timeout_s: float = 150, **options):
+    def __init__(self, job, broker_url: str, workdir: Path, enrolled: set[str], settings=None, *,
+                 timeout_s: float = 150, identity=None):
         from aggregator.service.loop import AggregatorService
+        from aggregator.service.settings import ServiceSettings
 
-        self.svc = AggregatorService(job, BrokerConfig.from_url(broker_url), workdir, enrolled=enrolled, **options)
+        self.svc = AggregatorService(job, BrokerConfig.from_url(broker_url), workdir, settings or ServiceSettings(),
+                                     enrolled=enrolled, identity=identity)
         self.seen: list[bytes] = []
         original = self.svc._on_payload
         self.svc._on_payload = lambda topic, payload: (self.seen.append(payload), original(topic, payload))
@@ -356,9 +359,10 @@ def serve_until_done(job, broker_url: str, workdir: Path, handlers: dict, store=
     """Serve ``job`` in-process until it ends, with one started DeviceAgent per device of
     ``handlers`` ({device: {kind: handler}}); (the service, its summary)."""
     from aggregator.service.loop import AggregatorService
+    from aggregator.service.settings import ServiceSettings
 
-    svc = AggregatorService(job, BrokerConfig.from_url(broker_url), workdir, enrolled=set(handlers), store=store,
-                            tick_s=0.05)
+    svc = AggregatorService(job, BrokerConfig.from_url(broker_url), workdir, ServiceSettings(tick_s=0.05),
+                            enrolled=set(handlers), store=store)
     result: dict = {}
     thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=timeout_s)), daemon=True)
     thread.start()

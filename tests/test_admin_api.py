@@ -22,6 +22,7 @@ from aggregator.api.app import create_app
 from aggregator.api.server import ApiServer
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
 from aggregator.service.loop import AggregatorService
+from aggregator.service.settings import ServiceSettings
 from aggregator.storage.store import Store
 from fedfleet.admin import main as admin
 from protocols.mqtt_link import BrokerConfig
@@ -36,8 +37,9 @@ DEVICES = ["dev01", "dev02", "dev03", "dev04"]
 def start_service(broker, tmp_path, devices, keep_serving=False, **cfg):
     store = Store(tmp_path / "state.db")
     job = Fed3RJob(Fed3RConfig(**job_config(devices, **cfg)))
-    svc = AggregatorService(job, BrokerConfig.from_url(broker.url), tmp_path / "out", enrolled=set(devices),
-                            store=store, keep_serving=keep_serving, tick_s=0.05)
+    svc = AggregatorService(job, BrokerConfig.from_url(broker.url), tmp_path / "out",
+                            ServiceSettings(keep_serving=keep_serving, tick_s=0.05), enrolled=set(devices),
+                            store=store)
     thread = threading.Thread(target=svc.run, kwargs={"timeout_s": 120}, daemon=True)
     thread.start()
     return svc, store, thread

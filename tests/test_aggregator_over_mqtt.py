@@ -12,6 +12,7 @@ import paho.mqtt.client as mqtt
 
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
 from aggregator.service.loop import AggregatorService
+from aggregator.service.settings import ServiceSettings
 from edge_client.agent import DeviceAgent
 from edge_client.fed3r import Fed3RAccumulator
 from protocols import messages as M
@@ -131,8 +132,8 @@ def test_signed_agents_are_accepted_and_wrongly_signed_ones_rejected(broker, tmp
     devices = ["good", "forger"]
     config = Fed3RConfig(num_classes=C, feature_dim=D, clients_per_round=2, round_timeout_s=8, expected_devices=1,
                          start_timeout_s=3, max_attempts=1)
-    svc = AggregatorService(Fed3RJob(config), BrokerConfig.from_url(broker.url), tmp_path, enrolled=set(devices),
-                            require_signatures=True)
+    svc = AggregatorService(Fed3RJob(config), BrokerConfig.from_url(broker.url), tmp_path,
+                            ServiceSettings(require_signatures=True), enrolled=set(devices))
     keys = {d: DeviceIdentity.generate(d) for d in devices}
     for d in devices:
         svc.registry.enroll(d, keys[d].public_key_bytes)

@@ -9,6 +9,7 @@ import numpy as np
 
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
 from aggregator.service.loop import AggregatorService
+from aggregator.service.settings import ServiceSettings
 from aggregator.storage.store import Store
 from edge_client.agent import DeviceAgent
 from protocols import messages as M
@@ -36,8 +37,8 @@ def test_devices_refuse_messages_the_aggregator_did_not_sign(broker, tmp_path):
     aggregator = DeviceIdentity.generate(AGGREGATOR_ID)
     store = Store(tmp_path / "state.db")
     config = Fed3RConfig(num_classes=C, feature_dim=D, clients_per_round=2, round_timeout_s=30, expected_devices=2)
-    svc = AggregatorService(Fed3RJob(config), BrokerConfig.from_url(broker.url), tmp_path / "out", store=store,
-                            identity=aggregator, tick_s=0.05)
+    svc = AggregatorService(Fed3RJob(config), BrokerConfig.from_url(broker.url), tmp_path / "out",
+                            ServiceSettings(tick_s=0.05), store=store, identity=aggregator)
     creds = {d: svc.enroll(d) for d in DEVICES}
     assert creds["dev00"].aggregator_public_key == aggregator.public_key_bytes.hex()
     handlers = {d: CountingStats(i) for i, d in enumerate(DEVICES)}

@@ -9,6 +9,7 @@ import pytest
 
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
 from aggregator.service.loop import AggregatorService
+from aggregator.service.settings import ServiceSettings
 from edge_client.agent import DeviceAgent
 from fedfleet.emulation.broker import MosquittoBroker
 from protocols.mqtt_link import BrokerConfig
@@ -37,7 +38,8 @@ def test_a_bad_broker_address_is_one_clear_error(url, words):
 
 def run_fed3r(url: str, out) -> dict:
     config = Fed3RConfig(num_classes=C, feature_dim=D, clients_per_round=3, round_timeout_s=30, expected_devices=3)
-    svc = AggregatorService(Fed3RJob(config), BrokerConfig.from_url(url), out, enrolled=set(DEVICES), tick_s=0.05)
+    svc = AggregatorService(Fed3RJob(config), BrokerConfig.from_url(url), out, ServiceSettings(tick_s=0.05),
+                            enrolled=set(DEVICES))
     result = {}
     thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=60)), daemon=True)
     thread.start()

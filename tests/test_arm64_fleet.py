@@ -144,10 +144,11 @@ def write_feature_file(path: Path, Z: np.ndarray, y: np.ndarray) -> Path:
 
 def run_job(job, broker, out_dir: Path, shelf) -> dict:
     from aggregator.service.loop import AggregatorService
+    from aggregator.service.settings import ServiceSettings
     from protocols.mqtt_link import BrokerConfig
 
-    svc = AggregatorService(job, BrokerConfig.from_url(broker.url), out_dir, enrolled=set(FLEET), artifacts=shelf,
-                            evaluate_every_contribution=False)
+    svc = AggregatorService(job, BrokerConfig.from_url(broker.url), out_dir,
+                            ServiceSettings(evaluate_every_contribution=False), enrolled=set(FLEET), artifacts=shelf)
     result = {}
     thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=500)), daemon=True)
     thread.start()

@@ -12,6 +12,7 @@ import pytest
 from aggregator.service.artifacts import ArtifactShelf
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
 from aggregator.service.loop import AggregatorService
+from aggregator.service.settings import ServiceSettings
 from edge_client.artifacts import ArtifactFetchError, fetch_bundle
 from edge_client.runtime import load_inference
 from protocols.envelope import Envelope, encode
@@ -118,8 +119,8 @@ def test_a_job_names_its_bundle_and_the_device_fetches_it_on_demand(broker, tmp_
     job = Fed3RJob(Fed3RConfig(num_classes=10, image_size=32, feature_dim=1280, bundle_sha256=manifest_sha,
                                weights_sha256=weights_sha256("mobilenet_v2"), expected_devices=1,
                                start_timeout_s=120, round_timeout_s=120))
-    svc = AggregatorService(job, BrokerConfig.from_url(broker.url), tmp_path / "agg", enrolled={"cam9"},
-                            artifacts=shelf, evaluate_every_contribution=False)
+    svc = AggregatorService(job, BrokerConfig.from_url(broker.url), tmp_path / "agg",
+                            ServiceSettings(evaluate_every_contribution=False), enrolled={"cam9"}, artifacts=shelf)
     result = {}
     t = threading.Thread(target=lambda: result.update(svc.run(timeout_s=150)), daemon=True)
     t.start()

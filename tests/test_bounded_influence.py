@@ -18,6 +18,7 @@ from aggregator.api.app import create_app
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
 from aggregator.jobs.registry import build_job
 from aggregator.service.loop import AggregatorService
+from aggregator.service.settings import ServiceSettings
 from aggregator.storage.store import Store
 from aggregator.strategies.fed3r import Fed3R
 from aggregator.strategies.robust_fed3r import EnergyScreen, FeatureBound, energy_per_sample, gram_diagonal
@@ -100,7 +101,7 @@ def run_fleet(broker, tmp_path, attack):
                          expected_devices=len(DEVICES))
     store = Store(tmp_path / "state.db")
     svc = AggregatorService(Fed3RJob(config), BrokerConfig.from_url(broker.url), tmp_path / "out",
-                            enrolled=set(DEVICES), store=store, tick_s=0.05)
+                            ServiceSettings(tick_s=0.05), enrolled=set(DEVICES), store=store)
     result = {}
     thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=60)), daemon=True)
     thread.start()
@@ -164,8 +165,8 @@ def test_an_operator_can_release_a_screened_device_and_it_contributes_again(brok
     seed = next(s for s in range(100) if ATTACKER in build_job("fed3r", config(s)).next_participants(set(DEVICES)))
     late = next(d for d in DEVICES if d not in build_job("fed3r", config(seed)).next_participants(set(DEVICES)))
     store = Store(tmp_path / "state.db")
-    svc = AggregatorService(Fed3RJob(Fed3RConfig(**config(seed))), BrokerConfig.from_url(broker.url), tmp_path / "out",
-                            enrolled=set(DEVICES), store=store, tick_s=0.05)
+    svc = AggregatorService(Fed3RJob(Fed3RConfig(**config(seed))), BrokerConfig.from_url(broker.url),
+                            tmp_path / "out", ServiceSettings(tick_s=0.05), enrolled=set(DEVICES), store=store)
     result, gate = {}, threading.Event()
     thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=60)), daemon=True)
     thread.start()

@@ -5,6 +5,7 @@ discarded and reported; the other group's sum is applied exactly. Real agents ov
 
 import numpy as np
 from ops_fleet import Features, RecordingService
+from aggregator.service.settings import ServiceSettings
 
 from aggregator.jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob
 from aggregator.jobs.robustness_fields import PLAIN_MEAN
@@ -84,7 +85,7 @@ def test_secure_fedavg_discards_a_group_whose_sum_breaks_n_times_c_and_the_other
                  local_epochs=2, batch_size=8, client_lr=0.05, expected_devices=6, seed=1, **PLAIN_MEAN)
     job = SecureFedAvgJob(SecureFedAvgConfig(**plain, max_samples=100, max_abs_param=1e4, phase_timeout_s=3,
                                              update_clip_norm=5.0), identity=agg, registry=registry)
-    service = RecordingService(job, broker.url, tmp_path, set(ids), evaluate_every_contribution=False)
+    service = RecordingService(job, broker.url, tmp_path, set(ids), ServiceSettings(evaluate_every_contribution=False))
     tasks = {d: device_task(i) for i, d in enumerate(ids)}
     agents = []
     for d in ids:

@@ -18,6 +18,7 @@ import pytest
 from aggregator.security.broker import BrokerSecurity, acl_text, hash_password, verify_password
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
 from aggregator.service.loop import AggregatorService
+from aggregator.service.settings import ServiceSettings
 from aggregator.storage.store import Store
 from fedfleet.emulation.broker import MosquittoBroker, free_port
 from protocols import messages as M
@@ -112,8 +113,8 @@ def test_tls_acl_signatures_replay_and_revocation(secured, tmp_path):
     store = Store(tmp_path / "state.db")
     job = Fed3RJob(Fed3RConfig(**job_config(devices, clients_per_round=2)))
     broker = BrokerConfig("127.0.0.1", port, AGGREGATOR_ID, sec.aggregator_password, tls_ca=str(ca))
-    svc = AggregatorService(job, broker, tmp_path / "out", store=store, security=sec, require_signatures=True,
-                            tick_s=0.05)
+    svc = AggregatorService(job, broker, tmp_path / "out", ServiceSettings(require_signatures=True, tick_s=0.05),
+                            store=store, security=sec)
     keys = {d: DeviceIdentity.generate(d) for d in devices + ["dev03"]}
     creds = {d: svc.enroll(d, keys[d].public_key_bytes) for d in keys}
     assert creds["dev01"].private_key_pem is None and "BEGIN CERTIFICATE" in creds["dev01"].ca_pem

@@ -11,6 +11,7 @@ import pytest
 
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
 from aggregator.service.loop import AggregatorService
+from aggregator.service.settings import ServiceSettings
 from edge_client.agent import DeviceAgent
 from protocols.chunking import MessageAssembler, split
 from protocols.envelope import Envelope, EnvelopeError, encode
@@ -63,8 +64,8 @@ def test_the_service_expires_a_devices_unfinished_chunks_on_its_own_clock(broker
     devices = ["dev00", "dev01", "dev02"]
     gate = threading.Event()
     config = Fed3RConfig(num_classes=C, feature_dim=D, clients_per_round=3, round_timeout_s=30, expected_devices=3)
-    svc = AggregatorService(Fed3RJob(config), BrokerConfig.from_url(broker.url), tmp_path, enrolled=set(devices),
-                            tick_s=0.05)
+    svc = AggregatorService(Fed3RJob(config), BrokerConfig.from_url(broker.url), tmp_path,
+                            ServiceSettings(tick_s=0.05), enrolled=set(devices))
     svc.assembler.reassembler.ttl_s = 3.0
     result = {}
     thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=60)), daemon=True)

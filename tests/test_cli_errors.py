@@ -36,6 +36,8 @@ CASES = [
     ("serve: over a limit", ["aggregator", "serve", "--out", "{d}/o", "--config", "{d}/huge.json"], "num_classes"),
     ("serve: missing eval features", ["aggregator", "serve", "--out", "{d}/o", "--config", "{d}/job.json",
                                       "--eval-features", "{d}/nope.npz"], "--eval-features"),
+    ("serve: a service setting over its limit", ["aggregator", "serve", "--out", "{d}/o", "--config", "{d}/job.json",
+                                                 "--ingest-workers", "-1"], "'ingest_workers'"),
     ("serve: bad broker", ["aggregator", "serve", "--out", "{d}/o", "--config", "{d}/job.json", "--broker",
                            "mqtt://h?version=4"], "version"),
     ("serve: --ray without --shards", ["aggregator", "serve", "--out", "{d}/o", "--config", "{d}/job.json",

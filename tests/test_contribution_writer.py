@@ -12,6 +12,7 @@ import numpy as np
 from aggregator.service.canonical import canonical_job
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
 from aggregator.service.loop import AggregatorService
+from aggregator.service.settings import ServiceSettings
 from aggregator.storage.store import Store
 from protocols.mqtt_link import BrokerConfig
 
@@ -41,8 +42,8 @@ class FailingOnce(Store):
 
 def serve(broker, tmp_path, store):
     job = Fed3RJob(Fed3RConfig(**job_config(DEVICES, clients_per_round=4)))
-    svc = AggregatorService(job, BrokerConfig.from_url(broker.url), tmp_path / "out", enrolled=set(DEVICES),
-                            store=store, tick_s=0.05)
+    svc = AggregatorService(job, BrokerConfig.from_url(broker.url), tmp_path / "out", ServiceSettings(tick_s=0.05),
+                            enrolled=set(DEVICES), store=store)
     thread = threading.Thread(target=svc.run, kwargs={"timeout_s": 90}, daemon=True)
     thread.start()
     with Fleet(broker.url, DEVICES):

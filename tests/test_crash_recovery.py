@@ -18,6 +18,7 @@ import pytest
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
 from aggregator.service.crash_points import CRASH_POINTS
 from aggregator.service.loop import AggregatorService
+from aggregator.service.settings import ServiceSettings
 from aggregator.storage.store import Store
 from fedfleet.emulation.broker import MosquittoBroker
 from protocols.mqtt_link import BrokerConfig
@@ -120,8 +121,8 @@ def test_broker_restart_mid_round_gives_the_uninterrupted_model(tmp_path, refere
     port = broker.port
     store = Store(tmp_path / "state.db")
     cfg = Fed3RConfig(**job_config(DEVICES))
-    svc = AggregatorService(Fed3RJob(cfg), BrokerConfig.from_url(broker.url), tmp_path / "out", enrolled=set(DEVICES),
-                            store=store, tick_s=0.05)
+    svc = AggregatorService(Fed3RJob(cfg), BrokerConfig.from_url(broker.url), tmp_path / "out",
+                            ServiceSettings(tick_s=0.05), enrolled=set(DEVICES), store=store)
     result = {}
     thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=90)), daemon=True)
     thread.start()

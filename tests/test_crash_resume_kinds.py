@@ -38,6 +38,7 @@ import pytest
 
 from aggregator.jobs.registry import build_job
 from aggregator.service.loop import AggregatorService
+from aggregator.service.settings import ServiceSettings
 from aggregator.storage.store import Store
 from edge_client.handlers import LocalData, HandlerConfig, SharedExtractors, device_handlers, ladd_handlers
 from protocols.mqtt_link import BrokerConfig
@@ -162,8 +163,9 @@ def make_case(kind: str, work: Path, request) -> Case:
 def uninterrupted(case: Case, broker_url: str, work: Path) -> Path:
     out = work / "reference"
     job = build_job(case.kind, {**case.config, "job_id": "job"})
-    svc = AggregatorService(job, BrokerConfig.from_url(broker_url), out, Topics("ref"), enrolled=set(case.devices),
-                            store=Store(work / "reference.db"), evaluate_every_contribution=False, tick_s=0.05)
+    svc = AggregatorService(job, BrokerConfig.from_url(broker_url), out,
+                            ServiceSettings(topic_root="ref", evaluate_every_contribution=False, tick_s=0.05),
+                            enrolled=set(case.devices), store=Store(work / "reference.db"))
     with Fleet(broker_url, case.devices, topics=Topics("ref"), handlers=case.handlers):
         summary = svc.run(timeout_s=120)
     assert summary.get("state") == "done", summary

@@ -17,6 +17,7 @@ from aggregator.api.app import create_app
 from aggregator.api.server import ApiServer
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
 from aggregator.service.loop import AggregatorService
+from aggregator.service.settings import ServiceSettings
 from aggregator.storage.store import Store
 from protocols.mqtt_link import BrokerConfig
 
@@ -46,8 +47,8 @@ def test_dashboard_shows_rounds_advance_during_a_running_job(broker, tmp_path):
     Z, y = data_for("dev99")
     store = Store(tmp_path / "state.db")
     svc = AggregatorService(Fed3RJob(Fed3RConfig(**job_config(DEVICES, clients_per_round=1))),
-                            BrokerConfig.from_url(broker.url), tmp_path / "out", enrolled=set(DEVICES),
-                            eval_set=(Z, y), store=store, tick_s=0.05)
+                            BrokerConfig.from_url(broker.url), tmp_path / "out", ServiceSettings(tick_s=0.05),
+                            enrolled=set(DEVICES), eval_set=(Z, y), store=store)
     result = {}
     thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=90)), daemon=True)
     thread.start()
@@ -116,8 +117,9 @@ def test_dashboard_after_the_job_ended_keeps_its_history_lists_every_device_and_
     enrolled, stranger = DEVICES[:3], "dev09"
     store = Store(tmp_path / "state.db")
     svc = AggregatorService(Fed3RJob(Fed3RConfig(**job_config(enrolled, clients_per_round=1))),
-                            BrokerConfig.from_url(broker.url), tmp_path / "out", enrolled=set(enrolled),
-                            eval_set=data_for("dev99"), store=store, tick_s=0.05, keep_serving=True)
+                            BrokerConfig.from_url(broker.url), tmp_path / "out",
+                            ServiceSettings(tick_s=0.05, keep_serving=True), enrolled=set(enrolled),
+                            eval_set=data_for("dev99"), store=store)
     thread = threading.Thread(target=lambda: svc.run(timeout_s=90), daemon=True)
     thread.start()
     api = ApiServer(create_app(store, TOKEN, svc)).start()

@@ -222,6 +222,7 @@ def test_on_the_generated_acl_broker_no_two_connections_share_an_identity(secure
     from aggregator.deployments.controller import DeploymentController
     from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
     from aggregator.service.loop import AggregatorService
+    from aggregator.service.settings import ServiceSettings
     from aggregator.storage.store import Store
     from ops_fleet import job_config
     from protocols.mqtt_link import BrokerConfig, MqttLink
@@ -232,7 +233,7 @@ def test_on_the_generated_acl_broker_no_two_connections_share_an_identity(secure
     broker = BrokerConfig("127.0.0.1", port, AGGREGATOR_ID, sec.aggregator_password, tls_ca=str(sec.ca_cert),
                           keepalive=1)
     svc = AggregatorService(Fed3RJob(Fed3RConfig(**job_config(["dev01"], start_timeout_s=60))), broker,
-                            tmp_path / "out", store=store, security=sec, tick_s=0.05)
+                            tmp_path / "out", ServiceSettings(tick_s=0.05), store=store, security=sec)
     creds = svc.enroll("dev01", None)
     device = BrokerConfig("127.0.0.1", port, "dev01", creds.mqtt_password, tls_ca=str(sec.ca_cert), keepalive=1)
     W, b = world["good"]

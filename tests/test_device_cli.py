@@ -17,6 +17,7 @@ from sklearn.linear_model import Ridge
 from aggregator.jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob
 from aggregator.jobs.personalize import PersonalizeConfig, PersonalizeJob
 from aggregator.service.loop import AggregatorService
+from aggregator.service.settings import ServiceSettings
 from edge_client.data import load_fashion_mnist
 from edge_client.features import FeatureExtractor
 from edge_client.models import weights_sha256
@@ -40,8 +41,8 @@ def device_data(images, labels, classes, seed):
 
 
 def run_job(job, broker, out_dir, ids, identity=None):
-    svc = AggregatorService(job, BrokerConfig.from_url(broker.url), out_dir, enrolled=set(ids),
-                            evaluate_every_contribution=False, identity=identity)
+    svc = AggregatorService(job, BrokerConfig.from_url(broker.url), out_dir,
+                            ServiceSettings(evaluate_every_contribution=False), enrolled=set(ids), identity=identity)
     result = {}
     thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=240)), daemon=True)
     thread.start()
@@ -125,7 +126,8 @@ def test_a_device_joins_from_the_credentials_enrolment_returned(broker, tmp_path
                          weights_sha256=weights_sha256("mobilenet_v2"), expected_devices=1, clients_per_round=1,
                          round_timeout_s=120)
     svc = AggregatorService(Fed3RJob(config), BrokerConfig.from_url(broker.url), tmp_path / "out",
-                            store=Store(tmp_path / "state.db"), require_signatures=True, identity=aggregator)
+                            ServiceSettings(require_signatures=True), store=Store(tmp_path / "state.db"),
+                            identity=aggregator)
     creds = svc.enroll("cam-z").to_dict()
     assert creds["private_key_pem"] and creds["aggregator_public_key"] == aggregator.public_key_bytes.hex()
     (tmp_path / "creds.json").write_text(json.dumps(creds))

@@ -15,6 +15,7 @@ import numpy as np
 from aggregator.jobs.partial import PartialConfig, PartialPersonalizationJob
 from aggregator.jobs.robustness_fields import PLAIN_MEAN
 from aggregator.service.loop import AggregatorService
+from aggregator.service.settings import ServiceSettings
 from edge_client.agent import DeviceAgent
 from edge_client.state import DeviceStateStore
 from fedfleet.emulation.broker import MosquittoBroker
@@ -54,8 +55,8 @@ def test_killed_device_resumes_with_its_personal_state(tmp_path):
         batch_size=8, client_lr=0.05, round_timeout_s=30, expected_devices=2, start_timeout_s=20, **PLAIN_MEAN))
     state, log = tmp_path / "victim-state", tmp_path / "victim.jsonl"
     with MosquittoBroker() as broker:
-        svc = AggregatorService(job, BrokerConfig.from_url(broker.url), tmp_path / "agg", enrolled={VICTIM, OTHER},
-                                tick_s=0.05)
+        svc = AggregatorService(job, BrokerConfig.from_url(broker.url), tmp_path / "agg",
+                                ServiceSettings(tick_s=0.05), enrolled={VICTIM, OTHER})
         result: dict = {}
         thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=120)), daemon=True)
         thread.start()

@@ -12,6 +12,7 @@ from aggregator.jobs.ditto import DittoConfig, DittoJob
 from aggregator.jobs.registry import build_job
 from aggregator.jobs.robustness_fields import PLAIN_MEAN
 from aggregator.service.loop import AggregatorService
+from aggregator.service.settings import ServiceSettings
 from edge_client.agent import DeviceAgent, TaskDeclined
 from edge_client.state import DeviceStateStore
 from edge_client.tasks.ditto_training import DittoTrainingTask, ditto_pass
@@ -213,8 +214,8 @@ def test_rounds_over_a_real_broker_report_the_wma_of_the_saved_personal_heads(tm
     job = make_job(job_id="ditto-broker", clients_per_round=2, rounds=2, round_timeout_s=20, expected_devices=2,
                    start_timeout_s=20)
     with MosquittoBroker() as broker:
-        svc = AggregatorService(job, BrokerConfig.from_url(broker.url), tmp_path / "agg", enrolled=set(handlers),
-                                tick_s=0.05)
+        svc = AggregatorService(job, BrokerConfig.from_url(broker.url), tmp_path / "agg",
+                                ServiceSettings(tick_s=0.05), enrolled=set(handlers))
         result: dict = {}
         thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=60)), daemon=True)
         thread.start()

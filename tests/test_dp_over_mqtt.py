@@ -12,6 +12,7 @@ from ops_fleet import Features, assert_noise_of_variance, clipped_sums
 
 from aggregator.jobs.registry import build_job
 from aggregator.service.loop import AggregatorService
+from aggregator.service.settings import ServiceSettings
 from edge_client.agent import DeviceAgent
 from edge_client.tasks.fed3r_stats import Fed3RStatsTask
 from edge_client.tasks.head_training import HeadTrainingTask
@@ -34,8 +35,8 @@ def gaussian_epsilon(z, rounds, q, delta):
 
 
 def run_service(job, broker, tmp_path, ids, handlers):
-    svc = AggregatorService(job, BrokerConfig.from_url(broker.url), tmp_path, enrolled=set(ids),
-                            evaluate_every_contribution=False)
+    svc = AggregatorService(job, BrokerConfig.from_url(broker.url), tmp_path,
+                            ServiceSettings(evaluate_every_contribution=False), enrolled=set(ids))
     result = {}
     t = threading.Thread(target=lambda: result.update(svc.run(timeout_s=120)), daemon=True)
     t.start()

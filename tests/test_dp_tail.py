@@ -22,6 +22,7 @@ from protocols.payloads.secagg import SECURE_TAIL_KIND
 from protocols.secagg.config import default_threshold
 
 from ops_fleet import RecordingService, start_secure_fedavg_agents
+from aggregator.service.settings import ServiceSettings
 from test_dp_mechanisms import variance_ratio_ok
 from test_dp_over_mqtt import gaussian_epsilon
 
@@ -65,7 +66,7 @@ def test_central_dp_tail_moves_by_the_clipped_deltas_plus_the_stated_noise(broke
                                                        dp_population=population)))
     job.dp.rng = np.random.default_rng(11)        # seeded only here, to take the noise out exactly
     tasks = {d: RecordingTail(TailTrainingTask(*shards[i], tail_bundle)) for i, d in enumerate(ids)}
-    service = RecordingService(job, broker.url, tmp_path, set(ids), evaluate_every_contribution=False)
+    service = RecordingService(job, broker.url, tmp_path, set(ids), ServiceSettings(evaluate_every_contribution=False))
     agents = [DeviceAgent(d, BrokerConfig.from_url(broker.url), {KIND_TAIL: tasks[d]}).start() for d in ids]
     result = service.join(150)
     for a in agents:
@@ -107,7 +108,7 @@ def test_distributed_dp_tail_sums_clipped_deltas_and_noise_of_the_threshold_vari
     job = SecureTailFedAvgJob(cfg, identity=agg, registry=registry)
     start = np.asarray(job.params[TAIL], np.float64)
     tasks = {d: RecordingTail(TailTrainingTask(*shards[i], tail_bundle)) for i, d in enumerate(ids)}
-    service = RecordingService(job, broker.url, tmp_path, set(ids), evaluate_every_contribution=False)
+    service = RecordingService(job, broker.url, tmp_path, set(ids), ServiceSettings(evaluate_every_contribution=False))
     agents = start_secure_fedavg_agents(broker.url, identities, agg.public_key_bytes, SECURE_TAIL_KIND, tasks)
     result = service.join(150)
     for a in agents:

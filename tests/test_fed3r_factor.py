@@ -358,6 +358,7 @@ def test_over_mosquitto_a_mixed_fleet_equals_the_centralized_ridge(broker, tmp_p
 
     from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
     from aggregator.service.loop import AggregatorService
+    from aggregator.service.settings import ServiceSettings
     from edge_client.agent import DeviceAgent
     from protocols.mqtt_link import BrokerConfig
 
@@ -373,8 +374,8 @@ def test_over_mosquitto_a_mixed_fleet_equals_the_centralized_ridge(broker, tmp_p
     devices = [f"dev{i:02d}" for i in range(len(sizes))]
     config = Fed3RConfig(num_classes=C, feature_dim=d, lam=1.0, normalize_columns=False, clients_per_round=3,
                          round_timeout_s=30, expected_devices=len(devices))
-    svc = AggregatorService(Fed3RJob(config), BrokerConfig.from_url(broker.url), tmp_path, enrolled=set(devices),
-                            tick_s=0.05)
+    svc = AggregatorService(Fed3RJob(config), BrokerConfig.from_url(broker.url), tmp_path,
+                            ServiceSettings(tick_s=0.05), enrolled=set(devices))
     result = {}
     thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=60)), daemon=True)
     thread.start()

@@ -11,6 +11,7 @@ from sklearn.linear_model import Ridge
 
 from aggregator.jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob
 from aggregator.service.loop import AggregatorService
+from aggregator.service.settings import ServiceSettings
 from edge_client.agent import AgentHooks, DeviceAgent, DroppedOut
 from edge_client.tasks.fed3r_stats import Fed3RStatsTask
 from edge_client.tasks.secure_fed3r import SecureFed3R
@@ -115,7 +116,8 @@ def test_secure_jobs_need_checkpoints_to_run_with_a_durable_store(tmp_path):
     job = Fed3RSyncJob(Fed3RSyncConfig(job_id="s", num_classes=C, feature_dim=D, max_samples=10),
                        identity=DeviceIdentity.generate("aggregator"), registry=reg)
     with pytest.raises(TypeError, match="secure aggregation"):
-        AggregatorService(job, BrokerConfig(), tmp_path, store=Store(tmp_path / "s.db"), checkpoints=False)
+        AggregatorService(job, BrokerConfig(), tmp_path, ServiceSettings(checkpoints=False),
+                          store=Store(tmp_path / "s.db"))
     AggregatorService(job, BrokerConfig(), tmp_path, store=Store(tmp_path / "t.db"))     # checkpoints: accepted
 
 

@@ -10,6 +10,7 @@ from ops_fleet import Features, replay_round
 
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob
 from aggregator.service.loop import AggregatorService
+from aggregator.service.settings import ServiceSettings
 from edge_client.agent import DeviceAgent
 from edge_client.tasks.head_training import HeadTrainingTask
 from protocols.mqtt_link import BrokerConfig
@@ -30,8 +31,8 @@ def test_fedavg_over_mosquitto_equals_in_process_replay(broker, tmp_path, moment
     cfg = dict(job_id="ft", num_classes=C, feature_dim=D, rounds=3, clients_per_round=3, round_timeout_s=30,
                local_epochs=2, batch_size=8, client_lr=0.05, server_momentum=momentum, expected_devices=5, seed=3)
     job = FedAvgJob(FedAvgConfig(**cfg))
-    svc = AggregatorService(job, BrokerConfig.from_url(broker.url), tmp_path, enrolled=set(ids),
-                            evaluate_every_contribution=False)
+    svc = AggregatorService(job, BrokerConfig.from_url(broker.url), tmp_path,
+                            ServiceSettings(evaluate_every_contribution=False), enrolled=set(ids))
     result = {}
     t = threading.Thread(target=lambda: result.update(svc.run(timeout_s=120)), daemon=True)
     t.start()
@@ -63,8 +64,9 @@ def test_final_evaluation_sees_the_model_after_the_last_round(broker, tmp_path):
     cfg = dict(job_id="ft-eval", num_classes=C, feature_dim=D, rounds=2, clients_per_round=2, round_timeout_s=30,
                local_epochs=3, batch_size=8, client_lr=0.05, expected_devices=4, seed=1)
     job = FedAvgJob(FedAvgConfig(**cfg))
-    svc = AggregatorService(job, BrokerConfig.from_url(broker.url), tmp_path, enrolled=set(ids),
-                            eval_set=(Z_eval, y_eval), evaluate_every_contribution=True)
+    svc = AggregatorService(job, BrokerConfig.from_url(broker.url), tmp_path,
+                            ServiceSettings(evaluate_every_contribution=True), enrolled=set(ids),
+                            eval_set=(Z_eval, y_eval))
     result = {}
     t = threading.Thread(target=lambda: result.update(svc.run(timeout_s=120)), daemon=True)
     t.start()

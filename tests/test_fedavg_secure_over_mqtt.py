@@ -6,6 +6,7 @@ A device whose trained head breaks the round's bound declines; the round goes on
 import numpy as np
 import pytest
 from ops_fleet import Features, RecordingService, replay_round, start_secure_fedavg_agents
+from aggregator.service.settings import ServiceSettings
 
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob
 from aggregator.jobs.robustness_fields import PLAIN_MEAN
@@ -36,7 +37,7 @@ def test_secure_fedavg_equals_plain_fedavg_over_the_summed_devices(broker, tmp_p
                  local_epochs=2, batch_size=8, client_lr=0.05, server_momentum=momentum, expected_devices=6, seed=4)
     job = SecureFedAvgJob(SecureFedAvgConfig(**plain, max_samples=100, max_abs_param=20.0, phase_timeout_s=3),
                           identity=agg, registry=registry)
-    service = RecordingService(job, broker.url, tmp_path, set(ids), evaluate_every_contribution=False)
+    service = RecordingService(job, broker.url, tmp_path, set(ids), ServiceSettings(evaluate_every_contribution=False))
     tasks = {d: device_task(i, 1000.0 if d == OUTLIER else 1.0) for i, d in enumerate(ids)}
     agents = start_secure_fedavg_agents(broker.url, identities, agg.public_key_bytes, SECURE_FEDAVG_KIND, tasks)
     result = service.join(150)

@@ -16,6 +16,7 @@ from torch.nn import functional as F
 from aggregator.jobs.fedavg_tail import TailFedAvgConfig, TailFedAvgJob
 from aggregator.jobs.registry import build_job
 from aggregator.service.loop import AggregatorService
+from aggregator.service.settings import ServiceSettings
 from aggregator.compute.tail_program import TailProgram, TailProgramError
 from edge_client.agent import DeviceAgent, TaskDeclined
 from edge_client.data import load_fashion_mnist
@@ -259,8 +260,8 @@ def test_ft_m_over_mosquitto_equals_in_process_replay(broker, bundle, fmnist, tm
     shards = {d: np.arange(i * 20, i * 20 + 20) for i, d in enumerate(ids)}
     tasks = {d: TailTrainingTask(images[shards[d]], labels[shards[d]], bundle) for d in ids}
     job, cfg = _job(bundle, train="tail+head")
-    svc = AggregatorService(job, BrokerConfig.from_url(broker.url), tmp_path, enrolled=set(ids),
-                            evaluate_every_contribution=False)
+    svc = AggregatorService(job, BrokerConfig.from_url(broker.url), tmp_path,
+                            ServiceSettings(evaluate_every_contribution=False), enrolled=set(ids))
     result = {}
     t = threading.Thread(target=lambda: result.update(svc.run(timeout_s=120)), daemon=True)
     t.start()
@@ -323,7 +324,7 @@ def test_secure_ft_phi_over_mosquitto_equals_the_plain_mean_of_the_summed_device
     job = SecureTailFedAvgJob(SecureTailFedAvgConfig(**cfg, max_samples=100, max_abs_param=50.0, phase_timeout_s=5),
                               identity=agg, registry=registry)
     start = {k: v.copy() for k, v in job.params.items()}
-    service = RecordingService(job, broker.url, tmp_path, set(ids), evaluate_every_contribution=False)
+    service = RecordingService(job, broker.url, tmp_path, set(ids), ServiceSettings(evaluate_every_contribution=False))
     agents = start_secure_fedavg_agents(broker.url, identities, agg.public_key_bytes, SECURE_TAIL_KIND,
                                         {d: TailTrainingTask(images[shards[d]], labels[shards[d]], bundle) for d in ids})
     result = service.join(150)

@@ -12,6 +12,7 @@ import numpy as np
 from aggregator.security.broker import BrokerSecurity, hash_password
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
 from aggregator.service.loop import AggregatorService
+from aggregator.service.settings import ServiceSettings
 from edge_client.agent import DeviceAgent
 from fedfleet.emulation.broker import MosquittoBroker, free_port
 from fedfleet.emulation.host import DeviceHost
@@ -23,8 +24,8 @@ from ops_fleet import C, D, SyntheticStats, reference_sums
 def start_service(url: str, tmp_path: Path, devices, **cfg) -> tuple[AggregatorService, threading.Thread, dict]:
     config = Fed3RConfig(num_classes=C, feature_dim=D, clients_per_round=len(devices), round_timeout_s=20,
                          expected_devices=len(devices), **cfg)
-    svc = AggregatorService(Fed3RJob(config), BrokerConfig.from_url(url), tmp_path, enrolled=set(devices),
-                            evaluate_every_contribution=False)
+    svc = AggregatorService(Fed3RJob(config), BrokerConfig.from_url(url), tmp_path,
+                            ServiceSettings(evaluate_every_contribution=False), enrolled=set(devices))
     result: dict = {}
     t = threading.Thread(target=lambda: result.update(svc.run(timeout_s=60)), daemon=True)
     t.start()
@@ -56,10 +57,10 @@ def test_hosted_devices_with_one_bad_password_and_one_broken_task(tmp_path):
             healthy = devices[:10]
             config = Fed3RConfig(num_classes=C, feature_dim=D, clients_per_round=11, round_timeout_s=20,
                                  expected_devices=11, max_attempts=1)
-            svc = AggregatorService(Fed3RJob(config), dataclasses.replace(base, username="aggregator",
-                                                                          password=sec.aggregator_password),
-                                    tmp_path / "agg", enrolled=set(healthy + ["dev11"]),
-                                    evaluate_every_contribution=False)
+            aggregator_login = dataclasses.replace(base, username="aggregator", password=sec.aggregator_password)
+            svc = AggregatorService(Fed3RJob(config), aggregator_login, tmp_path / "agg",
+                                    ServiceSettings(evaluate_every_contribution=False),
+                                    enrolled=set(healthy + ["dev11"]))
             result: dict = {}
             t = threading.Thread(target=lambda: result.update(svc.run(timeout_s=60)), daemon=True)
             t.start()

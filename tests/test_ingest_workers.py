@@ -11,6 +11,7 @@ import numpy as np
 
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
 from aggregator.service.loop import AggregatorService
+from aggregator.service.settings import ServiceSettings
 from aggregator.storage.store import Store
 from edge_client.agent import DeviceAgent
 from fedfleet.emulation.broker import MosquittoBroker
@@ -62,8 +63,8 @@ def test_workers_refuse_forged_and_non_gram_results_and_sum_the_rest_exactly(bro
         store.enroll_device(dev, identity.public_key_bytes, None)
     config = Fed3RConfig(num_classes=C, feature_dim=D, lam=LAM, normalize_columns=False, clients_per_round=4,
                          round_timeout_s=8, max_attempts=1, expected_devices=len(identities), start_timeout_s=5)
-    svc = AggregatorService(Fed3RJob(config), BrokerConfig.from_url(broker.url), tmp_path / "out", store=store,
-                            require_signatures=True, ingest_workers=2, tick_s=0.05)
+    svc = AggregatorService(Fed3RJob(config), BrokerConfig.from_url(broker.url), tmp_path / "out",
+                            ServiceSettings(require_signatures=True, ingest_workers=2, tick_s=0.05), store=store)
     result = {}
     thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=90)), daemon=True)
     thread.start()

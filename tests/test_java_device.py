@@ -124,6 +124,7 @@ def run_mixed_fleet(java_cp: str, broker, tmp_path: Path, secure: bool, graph: s
     of them all, ``dropper`` silent after its shares); returns (job, config, the envelopes the
     aggregator received (reassembled), the senders of chunks, the devices)."""
     from ops_fleet import Features, RecordingService
+    from aggregator.service.settings import ServiceSettings
 
     from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
     from aggregator.jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob
@@ -150,8 +151,8 @@ def run_mixed_fleet(java_cp: str, broker, tmp_path: Path, secure: bool, graph: s
         cfg = Fed3RConfig(**common, max_attempts=2)
         job = Fed3RJob(cfg)
     lite = start_torch_free_devices(broker, tmp_path, keys, agg.public_key_bytes) if torch_free else None
-    service = RecordingService(job, broker.url, tmp_path / "out", set(devices), timeout_s=90,
-                               require_signatures=True, identity=agg)
+    service = RecordingService(job, broker.url, tmp_path / "out", set(devices),
+                               ServiceSettings(require_signatures=True), timeout_s=90, identity=agg)
     for d in devices:
         service.svc.registry.enroll(d, keys[d].public_key_bytes)
 

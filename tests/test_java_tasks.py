@@ -36,6 +36,7 @@ import java_build
 from test_differential_fuzz import head_tolerance
 from test_java_device import write_features
 from aggregator.jobs.robustness_fields import PLAIN_MEAN
+from aggregator.service.settings import ServiceSettings
 
 pytestmark = pytest.mark.skipif(java_build.missing() is not None, reason=str(java_build.missing()))
 
@@ -252,14 +253,14 @@ def test_skellam_noise_share_has_the_right_distribution(java_cp, mu):
 JAVA_IDS, PY_IDS = ["java0", "java1", "java2"], ["py0", "py1"]
 
 
-def serve(job, broker_url: str, workdir, ids: list[str], **options) -> dict:
+def serve(job, broker_url: str, workdir, ids: list[str]) -> dict:
     """The aggregator service on a thread (as a deployment runs it), until the job ends."""
     from aggregator.service.loop import AggregatorService
     from protocols.mqtt_link import BrokerConfig
 
     workdir.mkdir(exist_ok=True)
-    svc = AggregatorService(job, BrokerConfig.from_url(broker_url), workdir, enrolled=set(ids),
-                            evaluate_every_contribution=False, **options)
+    svc = AggregatorService(job, BrokerConfig.from_url(broker_url), workdir,
+                            ServiceSettings(evaluate_every_contribution=False), enrolled=set(ids))
     result: dict = {}
     thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=120)), daemon=True)
     thread.start()
@@ -373,8 +374,8 @@ def test_mixed_java_and_python_fleet_runs_secure_fedavg(java_cp, broker, tmp_pat
                  start_timeout_s=30, seed=4)
     job = SecureFedAvgJob(SecureFedAvgConfig(**plain, max_samples=100, max_abs_param=20.0, phase_timeout_s=4),
                           identity=agg, registry=IdentityRegistry({d: k.public_key_bytes for d, k in keys.items()}))
-    service = RecordingService(job, broker.url, tmp_path / "out", set(ids), evaluate_every_contribution=False,
-                               identity=agg)
+    service = RecordingService(job, broker.url, tmp_path / "out", set(ids),
+                               ServiceSettings(evaluate_every_contribution=False), identity=agg)
     scale = {outlier: 1000.0}
     jvm = start_java_devices(java_cp, broker.url, tmp_path, ["--aggregator-key", agg.public_key_bytes.hex()],
                              seeds=seeds, scale=scale)

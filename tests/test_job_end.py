@@ -128,6 +128,7 @@ def test_devices_drop_a_completed_jobs_state_and_refuse_forged_and_replayed_noti
 
     from aggregator.jobs.scaffold import ScaffoldConfig, ScaffoldJob
     from aggregator.service.loop import AggregatorService
+    from aggregator.service.settings import ServiceSettings
     from aggregator.storage.store import Store
     from edge_client.agent import DeviceAgent
     from edge_client.state import DeviceStateStore
@@ -139,9 +140,9 @@ def test_devices_drop_a_completed_jobs_state_and_refuse_forged_and_replayed_noti
     job = ScaffoldJob(ScaffoldConfig(job_id="scaffold-end", num_classes=C, feature_dim=D, rounds=1,
                                      clients_per_round=2, round_timeout_s=30, local_epochs=1, batch_size=8,
                                      client_lr=0.05, expected_devices=2, start_timeout_s=20, seed=5))
-    svc = AggregatorService(job, BrokerConfig.from_url(broker.url), tmp_path / "out", topics=topics,
-                            store=Store(tmp_path / "agg.db"), identity=aggregator, tick_s=0.05,
-                            evaluate_every_contribution=False)
+    svc = AggregatorService(job, BrokerConfig.from_url(broker.url), tmp_path / "out",
+                            ServiceSettings(topic_root=topics.root, tick_s=0.05, evaluate_every_contribution=False),
+                            store=Store(tmp_path / "agg.db"), identity=aggregator)
     key = bytes.fromhex(svc.enroll(DEVICES[0]).aggregator_public_key)
     svc.enroll(DEVICES[1])
     stores = {d: DeviceStateStore(tmp_path / "state" / d) for d in DEVICES}

@@ -7,6 +7,7 @@ import time
 
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
 from aggregator.service.loop import AggregatorService
+from aggregator.service.settings import ServiceSettings
 from aggregator.storage.store import Store
 from edge_client.agent import AgentHooks, DeviceAgent, DroppedOut
 from protocols.mqtt_link import BrokerConfig
@@ -24,8 +25,8 @@ def run(broker, tmp_path, grace_s, revoke=None):
     config = Fed3RConfig(num_classes=C, feature_dim=D, clients_per_round=len(DEVICES), round_timeout_s=30,
                          expected_devices=len(DEVICES))
     svc = AggregatorService(Fed3RJob(config), BrokerConfig.from_url(broker.url), tmp_path / "out",
-                            enrolled=set(DEVICES), store=Store(tmp_path / "state.db"), tick_s=0.05,
-                            offline_grace_s=grace_s)
+                            ServiceSettings(tick_s=0.05, offline_grace_s=grace_s), enrolled=set(DEVICES),
+                            store=Store(tmp_path / "state.db"))
     result = {}
     thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=40)), daemon=True)
     thread.start()
@@ -69,8 +70,8 @@ def test_enrolling_a_device_does_not_change_the_fleet_mode_and_tasks_go_only_to_
     purpose, it gives tasks only to enrolled devices (the others are shown, not asked)."""
     store = Store(tmp_path / "state.db")
     config = Fed3RConfig(num_classes=C, feature_dim=D, clients_per_round=10, round_timeout_s=30, expected_devices=3)
-    svc = AggregatorService(Fed3RJob(config), BrokerConfig.from_url(broker.url), tmp_path / "out", store=store,
-                            tick_s=0.05, offline_grace_s=1.0)
+    svc = AggregatorService(Fed3RJob(config), BrokerConfig.from_url(broker.url), tmp_path / "out",
+                            ServiceSettings(tick_s=0.05, offline_grace_s=1.0), store=store)
     assert svc.fleet.mode == "open" and store.setting("fleet_mode") == "open"
     result = {}
     thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=40)), daemon=True)

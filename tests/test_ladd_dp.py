@@ -31,6 +31,7 @@ from protocols.secagg import AggregateReady, Phase
 from protocols.secagg.driver import run_round
 
 from ops_fleet import RecordingService
+from aggregator.service.settings import ServiceSettings
 from test_admin_api import AUTH, TOKEN, start_service
 from test_dp_mechanisms import variance_ratio_ok
 from test_ladd_aggregation import DEVICES, INITIAL, TRAINABLE, run_style_round, send
@@ -289,7 +290,7 @@ def test_dp_ladd_over_mosquitto_reports_the_libraries_epsilon_and_stops_at_its_b
     job.dp.rng = np.random.default_rng(21)          # seeded only here, to take the noise out exactly
     rng = np.random.default_rng(4)
     handlers = {d: FixedStep(delta_of_norm(norm, rng)) for d, norm in zip(ids, (0.05, 0.4, 3.0))}
-    service = RecordingService(job, broker.url, tmp_path, set(ids), evaluate_every_contribution=False)
+    service = RecordingService(job, broker.url, tmp_path, set(ids), ServiceSettings(evaluate_every_contribution=False))
     agents = [DeviceAgent(d, BrokerConfig.from_url(broker.url), {"ladd.train": handlers[d]}).start() for d in ids]
     result = service.join(120)
     for a in agents:

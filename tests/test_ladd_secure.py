@@ -11,6 +11,7 @@ import threading
 import numpy as np
 import pytest
 from ops_fleet import RecordingService
+from aggregator.service.settings import ServiceSettings
 
 from aggregator.jobs.secure_ladd import SecureLaddConfig, SecureLaddJob
 from edge_client.agent import DeviceAgent, TaskDeclined
@@ -252,7 +253,8 @@ def test_secure_ladd_rounds_over_mqtt_equal_numpy_cluster_means(broker, tmp_path
 
     job = make_job(identities, agg)
     job.evaluator = snapshot
-    service = RecordingService(job, broker.url, tmp_path, set(ids), timeout_s=120, evaluate_every_contribution=False)
+    service = RecordingService(job, broker.url, tmp_path, set(ids), ServiceSettings(evaluate_every_contribution=False),
+                               timeout_s=120)
     agents, secure = [], {}
     for dev in fleet:
         d = dev.device_id

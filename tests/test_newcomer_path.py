@@ -23,6 +23,7 @@ from aggregator.api.server import ApiServer
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
 from aggregator.service.artifacts import ArtifactShelf, with_served_bundle
 from aggregator.service.loop import AggregatorService
+from aggregator.service.settings import ServiceSettings
 from aggregator.storage.store import Store
 from edge_client.agent import DeviceAgent, TaskDeclined
 from fedfleet.admin import main as admin
@@ -71,8 +72,8 @@ def test_a_job_created_through_the_api_runs_on_the_served_bundle(broker, bundle,
     sha = shelf.add_bundle(bundle)
     store = Store(tmp_path / "state.db")
     job = Fed3RJob(Fed3RConfig(job_id="first", num_classes=10, feature_dim=4, expected_devices=9, start_timeout_s=1e6))
-    svc = AggregatorService(job, BrokerConfig.from_url(broker.url), tmp_path / "out", store=store, artifacts=shelf,
-                            keep_serving=True, tick_s=0.05)
+    svc = AggregatorService(job, BrokerConfig.from_url(broker.url), tmp_path / "out",
+                            ServiceSettings(keep_serving=True, tick_s=0.05), store=store, artifacts=shelf)
     thread = threading.Thread(target=svc.run, kwargs={"timeout_s": 60}, daemon=True)
     thread.start()
     try:

@@ -12,6 +12,7 @@ from starlette.testclient import TestClient
 from aggregator.api.app import create_app
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
 from aggregator.service.loop import AggregatorService
+from aggregator.service.settings import ServiceSettings
 from aggregator.storage.store import Store
 from edge_client.agent import DeviceAgent
 from protocols.mqtt_link import BrokerConfig
@@ -38,7 +39,7 @@ def run_service(broker, tmp_path, store_path):
     config = Fed3RConfig(num_classes=C, feature_dim=D, clients_per_round=len(DEVICES), round_timeout_s=20,
                          expected_devices=len(DEVICES))
     svc = AggregatorService(Fed3RJob(config), BrokerConfig.from_url(broker.url), tmp_path / "out",
-                            enrolled=set(DEVICES), store=Store(store_path), tick_s=0.05)
+                            ServiceSettings(tick_s=0.05), enrolled=set(DEVICES), store=Store(store_path))
     result = {}
     thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=60)), daemon=True)
     thread.start()

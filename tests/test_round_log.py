@@ -15,6 +15,7 @@ from aggregator.api.server import ApiServer
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
 from aggregator.storage.round_log import read_from
 from aggregator.service.loop import AggregatorService
+from aggregator.service.settings import ServiceSettings
 from aggregator.storage.store import Store
 from protocols.mqtt_link import BrokerConfig
 
@@ -47,8 +48,8 @@ def test_admin_logs_follow_streams_the_round_log_live_and_it_matches_the_store(b
     gates = {d: threading.Event() for d in DEVICES}
     store = Store(tmp_path / "state.db")
     svc = AggregatorService(Fed3RJob(Fed3RConfig(**job_config(DEVICES, clients_per_round=1))),
-                            BrokerConfig.from_url(broker.url), tmp_path / "out", enrolled=set(DEVICES),
-                            eval_set=data_for("dev99"), store=store, tick_s=0.05)
+                            BrokerConfig.from_url(broker.url), tmp_path / "out", ServiceSettings(tick_s=0.05),
+                            enrolled=set(DEVICES), eval_set=data_for("dev99"), store=store)
     result: dict = {}
     thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=90)), daemon=True)
     thread.start()

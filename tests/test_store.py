@@ -16,6 +16,7 @@ import pytest
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
 from aggregator.jobs.registry import validate_job_config
 from aggregator.service.loop import AggregatorService
+from aggregator.service.settings import ServiceSettings
 from aggregator.storage.store import Store, StoreError, arrays_sha256
 from protocols import messages as M
 from protocols.envelope import encode
@@ -30,8 +31,9 @@ T = Topics()
 
 def make_service(tmp_path, checkpoints=True, **cfg_over):
     cfg = Fed3RConfig(**job_config(DEVICES, **{"clients_per_round": 2, **cfg_over}))
-    return AggregatorService(Fed3RJob(cfg), BrokerConfig(port=1), tmp_path / "out", enrolled=set(DEVICES),
-                             store=Store(tmp_path / "state.db"), checkpoints=checkpoints)
+    return AggregatorService(Fed3RJob(cfg), BrokerConfig(port=1), tmp_path / "out",
+                             ServiceSettings(checkpoints=checkpoints), enrolled=set(DEVICES),
+                             store=Store(tmp_path / "state.db"))
 
 
 def presence(svc, device, state="online"):

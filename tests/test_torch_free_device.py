@@ -29,6 +29,7 @@ from aggregator.jobs.fedavg_tail import TailFedAvgConfig, TailFedAvgJob
 from aggregator.jobs.personalize import PersonalizeConfig, PersonalizeJob
 from aggregator.jobs.robustness_fields import PLAIN_MEAN
 from aggregator.service.loop import AggregatorService
+from aggregator.service.settings import ServiceSettings
 from aggregator.storage.store import Store
 from aggregator.jobs.robustness_fields import PLAIN_MEAN
 from edge_client.agent import DeviceAgent
@@ -114,9 +115,10 @@ class TorchFreeDevices:
             print(self.log[-6000:])
 
 
-def run_job(job, broker, out_dir, ids, shelf, **service):
-    svc = AggregatorService(job, BrokerConfig.from_url(broker.url), out_dir, enrolled=set(ids), artifacts=shelf,
-                            evaluate_every_contribution=False, **service)
+def run_job(job, broker, out_dir, ids, shelf, store=None):
+    svc = AggregatorService(job, BrokerConfig.from_url(broker.url), out_dir,
+                            ServiceSettings(evaluate_every_contribution=False), enrolled=set(ids), artifacts=shelf,
+                            store=store)
     result = {}
     thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=240)), daemon=True)
     thread.start()

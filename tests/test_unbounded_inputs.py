@@ -15,6 +15,7 @@ from aggregator.service.active_job import REJECTION_CLASSES
 from aggregator.api.app import create_app
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
 from aggregator.service.loop import AggregatorService
+from aggregator.service.settings import ServiceSettings
 from aggregator.storage.store import Store
 from edge_client.agent import DeviceAgent
 from protocols import messages as M
@@ -50,8 +51,8 @@ def start(broker, tmp_path, keys, handlers, gate=None):
     for d in DEVICES:
         store.enroll_device(d, keys[d].public_key_bytes, None)
     job = Fed3RJob(Fed3RConfig(**job_config(DEVICES, round_timeout_s=30)))
-    svc = AggregatorService(job, BrokerConfig.from_url(broker.url), tmp_path / "out", store=store,
-                            require_signatures=True, tick_s=0.05)
+    svc = AggregatorService(job, BrokerConfig.from_url(broker.url), tmp_path / "out",
+                            ServiceSettings(require_signatures=True, tick_s=0.05), store=store)
     result = {}
     thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=90)), daemon=True)
     thread.start()

@@ -14,9 +14,15 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from protocols.mqtt_link import BrokerConfig
-from protocols.topics import AGGREGATOR_ID, Topics
+from protocols.topics import AGGREGATOR_ID
+
+from aggregator.service.settings import ServiceSettings
+
+if TYPE_CHECKING:
+    from aggregator.service.artifacts import ArtifactShelf
 
 TOKEN_ENV = "FEDFLEET_ADMIN_TOKEN"
 
@@ -83,7 +89,7 @@ def admin_token(args) -> str | None:
     return os.environ.get(TOKEN_ENV)
 
 
-def shard_pool(args, count: int, job, broker: BrokerConfig, out_dir: Path, topics: Topics):
+def shard_pool(args, count: int, job, broker: BrokerConfig, out_dir: Path, settings: ServiceSettings):
     """``--shards K``: K shard processes here, or with ``--ray ADDRESS`` K actors on that Ray cluster,
     their stores beside the service's (``STATE.shards/``); a job they cannot serve is refused
     before any starts."""
@@ -92,24 +98,27 @@ def shard_pool(args, count: int, job, broker: BrokerConfig, out_dir: Path, topic
 
     if job is not None:
         check_shardable(job, job_kind_name(job))
-    if args.require_signatures:
+    if settings.require_signatures:
         raise SystemExit("--shards does not verify device signatures yet: run without --require-signatures")
     store_dir = Path(f"{args.state}.shards") if args.state else Path(out_dir) / "shards"
     if getattr(args, "ray", None):
         from aggregator.shards.ray_shards import RayShards
 
-        return RayShards(args.ray, count, broker, store_dir.resolve(), topics)
+        return RayShards(args.ray, count, broker, store_dir.resolve(), settings.topics)
     from aggregator.shards.local import LocalShards
 
-    return LocalShards(count, broker, store_dir, topics)
+    return LocalShards(count, broker, store_dir, settings.topics)
 
 
-def serve_with_ops(args, job, broker: BrokerConfig, out_dir: Path, topics: Topics, **service_kw) -> dict:
-    """Build store/security/API from ``args`` around an AggregatorService and run it."""
+def serve_with_ops(args, job, broker: BrokerConfig, out_dir: Path, settings: ServiceSettings, *,
+                   enrolled: set[str] | None = None, eval_set=None, artifacts: ArtifactShelf | None = None,
+                   shards: int = 0) -> dict:
+    """Build store/security/shards/API from ``args`` around an AggregatorService with ``settings`` and run it."""
     from aggregator.security.broker import BrokerSecurity
     from aggregator.service.loop import AggregatorService
     from aggregator.storage.store import Store
 
+    topics = settings.topics
     store = Store(args.state, synchronous=args.durability.upper()) if args.state else None
     security = None
     if args.security_dir:
@@ -117,24 +126,23 @@ def serve_with_ops(args, job, broker: BrokerConfig, out_dir: Path, topics: Topic
         if not broker.username:
             broker = dataclasses.replace(broker, username=AGGREGATOR_ID, password=security.aggregator_password,
                                          tls_ca=broker.tls_ca or str(security.ca_cert))
-    if (args.api or args.keep_serving) and store is None:
+    if (args.api or settings.keep_serving) and store is None:
         raise SystemExit("--api and --keep-serving need --state")
-    count = service_kw.pop("shards", 0)
-    service_kw["shards"] = shard_pool(args, count, job, broker, out_dir, topics) if count else None
+    pool = shard_pool(args, shards, job, broker, out_dir, settings) if shards else None
     identity = None
     if args.identity:
         from protocols.identity import DeviceIdentity
 
         identity = DeviceIdentity.from_pem(AGGREGATOR_ID, args.identity.read_bytes())
-    service = AggregatorService(job, broker, out_dir, topics, store=store, security=security,
-                                require_signatures=args.require_signatures, keep_serving=args.keep_serving,
-                                identity=identity, **service_kw)
+    service = AggregatorService(job, broker, out_dir, settings, enrolled=enrolled, eval_set=eval_set, store=store,
+                                security=security, artifacts=artifacts, identity=identity, shards=pool)
     deployments = None
     if store is not None:                    # model rollouts, beside the service (aggregator/deployments/)
         from aggregator.deployments.controller import DeploymentController
 
+        verifier = service.fleet.verify if settings.require_signatures else None
         deployments = DeploymentController(store, broker, topics, signer=identity.sign if identity else None,
-                                           verifier=service.fleet.verify if args.require_signatures else None).start()
+                                           verifier=verifier).start()
     api = None
     if args.api:
         from aggregator.api.app import create_app

@@ -30,6 +30,7 @@ from aggregator.service.canonical import reported_job
 from aggregator.service.crash_points import CrashPoints
 from aggregator.service.job_end import JobEndNotices
 from aggregator.service.job_outcome import judged_state
+from aggregator.service.settings import ServiceSettings
 from aggregator.security.fleet import Fleet
 from aggregator.service.contribution_writer import ContributionWriter
 from aggregator.jobs.base import Job
@@ -52,9 +53,7 @@ class RunnerServices:
     bytes_sent: Callable[[], int]
     on_fatal: Callable[..., None]       # (reason, stop=False): rebuild the job from the store, or stop it
     eval_set: tuple | None = None       # (features, labels) the model is evaluated on
-    checkpoints: bool = True
-    evaluate_every_contribution: bool = True
-    offline_grace_s: float = 120.0
+    settings: ServiceSettings = ServiceSettings()     # checkpoints, evaluation pace, offline grace
     writer: ContributionWriter | None = None
     job_ends: JobEndNotices | None = None    # told when the job ends: its devices drop their state
 
@@ -73,12 +72,12 @@ class JobRunner:
         self.canonical = store is not None and a.job.order_free and a.kind in KINDS
         self.on_fatal, self.job_ends = s.on_fatal, s.job_ends
         self.send, self.publish_status_body, self.bytes_sent = s.send, s.publish_status, s.bytes_sent
-        self.eval_set, self.checkpoints = s.eval_set, s.checkpoints
+        self.eval_set, self.checkpoints = s.eval_set, s.settings.checkpoints
         # a device offline for longer than this (or revoked) no longer keeps the job from finishing
-        self.offline_grace_s = s.offline_grace_s
+        self.offline_grace_s = s.settings.offline_grace_s
         # A job whose model moves only at round close (FedAvg) would evaluate the same model after
         # every contribution; it is evaluated once per round instead.
-        self.eval_each = s.evaluate_every_contribution and not a.job.evaluate_at_round_close
+        self.eval_each = s.settings.evaluate_every_contribution and not a.job.evaluate_at_round_close
         self.events = RoundLog(a.out_dir / ROUND_LOG, a.job_id)     # for people: admin logs --follow
         if store is not None:
             store.set_setting(SETTING_PREFIX + a.job_id, str(self.events.path.resolve()))

@@ -47,7 +47,7 @@ from typing import Any, Callable
 import numpy as np
 
 from protocols import messages as M
-from protocols.chunking import DEFAULT_CHUNK_SIZE, MessageAssembler
+from protocols.chunking import MessageAssembler
 from protocols.envelope import Envelope, EnvelopeError, decode, encode
 from protocols.identity import DeviceIdentity
 from protocols.message_loop import MessageLoop
@@ -55,7 +55,7 @@ from protocols.mqtt_link import BrokerConfig, MqttLink
 from protocols.payloads.artifacts import GET as ARTIFACT_GET, artifact_message, parse_get
 from protocols.payloads.secagg import SECAGG_TYPE
 from protocols.rounds import Declined, ResultArrived, ResultInvalid
-from protocols.topics import AGGREGATOR_ID, Topics
+from protocols.topics import AGGREGATOR_ID
 
 from aggregator.service import job_lifecycle, reporting
 from aggregator.service.active_job import ActiveJob, ServiceStats, ValidatedResult
@@ -73,6 +73,7 @@ from aggregator.service.job_runner import JobRunner, RunnerServices
 from aggregator.jobs.registry import KINDS, build_job, job_kind_name
 from aggregator.jobs.secure_rounds import LateProtocolMessage
 from aggregator.service.recovery import open_stored
+from aggregator.service.settings import ServiceSettings
 from aggregator.shards.shard import RECEIPT
 from aggregator.shards.pool import ShardPool
 from aggregator.storage.store import Store
@@ -82,35 +83,31 @@ log = logging.getLogger("fedfleet.aggregator")
 
 
 class AggregatorService(OperatorActions):
-    def __init__(self, job: Job | None, broker: BrokerConfig, out_dir: Path, topics: Topics = Topics(),
-                 enrolled: set[str] | None = None, eval_set: tuple[np.ndarray, np.ndarray] | None = None,
-                 chunk_size: int = DEFAULT_CHUNK_SIZE, max_message_bytes: int = 256 * 1024 * 1024,
-                 tick_s: float = 0.2, evaluate_every_contribution: bool = True,
-                 store: Store | None = None, security: BrokerSecurity | None = None,
-                 require_signatures: bool = False, keep_serving: bool = False,
-                 crash: CrashPoints | None = None, checkpoints: bool = True,
-                 artifacts: ArtifactShelf | None = None, offline_grace_s: float = 120.0,
-                 identity: DeviceIdentity | None = None, ingest_workers: int = 0, shards: ShardPool | None = None):
-        self.topics, self.artifacts, self.eval_set = topics, artifacts, eval_set
+    def __init__(self, job: Job | None, broker: BrokerConfig, out_dir: Path,
+                 settings: ServiceSettings = ServiceSettings(), *, enrolled: set[str] | None = None,
+                 eval_set: tuple[np.ndarray, np.ndarray] | None = None, store: Store | None = None,
+                 security: BrokerSecurity | None = None, artifacts: ArtifactShelf | None = None,
+                 identity: DeviceIdentity | None = None, shards: ShardPool | None = None):
+        """``settings``: the knobs and policies (``service/settings.py``); the keywords: what the service is lent."""
+        self.settings = settings
+        self.topics = topics = settings.topics
+        self.artifacts, self.eval_set = artifacts, eval_set
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.chunk_size, self.tick_s = chunk_size, tick_s
-        self.evaluate_every_contribution = evaluate_every_contribution
-        self.store, self.checkpoints = store, checkpoints     # checkpoints: restarts replay one round
-        self.keep_serving, self.offline_grace_s = keep_serving, offline_grace_s
+        self.store = store
         # the aggregator's Ed25519 identity: every message it sends is signed, so devices enrolled
         # with its public key refuse injected tasks, acks and status
         self._signer = identity.sign if identity is not None else None
-        self.crash = crash or CrashPoints.from_env()
-        self.fleet = Fleet(store, security, enrolled, require_signatures,
+        self.crash = CrashPoints.from_env()
+        self.fleet = Fleet(store, security, enrolled, settings.require_signatures,
                            identity.public_key_bytes if identity is not None else None)
-        self.assembler = MessageAssembler(verifier=self.fleet.verify if require_signatures else None,
-                                          max_message_bytes=max_message_bytes)
+        self.assembler = MessageAssembler(verifier=self.fleet.verify if settings.require_signatures else None,
+                                          max_message_bytes=settings.max_message_bytes)
         self.stats = ServiceStats()             # messages that belong to no job (bad topic, malformed, ...)
         self._device_bytes: dict[str, int] = {}  # bytes of a device's message being reassembled
         self._expired_at = 0.0
         # inbound items: ("mqtt", topic, payload), ("receipt", topic, raw), ("validated", ...), ("stored",), ("connected",)
-        self.loop = MessageLoop(self._dispatch, self._tick, tick_s, name="aggregator", failed=self._refused)
+        self.loop = MessageLoop(self._dispatch, self._tick, settings.tick_s, name="aggregator", failed=self._refused)
         self.live: dict = {}                     # snapshot for the admin API, replaced atomically
         self._live_pacing = reporting.Pacing()
         self.shards = shards        # aggregator/shards/: they take the outboxes and hand this loop receipts
@@ -121,7 +118,7 @@ class AggregatorService(OperatorActions):
             shards.start(lambda item: self.loop.post(("mqtt" if item[0] == "forward" else "receipt", *item[1:])))
         # large results are decoded and validated in these processes (aggregator/service/ingest.py), and
         # stored on the writer's thread (aggregator/service/contribution_writer.py)
-        self.ingest = IngestWorkers(ingest_workers) if ingest_workers else None
+        self.ingest = IngestWorkers(settings.ingest_workers) if settings.ingest_workers else None
         self.writer = ContributionWriter(store, lambda: self.loop.post(("stored",))) if store is not None else None
         # the jobs that ended lately, retained for every device to drop their state (service/job_end.py)
         self.job_ends = JobEndNotices(store, lambda env: self.link.publish(     # waited for: a stop may follow
@@ -159,12 +156,12 @@ class AggregatorService(OperatorActions):
                 if timeout_s is not None and time.monotonic() - t0 > timeout_s:
                     log.error("service timed out after %.0fs", timeout_s)
                     break
-                if self.active is None and not self._start_next_job() and not self.keep_serving:
+                if self.active is None and not self._start_next_job() and not self.settings.keep_serving:
                     break
                 self.loop.serve_one()          # one item (or tick_s of quiet), then _tick
                 if self.active is not None and self.active.final_state:
                     summary = self._finish_job()
-                    if not self.keep_serving:
+                    if not self.settings.keep_serving:
                         break
                 self._update_live()
         finally:
@@ -211,7 +208,7 @@ class AggregatorService(OperatorActions):
         a = ActiveJob(job, kind, Path(out_dir))
         a.out_dir.mkdir(parents=True, exist_ok=True)
         if self.store is not None:
-            open_stored(a, self.store, self.checkpoints, self.crash)
+            open_stored(a, self.store, self.settings.checkpoints, self.crash)
         self.active = a
         if self._signer is None and job.secure_rounds:
             self._signer = job.identity.sign      # a secure job's identity is the aggregator's: sign with it
@@ -221,8 +218,7 @@ class AggregatorService(OperatorActions):
         self.runner = runner_cls(a, RunnerServices(
             fleet=self.fleet, store=self.store, crash=self.crash, send=self._send, publish_status=self._publish_status,
             bytes_sent=lambda: self.link.bytes_sent, on_fatal=self._job_broken, eval_set=self.eval_set,
-            checkpoints=self.checkpoints, evaluate_every_contribution=self.evaluate_every_contribution,
-            offline_grace_s=self.offline_grace_s, writer=self.writer, job_ends=self.job_ends))
+            settings=self.settings, writer=self.writer, job_ends=self.job_ends))
 
     def _job_broken(self, reason: str, stop: bool = False) -> None:
         """The job cannot go on as it is: rebuild it from the store (which no longer replays what
@@ -416,7 +412,8 @@ class AggregatorService(OperatorActions):
 
     # ------------------------------------------------------------------ output
     def _send(self, device: str, env: Envelope) -> None:
-        self.link.publish_envelope(self.topics.inbox(device), env, chunk_size=self.chunk_size, signer=self._signer)
+        self.link.publish_envelope(self.topics.inbox(device), env, chunk_size=self.settings.chunk_size,
+                                   signer=self._signer)
 
     def _publish_status(self, body: dict) -> None:
         env = Envelope(type=M.STATUS, sender=AGGREGATOR_ID, body=body)

@@ -51,9 +51,9 @@ def serve(spec: dict) -> None:
     from aggregator.jobs.ladd import LaddConfig, LaddJob
     from aggregator.jobs.secure_ladd import SecureLaddConfig, SecureLaddJob
     from aggregator.service.loop import AggregatorService
+    from aggregator.service.settings import ServiceSettings
     from edge_client.models.segmentation import SegmentationModel
     from protocols.mqtt_link import BrokerConfig
-    from protocols.topics import Topics
 
     config_cls, job_cls = (SecureLaddConfig, SecureLaddJob) if spec.get("secure") else (LaddConfig, LaddJob)
     # One intra-op thread: the workers share the cores, and on an oversubscribed machine torch's
@@ -74,7 +74,7 @@ def serve(spec: dict) -> None:
         return {"miou": r["miou"], "miou_per_domain": r["per_domain"]}
 
     broker = BrokerConfig.from_url(spec["broker"])
-    topics = Topics(spec["topic_root"])
+    settings = ServiceSettings(topic_root=spec["topic_root"], evaluate_every_contribution=False)
     enrolled = set(spec["devices"])
     timings = {}
     first = None
@@ -84,7 +84,7 @@ def serve(spec: dict) -> None:
         job = job_cls(job_cfg, pretrainer=pretrainer if first is None else None, initial=initial,
                       evaluator=evaluator if tests is not None else None)
         t0 = time.perf_counter()
-        service = AggregatorService(job, broker, out / name, topics, enrolled=enrolled, evaluate_every_contribution=False)
+        service = AggregatorService(job, broker, out / name, settings, enrolled=enrolled)
         service.run(timeout_s=spec["timeout_s"])
         timings[name] = time.perf_counter() - t0
         (out / name / "job_report.json").write_text(json.dumps({**job.report(), "aggregate_s": job.aggregate_s,

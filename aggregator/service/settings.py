@@ -1,0 +1,67 @@
+"""The aggregator service's settings: one frozen object, each field's limit declared where it is.
+
+:class:`ServiceSettings` holds the scalar knobs and policies of :class:`~aggregator.service.loop.AggregatorService`
+(how often it ticks, how it chunks, whether it requires signatures, checkpoints, keeps serving, ...). Each field
+declares its limit with the mechanism job configs use (``limited(default, Range(...))``,
+``aggregator/jobs/config_limits.py``), and construction checks every field with that mechanism's
+:func:`~aggregator.jobs.config_limits.validate_config`: a bad value (``tick_s=0``, a negative chunk
+size, NaN, a string for a number, 1 for a flag) is refused with one ``ValueError`` naming the field,
+before a service is built. Each entry point builds one: ``aggregator/cli.py`` from its options, the
+LADD simulation's aggregator process from its spec, a test from what it varies.
+
+What the service is *given* rather than *set to* stays explicit keyword arguments of the service:
+the job, the broker, the output folder, the store, the broker's security files, the artifact shelf,
+the aggregator's identity, the shard pool, the enrolled devices and the evaluation set. They are
+objects with lives of their own, most of them shared with the service's neighbours (the store with
+the admin API and the deployment controller, the security files with the broker, the shards with
+their processes), each of a type that says what it is; a second bag object would only add a name
+at every call site, while a keyword names exactly what each site lends. Settings, by contrast, are
+values: comparable, printable, limited, and the same object can configure many services.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from protocols.chunking import DEFAULT_CHUNK_SIZE
+from protocols.topics import Topics
+
+from aggregator.jobs.config_limits import FLAG, Pattern, Range, limited, validate_config
+
+# a topic root is the first level(s) of every fedfleet topic: no MQTT wildcard, no leading "/", no
+# control characters (protocols/topics.py refuses the first two again)
+TOPIC_ROOT = Pattern(r"^[^/+#\x00-\x1f][^+#\x00-\x1f]{0,127}$")
+
+
+@dataclass(frozen=True)
+class ServiceSettings:
+    topic_root: str = limited("fedfleet", TOPIC_ROOT)
+    # bytes of one MQTT publish the service sends (a larger message goes in chunks); the broker's
+    # packet limit (256 MiB for MQTT) bounds it above
+    chunk_size: int = limited(DEFAULT_CHUNK_SIZE, Range(1024, 128 * 2 ** 20))
+    # the largest message a device may send, reassembled: the memory one sender may make us hold
+    max_message_bytes: int = limited(256 * 2 ** 20, Range(1024, 16 * 2 ** 30))
+    # the service thread's idle wake-up: deadlines, expiries and the live snapshot move at this pace
+    tick_s: float = limited(0.2, Range(1e-3, 60))
+    # evaluate after every contribution (else once per round: large fleets)
+    evaluate_every_contribution: bool = limited(True, FLAG)
+    # accept only messages signed with the sender's enrolled Ed25519 key
+    require_signatures: bool = limited(False, FLAG)
+    # after the job, keep running and start the jobs queued through the API
+    keep_serving: bool = limited(False, FLAG)
+    # store a checkpoint at each round close, so a restart replays one round, not the job
+    checkpoints: bool = limited(True, FLAG)
+    # a device offline for longer than this (or revoked) no longer keeps a job from finishing
+    offline_grace_s: float = limited(120.0, Range(0, 7 * 86400))
+    # processes that decode and validate large results (0: on the service thread)
+    ingest_workers: int = limited(0, Range(0, 256))
+
+    def __post_init__(self):
+        validate_config("aggregator service", ServiceSettings,
+                        {f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+
+    @property
+    def topics(self) -> Topics:
+        """The topic layout under :attr:`topic_root`."""
+        return Topics(self.topic_root)
