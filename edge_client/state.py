@@ -129,10 +129,10 @@ class DeviceStateStore:
             path.unlink(missing_ok=True)
             return None
 
-    def _entries(self) -> list[tuple[Path, StateEntry]]:
+    def _entries(self, skip: Path | None = None) -> list[tuple[Path, StateEntry]]:
         out = []
         for path in sorted(self.root.glob("*" + _SUFFIX)):
-            entry = self._read(path)
+            entry = self._read(path) if path != skip else None
             if entry is not None:
                 out.append((path, entry))
         return out
@@ -149,8 +149,10 @@ class DeviceStateStore:
         return gone
 
     def used_bytes(self, excluding: str | None = None) -> int:
-        """Bytes of state held for every job (but ``excluding``)."""
-        return sum(e.nbytes for _, e in self._entries() if e.job_id != excluding)
+        """Bytes of state held for every job (but ``excluding``, whose own file is not even read:
+        a task admits its job's state twice, and the file it will replace is no other job's)."""
+        own = self._path(excluding) if excluding is not None else None
+        return sum(e.nbytes for _, e in self._entries(skip=own) if e.job_id != excluding)
 
     # ------------------------------------------------------------------ the API handlers use
     def admit(self, job_id: str, nbytes: int) -> None:

@@ -182,7 +182,8 @@ def write_cases(folder: Path, keys, seed: int) -> dict[str, list]:
         for i in range(CASES):
             case = fuzz_stateful.draw(rng, kind, i)
             sign = lambda p, t, r, kind=kind: signed(kind, p, t, r, p["job_id"])     # noqa: E731
-            for d, two in fuzz_stateful.write_case(case, rng, folder, f"{kind}-{i}", sign, DEVICES).items():
+            devices = DEVICES if i % fuzz_stateful.FULL_DEVICE_EVERY == 0 else ("numpy", "java")
+            for d, two in fuzz_stateful.write_case(case, rng, folder, f"{kind}-{i}", sign, devices).items():
                 lines[d] += two
             cases[kind].append(case)
     for d in DEVICES:
@@ -321,7 +322,10 @@ def failure_kinds(failures: list[tuple]) -> dict[str, int]:
 @pytest.fixture(scope="module")
 def fuzzed(keys, tmp_path_factory):
     """Every kind's CASES cases through the three devices (each device started once): {kind:
-    (cases, {device: statuses, a stateful case's as [round 1, round 2]}, the run's folder and seconds)}."""
+    (cases, {device: statuses, a stateful case's as [round 1, round 2] or None where not run}, the
+    run's folder and seconds)}."""
+    import fuzz_stateful
+
     if not DEVICE_PYTHON.exists():
         pytest.fail(f"{DEVICE_PYTHON} is missing: `make setup` builds it")
     java_build.built()
@@ -333,15 +337,21 @@ def fuzzed(keys, tmp_path_factory):
     statuses = run_devices(folder, keys)
     took = time.perf_counter() - started
     print(f"differential fuzzer: {len(ALL_KINDS)} x {CASES} cases through {len(DEVICES)} devices in {took:.1f} s")
-    out, at = {}, 0
+    out, at = {}, dict.fromkeys(DEVICES, 0)
     for kind in ALL_KINDS:
-        per_case = 2 if kind in STATEFUL_KINDS else 1
-        mine = {d: statuses[d][at:at + per_case * CASES] for d in DEVICES}
-        if per_case == 2:
-            mine = {d: [s[i:i + 2] for i in range(0, len(s), 2)] for d, s in mine.items()}
+        mine = {d: [] for d in DEVICES}
+        for i in range(CASES):
+            for d in DEVICES:
+                if kind not in STATEFUL_KINDS:
+                    mine[d].append(statuses[d][at[d]])
+                    at[d] += 1
+                elif d != "python" or i % fuzz_stateful.FULL_DEVICE_EVERY == 0:   # two rounds; None: not run there
+                    mine[d].append(statuses[d][at[d]:at[d] + 2])
+                    at[d] += 2
+                else:
+                    mine[d].append(None)
         out[kind] = (cases[kind], mine, folder, took)
-        at += per_case * CASES
-    assert all(len(statuses[d]) == at for d in DEVICES), {d: len(s) for d, s in statuses.items()}
+    assert all(len(statuses[d]) == at[d] for d in DEVICES), (at, {d: len(s) for d, s in statuses.items()})
     yield out
     if folder.parent == shm:
         shutil.rmtree(folder, ignore_errors=True)
@@ -390,22 +400,26 @@ def test_python_torch_free_and_java_devices_agree_on_random_tasks(kind, fuzzed, 
 @pytest.mark.parametrize("kind", STATEFUL_KINDS)
 def test_the_three_devices_agree_on_two_rounds_of_random_stateful_tasks(kind, fuzzed, keys):
     """tests/fuzz_stateful.py: each case two rounds on one state store per device (seeded with
-    valid, stale, torn or foreign state); both rounds' statuses, bodies and uploads and the state
-    files each store leaves agree with the Python device's, within the derived tolerances."""
+    valid, stale, torn or foreign state), on the torch-free and the Java device (and one in
+    FULL_DEVICE_EVERY on the full Python device); both rounds' statuses, bodies and uploads and the
+    state files each store leaves agree with the torch-free device's, within the derived tolerances."""
     import fuzz_stateful
     from protocols.identity import sender_verifier
 
     cases, statuses, folder, took = fuzzed[kind]
     verifiers = {d: sender_verifier(keys[d].device_id, keys[d].public_key_bytes) for d in DEVICES}
-    failures, worst, outcomes = [], 0.0, {}
+    failures, worst, outcomes, full = [], 0.0, {}, 0
     for i, case in enumerate(cases):
         dirs = {d: folder / "state" / f"{kind}-{i}.{d}" for d in DEVICES}
-        report = fuzz_stateful.check_case(case, {d: statuses[d][i] for d in DEVICES}, verifiers, dirs, took + 1.0)
+        got = {d: statuses[d][i] for d in DEVICES if statuses[d][i] is not None}
+        report = fuzz_stateful.check_case(case, got, verifiers, dirs, took + 1.0)
+        full += "python" in got
         key = "/".join(report["outcomes"])
         outcomes[key] = outcomes.get(key, 0) + 1
         worst = max(worst, report["worst"])
         failures += [(i, case.seeded, case.round2, *f) for f in report["failures"]]
-    print(f"{kind}: {CASES} two-round cases, {outcomes}, worst difference / tolerance {worst:.3g}")
+    print(f"{kind}: {CASES} two-round cases ({full} on the full Python device), {outcomes}, "
+          f"worst difference / tolerance {worst:.3g}")
     assert not failures, (len(failures), failures[:5])
     assert outcomes.get("done/done", 0) >= CASES // 2
 
