@@ -9,6 +9,7 @@ is the torch-free device (numpy's head step). Imports nothing from ``aggregator`
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 
@@ -25,12 +26,15 @@ class PrecomputedFeatures:
         return np.asarray(x, dtype=np.float32)
 
 
+@functools.lru_cache(maxsize=4)     # a stateful case's two rounds read the same files (read-only arrays)
 def read_features(path: str) -> tuple[np.ndarray, np.ndarray]:
     """The FeatureFile format: int32 n, int32 d, n·d float32, n int32 labels (little-endian)."""
     raw = open(path, "rb").read()
     n, d = np.frombuffer(raw[:8], "<i4")
     Z = np.frombuffer(raw[8:8 + 4 * n * d], "<f4").reshape(n, d)
-    return Z, np.frombuffer(raw[8 + 4 * n * d:], "<i4").astype(np.int64)
+    y = np.frombuffer(raw[8 + 4 * n * d:], "<i4").astype(np.int64)
+    y.flags.writeable = False
+    return Z, y
 
 
 STATEFUL = {"scaffold.head": "edge_client.tasks.scaffold_training:ScaffoldTrainingTask",

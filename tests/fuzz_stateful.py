@@ -14,9 +14,10 @@ garbage, another run's, another job's under this job's name, wrong shapes, float
 expired, no header, a header whose fields have the wrong JSON types). A few cases have a state
 budget too small for the job (declined alike, nothing kept).
 
-Compared per case, against the torch-free device (``REFERENCE``): both rounds' accept/decline, bodies (``restarted``; the held-out counts unless
-a sample lies within rounding of a decision boundary) and uploads (``compare_uploads``, the tolerance
-below), and the state files each store leaves: the same file names, the same header (job, run,
+Compared per case, against the torch-free device (``REFERENCE``): both rounds' accept/decline,
+bodies (``restarted``, also against what the binding rules predict; the held-out counts unless a
+sample lies within rounding of a decision boundary) and uploads (``compare_round``, the tolerance
+below), and the state files each store leaves (``compare_states``): the same file names, the same header (job, run,
 round; ``expires_at`` within the run's duration), the same arrays (dtype, shape, values within the
 tolerance, equal values in equal bytes), every file opened here with numpy (so the Python store
 reads what the Java store writes).
@@ -45,7 +46,7 @@ KINDS = ("scaffold.head", "ditto.head", "pp.head")
 # The reference: every case runs on the torch-free device and the Java device. The full install's
 # Python device runs these kinds through the very same code (the numpy step and store; the same
 # numpy in both environments), so it takes one case in FULL_DEVICE_EVERY: 200 per kind prove it
-# takes that path, at a fifth of its cost (each case is two tasks and four state file reads).
+# takes that path, at a fifth of its cost (each case is two tasks, each reading and writing its state).
 REFERENCE = "numpy"
 FULL_DEVICE_EVERY = 5
 HEADER = "__state_header__"
@@ -187,7 +188,8 @@ def loose_header(rng, job: str, run: str, round_: int) -> dict:
     """A header naming this job's state whose fields have the wrong JSON types (what no store writes)."""
     header = {"job_id": job, "run": run, "round": round_, "expires_at": time.time() + 3600.0}
     field_, value = [("round", float(round_)), ("round", str(round_)), ("round", True),
-                     ("expires_at", str(header["expires_at"])), ("run", [run]), ("job_id", None)][rng.integers(0, 6)]
+                     ("expires_at", str(header["expires_at"])), ("expires_at", float("nan")), ("run", [run]),
+                     ("job_id", None)][rng.integers(0, 7)]
     return {**header, field_: value}
 
 
@@ -307,7 +309,7 @@ def read_states(folder: Path) -> dict[str, tuple[dict, dict[str, np.ndarray]]] |
     return out
 
 
-def role(kind: str, name: str) -> str:
+def role(name: str) -> str:
     return "delta_control" if name.startswith("delta_control.") else "upload"
 
 
@@ -369,7 +371,7 @@ def compare_round(case: StatefulCase, r: int, results: dict, statuses: dict, tol
             report["failures"].append((device, r, "tensor names", sorted(got.tensors), sorted(ref.tensors)))
             continue
         for k, want in ref.tensors.items():
-            compare_arrays((device, r, k), got.tensors[k], want, tol[role(case.kind, k)], report)
+            compare_arrays((device, r, k), got.tensors[k], want, tol[role(k)], report)
 
 
 def check_case(case: StatefulCase, got: dict[str, list[dict]], verifiers: dict, state_dirs: dict[str, Path],
