@@ -322,7 +322,22 @@ def failure_kinds(failures: list[tuple]) -> dict[str, int]:
 
 
 @pytest.fixture(scope="module")
-def fuzzed(keys, tmp_path_factory):
+def fuzz_folder(tmp_path_factory):
+    """Where the fuzzer's files go: in memory where there is a tmpfs (each stateful task writes and
+    fsyncs its state, twice a case), removed after the module however it ended."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        yield tmp_path_factory.mktemp("fuzz")
+        return
+    folder = Path(tempfile.mkdtemp(prefix="fedfleet-fuzz-", dir=shm))
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def fuzzed(keys, fuzz_folder):
     """Every kind's CASES cases through the three devices (each device started once): {kind:
     (cases, {device: statuses, a stateful case's as [round 1, round 2] or None where not run}, the
     run's folder and seconds)}."""
@@ -331,9 +346,7 @@ def fuzzed(keys, tmp_path_factory):
     if not DEVICE_PYTHON.exists():
         pytest.fail(f"{DEVICE_PYTHON} is missing: `make setup` builds it")
     java_build.built()
-    # in memory where there is a tmpfs: each stateful task's state is written and fsynced, twice a case
-    shm = Path("/dev/shm")
-    folder = Path(tempfile.mkdtemp(prefix="fedfleet-fuzz-", dir=shm)) if shm.is_dir() else tmp_path_factory.mktemp("fuzz")
+    folder = fuzz_folder
     started = time.perf_counter()
     cases = write_cases(folder, keys, seed=20261201)
     statuses = run_devices(folder, keys)
@@ -354,9 +367,7 @@ def fuzzed(keys, tmp_path_factory):
                     mine[d].append(None)
         out[kind] = (cases[kind], mine, folder, took)
     assert all(len(statuses[d]) == at[d] for d in DEVICES), (at, {d: len(s) for d, s in statuses.items()})
-    yield out
-    if folder.parent == shm:
-        shutil.rmtree(folder, ignore_errors=True)
+    return out
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
