@@ -43,6 +43,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import os
 import tempfile
 import time
@@ -81,6 +82,21 @@ def state_bytes(arrays: dict[str, np.ndarray]) -> int:
     return sum(np.asarray(a).nbytes for a in arrays.values())
 
 
+def _header_fields(header) -> tuple[str, str, int, float]:
+    """(job_id, run, round, expires_at) of a state file's header, each of the JSON type the stores
+    write (ValueError otherwise): strings, an integer round within ±2^62, a finite number. Nothing is
+    coerced: a round of "3" or 3.7, a run of 12345678, a NaN expiry (never expired) make the file
+    foreign, dropped as the Java device's store drops it (clients/java DeviceStateStore.read)."""
+    job_id, run, round_, expires_at = (header[k] for k in ("job_id", "run", "round", "expires_at"))
+    if not isinstance(job_id, str) or not isinstance(run, str):
+        raise ValueError("state header: job_id and run must be strings")
+    if type(round_) is not int or not -2**62 <= round_ < 2**62:
+        raise ValueError(f"state header: round must be an integer, got {round_!r}")
+    if isinstance(expires_at, bool) or not isinstance(expires_at, (int, float)) or not math.isfinite(expires_at):
+        raise ValueError(f"state header: expires_at must be a finite number, got {expires_at!r}")
+    return job_id, run, round_, float(expires_at)
+
+
 class DeviceStateStore:
     """Per-job state of one device in ``root`` (created if absent), within ``budget_bytes``."""
 
@@ -105,18 +121,18 @@ class DeviceStateStore:
             with np.load(path, allow_pickle=False) as data:
                 header = json.loads(bytes(data[_HEADER]).decode())
                 arrays = {k: data[k] for k in data.files if k != _HEADER}
-            return StateEntry(str(header["job_id"]), str(header["run"]), int(header["round"]), arrays,
-                              float(header["expires_at"]))
+            job_id, run, round_, expires_at = _header_fields(header)
+            return StateEntry(job_id, run, round_, arrays, expires_at)
         except FileNotFoundError:
             return None
         except Exception:           # torn, foreign or tampered: never trusted, never fatal
             path.unlink(missing_ok=True)
             return None
 
-    def _entries(self) -> list[tuple[Path, StateEntry]]:
+    def _entries(self, skip: Path | None = None) -> list[tuple[Path, StateEntry]]:
         out = []
         for path in sorted(self.root.glob("*" + _SUFFIX)):
-            entry = self._read(path)
+            entry = self._read(path) if path != skip else None
             if entry is not None:
                 out.append((path, entry))
         return out
@@ -133,8 +149,10 @@ class DeviceStateStore:
         return gone
 
     def used_bytes(self, excluding: str | None = None) -> int:
-        """Bytes of state held for every job (but ``excluding``)."""
-        return sum(e.nbytes for _, e in self._entries() if e.job_id != excluding)
+        """Bytes of state held for every job (but ``excluding``, whose own file is not even read:
+        a task admits its job's state twice, and the file it will replace is no other job's)."""
+        own = self._path(excluding) if excluding is not None else None
+        return sum(e.nbytes for _, e in self._entries(skip=own) if e.job_id != excluding)
 
     # ------------------------------------------------------------------ the API handlers use
     def admit(self, job_id: str, nbytes: int) -> None:

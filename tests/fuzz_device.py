@@ -1,6 +1,6 @@
 """The Python device's side of the differential fuzzer (tests/test_differential_fuzz.py): the
-device's own task handlers (fed3r.stats, fedavg.head, oll.personalize) on many cases in one
-process, each task verified under the aggregator's key and each result signed, as a device does.
+device's own task handlers (fed3r.stats, fedavg.head, oll.personalize, and the stateful
+scaffold.head, ditto.head, pp.head on a state store per case line) on many cases in one process, each task verified under the aggregator's key and each result signed, as a device does.
 
 Run in-process it is the full install's device (torch's head step); run by ``.venv-device``'s
 python (``python fuzz_device.py <cases> <aggregator key hex> <device seed hex> <out prefix>``) it
@@ -9,6 +9,7 @@ is the torch-free device (numpy's head step). Imports nothing from ``aggregator`
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 
@@ -25,20 +26,89 @@ class PrecomputedFeatures:
         return np.asarray(x, dtype=np.float32)
 
 
+@functools.lru_cache(maxsize=4)     # a stateful case's two rounds read the same files (read-only arrays)
 def read_features(path: str) -> tuple[np.ndarray, np.ndarray]:
     """The FeatureFile format: int32 n, int32 d, n·d float32, n int32 labels (little-endian)."""
     raw = open(path, "rb").read()
     n, d = np.frombuffer(raw[:8], "<i4")
     Z = np.frombuffer(raw[8:8 + 4 * n * d], "<f4").reshape(n, d)
-    return Z, np.frombuffer(raw[8 + 4 * n * d:], "<i4").astype(np.int64)
+    y = np.frombuffer(raw[8 + 4 * n * d:], "<i4").astype(np.int64)
+    y.flags.writeable = False
+    return Z, y
 
 
-def run_cases(lines: list[str], aggregator_key: bytes, device_seed: bytes, device_id: str) -> list[dict]:
-    """Per case {"status": done|declined|refused, "reason", "result": path, "margin"}."""
-    from edge_client.agent import TaskDeclined
+STATEFUL = {"scaffold.head": "edge_client.tasks.scaffold_training:ScaffoldTrainingTask",
+            "ditto.head": "edge_client.tasks.ditto_training:DittoTrainingTask",
+            "pp.head": "edge_client.tasks.partial_training:PartialTrainingTask"}
+
+
+STORES: dict[str, tuple] = {}      # the last case's state folder -> (budget, its store)
+
+
+def handler_for(kind: str, Z: np.ndarray, y: np.ndarray, rest: list[str]):
+    """The device's handler of ``kind`` on features (Z, y); ``rest``: the case line's held-out
+    features file ("-": none), then for a stateful kind its state folder and (optional) budget."""
+    import importlib
+
     from edge_client.tasks.fed3r_stats import Fed3RStatsTask
     from edge_client.tasks.head_training import HeadTrainingTask
     from edge_client.tasks.personalization import PersonalizeTask
+
+    factory = lambda b, s, w: PrecomputedFeatures(Z.shape[1])      # noqa: E731
+    if kind == "fed3r.stats":
+        return Fed3RStatsTask(Z, y, factory)
+    if kind == "fedavg.head":
+        return HeadTrainingTask(Z, y, factory)
+    if kind == "oll.personalize":
+        return PersonalizeTask(Z, y, *read_features(rest[0]), factory)
+    from edge_client.state import DEFAULT_BUDGET_BYTES, DeviceStateStore
+
+    module, name = STATEFUL[kind].split(":")
+    budget = int(rest[2]) if len(rest) > 2 else DEFAULT_BUDGET_BYTES
+    if STORES.get(rest[1], (None, None))[0] != budget:       # a case's rounds share their store, as a device's do
+        STORES.clear()
+        STORES[rest[1]] = (budget, DeviceStateStore(rest[1], budget))
+    store = STORES[rest[1]][1]
+    held = read_features(rest[0]) if rest[0] != "-" else (None, None)
+    return getattr(importlib.import_module(module), name)(Z, y, factory, store, *held)
+
+
+def capture_kept(handler) -> dict[str, np.ndarray]:
+    """The state a stateful handler stores this round (filled when it stores it): read off its
+    ``keep`` instead of the store's file, which would cost the fuzzer another read per task."""
+    kept: dict[str, np.ndarray] = {}
+    keep = handler.keep
+
+    def keeping(task, started, now):
+        keep(task, started, now)
+        kept.update(now)
+
+    handler.keep = keeping
+    return kept
+
+
+def stateful_facts(handler, kept: dict[str, np.ndarray], tensors: dict) -> dict:
+    """What the comparison needs of a stateful round on this device: the largest |value| of the state
+    it kept, and the smallest relative logit gap of a held-out sample (personal and global head)."""
+    facts = {"state_max": max((float(np.abs(a.astype(np.float64)).max()) for a in kept.values() if a.size),
+                              default=0.0)}
+    if getattr(handler, "holdout_labels", None) is not None and kept and len(tensors["bias"]) >= 2:
+        Zh = np.asarray(handler.holdout_images, np.float32)
+        heads = [(kept.get("weight", tensors["weight"]), kept["bias"]), (tensors["weight"], tensors["bias"])]
+        facts["margin"] = min(relative_margin(Zh, w, b) for w, b in heads)
+    return facts
+
+
+def relative_margin(Z: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> float:
+    with np.errstate(over="ignore", invalid="ignore"):
+        logits = np.sort(Z @ weight.T + bias, axis=1)
+        gap = (logits[:, -1] - logits[:, -2]) / np.maximum(1.0, np.abs(logits).max(axis=1))
+    return float(np.nan_to_num(gap, nan=0.0).min())
+
+
+def run_cases(lines: list[str], aggregator_key: bytes, device_seed: bytes, device_id: str) -> list[dict]:
+    """Per case {"status": done|declined|refused, "reason", "result": path, "margin", "state_max"}."""
+    from edge_client.agent import TaskDeclined
     from protocols.envelope import Envelope, EnvelopeError, decode, encode
     from protocols.identity import DeviceIdentity, sender_verifier
 
@@ -46,21 +116,15 @@ def run_cases(lines: list[str], aggregator_key: bytes, device_seed: bytes, devic
     identity = DeviceIdentity.from_private_bytes(device_id, device_seed)
     out = []
     for line in lines:
-        task_path, feats, result_path, *held = line.split()
+        task_path, feats, result_path, *rest = line.split()
         try:
             msg = decode(open(task_path, "rb").read(), verifier)
         except EnvelopeError as exc:
             out.append({"status": "refused", "reason": str(exc)})
             continue
-        Z, y = read_features(feats)
-        factory = lambda b, s, w: PrecomputedFeatures(Z.shape[1])      # noqa: E731
         kind, params = msg.body["kind"], msg.body["params"]
-        if kind == "fed3r.stats":
-            handler = Fed3RStatsTask(Z, y, factory)
-        elif kind == "fedavg.head":
-            handler = HeadTrainingTask(Z, y, factory)
-        else:
-            handler = PersonalizeTask(Z, y, *read_features(held[0]), factory)
+        handler = handler_for(kind, *read_features(feats), rest)
+        kept = capture_kept(handler) if kind in STATEFUL else {}
         try:
             with np.errstate(over="ignore", invalid="ignore"):     # the cases that diverge on purpose
                 body, tensors = handler(params, dict(msg.tensors))
@@ -72,7 +136,9 @@ def run_cases(lines: list[str], aggregator_key: bytes, device_seed: bytes, devic
             f.write(encode(Envelope("result", device_id, body, tensors), signer=identity.sign))
         case = {"status": "done", "result": result_path}
         if kind == "oll.personalize":
-            case["margin"] = decision_margin(handler, *read_features(held[0]))
+            case["margin"] = decision_margin(handler, *read_features(rest[0]))
+        elif kind in STATEFUL:
+            case.update(stateful_facts(handler, kept, msg.tensors))
         out.append(case)
     return out
 

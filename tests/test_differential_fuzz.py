@@ -2,7 +2,9 @@
 through the three devices (the full install's Python device, the torch-free device run from
 ``.venv-device``, and the Java device, one JVM for all cases), for each task kind they share:
 ``fed3r.stats`` (packed and factor forms, float64 and float32), ``fedavg.head`` (FedAvg(ψ)) and
-``oll.personalize`` (OLL + FP(ψ)). Every task is signed by the aggregator and verified by each
+``oll.personalize`` (OLL + FP(ψ)), and the stateful head kinds ``scaffold.head``, ``ditto.head``
+and ``pp.head`` as two rounds on one device state store each (tests/fuzz_stateful.py: seeded,
+stale, torn and foreign state; both rounds' uploads and the state files compared). Every task is signed by the aggregator and verified by each
 device, every result signed by its device and verified here; floats in the signed headers are
 drawn to include powers of two (2^-24, where codecs' float writers used to differ).
 
@@ -24,6 +26,12 @@ the start and the ends plus one step's reach lr·2F/T (the worst measured differ
 fuzzed cases is about a quarter of it, printed by the test). It replaces the 1e-5 once asserted:
 at lr 0.3, T 0.1 and 24 steps the OLL fine-tune legitimately drifts 2.6e-5.
 
+Extended to the stateful kinds (tests/fuzz_stateful.py) it found two more: a state file whose
+header fields had the wrong JSON types (round 3.0 or "3", run 12345678, expires_at "2e9" or NaN)
+was coerced and continued by the Python store but dropped by the Java one, and a state file cut
+short after its last entry (its central directory torn off) was read as whole by the Java store
+(ZipInputStream never looks there) but dropped by the Python one (tests/test_java_state.py).
+
 On the code before this fuzzer (c2bf56a) it fails three ways: the Java device refuses 25 + 25
 tasks signed by the aggregator (a 2^-k rate written with 17 digits by Java, 16 by Python: the
 signature was checked over a re-encoding), Python and the torch-free device decline 12 + 1 trainings
@@ -34,8 +42,11 @@ the Java device uploads (float32 logits overflow, double ones do not), and 45 fa
 from __future__ import annotations
 
 import json
+import math
 import os
+import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -138,30 +149,44 @@ def personalize_case(rng):
 
 
 KINDS = {"fed3r.stats": fed3r_case, "fedavg.head": fedavg_case, "oll.personalize": personalize_case}
+STATEFUL_KINDS = ("scaffold.head", "ditto.head", "pp.head")      # tests/fuzz_stateful.py: two rounds a case
+ALL_KINDS = (*KINDS, *STATEFUL_KINDS)
 
 
-def write_cases(folder: Path, keys, seed: int) -> dict[str, list[tuple]]:
-    """CASES random cases of every kind on disk: signed tasks, feature files, one cases file per
-    device (all kinds in one, so each device starts once)."""
+def write_cases(folder: Path, keys, seed: int) -> dict[str, list]:
+    """CASES random cases of every kind on disk: signed tasks, feature files, state folders, one
+    cases file per device (all kinds in one, so each device starts once; a stateful case is two
+    lines, its two rounds)."""
+    import fuzz_stateful
     from protocols import messages as M
     from protocols.envelope import Envelope, encode
 
+    def signed(kind: str, params: dict, tensors: dict, round_: int, job: str = "fuzz") -> bytes:
+        task = M.task_message("aggregator", job, round_, kind, params, 2e9)
+        return encode(Envelope(task.type, task.sender, task.body, tensors), signer=keys["aggregator"].sign)
+
     rng = np.random.default_rng(seed)
-    cases, lines = {kind: [] for kind in KINDS}, {d: [] for d in DEVICES}
+    cases, lines = {kind: [] for kind in ALL_KINDS}, {d: [] for d in DEVICES}
     for kind, make in KINDS.items():
         for i in range(CASES):
             params, tensors, (Z, y), held = make(rng)
-            task = M.task_message("aggregator", "fuzz", 1, kind, params, 2e9)
             name = f"{kind}-{i}"
             task_path = folder / f"{name}.task"
-            task_path.write_bytes(encode(Envelope(task.type, task.sender, task.body, tensors),
-                                         signer=keys["aggregator"].sign))
+            task_path.write_bytes(signed(kind, params, tensors, 1))
             feats = write_features(folder / f"{name}.feat", Z, y)
             held_path = write_features(folder / f"{name}.held", *held) if held is not None else None
             for d in DEVICES:
                 lines[d].append(" ".join(map(str, [task_path, feats, folder / f"{name}.{d}"]
                                               + ([held_path] if held_path else []))))
             cases[kind].append((params, tensors, (Z, y), held))
+    for kind in STATEFUL_KINDS:
+        for i in range(CASES):
+            case = fuzz_stateful.draw(rng, kind, i)
+            sign = lambda p, t, r, kind=kind: signed(kind, p, t, r, p["job_id"])     # noqa: E731
+            devices = DEVICES if i % fuzz_stateful.FULL_DEVICE_EVERY == 0 else ("numpy", "java")
+            for d, two in fuzz_stateful.write_case(case, rng, folder, f"{kind}-{i}", sign, devices).items():
+                lines[d] += two
+            cases[kind].append(case)
     for d in DEVICES:
         (folder / f"{d}.cases").write_text("\n".join(lines[d]) + "\n")
     return cases
@@ -201,15 +226,31 @@ def java_statuses(out: str, folder: Path) -> list[dict]:
     return cases
 
 
-def head_tolerance(params: dict, start: dict, Z: np.ndarray, steps: int, batch: int, *ends: dict) -> float:
+def head_tolerance(params: dict, start: dict, Z: np.ndarray, steps: int, batch: int, *ends: dict,
+                   mu: float = 0.0, correction: float = 0.0) -> float:
     """The float32 rounding two correct head steppers may differ by after ``steps`` steps (module
     docstring); Θ: the largest |θ| of the start and the ``ends`` (the heads compared) plus what
-    one step can move a parameter, lr·2F/T."""
+    one step can move a parameter, lr·2F/T (plus lr·μ·2Θ and lr·``correction`` below).
+
+    ``mu``: a proximal pull μ(θ − anchor) in each step's direction (FedProx; Ditto's personal pass,
+    μ = λ). Its term is computed from θ (float64 on the Python devices, double in Java) and rounded
+    once more into the float32 direction on the Python devices: + lr·ε·μ·2Θ per step. It also
+    carries an earlier difference δ into the next step as (1 − lr·μ)·δ: a pull with lr·μ > 2 grows
+    it by |1 − lr·μ| per step, so the bound is multiplied by max(1, |1 − lr·μ|)^steps (exact for the
+    pull, which is linear; the loss's own part stays first order, as above).
+    ``correction``: Scaffold's |c − c_k| bound. lr·(c − c_k) is formed in float32 the same way on
+    every device (identical bits), but subtracted from θ after the step, one more float32 rounding:
+    + ε·Θ per step; and it adds lr·|c − c_k| to one step's reach."""
     C, d = start["weight"].shape
     F, T, lr = max(1.0, float(np.abs(Z).max())), params["temperature"], params["lr"]
-    theta = max(float(np.abs(np.asarray(v, np.float64)).max()) for h in (start, *ends) for v in h.values()) + lr * 2 * F / T
+    theta = max(float(np.abs(np.asarray(v, np.float64)).max()) for h in (start, *ends) for v in h.values())
+    theta += lr * 2 * F / T
+    theta += lr * (mu * 2 * theta + correction)
     logits = (d + 2) * EPS32 * F * theta / T
-    return steps * (lr * (logits * F / T + (batch + C + 2) * EPS32 * F / T) + EPS32 * theta)
+    per_step = lr * (logits * F / T + (batch + C + 2) * EPS32 * F / T + EPS32 * mu * 2 * theta) \
+        + EPS32 * theta * (2 if correction else 1)
+    growth = math.exp(min(700.0, steps * math.log(max(1.0, abs(1 - lr * mu)))))     # no OverflowError
+    return steps * per_step * growth
 
 
 def stats_tolerance(ref: np.ndarray, dtype: str) -> float:
@@ -281,20 +322,52 @@ def failure_kinds(failures: list[tuple]) -> dict[str, int]:
 
 
 @pytest.fixture(scope="module")
-def fuzzed(keys, tmp_path_factory):
-    """Every kind's CASES cases through the three devices (each device started once)."""
+def fuzz_folder(tmp_path_factory):
+    """Where the fuzzer's files go: in memory where there is a tmpfs (each stateful task writes and
+    fsyncs its state, twice a case), removed after the module however it ended."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        yield tmp_path_factory.mktemp("fuzz")
+        return
+    folder = Path(tempfile.mkdtemp(prefix="fedfleet-fuzz-", dir=shm))
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def fuzzed(keys, fuzz_folder):
+    """Every kind's CASES cases through the three devices (each device started once): {kind:
+    (cases, {device: statuses, a stateful case's as [round 1, round 2] or None where not run}, the
+    run's folder and seconds)}."""
+    import fuzz_stateful
+
     if not DEVICE_PYTHON.exists():
         pytest.fail(f"{DEVICE_PYTHON} is missing: `make setup` builds it")
     java_build.built()
-    folder = tmp_path_factory.mktemp("fuzz")
+    folder = fuzz_folder
     started = time.perf_counter()
     cases = write_cases(folder, keys, seed=20261201)
     statuses = run_devices(folder, keys)
-    print(f"differential fuzzer: {len(KINDS)} x {CASES} cases through {len(DEVICES)} devices in "
-          f"{time.perf_counter() - started:.1f} s")
-    offsets = dict(zip(KINDS, range(0, len(KINDS) * CASES, CASES)))
-    return {kind: (cases[kind], {d: statuses[d][offsets[kind]:offsets[kind] + CASES] for d in DEVICES})
-            for kind in KINDS}
+    took = time.perf_counter() - started
+    print(f"differential fuzzer: {len(ALL_KINDS)} x {CASES} cases through {len(DEVICES)} devices in {took:.1f} s")
+    out, at = {}, dict.fromkeys(DEVICES, 0)
+    for kind in ALL_KINDS:
+        mine = {d: [] for d in DEVICES}
+        for i in range(CASES):
+            for d in DEVICES:
+                if kind not in STATEFUL_KINDS:
+                    mine[d].append(statuses[d][at[d]])
+                    at[d] += 1
+                elif d != "python" or i % fuzz_stateful.FULL_DEVICE_EVERY == 0:   # two rounds; None: not run there
+                    mine[d].append(statuses[d][at[d]:at[d] + 2])
+                    at[d] += 2
+                else:
+                    mine[d].append(None)
+        out[kind] = (cases[kind], mine, folder, took)
+    assert all(len(statuses[d]) == at[d] for d in DEVICES), (at, {d: len(s) for d, s in statuses.items()})
+    return out
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -302,7 +375,7 @@ def test_python_torch_free_and_java_devices_agree_on_random_tasks(kind, fuzzed, 
     from protocols.envelope import decode
     from protocols.identity import sender_verifier
 
-    cases, statuses = fuzzed[kind]
+    cases, statuses, _, _ = fuzzed[kind]
     verifiers = {d: sender_verifier(keys[d].device_id, keys[d].public_key_bytes) for d in DEVICES}
     failures, worst, outcomes = [], 0.0, {"done": 0, "declined": 0}
     for i, case in enumerate(cases):
@@ -335,6 +408,33 @@ def test_python_torch_free_and_java_devices_agree_on_random_tasks(kind, fuzzed, 
     print(f"{kind}: {CASES} cases, {outcomes}, worst difference / tolerance {worst:.3g}")
     assert not failures, (failure_kinds(failures), failures[:5])
     assert outcomes["done"] >= CASES // 2
+
+
+@pytest.mark.parametrize("kind", STATEFUL_KINDS)
+def test_the_three_devices_agree_on_two_rounds_of_random_stateful_tasks(kind, fuzzed, keys):
+    """tests/fuzz_stateful.py: each case two rounds on one state store per device (seeded with
+    valid, stale, torn or foreign state), on the torch-free and the Java device (and one in
+    FULL_DEVICE_EVERY on the full Python device); both rounds' statuses, bodies and uploads and the
+    state files each store leaves agree with the torch-free device's, within the derived tolerances."""
+    import fuzz_stateful
+    from protocols.identity import sender_verifier
+
+    cases, statuses, folder, took = fuzzed[kind]
+    verifiers = {d: sender_verifier(keys[d].device_id, keys[d].public_key_bytes) for d in DEVICES}
+    failures, worst, outcomes, full = [], 0.0, {}, 0
+    for i, case in enumerate(cases):
+        dirs = {d: folder / "state" / f"{kind}-{i}.{d}" for d in DEVICES}
+        got = {d: statuses[d][i] for d in DEVICES if statuses[d][i] is not None}
+        report = fuzz_stateful.check_case(case, got, verifiers, dirs, took + 1.0)
+        full += "python" in got
+        key = "/".join(report["outcomes"])
+        outcomes[key] = outcomes.get(key, 0) + 1
+        worst = max(worst, report["worst"])
+        failures += [(i, case.seeded, case.round2, *f) for f in report["failures"]]
+    print(f"{kind}: {CASES} two-round cases ({full} on the full Python device), {outcomes}, "
+          f"worst difference / tolerance {worst:.3g}")
+    assert not failures, (len(failures), failures[:5])
+    assert outcomes.get("done/done", 0) >= CASES // 2
 
 
 def test_signed_zero_golden_vector_is_what_the_python_device_sends():

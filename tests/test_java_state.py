@@ -136,3 +136,47 @@ def test_forget_state_removes_each_java_devices_kept_state(tmp_path):
     assert proc.stdout.splitlines() == ["FORGOT java0 2", "FORGOT java9 0"]
     assert DeviceStateStore(tmp_path / "state" / "java0").jobs() == []
     assert sorted(DeviceStateStore(tmp_path / "state" / "java1").jobs()) == ["dt-1", "sc-1"]
+
+
+# header fields of the wrong JSON type (what neither store writes): the Python store once coerced them
+# (int("3"), str(12345678), float("2e9"); a NaN expiry never expires) where the Java store drops the
+# file; found by tests/fuzz_stateful.py ("loose header")
+LOOSE_HEADERS = {"round-float": {"round": 3.0}, "round-string": {"round": "3"}, "round-bool": {"round": True},
+                 "expires-string": {"expires_at": "2000000000"}, "expires-nan": {"expires_at": float("nan")},
+                 "run-number": {"run": 12345678}}
+
+
+def malformed_state_files(folder: Path) -> list[str]:
+    """Files every store must drop: each loose header, and a zip cut right before its central
+    directory (every entry whole: Java's ZipInputStream once read it as whole, numpy refuses it).
+    Returns their jobs; one well-formed job, "ok", stays."""
+    import io
+    import json
+
+    store = DeviceStateStore(folder, 100000, clock=lambda: 1000.0)
+    x = {"x": np.float32([1.5, -2.0]), "y": np.float32([[2.5]])}
+    for job in [*LOOSE_HEADERS, "cut", "ok"]:
+        store.save(job, "12345678", 3, x, 1000.0)
+    for job, change in LOOSE_HEADERS.items():
+        path = store._path(job)
+        with np.load(path) as data:
+            header = {**json.loads(bytes(data["__state_header__"]).decode()), **change}
+        buffer = io.BytesIO()
+        np.savez(buffer, **x, __state_header__=np.frombuffer(json.dumps(header).encode(), np.uint8))
+        path.write_bytes(buffer.getvalue())
+    raw = store._path("cut").read_bytes()
+    store._path("cut").write_bytes(raw[:raw.index(b"PK\x01\x02")])
+    return [*LOOSE_HEADERS, "cut"]
+
+
+def test_both_stores_drop_state_files_whose_header_has_wrong_types_or_whose_zip_is_cut_short(tmp_path):
+    import shutil
+
+    jobs = malformed_state_files(tmp_path / "python")
+    shutil.copytree(tmp_path / "python", tmp_path / "java")
+    script = "clock 1001\nopen 100000\n" + "".join(f"load {job} - - -\n" for job in [*jobs, "ok"])
+    got = java_answers(tmp_path / "java", script, tmp_path)
+    assert got == ["OK", "JOBS ok", *["NONE"] * len(jobs), "ENTRY 12345678 3 1.5 -2.0 | [1, 1]"], got
+    store = DeviceStateStore(tmp_path / "python", 100000, clock=lambda: 1001.0)
+    assert [store.load(job, None) for job in jobs] == [None] * len(jobs) and store.jobs() == ["ok"]
+    assert len(list((tmp_path / "java").iterdir())) == len(list((tmp_path / "python").iterdir())) == 1

@@ -112,11 +112,17 @@ public final class DeviceStateStore {
     }
 
     private Map<File, Entry> entries() {
+        return entries(null);
+    }
+
+    /** Every readable entry but the file `skip` (not even read). */
+    private Map<File, Entry> entries(File skip) {
         Map<File, Entry> out = new LinkedHashMap<>();
         File[] files = root.listFiles((d, name) -> name.endsWith(SUFFIX) && !name.startsWith(TMP));
         if (files == null) return out;
         Arrays.sort(files);
         for (File f : files) {
+            if (f.equals(skip)) continue;
             Entry e = read(f);
             if (e != null) out.put(f, e);
         }
@@ -134,10 +140,11 @@ public final class DeviceStateStore {
         return gone;
     }
 
-    /** Bytes of state held for every job but `excluding` (null: all). */
+    /** Bytes of state held for every job but `excluding` (null: all), whose own file is not even
+     *  read: a task admits its job's state twice, and the file it will replace is no other job's. */
     public synchronized long usedBytes(String excluding) {
         long n = 0;
-        for (Entry e : entries().values()) if (!e.jobId.equals(excluding)) n += e.nbytes();
+        for (Entry e : entries(excluding == null ? null : path(excluding)).values()) if (!e.jobId.equals(excluding)) n += e.nbytes();
         return n;
     }
 

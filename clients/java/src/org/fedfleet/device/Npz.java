@@ -65,8 +65,9 @@ public final class Npz {
     public static Map<String, Array> read(byte[] npz, long maxBytes) throws IOException {
         Map<String, Array> arrays = new LinkedHashMap<>();
         long total = 0;
+        int entries = 0;
         try (ZipInputStream zip = new ZipInputStream(new ByteArrayInputStream(npz))) {
-            for (ZipEntry e; (e = zip.getNextEntry()) != null; ) {
+            for (ZipEntry e; (e = zip.getNextEntry()) != null; entries++) {
                 String name = e.getName();
                 if (!name.endsWith(".npy")) continue;
                 byte[] b = readAll(zip, maxBytes - total);
@@ -74,7 +75,24 @@ public final class Npz {
                 arrays.put(name.substring(0, name.length() - 4), npy(b));
             }
         }
+        requireEndRecord(npz, entries);
         return arrays;
+    }
+
+    /** IOException unless the zip ends with its end-of-central-directory record, naming `entries`
+     *  entries and a central directory right before it. ZipInputStream reads the entries front to
+     *  back and never looks there, so a file cut short after its last entry's data (a torn write)
+     *  would read as whole; numpy (zipfile) starts from that record and refuses such a file, and a
+     *  state store must drop what the other library's drops (tests/fuzz_stateful.py). */
+    private static void requireEndRecord(byte[] zip, int entries) throws IOException {
+        ByteBuffer b = ByteBuffer.wrap(zip).order(ByteOrder.LITTLE_ENDIAN);
+        for (int at = zip.length - 22; at >= Math.max(0, zip.length - 22 - 0xffff); at--) {
+            if (b.getInt(at) != 0x06054b50 || Short.toUnsignedInt(b.getShort(at + 20)) != zip.length - at - 22) continue;
+            long size = Integer.toUnsignedLong(b.getInt(at + 12)), offset = Integer.toUnsignedLong(b.getInt(at + 16));
+            if (Short.toUnsignedInt(b.getShort(at + 10)) == entries && offset + size == at) return;
+            break;
+        }
+        throw new IOException("not a whole zip file (no end of central directory record naming its " + entries + " entries)");
     }
 
     private static byte[] readAll(ZipInputStream zip, long maxBytes) throws IOException {
