@@ -58,8 +58,7 @@ class ServiceSettings:
     ingest_workers: int = limited(0, Range(0, 256))
 
     def __post_init__(self):
-        validate_config("aggregator service", ServiceSettings,
-                        {f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+        validate_config("aggregator service", ServiceSettings, dataclasses.asdict(self))
 
     @property
     def topics(self) -> Topics:
