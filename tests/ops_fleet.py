@@ -99,12 +99,20 @@ class Features:
         return np.asarray(x, dtype=np.float32)
 
 
-def head_training(device: str):
-    """Task handler for FedAvg jobs: the real device training code on the synthetic features."""
+def head_training(device: str, gate: threading.Event | None = None):
+    """Task handler for FedAvg jobs: the real device training code on the synthetic features;
+    with a ``gate``, each task waits for it first (a round that cannot close until a test says)."""
     from edge_client.tasks.head_training import HeadTrainingTask
 
     Z, y = data_for(device)
-    return HeadTrainingTask(Z.astype(np.float32), y, lambda b, s, w: Features())
+    task = HeadTrainingTask(Z.astype(np.float32), y, lambda b, s, w: Features())
+    if gate is None:
+        return task
+
+    def gated(params, tensors=None):
+        gate.wait(60)
+        return task(params, tensors)
+    return gated
 
 
 @dataclasses.dataclass
@@ -203,7 +211,7 @@ class Fleet:
             elif kind == "fed3r-sync":
                 handlers_of, protocol_handlers = {}, secure_fed3r_handlers(d, secure)
             else:
-                handlers_of = {"fedavg.head": head_training(d)}
+                handlers_of = {"fedavg.head": head_training(d, (gates or {}).get(d))}
             signer = identities[d].sign if identities else None
             self.agents.append(DeviceAgent(d, cfg, handlers_of, topics=topics, retry_after_s=retry_after_s, tick_s=0.1,
                                            protocol_handlers=protocol_handlers, signer=signer,

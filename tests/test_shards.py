@@ -233,12 +233,15 @@ def test_fedavg_on_shards_resumes_bit_for_bit_after_the_coordinator_and_a_shard_
                                                                                             fedavg_unsharded):
     """The coordinator dies closing round 1 (its shards with it); restarted, it closes the round
     again on the shards' stores. Then a shard is SIGKILLed once it holds a round-2 update: restarted
-    on its store, it answers round 2's close."""
+    on its store, it answers round 2's close. The other shard's devices hold their round-2 updates
+    until the kill, so the round cannot close before it (however the machine schedules them)."""
     options = ["--shards", "2"]
     rc, log = run_fedavg(tmp_path, options, crash="round_closing")
     assert rc == -9, log[-3000:]
     state, victim = tmp_path / "state.db", 0
-    with MosquittoBroker() as broker, Fleet(broker.url, DEVICES, kind="fedavg"):
+    held_back = threading.Event()
+    gates = {d: held_back for d in DEVICES if shard_of(d, 2) != victim}
+    with MosquittoBroker() as broker, Fleet(broker.url, DEVICES, kind="fedavg", gates=gates):
         proc = start_aggregator_in(tmp_path, broker.url, state, options)
         try:
             deadline = time.monotonic() + 60
@@ -246,6 +249,7 @@ def test_fedavg_on_shards_resumes_bit_for_bit_after_the_coordinator_and_a_shard_
                 time.sleep(0.05)
             assert 2 in fedavg_rounds_held(state, victim), "the shard never stored a round-2 update"
             os.kill(int((tmp_path / "state.db.shards" / f"shard-{victim}.pid").read_text()), signal.SIGKILL)
+            held_back.set()
             proc.wait(120)
         finally:
             proc.kill()
