@@ -25,12 +25,13 @@ demo: setup
 	$(BIN)/fedfleet simulate --config demo --pipeline fed3r-ft-oll --secure --out runs/latest-secure \
 	    --compare-with runs/latest
 
-# pytest-xdist: 3 workers on CI's 2 cores, since many tests wait on brokers, subprocesses and
-# timeouts rather than compute; --dist loadfile keeps each file on one worker so its module
+# pytest-xdist: 4 workers on CI's 2 cores, since many tests wait on brokers, subprocesses and
+# timeouts rather than compute (the whole suite on this 2-core machine: 4 workers 540 s, 3 workers
+# 650 s; its CPU, FEDFLEET_CPU_PROFILE, is ~870 s); --dist loadfile keeps each file on one worker so its module
 # fixtures (bundle exports, reference runs) are built once; files with a `slow` test go first
 # (tests/conftest.py), in collection order (--no-loadscope-reorder).
 test: setup
-	$(BIN)/python -m pytest -q -ra --durations=15 -n 3 --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest -q -ra --durations=15 -n 4 --dist loadfile --no-loadscope-reorder
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -n 3 -m "not integration"
