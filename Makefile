@@ -27,7 +27,7 @@ demo: setup
 
 # pytest-xdist: 4 workers on CI's 2 cores, since many tests wait on brokers, subprocesses and
 # timeouts rather than compute (the whole suite on this 2-core machine: 4 workers 540 s, 3 workers
-# 650 s; its CPU, FEDFLEET_CPU_PROFILE, is ~870 s); --dist loadfile keeps each file on one worker so its module
+# 650 s; its CPU as FEDFLEET_CPU_PROFILE counts it, a lower bound, ~870 s); --dist loadfile keeps each file on one worker so its module
 # fixtures (bundle exports, reference runs) are built once; files with a `slow` test go first
 # (tests/conftest.py), in collection order (--no-loadscope-reorder).
 test: setup

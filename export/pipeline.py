@@ -230,8 +230,9 @@ def _inference_artifacts(r: ExportRequest, src: _Sources, failures: list[str]) -
             program_module, quantization = module, None
             if quantized:
                 program_module, quantization = _quantized(module, src, r.batch_size)
-                refused = _quantized_parity_failure(r, f"{kind}_xnnpack_int8.pte", quantized_parity(
-                    _run_eager(program_module, src.inputs, r.batch_size), expected))
+                refused = _quantized_parity_failure(
+                    r, f"{kind}_xnnpack_int8.pte (its quantize/dequantize graph, before lowering)",
+                    quantized_parity(_run_eager(program_module, src.inputs, r.batch_size), expected))
                 if refused:     # already beyond tolerance before lowering: the lowering is skipped
                     failures.append(refused)
                     continue

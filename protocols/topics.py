@@ -21,6 +21,11 @@ import re
 from dataclasses import dataclass
 
 DEVICE_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+# The first level(s) of every fedfleet topic: no MQTT wildcard, no leading "/", no control
+# character, at most 128 characters. One rule for every side that takes a root (the device, the
+# broker's ACL generator, the aggregator's settings).
+TOPIC_ROOT_PATTERN = r"^[^/+#\x00-\x1f][^+#\x00-\x1f]{0,127}$"
+TOPIC_ROOT_RE = re.compile(TOPIC_ROOT_PATTERN)
 AGGREGATOR_ID = "aggregator"
 # A second MQTT connection of one party logs in as ``{account}/{role}`` (BrokerConfig.for_role):
 # on a broker that takes the user name as client id, two connections of one account would close
@@ -33,7 +38,7 @@ def role_account(account: str, role: str) -> str:
 
 
 def check_device_id(device_id: str) -> str:
-    if not isinstance(device_id, str) or not DEVICE_ID_RE.match(device_id) or device_id == AGGREGATOR_ID:
+    if not isinstance(device_id, str) or not DEVICE_ID_RE.fullmatch(device_id) or device_id == AGGREGATOR_ID:
         raise ValueError(f"invalid device id {device_id!r}: use 1-64 of [A-Za-z0-9_.-], not {AGGREGATOR_ID!r}")
     return device_id
 
@@ -43,7 +48,7 @@ class Topics:
     root: str = "fedfleet"
 
     def __post_init__(self):
-        if not self.root or any(c in self.root for c in "+#") or self.root.startswith("/"):
+        if not isinstance(self.root, str) or not TOPIC_ROOT_RE.fullmatch(self.root):
             raise ValueError(f"invalid topic root {self.root!r}")
 
     @property
@@ -76,7 +81,7 @@ class Topics:
         """The device id in a deploy outbox topic, else None."""
         head, _, rest = topic.partition(f"{self.base}/deploy/")
         parts = rest.split("/")
-        if head or len(parts) != 2 or parts[1] != "out" or not DEVICE_ID_RE.match(parts[0]):
+        if head or len(parts) != 2 or parts[1] != "out" or not DEVICE_ID_RE.fullmatch(parts[0]):
             return None
         return parts[0]
 
@@ -120,8 +125,8 @@ class Topics:
         if parts[:len(base)] != base:
             return None
         rest = parts[len(base):]
-        if len(rest) == 3 and rest[0] == "dev" and rest[2] in ("in", "out") and DEVICE_ID_RE.match(rest[1]):
+        if len(rest) == 3 and rest[0] == "dev" and rest[2] in ("in", "out") and DEVICE_ID_RE.fullmatch(rest[1]):
             return rest[1]
-        if len(rest) == 2 and rest[0] == "presence" and DEVICE_ID_RE.match(rest[1]):
+        if len(rest) == 2 and rest[0] == "presence" and DEVICE_ID_RE.fullmatch(rest[1]):
             return rest[1]
         return None

@@ -41,6 +41,7 @@ INTEGRATION_TESTS = (
     "test_data_readers.py::test_fashion_mnist_splits",
     "test_job_contract.py::test_every_kind_builds_a_job_that_keeps_the_contract[fedavg-tail",   # the tail bundle
     "test_job_contract.py::test_every_kind_builds_a_job_that_keeps_the_contract[scaffold-tail",  # the tail bundle
+    "test_runtime_fed3r_parity.py::test_a_missing_bundle_is_exported_once_then_reused",          # an (eager) export
 )
 
 

@@ -1,9 +1,13 @@
 """CPU seconds per test, for finding where the suite's time goes on a loaded machine: wall-clock
 durations (``--durations``) stretch with the load and count waits on shared builds, CPU time
 does not. On with ``FEDFLEET_CPU_PROFILE=<file>``: each test's CPU (the test process's own plus
-the children it reaped — brokers, aggregator processes, JVMs; not Ray's workers, which the Ray
-node starts) is appended to ``<file>`` as ``seconds<TAB>node id`` lines; sum them by file with
-``sort``/``awk``."""
+the children it reaped — brokers, aggregator subprocesses, JVMs) is appended to ``<file>`` as
+``seconds<TAB>node id`` lines; sum them by file with ``sort``/``awk``.
+
+What it does not see, so the sum is a lower bound: processes the test's own children reap (Ray's
+workers, started by the Ray node; the crash tests' aggregators, forked and reaped by
+``aggregator_forkserver``, whose CPU lands on the test running when that server exits), and a
+module-scoped process's CPU is booked to the module's last test, at teardown."""
 
 from __future__ import annotations
 

@@ -143,7 +143,7 @@ def test_forget_state_removes_each_java_devices_kept_state(tmp_path):
 # file; found by tests/fuzz_stateful.py ("loose header")
 LOOSE_HEADERS = {"round-float": {"round": 3.0}, "round-string": {"round": "3"}, "round-bool": {"round": True},
                  "expires-string": {"expires_at": "2000000000"}, "expires-nan": {"expires_at": float("nan")},
-                 "run-number": {"run": 12345678}}
+                 "run-number": {"run": 12345678}, "expires-huge-int": {"expires_at": 10 ** 400}}
 
 
 def malformed_state_files(folder: Path) -> list[str]:

@@ -288,9 +288,16 @@ def test_topics_layout_and_device_id_validation():
     t = Topics("fleet")
     assert t.inbox("dev7") == "fleet/v1/dev/dev7/in" and t.device_of("fleet/v1/dev/dev7/out") == "dev7"
     assert t.device_of("fleet/v1/presence/dev7") == "dev7" and t.device_of("other/v1/dev/x/out") is None
-    for bad in ["a/b", "a+b", "#", "", "x" * 65, "aggregator"]:
+    for bad in ["a/b", "a+b", "#", "", "x" * 65, "aggregator", "dev7\n"]:
         with pytest.raises(ValueError):
             check_device_id(bad)
+    # a trailing newline is no part of an id or a root (a regex's "$" would let it through)
+    assert t.device_of("fleet/v1/dev/dev7\n/out") is None and t.device_of("fleet/v1/presence/dev7\n") is None
+    assert Topics("fleet").deploy_device_of("fleet/v1/deploy/dev7\n/out") is None
+    assert Topics("site/a").base == "site/a/v1"
+    for bad_root in ["/fleet", "a+b", "a#", "", "x" * 129, "fleet\n", "fl\x00eet"]:
+        with pytest.raises(ValueError, match="topic root"):
+            Topics(bad_root)
 
 
 def test_golden_vectors_on_disk_match_the_codec():

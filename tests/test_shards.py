@@ -252,6 +252,7 @@ def test_fedavg_on_shards_resumes_bit_for_bit_after_the_coordinator_and_a_shard_
             held_back.set()
             proc.wait(120)
         finally:
+            held_back.set()                 # never leave the agents waiting at the gate
             proc.kill()
     out = proc.output()
     assert proc.returncode == 0, out[-3000:]

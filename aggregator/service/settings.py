@@ -25,13 +25,12 @@ import dataclasses
 from dataclasses import dataclass
 
 from protocols.chunking import DEFAULT_CHUNK_SIZE
-from protocols.topics import Topics
+from protocols.topics import TOPIC_ROOT_PATTERN, Topics
 
 from aggregator.jobs.config_limits import FLAG, Pattern, Range, limited, validate_config
 
-# a topic root is the first level(s) of every fedfleet topic: no MQTT wildcard, no leading "/", no
-# control characters (protocols/topics.py refuses the first two again)
-TOPIC_ROOT = Pattern(r"^[^/+#\x00-\x1f][^+#\x00-\x1f]{0,127}$")
+# a topic root: protocols/topics.py's one rule (the devices and the broker's ACLs check the same)
+TOPIC_ROOT = Pattern(TOPIC_ROOT_PATTERN)
 
 
 @dataclass(frozen=True)

@@ -103,8 +103,10 @@ public final class DeviceStateStore {
             if (round.bitLength() > 62) throw new IOException("round out of range");
             if (!(h.get("job_id") instanceof String) || !(h.get("run") instanceof String))
                 throw new IOException("state header without its job_id and run");   // as torn: Python drops it too
-            return new Entry((String) h.get("job_id"), (String) h.get("run"), round.longValue(),
-                    arrays, ((Number) h.get("expires_at")).doubleValue());
+            double expiresAt = ((Number) h.get("expires_at")).doubleValue();
+            if (!Double.isFinite(expiresAt))   // a 400-digit integer is +Infinity here: never expiring; Python drops it
+                throw new IOException("state header: expires_at must be a finite number");
+            return new Entry((String) h.get("job_id"), (String) h.get("run"), round.longValue(), arrays, expiresAt);
         } catch (Exception e) {          // torn, foreign or tampered: never trusted, never fatal
             file.delete();
             return null;
