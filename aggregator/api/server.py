@@ -104,10 +104,11 @@ def shard_pool(args, count: int, job, broker: BrokerConfig, out_dir: Path, setti
     if getattr(args, "ray", None):
         from aggregator.shards.ray_shards import RayShards
 
-        return RayShards(args.ray, count, broker, store_dir.resolve(), settings.topics)
+        return RayShards(args.ray, count, broker, store_dir.resolve(), settings.topics, settings.max_message_bytes)
     from aggregator.shards.local import LocalShards
 
-    return LocalShards(count, broker, store_dir, settings.topics)
+    # every shard holds a device's message to the bound the service itself applies
+    return LocalShards(count, broker, store_dir, settings.topics, settings.max_message_bytes)
 
 
 def serve_with_ops(args, job, broker: BrokerConfig, out_dir: Path, settings: ServiceSettings, *,
