@@ -42,7 +42,7 @@ class SyntheticStats:
 
     def __call__(self, params, tensors=None):
         if self.gate is not None:
-            self.gate.wait(60)
+            self.gate.wait(240)
         time.sleep(self.compute_s)
         acc = Fed3RAccumulator(C, self.Z.shape[1])
         acc.update(self.Z, self.y)
@@ -110,7 +110,7 @@ def head_training(device: str, gate: threading.Event | None = None):
         return task
 
     def gated(params, tensors=None):
-        gate.wait(60)
+        gate.wait(240)
         return task(params, tensors)
     return gated
 
