@@ -2,11 +2,37 @@
 through the three devices (the full install's Python device, the torch-free device run from
 ``.venv-device``, and the Java device, one JVM for all cases), for each task kind they share:
 ``fed3r.stats`` (packed and factor forms, float64 and float32), ``fedavg.head`` (FedAvg(ψ)) and
-``oll.personalize`` (OLL + FP(ψ)), and the stateful head kinds ``scaffold.head``, ``ditto.head``
+``oll.personalize`` (OLL + FP(ψ)), the stateful head kinds ``scaffold.head``, ``ditto.head``
 and ``pp.head`` as two rounds on one device state store each (tests/fuzz_stateful.py: seeded,
-stale, torn and foreign state; both rounds' uploads and the state files compared). Every task is signed by the aggregator and verified by each
-device, every result signed by its device and verified here; floats in the signed headers are
-drawn to include powers of two (2^-24, where codecs' float writers used to differ).
+stale, torn and foreign state; both rounds' uploads and the state files compared), and the
+secure kinds ``fedavg.secure`` (secure FedAvg(ψ): [n·θ | n] in the task's vector_order, the
+update clipped to update_clip_norm, or under distributed DP [clip(θ − θ_t) | 1] on the round's
+grid) and ``fed3r.secure`` (Fed3R-Sync: [A_upper | b | n], under DP clipped, capped, count 0).
+Every task is signed by the aggregator and verified by each device, every result signed by its
+device and verified here; floats in the signed headers are drawn to include powers of two
+(2^-24, where codecs' float writers used to differ).
+
+Secure kinds: what is deterministic is compared. Each device takes the task as it would (the
+Python devices' ``on_task``, which opens the SecAgg client; the Java device's
+``SecureTask.contribute``) and encodes its contribution as its SecAgg client does at the round's
+start (``ClientSecAgg._encode`` / ``RoundConfig.encode``) under a random round config (bound
+drawn around what the vector may hold, the finest safe scale or the dp round's, some of a wrong
+length). The devices must agree on accept/decline (bad params or vector_order, more samples than
+max_samples, a head past max_abs_param, dp without its clip norm or with a noise it cannot
+draw), on the encoder's refusal (out of the bound, wrong length) and, where both accept, on the
+float64 contribution and the uint64 words SecAgg masks: byte for byte where the arithmetic is
+exact (Fed3R on dyadic features without clipping), else within the statistics' or the head's
+tolerance carried through the clip (a projection: √L·tol), the weighting by n and the rounding to
+the grid (the words: that at the round's scale, plus one for rint); the count entry exactly.
+Distributed DP's Skellam noise is drawn as zero on every device (``fuzz_device.ZeroSkellam``,
+TaskRunner's zeroNoise; numpy's refusal of a Poisson mean it cannot draw kept), so its vector is
+the device's rounding to the grid; the draws are compared in distribution in test_java_tasks.py.
+The masked words are out of scope: each device draws its round's X25519 keys and self-mask seed
+from OS entropy (neither runtime has a seam for fixed ones, and adding one would be a product
+change that weakens it), so masked outputs differ by design; the masks cancel in the sum, which
+test_java_secagg.py proves exact (a Java client in Python-run rounds, complete graph and SecAgg+,
+with dropouts: the plain modulo-2^64 sum of the encoded inputs), so identical words here mean
+identical contributions to every group sum.
 
 Per case the devices must agree on accepting or declining (a diverged training is declined by
 all, and the aggregator's parser refuses what no device sends), on the body, and on the
@@ -31,6 +57,11 @@ header fields had the wrong JSON types (round 3.0 or "3", run 12345678, expires_
 was coerced and continued by the Python store but dropped by the Java one, and a state file cut
 short after its last entry (its central directory torn off) was read as whole by the Java store
 (ZipInputStream never looks there) but dropped by the Python one (tests/test_java_state.py).
+
+On the secure kinds it found one: a dp round whose Poisson mean (σ·2^f)²/2 is past what numpy
+draws (~9.2e18, e.g. σ = 32 at scale_bits 29) was declined by the Python devices but taken by the
+Java one, whose PTRS candidate saturated at Long.MAX_VALUE in both draws: zero noise, an
+un-noised release (SkellamNoise now declines it; test_java_tasks.py).
 
 On the code before this fuzzer (c2bf56a) it fails three ways: the Java device refuses 25 + 25
 tasks signed by the aggregator (a 2^-k rate written with 17 digits by Java, 16 by Python: the
@@ -148,72 +179,8 @@ def personalize_case(rng):
     return params, head(rng, C, d), train, held
 
 
-MEMBERS = ("java0", "numpy0", "py0")
-
-
-def secure_round(rng, length: int, largest: float, scale_bits: int | None = None) -> dict:
-    """The round config the contribution is encoded under (its to_dict, as the device receives it):
-    the bound drawn around ``largest`` (what the vector may hold), so some vectors fall outside it;
-    some of a wrong vector length; scale_bits the finest safe one, or the dp round's."""
-    from protocols.secagg import RoundConfig
-    from protocols.secagg.fixedpoint import max_scale_bits
-
-    bound = float(min(largest * 2.0 ** rng.uniform(-3, 6), 2.0 ** 50)) if rng.random() < 0.9 \
-        else float(2.0 ** rng.integers(-4, 20))
-    finest = max_scale_bits(len(MEMBERS), bound)
-    bits = finest if scale_bits is None or rng.random() < 0.2 else min(scale_bits, finest)
-    return RoundConfig.create(job_id="fuzz", round_id=1, group_id="g1", aggregator_id="aggregator", members=MEMBERS,
-                              vector_length=length + (1 if rng.random() < 0.03 else 0), bound=bound,
-                              scale_bits=bits).to_dict()
-
-
-def dp_round(rng, clip: bool) -> dict:
-    """A distributed-DP round: stddev·2^scale_bits from far below to past what a Poisson can draw."""
-    dp = {"stddev": float(2.0 ** rng.integers(-24, 8)) if rng.random() < 0.5 else float(10 ** rng.uniform(-4, 2)),
-          "scale_bits": int(rng.integers(0, 63)) if rng.random() < 0.2 else int(rng.integers(8, 30))}
-    if clip and rng.random() < 0.95:          # some without the clip norm a secure update round needs: declined
-        dp["clip_norm"] = float(2.0 ** rng.integers(-6, 4)) if rng.random() < 0.5 else float(rng.uniform(0.05, 5))
-    return dp
-
-
-def secure_fedavg_case(rng):
-    params, start, (Z, y), _ = fedavg_case(rng)
-    n = len(y)
-    params.update(group="g1", max_samples=int(n if rng.random() < 0.3 else rng.integers(n // 2, 4 * n)),
-                  max_abs_param=float(2.0 ** rng.integers(-1, 12)) if rng.random() < 0.5 else float(10 ** rng.uniform(-0.5, 3)))
-    order = rng.random()
-    if order < 0.15:
-        params["vector_order"] = ["bias", "weight"]
-    elif order < 0.18:
-        params["vector_order"] = [["weight"], ["weight", "bias", "extra"], ["weight", "weight"]][int(rng.integers(0, 3))]
-    if rng.random() < 0.4:
-        params["update_clip_norm"] = 0.0 if rng.random() < 0.1 else (
-            float(2.0 ** rng.integers(-24, 4)) if rng.random() < 0.4 else float(rng.uniform(0.01, 3)))
-    dp = dp_round(rng, clip=True) if rng.random() < 0.25 else None
-    if dp:
-        params["dp"] = dp
-    C, d = start["weight"].shape
-    largest = (max(dp.get("clip_norm", 1.0), 2.0 ** -dp["scale_bits"]) if dp
-               else n * max(1.0, float(np.abs(start["weight"]).max())))
-    return params, start, (Z, y), secure_round(rng, C * d + C + 1, largest, dp and dp["scale_bits"])
-
-
-def secure_fed3r_case(rng):
-    params, tensors, (Z, y), _ = fed3r_case(rng)
-    n, (C, p) = len(y), (params["num_classes"], Z.shape[1] + int(params["fit_intercept"]))
-    params.update(group="g1", max_samples=int(n if rng.random() < 0.3 else rng.integers(n // 2, 4 * n)))
-    dp = dp_round(rng, clip=False) if rng.random() < 0.25 else None
-    if dp:
-        params["dp"] = dp
-        if rng.random() < 0.8:               # DP's Fed3R clips and caps (some do not: what do the devices say?)
-            params.update(feature_clip_norm=params.get("feature_clip_norm") or float(rng.uniform(0.5, 4.0)),
-                          cap_samples=True)
-    largest = n * max(1.0, float(np.abs(Z).max()) ** 2)
-    return params, tensors, (Z, y), secure_round(rng, p * (p + 1) // 2 + C * p + 1, largest, dp and dp["scale_bits"])
-
-
 KINDS = {"fed3r.stats": fed3r_case, "fedavg.head": fedavg_case, "oll.personalize": personalize_case}
-SECURE_KINDS = {"fedavg.secure": secure_fedavg_case, "fed3r.secure": secure_fed3r_case}
+SECURE_KINDS = ("fedavg.secure", "fed3r.secure")                 # tests/fuzz_secure.py
 STATEFUL_KINDS = ("scaffold.head", "ditto.head", "pp.head")      # tests/fuzz_stateful.py: two rounds a case
 ALL_KINDS = (*KINDS, *SECURE_KINDS, *STATEFUL_KINDS)
 
@@ -222,6 +189,7 @@ def write_cases(folder: Path, keys, seed: int) -> dict[str, list]:
     """CASES random cases of every kind on disk: signed tasks, feature files, state folders, one
     cases file per device (all kinds in one, so each device starts once; a stateful case is two
     lines, its two rounds)."""
+    import fuzz_secure
     import fuzz_stateful
     from protocols import messages as M
     from protocols.envelope import Envelope, encode
@@ -232,7 +200,7 @@ def write_cases(folder: Path, keys, seed: int) -> dict[str, list]:
 
     rng = np.random.default_rng(seed)
     cases, lines = {kind: [] for kind in ALL_KINDS}, {d: [] for d in DEVICES}
-    for kind, make in {**KINDS, **SECURE_KINDS}.items():
+    for kind, make in {**KINDS, **fuzz_secure.CASES}.items():
         for i in range(CASES):
             params, tensors, (Z, y), held = make(rng)
             name = f"{kind}-{i}"
@@ -479,73 +447,14 @@ def test_python_torch_free_and_java_devices_agree_on_random_tasks(kind, fuzzed, 
     assert outcomes["done"] >= CASES // 2
 
 
-def secure_tolerance(kind: str, case: tuple, steps: int, vectors: dict[str, np.ndarray]) -> float:
-    """How far two devices' contributions of one secure case may lie apart, per entry. fed3r.secure:
-    exact (0) on dyadic features without clipping, else the statistics' float64 tolerance.
-    fedavg.secure: the head's (``head_tolerance``) through what the device does to its head, each
-    step non-expansive: the clip (a projection: ‖Δ‖₂ ≤ √L·tol), the weighting by n."""
-    params, start, (Z, _), _ = case
-    ref = vectors["python"]
-    if kind == "fed3r.secure":
-        dyadic = float(np.abs(Z * 4 - np.rint(Z * 4)).max()) == 0.0
-        return 0.0 if dyadic and not params.get("feature_clip_norm") else stats_tolerance(ref, "float64")
-    C, d = start["weight"].shape
-    order = params.get("vector_order", ["weight", "bias"])
-    n = 1.0 if params.get("dp") else float(ref[-1])
-    heads = []
-    for v in vectors.values():        # each device's head back from its vector (its update where under dp)
-        flat = v[:-1] / max(n, 1.0)
-        first = C * d if order[0] == "weight" else C
-        parts = {order[0]: flat[:first], order[1]: flat[first:]}
-        heads.append({"weight": parts["weight"].reshape(C, d) + (start["weight"] if params.get("dp") else 0),
-                      "bias": parts["bias"] + (start["bias"] if params.get("dp") else 0)})
-    return n * math.sqrt(ref.size) * head_tolerance(params, start, Z, steps, params["batch_size"], *heads)
-
-
-def compare_secure(kind: str, case: tuple, got: dict[str, dict], report: dict) -> None:
-    """The contributions (float64 vectors) and the words SecAgg masks (uint64) of the three devices:
-    byte-identical where the arithmetic is exact, else within ``secure_tolerance`` (the words within
-    it at the round's scale, plus one for rint; under dp the vectors also one grid step)."""
-    config = case[3]
-    vectors = {d: np.frombuffer(Path(got[d]["result"] + ".vector").read_bytes(), "<f8") for d in DEVICES}
-    words = {d: np.frombuffer(Path(got[d]["result"]).read_bytes(), "<u8").view(np.int64) for d in DEVICES}
-    tol = secure_tolerance(kind, case, got["java"].get("steps", 0), vectors)
-    grid = 2.0 ** -case[0]["dp"]["scale_bits"] if case[0].get("dp") else 0.0
-    for d in ("numpy", "java"):
-        if vectors[d].shape != vectors["python"].shape or words[d].shape != words["python"].shape:
-            report["failures"].append((d, "length", vectors[d].shape, vectors["python"].shape))
-            continue
-        if tol == 0.0:
-            if vectors[d].tobytes() != vectors["python"].tobytes() or words[d].tobytes() != words["python"].tobytes():
-                report["failures"].append((d, "bytes differ", vectors[d][:4], vectors["python"][:4]))
-            continue
-        diff = float(np.abs(vectors[d] - vectors["python"]).max())
-        steps = float(np.abs(words[d] - words["python"]).max())
-        report["worst"] = max(report["worst"], diff / (tol + grid))
-        if diff > tol + grid or steps > (tol + grid) * 2.0 ** config["scale_bits"] + 1:
-            report["failures"].append((d, "differs by", diff, steps, "tolerance", tol + grid))
-        if vectors[d][-1] != vectors["python"][-1]:           # the count (n, 1 or 0) is exact
-            report["failures"].append((d, "count", vectors[d][-1], vectors["python"][-1]))
-
-
-def near_range_edge(case: tuple, got: dict[str, dict]) -> bool:
-    """Whether one device's vector, encoded or not, lies within rounding of the round's bound (the
-    statuses done and out_of_range may then differ): a head's float32 rounding, scaled by n."""
-    for d in DEVICES:
-        path = Path(got[d].get("result", "") + ".vector")
-        if got[d]["status"] in ("done", "out_of_range") and path.is_file():
-            largest = float(np.abs(np.frombuffer(path.read_bytes(), "<f8")).max())
-            if abs(largest - case[3]["bound"]) <= 1e-3 * case[3]["bound"]:
-                return True
-    return False
-
-
-@pytest.mark.parametrize("kind", list(SECURE_KINDS))
+@pytest.mark.parametrize("kind", SECURE_KINDS)
 def test_the_three_devices_contribute_the_same_words_to_secure_rounds(kind, fuzzed):
     """fed3r.secure and fedavg.secure: every device accepts or declines alike (bad params, too many
     samples, a head past max_abs_param, a dp noise it cannot draw), its SecAgg encoder refuses
     alike (a vector outside the round's bound or of the wrong length) and, where it accepts, the
-    contribution and its fixed-point words agree (``compare_secure``)."""
+    contribution and its fixed-point words agree (tests/fuzz_secure.py ``compare``)."""
+    import fuzz_secure
+
     cases, statuses, _, _ = fuzzed[kind]
     failures, worst, outcomes, edge = [], 0.0, {}, 0
     for i, case in enumerate(cases):
@@ -553,7 +462,7 @@ def test_the_three_devices_contribute_the_same_words_to_secure_rounds(kind, fuzz
         states = {d: got[d]["status"] for d in DEVICES}
         outcomes[states["python"]] = outcomes.get(states["python"], 0) + 1
         if len(set(states.values())) != 1:
-            if set(states.values()) <= {"done", "out_of_range", "declined"} and near_range_edge(case, got):
+            if set(states.values()) <= {"done", "out_of_range", "declined"} and fuzz_secure.near_range_edge(case, got):
                 edge += 1
                 continue
             failures.append((i, "status", {d: (states[d], got[d].get("reason", "")[:120]) for d in DEVICES}, case[0]))
@@ -561,7 +470,7 @@ def test_the_three_devices_contribute_the_same_words_to_secure_rounds(kind, fuzz
         if states["python"] != "done":
             continue
         report = {"failures": [], "worst": 0.0}
-        compare_secure(kind, case, got, report)
+        fuzz_secure.compare(kind, case, got, report)
         worst = max(worst, report["worst"])
         failures += [(i, *f) for f in report["failures"]]
     print(f"{kind}: {CASES} cases, {outcomes}, {edge} within rounding of the bound, "
