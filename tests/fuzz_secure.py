@@ -110,6 +110,8 @@ def compare(kind: str, case: tuple, got: dict[str, dict], report: dict) -> None:
     words = {d: np.frombuffer(Path(got[d]["result"]).read_bytes(), "<u8").view(np.int64) for d in DEVICES}
     tol = tolerance(kind, case, got["java"].get("steps", 0), vectors)
     grid = 2.0 ** -case[0]["dp"]["scale_bits"] if case[0].get("dp") else 0.0
+    report["exact"] = tol == 0.0
+    report["identical"] = len({words[d].tobytes() for d in DEVICES}) == 1
     for d in ("numpy", "java"):
         if vectors[d].shape != vectors["python"].shape or words[d].shape != words["python"].shape:
             report["failures"].append((d, "length", vectors[d].shape, vectors["python"].shape))

@@ -456,7 +456,7 @@ def test_the_three_devices_contribute_the_same_words_to_secure_rounds(kind, fuzz
     import fuzz_secure
 
     cases, statuses, _, _ = fuzzed[kind]
-    failures, worst, outcomes, edge = [], 0.0, {}, 0
+    failures, worst, outcomes, edge, exact, identical = [], 0.0, {}, 0, 0, 0
     for i, case in enumerate(cases):
         got = {d: statuses[d][i] for d in DEVICES}
         states = {d: got[d]["status"] for d in DEVICES}
@@ -471,12 +471,13 @@ def test_the_three_devices_contribute_the_same_words_to_secure_rounds(kind, fuzz
             continue
         report = {"failures": [], "worst": 0.0}
         fuzz_secure.compare(kind, case, got, report)
-        worst = max(worst, report["worst"])
+        worst, exact, identical = max(worst, report["worst"]), exact + report["exact"], identical + report["identical"]
         failures += [(i, *f) for f in report["failures"]]
-    print(f"{kind}: {CASES} cases, {outcomes}, {edge} within rounding of the bound, "
-          f"worst difference / tolerance {worst:.3g}")
+    print(f"{kind}: {CASES} cases, {outcomes}, {edge} within rounding of the bound, {exact} compared byte for "
+          f"byte, {identical} with identical words, worst difference / tolerance {worst:.3g}")
     assert not failures, (failure_kinds(failures), failures[:5])
     assert outcomes.get("done", 0) >= CASES // 4 and edge <= CASES // 100
+    assert identical >= CASES // 10 and (exact >= CASES // 10 or kind == "fedavg.secure")
 
 
 @pytest.mark.parametrize("kind", STATEFUL_KINDS)
