@@ -1,6 +1,7 @@
 """The Python device's side of the differential fuzzer (tests/test_differential_fuzz.py): the
 device's own task handlers (fed3r.stats, fedavg.head, oll.personalize, and the stateful
-scaffold.head, ditto.head, pp.head on a state store per case line) on many cases in one process, each task verified under the aggregator's key and each result signed, as a device does.
+scaffold.head, ditto.head, pp.head on a state store per case line; the secure fedavg.secure and
+fed3r.secure up to the words SecAgg masks, ``run_secure``) on many cases in one process, each task verified under the aggregator's key and each result signed, as a device does.
 
 Run in-process it is the full install's device (torch's head step); run by ``.venv-device``'s
 python (``python fuzz_device.py <cases> <aggregator key hex> <device seed hex> <out prefix>``) it
@@ -40,6 +41,54 @@ def read_features(path: str) -> tuple[np.ndarray, np.ndarray]:
 STATEFUL = {"scaffold.head": "edge_client.tasks.scaffold_training:ScaffoldTrainingTask",
             "ditto.head": "edge_client.tasks.ditto_training:DittoTrainingTask",
             "pp.head": "edge_client.tasks.partial_training:PartialTrainingTask"}
+
+
+SECURE = ("fedavg.secure", "fed3r.secure")
+
+
+class ZeroSkellam:
+    """Distributed DP's noise drawn as zero (as the Java runner's zeroNoise): the vector is then
+    the device's rounding to the round's grid alone (the draws are checked by the Skellam tests).
+    numpy's own refusal of a μ it cannot draw is kept: such a task is declined."""
+
+    def poisson(self, lam, size):
+        np.random.default_rng(0).poisson(lam, 0)
+        return np.zeros(size, np.int64)
+
+
+def run_secure(kind: str, msg, Z: np.ndarray, y: np.ndarray, round_path: str, result_path: str,
+               identity, aggregator_key: bytes) -> dict:
+    """A secure task as the device takes it (``on_task``: the vector, then its SecAgg client), and
+    the words that client masks at the round's start, its fixed-point encoding under the round
+    config ``round_path`` (JSON): float64 vector to ``result_path``.vector, uint64 words to
+    ``result_path``; status done, declined (the task) or out_of_range (the encoder)."""
+    from edge_client.agent import TaskDeclined
+    from edge_client.tasks.fed3r_stats import Fed3RStatsTask
+    from edge_client.tasks.head_training import HeadTrainingTask
+    from edge_client.tasks.secure_fed3r import SecureFed3R
+    from edge_client.tasks.secure_fedavg_training import SecureFedAvgTraining
+    from protocols.secagg import ClientSecAgg, RoundConfig, SecAggError
+
+    factory = lambda b, s, w: PrecomputedFeatures(Z.shape[1])      # noqa: E731
+    make, plain = ((SecureFedAvgTraining, HeadTrainingTask) if kind == "fedavg.secure"
+                   else (SecureFed3R, Fed3RStatsTask))
+    handler = make(identity, aggregator_key, plain(Z, y, factory), noise_rng=ZeroSkellam())
+    try:
+        handler.on_task(msg.body["job"], msg.body["round"], msg.body["params"], dict(msg.tensors))
+    except TaskDeclined as exc:
+        return {"status": "declined", "reason": str(exc)}
+    (client,) = handler.sessions.sessions.values()
+    vector = np.asarray(client._raw_input, np.float64)
+    with open(result_path + ".vector", "wb") as f:
+        f.write(vector.astype("<f8").tobytes())
+    try:
+        with open(round_path) as f:
+            words = ClientSecAgg._encode(vector, RoundConfig.from_dict(json.load(f)))
+    except SecAggError as exc:
+        return {"status": "out_of_range", "reason": str(exc)}
+    with open(result_path, "wb") as f:
+        f.write(words.astype("<u8").tobytes())
+    return {"status": "done", "result": result_path}
 
 
 STORES: dict[str, tuple] = {}      # the last case's state folder -> (budget, its store)
@@ -123,6 +172,9 @@ def run_cases(lines: list[str], aggregator_key: bytes, device_seed: bytes, devic
             out.append({"status": "refused", "reason": str(exc)})
             continue
         kind, params = msg.body["kind"], msg.body["params"]
+        if kind in SECURE:
+            out.append(run_secure(kind, msg, *read_features(feats), rest[0], result_path, identity, aggregator_key))
+            continue
         handler = handler_for(kind, *read_features(feats), rest)
         kept = capture_kept(handler) if kind in STATEFUL else {}
         try:

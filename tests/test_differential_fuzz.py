@@ -2,11 +2,37 @@
 through the three devices (the full install's Python device, the torch-free device run from
 ``.venv-device``, and the Java device, one JVM for all cases), for each task kind they share:
 ``fed3r.stats`` (packed and factor forms, float64 and float32), ``fedavg.head`` (FedAvg(ψ)) and
-``oll.personalize`` (OLL + FP(ψ)), and the stateful head kinds ``scaffold.head``, ``ditto.head``
+``oll.personalize`` (OLL + FP(ψ)), the stateful head kinds ``scaffold.head``, ``ditto.head``
 and ``pp.head`` as two rounds on one device state store each (tests/fuzz_stateful.py: seeded,
-stale, torn and foreign state; both rounds' uploads and the state files compared). Every task is signed by the aggregator and verified by each
-device, every result signed by its device and verified here; floats in the signed headers are
-drawn to include powers of two (2^-24, where codecs' float writers used to differ).
+stale, torn and foreign state; both rounds' uploads and the state files compared), and the
+secure kinds ``fedavg.secure`` (secure FedAvg(ψ): [n·θ | n] in the task's vector_order, the
+update clipped to update_clip_norm, or under distributed DP [clip(θ − θ_t) | 1] on the round's
+grid) and ``fed3r.secure`` (Fed3R-Sync: [A_upper | b | n], under DP clipped, capped, count 0).
+Every task is signed by the aggregator and verified by each device, every result signed by its
+device and verified here; floats in the signed headers are drawn to include powers of two
+(2^-24, where codecs' float writers used to differ).
+
+Secure kinds: what is deterministic is compared. Each device takes the task as it would (the
+Python devices' ``on_task``, which opens the SecAgg client; the Java device's
+``SecureTask.contribute``) and encodes its contribution as its SecAgg client does at the round's
+start (``ClientSecAgg._encode`` / ``RoundConfig.encode``) under a random round config (bound
+drawn around what the vector may hold, the finest safe scale or the dp round's, some of a wrong
+length). The devices must agree on accept/decline (bad params or vector_order, more samples than
+max_samples, a head past max_abs_param, dp without its clip norm or with a noise it cannot
+draw), on the encoder's refusal (out of the bound, wrong length) and, where both accept, on the
+float64 contribution and the uint64 words SecAgg masks: byte for byte where the arithmetic is
+exact (Fed3R on dyadic features without clipping), else within the statistics' or the head's
+tolerance carried through the clip (a projection: √L·tol), the weighting by n and the rounding to
+the grid (the words: that at the round's scale, plus one for rint); the count entry exactly.
+Distributed DP's Skellam noise is drawn as zero on every device (``fuzz_device.ZeroSkellam``,
+TaskRunner's zeroNoise; numpy's refusal of a Poisson mean it cannot draw kept), so its vector is
+the device's rounding to the grid; the draws are compared in distribution in test_java_tasks.py.
+The masked words are out of scope: each device draws its round's X25519 keys and self-mask seed
+from OS entropy (neither runtime has a seam for fixed ones, and adding one would be a product
+change that weakens it), so masked outputs differ by design; the masks cancel in the sum, which
+test_java_secagg.py proves exact (a Java client in Python-run rounds, complete graph and SecAgg+,
+with dropouts: the plain modulo-2^64 sum of the encoded inputs), so identical words here mean
+identical contributions to every group sum.
 
 Per case the devices must agree on accepting or declining (a diverged training is declined by
 all, and the aggregator's parser refuses what no device sends), on the body, and on the
@@ -31,6 +57,11 @@ header fields had the wrong JSON types (round 3.0 or "3", run 12345678, expires_
 was coerced and continued by the Python store but dropped by the Java one, and a state file cut
 short after its last entry (its central directory torn off) was read as whole by the Java store
 (ZipInputStream never looks there) but dropped by the Python one (tests/test_java_state.py).
+
+On the secure kinds it found one: a dp round whose Poisson mean (σ·2^f)²/2 is past what numpy
+draws (~9.2e18, e.g. σ = 32 at scale_bits 29) was declined by the Python devices but taken by the
+Java one, whose PTRS candidate saturated at Long.MAX_VALUE in both draws: zero noise, an
+un-noised release (SkellamNoise now declines it; test_java_tasks.py).
 
 On the code before this fuzzer (c2bf56a) it fails three ways: the Java device refuses 25 + 25
 tasks signed by the aggregator (a 2^-k rate written with 17 digits by Java, 16 by Python: the
@@ -149,14 +180,16 @@ def personalize_case(rng):
 
 
 KINDS = {"fed3r.stats": fed3r_case, "fedavg.head": fedavg_case, "oll.personalize": personalize_case}
+SECURE_KINDS = ("fedavg.secure", "fed3r.secure")                 # tests/fuzz_secure.py
 STATEFUL_KINDS = ("scaffold.head", "ditto.head", "pp.head")      # tests/fuzz_stateful.py: two rounds a case
-ALL_KINDS = (*KINDS, *STATEFUL_KINDS)
+ALL_KINDS = (*KINDS, *SECURE_KINDS, *STATEFUL_KINDS)
 
 
 def write_cases(folder: Path, keys, seed: int) -> dict[str, list]:
     """CASES random cases of every kind on disk: signed tasks, feature files, state folders, one
     cases file per device (all kinds in one, so each device starts once; a stateful case is two
     lines, its two rounds)."""
+    import fuzz_secure
     import fuzz_stateful
     from protocols import messages as M
     from protocols.envelope import Envelope, encode
@@ -167,14 +200,18 @@ def write_cases(folder: Path, keys, seed: int) -> dict[str, list]:
 
     rng = np.random.default_rng(seed)
     cases, lines = {kind: [] for kind in ALL_KINDS}, {d: [] for d in DEVICES}
-    for kind, make in KINDS.items():
+    for kind, make in {**KINDS, **fuzz_secure.CASES}.items():
         for i in range(CASES):
             params, tensors, (Z, y), held = make(rng)
             name = f"{kind}-{i}"
             task_path = folder / f"{name}.task"
             task_path.write_bytes(signed(kind, params, tensors, 1))
             feats = write_features(folder / f"{name}.feat", Z, y)
-            held_path = write_features(folder / f"{name}.held", *held) if held is not None else None
+            if kind in SECURE_KINDS:             # the round config the contribution is encoded under
+                held_path = folder / f"{name}.round"
+                held_path.write_text(json.dumps(held))
+            else:
+                held_path = write_features(folder / f"{name}.held", *held) if held is not None else None
             for d in DEVICES:
                 lines[d].append(" ".join(map(str, [task_path, feats, folder / f"{name}.{d}"]
                                               + ([held_path] if held_path else []))))
@@ -219,7 +256,7 @@ def java_statuses(out: str, folder: Path) -> list[dict]:
         word, _, rest = line.partition(" ")
         if word == "CASE":
             cases.append({"result": results[int(rest)]})
-        elif word in ("DONE", "DECLINED", "REFUSED"):
+        elif word in ("DONE", "DECLINED", "REFUSED", "OUT_OF_RANGE"):
             cases[-1].update(status=word.lower(), reason=rest)
         elif word == "STEPS":
             cases[-1]["steps"] = int(rest.split()[0])
@@ -408,6 +445,39 @@ def test_python_torch_free_and_java_devices_agree_on_random_tasks(kind, fuzzed, 
     print(f"{kind}: {CASES} cases, {outcomes}, worst difference / tolerance {worst:.3g}")
     assert not failures, (failure_kinds(failures), failures[:5])
     assert outcomes["done"] >= CASES // 2
+
+
+@pytest.mark.parametrize("kind", SECURE_KINDS)
+def test_the_three_devices_contribute_the_same_words_to_secure_rounds(kind, fuzzed):
+    """fed3r.secure and fedavg.secure: every device accepts or declines alike (bad params, too many
+    samples, a head past max_abs_param, a dp noise it cannot draw), its SecAgg encoder refuses
+    alike (a vector outside the round's bound or of the wrong length) and, where it accepts, the
+    contribution and its fixed-point words agree (tests/fuzz_secure.py ``compare``)."""
+    import fuzz_secure
+
+    cases, statuses, _, _ = fuzzed[kind]
+    failures, worst, outcomes, edge, exact, identical = [], 0.0, {}, 0, 0, 0
+    for i, case in enumerate(cases):
+        got = {d: statuses[d][i] for d in DEVICES}
+        states = {d: got[d]["status"] for d in DEVICES}
+        outcomes[states["python"]] = outcomes.get(states["python"], 0) + 1
+        if len(set(states.values())) != 1:
+            if set(states.values()) <= {"done", "out_of_range", "declined"} and fuzz_secure.near_range_edge(case, got):
+                edge += 1
+                continue
+            failures.append((i, "status", {d: (states[d], got[d].get("reason", "")[:120]) for d in DEVICES}, case[0]))
+            continue
+        if states["python"] != "done":
+            continue
+        report = {"failures": [], "worst": 0.0}
+        fuzz_secure.compare(kind, case, got, report)
+        worst, exact, identical = max(worst, report["worst"]), exact + report["exact"], identical + report["identical"]
+        failures += [(i, *f) for f in report["failures"]]
+    print(f"{kind}: {CASES} cases, {outcomes}, {edge} within rounding of the bound, {exact} compared byte for "
+          f"byte, {identical} with identical words, worst difference / tolerance {worst:.3g}")
+    assert not failures, (failure_kinds(failures), failures[:5])
+    assert outcomes.get("done", 0) >= CASES // 4 and edge <= CASES // 100
+    assert identical >= CASES // 10 and (exact >= CASES // 10 or kind == "fedavg.secure")
 
 
 @pytest.mark.parametrize("kind", STATEFUL_KINDS)

@@ -233,6 +233,31 @@ def test_secure_vectors_under_distributed_dp_are_the_python_devices(java_cp, tmp
     assert got[-1] == 0.0 and np.abs(got - want).max() <= 2.0 ** -GRID_BITS
 
 
+@pytest.mark.parametrize("stddev, scale_bits", [(32.0, 29), (2.0 ** 31, 1), (2.0 ** 20, 12)])
+def test_a_noise_too_large_to_draw_is_declined_by_both_devices(java_cp, tmp_path, stddev, scale_bits):
+    """Found by the differential fuzzer: a dp round whose Poisson mean μ = (σ·2^f)²/2 is past what
+    numpy draws (~9.2e18) was declined by the Python device ("lam value too large") but taken by
+    the Java one, whose PTRS candidate saturated at Long.MAX_VALUE in both draws: a zero noise, an
+    un-noised release. Both decline it now; the mean just below the limit is still drawn."""
+    from ops_fleet import Features
+
+    from edge_client.agent import TaskDeclined
+    from edge_client.tasks.fed3r_stats import Fed3RStatsTask
+    from edge_client.tasks.secure_fed3r import SecureFed3R
+    from protocols.identity import DeviceIdentity
+
+    assert (stddev * 2.0 ** scale_bits) ** 2 / 2 > 9.223372006484771e18
+    params = {**FED3R_PARAMS, "group": "g", "max_samples": 20, "feature_clip_norm": 2.0, "cap_samples": True,
+              "dp": {"stddev": stddev, "scale_bits": scale_bits}}
+    (tmp_path / "task.bin").write_bytes(task_bytes(params, {}, "fed3r.secure"))
+    out = java(java_cp, tmp_path / "task.bin", write_features(tmp_path / "f.feat", *device_data(1)), tmp_path / "x.bin")
+    assert out.startswith("DECLINED bad dp params") and "too large to draw" in out, out
+    device = SecureFed3R(DeviceIdentity.generate("d"), bytes(32), Fed3RStatsTask(*device_data(1), lambda b, s, w: Features(D)))
+    with pytest.raises(TaskDeclined, match="lam value too large"):
+        device.vector(params, {})
+    assert np.isfinite(np.random.default_rng(0).poisson(9.223372006484771e18))      # the limit itself is drawn
+
+
 @pytest.mark.parametrize("mu", [0.5, 50.0, 1e9])
 def test_skellam_noise_share_has_the_right_distribution(java_cp, mu):
     """The noise share: Poisson(μ) − Poisson(μ) integers (multiplication method below μ = 10,

@@ -10,7 +10,8 @@
 //          many cases (tests/test_differential_fuzz.py), each line of the file "<task.bin> <features>
 //          <result.bin> [<held-out features>]"; each task's signature is verified under the aggregator's
 //          key, each result signed as device "java0"; prints "CASE <i>" and then what a single run prints
-//          (or "REFUSED <why>" for a task the codec refuses), per case.
+//          (or "REFUSED <why>" for a task the codec refuses), per case. A secure kind's line is
+//          "<task.bin> <features> <result> <round config JSON>" (runSecure).
 // fedavg.secure, fed3r.secure: prints "VECTOR ..." (what the device would sum under SecAgg). Otherwise prints "DONE", with "STEPS <steps> LOSS <mean loss of the last epoch>" for fedavg.head, or
 // "DECLINED <reason>"; for oll.personalize also the personalised head ("OLL_WEIGHT ...",
 // "OLL_BIAS ...", float32 values) and the cross-validated accuracies ("CV ...").
@@ -18,6 +19,8 @@ import java.math.BigInteger;
 import java.nio.file.*;
 import java.util.*;
 import org.fedfleet.device.*;
+import org.fedfleet.secagg.RoundConfig;
+import org.fedfleet.secagg.SecAggException;
 import org.fedfleet.wire.*;
 
 public final class TaskRunner {
@@ -61,7 +64,8 @@ public final class TaskRunner {
                     out.append("REFUSED ").append(e.getMessage()).append('\n');
                     continue;
                 }
-                out.append(runTask(msg, c, device));
+                String kind = Messages.parseTask(msg).kind;
+                out.append(kind.equals(SecureFedAvgTask.KIND) || kind.equals(SecureFed3RTask.KIND) ? runSecure(msg, c) : runTask(msg, c, device));
             }
             System.out.print(out);
             return;
@@ -116,6 +120,52 @@ public final class TaskRunner {
             printed.append("DECLINED " + e.getMessage() + "\n");
         }
         return printed.toString();
+    }
+
+    /** A secure kind in the batch (args: task, features, result, round config JSON): the vector the
+     *  device would mask (float64 LE to result + ".vector") and the words SecAgg masks, its fixed-point
+     *  encoding under the round's config (uint64 LE to result); prints "DONE" (with "STEPS" for
+     *  fedavg.secure), "DECLINED <why>" (the task refused) or "OUT_OF_RANGE <why>" (the encoder refused
+     *  the vector at the round's start). Distributed DP's noise is drawn as zero (zeroNoise). */
+    static String runSecure(Envelope.Message msg, String[] args) throws Exception {
+        Messages.Task task = Messages.parseTask(msg);
+        FeatureFile data = FeatureFile.read(args[1]);
+        FedAvgHeadTask head = new FedAvgHeadTask(data, new PrecomputedFeatures(data.dim));
+        SecureTask secure = task.kind.equals(SecureFedAvgTask.KIND) ? new SecureFedAvgTask(head, zeroNoise())
+                : new SecureFed3RTask(new Fed3RStatsTask(data, new PrecomputedFeatures(data.dim)), zeroNoise());
+        double[] v;
+        try {
+            v = secure.contribute(task.params, msg.tensors).vector;
+        } catch (TaskDeclined e) {
+            return "DECLINED " + e.getMessage() + "\n";
+        }
+        String steps = head.last != null ? "STEPS " + head.last.steps + "\n" : "";
+        java.nio.ByteBuffer raw = java.nio.ByteBuffer.allocate(8 * v.length).order(java.nio.ByteOrder.LITTLE_ENDIAN);
+        for (double x : v) raw.putDouble(x);
+        Files.write(Paths.get(args[2] + ".vector"), raw.array());
+        long[] words;
+        try {
+            RoundConfig config = RoundConfig.fromMap(Json.parse(new String(Files.readAllBytes(Paths.get(args[3])), "UTF-8")));
+            words = config.encode(v);
+        } catch (SecAggException e) {
+            return "OUT_OF_RANGE " + e.getMessage() + "\n" + steps;
+        }
+        raw = java.nio.ByteBuffer.allocate(8 * words.length).order(java.nio.ByteOrder.LITTLE_ENDIAN);
+        for (long w : words) raw.putLong(w);
+        Files.write(Paths.get(args[2]), raw.array());
+        return "DONE\n" + steps;
+    }
+
+    /** Distributed DP's Skellam noise drawn as zero, so the vector is the device's rounding to the
+     *  round's grid alone (the draws are checked by --skellam): a Random whose every double is 0.3
+     *  gives both Poisson draws of an entry the same value (the multiplication method is deterministic;
+     *  PTRS accepts its first candidate, u = -0.2, v = 0.3 <= v_r for every μ >= 10). */
+    static SkellamNoise zeroNoise() throws Exception {
+        java.lang.reflect.Constructor<SkellamNoise> make = SkellamNoise.class.getDeclaredConstructor(Random.class);
+        make.setAccessible(true);
+        return make.newInstance(new Random() {
+            @Override public double nextDouble() { return 0.3; }
+        });
     }
 
     static String line(String tag, float[] values) {

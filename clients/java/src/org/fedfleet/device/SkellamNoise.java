@@ -11,6 +11,10 @@ import java.util.Random;
 public final class SkellamNoise {
     /** |q + noise| < 2^52 ring units: the float64 path to SecAgg's encoder stays exact. */
     public static final int EXACT_BITS = 52;
+    /** The largest Poisson mean numpy draws (Long.MAX_VALUE − 10·√Long.MAX_VALUE; "lam value too
+     *  large" past it): beyond it PTRS's candidate saturates at Long.MAX_VALUE, both draws agree and
+     *  the "noise" is 0, an un-noised release where the Python device declines. */
+    static final double POISSON_LAM_MAX = 9.223372006484771e18;
     private final Random random;
 
     public SkellamNoise() { this(new SecureRandom()); }
@@ -18,13 +22,15 @@ public final class SkellamNoise {
     SkellamNoise(Random random) { this.random = random; }
 
     /** The round's dp noise applied to v's entries [0, noisedEnd); TaskDeclined for a noise this
-     *  device cannot add (stddev 0, scale_bits beyond 52) or a noisy value beyond 2^52 ring units. */
+     *  device cannot add (stddev 0, scale_bits beyond 52, a Poisson mean past POISSON_LAM_MAX) or a noisy value beyond 2^52 ring units. */
     public double[] add(double[] v, DpRound dp, int noisedEnd) throws TaskDeclined {
         double stddev = dp.stddev;
         int bits = dp.scaleBits;
         if (!(stddev > 0) || bits > EXACT_BITS)
             throw new TaskDeclined("bad dp params " + dp + ": needs stddev > 0 and scale_bits <= " + EXACT_BITS);
         double mu = Math.pow(stddev * Math.scalb(1.0, bits), 2) / 2;
+        if (!(mu <= POISSON_LAM_MAX))
+            throw new TaskDeclined("bad dp params " + dp + ": noise stddev·2^scale_bits too large to draw (Poisson mean " + mu + ")");
         double[] out = new double[v.length];
         for (int k = 0; k < v.length; k++) {
             double q = Math.rint(Math.scalb(v[k], bits));           // half to even, as np.rint
