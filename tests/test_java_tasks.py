@@ -238,7 +238,8 @@ def test_a_noise_too_large_to_draw_is_declined_by_both_devices(java_cp, tmp_path
     """Found by the differential fuzzer: a dp round whose Poisson mean μ = (σ·2^f)²/2 is past what
     numpy draws (~9.2e18) was declined by the Python device ("lam value too large") but taken by
     the Java one, whose PTRS candidate saturated at Long.MAX_VALUE in both draws: a zero noise, an
-    un-noised release. Both decline it now; the mean just below the limit is still drawn."""
+    un-noised release. Both decline it now, by the one declared limit (POISSON_LAM_MAX); the limit
+    itself is still drawn by numpy."""
     from ops_fleet import Features
 
     from edge_client.agent import TaskDeclined
@@ -246,16 +247,18 @@ def test_a_noise_too_large_to_draw_is_declined_by_both_devices(java_cp, tmp_path
     from edge_client.tasks.secure_fed3r import SecureFed3R
     from protocols.identity import DeviceIdentity
 
-    assert (stddev * 2.0 ** scale_bits) ** 2 / 2 > 9.223372006484771e18
+    from protocols.secagg.distributed_dp import POISSON_LAM_MAX
+
+    assert (stddev * 2.0 ** scale_bits) ** 2 / 2 > POISSON_LAM_MAX
     params = {**FED3R_PARAMS, "group": "g", "max_samples": 20, "feature_clip_norm": 2.0, "cap_samples": True,
               "dp": {"stddev": stddev, "scale_bits": scale_bits}}
     (tmp_path / "task.bin").write_bytes(task_bytes(params, {}, "fed3r.secure"))
     out = java(java_cp, tmp_path / "task.bin", write_features(tmp_path / "f.feat", *device_data(1)), tmp_path / "x.bin")
     assert out.startswith("DECLINED bad dp params") and "too large to draw" in out, out
     device = SecureFed3R(DeviceIdentity.generate("d"), bytes(32), Fed3RStatsTask(*device_data(1), lambda b, s, w: Features(D)))
-    with pytest.raises(TaskDeclined, match="lam value too large"):
+    with pytest.raises(TaskDeclined, match="too large to draw"):
         device.vector(params, {})
-    assert np.isfinite(np.random.default_rng(0).poisson(9.223372006484771e18))      # the limit itself is drawn
+    assert np.isfinite(np.random.default_rng(0).poisson(POISSON_LAM_MAX))      # the limit itself is drawn
 
 
 @pytest.mark.parametrize("mu", [0.5, 50.0, 1e9])

@@ -33,6 +33,10 @@ NOISE_BITS = 20            # a device's noise stddev is about 2^20 ring units
 MIN_NOISE_BITS = 10        # below this the Skellam noise is too coarse to account as a Gaussian
 EXACT_BITS = 52            # |q + k| < 2^52: the float64 path to the encoder is exact
 HEADROOM_SIGMAS = 12.0     # the bound covers |x| + 12 σ_dev: a device declines with probability < 1e-30 per entry
+# The largest Poisson mean numpy draws (Long.MAX_VALUE - 10·√Long.MAX_VALUE); past it a sampler's
+# draw saturates (Java's once released the values un-noised): every device refuses such a round,
+# by this rule rather than by its sampler's own error (SkellamNoise.POISSON_LAM_MAX on Java).
+POISSON_LAM_MAX = 9.223372006484771e18
 
 
 def device_stddev(total_stddev: float, threshold: int) -> float:
@@ -62,8 +66,11 @@ def add_skellam_noise(values: np.ndarray, stddev: float, scale_bits: int, rng: n
     """x rounded to the 2^-f grid plus Sk(μ)·2^-f on ``noised`` entries, μ = (σ_dev 2^f)²/2."""
     if not (math.isfinite(stddev) and stddev > 0) or not 0 <= scale_bits <= EXACT_BITS:
         raise ConfigError("bad noise stddev or scale bits")
-    q = np.rint(np.ldexp(np.asarray(values, dtype=np.float64), scale_bits))
     mu = (stddev * 2.0 ** scale_bits) ** 2 / 2
+    if not mu <= POISSON_LAM_MAX:
+        raise ConfigError(f"noise stddev {stddev:g} at scale bits {scale_bits} is too large to draw "
+                          f"(Poisson mean {mu:.3g} > {POISSON_LAM_MAX:.3g})")
+    q = np.rint(np.ldexp(np.asarray(values, dtype=np.float64), scale_bits))
     size = q[noised].shape
     q[noised] += (rng.poisson(mu, size) - rng.poisson(mu, size)).astype(np.float64)
     if q.size and np.abs(q).max() >= 2.0 ** EXACT_BITS:
