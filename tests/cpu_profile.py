@@ -2,7 +2,9 @@
 durations (``--durations``) stretch with the load and count waits on shared builds, CPU time
 does not. On with ``FEDFLEET_CPU_PROFILE=<file>``: each test's CPU (the test process's own plus
 the children it reaped — brokers, aggregator subprocesses, JVMs) is appended to ``<file>`` as
-``seconds<TAB>node id`` lines; sum them by file with ``sort``/``awk``.
+``seconds<TAB>node id<TAB>xdist worker<TAB>wall start<TAB>wall end`` lines (epoch seconds; the test's
+setup and teardown included); sum them by file with ``sort``/``awk``, or lay the wall columns out per
+worker to see which files run last and alone.
 
 What it does not see, so the sum is a lower bound: processes the test's own children reap (Ray's
 workers, started by the Ray node; the crash tests' aggregators, forked and reaped by
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import os
 import resource
+import time
 
 import pytest
 
@@ -29,7 +32,8 @@ def pytest_runtest_protocol(item, nextitem):
     if not _TARGET:
         yield
         return
-    start = _cpu_seconds()
+    start, wall_start = _cpu_seconds(), time.time()
     yield
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "-")
     with open(_TARGET, "a") as out:      # one short append per test: xdist workers' lines do not interleave
-        out.write(f"{_cpu_seconds() - start:.2f}\t{item.nodeid}\n")
+        out.write(f"{_cpu_seconds() - start:.2f}\t{item.nodeid}\t{worker}\t{wall_start:.1f}\t{time.time():.1f}\n")

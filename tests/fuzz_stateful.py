@@ -213,7 +213,7 @@ def expected_restart(case: StatefulCase, round_: int, first_done: bool) -> bool 
     if case.seeded is not None or not first_done:
         return None
     if case.round2 == "redelivery":
-        return False                    # starts from what round 1 started from, kept as previous.*
+        return expected_restart(case, 1, first_done)    # starts where round 1 did: previous.*, or fresh again
     gap = b2["round"] - b1["round"]
     return not (b2["run"] == b1["run"] and 0 < gap <= b2["max_staleness"])
 

@@ -121,6 +121,21 @@ def test_redelivered_task_gives_the_same_result(tmp_path):
     assert first[0] == again[0] and first[0]["restarted"] is False
 
 
+def test_a_fresh_round_redelivered_starts_fresh_again_and_says_so(tmp_path):
+    """A round that started fresh keeps no start value (previous.*): its redelivery starts fresh
+    again, from the same task, with the same result and ``restarted`` as the first delivery's."""
+    h = device(0, tmp_path)
+    job = make_job(clients_per_round=1)
+    job.next_participants({"dev0"})
+    params, tensors = job.task_for("dev0")
+    first = h(params, tensors)
+    kept = h.store.load(job.config.job_id, job.device_state.run).arrays
+    assert sorted(kept) == ["bias"]
+    again = h(params, tensors)                                     # killed before the ack: sent again
+    np.testing.assert_array_equal(first[1]["weight"], again[1]["weight"])
+    assert first[0] == again[0] and first[0]["restarted"] is True
+
+
 def test_stale_or_foreign_state_restarts_from_the_global_bias(tmp_path):
     h = device(0, tmp_path)
     job = make_job(clients_per_round=1, state_max_staleness=0)

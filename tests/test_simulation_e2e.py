@@ -9,11 +9,20 @@ import pytest
 from fedfleet.simulate import PRESETS, run
 
 
+@pytest.fixture(scope="module")
+def feature_cache(tmp_path_factory):
+    """One feature cache for the module's runs: they all run the smoke fleet (the same images, split
+    and eager MobileNetV2), so the first run extracts and the later ones read. The cache is keyed by
+    the model and the images' bytes (edge_client/features.py), so a run never reads another
+    model's features; what a run fine-tunes (FT(φ)'s tail) is extracted apart, never cached."""
+    return str(tmp_path_factory.mktemp("smoke-features"))
+
+
 @pytest.mark.slow
-def test_smoke_simulation_matches_centralized_ridge(tmp_path):
+def test_smoke_simulation_matches_centralized_ridge(tmp_path, feature_cache):
     """The one-phase ``fedfleet simulate`` (plain Fed3R; Fed3R-Sync under secure aggregation is the
     secure pipeline test's first phase)."""
-    cfg = dataclasses.replace(PRESETS["smoke"], out_dir=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache"))
+    cfg = dataclasses.replace(PRESETS["smoke"], out_dir=str(tmp_path / "run"), cache_dir=feature_cache)
     report = run(cfg, quiet=True)
     assert report["devices"] == 20 and report["contributed"] == 20      # drop-outs were retried
     assert report["rel_weight_error"] <= 1e-9
@@ -114,7 +123,7 @@ def assert_rollout(report: dict, out, extractor) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("secure", [False, True], ids=["plain", "secure"])
-def test_fed3r_ft_oll_pipeline_reports_what_the_devices_data_gives(tmp_path, secure):
+def test_fed3r_ft_oll_pipeline_reports_what_the_devices_data_gives(tmp_path, secure, feature_cache):
     """The three-phase pipeline over mosquitto (secure: Fed3R-Sync and secure FedAvg); the
     personalised WMA the aggregator reports is recomputed here from the final head and each
     reporting device's held-out images. The plain run then rolls the fine-tuned head out
@@ -122,7 +131,7 @@ def test_fed3r_ft_oll_pipeline_reports_what_the_devices_data_gives(tmp_path, sec
     from fedfleet.bundles import make_extractor
     from fedfleet.pipeline import run_pipeline
 
-    cfg = dataclasses.replace(PRESETS["smoke"], out_dir=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache"),
+    cfg = dataclasses.replace(PRESETS["smoke"], out_dir=str(tmp_path / "run"), cache_dir=feature_cache,
                               ft_rounds=3, fp_epochs=3, secure=secure, deploy=not secure)
     report = run_pipeline(cfg, quiet=True)
     out = tmp_path / "run"
@@ -143,7 +152,8 @@ def test_fed3r_ft_oll_pipeline_reports_what_the_devices_data_gives(tmp_path, sec
 
 
 @pytest.mark.slow
-def test_ft_phi_pipeline_fine_tunes_the_backbone_tail_against_the_frozen_fed3r_head(tmp_path, tail_bundle):
+def test_ft_phi_pipeline_fine_tunes_the_backbone_tail_against_the_frozen_fed3r_head(tmp_path, tail_bundle,
+                                                                                     feature_cache):
     """--ft-mode phi over mosquitto: devices train the last backbone stage through the ExecuTorch
     tail program; the Fed3R head comes back unchanged, the tail moved, and the reported accuracy
     is the saved model's on the test images, recomputed here with the eager backbone."""
@@ -155,7 +165,7 @@ def test_ft_phi_pipeline_fine_tunes_the_backbone_tail_against_the_frozen_fed3r_h
     from fedfleet.pipeline import run_pipeline
     from fedfleet.simulate import _load
 
-    cfg = dataclasses.replace(PRESETS["smoke"], out_dir=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache"),
+    cfg = dataclasses.replace(PRESETS["smoke"], out_dir=str(tmp_path / "run"), cache_dir=feature_cache,
                               ft_rounds=2, ft_mode="phi", ft_client_lr=0.01, tail_bundle=str(tail_bundle))
     report = run_pipeline(cfg, quiet=True)
     out = tmp_path / "run"

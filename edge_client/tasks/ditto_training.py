@@ -77,5 +77,5 @@ class DittoTrainingTask(StatefulHeadTask):
             result = encode_ditto_update(trained["weight"], trained["bias"], len(self.labels), report)
         except (FloatingPointError, ValueError) as exc:       # diverged, or outside the wire's bound
             raise TaskDeclined(str(exc)) from exc
-        self.keep(task, start, mine)
+        self.keep(task, stored, mine)
         return result

@@ -60,5 +60,5 @@ class FedGlossTrainingTask(StatefulHeadTask):
             body, out = encode_head_update(trained["weight"], trained["bias"], len(self.labels))
         except (FloatingPointError, ValueError) as exc:       # diverged, or outside the wire's bound
             raise TaskDeclined(str(exc)) from exc
-        self.keep(task, start, new_dual)
+        self.keep(task, stored, new_dual)
         return {**body, "restarted": stored is None}, out

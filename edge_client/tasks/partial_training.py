@@ -72,6 +72,6 @@ class PartialTrainingTask(StatefulHeadTask):
             u, v = train_partial(task.weight, start, task.features, self.labels, recipe)
         except FloatingPointError as exc:
             raise TaskDeclined(str(exc)) from exc
-        self.keep(task, {"bias": start}, {"bias": v})
+        self.keep(task, stored, {"bias": v})
         return encode_partial_update(u, len(self.labels), self.personal_report(
             task, {"weight": task.weight, "bias": v}, stored is None))

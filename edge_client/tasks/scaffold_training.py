@@ -88,7 +88,7 @@ class ScaffoldTrainingTask(StatefulHeadTask):
                                            recipe)
         except FloatingPointError as exc:
             raise TaskDeclined(str(exc)) from exc
-        self.keep(task, start, new_control)
+        self.keep(task, stored, new_control)
         delta = {DELTA_CONTROL + k: new_control[k] - start[k] for k in HEAD}
         body, out = encode_model_update({**y, **delta}, len(self.labels))
         return {**body, "restarted": stored is None}, out

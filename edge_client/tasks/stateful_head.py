@@ -4,9 +4,12 @@ that carries a global head and a state binding, the device's features, the state
 Both train the linear head with the numpy step (``edge_client.tasks.numpy_head``) on every
 device, torch or not: the same float32 arithmetic everywhere, and nothing a torch-free device
 lacks. Each keeps its per-job state in the device's :class:`~edge_client.state.DeviceStateStore`
-and writes it *before* the result goes out, with the value it started from: a task redelivered
-for the same round (the device was killed before its result was acknowledged) starts again from
-that value, so a redelivery computes the same result instead of training twice.
+and writes it *before* the result goes out, with the stored value it started from: a task
+redelivered for the same round (the device was killed before its result was acknowledged) starts
+again from that value, so a redelivery computes the same result instead of training twice. A round
+that started fresh (no usable state: the start is a function of the task alone, zeros or the task's
+global head) stores no start value, so its redelivery starts fresh again, from the same task, and
+reports ``restarted`` as the first delivery did.
 """
 
 from __future__ import annotations
@@ -84,10 +87,12 @@ class DeviceStateKeeper:
             return None
         return value
 
-    def keep(self, task: StateKey | HeadTask, started: dict[str, np.ndarray], now: dict[str, np.ndarray]) -> None:
-        """Store this round's state (and the value it started from) before the result goes out."""
+    def keep(self, task: StateKey | HeadTask, stored: dict[str, np.ndarray] | None,
+             now: dict[str, np.ndarray]) -> None:
+        """Store this round's state before the result goes out, with ``stored`` (the stored value the
+        round started from, :meth:`start_value`'s answer; None when it started fresh)."""
         arrays = {**{name: np.asarray(v, np.float32) for name, v in now.items()},
-                  **{PREVIOUS + name: np.asarray(v, np.float32) for name, v in started.items()}}
+                  **{PREVIOUS + name: np.asarray(v, np.float32) for name, v in (stored or {}).items()}}
         try:
             self.store.save(task.job_id, task.binding.run, task.binding.round, arrays, task.binding.ttl_s)
         except StateBudgetExceeded as exc:

@@ -3,7 +3,7 @@
 // the global pass is fedavg.head's (HeadTrainer, the job's recipe and local rule), whose ψ_k is the
 // upload; the personal pass trains the device's own head v_k (its DeviceStateStore's; first time,
 // another run's or stale: ψ) for personal_epochs at personal_lr with FedProx's pull μ = λ towards
-// ψ, in the batch order of seed + 1. v_k is stored (with the v_k it started from) before the
+// ψ, in the batch order of seed + 1. v_k is stored (with the stored v_k it started from) before the
 // result goes out and never sent: the result is fedavg.head's plus the held-out counts with v_k
 // and with ψ (n_test, correct, correct_global) and restarted.
 package org.fedfleet.device;
@@ -48,7 +48,7 @@ public final class DittoTask extends StatefulHeadTask {
         Map<String, float[]> now = new LinkedHashMap<>();
         now.put("weight", mine.weight);
         now.put("bias", mine.bias);
-        keep(t, start, now);
+        keep(t, stored, now);
         return result;
     }
 }

@@ -46,10 +46,9 @@ public final class PartialTask extends StatefulHeadTask {
             if (p.personalEpochs > 0) v = pass(t, p.sgd(p.personalEpochs, seed), u, v, false, true).bias;
             u = pass(t, p.sgd(p.head.recipe.epochs, seed.add(BigInteger.ONE).mod(BigInteger.ONE.shiftLeft(32))), u, v, true, false).weight;
         }
-        Map<String, float[]> started = new LinkedHashMap<>(), now = new LinkedHashMap<>();
-        started.put("bias", start);
+        Map<String, float[]> now = new LinkedHashMap<>();
         now.put("bias", v);
-        keep(t, started, now);
+        keep(t, stored, now);
         Map<String, Object> body = new LinkedHashMap<>();
         body.put("n", BigInteger.valueOf(t.labels.length));
         body.put("num_classes", BigInteger.valueOf(t.numClasses));

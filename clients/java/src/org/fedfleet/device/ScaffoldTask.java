@@ -3,7 +3,7 @@
 // device's control c_k is kept in its DeviceStateStore (0 the first time and after it went stale);
 // K local steps y ← y − lr (∇f_k(y) + wd·y) − lr (c − c_k) from the task's head w, then
 // c_k⁺ = c_k − c + (w − y) / (K lr), all in float32 as the Python device. c_k⁺ is stored (with the
-// c_k it started from) before the result goes out: tensors weight, bias (y) and
+// stored c_k it started from) before the result goes out: tensors weight, bias (y) and
 // delta_control.weight, delta_control.bias (Δc = c_k⁺ − c_k); body n and restarted.
 package org.fedfleet.device;
 
@@ -66,7 +66,7 @@ public final class ScaffoldTask extends StatefulHeadTask {
             }
             newControl.put(k, c);
         }
-        keep(t, start, newControl);
+        keep(t, stored, newControl);
         Map<String, Object> body = new LinkedHashMap<>();
         body.put("n", BigInteger.valueOf(y.n));
         body.put("restarted", stored == null);

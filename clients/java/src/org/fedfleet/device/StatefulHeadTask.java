@@ -1,10 +1,11 @@
 // What the stateful head tasks (scaffold.head, ditto.head, pp.head) share, as on the Python device
 // (edge_client/tasks/stateful_head.py): reading a task that carries a global head and a state
 // binding, the local features (and held-out ones, for the personal report), and the device's
-// DeviceStateStore. A task's state is written *before* its result goes out, together with the value
-// the round started from ("previous.<name>"): a task redelivered for the same round (the device
+// DeviceStateStore. A task's state is written *before* its result goes out, together with the stored
+// value the round started from ("previous.<name>"): a task redelivered for the same round (the device
 // was killed before its result was acknowledged) starts from that value again, so a redelivery
-// computes the same result instead of training twice.
+// computes the same result instead of training twice. A round that started fresh (from the task
+// alone) stores no start value: its redelivery starts fresh again and reports restarted as the first did.
 package org.fedfleet.device;
 
 import java.io.IOException;
@@ -123,12 +124,14 @@ public abstract class StatefulHeadTask implements TaskHandler {
         return out;
     }
 
-    /** Stores this round's state (and the value it started from) before the result goes out. */
-    final void keep(Read t, Map<String, float[]> started, Map<String, float[]> now) throws TaskDeclined {
+    /** Stores this round's state before the result goes out, with `stored` (the stored value the
+     *  round started from, startValue's answer; null when it started fresh). */
+    final void keep(Read t, Map<String, float[]> stored, Map<String, float[]> now) throws TaskDeclined {
         Map<String, Npz.Array> arrays = new LinkedHashMap<>();
         for (Map.Entry<String, float[]> e : now.entrySet()) arrays.put(e.getKey(), Npz.float32(t.shape(e.getKey()), e.getValue()));
-        for (Map.Entry<String, float[]> e : started.entrySet())
-            arrays.put(PREVIOUS + e.getKey(), Npz.float32(t.shape(e.getKey()), e.getValue()));
+        if (stored != null)
+            for (Map.Entry<String, float[]> e : stored.entrySet())
+                arrays.put(PREVIOUS + e.getKey(), Npz.float32(t.shape(e.getKey()), e.getValue()));
         StateBinding b = t.params.state;
         try {
             store.save(t.params.jobId, b.run, b.round, arrays, b.ttlS);
