@@ -12,7 +12,7 @@
 //          key, each result signed as device "java0"; prints "CASE <i>" and then what a single run prints
 //          (or "REFUSED <why>" for a task the codec refuses), per case. A secure kind's line is
 //          "<task.bin> <features> <result> <round config JSON>" (runSecure).
-// fedavg.secure, fed3r.secure: prints "VECTOR ..." (what the device would sum under SecAgg). Otherwise prints "DONE", with "STEPS <steps> LOSS <mean loss of the last epoch>" for fedavg.head, or
+// fedavg.secure, fed3r.secure, scaffold.head.secure, ditto.head.secure: prints "VECTOR ..." (what the device would sum under SecAgg). Otherwise prints "DONE", with "STEPS <steps> LOSS <mean loss of the last epoch>" for fedavg.head, or
 // "DECLINED <reason>"; for oll.personalize also the personalised head ("OLL_WEIGHT ...",
 // "OLL_BIAS ...", float32 values) and the cross-validated accuracies ("CV ...").
 import java.math.BigInteger;
@@ -99,6 +99,8 @@ public final class TaskRunner {
             Map<String, SecureTask> secure = new HashMap<>();
             secure.put(SecureFedAvgTask.KIND, new SecureFedAvgTask(head));
             secure.put(SecureFed3RTask.KIND, new SecureFed3RTask((Fed3RStatsTask) handlers.get(Fed3RStatsTask.KIND)));
+            secure.put(SecureStatefulHeadTask.SCAFFOLD_KIND, SecureStatefulHeadTask.scaffold((ScaffoldTask) handlers.get(ScaffoldTask.KIND)));
+            secure.put(SecureStatefulHeadTask.DITTO_KIND, SecureStatefulHeadTask.ditto((DittoTask) handlers.get(DittoTask.KIND)));
             if (secure.containsKey(task.kind)) {      // the vector it would mask
                 StringBuilder v = new StringBuilder("VECTOR");
                 for (double x : secure.get(task.kind).contribute(task.params, msg.tensors).vector) v.append(' ').append(x);
