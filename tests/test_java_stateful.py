@@ -28,7 +28,7 @@ import pytest
 
 import java_build
 from test_differential_fuzz import head_tolerance
-from test_java_tasks import C, D, device_data, java, run_java_task, task_bytes
+from test_java_tasks import C, D, device_data, java, personal_data, run_java_task, task_bytes
 
 pytestmark = pytest.mark.skipif(java_build.missing() is not None, reason=str(java_build.missing()))
 
@@ -227,3 +227,64 @@ def test_mixed_java_and_python_fleet_runs_a_stateful_job_with_state_kept_on_each
     for d in JAVA_IDS:          # the replay's devices (no job.ended) still hold round 2's state; the Java devices none
         assert DeviceStateStore(tmp_path / "replay" / d).load(cfg["job_id"], None).round == 2, d
         assert DeviceStateStore(tmp_path / "java-state" / d).load(cfg["job_id"], None) is None, d
+
+
+@pytest.mark.parametrize("kind, change, reason", [
+    ("scaffold.head.secure", {}, None), ("scaffold.head.secure", {"vector_order": ["bias", "weight"]}, None),
+    ("scaffold.head.secure", {"control_clip_norm": 1e-3}, None),
+    ("scaffold.head.secure", {"max_abs_param": 0.01}, "> the round's bound 0.01"),
+    ("scaffold.head.secure", {"control_clip_norm": 0}, "control_clip_norm"),
+    ("scaffold.head.secure", {"dp": {"stddev": 0.1, "scale_bits": 16, "clip_norm": 1.0}}, "dp"),
+    ("ditto.head.secure", {}, None), ("ditto.head.secure", {"update_clip_norm": 0.5}, None),
+    ("ditto.head.secure", {"max_samples": 10}, "exceed the round's bound of 10"),
+    ("ditto.head.secure", {"vector_order": ["weight"]}, "does not name exactly"),
+])
+def test_secure_stateful_vectors_are_the_python_devices(java_cp, tmp_path, kind, change, reason):
+    """scaffold.head.secure / ditto.head.secure: the vector the Java device masks is the Python
+    device's (SecureScaffoldTraining: [n·y | clip(Δc) | n]; SecureFedAvgTraining around ditto.head:
+    [n·ψ_k | n]) within n·HEAD_ATOL on the head and CONTROL_ATOL (scaled by the clip) on Δc, and the
+    state it keeps (c_k, v_k) is the Python device's; tasks beyond the bounds are declined by both."""
+    from ops_fleet import Features
+    from test_java_device import write_features
+
+    from edge_client.agent import TaskDeclined
+    from edge_client.state import DeviceStateStore
+    from edge_client.tasks.secure_fedavg_training import SecureFedAvgTraining, SecureScaffoldTraining
+    from protocols.identity import DeviceIdentity
+
+    plain = "scaffold.head" if kind.startswith("scaffold") else "ditto.head"
+    _, _, fields, handler_type = stateful_kind(plain)
+    Z, y = device_data(0)
+    held = () if plain == "scaffold.head" else personal_data(50, 30, list(range(C)))
+    rng = np.random.default_rng(4)
+    head = {"weight": (0.1 * rng.normal(size=(C, D))).astype(np.float32), "bias": np.zeros(C, np.float32)}
+    control = {f"control.{k}": (0.05 * rng.normal(size=v.shape)).astype(np.float32) for k, v in head.items()}
+    params = {"num_classes": C, "feature_dim": D, "backbone": "b", "image_size": 8, "epochs": 2, "batch_size": 8,
+              "lr": 0.05, "seed": 3, "job_id": "sec-1", "state": STATE, "group": "g1", "max_samples": 100,
+              "max_abs_param": 20.0, **({"control_clip_norm": 5.0} if plain == "scaffold.head" else fields), **change}
+    tensors = {**head, **(control if plain == "scaffold.head" else {})}
+    (tmp_path / "task.bin").write_bytes(task_bytes(params, tensors, kind))
+    heldout = write_features(tmp_path / "h.feat", *held) if held else "-"
+    out = java(java_cp, tmp_path / "task.bin", write_features(tmp_path / "f.feat", Z, y), tmp_path / "x.bin", heldout,
+               tmp_path / "java-state")
+    handler = handler_type(Z, y, lambda b, s, w: Features(D), DeviceStateStore(tmp_path / "py-state"), *held)
+    wrapper = (SecureScaffoldTraining if plain == "scaffold.head" else SecureFedAvgTraining)(
+        DeviceIdentity.generate("d"), bytes(32), handler)
+    if reason is not None:
+        assert out.startswith("DECLINED") and reason in out, out
+        with pytest.raises(TaskDeclined, match=reason):
+            wrapper.vector(params, tensors)
+        return
+    got, want = np.array(out.split()[1:], dtype=np.float64), wrapper.vector(params, tensors)
+    assert got.shape == want.shape and got[-1] == want[-1] == len(y)
+    head_size = C * D + C
+    assert np.abs(got[:head_size] - want[:head_size]).max() <= len(y) * HEAD_ATOL
+    if plain == "scaffold.head":
+        clip = params["control_clip_norm"]
+        assert np.abs(got[head_size:-1] - want[head_size:-1]).max() <= CONTROL_ATOL * min(1.0, clip)
+        assert np.abs(want[head_size:-1]).max() > 100 * CONTROL_ATOL * min(1.0, clip)      # Δc is in the vector
+    java_state = DeviceStateStore(tmp_path / "java-state").load("sec-1", None)
+    py_state = DeviceStateStore(tmp_path / "py-state").load("sec-1", None)
+    assert sorted(java_state.arrays) == sorted(py_state.arrays)
+    for k, v in py_state.arrays.items():
+        assert np.abs(java_state.arrays[k] - v).max() <= CONTROL_ATOL, k
