@@ -268,3 +268,43 @@ def test_a_replayed_message_of_an_earlier_round_is_refused_and_changes_nothing(t
         job.on_protocol(device, forged, 0.0)
     assert_unchanged(job, before)
     assert len(run_secure_round(job, clients)) == 4          # the next round runs as if nothing happened
+
+
+# ----------------------------------------------------------------------------- the pipelines
+@pytest.mark.parametrize("argv, phase, kind", [
+    (["--pipeline", "fed3r-ft-oll", "--ft-algorithm", "scaffold"], "fedavg-ft", "scaffold-secure"),
+    (["--pipeline", "fed3r-ditto-oll"], "ditto", "ditto-secure"),
+    (["--pipeline", "fed3r-ft-ditto-oll", "--ft-algorithm", "scaffold"], "ditto", "ditto-secure"),
+])
+def test_simulate_secure_runs_scaffold_and_ditto_as_their_secure_kinds(tmp_path, argv, phase, kind):
+    """``fedfleet simulate ... --secure`` is no longer refused: the pipeline checks pass and the phase
+    runs the secure job kind, whose config (the pipeline's fields) the registry accepts; Scaffold on
+    the tail stays plain-only and is refused before the run."""
+    import dataclasses
+
+    from fedfleet.cli import build_parser, simulate_overrides
+    from types import SimpleNamespace
+
+    from fedfleet.pipeline import (PERSONAL_PHASES, PHASE_KINDS, PIPELINES, _Phases, check_pipeline_config,
+                                   run_pipeline)
+    from fedfleet.simulate import load_config
+    from aggregator.jobs.registry import KINDS, validate_job_config
+
+    args = build_parser().parse_args(["simulate", "--config", "smoke", "--secure", *argv])
+    cfg = load_config(args.config, simulate_overrides(args))
+    names = PIPELINES[args.pipeline]
+    check_pipeline_config(cfg, names)
+    assert set(KINDS[kind].task_kinds) <= set(PHASE_KINDS[phase])        # the report counts its devices' work
+    if phase == "ditto":
+        _, fields = PERSONAL_PHASES["ditto"](cfg)
+        validate_job_config(kind, {**fields, "rounds": cfg.pp_rounds, "clients_per_round": cfg.clients_per_round})
+    else:
+        validate_job_config(kind, {"total_devices": cfg.devices, "client_lr": cfg.ft_client_lr})
+        common = ("num_classes", "backbone", "image_size", "weights_sha256", "feature_dim", "expected_devices",
+                  "start_timeout_s", "seed")
+        phases = _Phases(cfg, SimpleNamespace(out=tmp_path, fed3r_job=dict.fromkeys(common)), names, None, None)
+        phases.plan_fine_tuning()
+        assert phases.ft_kind == kind
+    if "--ft-algorithm" in argv:
+        with pytest.raises(ValueError, match="not with secure"):          # refused before any data or fleet
+            run_pipeline(dataclasses.replace(cfg, ft_mode="phi"), quiet=True)
