@@ -38,7 +38,8 @@ class SecureScaffoldConfig(SecureFedAvgConfig, ScaffoldConfig):
 
 
 def check_control_sum(deltas: dict[str, np.ndarray], members: int, clip_norm: float) -> None:
-    """GroupSumOutOfBound unless ‖Σ Δc_k‖ ≤ |S| · C, what ``members`` devices that clipped ‖Δc_k‖ ≤ C can send."""
+    """GroupSumOutOfBound unless ‖Σ Δc_k‖ ≤ |S| · C: what ``members`` devices that clipped
+    ‖Δc_k‖ ≤ C can send."""
     norm = global_norm(deltas)
     if norm > members * clip_norm * (1 + 1e-5) + 1e-4:          # the fixed-point sum's rounding
         raise GroupSumOutOfBound(f"‖Σ Δc_k‖ = {norm:.4g} exceeds |S|·C = {members * clip_norm:.4g} "
