@@ -308,3 +308,35 @@ def test_simulate_secure_runs_scaffold_and_ditto_as_their_secure_kinds(tmp_path,
     if "--ft-algorithm" in argv:
         with pytest.raises(ValueError, match="not with secure"):          # refused before any data or fleet
             run_pipeline(dataclasses.replace(cfg, ft_mode="phi"), quiet=True)
+
+
+class ZeroNoise:
+    """Distributed DP's noise drawn as zero (as tests/fuzz_device.py's ZeroSkellam): the sum is then
+    the clipped updates' alone, rounded to the round's grid."""
+
+    def poisson(self, lam, size):
+        return np.zeros(size, np.int64)
+
+
+def test_ditto_secure_under_distributed_dp_steps_by_the_clipped_updates_over_kappa(tmp_path, keys):
+    """ditto-secure takes secure FedAvg's distributed DP: each device masks [clip(ψ_k − ψ) | 1] (plus
+    its noise share, zero here), the server moves ψ by server_lr · Σ clip(ψ_k − ψ) / κ."""
+    job = secure_job(DITTO_KIND, tmp_path, keys, dp_noise_multiplier=0.5, dp_clip_norm=0.05, server_lr=1.0)
+    clients = {d: SecureFedAvgTraining(keys.devices[d], keys.aggregator.public_key_bytes,
+                                       plain_handler(DITTO_KIND, i, tmp_path / "secure"), noise_rng=ZeroNoise())
+               for i, d in enumerate(DEVICES)}
+    w = {k: job.params[k].astype(np.float64) for k in HEAD}
+    chosen = plain_job(DITTO_KIND).next_participants(set(DEVICES))       # the same seeded sample
+    survivors = run_secure_round(job, clients)
+    assert sorted(survivors) == sorted(chosen)
+    replay = {d: plain_handler(DITTO_KIND, i, tmp_path / "plain") for i, d in enumerate(DEVICES)}
+    plain = plain_job(DITTO_KIND)
+    sent = run_round(plain, replay, DITTO_KIND, only=DEVICES)
+    deltas = []
+    for d, (_, _, _, out) in sent.items():
+        delta = {k: out[k].astype(np.float64) - w[k] for k in HEAD}
+        norm = np.sqrt(sum(np.sum(v ** 2) for v in delta.values()))
+        deltas.append({k: v * min(1.0, 0.05 / norm) for k, v in delta.items()})
+        assert norm > 0.05                          # the clip bites
+    for k in HEAD:
+        np.testing.assert_allclose(job.params[k], w[k] + sum(dl[k] for dl in deltas) / 4, rtol=0, atol=1e-5)
