@@ -340,3 +340,24 @@ def test_ditto_secure_under_distributed_dp_steps_by_the_clipped_updates_over_kap
         assert norm > 0.05                          # the clip bites
     for k in HEAD:
         np.testing.assert_allclose(job.params[k], w[k] + sum(dl[k] for dl in deltas) / 4, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", [SCAFFOLD_KIND, DITTO_KIND])
+def test_a_restored_secure_job_continues_with_the_same_model_control_and_run(tmp_path, keys, kind):
+    """What ``--state`` keeps at a round close (the checkpoint and bookkeeping) gives back w, c and
+    the devices' state binding: the next round's task is the same."""
+    import json
+
+    job = secure_job(kind, tmp_path, keys)
+    run_secure_round(job, secure_clients(kind, keys, tmp_path))
+    restored = secure_job(kind, tmp_path, keys)
+    restored.load_state_dict(job.state_dict())
+    restored.restore_bookkeeping(json.loads(json.dumps(job.bookkeeping())))
+    for k in HEAD:
+        np.testing.assert_array_equal(restored.params[k], job.params[k])
+        if kind == SCAFFOLD_KIND:
+            np.testing.assert_array_equal(restored.control[k], job.control[k])
+    assert restored.device_state.run == job.device_state.run and restored.round == job.round == 1
+    assert restored.next_participants(set(DEVICES)) == job.next_participants(set(DEVICES))
+    (p1, t1), (p2, t2) = restored.task_for("dev0"), job.task_for("dev0")
+    assert p1 == p2 and all(np.array_equal(t1[k], t2[k]) for k in t2)
