@@ -65,7 +65,9 @@ public final class TaskRunner {
                     continue;
                 }
                 String kind = Messages.parseTask(msg).kind;
-                out.append(kind.equals(SecureFedAvgTask.KIND) || kind.equals(SecureFed3RTask.KIND) ? runSecure(msg, c) : runTask(msg, c, device));
+                boolean secure = kind.equals(SecureFedAvgTask.KIND) || kind.equals(SecureFed3RTask.KIND)
+                        || kind.equals(SecureStatefulHeadTask.SCAFFOLD_KIND) || kind.equals(SecureStatefulHeadTask.DITTO_KIND);
+                out.append(secure ? runSecure(msg, c) : runTask(msg, c, device));
             }
             System.out.print(out);
             return;
@@ -124,7 +126,8 @@ public final class TaskRunner {
         return printed.toString();
     }
 
-    /** A secure kind in the batch (args: task, features, result, round config JSON): the vector the
+    /** A secure kind in the batch (args: task, features, result, round config JSON[, held-out
+     *  features or "-", state folder] for scaffold.head.secure and ditto.head.secure): the vector the
      *  device would mask (float64 LE to result + ".vector") and the words SecAgg masks, its fixed-point
      *  encoding under the round's config (uint64 LE to result); prints "DONE" (with "STEPS" for
      *  fedavg.secure), "DECLINED <why>" (the task refused) or "OUT_OF_RANGE <why>" (the encoder refused
@@ -133,8 +136,19 @@ public final class TaskRunner {
         Messages.Task task = Messages.parseTask(msg);
         FeatureFile data = FeatureFile.read(args[1]);
         FedAvgHeadTask head = new FedAvgHeadTask(data, new PrecomputedFeatures(data.dim));
-        SecureTask secure = task.kind.equals(SecureFedAvgTask.KIND) ? new SecureFedAvgTask(head, zeroNoise())
-                : new SecureFed3RTask(new Fed3RStatsTask(data, new PrecomputedFeatures(data.dim)), zeroNoise());
+        SecureTask secure;
+        if (task.kind.equals(SecureStatefulHeadTask.SCAFFOLD_KIND) || task.kind.equals(SecureStatefulHeadTask.DITTO_KIND)) {
+            // args[4]: held-out features ("-": none), args[5]: the case's state folder
+            DeviceStateStore store = new DeviceStateStore(new java.io.File(args[5]), DeviceStateStore.DEFAULT_BUDGET_BYTES,
+                    () -> System.currentTimeMillis() / 1000.0);
+            FeatureFile heldOut = args[4].equals("-") ? null : FeatureFile.read(args[4]);
+            secure = task.kind.equals(SecureStatefulHeadTask.SCAFFOLD_KIND)
+                    ? SecureStatefulHeadTask.scaffold(new ScaffoldTask(data, new PrecomputedFeatures(data.dim), store))
+                    : SecureStatefulHeadTask.ditto(new DittoTask(data, heldOut, new PrecomputedFeatures(data.dim), store), zeroNoise());
+        } else {
+            secure = task.kind.equals(SecureFedAvgTask.KIND) ? new SecureFedAvgTask(head, zeroNoise())
+                    : new SecureFed3RTask(new Fed3RStatsTask(data, new PrecomputedFeatures(data.dim)), zeroNoise());
+        }
         double[] v;
         try {
             v = secure.contribute(task.params, msg.tensors).vector;
