@@ -31,7 +31,7 @@ from edge_client.tasks.scaffold_training import ScaffoldTrainingTask
 from edge_client.tasks.scaffold_tail import ScaffoldTailTask
 from edge_client.tasks.personalization import PersonalizeTask
 from edge_client.tasks.secure_fed3r import SecureFed3R
-from edge_client.tasks.secure_fedavg_training import SecureFedAvgTraining
+from edge_client.tasks.secure_fedavg_training import SecureFedAvgTraining, SecureScaffoldTraining
 from edge_client.tasks.secure_update import SecAggSessions
 from edge_client.tasks.tail_training import TailFeatures, TailTrainingTask, TrunkActivations
 from protocols.identity import DeviceIdentity
@@ -46,8 +46,8 @@ from protocols.payloads.ditto import KIND as DITTO_KIND
 from protocols.payloads.scaffold import KIND as SCAFFOLD_KIND
 from protocols.payloads.scaffold import KIND_TAIL as SCAFFOLD_TAIL_KIND
 from protocols.payloads.personalize import KIND as PERSONALIZE_KIND
-from protocols.payloads.secagg import (SECAGG_TYPE, SECURE_FEDAVG_KIND, SECURE_LADD_KIND, SECURE_PP_KIND, SECURE_TAIL_KIND,
-                                       SYNC_KIND)
+from protocols.payloads.secagg import (SECAGG_TYPE, SECURE_DITTO_KIND, SECURE_FEDAVG_KIND, SECURE_LADD_KIND,
+                                       SECURE_PP_KIND, SECURE_SCAFFOLD_KIND, SECURE_TAIL_KIND, SYNC_KIND)
 
 # (backbone, image_size) -> a FeatureExtractor; e.g. fedfleet.bundles.make_extractor bound to a runtime
 ExtractorFactory = Callable[[str, int], object]
@@ -216,6 +216,8 @@ SECURE_VARIANTS = {FED3R_KIND: (SYNC_KIND, SecureFed3R),
                    FEDAVG_KIND: (SECURE_FEDAVG_KIND, SecureFedAvgTraining),
                    FEDAVG_TAIL_KIND: (SECURE_TAIL_KIND, SecureFedAvgTraining),
                    PP_KIND: (SECURE_PP_KIND, SecureFedAvgTraining),
+                   SCAFFOLD_KIND: (SECURE_SCAFFOLD_KIND, SecureScaffoldTraining),
+                   DITTO_KIND: (SECURE_DITTO_KIND, SecureFedAvgTraining),
                    LADD_TRAIN_KIND: (SECURE_LADD_KIND, _secure_ladd)}
 
 

@@ -196,7 +196,8 @@ def _add_fine_tuning_arguments(s) -> None:
                         "fedgloss (--ft-mode psi; FedGloSS: server-side SAM from the last round's pseudo-gradient plus "
                         "ADMM duals kept on the devices, at FedAvg's traffic; any --local-rule) or scaffold "
                         "(Scaffold, option II, on whatever --ft-mode trains: control variates, each device's kept "
-                        "on it, twice FedAvg's upload; plain rounds only)")
+                        "on it, twice FedAvg's upload; with --secure, --ft-mode psi only: scaffold-secure sums the head's updates "
+                        "and the control deltas under SecAgg)")
     s.add_argument("--ft-init-scale", type=float, metavar="ALPHA",
                    help="fed3r-ft-oll: start fine-tuning from ALPHA × the Fed3R head (the same predictions, wider "
                         "logit margins at T = 0.1; default 1; bench/ft_init_scale.py measures 1, 3, 10)")

@@ -28,11 +28,13 @@ state store (``edge_client.state``; the emulated devices' stores are under the r
 ``device_state/``) and never sent; OLL then evaluates every device with its own bias too
 (``personal_job``). ``fed3r-pp-oll`` skips fine-tuning: the paper's "Fed3R + PP without FT".
 With ``secure`` the pp rounds sum the shared weight's updates under SecAgg (``pp-secure``).
-``fed3r-ditto-oll`` / ``fed3r-ft-ditto-oll`` run a **ditto** job there instead (plain rounds only):
-the head averaged as FedAvg(ψ), each device's own head trained towards it (λ ``ditto_lambda``) and
-kept in its state store; OLL then starts from each device's own head. Its global head trains at
-the FT phase's LR (``ft_client_lr``), each device's own head at the pp phase's (``pp_client_lr`` ×
-0.1), for ``pp_rounds`` rounds.
+``fed3r-ditto-oll`` / ``fed3r-ft-ditto-oll`` run a **ditto** job there instead: the head
+averaged as FedAvg(ψ), each device's own head trained towards it (λ ``ditto_lambda``) and kept in
+its state store; OLL then starts from each device's own head. Its global head trains at the FT
+phase's LR (``ft_client_lr``), each device's own head at the pp phase's (``pp_client_lr`` × 0.1),
+for ``pp_rounds`` rounds. With ``secure`` the global head's updates are summed under SecAgg
+(``ditto-secure``); with ``ft_algorithm`` scaffold and ``secure`` the FT phase is
+``scaffold-secure`` (the head's updates and the devices' control deltas summed under SecAgg).
 
 Each device keeps ``holdout_fraction`` of its data as that held-out split: no phase trains on it.
 With ``secure`` the first two phases run under secure aggregation (Fed3R-Sync, then secure
@@ -60,7 +62,8 @@ from protocols.payloads.scaffold import KIND as SCAFFOLD_KIND
 from protocols.payloads.scaffold import KIND_TAIL as SCAFFOLD_TAIL_KIND
 from protocols.payloads.partial import KIND as PP_KIND
 from protocols.payloads.personalize import KIND as PERSONALIZE_KIND
-from protocols.payloads.secagg import SECURE_FEDAVG_KIND, SECURE_PP_KIND, SECURE_TAIL_KIND, SYNC_KIND
+from protocols.payloads.secagg import (SECURE_DITTO_KIND, SECURE_FEDAVG_KIND, SECURE_PP_KIND, SECURE_SCAFFOLD_KIND,
+                                       SECURE_TAIL_KIND, SYNC_KIND)
 
 from aggregator.jobs.fedavg import FED3R_INIT_LR_FACTOR
 from aggregator.jobs.registry import kind_of, validate_job_config
@@ -87,9 +90,9 @@ FT_ALGORITHMS = ("fedavg", "fedgloss", "scaffold")   # the fine-tuning job's kin
 # task kinds of each phase, plain and secure
 PHASE_KINDS = {"fed3r": (FED3R_KIND, SYNC_KIND),
                "fedavg-ft": (FEDAVG_KIND, SECURE_FEDAVG_KIND, FEDAVG_TAIL_KIND, SECURE_TAIL_KIND, FEDGLOSS_KIND,
-                             SCAFFOLD_KIND, SCAFFOLD_TAIL_KIND),
+                             SCAFFOLD_KIND, SECURE_SCAFFOLD_KIND, SCAFFOLD_TAIL_KIND),
                "pp": (PP_KIND, SECURE_PP_KIND),
-               "ditto": (DITTO_KIND,),
+               "ditto": (DITTO_KIND, SECURE_DITTO_KIND),
                "oll": (PERSONALIZE_KIND,)}
 
 
@@ -149,8 +152,6 @@ def check_pipeline_config(cfg: SimConfig, names: tuple[str, ...]) -> None:
     if set(PERSONAL_PHASES) & set(names) and cfg.ft_mode != "psi":
         raise ValueError("partial personalization and Ditto run on the head: not after FT(φ)/FT(M) (no tail in "
                          "their tasks yet)")
-    if "ditto" in names and cfg.secure:
-        raise ValueError("Ditto runs in plain rounds (no secure variant yet): not with secure")
     if not cfg.holdout_fraction:
         raise ValueError("personalization needs a local held-out split: set holdout_fraction > 0")
     if cfg.ft_mode not in FT_MODES:
@@ -161,8 +162,9 @@ def check_pipeline_config(cfg: SimConfig, names: tuple[str, ...]) -> None:
         raise ValueError(f"ft_algorithm must be one of {FT_ALGORITHMS}, got {cfg.ft_algorithm!r}")
     if cfg.ft_algorithm == "fedgloss" and (cfg.secure or cfg.ft_mode != "psi"):
         raise ValueError("ft_algorithm fedgloss fine-tunes the head in plain rounds: not with secure or ft_mode phi/M")
-    if cfg.ft_algorithm == "scaffold" and cfg.secure:
-        raise ValueError("ft_algorithm scaffold runs in plain rounds (its Δc is not summed under SecAgg): not with secure")
+    if cfg.ft_algorithm == "scaffold" and cfg.secure and cfg.ft_mode != "psi":
+        raise ValueError("Scaffold on the tail runs in plain rounds (scaffold-secure is Scaffold(ψ)): not with secure "
+                         "and ft_mode phi/M")
     optimizer = {"server_optimizer": cfg.ft_server_optimizer, "server_lr": cfg.ft_server_lr,
                  "server_momentum": cfg.ft_server_momentum, "init_scale": cfg.ft_init_scale, **ft_optimizer_fields(cfg)}
     validate_job_config(cfg.ft_algorithm, optimizer)
@@ -190,6 +192,8 @@ class _Phases:
                                                      self.out / "eval_features.npz", {})
         if cfg.ft_algorithm in ("fedgloss", "scaffold"):      # K in their server steps: the fleet's size
             self.ft_kind, self.ft_extra = cfg.ft_algorithm, {"total_devices": cfg.devices}
+            if cfg.secure:          # fedgloss is refused with secure (check_pipeline_config)
+                self.ft_kind = f"{cfg.ft_algorithm}-secure"
         if self.tail:
             self.tail_manifest, self.ft_eval, tail_fields = _tail_setup(cfg, self.prep, self.say)
             self.ft_extra = {**self.ft_extra, **tail_fields}

@@ -193,7 +193,8 @@ def report_panels(report: dict) -> list[dict]:
 
 def report_title(report: dict) -> str:
     phases = " → ".join(report["phases"])
-    mode = "SECURE aggregation (Fed3R-Sync, secure FedAvg)" if is_secure(report) else "plain aggregation"
+    mode = ("SECURE aggregation (Fed3R-Sync, then each training phase's updates summed under SecAgg)"
+            if is_secure(report) else "plain aggregation")
     ft = f", {ft_label(report['config'])}" if "fedavg-ft" in report["phases"] else ""
     return f"fedfleet simulate: {phases}{ft}, {mode}"
 

@@ -1,7 +1,7 @@
 """The Python device's side of the differential fuzzer (tests/test_differential_fuzz.py): the
 device's own task handlers (fed3r.stats, fedavg.head, oll.personalize, and the stateful
-scaffold.head, ditto.head, pp.head on a state store per case line; the secure fedavg.secure and
-fed3r.secure up to the words SecAgg masks, ``run_secure``) on many cases in one process, each task verified under the aggregator's key and each result signed, as a device does.
+scaffold.head, ditto.head, pp.head on a state store per case line; the secure fedavg.secure,
+fed3r.secure, scaffold.head.secure and ditto.head.secure up to the words SecAgg masks, ``run_secure``) on many cases in one process, each task verified under the aggregator's key and each result signed, as a device does.
 
 Run in-process it is the full install's device (torch's head step); run by ``.venv-device``'s
 python (``python fuzz_device.py <cases> <aggregator key hex> <device seed hex> <out prefix>``) it
@@ -43,7 +43,8 @@ STATEFUL = {"scaffold.head": "edge_client.tasks.scaffold_training:ScaffoldTraini
             "pp.head": "edge_client.tasks.partial_training:PartialTrainingTask"}
 
 
-SECURE = ("fedavg.secure", "fed3r.secure")
+SECURE = ("fedavg.secure", "fed3r.secure", "scaffold.head.secure", "ditto.head.secure")
+SECURE_STATEFUL = {"scaffold.head.secure": "scaffold.head", "ditto.head.secure": "ditto.head"}   # secure -> plain
 
 
 class ZeroSkellam:
@@ -56,23 +57,30 @@ class ZeroSkellam:
         return np.zeros(size, np.int64)
 
 
-def run_secure(kind: str, msg, Z: np.ndarray, y: np.ndarray, round_path: str, result_path: str,
+def run_secure(kind: str, msg, Z: np.ndarray, y: np.ndarray, rest: list[str], result_path: str,
                identity, aggregator_key: bytes) -> dict:
     """A secure task as the device takes it (``on_task``: the vector, then its SecAgg client), and
     the words that client masks at the round's start, its fixed-point encoding under the round
-    config ``round_path`` (JSON): float64 vector to ``result_path``.vector, uint64 words to
-    ``result_path``; status done, declined (the task) or out_of_range (the encoder)."""
+    config ``rest[0]`` (JSON): float64 vector to ``result_path``.vector, uint64 words to
+    ``result_path``; status done, declined (the task) or out_of_range (the encoder). The secure
+    stateful kinds wrap their plain handler on ``rest[1:]`` (held-out features, state folder)."""
     from edge_client.agent import TaskDeclined
     from edge_client.tasks.fed3r_stats import Fed3RStatsTask
     from edge_client.tasks.head_training import HeadTrainingTask
     from edge_client.tasks.secure_fed3r import SecureFed3R
-    from edge_client.tasks.secure_fedavg_training import SecureFedAvgTraining
+    from edge_client.tasks.secure_fedavg_training import SecureFedAvgTraining, SecureScaffoldTraining
     from protocols.secagg import ClientSecAgg, RoundConfig, SecAggError
 
     factory = lambda b, s, w: PrecomputedFeatures(Z.shape[1])      # noqa: E731
-    make, plain = ((SecureFedAvgTraining, HeadTrainingTask) if kind == "fedavg.secure"
-                   else (SecureFed3R, Fed3RStatsTask))
-    handler = make(identity, aggregator_key, plain(Z, y, factory), noise_rng=ZeroSkellam())
+    round_path = rest[0]
+    if kind in SECURE_STATEFUL:
+        make = SecureScaffoldTraining if kind == "scaffold.head.secure" else SecureFedAvgTraining
+        plain = handler_for(SECURE_STATEFUL[kind], Z, y, rest[1:])
+    else:
+        make, plain_type = ((SecureFedAvgTraining, HeadTrainingTask) if kind == "fedavg.secure"
+                            else (SecureFed3R, Fed3RStatsTask))
+        plain = plain_type(Z, y, factory)
+    handler = make(identity, aggregator_key, plain, noise_rng=ZeroSkellam())
     try:
         handler.on_task(msg.body["job"], msg.body["round"], msg.body["params"], dict(msg.tensors))
     except TaskDeclined as exc:
@@ -173,7 +181,8 @@ def run_cases(lines: list[str], aggregator_key: bytes, device_seed: bytes, devic
             continue
         kind, params = msg.body["kind"], msg.body["params"]
         if kind in SECURE:
-            out.append(run_secure(kind, msg, *read_features(feats), rest[0], result_path, identity, aggregator_key))
+            with np.errstate(over="ignore", invalid="ignore"):     # the cases that diverge on purpose
+                out.append(run_secure(kind, msg, *read_features(feats), rest, result_path, identity, aggregator_key))
             continue
         handler = handler_for(kind, *read_features(feats), rest)
         kept = capture_kept(handler) if kind in STATEFUL else {}

@@ -1,8 +1,10 @@
 """The secure kinds of the differential fuzzer (tests/test_differential_fuzz.py, whose module
 docstring says what is compared and why the masked words are out of scope): ``fedavg.secure``
 and ``fed3r.secure`` cases (plain fedavg.head / fed3r.stats cases plus the secure round's
-fields, distributed DP in a quarter, a random round config to encode under), and the comparison
-of the three devices' contributions and fixed-point words (``compare``).
+fields, distributed DP in a quarter, a random round config to encode under),
+``scaffold.head.secure`` and ``ditto.head.secure`` cases (round 1 of a stateful case on a fresh
+store, plus the same fields and Scaffold's control_clip_norm), and the comparison of the three
+devices' contributions and fixed-point words (``compare``).
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
-from test_differential_fuzz import DEVICES, fed3r_case, fedavg_case, head_tolerance, stats_tolerance
+from test_differential_fuzz import DEVICES, EPS32, fed3r_case, fedavg_case, head_tolerance, stats_tolerance
 
 MEMBERS = ("java0", "numpy0", "py0")
+STATEFUL = {"scaffold.head.secure": "scaffold.head", "ditto.head.secure": "ditto.head"}     # secure -> plain kind
 
 
 def secure_round(rng, length: int, largest: float, scale_bits: int | None = None) -> dict:
@@ -64,6 +67,41 @@ def secure_fedavg_case(rng):
     return params, start, (Z, y), secure_round(rng, C * d + C + 1, largest, dp and dp["scale_bits"])
 
 
+def secure_stateful_case(kind: str):
+    """Cases of ``scaffold.head.secure`` / ``ditto.head.secure``: round 1 of a stateful case
+    (tests/fuzz_stateful.py: its params, tensors and data, on a fresh store) plus the secure
+    round's fields as ``fedavg.secure``'s, Scaffold's ``control_clip_norm`` (from one that clips
+    every Δc to one that clips none; a few refused), Ditto's distributed DP in a quarter. The case's
+    last part is (round config, held-out split)."""
+    import fuzz_stateful
+
+    plain = STATEFUL[kind]
+
+    def make(rng):
+        case = fuzz_stateful.draw(rng, plain, int(rng.integers(0, 2**31)))
+        params, tensors = case.rounds[0]
+        (Z, y), n = case.data, len(case.data[1])
+        params = {**params, "group": "g1", "max_samples": int(n if rng.random() < 0.3 else rng.integers(n // 2, 4 * n)),
+                  "max_abs_param": float(2.0 ** rng.integers(-1, 12)) if rng.random() < 0.5 else float(10 ** rng.uniform(-0.5, 3))}
+        if rng.random() < 0.15:
+            params["vector_order"] = ["bias", "weight"] if rng.random() < 0.8 else ["weight"]
+        if rng.random() < 0.3:
+            params["update_clip_norm"] = float(2.0 ** rng.integers(-20, 4)) if rng.random() < 0.5 else float(rng.uniform(0.01, 3))
+        dp = None
+        if plain == "scaffold.head":
+            params["control_clip_norm"] = (0.0 if rng.random() < 0.03 else float(2.0 ** rng.integers(-24, 12))
+                                           if rng.random() < 0.5 else float(10 ** rng.uniform(-3, 3)))
+        elif rng.random() < 0.25:
+            dp = params["dp"] = dp_round(rng, clip=True)
+        C, d = params["num_classes"], params["feature_dim"]
+        size = C * d + C
+        largest = (max(dp.get("clip_norm", 1.0), 2.0 ** -dp["scale_bits"]) if dp
+                   else n * max(1.0, float(np.abs(tensors["weight"]).max()), params.get("control_clip_norm", 0.0)))
+        length = (2 * size if plain == "scaffold.head" else size) + 1
+        return params, tensors, (Z, y), (secure_round(rng, length, largest, dp and dp["scale_bits"]), case.held)
+    return make
+
+
 def secure_fed3r_case(rng):
     params, tensors, (Z, y), _ = fed3r_case(rng)
     n, (C, p) = len(y), (params["num_classes"], Z.shape[1] + int(params["fit_intercept"]))
@@ -78,11 +116,44 @@ def secure_fed3r_case(rng):
     return params, tensors, (Z, y), secure_round(rng, p * (p + 1) // 2 + C * p + 1, largest, dp and dp["scale_bits"])
 
 
+def stateful_tolerance(kind: str, case: tuple, vectors: dict[str, np.ndarray]) -> float:
+    """scaffold.head.secure / ditto.head.secure: per entry, the uploaded head's tolerance as
+    fedavg.secure's (Ditto's global pass is fedavg.head's; Scaffold's steps carry the control
+    correction, ``head_tolerance``'s ``correction``) and, for Scaffold, the Δc's: y's difference
+    divided by K·lr plus four float32 roundings of the largest control (tests/fuzz_stateful.py
+    ``tolerances``, one round), the clip non-expansive (√L·tol)."""
+    from fuzz_stateful import largest
+
+    params, start, (Z, y), _ = case
+    ref = vectors["python"]
+    C, d = params["num_classes"], params["feature_dim"]
+    size, order = C * d + C, params.get("vector_order", ["weight", "bias"])
+    n = 1.0 if params.get("dp") else max(float(ref[-1]), 1.0)
+    heads = []
+    for v in vectors.values():
+        flat = v[:size] / n
+        first = C * d if order[0] == "weight" else C
+        parts = {order[0]: flat[:first], order[1]: flat[first:]}
+        heads.append({"weight": parts["weight"].reshape(C, d) + (start["weight"] if params.get("dp") else 0),
+                      "bias": parts["bias"] + (start["bias"] if params.get("dp") else 0)})
+    K = params["epochs"] * -(-len(y) // params["batch_size"])
+    head = {k: start[k] for k in ("weight", "bias")}
+    if kind == "ditto.head.secure":
+        return n * math.sqrt(ref.size) * head_tolerance(params, head, Z, K, params["batch_size"], *heads)
+    controls = [v for k, v in start.items() if k.startswith("control.")] + [v[size:-1] for v in vectors.values()]
+    c_max = 3 * largest(controls + [h[k] for h in heads for k in h])
+    moved = head_tolerance(params, head, Z, K, params["batch_size"], *heads, correction=2 * c_max)
+    delta = moved / (K * float(np.float32(params["lr"]))) + 4 * EPS32 * c_max
+    return math.sqrt(ref.size) * max(n * moved, delta)
+
+
 def tolerance(kind: str, case: tuple, steps: int, vectors: dict[str, np.ndarray]) -> float:
     """How far two devices' contributions of one secure case may lie apart, per entry. fed3r.secure:
     exact (0) on dyadic features without clipping, else the statistics' float64 tolerance.
     fedavg.secure: the head's (``head_tolerance``) through what the device does to its head, each
     step non-expansive: the clip (a projection: ‖Δ‖₂ ≤ √L·tol), the weighting by n."""
+    if kind in STATEFUL:
+        return stateful_tolerance(kind, case, vectors)
     params, start, (Z, _), _ = case
     ref = vectors["python"]
     if kind == "fed3r.secure":
@@ -141,4 +212,5 @@ def near_range_edge(case: tuple, got: dict[str, dict]) -> bool:
     return False
 
 
-CASES = {"fedavg.secure": secure_fedavg_case, "fed3r.secure": secure_fed3r_case}
+CASES = {"fedavg.secure": secure_fedavg_case, "fed3r.secure": secure_fed3r_case,
+         **{kind: secure_stateful_case(kind) for kind in STATEFUL}}

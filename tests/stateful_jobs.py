@@ -16,12 +16,13 @@ def pixel_extractor(size: int, dim: int) -> FeatureExtractor:
                             mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25), feature_dim=dim)
 
 
-def run_round(job, handlers, kind: str, only=None, tamper=None) -> dict:
+def run_round(job, handlers, kind: str, only=None, tamper=None, silent=()) -> dict:
     """One round: each chosen device gets its task through encode/decode, its result goes back the
-    same way (``tamper(device, tensors)`` may change it on the wire). device -> (params, tensors, body, out)."""
+    same way (``tamper(device, tensors)`` may change it on the wire; a ``silent`` device never
+    answers). device -> (params, tensors, body, out)."""
     chosen = job.next_participants(set(only or handlers))
     sent = {}
-    for d in chosen:
+    for d in (d for d in chosen if d not in silent):
         params, tensors = job.task_for(d)
         task = decode(encode(M.task_message("aggregator", job.config.job_id, job.round, kind, params, 1e9)))
         body, out = handlers[d](task.body["params"], tensors)
@@ -30,7 +31,7 @@ def run_round(job, handlers, kind: str, only=None, tamper=None) -> dict:
         env = decode(encode(M.result_message(d, M.TaskRef(job.config.job_id, job.round, task.id), kind, body, out)))
         job.apply(d, job.parse_result(env))
         sent[d] = (task.body["params"], tensors, body, out)
-    job.close_round(RoundClosed(job.round, tuple(chosen), (), (), ()))
+    job.close_round(RoundClosed(job.round, tuple(sent), tuple(d for d in chosen if d in silent), (), ()))
     return sent
 
 
@@ -67,3 +68,38 @@ def oll_after(job, handler, extractor) -> tuple:
                            lambda *a, **k: extractor, state=handler.store)
     body, _ = task(*oll.task_for("dev0"))
     return body, handler.store.load(c.job_id, None).arrays, task, oll
+
+
+def run_secure_round(job, clients: dict, now: float = 0.0, intercept=None) -> tuple[str, ...]:
+    """One secure round in process, the real SecAgg client and server: the job samples, each chosen
+    device's SecAgg wrapper (``clients[device]``, a ``SecureUpdate``) takes its task through the
+    wire codec (a decline is a device that never joins), the secagg envelopes go back and forth
+    until the group settles (a silent phase is timed out), and the round closes with the survivors.
+    ``intercept(device, envelope)`` sees every envelope a device sends. The survivors."""
+    from edge_client.agent import TaskDeclined
+
+    chosen = job.next_participants(set(clients))
+    declined = []
+    for d in chosen:
+        params, tensors = job.task_for(d)
+        task = decode(encode(M.task_message("aggregator", job.config.job_id, job.round, job.kind, params, 1e9)))
+        try:
+            clients[d].on_task(job.config.job_id, job.round, task.body["params"], tensors)
+        except TaskDeclined:
+            declined.append(d)
+    pending = job.on_protocol_tick(now)
+    while job.secure_round_live(job.round):
+        if not pending:             # every answer is in: what is missing times out
+            now += job.config.phase_timeout_s + 1
+            pending = job.on_protocol_tick(now)
+            continue
+        sends, pending = pending, []
+        for device, env in sends:
+            for reply in clients[device].on_message(decode(encode(env))):
+                if intercept:
+                    intercept(device, reply)
+                pending += job.on_protocol(device, decode(encode(reply)), now)
+    survivors = job.settled(job.round) or ()
+    dropped = tuple(d for d in chosen if d not in survivors and d not in declined)
+    job.close_round(RoundClosed(job.round, tuple(survivors), dropped, tuple(declined), ()))
+    return tuple(survivors)

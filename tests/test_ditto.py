@@ -256,7 +256,7 @@ def test_the_ditto_pipelines_refuse_what_they_cannot_run_before_the_run():
     from fedfleet.simulate import load_config
 
     cfg = load_config("smoke", {})
-    for bad, match in (({"secure": True}, "plain rounds"), ({"ft_mode": "phi"}, "not after FT"),
+    for bad, match in (({"ft_mode": "phi"}, "not after FT"),
                        ({"fp_part": "tail"}, "fp_part")):
         with pytest.raises(ValueError, match=match):      # refused before any data or fleet
             run_pipeline(dataclasses.replace(cfg, **bad), quiet=True, pipeline="fed3r-ditto-oll")

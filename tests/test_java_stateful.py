@@ -16,6 +16,11 @@ the Python device:
   one Scaffold(ψ), Ditto or FedAlt(ψ) job, the global head (and Scaffold's server control) equal
   to an in-process replay's; when the job ends (``job.ended``) every device, Java or Python, drops
   its state for the job (the state a Java device keeps after two rounds is the golden vectors').
+
+* the secure kinds ``scaffold.head.secure`` and ``ditto.head.secure`` (SecureStatefulHeadTask):
+  the vector the Java device masks and the state it keeps equal the Python device's, with the same
+  declines; and a mixed Java/Python fleet runs scaffold-secure and ditto-secure over mosquitto, the
+  head (and c) equal to the plain job's replay.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import pytest
 
 import java_build
 from test_differential_fuzz import head_tolerance
-from test_java_tasks import C, D, device_data, java, run_java_task, task_bytes
+from test_java_tasks import C, D, device_data, java, personal_data, run_java_task, task_bytes
 
 pytestmark = pytest.mark.skipif(java_build.missing() is not None, reason=str(java_build.missing()))
 
@@ -227,3 +232,138 @@ def test_mixed_java_and_python_fleet_runs_a_stateful_job_with_state_kept_on_each
     for d in JAVA_IDS:          # the replay's devices (no job.ended) still hold round 2's state; the Java devices none
         assert DeviceStateStore(tmp_path / "replay" / d).load(cfg["job_id"], None).round == 2, d
         assert DeviceStateStore(tmp_path / "java-state" / d).load(cfg["job_id"], None) is None, d
+
+
+@pytest.mark.parametrize("kind, change, reason", [
+    ("scaffold.head.secure", {}, None), ("scaffold.head.secure", {"vector_order": ["bias", "weight"]}, None),
+    ("scaffold.head.secure", {"control_clip_norm": 1e-3}, None),
+    ("scaffold.head.secure", {"max_abs_param": 0.01}, "> the round's bound 0.01"),
+    ("scaffold.head.secure", {"control_clip_norm": 0}, "control_clip_norm"),
+    ("scaffold.head.secure", {"dp": {"stddev": 0.1, "scale_bits": 16, "clip_norm": 1.0}}, "dp"),
+    ("ditto.head.secure", {}, None), ("ditto.head.secure", {"update_clip_norm": 0.5}, None),
+    ("ditto.head.secure", {"max_samples": 10}, "exceed the round's bound of 10"),
+    ("ditto.head.secure", {"vector_order": ["weight"]}, "does not name exactly"),
+])
+def test_secure_stateful_vectors_are_the_python_devices(java_cp, tmp_path, kind, change, reason):
+    """scaffold.head.secure / ditto.head.secure: the vector the Java device masks is the Python
+    device's (SecureScaffoldTraining: [n·y | clip(Δc) | n]; SecureFedAvgTraining around ditto.head:
+    [n·ψ_k | n]) within n·HEAD_ATOL on the head and CONTROL_ATOL (scaled by the clip) on Δc, and the
+    state it keeps (c_k, v_k) is the Python device's; tasks beyond the bounds are declined by both."""
+    from ops_fleet import Features
+    from test_java_device import write_features
+
+    from edge_client.agent import TaskDeclined
+    from edge_client.state import DeviceStateStore
+    from edge_client.tasks.secure_fedavg_training import SecureFedAvgTraining, SecureScaffoldTraining
+    from protocols.identity import DeviceIdentity
+
+    plain = "scaffold.head" if kind.startswith("scaffold") else "ditto.head"
+    _, _, fields, handler_type = stateful_kind(plain)
+    Z, y = device_data(0)
+    held = () if plain == "scaffold.head" else personal_data(50, 30, list(range(C)))
+    rng = np.random.default_rng(4)
+    head = {"weight": (0.1 * rng.normal(size=(C, D))).astype(np.float32), "bias": np.zeros(C, np.float32)}
+    control = {f"control.{k}": (0.05 * rng.normal(size=v.shape)).astype(np.float32) for k, v in head.items()}
+    params = {"num_classes": C, "feature_dim": D, "backbone": "b", "image_size": 8, "epochs": 2, "batch_size": 8,
+              "lr": 0.05, "seed": 3, "job_id": "sec-1", "state": STATE, "group": "g1", "max_samples": 100,
+              "max_abs_param": 20.0, **({"control_clip_norm": 5.0} if plain == "scaffold.head" else fields), **change}
+    tensors = {**head, **(control if plain == "scaffold.head" else {})}
+    (tmp_path / "task.bin").write_bytes(task_bytes(params, tensors, kind))
+    heldout = write_features(tmp_path / "h.feat", *held) if held else "-"
+    out = java(java_cp, tmp_path / "task.bin", write_features(tmp_path / "f.feat", Z, y), tmp_path / "x.bin", heldout,
+               tmp_path / "java-state")
+    handler = handler_type(Z, y, lambda b, s, w: Features(D), DeviceStateStore(tmp_path / "py-state"), *held)
+    wrapper = (SecureScaffoldTraining if plain == "scaffold.head" else SecureFedAvgTraining)(
+        DeviceIdentity.generate("d"), bytes(32), handler)
+    if reason is not None:
+        assert out.startswith("DECLINED") and reason in out, out
+        with pytest.raises(TaskDeclined, match=reason):
+            wrapper.vector(params, tensors)
+        return
+    got, want = np.array(out.split()[1:], dtype=np.float64), wrapper.vector(params, tensors)
+    assert got.shape == want.shape and got[-1] == want[-1] == len(y)
+    head_size = C * D + C
+    assert np.abs(got[:head_size] - want[:head_size]).max() <= len(y) * HEAD_ATOL
+    if plain == "scaffold.head":
+        clip = params["control_clip_norm"]
+        assert np.abs(got[head_size:-1] - want[head_size:-1]).max() <= CONTROL_ATOL * min(1.0, clip)
+        assert np.abs(want[head_size:-1]).max() > 100 * CONTROL_ATOL * min(1.0, clip)      # Δc is in the vector
+    java_state = DeviceStateStore(tmp_path / "java-state").load("sec-1", None)
+    py_state = DeviceStateStore(tmp_path / "py-state").load("sec-1", None)
+    assert sorted(java_state.arrays) == sorted(py_state.arrays)
+    for k, v in py_state.arrays.items():
+        assert np.abs(java_state.arrays[k] - v).max() <= CONTROL_ATOL, k
+
+
+@pytest.mark.parametrize("kind", ["scaffold.head", "ditto.head"])
+def test_mixed_java_and_python_fleet_runs_secure_scaffold_and_ditto(java_cp, broker, tmp_path, kind):
+    """scaffold-secure / ditto-secure over mosquitto: three Java devices (one JVM, enrolled, with
+    state stores) and two Python devices (``secure_handlers``) in one SecAgg group per round, all
+    five in each of 2 rounds; the aggregator receives only secagg messages, and its head (and
+    Scaffold's server control) equal the plain job's in-process replay over the same devices
+    (Python devices holding the Java devices' data, each with its own store)."""
+    import os
+
+    from ops_fleet import Features, RecordingService, replay_round
+    from test_java_tasks import JAVA_IDS, PY_IDS, start_java_devices, stop_mixed_fleet
+
+    from aggregator.jobs.registry import build_job
+    from aggregator.jobs.robustness_fields import PLAIN_MEAN
+    from aggregator.service.settings import ServiceSettings
+    from edge_client.agent import DeviceAgent
+    from edge_client.handlers import secure_handlers
+    from edge_client.state import DeviceStateStore
+    from protocols.identity import DeviceIdentity
+    from protocols.mqtt_link import BrokerConfig
+
+    job_type, config_type, fields, handler_type = stateful_kind(kind)
+    ids = JAVA_IDS + PY_IDS
+    seeds = {d: os.urandom(32) for d in JAVA_IDS}
+    keys = {**{d: DeviceIdentity.from_private_bytes(d, s) for d, s in seeds.items()},
+            **{d: DeviceIdentity.generate(d) for d in PY_IDS}}
+    agg = DeviceIdentity.generate("aggregator")
+    (tmp_path / "aggregator.pem").write_bytes(agg.to_pem())
+    (tmp_path / "device_keys.json").write_text(json.dumps({d: k.public_key_bytes.hex() for d, k in keys.items()}))
+    cfg = dict(job_id=kind.replace(".", "-") + "-secure-mixed", num_classes=C, feature_dim=D, rounds=2,
+               clients_per_round=len(ids), round_timeout_s=60, local_epochs=2, batch_size=8, client_lr=0.05,
+               expected_devices=len(ids), start_timeout_s=30, seed=5, **fields)
+    job = build_job(kind.split(".")[0] + "-secure", {**cfg, "max_samples": 100, "max_abs_param": 20.0,
+                                                       "phase_timeout_s": 4, "identity_file": str(tmp_path / "aggregator.pem"),
+                                                       "device_keys_file": str(tmp_path / "device_keys.json")})
+    service = RecordingService(job, broker.url, tmp_path / "agg", set(ids),
+                               ServiceSettings(evaluate_every_contribution=False), identity=agg)
+    jvm = start_java_devices(java_cp, broker.url, tmp_path, ["--aggregator-key", agg.public_key_bytes.hex(),
+                                                             "--state-dir", str(tmp_path / "java-state")], seeds=seeds)
+
+    def handler(i: int, d: str, where: str):
+        held = () if kind == "scaffold.head" else personal_data(50 + i, 30, list(range(C)))   # the JVM's held-out split
+        return handler_type(*device_data(i), lambda b, s, w: Features(D), DeviceStateStore(tmp_path / where / d), *held)
+
+    agents = []
+    for i, d in enumerate(PY_IDS):
+        h = handler(len(JAVA_IDS) + i, d, "py")
+        agents.append(DeviceAgent(d, BrokerConfig.from_url(broker.url), {}, state=h.store,
+                                  protocol_handlers=secure_handlers(keys[d], agg.public_key_bytes, {kind: h})).start())
+    try:
+        result = service.join(150)
+    finally:
+        out, err = stop_mixed_fleet(agents, jvm)
+    assert jvm.returncode == 0, err[-3000:]
+    assert result.get("state") == "done" and len(result["rounds"]) == 2 and not job.failed_rounds, (result, err[-3000:])
+    assert all(sorted(r["accepted"]) == sorted(ids) for r in result["rounds"]), result["rounds"]
+    replay = job_type(config_type(**cfg, **PLAIN_MEAN))
+    tasks = {d: handler(i, d, "replay") for i, d in enumerate(ids)}
+    for r in result["rounds"]:
+        chosen = replay.next_participants(set(ids))
+        assert chosen == sorted(r["accepted"])
+        replay_round(replay, chosen, tasks, kind=kind)
+    for k in ("weight", "bias"):
+        assert np.abs(job.params[k] - replay.params[k]).max() <= HEAD_ATOL, k
+        if kind == "scaffold.head":
+            assert np.abs(job.control[k] - replay.control[k]).max() <= CONTROL_ATOL, k
+    start = job_type(config_type(**cfg)).params["weight"]
+    assert np.abs(job.params["weight"] - start).max() > 100 * HEAD_ATOL            # it trained: the check can fail
+    received = service.received_envelopes()
+    assert {env.type for env in received} <= {"secagg", "presence"}           # no head, Δc or v_k in the clear
+    for d in JAVA_IDS:
+        assert f"STATS {d} done=2 declined=0" in out, (out, err[-3000:])

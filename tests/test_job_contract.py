@@ -46,9 +46,11 @@ EXPECTED = {
     "pp":                 (False, True, False, False, False),
     "pp-secure":          (False, True, False, True, False),
     "scaffold":           (False, True, False, False, False),
+    "scaffold-secure":    (False, True, False, True, False),
     "scaffold-tail":      (False, True, False, False, False),
     "fedgloss":           (False, True, False, False, False),
     "ditto":              (False, True, False, False, False),
+    "ditto-secure":       (False, True, False, True, False),
     "ladd":               (False, False, False, False, False),
     "ladd-secure":        (False, False, False, True, False),
 }

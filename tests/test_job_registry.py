@@ -16,8 +16,8 @@ from aggregator.jobs.registry import KINDS, build_job, full_config, job_kind_nam
 from test_admin_api import AUTH, TOKEN, start_service
 
 ALL_KINDS = ["fed3r", "fed3r-sync", "fedncm", "fedncm-sync", "fedavg", "fedavg-async", "fedavg-secure", "fedavg-tail",
-             "fedavg-tail-secure", "personalize", "pp", "pp-secure", "scaffold", "scaffold-tail",
-             "fedgloss", "ditto", "ladd", "ladd-secure"]
+             "fedavg-tail-secure", "personalize", "pp", "pp-secure", "scaffold", "scaffold-secure",
+             "scaffold-tail", "fedgloss", "ditto", "ditto-secure", "ladd", "ladd-secure"]
 SEG = {"num_classes": 4, "image_size": 32}
 
 

@@ -34,8 +34,9 @@ from protocols.payloads.partial import PartialParams
 from protocols.payloads.personalize import PersonalizeParams
 from protocols.payloads.scaffold import ScaffoldParams, ScaffoldTailParams
 from protocols.payloads.secagg import ClusterSlotLayout
-from protocols.payloads.secure_tasks import (SecureFed3RParams, SecureFedAvgParams, SecureLaddParams,
-                                             SecurePartialParams, SecureTailParams)
+from protocols.payloads.secure_tasks import (SecureDittoParams, SecureFed3RParams, SecureFedAvgParams,
+                                             SecureLaddParams, SecurePartialParams, SecureScaffoldParams,
+                                             SecureTailParams)
 from protocols.payloads.stateful import StateBinding
 from protocols.payloads.task_kinds import TASK_PARAMS
 from protocols.payloads.task_params import VERSION_KEY, DpRound, ModelSpec
@@ -157,6 +158,10 @@ EXAMPLES = {
                                            **SECURE),
     "pp.head.secure": SecurePartialParams(MODEL, 1280, TRAINING, job_id="pp-2", state=STATE, vector_order=("weight",),
                                           **SECURE),
+    "scaffold.head.secure": SecureScaffoldParams(MODEL, 1280, TRAINING, job_id="sc-2", state=STATE, control_clip_norm=3.0,
+                                                 update_clip_norm=1.5, **SECURE),
+    "ditto.head.secure": SecureDittoParams(MODEL, 1280, TRAINING, job_id="dt-2", state=STATE, ditto_lambda=0.5,
+                                           personal_epochs=2, personal_lr=0.05, dp=DP, **SECURE),
     "ladd.train.secure": SecureLaddParams.extending(LADD, group=SLOTS.group_id(), slots=SLOTS.to_json(),
                                                     max_samples=10, max_abs_param=100.0, dp=DP),
 }
@@ -182,6 +187,8 @@ OUT_OF_RANGE = {
                       "update_clip_norm": -1.0},
     "fedavg.tail.secure": {"dp": {"stddev": 1.0, "scale_bits": 2, "threshold": 2}},    # no clip_norm
     "pp.head.secure": {"vector_order": []},
+    "scaffold.head.secure": {"control_clip_norm": 0.0, "update_clip_norm": -1.0},
+    "ditto.head.secure": {"ditto_lambda": 0.0, "vector_order": []},
     "ladd.train.secure": {"group": "g1", "slots": {"global": [], "slot": [], "enabled": []}},
 }
 
@@ -253,6 +260,7 @@ def _refused(cls, wire: dict) -> bool:
 
 def test_a_secure_type_is_its_plain_type_plus_the_rounds_fields():
     pairs = {"fedavg.secure": "fedavg.head", "fedavg.tail.secure": "fedavg.tail", "pp.head.secure": "pp.head",
+             "scaffold.head.secure": "scaffold.head", "ditto.head.secure": "ditto.head",
              "ladd.train.secure": "ladd.train", "fed3r.secure": "fed3r.stats"}
     for secure, plain in pairs.items():
         assert issubclass(TASK_PARAMS[secure], TASK_PARAMS[plain])
@@ -384,7 +392,8 @@ def test_each_schema_accepts_the_example_and_says_what_the_type_requires(kind):
 GOLDEN_KINDS = ("fed3r.stats", "fedavg.head", "oll.personalize",      # the kinds the Java device serves
                 "fed3r.secure", "fedavg.secure", "scaffold.head", "ditto.head", "pp.head",
                 "fedavg.tail", "scaffold.tail", "fedgloss.head", "ladd.style", "ladd.train",  # and those it only reads
-                "fedavg.tail.secure", "pp.head.secure", "ladd.train.secure")
+                "fedavg.tail.secure", "pp.head.secure", "ladd.train.secure",
+                "scaffold.head.secure", "ditto.head.secure")
 
 
 def test_every_task_kind_has_golden_params():

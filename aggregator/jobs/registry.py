@@ -25,8 +25,8 @@ from protocols.payloads.partial import KIND as PP_KIND
 from protocols.payloads.personalize import KIND as PERSONALIZE_KIND
 from protocols.payloads.scaffold import KIND as SCAFFOLD_KIND
 from protocols.payloads.scaffold import KIND_TAIL as SCAFFOLD_TAIL_KIND
-from protocols.payloads.secagg import (SECURE_FEDAVG_KIND, SECURE_LADD_KIND, SECURE_PP_KIND, SECURE_TAIL_KIND,
-                                       SYNC_KIND)
+from protocols.payloads.secagg import (SECURE_DITTO_KIND, SECURE_FEDAVG_KIND, SECURE_LADD_KIND, SECURE_PP_KIND,
+                                       SECURE_SCAFFOLD_KIND, SECURE_TAIL_KIND, SYNC_KIND)
 from protocols.payloads.task_kinds import TASK_PARAMS
 
 from aggregator.jobs.config_limits import choices_of, validate_config
@@ -43,8 +43,10 @@ from aggregator.jobs.partial import PartialConfig, PartialPersonalizationJob
 from aggregator.jobs.scaffold import ScaffoldConfig, ScaffoldJob
 from aggregator.jobs.scaffold_tail import ScaffoldTailConfig, ScaffoldTailJob
 from aggregator.jobs.personalize import PersonalizeConfig, PersonalizeJob
-from aggregator.jobs.secure_fedavg import (SecureFedAvgConfig, SecureFedAvgJob, SecurePartialConfig, SecurePartialJob,
-                                           SecureTailFedAvgConfig, SecureTailFedAvgJob)
+from aggregator.jobs.secure_fedavg import (SecureDittoConfig, SecureDittoJob, SecureFedAvgConfig, SecureFedAvgJob,
+                                           SecurePartialConfig, SecurePartialJob, SecureTailFedAvgConfig,
+                                           SecureTailFedAvgJob)
+from aggregator.jobs.secure_scaffold import SecureScaffoldConfig, SecureScaffoldJob
 from aggregator.jobs.secure_ladd import SecureLaddConfig, SecureLaddJob
 from aggregator.shards.fed3r_sums import Fed3RSums
 from aggregator.shards.fedavg_sums import FedAvgRoundSums
@@ -108,6 +110,8 @@ KINDS: dict[str, JobKind] = {k.name: k for k in (
     JobKind("scaffold", ScaffoldConfig, ScaffoldJob,
             "Scaffold(ψ): FedAvg of the head corrected by control variates; each device keeps its own c_k",
             (SCAFFOLD_KIND,)),
+    JobKind("scaffold-secure", SecureScaffoldConfig, SecureScaffoldJob,
+            "Scaffold(ψ) with each round's head updates and control deltas Δc summed under SecAgg", (SECURE_SCAFFOLD_KIND,)),
     JobKind("scaffold-tail", ScaffoldTailConfig, ScaffoldTailJob,
             "Scaffold(φ)/Scaffold(M): FT(φ)/FT(M) corrected by control variates; each device keeps its own c_k",
             (SCAFFOLD_TAIL_KIND,)),
@@ -117,6 +121,9 @@ KINDS: dict[str, JobKind] = {k.name: k for k in (
     JobKind("ditto", DittoConfig, DittoJob,
             "Ditto(ψ): FedAvg of the head; each device also keeps a personal head pulled to the global one",
             (DITTO_KIND,)),
+    JobKind("ditto-secure", SecureDittoConfig, SecureDittoJob,
+            "Ditto(ψ) with each round's global-head updates summed under SecAgg; personal heads stay on the devices",
+            (SECURE_DITTO_KIND,)),
     JobKind("personalize", PersonalizeConfig, PersonalizeJob, "OLL and OLL+FP(ψ) on every device; held-out WMA",
             (PERSONALIZE_KIND,)),
     JobKind("ladd", LaddConfig, LaddJob, "LADD: style clustering and cluster-specific self-training (segmentation)",

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from protocols.clipping import clip_update
 from protocols.envelope import Envelope, body_field
 from protocols.payloads.scaffold import CONTROL, HEAD, KIND, ScaffoldParams, ScaffoldUpdate, parse_control_update
 from protocols.rounds import RoundClosed
@@ -47,10 +48,9 @@ class ScaffoldConfig(FedAvgConfig, DeviceStateFields):
 
 
 def clip_to_norm(tensors: dict[str, np.ndarray], bound: float) -> dict[str, np.ndarray]:
-    """The tensors scaled (together) to L2 norm ``bound`` when their norm exceeds it."""
-    norm = float(np.sqrt(sum(float(np.sum(np.square(t, dtype=np.float64))) for t in tensors.values())))
-    scale = min(1.0, bound / norm) if norm > 0 else 1.0
-    return {k: np.asarray(t, np.float64) * scale for k, t in tensors.items()}
+    """The tensors scaled (together) to L2 norm ``bound`` when their norm exceeds it (float64):
+    ``protocols.clipping.clip_update``, which a secure round's devices apply to their own Δc."""
+    return clip_update(tensors, bound)[0]
 
 
 class ScaffoldControls(StatefulDevicesJob):
@@ -91,12 +91,15 @@ class ScaffoldControls(StatefulDevicesJob):
     def control_step(self) -> None:
         """c ← c + (|S| / K) · mean(Δc) over the round's accepted updates (device-id order)."""
         accepted = [self._controls[d] for d in sorted(self._controls) if d in self._updates]
-        if not accepted:
-            return
-        fleet = max(self.config.total_devices, len(self.contributed), len(accepted))
+        if accepted:
+            self.move_control({k: np.mean([delta[k] for delta in accepted], axis=0) for k in self.controlled},
+                              len(accepted))
+
+    def move_control(self, mean: dict[str, np.ndarray], accepted: int) -> None:
+        """c ← c + (|S| / K) · mean, |S| = ``accepted`` devices' Δc averaged into ``mean``."""
+        fleet = max(self.config.total_devices, len(self.contributed), accepted)
         for k in self.controlled:
-            mean = np.mean([delta[k] for delta in accepted], axis=0)
-            self.control[k] = (self.control[k] + (len(accepted) / fleet) * mean).astype(np.float32)
+            self.control[k] = (self.control[k] + (accepted / fleet) * mean[k]).astype(np.float32)
 
     def close_round(self, closed: RoundClosed) -> None:
         if self._open and closed.round == self.round:

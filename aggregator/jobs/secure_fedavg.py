@@ -26,12 +26,13 @@ import numpy as np
 
 from protocols.envelope import Envelope, EnvelopeError
 from protocols.identity import DeviceIdentity, IdentityRegistry
-from protocols.payloads.secagg import (SECURE_FEDAVG_KIND, SECURE_PP_KIND, SECURE_TAIL_KIND, unpack_weighted_sum,
-                                       weighted_length)
+from protocols.payloads.secagg import (SECURE_DITTO_KIND, SECURE_FEDAVG_KIND, SECURE_PP_KIND, SECURE_TAIL_KIND,
+                                       unpack_weighted_sum, weighted_length)
 from protocols.payloads.task_kinds import params_type
 from protocols.payloads.task_params import DpRound
 from protocols.rounds import RoundClosed
 
+from aggregator.jobs.ditto import DittoConfig, DittoJob
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob
 from aggregator.jobs.fedavg_tail import TailFedAvgConfig, TailFedAvgJob
 from aggregator.jobs.partial import PartialConfig, PartialPersonalizationJob
@@ -88,7 +89,11 @@ class SecureFedAvgJob(SecureGroupRounds, FedAvgJob):
         return params_type(self.secure_kind).extending(
             super().task_params(device), group=f"g{self.round}", max_samples=c.max_samples,
             max_abs_param=c.max_abs_param, vector_order=tuple(self.trained_shapes()), update_clip_norm=clip,
-            dp=DpRound(**self._round_dp) if self.dp is not None else None)
+            dp=DpRound(**self._round_dp) if self.dp is not None else None, **self.secure_task_fields())
+
+    def secure_task_fields(self) -> dict:
+        """The secure kind's own task fields beyond the FedAvg family's (Scaffold: its Δc bound)."""
+        return {}
 
     def parse_result(self, env: Envelope):
         raise EnvelopeError(f"{self.secure_kind} devices send secagg messages, never plain results")
@@ -99,7 +104,10 @@ class SecureFedAvgJob(SecureGroupRounds, FedAvgJob):
         raise TypeError("a secure round has no per-device results to apply")
 
     def on_secure_sum(self, total: np.ndarray, survivors: tuple[str, ...]) -> None:
-        sums, n = unpack_weighted_sum(total, self.trained_shapes())
+        self.record_sum(*unpack_weighted_sum(total, self.trained_shapes()), survivors)
+
+    def record_sum(self, sums: dict[str, np.ndarray], n: int, survivors: tuple[str, ...]) -> None:
+        """The round's mean from its Σ n_k θ_k and Σ n_k (GroupSumOutOfBound: nothing recorded)."""
         if n < 1:
             return
         if self.dp is not None:
@@ -165,3 +173,18 @@ class SecurePartialJob(SecureFedAvgJob, PartialPersonalizationJob):
     held-out counts of its own: the ``personalize`` job that follows (``personal_job``) does."""
 
     secure_kind = SECURE_PP_KIND
+
+
+@dataclass
+class SecureDittoConfig(SecureFedAvgConfig, DittoConfig):
+    job_id: str = "ditto-secure"
+
+
+class SecureDittoJob(SecureFedAvgJob, DittoJob):
+    """Ditto(ψ) (``aggregator.jobs.ditto``) with each round's global-head updates summed under
+    secure aggregation (wire kind ``ditto.head.secure``): [n·weight | n·bias | n], as FedAvg(ψ)'s.
+    Each device's personal head v_k stays in its state store as in the plain job; as in
+    pp-secure, the job has no per-device held-out counts (the ``personalize`` job that follows,
+    ``personal_job``, evaluates every device with its own v_k)."""
+
+    secure_kind = SECURE_DITTO_KIND

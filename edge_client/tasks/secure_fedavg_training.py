@@ -10,15 +10,21 @@ the round's ``max_abs_param`` is refused here (declined), before secure aggregat
 overflow its fixed-point range. With the task's ``update_clip_norm`` C the device first clips its
 update θ − θ_t to norm C (the aggregator checks each group's sum against Σ n_k·C). Under distributed DP (the task's ``dp``) the device sends its
 clipped update instead, with its share of the noise (``dp_vector``).
+
+The same wrapper serves ``pp.head.secure`` and ``ditto.head.secure`` around their stateful
+handlers (the personal part stays in the device's store), and :class:`SecureScaffoldTraining`
+``scaffold.head.secure``, whose vector carries the device's clipped Δc beside its weighted head.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from protocols.clipping import clip_update
 from protocols.identity import DeviceIdentity
-from protocols.payloads.secagg import SECURE_FEDAVG_KIND, pack_weighted
-from protocols.payloads.secure_tasks import SecureUpdateRound
+from protocols.payloads.scaffold import DELTA_CONTROL
+from protocols.payloads.secagg import SECURE_FEDAVG_KIND, SECURE_SCAFFOLD_KIND, pack_controlled, pack_weighted
+from protocols.payloads.secure_tasks import SecureControlRound, SecureUpdateRound
 from protocols.payloads.task_params import DpRound
 
 from ..agent import TaskDeclined
@@ -36,12 +42,23 @@ class SecureFedAvgTraining(SecureUpdate):
 
     def vector(self, params: dict, tensors: dict[str, np.ndarray]) -> np.ndarray:
         secure = read_params(SecureUpdateRound, params, SECURE_FEDAVG_KIND)
-        order = list(secure.vector_order)
         body, trained = self.training(params, tensors)      # the plain handler reads the plain kind's params
+        if secure.dp is not None:
+            return self.dp_vector(secure.dp, self.order(secure, trained), trained, tensors)
+        return pack_weighted(self.bounded(secure, body, trained, tensors), self.order(secure, trained), body["n"])
+
+    @staticmethod
+    def order(secure: SecureUpdateRound, trained: dict[str, np.ndarray]) -> list[str]:
+        """The task's vector order, declined unless it names exactly the tensors the device trained."""
+        order = list(secure.vector_order)
         if sorted(order) != sorted(trained):
             raise TaskDeclined(f"vector_order {order!r} does not name exactly the trained tensors {sorted(trained)}")
-        if secure.dp is not None:
-            return self.dp_vector(secure.dp, order, trained, tensors)
+        return order
+
+    def bounded(self, secure: SecureUpdateRound, body: dict, trained: dict[str, np.ndarray],
+                tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The trained tensors as they enter the sum (bounded influence's clip applied), declined
+        when the samples or an entry break the round's bounds."""
         n, limit = body["n"], float(secure.max_abs_param)
         if n > secure.max_samples:
             raise TaskDeclined(f"{n} local samples exceed the round's bound of {secure.max_samples}")
@@ -51,7 +68,7 @@ class SecureFedAvgTraining(SecureUpdate):
         largest = max(float(np.abs(t).max()) for t in trained.values())
         if largest > limit:
             raise TaskDeclined(f"trained model has |θ| = {largest:.3g} > the round's bound {limit:g}")
-        return pack_weighted(trained, order, n)
+        return trained
 
     def dp_vector(self, dp: DpRound, order: list, trained: dict[str, np.ndarray],
                   start: dict[str, np.ndarray]) -> np.ndarray:
@@ -60,5 +77,24 @@ class SecureFedAvgTraining(SecureUpdate):
         return self.add_noise(pack_weighted(self.clipped_delta(dp.clip_norm, trained, start), order, 1), dp)
 
 
-__all__ = ["SecureFedAvgTraining"]
+class SecureScaffoldTraining(SecureFedAvgTraining):
+    """``scaffold.head.secure`` around ``scaffold.head``'s handler (which keeps c_k in the device's
+    store, as in plain rounds): contributes ``[n·y | clip(Δc) | n]`` (``pack_controlled``), Δc
+    clipped to the task's ``control_clip_norm`` as the plain server clips it."""
+
+    round_type = SecureControlRound
+
+    def vector(self, params: dict, tensors: dict[str, np.ndarray]) -> np.ndarray:
+        secure = read_params(SecureControlRound, params, SECURE_SCAFFOLD_KIND)
+        body, out = self.training(params, tensors)
+        trained = {k: v for k, v in out.items() if not k.startswith(DELTA_CONTROL)}
+        deltas = {k[len(DELTA_CONTROL):]: v for k, v in out.items() if k.startswith(DELTA_CONTROL)}
+        order = self.order(secure, trained)
+        if sorted(deltas) != sorted(trained):
+            raise TaskDeclined(f"the control deltas {sorted(deltas)} are not those of the trained tensors")
+        clipped, _ = clip_update(deltas, secure.control_clip_norm)
+        return pack_controlled(self.bounded(secure, body, trained, tensors), clipped, order, body["n"])
+
+
+__all__ = ["SecureFedAvgTraining", "SecureScaffoldTraining"]
 

@@ -49,6 +49,8 @@ SECURE_TAIL_KIND = "fedavg.tail.secure"     # FT(φ)/FT(M) tail updates, summed
 SECURE_FEDAVG_KIND = "fedavg.secure"
 SECURE_LADD_KIND = "ladd.train.secure"
 SECURE_PP_KIND = "pp.head.secure"           # partial personalization: the shared weight's updates, summed
+SECURE_SCAFFOLD_KIND = "scaffold.head.secure"   # Scaffold(ψ): the head's updates and the devices' Δc, summed
+SECURE_DITTO_KIND = "ditto.head.secure"     # Ditto(ψ): the global head's updates, summed
 MAX_SLOT_CLUSTERS = 64
 MAX_SLOT_VECTOR = 2 ** 27          # RoundConfig's largest vector_length
 
@@ -140,6 +142,33 @@ def unpack_weighted_sum(v: np.ndarray, shapes: Mapping[str, tuple[int, ...]]) ->
         out[name] = v[start:start + size].reshape(shape)
         start += size
     return out, int(round(v[-1]))
+
+
+# Secure Scaffold rounds: a device contributes [n·y_1 | … | n·y_m | Δc_1 | … | Δc_m | n], y the
+# tensors it trained and Δc their control deltas (clipped to the job's control_clip_norm), both
+# in the task's ``vector_order``. Δc is unweighted: Scaffold's c moves by the plain mean of the
+# devices' Δc, so the group sum gives Σ n_k y_k, Σ Δc_k and Σ n_k (the count of devices is the
+# number of survivors the protocol reports).
+def controlled_length(shapes: Mapping[str, tuple[int, ...]]) -> int:
+    return 2 * weighted_length(shapes) - 1
+
+
+def pack_controlled(trained: Mapping[str, np.ndarray], deltas: Mapping[str, np.ndarray], order: Sequence[str],
+                    n: int) -> np.ndarray:
+    weighted = pack_weighted(trained, order, n)
+    unweighted = pack_weighted(deltas, order, 1)
+    return np.concatenate([weighted[:-1], unweighted[:-1], weighted[-1:]])
+
+
+def unpack_controlled_sum(v: np.ndarray, shapes: Mapping[str, tuple[int, ...]]
+                          ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], int]:
+    """({name: Σ n_k y_k}, {name: Σ Δc_k}, Σ n_k) from a group sum laid out in ``shapes``' order."""
+    if v.shape != (controlled_length(shapes),):
+        raise ValueError(f"controlled sum has shape {v.shape}, expected ({controlled_length(shapes)},)")
+    size = weighted_length(shapes) - 1
+    sums, n = unpack_weighted_sum(np.concatenate([v[:size], v[-1:]]), shapes)
+    deltas, _ = unpack_weighted_sum(v[size:], shapes)
+    return sums, deltas, n
 
 
 def weighted_head_length(num_classes: int, feature_dim: int) -> int:

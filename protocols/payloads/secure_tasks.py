@@ -18,12 +18,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .ditto import DittoParams
 from .fed3r import Fed3RStatsParams
 from .fedavg import HeadTrainingParams, TailTrainingParams
 from .ladd import LaddTrainParams
 from .partial import PartialParams
-from .secagg import (HEAD_ORDER, SECURE_FEDAVG_KIND, SECURE_LADD_KIND, SECURE_PP_KIND, SECURE_TAIL_KIND, SYNC_KIND,
-                     ClusterSlotLayout)
+from .scaffold import ScaffoldParams
+from .secagg import (HEAD_ORDER, SECURE_DITTO_KIND, SECURE_FEDAVG_KIND, SECURE_LADD_KIND, SECURE_PP_KIND,
+                     SECURE_SCAFFOLD_KIND, SECURE_TAIL_KIND, SYNC_KIND, ClusterSlotLayout)
 from .task_params import DpRound, WireParams, check_int, check_number, check_str, nested, optional
 
 MAX_GROUP_ID = 128
@@ -95,6 +97,32 @@ class SecureTailParams(SecureUpdateRound, TailTrainingParams):
 @dataclass(frozen=True, kw_only=True)
 class SecurePartialParams(SecureUpdateRound, PartialParams):
     KIND = SECURE_PP_KIND
+
+
+@dataclass(frozen=True, kw_only=True)
+class SecureDittoParams(SecureUpdateRound, DittoParams):
+    KIND = SECURE_DITTO_KIND
+
+
+@dataclass(frozen=True, kw_only=True)
+class SecureControlRound(SecureUpdateRound):
+    """A secure Scaffold round's fields: the FedAvg family's plus ``control_clip_norm``, the L2 norm
+    the device clips its Δc to (as the plain server clips each Δc) before it enters the sum, so
+    every Δc entry is within it. Required: a device never guesses a bound. No distributed DP
+    (Scaffold's control variates are outside its accounting, as plain Scaffold refuses DP)."""
+
+    control_clip_norm: float
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_number("control_clip_norm", self.control_clip_norm, low_open=True)
+        if self.dp is not None:
+            raise ValueError("dp: Scaffold's control variates are outside distributed DP's accounting")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SecureScaffoldParams(SecureControlRound, ScaffoldParams):
+    KIND = SECURE_SCAFFOLD_KIND
 
 
 @dataclass(frozen=True, kw_only=True)

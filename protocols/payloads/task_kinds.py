@@ -16,13 +16,15 @@ from .ladd import LaddTrainParams, StyleParams
 from .partial import PartialParams
 from .personalize import PersonalizeParams
 from .scaffold import ScaffoldParams, ScaffoldTailParams
-from .secure_tasks import SecureFed3RParams, SecureFedAvgParams, SecureLaddParams, SecurePartialParams, SecureTailParams
+from .secure_tasks import (SecureDittoParams, SecureFed3RParams, SecureFedAvgParams, SecureLaddParams,
+                           SecurePartialParams, SecureScaffoldParams, SecureTailParams)
 from .task_params import TaskParams
 
 TASK_PARAMS: dict[str, type[TaskParams]] = {t.KIND: t for t in (
     Fed3RStatsParams, HeadTrainingParams, TailTrainingParams, PersonalizeParams, StyleParams, LaddTrainParams,
     PartialParams, ScaffoldParams, ScaffoldTailParams, FedGlossParams, DittoParams,
     SecureFed3RParams, SecureFedAvgParams, SecureTailParams, SecureLaddParams, SecurePartialParams,
+    SecureScaffoldParams, SecureDittoParams,
 )}
 
 

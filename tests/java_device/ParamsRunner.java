@@ -51,6 +51,8 @@ public final class ParamsRunner {
             case "ladd.style": return StyleParams.fromParams(params).toParams();
             case "fedavg.tail.secure": return SecureTailParams.fromParams(params).toParams();
             case "pp.head.secure": return SecurePartialParams.fromParams(params).toParams();
+            case "scaffold.head.secure": return SecureScaffoldParams.fromParams(params).toParams();
+            case "ditto.head.secure": return SecureDittoParams.fromParams(params).toParams();
             case "ladd.train": return LaddTrainParams.fromParams(params).toParams();
             case "ladd.train.secure": return SecureLaddParams.fromParams(params).toParams();
             default: throw new IllegalArgumentException("no typed params for " + kind);

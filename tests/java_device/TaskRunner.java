@@ -12,7 +12,7 @@
 //          key, each result signed as device "java0"; prints "CASE <i>" and then what a single run prints
 //          (or "REFUSED <why>" for a task the codec refuses), per case. A secure kind's line is
 //          "<task.bin> <features> <result> <round config JSON>" (runSecure).
-// fedavg.secure, fed3r.secure: prints "VECTOR ..." (what the device would sum under SecAgg). Otherwise prints "DONE", with "STEPS <steps> LOSS <mean loss of the last epoch>" for fedavg.head, or
+// fedavg.secure, fed3r.secure, scaffold.head.secure, ditto.head.secure: prints "VECTOR ..." (what the device would sum under SecAgg). Otherwise prints "DONE", with "STEPS <steps> LOSS <mean loss of the last epoch>" for fedavg.head, or
 // "DECLINED <reason>"; for oll.personalize also the personalised head ("OLL_WEIGHT ...",
 // "OLL_BIAS ...", float32 values) and the cross-validated accuracies ("CV ...").
 import java.math.BigInteger;
@@ -65,7 +65,9 @@ public final class TaskRunner {
                     continue;
                 }
                 String kind = Messages.parseTask(msg).kind;
-                out.append(kind.equals(SecureFedAvgTask.KIND) || kind.equals(SecureFed3RTask.KIND) ? runSecure(msg, c) : runTask(msg, c, device));
+                boolean secure = kind.equals(SecureFedAvgTask.KIND) || kind.equals(SecureFed3RTask.KIND)
+                        || kind.equals(SecureStatefulHeadTask.SCAFFOLD_KIND) || kind.equals(SecureStatefulHeadTask.DITTO_KIND);
+                out.append(secure ? runSecure(msg, c) : runTask(msg, c, device));
             }
             System.out.print(out);
             return;
@@ -99,6 +101,8 @@ public final class TaskRunner {
             Map<String, SecureTask> secure = new HashMap<>();
             secure.put(SecureFedAvgTask.KIND, new SecureFedAvgTask(head));
             secure.put(SecureFed3RTask.KIND, new SecureFed3RTask((Fed3RStatsTask) handlers.get(Fed3RStatsTask.KIND)));
+            secure.put(SecureStatefulHeadTask.SCAFFOLD_KIND, SecureStatefulHeadTask.scaffold((ScaffoldTask) handlers.get(ScaffoldTask.KIND)));
+            secure.put(SecureStatefulHeadTask.DITTO_KIND, SecureStatefulHeadTask.ditto((DittoTask) handlers.get(DittoTask.KIND)));
             if (secure.containsKey(task.kind)) {      // the vector it would mask
                 StringBuilder v = new StringBuilder("VECTOR");
                 for (double x : secure.get(task.kind).contribute(task.params, msg.tensors).vector) v.append(' ').append(x);
@@ -122,7 +126,8 @@ public final class TaskRunner {
         return printed.toString();
     }
 
-    /** A secure kind in the batch (args: task, features, result, round config JSON): the vector the
+    /** A secure kind in the batch (args: task, features, result, round config JSON[, held-out
+     *  features or "-", state folder] for scaffold.head.secure and ditto.head.secure): the vector the
      *  device would mask (float64 LE to result + ".vector") and the words SecAgg masks, its fixed-point
      *  encoding under the round's config (uint64 LE to result); prints "DONE" (with "STEPS" for
      *  fedavg.secure), "DECLINED <why>" (the task refused) or "OUT_OF_RANGE <why>" (the encoder refused
@@ -131,8 +136,19 @@ public final class TaskRunner {
         Messages.Task task = Messages.parseTask(msg);
         FeatureFile data = FeatureFile.read(args[1]);
         FedAvgHeadTask head = new FedAvgHeadTask(data, new PrecomputedFeatures(data.dim));
-        SecureTask secure = task.kind.equals(SecureFedAvgTask.KIND) ? new SecureFedAvgTask(head, zeroNoise())
-                : new SecureFed3RTask(new Fed3RStatsTask(data, new PrecomputedFeatures(data.dim)), zeroNoise());
+        SecureTask secure;
+        if (task.kind.equals(SecureStatefulHeadTask.SCAFFOLD_KIND) || task.kind.equals(SecureStatefulHeadTask.DITTO_KIND)) {
+            // args[4]: held-out features ("-": none), args[5]: the case's state folder
+            DeviceStateStore store = new DeviceStateStore(new java.io.File(args[5]), DeviceStateStore.DEFAULT_BUDGET_BYTES,
+                    () -> System.currentTimeMillis() / 1000.0);
+            FeatureFile heldOut = args[4].equals("-") ? null : FeatureFile.read(args[4]);
+            secure = task.kind.equals(SecureStatefulHeadTask.SCAFFOLD_KIND)
+                    ? SecureStatefulHeadTask.scaffold(new ScaffoldTask(data, new PrecomputedFeatures(data.dim), store))
+                    : SecureStatefulHeadTask.ditto(new DittoTask(data, heldOut, new PrecomputedFeatures(data.dim), store), zeroNoise());
+        } else {
+            secure = task.kind.equals(SecureFedAvgTask.KIND) ? new SecureFedAvgTask(head, zeroNoise())
+                    : new SecureFed3RTask(new Fed3RStatsTask(data, new PrecomputedFeatures(data.dim)), zeroNoise());
+        }
         double[] v;
         try {
             v = secure.contribute(task.params, msg.tensors).vector;

@@ -82,6 +82,10 @@ public final class HeadlessDevices {
                 if (o.aggregatorKey != null) {    // enrolled and trusting the aggregator: Fed3R-Sync and secure FedAvg too
                     o.secure.put(SecureFed3RTask.KIND, new SecureFed3RTask((Fed3RStatsTask) handlers.get(Fed3RStatsTask.KIND)));
                     o.secure.put(SecureFedAvgTask.KIND, new SecureFedAvgTask((FedAvgHeadTask) handlers.get(FedAvgHeadTask.KIND)));
+                    if (stateDir != null) {     // and the stateful heads' secure kinds, over the same store
+                        o.secure.put(SecureStatefulHeadTask.SCAFFOLD_KIND, SecureStatefulHeadTask.scaffold((ScaffoldTask) handlers.get(ScaffoldTask.KIND)));
+                        o.secure.put(SecureStatefulHeadTask.DITTO_KIND, SecureStatefulHeadTask.ditto((DittoTask) handlers.get(DittoTask.KIND)));
+                    }
                 }
             }
             o.info.put("sdk", "java");

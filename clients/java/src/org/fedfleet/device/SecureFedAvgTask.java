@@ -31,27 +31,34 @@ public final class SecureFedAvgTask implements SecureTask {
         if (order.size() != 2 || !order.containsAll(SecureUpdateRound.HEAD_ORDER))
             throw new TaskDeclined("vector_order " + order + " does not name exactly the trained tensors [bias, weight]");
         HeadTrainer.Trained t = training.train(task.head, tensors);
-        double[] trained = inOrder(order, t.weight, t.bias);
+        return new Contribution(round.group, vector(round, t.n, inOrder(order, t.weight, t.bias), start(order, t.bias.length, t.weight.length / t.bias.length, tensors), noise));
+    }
+
+    /** The vector a FedAvg-family device masks (secure_fedavg_training.py SecureFedAvgTraining.vector):
+     *  [n·θ | n] of its trained tensors (in the round's order; θ_t + the clipped update under
+     *  update_clip_norm), declined beyond the round's bounds; under distributed DP [clip(θ − θ_t) | 1]
+     *  with this device's noise share. Also used by the stateful heads' secure kinds (SecureStatefulHeadTask). */
+    static double[] vector(SecureUpdateRound round, long n, double[] trained, double[] start, SkellamNoise noise) throws TaskDeclined {
         if (round.dp != null) {         // distributed DP-FedAvg: [clip(θ_k − θ_t) | 1] plus this device's noise share
-            double[] v = withCount(clippedDelta(round.dp.clipNorm, trained, start(order, t, tensors)), 1.0);
-            return new Contribution(round.group, noise.add(v, round.dp, trained.length));
+            double[] v = withCount(clippedDelta(round.dp.clipNorm, trained, start), 1.0);
+            return noise.add(v, round.dp, trained.length);
         }
-        if (t.n > round.maxSamples)
-            throw new TaskDeclined(t.n + " local samples exceed the round's bound of " + round.maxSamples);
+        if (n > round.maxSamples)
+            throw new TaskDeclined(n + " local samples exceed the round's bound of " + round.maxSamples);
         if (round.updateClipNorm != null && round.updateClipNorm > 0) {       // bounded influence: θ_t + clip(θ_k − θ_t)
-            double[] start = start(order, t, tensors), delta = clippedDelta(round.updateClipNorm, trained, start);
+            double[] delta = clippedDelta(round.updateClipNorm, trained, start);
             for (int i = 0; i < trained.length; i++) trained[i] = start[i] + delta[i];
         }
         double largest = 0;
         for (double v : trained) largest = Math.max(largest, Math.abs(v));
         if (largest > round.maxAbsParam)
             throw new TaskDeclined(String.format("trained model has |θ| = %.3g > the round's bound %s", largest, round.maxAbsParam));
-        for (int i = 0; i < trained.length; i++) trained[i] *= (double) t.n;
-        return new Contribution(round.group, withCount(trained, t.n));
+        for (int i = 0; i < trained.length; i++) trained[i] *= (double) n;
+        return withCount(trained, n);
     }
 
     /** The head's two tensors as one vector, in the round's vector order. */
-    private static double[] inOrder(List<String> order, float[] weight, float[] bias) {
+    static double[] inOrder(List<String> order, float[] weight, float[] bias) {
         double[] v = new double[weight.length + bias.length];
         int k = 0;
         for (String name : order)
@@ -59,15 +66,14 @@ public final class SecureFedAvgTask implements SecureTask {
         return v;
     }
 
-    /** The head the task sent (θ_t), in the round's vector order. */
-    private static double[] start(List<String> order, HeadTrainer.Trained t, List<Envelope.Tensor> tensors) throws TaskDeclined {
-        long[] weightShape = {t.bias.length, t.weight.length / t.bias.length};
-        return inOrder(order, FedAvgHeadTask.headTensor(tensors, "weight", weightShape),
-                FedAvgHeadTask.headTensor(tensors, "bias", new long[] {t.bias.length}));
+    /** The head the task sent (θ_t, `classes` × `dim`), in the round's vector order. */
+    static double[] start(List<String> order, int classes, int dim, List<Envelope.Tensor> tensors) throws TaskDeclined {
+        return inOrder(order, FedAvgHeadTask.headTensor(tensors, "weight", new long[] {classes, dim}),
+                FedAvgHeadTask.headTensor(tensors, "bias", new long[] {classes}));
     }
 
     /** θ_k − θ_t clipped to clipNorm as one vector over both tensors (protocols/clipping.py clip_update). */
-    private static double[] clippedDelta(double clipNorm, double[] trained, double[] start) {
+    static double[] clippedDelta(double clipNorm, double[] trained, double[] start) {
         double[] delta = new double[trained.length];
         double sq = 0;
         for (int i = 0; i < delta.length; i++) {
@@ -79,7 +85,7 @@ public final class SecureFedAvgTask implements SecureTask {
         return delta;
     }
 
-    private static double[] withCount(double[] v, double count) {
+    static double[] withCount(double[] v, double count) {
         double[] out = java.util.Arrays.copyOf(v, v.length + 1);
         out[v.length] = count;
         return out;
