@@ -112,7 +112,10 @@ def test_a_signed_result_with_an_extra_10_mb_tensor_is_refused_and_nothing_of_it
         a.stop()
     assert result["state"] == "done" and sorted(result["contributed"]) == DEVICES, result
     assert fat.calls == 2                           # refused once, asked again, then contributed
-    assert result["rejections"].get("invalid payload") == 1, result["rejections"]
+    # refused; on a loaded machine the device may resend that same message before the refusal
+    # reaches it (no ack within its retry window), and the resend is refused too
+    assert result["rejections"].get("invalid payload", 0) >= 1, result["rejections"]
+    assert set(result["rejections"]) == {"invalid payload"}, result["rejections"]
     db = sqlite3.connect(tmp_path / "state.db")
     rows = db.execute("SELECT device, payload_bytes FROM contributions ORDER BY device").fetchall()
     assert [d for d, _ in rows] == DEVICES and max(n for _, n in rows) < 10_000, rows
