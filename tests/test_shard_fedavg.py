@@ -155,14 +155,14 @@ def test_a_device_message_carrying_a_shard_receipt_is_refused_and_changes_nothin
     assert job.contributed == {} and job.samples == 0 and not list(svc.store.contributions(config["job_id"]))
 
 
-def test_only_fed3r_and_fedavg_declare_shard_sums_none_inherits_them():
+def test_only_the_kinds_that_declare_shard_sums_have_them_none_inherits_them():
     """A kind is shardable by its own registry entry: FedNCM (a Fed3R job) and FedAvg's subclasses
-    (FT(φ), pp, Scaffold, FedGloSS, FedBuff, secure) sum or step otherwise, and a new kind starts
-    unshardable until it declares how its sums split."""
+    that sum or step otherwise (Scaffold, FedGloSS, FedBuff, secure) have none, and a new kind
+    starts unshardable until it declares how its sums split. FT(φ)/FT(M) declares FedAvg's."""
     from aggregator.jobs.registry import KINDS
     from aggregator.shards.partial_sums import additive
 
-    assert {name for name, kind in KINDS.items() if kind.shard_sums is not None} == {"fed3r", "fedavg"}
-    for name in ("fedncm", "fedavg-tail", "pp", "scaffold", "fedgloss", "fedavg-async", "fedavg-secure"):
+    assert {name for name, kind in KINDS.items() if kind.shard_sums is not None} == {"fed3r", "fedavg", "fedavg-tail"}
+    for name in ("fedncm", "pp", "scaffold", "fedgloss", "fedavg-async", "fedavg-secure"):
         with pytest.raises(ValueError, match="no additive state"):
             additive(name)

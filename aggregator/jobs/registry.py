@@ -61,7 +61,7 @@ class JobKind:
     task_kinds: tuple[str, ...]                    # the wire kinds its tasks have (protocols/payloads/task_kinds.py)
     factory: Callable | None = None                # config -> job (default: job_cls(config))
     # How shards sum this kind (aggregator/shards/; None: --shards refuses it). Declared per kind,
-    # never inherited: a subclass (FedNCM, FT(φ), pp, Scaffold, ...) aggregates otherwise.
+    # never inherited: a subclass (FedNCM, Scaffold, FedGloSS, ...) may aggregate otherwise.
     shard_sums: AdditiveState | None = None
     # How shards host this kind's secure groups (aggregator/shards/secure_groups.py; None: they do not).
     shard_groups: SecureGroupPlacement | None = None
@@ -97,7 +97,7 @@ KINDS: dict[str, JobKind] = {k.name: k for k in (
     JobKind("fedavg-secure", SecureFedAvgConfig, SecureFedAvgJob, "FedAvg(ψ) with each round's updates summed under SecAgg",
             (SECURE_FEDAVG_KIND,), shard_groups=SecureGroupPlacement()),
     JobKind("fedavg-tail", TailFedAvgConfig, TailFedAvgJob, "FedAvg of the backbone's last stages: FT(φ) or FT(M)",
-            (FEDAVG_TAIL_KIND,)),
+            (FEDAVG_TAIL_KIND,), shard_sums=FedAvgRoundSums()),
     JobKind("fedavg-tail-secure", SecureTailFedAvgConfig, SecureTailFedAvgJob, "FT(φ)/FT(M) summed under SecAgg",
             (SECURE_TAIL_KIND,)),
     JobKind("pp", PartialConfig, PartialPersonalizationJob,
