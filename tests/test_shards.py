@@ -21,7 +21,7 @@ import pytest
 from aggregator.shards.buckets import shard_of
 from fedfleet.emulation.broker import MosquittoBroker
 
-from ops_fleet import Features, Fleet, prepare, reference_sums, run_aggregator, run_uninterrupted, start_aggregator_in
+from ops_fleet import Features, Fleet, features_of, prepare, reference_sums, run_aggregator, run_uninterrupted, start_aggregator_in
 
 DEVICES = [f"dev{i:02d}" for i in range(10)]
 # Ray is an optional extra (fedfleet[ray]); `make setup` installs it, so these run in CI
@@ -218,16 +218,49 @@ def tail_job(request) -> RoundJob:
     return RoundJob(TAIL_DEVICES, config, handlers)
 
 
+def pp_handlers(device: str, workdir) -> tuple[dict, dict]:
+    """FedAlt on the synthetic features: each device keeps its bias in its own state store (in the
+    run's folder: every run starts from empty stores) and reports on its held-out split."""
+    from edge_client.handlers import HandlerConfig, device_handlers
+    from edge_client.state import DeviceStateStore
+
+    return device_handlers(features_of(device), lambda *_, **__: Features(), HandlerConfig(),
+                           DeviceStateStore(workdir / "device-state" / device)), {}
+
+
 def round_job(kind: str, request) -> RoundJob:
     if kind == "fedavg":
         return RoundJob(DEVICES, FEDAVG)
+    if kind == "pp":
+        return RoundJob(DEVICES, {**FEDAVG, "kind": "pp", "pp_algorithm": "fedalt"}, pp_handlers)
     return tail_job(request)
 
 
-def run_rounds(workdir, job: RoundJob, extra=(), crash=None, gates=None):
+def gated(handler, gate: threading.Event):
+    """``handler`` waiting for ``gate`` before each task (a round that cannot close until a test says)."""
+    def run(params, tensors=None):
+        gate.wait(240)
+        return handler(params, tensors)
+    return run
+
+
+def fleet_handlers(job: RoundJob, workdir, gates=None):
+    """The Fleet's handlers of ``job``'s devices, the ``gates``' devices' gated (None: the synthetic
+    head trainer, which the Fleet gates itself)."""
+    if job.handlers is None:
+        return None
+
+    def handlers(device):
+        plain, protocol = job.handlers(device, workdir)
+        if device in (gates or {}):
+            plain = {kind: gated(h, gates[device]) for kind, h in plain.items()}
+        return plain, protocol
+    return handlers
+
+
+def run_rounds(workdir, job: RoundJob, extra=(), crash=None):
     prepare(workdir, job.devices, **job.config)
-    handlers = None if job.handlers is None else (lambda device: job.handlers(device, workdir))
-    with MosquittoBroker() as broker, Fleet(broker.url, job.devices, kind="fedavg", handlers=handlers, gates=gates):
+    with MosquittoBroker() as broker, Fleet(broker.url, job.devices, kind="fedavg", handlers=fleet_handlers(job, workdir)):
         rc, log = run_aggregator(workdir, broker.url, workdir / "state.db", crash=crash, extra=list(extra))
     return rc, log
 
@@ -257,6 +290,10 @@ def assert_same_fedavg_model(got, want, job: RoundJob = RoundJob(DEVICES, FEDAVG
         assert got[0][name].tobytes() == want[0][name].tobytes(), name          # bit for bit
     assert got[1]["contributed"] == want[1]["contributed"] and got[1]["state"] == "done"
     assert sum(want[1]["contributed"].values()) == job.config["rounds"] * job.config["clients_per_round"]
+    same = ("round", "contributions", "samples", "server_steps", "personal_wma", "global_wma", "heldout_devices")
+    assert {k: got[1]["final"].get(k) for k in same} == {k: want[1]["final"].get(k) for k in same}   # pp: its WMAs
+    if job.config["kind"] == "pp":
+        assert want[1]["final"]["heldout_devices"] == len(want[1]["contributed"])
 
 
 def fedavg_rounds_held(state, shard: int) -> set[int]:
@@ -267,9 +304,11 @@ def fedavg_rounds_held(state, shard: int) -> set[int]:
         return set()
 
 
-# FT(φ)/FT(M) is FedAvg's round sums over more tensors: its Ray and SIGKILL runs are FedAvg's
-ROUND_RUNS = [("fedavg", "local"), ("fedavg-tail", "local"),
-              pytest.param("fedavg", "ray", marks=[pytest.mark.slow, needs_ray, pytest.mark.ray_cluster])]
+# FT(φ)/FT(M) is FedAvg's round sums over more tensors: its Ray and SIGKILL runs are FedAvg's;
+# pp's receipts carry its held-out reports as well: it has its own
+ROUND_RUNS = [("fedavg", "local"), ("fedavg-tail", "local"), ("pp", "local"),
+              *(pytest.param(kind, "ray", marks=[pytest.mark.slow, needs_ray, pytest.mark.ray_cluster])
+                for kind in ("fedavg", "pp"))]
 
 
 @pytest.mark.parametrize("kind,on", ROUND_RUNS)
@@ -285,19 +324,22 @@ def test_fedavg_rounds_on_two_shards_give_one_aggregators_model_bit_for_bit(tmp_
     assert all(rows) and all(shard_of(d, 2) == i for i, held in enumerate(rows) for d, _ in held)
 
 
-def test_fedavg_on_shards_resumes_bit_for_bit_after_the_coordinator_and_a_shard_are_sigkilled(tmp_path,
+@pytest.mark.parametrize("kind", ["fedavg", "pp"])      # pp: its receipts' reports replayed after the restart
+def test_fedavg_on_shards_resumes_bit_for_bit_after_the_coordinator_and_a_shard_are_sigkilled(tmp_path, kind,
                                                                                             rounds_unsharded, request):
     """The coordinator dies closing round 1 (its shards with it); restarted, it closes the round
     again on the shards' stores. Then a shard is SIGKILLed once it holds a round-2 update: restarted
     on its store, it answers round 2's close. The other shard's devices hold their round-2 updates
     until the kill, so the round cannot close before it (however the machine schedules them)."""
     options = ["--shards", "2"]
-    rc, log = run_rounds(tmp_path, round_job("fedavg", request), options, crash="round_closing")
+    job = round_job(kind, request)
+    rc, log = run_rounds(tmp_path, job, options, crash="round_closing")
     assert rc == -9, log[-3000:]
     state, victim = tmp_path / "state.db", 0
     held_back = threading.Event()
     gates = {d: held_back for d in DEVICES if shard_of(d, 2) != victim}
-    with MosquittoBroker() as broker, Fleet(broker.url, DEVICES, kind="fedavg", gates=gates):
+    with MosquittoBroker() as broker, Fleet(broker.url, DEVICES, kind="fedavg", gates=gates,
+                                            handlers=fleet_handlers(job, tmp_path, gates)):
         proc = start_aggregator_in(tmp_path, broker.url, state, options)
         try:
             deadline = time.monotonic() + 240
@@ -313,4 +355,4 @@ def test_fedavg_on_shards_resumes_bit_for_bit_after_the_coordinator_and_a_shard_
     out = proc.output()
     assert proc.returncode == 0, out[-3000:]
     assert f"shard {victim} exited" in out
-    assert_same_fedavg_model(fedavg_outputs(tmp_path / "out"), rounds_unsharded("fedavg", request))
+    assert_same_fedavg_model(fedavg_outputs(tmp_path / "out"), rounds_unsharded(kind, request), job)

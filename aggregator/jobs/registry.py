@@ -49,6 +49,7 @@ from aggregator.jobs.secure_ladd import SecureLaddConfig, SecureLaddJob
 from aggregator.shards.fed3r_sums import Fed3RSums
 from aggregator.shards.fedavg_sums import FedAvgRoundSums
 from aggregator.shards.group_placement import SecureGroupPlacement
+from aggregator.shards.personal_sums import PersonalRoundSums
 from aggregator.shards.sum_tree import AdditiveState
 
 
@@ -102,7 +103,7 @@ KINDS: dict[str, JobKind] = {k.name: k for k in (
             (SECURE_TAIL_KIND,), shard_groups=SecureGroupPlacement()),
     JobKind("pp", PartialConfig, PartialPersonalizationJob,
             "FedSim/FedAlt partial personalization: shared head weights averaged, each device's bias kept on it",
-            (PP_KIND,)),
+            (PP_KIND,), shard_sums=PersonalRoundSums()),
     JobKind("pp-secure", SecurePartialConfig, SecurePartialJob,
             "FedSim/FedAlt with each round's shared-weight updates summed under SecAgg", (SECURE_PP_KIND,),
             shard_groups=SecureGroupPlacement()),
