@@ -111,6 +111,24 @@ def test_shards_close_fedavg_rounds_to_one_aggregators_bytes(tmp_path, shards_co
         assert "personal_wma" in single.evaluate(None, None)
 
 
+def test_a_shard_sums_every_bucket_with_its_own_job_not_a_new_one_each(tmp_path, monkeypatch):
+    """FedAvg's round sums only read the job (its parser, its config): a shard builds its job once,
+    at ``set_job``, not once per bucket and phase (FT(φ)'s build loads its tail program)."""
+    import aggregator.shards.partial_sums as partial_sums
+    import aggregator.shards.shard as shard_module
+
+    built = []
+
+    def counted(kind, config):
+        built.append(kind)
+        return build_job(kind, config)
+    monkeypatch.setattr(shard_module, "build_job", counted)
+    monkeypatch.setattr(partial_sums, "build_job", counted)
+    single, coordinator, asked = run_rounds(tmp_path, 2, late="dev04")
+    assert asked.count("sums") == CONFIG["rounds"] and built == ["fedavg", "fedavg"]     # one per shard
+    assert coordinator.state_dict()["weight"].tobytes() == single.state_dict()["weight"].tobytes()
+
+
 def test_one_aggregators_tree_mean_is_the_bound_layers_mean(tmp_path):
     """The canonical tree sum is the unsplit layers' result (another code path: vectorised norms,
     a BLAS product) up to rounding, with the outlier bounded."""
