@@ -329,15 +329,18 @@ def test_fedavg_on_shards_resumes_bit_for_bit_after_the_coordinator_and_a_shard_
                                                                                             rounds_unsharded, request):
     """The coordinator dies closing round 1 (its shards with it); restarted, it closes the round
     again on the shards' stores. Then a shard is SIGKILLed once it holds a round-2 update: restarted
-    on its store, it answers round 2's close. The other shard's devices hold their round-2 updates
-    until the kill, so the round cannot close before it (however the machine schedules them)."""
+    on its store, it answers round 2's close. Every device but one of the victim's holds its round-2
+    update until the kill, so the round cannot close before it (however the machine schedules them;
+    round 2's six, drawn by the job's seed, are all shard 0's: gating shard 1's alone held nothing)."""
     options = ["--shards", "2"]
     job = round_job(kind, request)
     rc, log = run_rounds(tmp_path, job, options, crash="round_closing")
     assert rc == -9, log[-3000:]
     state, victim = tmp_path / "state.db", 0
     held_back = threading.Event()
-    gates = {d: held_back for d in DEVICES if shard_of(d, 2) != victim}
+    first = "dev00"                         # shard 0's, in round 2 (else no round-2 update is ever stored)
+    assert shard_of(first, 2) == victim
+    gates = {d: held_back for d in DEVICES if d != first}
     with MosquittoBroker() as broker, Fleet(broker.url, DEVICES, kind="fedavg", gates=gates,
                                             handlers=fleet_handlers(job, tmp_path, gates)):
         proc = start_aggregator_in(tmp_path, broker.url, state, options)
