@@ -253,6 +253,8 @@ class _Phases:
         job = {**self.common, "job_id": job_id, "rounds": cfg.pp_rounds, "clients_per_round": cfg.clients_per_round,
                "round_timeout_s": cfg.round_timeout_s, "client_lr": cfg.pp_client_lr, **fields,
                "init": "fed3r", "initial_head_file": str(head_dir / "model.npz"), **self.secure_fields}
+        if cfg.shards and kind == "pp":     # as FT(ψ)'s: the direction screen's median needs every update in one place
+            job["direction_screen"] = False
         self._job(name, kind, job, job_dir, self.out / "eval_features.npz", cfg.pp_rounds * cfg.clients_per_round)
         return job_dir, {"personal_job": job_id}
 

@@ -16,13 +16,14 @@ import time
 import numpy as np
 import pytest
 
+from aggregator.jobs.device_state_fields import RUN_KEY
 from aggregator.shards.buckets import shard_of
 from fedfleet.emulation.broker import MosquittoBroker
 
 from protocols.payloads.secagg import SECAGG_TYPE
 
-from ops_fleet import (REPO, Fleet, SecureKeys, aggregator_cmd, aggregator_env, feature_handlers, prepare, reference_sums,
-                       run_aggregator, secure_fed3r_handlers, with_secure)
+from ops_fleet import (REPO, Features, Fleet, SecureKeys, aggregator_cmd, aggregator_env, feature_handlers, features_of,
+                       prepare, reference_sums, run_aggregator, secure_fed3r_handlers, with_secure)
 
 # Ray is an optional extra (fedfleet[ray]); `make setup` installs it, so the Ray test runs in CI
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs fedfleet[ray]")
@@ -38,27 +39,56 @@ def outputs(out_dir, files=("model.npz", "statistics.npz")):
 def assert_same_bytes(got, want):
     assert [sorted(a) for a in got] == [sorted(a) for a in want]
     for g, w in zip(got, want):
-        for name in w:
+        for name in set(w) - {RUN_KEY}:     # pp's run id: a random nonce of each run, never the model's
             assert g[name].tobytes() == w[name].tobytes(), name         # bit for bit
 
 
-def run_secure(workdir, keys, kind: str, extra=(), **job) -> tuple[int, str]:
+def state_feature_handlers(workdir):
+    """The real device handlers on the synthetic features, each device with its own state store
+    (pp keeps its personal part there) in ``workdir``: every run starts from empty stores."""
+    from edge_client.handlers import HandlerConfig, device_handlers
+    from edge_client.state import DeviceStateStore
+
+    def handlers(device: str) -> dict:
+        return device_handlers(features_of(device), lambda *_, **__: Features(), HandlerConfig(),
+                               DeviceStateStore(workdir / "device-state" / device))
+    return handlers
+
+
+def tail_handlers(request):
+    """FT(M)'s device handlers on the suite's 32 px tail bundle: 12 Fashion-MNIST images a device."""
+    from edge_client.data import load_fashion_mnist
+    from edge_client.handlers import HandlerConfig, LocalData, SharedExtractors, device_handlers
+
+    manifest = request.getfixturevalue("tail_bundle")
+    images, labels = load_fashion_mnist("train")
+    extractors = SharedExtractors(lambda *_: Features(), None)
+
+    def handlers(device: str) -> dict:
+        i = DEVICES.index(device)
+        data = LocalData(images[12 * i:12 * i + 12], labels[12 * i:12 * i + 12].astype(np.int64), np.arange(12))
+        return device_handlers(data, extractors, HandlerConfig(tail_manifest=str(manifest)))
+    return handlers, manifest
+
+
+def run_secure(workdir, keys, kind: str, extra=(), plain=None, **job) -> tuple[int, str]:
     """The job on a fresh broker and state, its devices verifying that every message they get is
-    signed by the aggregator's key (a shard hosting a group signs as the aggregator)."""
+    signed by the aggregator's key (a shard hosting a group signs as the aggregator). ``plain``:
+    ``workdir -> device -> handlers`` (default: the real handlers on the synthetic features)."""
     prepare(workdir, DEVICES, kind=kind, max_samples=100, phase_timeout_s=5, **job, **keys.job_fields(workdir.parent))
-    handlers = None if kind == "fed3r-sync" else with_secure(keys, feature_handlers)
+    handlers = None if kind == "fed3r-sync" else with_secure(keys, (plain or (lambda _w: feature_handlers))(workdir))
     with MosquittoBroker() as broker, Fleet(broker.url, DEVICES, kind=kind, secure=keys, handlers=handlers,
                                             aggregator_key=keys.aggregator.public_key_bytes):
         return run_aggregator(workdir, broker.url, workdir / "state.db", extra=list(extra), timeout=90)
 
 
-def one_and_sharded(tmp_path, kind: str, sharded=SHARDS, **job):
+def one_and_sharded(tmp_path, kind: str, sharded=SHARDS, plain=None, **job):
     """(one aggregator's, two shards') outputs of the same job with the same keys."""
     keys = SecureKeys.create(tmp_path, DEVICES)
     runs = []
     for name, extra in (("one", ()), ("sharded", sharded)):
         (tmp_path / name).mkdir()
-        rc, log = run_secure(tmp_path / name, keys, kind, extra, **job)
+        rc, log = run_secure(tmp_path / name, keys, kind, extra, plain, **job)
         assert rc == 0, log[-3000:]
         assert "rejected message" not in log            # no secagg message reached the coordinator
         runs.append(outputs(tmp_path / name / "out"))
@@ -78,10 +108,25 @@ def test_secure_fed3r_sync_on_two_shards_gives_one_aggregators_model_bit_for_bit
     np.testing.assert_allclose(stats["B"], B_ref, rtol=1e-10, atol=1e-8)
 
 
-def test_secure_fedavg_on_two_shards_gives_one_aggregators_model_bit_for_bit(tmp_path):
+def secure_round_job(kind: str, request) -> tuple:
+    """(device handlers, the kind's job fields) of a secure FedAvg family kind: every one is a
+    ``SecureFedAvgJob`` whose groups shards host the same way (``group_placement.py``)."""
+    fields = {"rounds": 2, "clients_per_round": 3, "local_epochs": 1, "max_abs_param": 50.0}
+    if kind == "fedavg-secure":
+        return None, fields
+    if kind == "pp-secure":
+        return state_feature_handlers, {**fields, "pp_algorithm": "fedalt"}
+    handlers, manifest = tail_handlers(request)
+    return (lambda _workdir: handlers), {
+        **fields, "num_classes": 10, "feature_dim": 1280, "image_size": 32, "batch_size": 6, "client_lr": 0.01,
+        "train": "tail+head", "tail_stages": 1, "init": "zeros", "tail_program_file": str(manifest.parent / "tail_eval.pt2")}
+
+
+@pytest.mark.parametrize("kind", ["fedavg-secure", "pp-secure", "fedavg-tail-secure"])
+def test_secure_fedavg_kinds_on_two_shards_give_one_aggregators_model_bit_for_bit(tmp_path, kind, request):
     """Two rounds of three of the six devices, each round's group on its own shard."""
-    (want, want_results), (got, results) = one_and_sharded(
-        tmp_path, "fedavg-secure", rounds=2, clients_per_round=3, local_epochs=1, max_abs_param=50.0)
+    plain, fields = secure_round_job(kind, request)
+    (want, want_results), (got, results) = one_and_sharded(tmp_path, kind, plain=plain, **fields)
     assert_same_bytes(got, want)
     assert results["contributed"] == want_results["contributed"] and results["state"] == "done"
     assert sum(results["contributed"].values()) == 2 * 3
@@ -197,7 +242,7 @@ def test_a_shard_sigkilled_hosting_a_group_fails_it_with_the_reason_and_the_job_
 
 
 def test_simulate_shards_takes_the_secure_kinds_shards_host_and_says_why_not_for_the_others(tmp_path):
-    """``fedfleet simulate --secure --shards K``: Fed3R-Sync and secure FedAvg(ψ) get the shard
+    """``fedfleet simulate --secure --shards K``: Fed3R-Sync and the secure FedAvg family get the shard
     options (their registry entries' ``shard_groups``); secure kinds without it run in one process."""
     import dataclasses
 
@@ -209,6 +254,7 @@ def test_simulate_shards_takes_the_secure_kinds_shards_host_and_says_why_not_for
     common = {"job_id": "s", "num_classes": C, "feature_dim": D, "max_samples": 100, **keys.job_fields(tmp_path)}
     assert aggregator_shards(cfg, "fed3r-sync", common) == (["--shards", "2"], "")
     assert aggregator_shards(cfg, "fedavg-secure", {**common, "rounds": 1}) == (["--shards", "2"], "")
+    assert aggregator_shards(cfg, "pp-secure", {**common, "rounds": 1}) == (["--shards", "2"], "")
     options, why = aggregator_shards(cfg, "fedncm-sync", common)
     assert options == [] and "fedncm-sync" in why
     from aggregator.jobs.registry import build_job

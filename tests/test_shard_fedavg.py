@@ -17,6 +17,7 @@ from protocols import messages as M
 from protocols.chunking import split
 from protocols.envelope import decode, encode
 from protocols.payloads.fedavg import KIND, encode_head_update
+from protocols.payloads.partial import KIND as PP_KIND, PersonalReport, encode_partial_update
 from protocols.rounds import RoundClosed
 from protocols.topics import Topics
 
@@ -41,13 +42,20 @@ class InProcessShards:
         return merged
 
 
-def update_message(device: str, round_: int, head: dict, rng) -> bytes:
-    """A device's trained head: the served one moved by noise; dev01 pushes 40 times harder."""
+def update_message(device: str, round_: int, head: dict, rng, kind: str = "fedavg") -> bytes:
+    """A device's trained head: the served one moved by noise; dev01 pushes 40 times harder. A
+    ``pp`` device sends the shared weight only, with its held-out report (dev02 holds none out)."""
     scale = 40.0 if device == "dev01" else 1.0
     weight = head["weight"] + scale * rng.normal(scale=0.1, size=(C, D))
     bias = head["bias"] + scale * rng.normal(scale=0.1, size=C)
-    body, tensors = encode_head_update(weight, bias, int(rng.integers(5, 60)))
-    env = M.result_message(device, M.TaskRef(CONFIG["job_id"], round_, "t"), KIND, body, tensors)
+    n = int(rng.integers(5, 60))
+    if kind == "pp":
+        n_test = 0 if device == "dev02" else int(rng.integers(1, 20))
+        report = PersonalReport(n_test, int(rng.integers(0, n_test + 1)), int(rng.integers(0, n_test + 1)), False)
+        (body, tensors), wire = encode_partial_update(weight, n, report), PP_KIND
+    else:
+        (body, tensors), wire = encode_head_update(weight, bias, n), KIND
+    env = M.result_message(device, M.TaskRef(CONFIG["job_id"], round_, "t"), wire, body, tensors)
     env.id = f"{round_:04x}{int(device[3:]):028x}"
     return encode(env)
 
@@ -58,19 +66,21 @@ def feed(shard: ShardIngest, device: str, raw: bytes) -> Receipt:
     return outs[-1]
 
 
-def run_rounds(tmp_path, shards_count: int, late: str):
+def run_rounds(tmp_path, shards_count: int, late: str, kind: str = "fedavg"):
     """(one aggregator's job, the coordinator's job, what the coordinator asked) after the job's rounds."""
     shards = [ShardIngest(k, shards_count, Store(tmp_path / f"k{shards_count}-s{k}.db")) for k in range(shards_count)]
     for s in shards:
-        s.set_job(CONFIG["job_id"], "fedavg", CONFIG)
+        s.set_job(CONFIG["job_id"], kind, CONFIG)
     pool = InProcessShards(shards)
-    single, coordinator = build_job("fedavg", CONFIG), ShardedRoundsJob(build_job("fedavg", CONFIG), "fedavg", pool)
+    single, coordinator = build_job(kind, CONFIG), ShardedRoundsJob(build_job(kind, CONFIG), kind, pool)
+    if kind == "pp":        # one run of the job (its devices' state binding), not two
+        coordinator.inner.device_state.run = single.device_state.run
     rng = np.random.default_rng(7)
     for _ in range(CONFIG["rounds"]):
         chosen = single.next_participants(set(DEVICES))
         assert coordinator.next_participants(set(DEVICES)) == chosen
         for device in reversed(chosen):         # arrival order is not the canonical order
-            raw = update_message(device, single.round, single.task_for(device)[1], rng)
+            raw = update_message(device, single.round, single.task_for(device)[1], rng, kind)
             receipt = feed(shards[shard_of(device, shards_count)], device, raw)
             if device == late:                  # receipted, but the coordinator refused it: in no sum
                 continue
@@ -82,14 +92,41 @@ def run_rounds(tmp_path, shards_count: int, late: str):
     return single, coordinator, pool.asked
 
 
+@pytest.mark.parametrize("kind", ["fedavg", "pp"])
 @pytest.mark.parametrize("shards_count", [2, 3])
-def test_shards_close_fedavg_rounds_to_one_aggregators_bytes(tmp_path, shards_count):
-    single, coordinator, asked = run_rounds(tmp_path, shards_count, late="dev04")
+def test_shards_close_fedavg_rounds_to_one_aggregators_bytes(tmp_path, shards_count, kind):
+    """pp (FedSim/FedAlt): the shared weight's rounds, and the held-out WMA from the receipts'
+    reports the same as from the results' (each device's latest; one without a split reports none)."""
+    single, coordinator, asked = run_rounds(tmp_path, shards_count, late="dev04", kind=kind)
     assert asked == ["statistics", "statistics", "sums"] * CONFIG["rounds"]     # norm, then weight bound, then sums
     for name, value in single.state_dict().items():
         assert coordinator.state_dict()[name].tobytes() == value.tobytes(), name
     assert coordinator.contributed == single.contributed and "dev04" not in single.contributed
     assert coordinator.inner.samples == single.samples and coordinator.round == single.round == 2
+    assert coordinator.evaluate(None, None) == single.evaluate(None, None)
+    assert coordinator.bookkeeping() == single.bookkeeping()
+    if kind == "pp":
+        assert coordinator.inner.heldout == single.heldout and "dev02" not in single.heldout
+        assert sorted(single.heldout) == sorted(set(single.contributed) - {"dev02"})
+        assert "personal_wma" in single.evaluate(None, None)
+
+
+def test_a_shard_sums_every_bucket_with_its_own_job_not_a_new_one_each(tmp_path, monkeypatch):
+    """FedAvg's round sums only read the job (its parser, its config): a shard builds its job once,
+    at ``set_job``, not once per bucket and phase (FT(φ)'s build loads its tail program)."""
+    import aggregator.shards.partial_sums as partial_sums
+    import aggregator.shards.shard as shard_module
+
+    built = []
+
+    def counted(kind, config):
+        built.append(kind)
+        return build_job(kind, config)
+    monkeypatch.setattr(shard_module, "build_job", counted)
+    monkeypatch.setattr(partial_sums, "build_job", counted)
+    single, coordinator, asked = run_rounds(tmp_path, 2, late="dev04")
+    assert asked.count("sums") == CONFIG["rounds"] and built == ["fedavg", "fedavg"]     # one per shard
+    assert coordinator.state_dict()["weight"].tobytes() == single.state_dict()["weight"].tobytes()
 
 
 def test_one_aggregators_tree_mean_is_the_bound_layers_mean(tmp_path):
@@ -123,6 +160,9 @@ def test_simulate_shards_each_job_shards_can_sum_and_says_why_not_for_the_others
         ["--shards", "2", "--ray", "auto"], "")
     options, why = aggregator_shards(cfg, "fedavg", {**CONFIG, "direction_screen": True})
     assert options == [] and "direction_screen" in why
+    assert aggregator_shards(cfg, "pp", {**CONFIG, "job_id": "p"}) == (["--shards", "2"], "")
+    options, why = aggregator_shards(cfg, "ditto", {**CONFIG, "job_id": "d"})
+    assert options == [] and "ditto" in why
     options, why = aggregator_shards(cfg, "personalize", {})
     assert options == [] and "personalize" in why
     assert aggregator_shards(dataclasses.replace(cfg, shards=0), "fed3r", fed3r) == ([], "")
@@ -155,14 +195,16 @@ def test_a_device_message_carrying_a_shard_receipt_is_refused_and_changes_nothin
     assert job.contributed == {} and job.samples == 0 and not list(svc.store.contributions(config["job_id"]))
 
 
-def test_only_fed3r_and_fedavg_declare_shard_sums_none_inherits_them():
+def test_only_the_kinds_that_declare_shard_sums_have_them_none_inherits_them():
     """A kind is shardable by its own registry entry: FedNCM (a Fed3R job) and FedAvg's subclasses
-    (FT(φ), pp, Scaffold, FedGloSS, FedBuff, secure) sum or step otherwise, and a new kind starts
-    unshardable until it declares how its sums split."""
+    that sum or step otherwise (Scaffold, FedGloSS, FedBuff, secure) have none, and a new kind
+    starts unshardable until it declares how its sums split. FT(φ)/FT(M) declares FedAvg's, pp
+    FedAvg's with its held-out report in the receipt."""
     from aggregator.jobs.registry import KINDS
     from aggregator.shards.partial_sums import additive
 
-    assert {name for name, kind in KINDS.items() if kind.shard_sums is not None} == {"fed3r", "fedavg"}
-    for name in ("fedncm", "fedavg-tail", "pp", "scaffold", "fedgloss", "fedavg-async", "fedavg-secure"):
+    assert {name for name, kind in KINDS.items() if kind.shard_sums is not None} == {"fed3r", "fedavg", "fedavg-tail",
+                                                                                     "pp"}
+    for name in ("fedncm", "scaffold", "fedgloss", "fedavg-async", "fedavg-secure"):
         with pytest.raises(ValueError, match="no additive state"):
             additive(name)

@@ -12,6 +12,8 @@ import signal
 import sqlite3
 import threading
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -19,7 +21,7 @@ import pytest
 from aggregator.shards.buckets import shard_of
 from fedfleet.emulation.broker import MosquittoBroker
 
-from ops_fleet import Fleet, prepare, reference_sums, run_aggregator, run_uninterrupted, start_aggregator_in
+from ops_fleet import Features, Fleet, features_of, prepare, reference_sums, run_aggregator, run_uninterrupted, start_aggregator_in
 
 DEVICES = [f"dev{i:02d}" for i in range(10)]
 # Ray is an optional extra (fedfleet[ray]); `make setup` installs it, so these run in CI
@@ -179,15 +181,86 @@ def test_the_coordinator_sigkilled_at_its_crash_points_resumes_the_shards_bit_fo
     assert_each_device_once(state, 2, orphans_allowed=True)
 
 
-# ---------------------------------------------------------------- FedAvg(ψ) rounds on shards
+# ---------------------------------------------------------------- FedAvg rounds on shards
 # two rounds of six of the ten devices, the norm and contribution bounds on (they close in phases:
 # aggregator/shards/fedavg_sums.py); the direction screen needs every update in one place
 FEDAVG = {"kind": "fedavg", "rounds": 2, "clients_per_round": 6, "direction_screen": False}
+TAIL_DEVICES = ["dev06", "dev07", "dev08"]          # dev08 is shard 1's, the others shard 0's
 
 
-def run_fedavg(workdir, extra=(), crash=None):
-    prepare(workdir, DEVICES, **FEDAVG)
-    with MosquittoBroker() as broker, Fleet(broker.url, DEVICES, kind="fedavg"):
+@dataclass(frozen=True)
+class RoundJob:
+    """A round-based job the shards sum with FedAvg's round sums: its devices, config and the
+    devices' handlers (``handlers(device, workdir)``; None: the synthetic head trainer)."""
+    devices: list[str]
+    config: dict
+    handlers: Callable | None = None
+
+
+def tail_job(request) -> RoundJob:
+    """FT(M) on the suite's 32 px tail bundle: three devices of 12 Fashion-MNIST images, the
+    norm bound (3x the median, the kind's default) on: the tail's tensors close in phases too."""
+    from edge_client.data import load_fashion_mnist
+    from edge_client.handlers import HandlerConfig, LocalData, SharedExtractors, device_handlers
+
+    manifest = request.getfixturevalue("tail_bundle")
+    images, labels = load_fashion_mnist("train")
+    extractors = SharedExtractors(lambda *_: Features(), None)
+
+    def handlers(device: str, _workdir) -> tuple[dict, dict]:
+        i = TAIL_DEVICES.index(device)
+        data = LocalData(images[12 * i:12 * i + 12], labels[12 * i:12 * i + 12].astype(np.int64), np.arange(12))
+        return device_handlers(data, extractors, HandlerConfig(tail_manifest=str(manifest))), {}
+
+    config = {"kind": "fedavg-tail", "num_classes": 10, "feature_dim": 1280, "image_size": 32, "rounds": 2,
+              "clients_per_round": 3, "local_epochs": 1, "batch_size": 6, "client_lr": 0.01, "train": "tail+head",
+              "tail_stages": 1, "init": "zeros", "tail_program_file": str(manifest.parent / "tail_eval.pt2")}
+    return RoundJob(TAIL_DEVICES, config, handlers)
+
+
+def pp_handlers(device: str, workdir) -> tuple[dict, dict]:
+    """FedAlt on the synthetic features: each device keeps its bias in its own state store (in the
+    run's folder: every run starts from empty stores) and reports on its held-out split."""
+    from edge_client.handlers import HandlerConfig, device_handlers
+    from edge_client.state import DeviceStateStore
+
+    return device_handlers(features_of(device), lambda *_, **__: Features(), HandlerConfig(),
+                           DeviceStateStore(workdir / "device-state" / device)), {}
+
+
+def round_job(kind: str, request) -> RoundJob:
+    if kind == "fedavg":
+        return RoundJob(DEVICES, FEDAVG)
+    if kind == "pp":
+        return RoundJob(DEVICES, {**FEDAVG, "kind": "pp", "pp_algorithm": "fedalt"}, pp_handlers)
+    return tail_job(request)
+
+
+def gated(handler, gate: threading.Event):
+    """``handler`` waiting for ``gate`` before each task (a round that cannot close until a test says)."""
+    def run(params, tensors=None):
+        gate.wait(240)
+        return handler(params, tensors)
+    return run
+
+
+def fleet_handlers(job: RoundJob, workdir, gates=None):
+    """The Fleet's handlers of ``job``'s devices, the ``gates``' devices' gated (None: the synthetic
+    head trainer, which the Fleet gates itself)."""
+    if job.handlers is None:
+        return None
+
+    def handlers(device):
+        plain, protocol = job.handlers(device, workdir)
+        if device in (gates or {}):
+            plain = {kind: gated(h, gates[device]) for kind, h in plain.items()}
+        return plain, protocol
+    return handlers
+
+
+def run_rounds(workdir, job: RoundJob, extra=(), crash=None):
+    prepare(workdir, job.devices, **job.config)
+    with MosquittoBroker() as broker, Fleet(broker.url, job.devices, kind="fedavg", handlers=fleet_handlers(job, workdir)):
         rc, log = run_aggregator(workdir, broker.url, workdir / "state.db", crash=crash, extra=list(extra))
     return rc, log
 
@@ -197,19 +270,30 @@ def fedavg_outputs(out_dir):
 
 
 @pytest.fixture(scope="module")
-def fedavg_unsharded(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("fedavg-unsharded")
-    rc, log = run_fedavg(workdir)
-    assert rc == 0, log[-3000:]
-    return fedavg_outputs(workdir / "out")
+def rounds_unsharded(tmp_path_factory):
+    """kind -> one aggregator's outputs of that kind's job (run on first use)."""
+    done = {}
+
+    def of(kind: str, request):
+        if kind not in done:
+            workdir = tmp_path_factory.mktemp(f"{kind}-unsharded")
+            rc, log = run_rounds(workdir, round_job(kind, request))
+            assert rc == 0, log[-3000:]
+            done[kind] = fedavg_outputs(workdir / "out")
+        return done[kind]
+    return of
 
 
-def assert_same_fedavg_model(got, want):
+def assert_same_fedavg_model(got, want, job: RoundJob = RoundJob(DEVICES, FEDAVG)):
     assert sorted(got[0]) == sorted(want[0])
     for name in want[0]:
         assert got[0][name].tobytes() == want[0][name].tobytes(), name          # bit for bit
     assert got[1]["contributed"] == want[1]["contributed"] and got[1]["state"] == "done"
-    assert sum(want[1]["contributed"].values()) == FEDAVG["rounds"] * FEDAVG["clients_per_round"]
+    assert sum(want[1]["contributed"].values()) == job.config["rounds"] * job.config["clients_per_round"]
+    same = ("round", "contributions", "samples", "server_steps", "personal_wma", "global_wma", "heldout_devices")
+    assert {k: got[1]["final"].get(k) for k in same} == {k: want[1]["final"].get(k) for k in same}   # pp: its WMAs
+    if job.config["kind"] == "pp":
+        assert want[1]["final"]["heldout_devices"] == len(want[1]["contributed"])
 
 
 def fedavg_rounds_held(state, shard: int) -> set[int]:
@@ -220,30 +304,45 @@ def fedavg_rounds_held(state, shard: int) -> set[int]:
         return set()
 
 
-@pytest.mark.parametrize("on", ON)
-def test_fedavg_rounds_on_two_shards_give_one_aggregators_model_bit_for_bit(tmp_path, fedavg_unsharded, on, request):
+# FT(φ)/FT(M) is FedAvg's round sums over more tensors: its Ray and SIGKILL runs are FedAvg's;
+# pp's receipts carry its held-out reports as well: it has its own
+ROUND_RUNS = [("fedavg", "local"), ("fedavg-tail", "local"), ("pp", "local"),
+              *(pytest.param(kind, "ray", marks=[pytest.mark.slow, needs_ray, pytest.mark.ray_cluster])
+                for kind in ("fedavg", "pp"))]
+
+
+@pytest.mark.parametrize("kind,on", ROUND_RUNS)
+def test_fedavg_rounds_on_two_shards_give_one_aggregators_model_bit_for_bit(tmp_path, rounds_unsharded, kind, on,
+                                                                            request):
     """Local shard processes, or Ray actors on the two-node cluster (one per node)."""
-    rc, log = run_fedavg(tmp_path, shard_options(on, request))
+    job = round_job(kind, request)
+    rc, log = run_rounds(tmp_path, job, shard_options(on, request))
     assert rc == 0, log[-3000:]
-    assert_same_fedavg_model(fedavg_outputs(tmp_path / "out"), fedavg_unsharded)
+    assert_same_fedavg_model(fedavg_outputs(tmp_path / "out"), rounds_unsharded(kind, request), job)
     assert "receipts only" not in log               # every update reached the coordinator as a receipt
     rows = shard_rows(tmp_path / "state.db", 2)
     assert all(rows) and all(shard_of(d, 2) == i for i, held in enumerate(rows) for d, _ in held)
 
 
-def test_fedavg_on_shards_resumes_bit_for_bit_after_the_coordinator_and_a_shard_are_sigkilled(tmp_path,
-                                                                                            fedavg_unsharded):
+@pytest.mark.parametrize("kind", ["fedavg", "pp"])      # pp: its receipts' reports replayed after the restart
+def test_fedavg_on_shards_resumes_bit_for_bit_after_the_coordinator_and_a_shard_are_sigkilled(tmp_path, kind,
+                                                                                            rounds_unsharded, request):
     """The coordinator dies closing round 1 (its shards with it); restarted, it closes the round
     again on the shards' stores. Then a shard is SIGKILLed once it holds a round-2 update: restarted
-    on its store, it answers round 2's close. The other shard's devices hold their round-2 updates
-    until the kill, so the round cannot close before it (however the machine schedules them)."""
+    on its store, it answers round 2's close. Every device but one of the victim's holds its round-2
+    update until the kill, so the round cannot close before it (however the machine schedules them;
+    round 2's six, drawn by the job's seed, are all shard 0's: gating shard 1's alone held nothing)."""
     options = ["--shards", "2"]
-    rc, log = run_fedavg(tmp_path, options, crash="round_closing")
+    job = round_job(kind, request)
+    rc, log = run_rounds(tmp_path, job, options, crash="round_closing")
     assert rc == -9, log[-3000:]
     state, victim = tmp_path / "state.db", 0
     held_back = threading.Event()
-    gates = {d: held_back for d in DEVICES if shard_of(d, 2) != victim}
-    with MosquittoBroker() as broker, Fleet(broker.url, DEVICES, kind="fedavg", gates=gates):
+    first = "dev00"                         # shard 0's, in round 2 (else no round-2 update is ever stored)
+    assert shard_of(first, 2) == victim
+    gates = {d: held_back for d in DEVICES if d != first}
+    with MosquittoBroker() as broker, Fleet(broker.url, DEVICES, kind="fedavg", gates=gates,
+                                            handlers=fleet_handlers(job, tmp_path, gates)):
         proc = start_aggregator_in(tmp_path, broker.url, state, options)
         try:
             deadline = time.monotonic() + 240
@@ -259,4 +358,4 @@ def test_fedavg_on_shards_resumes_bit_for_bit_after_the_coordinator_and_a_shard_
     out = proc.output()
     assert proc.returncode == 0, out[-3000:]
     assert f"shard {victim} exited" in out
-    assert_same_fedavg_model(fedavg_outputs(tmp_path / "out"), fedavg_unsharded)
+    assert_same_fedavg_model(fedavg_outputs(tmp_path / "out"), rounds_unsharded(kind, request), job)

@@ -31,8 +31,14 @@ class PersonalWmaJob:
         accepted = payload.round == self.round and device not in self._updates
         super().apply(device, payload)
         report: PersonalReport = payload.update.report
-        if accepted and device in self._updates and report.n_test:
-            self.heldout[device] = (report.n_test, report.correct, report.correct_global)
+        if accepted and device in self._updates:
+            self.record_heldout(device, report.n_test, report.correct, report.correct_global)
+
+    def record_heldout(self, device: str, n_test: int, correct: int, correct_global: int) -> None:
+        """An accepted update's held-out counts, the device's latest (a device with no held-out
+        split reports none). A sharded job's coordinator records them from the shards' receipts."""
+        if n_test:
+            self.heldout[device] = (int(n_test), int(correct), int(correct_global))
 
     def evaluate(self, features: np.ndarray | None, labels: np.ndarray | None) -> dict:
         """The job's own report plus the held-out WMA with each device's personal model and with the global one."""

@@ -51,6 +51,7 @@ from aggregator.jobs.secure_ladd import SecureLaddConfig, SecureLaddJob
 from aggregator.shards.fed3r_sums import Fed3RSums
 from aggregator.shards.fedavg_sums import FedAvgRoundSums
 from aggregator.shards.group_placement import SecureGroupPlacement
+from aggregator.shards.personal_sums import PersonalRoundSums
 from aggregator.shards.sum_tree import AdditiveState
 
 
@@ -63,7 +64,7 @@ class JobKind:
     task_kinds: tuple[str, ...]                    # the wire kinds its tasks have (protocols/payloads/task_kinds.py)
     factory: Callable | None = None                # config -> job (default: job_cls(config))
     # How shards sum this kind (aggregator/shards/; None: --shards refuses it). Declared per kind,
-    # never inherited: a subclass (FedNCM, FT(φ), pp, Scaffold, ...) aggregates otherwise.
+    # never inherited: a subclass (FedNCM, Scaffold, FedGloSS, ...) may aggregate otherwise.
     shard_sums: AdditiveState | None = None
     # How shards host this kind's secure groups (aggregator/shards/secure_groups.py; None: they do not).
     shard_groups: SecureGroupPlacement | None = None
@@ -99,14 +100,15 @@ KINDS: dict[str, JobKind] = {k.name: k for k in (
     JobKind("fedavg-secure", SecureFedAvgConfig, SecureFedAvgJob, "FedAvg(ψ) with each round's updates summed under SecAgg",
             (SECURE_FEDAVG_KIND,), shard_groups=SecureGroupPlacement()),
     JobKind("fedavg-tail", TailFedAvgConfig, TailFedAvgJob, "FedAvg of the backbone's last stages: FT(φ) or FT(M)",
-            (FEDAVG_TAIL_KIND,)),
+            (FEDAVG_TAIL_KIND,), shard_sums=FedAvgRoundSums()),
     JobKind("fedavg-tail-secure", SecureTailFedAvgConfig, SecureTailFedAvgJob, "FT(φ)/FT(M) summed under SecAgg",
-            (SECURE_TAIL_KIND,)),
+            (SECURE_TAIL_KIND,), shard_groups=SecureGroupPlacement()),
     JobKind("pp", PartialConfig, PartialPersonalizationJob,
             "FedSim/FedAlt partial personalization: shared head weights averaged, each device's bias kept on it",
-            (PP_KIND,)),
+            (PP_KIND,), shard_sums=PersonalRoundSums()),
     JobKind("pp-secure", SecurePartialConfig, SecurePartialJob,
-            "FedSim/FedAlt with each round's shared-weight updates summed under SecAgg", (SECURE_PP_KIND,)),
+            "FedSim/FedAlt with each round's shared-weight updates summed under SecAgg", (SECURE_PP_KIND,),
+            shard_groups=SecureGroupPlacement()),
     JobKind("scaffold", ScaffoldConfig, ScaffoldJob,
             "Scaffold(ψ): FedAvg of the head corrected by control variates; each device keeps its own c_k",
             (SCAFFOLD_KIND,)),

@@ -117,6 +117,7 @@ class FedAvgRoundSums(AdditiveState):
     over the round's accepted updates it holds (``context``: a :class:`RoundContext`)."""
 
     per_round = True
+    reads_job_only = True           # the job parses the updates; the sums are this class's own
 
     def refusal(self, job) -> str:
         if job.dp is not None:

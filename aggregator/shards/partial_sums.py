@@ -14,7 +14,7 @@ itself is ``sum_tree.py``'s, which FedAvg's round sums (``fedavg_sums.py``) shar
 from __future__ import annotations
 
 from itertools import groupby
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from aggregator.jobs.base import Job
 from aggregator.jobs.registry import KINDS, build_job, kind_of
@@ -51,10 +51,12 @@ def by_bucket(contributions: Iterable[Contribution]) -> dict[int, list[Contribut
     return {bucket: list(members) for bucket, members in groupby(ordered, key=lambda c: bucket_of(c[0]))}
 
 
-def bucket_sums(kind: str, config: dict, contributions: Iterable[Contribution], context: Any = None) -> dict[int, PartialSum]:
-    """The sum of each non-empty bucket of ``contributions`` (given in any order)."""
+def bucket_sums(kind: str, config: dict, contributions: Iterable[Contribution], context: Any = None,
+                new_job: Callable[[], Job] | None = None) -> dict[int, PartialSum]:
+    """The sum of each non-empty bucket of ``contributions`` (given in any order); ``new_job``: the
+    job each bucket is summed with (default: a fresh one built from ``config``)."""
     adder = additive(kind)
-    return {bucket: adder.sum_bucket(lambda: build_job(kind, config), members, context)
+    return {bucket: adder.sum_bucket(new_job or (lambda: build_job(kind, config)), members, context)
             for bucket, members in by_bucket(contributions).items()}
 
 

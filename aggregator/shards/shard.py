@@ -160,7 +160,7 @@ class ShardIngest:
             keys = frozenset((c.device, c.message_id) for c in members)
             cached = None if context is not None else self._cache.get(bucket)
             if cached is None or cached[0] != keys:
-                summed = bucket_sums(self.kind, self.config, self._contributions(members), context)
+                summed = bucket_sums(self.kind, self.config, self._contributions(members), context, self._summing_job)
                 cached = (keys, summed[bucket])
                 if context is None:
                     self._cache[bucket] = cached
@@ -171,7 +171,11 @@ class ShardIngest:
         """device -> the statistic a round's close asks of each accepted update this shard holds."""
         adder, members = additive(self.kind), self._accepted_members(job_id, accepted)
         ordered = [c for bucket in sorted(members) for c in self._contributions(members[bucket])]
-        return adder.statistics(lambda: build_job(self.kind, self.config), ordered, context)
+        return adder.statistics(self._summing_job, ordered, context)
+
+    def _summing_job(self):
+        """The job a sum is taken with: this shard's own when the kind's sums only read it, else a fresh one."""
+        return self._validator if additive(self.kind).reads_job_only else build_job(self.kind, self.config)
 
     def _accepted_members(self, job_id: str, accepted: list[tuple[str, str]]) -> dict[int, list]:
         """bucket -> the stored rows of the accepted (device, message id)s in this shard's range."""

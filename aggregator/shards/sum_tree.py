@@ -44,6 +44,12 @@ class AdditiveState(ABC):
     """The sums are one round's updates, asked for at each round close (FedAvg), not the whole
     job's contributions (Fed3R)."""
 
+    reads_job_only: bool = False
+    """Summing reads the job it is given (its parser, its config) and changes nothing in it
+    (FedAvg's round sums), so a shard lends its own job to every bucket instead of building one
+    per bucket (FT(φ)'s loads its tail program). False: the sum applies contributions to the job
+    (Fed3R), which must then be fresh for each bucket."""
+
     @abstractmethod
     def refusal(self, job: Any) -> str:
         """Why shards cannot sum this job as configured ("" when they can)."""
