@@ -206,6 +206,38 @@ def test_a_control_sum_beyond_its_bound_is_discarded_and_nothing_moves(tmp_path,
 
 
 @pytest.mark.parametrize("kind", [SCAFFOLD_KIND, DITTO_KIND])
+@pytest.mark.parametrize("attack", ["negative count", "inflated count", "mean beyond max_abs_param"])
+def test_a_group_sum_no_honest_members_can_send_is_discarded_without_clipping(tmp_path, keys, kind, attack):
+    """Without update_clip_norm (the default) the count and the mean are still checked: one modified
+    member's count slot of 1 − Σ(others' n), within the fixed-point bound, would make Σ n_k = 1
+    and the mean the weighted sum itself (a head 120× its members'). Caught, the round fails with
+    the reason and nothing moves; an honest group of the same members passes (the control)."""
+    job = secure_job(kind, tmp_path, keys)
+    members = tuple(job.next_participants(set(DEVICES))[:4])
+    honest = {k: np.full(job.params[k].shape, 0.9) for k in HEAD}
+    zeros = {k: np.zeros_like(v) for k, v in honest.items()}
+
+    def vector(y, n):
+        return pack_controlled(y, zeros, HEAD, n) if kind == SCAFFOLD_KIND else pack_weighted(y, HEAD, n)
+
+    evil = vector(honest, 30)
+    if attack == "negative count":
+        evil[-1] = 1 - 30 * (len(members) - 1)
+    elif attack == "inflated count":
+        evil[-1] = 2 * len(members) * job.config.max_samples
+    else:
+        evil = vector({k: 1000 * v for k, v in honest.items()}, 30)
+    before = snapshot(job)
+    job.group_summed(job.round, evil + sum(vector(honest, 30) for _ in members[1:]), members)
+    assert job.settled(job.round) == () and "out of bound" in job.secure_failure(job.round)
+    job.close_round(RoundClosed(job.round, (), members, (), ()))
+    assert_unchanged(job, before)
+    members = tuple(job.next_participants(set(DEVICES))[:4])       # the control: the honest group passes
+    job.group_summed(job.round, sum(vector(honest, 30) for _ in members), members)
+    assert job.settled(job.round) == members
+
+
+@pytest.mark.parametrize("kind", [SCAFFOLD_KIND, DITTO_KIND])
 def test_secure_rounds_equal_plain_rounds_over_the_same_devices(tmp_path, keys, kind):
     """Three secure rounds (κ = 4 of 5) against the plain job's rounds over each round's survivors,
     devices with their own stores on both sides: w (and c), and each device's state, within the grid."""

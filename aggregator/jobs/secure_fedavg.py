@@ -39,7 +39,7 @@ from aggregator.jobs.partial import PartialConfig, PartialPersonalizationJob
 from aggregator.jobs.robustness_fields import SecureUpdateBoundFields
 from aggregator.jobs.secure_fields import SecureUpdateFields
 from aggregator.jobs.secure_rounds import MIN_GROUP, GroupSumOutOfBound, SecureGroupRounds
-from aggregator.strategies.robust_fedavg import check_weighted_group_sum
+from aggregator.strategies.robust_fedavg import check_group_mean, check_weighted_group_sum
 
 
 @dataclass
@@ -121,14 +121,16 @@ class SecureFedAvgJob(SecureGroupRounds, FedAvgJob):
             self.contributed[d] = self.contributed.get(d, 0) + 1
 
     def _check_group_sum(self, sums: dict[str, np.ndarray], n: int, survivors: tuple[str, ...]) -> None:
-        """Bounded influence: GroupSumOutOfBound when the sum breaks its members' clipped bound n·C."""
+        """Bounded influence: GroupSumOutOfBound when the sum breaks what its members' bounds allow:
+        the count and the mean always, the clipped bound n·C when the round clips."""
         c = self.config
-        if c.update_clip_norm > 0:
-            try:
+        try:
+            check_group_mean(sums, n, len(survivors), c.max_samples, c.max_abs_param)
+            if c.update_clip_norm > 0:
                 check_weighted_group_sum(sums, n, {k: self.params[k] for k in sums}, len(survivors),
                                          c.update_clip_norm, c.max_samples)
-            except ValueError as exc:
-                raise GroupSumOutOfBound(str(exc)) from None
+        except ValueError as exc:
+            raise GroupSumOutOfBound(str(exc)) from None
 
     def round_mean(self) -> tuple[dict[str, np.ndarray] | None, int, int]:
         return self._sum if self._sum is not None else (None, 0, 0)

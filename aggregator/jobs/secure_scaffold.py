@@ -15,6 +15,10 @@ control_clip_norm) in magnitude: the weighted head's entries as secure FedAvg's 
 trained head breaks max_abs_param declines), a clipped Δc's entries within its L2 norm. The
 group's Σ Δc is checked against |S| · control_clip_norm (what clipped members can send); a sum
 beyond it is discarded, nothing applied (``GroupSumOutOfBound``). No DP (as plain Scaffold).
+What the sum check cannot do: bound one member's Δc by C. The server sees only Σ Δc, so a modified
+member whose partners' Δc are small may send up to |S|·C and move c by up to |S|·C/K, |S| times
+what plain Scaffold's per-device clip allows (C/K); only per-member range proofs would close that.
+The head part and the count are checked as secure FedAvg's (``SecureFedAvgJob._check_group_sum``).
 """
 
 from __future__ import annotations

@@ -352,6 +352,21 @@ class RoundHistory:
         self.smoothed = np.array(state[self.KEY], dtype=np.float64) if self.KEY in state else None
 
 
+def check_group_mean(sums: Mapping[str, np.ndarray], n: int, members: int, max_samples: int,
+                     max_abs_param: float) -> None:
+    """ValueError unless a secure group's Σ n_k θ_k and Σ n_k are what its members can send with the
+    bounds every device checks before it masks (1 ≤ n_k ≤ max_samples, |θ_k| ≤ max_abs_param entry
+    by entry): members ≤ n ≤ members × max_samples, and the mean Σ n_k θ_k / n, a convex combination
+    of the θ_k, within max_abs_param. Always on: without it one member could put a negative count in
+    its count slot (within the fixed-point bound) so that Σ n_k is 1 and the mean is the weighted sum
+    itself. What a member inside these bounds can still do is in docs/secure-aggregation.md."""
+    if not members <= n <= members * max_samples:
+        raise ValueError(f"the group's Σ n_k = {n} is outside [{members}, {members} members x {max_samples}]")
+    largest = max((float(np.abs(s).max()) for s in sums.values() if s.size), default=0.0) / n
+    if largest > max_abs_param * (1 + 1e-6) + 1e-9:           # the fixed-point sum's rounding, over n
+        raise ValueError(f"the group's mean has an entry of {largest:.4g}, beyond max_abs_param {max_abs_param:g}")
+
+
 def check_weighted_group_sum(sums: Mapping[str, np.ndarray], n: int, current: Mapping[str, np.ndarray],
                              members: int, clip_norm: float, max_samples: int) -> None:
     """ValueError unless a secure group's Σ n_k θ_k is what members who clipped ‖θ_k − x_t‖ ≤ C can
