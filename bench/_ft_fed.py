@@ -161,7 +161,7 @@ class EagerTailSession:
         logits = torch.func.functional_call(self.program.module, current, (torch.from_numpy(activations),))
         loss = F.cross_entropy(logits / self.temperature, torch.from_numpy(labels))
         grads = torch.autograd.grad(loss, list(current.values()))
-        return float(loss), {k: g.numpy() for k, g in zip(current, grads)}
+        return float(loss.detach()), {k: g.numpy() for k, g in zip(current, grads)}
 
     def sgd_step(self, directions: dict[str, np.ndarray], lr: float) -> None:
         self._current = {**self._current, **{k: (self._current[k] - np.float32(lr) * np.asarray(d, np.float32))
