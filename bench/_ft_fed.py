@@ -12,11 +12,19 @@ CE(logits / T)) with the device recipe's own definitions — ``LocalTraining`` p
 the protocol's ``batch_schedule`` orders the rows, SGD with weight decay as ``SessionStepper``
 applies it, ``encode_model_update`` answers — on activations cached for the whole dataset (what
 each device's trunk cache holds), without exporting a bundle per tail depth.
+
+Scaffold(φ)/Scaffold(M) (:meth:`FineTuning.run_scaffold`) run the real ``ScaffoldTailJob`` and the
+device's own ``ScaffoldTailTask`` (its control reading, corrected ``SessionStepper`` steps, option
+II's c_k⁺, the state store's rules, one ``DeviceStateStore`` per device), whose bundle is replaced
+by :class:`EagerTailSession` (the same loss and SGD as :class:`EagerTailDevice`) on the cached
+activations (:class:`EagerScaffoldTailDevice`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import pathlib
+import tempfile
 
 import numpy as np
 import torch
@@ -29,8 +37,14 @@ from fed3r_vs_fedavg import CachedFeatures, fedavg_head_flops, run_job
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob
 from aggregator.jobs.fedavg_tail import TailFedAvgConfig, TailFedAvgJob
 from aggregator.jobs.robustness_fields import PLAIN_MEAN
+from aggregator.jobs.scaffold_tail import ScaffoldTailConfig, ScaffoldTailJob
+from edge_client.agent import TaskDeclined
+from edge_client.state import DeviceStateStore
 from edge_client.tasks.head_training import HeadTrainingTask, LocalTraining
-from protocols.payloads.fedavg import TAIL_TRAIN_MODES, batch_schedule, encode_model_update
+from edge_client.tasks.params import read_params
+from edge_client.tasks.scaffold_tail import ScaffoldTailTask
+from edge_client.tasks.tail_training import TailRound, check_model_tensors
+from protocols.payloads.fedavg import TAIL_PREFIX, TAIL_TRAIN_MODES, batch_schedule, encode_model_update
 
 MODES = {"psi": None, "phi": "tail", "M": "tail+head"}
 AGGREGATION = {"plain": {}, "secure": PLAIN_MEAN}     # the secure job computes the plain weighted mean
@@ -123,6 +137,56 @@ class EagerTailDevice:
         return encode_model_update({k: current[k].detach().numpy() for k in trained}, len(self.labels))
 
 
+class EagerTailSession:
+    """The ``TrainingSession`` calls ``SessionStepper`` makes (parameters in, loss and gradients
+    of CE(logits / T) out, plain SGD steps), on the program's eager module through
+    ``functional_call``: the bundle's tail_training program without a bundle. Holds its own
+    tensors, so devices taking turns can share the program's module."""
+
+    runtime = "eager"
+
+    def __init__(self, program: EagerTailProgram, temperature: float):
+        self.program, self.temperature = program, temperature
+        self.parameter_shapes = program.shapes()
+        self._current = program.initial
+
+    def set_parameters(self, values: dict[str, np.ndarray]) -> None:
+        self._current = {**self._current, **{k: np.array(v, np.float32) for k, v in values.items()}}
+
+    def get_parameters(self) -> dict[str, np.ndarray]:
+        return {k: v.copy() for k, v in self._current.items()}
+
+    def loss_and_gradients(self, activations: np.ndarray, labels: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
+        current = {k: torch.from_numpy(v).requires_grad_(True) for k, v in self._current.items()}
+        logits = torch.func.functional_call(self.program.module, current, (torch.from_numpy(activations),))
+        loss = F.cross_entropy(logits / self.temperature, torch.from_numpy(labels))
+        grads = torch.autograd.grad(loss, list(current.values()))
+        return float(loss.detach()), {k: g.numpy() for k, g in zip(current, grads)}
+
+    def sgd_step(self, directions: dict[str, np.ndarray], lr: float) -> None:
+        self._current = {**self._current, **{k: (self._current[k] - np.float32(lr) * np.asarray(d, np.float32))
+                                             for k, d in directions.items()}}
+
+
+class EagerScaffoldTailDevice(ScaffoldTailTask):
+    """The device's ``scaffold.tail`` handler with its bundle replaced by cached activations and an
+    :class:`EagerTailSession`: everything after ``prepare`` (the control, the corrected steps, c_k⁺,
+    the state store) is ``ScaffoldTailTask``'s own code."""
+
+    def __init__(self, activations: np.ndarray, labels: np.ndarray, session: EagerTailSession,
+                 store: DeviceStateStore):
+        super().__init__(activations, labels, None, store)
+        self.session = session
+
+    def prepare(self, params, tensors, params_type, kind) -> TailRound:
+        task = read_params(params_type, params, kind)
+        if not np.isclose(task.training.temperature, self.session.temperature):
+            raise TaskDeclined(f"task's temperature {task.training.temperature} differs from the program's")
+        start = check_model_tensors(tensors, self.session.parameter_shapes, kind)
+        trained = frozenset(name for name in start if name.startswith(TAIL_PREFIX) or TAIL_TRAIN_MODES[task.train])
+        return TailRound(task, start, trained, self.images, self.session)
+
+
 @dataclasses.dataclass
 class Setup:
     """One seed's demo partition: the Fed3R start and everything its fleets need."""
@@ -165,6 +229,18 @@ def tail_fleet(acts: np.ndarray, labels: np.ndarray, parts, program: EagerTailPr
     return handlers, sizes
 
 
+def scaffold_tail_fleet(acts: np.ndarray, labels: np.ndarray, parts, session: EagerTailSession,
+                        root: pathlib.Path) -> tuple[dict, dict]:
+    """One :class:`EagerScaffoldTailDevice` per non-empty part, each with its own state store under ``root``."""
+    handlers, sizes = {}, {}
+    for k, idx in enumerate(parts):
+        if len(idx):
+            name = f"dev{k:03d}"
+            handlers[name] = EagerScaffoldTailDevice(acts[idx], labels[idx], session, DeviceStateStore(root / name))
+            sizes[name] = len(idx)
+    return handlers, sizes
+
+
 class FineTuning:
     """Runs recipes on one dataset (train/test ``_ft_data.Split``s), caching each tail depth's activations."""
 
@@ -185,16 +261,20 @@ class FineTuning:
             self._lifted[stages] = (tail, lift(self.train.acts), lift(self.test.acts))
         return self._lifted[stages]
 
+    def fields(self, recipe: Recipe, setup: Setup, rounds: int, aggregation: str, kappa: int, init: str) -> dict:
+        """The job config's fields every fine-tuning job here shares."""
+        return dict(num_classes=NUM_CLASSES, image_size=IMAGE_SIZE, feature_dim=setup.start["weight"].shape[1],
+                    rounds=rounds, clients_per_round=kappa, seed=setup.seed, init=init,
+                    client_lr=recipe.client_lr, local_epochs=recipe.local_epochs,
+                    server_momentum=recipe.server_momentum, server_lr=recipe.server_lr,
+                    temperature=recipe.temperature, **AGGREGATION[aggregation])
+
     def run(self, recipe: Recipe, setup: Setup, rounds: int, aggregation: str = "plain", kappa: int = 10,
             init: str = "fed3r") -> tuple[list[float], object, float]:
         """(accuracy on the first ``curve_samples`` test images after each round, the finished
         job, the final model's accuracy on the whole test set)."""
         m = self.curve_samples
-        fields = dict(num_classes=NUM_CLASSES, image_size=IMAGE_SIZE, feature_dim=setup.start["weight"].shape[1],
-                      rounds=rounds, clients_per_round=kappa, seed=setup.seed, init=init,
-                      client_lr=recipe.client_lr, local_epochs=recipe.local_epochs,
-                      server_momentum=recipe.server_momentum, server_lr=recipe.server_lr,
-                      temperature=recipe.temperature, **AGGREGATION[aggregation])
+        fields = self.fields(recipe, setup, rounds, aggregation, kappa, init)
         start = setup.start if init == "fed3r" else None
         if recipe.mode == "psi":
             job = FedAvgJob(FedAvgConfig(**fields), initial_head=start)
@@ -211,6 +291,26 @@ class FineTuning:
         job = TailFedAvgJob(config, initial_head=start, program=program)
         handlers, sizes = tail_fleet(acts_tr, self.train.labels, setup.parts, program)
         curve = run_job(job, handlers, sizes, (acts_te[:m], self.test.labels[:m]), tail_task_flops, 0.0)
+        return curve.accuracy, job, job.evaluate(acts_te, self.test.labels)["accuracy"]
+
+    def run_scaffold(self, recipe: Recipe, setup: Setup, rounds: int, kappa: int = 10
+                     ) -> tuple[list[float], object, float]:
+        """Fed3R-initialised Scaffold(φ) (``recipe.mode`` "phi") or Scaffold(M) ("M") with ``recipe``'s
+        local training, K = the fleet's devices in c's update; what :meth:`run` returns."""
+        if recipe.mode not in ("phi", "M"):
+            raise ValueError("run_scaffold fine-tunes the tail: mode phi or M (Scaffold(ψ): bench/claims/personalization.py)")
+        m = self.curve_samples
+        tail, acts_tr, acts_te = self.lifted(recipe.tail_stages)
+        program = EagerTailProgram(TailClassifierModule(tail, setup.start))
+        devices = sum(1 for idx in setup.parts if len(idx))
+        config = ScaffoldTailConfig(**self.fields(recipe, setup, rounds, "plain", kappa, "fed3r"),
+                                    tail_stages=recipe.tail_stages, train=MODES[recipe.mode],
+                                    tail_program_file="in-process", total_devices=devices)
+        job = ScaffoldTailJob(config, initial_head=setup.start, program=program)
+        with tempfile.TemporaryDirectory() as root:
+            handlers, sizes = scaffold_tail_fleet(acts_tr, self.train.labels, setup.parts,
+                                                  EagerTailSession(program, recipe.temperature), pathlib.Path(root))
+            curve = run_job(job, handlers, sizes, (acts_te[:m], self.test.labels[:m]), tail_task_flops, 0.0)
         return curve.accuracy, job, job.evaluate(acts_te, self.test.labels)["accuracy"]
 
 
