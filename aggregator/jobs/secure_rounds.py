@@ -32,8 +32,8 @@ import numpy as np
 from protocols.envelope import Envelope, EnvelopeError
 from protocols.identity import DeviceIdentity, IdentityRegistry
 from protocols.payloads.secagg import UnsendableMessage, from_envelope, to_envelope
-from protocols.secagg import (AggregateReady, MemberOffline, Message, RoundConfig, RoundFailed, SecAggError,
-                              ServerSecAgg, Timeout)
+from protocols.secagg import (AggregateReady, MaskedInput, MemberOffline, Message, RoundConfig, RoundFailed,
+                              SecAggError, ServerSecAgg, ServerState, Timeout)
 from protocols.secagg.errors import LateMessage
 from protocols.secagg.config import default_threshold
 from protocols.secagg.distributed_dp import device_stddev, noise_scale_bits, noisy_bound
@@ -41,6 +41,7 @@ from protocols.topics import AGGREGATOR_ID
 
 from aggregator.compute.mask_expansion import pick_mask_applier
 from aggregator.jobs.base import Job
+from aggregator.jobs.upload_window import MaskedUploadWindow, window_size
 
 log = logging.getLogger("fedfleet.aggregator.secagg")
 MIN_GROUP = 3      # fewer devices cannot hide anyone's update in a sum
@@ -68,6 +69,7 @@ class SecureGroupRounds(Job):
         self.identity, self.registry = identity, registry
         self._newest_round = 0
         self.secure: ServerSecAgg | None = None
+        self._uploads: MaskedUploadWindow | None = None    # the running round's paced masked inputs
         self._start_pending = False
         self._phase_at = 0.0
         self._settled: dict[int, tuple[str, ...]] = {}
@@ -97,6 +99,7 @@ class SecureGroupRounds(Job):
         """Run the group's server machine in this process: the job's own, or on the shard a shard
         coordinator placed the group on (``aggregator/shards/shard_groups.py``)."""
         self.secure = ServerSecAgg(config, self.identity, self.registry, mask_applier=pick_mask_applier())
+        self._uploads = MaskedUploadWindow(window_size(self.config.upload_window_bytes, config.vector_length))
         self._newest_round = max(self._newest_round, config.round_id)
         self._start_pending = True
 
@@ -159,11 +162,12 @@ class SecureGroupRounds(Job):
                 raise LateProtocolMessage(f"secure round {msg.round_id} has ended")
             raise EnvelopeError(f"no secure round {msg.round_id} open")
         try:
-            return self._feed(msg, now)
+            sends = self._feed(msg, now)
         except LateMessage as exc:       # a slow member's message for a phase that has closed
             raise LateProtocolMessage(f"secagg: {exc}") from exc
         except SecAggError as exc:
             raise EnvelopeError(f"secagg: {type(exc).__name__}: {exc}") from exc
+        return sends + self._next_uploads(device) if isinstance(msg, MaskedInput) else sends
 
     def _feed(self, event, now: float) -> list[tuple[str, Envelope]]:
         """One event into the running round. Every accepted answer (and every closed phase) restarts
@@ -178,7 +182,13 @@ class SecureGroupRounds(Job):
 
     def member_offline(self, device: str, now: float) -> list[tuple[str, Envelope]]:
         """A member of the running round went offline (or was revoked): stop waiting for it."""
-        return self._feed(MemberOffline(device), now) if self.secure is not None else []
+        if self.secure is None:
+            return []
+        return self._feed(MemberOffline(device), now) + self._next_uploads(device)
+
+    def _next_uploads(self, device: str) -> list[tuple[str, Envelope]]:
+        """``device`` uploaded its masked input or went away: the next paced members' shares."""
+        return self._route(self._uploads.answered(device), paced=True) if self._uploads is not None else []
 
     def secure_round_live(self, round_: int) -> bool:
         """Whether round ``round_`` has a running SecAgg instance (False after a restart)."""
@@ -188,7 +198,13 @@ class SecureGroupRounds(Job):
         """Devices whose data the round's sum holds (empty: failed), once; None while running."""
         return self._settled.pop(round_, None)
 
-    def _route(self, outputs) -> list[tuple[str, Envelope]]:
+    def _route(self, outputs, paced: bool = False) -> list[tuple[str, Envelope]]:
+        """The machine's outputs: messages as envelopes to send (forwarded shares through the upload
+        window, unless ``paced``: the window released them), sums and failures applied."""
+        if self._uploads is not None and not paced:
+            outputs = self._uploads.admit(list(outputs))
+            if self.secure is None or self.secure.state is not ServerState.WAIT_MASKED:
+                self._uploads.clear()      # the masked phase is over (or never began): nobody more is asked
         sends = []
         for o in outputs:
             if isinstance(o, Message):
