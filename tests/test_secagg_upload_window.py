@@ -115,3 +115,21 @@ def test_a_member_gone_while_waiting_its_turn_is_not_asked_and_frees_no_slot_twi
     survivors = sorted(set(clients) - {waiting[0], gone_uploading})
     assert sorted(job.settled(1)) == survivors
     np.testing.assert_allclose(job.strategy.packed_upper(), sum(stats[d][0] for d in survivors), atol=1e-6)
+
+
+def test_the_round_log_says_how_long_each_phase_was_open():
+    """The round entry of a secure round names its phases with the seconds each stayed open,
+    measured on the clock the service passes in."""
+    from aggregator.service.active_job import ActiveJob
+    from protocols.rounds import RoundClosed
+
+    job, clients, _ = _group(upload_window_bytes=2**30)            # no pacing: all 20 asked at once
+    sends, now = job.on_protocol_tick(10.0), 10.0
+    while sends:
+        now += 2.0
+        sends = _answer(job, clients, sends, now)
+    entry = ActiveJob(job=job, kind="fed3r-sync", out_dir=None).round_entry(
+        RoundClosed(1, tuple(clients), (), (), ()), 0.0, now)
+    assert entry["secure_phase_s"] == {p.value: 2.0 for p in (Phase.ADVERTISE_KEYS, Phase.SHARE_KEYS,
+                                                             Phase.MASKED_INPUT, Phase.CONSISTENCY_CHECK,
+                                                             Phase.UNMASK)}

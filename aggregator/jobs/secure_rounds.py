@@ -72,6 +72,8 @@ class SecureGroupRounds(Job):
         self._uploads: MaskedUploadWindow | None = None    # the running round's paced masked inputs
         self._start_pending = False
         self._phase_at = 0.0
+        self._phase_opened = 0.0
+        self._phase_s: dict[int, dict[str, float]] = {}     # round -> phase -> seconds it stayed open
         self._settled: dict[int, tuple[str, ...]] = {}
         self.failed_rounds: list[tuple[int, str]] = []
         self._pending_sends: list[tuple[str, Envelope]] = []   # abort notices of a round closed by its deadline
@@ -146,11 +148,11 @@ class SecureGroupRounds(Job):
         if self.secure is None:
             return []
         if self._start_pending:          # tasks went out when the round opened; now the keys phase
-            self._start_pending, self._phase_at = False, now
+            self._start_pending, self._phase_at, self._phase_opened = False, now, now
             return self._route(self.secure.start())
         if now - self._phase_at > self.config.phase_timeout_s and self.secure.phase is not None:
             self._phase_at = now
-            return self._route(self.secure.handle(Timeout(self.secure.phase)))
+            return self._route(self._timed(Timeout(self.secure.phase), now))
         return []
 
     def on_protocol(self, device: str, env: Envelope, now: float) -> list[tuple[str, Envelope]]:
@@ -176,9 +178,23 @@ class SecureGroupRounds(Job):
         statistics and upload megabytes keeps answering for longer than any one device needs;
         a fixed timer cut such phases off and turned the slower devices' answers late (the round
         deadline still bounds the whole round)."""
-        out = self.secure.handle(event)
+        out = self._timed(event, now)
         self._phase_at = now
         return self._route(out)
+
+    def _timed(self, event, now: float) -> list:
+        """The machine's outputs for ``event``; when a phase closes, how long it was open (the
+        round log's ``secure_phase_s``: where a large group's round spends its time)."""
+        before, round_id = self.secure.phase, self.secure.config.round_id
+        out = self.secure.handle(event)
+        if before is not None and self.secure.phase is not before:
+            self._phase_s.setdefault(round_id, {})[before.value] = round(now - self._phase_opened, 3)
+            self._phase_opened = now
+        return out
+
+    def secure_phase_times(self, round_: int) -> dict[str, float] | None:
+        """Seconds each closed phase of round ``round_`` stayed open, once."""
+        return self._phase_s.pop(round_, None)
 
     def member_offline(self, device: str, now: float) -> list[tuple[str, Envelope]]:
         """A member of the running round went offline (or was revoked): stop waiting for it."""
