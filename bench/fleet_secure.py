@@ -82,12 +82,16 @@ def simulate(args, secure: bool) -> dict:
     sampler = ProcessSampler(out)
     sampler.start()
     started = time.monotonic()
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
+    log = ROOT / f"{out}.log"            # the run's own output, to follow it while it runs
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as sink:
+        proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=sink,
+                              stderr=subprocess.STDOUT)
     wall = time.monotonic() - started
     sampler.stop.set()
     sampler.join()
     if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}): see {log}")
     report = json.loads((ROOT / out / "report.json").read_text())
     return {"cmd": " ".join(cmd[2:]), "wall_s": wall, "load": (load_before, os.getloadavg()[0]),
             "report": report, **sampler.figures()}
