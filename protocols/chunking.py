@@ -21,7 +21,10 @@ hashed once instead of three times. It is idempotent
 one seen for the same parent, bounds memory per sender (``max_pending_bytes_per_sender``, below
 the overall budget, so one sender can never fill the buffer for everyone) and overall, and forgets
 partial messages older than ``ttl_s`` (``expire(now)``, which the receiver calls on its clock), so
-a sender that vanished mid-message cannot pin memory.
+a sender that vanished mid-message cannot pin memory. A chunk the overall budget cannot take drops
+its whole message and the message's later chunks are refused without being held (a resend starting
+at chunk 0 is taken afresh): held, they could never complete and would keep the buffer full for
+every other sender until the TTL, as when 1,000 devices' 6.7 MB masked inputs arrived at once.
 
 A sender that got no answer resends the whole message (same ``parent``). Such a resend of a message
 already reassembled is reassembled again and returned again, so the receiver sees the very same
@@ -99,6 +102,9 @@ class Reassembler:
         self._held = 0                                   # bytes held over all partials
         self._per_sender: dict[str, list[tuple[str, str]]] = {}   # sender -> its partials' keys, oldest first
         self._done: dict[tuple[str, str], float] = {}  # recently completed parents: a partial of one is a resend
+        # messages dropped because the buffer was full: their later chunks are refused unheld (held,
+        # they could never complete, and would pin the buffer until the TTL for everyone)
+        self._refused: dict[tuple[str, str], float] = {}
 
     def add(self, chunk: Envelope, now: float | None = None) -> bytes | None:
         now = time.monotonic() if now is None else now
@@ -115,6 +121,10 @@ class Reassembler:
             raise EnvelopeError(f"chunk index {index} / count {count} out of range")
         if not (0 < total <= self.max_message_bytes):
             raise EnvelopeError(f"chunked message of {total} bytes exceeds the {self.max_message_bytes}-byte limit")
+        if key in self._refused:
+            if index != 0:
+                raise EnvelopeError(f"chunk {index} of {parent}: the message was dropped (reassembly buffer full)")
+            del self._refused[key]                 # the sender resends it from the start: a fresh try
         partial = self._partials.get(key)
         if partial is None:
             self._make_room(chunk.sender)
@@ -132,7 +142,9 @@ class Reassembler:
             raise EnvelopeError(f"sender {chunk.sender!r} exceeds its reassembly budget "
                                 f"({self.max_pending_bytes_per_sender} bytes)")
         if self._held + len(data) > self.max_pending_bytes:
-            raise EnvelopeError("reassembly buffer full")
+            self._drop(key)
+            self._refused[key] = now
+            raise EnvelopeError(f"reassembly buffer full: message {parent} dropped")
         partial.parts[index] = data            # a view on the chunk's bytes: copied once, by the join
         partial.held += len(data)
         self._held += len(data)
@@ -183,6 +195,8 @@ class Reassembler:
             self._drop(k)
         for k in [k for k, t in self._done.items() if now - t > self.ttl_s]:
             del self._done[k]
+        for k in [k for k, t in self._refused.items() if now - t > self.ttl_s]:
+            del self._refused[k]
         return stale
 
 

@@ -45,6 +45,32 @@ def test_one_device_filling_its_budget_never_blocks_another_device():
     assert got[-1] is not None and got[-1].id == mid("h1") and all(g is None for g in got[:-1])
 
 
+def test_a_message_the_full_buffer_cannot_take_is_dropped_whole_and_pins_nothing():
+    """Two senders' messages interleave in a buffer that holds about one: the chunk that does not
+    fit drops its whole message at once (and its later chunks are refused unheld), so the other
+    message completes; the dropped one's resend from chunk 0 then goes through."""
+    asm = MessageAssembler(max_message_bytes=20_000, max_pending_bytes=16_000, max_pending_bytes_per_sender=12_000)
+    first, second = chunked("a", "m1", 9_000), chunked("b", "m2", 9_000)
+    assert len(first) == len(second) >= 9
+    errors, done = [], []
+    for pa, pb in zip(first, second):
+        for part in (pa, pb):
+            try:
+                got = asm.feed(part, now=0.0)
+            except EnvelopeError as exc:
+                errors.append(str(exc))
+                continue
+            if got is not None:
+                done.append(got.id)
+        assert asm.reassembler.pending_bytes() <= 16_000
+    assert done == [mid("m2")]                  # a's 9th chunk was the first that did not fit: a's message went
+    assert errors[0] == f"reassembly buffer full: message {mid('m1')} dropped" and len(errors) == len(first) - 8
+    assert all("was dropped" in e for e in errors[1:])
+    assert asm.reassembler.pending_bytes() == 0               # nothing of the dropped message held
+    resent = [asm.feed(part, now=1.0) for part in first]
+    assert resent[-1] is not None and resent[-1].id == mid("m1")
+
+
 def test_partials_expire_after_the_ttl_and_free_their_budget():
     asm = MessageAssembler(max_message_bytes=20_000, ttl_s=300.0)
     parts = chunked("dev", "m1", 9_000)

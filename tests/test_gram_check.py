@@ -91,3 +91,11 @@ def test_a_checked_parse_keeps_float64_views_and_sums_the_same():
         strategy.add(stats)
     assert torch.equal(sums[0].A, sums[1].A) and torch.equal(sums[0].B, sums[1].B)
     assert np.array_equal(env.tensors["A_upper"], triu_pack(honest(np.random.default_rng(3), 40)))  # never written
+
+
+@pytest.mark.parametrize("p", [0, 1, 2, 7, 130])
+def test_triu_pack_is_numpys_upper_triangle_in_row_order(p):
+    a = np.random.default_rng(p).standard_normal((p, p)).astype(np.float32 if p % 2 else np.float64)
+    packed = triu_pack(a)
+    assert packed.dtype == a.dtype
+    np.testing.assert_array_equal(packed, a[np.triu_indices(p)])

@@ -244,3 +244,44 @@ def test_a_phase_times_out_after_phase_timeout_without_an_answer_not_after_it_op
     directories = job.on_protocol_tick(37.5)               # 10.5 s without: it closes with the four
     assert sorted(device for device, _ in directories) == ids[:4]
     assert job.secure.phase is Phase.SHARE_KEYS
+
+
+# ---------------------------------------------------------------- consistency signatures checked once per process
+def test_a_cached_consistency_check_refuses_what_ed25519_refuses():
+    """The cached check answers as verify_signature does, for the valid triple and for each byte
+    changed, whichever was asked first."""
+    from protocols.identity import InvalidSignature, verify_signature
+    from protocols.secagg.client import consistency_signature_valid
+
+    signer, other = DeviceIdentity.generate("s"), DeviceIdentity.generate("o")
+    statement = b"fedfleet/secagg/consistency" + bytes(range(40))
+    signature = signer.sign(statement)
+    forged = bytes([signature[0] ^ 1]) + signature[1:]
+    cases = [(signer.public_key_bytes, statement, signature), (signer.public_key_bytes, statement, forged),
+             (signer.public_key_bytes, statement + b"\x00", signature), (other.public_key_bytes, statement, signature)]
+    for _ in range(2):                                            # uncached, then cached
+        for key, data, sig in cases:
+            try:
+                verify_signature(key, data, sig)
+                expected = True
+            except InvalidSignature:
+                expected = False
+            assert consistency_signature_valid(key, data, sig) is expected
+    assert [consistency_signature_valid(*c) for c in cases] == [True, False, False, False]
+
+
+def test_a_group_in_one_process_verifies_each_consistency_signature_once():
+    """20 clients in one process each check t of the same signatures: 20 verifications, not 20·t;
+    the round's sum is exact."""
+    from protocols.secagg.client import consistency_signature_valid
+
+    n, m = 20, 4
+    identities = {i.device_id: i for i in make_identities(n, prefix="cc")}
+    config = _create(identities, vector_length=m, bound=10.0, consistency_check=True)
+    inputs = {d: np.random.default_rng(i).uniform(-10, 10, m) for i, d in enumerate(identities)}
+    consistency_signature_valid.cache_clear()
+    run = run_round(config, AGGREGATOR, identities, inputs)
+    assert isinstance(run.outcome, AggregateReady), run.outcome
+    np.testing.assert_array_equal(run.outcome.sum_uint64, plain_fixed_point_sum(config, list(inputs.values())))
+    info = consistency_signature_valid.cache_info()
+    assert info.misses <= n and info.hits + info.misses >= n * config.threshold

@@ -32,6 +32,9 @@ class SecureAggregationFields(JobConfig):
     max_samples: int = limited(10_000, MAX_SAMPLES)
     # a phase gives up on its missing members this long after its last answer
     phase_timeout_s: float = limited(30.0, TIMEOUT_S)
+    # masked inputs being uploaded at once, in bytes: the rest wait their turn
+    # (aggregator/jobs/upload_window.py); half the aggregator's 1 GiB reassembly buffer
+    upload_window_bytes: int = limited(512 * 2**20, Range(2**20, 2**40))
     identity_file: str = limited("", PATH)          # aggregator's Ed25519 private key (PEM)
     device_keys_file: str = limited("", PATH)       # JSON {device id: Ed25519 public key, hex}
 

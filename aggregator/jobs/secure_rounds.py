@@ -32,8 +32,8 @@ import numpy as np
 from protocols.envelope import Envelope, EnvelopeError
 from protocols.identity import DeviceIdentity, IdentityRegistry
 from protocols.payloads.secagg import UnsendableMessage, from_envelope, to_envelope
-from protocols.secagg import (AggregateReady, MemberOffline, Message, RoundConfig, RoundFailed, SecAggError,
-                              ServerSecAgg, Timeout)
+from protocols.secagg import (AggregateReady, MaskedInput, MemberOffline, Message, RoundConfig, RoundFailed,
+                              SecAggError, ServerSecAgg, ServerState, Timeout)
 from protocols.secagg.errors import LateMessage
 from protocols.secagg.config import default_threshold
 from protocols.secagg.distributed_dp import device_stddev, noise_scale_bits, noisy_bound
@@ -41,6 +41,7 @@ from protocols.topics import AGGREGATOR_ID
 
 from aggregator.compute.mask_expansion import pick_mask_applier
 from aggregator.jobs.base import Job
+from aggregator.jobs.upload_window import MaskedUploadWindow, window_size
 
 log = logging.getLogger("fedfleet.aggregator.secagg")
 MIN_GROUP = 3      # fewer devices cannot hide anyone's update in a sum
@@ -68,8 +69,11 @@ class SecureGroupRounds(Job):
         self.identity, self.registry = identity, registry
         self._newest_round = 0
         self.secure: ServerSecAgg | None = None
+        self._uploads: MaskedUploadWindow | None = None    # the running round's paced masked inputs
         self._start_pending = False
         self._phase_at = 0.0
+        self._phase_opened = 0.0
+        self._phase_s: dict[int, dict[str, float]] = {}     # round -> phase -> seconds it stayed open
         self._settled: dict[int, tuple[str, ...]] = {}
         self.failed_rounds: list[tuple[int, str]] = []
         self._pending_sends: list[tuple[str, Envelope]] = []   # abort notices of a round closed by its deadline
@@ -97,6 +101,7 @@ class SecureGroupRounds(Job):
         """Run the group's server machine in this process: the job's own, or on the shard a shard
         coordinator placed the group on (``aggregator/shards/shard_groups.py``)."""
         self.secure = ServerSecAgg(config, self.identity, self.registry, mask_applier=pick_mask_applier())
+        self._uploads = MaskedUploadWindow(window_size(self.config.upload_window_bytes, config.vector_length))
         self._newest_round = max(self._newest_round, config.round_id)
         self._start_pending = True
 
@@ -143,11 +148,11 @@ class SecureGroupRounds(Job):
         if self.secure is None:
             return []
         if self._start_pending:          # tasks went out when the round opened; now the keys phase
-            self._start_pending, self._phase_at = False, now
+            self._start_pending, self._phase_at, self._phase_opened = False, now, now
             return self._route(self.secure.start())
         if now - self._phase_at > self.config.phase_timeout_s and self.secure.phase is not None:
             self._phase_at = now
-            return self._route(self.secure.handle(Timeout(self.secure.phase)))
+            return self._route(self._timed(Timeout(self.secure.phase), now))
         return []
 
     def on_protocol(self, device: str, env: Envelope, now: float) -> list[tuple[str, Envelope]]:
@@ -159,11 +164,12 @@ class SecureGroupRounds(Job):
                 raise LateProtocolMessage(f"secure round {msg.round_id} has ended")
             raise EnvelopeError(f"no secure round {msg.round_id} open")
         try:
-            return self._feed(msg, now)
+            sends = self._feed(msg, now)
         except LateMessage as exc:       # a slow member's message for a phase that has closed
             raise LateProtocolMessage(f"secagg: {exc}") from exc
         except SecAggError as exc:
             raise EnvelopeError(f"secagg: {type(exc).__name__}: {exc}") from exc
+        return sends + self._next_uploads(device) if isinstance(msg, MaskedInput) else sends
 
     def _feed(self, event, now: float) -> list[tuple[str, Envelope]]:
         """One event into the running round. Every accepted answer (and every closed phase) restarts
@@ -172,13 +178,33 @@ class SecureGroupRounds(Job):
         statistics and upload megabytes keeps answering for longer than any one device needs;
         a fixed timer cut such phases off and turned the slower devices' answers late (the round
         deadline still bounds the whole round)."""
-        out = self.secure.handle(event)
+        out = self._timed(event, now)
         self._phase_at = now
         return self._route(out)
 
+    def _timed(self, event, now: float) -> list:
+        """The machine's outputs for ``event``; when a phase closes, how long it was open (the
+        round log's ``secure_phase_s``: where a large group's round spends its time)."""
+        before, round_id = self.secure.phase, self.secure.config.round_id
+        out = self.secure.handle(event)
+        if before is not None and self.secure.phase is not before:
+            self._phase_s.setdefault(round_id, {})[before.value] = round(now - self._phase_opened, 3)
+            self._phase_opened = now
+        return out
+
+    def secure_phase_times(self, round_: int) -> dict[str, float] | None:
+        """Seconds each closed phase of round ``round_`` stayed open, once."""
+        return self._phase_s.pop(round_, None)
+
     def member_offline(self, device: str, now: float) -> list[tuple[str, Envelope]]:
         """A member of the running round went offline (or was revoked): stop waiting for it."""
-        return self._feed(MemberOffline(device), now) if self.secure is not None else []
+        if self.secure is None:
+            return []
+        return self._feed(MemberOffline(device), now) + self._next_uploads(device)
+
+    def _next_uploads(self, device: str) -> list[tuple[str, Envelope]]:
+        """``device`` uploaded its masked input or went away: the next paced members' shares."""
+        return self._route(self._uploads.answered(device), paced=True) if self._uploads is not None else []
 
     def secure_round_live(self, round_: int) -> bool:
         """Whether round ``round_`` has a running SecAgg instance (False after a restart)."""
@@ -188,7 +214,13 @@ class SecureGroupRounds(Job):
         """Devices whose data the round's sum holds (empty: failed), once; None while running."""
         return self._settled.pop(round_, None)
 
-    def _route(self, outputs) -> list[tuple[str, Envelope]]:
+    def _route(self, outputs, paced: bool = False) -> list[tuple[str, Envelope]]:
+        """The machine's outputs: messages as envelopes to send (forwarded shares through the upload
+        window, unless ``paced``: the window released them), sums and failures applied."""
+        if self._uploads is not None and not paced:
+            outputs = self._uploads.admit(list(outputs))
+            if self.secure is None or self.secure.state is not ServerState.WAIT_MASKED:
+                self._uploads.clear()      # the masked phase is over (or never began): nobody more is asked
         sends = []
         for o in outputs:
             if isinstance(o, Message):

@@ -91,4 +91,7 @@ class ActiveJob:
         failure = self.job.secure_failure(closed.round) if self.job.secure_rounds else None
         if failure is not None:      # a secure round that produced no sum says why
             entry["secure_failure"] = failure
+        phases = self.job.secure_phase_times(closed.round) if self.job.secure_rounds else None
+        if phases:
+            entry["secure_phase_s"] = phases
         return entry

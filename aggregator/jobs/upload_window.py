@@ -1,0 +1,77 @@
+"""How many members of a secure round may be uploading their masked input at once.
+
+A member sends its masked input (a whole vector: 6.7 MB for Fed3R-Sync's statistics at
+d = 1,280) as soon as it receives its forwarded shares, and the server sends every member's
+shares together when the shares phase closes. With κ = 1,000 members, 6.7 GB of chunks arrived
+interleaved; the aggregator's reassembly buffer (1 GiB) refused chunks once full, every refused
+chunk cost its sender the whole message, the round fell below its threshold and failed, and the
+device hosts' MQTT loops, busy pushing gigabytes, missed their devices' keepalives.
+
+:class:`MaskedUploadWindow` holds the forwarded-shares messages back and releases them so that
+at most ``size`` members are uploading: one more each time a member's masked input arrives or it
+goes offline. ``size`` comes from a byte budget (``SecureAggregationFields.upload_window_bytes``)
+divided by one masked input's size, so a small vector (a FedAvg(ψ) head: 100 KB) is not paced at
+all. Nothing about the protocol changes: a member still gets exactly its own shares, only later;
+the masked phase's timer restarts at every answer (``SecureGroupRounds._feed``), so paced members
+are not timed out while others upload. If the phase ends anyway (its timeout), the members still
+held are dropouts, as they would have been had their upload been lost.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from protocols.secagg import ForwardedShares, Message
+
+# one masked input's envelope beyond its vector: header, signature, chunk headers (generous)
+MASKED_INPUT_OVERHEAD_BYTES = 64 * 1024
+MIN_WINDOW = 8           # below this the aggregator would idle between uploads
+
+
+def window_size(budget_bytes: int, vector_length: int) -> int:
+    """Members uploading at once: the budget over one masked input (uint64 words), at least MIN_WINDOW."""
+    return max(MIN_WINDOW, int(budget_bytes) // (8 * int(vector_length) + MASKED_INPUT_OVERHEAD_BYTES))
+
+
+class MaskedUploadWindow:
+    def __init__(self, size: int):
+        if size < 1:
+            raise ValueError(f"window size must be >= 1, got {size}")
+        self.size = size
+        self._held: deque[Message] = deque()
+        self._uploading: set[str] = set()
+        self.most_held = 0                     # for the round's log line
+
+    def admit(self, outputs: list) -> list:
+        """``outputs`` of the server machine with the forwarded shares beyond the window held back."""
+        kept = []
+        for o in outputs:
+            if isinstance(o, ForwardedShares):
+                self._held.append(o)
+            else:
+                kept.append(o)
+        self.most_held = max(self.most_held, len(self._held))
+        return kept + self._release()
+
+    def answered(self, device: str) -> list[Message]:
+        """``device`` uploaded its masked input or went away: the next held members' shares."""
+        self._uploading.discard(device)
+        self._held = deque(m for m in self._held if m.recipient != device)    # gone before its turn
+        return self._release()
+
+    def clear(self) -> None:
+        """The masked phase is over: members still held will not be asked any more."""
+        self._held.clear()
+        self._uploading.clear()
+
+    @property
+    def held(self) -> int:
+        return len(self._held)
+
+    def _release(self) -> list[Message]:
+        out = []
+        while self._held and len(self._uploading) < self.size:
+            message = self._held.popleft()
+            self._uploading.add(message.recipient)
+            out.append(message)
+        return out
