@@ -393,3 +393,16 @@ def test_a_restored_secure_job_continues_with_the_same_model_control_and_run(tmp
     assert restored.next_participants(set(DEVICES)) == job.next_participants(set(DEVICES))
     (p1, t1), (p2, t2) = restored.task_for("dev0"), job.task_for("dev0")
     assert p1 == p2 and all(np.array_equal(t1[k], t2[k]) for k in t2)
+
+
+def test_a_secure_vector_beyond_what_secagg_sums_is_refused_when_the_job_is_built(tmp_path, keys, monkeypatch):
+    """Scaffold doubles the head in its vector ([n·y | Δc | n]). With SecAgg's limit set to Ditto's
+    vector here (the real 2^27 entries would need a head of 17,000 x 4,096 and a gigabyte), Ditto's
+    job builds and Scaffold's is refused with the reason when it is built, not at its first round."""
+    import aggregator.jobs.secure_rounds as secure_rounds
+
+    ditto = secure_job(DITTO_KIND, tmp_path, keys)
+    monkeypatch.setattr(secure_rounds, "MAX_VECTOR_LENGTH", ditto.vector_length)
+    assert secure_job(DITTO_KIND, tmp_path, keys).vector_length == ditto.vector_length
+    with pytest.raises(ValueError, match="more than SecAgg's"):
+        secure_job(SCAFFOLD_KIND, tmp_path, keys)

@@ -37,7 +37,7 @@ from aggregator.strategies.dp_fed3r import (CalibratedSSP, Fed3RMechanism, Fed3R
                                             UniformSSP, row_norm_bound)
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
 from aggregator.jobs.secure_fields import SecureAggregationFields
-from aggregator.jobs.secure_rounds import MIN_GROUP, GroupSumOutOfBound, SecureGroupRounds
+from aggregator.jobs.secure_rounds import MIN_GROUP, GroupSumOutOfBound, SecureGroupRounds, checked_vector_length
 from aggregator.strategies.robust_fed3r import FeatureBound, check_group_sum
 
 
@@ -84,7 +84,7 @@ class Fed3RSyncJob(SecureGroupRounds, Fed3RJob):
         feature_bound = (np.sqrt(2.0 / rf["dim"]) if rf else config.max_abs_feature)
         self.bound = fed3r_bound(config.max_samples, max(feature_bound, 1.0))   # ≥ 1: the bias feature
         self._group_bound = FeatureBound(feature_bound, config.max_samples, config.fit_intercept)
-        self.vector_length = sync_vector_length(config.p, config.num_classes)
+        self.vector_length = checked_vector_length(sync_vector_length(config.p, config.num_classes))
         self.group_samples: list[int] = []
         self._round_dp: dict | None = None
 

@@ -38,7 +38,7 @@ from aggregator.jobs.fedavg_tail import TailFedAvgConfig, TailFedAvgJob
 from aggregator.jobs.partial import PartialConfig, PartialPersonalizationJob
 from aggregator.jobs.robustness_fields import SecureUpdateBoundFields
 from aggregator.jobs.secure_fields import SecureUpdateFields
-from aggregator.jobs.secure_rounds import MIN_GROUP, GroupSumOutOfBound, SecureGroupRounds
+from aggregator.jobs.secure_rounds import MIN_GROUP, GroupSumOutOfBound, SecureGroupRounds, checked_vector_length
 from aggregator.strategies.robust_fedavg import check_group_mean, check_weighted_group_sum
 
 
@@ -62,7 +62,7 @@ class SecureFedAvgJob(SecureGroupRounds, FedAvgJob):
         super(SecureGroupRounds, self).__init__(config, initial_head=initial_head, **model)
         self.kind = self.secure_kind
         self._init_secure(identity, registry)
-        self.vector_length = weighted_length(self.trained_shapes())
+        self.vector_length = checked_vector_length(weighted_length(self.trained_shapes()))
         self.bound = float(config.max_samples) * max(float(config.max_abs_param), 1.0)
         self._sum: tuple[dict[str, np.ndarray], int, int] | None = None     # (mean, updates, Σ n) of the round
         self._round_dp: dict | None = None

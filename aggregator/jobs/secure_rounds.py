@@ -35,7 +35,7 @@ from protocols.payloads.secagg import UnsendableMessage, from_envelope, to_envel
 from protocols.secagg import (AggregateReady, MaskedInput, MemberOffline, Message, RoundConfig, RoundFailed,
                               SecAggError, ServerSecAgg, ServerState, Timeout)
 from protocols.secagg.errors import LateMessage
-from protocols.secagg.config import default_threshold
+from protocols.secagg.config import MAX_VECTOR_LENGTH, default_threshold
 from protocols.secagg.distributed_dp import device_stddev, noise_scale_bits, noisy_bound
 from protocols.topics import AGGREGATOR_ID
 
@@ -45,6 +45,15 @@ from aggregator.jobs.upload_window import MaskedUploadWindow, window_size
 
 log = logging.getLogger("fedfleet.aggregator.secagg")
 MIN_GROUP = 3      # fewer devices cannot hide anyone's update in a sum
+
+
+def checked_vector_length(length: int) -> int:
+    """``length``, the job's secure vector, refused when the job is built (one clear config error)
+    rather than at its first round's opening when SecAgg cannot sum that many entries."""
+    if length > MAX_VECTOR_LENGTH:
+        raise ValueError(f"the secure vector would hold {length:,} entries, more than SecAgg's {MAX_VECTOR_LENGTH:,}: "
+                         "train a smaller model (num_classes x feature_dim) or run without secure aggregation")
+    return length
 
 
 class GroupSumOutOfBound(ValueError):

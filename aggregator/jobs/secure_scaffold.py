@@ -33,7 +33,7 @@ from protocols.rounds import RoundClosed
 
 from aggregator.jobs.scaffold import ScaffoldConfig, ScaffoldJob
 from aggregator.jobs.secure_fedavg import SecureFedAvgConfig, SecureFedAvgJob
-from aggregator.jobs.secure_rounds import GroupSumOutOfBound
+from aggregator.jobs.secure_rounds import GroupSumOutOfBound, checked_vector_length
 
 
 @dataclass
@@ -56,7 +56,7 @@ class SecureScaffoldJob(SecureFedAvgJob, ScaffoldJob):
     def __init__(self, config: SecureScaffoldConfig, initial_head: dict[str, np.ndarray] | None = None,
                  identity=None, registry=None):
         super().__init__(config, initial_head=initial_head, identity=identity, registry=registry)
-        self.vector_length = controlled_length(self.trained_shapes())
+        self.vector_length = checked_vector_length(controlled_length(self.trained_shapes()))
         self.bound = max(self.bound, float(config.control_clip_norm))
         self._control_mean: tuple[dict[str, np.ndarray], int] | None = None   # (mean Δc, |S|) of the round
 
