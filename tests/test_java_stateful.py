@@ -167,6 +167,24 @@ def stateful_kind(kind: str):
                         PartialTrainingTask)}[kind]
 
 
+def assert_equals_plain_replay(job, replay, fresh, rounds: list[dict], ids: list[str], handler, kind: str) -> None:
+    """The mixed fleet's job equals ``replay`` (the plain job) stepped through the same rounds'
+    accepted devices by Python handlers (``handler(i, d, "replay")``), head and Scaffold's control
+    within the float32 tolerances; and it trained (moved from ``fresh``'s head), so the check can fail."""
+    from ops_fleet import replay_round
+
+    tasks = {d: handler(i, d, "replay") for i, d in enumerate(ids)}
+    for r in rounds:
+        chosen = replay.next_participants(set(ids))
+        assert chosen == sorted(r["accepted"])
+        replay_round(replay, chosen, tasks, kind=kind)
+    for k in ("weight", "bias"):
+        assert np.abs(job.params[k] - replay.params[k]).max() <= HEAD_ATOL, k
+        if kind == "scaffold.head":
+            assert np.abs(job.control[k] - replay.control[k]).max() <= CONTROL_ATOL, k
+    assert np.abs(job.params["weight"] - fresh.params["weight"]).max() > 100 * HEAD_ATOL
+
+
 @pytest.mark.parametrize("kind", ["scaffold.head", "ditto.head", "pp.head"])
 def test_mixed_java_and_python_fleet_runs_a_stateful_job_with_state_kept_on_each_device(java_cp, broker, tmp_path,
                                                                                         kind):
@@ -177,7 +195,7 @@ def test_mixed_java_and_python_fleet_runs_a_stateful_job_with_state_kept_on_each
     with its own store) hold the Java devices' data. Once the job is done, the aggregator's
     ``job.ended`` makes every device drop its state for the job (opened with the Python store),
     while the replay's devices, told nothing, still hold round 2's."""
-    from ops_fleet import Features, replay_round
+    from ops_fleet import Features
     from test_java_tasks import JAVA_IDS, PY_IDS, personal_data, serve, start_java_devices, stop_mixed_fleet
 
     from edge_client.agent import DeviceAgent
@@ -217,18 +235,8 @@ def test_mixed_java_and_python_fleet_runs_a_stateful_job_with_state_kept_on_each
     for d in JAVA_IDS:
         assert f"STATS {d} done=2 declined=0" in out, (out, err[-3000:])
 
-    replay = job_type(config_type(**cfg))
-    tasks = {d: handler(i, d, "replay") for i, d in enumerate(ids)}
-    for r in result["rounds"]:
-        chosen = replay.next_participants(set(ids))
-        assert chosen == sorted(r["accepted"])
-        replay_round(replay, chosen, tasks, kind=kind)
-    for k in ("weight", "bias"):
-        assert np.abs(job.params[k] - replay.params[k]).max() <= HEAD_ATOL, k
-        if kind == "scaffold.head":
-            assert np.abs(job.control[k] - replay.control[k]).max() <= CONTROL_ATOL, k
-    start = job_type(config_type(**cfg)).params["weight"]
-    assert np.abs(job.params["weight"] - start).max() > 100 * HEAD_ATOL            # it trained: the check can fail
+    assert_equals_plain_replay(job, job_type(config_type(**cfg)), job_type(config_type(**cfg)), result["rounds"],
+                               ids, handler, kind)
     for d in JAVA_IDS:          # the replay's devices (no job.ended) still hold round 2's state; the Java devices none
         assert DeviceStateStore(tmp_path / "replay" / d).load(cfg["job_id"], None).round == 2, d
         assert DeviceStateStore(tmp_path / "java-state" / d).load(cfg["job_id"], None) is None, d
@@ -304,7 +312,7 @@ def test_mixed_java_and_python_fleet_runs_secure_scaffold_and_ditto(java_cp, bro
     (Python devices holding the Java devices' data, each with its own store)."""
     import os
 
-    from ops_fleet import Features, RecordingService, replay_round
+    from ops_fleet import Features, RecordingService
     from test_java_tasks import JAVA_IDS, PY_IDS, start_java_devices, stop_mixed_fleet
 
     from aggregator.jobs.registry import build_job
@@ -351,18 +359,8 @@ def test_mixed_java_and_python_fleet_runs_secure_scaffold_and_ditto(java_cp, bro
     assert jvm.returncode == 0, err[-3000:]
     assert result.get("state") == "done" and len(result["rounds"]) == 2 and not job.failed_rounds, (result, err[-3000:])
     assert all(sorted(r["accepted"]) == sorted(ids) for r in result["rounds"]), result["rounds"]
-    replay = job_type(config_type(**cfg, **PLAIN_MEAN))
-    tasks = {d: handler(i, d, "replay") for i, d in enumerate(ids)}
-    for r in result["rounds"]:
-        chosen = replay.next_participants(set(ids))
-        assert chosen == sorted(r["accepted"])
-        replay_round(replay, chosen, tasks, kind=kind)
-    for k in ("weight", "bias"):
-        assert np.abs(job.params[k] - replay.params[k]).max() <= HEAD_ATOL, k
-        if kind == "scaffold.head":
-            assert np.abs(job.control[k] - replay.control[k]).max() <= CONTROL_ATOL, k
-    start = job_type(config_type(**cfg)).params["weight"]
-    assert np.abs(job.params["weight"] - start).max() > 100 * HEAD_ATOL            # it trained: the check can fail
+    assert_equals_plain_replay(job, job_type(config_type(**cfg, **PLAIN_MEAN)), job_type(config_type(**cfg)),
+                               result["rounds"], ids, handler, kind)
     received = service.received_envelopes()
     assert {env.type for env in received} <= {"secagg", "presence"}           # no head, Δc or v_k in the clear
     for d in JAVA_IDS:
