@@ -166,7 +166,7 @@ class SecureLaddJob(SecureGroupRounds, LaddJob):
         return [k for k, on in enumerate(self.slots.enabled)
                 if on and 0 < count.get(k, 0) < self.config.min_cluster_contributors]
 
-    def _route(self, outputs) -> list:
+    def _route(self, outputs, paced: bool = False) -> list:
         # U3 is fixed once the masked-input phase closes and before anyone is asked for shares:
         # the last moment a too-thin slot can be refused without revealing it.
         if (self.secure is not None and not self._gate_passed
@@ -178,7 +178,7 @@ class SecureLaddJob(SecureGroupRounds, LaddJob):
             else:
                 self._gate_passed = True
         round_id = self.secure.config.round_id if self.secure is not None else None
-        sends = super()._route(outputs)
+        sends = super()._route(outputs, paced=paced)
         if self._sum_refused and round_id is not None:
             self._settled[round_id] = ()         # nothing of that sum was applied
             self._sum_refused = False
