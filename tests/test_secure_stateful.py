@@ -140,6 +140,19 @@ def test_a_device_declines_a_secure_task_it_cannot_sum_within_the_bounds(tmp_pat
     assert client.sessions.sessions == {}
 
 
+@pytest.mark.parametrize("kind", [SCAFFOLD_KIND, DITTO_KIND])
+def test_a_device_with_more_samples_than_the_round_allows_declines_before_keeping_state(tmp_path, keys, kind):
+    """A device that can never be summed (more local samples than max_samples) declines before its
+    plain handler trains: its store keeps nothing, so its c_k / v_k do not drift while it declines."""
+    job = secure_job(kind, tmp_path, keys)
+    job.next_participants(set(DEVICES))
+    params, tensors = job.task_for("dev0")
+    client = secure_clients(kind, keys, tmp_path, ["dev0"])["dev0"]
+    with pytest.raises(TaskDeclined, match="exceed the round's bound"):
+        client.on_task("sec", job.round, {**params, "max_samples": 3}, tensors)
+    assert client.training.store.load(job.config.job_id, None) is None
+
+
 # ----------------------------------------------------------------------------- the server step
 def test_scaffold_secure_server_step_is_scaffold_on_the_unmasked_sum(tmp_path, keys):
     """The group sum of three devices' [n·y | Δc | n] (Δc already clipped, as devices send it): the

@@ -30,6 +30,7 @@ from protocols.payloads.task_params import DpRound
 from ..agent import TaskDeclined
 from .params import read_params
 from .secure_update import SecAggSessions, SecureUpdate
+from .stateful_head import StatefulHeadTask
 
 
 class SecureFedAvgTraining(SecureUpdate):
@@ -42,10 +43,22 @@ class SecureFedAvgTraining(SecureUpdate):
 
     def vector(self, params: dict, tensors: dict[str, np.ndarray]) -> np.ndarray:
         secure = read_params(SecureUpdateRound, params, SECURE_FEDAVG_KIND)
+        self.check_samples(secure)
         body, trained = self.training(params, tensors)      # the plain handler reads the plain kind's params
         if secure.dp is not None:
             return self.dp_vector(secure.dp, self.order(secure, trained), trained, tensors)
         return pack_weighted(self.bounded(secure, body, trained, tensors), self.order(secure, trained), body["n"])
+
+    def check_samples(self, secure: SecureUpdateRound) -> None:
+        """A stateful handler (Scaffold, Ditto, pp: n is its local sample count) declined before it
+        runs and keeps its state: a device with more samples than the round's bound can never be
+        summed, and must not advance its c_k / v_k round after round while declining. The others
+        are checked on the n they trained on (``bounded``)."""
+        if not isinstance(self.training, StatefulHeadTask):
+            return
+        n = len(self.training.labels)
+        if n > secure.max_samples:
+            raise TaskDeclined(f"{n} local samples exceed the round's bound of {secure.max_samples}")
 
     @staticmethod
     def order(secure: SecureUpdateRound, trained: dict[str, np.ndarray]) -> list[str]:
@@ -86,6 +99,7 @@ class SecureScaffoldTraining(SecureFedAvgTraining):
 
     def vector(self, params: dict, tensors: dict[str, np.ndarray]) -> np.ndarray:
         secure = read_params(SecureControlRound, params, SECURE_SCAFFOLD_KIND)
+        self.check_samples(secure)
         body, out = self.training(params, tensors)
         trained = {k: v for k, v in out.items() if not k.startswith(DELTA_CONTROL)}
         deltas = {k[len(DELTA_CONTROL):]: v for k, v in out.items() if k.startswith(DELTA_CONTROL)}

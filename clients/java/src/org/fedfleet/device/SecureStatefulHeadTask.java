@@ -40,6 +40,10 @@ public final class SecureStatefulHeadTask implements SecureTask {
     public Contribution contribute(Map<String, Object> params, List<Envelope.Tensor> tensors) throws TaskDeclined {
         SecureScaffoldParams control = scaffold ? SecureScaffoldParams.fromParams(params) : null;
         SecureUpdateRound round = scaffold ? control.round : SecureDittoParams.fromParams(params).round;
+        // declined before the plain handler runs and keeps its state: a device that can never be
+        // summed must not advance its c_k / v_k round after round
+        if (training.sampleCount() > round.maxSamples)
+            throw new TaskDeclined(training.sampleCount() + " local samples exceed the round's bound of " + round.maxSamples);
         TaskHandler.Result r = training.run(params, tensors);      // the plain handler: its state kept as in plain rounds
         Map<String, double[]> out = new HashMap<>();
         for (Envelope.Tensor t : r.tensors) out.put(t.name, values(t));

@@ -106,6 +106,10 @@ public abstract class StatefulHeadTask implements TaskHandler {
         }
     }
 
+    /** How many local samples a task trains on (its n): a secure wrapper declines before training,
+     *  and before any state is kept, when the round's max_samples is smaller. */
+    final int sampleCount() { return data.size(); }
+
     /** The stored state this round starts from, or null (none, another run's, stale, written at a
      *  later round, malformed). A task of the round the state was written at (a redelivery) starts
      *  from what that round started from. */
