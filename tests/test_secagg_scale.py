@@ -285,3 +285,40 @@ def test_a_group_in_one_process_verifies_each_consistency_signature_once():
     np.testing.assert_array_equal(run.outcome.sum_uint64, plain_fixed_point_sum(config, list(inputs.values())))
     info = consistency_signature_valid.cache_info()
     assert info.misses <= n and info.hits + info.misses >= n * config.threshold
+
+
+# ---------------------------------------------------------------- what a process hosting many members does once
+def test_a_group_in_one_process_checks_each_advertisement_and_builds_its_graph_once():
+    """24 members of a SecAgg+ group (degree 6) in one process: each member's signed key
+    advertisement is verified once, not once per neighbour, and the graph is built once; the sum
+    is exact. A directory entry whose keys differ from the cached advertisement's is still refused."""
+    from protocols.secagg.client import advertisement_valid
+    from protocols.secagg.derivation import RoundContext
+    from protocols.secagg.graph import _random_regular
+    from protocols.secagg.messages import AdvertiseKeys
+
+    n, m = 24, 4
+    identities = {i.device_id: i for i in make_identities(n, prefix="ad")}
+    config = _create(identities, vector_length=m, bound=10.0, graph=GRAPH_REGULAR, degree=6)
+    inputs = {d: np.random.default_rng(i).uniform(-10, 10, m) for i, d in enumerate(identities)}
+    advertisement_valid.cache_clear()
+    _random_regular.cache_clear()
+    run = run_round(config, AGGREGATOR, identities, inputs)
+    assert isinstance(run.outcome, AggregateReady), run.outcome
+    np.testing.assert_array_equal(run.outcome.sum_uint64, plain_fixed_point_sum(config, list(inputs.values())))
+    checks = advertisement_valid.cache_info()
+    assert checks.misses == n and checks.hits == n * config.degree - n
+    assert _random_regular.cache_info().misses == 1
+
+    signer = identities[config.members[0]]
+    cipher, mask = bytes(range(32)), bytes(range(1, 33))
+    context = RoundContext("job", 1, "g1")
+    signature = AdvertiseKeys(job_id="job", round_id=1, group_id="g1", sender=signer.device_id,
+                              recipient="aggregator", cipher_public_key=cipher,
+                              mask_public_key=mask).signed(signer).signature
+    args = (context, signer.device_id, "aggregator", cipher, mask, signature, signer.public_key_bytes)
+    assert advertisement_valid(*args) and advertisement_valid(*args)         # uncached, then cached
+    assert not advertisement_valid(context, signer.device_id, "aggregator", mask, cipher, signature,
+                                   signer.public_key_bytes)
+    assert not advertisement_valid(context, signer.device_id, "aggregator", cipher, mask, signature,
+                                   identities[config.members[1]].public_key_bytes)

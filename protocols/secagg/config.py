@@ -8,6 +8,7 @@ thresholds, the fixed-point scale and bound, the vector length, and the neighbou
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass, field
@@ -55,6 +56,25 @@ def _check_id(name: str, value: Any) -> str:
     if not isinstance(value, str) or not value or len(value) > 256:
         raise ConfigError(f"{name} must be a non-empty string (<= 256 chars), got {value!r}")
     return value
+
+
+# Every member of a group checks the same member list (n ids) when its round starts; a process
+# hosting many emulated members (fedfleet simulate: 500 per host) checks a list once. Only lists
+# that pass are kept, so a bad one is refused every time.
+@functools.lru_cache(maxsize=8)
+def _checked_member_list(members: tuple) -> None:
+    for member in members:
+        _check_id("member id", member)
+    if list(members) != sorted(set(members)):
+        raise ConfigError("members must be sorted and unique")
+
+
+def _check_member_list(members: tuple) -> None:
+    try:
+        hash(members)
+    except TypeError:
+        raise ConfigError("member ids must be strings") from None
+    _checked_member_list(members)
 
 
 def _check_int(name: str, value: Any, low: int, high: int) -> int:
@@ -125,10 +145,7 @@ class RoundConfig:
         _check_id("aggregator_id", self.aggregator_id)
         if not isinstance(self.members, tuple):
             raise ConfigError("members must be a tuple")
-        for member in self.members:
-            _check_id("member id", member)
-        if list(self.members) != sorted(set(self.members)):
-            raise ConfigError("members must be sorted and unique")
+        _check_member_list(self.members)
         n = len(self.members)
         if n < MIN_GROUP_SIZE:
             raise ConfigError(f"a group needs at least {MIN_GROUP_SIZE} members, got {n}")
@@ -190,7 +207,12 @@ class RoundConfig:
         flags = np.unpackbits(bitmap)
         if flags[n:].any():
             raise MalformedMessage("member bitmap has bits set past the last member")
-        return tuple(self.members[i] for i in np.flatnonzero(flags[:n]))
+        return tuple(self._member_array[flags[:n].astype(bool)].tolist())
+
+    @cached_property
+    def _member_array(self) -> np.ndarray:
+        # every phase decodes a bitmap or two over all n members: a numpy selection, not n lookups
+        return np.array(self.members, dtype=object)
 
     def neighbour_graph(self, participants: Sequence[str]) -> NeighbourGraph:
         """The graph over the members that advertised keys (U1)."""

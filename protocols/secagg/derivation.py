@@ -6,6 +6,7 @@ data, the encrypted share layout and the mask signs live here and nowhere else.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -29,8 +30,17 @@ class RoundContext:
     group_id: str
 
     def encode(self, purpose: str, *parties: str) -> bytes:
-        return f"fedfleet/secagg/{purpose}/v1\n".encode() + json.dumps(
-            [self.job_id, self.round_id, self.group_id, *parties], separators=(",", ":")).encode()
+        """``fedfleet/secagg/<purpose>/v1\n`` + the compact JSON array [job, round, group, *parties]
+        (what the Java device builds too). Written item by item, each string's JSON kept: a round
+        derives ~70 of these per member, and json.dumps of the whole list was a tenth of its CPU."""
+        items = [_json_string(self.job_id), json.dumps(self.round_id), _json_string(self.group_id),
+                 *map(_json_string, parties)]
+        return f"fedfleet/secagg/{purpose}/v1\n[{','.join(items)}]".encode()
+
+
+@functools.lru_cache(maxsize=65536, typed=True)
+def _json_string(value: str) -> str:
+    return json.dumps(value)
 
 
 def share_encryption_key(cipher_private: X25519PrivateKey, peer_cipher_public: bytes,

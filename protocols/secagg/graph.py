@@ -14,6 +14,7 @@ public graph.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from typing import Iterable, Sequence
@@ -102,6 +103,8 @@ class NeighbourGraph:
         self._half = degree // 2 if degree is not None else None
         self._position = {m: i for i, m in enumerate(self._ring)} if self._ring is not None else None
         self._cache: dict[str, frozenset[str]] = {}
+        self._member_set = frozenset(self.members)
+        self._connected: dict[frozenset[str], bool] = {}
 
     @property
     def is_complete(self) -> bool:
@@ -131,9 +134,18 @@ class NeighbourGraph:
         union of its parts' masked inputs, would learn each part's sum (SecAgg+'s actively chosen
         dropouts). On the ring two survivors are adjacent across a run of fewer than k/2 removed
         positions, so the parts are as many as the runs of ≥ k/2 removed: connected iff at most one."""
-        alive = set(survivors)
-        if not alive <= set(self.members):
-            raise KeyError(sorted(alive - set(self.members))[:3])
+        alive = frozenset(survivors)
+        known = self._connected.get(alive)
+        if known is not None:
+            return known
+        if not alive <= self._member_set:
+            raise KeyError(sorted(alive - self._member_set)[:3])
+        if len(self._connected) >= 8:                  # a round asks about one or two survivor sets
+            self._connected.clear()
+        self._connected[alive] = result = self._ring_connects(alive)
+        return result
+
+    def _ring_connects(self, alive: frozenset[str]) -> bool:
         if self._ring is None or not alive:
             return bool(alive)
         n, long_runs, run = len(self._ring), 0, 0
@@ -152,7 +164,10 @@ class NeighbourGraph:
 
     @classmethod
     def random_regular(cls, members: Sequence[str], degree: int, seed: bytes) -> "NeighbourGraph":
-        ordered = tuple(sorted(members))
+        return _random_regular(cls, tuple(sorted(members)), degree, bytes(seed))
+
+    @classmethod
+    def _build_random_regular(cls, ordered: tuple[str, ...], degree: int, seed: bytes) -> "NeighbourGraph":
         n = len(ordered)
         if degree % 2 or degree < 2:
             raise ValueError(f"graph degree must be even and >= 2, got {degree}")
@@ -165,3 +180,11 @@ class NeighbourGraph:
             j = words[i] % (i + 1)
             ring[i], ring[j] = ring[j], ring[i]
         return cls(ordered, ring, degree)
+
+
+# Every member derives the same graph from the same signed (members, degree, seed); a process hosting
+# many emulated members of one group (fedfleet simulate: 500 per host) builds it once. The graph is
+# read-only once built (its neighbour and connectivity memos only fill in what it would compute).
+@functools.lru_cache(maxsize=8)
+def _random_regular(cls: type, ordered: tuple[str, ...], degree: int, seed: bytes) -> NeighbourGraph:
+    return cls._build_random_regular(ordered, degree, seed)
