@@ -3,6 +3,8 @@ back to back, and the secure/plain ratios measured in this one run (issue #38, i
 
     .venv/bin/python bench/fleet_secure.py --devices 2000                       # Fed3R vs Fed3R-Sync
     .venv/bin/python bench/fleet_secure.py --devices 2000 --pipeline fed3r-ft-oll --ft-rounds 3
+    .venv/bin/python bench/fleet_secure.py --config runs/fleet-10k-ft.json --devices 2000 \
+        --pipeline fed3r-ft-oll --ft-rounds 3 --fp-epochs 0    # secure FedAvg(ψ) at κ = 1,000
     .venv/bin/python bench/fleet_secure.py --devices 10000 --only secure        # one side only
 
 Per run: wall time, the aggregator's job time, bytes uploaded per device, late results, and, sampled
@@ -78,6 +80,8 @@ def simulate(args, secure: bool) -> dict:
            "--pipeline", args.pipeline, "--out", out] + (["--secure"] if secure else [])
     if args.pipeline != "fed3r":
         cmd += ["--ft-rounds", str(args.ft_rounds)]
+    if args.fp_epochs is not None:
+        cmd += ["--fp-epochs", str(args.fp_epochs)]
     load_before = os.getloadavg()[0]
     sampler = ProcessSampler(out)
     sampler.start()
@@ -128,6 +132,7 @@ def main() -> None:
     ap.add_argument("--devices", type=int, default=2000)
     ap.add_argument("--pipeline", default="fed3r")
     ap.add_argument("--ft-rounds", type=int, default=3)
+    ap.add_argument("--fp-epochs", type=int, help="the pipeline's OLL+FP epochs (0: OLL only; default: the config's)")
     ap.add_argument("--only", choices=("plain", "secure"))
     ap.add_argument("--out", default="runs/bench/fleet_secure")
     args = ap.parse_args()
