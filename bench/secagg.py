@@ -27,6 +27,12 @@ there.
     .venv/bin/python bench/secagg.py --quick     # < 3 min on 2 cores
     .venv/bin/python bench/secagg.py             # all combinations that fit in a few minutes
     .venv/bin/python bench/secagg.py --n 1000 --m 1000000 --graphs regular   # the issue's case, ~90 s
+
+With a Flower 1.42 venv (`make bench-flower` makes .venv-flower, used by default when it exists, or
+--flower PYTHON), the run ends with one SecAgg+ round of fedfleet's against one of Flower's at
+--flower-n / --flower-m (100, 10^6), clients serial and in parallel (bench/_secagg_flower.py):
+
+    make bench-flower    # = bench/secagg.py --n 100 --m 1000000 --graphs regular --flower .venv-flower/bin/python
 """
 
 from __future__ import annotations
