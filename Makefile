@@ -8,6 +8,8 @@
 #   make test-arm64 - (not part of make test; minutes) an aarch64 Debian userland run under qemu-user
 #                 with fedfleet[device] from PyPI's aarch64 wheels, as ARM64 devices in a mixed fleet
 #                 (x86, ARM64, Java) running Fed3R and FedAvg(psi); prints the ARM64-vs-x86 figures
+#   make bench-flower - (not part of make test; minutes) one SecAgg+ round of fedfleet's against one of
+#                 Flower 1.42's (n = 100, m = 10^6, 10 % dropout), in a benchmark-only .venv-flower
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -16,7 +18,7 @@ DEVICE_VENV := .venv-device
 DEVICE_STAMP := $(DEVICE_VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: demo test test-fast test-arm64 setup system-deps bench clean java
+.PHONY: demo test test-fast test-arm64 setup system-deps bench bench-flower clean java
 
 demo: setup
 	@echo "fedfleet: [demo 1/2] Fed3R -> FedAvg fine-tuning -> OLL on 100 emulated devices (plain aggregation)"
@@ -92,5 +94,18 @@ java: system-deps
 bench: setup
 	$(BIN)/python bench/run_all.py
 
+# Flower is a benchmark's yardstick, never a fedfleet dependency: its own git-ignored venv, run by
+# bench/secagg.py as a subprocess (bench/secagg_flower_round.py).
+FLOWER_VENV := .venv-flower
+FLOWER_STAMP := $(FLOWER_VENV)/.installed
+$(FLOWER_STAMP):
+	$(PY) -m venv $(FLOWER_VENV)
+	$(FLOWER_VENV)/bin/pip install -q --upgrade pip
+	$(FLOWER_VENV)/bin/pip install -q "flwr[simulation]==1.42.0" numpy
+	touch $(FLOWER_STAMP)
+
+bench-flower: setup $(FLOWER_STAMP)
+	nice -n 10 $(BIN)/python bench/secagg.py --n 100 --m 1000000 --graphs regular --flower $(FLOWER_VENV)/bin/python
+
 clean:
-	rm -rf $(VENV) $(DEVICE_VENV) $(ARM64_DIR) .cache build *.egg-info
+	rm -rf $(VENV) $(DEVICE_VENV) $(FLOWER_VENV) $(ARM64_DIR) .cache build *.egg-info

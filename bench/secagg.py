@@ -27,6 +27,12 @@ there.
     .venv/bin/python bench/secagg.py --quick     # < 3 min on 2 cores
     .venv/bin/python bench/secagg.py             # all combinations that fit in a few minutes
     .venv/bin/python bench/secagg.py --n 1000 --m 1000000 --graphs regular   # the issue's case, ~90 s
+
+With a Flower 1.42 venv (`make bench-flower` makes .venv-flower, used by default when it exists, or
+--flower PYTHON), the run ends with one SecAgg+ round of fedfleet's against one of Flower's at
+--flower-n / --flower-m (100, 10^6), clients serial and in parallel (bench/_secagg_flower.py):
+
+    make bench-flower    # = bench/secagg.py --n 100 --m 1000000 --graphs regular --flower .venv-flower/bin/python
 """
 
 from __future__ import annotations
@@ -52,6 +58,8 @@ from protocols.secagg import AggregateReady, MaskedInput, Phase, RoundConfig  # 
 from protocols.secagg.crypto import apply_masks, default_mask_workers, usable_cores  # noqa: E402
 from protocols.secagg.driver import WireFrame, make_identities, run_round  # noqa: E402
 from protocols.secagg.server import ServerSecAgg  # noqa: E402
+
+from _secagg_flower import DEFAULT_FLOWER_PYTHON, compare as compare_with_flower  # noqa: E402
 
 BOUND = 1.0
 DROPOUT = 0.10
@@ -274,6 +282,17 @@ def main(argv=None) -> int:
     parser.add_argument("--scaling", type=int, metavar="SEEDS", default=0,
                         help="also time the expansion of SEEDS masks of the largest m with 1, 2, 4, ... threads "
                              "(2700 = the unmasking at n=1000, k=20, 10%% dropped after ShareKeys)")
+    parser.add_argument("--flower", type=Path, metavar="PYTHON",
+                        default=DEFAULT_FLOWER_PYTHON if DEFAULT_FLOWER_PYTHON.exists() else None,
+                        help="a Flower 1.42 venv's python (`make bench-flower` makes .venv-flower; the default "
+                             "when it exists): also run one SecAgg+ round of Flower's against fedfleet's at "
+                             "--flower-n, --flower-m (bench/_secagg_flower.py)")
+    parser.add_argument("--no-flower", action="store_true", help="skip the Flower comparison")
+    parser.add_argument("--flower-n", type=int, default=100, help="group size of the Flower comparison")
+    parser.add_argument("--flower-m", type=int, default=10**6, help="vector length of the Flower comparison")
+    parser.add_argument("--flower-cores", type=int, default=usable_cores(),
+                        help="cores both sides of the Flower comparison are pinned to (parallel pairing: "
+                             "that many client processes / Ray actors)")
     parser.add_argument("--json", type=Path, help="write the rows as JSON here")
     args = parser.parse_args(argv)
 
@@ -370,11 +389,16 @@ def main(argv=None) -> int:
         for entry in scaling:
             print(f"  {entry['workers']:>3} threads: {entry['cpu_s']:7.3f} {entry['wall_s']:7.3f} "
                   f"x{scaling[0]['wall_s'] / entry['wall_s']:.2f} {entry['identical']}")
+    flower = None if args.no_flower else compare_with_flower(
+        args.flower, args.flower_n, args.flower_m, BOUND, DROPOUT, args.flower_cores,
+        Path(__file__).resolve().parents[1] / "runs" / "bench-flower")
+    if args.no_flower:
+        print("\nFlower was not measured (--no-flower)")
     load_after = os.getloadavg()
     print(f"load average at the end: {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f} "
           f"on {os.cpu_count()} CPUs (wall-clock figures are only as good as the machine is idle)")
     if not all(row["exact"] and row["expansion_identical"] for row in rows) \
-            or not all(entry["identical"] for entry in scaling):
+            or not all(entry["identical"] for entry in scaling) or (flower or {}).get("error"):
         print("ERROR: a secure sum differed from the plaintext sum, or parallel from serial expansion")
         return 1
     if args.json:
@@ -383,7 +407,8 @@ def main(argv=None) -> int:
                                          "parallel_expansion_wall_gbps": parallel_wall,
                                          "raw_aes_ctr_wall_gbps": raw_wall, "openssl_aes_ctr_gbps": openssl,
                                          "gpu_expansion_wall_gbps": gpu_wall,
-                                         "scaling": scaling, "load_average": [load_before, load_after]},
+                                         "scaling": scaling, "flower": flower,
+                                         "load_average": [load_before, load_after]},
                                         indent=2))
     return 0
 
