@@ -68,6 +68,8 @@ class JobKind:
     shard_sums: AdditiveState | None = None
     # How shards host this kind's secure groups (aggregator/shards/secure_groups.py; None: they do not).
     shard_groups: SecureGroupPlacement | None = None
+    # Why shards neither sum nor host this kind, where more than "not built" is to be said (--shards's refusal).
+    shard_refusal: str = ""
 
     def __post_init__(self):
         unknown = [k for k in self.task_kinds if k not in TASK_PARAMS]
@@ -133,7 +135,11 @@ KINDS: dict[str, JobKind] = {k.name: k for k in (
     JobKind("ladd", LaddConfig, LaddJob, "LADD: style clustering and cluster-specific self-training (segmentation)",
             (LADD_STYLE_KIND, LADD_TRAIN_KIND), _ladd_factory(LaddJob)),
     JobKind("ladd-secure", SecureLaddConfig, SecureLaddJob, "LADD with each cluster's updates summed under SecAgg",
-            (LADD_STYLE_KIND, SECURE_LADD_KIND), _ladd_factory(SecureLaddJob)),
+            (LADD_STYLE_KIND, SECURE_LADD_KIND), _ladd_factory(SecureLaddJob),
+            shard_refusal="its server machine aborts a round whose cluster slot would sum too few survivors before "
+                          "any share is revealed, which needs the round's slot layout and the clusters of the "
+                          "plaintext style round: a shard hosting the group, built from the job's config, holds "
+                          "neither (run it without --shards)"),
 )}
 
 
