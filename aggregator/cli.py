@@ -49,7 +49,8 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
                    help="receive, validate, store and sum results in K shard processes, each owning the "
                         "devices of a fixed range of buckets (Fed3R; FedAvg(ψ), FT(φ)/FT(M) and pp without the "
                         "direction screen, the coordinator closing each round on their sums; the groups of "
-                        "Fed3R-Sync and secure FedAvg, FT(φ)/FT(M) and pp hosted on them); 0: in this process")
+                        "Fed3R-Sync, FedNCM-Sync and secure FedAvg, FT(φ)/FT(M), pp, Scaffold and Ditto hosted on "
+                        "them; not secure LADD's); 0: in this process")
     s.add_argument("--ray", metavar="auto|HOST:PORT", default=None,
                    help="with --shards: run the K shards as Ray actors (one CPU each) on this Ray cluster "
                         "(auto: the one `ray start` started here; needs fedfleet[ray]). Shard i's store "

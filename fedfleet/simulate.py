@@ -340,8 +340,8 @@ def aggregator_shards(cfg: SimConfig, kind: str, job: dict) -> tuple[list[str], 
 
     try:
         shard_capability(kind)              # the registry's: bucket sums, or secure groups shards host
-    except ValueError:
-        return [], f"shards cannot sum a {kind} job yet"
+    except ValueError as exc:
+        return [], str(exc)
     try:
         check_shardable(build_job(kind, job), kind)
     except ValueError as exc:

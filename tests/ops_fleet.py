@@ -179,7 +179,7 @@ def with_secure(keys: "SecureKeys | None", plain) -> Callable[[str], tuple[dict,
 def job_config(devices, kind: str = "fed3r", **over) -> dict:
     cfg = {"job_id": "ops", "num_classes": C, "feature_dim": D, "clients_per_round": 3, "round_timeout_s": 60,
            "expected_devices": len(devices), "start_timeout_s": 5}
-    if kind in ("fed3r", "fed3r-sync"):
+    if kind in ("fed3r", "fed3r-sync", "fedncm", "fedncm-sync"):     # Fed3R's device task and config
         cfg["max_attempts"] = 5
     else:
         cfg.update(rounds=4, local_epochs=2, batch_size=8, client_lr=0.05, server_momentum=0.9, seed=5)

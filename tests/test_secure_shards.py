@@ -20,6 +20,7 @@ from aggregator.jobs.device_state_fields import RUN_KEY
 from aggregator.shards.buckets import shard_of
 from fedfleet.emulation.broker import MosquittoBroker
 
+from edge_client.tasks.secure_fedavg_training import SecureScaffoldTraining
 from protocols.payloads.secagg import SECAGG_TYPE
 
 from ops_fleet import (REPO, Features, Fleet, SecureKeys, aggregator_cmd, aggregator_env, feature_handlers, features_of,
@@ -71,15 +72,31 @@ def tail_handlers(request):
     return handlers, manifest
 
 
-def run_secure(workdir, keys, kind: str, extra=(), plain=None, **job) -> tuple[int, str]:
+SYNC_KINDS = ("fed3r-sync", "fedncm-sync")        # Fed3R-Sync's device task and groups; FedNCM solves them as class means
+
+
+def run_secure(workdir, keys, kind: str, extra=(), plain=None, secure=None, **job) -> tuple[int, str]:
     """The job on a fresh broker and state, its devices verifying that every message they get is
     signed by the aggregator's key (a shard hosting a group signs as the aggregator). ``plain``:
-    ``workdir -> device -> handlers`` (default: the real handlers on the synthetic features)."""
+    ``workdir -> device -> handlers`` (default: the real handlers on the synthetic features);
+    ``secure``: ``(device, its protocol handlers) -> protocol handlers`` (a modified device's)."""
     prepare(workdir, DEVICES, kind=kind, max_samples=100, phase_timeout_s=5, **job, **keys.job_fields(workdir.parent))
-    handlers = None if kind == "fed3r-sync" else with_secure(keys, (plain or (lambda _w: feature_handlers))(workdir))
+    if kind in SYNC_KINDS:
+        handlers = lambda device: ({}, secure_fed3r_handlers(device, keys))   # noqa: E731
+    else:
+        handlers = with_secure(keys, (plain or (lambda _w: feature_handlers))(workdir))
+    if secure is not None:
+        handlers = modified(handlers, secure)
     with MosquittoBroker() as broker, Fleet(broker.url, DEVICES, kind=kind, secure=keys, handlers=handlers,
                                             aggregator_key=keys.aggregator.public_key_bytes):
         return run_aggregator(workdir, broker.url, workdir / "state.db", extra=list(extra), timeout=90)
+
+
+def modified(handlers, secure):
+    def build(device: str) -> tuple[dict, dict]:
+        plain, protocol = handlers(device)
+        return plain, secure(device, protocol)
+    return build
 
 
 def one_and_sharded(tmp_path, kind: str, sharded=SHARDS, plain=None, **job):
@@ -95,11 +112,13 @@ def one_and_sharded(tmp_path, kind: str, sharded=SHARDS, plain=None, **job):
     return runs
 
 
-def test_secure_fed3r_sync_on_two_shards_gives_one_aggregators_model_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("kind", SYNC_KINDS)
+def test_secure_fed3r_sync_on_two_shards_gives_one_aggregators_model_bit_for_bit(tmp_path, kind):
     """Two groups of three: round 1's hosted by shard 1, whose bucket holds one device of the six
-    (the others' messages reach it by the group's subscriptions), round 2's by shard 0."""
+    (the others' messages reach it by the group's subscriptions), round 2's by shard 0. FedNCM-Sync
+    runs the same groups, solved as class means: the same placement, the same bytes."""
     assert {shard_of(d, 2) for d in DEVICES} == {0, 1}
-    (want, _), (got, results) = one_and_sharded(tmp_path, "fed3r-sync")
+    (want, _), (got, results) = one_and_sharded(tmp_path, kind)
     assert_same_bytes(got, want)
     assert sorted(results["contributed"]) == DEVICES and results["state"] == "done"
     stats = got[1]
@@ -108,28 +127,93 @@ def test_secure_fed3r_sync_on_two_shards_gives_one_aggregators_model_bit_for_bit
     np.testing.assert_allclose(stats["B"], B_ref, rtol=1e-10, atol=1e-8)
 
 
+# the secure FedAvg family's stateful kinds: their own fields (each device keeps v_k / c_k / v_k in its store)
+STATEFUL = {"pp-secure": {"pp_algorithm": "fedalt"}, "scaffold-secure": {"total_devices": 6, "control_clip_norm": 0.5},
+            "ditto-secure": {"ditto_lambda": 0.5}}
+
+
 def secure_round_job(kind: str, request) -> tuple:
     """(device handlers, the kind's job fields) of a secure FedAvg family kind: every one is a
     ``SecureFedAvgJob`` whose groups shards host the same way (``group_placement.py``)."""
     fields = {"rounds": 2, "clients_per_round": 3, "local_epochs": 1, "max_abs_param": 50.0}
     if kind == "fedavg-secure":
         return None, fields
-    if kind == "pp-secure":
-        return state_feature_handlers, {**fields, "pp_algorithm": "fedalt"}
+    if kind in STATEFUL:
+        return state_feature_handlers, {**fields, **STATEFUL[kind]}
     handlers, manifest = tail_handlers(request)
     return (lambda _workdir: handlers), {
         **fields, "num_classes": 10, "feature_dim": 1280, "image_size": 32, "batch_size": 6, "client_lr": 0.01,
         "train": "tail+head", "tail_stages": 1, "init": "zeros", "tail_program_file": str(manifest.parent / "tail_eval.pt2")}
 
 
-@pytest.mark.parametrize("kind", ["fedavg-secure", "pp-secure", "fedavg-tail-secure"])
+def device_states(workdir) -> dict[str, dict[str, np.ndarray]]:
+    """Each device's kept state (v_k, c_k) as its store holds it after the run: job -> arrays."""
+    from edge_client.state import DeviceStateStore
+
+    states = {}
+    for device in DEVICES:
+        store = DeviceStateStore(workdir / "device-state" / device)
+        for job in store.jobs():
+            states[f"{device}/{job}"] = store.load(job, None).arrays
+    return states
+
+
+@pytest.mark.parametrize("kind", ["fedavg-secure", "pp-secure", "fedavg-tail-secure", "scaffold-secure", "ditto-secure"])
 def test_secure_fedavg_kinds_on_two_shards_give_one_aggregators_model_bit_for_bit(tmp_path, kind, request):
-    """Two rounds of three of the six devices, each round's group on its own shard."""
+    """Two rounds of three of the six devices, each round's group on its own shard; a stateful
+    kind's devices keep the same state (pp's v_k, Scaffold's c_k, Ditto's v_k), bit for bit."""
     plain, fields = secure_round_job(kind, request)
     (want, want_results), (got, results) = one_and_sharded(tmp_path, kind, plain=plain, **fields)
     assert_same_bytes(got, want)
     assert results["contributed"] == want_results["contributed"] and results["state"] == "done"
     assert sum(results["contributed"].values()) == 2 * 3
+    if kind in STATEFUL:
+        kept, want_kept = device_states(tmp_path / "sharded"), device_states(tmp_path / "one")
+        assert len(kept) == len(results["contributed"])         # every contributor keeps its state
+        assert_same_bytes(list(kept.values()), list(want_kept.values()))
+        assert list(kept) == list(want_kept)
+
+
+class InflatedCount(SecureScaffoldTraining):
+    """Modified device code: its honest [n·y | clip(Δc) | n] with the count slot forged to twice
+    what the whole fleet may hold (within SecAgg's fixed-point bound, so only the group-sum check
+    can catch it: Σ n_k > |S| · max_samples; test_secure_stateful's "inflated count" attack)."""
+
+    def vector(self, params, tensors):
+        vector = super().vector(params, tensors)
+        vector[-1] = 2 * len(DEVICES) * params["max_samples"]
+        return vector
+
+
+def test_a_forged_count_slot_is_discarded_on_shards_as_by_one_aggregator(tmp_path):
+    """Secure Scaffold, one round of all six devices on shard 1, dev08 (shard 1's bucket) forging
+    its count slot. The host unmasks the sum; the coordinator's job checks it (``group_summed``:
+    the count and the mean, then Σ Δc) before anything is kept, as one aggregator does: the
+    group is discarded with the reason, and neither w nor c nor the counts move (the job's only
+    round summed nobody: it ends failed, saying so)."""
+    from aggregator.jobs.registry import build_job
+    from protocols.payloads.secagg import SECURE_SCAFFOLD_KIND
+
+    def forger(device, protocol):
+        if device == "dev08":
+            honest = protocol[SECURE_SCAFFOLD_KIND]
+            protocol[SECURE_SCAFFOLD_KIND] = InflatedCount(honest.identity, honest.aggregator_public_key,
+                                                           honest.training, honest.sessions)
+        return protocol
+
+    keys, workdir = SecureKeys.create(tmp_path, DEVICES), tmp_path / "sharded"
+    fields = {**STATEFUL["scaffold-secure"], "rounds": 1, "clients_per_round": len(DEVICES), "local_epochs": 1,
+              "max_abs_param": 50.0}
+    rc, log = run_secure(workdir, keys, "scaffold-secure", SHARDS, state_feature_handlers, forger, **fields)
+    assert rc == 1 and "job ops failed: no device contributed" in log, log[-3000:]
+    assert "secure round 1: group sum discarded: the group's Σ n_k = " in log and "rejected message" not in log
+    (got,), results = outputs(workdir / "out", ("model.npz",))
+    assert results["contributed"] == {} and results["state"] == "failed"
+    (entry,) = results["rounds"]
+    assert entry["secure_failure"].startswith("group sum out of bound: the group's Σ n_k = ")
+    initial = build_job("scaffold-secure", json.loads((workdir / "job.json").read_text())).model_arrays()
+    assert_same_bytes([{k: got[k] for k in initial}], [initial])        # w and c as they started
+    assert device_states(workdir)                                       # the members did train
 
 
 @pytest.mark.slow
@@ -242,8 +326,9 @@ def test_a_shard_sigkilled_hosting_a_group_fails_it_with_the_reason_and_the_job_
 
 
 def test_simulate_shards_takes_the_secure_kinds_shards_host_and_says_why_not_for_the_others(tmp_path):
-    """``fedfleet simulate --secure --shards K``: Fed3R-Sync and the secure FedAvg family get the shard
-    options (their registry entries' ``shard_groups``); secure kinds without it run in one process."""
+    """``fedfleet simulate --secure --shards K``: Fed3R-Sync, FedNCM-Sync and the secure FedAvg family
+    (secure Scaffold and Ditto too) get the shard options (their registry entries' ``shard_groups``);
+    secure LADD, without it, runs in one process and says why."""
     import dataclasses
 
     from fedfleet.simulate import PRESETS, aggregator_shards
@@ -252,11 +337,12 @@ def test_simulate_shards_takes_the_secure_kinds_shards_host_and_says_why_not_for
     keys = SecureKeys.create(tmp_path, DEVICES)
     cfg = dataclasses.replace(PRESETS["smoke"], shards=2, secure=True)
     common = {"job_id": "s", "num_classes": C, "feature_dim": D, "max_samples": 100, **keys.job_fields(tmp_path)}
-    assert aggregator_shards(cfg, "fed3r-sync", common) == (["--shards", "2"], "")
-    assert aggregator_shards(cfg, "fedavg-secure", {**common, "rounds": 1}) == (["--shards", "2"], "")
-    assert aggregator_shards(cfg, "pp-secure", {**common, "rounds": 1}) == (["--shards", "2"], "")
-    options, why = aggregator_shards(cfg, "fedncm-sync", common)
-    assert options == [] and "fedncm-sync" in why
+    for kind in SYNC_KINDS:
+        assert aggregator_shards(cfg, kind, common) == (["--shards", "2"], ""), kind
+    for kind in ("fedavg-secure", "pp-secure", "scaffold-secure", "ditto-secure"):
+        assert aggregator_shards(cfg, kind, {**common, "rounds": 1}) == (["--shards", "2"], ""), kind
+    options, why = aggregator_shards(cfg, "ladd-secure", common)
+    assert options == [] and "ladd-secure" in why and "cluster slot would sum too few survivors" in why
     from aggregator.jobs.registry import build_job
     from aggregator.shards.pool import check_shardable
     dp = build_job("fed3r-sync", {**common, "dp_noise_multiplier": 1.0, "feature_clip_norm": 8.0})

@@ -68,6 +68,8 @@ class JobKind:
     shard_sums: AdditiveState | None = None
     # How shards host this kind's secure groups (aggregator/shards/secure_groups.py; None: they do not).
     shard_groups: SecureGroupPlacement | None = None
+    # Why shards neither sum nor host this kind, where more than "not built" is to be said (--shards's refusal).
+    shard_refusal: str = ""
 
     def __post_init__(self):
         unknown = [k for k in self.task_kinds if k not in TASK_PARAMS]
@@ -92,7 +94,8 @@ KINDS: dict[str, JobKind] = {k.name: k for k in (
             FED3R_SYNC, shard_groups=SecureGroupPlacement()),
     JobKind("fedncm", FedNCMConfig, FedNCMJob,
             "FedNCM: Fed3R's device task, solved as normalised class means (the Fed3R paper's baseline)", FED3R),
-    JobKind("fedncm-sync", FedNCMSyncConfig, FedNCMSyncJob, "FedNCM on Fed3R-Sync's secure group sums", FED3R_SYNC),
+    JobKind("fedncm-sync", FedNCMSyncConfig, FedNCMSyncJob, "FedNCM on Fed3R-Sync's secure group sums", FED3R_SYNC,
+            shard_groups=SecureGroupPlacement()),
     JobKind("fedavg", FedAvgConfig, FedAvgJob, "FedAvg/FedAvgM rounds fine-tuning the classifier head (FT(ψ))",
             (FEDAVG_KIND,), shard_sums=FedAvgRoundSums()),
     JobKind("fedavg-async", AsyncFedAvgConfig, AsyncFedAvgJob,
@@ -113,7 +116,8 @@ KINDS: dict[str, JobKind] = {k.name: k for k in (
             "Scaffold(ψ): FedAvg of the head corrected by control variates; each device keeps its own c_k",
             (SCAFFOLD_KIND,)),
     JobKind("scaffold-secure", SecureScaffoldConfig, SecureScaffoldJob,
-            "Scaffold(ψ) with each round's head updates and control deltas Δc summed under SecAgg", (SECURE_SCAFFOLD_KIND,)),
+            "Scaffold(ψ) with each round's head updates and control deltas Δc summed under SecAgg", (SECURE_SCAFFOLD_KIND,),
+            shard_groups=SecureGroupPlacement()),
     JobKind("scaffold-tail", ScaffoldTailConfig, ScaffoldTailJob,
             "Scaffold(φ)/Scaffold(M): FT(φ)/FT(M) corrected by control variates; each device keeps its own c_k",
             (SCAFFOLD_TAIL_KIND,)),
@@ -125,13 +129,17 @@ KINDS: dict[str, JobKind] = {k.name: k for k in (
             (DITTO_KIND,)),
     JobKind("ditto-secure", SecureDittoConfig, SecureDittoJob,
             "Ditto(ψ) with each round's global-head updates summed under SecAgg; personal heads stay on the devices",
-            (SECURE_DITTO_KIND,)),
+            (SECURE_DITTO_KIND,), shard_groups=SecureGroupPlacement()),
     JobKind("personalize", PersonalizeConfig, PersonalizeJob, "OLL and OLL+FP(ψ) on every device; held-out WMA",
             (PERSONALIZE_KIND,)),
     JobKind("ladd", LaddConfig, LaddJob, "LADD: style clustering and cluster-specific self-training (segmentation)",
             (LADD_STYLE_KIND, LADD_TRAIN_KIND), _ladd_factory(LaddJob)),
     JobKind("ladd-secure", SecureLaddConfig, SecureLaddJob, "LADD with each cluster's updates summed under SecAgg",
-            (LADD_STYLE_KIND, SECURE_LADD_KIND), _ladd_factory(SecureLaddJob)),
+            (LADD_STYLE_KIND, SECURE_LADD_KIND), _ladd_factory(SecureLaddJob),
+            shard_refusal="its server machine aborts a round whose cluster slot would sum too few survivors before "
+                          "any share is revealed, which needs the round's slot layout and the clusters of the "
+                          "plaintext style round: a shard hosting the group, built from the job's config, holds "
+                          "neither (run it without --shards)"),
 )}
 
 

@@ -40,8 +40,9 @@ def shard_capability(kind: str) -> AdditiveState | SecureGroupPlacement:
     spec = kind_of(kind) if kind in KINDS else None
     capability = spec and (spec.shard_sums or spec.shard_groups)
     if capability is None:
+        why = spec.shard_refusal if spec else ""
         raise ValueError(f"job kind {kind!r} has no additive state and no secure groups shards can host: it "
-                         "cannot run on shards")
+                         "cannot run on shards" + (f": {why}" if why else ""))
     return capability
 
 

@@ -1,5 +1,5 @@
-"""A secure job (Fed3R-Sync, secure FedAvg(ψ)) as the coordinator of K shards serves it: the
-rounds, the groups and the model are the job's own; each group's server machine runs on a shard.
+"""A secure job (Fed3R-Sync, FedNCM-Sync, the secure FedAvg family) as the coordinator of K shards
+serves it: the rounds, the groups and the model are the job's own; each group's server machine runs on a shard.
 
 Theory of operation
 -------------------
