@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import numpy as np
@@ -214,10 +215,10 @@ def _secure_ladd(*args) -> object:
 # plain task kind -> (its secure wire kind, the SecAgg client that masks what the plain handler computes)
 SECURE_VARIANTS = {FED3R_KIND: (SYNC_KIND, SecureFed3R),
                    FEDAVG_KIND: (SECURE_FEDAVG_KIND, SecureFedAvgTraining),
-                   FEDAVG_TAIL_KIND: (SECURE_TAIL_KIND, SecureFedAvgTraining),
-                   PP_KIND: (SECURE_PP_KIND, SecureFedAvgTraining),
+                   FEDAVG_TAIL_KIND: (SECURE_TAIL_KIND, partial(SecureFedAvgTraining, kind=SECURE_TAIL_KIND)),
+                   PP_KIND: (SECURE_PP_KIND, partial(SecureFedAvgTraining, kind=SECURE_PP_KIND)),
                    SCAFFOLD_KIND: (SECURE_SCAFFOLD_KIND, SecureScaffoldTraining),
-                   DITTO_KIND: (SECURE_DITTO_KIND, SecureFedAvgTraining),
+                   DITTO_KIND: (SECURE_DITTO_KIND, partial(SecureFedAvgTraining, kind=SECURE_DITTO_KIND)),
                    LADD_TRAIN_KIND: (SECURE_LADD_KIND, _secure_ladd)}
 
 

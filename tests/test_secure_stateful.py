@@ -10,6 +10,8 @@ real SecAgg client and server (tests/stateful_jobs.py run_secure_round).
   earlier round: one clear error (or a dropout), nothing of it applied.
 """
 
+import re
+
 import numpy as np
 import pytest
 
@@ -419,3 +421,22 @@ def test_a_secure_vector_beyond_what_secagg_sums_is_refused_when_the_job_is_buil
     assert secure_job(DITTO_KIND, tmp_path, keys).vector_length == ditto.vector_length
     with pytest.raises(ValueError, match="more than SecAgg's"):
         secure_job(SCAFFOLD_KIND, tmp_path, keys)
+
+
+def test_each_secure_head_kind_declines_bad_params_in_its_own_name():
+    """A device that cannot read a secure round's params names the wire kind it was sent (the
+    operator reads which kind its devices refuse), for every kind the FedAvg-family client serves."""
+    from edge_client.handlers import SECURE_VARIANTS
+    from protocols.identity import DeviceIdentity
+
+    identity = DeviceIdentity.generate("dev-label")
+    served = {}
+    for secure_kind, client in SECURE_VARIANTS.values():
+        handler = client(identity, DeviceIdentity.generate("aggregator").public_key_bytes, None, None)
+        if isinstance(handler, SecureFedAvgTraining):
+            served[secure_kind] = handler
+    assert {"fedavg.secure", "fedavg.tail.secure", "pp.head.secure", "ditto.head.secure",
+            "scaffold.head.secure"} <= set(served)
+    for secure_kind, handler in served.items():
+        with pytest.raises(TaskDeclined, match=rf"bad {re.escape(secure_kind)} params"):
+            handler.vector({"max_samples": "many"}, {})

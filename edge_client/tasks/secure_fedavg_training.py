@@ -37,12 +37,13 @@ class SecureFedAvgTraining(SecureUpdate):
     """``training``: a FedAvg-family handler, ``(params, tensors) -> (body with n, trained tensors)``."""
 
     def __init__(self, identity: DeviceIdentity, aggregator_public_key: bytes, training,
-                 sessions: SecAggSessions | None = None, noise_rng: np.random.Generator | None = None):
+                 sessions: SecAggSessions | None = None, noise_rng: np.random.Generator | None = None,
+                 kind: str = SECURE_FEDAVG_KIND):
         super().__init__(identity, aggregator_public_key, sessions, noise_rng)
-        self.training = training
+        self.training, self.kind = training, kind     # kind: the wire kind served, named in a decline
 
     def vector(self, params: dict, tensors: dict[str, np.ndarray]) -> np.ndarray:
-        secure = read_params(SecureUpdateRound, params, SECURE_FEDAVG_KIND)
+        secure = read_params(SecureUpdateRound, params, self.kind)
         self.check_samples(secure)
         body, trained = self.training(params, tensors)      # the plain handler reads the plain kind's params
         if secure.dp is not None:
