@@ -28,7 +28,7 @@ from aggregator.jobs.base import Job
 from aggregator.shards.coordinated_job import CoordinatedJob
 from aggregator.shards.fedavg_sums import RoundContext, bound_layers, round_mean
 from aggregator.shards.partial_sums import additive
-from aggregator.shards.sum_tree import root_sum
+from aggregator.shards.sum_tree import PartialSum, root_sum
 
 
 class ShardedRoundsJob(CoordinatedJob):
@@ -69,22 +69,27 @@ class ShardedRoundsJob(CoordinatedJob):
             return
         accepted = sorted((device, mid) for device, (mid, _n) in self.round_accepted.items())
         samples = sum(n for _mid, n in self.round_accepted.values())
-        mean = self._round_mean(accepted) if accepted else None
+        mean, total = self._round_mean(accepted) if accepted else (None, None)
+        self.sums.take_round(self.inner, total, len(accepted))        # Scaffold: its control step
         self.inner.finish_round(closed, self.inner.server_step(mean, len(accepted) if mean is not None else 0,
                                                                samples))
         self.round_accepted = {}
 
-    def _round_mean(self, accepted: list[tuple[str, str]]) -> dict[str, np.ndarray] | None:
+    def _round_mean(self, accepted: list[tuple[str, str]]) -> tuple[dict[str, np.ndarray] | None, PartialSum | None]:
+        """(the round's mean, the root of the tree it was divided from)."""
         job_id = self.config.job_id
-        current = {name: self.inner.params[name] for name in self.inner.trained_shapes()}
+        start = self.inner.round_start()            # what the devices trained from (FedGloSS: w̃)
+        current = {name: start[name] for name in self.inner.trained_shapes()}
+        roots: list[PartialSum | None] = [None]
 
         def statistics(context: RoundContext) -> dict[str, float]:
             return self.pool.ask("statistics", job_id, accepted, context)
 
         def root(context: RoundContext):
-            return root_sum(self.sums, self.pool.ask("sums", job_id, accepted, context))
+            roots[0] = root_sum(self.sums, self.pool.ask("sums", job_id, accepted, context))
+            return roots[0]
 
-        return round_mean(self.layers, current, statistics, root)
+        return round_mean(self.layers, current, statistics, root), roots[0]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
