@@ -121,6 +121,13 @@ def test_jobs_shards_cannot_sum_and_impossible_shard_counts_are_refused_with_the
                                             "feature_clip_norm": 1.0}), "fed3r")
     with pytest.raises(ValueError, match="streaming"):
         check_shardable(build_job("fed3r", {**CONFIG, "streaming": True}), "fed3r")
+    check_shardable(build_job("fedncm", CONFIG), "fedncm")                  # Fed3R's sums, its own solve
+    with pytest.raises(ValueError, match="streaming"):
+        check_shardable(build_job("fedncm", {**CONFIG, "streaming": True}), "fedncm")
+    for kind in ("scaffold", "ditto", "fedgloss"):                          # FedAvg's round sums, and more
+        check_shardable(build_job(kind, {**fedavg, "direction_screen": False}), kind)
+        with pytest.raises(ValueError, match="direction_screen"):
+            check_shardable(build_job(kind, fedavg), kind)
     for count in (0, NUM_BUCKETS + 1):
         with pytest.raises(ValueError, match="between 1 and"):
             LocalShards(count, BrokerConfig.from_url("mqtt://127.0.0.1:1"), tmp_path)

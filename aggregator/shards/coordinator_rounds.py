@@ -1,14 +1,17 @@
-"""A FedAvg(ψ) job as the coordinator of K shards serves it: the rounds, the participants, the
+"""A FedAvg-family job as the coordinator of K shards serves it: the rounds, the participants, the
 server step and the model are the job's own; each round's sum is the shards'.
 
-:class:`ShardedRoundsJob` wraps a freshly built ``fedavg`` job. Its results are the shards'
-receipts (``shard.py``): applying one admits it to the open round by the job's own rule (the
-round it names, a participant, once) and records its sample count: never a tensor. At the
+:class:`ShardedRoundsJob` wraps a freshly built job whose ``shard_sums`` are round sums
+(``fedavg``, ``pp``, ``scaffold``, ...). Its results are the shards' receipts (``shard.py``):
+applying one admits it to the open round by the job's own rule (the round it names, a
+participant, once) and records its sample count: never a tensor. At the
 round's close it asks the shards, in phases (``fedavg_sums.py``): each bound layer's statistic of
 every accepted update (the coordinator decides the layer's limit on all of them), then their
 subtree sums of the bounded, weighted updates; it adds those up the fixed tree, divides, and the
-job takes its server step (history, FedAvg / FedAvgM / FedOpt) on that mean, exactly as one
-aggregator does on its own updates: the same bits.
+job takes its server step (history, FedAvg / FedAvgM / FedOpt; FedGloSS's own) on that mean,
+exactly as one aggregator does on its own updates: the same bits. The updates are measured from
+the point the devices trained from (``round_start``: FedGloSS's w̃), and whatever else the root
+sums the kind takes before the step (``take_round``: Scaffold's Σ Δc_k moving its control c).
 
 Restarts: the job's state is checkpointed at each round close as one aggregator's is (the model,
 the server optimizer's state); a round open at a crash is rebuilt from the coordinator's store,
