@@ -201,7 +201,8 @@ class _Phases:
                             "scaffold-tail" if cfg.ft_algorithm == "scaffold" else "fedavg-tail")
         elif cfg.fp_part != "psi":           # FP(φ)/FP(M) after OLL: the devices train the tail bundle's program
             self.tail_manifest = tail_bundle_manifest(cfg)
-        if cfg.shards and self.ft_kind == "fedavg":  # the direction screen's median needs every update in one place
+        if cfg.shards and self.ft_kind in ("fedavg", "scaffold", "fedgloss"):  # the direction screen's median
+            # needs every update in one place (FT(φ)/FT(M) screens no direction)
             self.ft_extra = {**self.ft_extra, "direction_screen": False}
 
     def plan_secure(self):
@@ -253,7 +254,8 @@ class _Phases:
         job = {**self.common, "job_id": job_id, "rounds": cfg.pp_rounds, "clients_per_round": cfg.clients_per_round,
                "round_timeout_s": cfg.round_timeout_s, "client_lr": cfg.pp_client_lr, **fields,
                "init": "fed3r", "initial_head_file": str(head_dir / "model.npz"), **self.secure_fields}
-        if cfg.shards and kind == "pp":     # as FT(ψ)'s: the direction screen's median needs every update in one place
+        if cfg.shards and kind in ("pp", "ditto"):  # as FT(ψ)'s: the direction screen's median needs every update
+            # in one place
             job["direction_screen"] = False
         self._job(name, kind, job, job_dir, self.out / "eval_features.npz", cfg.pp_rounds * cfg.clients_per_round)
         return job_dir, {"personal_job": job_id}

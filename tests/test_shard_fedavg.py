@@ -16,8 +16,11 @@ from aggregator.storage.store import Store
 from protocols import messages as M
 from protocols.chunking import split
 from protocols.envelope import decode, encode
-from protocols.payloads.fedavg import KIND, encode_head_update
+from protocols.payloads.ditto import KIND as DITTO_KIND, encode_ditto_update
+from protocols.payloads.fedavg import KIND, encode_head_update, encode_model_update
+from protocols.payloads.fedgloss import KIND as FEDGLOSS_KIND
 from protocols.payloads.partial import KIND as PP_KIND, PersonalReport, encode_partial_update
+from protocols.payloads.scaffold import DELTA_CONTROL, KIND as SCAFFOLD_KIND
 from protocols.rounds import RoundClosed
 from protocols.topics import Topics
 
@@ -42,19 +45,36 @@ class InProcessShards:
         return merged
 
 
+# each kind's config besides CONFIG: Scaffold's Δc clip bites on dev01's; FedGloSS steps with SGD
+# (its own server step) and perturbs the head it sends from round 2 on (ρ > 0)
+KIND_CONFIG = {"scaffold": {"control_clip_norm": 0.5, "total_devices": 12},
+               "fedgloss": {"server_optimizer": "sgd", "server_lr": 0.8, "fedgloss_rho": 0.05}}
+
+
+def config_of(kind: str) -> dict:
+    return {**CONFIG, **KIND_CONFIG.get(kind, {})}
+
+
 def update_message(device: str, round_: int, head: dict, rng, kind: str = "fedavg") -> bytes:
     """A device's trained head: the served one moved by noise; dev01 pushes 40 times harder. A
-    ``pp`` device sends the shared weight only, with its held-out report (dev02 holds none out)."""
+    ``pp`` device sends the shared weight only, with its held-out report (dev02 holds none out), a
+    ``ditto`` device its head with that report, a ``scaffold`` one its head and Δc."""
     scale = 40.0 if device == "dev01" else 1.0
     weight = head["weight"] + scale * rng.normal(scale=0.1, size=(C, D))
     bias = head["bias"] + scale * rng.normal(scale=0.1, size=C)
     n = int(rng.integers(5, 60))
+    n_test = 0 if device == "dev02" else int(rng.integers(1, 20))
+    report = PersonalReport(n_test, int(rng.integers(0, n_test + 1)), int(rng.integers(0, n_test + 1)), False)
     if kind == "pp":
-        n_test = 0 if device == "dev02" else int(rng.integers(1, 20))
-        report = PersonalReport(n_test, int(rng.integers(0, n_test + 1)), int(rng.integers(0, n_test + 1)), False)
         (body, tensors), wire = encode_partial_update(weight, n, report), PP_KIND
+    elif kind == "ditto":
+        (body, tensors), wire = encode_ditto_update(weight, bias, n, report), DITTO_KIND
+    elif kind == "scaffold":
+        delta = {DELTA_CONTROL + "weight": scale * rng.normal(scale=0.1, size=(C, D)),
+                 DELTA_CONTROL + "bias": scale * rng.normal(scale=0.1, size=C)}
+        (body, tensors), wire = encode_model_update({"weight": weight, "bias": bias, **delta}, n), SCAFFOLD_KIND
     else:
-        (body, tensors), wire = encode_head_update(weight, bias, n), KIND
+        (body, tensors), wire = encode_head_update(weight, bias, n), FEDGLOSS_KIND if kind == "fedgloss" else KIND
     env = M.result_message(device, M.TaskRef(CONFIG["job_id"], round_, "t"), wire, body, tensors)
     env.id = f"{round_:04x}{int(device[3:]):028x}"
     return encode(env)
@@ -69,11 +89,12 @@ def feed(shard: ShardIngest, device: str, raw: bytes) -> Receipt:
 def run_rounds(tmp_path, shards_count: int, late: str, kind: str = "fedavg"):
     """(one aggregator's job, the coordinator's job, what the coordinator asked) after the job's rounds."""
     shards = [ShardIngest(k, shards_count, Store(tmp_path / f"k{shards_count}-s{k}.db")) for k in range(shards_count)]
+    config = config_of(kind)
     for s in shards:
-        s.set_job(CONFIG["job_id"], kind, CONFIG)
+        s.set_job(CONFIG["job_id"], kind, config)
     pool = InProcessShards(shards)
-    single, coordinator = build_job(kind, CONFIG), ShardedRoundsJob(build_job(kind, CONFIG), kind, pool)
-    if kind == "pp":        # one run of the job (its devices' state binding), not two
+    single, coordinator = build_job(kind, config), ShardedRoundsJob(build_job(kind, config), kind, pool)
+    if hasattr(single, "device_state"):     # one run of the job (its devices' state binding), not two
         coordinator.inner.device_state.run = single.device_state.run
     rng = np.random.default_rng(7)
     for _ in range(CONFIG["rounds"]):
@@ -92,20 +113,25 @@ def run_rounds(tmp_path, shards_count: int, late: str, kind: str = "fedavg"):
     return single, coordinator, pool.asked
 
 
-@pytest.mark.parametrize("kind", ["fedavg", "pp"])
+@pytest.mark.parametrize("kind", ["fedavg", "pp", "scaffold", "ditto", "fedgloss"])
 @pytest.mark.parametrize("shards_count", [2, 3])
 def test_shards_close_fedavg_rounds_to_one_aggregators_bytes(tmp_path, shards_count, kind):
-    """pp (FedSim/FedAlt): the shared weight's rounds, and the held-out WMA from the receipts'
-    reports the same as from the results' (each device's latest; one without a split reports none)."""
+    """pp (FedSim/FedAlt) and Ditto: the shared weight's (the global head's) rounds, and the
+    held-out WMA from the receipts' reports the same as from the results' (each device's latest;
+    one without a split reports none). Scaffold: the server control c too (the clipped Δc's sum
+    up the tree). FedGloSS: its own server step, the bound layers measuring from w̃."""
     single, coordinator, asked = run_rounds(tmp_path, shards_count, late="dev04", kind=kind)
     assert asked == ["statistics", "statistics", "sums"] * CONFIG["rounds"]     # norm, then weight bound, then sums
+    assert sorted(coordinator.state_dict()) == sorted(single.state_dict())
     for name, value in single.state_dict().items():
         assert coordinator.state_dict()[name].tobytes() == value.tobytes(), name
     assert coordinator.contributed == single.contributed and "dev04" not in single.contributed
     assert coordinator.inner.samples == single.samples and coordinator.round == single.round == 2
     assert coordinator.evaluate(None, None) == single.evaluate(None, None)
     assert coordinator.bookkeeping() == single.bookkeeping()
-    if kind == "pp":
+    if kind == "scaffold":                  # c moved (test_scaffold.py checks its step against numpy's mean)
+        assert np.abs(single.control["weight"]).max() > 0
+    if kind in ("pp", "ditto"):
         assert coordinator.inner.heldout == single.heldout and "dev02" not in single.heldout
         assert sorted(single.heldout) == sorted(set(single.contributed) - {"dev02"})
         assert "personal_wma" in single.evaluate(None, None)
@@ -161,8 +187,11 @@ def test_simulate_shards_each_job_shards_can_sum_and_says_why_not_for_the_others
     options, why = aggregator_shards(cfg, "fedavg", {**CONFIG, "direction_screen": True})
     assert options == [] and "direction_screen" in why
     assert aggregator_shards(cfg, "pp", {**CONFIG, "job_id": "p"}) == (["--shards", "2"], "")
-    options, why = aggregator_shards(cfg, "ditto", {**CONFIG, "job_id": "d"})
-    assert options == [] and "ditto" in why
+    assert aggregator_shards(cfg, "ditto", {**CONFIG, "job_id": "d"}) == (["--shards", "2"], "")
+    options, why = aggregator_shards(cfg, "scaffold", {**CONFIG, "job_id": "s", "direction_screen": True})
+    assert options == [] and "direction_screen" in why
+    options, why = aggregator_shards(cfg, "fedavg-async", {**CONFIG, "job_id": "a"})
+    assert options == [] and "fedavg-async" in why
     options, why = aggregator_shards(cfg, "personalize", {})
     assert options == [] and "personalize" in why
     assert aggregator_shards(dataclasses.replace(cfg, shards=0), "fed3r", fed3r) == ([], "")
@@ -196,15 +225,23 @@ def test_a_device_message_carrying_a_shard_receipt_is_refused_and_changes_nothin
 
 
 def test_only_the_kinds_that_declare_shard_sums_have_them_none_inherits_them():
-    """A kind is shardable by its own registry entry: FedNCM (a Fed3R job) and FedAvg's subclasses
-    that sum or step otherwise (Scaffold, FedGloSS, FedBuff, secure) have none, and a new kind
-    starts unshardable until it declares how its sums split. FT(φ)/FT(M) declares FedAvg's, pp
-    FedAvg's with its held-out report in the receipt."""
+    """A kind is shardable by its own registry entry: FedAvg's subclasses that step otherwise
+    (FedBuff's arrivals, the secure kinds' SecAgg rounds) have none, and a new kind starts
+    unshardable until it declares how its sums split. FT(φ)/FT(M) and FedGloSS declare FedAvg's
+    round sums, pp and Ditto FedAvg's with the held-out report in the receipt, Scaffold(ψ/φ/M)
+    FedAvg's with Σ Δc_k, FedNCM Fed3R's."""
     from aggregator.jobs.registry import KINDS
+    from aggregator.shards.control_sums import ControlledRoundSums
+    from aggregator.shards.fed3r_sums import Fed3RSums
+    from aggregator.shards.fedavg_sums import FedAvgRoundSums
     from aggregator.shards.partial_sums import additive
+    from aggregator.shards.personal_sums import PersonalRoundSums
 
-    assert {name for name, kind in KINDS.items() if kind.shard_sums is not None} == {"fed3r", "fedavg", "fedavg-tail",
-                                                                                     "pp"}
-    for name in ("fedncm", "scaffold", "fedgloss", "fedavg-async", "fedavg-secure"):
+    declared = {name: type(kind.shard_sums) for name, kind in KINDS.items() if kind.shard_sums is not None}
+    assert declared == {"fed3r": Fed3RSums, "fedncm": Fed3RSums, "fedavg": FedAvgRoundSums,
+                        "fedavg-tail": FedAvgRoundSums, "fedgloss": FedAvgRoundSums, "pp": PersonalRoundSums,
+                        "ditto": PersonalRoundSums, "scaffold": ControlledRoundSums,
+                        "scaffold-tail": ControlledRoundSums}
+    for name in ("fedavg-async", "fedavg-secure", "personalize", "ladd"):
         with pytest.raises(ValueError, match="no additive state"):
             additive(name)

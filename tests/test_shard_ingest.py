@@ -68,27 +68,28 @@ def test_a_shard_stores_and_receipts_its_devices_once_and_forwards_the_rest(tmp_
     assert shard.stored == 1
 
 
-def test_shards_sum_the_coordinators_accepted_ids_to_one_aggregators_bytes(tmp_path):
+@pytest.mark.parametrize("kind", ["fed3r", "fedncm"])       # FedNCM: Fed3R's statistics, solved as class means
+def test_shards_sum_the_coordinators_accepted_ids_to_one_aggregators_bytes(tmp_path, kind):
     shards = [ShardIngest(k, 3, Store(tmp_path / f"s{k}.db")) for k in range(3)]
     for s in shards:
-        s.set_job("sharded", "fed3r", CONFIG)
+        s.set_job("sharded", kind, CONFIG)
     receipts = {}
     for i in reversed(range(len(DEVICES))):
         receipts[i] = feed(shards[shard_of(DEVICES[i], 3)], i, result(i))
     late = 5                                                # receipted, but the coordinator refused it
-    coordinator = ShardedJob(build_job("fed3r", CONFIG), "fed3r",
+    coordinator = ShardedJob(build_job(kind, CONFIG), kind,
                              lambda kind, config, job_id, accepted: reduce_nodes(kind, config, {
                                  n: v for s in shards for n, v in s.sums(job_id, accepted).items()}))
     for i in range(len(DEVICES)):
         if i != late:
             coordinator.apply(DEVICES[i], coordinator.parse_result(decode(receipts[i].raw)))
-    reference = canonical_sum("fed3r", CONFIG, [(DEVICES[i], 1, lambda job, i=i: job.parse_result(decode(result(i))))
+    reference = canonical_sum(kind, CONFIG, [(DEVICES[i], 1, lambda job, i=i: job.parse_result(decode(result(i))))
                                                 for i in range(len(DEVICES)) if i != late])
     got = coordinator.model_arrays()
     for k, v in reference.model_arrays().items():
         assert got[k].tobytes() == v.tobytes(), k
     assert coordinator.contributed == {d: 4 + i for i, d in enumerate(DEVICES) if i != late}
-    direct = build_job("fed3r", CONFIG)                     # the fleet screen's input, as one aggregator keeps it
+    direct = build_job(kind, CONFIG)                        # the fleet screen's input, as one aggregator keeps it
     for i in (i for i in range(len(DEVICES)) if i != late):
         direct.apply(DEVICES[i], direct.parse_result(decode(result(i))))
     assert direct.energies and coordinator.inner.energies == direct.energies
@@ -114,12 +115,19 @@ def test_jobs_shards_cannot_sum_and_impossible_shard_counts_are_refused_with_the
         check_shardable(build_job("fedavg", {**fedavg, **PLAIN_MEAN, "dp_noise_multiplier": 1.0, "dp_clip_norm": 1.0}),
                         "fedavg")
     with pytest.raises(ValueError, match="no additive state"):
-        check_shardable(build_job("scaffold", fedavg), "scaffold")      # a FedAvg subclass: shardable by name only
+        check_shardable(build_job("fedavg-async", fedavg), "fedavg-async")  # a FedAvg subclass: shardable by name only
     with pytest.raises(ValueError, match="not order-free"):
         check_shardable(build_job("fed3r", {**CONFIG, "dp_noise_multiplier": 1.0, "max_samples": 10,
                                             "feature_clip_norm": 1.0}), "fed3r")
     with pytest.raises(ValueError, match="streaming"):
         check_shardable(build_job("fed3r", {**CONFIG, "streaming": True}), "fed3r")
+    check_shardable(build_job("fedncm", CONFIG), "fedncm")                  # Fed3R's sums, its own solve
+    with pytest.raises(ValueError, match="streaming"):
+        check_shardable(build_job("fedncm", {**CONFIG, "streaming": True}), "fedncm")
+    for kind in ("scaffold", "ditto", "fedgloss"):                          # FedAvg's round sums, and more
+        check_shardable(build_job(kind, {**fedavg, "direction_screen": False}), kind)
+        with pytest.raises(ValueError, match="direction_screen"):
+            check_shardable(build_job(kind, fedavg), kind)
     for count in (0, NUM_BUCKETS + 1):
         with pytest.raises(ValueError, match="between 1 and"):
             LocalShards(count, BrokerConfig.from_url("mqtt://127.0.0.1:1"), tmp_path)

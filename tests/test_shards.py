@@ -197,9 +197,17 @@ class RoundJob:
     handlers: Callable | None = None
 
 
-def tail_job(request) -> RoundJob:
-    """FT(M) on the suite's 32 px tail bundle: three devices of 12 Fashion-MNIST images, the
-    norm bound (3x the median, the kind's default) on: the tail's tensors close in phases too."""
+def device_store(workdir, device: str):
+    """A device's own state store, in the run's folder: every run starts from empty stores."""
+    from edge_client.state import DeviceStateStore
+
+    return DeviceStateStore(workdir / "device-state" / device)
+
+
+def tail_job(request, kind: str = "fedavg-tail") -> RoundJob:
+    """FT(M) (or Scaffold(M), each device keeping its c_k) on the suite's 32 px tail bundle: three
+    devices of 12 Fashion-MNIST images, the norm bound (3x the median, the kind's default) on: the
+    tail's tensors close in phases too."""
     from edge_client.data import load_fashion_mnist
     from edge_client.handlers import HandlerConfig, LocalData, SharedExtractors, device_handlers
 
@@ -207,33 +215,40 @@ def tail_job(request) -> RoundJob:
     images, labels = load_fashion_mnist("train")
     extractors = SharedExtractors(lambda *_: Features(), None)
 
-    def handlers(device: str, _workdir) -> tuple[dict, dict]:
+    def handlers(device: str, workdir) -> tuple[dict, dict]:
         i = TAIL_DEVICES.index(device)
         data = LocalData(images[12 * i:12 * i + 12], labels[12 * i:12 * i + 12].astype(np.int64), np.arange(12))
-        return device_handlers(data, extractors, HandlerConfig(tail_manifest=str(manifest))), {}
+        return device_handlers(data, extractors, HandlerConfig(tail_manifest=str(manifest)),
+                               device_store(workdir, device)), {}
 
-    config = {"kind": "fedavg-tail", "num_classes": 10, "feature_dim": 1280, "image_size": 32, "rounds": 2,
+    config = {"kind": kind, "num_classes": 10, "feature_dim": 1280, "image_size": 32, "rounds": 2,
               "clients_per_round": 3, "local_epochs": 1, "batch_size": 6, "client_lr": 0.01, "train": "tail+head",
               "tail_stages": 1, "init": "zeros", "tail_program_file": str(manifest.parent / "tail_eval.pt2")}
     return RoundJob(TAIL_DEVICES, config, handlers)
 
 
-def pp_handlers(device: str, workdir) -> tuple[dict, dict]:
-    """FedAlt on the synthetic features: each device keeps its bias in its own state store (in the
-    run's folder: every run starts from empty stores) and reports on its held-out split."""
+def stateful_handlers(device: str, workdir) -> tuple[dict, dict]:
+    """The head kinds whose devices keep state, on the synthetic features: each device keeps its
+    bias (FedAlt), its c_k (Scaffold) or its dual (FedGloSS) in its own state store (pp: and
+    reports on its held-out split)."""
     from edge_client.handlers import HandlerConfig, device_handlers
-    from edge_client.state import DeviceStateStore
 
     return device_handlers(features_of(device), lambda *_, **__: Features(), HandlerConfig(),
-                           DeviceStateStore(workdir / "device-state" / device)), {}
+                           device_store(workdir, device)), {}
+
+
+# each stateful head kind's config besides FEDAVG's (Scaffold: a Δc clip that bites; FedGloSS: its
+# own server step, plain SGD, perturbing the head it sends from round 2 on)
+HEAD_KINDS = {"pp": {"pp_algorithm": "fedalt"}, "scaffold": {"control_clip_norm": 0.05},
+              "fedgloss": {"fedgloss_rho": 0.05, "server_momentum": 0.0}}
 
 
 def round_job(kind: str, request) -> RoundJob:
     if kind == "fedavg":
         return RoundJob(DEVICES, FEDAVG)
-    if kind == "pp":
-        return RoundJob(DEVICES, {**FEDAVG, "kind": "pp", "pp_algorithm": "fedalt"}, pp_handlers)
-    return tail_job(request)
+    if kind in HEAD_KINDS:
+        return RoundJob(DEVICES, {**FEDAVG, "kind": kind, **HEAD_KINDS[kind]}, stateful_handlers)
+    return tail_job(request, kind)
 
 
 def gated(handler, gate: threading.Event):
@@ -266,7 +281,10 @@ def run_rounds(workdir, job: RoundJob, extra=(), crash=None):
 
 
 def fedavg_outputs(out_dir):
-    return dict(np.load(out_dir / "model.npz")), json.loads((out_dir / "results.json").read_text())
+    """(model.npz, results.json, statistics.npz: the job's state, Scaffold's c and FedGloSS's duals
+    included, less the devices' state run, which each run draws anew)."""
+    state = {k: v for k, v in np.load(out_dir / "statistics.npz").items() if k != "device_state_run"}
+    return dict(np.load(out_dir / "model.npz")), json.loads((out_dir / "results.json").read_text()), state
 
 
 @pytest.fixture(scope="module")
@@ -285,15 +303,18 @@ def rounds_unsharded(tmp_path_factory):
 
 
 def assert_same_fedavg_model(got, want, job: RoundJob = RoundJob(DEVICES, FEDAVG)):
-    assert sorted(got[0]) == sorted(want[0])
-    for name in want[0]:
-        assert got[0][name].tobytes() == want[0][name].tobytes(), name          # bit for bit
+    for got_arrays, want_arrays in ((got[0], want[0]), (got[2], want[2])):
+        assert sorted(got_arrays) == sorted(want_arrays)
+        for name in want_arrays:
+            assert got_arrays[name].tobytes() == want_arrays[name].tobytes(), name      # bit for bit
     assert got[1]["contributed"] == want[1]["contributed"] and got[1]["state"] == "done"
     assert sum(want[1]["contributed"].values()) == job.config["rounds"] * job.config["clients_per_round"]
     same = ("round", "contributions", "samples", "server_steps", "personal_wma", "global_wma", "heldout_devices")
     assert {k: got[1]["final"].get(k) for k in same} == {k: want[1]["final"].get(k) for k in same}   # pp: its WMAs
     if job.config["kind"] == "pp":
         assert want[1]["final"]["heldout_devices"] == len(want[1]["contributed"])
+    if job.config["kind"].startswith("scaffold"):           # c moved
+        assert any(np.abs(v).max() > 0 for k, v in want[2].items() if k.startswith("control."))
 
 
 def fedavg_rounds_held(state, shard: int) -> set[int]:
@@ -304,11 +325,15 @@ def fedavg_rounds_held(state, shard: int) -> set[int]:
         return set()
 
 
-# FT(φ)/FT(M) is FedAvg's round sums over more tensors: its Ray and SIGKILL runs are FedAvg's;
-# pp's receipts carry its held-out reports as well: it has its own
-ROUND_RUNS = [("fedavg", "local"), ("fedavg-tail", "local"), ("pp", "local"),
+# FT(φ)/FT(M) and FedGloSS are FedAvg's round sums (over more tensors; from w̃): their Ray and
+# SIGKILL runs are FedAvg's; pp's receipts carry held-out reports as well, and Scaffold sums its
+# Δc and moves the server state c: they have their own. Ditto is pp's sums and receipts
+# (PersonalRoundSums) and FedNCM Fed3R's (Fed3RSums) on the same paths: their bytes are checked
+# without a broker (tests/test_shard_fedavg.py, tests/test_shard_ingest.py)
+ROUND_RUNS = [("fedavg", "local"), ("fedavg-tail", "local"), ("pp", "local"), ("scaffold", "local"),
+              ("scaffold-tail", "local"), ("fedgloss", "local"),
               *(pytest.param(kind, "ray", marks=[pytest.mark.slow, needs_ray, pytest.mark.ray_cluster])
-                for kind in ("fedavg", "pp"))]
+                for kind in ("fedavg", "pp", "scaffold"))]
 
 
 @pytest.mark.parametrize("kind,on", ROUND_RUNS)
@@ -324,7 +349,8 @@ def test_fedavg_rounds_on_two_shards_give_one_aggregators_model_bit_for_bit(tmp_
     assert all(rows) and all(shard_of(d, 2) == i for i, held in enumerate(rows) for d, _ in held)
 
 
-@pytest.mark.parametrize("kind", ["fedavg", "pp"])      # pp: its receipts' reports replayed after the restart
+# pp: its receipts' reports replayed after the restart; Scaffold: its server control c restored
+@pytest.mark.parametrize("kind", ["fedavg", "pp", "scaffold"])
 def test_fedavg_on_shards_resumes_bit_for_bit_after_the_coordinator_and_a_shard_are_sigkilled(tmp_path, kind,
                                                                                             rounds_unsharded, request):
     """The coordinator dies closing round 1 (its shards with it); restarted, it closes the round

@@ -251,11 +251,10 @@ class FedAvgJob(Job):
         self.contributed[device] = self.contributed.get(device, 0) + 1
         self.samples += n
 
-    def round_mean(self, start: dict[str, np.ndarray] | None = None) -> tuple[dict[str, np.ndarray] | None, int, int]:
+    def round_mean(self) -> tuple[dict[str, np.ndarray] | None, int, int]:
         """(the round's combined tensors or None, updates, Σ n_k) of the round being closed:
-        Σ n_k θ_k / Σ n_k with every bounded-influence layer off. ``start``: the point the devices
-        trained from when it is not the global model (FedGloSS's perturbed w̃), which the layers
-        measure updates from."""
+        Σ n_k θ_k / Σ n_k with every bounded-influence layer off. The layers measure each update
+        from the point the devices trained from (:meth:`round_start`)."""
         # Averaged in device-id order, so the result depends on which updates arrived, never on
         # their arrival order (a restarted aggregator reproduces the model bit for bit).
         # Bounded influence (aggregator/strategies/robust_fedavg.py): the norm and contribution
@@ -263,7 +262,8 @@ class FedAvgJob(Job):
         updates = [self._updates[d] for d in sorted(self._updates)]
         if not updates:
             return None, 0, 0
-        current = {name: (start or self.params)[name] for name in updates[0][0]}
+        start = self.round_start()
+        current = {name: start[name] for name in updates[0][0]}
         samples = sum(n for _, n in updates)
         if not self.config.needs_every_update():
             # sums that shards can split: added up the canonical bucket tree, as K shards would
@@ -284,6 +284,11 @@ class FedAvgJob(Job):
             updates = [self._updates[d][0] for d in sorted(self._updates)]
             return self.dp.step(trained, updates), len(updates), sum(n for _, n in self._updates.values())
         return self.server_step(*self.round_mean())
+
+    def round_start(self) -> dict[str, np.ndarray]:
+        """The tensors the open round's devices trained from (the bound layers measure updates
+        from them): the global model; FedGloSS's perturbed w̃."""
+        return self.params
 
     def server_step(self, mean: dict[str, np.ndarray] | None, updates: int, samples: int):
         """(the moved tensors or None, updates, Σ n_k) from the round's combined tensors: the round

@@ -62,20 +62,23 @@ class FedGlossJob(StatefulDevicesJob, FedAvgJob):
         self.device_state = DeviceStateRun()
 
     def task_for(self, device: str) -> tuple[dict, dict[str, np.ndarray]]:
-        return self.task_params(device).to_params(), self.strategy.perturbed(self.params)
+        return self.task_params(device).to_params(), self.round_start()
 
     def task_params(self, device: str) -> FedGlossParams:
         c = self.config
         return FedGlossParams.extending(super().task_params(device), job_id=c.job_id,
                                         state=c.binding(self.device_state.run, self.round), admm=AdmmRecipe(c.admm_beta))
 
-    def round_step(self) -> tuple[dict[str, np.ndarray] | None, int, int]:
-        start = self.strategy.perturbed(self.params)          # w̃ᵗ: what this round's devices started from
-        mean, updates, samples = self.round_mean(start)
+    def round_start(self) -> dict[str, np.ndarray]:
+        return self.strategy.perturbed(self.params)          # w̃ᵗ: what this round's devices start from
+
+    def server_step(self, mean: dict[str, np.ndarray] | None, updates: int, samples: int):
+        """FedGlossServer's step from the round's mean (one aggregator's, or a sharded coordinator's
+        on its shards' sums), the history measured from w̃ᵗ."""
         if mean is None:
             return None, 0, 0
         current = {name: self.params[name] for name in mean}
         # |Cᵗ|/K; K a lower bound (the devices met so far) when the config does not name the fleet
         fleet = max(self.config.total_devices, len(self.contributed), updates)
-        return self.strategy.step(current, self.history.step(start, mean), updates / fleet), updates, samples
-
+        moved = self.strategy.step(current, self.history.step(self.round_start(), mean), updates / fleet)
+        return moved, updates, samples

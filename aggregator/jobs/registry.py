@@ -48,6 +48,7 @@ from aggregator.jobs.secure_fedavg import (SecureDittoConfig, SecureDittoJob, Se
                                            SecureTailFedAvgJob)
 from aggregator.jobs.secure_scaffold import SecureScaffoldConfig, SecureScaffoldJob
 from aggregator.jobs.secure_ladd import SecureLaddConfig, SecureLaddJob
+from aggregator.shards.control_sums import ControlledRoundSums
 from aggregator.shards.fed3r_sums import Fed3RSums
 from aggregator.shards.fedavg_sums import FedAvgRoundSums
 from aggregator.shards.group_placement import SecureGroupPlacement
@@ -93,7 +94,8 @@ KINDS: dict[str, JobKind] = {k.name: k for k in (
     JobKind("fed3r-sync", Fed3RSyncConfig, Fed3RSyncJob, "Fed3R-Sync: the statistics summed in groups under SecAgg",
             FED3R_SYNC, shard_groups=SecureGroupPlacement()),
     JobKind("fedncm", FedNCMConfig, FedNCMJob,
-            "FedNCM: Fed3R's device task, solved as normalised class means (the Fed3R paper's baseline)", FED3R),
+            "FedNCM: Fed3R's device task, solved as normalised class means (the Fed3R paper's baseline)", FED3R,
+            shard_sums=Fed3RSums()),
     JobKind("fedncm-sync", FedNCMSyncConfig, FedNCMSyncJob, "FedNCM on Fed3R-Sync's secure group sums", FED3R_SYNC,
             shard_groups=SecureGroupPlacement()),
     JobKind("fedavg", FedAvgConfig, FedAvgJob, "FedAvg/FedAvgM rounds fine-tuning the classifier head (FT(ψ))",
@@ -114,19 +116,19 @@ KINDS: dict[str, JobKind] = {k.name: k for k in (
             shard_groups=SecureGroupPlacement()),
     JobKind("scaffold", ScaffoldConfig, ScaffoldJob,
             "Scaffold(ψ): FedAvg of the head corrected by control variates; each device keeps its own c_k",
-            (SCAFFOLD_KIND,)),
+            (SCAFFOLD_KIND,), shard_sums=ControlledRoundSums()),
     JobKind("scaffold-secure", SecureScaffoldConfig, SecureScaffoldJob,
             "Scaffold(ψ) with each round's head updates and control deltas Δc summed under SecAgg", (SECURE_SCAFFOLD_KIND,),
             shard_groups=SecureGroupPlacement()),
     JobKind("scaffold-tail", ScaffoldTailConfig, ScaffoldTailJob,
             "Scaffold(φ)/Scaffold(M): FT(φ)/FT(M) corrected by control variates; each device keeps its own c_k",
-            (SCAFFOLD_TAIL_KIND,)),
+            (SCAFFOLD_TAIL_KIND,), shard_sums=ControlledRoundSums()),
     JobKind("fedgloss", FedGlossConfig, FedGlossJob,
             "FedGloSS(ψ): server-side SAM from the last round's pseudo-gradient plus ADMM; each device keeps its dual",
-            (FEDGLOSS_KIND,)),
+            (FEDGLOSS_KIND,), shard_sums=FedAvgRoundSums()),
     JobKind("ditto", DittoConfig, DittoJob,
             "Ditto(ψ): FedAvg of the head; each device also keeps a personal head pulled to the global one",
-            (DITTO_KIND,)),
+            (DITTO_KIND,), shard_sums=PersonalRoundSums()),
     JobKind("ditto-secure", SecureDittoConfig, SecureDittoJob,
             "Ditto(ψ) with each round's global-head updates summed under SecAgg; personal heads stay on the devices",
             (SECURE_DITTO_KIND,), shard_groups=SecureGroupPlacement()),

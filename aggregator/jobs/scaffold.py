@@ -28,6 +28,7 @@ from protocols.rounds import RoundClosed
 from aggregator.jobs.config_limits import TOTAL_DEVICES, Range, limited
 from aggregator.jobs.device_state_fields import DeviceStateFields, DeviceStateRun, StatefulDevicesJob
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob, RoundUpdate
+from aggregator.shards.control_sums import local_control_sum
 
 
 @dataclass
@@ -86,14 +87,23 @@ class ScaffoldControls(StatefulDevicesJob):
         super().apply(device, payload)
         update: ScaffoldUpdate = payload.update
         if fresh and device in self._updates:           # accepted into the open round
-            self._controls[device] = clip_to_norm(update.delta_control, self.config.control_clip_norm)
+            self._controls[device] = self.clipped_control(update)
+
+    def clipped_control(self, update: ScaffoldUpdate) -> dict[str, np.ndarray]:
+        """An update's Δc clipped to ``control_clip_norm`` (float64): what the round's sum adds."""
+        return clip_to_norm(update.delta_control, self.config.control_clip_norm)
 
     def control_step(self) -> None:
-        """c ← c + (|S| / K) · mean(Δc) over the round's accepted updates (device-id order)."""
-        accepted = [self._controls[d] for d in sorted(self._controls) if d in self._updates]
+        """c ← c + (|S| / K) · mean(Δc) over the round's accepted updates, their Σ Δc added up the
+        canonical bucket tree as K shards add it (``aggregator/shards/control_sums.py``)."""
+        accepted = {d: delta for d, delta in self._controls.items() if d in self._updates}
         if accepted:
-            self.move_control({k: np.mean([delta[k] for delta in accepted], axis=0) for k in self.controlled},
-                              len(accepted))
+            self.step_control(local_control_sum(accepted), len(accepted))
+
+    def step_control(self, total: dict[str, np.ndarray], accepted: int) -> None:
+        """c ← c + (|S| / K) · Σ Δc_k / |S| from the round's sum of ``accepted`` clipped deltas
+        (a sharded job's coordinator takes it on the shards' sums)."""
+        self.move_control({k: total[k] / accepted for k in self.controlled}, accepted)
 
     def move_control(self, mean: dict[str, np.ndarray], accepted: int) -> None:
         """c ← c + (|S| / K) · mean, |S| = ``accepted`` devices' Δc averaged into ``mean``."""

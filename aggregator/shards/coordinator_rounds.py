@@ -1,14 +1,17 @@
-"""A FedAvg(ψ) job as the coordinator of K shards serves it: the rounds, the participants, the
+"""A FedAvg-family job as the coordinator of K shards serves it: the rounds, the participants, the
 server step and the model are the job's own; each round's sum is the shards'.
 
-:class:`ShardedRoundsJob` wraps a freshly built ``fedavg`` job. Its results are the shards'
-receipts (``shard.py``): applying one admits it to the open round by the job's own rule (the
-round it names, a participant, once) and records its sample count: never a tensor. At the
+:class:`ShardedRoundsJob` wraps a freshly built job whose ``shard_sums`` are round sums
+(``fedavg``, ``pp``, ``scaffold``, ...). Its results are the shards' receipts (``shard.py``):
+applying one admits it to the open round by the job's own rule (the round it names, a
+participant, once) and records its sample count: never a tensor. At the
 round's close it asks the shards, in phases (``fedavg_sums.py``): each bound layer's statistic of
 every accepted update (the coordinator decides the layer's limit on all of them), then their
 subtree sums of the bounded, weighted updates; it adds those up the fixed tree, divides, and the
-job takes its server step (history, FedAvg / FedAvgM / FedOpt) on that mean, exactly as one
-aggregator does on its own updates: the same bits.
+job takes its server step (history, FedAvg / FedAvgM / FedOpt; FedGloSS's own) on that mean,
+exactly as one aggregator does on its own updates: the same bits. The updates are measured from
+the point the devices trained from (``round_start``: FedGloSS's w̃), and whatever else the root
+sums the kind takes before the step (``take_round``: Scaffold's Σ Δc_k moving its control c).
 
 Restarts: the job's state is checkpointed at each round close as one aggregator's is (the model,
 the server optimizer's state); a round open at a crash is rebuilt from the coordinator's store,
@@ -28,7 +31,7 @@ from aggregator.jobs.base import Job
 from aggregator.shards.coordinated_job import CoordinatedJob
 from aggregator.shards.fedavg_sums import RoundContext, bound_layers, round_mean
 from aggregator.shards.partial_sums import additive
-from aggregator.shards.sum_tree import root_sum
+from aggregator.shards.sum_tree import PartialSum, root_sum
 
 
 class ShardedRoundsJob(CoordinatedJob):
@@ -69,22 +72,27 @@ class ShardedRoundsJob(CoordinatedJob):
             return
         accepted = sorted((device, mid) for device, (mid, _n) in self.round_accepted.items())
         samples = sum(n for _mid, n in self.round_accepted.values())
-        mean = self._round_mean(accepted) if accepted else None
+        mean, total = self._round_mean(accepted) if accepted else (None, None)
+        self.sums.take_round(self.inner, total, len(accepted))        # Scaffold: its control step
         self.inner.finish_round(closed, self.inner.server_step(mean, len(accepted) if mean is not None else 0,
                                                                samples))
         self.round_accepted = {}
 
-    def _round_mean(self, accepted: list[tuple[str, str]]) -> dict[str, np.ndarray] | None:
+    def _round_mean(self, accepted: list[tuple[str, str]]) -> tuple[dict[str, np.ndarray] | None, PartialSum | None]:
+        """(the round's mean, the root of the tree it was divided from)."""
         job_id = self.config.job_id
-        current = {name: self.inner.params[name] for name in self.inner.trained_shapes()}
+        start = self.inner.round_start()            # what the devices trained from (FedGloSS: w̃)
+        current = {name: start[name] for name in self.inner.trained_shapes()}
+        roots: list[PartialSum | None] = [None]
 
         def statistics(context: RoundContext) -> dict[str, float]:
             return self.pool.ask("statistics", job_id, accepted, context)
 
         def root(context: RoundContext):
-            return root_sum(self.sums, self.pool.ask("sums", job_id, accepted, context))
+            roots[0] = root_sum(self.sums, self.pool.ask("sums", job_id, accepted, context))
+            return roots[0]
 
-        return round_mean(self.layers, current, statistics, root)
+        return round_mean(self.layers, current, statistics, root), roots[0]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)

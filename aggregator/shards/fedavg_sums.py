@@ -128,20 +128,29 @@ class FedAvgRoundSums(AdditiveState):
         return job.parse_result(env)
 
     @staticmethod
-    def _updates(job, members: list[Contribution]) -> list[tuple[str, Params, int]]:
-        out = []
-        for device, _round, load in members:
-            update = load(job).update
-            out.append((device, update.tensors(), update.n))
-        return out
+    def _loaded(job, members: list[Contribution]) -> list[tuple[str, Any]]:
+        """(device, its parsed update) of each member, in the order given: each payload decoded once."""
+        return [(device, load(job).update) for device, _round, load in members]
+
+    @staticmethod
+    def _triples(updates: list[tuple[str, Any]]) -> list[tuple[str, Params, int]]:
+        return [(device, update.tensors(), update.n) for device, update in updates]
 
     def statistics(self, new_job, members: list[Contribution], context: RoundContext) -> dict[str, float]:
         job = new_job()
-        return update_statistics(bound_layers(job.config), context, self._updates(job, members))
+        return update_statistics(bound_layers(job.config), context, self._triples(self._loaded(job, members)))
 
     def sum_bucket(self, new_job, members: list[Contribution], context: RoundContext) -> PartialSum:
         job = new_job()
-        return weighted_sum(bound_layers(job.config), context, self._updates(job, members))
+        return self.sum_updates(job, self._loaded(job, members), context)
+
+    def sum_updates(self, job, updates: list[tuple[str, Any]], context: RoundContext) -> PartialSum:
+        """A bucket's sums of its (device, update)s: Σ w_k θ'_k and Σ w_k (a kind that sums more adds its own)."""
+        return weighted_sum(bound_layers(job.config), context, self._triples(updates))
+
+    def take_round(self, job, total: PartialSum | None, accepted: int) -> None:
+        """What the coordinator's job takes from the round's root sum besides the mean (``accepted``:
+        the updates in it), before its server step: nothing for FedAvg."""
 
     def add(self, left: dict[str, np.ndarray], right: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return add_elementwise(left, right)

@@ -1,0 +1,67 @@
+"""How shards sum Scaffold's rounds (``scaffold``, ``scaffold-tail``): FedAvg's round sums of the
+trained tensors (``fedavg_sums.py``) and, in the same buckets and up the same tree, Σ Δc_k over
+the round's accepted updates, each Δc_k clipped by the job's own rule
+(``ScaffoldControls.clipped_control``, ``aggregator/jobs/scaffold.py``).
+
+The coordinator's job takes its control step on the root's sum, c ← c + (|S| / K) · Σ Δc_k / |S|
+with |S| the accepted updates, before its server step (:meth:`ControlledRoundSums.take_round`);
+one aggregator adds its round's Δc up the same tree (:func:`local_control_sum`), so c is the same
+bits either way. c lives in the job's checkpoint, as the model does, so it survives a restart of
+the coordinator; a shard keeps only the stored results.
+"""
+
+from __future__ import annotations
+
+from itertools import groupby
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+from aggregator.shards.buckets import NUM_BUCKETS, bucket_of, canonical_key
+from aggregator.shards.fedavg_sums import FedAvgRoundSums, RoundContext
+from aggregator.shards.sum_tree import PartialSum, node_sum
+
+CONTROL_SUM = "control_sum."        # + tensor name: Σ clip(Δc_k) (float64)
+
+Tensors = dict[str, np.ndarray]
+
+
+def control_sums(deltas: Iterable[Mapping[str, np.ndarray]]) -> Tensors:
+    """A bucket's Σ Δc_k (float64, keyed ``CONTROL_SUM`` + name) of its clipped deltas, in the order given."""
+    sums: Tensors = {}
+    for delta in deltas:
+        for name, value in delta.items():
+            term = np.asarray(value, dtype=np.float64)
+            if name in sums:
+                sums[name] += term
+            else:
+                sums[name] = term.copy()
+    return {CONTROL_SUM + k: v for k, v in sums.items()}
+
+
+def control_total(state: Mapping[str, np.ndarray]) -> Tensors:
+    """The Σ Δc_k a (root) state holds, by tensor name."""
+    return {k[len(CONTROL_SUM):]: v for k, v in state.items() if k.startswith(CONTROL_SUM)}
+
+
+def local_control_sum(deltas: Mapping[str, Mapping[str, np.ndarray]]) -> Tensors | None:
+    """One aggregator's Σ Δc_k over its round's ``deltas`` (device -> clipped Δc_k), added up the
+    buckets' tree as shards add it (None: no delta)."""
+    ordered = sorted(deltas, key=lambda d: canonical_key(d, 0))
+    leaves = {(b, b + 1): PartialSum(control_sums(deltas[d] for d in members))
+              for b, members in groupby(ordered, key=bucket_of)}
+    total = node_sum(ControlledRoundSums(), leaves, (0, NUM_BUCKETS))
+    return None if total is None else control_total(total.state)
+
+
+class ControlledRoundSums(FedAvgRoundSums):
+    """FedAvg's round sums plus each bucket's Σ Δc_k; the round's root moves the job's control c."""
+
+    def sum_updates(self, job, updates: list[tuple[str, Any]], context: RoundContext) -> PartialSum:
+        fedavg = super().sum_updates(job, updates, context)
+        deltas = control_sums(job.clipped_control(update) for _device, update in updates)
+        return PartialSum({**fedavg.state, **deltas}, fedavg.contributed)
+
+    def take_round(self, job, total: PartialSum | None, accepted: int) -> None:
+        if total is not None and accepted:
+            job.step_control(control_total(total.state), accepted)
