@@ -5,7 +5,7 @@ simulation runs its ClientApps on several Ray actors at once; to compare like wi
 `run_round_parallel` spreads the same ClientSecAgg objects over `processes` forked workers (each
 device lives in one worker for the whole round, keeping its state) and the server stays in this
 process. Everything else is the driver's: `build_round` makes the server and the clients,
-`_client_step` delivers a frame to a device (dropouts included), every message travels as its
+`client_step` delivers a frame to a device (dropouts included), every message travels as its
 `WireFrame`, and a phase that cannot close gets the driver's `Timeout`. Replies reach the server
 as soon as any worker produced them.
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 
 from protocols.secagg import Phase
-from protocols.secagg.driver import RoundRun, WireFrame, _client_step, build_round
+from protocols.secagg.driver import RoundRun, WireFrame, client_step, build_round
 from protocols.secagg.events import Timeout
 from protocols.secagg.messages import Message
 from protocols.secagg.server import FINAL_STATES
@@ -42,7 +42,7 @@ def _worker(connection, config, server_identity, identities, inputs, dropouts, s
         for frame in batch:
             started = time.process_time()
             uploads = [WireFrame.from_message(reply)
-                       for reply in _client_step(frame, clients, silent, dropouts, inputs, run)]
+                       for reply in client_step(frame, clients, silent, dropouts, inputs, run)]
             connection.send((uploads, time.process_time() - started))
     connection.send([f"{who}: {type(error).__name__}: {error}" for who, error in run.errors])
 

@@ -337,7 +337,7 @@ def start_secure_fedavg_agents(broker_url: str, identities: dict, aggregator_key
     agents = []
     for device, task in tasks.items():
         sessions = SecAggSessions(device)
-        secure = SecureFedAvgTraining(identities[device], aggregator_key, task, sessions)
+        secure = SecureFedAvgTraining(identities[device], aggregator_key, task, sessions, kind=kind)
         agents.append(DeviceAgent(device, BrokerConfig.from_url(broker_url), {},
                                   protocol_handlers={kind: secure, SECAGG_TYPE: sessions}).start())
     return agents

@@ -401,16 +401,23 @@ def test_consistency_check_catches_a_server_that_changes_the_survivor_set():
 
 
 def test_client_rejects_a_key_directory_with_a_substituted_key():
+    """Also when the neighbour's genuine advertisement was already checked in this process (by
+    another member: a process verifies each advertisement once) -- and the genuine directory is
+    still taken afterwards."""
     r = Round(n=6)
     r.step()
     directory = r.pending[0]
     entry = directory.neighbour_keys[0]
+    warm = next(d for d in r.pending[1:] if d.recipient != entry.device_id)
+    r.clients[warm.recipient].handle(warm)                   # entry's genuine keys now checked once
     fake = dataclasses.replace(entry, cipher_public_key=bytes(range(32)))
     tampered = resign(directory, AGGREGATOR, neighbour_keys=(fake,) + directory.neighbour_keys[1:])
     client = r.clients[directory.recipient]
     with pytest.raises(BadSignature):
         client.handle(tampered)
     assert client.state is ClientState.ADVERTISED
+    client.handle(directory)
+    assert client.state is ClientState.SHARES_SENT
 
 
 def test_client_rejects_a_round_it_is_not_invited_to():

@@ -291,7 +291,8 @@ def test_a_group_in_one_process_verifies_each_consistency_signature_once():
 def test_a_group_in_one_process_checks_each_advertisement_and_builds_its_graph_once():
     """24 members of a SecAgg+ group (degree 6) in one process: each member's signed key
     advertisement is verified once, not once per neighbour, and the graph is built once; the sum
-    is exact. A directory entry whose keys differ from the cached advertisement's is still refused."""
+    is exact. The cached check refuses keys or a signer other than the advertisement's
+    (a client refusing such a directory entry: test_secagg_adversarial.py)."""
     from protocols.secagg.client import advertisement_valid
     from protocols.secagg.derivation import RoundContext
     from protocols.secagg.graph import _random_regular

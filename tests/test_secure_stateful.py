@@ -438,5 +438,6 @@ def test_each_secure_head_kind_declines_bad_params_in_its_own_name():
     assert {"fedavg.secure", "fedavg.tail.secure", "pp.head.secure", "ditto.head.secure",
             "scaffold.head.secure"} <= set(served)
     for secure_kind, handler in served.items():
+        assert handler.kind == secure_kind
         with pytest.raises(TaskDeclined, match=rf"bad {re.escape(secure_kind)} params"):
             handler.vector({"max_samples": "many"}, {})

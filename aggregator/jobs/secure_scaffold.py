@@ -58,7 +58,7 @@ class SecureScaffoldJob(SecureFedAvgJob, ScaffoldJob):
         super().__init__(config, initial_head=initial_head, identity=identity, registry=registry)
         self.vector_length = checked_vector_length(controlled_length(self.trained_shapes()))
         self.bound = max(self.bound, float(config.control_clip_norm))
-        self._control_mean: tuple[dict[str, np.ndarray], int] | None = None   # (mean Δc, |S|) of the round
+        self._control_sum: tuple[dict[str, np.ndarray], int] | None = None    # (Σ Δc, |S|) of the round
 
     def secure_task_fields(self) -> dict:
         return {"control_clip_norm": self.config.control_clip_norm}
@@ -69,13 +69,13 @@ class SecureScaffoldJob(SecureFedAvgJob, ScaffoldJob):
             return
         check_control_sum(deltas, len(survivors), self.config.control_clip_norm)     # before anything is kept
         self.record_sum(sums, n, survivors)
-        self._control_mean = ({k: d / len(survivors) for k, d in deltas.items()}, len(survivors))
+        self._control_sum = (deltas, len(survivors))
 
     def control_step(self) -> None:
         """c ← c + (|S| / K) · mean(Δc) from the group's sum (a failed round moves nothing)."""
-        if self._control_mean is not None:
-            self.move_control(*self._control_mean)
+        if self._control_sum is not None:
+            self.step_control(*self._control_sum)
 
     def close_round(self, closed: RoundClosed) -> None:
         super().close_round(closed)
-        self._control_mean = None
+        self._control_sum = None

@@ -12,14 +12,12 @@ the coordinator; a shard keeps only the stored results.
 
 from __future__ import annotations
 
-from itertools import groupby
 from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from aggregator.shards.buckets import NUM_BUCKETS, bucket_of, canonical_key
 from aggregator.shards.fedavg_sums import FedAvgRoundSums, RoundContext
-from aggregator.shards.sum_tree import PartialSum, node_sum
+from aggregator.shards.sum_tree import PartialSum, add_weighted, local_tree_sum
 
 CONTROL_SUM = "control_sum."        # + tensor name: Σ clip(Δc_k) (float64)
 
@@ -30,12 +28,7 @@ def control_sums(deltas: Iterable[Mapping[str, np.ndarray]]) -> Tensors:
     """A bucket's Σ Δc_k (float64, keyed ``CONTROL_SUM`` + name) of its clipped deltas, in the order given."""
     sums: Tensors = {}
     for delta in deltas:
-        for name, value in delta.items():
-            term = np.asarray(value, dtype=np.float64)
-            if name in sums:
-                sums[name] += term
-            else:
-                sums[name] = term.copy()
+        add_weighted(sums, delta)
     return {CONTROL_SUM + k: v for k, v in sums.items()}
 
 
@@ -47,10 +40,8 @@ def control_total(state: Mapping[str, np.ndarray]) -> Tensors:
 def local_control_sum(deltas: Mapping[str, Mapping[str, np.ndarray]]) -> Tensors | None:
     """One aggregator's Σ Δc_k over its round's ``deltas`` (device -> clipped Δc_k), added up the
     buckets' tree as shards add it (None: no delta)."""
-    ordered = sorted(deltas, key=lambda d: canonical_key(d, 0))
-    leaves = {(b, b + 1): PartialSum(control_sums(deltas[d] for d in members))
-              for b, members in groupby(ordered, key=bucket_of)}
-    total = node_sum(ControlledRoundSums(), leaves, (0, NUM_BUCKETS))
+    total = local_tree_sum(ControlledRoundSums(), deltas.items(),
+                           lambda members: PartialSum(control_sums(delta for _device, delta in members)))
     return None if total is None else control_total(total.state)
 
 

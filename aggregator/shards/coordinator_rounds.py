@@ -83,16 +83,14 @@ class ShardedRoundsJob(CoordinatedJob):
         job_id = self.config.job_id
         start = self.inner.round_start()            # what the devices trained from (FedGloSS: w̃)
         current = {name: start[name] for name in self.inner.trained_shapes()}
-        roots: list[PartialSum | None] = [None]
 
         def statistics(context: RoundContext) -> dict[str, float]:
             return self.pool.ask("statistics", job_id, accepted, context)
 
         def root(context: RoundContext):
-            roots[0] = root_sum(self.sums, self.pool.ask("sums", job_id, accepted, context))
-            return roots[0]
+            return root_sum(self.sums, self.pool.ask("sums", job_id, accepted, context))
 
-        return round_mean(self.layers, current, statistics, root), roots[0]
+        return round_mean(self.layers, current, statistics, root)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)

@@ -20,13 +20,13 @@ taken at the coordinator over every update).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import groupby
 from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from aggregator.shards.buckets import NUM_BUCKETS, bucket_of, canonical_key
-from aggregator.shards.sum_tree import AdditiveState, Contribution, PartialSum, add_elementwise, node_sum
+from aggregator.shards.buckets import canonical_key
+from aggregator.shards.sum_tree import (AdditiveState, Contribution, PartialSum, add_elementwise, add_weighted,
+                                        local_tree_sum)
 from aggregator.strategies.robust_fedavg import flatten
 
 WEIGHT = "weight_total"         # a bucket state's Σ w_k (float64: a contribution bound makes w_k fractional)
@@ -72,43 +72,36 @@ def weighted_sum(layers: list, context: RoundContext, updates) -> PartialSum:
     x, sums, total, contributed = flatten(context.current), {}, 0.0, {}
     for device, tensors, n in updates:
         t, w = _bounded(layers, x, tensors, n, context.limits)
-        for name, value in t.items():
-            term = w * np.asarray(value, dtype=np.float64)
-            if name in sums:
-                sums[name] += term
-            else:
-                sums[name] = term
+        add_weighted(sums, t, w)
         total += float(w)
         contributed[device] = int(n)
     return PartialSum({**{SUM + k: v for k, v in sums.items()}, WEIGHT: np.array([total])}, contributed)
 
 
 def round_mean(layers: list, current: Params, statistics: Callable[[RoundContext], dict[str, float]],
-               root: Callable[[RoundContext], PartialSum | None]) -> Params | None:
-    """The round's combined tensors (None when no update counts): each layer's limit from every
-    update's statistic (``statistics``), then the root of the tree of bounded sums (``root``)."""
+               root: Callable[[RoundContext], PartialSum | None]) -> tuple[Params | None, PartialSum | None]:
+    """(the round's combined tensors, the root they were divided from); the tensors are None when
+    no update counts. Each layer's limit comes from every update's statistic (``statistics``),
+    then the root of the tree of bounded sums (``root``)."""
     limits: tuple[float, ...] = ()
     for layer in layers:
         limits += (layer.limit(list(statistics(RoundContext(current, limits)).values())),)
     total = root(RoundContext(current, limits))
     if total is None or not total.state[WEIGHT][0] > 0:
-        return None
+        return None, total
     weight = total.state[WEIGHT][0]
-    return {name[len(SUM):]: s / weight for name, s in total.state.items() if name.startswith(SUM)}
+    return {name[len(SUM):]: s / weight for name, s in total.state.items() if name.startswith(SUM)}, total
 
 
 def local_round_mean(config, current: Params, updates: Mapping[str, tuple[Params, int]]) -> Params | None:
     """One aggregator's round mean over its ``updates`` (device -> (θ_k, n_k)): the shards' arithmetic."""
     layers, adder = bound_layers(config), FedAvgRoundSums()
-    ordered = sorted(updates, key=lambda d: canonical_key(d, 0))
-    triples = [(d, *updates[d]) for d in ordered]
+    triples = [(d, *updates[d]) for d in sorted(updates, key=lambda d: canonical_key(d, 0))]
 
     def root(context: RoundContext) -> PartialSum | None:
-        leaves = {(b, b + 1): weighted_sum(layers, context, list(members))
-                  for b, members in groupby(triples, key=lambda u: bucket_of(u[0]))}
-        return node_sum(adder, leaves, (0, NUM_BUCKETS))
+        return local_tree_sum(adder, triples, lambda members: weighted_sum(layers, context, members))
 
-    return round_mean(layers, current, lambda context: update_statistics(layers, context, triples), root)
+    return round_mean(layers, current, lambda context: update_statistics(layers, context, triples), root)[0]
 
 
 class FedAvgRoundSums(AdditiveState):

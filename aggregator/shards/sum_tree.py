@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from itertools import groupby
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
-from aggregator.shards.buckets import NUM_BUCKETS
+from aggregator.shards.buckets import NUM_BUCKETS, bucket_of, canonical_key
 
 Node = tuple[int, int]      # the buckets [start, end) under one node of the tree
 
@@ -131,3 +132,23 @@ def root_sum(adder: AdditiveState, nodes: dict[Node, PartialSum | None]) -> Part
         raise ValueError("the partial sums do not cover every bucket exactly once (a bucket given twice "
                          "would double, one missing would be lost)")
     return node_sum(adder, nodes)
+
+
+def add_weighted(sums: dict[str, np.ndarray], tensors: Mapping[str, np.ndarray], weight: float = 1.0) -> None:
+    """sums[name] += weight · tensors[name] in float64, in place (a name's first term is a fresh array)."""
+    for name, value in tensors.items():
+        term = weight * np.asarray(value, dtype=np.float64)
+        if name in sums:
+            sums[name] += term
+        else:
+            sums[name] = term
+
+
+def local_tree_sum(adder: AdditiveState, items: Iterable[tuple],
+                   leaf: Callable[[list[tuple]], PartialSum]) -> PartialSum | None:
+    """One aggregator's sum of ``items`` ((device, ...) tuples) as shards add it: in canonical device
+    order, one leaf per bucket (``leaf`` of the bucket's items), up the same tree."""
+    ordered = sorted(items, key=lambda item: canonical_key(item[0], 0))
+    leaves = {(bucket, bucket + 1): leaf(list(members))
+              for bucket, members in groupby(ordered, key=lambda item: bucket_of(item[0]))}
+    return node_sum(adder, leaves, (0, NUM_BUCKETS))

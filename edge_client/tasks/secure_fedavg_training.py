@@ -98,8 +98,13 @@ class SecureScaffoldTraining(SecureFedAvgTraining):
 
     round_type = SecureControlRound
 
+    def __init__(self, identity: DeviceIdentity, aggregator_public_key: bytes, training,
+                 sessions: SecAggSessions | None = None, noise_rng: np.random.Generator | None = None,
+                 kind: str = SECURE_SCAFFOLD_KIND):
+        super().__init__(identity, aggregator_public_key, training, sessions, noise_rng, kind)
+
     def vector(self, params: dict, tensors: dict[str, np.ndarray]) -> np.ndarray:
-        secure = read_params(SecureControlRound, params, SECURE_SCAFFOLD_KIND)
+        secure = read_params(SecureControlRound, params, self.kind)
         self.check_samples(secure)
         body, out = self.training(params, tensors)
         trained = {k: v for k, v in out.items() if not k.startswith(DELTA_CONTROL)}

@@ -212,7 +212,9 @@ class RoundConfig:
     @cached_property
     def _member_array(self) -> np.ndarray:
         # every phase decodes a bitmap or two over all n members: a numpy selection, not n lookups
-        return np.array(self.members, dtype=object)
+        members = np.array(self.members, dtype=object)
+        members.flags.writeable = False              # shared by every decode of this config
+        return members
 
     def neighbour_graph(self, participants: Sequence[str]) -> NeighbourGraph:
         """The graph over the members that advertised keys (U1)."""

@@ -150,7 +150,7 @@ def run_round(config: RoundConfig, server_identity: DeviceIdentity,
         for frame in to_clients:
             run.download_bytes += frame.size
             started = time.process_time()
-            replies = _client_step(frame, clients, silent, dropouts, get_input, run)
+            replies = client_step(frame, clients, silent, dropouts, get_input, run)
             uploads = frames(replies)
             run.client_seconds += time.process_time() - started
             started, started_wall = time.process_time(), time.perf_counter()
@@ -179,7 +179,7 @@ def run_round(config: RoundConfig, server_identity: DeviceIdentity,
     return run
 
 
-def _client_step(frame: WireFrame, clients: dict[str, ClientSecAgg], silent: set[str],
+def client_step(frame: WireFrame, clients: dict[str, ClientSecAgg], silent: set[str],
                  dropouts: Mapping[str, Phase], get_input: Callable[[str], np.ndarray], run: RoundRun) -> list[Message]:
     """Deliver one frame to its device; return the replies the device actually sends."""
     try:

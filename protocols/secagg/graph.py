@@ -164,7 +164,9 @@ class NeighbourGraph:
 
     @classmethod
     def random_regular(cls, members: Sequence[str], degree: int, seed: bytes) -> "NeighbourGraph":
-        return _random_regular(cls, tuple(sorted(members)), degree, bytes(seed))
+        if not isinstance(seed, bytes):
+            raise TypeError(f"graph seed must be bytes, got {type(seed).__name__}")
+        return _random_regular(cls, tuple(sorted(members)), degree, seed)
 
     @classmethod
     def _build_random_regular(cls, ordered: tuple[str, ...], degree: int, seed: bytes) -> "NeighbourGraph":
