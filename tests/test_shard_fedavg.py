@@ -97,7 +97,10 @@ def run_rounds(tmp_path, shards_count: int, late: str, kind: str = "fedavg"):
     if hasattr(single, "device_state"):     # one run of the job (its devices' state binding), not two
         coordinator.inner.device_state.run = single.device_state.run
     rng = np.random.default_rng(7)
-    for _ in range(CONFIG["rounds"]):
+    for index in range(CONFIG["rounds"]):
+        if kind == "fedgloss" and index:        # from round 2 the devices train from w̃ ≠ w: it is tested
+            start = single.round_start()
+            assert any(not np.array_equal(start[k], single.params[k]) for k in start)
         chosen = single.next_participants(set(DEVICES))
         assert coordinator.next_participants(set(DEVICES)) == chosen
         for device in reversed(chosen):         # arrival order is not the canonical order
