@@ -1,0 +1,28 @@
+"""What the shard tests over mosquitto share (tests/test_shards.py: Fed3R's ingest;
+tests/test_shard_rounds.py: the FedAvg family's rounds): the fleet, the shard stores' rows, and the
+``--shards`` options of a local or a Ray run."""
+
+import importlib.util
+import sqlite3
+
+import pytest
+
+DEVICES = [f"dev{i:02d}" for i in range(10)]
+# Ray is an optional extra (fedfleet[ray]); `make setup` installs it, so these run in CI
+needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs fedfleet[ray]")
+ON_RAY = [pytest.mark.slow, needs_ray, pytest.mark.ray_cluster]
+# How long a sharded job may take to its end: a Ray actor's start alone took over a minute on CI's
+# two loaded cores, and a slow machine running the suite's four workers took 165 s for a run that
+# needs 31 s alone.
+SHARDED_JOB_TIMEOUT_S = 360
+
+
+def shard_rows(state, shards: int) -> list[list[tuple[str, str]]]:
+    return [sqlite3.connect(f"{state}.shards/shard-{i}-of-{shards}.db").execute(
+        "SELECT device, message_id FROM contributions").fetchall() for i in range(shards)]
+
+
+def shard_options(on: str, request) -> list[str]:
+    """A shard's Ray actor goes where its custom resource is: shard 0's to the head, shard 1's to the
+    second node (``aggregator/shards/ray_shards.py``; the shared cluster's ``SharedCluster.RESOURCES``)."""
+    return ["--shards", "2"] + (["--ray", request.getfixturevalue("ray_test_cluster")] if on == "ray" else [])
