@@ -80,7 +80,7 @@ def run_secure(workdir, keys, kind: str, extra=(), plain=None, secure=None, **jo
     signed by the aggregator's key (a shard hosting a group signs as the aggregator). ``plain``:
     ``workdir -> device -> handlers`` (default: the real handlers on the synthetic features);
     ``secure``: ``(device, its protocol handlers) -> protocol handlers`` (a modified device's)."""
-    prepare(workdir, DEVICES, kind=kind, max_samples=100, phase_timeout_s=5, **job, **keys.job_fields(workdir.parent))
+    prepare(workdir, DEVICES, kind=kind, max_samples=100, phase_timeout_s=20, **job, **keys.job_fields(workdir.parent))
     if kind in SYNC_KINDS:
         handlers = lambda device: ({}, secure_fed3r_handlers(device, keys))   # noqa: E731
     else:
@@ -89,7 +89,9 @@ def run_secure(workdir, keys, kind: str, extra=(), plain=None, secure=None, **jo
         handlers = modified(handlers, secure)
     with MosquittoBroker() as broker, Fleet(broker.url, DEVICES, kind=kind, secure=keys, handlers=handlers,
                                             aggregator_key=keys.aggregator.public_key_bytes):
-        return run_aggregator(workdir, broker.url, workdir / "state.db", extra=list(extra), timeout=90)
+        # a phase closes when its last member answers; its timeout only bounds a slow machine's
+        # training (FT(M) on the tail program took over 5 s per device under the whole suite's load)
+        return run_aggregator(workdir, broker.url, workdir / "state.db", extra=list(extra), timeout=240)
 
 
 def modified(handlers, secure):

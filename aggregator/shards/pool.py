@@ -94,10 +94,11 @@ class ShardPool(ABC):
         """End every shard, after each was sent ``("stop",)``."""
 
     # ---------------------------------------------------------------- the coordinator's side
-    def start(self, deliver: Callable[[tuple], None], timeout_s: float = 120.0) -> None:
+    def start(self, deliver: Callable[[tuple], None], timeout_s: float = 300.0) -> None:
         """Start the shards and wait until each is connected (so no result reaches the broker before
         its shard can subscribe). ``deliver(("forward", topic, payload) | ("receipt", topic, raw))``
-        runs on reader threads."""
+        runs on reader threads. Two Ray actors took over 120 s to start and connect on a loaded
+        2-core machine (a local shard process takes seconds); waiting longer costs a healthy start nothing."""
         self._deliver = deliver
         for i in range(self.shards):
             self._start(i)
