@@ -80,7 +80,7 @@ def run_secure(workdir, keys, kind: str, extra=(), plain=None, secure=None, **jo
     signed by the aggregator's key (a shard hosting a group signs as the aggregator). ``plain``:
     ``workdir -> device -> handlers`` (default: the real handlers on the synthetic features);
     ``secure``: ``(device, its protocol handlers) -> protocol handlers`` (a modified device's)."""
-    prepare(workdir, DEVICES, kind=kind, max_samples=100, phase_timeout_s=20, **job, **keys.job_fields(workdir.parent))
+    prepare(workdir, DEVICES, kind=kind, max_samples=100, **{"phase_timeout_s": 20, **job}, **keys.job_fields(workdir.parent))
     if kind in SYNC_KINDS:
         handlers = lambda device: ({}, secure_fed3r_handlers(device, keys))   # noqa: E731
     else:
@@ -145,7 +145,8 @@ def secure_round_job(kind: str, request) -> tuple:
     handlers, manifest = tail_handlers(request)
     return (lambda _workdir: handlers), {
         **fields, "num_classes": 10, "feature_dim": 1280, "image_size": 32, "batch_size": 6, "client_lr": 0.01,
-        "train": "tail+head", "tail_stages": 1, "init": "zeros", "tail_program_file": str(manifest.parent / "tail_eval.pt2")}
+        "train": "tail+head", "tail_stages": 1, "init": "zeros", "tail_program_file": str(manifest.parent / "tail_eval.pt2"),
+        "phase_timeout_s": 60}      # FT(M) on the tail program: its advertise phase holds the devices' training
 
 
 def device_states(workdir) -> dict[str, dict[str, np.ndarray]]:
