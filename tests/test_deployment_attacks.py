@@ -328,6 +328,8 @@ def test_a_refusal_names_its_class_and_forgeries_cannot_make_a_device_flood_repo
         sniffer.publish(T.deploy_in("cam-0"), encode(artifact_message(AGGREGATOR_ID, sha, "d4.npz", head),
                                                      signer=agg.sign))
         wait_for(lambda: follower.slot.current is not None, what="the d4 swap")
+        # the swap's own report (no "refused") may still be on its way: count from after it
+        wait_for(lambda: any(r["deployment"] == "d4" and "refused" not in r for r in reports()), what="the d4 report")
         before, refusals = len(reports()), len(follower.refusals)
         for i in range(30):
             sniffer.publish(T.deploy("cam-0"), encode(D.run_message(AGGREGATOR_ID, f"x{i}", sha, len(head), 1,

@@ -91,7 +91,7 @@ def run_secure(workdir, keys, kind: str, extra=(), plain=None, secure=None, **jo
                                             aggregator_key=keys.aggregator.public_key_bytes):
         # a phase closes when its last member answers; its timeout only bounds a slow machine's
         # training (FT(M) on the tail program took over 5 s per device under the whole suite's load)
-        return run_aggregator(workdir, broker.url, workdir / "state.db", extra=list(extra), timeout=240)
+        return run_aggregator(workdir, broker.url, workdir / "state.db", extra=list(extra), timeout=420)
 
 
 def modified(handlers, secure):
@@ -146,7 +146,7 @@ def secure_round_job(kind: str, request) -> tuple:
     return (lambda _workdir: handlers), {
         **fields, "num_classes": 10, "feature_dim": 1280, "image_size": 32, "batch_size": 6, "client_lr": 0.01,
         "train": "tail+head", "tail_stages": 1, "init": "zeros", "tail_program_file": str(manifest.parent / "tail_eval.pt2"),
-        "phase_timeout_s": 60}      # FT(M) on the tail program: its advertise phase holds the devices' training
+        "phase_timeout_s": 150}     # FT(M) on the tail program: its advertise phase holds the devices' training
 
 
 def device_states(workdir) -> dict[str, dict[str, np.ndarray]]:
@@ -167,9 +167,10 @@ def test_secure_fedavg_kinds_on_two_shards_give_one_aggregators_model_bit_for_bi
     kind's devices keep the same state (pp's v_k, Scaffold's c_k, Ditto's v_k), bit for bit."""
     plain, fields = secure_round_job(kind, request)
     (want, want_results), (got, results) = one_and_sharded(tmp_path, kind, plain=plain, **fields)
-    assert_same_bytes(got, want)
-    assert results["contributed"] == want_results["contributed"] and results["state"] == "done"
+    # who contributed first: a member the slow machine's load timed out changes the model legitimately
+    assert results["contributed"] == want_results["contributed"] and results["state"] == "done", (results, want_results)
     assert sum(results["contributed"].values()) == 2 * 3
+    assert_same_bytes(got, want)
     if kind in STATEFUL:
         kept, want_kept = device_states(tmp_path / "sharded"), device_states(tmp_path / "one")
         assert len(kept) == len(results["contributed"])         # every contributor keeps its state
