@@ -5,6 +5,8 @@
 #   make test   - set up, then run the whole test suite
 #   make test-fast - the edit loop's tier: every test that starts no broker, bundle export, process,
 #                 JVM or Ray cluster (tests/conftest.py marks those `integration`); about a minute
+#   make test-ray - (not part of make test; tens of minutes) every shardable kind on local shards and
+#                 on a two-node Ray cluster, against one aggregator, bit for bit
 #   make test-arm64 - (not part of make test; minutes) an aarch64 Debian userland run under qemu-user
 #                 with fedfleet[device] from PyPI's aarch64 wheels, as ARM64 devices in a mixed fleet
 #                 (x86, ARM64, Java) running Fed3R and FedAvg(psi); prints the ARM64-vs-x86 figures
@@ -18,7 +20,7 @@ DEVICE_VENV := .venv-device
 DEVICE_STAMP := $(DEVICE_VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: demo test test-fast test-arm64 setup system-deps bench bench-flower clean java
+.PHONY: demo test test-fast test-ray test-arm64 setup system-deps bench bench-flower clean java
 
 demo: setup
 	@echo "fedfleet: [demo 1/2] Fed3R -> FedAvg fine-tuning -> OLL on 100 emulated devices (plain aggregation)"
@@ -34,6 +36,12 @@ demo: setup
 # (tests/conftest.py), in collection order (--no-loadscope-reorder).
 test: setup
 	$(BIN)/python -m pytest -q -ra --durations=15 -n 4 --dist loadfile --no-loadscope-reorder
+
+# every shardable kind on local shards and on the two-node Ray cluster (the suite runs the
+# representative ones: the others take the same paths, and minutes CI's two cores lack)
+test-ray: setup
+	FEDFLEET_RAY_ALL=1 $(BIN)/python -m pytest -q -ra -n 2 --dist loadfile --no-loadscope-reorder \
+	    tests/test_shards.py tests/test_shard_rounds.py tests/test_secure_shards.py
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -n 3 -m "not integration"

@@ -51,6 +51,8 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
                         "FedGloSS, pp and Ditto without the direction screen, the coordinator closing each round "
                         "on their sums; the groups of Fed3R-Sync, FedNCM-Sync and secure FedAvg, FT(φ)/FT(M), pp, "
                         "Scaffold and Ditto hosted on them; not secure LADD's); 0: in this process")
+    s.add_argument("--shard-start-timeout", type=float, default=300.0, metavar="S",
+                   help="with --shards: fail the start unless every shard is up and connected within S seconds")
     s.add_argument("--ray", metavar="auto|HOST:PORT", default=None,
                    help="with --shards: run the K shards as Ray actors (one CPU each) on this Ray cluster "
                         "(auto: the one `ray start` started here; needs fedfleet[ray]). Shard i's store "
@@ -88,7 +90,7 @@ def service_settings(args) -> ServiceSettings:
     """The service's settings from the serve options (``ValueError`` naming a bad one)."""
     return ServiceSettings(topic_root=args.topic_root, evaluate_every_contribution=args.evaluate == "contribution",
                            require_signatures=args.require_signatures, keep_serving=args.keep_serving,
-                           ingest_workers=args.ingest_workers)
+                           ingest_workers=args.ingest_workers, shard_start_timeout_s=args.shard_start_timeout)
 
 
 def serve(args) -> int:

@@ -195,6 +195,13 @@ class DeviceStateStore:
         self._write_atomically(self._path(job_id), buffer.getvalue())
         return entry
 
+    def restore(self, entry: StateEntry) -> None:
+        """Put back an entry :meth:`load` returned (its run, round, arrays and expiry): what a task
+        that declined after its handler had saved leaves behind, so the next round starts where
+        this one did."""
+        self.save(entry.job_id, entry.run, entry.round, entry.arrays,
+                  max(entry.expires_at - self._clock(), 1e-3))
+
     def _write_atomically(self, path: Path, data: bytes) -> None:
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=self.root)
         try:

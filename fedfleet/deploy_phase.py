@@ -45,7 +45,7 @@ def run_deploy_scenarios(cfg, prep, model_file: Path, broker_url: str, out: Path
     features = {d: prep.extractor.extract(prep.Xtr[prep.holdouts[d]]) for d in devices}
     labels = {d: prep.ytr[prep.holdouts[d]] for d in devices}
     broker, topics = BrokerConfig.from_url(broker_url), Topics(f"deploy{time.monotonic_ns()}")
-    followers = {d: DeploymentFollower(d, broker, ModelSlot(out / "devices" / d, prep.ytr[prep.shards[d]]),
+    followers = {d: DeploymentFollower(d, broker, TimedSlot(out / "devices" / d, prep.ytr[prep.shards[d]]),
                                        lambda bundle, d=d: (features[d], labels[d]), topics, retry_s=1.0).start()
                  for d in devices}
     ctl = DeploymentController(store, broker, topics, tick_s=0.1).start()
@@ -64,26 +64,41 @@ def run_deploy_scenarios(cfg, prep, model_file: Path, broker_url: str, out: Path
     return report
 
 
+class TimedSlot(ModelSlot):
+    """A device's slot that notes when it changed version (wall clock, the controller history's
+    clock): the report counts each stage's versions at the moment the controller ended it, not from
+    a polling thread a loaded machine can starve past the canary's swaps."""
+
+    def __init__(self, *args, **kwargs):
+        self.changes: list[tuple[float, str]] = []       # (time, version), in order
+        super().__init__(*args, **kwargs)
+
+    def _commit(self, current, previous) -> None:
+        super()._commit(current, previous)
+        self.changes.append((time.time(), version_of(current)))
+
+    def version_at(self, t: float) -> str:
+        return next((v for when, v in reversed(self.changes) if when <= t), "none")
+
+
 def _rollout(ctl, followers, model_id: int, name: str, cfg) -> dict:
-    """Deploy, then sample which version each device runs whenever the stage changes, until it is over."""
+    """Deploy, wait until it is over, then count per stage which version each device ran when the
+    controller ended that stage (the last stage: at the end)."""
     dep_id = f"{name}-{model_id}"
     ctl.call(lambda: ctl.deploy(model_id, cohort=cfg.deploy_canary, stages=cfg.deploy_stages, guard=cfg.deploy_guard,
                                 bake_s=cfg.deploy_bake_s, min_reports=1, patience_s=cfg.deploy_bake_s * 10,
                                 deployment_id=dep_id))
     deadline = time.monotonic() + 60 + 20 * cfg.deploy_bake_s
-    stages, seen = [], None
-    while time.monotonic() < deadline:
-        view = ctl.show(dep_id)
-        if (view["state"], view["stage"]) != seen:
-            seen = (view["state"], view["stage"])
-            stages.append({"state": view["state"], "stage": view["stage"]})
-        stages[-1]["versions"] = versions(followers)          # the last sample: just before the next stage
-        if view["state"] in (DeploymentState.COMPLETE, DeploymentState.ROLLED_BACK):
-            break
+    while time.monotonic() < deadline and ctl.show(dep_id)["state"] not in (DeploymentState.COMPLETE,
+                                                                             DeploymentState.ROLLED_BACK):
         time.sleep(0.1)
     time.sleep(1.0)                                  # the last assignments (rollback, late swaps) land
     view = ctl.show(dep_id)
-    judged = [h for h in view["history"] if h.get("metrics")]
+    entered = view["history"]                        # each entry starts (state "to", stage)
+    ends = [h["t"] for h in entered[1:]] + [time.time()]
+    stages = [{"state": h["to"], "stage": h["stage"], "versions": versions(followers, end)}
+              for h, end in zip(entered, ends)]
+    judged = [h for h in entered if h.get("metrics")]
     for entry, h in zip(stages, judged):
         m = h["metrics"]
         entry.update(reports=int(m["reports"]), wma_candidate=m["wma_candidate"], wma_current=m["wma_current"],
@@ -92,11 +107,16 @@ def _rollout(ctl, followers, model_id: int, name: str, cfg) -> dict:
             "final_versions": versions(followers), "devices": len(followers)}
 
 
-def versions(followers) -> dict[str, int]:
-    """How many devices run each version (head sha256 prefix; 'none' for the device's own)."""
+def version_of(head) -> str:
+    """A version's name in the report: the head's sha256 prefix, 'none' for the device's own."""
+    return head.sha256[:12] if head is not None else "none"
+
+
+def versions(followers, at: float | None = None) -> dict[str, int]:
+    """How many devices run each version now (or ran it at time ``at``)."""
     out: dict[str, int] = {}
     for f in followers.values():
-        key = f.slot.current.sha256[:12] if f.slot.current else "none"
+        key = version_of(f.slot.current) if at is None else f.slot.version_at(at)
         out[key] = out.get(key, 0) + 1
     return out
 

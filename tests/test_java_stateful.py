@@ -287,6 +287,9 @@ def test_secure_stateful_vectors_are_the_python_devices(java_cp, tmp_path, kind,
         assert out.startswith("DECLINED") and reason in out, out
         with pytest.raises(TaskDeclined, match=reason):
             wrapper.vector(params, tensors)
+        # neither keeps the round's state: a decline after training (|θ|) puts the store back
+        assert DeviceStateStore(tmp_path / "java-state").load("sec-1", None) is None
+        assert DeviceStateStore(tmp_path / "py-state").load("sec-1", None) is None
         return
     got, want = np.array(out.split()[1:], dtype=np.float64), wrapper.vector(params, tensors)
     assert got.shape == want.shape and got[-1] == want[-1] == len(y)

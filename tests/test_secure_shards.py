@@ -161,12 +161,14 @@ def device_states(workdir) -> dict[str, dict[str, np.ndarray]]:
     return states
 
 
-@pytest.mark.parametrize("kind", ["fedavg-secure", "pp-secure", "fedavg-tail-secure", "scaffold-secure", "ditto-secure"])
-def test_secure_fedavg_kinds_on_two_shards_give_one_aggregators_model_bit_for_bit(tmp_path, kind, request):
+SECURE_ROUND_KINDS = ["fedavg-secure", "pp-secure", "fedavg-tail-secure", "scaffold-secure", "ditto-secure"]
+
+
+def check_secure_rounds(tmp_path, kind: str, request, sharded=SHARDS) -> None:
     """Two rounds of three of the six devices, each round's group on its own shard; a stateful
     kind's devices keep the same state (pp's v_k, Scaffold's c_k, Ditto's v_k), bit for bit."""
     plain, fields = secure_round_job(kind, request)
-    (want, want_results), (got, results) = one_and_sharded(tmp_path, kind, plain=plain, **fields)
+    (want, want_results), (got, results) = one_and_sharded(tmp_path, kind, sharded=sharded, plain=plain, **fields)
     # who contributed first: a member the slow machine's load timed out changes the model legitimately
     assert results["contributed"] == want_results["contributed"] and results["state"] == "done", (results, want_results)
     assert sum(results["contributed"].values()) == 2 * 3
@@ -176,6 +178,11 @@ def test_secure_fedavg_kinds_on_two_shards_give_one_aggregators_model_bit_for_bi
         assert len(kept) == len(results["contributed"])         # every contributor keeps its state
         assert_same_bytes(list(kept.values()), list(want_kept.values()))
         assert list(kept) == list(want_kept)
+
+
+@pytest.mark.parametrize("kind", SECURE_ROUND_KINDS)
+def test_secure_fedavg_kinds_on_two_shards_give_one_aggregators_model_bit_for_bit(tmp_path, kind, request):
+    check_secure_rounds(tmp_path, kind, request)
 
 
 class InflatedCount(SecureScaffoldTraining):
@@ -220,12 +227,22 @@ def test_a_forged_count_slot_is_discarded_on_shards_as_by_one_aggregator(tmp_pat
     assert device_states(workdir)                                       # the members did train
 
 
+# `make test-ray` (FEDFLEET_RAY_ALL=1) runs every secure kind shards host on Ray actors: the same
+# placement and group paths as Fed3R-Sync's, minutes more than the suite's budget on CI's two cores
+RAY_KINDS = [*SYNC_KINDS, *SECURE_ROUND_KINDS] if os.environ.get("FEDFLEET_RAY_ALL") == "1" else ["fed3r-sync"]
+
+
 @pytest.mark.slow
 @pytest.mark.ray_cluster
 @needs_ray
-def test_secure_fed3r_sync_on_ray_actor_shards_gives_one_aggregators_model_bit_for_bit(tmp_path, ray_test_cluster):
+@pytest.mark.parametrize("kind", RAY_KINDS)
+def test_secure_kinds_on_ray_actor_shards_give_one_aggregators_model_bit_for_bit(tmp_path, ray_test_cluster, kind,
+                                                                                 request):
     """The shards as Ray actors on the two-node test cluster, one per node: the same bytes."""
-    (want, _), (got, results) = one_and_sharded(tmp_path, "fed3r-sync", sharded=[*SHARDS, "--ray", ray_test_cluster])
+    sharded = [*SHARDS, "--ray", ray_test_cluster]
+    if kind not in SYNC_KINDS:
+        return check_secure_rounds(tmp_path, kind, request, sharded)
+    (want, _), (got, results) = one_and_sharded(tmp_path, kind, sharded=sharded)
     assert_same_bytes(got, want)
     assert sorted(results["contributed"]) == DEVICES and results["state"] == "done"
 

@@ -155,6 +155,34 @@ def test_a_device_with_more_samples_than_the_round_allows_declines_before_keepin
     assert client.training.store.load(job.config.job_id, None) is None
 
 
+@pytest.mark.parametrize("kind", [SCAFFOLD_KIND, DITTO_KIND])
+def test_a_device_declining_after_it_trained_puts_its_state_back(tmp_path, keys, kind):
+    """The |θ| bound is only known after training, when the plain handler has saved this round's
+    c_k / v_k: the decline puts the store back. A first round leaves nothing; a later one leaves the
+    entry of the round the device did send, byte for byte (else its c_k would step without the
+    server's c counting it, and its next round would start from a step never summed)."""
+    job = secure_job(kind, tmp_path, keys)
+    job.next_participants(set(DEVICES))
+    params, tensors = job.task_for("dev0")
+    client = secure_clients(kind, keys, tmp_path, ["dev0"])["dev0"]
+    store, job_id = client.training.store, job.config.job_id
+    with pytest.raises(TaskDeclined, match="round's bound"):
+        client.on_task("sec", job.round, {**params, "max_abs_param": 1e-4}, tensors)
+    assert store.load(job_id, None) is None
+    client.on_task("sec", job.round, params, tensors)          # this round is sent: its state is kept
+    sent = store.load(job_id, None)
+    assert sent is not None and sent.round == params["state"]["round"]
+    later = {**params, "state": {**params["state"], "round": params["state"]["round"] + 1}, "max_abs_param": 1e-4}
+    with pytest.raises(TaskDeclined, match="round's bound"):
+        client.on_task("sec", job.round + 1, later, tensors)
+    kept = store.load(job_id, None)
+    assert (kept.run, kept.round, sorted(kept.arrays)) == (sent.run, sent.round, sorted(sent.arrays))
+    for name, value in sent.arrays.items():
+        assert kept.arrays[name].tobytes() == value.tobytes(), name
+    client.on_task("sec", job.round + 1, {**later, "max_abs_param": params["max_abs_param"]}, tensors)
+    assert store.load(job_id, None).round == later["state"]["round"]     # a sent round still moves it
+
+
 # ----------------------------------------------------------------------------- the server step
 def test_scaffold_secure_server_step_is_scaffold_on_the_unmasked_sum(tmp_path, keys):
     """The group sum of three devices' [n·y | Δc | n] (Δc already clipped, as devices send it): the

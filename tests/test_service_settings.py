@@ -16,7 +16,7 @@ BAD_SETTINGS = [("tick_s", 0), ("tick_s", float("nan")), ("tick_s", "0.2"), ("ch
                 ("chunk_size", 2 ** 40), ("max_message_bytes", 0), ("offline_grace_s", float("inf")),
                 ("offline_grace_s", -1.0), ("ingest_workers", 2.5), ("ingest_workers", -1), ("keep_serving", 1),
                 ("require_signatures", "yes"), ("checkpoints", None), ("topic_root", ""), ("topic_root", "a/#"),
-                ("topic_root", "/fedfleet")]
+                ("topic_root", "/fedfleet"), ("shard_start_timeout_s", 0.0), ("shard_start_timeout_s", float("nan"))]
 
 
 @pytest.mark.parametrize("name, value", BAD_SETTINGS)
@@ -55,9 +55,9 @@ def test_the_serve_command_builds_its_settings_from_its_options(tmp_path):
         return build_parser().parse_args(["serve", "--out", str(tmp_path), *extra])
 
     built = service_settings(options("--topic-root", "site7", "--evaluate", "round", "--require-signatures",
-                                     "--keep-serving", "--ingest-workers", "3"))
+                                     "--keep-serving", "--ingest-workers", "3", "--shard-start-timeout", "45"))
     assert built == ServiceSettings(topic_root="site7", evaluate_every_contribution=False, require_signatures=True,
-                                    keep_serving=True, ingest_workers=3)
+                                    keep_serving=True, ingest_workers=3, shard_start_timeout_s=45.0)
     assert service_settings(options()) == ServiceSettings()
     with pytest.raises(ValueError, match="'ingest_workers'"):
         service_settings(options("--ingest-workers", "-2"))

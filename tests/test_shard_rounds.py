@@ -82,7 +82,7 @@ def stateful_handlers(device: str, workdir) -> tuple[dict, dict]:
 # each stateful head kind's config besides FEDAVG's (Scaffold: a Δc clip that bites; FedGloSS: its
 # own server step, plain SGD, perturbing the head it sends from round 2 on)
 HEAD_KINDS = {"pp": {"pp_algorithm": "fedalt"}, "scaffold": {"control_clip_norm": 0.05},
-              "fedgloss": {"fedgloss_rho": 0.05, "server_momentum": 0.0}}
+              "fedgloss": {"fedgloss_rho": 0.05, "server_momentum": 0.0}, "ditto": {"ditto_lambda": 0.5}}
 
 
 def round_job(kind: str, request) -> RoundJob:
@@ -174,8 +174,11 @@ def fedavg_rounds_held(state, shard: int) -> set[int]:
 # with the suite's other Ray cluster files). Ditto is pp's sums and receipts (PersonalRoundSums)
 # and FedNCM Fed3R's (Fed3RSums) on the same paths: their bytes are checked without a broker
 # (tests/test_shard_fedavg.py, tests/test_shard_ingest.py)
-LOCAL_KINDS = ["fedavg", "fedavg-tail", "pp", "scaffold", "scaffold-tail", "fedgloss"]
-RAY_KINDS = ["fedavg", "pp", "scaffold"]
+# `make test-ray` (FEDFLEET_RAY_ALL=1) runs every kind on both, Ditto over the broker as well: the
+# same paths, minutes more than the suite's budget on CI's two cores
+RAY_ALL = os.environ.get("FEDFLEET_RAY_ALL") == "1"
+LOCAL_KINDS = ["fedavg", "fedavg-tail", "pp", "scaffold", "scaffold-tail", "fedgloss"] + (["ditto"] if RAY_ALL else [])
+RAY_KINDS = LOCAL_KINDS if RAY_ALL else ["fedavg", "pp", "scaffold"]
 
 
 def check_rounds_on_two_shards(tmp_path, rounds_unsharded, kind: str, on: str, request) -> None:

@@ -173,3 +173,27 @@ def test_fedavg_rounds_on_ray_actor_shards_give_one_aggregators_model_bit_for_bi
     """The FedAvg family's rounds (tests/test_shard_rounds.py) with the shards as Ray actors, here
     with the suite's other files that use the shared Ray cluster."""
     check_rounds_on_two_shards(tmp_path, rounds_unsharded, kind, "ray", request)
+
+
+# FedNCM is Fed3R's device task and sums (Fed3RSums), solved as class means: `make test-ray`
+# (FEDFLEET_RAY_ALL=1) runs it over the broker on local shards and on Ray actors; the suite
+# checks its sums' bytes without a broker (tests/test_shard_ingest.py)
+RAY_ALL_ONLY = pytest.mark.skipif(os.environ.get("FEDFLEET_RAY_ALL") != "1", reason="make test-ray runs it")
+FEDNCM_ON = [pytest.param("local", marks=RAY_ALL_ONLY), pytest.param("ray", marks=[RAY_ALL_ONLY, *ON_RAY])]
+
+
+@pytest.mark.parametrize("on", FEDNCM_ON)
+def test_fedncm_on_shards_gives_one_aggregators_class_means_bit_for_bit(tmp_path, on, request):
+    ran = {}
+    for name, extra in (("one", []), ("sharded", shard_options(on, request))):
+        prepare(tmp_path / name, DEVICES, kind="fedncm")
+        with MosquittoBroker() as broker, Fleet(broker.url, DEVICES):
+            rc, log = run_aggregator(tmp_path / name, broker.url, tmp_path / name / "state.db",
+                                     timeout=SHARDED_JOB_TIMEOUT_S, extra=extra)
+        assert rc == 0, log[-3000:]
+        ran[name] = outputs(tmp_path / name / "out")
+    got, want = ran["sharded"], ran["one"]
+    for g, w in ((got[0], want[0]), (got[1], want[1])):
+        assert sorted(g) == sorted(w) and all(g[k].tobytes() == w[k].tobytes() for k in w)   # bit for bit
+    assert sorted(got[2]["contributed"]) == DEVICES and got[2]["state"] == "done"
+    assert_each_device_once(tmp_path / "sharded" / "state.db", 2)

@@ -115,7 +115,8 @@ class AggregatorService(OperatorActions):
                              subscriptions=[(topics.all_outboxes, 1)] * (shards is None) + [(topics.all_presence, 1)],
                              on_connect=lambda: self.loop.post(("connected",)))
         if shards is not None:
-            shards.start(lambda item: self.loop.post(("mqtt" if item[0] == "forward" else "receipt", *item[1:])))
+            shards.start(lambda item: self.loop.post(("mqtt" if item[0] == "forward" else "receipt", *item[1:])),
+                         settings.shard_start_timeout_s)
         # large results are decoded and validated in these processes (aggregator/service/ingest.py), and
         # stored on the writer's thread (aggregator/service/contribution_writer.py)
         self.ingest = IngestWorkers(settings.ingest_workers) if settings.ingest_workers else None

@@ -55,6 +55,9 @@ class ServiceSettings:
     offline_grace_s: float = limited(120.0, Range(0, 7 * 86400))
     # processes that decode and validate large results (0: on the service thread)
     ingest_workers: int = limited(0, Range(0, 256))
+    # how long ``--shards`` waits for every shard to start and connect to the broker before the
+    # service fails its start: two Ray actors took over 120 s on a loaded 2-core machine
+    shard_start_timeout_s: float = limited(300.0, Range(1, 3600))
 
     def __post_init__(self):
         validate_config("aggregator service", ServiceSettings, dataclasses.asdict(self))

@@ -97,8 +97,9 @@ class ShardPool(ABC):
     def start(self, deliver: Callable[[tuple], None], timeout_s: float = 300.0) -> None:
         """Start the shards and wait until each is connected (so no result reaches the broker before
         its shard can subscribe). ``deliver(("forward", topic, payload) | ("receipt", topic, raw))``
-        runs on reader threads. Two Ray actors took over 120 s to start and connect on a loaded
-        2-core machine (a local shard process takes seconds); waiting longer costs a healthy start nothing."""
+        runs on reader threads. ``timeout_s``: the service's ``shard_start_timeout_s`` (two Ray actors
+        took over 120 s to start and connect on a loaded 2-core machine, a local shard process takes
+        seconds; waiting longer costs a healthy start nothing)."""
         self._deliver = deliver
         for i in range(self.shards):
             self._start(i)

@@ -18,6 +18,8 @@ handlers (the personal part stays in the device's store), and :class:`SecureScaf
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 
 from protocols.clipping import clip_update
@@ -30,7 +32,7 @@ from protocols.payloads.task_params import DpRound
 from ..agent import TaskDeclined
 from .params import read_params
 from .secure_update import SecAggSessions, SecureUpdate
-from .stateful_head import StatefulHeadTask
+from .stateful_head import DeviceStateKeeper, StatefulHeadTask
 
 
 class SecureFedAvgTraining(SecureUpdate):
@@ -45,10 +47,11 @@ class SecureFedAvgTraining(SecureUpdate):
     def vector(self, params: dict, tensors: dict[str, np.ndarray]) -> np.ndarray:
         secure = read_params(SecureUpdateRound, params, self.kind)
         self.check_samples(secure)
-        body, trained = self.training(params, tensors)      # the plain handler reads the plain kind's params
-        if secure.dp is not None:
-            return self.dp_vector(secure.dp, self.order(secure, trained), trained, tensors)
-        return pack_weighted(self.bounded(secure, body, trained, tensors), self.order(secure, trained), body["n"])
+        with state_restored_on_decline(self.training, params):
+            body, trained = self.training(params, tensors)      # the plain handler reads the plain kind's params
+            if secure.dp is not None:
+                return self.dp_vector(secure.dp, self.order(secure, trained), trained, tensors)
+            return pack_weighted(self.bounded(secure, body, trained, tensors), self.order(secure, trained), body["n"])
 
     def check_samples(self, secure: SecureUpdateRound) -> None:
         """A stateful handler (Scaffold, Ditto, pp: n is its local sample count) declined before it
@@ -106,14 +109,38 @@ class SecureScaffoldTraining(SecureFedAvgTraining):
     def vector(self, params: dict, tensors: dict[str, np.ndarray]) -> np.ndarray:
         secure = read_params(SecureControlRound, params, self.kind)
         self.check_samples(secure)
-        body, out = self.training(params, tensors)
-        trained = {k: v for k, v in out.items() if not k.startswith(DELTA_CONTROL)}
-        deltas = {k[len(DELTA_CONTROL):]: v for k, v in out.items() if k.startswith(DELTA_CONTROL)}
-        order = self.order(secure, trained)
-        if sorted(deltas) != sorted(trained):
-            raise TaskDeclined(f"the control deltas {sorted(deltas)} are not those of the trained tensors")
-        clipped, _ = clip_update(deltas, secure.control_clip_norm)
-        return pack_controlled(self.bounded(secure, body, trained, tensors), clipped, order, body["n"])
+        with state_restored_on_decline(self.training, params):
+            body, out = self.training(params, tensors)
+            trained = {k: v for k, v in out.items() if not k.startswith(DELTA_CONTROL)}
+            deltas = {k[len(DELTA_CONTROL):]: v for k, v in out.items() if k.startswith(DELTA_CONTROL)}
+            order = self.order(secure, trained)
+            if sorted(deltas) != sorted(trained):
+                raise TaskDeclined(f"the control deltas {sorted(deltas)} are not those of the trained tensors")
+            clipped, _ = clip_update(deltas, secure.control_clip_norm)
+            return pack_controlled(self.bounded(secure, body, trained, tensors), clipped, order, body["n"])
+
+
+@contextmanager
+def state_restored_on_decline(training, params: dict):
+    """A stateful handler saves its c_k / v_k before its result goes out; a device that then
+    declines (its trained head beyond the round's |θ| bound, a vector order it cannot follow)
+    sends nothing, so the job's entry goes back to what it was: the server's state never counted
+    this round's step (Scaffold's c = mean c_k stays true) and the next round starts where this one
+    did. A handler that keeps no state, or a task without a job id (declined by the handler), passes."""
+    store = training.store if isinstance(training, DeviceStateKeeper) else None
+    job_id = params.get("job_id") if isinstance(params, dict) else None
+    if store is None or not isinstance(job_id, str) or not job_id:
+        yield
+        return
+    before = store.load(job_id, None)
+    try:
+        yield
+    except TaskDeclined:
+        if before is None:
+            store.drop(job_id)
+        else:
+            store.restore(before)
+        raise
 
 
 __all__ = ["SecureFedAvgTraining", "SecureScaffoldTraining"]

@@ -196,6 +196,12 @@ public final class DeviceStateStore {
         return e;
     }
 
+    /** Put back an entry load returned (its run, round, arrays and expiry): what a task that declined
+     *  after its handler had saved leaves behind, so the next round starts where this one did. */
+    public synchronized void restore(Entry e) throws BudgetExceeded, IOException {
+        save(e.jobId, e.run, e.round, e.arrays, Math.max(e.expiresAt - clock.getAsDouble(), 1e-3));
+    }
+
     private void writeAtomically(File target, byte[] data) throws IOException {
         File tmp = File.createTempFile(TMP, SUFFIX + ".part", root);
         try {

@@ -44,7 +44,18 @@ public final class SecureStatefulHeadTask implements SecureTask {
         // summed must not advance its c_k / v_k round after round
         if (training.sampleCount() > round.maxSamples)
             throw new TaskDeclined(training.sampleCount() + " local samples exceed the round's bound of " + round.maxSamples);
+        DeviceStateStore.Entry before = training.stateBefore(params);
         TaskHandler.Result r = training.run(params, tensors);      // the plain handler: its state kept as in plain rounds
+        try {
+            return masked(control, round, r, tensors);
+        } catch (TaskDeclined declined) {
+            training.putBack(params, before);      // sends nothing: its state goes back to before the round
+            throw declined;
+        }
+    }
+
+    private Contribution masked(SecureScaffoldParams control, SecureUpdateRound round, TaskHandler.Result r,
+                                List<Envelope.Tensor> tensors) throws TaskDeclined {
         Map<String, double[]> out = new HashMap<>();
         for (Envelope.Tensor t : r.tensors) out.put(t.name, values(t));
         List<String> order = round.vectorOrder;
