@@ -5,7 +5,6 @@ aggregator's run of the same job (same groups, same integers), the coordinator m
 masked vector, and a shard SIGKILLed while hosting a group must fail that group with its reason,
 the job going on to the plain sums."""
 
-import importlib.util
 import json
 import os
 import signal
@@ -25,9 +24,8 @@ from protocols.payloads.secagg import SECAGG_TYPE
 
 from ops_fleet import (REPO, Features, Fleet, SecureKeys, aggregator_cmd, aggregator_env, feature_handlers, features_of,
                        prepare, reference_sums, run_aggregator, secure_fed3r_handlers, with_secure)
+from shard_runs import needs_ray
 
-# Ray is an optional extra (fedfleet[ray]); `make setup` installs it, so the Ray test runs in CI
-needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs fedfleet[ray]")
 DEVICES = [f"dev{i:02d}" for i in range(3, 9)]      # dev08 is shard 1's, the others shard 0's
 SHARDS = ["--shards", "2"]
 

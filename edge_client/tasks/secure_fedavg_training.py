@@ -32,7 +32,7 @@ from protocols.payloads.task_params import DpRound
 from ..agent import TaskDeclined
 from .params import read_params
 from .secure_update import SecAggSessions, SecureUpdate
-from .stateful_head import DeviceStateKeeper, StatefulHeadTask
+from .stateful_head import StatefulHeadTask
 
 
 class SecureFedAvgTraining(SecureUpdate):
@@ -47,7 +47,7 @@ class SecureFedAvgTraining(SecureUpdate):
     def vector(self, params: dict, tensors: dict[str, np.ndarray]) -> np.ndarray:
         secure = read_params(SecureUpdateRound, params, self.kind)
         self.check_samples(secure)
-        with state_restored_on_decline(self.training, params):
+        with state_restored_on_decline(self.training, params, self.kind):
             body, trained = self.training(params, tensors)      # the plain handler reads the plain kind's params
             if secure.dp is not None:
                 return self.dp_vector(secure.dp, self.order(secure, trained), trained, tensors)
@@ -109,7 +109,7 @@ class SecureScaffoldTraining(SecureFedAvgTraining):
     def vector(self, params: dict, tensors: dict[str, np.ndarray]) -> np.ndarray:
         secure = read_params(SecureControlRound, params, self.kind)
         self.check_samples(secure)
-        with state_restored_on_decline(self.training, params):
+        with state_restored_on_decline(self.training, params, self.kind):
             body, out = self.training(params, tensors)
             trained = {k: v for k, v in out.items() if not k.startswith(DELTA_CONTROL)}
             deltas = {k[len(DELTA_CONTROL):]: v for k, v in out.items() if k.startswith(DELTA_CONTROL)}
@@ -121,17 +121,16 @@ class SecureScaffoldTraining(SecureFedAvgTraining):
 
 
 @contextmanager
-def state_restored_on_decline(training, params: dict):
+def state_restored_on_decline(training, params: dict, kind: str):
     """A stateful handler saves its c_k / v_k before its result goes out; a device that then
     declines (its trained head beyond the round's |θ| bound, a vector order it cannot follow)
     sends nothing, so the job's entry goes back to what it was: the server's state never counted
     this round's step (Scaffold's c = mean c_k stays true) and the next round starts where this one
-    did. A handler that keeps no state, or a task without a job id (declined by the handler), passes."""
-    store = training.store if isinstance(training, DeviceStateKeeper) else None
-    job_id = params.get("job_id") if isinstance(params, dict) else None
-    if store is None or not isinstance(job_id, str) or not job_id:
+    did. A handler that keeps no state passes."""
+    if not isinstance(training, StatefulHeadTask) or training.store is None:
         yield
         return
+    store, job_id = training.store, read_params(training.params_type, params, kind).job_id
     before = store.load(job_id, None)
     try:
         yield

@@ -44,12 +44,13 @@ public final class SecureStatefulHeadTask implements SecureTask {
         // summed must not advance its c_k / v_k round after round
         if (training.sampleCount() > round.maxSamples)
             throw new TaskDeclined(training.sampleCount() + " local samples exceed the round's bound of " + round.maxSamples);
-        DeviceStateStore.Entry before = training.stateBefore(params);
+        String job = training.jobOf(params);
+        DeviceStateStore.Entry before = training.stateBefore(job);
         TaskHandler.Result r = training.run(params, tensors);      // the plain handler: its state kept as in plain rounds
         try {
             return masked(control, round, r, tensors);
         } catch (TaskDeclined declined) {
-            training.putBack(params, before);      // sends nothing: its state goes back to before the round
+            training.putBack(job, before);         // sends nothing: its state goes back to before the round
             throw declined;
         }
     }

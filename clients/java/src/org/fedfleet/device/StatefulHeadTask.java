@@ -128,25 +128,25 @@ public abstract class StatefulHeadTask implements TaskHandler {
         return out;
     }
 
-    /** The job's entry before a secure wrapper runs this handler (null: none, or no store or job id):
-     *  what {@link #putBack} restores when the wrapper declines after the handler saved. */
-    final DeviceStateStore.Entry stateBefore(Map<String, Object> params) {
-        Object job = params.get("job_id");
-        return store == null || !(job instanceof String) || ((String) job).isEmpty() ? null
-                : store.load((String) job, null, null, null);
+    /** The job a task is for, from its typed params (a secure wrapper's, to keep its entry aside). */
+    final String jobOf(Map<String, Object> params) throws TaskDeclined { return parse(params).jobId; }
+
+    /** The job's entry before a secure wrapper runs this handler (null: none, or no store): what
+     *  {@link #putBack} restores when the wrapper declines after the handler saved. */
+    final DeviceStateStore.Entry stateBefore(String jobId) {
+        return store == null ? null : store.load(jobId, null, null, null);
     }
 
     /** A secure wrapper declined after this handler saved the round's state: the job's entry goes back
      *  to `before` (none: dropped), so the server's state never counted a step the device never sent
      *  (Python: secure_fedavg_training.state_restored_on_decline). */
-    final void putBack(Map<String, Object> params, DeviceStateStore.Entry before) {
-        Object job = params.get("job_id");
-        if (store == null || !(job instanceof String) || ((String) job).isEmpty()) return;
+    final void putBack(String jobId, DeviceStateStore.Entry before) {
+        if (store == null) return;
         try {
-            if (before == null) store.drop((String) job);
+            if (before == null) store.drop(jobId);
             else store.restore(before);
         } catch (DeviceStateStore.BudgetExceeded | IOException e) {
-            store.drop((String) job);       // cannot write the old entry back: start fresh rather than drift
+            store.drop(jobId);          // cannot write the old entry back: start fresh rather than drift
         }
     }
 
