@@ -89,7 +89,8 @@ def run_secure(workdir, keys, kind: str, extra=(), plain=None, secure=None, **jo
                                             aggregator_key=keys.aggregator.public_key_bytes):
         # a phase closes when its last member answers; its timeout only bounds a slow machine's
         # training (FT(M) on the tail program took over 5 s per device under the whole suite's load)
-        return run_aggregator(workdir, broker.url, workdir / "state.db", extra=list(extra), timeout=420)
+        return run_aggregator(workdir, broker.url, workdir / "state.db", extra=[*extra, "--timeout", "400"],
+                              timeout=420)
 
 
 def modified(handlers, secure):

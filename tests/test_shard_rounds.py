@@ -21,7 +21,7 @@ from aggregator.shards.buckets import shard_of
 from fedfleet.emulation.broker import MosquittoBroker
 
 from ops_fleet import Features, Fleet, features_of, prepare, run_aggregator, start_aggregator_in
-from shard_runs import DEVICES, SHARDED_JOB_TIMEOUT_S, shard_options, shard_rows
+from shard_runs import DEVICES, SERVICE_TIMEOUT, SHARDED_JOB_TIMEOUT_S, shard_options, shard_rows
 
 # ---------------------------------------------------------------- FedAvg rounds on shards
 # two rounds of six of the ten devices, the norm and contribution bounds on (they close in phases:
@@ -209,7 +209,7 @@ def test_fedavg_on_shards_resumes_bit_for_bit_after_the_coordinator_and_a_shard_
     on its store, it answers round 2's close. Every device but one of the victim's holds its round-2
     update until the kill, so the round cannot close before it (however the machine schedules them;
     round 2's six, drawn by the job's seed, are all shard 0's: gating shard 1's alone held nothing)."""
-    options = ["--shards", "2"]
+    options = ["--shards", "2", *SERVICE_TIMEOUT]
     job = round_job(kind, request)
     rc, log = run_rounds(tmp_path, job, options, crash="round_closing")
     assert rc == -9, log[-3000:]

@@ -19,7 +19,7 @@ from aggregator.shards.buckets import shard_of
 from fedfleet.emulation.broker import MosquittoBroker
 
 from ops_fleet import Fleet, prepare, reference_sums, run_aggregator, run_uninterrupted, start_aggregator_in
-from shard_runs import DEVICES, ON_RAY, SHARDED_JOB_TIMEOUT_S, needs_ray, shard_options, shard_rows
+from shard_runs import DEVICES, ON_RAY, SERVICE_TIMEOUT, SHARDED_JOB_TIMEOUT_S, needs_ray, shard_options, shard_rows
 from test_shard_rounds import RAY_KINDS, check_rounds_on_two_shards, rounds_unsharded  # noqa: F401 (a fixture)
 
 
@@ -89,7 +89,7 @@ def test_shards_as_ray_actors_on_two_nodes_give_the_local_shards_model_bit_for_b
     prepare(tmp_path, DEVICES)
     with MosquittoBroker() as broker, Fleet(broker.url, DEVICES):
         rc, log = run_aggregator(tmp_path, broker.url, tmp_path / "state.db", timeout=SHARDED_JOB_TIMEOUT_S,
-                                 extra=["--shards", "2", "--ray", ray_test_cluster])
+                                 extra=["--shards", "2", *SERVICE_TIMEOUT, "--ray", ray_test_cluster])
     assert rc == 0, log[-3000:]
     got = outputs(tmp_path / "out")
     assert_same_model(got, local_shards_run[0])                   # the local shards' bytes
