@@ -135,7 +135,9 @@ def test_a_shard_sigkilled_mid_ingest_resumes_bit_for_bit(tmp_path, unsharded, o
     assert proc.returncode == 0, out[-3000:]
     assert f"shard {victim} exited" in out
     assert_same_model(outputs(tmp_path / "out"), unsharded)
-    assert_each_device_once(state, 2)
+    # the victim may hold orphans: a result it stored but was killed before receipting, whose device
+    # then re-sent it (a new message id) to the restarted shard; no sum counts them (the bytes above)
+    assert_each_device_once(state, 2, orphans_allowed=True)
 
 
 @pytest.mark.parametrize("on,crashes", [
