@@ -50,9 +50,11 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
                         "devices of a fixed range of buckets (Fed3R, FedNCM; FedAvg(ψ), FT(φ)/FT(M), Scaffold, "
                         "FedGloSS, pp and Ditto without the direction screen, the coordinator closing each round "
                         "on their sums; the groups of Fed3R-Sync, FedNCM-Sync and secure FedAvg, FT(φ)/FT(M), pp, "
-                        "Scaffold and Ditto hosted on them; not secure LADD's); 0: in this process")
-    s.add_argument("--shard-start-timeout", type=float, default=300.0, metavar="S",
-                   help="with --shards: fail the start unless every shard is up and connected within S seconds")
+                        "Scaffold and Ditto, and secure LADD's, hosted on them); 0: in this process")
+    s.add_argument("--shard-start-timeout", type=float, metavar="S",
+                   default=ServiceSettings.__dataclass_fields__["shard_start_timeout_s"].default,
+                   help="with --shards: fail the start unless every shard is up and connected within S seconds "
+                        "(default: %(default)s)")
     s.add_argument("--ray", metavar="auto|HOST:PORT", default=None,
                    help="with --shards: run the K shards as Ray actors (one CPU each) on this Ray cluster "
                         "(auto: the one `ray start` started here; needs fedfleet[ray]). Shard i's store "

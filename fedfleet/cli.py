@@ -38,6 +38,11 @@ def _simulate(args) -> int:
         from .ladd.cli import ladd_config_from_args
         from .ladd.run import run_ladd
 
+        if args.shards:
+            print(f"  ladd: one aggregator process, not {args.shards} shards (the pipeline's jobs pre-train on the "
+                  "devices' style bank inside the job, which a shard building the job from its config cannot; "
+                  "`aggregator serve --shards K` serves a ladd-secure job from its pretrained initial_model_file)",
+                  flush=True)
         run_ladd(ladd_config_from_args(args))
         return 0
     from .simulate import load_config, run
@@ -153,8 +158,8 @@ def _add_simulate_parser(sub) -> None:
                    help="run each job's aggregator with --shards K (with --ray: on that cluster too): Fed3R, and "
                         "the fine-tuning (FedAvg, Scaffold, FedGloSS) and pp/Ditto phases without their direction "
                         "screen (it needs every update in one place); with --secure, Fed3R-Sync, FedNCM-Sync and "
-                        "secure FedAvg(ψ), pp, Scaffold and Ditto, each group's SecAgg server on a shard (not secure "
-                        "LADD's); a job shards cannot sum runs in one aggregator process, and says why")
+                        "secure FedAvg(ψ), pp, Scaffold and Ditto, each group's SecAgg server on a shard; a job shards "
+                        "cannot sum runs in one aggregator process, and says why")
     s.add_argument("--secure", action="store_true", help="Fed3R-Sync: sum statistics under secure aggregation")
     s.add_argument("--secure-graph", choices=job_field_choices("fed3r-sync", "graph"),
                    help="SecAgg (complete), SecAgg+ (regular), or by group size (auto, the default: complete up to "

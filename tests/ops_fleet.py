@@ -229,16 +229,30 @@ class Fleet:
             a.stop()
 
 
-def aggregator_cmd(workdir: Path, broker_url: str, state: Path, extra: list[str] = ()) -> list[str]:
+# How much sooner than the test's wait the service ends itself (``--timeout``): its own end, with
+# its reason in the log, comes before the test gives up on it.
+SERVICE_MARGIN_S = 30
+
+
+def aggregator_cmd(workdir: Path, broker_url: str, state: Path, extra: list[str] = (), wait_s: float = 120) -> list[str]:
+    """``aggregator serve`` on the job prepared in ``workdir``; ``wait_s``: how long the test will wait
+    for it, which sets the service's own ``--timeout`` (the two were set apart once, and a sharded job
+    the test allowed 360 s was ended by the service at 90 s)."""
     kind = (workdir / "kind").read_text() if (workdir / "kind").exists() else "fed3r"
     return [sys.executable, "-m", "aggregator", "serve", "--config", str(workdir / "job.json"), "--kind", kind,
             "--broker", broker_url, "--out", str(workdir / "out"), "--state", str(state),
-            "--enrolled", str(workdir / "enrolled.txt"), "--timeout", "90", *extra]
+            "--enrolled", str(workdir / "enrolled.txt"), "--timeout", str(wait_s - SERVICE_MARGIN_S), *extra]
 
 
 def prepare(workdir: Path, devices, kind: str = "fed3r", **cfg) -> None:
+    """The job's files for :func:`run_aggregator`: the suite's synthetic config of ``kind``, ``cfg`` over it."""
+    write_job(workdir, devices, kind, job_config(devices, kind, **cfg))
+
+
+def write_job(workdir: Path, devices, kind: str, config: dict) -> None:
+    """``config`` as the job :func:`run_aggregator` serves, ``devices`` enrolled."""
     workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "job.json").write_text(json.dumps(job_config(devices, kind, **cfg)))
+    (workdir / "job.json").write_text(json.dumps(config))
     (workdir / "kind").write_text(kind)
     (workdir / "enrolled.txt").write_text("\n".join(devices) + "\n")
 
@@ -256,13 +270,15 @@ def run_aggregator(workdir: Path, broker_url: str, state: Path, crash: str | Non
                    timeout: float = 120, extra: list[str] = ()) -> tuple[int, str]:
     """``python -m aggregator serve`` on the job prepared in ``workdir`` until it exits (forked from
     tests/aggregator_forkserver.py, which imported the aggregator once); (exit status, output)."""
-    return run_aggregator_process(aggregator_cmd(workdir, broker_url, state, extra), aggregator_env(crash), REPO,
-                                  fresh_log(workdir), timeout)
+    return run_aggregator_process(aggregator_cmd(workdir, broker_url, state, extra, timeout), aggregator_env(crash),
+                                  REPO, fresh_log(workdir), timeout)
 
 
-def start_aggregator_in(workdir: Path, broker_url: str, state: Path, extra: list[str] = ()) -> ForkedAggregator:
-    """:func:`run_aggregator` without waiting: the started process (``poll``, ``wait``, ``kill``, ``output``)."""
-    return start_aggregator(aggregator_cmd(workdir, broker_url, state, extra), aggregator_env(), REPO,
+def start_aggregator_in(workdir: Path, broker_url: str, state: Path, extra: list[str] = (),
+                        timeout: float = 120) -> ForkedAggregator:
+    """:func:`run_aggregator` without waiting: the started process (``poll``, ``wait``, ``kill``,
+    ``output``); ``timeout``: how long the test will wait for it."""
+    return start_aggregator(aggregator_cmd(workdir, broker_url, state, extra, timeout), aggregator_env(), REPO,
                             fresh_log(workdir))
 
 

@@ -273,7 +273,7 @@ def test_async_job_killed_at_crash_points_resumes_its_buffer_exactly(broker, tmp
     state = tmp_path / "state.db"
     with Fleet(broker.url, devices, kind="fedavg-async"):
         for crash in [*ASYNC_CRASHES, None]:
-            rc, log = run_aggregator(tmp_path, broker.url, state, crash=crash, timeout=90)
+            rc, log = run_aggregator(tmp_path, broker.url, state, crash=crash, timeout=120)
             assert rc == (0 if crash is None else -9), (crash, log[-3000:])
     db = sqlite3.connect(state)
     versions = {r: json.loads(b)["version"] for r, b in db.execute("SELECT round, bookkeeping FROM rounds")}

@@ -24,7 +24,7 @@ from protocols.payloads.secagg import SECAGG_TYPE
 
 from ops_fleet import (REPO, Features, Fleet, SecureKeys, aggregator_cmd, aggregator_env, feature_handlers, features_of,
                        prepare, reference_sums, run_aggregator, secure_fed3r_handlers, with_secure)
-from shard_runs import needs_ray
+from shard_runs import RAY_ALL, needs_ray
 
 DEVICES = [f"dev{i:02d}" for i in range(3, 9)]      # dev08 is shard 1's, the others shard 0's
 SHARDS = ["--shards", "2"]
@@ -89,8 +89,7 @@ def run_secure(workdir, keys, kind: str, extra=(), plain=None, secure=None, **jo
                                             aggregator_key=keys.aggregator.public_key_bytes):
         # a phase closes when its last member answers; its timeout only bounds a slow machine's
         # training (FT(M) on the tail program took over 5 s per device under the whole suite's load)
-        return run_aggregator(workdir, broker.url, workdir / "state.db", extra=[*extra, "--timeout", "400"],
-                              timeout=420)
+        return run_aggregator(workdir, broker.url, workdir / "state.db", extra=extra, timeout=420)
 
 
 def modified(handlers, secure):
@@ -226,9 +225,9 @@ def test_a_forged_count_slot_is_discarded_on_shards_as_by_one_aggregator(tmp_pat
     assert device_states(workdir)                                       # the members did train
 
 
-# `make test-ray` (FEDFLEET_RAY_ALL=1) runs every secure kind shards host on Ray actors: the same
-# placement and group paths as Fed3R-Sync's, minutes more than the suite's budget on CI's two cores
-RAY_KINDS = [*SYNC_KINDS, *SECURE_ROUND_KINDS] if os.environ.get("FEDFLEET_RAY_ALL") == "1" else ["fed3r-sync"]
+# `make test-ray` (shard_runs.RAY_ALL) runs every secure kind shards host on Ray actors: the same
+# placement and group paths as Fed3R-Sync's
+RAY_KINDS = [*SYNC_KINDS, *SECURE_ROUND_KINDS] if RAY_ALL else ["fed3r-sync"]
 
 
 @pytest.mark.slow
@@ -265,11 +264,12 @@ def test_a_shard_takes_only_its_hosted_groups_secagg_messages_and_refuses_bad_on
     coordinator = build_job("fed3r-sync", config)
     members = ["dev03", "dev04", "dev08"]
     assert sorted(coordinator.next_participants(set(members))) == members
-    group = coordinator.release_group()
+    group, context = coordinator.release_group()
+    assert context == {}                                # Fed3R-Sync's host needs nothing besides the config
     host, idle = ShardIngest(1, 2, Store(tmp_path / "s1.db")), ShardIngest(0, 2, Store(tmp_path / "s0.db"))
     for shard in (host, idle):
         shard.set_job(config["job_id"], "fed3r-sync", config)
-    assert host.groups.open(group) == [] and host.reads("dev03") and not host.owns("dev03")
+    assert host.groups.open(group, context) == [] and host.reads("dev03") and not host.owns("dev03")
     started = host.groups.tick(0.0)                     # the server machine's first phase, to every member
     assert sorted(d for d, _ in started) == members
 
@@ -347,8 +347,8 @@ def test_a_shard_sigkilled_hosting_a_group_fails_it_with_the_reason_and_the_job_
 
 def test_simulate_shards_takes_the_secure_kinds_shards_host_and_says_why_not_for_the_others(tmp_path):
     """``fedfleet simulate --secure --shards K``: Fed3R-Sync, FedNCM-Sync and the secure FedAvg family
-    (secure Scaffold and Ditto too) get the shard options (their registry entries' ``shard_groups``);
-    secure LADD, without it, runs in one process and says why."""
+    (secure Scaffold and Ditto too) get the shard options (their registry entries' ``shard_groups``;
+    secure LADD's: tests/test_secure_ladd_shards.py); plain LADD runs in one process and says why."""
     import dataclasses
 
     from fedfleet.simulate import PRESETS, aggregator_shards
@@ -361,8 +361,8 @@ def test_simulate_shards_takes_the_secure_kinds_shards_host_and_says_why_not_for
         assert aggregator_shards(cfg, kind, common) == (["--shards", "2"], ""), kind
     for kind in ("fedavg-secure", "pp-secure", "scaffold-secure", "ditto-secure"):
         assert aggregator_shards(cfg, kind, {**common, "rounds": 1}) == (["--shards", "2"], ""), kind
-    options, why = aggregator_shards(cfg, "ladd-secure", common)
-    assert options == [] and "ladd-secure" in why and "cluster slot would sum too few survivors" in why
+    options, why = aggregator_shards(cfg, "ladd", common)
+    assert options == [] and "'ladd'" in why and "one per cluster" in why
     from aggregator.jobs.registry import build_job
     from aggregator.shards.pool import check_shardable
     dp = build_job("fed3r-sync", {**common, "dp_noise_multiplier": 1.0, "feature_clip_norm": 8.0})

@@ -12,6 +12,8 @@ real SecAgg client and server (tests/stateful_jobs.py run_secure_round).
 
 import re
 
+import shutil
+
 import numpy as np
 import pytest
 
@@ -181,6 +183,35 @@ def test_a_device_declining_after_it_trained_puts_its_state_back(tmp_path, keys,
         assert kept.arrays[name].tobytes() == value.tobytes(), name
     client.on_task("sec", job.round + 1, {**later, "max_abs_param": params["max_abs_param"]}, tensors)
     assert store.load(job_id, None).round == later["state"]["round"]     # a sent round still moves it
+
+
+@pytest.mark.parametrize("kind", [SCAFFOLD_KIND, DITTO_KIND])
+def test_a_decline_whose_state_cannot_be_put_back_drops_it_and_still_declines(tmp_path, keys, kind):
+    """The device's storage is gone by the time the decline puts its entry back (unmounted, say):
+    the store's OSError does not replace the decline, and the job's entry is dropped so the next
+    round starts fresh rather than from a step never summed (Java's putBack does the same)."""
+    job = secure_job(kind, tmp_path, keys)
+    job.next_participants(set(DEVICES))
+    params, tensors = job.task_for("dev0")
+    client = secure_clients(kind, keys, tmp_path, ["dev0"])["dev0"]
+    store, job_id = client.training.store, job.config.job_id
+    client.on_task("sec", job.round, params, tensors)          # a sent round: an entry to put back
+    assert store.load(job_id, None) is not None
+
+    class StorageVanishes(type(client.training)):
+        def __call__(self, *args, **kwargs):
+            out = super().__call__(*args, **kwargs)
+            shutil.rmtree(self.store.root)          # after the handler saved this round's state
+            return out
+
+    client.training.__class__ = StorageVanishes
+    later = {**params, "state": {**params["state"], "round": params["state"]["round"] + 1}, "max_abs_param": 1e-4}
+    with pytest.raises(TaskDeclined, match="round's bound"):
+        client.on_task("sec", job.round + 1, later, tensors)
+    client.training.__class__ = StorageVanishes.__base__
+    store.root.mkdir(parents=True)                              # the storage is back: the device goes on
+    client.on_task("sec", job.round + 1, {**later, "max_abs_param": params["max_abs_param"]}, tensors)
+    assert store.load(job_id, None).round == later["state"]["round"]
 
 
 # ----------------------------------------------------------------------------- the server step

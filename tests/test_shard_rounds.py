@@ -21,7 +21,7 @@ from aggregator.shards.buckets import shard_of
 from fedfleet.emulation.broker import MosquittoBroker
 
 from ops_fleet import Features, Fleet, features_of, prepare, run_aggregator, start_aggregator_in
-from shard_runs import DEVICES, SERVICE_TIMEOUT, SHARDED_JOB_TIMEOUT_S, shard_options, shard_rows
+from shard_runs import DEVICES, RAY_ALL, SHARDED_JOB_TIMEOUT_S, shard_options, shard_rows
 
 # ---------------------------------------------------------------- FedAvg rounds on shards
 # two rounds of six of the ten devices, the norm and contribution bounds on (they close in phases:
@@ -174,9 +174,7 @@ def fedavg_rounds_held(state, shard: int) -> set[int]:
 # with the suite's other Ray cluster files). Ditto is pp's sums and receipts (PersonalRoundSums)
 # and FedNCM Fed3R's (Fed3RSums) on the same paths: their bytes are checked without a broker
 # (tests/test_shard_fedavg.py, tests/test_shard_ingest.py)
-# `make test-ray` (FEDFLEET_RAY_ALL=1) runs every kind on both, Ditto over the broker as well: the
-# same paths, minutes more than the suite's budget on CI's two cores
-RAY_ALL = os.environ.get("FEDFLEET_RAY_ALL") == "1"
+# `make test-ray` (shard_runs.RAY_ALL) runs every kind on both, Ditto over the broker as well
 LOCAL_KINDS = ["fedavg", "fedavg-tail", "pp", "scaffold", "scaffold-tail", "fedgloss"] + (["ditto"] if RAY_ALL else [])
 RAY_KINDS = LOCAL_KINDS if RAY_ALL else ["fedavg", "pp", "scaffold"]
 
@@ -209,7 +207,7 @@ def test_fedavg_on_shards_resumes_bit_for_bit_after_the_coordinator_and_a_shard_
     on its store, it answers round 2's close. Every device but one of the victim's holds its round-2
     update until the kill, so the round cannot close before it (however the machine schedules them;
     round 2's six, drawn by the job's seed, are all shard 0's: gating shard 1's alone held nothing)."""
-    options = ["--shards", "2", *SERVICE_TIMEOUT]
+    options = ["--shards", "2"]
     job = round_job(kind, request)
     rc, log = run_rounds(tmp_path, job, options, crash="round_closing")
     assert rc == -9, log[-3000:]
@@ -220,7 +218,7 @@ def test_fedavg_on_shards_resumes_bit_for_bit_after_the_coordinator_and_a_shard_
     gates = {d: held_back for d in DEVICES if d != first}
     with MosquittoBroker() as broker, Fleet(broker.url, DEVICES, kind="fedavg", gates=gates,
                                             handlers=fleet_handlers(job, tmp_path, gates)):
-        proc = start_aggregator_in(tmp_path, broker.url, state, options)
+        proc = start_aggregator_in(tmp_path, broker.url, state, options, timeout=SHARDED_JOB_TIMEOUT_S)
         try:
             deadline = time.monotonic() + 240
             while 2 not in fedavg_rounds_held(state, victim) and time.monotonic() < deadline:

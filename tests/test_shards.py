@@ -19,7 +19,7 @@ from aggregator.shards.buckets import shard_of
 from fedfleet.emulation.broker import MosquittoBroker
 
 from ops_fleet import Fleet, prepare, reference_sums, run_aggregator, run_uninterrupted, start_aggregator_in
-from shard_runs import DEVICES, ON_RAY, SERVICE_TIMEOUT, SHARDED_JOB_TIMEOUT_S, needs_ray, shard_options, shard_rows
+from shard_runs import DEVICES, ON_RAY, RAY_ALL_ONLY, SHARDED_JOB_TIMEOUT_S, needs_ray, shard_options, shard_rows
 from test_shard_rounds import RAY_KINDS, check_rounds_on_two_shards, rounds_unsharded  # noqa: F401 (a fixture)
 
 
@@ -89,7 +89,7 @@ def test_shards_as_ray_actors_on_two_nodes_give_the_local_shards_model_bit_for_b
     prepare(tmp_path, DEVICES)
     with MosquittoBroker() as broker, Fleet(broker.url, DEVICES):
         rc, log = run_aggregator(tmp_path, broker.url, tmp_path / "state.db", timeout=SHARDED_JOB_TIMEOUT_S,
-                                 extra=["--shards", "2", *SERVICE_TIMEOUT, "--ray", ray_test_cluster])
+                                 extra=["--shards", "2", "--ray", ray_test_cluster])
     assert rc == 0, log[-3000:]
     got = outputs(tmp_path / "out")
     assert_same_model(got, local_shards_run[0])                   # the local shards' bytes
@@ -111,7 +111,7 @@ def test_a_shard_sigkilled_mid_ingest_resumes_bit_for_bit(tmp_path, unsharded, o
     held = [d for d in DEVICES if shard_of(d, 2) == victim][1:]     # the victim's later devices wait
     gates = {d: threading.Event() for d in held}
     with MosquittoBroker() as broker, Fleet(broker.url, DEVICES, gates=gates):
-        proc = start_aggregator_in(tmp_path, broker.url, state, options)
+        proc = start_aggregator_in(tmp_path, broker.url, state, options, timeout=SHARDED_JOB_TIMEOUT_S)
         try:
             # a deadline, not a wait: the loop leaves at the first stored row (a Ray actor's start
             # on CI's 2 loaded cores took over a minute once)
@@ -178,9 +178,8 @@ def test_fedavg_rounds_on_ray_actor_shards_give_one_aggregators_model_bit_for_bi
 
 
 # FedNCM is Fed3R's device task and sums (Fed3RSums), solved as class means: `make test-ray`
-# (FEDFLEET_RAY_ALL=1) runs it over the broker on local shards and on Ray actors; the suite
-# checks its sums' bytes without a broker (tests/test_shard_ingest.py)
-RAY_ALL_ONLY = pytest.mark.skipif(os.environ.get("FEDFLEET_RAY_ALL") != "1", reason="make test-ray runs it")
+# runs it over the broker on local shards and on Ray actors; the suite checks its sums' bytes
+# without a broker (tests/test_shard_ingest.py)
 FEDNCM_ON = [pytest.param("local", marks=RAY_ALL_ONLY), pytest.param("ray", marks=[RAY_ALL_ONLY, *ON_RAY])]
 
 

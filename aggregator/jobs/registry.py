@@ -135,13 +135,11 @@ KINDS: dict[str, JobKind] = {k.name: k for k in (
     JobKind("personalize", PersonalizeConfig, PersonalizeJob, "OLL and OLL+FP(ψ) on every device; held-out WMA",
             (PERSONALIZE_KIND,)),
     JobKind("ladd", LaddConfig, LaddJob, "LADD: style clustering and cluster-specific self-training (segmentation)",
-            (LADD_STYLE_KIND, LADD_TRAIN_KIND), _ladd_factory(LaddJob)),
+            (LADD_STYLE_KIND, LADD_TRAIN_KIND), _ladd_factory(LaddJob),
+            shard_refusal="a round's sums are one per cluster (θ_c) besides the shared φ, where shards sum one "
+                          "model per round; run it in one process, or secure (ladd-secure), whose groups shards host"),
     JobKind("ladd-secure", SecureLaddConfig, SecureLaddJob, "LADD with each cluster's updates summed under SecAgg",
-            (LADD_STYLE_KIND, SECURE_LADD_KIND), _ladd_factory(SecureLaddJob),
-            shard_refusal="its server machine aborts a round whose cluster slot would sum too few survivors before "
-                          "any share is revealed, which needs the round's slot layout and the clusters of the "
-                          "plaintext style round: a shard hosting the group, built from the job's config, holds "
-                          "neither (run it without --shards)"),
+            (LADD_STYLE_KIND, SECURE_LADD_KIND), _ladd_factory(SecureLaddJob), shard_groups=SecureGroupPlacement()),
 )}
 
 

@@ -27,7 +27,8 @@ A sum over one device is that device's update, so per-cluster slots need company
   applied, as for any failed secure round. A slot with no survivor at all is fine (θ_c kept).
   This relies on the aggregator following the protocol (the honest-but-curious model of
   docs/secure-aggregation.md); devices cannot check it, since they do not know their peers'
-  clusters.
+  clusters. On shards (``aggregator/shards/secure_groups.py``) the gate runs on the shard hosting
+  the group, from the layout and clusters the coordinator hands it (``hosting_context``).
 * The sum's per-cluster counts must equal what the job expects from its cluster assignment
   and the survivors; otherwise nothing is applied (a device filled the wrong slot).
 
@@ -51,7 +52,6 @@ Cost: a device uploads (|φ| + C·|θ| + 1 + 2C) × 8 bytes instead of (|φ| + |
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from dataclasses import dataclass
 
@@ -64,15 +64,13 @@ from protocols.payloads.secagg import SECURE_LADD_KIND, ClusterSlotLayout, SlotS
 from protocols.payloads.secure_tasks import SecureLaddParams
 from protocols.payloads.task_params import DpRound
 from protocols.rounds import RoundClosed
-from protocols.secagg import ConsistencyCheckRequest, Phase, UnmaskRequest
+from protocols.secagg import ConsistencyCheckRequest, Phase, RoundConfig, UnmaskRequest
 
 from aggregator.strategies.dp_ladd import GLOBAL, apply_mean_deltas
 from aggregator.jobs.config_limits import Range, limited
 from aggregator.jobs.ladd import Arrays, LaddConfig, LaddJob, Pretrainer
 from aggregator.jobs.secure_fields import SecureUpdateFields
-from aggregator.jobs.secure_rounds import MIN_GROUP, SecureGroupRounds
-
-log = logging.getLogger("fedfleet.aggregator.secagg")
+from aggregator.jobs.secure_rounds import MIN_GROUP, GroupSumOutOfBound, SecureGroupRounds
 
 
 @dataclass
@@ -108,7 +106,6 @@ class SecureLaddJob(SecureGroupRounds, LaddJob):
         self._round_sum: tuple[tuple[Arrays, dict[int, Arrays]], dict[int, int]] | None = None
         self._round_dp: dict | None = None
         self._gate_passed = False
-        self._sum_refused = False
 
     # ------------------------------------------------------------------ rounds
     def next_participants(self, online: set[str]) -> list[str]:
@@ -126,7 +123,7 @@ class SecureLaddJob(SecureGroupRounds, LaddJob):
 
     def _open_slot_round(self, chosen: list[str]) -> None:
         self.slots = self._slot_layout(chosen)
-        self._round_sum, self._gate_passed, self._sum_refused = None, False, False
+        self._round_sum, self._gate_passed = None, False
         c = self.config
         if c.dp:        # the data bound: clipped entries <= C, n and the counts <= 1
             self._round_dp = {"clip_norm": c.dp_clip_norm, **self.open_dp_round(
@@ -154,10 +151,27 @@ class SecureLaddJob(SecureGroupRounds, LaddJob):
         if entered and self.kind == SECURE_LADD_KIND:     # its secrets are gone: it closes with nothing applied
             self.slots, self._round_sum = self._slot_layout(self._participants), None
 
-    def secure_round_live(self, round_: int) -> bool:
-        if self.kind == KIND_STYLE:           # a plaintext round: the round machine closes it as usual
-            return True
-        return super().secure_round_live(round_)
+    def runs_plaintext(self, round_: int) -> bool:
+        return self.kind == KIND_STYLE
+
+    # ------------------------------------------------------------------ on a shard hosting the group
+    def hosting_context(self, config: RoundConfig) -> dict:
+        """The round's slot layout and its members' clusters: what the gate before the unmasking
+        reads (``_thin_slots``), which a host built from the job's config alone never saw."""
+        return {"slots": self.slots.to_json(), "clusters": {d: int(self.assignment[d]) for d in config.members}}
+
+    def host_group(self, config: RoundConfig, context: dict | None = None) -> None:
+        if context is not None:         # a shard's: the coordinator's layout, bound to the signed group id
+            slots = ClusterSlotLayout.from_json(context["slots"])
+            clusters = context["clusters"]
+            if slots.group_id() != config.group_id:
+                raise ValueError(f"secure round {config.round_id}: the slot layout is not group {config.group_id}'s")
+            if set(clusters) != set(config.members) or not all(
+                    type(k) is int and 0 <= k < len(slots.enabled) for k in clusters.values()):
+                raise ValueError(f"secure round {config.round_id}: the members' clusters do not match the group")
+            self.slots, self._gate_passed = slots, False
+            self.assignment.update(clusters)
+        super().host_group(config, context)
 
     # ------------------------------------------------------------------ the sum
     def _thin_slots(self, survivors) -> list[int]:
@@ -177,23 +191,14 @@ class SecureLaddJob(SecureGroupRounds, LaddJob):
                                             f"{self.config.min_cluster_contributors} updates")
             else:
                 self._gate_passed = True
-        round_id = self.secure.config.round_id if self.secure is not None else None
-        sends = super()._route(outputs, paced=paced)
-        if self._sum_refused and round_id is not None:
-            self._settled[round_id] = ()         # nothing of that sum was applied
-            self._sum_refused = False
-        return sends
+        return super()._route(outputs, paced=paced)
 
     def on_secure_sum(self, total: np.ndarray, survivors: tuple[str, ...]) -> None:
         sums = self.slots.unpack_sum(total)
         count = Counter(self.assignment[d] for d in survivors)
         expected = [count.get(k, 0) if on else 0 for k, on in enumerate(self.slots.enabled)]
-        if sums.count_per_cluster.tolist() != expected or sums.n < 1:
-            reason = f"slot counts {sums.count_per_cluster.tolist()} != expected {expected}"
-            log.warning("secure round %d: %s: nothing applied", self.round, reason)
-            self.failed_rounds.append((self.round, reason))
-            self._sum_refused = True
-            return
+        if sums.count_per_cluster.tolist() != expected or sums.n < 1:     # a device filled the wrong slot
+            raise GroupSumOutOfBound(f"slot counts {sums.count_per_cluster.tolist()} != expected {expected}")
         new_model = self._noisy_means(sums) if self.config.dp else self._weighted_means(sums)
         self._round_sum = (new_model, {k: count[k] for k in sorted(count)})
         self._applied = set(survivors)

@@ -106,21 +106,40 @@ class SecureGroupRounds(Job):
                                     dropout_rate=self.config.expected_dropout)
         self.host_group(config)
 
-    def host_group(self, config: RoundConfig) -> None:
+    def host_group(self, config: RoundConfig, context: dict | None = None) -> None:
         """Run the group's server machine in this process: the job's own, or on the shard a shard
-        coordinator placed the group on (``aggregator/shards/shard_groups.py``)."""
+        coordinator placed the group on (``aggregator/shards/shard_groups.py``), with what the
+        coordinator's job gave besides the configuration (``hosting_context``)."""
         self.secure = ServerSecAgg(config, self.identity, self.registry, mask_applier=pick_mask_applier())
         self._uploads = MaskedUploadWindow(window_size(self.config.upload_window_bytes, config.vector_length))
         self._newest_round = max(self._newest_round, config.round_id)
         self._start_pending = True
 
-    def release_group(self) -> RoundConfig:
+    @property
+    def has_unstarted_group(self) -> bool:
+        """Whether the round just opened has a group to start (a plaintext round has none)."""
+        return self.secure is not None and self._start_pending
+
+    def release_group(self) -> tuple[RoundConfig, dict]:
         """Give the group just opened away, unstarted (a shard coordinator places it on a shard,
-        ``aggregator/shards/secure_groups.py``): its signed configuration; this job holds no machine."""
-        if self.secure is None or not self._start_pending:
+        ``aggregator/shards/secure_groups.py``): its signed configuration and its hosting context;
+        this job holds no machine."""
+        if not self.has_unstarted_group:
             raise RuntimeError("no unstarted secure group to release")
         config, self.secure, self._start_pending = self.secure.config, None, False
-        return config
+        return config, self.hosting_context(config)
+
+    def hosting_context(self, config: RoundConfig) -> dict:
+        """What a host of ``config``'s group needs besides the signed configuration: nothing, for a
+        job whose server machine runs the protocol alone; a job that checks more between its phases
+        (secure LADD's cluster slots) hands its host what the check reads. Plain data: it crosses
+        a pipe or a Ray call."""
+        return {}
+
+    def runs_plaintext(self, round_: int) -> bool:
+        """Whether round ``round_`` sums no group (secure LADD's style rounds): its results come in
+        the clear and the round machine closes it as usual."""
+        return False
 
     def open_dp_round(self, round_id: int, members: list[str], vector_length: int, data_bound: float,
                       total_stddev: float, group_id: str | None = None) -> dict:
@@ -216,7 +235,10 @@ class SecureGroupRounds(Job):
         return self._route(self._uploads.answered(device), paced=True) if self._uploads is not None else []
 
     def secure_round_live(self, round_: int) -> bool:
-        """Whether round ``round_`` has a running SecAgg instance (False after a restart)."""
+        """Whether round ``round_`` has a running SecAgg instance (False after a restart), or is
+        a plaintext round (its results, not a group, settle it)."""
+        if self.runs_plaintext(round_):
+            return True
         return self.secure is not None and self.secure.config.round_id == round_
 
     def settled(self, round_: int) -> tuple[str, ...] | None:

@@ -124,7 +124,7 @@ def _group_command(ingest: ShardIngest, cmd: tuple, now: float) -> list:
         log.warning("shard %d: %s for a job with no secure groups: ignored", ingest.index, cmd[0])
         return []
     if cmd[0] == "group_open":
-        return ingest.groups.open(cmd[1])
+        return ingest.groups.open(cmd[1], cmd[2])
     if cmd[0] == "group_offline":
         return ingest.groups.offline(cmd[1], cmd[2], now)
     return ingest.groups.abort(cmd[1], cmd[2])

@@ -8,7 +8,7 @@ how a shard is started, reached and found dead: a local process and a pipe (``lo
 ``LocalShards``) or a Ray actor on a cluster's node (``ray_shards.py``, ``RayShards``).
 
 Messages, coordinator → shard: ``("job", job_id, kind, config)``, ``("sums" | "statistics",
-request, job_id, accepted, context)``, ``("group_open", round config)``, ``("group_offline" |
+request, job_id, accepted, context)``, ``("group_open", round config, hosting context)``, ``("group_offline" |
 "group_abort", round, device | reason)``, ``("stop",)``; shard → coordinator: ``("ready",)`` once
 connected to the broker, ``("receipt", topic, raw)``, ``("forward", topic, payload)``, ``("sums",
 request, node sums or statistics, or the reason it has none)``, ``("group", job_id, "sum", round,
@@ -94,7 +94,7 @@ class ShardPool(ABC):
         """End every shard, after each was sent ``("stop",)``."""
 
     # ---------------------------------------------------------------- the coordinator's side
-    def start(self, deliver: Callable[[tuple], None], timeout_s: float = 300.0) -> None:
+    def start(self, deliver: Callable[[tuple], None], timeout_s: float) -> None:
         """Start the shards and wait until each is connected (so no result reaches the broker before
         its shard can subscribe). ``deliver(("forward", topic, payload) | ("receipt", topic, raw))``
         runs on reader threads. ``timeout_s``: the service's ``shard_start_timeout_s`` (two Ray actors
@@ -153,10 +153,11 @@ class ShardPool(ABC):
                 self._start(i)
 
     # ---------------------------------------------------------------- secure groups (secure_groups.py)
-    def open_group(self, index: int, config) -> None:
-        """Shard ``index`` hosts ``config``'s group (a ``RoundConfig``) from now on."""
+    def open_group(self, index: int, config, context: dict) -> None:
+        """Shard ``index`` hosts ``config``'s group (a ``RoundConfig``; ``context``: the job's
+        ``hosting_context``) from now on."""
         self.placed[config.round_id] = index
-        self._send(index, ("group_open", config))
+        self._send(index, ("group_open", config, context))
 
     def tell_group(self, round_id: int, command: str, *args) -> None:
         """``"group_offline", device`` or ``"group_abort", reason`` to the shard hosting the round's group."""

@@ -1,5 +1,5 @@
-"""A secure job (Fed3R-Sync, FedNCM-Sync, the secure FedAvg family) as the coordinator of K shards
-serves it: the rounds, the groups and the model are the job's own; each group's server machine runs on a shard.
+"""A secure job (Fed3R-Sync, FedNCM-Sync, the secure FedAvg family, secure LADD) as the coordinator
+of K shards serves it: the rounds, the groups and the model are the job's own; each group's server machine runs on a shard.
 
 Theory of operation
 -------------------
@@ -9,11 +9,16 @@ round's participants, the vector length, the bound and the fixed-point scale mak
 
 * **Placement.** The coordinator's job chooses the round's members and builds its ``RoundConfig``
   exactly as one aggregator's would, then releases the group unstarted
-  (``SecureGroupRounds.release_group``); :class:`ShardedSecureJob` hands it to the shard
-  ``round % K`` (``group_placement.py``): a fixed rule, consecutive groups on consecutive shards.
-  That shard builds the job from its config (the aggregator's identity, the enrolled keys) and
-  runs the group's server machine (``shard_groups.py``): every phase, the phase timers, the
-  consistency check, the unmasking (on its GPU when it has one).
+  (``SecureGroupRounds.release_group``) with its *hosting context*: what the job's server machine
+  reads besides the protocol (``{}``, but secure LADD's gate before the unmasking reads the round's
+  slot layout and its members' clusters, which only the coordinator's style round knows).
+  :class:`ShardedSecureJob` hands both to the shard ``round % K`` (``group_placement.py``): a fixed
+  rule, consecutive groups on consecutive shards. That shard builds the job from its config (the
+  aggregator's identity, the enrolled keys), checks the context against the signed configuration,
+  and runs the group's server machine (``shard_groups.py``): every phase, the phase timers, the
+  consistency check, the job's own checks between them, the unmasking (on its GPU when it has
+  one). A round that opens no group (secure LADD's plaintext style round) is the coordinator's:
+  its results are forwarded by the devices' shards like any message the shard does not take.
 * **Routing.** A device's outbox is read by the shard owning its bucket (``buckets.py``, as for
   plain shards) and, while it is a member of a group hosted elsewhere, by that group's shard too:
   the host subscribes to its members' outboxes when the group is placed, before it sends the
@@ -72,7 +77,7 @@ class ShardedSecureJob(CoordinatedJob):
         super().__init__(inner, kind)
         self.pool = pool
         self.identity = inner.identity          # the service signs with the job's identity
-        self._unplaced: RoundConfig | None = None
+        self._unplaced: tuple[RoundConfig, dict] | None = None     # (config, hosting context)
 
     contributions = property(lambda self: self.inner.contributions)
     failed_rounds = property(lambda self: self.inner.failed_rounds)
@@ -87,7 +92,7 @@ class ShardedSecureJob(CoordinatedJob):
 
     def next_participants(self, online: set[str]) -> list[str]:
         chosen = self.inner.next_participants(online)
-        if chosen:
+        if chosen and self.inner.has_unstarted_group:       # (a plaintext round opens none)
             self._unplaced = self.inner.release_group()
         return chosen
 
@@ -96,8 +101,8 @@ class ShardedSecureJob(CoordinatedJob):
         """Place the round's group (the first tick after its tasks went out, as one aggregator
         starts it), then apply what the hosts sent: a group's sum or its failure."""
         if self._unplaced is not None:
-            config, self._unplaced = self._unplaced, None
-            self.pool.open_group(SecureGroupPlacement.shard_of(config.round_id, self.pool.shards), config)
+            (config, context), self._unplaced = self._unplaced, None
+            self.pool.open_group(SecureGroupPlacement.shard_of(config.round_id, self.pool.shards), config, context)
         while True:
             try:
                 outcome = self.pool.group_outcomes.get_nowait()
@@ -127,8 +132,8 @@ class ShardedSecureJob(CoordinatedJob):
         return []
 
     def secure_round_live(self, round_: int) -> bool:
-        placing = self._unplaced is not None and self._unplaced.round_id == round_
-        return placing or round_ in self.pool.placed
+        placing = self._unplaced is not None and self._unplaced[0].round_id == round_
+        return placing or round_ in self.pool.placed or self.inner.runs_plaintext(round_)
 
     def settled(self, round_: int) -> tuple[str, ...] | None:
         return self.inner.settled(round_)
@@ -141,7 +146,7 @@ class ShardedSecureJob(CoordinatedJob):
 
     def abort_secure_round(self, round_id: int, reason: str) -> None:
         """The coordinator decides: the group fails now; its host is told to abort it."""
-        if self._unplaced is not None and self._unplaced.round_id == round_id:
+        if self._unplaced is not None and self._unplaced[0].round_id == round_id:
             self._unplaced = None
         elif round_id not in self.pool.placed:
             return

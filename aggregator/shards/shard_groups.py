@@ -40,11 +40,17 @@ class ShardGroups:
     def signer(self) -> Callable[[bytes], bytes]:
         return self.job.identity.sign
 
-    def open(self, config: RoundConfig) -> Sends:
-        """Host ``config``'s group (one at a time: a group still held is given up first, failed)."""
+    def open(self, config: RoundConfig, context: dict) -> Sends:
+        """Host ``config``'s group with the coordinator job's ``context`` (one at a time: a group
+        still held is given up first, failed). A group this job cannot host fails with the reason."""
         sends = self.abort(self.held, "superseded by the next group") if self.held is not None else []
-        self.job.host_group(config)
         self.held, self._sum = config.round_id, None
+        try:
+            self.job.host_group(config, context)
+        except (ValueError, KeyError, TypeError) as exc:
+            log.error("shard %d: cannot host secure round %d: %s", self.index, config.round_id, exc)
+            self.job.group_failed(config.round_id, f"its shard cannot host it: {exc}")
+            return sends
         self.members = set(config.members)
         log.info("shard %d: hosting secure round %d (%d members)", self.index, config.round_id, len(config.members))
         return sends

@@ -30,6 +30,7 @@ from protocols.payloads.secure_tasks import SecureControlRound, SecureUpdateRoun
 from protocols.payloads.task_params import DpRound
 
 from ..agent import TaskDeclined
+from ..state import StateBudgetExceeded
 from .params import read_params
 from .secure_update import SecAggSessions, SecureUpdate
 from .stateful_head import StatefulHeadTask
@@ -135,11 +136,14 @@ def state_restored_on_decline(training, params: dict, kind: str):
     try:
         yield
     except TaskDeclined:
-        if before is None:
-            store.drop(job_id)
-        else:
-            store.restore(before)
-        raise
+        try:
+            if before is None:
+                store.drop(job_id)
+            else:
+                store.restore(before)
+        except (StateBudgetExceeded, OSError):
+            store.drop(job_id)      # the old entry cannot be written back: start fresh rather than drift
+        raise                       # the decline, whatever the store did (as Java's putBack)
 
 
 __all__ = ["SecureFedAvgTraining", "SecureScaffoldTraining"]
