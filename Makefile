@@ -41,7 +41,8 @@ test: setup
 # representative ones: the others take the same paths, and minutes CI's two cores lack)
 test-ray: setup
 	FEDFLEET_RAY_ALL=1 $(BIN)/python -m pytest -q -ra -n 2 --dist loadfile --no-loadscope-reorder \
-	    tests/test_shards.py tests/test_shard_rounds.py tests/test_secure_shards.py
+	    tests/test_shards.py tests/test_shard_rounds.py tests/test_secure_shards.py tests/test_secure_ladd_shards.py \
+	    tests/test_shard_signatures.py
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -n 3 -m "not integration"

@@ -24,7 +24,7 @@ DEVICES = [f"dev{i:02d}" for i in range(12)]
 TOPICS = Topics()
 
 
-def result(i: int, job: str = "sharded", corrupt: bool = False) -> bytes:
+def result(i: int, job: str = "sharded", corrupt: bool = False, signer=None) -> bytes:
     rng = np.random.default_rng(i)
     n = 4 + i
     Z = np.hstack([rng.normal(size=(n, P - 1)), np.ones((n, 1))])
@@ -36,12 +36,14 @@ def result(i: int, job: str = "sharded", corrupt: bool = False) -> bytes:
     body, tensors = encode_stats(A, ids, np.stack([Z[y == c].sum(0) for c in ids]), n, C)
     env = M.result_message(DEVICES[i], M.TaskRef(job, 1, "t"), "fed3r.stats", body, tensors)
     env.id = f"{i:032x}"
-    return encode(env)
+    return encode(env, signer)
 
 
-def feed(shard: ShardIngest, i: int, raw: bytes):
-    """Every chunk of device i's message; the shard's answer to the last one."""
-    outs = [shard.feed(TOPICS.outbox(DEVICES[i]), part) for part in split(raw, decode(raw).id, DEVICES[i], chunk_size=2048)]
+def feed(shard: ShardIngest, i: int, raw: bytes, signer=None):
+    """Every chunk of device i's message (each signed by ``signer``, as a device signs them); the
+    shard's answer to the last one."""
+    outs = [shard.feed(TOPICS.outbox(DEVICES[i]), part)
+            for part in split(raw, decode(raw).id, DEVICES[i], chunk_size=2048, signer=signer)]
     assert all(o is None for o in outs[:-1])
     return outs[-1]
 
@@ -66,6 +68,60 @@ def test_a_shard_stores_and_receipts_its_devices_once_and_forwards_the_rest(tmp_
     assert isinstance(feed(shard, mine[1], result(mine[1], corrupt=True)), Forward)          # refused by the job
     assert isinstance(shard.feed(TOPICS.outbox(DEVICES[other]), result(other)), Forward)     # not its device
     assert shard.stored == 1
+
+
+def test_a_shard_requiring_signatures_receipts_only_results_signed_by_the_enrolled_key(tmp_path):
+    """``--require-signatures`` on shards: the coordinator's enrolled keys reach each shard before
+    the job; a result signed by its sender's key is receipted, one unsigned, signed by another key
+    or by a revoked device goes to the coordinator (which refuses it as "bad signature"), never
+    into the shard's store; an enrolment or revocation at the coordinator takes effect at once."""
+    from protocols.identity import DeviceIdentity
+
+    def refused(i: int, signer=None) -> bool:       # every chunk the shard does not take goes to the coordinator
+        raw = result(i, signer=signer)
+        outs = [shard.feed(TOPICS.outbox(DEVICES[i]), part)
+                for part in split(raw, decode(raw).id, DEVICES[i], chunk_size=2048, signer=signer)]
+        return all(isinstance(o, Forward) for o in outs)
+
+    shard = ShardIngest(0, 2, Store(tmp_path / "s0.db"))
+    mine = [i for i in range(len(DEVICES)) if shard_of(DEVICES[i], 2) == 0]
+    ids = {i: DeviceIdentity.generate(DEVICES[i]) for i in mine}
+    late = mine.pop()                                   # enrolled only later
+    shard.require_signatures({DEVICES[i]: ids[i].public_key_bytes for i in mine})
+    shard.set_job("sharded", "fed3r", CONFIG)
+    good, forged, unsigned, revoked = mine[:4]
+    assert isinstance(feed(shard, good, result(good, signer=ids[good].sign), ids[good].sign), Receipt)
+    impostor = DeviceIdentity.generate(DEVICES[forged])
+    assert refused(forged, impostor.sign) and refused(unsigned) and refused(late, ids[late].sign)   # late: not yet
+    shard.key_changed(DEVICES[revoked], None)
+    assert refused(revoked, ids[revoked].sign)
+    shard.key_changed(DEVICES[late], ids[late].public_key_bytes)
+    assert isinstance(feed(shard, late, result(late, signer=ids[late].sign), ids[late].sign), Receipt)
+    assert sorted(c.device for c in shard.store.contributions("sharded")) == sorted([DEVICES[good], DEVICES[late]])
+
+
+def test_a_rounds_close_deletes_the_shards_orphans_and_nothing_the_coordinator_accepted(tmp_path):
+    """Rows of the closed round outside the coordinator's accepted ids (a refused receipt, a result
+    re-sent under a new id after a kill) go, their files too; the accepted rows, other rounds' rows
+    and another job's close leave the store as it was."""
+    shard = ShardIngest(0, 2, Store(tmp_path / "s0.db"))
+    shard.set_job("sharded", "fed3r", CONFIG)
+    mine = [i for i in range(len(DEVICES)) if shard_of(DEVICES[i], 2) == 0][:3]
+    for i in mine:
+        assert isinstance(feed(shard, i, result(i)), Receipt)
+    rows = {(c.device, c.message_id): c.seq for c in shard.store.contributions("sharded", with_payload=False)}
+    accepted = [(DEVICES[i], f"{i:032x}") for i in mine[:2]]
+    assert shard.drop_orphans("other-job", 1, accepted) == 0 and shard.drop_orphans("sharded", 2, accepted) == 0
+    assert len(list(shard.store.contributions("sharded", with_payload=False))) == 3
+    other_shards = [(d, "x" * 32) for d in DEVICES if shard_of(d, 2) == 1]      # not its devices: ignored
+    assert shard.drop_orphans("sharded", 1, accepted + other_shards) == 1
+    left = {(c.device, c.message_id) for c in shard.store.contributions("sharded", with_payload=False)}
+    assert left == set(accepted)
+    orphan_seq = rows[(DEVICES[mine[2]], f"{mine[2]:032x}")]
+    assert not shard.store.blobs.path(orphan_seq).exists()
+    assert all(shard.store.contribution_payload("sharded", rows[key]) for key in accepted)
+    again = feed(shard, mine[2], result(mine[2]))           # its device re-sends: stored and receipted anew
+    assert isinstance(again, Receipt) and len(list(shard.store.contributions("sharded", with_payload=False))) == 3
 
 
 @pytest.mark.parametrize("kind", ["fed3r", "fedncm"])       # FedNCM: Fed3R's statistics, solved as class means

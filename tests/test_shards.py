@@ -50,17 +50,18 @@ def assert_same_model(got, want):
     np.testing.assert_allclose(stats["B"], B_ref, rtol=1e-12)
 
 
-def assert_each_device_once(state, shards: int, orphans_allowed: bool = False) -> None:
-    """The coordinator accepted each device once, every accepted result is in its owner's store;
-    a shard holds only its own devices (and, after a coordinator crash, maybe results it receipted
-    that the coordinator never accepted: orphans no sum counts)."""
+def assert_each_device_once(state, shards: int) -> None:
+    """The coordinator accepted each device once, every accepted result is in its owner's store,
+    and nothing else is: a shard holds only its own devices, and the orphans a crash can leave (a
+    result receipted that the coordinator never accepted, or stored by a shard killed before its
+    receipt and re-sent under a new id) were deleted at their round's close."""
     rows = shard_rows(state, shards)
     for i, held in enumerate(rows):
         assert all(shard_of(d, shards) == i for d, _ in held), "a shard holds only its buckets' devices"
     receipts = sqlite3.connect(state).execute("SELECT device, message_id FROM contributions").fetchall()
     assert sorted(d for d, _ in receipts) == DEVICES
     stored = sorted(r for held in rows for r in held)
-    assert set(receipts) <= set(stored) and (orphans_allowed or sorted(receipts) == stored)
+    assert sorted(receipts) == stored
 
 
 @pytest.fixture(scope="module")
@@ -135,9 +136,9 @@ def test_a_shard_sigkilled_mid_ingest_resumes_bit_for_bit(tmp_path, unsharded, o
     assert proc.returncode == 0, out[-3000:]
     assert f"shard {victim} exited" in out
     assert_same_model(outputs(tmp_path / "out"), unsharded)
-    # the victim may hold orphans: a result it stored but was killed before receipting, whose device
-    # then re-sent it (a new message id) to the restarted shard; no sum counts them (the bytes above)
-    assert_each_device_once(state, 2, orphans_allowed=True)
+    # the victim held orphans (a result it stored but was killed before receipting, whose device
+    # then re-sent it under a new message id to the restarted shard): gone at the round's close
+    assert_each_device_once(state, 2)
 
 
 @pytest.mark.parametrize("on,crashes", [
@@ -166,7 +167,7 @@ def test_the_coordinator_sigkilled_at_its_crash_points_resumes_the_shards_bit_fo
     assert rc == 0 and len(crashed) >= min(2, len(crashes)), (crashed, log[-3000:])
     assert "receipts only" not in logs              # no device's result reached the coordinator itself
     assert_same_model(outputs(tmp_path / "out"), unsharded)
-    assert_each_device_once(state, 2, orphans_allowed=True)
+    assert_each_device_once(state, 2)
 
 
 @pytest.mark.parametrize("kind", [pytest.param(kind, marks=ON_RAY) for kind in RAY_KINDS])

@@ -75,7 +75,8 @@ def add_ops_arguments(p: argparse.ArgumentParser) -> None:
                    help="broker security files (python -m aggregator.security.broker DIR): the aggregator logs in "
                         "with its account there and rewrites passwd/ACL + reloads mosquitto on enrol/revoke")
     g.add_argument("--require-signatures", action="store_true",
-                   help="accept only messages signed with the sender's enrolled Ed25519 key")
+                   help="accept only messages signed with the sender's enrolled Ed25519 key (with --shards: each shard "
+                        "verifies what it reads against the keys the aggregator sends it)")
     g.add_argument("--identity", type=Path, default=None,
                    help="the aggregator's Ed25519 private key (PEM): every message it sends is signed with it, "
                         "and enrolment hands devices its public key to verify them (default: unsigned, development)")
@@ -98,8 +99,6 @@ def shard_pool(args, count: int, job, broker: BrokerConfig, out_dir: Path, setti
 
     if job is not None:
         check_shardable(job, job_kind_name(job))
-    if settings.require_signatures:
-        raise SystemExit("--shards does not verify device signatures yet: run without --require-signatures")
     store_dir = Path(f"{args.state}.shards") if args.state else Path(out_dir) / "shards"
     if getattr(args, "ray", None):
         from aggregator.shards.ray_shards import RayShards

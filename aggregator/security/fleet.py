@@ -26,6 +26,15 @@ from aggregator.storage.store import Store, StoreError
 log = logging.getLogger("fedfleet.aggregator")
 
 
+def verify_enrolled(registry: IdentityRegistry, sender: str, signed: bytes, signature: bytes) -> None:
+    """A message's signature checked against its sender's enrolled key (the verifier of an envelope
+    decode, here and on the shards): refused with the reason, as a malformed message is."""
+    try:
+        registry.verify(sender, signed, signature)
+    except (InvalidSignature, UnknownDevice) as exc:
+        raise EnvelopeError(f"signature rejected for {sender!r}: {exc}") from None
+
+
 class Fleet:
     def __init__(self, store: Store | None, security: BrokerSecurity | None, enrolled: set[str] | None,
                  require_signatures: bool, aggregator_public_key: bytes | None = None):
@@ -80,10 +89,11 @@ class Fleet:
         return {d for d in self.online if self.allowed(d)}
 
     def verify(self, sender: str, signed: bytes, signature: bytes) -> None:
-        try:
-            self.registry.verify(sender, signed, signature)
-        except (InvalidSignature, UnknownDevice) as exc:
-            raise EnvelopeError(f"signature rejected for {sender!r}: {exc}") from None
+        verify_enrolled(self.registry, sender, signed, signature)
+
+    def enrolled_keys(self) -> dict[str, bytes]:
+        """device -> its enrolled public key (signatures required; else none)."""
+        return {d: self.registry.public_key(d) for d in self.registry} if self.registry is not None else {}
 
     def heard_from(self, device: str) -> None:
         self.last_seen[device] = time.time()

@@ -18,11 +18,16 @@ class OperatorActions:
     ``active``, ``eval_set``, ``artifacts``, ``job_ends``) and hooks (``_device_lost``, ``_job_broken``, ``_update_live``) it uses."""
 
     def enroll(self, device_id: str, public_key: bytes | None = None) -> DeviceCredentials:
-        return self.fleet.enroll(device_id, public_key)
+        creds = self.fleet.enroll(device_id, public_key)
+        if self.shards is not None and self.settings.require_signatures:    # the shards verify with it at once
+            self.shards.key_changed(device_id, bytes.fromhex(creds.public_key))
+        return creds
 
     def revoke(self, device_id: str) -> None:
-        """Revoke now: the broker refuses it after the reload, this service ignores it at once."""
+        """Revoke now: the broker refuses it after the reload, this service (and its shards) ignore it at once."""
         self.fleet.revoke(device_id)
+        if self.shards is not None and self.settings.require_signatures:
+            self.shards.key_changed(device_id, None)
         self._device_lost(device_id)
 
     def set_fleet_mode(self, mode: str) -> str:

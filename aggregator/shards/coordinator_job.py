@@ -26,15 +26,17 @@ from aggregator.shards.partial_sums import additive
 
 # (kind, config, job id, accepted (device, message id)s) -> the reduced job
 Reducer = Callable[[str, dict, str, list[tuple[str, str]]], Job]
+# (job id, round, accepted (device, message id)s): the shards delete that round's other rows
+RoundClosedHook = Callable[[str, int, list[tuple[str, str]]], None]
 ACCEPTED = "shard_accepted"         # the state's one array: "device\tmessage id" per accepted receipt
 
 
 class ShardedJob(CoordinatedJob):
     order_free = False              # the reduction is canonical already: nothing to re-sum at the end
 
-    def __init__(self, inner: Job, kind: str, reduce: Reducer):
+    def __init__(self, inner: Job, kind: str, reduce: Reducer, round_closed: RoundClosedHook | None = None):
         super().__init__(inner, kind)
-        self._reduce = reduce
+        self._reduce, self._round_closed = reduce, round_closed
         self.accepted: list[tuple[str, str]] = []
         self._model: tuple[int, Job] | None = None      # (len(accepted) it holds, the reduced job)
 
@@ -44,6 +46,8 @@ class ShardedJob(CoordinatedJob):
 
     def close_round(self, closed: RoundClosed) -> None:
         self.inner.close_round(closed)
+        if self._round_closed is not None:      # every round's accepted ids: a superset of this round's
+            self._round_closed(self.config.job_id, closed.round, list(self.accepted))
 
     # receipts in place of results
     def parse_result(self, env: Envelope) -> tuple[str, Any]:

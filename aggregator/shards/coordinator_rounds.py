@@ -76,6 +76,7 @@ class ShardedRoundsJob(CoordinatedJob):
         self.sums.take_round(self.inner, total, len(accepted))        # Scaffold: its control step
         self.inner.finish_round(closed, self.inner.server_step(mean, len(accepted) if mean is not None else 0,
                                                                samples))
+        self.pool.round_closed(self.config.job_id, closed.round, accepted)     # the shards drop its orphans
         self.round_accepted = {}
 
     def _round_mean(self, accepted: list[tuple[str, str]]) -> tuple[dict[str, np.ndarray] | None, PartialSum | None]:

@@ -150,6 +150,12 @@ def _read_commands(conn, inbox: queue.Queue) -> None:
 def _command(ingest: ShardIngest, conn, cmd: tuple) -> bool:
     if cmd[0] == "job":
         ingest.set_job(*cmd[1:])
+    elif cmd[0] == "keys":
+        ingest.require_signatures(cmd[1])
+    elif cmd[0] == "key":
+        ingest.key_changed(cmd[1], cmd[2])
+    elif cmd[0] == "closed":
+        ingest.drop_orphans(*cmd[1:])
     elif cmd[0] in ("sums", "statistics"):
         request, job_id, accepted, context = cmd[1:]
         answer = ingest.sums if cmd[0] == "sums" else ingest.statistics

@@ -7,7 +7,10 @@ resumes), stop them. Every shard runs the same loop (``local.py``'s :func:`shard
 how a shard is started, reached and found dead: a local process and a pipe (``local.py``,
 ``LocalShards``) or a Ray actor on a cluster's node (``ray_shards.py``, ``RayShards``).
 
-Messages, coordinator → shard: ``("job", job_id, kind, config)``, ``("sums" | "statistics",
+Messages, coordinator → shard: ``("keys", device -> public key)`` (signatures required: sent
+before the job, so a shard never reads a result unverified), ``("key", device, public key | None)``,
+``("job", job_id, kind, config)``, ``("closed", job_id, round, accepted)`` (a round's close: its
+rows outside ``accepted`` are orphans, deleted), ``("sums" | "statistics",
 request, job_id, accepted, context)``, ``("group_open", round config, hosting context)``, ``("group_offline" |
 "group_abort", round, device | reason)``, ``("stop",)``; shard → coordinator: ``("ready",)`` once
 connected to the broker, ``("receipt", topic, raw)``, ``("forward", topic, payload)``, ``("sums",
@@ -62,6 +65,7 @@ class ShardPool(ABC):
         self._replies: queue.Queue = queue.Queue()
         self._deliver: Callable[[tuple], None] = lambda item: None
         self._job: tuple | None = None
+        self._keys: dict[str, bytes] | None = None          # signatures required: the enrolled keys
         self._request = 0
         self.restarts = 0
         self.placed: dict[int, int] = {}                    # secure round -> the shard hosting its group
@@ -116,6 +120,8 @@ class ShardPool(ABC):
     def _start(self, index: int) -> None:
         self._started_at[index] = time.monotonic()
         self._launch(index)
+        if self._keys is not None:          # before the job: the shard holds every outbox message until then
+            self._send(index, ("keys", dict(self._keys)))
         if self._job is not None:
             self._send(index, ("job", *self._job))
 
@@ -129,6 +135,23 @@ class ShardPool(ABC):
         else:
             self._deliver(msg)
 
+    def require_signatures(self, keys: dict[str, bytes]) -> None:
+        """Every shard verifies each message it reads against its sender's key (``--require-signatures``):
+        ``keys`` is the fleet's enrolled keys, given before :meth:`start` (a restarted shard gets them again)."""
+        if any(self._started_at):
+            raise RuntimeError("the shards get the keys at their start: require signatures before start()")
+        self._keys = dict(keys)
+
+    def key_changed(self, device: str, public_key: bytes | None) -> None:
+        """A device enrolled (its key) or revoked (None): every shard's registry follows at once."""
+        if self._keys is None:
+            return
+        self._keys.pop(device, None)
+        if public_key is not None:
+            self._keys[device] = public_key
+        for i in range(self.shards):
+            self._send(i, ("key", device, public_key))
+
     def set_job(self, job: Job, kind: str) -> None:
         """Serve ``job`` (refused, changing nothing, unless it is shardable)."""
         check_shardable(job, kind)
@@ -140,6 +163,12 @@ class ShardPool(ABC):
             self.group_outcomes.get_nowait()
         for i in range(self.shards):
             self._send(i, ("job", *self._job))
+
+    def round_closed(self, job_id: str, round_: int, accepted: list[tuple[str, str]]) -> None:
+        """The coordinator closed ``round_`` having accepted these (device, message id)s (any
+        superset of the round's will do): every shard deletes its rows of that round outside them."""
+        for i in range(self.shards):
+            self._send(i, ("closed", job_id, round_, accepted))
 
     def watch(self) -> None:
         """Restart every shard that died: it reopens its store and resumes."""
@@ -213,7 +242,7 @@ class ShardPool(ABC):
             return ShardedSecureJob(job, kind, self)
         if additive(kind).per_round:
             return ShardedRoundsJob(job, kind, self)
-        return ShardedJob(job, kind, self.reduce)
+        return ShardedJob(job, kind, self.reduce, self.round_closed)
 
     def close(self) -> None:
         for i in range(self.shards):

@@ -10,7 +10,8 @@ coordinator must be told (``local.py`` moves the bytes: MQTT in, a pipe out). Wh
   becomes a *receipt*: the result's reference (job, round, task, kind) and what the job records of
   it, no tensors. The coordinator runs the round rules on the receipt and acks the device; a
   receipt for a contribution it refuses (late, duplicate, revoked) leaves an orphan here that no
-  sum ever counts, because sums are taken over the coordinator's accepted (device, message id)s;
+  sum ever counts, because sums are taken over the coordinator's accepted (device, message id)s,
+  and which is deleted once the coordinator closed its round (``drop_orphans``);
 * everything else it is not sure of (presence, declines, artifact requests, results of another
   job, a result that fails validation) goes to the coordinator as the whole message's bytes, to
   be judged (and refused with its reason) on the coordinator's ordinary path.
@@ -27,15 +28,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from protocols import messages as M
 from protocols.chunking import MessageAssembler
 from protocols.envelope import Envelope, EnvelopeError, decode, encode
+from protocols.identity import IdentityRegistry
 from protocols.payloads.secagg import SECAGG_TYPE
 from protocols.topics import Topics
 
 from aggregator.jobs.registry import build_job
+from aggregator.security.fleet import verify_enrolled
 from aggregator.shards.buckets import bucket_of, bucket_range
 from aggregator.shards.group_placement import SecureGroupPlacement
 from aggregator.shards.partial_sums import (Contribution, Node, PartialSum, additive, bucket_sums, by_bucket, range_sums,
@@ -77,10 +80,11 @@ def receipt_envelope(env: Envelope, shard: int, kept: dict, nbytes: int) -> Enve
 
 class ShardIngest:
     def __init__(self, index: int, shards: int, store: Store, topics: Topics = Topics(),
-                 max_message_bytes: int = 256 * 1024 * 1024, verifier: Callable | None = None):
+                 max_message_bytes: int = 256 * 1024 * 1024):
         self.index, self.shards, self.store, self.topics = index, shards, store, topics
         self.lo, self.hi = bucket_range(index, shards)
-        self.assembler = MessageAssembler(verifier=verifier, max_message_bytes=max_message_bytes)
+        self.assembler = MessageAssembler(max_message_bytes=max_message_bytes)
+        self.registry: IdentityRegistry | None = None   # --require-signatures: the coordinator's enrolled keys
         self.job_id: str | None = None
         self.kind, self.config, self._validator = "", {}, None
         self._bytes: dict[str, int] = {}
@@ -103,6 +107,22 @@ class ShardIngest:
         self.groups = ShardGroups(self.index, self._validator) if hosts_groups else None
         if self.store.job(job_id) is None:
             self.store.create_job(job_id, kind, config, state=JobState.RUNNING)
+
+    def require_signatures(self, keys: dict[str, bytes]) -> None:
+        """From now on every message read here must be signed by its sender's enrolled key (``keys``:
+        the coordinator's registry, sent before the job; changes by :meth:`key_changed`). One that
+        is not goes to the coordinator, which refuses it with the reason ("bad signature")."""
+        self.registry = IdentityRegistry(keys)
+        self.assembler.verifier = lambda *signed: verify_enrolled(self.registry, *signed)
+
+    def key_changed(self, device: str, public_key: bytes | None) -> None:
+        """A device enrolled (its key) or revoked (None) at the coordinator."""
+        if self.registry is None:
+            return log.warning("shard %d: a key change for %s while signatures are not required: ignored",
+                               self.index, device)
+        self.registry.revoke(device)
+        if public_key is not None:
+            self.registry.enroll(device, public_key)
 
     def feed(self, topic: str, payload: bytes, now: float = 0.0) -> Forward | Receipt | Publish | None:
         device = self.topics.device_of(topic)
@@ -144,6 +164,17 @@ class ShardIngest:
         self.receipted += 1
         kept = additive(self.kind).receipt(self._validator, payload)
         return Receipt(topic, encode(receipt_envelope(env, self.index, kept, nbytes)))
+
+    def drop_orphans(self, job_id: str, round_: int, accepted: list[tuple[str, str]]) -> int:
+        """The coordinator closed ``round_`` with ``accepted`` (device, message id)s: this shard's rows of
+        that round outside them are orphans no sum will ever count (refused receipts; results stored
+        before a kill and re-sent by their devices under new ids), deleted now."""
+        if job_id != self.job_id:
+            return 0
+        dropped = self.store.drop_unaccepted(job_id, round_, {(d, m) for d, m in accepted if self.owns(d)})
+        if dropped:
+            log.info("shard %d: %d orphan result(s) of round %d deleted", self.index, dropped, round_)
+        return dropped
 
     def expire(self, now: float) -> None:
         for sender, parent in self.assembler.reassembler.expire(now):
