@@ -47,7 +47,7 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
                    help="decode and validate large results in N worker processes (0: on the service thread)")
     s.add_argument("--shards", type=int, default=0, metavar="K",
                    help="receive, validate, store and sum results in K shard processes, each owning the "
-                        "devices of a fixed range of buckets (Fed3R, FedNCM; FedAvg(ψ), FT(φ)/FT(M), Scaffold, "
+                        "devices of a fixed range of buckets (Fed3R, FedNCM, streaming too; FedAvg(ψ), FT(φ)/FT(M), Scaffold, "
                         "FedGloSS, pp and Ditto without the direction screen, the coordinator closing each round "
                         "on their sums; the groups of Fed3R-Sync, FedNCM-Sync and secure FedAvg, FT(φ)/FT(M), pp, "
                         "Scaffold and Ditto, and secure LADD's, hosted on them); 0: in this process")

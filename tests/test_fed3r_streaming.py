@@ -2,6 +2,8 @@
 after every increment the model is exactly the centralized ridge on all samples so far (sklearn),
 and no retry, stale task or gap can make a sample count twice or be skipped."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -13,7 +15,7 @@ from protocols import messages as M
 from protocols.envelope import EnvelopeError, decode, encode
 from protocols.payloads.fed3r import KIND
 
-from ops_fleet import Features, serve_until_done
+from ops_fleet import Features, Fleet, prepare, run_aggregator, serve_until_done
 from test_fed3r_exactness import reference_ridge
 
 D, C, LAM = 5, 3, 0.5
@@ -98,3 +100,35 @@ def test_streaming_job_over_mosquitto_ingests_every_increment_once(broker, tmp_p
     W = np.load(tmp_path / "model.npz")["raw_weights"]
     ref = reference_ridge(Z, y, C, LAM)
     assert np.linalg.norm(W - ref) / np.linalg.norm(ref) < 1e-10
+
+
+def test_streaming_job_on_two_shards_gives_one_aggregators_model(tmp_path):
+    """``aggregator serve --shards 2``: each shard stores and sums its devices' increments (its
+    bucket sums apply them in (device, round) order, each checked to start where the last ended);
+    the coordinator checks where each receipted increment starts against its count of the device
+    (tests/test_shard_ingest.py). The model is one aggregator's bytes, and the centralized ridge on
+    every sample."""
+    from fedfleet.emulation.broker import MosquittoBroker
+    from aggregator.shards.buckets import shard_of
+
+    data = {"dev00": batches(3, [10, 4, 6]), "dev02": batches(4, [8]), "dev08": batches(5, [5, 15])}
+    assert {shard_of(d, 2) for d in data} == {0, 1}
+    runs = []
+    for name, extra in (("one", []), ("sharded", ["--shards", "2"])):
+        work = tmp_path / name
+        prepare(work, sorted(data), num_classes=C, feature_dim=D, lam=LAM, streaming=True, clients_per_round=3,
+                max_attempts=1, round_timeout_s=20)
+        with MosquittoBroker() as broker, Fleet(broker.url, sorted(data),
+                                                handlers=lambda d: ({KIND: Gathering(data[d])}, {})):
+            rc, log = run_aggregator(work, broker.url, work / "state.db", extra=extra, timeout=240)
+        assert rc == 0, log[-3000:]
+        results = json.loads((work / "out" / "results.json").read_text())
+        assert results["state"] == "done"
+        assert results["contributed"] == {d: sum(len(y) for _, y in bs) for d, bs in data.items()}
+        runs.append(dict(np.load(work / "out" / "model.npz")))
+    for key in runs[0]:
+        assert runs[1][key].tobytes() == runs[0][key].tobytes(), key         # bit for bit
+    Z = np.concatenate([x for bs in data.values() for x, _ in bs]).astype(np.float64)
+    y = np.concatenate([y for bs in data.values() for _, y in bs])
+    ref = reference_ridge(Z, y, C, LAM)
+    assert np.linalg.norm(runs[1]["raw_weights"] - ref) / np.linalg.norm(ref) < 1e-10

@@ -44,6 +44,10 @@ class InProcessShards:
             merged.update(s.sums(job_id, accepted, context) if what == "sums" else s.statistics(job_id, accepted, context))
         return merged
 
+    def round_closed(self, job_id: str, round_: int, accepted, earlier: bool = False) -> None:
+        for s in self.shards:
+            s.drop_orphans(job_id, round_, accepted, earlier)
+
 
 # each kind's config besides CONFIG: Scaffold's Δc clip bites on dev01's; FedGloSS steps with SGD
 # (its own server step) and perturbs the head it sends from round 2 on (ρ > 0)

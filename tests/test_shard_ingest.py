@@ -24,7 +24,7 @@ DEVICES = [f"dev{i:02d}" for i in range(12)]
 TOPICS = Topics()
 
 
-def result(i: int, job: str = "sharded", corrupt: bool = False, signer=None) -> bytes:
+def result(i: int, job: str = "sharded", corrupt: bool = False, signer=None, from_sample: int | None = None) -> bytes:
     rng = np.random.default_rng(i)
     n = 4 + i
     Z = np.hstack([rng.normal(size=(n, P - 1)), np.ones((n, 1))])
@@ -34,8 +34,10 @@ def result(i: int, job: str = "sharded", corrupt: bool = False, signer=None) -> 
     if corrupt:
         A[0, 0] = -1.0                          # not a Gram matrix: the job's check refuses it
     body, tensors = encode_stats(A, ids, np.stack([Z[y == c].sum(0) for c in ids]), n, C)
+    if from_sample is not None:                 # a streaming increment: the samples the job held before it
+        body["from_sample"] = from_sample
     env = M.result_message(DEVICES[i], M.TaskRef(job, 1, "t"), "fed3r.stats", body, tensors)
-    env.id = f"{i:032x}"
+    env.id = f"{i:032x}" if from_sample is None else f"{i:016x}{from_sample:08x}{len(tensors):08x}"
     return encode(env, signer)
 
 
@@ -102,8 +104,8 @@ def test_a_shard_requiring_signatures_receipts_only_results_signed_by_the_enroll
 
 def test_a_rounds_close_deletes_the_shards_orphans_and_nothing_the_coordinator_accepted(tmp_path):
     """Rows of the closed round outside the coordinator's accepted ids (a refused receipt, a result
-    re-sent under a new id after a kill) go, their files too; the accepted rows, other rounds' rows
-    and another job's close leave the store as it was."""
+    re-sent under a new id after a kill) go, their files too; the accepted rows, later rounds' rows
+    and another job's close leave the store as it was; earlier rounds' only when asked."""
     shard = ShardIngest(0, 2, Store(tmp_path / "s0.db"))
     shard.set_job("sharded", "fed3r", CONFIG)
     mine = [i for i in range(len(DEVICES)) if shard_of(DEVICES[i], 2) == 0][:3]
@@ -122,6 +124,38 @@ def test_a_rounds_close_deletes_the_shards_orphans_and_nothing_the_coordinator_a
     assert all(shard.store.contribution_payload("sharded", rows[key]) for key in accepted)
     again = feed(shard, mine[2], result(mine[2]))           # its device re-sends: stored and receipted anew
     assert isinstance(again, Receipt) and len(list(shard.store.contributions("sharded", with_payload=False))) == 3
+    # round 2's close: round 1's rows stay unless the coordinator names every round's ids (``earlier``,
+    # Fed3R's closes: a shard that was down at round 1's close loses its orphans at a later one)
+    assert shard.drop_orphans("sharded", 2, accepted) == 0
+    assert shard.drop_orphans("sharded", 2, accepted, earlier=True) == 1
+    assert {(c.device, c.message_id) for c in shard.store.contributions("sharded", with_payload=False)} == set(accepted)
+
+
+def test_a_shard_coordinator_takes_a_streaming_increment_only_where_its_devices_count_ends(tmp_path):
+    """Streaming Fed3R on shards: a shard checks what the message alone shows and receipts an
+    increment with the sample it starts at; the coordinator refuses one that does not start at its
+    count of the device (a replayed increment, a gap), as one aggregator refuses the result."""
+    from protocols.envelope import EnvelopeError
+
+    config = {**CONFIG, "streaming": True}
+    shard = ShardIngest(0, 1, Store(tmp_path / "s.db"))             # one shard: every device is its
+    shard.set_job("sharded", "fed3r", config)
+    coordinator = ShardedJob(build_job("fed3r", config), "fed3r", reduce=lambda *_: None)
+    n0 = 4                                                          # device 0's increment: rows 0 .. 3
+
+    def receipted(start: int):
+        out = shard.feed(TOPICS.outbox(DEVICES[0]), result(0, from_sample=start))
+        assert isinstance(out, Receipt) and decode(out.raw).body[RECEIPT]["job"]["from_sample"] == start
+        return decode(out.raw)
+
+    first = receipted(0)
+    coordinator.apply(DEVICES[0], coordinator.parse_result(first))
+    assert coordinator.inner.contributed == {DEVICES[0]: n0} and coordinator.accepted == [(DEVICES[0], first.id)]
+    for start in (0, n0 + 1):                                       # replayed; a gap
+        with pytest.raises(EnvelopeError, match=f"increment from sample {start}, the job holds {n0}"):
+            coordinator.parse_result(receipted(start))
+    coordinator.apply(DEVICES[0], coordinator.parse_result(receipted(n0)))
+    assert coordinator.inner.contributed == {DEVICES[0]: 2 * n0} and len(coordinator.accepted) == 2
 
 
 @pytest.mark.parametrize("kind", ["fed3r", "fedncm"])       # FedNCM: Fed3R's statistics, solved as class means
@@ -175,11 +209,9 @@ def test_jobs_shards_cannot_sum_and_impossible_shard_counts_are_refused_with_the
     with pytest.raises(ValueError, match="not order-free"):
         check_shardable(build_job("fed3r", {**CONFIG, "dp_noise_multiplier": 1.0, "max_samples": 10,
                                             "feature_clip_norm": 1.0}), "fed3r")
-    with pytest.raises(ValueError, match="streaming"):
-        check_shardable(build_job("fed3r", {**CONFIG, "streaming": True}), "fed3r")
+    check_shardable(build_job("fed3r", {**CONFIG, "streaming": True}), "fed3r")   # the coordinator checks increments
     check_shardable(build_job("fedncm", CONFIG), "fedncm")                  # Fed3R's sums, its own solve
-    with pytest.raises(ValueError, match="streaming"):
-        check_shardable(build_job("fedncm", {**CONFIG, "streaming": True}), "fedncm")
+    check_shardable(build_job("fedncm", {**CONFIG, "streaming": True}), "fedncm")
     for kind in ("scaffold", "ditto", "fedgloss"):                          # FedAvg's round sums, and more
         check_shardable(build_job(kind, {**fedavg, "direction_screen": False}), kind)
         with pytest.raises(ValueError, match="direction_screen"):

@@ -223,11 +223,16 @@ class Fed3RJob(OncePerDevice, SplitValidation):
             except ValueError as exc:
                 raise EnvelopeError(f"{KIND}: {exc}") from None
         if self.config.streaming:
-            start, held = body_field(env, "from_sample", int), self.contributed.get(env.sender, 0)
-            if start != held:
-                raise EnvelopeError(f"{KIND}: increment from sample {start}, the job holds {held} samples of "
-                                    f"{env.sender} (already counted, or a gap)")
+            self.check_increment_start(env.sender, body_field(env, "from_sample", int))
         return stats
+
+    def check_increment_start(self, device: str, start: int) -> None:
+        """Streaming: an increment must start exactly at the samples the job holds of ``device``
+        (here, and on a shard coordinator for the increment a receipt names)."""
+        held = self.contributed.get(device, 0)
+        if start != held:
+            raise EnvelopeError(f"{KIND}: increment from sample {start}, the job holds {held} samples of "
+                                f"{device} (already counted, or a gap)")
 
     def parse_accepted(self, env: Envelope) -> Fed3RStats:
         """A result whose bytes passed ``check_payload`` before (in an ingest worker, or when the
@@ -254,14 +259,24 @@ class Fed3RJob(OncePerDevice, SplitValidation):
         self.strategy.load_state_dict(state)
 
     def apply(self, device: str, stats: Fed3RStats) -> None:
-        if device in self.contributed and not self.config.streaming:
-            raise ValueError(f"{device} already contributed")  # the round machine prevents this
+        self._check_may_contribute(device)
         self.strategy.add(stats)
-        self.contributed[device] = self.contributed.get(device, 0) + stats.n
-        if self._screen.active:
-            self.energies[device] = energy_per_sample(stats, self.config.fit_intercept)
+        self.record_contribution(device, stats.n,
+                                 energy_per_sample(stats, self.config.fit_intercept) if self._screen.active else None)
+
+    def record_contribution(self, device: str, n: int, energy: float | None) -> None:
+        """What the job keeps of a device's applied contribution besides its sums: its samples, its
+        energy per sample (for the fleet screen), its attempts (a shard coordinator's receipts too)."""
+        self._check_may_contribute(device)
+        self.contributed[device] = self.contributed.get(device, 0) + n
+        if energy is not None and self._screen.active:
+            self.energies[device] = energy
         if self.config.streaming:
             self.attempts[device] = 0       # delivered: it may be asked again for what it gathers next
+
+    def _check_may_contribute(self, device: str) -> None:
+        if device in self.contributed and not self.config.streaming:
+            raise ValueError(f"{device} already contributed")  # the round machine prevents this
 
     def evaluate(self, features: np.ndarray | None, labels: np.ndarray | None) -> dict:
         model = self.strategy.solve()

@@ -3,9 +3,11 @@ job's own; the sums are the shards'.
 
 :class:`ShardedJob` wraps a freshly built order-free job (Fed3R). Its results are the shards'
 receipts (``shard.py``): applying one records what the device contributed and the accepted
-(device, message id) — never a tensor. Its model is the shards' node sums over exactly those ids,
-reduced in the canonical tree (``partial_sums.py``), so it equals one aggregator's bit for bit; it
-is recomputed only when the accepted set grew (each shard re-sums only the buckets that changed).
+(device, message id) — never a tensor; the kind's checks against the job's state run on the
+receipt first (``check_receipt``: where a streaming increment starts). Its model is the shards'
+node sums over exactly those ids, reduced in the canonical tree (``partial_sums.py``), so it
+equals one aggregator's bit for bit; it is recomputed only when the accepted set grew (each shard
+re-sums only the buckets that changed).
 The accepted ids are what its state restores: checkpointed at each round close (beside the reduced
 sums, for the reader), replayed from the coordinator's store (which keeps the receipts) after a
 restart, exactly like any job's contributions.
@@ -26,8 +28,9 @@ from aggregator.shards.partial_sums import additive
 
 # (kind, config, job id, accepted (device, message id)s) -> the reduced job
 Reducer = Callable[[str, dict, str, list[tuple[str, str]]], Job]
-# (job id, round, accepted (device, message id)s): the shards delete that round's other rows
-RoundClosedHook = Callable[[str, int, list[tuple[str, str]]], None]
+# (job id, round, accepted (device, message id)s, earlier): the shards delete that round's (and with
+# ``earlier`` every earlier round's) other rows
+RoundClosedHook = Callable[[str, int, list[tuple[str, str]], bool], None]
 ACCEPTED = "shard_accepted"         # the state's one array: "device\tmessage id" per accepted receipt
 
 
@@ -46,19 +49,19 @@ class ShardedJob(CoordinatedJob):
 
     def close_round(self, closed: RoundClosed) -> None:
         self.inner.close_round(closed)
-        if self._round_closed is not None:      # every round's accepted ids: a superset of this round's
-            self._round_closed(self.config.job_id, closed.round, list(self.accepted))
+        if self._round_closed is not None:      # every round's accepted ids: earlier rounds' orphans go too
+            self._round_closed(self.config.job_id, closed.round, list(self.accepted), True)
 
     # receipts in place of results
     def parse_result(self, env: Envelope) -> tuple[str, Any]:
-        return env.id, self.receipt(env)
+        kept = self.receipt(env)
+        additive(self.kind_name).check_receipt(self.inner, env.sender, kept)    # streaming: where it starts
+        return env.id, kept
 
     def apply(self, device: str, payload: tuple[str, dict]) -> None:
         message_id, kept = payload
-        if device in self.inner.contributed:
-            raise ValueError(f"{device} already contributed")  # the round machine prevents this
+        additive(self.kind_name).record(self.inner, device, kept)     # (refuses a repeat the job does not take)
         self.accepted.append((device, message_id))
-        additive(self.kind_name).record(self.inner, device, kept)
 
     def screened_devices(self) -> dict[str, str]:
         """The job's fleet screen over the energies the receipts carried: the service quarantines

@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from protocols.envelope import body_field
+
 from aggregator.jobs.base import Job
 from aggregator.shards.sum_tree import AdditiveState, Contribution, PartialSum, add_elementwise
 from aggregator.strategies.robust_fed3r import energy_per_sample
@@ -22,13 +24,14 @@ class Fed3RSums(AdditiveState):
         if not job.order_free:
             return "a fed3r job with this config is not order-free (e.g. DP noise at round close): " \
                    "it cannot be summed by shards"
-        if job.config.to_dict().get("streaming"):
-            # an increment is checked against the samples the job holds, which only the coordinator knows
-            return "streaming Fed3R cannot run on shards yet: run it without --shards"
         return ""
 
     def check(self, job: Job, env) -> Any:
-        return job.check_payload(env)
+        """The statistics (message-only checks) and, streaming, the sample the increment starts at:
+        whether that is the job's count of the device is the coordinator's to check (the shard's job
+        holds no device's count)."""
+        start = body_field(env, "from_sample", int) if job.config.streaming else None
+        return job.check_payload(env), start
 
     def sum_bucket(self, new_job, members: list[Contribution], context: Any) -> PartialSum:
         job = new_job()
@@ -40,9 +43,13 @@ class Fed3RSums(AdditiveState):
         return add_elementwise(left, right)
 
     def receipt(self, job: Job, payload: Any) -> dict:
-        return {"contributed": int(payload.n), "energy": energy_per_sample(payload, job.config.fit_intercept)}
+        stats, start = payload
+        kept = {"contributed": int(stats.n), "energy": energy_per_sample(stats, job.config.fit_intercept)}
+        return kept if start is None else {**kept, "from_sample": start}
+
+    def check_receipt(self, job: Job, device: str, receipt: dict) -> None:
+        if job.config.streaming:        # the increment starts where the job's count of the device ends
+            job.check_increment_start(device, int(receipt.get("from_sample", -1)))
 
     def record(self, job: Job, device: str, receipt: dict) -> None:
-        job.contributed[device] = int(receipt["contributed"])
-        if job.config.energy_screen().active:
-            job.energies[device] = float(receipt["energy"])
+        job.record_contribution(device, int(receipt["contributed"]), float(receipt["energy"]))

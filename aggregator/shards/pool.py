@@ -9,8 +9,9 @@ how a shard is started, reached and found dead: a local process and a pipe (``lo
 
 Messages, coordinator → shard: ``("keys", device -> public key)`` (signatures required: sent
 before the job, so a shard never reads a result unverified), ``("key", device, public key | None)``,
-``("job", job_id, kind, config)``, ``("closed", job_id, round, accepted)`` (a round's close: its
-rows outside ``accepted`` are orphans, deleted), ``("sums" | "statistics",
+``("job", job_id, kind, config)``, ``("closed", job_id, round, accepted, earlier)`` (a round's
+close: its rows, and with ``earlier`` those of the rounds before, outside ``accepted`` are orphans,
+deleted), ``("sums" | "statistics",
 request, job_id, accepted, context)``, ``("group_open", round config, hosting context)``, ``("group_offline" |
 "group_abort", round, device | reason)``, ``("stop",)``; shard → coordinator: ``("ready",)`` once
 connected to the broker, ``("receipt", topic, raw)``, ``("forward", topic, payload)``, ``("sums",
@@ -164,11 +165,13 @@ class ShardPool(ABC):
         for i in range(self.shards):
             self._send(i, ("job", *self._job))
 
-    def round_closed(self, job_id: str, round_: int, accepted: list[tuple[str, str]]) -> None:
+    def round_closed(self, job_id: str, round_: int, accepted: list[tuple[str, str]], earlier: bool = False) -> None:
         """The coordinator closed ``round_`` having accepted these (device, message id)s (any
-        superset of the round's will do): every shard deletes its rows of that round outside them."""
+        superset of the round's will do; with ``earlier``, every round's so far): every shard deletes
+        its rows of that round (and of the earlier ones) outside them. A shard that was down at a
+        close misses it: ``earlier`` closes catch up with it."""
         for i in range(self.shards):
-            self._send(i, ("closed", job_id, round_, accepted))
+            self._send(i, ("closed", job_id, round_, accepted, earlier))
 
     def watch(self) -> None:
         """Restart every shard that died: it reopens its store and resumes."""

@@ -165,13 +165,15 @@ class ShardIngest:
         kept = additive(self.kind).receipt(self._validator, payload)
         return Receipt(topic, encode(receipt_envelope(env, self.index, kept, nbytes)))
 
-    def drop_orphans(self, job_id: str, round_: int, accepted: list[tuple[str, str]]) -> int:
-        """The coordinator closed ``round_`` with ``accepted`` (device, message id)s: this shard's rows of
-        that round outside them are orphans no sum will ever count (refused receipts; results stored
-        before a kill and re-sent by their devices under new ids), deleted now."""
+    def drop_orphans(self, job_id: str, round_: int, accepted: list[tuple[str, str]], earlier: bool = False) -> int:
+        """The coordinator closed ``round_`` with ``accepted`` (device, message id)s (those of every
+        round so far, ``earlier``): this shard's rows of that round (and the earlier ones) outside
+        them are orphans no sum will ever count (refused receipts; results stored before a kill and
+        re-sent by their devices under new ids), deleted now."""
         if job_id != self.job_id:
             return 0
-        dropped = self.store.drop_unaccepted(job_id, round_, {(d, m) for d, m in accepted if self.owns(d)})
+        mine = {(d, m) for d, m in accepted if self.owns(d)}
+        dropped = self.store.drop_unaccepted(job_id, round_, mine, earlier)
         if dropped:
             log.info("shard %d: %d orphan result(s) of round %d deleted", self.index, dropped, round_)
         return dropped

@@ -76,6 +76,10 @@ class AdditiveState(ABC):
     def record(self, job: Any, device: str, receipt: dict) -> None:
         ...
 
+    def check_receipt(self, job: Any, device: str, receipt: dict) -> None:
+        """The coordinator's checks of a receipt against the job's state (``EnvelopeError``:
+        refused with the reason), before the round machine takes it: none by default."""
+
     def statistics(self, new_job: Callable[[], Any], members: list[Contribution], context: Any) -> dict[str, float]:
         """Per-update statistics a round's close decides on (device -> value): none by default."""
         raise ValueError(f"{type(self).__name__} sums need no per-update statistics")

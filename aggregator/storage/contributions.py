@@ -83,14 +83,14 @@ class ContributionRepository(StoreConnection):
             raise StoreError(f"contribution {seq} of job {job_id!r}: {exc} (a store is its DB file and its "
                              f"blob directory: restore them together)") from exc
 
-    def drop_unaccepted(self, job_id: str, round_: int, accepted: set[tuple[str, str]]) -> int:
-        """Delete the job's rows of round ``round_`` whose (device, message id) is not in ``accepted``
-        (a shard's orphans, once its coordinator closed the round: results it stored that were
-        refused, or stored and re-sent under another id after a kill), in one transaction; their
-        files go once it committed. Returns how many rows went."""
+    def drop_unaccepted(self, job_id: str, round_: int, accepted: set[tuple[str, str]], earlier: bool = False) -> int:
+        """Delete the job's rows of round ``round_`` (and of every earlier round, ``earlier``) whose
+        (device, message id) is not in ``accepted`` (a shard's orphans, once its coordinator closed
+        the round: results it stored that were refused, or stored and re-sent under another id after
+        a kill), in one transaction; their files go once it committed. Returns how many rows went."""
         with self._tx() as db:
-            rows = db.execute("SELECT seq, device, message_id FROM contributions WHERE job_id=? AND round=?",
-                              (job_id, round_)).fetchall()
+            rows = db.execute("SELECT seq, device, message_id FROM contributions WHERE job_id=? AND "
+                              f"round{'<=' if earlier else '='}?", (job_id, round_)).fetchall()
             orphans = [seq for seq, device, message_id in rows if (device, message_id) not in accepted]
             db.executemany("DELETE FROM contributions WHERE seq=?", [(seq,) for seq in orphans])
         self.blobs.remove(orphans)          # after the commit: a crash between leaves files the next open sweeps
