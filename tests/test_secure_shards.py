@@ -330,7 +330,7 @@ def test_a_shard_sigkilled_hosting_a_group_fails_it_with_the_reason_and_the_job_
             os.kill(int((tmp_path / "state.db.shards" / "shard-1.pid").read_text()), signal.SIGKILL)
             time.sleep(1.0)                     # the coordinator notices within its tick; no key has come
             gate.set()
-            out, _ = proc.communicate(timeout=90)
+            out, _ = proc.communicate(timeout=120)           # aggregator_cmd's default wait: the service ends itself first
         finally:
             gate.set()
             proc.kill()
