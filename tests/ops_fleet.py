@@ -257,9 +257,10 @@ def write_job(workdir: Path, devices, kind: str, config: dict) -> None:
     (workdir / "enrolled.txt").write_text("\n".join(devices) + "\n")
 
 
-def aggregator_env(crash: str | None = None) -> dict:
-    """The aggregator subprocess's environment: this checkout, one BLAS thread, a crash point or none."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+def aggregator_env(crash: str | None = None, extra: dict | None = None) -> dict:
+    """The aggregator subprocess's environment: this checkout, one BLAS thread, a crash point or
+    none, and ``extra`` (a test's DP noise seed)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **(extra or {}))
     env.pop("FEDFLEET_CRASH_AT", None)
     if crash:
         env["FEDFLEET_CRASH_AT"] = crash
@@ -267,19 +268,19 @@ def aggregator_env(crash: str | None = None) -> dict:
 
 
 def run_aggregator(workdir: Path, broker_url: str, state: Path, crash: str | None = None,
-                   timeout: float = 120, extra: list[str] = ()) -> tuple[int, str]:
+                   timeout: float = 120, extra: list[str] = (), env: dict | None = None) -> tuple[int, str]:
     """``python -m aggregator serve`` on the job prepared in ``workdir`` until it exits (forked from
     tests/aggregator_forkserver.py, which imported the aggregator once); (exit status, output)."""
-    return run_aggregator_process(aggregator_cmd(workdir, broker_url, state, extra, timeout), aggregator_env(crash),
-                                  REPO, fresh_log(workdir), timeout)
+    return run_aggregator_process(aggregator_cmd(workdir, broker_url, state, extra, timeout),
+                                  aggregator_env(crash, env), REPO, fresh_log(workdir), timeout)
 
 
 def start_aggregator_in(workdir: Path, broker_url: str, state: Path, extra: list[str] = (),
-                        timeout: float = 120) -> ForkedAggregator:
+                        timeout: float = 120, env: dict | None = None) -> ForkedAggregator:
     """:func:`run_aggregator` without waiting: the started process (``poll``, ``wait``, ``kill``,
     ``output``); ``timeout``: how long the test will wait for it."""
-    return start_aggregator(aggregator_cmd(workdir, broker_url, state, extra, timeout), aggregator_env(), REPO,
-                            fresh_log(workdir))
+    return start_aggregator(aggregator_cmd(workdir, broker_url, state, extra, timeout), aggregator_env(extra=env),
+                            REPO, fresh_log(workdir))
 
 
 def fresh_log(workdir: Path) -> Path:

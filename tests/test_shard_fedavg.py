@@ -53,10 +53,13 @@ class InProcessShards:
 # (its own server step) and perturbs the head it sends from round 2 on (ρ > 0)
 KIND_CONFIG = {"scaffold": {"control_clip_norm": 0.5, "total_devices": 12},
                "fedgloss": {"server_optimizer": "sgd", "server_lr": 0.8, "fedgloss_rho": 0.05}}
+# DP-FedAvg: a C that clips some updates (dev01's always), adaptive clipping moving it between rounds
+DP = {"dp_noise_multiplier": 0.8, "dp_clip_norm": 0.6, "dp_population": 40}
+DP_ADAPTIVE = {**DP, "dp_adaptive_clip": True, "dp_count_stddev": 2.0}
 
 
-def config_of(kind: str) -> dict:
-    return {**CONFIG, **KIND_CONFIG.get(kind, {})}
+def config_of(kind: str, extra: dict | None = None) -> dict:
+    return {**CONFIG, **KIND_CONFIG.get(kind, {}), **(extra or {})}
 
 
 def update_message(device: str, round_: int, head: dict, rng, kind: str = "fedavg") -> bytes:
@@ -90,31 +93,36 @@ def feed(shard: ShardIngest, device: str, raw: bytes) -> Receipt:
     return outs[-1]
 
 
-def run_rounds(tmp_path, shards_count: int, late: str, kind: str = "fedavg"):
-    """(one aggregator's job, the coordinator's job, what the coordinator asked) after the job's rounds."""
+def run_rounds(tmp_path, shards_count: int, late: str, kind: str = "fedavg", extra: dict | None = None,
+               silent_round: int = 0):
+    """(one aggregator's job, the coordinator's job, what the coordinator asked) after the job's
+    rounds (``silent_round``: one in which no update arrives)."""
     shards = [ShardIngest(k, shards_count, Store(tmp_path / f"k{shards_count}-s{k}.db")) for k in range(shards_count)]
-    config = config_of(kind)
+    config = config_of(kind, extra)
     for s in shards:
         s.set_job(CONFIG["job_id"], kind, config)
     pool = InProcessShards(shards)
     single, coordinator = build_job(kind, config), ShardedRoundsJob(build_job(kind, config), kind, pool)
+    if single.dp is not None:               # the same noise draws: seeded only in tests
+        single.dp.rng, coordinator.inner.dp.rng = np.random.default_rng(5), np.random.default_rng(5)
     if hasattr(single, "device_state"):     # one run of the job (its devices' state binding), not two
         coordinator.inner.device_state.run = single.device_state.run
     rng = np.random.default_rng(7)
-    for index in range(CONFIG["rounds"]):
+    for index in range(config["rounds"]):
         if kind == "fedgloss" and index:        # from round 2 the devices train from w̃ ≠ w: it is tested
             start = single.round_start()
             assert any(not np.array_equal(start[k], single.params[k]) for k in start)
         chosen = single.next_participants(set(DEVICES))
         assert coordinator.next_participants(set(DEVICES)) == chosen
-        for device in reversed(chosen):         # arrival order is not the canonical order
+        for device in reversed(chosen if single.round != silent_round else []):   # not the canonical order
             raw = update_message(device, single.round, single.task_for(device)[1], rng, kind)
             receipt = feed(shards[shard_of(device, shards_count)], device, raw)
             if device == late:                  # receipted, but the coordinator refused it: in no sum
                 continue
             single.apply(device, single.parse_result(decode(raw)))
             coordinator.apply(device, coordinator.parse_result(decode(receipt.raw)))
-        closed = RoundClosed(single.round, tuple(d for d in chosen if d != late), (), (), ())
+        closed = RoundClosed(single.round, tuple(d for d in chosen if d != late and single.round != silent_round),
+                             (), (), ())
         single.close_round(closed)
         coordinator.close_round(closed)
     return single, coordinator, pool.asked
@@ -142,6 +150,52 @@ def test_shards_close_fedavg_rounds_to_one_aggregators_bytes(tmp_path, shards_co
         assert coordinator.inner.heldout == single.heldout and "dev02" not in single.heldout
         assert sorted(single.heldout) == sorted(set(single.contributed) - {"dev02"})
         assert "personal_wma" in single.evaluate(None, None)
+
+
+@pytest.mark.parametrize("kind", ["fedavg", "pp"])
+@pytest.mark.parametrize("dp", [DP, DP_ADAPTIVE], ids=["fixed-clip", "adaptive-clip"])
+def test_shards_close_dp_fedavg_rounds_to_one_aggregators_bytes(tmp_path, kind, dp):
+    """DP-FedAvg: the shards sum the deltas clipped at the round's C (with how many were within it)
+    in one phase, the coordinator adds the noise once: the model, C and the releases are one
+    aggregator's bytes, and the step is the clipped deltas' sum plus that noise over κ. Three rounds,
+    the second without any update: it still releases noise and moves C."""
+    rounds = {"rounds": 3, "server_optimizer": "sgd", "server_lr": 1.0, "server_momentum": 0.0}
+    single, coordinator, asked = run_rounds(tmp_path, 2, late="dev04", kind=kind, extra={**dp, **rounds},
+                                            silent_round=2)
+    assert asked == ["sums", "sums"]                    # no statistics phase; the silent round asks nothing
+    for name, value in single.state_dict().items():
+        assert coordinator.state_dict()[name].tobytes() == value.tobytes(), name
+    assert single.dp.releases == coordinator.inner.dp.releases == 3
+    if dp.get("dp_adaptive_clip"):
+        assert single.dp.clip.value != dp["dp_clip_norm"]
+    assert coordinator.evaluate(None, None) == single.evaluate(None, None)
+    assert coordinator.evaluate(None, None)["privacy"]["releases"] == 3
+
+
+def test_a_dp_fedavg_round_is_the_clipped_deltas_plus_the_noise_over_kappa():
+    """The tree's DP step against plain numpy: Σ_k clip(θ_k − x, C), plus the seeded noise of
+    multiplier z C on each tensor, over κ, moves x (SGD at lr 1); C clips some deltas, not all."""
+    z, clip_norm = DP["dp_noise_multiplier"], 0.42
+    config = {**CONFIG, **DP, "dp_clip_norm": clip_norm, "rounds": 1, "server_optimizer": "sgd", "server_lr": 1.0,
+              "server_momentum": 0.0}
+    job = build_job("fedavg", config)
+    job.dp.rng = np.random.default_rng(9)
+    chosen = job.next_participants(set(DEVICES))
+    start = {k: job.params[k].astype(np.float64) for k in ("weight", "bias")}
+    rng, deltas = np.random.default_rng(1), []
+    for device in chosen:
+        update = job.parse_result(decode(update_message(device, 1, job.task_for(device)[1], rng)))
+        job.apply(device, update)
+        deltas.append(np.concatenate([update.update.tensors()[k].ravel() - start[k].ravel() for k in start]))
+    norms = [np.linalg.norm(d) for d in deltas]
+    assert min(norms) < clip_norm < max(norms)
+    job.close_round(RoundClosed(1, tuple(chosen), (), (), ()))
+    noise_rng = np.random.default_rng(9)
+    noise = np.concatenate([noise_rng.normal(0.0, z * clip_norm, start[k].shape).ravel() for k in start])
+    clipped = sum(d * min(1.0, clip_norm / n) for d, n in zip(deltas, norms))
+    want = np.concatenate([start[k].ravel() for k in start]) + (clipped + noise) / len(chosen)
+    got = np.concatenate([job.params[k].ravel() for k in start])
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-7)       # the head is stored in float32
 
 
 def test_a_shard_sums_every_bucket_with_its_own_job_not_a_new_one_each(tmp_path, monkeypatch):

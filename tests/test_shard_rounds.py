@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from aggregator.shards.buckets import shard_of
+from aggregator.strategies.dp_noise import NOISE_SEED_ENV
 from fedfleet.emulation.broker import MosquittoBroker
 
 from ops_fleet import Features, Fleet, features_of, prepare, run_aggregator, start_aggregator_in
@@ -37,6 +38,7 @@ class RoundJob:
     devices: list[str]
     config: dict
     handlers: Callable | None = None
+    env: dict | None = None             # the aggregator's extra environment (DP: the test's noise seed)
 
 
 def device_store(workdir, device: str):
@@ -85,9 +87,17 @@ HEAD_KINDS = {"pp": {"pp_algorithm": "fedalt"}, "scaffold": {"control_clip_norm"
               "fedgloss": {"fedgloss_rho": 0.05, "server_momentum": 0.0}, "ditto": {"ditto_lambda": 0.5}}
 
 
+# DP-FedAvg, adaptive clipping: the shards sum clipped deltas, the coordinator adds the noise, seeded
+# in both runs (FEDFLEET_TEST_DP_NOISE_SEED, tests only) so that their bits can be compared
+DP_FEDAVG = {**FEDAVG, "norm_bound_multiplier": 0.0, "contribution_bound_multiplier": 0.0, "dp_noise_multiplier": 0.8,
+             "dp_clip_norm": 0.5, "dp_adaptive_clip": True, "dp_population": 20}
+
+
 def round_job(kind: str, request) -> RoundJob:
     if kind == "fedavg":
         return RoundJob(DEVICES, FEDAVG)
+    if kind == "fedavg-dp":
+        return RoundJob(DEVICES, DP_FEDAVG, env={NOISE_SEED_ENV: "17"})
     if kind in HEAD_KINDS:
         return RoundJob(DEVICES, {**FEDAVG, "kind": kind, **HEAD_KINDS[kind]}, stateful_handlers)
     return tail_job(request, kind)
@@ -119,7 +129,7 @@ def run_rounds(workdir, job: RoundJob, extra=(), crash=None):
     prepare(workdir, job.devices, **job.config)
     with MosquittoBroker() as broker, Fleet(broker.url, job.devices, kind="fedavg", handlers=fleet_handlers(job, workdir)):
         rc, log = run_aggregator(workdir, broker.url, workdir / "state.db", crash=crash, extra=list(extra),
-                                 timeout=SHARDED_JOB_TIMEOUT_S)
+                                 timeout=SHARDED_JOB_TIMEOUT_S, env=job.env)
     return rc, log
 
 
@@ -152,10 +162,14 @@ def assert_same_fedavg_model(got, want, job: RoundJob = RoundJob(DEVICES, FEDAVG
             assert got_arrays[name].tobytes() == want_arrays[name].tobytes(), name      # bit for bit
     assert got[1]["contributed"] == want[1]["contributed"] and got[1]["state"] == "done"
     assert sum(want[1]["contributed"].values()) == job.config["rounds"] * job.config["clients_per_round"]
-    same = ("round", "contributions", "samples", "server_steps", "personal_wma", "global_wma", "heldout_devices")
+    same = ("round", "contributions", "samples", "server_steps", "personal_wma", "global_wma", "heldout_devices",
+            "privacy")
     assert {k: got[1]["final"].get(k) for k in same} == {k: want[1]["final"].get(k) for k in same}   # pp: its WMAs
     if job.config["kind"] == "pp":
         assert want[1]["final"]["heldout_devices"] == len(want[1]["contributed"])
+    if job.config.get("dp_noise_multiplier"):       # every round a release; adaptive clipping moved C
+        privacy = want[1]["final"]["privacy"]
+        assert privacy["releases"] == job.config["rounds"] and privacy["clip_norm"] != job.config["dp_clip_norm"]
     if job.config["kind"].startswith("scaffold"):           # c moved
         assert any(np.abs(v).max() > 0 for k, v in want[2].items() if k.startswith("control."))
 
@@ -175,7 +189,8 @@ def fedavg_rounds_held(state, shard: int) -> set[int]:
 # and FedNCM Fed3R's (Fed3RSums) on the same paths: their bytes are checked without a broker
 # (tests/test_shard_fedavg.py, tests/test_shard_ingest.py)
 # `make test-ray` (shard_runs.RAY_ALL) runs every kind on both, Ditto over the broker as well
-LOCAL_KINDS = ["fedavg", "fedavg-tail", "pp", "scaffold", "scaffold-tail", "fedgloss"] + (["ditto"] if RAY_ALL else [])
+LOCAL_KINDS = (["fedavg", "fedavg-dp", "fedavg-tail", "pp", "scaffold", "scaffold-tail", "fedgloss"]
+               + (["ditto"] if RAY_ALL else []))
 RAY_KINDS = LOCAL_KINDS if RAY_ALL else ["fedavg", "pp", "scaffold"]
 
 
@@ -198,8 +213,10 @@ def test_fedavg_rounds_on_two_shards_give_one_aggregators_model_bit_for_bit(tmp_
     check_rounds_on_two_shards(tmp_path, rounds_unsharded, kind, "local", request)
 
 
-# pp: its receipts' reports replayed after the restart; Scaffold: its server control c restored
-@pytest.mark.parametrize("kind", ["fedavg", "pp", "scaffold"])
+# pp: its receipts' reports replayed after the restart; Scaffold: its server control c restored;
+# DP-FedAvg: C restored (the restarted coordinator replays round 1 with its seed's first draws, as
+# the uninterrupted run drew them; unseeded, a replayed round's noise is fresh: docs/operations.md)
+@pytest.mark.parametrize("kind", ["fedavg", "fedavg-dp", "pp", "scaffold"])
 def test_fedavg_on_shards_resumes_bit_for_bit_after_the_coordinator_and_a_shard_are_sigkilled(tmp_path, kind,
                                                                                             rounds_unsharded, request):
     """The coordinator dies closing round 1 (its shards with it); restarted, it closes the round
@@ -218,7 +235,7 @@ def test_fedavg_on_shards_resumes_bit_for_bit_after_the_coordinator_and_a_shard_
     gates = {d: held_back for d in DEVICES if d != first}
     with MosquittoBroker() as broker, Fleet(broker.url, DEVICES, kind="fedavg", gates=gates,
                                             handlers=fleet_handlers(job, tmp_path, gates)):
-        proc = start_aggregator_in(tmp_path, broker.url, state, options, timeout=SHARDED_JOB_TIMEOUT_S)
+        proc = start_aggregator_in(tmp_path, broker.url, state, options, timeout=SHARDED_JOB_TIMEOUT_S, env=job.env)
         try:
             deadline = time.monotonic() + 240
             while 2 not in fedavg_rounds_held(state, victim) and time.monotonic() < deadline:

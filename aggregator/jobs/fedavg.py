@@ -52,7 +52,7 @@ from aggregator.jobs.model_fields import ModelFields
 from aggregator.jobs.optimizer_fields import LocalRuleFields, ServedModelFields, ServerOptimizerFields
 from aggregator.jobs.privacy_fields import UpdateClippingFields
 from aggregator.jobs.robustness_fields import FedAvgRobustnessFields
-from aggregator.shards.fedavg_sums import local_round_mean
+from aggregator.shards.fedavg_sums import local_dp_round_step, local_round_mean
 
 log = logging.getLogger("fedfleet.aggregator")
 
@@ -279,10 +279,10 @@ class FedAvgJob(Job):
         """(the moved tensors or None, updates, Σ n_k) of the round being closed. The strategy moves
         the tensors devices trained (all of them, or FT(φ)'s tail only); under DP every round
         moves (a round without updates still releases noise, as the accountant counts it)."""
-        if self.dp is not None:
+        if self.dp is not None:         # clipped and added up the bucket tree as shards add it, noised once
             trained = {name: self.params[name] for name in self.trained_shapes()}
-            updates = [self._updates[d][0] for d in sorted(self._updates)]
-            return self.dp.step(trained, updates), len(updates), sum(n for _, n in self._updates.values())
+            return (local_dp_round_step(self.dp, trained, self._updates), len(self._updates),
+                    sum(n for _, n in self._updates.values()))
         return self.server_step(*self.round_mean())
 
     def round_start(self) -> dict[str, np.ndarray]:

@@ -29,7 +29,7 @@ from protocols.rounds import RoundClosed
 
 from aggregator.jobs.base import Job
 from aggregator.shards.coordinated_job import CoordinatedJob
-from aggregator.shards.fedavg_sums import RoundContext, bound_layers, round_mean
+from aggregator.shards.fedavg_sums import RoundContext, bound_layers, dp_round_step, round_mean
 from aggregator.shards.partial_sums import additive
 from aggregator.shards.sum_tree import PartialSum, root_sum
 
@@ -72,26 +72,33 @@ class ShardedRoundsJob(CoordinatedJob):
             return
         accepted = sorted((device, mid) for device, (mid, _n) in self.round_accepted.items())
         samples = sum(n for _mid, n in self.round_accepted.values())
-        mean, total = self._round_mean(accepted) if accepted else (None, None)
-        self.sums.take_round(self.inner, total, len(accepted))        # Scaffold: its control step
-        self.inner.finish_round(closed, self.inner.server_step(mean, len(accepted) if mean is not None else 0,
-                                                               samples))
+        if self.inner.dp is not None:        # the shards' clipped deltas, noised once here
+            stepped = (dp_round_step(self.inner.dp, self._round_start(), self._root(accepted)), len(accepted), samples)
+        else:
+            mean, total = self._round_mean(accepted) if accepted else (None, None)
+            self.sums.take_round(self.inner, total, len(accepted))        # Scaffold: its control step
+            stepped = self.inner.server_step(mean, len(accepted) if mean is not None else 0, samples)
+        self.inner.finish_round(closed, stepped)
         self.pool.round_closed(self.config.job_id, closed.round, accepted)     # the shards drop its orphans
         self.round_accepted = {}
 
+    def _round_start(self) -> dict[str, np.ndarray]:
+        """The trained tensors as the round's devices got them (FedGloSS: w̃)."""
+        start = self.inner.round_start()
+        return {name: start[name] for name in self.inner.trained_shapes()}
+
+    def _root(self, accepted: list[tuple[str, str]]):
+        """context -> the root of the shards' subtree sums of the ``accepted`` updates (None: none)."""
+        def root(context: RoundContext) -> PartialSum | None:
+            return root_sum(self.sums, self.pool.ask("sums", self.config.job_id, accepted, context)) if accepted else None
+        return root
+
     def _round_mean(self, accepted: list[tuple[str, str]]) -> tuple[dict[str, np.ndarray] | None, PartialSum | None]:
         """(the round's mean, the root of the tree it was divided from)."""
-        job_id = self.config.job_id
-        start = self.inner.round_start()            # what the devices trained from (FedGloSS: w̃)
-        current = {name: start[name] for name in self.inner.trained_shapes()}
-
         def statistics(context: RoundContext) -> dict[str, float]:
-            return self.pool.ask("statistics", job_id, accepted, context)
+            return self.pool.ask("statistics", self.config.job_id, accepted, context)
 
-        def root(context: RoundContext):
-            return root_sum(self.sums, self.pool.ask("sums", job_id, accepted, context))
-
-        return round_mean(self.layers, current, statistics, root)
+        return round_mean(self.layers, self._round_start(), statistics, self._root(accepted))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)

@@ -13,8 +13,13 @@ subtree sums come from the shards that hold the updates; with one aggregator fro
 
 Layers that need every update at once (the direction screen's coordinate-wise median, the robust
 rules) cannot be split this way: such a config is refused on shards (``FedAvgRoundSums.refusal``)
-and one aggregator combines it as before. DP FedAvg is refused too (its clipped, noised mean is
-taken at the coordinator over every update).
+and one aggregator combines it as before.
+
+DP-FedAvg (``aggregator/strategies/dp_fedavg.py``) sums in the same buckets up the same tree, in
+one phase: each bucket sums its updates' deltas clipped at the round's C (unweighted) with their
+count and how many were within C (:func:`clipped_delta_sum`: the bits adaptive clipping moves C
+by), and the job's mechanism adds its noise once, to the root (:func:`dp_round_step`), at the
+coordinator with shards, so a sharded job is the same release and the same bits as one aggregator.
 """
 
 from __future__ import annotations
@@ -24,13 +29,16 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from protocols.clipping import clip_update
+
 from aggregator.shards.buckets import canonical_key
 from aggregator.shards.sum_tree import (AdditiveState, Contribution, PartialSum, add_elementwise, add_weighted,
                                         local_tree_sum)
 from aggregator.strategies.robust_fedavg import flatten
 
 WEIGHT = "weight_total"         # a bucket state's Σ w_k (float64: a contribution bound makes w_k fractional)
-SUM = "sum."                    # + tensor name: Σ w_k θ'_k (float64)
+SUM = "sum."                    # + tensor name: Σ w_k θ'_k (float64); DP: Σ clip(Δ_k, C)
+UNCLIPPED = "unclipped"         # DP: how many of the bucket's deltas were within C (float64)
 
 Params = dict[str, np.ndarray]
 
@@ -104,6 +112,41 @@ def local_round_mean(config, current: Params, updates: Mapping[str, tuple[Params
     return round_mean(layers, current, lambda context: update_statistics(layers, context, triples), root)[0]
 
 
+def clipped_delta_sum(context: RoundContext, updates) -> PartialSum:
+    """DP-FedAvg's sums of (device, tensors, n) updates, in the order given: Σ clip(θ_k − x_t, C)
+    with C the context's one limit, unweighted (n_k would make the sensitivity data-dependent),
+    their count (``WEIGHT``) and how many were within C (``UNCLIPPED``)."""
+    (clip_norm,) = context.limits
+    sums: Params = {}
+    unclipped, contributed = 0, {}
+    for device, tensors, n in updates:
+        delta = {k: np.asarray(tensors[k], np.float64) - np.asarray(x, np.float64) for k, x in context.current.items()}
+        clipped, norm = clip_update(delta, clip_norm)
+        add_weighted(sums, clipped)
+        unclipped += norm <= clip_norm
+        contributed[device] = int(n)
+    return PartialSum({**{SUM + k: v for k, v in sums.items()}, WEIGHT: np.array([float(len(contributed))]),
+                       UNCLIPPED: np.array([float(unclipped)])}, contributed)
+
+
+def dp_round_step(dp, current: Params, root: Callable[[RoundContext], PartialSum | None]) -> Params:
+    """The tensors a DP-FedAvg round moves to: its mechanism (``dp``, a ``DPFedAvg``) noises the root
+    of the clipped deltas' tree (``root``: one aggregator's or the shards') once and steps. A round
+    without updates still releases noise (the accountant counts it)."""
+    total = root(RoundContext(current, (dp.clip.value,)))
+    state = total.state if total is not None else {}
+    sums = {k: state[SUM + k] if state else np.zeros(np.shape(x)) for k, x in current.items()}
+    count, unclipped = (int(state[WEIGHT][0]), int(state[UNCLIPPED][0])) if state else (0, 0)
+    return dp.step_from_sum(current, sums, unclipped, count)
+
+
+def local_dp_round_step(dp, current: Params, updates: Mapping[str, tuple[Params, int]]) -> Params:
+    """One aggregator's :func:`dp_round_step` over its ``updates`` (device -> (θ_k, n_k)): the shards' arithmetic."""
+    triples = [(d, *update) for d, update in updates.items()]
+    return dp_round_step(dp, current, lambda context: local_tree_sum(
+        FedAvgRoundSums(), triples, lambda members: clipped_delta_sum(context, members)))
+
+
 class FedAvgRoundSums(AdditiveState):
     """FedAvg(ψ)'s round sums on shards: a shard checks a head update with the job's own parser, its
     receipt carries the sample count, and at the round's close it reports statistics and bucket sums
@@ -114,7 +157,7 @@ class FedAvgRoundSums(AdditiveState):
 
     def refusal(self, job) -> str:
         if job.dp is not None:
-            return "DP FedAvg clips and noises every update at the coordinator: it cannot run on shards yet"
+            return ""               # DP-FedAvg clips and sums: no layer needs every update
         return job.config.needs_every_update()
 
     def check(self, job, env) -> Any:
@@ -138,7 +181,10 @@ class FedAvgRoundSums(AdditiveState):
         return self.sum_updates(job, self._loaded(job, members), context)
 
     def sum_updates(self, job, updates: list[tuple[str, Any]], context: RoundContext) -> PartialSum:
-        """A bucket's sums of its (device, update)s: Σ w_k θ'_k and Σ w_k (a kind that sums more adds its own)."""
+        """A bucket's sums of its (device, update)s: Σ w_k θ'_k and Σ w_k, DP-FedAvg's clipped deltas
+        under DP (a kind that sums more adds its own)."""
+        if job.dp is not None:
+            return clipped_delta_sum(context, self._triples(updates))
         return weighted_sum(bound_layers(job.config), context, self._triples(updates))
 
     def take_round(self, job, total: PartialSum | None, accepted: int) -> None:

@@ -45,6 +45,7 @@ from protocols.payloads.fed3r import Fed3RStats
 
 from aggregator.compute.ridge import ClosedFormRidge
 from aggregator.strategies.dp_center import PrivateFeatureCenter, uncentred
+from aggregator.strategies.dp_noise import noise_source
 from aggregator.strategies.fed3r import Fed3R
 
 
@@ -225,7 +226,7 @@ class NoisyFed3R:
         make = lambda: Fed3R(num_classes, p, lam, fit_intercept, normalize_columns)   # noqa: E731
         self.pending, self.released = make(), make()
         self.mechanism = mechanism
-        self.rng = rng if rng is not None else np.random.default_rng()
+        self.rng = rng if rng is not None else noise_source()
         self.releases = 0
         self.center = center            # first the center round, then rounds of centred rows (dp_center.py)
 

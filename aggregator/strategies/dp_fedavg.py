@@ -32,6 +32,7 @@ import numpy as np
 
 from protocols.clipping import clip_update
 
+from aggregator.strategies.dp_noise import noise_source
 from aggregator.strategies.fedavg import Params, ServerOptimizer
 
 
@@ -48,15 +49,15 @@ class ClipNorm(ABC):
         """z_Δ: the multiplier of the update sum's noise when the job's total is ``noise_multiplier``."""
 
     @abstractmethod
-    def observe(self, norms: list[float], expected: int, rng: np.random.Generator) -> None:
-        """Move C after a round whose updates had these norms (before clipping)."""
+    def observe(self, unclipped: int, count: int, expected: int, rng: np.random.Generator) -> None:
+        """Move C after a round of ``count`` updates, ``unclipped`` of them within C before clipping."""
 
 
 class FixedClipNorm(ClipNorm):
     def update_noise_multiplier(self, noise_multiplier: float) -> float:
         return noise_multiplier
 
-    def observe(self, norms: list[float], expected: int, rng: np.random.Generator) -> None:
+    def observe(self, unclipped: int, count: int, expected: int, rng: np.random.Generator) -> None:
         pass
 
 
@@ -79,8 +80,8 @@ class AdaptiveClipNorm(ClipNorm):
                              f"{noise_multiplier / 2} (it would spend the whole budget)")
         return rest ** -0.5
 
-    def observe(self, norms: list[float], expected: int, rng: np.random.Generator) -> None:
-        centred = sum((norm <= self.value) - 0.5 for norm in norms)
+    def observe(self, unclipped: int, count: int, expected: int, rng: np.random.Generator) -> None:
+        centred = unclipped - 0.5 * count          # Σ (b_k − ½), exact: halves of small integers
         fraction = (centred + rng.normal(0.0, self.count_stddev)) / expected + 0.5
         self.value *= math.exp(-self.learning_rate * (fraction - self.target_quantile))
 
@@ -95,7 +96,7 @@ class ClippedSum:
     def __init__(self, shapes: Mapping, clip_norm: float):
         self.clip_norm = float(clip_norm)
         self.total = {k: np.zeros(shape, dtype=np.float64) for k, shape in shapes.items()}
-        self.norms: list[float] = []
+        self.count = self.unclipped = 0         # the deltas added, those within C (adaptive clipping's bits)
 
     def add(self, delta: Mapping[object, np.ndarray]) -> None:
         """Clip ``delta`` and add it; a delta naming an unknown slot or of the wrong shape changes nothing."""
@@ -107,7 +108,8 @@ class ClippedSum:
         clipped, norm = clip_update(delta, self.clip_norm)
         for k, v in clipped.items():
             self.total[k] += v
-        self.norms.append(norm)
+        self.count += 1
+        self.unclipped += norm <= self.clip_norm
 
 
 class ClippedGaussianSum:
@@ -122,7 +124,7 @@ class ClippedGaussianSum:
             raise ValueError("need noise_multiplier > 0")
         self.noise_multiplier, self.clip = float(noise_multiplier), clip
         self.update_multiplier = clip.update_noise_multiplier(self.noise_multiplier)
-        self.rng = rng if rng is not None else np.random.default_rng()
+        self.rng = rng if rng is not None else noise_source()
         self.releases = 0
 
     def open_sum(self, shapes: Mapping) -> ClippedSum:
@@ -132,9 +134,16 @@ class ClippedGaussianSum:
     def release(self, round_sum: ClippedSum, expected: int) -> dict:
         """Σ clipped deltas + noise on every slot (released even when nobody contributed, as the
         accountant counts it); moves C afterwards (adaptive, ``expected`` is m of the count)."""
-        stddev = self.update_multiplier * round_sum.clip_norm
-        noisy = {k: s + self.rng.normal(0.0, stddev, s.shape) for k, s in round_sum.total.items()}
-        self.clip.observe(round_sum.norms, expected, self.rng)
+        return self.release_total(round_sum.total, round_sum.clip_norm, round_sum.unclipped, round_sum.count, expected)
+
+    def release_total(self, total: Mapping[str, np.ndarray], clip_norm: float, unclipped: int, count: int,
+                      expected: int) -> dict:
+        """:meth:`release` of a sum of ``count`` deltas clipped at ``clip_norm``, ``unclipped`` of them
+        within it, however it was added up (one aggregator's bucket tree or its shards':
+        ``aggregator/shards/fedavg_sums.py``)."""
+        stddev = self.update_multiplier * clip_norm
+        noisy = {k: s + self.rng.normal(0.0, stddev, s.shape) for k, s in total.items()}
+        self.clip.observe(unclipped, count, expected, self.rng)
         self.releases += 1
         return noisy
 
@@ -162,18 +171,21 @@ class DPFedAvg(ClippedGaussianSum):
     def steps(self) -> int:
         return self.strategy.steps
 
-    def noisy_mean_delta(self, params: Mapping[str, np.ndarray], updates: list[Mapping[str, np.ndarray]]) -> Params:
-        """Δ̄ of the round (``updates`` are the devices' θ_k); moves C afterwards (adaptive)."""
+    def step(self, params: Mapping[str, np.ndarray], updates: list[Mapping[str, np.ndarray]]) -> Params:
+        """New parameters from the round's θ_k, clipped and added in the order given (a round with
+        none still releases noise); moves C afterwards (adaptive)."""
         round_sum = self.open_sum({k: np.shape(v) for k, v in params.items()})
         for theta in updates:
             round_sum.add({k: np.asarray(theta[k], np.float64) - np.asarray(params[k], np.float64) for k in params})
-        noisy = self.release(round_sum, self.expected_clients)
-        return {k: s / self.expected_clients for k, s in noisy.items()}
+        return self.step_from_sum(params, round_sum.total, round_sum.unclipped, round_sum.count)
 
-    def step(self, params: Mapping[str, np.ndarray], updates: list[Mapping[str, np.ndarray]]) -> Params:
-        """New parameters from the round's θ_k (a round with none still releases noise)."""
-        mean_delta = self.noisy_mean_delta(params, updates)
-        return self.apply_mean_delta(params, mean_delta)
+    def step_from_sum(self, params: Mapping[str, np.ndarray], clipped_sum: Mapping[str, np.ndarray], unclipped: int,
+                      count: int) -> Params:
+        """:meth:`step` from the round's sum of ``count`` deltas already clipped at the current C
+        (``unclipped`` of them within it): a FedAvg job's, added up the bucket tree
+        (``aggregator/shards/fedavg_sums.py``) by one aggregator or its shards."""
+        noisy = self.release_total(clipped_sum, self.clip.value, unclipped, count, self.expected_clients)
+        return self.apply_mean_delta(params, {k: s / self.expected_clients for k, s in noisy.items()})
 
     def apply_mean_delta(self, params: Mapping[str, np.ndarray], mean_delta: Mapping[str, np.ndarray]) -> Params:
         averaged = {k: np.asarray(params[k], np.float64) + mean_delta[k] for k in params}
