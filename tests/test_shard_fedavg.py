@@ -94,9 +94,10 @@ def feed(shard: ShardIngest, device: str, raw: bytes) -> Receipt:
 
 
 def run_rounds(tmp_path, shards_count: int, late: str, kind: str = "fedavg", extra: dict | None = None,
-               silent_round: int = 0):
+               silent_round: int = 0, late_after_close: bool = False):
     """(one aggregator's job, the coordinator's job, what the coordinator asked) after the job's
-    rounds (``silent_round``: one in which no update arrives)."""
+    rounds (``silent_round``: one in which no update arrives; ``late_after_close``: a round-1 update
+    of a device round 1 did not choose reaches its shard after round 1 closed)."""
     shards = [ShardIngest(k, shards_count, Store(tmp_path / f"k{shards_count}-s{k}.db")) for k in range(shards_count)]
     config = config_of(kind, extra)
     for s in shards:
@@ -125,6 +126,13 @@ def run_rounds(tmp_path, shards_count: int, late: str, kind: str = "fedavg", ext
                              (), (), ())
         single.close_round(closed)
         coordinator.close_round(closed)
+        if index == 0 and late_after_close:     # stored and receipted, but its round is closed: in no sum
+            device = next(d for d in DEVICES if d not in chosen)        # not round 1's: no row of it there
+            feed(shards[shard_of(device, shards_count)], device, update_message(device, 1, single.params, rng, kind))
+    if late_after_close:                        # the next close took that orphan: every row is an accepted one
+        rows = {(c.device, c.message_id) for s in shards for c in s.store.contributions(CONFIG["job_id"],
+                                                                                       with_payload=False)}
+        assert len(rows) == sum(coordinator.contributed.values())
     return single, coordinator, pool.asked
 
 
@@ -135,7 +143,7 @@ def test_shards_close_fedavg_rounds_to_one_aggregators_bytes(tmp_path, shards_co
     held-out WMA from the receipts' reports the same as from the results' (each device's latest;
     one without a split reports none). Scaffold: the server control c too (the clipped Δc's sum
     up the tree). FedGloSS: its own server step, the bound layers measuring from w̃."""
-    single, coordinator, asked = run_rounds(tmp_path, shards_count, late="dev04", kind=kind)
+    single, coordinator, asked = run_rounds(tmp_path, shards_count, late="dev04", kind=kind, late_after_close=True)
     assert asked == ["statistics", "statistics", "sums"] * CONFIG["rounds"]     # norm, then weight bound, then sums
     assert sorted(coordinator.state_dict()) == sorted(single.state_dict())
     for name, value in single.state_dict().items():

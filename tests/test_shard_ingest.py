@@ -218,3 +218,28 @@ def test_jobs_shards_cannot_sum_and_impossible_shard_counts_are_refused_with_the
     for count in (0, NUM_BUCKETS + 1):
         with pytest.raises(ValueError, match="between 1 and"):
             LocalShards(count, BrokerConfig.from_url("mqtt://127.0.0.1:1"), tmp_path)
+
+
+def test_a_close_and_a_sums_request_send_each_shard_only_its_own_devices_ids(tmp_path):
+    """The pool splits a round's accepted ids by shard (a shard reads only its own): each shard gets
+    exactly the ids of the devices in its buckets, and together they are every id once."""
+    from aggregator.shards.local import LocalShards
+    from protocols.mqtt_link import BrokerConfig
+
+    pool = LocalShards(3, BrokerConfig.from_url("mqtt://127.0.0.1:1"), tmp_path)
+    sent = []
+    pool._send = lambda index, command: sent.append((index, command))       # the pipe, not started here
+    accepted = [(d, f"id-{d}") for d in DEVICES]
+    pool.round_closed("sharded", 2, accepted, True)
+    for index in range(3):                      # the replies are waiting already: ask returns at once
+        pool._replies.put((index, pool._request + 1, {}))
+    pool.ask("sums", "sharded", accepted)
+    closes = [(i, c) for i, c in sent if c[0] == "closed"]
+    asks = [(i, c) for i, c in sent if c[0] == "sums"]
+    for commands, ids_at in ((closes, 3), (asks, 3)):
+        assert sorted(i for i, _c in commands) == [0, 1, 2]
+        for index, command in commands:
+            assert all(shard_of(d, 3) == index for d, _m in command[ids_at])
+        assert sorted(x for _i, c in commands for x in c[ids_at]) == sorted(accepted)
+    assert all(c[1:3] == ("sharded", 2) and c[4] is True for _i, c in closes)
+    assert all(len(c[3]) < len(accepted) for _i, c in closes)       # never the whole list

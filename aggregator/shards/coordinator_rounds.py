@@ -41,6 +41,7 @@ class ShardedRoundsJob(CoordinatedJob):
         self.sums = additive(kind)
         self.layers = bound_layers(inner.config)
         self.round_accepted: dict[str, tuple[str, int]] = {}    # device -> (message id, n_k), open round
+        self.last_close: tuple[int, list[tuple[str, str]]] | None = None   # (round, accepted) of the last close
 
     contributions = property(lambda self: self.inner.contributions)
 
@@ -80,7 +81,9 @@ class ShardedRoundsJob(CoordinatedJob):
             stepped = self.inner.server_step(mean, len(accepted) if mean is not None else 0, samples)
         self.inner.finish_round(closed, stepped)
         self.pool.round_closed(self.config.job_id, closed.round, accepted)     # the shards drop its orphans
-        self.round_accepted = {}
+        if self.last_close is not None:     # and a late result of the round before, stored after its close
+            self.pool.round_closed(self.config.job_id, *self.last_close)
+        self.last_close, self.round_accepted = (closed.round, accepted), {}
 
     def _round_start(self) -> dict[str, np.ndarray]:
         """The trained tensors as the round's devices got them (FedGloSS: w̃)."""

@@ -34,7 +34,7 @@ from protocols.mqtt_link import BrokerConfig
 from protocols.topics import Topics
 
 from aggregator.jobs.base import Job
-from aggregator.shards.buckets import bucket_range
+from aggregator.shards.buckets import bucket_range, shard_of
 from aggregator.shards.coordinator_job import ShardedJob
 from aggregator.shards.coordinator_rounds import ShardedRoundsJob
 from aggregator.shards.group_placement import SecureGroupPlacement
@@ -170,8 +170,16 @@ class ShardPool(ABC):
         superset of the round's will do; with ``earlier``, every round's so far): every shard deletes
         its rows of that round (and of the earlier ones) outside them. A shard that was down at a
         close misses it: ``earlier`` closes catch up with it."""
-        for i in range(self.shards):
-            self._send(i, ("closed", job_id, round_, accepted, earlier))
+        for i, mine in enumerate(self._by_shard(accepted)):
+            self._send(i, ("closed", job_id, round_, mine, earlier))
+
+    def _by_shard(self, accepted: list[tuple[str, str]]) -> list[list[tuple[str, str]]]:
+        """``accepted`` split by the shard whose buckets hold each device: a shard reads only its own
+        ids of a close or a request (it keeps no other), so each is sent only those."""
+        split: list[list[tuple[str, str]]] = [[] for _ in range(self.shards)]
+        for device, message_id in accepted:
+            split[shard_of(device, self.shards)].append((device, message_id))
+        return split
 
     def watch(self) -> None:
         """Restart every shard that died: it reopens its store and resumes."""
@@ -216,9 +224,9 @@ class ShardPool(ABC):
         for); ``context``: what the close decided so far (None for a kind that needs nothing)."""
         self._request += 1
         request, merged, waiting = self._request, {}, set(range(self.shards))
-        command = (what, request, job_id, accepted, context)
+        commands = [(what, request, job_id, mine, context) for mine in self._by_shard(accepted)]
         for i in waiting:
-            self._send(i, command)
+            self._send(i, commands[i])
         deadline = time.monotonic() + self.reply_timeout_s
         while waiting:
             try:
@@ -229,7 +237,7 @@ class ShardPool(ABC):
                 for i in list(waiting):             # a shard that died meanwhile: restarted and asked again
                     if self._exited(i) is not None:
                         self.watch()
-                        self._send(i, command)
+                        self._send(i, commands[i])
                 continue
             if got_request != request or index not in waiting:
                 continue
