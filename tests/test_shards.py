@@ -201,3 +201,36 @@ def test_fedncm_on_shards_gives_one_aggregators_class_means_bit_for_bit(tmp_path
             assert got[name].tobytes() == want[name].tobytes(), name       # bit for bit
     assert sorted(results["contributed"]) == DEVICES and results["state"] == "done"
     assert_each_device_once(tmp_path / "sharded" / "state.db", 2)
+
+
+# DP Fed3R with its private center over the broker: each round's sum is the shards', noised once
+# by the coordinator's job; the noise is seeded in both runs (FEDFLEET_TEST_DP_NOISE_SEED, tests
+# only) so that their bits can be compared. The Ray variant runs under `make test-ray`.
+DP_FED3R_ON = ["local", pytest.param("ray", marks=[RAY_ALL_ONLY, *ON_RAY])]
+
+
+@pytest.mark.parametrize("on", DP_FED3R_ON)
+def test_dp_fed3r_on_shards_releases_one_aggregators_bytes(tmp_path, on, request):
+    from aggregator.strategies.dp_noise import NOISE_SEED_ENV
+    from protocols.payloads.fed3r import KIND
+
+    from test_dp_fed3r_center import config as dp_config, handlers
+
+    job = {k: v for k, v in dp_config().items() if k != "clients_per_round"}
+    ran, h = {}, handlers(DEVICES)
+    for name, extra in (("one", []), ("sharded", shard_options(on, request))):
+        prepare(tmp_path / name, DEVICES, **job, clients_per_round=10)
+        with MosquittoBroker() as broker, Fleet(broker.url, DEVICES, handlers=lambda d: ({KIND: h[d]}, {})):
+            rc, log = run_aggregator(tmp_path / name, broker.url, tmp_path / name / "state.db",
+                                     timeout=SHARDED_JOB_TIMEOUT_S, extra=extra, env={NOISE_SEED_ENV: "23"})
+        assert rc == 0, log[-3000:]
+        ran[name] = outputs(tmp_path / name / "out")
+    (model, stats, results), (want_model, want_stats, want_results) = ran["sharded"], ran["one"]
+    assert {"A", "B", "counts", "dp_feature_center", "dp_releases"} <= set(want_stats)
+    assert int(want_stats["dp_releases"][0]) == 1 and int(want_stats["counts"][1]) == len(DEVICES) - 3
+    for got, want in ((model, want_model), (stats, want_stats)):     # (the shards' bookkeeping besides)
+        for name in want:
+            assert got[name].tobytes() == want[name].tobytes(), name       # bit for bit
+    assert sorted(results["contributed"]) == DEVICES and results["state"] == "done"
+    assert results["final"]["privacy"] == want_results["final"]["privacy"]
+    assert_each_device_once(tmp_path / "sharded" / "state.db", 2)

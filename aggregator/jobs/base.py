@@ -73,6 +73,14 @@ class Job(ABC):
     """Each round is one SecAgg group (a ``SecureGroupRounds``): the service relays its protocol."""
     split_validation: bool = False
     """Large results are validated in parallel ingest workers (a :class:`SplitValidation`)."""
+    canonical_round_sums: bool = False
+    """Each round's sum is released (noised) at its close (DP Fed3R): the service sums the round's
+    stored contributions up the canonical bucket tree and hands the root to :meth:`take_round_sum`
+    first (``aggregator/service/canonical.py``), so the release does not depend on arrival order."""
+
+    def take_round_sum(self, state: dict[str, np.ndarray] | None) -> None:
+        """The closing round's contributions summed canonically (``canonical_round_sums`` jobs only)."""
+        raise TypeError(f"{type(self).__name__} does not take canonical round sums")
 
     @property
     @abstractmethod

@@ -95,6 +95,11 @@ class Fed3RConfig(Fed3RRobustnessFields, PrivacyBudgetFields, ModelFields):
         if self.dp_center_clip_norm <= 0:
             raise ValueError("dp_center_devices needs dp_center_clip_norm > 0: the clip of the centred rows, "
                              "about the median distance of a feature row from the mean")
+        if self.dp_center_clip_norm > self.feature_clip_norm:
+            # a round's sum (the service's or a shard's) re-reads its stored results under the loose
+            # clip F; centring only takes the shared mean out of a row, so F_c > F would buy nothing
+            raise ValueError(f"dp_center_clip_norm {self.dp_center_clip_norm} must not exceed feature_clip_norm "
+                             f"{self.feature_clip_norm}: the centred rows' clip is the tighter one")
 
     @property
     def row_clip_norm(self) -> float:
@@ -146,6 +151,17 @@ class Fed3RJob(OncePerDevice, SplitValidation):
     @property
     def evaluate_at_round_close(self) -> bool:
         return self.config.dp           # the noisy round sum is released at round close
+
+    @property
+    def canonical_round_sums(self) -> bool:
+        """Each round's sum is noised at its close: the service hands it the round's stored statistics
+        summed up the canonical bucket tree first (:meth:`take_round_sum`), as a sharded job's
+        coordinator hands it its shards' sums, so the release is the same bits either way."""
+        return self.config.dp
+
+    def take_round_sum(self, state: dict[str, np.ndarray] | None) -> None:
+        """The closing round's statistics as one Fed3R state (None: none), in place of their arrival-order sum."""
+        self.strategy.take_round_sum(state)
 
     def __post_init__(self):
         c = self.config
@@ -217,14 +233,28 @@ class Fed3RJob(OncePerDevice, SplitValidation):
         within the first clip."""
         c = self.config
         if c.dp and c.dp_center_devices:
-            try:
-                check_bounded(stats, c.max_samples, c.row_clip_norm if self._centred else c.feature_clip_norm,
-                              c.fit_intercept)
-            except ValueError as exc:
-                raise EnvelopeError(f"{KIND}: {exc}") from None
+            self.check_round_clip(self.round_clips(stats))
         if self.config.streaming:
             self.check_increment_start(env.sender, body_field(env, "from_sample", int))
         return stats
+
+    def round_clips(self, stats: Fed3RStats) -> tuple[str, str]:
+        """DP with a center: why ``stats`` break the center round's clip F and the centred rounds'
+        F_c ("": within it). A shard's receipt carries both: which applies is the job's state."""
+        c, out = self.config, []
+        for clip in (c.feature_clip_norm, c.dp_center_clip_norm):
+            try:
+                check_bounded(stats, c.max_samples, clip, c.fit_intercept)
+                out.append("")
+            except ValueError as exc:
+                out.append(str(exc))
+        return out[0], out[1]
+
+    def check_round_clip(self, why: tuple[str, str]) -> None:
+        """A centred round's result must be within F_c, the center round's within F (``round_clips``)."""
+        reason = why[1 if self._centred else 0]
+        if reason:
+            raise EnvelopeError(f"{KIND}: {reason}")
 
     def check_increment_start(self, device: str, start: int) -> None:
         """Streaming: an increment must start exactly at the samples the job holds of ``device``

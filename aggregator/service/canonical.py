@@ -27,7 +27,7 @@ from typing import Any
 from protocols.envelope import decode
 
 from aggregator.jobs.base import Job
-from aggregator.shards.partial_sums import canonical_sum
+from aggregator.shards.partial_sums import canonical_root, canonical_sum
 from aggregator.storage.store import Store
 
 DEFAULT_BUDGET_BYTES = 1 << 30
@@ -71,8 +71,23 @@ def canonical_job(store: Store, kind: str, config: dict, job_id: str):
     """An order-free job (Fed3R) rebuilt from its stored contributions in canonical order: what
     the finished job reports, so its model depends only on which devices contributed. Payloads
     are read and decoded one at a time, as the sum reaches them."""
+    return canonical_sum(kind, config, _stored(store, job_id))
+
+
+def canonical_round_sum(store: Store, kind: str, config: dict, job_id: str, round_: int) -> dict | None:
+    """A ``canonical_round_sums`` job's (DP Fed3R's) closing round: its stored contributions summed
+    up the canonical bucket tree, the state its ``take_round_sum`` takes (None: none stored)."""
+    root = canonical_root(kind, config, _stored(store, job_id, round_))
+    return None if root is None else root.state
+
+
+def _stored(store: Store, job_id: str, round_: int | None = None) -> list:
+    """(device, round, loader) of the job's stored contributions (of one round); each payload read
+    and decoded when a sum reaches it."""
     def loader(seq: int):
         # the stored bytes were validated when they were accepted
         return lambda job: job.parse_accepted(decode(store.contribution_payload(job_id, seq)))
-    stored = [(c.device, c.round, loader(c.seq)) for c in store.contributions(job_id, with_payload=False)]
-    return canonical_sum(kind, config, stored)
+    after = 0 if round_ is None else round_ - 1
+    return [(c.device, c.round, loader(c.seq)) for c in store.contributions(job_id, with_payload=False,
+                                                                            after_round=after)
+            if round_ is None or c.round == round_]

@@ -24,7 +24,7 @@ from protocols.rounds import RoundClosed
 
 from aggregator.jobs.base import Job
 from aggregator.shards.coordinated_job import CoordinatedJob
-from aggregator.shards.partial_sums import additive
+from aggregator.shards.partial_sums import PartialSum, additive
 
 # (kind, config, job id, accepted (device, message id)s) -> the reduced job
 Reducer = Callable[[str, dict, str, list[tuple[str, str]]], Job]
@@ -85,9 +85,54 @@ class ShardedJob(CoordinatedJob):
     def state_dict(self) -> dict[str, np.ndarray]:
         """The reduced sums (what ``statistics.npz`` shows, as one aggregator's would) and the
         accepted ids (all a restart needs: the sums are the shards')."""
-        ids = np.array([f"{d}\t{m}" for d, m in self.accepted], dtype=str)
-        return {**self.reduced().state_dict(), ACCEPTED: ids}
+        return {**self.reduced().state_dict(), ACCEPTED: self._accepted_ids()}
+
+    def _accepted_ids(self) -> np.ndarray:
+        return np.array([f"{d}\t{m}" for d, m in self.accepted], dtype=str)
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         self.accepted = [tuple(str(x).split("\t", 1)) for x in state[ACCEPTED]]
         self._model = None
+
+
+# (job id, the round's accepted (device, message id)s) -> the root of the shards' sums of them (None: none)
+RoundRoot = Callable[[str, list[tuple[str, str]]], PartialSum | None]
+
+
+class ShardedNoisyRoundsJob(ShardedJob):
+    """A job released in noisy round sums (``canonical_round_sums``: DP Fed3R) on shards. Receipts are
+    recorded as for an order-free job; at each round's close the shards sum that round's accepted
+    statistics up the canonical tree (``fed3r_sums.round_sum`` per bucket) and the job takes the
+    root (``take_round_sum``) before its own close noises it: the release one aggregator makes of its
+    stored round (``aggregator/service/canonical.py``), bit for bit. The model is the job's released
+    sums, never a reduction over the shards; the checkpoint is the job's state and the accepted ids."""
+
+    def __init__(self, inner: Job, kind: str, round_root: RoundRoot, round_closed: RoundClosedHook | None = None):
+        super().__init__(inner, kind, lambda *_: inner, round_closed)
+        self._round_root = round_root
+        self._round_from = 0            # accepted[_round_from:] are the open round's
+
+    @property
+    def contributions(self) -> int:
+        return self.inner.contributions         # the released ones (not the center round's, not the open round's)
+
+    def close_round(self, closed: RoundClosed) -> None:
+        ids = self.accepted[self._round_from:]
+        root = self._round_root(self.config.job_id, ids) if ids else None
+        self.inner.take_round_sum(None if root is None else root.state)
+        super().close_round(closed)
+        self._round_from = len(self.accepted)
+
+    def evaluate(self, features: np.ndarray | None, labels: np.ndarray | None) -> dict:
+        return self.inner.evaluate(features, labels)
+
+    def model_arrays(self) -> dict[str, np.ndarray]:
+        return self.inner.model_arrays()
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return {**self.inner.state_dict(), ACCEPTED: self._accepted_ids()}
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        self.inner.load_state_dict(state)
+        super().load_state_dict(state)
+        self._round_from = len(self.accepted)

@@ -7,11 +7,28 @@ from typing import Any
 
 import numpy as np
 
-from protocols.envelope import body_field
+from protocols.envelope import EnvelopeError, body_field
+from protocols.payloads.fed3r import KIND
 
 from aggregator.jobs.base import Job
 from aggregator.shards.sum_tree import AdditiveState, Contribution, PartialSum, add_elementwise
+from aggregator.strategies.fed3r import Fed3R
 from aggregator.strategies.robust_fed3r import energy_per_sample
+
+
+ROUND_CLIPS = "round_clips"         # DP with a center: why the statistics break F and F_c ("": within)
+
+
+def round_sum(job: Job, members: list[Contribution]) -> PartialSum:
+    """A DP job's bucket of one round: the plain Fed3R sums of its members' statistics (the job's
+    ``take_round_sum`` state), in the order given; the noise is the job's, added to the root."""
+    c = job.config
+    sums, contributed = Fed3R(c.num_classes, c.p, c.lam, c.fit_intercept, c.normalize_columns), {}
+    for device, _round, load in members:
+        stats = load(job)
+        sums.add(stats)
+        contributed[device] = contributed.get(device, 0) + int(stats.n)
+    return PartialSum(sums.state_dict(), contributed)
 
 
 class Fed3RSums(AdditiveState):
@@ -21,8 +38,8 @@ class Fed3RSums(AdditiveState):
     the fleet screen at round close, its energy per sample."""
 
     def refusal(self, job: Job) -> str:
-        if not job.order_free:
-            return "a fed3r job with this config is not order-free (e.g. DP noise at round close): " \
+        if not (job.order_free or job.canonical_round_sums):
+            return "a fed3r job with this config is neither order-free nor released in round sums: " \
                    "it cannot be summed by shards"
         return ""
 
@@ -35,6 +52,8 @@ class Fed3RSums(AdditiveState):
 
     def sum_bucket(self, new_job, members: list[Contribution], context: Any) -> PartialSum:
         job = new_job()
+        if job.canonical_round_sums:        # DP: the plain sums of a round, released by the coordinator's job
+            return round_sum(job, members)
         for device, _round, load in members:
             job.apply(device, load(job))
         return PartialSum(job.state_dict(), dict(job.contributed))
@@ -45,11 +64,18 @@ class Fed3RSums(AdditiveState):
     def receipt(self, job: Job, payload: Any) -> dict:
         stats, start = payload
         kept = {"contributed": int(stats.n), "energy": energy_per_sample(stats, job.config.fit_intercept)}
+        if job.config.dp and job.config.dp_center_devices:     # which round's clip it is within
+            kept[ROUND_CLIPS] = list(job.round_clips(stats))
         return kept if start is None else {**kept, "from_sample": start}
 
     def check_receipt(self, job: Job, device: str, receipt: dict) -> None:
         if job.config.streaming:        # the increment starts where the job's count of the device ends
             job.check_increment_start(device, int(receipt.get("from_sample", -1)))
+        if job.config.dp and job.config.dp_center_devices:
+            why = receipt.get(ROUND_CLIPS)
+            if not (isinstance(why, list) and len(why) == 2 and all(isinstance(w, str) for w in why)):
+                raise EnvelopeError(f"{KIND}: a DP receipt without its clips")
+            job.check_round_clip((why[0], why[1]))
 
     def record(self, job: Job, device: str, receipt: dict) -> None:
         job.record_contribution(device, int(receipt["contributed"]), float(receipt["energy"]))

@@ -20,9 +20,10 @@ from aggregator.jobs.base import Job
 from aggregator.jobs.registry import KINDS, build_job, kind_of
 from aggregator.shards.buckets import NUM_BUCKETS, bucket_of, canonical_key
 from aggregator.shards.group_placement import SecureGroupPlacement
-from aggregator.shards.sum_tree import AdditiveState, Contribution, Node, PartialSum, root_sum, subtree_sums
+from aggregator.shards.sum_tree import (AdditiveState, Contribution, Node, PartialSum, lazy_root, root_sum,
+                                        subtree_sums)
 
-__all__ = ["Contribution", "Node", "PartialSum", "additive", "bucket_sums", "canonical_sum",
+__all__ = ["Contribution", "Node", "PartialSum", "additive", "bucket_sums", "canonical_root", "canonical_sum",
            "range_sums", "reduce_nodes", "shard_capability"]
 
 
@@ -68,7 +69,11 @@ def range_sums(kind: str, buckets: dict[int, PartialSum], lo: int, hi: int) -> d
 
 def reduce_nodes(kind: str, config: dict, nodes: dict[Node, PartialSum | None]) -> Job:
     """A fresh job holding the root of the tree, from node sums that cover every bucket once."""
-    root = root_sum(additive(kind), nodes)
+    return job_of_root(kind, config, root_sum(additive(kind), nodes))
+
+
+def job_of_root(kind: str, config: dict, root: PartialSum | None) -> Job:
+    """A fresh job holding ``root`` (None: nothing summed)."""
     job = build_job(kind, config)
     if root is not None:
         job.load_state_dict(root.state)
@@ -85,5 +90,15 @@ def canonical_sum(kind: str, config: dict, contributions: Iterable[Contribution]
         for device, _round, load in sorted(contributions, key=lambda c: canonical_key(c[0], c[1])):
             job.apply(device, load(job))
         return job
-    buckets = bucket_sums(kind, config, contributions)
-    return reduce_nodes(kind, config, range_sums(kind, buckets, 0, NUM_BUCKETS))
+    return job_of_root(kind, config, canonical_root(kind, config, contributions))
+
+
+def canonical_root(kind: str, config: dict, contributions: Iterable[Contribution]) -> PartialSum | None:
+    """The root of the tree over ``contributions``' bucket sums (None: none), each bucket summed when
+    the walk reaches it (``lazy_root``): one aggregator's canonical model, and a DP Fed3R round's sum
+    as the service hands it to its job; K shards' root bit for bit."""
+    adder, members = additive(kind), by_bucket(contributions)
+
+    def new_job() -> Job:
+        return build_job(kind, config)
+    return lazy_root(adder, lambda b: adder.sum_bucket(new_job, members[b], None) if b in members else None)

@@ -35,10 +35,11 @@ from protocols.topics import Topics
 
 from aggregator.jobs.base import Job
 from aggregator.shards.buckets import bucket_range, shard_of
-from aggregator.shards.coordinator_job import ShardedJob
+from aggregator.shards.coordinator_job import ShardedJob, ShardedNoisyRoundsJob
 from aggregator.shards.coordinator_rounds import ShardedRoundsJob
 from aggregator.shards.group_placement import SecureGroupPlacement
 from aggregator.shards.partial_sums import additive, reduce_nodes, shard_capability
+from aggregator.shards.sum_tree import root_sum
 from aggregator.shards.secure_groups import ShardedSecureJob
 
 log = logging.getLogger("fedfleet.aggregator.shards")
@@ -253,6 +254,9 @@ class ShardPool(ABC):
             return ShardedSecureJob(job, kind, self)
         if additive(kind).per_round:
             return ShardedRoundsJob(job, kind, self)
+        if job.canonical_round_sums:            # DP Fed3R: each round's sum, noised by the job
+            return ShardedNoisyRoundsJob(job, kind, lambda job_id, ids: root_sum(additive(kind), self.ask(
+                "sums", job_id, ids)), self.round_closed)
         return ShardedJob(job, kind, self.reduce, self.round_closed)
 
     def close(self) -> None:

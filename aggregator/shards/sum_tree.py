@@ -121,6 +121,18 @@ def node_sum(adder: AdditiveState, known: dict[Node, PartialSum | None], node: N
     return combine(adder, node_sum(adder, known, (start, mid)), node_sum(adder, known, (mid, end)))
 
 
+def lazy_root(adder: AdditiveState, leaf: Callable[[int], PartialSum | None],
+              node: Node = (0, NUM_BUCKETS)) -> PartialSum | None:
+    """:func:`node_sum` of ``node`` with each bucket's sum ``leaf(bucket)`` taken only when the walk
+    reaches it (None: an empty bucket): the same additions, holding one pending sum per level of the
+    tree instead of every bucket's (one aggregator's re-sum of a Fed3R job: 7 states, not 64)."""
+    start, end = node
+    if end - start == 1:
+        return leaf(start)
+    mid = (start + end) // 2
+    return combine(adder, lazy_root(adder, leaf, (start, mid)), lazy_root(adder, leaf, (mid, end)))
+
+
 def subtree_sums(adder: AdditiveState, buckets: dict[int, PartialSum], lo: int, hi: int) -> dict[Node, PartialSum | None]:
     """What the owner of buckets ``[lo, hi)`` reports: the sums of its covering nodes."""
     if any(not lo <= b < hi for b in buckets):

@@ -54,13 +54,24 @@ class PrivateFeatureCenter:
             raise ValueError("the feature center is released: contributions go to the centred rounds")
         self.pending.add(stats)
 
+    def take_sum(self, state: dict[str, np.ndarray] | None) -> None:
+        """The round's sum as a Fed3R state (added up the canonical bucket tree), in place of what was added."""
+        if self.released:
+            raise ValueError("the feature center is released: contributions go to the centred rounds")
+        self.pending = self._empty()
+        if state is not None:
+            self.pending.load_state_dict(state)
+
+    def _empty(self) -> Fed3R:
+        p = self.pending
+        return Fed3R(p.num_classes, p.p, fit_intercept=True, normalize_columns=False, device="cpu")
+
     def release(self, rng: np.random.Generator) -> bool:
         """Noise (Σ z_i, n) of the round and set the center; False (nothing released) when fewer than
         ``min_devices`` contributed (most of the round dropped out): their sums are dropped unreleased
         (they are in no release, so privacy holds) and the next round is the center round again."""
         if self.pending.n_contributions < max(self.min_devices, 1):
-            self.pending = Fed3R(self.pending.num_classes, self.pending.p, fit_intercept=True, normalize_columns=False,
-                                 device="cpu")
+            self.pending = self._empty()
             return False
         column = self.pending.A[:, -1].cpu().numpy()                 # (Σ z_i, n): A's intercept column
         noisy = column + rng.normal(0.0, self.noise_multiplier * self.sensitivity, column.shape)

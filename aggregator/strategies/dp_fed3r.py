@@ -238,6 +238,22 @@ class NoisyFed3R:
     def add(self, stats: Fed3RStats) -> None:
         (self.center if self.centering else self.pending).add(stats)
 
+    def take_round_sum(self, state: dict[str, np.ndarray] | None) -> None:
+        """The round's sum of statistics as a Fed3R state added up the canonical bucket tree (one
+        aggregator's stored round, or its shards'; None: nothing), in place of what :meth:`add`
+        summed in arrival order: the release is then a function of which devices took part only,
+        the same bits however many shards summed it."""
+        if self.centering:
+            self.center.take_sum(state)
+            return
+        self.pending = self._empty_round_sum()
+        if state is not None:
+            self.pending.load_state_dict(state)
+
+    def _empty_round_sum(self) -> Fed3R:
+        p = self.pending
+        return Fed3R(p.num_classes, p.p, p.lam, p.fit_intercept, p.normalize_columns)
+
     def positive_definite(self, a: np.ndarray, tau: float) -> bool:
         return self.pending.positive_definite(a, tau)
 
@@ -257,7 +273,7 @@ class NoisyFed3R:
         p = self.pending
         noise_a, noise_b = self.mechanism.scale().draw(p.p, p.num_classes, self.rng)
         noisy_b = p.B.cpu().numpy() + noise_b
-        self.pending = Fed3R(p.num_classes, p.p, p.lam, p.fit_intercept, p.normalize_columns)
+        self.pending = self._empty_round_sum()
         self.add_noised(p.packed_upper() + noise_a, noisy_b.T, p.n_samples, p.n_contributions)
 
     @property
