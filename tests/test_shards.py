@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from aggregator.shards.buckets import shard_of
+from aggregator.strategies.dp_noise import NOISE_SEED_ENV
 from fedfleet.emulation.broker import MosquittoBroker
 
 from ops_fleet import Fleet, prepare, reference_sums, run_aggregator, run_uninterrupted, start_aggregator_in
@@ -207,30 +208,101 @@ def test_fedncm_on_shards_gives_one_aggregators_class_means_bit_for_bit(tmp_path
 # by the coordinator's job; the noise is seeded in both runs (FEDFLEET_TEST_DP_NOISE_SEED, tests
 # only) so that their bits can be compared. The Ray variant runs under `make test-ray`.
 DP_FED3R_ON = ["local", pytest.param("ray", marks=[RAY_ALL_ONLY, *ON_RAY])]
+DP_NOISE_SEED = "23"
+
+
+def dp_fed3r_fleet(broker_url: str, gates: dict | None = None) -> Fleet:
+    """The devices of test_dp_fed3r_center's DP Fed3R job (the device library's task, clipping and
+    centring), the ``gates``' devices waiting for theirs before a centred round's task (never the
+    center round's: holding one of its three would drop it and change every later round)."""
+    from protocols.payloads.fed3r import KIND
+
+    from test_dp_fed3r_center import handlers
+
+    tasks = handlers(DEVICES)
+
+    def of(device):
+        task = tasks[device]
+        if device in (gates or {}):
+            gate = gates[device]
+
+            def task(params, tensors=None, run=task):
+                if params.get("centered"):
+                    gate.wait(240)
+                return run(params, tensors)
+        return {KIND: task}, {}
+    return Fleet(broker_url, DEVICES, handlers=of)
+
+
+def prepare_dp_fed3r(workdir) -> None:
+    from test_dp_fed3r_center import config as dp_config
+
+    prepare(workdir, DEVICES, **{**dp_config(), "clients_per_round": 10})     # 3 for the center, then the rest
+
+
+@pytest.fixture(scope="module")
+def dp_fed3r_unsharded(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("dp-fed3r-one")
+    prepare_dp_fed3r(workdir)
+    with MosquittoBroker() as broker, dp_fed3r_fleet(broker.url):
+        rc, log = run_aggregator(workdir, broker.url, workdir / "state.db", timeout=SHARDED_JOB_TIMEOUT_S,
+                                 env={NOISE_SEED_ENV: DP_NOISE_SEED})
+    assert rc == 0, log[-3000:]
+    return outputs(workdir / "out")
+
+
+def assert_same_dp_release(got, want) -> None:
+    (model, stats, results), (want_model, want_stats, want_results) = got, want
+    assert {"A", "B", "counts", "dp_feature_center", "dp_releases"} <= set(want_stats)
+    assert int(want_stats["dp_releases"][0]) == 1 and int(want_stats["counts"][1]) == len(DEVICES) - 3
+    for got_arrays, want_arrays in ((model, want_model), (stats, want_stats)):   # (the shards' bookkeeping besides)
+        for name in want_arrays:
+            assert got_arrays[name].tobytes() == want_arrays[name].tobytes(), name       # bit for bit
+    assert sorted(results["contributed"]) == DEVICES and results["state"] == "done"
+    assert results["final"]["privacy"] == want_results["final"]["privacy"]
 
 
 @pytest.mark.parametrize("on", DP_FED3R_ON)
-def test_dp_fed3r_on_shards_releases_one_aggregators_bytes(tmp_path, on, request):
-    from aggregator.strategies.dp_noise import NOISE_SEED_ENV
-    from protocols.payloads.fed3r import KIND
+def test_dp_fed3r_on_shards_releases_one_aggregators_bytes(tmp_path, dp_fed3r_unsharded, on, request):
+    prepare_dp_fed3r(tmp_path)
+    with MosquittoBroker() as broker, dp_fed3r_fleet(broker.url):
+        rc, log = run_aggregator(tmp_path, broker.url, tmp_path / "state.db", timeout=SHARDED_JOB_TIMEOUT_S,
+                                 extra=shard_options(on, request), env={NOISE_SEED_ENV: DP_NOISE_SEED})
+    assert rc == 0, log[-3000:]
+    assert_same_dp_release(outputs(tmp_path / "out"), dp_fed3r_unsharded)
+    assert_each_device_once(tmp_path / "state.db", 2)
 
-    from test_dp_fed3r_center import config as dp_config, handlers
 
-    job = {k: v for k, v in dp_config().items() if k != "clients_per_round"}
-    ran, h = {}, handlers(DEVICES)
-    for name, extra in (("one", []), ("sharded", shard_options(on, request))):
-        prepare(tmp_path / name, DEVICES, **job, clients_per_round=10)
-        with MosquittoBroker() as broker, Fleet(broker.url, DEVICES, handlers=lambda d: ({KIND: h[d]}, {})):
-            rc, log = run_aggregator(tmp_path / name, broker.url, tmp_path / name / "state.db",
-                                     timeout=SHARDED_JOB_TIMEOUT_S, extra=extra, env={NOISE_SEED_ENV: "23"})
-        assert rc == 0, log[-3000:]
-        ran[name] = outputs(tmp_path / name / "out")
-    (model, stats, results), (want_model, want_stats, want_results) = ran["sharded"], ran["one"]
-    assert {"A", "B", "counts", "dp_feature_center", "dp_releases"} <= set(want_stats)
-    assert int(want_stats["dp_releases"][0]) == 1 and int(want_stats["counts"][1]) == len(DEVICES) - 3
-    for got, want in ((model, want_model), (stats, want_stats)):     # (the shards' bookkeeping besides)
-        for name in want:
-            assert got[name].tobytes() == want[name].tobytes(), name       # bit for bit
-    assert sorted(results["contributed"]) == DEVICES and results["state"] == "done"
-    assert results["final"]["privacy"] == want_results["final"]["privacy"]
-    assert_each_device_once(tmp_path / "sharded" / "state.db", 2)
+def test_dp_fed3r_on_shards_resumes_a_sigkilled_shard_bit_for_bit(tmp_path, dp_fed3r_unsharded):
+    """A shard dies once it stored a result; restarted on its store it answers the round sums of the
+    coordinator, whose job (and noise) lived on: the same release."""
+    prepare_dp_fed3r(tmp_path)
+    state, victim = tmp_path / "state.db", shard_of(DEVICES[0], 2)
+    gates = {d: threading.Event() for d in [d for d in DEVICES if shard_of(d, 2) == victim][1:]}
+    with MosquittoBroker() as broker, dp_fed3r_fleet(broker.url, gates):
+        proc = start_aggregator_in(tmp_path, broker.url, state, ["--shards", "2"], timeout=SHARDED_JOB_TIMEOUT_S,
+                                   env={NOISE_SEED_ENV: DP_NOISE_SEED})
+        try:
+            deadline = time.monotonic() + 240
+            while time.monotonic() < deadline:
+                try:
+                    if shard_rows(state, 2)[victim]:
+                        break
+                except sqlite3.OperationalError:
+                    pass
+                time.sleep(0.2)
+            else:
+                pytest.fail("the shard never stored a result")
+            os.kill(int((tmp_path / "state.db.shards" / f"shard-{victim}.pid").read_text()), signal.SIGKILL)
+            for g in gates.values():
+                g.set()
+            proc.wait(SHARDED_JOB_TIMEOUT_S)
+        finally:
+            for g in gates.values():
+                g.set()
+            proc.kill()
+    out = proc.output()
+    assert proc.returncode == 0, out[-3000:]
+    assert f"shard {victim} exited" in out
+    assert_same_dp_release(outputs(tmp_path / "out"), dp_fed3r_unsharded)
+    assert_each_device_once(state, 2)
