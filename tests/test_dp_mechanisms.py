@@ -188,3 +188,21 @@ def test_distributed_noise_sums_to_the_intended_variance_under_secagg(dropped):
     job.on_secure_sum(total, tuple(survivors))
     moved, _, _ = job.round_step()
     np.testing.assert_allclose(moved["bias"] - before["bias"], total[-11:-1] / 6, rtol=1e-5, atol=1e-6)
+
+
+def test_a_seeded_noise_source_repeats_its_draws_and_every_privacy_report_says_it_is_not_private(monkeypatch):
+    """FEDFLEET_TEST_DP_NOISE_SEED (tests comparing two runs' bits): two jobs draw the same noise,
+    and the report carries ``not_private``; unset, the draws differ and the report has no such key."""
+    from aggregator.jobs.registry import build_job
+    from aggregator.strategies.dp_noise import NOISE_SEED_ENV, noise_source
+
+    config = {"job_id": "j", "num_classes": 3, "feature_dim": 4, "dp_noise_multiplier": 1.0, "dp_clip_norm": 1.0}
+    monkeypatch.delenv(NOISE_SEED_ENV, raising=False)
+    assert noise_source().normal() != noise_source().normal()
+    assert "not_private" not in build_job("fedavg", config).evaluate(None, None)["privacy"]
+    monkeypatch.setenv(NOISE_SEED_ENV, "7")
+    assert noise_source().normal() == noise_source().normal() == np.random.default_rng(7).normal()
+    assert NOISE_SEED_ENV in build_job("fedavg", config).evaluate(None, None)["privacy"]["not_private"]
+    monkeypatch.setenv(NOISE_SEED_ENV, "seven")
+    with pytest.raises(ValueError, match="non-negative integer"):
+        noise_source()

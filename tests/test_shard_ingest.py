@@ -24,7 +24,8 @@ DEVICES = [f"dev{i:02d}" for i in range(12)]
 TOPICS = Topics()
 
 
-def result(i: int, job: str = "sharded", corrupt: bool = False, signer=None, from_sample: int | None = None) -> bytes:
+def result(i: int, job: str = "sharded", corrupt: bool = False, signer=None, from_sample: int | None = None,
+           round_: int = 1) -> bytes:
     rng = np.random.default_rng(i)
     n = 4 + i
     Z = np.hstack([rng.normal(size=(n, P - 1)), np.ones((n, 1))])
@@ -36,7 +37,7 @@ def result(i: int, job: str = "sharded", corrupt: bool = False, signer=None, fro
     body, tensors = encode_stats(A, ids, np.stack([Z[y == c].sum(0) for c in ids]), n, C)
     if from_sample is not None:                 # a streaming increment: the samples the job held before it
         body["from_sample"] = from_sample
-    env = M.result_message(DEVICES[i], M.TaskRef(job, 1, "t"), "fed3r.stats", body, tensors)
+    env = M.result_message(DEVICES[i], M.TaskRef(job, round_, "t"), "fed3r.stats", body, tensors)
     env.id = f"{i:032x}" if from_sample is None else f"{i:016x}{from_sample:08x}{len(tensors):08x}"
     return encode(env, signer)
 
@@ -143,8 +144,8 @@ def test_a_shard_coordinator_takes_a_streaming_increment_only_where_its_devices_
     coordinator = ShardedJob(build_job("fed3r", config), "fed3r", reduce=lambda *_: None)
     n0 = 4                                                          # device 0's increment: rows 0 .. 3
 
-    def receipted(start: int):
-        out = shard.feed(TOPICS.outbox(DEVICES[0]), result(0, from_sample=start))
+    def receipted(start: int):                  # each increment its round's (a device sends one a round)
+        out = shard.feed(TOPICS.outbox(DEVICES[0]), result(0, from_sample=start, round_=start + 1))
         assert isinstance(out, Receipt) and decode(out.raw).body[RECEIPT]["job"]["from_sample"] == start
         return decode(out.raw)
 
@@ -242,3 +243,26 @@ def test_a_close_and_a_sums_request_send_each_shard_only_its_own_devices_ids(tmp
         assert sorted(x for _i, c in commands for x in c[ids_at]) == sorted(accepted)
     assert all(c[1:3] == ("sharded", 2) and c[4] is True for _i, c in closes)
     assert all(len(c[3]) < len(accepted) for _i, c in closes)       # never the whole list
+
+
+def test_a_shard_receipts_only_an_id_it_holds(tmp_path):
+    """A device's round already holds another result of it (sent ahead of its round, or stored
+    before a kill and re-sent under a new id): the shard receipts the one it holds, with that one's
+    contents, never the new id (the round's close would ask for a row no shard has and stop the
+    job). A result carrying another device's stored id is not receipted at all."""
+    shard = ShardIngest(0, 2, Store(tmp_path / "s0.db"))
+    shard.set_job("sharded", "fed3r", CONFIG)
+    mine = [i for i in range(len(DEVICES)) if shard_of(DEVICES[i], 2) == 0]
+    first, second = mine[0], mine[1]
+    held = feed(shard, first, result(first))                  # stored and receipted: id f"{first:032x}"
+    env = decode(result(second))                              # another device's result, under the first's id...
+    env.sender, env.id = DEVICES[first], f"{first + 100:032x}"     # ...sent as the first device's, a new id
+    again = feed(shard, first, encode(env))
+    got = decode(again.raw)
+    assert got.id == decode(held.raw).id == f"{first:032x}"
+    assert got.body[RECEIPT]["job"] == decode(held.raw).body[RECEIPT]["job"]      # the stored one's contents
+    assert shard.stored == 1
+    stolen = decode(result(second))
+    stolen.id = f"{first:032x}"                               # the first device's id, from the second device
+    assert shard.feed(TOPICS.outbox(DEVICES[second]), encode(stolen)) is None
+    assert [c.device for c in shard.store.contributions("sharded", with_payload=False)] == [DEVICES[first]]

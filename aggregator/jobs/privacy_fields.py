@@ -16,6 +16,7 @@ from aggregator.compute.privacy import PrivacyAccountant
 from aggregator.jobs.base import JobConfig
 from aggregator.jobs.config_limits import COUNT, FLAG, Range, limited
 from aggregator.strategies.dp_fedavg import AdaptiveClipNorm, ClipNorm, FixedClipNorm
+from aggregator.strategies.dp_noise import seeded_noise_warning
 
 
 @functools.lru_cache(maxsize=64)
@@ -64,7 +65,7 @@ class PrivacyBudgetFields(JobConfig):
         return {"epsilon": accountant.epsilon(releases), "delta": self.dp_delta, "releases": releases,
                 "noise_multiplier": self.dp_noise_multiplier, "sampling_rate": accountant.sampling_rate,
                 "accounting": accountant.accounting,
-                "target_epsilon": self.dp_target_epsilon or None}
+                "target_epsilon": self.dp_target_epsilon or None, **seeded_noise_warning()}
 
     def budget_exhausted(self, opened: int) -> bool:
         """Whether one more release after ``opened`` would exceed the budget (the job then stops)."""

@@ -148,7 +148,7 @@ class ShardIngest:
             return Forward(topic, raw)
         return self._result(topic, device, env, raw, nbytes)
 
-    def _result(self, topic: str, device: str, env: Envelope, raw: bytes, nbytes: int) -> Forward | Receipt:
+    def _result(self, topic: str, device: str, env: Envelope, raw: bytes, nbytes: int) -> Forward | Receipt | None:
         try:
             ref, kind = M.parse_result_ref(env)
             if ref.job != self.job_id or kind != self._validator.kind or self.groups is not None:
@@ -160,7 +160,16 @@ class ShardIngest:
             self.store.add_contribution(self.job_id, ref.round, device, env.id, raw)
             self.stored += 1
         except StoreError:          # stored before (a re-send): receipted again, never stored twice
-            pass
+            stored = self.store.contribution_of(self.job_id, ref.round, device)
+            if stored is None:      # the id is another device's (or the store failed): nothing to receipt
+                log.warning("shard %d: result %s of %s not stored, not receipted", self.index, env.id, device)
+                return None
+            if stored.message_id != env.id:
+                # The shard holds another result of the device for this round (stored before a kill,
+                # or sent ahead of its round): only what it holds can be summed, so that is what it
+                # receipts. A receipt of an id it does not hold would stop the round's close.
+                env, nbytes = decode(stored.payload), len(stored.payload)
+                payload = additive(self.kind).check(self._validator, env)
         self.receipted += 1
         kept = additive(self.kind).receipt(self._validator, payload)
         return Receipt(topic, encode(receipt_envelope(env, self.index, kept, nbytes)))
@@ -189,13 +198,15 @@ class ShardIngest:
         id)s in its range; a bucket is summed again only when its accepted set changed (always, for
         a kind whose sums depend on the round's ``context``)."""
         buckets = {}
+        # a round's sums (a context, or DP Fed3R's rounds) are asked for once: nothing worth keeping
+        cache = context is None and not self._validator.canonical_round_sums
         for bucket, members in self._accepted_members(job_id, accepted).items():
             keys = frozenset((c.device, c.message_id) for c in members)
-            cached = None if context is not None else self._cache.get(bucket)
+            cached = self._cache.get(bucket) if cache else None
             if cached is None or cached[0] != keys:
                 summed = bucket_sums(self.kind, self.config, self._contributions(members), context, self._summing_job)
                 cached = (keys, summed[bucket])
-                if context is None:
+                if cache:
                     self._cache[bucket] = cached
             buckets[bucket] = cached[1]
         return range_sums(self.kind, buckets, self.lo, self.hi)

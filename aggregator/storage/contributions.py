@@ -69,6 +69,13 @@ class ContributionRepository(StoreConnection):
             payload = self._payload(r[0], r[5], job_id) if with_payload else b""
             yield StoredContribution(r[0], r[1], r[2], r[3], r[4], payload, r[6])
 
+    def contribution_of(self, job_id: str, round_: int, device: str) -> StoredContribution | None:
+        """The one contribution of ``device`` to ``round_`` the job holds (with its payload), or None."""
+        r = self.db.execute("SELECT seq, job_id, round, device, message_id, payload_bytes, received_at FROM "
+                            "contributions WHERE job_id=? AND round=? AND device=?", (job_id, round_, device)).fetchone()
+        return None if r is None else StoredContribution(r[0], r[1], r[2], r[3], r[4], self._payload(r[0], r[5], job_id),
+                                                         r[6])
+
     def contribution_payload(self, job_id: str, seq: int) -> bytes:
         """The stored bytes of one contribution (``seq`` from :meth:`contributions`)."""
         row = self.db.execute("SELECT payload_bytes FROM contributions WHERE job_id=? AND seq=?", (job_id, seq)).fetchone()
