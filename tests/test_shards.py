@@ -103,6 +103,36 @@ def test_shards_as_ray_actors_on_two_nodes_give_the_local_shards_model_bit_for_b
     assert all(p["resources"].get(f"fedfleet_shard_{p['shard']}") == 1 for p in placement)
 
 
+def kill_shard_once_it_stores(proc, state, victim: int, gates: dict) -> None:
+    """SIGKILL shard ``victim`` of two once it stored a result, then open the ``gates`` (the devices
+    held until then) and wait for the job's end, which must be a clean one (the aggregator ``proc``
+    is killed if it is still there)."""
+    try:
+        # a deadline, not a wait: the loop leaves at the first stored row (a Ray actor's start
+        # on CI's 2 loaded cores took over a minute once)
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:           # the victim has stored some results, not all
+            try:
+                if shard_rows(state, 2)[victim]:
+                    break
+            except sqlite3.OperationalError:
+                pass
+            time.sleep(0.2)
+        else:
+            pytest.fail("the shard never stored a result")
+        os.kill(int((state.parent / "state.db.shards" / f"shard-{victim}.pid").read_text()), signal.SIGKILL)
+        for g in gates.values():
+            g.set()
+        proc.wait(SHARDED_JOB_TIMEOUT_S)
+    finally:
+        for g in gates.values():            # never leave the agents waiting at the gate
+            g.set()
+        proc.kill()
+    out = proc.output()
+    assert proc.returncode == 0, out[-3000:]
+    assert f"shard {victim} exited" in out          # ...and the job ended after its restart
+
+
 @pytest.mark.parametrize("on", ON)
 def test_a_shard_sigkilled_mid_ingest_resumes_bit_for_bit(tmp_path, unsharded, on, request):
     """A shard process, or a shard's Ray actor, dies: the coordinator restarts it on its store."""
@@ -114,28 +144,7 @@ def test_a_shard_sigkilled_mid_ingest_resumes_bit_for_bit(tmp_path, unsharded, o
     gates = {d: threading.Event() for d in held}
     with MosquittoBroker() as broker, Fleet(broker.url, DEVICES, gates=gates):
         proc = start_aggregator_in(tmp_path, broker.url, state, options, timeout=SHARDED_JOB_TIMEOUT_S)
-        try:
-            # a deadline, not a wait: the loop leaves at the first stored row (a Ray actor's start
-            # on CI's 2 loaded cores took over a minute once)
-            deadline = time.monotonic() + 240
-            while time.monotonic() < deadline:           # the victim has stored some results, not all
-                try:
-                    if shard_rows(state, 2)[victim]:
-                        break
-                except sqlite3.OperationalError:
-                    pass
-                time.sleep(0.2)
-            else:
-                pytest.fail("the shard never stored a result")
-            os.kill(int((tmp_path / "state.db.shards" / f"shard-{victim}.pid").read_text()), signal.SIGKILL)
-            for g in gates.values():
-                g.set()
-            proc.wait(SHARDED_JOB_TIMEOUT_S)
-        finally:
-            proc.kill()
-    out = proc.output()
-    assert proc.returncode == 0, out[-3000:]
-    assert f"shard {victim} exited" in out
+        kill_shard_once_it_stores(proc, state, victim, gates)
     assert_same_model(outputs(tmp_path / "out"), unsharded)
     # the victim held orphans (a result it stored but was killed before receipting, whose device
     # then re-sent it under a new message id to the restarted shard): gone at the round's close
@@ -282,27 +291,6 @@ def test_dp_fed3r_on_shards_resumes_a_sigkilled_shard_bit_for_bit(tmp_path, dp_f
     with MosquittoBroker() as broker, dp_fed3r_fleet(broker.url, gates):
         proc = start_aggregator_in(tmp_path, broker.url, state, ["--shards", "2"], timeout=SHARDED_JOB_TIMEOUT_S,
                                    env={NOISE_SEED_ENV: DP_NOISE_SEED})
-        try:
-            deadline = time.monotonic() + 240
-            while time.monotonic() < deadline:
-                try:
-                    if shard_rows(state, 2)[victim]:
-                        break
-                except sqlite3.OperationalError:
-                    pass
-                time.sleep(0.2)
-            else:
-                pytest.fail("the shard never stored a result")
-            os.kill(int((tmp_path / "state.db.shards" / f"shard-{victim}.pid").read_text()), signal.SIGKILL)
-            for g in gates.values():
-                g.set()
-            proc.wait(SHARDED_JOB_TIMEOUT_S)
-        finally:
-            for g in gates.values():
-                g.set()
-            proc.kill()
-    out = proc.output()
-    assert proc.returncode == 0, out[-3000:]
-    assert f"shard {victim} exited" in out
+        kill_shard_once_it_stores(proc, state, victim, gates)
     assert_same_dp_release(outputs(tmp_path / "out"), dp_fed3r_unsharded)
     assert_each_device_once(state, 2)
