@@ -101,7 +101,7 @@ def test_device_clipping_and_cap_bound_the_statistics_and_the_server_checks_them
     A = np.zeros((7, 7))
     A[np.triu_indices(7)] = stats_.a_upper
     assert np.trace(A) <= N * (F ** 2 + 1) * (1 + 1e-12)            # Σ ‖z‖² over clipped rows + bias
-    assert np.linalg.norm(stats_.a_upper) <= N * (F ** 2 + 1) and np.linalg.norm(stats_.b) <= N * math.sqrt(F ** 2 + 1)
+    assert np.linalg.norm(A + np.triu(A, 1).T) <= N * (F ** 2 + 1) and np.linalg.norm(stats_.b) <= N * math.sqrt(F ** 2 + 1)
     unclipped = {k: v for k, v in params.items() if k not in ("feature_clip_norm",)}
     with pytest.raises(EnvelopeError, match="clipped bound"):       # a device that did not clip is refused
         job.parse_result(fed3r_envelope(fed3r_stats_task(), unclipped))
@@ -109,6 +109,32 @@ def test_device_clipping_and_cap_bound_the_statistics_and_the_server_checks_them
         job.parse_result(fed3r_envelope(fed3r_stats_task(n=2), unclipped))
     with pytest.raises(EnvelopeError, match="cap"):
         job.parse_result(fed3r_envelope(fed3r_stats_task(), {**params, "max_samples": 40}))
+
+
+def test_a_dense_gram_matrix_is_bounded_by_its_whole_frobenius_norm_not_its_packed_triangle():
+    """A crafted dense upload: the Gram matrix of one row z spread over every feature, ‖A‖_F = ‖z‖² =
+    1.3 N R², whose packed triangle (each off-diagonal entry once) has norm ≈ 0.92 N R². Measured
+    on the triangle it passed, and its device's influence exceeded the sensitivity the noise is
+    calibrated to; it is refused. An honest row of norm R passes."""
+    from aggregator.strategies.dp_fed3r import packed_frobenius
+
+    F, N, d = 2.0, 1, 40
+    r2 = F ** 2 + 1
+    iu = np.triu_indices(d + 1)
+    rng = np.random.default_rng(0)
+    A = rng.normal(size=(d + 1, d + 1))
+    A = A @ A.T
+    assert packed_frobenius(A[iu], d + 1) == pytest.approx(np.linalg.norm(A), rel=1e-12)
+    z = np.full(d + 1, math.sqrt(1.3 * r2 / (d + 1)))
+    crafted = np.outer(z, z)
+    assert np.linalg.norm(crafted[iu]) < N * r2 < np.linalg.norm(crafted)
+    b = np.zeros((3, d + 1))
+    with pytest.raises(ValueError, match="clipped bound"):
+        check_bounded(Fed3RStats(n=N, p=d + 1, a_upper=crafted[iu], class_ids=np.arange(3), b=b), N, F, True)
+    honest = np.append(rng.normal(size=d), 1.0)
+    honest[:-1] *= F / np.linalg.norm(honest[:-1])                 # ‖z‖ = F, then the bias feature
+    check_bounded(Fed3RStats(n=N, p=d + 1, a_upper=np.outer(honest, honest)[iu], class_ids=np.arange(3), b=b),
+                  N, F, True)
 
 
 def test_noisy_fed3r_adds_noise_of_the_stated_scale_once_per_round():

@@ -77,6 +77,15 @@ def fed3r_sensitivity(max_samples: int, feature_clip_norm: float, fit_intercept:
     return Fed3RSensitivity.of(max_samples, feature_clip_norm, fit_intercept).joint
 
 
+def packed_frobenius(upper: np.ndarray, p: int) -> float:
+    """‖A‖_F of the symmetric p×p A whose upper triangle ``upper`` holds row by row (each off-diagonal
+    entry once: the packed vector's own norm is up to √2 smaller, which would let a crafted dense
+    upload past the sensitivity the noise is calibrated to)."""
+    rows = np.arange(p)
+    diagonal = upper[rows * p - rows * (rows - 1) // 2]
+    return math.sqrt(max(2.0 * float(upper @ upper) - float(diagonal @ diagonal), 0.0))
+
+
 def check_bounded(stats: Fed3RStats, max_samples: int, feature_clip_norm: float, fit_intercept: bool) -> None:
     """ValueError unless a contribution is within the bounds the sensitivity assumes."""
     if stats.n > max_samples:
@@ -87,8 +96,8 @@ def check_bounded(stats: Fed3RStats, max_samples: int, feature_clip_norm: float,
         R = np.asarray(stats.r_factor, dtype=np.float64)
         a_norm = float(np.linalg.norm(R @ R.T))
         b_norm = float(np.linalg.norm(R.T @ np.asarray(stats.qty, dtype=np.float64)))
-    else:
-        a_norm = float(np.linalg.norm(stats.a_upper))
+    else:                                                    # ‖A‖_F from the packed triangle: off-diagonals twice
+        a_norm = packed_frobenius(np.asarray(stats.a_upper, dtype=np.float64), stats.p)
         b_norm = float(np.linalg.norm(stats.b))
     if a_norm > stats.n * r2 * slack or b_norm > stats.n * math.sqrt(r2) * slack:
         raise ValueError(f"statistics exceed the clipped bound (‖A‖={a_norm:.4g}, ‖b‖={b_norm:.4g} for "
