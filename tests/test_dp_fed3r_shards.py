@@ -58,8 +58,11 @@ def dense_a(stats) -> np.ndarray:
     return A
 
 
-def run(tmp_path, shards_count: int):
-    """(one aggregator's job, the coordinator's, the devices' A_k of the centred round) after the job."""
+def run(tmp_path, shards_count: int, restart: bool = False):
+    """(one aggregator's job, the coordinator's, the devices' A_k of the centred round) after the job;
+    ``restart``: the coordinator dies halfway through the centred round and a new one resumes as the
+    service restores a job (the last close's checkpoint, the open round's bookkeeping, its receipts
+    replayed), its noise generator where the dead one's stood after the center's release."""
     shards = [ShardIngest(k, shards_count, Store(tmp_path / f"k{shards_count}-s{k}.db")) for k in range(shards_count)]
     for s in shards:
         s.set_job(CONFIG["job_id"], "fed3r", CONFIG)
@@ -78,13 +81,16 @@ def run(tmp_path, shards_count: int):
     coordinator = ShardedNoisyRoundsJob(build_job("fed3r", CONFIG), "fed3r", round_root, round_closed)
     single.strategy.rng, coordinator.inner.strategy.rng = np.random.default_rng(5), np.random.default_rng(5)
     h, centred = handlers(DEVICES), []
-    for _ in range(2):
+    for index in range(2):
         chosen = single.next_participants(set(DEVICES))
         assert coordinator.next_participants(set(DEVICES)) == chosen
+        opened, receipts = coordinator.bookkeeping(), []
         for device in reversed(chosen):          # arrival order is not the canonical order
             raw = result_of(single, h[device], device)
-            receipt = feed(shards[shard_of(device, shards_count)], device, raw)
-            coordinator.apply(device, coordinator.parse_result(decode(receipt.raw)))
+            receipts.append((device, decode(feed(shards[shard_of(device, shards_count)], device, raw).raw)))
+            coordinator.apply(device, coordinator.parse_result(receipts[-1][1]))
+            if restart and index == 1 and len(receipts) == len(chosen) // 2:
+                coordinator = restarted(checkpoint, opened, receipts, round_root, round_closed)
             stats = single.parse_result(decode(raw))
             single.apply(device, stats)
             store.add_contribution(CONFIG["job_id"], single.round, device, decode(raw).id, raw)
@@ -94,12 +100,27 @@ def run(tmp_path, shards_count: int):
         single.take_round_sum(canonical_round_sum(store, "fed3r", CONFIG, CONFIG["job_id"], single.round))
         single.close_round(closed)
         coordinator.close_round(closed)
+        checkpoint = coordinator.state_dict(), dict(coordinator.contributed)
     return single, coordinator, centred
 
 
-@pytest.mark.parametrize("shards_count", [2, 3])
-def test_shards_release_dp_fed3r_rounds_as_one_aggregators_bytes(tmp_path, shards_count):
-    single, coordinator, centred = run(tmp_path, shards_count)
+def restarted(checkpoint, opened: dict, receipts: list, round_root, round_closed) -> ShardedNoisyRoundsJob:
+    """A new coordinator brought to where the dead one was, as ``aggregator/service/recovery.py`` does."""
+    job = ShardedNoisyRoundsJob(build_job("fed3r", CONFIG), "fed3r", round_root, round_closed)
+    state, contributed = checkpoint
+    job.load_state_dict(state)
+    job.contributed = dict(contributed)
+    job.restore_bookkeeping(opened)
+    for device, receipt in receipts:
+        job.apply(device, job.parse_result(receipt))
+    job.inner.strategy.rng = np.random.default_rng(5)
+    job.inner.strategy.rng.normal(size=CONFIG["feature_dim"] + 1)       # the center's draw, made before the crash
+    return job
+
+
+@pytest.mark.parametrize("shards_count,restart", [(2, False), (3, False), (2, True)])
+def test_shards_release_dp_fed3r_rounds_as_one_aggregators_bytes(tmp_path, shards_count, restart):
+    single, coordinator, centred = run(tmp_path, shards_count, restart)
     assert single.strategy.center.released and single.strategy.releases == 1 and len(centred) == 6
     state, got = single.state_dict(), coordinator.state_dict()
     assert sorted(got) == sorted(state) + [ACCEPTED]
