@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from aggregator.jobs.registry import build_job
-from aggregator.service.canonical import canonical_round_sum
+from aggregator.service.canonical import hand_round_sum
 from aggregator.shards.buckets import shard_of
 from aggregator.shards.coordinator_job import ACCEPTED, ShardedNoisyRoundsJob
 from aggregator.shards.fed3r_sums import ROUND_CLIPS, Fed3RSums
@@ -97,7 +97,7 @@ def run(tmp_path, shards_count: int, restart: bool = False):
             if single.strategy.center.released:
                 centred.append(dense_a(stats))
         closed = RoundClosed(single.round, tuple(chosen), (), (), ())
-        single.take_round_sum(canonical_round_sum(store, "fed3r", CONFIG, CONFIG["job_id"], single.round))
+        hand_round_sum(single, store, "fed3r", CONFIG["job_id"], single.round)       # what the service does
         single.close_round(closed)
         coordinator.close_round(closed)
         checkpoint = coordinator.state_dict(), dict(coordinator.contributed)

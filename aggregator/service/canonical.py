@@ -74,6 +74,13 @@ def canonical_job(store: Store, kind: str, config: dict, job_id: str):
     return canonical_sum(kind, config, _stored(store, job_id))
 
 
+def hand_round_sum(job: Job, store: Store, kind: str, job_id: str, round_: int) -> None:
+    """Before a ``canonical_round_sums`` job (DP Fed3R) closes ``round_`` (live, or replayed after a
+    restart), hand it the round's stored contributions summed canonically; other jobs: nothing."""
+    if job.canonical_round_sums:
+        job.take_round_sum(canonical_round_sum(store, kind, job.config.to_dict(), job_id, round_))
+
+
 def canonical_round_sum(store: Store, kind: str, config: dict, job_id: str, round_: int) -> dict | None:
     """A ``canonical_round_sums`` job's (DP Fed3R's) closing round: its stored contributions summed
     up the canonical bucket tree, the state its ``take_round_sum`` takes (None: none stored)."""

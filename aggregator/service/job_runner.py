@@ -26,7 +26,7 @@ from protocols.topics import AGGREGATOR_ID
 from aggregator.service import reporting
 from aggregator.storage.round_log import FILE_NAME as ROUND_LOG, SETTING_PREFIX, RoundLog
 from aggregator.service.active_job import ActiveJob
-from aggregator.service.canonical import canonical_round_sum, reported_job
+from aggregator.service.canonical import hand_round_sum, reported_job
 from aggregator.service.crash_points import CrashPoints
 from aggregator.service.job_end import JobEndNotices
 from aggregator.service.job_outcome import judged_state
@@ -252,9 +252,8 @@ class JobRunner:
             return
         self.crash("round_closing")
         try:
-            if a.job.canonical_round_sums and self.store is not None:    # DP Fed3R: noised as summed canonically
-                a.job.take_round_sum(canonical_round_sum(self.store, a.kind, a.job.config.to_dict(), a.job_id,
-                                                         act.round))
+            if self.store is not None:      # DP Fed3R: its round noised as summed canonically
+                hand_round_sum(a.job, self.store, a.kind, a.job_id, act.round)
             a.job.close_round(act)
             screened = self._screened(a.job)
             if screened:

@@ -31,6 +31,7 @@ from protocols.rounds import Declined, ResultInvalid, RoundClosed, RoundCoordina
 
 from aggregator.jobs.privacy_fields import PrivacyBudgetFields
 from aggregator.service.active_job import ActiveJob, ServiceStats
+from aggregator.service.canonical import hand_round_sum
 from aggregator.storage.store import FINAL_JOB_STATES, Store, StoreError
 from aggregator.storage.schema import JobState
 
@@ -136,6 +137,7 @@ class _RoundReplay:
     def _closed(self, r, coord: RoundCoordinator) -> None:
         coord.handle(Tick(math.inf))                  # CLOSED: later answers are acknowledged "late"
         closed = RoundClosed(r.round, *(tuple(r.outcome[k]) for k in ("accepted", "dropped", "declined", "rejected")))
-        if r.round > self.done_round:
+        if r.round > self.done_round:       # past the checkpoint: closed again as the live close did
+            hand_round_sum(self.a.job, self.store, self.a.kind, self.a.job_id, r.round)
             self.a.job.close_round(closed)
         self.a.round_log.append(self.a.round_entry(closed, r.opened_at, r.closed_at))
