@@ -14,6 +14,7 @@ from aggregator.jobs.registry import build_job
 from aggregator.jobs.secure_fedavg import SecureFedAvgConfig, SecureFedAvgJob
 from aggregator.strategies.dp_fed3r import (Fed3RSensitivity, NoisyFed3R, UniformGaussian, check_bounded,
                                             fed3r_sensitivity)
+from aggregator.shards.fedavg_sums import local_dp_round_step
 from aggregator.strategies.dp_fedavg import AdaptiveClipNorm, DPFedAvg, FixedClipNorm
 from aggregator.strategies.fedavg import FedAvg
 from edge_client.tasks.fed3r_stats import Fed3RStatsTask
@@ -51,7 +52,7 @@ def test_dp_fedavg_is_the_clipped_sum_over_kappa_plus_noise():
     params = {"weight": rng.normal(size=(3, 4)).astype(np.float32), "bias": rng.normal(size=3).astype(np.float32)}
     updates = [{k: v + rng.normal(size=v.shape) * s for k, v in params.items()} for s in (0.01, 1.0, 30.0)]
     dp = DPFedAvg(FedAvg(), 1e-12, FixedClipNorm(0.8), expected_clients=5, rng=np.random.default_rng(2))
-    new = dp.step(params, updates)
+    new = local_dp_round_step(dp, params, {f"d{i}": (u, 1) for i, u in enumerate(updates)})    # the job's path
     reference = {k: params[k].astype(np.float64).copy() for k in params}
     for u in updates:
         d = np.concatenate([(u[k] - params[k]).astype(np.float64).ravel() for k in ("weight", "bias")])

@@ -171,19 +171,11 @@ class DPFedAvg(ClippedGaussianSum):
     def steps(self) -> int:
         return self.strategy.steps
 
-    def step(self, params: Mapping[str, np.ndarray], updates: list[Mapping[str, np.ndarray]]) -> Params:
-        """New parameters from the round's θ_k, clipped and added in the order given (a round with
-        none still releases noise); moves C afterwards (adaptive)."""
-        round_sum = self.open_sum({k: np.shape(v) for k, v in params.items()})
-        for theta in updates:
-            round_sum.add({k: np.asarray(theta[k], np.float64) - np.asarray(params[k], np.float64) for k in params})
-        return self.step_from_sum(params, round_sum.total, round_sum.unclipped, round_sum.count)
-
     def step_from_sum(self, params: Mapping[str, np.ndarray], clipped_sum: Mapping[str, np.ndarray], unclipped: int,
                       count: int) -> Params:
-        """:meth:`step` from the round's sum of ``count`` deltas already clipped at the current C
-        (``unclipped`` of them within it): a FedAvg job's, added up the bucket tree
-        (``aggregator/shards/fedavg_sums.py``) by one aggregator or its shards."""
+        """New parameters from the round's sum of ``count`` deltas already clipped at the current C
+        (``unclipped`` of them within it), added up the bucket tree by one aggregator or its shards
+        (``aggregator/shards/fedavg_sums.py``: ``dp_round_step``); moves C afterwards (adaptive)."""
         noisy = self.release_total(clipped_sum, self.clip.value, unclipped, count, self.expected_clients)
         return self.apply_mean_delta(params, {k: s / self.expected_clients for k, s in noisy.items()})
 
