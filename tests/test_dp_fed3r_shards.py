@@ -13,7 +13,7 @@ from aggregator.jobs.registry import build_job
 from aggregator.service.canonical import hand_round_sum
 from aggregator.shards.buckets import shard_of
 from aggregator.shards.coordinator_job import ACCEPTED, ShardedNoisyRoundsJob
-from aggregator.shards.fed3r_sums import ROUND_CLIPS, Fed3RSums
+from aggregator.shards.fed3r_sums import CENTRED_CLIP, Fed3RSums
 from aggregator.shards.shard import Receipt, ShardIngest
 from aggregator.shards.sum_tree import root_sum
 from aggregator.storage.store import Store
@@ -140,18 +140,19 @@ def test_shards_release_dp_fed3r_rounds_as_one_aggregators_bytes(tmp_path, shard
 
 
 def test_a_coordinator_refuses_a_receipt_outside_the_rounds_clip(tmp_path):
-    """The shard receipts why a result breaks the center round's clip F and the centred rounds' F_c;
-    the coordinator's job checks the one its round needs, as one aggregator checks the result."""
+    """The shard receipts why a result breaks the centred rounds' clip F_c (the center round's F it
+    checked itself); the coordinator's job refuses the breach in a centred round only, as one
+    aggregator refuses the result; a receipt without the field is refused."""
     job = build_job("fed3r", CONFIG)
     sums = Fed3RSums()
-    receipt = {"contributed": 1, "energy": 1.0, ROUND_CLIPS: ["", "beyond F_c"]}
-    sums.check_receipt(job, "cam-0", receipt)                     # the center round: within F
+    receipt = {"contributed": 1, "energy": 1.0, CENTRED_CLIP: "beyond F_c"}
+    sums.check_receipt(job, "cam-0", receipt)                     # the center round: F_c does not apply
     job.strategy.center.value = np.zeros(CONFIG["feature_dim"])    # released: the centred rounds
     with pytest.raises(EnvelopeError, match="beyond F_c"):
         sums.check_receipt(job, "cam-0", receipt)
-    sums.check_receipt(job, "cam-0", {**receipt, ROUND_CLIPS: ["beyond F", ""]})
-    for bad in ({"contributed": 1, "energy": 1.0}, {**receipt, ROUND_CLIPS: "x"}, {**receipt, ROUND_CLIPS: [1, 2]}):
-        with pytest.raises(EnvelopeError, match="without its clips"):
+    sums.check_receipt(job, "cam-0", {**receipt, CENTRED_CLIP: ""})
+    for bad in ({"contributed": 1, "energy": 1.0}, {**receipt, CENTRED_CLIP: ["", ""]}, {**receipt, CENTRED_CLIP: 0}):
+        with pytest.raises(EnvelopeError, match="without its centred clip"):
             sums.check_receipt(job, "cam-0", bad)
 
 

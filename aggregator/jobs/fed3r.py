@@ -232,29 +232,27 @@ class Fed3RJob(OncePerDevice, SplitValidation):
         Centring: a result of the centred rounds is within their clip, one of the center round
         within the first clip."""
         c = self.config
-        if c.dp and c.dp_center_devices:
-            self.check_round_clip(self.round_clips(stats))
+        if c.dp and c.dp_center_devices and self._centred:
+            self.check_centred_clip(self.centred_clip_breach(stats))
         if self.config.streaming:
             self.check_increment_start(env.sender, body_field(env, "from_sample", int))
         return stats
 
-    def round_clips(self, stats: Fed3RStats) -> tuple[str, str]:
-        """DP with a center: why ``stats`` break the center round's clip F and the centred rounds'
-        F_c ("": within it). A shard's receipt carries both: which applies is the job's state."""
-        c, out = self.config, []
-        for clip in (c.feature_clip_norm, c.dp_center_clip_norm):
-            try:
-                check_bounded(stats, c.max_samples, clip, c.fit_intercept)
-                out.append("")
-            except ValueError as exc:
-                out.append(str(exc))
-        return out[0], out[1]
+    def centred_clip_breach(self, stats: Fed3RStats) -> str:
+        """DP with a center: why ``stats`` break the centred rounds' clip F_c ("": within it). What a
+        shard's receipt carries (which round takes the result is the job's state); the center
+        round's clip F is ``check_payload``'s (F_c ≤ F)."""
+        c = self.config
+        try:
+            check_bounded(stats, c.max_samples, c.dp_center_clip_norm, c.fit_intercept)
+        except ValueError as exc:
+            return str(exc)
+        return ""
 
-    def check_round_clip(self, why: tuple[str, str]) -> None:
-        """A centred round's result must be within F_c, the center round's within F (``round_clips``)."""
-        reason = why[1 if self._centred else 0]
-        if reason:
-            raise EnvelopeError(f"{KIND}: {reason}")
+    def check_centred_clip(self, breach: str) -> None:
+        """A centred round's result must be within F_c (``centred_clip_breach``)."""
+        if self._centred and breach:
+            raise EnvelopeError(f"{KIND}: {breach}")
 
     def check_increment_start(self, device: str, start: int) -> None:
         """Streaming: an increment must start exactly at the samples the job holds of ``device``

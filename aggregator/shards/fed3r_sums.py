@@ -16,7 +16,7 @@ from aggregator.strategies.fed3r import Fed3R
 from aggregator.strategies.robust_fed3r import energy_per_sample
 
 
-ROUND_CLIPS = "round_clips"         # DP with a center: why the statistics break F and F_c ("": within)
+CENTRED_CLIP = "centred_clip"       # DP with a center: why the statistics break F_c ("": within it)
 
 
 def round_sum(job: Job, members: list[Contribution]) -> PartialSum:
@@ -64,18 +64,18 @@ class Fed3RSums(AdditiveState):
     def receipt(self, job: Job, payload: Any) -> dict:
         stats, start = payload
         kept = {"contributed": int(stats.n), "energy": energy_per_sample(stats, job.config.fit_intercept)}
-        if job.config.dp and job.config.dp_center_devices:     # which round's clip it is within
-            kept[ROUND_CLIPS] = list(job.round_clips(stats))
+        if job.config.dp and job.config.dp_center_devices:     # whether a centred round may take it
+            kept[CENTRED_CLIP] = job.centred_clip_breach(stats)
         return kept if start is None else {**kept, "from_sample": start}
 
     def check_receipt(self, job: Job, device: str, receipt: dict) -> None:
         if job.config.streaming:        # the increment starts where the job's count of the device ends
             job.check_increment_start(device, int(receipt.get("from_sample", -1)))
         if job.config.dp and job.config.dp_center_devices:
-            why = receipt.get(ROUND_CLIPS)
-            if not (isinstance(why, list) and len(why) == 2 and all(isinstance(w, str) for w in why)):
-                raise EnvelopeError(f"{KIND}: a DP receipt without its clips")
-            job.check_round_clip((why[0], why[1]))
+            breach = receipt.get(CENTRED_CLIP)
+            if not isinstance(breach, str):
+                raise EnvelopeError(f"{KIND}: a DP receipt without its centred clip")
+            job.check_centred_clip(breach)
 
     def record(self, job: Job, device: str, receipt: dict) -> None:
         job.record_contribution(device, int(receipt["contributed"]), float(receipt["energy"]))
