@@ -78,6 +78,7 @@ def run(tmp_path, shards_count: int, restart: bool = False):
             s.drop_orphans(job_id, round_, accepted, earlier)
 
     single, store = build_job("fed3r", CONFIG), Store(tmp_path / f"k{shards_count}-one.db")
+    single.expect_round_sums()                  # as the service with a store: nothing summed on arrival
     coordinator = ShardedNoisyRoundsJob(build_job("fed3r", CONFIG), "fed3r", round_root, round_closed)
     single.strategy.rng, coordinator.inner.strategy.rng = np.random.default_rng(5), np.random.default_rng(5)
     h, centred = handlers(DEVICES), []
@@ -97,6 +98,8 @@ def run(tmp_path, shards_count: int, restart: bool = False):
             if single.strategy.center.released:
                 centred.append(dense_a(stats))
         closed = RoundClosed(single.round, tuple(chosen), (), (), ())
+        pending = single.strategy.center.pending if single.strategy.centering else single.strategy.pending
+        assert pending.n_contributions == 0         # the release is the handed sum's alone
         hand_round_sum(single, store, "fed3r", CONFIG["job_id"], single.round)       # what the service does
         single.close_round(closed)
         coordinator.close_round(closed)

@@ -82,6 +82,11 @@ class Job(ABC):
         """The closing round's contributions summed canonically (``canonical_round_sums`` jobs only)."""
         raise TypeError(f"{type(self).__name__} does not take canonical round sums")
 
+    def expect_round_sums(self) -> None:
+        """Every round's sum will be handed to :meth:`take_round_sum` (a service with a store): the
+        job need not sum its contributions as they arrive (``canonical_round_sums`` jobs only)."""
+        raise TypeError(f"{type(self).__name__} does not take canonical round sums")
+
     @property
     @abstractmethod
     def contributions(self) -> int:

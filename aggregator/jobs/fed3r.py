@@ -163,6 +163,9 @@ class Fed3RJob(OncePerDevice, SplitValidation):
         """The closing round's statistics as one Fed3R state (None: none), in place of their arrival-order sum."""
         self.strategy.take_round_sum(state)
 
+    def expect_round_sums(self) -> None:
+        self._sums_handed = True        # apply() records a contribution without adding it twice
+
     def __post_init__(self):
         c = self.config
         self._bound, self._screen = c.feature_bound(), c.energy_screen()
@@ -176,6 +179,7 @@ class Fed3RJob(OncePerDevice, SplitValidation):
         elif self.strategy is None:
             self.strategy = Fed3R(c.num_classes, c.p, c.lam, c.fit_intercept, c.normalize_columns)
         self._rng = random.Random(self.config.seed)
+        self._sums_handed = False
 
     @property
     def contributions(self) -> int:
@@ -288,7 +292,8 @@ class Fed3RJob(OncePerDevice, SplitValidation):
 
     def apply(self, device: str, stats: Fed3RStats) -> None:
         self._check_may_contribute(device)
-        self.strategy.add(stats)
+        if not self._sums_handed:        # DP under a service with a store: the round's sum comes at its close
+            self.strategy.add(stats)
         self.record_contribution(device, stats.n,
                                  energy_per_sample(stats, self.config.fit_intercept) if self._screen.active else None)
 

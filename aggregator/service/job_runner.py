@@ -70,6 +70,8 @@ class JobRunner:
         # an order-free job reports its contributions summed in canonical order (aggregator/service/canonical.py):
         # only then is what it applied worth keeping
         self.canonical = store is not None and a.job.order_free and a.kind in KINDS
+        if store is not None and a.job.canonical_round_sums:
+            a.job.expect_round_sums()       # each close re-sums its round from the store (hand_round_sum)
         self.on_fatal, self.job_ends = s.on_fatal, s.job_ends
         self.send, self.publish_status_body, self.bytes_sent = s.send, s.publish_status, s.bytes_sent
         self.eval_set, self.checkpoints = s.eval_set, s.settings.checkpoints
