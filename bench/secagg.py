@@ -171,7 +171,7 @@ def secure_round(graph: str, n: int, m: int, consistency_check: bool, base: np.n
     process_cpu, process_wall = timed(process_applier, process_total, removed_seeds)
     return {
         "graph": "SecAgg+" if graph == "regular" else "complete", "n": n, "m": m, "degree": config.degree,
-        "dropped": len(dropped), "exact": bool(np.array_equal(run.outcome.sum_uint64, signed["sum"])),
+        "dropped": len(dropped), "exact": bool(np.array_equal(run.outcome.sum_words, signed["sum"])),
         "secure_client_ms": 1e3 * run.client_seconds / n, "plain_client_ms": 1e3 * signed["client_seconds"] / n,
         "secure_server_s": run.server_seconds, "unmask_s": sum(unmask_seconds),
         "plain_server_s": signed["server_seconds"], "unsigned_server_s": unsigned["server_seconds"],

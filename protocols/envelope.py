@@ -62,6 +62,7 @@ WIRE_DTYPES: dict[str, np.dtype] = {
     "uint8": np.dtype("u1"),
     "int32": np.dtype("<i4"),
     "int64": np.dtype("<i8"),
+    "uint32": np.dtype("<u4"),
     "uint64": np.dtype("<u8"),
 }
 _DTYPE_NAMES = {v: k for k, v in WIRE_DTYPES.items()}

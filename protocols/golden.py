@@ -156,6 +156,7 @@ def _signed_edge_cases() -> bytes:
     tensors = {"f32": np.array([[0.5, -1.25], [3.0, 1e-3]], np.float32), "f64": np.array([1e-310, -0.0, 0.1]),
                "i8": np.array([-128, 127, -1], np.int8), "u8": np.arange(250, 256, dtype=np.uint8),
                "i32": np.array([[-2**31, 2**31 - 1]], np.int32), "i64": np.array([-2**63, 2**63 - 1], np.int64),
+               "u32": np.array([2**32 - 1, 0, 2**31], np.uint32),
                "u64": np.array([2**64 - 1, 0, 2**63], np.uint64), "empty": np.zeros((0, 4), np.float32),
                "scalar": np.array(2.5)}
     return encode(Envelope("result", identity.device_id, body=body, tensors=tensors, id="cc" * 16, ts=_TS + 11),

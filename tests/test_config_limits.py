@@ -70,7 +70,8 @@ def test_a_changed_default_keeps_the_declared_limit():
 BAD_VALUES = [("fedavg", "server_optimizer", "adamw"), ("fedavg", "aggregator", "mode"), ("fed3r", "lam", -1.0),
               ("fed3r", "stats_dtype", "float16"), ("fed3r-sync", "graph", "star"), ("personalize", "fp_lrs", []),
               ("personalize", "fallback", "oll"), ("fedavg-tail", "train", "head"), ("ladd", "model", {"num_classes": 4}),
-              ("ladd", "cluster_scope", "bn"), ("pp", "pp_algorithm", "fedavg"), ("scaffold", "total_devices", -1)]
+              ("ladd", "cluster_scope", "bn"), ("pp", "pp_algorithm", "fedavg"), ("scaffold", "total_devices", -1),
+              ("fedavg-secure", "ring_bits", 48)]
 
 
 @pytest.mark.parametrize("kind, name, value", BAD_VALUES)
@@ -79,6 +80,23 @@ def test_a_bad_value_is_refused_with_one_error_naming_the_field(kind, name, valu
     with pytest.raises(ValueError, match=f"'{name}'") as refused:
         validate_job_config(kind, config)
     assert str(refused.value).count("config field") == 1
+
+
+
+@pytest.mark.parametrize("kind, extra, reason", [
+    ("fed3r-sync", {}, "fed3r-sync sums in the 64-bit ring"),
+    ("fedncm-sync", {}, "fed3r-sync sums in the 64-bit ring"),
+    ("fedavg-secure", {"dp_noise_multiplier": 1.0, "dp_clip_norm": 1.0}, "distributed DP needs the 64-bit ring")])
+def test_a_32_bit_ring_is_refused_where_the_job_needs_64_bits(kind, extra, reason):
+    """ring_bits = 32 is a field every secure job has; the jobs whose sums need the 64-bit ring's
+    precision (Fed3R's statistics, distributed DP's noise) refuse it when built, with the reason."""
+    config, config_cls = {**minimal_config(kind), **extra}, KINDS[kind].config_cls
+    for ring_bits in (64, 32):
+        validate_job_config(kind, {**config, "ring_bits": ring_bits})      # the field's own limit allows both
+    assert config_cls(**config, ring_bits=64).ring_bits == 64
+    with pytest.raises(ValueError, match=reason):
+        config_cls(**config, ring_bits=32)
+    assert KINDS["fedavg-secure"].config_cls(**minimal_config("fedavg-secure"), ring_bits=32).ring_bits == 32
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ import java_build
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "protocols" / "golden"
 WIRE_DTYPES = {"float32": "<f4", "float64": "<f8", "int8": "i1", "uint8": "u1", "int32": "<i4",
-               "int64": "<i8", "uint64": "<u8"}
+               "uint32": "<u4", "int64": "<i8", "uint64": "<u8"}
 PRG_WORDS = 40
 
 pytestmark = pytest.mark.skipif(java_build.missing() is not None, reason=str(java_build.missing()))
@@ -49,7 +49,8 @@ def signed_envelope(key: Ed25519PrivateKey) -> tuple[bytes, dict[str, np.ndarray
     tensors = {"f32": rng.standard_normal((2, 3)).astype("<f4"),
                "f64": np.array([1e-310, -0.0, 1.7976931348623157e308, 0.1], "<f8"),
                "i8": np.array([-128, 127, -1], "i1"), "u8": np.arange(250, 256, dtype="u1"),
-               "i32": np.array([[-2**31, 2**31 - 1]], "<i4"), "i64": np.array([-2**63, 2**63 - 1], "<i8"),
+               "i32": np.array([[-2**31, 2**31 - 1]], "<i4"), "u32": np.array([2**32 - 1, 0, 2**31], "<u4"),
+               "i64": np.array([-2**63, 2**63 - 1], "<i8"),
                "u64": np.array([2**64 - 1, 0, 2**63], "<u8"), "empty": np.zeros((0, 4), "<f4"),
                "scalar": np.array(2.5, "<f8")}
     descs, offset = [], 0

@@ -3,6 +3,7 @@ side), DP-FedAvg is the clipped mean plus noise, adaptive clipping follows Andre
 Fed3R statistics are bounded and noised at the stated scale, and under secure aggregation the
 devices' Skellam shares sum to the intended variance through the real SecAgg round."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -24,8 +25,10 @@ from protocols.envelope import EnvelopeError, decode, encode
 from protocols.identity import DeviceIdentity, IdentityRegistry
 from protocols.messages import TaskRef, result_message
 from protocols.payloads.fed3r import Fed3RStats
-from protocols.secagg import AggregateReady, Phase
+from protocols.payloads.secagg import to_envelope
+from protocols.secagg import AggregateReady, ClientState, Phase, RoundStart
 from protocols.secagg.driver import run_round
+from protocols.secagg.fixedpoint import max_scale_bits
 
 
 def variance_ratio_ok(samples: np.ndarray, variance: float) -> bool:
@@ -215,6 +218,34 @@ def test_distributed_noise_sums_to_the_intended_variance_under_secagg(dropped):
     job.on_secure_sum(total, tuple(survivors))
     moved, _, _ = job.round_step()
     np.testing.assert_allclose(moved["bias"] - before["bias"], total[-11:-1] / 6, rtol=1e-5, atol=1e-6)
+
+
+
+def test_a_device_adding_distributed_noise_joins_only_a_64_bit_round():
+    """Its Skellam share is scaled for the 64-bit ring: the device opens its session asking for 64,
+    so a RoundStart in the 32-bit ring (which the job never sends: its config refuses dp with
+    ring_bits 32) is refused and the device sends nothing; a device without noise takes either."""
+    ids = [f"dev{i}" for i in range(4)]
+    identities = {d: DeviceIdentity.generate(d) for d in ids}
+    agg = DeviceIdentity.generate("aggregator")
+    registry = IdentityRegistry({d: idt.public_key_bytes for d, idt in identities.items()})
+    common = dict(num_classes=3, feature_dim=4, rounds=1, clients_per_round=4, seed=1)
+    for dp, wanted in (({"dp_noise_multiplier": 1.0, "dp_clip_norm": 0.5}, 64), ({}, None)):
+        job = SecureFedAvgJob(SecureFedAvgConfig(**common, **dp), identity=agg, registry=registry)
+        chosen = job.next_participants(set(ids))
+        device = SecureFedAvgTraining(identities[chosen[0]], agg.public_key_bytes, ZeroUpdate(),
+                                      noise_rng=np.random.default_rng(0))
+        params, tensors = job.task_for(chosen[0])
+        assert device.on_task(job.config.job_id, job.secure.config.round_id, params, tensors) == []
+        (client,) = device.sessions.sessions.values()
+        assert client.required_ring_bits == wanted
+        wide = job.secure.config
+        narrow = dataclasses.replace(wide, ring_bits=32, scale_bits=max_scale_bits(len(wide.members), wide.bound, 32))
+        start = RoundStart(job_id=narrow.job_id, round_id=narrow.round_id, group_id=narrow.group_id,
+                           sender="aggregator", recipient=chosen[0], config=narrow).signed(agg)
+        replies = device.on_message(to_envelope(start))
+        assert (replies == []) == (wanted == 64) and client.state is (
+            ClientState.WAITING_CONFIG if wanted else ClientState.ADVERTISED)
 
 
 def test_a_seeded_noise_source_repeats_its_draws_and_every_privacy_report_says_it_is_not_private(monkeypatch):

@@ -27,15 +27,17 @@ def device_task(i, scale=1.0):
     return HeadTrainingTask(Z, y, lambda b, s, w: Features(D))
 
 
-@pytest.mark.parametrize("momentum", [0.0, 0.9], ids=["fedavg", "fedavgm"])
-def test_secure_fedavg_equals_plain_fedavg_over_the_summed_devices(broker, tmp_path, momentum):
+@pytest.mark.parametrize("momentum,ring_bits", [(0.0, 64), (0.9, 64), (0.0, 32)],
+                         ids=["fedavg", "fedavgm", "fedavg-ring32"])
+def test_secure_fedavg_equals_plain_fedavg_over_the_summed_devices(broker, tmp_path, momentum, ring_bits):
     ids = [f"dev{i}" for i in range(6)]
     identities = {d: DeviceIdentity.generate(d) for d in ids}
     agg = DeviceIdentity.generate("aggregator")
     registry = IdentityRegistry({d: idt.public_key_bytes for d, idt in identities.items()})
     plain = dict(job_id="sft", num_classes=C, feature_dim=D, rounds=3, clients_per_round=5, round_timeout_s=60,
                  local_epochs=2, batch_size=8, client_lr=0.05, server_momentum=momentum, expected_devices=6, seed=4)
-    job = SecureFedAvgJob(SecureFedAvgConfig(**plain, max_samples=100, max_abs_param=20.0, phase_timeout_s=3),
+    job = SecureFedAvgJob(SecureFedAvgConfig(**plain, max_samples=100, max_abs_param=20.0, phase_timeout_s=3,
+                                             ring_bits=ring_bits),
                           identity=agg, registry=registry)
     service = RecordingService(job, broker.url, tmp_path, set(ids), ServiceSettings(evaluate_every_contribution=False))
     tasks = {d: device_task(i, 1000.0 if d == OUTLIER else 1.0) for i, d in enumerate(ids)}
@@ -64,3 +66,6 @@ def test_secure_fedavg_equals_plain_fedavg_over_the_summed_devices(broker, tmp_p
     assert not any("weight" in env.tensors or "bias" in env.tensors for env in envelopes)
     types = {env.type for env in envelopes}
     assert "secagg" in types and "result" not in types
+    # the masked inputs were words of the job's ring (a 32-bit ring: half the bytes)
+    words = {env.tensors["masked_input"].dtype for env in envelopes if "masked_input" in env.tensors}
+    assert words == {np.dtype({32: "<u4", 64: "<u8"}[ring_bits])}

@@ -1,9 +1,13 @@
 """The Java device's SecAgg client (clients/java, org.fedfleet.secagg) in rounds run by the Python
 server (protocols/secagg/driver.py), over its wire form (signed `secagg` envelopes):
 
-* honest rounds give exactly the plain modulo-2^64 sum of the survivors' encoded inputs, with the
-  complete graph and with SecAgg+, also when a peer drops out after sharing its keys (the Java
-  device then reveals its share of that peer's mask key);
+* honest rounds give exactly the plain modulo-2^r sum of the survivors' encoded inputs, in the
+  64-bit ring and in a round's declared 32-bit ring (uint32 masked inputs), with the complete graph
+  and with SecAgg+, also when a peer drops out after sharing its keys (the Java device then
+  reveals its share of that peer's mask key);
+* a round config with a ring_bits other than 32 or 64, or a 32-bit ring too narrow for its scale,
+  is refused before any key is made, and so is a 32-bit round for a device whose input carries
+  distributed-DP noise;
 * a hostile server is refused: a request for both shares of one peer (the round is aborted and
   nothing revealed), a key directory with a substituted key, a message not signed by the
   aggregator's key (refused, nothing changes).
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import json
 import os
 import subprocess
 
@@ -22,14 +27,15 @@ import numpy as np
 import pytest
 
 import java_build
-from protocols.envelope import decode, encode
+from protocols.envelope import Envelope, decode, encode
 from protocols.identity import DeviceIdentity, sender_verifier
 from protocols.payloads.secagg import from_envelope, to_envelope
 from protocols.secagg import ClientState, RoundConfig
 from protocols.secagg.driver import plain_fixed_point_sum, run_round
 from protocols.secagg.errors import ProtocolViolation, SecAggError
 from protocols.secagg.events import AggregateReady, Phase
-from protocols.secagg.messages import ConsistencyCheckRequest, KeyDirectory, UnmaskRequest
+from protocols.secagg.messages import MESSAGE_DOMAIN, ConsistencyCheckRequest, KeyDirectory, RoundStart, UnmaskRequest
+from protocols.secagg.wire_fields import b64
 
 pytestmark = pytest.mark.skipif(java_build.missing() is not None, reason=str(java_build.missing()))
 
@@ -41,12 +47,12 @@ M, BOUND = 64, 50.0
 class JavaClient:
     """The driver's client interface (handle, state, provide_input) over the Java bridge."""
 
-    def __init__(self, seed: bytes, config: RoundConfig, vector: np.ndarray, tmp_path):
+    def __init__(self, seed: bytes, config: RoundConfig, vector: np.ndarray, tmp_path, dp: bool = False):
         self.key = DeviceIdentity.from_private_bytes(JAVA, seed).public_key_bytes
         (tmp_path / "input.f64").write_bytes(np.asarray(vector, "<f8").tobytes())
         self.proc = subprocess.Popen(
             ["java", "-cp", java_build.built(), "SecAggBridge", JAVA, seed.hex(), AGGREGATOR.public_key_bytes.hex(),
-             config.job_id, str(config.round_id), config.group_id, str(tmp_path / "input.f64")],
+             config.job_id, str(config.round_id), config.group_id, str(tmp_path / "input.f64"), *(["dp"] if dp else [])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.state = ClientState.WAITING_CONFIG
         self.refusals: list[str] = []
@@ -55,7 +61,10 @@ class JavaClient:
         """The bridge got the same vector at start."""
 
     def handle(self, message):
-        wire = encode(to_envelope(message), signer=AGGREGATOR.sign)
+        return self.send(to_envelope(message))
+
+    def send(self, envelope: Envelope):
+        wire = encode(envelope, signer=AGGREGATOR.sign)
         self.proc.stdin.write(base64.b64encode(wire).decode() + "\n")
         self.proc.stdin.flush()
         replies, error = [], None
@@ -81,22 +90,24 @@ class JavaClient:
         self.proc.wait(10)
 
 
-def setup_round(tmp_path, graph: str, n: int = 6, seed: int = 0):
+def setup_round(tmp_path, graph: str, n: int = 6, seed: int = 0, ring_bits: int = 64, dp: bool = False):
     rng = np.random.default_rng(seed)
     python_ids = {f"dev-py{i}": DeviceIdentity.generate(f"dev-py{i}") for i in range(n - 1)}
     java_seed = os.urandom(32)
     identities = {**python_ids, JAVA: DeviceIdentity.from_private_bytes(JAVA, java_seed)}
     config = RoundConfig.create(job_id="job", round_id=3, group_id="g3", aggregator_id="aggregator",
                                 members=list(identities), vector_length=M, bound=BOUND, graph=graph,
-                                degree=4 if graph == "regular" else None)
+                                degree=4 if graph == "regular" else None, ring_bits=ring_bits)
     inputs = {d: rng.uniform(-BOUND, BOUND, M) for d in identities}
-    java = JavaClient(java_seed, config, inputs[JAVA], tmp_path)
+    java = JavaClient(java_seed, config, inputs[JAVA], tmp_path, dp=dp)
     return config, identities, inputs, java
 
 
+@pytest.mark.parametrize("ring_bits", [64, 32])
 @pytest.mark.parametrize("graph", ["complete", "regular"])
-def test_java_client_gives_the_exact_sum_in_a_python_round(tmp_path, graph):
-    config, identities, inputs, java = setup_round(tmp_path, graph)
+def test_java_client_gives_the_exact_sum_in_a_python_round(tmp_path, graph, ring_bits):
+    config, identities, inputs, java = setup_round(tmp_path, graph, ring_bits=ring_bits)
+    assert config.ring_bits == ring_bits
     dropped = "dev-py2"            # sends its shares, never its masked input
     try:
         run = run_round(config, AGGREGATOR, identities, inputs, dropouts={dropped: Phase.MASKED_INPUT},
@@ -107,8 +118,12 @@ def test_java_client_gives_the_exact_sum_in_a_python_round(tmp_path, graph):
     assert isinstance(run.outcome, AggregateReady), run.outcome
     survivors = tuple(d for d in config.members if d != dropped)
     assert run.outcome.survivors == survivors
-    assert np.array_equal(run.outcome.sum_uint64, plain_fixed_point_sum(config, [inputs[d] for d in survivors]))
+    expected = plain_fixed_point_sum(config, [inputs[d] for d in survivors])
+    assert expected.dtype == np.dtype(f"<u{ring_bits // 8}") and run.outcome.sum_words.dtype == expected.dtype
+    assert np.array_equal(run.outcome.sum_words, expected)
     sent = [f.to_message() for f in run.server_view]
+    masked = [m.masked_input for m in sent if m.sender == JAVA and m.TYPE == "secagg.masked_input"]
+    assert len(masked) == 1 and masked[0].dtype == expected.dtype and masked[0].shape == (M,)
     unmask = [m for m in sent if m.sender == JAVA and m.TYPE == "secagg.unmask_shares"]
     neighbours = config.neighbour_graph(config.members).neighbours(JAVA)
     if graph == "regular":
@@ -186,3 +201,58 @@ def test_java_client_refuses_a_hostile_server(tmp_path, attack, refusal, state):
     assert "secagg.unmask_shares" not in sent         # nothing revealed to a hostile server
     if state is ClientState.ADVERTISED:               # the directory was refused: no shares went out
         assert sent == {"secagg.advertise_keys"}
+
+
+def round_start(config: RoundConfig, **config_fields) -> Envelope:
+    """The aggregator's signed RoundStart to the Java device, its config's JSON object with
+    config_fields put in by hand (values the Python RoundConfig refuses to hold)."""
+    header = RoundStart(job_id=config.job_id, round_id=config.round_id, group_id=config.group_id,
+                        sender=config.aggregator_id, recipient=JAVA, config=config).header()
+    header["config"] = {**header["config"], **config_fields}
+    signed = MESSAGE_DOMAIN + json.dumps({"header": header, "arrays": {}}, sort_keys=True, separators=(",", ":"),
+                                         ensure_ascii=True, allow_nan=False).encode()
+    return Envelope(type="secagg", sender=config.aggregator_id,
+                    body={"secagg": {**header, "signature": b64(AGGREGATOR.sign(signed))}})
+
+
+BAD_RING = "ring_bits must be the integer 32 or 64"
+
+
+@pytest.mark.parametrize("fields, refusal", [
+    ({"ring_bits": 48}, BAD_RING), ({"ring_bits": 16}, BAD_RING), ({"ring_bits": 0}, BAD_RING),
+    ({"ring_bits": True}, BAD_RING), ({"ring_bits": "32"}, BAD_RING), ({"ring_bits": 32.0}, BAD_RING),
+    ({"ring_bits": None}, BAD_RING),
+    ({"ring_bits": 32}, r"scale_bits must be an integer in 0\.\.30"),    # the 64-bit ring's finest scale
+    ({"ring_bits": 32, "scale_bits": 26}, "overflow the 32-bit ring"),   # 4 * 50 * 2^26 >= 2^31
+    ({"ring_bits": 32, "scale_bits": 22}, None),                         # 4 * 50 * 2^22 < 2^31: accepted
+    ({"ring_bits": 64}, None)])                                           # the default written out: accepted
+def test_java_client_refuses_a_bad_ring(tmp_path, fields, refusal):
+    config, _, _, java = setup_round(tmp_path, "complete", n=4)
+    try:
+        if refusal is None:
+            assert [m.TYPE for m in java.send(round_start(config, **fields))] == ["secagg.advertise_keys"]
+            assert java.state is ClientState.ADVERTISED
+            return
+        with pytest.raises(SecAggError, match=refusal):
+            java.send(round_start(config, **fields))
+        assert java.refusals[0].startswith("SecAggError") and java.state is ClientState.WAITING_CONFIG
+        # nothing was committed: the round's own config still starts it
+        assert [m.TYPE for m in java.send(round_start(config))] == ["secagg.advertise_keys"]
+    finally:
+        java.close()
+
+
+@pytest.mark.parametrize("ring_bits", [64, 32])
+def test_java_client_with_distributed_dp_noise_needs_the_64_bit_ring(tmp_path, ring_bits):
+    config, _, _, java = setup_round(tmp_path, "complete", n=4, ring_bits=ring_bits, dp=True)
+    try:
+        start = RoundStart(job_id=config.job_id, round_id=config.round_id, group_id=config.group_id,
+                           sender=config.aggregator_id, recipient=JAVA, config=config).signed(AGGREGATOR)
+        if ring_bits == 64:
+            assert [m.TYPE for m in java.handle(start)] == ["secagg.advertise_keys"]
+            return
+        with pytest.raises(SecAggError, match="distributed DP noise needs the 64-bit ring"):
+            java.handle(start)
+        assert java.state is ClientState.WAITING_CONFIG
+    finally:
+        java.close()

@@ -109,7 +109,7 @@ def test_server_unmasks_through_a_custom_applier():
     expected = np.zeros(257, dtype=np.uint64)
     for device in survivors:
         expected += config.codec.encode(inputs[device])
-    np.testing.assert_array_equal(run.outcome.sum_uint64, expected)
+    np.testing.assert_array_equal(run.outcome.sum_words, expected)
 
 
 def _cpu_choice():
@@ -140,11 +140,12 @@ def process_applier():
     applier.close()
 
 
+@pytest.mark.parametrize("word", [np.uint64, np.uint32])
 @pytest.mark.parametrize("n_words", [1, 5, 3 * 32768 + 7, 200_000])
-def test_process_applier_is_bit_identical_to_apply_masks(process_applier, n_words):
+def test_process_applier_is_bit_identical_to_apply_masks(process_applier, n_words, word):
     rng = np.random.default_rng(n_words)
     seeds = [(os.urandom(32), int(sign)) for sign in rng.choice([-1, 1], size=9)]
-    expected = rng.integers(0, 2**64 - 1, n_words, dtype=np.uint64)
+    expected = rng.integers(0, np.iinfo(word).max, n_words, dtype=word)
     mine = expected.copy()
     apply_masks(expected, seeds)
     process_applier(mine, seeds)
@@ -163,7 +164,7 @@ def test_process_applier_unmasks_a_round_and_refuses_bad_input(process_applier):
     expected = np.zeros(70_001, dtype=np.uint64)
     for device in run.outcome.survivors:
         expected += config.codec.encode(inputs[device])
-    np.testing.assert_array_equal(run.outcome.sum_uint64, expected)
+    np.testing.assert_array_equal(run.outcome.sum_words, expected)
     with pytest.raises(TypeError, match="uint64"):
         process_applier(np.zeros(4, dtype=np.int64), [(b"s", 1)])
     with pytest.raises(ValueError, match="sign"):
@@ -173,11 +174,12 @@ def test_process_applier_unmasks_a_round_and_refuses_bad_input(process_applier):
 
 
 @needs_gpu
+@pytest.mark.parametrize("word", [np.uint64, np.uint32])       # uint32: the applier's CPU path
 @pytest.mark.parametrize("n_words", [1, 3, 32768 + 1, 1_000_000])
-def test_gpu_applier_is_bit_identical_to_apply_masks(n_words):
+def test_gpu_applier_is_bit_identical_to_apply_masks(n_words, word):
     rng = np.random.default_rng(n_words)
     seeds = [(os.urandom(32), int(sign)) for sign in rng.choice([-1, 1], size=37)]
-    expected = rng.integers(0, 2**64 - 1, n_words, dtype=np.uint64)
+    expected = rng.integers(0, np.iinfo(word).max, n_words, dtype=word)
     mine = expected.copy()
     apply_masks(expected, seeds, workers=2)
     CudaMaskApplier(keys_per_launch=8)(mine, seeds)        # several launches

@@ -197,7 +197,7 @@ def test_reordered_messages_are_rejected_and_the_round_still_completes_exactly()
     r.to_server(r.to_clients(key_directories[:1]))  # the late shares arrive; the round goes on
     outcome = r.finish()
     assert isinstance(outcome, AggregateReady)
-    assert np.array_equal(outcome.sum_uint64, r.expected_sum(r.config.members))
+    assert np.array_equal(outcome.sum_words, r.expected_sum(r.config.members))
 
 
 def test_late_message_after_timeout_is_rejected():
@@ -233,7 +233,7 @@ def test_corrupted_share_ciphertext_from_a_client_counts_as_that_recipient_dropp
     assert isinstance(run.outcome, AggregateReady)
     survivors = tuple(d for d in config.members if d != victim)
     assert run.outcome.survivors == survivors
-    assert np.array_equal(run.outcome.sum_uint64, plain_fixed_point_sum(config, [inputs[d] for d in survivors]))
+    assert np.array_equal(run.outcome.sum_words, plain_fixed_point_sum(config, [inputs[d] for d in survivors]))
 
 
 def test_tampered_forwarded_shares_fail_the_server_signature():
@@ -260,7 +260,28 @@ def test_wrong_length_masked_input_is_rejected_without_touching_the_sum(length_c
     rejects(r.server, resign(masked[0], r.identities[device], masked_input=vector), MalformedMessage)
     r.to_server(masked)
     outcome = r.finish()
-    assert np.array_equal(outcome.sum_uint64, r.expected_sum(r.config.members))
+    assert np.array_equal(outcome.sum_words, r.expected_sum(r.config.members))
+
+
+
+@pytest.mark.parametrize("ring_bits,wrong", [(32, "<u8"), (64, "<u4")])
+def test_masked_input_of_the_other_ring_is_rejected_without_touching_the_sum(ring_bits, wrong):
+    """A masked input must be made of the round's ring words: a 32-bit round refuses 64-bit words
+    (and the reverse), even when their values would fit, and the round still ends exact."""
+    r = Round(n=5, m=40, ring_bits=ring_bits)
+    r.step()
+    r.step()
+    masked = r.to_clients()
+    device = masked[0].sender
+    assert masked[0].masked_input.dtype == np.dtype({32: "<u4", 64: "<u8"}[ring_bits])
+    vector = masked[0].masked_input.astype(wrong)
+    with pytest.raises(MalformedMessage, match=f"{ring_bits}-bit ring"):
+        r.server.handle(resign(masked[0], r.identities[device], masked_input=vector))
+    rejects(r.server, resign(masked[0], r.identities[device], masked_input=vector), MalformedMessage)
+    r.to_server(masked)
+    outcome = r.finish()
+    assert outcome.sum_words.dtype == masked[0].masked_input.dtype
+    assert np.array_equal(outcome.sum_words, r.expected_sum(r.config.members))
 
 
 def test_share_upload_to_the_wrong_recipients_is_rejected():
@@ -398,6 +419,23 @@ def test_consistency_check_catches_a_server_that_changes_the_survivor_set():
     forged[:, 5] ^= 1  # every signature broken
     with pytest.raises(ProtocolViolation):
         r2.clients[other.recipient].handle(resign(other, AGGREGATOR, consistency_signatures=forged))
+
+
+def test_a_client_that_needs_the_64_bit_ring_refuses_a_32_bit_round():
+    """A device whose input carries distributed-DP noise (scaled for the 64-bit ring) opens its
+    session with ring_bits=64: a 32-bit RoundStart is refused, changing nothing, and the device
+    still takes the round it can join."""
+    narrow = Round(n=5, ring_bits=32)
+    start = narrow.pending[0]
+    identity = narrow.identities[start.recipient]
+    client = ClientSecAgg(identity, "aggregator", AGGREGATOR.public_key_bytes, job_id="job", round_id=3,
+                          group_id="g", input_vector=narrow.inputs[start.recipient], ring_bits=64)
+    with pytest.raises(ConfigError, match="64-bit ring"):
+        client.handle(start)
+    assert client.state is ClientState.WAITING_CONFIG and client.config is None
+    wide = Round(n=5)
+    member = next(m for m in wide.pending if m.recipient == start.recipient)
+    assert [type(m).__name__ for m in client.handle(member)] == ["AdvertiseKeys"]
 
 
 def test_client_rejects_a_key_directory_with_a_substituted_key():

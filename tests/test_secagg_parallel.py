@@ -131,4 +131,4 @@ def test_server_unmasking_in_parallel_is_bit_identical_to_serial(small_blocks, m
     original(serial, signed_seeds, workers=1)
     assert np.array_equal(after, serial)
     survivors = run.outcome.survivors
-    assert np.array_equal(run.outcome.sum_uint64, plain_fixed_point_sum(config, [inputs[d] for d in survivors]))
+    assert np.array_equal(run.outcome.sum_words, plain_fixed_point_sum(config, [inputs[d] for d in survivors]))

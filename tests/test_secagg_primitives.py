@@ -24,14 +24,15 @@ from protocols.secagg.graph import NeighbourGraph, default_degree
 # ---- mask PRG --------------------------------------------------------------------------
 
 
-def _reference_mask(seed: bytes, length: int) -> np.ndarray:
+def _reference_mask(seed: bytes, length: int, word: str = "<u8") -> np.ndarray:
     """Textbook CTR: word stream = AES-128-ECB(key, counter_i) for i = 0, 1, ... (128-bit
-    big-endian counters), key = SHA-256(domain || seed)[:16] as documented in crypto.py."""
+    big-endian counters), key = SHA-256(domain || seed)[:16] as documented in crypto.py, read as
+    little-endian words of the ring (8 bytes, or 4 in a 32-bit ring)."""
     key = hashlib.sha256(b"fedfleet/secagg/prg/v1" + seed).digest()[:16]
     ecb = Cipher(algorithms.AES(key), modes.ECB()).encryptor()
-    n_blocks = -(-length * 8 // 16)
+    n_blocks = -(-length * np.dtype(word).itemsize // 16)
     counters = b"".join(i.to_bytes(16, "big") for i in range(n_blocks))
-    return np.frombuffer(ecb.update(counters), dtype="<u8")[:length].copy()
+    return np.frombuffer(ecb.update(counters), dtype=word)[:length].copy()
 
 
 @pytest.mark.parametrize("length", [1, 3, 1000, crypto.MASK_BLOCK_WORDS - 1, crypto.MASK_BLOCK_WORDS,
@@ -41,16 +42,27 @@ def test_mask_is_aes_ctr_keystream(length):
     assert np.array_equal(crypto.expand_mask(seed, length), _reference_mask(seed, length))
 
 
-def test_blocked_accumulation_matches_per_seed_sum():
+@pytest.mark.parametrize("length", [1, 3, 1001, crypto.MASK_BLOCK_WORDS + 1, 2 * crypto.MASK_BLOCK_WORDS + 7])
+def test_32_bit_mask_is_the_same_keystream_in_words_half_as_wide(length):
+    seed = os.urandom(32)
+    mask = crypto.expand_mask(seed, length, np.uint32)
+    assert mask.dtype == np.uint32 and np.array_equal(mask, _reference_mask(seed, length, "<u4"))
+    assert mask[: 2 * (length // 2)].tobytes() == crypto.expand_mask(seed, length // 2).tobytes()
+
+
+@pytest.mark.parametrize("word", ["<u8", "<u4"])
+@pytest.mark.parametrize("workers", [1, 3])
+def test_blocked_accumulation_matches_per_seed_sum(word, workers):
     length = 2 * crypto.MASK_BLOCK_WORDS + 123
     signed_seeds = [(os.urandom(32), random.choice((1, -1))) for _ in range(7)]
-    start = np.arange(length, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    start = (np.arange(length, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)).astype(word)
     expected = start.copy()
-    for seed, sign in signed_seeds:  # numpy uint64 wraps modulo 2^64
-        expected = expected + _reference_mask(seed, length) if sign > 0 else expected - _reference_mask(seed, length)
+    for seed, sign in signed_seeds:  # numpy unsigned words wrap modulo 2^64 / 2^32
+        mask = _reference_mask(seed, length, word)
+        expected = expected + mask if sign > 0 else expected - mask
     got = start.copy()
-    crypto.apply_masks(got, signed_seeds)
-    assert np.array_equal(got, expected)
+    crypto.apply_masks(got, signed_seeds, workers=workers)
+    assert got.dtype == np.dtype(word) and np.array_equal(got, expected)
 
 
 def test_plus_and_minus_masks_cancel_and_differ_per_seed():
@@ -219,10 +231,11 @@ def test_encoding_matches_exact_rational_rounding_and_sums_exactly():
     assert np.allclose(codec.decode(total), np.sum(vectors, axis=0), rtol=0, atol=len(vectors) * 2.0**-21)
 
 
-def test_negative_sums_wrap_back_exactly():
-    codec = FixedPointCodec(scale_bits=10, bound=1.0)
+@pytest.mark.parametrize("ring_bits", [64, 32])
+def test_negative_sums_wrap_back_exactly(ring_bits):
+    codec = FixedPointCodec(scale_bits=10, bound=1.0, ring_bits=ring_bits)
     total = codec.encode(np.full(4, -1.0)) + codec.encode(np.full(4, -0.5))
-    assert codec.decode(total).tolist() == [-1.5] * 4
+    assert total.dtype == codec.word and codec.decode(total).tolist() == [-1.5] * 4
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf, 100.0000001, -1e300])
@@ -239,14 +252,15 @@ def test_encoder_accepts_the_bound_itself_and_rejects_non_numeric():
         codec.encode(np.array(["a"]))
 
 
-def test_capacity_check_at_the_edge():
-    """n * B * 2^f < 2^63 is accepted exactly up to the edge and refused one step beyond."""
-    for n, bound in [(1000, 8.0), (3, 12345.678), (10_000, 2.0**20)]:
-        f = max_scale_bits(n, bound)
-        FixedPointCodec(f, bound).check_capacity(n)
-        assert n * math.floor(bound * 2**f + 0.5) < 2**63
+@pytest.mark.parametrize("ring_bits", [64, 32])
+def test_capacity_check_at_the_edge(ring_bits):
+    """n * B * 2^f < 2^(r-1) is accepted exactly up to the edge and refused one step beyond."""
+    for n, bound in [(1000, 8.0), (3, 12345.678), (10_000, 2.0**(20 if ring_bits == 64 else 10))]:
+        f = max_scale_bits(n, bound, ring_bits)
+        FixedPointCodec(f, bound, ring_bits).check_capacity(n)
+        assert n * math.floor(bound * 2**f + 0.5) < 2 ** (ring_bits - 1)
         with pytest.raises(ConfigError):
-            FixedPointCodec(f + 1, bound).check_capacity(n)
+            FixedPointCodec(f + 1, bound, ring_bits).check_capacity(n)
     with pytest.raises(ConfigError):
         RoundConfig.create(job_id="j", round_id=0, group_id="g", aggregator_id="agg", members=["a", "b", "c"],
                            vector_length=4, bound=2.0**61, scale_bits=1)
@@ -278,6 +292,25 @@ def test_codec_rejects_bad_parameters():
     for scale_bits, bound in [(-1, 1.0), (63, 1.0), (10, 0.0), (10, float("nan")), (10, 2.0**60)]:
         with pytest.raises(ConfigError):
             FixedPointCodec(scale_bits, bound)
+    for scale_bits, bound, ring_bits in [(31, 1.0, 32), (10, 2.0**21, 32), (10, 1.0, 48), (10, 1.0, True)]:
+        with pytest.raises(ConfigError):
+            FixedPointCodec(scale_bits, bound, ring_bits)
+
+
+def test_round_config_carries_a_32_bit_ring_and_leaves_64_bit_configs_unchanged():
+    """ring_bits is on the wire only when it is 32: a 64-bit config's dict (signed, and in every
+    golden vector) has the keys it always had; a bad width from the wire is one ConfigError."""
+    base = dict(job_id="j", round_id=1, group_id="g", aggregator_id="agg", members=["a", "b", "c", "d"],
+                vector_length=8, bound=3.0)
+    wide, narrow = RoundConfig.create(**base), RoundConfig.create(**base, ring_bits=32)
+    assert "ring_bits" not in wide.to_dict() and narrow.to_dict()["ring_bits"] == 32
+    assert RoundConfig.from_dict(wide.to_dict()) == wide and RoundConfig.from_dict(narrow.to_dict()) == narrow
+    assert narrow.scale_bits == max_scale_bits(4, 3.0, 32) < wide.scale_bits == max_scale_bits(4, 3.0)
+    for bad in (48, 16, "32", True, None):
+        with pytest.raises(ConfigError, match="ring_bits"):
+            RoundConfig.from_dict({**narrow.to_dict(), "ring_bits": bad})
+    with pytest.raises(ConfigError):       # a 64-bit scale in a 32-bit ring: it would wrap
+        RoundConfig.from_dict({**wide.to_dict(), "ring_bits": 32})
 
 
 # ---- graph ---------------------------------------------------------------------------

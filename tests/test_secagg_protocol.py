@@ -42,7 +42,7 @@ def _assert_exact(run, config, inputs, dropouts):
     survivors = _expected_survivors(config, dropouts)
     assert run.outcome.survivors == survivors
     expected = plain_fixed_point_sum(config, [inputs[d] for d in survivors])
-    assert np.array_equal(run.outcome.sum_uint64, expected)
+    assert np.array_equal(run.outcome.sum_words, expected)
     float_sum = np.sum([inputs[d] for d in survivors], axis=0)
     # quantisation (<= 2^-(f+1) per input) plus float64 rounding of both sums
     tolerance = len(survivors) * (2.0 ** -config.scale_bits + 4 * np.finfo(float).eps * BOUND)
@@ -105,7 +105,7 @@ def test_random_mixed_dropout_patterns(trial):
     if min(alive) >= config.threshold:
         _assert_exact(run, config, inputs, dropouts)
     else:
-        assert isinstance(run.outcome, RoundFailed) and not hasattr(run.outcome, "sum_uint64")
+        assert isinstance(run.outcome, RoundFailed) and not hasattr(run.outcome, "sum_words")
 
 
 @pytest.mark.parametrize("phase", CLIENT_PHASES)
@@ -128,21 +128,47 @@ def test_vectors_longer_than_one_mask_block_and_extreme_values():
     _assert_exact(run_round(config, AGGREGATOR, identities, inputs, dropouts=dropouts), config, inputs, dropouts)
 
 
-def test_largest_group_at_the_capacity_edge_is_exact():
-    """All clients at +B with the finest scale allowed by n * B * 2^f < 2^63: the sum is exact
+@pytest.mark.parametrize("ring_bits", [64, 32])
+def test_largest_group_at_the_capacity_edge_is_exact(ring_bits):
+    """All clients at +B with the finest scale allowed by n * B * 2^f < 2^(r-1): the sum is exact
     and positive (no wrap), whereas one more fractional bit would have been refused."""
     n, m = 12, 16
     identities = {i.device_id: i for i in make_identities(n)}
-    bound = 1e6
+    bound = 1e6 if ring_bits == 64 else 100.0
     config = RoundConfig.create(job_id="j", round_id=1, group_id="edge", aggregator_id="aggregator",
-                                members=list(identities), vector_length=m, bound=bound)
-    assert n * bound * 2.0 ** (config.scale_bits + 1) >= 2.0**63
+                                members=list(identities), vector_length=m, bound=bound, ring_bits=ring_bits)
+    assert n * bound * 2.0 ** (config.scale_bits + 1) >= 2.0 ** (ring_bits - 1)
     inputs = {d: np.full(m, bound) for d in identities}
     run = run_round(config, AGGREGATOR, identities, inputs)
     assert isinstance(run.outcome, AggregateReady)
-    assert config.codec.to_signed(run.outcome.sum_uint64).tolist() == \
+    assert config.codec.to_signed(run.outcome.sum_words).tolist() == \
         [n * math.floor(bound * 2**config.scale_bits)] * m
     assert np.array_equal(run.outcome.decode(), np.full(m, n * bound))
+
+
+@pytest.mark.parametrize("graph", ["complete", "regular"])
+@pytest.mark.parametrize("phase", [Phase.MASKED_INPUT, Phase.UNMASK])
+def test_32_bit_ring_is_exact_with_dropouts(graph, phase):
+    """A 32-bit round: masked inputs are uint32 words (half the bytes), and the unmasked sum is the
+    survivors' integer sum of rint(x 2^f), computed here in Python ints (no ring arithmetic), with
+    the scale the 32-bit capacity allows; a vector longer than one mask block crosses the blocks'
+    AES counters."""
+    n, m = 9, MASK_BLOCK_WORDS + 5
+    identities = {i.device_id: i for i in make_identities(n)}
+    config = RoundConfig.create(job_id="j", round_id=2, group_id="r32", aggregator_id="aggregator",
+                                members=list(identities), vector_length=m, bound=BOUND, graph=graph,
+                                degree=4 if graph == "regular" else None, ring_bits=32)
+    assert config.codec.word == np.dtype("<u4") and n * BOUND * 2.0 ** config.scale_bits < 2.0**31
+    rng = np.random.default_rng(32)
+    inputs = {d: rng.uniform(-BOUND, BOUND, m) for d in identities}
+    inputs[config.members[2]][:4] = [BOUND, -BOUND, BOUND, -BOUND]
+    dropouts = {config.members[0]: phase, config.members[5]: phase}
+    run = run_round(config, AGGREGATOR, identities, inputs, dropouts=dropouts)
+    _assert_exact(run, config, inputs, dropouts)
+    assert run.outcome.sum_words.dtype == np.uint32
+    survivors = _expected_survivors(config, dropouts)
+    scaled = [[int(v) for v in np.rint(inputs[d][:64] * 2.0**config.scale_bits)] for d in survivors]
+    assert config.codec.to_signed(run.outcome.sum_words[:64]).tolist() == [sum(col) for col in zip(*scaled)]
 
 
 def test_inputs_are_requested_only_when_masking():

@@ -159,7 +159,7 @@ def test_a_round_with_the_default_graph_above_the_auto_threshold_is_exact_with_d
     survivors = sorted(set(identities) - set(dropped))
     assert sorted(run.outcome.survivors) == survivors
     expected = plain_fixed_point_sum(config, [inputs[d] for d in survivors])
-    np.testing.assert_array_equal(run.outcome.sum_uint64, expected)
+    np.testing.assert_array_equal(run.outcome.sum_words, expected)
 
 
 # ---------------------------------------------------------------- a message that cannot be built
@@ -282,7 +282,7 @@ def test_a_group_in_one_process_verifies_each_consistency_signature_once():
     consistency_signature_valid.cache_clear()
     run = run_round(config, AGGREGATOR, identities, inputs)
     assert isinstance(run.outcome, AggregateReady), run.outcome
-    np.testing.assert_array_equal(run.outcome.sum_uint64, plain_fixed_point_sum(config, list(inputs.values())))
+    np.testing.assert_array_equal(run.outcome.sum_words, plain_fixed_point_sum(config, list(inputs.values())))
     info = consistency_signature_valid.cache_info()
     assert info.misses <= n and info.hits + info.misses >= n * config.threshold
 
@@ -306,7 +306,7 @@ def test_a_group_in_one_process_checks_each_advertisement_and_builds_its_graph_o
     _random_regular.cache_clear()
     run = run_round(config, AGGREGATOR, identities, inputs)
     assert isinstance(run.outcome, AggregateReady), run.outcome
-    np.testing.assert_array_equal(run.outcome.sum_uint64, plain_fixed_point_sum(config, list(inputs.values())))
+    np.testing.assert_array_equal(run.outcome.sum_words, plain_fixed_point_sum(config, list(inputs.values())))
     checks = advertisement_valid.cache_info()
     assert checks.misses == n and checks.hits == n * config.degree - n
     assert _random_regular.cache_info().misses == 1

@@ -41,7 +41,7 @@ from typing import Sequence
 
 import numpy as np
 
-from protocols.secagg.crypto import (MASK_BLOCK_WORDS, MAX_DEFAULT_MASK_WORKERS, apply_masks_to_slice,
+from protocols.secagg.crypto import (MASK_BLOCK_WORDS, MAX_DEFAULT_MASK_WORKERS, apply_masks, apply_masks_to_slice,
                                      check_accumulator, check_workers, default_mask_workers, mask_slices,
                                      prg_keys, usable_cores)
 
@@ -220,6 +220,11 @@ class CudaMaskApplier:
 
     def __call__(self, accumulator: np.ndarray, signed_seeds: Sequence[tuple[bytes, int]]) -> None:
         check_accumulator(accumulator)
+        if accumulator.dtype != np.uint64:
+            # the kernel adds 64-bit words; a 32-bit ring's masks (the same keystream cut into
+            # words half as wide) are expanded on CPU threads, the CPU path's bits by definition
+            apply_masks(accumulator, signed_seeds, workers=default_mask_workers())
+            return
         keys = prg_keys(signed_seeds)
         if not keys or accumulator.size == 0:
             return
@@ -240,15 +245,16 @@ class CudaMaskApplier:
 
 
 def apply_masks_in_shared_memory(name: str, length: int, keys: Sequence[tuple[bytes, int]], start: int,
-                                 stop: int) -> None:
-    """Worker-process entry of a multi-process applier: words [start, stop) of the uint64 vector
-    of `length` words in the shared memory block `name` += sum(sign * PRG) under the AES keys
-    `keys` (from prg_keys). It lives at module level so a forkserver worker can import it cheaply."""
+                                 stop: int, dtype: str = "uint64") -> None:
+    """Worker-process entry of a multi-process applier: words [start, stop) of the vector of
+    `length` ring words (`dtype`) in the shared memory block `name` += sum(sign * PRG) under the
+    AES keys `keys` (from prg_keys). It lives at module level so a forkserver worker can import it
+    cheaply."""
     from multiprocessing import shared_memory
 
     block = shared_memory.SharedMemory(name=name)
     try:
-        vector = np.ndarray((length,), dtype=np.uint64, buffer=block.buf)
+        vector = np.ndarray((length,), dtype=np.dtype(dtype), buffer=block.buf)
         apply_masks_to_slice(vector[start:stop], keys, start)
         del vector          # no view may outlive close()
     finally:
@@ -256,7 +262,7 @@ def apply_masks_in_shared_memory(name: str, length: int, keys: Sequence[tuple[by
 
 
 class ProcessMaskApplier:
-    """accumulator += sum(sign * PRG(seed)) mod 2^64 with `processes` worker processes (a
+    """accumulator += sum(sign * PRG(seed)) mod 2^64 (2^32) with `processes` worker processes (a
     MaskApplier), bit-identical to crypto.apply_masks."""
 
     def __init__(self, processes: int) -> None:
@@ -288,10 +294,10 @@ class ProcessMaskApplier:
             return
         block = shared_memory.SharedMemory(create=True, size=accumulator.nbytes)
         try:
-            shared = np.ndarray(accumulator.shape, dtype=np.uint64, buffer=block.buf)
+            shared = np.ndarray(accumulator.shape, dtype=accumulator.dtype, buffer=block.buf)
             shared[:] = accumulator
             futures = [self._executor().submit(apply_masks_in_shared_memory, block.name, accumulator.size, keys,
-                                               start, stop)
+                                               start, stop, accumulator.dtype.name)
                        for start, stop in mask_slices(accumulator.size, self.processes)]
             for future in futures:
                 future.result()          # re-raises a worker's exception here

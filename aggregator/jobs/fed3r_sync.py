@@ -31,7 +31,7 @@ from protocols.payloads.secagg import SYNC_KIND, sync_vector_length, unpack_sync
 from protocols.payloads.secure_tasks import SecureFed3RParams
 from protocols.payloads.task_params import DpRound
 from protocols.rounds import RoundClosed
-from protocols.secagg.fixedpoint import fed3r_bound
+from protocols.secagg.fixedpoint import RING_BITS, fed3r_bound
 
 from aggregator.strategies.dp_fed3r import (CalibratedSSP, Fed3RMechanism, Fed3RSensitivity, UniformGaussian,
                                             UniformSSP, row_norm_bound)
@@ -52,6 +52,9 @@ class Fed3RSyncConfig(Fed3RConfig, SecureAggregationFields):
             # the center round's sum would be a group sum noised by its members (distributed DP),
             # released in a form the devices do not produce yet: central DP only for now
             raise ValueError("fed3r-sync does not centre its features (dp_center_devices): use a DP fed3r job")
+        if self.ring_bits != RING_BITS:
+            # the statistics' bound N max(F², F) leaves a 32-bit ring almost no fractional bits
+            raise ValueError(f"fed3r-sync sums in the {RING_BITS}-bit ring: its statistics need the precision")
 
     def task_params(self) -> Fed3RStatsParams:
         return dataclasses.replace(super().task_params(), format="dense", dtype="float64", max_samples=self.max_samples)

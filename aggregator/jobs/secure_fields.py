@@ -14,6 +14,7 @@ from pathlib import Path
 
 from protocols.identity import DeviceIdentity, IdentityRegistry
 from protocols.secagg.config import GRAPHS
+from protocols.secagg.fixedpoint import RING_BITS, RINGS
 from protocols.topics import AGGREGATOR_ID
 
 from aggregator.jobs.base import JobConfig
@@ -28,6 +29,9 @@ class SecureAggregationFields(JobConfig):
     graph: str = limited("auto", OneOf(GRAPHS))
     # SecAgg+: the degree and share threshold are chosen to survive it
     expected_dropout: float = limited(0.1, Range(0, 0.49))
+    # the SecAgg ring Z_{2^r}: 64 bits, or 32 where the bound and the precision the job needs allow
+    # it (half the masked bytes and half the mask keystream; the finest scale that fits is used)
+    ring_bits: int = limited(RING_BITS, OneOf(RINGS))
     # per device; with the per-entry bound it fixes the vector's bound
     max_samples: int = limited(10_000, MAX_SAMPLES)
     # a phase gives up on its missing members this long after its last answer
@@ -57,3 +61,6 @@ class SecureUpdateFields(SecureAggregationFields, UpdateClippingFields):
         # (the adaptive rule would need its clipped-count bits in the secure sum as well).
         if self.dp and self.dp_adaptive_clip:
             raise ValueError("dp_adaptive_clip is not available under secure aggregation (fixed dp_clip_norm only)")
+        if self.dp and self.ring_bits != RING_BITS:
+            # the devices' Skellam noise is scaled to about 2^20 ring units (distributed_dp.py)
+            raise ValueError(f"distributed DP needs the {RING_BITS}-bit ring (ring_bits = {RING_BITS})")

@@ -103,7 +103,7 @@ class SecureGroupRounds(Job):
         config = RoundConfig.create(job_id=self.config.job_id, round_id=round_id, group_id=group_id or f"g{round_id}",
                                     aggregator_id=AGGREGATOR_ID, members=members, vector_length=vector_length,
                                     bound=bound, graph=self.config.graph, scale_bits=scale_bits,
-                                    dropout_rate=self.config.expected_dropout)
+                                    dropout_rate=self.config.expected_dropout, ring_bits=self.config.ring_bits)
         self.host_group(config)
 
     def host_group(self, config: RoundConfig, context: dict | None = None) -> None:
@@ -111,7 +111,8 @@ class SecureGroupRounds(Job):
         coordinator placed the group on (``aggregator/shards/shard_groups.py``), with what the
         coordinator's job gave besides the configuration (``hosting_context``)."""
         self.secure = ServerSecAgg(config, self.identity, self.registry, mask_applier=pick_mask_applier())
-        self._uploads = MaskedUploadWindow(window_size(self.config.upload_window_bytes, config.vector_length))
+        self._uploads = MaskedUploadWindow(window_size(self.config.upload_window_bytes, config.vector_length,
+                                                       config.codec.word.itemsize))
         self._newest_round = max(self._newest_round, config.round_id)
         self._start_pending = True
 

@@ -28,9 +28,10 @@ MASKED_INPUT_OVERHEAD_BYTES = 64 * 1024
 MIN_WINDOW = 8           # below this the aggregator would idle between uploads
 
 
-def window_size(budget_bytes: int, vector_length: int) -> int:
-    """Members uploading at once: the budget over one masked input (uint64 words), at least MIN_WINDOW."""
-    return max(MIN_WINDOW, int(budget_bytes) // (8 * int(vector_length) + MASKED_INPUT_OVERHEAD_BYTES))
+def window_size(budget_bytes: int, vector_length: int, word_bytes: int = 8) -> int:
+    """Members uploading at once: the budget over one masked input (``vector_length`` ring words of
+    ``word_bytes`` each), at least MIN_WINDOW."""
+    return max(MIN_WINDOW, int(budget_bytes) // (word_bytes * int(vector_length) + MASKED_INPUT_OVERHEAD_BYTES))
 
 
 class MaskedUploadWindow:

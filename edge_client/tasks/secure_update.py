@@ -26,6 +26,7 @@ from protocols.payloads.secure_tasks import SecureUpdateRound
 from protocols.payloads.task_params import DpRound, WireParams
 from protocols.secagg import ClientSecAgg, ClientState, SecAggError
 from protocols.secagg.distributed_dp import add_skellam_noise
+from protocols.secagg.fixedpoint import RING_BITS
 
 from ..agent import TaskDeclined
 from .params import read_params
@@ -121,10 +122,13 @@ class SecureUpdate:
     def on_task(self, job: str, round_: int, params: dict, tensors: dict[str, np.ndarray] | None = None
                 ) -> list[Envelope]:
         vector = self.vector(params, tensors or {})
-        key = (job, round_, read_params(self.round_type, params).group)
+        secure = read_params(self.round_type, params)
+        key = (job, round_, secure.group)
         try:
+            # a distributed-DP share is scaled for the 64-bit ring (distributed_dp.py): no other ring
             client = ClientSecAgg(self.identity, "aggregator", self.aggregator_public_key, job_id=job,
-                                  round_id=round_, group_id=key[2], input_vector=vector)
+                                  round_id=round_, group_id=key[2], input_vector=vector,
+                                  ring_bits=None if secure.dp is None else RING_BITS)
         except SecAggError as exc:
             raise TaskDeclined(f"secure aggregation refused the update: {exc}") from exc
         self.sessions.open(key, client)

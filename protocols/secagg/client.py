@@ -44,8 +44,8 @@ from .crypto import aead_decrypt, aead_encrypt, apply_masks, generate_x25519, x2
     x25519_public_bytes
 from .derivation import SECRET_BYTES, SHARE_BYTES, SHARE_CIPHERTEXT_BYTES, RoundContext, pair_mask_seed, \
     pair_mask_sign, self_mask_commitment, share_associated_data, share_encryption_key
-from .errors import (BadSignature, DecryptionError, InputError, MalformedMessage, ProtocolViolation, ReplayedMessage,
-                     UnexpectedMessage, UnknownSender, WrongContext)
+from .errors import (BadSignature, ConfigError, DecryptionError, InputError, MalformedMessage, ProtocolViolation,
+                     ReplayedMessage, UnexpectedMessage, UnknownSender, WrongContext)
 from .events import Timeout
 from .graph import NeighbourGraph
 from .messages import (AdvertiseKeys, ConsistencyCheckRequest, ConsistencySignature, EncryptedShares,
@@ -101,8 +101,13 @@ def advertisement_valid(context: RoundContext, sender: str, recipient: str, ciph
 
 class ClientSecAgg:
     def __init__(self, identity: DeviceIdentity, aggregator_id: str, aggregator_public_key: bytes, *,
-                 job_id: str, round_id: int, group_id: str, input_vector: np.ndarray | None = None) -> None:
+                 job_id: str, round_id: int, group_id: str, input_vector: np.ndarray | None = None,
+                 ring_bits: int | None = None) -> None:
+        """``ring_bits``: the ring this device's input needs (a device adding distributed-DP noise,
+        scaled for the 64-bit ring, asks for 64); a round in another ring is refused at its start.
+        None: whichever ring the round declares."""
         self.identity = identity
+        self.required_ring_bits = ring_bits
         self.device_id = identity.device_id
         self.aggregator_id = aggregator_id
         self.aggregator_public_key = bytes(aggregator_public_key)
@@ -225,6 +230,9 @@ class ClientSecAgg:
             raise WrongContext("round config does not describe this round")
         if self.device_id not in config.members:
             raise WrongContext(f"{self.device_id!r} is not a member of group {config.group_id!r}")
+        if self.required_ring_bits is not None and config.ring_bits != self.required_ring_bits:
+            raise ConfigError(f"this device's input needs the {self.required_ring_bits}-bit ring, the round "
+                              f"declares ring_bits {config.ring_bits}")
         encoded = None if self._raw_input is None else self._encode(self._raw_input, config)
         cipher_key, mask_key = generate_x25519(), generate_x25519()
         reply = self._reply(AdvertiseKeys, cipher_public_key=x25519_public_bytes(cipher_key),

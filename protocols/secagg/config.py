@@ -18,7 +18,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from .errors import ConfigError, MalformedMessage
-from .fixedpoint import FixedPointCodec, max_scale_bits
+from .fixedpoint import RING_BITS, FixedPointCodec, check_ring_bits, max_scale_bits
 from .graph import NeighbourGraph, regular_degree, share_threshold_for
 
 GRAPH_COMPLETE = "complete"
@@ -99,6 +99,10 @@ class RoundConfig:
     share_threshold: int = 0
     graph_seed: bytes = field(default=bytes(GRAPH_SEED_BYTES), repr=False)
     consistency_check: bool = True
+    # the width of Z_{2^r} (fixedpoint.py); 64 unless the round declares 32, which only
+    # precision-tolerant jobs do. Off the wire when 64, so a 64-bit config is byte for byte the
+    # one every client (and golden vector) knew before the field existed.
+    ring_bits: int = RING_BITS
 
     def __post_init__(self) -> None:
         self.validate()
@@ -110,7 +114,7 @@ class RoundConfig:
                graph: str = GRAPH_AUTO, degree: int | None = None,
                share_threshold: int | None = None, graph_seed: bytes | None = None,
                consistency_check: bool = True, dropout_rate: float = 0.1,
-               corruption_rate: float = 0.0) -> "RoundConfig":
+               corruption_rate: float = 0.0, ring_bits: int = RING_BITS) -> "RoundConfig":
         """Fill the defaults: the graph ("auto": :func:`resolve_graph`), t = ceil(2n/3), the finest
         safe scale, and for SecAgg+ the degree k and share threshold t' that the declared dropout
         and corruption rates need (:func:`~protocols.secagg.graph.regular_degree`), a fresh random
@@ -119,7 +123,7 @@ class RoundConfig:
         n = len(ordered)
         graph = resolve_graph(graph, n)
         if scale_bits is None:
-            scale_bits = max_scale_bits(max(n, 1), bound)
+            scale_bits = max_scale_bits(max(n, 1), bound, check_ring_bits(ring_bits))
         threshold = default_threshold(n) if threshold is None else threshold
         if graph == GRAPH_REGULAR:
             if degree is None:                         # O(log n), more if dropouts or corruptions need it
@@ -136,7 +140,7 @@ class RoundConfig:
                    members=ordered, vector_length=vector_length, threshold=threshold,
                    scale_bits=scale_bits, bound=float(bound), graph=graph, degree=degree,
                    share_threshold=share_threshold, graph_seed=graph_seed,
-                   consistency_check=consistency_check)
+                   consistency_check=consistency_check, ring_bits=ring_bits)
 
     def validate(self) -> None:
         _check_id("job_id", self.job_id)
@@ -153,6 +157,7 @@ class RoundConfig:
             raise ConfigError("the aggregator cannot be a member of the group")
         _check_int("vector_length", self.vector_length, 1, MAX_VECTOR_LENGTH)
         _check_int("threshold", self.threshold, 2, n)
+        check_ring_bits(self.ring_bits)
         if 2 * self.threshold <= n:
             raise ConfigError(f"threshold {self.threshold} must be a strict majority of {n} members "
                               "(otherwise two disjoint survivor sets could each unmask)")
@@ -179,7 +184,7 @@ class RoundConfig:
     @property
     def codec(self) -> FixedPointCodec:
         try:
-            return FixedPointCodec(self.scale_bits, self.bound)
+            return FixedPointCodec(self.scale_bits, self.bound, self.ring_bits)
         except ConfigError:
             raise
         except Exception as exc:  # a non-numeric bound from the wire
@@ -228,13 +233,15 @@ class RoundConfig:
                 "vector_length": self.vector_length, "threshold": self.threshold,
                 "scale_bits": self.scale_bits, "bound": self.bound, "graph": self.graph,
                 "degree": self.degree, "share_threshold": self.share_threshold,
-                "graph_seed": self.graph_seed.hex(), "consistency_check": self.consistency_check}
+                "graph_seed": self.graph_seed.hex(), "consistency_check": self.consistency_check,
+                **({} if self.ring_bits == RING_BITS else {"ring_bits": self.ring_bits})}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "RoundConfig":
         expected = set(cls.__dataclass_fields__)
-        if not isinstance(data, Mapping) or set(data) != expected:
-            raise ConfigError(f"round config must have exactly the keys {sorted(expected)}")
+        if not isinstance(data, Mapping) or not expected - {"ring_bits"} <= set(data) <= expected:
+            raise ConfigError(f"round config must have exactly the keys {sorted(expected - {'ring_bits'})} "
+                              "and optionally ring_bits")
         members = data["members"]
         if not isinstance(members, list):
             raise ConfigError("members must be a list")

@@ -208,8 +208,8 @@ def client_step(frame: WireFrame, clients: dict[str, ClientSecAgg], silent: set[
 
 
 def plain_fixed_point_sum(config: RoundConfig, vectors: list[np.ndarray]) -> np.ndarray:
-    """Reference: the plain modulo-2^64 sum of the encoded vectors (what SecAgg must reproduce)."""
-    total = np.zeros(config.vector_length, dtype=np.uint64)
+    """Reference: the plain modulo-2^r sum of the encoded vectors (what SecAgg must reproduce)."""
+    total = np.zeros(config.vector_length, dtype=config.codec.word)
     for vector in vectors:
         total += config.codec.encode(vector)
     return total

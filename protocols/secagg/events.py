@@ -41,15 +41,16 @@ class MemberOffline:
 
 @dataclass(frozen=True, eq=False)
 class AggregateReady:
-    """Server output: the exact sum mod 2^64 of the survivors' encoded inputs."""
+    """Server output: the exact sum mod 2^r of the survivors' encoded inputs, as the ring's
+    unsigned words (uint64, or uint32 in a 32-bit ring)."""
 
-    sum_uint64: np.ndarray
+    sum_words: np.ndarray
     survivors: tuple[str, ...]
     codec: FixedPointCodec
 
     def decode(self) -> np.ndarray:
         """The sum as float64 (sum of q / 2^f)."""
-        return self.codec.decode(self.sum_uint64)
+        return self.codec.decode(self.sum_words)
 
 
 @dataclass(frozen=True)

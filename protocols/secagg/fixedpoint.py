@@ -1,10 +1,13 @@
-"""Fixed-point encoding of float64 vectors into Z_{2^64} (two's complement) and its bound.
+"""Fixed-point encoding of float64 vectors into Z_{2^r} (two's complement) and its bound.
 
-q = rint(x * 2^f) as int64, stored as the uint64 with the same bits. Sums of such words taken
-modulo 2^64 and read back as int64 equal the integer sum exactly as long as the true sum lies in
-[-2^63, 2^63). With n clients each sending |x| <= B, |q| <= Q = floor(B * 2^f + 1/2), so
+The ring is r = 64 bits (the default: Fed3R's statistics need its precision to stay exact) or
+r = 32 (``RoundConfig.ring_bits``), which halves the masked vectors and the mask keystream where
+the bound and the precision a job needs allow it. q = rint(x * 2^f) as a signed r-bit integer,
+stored as the unsigned r-bit word with the same bits. Sums of such words taken modulo 2^r and
+read back as signed integers equal the integer sum exactly as long as the true sum lies in
+[-2^(r-1), 2^(r-1)). With n clients each sending |x| <= B, |q| <= Q = floor(B * 2^f + 1/2), so
 
-    n * Q < 2^63   (and n * B * 2^f < 2^63)
+    n * Q < 2^(r-1)   (and n * B * 2^f < 2^(r-1))
 
 guarantees exactness. `FixedPointCodec.check_capacity(n_max)` refuses a configuration that
 breaks it, and `max_scale_bits(n_max, B)` picks the finest scale that satisfies it. Clients never
@@ -28,8 +31,21 @@ import numpy as np
 
 from .errors import ConfigError, InputError
 
-RING_BITS = 64
-_HALF_RING = 1 << (RING_BITS - 1)
+RING_BITS = 64                 # the default ring
+RINGS = (32, 64)               # the ring widths a round may declare
+_WORDS = {32: (np.dtype("<u4"), np.dtype("<i4")), 64: (np.dtype("<u8"), np.dtype("<i8"))}
+
+
+def check_ring_bits(ring_bits: object) -> int:
+    if not isinstance(ring_bits, int) or isinstance(ring_bits, bool) or ring_bits not in RINGS:
+        raise ConfigError(f"ring_bits must be one of {RINGS}, got {ring_bits!r}")
+    return ring_bits
+
+
+def ring_dtype(ring_bits: int) -> np.dtype:
+    """The unsigned little-endian word of a ring of ``ring_bits`` bits (what masks and masked
+    inputs are made of)."""
+    return _WORDS[check_ring_bits(ring_bits)][0]
 
 
 def _integer_bound(bound: float, scale_bits: int) -> int:
@@ -43,33 +59,46 @@ class FixedPointCodec:
 
     scale_bits: int
     bound: float
+    ring_bits: int = RING_BITS
 
     def __post_init__(self) -> None:
+        check_ring_bits(self.ring_bits)
         if not isinstance(self.scale_bits, int) or isinstance(self.scale_bits, bool) \
-                or not 0 <= self.scale_bits <= RING_BITS - 2:
-            raise ConfigError(f"scale_bits must be an integer in 0..{RING_BITS - 2}, got {self.scale_bits!r}")
+                or not 0 <= self.scale_bits <= self.ring_bits - 2:
+            raise ConfigError(f"scale_bits must be an integer in 0..{self.ring_bits - 2}, got {self.scale_bits!r}")
         if not isinstance(self.bound, (int, float)) or not math.isfinite(self.bound) or self.bound <= 0:
             raise ConfigError(f"bound must be a positive finite number, got {self.bound!r}")
-        if _integer_bound(self.bound, self.scale_bits) >= _HALF_RING:
-            raise ConfigError("bound * 2^scale_bits does not fit in int64")
+        if _integer_bound(self.bound, self.scale_bits) >= self.half_ring:
+            raise ConfigError(f"bound * 2^scale_bits does not fit in int{self.ring_bits}")
+
+    @property
+    def half_ring(self) -> int:
+        return 1 << (self.ring_bits - 1)
+
+    @property
+    def word(self) -> np.dtype:
+        """The ring's unsigned word (numpy little-endian dtype)."""
+        return _WORDS[self.ring_bits][0]
 
     @property
     def integer_bound(self) -> int:
         return _integer_bound(self.bound, self.scale_bits)
 
     def check_capacity(self, n_max: int) -> None:
-        """Refuse unless the sum of n_max encoded vectors cannot wrap modulo 2^64."""
+        """Refuse unless the sum of n_max encoded vectors cannot wrap modulo 2^r."""
         if n_max < 1:
             raise ConfigError("group size must be >= 1")
-        exceeds = n_max * self.integer_bound >= _HALF_RING \
-            or n_max * Fraction(self.bound) * (1 << self.scale_bits) >= _HALF_RING
-        if exceeds:
+        if not _fits(n_max, self.bound, self.scale_bits, self.ring_bits):
+            try:
+                advice = f"use scale_bits <= {max_scale_bits(n_max, self.bound, self.ring_bits)} or a smaller bound"
+            except ConfigError:
+                advice = "use a smaller bound or a wider ring"
             raise ConfigError(
-                f"n_max * B * 2^f = {n_max} * {self.bound} * 2^{self.scale_bits} >= 2^63: the sum could "
-                f"overflow; use scale_bits <= {max_scale_bits(n_max, self.bound)} or a smaller bound")
+                f"n_max * B * 2^f = {n_max} * {self.bound} * 2^{self.scale_bits} >= 2^{self.ring_bits - 1}: "
+                f"the sum could overflow the {self.ring_bits}-bit ring; {advice}")
 
     def encode(self, values: np.ndarray) -> np.ndarray:
-        """float vector -> uint64 words; InputError for non-finite or out-of-bound values."""
+        """float vector -> the ring's unsigned words; InputError for non-finite or out-of-bound values."""
         x = np.asarray(values)
         if x.dtype.kind not in "fiu":
             raise InputError(f"input must be numeric, got dtype {x.dtype}")
@@ -84,30 +113,38 @@ class FixedPointCodec:
         # multiplying by a power of two is exact in float64, so rounding happens once, in rint
         scaled = x * float(1 << self.scale_bits)
         np.rint(scaled, out=scaled)
-        return scaled.astype(np.int64).view(np.uint64)
+        unsigned, signed = _WORDS[self.ring_bits]
+        return scaled.astype(signed).view(unsigned)
 
     def to_signed(self, words: np.ndarray) -> np.ndarray:
-        """uint64 ring elements -> the int64 integers they stand for (a view)."""
-        return np.asarray(words, dtype=np.uint64).view(np.int64)
+        """Ring elements (unsigned words) -> the signed integers they stand for (a view)."""
+        unsigned, signed = _WORDS[self.ring_bits]
+        return np.asarray(words, dtype=unsigned).view(signed)
 
     def decode(self, words: np.ndarray) -> np.ndarray:
-        """uint64 (a sum or a single vector) -> float64 x = q / 2^f (rounded to float64 when
+        """Ring words (a sum or a single vector) -> float64 x = q / 2^f (rounded to float64 when
         |q| > 2^53)."""
         return np.ldexp(self.to_signed(words).astype(np.float64), -self.scale_bits)
 
 
-def max_scale_bits(n_max: int, bound: float) -> int:
-    """Largest f with n_max * floor(B * 2^f + 1/2) < 2^63; ConfigError if even f = 0 fails."""
+def _fits(n_max: int, bound: float, scale_bits: int, ring_bits: int) -> bool:
+    half = 1 << (ring_bits - 1)
+    return n_max * _integer_bound(bound, scale_bits) < half and n_max * Fraction(bound) * (1 << scale_bits) < half
+
+
+def max_scale_bits(n_max: int, bound: float, ring_bits: int = RING_BITS) -> int:
+    """Largest f with n_max * floor(B * 2^f + 1/2) < 2^(r-1); ConfigError if even f = 0 fails."""
     if n_max < 1 or not math.isfinite(bound) or bound <= 0:
         raise ConfigError("need n_max >= 1 and a positive finite bound")
+    check_ring_bits(ring_bits)
     best = None
-    for f in range(RING_BITS - 1):
-        fits = n_max * _integer_bound(bound, f) < _HALF_RING and n_max * Fraction(bound) * (1 << f) < _HALF_RING
-        if not fits:
+    for f in range(ring_bits - 1):
+        if not _fits(n_max, bound, f, ring_bits):
             break
         best = f
     if best is None:
-        raise ConfigError(f"n_max * bound = {n_max} * {bound} does not fit in 2^63 even without fractional bits")
+        raise ConfigError(f"n_max * bound = {n_max} * {bound} does not fit in 2^{ring_bits - 1} even without "
+                          "fractional bits")
     return best
 
 

@@ -144,8 +144,9 @@ class Message:
         checked_arrays = {}
         for name, spec in cls.ARRAYS.items():
             array = arrays[name]
-            if not isinstance(array, np.ndarray) or array.dtype != np.dtype(spec.dtype) or array.ndim != spec.rank:
-                raise MalformedMessage(f"{cls.TYPE} array {name!r} must be {spec.dtype} of rank {spec.rank}")
+            if not isinstance(array, np.ndarray) or array.dtype not in spec.dtypes or array.ndim != spec.rank:
+                raise MalformedMessage(f"{cls.TYPE} array {name!r} must be {' or '.join(map(str, spec.dtypes))} "
+                                       f"of rank {spec.rank}")
             checked_arrays[name] = array
         round_id = header["round_id"]
         if not isinstance(round_id, int) or isinstance(round_id, bool) or round_id < 0:
@@ -298,7 +299,7 @@ class MaskedInput(Message):
     TYPE: ClassVar[str] = "secagg.masked_input"
     PHASE: ClassVar[Phase] = Phase.MASKED_INPUT
     FROM_CLIENT: ClassVar[bool] = True
-    masked_input: np.ndarray = wire_array("<u8", 1)
+    masked_input: np.ndarray = wire_array(("<u8", "<u4"), 1)       # the round's ring words (server checks which)
 
 
 @wire_message

@@ -6,7 +6,7 @@ One ServerSecAgg object runs one round for one group. `start()` returns a signed
 for every member; afterwards the caller feeds `handle(event)` with decoded client messages
 and Timeout(phase) events from its own clock, and sends out whatever it returns. Outputs
 addressed to devices are Message objects; the final output is AggregateReady (exact sum of the
-survivors' encoded inputs modulo 2^64) or RoundFailed (no partial sum). A phase closes as soon
+survivors' encoded inputs modulo 2^r, r the round's ring_bits) or RoundFailed (no partial sum). A phase closes as soon
 as every device expected in it has answered (members the caller reported with MemberOffline are
 not waited for), or when Timeout(that phase) arrives.
 
@@ -16,7 +16,7 @@ them, a test keeps the two equal). Each wait state has one :class:`PhaseRule`: t
 accepts (U1 .. U5 are who delivered it), the check run before anything is kept, and what closing
 it sends; a phase with fewer than t participants, or a failed reconstruction, ends in FAILED.
 
-Masked inputs are added into one uint64 accumulator as they arrive (nothing per-client is
+Masked inputs are added into one accumulator of ring words as they arrive (nothing per-client is
 kept). At the end the server subtracts PRG(b_u) for every survivor and, for every dropped v
 with surviving neighbours u, the pair mask sign(u, v) PRG(s_uv) that u included, re-derived
 from the reconstructed s_v^SK and u's advertised public key. A reconstructed s_v^SK must match
@@ -96,6 +96,7 @@ class ServerSecAgg:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         self.mask_applier: MaskApplier = mask_applier or partial(apply_masks, workers=self.workers)
+        self._word = config.codec.word
         if identity.device_id != config.aggregator_id:
             raise ConfigError(f"aggregator identity {identity.device_id!r} != config {config.aggregator_id!r}")
         missing = [m for m in config.members if m not in registry]
@@ -260,6 +261,9 @@ class ServerSecAgg:
         if message.masked_input.shape != (self.config.vector_length,):
             raise MalformedMessage(f"masked input of shape {message.masked_input.shape}, the round's vector "
                                    f"length is {self.config.vector_length}")
+        if message.masked_input.dtype != self._word:
+            raise MalformedMessage(f"masked input of {message.masked_input.dtype} words in a "
+                                   f"{self.config.ring_bits}-bit ring (expected {self._word})")
 
     def _accumulate(self, message: MaskedInput) -> bool:
         np.add(self._accumulator, message.masked_input, out=self._accumulator)
@@ -337,7 +341,7 @@ class ServerSecAgg:
             for row, sender in enumerate(senders):
                 ciphertexts[row] = uploads[sender].ciphertexts[row_of[sender][recipient]]
             outgoing.append(self._message(ForwardedShares, recipient, senders=senders, ciphertexts=ciphertexts))
-        self._accumulator = np.zeros(self.config.vector_length, dtype=np.uint64)
+        self._accumulator = np.zeros(self.config.vector_length, dtype=self._word)
         self.state = ServerState.WAIT_MASKED
         return outgoing
 

@@ -116,13 +116,18 @@ class BoundedText(WireValue):
 
 @dataclass(frozen=True)
 class WireArray:
-    """How one array field travels: its dtype and rank, and optionally the length of its rows
+    """How one array field travels: its dtype (or the dtypes it may take, of which the message's
+    receiver checks the one its round expects) and rank, and optionally the length of its rows
     (shape[1:] == (row_bytes,)) and the header list its rows belong to (shape[0] == len(list))."""
 
-    dtype: str
+    dtype: str | tuple[str, ...]
     rank: int
     row_bytes: int | None = None
     rows_per: str | None = None
+
+    @property
+    def dtypes(self) -> tuple[np.dtype, ...]:
+        return tuple(map(np.dtype, (self.dtype,) if isinstance(self.dtype, str) else self.dtype))
 
     def read(self, name: str, payload: Mapping[str, Any], arrays: Mapping[str, np.ndarray],
              parsed: Mapping[str, Any]) -> np.ndarray:
@@ -142,7 +147,7 @@ def wire_value(codec: WireValue) -> Any:
     return dataclasses.field(metadata={_WIRE: codec})
 
 
-def wire_array(dtype: str, rank: int, *, row_bytes: int | None = None, rows_per: str | None = None) -> Any:
+def wire_array(dtype: str | tuple[str, ...], rank: int, *, row_bytes: int | None = None, rows_per: str | None = None) -> Any:
     return dataclasses.field(metadata={_WIRE: WireArray(dtype, rank, row_bytes, rows_per)})
 
 

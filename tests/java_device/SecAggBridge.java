@@ -1,6 +1,7 @@
 // One Java SecAgg client driven over standard input/output, so a test can put it in a round run
 // by the Python server (protocols/secagg/driver.py) and play a hostile server against it.
-// Usage: java SecAggBridge <device> <seed hex> <aggregator key hex> <job> <round> <group> <input file (float64 LE)>
+// Usage: java SecAggBridge <device> <seed hex> <aggregator key hex> <job> <round> <group> <input file (float64 LE)> [dp]
+// ("dp": the input carries a distributed-DP noise share, as a secure task's with dp would)
 // Each input line is a base64 `secagg` envelope from the aggregator; the bridge answers with
 // "REPLY <base64 envelope>" lines, an "ERROR <kind> <message>" line when the client refused the
 // message, and a final "STATE <client state>" line.
@@ -20,7 +21,8 @@ public final class SecAggBridge {
         ByteBuffer raw = ByteBuffer.wrap(Files.readAllBytes(Paths.get(a[6]))).order(ByteOrder.LITTLE_ENDIAN);
         double[] input = new double[raw.remaining() / 8];
         for (int i = 0; i < input.length; i++) input[i] = raw.getDouble();
-        ClientSecAgg client = new ClientSecAgg(a[0], id, id.publicKey(), "aggregator", aggregatorKey, a[3], Long.parseLong(a[4]), a[5], input);
+        ClientSecAgg client = new ClientSecAgg(a[0], id, id.publicKey(), "aggregator", aggregatorKey, a[3], Long.parseLong(a[4]), a[5], input,
+                a.length > 7 && a[7].equals("dp"));
         BufferedReader in = new BufferedReader(new InputStreamReader(System.in));
         PrintStream out = System.out;
         for (String line; (line = in.readLine()) != null; ) {

@@ -19,6 +19,7 @@ import java.math.BigInteger;
 import java.nio.file.*;
 import java.util.*;
 import org.fedfleet.device.*;
+import org.fedfleet.secagg.RingVector;
 import org.fedfleet.secagg.RoundConfig;
 import org.fedfleet.secagg.SecAggException;
 import org.fedfleet.wire.*;
@@ -129,7 +130,7 @@ public final class TaskRunner {
     /** A secure kind in the batch (args: task, features, result, round config JSON[, held-out
      *  features or "-", state folder] for scaffold.head.secure and ditto.head.secure): the vector the
      *  device would mask (float64 LE to result + ".vector") and the words SecAgg masks, its fixed-point
-     *  encoding under the round's config (uint64 LE to result); prints "DONE" (with "STEPS" for
+     *  encoding under the round's config (its ring's words, uint64 or uint32 LE, to result); prints "DONE" (with "STEPS" for
      *  fedavg.secure), "DECLINED <why>" (the task refused) or "OUT_OF_RANGE <why>" (the encoder refused
      *  the vector at the round's start). Distributed DP's noise is drawn as zero (zeroNoise). */
     static String runSecure(Envelope.Message msg, String[] args) throws Exception {
@@ -159,16 +160,14 @@ public final class TaskRunner {
         java.nio.ByteBuffer raw = java.nio.ByteBuffer.allocate(8 * v.length).order(java.nio.ByteOrder.LITTLE_ENDIAN);
         for (double x : v) raw.putDouble(x);
         Files.write(Paths.get(args[2] + ".vector"), raw.array());
-        long[] words;
+        RingVector words;
         try {
             RoundConfig config = RoundConfig.fromMap(Json.parse(new String(Files.readAllBytes(Paths.get(args[3])), "UTF-8")));
             words = config.encode(v);
         } catch (SecAggException e) {
             return "OUT_OF_RANGE " + e.getMessage() + "\n" + steps;
         }
-        raw = java.nio.ByteBuffer.allocate(8 * words.length).order(java.nio.ByteOrder.LITTLE_ENDIAN);
-        for (long w : words) raw.putLong(w);
-        Files.write(Paths.get(args[2]), raw.array());
+        Files.write(Paths.get(args[2]), words.toLittleEndian());
         return "DONE\n" + steps;
     }
 

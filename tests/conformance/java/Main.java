@@ -268,6 +268,7 @@ public final class Main {
                 case "int8": out.add(Byte.toString(b.get())); break;
                 case "uint8": out.add(Integer.toString(b.get() & 0xff)); break;
                 case "int32": out.add(Integer.toString(b.getInt())); break;
+                case "uint32": out.add(Integer.toUnsignedString(b.getInt())); break;
                 case "int64": out.add(Long.toString(b.getLong())); break;
                 default: out.add(Long.toUnsignedString(b.getLong()));  // uint64
             }

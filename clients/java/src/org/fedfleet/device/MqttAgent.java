@@ -281,7 +281,7 @@ public final class MqttAgent implements AutoCloseable {
             SecureTask.Contribution mine = secure.contribute(w.task.params, w.tensors);
             Identity id = (Identity) o.signer;
             secagg.open(ref.job, ref.round, mine.group, new ClientSecAgg(deviceId, id, id.publicKey(), Topics.AGGREGATOR_ID,
-                    o.aggregatorKey, ref.job, ref.round, mine.group, mine.vector));
+                    o.aggregatorKey, ref.job, ref.round, mine.group, mine.vector, mine.distributedDp));
         } catch (TaskDeclined e) {
             execute(session.onWorkFailed(ref, e.getMessage()));
             return;

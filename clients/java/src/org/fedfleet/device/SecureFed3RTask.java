@@ -31,7 +31,7 @@ public final class SecureFed3RTask implements SecureTask {
         double[] v = new double[a.length + b.length + 1];
         System.arraycopy(a, 0, v, 0, a.length);
         System.arraycopy(b, 0, v, a.length, b.length);
-        if (task.dp != null) return new Contribution(task.group, noise.add(v, task.dp, v.length - 1));    // count 0
+        if (task.dp != null) return new Contribution(task.group, noise.add(v, task.dp, v.length - 1), true);    // count 0
         v[v.length - 1] = acc.n();
         return new Contribution(task.group, v);
     }

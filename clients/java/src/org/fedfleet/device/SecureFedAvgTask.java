@@ -31,7 +31,7 @@ public final class SecureFedAvgTask implements SecureTask {
         if (order.size() != 2 || !order.containsAll(SecureUpdateRound.HEAD_ORDER))
             throw new TaskDeclined("vector_order " + order + " does not name exactly the trained tensors [bias, weight]");
         HeadTrainer.Trained t = training.train(task.head, tensors);
-        return new Contribution(round.group, vector(round, t.n, inOrder(order, t.weight, t.bias), start(order, t.bias.length, t.weight.length / t.bias.length, tensors), noise));
+        return new Contribution(round.group, vector(round, t.n, inOrder(order, t.weight, t.bias), start(order, t.bias.length, t.weight.length / t.bias.length, tensors), noise), round.dp != null);
     }
 
     /** The vector a FedAvg-family device masks (secure_fedavg_training.py SecureFedAvgTraining.vector):

@@ -66,7 +66,7 @@ public final class SecureStatefulHeadTask implements SecureTask {
         long n = ((BigInteger) r.body.get("n")).longValue();
         double[] weighted = SecureFedAvgTask.vector(round, n, concat(out.get(order.get(0)), out.get(order.get(1))),
                 SecureFedAvgTask.start(order, classes, out.get("weight").length / classes, tensors), noise);
-        if (!scaffold) return new Contribution(round.group, weighted);
+        if (!scaffold) return new Contribution(round.group, weighted, round.dp != null);
         double[] delta = concat(out.get(DELTA_CONTROL + order.get(0)), out.get(DELTA_CONTROL + order.get(1)));
         double sq = 0;
         for (double d : delta) sq += d * d;
@@ -76,7 +76,7 @@ public final class SecureStatefulHeadTask implements SecureTask {
         System.arraycopy(weighted, 0, v, 0, weighted.length - 1);
         System.arraycopy(delta, 0, v, weighted.length - 1, delta.length);
         v[v.length - 1] = weighted[weighted.length - 1];
-        return new Contribution(round.group, v);
+        return new Contribution(round.group, v, round.dp != null);
     }
 
     private static double[] values(Envelope.Tensor t) throws TaskDeclined {

@@ -15,7 +15,13 @@ public interface SecureTask {
     final class Contribution {
         public final String group;
         public final double[] vector;
+        /** The vector carries this device's distributed-DP noise share (its SecAgg round must be 64-bit). */
+        public final boolean distributedDp;
 
-        public Contribution(String group, double[] vector) { this.group = group; this.vector = vector; }
+        public Contribution(String group, double[] vector) { this(group, vector, false); }
+
+        public Contribution(String group, double[] vector, boolean distributedDp) {
+            this.group = group; this.vector = vector; this.distributedDp = distributedDp;
+        }
     }
 }

@@ -4,7 +4,7 @@
 //   ADVERTISED        KeyDirectory             check neighbours' signed keys, Shamir-split s_u^SK and
 //                                              b_u among {u} + N(u), AES-GCM per neighbour
 //                                              -> EncryptedShares                                      SHARES_SENT
-//   SHARES_SENT       ForwardedShares          decrypt, y_u = x_u + PRG(b_u) + Σ ±PRG(s_uv)
+//   SHARES_SENT       ForwardedShares          decrypt, y_u = x_u + PRG(b_u) + Σ ±PRG(s_uv) in Z_{2^r}
 //                                              -> MaskedInput                                          INPUT_SENT
 //   INPUT_SENT        ConsistencyCheckRequest  sign U3 -> ConsistencySignature                         CONSISTENCY_SENT
 //   INPUT_SENT / CONSISTENCY_SENT  UnmaskRequest  b_v shares of survivors, s_v shares of dropped
@@ -45,9 +45,10 @@ public final class ClientSecAgg {
     private final Envelope.Signer identity;
     private final byte[] identityPublicKey, aggregatorKey;
     private double[] input;
+    private final boolean distributedDp;
     private State state = State.WAITING_CONFIG;
     private RoundConfig config;
-    private long[] encoded;
+    private RingVector encoded;
     private X25519PrivateKeyParameters cipherKey, maskKey;
     private byte[] selfMaskSeed;
     private Set<String> participants = Collections.emptySet(), neighbours = Collections.emptySet(), u2 = Collections.emptySet();
@@ -59,6 +60,14 @@ public final class ClientSecAgg {
 
     public ClientSecAgg(String deviceId, Envelope.Signer identity, byte[] identityPublicKey, String aggregatorId,
                         byte[] aggregatorKey, String jobId, long roundId, String groupId, double[] input) {
+        this(deviceId, identity, identityPublicKey, aggregatorId, aggregatorKey, jobId, roundId, groupId, input, false);
+    }
+
+    /** distributedDp: the input carries this device's share of distributed-DP (Skellam) noise, which
+     *  is sized for the 64-bit ring: a round in another ring is refused at its start. */
+    public ClientSecAgg(String deviceId, Envelope.Signer identity, byte[] identityPublicKey, String aggregatorId,
+                        byte[] aggregatorKey, String jobId, long roundId, String groupId, double[] input, boolean distributedDp) {
+        this.distributedDp = distributedDp;
         this.deviceId = deviceId; this.identity = identity; this.identityPublicKey = identityPublicKey.clone();
         this.aggregatorId = aggregatorId; this.aggregatorKey = aggregatorKey.clone();
         this.jobId = jobId; this.roundId = roundId; this.groupId = groupId; this.input = input.clone();
@@ -169,7 +178,9 @@ public final class ClientSecAgg {
         if (!c.jobId.equals(jobId) || c.roundId != roundId || !c.groupId.equals(groupId) || !c.aggregatorId.equals(aggregatorId))
             throw new SecAggException("round config does not describe this round");
         if (!c.isMember(deviceId)) throw new SecAggException(deviceId + " is not a member of group " + groupId);
-        long[] enc = c.encode(input);
+        if (distributedDp && c.ringBits != RingVector.BITS_64)
+            throw new SecAggException("distributed DP noise needs the 64-bit ring, the round declares ring_bits " + c.ringBits);
+        RingVector enc = c.encode(input);
         X25519PrivateKeyParameters ck = Crypto.x25519(), mk = Crypto.x25519();
         Map<String, Object> payload = new LinkedHashMap<>();
         payload.put("cipher_public_key", SecAggMessage.b64(Crypto.publicBytes(ck)));
@@ -274,14 +285,14 @@ public final class ClientSecAgg {
             }
             got.put(peer, new byte[][] {Arrays.copyOf(plain, SHARE_BYTES), Arrays.copyOfRange(plain, SHARE_BYTES, 2 * SHARE_BYTES)});
         }
-        long[] masked = encoded.clone();
-        Crypto.addMask(masked, selfMaskSeed, 1);
+        RingVector masked = encoded.copy();
+        masked.addMask(selfMaskSeed, 1);
         for (String peer : senders) {
             byte[] pairSeed = Crypto.agree(maskKey, maskPublic.get(peer), context("pair-mask", low(deviceId, peer), high(deviceId, peer)));
-            Crypto.addMask(masked, pairSeed, Json.CODE_POINT_ORDER.compare(deviceId, peer) < 0 ? 1 : -1);
+            masked.addMask(pairSeed, Json.CODE_POINT_ORDER.compare(deviceId, peer) < 0 ? 1 : -1);
         }
-        SecAggMessage reply = reply("secagg.masked_input", new LinkedHashMap<String, Object>(), SecAggMessage.arrays(
-                new Envelope.Tensor("masked_input", "uint64", new long[] {masked.length}, RoundConfig.le(masked))));
+        SecAggMessage reply = reply("secagg.masked_input", new LinkedHashMap<String, Object>(),
+                SecAggMessage.arrays(masked.tensor("masked_input")));
         held = got; u2 = new HashSet<>(senders); encoded = null; input = null;
         state = State.INPUT_SENT;
         return Collections.singletonList(reply);

@@ -5,7 +5,6 @@ package org.fedfleet.secagg;
 
 import java.nio.ByteBuffer;
 import java.nio.ByteOrder;
-import java.nio.LongBuffer;
 import java.nio.charset.StandardCharsets;
 import java.security.GeneralSecurityException;
 import java.security.SecureRandom;
@@ -27,7 +26,7 @@ public final class Crypto {
     static final int NONCE_BYTES = 12, TAG_BYTES = 16;
     private static final byte[] HKDF_SALT = "fedfleet/secagg/hkdf/v1".getBytes(StandardCharsets.US_ASCII);
     private static final byte[] PRG_DOMAIN = "fedfleet/secagg/prg/v1".getBytes(StandardCharsets.US_ASCII);
-    private static final int BLOCK_WORDS = 1 << 15;   // 256 KiB of keystream at a time
+    private static final int BLOCK_BYTES = 1 << 18;   // 256 KiB of keystream at a time
 
     private Crypto() {}
 
@@ -83,24 +82,40 @@ public final class Crypto {
         }
     }
 
-    /** target += sign · PRG(seed) mod 2^64: AES-128-CTR keystream from a zero counter block,
-     *  key SHA-256("fedfleet/secagg/prg/v1" || seed)[:16], read as little-endian uint64 words. */
+    /** target += sign · PRG(seed) mod 2^64: the keystream read as little-endian uint64 words. */
     public static void addMask(long[] target, byte[] seed, int sign) {
+        keystream(seed, target.length, Long.BYTES, (stream, start, n) -> {
+            if (sign > 0) for (int k = 0; k < n; k++) target[start + k] += stream.getLong(Long.BYTES * k);   // longs wrap mod 2^64
+            else for (int k = 0; k < n; k++) target[start + k] -= stream.getLong(Long.BYTES * k);
+        });
+    }
+
+    /** target += sign · PRG(seed) mod 2^32: the same keystream read as little-endian uint32 words
+     *  (word i = bytes 4i..4i+3), for a round in the 32-bit ring. */
+    public static void addMask(int[] target, byte[] seed, int sign) {
+        keystream(seed, target.length, Integer.BYTES, (stream, start, n) -> {
+            if (sign > 0) for (int k = 0; k < n; k++) target[start + k] += stream.getInt(Integer.BYTES * k);   // ints wrap mod 2^32
+            else for (int k = 0; k < n; k++) target[start + k] -= stream.getInt(Integer.BYTES * k);
+        });
+    }
+
+    /** Consumes one block of the keystream: n words of the little-endian buffer, for target[start, start + n). */
+    private interface Block { void add(ByteBuffer stream, int start, int n); }
+
+    /** The mask PRG: AES-128-CTR keystream from a zero counter block, key
+     *  SHA-256("fedfleet/secagg/prg/v1" || seed)[:16], handed out in blocks of whole words. */
+    private static void keystream(byte[] seed, int words, int wordBytes, Block sink) {
         byte[] key = Arrays.copyOf(sha256(PRG_DOMAIN, seed), 16);
         try {
             Cipher aes = Cipher.getInstance("AES/CTR/NoPadding");
             aes.init(Cipher.ENCRYPT_MODE, new SecretKeySpec(key, "AES"), new IvParameterSpec(new byte[16]));
-            int block = Math.min(BLOCK_WORDS, Math.max(target.length, 1));
-            byte[] zeros = new byte[8 * block], stream = new byte[8 * block];
-            LongBuffer words = ByteBuffer.wrap(stream).order(ByteOrder.LITTLE_ENDIAN).asLongBuffer();
-            long[] keystream = new long[block];          // buffers reused: no garbage per block
-            for (int start = 0; start < target.length; start += block) {
-                int n = Math.min(block, target.length - start);
-                aes.update(zeros, 0, 8 * n, stream, 0);
-                words.clear();
-                words.get(keystream, 0, n);
-                if (sign > 0) for (int k = 0; k < n; k++) target[start + k] += keystream[k];   // Java longs wrap mod 2^64
-                else for (int k = 0; k < n; k++) target[start + k] -= keystream[k];
+            int block = Math.min(BLOCK_BYTES / wordBytes, Math.max(words, 1));
+            byte[] zeros = new byte[wordBytes * block], stream = new byte[wordBytes * block];
+            ByteBuffer view = ByteBuffer.wrap(stream).order(ByteOrder.LITTLE_ENDIAN);   // buffers reused: no garbage per block
+            for (int start = 0; start < words; start += block) {
+                int n = Math.min(block, words - start);
+                aes.update(zeros, 0, wordBytes * n, stream, 0);
+                sink.add(view, start, n);
             }
         } catch (GeneralSecurityException e) {
             throw new IllegalStateException("AES-CTR unavailable", e);

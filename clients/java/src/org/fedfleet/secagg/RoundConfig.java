@@ -1,13 +1,12 @@
 // The signed configuration of one secure round (protocols/secagg/config.py), as a device checks
 // it on RoundStart before generating any key: the group, thresholds, fixed-point scale and bound,
-// vector length and neighbour graph. Also the member bitmaps and the SecAgg+ graph.
+// vector length and neighbour graph, and the ring Z_{2^r} (the optional "ring_bits": 32 or 64,
+// absent meaning 64). Also the member bitmaps and the SecAgg+ graph.
 package org.fedfleet.secagg;
 
 import java.math.BigDecimal;
 import java.math.BigInteger;
 import java.math.RoundingMode;
-import java.nio.ByteBuffer;
-import java.nio.ByteOrder;
 import java.nio.charset.StandardCharsets;
 import java.util.ArrayList;
 import java.util.Arrays;
@@ -26,12 +25,15 @@ public final class RoundConfig {
     private static final Set<String> KEYS = new HashSet<>(Arrays.asList("job_id", "round_id", "group_id",
             "aggregator_id", "members", "vector_length", "threshold", "scale_bits", "bound", "graph", "degree",
             "share_threshold", "graph_seed", "consistency_check"));
-    private static final BigInteger HALF_RING = BigInteger.ONE.shiftLeft(63);
+    /** The one optional key: absent for the default 64-bit ring (the server writes it only for 32). */
+    private static final String RING_BITS = "ring_bits";
 
     public final String jobId, groupId, aggregatorId, graph;
     public final long roundId;
     public final List<String> members;
     public final int vectorLength, threshold, scaleBits, degree, shareThreshold;
+    /** r: the round sums in Z_{2^r}, 32 or 64. */
+    public final int ringBits;
     public final double bound;
     public final byte[] graphSeed;
     public final boolean consistencyCheck;
@@ -39,8 +41,11 @@ public final class RoundConfig {
 
     @SuppressWarnings("unchecked")
     public static RoundConfig fromMap(Object value) throws SecAggException {
-        if (!(value instanceof Map) || !((Map<String, Object>) value).keySet().equals(KEYS))
-            throw new SecAggException("round config must have exactly the keys " + new TreeSet<>(KEYS));
+        if (!(value instanceof Map)) throw new SecAggException("round config must be a JSON object");
+        Set<String> keys = new HashSet<>(((Map<String, Object>) value).keySet());
+        keys.remove(RING_BITS);
+        if (!keys.equals(KEYS))
+            throw new SecAggException("round config must have exactly the keys " + new TreeSet<>(KEYS) + " and optionally " + RING_BITS);
         return new RoundConfig((Map<String, Object>) value);
     }
 
@@ -67,7 +72,8 @@ public final class RoundConfig {
         vectorLength = (int) integer(m, "vector_length", 1, MAX_VECTOR_LENGTH);
         threshold = (int) integer(m, "threshold", 2, n);
         if (2 * threshold <= n) throw new SecAggException("threshold " + threshold + " must be a strict majority of " + n + " members");
-        scaleBits = (int) integer(m, "scale_bits", 0, 62);
+        ringBits = m.containsKey(RING_BITS) ? ringBits(m.get(RING_BITS)) : RingVector.BITS_64;
+        scaleBits = (int) integer(m, "scale_bits", 0, ringBits - 2);
         Object b = m.get("bound");
         if (!(b instanceof Double || b instanceof BigInteger)) throw new SecAggException("bound must be a number");
         bound = ((Number) b).doubleValue();
@@ -95,14 +101,22 @@ public final class RoundConfig {
         }
     }
 
-    /** n · floor(B·2^f + 1/2) < 2^63 and n · B · 2^f < 2^63: no sum of admissible inputs wraps. */
+    private static int ringBits(Object v) throws SecAggException {
+        if (!(v instanceof BigInteger) || !(v.equals(BigInteger.valueOf(RingVector.BITS_32)) || v.equals(BigInteger.valueOf(RingVector.BITS_64))))
+            throw new SecAggException("ring_bits must be the integer 32 or 64, got " + v);
+        return ((BigInteger) v).intValue();
+    }
+
+    /** n · floor(B·2^f + 1/2) < 2^(r-1) and n · B · 2^f < 2^(r-1): no sum of admissible inputs
+     *  wraps (and, as n >= 1, every encoded value fits in a signed r-bit word). */
     private void checkCapacity(int n) throws SecAggException {
+        BigInteger halfRing = BigInteger.ONE.shiftLeft(ringBits - 1);
         BigDecimal scaled = new BigDecimal(bound).multiply(new BigDecimal(BigInteger.ONE.shiftLeft(scaleBits)));
         BigInteger q = scaled.add(new BigDecimal("0.5")).setScale(0, RoundingMode.FLOOR).toBigIntegerExact();
         BigDecimal nn = new BigDecimal(n);
-        if (nn.multiply(new BigDecimal(q)).compareTo(new BigDecimal(HALF_RING)) >= 0
-                || nn.multiply(scaled).compareTo(new BigDecimal(HALF_RING)) >= 0)
-            throw new SecAggException("n * B * 2^f >= 2^63: the sum could overflow");
+        if (q.compareTo(halfRing) >= 0 || nn.multiply(new BigDecimal(q)).compareTo(new BigDecimal(halfRing)) >= 0
+                || nn.multiply(scaled).compareTo(new BigDecimal(halfRing)) >= 0)
+            throw new SecAggException("n * B * 2^f >= 2^" + (ringBits - 1) + ": the sum could overflow the " + ringBits + "-bit ring");
     }
 
     public boolean isMember(String device) { return index.containsKey(device); }
@@ -180,15 +194,16 @@ public final class RoundConfig {
         return longRuns <= 1;
     }
 
-    /** q = rint(x · 2^f) as the uint64 with the same bits; values outside ±bound or non-finite are refused. */
-    public long[] encode(double[] x) throws SecAggException {
+    /** q = rint(x · 2^f) as the ring's r-bit word with the same bits; values outside ±bound or
+     *  non-finite are refused. */
+    public RingVector encode(double[] x) throws SecAggException {
         if (x.length != vectorLength) throw new SecAggException("input length " + x.length + " != " + vectorLength);
-        long[] out = new long[x.length];
+        RingVector out = RingVector.zeros(ringBits, x.length);
         double scale = Math.scalb(1.0, scaleBits);
         for (int i = 0; i < x.length; i++) {
             if (!(x[i] >= -bound && x[i] <= bound))
                 throw new SecAggException("input value " + x[i] + " at " + i + " is non-finite or outside the bound ±" + bound);
-            out[i] = (long) Math.rint(x[i] * scale);
+            out.set(i, (long) Math.rint(x[i] * scale));     // |q| <= Q < 2^(r-1) (checkCapacity)
         }
         return out;
     }
@@ -206,11 +221,5 @@ public final class RoundConfig {
                 || ((BigInteger) v).compareTo(BigInteger.valueOf(high)) > 0)
             throw new SecAggException(key + " must be an integer in " + low + ".." + high + ", got " + v);
         return ((BigInteger) v).longValue();
-    }
-
-    static byte[] le(long[] words) {
-        ByteBuffer b = ByteBuffer.allocate(8 * words.length).order(ByteOrder.LITTLE_ENDIAN);
-        for (long w : words) b.putLong(w);
-        return b.array();
     }
 }

@@ -25,6 +25,7 @@ public final class SecAggMessage {
     private static final Map<String, String> NUMPY_DTYPE = new HashMap<>();
     static {
         NUMPY_DTYPE.put("uint8", "|u1"); NUMPY_DTYPE.put("int8", "|i1"); NUMPY_DTYPE.put("uint64", "<u8");
+        NUMPY_DTYPE.put("uint32", "<u4");
         NUMPY_DTYPE.put("int64", "<i8"); NUMPY_DTYPE.put("int32", "<i4"); NUMPY_DTYPE.put("float32", "<f4");
         NUMPY_DTYPE.put("float64", "<f8");
     }

@@ -25,7 +25,7 @@ public final class Envelope {
     static {  // no Map.of: Android offers it from API 30 only
         Map<String, Integer> m = new HashMap<>();
         m.put("float32", 4); m.put("float64", 8); m.put("int8", 1); m.put("uint8", 1);
-        m.put("int32", 4); m.put("int64", 8); m.put("uint64", 8);
+        m.put("int32", 4); m.put("int64", 8); m.put("uint32", 4); m.put("uint64", 8);
         ITEMSIZE = Collections.unmodifiableMap(m);
     }
     private static final Set<String> FIELDS = new HashSet<>(Arrays.asList("v", "type", "id", "sender", "ts", "body",
