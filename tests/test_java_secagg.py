@@ -27,10 +27,10 @@ import numpy as np
 import pytest
 
 import java_build
-from protocols.envelope import Envelope, decode, encode
+from protocols.envelope import Envelope, EnvelopeError, decode, encode
 from protocols.identity import DeviceIdentity, sender_verifier
 from protocols.payloads.secagg import from_envelope, to_envelope
-from protocols.secagg import ClientState, RoundConfig
+from protocols.secagg import ClientSecAgg, ClientState, RoundConfig
 from protocols.secagg.driver import plain_fixed_point_sum, run_round
 from protocols.secagg.errors import ProtocolViolation, SecAggError
 from protocols.secagg.events import AggregateReady, Phase
@@ -223,11 +223,22 @@ BAD_RING = "ring_bits must be the integer 32 or 64"
     ({"ring_bits": True}, BAD_RING), ({"ring_bits": "32"}, BAD_RING), ({"ring_bits": 32.0}, BAD_RING),
     ({"ring_bits": None}, BAD_RING),
     ({"ring_bits": 32}, r"scale_bits must be an integer in 0\.\.30"),    # the 64-bit ring's finest scale
-    ({"ring_bits": 32, "scale_bits": 26}, "overflow the 32-bit ring"),   # 4 * 50 * 2^26 >= 2^31
+    ({"ring_bits": 32, "scale_bits": 26}, "the 32-bit ring"),            # 50 * 2^26 >= 2^31 already
     ({"ring_bits": 32, "scale_bits": 22}, None),                         # 4 * 50 * 2^22 < 2^31: accepted
-    ({"ring_bits": 64}, None)])                                           # the default written out: accepted
+    ({"ring_bits": 64}, "written only for a 32-bit ring")])               # the default is never written
 def test_java_client_refuses_a_bad_ring(tmp_path, fields, refusal):
-    config, _, _, java = setup_round(tmp_path, "complete", n=4)
+    config, identities, inputs, java = setup_round(tmp_path, "complete", n=4)
+    # the Python client decides the same RoundStart alike (one protocol: accepted, or refused
+    # with the same reason) before the Java one is asked
+    python = ClientSecAgg(identities[JAVA], "aggregator", AGGREGATOR.public_key_bytes, job_id=config.job_id,
+                          round_id=config.round_id, group_id=config.group_id, input_vector=inputs[JAVA])
+    if refusal is None:
+        assert [type(m).__name__ for m in python.handle(from_envelope(round_start(config, **fields)))] == \
+            ["AdvertiseKeys"]
+    else:                          # refused when parsed (EnvelopeError) or when handled (SecAggError)
+        with pytest.raises((EnvelopeError, SecAggError), match=refusal):
+            python.handle(from_envelope(round_start(config, **fields)))
+        assert python.state is ClientState.WAITING_CONFIG
     try:
         if refusal is None:
             assert [m.TYPE for m in java.send(round_start(config, **fields))] == ["secagg.advertise_keys"]

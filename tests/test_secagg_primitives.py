@@ -306,7 +306,7 @@ def test_round_config_carries_a_32_bit_ring_and_leaves_64_bit_configs_unchanged(
     assert "ring_bits" not in wide.to_dict() and narrow.to_dict()["ring_bits"] == 32
     assert RoundConfig.from_dict(wide.to_dict()) == wide and RoundConfig.from_dict(narrow.to_dict()) == narrow
     assert narrow.scale_bits == max_scale_bits(4, 3.0, 32) < wide.scale_bits == max_scale_bits(4, 3.0)
-    for bad in (48, 16, "32", True, None):
+    for bad in (48, 16, "32", True, None, 64):          # 64: the default is never written
         with pytest.raises(ConfigError, match="ring_bits"):
             RoundConfig.from_dict({**narrow.to_dict(), "ring_bits": bad})
     with pytest.raises(ConfigError):       # a 64-bit scale in a 32-bit ring: it would wrap

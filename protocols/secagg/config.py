@@ -242,6 +242,9 @@ class RoundConfig:
         if not isinstance(data, Mapping) or not expected - {"ring_bits"} <= set(data) <= expected:
             raise ConfigError(f"round config must have exactly the keys {sorted(expected - {'ring_bits'})} "
                               "and optionally ring_bits")
+        if "ring_bits" in data and check_ring_bits(data["ring_bits"]) == RING_BITS:
+            # one config, one JSON form: what the server signed is what every client re-encodes
+            raise ConfigError(f"ring_bits is written only for a 32-bit ring (absent means {RING_BITS})")
         members = data["members"]
         if not isinstance(members, list):
             raise ConfigError("members must be a list")

@@ -38,7 +38,7 @@ _WORDS = {32: (np.dtype("<u4"), np.dtype("<i4")), 64: (np.dtype("<u8"), np.dtype
 
 def check_ring_bits(ring_bits: object) -> int:
     if not isinstance(ring_bits, int) or isinstance(ring_bits, bool) or ring_bits not in RINGS:
-        raise ConfigError(f"ring_bits must be one of {RINGS}, got {ring_bits!r}")
+        raise ConfigError(f"ring_bits must be the integer 32 or 64, got {ring_bits!r}")
     return ring_bits
 
 
@@ -69,7 +69,7 @@ class FixedPointCodec:
         if not isinstance(self.bound, (int, float)) or not math.isfinite(self.bound) or self.bound <= 0:
             raise ConfigError(f"bound must be a positive finite number, got {self.bound!r}")
         if _integer_bound(self.bound, self.scale_bits) >= self.half_ring:
-            raise ConfigError(f"bound * 2^scale_bits does not fit in int{self.ring_bits}")
+            raise ConfigError(f"bound * 2^scale_bits does not fit in a word of the {self.ring_bits}-bit ring")
 
     @property
     def half_ring(self) -> int:

@@ -101,10 +101,14 @@ public final class RoundConfig {
         }
     }
 
+    /** The key's value: only 32 is ever written (absent means 64), so one config has one JSON form,
+     *  the one the server signed and every client re-reads alike. */
     private static int ringBits(Object v) throws SecAggException {
-        if (!(v instanceof BigInteger) || !(v.equals(BigInteger.valueOf(RingVector.BITS_32)) || v.equals(BigInteger.valueOf(RingVector.BITS_64))))
+        if (v instanceof BigInteger && v.equals(BigInteger.valueOf(RingVector.BITS_64)))
+            throw new SecAggException("ring_bits is written only for a 32-bit ring (absent means 64)");
+        if (!(v instanceof BigInteger) || !v.equals(BigInteger.valueOf(RingVector.BITS_32)))
             throw new SecAggException("ring_bits must be the integer 32 or 64, got " + v);
-        return ((BigInteger) v).intValue();
+        return RingVector.BITS_32;
     }
 
     /** n · floor(B·2^f + 1/2) < 2^(r-1) and n · B · 2^f < 2^(r-1): no sum of admissible inputs
