@@ -3,6 +3,8 @@
 through its own edge, on real mosquittos."""
 
 import threading
+
+import pytest
 import time
 
 from fedfleet.emulation.broker import BrokerTree, broker_for, loopback_sources
@@ -64,3 +66,30 @@ def test_devices_spread_over_edges_reach_the_core_and_back():
 def test_a_small_fleet_connects_to_the_core_itself():
     tree = BrokerTree.for_devices(100, Topics(), per_edge=100)
     assert tree.edges == [] and tree.device_urls == [tree.url]
+
+
+def test_a_broker_whose_port_was_taken_meanwhile_moves_to_a_free_one(monkeypatch):
+    """free_port() then the broker's bind is a race: another process can listen on the port in
+    between. A connection accepted there is then not this broker's, so the broker is taken as
+    started only once it holds the listening socket itself; on "Address already in use" it tries a
+    fresh port, and a port the caller named is refused with PortTaken (one clear error)."""
+    import socket
+
+    from fedfleet.emulation import broker as broker_module
+
+    thief = socket.socket()
+    thief.bind(("127.0.0.1", 0))
+    thief.listen()
+    taken = thief.getsockname()[1]
+    real_free_port = broker_module.free_port
+    picks = iter([taken])
+    monkeypatch.setattr(broker_module, "free_port", lambda: next(picks, None) or real_free_port())
+    try:
+        with broker_module.MosquittoBroker() as moved:
+            assert moved.port != taken and broker_module._listens(moved.proc.pid, moved.port) is True
+            assert broker_module._listens(moved.proc.pid, taken) is False      # the thief's, not its
+            assert broker_module._accepts(moved.port)
+        with pytest.raises(broker_module.PortTaken, match="Address already in use"):
+            broker_module.MosquittoBroker(port=taken).start()
+    finally:
+        thief.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -37,18 +38,73 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class PortTaken(RuntimeError):
+    """The broker exited because another socket holds its port (a free port picked by one process
+    can be taken by another before the broker binds it)."""
+
+
+def _listening_sockets(port: int) -> set[str] | None:
+    """The ``socket:[inode]`` names of the TCP sockets listening on ``port`` (Linux /proc/net/tcp
+    and tcp6); None where /proc has no such table."""
+    rows = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows += Path(table).read_text().splitlines()[1:]
+        except OSError:
+            if table.endswith("tcp"):
+                return None
+    found = set()
+    for row in rows:
+        fields = row.split()      # sl local_address rem_address st ... inode (the 10th)
+        if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+            found.add(f"socket:[{fields[9]}]")
+    return found
+
+
+def _listens(pid: int, port: int) -> bool | None:
+    """Whether process ``pid`` itself holds a socket listening on ``port`` (None: /proc cannot tell)."""
+    sockets = _listening_sockets(port)
+    if sockets is None:
+        return None
+    if not sockets:
+        return False
+    fd_dir = Path(f"/proc/{pid}/fd")
+    try:
+        fds = list(fd_dir.iterdir())
+    except OSError:
+        return None
+    for fd in fds:
+        try:
+            if os.readlink(fd) in sockets:
+                return True
+        except OSError:           # closed since listed
+            continue
+    return False
+
+
+def _accepts(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+        return True
+    except OSError:
+        return False
+
+
 def wait_until_listening(proc: subprocess.Popen, port: int, log: Path, timeout: float) -> None:
-    """Wait until a broker process accepts TCP connections on ``port``; RuntimeError (with its log)
-    if it exits first, TimeoutError if it never opens the port."""
+    """Wait until the broker process ``proc`` itself listens on ``port``: a connection accepted on
+    the port is not enough, since another process may hold it (then this broker exits, and a bridge
+    pointed at it would wait for nothing). PortTaken when the broker exits because the port is
+    taken, RuntimeError (with its log) when it exits for another reason, TimeoutError if it never
+    opens the port. Where /proc cannot tell whose socket it is, an accepted connection counts."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"broker exited: {log.read_text()[-2000:]}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            text = log.read_text()[-2000:]
+            raise (PortTaken if "Address already in use" in text else RuntimeError)(f"broker exited: {text}")
+        owned = _listens(proc.pid, port)
+        if owned or (owned is None and _accepts(port)):
             return
-        except OSError:
-            time.sleep(0.05)
+        time.sleep(0.05)
     raise TimeoutError(f"the broker did not open port {port} within {timeout} s")
 
 
@@ -56,35 +112,50 @@ class MosquittoBroker:
     """Context manager: ``with MosquittoBroker() as b: b.port``. Extra config lines may be given
     (ACLs, password files, TLS listeners); the default is an anonymous loopback listener."""
 
+    PORT_ATTEMPTS = 5      # fresh ports tried when the one picked is taken before the broker binds it
+
     def __init__(self, port: int | None = None, extra_config: str = "", workdir: Path | None = None,
                  listener_config: str | None = None):
         self.port = port or free_port()
+        self._port_given = port is not None or listener_config is not None
         self._tmp = None
         if workdir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="fedfleet-mosquitto-")
             workdir = Path(self._tmp.name)
         self.workdir = Path(workdir)
         self.conf = self.workdir / "mosquitto.conf"
-        listener = listener_config or f"listener {self.port} 127.0.0.1\nallow_anonymous true\n"
+        self._listener_config, self._extra_config = listener_config, extra_config
+        self._write_conf()
+        self.proc: subprocess.Popen | None = None
+
+    def _write_conf(self) -> None:
+        listener = self._listener_config or f"listener {self.port} 127.0.0.1\nallow_anonymous true\n"
         self.conf.write_text(listener + "persistence false\nmax_queued_messages 10000\n"
                              "max_inflight_messages 100\nlog_dest stderr\nlog_type error\n"
-                             "log_type warning\n" + extra_config)
-        self.proc: subprocess.Popen | None = None
+                             "log_type warning\n" + self._extra_config)
 
     @property
     def url(self) -> str:
         return f"mqtt://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 10.0) -> "MosquittoBroker":
-        self.log = open(self.workdir / "mosquitto.log", "wb")
-        self.proc = subprocess.Popen([find_mosquitto(), "-c", str(self.conf)], stdout=self.log,
-                                     stderr=subprocess.STDOUT)
-        try:
-            wait_until_listening(self.proc, self.port, self.workdir / "mosquitto.log", timeout)
-        except TimeoutError:
-            self.stop()
-            raise
-        return self
+        for attempt in range(self.PORT_ATTEMPTS):
+            self.log = open(self.workdir / "mosquitto.log", "wb")
+            self.proc = subprocess.Popen([find_mosquitto(), "-c", str(self.conf)], stdout=self.log,
+                                         stderr=subprocess.STDOUT)
+            try:
+                wait_until_listening(self.proc, self.port, self.workdir / "mosquitto.log", timeout)
+                return self
+            except PortTaken:
+                self.log.close()
+                if self._port_given or attempt == self.PORT_ATTEMPTS - 1:
+                    raise
+                self.port = free_port()           # taken between free_port() and the bind: another one
+                self._write_conf()
+            except TimeoutError:
+                self.stop()
+                raise
+        raise AssertionError("unreachable")
 
     def reload(self) -> None:
         """SIGHUP: mosquitto re-reads password and ACL files without dropping clients."""
@@ -156,8 +227,8 @@ class BrokerTree:
 
     def __init__(self, edges: int, topics: Topics, extra_config: str = FLEET_BROKER_CONFIG):
         self.core = MosquittoBroker(extra_config=extra_config)
-        self.edges = [MosquittoBroker(extra_config=extra_config + bridge_config(f"edge{i}", self.core.port, topics))
-                      for i in range(edges)]
+        self._edges, self._topics, self._extra_config = edges, topics, extra_config
+        self.edges: list[MosquittoBroker] = []      # made once the core listens: they bridge to its port
 
     @classmethod
     def for_devices(cls, n_devices: int, topics: Topics, per_edge: int = DEVICES_PER_EDGE) -> "BrokerTree":
@@ -179,8 +250,10 @@ class BrokerTree:
     def start(self, timeout: float = 30.0) -> "BrokerTree":
         try:
             self.core.start()
-            for edge in self.edges:
-                edge.start()
+            for i in range(self._edges):
+                bridge = bridge_config(f"edge{i}", self.core.port, self._topics)
+                self.edges.append(MosquittoBroker(extra_config=self._extra_config + bridge))
+                self.edges[-1].start()
             wait_for_bridges(self.core.port, [f"edge{i}" for i in range(len(self.edges))], timeout)
         except BaseException:
             self.stop()
