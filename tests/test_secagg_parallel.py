@@ -73,7 +73,7 @@ def test_slices_tile_the_vector_on_aes_block_boundaries(small_blocks, length, wo
     assert 1 <= len(slices) <= workers
     assert slices[0][0] == 0 and slices[-1][1] == length
     assert all(stop == next_start for (_, stop), (next_start, _) in zip(slices, slices[1:]))
-    assert all(start < stop and start % crypto.AES_BLOCK_WORDS == 0 for start, stop in slices)
+    assert all(start < stop and start * 8 % crypto.AES_BLOCK_BYTES == 0 for start, stop in slices)
     sizes = [stop - start for start, stop in slices]
     assert max(sizes) - min(sizes) <= 2 * crypto.MASK_BLOCK_WORDS  # balanced to within a block or so
 

@@ -43,6 +43,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from .errors import DecryptionError, MalformedMessage
+from .fixedpoint import RING_WORDS
 
 X25519_KEY_BYTES = 32
 DERIVED_KEY_BYTES = 32
@@ -54,8 +55,6 @@ _HKDF_SALT = b"fedfleet/secagg/hkdf/v1"
 # typical L2. A multiple of 4, so a block boundary is an AES block boundary in either ring.
 MASK_BLOCK_WORDS = 1 << 15
 AES_BLOCK_BYTES = 16
-AES_BLOCK_WORDS = 2  # one 16-byte AES block = two uint64 words (four uint32 words)
-RING_WORDS = (np.dtype(np.uint64), np.dtype(np.uint32))
 # Default thread count for server-side mask expansion: the usable cores, at most this many. Every
 # update_into / np.add call hands the GIL over twice, so threads beyond a few queue on it: 2 700
 # masks of 10^6 words on a 16-core Xeon ran 1.8x / 2.6x / 2.6x / 1.7x faster (wall) with 2 / 4 /

@@ -34,18 +34,13 @@ from .errors import ConfigError, InputError
 RING_BITS = 64                 # the default ring
 RINGS = (32, 64)               # the ring widths a round may declare
 _WORDS = {32: (np.dtype("<u4"), np.dtype("<i4")), 64: (np.dtype("<u8"), np.dtype("<i8"))}
+RING_WORDS = tuple(unsigned for unsigned, _signed in _WORDS.values())   # what a mask accumulator may hold
 
 
 def check_ring_bits(ring_bits: object) -> int:
     if not isinstance(ring_bits, int) or isinstance(ring_bits, bool) or ring_bits not in RINGS:
         raise ConfigError(f"ring_bits must be the integer 32 or 64, got {ring_bits!r}")
     return ring_bits
-
-
-def ring_dtype(ring_bits: int) -> np.dtype:
-    """The unsigned little-endian word of a ring of ``ring_bits`` bits (what masks and masked
-    inputs are made of)."""
-    return _WORDS[check_ring_bits(ring_bits)][0]
 
 
 def _integer_bound(bound: float, scale_bits: int) -> int:
@@ -68,12 +63,8 @@ class FixedPointCodec:
             raise ConfigError(f"scale_bits must be an integer in 0..{self.ring_bits - 2}, got {self.scale_bits!r}")
         if not isinstance(self.bound, (int, float)) or not math.isfinite(self.bound) or self.bound <= 0:
             raise ConfigError(f"bound must be a positive finite number, got {self.bound!r}")
-        if _integer_bound(self.bound, self.scale_bits) >= self.half_ring:
+        if _integer_bound(self.bound, self.scale_bits) >= 1 << (self.ring_bits - 1):
             raise ConfigError(f"bound * 2^scale_bits does not fit in a word of the {self.ring_bits}-bit ring")
-
-    @property
-    def half_ring(self) -> int:
-        return 1 << (self.ring_bits - 1)
 
     @property
     def word(self) -> np.dtype:

@@ -218,7 +218,7 @@ class ServerSecAgg:
         except UnknownDevice:
             raise UnknownSender(f"{message.sender!r} is not enrolled") from None
         if isinstance(message, MaskedInput):
-            self._check_vector_length(message)  # before hashing a possibly huge array
+            self._check_masked_words(message)   # before hashing a possibly huge array
         message.verify(public_key)
 
     def _expected(self, phase: Phase) -> dict[str, Any] | frozenset[str]:
@@ -257,7 +257,8 @@ class ServerSecAgg:
             raise MalformedMessage(f"ciphertexts must have shape ({len(expected)}, {SHARE_CIPHERTEXT_BYTES})")
         return message
 
-    def _check_vector_length(self, message: MaskedInput) -> None:
+    def _check_masked_words(self, message: MaskedInput) -> None:
+        """The round's vector length, in the round's ring words."""
         if message.masked_input.shape != (self.config.vector_length,):
             raise MalformedMessage(f"masked input of shape {message.masked_input.shape}, the round's vector "
                                    f"length is {self.config.vector_length}")
