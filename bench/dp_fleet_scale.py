@@ -10,8 +10,9 @@ Features: MobileNetV2 at 32 px (eager, cached in .cache/features).
 What runs is the job's own mechanism, not a re-implementation: every device clips its rows to
 F and keeps at most N of them (``edge_client.fed3r``'s rule), the fleet's sum is handed to the
 DP strategy (``aggregator.strategies.dp_fed3r.NoisyFed3R``) with the job's mechanism, which
-noises the sum and solves on the PSD projection; z is the smallest noise multiplier the
-mechanism's accountant (dp-accounting) allows for one release at (ε, δ) (``noise_multiplier_for``).
+noises the sum and solves on its denoised A (gaussian: the PSD projection; ssp: spiked-Wigner
+shrinkage); z is the smallest noise multiplier the mechanism's accountant (dp-accounting)
+allows for one release at (ε, δ) (``noise_multiplier_for``).
 
 - ``gaussian`` (issue 25's): N(0, (zΔ)²) on every entry, RDP accounting, N = ``--cap`` (10),
   λ = max(0.01, 2σ√p) (the noise matrix's spectral norm), as in bench/dp_accuracy.py.
@@ -91,7 +92,7 @@ def accuracy(a: np.ndarray, b: np.ndarray, lam: float, test: tuple[np.ndarray, n
 class FixedLambda(UniformGaussian):
     """Issue 25's bench rule for the gaussian mechanism: λ = max(0.01, 2σ√p)."""
 
-    def regulariser(self, p: int, lam: float) -> float:
+    def regulariser(self, p: int, lam: float, releases: int = 1) -> float:
         return max(0.01, 2 * self.scale().a_diagonal * math.sqrt(p))
 
 
@@ -109,8 +110,8 @@ class Ablated(Fed3RMechanism):
         return NoiseScale(s.a_diagonal if self.keep_a else tiny, s.a_off_diagonal if self.keep_a else tiny,
                           s.b if self.keep_b else tiny)
 
-    def regulariser(self, p: int, lam: float) -> float:
-        return self.ssp.regulariser(p, lam)
+    def regulariser(self, p: int, lam: float, releases: int = 1) -> float:
+        return self.ssp.regulariser(p, lam, releases)
 
 
 LAMBDA_GRID = (0.01, 0.03, 0.06, 0.1, 0.15, 2 / (3 * math.pi), 0.3, 0.5, 1.0)   # × the noise's spectral edge E
@@ -124,10 +125,9 @@ def best_lambda_on_test(sums, mechanism: CalibratedSSP, test, seed: int) -> tupl
     strategy.pending.add_dense(a[np.triu_indices(a.shape[0])], b.T, n)
     strategy.release()
     r = strategy.released
-    eigenvalues, vectors = torch.linalg.eigh(r.A)
-    psd = (vectors * eigenvalues.clamp(min=0.0)) @ vectors.T
+    denoised = mechanism.denoised(r.A)
     edge = mechanism.scale().spectral_edge(a.shape[0])
-    scores = [(ClosedFormRidge(c * edge, True, True, device="cpu").fit_statistics(psd, r.B).score(*test), c)
+    scores = [(ClosedFormRidge(c * edge, True, True, device="cpu").fit_statistics(denoised, r.B).score(*test), c)
               for c in LAMBDA_GRID]
     acc, c = max(scores)
     return c, acc

@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 from ops_fleet import Features
+from ssp_reference import ssp_weights
 from stateful_jobs import run_round
 
 from aggregator.jobs.registry import build_job
@@ -69,8 +70,7 @@ def test_center_and_centred_solve_equal_a_numpy_reference():
     E[iu] = e
     E = E + np.triu(E, 1).T
     noisy_b = B + rng.normal(0.0, scale.b, (p, C))
-    w, v = np.linalg.eigh(A + E)
-    W = np.linalg.solve((v * np.clip(w, 0, None)) @ v.T + mechanism.regulariser(p, lam) * np.eye(p), noisy_b)
+    W = ssp_weights(A + E, noisy_b, scale.a_off_diagonal, lam)
     norms = np.linalg.norm(W[:-1], axis=0)
     coef, bias = (W[:-1] / norms).T, W[-1] / norms
     np.testing.assert_allclose(model.coef_, coef, rtol=1e-7, atol=1e-10)
