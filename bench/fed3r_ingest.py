@@ -249,6 +249,7 @@ def main() -> None:
                 print(f"per device: the raw broker moves one in {window * 1e3:.1f} ms; validating it costs "
                       f"{check * 1e3:.1f} ms of CPU; writing it durably as the store does {durable * 1e3:.1f} ms "
                       f"-> the disk alone caps the ratio at {min(1.0, window / durable):.2f}", flush=True)
+                floor = None
                 if raw_cpu is not None:
                     floor = raw_cpu + args.devices * check
                     print(f"CPU: the raw run used {raw_cpu:.2f} CPU-s in {raw_wall:.2f} s; the aggregator run needs at "
@@ -260,6 +261,8 @@ def main() -> None:
             t_done, bytes_in, accepted, commit_s = out.get(timeout=900)
             cpu = None if busy0 is None else busy_cpu_s() - busy0
             used = "" if cpu is None else f", {cpu:.2f} CPU-s used, {cpu / args.devices * 1e3:.0f} CPU-ms per result"
+            if cpu is not None and floor:
+                used += f", {cpu / floor:.2f}x the CPU floor (goal <= 1.2x)"
             rate = total / (t_done - t0)
             what = "store+validate+sum+solve+evaluate each" if provisional else "store+validate+sum, solve at the end "
             how = f"{shards} shard processes" if shards else f"{workers} ingest workers"

@@ -136,3 +136,24 @@ def test_what_the_record_cannot_vouch_for_is_summed_from_the_store(tmp_path, cas
     assert model_bytes(reported) == model_bytes(canonical_job(store, "fed3r", CONFIG, CONFIG["job_id"]))
     if case == "forgotten":
         assert DEVICES[2] not in reported.contributed and len(reported.contributed) == len(DEVICES) - 1
+
+
+def test_a_bucket_sum_travels_as_its_packed_triangle_and_loads_as_a_checkpoint_does():
+    """Partial sums carry A's packed upper triangle (half a dense A's bytes); loaded, they give the
+    job a checkpoint would: the same dense A (numpy's Σ A_k) and B, bit for bit. A triangle of
+    another size is refused, nothing loaded."""
+    job = build_job("fed3r", CONFIG)
+    for raw, _A, _B in PAYLOADS[:3]:
+        env = decode(raw)
+        job.apply(env.sender, job.parse_result(env))
+    packed = job.strategy.sums_state()
+    assert set(packed) == {"A_upper", "B", "counts"} and packed["A_upper"].shape == (P * (P + 1) // 2,)
+    from_packed, from_dense = build_job("fed3r", CONFIG), build_job("fed3r", CONFIG)
+    from_packed.load_state_dict(packed)
+    from_dense.load_state_dict(job.state_dict())
+    dense = from_packed.state_dict()
+    assert all(np.array_equal(dense[k], from_dense.state_dict()[k]) for k in ("A", "B", "counts"))
+    np.testing.assert_allclose(dense["A"], sum(a for _raw, a, _b in PAYLOADS[:3]), rtol=1e-12)
+    with pytest.raises(ValueError, match="packed triangle"):
+        from_packed.load_state_dict({**packed, "A_upper": packed["A_upper"][:-1]})
+    assert np.array_equal(from_packed.state_dict()["A"], dense["A"])

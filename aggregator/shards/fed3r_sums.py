@@ -28,12 +28,12 @@ def round_sum(job: Job, members: list[Contribution]) -> PartialSum:
         stats = load(job)
         sums.add(stats)
         contributed[device] = contributed.get(device, 0) + int(stats.n)
-    return PartialSum(sums.state_dict(), contributed)
+    return PartialSum(sums.sums_state(), contributed)
 
 
 class Fed3RSums(AdditiveState):
-    """Every array of Fed3R's state adds elementwise: Σ A_k (kept symmetric: both triangles see the
-    same additions), Σ B_k and the (samples, contributions) counts. A bucket is summed by a fresh
+    """Every array of Fed3R's state adds elementwise: Σ A_k (its packed upper triangle,
+    ``Fed3R.sums_state``), Σ B_k and the (samples, contributions) counts. A bucket is summed by a fresh
     job applying its contributions. Besides its sums the job keeps each device's samples and, for
     the fleet screen at round close, its energy per sample."""
 
@@ -56,7 +56,7 @@ class Fed3RSums(AdditiveState):
             return round_sum(job, members)
         for device, _round, load in members:
             job.apply(device, load(job))
-        return PartialSum(job.state_dict(), dict(job.contributed))
+        return PartialSum(job.strategy.sums_state(), dict(job.contributed))
 
     def add(self, left: dict[str, np.ndarray], right: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return add_elementwise(left, right)

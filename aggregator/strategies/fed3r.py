@@ -153,13 +153,29 @@ class Fed3R:
 
     # persistence: exact float64 sums
     def state_dict(self) -> dict[str, np.ndarray]:
-        return {"A": self.A.cpu().numpy(), "B": self.B.cpu().numpy(),
-                "counts": np.array([self.n_samples, self.n_contributions], dtype=np.int64)}
+        """The sums with A as a symmetric matrix: what checkpoints and ``statistics.npz`` hold."""
+        return {"A": self.A.cpu().numpy(), **self._b_and_counts()}
+
+    def sums_state(self) -> dict[str, np.ndarray]:
+        """The sums with A as its packed upper triangle: what partial sums add up a bucket tree
+        (half a dense A's bytes, and neither unpacked nor symmetrised per bucket). Loads like a
+        :meth:`state_dict`."""
+        return {"A_upper": self.packed_upper(), **self._b_and_counts()}
+
+    def _b_and_counts(self) -> dict[str, np.ndarray]:
+        return {"B": self.B.cpu().numpy(), "counts": np.array([self.n_samples, self.n_contributions], dtype=np.int64)}
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
-        A = torch.as_tensor(state["A"], dtype=torch.float64, device=self.device)
-        iu = self._triu_index()
-        self._packed = A[iu[0], iu[1]].clone()
+        """A :meth:`state_dict` or a :meth:`sums_state`."""
+        if "A_upper" in state:
+            packed = torch.as_tensor(state["A_upper"], dtype=torch.float64, device=self.device)
+            if packed.shape != (self.p * (self.p + 1) // 2,):
+                raise ValueError(f"packed triangle has shape {tuple(packed.shape)}")
+            self._packed = packed.clone()
+        else:
+            A = torch.as_tensor(state["A"], dtype=torch.float64, device=self.device)
+            iu = self._triu_index()
+            self._packed = A[iu[0], iu[1]].clone()
         self._rows_used = 0
         self.B = torch.as_tensor(state["B"], dtype=torch.float64, device=self.device).clone()
         self.n_samples, self.n_contributions = (int(x) for x in state["counts"])
