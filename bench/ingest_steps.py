@@ -14,11 +14,14 @@
    the CPU (LAPACK, now) vs the same with torch's Cholesky and ``cholesky_solve`` (before);
 6. handing the upload to an ingest worker process and back, the worker hashing every byte as its
    decode does: through a reused shared memory segment (``aggregator.service.ingest.TransferBuffers``,
-   now) vs pickled through the process pool's pipe (before).
+   now) vs pickled through the process pool's pipe (before);
+7. the finished job's canonical re-sum (``partial_sums.canonical_sum``) of ``--resum`` such uploads
+   kept in memory, per upload: bucket sums carrying A's packed triangle (``Fed3R.sums_state``, now)
+   vs a dense symmetrised A per bucket, added up the tree and gathered back (before); the same bits.
 
 Prints milliseconds per upload and the ratio before / now for each step.
 
-    .venv/bin/python bench/ingest_steps.py [--d 1280] [--repeats 5]
+    .venv/bin/python bench/ingest_steps.py [--d 1280] [--repeats 5] [--resum 20]
 """
 
 from __future__ import annotations
@@ -39,6 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from threadpoolctl import threadpool_limits  # noqa: E402
 
 from aggregator.compute.device import cholesky_in_place  # noqa: E402
+from aggregator.jobs.registry import build_job  # noqa: E402
+from aggregator.shards.fed3r_sums import Fed3RSums  # noqa: E402
+from aggregator.shards.partial_sums import by_bucket, canonical_sum, job_of_root  # noqa: E402
+from aggregator.shards.sum_tree import PartialSum, lazy_root  # noqa: E402
 from aggregator.service.ingest import TransferBuffers  # noqa: E402
 from aggregator.compute.ridge import ClosedFormRidge  # noqa: E402
 from aggregator.strategies.fed3r import Fed3R  # noqa: E402
@@ -62,6 +69,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--d", type=int, default=1280)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--resum", type=int, default=20, help="uploads in the canonical re-sum (step 7)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     threadpool_limits(1)                # LAPACK through scipy and numpy: one thread, as torch
@@ -128,9 +136,40 @@ def main() -> None:
     rows.append(("ridge solve", seconds(torch_solve, args.repeats),
                  seconds(lambda: ClosedFormRidge(0.01, device="cpu").fit_statistics(A, B, upper=True), args.repeats)))
     rows.append(handoff_row(whole, args.repeats))
+    rows.append(resum_row(decode(whole), args.d, args.resum, args.repeats))
     print(f"{'step':<26}{'before ms':>11}{'now ms':>9}{'before/now':>12}")
     for name, before, now in rows:
         print(f"{name:<26}{before * 1e3:>11.2f}{now * 1e3:>9.2f}{before / now:>12.1f}")
+
+
+class DenseFed3RSums(Fed3RSums):
+    """The bucket sums as they were: each bucket's job's ``state_dict`` (a dense, symmetrised A)."""
+
+    def sum_bucket(self, new_job, members, context):
+        job = new_job()
+        for device, _round, load in members:
+            job.apply(device, load(job))
+        return PartialSum(job.state_dict(), dict(job.contributed))
+
+
+def resum_row(result: Envelope, d: int, uploads: int, repeats: int) -> tuple[str, float, float]:
+    """Seconds per upload of the canonical re-sum of ``uploads`` kept results (distinct devices, so
+    distinct buckets, the same statistics), dense partial states against packed ones."""
+    config = {"num_classes": C, "feature_dim": d}
+    stats = build_job("fed3r", config).parse_result(result)
+    kept = [(f"dev{i:04d}", 1, lambda _job: stats) for i in range(uploads)]
+    members, roots = by_bucket(kept), {}
+
+    def resum(adder) -> None:          # partial_sums.canonical_sum, with this adder
+        def new_job():
+            return build_job("fed3r", config)
+        root = lazy_root(adder, lambda b: adder.sum_bucket(new_job, members[b], None) if b in members else None)
+        roots[type(adder)] = job_of_root("fed3r", config, root).strategy.packed_upper()
+    before, now = seconds(lambda: resum(DenseFed3RSums()), repeats), seconds(lambda: resum(Fed3RSums()), repeats)
+    packed = canonical_sum("fed3r", config, kept).strategy.packed_upper()       # the product's own path
+    if not (np.array_equal(roots[DenseFed3RSums], roots[Fed3RSums]) and np.array_equal(packed, roots[Fed3RSums])):
+        raise SystemExit("the packed re-sum differs from the dense one")
+    return f"re-sum ({uploads} kept)", before / uploads, now / uploads
 
 
 def _hash_bytes(data: bytes) -> str:
