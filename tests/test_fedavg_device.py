@@ -2,11 +2,11 @@
 
 import numpy as np
 import pytest
+from softmax_reference import softmax_sgd_gradients
 
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob
 from aggregator.jobs.robustness_fields import PLAIN_MEAN
 from aggregator.strategies.fedavg import FedAvg
-from aggregator.jobs.robustness_fields import PLAIN_MEAN
 from edge_client.agent import TaskDeclined
 from edge_client.features import FeatureExtractor
 from edge_client.tasks.head_training import HeadTrainingTask, LocalTraining, train_head
@@ -25,13 +25,7 @@ def numpy_sgd(W, b, Z, y, recipe):
     for _ in range(recipe.epochs):
         order = rng.permutation(len(y))
         for s in range(0, len(y), recipe.batch_size):
-            rows = order[s:s + recipe.batch_size]
-            logits = (Z[rows] @ W.T + b) / recipe.temperature
-            p = np.exp(logits - logits.max(axis=1, keepdims=True))
-            p /= p.sum(axis=1, keepdims=True)
-            p[np.arange(len(rows)), y[rows]] -= 1.0
-            g = p / (recipe.temperature * len(rows))        # d loss / d logits (mean over rows)
-            gW, gb = g.T @ Z[rows] + recipe.weight_decay * W, g.sum(axis=0) + recipe.weight_decay * b
+            gW, gb = softmax_sgd_gradients(W, b, Z, y, order[s:s + recipe.batch_size], recipe)
             W, b = W - recipe.lr * gW, b - recipe.lr * gb
     return W, b
 

@@ -316,7 +316,7 @@ def test_mixed_java_and_python_fleet_runs_secure_scaffold_and_ditto(java_cp, bro
     import os
 
     from ops_fleet import Features, RecordingService
-    from test_java_tasks import JAVA_IDS, PY_IDS, start_java_devices, stop_mixed_fleet
+    from test_java_tasks import JAVA_IDS, PY_IDS, start_java_devices, two_rounds_done
 
     from aggregator.jobs.registry import build_job
     from aggregator.jobs.robustness_fields import PLAIN_MEAN
@@ -355,16 +355,11 @@ def test_mixed_java_and_python_fleet_runs_secure_scaffold_and_ditto(java_cp, bro
         h = handler(len(JAVA_IDS) + i, d, "py")
         agents.append(DeviceAgent(d, BrokerConfig.from_url(broker.url), {}, state=h.store,
                                   protocol_handlers=secure_handlers(keys[d], agg.public_key_bytes, {kind: h})).start())
-    try:
-        result = service.join(150)
-    finally:
-        out, err = stop_mixed_fleet(agents, jvm)
-    assert jvm.returncode == 0, err[-3000:]
-    assert result.get("state") == "done" and len(result["rounds"]) == 2 and not job.failed_rounds, (result, err[-3000:])
+    result, out = two_rounds_done(service, job, agents, jvm)
     assert all(sorted(r["accepted"]) == sorted(ids) for r in result["rounds"]), result["rounds"]
     assert_equals_plain_replay(job, job_type(config_type(**cfg, **PLAIN_MEAN)), job_type(config_type(**cfg)),
                                result["rounds"], ids, handler, kind)
     received = service.received_envelopes()
     assert {env.type for env in received} <= {"secagg", "presence"}           # no head, Δc or v_k in the clear
     for d in JAVA_IDS:
-        assert f"STATS {d} done=2 declined=0" in out, (out, err[-3000:])
+        assert f"STATS {d} done=2 declined=0" in out, out

@@ -317,6 +317,18 @@ def stop_mixed_fleet(agents, jvm: subprocess.Popen) -> tuple[str, str]:
     return jvm.communicate(timeout=30)
 
 
+def two_rounds_done(service, job, agents, jvm: subprocess.Popen, timeout_s: float = 150) -> tuple[dict, str]:
+    """Waits for the job, then stops the fleet: (its result, the JVM's stdout), once the JVM ended
+    cleanly and the job finished both its rounds with none failed."""
+    try:
+        result = service.join(timeout_s)
+    finally:
+        out, err = stop_mixed_fleet(agents, jvm)
+    assert jvm.returncode == 0, err[-3000:]
+    assert result.get("state") == "done" and len(result["rounds"]) == 2 and not job.failed_rounds, (result, err[-3000:])
+    return result, out
+
+
 def test_mixed_java_and_python_fleet_runs_fedavg_head_then_personalization(java_cp, broker, tmp_path):
     """Three Java devices (one JVM) and two Python devices in one FedAvg(ψ) job over mosquitto,
     all five in each of 3 rounds: every device contributes every round, and the final head equals
@@ -412,12 +424,7 @@ def test_mixed_java_and_python_fleet_runs_secure_fedavg(java_cp, broker, tmp_pat
                                  lambda b, s, w: Features(D)) for i, d in enumerate(ids)}
     agents = start_secure_fedavg_agents(broker.url, {d: keys[d] for d in PY_IDS}, agg.public_key_bytes,
                                         SECURE_FEDAVG_KIND, {d: tasks[d] for d in PY_IDS})
-    try:
-        result = service.join(150)
-    finally:
-        out, err = stop_mixed_fleet(agents, jvm)
-    assert jvm.returncode == 0, err[-3000:]
-    assert result.get("state") == "done" and len(result["rounds"]) == 2 and not job.failed_rounds, (result, err[-3000:])
+    result, out = two_rounds_done(service, job, agents, jvm)
     # the secure sum is FedAvg's plain mean of the accepted updates: the replay bounds nothing
     replay = FedAvgJob(FedAvgConfig(**plain, **PLAIN_MEAN))
     for r in result["rounds"]:

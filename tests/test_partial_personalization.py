@@ -5,6 +5,7 @@ import json
 
 import numpy as np
 import pytest
+from softmax_reference import softmax_sgd_gradients
 
 from aggregator.jobs.partial import PartialConfig, PartialPersonalizationJob
 from aggregator.jobs.robustness_fields import PLAIN_MEAN
@@ -28,13 +29,7 @@ def reference(W, b, Z, y, recipe):
         for _ in range(n_epochs):
             order = rng.permutation(len(y))
             for s in range(0, len(y), recipe.batch_size):
-                rows = order[s:s + recipe.batch_size]
-                logits = (Z[rows] @ W.T + b) / recipe.temperature
-                p = np.exp(logits - logits.max(axis=1, keepdims=True))
-                p /= p.sum(axis=1, keepdims=True)
-                p[np.arange(len(rows)), y[rows]] -= 1.0
-                g = p / (recipe.temperature * len(rows))
-                gW, gb = g.T @ Z[rows] + recipe.weight_decay * W, g.sum(axis=0) + recipe.weight_decay * b
+                gW, gb = softmax_sgd_gradients(W, b, Z, y, order[s:s + recipe.batch_size], recipe)
                 W = W - recipe.lr * gW if "W" in train else W
                 b = b - recipe.lr * gb if "b" in train else b
         return W, b
