@@ -20,10 +20,12 @@ allows for one release at (ε, δ) (``noise_multiplier_for``).
   ``--center-devices``, ``dp_center_clip_norm`` F_c = ``--center-clip``): m devices release the
   mean of their rows clipped to F, the others clip their rows minus that mean to F_c
   (aggregator/strategies/dp_center.py).
-- ``ssp-uniform``: what Fed3R-Sync releases under secure aggregation with distributed DP: every
-  device adds Skellam noise in the ring, one stddev zΔ on every entry of the sum (the blocks
-  cannot be noised apart there), RDP accounting, ssp's λ rule and shrinkage, N = ``--ssp-cap``;
-  simulated as the Gaussian of that stddev (the Skellam sum's variance, what its accounting uses).
+- ``ssp-secure``: what Fed3R-Sync releases under secure aggregation with distributed DP: every
+  device scales its vector's blocks (the task's ``block_scales``) and adds Skellam noise in the
+  ring, one stddev on every entry, which the aggregator's scaling back turns into ``ssp``'s
+  per-block noise; RDP accounting (z larger than PLD's), ssp's λ rule and shrinkage, N =
+  ``--ssp-cap``; simulated as the Gaussian of those stddevs (the Skellam sum's variance, what
+  its accounting uses).
 - ``ssp`` (the default): per-block noise (half the variance off A's diagonal, ``--b-share`` of
   the budget on B), λ from the noise, PLD accounting, N = ``--ssp-cap`` (1: the per-device bound
   that maximises signal over noise when the fleet is this large, see docs/algorithms.md).
@@ -56,7 +58,7 @@ from aggregator.compute.privacy import noise_multiplier_for  # noqa: E402
 from aggregator.compute.ridge import ClosedFormRidge  # noqa: E402
 from aggregator.strategies.dp_center import PrivateFeatureCenter  # noqa: E402
 from aggregator.strategies.dp_fed3r import (CalibratedSSP, Fed3RMechanism, Fed3RSensitivity, NoiseScale,  # noqa: E402
-                                            NoisyFed3R, UniformGaussian, UniformSSP)
+                                            DistributedSSP, NoisyFed3R, UniformGaussian)
 from edge_client.data.idx import load_fashion_mnist  # noqa: E402
 from edge_client.features import FeatureExtractor  # noqa: E402
 from fedfleet.emulation.partition import split_long_tailed  # noqa: E402
@@ -141,8 +143,8 @@ def mechanism_for(kind: str, eps: float, delta: float, cap: int, clip: float, b_
     sensitivity = Fed3RSensitivity.of(cap, clip, True)
     if kind == "gaussian":
         return FixedLambda(noise_multiplier_for(eps, delta, 1, accounting="rdp"), sensitivity)
-    if kind == "ssp-uniform":
-        return UniformSSP(noise_multiplier_for(eps, delta, 1, accounting="rdp"), sensitivity)
+    if kind == "ssp-secure":
+        return DistributedSSP(noise_multiplier_for(eps, delta, 1, accounting="rdp"), sensitivity, b_share)
     return CalibratedSSP(noise_multiplier_for(eps, delta, 1, accounting="pld"), sensitivity, b_share)
 
 
@@ -217,10 +219,10 @@ def main() -> None:
             print(f"{'':>8} {kind} N={cap}: {sums[2]} samples kept, no-DP accuracy on them "
                   f"{accuracy(sums[0], sums[1], 0.01, test):.3f}", flush=True)
             rows[kind] = mechanism_rows(kind, sums, mechanisms, test, args.seed)
-        # under secure aggregation (Fed3R-Sync): the devices' Skellam noise, one stddev zΔ on every
-        # entry, RDP-accounted (UniformSSP); simulated here as the Gaussian of that stddev
-        secure = [mechanism_for("ssp-uniform", eps, delta, args.ssp_cap, args.clip, args.b_share) for eps in EPSILONS]
-        rows["ssp-uniform"] = mechanism_rows("ssp-uniform", sums, secure, test, args.seed)
+        # under secure aggregation (Fed3R-Sync): the devices' Skellam noise on their block-scaled
+        # vectors, RDP-accounted (DistributedSSP); simulated as the Gaussian of the sum's stddevs
+        secure = [mechanism_for("ssp-secure", eps, delta, args.ssp_cap, args.clip, args.b_share) for eps in EPSILONS]
+        rows["ssp-secure"] = mechanism_rows("ssp-secure", sums, secure, test, args.seed)
         accs = [centred_accuracy(ztr, ytr, parts, eps, delta, args, test) for eps in EPSILONS]
         print(f"{'':>8} {'ssp+center':>9}: " + " ".join(f"{acc:>7.3f}" for acc in accs)
               + f"   (m = {args.center_devices} devices release the mean at F = {args.clip}; F_c = {args.center_clip})",

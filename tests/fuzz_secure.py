@@ -1,7 +1,8 @@
 """The secure kinds of the differential fuzzer (tests/test_differential_fuzz.py, whose module
 docstring says what is compared and why the masked words are out of scope): ``fedavg.secure``
 and ``fed3r.secure`` cases (plain fedavg.head / fed3r.stats cases plus the secure round's
-fields, distributed DP in a quarter, a random round config to encode under),
+fields, distributed DP in a quarter, block scales in most of those, a random round config to
+encode under),
 ``scaffold.head.secure`` and ``ditto.head.secure`` cases (round 1 of a stateful case on a fresh
 store, plus the same fields and Scaffold's control_clip_norm), and the comparison of the three
 devices' contributions and fixed-point words (``compare``).
@@ -112,6 +113,12 @@ def secure_fed3r_case(rng):
         if rng.random() < 0.8:               # DP's Fed3R clips and caps (some do not: what do the devices say?)
             params.update(feature_clip_norm=params.get("feature_clip_norm") or float(rng.uniform(0.5, 4.0)),
                           cap_samples=True)
+    if rng.random() < (0.6 if dp else 0.05):   # the blocks scaled before the noise (ssp); bad ones, or no dp: declined
+        scales = {"a_off_diagonal": math.sqrt(2.0), "b": float(2.0 ** rng.uniform(-3, 5))}
+        if rng.random() < 0.15:
+            scales[("a_off_diagonal", "b")[int(rng.integers(0, 2))]] = (0.0, -1.0, 2.0 ** 21, "x", None)[
+                int(rng.integers(0, 5))]
+        params["block_scales"] = scales
     largest = n * max(1.0, float(np.abs(Z).max()) ** 2)
     return params, tensors, (Z, y), secure_round(rng, p * (p + 1) // 2 + C * p + 1, largest, dp and dp["scale_bits"])
 

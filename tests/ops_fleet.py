@@ -76,16 +76,23 @@ def clipped_sums(data, num_classes: int, n: int, clip: float) -> tuple[np.ndarra
     return A, B
 
 
-def assert_noise_of_variance(released, A: np.ndarray, B: np.ndarray, sigma2: float) -> None:
+def assert_noise_of_variance(released, A: np.ndarray, B: np.ndarray, sigma2: float | tuple[float, float, float]) -> None:
     """What a DP job released (``packed_upper()`` of A, ``B``) is the exact sums plus noise in every
-    entry, of mean square sigma2 within χ² bounds at 1e-6."""
+    entry, of mean square sigma2 within χ² bounds at 1e-6: one variance for every entry, or one
+    each for A's diagonal, A's off-diagonal entries and B (each block checked on its own)."""
     from scipy import stats
 
-    noise = np.concatenate([released.packed_upper() - A[np.triu_indices(len(A))],
-                            (released.B.cpu().numpy() - B).ravel()])
-    assert np.abs(noise).min() > 0
-    lo, hi = stats.chi2.ppf([1e-6, 1 - 1e-6], noise.size) / noise.size
-    assert lo < np.mean(noise ** 2) / sigma2 < hi
+    iu = np.triu_indices(len(A))
+    a_noise, b_noise = released.packed_upper() - A[iu], (released.B.cpu().numpy() - B).ravel()
+    if np.isscalar(sigma2):
+        blocks = [(np.concatenate([a_noise, b_noise]), sigma2)]
+    else:
+        diagonal = iu[0] == iu[1]
+        blocks = [(a_noise[diagonal], sigma2[0]), (a_noise[~diagonal], sigma2[1]), (b_noise, sigma2[2])]
+    for noise, variance in blocks:
+        assert np.abs(noise).min() > 0
+        lo, hi = stats.chi2.ppf([1e-6, 1 - 1e-6], noise.size) / noise.size
+        assert lo < np.mean(noise ** 2) / variance < hi, (noise.size, np.mean(noise ** 2) / variance)
 
 
 class Features:

@@ -16,8 +16,8 @@ from ssp_reference import spiked_wigner_shrinkage, ssp_weights
 
 from aggregator.compute.privacy import PLD_DISCRETIZATION, PrivacyAccountant
 from aggregator.jobs.registry import build_job
-from aggregator.strategies.dp_fed3r import (CalibratedSSP, Fed3RSensitivity, NoisyFed3R, UniformGaussian,
-                                            UniformSSP)
+from aggregator.strategies.dp_fed3r import (CalibratedSSP, DistributedSSP, Fed3RSensitivity, NoisyFed3R,
+                                            UniformGaussian)
 from protocols.payloads.fed3r import Fed3RStats
 
 
@@ -131,8 +131,8 @@ def test_ssp_edge_and_lambda_grow_with_the_number_of_releases():
 
 @pytest.mark.parametrize("mechanism", [CalibratedSSP(1.7, Fed3RSensitivity.of(5, 2.0, True), 0.2),
                                        UniformGaussian(1.7, Fed3RSensitivity.of(5, 2.0, True)),
-                                       UniformSSP(1.7, Fed3RSensitivity.of(5, 2.0, True))],
-                         ids=["ssp", "gaussian", "ssp-uniform"])
+                                       DistributedSSP(1.7, Fed3RSensitivity.of(5, 2.0, True), 0.3)],
+                         ids=["ssp", "gaussian", "ssp-distributed"])
 def test_noise_multiplier_bounds_the_worst_device_entry_by_entry(mechanism):
     """A device of N identical rows of norm R on one axis (the bound is attained there): its
     statistics divided entry by entry by their noise stddevs have norm ≤ 1/z, and the bound is tight."""
@@ -187,16 +187,78 @@ def test_job_chooses_its_mechanism_and_refuses_bad_ones():
             build_job("fed3r", {**base, **bad})
 
 
-def test_secure_fed3r_noise_is_one_stddev_the_devices_can_add():
-    """Under SecAgg every device adds one Skellam stddev to its whole vector: ssp keeps its λ rule
-    there but noises the blocks alike, at zΔ, and is accounted with RDP like every Skellam job."""
+def test_secure_fed3r_noise_is_ssp_per_block_made_from_one_stddev_the_devices_can_add():
+    """Under SecAgg every device adds one Skellam stddev σ_A to its whole vector; scaling the vector's
+    blocks first (off-diagonal entries × √2, B × σ_A/σ_B) and the sum back makes it ``ssp``'s
+    per-block noise, at the same z: the worst device's scaled vector moves by at most σ_A/z, and
+    tightly. Accounted with RDP like every Skellam job."""
     from aggregator.jobs.fed3r_sync import Fed3RSyncConfig
+    from protocols.payloads.secagg import pack_sync_vector, scale_sync_blocks
 
     cfg = Fed3RSyncConfig(num_classes=3, feature_dim=5, dp_noise_multiplier=2.0, feature_clip_norm=1.0, max_samples=4,
-                          clients_per_round=5)
+                          clients_per_round=5, dp_b_share=0.25)
     mechanism = cfg.mechanism()
-    assert isinstance(mechanism, UniformSSP) and mechanism.accounting == "rdp"
+    assert isinstance(mechanism, DistributedSSP) and mechanism.accounting == "rdp"
     assert cfg.privacy_report(1)["accounting"] == "rdp"
     sens = Fed3RSensitivity.of(4, 1.0, True)
-    assert cfg.dp_noise_stddev() == pytest.approx(2.0 * sens.joint, rel=1e-12)
+    central = CalibratedSSP(2.0, sens, 0.25).scale()
+    assert mechanism.scale() == central                                # the central mechanism's stddevs
+    sigma = cfg.dp_noise_stddev()
+    assert sigma == pytest.approx(2.0 * sens.a / math.sqrt(0.75), rel=1e-12)
+    scales = cfg.block_scales()
+    assert scales.a_off_diagonal == pytest.approx(math.sqrt(2.0), rel=1e-12)
+    assert sigma / scales.a_off_diagonal == pytest.approx(central.a_off_diagonal, rel=1e-12)
+    assert sigma / scales.b == pytest.approx(central.b, rel=1e-12)
+    # the worst device (N rows of norm R in one class): its scaled vector's norm is sensitivity σ_A/z
+    N, p, C = 4, 6, 3
+    row = np.zeros(p)
+    row[0], row[-1] = 1.0, 1.0
+    Z = np.tile(row, (N, 1))
+    A, b = Z.T @ Z, (Z.T @ np.eye(C)[np.zeros(N, int)]).T
+    scaled = scale_sync_blocks(pack_sync_vector(A[np.triu_indices(p)], b, 0), p, C, scales.a_off_diagonal, scales.b)
+    assert np.linalg.norm(scaled) == pytest.approx(sigma / 2.0, rel=1e-12)
     assert mechanism.scale().noise_multiplier(sens) == pytest.approx(2.0, rel=1e-12)
+    gaussian = Fed3RSyncConfig(num_classes=3, feature_dim=5, dp_noise_multiplier=2.0, feature_clip_norm=1.0,
+                               max_samples=4, clients_per_round=5, dp_mechanism="gaussian")
+    assert gaussian.block_scales() is None and gaussian.dp_noise_stddev() == pytest.approx(2.0 * sens.joint, rel=1e-12)
+
+
+def test_a_secure_dp_sum_is_scaled_back_only_when_every_member_scaled():
+    """Fed3R-Sync under distributed DP: a group sum whose count slot says every survivor scaled its
+    blocks is scaled back (the release is numpy's unscaled sum); one where a member did not (a
+    device library that ignores block_scales: 0 in its slot) is refused, nothing released."""
+    from aggregator.jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob
+    from aggregator.jobs.secure_rounds import GroupSumOutOfBound
+    from protocols.identity import DeviceIdentity, IdentityRegistry
+    from protocols.payloads.secagg import pack_sync_vector, scale_sync_blocks, sync_vector_length
+
+    p, C, members = 7, 3, ("d0", "d1", "d2")
+    cfg = Fed3RSyncConfig(num_classes=C, feature_dim=p - 1, dp_noise_multiplier=1.5, feature_clip_norm=2.0,
+                          max_samples=4, clients_per_round=3)
+    ids = {d: DeviceIdentity.generate(d) for d in members}
+    job = Fed3RSyncJob(cfg, identity=DeviceIdentity.generate("aggregator"),
+                       registry=IdentityRegistry({d: k.public_key_bytes for d, k in ids.items()}))
+    scales = cfg.block_scales()
+    rng = np.random.default_rng(4)
+    A, B = statistics(p, C, 9, 5)
+    vectors = [scale_sync_blocks(pack_sync_vector(A[np.triu_indices(p)] / 3, B.T / 3, 0), p, C,
+                                 scales.a_off_diagonal, scales.b) + rng.normal(0, 0.01, sync_vector_length(p, C))
+               for _ in members]
+    for v in vectors:
+        v[-1] = 1.0                                   # each member scaled (the noise leaves the slot alone)
+    unscaled_by_one = [v.copy() for v in vectors]
+    unscaled_by_one[0][-1] = 0.0
+    with pytest.raises(GroupSumOutOfBound, match="1 of its 3 members did not scale"):
+        job.on_secure_sum(np.sum(unscaled_by_one, axis=0), members)
+    assert job.strategy.releases == 0 and not job.contributed
+    job.on_secure_sum(np.sum(vectors, axis=0), members)
+    assert job.strategy.releases == 1 and sorted(job.contributed) == list(members)
+    total = np.sum(vectors, axis=0)
+    iu = np.triu_indices(p)
+    off = iu[0] != iu[1]
+    want_a = total[:len(iu[0])].copy()
+    want_a[off] /= scales.a_off_diagonal
+    np.testing.assert_allclose(job.strategy.released.packed_upper(), want_a, rtol=1e-12)
+    np.testing.assert_allclose(job.strategy.released.B.numpy(),
+                               (total[len(iu[0]):-1] / scales.b).reshape(C, p).T, rtol=1e-12)
+    np.testing.assert_allclose(job.strategy.released.packed_upper(), A[iu], atol=0.1)     # the data, near

@@ -562,11 +562,14 @@ def test_bad_personalization_tasks_are_declined(java_cp, tmp_path, change, reaso
 
 def test_mixed_fleet_fed3r_sync_under_distributed_dp_releases_clipped_sums_plus_noise(java_cp, broker, tmp_path):
     """Fed3R-Sync under distributed DP with Java and Python devices in one SecAgg group: every
-    device clips its features, caps its samples and adds its noise share; what the aggregator
-    releases is the clipped sums plus noise of the stated scale (survivors × the per-device
-    variance, χ² bounds at 1e-6 over 31·32/2 + 31·4 = 620 entries: without the Java devices' shares
-    the ratio would be 0.4, 10 standard deviations off), so the Java devices' clipping (features
-    ~10× the clip norm), cap (20 of 37 samples) and noise are the protocol's."""
+    device clips its features, caps its samples, scales its vector's blocks (``block_scales``) and
+    adds its noise share; what the aggregator releases is the clipped sums plus ``ssp``'s per-block
+    noise (survivors × the per-device variance on A's diagonal, divided by the square of each
+    block's scale off it and on B; χ² bounds at 1e-6 per block, 465 off-diagonal and 124 B
+    entries: without the Java devices' shares the ratio would be 0.4, many standard deviations
+    off, and a device that did not scale would fail the round by its count slot), so the Java
+    devices' clipping (features ~10× the clip norm), cap (20 of 37 samples), scaling and noise are
+    the protocol's."""
     from ops_fleet import Features, RecordingService, assert_noise_of_variance, clipped_sums
 
     from aggregator.jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob
@@ -608,7 +611,11 @@ def test_mixed_fleet_fed3r_sync_under_distributed_dp_releases_clipped_sums_plus_
     assert result.get("state") == "done" and sorted(result["contributed"]) == sorted(ids), (result, err[-3000:])
     A, B = clipped_sums(map(data, range(len(ids))), C, N, F)
     assert job.strategy.releases == 1
-    assert_noise_of_variance(job.strategy.released, A, B, len(ids) * job._round_dp["stddev"] ** 2)
+    # one stddev on every entry of the block-scaled vectors: ssp's per-block noise once scaled back
+    total, scales = len(ids) * job._round_dp["stddev"] ** 2, cfg.block_scales()
+    assert scales.a_off_diagonal == pytest.approx(2 ** 0.5) and scales.b > 1.5
+    assert_noise_of_variance(job.strategy.released, A, B,
+                             (total, total / scales.a_off_diagonal ** 2, total / scales.b ** 2))
 
 
 def factor_data(n: int, dim: int = 40) -> tuple[np.ndarray, np.ndarray]:

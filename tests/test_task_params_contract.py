@@ -92,7 +92,8 @@ def test_the_raw_read_scan_catches_the_idioms_it_replaced():
 
 # the Java device: only its typed params classes (and the parts they compose) read a raw params map
 JAVA_DEVICE = ROOT / "clients" / "java" / "src"
-JAVA_PARAMS_PARTS = ("LocalTraining.java", "ModelSpec.java", "DpRound.java", "SecureUpdateRound.java")
+JAVA_PARAMS_PARTS = ("LocalTraining.java", "ModelSpec.java", "DpRound.java", "SecureUpdateRound.java",
+                     "SyncBlockScales.java")
 JAVA_RAW_READ = re.compile(r"\bparams\s*\.\s*(get|getOrDefault|containsKey|keySet|entrySet|values|put|remove)\s*\("
                            r"|\b(Task)?Params\s*\.\s*(integer|number|string|present|bool|choice|require)\s*\(")
 

@@ -13,6 +13,9 @@ recovered from Shamir shares when at least t survive; otherwise the round fails 
 Distributed DP (``dp_noise_multiplier`` > 0): devices clip their features, cap their samples and
 add their share of Skellam noise in the ring (``protocols/secagg/distributed_dp.py``), leaving the
 sample count out; each group sum is released once, already noisy (``NoisyFed3R.add_noised``).
+With ``ssp`` (``DistributedSSP``) the devices scale their vector's blocks first (the task's
+``block_scales``), so that the one stddev they add becomes ``ssp``'s per-block noise once the
+aggregator scales the sum back; the sum's count slot says how many scaled (one each).
 
 The SecAgg sub-protocol and its service hooks are ``SecureGroupRounds`` (``secure_rounds.py``).
 """
@@ -27,14 +30,14 @@ import numpy as np
 from protocols.envelope import Envelope, EnvelopeError
 from protocols.identity import DeviceIdentity, IdentityRegistry
 from protocols.payloads.fed3r import Fed3RStatsParams
-from protocols.payloads.secagg import SYNC_KIND, sync_vector_length, unpack_sync_vector
-from protocols.payloads.secure_tasks import SecureFed3RParams
+from protocols.payloads.secagg import SYNC_KIND, scale_sync_blocks, sync_vector_length, unpack_sync_vector
+from protocols.payloads.secure_tasks import SecureFed3RParams, SyncBlockScales
 from protocols.payloads.task_params import DpRound
 from protocols.rounds import RoundClosed
 from protocols.secagg.fixedpoint import RING_BITS, fed3r_bound
 
-from aggregator.strategies.dp_fed3r import (CalibratedSSP, Fed3RMechanism, Fed3RSensitivity, UniformGaussian,
-                                            UniformSSP, row_norm_bound)
+from aggregator.strategies.dp_fed3r import (CalibratedSSP, DistributedSSP, Fed3RMechanism, Fed3RSensitivity,
+                                            UniformGaussian, row_norm_bound)
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
 from aggregator.jobs.secure_fields import SecureAggregationFields
 from aggregator.jobs.secure_rounds import MIN_GROUP, GroupSumOutOfBound, SecureGroupRounds, checked_vector_length
@@ -63,15 +66,24 @@ class Fed3RSyncConfig(Fed3RConfig, SecureAggregationFields):
         return self.mechanism().accounting
 
     def mechanism(self) -> Fed3RMechanism:
-        """The job's mechanism with one noise stddev on every entry: each device adds one Skellam
-        stddev to its whole vector, so ``ssp``'s per-block split is not available here (its λ is)."""
+        """The job's mechanism as the devices can add it: each adds one Skellam stddev to its whole
+        vector, ``ssp``'s per-block split made by scaling the vector's blocks first (``DistributedSSP``)."""
         sensitivity = Fed3RSensitivity.of(self.max_samples, self.feature_clip_norm, self.fit_intercept)
-        uniform = UniformSSP if self.dp_mechanism == CalibratedSSP.name else UniformGaussian
-        return uniform(self.dp_noise_multiplier, sensitivity)
+        if self.dp_mechanism == CalibratedSSP.name:
+            return DistributedSSP(self.dp_noise_multiplier, sensitivity, self.dp_b_share)
+        return UniformGaussian(self.dp_noise_multiplier, sensitivity)
 
     def dp_noise_stddev(self) -> float:
-        """σ on every entry of a group's sum, which the devices' shares add up to."""
+        """σ on every entry of a group's (block-scaled) sum, which the devices' shares add up to."""
         return self.mechanism().scale().a_diagonal
+
+    def block_scales(self) -> SyncBlockScales | None:
+        """What the devices scale their vector's blocks by before their noise (None: nothing)."""
+        mechanism = self.mechanism()
+        if not isinstance(mechanism, DistributedSSP):
+            return None
+        a_off_diagonal, b = mechanism.block_scales()
+        return SyncBlockScales(a_off_diagonal=a_off_diagonal, b=b)
 
 
 class Fed3RSyncJob(SecureGroupRounds, Fed3RJob):
@@ -107,10 +119,11 @@ class Fed3RSyncJob(SecureGroupRounds, Fed3RJob):
                 return []        # this would be the last group: wait for them (or for their grace to run out)
         chosen = super().next_participants(set(pool), size)
         if self.config.dp:
-            c = self.config
+            c, scales = self.config, self.config.block_scales()
             r = row_norm_bound(c.feature_clip_norm, c.fit_intercept)
+            widest = 1.0 if scales is None else max(1.0, scales.a_off_diagonal, scales.b)   # what scaling may grow
             self._round_dp = self.open_dp_round(self.round, chosen, self.vector_length,
-                                                fed3r_bound(c.max_samples, max(r, 1.0)), c.dp_noise_stddev())
+                                                fed3r_bound(c.max_samples, max(r, 1.0)) * widest, c.dp_noise_stddev())
         else:
             self.open_secure_round(self.round, chosen, self.vector_length, self.bound)
         return chosen
@@ -120,16 +133,21 @@ class Fed3RSyncJob(SecureGroupRounds, Fed3RJob):
 
     def task_for(self, device: str) -> tuple[dict, dict[str, np.ndarray]]:
         dp = DpRound(**self._round_dp) if self.config.dp else None
-        return SecureFed3RParams.extending(self.config.task_params(), group=f"g{self.round}", dp=dp).to_params(), {}
+        scales = self.config.block_scales() if self.config.dp else None
+        return SecureFed3RParams.extending(self.config.task_params(), group=f"g{self.round}", dp=dp,
+                                           block_scales=scales).to_params(), {}
 
     def parse_result(self, env: Envelope):
         raise EnvelopeError("fed3r.secure devices send secagg messages, never plain results")
 
     def on_secure_sum(self, total: np.ndarray, survivors: tuple[str, ...]) -> None:
-        a_upper, b, n = unpack_sync_vector(total, self.config.p, self.config.num_classes)
-        if self.config.dp:           # already noisy (the devices' shares); n is 0: counts are not released
-            self.strategy.add_noised(a_upper, b, n, len(survivors))
+        c = self.config
+        if c.dp:                     # already noisy (the devices' shares); the sample count is not released
+            a_upper, b = self._unscaled(total, len(survivors))
+            self.strategy.add_noised(a_upper, b, 0, len(survivors))
+            n = 0
         else:
+            a_upper, b, n = unpack_sync_vector(total, c.p, c.num_classes)
             try:
                 check_group_sum(a_upper, b, n, len(survivors), self._group_bound)
             except ValueError as exc:
@@ -138,6 +156,20 @@ class Fed3RSyncJob(SecureGroupRounds, Fed3RJob):
         self.group_samples.append(n)
         for d in survivors:
             self.contributed[d] = 0
+
+    def _unscaled(self, total: np.ndarray, members: int) -> tuple[np.ndarray, np.ndarray]:
+        """A distributed-DP group sum's (A_upper, B), its blocks scaled back where the devices scaled
+        them (``block_scales``): only when each of the ``members`` did, which its count slot says
+        (1 each; a device library that ignores block_scales leaves 0), else GroupSumOutOfBound."""
+        c, scales = self.config, self.config.block_scales()
+        if scales is not None:
+            scaled = unpack_sync_vector(total, c.p, c.num_classes)[2]
+            if scaled != members:
+                raise GroupSumOutOfBound(f"{members - scaled} of its {members} members did not scale their "
+                                         "blocks (block_scales): a device library without them; nothing applied")
+            total = scale_sync_blocks(total, c.p, c.num_classes, 1.0 / scales.a_off_diagonal, 1.0 / scales.b)
+        a_upper, b, _ = unpack_sync_vector(total, c.p, c.num_classes)
+        return a_upper, b
 
     def apply(self, device: str, payload) -> None:
         """Never called: a secure round has no per-device result; it closes with the group's

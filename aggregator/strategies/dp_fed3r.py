@@ -49,7 +49,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from protocols.payloads.fed3r import Fed3RStats
+from protocols.payloads.fed3r import Fed3RStats, packed_diagonal
 
 from aggregator.compute.ridge import ClosedFormRidge
 from aggregator.strategies.dp_center import PrivateFeatureCenter, uncentred
@@ -145,8 +145,7 @@ class NoiseScale:
     def draw(self, p: int, num_classes: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         """(noise of the packed upper triangle, noise of B (p × C))."""
         packed = rng.normal(0.0, self.a_off_diagonal, p * (p + 1) // 2)
-        diagonal = np.cumsum(np.r_[0, np.arange(p, 1, -1)])          # packed index of A_ii, row-major
-        packed[diagonal] = rng.normal(0.0, self.a_diagonal, p)
+        packed[packed_diagonal(p)] = rng.normal(0.0, self.a_diagonal, p)
         return packed, rng.normal(0.0, self.b, (p, num_classes))
 
 
@@ -233,20 +232,21 @@ class CalibratedSSP(Fed3RMechanism):
         return torch.where(spikes, debiased, bulk_mean)
 
 
-class UniformSSP(CalibratedSSP):
-    """``ssp`` under secure aggregation: the same noise zΔ on every entry, because every device adds
-    one Skellam stddev to its whole vector (``protocols/secagg/distributed_dp.py``), so the blocks
-    cannot be noised apart there; λ from the noise as ``ssp``; RDP accounting, as for every
-    distributed-noise job (the bound that lets the Skellam sum be accounted as a Gaussian, Agarwal,
-    Kairouz & Liu 2021, is a Rényi-DP statement)."""
+class DistributedSSP(CalibratedSSP):
+    """``ssp`` under secure aggregation (Fed3R-Sync's distributed DP): the same per-block noise,
+    made by the devices from one Skellam stddev σ_A on every entry (``protocols/secagg/
+    distributed_dp.py``): each scales its vector's blocks first (:meth:`block_scales`: A's
+    off-diagonal entries by σ_A/σ_o = √2, B by σ_A/σ_B), and the aggregator divides the sum back,
+    leaving σ_o off A's diagonal and σ_B on B. RDP accounting, as for every distributed-noise job
+    (the bound that lets the Skellam sum be accounted as a Gaussian, Agarwal, Kairouz & Liu 2021,
+    is a Rényi-DP statement)."""
 
-    name, accounting = "ssp-uniform", "rdp"
+    name, accounting = "ssp-distributed", "rdp"
 
-    def __init__(self, noise_multiplier: float, sensitivity: Fed3RSensitivity):
-        super().__init__(noise_multiplier, sensitivity)
-
-    def scale(self) -> NoiseScale:
-        return NoiseScale.uniform(self.noise_multiplier * self.sensitivity.joint)
+    def block_scales(self) -> tuple[float, float]:
+        """(A's off-diagonal, B) scales that turn one stddev σ_A into this mechanism's per-block noise."""
+        scale = self.scale()
+        return scale.a_diagonal / scale.a_off_diagonal, scale.a_diagonal / scale.b
 
 
 MECHANISMS: dict[str, type[Fed3RMechanism]] = {m.name: m for m in (UniformGaussian, CalibratedSSP)}

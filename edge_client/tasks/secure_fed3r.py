@@ -2,7 +2,8 @@
 
 The device computes its dense statistics (the same ``Fed3RStatsTask`` as plain Fed3R) and
 packs them into the fixed-shape vector of ``protocols.payloads.secagg``; ``SecureUpdate`` does
-the rest. Under distributed DP (the task's ``dp``) the device adds its share of noise first.
+the rest. Under distributed DP (the task's ``dp``) the device adds its share of noise first,
+after scaling the vector's blocks when the task says how (``block_scales``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import numpy as np
 from protocols.identity import DeviceIdentity
 import dataclasses
 
-from protocols.payloads.secagg import SYNC_KIND, pack_sync_vector
+from protocols.payloads.secagg import SYNC_KIND, pack_sync_vector, scale_sync_blocks
 from protocols.payloads.secure_tasks import SecureFed3RParams
 
 from ..agent import TaskDeclined
@@ -39,7 +40,12 @@ class SecureFed3R(SecureUpdate):
             return pack_sync_vector(stats["A_upper"], stats["b"], n)
         # Distributed DP (features clipped, samples capped by the stats task): the sample count would
         # be an un-noised release, so it is left out of the sum (0), and the statistics carry noise.
-        return self.add_noise(pack_sync_vector(stats["A_upper"], stats["b"], 0), task.dp)
+        vector = pack_sync_vector(stats["A_upper"], stats["b"], 0)
+        if task.block_scales is not None:       # per-block noise: the blocks scaled, 1 in the count slot
+            num_classes, p = np.shape(stats["b"])
+            vector = scale_sync_blocks(vector, p, num_classes, task.block_scales.a_off_diagonal, task.block_scales.b)
+            vector[-1] = 1.0
+        return self.add_noise(vector, task.dp)
 
 
 __all__ = ["SecureFed3R"]

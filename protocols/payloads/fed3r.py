@@ -173,6 +173,11 @@ def packed_len(p: int) -> int:
     return p * (p + 1) // 2
 
 
+def packed_diagonal(p: int) -> np.ndarray:
+    """The packed (row-major upper-triangle) indices of A_00, A_11, …, A_(p-1)(p-1)."""
+    return np.cumsum(np.r_[0, np.arange(p, 1, -1)]).astype(np.int64)
+
+
 @dataclass(frozen=True)
 class Fed3RStats:
     n: int

@@ -6,6 +6,12 @@ limits and integrity; authenticity comes from the SecAgg message's own Ed25519 s
 
 Fed3R-Sync devices sum their statistics under secure aggregation, which needs one fixed-shape
 vector per device: ``[A_upper (p(p+1)/2) | b dense (C·p, row-major, class-major) | n]``.
+Under distributed DP the count is 0 (it would be an un-noised release); with ``block_scales``
+(the ``ssp`` mechanism's per-block noise) the device first multiplies A_upper's off-diagonal
+entries and b by the task's scales (:func:`scale_sync_blocks`) and puts 1 in the count slot,
+which the noise leaves alone: the sum's count is then how many members scaled, and an aggregator
+that finds fewer than the survivors (a device library that ignores ``block_scales``) discards
+the sum instead of scaling back what was never scaled.
 Secure FedAvg(ψ) devices send ``[n·weight (C·d, row-major) | n·bias (C) | n]``: the sum is
 (Σ n_k W_k, Σ n_k b_k, Σ n_k), whose ratio is the FedAvg mean.
 
@@ -40,7 +46,7 @@ import numpy as np
 
 from ..envelope import MAX_HEADER_BYTES, MAX_MESSAGE_BYTES, Envelope, EnvelopeError, canonical_json
 from ..secagg import Message, SecAggError, decode
-from .fed3r import packed_len
+from .fed3r import packed_diagonal, packed_len
 from .ladd import Layout, layout_from_json, layout_size, layout_to_json
 
 SECAGG_TYPE = "secagg"
@@ -106,6 +112,23 @@ def sync_vector_length(p: int, num_classes: int) -> int:
 def pack_sync_vector(a_upper: np.ndarray, b_dense: np.ndarray, n: int) -> np.ndarray:
     return np.concatenate([np.asarray(a_upper, np.float64).ravel(), np.asarray(b_dense, np.float64).ravel(),
                            np.array([float(n)])])
+
+
+def scale_sync_blocks(v: np.ndarray, p: int, num_classes: int, a_off_diagonal: float, b: float) -> np.ndarray:
+    """A copy of the sync vector ``v`` with its packed A's off-diagonal entries times
+    ``a_off_diagonal`` and its B times ``b``; A's diagonal and the count stay. A distributed-DP
+    device scales its vector so (``block_scales`` of its task, :class:`~protocols.payloads.
+    secure_tasks.SyncBlockScales`) before adding one Skellam stddev to every entry, and the
+    aggregator scales the sum back with the reciprocals: per-block noise from one stddev."""
+    out = np.array(v, dtype=np.float64)
+    if out.shape != (sync_vector_length(p, num_classes),):
+        raise ValueError(f"sync vector has shape {out.shape}, expected ({sync_vector_length(p, num_classes)},)")
+    k = packed_len(p)
+    diagonal = out[packed_diagonal(p)]
+    out[:k] *= a_off_diagonal
+    out[packed_diagonal(p)] = diagonal
+    out[k:k + num_classes * p] *= b
+    return out
 
 
 def unpack_sync_vector(v: np.ndarray, p: int, num_classes: int) -> tuple[np.ndarray, np.ndarray, int]:

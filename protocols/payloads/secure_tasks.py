@@ -8,6 +8,8 @@ params) and contributes it to a group sum (``protocols.payloads.secagg``), so ea
 * ``max_samples``    the largest sample count a member may put in the sum
 * ``max_abs_param``  the largest |value| a trained tensor may hold (the fixed-point range)
 * ``dp``             under distributed DP, the round's noise (:class:`DpRound`)
+* ``block_scales``   Fed3R-Sync under distributed DP: how the device scales its vector's blocks
+                     first, so that one noise stddev becomes per-block noise (:class:`SyncBlockScales`)
 
 and, per kind, ``vector_order`` (the FedAvg family: the trained tensors' order in the vector),
 ``update_clip_norm`` (bounded influence without DP) or ``slots`` (LADD's cluster slot layout).
@@ -37,21 +39,44 @@ def _check_group(group: Any) -> None:
         raise ValueError("a secure task needs its group")
 
 
+MAX_BLOCK_SCALE = 2.0 ** 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncBlockScales(WireParams):
+    """``block_scales`` of a ``fed3r.secure`` task under distributed DP: what the device multiplies
+    its vector's packed A off-diagonal entries and its b by before adding its noise share
+    (``protocols.payloads.secagg.scale_sync_blocks``; the count slot then holds 1). One Skellam
+    stddev σ on every entry of the scaled vector is, scaled back, σ on A's diagonal, σ/a_off_diagonal
+    off it and σ/b on b: the ``ssp`` mechanism's per-block noise (aggregator/strategies/dp_fed3r.py)."""
+
+    a_off_diagonal: float
+    b: float
+
+    def __post_init__(self):
+        check_number("block_scales.a_off_diagonal", self.a_off_diagonal, high=MAX_BLOCK_SCALE, low_open=True)
+        check_number("block_scales.b", self.b, high=MAX_BLOCK_SCALE, low_open=True)
+
+
 @dataclass(frozen=True, kw_only=True)
 class SecureFed3RParams(Fed3RStatsParams):
     """``fed3r.secure`` params: dense float64 statistics (whatever ``format``/``dtype`` say: a sum
-    needs fixed shapes), ``max_samples`` required."""
+    needs fixed shapes), ``max_samples`` required; under distributed DP, ``dp`` and optionally
+    ``block_scales`` (:class:`SyncBlockScales`)."""
 
     KIND = SYNC_KIND
     REQUIRED_KEYS = ("max_samples",)
     group: str
     dp: DpRound | None = nested(DpRound)
+    block_scales: SyncBlockScales | None = nested(SyncBlockScales)
 
     def __post_init__(self):
         super().__post_init__()
         _check_group(self.group)
         if self.max_samples is None:
             raise ValueError("a secure Fed3R task needs max_samples")
+        if self.block_scales is not None and self.dp is None:
+            raise ValueError("block_scales shape distributed-DP noise: a task without dp has none")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,7 +1,8 @@
 // fed3r.secure params (protocols/payloads/secure_tasks.py SecureFed3RParams): fed3r.stats's
 // (Fed3RStatsParams; the device sends dense float64 statistics whatever format and dtype say: a
 // sum needs fixed shapes) with max_samples required, plus the round's group and, under
-// distributed DP, its noise (dp). toParams() is their canonical form (golden vectors).
+// distributed DP, its noise (dp) and how the vector's blocks are scaled first (block_scales).
+// toParams() is their canonical form (golden vectors).
 package org.fedfleet.device;
 
 import java.util.Map;
@@ -12,6 +13,7 @@ public final class SecureFed3RParams {
     final String group;
     final long maxSamples;
     final DpRound dp;                       // null: absent (no distributed DP)
+    final SyncBlockScales blockScales;      // null: absent (the vector's blocks as they are)
 
     private SecureFed3RParams(Map<String, Object> p) throws TaskDeclined {
         TaskParams.checkVersion(p, KIND);
@@ -21,6 +23,9 @@ public final class SecureFed3RParams {
         if (stats.maxSamples == null) throw new TaskDeclined("bad " + KIND + " params: a secure Fed3R task needs max_samples");
         maxSamples = stats.maxSamples;
         dp = TaskParams.present(p, "dp") ? DpRound.fromParams(p.get("dp")) : null;
+        blockScales = TaskParams.present(p, "block_scales") ? SyncBlockScales.fromParams(p.get("block_scales")) : null;
+        if (blockScales != null && dp == null)
+            throw new TaskDeclined("bad " + KIND + " params: block_scales shape distributed-DP noise: a task without dp has none");
     }
 
     public static SecureFed3RParams fromParams(Map<String, Object> params) throws TaskDeclined {
@@ -31,6 +36,7 @@ public final class SecureFed3RParams {
         Map<String, Object> out = stats.toParams();
         out.put("group", group);
         if (dp != null) out.put("dp", dp.toParams());
+        if (blockScales != null) out.put("block_scales", blockScales.toParams());
         return out;
     }
 }

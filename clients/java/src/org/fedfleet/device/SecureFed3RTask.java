@@ -2,7 +2,8 @@
 // [A_upper (p(p+1)/2) | b (C·p, class-major) | n] (protocols/payloads/secagg.py pack_sync_vector).
 // Under distributed DP (a task with "dp": features clipped, samples capped by the stats task) the
 // count would be an un-noised release, so it is left out (0) and the statistics carry the
-// device's Skellam noise share (SkellamNoise). Params: SecureFed3RParams.
+// device's Skellam noise share (SkellamNoise), added after the task's block_scales scaled the
+// vector's blocks (SyncBlockScales; the count slot then 1). Params: SecureFed3RParams.
 package org.fedfleet.device;
 
 import java.util.List;
@@ -31,7 +32,10 @@ public final class SecureFed3RTask implements SecureTask {
         double[] v = new double[a.length + b.length + 1];
         System.arraycopy(a, 0, v, 0, a.length);
         System.arraycopy(b, 0, v, a.length, b.length);
-        if (task.dp != null) return new Contribution(task.group, noise.add(v, task.dp, v.length - 1), true);    // count 0
+        if (task.dp != null) {              // count 0, or 1 once the blocks are scaled (SyncBlockScales)
+            if (task.blockScales != null) task.blockScales.apply(v, a.length, b.length);
+            return new Contribution(task.group, noise.add(v, task.dp, v.length - 1), true);
+        }
         v[v.length - 1] = acc.n();
         return new Contribution(task.group, v);
     }
