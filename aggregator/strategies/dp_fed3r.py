@@ -25,7 +25,9 @@ sensitivity is 1/z: :meth:`NoiseScale.noise_multiplier`).
   variance off the diagonal at the same sensitivity), N(0, σ_B²) on B, with the release's budget
   split between the blocks: σ_A = zΔ_A/√(1−s), σ_B = zΔ_B/√s. λ is chosen from the noise alone
   (no privacy cost): the mean eigenvalue the noise leaves after the PSD projection; PLD
-  accounting (exact for one Gaussian release).
+  accounting (exact for one Gaussian release). Under secure aggregation (Fed3R-Sync's
+  distributed DP) the same per-block noise is :class:`DistributedSSP`: the devices scale their
+  vector's blocks before adding one stddev, the aggregator scales the sum back; RDP accounting.
 
 The noisy A may not be positive semi-definite: ``solve`` replaces its eigenvalues before the ridge
 solve — post-processing, free of privacy cost. ``gaussian`` clips them at 0 (the PSD projection).
