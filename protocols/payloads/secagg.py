@@ -123,10 +123,10 @@ def scale_sync_blocks(v: np.ndarray, p: int, num_classes: int, a_off_diagonal: f
     out = np.array(v, dtype=np.float64)
     if out.shape != (sync_vector_length(p, num_classes),):
         raise ValueError(f"sync vector has shape {out.shape}, expected ({sync_vector_length(p, num_classes)},)")
-    k = packed_len(p)
-    diagonal = out[packed_diagonal(p)]
+    k, diagonal = packed_len(p), packed_diagonal(p)
+    kept = out[diagonal]
     out[:k] *= a_off_diagonal
-    out[packed_diagonal(p)] = diagonal
+    out[diagonal] = kept
     out[k:k + num_classes * p] *= b
     return out
 

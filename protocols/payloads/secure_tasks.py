@@ -31,15 +31,13 @@ from .secagg import (HEAD_ORDER, SECURE_DITTO_KIND, SECURE_FEDAVG_KIND, SECURE_L
 from .task_params import DpRound, WireParams, check_int, check_number, check_str, nested, optional
 
 MAX_GROUP_ID = 128
+MAX_BLOCK_SCALE = 2.0 ** 20
 
 
 def _check_group(group: Any) -> None:
     check_str("group", group, max_len=MAX_GROUP_ID)
     if not group:
         raise ValueError("a secure task needs its group")
-
-
-MAX_BLOCK_SCALE = 2.0 ** 20
 
 
 @dataclass(frozen=True, kw_only=True)
