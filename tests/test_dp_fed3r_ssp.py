@@ -226,7 +226,9 @@ def test_secure_fed3r_noise_is_ssp_per_block_made_from_one_stddev_the_devices_ca
 def test_a_secure_dp_sum_is_scaled_back_only_when_every_member_scaled():
     """Fed3R-Sync under distributed DP: a group sum whose count slot says every survivor scaled its
     blocks is scaled back (the release is numpy's unscaled sum); one where a member did not (a
-    device library that ignores block_scales: 0 in its slot) is refused, nothing released."""
+    device library that ignores block_scales: 0 in its slot), or whose slots claim more members than
+    survived, is refused, nothing released. (A malicious member can still fake its slot, as it can
+    fake its statistics: the slot guards against old libraries, not against attackers.)"""
     from aggregator.jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob
     from aggregator.jobs.secure_rounds import GroupSumOutOfBound
     from protocols.identity import DeviceIdentity, IdentityRegistry
@@ -248,8 +250,12 @@ def test_a_secure_dp_sum_is_scaled_back_only_when_every_member_scaled():
         v[-1] = 1.0                                   # each member scaled (the noise leaves the slot alone)
     unscaled_by_one = [v.copy() for v in vectors]
     unscaled_by_one[0][-1] = 0.0
-    with pytest.raises(GroupSumOutOfBound, match="1 of its 3 members did not scale"):
+    with pytest.raises(GroupSumOutOfBound, match="says 2 of its 3 members scaled"):
         job.on_secure_sum(np.sum(unscaled_by_one, axis=0), members)
+    over = [v.copy() for v in vectors]
+    over[1][-1] = 2.0                                 # a slot claiming more than one member
+    with pytest.raises(GroupSumOutOfBound, match="says 4 of its 3 members scaled"):
+        job.on_secure_sum(np.sum(over, axis=0), members)
     assert job.strategy.releases == 0 and not job.contributed
     job.on_secure_sum(np.sum(vectors, axis=0), members)
     assert job.strategy.releases == 1 and sorted(job.contributed) == list(members)

@@ -165,8 +165,9 @@ class Fed3RSyncJob(SecureGroupRounds, Fed3RJob):
         if scales is not None:
             scaled = unpack_sync_vector(total, c.p, c.num_classes)[2]
             if scaled != members:
-                raise GroupSumOutOfBound(f"{members - scaled} of its {members} members did not scale their "
-                                         "blocks (block_scales): a device library without them; nothing applied")
+                raise GroupSumOutOfBound(f"its count slot says {scaled} of its {members} members scaled their "
+                                         "blocks (block_scales; a device library without them leaves 0): "
+                                         "nothing applied")
             total = scale_sync_blocks(total, c.p, c.num_classes, 1.0 / scales.a_off_diagonal, 1.0 / scales.b)
         a_upper, b, _ = unpack_sync_vector(total, c.p, c.num_classes)
         return a_upper, b

@@ -33,7 +33,7 @@ public final class SecureFed3RTask implements SecureTask {
         System.arraycopy(a, 0, v, 0, a.length);
         System.arraycopy(b, 0, v, a.length, b.length);
         if (task.dp != null) {              // count 0, or 1 once the blocks are scaled (SyncBlockScales)
-            if (task.blockScales != null) task.blockScales.apply(v, a.length, b.length);
+            if (task.blockScales != null) task.blockScales.apply(v, acc.p);
             return new Contribution(task.group, noise.add(v, task.dp, v.length - 1), true);
         }
         v[v.length - 1] = acc.n();

@@ -39,13 +39,13 @@ public final class SyncBlockScales {
 
     /** v (the sync vector [A_upper (p(p+1)/2) | b (C·p) | n]) with its blocks scaled, in place;
      * the count slot set to 1. */
-    void apply(double[] v, int aLength, int bLength) {
-        int p = (int) Math.round((Math.sqrt(8.0 * aLength + 1) - 1) / 2);
-        for (int i = 0, at = 0; i < p; i++) {          // row i of the packed upper triangle: A_ii, then A_ij (j > i)
+    void apply(double[] v, int p) {
+        int at = 0;
+        for (int i = 0; i < p; i++) {                   // row i of the packed upper triangle: A_ii, then A_ij (j > i)
             at++;                                       // the diagonal entry stays
             for (int j = i + 1; j < p; j++, at++) v[at] *= aOffDiagonal;
         }
-        for (int k = aLength; k < aLength + bLength; k++) v[k] *= b;
+        for (; at < v.length - 1; at++) v[at] *= b;     // then b, up to the count
         v[v.length - 1] = 1.0;
     }
 
