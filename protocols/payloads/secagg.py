@@ -10,8 +10,9 @@ Under distributed DP the count is 0 (it would be an un-noised release); with ``b
 (the ``ssp`` mechanism's per-block noise) the device first multiplies A_upper's off-diagonal
 entries and b by the task's scales (:func:`scale_sync_blocks`) and puts 1 in the count slot,
 which the noise leaves alone: the sum's count is then how many members scaled, and an aggregator
-that finds fewer than the survivors (a device library that ignores ``block_scales``) discards
-the sum instead of scaling back what was never scaled.
+that finds another count than the survivors (a device library that ignores ``block_scales``
+leaves 0) discards the sum instead of scaling back what was never scaled. The slot guards
+against old libraries, not attackers (a malicious member can fake it as it can its statistics).
 Secure FedAvg(ψ) devices send ``[n·weight (C·d, row-major) | n·bias (C) | n]``: the sum is
 (Σ n_k W_k, Σ n_k b_k, Σ n_k), whose ratio is the FedAvg mean.
 
