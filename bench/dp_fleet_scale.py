@@ -20,15 +20,15 @@ allows for one release at (ε, δ) (``noise_multiplier_for``).
   ``--center-devices``, ``dp_center_clip_norm`` F_c = ``--center-clip``): m devices release the
   mean of their rows clipped to F, the others clip their rows minus that mean to F_c
   (aggregator/strategies/dp_center.py).
+- ``ssp`` (the default): per-block noise (half the variance off A's diagonal, ``--b-share`` of
+  the budget on B), λ from the noise, PLD accounting, N = ``--ssp-cap`` (1: the per-device bound
+  that maximises signal over noise when the fleet is this large, see docs/algorithms.md).
 - ``ssp-secure``: what Fed3R-Sync releases under secure aggregation with distributed DP: every
   device scales its vector's blocks (the task's ``block_scales``) and adds Skellam noise in the
   ring, one stddev on every entry, which the aggregator's scaling back turns into ``ssp``'s
   per-block noise; RDP accounting (z larger than PLD's), ssp's λ rule and shrinkage, N =
   ``--ssp-cap``; simulated as the Gaussian of those stddevs (the Skellam sum's variance, what
   its accounting uses).
-- ``ssp`` (the default): per-block noise (half the variance off A's diagonal, ``--b-share`` of
-  the budget on B), λ from the noise, PLD accounting, N = ``--ssp-cap`` (1: the per-device bound
-  that maximises signal over noise when the fleet is this large, see docs/algorithms.md).
 
 The fleet's sum is formed as Σ_i w_i z_i z_iᵀ over the distinct images i a device kept (w_i: how
 many devices kept it) — the same sum in another order, which the wire path (tested elsewhere to
