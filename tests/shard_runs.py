@@ -28,6 +28,15 @@ def shard_rows(state, shards: int) -> list[list[tuple[str, str]]]:
         "SELECT device, message_id FROM contributions").fetchall() for i in range(shards)]
 
 
+def rounds_held(state, shard: int, shards: int = 2) -> set[int]:
+    """The rounds shard ``shard`` of ``shards`` stores results of (none before its store exists)."""
+    try:
+        return {r for (r,) in sqlite3.connect(f"{state}.shards/shard-{shard}-of-{shards}.db").execute(
+            "SELECT round FROM contributions")}
+    except sqlite3.OperationalError:
+        return set()
+
+
 def shard_options(on: str, request) -> list[str]:
     """A shard's Ray actor goes where its custom resource is: shard 0's to the head, shard 1's to the
     second node (``aggregator/shards/ray_shards.py``; the shared cluster's ``SharedCluster.RESOURCES``)."""

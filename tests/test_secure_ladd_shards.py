@@ -8,13 +8,13 @@ Over a real mosquitto with real LADD devices (segmentation self-training, real S
 sharded job's model must be one aggregator's bytes, with the same round aborted for the same
 reason; sans-IO, a host refuses a context that does not match the group's signed configuration."""
 
-import json
 import threading
 
 import numpy as np
 import pytest
 from aggregator.jobs.ladd import save_initial_model
 from aggregator.jobs.registry import build_job
+from aggregator.shards.buckets import shard_of
 from aggregator.shards.shard import ShardIngest
 from aggregator.storage.store import Store
 from edge_client.handlers import ladd_handlers
@@ -52,7 +52,8 @@ def ladd_config(work, keys, **over) -> dict:
             "round_timeout_s": 150, "expected_devices": len(DEVICES), "start_timeout_s": 30, "seed": 3,
             "max_samples": 100, "max_abs_param": 50.0, "phase_timeout_s": 20,
             "initial_model_file": str(work / "pretrained.npz"),
-            "initial_model_sha256": file_sha256(work / "pretrained.npz"), **keys.job_fields(work), **over}
+            "initial_model_sha256": file_sha256(work / "pretrained.npz"), **(keys.job_fields(work) if keys else {}),
+            **over}
 
 
 def device_handlers(keys):
@@ -72,34 +73,137 @@ def device_handlers(keys):
     return build
 
 
-# local shard processes in the suite; Ray actors on the two-node test cluster in `make test-ray`
-@pytest.mark.parametrize("on", ["local", pytest.param("ray", marks=[RAY_ALL_ONLY, *ON_RAY])])
-def test_secure_ladd_on_two_shards_gives_one_aggregators_model_and_its_hosts_gate_aborts_thin_slots(tmp_path, on,
-                                                                                                    request):
-    keys = SecureKeys.create(tmp_path, DEVICES)
-    config = ladd_config(tmp_path, keys)
+def one_then_sharded(tmp_path, kind: str, config: dict, fleet: dict, sharded_options: list[str], kills=()):
+    """(the sharded job's model, one aggregator's results, the sharded job's) of ``kind`` over mosquitto
+    with the same devices (``fleet``: Fleet's keywords), the sharded run SIGKILLed at each of
+    ``kills`` and restarted: the two models are the same bytes, and every device sent its style."""
     runs = []
-    for name, extra in (("one", ()), ("sharded", shard_options(on, request))):
-        work = tmp_path / name
-        write_job(work, DEVICES, "ladd-secure", config)
-        with MosquittoBroker() as broker, Fleet(broker.url, DEVICES, handlers=device_handlers(keys),
-                                                aggregator_key=keys.aggregator.public_key_bytes):
-            rc, log = run_aggregator(work, broker.url, work / "state.db", extra=extra, timeout=320)
-        assert rc == 0, log[-3000:]
-        assert "rejected message" not in log            # no secagg message reached the coordinator
+    for name, options, crashes in (("one", [], ()), ("sharded", sharded_options, kills)):
+        work, logs = tmp_path / name, ""
+        write_job(work, DEVICES, kind, config)
+        with MosquittoBroker() as broker, Fleet(broker.url, DEVICES, **fleet):
+            for crash in (*crashes, None):
+                rc, log = run_aggregator(work, broker.url, work / "state.db", crash=crash, extra=options, timeout=320)
+                logs += log
+                assert rc == (-9 if crash else 0), log[-3000:]
+        assert "rejected message" not in logs   # no secagg message, no training result reached the coordinator itself
         runs.append(outputs(work / "out", ("model.npz",)))
     (want, one), (got, sharded) = runs
     assert_same_bytes(got, want)
     for results in (one, sharded):
         rounds = {r["round"]: r for r in results["rounds"]}
         assert results["state"] == "done" and sorted(rounds[1]["accepted"]) == DEVICES       # the styles
+    return got, {r["round"]: r for r in one["rounds"]}, {r["round"]: r for r in sharded["rounds"]}
+
+
+# local shard processes in the suite; Ray actors on the two-node test cluster in `make test-ray`
+@pytest.mark.parametrize("on", ["local", pytest.param("ray", marks=[RAY_ALL_ONLY, *ON_RAY])])
+def test_secure_ladd_on_two_shards_gives_one_aggregators_model_and_its_hosts_gate_aborts_thin_slots(tmp_path, on,
+                                                                                                    request):
+    keys = SecureKeys.create(tmp_path, DEVICES)
+    got, one, sharded = one_then_sharded(tmp_path, "ladd-secure", ladd_config(tmp_path, keys),
+                                         {"handlers": device_handlers(keys),
+                                          "aggregator_key": keys.aggregator.public_key_bytes}, shard_options(on, request))
+    for rounds in (one, sharded):
         assert sorted(rounds[2]["accepted"]) == DEVICES                                      # one sum of six
         assert rounds[3]["accepted"] == [] and "cluster slots" in rounds[3]["secure_failure"], rounds[3]
-    assert [r.get("secure_failure") for r in sharded["rounds"]] == [r.get("secure_failure") for r in one["rounds"]]
+    assert [r.get("secure_failure") for r in sharded.values()] == [r.get("secure_failure") for r in one.values()]
     initial = dict(np.load(tmp_path / "pretrained.npz"))
     models, _ = split_cluster_models(got[0])
     assert len(models) == 2 and all(any(not np.array_equal(v, initial[k]) for k, v in model.items())
                                     for model in models.values())        # round 2's sum moved both clusters
+
+
+@pytest.mark.parametrize("on", ["local", pytest.param("ray", marks=[RAY_ALL_ONLY, *ON_RAY])])
+def test_plain_ladd_on_two_shards_gives_one_aggregators_model_after_the_coordinator_is_sigkilled(tmp_path, on,
+                                                                                                 request):
+    """Plain LADD (aggregator/shards/coordinator_ladd.py) over mosquitto with the same real devices:
+    the styles reach the coordinator whole through the devices' shards, the training results stay
+    on them as receipts, and each round closes on their per-slot statistics and sums (the norm
+    bound on). The coordinator (its shards with it) is SIGKILLed closing the style round, then,
+    restarted, closing the first training round: it clusters again from the styles it stored and
+    closes the round on the shards' stores. The model is one aggregator's bytes, and each shard
+    stored its own devices' results only. On Ray actors (``make test-ray``) without the kills."""
+    from shard_runs import shard_rows
+
+    kills = ("round_closing:1", "round_closing:2") if on == "local" else ()
+    _, one, sharded = one_then_sharded(tmp_path, "ladd", plain_ladd_config(tmp_path), {"handlers": plain_handlers()},
+                                       shard_options(on, request), kills)
+    for rounds in (one, sharded):
+        assert sorted(rounds[2]["accepted"]) == sorted(rounds[3]["accepted"]) == DEVICES
+    rows = shard_rows(tmp_path / "sharded" / "state.db", 2)
+    assert sorted(d for shard in rows for d, _ in shard) == sorted(DEVICES * 2)      # two training rounds
+    assert all(shard_of(d, 2) == k for k, shard in enumerate(rows) for d, _ in shard)
+
+
+def plain_ladd_config(work) -> dict:
+    """The secure test's LADD job, less the secure fields."""
+    import dataclasses
+
+    from aggregator.jobs.ladd import LaddConfig
+
+    plain = {f.name for f in dataclasses.fields(LaddConfig)}
+    return {k: v for k, v in ladd_config(work, None).items() if k in plain}
+
+
+def plain_handlers(gate: threading.Event | None = None, ungated=()):
+    """The real LADD device handlers (one shared network); with ``gate``, every device but the
+    ``ungated`` ones trains only once the gate opens."""
+    lock, shared = threading.Lock(), {}
+
+    def build(device: str) -> dict:
+        handlers = ladd_handlers(IMAGES[device], lambda s: shared.setdefault(s, SegmentationModel(s)), lock)
+        if gate is not None and device not in ungated:
+            train = handlers[KIND_TRAIN]
+
+            def gated(params, tensors):
+                gate.wait(120)
+                return train(params, tensors)
+            handlers[KIND_TRAIN] = gated
+        return handlers
+    return with_secure(None, build)
+
+
+def test_plain_ladd_on_shards_resumes_bit_for_bit_after_a_shard_is_sigkilled(tmp_path):
+    """A shard is SIGKILLed once it stores its first training update, every other device's held
+    back until then: restarted on its store, it answers the round's close (the other shard holds
+    the rest): one aggregator's model, bytes for bytes, each device's result stored once."""
+    import os
+    import signal
+    import time
+
+    from ops_fleet import start_aggregator_in
+    from shard_runs import rounds_held, shard_rows
+
+    config = plain_ladd_config(tmp_path)
+    write_job(tmp_path / "one", DEVICES, "ladd", config)
+    with MosquittoBroker() as broker, Fleet(broker.url, DEVICES, handlers=plain_handlers()):
+        rc, log = run_aggregator(tmp_path / "one", broker.url, tmp_path / "one" / "state.db", timeout=240)
+    assert rc == 0, log[-3000:]
+    victim = 1
+    first = next(d for d in DEVICES if shard_of(d, 2) == victim)
+    work, held_back = tmp_path / "sharded", threading.Event()
+    write_job(work, DEVICES, "ladd", config)
+    state = work / "state.db"
+    with MosquittoBroker() as broker, Fleet(broker.url, DEVICES, handlers=plain_handlers(held_back, (first,))):
+        proc = start_aggregator_in(work, broker.url, state, ["--shards", "2"], timeout=240)
+        try:
+            deadline = time.monotonic() + 180
+            while 2 not in rounds_held(state, victim) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert 2 in rounds_held(state, victim), "the shard never stored a training update"
+            os.kill(int((state.parent / "state.db.shards" / f"shard-{victim}.pid").read_text()), signal.SIGKILL)
+            held_back.set()
+            proc.wait(240)
+        finally:
+            held_back.set()                 # never leave the devices waiting at the gate
+            proc.kill()
+    out = proc.output()
+    assert proc.returncode == 0, out[-3000:]
+    assert f"shard {victim} exited" in out
+    assert_same_bytes(outputs(work / "out", ("model.npz",))[0], outputs(tmp_path / "one" / "out", ("model.npz",))[0])
+    rows = shard_rows(state, 2)
+    assert sorted(d for shard in rows for d, _ in shard) == sorted(DEVICES * 2)      # each once a training round
 
 
 def test_a_host_refuses_a_hosting_context_that_is_not_its_groups_and_fails_the_group(tmp_path):

@@ -348,7 +348,7 @@ def test_a_shard_sigkilled_hosting_a_group_fails_it_with_the_reason_and_the_job_
 def test_simulate_shards_takes_the_secure_kinds_shards_host_and_says_why_not_for_the_others(tmp_path):
     """``fedfleet simulate --secure --shards K``: Fed3R-Sync, FedNCM-Sync and the secure FedAvg family
     (secure Scaffold and Ditto too) get the shard options (their registry entries' ``shard_groups``;
-    secure LADD's: tests/test_secure_ladd_shards.py); plain LADD runs in one process and says why."""
+    secure LADD's: tests/test_secure_ladd_shards.py); FedBuff runs in one process and says why."""
     import dataclasses
 
     from fedfleet.simulate import PRESETS, aggregator_shards
@@ -361,8 +361,8 @@ def test_simulate_shards_takes_the_secure_kinds_shards_host_and_says_why_not_for
         assert aggregator_shards(cfg, kind, common) == (["--shards", "2"], ""), kind
     for kind in ("fedavg-secure", "pp-secure", "scaffold-secure", "ditto-secure"):
         assert aggregator_shards(cfg, kind, {**common, "rounds": 1}) == (["--shards", "2"], ""), kind
-    options, why = aggregator_shards(cfg, "ladd", common)
-    assert options == [] and "'ladd'" in why and "one per cluster" in why
+    options, why = aggregator_shards(cfg, "fedavg-async", {**common, "rounds": 1})
+    assert options == [] and "'fedavg-async'" in why and "no additive state" in why
     from aggregator.jobs.registry import build_job
     from aggregator.shards.pool import check_shardable
     dp = build_job("fed3r-sync", {**common, "dp_noise_multiplier": 1.0, "feature_clip_norm": 8.0})

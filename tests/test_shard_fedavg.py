@@ -298,11 +298,12 @@ def test_only_the_kinds_that_declare_shard_sums_have_them_none_inherits_them():
     (FedBuff's arrivals, the secure kinds' SecAgg rounds) have none, and a new kind starts
     unshardable until it declares how its sums split. FT(φ)/FT(M) and FedGloSS declare FedAvg's
     round sums, pp and Ditto FedAvg's with the held-out report in the receipt, Scaffold(ψ/φ/M)
-    FedAvg's with Σ Δc_k, FedNCM Fed3R's."""
+    FedAvg's with Σ Δc_k, FedNCM Fed3R's; plain LADD its per-slot sums (tests/test_shard_ladd.py)."""
     from aggregator.jobs.registry import KINDS
     from aggregator.shards.control_sums import ControlledRoundSums
     from aggregator.shards.fed3r_sums import Fed3RSums
     from aggregator.shards.fedavg_sums import FedAvgRoundSums
+    from aggregator.shards.ladd_sums import LaddRoundSums
     from aggregator.shards.partial_sums import additive
     from aggregator.shards.personal_sums import PersonalRoundSums
 
@@ -310,7 +311,7 @@ def test_only_the_kinds_that_declare_shard_sums_have_them_none_inherits_them():
     assert declared == {"fed3r": Fed3RSums, "fedncm": Fed3RSums, "fedavg": FedAvgRoundSums,
                         "fedavg-tail": FedAvgRoundSums, "fedgloss": FedAvgRoundSums, "pp": PersonalRoundSums,
                         "ditto": PersonalRoundSums, "scaffold": ControlledRoundSums,
-                        "scaffold-tail": ControlledRoundSums}
-    for name in ("fedavg-async", "fedavg-secure", "personalize", "ladd"):
+                        "scaffold-tail": ControlledRoundSums, "ladd": LaddRoundSums}
+    for name in ("fedavg-async", "fedavg-secure", "personalize", "ladd-secure"):
         with pytest.raises(ValueError, match="no additive state"):
             additive(name)

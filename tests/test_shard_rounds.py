@@ -8,7 +8,6 @@ on shards: tests/test_shards.py."""
 import json
 import os
 import signal
-import sqlite3
 import threading
 import time
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from aggregator.strategies.dp_noise import NOISE_SEED_ENV
 from fedfleet.emulation.broker import MosquittoBroker
 
 from ops_fleet import Features, Fleet, features_of, prepare, run_aggregator, start_aggregator_in
-from shard_runs import DEVICES, RAY_ALL, SHARDED_JOB_TIMEOUT_S, shard_options, shard_rows
+from shard_runs import DEVICES, RAY_ALL, SHARDED_JOB_TIMEOUT_S, rounds_held, shard_options, shard_rows
 
 # ---------------------------------------------------------------- FedAvg rounds on shards
 # two rounds of six of the ten devices, the norm and contribution bounds on (they close in phases:
@@ -174,14 +173,6 @@ def assert_same_fedavg_model(got, want, job: RoundJob = RoundJob(DEVICES, FEDAVG
         assert any(np.abs(v).max() > 0 for k, v in want[2].items() if k.startswith("control."))
 
 
-def fedavg_rounds_held(state, shard: int) -> set[int]:
-    try:
-        return {r for (r,) in sqlite3.connect(f"{state}.shards/shard-{shard}-of-2.db").execute(
-            "SELECT round FROM contributions")}
-    except sqlite3.OperationalError:
-        return set()
-
-
 # FT(φ)/FT(M) and FedGloSS are FedAvg's round sums (over more tensors; from w̃): their Ray and
 # SIGKILL runs are FedAvg's; pp's receipts carry held-out reports as well, and Scaffold sums its
 # Δc and moves the server state c: they have their own (the Ray runs are in tests/test_shards.py,
@@ -240,9 +231,9 @@ def test_fedavg_on_shards_resumes_bit_for_bit_after_the_coordinator_and_a_shard_
         proc = start_aggregator_in(tmp_path, broker.url, state, options, timeout=SHARDED_JOB_TIMEOUT_S, env=job.env)
         try:
             deadline = time.monotonic() + 240
-            while 2 not in fedavg_rounds_held(state, victim) and time.monotonic() < deadline:
+            while 2 not in rounds_held(state, victim) and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert 2 in fedavg_rounds_held(state, victim), "the shard never stored a round-2 update"
+            assert 2 in rounds_held(state, victim), "the shard never stored a round-2 update"
             os.kill(int((tmp_path / "state.db.shards" / f"shard-{victim}.pid").read_text()), signal.SIGKILL)
             held_back.set()
             proc.wait(SHARDED_JOB_TIMEOUT_S)

@@ -16,9 +16,13 @@ has two kinds of rounds, so its ``kind`` is the kind of the round it opened last
 ``ladd.train`` rounds (t = 1 .. ``rounds``)
     κ devices with a cluster are drawn (seeded). Device k of cluster c gets φ ∪ θ_c, the
     cluster teacher g_c when it differs from that model, and the KD teacher (the pre-trained
-    w) until it confirms holding it. At closing, :class:`ClusterSpecificAveraging` gives
-    φ ← mean over all participants, θ_c ← mean over c's participants (weights n_k); a
-    cluster without participants keeps θ_c. Then, if t mod ω = 0, every cluster teacher
+    w) until it confirms holding it. At closing, φ ← mean over all participants, θ_c ← mean
+    over c's participants (weights n_k, after the norm and contribution bounds, each slot's
+    limits from its own updates); a cluster without participants keeps θ_c. The means are
+    summed in canonical order up the bucket tree, as K shards sum them, so a sharded job gives
+    the same bits (``aggregator/shards/ladd_sums.py``); a robust rule or the direction screen
+    combines every update at once (``RobustClusterAveraging``), DP-LADD clips and noises
+    (``aggregator/strategies/dp_ladd.py``). Then, if t mod ω = 0, every cluster teacher
     becomes g_c ← w_c (t < t_START) or the running mean of the w_c it has seen (t ≥ t_START,
     SWA). ``swa_start = 0`` disables SWA. Each cluster has its own teacher (the authors' code
     shares one; spec §6.9a/b).
@@ -50,18 +54,19 @@ import numpy as np
 
 from protocols.envelope import Envelope, EnvelopeError, body_field
 from protocols.files import check_file_sha256
-from protocols.payloads.ladd import (KIND_STYLE, KIND_TRAIN, LaddTrainParams, ModelUpdate, SelfTrainingRecipe, StyleParams,
-                                     StyleResult, layout_digest, make_layout, pack, packed_digest, parse_style,
+from protocols.payloads.ladd import (KIND_STYLE, KIND_TRAIN, LaddTrainParams, Layout, ModelUpdate, SelfTrainingRecipe,
+                                     StyleParams, StyleResult, layout_digest, make_layout, pack, packed_digest, parse_style,
                                      parse_update, train_task_tensors)
 from protocols.rounds import RoundClosed
 from protocols.transition_table import Transition, TransitionTable
 
+from aggregator.shards.ladd_sums import CanonicalClusterAveraging
 from aggregator.strategies.dp_fedavg import ClippedGaussianSum
 from aggregator.strategies.dp_ladd import DPClusterAveraging
 from aggregator.strategies.robust_ladd import RobustClusterAveraging
 from aggregator.jobs.robustness_fields import FedAvgRobustnessFields
-from aggregator.strategies.ladd import (CLUSTER_SCOPES, CLUSTERINGS, ClusterAveraging, ClusterSpecificAveraging,
-                                        StyleClustering, SwaTeacher, cluster_specific_predicate)
+from aggregator.strategies.ladd import (CLUSTER_SCOPES, CLUSTERINGS, ClusterAveraging, StyleClustering, SwaTeacher,
+                                        cluster_specific_predicate)
 from aggregator.jobs.base import Job
 from aggregator.jobs.config_limits import (BATCH_SIZE, COUNT, LOCAL_EPOCHS, PATH, ROUNDS, SEGMENTATION_SPEC,
                                            SHA256_OR_EMPTY, OneOf, Range, check_declared, limited)
@@ -152,6 +157,13 @@ class RoundPayload:
 TRAINABLE_KEY = "__trainable__"
 
 
+def trainable_in_layout_order(arrays: Arrays, layout: Layout, trainable: list[str]) -> tuple[list[str], Layout]:
+    """The trainable names in the model's layout order, and their layout (what an update packs)."""
+    order = {name: i for i, (name, _) in enumerate(layout)}
+    names = sorted(trainable, key=order.__getitem__)
+    return names, make_layout(arrays, names)
+
+
 def save_initial_model(path, arrays: Arrays, trainable: list[str]) -> None:
     """Write a pretrained network for ``LaddConfig.initial_model_file`` (arrays + trainable names)."""
     np.savez(path, **arrays, **{TRAINABLE_KEY: np.array(sorted(trainable))})
@@ -210,6 +222,8 @@ class LaddJob(Job):
         self._participants: frozenset[str] = frozenset()
         self._applied: set[str] = set()
         self._agg: ClusterAveraging | None = None
+        self._taken: tuple | None = None            # a coordinator's: the round's model, summed by its shards
+        self._initial_layout: Layout | None = None  # the layout of updates before training starts (a shard's job)
         # Central DP (aggregator/strategies/dp_ladd.py): DP-FedAvg's mechanism over LADD's slots
         self.dp = ClippedGaussianSum(c.dp_noise_multiplier, c.clip_rule()) if c.dp and self.central_dp else None
         LADD_TABLE.fire(self, Created())
@@ -297,9 +311,7 @@ class LaddJob(Job):
             raise ValueError(f"trainable names must be a non-empty subset of the model, unknown: {sorted(unknown)[:3]}")
         self.pretrained = arrays
         self.layout = make_layout(arrays)
-        order = {name: i for i, (name, _) in enumerate(self.layout)}
-        self.trainable = sorted(trainable, key=order.__getitem__)
-        self.trainable_layout = make_layout(arrays, self.trainable)
+        self.trainable, self.trainable_layout = trainable_in_layout_order(arrays, self.layout, trainable)
         self.kd_flat = pack(arrays, self.layout)
         self.kd_sha256 = packed_digest(self.kd_flat)
         self.phi = {k: v.copy() for k, v in arrays.items() if not self.is_theta(k)}
@@ -340,10 +352,10 @@ class LaddJob(Job):
 
     def _new_aggregation(self, chosen) -> ClusterAveraging:
         c = self.config
-        if self.dp is None and c.bounds_updates():
+        if self.dp is None and c.needs_every_update():      # a robust rule, the direction screen
             return RobustClusterAveraging(self.is_theta, c.robust_aggregation())
-        if self.dp is None:
-            return ClusterSpecificAveraging(self.is_theta)
+        if self.dp is None:         # the mean (and its bound layers): summed as K shards sum it, bit for bit
+            return CanonicalClusterAveraging(self)
         selected = Counter(self.assignment.get(d, 0) for d in chosen)      # "none": all in cluster 0
         return DPClusterAveraging(self.dp, self.is_theta, self.trainable, self.phi, self.theta, selected)
 
@@ -407,21 +419,63 @@ class LaddJob(Job):
             raise EnvelopeError(f"{KIND_TRAIN}: {env.sender} has no cluster")
         return RoundPayload(round_, KIND_TRAIN, parse_update(env, self.trainable_layout, cluster))
 
+    def parse_accepted(self, env: Envelope) -> RoundPayload:
+        """A ``ladd.train`` result checked against the cluster it names and the update layout the
+        config gives, not the assignment: a shard's job holds none (its coordinator checks the
+        cluster, aggregator/shards/ladd_sums.py); other results as :meth:`parse_result`."""
+        if env.body.get("kind") != KIND_TRAIN:
+            return self.parse_result(env)
+        cluster = body_field(env, "cluster", int)
+        return RoundPayload(body_field(env, "round", int), KIND_TRAIN, parse_update(env, self.update_layout(), cluster))
+
+    def update_layout(self) -> Layout:
+        """The layout of a ``ladd.train`` update: the trained tensors', known from the initial
+        model before the styles are clustered."""
+        if self.trainable:
+            return self.trainable_layout
+        if self._initial_layout is None:
+            if self.initial is None:
+                raise EnvelopeError(f"{KIND_TRAIN}: the job pretrains after clustering: no update layout yet")
+            arrays, trainable = self.initial
+            if not trainable or set(trainable) - set(arrays):
+                raise EnvelopeError(f"{KIND_TRAIN}: the initial model's trainable names are not its tensors'")
+            self._initial_layout = trainable_in_layout_order(arrays, make_layout(arrays), trainable)[1]
+        return self._initial_layout
+
+    def admits(self, device: str, round_: int, kind: str) -> bool:
+        """Whether a ``kind`` result of ``device`` naming ``round_`` belongs to the open round;
+        counted in ``late_discarded`` when it does not."""
+        if (self._open and round_ == self.round and kind == self.kind and device in self._participants
+                and device not in self._applied):
+            return True
+        self.late_discarded += 1      # the round machine answers these before; never mix rounds
+        log.warning("discarded %s result from %s for round %d", kind, device, round_)
+        return False
+
     def apply(self, device: str, result: RoundPayload) -> None:
-        if (not self._open or result.round != self.round or result.kind != self.kind
-                or device not in self._participants or device in self._applied):
-            self.late_discarded += 1      # the round machine answers these before; never mix rounds
-            log.warning("discarded %s result from %s for round %d", result.kind, device, result.round)
+        if not self.admits(device, result.round, result.kind):
             return
         if result.kind == KIND_STYLE:
             self.styles[device] = result.payload.style
+            self._applied.add(device)
+            self.contributed[device] = self.contributed.get(device, 0) + 1
         else:
             update: ModelUpdate = result.payload
-            self._agg.add(update.cluster, update.tensors, update.n)
-            if update.kd_sha256 and update.kd_sha256 == self.kd_sha256:
-                self.kd_confirmed.add(device)
+            self._agg.add(update.cluster, update.tensors, update.n, device=device)
+            self.record_train_update(device, update.kd_sha256)
+
+    def record_train_update(self, device: str, kd_sha256: str) -> None:
+        """What the job keeps of an admitted training update besides its tensors (a coordinator's
+        job: all it keeps, the shards holding the tensors)."""
+        if kd_sha256 and kd_sha256 == self.kd_sha256:
+            self.kd_confirmed.add(device)
         self._applied.add(device)
         self.contributed[device] = self.contributed.get(device, 0) + 1
+
+    def take_round_model(self, model: tuple[Arrays, dict[int, Arrays]] | None, per_cluster: dict[int, int]) -> None:
+        """A shard coordinator's: the closing training round's new (φ, {c: θ_c}) (None: unchanged)
+        and its updates per cluster, summed by its shards; the round's close takes these."""
+        self._taken = (model, dict(per_cluster))
 
     def close_round(self, closed: RoundClosed) -> None:
         if not self._open or closed.round != self.round:
@@ -435,11 +489,14 @@ class LaddJob(Job):
 
     def _round_aggregate(self) -> tuple[tuple[Arrays, dict[int, Arrays]] | None, dict[int, int]]:
         """The closing training round's new (φ, {c: θ_c}) (None: unchanged) and its updates per cluster."""
+        if self._taken is not None:
+            taken, self._taken = self._taken, None
+            return taken
         agg = self._agg
         if agg is None:
             return None, {}
         released = agg.count or isinstance(agg, DPClusterAveraging)      # under DP every round releases
-        return (agg.result(self.phi, self.theta) if released else None), dict(agg.participants)
+        return (agg.result(self.phi, self.theta) if released else None), dict(sorted(agg.participants.items()))
 
     def _close_train_round(self, event: TrainRoundClosed) -> list:
         c, entry = self.config, event.entry
@@ -531,7 +588,7 @@ class LaddJob(Job):
                                   if k.startswith(f"teacher.{c}.")}
                 teacher.averaged, teacher.version = meta["teachers"][str(c)]
         self.kd_confirmed = set(meta["kd_confirmed"])
-        self._open, self._agg = False, None
+        self._open, self._agg, self._taken = False, None, None
         # a checkpoint written before DONE existed says "train" after the last round: it meant DONE
         self.phase = LaddPhase.DONE if phase is LaddPhase.TRAIN and self._training_over() else phase
 

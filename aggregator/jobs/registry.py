@@ -52,6 +52,7 @@ from aggregator.shards.control_sums import ControlledRoundSums
 from aggregator.shards.fed3r_sums import Fed3RSums
 from aggregator.shards.fedavg_sums import FedAvgRoundSums
 from aggregator.shards.group_placement import SecureGroupPlacement
+from aggregator.shards.ladd_sums import LaddRoundSums
 from aggregator.shards.personal_sums import PersonalRoundSums
 from aggregator.shards.sum_tree import AdditiveState
 
@@ -69,8 +70,6 @@ class JobKind:
     shard_sums: AdditiveState | None = None
     # How shards host this kind's secure groups (aggregator/shards/secure_groups.py; None: they do not).
     shard_groups: SecureGroupPlacement | None = None
-    # Why shards neither sum nor host this kind, where more than "not built" is to be said (--shards's refusal).
-    shard_refusal: str = ""
 
     def __post_init__(self):
         unknown = [k for k in self.task_kinds if k not in TASK_PARAMS]
@@ -135,9 +134,7 @@ KINDS: dict[str, JobKind] = {k.name: k for k in (
     JobKind("personalize", PersonalizeConfig, PersonalizeJob, "OLL and OLL+FP(ψ) on every device; held-out WMA",
             (PERSONALIZE_KIND,)),
     JobKind("ladd", LaddConfig, LaddJob, "LADD: style clustering and cluster-specific self-training (segmentation)",
-            (LADD_STYLE_KIND, LADD_TRAIN_KIND), _ladd_factory(LaddJob),
-            shard_refusal="a round's sums are one per cluster (θ_c) besides the shared φ, where shards sum one "
-                          "model per round; run it in one process, or secure (ladd-secure), whose groups shards host"),
+            (LADD_STYLE_KIND, LADD_TRAIN_KIND), _ladd_factory(LaddJob), shard_sums=LaddRoundSums()),
     JobKind("ladd-secure", SecureLaddConfig, SecureLaddJob, "LADD with each cluster's updates summed under SecAgg",
             (LADD_STYLE_KIND, SECURE_LADD_KIND), _ladd_factory(SecureLaddJob), shard_groups=SecureGroupPlacement()),
 )}

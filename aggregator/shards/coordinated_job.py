@@ -1,8 +1,9 @@
 """What every job served by a shard coordinator shares: the wrapped job's own scheduling (its
 round, participants, tasks, end and bookkeeping) and results that are its shards' receipts,
 never a device's tensors. :class:`~aggregator.shards.coordinator_job.ShardedJob` (order-free
-sums: Fed3R) and :class:`~aggregator.shards.coordinator_rounds.ShardedRoundsJob` (round sums:
-FedAvg) differ in what a receipt adds to and how the model is reduced."""
+sums: Fed3R) and the :class:`RoundSumsCoordinator` s (each round's sums: FedAvg's
+``ShardedRoundsJob``, LADD's ``ShardedLaddJob``) differ in what a receipt adds to and how the
+model is reduced."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import numpy as np
 from protocols.envelope import Envelope, EnvelopeError
 
 from aggregator.jobs.base import Job
+from aggregator.shards.partial_sums import additive
 from aggregator.shards.shard import RECEIPT
 
 
@@ -64,3 +66,46 @@ class CoordinatedJob(Job):
         if not isinstance(receipt, dict) or not isinstance(receipt.get("job"), dict):
             raise EnvelopeError("a sharded job takes its results from its shards' receipts only")
         return receipt["job"]
+
+
+class RoundSumsCoordinator(CoordinatedJob):
+    """A coordinator whose model moves at each round's close by the shards' sums of that round's
+    accepted updates: it keeps the open round's receipts (device -> what the close needs of it),
+    and at each close the shards drop that round's orphans, and the round before's (a late result
+    stored after its close)."""
+
+    def __init__(self, inner: Job, kind: str, pool):
+        super().__init__(inner, kind)
+        self.pool = pool
+        self.sums = additive(kind)
+        self.round_accepted: dict[str, tuple] = {}          # device -> (message id, ...), open round
+        self.last_close: tuple[int, list[tuple[str, str]]] | None = None   # (round, accepted) of the last close
+
+    contributions = property(lambda self: self.inner.contributions)
+
+    def next_participants(self, online: set[str]) -> list[str]:
+        chosen = self.inner.next_participants(online)
+        if chosen:
+            self.round_accepted = {}
+        return chosen
+
+    def restore_bookkeeping(self, state: dict) -> None:
+        before = self.inner.round
+        self.inner.restore_bookkeeping(state)
+        if self.inner.round != before:          # it entered the stored round: nothing applied to it yet
+            self.round_accepted = {}
+
+    def accepted_ids(self) -> list[tuple[str, str]]:
+        """The open round's accepted (device, message id)s, in device order."""
+        return sorted((device, kept[0]) for device, kept in self.round_accepted.items())
+
+    def round_done(self, round_: int, accepted: list[tuple[str, str]]) -> None:
+        """After the job closed ``round_`` on the sums of ``accepted``: the shards drop its orphans."""
+        self.pool.round_closed(self.config.job_id, round_, accepted)
+        if self.last_close is not None:
+            self.pool.round_closed(self.config.job_id, *self.last_close)
+        self.last_close, self.round_accepted = (round_, accepted), {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.round_accepted = {}

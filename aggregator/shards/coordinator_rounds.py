@@ -20,42 +20,21 @@ which keeps its receipts, and closed on the sums of the shards' stores.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from protocols.envelope import Envelope, body_field
 from protocols.rounds import RoundClosed
 
 from aggregator.jobs.base import Job
-from aggregator.shards.coordinated_job import CoordinatedJob
+from aggregator.shards.coordinated_job import RoundSumsCoordinator
 from aggregator.shards.fedavg_sums import RoundContext, bound_layers, dp_round_step, round_mean
-from aggregator.shards.partial_sums import additive
 from aggregator.shards.sum_tree import PartialSum, root_sum
 
 
-class ShardedRoundsJob(CoordinatedJob):
+class ShardedRoundsJob(RoundSumsCoordinator):
     def __init__(self, inner: Job, kind: str, pool):
-        super().__init__(inner, kind)
-        self.pool = pool
-        self.sums = additive(kind)
-        self.layers = bound_layers(inner.config)
-        self.round_accepted: dict[str, tuple[str, int]] = {}    # device -> (message id, n_k), open round
-        self.last_close: tuple[int, list[tuple[str, str]]] | None = None   # (round, accepted) of the last close
-
-    contributions = property(lambda self: self.inner.contributions)
-
-    def next_participants(self, online: set[str]) -> list[str]:
-        chosen = self.inner.next_participants(online)
-        if chosen:
-            self.round_accepted = {}
-        return chosen
-
-    def restore_bookkeeping(self, state: dict) -> None:
-        before = self.inner.round
-        self.inner.restore_bookkeeping(state)
-        if self.inner.round != before:          # it entered the stored round: nothing applied to it yet
-            self.round_accepted = {}
+        super().__init__(inner, kind, pool)
+        self.layers = bound_layers(inner.config)        # round_accepted: device -> (message id, n_k)
 
     # receipts in place of results
     def parse_result(self, env: Envelope) -> tuple[str, int, dict]:
@@ -71,7 +50,7 @@ class ShardedRoundsJob(CoordinatedJob):
     def close_round(self, closed: RoundClosed) -> None:
         if not self.inner.closes(closed.round):
             return
-        accepted = sorted((device, mid) for device, (mid, _n) in self.round_accepted.items())
+        accepted = self.accepted_ids()
         samples = sum(n for _mid, n in self.round_accepted.values())
         if self.inner.dp is not None:        # the shards' clipped deltas, noised once here
             stepped = (dp_round_step(self.inner.dp, self._round_start(), self._root(accepted)), len(accepted), samples)
@@ -80,10 +59,7 @@ class ShardedRoundsJob(CoordinatedJob):
             self.sums.take_round(self.inner, total, len(accepted))        # Scaffold: its control step
             stepped = self.inner.server_step(mean, len(accepted) if mean is not None else 0, samples)
         self.inner.finish_round(closed, stepped)
-        self.pool.round_closed(self.config.job_id, closed.round, accepted)     # the shards drop its orphans
-        if self.last_close is not None:     # and a late result of the round before, stored after its close
-            self.pool.round_closed(self.config.job_id, *self.last_close)
-        self.last_close, self.round_accepted = (closed.round, accepted), {}
+        self.round_done(closed.round, accepted)
 
     def _round_start(self) -> dict[str, np.ndarray]:
         """The trained tensors as the round's devices got them (FedGloSS: w̃)."""
@@ -102,7 +78,3 @@ class ShardedRoundsJob(CoordinatedJob):
             return self.pool.ask("statistics", self.config.job_id, accepted, context)
 
         return round_mean(self.layers, self._round_start(), statistics, self._root(accepted))
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        self.round_accepted = {}

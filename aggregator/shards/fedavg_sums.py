@@ -59,7 +59,8 @@ def bound_layers(config) -> list:
     return [layer for layer in (aggregation.bound, aggregation.contribution) if layer.multiplier]
 
 
-def _bounded(layers: list, x: np.ndarray, tensors: Mapping[str, np.ndarray], weight, limits: tuple[float, ...]):
+def bounded_update(layers: list, x: np.ndarray, tensors: Mapping[str, np.ndarray], weight, limits: tuple[float, ...]):
+    """(tensors, weight) of one update after each layer whose limit is decided (``limits``, in order)."""
     for layer, limit in zip(layers, limits):
         tensors, weight = layer.bound_one(x, tensors, weight, limit)
     return tensors, weight
@@ -70,7 +71,7 @@ def update_statistics(layers: list, context: RoundContext, updates) -> dict[str,
     x, out = flatten(context.current), {}
     layer = layers[len(context.limits)]
     for device, tensors, n in updates:
-        t, w = _bounded(layers, x, tensors, n, context.limits)
+        t, w = bounded_update(layers, x, tensors, n, context.limits)
         out[device] = layer.statistic(x, t, w)
     return out
 
@@ -79,7 +80,7 @@ def weighted_sum(layers: list, context: RoundContext, updates) -> PartialSum:
     """Σ w_k θ'_k and Σ w_k of (device, tensors, n) updates, in the order given (a bucket's, canonical)."""
     x, sums, total, contributed = flatten(context.current), {}, 0.0, {}
     for device, tensors, n in updates:
-        t, w = _bounded(layers, x, tensors, n, context.limits)
+        t, w = bounded_update(layers, x, tensors, n, context.limits)
         add_weighted(sums, t, w)
         total += float(w)
         contributed[device] = int(n)

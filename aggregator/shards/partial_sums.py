@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable
 
 from aggregator.jobs.base import Job
 from aggregator.jobs.registry import KINDS, build_job, kind_of
-from aggregator.shards.buckets import NUM_BUCKETS, bucket_of, canonical_key
+from aggregator.shards.buckets import bucket_of, canonical_key
 from aggregator.shards.group_placement import SecureGroupPlacement
 from aggregator.shards.sum_tree import (AdditiveState, Contribution, Node, PartialSum, lazy_root, root_sum,
                                         subtree_sums)
@@ -41,9 +41,8 @@ def shard_capability(kind: str) -> AdditiveState | SecureGroupPlacement:
     spec = kind_of(kind) if kind in KINDS else None
     capability = spec and (spec.shard_sums or spec.shard_groups)
     if capability is None:
-        why = spec.shard_refusal if spec else ""
         raise ValueError(f"job kind {kind!r} has no additive state and no secure groups shards can host: it "
-                         "cannot run on shards" + (f": {why}" if why else ""))
+                         "cannot run on shards")
     return capability
 
 

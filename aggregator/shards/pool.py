@@ -36,8 +36,10 @@ from protocols.topics import Topics
 from aggregator.jobs.base import Job
 from aggregator.shards.buckets import bucket_range, shard_of
 from aggregator.shards.coordinator_job import ShardedJob, ShardedNoisyRoundsJob
+from aggregator.shards.coordinator_ladd import ShardedLaddJob
 from aggregator.shards.coordinator_rounds import ShardedRoundsJob
 from aggregator.shards.group_placement import SecureGroupPlacement
+from aggregator.shards.ladd_sums import LaddRoundSums
 from aggregator.shards.partial_sums import additive, reduce_nodes, shard_capability
 from aggregator.shards.sum_tree import root_sum
 from aggregator.shards.secure_groups import ShardedSecureJob
@@ -252,6 +254,8 @@ class ShardPool(ABC):
         """``job`` as the coordinator serves it on these shards (after :meth:`set_job`)."""
         if isinstance(shard_capability(kind), SecureGroupPlacement):
             return ShardedSecureJob(job, kind, self)
+        if isinstance(additive(kind), LaddRoundSums):          # a round's sums per slot, styles forwarded
+            return ShardedLaddJob(job, kind, self)
         if additive(kind).per_round:
             return ShardedRoundsJob(job, kind, self)
         if job.canonical_round_sums:            # DP Fed3R: each round's sum, noised by the job

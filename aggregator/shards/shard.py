@@ -151,7 +151,8 @@ class ShardIngest:
     def _result(self, topic: str, device: str, env: Envelope, raw: bytes, nbytes: int) -> Forward | Receipt | None:
         try:
             ref, kind = M.parse_result_ref(env)
-            if ref.job != self.job_id or kind != self._validator.kind or self.groups is not None:
+            if (ref.job != self.job_id or self.groups is not None
+                    or kind not in additive(self.kind).summed_kinds(self._validator)):
                 return Forward(topic, raw)          # (a secure job's devices send no results: refused there)
             payload = additive(self.kind).check(self._validator, env)
         except EnvelopeError:

@@ -76,6 +76,11 @@ class AdditiveState(ABC):
     def record(self, job: Any, device: str, receipt: dict) -> None:
         ...
 
+    def summed_kinds(self, job: Any) -> tuple[str, ...]:
+        """The result kinds a shard receipts and sums (a shard forwards the others whole): the job's
+        own by default; LADD's training results, not its styles."""
+        return (job.kind,)
+
     def check_receipt(self, job: Any, device: str, receipt: dict) -> None:
         """The coordinator's checks of a receipt against the job's state (``EnvelopeError``:
         refused with the reason), before the round machine takes it: none by default."""

@@ -70,7 +70,7 @@ class DPClusterAveraging(ClusterAveraging):
             shapes.update({(c, k): np.shape(cluster_params[c][k]) for k in trainable if is_cluster_specific(k)})
         self.round_sum = mechanism.open_sum(shapes)
 
-    def add(self, cluster: int, tensors: Mapping[str, np.ndarray], n: int) -> None:
+    def add(self, cluster: int, tensors: Mapping[str, np.ndarray], n: int, device: str = "") -> None:
         cluster = int(cluster)
         if cluster not in self.selected:
             raise ValueError(f"update for cluster {cluster}, which had no device selected this round")

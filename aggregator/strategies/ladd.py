@@ -161,8 +161,9 @@ class ClusterAveraging(ABC):
         self.participants[int(cluster)] = self.participants.get(int(cluster), 0) + 1
 
     @abstractmethod
-    def add(self, cluster: int, tensors: Mapping[str, np.ndarray], n: int) -> None:
-        """Take one device's update; a bad one raises ValueError and changes nothing."""
+    def add(self, cluster: int, tensors: Mapping[str, np.ndarray], n: int, device: str = "") -> None:
+        """Take one device's update (``device``: its id, which an order-free sum is ordered by); a
+        bad one raises ValueError and changes nothing."""
 
     @abstractmethod
     def result(self, global_params: Mapping[str, np.ndarray], cluster_params: Mapping[int, Mapping[str, np.ndarray]]
@@ -179,7 +180,7 @@ class ClusterSpecificAveraging(ClusterAveraging):
         self._global = WeightedMean()
         self._clusters: dict[int, WeightedMean] = {}
 
-    def add(self, cluster: int, tensors: Mapping[str, np.ndarray], n: int) -> None:
+    def add(self, cluster: int, tensors: Mapping[str, np.ndarray], n: int, device: str = "") -> None:
         phi = {k: v for k, v in tensors.items() if not self.is_cluster_specific(k)}
         theta = {k: v for k, v in tensors.items() if self.is_cluster_specific(k)}
         # validate both parts before touching either accumulator, so a bad update changes nothing

@@ -31,7 +31,7 @@ class RobustClusterAveraging(ClusterAveraging):
         self._global: list[tuple[Params, int]] = []
         self._clusters: dict[int, list[tuple[Params, int]]] = {}
 
-    def add(self, cluster: int, tensors: Mapping[str, np.ndarray], n: int) -> None:
+    def add(self, cluster: int, tensors: Mapping[str, np.ndarray], n: int, device: str = "") -> None:
         if isinstance(n, bool) or int(n) != n or n <= 0:
             raise ValueError(f"weight (sample count) must be a positive integer, got {n!r}")
         for name, value in tensors.items():

@@ -1,0 +1,208 @@
+"""Plain LADD on shards without sockets (aggregator/shards/ladd_sums.py, coordinator_ladd.py): real
+style and ``ladd.train`` envelopes (chunked) fed to K shard ingests with real stores, a coordinator
+job running the style phase on the forwarded styles and closing each training round on the
+shards' per-slot statistics and sums, against one aggregator's job given the same results. The
+models must be the same bytes for every K, with the bound layers on (they close in phases); one
+aggregator's canonical round must be the layers' own per-slot mean (the vectorised, unsplit
+``RobustClusterAveraging``) to rounding; what shards cannot sum is refused with the reason."""
+
+import numpy as np
+import pytest
+
+from aggregator.jobs.ladd import save_initial_model
+from aggregator.jobs.registry import build_job
+from aggregator.shards.buckets import shard_of
+from aggregator.shards.coordinator_ladd import ShardedLaddJob
+from aggregator.shards.partial_sums import shard_capability
+from aggregator.shards.shard import Forward, Receipt, ShardIngest
+from aggregator.storage.store import Store
+from aggregator.strategies.robust_ladd import RobustClusterAveraging
+from protocols import messages as M
+from protocols.chunking import split
+from protocols.envelope import EnvelopeError, decode, encode
+from protocols.files import file_sha256
+from protocols.payloads.ladd import KIND_STYLE, KIND_TRAIN, encode_style, encode_update, make_layout
+from protocols.rounds import RoundClosed
+from protocols.topics import Topics
+
+from test_ladd_aggregation import INITIAL, TRAINABLE, style_of
+from test_shard_fedavg import InProcessShards
+
+DEVICES = [f"d{i}" for i in range(9)]           # test_ladd_aggregation's: three style clusters of three
+JOB = "sharded-ladd"
+TOPICS = Topics()
+LATE, OUTLIER = "d4", "d1"
+
+
+def config_of(tmp_path, **over) -> dict:
+    path = tmp_path / "initial.npz"
+    save_initial_model(path, INITIAL, TRAINABLE)
+    return {"job_id": JOB, "model": {"num_classes": 5, "image_size": 64}, "clustering": "styles", "k_min": 3,
+            "k_max": 3, "n_init": 2, "rounds": 3, "clients_per_round": 9, "kd_lambda": 0.0, "teacher_every": 1,
+            "swa_start": 2, "seed": 3, "initial_model_file": str(path), "initial_model_sha256": file_sha256(path),
+            **over}
+
+
+def message(device: str, round_: int, kind: str, body: dict, tensors: dict, salt: int = 0) -> bytes:
+    env = M.result_message(device, M.TaskRef(JOB, round_, "t"), kind, body, tensors)
+    env.id = f"{round_:04x}{salt:04x}{int(device[1:]):024x}"
+    return encode(env)
+
+
+def feed(shard: ShardIngest, device: str, raw: bytes):
+    outs = [shard.feed(TOPICS.outbox(device), part) for part in split(raw, decode(raw).id, device, chunk_size=200)]
+    return outs[-1]
+
+
+def trained(job, device: str, rng) -> tuple[dict, int]:
+    """The device's cluster model moved by noise (the outlier 40 times harder), and its n_k."""
+    model = job.cluster_model(job.assignment[device])
+    scale = 40.0 if device == OUTLIER else 1.0
+    arrays = {k: (model[k] + scale * rng.normal(scale=0.1, size=model[k].shape)).astype(np.float32)
+              for k in job.trainable}
+    return arrays, int(rng.integers(5, 60))
+
+
+def run_job(tmp_path, shards_count: int, **over):
+    """(one aggregator's job, the coordinator's job, what the coordinator asked) after every round."""
+    config = config_of(tmp_path, **over)
+    shards = [ShardIngest(k, shards_count, Store(tmp_path / f"k{shards_count}-s{k}.db")) for k in range(shards_count)]
+    for s in shards:
+        s.set_job(JOB, "ladd", config)
+    pool = InProcessShards(shards)
+    single, coordinator = build_job("ladd", config), ShardedLaddJob(build_job("ladd", config), "ladd", pool)
+    rng = np.random.default_rng(7)
+    while True:
+        chosen = single.next_participants(set(DEVICES))
+        assert coordinator.next_participants(set(DEVICES)) == chosen
+        if not chosen:
+            break
+        accepted = []
+        for device in reversed(chosen):                 # not the canonical order
+            shard = shards[shard_of(device, shards_count)]
+            if single.kind == KIND_STYLE:
+                raw = message(device, single.round, KIND_STYLE, *encode_style(style_of(device), 4, 1))
+                out = feed(shard, device, raw)
+                assert isinstance(out, Forward)         # a style is the coordinator's, whole
+                via_shard = decode(out.payload)
+            else:
+                arrays, n = trained(single, device, rng)
+                raw = message(device, single.round, KIND_TRAIN,
+                              *encode_update(arrays, single.trainable_layout, n, single.assignment[device]))
+                out = feed(shard, device, raw)
+                assert isinstance(out, Receipt) and out.topic == TOPICS.outbox(device)
+                via_shard = decode(out.raw)
+                if device == LATE:                      # receipted, but the coordinator refused it: in no sum
+                    continue
+            single.apply(device, single.parse_result(decode(raw)))
+            coordinator.apply(device, coordinator.parse_result(via_shard))
+            accepted.append(device)
+        closed = RoundClosed(single.round, tuple(accepted), (), (), ())
+        single.close_round(closed)
+        coordinator.close_round(closed)
+        assert coordinator.inner.assignment == single.assignment
+    return single, coordinator.inner, pool.asked, shards
+
+
+def assert_same_job(want, got):
+    assert want.state_dict().keys() == got.state_dict().keys()
+    for key, value in want.state_dict().items():
+        assert np.asarray(value).tobytes() == np.asarray(got.state_dict()[key]).tobytes(), key
+    for a, b in zip(want.round_log, got.round_log):
+        assert {k: v for k, v in a.items() if k != "aggregate_s"} == {k: v for k, v in b.items() if k != "aggregate_s"}
+    assert want.contributed == got.contributed and want.late_discarded == got.late_discarded
+
+
+VARIANTS = {"styles": {}, "one cluster": {"clustering": "none"}, "every tensor per cluster": {"cluster_scope": "all"},
+            "contribution bound": {"contribution_bound_multiplier": 0.5},
+            "no bound": {"norm_bound_multiplier": 0.0}}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("shards_count", [2, 3])
+def test_ladd_on_shards_gives_one_aggregators_model_bit_for_bit(tmp_path, shards_count, variant):
+    over = VARIANTS[variant]
+    single, coordinated, asked, shards = run_job(tmp_path, shards_count, **over)
+    assert single.train_round == 3 and single.n_clusters == (1 if over.get("clustering") == "none" else 3)
+    model = {**single.phi, **single.theta[0]}            # the rounds moved the trained tensors
+    assert all(not np.array_equal(model[k], INITIAL[k]) for k in TRAINABLE)
+    assert_same_job(single, coordinated)
+    phases = {"no bound": ["sums"], "contribution bound": ["statistics", "statistics", "sums"]}.get(
+        variant, ["statistics", "sums"])
+    assert asked == phases * 3
+    # each shard stored its own devices' training results only, the late one's among them
+    for k, shard in enumerate(shards):
+        rows = shard.store.contributions(JOB, with_payload=False)
+        assert rows and all(shard_of(c.device, shards_count) == k for c in rows)
+
+
+def test_a_receipt_for_another_cluster_is_refused_by_the_coordinator(tmp_path):
+    """A shard checks an update against the cluster it names (it holds no assignment); the
+    coordinator, which does, refuses the receipt with the parser's reason, as one aggregator
+    refuses the result."""
+    config = config_of(tmp_path, clustering="none")
+    shard = ShardIngest(0, 1, Store(tmp_path / "s.db"))
+    shard.set_job(JOB, "ladd", config)
+    single, coordinator = build_job("ladd", config), ShardedLaddJob(build_job("ladd", config), "ladd", None)
+    chosen = coordinator.next_participants(set(DEVICES))
+    single.next_participants(set(DEVICES))
+    arrays, n = trained(single, chosen[0], np.random.default_rng(0))
+    raw = message(chosen[0], single.round, KIND_TRAIN, *encode_update(arrays, single.trainable_layout, n, 1))
+    receipt = feed(shard, chosen[0], raw)
+    assert isinstance(receipt, Receipt)
+    for job, env in ((coordinator, decode(receipt.raw)), (single, decode(raw))):
+        with pytest.raises(EnvelopeError, match="update for cluster 1, the device belongs to 0"):
+            job.parse_result(env)
+    with pytest.raises(EnvelopeError, match="receipts only"):      # a training result not through a shard
+        coordinator.parse_result(decode(raw))
+    # an update whose layout is not the model's is the shard's to refuse (forwarded, refused there)
+    wrong = {k: v[..., :1] if v.ndim else v for k, v in arrays.items()}
+    bad = message(chosen[1], single.round, KIND_TRAIN, *encode_update(wrong, make_layout(wrong, TRAINABLE), n, 0))
+    assert isinstance(feed(shard, chosen[1], bad), Forward)
+
+
+def test_one_aggregators_canonical_round_is_the_bound_layers_per_slot_mean(tmp_path):
+    """The tree's per-slot arithmetic against the vectorised layers over each slot's updates in
+    one place (independent code): equal to float32 rounding, for the norm and contribution bounds."""
+    config = config_of(tmp_path, contribution_bound_multiplier=0.5)
+    job = build_job("ladd", config)
+    rng = np.random.default_rng(3)
+    online = set(DEVICES)
+    job.next_participants(online)
+    for d in sorted(online):
+        job.apply(d, job.parse_result(decode(message(d, job.round, KIND_STYLE, *encode_style(style_of(d), 4, 1)))))
+    job.close_round(RoundClosed(job.round, tuple(sorted(online)), (), (), ()))
+    chosen = job.next_participants(online)
+    reference = RobustClusterAveraging(job.is_theta, job.config.robust_aggregation())
+    for d in chosen:
+        arrays, n = trained(job, d, rng)
+        reference.add(job.assignment[d], arrays, n)
+        job.apply(d, job.parse_result(decode(message(d, job.round, KIND_TRAIN,
+                                                     *encode_update(arrays, job.trainable_layout, n,
+                                                                    job.assignment[d])))))
+    want_phi, want_theta = reference.result(job.phi, job.theta)
+    job.close_round(RoundClosed(job.round, tuple(chosen), (), (), ()))
+    for k, v in want_phi.items():
+        np.testing.assert_allclose(job.phi[k], v, rtol=2e-6, atol=1e-7)
+    for c, part in want_theta.items():
+        for k, v in part.items():
+            np.testing.assert_allclose(job.theta[c][k], v, rtol=2e-6, atol=1e-7)
+    assert any(not np.array_equal(job.theta[c]["head.conv.weight"], INITIAL["head.conv.weight"]) for c in want_theta)
+
+
+@pytest.mark.parametrize("over,reason", [
+    ({"aggregator": "median"}, "needs every update"),
+    ({"direction_screen": True}, "direction_screen"),
+    ({"dp_noise_multiplier": 1.0, "dp_population": 40}, "DP-LADD clips"),
+])
+def test_what_shards_cannot_sum_is_refused_with_the_reason(tmp_path, over, reason):
+    """``fedfleet simulate --shards K`` (``aggregator_shards``) and ``serve --shards K`` refuse it alike."""
+    import dataclasses
+
+    from fedfleet.simulate import PRESETS, aggregator_shards
+
+    cfg = dataclasses.replace(PRESETS["smoke"], shards=2)
+    assert aggregator_shards(cfg, "ladd", config_of(tmp_path)) == (["--shards", "2"], "")
+    options, why = aggregator_shards(cfg, "ladd", config_of(tmp_path, **over))
+    assert options == [] and reason in why
+    assert reason in shard_capability("ladd").refusal(build_job("ladd", config_of(tmp_path, **over)))
