@@ -41,7 +41,8 @@ def _simulate(args) -> int:
         if args.shards:
             print(f"  ladd: one aggregator process, not {args.shards} shards (the pipeline's jobs pre-train on the "
                   "devices' style bank inside the job, which a shard building the job from its config cannot; "
-                  "`aggregator serve --shards K` serves a ladd-secure job from its pretrained initial_model_file)",
+                  "`aggregator serve --shards K` serves a ladd or ladd-secure job from its pretrained "
+                  "initial_model_file)",
                   flush=True)
         run_ladd(ladd_config_from_args(args))
         return 0
