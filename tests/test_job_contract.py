@@ -51,8 +51,8 @@ EXPECTED = {
     "fedgloss":           (False, True, False, False, False),
     "ditto":              (False, True, False, False, False),
     "ditto-secure":       (False, True, False, True, False),
-    "ladd":               (False, False, False, False, False),
-    "ladd-secure":        (False, False, False, True, False),
+    "ladd":               (False, True, False, False, False),
+    "ladd-secure":        (False, True, False, True, False),
 }
 INTERFACES = {"secure_rounds": SecureGroupRounds, "split_validation": SplitValidation, "asynchronous": AsynchronousJob}
 

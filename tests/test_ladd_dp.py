@@ -160,12 +160,15 @@ def test_dp_ladd_refuses_bad_updates_without_changing_the_round():
     parts = job.next_participants(set(DEVICES))
     agg = job._agg
     with pytest.raises(ValueError, match="no device selected"):
-        agg.add(3, {k: INITIAL[k] for k in TRAINABLE}, 1)
+        agg.add(3, {k: INITIAL[k] for k in TRAINABLE}, 1, device=parts[0])
     with pytest.raises(ValueError, match="NaN"):
-        agg.add(0, {**{k: INITIAL[k] for k in TRAINABLE}, "head.conv.weight": np.full((5, 4), np.inf)}, 1)
+        agg.add(0, {**{k: INITIAL[k] for k in TRAINABLE}, "head.conv.weight": np.full((5, 4), np.inf)}, 1,
+                device=parts[0])
     with pytest.raises(ValueError, match="slot"):
-        agg.add(0, {"head.conv.weight": np.zeros((4, 5))}, 1)
-    assert agg.count == 0 and not any(v.any() for v in agg.round_sum.total.values())
+        agg.add(0, {"head.conv.weight": np.zeros((4, 5))}, 1, device=parts[0])
+    with pytest.raises(ValueError, match="once, by its id"):
+        agg.add(0, {k: INITIAL[k] for k in TRAINABLE}, 1)
+    assert agg.count == 0 and not agg.updates
     assert len(parts) == 2
 
 

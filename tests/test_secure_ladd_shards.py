@@ -164,10 +164,11 @@ def plain_handlers(gate: threading.Event | None = None, ungated=()):
     return with_secure(None, build)
 
 
-def test_plain_ladd_on_shards_resumes_bit_for_bit_after_a_shard_is_sigkilled(tmp_path):
-    """A shard is SIGKILLed once it stores its first training update, every other device's held
-    back until then: restarted on its store, it answers the round's close (the other shard holds
-    the rest): one aggregator's model, bytes for bytes, each device's result stored once."""
+def test_dp_ladd_on_shards_resumes_bit_for_bit_after_a_shard_is_sigkilled(tmp_path):
+    """DP-LADD (adaptive C; the noise seeded alike in both runs, tests only): a shard is SIGKILLed
+    once it stores its first training update, every other device's held back until then: restarted
+    on its store, it answers the round's close (its clipped slot sums; the coordinator noises the
+    root once): one aggregator's model and privacy state, bytes for bytes, each result stored once."""
     import os
     import signal
     import time
@@ -175,10 +176,14 @@ def test_plain_ladd_on_shards_resumes_bit_for_bit_after_a_shard_is_sigkilled(tmp
     from ops_fleet import start_aggregator_in
     from shard_runs import rounds_held, shard_rows
 
-    config = plain_ladd_config(tmp_path)
+    from aggregator.strategies.dp_noise import NOISE_SEED_ENV
+
+    config = {**plain_ladd_config(tmp_path), "dp_noise_multiplier": 1.0, "dp_clip_norm": 0.5, "dp_population": 60,
+              "dp_adaptive_clip": True, "dp_count_stddev": 2.0}
+    seeded = {NOISE_SEED_ENV: "17"}
     write_job(tmp_path / "one", DEVICES, "ladd", config)
     with MosquittoBroker() as broker, Fleet(broker.url, DEVICES, handlers=plain_handlers()):
-        rc, log = run_aggregator(tmp_path / "one", broker.url, tmp_path / "one" / "state.db", timeout=240)
+        rc, log = run_aggregator(tmp_path / "one", broker.url, tmp_path / "one" / "state.db", timeout=240, env=seeded)
     assert rc == 0, log[-3000:]
     victim = 1
     first = next(d for d in DEVICES if shard_of(d, 2) == victim)
@@ -186,7 +191,7 @@ def test_plain_ladd_on_shards_resumes_bit_for_bit_after_a_shard_is_sigkilled(tmp
     write_job(work, DEVICES, "ladd", config)
     state = work / "state.db"
     with MosquittoBroker() as broker, Fleet(broker.url, DEVICES, handlers=plain_handlers(held_back, (first,))):
-        proc = start_aggregator_in(work, broker.url, state, ["--shards", "2"], timeout=240)
+        proc = start_aggregator_in(work, broker.url, state, ["--shards", "2"], timeout=240, env=seeded)
         try:
             deadline = time.monotonic() + 180
             while 2 not in rounds_held(state, victim) and time.monotonic() < deadline:
@@ -201,7 +206,10 @@ def test_plain_ladd_on_shards_resumes_bit_for_bit_after_a_shard_is_sigkilled(tmp
     out = proc.output()
     assert proc.returncode == 0, out[-3000:]
     assert f"shard {victim} exited" in out
-    assert_same_bytes(outputs(work / "out", ("model.npz",))[0], outputs(tmp_path / "one" / "out", ("model.npz",))[0])
+    (got, sharded), (want, one) = outputs(work / "out", ("model.npz",)), outputs(tmp_path / "one" / "out", ("model.npz",))
+    assert_same_bytes(got, want)
+    privacy = one["final"]["privacy"]
+    assert sharded["final"]["privacy"] == privacy and privacy["releases"] == 2 and privacy["clip_norm"] != 0.5
     rows = shard_rows(state, 2)
     assert sorted(d for shard in rows for d, _ in shard) == sorted(DEVICES * 2)      # each once a training round
 

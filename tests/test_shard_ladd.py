@@ -71,6 +71,8 @@ def run_job(tmp_path, shards_count: int, **over):
         s.set_job(JOB, "ladd", config)
     pool = InProcessShards(shards)
     single, coordinator = build_job("ladd", config), ShardedLaddJob(build_job("ladd", config), "ladd", pool)
+    if single.dp is not None:               # the same noise draws: seeded only in tests
+        single.dp.rng, coordinator.inner.dp.rng = np.random.default_rng(5), np.random.default_rng(5)
     rng = np.random.default_rng(7)
     while True:
         chosen = single.next_participants(set(DEVICES))
@@ -113,9 +115,12 @@ def assert_same_job(want, got):
     assert want.contributed == got.contributed and want.late_discarded == got.late_discarded
 
 
+# DP-LADD: a C that clips some deltas (the outlier's always), adaptive clipping moving it between rounds
+DP = {"dp_noise_multiplier": 0.8, "dp_clip_norm": 0.6, "dp_population": 40}
 VARIANTS = {"styles": {}, "one cluster": {"clustering": "none"}, "every tensor per cluster": {"cluster_scope": "all"},
             "contribution bound": {"contribution_bound_multiplier": 0.5},
-            "no bound": {"norm_bound_multiplier": 0.0}}
+            "no bound": {"norm_bound_multiplier": 0.0}, "dp": DP,
+            "dp adaptive": {**DP, "dp_adaptive_clip": True, "dp_count_stddev": 2.0}}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -127,9 +132,11 @@ def test_ladd_on_shards_gives_one_aggregators_model_bit_for_bit(tmp_path, shards
     model = {**single.phi, **single.theta[0]}            # the rounds moved the trained tensors
     assert all(not np.array_equal(model[k], INITIAL[k]) for k in TRAINABLE)
     assert_same_job(single, coordinated)
-    phases = {"no bound": ["sums"], "contribution bound": ["statistics", "statistics", "sums"]}.get(
-        variant, ["statistics", "sums"])
+    phases = {"no bound": ["sums"], "contribution bound": ["statistics", "statistics", "sums"], "dp": ["sums"],
+              "dp adaptive": ["sums"]}.get(variant, ["statistics", "sums"])
     assert asked == phases * 3
+    if "dp" in variant:                     # every round a release; adaptive clipping moved C
+        assert single.dp.releases == 3 and (single.dp.clip.value != DP["dp_clip_norm"]) == ("adaptive" in variant)
     # each shard stored its own devices' training results only, the late one's among them
     for k, shard in enumerate(shards):
         rows = shard.store.contributions(JOB, with_payload=False)
@@ -190,10 +197,32 @@ def test_one_aggregators_canonical_round_is_the_bound_layers_per_slot_mean(tmp_p
     assert any(not np.array_equal(job.theta[c]["head.conv.weight"], INITIAL["head.conv.weight"]) for c in want_theta)
 
 
+def test_one_aggregators_canonical_dp_round_is_dp_ladds_clipped_mean(tmp_path):
+    """DP-LADD's tree (joint clip per device, per-slot sums, one release) against the mechanism's own
+    round (``DPClusterAveraging``, independent code), with noise too small to matter (z = 1e-9): the
+    same clipped means over the selected devices, to float32 rounding."""
+    from aggregator.strategies.dp_ladd import DPClusterAveraging
+
+    config = config_of(tmp_path, clustering="none", dp_noise_multiplier=1e-9, dp_clip_norm=0.6, dp_population=40)
+    job = build_job("ladd", config)
+    chosen = job.next_participants(set(DEVICES))
+    reference = DPClusterAveraging(job.dp, job.is_theta, job.trainable, job.phi, job.theta, job.selected_clusters())
+    rng = np.random.default_rng(3)
+    for d in chosen[:-2]:                   # two selected devices never answer: the means are over m, not who sent
+        arrays, n = trained(job, d, rng)
+        reference.add(0, arrays, n)
+        job.apply(d, job.parse_result(decode(message(d, job.round, KIND_TRAIN,
+                                                     *encode_update(arrays, job.trainable_layout, n, 0)))))
+    want_phi, want_theta = reference.result(job.phi, job.theta)
+    job.close_round(RoundClosed(job.round, tuple(chosen[:-2]), tuple(chosen[-2:]), (), ()))
+    for k, v in {**want_phi, **want_theta[0]}.items():
+        np.testing.assert_allclose({**job.phi, **job.theta[0]}[k], v, rtol=2e-6, atol=1e-7)
+    assert job.dp.releases == 2 and any(not np.array_equal(job.phi[k], INITIAL[k]) for k in job.phi)
+
+
 @pytest.mark.parametrize("over,reason", [
     ({"aggregator": "median"}, "needs every update"),
     ({"direction_screen": True}, "direction_screen"),
-    ({"dp_noise_multiplier": 1.0, "dp_population": 40}, "DP-LADD clips"),
 ])
 def test_what_shards_cannot_sum_is_refused_with_the_reason(tmp_path, over, reason):
     """``fedfleet simulate --shards K`` (``aggregator_shards``) and ``serve --shards K`` refuse it alike."""

@@ -62,7 +62,6 @@ from protocols.transition_table import Transition, TransitionTable
 
 from aggregator.shards.ladd_sums import CanonicalClusterAveraging
 from aggregator.strategies.dp_fedavg import ClippedGaussianSum
-from aggregator.strategies.dp_ladd import DPClusterAveraging
 from aggregator.strategies.robust_ladd import RobustClusterAveraging
 from aggregator.jobs.robustness_fields import FedAvgRobustnessFields
 from aggregator.strategies.ladd import (CLUSTER_SCOPES, CLUSTERINGS, ClusterAveraging, StyleClustering, SwaTeacher,
@@ -173,6 +172,9 @@ def save_initial_model(path, arrays: Arrays, trainable: list[str]) -> None:
 class LaddJob(Job):
     # hooks for variants (jobs/secure_ladd.py): the kind of training rounds, their smallest size
     train_kind = KIND_TRAIN
+    # the model moves only when a round closes: evaluated then (per contribution, the job's last
+    # evaluation would predate its last round's close, and its reported model and privacy with it)
+    evaluate_at_round_close = True
     min_train_participants = 1
     central_dp = True          # False: the devices add the noise (distributed DP, jobs/secure_ladd.py)
 
@@ -347,17 +349,20 @@ class LaddJob(Job):
             for d in chosen:
                 self.assignment.setdefault(d, 0)
         self.train_round += 1
-        self._agg = self._new_aggregation(chosen)
-        return self._open_round(self.train_kind, chosen)
+        chosen = self._open_round(self.train_kind, chosen)
+        self._agg = self._new_aggregation()
+        return chosen
 
-    def _new_aggregation(self, chosen) -> ClusterAveraging:
+    def _new_aggregation(self) -> ClusterAveraging:
         c = self.config
         if self.dp is None and c.needs_every_update():      # a robust rule, the direction screen
             return RobustClusterAveraging(self.is_theta, c.robust_aggregation())
-        if self.dp is None:         # the mean (and its bound layers): summed as K shards sum it, bit for bit
-            return CanonicalClusterAveraging(self)
-        selected = Counter(self.assignment.get(d, 0) for d in chosen)      # "none": all in cluster 0
-        return DPClusterAveraging(self.dp, self.is_theta, self.trainable, self.phi, self.theta, selected)
+        # the mean with its bound layers, or DP-LADD's clipped sums: added as K shards add them, bit for bit
+        return CanonicalClusterAveraging(self)
+
+    def selected_clusters(self) -> Counter:
+        """cluster -> the open round's devices selected in it (DP-LADD's m_c; "none": all in 0)."""
+        return Counter(self.assignment.get(d, 0) for d in sorted(self._participants))
 
     def _open_round(self, kind: str, chosen: list[str]) -> list[str]:
         self.kind = kind
@@ -495,7 +500,7 @@ class LaddJob(Job):
         agg = self._agg
         if agg is None:
             return None, {}
-        released = agg.count or isinstance(agg, DPClusterAveraging)      # under DP every round releases
+        released = agg.count or self.dp is not None      # under DP every round releases
         return (agg.result(self.phi, self.theta) if released else None), dict(sorted(agg.participants.items()))
 
     def _close_train_round(self, event: TrainRoundClosed) -> list:
@@ -613,7 +618,7 @@ class LaddJob(Job):
             LADD_TABLE.fire(self, NobodyLeftToAsk())
         self.round, self.train_round, self.kind = int(state["round"]), int(state["train_round"]), state["kind"]
         self._open, self._participants, self._applied = bool(state["open"]), frozenset(state["participants"]), set()
-        self._agg = self._new_aggregation(self._participants) if self.kind != KIND_STYLE else None
+        self._agg = self._new_aggregation() if self.kind != KIND_STYLE else None
 
     def report(self) -> dict:
         """JSON-able summary: clustering, assignment, rounds."""

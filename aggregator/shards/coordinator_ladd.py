@@ -26,7 +26,7 @@ from protocols.payloads.ladd import KIND_STYLE
 from protocols.rounds import RoundClosed
 
 from aggregator.shards.coordinated_job import RoundSumsCoordinator
-from aggregator.shards.ladd_sums import LaddRoundContext, ladd_round_model
+from aggregator.shards.ladd_sums import LaddRoundContext, round_model
 from aggregator.shards.shard import RECEIPT
 from aggregator.shards.sum_tree import PartialSum, root_sum
 
@@ -61,7 +61,7 @@ class ShardedLaddJob(RoundSumsCoordinator):
             return
         accepted = self.accepted_ids()
         clusters = [cluster for _mid, cluster in self.round_accepted.values()]
-        model = ladd_round_model(inner, clusters, self._statistics(accepted), self._root(accepted)) if accepted else None
+        model = round_model(inner, clusters, self._statistics(accepted), self._root(accepted))
         per_cluster = {c: clusters.count(c) for c in sorted(set(clusters))}
         inner.take_round_model(model, per_cluster)
         inner.close_round(closed)
@@ -74,5 +74,5 @@ class ShardedLaddJob(RoundSumsCoordinator):
 
     def _root(self, accepted: list[tuple[str, str]]):
         def root(context: LaddRoundContext) -> PartialSum | None:
-            return root_sum(self.sums, self.pool.ask("sums", self.config.job_id, accepted, context))
+            return root_sum(self.sums, self.pool.ask("sums", self.config.job_id, accepted, context)) if accepted else None
         return root

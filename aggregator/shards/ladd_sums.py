@@ -18,10 +18,17 @@ shard parses a ``ladd.train`` result against the cluster it names; the coordinat
 the assignment, refuses a receipt whose cluster is not the device's). With one aggregator they
 come from its own memory (:class:`CanonicalClusterAveraging`): the same arithmetic.
 
+DP-LADD (``aggregator/strategies/dp_ladd.py``) sums in the same buckets up the same tree, in one
+phase: each bucket sums its devices' joint deltas [φ_k − φ_t | θ_k − θ_c,t] clipped at the round's
+C as one vector, per slot, unweighted, with their count and how many were within C
+(:func:`clipped_slot_sums`); the job's mechanism adds its noise once, to the root, on every slot
+the round selected (:func:`dp_round_model`): at the coordinator with shards, the same release and
+the same bits as one aggregator.
+
 Not here: robust rules and the direction screen (they need every update of a slot at once: such a
-config is refused on shards, and one aggregator combines it as before), DP-LADD (its one clip
-spans a device's φ and θ_c together: refused on shards), and the style phase (its KMeans is not a
-sum: shards forward the tiny style results whole and the coordinator clusters, as one aggregator).
+config is refused on shards, and one aggregator combines it as before), and the style phase (its
+KMeans is not a sum: shards forward the tiny style results whole and the coordinator clusters, as
+one aggregator does).
 """
 
 from __future__ import annotations
@@ -31,16 +38,19 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from protocols.clipping import clip_update
 from protocols.envelope import EnvelopeError
 from protocols.payloads.ladd import KIND_TRAIN
 
 from aggregator.shards.fedavg_sums import SUM, WEIGHT, bound_layers, bounded_update
 from aggregator.shards.sum_tree import AdditiveState, Contribution, PartialSum, add_weighted, local_tree_sum
+from aggregator.strategies.dp_ladd import GLOBAL, apply_mean_deltas
 from aggregator.strategies.ladd import ClusterAveraging, cast_like
 from aggregator.strategies.robust_fedavg import flatten
 
 PHI = "phi"
 SLOT = "/"                      # a bucket state's keys: "<slot>/sum.<tensor>", "<slot>/weight_total"
+DP_COUNT, DP_UNCLIPPED = "dp/count", "dp/unclipped"     # DP: the deltas summed, those within C
 
 Params = dict[str, np.ndarray]
 LaddUpdate = tuple[str, int, Params, int]       # (device, cluster, trained tensors, n_k)
@@ -65,13 +75,17 @@ class LaddRoundContext:
 
     current: dict[str, Params]
     limits: tuple[dict[str, float], ...] = ()
+    clip: float | None = None                   # DP: the round's C
     _flat: dict[str, np.ndarray] = field(default_factory=dict, compare=False, repr=False)
 
-    def flat(self, slot: str) -> np.ndarray:
+    def slot(self, slot: str) -> Params:
         if slot not in self.current:
             raise EnvelopeError(f"{KIND_TRAIN}: an update for slot {slot!r}, which the round does not train")
+        return self.current[slot]
+
+    def flat(self, slot: str) -> np.ndarray:
         if slot not in self._flat:
-            self._flat[slot] = flatten(self.current[slot])
+            self._flat[slot] = flatten(self.slot(slot))
         return self._flat[slot]
 
     def slot_limits(self, slot: str) -> tuple[float, ...]:
@@ -107,6 +121,33 @@ def slot_sums(layers: list, is_theta, context: LaddRoundContext, updates: list[L
     state = {f"{slot}{SLOT}{SUM}{name}": v for slot, part in sums.items() for name, v in part.items()}
     state.update({f"{slot}{SLOT}{WEIGHT}": np.array([w]) for slot, w in weights.items()})
     return PartialSum(state, contributed)
+
+
+def clipped_slot_sums(is_theta, context: LaddRoundContext, updates: list[LaddUpdate]) -> PartialSum:
+    """DP-LADD's sums of the updates, in the order given: each device's joint delta over its slots
+    clipped at C (the context's ``clip``) as one vector, summed per slot, unweighted (n_k would
+    make the sensitivity data-dependent); their count and how many were within C."""
+    sums: Params = {}
+    contributed, unclipped = {}, 0
+    for device, cluster, tensors, n in updates:
+        delta = {}
+        for slot, part in slots_of(is_theta, cluster, tensors).items():
+            start = context.slot(slot)
+            delta.update({f"{slot}{SLOT}{SUM}{name}": np.asarray(v, np.float64) - np.asarray(start[name], np.float64)
+                          for name, v in part.items()})
+        clipped, norm = clip_update(delta, context.clip)
+        add_weighted(sums, clipped)
+        unclipped += norm <= context.clip
+        contributed[device] = int(n)
+    return PartialSum({**sums, DP_COUNT: np.array([float(len(contributed))]),
+                       DP_UNCLIPPED: np.array([float(unclipped)])}, contributed)
+
+
+def bucket_sums(job, context: LaddRoundContext, updates: list[LaddUpdate]) -> PartialSum:
+    """A bucket's sums of its updates: the bounded weighted slot sums, DP-LADD's clipped ones under DP."""
+    if job.dp is not None:
+        return clipped_slot_sums(job.is_theta, context, updates)
+    return slot_sums(bound_layers(job.config), job.is_theta, context, updates)
 
 
 def add_slots(left: dict[str, np.ndarray], right: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -160,12 +201,33 @@ def apply_slot_means(phi: Params, theta: Mapping[int, Params], means: dict[str, 
     return new_phi, new_theta
 
 
-def ladd_round_model(job, clusters, statistics, root) -> tuple[Params, dict[int, Params]] | None:
+def round_model(job, clusters, statistics, root) -> tuple[Params, dict[int, Params]] | None:
     """The LADD ``job``'s closing training round's new (φ, {c: θ_c}) from its updates' statistics and
-    tree root (one aggregator's or the shards'); None when no update moved anything."""
+    tree root (one aggregator's or the shards'; ``clusters``: the updates' clusters); None when
+    nothing moves. Under DP every round releases (the accountant counts it), updates or not."""
+    if job.dp is not None:
+        return dp_round_model(job, root)
     current = round_slots(job.trainable, job.is_theta, job.phi, job.theta, clusters)
     means = slot_means(bound_layers(job.config), current, statistics, root)
     return apply_slot_means(job.phi, job.theta, means) if means else None
+
+
+def dp_round_model(job, root) -> tuple[Params, dict[int, Params]]:
+    """DP-LADD's round: the root of the clipped sums, zeros on a selected slot nobody filled, noised
+    once by the job's mechanism in a fixed slot order (φ, then each selected cluster's θ_c), then
+    φ_t + R_φ / m and θ_c,t + R_c / m_c over the devices selected (``dp_ladd.py``)."""
+    selected = job.selected_clusters()
+    current = round_slots(job.trainable, job.is_theta, job.phi, job.theta, selected)
+    clip = job.dp.clip.value
+    total = root(LaddRoundContext(current, clip=clip))
+    state = total.state if total is not None else {}
+    released = {}
+    for slot, owner in ((PHI, GLOBAL), *((theta_slot(c), c) for c in sorted(selected))):
+        for name, x in current.get(slot, {}).items():
+            released[(owner, name)] = state.get(f"{slot}{SLOT}{SUM}{name}", np.zeros(np.shape(x)))
+    count, unclipped = (int(state[DP_COUNT][0]), int(state[DP_UNCLIPPED][0])) if state else (0, 0)
+    noisy = job.dp.release_total(released, clip, unclipped, count, sum(selected.values()))
+    return apply_mean_deltas(job.phi, job.theta, noisy, selected)
 
 
 class CanonicalClusterAveraging(ClusterAveraging):
@@ -178,13 +240,20 @@ class CanonicalClusterAveraging(ClusterAveraging):
         self.updates: dict[str, LaddUpdate] = {}
 
     def add(self, cluster: int, tensors: Mapping[str, np.ndarray], n: int, device: str = "") -> None:
+        job, cluster = self.job, int(cluster)
         if not device or device in self.updates:
             raise ValueError(f"a canonical LADD round takes each device's update once, by its id (got {device!r})")
         if isinstance(n, bool) or int(n) != n or n <= 0:
             raise ValueError(f"weight (sample count) must be a positive integer, got {n!r}")
-        if not all(np.isfinite(np.asarray(v, dtype=np.float64)).all() for v in tensors.values()):
-            raise ValueError("update tensors contain NaN or Inf")
-        self.updates[device] = (device, int(cluster), dict(tensors), int(n))
+        if cluster not in job.theta or (job.dp is not None and cluster not in job.selected_clusters()):
+            raise ValueError(f"update for cluster {cluster}, which had no device selected this round")
+        model = job.cluster_model(cluster)
+        for name, value in tensors.items():
+            if name not in job.trainable or np.shape(value) != np.shape(model[name]):
+                raise ValueError(f"update tensor {name!r} is not one of the round's slots (or has the wrong shape)")
+            if not np.isfinite(np.asarray(value, dtype=np.float64)).all():
+                raise ValueError(f"update tensor {name!r} contains NaN or Inf")
+        self.updates[device] = (device, cluster, dict(tensors), int(n))
         self._counted(cluster)
 
     def result(self, global_params, cluster_params) -> tuple[Params, dict[int, Params]]:
@@ -192,32 +261,31 @@ class CanonicalClusterAveraging(ClusterAveraging):
         return model if model is not None else apply_slot_means(global_params, cluster_params, {})
 
     def model(self) -> tuple[Params, dict[int, Params]] | None:
-        job, layers, updates = self.job, bound_layers(self.job.config), list(self.updates.values())
+        job, updates = self.job, list(self.updates.values())
 
         def root(context: LaddRoundContext) -> PartialSum | None:     # in canonical order, bucket by bucket
-            return local_tree_sum(LaddRoundSums(), updates, lambda members: slot_sums(layers, job.is_theta, context, members))
+            return local_tree_sum(LaddRoundSums(), updates, lambda members: bucket_sums(job, context, members))
 
-        return ladd_round_model(job, (u[1] for u in updates),
-                                lambda context: slot_statistics(layers, job.is_theta, context, updates), root)
+        def statistics(context: LaddRoundContext) -> dict[str, dict[str, float]]:
+            return slot_statistics(bound_layers(job.config), job.is_theta, context, updates)
+
+        return round_model(job, [u[1] for u in updates], statistics, root)
 
 
 class LaddRoundSums(AdditiveState):
     """Plain LADD's training-round sums on shards: a shard checks a ``ladd.train`` result against
     the cluster it names (its own job holds no assignment), its receipt carries the sample count,
     the cluster and the KD digest the device confirmed, and at the round's close it reports each
-    accepted update's statistics and its buckets' slot sums (``context``: a :class:`LaddRoundContext`).
-    Style results are not summed: shards forward them."""
+    accepted update's statistics and its buckets' slot sums (``context``: a :class:`LaddRoundContext`;
+    DP-LADD: the clipped sums, in one phase). Style results are not summed: shards forward them."""
 
     per_round = True
     reads_job_only = True
 
     def refusal(self, job) -> str:
-        if job.dp is not None:
-            return ("DP-LADD clips each device's φ and θ_c deltas together and releases every slot at once: run "
-                    "it in one process, or secure (ladd-secure) with distributed DP, whose groups shards host")
         if job.initial is None:
             return "the job pretrains in the aggregator (no initial_model_file): shards cannot check its updates"
-        return job.config.needs_every_update()
+        return "" if job.dp is not None else job.config.needs_every_update()     # DP-LADD clips and sums
 
     def summed_kinds(self, job) -> tuple[str, ...]:
         return (job.train_kind,)
@@ -244,7 +312,7 @@ class LaddRoundSums(AdditiveState):
 
     def sum_bucket(self, new_job, members: list[Contribution], context: LaddRoundContext) -> PartialSum:
         job = new_job()
-        return slot_sums(bound_layers(job.config), job.is_theta, context, self._updates(job, members))
+        return bucket_sums(job, context, self._updates(job, members))
 
     def add(self, left: dict[str, np.ndarray], right: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return add_slots(left, right)

@@ -50,7 +50,9 @@ def apply_mean_deltas(global_params: Mapping[str, np.ndarray], cluster_params: M
 
 
 class DPClusterAveraging(ClusterAveraging):
-    """One DP-LADD round: joint clipping of each device's φ and θ_c delta, one Gaussian release.
+    """One DP-LADD round: joint clipping of each device's φ and θ_c delta, one Gaussian release,
+    summed as the updates arrive (a job sums the same arithmetic in canonical order, as its shards
+    would: ``aggregator/shards/ladd_sums.py``; the tests hold the two to each other).
 
     ``trainable``: the tensors devices train (the released slots); ``selected``: cluster ->
     devices selected this round (clusters with none release nothing and keep θ_c)."""

@@ -11,7 +11,9 @@ Pure tensor-in / tensor-out pieces (no transport, no rounds), spec §2.2-2.4:
   name into global φ and cluster-specific θ (``is_cluster_specific``). Every update adds its
   φ tensors to one sample-weighted mean over *all* participants and its θ tensors to the
   mean of *its own cluster* only; a cluster with no participant keeps its θ_c, and a name no
-  update carried (e.g. frozen BatchNorm buffers) keeps its value.
+  update carried (e.g. frozen BatchNorm buffers) keeps its value. Streaming, in arrival order:
+  a job sums the same means in canonical order, as its shards would
+  (``aggregator/shards/ladd_sums.py``), which the tests hold to this one.
 * :class:`SwaTeacher`: the per-cluster pseudo-label teacher g_c. Before t_START it is a copy
   of the cluster model; from t_START on it is the running mean of the cluster models it is
   given (stochastic weight averaging, every array including BN buffers).
