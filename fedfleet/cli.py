@@ -158,8 +158,9 @@ def _add_simulate_parser(sub) -> None:
     s.add_argument("--shards", type=int, metavar="K",
                    help="run each job's aggregator with --shards K (with --ray: on that cluster too): Fed3R, and "
                         "the fine-tuning (FedAvg, Scaffold, FedGloSS) and pp/Ditto phases without their direction "
-                        "screen (it needs every update in one place); with --secure, Fed3R-Sync, FedNCM-Sync and "
-                        "secure FedAvg(ψ), pp, Scaffold and Ditto, each group's SecAgg server on a shard; a job shards "
+                        "screen (it needs every update in one place), and personalization (OLL); with --secure, "
+                        "Fed3R-Sync, FedNCM-Sync and secure FedAvg(ψ), pp, Scaffold and Ditto, each group's SecAgg "
+                        "server on a shard; a job shards "
                         "cannot sum runs in one aggregator process, and says why")
     s.add_argument("--secure", action="store_true", help="Fed3R-Sync: sum statistics under secure aggregation")
     s.add_argument("--secure-graph", choices=job_field_choices("fed3r-sync", "graph"),

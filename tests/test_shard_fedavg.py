@@ -261,8 +261,6 @@ def test_simulate_shards_each_job_shards_can_sum_and_says_why_not_for_the_others
     assert options == [] and "direction_screen" in why
     options, why = aggregator_shards(cfg, "fedavg-async", {**CONFIG, "job_id": "a"})
     assert options == [] and "fedavg-async" in why
-    options, why = aggregator_shards(cfg, "personalize", {})
-    assert options == [] and "personalize" in why
     assert aggregator_shards(dataclasses.replace(cfg, shards=0), "fed3r", fed3r) == ([], "")
 
 
@@ -298,7 +296,8 @@ def test_only_the_kinds_that_declare_shard_sums_have_them_none_inherits_them():
     (FedBuff's arrivals, the secure kinds' SecAgg rounds) have none, and a new kind starts
     unshardable until it declares how its sums split. FT(φ)/FT(M) and FedGloSS declare FedAvg's
     round sums, pp and Ditto FedAvg's with the held-out report in the receipt, Scaffold(ψ/φ/M)
-    FedAvg's with Σ Δc_k, FedNCM Fed3R's; plain LADD its per-slot sums (tests/test_shard_ladd.py)."""
+    FedAvg's with Σ Δc_k, FedNCM Fed3R's; plain LADD its per-slot sums (tests/test_shard_ladd.py);
+    personalization none, its reports in the receipts (tests/test_shard_reports.py)."""
     from aggregator.jobs.registry import KINDS
     from aggregator.shards.control_sums import ControlledRoundSums
     from aggregator.shards.fed3r_sums import Fed3RSums
@@ -306,12 +305,14 @@ def test_only_the_kinds_that_declare_shard_sums_have_them_none_inherits_them():
     from aggregator.shards.ladd_sums import LaddRoundSums
     from aggregator.shards.partial_sums import additive
     from aggregator.shards.personal_sums import PersonalRoundSums
+    from aggregator.shards.report_receipts import PersonalizationReports
 
     declared = {name: type(kind.shard_sums) for name, kind in KINDS.items() if kind.shard_sums is not None}
     assert declared == {"fed3r": Fed3RSums, "fedncm": Fed3RSums, "fedavg": FedAvgRoundSums,
                         "fedavg-tail": FedAvgRoundSums, "fedgloss": FedAvgRoundSums, "pp": PersonalRoundSums,
                         "ditto": PersonalRoundSums, "scaffold": ControlledRoundSums,
-                        "scaffold-tail": ControlledRoundSums, "ladd": LaddRoundSums}
-    for name in ("fedavg-async", "fedavg-secure", "personalize", "ladd-secure"):
+                        "scaffold-tail": ControlledRoundSums, "ladd": LaddRoundSums,
+                        "personalize": PersonalizationReports}
+    for name in ("fedavg-async", "fedavg-secure", "ladd-secure"):
         with pytest.raises(ValueError, match="no additive state"):
             additive(name)

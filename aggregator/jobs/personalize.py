@@ -106,6 +106,12 @@ def load_head(path: str, what: str) -> dict[str, np.ndarray]:
     return head
 
 
+def report_entry(report: PersonalizationReport) -> dict:
+    """What a personalization job keeps of a device's report (JSON-able)."""
+    return {"n_train": report.n_train, "n_test": report.n_test, "local_classes": report.local_classes,
+            "correct": dict(report.correct), "fallback": report.fallback, "fp_lr": report.fp_lr}
+
+
 @dataclass
 class PersonalizeJob(OncePerDevice, Job):
     config: PersonalizeConfig
@@ -152,11 +158,14 @@ class PersonalizeJob(OncePerDevice, Job):
                             with_personal=bool(self.config.personal_job))
 
     def apply(self, device: str, report: PersonalizationReport) -> None:
+        self.record_report(device, report_entry(report))
+
+    def record_report(self, device: str, entry: dict) -> None:
+        """Keep a device's report (:func:`report_entry`: all the job keeps of it; a shard
+        coordinator's job gets it in the shard's receipt)."""
         if device in self.contributed:
             raise ValueError(f"{device} already reported")   # the round machine prevents this
-        self.contributed[device] = {"n_train": report.n_train, "n_test": report.n_test,
-                                    "local_classes": report.local_classes, "correct": dict(report.correct),
-                                    "fallback": report.fallback, "fp_lr": report.fp_lr}
+        self.contributed[device] = entry
 
     def close_round(self, closed: RoundClosed) -> None:
         pass   # reports are independent: nothing happens at round boundaries

@@ -54,6 +54,7 @@ from aggregator.shards.fedavg_sums import FedAvgRoundSums
 from aggregator.shards.group_placement import SecureGroupPlacement
 from aggregator.shards.ladd_sums import LaddRoundSums
 from aggregator.shards.personal_sums import PersonalRoundSums
+from aggregator.shards.report_receipts import PersonalizationReports
 from aggregator.shards.sum_tree import AdditiveState
 
 
@@ -132,7 +133,7 @@ KINDS: dict[str, JobKind] = {k.name: k for k in (
             "Ditto(ψ) with each round's global-head updates summed under SecAgg; personal heads stay on the devices",
             (SECURE_DITTO_KIND,), shard_groups=SecureGroupPlacement()),
     JobKind("personalize", PersonalizeConfig, PersonalizeJob, "OLL and OLL+FP(ψ) on every device; held-out WMA",
-            (PERSONALIZE_KIND,)),
+            (PERSONALIZE_KIND,), shard_sums=PersonalizationReports()),
     JobKind("ladd", LaddConfig, LaddJob, "LADD: style clustering and cluster-specific self-training (segmentation)",
             (LADD_STYLE_KIND, LADD_TRAIN_KIND), _ladd_factory(LaddJob), shard_sums=LaddRoundSums()),
     JobKind("ladd-secure", SecureLaddConfig, SecureLaddJob, "LADD with each cluster's updates summed under SecAgg",

@@ -99,29 +99,18 @@ class ShardedJob(CoordinatedJob):
 RoundRoot = Callable[[str, list[tuple[str, str]]], PartialSum | None]
 
 
-class ShardedNoisyRoundsJob(ShardedJob):
-    """A job released in noisy round sums (``canonical_round_sums``: DP Fed3R) on shards. Receipts are
-    recorded as for an order-free job; at each round's close the shards sum that round's accepted
-    statistics up the canonical tree (``fed3r_sums.round_sum`` per bucket) and the job takes the
-    root (``take_round_sum``) before its own close noises it: the release one aggregator makes of its
-    stored round (``aggregator/service/canonical.py``), bit for bit. The model is the job's released
-    sums, never a reduction over the shards; the checkpoint is the job's state and the accepted ids."""
+class ShardedOwnModelJob(ShardedJob):
+    """A job on shards whose model is the wrapped job's own, never a reduction over the shards: its
+    receipts carry all it keeps of a contribution (personalization: a device's held-out counts,
+    ``AdditiveState.model_from_receipts``), so the shards validate and store and sum nothing. The
+    checkpoint is the job's state and the accepted ids."""
 
-    def __init__(self, inner: Job, kind: str, round_root: RoundRoot, round_closed: RoundClosedHook | None = None):
+    def __init__(self, inner: Job, kind: str, round_closed: RoundClosedHook | None = None):
         super().__init__(inner, kind, lambda *_: inner, round_closed)
-        self._round_root = round_root
-        self._round_from = 0            # accepted[_round_from:] are the open round's
 
     @property
     def contributions(self) -> int:
-        return self.inner.contributions         # the released ones (not the center round's, not the open round's)
-
-    def close_round(self, closed: RoundClosed) -> None:
-        ids = self.accepted[self._round_from:]
-        root = self._round_root(self.config.job_id, ids) if ids else None
-        self.inner.take_round_sum(None if root is None else root.state)
-        super().close_round(closed)
-        self._round_from = len(self.accepted)
+        return self.inner.contributions
 
     def evaluate(self, features: np.ndarray | None, labels: np.ndarray | None) -> dict:
         return self.inner.evaluate(features, labels)
@@ -134,5 +123,29 @@ class ShardedNoisyRoundsJob(ShardedJob):
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         self.inner.load_state_dict(state)
+        super().load_state_dict(state)
+
+
+class ShardedNoisyRoundsJob(ShardedOwnModelJob):
+    """A job released in noisy round sums (``canonical_round_sums``: DP Fed3R) on shards. Receipts are
+    recorded as for an order-free job; at each round's close the shards sum that round's accepted
+    statistics up the canonical tree (``fed3r_sums.round_sum`` per bucket) and the job takes the
+    root (``take_round_sum``) before its own close noises it: the release one aggregator makes of its
+    stored round (``aggregator/service/canonical.py``), bit for bit. The model is the job's released
+    sums (the contributions counted: the released ones, not the center round's, not the open round's)."""
+
+    def __init__(self, inner: Job, kind: str, round_root: RoundRoot, round_closed: RoundClosedHook | None = None):
+        super().__init__(inner, kind, round_closed)
+        self._round_root = round_root
+        self._round_from = 0            # accepted[_round_from:] are the open round's
+
+    def close_round(self, closed: RoundClosed) -> None:
+        ids = self.accepted[self._round_from:]
+        root = self._round_root(self.config.job_id, ids) if ids else None
+        self.inner.take_round_sum(None if root is None else root.state)
+        super().close_round(closed)
+        self._round_from = len(self.accepted)
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         super().load_state_dict(state)
         self._round_from = len(self.accepted)

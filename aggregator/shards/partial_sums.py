@@ -82,9 +82,10 @@ def job_of_root(kind: str, config: dict, root: PartialSum | None) -> Job:
 
 def canonical_sum(kind: str, config: dict, contributions: Iterable[Contribution]) -> Job:
     """One aggregator's canonical model: the whole tree over its bucket sums. An order-free kind
-    with no float sums to bucket (personalization's counts: any order gives the same state) is
-    applied in plain (device, round) order instead."""
-    if kind not in KINDS or kind_of(kind).shard_sums is None:
+    with no float sums to bucket (personalization's counts, ``model_from_receipts``: any order gives
+    the same state) is applied in plain (device, round) order instead."""
+    sums = kind_of(kind).shard_sums if kind in KINDS else None
+    if sums is None or sums.model_from_receipts:
         job = build_job(kind, config)
         for device, _round, load in sorted(contributions, key=lambda c: canonical_key(c[0], c[1])):
             job.apply(device, load(job))

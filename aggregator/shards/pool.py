@@ -35,7 +35,7 @@ from protocols.topics import Topics
 
 from aggregator.jobs.base import Job
 from aggregator.shards.buckets import bucket_range, shard_of
-from aggregator.shards.coordinator_job import ShardedJob, ShardedNoisyRoundsJob
+from aggregator.shards.coordinator_job import ShardedJob, ShardedNoisyRoundsJob, ShardedOwnModelJob
 from aggregator.shards.coordinator_ladd import ShardedLaddJob
 from aggregator.shards.coordinator_rounds import ShardedRoundsJob
 from aggregator.shards.group_placement import SecureGroupPlacement
@@ -258,6 +258,8 @@ class ShardPool(ABC):
             return ShardedLaddJob(job, kind, self)
         if additive(kind).per_round:
             return ShardedRoundsJob(job, kind, self)
+        if additive(kind).model_from_receipts:  # personalization: its receipts are its reports
+            return ShardedOwnModelJob(job, kind, self.round_closed)
         if job.canonical_round_sums:            # DP Fed3R: each round's sum, noised by the job
             return ShardedNoisyRoundsJob(job, kind, lambda job_id, ids: root_sum(additive(kind), self.ask(
                 "sums", job_id, ids)), self.round_closed)

@@ -45,6 +45,10 @@ class AdditiveState(ABC):
     """The sums are one round's updates, asked for at each round close (FedAvg), not the whole
     job's contributions (Fed3R)."""
 
+    model_from_receipts: bool = False
+    """The receipts carry all the job keeps of a contribution and there is nothing to sum
+    (personalization's held-out counts): the coordinator's own job is the model."""
+
     reads_job_only: bool = False
     """Summing reads the job it is given (its parser, its config) and changes nothing in it
     (FedAvg's round sums), so a shard lends its own job to every bucket instead of building one
