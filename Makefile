@@ -7,7 +7,7 @@
 #                 JVM or Ray cluster (tests/conftest.py marks those `integration`); about a minute
 #   make test-fuzz - (not part of make test; ~15 min) the differential fuzzer's Python, torch-free and Java
 #                 devices on 5,000 cases of every kind (the suite runs 400), on a fresh seed it prints
-#   make test-ray - (not part of make test; tens of minutes) every shardable kind on local shards and
+#   make test-ray - (not part of make test; tens of minutes) the shardable kinds on local shards and
 #                 on a two-node Ray cluster, against one aggregator, bit for bit
 #   make test-arm64 - (not part of make test; minutes) an aarch64 Debian userland run under qemu-user
 #                 with fedfleet[device] from PyPI's aarch64 wheels, as ARM64 devices in a mixed fleet

@@ -6,6 +6,9 @@ models must be the same bytes for every K, with the bound layers on (they close 
 aggregator's canonical round must be the layers' own per-slot mean (the vectorised, unsplit
 ``RobustClusterAveraging``) to rounding; what shards cannot sum is refused with the reason."""
 
+import dataclasses
+import json
+
 import numpy as np
 import pytest
 
@@ -63,8 +66,26 @@ def trained(job, device: str, rng) -> tuple[dict, int]:
     return arrays, int(rng.integers(5, 60))
 
 
-def run_job(tmp_path, shards_count: int, **over):
-    """(one aggregator's job, the coordinator's job, what the coordinator asked) after every round."""
+def restarted(coordinator: ShardedLaddJob, checkpoint, bookkeeping: dict, applied: list) -> ShardedLaddJob:
+    """The coordinator as a restart rebuilds it (aggregator/service/recovery.py): a fresh job, the
+    last close's checkpoint (none before the first), the open round's bookkeeping, then the
+    round's receipts replayed from its store."""
+    fresh = ShardedLaddJob(build_job("ladd", coordinator.config.to_dict()), "ladd", coordinator.pool)
+    if coordinator.inner.dp is not None:
+        fresh.inner.dp.rng = coordinator.inner.dp.rng
+    if checkpoint is not None:
+        fresh.load_state_dict(checkpoint[0])
+        fresh.contributed = dict(checkpoint[1])
+    fresh.restore_bookkeeping(bookkeeping)
+    for device, env in applied:
+        fresh.apply(device, fresh.parse_result(env))
+    return fresh
+
+
+def run_job(tmp_path, shards_count: int, silent_round: int = 0, restart_round: int = 0, **over):
+    """(one aggregator's job, the coordinator's job, what the coordinator asked, the shards) after
+    every round (``silent_round``: one no device answers; ``restart_round``: the coordinator is
+    rebuilt as a restart would halfway through it)."""
     config = config_of(tmp_path, **over)
     shards = [ShardIngest(k, shards_count, Store(tmp_path / f"k{shards_count}-s{k}.db")) for k in range(shards_count)]
     for s in shards:
@@ -73,14 +94,16 @@ def run_job(tmp_path, shards_count: int, **over):
     single, coordinator = build_job("ladd", config), ShardedLaddJob(build_job("ladd", config), "ladd", pool)
     if single.dp is not None:               # the same noise draws: seeded only in tests
         single.dp.rng, coordinator.inner.dp.rng = np.random.default_rng(5), np.random.default_rng(5)
-    rng = np.random.default_rng(7)
+    rng, checkpoint = np.random.default_rng(7), None
     while True:
         chosen = single.next_participants(set(DEVICES))
         assert coordinator.next_participants(set(DEVICES)) == chosen
         if not chosen:
             break
-        accepted = []
-        for device in reversed(chosen):                 # not the canonical order
+        accepted, applied, bookkeeping = [], [], coordinator.bookkeeping()
+        for device in reversed(chosen if single.round != silent_round else []):     # not the canonical order
+            if single.round == restart_round and len(applied) == len(chosen) // 2:
+                coordinator = restarted(coordinator, checkpoint, bookkeeping, applied)
             shard = shards[shard_of(device, shards_count)]
             if single.kind == KIND_STYLE:
                 raw = message(device, single.round, KIND_STYLE, *encode_style(style_of(device), 4, 1))
@@ -94,25 +117,42 @@ def run_job(tmp_path, shards_count: int, **over):
                 out = feed(shard, device, raw)
                 assert isinstance(out, Receipt) and out.topic == TOPICS.outbox(device)
                 via_shard = decode(out.raw)
-                if device == LATE:                      # receipted, but the coordinator refused it: in no sum
+                if device == LATE:                      # stored and receipted, but naming a round not open: refused
+                    late = coordinator.parse_result(via_shard)
+                    coordinator.apply(device, (late[0], late[1] + 1, *late[2:]))
+                    single.apply(device, dataclasses.replace(single.parse_result(decode(raw)), round=single.round + 1))
                     continue
             single.apply(device, single.parse_result(decode(raw)))
             coordinator.apply(device, coordinator.parse_result(via_shard))
             accepted.append(device)
+            applied.append((device, via_shard))
         closed = RoundClosed(single.round, tuple(accepted), (), (), ())
         single.close_round(closed)
         coordinator.close_round(closed)
+        checkpoint = (coordinator.state_dict(), dict(coordinator.contributed))
         assert coordinator.inner.assignment == single.assignment
+        stored = {c.device for s in shards for c in s.store.contributions(JOB, with_payload=False)
+                  if c.round == closed.round}
+        assert stored == (set(accepted) if single.kind != KIND_STYLE else set())      # the late row dropped
     return single, coordinator.inner, pool.asked, shards
 
 
-def assert_same_job(want, got):
+def assert_same_job(want, got, restarted: bool = False):
+    """The same state bytes, round log and contributions (``restarted``: a restart keeps the
+    late-result counter as of its checkpoint, and the service, not the job, the earlier rounds' log)."""
     assert want.state_dict().keys() == got.state_dict().keys()
     for key, value in want.state_dict().items():
+        if key == "meta" and restarted:
+            meta = [{k: v for k, v in json.loads(job.state_dict()["meta"].tobytes()).items() if k != "late_discarded"}
+                    for job in (want, got)]
+            assert meta[0] == meta[1]
+            continue
         assert np.asarray(value).tobytes() == np.asarray(got.state_dict()[key]).tobytes(), key
-    for a, b in zip(want.round_log, got.round_log):
+    logs = want.round_log[-len(got.round_log):] if restarted else want.round_log
+    assert len(logs) == len(got.round_log) and got.round_log
+    for a, b in zip(logs, got.round_log):
         assert {k: v for k, v in a.items() if k != "aggregate_s"} == {k: v for k, v in b.items() if k != "aggregate_s"}
-    assert want.contributed == got.contributed and want.late_discarded == got.late_discarded
+    assert want.contributed == got.contributed
 
 
 # DP-LADD: a C that clips some deltas (the outlier's always), adaptive clipping moving it between rounds
@@ -137,7 +177,8 @@ def test_ladd_on_shards_gives_one_aggregators_model_bit_for_bit(tmp_path, shards
     assert asked == phases * 3
     if "dp" in variant:                     # every round a release; adaptive clipping moved C
         assert single.dp.releases == 3 and (single.dp.clip.value != DP["dp_clip_norm"]) == ("adaptive" in variant)
-    # each shard stored its own devices' training results only, the late one's among them
+    assert single.late_discarded == 3           # the late result of each training round (in both jobs' state)
+    # each shard stored its own devices' training results only
     for k, shard in enumerate(shards):
         rows = shard.store.contributions(JOB, with_payload=False)
         assert rows and all(shard_of(c.device, shards_count) == k for c in rows)
@@ -218,6 +259,19 @@ def test_one_aggregators_canonical_dp_round_is_dp_ladds_clipped_mean(tmp_path):
     for k, v in {**want_phi, **want_theta[0]}.items():
         np.testing.assert_allclose({**job.phi, **job.theta[0]}[k], v, rtol=2e-6, atol=1e-7)
     assert job.dp.releases == 2 and any(not np.array_equal(job.phi[k], INITIAL[k]) for k in job.phi)
+
+
+@pytest.mark.parametrize("over", [{"clustering": "none"}, {}, DP], ids=["one cluster", "styles", "dp"])
+def test_a_coordinator_restarted_mid_round_and_a_silent_round_keep_one_aggregators_bytes(tmp_path, over):
+    """Rebuilt from its checkpoint, bookkeeping and the round's receipts halfway through a training
+    round (with one cluster, round 1: no checkpoint yet, the devices' cluster given at their
+    selection), and a round no device answers (DP releases noise on zero sums): the same bytes."""
+    restart = 1 if over.get("clustering") == "none" else 2
+    single, coordinated, asked, _ = run_job(tmp_path, 2, restart_round=restart, silent_round=restart + 1, **over)
+    assert_same_job(single, coordinated, restarted=True)
+    assert single.round_log[restart]["accepted"] == 0          # the silent round
+    if "dp_noise_multiplier" in over:
+        assert single.dp.releases == 3
 
 
 @pytest.mark.parametrize("over,reason", [

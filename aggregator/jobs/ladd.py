@@ -482,8 +482,12 @@ class LaddJob(Job):
         and its updates per cluster, summed by its shards; the round's close takes these."""
         self._taken = (model, dict(per_cluster))
 
+    def closes(self, round_: int) -> bool:
+        """Whether closing ``round_`` closes the open round (else it changes nothing)."""
+        return self._open and round_ == self.round
+
     def close_round(self, closed: RoundClosed) -> None:
-        if not self._open or closed.round != self.round:
+        if not self.closes(closed.round):
             return
         self._open = False
         entry = {"round": self.round, "kind": self.kind, "accepted": len(self._applied),
@@ -618,6 +622,9 @@ class LaddJob(Job):
             LADD_TABLE.fire(self, NobodyLeftToAsk())
         self.round, self.train_round, self.kind = int(state["round"]), int(state["train_round"]), state["kind"]
         self._open, self._participants, self._applied = bool(state["open"]), frozenset(state["participants"]), set()
+        if self.config.clustering == "none":     # a device's cluster is given when it is first chosen
+            for d in self._participants:
+                self.assignment.setdefault(d, 0)
         self._agg = self._new_aggregation() if self.kind != KIND_STYLE else None
 
     def report(self) -> dict:

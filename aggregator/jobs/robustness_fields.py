@@ -97,12 +97,6 @@ class FedAvgRobustnessFields(JobConfig):
         """The state across rounds (the job keeps one and checkpoints it)."""
         return RoundHistory(self.history_momentum)
 
-    def bounds_updates(self) -> bool:
-        """Whether a round's updates go through any layer (else the round is FedAvg's mean, which
-        a job may stream)."""
-        return self.aggregator != "mean" or bool(self.norm_bound_multiplier or self.contribution_bound_multiplier
-                                                 or self.direction_screen)
-
     def needs_every_update(self) -> str:
         """Why a round's combined update needs every update in one place ("" when sums of them do:
         the sample-weighted mean behind the norm and contribution bounds, whose fleet statistics

@@ -56,8 +56,11 @@ class ShardedLaddJob(RoundSumsCoordinator):
     # the round's close: a training round's model from the shards' sums
     def close_round(self, closed: RoundClosed) -> None:
         inner = self.inner
-        if closed.round != inner.round or inner.kind == KIND_STYLE:
+        if not inner.closes(closed.round):
+            return
+        if inner.kind == KIND_STYLE:       # the coordinator's own; the shards drop what they stored for it
             inner.close_round(closed)
+            self.round_done(closed.round, [])
             return
         accepted = self.accepted_ids()
         clusters = [cluster for _mid, cluster in self.round_accepted.values()]
@@ -69,7 +72,7 @@ class ShardedLaddJob(RoundSumsCoordinator):
 
     def _statistics(self, accepted: list[tuple[str, str]]):
         def statistics(context: LaddRoundContext) -> dict[str, dict[str, float]]:
-            return self.pool.ask("statistics", self.config.job_id, accepted, context)
+            return self.pool.ask("statistics", self.config.job_id, accepted, context) if accepted else {}
         return statistics
 
     def _root(self, accepted: list[tuple[str, str]]):

@@ -33,6 +33,7 @@ one aggregator does).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -49,6 +50,7 @@ from aggregator.strategies.ladd import ClusterAveraging, cast_like
 from aggregator.strategies.robust_fedavg import flatten
 
 PHI = "phi"
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 SLOT = "/"                      # a bucket state's keys: "<slot>/sum.<tensor>", "<slot>/weight_total"
 DP_COUNT, DP_UNCLIPPED = "dp/count", "dp/unclipped"     # DP: the deltas summed, those within C
 
@@ -283,8 +285,7 @@ class LaddRoundSums(AdditiveState):
     reads_job_only = True
 
     def refusal(self, job) -> str:
-        if job.initial is None:
-            return "the job pretrains in the aggregator (no initial_model_file): shards cannot check its updates"
+        # (a job built from its config holds its initial model: shards check updates against its layout)
         return "" if job.dp is not None else job.config.needs_every_update()     # DP-LADD clips and sums
 
     def summed_kinds(self, job) -> tuple[str, ...]:
@@ -319,7 +320,8 @@ class LaddRoundSums(AdditiveState):
 
     def receipt(self, job, payload) -> dict:
         update = payload.payload
-        return {"n": int(update.n), "cluster": int(update.cluster), "kd_sha256": update.kd_sha256}
+        kd = update.kd_sha256 if SHA256_HEX.fullmatch(update.kd_sha256) else ""     # a digest, or nothing kept
+        return {"n": int(update.n), "cluster": int(update.cluster), "kd_sha256": kd}
 
     def record(self, job, device: str, receipt: dict) -> None:
         job.record_train_update(device, str(receipt.get("kd_sha256", "")))
