@@ -4,7 +4,10 @@ tests/test_shard_rounds.py: the FedAvg family's rounds): the fleet, the shard st
 
 import importlib.util
 import os
+import signal
 import sqlite3
+import time
+from pathlib import Path
 
 import pytest
 
@@ -35,6 +38,23 @@ def rounds_held(state, shard: int, shards: int = 2) -> set[int]:
             "SELECT round FROM contributions")}
     except sqlite3.OperationalError:
         return set()
+
+
+def sigkill_shard_holding(proc, state, victim: int, round_: int, held_back, timeout: float) -> str:
+    """Once shard ``victim`` stores a result of ``round_``, SIGKILL it, open the gate the other
+    devices wait at (``held_back``) and wait for the aggregator ``proc`` to end; its output."""
+    try:
+        deadline = time.monotonic() + 240
+        while round_ not in rounds_held(state, victim) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert round_ in rounds_held(state, victim), f"shard {victim} never stored a round-{round_} result"
+        os.kill(int(Path(f"{state}.shards", f"shard-{victim}.pid").read_text()), signal.SIGKILL)
+        held_back.set()
+        proc.wait(timeout)
+    finally:
+        held_back.set()                 # never leave the devices waiting at the gate
+        proc.kill()
+    return proc.output()
 
 
 def shard_options(on: str, request) -> list[str]:

@@ -169,12 +169,8 @@ def test_dp_ladd_on_shards_resumes_bit_for_bit_after_a_shard_is_sigkilled(tmp_pa
     once it stores its first training update, every other device's held back until then: restarted
     on its store, it answers the round's close (its clipped slot sums; the coordinator noises the
     root once): one aggregator's model and privacy state, bytes for bytes, each result stored once."""
-    import os
-    import signal
-    import time
-
     from ops_fleet import start_aggregator_in
-    from shard_runs import rounds_held, shard_rows
+    from shard_runs import shard_rows, sigkill_shard_holding
 
     from aggregator.strategies.dp_noise import NOISE_SEED_ENV
 
@@ -192,18 +188,7 @@ def test_dp_ladd_on_shards_resumes_bit_for_bit_after_a_shard_is_sigkilled(tmp_pa
     state = work / "state.db"
     with MosquittoBroker() as broker, Fleet(broker.url, DEVICES, handlers=plain_handlers(held_back, (first,))):
         proc = start_aggregator_in(work, broker.url, state, ["--shards", "2"], timeout=240, env=seeded)
-        try:
-            deadline = time.monotonic() + 180
-            while 2 not in rounds_held(state, victim) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert 2 in rounds_held(state, victim), "the shard never stored a training update"
-            os.kill(int((state.parent / "state.db.shards" / f"shard-{victim}.pid").read_text()), signal.SIGKILL)
-            held_back.set()
-            proc.wait(240)
-        finally:
-            held_back.set()                 # never leave the devices waiting at the gate
-            proc.kill()
-    out = proc.output()
+        out = sigkill_shard_holding(proc, state, victim, 2, held_back, 240)
     assert proc.returncode == 0, out[-3000:]
     assert f"shard {victim} exited" in out
     (got, sharded), (want, one) = outputs(work / "out", ("model.npz",)), outputs(tmp_path / "one" / "out", ("model.npz",))

@@ -119,7 +119,7 @@ def run_job(tmp_path, shards_count: int, silent_round: int = 0, restart_round: i
                 via_shard = decode(out.raw)
                 if device == LATE:                      # stored and receipted, but naming a round not open: refused
                     late = coordinator.parse_result(via_shard)
-                    coordinator.apply(device, (late[0], late[1] + 1, *late[2:]))
+                    coordinator.apply(device, dataclasses.replace(late, round=late.round + 1))
                     single.apply(device, dataclasses.replace(single.parse_result(decode(raw)), round=single.round + 1))
                     continue
             single.apply(device, single.parse_result(decode(raw)))

@@ -6,10 +6,7 @@ bytes, locally, on Ray actors, and after the coordinator and a shard are SIGKILL
 on shards: tests/test_shards.py."""
 
 import json
-import os
-import signal
 import threading
-import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -21,7 +18,7 @@ from aggregator.strategies.dp_noise import NOISE_SEED_ENV
 from fedfleet.emulation.broker import MosquittoBroker
 
 from ops_fleet import Features, Fleet, features_of, prepare, run_aggregator, start_aggregator_in
-from shard_runs import DEVICES, RAY_ALL, SHARDED_JOB_TIMEOUT_S, rounds_held, shard_options, shard_rows
+from shard_runs import DEVICES, RAY_ALL, SHARDED_JOB_TIMEOUT_S, shard_options, shard_rows, sigkill_shard_holding
 
 # ---------------------------------------------------------------- FedAvg rounds on shards
 # two rounds of six of the ten devices, the norm and contribution bounds on (they close in phases:
@@ -229,18 +226,7 @@ def test_fedavg_on_shards_resumes_bit_for_bit_after_the_coordinator_and_a_shard_
     with MosquittoBroker() as broker, Fleet(broker.url, DEVICES, kind="fedavg", gates=gates,
                                             handlers=fleet_handlers(job, tmp_path, gates)):
         proc = start_aggregator_in(tmp_path, broker.url, state, options, timeout=SHARDED_JOB_TIMEOUT_S, env=job.env)
-        try:
-            deadline = time.monotonic() + 240
-            while 2 not in rounds_held(state, victim) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert 2 in rounds_held(state, victim), "the shard never stored a round-2 update"
-            os.kill(int((tmp_path / "state.db.shards" / f"shard-{victim}.pid").read_text()), signal.SIGKILL)
-            held_back.set()
-            proc.wait(SHARDED_JOB_TIMEOUT_S)
-        finally:
-            held_back.set()                 # never leave the agents waiting at the gate
-            proc.kill()
-    out = proc.output()
+        out = sigkill_shard_holding(proc, state, victim, 2, held_back, SHARDED_JOB_TIMEOUT_S)
     assert proc.returncode == 0, out[-3000:]
     assert f"shard {victim} exited" in out
     assert_same_fedavg_model(fedavg_outputs(tmp_path / "out"), rounds_unsharded(kind, request), job)

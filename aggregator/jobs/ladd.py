@@ -150,7 +150,7 @@ class LaddConfig(LocalRuleFields, FedAvgRobustnessFields, UpdateClippingFields):
 class RoundPayload:
     round: int
     kind: str
-    payload: StyleResult | ModelUpdate
+    payload: StyleResult | ModelUpdate | tuple      # tuple: a shard coordinator's (message id, receipt)
 
 
 TRAINABLE_KEY = "__trainable__"

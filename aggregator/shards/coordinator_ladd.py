@@ -19,12 +19,11 @@ itself), and closed on the sums of the shards' stores.
 
 from __future__ import annotations
 
-from typing import Any
-
 from protocols.envelope import Envelope, EnvelopeError, body_field
 from protocols.payloads.ladd import KIND_STYLE
 from protocols.rounds import RoundClosed
 
+from aggregator.jobs.ladd import RoundPayload
 from aggregator.shards.coordinated_job import RoundSumsCoordinator
 from aggregator.shards.ladd_sums import LaddRoundContext, round_model
 from aggregator.shards.shard import RECEIPT
@@ -34,22 +33,21 @@ from aggregator.shards.sum_tree import PartialSum, root_sum
 class ShardedLaddJob(RoundSumsCoordinator):
     # round_accepted: device -> (message id, cluster)
 
-    # styles whole, training results as receipts
-    def parse_result(self, env: Envelope) -> Any:
+    # styles whole, training results as receipts: a training round's payload is (message id, receipt)
+    def parse_result(self, env: Envelope) -> RoundPayload:
         if RECEIPT not in env.body:
             if self.inner.kind == KIND_STYLE:
                 return self.inner.parse_result(env)         # forwarded by the device's shard
             raise EnvelopeError("a sharded LADD job takes its training results from its shards' receipts only")
         kept = self.receipt(env)
         self.sums.check_receipt(self.inner, env.sender, kept)
-        return env.id, body_field(env, "round", int), body_field(env, "kind", str), kept
+        return RoundPayload(body_field(env, "round", int), body_field(env, "kind", str), (env.id, kept))
 
-    def apply(self, device: str, payload: Any) -> None:
-        if not isinstance(payload, tuple):
-            self.inner.apply(device, payload)              # a style
-            return
-        message_id, round_, kind, kept = payload
-        if self.inner.admits(device, round_, kind):
+    def apply(self, device: str, result: RoundPayload) -> None:
+        if result.kind == KIND_STYLE:
+            self.inner.apply(device, result)
+        elif self.inner.admits(device, result.round, result.kind):
+            message_id, kept = result.payload
             self.round_accepted[device] = (message_id, int(kept["cluster"]))
             self.sums.record(self.inner, device, kept)
 
