@@ -203,6 +203,11 @@ def test_a_receipt_for_another_cluster_is_refused_by_the_coordinator(tmp_path):
             job.parse_result(env)
     with pytest.raises(EnvelopeError, match="receipts only"):      # a training result not through a shard
         coordinator.parse_result(decode(raw))
+    # a KD digest that is not a sha256 is not carried into the receipt (it could be 64 KiB of anything)
+    hostile = message(chosen[2], single.round, KIND_TRAIN,
+                      *encode_update(arrays, single.trainable_layout, n, 0, kd_sha256="x" * 5000))
+    kept = coordinator.receipt(decode(feed(shard, chosen[2], hostile).raw))
+    assert kept["kd_sha256"] == "" and kept["cluster"] == 0
     # an update whose layout is not the model's is the shard's to refuse (forwarded, refused there)
     wrong = {k: v[..., :1] if v.ndim else v for k, v in arrays.items()}
     bad = message(chosen[1], single.round, KIND_TRAIN, *encode_update(wrong, make_layout(wrong, TRAINABLE), n, 0))
