@@ -5,6 +5,8 @@ aggregator's job given the same updates. The models must be the same bytes for e
 norm and contribution bounds on (they close in phases), and the round's mean must be the layers'
 own (the vectorised, unsplit ``RobustAggregation``) to rounding."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -94,10 +96,12 @@ def feed(shard: ShardIngest, device: str, raw: bytes) -> Receipt:
 
 
 def run_rounds(tmp_path, shards_count: int, late: str, kind: str = "fedavg", extra: dict | None = None,
-               silent_round: int = 0, late_after_close: bool = False):
+               silent_round: int = 0, late_after_close: bool = False, restart_round: int = 0):
     """(one aggregator's job, the coordinator's job, what the coordinator asked) after the job's
     rounds (``silent_round``: one in which no update arrives; ``late_after_close``: a round-1 update
-    of a device round 1 did not choose reaches its shard after round 1 closed)."""
+    of a device round 1 did not choose reaches its shard after round 1 closed; ``restart_round``:
+    the coordinator is rebuilt as a restart does, from the last close's checkpoint and the round's
+    stored bookkeeping, once that round has opened)."""
     shards = [ShardIngest(k, shards_count, Store(tmp_path / f"k{shards_count}-s{k}.db")) for k in range(shards_count)]
     config = config_of(kind, extra)
     for s in shards:
@@ -115,6 +119,8 @@ def run_rounds(tmp_path, shards_count: int, late: str, kind: str = "fedavg", ext
             assert any(not np.array_equal(start[k], single.params[k]) for k in start)
         chosen = single.next_participants(set(DEVICES))
         assert coordinator.next_participants(set(DEVICES)) == chosen
+        if single.round == restart_round:
+            coordinator = restarted(coordinator, checkpoint, build_job(kind, config), pool)
         for device in reversed(chosen if single.round != silent_round else []):   # not the canonical order
             raw = update_message(device, single.round, single.task_for(device)[1], rng, kind)
             receipt = feed(shards[shard_of(device, shards_count)], device, raw)
@@ -126,6 +132,7 @@ def run_rounds(tmp_path, shards_count: int, late: str, kind: str = "fedavg", ext
                              (), (), ())
         single.close_round(closed)
         coordinator.close_round(closed)
+        checkpoint = (coordinator.state_dict(), dict(coordinator.contributed))      # the service's, at a close
         if index == 0 and late_after_close:     # stored and receipted, but its round is closed: in no sum
             device = next(d for d in DEVICES if d not in chosen)        # not round 1's: no row of it there
             feed(shards[shard_of(device, shards_count)], device, update_message(device, 1, single.params, rng, kind))
@@ -134,6 +141,26 @@ def run_rounds(tmp_path, shards_count: int, late: str, kind: str = "fedavg", ext
                                                                                        with_payload=False)}
         assert len(rows) == sum(coordinator.contributed.values())
     return single, coordinator, pool.asked
+
+
+def restarted(coordinator: ShardedRoundsJob, checkpoint, fresh_job, pool) -> ShardedRoundsJob:
+    """The coordinator as aggregator/service/recovery.py rebuilds it mid round: a fresh job, the
+    last close's checkpoint, the open round's bookkeeping as stored (JSON)."""
+    fresh = ShardedRoundsJob(fresh_job, coordinator.kind_name, pool)
+    fresh.load_state_dict(checkpoint[0])
+    fresh.contributed = dict(checkpoint[1])
+    fresh.restore_bookkeeping(json.loads(json.dumps(coordinator.bookkeeping())))
+    return fresh
+
+
+def test_a_coordinator_restarted_after_a_close_still_has_the_shards_drop_that_rounds_late_rows(tmp_path):
+    """The last close rides in the next round's bookkeeping: restarted mid round 2, the coordinator's
+    close of round 2 still drops round 1's row stored after round 1 closed (run_rounds counts the
+    shards' rows against the accepted ones), and the model stays one aggregator's."""
+    single, coordinator, _ = run_rounds(tmp_path, 2, late="dev04", late_after_close=True, restart_round=2)
+    for name, value in single.state_dict().items():
+        assert coordinator.state_dict()[name].tobytes() == value.tobytes(), name
+    assert coordinator.contributed == single.contributed
 
 
 @pytest.mark.parametrize("kind", ["fedavg", "pp", "scaffold", "ditto", "fedgloss"])
@@ -151,7 +178,9 @@ def test_shards_close_fedavg_rounds_to_one_aggregators_bytes(tmp_path, shards_co
     assert coordinator.contributed == single.contributed and "dev04" not in single.contributed
     assert coordinator.inner.samples == single.samples and coordinator.round == single.round == 2
     assert coordinator.evaluate(None, None) == single.evaluate(None, None)
-    assert coordinator.bookkeeping() == single.bookkeeping()
+    shard_book = coordinator.bookkeeping()
+    assert shard_book.pop(ShardedRoundsJob.LAST_CLOSE) == [2, [list(pair) for pair in coordinator.last_close[1]]]
+    assert shard_book == single.bookkeeping()
     if kind == "scaffold":                  # c moved (test_scaffold.py checks its step against numpy's mean)
         assert np.abs(single.control["weight"]).max() > 0
     if kind in ("pp", "ditto"):

@@ -89,11 +89,25 @@ class RoundSumsCoordinator(CoordinatedJob):
             self.round_accepted = {}
         return chosen
 
+    # The last close rides in the round's bookkeeping (stored as the next round opens): a restarted
+    # coordinator's next close still has the shards drop that round's late rows, stored after it.
+    LAST_CLOSE = "shard_last_close"
+
+    def bookkeeping(self) -> dict:
+        book = self.inner.bookkeeping()
+        if self.last_close is None:
+            return book
+        return {**book, self.LAST_CLOSE: [self.last_close[0], [list(pair) for pair in self.last_close[1]]]}
+
     def restore_bookkeeping(self, state: dict) -> None:
+        state = dict(state)
+        last_close = state.pop(self.LAST_CLOSE, None)
         before = self.inner.round
         self.inner.restore_bookkeeping(state)
         if self.inner.round != before:          # it entered the stored round: nothing applied to it yet
             self.round_accepted = {}
+        if last_close is not None:
+            self.last_close = (int(last_close[0]), [(str(d), str(m)) for d, m in last_close[1]])
 
     def accepted_ids(self) -> list[tuple[str, str]]:
         """The open round's accepted (device, message id)s, in device order."""
