@@ -357,9 +357,9 @@ def _logs(args, client):
 
 
 # ----------------------------------------------------------------------------- argument parsing
-def add_admin_parser(subparsers) -> argparse.ArgumentParser:
+def add_admin_parser(subparsers, help: str = "operate a running aggregator through its admin API") -> argparse.ArgumentParser:
     """Add ``admin`` to a ``fedfleet`` subparsers object; the parser's ``func`` runs the command."""
-    p = subparsers.add_parser("admin", help="operate a running aggregator through its admin API",
+    p = subparsers.add_parser("admin", help=help,
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     _connection_arguments(p, defaults=True)
     # the same options are accepted after the subcommand too (fedfleet admin status --token X)

@@ -93,50 +93,41 @@ def _features(args) -> int:
     return build_features(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from importlib.metadata import version
-
-    p = argparse.ArgumentParser(prog="fedfleet", description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--version", action="version", version=f"fedfleet {version('fedfleet')}")
-    p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
-    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
-    _add_simulate_parser(sub)
-
+def _add_aggregator_parser(sub, help: str) -> None:
     from aggregator.cli import build_parser as agg_parser
 
-    a = sub.add_parser("aggregator", help="run the aggregator service", formatter_class=HelpFormatter)
+    a = sub.add_parser("aggregator", help=help, formatter_class=HelpFormatter)
     agg_parser(a)
     a.set_defaults(func=_aggregator)
 
-    d = sub.add_parser("device", help="run one device agent on local data", formatter_class=HelpFormatter)
+
+def _add_device_parser(sub, help: str) -> None:
     from .device import add_arguments
 
+    d = sub.add_parser("device", help=help, formatter_class=HelpFormatter)
     add_arguments(d)
     d.set_defaults(func=_device)
 
+
+def _add_admin_parser(sub, help: str) -> None:
     from .admin import add_admin_parser
 
-    add_admin_parser(sub)
+    add_admin_parser(sub, help)
 
-    f = sub.add_parser("features", help="build the evaluation-features .npz (aggregator serve --eval-features) "
-                                        "from an image folder or IDX files through a bundle",
-                       formatter_class=HelpFormatter)
-    from .features import add_arguments as add_feature_arguments
 
-    add_feature_arguments(f)
+def _add_features_parser(sub, help: str) -> None:
+    from .features import add_arguments
+
+    f = sub.add_parser("features", help=help, formatter_class=HelpFormatter)
+    add_arguments(f)
     f.set_defaults(func=_features)
 
-    # `fedfleet export ...` is handed whole to export.cli (see main); listed here for --help.
-    sub.add_parser("export", help="build ExecuTorch (.pte) / ONNX bundles with a manifest and parity check")
-    return p
 
-
-def _add_simulate_parser(sub) -> None:
+def _add_simulate_parser(sub, help: str) -> None:
     # choices of job fields come from their declarations (the jobs' validation and API schema read them too)
     from aggregator.jobs.registry import field_choices as job_field_choices
 
-    s = sub.add_parser("simulate", help="run an emulated fleet against a real broker and aggregator",
-                       formatter_class=HelpFormatter)
+    s = sub.add_parser("simulate", help=help, formatter_class=HelpFormatter)
     s.add_argument("--config", default="demo", help="preset (demo, smoke, fleet-10k, fleet-100k) or a JSON file of SimConfig fields")
     s.add_argument("--devices", type=int, help="number of emulated devices (default: the preset's)")
     s.add_argument("--broker", help="use this broker, mqtt://[user:pass@]host:port[?version=3.1.1] "
@@ -229,6 +220,37 @@ def _add_fine_tuning_arguments(s) -> None:
                         "then compares plain vs this run (default: no comparison)")
 
 
+# The commands: (help, what adds the command's parser with its arguments). Only the named
+# command's arguments are built: the server's (the job registry's choices) import torch, which
+# ``fedfleet --version``, ``--help`` or an ``admin`` call (an operator's laptop) never need.
+# ``export`` is handed whole to export.cli (see main): listed here for --help.
+COMMANDS = {
+    "simulate": ("run an emulated fleet against a real broker and aggregator", _add_simulate_parser),
+    "aggregator": ("run the aggregator service", _add_aggregator_parser),
+    "device": ("run one device agent on local data", _add_device_parser),
+    "admin": ("operate a running aggregator through its admin API", _add_admin_parser),
+    "features": ("build the evaluation-features .npz (aggregator serve --eval-features) from an image folder or "
+                 "IDX files through a bundle", _add_features_parser),
+    "export": ("build ExecuTorch (.pte) / ONNX bundles with a manifest and parity check", None),
+}
+
+
+def build_parser(commands=tuple(COMMANDS)) -> argparse.ArgumentParser:
+    """The ``fedfleet`` parser, every command listed, the arguments of ``commands`` built."""
+    from importlib.metadata import version
+
+    p = argparse.ArgumentParser(prog="fedfleet", description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--version", action="version", version=f"fedfleet {version('fedfleet')}")
+    p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
+    for name, (help, add_parser) in COMMANDS.items():
+        if name in commands and add_parser is not None:
+            add_parser(sub, help)
+        else:
+            sub.add_parser(name, help=help)
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
     import logging
 
@@ -240,18 +262,9 @@ def main(argv: list[str] | None = None) -> int:
         from export.cli import main as export_main
 
         return run_reporting_errors("export", lambda: export_main(rest), debug)
-    if command == ["device"]:
-        # only the device's own parser: the others import server code (torch, scipy), which a
-        # torch-free device (fedfleet[device]) does not have
-        from .device import add_arguments
-
-        device = argparse.ArgumentParser(prog="fedfleet device", description="run one device agent on local data",
-                                         formatter_class=HelpFormatter)
-        add_arguments(device)
-        args = device.parse_args(rest)
-        quiet_third_party_warnings()
-        return run_reporting_errors("device", lambda: _device(args), debug)
-    parser = build_parser()
+    # only the named command's parser is built: ``device`` imports nothing of the server's (a
+    # torch-free device, fedfleet[device], has no torch), ``admin`` and ``--version`` neither
+    parser = build_parser(command)
     args = parser.parse_args(argv)
     if args.cmd is None:
         parser.print_help()

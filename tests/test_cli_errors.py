@@ -87,3 +87,50 @@ def test_help_and_version():
     for kind in KINDS:                                                  # every registered kind is explained
         assert kind + ":" in helps.stdout, kind
     assert "``" not in helps.stdout and "(default: mqtt://127.0.0.1:1883)" in " ".join(helps.stdout.split())
+
+
+# Run by a fresh interpreter: which modules main() imported for each argv, and its exit code.
+IMPORTS_OF = """
+import contextlib, io, json, sys
+from fedfleet.cli import main
+argv = json.loads(sys.argv[1])
+with contextlib.redirect_stdout(io.StringIO()) as out:
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+print(json.dumps({"code": code, "torch": "torch" in sys.modules, "aggregator": "aggregator" in sys.modules,
+                  "out": out.getvalue()}))
+"""
+
+
+EVERY_COMMAND = ("simulate", "aggregator", "device", "admin", "features", "export")
+
+
+@pytest.mark.parametrize("argv, words", [
+    ([], EVERY_COMMAND), (["--help"], EVERY_COMMAND), (["--version"], ("fedfleet 0.",)),
+    (["admin", "--help"], ("usage: fedfleet admin", "--token", "forget")),
+    (["device", "--help"], ("usage: fedfleet device", "--broker", "--credentials")),
+    (["features", "--help"], ("usage: fedfleet features", "--bundle")),
+    (["--debug", "admin", "status", "--help"], ("usage: fedfleet admin status", "--token"))])
+def test_only_the_named_commands_parser_is_built_so_help_version_and_admin_never_import_the_server(argv, words):
+    """An operator's ``fedfleet admin ...`` (and ``--version``, ``--help``, a device's ``device``)
+    builds its own parser only: the server's (the job registry's choices) imports torch, seconds
+    a call; their help still lists every command, or the command's own arguments."""
+    proc = subprocess.run([sys.executable, "-c", IMPORTS_OF, json.dumps(argv)], capture_output=True, text=True,
+                          timeout=60, cwd=Path(__file__).resolve().parents[1])
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not seen["torch"] and not seen["aggregator"], (argv, proc.stderr[-2000:])
+    assert seen["code"] in (0, 2), proc.stderr[-2000:]
+    for word in words:
+        assert word in seen["out"], (argv, word)
+
+
+def test_a_named_command_still_gets_its_whole_parser():
+    """What the lazy build must not lose: the server's arguments and choices where they are asked for."""
+    from fedfleet.cli import build_parser
+
+    simulate = build_parser(["simulate"]).parse_args(["simulate", "--config", "smoke", "--secure", "--shards", "2"])
+    assert simulate.cmd == "simulate" and simulate.secure and simulate.shards == 2
+    with pytest.raises(SystemExit):                 # a command not built takes no arguments of its own
+        build_parser(["admin"]).parse_args(["simulate", "--shards", "2"])
