@@ -31,6 +31,7 @@ QUICK = {
     "ft_modes.py": ["--quick"],
     "quantization.py": ["--quick"],
     "java_device.py": [],
+    "shard_start.py": ["--starts", "3"],
 }
 
 
