@@ -1,6 +1,6 @@
 """How long a local shard takes to start (and to restart after it died): a spawned process, which
 imports the job code and torch itself, against a fork of the shards' fork server
-(``aggregator.shards.local.shard_process_context``), which imported them once.
+(``aggregator/compute/fork_server.py``), which imported them once.
 
 Measured: from ``Process.start()`` until the child runs with the shard's modules imported (this
 script, which imports them, is what the child loads as its main module under both contexts), the
@@ -21,7 +21,7 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import aggregator.shards.local as shard_module  # noqa: E402,F401  (what a shard process imports)
-from aggregator.shards.local import shard_process_context  # noqa: E402
+from aggregator.compute.fork_server import fork_server_context  # noqa: E402
 
 
 def running(queue) -> None:
@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--starts", type=int, default=5)
     args = ap.parse_args()
     spawned = start_times(mp.get_context("spawn"), args.starts)
-    forked = start_times(shard_process_context(), args.starts)
+    forked = start_times(fork_server_context("aggregator.shards.local"), args.starts)
     print(f"{'':>12} {'first start':>12} {'later (median)':>15}")
     print(f"{'spawn':>12} {spawned[0]:>11.3f}s {statistics.median(spawned[1:]):>14.3f}s")
     print(f"{'fork server':>12} {forked[0]:>11.3f}s {statistics.median(forked[1:]):>14.3f}s")

@@ -22,8 +22,9 @@ Without a GPU, `ProcessMaskApplier` spreads the same work over worker processes.
 GIL over twice (2 700 masks of 10^6 words on a 16-core Xeon: x2.6 with 4 threads, x2.6 with 8);
 processes have no GIL to share. The accumulator goes into one shared-memory block, each process
 applies every key to its own contiguous slice (the same slicing as the threads, so the bits are
-the same), and the pool is started once (forkserver: never a fork of this multi-threaded
-server) and kept for the process's life.
+the same), and the pool is started once (forks of the service's fork server,
+aggregator/compute/fork_server.py: never a fork of this multi-threaded server) and kept for the
+process's life.
 
 `pick_mask_applier()` returns the GPU applier when torch sees a GPU and Triton imports, the
 process applier on a CPU with more usable cores than the thread path can use, else None
@@ -271,10 +272,11 @@ class ProcessMaskApplier:
 
     def _executor(self):
         if self._pool is None:
-            import multiprocessing
             from concurrent.futures import ProcessPoolExecutor
 
-            self._pool = ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("forkserver"))
+            from aggregator.compute.fork_server import fork_server_context
+
+            self._pool = ProcessPoolExecutor(self.processes, mp_context=fork_server_context(__name__))
         return self._pool
 
     def warm_up(self) -> "ProcessMaskApplier":

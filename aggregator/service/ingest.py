@@ -3,11 +3,12 @@
 Profiled on one 6.6 MB Fed3R contribution (d = 1280, float64, 2-core machine), the service thread
 spent ~30 ms factorising the Gram matrix (the positive semi-definite check), ~4 ms per sha256 of
 the payload, ~25 ms committing it to SQLite and ~1 ms adding it to the sums. The first two are
-pure functions of the message's bytes, so they run here, in ``workers`` processes (spawned: the
-service has threads), while the service thread goes on receiving: a worker decodes the whole
-message (payload sha256, the sender's Ed25519 signature, tensor layout) and runs the job's
-``check_payload`` on it (the checks that need the message alone: a worker's copy of the job has
-none of its state), and answers only its verdict (a few bytes).
+pure functions of the message's bytes, so they run here, in ``workers`` processes (forks of the
+service's fork server, never of the service: it has threads), while the service thread goes on
+receiving: a worker decodes the whole message (payload sha256, the sender's Ed25519 signature,
+tensor layout) and runs the job's ``check_payload`` on it (the checks that need the message
+alone: a worker's copy of the job has none of its state), and answers only its verdict (a few
+bytes).
 
 What orders effects stays on the service thread, unchanged: the round machine, the durable store
 write before the ack, the sum into the job (``job.parse_accepted`` reads the tensors as views on
@@ -29,7 +30,6 @@ device; beyond that the service thread validates the message itself (back-pressu
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import threading
 from collections.abc import Callable
@@ -40,6 +40,7 @@ from multiprocessing.shared_memory import SharedMemory
 from protocols.envelope import Envelope, EnvelopeError, decode, decode_checked
 from protocols.identity import InvalidSignature, verify_signature
 
+from aggregator.compute.fork_server import fork_server_context
 from aggregator.jobs.registry import build_job
 
 
@@ -59,7 +60,7 @@ class IngestWorkers:
         threads = max(1, (os.cpu_count() or 1) // workers)      # the workers share the cores, never oversubscribe
         # a multiprocessing Pool, not a ProcessPoolExecutor: its terminate() ends the workers at once
         # (they hold nothing), where an executor's shutdown can wait on a worker at interpreter exit
-        self._pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, (threads, os.getpid()))
+        self._pool = fork_server_context(__name__).Pool(workers, _init_worker, (threads,))
         self.workers = workers
         self.max_pending = max_pending or 16 * workers
         self._pending: dict[str, int] = {}       # device -> messages of it in the workers
@@ -183,7 +184,7 @@ def accepted_parser(verdict: Verdict, job, raw: bytes) -> Callable[[], object]:
 _JOBS: dict[tuple[str, str], object] = {}
 
 
-def _init_worker(threads: int, parent: int) -> None:
+def _init_worker(threads: int) -> None:
     import threading
     import time
 
@@ -193,7 +194,11 @@ def _init_worker(threads: int, parent: int) -> None:
     torch.set_num_threads(threads)
     threadpool_limits(threads)          # LAPACK's (the Gram check) too: workers share the cores
 
-    def exit_with_parent() -> None:     # a SIGKILLed service must not leave its workers behind
+    # A SIGKILLed service must not leave its workers behind: a worker's parent is the service's
+    # fork server, which exits with the service (its end of the server's pipe closes).
+    parent = os.getppid()
+
+    def exit_with_parent() -> None:
         while os.getppid() == parent:
             time.sleep(0.2)
         os._exit(0)

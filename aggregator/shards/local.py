@@ -14,7 +14,6 @@ stores no fixed content to resume from.
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
 import queue
 import threading
@@ -24,6 +23,7 @@ from pathlib import Path
 from protocols.mqtt_link import BrokerConfig, MqttLink
 from protocols.topics import AGGREGATOR_ID, Topics
 
+from aggregator.compute.fork_server import fork_server_context
 from aggregator.shards.pool import ShardPool
 from aggregator.shards.shard import Forward, Publish, Receipt, ShardIngest
 from aggregator.storage.store import Store
@@ -166,25 +166,14 @@ def _command(ingest: ShardIngest, conn, cmd: tuple) -> bool:
     return cmd[0] != "stop"
 
 
-def shard_process_context():
-    """The shards' ``multiprocessing`` context: a fork server that imported this module (the
-    job code, torch) once. A shard is then a fork of it: started, and restarted after it died,
-    in milliseconds instead of an interpreter's imports (seconds of CPU each), and the shards
-    share those imports' memory copy-on-write. Never a fork of the service itself, whose
-    threads (MQTT, HTTP) hold locks a child would inherit held."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])      # only before the server starts; a later call changes nothing
-    return ctx
-
-
 class LocalShards(ShardPool):
-    """The shards as processes on this machine (``multiprocessing``, forked from a fork server:
-    :func:`shard_process_context`), a pipe each."""
+    """The shards as processes on this machine (forked from the service's fork server:
+    ``aggregator/compute/fork_server.py``), a pipe each."""
 
     def __init__(self, shards: int, broker: BrokerConfig, store_dir: Path, topics: Topics = Topics(),
                  max_message_bytes: int = 256 * 1024 * 1024, reply_timeout_s: float = 600.0):
         super().__init__(shards, broker, store_dir, topics, max_message_bytes, reply_timeout_s)
-        self._ctx = shard_process_context()
+        self._ctx = fork_server_context(__name__)
         self._procs: list = [None] * shards
         self._conns: list = [None] * shards
 
