@@ -93,20 +93,22 @@ def _features(args) -> int:
     return build_features(args)
 
 
-def _add_aggregator_parser(sub, help: str) -> None:
-    from aggregator.cli import build_parser as agg_parser
+def _subcommand(sub, name: str, help: str, add_arguments, func) -> None:
+    parser = sub.add_parser(name, help=help, formatter_class=HelpFormatter)
+    add_arguments(parser)
+    parser.set_defaults(func=func)
 
-    a = sub.add_parser("aggregator", help=help, formatter_class=HelpFormatter)
-    agg_parser(a)
-    a.set_defaults(func=_aggregator)
+
+def _add_aggregator_parser(sub, help: str) -> None:
+    from aggregator.cli import build_parser as add_arguments
+
+    _subcommand(sub, "aggregator", help, add_arguments, _aggregator)
 
 
 def _add_device_parser(sub, help: str) -> None:
     from .device import add_arguments
 
-    d = sub.add_parser("device", help=help, formatter_class=HelpFormatter)
-    add_arguments(d)
-    d.set_defaults(func=_device)
+    _subcommand(sub, "device", help, add_arguments, _device)
 
 
 def _add_admin_parser(sub, help: str) -> None:
@@ -118,9 +120,7 @@ def _add_admin_parser(sub, help: str) -> None:
 def _add_features_parser(sub, help: str) -> None:
     from .features import add_arguments
 
-    f = sub.add_parser("features", help=help, formatter_class=HelpFormatter)
-    add_arguments(f)
-    f.set_defaults(func=_features)
+    _subcommand(sub, "features", help, add_arguments, _features)
 
 
 def _add_simulate_parser(sub, help: str) -> None:
