@@ -5,7 +5,11 @@ Gram matrix are refused by the workers and change nothing; SIGKILLs mid-ingest w
 on resume to the model of an uninterrupted run without them, bit for bit."""
 
 import json
+import subprocess
+import sys
 import threading
+import time
+from pathlib import Path
 
 import numpy as np
 
@@ -189,3 +193,45 @@ def test_transfer_buffers_are_reused_bounded_and_removed():
     for name in names[:2] + [in_flight.name]:
         with pytest.raises(FileNotFoundError):
             SharedMemory(name=name)
+
+
+# A service holding two ingest workers: prints their pids and its fork server's, then waits.
+SERVICE_WITH_WORKERS = """
+import multiprocessing.forkserver, os, time
+from aggregator.service.ingest import IngestWorkers
+workers = IngestWorkers(2)
+workers._pool.apply(os.getpid)                      # both are up (a Pool starts them all at once)
+print(*(p.pid for p in workers._pool._pool), multiprocessing.forkserver._forkserver._forkserver_pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _parent_and_state(pid: int) -> tuple[int, str] | None:
+    """(parent pid, state letter) of a process, None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[1]), fields[0]
+
+
+def test_ingest_workers_are_forks_of_the_fork_server_and_end_with_a_sigkilled_service():
+    """The workers are the fork server's children, never the threaded service's forks, and a
+    SIGKILLed service leaves none behind: the fork server exits with it, and so do they."""
+    service = subprocess.Popen([sys.executable, "-c", SERVICE_WITH_WORKERS], stdout=subprocess.PIPE, text=True,
+                               cwd=Path(__file__).resolve().parents[1])
+    try:
+        *workers, server = (int(pid) for pid in service.stdout.readline().split())
+        assert len(workers) == 2
+        assert _parent_and_state(server)[0] == service.pid
+        assert all(_parent_and_state(pid)[0] == server for pid in workers)
+    finally:
+        service.kill()
+        service.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        left = [pid for pid in (*workers, server) if (s := _parent_and_state(pid)) is not None and s[1] != "Z"]
+        if not left:
+            break
+        time.sleep(0.1)
+    assert not left, f"processes {left} outlived the SIGKILLed service"
