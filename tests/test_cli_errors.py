@@ -134,3 +134,11 @@ def test_a_named_command_still_gets_its_whole_parser():
     assert simulate.cmd == "simulate" and simulate.secure and simulate.shards == 2
     with pytest.raises(SystemExit):                 # a command not built takes no arguments of its own
         build_parser(["admin"]).parse_args(["simulate", "--shards", "2"])
+
+
+def test_an_unknown_command_is_one_clear_error_without_importing_the_server():
+    proc = subprocess.run([sys.executable, "-c", IMPORTS_OF, json.dumps(["bogus", "--shards", "2"])],
+                          capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[1])
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["code"] == 2 and not seen["torch"] and not seen["aggregator"]
+    assert "invalid choice: 'bogus'" in proc.stderr and "Traceback" not in proc.stderr
