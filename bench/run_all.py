@@ -32,6 +32,7 @@ QUICK = {
     "quantization.py": ["--quick"],
     "java_device.py": [],
     "shard_start.py": ["--starts", "3"],
+    "cli_start.py": [],
 }
 
 

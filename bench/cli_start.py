@@ -1,0 +1,46 @@
+"""How long a ``fedfleet`` call takes before it does anything: ``--version`` and ``admin --help``
+(only the named command's parser is built: no torch) against the parser the command built before
+stop 50 (every command's, the server's job registry included: torch), each in a fresh interpreter.
+
+    .venv/bin/python bench/cli_start.py [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+CALLS = {
+    "fedfleet --version": "from fedfleet.cli import main\ntry: main(['--version'])\nexcept SystemExit: pass",
+    "fedfleet admin --help": "from fedfleet.cli import main\ntry: main(['admin', '--help'])\nexcept SystemExit: pass",
+    "every command's parser (before)": "from fedfleet.cli import build_parser\nbuild_parser()",
+}
+
+
+def seconds(code: str, repeats: int) -> float:
+    """Median wall seconds of a fresh interpreter running ``code``."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, capture_output=True)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    measured = {name: seconds(code, args.repeats) for name, code in CALLS.items()}
+    full = measured["every command's parser (before)"]
+    for name, value in measured.items():
+        print(f"{name:>34}: {value:.3f} s   ({value / full:.3f} of the full parser's)")
+
+
+if __name__ == "__main__":
+    main()
