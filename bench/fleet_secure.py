@@ -30,7 +30,11 @@ CLOCK = os.sysconf("SC_CLK_TCK")
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-def _role(cmdline: str, out: str) -> str | None:
+def _role(cmdline: str, comm: str, out: str) -> str | None:
+    # simulate's processes are forks of its fork server (fedfleet/emulation/fork_server.py), named
+    # by their /proc comm; a process started as ``python -m ...`` is known by its command line
+    if comm in ("ff-aggregator", "ff-device-host"):
+        return "server" if comm == "ff-aggregator" else "hosts"
     if out not in cmdline:
         return None
     if "aggregator" in cmdline and " serve" in cmdline:
@@ -54,7 +58,7 @@ class ProcessSampler(threading.Thread):
             for pid in filter(str.isdigit, os.listdir("/proc")):
                 try:
                     cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-                    role = _role(cmd, self.out)
+                    role = _role(cmd, Path(f"/proc/{pid}/comm").read_text().strip(), self.out)
                     if role is None:
                         continue
                     stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()

@@ -33,6 +33,7 @@ QUICK = {
     "java_device.py": [],
     "shard_start.py": ["--starts", "3"],
     "cli_start.py": [],
+    "sim_process_start.py": ["--starts", "3"],
 }
 
 

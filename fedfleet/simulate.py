@@ -2,7 +2,8 @@
 
 Processes: this one (orchestration, progress, the independent centralized reference), one
 aggregator process (``python -m aggregator serve``), and W worker processes each hosting a share
-of the devices (``python -m fedfleet.emulation.worker``). All talk only through MQTT.
+of the devices (``python -m fedfleet.emulation.worker``), both forks of one server that imported
+their code once (``emulation/fork_server.py``). All talk only through MQTT.
 
 The centralized reference is computed here, independently of the aggregator: the same features
 (the devices' feature cache makes re-reading them cheap), scikit-learn's Ridge on the
@@ -15,7 +16,6 @@ import dataclasses
 import json
 import os
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +28,7 @@ from protocols.mqtt_link import BrokerConfig
 from protocols.topics import Topics
 
 from .emulation.broker import BrokerTree, loopback_sources
+from .emulation.fork_server import ForkedProcess, ForkServer
 from .emulation.processes import stop_all
 from .emulation.partition import make_split, train_holdout_split
 from .emulation.profiles import sample_profiles
@@ -223,6 +224,7 @@ class EmulatedFleet:
         self.ladd_devices_file = ladd_devices_file       # LADD devices: their own images, not dataset shards
         self.broker = None
         self.hosts = None
+        self.processes: ForkServer | None = None
         self.worker_stats: list[dict] = []
         # glibc malloc: a host's step threads would each keep an arena, and the dynamic mmap
         # threshold would move multi-megabyte uploads onto the heap; both keep freed uploads in RSS
@@ -242,13 +244,17 @@ class EmulatedFleet:
         self.broker_url = cfg.broker or self.broker.url
         self.device_broker_urls = [cfg.broker] if cfg.broker else self.broker.device_urls
         try:
+            # the jobs' aggregators and the local device hosts: forks of one server that imported
+            # their code once (fedfleet/emulation/fork_server.py), in the children's environment
+            self.processes = ForkServer(["aggregator", "fedfleet.ladd.aggregator_process"]
+                                        + ([] if cfg.ray else ["fedfleet.emulation.worker"]), self.env)
             specs = self.worker_specs()
             if cfg.ray:
                 from .emulation.ray_hosts import RayHosts
 
                 self.hosts = RayHosts(cfg.ray, self.out)
             else:
-                self.hosts = LocalHosts(self.out, self.env)
+                self.hosts = LocalHosts(self.out, self.processes)
             self.hosts.start(specs)
         except BaseException:
             self.__exit__()
@@ -306,10 +312,10 @@ class EmulatedFleet:
         return json.loads((job_dir / "results.json").read_text())
 
     def run_aggregator(self, module_args: list[str], log_file: Path, what: str, timeout_s: float) -> None:
-        """``python -m MODULE_ARGS`` as the aggregator process of a job, until it exits; an error
-        with its log's tail unless it exits 0."""
-        agg = subprocess.Popen([sys.executable, "-m", *module_args], env=self.env, stdout=open(log_file, "w"),
-                               stderr=subprocess.STDOUT)
+        """``python -m MODULE_ARGS`` as the aggregator process of a job (a fork of the fleet's
+        server), until it exits; an error with its log's tail unless it exits 0."""
+        log_file.write_text("")
+        agg = self.processes.start(module_args[0], module_args[1:], log_file)
         try:
             rc = agg.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -323,6 +329,8 @@ class EmulatedFleet:
         self.broker_rss_mb = self.broker.rss_mb() if self.broker else None
         if self.hosts is not None:
             self.worker_stats = self.hosts.stop()
+        if self.processes is not None:
+            self.processes.close()
         if self.broker:
             self.broker.stop()
 
@@ -362,18 +370,19 @@ def check_devices_per_process(cfg: SimConfig, n_workers: int, n_brokers: int, op
 
 
 class LocalHosts:
-    """Device hosts as local worker processes (``python -m fedfleet.emulation.worker SPEC``)."""
+    """Device hosts as local worker processes (``python -m fedfleet.emulation.worker SPEC``, forked
+    from the fleet's server)."""
 
-    def __init__(self, out: Path, env: dict):
-        self.out, self.env = out, env
-        self.procs: list[subprocess.Popen] = []
+    def __init__(self, out: Path, processes: ForkServer):
+        self.out, self.processes = out, processes
+        self.procs: list[ForkedProcess] = []
 
     def start(self, specs: list[dict]) -> None:
         for w, spec in enumerate(specs):
             (self.out / f"worker{w}.spec.json").write_text(json.dumps(spec))
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "fedfleet.emulation.worker",
-                                                str(self.out / f"worker{w}.spec.json")], env=self.env,
-                                               stdout=open(self.out / f"worker{w}.log", "w"), stderr=subprocess.STDOUT))
+            (self.out / f"worker{w}.log").write_text("")
+            self.procs.append(self.processes.start("fedfleet.emulation.worker", [str(self.out / f"worker{w}.spec.json")],
+                                                   self.out / f"worker{w}.log"))
 
     def stop(self) -> list[dict]:
         """Stop every worker; the statistics each wrote when it stopped."""

@@ -8,8 +8,8 @@ import subprocess
 from pathlib import Path
 
 
-def stop_all(procs: list[subprocess.Popen], first_is_done: bool = True, grace_s: float = 30.0) -> None:
-    """SIGTERM every still-running process (all but the first, which is waited for, when
+def stop_all(procs: list, first_is_done: bool = True, grace_s: float = 30.0) -> None:
+    """``procs``: ``subprocess.Popen``s or the fork server's ``ForkedProcess``es. SIGTERM every still-running process (all but the first, which is waited for, when
     ``first_is_done``), then wait for each and SIGKILL whatever is still there after ``grace_s``."""
     for p in procs[1:] if first_is_done else procs:
         if p.poll() is None:

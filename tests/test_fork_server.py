@@ -1,0 +1,94 @@
+"""fedfleet/emulation/fork_server.py: a forked child is ``python -m MODULE`` — the same exit status,
+output, argv, environment and working folder as a fresh interpreter running the same module
+(the reference here), its non-daemon threads and atexit handlers still run, and signals end it
+as they end a ``Popen``'s process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fedfleet.emulation.fork_server import ForkServer
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]), PROBE="server's")
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ForkServer(["fork_child_probe"], ENV, cwd=REPO)
+    yield s
+    s.close()
+
+
+def fresh(argv: list[str], cwd: Path, env: dict, log: Path) -> int:
+    with open(log, "w") as out:
+        return subprocess.run([sys.executable, "-m", "fork_child_probe", *argv], cwd=cwd, env=env, stdout=out,
+                              stderr=subprocess.STDOUT, timeout=60).returncode
+
+
+def lines(log: Path) -> list[str]:
+    return sorted(log.read_text().splitlines())
+
+
+@pytest.mark.parametrize("argv,status", [(["exit", "0"], 0), (["exit", "3"], 3), (["sys-exit-message"], 1),
+                                         (["raise"], 1), (["late-thread"], 0)])
+def test_a_forked_child_ends_as_a_fresh_interpreter_running_the_module_does(server, tmp_path, argv, status):
+    env = dict(ENV, PROBE="the child's")
+    runs = {}
+    for how in ("fresh", "forked"):
+        work = tmp_path / how
+        work.mkdir()
+        full = [argv[0], str(work / "report.json"), *argv[1:]]
+        if how == "fresh":
+            rc = fresh(full, work, env, work / "log")
+        else:
+            rc = server.start("fork_child_probe", full, work / "log", env=env, cwd=work).wait(60)
+        report = json.loads((work / "report.json").read_text())
+        runs[how] = (rc, report, lines(work / "log"))
+    (rc_fresh, seen_fresh, out_fresh), (rc_forked, seen_forked, out_forked) = runs["fresh"], runs["forked"]
+    assert rc_forked == rc_fresh == status
+    assert seen_forked["probe"] == seen_fresh["probe"] == "the child's"
+    assert seen_forked["cwd"] == str(tmp_path / "forked") and seen_forked["sys_argv_tail"] == seen_forked["argv"][:]
+    assert seen_forked["pid"] not in (os.getpid(), server.proc.pid)
+    # the same lines (a traceback's frames differ: runpy's against the server's); the thread's and atexit's too
+    if argv == ["raise"]:
+        for out in (out_fresh, out_forked):
+            assert {"Traceback (most recent call last):", "RuntimeError: probe failure"} <= set(out)
+        out_fresh, out_forked = ([line for line in out if line.startswith("probe")] for out in (out_fresh, out_forked))
+    assert [line.replace(str(tmp_path / "fresh"), "W") for line in out_fresh] == \
+        [line.replace(str(tmp_path / "forked"), "W") for line in out_forked]
+    if argv == ["late-thread"]:
+        assert {"thread finished", "atexit ran"} <= set(out_forked)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_signal_ends_a_forked_child_with_the_status_popen_reports(server, tmp_path, sig):
+    child = server.start("fork_child_probe", ["wait", str(tmp_path / "report.json")], tmp_path / "log")
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "report.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert child.poll() is None
+    child.send_signal(sig)
+    assert child.wait(30) == -sig == child.returncode
+    waiting = server.start("fork_child_probe", ["wait", str(tmp_path / "r2.json")], tmp_path / "log2")
+    with pytest.raises(subprocess.TimeoutExpired):
+        waiting.wait(0.2)
+    waiting.kill()
+    assert waiting.wait(30) == -signal.SIGKILL
+
+
+def test_a_client_that_goes_away_ends_the_server(tmp_path):
+    s = ForkServer(["fork_child_probe"], ENV, cwd=REPO)
+    assert s.start("fork_child_probe", ["exit", str(tmp_path / "r.json"), "0"], tmp_path / "log").wait(60) == 0
+    s.close()
+    assert s.proc.returncode == 0 and not s.alive
+    with pytest.raises(RuntimeError, match="ended"):
+        s.start("fork_child_probe", ["exit", str(tmp_path / "r.json"), "0"], tmp_path / "log", timeout=5)
