@@ -34,6 +34,7 @@ QUICK = {
     "shard_start.py": ["--starts", "3"],
     "cli_start.py": [],
     "sim_process_start.py": ["--starts", "3"],
+    "export_folding.py": [],
 }
 
 
