@@ -2,8 +2,8 @@
 
 Processes: this one (orchestration, progress, the independent centralized reference), one
 aggregator process (``python -m aggregator serve``), and W worker processes each hosting a share
-of the devices (``python -m fedfleet.emulation.worker``), both forks of one server that imported
-their code once (``emulation/fork_server.py``). All talk only through MQTT.
+of the devices (``python -m fedfleet.emulation.worker``), forks of servers that imported their
+code once (``emulation/fork_server.py``). All talk only through MQTT.
 
 The centralized reference is computed here, independently of the aggregator: the same features
 (the devices' feature cache makes re-reading them cheap), scikit-learn's Ridge on the
@@ -224,7 +224,8 @@ class EmulatedFleet:
         self.ladd_devices_file = ladd_devices_file       # LADD devices: their own images, not dataset shards
         self.broker = None
         self.hosts = None
-        self.processes: ForkServer | None = None
+        self.job_processes: ForkServer | None = None      # the jobs' aggregators
+        self.host_processes: ForkServer | None = None     # the local device hosts
         self.worker_stats: list[dict] = []
         # glibc malloc: a host's step threads would each keep an arena, and the dynamic mmap
         # threshold would move multi-megabyte uploads onto the heap; both keep freed uploads in RSS
@@ -244,17 +245,18 @@ class EmulatedFleet:
         self.broker_url = cfg.broker or self.broker.url
         self.device_broker_urls = [cfg.broker] if cfg.broker else self.broker.device_urls
         try:
-            # the jobs' aggregators and the local device hosts: forks of one server that imported
-            # their code once (fedfleet/emulation/fork_server.py), in the children's environment
-            self.processes = ForkServer(["aggregator", "fedfleet.ladd.aggregator_process"]
-                                        + ([] if cfg.ray else ["fedfleet.emulation.worker"]), self.env)
+            # the jobs' aggregators and the local device hosts: forks of servers that imported their
+            # code once (fedfleet/emulation/fork_server.py), in the children's environment; two, so
+            # that a device host holds the device's code only, as a device does, not the server's
+            self.job_processes = ForkServer(["aggregator", "fedfleet.ladd.aggregator_process"], self.env)
             specs = self.worker_specs()
             if cfg.ray:
                 from .emulation.ray_hosts import RayHosts
 
                 self.hosts = RayHosts(cfg.ray, self.out)
             else:
-                self.hosts = LocalHosts(self.out, self.processes)
+                self.host_processes = ForkServer(["fedfleet.emulation.worker"], self.env)
+                self.hosts = LocalHosts(self.out, self.host_processes)
             self.hosts.start(specs)
         except BaseException:
             self.__exit__()
@@ -315,7 +317,7 @@ class EmulatedFleet:
         """``python -m MODULE_ARGS`` as the aggregator process of a job (a fork of the fleet's
         server), until it exits; an error with its log's tail unless it exits 0."""
         log_file.write_text("")
-        agg = self.processes.start(module_args[0], module_args[1:], log_file)
+        agg = self.job_processes.start(module_args[0], module_args[1:], log_file)
         try:
             rc = agg.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -329,8 +331,9 @@ class EmulatedFleet:
         self.broker_rss_mb = self.broker.rss_mb() if self.broker else None
         if self.hosts is not None:
             self.worker_stats = self.hosts.stop()
-        if self.processes is not None:
-            self.processes.close()
+        for server in (self.host_processes, self.job_processes):
+            if server is not None:
+                server.close()
         if self.broker:
             self.broker.stop()
 

@@ -9,8 +9,9 @@ from pathlib import Path
 
 
 def stop_all(procs: list, first_is_done: bool = True, grace_s: float = 30.0) -> None:
-    """``procs``: ``subprocess.Popen``s or the fork server's ``ForkedProcess``es. SIGTERM every still-running process (all but the first, which is waited for, when
-    ``first_is_done``), then wait for each and SIGKILL whatever is still there after ``grace_s``."""
+    """SIGTERM every still-running process (all but the first, which is waited for, when
+    ``first_is_done``), then wait for each and SIGKILL whatever is still there after ``grace_s``.
+    ``procs``: ``subprocess.Popen``s or ``fork_server.ForkedProcess``es (the same methods)."""
     for p in procs[1:] if first_is_done else procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
