@@ -364,7 +364,7 @@ def _inference_artifact(runtime: str, kind: str, model: torch.nn.Module, example
     max_batch = None  # ONNX and eager take any batch
     output_spec = _output_spec(draft, kind)
     if quantization is None and runtime in ("executorch", "onnxruntime"):
-        model = fold_batch_norms(model)     # the same program, in under half the export's CPU
+        model = fold_batch_norms(model, example)    # the same program, in under half the export's CPU
     if runtime == "executorch":
         suffix = "" if quantization is None else "_int8"
         program = lower_inference_program(model, example, batch_size)

@@ -75,7 +75,8 @@ class Conv2dSame(nn.Conv2d):
         left, right = tf_same_padding(x.shape[-1], kernel_w, stride_w)
         if top or bottom or left or right:
             x = F.pad(x, (left, right, top, bottom))
-        return F.conv2d(x, self.weight, None, self.stride, 0, self.dilation, self.groups)
+        # self.bias: None as built (BatchNorm follows), a BatchNorm folded in for export (export/batch_norm_folding.py)
+        return F.conv2d(x, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
 
 
 class MBConvBlock(nn.Module):
