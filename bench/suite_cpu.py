@@ -1,7 +1,8 @@
 """Where a command's CPU goes, by kind of process (the test suite, a simulation): how busy the
 machine was while it ran, and the CPU-seconds of every process seen, grouped by what it is
-(pytest's xdist workers, the service's fork-server workers, emulated device hosts, aggregators,
-Ray, JVMs, brokers ...), with a count of processes per group.
+(pytest's xdist workers, the service's fork-server workers, fedfleet's fork servers and their
+children — simulate's aggregators and device hosts, the tests' aggregators —, Ray, JVMs, brokers
+...), with a count of processes per group.
 
 ``--durations`` and the suite's own ``FEDFLEET_CPU_PROFILE`` (tests/cpu_profile.py) see a test's
 process and the children it reaps; this sees every process on the machine, sampled from /proc
