@@ -28,7 +28,8 @@ from protocols.mqtt_link import BrokerConfig
 from protocols.topics import Topics
 
 from .emulation.broker import BrokerTree, loopback_sources
-from .emulation.fork_server import ForkedProcess, ForkServer
+from .emulation.fork_server import ForkServer
+from .emulation.local_hosts import LocalHosts
 from .emulation.processes import stop_all
 from .emulation.partition import make_split, train_holdout_split
 from .emulation.profiles import sample_profiles
@@ -370,28 +371,6 @@ def check_devices_per_process(cfg: SimConfig, n_workers: int, n_brokers: int, op
         raise UserError(f"{cfg.devices} devices need ≤ {room} per process (open file limit {open_file_limit}): "
                         f"{per_worker} per worker (raise --workers), {per_broker} per broker "
                         f"(lower devices_per_broker, now {cfg.devices_per_broker})")
-
-
-class LocalHosts:
-    """Device hosts as local worker processes (``python -m fedfleet.emulation.worker SPEC``, forked
-    from the fleet's server)."""
-
-    def __init__(self, out: Path, processes: ForkServer):
-        self.out, self.processes = out, processes
-        self.procs: list[ForkedProcess] = []
-
-    def start(self, specs: list[dict]) -> None:
-        for w, spec in enumerate(specs):
-            (self.out / f"worker{w}.spec.json").write_text(json.dumps(spec))
-            (self.out / f"worker{w}.log").write_text("")
-            self.procs.append(self.processes.start("fedfleet.emulation.worker", [str(self.out / f"worker{w}.spec.json")],
-                                                   self.out / f"worker{w}.log"))
-
-    def stop(self) -> list[dict]:
-        """Stop every worker; the statistics each wrote when it stopped."""
-        stop_all(self.procs, first_is_done=False)
-        return [json.loads((self.out / f"worker{w}.json").read_text())
-                for w in range(len(self.procs)) if (self.out / f"worker{w}.json").exists()]
 
 
 @dataclass
