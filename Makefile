@@ -32,8 +32,9 @@ demo: setup
 	    --compare-with runs/latest
 
 # pytest-xdist: 4 workers on CI's 2 cores, since many tests wait on brokers, subprocesses and
-# timeouts rather than compute (the whole suite on this 2-core machine: 4 workers 540 s, 3 workers
-# 650 s; its CPU as FEDFLEET_CPU_PROFILE counts it, a lower bound, ~870 s); --dist loadfile keeps each file on one worker so its module
+# timeouts rather than compute (the whole suite on this 2-core machine, clean-clone CI: 4 workers
+# 450 s, the machine ~95 % busy throughout, ~860 busy core-seconds by bench/suite_cpu.py; 3 workers
+# were slower when last measured); --dist loadfile keeps each file on one worker so its module
 # fixtures (bundle exports, reference runs) are built once; files with a `slow` test go first
 # (tests/conftest.py), in collection order (--no-loadscope-reorder).
 test: setup
