@@ -224,11 +224,16 @@ def _inference_artifacts(r: ExportRequest, src: _Sources, failures: list[str]) -
     if src.trunk is not None:
         programs.append(("trunk", TrunkModel(src.trunk), src.activations))
     for kind, module, expected in programs:
+        folded = None           # BatchNorm folded, once per program, for the fp32 lowerings
         for runtime in r.inference_runtimes:
             quantized = kind == "inference" and runtime == "executorch" and r.quantize is not None
             logger.info("exporting %s %s%s artifact for %s", runtime, kind,
                         f" ({r.quantize})" if quantized else "", r.backbone)
             program_module, quantization = module, None
+            if not quantized and runtime in ("executorch", "onnxruntime"):
+                if folded is None:      # the same program, in under half the export's CPU
+                    folded = fold_batch_norms(module, src.input_tensor)
+                program_module = folded     # (the eager artifact keeps the module's own state dict)
             if quantized:
                 program_module, quantization = _quantized(module, src, r.batch_size)
                 refused = _quantized_parity_failure(
@@ -363,8 +368,6 @@ def _inference_artifact(runtime: str, kind: str, model: torch.nn.Module, example
     ``quantization`` (ExecuTorch only) ``model`` is already the int8 graph it describes."""
     max_batch = None  # ONNX and eager take any batch
     output_spec = _output_spec(draft, kind)
-    if quantization is None and runtime in ("executorch", "onnxruntime"):
-        model = fold_batch_norms(model, example)    # the same program, in under half the export's CPU
     if runtime == "executorch":
         suffix = "" if quantization is None else "_int8"
         program = lower_inference_program(model, example, batch_size)
