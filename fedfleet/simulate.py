@@ -317,7 +317,6 @@ class EmulatedFleet:
     def run_aggregator(self, module_args: list[str], log_file: Path, what: str, timeout_s: float) -> None:
         """``python -m MODULE_ARGS`` as the aggregator process of a job (a fork of the fleet's
         server), until it exits; an error with its log's tail unless it exits 0."""
-        log_file.write_text("")
         agg = self.job_processes.start(module_args[0], module_args[1:], log_file)
         try:
             rc = agg.wait(timeout=timeout_s)

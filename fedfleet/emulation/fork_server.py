@@ -15,6 +15,13 @@ Never a fork of the simulation's own process, whose threads (MQTT, progress) may
 child would inherit held: the server is single-threaded (it imports, selects, forks, reaps).
 The same server runs the crash tests' aggregators (tests/aggregator_forkserver.py).
 
+Why not ``multiprocessing``'s fork server (``aggregator/compute/fork_server.py``, which the
+aggregator's own shard and ingest workers fork from): that server is an interpreter started in
+the parent's environment, and what a child here must inherit is read at interpreter start
+(glibc's ``MALLOC_ARENA_MAX``/``MALLOC_MMAP_THRESHOLD_``, torch's ``OMP_NUM_THREADS``); and its
+children are ``Process`` targets, not ``python -m`` programs with their own output file, exit
+status and Popen-like handle, which the fleet and the tests stop, signal and wait for.
+
 Protocol (one JSON object a line, the client on the server's stdin/stdout): the client writes
 ``{"module", "argv", "env", "cwd", "log"}``, the server answers ``{"pid"}`` at once and
 ``{"exited": pid, "rc": status}`` when that child ends. The server exits when its stdin closes
@@ -86,7 +93,7 @@ def _answer(message: dict) -> None:
 
 def _child(request: dict) -> None:
     """In the forked child: become ``python -m MODULE ARGV`` with the request's environment."""
-    log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.dup2(log, 1)
@@ -208,7 +215,7 @@ class ForkServer:
     def start(self, module: str, argv: list[str], log: Path, env: dict | None = None,
               cwd: str | Path | None = None, timeout: float = 120) -> ForkedProcess:
         """``python -m MODULE *argv`` (in ``env``, the server's by default, and ``cwd``), its output
-        appended to ``log``. ``timeout``: for the server's first answer (its imports, the first time)."""
+        written to ``log`` (from its start). ``timeout``: for the server's first answer (its imports, the first time)."""
         request = json.dumps({"module": module, "argv": [str(a) for a in argv], "env": self.env if env is None else env,
                               "cwd": str(cwd or os.getcwd()), "log": str(log)})
         with self.lock, self.changed:

@@ -22,7 +22,6 @@ class LocalHosts:
     def start(self, specs: list[dict]) -> None:
         for w, spec in enumerate(specs):
             (self.out / f"worker{w}.spec.json").write_text(json.dumps(spec))
-            (self.out / f"worker{w}.log").write_text("")
             self.procs.append(self.processes.start("fedfleet.emulation.worker", [str(self.out / f"worker{w}.spec.json")],
                                                    self.out / f"worker{w}.log"))
 
