@@ -92,3 +92,12 @@ def test_a_client_that_goes_away_ends_the_server(tmp_path):
     assert s.proc.returncode == 0 and not s.alive
     with pytest.raises(RuntimeError, match="ended"):
         s.start("fork_child_probe", ["exit", str(tmp_path / "r.json"), "0"], tmp_path / "log", timeout=5)
+
+
+def test_a_child_that_cannot_open_its_log_fails_alone_and_the_server_goes_on(server, tmp_path):
+    """A request the child cannot carry out (its log's folder does not exist) ends that child with
+    status 1; the server keeps serving the next request."""
+    assert server.start("fork_child_probe", ["exit", str(tmp_path / "r.json"), "0"],
+                        tmp_path / "missing" / "log").wait(60) == 1
+    assert server.alive
+    assert server.start("fork_child_probe", ["exit", str(tmp_path / "r.json"), "5"], tmp_path / "log").wait(60) == 5
