@@ -5,8 +5,10 @@ server (``fedfleet/emulation/fork_server.py``), which imported the modules once.
 Measured per start, for ``python -m aggregator --help`` (imports the aggregator and torch, parses,
 exits 0): the wall time until the process has exited, and its CPU-seconds (a ``Popen``'s from
 this process's reaped children, a fork's from the server's, read from /proc when it reaped it).
-The server's own start (its imports, once a simulation) is printed apart. Ratios are of medians
-in this one run.
+The server's own start (its imports, once a simulation) is printed apart; then what a child's
+end costs, by the interpreter's teardown of the inherited modules against the server's
+``_finish`` (forks of this process, which imported the aggregator). Ratios are of medians in
+this one run.
 
     .venv/bin/python bench/sim_process_start.py [--starts 5]
 """
@@ -60,6 +62,25 @@ def forked(server: ForkServer, starts: int, log: pathlib.Path) -> list[tuple[flo
     return out
 
 
+def child_end_cpu(ends: int) -> tuple[float, float]:
+    """(median CPU-s of a fork of this process, which imported the aggregator, that ends by the
+    interpreter's teardown; that ends as the fork server's children do, ``_finish``)."""
+    import aggregator.cli  # noqa: F401  what the server's children inherit
+    from fedfleet.emulation.fork_server import _finish
+
+    def cpu_of_a_child(end) -> float:
+        before = children_cpu()
+        pid = os.fork()
+        if pid == 0:
+            end()
+        os.waitpid(pid, 0)
+        return children_cpu() - before
+
+    teardown = statistics.median(cpu_of_a_child(lambda: sys.exit(0)) for _ in range(ends))
+    finish = statistics.median(cpu_of_a_child(lambda: os._exit(_finish(0))) for _ in range(ends))
+    return teardown, finish
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--starts", type=int, default=5)
@@ -83,6 +104,9 @@ def main() -> None:
     print(f"  fork of the server  {wall[1]:.3f} s wall, {cpu[1]:.2f} CPU-s   "
           f"(the server's own start, once a simulation: {server_start:.2f} s)")
     print(f"fork / fresh: wall {wall[1] / wall[0]:.3f}x, CPU {cpu[1] / max(cpu[0], 1e-9):.3f}x")
+    teardown, finish = child_end_cpu(args.starts)
+    print(f"a child's end: interpreter teardown {teardown:.3f} CPU-s, _finish then os._exit {finish:.3f} CPU-s "
+          f"({finish / max(teardown, 1e-9):.3f}x)")
 
 
 if __name__ == "__main__":
