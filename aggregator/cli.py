@@ -14,6 +14,7 @@ from protocols.mqtt_link import BrokerConfig
 from protocols.ray_cluster import check_reachable as check_ray_reachable
 
 from aggregator.api.server import add_ops_arguments, serve_with_ops
+from aggregator.compute.fork_server import start_fork_server_here
 from aggregator.service.artifacts import ArtifactShelf, with_served_bundle
 from aggregator.service.settings import ServiceSettings
 from aggregator.jobs.registry import KINDS, build_job, validate_job_config
@@ -123,6 +124,7 @@ def serve(args) -> int:
     if announced and shelf is None:            # a served shelf was checked by with_served_bundle
         raise ValueError(f"the job runs on bundle {announced[:16]}…, which this aggregator does not serve: "
                          "pass that bundle's directory with --artifacts")
+    start_fork_server_here()            # before the service's first thread: its workers inherit its imports
     summary = serve_with_ops(args, job, broker, args.out, settings, enrolled=enrolled, eval_set=eval_set,
                              artifacts=shelf, shards=args.shards)
     final = summary.get("final", {})

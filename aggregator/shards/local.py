@@ -35,7 +35,8 @@ def shard_main(index: int, shards: int, broker: BrokerConfig, store_path: str, t
                max_message_bytes: int, conn) -> None:
     """A shard: MQTT in, receipts and forwards out, sums on request. ``conn`` is its channel to
     the coordinator (``send(message)``, ``recv()`` the next command, EOFError once it is gone)."""
-    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s shard{index} %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s shard{index} %(levelname)s %(message)s",
+                        force=True)         # a fork of the service inherits its handler
     import torch
     from threadpoolctl import threadpool_limits
 

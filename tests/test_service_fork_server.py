@@ -1,0 +1,92 @@
+"""aggregator/compute/fork_server.py's start_fork_server_here: the service's fork server as a fork
+of the service (started before its first thread), against multiprocessing's own server as the
+reference. Each case runs in a fresh interpreter: a process has one fork server for its life."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# What the workers report: whether they see a value the parent set at run time (a fork of the
+# parent inherits it; a fresh interpreter cannot), their parent (the server), and their answers.
+PROGRAM = textwrap.dedent("""
+    import json, multiprocessing, os, sys, threading, time
+    import aggregator.compute.fork_server as fs
+
+    def probe(_):
+        return [getattr(fs, "MARK", None), os.getppid()]
+
+    if __name__ == "__main__":
+        fs.MARK = "set in the parent"
+        if sys.argv[1] == "thread":           # a service that already runs a thread
+            threading.Thread(target=time.sleep, args=(3,), daemon=True).start()
+        here = fs.start_fork_server_here(("aggregator.compute.fork_server",))
+        ctx = fs.fork_server_context("aggregator.compute.fork_server")
+        with ctx.Pool(2) as pool:
+            answers = pool.map(probe, range(4))
+        proc = ctx.Process(target=sys.exit, args=(7,))
+        proc.start()
+        proc.join()
+        server = multiprocessing.forkserver._forkserver._forkserver_pid
+        cmdline = open(f"/proc/{server}/cmdline", "rb").read().split(b"\\0")
+        print(json.dumps({"here": here, "server": server, "answers": answers, "exitcode": proc.exitcode,
+                          "server_is_fresh_interpreter": b"-c" in cmdline}), flush=True)
+""")
+
+
+def run(case: str, tmp_path: Path) -> dict:
+    script = tmp_path / "service.py"
+    script.write_text(PROGRAM)
+    proc = subprocess.run([sys.executable, str(script), case], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def gone(pid: int, within_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return True
+        if state == "Z":                      # ended, not yet reaped by its init
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_single_threaded_service_forks_its_own_server_and_its_workers_inherit_its_state(tmp_path):
+    report = run("single", tmp_path)
+    assert report["here"] == report["server"] and not report["server_is_fresh_interpreter"]
+    assert report["answers"] == [["set in the parent", report["server"]]] * 4
+    assert report["exitcode"] == 7                  # a worker's exit status comes back as with the reference
+    assert gone(report["server"])                   # the server ends with its service
+
+
+def test_a_service_with_threads_keeps_multiprocessing_s_own_server(tmp_path):
+    report = run("thread", tmp_path)
+    assert report["here"] is None and report["server_is_fresh_interpreter"]
+    assert report["answers"] == [[None, report["server"]]] * 4      # the reference: nothing inherited
+    assert report["exitcode"] == 7
+    assert gone(report["server"])
+
+
+def test_a_killed_service_leaves_no_server_behind(tmp_path):
+    """SIGKILL: no atexit, no cleanup; the server sees its pipe's last writer gone and ends."""
+    script = tmp_path / "killed.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, sys
+        import aggregator.compute.fork_server as fs
+        print(fs.start_fork_server_here(("aggregator.compute.fork_server",)), flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """))
+    proc = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -9
+    server = int(proc.stdout.strip())
+    assert gone(server)
