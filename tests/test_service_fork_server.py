@@ -90,3 +90,28 @@ def test_a_killed_service_leaves_no_server_behind(tmp_path):
     assert proc.returncode == -9
     server = int(proc.stdout.strip())
     assert gone(server)
+
+
+def test_a_server_that_died_is_replaced_by_multiprocessing_s_own(tmp_path):
+    """The service's server killed: the next worker's start notices (multiprocessing checks its
+    server before each start) and starts a fresh server; the worker runs."""
+    script = tmp_path / "replaced.py"
+    script.write_text(textwrap.dedent("""
+        import json, multiprocessing, os, signal, sys
+        import aggregator.compute.fork_server as fs
+
+        if __name__ == "__main__":
+            first = fs.start_fork_server_here(("aggregator.compute.fork_server",))
+            os.kill(first, signal.SIGKILL)
+            while open(f"/proc/{first}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+                pass                                   # dead, left for multiprocessing to reap
+            proc = fs.fork_server_context().Process(target=sys.exit, args=(3,))
+            proc.start()
+            proc.join()
+            second = multiprocessing.forkserver._forkserver._forkserver_pid
+            print(json.dumps([first, second, proc.exitcode]), flush=True)
+    """))
+    proc = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    first, second, exitcode = json.loads(proc.stdout.splitlines()[-1])
+    assert second != first and exitcode == 3

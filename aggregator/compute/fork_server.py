@@ -53,9 +53,10 @@ def fork_server_context(*modules: str):
 
 
 def can_fork_server_here() -> bool:
-    """Whether this process may become its own fork server's parent: one thread (a fork copies only
-    the caller's; a lock another thread holds would stay held in every worker), no server started
-    yet, and the multiprocessing layout this module knows."""
+    """Whether this process may become its own fork server's parent: one Python thread (a fork copies
+    only the caller's; a lock another thread holds would stay held in every worker; the BLAS
+    libraries' own pool threads, started at import, stop and restart around a fork by themselves),
+    no server started yet, and the multiprocessing layout this module knows."""
     server = forkserver._forkserver
     return (threading.active_count() == 1 and all(hasattr(server, name) for name in _SERVER_STATE)
             and server._forkserver_pid is None
