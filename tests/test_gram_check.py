@@ -60,11 +60,15 @@ def test_a_negative_direction_beyond_the_float32_bound_is_refused(check):
 
 def test_a_zero_diagonal_entry_with_a_non_zero_row_and_a_negative_diagonal_are_refused():
     A = honest(np.random.default_rng(2), 50)
-    dead = int(np.flatnonzero(np.diag(A) == 0)[0])
-    bad = A.copy()
-    bad[dead, -1] = bad[-1, dead] = 1e-3          # |A_ij|² > A_ii·A_jj = 0
-    with pytest.raises(EnvelopeError, match="zero diagonal entry"):
-        check_gram(triu_pack(bad), P, EPS64)
+    dead = int(np.flatnonzero(np.diag(A) == 0)[-1])
+    assert 0 < dead < P - 1
+    # |A_ij|² > A_ii·A_jj = 0: right of the dead diagonal entry (its packed row) and above it (its
+    # column, in the packed rows before it); one too small for float32 too
+    for other, value in ((P - 1, 1e-3), (0, 1e-3), (dead - 1, 1e-3), (0, 1e-300)):
+        bad = A.copy()
+        bad[dead, other] = bad[other, dead] = value
+        with pytest.raises(EnvelopeError, match="zero diagonal entry"):
+            check_gram(triu_pack(bad), P, EPS64)
     neg = A.copy()
     neg[0, 0] = -1.0
     with pytest.raises(EnvelopeError, match="negative diagonal"):
