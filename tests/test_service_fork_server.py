@@ -115,3 +115,35 @@ def test_a_server_that_died_is_replaced_by_multiprocessing_s_own(tmp_path):
     assert proc.returncode == 0, proc.stderr
     first, second, exitcode = json.loads(proc.stdout.splitlines()[-1])
     assert second != first and exitcode == 3
+
+
+def test_a_service_that_cannot_fork_its_server_keeps_multiprocessing_s_own(tmp_path):
+    """No process to spare at the service's start (the fork fails): a warning, nothing left open,
+    and the first worker starts multiprocessing's own server."""
+    script = tmp_path / "no_fork.py"
+    script.write_text(textwrap.dedent("""
+        import json, multiprocessing, os, sys
+        import aggregator.compute.fork_server as fs
+
+        def no_fork():
+            raise BlockingIOError(11, "Resource temporarily unavailable")
+
+        if __name__ == "__main__":
+            fds = sorted(os.listdir("/proc/self/fd"))
+            real_fork, os.fork = os.fork, no_fork
+            here = fs.start_fork_server_here(("aggregator.compute.fork_server",))
+            os.fork = real_fork
+            left_open = sorted(set(os.listdir("/proc/self/fd")) - set(fds))
+            proc = fs.fork_server_context().Process(target=sys.exit, args=(5,))
+            proc.start()
+            proc.join()
+            server = multiprocessing.forkserver._forkserver._forkserver_pid
+            fresh = b"-c" in open(f"/proc/{server}/cmdline", "rb").read().split(b"\\0")
+            print(json.dumps([here, left_open, proc.exitcode, fresh]), flush=True)
+    """))
+    proc = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    here, left_open, exitcode, fresh = json.loads(proc.stdout.splitlines()[-1])
+    assert here is None and exitcode == 5 and fresh
+    assert "cannot start one here" in proc.stderr and "Resource temporarily unavailable" in proc.stderr
+    assert len(left_open) <= 1          # at most the resource tracker's pipe, which multiprocessing keeps

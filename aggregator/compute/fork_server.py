@@ -75,15 +75,24 @@ def start_fork_server_here(modules: tuple[str, ...] = WORKER_MODULES) -> int | N
         importlib.import_module(name)
     fork_server_context(*modules)
     server = forkserver._forkserver
-    resource_tracker.ensure_running()      # as multiprocessing's start does: its fd goes to each worker
-    listener = socket.socket(socket.AF_UNIX)
-    address = connection.arbitrary_address("AF_UNIX")
-    listener.bind(address)
-    if not util.is_abstract_socket_namespace(address):
-        os.chmod(address, 0o600)
-    listener.listen()
-    alive_r, alive_w = os.pipe()     # every client holds the write end; EOF ends the server
-    pid = os.fork()                  # no lock taken around it: one thread, so none is held in the child
+    opened: list = []
+    try:
+        resource_tracker.ensure_running()      # as multiprocessing's start does: its fd goes to each worker
+        listener = socket.socket(socket.AF_UNIX)
+        opened.append(listener.close)
+        address = connection.arbitrary_address("AF_UNIX")
+        listener.bind(address)
+        if not util.is_abstract_socket_namespace(address):
+            os.chmod(address, 0o600)
+        listener.listen()
+        alive_r, alive_w = os.pipe()     # every client holds the write end; EOF ends the server
+        opened += [lambda: os.close(alive_r), lambda: os.close(alive_w)]
+        pid = os.fork()                  # no lock taken around it: one thread, so none is held in the child
+    except OSError as exc:               # no socket, pipe or process to spare: the first worker starts one
+        for close in opened:
+            close()
+        log.warning("fork server: cannot start one here (%s); the first worker starts multiprocessing's own", exc)
+        return None
     if pid == 0:
         _serve(listener, alive_r, alive_w)
     listener.close()
