@@ -9,7 +9,7 @@ Two ways the server starts:
 
 - ``start_fork_server_here()``, called by ``aggregator serve`` before its first thread: the server
   is a fork of the service at that point, so it inherits every module the service has imported
-  (no interpreter start, no second torch import: ~2 CPU-s a service, ``bench/shard_start.py``);
+  (no interpreter start, no second torch import: ~1.6 CPU-s a service, ``bench/shard_start.py``);
 - otherwise multiprocessing's own, at the first worker: a fresh interpreter that imports the
   modules named so far.
 
