@@ -31,11 +31,15 @@ class RoundContext:
 
     def encode(self, purpose: str, *parties: str) -> bytes:
         """``fedfleet/secagg/<purpose>/v1\n`` + the compact JSON array [job, round, group, *parties]
-        (what the Java device builds too). Written item by item, each string's JSON kept: a round
-        derives ~70 of these per member, and json.dumps of the whole list was a tenth of its CPU."""
-        items = [_json_string(self.job_id), json.dumps(self.round_id), _json_string(self.group_id),
-                 *map(_json_string, parties)]
-        return f"fedfleet/secagg/{purpose}/v1\n[{','.join(items)}]".encode()
+        (what the Java device builds too). Written item by item, each string's JSON kept and the
+        round's three items once: a round derives ~70 of these per member, and json.dumps of the
+        whole list was a tenth of its CPU."""
+        items = ",".join([self._round_items, *map(_json_string, parties)])
+        return f"fedfleet/secagg/{purpose}/v1\n[{items}]".encode()
+
+    @functools.cached_property
+    def _round_items(self) -> str:
+        return ",".join([json.dumps(self.job_id), json.dumps(self.round_id), json.dumps(self.group_id)])
 
 
 @functools.lru_cache(maxsize=65536, typed=True)
