@@ -18,7 +18,7 @@ One run, one private mosquitto, the same publisher for both:
 Prints the rates, their ratio (aggregator ingest / raw broker) and the CPU-seconds per result
 (the whole machine's busy time: broker, publisher and every aggregator process).
 
-    .venv/bin/python bench/fed3r_ingest.py [--devices 20] [--d 1280] [--ingest-workers 0 2] [--shards 1 2 4]
+    .venv/bin/python bench/fed3r_ingest.py [--devices 20] [--d 1280] [--ingest-workers 0 2] [--shards 1 2 4] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import statistics
 import sys
 import tempfile
 import threading
@@ -205,6 +206,9 @@ def main() -> None:
                     help="worker processes; several values: one aggregator run each, the same raw baseline")
     ap.add_argument("--shards", type=int, nargs="*", default=[1, 2, 4],
                     help="then one run per value with that many shard processes (aggregator serve --shards K)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run every configuration this many times, interleaved, and print each one's median "
+                         "ratio to the CPU floor (one run swings by tens of percent on a shared machine)")
     args = ap.parse_args()
     ctx = multiprocessing.get_context("spawn")
     handler = PrecomputedStats(args.d, C)
@@ -212,7 +216,8 @@ def main() -> None:
     raw = None
     runs = [(False, w, 0) for w in args.ingest_workers] + [(True, args.ingest_workers[-1], 0)]
     runs += [(False, 0, k) for k in args.shards]
-    for provisional, workers, shards in runs:
+    floor_ratios: dict[tuple, list[float]] = {}
+    for provisional, workers, shards in runs * max(1, args.repeats):
         with MosquittoBroker() as broker, tempfile.TemporaryDirectory() as tmp:
             ids = [f"dev{i:04d}" for i in range(args.devices)]
             ready, out = ctx.Event(), ctx.Queue()
@@ -263,6 +268,7 @@ def main() -> None:
             used = "" if cpu is None else f", {cpu:.2f} CPU-s used, {cpu / args.devices * 1e3:.0f} CPU-ms per result"
             if cpu is not None and floor:
                 used += f", {cpu / floor:.2f}x the CPU floor (goal <= 1.2x)"
+                floor_ratios.setdefault((provisional, workers, shards), []).append(cpu / floor)
             rate = total / (t_done - t0)
             what = "store+validate+sum+solve+evaluate each" if provisional else "store+validate+sum, solve at the end "
             how = f"{shards} shard processes" if shards else f"{workers} ingest workers"
@@ -273,6 +279,12 @@ def main() -> None:
             agg.join(60)
             pub.loop_stop()
             devices.close()
+    if args.repeats > 1:
+        for (provisional, workers, shards), ratios in floor_ratios.items():
+            how = f"{shards} shard processes" if shards else f"{workers} ingest workers"
+            what = ", solve+evaluate each" if provisional else ""
+            print(f"{how}{what}: median {statistics.median(ratios):.2f}x the CPU floor over {len(ratios)} runs "
+                  f"({', '.join(f'{r:.2f}' for r in ratios)}; goal <= 1.2x)")
 
 
 if __name__ == "__main__":
