@@ -15,6 +15,7 @@ from protocols.ray_cluster import check_reachable as check_ray_reachable
 
 from aggregator.api.server import add_ops_arguments, serve_with_ops
 from aggregator.compute.fork_server import start_fork_server_here
+from aggregator.compute.mask_expansion import cpu_mask_expansion_plan
 from aggregator.service.artifacts import ArtifactShelf, with_served_bundle
 from aggregator.service.settings import ServiceSettings
 from aggregator.jobs.registry import KINDS, build_job, validate_job_config
@@ -96,6 +97,13 @@ def service_settings(args) -> ServiceSettings:
                            ingest_workers=args.ingest_workers, shard_start_timeout_s=args.shard_start_timeout)
 
 
+def forks_workers(args, settings: ServiceSettings) -> bool:
+    """Whether the service will start worker processes: local shards, ingest workers, or the CPU
+    mask applier's processes (on a machine with more cores than its threads use)."""
+    return bool((args.shards and not args.ray) or settings.ingest_workers
+                or cpu_mask_expansion_plan()[0] == "processes")
+
+
 def serve(args) -> int:
     if args.config is None and args.state is None:
         raise ValueError("serve needs --config, or --state to resume the job that state file holds "
@@ -108,6 +116,10 @@ def serve(args) -> int:
     if config is not None:
         validate_job_config(args.kind, config)                             # a bad config fails before the broker
     eval_set = read_eval_features(args.eval_features) if args.eval_features else None
+    if forks_workers(args, settings):
+        # before the service's first thread and before a job or device touches CUDA: the workers'
+        # fork server is then a fork of this process, its imports inherited (compute/fork_server.py)
+        start_fork_server_here()
     if args.ray:
         check_ray_reachable(args.ray)                                     # ray.init alone retries for minutes
     broker.check_reachable()
@@ -124,7 +136,6 @@ def serve(args) -> int:
     if announced and shelf is None:            # a served shelf was checked by with_served_bundle
         raise ValueError(f"the job runs on bundle {announced[:16]}…, which this aggregator does not serve: "
                          "pass that bundle's directory with --artifacts")
-    start_fork_server_here()            # before the service's first thread: its workers inherit its imports
     summary = serve_with_ops(args, job, broker, args.out, settings, enrolled=enrolled, eval_set=eval_set,
                              artifacts=shelf, shards=args.shards)
     final = summary.get("final", {})

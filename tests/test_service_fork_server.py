@@ -147,3 +147,41 @@ def test_a_service_that_cannot_fork_its_server_keeps_multiprocessing_s_own(tmp_p
     assert here is None and exitcode == 5 and fresh
     assert "cannot start one here" in proc.stderr and "Resource temporarily unavailable" in proc.stderr
     assert len(left_open) <= 1          # at most the resource tracker's pipe, which multiprocessing keeps
+
+
+def test_a_service_whose_cuda_is_initialised_keeps_multiprocessing_s_own(tmp_path):
+    """A fork of a process that initialised CUDA cannot use CUDA, and a worker's job may run on the
+    GPU: such a service never forks its server. (No GPU here: torch is told CUDA is initialised.)"""
+    script = tmp_path / "cuda.py"
+    script.write_text(textwrap.dedent("""
+        import json, multiprocessing, sys
+        import torch
+        import aggregator.compute.fork_server as fs
+
+        if __name__ == "__main__":
+            torch.cuda.is_initialized = lambda: True
+            here = fs.start_fork_server_here(("aggregator.compute.fork_server",))
+            proc = fs.fork_server_context().Process(target=sys.exit, args=(4,))
+            proc.start()
+            proc.join()
+            server = multiprocessing.forkserver._forkserver._forkserver_pid
+            fresh = b"-c" in open(f"/proc/{server}/cmdline", "rb").read().split(b"\\0")
+            print(json.dumps([here, proc.exitcode, fresh]), flush=True)
+    """))
+    proc = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1]) == [None, 4, True]
+
+
+def test_aggregator_serve_forks_its_server_only_when_it_will_have_workers():
+    from aggregator.cli import build_parser, forks_workers, service_settings
+    from aggregator.compute.mask_expansion import cpu_mask_expansion_plan
+
+    def forks(*options: str) -> bool:
+        args = build_parser().parse_args(["serve", "--out", "out", *options])
+        return forks_workers(args, service_settings(args))
+
+    many_cores = cpu_mask_expansion_plan()[0] == "processes"      # the secure mask applier's processes
+    assert forks() is many_cores
+    assert forks("--shards", "2") and forks("--ingest-workers", "2")
+    assert forks("--shards", "2", "--ray", "auto") is many_cores    # the shards are Ray actors

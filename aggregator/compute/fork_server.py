@@ -7,7 +7,8 @@ hold locks a child would inherit held.
 
 Two ways the server starts:
 
-- ``start_fork_server_here()``, called by ``aggregator serve`` before its first thread: the server
+- ``start_fork_server_here()``, called by ``aggregator serve`` when it will have workers, before
+  its first thread and before anything touches CUDA (a job is built, a device picked): the server
   is a fork of the service at that point, so it inherits every module the service has imported
   (no interpreter start, no second torch import: ~1.6 CPU-s a service, ``bench/shard_start.py``);
 - otherwise multiprocessing's own, at the first worker: a fresh interpreter that imports the
@@ -27,6 +28,7 @@ import logging
 import multiprocessing
 import os
 import socket
+import sys
 import threading
 from multiprocessing import connection, forkserver, resource_tracker, util
 
@@ -56,9 +58,13 @@ def can_fork_server_here() -> bool:
     """Whether this process may become its own fork server's parent: one Python thread (a fork copies
     only the caller's; a lock another thread holds would stay held in every worker; the BLAS
     libraries' own pool threads, started at import, stop and restart around a fork by themselves),
-    no server started yet, and the multiprocessing layout this module knows."""
+    CUDA not initialised (a fork of a process that has it cannot use CUDA, and a worker's job may
+    run on the GPU), no server started yet, and the multiprocessing layout this module knows."""
     server = forkserver._forkserver
-    return (threading.active_count() == 1 and all(hasattr(server, name) for name in _SERVER_STATE)
+    torch = sys.modules.get("torch")
+    cuda_initialised = torch is not None and torch.cuda.is_initialized()     # asks, never initialises
+    return (threading.active_count() == 1 and not cuda_initialised
+            and all(hasattr(server, name) for name in _SERVER_STATE)
             and server._forkserver_pid is None
             and list(inspect.signature(forkserver.main).parameters) == _SERVER_MAIN_PARAMETERS)
 
@@ -69,7 +75,7 @@ def start_fork_server_here(modules: tuple[str, ...] = WORKER_MODULES) -> int | N
     :func:`fork_server_context`'s workers are forks of it, as with multiprocessing's own server:
     the same protocol, the same pipe that ends it when its last client is gone."""
     if not can_fork_server_here():
-        log.debug("fork server: multiprocessing's own (this process has threads, or an unknown layout)")
+        log.debug("fork server: multiprocessing's own (this process has threads or CUDA, or an unknown layout)")
         return None
     for name in modules:
         importlib.import_module(name)

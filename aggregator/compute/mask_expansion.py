@@ -327,6 +327,13 @@ def mask_expansion_plan(preference: str = "auto") -> tuple[str, str | int]:
         if preference != "auto":
             raise RuntimeError("CudaMaskApplier needs Triton (shipped with CUDA builds of torch)")
         log.warning("GPU present but Triton does not import: secure aggregation unmasks on the CPU")
+    return cpu_mask_expansion_plan()
+
+
+def cpu_mask_expansion_plan() -> tuple[str, int]:
+    """Where masks are expanded without a GPU: ("processes", n) when there are more usable cores
+    than the thread path can use, else ("threads", n). Needs no torch, so it can be asked before
+    anything touches CUDA (``aggregator serve`` does, to know whether it will fork workers)."""
     cores = usable_cores()
     return ("processes", cores) if cores > MAX_DEFAULT_MASK_WORKERS else ("threads", default_mask_workers())
 
