@@ -171,14 +171,17 @@ def released_accuracy(a: np.ndarray, b: np.ndarray, n: int, mechanism: Fed3RMech
 
 
 def centred_accuracy(ztr: np.ndarray, ytr: np.ndarray, parts: list[np.ndarray], eps: float, delta: float,
-                     args, test) -> float:
+                     args, test, secure: bool = False) -> float:
     """``ssp`` with the job's private feature center (``dp_center_devices``): a seeded m of the fleet
     release the mean of their rows clipped to F, the others centre on it and clip to F_c; the
-    model is solved and shifted back by the job's own classes (aggregator/strategies/dp_center.py)."""
+    model is solved and shifted back by the job's own classes (aggregator/strategies/dp_center.py).
+    ``secure``: Fed3R-Sync's distributed form (RDP-accounted, ``DistributedSSP``; the center round's
+    sum is a group sum of (Σ z, n) carrying the devices' noise of the same multiplier)."""
     order = np.random.default_rng(args.seed + 1).permutation(len(parts))
     centre_parts, rest = [parts[i] for i in order[:args.center_devices]], [parts[i] for i in order[args.center_devices:]]
-    z = noise_multiplier_for(eps, delta, 1, accounting="pld")
-    mechanism = CalibratedSSP(z, Fed3RSensitivity.of(args.ssp_cap, args.center_clip, True), args.b_share)
+    z = noise_multiplier_for(eps, delta, 1, accounting="rdp" if secure else "pld")
+    kind = DistributedSSP if secure else CalibratedSSP
+    mechanism = kind(z, Fed3RSensitivity.of(args.ssp_cap, args.center_clip, True), args.b_share)
     p = ztr.shape[1] + 1
     center = PrivateFeatureCenter(C, p, z, args.ssp_cap, args.clip)
     strategy = NoisyFed3R(C, p, 0.01, True, True, mechanism, rng=np.random.default_rng(args.seed), center=center)
@@ -257,6 +260,9 @@ def main() -> None:
               + f"   (m = {args.center_devices} devices release the mean at F = {args.clip}; F_c = {args.center_clip})",
               flush=True)
         rows["ssp+center"] = accs
+        accs = [centred_accuracy(ztr, ytr, parts, eps, delta, args, test, secure=True) for eps in EPSILONS]
+        print(f"{'':>8} {'ssp-secure+center':>9}: " + " ".join(f"{acc:>7.3f}" for acc in accs), flush=True)
+        rows["ssp-secure+center"] = accs
         ssp1 = mechanisms[0]
         ablations = {"A noise only": Ablated(ssp1, True, False), "B noise only": Ablated(ssp1, False, True),
                      "no noise (λ only)": Ablated(ssp1, False, False)}
