@@ -29,6 +29,9 @@ allows for one release at (ε, δ) (``noise_multiplier_for``).
   per-block noise; RDP accounting (z larger than PLD's), ssp's λ rule and shrinkage, N =
   ``--ssp-cap``; simulated as the Gaussian of those stddevs (the Skellam sum's variance, what
   its accounting uses).
+- ``ssp-secure+center``: Fed3R-Sync with the private feature center (``dp_center_devices``): the
+  center round a secure group whose members send (Σ z, n) with their noise shares (``center_round``
+  tasks), RDP's multiplier, then ``ssp-secure`` on the centred rows.
 
 The fleet's sum is formed as Σ_i w_i z_i z_iᵀ over the distinct images i a device kept (w_i: how
 many devices kept it) — the same sum in another order, which the wire path (tested elsewhere to

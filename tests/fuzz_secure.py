@@ -1,8 +1,8 @@
 """The secure kinds of the differential fuzzer (tests/test_differential_fuzz.py, whose module
 docstring says what is compared and why the masked words are out of scope): ``fedavg.secure``
 and ``fed3r.secure`` cases (plain fedavg.head / fed3r.stats cases plus the secure round's
-fields, distributed DP in a quarter, block scales in most of those, a random round config to
-encode under),
+fields, distributed DP in a quarter, block scales in most of those, a third of them the feature
+center's round (``center_round``), a random round config to encode under),
 ``scaffold.head.secure`` and ``ditto.head.secure`` cases (round 1 of a stateful case on a fresh
 store, plus the same fields and Scaffold's control_clip_norm), and the comparison of the three
 devices' contributions and fixed-point words (``compare``).
@@ -119,8 +119,16 @@ def secure_fed3r_case(rng):
             scales[("a_off_diagonal", "b")[int(rng.integers(0, 2))]] = (0.0, -1.0, 2.0 ** 21, "x", None)[
                 int(rng.integers(0, 5))]
         params["block_scales"] = scales
+    length = p * (p + 1) // 2 + C * p + 1
+    if rng.random() < (0.35 if dp else 0.03):  # the feature center's round: (Σ z, n); without dp, scales, a clip,
+        params["center_round"] = True          # the intercept, or with a center, declined
+        length = p
+        if rng.random() < 0.8:
+            params.pop("block_scales", None)
+            params.pop("centered", None)
+            tensors = {}
     largest = n * max(1.0, float(np.abs(Z).max()) ** 2)
-    return params, tensors, (Z, y), secure_round(rng, p * (p + 1) // 2 + C * p + 1, largest, dp and dp["scale_bits"])
+    return params, tensors, (Z, y), secure_round(rng, length, largest, dp and dp["scale_bits"])
 
 
 def stateful_tolerance(kind: str, case: tuple, vectors: dict[str, np.ndarray]) -> float:

@@ -167,6 +167,60 @@ def test_job_refuses_a_centring_it_cannot_do(over, message):
         build_job("fed3r", config(**over))
 
 
-def test_secure_fed3r_refuses_centring():
-    with pytest.raises(ValueError, match="does not centre"):
-        build_job("fed3r-sync", config())
+def test_secure_fed3r_center_round_is_a_secure_group():
+    with pytest.raises(ValueError, match="at least 3"):
+        build_job("fed3r-sync", config(dp_center_devices=2))
+
+
+def sync_job(devices, **over):
+    from aggregator.jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob
+    from protocols.identity import DeviceIdentity, IdentityRegistry
+
+    return Fed3RSyncJob(Fed3RSyncConfig(**config(**over)), identity=DeviceIdentity.generate("aggregator"),
+                        registry=IdentityRegistry({d: DeviceIdentity.generate(d).public_key_bytes for d in devices}))
+
+
+def test_secure_device_sends_its_noisy_feature_sum_then_centred_statistics():
+    """Fed3R-Sync's device (``SecureFed3R``) against numpy, the same seeded noise: in the center
+    round, (Σ z, n) of its first N rows clipped to F with noise on every entry, the count's too;
+    after it, the statistics of its rows minus the center, clipped to F_c, blocks scaled, noised."""
+    from edge_client.tasks.secure_fed3r import SecureFed3R
+    from protocols.identity import DeviceIdentity
+    from protocols.payloads.secagg import pack_sync_vector, scale_sync_blocks
+    from protocols.secagg.distributed_dp import add_skellam_noise
+
+    devices = [f"cam-{i}" for i in range(6)]
+    job = sync_job(devices, max_samples=2)
+    chosen = job.next_participants(set(devices))
+    assert len(chosen) == 3 and job.strategy.centering
+    params, tensors = job.task_for(chosen[0])
+    assert params["center_round"] and "block_scales" not in params and not tensors and params["feature_clip_norm"] == 20.0
+    Z, y = data(5, 7)
+    device = SecureFed3R(DeviceIdentity.generate("cam-0"), job.identity.public_key_bytes,
+                         Fed3RStatsTask(Z.astype(np.float32), y, lambda b, s, w: Features(D)),
+                         noise_rng=np.random.default_rng(11))
+    rows = clip(Z[:2].astype(np.float32).astype(np.float64), 20.0)
+    dp = params["dp"]
+    expected = add_skellam_noise(np.r_[rows.sum(axis=0), 2.0], dp["stddev"], dp["scale_bits"],
+                                 np.random.default_rng(11), noised=slice(0, D + 1))
+    np.testing.assert_allclose(device.vector(params, tensors), expected, rtol=1e-12, atol=1e-9)
+
+    mu = np.linspace(-1.0, 1.0, D) * 0.5           # the center as released (any value: the device takes it)
+    job.strategy.center.release_noised(np.r_[mu * 4, 4.0], 3)
+    for d in chosen:
+        job.contributed[d] = 0
+    rest = job.next_participants(set(devices))
+    assert not job.strategy.centering and sorted(rest) == sorted(set(devices) - set(chosen))
+    params, tensors = job.task_for(rest[0])
+    assert params["centered"] and params["feature_clip_norm"] == 3.0 and "center_round" not in params
+    np.testing.assert_array_equal(tensors[CENTER_TENSOR], mu)
+    rows = np.hstack([clip(Z[:2].astype(np.float32).astype(np.float64) - mu, 3.0), np.ones((2, 1))])
+    A, B = rows.T @ rows, rows.T @ np.eye(C)[y[:2]]
+    scales, dp = params["block_scales"], params["dp"]
+    vector = scale_sync_blocks(pack_sync_vector(A[np.triu_indices(D + 1)], B.T, 0), D + 1, C,
+                               scales["a_off_diagonal"], scales["b"])
+    vector[-1] = 1.0
+    device.noise_rng = np.random.default_rng(12)
+    expected = add_skellam_noise(vector, dp["stddev"], dp["scale_bits"], np.random.default_rng(12),
+                                 noised=slice(0, len(vector) - 1))
+    np.testing.assert_allclose(device.vector(params, tensors), expected, rtol=1e-12, atol=1e-9)

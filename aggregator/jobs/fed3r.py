@@ -205,13 +205,19 @@ class Fed3RJob(OncePerDevice, SplitValidation):
         return super().next_participants(online, size)
 
     def task_for(self, device: str) -> tuple[dict, dict[str, np.ndarray]]:
+        params, tensors = self.stats_task(device)
+        return params.to_params(), tensors
+
+    def stats_task(self, device: str) -> tuple[Fed3RStatsParams, dict[str, np.ndarray]]:
+        """The statistics ``device`` computes now: the job's, from where the job holds its samples
+        (streaming), centred on the released feature center with its clip F_c (DP with a center)."""
         params = self.config.task_params()
         if self.config.streaming:
             params = dataclasses.replace(params, from_sample=self.contributed.get(device, 0))
         if self._centred:
             params = dataclasses.replace(params, centered=True, feature_clip_norm=self.config.dp_center_clip_norm)
-            return params.to_params(), {CENTER_TENSOR: self.strategy.center.value}
-        return params.to_params(), {}
+            return params, {CENTER_TENSOR: self.strategy.center.value}
+        return params, {}
 
     def parse_result(self, env: Envelope) -> Fed3RStats:
         return self._check_increment(env, self.check_payload(env))

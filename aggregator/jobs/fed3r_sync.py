@@ -51,10 +51,8 @@ class Fed3RSyncConfig(Fed3RConfig, SecureAggregationFields):
         if self.streaming:
             # an increment would be a group sum whose members' counts the job cannot check
             raise ValueError("fed3r-sync does not stream: run a new Fed3R-Sync job over the new data")
-        if self.dp_center_devices:
-            # the center round's sum would be a group sum noised by its members (distributed DP),
-            # released in a form the devices do not produce yet: central DP only for now
-            raise ValueError("fed3r-sync does not centre its features (dp_center_devices): use a DP fed3r job")
+        if self.dp_center_devices and self.dp_center_devices < MIN_GROUP:
+            raise ValueError(f"dp_center_devices must be 0 or at least {MIN_GROUP}: the center round is a secure group")
         if self.ring_bits != RING_BITS:
             # the statistics' bound N max(F², F) leaves a 32-bit ring almost no fractional bits
             raise ValueError(f"fed3r-sync sums in the {RING_BITS}-bit ring: its statistics need the precision")
@@ -68,7 +66,7 @@ class Fed3RSyncConfig(Fed3RConfig, SecureAggregationFields):
     def mechanism(self) -> Fed3RMechanism:
         """The job's mechanism as the devices can add it: each adds one Skellam stddev to its whole
         vector, ``ssp``'s per-block split made by scaling the vector's blocks first (``DistributedSSP``)."""
-        sensitivity = Fed3RSensitivity.of(self.max_samples, self.feature_clip_norm, self.fit_intercept)
+        sensitivity = Fed3RSensitivity.of(self.max_samples, self.row_clip_norm, self.fit_intercept)
         if self.dp_mechanism == CalibratedSSP.name:
             return DistributedSSP(self.dp_noise_multiplier, sensitivity, self.dp_b_share)
         return UniformGaussian(self.dp_noise_multiplier, sensitivity)
@@ -112,15 +110,20 @@ class Fed3RSyncJob(SecureGroupRounds, Fed3RJob):
         if len(pool) < MIN_GROUP:
             return []        # too few left to hide anyone's statistics in a sum
         size = self.config.clients_per_round
-        if len(pool) - size < MIN_GROUP:
+        centering = self.config.dp and self.strategy.centering
+        if len(pool) - size < MIN_GROUP and not centering:
             size = len(pool)     # the stragglers join this group: left over alone they could never be summed
             away = set(self.eligible(self.reachable)) - set(pool)   # offline for now, within the grace period
             if 0 < len(away) < MIN_GROUP:
                 return []        # this would be the last group: wait for them (or for their grace to run out)
-        chosen = super().next_participants(set(pool), size)
-        if self.config.dp:
+        chosen = super().next_participants(set(pool), size)    # the center round: dp_center_devices of them
+        if centering and chosen:
+            c, center = self.config, self.strategy.center
+            self._round_dp = self.open_dp_round(self.round, chosen, c.p, c.max_samples * max(c.feature_clip_norm, 1.0),
+                                                c.dp_noise_multiplier * center.sensitivity)
+        elif self.config.dp:
             c, scales = self.config, self.config.block_scales()
-            r = row_norm_bound(c.feature_clip_norm, c.fit_intercept)
+            r = row_norm_bound(c.row_clip_norm, c.fit_intercept)
             widest = 1.0 if scales is None else max(1.0, scales.a_off_diagonal, scales.b)   # what scaling may grow
             self._round_dp = self.open_dp_round(self.round, chosen, self.vector_length,
                                                 fed3r_bound(c.max_samples, max(r, 1.0)) * widest, c.dp_noise_stddev())
@@ -132,17 +135,23 @@ class Fed3RSyncJob(SecureGroupRounds, Fed3RJob):
         return len(self.eligible(known | online)) < MIN_GROUP
 
     def task_for(self, device: str) -> tuple[dict, dict[str, np.ndarray]]:
-        dp = DpRound(**self._round_dp) if self.config.dp else None
-        scales = self.config.block_scales() if self.config.dp else None
-        return SecureFed3RParams.extending(self.config.task_params(), group=f"g{self.round}", dp=dp,
-                                           block_scales=scales).to_params(), {}
+        stats, tensors = self.stats_task(device)
+        if not self.config.dp:
+            return SecureFed3RParams.extending(stats, group=f"g{self.round}").to_params(), tensors
+        dp, centering = DpRound(**self._round_dp), self.strategy.centering
+        return SecureFed3RParams.extending(stats, group=f"g{self.round}", dp=dp, center_round=centering or None,
+                                           block_scales=None if centering else self.config.block_scales()
+                                           ).to_params(), tensors
 
     def parse_result(self, env: Envelope):
         raise EnvelopeError("fed3r.secure devices send secagg messages, never plain results")
 
     def on_secure_sum(self, total: np.ndarray, survivors: tuple[str, ...]) -> None:
         c = self.config
-        if c.dp:                     # already noisy (the devices' shares); the sample count is not released
+        if c.dp and self.strategy.centering:    # (Σ z, n) + the devices' noise: the center, nothing else
+            self.strategy.center.release_noised(total, len(survivors))
+            n = 0
+        elif c.dp:                   # already noisy (the devices' shares); the sample count is not released
             a_upper, b = self._unscaled(total, len(survivors))
             self.strategy.add_noised(a_upper, b, 0, len(survivors))
             n = 0

@@ -13,7 +13,9 @@ How. The job's first round (``dp_center_devices`` devices) is an ordinary DP Fed
 clip F, but of its sum only the intercept row is released: s = Σ z_i and n (one device moves
 (s, n) by at most N·F and N, so Δ_c = N √(F² + 1)), with Gaussian noise N(0, (zΔ_c)²) on each of
 the d + 1 entries; μ̂ = s̃ / max(ñ, 1). The rest of those devices' statistics is dropped, never
-released. Every later round's devices subtract μ̂ before clipping at F_c, and the model solved
+released. Under secure aggregation (Fed3R-Sync's distributed DP) the center round's devices send
+only (Σ z, n), each with its share of that noise, and the group's sum is the noisy pair
+(``release_noised``). Every later round's devices subtract μ̂ before clipping at F_c, and the model solved
 from the centred sums is shifted back to raw features: W(z − μ̂) + b = Wz + (b − Wμ̂), so a
 deployed head (and OLL after it) sees the backbone's features as they are.
 
@@ -74,8 +76,22 @@ class PrivateFeatureCenter:
             self.pending = self._empty()
             return False
         column = self.pending.A[:, -1].cpu().numpy()                 # (Σ z_i, n): A's intercept column
-        noisy = column + rng.normal(0.0, self.noise_multiplier * self.sensitivity, column.shape)
-        self.value = noisy[:-1] / max(float(noisy[-1]), 1.0)
+        return self.release_noised(column + rng.normal(0.0, self.noise_multiplier * self.sensitivity, column.shape),
+                                   self.pending.n_contributions)
+
+    def release_noised(self, noisy_column: np.ndarray, contributions: int) -> bool:
+        """Set the center from (Σ z_i, n) already noised — :meth:`release`'s, or a secure group's sum
+        of its members' noisy (Σ z, n) (Fed3R-Sync's distributed DP) — of ``contributions`` devices;
+        False, nothing set, below ``min_devices`` (as :meth:`release`)."""
+        if self.released:
+            raise ValueError("the feature center is released once")
+        noisy_column = np.asarray(noisy_column, dtype=np.float64)
+        if noisy_column.shape != (self.pending.p,):
+            raise ValueError(f"the center's sum has shape {noisy_column.shape}, expected ({self.pending.p},)")
+        if contributions < max(self.min_devices, 1):
+            self.pending = self._empty()
+            return False
+        self.value = noisy_column[:-1] / max(float(noisy_column[-1]), 1.0)
         self.pending = None                                           # the rest is never released
         return True
 

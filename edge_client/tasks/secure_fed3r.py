@@ -3,17 +3,20 @@
 The device computes its dense statistics (the same ``Fed3RStatsTask`` as plain Fed3R) and
 packs them into the fixed-shape vector of ``protocols.payloads.secagg``; ``SecureUpdate`` does
 the rest. Under distributed DP (the task's ``dp``) the device adds its share of noise first,
-after scaling the vector's blocks when the task says how (``block_scales``).
+after scaling the vector's blocks when the task says how (``block_scales``). The private feature
+center's round (``center_round``) takes only (Σ z, n) of its clipped rows, noised whole; the
+rounds after it carry the center (``centered``, the ``feature_center`` tensor), which the
+statistics subtract from every row before the clip, as in plain DP Fed3R.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from protocols.identity import DeviceIdentity
 import dataclasses
 
-from protocols.payloads.secagg import SYNC_KIND, pack_sync_vector, scale_sync_blocks
+from protocols.identity import DeviceIdentity
+from protocols.payloads.secagg import SYNC_KIND, pack_sync_vector, scale_sync_blocks, sync_center_vector
 from protocols.payloads.secure_tasks import SecureFed3RParams
 
 from ..agent import TaskDeclined
@@ -32,10 +35,13 @@ class SecureFed3R(SecureUpdate):
 
     def vector(self, params: dict, tensors: dict[str, np.ndarray]) -> np.ndarray:
         task = read_params(SecureFed3RParams, params, SYNC_KIND)
-        body, stats = self.stats(dataclasses.replace(task, format="dense", dtype="float64"))
+        body, stats = self.stats(dataclasses.replace(task, format="dense", dtype="float64"), tensors)
         n = body["n"]
         if n > task.max_samples:
             raise TaskDeclined(f"{n} local samples exceed the round's bound of {task.max_samples}")
+        if task.center_round:        # (Σ z, n), every entry noised: the count is the center's denominator
+            center = sync_center_vector(stats["A_upper"], np.shape(stats["b"])[1])
+            return self.add_noise(center, task.dp, noised=slice(0, len(center)))
         if task.dp is None:
             return pack_sync_vector(stats["A_upper"], stats["b"], n)
         # Distributed DP (features clipped, samples capped by the stats task): the sample count would

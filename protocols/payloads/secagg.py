@@ -132,6 +132,15 @@ def scale_sync_blocks(v: np.ndarray, p: int, num_classes: int, a_off_diagonal: f
     return out
 
 
+def sync_center_vector(a_upper: np.ndarray, p: int) -> np.ndarray:
+    """A ``center_round`` device's vector: A's intercept (last) column, (Σ z_i, n), read from the
+    packed upper triangle (row i's last entry is A[i, p-1]). p values."""
+    a_upper = np.asarray(a_upper, dtype=np.float64)
+    if a_upper.shape != (packed_len(p),):
+        raise ValueError(f"packed A has shape {a_upper.shape}, expected ({packed_len(p)},)")
+    return a_upper[np.cumsum(np.arange(p, 0, -1)) - 1].copy()
+
+
 def unpack_sync_vector(v: np.ndarray, p: int, num_classes: int) -> tuple[np.ndarray, np.ndarray, int]:
     if v.shape != (sync_vector_length(p, num_classes),):
         raise ValueError(f"sync vector has shape {v.shape}, expected ({sync_vector_length(p, num_classes)},)")

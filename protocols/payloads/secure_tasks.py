@@ -10,6 +10,8 @@ params) and contributes it to a group sum (``protocols.payloads.secagg``), so ea
 * ``dp``             under distributed DP, the round's noise (:class:`DpRound`)
 * ``block_scales``   Fed3R-Sync under distributed DP: how the device scales its vector's blocks
                      first, so that one noise stddev becomes per-block noise (:class:`SyncBlockScales`)
+* ``center_round``   Fed3R-Sync under distributed DP, the private feature center's round: the device
+                     contributes only (Σ z, n) of its clipped rows (``sync_center_vector``)
 
 and, per kind, ``vector_order`` (the FedAvg family: the trained tensors' order in the vector),
 ``update_clip_norm`` (bounded influence without DP) or ``slots`` (LADD's cluster slot layout).
@@ -28,7 +30,7 @@ from .partial import PartialParams
 from .scaffold import ScaffoldParams
 from .secagg import (HEAD_ORDER, SECURE_DITTO_KIND, SECURE_FEDAVG_KIND, SECURE_LADD_KIND, SECURE_PP_KIND,
                      SECURE_SCAFFOLD_KIND, SECURE_TAIL_KIND, SYNC_KIND, ClusterSlotLayout)
-from .task_params import DpRound, WireParams, check_int, check_number, check_str, nested, optional
+from .task_params import DpRound, WireParams, check_bool, check_int, check_number, check_str, nested, optional
 
 MAX_GROUP_ID = 128
 MAX_BLOCK_SCALE = 2.0 ** 20
@@ -60,13 +62,18 @@ class SyncBlockScales(WireParams):
 class SecureFed3RParams(Fed3RStatsParams):
     """``fed3r.secure`` params: dense float64 statistics (whatever ``format``/``dtype`` say: a sum
     needs fixed shapes), ``max_samples`` required; under distributed DP, ``dp`` and optionally
-    ``block_scales`` (:class:`SyncBlockScales`)."""
+    ``block_scales`` (:class:`SyncBlockScales`). ``center_round`` (distributed DP, with the
+    intercept, uncentred, no block scales): the round that releases the private feature center
+    (aggregator/strategies/dp_center.py) — the device's vector is A's intercept column only,
+    (Σ z, n) over its clipped rows (``protocols.payloads.secagg.sync_center_vector``), noise on
+    every entry, the count included (its noisy sum is the center's denominator)."""
 
     KIND = SYNC_KIND
     REQUIRED_KEYS = ("max_samples",)
     group: str
     dp: DpRound | None = nested(DpRound)
     block_scales: SyncBlockScales | None = nested(SyncBlockScales)
+    center_round: bool | None = optional()
 
     def __post_init__(self):
         super().__post_init__()
@@ -75,6 +82,12 @@ class SecureFed3RParams(Fed3RStatsParams):
             raise ValueError("a secure Fed3R task needs max_samples")
         if self.block_scales is not None and self.dp is None:
             raise ValueError("block_scales shape distributed-DP noise: a task without dp has none")
+        if self.center_round is not None:
+            check_bool("center_round", self.center_round)
+            if self.center_round and (self.dp is None or self.block_scales is not None or self.centered
+                                      or not self.fit_intercept or not self.feature_clip_norm):
+                raise ValueError("center_round needs dp, feature_clip_norm and fit_intercept, and neither "
+                                 "block_scales nor centered (it releases the mean the later rounds centre on)")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -26,9 +26,14 @@ public final class Fed3RStatsTask implements TaskHandler {
      *  first max_samples of them when the task caps samples (DP), rows clipped to
      *  feature_clip_norm when it is > 0. */
     public Fed3RAccumulator accumulate(Fed3RStatsParams task) throws TaskDeclined {
-        if (data.size() == 0) throw new TaskDeclined("no local training data");
         if (Boolean.TRUE.equals(task.centered)) throw new TaskDeclined("a centered " + KIND + " task needs its feature_center tensor");
-        return accumulate(task, false, null);
+        return accumulate(task, List.of());
+    }
+
+    /** The same, a centered task's rows shifted by the feature_center among the task's tensors first. */
+    public Fed3RAccumulator accumulate(Fed3RStatsParams task, List<Envelope.Tensor> tensors) throws TaskDeclined {
+        if (data.size() == 0) throw new TaskDeclined("no local training data");
+        return accumulate(task, false, tensors);
     }
 
     /** A centered task's feature_center: the feature dimension's finite values (else a decline). */

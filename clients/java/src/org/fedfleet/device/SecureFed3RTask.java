@@ -3,7 +3,10 @@
 // Under distributed DP (a task with "dp": features clipped, samples capped by the stats task) the
 // count would be an un-noised release, so it is left out (0) and the statistics carry the
 // device's Skellam noise share (SkellamNoise), added after the task's block_scales scaled the
-// vector's blocks (SyncBlockScales; the count slot then 1). Params: SecureFed3RParams.
+// vector's blocks (SyncBlockScales; the count slot then 1). The private feature center's round
+// (center_round) contributes A's intercept column only, (Σ z, n) over the clipped rows, every
+// entry noised (protocols/payloads/secagg.py sync_center_vector); a centered task's rows are
+// shifted by its feature_center tensor first (Fed3RStatsTask). Params: SecureFed3RParams.
 package org.fedfleet.device;
 
 import java.util.List;
@@ -22,10 +25,18 @@ public final class SecureFed3RTask implements SecureTask {
     @Override
     public Contribution contribute(Map<String, Object> params, List<Envelope.Tensor> tensors) throws TaskDeclined {
         SecureFed3RParams task = SecureFed3RParams.fromParams(params);
-        Fed3RAccumulator acc = stats.accumulate(task.stats);
+        Fed3RAccumulator acc = stats.accumulate(task.stats, tensors);
         if (acc.n() > task.maxSamples)
             throw new TaskDeclined(acc.n() + " local samples exceed the round's bound of " + task.maxSamples);
         double[] a = acc.aUpper();
+        if (Boolean.TRUE.equals(task.centerRound)) {     // (Σ z, n): row i's last packed entry is A[i][p-1]
+            double[] column = new double[acc.p];
+            for (int i = 0, end = 0; i < acc.p; i++) {
+                end += acc.p - i;
+                column[i] = a[end - 1];
+            }
+            return new Contribution(task.group, noise.add(column, task.dp, column.length), true);
+        }
         long[] all = new long[acc.numClasses];
         for (int c = 0; c < all.length; c++) all[c] = c;
         double[] b = acc.bRows(all);
