@@ -30,7 +30,8 @@ def simulate_overrides(args) -> dict:
             "runtime": args.runtime, "rf_dim": args.rf_dim, "workers": args.workers,
             "secure": True if args.secure else None, "secure_graph": args.secure_graph,
             "clients_per_round": args.clients_per_round, "ray": args.ray, "shards": args.shards,
-            "deploy": True if args.deploy else None}
+            "deploy": True if args.deploy else None, "dp_epsilon": args.dp_epsilon,
+            "dp_center_devices": args.dp_center_devices}
 
 
 def _simulate(args) -> int:
@@ -157,6 +158,13 @@ def _add_simulate_parser(sub, help: str) -> None:
     s.add_argument("--secure-graph", choices=job_field_choices("fed3r-sync", "graph"),
                    help="SecAgg (complete), SecAgg+ (regular), or by group size (auto, the default: complete up to "
                         "128 members)")
+    s.add_argument("--dp-epsilon", type=float, metavar="EPS",
+                   help="--pipeline fed3r: differentially private Fed3R at this ε (δ = 1/devices; with --secure "
+                        "the devices add the noise); config fields dp_clip, dp_max_samples, dp_center_clip "
+                        "(fedfleet/dp_fleet.py)")
+    s.add_argument("--dp-center-devices", type=int, metavar="M",
+                   help="--dp-epsilon: a first round of M devices releases the features' mean, the rest centre on "
+                        "it (default 0: none)")
     s.add_argument("--pipeline", choices=["fed3r", "fedncm", "fed3r-ft-oll", "fed3r-pp-oll", "fed3r-ft-pp-oll", "fed3r-ditto-oll",
                                           "fed3r-ft-ditto-oll", "ladd"],
                    default="fed3r",

@@ -80,6 +80,13 @@ class SimConfig:
     classifier: str = "fed3r"               # --pipeline fed3r: "fed3r" (ridge) or "fedncm" (class means, same upload)
     secure_graph: str = "auto"              # auto (by group size) | complete (SecAgg) | regular (SecAgg+)
     phase_timeout_s: float = 60.0
+    # DP Fed3R (fedfleet/dp_fleet.py): ε > 0 turns it on; δ 0: 1/devices; F, N; a center of m devices, F_c
+    dp_epsilon: float = 0.0
+    dp_delta: float = 0.0
+    dp_clip: float = 8.0
+    dp_max_samples: int = 1
+    dp_center_devices: int = 0
+    dp_center_clip: float = 4.0
     # --pipeline fed3r-ft-oll: FedAvg(ψ) fine-tuning from the Fed3R head, then OLL on every device
     ft_rounds: int = 30
     ft_mode: str = "psi"                    # psi: FT(ψ) head | phi: FT(φ) backbone tail, head frozen | M: both
@@ -447,9 +454,13 @@ def run(cfg: SimConfig, quiet: bool = False) -> dict:
         job_fields, secure = _secure_setup(cfg, out, [p.device_id for p in prep.profiles],
                                            max(len(s) for s in prep.shards.values()))
         job.update(job_fields)
+    kind = f"{cfg.classifier}-sync" if cfg.secure else cfg.classifier
+    if cfg.dp_epsilon:
+        from .dp_fleet import dp_job_fields
+
+        job.update(dp_job_fields(cfg, kind, job))
     with EmulatedFleet(cfg, out, prep.profiles, secure, quiet) as fleet:
-        results = fleet.run_job(f"{cfg.classifier}-sync" if cfg.secure else cfg.classifier, job, out,
-                                out / "eval_features.npz", cfg.devices)
+        results = fleet.run_job(kind, job, out, out / "eval_features.npz", cfg.devices)
     report = _report(cfg, results, fleet.worker_stats, prep)
     report["wall_s"] = time.monotonic() - t_start
     report["broker_rss_mb"] = fleet.broker_rss_mb
@@ -506,6 +517,8 @@ def _report(cfg, results, workers, prep: Prepared, job_dir: Path | None = None) 
         report["central_accuracy"] = float((scores.argmax(1) == yte).mean())
         report["rel_weight_error"] = float(np.linalg.norm(fed["raw_weights"] - W) / np.linalg.norm(W))
         report["central_samples"] = int(len(y))
+    if cfg.dp_epsilon:
+        report["privacy"] = results["final"].get("privacy")
     return report
 
 
@@ -562,8 +575,13 @@ def format_report(r: dict) -> str:
     if "central_accuracy" in r:
         reference = "centralized NCM acc.    " if name == "FedNCM" else "centralized ridge acc.  "
         lines += [f"{reference}{r['central_accuracy']:.4f}   ({'numpy' if name == 'FedNCM' else 'sklearn'}, same features, "
-                  f"{r['central_samples']} samples)",
-                  f"‖W_fed − W_central‖/‖W_central‖ = {r['rel_weight_error']:.2e}"]
+                  f"{r['central_samples']} samples)"]
+        if r["config"].get("dp_epsilon"):
+            from .dp_fleet import dp_report_lines
+
+            lines += dp_report_lines(r)
+        else:
+            lines.append(f"‖W_fed − W_central‖/‖W_central‖ = {r['rel_weight_error']:.2e}")
     per_dev = r["bytes_up"] / max(1, r["contributed"])
     lines += [f"bytes up (all devices)  {r['bytes_up'] / 1e6:.1f} MB  ({per_dev / 1e6:.2f} MB per contributing device; "
               f"{r.get('factor_uploads', '?')} factor-form / {r.get('dense_uploads', '?')} dense uploads)",

@@ -35,6 +35,28 @@ def test_smoke_simulation_matches_centralized_ridge(tmp_path, feature_cache):
     assert counts == sorted(counts) and counts[-1] == 20
 
 
+@pytest.mark.slow
+def test_simulate_dp_epsilon_runs_fed3r_sync_with_a_private_center_on_the_devices(tmp_path, feature_cache):
+    """``fedfleet simulate --secure --dp-epsilon ε --dp-center-devices m``: Fed3R-Sync under
+    distributed DP on the emulated fleet: a center group of m devices, then the centred groups;
+    the job accounts one release at the smallest multiplier its own (RDP) accountant allows for
+    ε at δ = 1/devices, and the report puts the private model beside the centralized ridge."""
+    from aggregator.compute.privacy import noise_multiplier_for
+    from fedfleet.simulate import format_report
+
+    cfg = dataclasses.replace(PRESETS["smoke"], out_dir=str(tmp_path / "run"), cache_dir=feature_cache, secure=True,
+                              dropout_prob=0.0, dp_epsilon=4.0, dp_center_devices=5)
+    report = run(cfg, quiet=True)
+    assert report["contributed"] == 20 and report["rounds"] == 1 + 15 // cfg.clients_per_round   # the center's, then 3
+    z = noise_multiplier_for(4.0, 1 / 20, 1, accounting="rdp")
+    assert report["privacy"]["noise_multiplier"] == z and report["privacy"]["accounting"] == "rdp"
+    assert report["privacy"]["releases"] == 1 and report["privacy"]["epsilon"] <= 4.0
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["config"]["dp_center_devices"] == 5 and results["config"]["feature_clip_norm"] == cfg.dp_clip
+    text = format_report(report)
+    assert "privacy                 ε = " in text and "points against the centralized ridge" in text and "W_central" not in text
+
+
 def assert_wma_recomputes(out, oll: dict, features_of, abs_tol: float) -> None:
     """The global head's and OLL's WMA, recomputed from the saved model, each reporting device's
     shard labels and held-out images, and `features_of(images)`, equal what the job reported."""
