@@ -32,6 +32,9 @@ allows for one release at (ε, δ) (``noise_multiplier_for``).
 - ``ssp-secure+center``: Fed3R-Sync with the private feature center (``dp_center_devices``): the
   center round a secure group whose members send (Σ z, n) with their noise shares (``center_round``
   tasks), RDP's multiplier, then ``ssp-secure`` on the centred rows.
+  Both secure rows carry what the groups cost (``--secure-groups G``, ``secure_noise_factor``): each
+  group is calibrated to its threshold t = ⌈2κ/3⌉, so with every member surviving a group's sum
+  holds κ/t = 1.5 times the release's noise variance, and G groups G times that.
 
 The fleet's sum is formed as Σ_i w_i z_i z_iᵀ over the distinct images i a device kept (w_i: how
 many devices kept it) — the same sum in another order, which the wire path (tested elsewhere to
@@ -61,6 +64,7 @@ sys.path.insert(0, str(REPO))
 from aggregator.compute.privacy import noise_multiplier_for  # noqa: E402
 from aggregator.compute.ridge import ClosedFormRidge  # noqa: E402
 from aggregator.strategies.dp_center import PrivateFeatureCenter  # noqa: E402
+from protocols.secagg.config import default_threshold  # noqa: E402
 from aggregator.strategies.dp_fed3r import (CalibratedSSP, Fed3RMechanism, Fed3RSensitivity, NoiseScale,  # noqa: E402
                                             DistributedSSP, NoisyFed3R, UniformGaussian)
 from edge_client.data.idx import load_fashion_mnist  # noqa: E402
@@ -157,12 +161,23 @@ def best_lambda_on_test(sums, mechanism: CalibratedSSP, test, seed: int) -> tupl
     return c, acc
 
 
-def mechanism_for(kind: str, eps: float, delta: float, cap: int, clip: float, b_share: float) -> Fed3RMechanism:
+def secure_noise_factor(devices: int, groups: int) -> float:
+    """How much larger the stddev of Fed3R-Sync's summed noise is than one release's: each of the
+    ``groups`` SecAgg groups (κ = devices/groups members, threshold t = ⌈2κ/3⌉) is a release of
+    its own whose members each add σ²/t, so with every member surviving the model holds
+    groups·κ/t times σ² (protocols/secagg/distributed_dp.py)."""
+    kappa = math.ceil(devices / max(groups, 1))
+    return math.sqrt(groups * kappa / default_threshold(kappa))
+
+
+def mechanism_for(kind: str, eps: float, delta: float, cap: int, clip: float, b_share: float,
+                  noise_factor: float = 1.0) -> Fed3RMechanism:
     sensitivity = Fed3RSensitivity.of(cap, clip, True)
     if kind == "gaussian":
         return FixedLambda(noise_multiplier_for(eps, delta, 1, accounting="rdp"), sensitivity)
-    if kind == "ssp-secure":
-        return DistributedSSP(noise_multiplier_for(eps, delta, 1, accounting="rdp"), sensitivity, b_share)
+    if kind == "ssp-secure":     # noise_factor: the groups' (secure_noise_factor), as z grown by it
+        return DistributedSSP(noise_multiplier_for(eps, delta, 1, accounting="rdp") * noise_factor, sensitivity,
+                              b_share)
     return CalibratedSSP(noise_multiplier_for(eps, delta, 1, accounting="pld"), sensitivity, b_share)
 
 
@@ -184,9 +199,12 @@ def centred_accuracy(ztr: np.ndarray, ytr: np.ndarray, parts: list[np.ndarray], 
     centre_parts, rest = [parts[i] for i in order[:args.center_devices]], [parts[i] for i in order[args.center_devices:]]
     z = noise_multiplier_for(eps, delta, 1, accounting="rdp" if secure else "pld")
     kind = DistributedSSP if secure else CalibratedSSP
-    mechanism = kind(z, Fed3RSensitivity.of(args.ssp_cap, args.center_clip, True), args.b_share)
+    # under SecAgg: the center one group of m, the rest in --secure-groups groups (secure_noise_factor)
+    model_factor = secure_noise_factor(len(rest), args.secure_groups) if secure else 1.0
+    center_factor = secure_noise_factor(len(centre_parts), 1) if secure else 1.0
+    mechanism = kind(z * model_factor, Fed3RSensitivity.of(args.ssp_cap, args.center_clip, True), args.b_share)
     p = ztr.shape[1] + 1
-    center = PrivateFeatureCenter(C, p, z, args.ssp_cap, args.clip)
+    center = PrivateFeatureCenter(C, p, z * center_factor, args.ssp_cap, args.clip)
     strategy = NoisyFed3R(C, p, 0.01, True, True, mechanism, rng=np.random.default_rng(args.seed), center=center)
     iu = np.triu_indices(p)
     a, b, n = fleet_sums(clip_rows(ztr, args.clip), ytr, centre_parts, args.ssp_cap)
@@ -216,6 +234,9 @@ def main() -> None:
                     help="ssp+center: devices of the center round (the job's dp_center_devices)")
     ap.add_argument("--center-clip", type=float, default=4.0,
                     help="ssp+center: F_c, the clip of the centred rows (about their median norm)")
+    ap.add_argument("--secure-groups", type=int, default=1,
+                    help="ssp-secure rows: the SecAgg groups the fleet is summed in (each a release whose members "
+                         "add σ²/t each; the center is one more group of --center-devices)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--project", choices=("digits-pca", "random"),
                     help="first project the features (train and test) to --project-dims: onto the top principal "
@@ -256,7 +277,11 @@ def main() -> None:
             rows[kind] = mechanism_rows(kind, sums, mechanisms, test, args.seed)
         # under secure aggregation (Fed3R-Sync): the devices' Skellam noise on their block-scaled
         # vectors, RDP-accounted (DistributedSSP); simulated as the Gaussian of the sum's stddevs
-        secure = [mechanism_for("ssp-secure", eps, delta, args.ssp_cap, args.clip, args.b_share) for eps in EPSILONS]
+        factor = secure_noise_factor(n_devices, args.secure_groups)
+        secure = [mechanism_for("ssp-secure", eps, delta, args.ssp_cap, args.clip, args.b_share, factor)
+                  for eps in EPSILONS]
+        print(f"{'':>8} secure rows: {args.secure_groups} SecAgg group(s), threshold ⌈2κ/3⌉, every member "
+              f"surviving: the summed noise's stddev {factor:.2f}× one release's", flush=True)
         rows["ssp-secure"] = mechanism_rows("ssp-secure", sums, secure, test, args.seed)
         accs = [centred_accuracy(ztr, ytr, parts, eps, delta, args, test) for eps in EPSILONS]
         print(f"{'':>8} {'ssp+center':>9}: " + " ".join(f"{acc:>7.3f}" for acc in accs)

@@ -70,7 +70,8 @@ from aggregator.jobs.registry import kind_of, validate_job_config
 
 from .pipeline_report import FP_LABELS, FT_MODES, format_pipeline_report, ft_label, write_plots_and_html
 from .progress import StepClock
-from .simulate import EmulatedFleet, SimConfig, _report, _secure_setup, prepare
+from .simulate import EmulatedFleet, SimConfig, _secure_setup, prepare
+from .simulate_report import job_report
 
 PIPELINES = {"fed3r-ft-oll": ("fed3r", "fedavg-ft", "oll"),
              "fed3r-pp-oll": ("fed3r", "pp", "oll"),
@@ -342,7 +343,7 @@ def pipeline_report(cfg: SimConfig, prep, phases: dict, workers: list[dict]) -> 
                  "rejections": r["rejections"], "late": r["late"]}
         final = r["final"]
         if name == "fed3r":
-            central = _report(cfg, r, workers, prep, job_dir=phase["dir"])
+            central = job_report(cfg, r, workers, prep, job_dir=phase["dir"])
             entry.update(accuracy=final.get("accuracy"), central_accuracy=central.get("central_accuracy"),
                          rel_weight_error=central.get("rel_weight_error"))
         elif name in ("fedavg-ft", *PERSONAL_PHASES):

@@ -141,6 +141,36 @@ def result_envelope(handler, params, tensors):
     return decode(encode(result_message("cam-0", TaskRef("fed3r", 2, "x" * 32), KIND, body, out)))
 
 
+def test_no_release_round_smaller_than_dp_min_round_devices_opens():
+    """``dp_min_round_devices``: every round of the model is a release with noise of its own, so a
+    round of fewer devices is not opened (the center round is its own rule), and the job is
+    finished once fewer than that many devices are left to ask."""
+    devices = [f"cam-{i}" for i in range(10)]
+    job = build_job("fed3r", config(dp_min_round_devices=4, max_attempts=2))
+    h = handlers(devices)
+    assert len(run_round(job, h, KIND)) == 3                          # the center round: m = 3 < 4 is fine
+    rest = sorted(set(devices) - set(job.contributed) - set(job.attempts))
+    assert job.next_participants(set(rest[:3])) == [] and job.round == 1     # 3 online < 4: no release yet
+    assert not job.finished(set(rest[:3]), set(rest))                 # 7 known: it waits for them
+    sent = run_round(job, h, KIND, only=rest, silent=rest[:2])        # 5 answer, 2 drop out
+    assert len(sent) == 5 and job.strategy.releases == 1
+    assert job.eligible(set(rest)) == rest[:2]                        # asked once of twice: still eligible
+    assert job.next_participants(set(devices)) == [] and job.finished(set(devices), set(devices))   # 2 < 4
+    plain = build_job("fed3r", config(max_attempts=2))
+    run_round(plain, h, KIND)
+    run_round(plain, h, KIND, only=rest, silent=rest[:2])
+    assert sorted(plain.next_participants(set(devices))) == rest[:2]   # without it: a second release of 2
+
+
+@pytest.mark.parametrize("kind, over, message", [
+    ("fed3r", {"dp_noise_multiplier": 0.0, "dp_center_devices": 0, "dp_min_round_devices": 5}, "need DP"),
+    ("fed3r-sync", {"dp_min_round_devices": 5}, "each group is a release"),
+])
+def test_dp_min_round_devices_is_central_dps(kind, over, message):
+    with pytest.raises(ValueError, match=message):
+        build_job(kind, config(**over))
+
+
 def test_bad_centers_are_declined_and_uncentred_rows_refused():
     job = build_job("fed3r", config())
     h = handlers(["cam-0", "cam-1", "cam-2"])
@@ -157,7 +187,7 @@ def test_bad_centers_are_declined_and_uncentred_rows_refused():
 
 
 @pytest.mark.parametrize("over, message", [
-    ({"dp_noise_multiplier": 0.0}, "needs DP"),
+    ({"dp_noise_multiplier": 0.0}, "need DP"),
     ({"dp_center_clip_norm": 0.0}, "dp_center_clip_norm > 0"),
     ({"fit_intercept": False}, "fit_intercept"),
     ({"random_features": {"seed": 1, "dim": 16, "sigma": 1.0}}, "random_features"),

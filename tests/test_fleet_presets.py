@@ -12,7 +12,8 @@ from edge_client.data import load_fashion_mnist
 from fedfleet.emulation.broker import BrokerTree
 from fedfleet.emulation.partition import make_split
 from fedfleet.errors import UserError
-from fedfleet.simulate import Prepared, _report, check_devices_per_process, load_config, split_params
+from fedfleet.simulate import Prepared, check_devices_per_process, load_config, split_params
+from fedfleet.simulate_report import job_report
 
 
 def test_fleet_100k_assignment_is_long_tailed_and_repeats_images():
@@ -59,11 +60,11 @@ def test_centralized_reference_counts_a_repeated_image_once_per_device(tmp_path)
     results = {"contributed": list(shards), "rounds": [], "bytes_in": 0, "bytes_out": 0, "rejections": {},
                "late": 0, "duplicates": 0, "final": {}, "history": []}
     workers = [{"dropouts": 0, "compute_s": 0.0, "bytes_up": 0}]
-    report = _report(cfg, results, workers, prep)
+    report = job_report(cfg, results, workers, prep)
     assert report["central_samples"] == len(held) and report["rel_weight_error"] <= 1e-9
     # the same images counted once each make another model: the check above can fail
     once = {"once": np.unique(held)}
-    other = _report(cfg, dict(results, contributed=["once"]), workers, dataclasses.replace(prep, shards=once))
+    other = job_report(cfg, dict(results, contributed=["once"]), workers, dataclasses.replace(prep, shards=once))
     assert other["rel_weight_error"] > 1e-3
 
 

@@ -560,6 +560,33 @@ def test_bad_personalization_tasks_are_declined(java_cp, tmp_path, change, reaso
     assert out.startswith("DECLINED") and reason in out, out
 
 
+def run_mixed_sync_fleet(java_cp, broker, tmp_path, job, agg, keys, seeds, py_ids, data, dim) -> None:
+    """Serve the Fed3R-Sync ``job`` to JAVA_IDS (one JVM) and Python agents ``py_ids`` (device i
+    on ``data(i)``, Java first) until it is done with every device contributing."""
+    from ops_fleet import Features, RecordingService
+
+    from edge_client.agent import DeviceAgent
+    from edge_client.tasks.fed3r_stats import Fed3RStatsTask
+    from edge_client.tasks.secure_fed3r import SecureFed3R
+    from protocols.mqtt_link import BrokerConfig
+    from protocols.payloads.secagg import SECAGG_TYPE, SYNC_KIND
+
+    ids = JAVA_IDS + list(py_ids)
+    service = RecordingService(job, broker.url, tmp_path / "out", set(ids), identity=agg)
+    jvm = start_java_devices(java_cp, broker.url, tmp_path, ["--aggregator-key", agg.public_key_bytes.hex()], seeds=seeds,
+                             data=data)
+    agents = []
+    for i, d in enumerate(py_ids, start=len(JAVA_IDS)):
+        secure = SecureFed3R(keys[d], agg.public_key_bytes, Fed3RStatsTask(*data(i), lambda b, s, w: Features(dim)))
+        agents.append(DeviceAgent(d, BrokerConfig.from_url(broker.url), {}, aggregator_key=agg.public_key_bytes,
+                                  protocol_handlers={SYNC_KIND: secure, SECAGG_TYPE: secure}).start())
+    try:
+        result = service.join(150)
+    finally:
+        out, err = stop_mixed_fleet(agents, jvm)
+    assert result.get("state") == "done" and sorted(result["contributed"]) == sorted(ids), (result, err[-3000:])
+
+
 def test_mixed_fleet_fed3r_sync_under_distributed_dp_releases_clipped_sums_plus_noise(java_cp, broker, tmp_path):
     """Fed3R-Sync under distributed DP with Java and Python devices in one SecAgg group: every
     device clips its features, caps its samples, scales its vector's blocks (``block_scales``) and
@@ -570,15 +597,10 @@ def test_mixed_fleet_fed3r_sync_under_distributed_dp_releases_clipped_sums_plus_
     off, and a device that did not scale would fail the round by its count slot), so the Java
     devices' clipping (features ~10× the clip norm), cap (20 of 37 samples), scaling and noise are
     the protocol's."""
-    from ops_fleet import Features, RecordingService, assert_noise_of_variance, clipped_sums
+    from ops_fleet import assert_noise_of_variance, clipped_sums
 
     from aggregator.jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob
-    from edge_client.agent import DeviceAgent
-    from edge_client.tasks.fed3r_stats import Fed3RStatsTask
-    from edge_client.tasks.secure_fed3r import SecureFed3R
     from protocols.identity import DeviceIdentity, IdentityRegistry
-    from protocols.mqtt_link import BrokerConfig
-    from protocols.payloads.secagg import SECAGG_TYPE, SYNC_KIND
 
     ids, F, N, dim = JAVA_IDS + PY_IDS, 4.0, 20, 30
 
@@ -596,19 +618,7 @@ def test_mixed_fleet_fed3r_sync_under_distributed_dp_releases_clipped_sums_plus_
                           feature_clip_norm=F, dp_noise_multiplier=0.8, dp_target_epsilon=8.0, phase_timeout_s=4,
                           max_attempts=1)
     job = Fed3RSyncJob(cfg, identity=agg, registry=IdentityRegistry({d: k.public_key_bytes for d, k in keys.items()}))
-    service = RecordingService(job, broker.url, tmp_path / "out", set(ids), identity=agg)
-    jvm = start_java_devices(java_cp, broker.url, tmp_path, ["--aggregator-key", agg.public_key_bytes.hex()], seeds=seeds,
-                             data=data)
-    agents = []
-    for i, d in enumerate(PY_IDS, start=len(JAVA_IDS)):
-        secure = SecureFed3R(keys[d], agg.public_key_bytes, Fed3RStatsTask(*data(i), lambda b, s, w: Features(dim)))
-        agents.append(DeviceAgent(d, BrokerConfig.from_url(broker.url), {}, aggregator_key=agg.public_key_bytes,
-                                  protocol_handlers={SYNC_KIND: secure, SECAGG_TYPE: secure}).start())
-    try:
-        result = service.join(120)
-    finally:
-        out, err = stop_mixed_fleet(agents, jvm)
-    assert result.get("state") == "done" and sorted(result["contributed"]) == sorted(ids), (result, err[-3000:])
+    run_mixed_sync_fleet(java_cp, broker, tmp_path, job, agg, keys, seeds, PY_IDS, data, dim)
     A, B = clipped_sums(map(data, range(len(ids))), C, N, F)
     assert job.strategy.releases == 1
     # one stddev on every entry of the block-scaled vectors: ssp's per-block noise once scaled back
@@ -628,16 +638,11 @@ def test_mixed_fleet_fed3r_sync_with_a_private_center_releases_the_center_then_c
     the others' centred, clipped statistics plus ``ssp``'s per-block noise (χ² bounds at 1e-6: a
     device that did not centre, or sent its whole statistics in the center round, fails them),
     and the model is the centred one shifted back to raw features."""
-    from ops_fleet import Features, RecordingService, assert_noise_of_variance
+    from ops_fleet import assert_noise_of_variance
     from scipy import stats as scipy_stats
 
     from aggregator.jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob
-    from edge_client.agent import DeviceAgent
-    from edge_client.tasks.fed3r_stats import Fed3RStatsTask
-    from edge_client.tasks.secure_fed3r import SecureFed3R
     from protocols.identity import DeviceIdentity, IdentityRegistry
-    from protocols.mqtt_link import BrokerConfig
-    from protocols.payloads.secagg import SECAGG_TYPE, SYNC_KIND
 
     py_ids = ["py0", "py1", "py2"]
     ids, F, Fc, N, dim = JAVA_IDS + py_ids, 400.0, 12.0, 20, 30
@@ -659,19 +664,7 @@ def test_mixed_fleet_fed3r_sync_with_a_private_center_releases_the_center_then_c
     sums, on_sum = [], job.on_secure_sum
     job.on_secure_sum = lambda total, survivors: (
         sums.append((job.strategy.centering, survivors, np.array(total), job._round_dp["stddev"])), on_sum(total, survivors))
-    service = RecordingService(job, broker.url, tmp_path / "out", set(ids), identity=agg)
-    jvm = start_java_devices(java_cp, broker.url, tmp_path, ["--aggregator-key", agg.public_key_bytes.hex()], seeds=seeds,
-                             data=data)
-    agents = []
-    for i, d in enumerate(py_ids, start=len(JAVA_IDS)):
-        secure = SecureFed3R(keys[d], agg.public_key_bytes, Fed3RStatsTask(*data(i), lambda b, s, w: Features(dim)))
-        agents.append(DeviceAgent(d, BrokerConfig.from_url(broker.url), {}, aggregator_key=agg.public_key_bytes,
-                                  protocol_handlers={SYNC_KIND: secure, SECAGG_TYPE: secure}).start())
-    try:
-        result = service.join(150)
-    finally:
-        out, err = stop_mixed_fleet(agents, jvm)
-    assert result.get("state") == "done" and sorted(result["contributed"]) == sorted(ids), (result, err[-3000:])
+    run_mixed_sync_fleet(java_cp, broker, tmp_path, job, agg, keys, seeds, py_ids, data, dim)
     assert [centering for centering, *_ in sums] == [True, False]
     (_, members, center_sum, center_stddev), (_, others, _, _) = sums
     assert sorted(members + others) == sorted(ids)

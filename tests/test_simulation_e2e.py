@@ -36,25 +36,31 @@ def test_smoke_simulation_matches_centralized_ridge(tmp_path, feature_cache):
 
 
 @pytest.mark.slow
-def test_simulate_dp_epsilon_runs_fed3r_sync_with_a_private_center_on_the_devices(tmp_path, feature_cache):
-    """``fedfleet simulate --secure --dp-epsilon ε --dp-center-devices m``: Fed3R-Sync under
-    distributed DP on the emulated fleet: a center group of m devices, then the centred groups;
-    the job accounts one release at the smallest multiplier its own (RDP) accountant allows for
-    ε at δ = 1/devices, and the report puts the private model beside the centralized ridge."""
+@pytest.mark.parametrize("secure", [False, True], ids=["central", "secure"])
+def test_simulate_dp_epsilon_runs_dp_fed3r_with_a_private_center_on_the_devices(tmp_path, feature_cache, secure):
+    """``fedfleet simulate [--secure] --dp-epsilon ε --dp-center-devices m``: a center round of m
+    devices, then the model's: central DP in one round of everyone left (a release per round),
+    Fed3R-Sync's distributed DP in groups of κ; the job accounts one release at the smallest
+    multiplier its own accountant allows for ε at δ = 1/devices (PLD central, RDP secure), and the
+    report puts the private model beside the centralized ridge."""
     from aggregator.compute.privacy import noise_multiplier_for
-    from fedfleet.simulate import format_report
+    from fedfleet.simulate_report import format_report
 
-    cfg = dataclasses.replace(PRESETS["smoke"], out_dir=str(tmp_path / "run"), cache_dir=feature_cache, secure=True,
+    cfg = dataclasses.replace(PRESETS["smoke"], out_dir=str(tmp_path / "run"), cache_dir=feature_cache, secure=secure,
                               dropout_prob=0.0, dp_epsilon=4.0, dp_center_devices=5)
     report = run(cfg, quiet=True)
-    assert report["contributed"] == 20 and report["rounds"] == 1 + 15 // cfg.clients_per_round   # the center's, then 3
-    z = noise_multiplier_for(4.0, 1 / 20, 1, accounting="rdp")
-    assert report["privacy"]["noise_multiplier"] == z and report["privacy"]["accounting"] == "rdp"
-    assert report["privacy"]["releases"] == 1 and report["privacy"]["epsilon"] <= 4.0
+    rounds = 1 + (15 // cfg.clients_per_round if secure else 1)       # the center's, then groups of κ or one round
+    assert report["contributed"] == 20 and report["rounds"] == rounds
+    z = noise_multiplier_for(4.0, 1 / 20, 1, accounting="rdp" if secure else "pld")
+    privacy = report["privacy"]
+    assert privacy["noise_multiplier"] == z and privacy["accounting"] == ("rdp" if secure else "pld")
+    assert privacy["releases"] == 1 and privacy["epsilon"] <= 4.0 and privacy["noisy_sums"] == rounds - 1
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert results["config"]["dp_center_devices"] == 5 and results["config"]["feature_clip_norm"] == cfg.dp_clip
+    assert results["config"]["dp_min_round_devices"] == (0 if secure else 7)
     text = format_report(report)
-    assert "privacy                 ε = " in text and "points against the centralized ridge" in text and "W_central" not in text
+    assert "privacy                 ε = " in text and "points against the centralized ridge" in text
+    assert "W_central" not in text
 
 
 def assert_wma_recomputes(out, oll: dict, features_of, abs_tol: float) -> None:

@@ -69,6 +69,9 @@ class Fed3RConfig(Fed3RRobustnessFields, PrivacyBudgetFields, ModelFields):
     # (aggregator/strategies/dp_center.py)
     dp_center_devices: int = limited(0, Range(0, 10_000_000))
     dp_center_clip_norm: float = limited(0.0, Range(0, 1e6))   # F_c: the clip of the centred rows (> 0 when centring)
+    # > 0: a round of the model opens only with this many devices; each round is a release with noise
+    # of its own, so a late round of a few devices would cost more accuracy than they add
+    dp_min_round_devices: int = limited(0, Range(0, 10_000_000))
 
     def __post_init__(self):
         super().__post_init__()
@@ -83,8 +86,8 @@ class Fed3RConfig(Fed3RRobustnessFields, PrivacyBudgetFields, ModelFields):
             self.check_centering()
             self.mechanism()                 # refuses a bad dp_b_share before anything runs
             self.refuse_over_budget(1)       # every device is in one noisy round sum: one release in all
-        elif self.dp_center_devices:
-            raise ValueError("dp_center_devices needs DP (dp_noise_multiplier > 0): the center is a DP release")
+        elif self.dp_center_devices or self.dp_min_round_devices:
+            raise ValueError("dp_center_devices and dp_min_round_devices need DP (dp_noise_multiplier > 0)")
 
     def check_centering(self) -> None:
         if not self.dp_center_devices:
@@ -202,7 +205,16 @@ class Fed3RJob(OncePerDevice, SplitValidation):
             if len(self.eligible(online)) < self.config.dp_center_devices:
                 return []
             size = self.config.dp_center_devices
+        elif min(size or self.config.clients_per_round, len(self.eligible(online))) < self.config.dp_min_round_devices:
+            return []           # a release this small would add a release's noise for a few devices' signal
         return super().next_participants(online, size)
+
+    def finished(self, online: set[str], known: set[str]) -> bool:
+        """No known device left to ask, or (``dp_min_round_devices``) too few for a round of the model."""
+        left = len(self.eligible(known | online))
+        if self.config.dp_min_round_devices and not (isinstance(self.strategy, NoisyFed3R) and self.strategy.centering):
+            return left < self.config.dp_min_round_devices
+        return left == 0
 
     def task_for(self, device: str) -> tuple[dict, dict[str, np.ndarray]]:
         params, tensors = self.stats_task(device)
@@ -329,7 +341,9 @@ class Fed3RJob(OncePerDevice, SplitValidation):
         # the center round is a release too (of other devices: parallel composition keeps it one in all)
         report = self.config.privacy_report(1 if self.contributions or self._centred else 0)
         if report is not None:
-            out["privacy"] = report
+            # ... but each round's (group's) sum carries noise of its own: the model holds this many
+            # releases' noise variance, which is what more rounds or retries cost in accuracy
+            out["privacy"] = {**report, "noisy_sums": self.strategy.releases}
         return out
 
     def model(self):

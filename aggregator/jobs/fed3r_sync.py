@@ -51,6 +51,9 @@ class Fed3RSyncConfig(Fed3RConfig, SecureAggregationFields):
         if self.streaming:
             # an increment would be a group sum whose members' counts the job cannot check
             raise ValueError("fed3r-sync does not stream: run a new Fed3R-Sync job over the new data")
+        if self.dp_min_round_devices:
+            raise ValueError("fed3r-sync: each group is a release of its clients_per_round members (dp_min_round_devices "
+                             "is central DP's rule for its rounds)")
         if self.dp_center_devices and self.dp_center_devices < MIN_GROUP:
             raise ValueError(f"dp_center_devices must be 0 or at least {MIN_GROUP}: the center round is a secure group")
         if self.ring_bits != RING_BITS:
