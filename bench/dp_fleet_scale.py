@@ -64,7 +64,7 @@ sys.path.insert(0, str(REPO))
 from aggregator.compute.privacy import noise_multiplier_for  # noqa: E402
 from aggregator.compute.ridge import ClosedFormRidge  # noqa: E402
 from aggregator.strategies.dp_center import PrivateFeatureCenter  # noqa: E402
-from protocols.secagg.config import default_threshold  # noqa: E402
+from protocols.secagg.config import threshold_at_least  # noqa: E402
 from aggregator.strategies.dp_fed3r import (CalibratedSSP, Fed3RMechanism, Fed3RSensitivity, NoiseScale,  # noqa: E402
                                             DistributedSSP, NoisyFed3R, UniformGaussian)
 from edge_client.data.idx import load_fashion_mnist  # noqa: E402
@@ -161,13 +161,13 @@ def best_lambda_on_test(sums, mechanism: CalibratedSSP, test, seed: int) -> tupl
     return c, acc
 
 
-def secure_noise_factor(devices: int, groups: int) -> float:
+def secure_noise_factor(devices: int, groups: int, threshold: float = 0.0) -> float:
     """How much larger the stddev of Fed3R-Sync's summed noise is than one release's: each of the
-    ``groups`` SecAgg groups (κ = devices/groups members, threshold t = ⌈2κ/3⌉) is a release of
-    its own whose members each add σ²/t, so with every member surviving the model holds
-    groups·κ/t times σ² (protocols/secagg/distributed_dp.py)."""
+    ``groups`` SecAgg groups (κ = devices/groups members, threshold t = ⌈2κ/3⌉, or the job's
+    ``dp_group_threshold`` share of κ) is a release of its own whose members each add σ²/t, so
+    with every member surviving the model holds groups·κ/t times σ² (protocols/secagg/distributed_dp.py)."""
     kappa = math.ceil(devices / max(groups, 1))
-    return math.sqrt(groups * kappa / default_threshold(kappa))
+    return math.sqrt(groups * kappa / threshold_at_least(kappa, threshold))
 
 
 def mechanism_for(kind: str, eps: float, delta: float, cap: int, clip: float, b_share: float,
@@ -200,8 +200,8 @@ def centred_accuracy(ztr: np.ndarray, ytr: np.ndarray, parts: list[np.ndarray], 
     z = noise_multiplier_for(eps, delta, 1, accounting="rdp" if secure else "pld")
     kind = DistributedSSP if secure else CalibratedSSP
     # under SecAgg: the center one group of m, the rest in --secure-groups groups (secure_noise_factor)
-    model_factor = secure_noise_factor(len(rest), args.secure_groups) if secure else 1.0
-    center_factor = secure_noise_factor(len(centre_parts), 1) if secure else 1.0
+    model_factor = secure_noise_factor(len(rest), args.secure_groups, args.group_threshold) if secure else 1.0
+    center_factor = secure_noise_factor(len(centre_parts), 1, args.group_threshold) if secure else 1.0
     mechanism = kind(z * model_factor, Fed3RSensitivity.of(args.ssp_cap, args.center_clip, True), args.b_share)
     p = ztr.shape[1] + 1
     center = PrivateFeatureCenter(C, p, z * center_factor, args.ssp_cap, args.clip)
@@ -237,6 +237,9 @@ def main() -> None:
     ap.add_argument("--secure-groups", type=int, default=1,
                     help="ssp-secure rows: the SecAgg groups the fleet is summed in (each a release whose members "
                          "add σ²/t each; the center is one more group of --center-devices)")
+    ap.add_argument("--group-threshold", type=float, default=0.0,
+                    help="secure rows: the job's dp_group_threshold (the share of a group that must survive; "
+                         "0: SecAgg's ⌈2κ/3⌉)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--project", choices=("digits-pca", "random"),
                     help="first project the features (train and test) to --project-dims: onto the top principal "
@@ -277,10 +280,11 @@ def main() -> None:
             rows[kind] = mechanism_rows(kind, sums, mechanisms, test, args.seed)
         # under secure aggregation (Fed3R-Sync): the devices' Skellam noise on their block-scaled
         # vectors, RDP-accounted (DistributedSSP); simulated as the Gaussian of the sum's stddevs
-        factor = secure_noise_factor(n_devices, args.secure_groups)
+        factor = secure_noise_factor(n_devices, args.secure_groups, args.group_threshold)
         secure = [mechanism_for("ssp-secure", eps, delta, args.ssp_cap, args.clip, args.b_share, factor)
                   for eps in EPSILONS]
-        print(f"{'':>8} secure rows: {args.secure_groups} SecAgg group(s), threshold ⌈2κ/3⌉, every member "
+        print(f"{'':>8} secure rows: {args.secure_groups} SecAgg group(s), threshold "
+              f"{'⌈2κ/3⌉' if not args.group_threshold else f'{args.group_threshold}·κ'}, every member "
               f"surviving: the summed noise's stddev {factor:.2f}× one release's", flush=True)
         rows["ssp-secure"] = mechanism_rows("ssp-secure", sums, secure, test, args.seed)
         accs = [centred_accuracy(ztr, ytr, parts, eps, delta, args, test) for eps in EPSILONS]

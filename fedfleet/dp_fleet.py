@@ -33,6 +33,8 @@ def dp_job_fields(cfg, kind: str, job: dict) -> dict:
     fields = {"feature_clip_norm": cfg.dp_clip, "max_samples": cfg.dp_max_samples, "dp_delta": delta,
               "dp_center_devices": cfg.dp_center_devices,
               "dp_center_clip_norm": cfg.dp_center_clip if cfg.dp_center_devices else 0.0}
+    if cfg.secure:
+        fields["dp_group_threshold"] = cfg.dp_group_threshold
     if one_release(cfg.dp_epsilon, cfg.secure):
         # every round is a release with noise of its own, so k rounds leave k times one release's
         # noise variance in the model: the fleet in one round (after the center's), nobody asked twice

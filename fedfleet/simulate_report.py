@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from .simulate import Prepared, SimConfig
 
-
-def job_report(cfg, results: dict, workers: list[dict], prep: "Prepared", job_dir: Path | None = None) -> dict:
+def job_report(cfg, results: dict, workers: list[dict], prep, job_dir: Path | None = None) -> dict:
     """What a one-phase run (or a pipeline's Fed3R phase) reports: the aggregator's figures, the
-    devices' costs and the independent centralized reference on the contributing devices' data."""
+    devices' costs and the independent centralized reference on the contributing devices' data
+    (``cfg`` a ``SimConfig``, ``prep`` the run's ``Prepared`` data, both ``fedfleet/simulate.py``'s)."""
     from sklearn.linear_model import Ridge
 
     shards, Xtr, ytr, Zte, yte, extractor = prep.shards, prep.Xtr, prep.ytr, prep.Zte, prep.yte, prep.extractor
@@ -74,7 +71,7 @@ def central_ncm(Z, y, Zte, yte, fed_raw: np.ndarray, num_classes: int = 10) -> d
             "rel_weight_error": float(np.linalg.norm(fed_raw[:-1] - means) / np.linalg.norm(means))}
 
 
-def fleet_figures(cfg: "SimConfig", results: dict, workers: list[dict]) -> dict:
+def fleet_figures(cfg, results: dict, workers: list[dict]) -> dict:
     """Per-device costs of the run: upload bytes per contributing device (as the aggregator
     counted them, and as the devices sent them: retries included) and device-host memory."""
     contributed = max(1, len(results["contributed"]))

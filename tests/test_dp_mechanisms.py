@@ -185,15 +185,19 @@ class ZeroUpdate:
         return {"n": 10}, {k: v.copy() for k, v in tensors.items()}
 
 
-@pytest.mark.parametrize("dropped", [0, 1], ids=["all-survive", "one-drops"])
-def test_distributed_noise_sums_to_the_intended_variance_under_secagg(dropped):
+@pytest.mark.parametrize("group_threshold, threshold, dropped", [(0.0, 4, 0), (0.0, 4, 1), (0.8, 5, 1), (0.8, 5, 2)],
+                         ids=["all-survive", "one-drops", "t=0.8:one-drops", "t=0.8:two-drop"])
+def test_distributed_noise_sums_to_the_intended_variance_under_secagg(group_threshold, threshold, dropped):
+    """Each member adds σ²/t, t SecAgg's ⌈2κ/3⌉ or ``dp_group_threshold``'s share of the group:
+    any sum the server can reveal (t survivors or more) carries at least σ², and a group that
+    keeps fewer than t reveals nothing."""
     ids = [f"dev{i}" for i in range(6)]
     identities = {d: DeviceIdentity.generate(d) for d in ids}
     agg = DeviceIdentity.generate("aggregator")
     registry = IdentityRegistry({d: idt.public_key_bytes for d, idt in identities.items()})
     z, clip = 1.5, 0.3
     cfg = SecureFedAvgConfig(num_classes=10, feature_dim=2000, rounds=1, clients_per_round=6, seed=1,
-                             dp_noise_multiplier=z, dp_clip_norm=clip)
+                             dp_noise_multiplier=z, dp_clip_norm=clip, dp_group_threshold=group_threshold)
     job = SecureFedAvgJob(cfg, identity=agg, registry=registry)
     chosen = job.next_participants(set(ids))
     config = job.secure.config
@@ -201,14 +205,17 @@ def test_distributed_noise_sums_to_the_intended_variance_under_secagg(dropped):
                                        noise_rng=np.random.default_rng(100 + i)) for i, d in enumerate(chosen)}
     vectors = {d: devices[d].vector(*job.task_for(d)) for d in chosen}
     dp = job.task_for(chosen[0])[0]["dp"]
-    assert dp["threshold"] == config.threshold and config.scale_bits == dp["scale_bits"]
-    assert dp["stddev"] == pytest.approx(z * clip / math.sqrt(config.threshold))
-    dropouts = {chosen[0]: Phase.MASKED_INPUT} if dropped else {}
+    assert dp["threshold"] == config.threshold == threshold and config.scale_bits == dp["scale_bits"]
+    assert dp["stddev"] == pytest.approx(z * clip / math.sqrt(threshold))
+    dropouts = {d: Phase.MASKED_INPUT for d in chosen[:dropped]}
     run = run_round(config, agg, {d: identities[d] for d in chosen}, vectors, dropouts=dropouts)
+    if 6 - dropped < threshold:
+        assert not isinstance(run.outcome, AggregateReady)            # fewer than t: nothing revealed
+        return
     assert isinstance(run.outcome, AggregateReady)
     survivors = sorted(run.outcome.survivors)
     total = run.outcome.decode()
-    assert len(survivors) == 6 - dropped >= config.threshold
+    assert len(survivors) == 6 - dropped >= threshold
     # the ring added nothing: the sum is exactly the survivors' noisy vectors
     assert np.array_equal(total, np.sum([vectors[d] for d in survivors], axis=0))
     assert total[-1] == len(survivors)                              # the count entry carries no noise

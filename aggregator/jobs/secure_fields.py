@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from protocols.identity import DeviceIdentity, IdentityRegistry
-from protocols.secagg.config import GRAPHS
+from protocols.secagg.config import GRAPHS, threshold_at_least
 from protocols.secagg.fixedpoint import RING_BITS, RINGS
 from protocols.topics import AGGREGATOR_ID
 
@@ -29,6 +29,11 @@ class SecureAggregationFields(JobConfig):
     graph: str = limited("auto", OneOf(GRAPHS))
     # SecAgg+: the degree and share threshold are chosen to survive it
     expected_dropout: float = limited(0.1, Range(0, 0.49))
+    # distributed DP: the share of a group that must survive for its sum to be revealed; each member
+    # adds σ²/t, so a group whose members all survive holds κ/t times the release's noise variance
+    # (1.5 at SecAgg's t = ⌈2κ/3⌉, the default 0): a larger share is less noise, and a group with more
+    # drop-outs than it allows fails (nothing released; its devices may be asked again)
+    dp_group_threshold: float = limited(0.0, Range(0, 1))
     # the SecAgg ring Z_{2^r}: 64 bits, or 32 where the bound and the precision the job needs allow
     # it (half the masked bytes and half the mask keystream; the finest scale that fits is used)
     ring_bits: int = limited(RING_BITS, OneOf(RINGS))
@@ -41,6 +46,10 @@ class SecureAggregationFields(JobConfig):
     upload_window_bytes: int = limited(512 * 2**20, Range(2**20, 2**40))
     identity_file: str = limited("", PATH)          # aggregator's Ed25519 private key (PEM)
     device_keys_file: str = limited("", PATH)       # JSON {device id: Ed25519 public key, hex}
+
+    def group_threshold(self, members: int) -> int:
+        """t of a distributed-DP group of ``members``: SecAgg's ⌈2κ/3⌉, or more (``dp_group_threshold``)."""
+        return threshold_at_least(members, self.dp_group_threshold)
 
     def load_identities(self) -> tuple[DeviceIdentity, IdentityRegistry]:
         """The aggregator's identity (``identity_file``) and the enrolled device keys (``device_keys_file``)."""

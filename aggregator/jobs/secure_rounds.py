@@ -35,7 +35,7 @@ from protocols.payloads.secagg import UnsendableMessage, from_envelope, to_envel
 from protocols.secagg import (AggregateReady, MaskedInput, MemberOffline, Message, RoundConfig, RoundFailed,
                               SecAggError, ServerSecAgg, ServerState, Timeout)
 from protocols.secagg.errors import LateMessage
-from protocols.secagg.config import MAX_VECTOR_LENGTH, default_threshold
+from protocols.secagg.config import MAX_VECTOR_LENGTH
 from protocols.secagg.distributed_dp import device_stddev, noise_scale_bits, noisy_bound
 from protocols.topics import AGGREGATOR_ID
 
@@ -96,13 +96,14 @@ class SecureGroupRounds(Job):
 
     # ---------------------------------------------------------------- for the job
     def open_secure_round(self, round_id: int, members: list[str], vector_length: int, bound: float,
-                          group_id: str | None = None, scale_bits: int | None = None) -> None:
+                          group_id: str | None = None, scale_bits: int | None = None,
+                          threshold: int | None = None) -> None:
         """``group_id`` (default ``g<round>``) is signed into the round configuration; a job can
         bind more of the round's contract to it (e.g. a digest of the vector layout).
         ``scale_bits``: pinned for distributed DP (default: the finest safe scale)."""
         config = RoundConfig.create(job_id=self.config.job_id, round_id=round_id, group_id=group_id or f"g{round_id}",
                                     aggregator_id=AGGREGATOR_ID, members=members, vector_length=vector_length,
-                                    bound=bound, graph=self.config.graph, scale_bits=scale_bits,
+                                    bound=bound, graph=self.config.graph, scale_bits=scale_bits, threshold=threshold,
                                     dropout_rate=self.config.expected_dropout, ring_bits=self.config.ring_bits)
         self.host_group(config)
 
@@ -145,13 +146,14 @@ class SecureGroupRounds(Job):
     def open_dp_round(self, round_id: int, members: list[str], vector_length: int, data_bound: float,
                       total_stddev: float, group_id: str | None = None) -> dict:
         """A secure round under distributed DP: each member adds noise of stddev σ/√t (t the round's
-        threshold: no sum is revealed with fewer survivors), the bound makes room for it and the
+        threshold, ``group_threshold``: no sum is revealed with fewer survivors), the bound makes room for it and the
         scale is pinned; returns the ``dp`` task params the members need."""
-        threshold = default_threshold(len(members))
+        threshold = self.config.group_threshold(len(members))
         stddev = device_stddev(total_stddev, threshold)
         bound = noisy_bound(data_bound, stddev)
         scale_bits = noise_scale_bits(stddev, bound, len(members))
-        self.open_secure_round(round_id, members, vector_length, bound, group_id=group_id, scale_bits=scale_bits)
+        self.open_secure_round(round_id, members, vector_length, bound, group_id=group_id, scale_bits=scale_bits,
+                               threshold=threshold)
         assert self.secure.config.threshold == threshold
         return {"stddev": stddev, "scale_bits": scale_bits, "threshold": threshold}
 

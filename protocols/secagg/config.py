@@ -44,6 +44,13 @@ def default_threshold(n: int) -> int:
     return max(2, math.ceil(2 * n / 3))
 
 
+def threshold_at_least(n: int, fraction: float) -> int:
+    """t for a group of n that must keep ``fraction`` of its members: ⌈fraction·n⌉, never below
+    :func:`default_threshold` (a distributed-DP job's members each add σ²/t: a larger t is less
+    noise in a group whose members survive, and fewer drop-outs tolerated)."""
+    return min(n, max(default_threshold(n), math.ceil(fraction * n - 1e-9)))
+
+
 def resolve_graph(graph: str, n: int) -> str:
     """The graph a round of n members runs: ``graph`` itself, or for "auto" the complete graph up
     to AUTO_COMPLETE_MAX_MEMBERS members and SecAgg+'s regular graph above."""
