@@ -4,18 +4,20 @@ What ``bench/dp_fleet_scale.py`` computes from the fleet's sums, run through rea
 real broker: every device clips its rows, caps its samples and (with ``--secure``, Fed3R-Sync's
 distributed DP) adds its own share of the noise; with a center (``dp_center_devices``) the first
 round's devices release the features' mean and the rest centre on it
-(``aggregator/strategies/dp_center.py``). Central DP releases each round's sum with noise of its
-own, so the run asks the whole fleet in one round and nobody twice (a device that drops out is
-lost rather than retried in a release of its own, and ``dp_min_round_devices`` keeps a device
-that comes online late from opening one: ``fedfleet simulate --config fleet-100k --dp-epsilon 1
---dp-center-devices 2000`` keeps 0.803 against 0.8125 without DP in one release, where the
-preset's 10,000 per round and retries made 26 releases and 0.762; docs/algorithms.md). The job's
-noise multiplier is the smallest its own
-accountant allows for one release at (ε, δ) — PLD for central ``ssp``, RDP for the secure
-release — so what the run reports is what an operator asking for that ε gets. The report puts
-the private model beside the centralized ridge without DP on the same devices' features (the
-reference the DP goals are read against; the exact match of a plain run does not apply: the
-model carries noise by design).
+(``aggregator/strategies/dp_center.py``).
+
+Central DP releases each round's sum with noise of its own, so the run asks the whole fleet in one
+round and nobody twice: a device that drops out is lost rather than asked again in a release of
+its own, and ``dp_min_round_devices`` keeps devices that come online late from opening one.
+``fedfleet simulate --config fleet-100k --dp-epsilon 1 --dp-center-devices 2000`` keeps 0.803
+against 0.8125 without DP in one release, where the preset's 10,000 per round and retries made 26
+releases and 0.762 (docs/algorithms.md, "Rounds are releases").
+
+The job's noise multiplier is the smallest its own accountant allows for one release at (ε, δ) —
+PLD for central ``ssp``, RDP for the secure release — so what the run reports is what an operator
+asking for that ε gets. The report puts the private model beside the centralized ridge without DP
+on the same devices' features (what the DP goals are read against; a plain run's exact match does
+not apply: the model carries noise by design).
 """
 
 from __future__ import annotations
