@@ -194,12 +194,17 @@ class Fed3RJob(OncePerDevice, SplitValidation):
         return sorted(d for d in online if self.attempts.get(d, 0) < self.config.max_attempts)
 
     @property
+    def centering(self) -> bool:
+        """The round in progress is DP's center round (``dp_center.py``): its sum releases the center only."""
+        return isinstance(self.strategy, NoisyFed3R) and self.strategy.centering
+
+    @property
     def _centred(self) -> bool:
         """Devices now centre their rows on the released feature center (``dp_center.py``)."""
         return isinstance(self.strategy, NoisyFed3R) and self.strategy.center is not None and not self.strategy.centering
 
     def next_participants(self, online: set[str], size: int | None = None) -> list[str]:
-        if isinstance(self.strategy, NoisyFed3R) and self.strategy.centering:
+        if self.centering:
             # the center round: the operator's m devices, not whoever is online first (a center of a
             # few devices would be mostly noise, and the job's one release of them cannot be redone)
             if len(self.eligible(online)) < self.config.dp_center_devices:
@@ -212,7 +217,7 @@ class Fed3RJob(OncePerDevice, SplitValidation):
     def finished(self, online: set[str], known: set[str]) -> bool:
         """No known device left to ask, or (``dp_min_round_devices``) too few for a round of the model."""
         left = len(self.eligible(known | online))
-        if self.config.dp_min_round_devices and not (isinstance(self.strategy, NoisyFed3R) and self.strategy.centering):
+        if self.config.dp_min_round_devices and not self.centering:
             return left < self.config.dp_min_round_devices
         return left == 0
 

@@ -113,7 +113,7 @@ class Fed3RSyncJob(SecureGroupRounds, Fed3RJob):
         if len(pool) < MIN_GROUP:
             return []        # too few left to hide anyone's statistics in a sum
         size = self.config.clients_per_round
-        centering = self.config.dp and self.strategy.centering
+        centering = self.centering
         if len(pool) - size < MIN_GROUP and not centering:
             size = len(pool)     # the stragglers join this group: left over alone they could never be summed
             away = set(self.eligible(self.reachable)) - set(pool)   # offline for now, within the grace period
@@ -141,7 +141,7 @@ class Fed3RSyncJob(SecureGroupRounds, Fed3RJob):
         stats, tensors = self.stats_task(device)
         if not self.config.dp:
             return SecureFed3RParams.extending(stats, group=f"g{self.round}").to_params(), tensors
-        dp, centering = DpRound(**self._round_dp), self.strategy.centering
+        dp, centering = DpRound(**self._round_dp), self.centering
         return SecureFed3RParams.extending(stats, group=f"g{self.round}", dp=dp, center_round=centering or None,
                                            block_scales=None if centering else self.config.block_scales()
                                            ).to_params(), tensors
@@ -151,7 +151,7 @@ class Fed3RSyncJob(SecureGroupRounds, Fed3RJob):
 
     def on_secure_sum(self, total: np.ndarray, survivors: tuple[str, ...]) -> None:
         c = self.config
-        if c.dp and self.strategy.centering:    # (Σ z, n) + the devices' noise: the center, nothing else
+        if self.centering:    # (Σ z, n) + the devices' noise: the center, nothing else
             self.strategy.center.release_noised(total, len(survivors))
             n = 0
         elif c.dp:                   # already noisy (the devices' shares); the sample count is not released
