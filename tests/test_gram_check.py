@@ -80,20 +80,22 @@ def test_a_checked_parse_keeps_float64_views_and_sums_the_same():
     value and hands back read-only views on the message's bytes; the sums from them are the sums
     from the validated copies, bit for bit."""
     from protocols.envelope import Envelope, decode, encode
-    from protocols.payloads.fed3r import encode_stats, parse_stats
+    from protocols.payloads.fed3r import Fed3RStats, encode_stats, parse_stats
 
     rng = np.random.default_rng(3)
     body, tensors = encode_stats(honest(rng, 40), np.arange(3), rng.normal(size=(3, P)), 40, 3)
     env = decode(encode(Envelope(type="result", sender="dev01", body=body, tensors=tensors, id="ab" * 16)))
     full = parse_stats(env, P, 3, fit_intercept=False)
     checked = parse_stats(env, P, 3, fit_intercept=False, checked=True)
-    assert np.shares_memory(checked.a_upper, env.tensors["A_upper"]) and not checked.a_upper.flags.writeable
-    assert not np.shares_memory(full.a_upper, env.tensors["A_upper"])
-    sums = [Fed3R(3, P, 0.01), Fed3R(3, P, 0.01)]
-    for strategy, stats in zip(sums, (full, checked)):
+    for stats in (full, checked):           # no copy of a float64 upload, checked or not
+        assert np.shares_memory(stats.a_upper, env.tensors["A_upper"]) and not stats.a_upper.flags.writeable
+    copies = Fed3RStats(n=full.n, p=P, a_upper=full.a_upper.copy(), class_ids=full.class_ids.copy(), b=full.b.copy())
+    sums = [Fed3R(3, P, 0.01), Fed3R(3, P, 0.01), Fed3R(3, P, 0.01)]
+    for strategy, stats in zip(sums, (full, checked, copies)):
         strategy.add(stats)
         strategy.add(stats)
-    assert torch.equal(sums[0].A, sums[1].A) and torch.equal(sums[0].B, sums[1].B)
+    for other in sums[1:]:
+        assert torch.equal(sums[0].A, other.A) and torch.equal(sums[0].B, other.B)
     assert np.array_equal(env.tensors["A_upper"], triu_pack(honest(np.random.default_rng(3), 40)))  # never written
 
 
@@ -103,3 +105,31 @@ def test_triu_pack_is_numpys_upper_triangle_in_row_order(p):
     packed = triu_pack(a)
     assert packed.dtype == a.dtype
     np.testing.assert_array_equal(packed, a[np.triu_indices(p)])
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_the_reused_scratch_matrix_carries_nothing_from_one_check_to_the_next(check):
+    """One thread's checks share one float32 matrix (``_gram_scratch``): a verdict must not depend
+    on what the check before left in it (a factor, a failed factorisation's partial one, another p)."""
+    rng = np.random.default_rng(5)
+    good = honest(rng, 200)
+    bad = good.copy()
+    bad[0, 0] = good[0, 0] * 1e-3                   # |A_01|² > A_00·A_11 for some pair: indefinite
+    assert unit_min_eig(bad) < -4 * P * EPS32
+    small = honest(rng, 30)[:50, :50]
+    calls = []
+
+    def recorded(upper, tau):
+        calls.append(upper.dtype)
+        return CHECKS[check](upper, tau)
+
+    for _ in range(2):
+        for matrix, p in ((good, P), (bad, P), (good, P), (small, 50), (bad, P), (small, 50), (good, P)):
+            calls.clear()
+            if matrix is bad:
+                with pytest.raises(EnvelopeError, match="not positive semi-definite"):
+                    check_gram(triu_pack(matrix), p, EPS64, recorded)
+                assert calls == [np.float32, np.float64]
+            else:       # decided by the float32 check on the scratch matrix, not by the float64 fallback
+                check_gram(triu_pack(matrix), p, EPS64, recorded)
+                assert calls == [np.float32]

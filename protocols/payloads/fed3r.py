@@ -42,6 +42,7 @@ summing to n).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable
@@ -332,8 +333,9 @@ def _parse_packed(msg: Envelope, fmt: str, n: int, p: int, num_classes: int,
     if checked:                             # float64 views stay views (read-only)
         return Fed3RStats(n=n, p=p, a_upper=np.asarray(a, np.float64), class_ids=ids, b=np.asarray(b, np.float64))
     require_finite(msg, "A_upper", "b")
-    # Copies: the decoded tensors are read-only views on the received bytes.
-    a, b = np.array(a, dtype=np.float64), np.array(b, dtype=np.float64)
+    # float64 tensors stay read-only views on the received bytes, as when checked: a copy of a
+    # 6.6 MB upload cost fresh pages the kernel zeroes, for statistics that are only read
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     check_gram(a, p, np.finfo(a_dtype).eps, positive_definite)
     return Fed3RStats(n=n, p=p, a_upper=a, class_ids=ids, b=b)
 
@@ -403,23 +405,57 @@ def check_gram(a_upper: np.ndarray, p: int, eps: float, positive_definite: Posit
     dense upload. An honest matrix whose
     float32 factorisation fails on rounding alone (never seen, but not excluded by the bound) gets
     the float64 check at its own wire precision (τ = 4·p·eps·max diag) before it is refused."""
-    full = triu_fill(a_upper, p)
-    diag = full.diagonal().copy()
+    starts = _row_starts(p)
+    diag = a_upper[_diagonal_positions(p)]              # row i of the packed triangle starts at A_ii
     if (diag < 0).any():
         raise EnvelopeError(f"{KIND}: A has a negative diagonal entry; not a Gram matrix")
     dead = diag == 0
-    if dead.any() and (full[dead].any() or full[:, dead].any()):
+    if dead.any() and _dead_rows_nonzero(a_upper, p, np.flatnonzero(dead)):
         raise EnvelopeError(f"{KIND}: A has a zero diagonal entry with a non-zero row; not a Gram matrix")
     inv_sqrt = (1.0 / np.sqrt(np.where(dead, 1.0, diag))).astype(np.float32)
-    unit = full.astype(np.float32)                       # upper-filled; scaled in place to a unit diagonal
-    unit *= inv_sqrt[:, None]
+    unit = _gram_scratch(p)                              # upper triangle filled here, cast to float32 on the copy
+    for i in range(p):
+        unit[i, i:] = a_upper[starts[i]:starts[i + 1]]
+    unit *= inv_sqrt[:, None]                            # scaled in place to a unit diagonal
     unit *= inv_sqrt[None, :]
     if positive_definite(unit, 4 * p * float(np.finfo(np.float32).eps)):
         return
     tau = 4 * p * eps * float(diag.max(initial=0.0)) + np.finfo(np.float64).tiny
-    if not positive_definite(full, tau):
+    if not positive_definite(triu_fill(a_upper, p), tau):
         raise EnvelopeError(f"{KIND}: A is not positive semi-definite (within its wire precision); "
                             f"not a Gram matrix")
+
+
+@lru_cache(maxsize=8)
+def _diagonal_positions(p: int) -> np.ndarray:
+    return np.asarray(_row_starts(p)[:-1], dtype=np.int64)
+
+
+def _dead_rows_nonzero(a_upper: np.ndarray, p: int, dead: np.ndarray) -> bool:
+    """Whether any row (equivalently column) ``d`` of the packed symmetric A holds a non-zero entry,
+    for each ``d`` in ``dead``: row d's packed segment holds A_dj for j >= d, the segments of the rows
+    above it A_id for i < d."""
+    starts = _row_starts(p)
+    for d in dead.tolist():
+        above = np.asarray(starts[:d], dtype=np.int64) + (d - np.arange(d))
+        if a_upper[starts[d]:starts[d + 1]].any() or a_upper[above].any():
+            return True
+    return False
+
+
+_SCRATCH = threading.local()
+
+
+def _gram_scratch(p: int) -> np.ndarray:
+    """This thread's (p x p) float32 matrix for the Gram check, made once and reused. A fresh one per
+    upload cost more than the factorisation on the development VM: the kernel zeroes every new page
+    (``clear_page_erms`` was a quarter of the ingest bench's samples under ``perf``). Only its upper
+    triangle is ever written (the fill, and LAPACK's factor in place: ``cholesky_in_place``), so
+    what lies below stays the zeros it was made with, and the scaling keeps it so."""
+    unit = getattr(_SCRATCH, "unit", None)
+    if unit is None or unit.shape != (p, p):
+        unit = _SCRATCH.unit = np.zeros((p, p), dtype=np.float32)
+    return unit
 
 
 def _check_counts(stats: Fed3RStats, n: int) -> None:
