@@ -227,6 +227,21 @@ def test_distributed_noise_sums_to_the_intended_variance_under_secagg(group_thre
     np.testing.assert_allclose(moved["bias"] - before["bias"], total[-11:-1] / 6, rtol=1e-5, atol=1e-6)
 
 
+def test_a_group_threshold_without_distributed_dp_is_refused_not_ignored():
+    """``dp_group_threshold`` sizes the devices' noise shares; on a secure job without DP it would
+    do nothing, so each secure family refuses it (one ValueError naming the field), and takes it with DP."""
+    from aggregator.jobs.fed3r_sync import Fed3RSyncConfig
+    from aggregator.jobs.secure_ladd import SecureLaddConfig
+
+    plain = {"fedavg": dict(num_classes=10, feature_dim=20), "fed3r-sync": dict(num_classes=10, feature_dim=20),
+             "ladd": dict(model={"num_classes": 5, "image_size": 64})}
+    for name, config in (("fedavg", SecureFedAvgConfig), ("fed3r-sync", Fed3RSyncConfig), ("ladd", SecureLaddConfig)):
+        with pytest.raises(ValueError, match="dp_group_threshold applies to distributed DP only"):
+            config(**plain[name], dp_group_threshold=0.9)
+        config(**plain[name])                                            # 0 (the default) is fine without DP
+        dp = {"dp_noise_multiplier": 1.0} | ({"feature_clip_norm": 8.0} if name == "fed3r-sync" else {"dp_clip_norm": 1.0})
+        assert config(**plain[name], **dp, dp_group_threshold=0.9).group_threshold(10) == 9
+
 
 def test_a_device_adding_distributed_noise_joins_only_a_64_bit_round():
     """Its Skellam share is scaled for the 64-bit ring: the device opens its session asking for 64,

@@ -48,6 +48,7 @@ from aggregator.strategies.robust_fed3r import FeatureBound, check_group_sum
 class Fed3RSyncConfig(Fed3RConfig, SecureAggregationFields):
     def __post_init__(self):
         super().__post_init__()
+        self.refuse_inert_group_threshold(self.dp)
         if self.streaming:
             # an increment would be a group sum whose members' counts the job cannot check
             raise ValueError("fed3r-sync does not stream: run a new Fed3R-Sync job over the new data")

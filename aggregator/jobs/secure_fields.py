@@ -47,6 +47,13 @@ class SecureAggregationFields(JobConfig):
     identity_file: str = limited("", PATH)          # aggregator's Ed25519 private key (PEM)
     device_keys_file: str = limited("", PATH)       # JSON {device id: Ed25519 public key, hex}
 
+    def refuse_inert_group_threshold(self, dp: bool) -> None:
+        """``dp_group_threshold`` only sizes distributed DP's noise shares: on a job without DP
+        (``dp``, its own family's flag) it would change nothing, so setting it is an error, not a no-op."""
+        if self.dp_group_threshold and not dp:
+            raise ValueError("dp_group_threshold applies to distributed DP only: set dp_noise_multiplier > 0, "
+                             "or leave dp_group_threshold at 0")
+
     def group_threshold(self, members: int) -> int:
         """t of a distributed-DP group of ``members``: SecAgg's ⌈2κ/3⌉, or more (``dp_group_threshold``)."""
         return threshold_at_least(members, self.dp_group_threshold)
@@ -66,6 +73,7 @@ class SecureUpdateFields(SecureAggregationFields, UpdateClippingFields):
 
     def __post_init__(self):
         super().__post_init__()
+        self.refuse_inert_group_threshold(self.dp)
         # Distributed DP: the devices clip and noise (no central noise); the clip norm stays fixed
         # (the adaptive rule would need its clipped-count bits in the secure sum as well).
         if self.dp and self.dp_adaptive_clip:
