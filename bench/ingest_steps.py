@@ -18,6 +18,12 @@
 7. the finished job's canonical re-sum (``partial_sums.canonical_sum``) of ``--resum`` such uploads
    kept in memory, per upload: bucket sums carrying A's packed triangle (``Fed3R.sums_state``, now)
    vs a dense symmetrised A per bucket, added up the tree and gathered back (before); the same bits.
+8. an ingest worker's validation of the decoded upload (finiteness, the Gram check): a reused
+   float32 scratch matrix filled from the packed triangle, views on the upload (``check_gram``,
+   ``parse_stats`` now) vs a copy of the upload, a fresh dense float64 matrix and its float32 copy
+   (before). In this loop glibc hands the freed arrays back untouched; in a worker process the
+   kernel also zeroed their pages (``perf``: ``clear_page_erms`` under the copies), which
+   ``bench/fed3r_ingest.py`` sees and this loop does not.
 
 Prints milliseconds per upload and the ratio before / now for each step.
 
@@ -52,6 +58,7 @@ from aggregator.strategies.fed3r import Fed3R  # noqa: E402
 from protocols.chunking import MessageAssembler, Reassembler, split  # noqa: E402
 from protocols.envelope import (PREFIX_LEN, Envelope, _fast_is_valid, _validator, decode,  # noqa: E402
                                 encode, parse_strict_json)
+from protocols.envelope import require_finite  # noqa: E402
 from protocols.payloads.fed3r import check_gram, encode_stats, triu_fill  # noqa: E402
 
 C = 10
@@ -137,9 +144,33 @@ def main() -> None:
                  seconds(lambda: ClosedFormRidge(0.01, device="cpu").fit_statistics(A, B, upper=True), args.repeats)))
     rows.append(handoff_row(whole, args.repeats))
     rows.append(resum_row(decode(whole), args.d, args.resum, args.repeats))
+    rows.append(worker_check_row(whole, p, strategy.positive_definite, args.repeats))
     print(f"{'step':<26}{'before ms':>11}{'now ms':>9}{'before/now':>12}")
     for name, before, now in rows:
         print(f"{name:<26}{before * 1e3:>11.2f}{now * 1e3:>9.2f}{before / now:>12.1f}")
+
+
+def worker_check_row(whole: bytes, p: int, positive_definite, repeats: int) -> tuple[str, float, float]:
+    """Step 8: what a worker runs on a decoded upload after its sha256, now and before."""
+    msg = decode(whole)
+    eps = float(np.finfo(np.float64).eps)
+
+    def before():
+        require_finite(msg, "A_upper", "b")
+        a = np.array(msg.tensors["A_upper"], dtype=np.float64)              # the upload's copy
+        full = triu_fill(a, p)                                               # a fresh dense float64 matrix
+        diag = full.diagonal().copy()
+        inv_sqrt = (1.0 / np.sqrt(np.where(diag == 0, 1.0, diag))).astype(np.float32)
+        unit = full.astype(np.float32)                                       # and its float32 copy
+        unit *= inv_sqrt[:, None]
+        unit *= inv_sqrt[None, :]
+        assert positive_definite(unit, 4 * p * float(np.finfo(np.float32).eps))
+
+    def now():
+        require_finite(msg, "A_upper", "b")
+        check_gram(np.asarray(msg.tensors["A_upper"], dtype=np.float64), p, eps, positive_definite)
+
+    return "worker validation", seconds(before, repeats), seconds(now, repeats)
 
 
 class DenseFed3RSums(Fed3RSums):
