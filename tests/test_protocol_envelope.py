@@ -124,6 +124,25 @@ def test_unsupported_version_and_oversize():
         encode(Envelope("x", "d", {"blob": "a" * (MAX_HEADER_BYTES + 1)}))
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_every_non_finite_value_anywhere_is_refused_and_finite_tensors_pass(dtype):
+    """require_finite against numpy's isfinite: NaN, +Inf or -Inf at the start, middle or end of
+    a tensor (alone or together), in every float wire dtype; extremes that are finite pass."""
+    big = float(np.finfo(dtype).max)
+    for bad in (np.nan, np.inf, -np.inf):
+        for where in (0, 500, 999):
+            v = np.linspace(-1, 1, 1000).astype(dtype)
+            v[where] = bad
+            assert not np.isfinite(v).all()
+            with pytest.raises(EnvelopeError, match="NaN or Inf"):
+                require_finite(decode(encode(Envelope("x", "d", {}, {"ok": np.ones(3), "v": v}))))
+    mixed = np.array([np.inf, 1.0, -np.inf], dtype=dtype)
+    with pytest.raises(EnvelopeError, match="NaN or Inf"):
+        require_finite(decode(encode(Envelope("x", "d", {}, {"v": mixed}))))
+    edges = np.array([big, -big, 0.0, -0.0, np.finfo(dtype).tiny], dtype=dtype)
+    require_finite(decode(encode(Envelope("x", "d", {}, {"v": edges, "empty": np.zeros(0, dtype)}))))
+
+
 def test_nan_and_shape_checks():
     m = decode(encode(Envelope("x", "d", {}, {"v": np.array([1.0, np.nan])})))
     with pytest.raises(EnvelopeError, match="NaN"):
