@@ -57,8 +57,7 @@ from aggregator.compute.ridge import ClosedFormRidge  # noqa: E402
 from aggregator.strategies.fed3r import Fed3R  # noqa: E402
 from protocols.chunking import MessageAssembler, Reassembler, split  # noqa: E402
 from protocols.envelope import (PREFIX_LEN, Envelope, _fast_is_valid, _validator, decode,  # noqa: E402
-                                encode, parse_strict_json)
-from protocols.envelope import require_finite  # noqa: E402
+                                encode, parse_strict_json, require_finite)
 from protocols.payloads.fed3r import check_gram, encode_stats, triu_fill  # noqa: E402
 
 C = 10

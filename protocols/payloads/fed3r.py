@@ -147,13 +147,14 @@ def _row_starts(p: int) -> tuple[int, ...]:
     return tuple(np.concatenate([[0], np.cumsum(np.arange(p, 0, -1))]).tolist())
 
 
-def triu_fill(v: np.ndarray, p: int) -> np.ndarray:
+def triu_fill(v: np.ndarray, p: int, out: np.ndarray | None = None) -> np.ndarray:
     """The (p x p) float64 matrix whose upper triangle is the packed ``v`` (zeros below): one
     contiguous copy per row, several times faster than a fancy-indexed scatter; what a Cholesky
-    that reads only the upper triangle needs."""
+    that reads only the upper triangle needs. With ``out`` (p x p, any float dtype: cast on the
+    copy) only its upper triangle is written, and it is returned."""
     if v.shape != (p * (p + 1) // 2,):
         raise ValueError(f"packed triangle has {v.shape} values, expected {(p * (p + 1) // 2,)} for p={p}")
-    full = np.zeros((p, p), dtype=np.float64)
+    full = np.zeros((p, p), dtype=np.float64) if out is None else out
     starts = _row_starts(p)
     for i in range(p):
         full[i, i:] = v[starts[i]:starts[i + 1]]
@@ -405,7 +406,6 @@ def check_gram(a_upper: np.ndarray, p: int, eps: float, positive_definite: Posit
     dense upload. An honest matrix whose
     float32 factorisation fails on rounding alone (never seen, but not excluded by the bound) gets
     the float64 check at its own wire precision (τ = 4·p·eps·max diag) before it is refused."""
-    starts = _row_starts(p)
     diag = a_upper[_diagonal_positions(p)]              # row i of the packed triangle starts at A_ii
     if (diag < 0).any():
         raise EnvelopeError(f"{KIND}: A has a negative diagonal entry; not a Gram matrix")
@@ -413,9 +413,7 @@ def check_gram(a_upper: np.ndarray, p: int, eps: float, positive_definite: Posit
     if dead.any() and _dead_rows_nonzero(a_upper, p, np.flatnonzero(dead)):
         raise EnvelopeError(f"{KIND}: A has a zero diagonal entry with a non-zero row; not a Gram matrix")
     inv_sqrt = (1.0 / np.sqrt(np.where(dead, 1.0, diag))).astype(np.float32)
-    unit = _gram_scratch(p)                              # upper triangle filled here, cast to float32 on the copy
-    for i in range(p):
-        unit[i, i:] = a_upper[starts[i]:starts[i + 1]]
+    unit = triu_fill(a_upper, p, out=_gram_scratch(p))    # its upper triangle, cast to float32 on the copy
     unit *= inv_sqrt[:, None]                            # scaled in place to a unit diagonal
     unit *= inv_sqrt[None, :]
     if positive_definite(unit, 4 * p * float(np.finfo(np.float32).eps)):
