@@ -36,6 +36,49 @@ def test_garbage_and_impersonation_are_rejected():
         from_envelope(forged)
 
 
+def signed_masked_input(words: np.ndarray):
+    from protocols.secagg.messages import MaskedInput
+    device = DeviceIdentity.generate("a")
+    msg = MaskedInput(job_id="j", round_id=1, group_id="g1", sender="a", recipient="aggregator",
+                      masked_input=words).signed(device)
+    return msg, device.public_key_bytes
+
+
+def test_a_received_masked_input_is_hashed_once_and_its_signature_still_binds_its_bytes(monkeypatch):
+    import hashlib as real_hashlib
+    from protocols.secagg import messages
+    from protocols.secagg.errors import BadSignature
+    words = np.random.default_rng(0).integers(0, 2**63, 5000, dtype=np.uint64)
+    msg, public_key = signed_masked_input(words)
+    data = encode(to_envelope(msg))
+    hashed = []
+
+    class CountingHashlib:
+        @staticmethod
+        def sha256(data=b""):
+            hashed.append(memoryview(data).nbytes)
+            return real_hashlib.sha256(data)
+
+    monkeypatch.setattr(messages, "hashlib", CountingHashlib)
+    back = from_envelope(decode(data))        # decode hashes the payload (the words) once
+    back.verify(public_key)
+    assert back.verified_digests and words.nbytes not in hashed       # the signature check reused it
+    assert back.canonical_bytes() == msg.canonical_bytes()
+    # the digest the envelope vouched for is used for those bytes only: other memory is hashed
+    tampered = decode(data)
+    tampered.tensors["masked_input"] = np.array(tampered.tensors["masked_input"])
+    tampered.tensors["masked_input"][0] ^= np.uint64(1)
+    tampered.tensors["masked_input"].flags.writeable = False
+    forged = from_envelope(tampered)
+    assert not forged.verified_digests and words.nbytes in hashed
+    with pytest.raises(BadSignature):
+        forged.verify(public_key)
+    # bytes that could still change (a writable buffer), or a decode that skipped the payload's
+    # hash (a chunk), vouch for nothing
+    assert not from_envelope(decode(bytearray(data))).verified_digests
+    assert not from_envelope(decode(data, hash_payload=False)).verified_digests
+
+
 def test_sync_vector_layout_round_trips_and_checks_its_length():
     p, C = 4, 3
     rng = np.random.default_rng(0)

@@ -56,9 +56,21 @@ def _canonical_json(value: Any) -> bytes:
                       allow_nan=False).encode()
 
 
-def array_digest(array: np.ndarray) -> list[Any]:
+def array_digest(array: np.ndarray, sha256_hex: str | None = None) -> list[Any]:
+    """[dtype, shape, SHA-256 hex of the little-endian bytes]; ``sha256_hex``: that hash, already
+    computed over exactly these bytes (``Message.with_verified_digest``)."""
     contiguous = np.ascontiguousarray(array)
-    return [contiguous.dtype.str, list(contiguous.shape), hashlib.sha256(contiguous.reshape(-1).view(np.uint8)).hexdigest()]
+    if sha256_hex is None:
+        sha256_hex = hashlib.sha256(contiguous.reshape(-1).view(np.uint8)).hexdigest()
+    return [contiguous.dtype.str, list(contiguous.shape), sha256_hex]
+
+
+def _same_bytes(array: np.ndarray, hashed: np.ndarray) -> bool:
+    """``array``'s bytes are exactly the memory ``hashed`` views (the same start and length, both
+    C-contiguous), which cannot have changed since it was hashed (``hashed`` is read-only)."""
+    return (array.flags.c_contiguous and hashed.flags.c_contiguous and not hashed.flags.writeable
+            and array.nbytes == hashed.nbytes
+            and array.__array_interface__["data"][0] == hashed.__array_interface__["data"][0])
 
 
 def consistency_statement(job_id: str, round_id: int, group_id: str, survivors: np.ndarray) -> bytes:
@@ -84,6 +96,9 @@ class Message:
     sender: str
     recipient: str
     signature: bytes = b""
+    # SHA-256 hex of an array field's bytes where the transport already hashed exactly those bytes
+    # (with_verified_digest): a receiver's signature check then hashes a 6.7 MB masked input once
+    verified_digests: dict[str, str] = dataclasses.field(default_factory=dict, init=False, repr=False)
 
     # -- the declared fields -------------------------------------------------------------
     def payload(self) -> dict[str, Any]:
@@ -108,8 +123,18 @@ class Message:
         return {"type": self.TYPE, **common, **self.payload()}
 
     def canonical_bytes(self) -> bytes:
-        digests = {name: array_digest(array) for name, array in self.arrays().items()}
+        digests = {name: array_digest(array, self.verified_digests.get(name)) for name, array in self.arrays().items()}
         return MESSAGE_DOMAIN + _canonical_json({"header": self.header(), "arrays": digests})
+
+    def with_verified_digest(self: M, name: str, hashed: np.ndarray, sha256_hex: str) -> M:
+        """Record that ``sha256_hex`` is the SHA-256 of ``hashed``'s bytes, as the caller checked
+        against those very bytes (the envelope's payload hash, for a message whose one array is
+        the whole payload). Kept only where array field ``name`` is that memory, which cannot have
+        changed since (``_same_bytes``); otherwise the signature check hashes the array itself."""
+        array = self.arrays().get(name)
+        if array is not None and _same_bytes(array, hashed):
+            self.verified_digests[name] = sha256_hex
+        return self
 
     def signed(self: M, identity: DeviceIdentity) -> M:
         if identity.device_id != self.sender:
