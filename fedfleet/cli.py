@@ -31,7 +31,7 @@ def simulate_overrides(args) -> dict:
             "secure": True if args.secure else None, "secure_graph": args.secure_graph,
             "clients_per_round": args.clients_per_round, "ray": args.ray, "shards": args.shards,
             "deploy": True if args.deploy else None, "dp_epsilon": args.dp_epsilon,
-            "dp_center_devices": args.dp_center_devices}
+            "dp_center_devices": args.dp_center_devices, "dp_release": args.dp_release}
 
 
 def _simulate(args) -> int:
@@ -165,6 +165,10 @@ def _add_simulate_parser(sub, help: str) -> None:
     s.add_argument("--dp-center-devices", type=int, metavar="M",
                    help="--dp-epsilon: a first round of M devices releases the features' mean, the rest centre on "
                         "it (default 0: none)")
+    s.add_argument("--dp-release", choices=["end", "round"],
+                   help="--dp-epsilon without --secure: release the statistics once, when the job ends, after the "
+                        "preset's rounds and retries (end, the default), or each round's sum as it closes, the fleet "
+                        "asked in one round (round)")
     s.add_argument("--pipeline", choices=["fed3r", "fedncm", "fed3r-ft-oll", "fed3r-pp-oll", "fed3r-ft-pp-oll", "fed3r-ditto-oll",
                                           "fed3r-ft-ditto-oll", "ladd"],
                    default="fed3r",

@@ -6,12 +6,15 @@ distributed DP) adds its own share of the noise; with a center (``dp_center_devi
 round's devices release the features' mean and the rest centre on it
 (``aggregator/strategies/dp_center.py``).
 
-Central DP releases each round's sum with noise of its own, so the run asks the whole fleet in one
-round and nobody twice: a device that drops out is lost rather than asked again in a release of
-its own, and ``dp_min_round_devices`` keeps devices that come online late from opening one.
-``fedfleet simulate --config fleet-100k --dp-epsilon 1 --dp-center-devices 2000`` keeps 0.803
-against 0.8125 without DP in one release, where the preset's 10,000 per round and retries made 26
-releases and 0.762 (docs/algorithms.md, "Rounds are releases").
+Central DP (``--dp-release end``, the default) holds every round's exact sum and releases them once,
+when the job ends: the preset's rounds and retries run as they would without DP, and the model
+holds one release's noise. ``--dp-release round`` releases each round's sum with noise of its own,
+so the run then asks the whole fleet in one round and nobody twice: a device that drops out is
+lost rather than asked again in a release of its own, and ``dp_min_round_devices`` keeps devices
+that come online late from opening one. ``fedfleet simulate --config fleet-100k --dp-epsilon 1
+--dp-center-devices 2000 --dp-release round`` kept 0.803 against 0.8125 without DP in one release,
+where the preset's 10,000 per round and retries, each round released, made 26 releases and 0.762
+(docs/algorithms.md, "Rounds are releases").
 
 The job's noise multiplier is the smallest its own accountant allows for one release at (ε, δ) —
 PLD for central ``ssp``, RDP for the secure release — so what the run reports is what an operator
@@ -31,13 +34,17 @@ def dp_job_fields(cfg, kind: str, job: dict) -> dict:
     ε: δ (default 1/devices), the clip F and cap N, the center round and its clip F_c, and z."""
     if cfg.classifier != "fed3r":
         raise ValueError(f"--dp-epsilon: DP Fed3R only (the ridge classifier), not {cfg.classifier!r}")
+    if cfg.dp_release not in ("end", "round"):
+        raise ValueError(f"dp_release must be 'end' or 'round', not {cfg.dp_release!r}")
     delta = cfg.dp_delta or 1.0 / max(cfg.devices, 1)
     fields = {"feature_clip_norm": cfg.dp_clip, "max_samples": cfg.dp_max_samples, "dp_delta": delta,
               "dp_center_devices": cfg.dp_center_devices,
               "dp_center_clip_norm": cfg.dp_center_clip if cfg.dp_center_devices else 0.0}
     if cfg.secure:
         fields["dp_group_threshold"] = cfg.dp_group_threshold
-    if one_release(cfg.dp_epsilon, cfg.secure):
+    elif cfg.dp_release == "end":
+        fields["dp_release"] = "end"        # the preset's rounds and retries; one release when the job ends
+    if one_round(cfg.dp_epsilon, cfg.secure, cfg.dp_release):
         # every round is a release with noise of its own, so k rounds leave k times one release's
         # noise variance in the model: the fleet in one round (after the center's), nobody asked twice
         # (a device that comes online after it is lost rather than opening a release of its own)
@@ -49,10 +56,11 @@ def dp_job_fields(cfg, kind: str, job: dict) -> dict:
     return {**fields, "dp_noise_multiplier": z, "dp_target_epsilon": cfg.dp_epsilon}
 
 
-def one_release(dp_epsilon: float | None, secure: bool | None) -> bool:
-    """Whether the run asks each device once, in one round: central DP Fed3R (Fed3R-Sync's groups
-    are releases each, of κ devices: ``clients_per_round`` decides how many)."""
-    return bool(dp_epsilon) and not secure
+def one_round(dp_epsilon: float | None, secure: bool | None, dp_release: str | None) -> bool:
+    """Whether the run asks each device once, in one round: central DP Fed3R releasing each round
+    (with ``dp_release`` "end" the job releases once whatever its rounds; Fed3R-Sync's groups are
+    releases each, of κ devices: ``clients_per_round`` decides how many)."""
+    return bool(dp_epsilon) and not secure and dp_release == "round"
 
 
 def dp_report_lines(r: dict) -> list[str]:

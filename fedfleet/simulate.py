@@ -88,6 +88,7 @@ class SimConfig:
     dp_center_devices: int = 0
     dp_center_clip: float = 4.0
     dp_group_threshold: float = 0.0         # --secure: the share of a SecAgg group that must survive (0: ⌈2κ/3⌉)
+    dp_release: str = "end"                 # central DP: "end" (one release when the job ends) or "round" (one per round)
     # --pipeline fed3r-ft-oll: FedAvg(ψ) fine-tuning from the Fed3R head, then OLL on every device
     ft_rounds: int = 30
     ft_mode: str = "psi"                    # psi: FT(ψ) head | phi: FT(φ) backbone tail, head frozen | M: both

@@ -101,13 +101,13 @@ def upload_forms(workers: list[dict], feature_dim: int | None) -> dict:
 
 
 def format_report(r: dict) -> str:
-    from .dp_fleet import one_release
+    from .dp_fleet import one_round
 
     name = {"fedncm": "FedNCM"}.get(r["config"].get("classifier"), "Fed3R")
     title = f"{name}-Sync (secure aggregation)" if r["config"].get("secure") else name
     lines = ["", f"=== fedfleet simulate: {title} ===",
              f"devices contributed     {r['contributed']}/{r['devices']} in {r['rounds']} rounds "
-             f"({r['dropouts']} drop-outs {'lost' if one_release(r['config'].get('dp_epsilon'), r['config'].get('secure')) else 'retried'}, "
+             f"({r['dropouts']} drop-outs {'lost' if one_round(r['config'].get('dp_epsilon'), r['config'].get('secure'), r['config'].get('dp_release', 'round')) else 'retried'}, "
              f"{r['late']} late results discarded)",
              f"{name + ' accuracy':23s} {r['fed3r_accuracy']:.4f}"]
     if "central_accuracy" in r:

@@ -58,14 +58,14 @@ def dense_a(stats) -> np.ndarray:
     return A
 
 
-def run(tmp_path, shards_count: int, restart: bool = False):
+def run(tmp_path, shards_count: int, restart: bool = False, config: dict = CONFIG):
     """(one aggregator's job, the coordinator's, the devices' A_k of the centred round) after the job;
     ``restart``: the coordinator dies halfway through the centred round and a new one resumes as the
     service restores a job (the last close's checkpoint, the open round's bookkeeping, its receipts
     replayed), its noise generator where the dead one's stood after the center's release."""
     shards = [ShardIngest(k, shards_count, Store(tmp_path / f"k{shards_count}-s{k}.db")) for k in range(shards_count)]
     for s in shards:
-        s.set_job(CONFIG["job_id"], "fed3r", CONFIG)
+        s.set_job(config["job_id"], "fed3r", config)
 
     def round_root(job_id, ids):
         nodes = {}
@@ -77,9 +77,9 @@ def run(tmp_path, shards_count: int, restart: bool = False):
         for s in shards:
             s.drop_orphans(job_id, round_, accepted, earlier)
 
-    single, store = build_job("fed3r", CONFIG), Store(tmp_path / f"k{shards_count}-one.db")
+    single, store = build_job("fed3r", config), Store(tmp_path / f"k{shards_count}-one.db")
     single.expect_round_sums()                  # as the service with a store: nothing summed on arrival
-    coordinator = ShardedNoisyRoundsJob(build_job("fed3r", CONFIG), "fed3r", round_root, round_closed)
+    coordinator = ShardedNoisyRoundsJob(build_job("fed3r", config), "fed3r", round_root, round_closed)
     single.strategy.rng, coordinator.inner.strategy.rng = np.random.default_rng(5), np.random.default_rng(5)
     h, centred = handlers(DEVICES), []
     for index in range(2):
@@ -91,7 +91,7 @@ def run(tmp_path, shards_count: int, restart: bool = False):
             receipts.append((device, decode(feed(shards[shard_of(device, shards_count)], device, raw).raw)))
             coordinator.apply(device, coordinator.parse_result(receipts[-1][1]))
             if restart and index == 1 and len(receipts) == len(chosen) // 2:
-                coordinator = restarted(checkpoint, opened, receipts, round_root, round_closed)
+                coordinator = restarted(checkpoint, opened, receipts, round_root, round_closed, config)
             stats = single.parse_result(decode(raw))
             single.apply(device, stats)
             store.add_contribution(CONFIG["job_id"], single.round, device, decode(raw).id, raw)
@@ -107,9 +107,10 @@ def run(tmp_path, shards_count: int, restart: bool = False):
     return single, coordinator, centred
 
 
-def restarted(checkpoint, opened: dict, receipts: list, round_root, round_closed) -> ShardedNoisyRoundsJob:
+def restarted(checkpoint, opened: dict, receipts: list, round_root, round_closed,
+              config: dict) -> ShardedNoisyRoundsJob:
     """A new coordinator brought to where the dead one was, as ``aggregator/service/recovery.py`` does."""
-    job = ShardedNoisyRoundsJob(build_job("fed3r", CONFIG), "fed3r", round_root, round_closed)
+    job = ShardedNoisyRoundsJob(build_job("fed3r", config), "fed3r", round_root, round_closed)
     state, contributed = checkpoint
     job.load_state_dict(state)
     job.contributed = dict(contributed)
@@ -121,12 +122,17 @@ def restarted(checkpoint, opened: dict, receipts: list, round_root, round_closed
     return job
 
 
-@pytest.mark.parametrize("shards_count,restart", [(2, False), (3, False), (2, True)])
-def test_shards_release_dp_fed3r_rounds_as_one_aggregators_bytes(tmp_path, shards_count, restart):
-    single, coordinator, centred = run(tmp_path, shards_count, restart)
+@pytest.mark.parametrize("shards_count,restart,release", [(2, False, "round"), (3, False, "round"), (2, True, "round"),
+                                                          (2, False, "end"), (2, True, "end")])
+def test_shards_release_dp_fed3r_rounds_as_one_aggregators_bytes(tmp_path, shards_count, restart, release):
+    single, coordinator, centred = run(tmp_path, shards_count, restart, {**CONFIG, "dp_release": release})
+    if release == "end":        # the centred round's sum is held exactly until the job ends, on shards too
+        assert single.strategy.releases == coordinator.inner.strategy.releases == 0
+        assert "accuracy" not in single.evaluate(None, None) and single.evaluate(None, None)["held_until_job_end"]
+        assert single.finalize() and coordinator.finalize() and not single.finalize()
     assert single.strategy.center.released and single.strategy.releases == 1 and len(centred) == 6
     state, got = single.state_dict(), coordinator.state_dict()
-    assert sorted(got) == sorted(state) + [ACCEPTED]
+    assert sorted(got) == sorted([*state, ACCEPTED])
     for name, value in state.items():
         assert got[name].tobytes() == value.tobytes(), name        # the center and the released sums
     for name, value in single.model_arrays().items():

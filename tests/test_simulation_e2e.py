@@ -36,28 +36,34 @@ def test_smoke_simulation_matches_centralized_ridge(tmp_path, feature_cache):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("secure", [False, True], ids=["central", "secure"])
-def test_simulate_dp_epsilon_runs_dp_fed3r_with_a_private_center_on_the_devices(tmp_path, feature_cache, secure):
-    """``fedfleet simulate [--secure] --dp-epsilon ε --dp-center-devices m``: a center round of m
-    devices, then the model's: central DP in one round of everyone left (a release per round),
-    Fed3R-Sync's distributed DP in groups of κ; the job accounts one release at the smallest
-    multiplier its own accountant allows for ε at δ = 1/devices (PLD central, RDP secure), and the
-    report puts the private model beside the centralized ridge."""
+@pytest.mark.parametrize("secure,release", [(False, "end"), (False, "round"), (True, "end")],
+                         ids=["central", "central-per-round", "secure"])
+def test_simulate_dp_epsilon_runs_dp_fed3r_with_a_private_center_on_the_devices(tmp_path, feature_cache, secure,
+                                                                                release):
+    """``fedfleet simulate [--secure] --dp-epsilon ε --dp-center-devices m [--dp-release round]``: a
+    center round of m devices, then the model's: central DP in the preset's rounds of κ, their sums
+    released once at the end (or in one round of everyone left, released as it closes), Fed3R-Sync's
+    distributed DP in groups of κ; the job accounts one release at the smallest multiplier its own
+    accountant allows for ε at δ = 1/devices (PLD central, RDP secure), and the report puts the
+    private model beside the centralized ridge."""
     from aggregator.compute.privacy import noise_multiplier_for
     from fedfleet.simulate_report import format_report
 
     cfg = dataclasses.replace(PRESETS["smoke"], out_dir=str(tmp_path / "run"), cache_dir=feature_cache, secure=secure,
-                              dropout_prob=0.0, dp_epsilon=4.0, dp_center_devices=5)
+                              dropout_prob=0.0, dp_epsilon=4.0, dp_center_devices=5, dp_release=release)
     report = run(cfg, quiet=True)
-    rounds = 1 + (15 // cfg.clients_per_round if secure else 1)       # the center's, then groups of κ or one round
+    one_round = not secure and release == "round"
+    rounds = 1 + (1 if one_round else 15 // cfg.clients_per_round)     # the center's, then one round or rounds of κ
     assert report["contributed"] == 20 and report["rounds"] == rounds
     z = noise_multiplier_for(4.0, 1 / 20, 1, accounting="rdp" if secure else "pld")
     privacy = report["privacy"]
     assert privacy["noise_multiplier"] == z and privacy["accounting"] == ("rdp" if secure else "pld")
-    assert privacy["releases"] == 1 and privacy["epsilon"] <= 4.0 and privacy["noisy_sums"] == rounds - 1
+    noisy_sums = rounds - 1 if secure else 1            # central: one noisy sum either way
+    assert privacy["releases"] == 1 and privacy["epsilon"] <= 4.0 and privacy["noisy_sums"] == noisy_sums
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert results["config"]["dp_center_devices"] == 5 and results["config"]["feature_clip_norm"] == cfg.dp_clip
-    assert results["config"]["dp_min_round_devices"] == (0 if secure else 7)
+    assert results["config"]["dp_min_round_devices"] == (7 if one_round else 0)
+    assert results["config"]["dp_release"] == ("end" if not secure and not one_round else "round")
     text = format_report(report)
     assert "privacy                 ε = " in text and "points against the centralized ridge" in text
     assert "W_central" not in text

@@ -27,6 +27,15 @@ import logging
 import math
 import sys
 
+# State entries under this prefix are what a job holds but has not released (DP Fed3R's exact sums
+# of closed rounds, held until the job ends): checkpointed in the store, never in the job's files.
+UNPUBLISHED_PREFIX = "unreleased_"
+
+
+def published_state(state: dict) -> dict:
+    """``state`` less its unreleased entries: what a job's output files may hold."""
+    return {k: v for k, v in state.items() if not k.startswith(UNPUBLISHED_PREFIX)}
+
 
 class _SkippedOrders(logging.Filter):
     """The RDP accountant warns, through absl, for every Rényi order whose series does not converge

@@ -131,11 +131,19 @@ class Job(ABC):
 
     @abstractmethod
     def state_dict(self) -> dict[str, np.ndarray]:
-        """Everything a restart needs besides ``contributed`` and the bookkeeping (a checkpoint)."""
+        """Everything a restart needs besides ``contributed`` and the bookkeeping (a checkpoint).
+        Entries named ``UNPUBLISHED_PREFIX``... (``aggregator/compute/privacy.py``) are checkpointed,
+        never written to the job's files."""
 
     @abstractmethod
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         """Back to a checkpoint of :meth:`state_dict` (a restart)."""
+
+    def finalize(self) -> bool:
+        """The job ends with a model to report: its last change to that model, made once, before the
+        model is evaluated and committed (DP Fed3R with ``dp_release`` "end" releases its held sums
+        here). Returns whether the model changed. Nothing by default."""
+        return False
 
     def screened_devices(self) -> dict[str, str]:
         """Devices the job's fleet screen named at the round close just made (device -> why): the

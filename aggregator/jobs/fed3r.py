@@ -29,7 +29,7 @@ from protocols.payloads.fed3r import (B_FORMATS, CENTER_TENSOR, KIND, STATS_DTYP
                                       RandomFeaturesSpec, parse_stats)
 from protocols.rounds import RoundClosed
 
-from aggregator.strategies.dp_fed3r import (MECHANISMS, CalibratedSSP, Fed3RMechanism, Fed3RSensitivity, NoisyFed3R,
+from aggregator.strategies.dp_fed3r import (DP_RELEASES, MECHANISMS, CalibratedSSP, Fed3RMechanism, Fed3RSensitivity, NoisyFed3R,
                                             check_bounded)
 from aggregator.strategies.dp_center import PrivateFeatureCenter
 from aggregator.strategies.fed3r import Fed3R
@@ -72,6 +72,10 @@ class Fed3RConfig(Fed3RRobustnessFields, PrivacyBudgetFields, ModelFields):
     # > 0: a round of the model opens only with this many devices; each round is a release with noise
     # of its own, so a late round of a few devices would cost more accuracy than they add
     dp_min_round_devices: int = limited(0, Range(0, 10_000_000))
+    # "round": each round's sum is released (noised) at its close; "end": closed rounds' sums are held
+    # exactly and released once, when the job ends: one release's noise however many rounds ran, no
+    # model before the end (aggregator/strategies/dp_fed3r.py, NoisyFed3R)
+    dp_release: str = limited("round", OneOf(DP_RELEASES))
 
     def __post_init__(self):
         super().__post_init__()
@@ -86,8 +90,8 @@ class Fed3RConfig(Fed3RRobustnessFields, PrivacyBudgetFields, ModelFields):
             self.check_centering()
             self.mechanism()                 # refuses a bad dp_b_share before anything runs
             self.refuse_over_budget(1)       # every device is in one noisy round sum: one release in all
-        elif self.dp_center_devices or self.dp_min_round_devices:
-            raise ValueError("dp_center_devices and dp_min_round_devices need DP (dp_noise_multiplier > 0)")
+        elif self.dp_center_devices or self.dp_min_round_devices or self.dp_release != "round":
+            raise ValueError("dp_center_devices, dp_min_round_devices and dp_release need DP (dp_noise_multiplier > 0)")
 
     def check_centering(self) -> None:
         if not self.dp_center_devices:
@@ -178,7 +182,7 @@ class Fed3RJob(OncePerDevice, SplitValidation):
                 c.num_classes, c.p, c.dp_noise_multiplier, c.max_samples, c.feature_clip_norm,
                 min_devices=(c.dp_center_devices + 1) // 2)
             self.strategy = NoisyFed3R(c.num_classes, c.p, c.lam, c.fit_intercept, c.normalize_columns, c.mechanism(),
-                                       center=center)
+                                       center=center, release_at_end=c.dp_release == "end")
         elif self.strategy is None:
             self.strategy = Fed3R(c.num_classes, c.p, c.lam, c.fit_intercept, c.normalize_columns)
         self._rng = random.Random(self.config.seed)
@@ -303,6 +307,10 @@ class Fed3RJob(OncePerDevice, SplitValidation):
         # and the service quarantines what it names (the job is rebuilt from the store without it)
         self.screened_out = self._screen.outliers(self.energies, self.contributed)
 
+    def finalize(self) -> bool:
+        """``dp_release`` "end": the held sums of every closed round are released now, noised once."""
+        return isinstance(self.strategy, NoisyFed3R) and self.strategy.release_held()
+
     def model_arrays(self) -> dict[str, np.ndarray]:
         m = self.strategy.solve()
         return {"coef": m.coef_, "intercept": m.intercept_, "raw_weights": m.raw_weights_}
@@ -335,10 +343,12 @@ class Fed3RJob(OncePerDevice, SplitValidation):
             raise ValueError(f"{device} already contributed")  # the round machine prevents this
 
     def evaluate(self, features: np.ndarray | None, labels: np.ndarray | None) -> dict:
-        model = self.strategy.solve()
         out = {"round": self.round, "contributions": self.contributions,
                "samples": self.strategy.n_samples}
-        if features is not None:
+        if isinstance(self.strategy, NoisyFed3R) and self.strategy.unreleased:
+            out["held_until_job_end"] = True        # dp_release "end": no model is released before it
+        elif features is not None:
+            model = self.strategy.solve()
             Z = features
             if self.config.random_features:
                 Z = _rf_for(self.config).transform(Z)

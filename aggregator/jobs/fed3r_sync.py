@@ -52,6 +52,9 @@ class Fed3RSyncConfig(Fed3RConfig, SecureAggregationFields):
         if self.streaming:
             # an increment would be a group sum whose members' counts the job cannot check
             raise ValueError("fed3r-sync does not stream: run a new Fed3R-Sync job over the new data")
+        if self.dp_release != "round":
+            raise ValueError("fed3r-sync: each group's sum carries its devices' noise when it is unmasked (dp_release "
+                             "\"end\" is central DP's rule)")
         if self.dp_min_round_devices:
             raise ValueError("fed3r-sync: each group is a release of its clients_per_round members (dp_min_round_devices "
                              "is central DP's rule for its rounds)")

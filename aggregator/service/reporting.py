@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from aggregator.compute.privacy import published_state
 from aggregator.service.active_job import ActiveJob
 from aggregator.security.fleet import Fleet
 
@@ -89,5 +90,5 @@ def job_summary(a: ActiveJob, state: str, final_eval: dict, bytes_out: int) -> d
 
 def write_job_files(out_dir: Path, final_job, summary: dict) -> None:
     np.savez(out_dir / "model.npz", **final_job.model_arrays())
-    np.savez(out_dir / "statistics.npz", **final_job.state_dict())
+    np.savez(out_dir / "statistics.npz", **published_state(final_job.state_dict()))
     (out_dir / "results.json").write_text(json.dumps(summary, indent=1))

@@ -53,6 +53,9 @@ class CoordinatedJob(Job):
     def model_arrays(self) -> dict[str, np.ndarray]:
         return self.inner.model_arrays()
 
+    def finalize(self) -> bool:
+        return self.inner.finalize()
+
     def state_dict(self) -> dict[str, np.ndarray]:
         return self.inner.state_dict()
 

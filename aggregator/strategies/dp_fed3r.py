@@ -54,6 +54,7 @@ import torch
 from protocols.payloads.fed3r import Fed3RStats, packed_diagonal
 
 from aggregator.compute.ridge import ClosedFormRidge
+from aggregator.compute.privacy import UNPUBLISHED_PREFIX
 from aggregator.strategies.dp_center import PrivateFeatureCenter, uncentred
 from aggregator.strategies.dp_noise import noise_source
 from aggregator.strategies.fed3r import Fed3R
@@ -252,20 +253,28 @@ class DistributedSSP(CalibratedSSP):
 
 
 MECHANISMS: dict[str, type[Fed3RMechanism]] = {m.name: m for m in (UniformGaussian, CalibratedSSP)}
+DP_RELEASES = ("round", "end")      # when a job's round sums are released (NoisyFed3R.release_at_end)
 
 
 class NoisyFed3R:
-    """Round sums (``pending``) noised into the released sums (``released``) at each round close."""
+    """Round sums (``pending``) noised into the released sums (``released``) at each round close.
+
+    ``release_at_end``: a closed round's exact sum joins the ``held`` sums instead, and the job
+    noises them once, when it ends (:meth:`release_held`). Every device is still in one noisy sum
+    (the same z), but the model then holds one release's noise variance however many rounds and
+    retries the job ran, where releasing each round leaves k rounds' k times that; the price is
+    no model, and no accuracy to report, until the job ends."""
 
     def __init__(self, num_classes: int, p: int, lam: float, fit_intercept: bool, normalize_columns: bool,
                  mechanism: Fed3RMechanism, rng: np.random.Generator | None = None,
-                 center: PrivateFeatureCenter | None = None):
+                 center: PrivateFeatureCenter | None = None, release_at_end: bool = False):
         make = lambda: Fed3R(num_classes, p, lam, fit_intercept, normalize_columns)   # noqa: E731
-        self.pending, self.released = make(), make()
+        self.pending, self.released, self.held = make(), make(), make()
         self.mechanism = mechanism
         self.rng = rng if rng is not None else noise_source()
         self.releases = 0
         self.center = center            # first the center round, then rounds of centred rows (dp_center.py)
+        self.release_at_end = release_at_end
 
     @property
     def centering(self) -> bool:
@@ -296,30 +305,50 @@ class NoisyFed3R:
 
     def add_noised(self, a_upper: np.ndarray, b_dense: np.ndarray, n: int, contributions: int) -> None:
         """A sum that already carries its noise (distributed DP under SecAgg) joins the released sums."""
-        self.released.add_dense(a_upper, b_dense, n)
-        self.released.n_contributions += contributions - 1          # add_dense counted the sum as one
+        _add_sum(self.released, a_upper, b_dense, n, contributions)
         self.releases += 1
 
     def release(self) -> None:
-        """Noise the round's sum into the released sums; a round with nothing is not released."""
+        """The round closes: its sum is noised into the released sums (or, ``release_at_end``, held
+        exactly until the job ends); a round with nothing is not released."""
         if self.centering:
             self.center.release(self.rng)
             return
         if not self.pending.n_contributions:
             return
-        p = self.pending
-        noise_a, noise_b = self.mechanism.scale().draw(p.p, p.num_classes, self.rng)
-        noisy_b = p.B.cpu().numpy() + noise_b
-        self.pending = self._empty_round_sum()
-        self.add_noised(p.packed_upper() + noise_a, noisy_b.T, p.n_samples, p.n_contributions)
+        p, self.pending = self.pending, self._empty_round_sum()
+        if self.release_at_end:
+            _add_sum(self.held, p.packed_upper(), p.B.cpu().numpy().T, p.n_samples, p.n_contributions)
+        else:
+            self._noise_into_released(p)
+
+    def release_held(self) -> bool:
+        """The job ends (``release_at_end``): the held sums of every closed round, noised once, join
+        the released sums. Returns whether anything was released (nothing held: nothing)."""
+        if not self.held.n_contributions:
+            return False
+        held, self.held = self.held, self._empty_round_sum()
+        self._noise_into_released(held)
+        return True
+
+    def _noise_into_released(self, sums: Fed3R) -> None:
+        noise_a, noise_b = self.mechanism.scale().draw(sums.p, sums.num_classes, self.rng)
+        self.add_noised(sums.packed_upper() + noise_a, (sums.B.cpu().numpy() + noise_b).T, sums.n_samples,
+                        sums.n_contributions)
+
+    @property
+    def unreleased(self) -> bool:
+        """Closed rounds' sums are held, not yet released: there is no model to report."""
+        return self.held.n_contributions > 0
 
     @property
     def n_contributions(self) -> int:
-        return self.released.n_contributions
+        """Devices whose statistics the model holds, or will hold once the held sums are released."""
+        return self.released.n_contributions + self.held.n_contributions
 
     @property
     def n_samples(self) -> int:
-        return self.released.n_samples
+        return self.released.n_samples + self.held.n_samples
 
     def solve(self) -> ClosedFormRidge:
         model = self.mechanism.solve(self.released, self.releases)
@@ -327,10 +356,26 @@ class NoisyFed3R:
 
     def state_dict(self) -> dict[str, np.ndarray]:
         center = {} if self.center is None else self.center.state_dict()
-        return {**self.released.state_dict(), **center, "dp_releases": np.array([self.releases], dtype=np.int64)}
+        # the held sums are exact: checkpointed, never published (UNPUBLISHED_PREFIX)
+        held = {HELD + k: v for k, v in self.held.sums_state().items()} if self.release_at_end else {}
+        return {**self.released.state_dict(), **center, **held,
+                "dp_releases": np.array([self.releases], dtype=np.int64)}
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         self.released.load_state_dict(state)
         self.releases = int(state["dp_releases"][0])
         if self.center is not None:
             self.center.load_state_dict(state)
+        self.held = self._empty_round_sum()
+        if self.release_at_end and HELD + "counts" in state:
+            self.held.load_state_dict({k[len(HELD):]: v for k, v in state.items() if k.startswith(HELD)})
+
+
+HELD = UNPUBLISHED_PREFIX + "dp_held_"
+
+
+def _add_sum(target: Fed3R, a_upper: np.ndarray, b_dense: np.ndarray, n: int, contributions: int) -> None:
+    """``target`` += one sum of ``contributions`` devices' statistics (A's packed triangle, a dense
+    C×p b and n samples)."""
+    target.add_dense(a_upper, b_dense, n)
+    target.n_contributions += contributions - 1          # add_dense counted the sum as one
