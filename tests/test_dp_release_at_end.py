@@ -116,3 +116,14 @@ def test_dp_fed3r_over_mosquitto_releases_its_rounds_once_at_the_end(broker, tmp
     with np.load(tmp_path / "statistics.npz") as files:
         assert not [k for k in files.files if k.startswith(UNPUBLISHED_PREFIX)]
         np.testing.assert_array_equal(files["B"], job.strategy.released.B.cpu().numpy())
+
+
+def test_simulate_refuses_a_release_it_does_not_know():
+    import dataclasses
+
+    from fedfleet.dp_fleet import dp_job_fields
+    from fedfleet.simulate import PRESETS
+
+    cfg = dataclasses.replace(PRESETS["smoke"], dp_epsilon=1.0, dp_release="never")
+    with pytest.raises(ValueError, match="dp_release must be one of"):
+        dp_job_fields(cfg, "fed3r", {"num_classes": C, "feature_dim": D})

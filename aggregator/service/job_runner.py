@@ -369,7 +369,9 @@ class JobRunner:
         final_job = a.job
         if state in FINAL_JOB_STATES and self.canonical:
             final_job = reported_job(a.applied, a.job, self.store, a.kind, a.job_id)
-        changed = state in FINAL_JOB_STATES and state != JobState.FAILED and final_job.finalize()
+        changed = False
+        if state in FINAL_JOB_STATES and state != JobState.FAILED:      # a model will be committed
+            changed = final_job.finalize()
         if changed or not a.history or a.history[-1]["contributions"] != a.job.contributions:
             self._record_eval(final_job)            # the last evaluation is the reported model's
             final_eval = a.history[-1]
