@@ -8,7 +8,9 @@ round's devices release the features' mean and the rest centre on it
 
 Central DP (``--dp-release end``, the default) holds every round's exact sum and releases them once,
 when the job ends: the preset's rounds and retries run as they would without DP, and the model
-holds one release's noise. ``--dp-release round`` releases each round's sum with noise of its own,
+holds one release's noise (``fedfleet simulate --config fleet-100k --dp-epsilon 1
+--dp-center-devices 2000``: 0.807 against 0.8125 without DP, all 100,000 devices in 38 rounds and
+their retries). ``--dp-release round`` releases each round's sum with noise of its own,
 so the run then asks the whole fleet in one round and nobody twice: a device that drops out is
 lost rather than asked again in a release of its own, and ``dp_min_round_devices`` keeps devices
 that come online late from opening one. ``fedfleet simulate --config fleet-100k --dp-epsilon 1

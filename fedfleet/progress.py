@@ -16,6 +16,7 @@ class StatusWatcher:
     def __init__(self, broker_url: str, topics: Topics, total: int, quiet: bool = False, width: int = 30,
                  job_id: str | None = None):
         self.total, self.quiet, self.width, self.job_id = total, quiet, width, job_id
+        self._drawn = 0             # the length of the line last drawn
         self.last: dict = {}
         self.updates = threading.Event()
         self.link = MqttLink(f"watcher-{id(self):x}", BrokerConfig.from_url(broker_url), self._on_message,
@@ -39,13 +40,14 @@ class StatusWatcher:
         done = s.get("contributions") or 0
         filled = int(self.width * min(done, self.total) / max(1, self.total))
         acc = s.get("accuracy")
-        line = (f"\r  round {s.get('round', 0):>3} [{'#' * filled}{'.' * (self.width - filled)}] "
-                f"{done}/{self.total} devices  online {s.get('devices_online', 0):>3}  "
-                f"acc {acc:.4f}" if acc is not None else
-                f"\r  round {s.get('round', 0):>3} [{'#' * filled}{'.' * (self.width - filled)}] "
-                f"{done}/{self.total} devices  online {s.get('devices_online', 0):>3}")
+        line = (f"  round {s.get('round', 0):>3} [{'#' * filled}{'.' * (self.width - filled)}] "
+                f"{done}/{self.total} devices  online {s.get('devices_online', 0):>3}"
+                + (f"  acc {acc:.4f}" if acc is not None else ""))
+        # padded to the line it overwrites: a shorter line (an accuracy no longer shown) would
+        # leave the old one's tail on the terminal
+        shown, self._drawn = line.ljust(self._drawn), len(line)
         end = "\n" if s.get("state") in ("done", "failed", "stopped") else ""
-        sys.stdout.write(line + end)
+        sys.stdout.write("\r" + shown + end)
         sys.stdout.flush()
 
     def close(self) -> None:
