@@ -65,6 +65,26 @@ def test_blocked_accumulation_matches_per_seed_sum(word, workers):
     assert got.dtype == np.dtype(word) and np.array_equal(got, expected)
 
 
+@pytest.mark.parametrize("word", ["<u8", "<u4"])
+@pytest.mark.parametrize("block_words", [1, 2, 3, 5, 64])
+def test_keystream_from_any_block_matches_the_reference_across_gcms_first_counter(monkeypatch, word, block_words):
+    """The keystream comes from CTR for AES blocks 0 and 1 and from GCM (counter blocks 2, 3, ...)
+    after them where a slice starts at or before block 2, from CTR alone elsewhere: slices
+    starting at blocks 0 to 4, buffers smaller than the CTR head (a partial AES block per fill),
+    lengths that end inside it; every word equal to the ECB-of-counters reference."""
+    monkeypatch.setattr(crypto, "MASK_BLOCK_WORDS", block_words)
+    itemsize = np.dtype(word).itemsize
+    seed = os.urandom(32)
+    keys = crypto.prg_keys([(seed, 1), (seed, -1), (seed, 1)])      # net: one mask
+    for first_block in range(5):
+        first_word = first_block * 16 // itemsize
+        for length in (1, 3, 4, 7, 8, 9, 31, 70):
+            reference = _reference_mask(seed, first_word + length, word)[first_word:]
+            got = np.zeros(length, dtype=word)
+            crypto.apply_masks_to_slice(got, keys, first_word)
+            assert np.array_equal(got, reference), (first_block, length)
+
+
 def test_plus_and_minus_masks_cancel_and_differ_per_seed():
     seed_a, seed_b = os.urandom(32), os.urandom(32)
     vector = np.arange(5000, dtype=np.uint64)
