@@ -21,8 +21,9 @@ device, ratios secure / plaintext, and that the secure sum equals the plaintext 
 For each round, the unmasking's mask expansion is run again on the same seeds with 1 thread and
 with `workers` threads (same run, same load), checking both give the same bits. Then the mask
 expansion (AES-128-CTR keystream + uint64 add, all seeds block by block) against the raw
-AES-128-CTR throughput of `cryptography` on this machine, and `openssl speed` when the binary is
-there.
+AES-128-CTR throughput of `cryptography` on this machine, the same keystream through AES-GCM's
+loop (how the PRG computes it where GCM's counters are its own), and `openssl speed` when the
+binary is there; and a device's own masks with the GCM path against plain CTR (before).
 
     .venv/bin/python bench/secagg.py --quick     # < 3 min on 2 cores
     .venv/bin/python bench/secagg.py             # all combinations that fit in a few minutes
@@ -192,9 +193,11 @@ def secure_round(graph: str, n: int, m: int, consistency_check: bool, base: np.n
     }
 
 
-def raw_aes_ctr_gbps(total_bytes: int = 1 << 28, chunk: int = 1 << 18) -> tuple[float, float]:
-    """One thread's raw AES-128-CTR keystream: (GB/s of CPU time, GB/s of wall clock)."""
-    encryptor = Cipher(algorithms.AES(os.urandom(16)), modes.CTR(bytes(16))).encryptor()
+def raw_aes_ctr_gbps(total_bytes: int = 1 << 28, chunk: int = 1 << 18, gcm: bool = False) -> tuple[float, float]:
+    """One thread's raw AES-128-CTR keystream, or (``gcm``) the same keystream through AES-GCM's
+    loop as the PRG takes it: (GB/s of CPU time, GB/s of wall clock)."""
+    mode = modes.GCM(bytes(12)) if gcm else modes.CTR(bytes(16))
+    encryptor = Cipher(algorithms.AES(os.urandom(16)), mode).encryptor()
     zeros, out = bytes(chunk), bytearray(chunk + 16)
 
     def run():
@@ -384,12 +387,15 @@ def main(argv=None) -> int:
         print(f"skipped {key}: {why}")
 
     raw_cpu, raw_wall = raw_aes_ctr_gbps()
+    raw_gcm_cpu, _ = raw_aes_ctr_gbps(gcm=True)
     expansion_cpu, expansion_wall = mask_expansion_gbps(workers=1)
     parallel_cpu, parallel_wall = mask_expansion_gbps(workers=args.workers)
     openssl = openssl_aes_ctr_gbps()
     print(f"\nmask expansion (AES-128-CTR + uint64 add, blocked), 1 thread:  {expansion_cpu:.2f} GB/s of CPU time")
     print(f"raw AES-128-CTR keystream via cryptography, 1 thread:        {raw_cpu:.2f} GB/s of CPU time  "
           f"(expansion / raw = {expansion_cpu / raw_cpu:.2f})")
+    print(f"raw keystream through AES-GCM's counters (the PRG's path):  {raw_gcm_cpu:.2f} GB/s of CPU time  "
+          f"(expansion / raw = {expansion_cpu / raw_gcm_cpu:.2f})")
     print(f"mask expansion on {args.workers} thread(s), wall clock:               {parallel_wall:.2f} GB/s "
           f"(/ raw 1-thread wall {raw_wall:.2f} GB/s = {parallel_wall / raw_wall:.2f}; "
           f"CPU time {parallel_cpu:.2f} GB/s)")
@@ -434,6 +440,7 @@ def main(argv=None) -> int:
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "workers": args.workers,
                                          "mask_expansion_gbps": expansion_cpu, "raw_aes_ctr_gbps": raw_cpu,
+                                         "raw_aes_gcm_keystream_gbps": raw_gcm_cpu,
                                          "parallel_expansion_wall_gbps": parallel_wall,
                                          "raw_aes_ctr_wall_gbps": raw_wall, "openssl_aes_ctr_gbps": openssl,
                                          "gpu_expansion_wall_gbps": gpu_wall,

@@ -1,7 +1,7 @@
 """Parallel mask expansion (crypto.apply_masks with workers > 1, ServerSecAgg(workers=...)) gives
 exactly the bits of the serial pass: against a textbook AES-ECB-of-counters reference and
 against workers=1, for random lengths, seed counts, signs, worker counts and dropout patterns.
-MASK_BLOCK_WORDS is shrunk in most tests so that short vectors are cut into many slices."""
+MASK_BLOCK_WORDS is shrunk in most tests so that short vectors are walked in many blocks."""
 
 import hashlib
 import os
@@ -34,7 +34,7 @@ def _reference_mask(seed: bytes, length: int) -> np.ndarray:
 
 @pytest.fixture
 def small_blocks(monkeypatch):
-    """8-word blocks: a vector of a few hundred words splits into dozens of slices."""
+    """8-word blocks: a vector of a few hundred words is walked in dozens of blocks."""
     monkeypatch.setattr(crypto, "MASK_BLOCK_WORDS", 8)
 
 
@@ -67,15 +67,14 @@ def test_parallel_equals_serial_at_the_real_block_size():
         signed_seeds[2][0], length) + _reference_mask(signed_seeds[0][0], length))
 
 
-@pytest.mark.parametrize("length,workers", [(1, 1), (1, 5), (8, 3), (9, 3), (100, 3), (100, 100), (1000, 7)])
-def test_slices_tile_the_vector_on_aes_block_boundaries(small_blocks, length, workers):
-    slices = crypto.mask_slices(length, workers)
-    assert 1 <= len(slices) <= workers
-    assert slices[0][0] == 0 and slices[-1][1] == length
-    assert all(stop == next_start for (_, stop), (next_start, _) in zip(slices, slices[1:]))
-    assert all(start < stop and start * 8 % crypto.AES_BLOCK_BYTES == 0 for start, stop in slices)
-    sizes = [stop - start for start, stop in slices]
-    assert max(sizes) - min(sizes) <= 2 * crypto.MASK_BLOCK_WORDS  # balanced to within a block or so
+@pytest.mark.parametrize("keys,workers", [(1, 1), (1, 5), (8, 3), (9, 3), (100, 3), (100, 100), (1000, 7)])
+def test_key_groups_deal_every_key_once_in_balanced_groups(keys, workers):
+    signed = [(i.to_bytes(16, "big"), 1 if i % 3 else -1) for i in range(keys)]
+    groups = crypto.key_groups(signed, workers)
+    assert len(groups) == min(keys, workers) and all(groups)
+    assert sorted(key for group in groups for key in group) == sorted(signed)
+    sizes = [len(group) for group in groups]
+    assert max(sizes) - min(sizes) <= 1
 
 
 @pytest.mark.parametrize("workers", [0, -1, 1.5, True, "2", None])
@@ -126,7 +125,7 @@ def test_server_unmasking_in_parallel_is_bit_identical_to_serial(small_blocks, m
     run = run_round(config, AGGREGATOR, identities, inputs, dropouts=dropouts, server_workers=workers)
     assert isinstance(run.outcome, AggregateReady), run.outcome
     (before, signed_seeds, used_workers), after = seen
-    assert used_workers == workers and len(crypto.mask_slices(m, workers)) > 1
+    assert used_workers == workers and len(crypto.key_groups(signed_seeds, workers)) > 1
     serial = before.copy()
     original(serial, signed_seeds, workers=1)
     assert np.array_equal(after, serial)

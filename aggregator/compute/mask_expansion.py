@@ -20,9 +20,10 @@ No keystream is ever written to GPU memory.
 Without a GPU, `ProcessMaskApplier` spreads the same work over worker processes. Threads
 (crypto.apply_masks' `workers`) stop scaling at about 4 because every keystream block hands the
 GIL over twice (2 700 masks of 10^6 words on a 16-core Xeon: x2.6 with 4 threads, x2.6 with 8);
-processes have no GIL to share. The accumulator goes into one shared-memory block, each process
-applies every key to its own contiguous slice (the same slicing as the threads, so the bits are
-the same), and the pool is started once (forks of the service's fork server,
+processes have no GIL to share. The seeds are dealt into one group per process (the threads'
+`key_groups`); each process applies its group to the whole vector in a shared-memory block of its
+own (the first holds the accumulator, the others start at zero) and the blocks are added up, so
+the bits are the same; and the pool is started once (forks of the service's fork server,
 aggregator/compute/fork_server.py: never a fork of this multi-threaded server) and kept for the
 process's life.
 
@@ -43,7 +44,7 @@ from typing import Sequence
 import numpy as np
 
 from protocols.secagg.crypto import (MASK_BLOCK_WORDS, MAX_DEFAULT_MASK_WORKERS, apply_masks, apply_masks_to_slice,
-                                     check_accumulator, check_workers, default_mask_workers, mask_slices,
+                                     check_accumulator, check_workers, default_mask_workers, key_groups,
                                      prg_keys, usable_cores)
 
 from aggregator.compute.device import pick_device
@@ -245,18 +246,17 @@ class CudaMaskApplier:
         accumulator.view(np.int64)[:] = on_device.cpu().numpy()
 
 
-def apply_masks_in_shared_memory(name: str, length: int, keys: Sequence[tuple[bytes, int]], start: int,
-                                 stop: int, dtype: str = "uint64") -> None:
-    """Worker-process entry of a multi-process applier: words [start, stop) of the vector of
-    `length` ring words (`dtype`) in the shared memory block `name` += sum(sign * PRG) under the
-    AES keys `keys` (from prg_keys). It lives at module level so a forkserver worker can import it
-    cheaply."""
+def apply_masks_in_shared_memory(name: str, length: int, keys: Sequence[tuple[bytes, int]],
+                                 dtype: str = "uint64") -> None:
+    """Worker-process entry of a multi-process applier: the vector of `length` ring words
+    (`dtype`) in the shared memory block `name` += sum(sign * PRG) under the AES keys `keys` (from
+    prg_keys). It lives at module level so a forkserver worker can import it cheaply."""
     from multiprocessing import shared_memory
 
     block = shared_memory.SharedMemory(name=name)
     try:
         vector = np.ndarray((length,), dtype=np.dtype(dtype), buffer=block.buf)
-        apply_masks_to_slice(vector[start:stop], keys, start)
+        apply_masks_to_slice(vector, keys, 0)
         del vector          # no view may outlive close()
     finally:
         block.close()
@@ -282,9 +282,9 @@ class ProcessMaskApplier:
     def warm_up(self) -> "ProcessMaskApplier":
         """Start every worker and import its code now (about a second), not in the first round's
         unmasking: one tiny job per worker, all in flight at once."""
-        signed = [(bytes(32), 1)]
+        signed = [(bytes([i]) * 32, 1) for i in range(self.processes)]     # one seed per worker
         for _ in range(2):     # workers start on demand; a second wave reaches the late ones
-            self(np.zeros(2 * MASK_BLOCK_WORDS * self.processes, dtype=np.uint64), signed)
+            self(np.zeros(2 * MASK_BLOCK_WORDS, dtype=np.uint64), signed)
         return self
 
     def __call__(self, accumulator: np.ndarray, signed_seeds: Sequence[tuple[bytes, int]]) -> None:
@@ -294,20 +294,26 @@ class ProcessMaskApplier:
         keys = prg_keys(signed_seeds)
         if not keys or accumulator.size == 0:
             return
-        block = shared_memory.SharedMemory(create=True, size=accumulator.nbytes)
+        groups = key_groups(keys, self.processes)
+        blocks = []
         try:
-            shared = np.ndarray(accumulator.shape, dtype=accumulator.dtype, buffer=block.buf)
-            shared[:] = accumulator
-            futures = [self._executor().submit(apply_masks_in_shared_memory, block.name, accumulator.size, keys,
-                                               start, stop, accumulator.dtype.name)
-                       for start, stop in mask_slices(accumulator.size, self.processes)]
+            for _ in groups:        # a new block reads as zeros: the groups after the first start there
+                blocks.append(shared_memory.SharedMemory(create=True, size=accumulator.nbytes))
+            shared = [np.ndarray(accumulator.shape, dtype=accumulator.dtype, buffer=block.buf) for block in blocks]
+            shared[0][:] = accumulator
+            futures = [self._executor().submit(apply_masks_in_shared_memory, block.name, accumulator.size, group,
+                                               accumulator.dtype.name)
+                       for block, group in zip(blocks, groups)]
             for future in futures:
                 future.result()          # re-raises a worker's exception here
-            accumulator[:] = shared
-            del shared
+            accumulator[:] = shared[0]
+            for index in range(1, len(shared)):
+                np.add(accumulator, shared[index], out=accumulator)
+            del shared          # no view may outlive close()
         finally:
-            block.close()
-            block.unlink()
+            for block in blocks:
+                block.close()
+                block.unlink()
 
     def close(self) -> None:
         if self._pool is not None:

@@ -18,15 +18,17 @@ so the accumulator block and the keystream stay in L2 instead of streaming 8 byt
 per seed through memory. Arithmetic is numpy uint64 (uint32), which wraps modulo 2^64 (2^32) by
 itself.
 
-With `workers` > 1 the vector is cut into that many contiguous slices on block boundaries and
-each thread applies every seed to its own slice, starting the CTR counter at the slice's first
-AES block (a keystream can be entered at any block), so no two threads write the same word and
-the result is bit-identical to the serial pass whatever the split. Threads, not processes:
-`cryptography` 50.0.2 (checked: a Python thread keeps running during a long update_into)
-releases the GIL inside `update_into`, and numpy releases it inside its uint64 add; with an
-older `cryptography` that holds the GIL the threads still give the same bits, only slower.
-Work is per slice, not per seed, so the accumulator is never copied and nothing has to be
-reduced at the end.
+With `workers` > 1 the seeds are dealt into that many groups (`key_groups`) and each thread
+applies its group to the whole vector: the first into the accumulator itself, the others into
+zeroed vectors of their own that are added in at the end. Sums modulo 2^r do not depend on their
+order, so the result is bit-identical to the serial pass whatever the split. Splitting by seed,
+not by word range, keeps every keystream starting at block 0, where the faster GCM loop can
+produce it (`_Keystream`; a slice starting mid-vector would need plain CTR); it costs one vector
+per extra thread and one add each, little beside the keystreams of a server's unmasking (one
+per survivor and per lost pair). Threads, not processes: `cryptography` 50.0.2 (checked: a
+Python thread keeps running during a long update_into) releases the GIL inside `update_into`,
+and numpy releases it inside its uint64 add; with an older `cryptography` that holds the GIL the
+threads still give the same bits, only slower.
 """
 
 from __future__ import annotations
@@ -201,33 +203,32 @@ def expand_mask(seed: bytes, length: int, dtype=np.uint64) -> np.ndarray:
     return out
 
 
-def mask_slices(length: int, workers: int) -> list[tuple[int, int]]:
-    """[start, stop) word ranges, one per thread: at most `workers`, each a whole number of
-    MASK_BLOCK_WORDS (so every start is AES-block aligned) except for the tail of the last."""
-    blocks = -(-length // MASK_BLOCK_WORDS)
-    parts = max(1, min(workers, blocks))
-    bounds = [min(length, (i * blocks // parts) * MASK_BLOCK_WORDS) for i in range(parts + 1)]
-    bounds[-1] = length
-    return [(bounds[i], bounds[i + 1]) for i in range(parts) if bounds[i] < bounds[i + 1]]
+def key_groups(keys: Sequence[tuple[bytes, int]], workers: int) -> list[list[tuple[bytes, int]]]:
+    """The keys dealt round-robin into at most `workers` non-empty groups (sizes within one)."""
+    parts = max(1, min(workers, len(keys)))
+    return [list(keys[i::parts]) for i in range(parts)]
 
 
 def apply_masks(accumulator: np.ndarray, signed_seeds: Iterable[tuple[bytes, int]], workers: int = 1) -> None:
     """accumulator += sum(sign * PRG(seed)) mod 2^64 (2^32 for uint32 words), in place; sign is +1 or -1. `workers`
-    threads each take one slice of the vector; the result does not depend on `workers`."""
+    threads each take one group of the seeds; the result does not depend on `workers`."""
     check_accumulator(accumulator)
     check_workers(workers)
     keys = prg_keys(signed_seeds)
     if not keys or accumulator.size == 0:
         return
-    slices = mask_slices(accumulator.size, workers)
-    if len(slices) == 1:
+    groups = key_groups(keys, workers)
+    if len(groups) == 1:
         apply_masks_to_slice(accumulator, keys, 0)
         return
-    with ThreadPoolExecutor(max_workers=len(slices), thread_name_prefix="secagg-mask") as pool:
-        futures = [pool.submit(apply_masks_to_slice, accumulator[start:stop], keys, start)
-                   for start, stop in slices]
+    partials = [np.zeros_like(accumulator) for _ in groups[1:]]
+    with ThreadPoolExecutor(max_workers=len(groups), thread_name_prefix="secagg-mask") as pool:
+        futures = [pool.submit(apply_masks_to_slice, target, group, 0)
+                   for target, group in zip([accumulator, *partials], groups)]
         for future in futures:
             future.result()  # re-raises a worker's exception here
+    for partial in partials:
+        np.add(accumulator, partial, out=accumulator)
 
 
 def apply_masks_to_slice(target: np.ndarray, keys: Sequence[tuple[bytes, int]], first_word: int) -> None:
