@@ -87,8 +87,9 @@ class Envelope:
     ts: float = field(default_factory=time.time)
     v: int = PROTOCOL_VERSION
     sig: str | None = None
-    # set by decode() alone, once it has hashed the payload: (those bytes, their SHA-256 hex), so
-    # that a layer above can reuse the hash for the very same memory. encode() never reads it.
+    # set by decode() alone, once it has hashed a payload held in immutable ``bytes``: (those bytes,
+    # their SHA-256 hex), so that a layer above can reuse the hash for the very same memory.
+    # encode() never reads it.
     verified_payload: tuple[memoryview, str] | None = field(default=None, repr=False, compare=False)
 
     def header_fields(self) -> dict[str, Any]:
@@ -254,7 +255,9 @@ def decode(data: bytes, verifier: Verifier | None = None, *,
         signed = signed_header_bytes(bytes(data[PREFIX_LEN:PREFIX_LEN + hlen]), sig)
         verifier(header["sender"], signed, bytes.fromhex(sig))
     env = _envelope(header, _decode_tensors(header["tensors"], payload))
-    if hash_payload:
+    if hash_payload and isinstance(payload.obj, bytes):
+        # only memory no one can write vouches for its hash later: a read-only view over a
+        # bytearray, a numpy array or shared memory can still change under it
         env.verified_payload = (payload, header["payload_sha256"])
     return env
 

@@ -77,6 +77,52 @@ def test_a_received_masked_input_is_hashed_once_and_its_signature_still_binds_it
     # hash (a chunk), vouch for nothing
     assert not from_envelope(decode(bytearray(data))).verified_digests
     assert not from_envelope(decode(data, hash_payload=False)).verified_digests
+    assert from_envelope(decode(memoryview(data)[0:])).verified_digests     # a view of bytes: still bytes
+
+
+def _read_only_views_of_writable_memory(data: bytes):
+    """(what can write the memory, a read-only view of it): a bytearray behind .toreadonly(), a
+    read-only numpy array over a bytearray, a second mapping of a shared memory segment."""
+    from multiprocessing.shared_memory import SharedMemory
+    buf = bytearray(data)
+    yield buf, memoryview(buf).toreadonly()
+    buf = bytearray(data)
+    array = np.frombuffer(buf, np.uint8)
+    array.flags.writeable = False
+    yield buf, memoryview(array)
+    segment = SharedMemory(create=True, size=len(data))
+    other = SharedMemory(name=segment.name)
+    try:
+        segment.buf[:len(data)] = data
+        yield other.buf, segment.buf[:len(data)].toreadonly()
+    finally:
+        import gc
+        gc.collect()
+        for mapping in (other, segment):
+            try:
+                mapping.close()
+            except BufferError:         # a test's view still alive: the unlink below still frees it
+                pass
+        segment.unlink()
+
+
+def test_a_read_only_view_of_memory_that_can_change_vouches_for_nothing():
+    """Read-only *views* are not read-only *memory*: bytes written after decode through the
+    bytearray, the array's base or another mapping must fail the signature check, so decode
+    records no reusable digest for them (the signature check hashes the array itself)."""
+    from protocols.secagg.errors import BadSignature
+    words = np.arange(1000, dtype=np.uint64)
+    msg, public_key = signed_masked_input(words)
+    data = encode(to_envelope(msg))
+    for writable, view in _read_only_views_of_writable_memory(data):
+        back = from_envelope(decode(view))
+        back.verify(public_key)
+        assert not back.verified_digests
+        writable[len(data) - words.nbytes] ^= 0xFF          # word 0 of the masked input, after decode
+        assert back.masked_input[0] != words[0]
+        with pytest.raises(BadSignature):
+            back.verify(public_key)
+        del back, view
 
 
 def test_sync_vector_layout_round_trips_and_checks_its_length():
