@@ -4,7 +4,9 @@ however many rounds ran. Against numpy and against a one-round release drawing t
 over mosquitto: no model (no accuracy) before the end, one noisy sum after it, and the job's files
 never hold the unreleased sums."""
 
+import io
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -13,8 +15,13 @@ from test_dp_over_mqtt import C, D, device_data, run_service
 
 from aggregator.compute.privacy import UNPUBLISHED_PREFIX
 from aggregator.jobs.registry import build_job
+from aggregator.service.loop import AggregatorService
+from aggregator.service.settings import ServiceSettings
+from aggregator.storage.store import Store
 from aggregator.strategies.dp_fed3r import CalibratedSSP, Fed3RSensitivity, NoisyFed3R
+from edge_client.agent import DeviceAgent
 from edge_client.tasks.fed3r_stats import Fed3RStatsTask
+from protocols.mqtt_link import BrokerConfig
 from protocols.payloads.fed3r import Fed3RStats
 
 P = D + 1
@@ -83,6 +90,25 @@ def test_a_restart_resumes_the_held_sums_and_the_files_never_hold_them():
     assert not [k for k in strategy(False).state_dict() if k.startswith(UNPUBLISHED_PREFIX)]
 
 
+def test_a_job_holding_its_sums_has_no_model_to_write(tmp_path):
+    """A job stopped before its end (it resumes later) writes its statistics file without the held
+    sums and no model file: the zeros of an empty release are no model."""
+    from aggregator.service.reporting import write_job_files
+
+    job = build_job("fed3r", {**END_JOB, "feature_clip_norm": 100.0})
+    job.strategy.add(stats(1))
+    job.strategy.release()
+    assert job.model_held and job.evaluate(None, None)["held_until_job_end"]
+    write_job_files(tmp_path, job, {"state": "stopped"})
+    assert not (tmp_path / "model.npz").exists() and json.loads((tmp_path / "results.json").read_text())
+    with np.load(tmp_path / "statistics.npz") as files:
+        assert not [k for k in files.files if k.startswith(UNPUBLISHED_PREFIX)]
+    assert job.finalize() and not job.model_held
+    write_job_files(tmp_path, job, {"state": "done"})
+    with np.load(tmp_path / "model.npz") as files:
+        np.testing.assert_array_equal(files["coef"], job.model_arrays()["coef"])
+
+
 @pytest.mark.parametrize("kind,fields,message", [
     ("fed3r", {"dp_release": "later"}, "dp_release"),
     ("fed3r", {"dp_noise_multiplier": 0.0, "dp_release": "end"}, "need DP"),
@@ -127,3 +153,83 @@ def test_simulate_refuses_a_release_it_does_not_know():
     cfg = dataclasses.replace(PRESETS["smoke"], dp_epsilon=1.0, dp_release="never")
     with pytest.raises(ValueError, match="dp_release must be one of"):
         dp_job_fields(cfg, "fed3r", {"num_classes": C, "feature_dim": D})
+
+
+END_JOB = {"job_id": "dp-end", "num_classes": C, "feature_dim": D, "clients_per_round": 2, "round_timeout_s": 30,
+           "expected_devices": 5, "dp_noise_multiplier": 0.8, "dp_target_epsilon": 8.0, "feature_clip_norm": 4.0,
+           "max_samples": 20, "dp_mechanism": "gaussian", "dp_release": "end"}
+IDS = [f"dev{i}" for i in range(5)]
+
+
+def serve_with_store(broker, out, store: Store, devices: bool = True, timeout: float = 120) -> tuple[dict, object]:
+    """An end-release job served with a durable store (and an evaluation set), its five devices
+    online (``devices``) or not (a restart of a finished job needs none)."""
+    job = build_job("fed3r", END_JOB)
+    eval_set = tuple(np.concatenate(parts) for parts in zip(*(device_data(100 + i) for i in range(3))))
+    svc = AggregatorService(job, BrokerConfig.from_url(broker.url), out, ServiceSettings(evaluate_every_contribution=False),
+                            enrolled=set(IDS), store=store, eval_set=eval_set)
+    if not devices:
+        return svc.run(timeout_s=5), job
+    result = {}
+
+    def run() -> None:
+        try:
+            result.update(svc.run(timeout_s=timeout))
+        except Exception as exc:        # what the service's own run would have raised
+            result["raised"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    agents = [DeviceAgent(d, BrokerConfig.from_url(broker.url),
+                          {"fed3r.stats": Fed3RStatsTask(*device_data(i), lambda b, s, w: Features(D))}).start()
+              for i, d in enumerate(IDS)]
+    thread.join(timeout)
+    for agent in agents:
+        agent.stop()
+    return result, job
+
+
+def stored_models(store: Store) -> list[tuple[dict, dict]]:
+    return [(m, dict(np.load(io.BytesIO(store.model_bytes(m["model_id"]))))) for m in store.models("dp-end")]
+
+
+def test_a_restart_after_the_release_never_releases_again(broker, tmp_path):
+    """The release at the end is checkpointed before anything made from it leaves the process: the
+    service run again on the finished job (as after a crash at its very end) restores the
+    released sums, draws no new noise, and its files hold the committed model. No round before the
+    end stores a model version (there is none to deploy)."""
+    store = Store(tmp_path / "state.db")
+    result, job = serve_with_store(broker, tmp_path / "out", store)
+    assert result["state"] == "done" and job.strategy.releases == 1
+    models = stored_models(store)
+    assert [m["final"] for m, _ in models] == [True]            # round closes stored no (empty) model
+    committed = models[0][1]
+    evaluations = store.evaluations("dp-end")
+    again, restored = serve_with_store(broker, tmp_path / "out", store, devices=False)
+    assert restored.strategy.releases == 1 and not restored.strategy.unreleased
+    np.testing.assert_array_equal(restored.strategy.released.B.cpu().numpy(), job.strategy.released.B.cpu().numpy())
+    assert store.evaluations("dp-end") == evaluations and again["final"]["accuracy"] == result["final"]["accuracy"]
+    with np.load(tmp_path / "out" / "model.npz") as files:
+        np.testing.assert_array_equal(files["coef"], committed["coef"])
+
+
+def test_a_commit_that_fails_after_the_release_is_not_released_again(broker, tmp_path, monkeypatch):
+    """The final evaluation (the released model's accuracy) is stored, then the job's commit fails:
+    the restart finishes the job from the released sums, so one draw's accuracy is all there is."""
+    store = Store(tmp_path / "state.db")
+    commit = Store.finish_job
+
+    def failing(self, *args, **kwargs):
+        raise OSError("disk I/O error")
+
+    monkeypatch.setattr(Store, "finish_job", failing)
+    result, _ = serve_with_store(broker, tmp_path / "out", store, timeout=60)
+    assert isinstance(result["raised"], OSError) and store.job("dp-end")["state"] == "running"
+    monkeypatch.setattr(Store, "finish_job", commit)
+    result, job = serve_with_store(broker, tmp_path / "out", store, timeout=60)
+    assert result["state"] == "done" and job.strategy.releases == 1
+    finals = [e for e in store.evaluations("dp-end") if "accuracy" in e]
+    assert len(finals) == 1 and finals[0]["privacy"]["noisy_sums"] == 1
+    [(model, arrays)] = stored_models(store)
+    assert model["final"]
+    np.testing.assert_array_equal(arrays["coef"], job.model_arrays()["coef"])

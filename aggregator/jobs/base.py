@@ -77,6 +77,9 @@ class Job(ABC):
     """Each round's sum is released (noised) at its close (DP Fed3R): the service sums the round's
     stored contributions up the canonical bucket tree and hands the root to :meth:`take_round_sum`
     first (``aggregator/service/canonical.py``), so the release does not depend on arrival order."""
+    model_held: bool = False
+    """What the model is made of is held until the job ends (DP Fed3R with ``dp_release`` "end"):
+    there is no model to store, deploy or write before :meth:`finalize` releases it."""
 
     def take_round_sum(self, state: dict[str, np.ndarray] | None) -> None:
         """The closing round's contributions summed canonically (``canonical_round_sums`` jobs only)."""

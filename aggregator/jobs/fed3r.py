@@ -166,6 +166,10 @@ class Fed3RJob(OncePerDevice, SplitValidation):
         coordinator hands it its shards' sums, so the release is the same bits either way."""
         return self.config.dp
 
+    @property
+    def model_held(self) -> bool:
+        return isinstance(self.strategy, NoisyFed3R) and self.strategy.unreleased
+
     def take_round_sum(self, state: dict[str, np.ndarray] | None) -> None:
         """The closing round's statistics as one Fed3R state (None: none), in place of their arrival-order sum."""
         self.strategy.take_round_sum(state)
@@ -345,7 +349,7 @@ class Fed3RJob(OncePerDevice, SplitValidation):
     def evaluate(self, features: np.ndarray | None, labels: np.ndarray | None) -> dict:
         out = {"round": self.round, "contributions": self.contributions,
                "samples": self.strategy.n_samples}
-        if isinstance(self.strategy, NoisyFed3R) and self.strategy.unreleased:
+        if self.model_held:
             out["held_until_job_end"] = True        # dp_release "end": no model is released before it
         elif features is not None:
             model = self.strategy.solve()

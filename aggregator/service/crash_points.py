@@ -18,7 +18,7 @@ log = logging.getLogger("fedfleet.aggregator")
 CRASH_ENV = "FEDFLEET_CRASH_AT"
 CRASH_POINTS = ("restored", "presence", "round_opened", "task_sent", "result_received", "contribution_file_written",
                 "contribution_stored", "evaluation_stored", "ack_sent", "round_closing", "round_closed",
-                "job_finishing", "job_finished")
+                "job_finishing", "job_finalized", "job_finished")
 
 
 class CrashPoints:

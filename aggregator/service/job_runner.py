@@ -273,7 +273,7 @@ class JobRunner:
         if not self.eval_each:
             self.crash("evaluation_stored")
         if self.store is not None:
-            model = a.job.model_arrays() if act.accepted else None
+            model = a.job.model_arrays() if act.accepted and not a.job.model_held else None
             checkpoint = self._checkpoint(act) if self.checkpoints else None
             self.store.close_round(a.job_id, act.round, a.round_log[-1], model,
                                    a.history[-1] if a.history else {}, a.round_bytes[act.round], a.stats.to_dict(),
@@ -372,6 +372,12 @@ class JobRunner:
         changed = False
         if state in FINAL_JOB_STATES and state != JobState.FAILED:      # a model will be committed
             changed = final_job.finalize()
+            if changed and self.store is not None and self.checkpoints:
+                # durable before anything made from it leaves this process: a restart (a crash from
+                # here on, or the service run again) restores the finalized job rather than
+                # finalizing it again (DP's release at the end: fresh noise on the same sums)
+                self.store.replace_checkpoint_state(a.job_id, final_job.state_dict(), final_job.contributed)
+                self.crash("job_finalized")
         if changed or not a.history or a.history[-1]["contributions"] != a.job.contributions:
             self._record_eval(final_job)            # the last evaluation is the reported model's
             final_eval = a.history[-1]

@@ -56,6 +56,10 @@ class CoordinatedJob(Job):
     def finalize(self) -> bool:
         return self.inner.finalize()
 
+    @property
+    def model_held(self) -> bool:
+        return self.inner.model_held
+
     def state_dict(self) -> dict[str, np.ndarray]:
         return self.inner.state_dict()
 

@@ -55,9 +55,7 @@ class RoundRepository(StoreConnection):
         replays the contributions of rounds after ``replay_after``, this round by default)."""
         with self._tx() as db:
             if checkpoint is not None:
-                replay_after = checkpoint[2] if len(checkpoint) > 2 else round_
-                db.execute("INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?)",
-                           (job_id, replay_after, npz_bytes(checkpoint[0]), json.dumps(checkpoint[1]), time.time()))
+                _write_checkpoint(db, job_id, checkpoint[2] if len(checkpoint) > 2 else round_, *checkpoint[:2])
             cur = db.execute("UPDATE rounds SET state='closed', closed_at=?, outcome=?, "
                              "bytes_in=COALESCE(?, bytes_in) WHERE job_id=? AND round=? AND state='open'",
                              (time.time(), json.dumps(outcome), bytes_in, job_id, round_))
@@ -68,6 +66,15 @@ class RoundRepository(StoreConnection):
             if model is None:
                 return None
             return add_model_version(db, job_id, round_, model, metrics or {}, final=False)
+
+    def replace_checkpoint_state(self, job_id: str, state: dict[str, np.ndarray], contributed: dict) -> None:
+        """The job's checkpoint, as of the same closed round, now holds ``state``: a change the job made
+        after that round that a restart must not make again (DP Fed3R's release at the job's end)."""
+        with self._tx() as db:
+            r = db.execute("SELECT round FROM checkpoints WHERE job_id=?", (job_id,)).fetchone()
+            if r is None:
+                raise StoreError(f"job {job_id!r} has no checkpoint to replace")
+            _write_checkpoint(db, job_id, r["round"], state, contributed)
 
     def checkpoint(self, job_id: str) -> tuple[int, dict[str, np.ndarray], dict] | None:
         """(round, state_dict, contributed) as of the job's last closed round, if one was recorded."""
@@ -87,3 +94,8 @@ class RoundRepository(StoreConnection):
         return [dict(r) for r in self.db.execute(
             "SELECT device, event, reason, at FROM round_events WHERE job_id=? AND round=? ORDER BY at",
             (job_id, round_))]
+
+
+def _write_checkpoint(db, job_id: str, replay_after: int, state: dict[str, np.ndarray], contributed: dict) -> None:
+    db.execute("INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?)",
+               (job_id, replay_after, npz_bytes(state), json.dumps(contributed), time.time()))
