@@ -327,8 +327,8 @@ class NoisyFed3R:
         the released sums. Returns whether anything was released (nothing held: nothing)."""
         if not self.held.n_contributions:
             return False
-        held, self.held = self.held, self._empty_round_sum()
-        self._noise_into_released(held)
+        self._noise_into_released(self.held)
+        self.held = self._empty_round_sum()     # only once released: a failed draw keeps them
         return True
 
     def _noise_into_released(self, sums: Fed3R) -> None:
