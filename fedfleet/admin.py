@@ -249,6 +249,8 @@ def _job(args, client):
                                ("ACCURACY", "accuracy"), ("TIME", "t")])
     if a == "create":
         config = json.loads(Path(args.config).read_text())
+        if not isinstance(config, dict):
+            raise AdminError(f"{args.config}: a job config is a JSON object of settings, not {type(config).__name__}")
         job_id = args.job_id or config.get("job_id")
         config.pop("job_id", None)                      # named once, outside the settings
         if not job_id:

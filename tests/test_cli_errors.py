@@ -19,6 +19,7 @@ def files(tmp_path_factory):
     (d / "unknown.json").write_text(json.dumps({"devices": 3, "bogus_field": 1}))
     (d / "job.json").write_text(json.dumps({"num_classes": 10}))
     (d / "huge.json").write_text(json.dumps({"num_classes": 10 ** 9}))
+    (d / "list.json").write_text("[1, 2]")
     (d / "creds.json").write_text(json.dumps({"device_id": "cam1", "mqtt_username": "cam1", "mqtt_password": "x"}))
     return d
 
@@ -52,6 +53,8 @@ CASES = [
     ("device: --personalize without --deployments", ["device", "--id", "cam1", "--idx", "{d}/a.idx", "{d}/b.idx",
                                                      "--personalize"], "needs --deployments"),
     ("admin: API down", ["admin", "status", "--token", "t" * 20, "--url", "http://127.0.0.1:1"], "cannot reach"),
+    ("admin: a job config that is not an object", ["admin", "job", "create", "{d}/list.json", "--kind", "fed3r",
+                                                   "--token", "t" * 20, "--url", "http://127.0.0.1:1"], "JSON object"),
 ]
 
 

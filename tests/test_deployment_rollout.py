@@ -143,7 +143,7 @@ def test_promotion_reaches_every_device_and_a_failing_guard_rolls_the_canary_bac
     wait_for(lambda: store_state(store, "broken-1") == "rolled_back", what="the broken head's rollback")
     wait_for(lambda: all(fleet.sha(d) == good_sha for d in DEVICES), what="the canary back on the good head")
     view = ctl.show("broken-1")
-    assert "guard median_drop<=1 failed" in view["reason"], view["reason"]
+    assert "guard median_drop<=1.0 failed" in view["reason"], view["reason"]
     assert sorted(view["devices"]) == ["cam-2", "cam-3"] and view["counts"]["sent_rollback"] == 2
     for d in ("cam-2", "cam-3"):
         Z, y = world["holdout"][d]

@@ -19,6 +19,8 @@ from importlib import resources
 from typing import Any, Literal
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request, status
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
@@ -48,8 +50,17 @@ def create_app(store: Store, token: str, service=None, deployments=None) -> Fast
     add_model_routes(app, ctx)
     add_deployment_routes(app, ctx)
     add_dashboard_routes(app, token)
+    app.add_exception_handler(RequestValidationError, invalid_request)
     app.add_middleware(RequestGuard, token=token)
     return app
+
+
+async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """422 with where and why each field failed, without echoing the input back: FastAPI's own
+    answer does, and a NaN or Infinity in it (which JSON bodies may carry) cannot be written as
+    JSON, so the refusal itself became a 500."""
+    errors = [{k: v for k, v in error.items() if k not in ("input", "ctx")} for error in exc.errors()]
+    return JSONResponse(status_code=status.HTTP_422_UNPROCESSABLE_ENTITY, content={"detail": jsonable_encoder(errors)})
 
 
 def token_check(token: str):

@@ -9,7 +9,7 @@ from typing import Literal
 from fastapi import FastAPI, HTTPException, Path, Query, status
 
 from aggregator.api.context import ApiContext
-from aggregator.api.schemas import (ID_PATTERN, ONE, READ, WRITE, Cluster, Credentials, Device, EnrollRequest, FleetMode,
+from aggregator.api.schemas import (ID_PATTERN, JOB_ID_PATTERN, ONE, READ, WRITE, Cluster, Credentials, Device, EnrollRequest, FleetMode,
                       FleetSummary, Forgotten)
 
 DeviceId = Path(pattern=ID_PATTERN)
@@ -62,7 +62,7 @@ def add_fleet_routes(app: FastAPI, ctx: ApiContext) -> None:
     @post("/api/devices/{device_id}/forget", response_model=list[Forgotten], responses=WRITE,
           description="exact unlearning: remove the device's statistics from every plaintext Fed3R job that "
                       "holds them (or job_id only) and re-solve; other jobs say why they cannot")
-    def forget(device_id: str = DeviceId, job_id: str | None = Query(default=None, pattern=ID_PATTERN)) -> list[dict]:
+    def forget(device_id: str = DeviceId, job_id: str | None = Query(default=None, pattern=JOB_ID_PATTERN)) -> list[dict]:
         return ctx.mutate(lambda: ctx.service.forget_device(device_id, job_id))
 
     @get("/api/clusters", response_model=list[Cluster], responses=READ)

@@ -14,10 +14,10 @@ from aggregator.jobs.registry import validate_job_config
 from aggregator.storage.round_log import SETTING_PREFIX, read_from
 from aggregator.storage.store import Store
 from aggregator.api.context import ApiContext
-from aggregator.api.schemas import (ID_PATTERN, MAX_ID, ONE, READ, WRITE, Job, JobCreate, LineageEntry, Model, Quarantined,
+from aggregator.api.schemas import (ID_PATTERN, JOB_ID_PATTERN, MAX_ID, ONE, READ, WRITE, Job, JobCreate, LineageEntry, Model, Quarantined,
                       Round, RoundLogPage)
 
-JobId = Path(pattern=ID_PATTERN)
+JobId = Path(pattern=JOB_ID_PATTERN)
 ModelId = Path(ge=1, le=MAX_ID)
 
 
@@ -103,7 +103,7 @@ def add_model_routes(app: FastAPI, ctx: ApiContext) -> None:
         return m
 
     @get("/api/models", response_model=list[Model], responses=READ)
-    def models(job_id: str | None = Query(default=None, pattern=ID_PATTERN)) -> list[dict]:
+    def models(job_id: str | None = Query(default=None, pattern=JOB_ID_PATTERN)) -> list[dict]:
         return store.models(job_id)
 
     @get("/api/models/{model_id}", response_model=Model, responses=ONE)

@@ -15,10 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, create_model
 
 from protocols.topics import DEVICE_ID_RE
 
-from aggregator.jobs.config_limits import Fields, Items, OneOf, Pattern, Range, check_limit, field_limit
+from aggregator.jobs.config_limits import JOB_ID_RE, Fields, Items, OneOf, Pattern, Range, check_limit, field_limit
 from aggregator.jobs.registry import KINDS, kind_of
 
 ID_PATTERN = DEVICE_ID_RE.pattern
+JOB_ID_PATTERN = JOB_ID_RE.pattern        # a device id's characters, never "." or ".." (a directory)
 MAX_ID = 2 ** 62
 
 
@@ -135,7 +136,7 @@ def job_create_model(kind: str) -> type[BaseModel]:
     config = config_model(kind)
     name = "".join(part.capitalize() for part in kind.split("-"))
     return create_model(f"{name}JobCreate", __config__=ConfigDict(extra="forbid"),
-                        job_id=(str, Field(pattern=ID_PATTERN)), kind=(Literal[kind], ...),
+                        job_id=(str, Field(pattern=JOB_ID_PATTERN)), kind=(Literal[kind], ...),
                         config=(config, Field(description=kind_of(kind).summary)) if _required_fields(config)
                         else (config, Field(default_factory=config, description=kind_of(kind).summary)))
 

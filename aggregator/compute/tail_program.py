@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from aggregator.compute.device import pick_device
+from aggregator.jobs.input_files import job_input_file
 
 EVAL_BATCH = 4096
 
@@ -31,8 +32,8 @@ class TailProgramError(ValueError):
 class TailProgram:
     def __init__(self, path: str | Path, expected_sha256: str = "", device: str = "auto"):
         try:
-            data = Path(path).read_bytes()
-        except OSError as exc:
+            data = job_input_file(path, "tail program").read_bytes()
+        except (OSError, ValueError) as exc:
             raise TailProgramError(f"cannot read the tail program {path}: {exc}") from exc
         digest = hashlib.sha256(data).hexdigest()
         if expected_sha256 and digest != expected_sha256:

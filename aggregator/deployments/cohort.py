@@ -56,7 +56,11 @@ class CohortRule:
         return cls("fraction", fraction=parse_percent(s), seed=seed)
 
     def text(self) -> str:
-        return f"{self.fraction * 100:g}%" if self.kind == "fraction" else f"{self.kind}:{','.join(self.names)}"
+        """What the deployment stores, and parses again when it is loaded: exactly this rule."""
+        if self.kind != "fraction":
+            return f"{self.kind}:{','.join(self.names)}"
+        percent = f"{self.fraction * 100:g}%"
+        return percent if parse_percent(percent) == self.fraction else repr(self.fraction)
 
     def canary(self, devices: dict[str, tuple[str, ...]]) -> set[str]:
         """devices: device -> its tags."""

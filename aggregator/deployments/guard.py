@@ -27,6 +27,7 @@ judged is not promoted.
 
 from __future__ import annotations
 
+import math
 import operator
 import re
 from dataclasses import dataclass
@@ -67,16 +68,20 @@ class Guard:
 
     @classmethod
     def parse(cls, text: str) -> "Guard":
-        conditions = []
+        conditions, parts = [], []
         for part in filter(None, (p.strip() for p in str(text).split(","))):
             m = _CONDITION.match(part)
             if m is None or m.group(1) not in METRICS:
                 raise ValueError(f"guard {part!r}: write METRIC OP NUMBER with METRIC one of {', '.join(METRICS)} "
                                  f"and OP one of {' '.join(OPS)} (e.g. wma_drop<=1.0)")
-            conditions.append((m.group(1), m.group(2), float(m.group(3))))
+            value = float(m.group(3))
+            if not math.isfinite(value):
+                raise ValueError(f"guard {part[:40]!r}…: too large a number")
+            conditions.append((m.group(1), m.group(2), value))
+            parts.append(f"{m.group(1)}{m.group(2)}{m.group(3)}")    # the number as written: it parses back
         if not conditions:
             raise ValueError("a guard needs at least one condition (e.g. wma_drop<=1.0)")
-        return cls(tuple(conditions), ",".join(f"{m}{op}{v:g}" for m, op, v in conditions))
+        return cls(tuple(conditions), ",".join(parts))
 
     def failures(self, metrics: dict[str, float]) -> list[str]:
         """The conditions the metrics break, as text (empty: the guard passes)."""

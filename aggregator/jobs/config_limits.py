@@ -83,7 +83,10 @@ PATH = Pattern(r"^[^\x00-\x1f]{0,1024}$")          # a server-side file path, no
 TIMEOUT_S = Range(1e-3, 7 * 86400)
 COUNT = Range(0, 1_000_000)
 SEED = Range(0, 2 ** 53 - 1)                         # JSON-safe: exact as a double
-JOB_ID = Pattern(DEVICE_ID_RE.pattern)
+# a job's id names its output directory: a device id's characters, but never "." or ".."
+# (spelt without a look-ahead, which the API schema's regex engine lacks)
+JOB_ID_RE = re.compile(r"^(?:[A-Za-z0-9_.-]{3,64}|[A-Za-z0-9_-][A-Za-z0-9_.-]?|\.[A-Za-z0-9_-])$")
+JOB_ID = Pattern(JOB_ID_RE.pattern)
 # Names that kinds declare on their own, with defaults of their own (a kind that is not in the
 # family of another): one limit each, so the same name keeps one meaning.
 ROUNDS = Range(0, 1_000_000)                         # FedAvg family, LADD

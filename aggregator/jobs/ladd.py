@@ -65,6 +65,7 @@ from aggregator.strategies.dp_fedavg import ClippedGaussianSum
 from aggregator.strategies.robust_ladd import RobustClusterAveraging
 from aggregator.strategies.ladd import ClusterAveraging, StyleClustering, SwaTeacher, cluster_specific_predicate
 from aggregator.jobs.base import Job
+from aggregator.jobs.input_files import job_input_file
 from aggregator.jobs.ladd_config import LaddConfig
 from aggregator.jobs.ladd_phases import Created, LaddPhase, NobodyLeftToAsk, StyleRoundClosed, TrainRoundClosed
 
@@ -119,6 +120,7 @@ class LaddJob(Job):
         """The checksummed pretrained network a config names (a job built from its config alone)."""
         if not config.initial_model_file:
             raise ValueError("a LADD job built from its config needs initial_model_file (the pretrained network)")
+        job_input_file(config.initial_model_file, "initial_model_file")
         check_file_sha256(config.initial_model_file, config.initial_model_sha256, "initial_model_file")
         with np.load(config.initial_model_file, allow_pickle=False) as data:
             arrays = {k: data[k] for k in data.files if k != TRAINABLE_KEY}

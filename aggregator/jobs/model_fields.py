@@ -18,6 +18,12 @@ from aggregator.jobs.base import JobConfig
 from aggregator.jobs.config_limits import SHA256_OR_EMPTY, Pattern, Range, limited
 
 
+# the head's C x (d + 1) parameters, which Fed3R's dense B, FedAvg's head and its optimiser state
+# each hold in float64: 2^25 of them is 256 MiB per copy (26,000 classes of 1,280 features); the
+# two limits alone would let a config ask for 6.5 GB per copy at job start
+MAX_HEAD_ENTRIES = 1 << 25
+
+
 @dataclass
 class ModelFields(JobConfig):
     num_classes: int = limited(10, Range(1, 100_000))
@@ -29,6 +35,9 @@ class ModelFields(JobConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.num_classes * (self.feature_dim + 1) > MAX_HEAD_ENTRIES:
+            raise ValueError(f"num_classes x (feature_dim + 1) = {self.num_classes * (self.feature_dim + 1):,} head "
+                             f"parameters exceed {MAX_HEAD_ENTRIES:,}: fewer classes or a smaller feature_dim")
         if self.bundle_sha256:
             try:
                 check_sha(self.bundle_sha256)

@@ -25,12 +25,23 @@ def _accountant(noise_multiplier: float, delta: float, sampling_rate: float, acc
     return PrivacyAccountant(noise_multiplier, delta, sampling_rate, accounting)
 
 
+# below it one release already costs ε in the hundreds (z = 0.1: ε ≈ 92 at δ = 1e-5), and far
+# below, ε is infinite: no privacy to account, and a report that cannot be written as JSON
+MIN_NOISE_MULTIPLIER = 0.1
+
+
 @dataclass
 class PrivacyBudgetFields(JobConfig):
     dp_noise_multiplier: float = limited(0.0, Range(0, 1e4))   # z = σ / Δ; 0: no differential privacy
     # the job's budget at dp_delta; 0: no budget (ε is still reported)
     dp_target_epsilon: float = limited(0.0, Range(0, 1e4))
     dp_delta: float = limited(1e-5, Range(1e-15, 0.1))
+
+    def __post_init__(self):
+        super().__post_init__()
+        if 0 < self.dp_noise_multiplier < MIN_NOISE_MULTIPLIER:
+            raise ValueError(f"dp_noise_multiplier must be 0 (no DP) or at least {MIN_NOISE_MULTIPLIER}, "
+                             f"got {self.dp_noise_multiplier}")
 
     @property
     def dp(self) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -67,7 +68,7 @@ def read_from(path: Path, offset: int, max_bytes: int = MAX_READ_BYTES) -> tuple
     if not path.is_file():
         return [], offset
     with open(path, "rb") as f:
-        f.seek(offset)
+        f.seek(min(offset, os.fstat(f.fileno()).st_size))     # past the end (seek refuses a huge one): nothing yet
         chunk = f.read(max_bytes)
     end = chunk.rfind(b"\n") + 1
     if end == 0 and len(chunk) == max_bytes:      # one line longer than a page: skip it, say so

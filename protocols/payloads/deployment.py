@@ -48,6 +48,7 @@ RUN, ROLLBACK = "run", "rollback"
 REFUSAL_REASONS = ("signature", "hash", "stale", "device", "timeout", "load")
 MAX_SEQ = 2 ** 62
 MAX_HEAD_BYTES = 64 * 1024 * 1024
+MAX_REPORT_SAMPLES = 2 ** 31 - 1          # a device's held-out split, far above any real one
 _ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _HEAD_NAMES = (("coef", "intercept"), ("weight", "bias"))
 
@@ -134,6 +135,8 @@ def parse_report(env: Envelope) -> dict:
         out[key] = body_field(env, key, int)
     if not (0 <= out["correct_candidate"] <= out["n"] and 0 <= out["correct_current"] <= out["n"]):
         raise EnvelopeError(f"report counts {out} are not 0 <= correct <= n")
+    if out["n"] > MAX_REPORT_SAMPLES:       # the aggregator scales counts by floats: 10**400 would not convert
+        raise EnvelopeError(f"report of {out['n']} held-out samples: at most {MAX_REPORT_SAMPLES}")
     return out
 
 
