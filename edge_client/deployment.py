@@ -191,8 +191,11 @@ class DeploymentFollower(LinkWorker):
         self.device_id, self.slot, self.holdout, self.topics, self.signer = device_id, slot, holdout, topics, signer
         self.fetch_timeout_s, self.retry_s, self.refusal_interval_s = fetch_timeout_s, retry_s, refusal_interval_s
         self._last_unbound: dict[str, float] = {}    # refusal class -> when one not about our assignment was reported
+        # a head is the largest message here: nothing larger is held, nor for longer than a fetch may take
         self.assembler = MessageAssembler(
-            verifier=sender_verifier(AGGREGATOR_ID, aggregator_key) if aggregator_key else None)
+            verifier=sender_verifier(AGGREGATOR_ID, aggregator_key) if aggregator_key else None,
+            max_message_bytes=D.MAX_HEAD_BYTES + (1 << 20), max_pending_bytes=2 * (D.MAX_HEAD_BYTES + (1 << 20)),
+            ttl_s=fetch_timeout_s)
         self.refusals: list[str] = []                # why assignments or heads were refused, in order
         self.reports: list[dict] = []                # what this device reported
         self._pending: dict | None = None            # the run being fetched: assignment + when asked
@@ -253,6 +256,7 @@ class DeploymentFollower(LinkWorker):
         self._pending = {**a, "asked": 0.0, "since": time.monotonic()}
 
     def _tick(self, now: float) -> None:
+        self.assembler.reassembler.expire()         # parts of a head that never completed
         p = self._pending
         if p is None:
             return

@@ -92,7 +92,25 @@ def parse_presence(msg: Envelope) -> tuple[bool, dict[str, Any]]:
     info = msg.body.get("info", {})
     if not isinstance(info, dict):
         raise EnvelopeError(f"presence info must be an object, got {type(info).__name__}")
+    if "tags" in info:
+        profile_tags(info)          # the one field the aggregator reads (a deployment's tags: cohort)
     return state == "online", info
+
+
+MAX_TAGS, MAX_TAG_CHARS = 32, 64
+
+
+def profile_tags(info: dict[str, Any]) -> tuple[str, ...]:
+    """The tags of a device's announced profile (``info["tags"]``: a comma-separated string or a
+    list of strings; none: ()); EnvelopeError for any other type, more than MAX_TAGS tags or a tag
+    longer than MAX_TAG_CHARS."""
+    tags = info.get("tags", ())
+    items = tags.split(",") if isinstance(tags, str) else tags
+    if not isinstance(items, (list, tuple)) or not all(isinstance(t, str) for t in items):
+        raise EnvelopeError("presence info tags must be a string or a list of strings")
+    if len(items) > MAX_TAGS or any(len(t) > MAX_TAG_CHARS for t in items):
+        raise EnvelopeError(f"presence info tags: at most {MAX_TAGS}, each at most {MAX_TAG_CHARS} characters")
+    return tuple(items)
 
 
 def _expect(msg: Envelope, *types: str) -> None:

@@ -83,6 +83,37 @@ def test_fetched_bundle_runs_like_the_original_and_tampering_is_refused(broker, 
         t.join(10)
 
 
+def test_a_flood_of_asks_for_a_file_is_answered_a_few_times(broker, tmp_path, bundle):
+    """One enrolled device asking for the bundle's largest file as fast as it can: the service
+    answers twice per window (ARTIFACT_RESEND_S), not once per ask."""
+    shelf = ArtifactShelf()
+    shelf.add_bundle(bundle)
+    onnx_sha = next(sha for sha in shelf._files if shelf._files[sha].name == "inference.onnx")
+    svc, t = serve(broker, tmp_path, shelf)
+    got = []
+    raw = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="flood")
+    raw.on_message = lambda c, u, m: got.append(len(m.payload))
+    raw.connect("127.0.0.1", broker.port)
+    raw.loop_start()
+    try:
+        raw.subscribe(Topics().inbox("cam1"), qos=1)
+        ask = encode(Envelope("artifact.get", "cam1", {"sha256": onnx_sha}))
+        for _ in range(40):
+            raw.publish(Topics().outbox("cam1"), ask, qos=1)
+        deadline = time.time() + 20
+        handled = lambda: svc._artifact_answers.dropped + sum(svc.active.stats.rejections.values())  # noqa: E731
+        while time.time() < deadline and handled() < 38:
+            time.sleep(0.1)
+        time.sleep(1.0)
+        size = shelf._files[onnx_sha].stat().st_size
+        assert handled() == 38 and svc._artifact_answers.dropped >= 20, svc.active.stats.rejections
+        assert size <= sum(got) < 3 * size + 1_000_000, (sum(got), size)
+    finally:
+        raw.loop_stop()
+        svc.stop()
+        t.join(30)
+
+
 def test_a_fetched_bundle_extracts_the_same_features_as_eager(tmp_path, bundle):
     from edge_client.data import load_fashion_mnist
     from fedfleet.bundles import extractor_from_manifest, make_extractor

@@ -32,9 +32,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from protocols.chunking import MessageAssembler
-from protocols.envelope import EnvelopeError
+from protocols.envelope import EnvelopeError, decode
 from protocols.mqtt_link import BrokerConfig, LinkWorker, MqttLink
+from protocols.messages import profile_tags
 from protocols.payloads import deployment as D
 from protocols.payloads.artifacts import GET as ARTIFACT_GET, artifact_message, parse_get
 from protocols.topics import AGGREGATOR_ID, CONTROLLER_ROLE, Topics
@@ -43,10 +43,13 @@ from aggregator.deployments.cohort import CohortRule, parse_percent
 from aggregator.deployments.guard import DEFAULT_GUARD, DEFAULT_MIN_REPORTS, DeviceReport, Guard
 from aggregator.deployments.machine import (ACTIVE, Assign, Deployment, DeploymentState, Halt, Promote, RollBack,
                                             RolledBack, Start, Tick)
+from aggregator.security.repeat_limit import RepeatLimiter
 from aggregator.storage.deployments import DeploymentStore
 from aggregator.storage.store import Store, StoreError, arrays_sha256
 
 log = logging.getLogger("fedfleet.aggregator.deployments")
+MAX_DEVICE_MESSAGE_BYTES = 64 * 1024        # an artifact.get or a report: a few hundred bytes
+HEAD_RESEND_S = 5.0                         # a head is sent to a device at most once per this (RepeatLimiter)
 _ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
@@ -76,7 +79,10 @@ class DeploymentController(LinkWorker):
         # a device's weight in the guard: at most the held-out size it reported in earlier deployments,
         # never above max_device_n (a device's counts are its claim, not a fact)
         self.max_device_n, self._known_n = int(max_device_n), {}
-        self.assembler = MessageAssembler(verifier=verifier, max_message_bytes=1024 * 1024)
+        # what devices send here (an artifact.get, a report) is one small message, never chunks: a
+        # reassembler would let one device's outbox hold partial messages under invented senders
+        self.verifier = verifier
+        self._head_answers = RepeatLimiter(HEAD_RESEND_S)
         self._next_tick = 0.0
         self.active: Served | None = None        # in canary or widening
         self.settled: Served | None = None       # the last completed: the version of every device not in a canary
@@ -209,8 +215,16 @@ class DeploymentController(LinkWorker):
         self._send_run(active, sorted(d for d in members if not active.has_run(d)))
         reports = {d: report_of(active.sent[d]["report"]) for d in members
                    if d in active.sent and active.sent[d]["report"] is not None}
-        caps = {d: min(self.max_device_n, self._known_n.get(d, self.max_device_n)) for d in reports}
-        self._apply(active, active.dep.handle(Tick(now, reports, caps)))
+        self._apply(active, active.dep.handle(Tick(now, reports, self._weight_caps(reports))))
+
+    def _weight_caps(self, reports: dict[str, DeviceReport]) -> dict[str, int]:
+        """Each judged device's weight in the pooled ``wma_*``: at most max_device_n, at most the
+        smallest held-out size it reported before, and at most the stage's median claimed size (the
+        lower median), so a device claiming a huge split, new or not, weighs no more than a typical
+        one and fewer than half of the devices lying cannot outweigh the rest."""
+        sizes = sorted(r.n for r in reports.values() if not r.refused and r.n > 0)
+        typical = sizes[(len(sizes) - 1) // 2] if sizes else self.max_device_n
+        return {d: min(self.max_device_n, self._known_n.get(d, self.max_device_n), typical) for d in reports}
 
     def _apply(self, served: Served, actions: list) -> None:
         dep = served.dep
@@ -261,15 +275,17 @@ class DeploymentController(LinkWorker):
         out = {}
         for row in self.store.devices():
             if row["status"] != "revoked":
-                tags = row["profile"].get("tags", ())
-                out[row["device_id"]] = tuple(tags.split(",") if isinstance(tags, str) else map(str, tags))
+                try:
+                    out[row["device_id"]] = profile_tags(row["profile"])
+                except EnvelopeError:       # a profile stored before presence checked its tags: none
+                    out[row["device_id"]] = ()
         return out
 
     # ------------------------------------------------------------------ inbound
     def _on_payload(self, topic: str, payload: bytes) -> None:
         device = self.topics.deploy_device_of(topic)
         try:
-            env = self.assembler.feed(payload) if device is not None else None
+            env = decode(payload, self.verifier, max_bytes=MAX_DEVICE_MESSAGE_BYTES) if device is not None else None
         except EnvelopeError as exc:
             return log.warning("deployment message on %s refused: %s", topic[:120], exc)
         if env is None:
@@ -292,6 +308,9 @@ class DeploymentController(LinkWorker):
                        and s.has_run(device) and s.dep.deployment_id == last), None)
         if served is None:
             return log.warning("head %s… asked by %s: not the head assigned to it", sha[:16], device)
+        if not self._head_answers.allow(device, sha):
+            return log.info("head %s… asked again by %s within %g s: the last answer stands", sha[:16], device,
+                            self._head_answers.window_s)
         self.link.publish_envelope(self.topics.deploy_in(device), artifact_message(
             AGGREGATOR_ID, sha, f"{served.dep.deployment_id}.npz", served.head), signer=self.signer)
 
