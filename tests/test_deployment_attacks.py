@@ -342,3 +342,40 @@ def test_a_refusal_names_its_class_and_forgeries_cannot_make_a_device_flood_repo
         sniffer.publish(T.deploy("cam-0"), b"", retain=True)
         follower.stop()
         sniffer.close()
+
+
+def test_a_device_that_lost_its_state_is_given_its_assignment_again_after_a_replay(setup, world, broker):
+    """A device whose deployment state is gone holds sequence 0 and takes any signed assignment
+    addressed to it: one captured while a rolled-back deployment ran, republished (retained) on the
+    broker path while the device was offline, with its head. Its report on that assignment is not
+    about its last one, so the controller sends its current assignment again, under a new sequence,
+    and the device goes back to the version the fleet holds."""
+    import shutil
+
+    store, controller, fleet = setup
+    topics = fleet.topics
+    good, broken = model_id(store, "good", *world["good"]), model_id(store, "broken", *world["broken"])
+    sniffer = Sniffer(broker, [topics.deploy("cam-0"), topics.deploy_in("cam-0")])
+    for d in ("cam-0", "cam-1", "cam-2"):
+        fleet.start(d)
+    ctl = controller()
+    ctl.call(lambda: ctl.deploy(good, cohort="devices:cam-0,cam-1,cam-2", stages="100%", bake_s=0, deployment_id="g"))
+    wait_for(lambda: store_state(store, "g") == "complete", what="g")
+    ctl.call(lambda: ctl.deploy(broken, cohort="devices:cam-0,cam-1,cam-2", stages="100%", bake_s=0.2,
+                                deployment_id="bad"))
+    wait_for(lambda: store_state(store, "bad") == "rolled_back", what="the guard rolls back bad")
+    wait_for(lambda: fleet.sha("cam-0") == D_sha(world["good"]), what="cam-0 back on good")
+    run_bad = next(p for p in sniffer.seen[topics.deploy("cam-0")]
+                   if decode(p).body.get("deployment") == "bad" and decode(p).body.get("action") == "run")
+    head_bad = next(p for p in sniffer.seen[topics.deploy_in("cam-0")] if decode(p).body.get("name") == "bad.npz")
+    fleet.followers["cam-0"].stop()
+    shutil.rmtree(fleet.tmp / "cam-0")                          # the device's deployment state is lost
+    sniffer.publish(topics.deploy("cam-0"), run_bad, retain=True)
+    fleet.start("cam-0")
+    time.sleep(0.5)
+    sniffer.publish(topics.deploy_in("cam-0"), head_bad)
+    try:
+        wait_for(lambda: fleet.sha("cam-0") == D_sha(world["good"]), timeout=30,
+                 what=f"cam-0 on the fleet's version again (the controller's last: {ctl.last['cam-0']})")
+    finally:
+        sniffer.close()

@@ -390,3 +390,51 @@ def test_local_labels_the_head_has_no_row_for_are_refused_and_the_device_keeps_i
     assert follower.slot.current is None and follower.reports[-1]["refused"] == follower.refusals[-1]
     with pytest.raises(ValueError, match="non-negative integers"):
         ModelSlot(fleet.tmp / "cam-x", np.array([0.5]))
+
+
+def _three_versions(setup, world):
+    """Z, then A complete on cam-0..2 (A: the same predictions as Z, other bytes); B: a broken head."""
+    store, controller, fleet = setup
+    W, b = world["good"]
+    z, a = model_id(store, "z", W, b), model_id(store, "a", W * 1.5, b * 1.5)
+    broken = model_id(store, "b", *world["broken"])
+    shas = {"z": D_sha((W, b)), "a": D_sha((W * 1.5, b * 1.5)), "b": D_sha(world["broken"])}
+    for d in ("cam-0", "cam-1", "cam-2"):
+        fleet.start(d)
+    ctl = controller()
+    for mid, name in ((z, "Z"), (a, "A")):
+        ctl.call(lambda: ctl.deploy(mid, cohort="devices:cam-0,cam-1,cam-2", stages="100%", bake_s=0,
+                                    deployment_id=name))
+        wait_for(lambda: store_state(store, name) == "complete", what=name)
+    wait_for(lambda: all(fleet.sha(d) == shas["a"] for d in ("cam-0", "cam-1", "cam-2")), what="A everywhere")
+    return store, ctl, fleet, broken, shas
+
+
+def _running(fleet, shas) -> dict:
+    return {d: next((name for name, sha in shas.items() if sha == fleet.sha(d)), None) for d in ("cam-0", "cam-1", "cam-2")}
+
+
+def test_rolling_back_the_settled_version_during_a_canary_then_the_canary_leaves_every_device_on_the_one_before(
+        setup, world):
+    """A device keeps one version to go back to: the canary device, reverting B, went back to A,
+    which the operator had withdrawn meanwhile. The settled version's run is sent to every device
+    a rollback touched, so it holds what the controller says it holds."""
+    store, ctl, fleet, broken, shas = _three_versions(setup, world)
+    ctl.call(lambda: ctl.deploy(broken, cohort="devices:cam-0", stages="100%", bake_s=3600, deployment_id="B"))
+    wait_for(lambda: fleet.sha("cam-0") == shas["b"], what="cam-0 on B")
+    ctl.call(lambda: ctl.rollback("A", "A is withdrawn"))
+    wait_for(lambda: fleet.sha("cam-1") == shas["z"] and fleet.sha("cam-2") == shas["z"], what="Z on cam-1, cam-2")
+    ctl.call(lambda: ctl.rollback("B", "B is bad too"))
+    wait_for(lambda: _running(fleet, shas) == {"cam-0": "z", "cam-1": "z", "cam-2": "z"}, timeout=30,
+             what=f"Z everywhere (the controller's settled: {ctl.settled.dep.deployment_id})")
+
+
+def test_two_rollbacks_in_a_row_leave_no_device_without_a_head(setup, world):
+    store, ctl, fleet, broken, shas = _three_versions(setup, world)
+    ctl.call(lambda: ctl.deploy(broken, cohort="devices:cam-0", stages="100%", bake_s=0, min_reports=1,
+                                deployment_id="B"))
+    wait_for(lambda: store_state(store, "B") == "rolled_back", what="the guard rolls B back")
+    wait_for(lambda: fleet.sha("cam-0") == shas["a"], what="cam-0 back on A")
+    ctl.call(lambda: ctl.rollback("A", "A is withdrawn"))
+    wait_for(lambda: _running(fleet, shas) == {"cam-0": "z", "cam-1": "z", "cam-2": "z"}, timeout=30,
+             what="Z everywhere")

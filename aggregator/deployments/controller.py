@@ -83,6 +83,7 @@ class DeploymentController(LinkWorker):
         # reassembler would let one device's outbox hold partial messages under invented senders
         self.verifier = verifier
         self._head_answers = RepeatLimiter(HEAD_RESEND_S)
+        self._reassignments = RepeatLimiter(HEAD_RESEND_S, answers=1)
         self._next_tick = 0.0
         self.active: Served | None = None        # in canary or widening
         self.settled: Served | None = None       # the last completed: the version of every device not in a canary
@@ -206,8 +207,13 @@ class DeploymentController(LinkWorker):
         """Assign the current stage's devices that were not sent one yet, and feed the machine their reports."""
         fleet = self._fleet()
         active = self.active
-        if self.settled is not None:        # devices new to the fleet, or back from a rolled-back canary
-            self._send_run(self.settled, sorted(d for d in fleet if not self.settled.has_run(d)
+        if self.settled is not None:
+            # every device outside the canary whose last assignment is not the settled version's run:
+            # new to the fleet, or told to roll back a deployment. A rollback alone reverts a device
+            # to the one version it kept, which after two rollbacks (or the settled version's own,
+            # during a canary) is not the settled one, or nothing; the run names the version to hold.
+            settled_id = self.settled.dep.deployment_id
+            self._send_run(self.settled, sorted(d for d in fleet if self.last.get(d, ("",))[0] != settled_id
                                                 and (active is None or d not in active.sent)))
         if active is None:
             return
@@ -329,8 +335,9 @@ class DeploymentController(LinkWorker):
         if (sent is None or sent["sent"] != D.RUN or report["sha256"] != served.dep.model_sha256
                 or self.last.get(device) != (dep_id, report["seq"])):
             self._count(dep_id, "late_reports")
-            return log.warning("report from %s on %s (assignment %d) refused: not about its last assignment %s",
-                               device, dep_id, report["seq"], self.last.get(device))
+            log.warning("report from %s on %s (assignment %d) refused: not about its last assignment %s",
+                        device, dep_id, report["seq"], self.last.get(device))
+            return self._reassign(device)
         if report.get("refused"):
             if sent["report"] is not None and not sent["report"].get("refused"):
                 return log.warning("deployment %s: %s reports a %s refusal after judging the head: %s", dep_id,
@@ -339,6 +346,19 @@ class DeploymentController(LinkWorker):
                         report["refused"])
         self.table.record_report(dep_id, device, report)
         sent["report"] = report
+
+    def _reassign(self, device: str) -> None:
+        """A device judging an assignment that is not its last may run something it was not told to
+        (its state lost, a captured assignment replayed to it): its current assignment again, under
+        a new sequence it will take over the other. At most once per device per window; an honest
+        late report costs the device one assignment it already holds."""
+        if not self._reassignments.allow(device, "assignment"):
+            return
+        active, settled = self.active, self.settled
+        if active is not None and active.has_run(device):
+            self._send_run(active, [device])
+        elif settled is not None and (active is None or device not in active.sent):
+            self._send_run(settled, [device])
 
     def _count(self, deployment_id: str, name: str) -> None:
         self._counts[(deployment_id, name)] = self._counts.get((deployment_id, name), 0) + 1
