@@ -115,8 +115,8 @@ class Topics:
     @property
     def downlinks(self) -> tuple[str, ...]:
         """Filters of every topic the aggregator publishes on for devices (bridged the other way)."""
-        return (f"{self.base}/dev/+/in", f"{self.base}/deploy/+/in", self.broadcast, self.status,
-                self.job_ends)
+        return (f"{self.base}/dev/+/in", f"{self.base}/deploy/+", f"{self.base}/deploy/+/in", self.broadcast,
+                self.status, self.job_ends)
 
     def device_of(self, topic: str) -> str | None:
         """The device id in an outbox or presence topic, else None."""

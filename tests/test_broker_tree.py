@@ -63,6 +63,38 @@ def test_devices_spread_over_edges_reach_the_core_and_back():
             loop.stop()
 
 
+def test_every_topic_the_aggregator_publishes_for_a_device_reaches_it_through_its_edge():
+    """Through the bridge the other way: a task, a deployment's (retained) assignment and its head,
+    the broadcast, the status and the job ends; the assignment was not bridged, so devices behind
+    an edge never learnt of a rollout."""
+    topics, got = Topics("treedown"), {}
+    arrived = threading.Event()
+    wanted = {topics.inbox("d0"), topics.deploy("d0"), topics.deploy_in("d0"), topics.broadcast, topics.status,
+              topics.job_ends}
+
+    def on_message(topic, payload):
+        got[topic] = payload
+        if set(got) == wanted:
+            arrived.set()
+
+    with BrokerTree.for_devices(4, topics, per_edge=2) as tree:
+        aggregator = MqttLink("aggregator", BrokerConfig.from_url(tree.url), on_message=lambda t, p: None)
+        device = MqttLink("d0", BrokerConfig.from_url(tree.device_urls[0]), on_message=on_message,
+                          subscriptions=[(t, 1) for t in sorted(wanted)])
+        try:
+            aggregator.start(timeout=10)
+            device.start(timeout=10)
+            deadline = time.monotonic() + 30
+            while not arrived.is_set() and time.monotonic() < deadline:      # until the bridge has subscribed
+                for t in wanted - set(got):
+                    aggregator.publish(t, t.encode(), retain=t == topics.deploy("d0"))
+                arrived.wait(1.0)
+            assert got == {t: t.encode() for t in wanted}
+        finally:
+            device.stop()
+            aggregator.stop()
+
+
 def test_a_small_fleet_connects_to_the_core_itself():
     tree = BrokerTree.for_devices(100, Topics(), per_edge=100)
     assert tree.edges == [] and tree.device_urls == [tree.url]
