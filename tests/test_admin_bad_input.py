@@ -142,11 +142,14 @@ def test_a_head_too_large_for_memory_is_refused_before_anything_is_allocated():
     build_job("fed3r", {"num_classes": 2028, "feature_dim": 1280})          # the many-class regime fits
 
 
-@pytest.mark.parametrize("z", [1e-300, 0.05])
-def test_a_noise_multiplier_with_no_privacy_left_is_refused(z):
+@pytest.mark.parametrize("mechanism,z", [("ssp", 1e-300), ("ssp", 0.05), ("gaussian", 1e-300)])
+def test_a_noise_multiplier_its_accountant_cannot_account_is_refused(mechanism, z):
+    """ε infinite (a report JSON cannot hold), or PLD accounting that does not finish."""
+    fields = {"feature_clip_norm": 4.0, "max_samples": 5, "dp_mechanism": mechanism}
     with pytest.raises(ValueError, match="dp_noise_multiplier"):
-        build_job("fed3r", {"dp_noise_multiplier": z, "feature_clip_norm": 4.0, "max_samples": 5})
-    assert build_job("fed3r", {"dp_noise_multiplier": 0.1, "feature_clip_norm": 4.0, "max_samples": 5}).config.dp
+        build_job("fed3r", {**fields, "dp_noise_multiplier": z})
+    least = 0.1 if mechanism == "ssp" else 1e-100
+    assert build_job("fed3r", {**fields, "dp_noise_multiplier": least}).config.dp
 
 
 def test_a_deployment_report_counts_at_most_a_held_out_split_a_device_can_have():

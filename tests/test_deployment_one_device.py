@@ -4,7 +4,7 @@ mosquitto with the controller and followers of ``test_deployment_rollout.py``:
 * freeze every rollout with a malformed profile (tags that are a number): presence refuses it,
   and a profile stored before that check is read as no tags;
 * outweigh the honest canary under a pooled guard (``wma_drop``) by claiming a huge held-out
-  split: its weight is at most the stage's median claimed size;
+  split: its weight is at most twice the stage's median claimed size;
 * make the controller publish its head again and again with a flood of small asks: one answer per
   device and head per window;
 * pin the controller's memory with first chunks under invented senders on its own outbox: the
@@ -75,7 +75,7 @@ def test_one_device_claiming_a_huge_split_cannot_promote_a_broken_head_under_a_p
     metrics = view["history"][1]["metrics"]
     assert view["state"] == "rolled_back", metrics
     weights = {d: e["weight"] for d, e in metrics["evidence"].items()}
-    assert weights["cam-3"] <= max(w for d, w in weights.items() if d != "cam-3"), weights
+    assert weights["cam-3"] <= 2 * max(w for d, w in weights.items() if d != "cam-3"), weights
 
 
 def test_a_flood_of_asks_for_a_head_is_answered_once_per_window(setup, world, broker):

@@ -658,7 +658,7 @@ def test_mixed_fleet_fed3r_sync_with_a_private_center_releases_the_center_then_c
     agg = DeviceIdentity.generate("aggregator")
     cfg = Fed3RSyncConfig(job_id="dp-sync-center", num_classes=C, feature_dim=dim, clients_per_round=3,
                           expected_devices=len(ids), start_timeout_s=30, round_timeout_s=60, max_samples=N,
-                          feature_clip_norm=F, dp_center_devices=3, dp_center_clip_norm=Fc, dp_noise_multiplier=0.1,
+                          feature_clip_norm=F, dp_center_devices=3, dp_center_clip_norm=Fc, dp_noise_multiplier=0.002,
                           phase_timeout_s=4, max_attempts=1, seed=5)   # noise far below the data: it is checked too
     job = Fed3RSyncJob(cfg, identity=agg, registry=IdentityRegistry({d: k.public_key_bytes for d, k in keys.items()}))
     sums, on_sum = [], job.on_secure_sum

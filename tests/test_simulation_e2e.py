@@ -146,13 +146,13 @@ def assert_rollout(report: dict, out, extractor) -> None:
     # needs one report); what it judged is the fine-tuned head's accuracy on the devices that did
     judged = broken["stages"][0]["judged"]
     assert set(judged) <= set(canary) and len(judged) == broken["stages"][0]["reports"] >= 1
-    assert broken["state"] == "rolled_back" and "guard wma_drop<=1 failed" in broken["reason"]
+    assert broken["state"] == "rolled_back" and "guard wma_drop<=1.0 failed" in broken["reason"]
     assert broken["stages"][0]["wma_current"] == pytest.approx(pooled(judged), abs=1e-9)
     assert broken["stages"][0]["wma_candidate"] < broken["stages"][0]["wma_current"] - 1
     assert broken["final_versions"] == {sha: len(devices)}           # every canary device went back
     assert json.loads((out / "report.json").read_text())["deployments"]["broken"]["state"] == "rolled_back"
     page = (out / "report.html").read_text()
-    assert '<table id="deployments">' in page and "guard wma_drop&lt;=1 failed" in page
+    assert '<table id="deployments">' in page and "guard wma_drop&lt;=1.0 failed" in page
 
 
 @pytest.mark.slow

@@ -49,6 +49,7 @@ from aggregator.storage.store import Store, StoreError, arrays_sha256
 
 log = logging.getLogger("fedfleet.aggregator.deployments")
 MAX_DEVICE_MESSAGE_BYTES = 64 * 1024        # an artifact.get or a report: a few hundred bytes
+MEDIAN_WEIGHTS = 2                          # a device weighs at most this many median devices in pooled guards
 HEAD_RESEND_S = 5.0                         # a head is sent to a device at most once per this (RepeatLimiter)
 _ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
@@ -225,12 +226,12 @@ class DeploymentController(LinkWorker):
 
     def _weight_caps(self, reports: dict[str, DeviceReport]) -> dict[str, int]:
         """Each judged device's weight in the pooled ``wma_*``: at most max_device_n, at most the
-        smallest held-out size it reported before, and at most the stage's median claimed size (the
-        lower median), so a device claiming a huge split, new or not, weighs no more than a typical
-        one and fewer than half of the devices lying cannot outweigh the rest."""
+        smallest held-out size it reported before, and at most twice the stage's median claimed size
+        (the lower median), so a device claiming a huge split, new or not, weighs no more than two
+        typical ones, while honest devices' splits of ordinary spread keep their own weights."""
         sizes = sorted(r.n for r in reports.values() if not r.refused and r.n > 0)
-        typical = sizes[(len(sizes) - 1) // 2] if sizes else self.max_device_n
-        return {d: min(self.max_device_n, self._known_n.get(d, self.max_device_n), typical) for d in reports}
+        most = MEDIAN_WEIGHTS * sizes[(len(sizes) - 1) // 2] if sizes else self.max_device_n
+        return {d: min(self.max_device_n, self._known_n.get(d, self.max_device_n), most) for d in reports}
 
     def _apply(self, served: Served, actions: list) -> None:
         dep = served.dep

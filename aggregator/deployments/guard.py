@@ -13,8 +13,8 @@ Metrics, over the devices of the current stage that reported on the candidate:
 
 A device's counts are its own claim. Its weight in the pooled ``wma_*`` is bounded by what it can
 have (``bounded``: at most the held-out size it reported before, never above a cap, and never above
-the stage's median claimed size, ``DeploymentController._weight_caps``), so a liar moves them by at
-most its share of the capped weight, no more than a typical device's; ``median_drop`` weighs every device alike,
+twice the stage's median claimed size, ``DeploymentController._weight_caps``), so a liar moves them
+by at most its share of the capped weight, no more than two typical devices'; ``median_drop`` weighs every device alike,
 so k liars among n judged devices keep it between the lowest and highest honest device's drop
 while k < n / 2: a canary of n tolerates ceil(n / 2) - 1 liars (3: 1, 5: 2, 20: 9) whenever its
 honest devices agree on which side of the threshold the candidate is. The default guard is

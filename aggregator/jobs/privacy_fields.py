@@ -25,10 +25,11 @@ def _accountant(noise_multiplier: float, delta: float, sampling_rate: float, acc
     return PrivacyAccountant(noise_multiplier, delta, sampling_rate, accounting)
 
 
-# below it one release already costs ε in the hundreds (z = 0.1: ε ≈ 92 at δ = 1e-5); further
-# down, PLD accounting takes seconds to minutes (z = 0.01: 12 s; z = 0.002 did not finish) on the
-# thread that starts the job, and at z = 1e-300 ε is infinite, a report JSON cannot hold
-MIN_NOISE_MULTIPLIER = 0.1
+# the smallest z each accountant accounts one release of: PLD's time grows without bound below
+# 0.1 (z = 0.01: 12 s; z = 0.002 did not finish) on the thread that starts the job, and ε there is
+# already in the hundreds (z = 0.1: ε ≈ 92 at δ = 1e-5); RDP's ε ∝ 1/z² overflows to infinity (a
+# report JSON cannot hold) only far below any z with meaning (tests use 1e-12 to see the clipping)
+MIN_NOISE_MULTIPLIER = {"pld": 0.1, "rdp": 1e-100}
 
 
 @dataclass
@@ -40,9 +41,10 @@ class PrivacyBudgetFields(JobConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if 0 < self.dp_noise_multiplier < MIN_NOISE_MULTIPLIER:
-            raise ValueError(f"dp_noise_multiplier must be 0 (no DP) or at least {MIN_NOISE_MULTIPLIER}, "
-                             f"got {self.dp_noise_multiplier}")
+        least = MIN_NOISE_MULTIPLIER[self.accounting()]
+        if 0 < self.dp_noise_multiplier < least:
+            raise ValueError(f"dp_noise_multiplier must be 0 (no DP) or at least {least:g} ({self.accounting()} "
+                             f"accounting), got {self.dp_noise_multiplier}")
 
     @property
     def dp(self) -> bool:

@@ -14,13 +14,16 @@ from protocols.bundle_manifest import MANIFEST_FILENAME, read_manifest
 from protocols.files import file_sha256
 
 from aggregator.jobs.registry import config_fields
+from aggregator.security.repeat_limit import RepeatLimiter
 
 MAX_ARTIFACT_BYTES = 256 * 1024 * 1024
+ARTIFACT_RESEND_S = 30.0        # a file is sent to a device at most twice per this (RepeatLimiter)
 
 
 class ArtifactShelf:
     def __init__(self, bundles: list[Path] = ()):
         self._files: dict[str, Path] = {}
+        self.answers = RepeatLimiter(ARTIFACT_RESEND_S)         # a file is megabytes, the ask a few hundred bytes
         self.bundles: list[str] = []            # manifest sha256s, in the order added
         for b in bundles:
             self.add_bundle(b)

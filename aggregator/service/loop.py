@@ -64,7 +64,6 @@ from aggregator.service.async_runner import AsyncJobRunner
 from aggregator.security.broker import BrokerSecurity
 from aggregator.service.crash_points import CrashPoints
 from aggregator.security.fleet import Fleet
-from aggregator.security.repeat_limit import RepeatLimiter
 from aggregator.service.contribution_writer import ContributionWriter
 from aggregator.service.ingest import IngestWorkers, accepted_parser, refusal
 from aggregator.service.operator_actions import OperatorActions
@@ -81,7 +80,6 @@ from aggregator.storage.store import Store
 from aggregator.storage.schema import JobState
 
 log = logging.getLogger("fedfleet.aggregator")
-ARTIFACT_RESEND_S = 30.0        # a bundle file (up to 256 MiB) is sent to a device at most once per this
 
 
 class AggregatorService(OperatorActions):
@@ -94,7 +92,6 @@ class AggregatorService(OperatorActions):
         self.settings = settings
         self.topics = topics = settings.topics
         self.artifacts, self.eval_set = artifacts, eval_set
-        self._artifact_answers = RepeatLimiter(ARTIFACT_RESEND_S)     # a file per device at most this often
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.store = store
@@ -390,9 +387,8 @@ class AggregatorService(OperatorActions):
             return self._reject(device, "artifact", str(exc))
         if self.artifacts is None or sha not in self.artifacts:
             return self._reject(device, "artifact", f"no artifact {sha[:16]} on this aggregator")
-        if not self._artifact_answers.allow(device, sha):
-            return log.info("artifact %s… asked again by %s within %g s: the last answer stands", sha[:16], device,
-                            self._artifact_answers.window_s)
+        if not self.artifacts.answers.allow(device, sha):
+            return log.info("artifact %s… asked again by %s: the last answers stand", sha[:16], device)
         self._send(device, artifact_message(AGGREGATOR_ID, sha, *self.artifacts.get(sha)))
 
     def _on_protocol(self, device: str, env: Envelope) -> None:
