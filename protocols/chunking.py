@@ -47,6 +47,7 @@ from .envelope import Envelope, EnvelopeError, body_field, decode_header, encode
 CHUNK_TYPE = "chunk"
 DEFAULT_CHUNK_SIZE = 256 * 1024
 MAX_CHUNKS = 4096
+SMALL_PART_BYTES = 64 * 1024             # a part smaller than a header's limit is copied, not viewed
 
 
 def split(message: bytes, message_id: str, sender: str, chunk_size: int = DEFAULT_CHUNK_SIZE,
@@ -115,6 +116,8 @@ class Reassembler:
         count = body_field(chunk, "count", int)
         total = body_field(chunk, "total", int)
         digest = body_field(chunk, "sha256", str)
+        if set(chunk.tensors) != {"data"}:      # anything else would be held with it, uncounted
+            raise EnvelopeError("a chunk carries exactly one tensor, 'data'")
         data = require_tensor(chunk, "data", "uint8", (None,))
         key = (chunk.sender, parent)
         if not (1 <= count <= MAX_CHUNKS) or not (0 <= index < count):
@@ -145,7 +148,10 @@ class Reassembler:
             self._drop(key)
             self._refused[key] = now
             raise EnvelopeError(f"reassembly buffer full: message {parent} dropped")
-        partial.parts[index] = data            # a view on the chunk's bytes: copied once, by the join
+        # a view on the chunk's bytes (copied once, by the join) keeps the chunk's whole message
+        # alive, header included (up to 64 KiB): a small part is copied, so what is held is at most
+        # about twice what the budgets count
+        partial.parts[index] = data if len(data) >= SMALL_PART_BYTES else bytes(data)
         partial.held += len(data)
         self._held += len(data)
         self._held_by[chunk.sender] = self._held_by.get(chunk.sender, 0) + len(data)

@@ -45,6 +45,40 @@ def test_one_device_filling_its_budget_never_blocks_another_device():
     assert got[-1] is not None and got[-1].id == mid("h1") and all(g is None for g in got[:-1])
 
 
+def _memory_held(reassembler) -> int:
+    """Bytes the partials keep alive: a part that is a view counts the whole buffer under it."""
+    held = 0
+    for partial in reassembler._partials.values():
+        for part in partial.parts.values():
+            base = part
+            while isinstance(base, np.ndarray) and base.base is not None:
+                base = base.base
+            held += len(base.obj) if isinstance(base, memoryview) else memoryview(base).nbytes
+    return held
+
+
+def test_a_chunk_holds_what_the_budget_counts_not_its_whole_message():
+    """Budgets count a part's data; a part kept as a view kept its whole message alive. A chunk
+    padded with another tensor is refused; one with a large header and a tiny part is copied."""
+    from protocols.chunking import CHUNK_TYPE
+
+    asm = MessageAssembler(max_message_bytes=10_000_000)
+    body = {"parent": "a" * 32, "count": 4096, "total": 4096, "sha256": "0" * 64}
+    padded = Envelope(type=CHUNK_TYPE, sender="hog", body={**body, "index": 0},
+                      tensors={"data": np.zeros(1, np.uint8), "pad": np.zeros(1 << 20, np.uint8)})
+    with pytest.raises(EnvelopeError, match="exactly one tensor"):
+        asm.feed(encode(padded), now=0.0)
+    for i in range(20):                 # ~60 KB of header each (a long body string), one byte of data
+        asm.feed(encode(Envelope(type=CHUNK_TYPE, sender="hog", body={**body, "index": i, "note": "x" * 60_000},
+                                 tensors={"data": np.zeros(1, np.uint8)})), now=0.0)
+    assert asm.reassembler.pending_bytes() == 20 and _memory_held(asm.reassembler) == 20
+    big = chunked("big", "b1", 300_000, chunk=100_000)         # large parts stay views on their chunks
+    for part in big[:-1]:
+        asm.feed(part, now=0.0)
+    held = asm.reassembler._partials[("big", mid("b1"))]
+    assert 0 < _memory_held(asm.reassembler) - 20 <= 2 * held.held
+
+
 def test_a_message_the_full_buffer_cannot_take_is_dropped_whole_and_pins_nothing():
     """Two senders' messages interleave in a buffer that holds about one: the chunk that does not
     fit drops its whole message at once (and its later chunks are refused unheld), so the other

@@ -328,3 +328,31 @@ def test_the_async_job_bounds_an_attackers_influence_with_fedavg_psi_layers_and_
             fb.add(trained, 1)
     for k in x0:
         np.testing.assert_array_equal(twin.buffer.params[k], job.buffer.params[k])
+
+
+class FastAttacker:
+    """Answers every task at once with the same step away from the model."""
+
+    def __call__(self, params, tensors=None):
+        w, b = np.asarray(tensors["weight"], np.float64), np.asarray(tensors["bias"], np.float64)
+        body, out = encode_head_update(w - 50.0, b - 50.0, 24)
+        body["model_version"] = params["model_version"]
+        return body, out
+
+
+def test_one_fast_device_holds_at_most_one_slot_of_each_buffer(broker, tmp_path):
+    """Asked again the moment it answered, one fast device filled 12 of 16 slots and made the
+    buffers' medians (the norm bound, the direction screen) its own; a device with an update in
+    the open buffer is not asked again before the buffer steps."""
+    import collections
+
+    config = AsyncFedAvgConfig(num_classes=C, feature_dim=D, image_size=SIZE, clients_per_round=5, buffer_size=4,
+                               max_staleness=4, rounds=4, round_timeout_s=20, expected_devices=5, batch_size=8)
+    store = Store(tmp_path / "agg.db")
+    handlers = {f"dev{i}": {KIND: SlowDevice(i, 1.0)} for i in range(4)}
+    handlers["evil"] = {KIND: FastAttacker()}
+    svc, result = serve_until_done(AsyncFedAvgJob(config), broker.url, tmp_path, handlers, store, timeout_s=90)
+    assert result["state"] == "done", result
+    counts = collections.Counter(c.device for c in store.contributions(config.job_id))
+    assert counts["evil"] <= config.rounds, dict(counts)
+    assert all(counts[f"dev{i}"] >= 1 for i in range(4)), dict(counts)

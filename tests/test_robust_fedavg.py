@@ -10,7 +10,8 @@ from aggregator.jobs.fedavg import FedAvgConfig
 from aggregator.jobs.registry import build_job
 from aggregator.jobs.robustness_fields import PLAIN_MEAN
 from aggregator.strategies.robust_fedavg import (CenteredClipping, ContributionBound, CoordinateMedian, DirectionScreen,
-                                                 Krum, Mean, NormBound, RoundHistory, TrimmedMean)
+                                                 Krum, Mean, NormBound, RobustAggregation, RoundHistory, TrimmedMean,
+                                                 WeightBound)
 from protocols.rounds import RoundClosed
 
 NORM_BOUND_ONLY = {**PLAIN_MEAN, "norm_bound_multiplier": 1.0}
@@ -316,3 +317,25 @@ def test_ladd_median_applies_within_each_cluster():
     for cluster in (0, 1):
         want = np.median([t["cls"] for c, t, _ in ups if c == cluster], axis=0)
         np.testing.assert_array_equal(thetas[cluster]["cls"], want)
+
+
+def test_weight_bound_caps_claims_at_a_multiple_of_the_median_weight():
+    """A device claiming n = 10^9 with an update a hair from the model passes the norm bound, the
+    contribution bound and the direction screen, and held the weighted mean still; capped at twice
+    the median weight, the honest devices' step survives (against numpy)."""
+    rng = np.random.default_rng(4)
+    current = {"w": np.zeros(6)}
+    honest = [({"w": rng.normal(1.0, 0.3, 6)}, float(n)) for n in (40, 60, 50, 45)]
+    attacker = ({"w": 1e-9 * honest[0][0]["w"]}, 1e9)
+    updates = honest + [attacker]
+    bounded, capped = WeightBound(2.0).apply(current, updates)
+    assert capped == 1 and [w for _, w in bounded] == [40.0, 60.0, 50.0, 45.0, 2.0 * 50.0]
+    plain = RobustAggregation(Mean(), NormBound(0.0))
+    guarded = RobustAggregation(Mean(), NormBound(1.0), ContributionBound(0.5), DirectionScreen(True), WeightBound(2.0))
+    honest_step = np.linalg.norm(plain.aggregate(current, honest)[0]["w"])
+    frozen = np.linalg.norm(RobustAggregation(Mean(), NormBound(1.0), ContributionBound(0.5),
+                                              DirectionScreen(True)).aggregate(current, updates)[0]["w"])
+    kept, report = guarded.aggregate(current, updates)
+    assert frozen < 1e-3 * honest_step                       # what the attack did without the bound
+    assert np.linalg.norm(kept["w"]) > 0.4 * honest_step and report["weight_capped"] == 1
+    assert WeightBound(0.0).apply(current, updates) == (updates, 0)

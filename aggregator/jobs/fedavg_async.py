@@ -90,6 +90,9 @@ class AsyncFedAvgJob(AsynchronousJob, FedAvgJob):
         self.buffer = FedBuff(self.params, c.buffer_size, c.server_lr, c.max_staleness, c.staleness_exponent,
                               aggregation=c.robust_aggregation(), history=c.round_history())
         self.dispatches: dict[int, tuple[str, int]] = {}   # dispatch round not yet closed -> (device, version)
+        # devices whose update waits in the open buffer: none is asked again before the buffer steps,
+        # so one device (answering at once, every time) cannot fill the buffer and set its medians
+        self.in_buffer: set[str] = set()
         self._applied: set[int] = set()       # applied dispatch rounds a checkpoint replay could meet again
         self.replay_floor = 0
 
@@ -101,7 +104,7 @@ class AsyncFedAvgJob(AsynchronousJob, FedAvgJob):
     def next_dispatches(self, idle: set[str]) -> list[str]:
         """Devices to give a task now: seeded draw from the idle ones, up to the free concurrency."""
         free = self.config.clients_per_round - len(self.dispatches)
-        pool = sorted(idle - {device for device, _ in self.dispatches.values()})
+        pool = sorted(idle - {device for device, _ in self.dispatches.values()} - self.in_buffer)
         if free <= 0 or not pool or self.finished(set(), set()):
             return []
         return sorted(self._rng.sample(pool, min(free, len(pool))))
@@ -153,6 +156,7 @@ class AsyncFedAvgJob(AsynchronousJob, FedAvgJob):
             self.late_discarded += 1    # the round machine answers these before they get here
             return
         outcome = self.buffer.add(payload.update.tensors(), dispatched[1])
+        self.in_buffer = set() if outcome == "stepped" else self.in_buffer | ({device} if outcome == "buffered" else set())
         self._applied.add(payload.round)
         if outcome != "stale":
             self.contributed[device] = self.contributed.get(device, 0) + 1

@@ -26,6 +26,7 @@ class LaddConfig(LocalRuleFields, FedAvgRobustnessFields, UpdateClippingFields):
     # LADD keeps the first bound, 3x the median norm, and nothing else: FedAvg(ψ)'s defaults were
     # measured on its linear head, not on a segmentation network's clusters.
     norm_bound_multiplier: float = 3.0
+    weight_bound_multiplier: float = 0.0    # not measured on its clusters yet (its results cap n at 10^7)
     contribution_bound_multiplier: float = 0.0
     direction_screen: bool = False
     history_momentum: float = 0.0       # LADD has none: refused (its clusters' θ_c move in rounds of their own)

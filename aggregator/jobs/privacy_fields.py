@@ -41,8 +41,8 @@ class PrivacyBudgetFields(JobConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        least = MIN_NOISE_MULTIPLIER[self.accounting()]
-        if 0 < self.dp_noise_multiplier < least:
+        least = MIN_NOISE_MULTIPLIER[self.accounting()] if self.dp_noise_multiplier > 0 else 0.0
+        if self.dp_noise_multiplier < least:
             raise ValueError(f"dp_noise_multiplier must be 0 (no DP) or at least {least:g} ({self.accounting()} "
                              f"accounting), got {self.dp_noise_multiplier}")
 

@@ -14,13 +14,13 @@ from aggregator.jobs.config_limits import FLAG, OneOf, Range, limited
 from aggregator.strategies.robust_fed3r import EnergyScreen, FeatureBound
 from aggregator.strategies.robust_fedavg import (CenteredClipping, ContributionBound, CoordinateMedian,
                                                  DirectionScreen, Krum, Mean, NormBound, RobustAggregation,
-                                                 RoundHistory, TrimmedMean)
+                                                 RoundHistory, TrimmedMean, WeightBound)
 
 RULES = ("mean", "median", "trimmed_mean", "krum", "multi_krum", "centered_clipping")
 # The settings under which a FedAvg-family job averages as FedAvg does: every bounded-influence
 # layer off (what a test comparing a job to the plain weighted mean, or the bench's "none", sets).
-PLAIN_MEAN = {"norm_bound_multiplier": 0.0, "contribution_bound_multiplier": 0.0, "direction_screen": False,
-              "history_momentum": 0.0}
+PLAIN_MEAN = {"norm_bound_multiplier": 0.0, "weight_bound_multiplier": 0.0, "contribution_bound_multiplier": 0.0,
+              "direction_screen": False, "history_momentum": 0.0}
 
 
 @dataclass
@@ -67,6 +67,8 @@ class FedAvgRobustnessFields(JobConfig):
     # "Bounded influence"). ‖θ_k − x_t‖ ≤ this × the round's median (0: off); 1: every update
     # clipped to the median norm.
     norm_bound_multiplier: float = limited(1.0, Range(0, 1e6))
+    # w_k ≤ this × the round's median weight (0: off): a claimed n_k counts as at most this many typical devices
+    weight_bound_multiplier: float = limited(2.0, Range(0, 1e6))
     # w_k·‖Δ_k‖ ≤ this × the round's median (0: off)
     contribution_bound_multiplier: float = limited(0.5, Range(0, 1e6))
     direction_screen: bool = limited(True, FLAG)    # leave out Δ_k with ⟨Δ_k, coordinate-wise median⟩ ≤ 0
@@ -91,7 +93,7 @@ class FedAvgRobustnessFields(JobConfig):
                 }[self.aggregator]()
         return RobustAggregation(rule, NormBound(self.norm_bound_multiplier),
                                  ContributionBound(self.contribution_bound_multiplier),
-                                 DirectionScreen(self.direction_screen))
+                                 DirectionScreen(self.direction_screen), WeightBound(self.weight_bound_multiplier))
 
     def round_history(self) -> RoundHistory:
         """The state across rounds (the job keeps one and checkpoints it)."""

@@ -9,6 +9,10 @@ this order (docs/algorithms.md, "Bounded influence"):
   harder than the typical one. An update within the bound is passed through untouched (the same
   bits); an honest round whose norms differ is therefore not FedAvg's bit for bit (about half its
   updates are scaled down), which on the non-IID demo fleet costs no accuracy (it gains some).
+* :class:`WeightBound`: a weight is a claim (n_k); w_k is capped at ``multiplier`` times the
+  round's median weight (the job's default: 2), so no device holds more of the weighted mean
+  than a few typical ones, whatever its update (a tiny Δ_k at n_k = 10^9 passes every other layer
+  and freezes the model).
 * :class:`ContributionBound`: the norm bound leaves a device's weight alone, and a weight is a
   claim (n_k); a device's pull on the weighted mean, w_k·‖Δ_k‖, is capped at ``multiplier``
   times the round's median pull by lowering w_k (the job's default: 0.5).
@@ -224,6 +228,37 @@ class NormBound:
         return tensors, weight
 
 
+class WeightBound:
+    """Lower w_k to at most ``multiplier`` × the round's median weight (0: off).
+
+    Why: the weighted mean divides by Σ w_k, so a device claiming a huge n_k with an update that
+    barely moves (under every norm, pull and direction check) drags the round's step towards zero;
+    with its weight bounded it counts as at most ``multiplier`` typical devices."""
+
+    def __init__(self, multiplier: float):
+        if not (multiplier >= 0 and math.isfinite(multiplier)):
+            raise ValueError(f"the weight bound's multiplier must be a finite number >= 0 (0: off), got {multiplier}")
+        self.multiplier = multiplier
+
+    def apply(self, current: Mapping[str, np.ndarray], updates: Sequence[Update]) -> tuple[list[Update], int]:
+        """(the updates with their weights capped, how many were); tensors are untouched."""
+        if not self.multiplier or not updates:
+            return list(updates), 0
+        limit = self.limit([w for _, w in updates])
+        return [(t, min(float(w), limit)) for t, w in updates], sum(w > limit for _, w in updates)
+
+    # one update at a time, as NormBound's (for sums split across shards)
+    def limit(self, weights) -> float:
+        return self.multiplier * float(np.median(weights))
+
+    @staticmethod
+    def statistic(x: np.ndarray, tensors: Mapping[str, np.ndarray], weight: float) -> float:
+        return float(weight)
+
+    def bound_one(self, x: np.ndarray, tensors: Mapping[str, np.ndarray], weight: float, limit: float) -> Update:
+        return tensors, min(float(weight), limit)
+
+
 class ContributionBound:
     """Lower w_k so that w_k·‖Δ_k‖ is at most ``multiplier`` × the round's median of them (0: off).
 
@@ -292,12 +327,13 @@ class DirectionScreen:
 
 
 class RobustAggregation:
-    """A round's updates through the norm bound, the contribution bound and the direction screen,
-    then the rule; each layer is a function of the round's set of updates."""
+    """A round's updates through the norm bound, the weight bound, the contribution bound and the
+    direction screen, then the rule; each layer is a function of the round's set of updates."""
 
     def __init__(self, rule: RobustRule, bound: NormBound, contribution: ContributionBound | None = None,
-                 screen: DirectionScreen | None = None):
+                 screen: DirectionScreen | None = None, weight: WeightBound | None = None):
         self.rule, self.bound = rule, bound
+        self.weight = weight or WeightBound(0.0)
         self.contribution = contribution or ContributionBound(0.0)
         self.screen = screen or DirectionScreen(False)
 
@@ -307,12 +343,13 @@ class RobustAggregation:
         if len(updates) < self.rule.min_updates():
             return None, {**report, "skipped": f"{self.rule.name} needs at least {self.rule.min_updates()} updates"}
         bounded, scaled = self.bound.apply(current, updates)
-        weighted, lowered = self.contribution.apply(current, bounded)
+        capped, weight_capped = self.weight.apply(current, bounded)
+        weighted, lowered = self.contribution.apply(current, capped)
         kept, screened = self.screen.apply(current, weighted)
         if len(kept) < self.rule.min_updates():     # the rule's guarantee needs its updates: screen none
             kept, screened = weighted, 0
-        return self.rule.combine(kept), {**report, "norm_bounded": scaled, "weight_bounded": lowered,
-                                         "screened": screened}
+        return self.rule.combine(kept), {**report, "norm_bounded": scaled, "weight_capped": weight_capped,
+                                         "weight_bounded": lowered, "screened": screened}
 
 
 class RoundHistory:
