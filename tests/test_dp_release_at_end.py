@@ -233,3 +233,19 @@ def test_a_commit_that_fails_after_the_release_is_not_released_again(broker, tmp
     [(model, arrays)] = stored_models(store)
     assert model["final"]
     np.testing.assert_array_equal(arrays["coef"], job.model_arrays()["coef"])
+
+
+def test_a_draw_that_fails_keeps_the_held_sums(monkeypatch):
+    s = strategy(True)
+    s.add(stats(1))
+    s.release()
+    held = s.held.packed_upper().copy()
+
+    class Failing:
+        def draw(self, *args):
+            raise MemoryError("no room for the noise")
+
+    monkeypatch.setattr(s.mechanism, "scale", lambda: Failing())
+    with pytest.raises(MemoryError):
+        s.release_held()
+    assert s.unreleased and np.array_equal(s.held.packed_upper(), held) and s.releases == 0

@@ -228,6 +228,13 @@ class NormBound:
         return tensors, weight
 
 
+def _multiplier(what: str, value: float) -> float:
+    """A weight-lowering bound's multiplier: a finite number >= 0 (0: the bound is off)."""
+    if not (value >= 0 and math.isfinite(value)):
+        raise ValueError(f"the {what}'s multiplier must be a finite number >= 0 (0: off), got {value}")
+    return value
+
+
 class WeightBound:
     """Lower w_k to at most ``multiplier`` × the round's median weight (0: off).
 
@@ -236,9 +243,7 @@ class WeightBound:
     with its weight bounded it counts as at most ``multiplier`` typical devices."""
 
     def __init__(self, multiplier: float):
-        if not (multiplier >= 0 and math.isfinite(multiplier)):
-            raise ValueError(f"the weight bound's multiplier must be a finite number >= 0 (0: off), got {multiplier}")
-        self.multiplier = multiplier
+        self.multiplier = _multiplier("weight bound", multiplier)
 
     def apply(self, current: Mapping[str, np.ndarray], updates: Sequence[Update]) -> tuple[list[Update], int]:
         """(the updates with their weights capped, how many were); tensors are untouched."""
@@ -268,9 +273,7 @@ class ContributionBound:
     many honest ones. A bounded device keeps pulling, in its direction, exactly as hard as the limit."""
 
     def __init__(self, multiplier: float):
-        if not (multiplier >= 0 and math.isfinite(multiplier)):
-            raise ValueError(f"the contribution bound's multiplier must be a finite number >= 0 (0: off), got {multiplier}")
-        self.multiplier = multiplier
+        self.multiplier = _multiplier("contribution bound", multiplier)
 
     def apply(self, current: Mapping[str, np.ndarray], updates: Sequence[Update]) -> tuple[list[Update], int]:
         """(the updates with their weights bounded, how many were lowered); tensors are untouched."""
