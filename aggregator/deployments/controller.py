@@ -50,7 +50,7 @@ from aggregator.storage.store import Store, StoreError, arrays_sha256
 log = logging.getLogger("fedfleet.aggregator.deployments")
 MAX_DEVICE_MESSAGE_BYTES = 64 * 1024        # an artifact.get or a report: a few hundred bytes
 MEDIAN_WEIGHTS = 2                          # a device weighs at most this many median devices in pooled guards
-HEAD_RESEND_S = 5.0                         # a head is sent to a device at most once per this (RepeatLimiter)
+HEAD_RESEND_S = 5.0                         # a head is sent to a device at most twice per this (RepeatLimiter)
 _ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
