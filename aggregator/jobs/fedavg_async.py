@@ -156,7 +156,10 @@ class AsyncFedAvgJob(AsynchronousJob, FedAvgJob):
             self.late_discarded += 1    # the round machine answers these before they get here
             return
         outcome = self.buffer.add(payload.update.tensors(), dispatched[1])
-        self.in_buffer = set() if outcome == "stepped" else self.in_buffer | ({device} if outcome == "buffered" else set())
+        if outcome == "stepped":
+            self.in_buffer = set()          # a new buffer: every device may be asked again
+        elif outcome == "buffered":
+            self.in_buffer.add(device)
         self._applied.add(payload.round)
         if outcome != "stale":
             self.contributed[device] = self.contributed.get(device, 0) + 1

@@ -170,9 +170,10 @@ _GCM_LAST_BLOCK = (1 << 32) - 1
 class _Keystream:
     """The mask PRG's keystream from AES block `first_block` on, written chunk by chunk into a
     caller's buffer. Where the stream starts at or before block 2 and ends before block 2^32
-    (every device's own mask, the first slice of a parallel pass) the blocks before 2 come from
-    CTR and the rest from GCM's faster loop; elsewhere (a later slice, whose first block GCM
-    cannot start at) plain AES-128-CTR with the 128-bit big-endian counter. The same bits."""
+    (every pass of apply_masks and of the server's appliers: they start at block 0) the blocks
+    before 2 come from CTR and the rest from GCM's faster loop; elsewhere (a slice entered further
+    on, as apply_masks_to_slice allows, where GCM cannot start) plain AES-128-CTR with the 128-bit
+    big-endian counter. The same bits."""
 
     def __init__(self, key: bytes, first_block: int, n_blocks: int):
         if first_block <= _GCM_FIRST_BLOCK and first_block + n_blocks - 1 <= _GCM_LAST_BLOCK:
