@@ -187,6 +187,9 @@ class DeviceAgent:
     def _tick(self, now: float) -> None:
         """After each message and every ``tick_s`` of quiet: retries and deadlines, then availability
         (which the next wait follows)."""
+        # partial chunked messages past their TTL (an aggregator that stopped mid-send, or forged
+        # first chunks) would otherwise hold the sender's slots, and refuse its later tasks, for ever
+        self.assembler.reassembler.expire()
         self._execute(self.session.handle(Tick(now)))
         self._follow_availability()
 

@@ -186,3 +186,27 @@ def test_chunks_sent_on_many_other_devices_topics_leave_no_state_behind(tmp_path
     assert len(svc._device_bytes) == 2_000
     svc._tick(time.monotonic())
     assert svc._device_bytes == {} and svc.assembler.reassembler.senders() == {"hog"}
+
+
+def test_a_device_agent_expires_its_unfinished_chunked_messages_on_its_tick(broker, monkeypatch):
+    """Four first chunks of messages that never complete (an aggregator that stopped mid-send, or
+    forged ones) held the aggregator's slots on the device for ever: every later chunked task was
+    refused. The agent's tick now drops them once their TTL has passed."""
+    import hashlib
+    import types
+
+    import protocols.chunking as chunking
+    from protocols.chunking import CHUNK_TYPE
+
+    agent = DeviceAgent("cam1", BrokerConfig.from_url(broker.url), {})
+    for i in range(4):
+        agent.assembler.feed(encode(Envelope(type=CHUNK_TYPE, sender="aggregator", tensors={"data": np.zeros(1, np.uint8)},
+                                             body={"parent": f"{i:032x}", "index": 0, "count": 2, "total": 2,
+                                                   "sha256": hashlib.sha256(b"xx").hexdigest()})))
+    assert agent.assembler.reassembler.pending_bytes() == 4
+    real = time.monotonic
+    agent._tick(real())
+    assert agent.assembler.reassembler.pending_bytes() == 4           # within the TTL: kept
+    monkeypatch.setattr(chunking, "time", types.SimpleNamespace(monotonic=lambda: real() + 3600))
+    agent._tick(real() + 3600)
+    assert agent.assembler.reassembler.pending_bytes() == 0
