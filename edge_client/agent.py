@@ -24,7 +24,7 @@ from typing import Any, Callable, Protocol
 import numpy as np
 
 from protocols import messages as M
-from protocols.chunking import DEFAULT_CHUNK_SIZE, MessageAssembler
+from protocols.chunking import DEFAULT_CHUNK_SIZE, MessageAssembler, encode_parts
 from protocols.envelope import EnvelopeError, encode
 from protocols.message_loop import MessageLoop
 from protocols.mqtt_link import BrokerConfig, MqttLink
@@ -37,6 +37,22 @@ from protocols.topics import AGGREGATOR_ID, Topics
 from edge_client.state import DeviceStateStore
 
 log = logging.getLogger("fedfleet.device")
+
+MAX_REASON_CHARS = 200          # of a decline reason or a tick's error, as logged
+
+
+class FirstTimes:
+    """Which keys were seen, to log a thing once per key; at most ``limit`` keys are ever held (past
+    them nothing new is logged), so a peer that words every message differently cannot grow it."""
+
+    def __init__(self, limit: int = 64):
+        self.limit, self._seen = limit, set()
+
+    def first(self, key: str) -> bool:
+        if key in self._seen or len(self._seen) >= self.limit:
+            return False
+        self._seen.add(key)
+        return True
 
 
 class TaskDeclined(Exception):
@@ -134,7 +150,8 @@ class DeviceAgent:
             will=(topics.presence(device_id), encode(offline, signer=signer), True))
         self.online = False
         self._outage_until = 0.0
-        self._declined_for: set[str] = set()        # decline reasons already logged
+        self._declined_for = FirstTimes()           # decline reasons already logged
+        self._tick_errors = FirstTimes()            # the tick's errors already logged
 
     # lifecycle
     def start(self, own_thread: bool = True) -> "DeviceAgent":
@@ -194,8 +211,11 @@ class DeviceAgent:
         self._follow_availability()
 
     def _failed(self, item: tuple[str, bytes] | None, exc: Exception) -> None:
-        if item is None:        # a tick's error ends the agent's thread (a device host logs it), as it always has
-            raise exc
+        if item is None:        # the device goes on: the tick's next run may succeed (a link back)
+            if self._tick_errors.first(f"{type(exc).__name__}: {exc}"[:MAX_REASON_CHARS]):
+                log.error("%s: the tick raised (logged once per error; the agent goes on)", self.device_id,
+                          exc_info=exc)
+            return
         if isinstance(exc, EnvelopeError):
             log.warning("%s: dropped malformed message on %s: %s", self.device_id, item[0], exc)
         else:                   # one bad message never stops the device
@@ -255,21 +275,32 @@ class DeviceAgent:
                 self._do_work(act)
             elif isinstance(act, SendResult):
                 if self.online:
-                    kind, messages = act.message           # a result, or a secure task's protocol messages
-                    sent = sum(self.link.publish_envelope(
-                        self.topics.outbox(self.device_id), m, chunk_size=self.chunk_size, signer=self.signer,
-                        before_each=self.hooks.before_upload) for m in messages)
-                    self.stats.bytes_up += sent
-                    self.stats.count(kind, bytes_up=sent)
-                    self.session.handle(ResultSent(time.monotonic()))
+                    self._send_result(act)
             elif isinstance(act, SendDecline):
                 self.stats.tasks_declined += 1
-                if act.reason not in self._declined_for:      # once per reason: a device's owner learns why
-                    self._declined_for.add(act.reason)
-                    log.warning("%s: declined a task of job %s: %s (logged once per reason)",
-                                self.device_id, act.ref.job, act.reason)
+                self._log_decline(act)
                 self.link.publish_envelope(self.topics.outbox(self.device_id),
                                            M.decline_message(self.device_id, act.ref, act.reason), signer=self.signer)
+
+    def _send_result(self, act: SendResult) -> None:
+        """Publish a result's payloads, encoded once when the work finished (a retry resends the same
+        bytes). A link that fails now is logged: the session's next retry sends them again."""
+        kind, messages = act.message           # a result, or a secure task's protocol messages
+        try:
+            sent = sum(self.link.publish_parts(self.topics.outbox(self.device_id), parts,
+                                               before_each=self.hooks.before_upload) for parts in messages)
+        except Exception as exc:
+            log.warning("%s: sending a %s result failed (attempt %d): %s", self.device_id, kind, act.attempt, exc)
+            return
+        self.stats.bytes_up += sent
+        self.stats.count(kind, bytes_up=sent)
+        self.session.handle(ResultSent(time.monotonic()))
+
+    def _log_decline(self, act: SendDecline) -> None:
+        reason = act.reason[:MAX_REASON_CHARS]
+        if self._declined_for.first(reason):      # a device's owner learns why, once per reason
+            log.warning("%s: declined a task of job %s: %s (logged once per reason)",
+                        self.device_id, act.ref.job, reason)
 
     def _do_work(self, act: StartWork) -> None:
         """Run a task's handler; a secure task's handler starts its protocol (``on_task``) instead of
@@ -283,7 +314,7 @@ class DeviceAgent:
         t0 = time.perf_counter()
         try:
             if secure is not None:
-                outs = secure.on_task(act.ref.job, act.ref.round, act.params, act.tensors)
+                outs = list(secure.on_task(act.ref.job, act.ref.round, act.params, act.tensors))
             else:
                 body, tensors = handler(act.params, act.tensors)
             elapsed = max(0.0, time.perf_counter() - t0 - self.hooks.queued_s())
@@ -303,12 +334,19 @@ class DeviceAgent:
             log.exception("%s: task failed", self.device_id)
             self._execute(self.session.handle(WorkFailed(act.ref, f"error: {exc}")))
             return
+        if secure is None:
+            outs = [M.result_message(self.device_id, act.ref, act.kind, body, tensors)]
+        try:        # encoded now, once: a result that cannot be sent is a decline, not an error per retry
+            payloads = [encode_parts(m, self.signer, self.chunk_size) for m in outs]
+        except (EnvelopeError, ValueError, MemoryError) as exc:
+            log.warning("%s: a %s result cannot be sent: %s", self.device_id, act.kind, exc)
+            self._execute(self.session.handle(WorkFailed(act.ref, f"result cannot be sent: {exc}")))
+            return
         self.stats.tasks_done += 1
         self.stats.count(act.kind, tasks=1, compute_s=elapsed)
         if secure is not None:
-            done = WorkFinished(act.ref, (act.kind, list(outs)), f"{act.ref.task}:protocol", expects_ack=False)
+            done = WorkFinished(act.ref, (act.kind, payloads), f"{act.ref.task}:protocol", expects_ack=False)
         else:
-            msg = M.result_message(self.device_id, act.ref, act.kind, body, tensors)
-            done = WorkFinished(act.ref, (act.kind, [msg]), msg.id)
+            done = WorkFinished(act.ref, (act.kind, payloads), outs[0].id)
         self._execute(self.session.handle(done))
 

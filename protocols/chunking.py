@@ -50,6 +50,12 @@ MAX_CHUNKS = 4096
 SMALL_PART_BYTES = 64 * 1024             # a part smaller than a header's limit is copied, not viewed
 
 
+def encode_parts(env: Envelope, signer=None, chunk_size: int = DEFAULT_CHUNK_SIZE) -> list[bytes]:
+    """``env`` as the MQTT payloads that carry it: itself, or its chunks. EnvelopeError when it
+    cannot be sent (a header or message over the limits, too many chunks)."""
+    return split(encode(env, signer=signer), env.id, env.sender, chunk_size=chunk_size, signer=signer)
+
+
 def split(message: bytes, message_id: str, sender: str, chunk_size: int = DEFAULT_CHUNK_SIZE,
           signer=None) -> list[bytes]:
     """Encoded chunk envelopes for ``message``; ``[message]`` itself when it fits in one chunk."""

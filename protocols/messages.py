@@ -2,10 +2,12 @@
 
 Generic round messages (any algorithm):
 
-* ``task``     aggregator -> device inbox. body: job, round, kind, params (kind-specific), deadline (unix s)
+* ``task``     aggregator -> device inbox. body: job (1 to 64 characters), round, kind, params
+               (kind-specific), deadline (unix s)
 * ``result``   device -> aggregator. body: job, round, task (id of the task message), kind, plus
                kind-specific fields; tensors: kind-specific (see the payload modules)
-* ``decline``  device -> aggregator. body: job, round, task, reason (cannot do the task)
+* ``decline``  device -> aggregator. body: job, round, task, reason (cannot do the task; at most
+               1,000 characters)
 * ``ack``      aggregator -> device inbox. body: ref (result message id), status, reason
 * ``presence`` device -> retained presence topic. body: state ("online"/"offline"), info
 * ``status``   aggregator -> retained status topic. body: free-form progress for dashboards
@@ -22,6 +24,8 @@ from .envelope import Envelope, EnvelopeError, body_field
 
 TASK, RESULT, DECLINE, ACK, PRESENCE, STATUS = "task", "result", "decline", "ack", "presence", "status"
 ACK_STATUSES = ("accepted", "duplicate", "late", "rejected")
+MAX_JOB_ID_CHARS = 64       # a task's job id (the aggregator's job ids are 1 to 64 characters)
+MAX_REASON_CHARS = 1000     # a decline's reason as sent
 
 
 @dataclass(frozen=True)
@@ -40,7 +44,10 @@ def task_message(sender: str, job: str, round_: int, kind: str, params: dict[str
 
 def parse_task(msg: Envelope) -> tuple[TaskRef, str, dict[str, Any], float]:
     _expect(msg, TASK)
-    ref = TaskRef(body_field(msg, "job", str), body_field(msg, "round", int), msg.id)
+    job = body_field(msg, "job", str)
+    if not 0 < len(job) <= MAX_JOB_ID_CHARS:     # every answer echoes it: a long one makes them unsendable
+        raise EnvelopeError(f"task: job id of {len(job)} characters, not 1 to {MAX_JOB_ID_CHARS}")
+    ref = TaskRef(job, body_field(msg, "round", int), msg.id)
     return ref, body_field(msg, "kind", str), body_field(msg, "params", dict), float(body_field(msg, "deadline", (int, float)))
 
 
@@ -58,8 +65,9 @@ def parse_result_ref(msg: Envelope) -> tuple[TaskRef, str]:
 
 
 def decline_message(sender: str, ref: TaskRef, reason: str) -> Envelope:
+    """A decline; its reason cut to MAX_REASON_CHARS (a reason may quote what the task carried)."""
     return Envelope(type=DECLINE, sender=sender,
-                    body={"job": ref.job, "round": ref.round, "task": ref.task, "reason": reason})
+                    body={"job": ref.job, "round": ref.round, "task": ref.task, "reason": reason[:MAX_REASON_CHARS]})
 
 
 def ack_message(sender: str, ref_id: str, status: str, reason: str = "") -> Envelope:

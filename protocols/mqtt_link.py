@@ -20,8 +20,8 @@ from typing import Any, Callable, Self
 
 import paho.mqtt.client as mqtt
 
-from .chunking import DEFAULT_CHUNK_SIZE, split
-from .envelope import Envelope, encode
+from .chunking import DEFAULT_CHUNK_SIZE, encode_parts
+from .envelope import Envelope
 from .message_loop import MessageLoop
 from .topics import role_account
 
@@ -199,8 +199,13 @@ class MqttLink:
                          retain: bool = False, wait: bool = False,
                          before_each: Callable[[int], None] | None = None) -> int:
         """Encode, chunk when large, publish (QoS 1). ``before_each(nbytes)`` can throttle. Returns bytes sent."""
-        data = encode(env, signer=signer)
-        parts = split(data, env.id, env.sender, chunk_size=chunk_size, signer=signer)
+        return self.publish_parts(topic, encode_parts(env, signer, chunk_size), retain=retain, wait=wait,
+                                  before_each=before_each)
+
+    def publish_parts(self, topic: str, parts: list[bytes], retain: bool = False, wait: bool = False,
+                      before_each: Callable[[int], None] | None = None) -> int:
+        """Publish one message's payloads (:func:`~protocols.chunking.encode_parts`) in order, QoS 1;
+        retained only when it is one payload. Returns bytes sent."""
         total = 0
         for part in parts:
             if before_each:

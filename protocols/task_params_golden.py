@@ -75,6 +75,7 @@ CASES: dict[str, tuple[list[dict], list[tuple[str, dict]]]] = {
           "temperature": 0.2, "seed": 7, "local_rule": "asam", "sam_rho": 0.5, "asam_eta": 0.3, "prox_mu": 0.01,
           "model_version": 3, "params_version": 1, "a_field_from_the_future": {"x": 1}}],
         [("lr", {**_MODEL, "lr": 0}), ("lr", {**_MODEL, "lr": -1.0}), ("epochs", {**_MODEL, "epochs": 0}),
+         ("epochs", {**_MODEL, "epochs": 10_001}), ("batch_size", {**_MODEL, "batch_size": 2 ** 30 + 1}),
          ("batch_size", {**_MODEL, "batch_size": 0}), ("temperature", {**_MODEL, "temperature": "x"}),
          ("local_rule", {**_MODEL, "local_rule": "adam"}), ("sam_rho", {**_MODEL, "local_rule": "sam", "sam_rho": 0.0}),
          ("sam_rho", {**_MODEL, "sam_rho": -1.0}), ("prox_mu", {**_MODEL, "prox_mu": 1e5}),

@@ -24,12 +24,22 @@ from .extractors import ExtractorFactory, extractor_for
 from .params import read_params
 
 
+DEFAULT_MEMORY_BUDGET = 256 * 1024 * 1024
+
+
 class Fed3RStatsTask:
-    def __init__(self, images: np.ndarray, labels: np.ndarray, extractor_factory: ExtractorFactory):
+    """``memory_budget``: the bytes this device gives the task's largest arrays (the float64 p x p
+    Gram matrix and C x p class sums, and a random-feature map's input_dim x dim weights); a task
+    whose p needs more is declined before anything is allocated (random_features.dim is the
+    aggregator's to choose, up to 100,000: 80 GB of Gram matrix)."""
+
+    def __init__(self, images: np.ndarray, labels: np.ndarray, extractor_factory: ExtractorFactory,
+                 memory_budget: int = DEFAULT_MEMORY_BUDGET):
         if len(images) != len(labels):
             raise ValueError("images and labels differ in length")
         self.images, self.labels = images, np.asarray(labels, dtype=np.int64)
         self.extractor_factory = extractor_factory
+        self.memory_budget = memory_budget
 
     def add_samples(self, images: np.ndarray, labels: np.ndarray) -> None:
         """New local data (appended: the samples a streaming job already holds keep their indices)."""
@@ -52,6 +62,7 @@ class Fed3RStatsTask:
             raise TaskDeclined(f"local label {labels.max()} outside the job's {num_classes} classes")
         extractor = extractor_for(self.extractor_factory, task.model)
         spec = task.random_features
+        self._check_memory(task, extractor.feature_dim)
         rf = None if spec is None else RandomFourierFeatures(spec.dim, float(spec.sigma), spec.seed)
         acc = Fed3RAccumulator(num_classes, extractor.feature_dim, task.fit_intercept, rf,
                                keep_rows=task.factor and not dense, feature_clip_norm=task.feature_clip_norm or 0.0,
@@ -64,6 +75,15 @@ class Fed3RStatsTask:
         if task.from_sample is not None:
             body["from_sample"] = start
         return body, out
+
+
+    def _check_memory(self, task: Fed3RStatsParams, feature_dim: int) -> None:
+        spec = task.random_features
+        p = (feature_dim if spec is None else spec.dim) + task.fit_intercept
+        needed = 8 * (p * p + task.model.num_classes * p + (0 if spec is None else feature_dim * spec.dim))
+        if needed > self.memory_budget:
+            raise TaskDeclined(f"statistics of {p} features need {needed / 2**20:.0f} MiB, over this device's "
+                               f"{self.memory_budget / 2**20:.0f} MiB")
 
 
 def feature_center(task: Fed3RStatsParams, tensors: dict | None, feature_dim: int) -> np.ndarray | None:

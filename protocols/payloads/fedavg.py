@@ -41,6 +41,8 @@ from .task_params import ModelSpec, TaskParams, WireParams, check_choices, check
 
 KIND = "fedavg.head"
 KIND_TAIL = "fedavg.tail"
+MAX_EPOCHS = 10_000             # of one local training
+MAX_BATCH_SIZE = 2 ** 30
 HEAD_TENSORS = ("weight", "bias")
 TAIL_PREFIX = "tail."
 # what a fedavg.tail device trains -> whether the head is among the trained tensors
@@ -92,10 +94,10 @@ class LocalTraining(WireParams):
     rule: LocalRuleRecipe = part(LocalRuleRecipe)     # the step's direction: SGD, FedProx, FedSAM, FedASAM
 
     def __post_init__(self):
-        for name in ("epochs", "batch_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        # bounded: a device makes the whole schedule before its first step (a task of 10^12 epochs
+        # held one for ever); the ranges Java's LocalTraining takes too
+        check_int("epochs", self.epochs, 1, MAX_EPOCHS)
+        check_int("batch_size", self.batch_size, 1, MAX_BATCH_SIZE)
         for name, low_ok in (("lr", False), ("weight_decay", True), ("temperature", False)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) \

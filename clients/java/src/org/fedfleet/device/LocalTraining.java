@@ -32,7 +32,7 @@ public final class LocalTraining {
     /** The recipe a task's params name; missing fields take the Fed3R paper's FL defaults ([P] §IV). */
     public static LocalTraining fromParams(Map<String, Object> params) throws TaskDeclined {
         return new LocalTraining(
-                (int) Params.integer(params, "epochs", 1, 1, 1 << 20),
+                (int) Params.integer(params, "epochs", 1, 1, 10_000),     // protocols.payloads.fedavg.MAX_EPOCHS
                 (int) Params.integer(params, "batch_size", 50, 1, 1 << 30),
                 Params.number(params, "lr", 0.1, false), Params.number(params, "weight_decay", 4e-5, true),
                 Params.number(params, "temperature", 0.1, false), seed(params), rule(params),

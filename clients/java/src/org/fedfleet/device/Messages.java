@@ -14,6 +14,8 @@ import org.fedfleet.wire.Envelope.EnvelopeError;
 
 public final class Messages {
     public static final Set<String> ACK_STATUSES = new HashSet<>(Arrays.asList("accepted", "duplicate", "late", "rejected"));
+    /** A task's job id is 1 to 64 characters; a decline's reason is cut to 1,000 (protocols/messages.py). */
+    public static final int MAX_JOB_ID_CHARS = 64, MAX_REASON_CHARS = 1000;
     private static final SecureRandom RANDOM = new SecureRandom();
 
     private Messages() {}
@@ -60,6 +62,9 @@ public final class Messages {
         body.put("job", ref.job);
         body.put("round", BigInteger.valueOf(ref.round));
         body.put("task", ref.task);
+        // cut to MAX_REASON_CHARS code points, as protocols/messages.py does (a reason may quote the task)
+        if (reason.codePointCount(0, reason.length()) > MAX_REASON_CHARS)
+            reason = reason.substring(0, reason.offsetByCodePoints(0, MAX_REASON_CHARS));
         body.put("reason", reason);
         return header("decline", sender, body, newId(), now());
     }
@@ -79,7 +84,11 @@ public final class Messages {
     public static Task parseTask(Envelope.Message msg) throws EnvelopeError {
         expect(msg, "task");
         Map<String, Object> b = msg.body();
-        TaskRef ref = new TaskRef(field(b, "job", String.class), integer(b, "round"), (String) msg.header.get("id"));
+        String job = field(b, "job", String.class);
+        int jobChars = job.codePointCount(0, job.length());
+        if (jobChars < 1 || jobChars > MAX_JOB_ID_CHARS)     // every answer echoes it: a long one makes them unsendable
+            throw new EnvelopeError("task: job id of " + jobChars + " characters, not 1 to " + MAX_JOB_ID_CHARS);
+        TaskRef ref = new TaskRef(job, integer(b, "round"), (String) msg.header.get("id"));
         Object deadline = b.get("deadline");
         if (!(deadline instanceof Double || deadline instanceof BigInteger))
             throw new EnvelopeError("task body field 'deadline' must be a number");

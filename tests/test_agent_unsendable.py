@@ -1,0 +1,147 @@
+"""A device agent over a real mosquitto never stops on what a task makes it do (a review's
+findings): a result it cannot encode (a body over the 64 KiB header limit) is one decline with
+the reason, not an error on every retry tick that ended the agent's thread; a task whose job id
+would make every answer unsendable is dropped as malformed; a Fed3R task whose random features
+would need gigabytes is declined before anything is allocated; a tick that raises is logged and
+the agent goes on; decline reasons are cut on the wire and logged once each, boundedly."""
+
+import logging
+import time
+
+import numpy as np
+import pytest
+
+from edge_client.agent import MAX_REASON_CHARS, AgentHooks, DeviceAgent, FirstTimes, TaskDeclined
+from edge_client.tasks.fed3r_stats import Fed3RStatsTask
+from protocols import messages as M
+from protocols.envelope import MAX_HEADER_BYTES, EnvelopeError, decode, encode
+from protocols.mqtt_link import BrokerConfig
+from protocols.payloads.fed3r import Fed3RStatsParams
+from protocols.payloads.task_params import ModelSpec
+from protocols.topics import AGGREGATOR_ID, Topics
+from test_deployment_attacks import Sniffer
+from ops_fleet import wait_for
+
+T = Topics()
+
+
+class Features:
+    feature_dim = 16
+
+    def extract(self, images):
+        return np.asarray(images, dtype=np.float64)
+
+
+def fed3r_params(**kw) -> dict:
+    return Fed3RStatsParams(model=ModelSpec(backbone="b", image_size=8, num_classes=3), **kw).to_params()
+
+
+def handlers():
+    rng = np.random.default_rng(0)
+    return {"echo": lambda params, tensors: ({"note": "x" * params.get("size", 0)}, {}),
+            "fed3r.stats": Fed3RStatsTask(rng.normal(size=(5, 16)), np.array([0, 1, 2, 0, 1]),
+                                          lambda b, s, w: Features())}
+
+
+def send_task(sniffer, device, job, kind, params, round_=1):
+    msg = M.task_message(AGGREGATOR_ID, job, round_, kind, params, time.time() + 60)
+    sniffer.publish(T.inbox(device), encode(msg))
+    return msg.id
+
+
+def answers(sniffer, device) -> dict[str, object]:
+    """The device's results and declines by task id."""
+    out = {}
+    for payload in sniffer.seen.get(T.outbox(device), []):
+        env = decode(payload)
+        if env.type in (M.RESULT, M.DECLINE):
+            out[env.body["task"]] = env
+    return out
+
+
+@pytest.fixture
+def agent_and_sniffer(broker):
+    sniffer = Sniffer(broker, [T.outbox("dev-a")])
+    agent = DeviceAgent("dev-a", BrokerConfig(port=broker.port), handlers(), retry_after_s=0.2, tick_s=0.05).start()
+    wait_for(lambda: agent.link.connected.is_set(), what="the agent connected")
+    yield agent, sniffer
+    agent.stop()
+    sniffer.close()
+
+
+def test_a_result_over_the_header_limit_is_one_decline_and_the_agent_goes_on(agent_and_sniffer):
+    agent, sniffer = agent_and_sniffer
+    big = send_task(sniffer, "dev-a", "j1", "echo", {"size": MAX_HEADER_BYTES + 10})
+    wait_for(lambda: big in answers(sniffer, "dev-a"), what="an answer to the unsendable task")
+    got = answers(sniffer, "dev-a")[big]
+    assert got.type == M.DECLINE and "result cannot be sent" in got.body["reason"], got.body
+    time.sleep(0.5)                                # retry ticks: the agent's loop must still be serving
+    assert agent.loop.alive
+    ok = send_task(sniffer, "dev-a", "j1", "echo", {"size": 10}, round_=2)
+    wait_for(lambda: ok in answers(sniffer, "dev-a"), what="the next task answered")
+    assert answers(sniffer, "dev-a")[ok].type == M.RESULT
+    assert agent.stats.tasks_declined == 1 and agent.stats.tasks_done == 1
+
+
+def test_a_task_with_a_job_id_no_answer_could_carry_is_refused_and_the_agent_goes_on(agent_and_sniffer):
+    agent, sniffer = agent_and_sniffer
+    huge = send_task(sniffer, "dev-a", "j" * (MAX_HEADER_BYTES - 300), "echo", {})     # the task fits, answers not
+    ok = send_task(sniffer, "dev-a", "j" * M.MAX_JOB_ID_CHARS, "echo", {})
+    wait_for(lambda: ok in answers(sniffer, "dev-a"), what="the task with a 64-character job id answered")
+    time.sleep(0.3)
+    assert huge not in answers(sniffer, "dev-a") and agent.loop.alive
+    with pytest.raises(EnvelopeError, match="job id"):
+        M.parse_task(decode(encode(M.task_message(AGGREGATOR_ID, "j" * 65, 1, "echo", {}, 0.0))))
+    with pytest.raises(EnvelopeError, match="job id"):
+        M.parse_task(decode(encode(M.task_message(AGGREGATOR_ID, "", 1, "echo", {}, 0.0))))
+
+
+def test_a_fed3r_task_over_the_memory_budget_is_declined_before_it_allocates(agent_and_sniffer):
+    agent, sniffer = agent_and_sniffer
+    rf = {"dim": 12_000, "sigma": 1.0, "seed": 0}
+    t0 = time.monotonic()
+    over = send_task(sniffer, "dev-a", "j2", "fed3r.stats", fed3r_params(random_features=rf))
+    wait_for(lambda: over in answers(sniffer, "dev-a"), what="the over-budget task answered")
+    assert time.monotonic() - t0 < 10          # a Gram matrix of 12,001² float64 (1.1 GB) was never built
+    reason = answers(sniffer, "dev-a")[over].body["reason"]
+    assert "MiB" in reason and "12001 features" in reason, reason
+    fits = send_task(sniffer, "dev-a", "j2", "fed3r.stats", fed3r_params(random_features={**rf, "dim": 64}), round_=2)
+    wait_for(lambda: fits in answers(sniffer, "dev-a"), what="a task within the budget answered")
+    assert answers(sniffer, "dev-a")[fits].type == M.RESULT
+    small = Fed3RStatsTask(np.ones((2, 16)), np.array([0, 1]), lambda b, s, w: Features(), memory_budget=8 * 16 * 16)
+    with pytest.raises(TaskDeclined, match="MiB"):
+        small(fed3r_params(), {})
+
+
+def test_a_tick_that_raises_is_logged_once_and_the_agent_goes_on(broker, caplog):
+    calls = {"n": 0}
+
+    def flaky() -> bool:            # the availability probe (run on every tick) fails for a while
+        calls["n"] += 1
+        if 1 < calls["n"] < 20:          # the first, at start, succeeds
+            raise RuntimeError("battery sensor unreadable")
+        return True
+
+    sniffer = Sniffer(broker, [T.outbox("dev-b")])
+    agent = DeviceAgent("dev-b", BrokerConfig(port=broker.port), handlers(), tick_s=0.02,
+                        hooks=AgentHooks(is_available=flaky))
+    try:
+        with caplog.at_level(logging.ERROR, logger="fedfleet.device"):
+            agent.start()
+            wait_for(lambda: calls["n"] >= 20 and agent.link.connected.is_set(), what="the probe recovered")
+        assert agent.loop.alive
+        assert sum("the tick raised" in r.getMessage() for r in caplog.records) == 1
+        ok = send_task(sniffer, "dev-b", "j3", "echo", {})
+        wait_for(lambda: ok in answers(sniffer, "dev-b"), what="a task answered after the tick's errors")
+    finally:
+        agent.stop()
+        sniffer.close()
+
+
+def test_decline_reasons_are_cut_on_the_wire_and_logged_boundedly():
+    reason = "é" * (M.MAX_REASON_CHARS + 50)
+    env = decode(encode(M.decline_message("d", M.TaskRef("j", 1, "t"), reason)))
+    assert env.body["reason"] == reason[:M.MAX_REASON_CHARS]
+    seen = FirstTimes(limit=3)
+    assert [seen.first(k) for k in "aabcde"] == [True, False, True, True, False, False]
+    assert MAX_REASON_CHARS <= M.MAX_REASON_CHARS
