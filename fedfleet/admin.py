@@ -22,6 +22,7 @@ import os
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -64,6 +65,18 @@ class AdminClient:
 
     def post(self, path: str, body: Any = None):
         return self.request("POST", path, body if body is not None else {})
+
+
+def all_devices(client: AdminClient, status: str | None = None, page: int = 1000) -> list[dict]:
+    """Every device /api/devices lists, page after page (it lists at most ``page`` at a time)."""
+    out: list[dict] = []
+    while True:
+        query = urllib.parse.urlencode({"limit": page, **({"after": out[-1]["device_id"]} if out else {}),
+                                        **({"status": status} if status else {})})
+        rows = client.get(f"/api/devices?{query}")
+        out += rows
+        if len(rows) < page:
+            return out
 
 
 # ----------------------------------------------------------------------------- rendering
@@ -135,8 +148,7 @@ def _run(args, client: AdminClient) -> Any:
         f = client.post("/api/fleet/mode", {"mode": args.mode}) if args.mode else client.get("/api/fleet")
         return f, "\n".join(f"{k:<12}{v}" for k, v in f.items())
     if c == "devices":
-        q = f"?status={args.status}" if args.status else ""
-        d = client.get(f"/api/devices{q}")
+        d = all_devices(client, args.status)
         return d, table(_devices_rows(d), [("DEVICE", "device_id"), ("STATUS", "status"), ("STATE", "state"),
                                            ("LAST SEEN", "seen"), ("CLUSTER", "cluster"), ("PROFILE", "profile_")])
     if c == "device":

@@ -170,6 +170,12 @@ class RoundCoordinator:
         self.seen_ids.add(message_id)
         self._waiting.discard(device)
 
+    def applies(self, device: str, message_id: str) -> bool:
+        """Whether a result (device, message_id) would be applied now: only then is its payload
+        worth validating. A duplicate, late or unselected one is answered by the table alone, so
+        a device re-sending a 6.6 MB result costs the server no second validation."""
+        return COORDINATOR_TABLE.select(self, ResultArrived(device, message_id, None)).effect is RoundCoordinator._accept
+
     # -- effects of COORDINATOR_TABLE's rows -------------------------------------------------
     def _ack_duplicate(self, ev: ResultArrived) -> list:
         return [SendAck(ev.device, ev.message_id, "duplicate")]

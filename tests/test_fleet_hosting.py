@@ -126,16 +126,16 @@ def test_resent_chunked_result_gets_a_duplicate_ack(tmp_path, broker):
             agent = host.add(lambda lf, d=d, stats=stats: DeviceAgent(
                 d, BrokerConfig.from_url(broker.url), {"fed3r.stats": stats}, chunk_size=200,
                 retry_after_s=600, link_factory=lf))
-            if d == "dev00":
-                publish = agent.link.publish_envelope
-                agent.link.publish_envelope = lambda topic, env, **kw: (sent.append((topic, env, kw)),
-                                                                        publish(topic, env, **kw))[1]
+            if d == "dev00":            # what the device publishes: a message's payloads (chunks)
+                publish = agent.link.publish_parts
+                agent.link.publish_parts = lambda topic, parts, **kw: (sent.append((topic, parts, kw)),
+                                                                       publish(topic, parts, **kw))[1]
         a0 = host.agents["dev00"]
         deadline = time.monotonic() + 30
         while a0.stats.acks.get("accepted", 0) < 1 and time.monotonic() < deadline:
             time.sleep(0.05)
-        topic, env, kw = next(s for s in sent if s[1].type == "result")
-        assert a0.link.publish_envelope(topic, env, **kw) > 2 * 200      # chunked
+        topic, parts, kw = next(s for s in sent if len(s[1]) > 2)      # the chunked result
+        assert a0.link.publish_parts(topic, parts, **kw) > 2 * 200
         while a0.stats.acks.get("duplicate", 0) < 1 and time.monotonic() < deadline:
             time.sleep(0.05)
         gate.set()

@@ -8,6 +8,7 @@ import numpy as np
 
 from edge_client.agent import AgentHooks, DeviceAgent
 from fedfleet.emulation.host import DeviceHost
+from protocols.envelope import decode_header
 from protocols.mqtt_link import BrokerConfig
 from protocols.rounds import DeviceState
 
@@ -26,14 +27,14 @@ def test_a_lost_result_is_retried_by_the_ticker_and_an_idle_device_is_left_alone
                 d, BrokerConfig.from_url(broker.url), {"fed3r.stats": SyntheticStats(d)}, retry_after_s=1.0,
                 link_factory=lf, hooks=AgentHooks(always_available=True)))
             if d == "dev00":         # its first result never reaches the broker, as over a lost link
-                publish = agent.link.publish_envelope
+                publish = agent.link.publish_parts
 
-                def lose_first(topic, env, publish=publish, **kw):
-                    if env.type == "result" and not lost:
-                        lost.append(env)
-                        return len(env.tensors)
-                    return publish(topic, env, **kw)
-                agent.link.publish_envelope = lose_first
+                def lose_first(topic, parts, publish=publish, **kw):
+                    if decode_header(parts[0]).type in ("result", "chunk") and not lost:
+                        lost.append(parts)
+                        return sum(map(len, parts))
+                    return publish(topic, parts, **kw)
+                agent.link.publish_parts = lose_first
         t.join(30)
         sources = [host.agents[d].link.client.socket().getsockname()[0] for d in devices]
         a0 = host.agents["dev00"]

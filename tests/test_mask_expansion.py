@@ -174,6 +174,29 @@ def test_process_applier_unmasks_a_round_and_refuses_bad_input(process_applier):
         ProcessMaskApplier(0)
 
 
+def test_a_killed_worker_fails_the_call_with_its_error_and_the_next_call_recovers():
+    """A worker killed (the kernel's OOM killer) broke the pool for good: every later round's
+    unmasking failed. The call that meets it fails with the cause; its shared blocks go; the next starts new workers."""
+    import signal
+    from concurrent.futures.process import BrokenProcessPool
+
+    applier = ProcessMaskApplier(2).warm_up()
+    try:
+        seeds = [(os.urandom(32), 1) for _ in range(4)]
+        before = set(os.listdir("/dev/shm"))
+        for pid in list(applier._pool._processes):
+            os.kill(pid, signal.SIGKILL)
+        with pytest.raises(BrokenProcessPool):
+            applier(np.zeros(3 * 32768, dtype=np.uint64), seeds)
+        assert set(os.listdir("/dev/shm")) <= before          # the call's blocks are gone
+        expected, mine = np.arange(1000, dtype=np.uint64), np.arange(1000, dtype=np.uint64)
+        apply_masks(expected, seeds)
+        applier(mine, seeds)
+        np.testing.assert_array_equal(mine, expected)
+    finally:
+        applier.close()
+
+
 @needs_gpu
 @pytest.mark.parametrize("word", [np.uint64, np.uint32])       # uint32: the applier's CPU path
 @pytest.mark.parametrize("n_words", [1, 3, 32768 + 1, 1_000_000])

@@ -23,12 +23,12 @@ class _Exposition:
 
 def render_metrics(store, service=None) -> str:
     out = _Exposition()
-    devices = store.devices()
+    counts = store.device_counts()
     live = service.live if service is not None else {}
     out.metric("fedfleet_devices", "gauge", "Devices known to the aggregator, by enrolment status.",
-               [({"status": s}, sum(d["status"] == s for d in devices)) for s in ("enrolled", "revoked")])
+               [({"status": s}, counts.get(s, 0)) for s in ("enrolled", "revoked")])
     out.metric("fedfleet_devices_online", "gauge", "Devices whose last presence message said online.",
-               [({}, len(live.get("devices_online", ())) if live else sum(d["online"] for d in devices))])
+               [({}, len(live.get("devices_online", ())) if live else store.online_count())])
     jobs = store.jobs()
     out.metric("fedfleet_jobs", "gauge", "Jobs by state.",
                [({"state": s}, n) for s, n in sorted(_count(j["state"] for j in jobs).items())])

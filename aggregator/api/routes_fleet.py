@@ -6,13 +6,14 @@ from functools import partial
 
 from typing import Literal
 
-from fastapi import FastAPI, HTTPException, Path, Query, status
+from fastapi import FastAPI, HTTPException, Path, Query, Response, status
 
 from aggregator.api.context import ApiContext
 from aggregator.api.schemas import (ID_PATTERN, JOB_ID_PATTERN, ONE, READ, WRITE, Cluster, Credentials, Device, EnrollRequest, FleetMode,
                       FleetSummary, Forgotten)
 
 DeviceId = Path(pattern=ID_PATTERN)
+DEVICE_PAGE, MAX_DEVICE_PAGE = 1000, 10_000        # devices per page of /api/devices: default, most
 
 
 def add_fleet_routes(app: FastAPI, ctx: ApiContext) -> None:
@@ -21,10 +22,9 @@ def add_fleet_routes(app: FastAPI, ctx: ApiContext) -> None:
 
     @get("/api/fleet", response_model=FleetSummary, responses=READ)
     def fleet() -> dict:
-        devices, snap = store.devices(), ctx.live()
+        counts, snap = store.device_counts(), ctx.live()
         return {"mode": snap.get("fleet_mode") or store.setting("fleet_mode") or "enrolled",
-                "enrolled": sum(d["status"] == "enrolled" for d in devices),
-                "revoked": sum(d["status"] == "revoked" for d in devices),
+                "enrolled": counts.get("enrolled", 0), "revoked": counts.get("revoked", 0),
                 "online": len(snap.get("devices_online", [])), "online_not_enrolled": len(snap.get("not_enrolled", [])),
                 "clusters": len(store.clusters()), "active_job": (snap.get("job") or {}).get("job_id")}
 
@@ -35,18 +35,27 @@ def add_fleet_routes(app: FastAPI, ctx: ApiContext) -> None:
         return fleet()
 
     @get("/api/devices", response_model=list[Device], responses=READ,
-         description="every device the aggregator knows: enrolled and revoked ones from the store, and those it "
-                     "heard from without being enrolled (status 'not enrolled'), each with its presence")
-    def devices(status_: Literal["enrolled", "revoked", "not enrolled"] | None = Query(default=None, alias="status")
-                ) -> list[dict]:
-        return [d for d in with_live(store.devices(), ctx.live()) if status_ is None or d["status"] == status_]
+         description="the devices the aggregator knows, in id order, a page at a time: enrolled and revoked ones "
+                     "from the store, and those it heard from without being enrolled (status 'not enrolled'), "
+                     "each with its presence. A full page carries the header X-Next-After: pass it as `after` "
+                     "for the next page")
+    def devices(response: Response,
+                status_: Literal["enrolled", "revoked", "not enrolled"] | None = Query(default=None, alias="status"),
+                after: str = Query(default="", pattern=f"^$|{ID_PATTERN}"),
+                limit: int = Query(default=DEVICE_PAGE, ge=1, le=MAX_DEVICE_PAGE)) -> list[dict]:
+        stored = [] if status_ == "not enrolled" else store.devices(after, limit, status_)
+        page = device_page(stored, ctx.live(), store, after, limit, strangers=status_ in (None, "not enrolled"))
+        if len(page) == limit:
+            response.headers["X-Next-After"] = page[-1]["device_id"]
+        return page
 
     @get("/api/devices/{device_id}", response_model=Device, responses=ONE)
     def device(device_id: str = DeviceId) -> dict:
         d = store.device(device_id)
         if d is None:
             raise HTTPException(status.HTTP_404_NOT_FOUND, f"no device {device_id!r}")
-        return with_live([d], ctx.live())[0]
+        live = ctx.live()
+        return with_presence(d, set(live.get("devices_online", ())), live.get("last_seen", {})) if live else d
 
     @post("/api/devices", response_model=Credentials, status_code=201, responses=WRITE,
             description="enrol a device: returns its MQTT password (and private key, if generated) once")
@@ -71,16 +80,24 @@ def add_fleet_routes(app: FastAPI, ctx: ApiContext) -> None:
 
 
 
-def with_live(devices: list[dict], live: dict) -> list[dict]:
-    """Overlay the service's in-memory presence and last-seen on stored device rows; a device the
-    service heard from that the store does not know is listed too, as 'not enrolled'."""
-    if not live:
-        return devices
+def device_page(stored: list[dict], live: dict, store, after: str, limit: int, strangers: bool = True) -> list[dict]:
+    """The first ``limit`` devices after ``after`` of the stored rows (``stored``: their page) and,
+    with ``strangers``, the devices the service heard from that the store does not know ('not
+    enrolled'), each with its presence."""
     online, seen = set(live.get("devices_online", ())), live.get("last_seen", {})
-    known = {d["device_id"] for d in devices}
-    strangers = [{"device_id": dev, "status": "not enrolled", "public_key": None, "enrolled_at": None,
+    # a stranger beyond a full stored page cannot be on this page: only ids up to its last are looked up
+    bound = stored[-1]["device_id"] if len(stored) == limit else None
+    heard = sorted(d for d in online | set(seen) if d > after and (bound is None or d <= bound)) if strangers else []
+    unknown = [{"device_id": dev, "status": "not enrolled", "public_key": None, "enrolled_at": None,
                   "revoked_at": None, "last_seen": None, "online": False, "profile": {}, "cluster": None}
-                 for dev in sorted((online | set(seen)) - known)]
-    return sorted(({**d, "online": d["device_id"] in online,
-                    "last_seen": max(filter(None, (d["last_seen"], seen.get(d["device_id"]))), default=None)}
-                   for d in devices + strangers), key=lambda d: d["device_id"])
+                 for dev in store.unknown_devices(heard)]
+    rows = stored + unknown
+    if live:
+        rows = [with_presence(d, online, seen) for d in rows]
+    return sorted(rows, key=lambda d: d["device_id"])[:limit]
+
+
+def with_presence(device: dict, online: set[str], seen: dict[str, float]) -> dict:
+    """A device's row with the service's in-memory presence and last-seen laid over the stored ones."""
+    return {**device, "online": device["device_id"] in online,
+            "last_seen": max(filter(None, (device["last_seen"], seen.get(device["device_id"]))), default=None)}

@@ -37,6 +37,7 @@ crypto.apply_masks there), and the kernel's bits are checked on the GPU machine
 
 from __future__ import annotations
 
+from concurrent.futures.process import BrokenProcessPool
 import logging
 from functools import lru_cache
 from typing import Sequence
@@ -295,7 +296,7 @@ class ProcessMaskApplier:
         if not keys or accumulator.size == 0:
             return
         groups = key_groups(keys, self.processes)
-        blocks = []
+        blocks, shared = [], []
         try:
             for _ in groups:        # a new block reads as zeros: the groups after the first start there
                 blocks.append(shared_memory.SharedMemory(create=True, size=accumulator.nbytes))
@@ -309,15 +310,18 @@ class ProcessMaskApplier:
             accumulator[:] = shared[0]
             for index in range(1, len(shared)):
                 np.add(accumulator, shared[index], out=accumulator)
-            del shared          # no view may outlive close()
+        except BrokenProcessPool:
+            self.close()                # a worker died (killed, out of memory): the next call starts new ones
+            raise
         finally:
+            shared.clear()              # no view may outlive close(), whatever raised
             for block in blocks:
                 block.close()
                 block.unlink()
 
     def close(self) -> None:
         if self._pool is not None:
-            self._pool.shutdown()
+            self._pool.shutdown(cancel_futures=True)
             self._pool = None
 
 

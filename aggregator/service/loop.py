@@ -340,12 +340,13 @@ class AggregatorService(OperatorActions):
         if coord is None:
             return self._reject(device, "unknown round", f"no round {ref.round} in job {ref.job}")
         a.round_bytes[ref.round] += nbytes
+        if env.type == M.RESULT and not coord.applies(device, env.id):     # a duplicate or late one: not read
+            return self.runner.handle(coord, ResultArrived(device, env.id, None))
         if not checked:         # a large result, its header only: decoded and validated by a worker
             return self._submit(device, env, raw, ref, kind)
         if env.type == M.DECLINE:
-            reason = str(env.body.get("reason", ""))[:500]
-            log.info("device %s declined round %d: %s", device, ref.round, reason)
-            return self.runner.handle(coord, Declined(device, reason))
+            log.info("device %s declined round %d: %s", device, ref.round, why := str(env.body.get("reason", ""))[:500])
+            return self.runner.handle(coord, Declined(device, why))
         self._accept(coord, device, env.id, kind, raw, lambda: a.job.parse_result(env))
 
     def _accept(self, coord, device: str, message_id: str, kind: str, raw: bytes, parse: Callable[[], Any]) -> None:

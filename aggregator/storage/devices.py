@@ -48,8 +48,32 @@ class DeviceRepository(StoreConnection):
         with self._tx() as db:
             db.execute("UPDATE devices SET online=0")
 
-    def devices(self) -> list[dict]:
-        return [_device_row(r) for r in self.db.execute("SELECT * FROM devices ORDER BY device_id")]
+    def devices(self, after: str = "", limit: int | None = None, status: str | None = None) -> list[dict]:
+        """Devices in id order: every one, or a page (the first ``limit`` with an id after ``after``),
+        of one ``status`` or any."""
+        sql, args = "SELECT * FROM devices WHERE device_id > ?", [after]
+        if status is not None:
+            sql, args = sql + " AND status = ?", args + [status]
+        sql += " ORDER BY device_id"
+        if limit is not None:
+            sql, args = sql + " LIMIT ?", args + [limit]
+        return [_device_row(r) for r in self.db.execute(sql, args)]
+
+    def online_count(self) -> int:
+        return self.db.execute("SELECT COUNT(*) FROM devices WHERE online = 1").fetchone()[0]
+
+    def device_counts(self) -> dict[str, int]:
+        """status -> how many devices have it."""
+        return {r[0]: r[1] for r in self.db.execute("SELECT status, COUNT(*) FROM devices GROUP BY status")}
+
+    def unknown_devices(self, device_ids: list[str]) -> set[str]:
+        """Which of ``device_ids`` the store has no row for."""
+        known: set[str] = set()
+        for start in range(0, len(device_ids), 500):            # SQLite's bound-parameter limit
+            batch = device_ids[start:start + 500]
+            known.update(r[0] for r in self.db.execute(
+                f"SELECT device_id FROM devices WHERE device_id IN ({','.join('?' * len(batch))})", batch))
+        return set(device_ids) - known
 
     def device(self, device_id: str) -> dict | None:
         r = self.db.execute("SELECT * FROM devices WHERE device_id=?", (device_id,)).fetchone()

@@ -100,11 +100,16 @@ function showDeployments(deployments) {
   }));
 }
 
-function showDevices(devices, online) {
+const DEVICE_PAGE = 1000;   // /api/devices' default page: a fleet of 100,000 is counted, not listed
+
+function showDevices(devices, online, fleet) {
   const count = (s) => devices.filter((d) => d.status === s).length;
+  const whole = devices.length < DEVICE_PAGE;
+  const strangers = whole ? count("not enrolled") : fleet.online_not_enrolled;
+  const [enrolled, revoked] = whole ? [count("enrolled"), count("revoked")] : [fleet.enrolled, fleet.revoked];
   $("online").textContent = online;
-  $("fleet-summary").textContent = `${devices.length} known: ${count("enrolled")} enrolled, ` +
-    `${count("not enrolled")} not enrolled, ${count("revoked")} revoked`;
+  $("fleet-summary").textContent = `${enrolled + revoked + strangers} known: ${enrolled} enrolled, ` +
+    `${strangers} not enrolled, ${revoked} revoked` + (whole ? "" : ` (the first ${devices.length} listed)`);
   fillTable("fleet-table", devices.map((d) => [
     d.device_id, { text: d.status, cls: d.status.replace(" ", "-") },
     { text: d.online ? "online" : "offline", cls: d.online ? "online" : "offline" }, ago(d.last_seen), d.cluster,
@@ -139,13 +144,15 @@ async function showJob(job, live) {
 
 async function refresh() {
   try {
-    const [status, jobs, devices, clusters, deployments] = await Promise.all([api("/api/status"), api("/api/jobs"),
-      api("/api/devices"), api("/api/clusters"), api("/api/deployments")]);
+    const [status, jobs, devices, clusters, deployments, fleet] = await Promise.all([api("/api/status"),
+      api("/api/jobs"), api(`/api/devices?limit=${DEVICE_PAGE}`), api("/api/clusters"), api("/api/deployments"),
+      api("/api/fleet")]);
     jobs.sort((a, b) => b.created_at - a.created_at);
     const live = status.job;
     const shownId = chosenJob || (live ? live.job_id : jobs.length ? jobs[0].job_id : null);
     showJobs(jobs, shownId);
-    showDevices(devices, status.devices_online ? status.devices_online.length : devices.filter((d) => d.online).length);
+    showDevices(devices, status.devices_online ? status.devices_online.length : devices.filter((d) => d.online).length,
+      fleet);
     showDeployments(deployments);
     fillTable("clusters-table", clusters.map((c) => [c.cluster_id, c.label, c.job_id, c.model_id, c.devices]));
     const job = jobs.find((j) => j.job_id === shownId);
