@@ -13,7 +13,7 @@ import pytest
 from aggregator.jobs.registry import build_job
 from aggregator.shards.buckets import shard_of
 from aggregator.shards.coordinator_rounds import ShardedRoundsJob
-from aggregator.shards.shard import Receipt, ShardIngest
+from aggregator.shards.shard import Forward, Receipt, ShardIngest
 from aggregator.storage.store import Store
 from protocols import messages as M
 from protocols.chunking import split
@@ -133,9 +133,12 @@ def run_rounds(tmp_path, shards_count: int, late: str, kind: str = "fedavg", ext
         single.close_round(closed)
         coordinator.close_round(closed)
         checkpoint = (coordinator.state_dict(), dict(coordinator.contributed))      # the service's, at a close
-        if index == 0 and late_after_close:     # stored and receipted, but its round is closed: in no sum
+        if index == 0 and late_after_close:     # its round is closed: the coordinator's to answer (late)
             device = next(d for d in DEVICES if d not in chosen)        # not round 1's: no row of it there
-            feed(shards[shard_of(device, shards_count)], device, update_message(device, 1, single.params, rng, kind))
+            late_raw = update_message(device, 1, single.params, rng, kind)
+            outs = [shards[shard_of(device, shards_count)].feed(TOPICS.outbox(device), part)
+                    for part in split(late_raw, decode(late_raw).id, device, chunk_size=256)]
+            assert isinstance(outs[-1], Forward), outs[-1]
     if late_after_close:                        # the next close took that orphan: every row is an accepted one
         rows = {(c.device, c.message_id) for s in shards for c in s.store.contributions(CONFIG["job_id"],
                                                                                        with_payload=False)}

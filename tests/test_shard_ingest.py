@@ -123,10 +123,12 @@ def test_a_rounds_close_deletes_the_shards_orphans_and_nothing_the_coordinator_a
     orphan_seq = rows[(DEVICES[mine[2]], f"{mine[2]:032x}")]
     assert not shard.store.blobs.path(orphan_seq).exists()
     assert all(shard.store.contribution_payload("sharded", rows[key]) for key in accepted)
-    again = feed(shard, mine[2], result(mine[2]))           # its device re-sends: stored and receipted anew
-    assert isinstance(again, Receipt) and len(list(shard.store.contributions("sharded", with_payload=False))) == 3
-    # round 2's close: round 1's rows stay unless the coordinator names every round's ids (``earlier``,
-    # Fed3R's closes: a shard that was down at round 1's close loses its orphans at a later one)
+    again = feed(shard, mine[2], result(mine[2]))           # its device re-sends after the close: the
+    assert isinstance(again, Forward)                        # coordinator's to answer (late), never stored
+    assert len(list(shard.store.contributions("sharded", with_payload=False))) == 2
+    # a row of round 1 kept past its close (a shard that was down at it): it stays at round 2's close
+    # unless the coordinator names every round's ids (``earlier``, Fed3R's closes)
+    shard.store.add_contribution("sharded", 1, DEVICES[mine[2]], "y" * 32, result(mine[2]))
     assert shard.drop_orphans("sharded", 2, accepted) == 0
     assert shard.drop_orphans("sharded", 2, accepted, earlier=True) == 1
     assert {(c.device, c.message_id) for c in shard.store.contributions("sharded", with_payload=False)} == set(accepted)
@@ -145,6 +147,7 @@ def test_a_shard_coordinator_takes_a_streaming_increment_only_where_its_devices_
     n0 = 4                                                          # device 0's increment: rows 0 .. 3
 
     def receipted(start: int):                  # each increment its round's (a device sends one a round)
+        shard.closed = start                    # the rounds before it closed (a shard stores the open ones')
         out = shard.feed(TOPICS.outbox(DEVICES[0]), result(0, from_sample=start, round_=start + 1))
         assert isinstance(out, Receipt) and decode(out.raw).body[RECEIPT]["job"]["from_sample"] == start
         return decode(out.raw)
@@ -266,3 +269,54 @@ def test_a_shard_receipts_only_an_id_it_holds(tmp_path):
     stolen.id = f"{first:032x}"                               # the first device's id, from the second device
     assert shard.feed(TOPICS.outbox(DEVICES[second]), encode(stolen)) is None
     assert [c.device for c in shard.store.contributions("sharded", with_payload=False)] == [DEVICES[first]]
+
+
+def test_a_shard_stores_results_of_the_open_rounds_only_and_remembers_the_last_close(tmp_path):
+    """A review's attacks: a result naming round 2**63 raised OverflowError out of the shard (its
+    process died, and again on every re-send); results naming rounds that never open were stored
+    for ever (one row per round named, up to max_message_bytes each). Both go to the coordinator,
+    which answers them; the last close survives a shard's restart."""
+    shard = ShardIngest(0, 1, Store(tmp_path / "s.db"))
+    shard.set_job("sharded", "fed3r", CONFIG)
+    honest = feed(shard, 0, result(0))                      # round 1
+    assert isinstance(honest, Receipt)
+    for round_ in (2 ** 63, 10 ** 6, 4, 0, -1):
+        env = decode(result(1, round_=round_))
+        env.id = f"{round_ % 2 ** 64:032x}"
+        assert isinstance(shard.feed(TOPICS.outbox(DEVICES[1]), encode(env)), Forward), round_
+    assert [c.device for c in shard.store.contributions("sharded", with_payload=False)] == [DEVICES[0]]
+    assert isinstance(feed(shard, 1, result(1, round_=2)), Receipt)      # the next round's (a close not yet heard)
+    shard.drop_orphans("sharded", 1, [(DEVICES[0], decode(honest.raw).id)])
+    restarted = ShardIngest(0, 1, Store(tmp_path / "s.db"))
+    restarted.set_job("sharded", "fed3r", CONFIG)
+    assert restarted.closed == 1
+    assert isinstance(feed(restarted, 2, result(2, round_=1)), Forward)       # late now: not stored
+    assert isinstance(feed(restarted, 2, result(2, round_=3)), Receipt)
+
+
+def test_a_shard_process_survives_a_result_naming_a_round_sqlite_cannot_hold(broker, tmp_path):
+    import time
+
+    from aggregator.shards.local import LocalShards
+    from protocols.mqtt_link import BrokerConfig, MqttLink
+    from ops_fleet import wait_for
+
+    pool = LocalShards(1, BrokerConfig.from_url(broker.url), tmp_path / "shards")
+    got = []
+    pool.start(got.append, timeout_s=120)
+    try:
+        pool.set_job(build_job("fed3r", CONFIG), "fed3r")
+        link = MqttLink(DEVICES[0], BrokerConfig.from_url(broker.url), on_message=lambda t, p: None)
+        link.start(timeout=30)
+        link.publish(TOPICS.presence(DEVICES[0]), encode(M.presence_message(DEVICES[0], "online")), retain=True,
+                     wait=True)
+        time.sleep(1.0)                             # the shard subscribes to the device's outbox
+        env = decode(result(0))
+        env.body["round"] = 2 ** 63
+        link.publish(TOPICS.outbox(DEVICES[0]), encode(env), wait=True)
+        wait_for(lambda: any(item[0] == "forward" and item[1] == TOPICS.outbox(DEVICES[0]) for item in got),
+                 what="the poisoned result forwarded to the coordinator")
+        link.stop()
+        assert pool._exited(0) is None and pool.restarts == 0
+    finally:
+        pool.close()

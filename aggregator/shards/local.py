@@ -81,7 +81,11 @@ def shard_main(index: int, shards: int, broker: BrokerConfig, store_path: str, t
         elif ingest.job_id is None:
             held.append(item)
         else:
-            out = ingest.feed(*item, now)
+            try:
+                out = ingest.feed(*item, now)
+            except Exception:       # one device's message never stops the shard (and its whole bucket range)
+                log.exception("shard %d: a message on %s raised; dropped", index, item[0])
+                out = None
             if isinstance(out, Receipt):
                 conn.send(("receipt", out.topic, out.raw))
             elif isinstance(out, Forward):

@@ -20,6 +20,12 @@ For a secure job (``secure_groups.py``) a shard receipts nothing: it hosts the S
 coordinator places on it (``shard_groups.py``), reading their members' outboxes too, and takes
 every secagg message for its group (one for a group hosted elsewhere is dropped).
 
+Rounds: a shard stores a result only for the rounds after the last one its coordinator closed (kept
+in its store) and at most ROUNDS_AHEAD of them (the coordinator opens a round as it closes the one
+before, and this shard may hear of the close after the next round's first results): a device cannot
+fill the store with results for rounds that will never open, nor name a round SQLite cannot hold.
+Any other round's result goes to the coordinator, which answers it (late, or unknown round).
+
 Crashes: a result stored but not yet receipted is re-sent by its device (it is not acked) and
 receipted then; a receipt the coordinator accepted is already durable here.
 """
@@ -50,6 +56,8 @@ from aggregator.storage.schema import JobState
 log = logging.getLogger("fedfleet.aggregator.shard")
 
 RECEIPT = "shard_receipt"       # the body field of a receipt: {"shard", "bytes", "job": what the job keeps}
+ROUNDS_AHEAD = 2                # rounds after the last closed one whose results a shard stores
+CLOSED_SETTING = "shard_closed:"    # + job id: the last round the coordinator closed, in the shard's store
 
 
 @dataclass
@@ -86,6 +94,7 @@ class ShardIngest:
         self.assembler = MessageAssembler(max_message_bytes=max_message_bytes)
         self.registry: IdentityRegistry | None = None   # --require-signatures: the coordinator's enrolled keys
         self.job_id: str | None = None
+        self.closed = 0                                 # the job's last round the coordinator closed
         self.kind, self.config, self._validator = "", {}, None
         self._bytes: dict[str, int] = {}
         self._cache: dict[int, tuple[frozenset, PartialSum]] = {}      # bucket -> (its keys, its sum)
@@ -107,6 +116,7 @@ class ShardIngest:
         self.groups = ShardGroups(self.index, self._validator) if hosts_groups else None
         if self.store.job(job_id) is None:
             self.store.create_job(job_id, kind, config, state=JobState.RUNNING)
+        self.closed = int(self.store.setting(CLOSED_SETTING + job_id) or 0)
 
     def require_signatures(self, keys: dict[str, bytes]) -> None:
         """From now on every message read here must be signed by its sender's enrolled key (``keys``:
@@ -152,6 +162,7 @@ class ShardIngest:
         try:
             ref, kind = M.parse_result_ref(env)
             if (ref.job != self.job_id or self.groups is not None
+                    or not self.closed < ref.round <= self.closed + ROUNDS_AHEAD
                     or kind not in additive(self.kind).summed_kinds(self._validator)):
                 return Forward(topic, raw)          # (a secure job's devices send no results: refused there)
             payload = additive(self.kind).check(self._validator, env)
@@ -182,6 +193,9 @@ class ShardIngest:
         re-sent by their devices under new ids), deleted now."""
         if job_id != self.job_id:
             return 0
+        if round_ > self.closed:
+            self.closed = round_
+            self.store.set_setting(CLOSED_SETTING + job_id, str(round_))
         mine = {(d, m) for d, m in accepted if self.owns(d)}
         dropped = self.store.drop_unaccepted(job_id, round_, mine, earlier)
         if dropped:
