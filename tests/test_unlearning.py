@@ -123,3 +123,45 @@ def test_jobs_that_cannot_forget_exactly_say_why_and_keep_their_data(tmp_path):
     assert "masked sum" in forget_stored(store, store.job("fed3r-sync"), "dev01")["reason"]
     # a DP job's model is its noisy releases: re-solving without the device would release the rest again
     assert "noisy releases" in forget_stored(store, store.job("dp-fed3r"), "dev01")["reason"]
+
+
+def test_forgetting_in_a_finished_sharded_fed3r_job_is_refused_before_anything_is_deleted(tmp_path):
+    """The coordinator of a sharded job stores the shards' receipts, no statistics: forgetting
+    deleted the device's rows and the checkpoint, then failed to re-solve from receipts (a review's
+    finding), leaving the old model and a store that said the device was gone. Refused now, with
+    the reason, and nothing changes."""
+    from aggregator.jobs.registry import build_job
+    from aggregator.service import unlearning
+    from aggregator.shards.buckets import shard_of
+    from aggregator.shards.coordinator_job import ShardedJob
+    from aggregator.shards.partial_sums import reduce_nodes
+    from aggregator.shards.shard import ShardIngest
+    from aggregator.storage.schema import JobState
+    from aggregator.storage.store import Store
+    from protocols.envelope import decode
+    from test_shard_ingest import CONFIG, DEVICES, feed, result
+
+    shards = [ShardIngest(k, 2, Store(tmp_path / f"s{k}.db")) for k in range(2)]
+    for s in shards:
+        s.set_job("sharded", "fed3r", CONFIG)
+    coord_store = Store(tmp_path / "coord.db")
+    coord_store.create_job("sharded", "fed3r", CONFIG, state=JobState.RUNNING)
+    coord_store.open_round("sharded", 1, DEVICES, {d: "t" for d in DEVICES}, {}, 0.0)
+    job = ShardedJob(build_job("fed3r", CONFIG), "fed3r",
+                     lambda kind, config, job_id, accepted: reduce_nodes(kind, config, {
+                         n: v for s in shards for n, v in s.sums(job_id, accepted).items()}))
+    for i, d in enumerate(DEVICES):
+        receipt = feed(shards[shard_of(d, 2)], i, result(i))
+        env = decode(receipt.raw)
+        coord_store.add_contribution("sharded", 1, d, env.id, receipt.raw)   # what the runner stores
+        job.apply(d, job.parse_result(env))
+    coord_store.close_round("sharded", 1, {"accepted": DEVICES, "dropped": [], "declined": [], "rejected": []},
+                            checkpoint=(job.state_dict(), job.contributed))
+    coord_store.finish_job("sharded", JobState.DONE, {}, {}, job.model_arrays(), {}, 1)
+    row = coord_store.job("sharded")
+    forget = DEVICES[3]
+    before = sorted(c.device for c in coord_store.contributions("sharded", with_payload=False))
+    line = unlearning.forget_stored(coord_store, row, forget)
+    assert line["forgotten"] is False and line["reason"] == unlearning.SHARDED
+    assert sorted(c.device for c in coord_store.contributions("sharded", with_payload=False)) == before
+    assert coord_store.checkpoint("sharded") is not None and coord_store.forgotten("sharded") == []

@@ -15,7 +15,10 @@ and Fed3R-Sync never held the device's statistics on their own — only its grou
 
 from __future__ import annotations
 
+from protocols.envelope import decode_header
+
 from aggregator.service.canonical import canonical_job
+from aggregator.shards.shard import RECEIPT
 from aggregator.storage.store import FINAL_JOB_STATES, Store
 
 FORGETTABLE = ("fed3r", "fedncm")      # sums of per-device statistics: re-summed without the device
@@ -30,6 +33,8 @@ NOT_FORGETTABLE = {
 }
 NOT_FORGETTABLE["fedncm-sync"] = NOT_FORGETTABLE["fed3r-sync"]
 GRADIENT = "a gradient-trained model keeps every update's influence in all later rounds: no exact removal"
+SHARDED = ("the job ran on shards: the device's statistics are in its shard's store and the coordinator holds only "
+           "receipts, which cannot be re-summed here")
 
 
 def jobs_to_forget(store: Store, device: str, job_id: str | None = None) -> list[dict]:
@@ -45,6 +50,12 @@ def jobs_to_forget(store: Store, device: str, job_id: str | None = None) -> list
     return rows
 
 
+def summed_on_shards(store: Store, job_id: str, device: str) -> bool:
+    """Whether the job's stored contributions of ``device`` are shards' receipts (no statistics)."""
+    seq = next((c.seq for c in store.contributions(job_id, with_payload=False) if c.device == device), None)
+    return seq is not None and RECEIPT in decode_header(store.contribution_payload(job_id, seq)).body
+
+
 def forget_stored(store: Store, job: dict, device: str, eval_set=None) -> dict:
     """Forget ``device`` in one stored job: its report line. A finished job is re-solved at once (a
     new final model version); a running one is rebuilt by the service; any other resumes without it."""
@@ -53,6 +64,8 @@ def forget_stored(store: Store, job: dict, device: str, eval_set=None) -> dict:
         return {"job_id": job["job_id"], "kind": kind, "forgotten": False, "reason": NOT_FORGETTABLE.get(kind, GRADIENT)}
     if float((job["config"] or {}).get("dp_noise_multiplier", 0) or 0) > 0:
         return {"job_id": job["job_id"], "kind": kind, "forgotten": False, "reason": DP_RELEASE}
+    if summed_on_shards(store, job["job_id"], device):       # refused before anything is deleted
+        return {"job_id": job["job_id"], "kind": kind, "forgotten": False, "reason": SHARDED}
     deleted = store.forget_device(job["job_id"], device)
     out = {"job_id": job["job_id"], "kind": kind, "forgotten": True, "contributions_deleted": deleted}
     if job["state"] in FINAL_JOB_STATES:
