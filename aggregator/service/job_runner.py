@@ -19,8 +19,8 @@ from typing import Callable
 
 from protocols import messages as M
 from protocols.envelope import Envelope
-from protocols.rounds import (ApplyResult, DeviceLost, GroupSettled, RecordDeclined, RecordRejected, RoundClosed,
-                              RoundCoordinator, SendAck, Tick)
+from protocols.rounds import (ApplyResult, DeviceLost, GroupSettled, RecordDeclined, RecordRejected, ResultArrived,
+                              ResultInvalid, RoundClosed, RoundCoordinator, SendAck, Tick)
 from protocols.topics import AGGREGATOR_ID
 
 from aggregator.service import reporting
@@ -86,7 +86,17 @@ class JobRunner:
 
     # ------------------------------------------------------------------ events from the service
     def handle(self, coord: RoundCoordinator, event) -> None:
+        if isinstance(event, ResultArrived) and self._reused_id(coord, event.message_id):
+            # an earlier round's id: applying it would fail its write (ids are unique in a job), the
+            # whole batch with it, and rebuild the job, on every re-send of the device
+            event = ResultInvalid(event.device, event.message_id, "the message id of a result this job holds already")
         self.execute(coord.handle(event), coord.round)
+
+    def _reused_id(self, coord: RoundCoordinator, message_id: str) -> bool:
+        if message_id in coord.seen_ids or self.store is None:      # a redelivery: the round answers it
+            return False
+        return (self.writer is not None and message_id in self.writer.pending) or \
+            self.store.holds_message(self.a.job_id, message_id)
 
     def device_lost(self, device: str) -> None:
         if self.a.current is None:

@@ -58,6 +58,11 @@ class ContributionRepository(StoreConnection):
             job_id, round_, device, message_id, _ = results[len(seqs)]
             raise StoreError(f"contribution {message_id} from {device} (round {round_}) is already stored") from exc
 
+    def holds_message(self, job_id: str, message_id: str) -> bool:
+        """Whether the job stored a contribution under ``message_id`` (unique within a job)."""
+        return self.db.execute("SELECT 1 FROM contributions WHERE job_id=? AND message_id=?",
+                               (job_id, message_id)).fetchone() is not None
+
     def contributions(self, job_id: str, with_payload: bool = True, canonical: bool = False,
                       after_round: int = 0) -> Iterator[StoredContribution]:
         """Accepted contributions of rounds > ``after_round``, streamed by round, in commit order within
