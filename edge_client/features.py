@@ -110,6 +110,7 @@ class FeatureExtractor:
                         cache_dir=cache_dir, feature_dim=m.feature_dim,
                         cache_key=f"{m.backbone}:{m.weights_sha256}:{norm.image_size}:{program.runtime}:{artifact[:16]}")
         extractor.runtime = program.runtime                             # what ran (the choice, with "auto")
+        extractor.weights_sha256 = m.weights_sha256                     # from the manifest that was verified
         extractor.calibration = getattr(program, "calibration", None)   # "auto": every runtime's trial
         return extractor
 

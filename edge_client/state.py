@@ -45,8 +45,10 @@ import io
 import json
 import math
 import os
+import sys
 import tempfile
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +56,7 @@ import numpy as np
 
 DEFAULT_BUDGET_BYTES = 16 * 2**20          # all jobs together; a 10-class head on 1,280-d features is 51 KB
 DEFAULT_TTL_S = 7 * 24 * 3600.0            # a task that names no horizon: a week
+FILE_SLACK_BYTES = 2**20                   # a state file's framing and header beyond its budget (as Java's)
 _HEADER = "__state_header__"
 _SUFFIX = ".npz"
 
@@ -97,6 +100,38 @@ def _header_fields(header) -> tuple[str, str, int, float]:
     return job_id, run, round_, float(expires_at)
 
 
+def read_state_arrays(path: Path, max_bytes: int) -> dict[str, np.ndarray]:
+    """The arrays of a state file, read as the Java store reads them (clients/java Npz.read):
+    ValueError unless the file and its arrays' declared sizes are at most ``max_bytes`` (checked
+    before anything is inflated: a small deflated file may claim gigabytes) and every member is an
+    ``.npy`` array, little-endian float or unsigned integer, in C order, of exactly its shape's
+    bytes. numpy's own loader takes members that are no array (as bytes), big-endian, Fortran-order
+    and signed arrays, which then broke every later budget check or disagreed with Java."""
+    if path.stat().st_size > max_bytes:
+        raise ValueError(f"{path.name} is larger than {max_bytes} bytes")
+    arrays = {}
+    with zipfile.ZipFile(path) as archive:
+        members = archive.infolist()
+        if sum(m.file_size for m in members) > max_bytes:
+            raise ValueError(f"{path.name}'s arrays are larger than {max_bytes} bytes")
+        for member in members:
+            if not member.filename.endswith(".npy"):
+                raise ValueError(f"{member.filename!r} is not an array")
+            with archive.open(member) as stream:
+                version = np.lib.format.read_magic(stream)
+                read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+                    np.lib.format.read_array_header_2_0
+                shape, fortran_order, dtype = read_header(stream)
+                if fortran_order or dtype.kind not in "fu" or dtype.itemsize not in (1, 2, 4, 8) \
+                        or dtype.byteorder == ">" or (dtype.byteorder == "=" and sys.byteorder != "little"):
+                    raise ValueError(f"{member.filename}: not a little-endian float or unsigned array in C order")
+                data = stream.read()
+                if len(data) != math.prod(shape) * dtype.itemsize:
+                    raise ValueError(f"{member.filename}: {len(data)} bytes of data for shape {shape}")
+            arrays[member.filename[:-len(".npy")]] = np.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
+    return arrays
+
+
 class DeviceStateStore:
     """Per-job state of one device in ``root`` (created if absent), within ``budget_bytes``."""
 
@@ -118,9 +153,8 @@ class DeviceStateStore:
     def _read(self, path: Path) -> StateEntry | None:
         """The entry in ``path``, or None (and the file removed) when it is torn or not ours."""
         try:
-            with np.load(path, allow_pickle=False) as data:
-                header = json.loads(bytes(data[_HEADER]).decode())
-                arrays = {k: data[k] for k in data.files if k != _HEADER}
+            arrays = read_state_arrays(path, self.budget_bytes + FILE_SLACK_BYTES)
+            header = json.loads(bytes(arrays.pop(_HEADER)).decode())
             job_id, run, round_, expires_at = _header_fields(header)
             return StateEntry(job_id, run, round_, arrays, expires_at)
         except FileNotFoundError:

@@ -300,8 +300,6 @@ class FetchedBundles:
         self.lock = threading.Lock()
 
     def get(self, sha: str):
-        import json
-
         from edge_client.artifacts import fetch_bundle
         from edge_client.features import FeatureExtractor
         from protocols.topics import FETCH_ROLE
@@ -317,7 +315,7 @@ class FetchedBundles:
                 if self.runtime == "auto":
                     print(f"bundle {sha[:16]}: --runtime auto chose {extractor.runtime}; " + "; ".join(
                         t.line() for t in extractor.calibration), flush=True)
-                self.fetched[sha] = (extractor, json.loads(manifest.read_text())["backbone"]["weights_sha256"])
+                self.fetched[sha] = (extractor, extractor.weights_sha256)     # the verified manifest's, not a re-read
             return self.fetched[sha]
 
     def __call__(self, backbone: str, image_size: int, weights: str, bundle_sha256: str = ""):

@@ -467,6 +467,14 @@ def _require_tail(manifest: Manifest, spec: ArtifactSpec) -> TailSpec:
 
 def read_manifest(path: str | Path) -> Manifest:
     """Parse and validate ``path`` (a manifest.json, or the bundle directory holding one)."""
+    path, raw = read_manifest_bytes(path)
+    return parse_manifest(raw, path)
+
+
+def read_manifest_bytes(path: str | Path) -> tuple[Path, bytes]:
+    """(the manifest's path, its bytes: at most MAX_MANIFEST_BYTES, read once) of ``path`` (a
+    manifest.json, or the bundle directory holding one). Whoever checks the bytes' digest parses
+    these same bytes (:func:`parse_manifest`): a file swapped after the check is never read."""
     path = Path(path)
     if path.is_dir():
         path = path / MANIFEST_FILENAME
@@ -475,12 +483,19 @@ def read_manifest(path: str | Path) -> Manifest:
             raw = handle.read(MAX_MANIFEST_BYTES + 1)
     except FileNotFoundError:
         raise ManifestError(f"no manifest at {path}") from None
+    except OSError as error:
+        raise ManifestError(f"cannot read {path}: {error}") from None
     if len(raw) > MAX_MANIFEST_BYTES:
         raise ManifestError(f"{path} is larger than {MAX_MANIFEST_BYTES} bytes; not a manifest")
+    return path, raw
+
+
+def parse_manifest(raw: bytes, path: Path) -> Manifest:
+    """The manifest ``raw`` holds, read from ``path`` (its artifacts lie beside it)."""
     try:
         data = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
-    except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as error:
-        raise ManifestError(f"{path} is not valid JSON: {error}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, ValueError, RecursionError) as error:
+        raise ManifestError(f"{path} is not valid JSON: {type(error).__name__}: {error}") from None
     return Manifest.from_json(data, directory=path.parent)
 
 

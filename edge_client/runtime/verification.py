@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
+import stat
 from pathlib import Path
 
 from protocols.files import file_sha256
@@ -23,7 +25,8 @@ from protocols.bundle_manifest import (
     MANIFEST_FILENAME,
     ArtifactSpec,
     Manifest,
-    read_manifest,
+    parse_manifest,
+    read_manifest_bytes,
 )
 
 __all__ = ["file_sha256", "read_verified", "load_manifest", "verify_bundle"]
@@ -35,27 +38,31 @@ def _same_digest(actual: str, expected: str) -> bool:
 
 def load_manifest(manifest_path: str | Path,
                   expected_manifest_sha256: str | None = None) -> Manifest:
-    """Read and validate a manifest, first checking its own digest when one is expected."""
-    path = Path(manifest_path)
-    if path.is_dir():
-        path = path / MANIFEST_FILENAME
+    """Read and validate a manifest, first checking its own digest when one is expected (on the
+    bytes that are then parsed: the file is read once)."""
+    path, raw = read_manifest_bytes(manifest_path)
     if expected_manifest_sha256 is not None:
-        if not path.is_file():
-            raise ManifestError(f"no manifest at {path}")
-        actual = file_sha256(path)
+        actual = hashlib.sha256(raw).hexdigest()
         if not _same_digest(actual, expected_manifest_sha256):
             raise ArtifactTamperedError(
                 f"{path} has sha256 {actual}, expected {expected_manifest_sha256}; "
                 "refusing the bundle (the manifest was altered or is not the announced one)")
-    return read_manifest(path)
+    return parse_manifest(raw, path)
 
 
 def read_verified(manifest: Manifest, spec: ArtifactSpec) -> bytes:
-    """The contents of ``spec.file``, after checking its size and sha256 against the manifest."""
+    """The contents of ``spec.file``, after checking its size and sha256 against the manifest. The
+    file's size is checked before anything is read (a manifest may claim any size), and only a
+    regular file is read (a FIFO would block the device)."""
     path = manifest.directory / spec.file
     try:
         with open(path, "rb") as handle:
-            # One byte more than promised is enough to tell the file has grown.
+            info = os.fstat(handle.fileno())
+            found = f"{info.st_size} bytes" if stat.S_ISREG(info.st_mode) else "not a regular file"
+            if not stat.S_ISREG(info.st_mode) or info.st_size != spec.size_bytes:
+                raise ArtifactTamperedError(f"refusing {path}: {found} where the manifest says {spec.size_bytes} "
+                                            "bytes. Re-download the bundle from the server.")
+            # One byte more than promised is enough to tell the file has grown since.
             data = handle.read(spec.size_bytes + 1)
     except FileNotFoundError:
         raise ArtifactMissingError(

@@ -1,0 +1,77 @@
+"""A bundle's files as an attacker in the device's bundle folder shapes them (a review's findings):
+the manifest is read once, so the bytes whose digest matched the announced one are the bytes that
+are parsed (it was hashed, then opened again: a manifest swapped in between was taken, and every
+artifact it listed was then "verified" against the attacker's sha256s); an artifact whose size
+differs from the manifest's, or that is no regular file, is refused before anything is read (a
+claimed 2^40 bytes was allocated); a manifest nested past the parser's depth is a ManifestError."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+
+import pytest
+
+from edge_client.runtime import verification
+from edge_client.runtime.errors import ArtifactTamperedError
+from protocols.bundle_manifest import (ArtifactSpec, BatchSpec, InputNormalisation, Manifest, ManifestError,
+                                       TensorSpec, read_manifest)
+
+
+def manifest_for(program: bytes) -> Manifest:
+    spec = ArtifactSpec(kind="inference", runtime="eager", runtime_version="2", file="inference_eager.pt",
+                        sha256=hashlib.sha256(program).hexdigest(), size_bytes=len(program), batch=BatchSpec(None),
+                        inputs=(TensorSpec("image", "float32", (None, 3, 8, 8)),),
+                        outputs=(TensorSpec("features", "float32", (None, 4)),), parity={}, details={})
+    return Manifest(backbone="mobilenet_v2", weights_sha256="0" * 64, feature_dim=4, num_classes=2,
+                    temperature=0.1, output="features",
+                    input=InputNormalisation(image_size=8, mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0)),
+                    artifacts=(spec,), created_with={})
+
+
+def test_the_manifest_parsed_is_the_one_whose_digest_was_checked(tmp_path, monkeypatch):
+    genuine_program, evil_program = b"genuine program bytes", b"attacker program bytes!"
+    genuine, evil = manifest_for(genuine_program).dumps().encode(), manifest_for(evil_program).dumps().encode()
+    path = tmp_path / "manifest.json"
+    path.write_bytes(genuine)
+    (tmp_path / "inference_eager.pt").write_bytes(evil_program)          # the attacker's file in the bundle
+    real_parse = verification.parse_manifest
+
+    def swap_then_parse(raw, where):            # a racing writer replaces the file after the digest check
+        path.write_bytes(evil)
+        return real_parse(raw, where)
+
+    monkeypatch.setattr(verification, "parse_manifest", swap_then_parse)
+    manifest = verification.load_manifest(path, hashlib.sha256(genuine).hexdigest())
+    assert path.read_bytes() == evil and manifest.artifacts[0].sha256 == hashlib.sha256(genuine_program).hexdigest()
+    with pytest.raises(ArtifactTamperedError):
+        verification.read_verified(manifest, manifest.artifacts[0])
+    with pytest.raises(ArtifactTamperedError, match="expected"):
+        verification.load_manifest(path, hashlib.sha256(genuine).hexdigest())
+
+
+def test_an_artifact_of_another_size_or_no_regular_file_is_refused_before_it_is_read(tmp_path):
+    program = b"tiny program"
+    genuine = manifest_for(program)
+    (tmp_path / "inference_eager.pt").write_bytes(program)
+    assert verification.read_verified(dataclasses.replace(genuine, directory=tmp_path), genuine.artifacts[0]) == program
+    for claimed in (2 ** 40, 2 ** 63, len(program) - 1):
+        spec = dataclasses.replace(genuine.artifacts[0], size_bytes=claimed)
+        with pytest.raises(ArtifactTamperedError, match=f"{len(program)} bytes where the manifest says {claimed}"):
+            verification.read_verified(dataclasses.replace(genuine, artifacts=(spec,), directory=tmp_path), spec)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    spec = dataclasses.replace(genuine.artifacts[0], file="fifo")
+    fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)          # a writer end: opening the FIFO does not block
+    try:
+        with pytest.raises(ArtifactTamperedError, match="not a regular file"):
+            verification.read_verified(dataclasses.replace(genuine, artifacts=(spec,), directory=tmp_path), spec)
+    finally:
+        os.close(fd)
+
+
+def test_a_manifest_nested_past_the_parsers_depth_is_a_manifest_error(tmp_path):
+    (tmp_path / "manifest.json").write_text("[" * 50_000 + "]" * 50_000)      # 100 kB, under the 1 MiB bound
+    with pytest.raises(ManifestError, match="not valid JSON"):
+        read_manifest(tmp_path)
