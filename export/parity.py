@@ -11,6 +11,7 @@ loss and gradients, and with ``torch.optim.SGD`` after a few steps in the runtim
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import numpy as np
@@ -103,6 +104,13 @@ class TrainingParity:
         return dataclasses.asdict(self)
 
 
+def worst_error(errors) -> float:
+    """The largest of ``errors``, NaN when any is NaN: Python's ``max`` skips a NaN that is not
+    first, and a program with one NaN gradient passed its parity check that way."""
+    errors = [float(e) for e in errors]
+    return math.nan if any(math.isnan(e) for e in errors) else max(errors)
+
+
 def training_parity(session, features: np.ndarray, labels: np.ndarray, temperature: float,
                     sgd_steps: int = 3, lr: float = 0.05, seed: int = 0,
                     tail: torch.nn.Module | None = None) -> TrainingParity:
@@ -140,8 +148,8 @@ def training_parity(session, features: np.ndarray, labels: np.ndarray, temperatu
 
     first_loss = reference_loss()
     first_loss.backward()
-    gradient_error = max(float(np.max(np.abs(gradients[name] - value.grad.numpy())))
-                         for name, value in reference.items())
+    gradient_error = worst_error(np.max(np.abs(gradients[name] - value.grad.numpy()))
+                                 for name, value in reference.items())
 
     optimizer = torch.optim.SGD(list(reference.values()), lr=lr)
     for _ in range(sgd_steps):
@@ -150,8 +158,8 @@ def training_parity(session, features: np.ndarray, labels: np.ndarray, temperatu
         reference_loss().backward()
         optimizer.step()
     trained = session.get_parameters()
-    sgd_error = max(float(np.max(np.abs(trained[name] - value.detach().numpy())))
-                    for name, value in reference.items())
+    sgd_error = worst_error(np.max(np.abs(trained[name] - value.detach().numpy()))
+                            for name, value in reference.items())
     return TrainingParity(
         loss_abs_error=abs(loss - first_loss.item()),
         gradient_max_abs_error=gradient_error,

@@ -62,6 +62,7 @@ from export.parity import (
     load_calibration_images,
     load_parity_images,
     training_parity,
+    worst_error,
 )
 from export.quantization import INT8_SCHEME, QuantizedParity, quantize_int8, quantized_parity
 from export.request import DEFAULT_INFERENCE_RUNTIMES, INT8_RELATIVE_ERROR_TOLERANCE, ExportError, ExportRequest
@@ -303,11 +304,13 @@ def _training_artifacts(r: ExportRequest, src: _Sources, failures: list[str]) ->
                 "reference": "torch autograd + torch.optim.SGD",
                 "inputs": f"eager {'features' if program_tail is None else 'trunk activations'}"
                           f" of {src.parity_images.source}"})
-            worst = max(measured.gradient_max_abs_error, measured.sgd_max_abs_error)
-            if not worst <= r.gradient_tolerance:
+            worst = worst_error([measured.loss_abs_error, measured.gradient_max_abs_error,
+                                 measured.sgd_max_abs_error])
+            if not worst <= r.gradient_tolerance:       # NaN fails too
                 failures.append(
-                    f"{artifact.spec.file}: gradient error {measured.gradient_max_abs_error:.3g}"
-                    f" / SGD error {measured.sgd_max_abs_error:.3g} exceed {r.gradient_tolerance:g}")
+                    f"{artifact.spec.file}: loss error {measured.loss_abs_error:.3g} / gradient error "
+                    f"{measured.gradient_max_abs_error:.3g} / SGD error {measured.sgd_max_abs_error:.3g}: "
+                    f"over {r.gradient_tolerance:g}")
             artifacts.append(artifact)
     return artifacts
 
