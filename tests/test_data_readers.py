@@ -350,3 +350,20 @@ def test_an_image_folder_may_hold_any_subset_of_the_declared_classes(folder):
     assert names == declared and len(images) == len(own)
     assert set(labels.tolist()) == {declared.index(n) for n in present}
     assert 0 not in labels and 2 not in labels               # declared classes with no images keep their ids
+
+
+@pytest.mark.parametrize("dims", [(0xFFFFFFFF,) * 3, (1 << 20, 1 << 20), (1 << 12, 1 << 12)],
+                         ids=["overflow", "1TiB", "16MiB-in-64-bytes"])
+@pytest.mark.parametrize("compressed", [False, True], ids=["raw", "gzip"])
+def test_an_idx_header_declaring_more_than_there_is_or_may_be_is_a_format_error(tmp_path, dims, compressed):
+    """A review's finding: the header's dims went straight into one read(), which allocated what
+    they declared (a 16-byte file: OverflowError or MemoryError, not IdxFormatError)."""
+    import gzip
+
+    from edge_client.data.idx import IdxFormatError, read_idx
+
+    header = bytes([0, 0, 0x08, len(dims)]) + b"".join(d.to_bytes(4, "big") for d in dims)
+    path = tmp_path / "bomb-idx3-ubyte"
+    path.write_bytes(gzip.compress(header + b"\0" * 64) if compressed else header + b"\0" * 64)
+    with pytest.raises(IdxFormatError):
+        read_idx(path, max_bytes=1 << 20 if dims == (1 << 12, 1 << 12) and compressed else 1 << 30)

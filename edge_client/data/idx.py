@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gzip
 import math
+import os
 import zlib
 from pathlib import Path
 from typing import BinaryIO
@@ -44,8 +45,20 @@ class IdxFormatError(ValueError):
     """The bytes are not a well-formed IDX file (bad magic, bad dims, wrong payload length)."""
 
 
+MAX_IDX_BYTES = 1 << 30         # a payload larger than this is refused (Fashion-MNIST's largest: 47 MB)
+_BLOCK = 1 << 20
+
+
 def _read_exactly(stream: BinaryIO, n_bytes: int, path: Path, what: str) -> bytes:
-    data = stream.read(n_bytes)
+    # in blocks: a header may promise far more than the file holds, and a single read(n) allocates n
+    blocks, got = [], 0
+    while got < n_bytes:
+        block = stream.read(min(_BLOCK, n_bytes - got))
+        if not block:
+            break
+        blocks.append(block)
+        got += len(block)
+    data = b"".join(blocks)
     if len(data) != n_bytes:
         raise IdxFormatError(
             f"{path}: truncated {what}: expected {n_bytes} bytes, got {len(data)}"
@@ -53,7 +66,7 @@ def _read_exactly(stream: BinaryIO, n_bytes: int, path: Path, what: str) -> byte
     return data
 
 
-def _parse(stream: BinaryIO, path: Path) -> np.ndarray:
+def _parse(stream: BinaryIO, path: Path, max_bytes: int) -> np.ndarray:
     magic = _read_exactly(stream, 4, path, "magic number")
     if magic[0] != 0 or magic[1] != 0:
         raise IdxFormatError(
@@ -70,6 +83,9 @@ def _parse(stream: BinaryIO, path: Path) -> np.ndarray:
     )
     item_dtype = IDX_DTYPES[dtype_code]
     payload_bytes = math.prod(dims) * item_dtype.itemsize
+    if payload_bytes > max_bytes:
+        raise IdxFormatError(f"{path}: dims {dims} declare {payload_bytes} payload bytes, over the "
+                             f"{max_bytes} this reader takes (or the file holds)")
     payload = _read_exactly(stream, payload_bytes, path, f"payload for dims {dims}")
     if stream.read(1):
         raise IdxFormatError(
@@ -80,17 +96,18 @@ def _parse(stream: BinaryIO, path: Path) -> np.ndarray:
     return np.frombuffer(payload, dtype=item_dtype).astype(item_dtype.newbyteorder("=")).reshape(dims)
 
 
-def read_idx(path: str | Path) -> np.ndarray:
-    """Read one IDX file into a native-byte-order array of the shape its header declares."""
+def read_idx(path: str | Path, max_bytes: int = MAX_IDX_BYTES) -> np.ndarray:
+    """Read one IDX file into a native-byte-order array of the shape its header declares (at most
+    ``max_bytes`` of payload; a plain file's payload at most what the file holds)."""
     path = Path(path)
     with open(path, "rb") as raw:
         is_gzip = raw.read(2) == GZIP_MAGIC
         raw.seek(0)
         if not is_gzip:
-            return _parse(raw, path)
+            return _parse(raw, path, min(max_bytes, os.fstat(raw.fileno()).st_size))
         try:
             with gzip.GzipFile(fileobj=raw, mode="rb") as unzipped:
-                return _parse(unzipped, path)
+                return _parse(unzipped, path, max_bytes)
         except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
             raise IdxFormatError(f"{path}: corrupt or truncated gzip stream: {exc}") from exc
 
