@@ -17,7 +17,8 @@ def file_sha256(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-def check_file_sha256(path: str | Path, expected: str, what: str) -> None:
-    """Refuse a file whose sha256 is not ``expected`` ("" accepts any file)."""
-    if expected and file_sha256(path) != expected:
-        raise ValueError(f"{what} {path}: sha256 does not match {expected[:16]}…")
+def check_sha256(data: bytes, expected: str, what: str) -> None:
+    """Refuse ``data`` (a file's bytes, read once) whose sha256 is not ``expected`` ("" accepts any):
+    the bytes checked are the bytes then used, so a file swapped after the check is never loaded."""
+    if expected and hashlib.sha256(data).hexdigest() != expected:
+        raise ValueError(f"{what}: sha256 does not match {expected[:16]}…")

@@ -161,3 +161,42 @@ def test_a_deployment_report_counts_at_most_a_held_out_split_a_device_can_have()
     ok = parse_report(Envelope(type=REPORT, sender="cam-0", body={**body, "n": 40, "correct_candidate": 30,
                                                                   "correct_current": 31}))
     assert ok["n"] == 40
+
+
+def test_a_job_file_is_checked_and_loaded_from_one_read(tmp_path, monkeypatch):
+    """A review's finding: the pretrained network was stat-ed, hashed and loaded in three opens, so
+    a file swapped after its digest check was loaded (and one swapped after the stat, for a FIFO or
+    a larger file, read regardless). Now its bytes are read once, checked and loaded; a FIFO is
+    refused without blocking."""
+    import hashlib
+    import io
+    import os
+    from types import SimpleNamespace
+
+    import aggregator.jobs.ladd as ladd
+    from aggregator.jobs.input_files import read_job_input
+
+    def npz(value: float) -> bytes:
+        buffer = io.BytesIO()
+        np.savez(buffer, w=np.full(4, value, np.float32))
+        return buffer.getvalue()
+
+    genuine, evil = npz(1.0), npz(-666.0)
+    path = tmp_path / "pretrained.npz"
+    path.write_bytes(genuine)
+    config = SimpleNamespace(initial_model_file=str(path), initial_model_sha256=hashlib.sha256(genuine).hexdigest())
+    real_check = ladd.check_sha256
+
+    def check_then_swap(data, expected, what):
+        real_check(data, expected, what)
+        path.write_bytes(evil)                  # replaced right after its digest was checked
+    monkeypatch.setattr(ladd, "check_sha256", check_then_swap)
+    arrays, _ = ladd.LaddJob.load_initial(config)
+    assert np.array_equal(arrays["w"], np.full(4, 1.0, np.float32))
+    with pytest.raises(ValueError, match="sha256 does not match"):
+        ladd.LaddJob.load_initial(config)              # the swapped file itself is refused
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(ValueError, match="not a regular file"):
+        read_job_input(tmp_path / "fifo", "initial_model_file")
+    with pytest.raises(ValueError, match="more than 10"):
+        read_job_input(path, "initial_model_file", max_bytes=10)

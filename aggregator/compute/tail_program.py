@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from aggregator.compute.device import pick_device
-from aggregator.jobs.input_files import job_input_file
+from aggregator.jobs.input_files import read_job_input
 
 EVAL_BATCH = 4096
 
@@ -32,7 +32,7 @@ class TailProgramError(ValueError):
 class TailProgram:
     def __init__(self, path: str | Path, expected_sha256: str = "", device: str = "auto"):
         try:
-            data = job_input_file(path, "tail program").read_bytes()
+            data = read_job_input(path, "tail program")
         except (OSError, ValueError) as exc:
             raise TailProgramError(f"cannot read the tail program {path}: {exc}") from exc
         digest = hashlib.sha256(data).hexdigest()

@@ -29,6 +29,7 @@ Learning-rate rule (spec §4): devices get ``client_lr`` × 0.1 when the head is
 from __future__ import annotations
 
 import dataclasses
+import io
 import logging
 import math
 import random
@@ -46,7 +47,7 @@ from aggregator.compute.evaluation import head_accuracy
 from aggregator.strategies.dp_fedavg import DPFedAvg
 from aggregator.strategies.fedavg import ServerOptimizer
 from aggregator.jobs.base import Job
-from aggregator.jobs.input_files import job_input_file
+from aggregator.jobs.input_files import read_job_input
 from aggregator.jobs.config_limits import (BATCH_SIZE, LOCAL_EPOCHS, PATH, ROUNDS, TEMPERATURE, WEIGHT_DECAY, OneOf,
                                            Range, limited)
 from aggregator.jobs.model_fields import ModelFields
@@ -148,7 +149,7 @@ class FedAvgJob(Job):
             self.dp = DPFedAvg(self.strategy, c.dp_noise_multiplier, c.clip_rule(), c.clients_per_round)
         if c.init == "fed3r" and self.initial_head is None and c.initial_head_file:
             # A finished Fed3R job's output: the normalised classifier, bias included ([P] §III-D).
-            with np.load(job_input_file(c.initial_head_file, "initial_head_file")) as fed3r_model:
+            with np.load(io.BytesIO(read_job_input(c.initial_head_file, "initial_head_file"))) as fed3r_model:
                 self.initial_head = {"weight": fed3r_model["coef"], "bias": fed3r_model["intercept"]}
         if c.init == "fed3r" and self.initial_head is None:
             raise ValueError("init='fed3r' needs initial_head_file (a Fed3R model.npz) or FedAvgJob.from_fed3r")

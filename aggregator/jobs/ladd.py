@@ -40,6 +40,7 @@ The server never needs the network itself, only named arrays: pre-training is in
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import random
@@ -53,7 +54,7 @@ from typing import Any
 import numpy as np
 
 from protocols.envelope import Envelope, EnvelopeError, body_field
-from protocols.files import check_file_sha256
+from protocols.files import check_sha256
 from protocols.payloads.ladd import (KIND_STYLE, KIND_TRAIN, LaddTrainParams, Layout, ModelUpdate, StyleParams,
                                      StyleResult, layout_digest, make_layout, pack, packed_digest, parse_style,
                                      parse_update, train_task_tensors)
@@ -65,7 +66,7 @@ from aggregator.strategies.dp_fedavg import ClippedGaussianSum
 from aggregator.strategies.robust_ladd import RobustClusterAveraging
 from aggregator.strategies.ladd import ClusterAveraging, StyleClustering, SwaTeacher, cluster_specific_predicate
 from aggregator.jobs.base import Job
-from aggregator.jobs.input_files import job_input_file
+from aggregator.jobs.input_files import read_job_input
 from aggregator.jobs.ladd_config import LaddConfig
 from aggregator.jobs.ladd_phases import Created, LaddPhase, NobodyLeftToAsk, StyleRoundClosed, TrainRoundClosed
 
@@ -120,9 +121,9 @@ class LaddJob(Job):
         """The checksummed pretrained network a config names (a job built from its config alone)."""
         if not config.initial_model_file:
             raise ValueError("a LADD job built from its config needs initial_model_file (the pretrained network)")
-        job_input_file(config.initial_model_file, "initial_model_file")
-        check_file_sha256(config.initial_model_file, config.initial_model_sha256, "initial_model_file")
-        with np.load(config.initial_model_file, allow_pickle=False) as data:
+        raw = read_job_input(config.initial_model_file, "initial_model_file")
+        check_sha256(raw, config.initial_model_sha256, f"initial_model_file {config.initial_model_file}")
+        with np.load(io.BytesIO(raw), allow_pickle=False) as data:
             arrays = {k: data[k] for k in data.files if k != TRAINABLE_KEY}
             trainable = [str(t) for t in data[TRAINABLE_KEY]] if TRAINABLE_KEY in data.files else []
         return arrays, trainable

@@ -23,6 +23,7 @@ candidate means "use exactly this rate".
 
 from __future__ import annotations
 
+import io
 import random
 from dataclasses import dataclass, field
 
@@ -36,7 +37,7 @@ from protocols.rounds import RoundClosed
 
 from aggregator.compute.evaluation import head_accuracy, weighted_mean_accuracy
 from aggregator.jobs.base import Job
-from aggregator.jobs.input_files import job_input_file
+from aggregator.jobs.input_files import read_job_input
 from aggregator.jobs.config_limits import (BATCH_SIZE, JOB_ID, MAX_ATTEMPTS, PATH, TAIL_STAGES, TEMPERATURE,
                                            WEIGHT_DECAY, Items, OneOf, Pattern, Range, limited)
 from aggregator.jobs.model_fields import ModelFields
@@ -90,7 +91,7 @@ def load_model(path: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]
     """(head, tail) of a finished job's model.npz: the head is FedAvg's weight/bias or Fed3R's
     coef/intercept; the tail, the fine-tuned ``tail.*`` tensors of a fedavg-tail model (empty
     for a head-only model)."""
-    with np.load(job_input_file(path, "model file")) as model:
+    with np.load(io.BytesIO(read_job_input(path, "model file"))) as model:
         tail = {name: model[name].astype(np.float32) for name in model.files if name.startswith(TAIL_PREFIX)}
         for w, b in (("weight", "bias"), ("coef", "intercept")):
             if w in model.files and b in model.files:

@@ -18,7 +18,7 @@ from protocols.topics import AGGREGATOR_ID
 
 from aggregator.jobs.base import JobConfig
 from aggregator.jobs.config_limits import MAX_SAMPLES, PATH, TIMEOUT_S, OneOf, Range, limited
-from aggregator.jobs.input_files import job_input_file
+from aggregator.jobs.input_files import read_job_input
 from aggregator.jobs.privacy_fields import UpdateClippingFields
 
 KEY_FILE_BYTES = 16 << 20        # a PEM key, or the enrolled devices' public keys (~100 bytes each)
@@ -62,9 +62,9 @@ class SecureAggregationFields(JobConfig):
 
     def load_identities(self) -> tuple[DeviceIdentity, IdentityRegistry]:
         """The aggregator's identity (``identity_file``) and the enrolled device keys (``device_keys_file``)."""
-        identity = DeviceIdentity.from_pem(AGGREGATOR_ID, job_input_file(self.identity_file, "identity_file",
-                                                                          KEY_FILE_BYTES).read_bytes())
-        keys = json.loads(job_input_file(self.device_keys_file, "device_keys_file", KEY_FILE_BYTES).read_text())
+        identity = DeviceIdentity.from_pem(AGGREGATOR_ID, read_job_input(self.identity_file, "identity_file",
+                                                                          KEY_FILE_BYTES))
+        keys = json.loads(read_job_input(self.device_keys_file, "device_keys_file", KEY_FILE_BYTES))
         return identity, IdentityRegistry({d: bytes.fromhex(k) for d, k in keys.items()})
 
 
