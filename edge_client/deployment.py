@@ -28,6 +28,7 @@ the same way as the device process that follows the rollouts.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -86,6 +87,17 @@ class ModelSlot:
         self.previous: HeadVersion | None = None
         self.local_labels: np.ndarray | None = None
         self.seq = 0                    # the highest assignment sequence accepted: a lower one is a replay
+        self._load()
+        if local_labels is not None:
+            labels = np.unique(np.asarray(local_labels))
+            if labels.ndim != 1 or labels.size == 0 or not np.issubdtype(labels.dtype, np.integer) or labels.min() < 0:
+                raise ValueError(f"local labels must be non-negative integers, got {labels.dtype} {labels.shape}")
+            self.local_labels = labels.astype(np.int64)
+            with self._lock:
+                self._commit(self.current, self.previous, labels_only=True)
+
+    def _load(self) -> None:
+        """What ``slot.json`` says (nothing when there is none)."""
         state = self.dir / STATE_FILE
         if state.exists():
             saved = json.loads(state.read_text())
@@ -93,13 +105,6 @@ class ModelSlot:
             self.seq = int(saved.get("seq", 0))
             if saved.get("local_labels") is not None:
                 self.local_labels = np.asarray(saved["local_labels"], dtype=np.int64)
-        if local_labels is not None:
-            labels = np.unique(np.asarray(local_labels))
-            if labels.ndim != 1 or labels.size == 0 or not np.issubdtype(labels.dtype, np.integer) or labels.min() < 0:
-                raise ValueError(f"local labels must be non-negative integers, got {labels.dtype} {labels.shape}")
-            self.local_labels = labels.astype(np.int64)
-            with self._lock:
-                self._commit(self.current, self.previous)
 
     def predict(self, features: np.ndarray) -> np.ndarray:
         """Class ids for (n, d) features with the deployed head, OLL-pruned when the device
@@ -138,23 +143,53 @@ class ModelSlot:
                 self.seq = seq
                 self._commit(self.current, self.previous)
 
-    def _commit(self, current: HeadVersion | None, previous: HeadVersion | None) -> None:
-        entry = (lambda h: None if h is None else {"sha256": h.sha256, "deployment": h.deployment,
-                                                   "bundle_sha256": h.bundle_sha256})
-        labels = None if self.local_labels is None else self.local_labels.tolist()
-        _write_atomic(self.dir / STATE_FILE, json.dumps({"current": entry(current), "previous": entry(previous),
-                                                         "local_labels": labels, "seq": self.seq}).encode())
-        self.current, self.previous = current, previous
-        keep = {f"{h.sha256}.npz" for h in (current, previous) if h is not None}
-        for f in self.dir.glob("*.npz"):                    # versions neither kept nor running
-            if f.name not in keep:
-                f.unlink(missing_ok=True)
+    def _commit(self, current: HeadVersion | None, previous: HeadVersion | None, labels_only: bool = False) -> None:
+        """Write the slot's state, holding the folder's lock: the application may open a slot of its
+        own on it (to predict as this device does) while the follower swaps heads. What the other
+        process wrote is read again under the lock: a labels-only commit keeps its heads and
+        sequence (a stale one undid a swap and deleted the running head's file), a swap keeps the
+        higher sequence, and only files that the state written names are kept."""
+        with _FolderLock(self.dir):
+            labels = self.local_labels
+            if labels_only:
+                self._load()
+                current, previous, self.local_labels = self.current, self.previous, labels
+            else:
+                saved = self.dir / STATE_FILE
+                if saved.exists():
+                    self.seq = max(self.seq, int(json.loads(saved.read_text()).get("seq", 0)))
+            entry = (lambda h: None if h is None else {"sha256": h.sha256, "deployment": h.deployment,
+                                                       "bundle_sha256": h.bundle_sha256})
+            labels = None if self.local_labels is None else self.local_labels.tolist()
+            _write_atomic(self.dir / STATE_FILE, json.dumps({"current": entry(current), "previous": entry(previous),
+                                                             "local_labels": labels, "seq": self.seq}).encode())
+            self.current, self.previous = current, previous
+            keep = {f"{h.sha256}.npz" for h in (current, previous) if h is not None}
+            for f in self.dir.glob("*.npz"):                    # versions neither kept nor running
+                if f.name not in keep:
+                    f.unlink(missing_ok=True)
 
     def _read(self, entry: dict | None) -> HeadVersion | None:
         if not entry:
             return None
         W, b = D.head_from_npz((self.dir / f"{entry['sha256']}.npz").read_bytes(), entry["sha256"])
         return HeadVersion(entry["sha256"], entry["deployment"], W, b, entry.get("bundle_sha256", ""))
+
+
+class _FolderLock:
+    """An exclusive advisory lock on ``folder`` (its ``.slot.lock``) across processes."""
+
+    def __init__(self, folder: Path):
+        self.path = folder / ".slot.lock"
+
+    def __enter__(self) -> "_FolderLock":
+        self.handle = open(self.path, "a+b")
+        fcntl.flock(self.handle, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        fcntl.flock(self.handle, fcntl.LOCK_UN)
+        self.handle.close()
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

@@ -1,0 +1,62 @@
+"""Two ModelSlots on one folder (a review's finding): the module docstring invites a second ``ModelSlot(dir)`` on the same folder (the application's own,
+"predicts the same way as the device process that follows the rollouts"). A slot opened with
+``local_labels`` reads slot.json, then rewrites it from what it read (``_commit``) and deletes
+every ``*.npz`` it does not know. Nothing serialises the two: if the follower's swap lands between
+the application's read and its commit, the application's stale commit
+
+* puts slot.json back to the old version and the old ``seq`` (the deployment is silently undone on
+  the next restart, and the replay guard forgets the sequence it held), and
+* deletes the new head's file while the follower keeps running it, while the follower's commit
+  already deleted the oldest head that the stale slot.json still names: the next
+  ``ModelSlot(dir)`` raises FileNotFoundError (the device process cannot start).
+
+The interleaving is made deterministic by running the follower's swap inside the application's
+``_commit`` (what a context switch between the two processes does). Each commit now holds the
+folder's lock and a labels-only commit re-reads the state under it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from edge_client.deployment import ModelSlot
+from protocols.payloads.deployment import head_npz
+
+
+def _head(seed: int) -> tuple[bytes, str]:
+    rng = np.random.default_rng(seed)
+    data = head_npz(rng.normal(size=(3, 4)).astype(np.float32), rng.normal(size=3).astype(np.float32))
+    return data, hashlib.sha256(data).hexdigest()
+
+
+def test_an_application_slot_opened_during_a_swap_does_not_undo_it(tmp_path):
+    (a, sha_a), (b, sha_b), (c, sha_c) = _head(1), _head(2), _head(3)
+    follower = ModelSlot(tmp_path)
+    follower.hold_seq(1)
+    follower.swap(a, sha_a, "d1")
+    follower.hold_seq(2)
+    follower.swap(b, sha_b, "d2")
+
+    class ApplicationSlot(ModelSlot):
+        raced = False
+
+        def _commit(self, current, previous, **kw):
+            if not ApplicationSlot.raced:       # the follower's next rollout lands now
+                ApplicationSlot.raced = True
+                follower.hold_seq(3)
+                follower.swap(c, sha_c, "d3")
+            super()._commit(current, previous, **kw)
+
+    ApplicationSlot(tmp_path, local_labels=[0, 1, 2])       # the app opens its slot, personalising
+    assert follower.current.sha256 == sha_c                 # the follower runs C and reported it
+
+    assert (tmp_path / f"{sha_c}.npz").exists(), "the running head's file was deleted by the other slot"
+    try:
+        restarted = ModelSlot(tmp_path)                     # the device process restarts
+    except FileNotFoundError as exc:
+        raise AssertionError(f"the slot cannot be opened any more (slot.json names a deleted head): {exc}") from exc
+    assert restarted.current is not None and restarted.current.sha256 == sha_c, \
+        f"after a restart the device runs {restarted.current.deployment}, not d3 (the swap was undone)"
+    assert restarted.seq == 3, f"the replay guard went back from seq 3 to {restarted.seq}"
