@@ -60,8 +60,8 @@ def read_verified(manifest: Manifest, spec: ArtifactSpec) -> bytes:
             info = os.fstat(handle.fileno())
             found = f"{info.st_size} bytes" if stat.S_ISREG(info.st_mode) else "not a regular file"
             if not stat.S_ISREG(info.st_mode) or info.st_size != spec.size_bytes:
-                raise ArtifactTamperedError(f"refusing {path}: {found} where the manifest says {spec.size_bytes} "
-                                            "bytes. Re-download the bundle from the server.")
+                raise ArtifactTamperedError(f"refusing {path}: its size differs from the manifest's ({found} where "
+                                            f"it says {spec.size_bytes} bytes). Re-download the bundle from the server.")
             # One byte more than promised is enough to tell the file has grown since.
             data = handle.read(spec.size_bytes + 1)
     except FileNotFoundError:
