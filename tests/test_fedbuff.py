@@ -356,3 +356,13 @@ def test_one_fast_device_holds_at_most_one_slot_of_each_buffer(broker, tmp_path)
     counts = collections.Counter(c.device for c in store.contributions(config.job_id))
     assert counts["evil"] <= config.rounds, dict(counts)
     assert all(counts[f"dev{i}"] >= 1 for i in range(4)), dict(counts)
+
+
+def test_dp_is_refused_for_fedavg_async_whose_steps_would_never_clip_or_noise():
+    """A review's finding: the config took dp_noise_multiplier and the job reported an ε, while
+    FedBuff stepped on the raw buffered updates (no clip, no noise)."""
+    from aggregator.jobs.registry import build_job
+
+    with pytest.raises(ValueError, match="no DP mechanism"):
+        build_job("fedavg-async", {"num_classes": 3, "feature_dim": 8, "dp_noise_multiplier": 1.0,
+                                   "dp_clip_norm": 0.1})

@@ -58,6 +58,9 @@ class AsyncFedAvgConfig(FedAvgConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.dp:     # its steps take the raw buffered updates: DP-FedAvg's clip and noise never run
+            raise ValueError("fedavg-async has no DP mechanism (FedBuff steps on the raw buffered updates): "
+                             "no dp with fedavg-async")
         if self.server_momentum:
             raise ValueError("fedavg-async has no server momentum (FedBuff steps with server_lr only)")
         if self.server_optimizer != "sgd" or self.served_model != "last":
