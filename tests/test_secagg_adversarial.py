@@ -644,3 +644,27 @@ def test_malformed_abort_notices_are_refused():
             decode({**header, "reason": bad}, arrays)
     with pytest.raises(MalformedMessage):
         decode({**header, "extra": 1}, arrays)
+
+
+@pytest.mark.parametrize("which", ["cipher_public_key", "mask_public_key"])
+def test_a_low_order_advertised_key_leaves_its_device_out_instead_of_failing_the_round(which):
+    """A review's finding: the server took a low-order X25519 key (32 zero bytes) at AdvertiseKeys;
+    every honest neighbour's key agreement with it then failed and none answered: with the complete
+    graph, one device failed every round it was in. Refused now; the honest devices' sum is exact."""
+    ids = {i.device_id: i for i in make_identities(6)}
+    config = RoundConfig.create(job_id="j", round_id=1, group_id="g", aggregator_id="aggregator",
+                                members=list(ids), vector_length=16, bound=10.0)
+    attacker = config.members[0]
+    inputs = {d: np.full(16, float(k)) for k, d in enumerate(config.members)}
+
+    def intercept(message):
+        if isinstance(message, AdvertiseKeys) and message.sender == attacker:
+            changed = dataclasses.replace(message, **{which: bytes(32)}, signature=b"")
+            return [dataclasses.replace(changed, signature=ids[attacker].sign(changed.canonical_bytes()))]
+        return [message]
+
+    run = run_round(config, DeviceIdentity.generate("aggregator"), ids, inputs, intercept=intercept)
+    assert isinstance(run.outcome, AggregateReady), run.outcome
+    honest = tuple(d for d in config.members if d != attacker)
+    assert run.outcome.survivors == honest
+    assert np.array_equal(run.outcome.sum_words, plain_fixed_point_sum(config, [inputs[d] for d in honest]))

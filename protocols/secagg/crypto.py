@@ -100,6 +100,17 @@ def agree(private_key: X25519PrivateKey, peer_public: bytes, info: bytes) -> byt
                 info=info).derive(shared)
 
 
+_PROBE_KEY = X25519PrivateKey.generate()
+
+
+def check_usable_public_key(peer_public: bytes) -> None:
+    """MalformedMessage unless ``peer_public`` is a 32-byte X25519 key every peer can agree with: a
+    low-order point gives an all-zero secret, which every honest peer refuses (they then never
+    answer). An X25519 secret is zero for every clamped private key or for none, so one exchange
+    with a throwaway key tells."""
+    agree(_PROBE_KEY, peer_public, b"fedfleet secagg: key probe")
+
+
 def aead_encrypt(key: bytes, plaintext: bytes, associated_data: bytes) -> bytes:
     """nonce || AES-256-GCM(plaintext) || tag."""
     nonce = os.urandom(AEAD_NONCE_BYTES)

@@ -49,8 +49,8 @@ from protocols.transition_table import ANY, IllegalTransition, Transition, Trans
 
 from . import shamir
 from .config import RoundConfig
-from .crypto import apply_masks, check_workers, default_mask_workers, x25519_from_private_bytes, \
-    x25519_public_bytes
+from .crypto import apply_masks, check_usable_public_key, check_workers, default_mask_workers, \
+    x25519_from_private_bytes, x25519_public_bytes
 from .derivation import SECRET_BYTES, SHARE_BYTES, SHARE_CIPHERTEXT_BYTES, RoundContext, pair_mask_seed, \
     pair_mask_sign, self_mask_commitment
 from .errors import (BadSignature, ConfigError, LateMessage, MalformedMessage, ReconstructionError, ReplayedMessage,
@@ -246,6 +246,8 @@ class ServerSecAgg:
     def _check_advertise(self, message: AdvertiseKeys) -> AdvertiseKeys:
         if message.cipher_public_key == message.mask_public_key:
             raise MalformedMessage("cipher and mask keys must differ")
+        for key in (message.cipher_public_key, message.mask_public_key):     # else it is left out of U1
+            check_usable_public_key(key)        # (every neighbour's agreement with it would fail the round)
         return message
 
     def _check_shares(self, message: EncryptedShares) -> EncryptedShares:
