@@ -31,6 +31,7 @@ from protocols.payloads.secagg import (SECURE_DITTO_KIND, SECURE_FEDAVG_KIND, SE
 from protocols.payloads.task_kinds import params_type
 from protocols.payloads.task_params import DpRound
 from protocols.rounds import RoundClosed
+from protocols.secagg.distributed_dp import noisy_bound
 
 from aggregator.jobs.ditto import DittoConfig, DittoJob
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob
@@ -107,10 +108,10 @@ class SecureFedAvgJob(SecureGroupRounds, FedAvgJob):
         self.record_sum(*unpack_weighted_sum(total, self.trained_shapes()), survivors)
 
     def record_sum(self, sums: dict[str, np.ndarray], n: int, survivors: tuple[str, ...]) -> None:
-        """The round's mean from its Σ n_k θ_k and Σ n_k (GroupSumOutOfBound: nothing recorded)."""
-        if n < 1:
-            return
+        """The round's mean from its Σ n_k θ_k and Σ n_k (GroupSumOutOfBound: nothing recorded; a
+        count of 0 or less too, which no honest group sends: it once settled the round silently)."""
         if self.dp is not None:
+            self._check_dp_group_sum(sums, n, survivors)
             # the noisy sum of clipped updates over the fixed κ (n counts the survivors: weights are 1)
             self._sum = ({name: s / self.config.clients_per_round for name, s in sums.items()}, len(survivors), n)
         else:
@@ -131,6 +132,17 @@ class SecureFedAvgJob(SecureGroupRounds, FedAvgJob):
                                          c.update_clip_norm, c.max_samples)
         except ValueError as exc:
             raise GroupSumOutOfBound(str(exc)) from None
+
+    def _check_dp_group_sum(self, sums: dict[str, np.ndarray], n: int, survivors: tuple[str, ...]) -> None:
+        """Under distributed DP each member sends [clip(θ_k − θ_t) + its noise | 1], every entry within
+        the round's per-entry bound B (the encoder refuses others) and the count un-noised: so the
+        count is |S| and no entry of the sum passes |S|·B. (Skipped before: one member could mask any
+        ring element and move the model by it.)"""
+        bound = noisy_bound(max(self.config.dp_clip_norm, 1.0), self._round_dp["stddev"])
+        largest = max((float(np.abs(s).max()) for s in sums.values() if s.size), default=0.0)
+        if n != len(survivors) or largest > len(survivors) * bound * (1 + 1e-6):
+            raise GroupSumOutOfBound(f"a DP group of {len(survivors)} sent a count of {n} and an entry of "
+                                     f"{largest:.4g} (each member's entries within {bound:.4g})")
 
     def round_mean(self) -> tuple[dict[str, np.ndarray] | None, int, int]:
         return self._sum if self._sum is not None else (None, 0, 0)

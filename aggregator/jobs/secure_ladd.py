@@ -65,8 +65,10 @@ from protocols.payloads.secure_tasks import SecureLaddParams
 from protocols.payloads.task_params import DpRound
 from protocols.rounds import RoundClosed
 from protocols.secagg import ConsistencyCheckRequest, Phase, RoundConfig, UnmaskRequest
+from protocols.secagg.distributed_dp import noisy_bound
 
 from aggregator.strategies.dp_ladd import GLOBAL, apply_mean_deltas
+from aggregator.strategies.robust_fedavg import check_group_mean
 from aggregator.jobs.config_limits import Range, limited
 from aggregator.jobs.ladd import Arrays, LaddConfig, LaddJob, Pretrainer
 from aggregator.jobs.secure_fields import SecureUpdateFields
@@ -199,6 +201,7 @@ class SecureLaddJob(SecureGroupRounds, LaddJob):
         expected = [count.get(k, 0) if on else 0 for k, on in enumerate(self.slots.enabled)]
         if sums.count_per_cluster.tolist() != expected or sums.n < 1:     # a device filled the wrong slot
             raise GroupSumOutOfBound(f"slot counts {sums.count_per_cluster.tolist()} != expected {expected}")
+        self._check_weights(sums, expected, len(survivors))
         new_model = self._noisy_means(sums) if self.config.dp else self._weighted_means(sums)
         self._round_sum = (new_model, {k: count[k] for k in sorted(count)})
         self._applied = set(survivors)
@@ -206,6 +209,30 @@ class SecureLaddJob(SecureGroupRounds, LaddJob):
             self.contributed[d] = self.contributed.get(d, 0) + 1
         if self.config.kd_lambda > 0:
             self.kd_confirmed |= set(survivors)       # they trained, so they hold the KD teacher
+
+    def _check_weights(self, sums: SlotSums, members_per_cluster: list[int], members: int) -> None:
+        """GroupSumOutOfBound unless the weight slots and the sums are what honest members send (a
+        review found them unchecked: one member writing n = 1 − Σ others' n made φ's "mean" the
+        weighted sum itself, as the count-slot attack secure FedAvg's check closes). Plain: each
+        mean over its weight is a convex combination (check_group_mean); DP: every weight is 1 (the
+        slots hold |S| and the cluster counts) and no entry passes |S| times the round's bound."""
+        c = self.config
+        parts = [(sums.phi, sums.n, members)] + [(sums.theta.get(k, {}), int(sums.n_per_cluster[k]), m)
+                                                 for k, m in enumerate(members_per_cluster)]
+        try:
+            for tensors, n, m in parts:
+                if c.dp:
+                    bound = noisy_bound(max(c.dp_clip_norm, 1.0), self._round_dp["stddev"])
+                    largest = max((float(np.abs(v).max()) for v in tensors.values() if v.size), default=0.0)
+                    if n != m or largest > m * bound * (1 + 1e-6):
+                        raise ValueError(f"a weight of {n} for {m} members, or an entry of {largest:.4g} over "
+                                         f"{m} x {bound:.4g}")
+                elif m:
+                    check_group_mean(tensors, n, m, c.max_samples, c.max_abs_param)
+                elif n:
+                    raise ValueError(f"a weight of {n} in a slot nobody filled")
+        except ValueError as exc:
+            raise GroupSumOutOfBound(str(exc)) from None
 
     def _weighted_means(self, sums: SlotSums) -> tuple[Arrays, dict[int, Arrays]]:
         """φ ← Σ n φ / Σ n and θ_k ← Σ_k n θ / Σ_k n (an enabled slot nobody filled keeps θ_k)."""

@@ -65,8 +65,6 @@ class SecureScaffoldJob(SecureFedAvgJob, ScaffoldJob):
 
     def on_secure_sum(self, total: np.ndarray, survivors: tuple[str, ...]) -> None:
         sums, deltas, n = unpack_controlled_sum(total, self.trained_shapes())
-        if n < 1:
-            return
         check_control_sum(deltas, len(survivors), self.config.control_clip_norm)     # before anything is kept
         self.record_sum(sums, n, survivors)
         self._control_sum = (deltas, len(survivors))

@@ -1,0 +1,86 @@
+"""A secure group's sum is checked against what its honest members can send before anything of it
+is applied (a review's findings, each a way one member moved or sabotaged the model unnoticed):
+
+* a count slot of 0 or less (a member writing n = −Σ others' n) settled the round as a success,
+  nothing applied and nothing attributed (secure FedAvg family, Scaffold);
+* under distributed DP no check ran at all: one member could mask any ring element;
+* secure LADD checked its cluster counts but not its weight slots: n = 1 − Σ others' n made φ's
+  "mean" the weighted sum itself.
+"""
+
+import numpy as np
+import pytest
+
+from aggregator.jobs.secure_rounds import GroupSumOutOfBound
+from protocols.identity import DeviceIdentity
+from protocols.payloads.ditto import KIND as DITTO_KIND
+from protocols.payloads.scaffold import KIND as SCAFFOLD_KIND
+from protocols.payloads.secagg import pack_controlled, pack_weighted
+
+from test_ladd_secure import make_job
+from test_secure_stateful import DEVICES, HEAD, keys, secure_job  # noqa: F401  (keys: fixture)
+
+
+@pytest.mark.parametrize("kind", [DITTO_KIND, SCAFFOLD_KIND])
+def test_a_zero_count_sum_is_reported_out_of_bound(tmp_path, keys, kind):
+    job = secure_job(kind, tmp_path, keys)
+    members = tuple(job.next_participants(set(DEVICES))[:4])
+    honest = {k: np.full(job.params[k].shape, 0.9) for k in HEAD}
+    zeros = {k: np.zeros_like(v) for k, v in honest.items()}
+
+    def vector(y, n):
+        return pack_controlled(y, zeros, HEAD, n) if kind == SCAFFOLD_KIND else pack_weighted(y, HEAD, n)
+
+    evil = vector(honest, 30)
+    evil[-1] = -30 * (len(members) - 1)          # Σ n_k = 0
+    job.group_summed(job.round, evil + sum(vector(honest, 30) for _ in members[1:]), members)
+    settled = job.settled(job.round)
+    reason = job.secure_failure(job.round)
+    assert settled == () and reason is not None and "out of bound" in reason, (settled, reason)
+
+
+def test_dp_group_sum_beyond_every_members_bound_is_discarded(tmp_path, keys):
+    job = secure_job(DITTO_KIND, tmp_path, keys, dp_noise_multiplier=1.0, dp_clip_norm=1.0)
+    members = tuple(job.next_participants(set(DEVICES)))
+    bound = job.secure.config.bound                      # what any honest member's entry respects
+    before = {k: v.copy() for k, v in job.params.items()}
+    honest = {k: np.full(job.params[k].shape, 0.1) for k in HEAD}
+    evil = {k: np.full(job.params[k].shape, 1e6) for k in HEAD}
+    total = pack_weighted(evil, HEAD, 1) + sum(pack_weighted(honest, HEAD, 1) for _ in members[1:])
+    assert np.abs(total).max() > len(members) * bound    # no set of honest members can send this
+    job.group_summed(job.round, total, members)
+    reason = job.secure_failure(job.round)
+    moved = max(float(np.abs(job._sum[0][k]).max()) for k in HEAD) if job._sum else 0.0
+    assert reason is not None and "out of bound" in reason, \
+        f"accepted: mean update entry {moved:.3g} (signed bound per member {bound:.3g})"
+
+
+def honest_tensors(slots, rng, scale):
+    names = slots.global_layout + slots.slot_layout
+    return {name: rng.uniform(-scale, scale, size=shape) for name, shape in names}
+
+
+def test_forged_weight_slot_turns_the_mean_into_the_sum():
+    ids = ["a", "b", "c"]
+    identities = {d: DeviceIdentity.generate(d) for d in ids}
+    agg = DeviceIdentity.generate("aggregator")
+    job = make_job(identities, agg, clustering="none")
+    chosen = job.next_participants(set(ids))
+    assert chosen == ids
+    slots = job.slots
+    rng = np.random.default_rng(0)
+    max_abs = job.config.max_abs_param          # 50
+    n = job.config.max_samples                  # 100
+    honest = [slots.pack(honest_tensors(slots, rng, 0.9 * max_abs), n, 0) for _ in ids[:2]]
+    # the attacker: a legitimate-looking update, its weight slot forged so that Σ n = 1
+    forged = slots.pack(honest_tensors(slots, rng, 0.9 * max_abs), 1, 0)
+    tail = slots.tensors_size
+    forged[tail] = 1 - 2 * n                     # |-199| << the round's bound max_samples·max_abs_param
+    assert np.abs(forged).max() <= job.bound
+    total = honest[0] + honest[1] + forged
+    with pytest.raises(GroupSumOutOfBound, match="outside"):
+        job.on_secure_sum(total, tuple(ids))
+    assert job._round_sum is None and not job.contributed
+    job.on_secure_sum(honest[0] + honest[1] + slots.pack(honest_tensors(slots, rng, 0.9 * max_abs), n, 0),
+                      tuple(ids))                # three honest members: taken
+    assert job._round_sum is not None
