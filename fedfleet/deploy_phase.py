@@ -73,9 +73,9 @@ class TimedSlot(ModelSlot):
         self.changes: list[tuple[float, str]] = []       # (time, version), in order
         super().__init__(*args, **kwargs)
 
-    def _commit(self, current, previous) -> None:
-        super()._commit(current, previous)
-        self.changes.append((time.time(), version_of(current)))
+    def _commit(self, current, previous, labels_only: bool = False) -> None:
+        super()._commit(current, previous, labels_only)
+        self.changes.append((time.time(), version_of(self.current)))
 
     def version_at(self, t: float) -> str:
         return next((v for when, v in reversed(self.changes) if when <= t), "none")
