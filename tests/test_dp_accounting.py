@@ -99,3 +99,45 @@ def test_fed3r_is_one_release_whatever_the_rounds():
     assert job.evaluate(None, None)["privacy"]["epsilon"] == 0.0
     job.strategy.released.n_contributions = 7            # as after several released rounds
     assert job.evaluate(None, None)["privacy"]["epsilon"] == pytest.approx(library_epsilon(2.0, 1, 1.0, 1e-5))
+
+
+def test_a_sampled_dp_jobs_participants_cannot_be_redrawn_from_its_config():
+    """A review's finding: the accountant counted on sampling (q = κ / dp_population) while the
+    draw was seeded by the config, so anyone holding it knew who was in each round (each such round
+    a plain release of them). With q < 1 the draw is a secret of the job's own; without sampling
+    the config's seed still fixes it (reproducible runs)."""
+    pool = {f"d{i:02d}" for i in range(20)}
+    base = {"num_classes": 3, "feature_dim": 8, "clients_per_round": 2, "dp_noise_multiplier": 1.0,
+            "dp_clip_norm": 1.0}
+    sampled = [tuple(build_job("fedavg", {**base, "dp_population": 20}).next_participants(pool)) for _ in range(5)]
+    assert len(set(sampled)) > 1                                   # five equal draws: (1/190)^4
+    assert len({tuple(build_job("fedavg", base).next_participants(pool)) for _ in range(3)}) == 1
+
+
+def test_members_of_an_unmasked_but_discarded_group_are_not_released_twice_unaccounted():
+    """A review's finding (Fed3R-Sync, distributed DP): a group whose noisy sum was unmasked and then
+    discarded (its count slot says a member ignored block_scales) left its members eligible, and the
+    job reported ε = 0 after that release; a later group released them again."""
+    from aggregator.jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob
+    from protocols.identity import DeviceIdentity, IdentityRegistry
+
+    D, C = 6, 3
+    devices = [f"cam-{i}" for i in range(9)]
+    cfg = Fed3RSyncConfig(num_classes=C, feature_dim=D, dp_noise_multiplier=2.0, feature_clip_norm=5.0,
+                          max_samples=1, clients_per_round=3, seed=4, max_abs_feature=50.0)
+    job = Fed3RSyncJob(cfg, identity=DeviceIdentity.generate("aggregator"),
+                       registry=IdentityRegistry({d: DeviceIdentity.generate(d).public_key_bytes for d in devices}))
+    first = job.next_participants(set(devices))
+    assert len(first) == 3
+    # the protocol unmasked the group's (noisy) sum: the server now holds it ...
+    unmasked = np.zeros(job.vector_length)
+    unmasked[:-1] = np.random.default_rng(0).normal(size=job.vector_length - 1)
+    unmasked[-1] = 2.0                      # ... but one member's library ignored block_scales (0 in its slot)
+    job.group_summed(job.round, unmasked, tuple(first))
+    assert job.failed_rounds, "the group is discarded as out of bound"
+
+    again = set(first) & set(job.eligible(set(devices)))
+    report = job.evaluate(None, None)["privacy"]
+    one = PrivacyAccountant(cfg.dp_noise_multiplier, cfg.dp_delta, 1.0, report["accounting"]).epsilon(1)
+    assert not again, f"{sorted(again)} were in an unmasked (released) sum and can be asked again"
+    assert report["releases"] == 1 and report["epsilon"] == pytest.approx(one), report

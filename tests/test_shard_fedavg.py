@@ -110,6 +110,7 @@ def run_rounds(tmp_path, shards_count: int, late: str, kind: str = "fedavg", ext
     single, coordinator = build_job(kind, config), ShardedRoundsJob(build_job(kind, config), kind, pool)
     if single.dp is not None:               # the same noise draws: seeded only in tests
         single.dp.rng, coordinator.inner.dp.rng = np.random.default_rng(5), np.random.default_rng(5)
+    coordinator.inner._rng.setstate(single._rng.getstate())     # one participant draw (secret under sampled DP)
     if hasattr(single, "device_state"):     # one run of the job (its devices' state binding), not two
         coordinator.inner.device_state.run = single.device_state.run
     rng = np.random.default_rng(7)

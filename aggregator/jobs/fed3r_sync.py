@@ -159,6 +159,10 @@ class Fed3RSyncJob(SecureGroupRounds, Fed3RJob):
             self.strategy.center.release_noised(total, len(survivors))
             n = 0
         elif c.dp:                   # already noisy (the devices' shares); the sample count is not released
+            # unmasked, the sum is released whether or not it is used: its members count as released
+            # (never asked again, the job's one release reported) before its checks may discard it
+            for d in survivors:
+                self.contributed[d] = 0
             a_upper, b = self._unscaled(total, len(survivors))
             self.strategy.add_noised(a_upper, b, 0, len(survivors))
             n = 0

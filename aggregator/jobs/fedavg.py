@@ -166,7 +166,7 @@ class FedAvgJob(Job):
         self.params: dict[str, np.ndarray] = head
         self.served = c.served_model_rule()      # what is evaluated, reported, saved: w^t, SWA or WiMA
         self.history = c.round_history()      # bounded influence's state across rounds (checkpointed)
-        self._rng = random.Random(c.seed)
+        self._rng = random.Random(c.participant_seed())       # secret when DP counts on sampling
         self._open = False
         self._participants: frozenset[str] = frozenset()
         self._updates: dict[str, tuple[dict[str, np.ndarray], int]] = {}   # this round's, by device

@@ -133,7 +133,7 @@ class LaddJob(Job):
         if self.initial is None and self.pretrainer is None:
             raise ValueError("LaddJob needs a pretrainer or an initial model")
         self.is_theta = cluster_specific_predicate(c.cluster_scope if c.clustering == "styles" else "head")
-        self._rng = random.Random(c.seed)
+        self._rng = random.Random(c.participant_seed())       # secret when DP counts on sampling
         self.kind = KIND_STYLE
         self.phase = LaddPhase.STYLES
         self.train_round = 0

@@ -10,6 +10,7 @@ the job kind (a FedAvg round; the whole of Fed3R, see ``aggregator/strategies/dp
 from __future__ import annotations
 
 import functools
+import secrets
 from dataclasses import dataclass
 
 from aggregator.compute.privacy import PrivacyAccountant
@@ -112,6 +113,16 @@ class UpdateClippingFields(PrivacyBudgetFields):
         if self.dp_population <= 0:
             return 1.0
         return min(1.0, self.clients_per_round / self.dp_population)
+
+    def participant_seed(self) -> int:
+        """The seed of the job's participant draw: the config's, unless the accountant counts on
+        sampling (q < 1) — amplification holds only while nobody can tell who was sampled, and
+        anyone holding the config could redraw a seeded sample (a review's finding: ε understated
+        several-fold). Then a secret of this job's own (checkpointed with the draw's state, never
+        published); the config's seed only while the noise is seeded for tests."""
+        if not self.dp or self.sampling_rate() >= 1.0 or seeded_noise_warning():
+            return self.seed
+        return secrets.randbits(128)
 
     def check_update_clipping(self) -> None:
         """Refuse (ValueError) a DP setting that cannot run or whose first round exceeds the budget."""
