@@ -256,7 +256,9 @@ def test_a_secure_dp_sum_is_scaled_back_only_when_every_member_scaled():
     over[1][-1] = 2.0                                 # a slot claiming more than one member
     with pytest.raises(GroupSumOutOfBound, match="says 4 of its 3 members scaled"):
         job.on_secure_sum(np.sum(over, axis=0), members)
-    assert job.strategy.releases == 0 and not job.contributed
+    # nothing of the discarded sums is in the model, but they were unmasked: their members count as
+    # released (never asked again, the job's release reported)
+    assert job.strategy.releases == 0 and sorted(job.contributed) == list(members)
     job.on_secure_sum(np.sum(vectors, axis=0), members)
     assert job.strategy.releases == 1 and sorted(job.contributed) == list(members)
     total = np.sum(vectors, axis=0)
@@ -268,3 +270,43 @@ def test_a_secure_dp_sum_is_scaled_back_only_when_every_member_scaled():
     np.testing.assert_allclose(job.strategy.released.B.numpy(),
                                (total[len(iu[0]):-1] / scales.b).reshape(C, p).T, rtol=1e-12)
     np.testing.assert_allclose(job.strategy.released.packed_upper(), A[iu], atol=0.1)     # the data, near
+
+
+def test_shrinkage_edge_matches_the_group_noise_actually_released():
+    """A review's finding (Fed3R-Sync + ssp): each member adds σ²/t, so a group of s ≥ t survivors
+    holds s/t·σ² per entry (1.5× with SecAgg's t = ⌈2κ/3⌉, nobody dropping), while the shrinkage and
+    λ took one release's σ per group: the pure-noise bulk reached √(s/t) ≈ 1.22× past the edge and
+    noise directions were debiased to large eigenvalues. The released sums count noise units."""
+    import torch
+
+    from aggregator.jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob
+    from protocols.identity import DeviceIdentity, IdentityRegistry
+
+    D, C, K = 150, 3, 30
+    devices = [f"cam-{i:02d}" for i in range(K)]
+    cfg = Fed3RSyncConfig(num_classes=C, feature_dim=D, dp_noise_multiplier=2.0, feature_clip_norm=5.0,
+                          max_samples=1, clients_per_round=K, seed=4, max_abs_feature=50.0)
+    job = Fed3RSyncJob(cfg, identity=DeviceIdentity.generate("aggregator"),
+                       registry=IdentityRegistry({d: DeviceIdentity.generate(d).public_key_bytes for d in devices}))
+    members = job.next_participants(set(devices))
+    assert len(members) == K
+    dp = job._round_dp
+    t = dp["threshold"]
+    assert t < K                                   # SecAgg's ⌈2κ/3⌉
+    # every member survives: the ring sum of zero data carries K shares of N(0, σ_dev²) per entry
+    rng = np.random.default_rng(0)
+    total = rng.normal(0.0, dp["stddev"] * np.sqrt(K), job.vector_length)
+    total[-1] = K                                  # every member scaled its blocks
+    job.on_secure_sum(total, tuple(members))
+    noisy = job.strategy
+    A = noisy.released.A.numpy()
+    eig = np.linalg.eigvalsh(A)
+    assert noisy.noise_units == K / t and noisy.releases == 1
+    edge_used = noisy.mechanism.scale().spectral_edge(A.shape[0], noisy.noise_units)
+    edge_true = noisy.mechanism.scale().spectral_edge(A.shape[0], 1) * np.sqrt(K / t)    # 2σ_o√(p·s/t)
+    assert edge_used == edge_true
+    assert eig.max() <= 1.05 * edge_used, (
+        f"pure noise reaches λ_max={eig.max():.4g} > edge used {edge_used:.4g} (true edge {edge_true:.4g}); "
+        f"{int((eig > edge_used).sum())} noise directions treated as spikes")
+    shrunk = noisy.mechanism.shrunk(torch.from_numpy(eig), noisy.noise_units).numpy()
+    assert (shrunk > edge_used / 2).sum() == 0

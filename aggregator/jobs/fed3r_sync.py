@@ -164,7 +164,8 @@ class Fed3RSyncJob(SecureGroupRounds, Fed3RJob):
             for d in survivors:
                 self.contributed[d] = 0
             a_upper, b = self._unscaled(total, len(survivors))
-            self.strategy.add_noised(a_upper, b, 0, len(survivors))
+            threshold = (self._round_dp or {}).get("threshold", len(survivors))    # each member added σ²/t
+            self.strategy.add_noised(a_upper, b, 0, len(survivors), len(survivors) / threshold)
             n = 0
         else:
             a_upper, b, n = unpack_sync_vector(total, c.p, c.num_classes)

@@ -273,6 +273,10 @@ class NoisyFed3R:
         self.mechanism = mechanism
         self.rng = rng if rng is not None else noise_source()
         self.releases = 0
+        # the released sums' noise variance in units of one release's: a distributed-DP group of s
+        # survivors at threshold t carries s/t of it (each member adds σ²/t), 1.5 with none dropped;
+        # the denoising's spectral edge and λ read this, not the count (the edge was √1.5 too small)
+        self.noise_units = 0.0
         self.center = center            # first the center round, then rounds of centred rows (dp_center.py)
         self.release_at_end = release_at_end
 
@@ -303,10 +307,13 @@ class NoisyFed3R:
     def positive_definite(self, a: np.ndarray, tau: float) -> bool:
         return self.pending.positive_definite(a, tau)
 
-    def add_noised(self, a_upper: np.ndarray, b_dense: np.ndarray, n: int, contributions: int) -> None:
-        """A sum that already carries its noise (distributed DP under SecAgg) joins the released sums."""
+    def add_noised(self, a_upper: np.ndarray, b_dense: np.ndarray, n: int, contributions: int,
+                   noise_units: float = 1.0) -> None:
+        """A sum that already carries its noise (distributed DP under SecAgg: ``noise_units`` times a
+        release's variance) joins the released sums."""
         _add_sum(self.released, a_upper, b_dense, n, contributions)
         self.releases += 1
+        self.noise_units += noise_units
 
     def release(self) -> None:
         """The round closes: its sum is noised into the released sums (or, ``release_at_end``, held
@@ -351,7 +358,7 @@ class NoisyFed3R:
         return self.released.n_samples + self.held.n_samples
 
     def solve(self) -> ClosedFormRidge:
-        model = self.mechanism.solve(self.released, self.releases)
+        model = self.mechanism.solve(self.released, self.noise_units)
         return model if self.center is None or not self.center.released else uncentred(model, self.center.value)
 
     def state_dict(self) -> dict[str, np.ndarray]:
@@ -359,11 +366,14 @@ class NoisyFed3R:
         # the held sums are exact: checkpointed, never published (UNPUBLISHED_PREFIX)
         held = {HELD + k: v for k, v in self.held.sums_state().items()} if self.release_at_end else {}
         return {**self.released.state_dict(), **center, **held,
-                "dp_releases": np.array([self.releases], dtype=np.int64)}
+                "dp_releases": np.array([self.releases], dtype=np.int64),
+                "dp_noise_units": np.array([self.noise_units], dtype=np.float64)}
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         self.released.load_state_dict(state)
         self.releases = int(state["dp_releases"][0])
+        # a checkpoint from before noise_units: each release counted as one (what solve then assumed)
+        self.noise_units = float(state["dp_noise_units"][0]) if "dp_noise_units" in state else float(self.releases)
         if self.center is not None:
             self.center.load_state_dict(state)
         self.held = self._empty_round_sum()
