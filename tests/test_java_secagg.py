@@ -267,3 +267,43 @@ def test_java_client_with_distributed_dp_noise_needs_the_64_bit_ring(tmp_path, r
         assert java.state is ClientState.WAITING_CONFIG
     finally:
         java.close()
+
+
+def test_python_and_java_decide_non_canonical_round_configs_alike(tmp_path):
+    """A review's finding: Python verified RoundStart's signature over its re-encoding of the parsed
+    config (bound made a float, the seed re-hexed, a complete graph's degree never type-checked)
+    while Java verified the JSON it received: a float degree passed Python only, an integer bound
+    or an upper-case seed Java only. One JSON form now, refused alike."""
+    from protocols.envelope import EnvelopeError
+    from protocols.payloads.secagg import from_envelope
+    from protocols.secagg import ClientSecAgg
+    from protocols.secagg.errors import SecAggError
+
+    config, identities, inputs, java = setup_round(tmp_path, "complete", n=4)
+    cases = {"degree float": {"degree": float(config.degree)},
+             "share_threshold float": {"share_threshold": float(config.share_threshold)},
+             "bound int": {"bound": int(config.bound)},
+             "graph_seed upper": {"graph_seed": config.graph_seed.hex().upper().replace("0", "A")}}
+    decisions = {}
+    try:
+        for name, fields in cases.items():
+            python = ClientSecAgg(identities[JAVA], "aggregator", AGGREGATOR.public_key_bytes, job_id=config.job_id,
+                                  round_id=config.round_id, group_id=config.group_id, input_vector=inputs[JAVA])
+            try:
+                python.handle(from_envelope(round_start(config, **fields)))
+                py = "accepted"
+            except (EnvelopeError, SecAggError) as exc:
+                py = f"refused ({type(exc).__name__})"
+            try:
+                java.send(round_start(config, **fields))
+                jv = "accepted"
+                java.close()                               # a fresh Java client for the next case
+                _, _, _, java = setup_round(tmp_path, "complete", n=4)
+            except SecAggError as exc:
+                jv = "refused"
+            decisions[name] = (py, jv)
+    finally:
+        java.close()
+    disagree = {k: v for k, v in decisions.items() if v[0].split()[0] != v[1].split()[0]}
+    assert not disagree, f"Python vs Java: {disagree}"
+    assert all(py.startswith("refused") for py, _ in decisions.values()), decisions

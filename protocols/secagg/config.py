@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Mapping, Sequence
@@ -173,6 +174,8 @@ class RoundConfig:
             raise ConfigError("consistency_check must be a bool")
         if not isinstance(self.graph_seed, bytes) or len(self.graph_seed) != GRAPH_SEED_BYTES:
             raise ConfigError(f"graph_seed must be {GRAPH_SEED_BYTES} bytes")
+        _check_int("degree", self.degree, 0, MAX_VECTOR_LENGTH)           # integers whatever the graph
+        _check_int("share_threshold", self.share_threshold, 0, MAX_VECTOR_LENGTH)
         if self.graph == GRAPH_COMPLETE:
             if self.degree != n - 1 or self.share_threshold != self.threshold:
                 raise ConfigError("complete graph: degree must be n-1 and share_threshold == threshold")
@@ -255,11 +258,12 @@ class RoundConfig:
         members = data["members"]
         if not isinstance(members, list):
             raise ConfigError("members must be a list")
-        try:
-            seed = bytes.fromhex(data["graph_seed"])
-        except (TypeError, ValueError):
-            raise ConfigError("graph_seed must be hex") from None
+        # one config, one JSON form (the Java client reads it so too): lower-case hex, a float bound
+        seed = data["graph_seed"]
+        if not isinstance(seed, str) or not re.fullmatch(r"[0-9a-f]{64}", seed):
+            raise ConfigError("graph_seed must be 32 bytes of lower-case hex")
+        seed = bytes.fromhex(seed)
         bound = data["bound"]
-        if not isinstance(bound, (int, float)) or isinstance(bound, bool):
-            raise ConfigError("bound must be a number")
+        if not isinstance(bound, float):
+            raise ConfigError("bound must be a JSON number with a fraction or exponent (a float)")
         return cls(**{**data, "members": tuple(members), "graph_seed": seed, "bound": float(bound)})

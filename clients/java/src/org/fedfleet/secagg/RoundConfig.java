@@ -75,15 +75,16 @@ public final class RoundConfig {
         ringBits = m.containsKey(RING_BITS) ? ringBits(m.get(RING_BITS)) : RingVector.BITS_64;
         scaleBits = (int) integer(m, "scale_bits", 0, ringBits - 2);
         Object b = m.get("bound");
-        if (!(b instanceof Double || b instanceof BigInteger)) throw new SecAggException("bound must be a number");
+        // one config, one JSON form (protocols/secagg/config.py): the bound a float, the seed lower-case hex
+        if (!(b instanceof Double)) throw new SecAggException("bound must be a JSON number with a fraction or exponent (a float)");
         bound = ((Number) b).doubleValue();
         if (!(bound > 0) || Double.isInfinite(bound)) throw new SecAggException("bound must be a positive finite number");
         checkCapacity(n);
         if (!(m.get("consistency_check") instanceof Boolean)) throw new SecAggException("consistency_check must be a bool");
         consistencyCheck = (Boolean) m.get("consistency_check");
         Object seed = m.get("graph_seed");
-        if (!(seed instanceof String) || !((String) seed).matches("[0-9a-fA-F]{64}")) throw new SecAggException("graph_seed must be 32 bytes of hex");
-        graphSeed = Envelope.unhex(((String) seed).toLowerCase());
+        if (!(seed instanceof String) || !((String) seed).matches("[0-9a-f]{64}")) throw new SecAggException("graph_seed must be 32 bytes of lower-case hex");
+        graphSeed = Envelope.unhex((String) seed);
         if (!(m.get("graph") instanceof String)) throw new SecAggException("graph must be a string");
         graph = (String) m.get("graph");
         degree = (int) integer(m, "degree", 0, MAX_VECTOR_LENGTH);
