@@ -208,9 +208,12 @@ class SecureGroupRounds(Job):
         ``phase_timeout_s`` after it opened. A group of 1,000 devices that each compute their
         statistics and upload megabytes keeps answering for longer than any one device needs;
         a fixed timer cut such phases off and turned the slower devices' answers late (the round
-        deadline still bounds the whole round)."""
+        deadline still bounds the whole round). A member going offline is no progress unless it
+        closes the phase: a device flapping its presence held the phase open to the deadline."""
+        before = self.secure.phase
         out = self._timed(event, now)
-        self._phase_at = now
+        if not isinstance(event, MemberOffline) or self.secure.phase is not before:
+            self._phase_at = now
         return self._route(out)
 
     def _timed(self, event, now: float) -> list:
