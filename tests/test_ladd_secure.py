@@ -170,13 +170,19 @@ def make_job(identities, agg, **over):
     return SecureLaddJob(SecureLaddConfig(**fields), initial=initial_model(), identity=agg, registry=registry)
 
 
-def test_device_declines_out_of_bound_updates_and_foreign_groups():
+def three_member_round(**over):
+    """(job, its identities, the aggregator's) with round 1 open on devices a, b and c."""
     ids = ["a", "b", "c"]
     identities = {d: DeviceIdentity.generate(d) for d in ids}
     agg = DeviceIdentity.generate("aggregator")
-    job = make_job(identities, agg, clustering="none")
-    chosen = job.next_participants(set(ids))
-    assert chosen == ids and job.kind == SECURE_LADD_KIND
+    job = make_job(identities, agg, clustering="none", **over)
+    assert job.next_participants(set(ids)) == ids
+    return job, identities, agg
+
+
+def test_device_declines_out_of_bound_updates_and_foreign_groups():
+    job, identities, agg = three_member_round()
+    assert job.kind == SECURE_LADD_KIND
     params, tensors = job.task_for("a")
     images = make_benchmark(seed=1, image_size=32, n_source=1, target_domains=("fog",), devices_per_domain=1,
                             images_per_device=(3, 3), test_per_domain=0).devices[0].images

@@ -280,12 +280,13 @@ def test_a_control_sum_beyond_its_bound_is_discarded_and_nothing_moves(tmp_path,
 
 
 @pytest.mark.parametrize("kind", [SCAFFOLD_KIND, DITTO_KIND])
-@pytest.mark.parametrize("attack", ["negative count", "inflated count", "mean beyond max_abs_param"])
+@pytest.mark.parametrize("attack", ["negative count", "zero count", "inflated count", "mean beyond max_abs_param"])
 def test_a_group_sum_no_honest_members_can_send_is_discarded_without_clipping(tmp_path, keys, kind, attack):
     """Without update_clip_norm (the default) the count and the mean are still checked: one modified
     member's count slot of 1 − Σ(others' n), within the fixed-point bound, would make Σ n_k = 1
     and the mean the weighted sum itself (a head 120× its members'). Caught, the round fails with
-    the reason and nothing moves; an honest group of the same members passes (the control)."""
+    the reason and nothing moves; an honest group of the same members passes (the control). A count
+    of 0 (a review's finding) settled the round as a success, nothing applied and nothing said."""
     job = secure_job(kind, tmp_path, keys)
     members = tuple(job.next_participants(set(DEVICES))[:4])
     honest = {k: np.full(job.params[k].shape, 0.9) for k in HEAD}
@@ -297,6 +298,8 @@ def test_a_group_sum_no_honest_members_can_send_is_discarded_without_clipping(tm
     evil = vector(honest, 30)
     if attack == "negative count":
         evil[-1] = 1 - 30 * (len(members) - 1)
+    elif attack == "zero count":
+        evil[-1] = -30 * (len(members) - 1)
     elif attack == "inflated count":
         evil[-1] = 2 * len(members) * job.config.max_samples
     else:
