@@ -35,10 +35,15 @@ def test_swa_is_the_mean_of_each_cycles_last_model(start, cycle):
 
 
 def test_swa_client_lr_cycles_from_the_jobs_down_to_the_lowest():
+    """Thesis 001 Eq. 2.36–2.37: γ(i) = (1 − t)γ₁ + tγ₂, t = (mod(i−1, c) + 1)/c, i counted from t₀
+    (a review found a ramp of i/(c−1): each cycle started at γ₁)."""
     swa = StochasticWeightAveraging(start_round=3, cycle_rounds=3, lr_min=0.01)
     lrs = [swa.client_lr(t, 0.1) for t in range(1, 10)]
-    np.testing.assert_allclose(lrs, [0.1, 0.1, 0.1, 0.055, 0.01, 0.1, 0.055, 0.01, 0.1])
+    paper = [0.1, 0.1] + [(1 - t) * 0.1 + t * 0.01 for t in [1 / 3, 2 / 3, 1] * 2 + [1 / 3]]
+    np.testing.assert_allclose(lrs, paper)
+    np.testing.assert_allclose(lrs[2:5], [0.07, 0.04, 0.01])
     assert StochasticWeightAveraging(1, 5).client_lr(4, 0.1) == 0.1          # no γ₂: constant
+    assert StochasticWeightAveraging(1, 1, lr_min=0.01).client_lr(4, 0.1) == 0.01     # c = 1: the constant γ₂
 
 
 @pytest.mark.parametrize("window", [1, 3, 5])
@@ -115,4 +120,4 @@ def test_swa_job_sends_the_cyclical_lr():
         job.next_participants({"d"})
         lrs.append(job.task_for("d")[0]["lr"])
         job.close_round(_closed(job.round))
-    np.testing.assert_allclose(lrs, [0.1, 0.1, 0.02, 0.1])
+    np.testing.assert_allclose(lrs, [0.1, 0.06, 0.02, 0.06])      # t = 1/2, 1 over each cycle of 2

@@ -78,10 +78,14 @@ class StochasticWeightAveraging(ServedModel):
         return None if round_ < self.start_round else (round_ - self.start_round) % self.cycle_rounds
 
     def client_lr(self, round_, base_lr):
+        """γ(i) = (1 − t)γ₁ + tγ₂, t = (mod(i−1, c) + 1)/c (thesis 001 Eq. 2.36–2.37, Izmailov et al.):
+        a cycle's first round already moves 1/c of the way, its last (where the model is averaged)
+        runs at γ₂; c = 1 is the constant γ₂. (It ramped with i/(c−1) before: γ₁ at each cycle's start.)"""
         i = self._position(round_)
-        if i is None or self.lr_min is None or self.cycle_rounds == 1:
+        if i is None or self.lr_min is None:
             return base_lr
-        return base_lr - (base_lr - self.lr_min) * i / (self.cycle_rounds - 1)      # γ₁ → γ₂ over the cycle
+        t = (i + 1) / self.cycle_rounds
+        return (1 - t) * base_lr + t * self.lr_min
 
     def observe(self, round_, params):
         if self._position(round_) != self.cycle_rounds - 1:

@@ -176,11 +176,12 @@ class CenteredClipping(RobustRule):
         radius = self.radius_multiplier * float(np.median(np.linalg.norm(x - centre, axis=1)))
         if radius == 0:                 # most updates are the median itself: nothing to clip against
             return _unflatten(centre, updates[0][0])
+        mean = Mean().combine(updates)
+        if (np.linalg.norm(x - flatten(mean), axis=1) <= radius).all():
+            return mean     # nothing lies beyond τ of the mean: it is the fixed point (FedAvg's bits)
         for _ in range(self.iterations):
             residuals = x - centre
             distances = np.linalg.norm(residuals, axis=1)
-            if (distances <= radius).all():     # unclipped, the next iterate is the mean
-                return Mean().combine(updates)
             shrink = np.minimum(1.0, radius / np.maximum(distances, np.finfo(float).tiny))
             centre = centre + (weights * shrink) @ residuals
         return _unflatten(centre, updates[0][0])
