@@ -26,8 +26,11 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from protocols.files import write_private_file
+
 from . import admin_deployments
 from .help_format import HelpFormatter
+from .terminal_text import terminal_safe
 from typing import Any
 
 DEFAULT_URL = "http://127.0.0.1:8080"
@@ -93,7 +96,7 @@ def table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
     widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return terminal_safe("\n".join(lines))
 
 
 def bar(done: int, total: int, width: int = 30) -> str:
@@ -212,9 +215,7 @@ def _device(args, client):
     creds = client.post("/api/devices", body)
     text = f"enrolled {args.device_id} (MQTT user {creds['mqtt_username']})"
     if args.out:
-        fd = os.open(args.out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)   # holds secrets
-        with os.fdopen(fd, "w") as f:
-            json.dump(creds, f, indent=1)
+        write_private_file(args.out, json.dumps(creds, indent=1).encode())     # holds secrets
         text += f"; credentials written to {args.out} (shown once, keep them safe)"
     else:
         text += "\n" + json.dumps(creds, indent=1)
@@ -308,7 +309,7 @@ def _watch(args, client):
         if args.json:
             print(json.dumps(last), flush=True)
         else:
-            print(("\r" if tty else "") + progress_line(last), end="" if tty else "\n", flush=True)
+            print(("\r" if tty else "") + terminal_safe(progress_line(last)), end="" if tty else "\n", flush=True)
         over = job is None or job.get("state") in (*FINAL_STATES, "stopped")
         if job is not None and args.job and job["job_id"] != args.job:
             over = True
@@ -333,7 +334,7 @@ def log_line(e: dict) -> str:
         elif isinstance(v, float):
             v = f"{v:.4f}" if abs(v) < 1e6 else f"{v:.0f}"
         rest.append(f"{k}={v}")
-    return f"{when} {rnd} {e.get('event', '?'):<13}{' '.join(rest)}"
+    return terminal_safe(f"{when} {rnd} {e.get('event', '?'):<13}{' '.join(rest)}")
 
 
 FINAL_STATES = ("done", "cancelled", "failed")
@@ -355,7 +356,7 @@ def _logs(args, client):
     while True:
         page = client.get(f"{path}?offset={offset}")
         for e in page["lines"]:
-            print(json.dumps(e) if args.json else log_line(e), flush=True)
+            print(json.dumps(e) if args.json else terminal_safe(log_line(e)), flush=True)
             last_line = last_line or e.get("event") == "job_end"
         more = page["next_offset"] != offset
         offset = page["next_offset"]
@@ -462,7 +463,7 @@ def run_admin(args) -> int:
         print(f"fedfleet admin: {exc}", file=sys.stderr)
         return 1
     if text is not None:
-        print(json.dumps(result, indent=1) if args.json else text)
+        print(json.dumps(result, indent=1) if args.json else terminal_safe(text))
     return 0
 
 

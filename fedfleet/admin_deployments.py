@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 import time
 
+from .terminal_text import terminal_safe
+
 DURATION = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(s|m|h|d)?\s*$")
 UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -96,4 +98,4 @@ def deployment_text(d: dict) -> str:
         said = (f"refused: {r['refused']}" if r.get("refused") else
                 f"held-out {r['correct_candidate']}/{r['n']} (was {r['correct_current']})" if r else "no report")
         lines.append(f"  {dev:<20} sent {s['sent']:<9} {said}")
-    return "\n".join(lines)
+    return terminal_safe("\n".join(lines))

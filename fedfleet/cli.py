@@ -34,7 +34,15 @@ def simulate_overrides(args) -> dict:
             "dp_center_devices": args.dp_center_devices, "dp_release": args.dp_release}
 
 
+DP_PIPELINES = ("fed3r", "fedncm")         # the pipelines whose job --dp-epsilon makes private
+
+
 def _simulate(args) -> int:
+    if args.dp_epsilon and args.pipeline not in DP_PIPELINES:      # it was taken and ignored: no noise anywhere
+        from .errors import UserError
+
+        raise UserError(f"--dp-epsilon makes --pipeline {' or '.join(DP_PIPELINES)} private; the {args.pipeline} "
+                        "pipeline's phases have no DP release yet")
     if args.pipeline == "ladd":
         from .ladd.cli import ladd_config_from_args
         from .ladd.run import run_ladd

@@ -65,6 +65,8 @@ def apply_credentials(args) -> None:
     --tls-ca and --aggregator-key (what was given explicitly must agree with it)."""
     from urllib.parse import quote, urlsplit, urlunsplit
 
+    from protocols.files import write_private_file
+
     from .errors import UserError, load_json_file
 
     creds = load_json_file(args.credentials, "--credentials")
@@ -81,8 +83,7 @@ def apply_credentials(args) -> None:
     folder = args.credentials.parent
     if creds.get("private_key_pem") and args.identity is None:
         args.identity = folder / f"{args.id}.key.pem"
-        args.identity.write_text(creds["private_key_pem"])
-        args.identity.chmod(0o600)
+        write_private_file(args.identity, creds["private_key_pem"].encode())
     if creds.get("ca_pem") and args.tls_ca is None:
         ca = folder / f"{args.id}.broker-ca.pem"
         ca.write_text(creds["ca_pem"])

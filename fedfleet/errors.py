@@ -6,6 +6,7 @@ address, an unreachable broker) into that line."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from typing import Callable
 
@@ -26,7 +27,13 @@ def describe(exc: BaseException) -> str:
     if isinstance(exc, KeyError):
         return f"missing {exc.args[0]!r}" if exc.args else "missing key"
     text = " ".join(str(exc).split()) or type(exc).__name__
-    return text
+    return redact_passwords(text)
+
+
+def redact_passwords(text: str) -> str:
+    """``text`` with the password of every URL in it (``scheme://user:password@host``) replaced:
+    an error about a broker address must not print the enrolled device's MQTT password."""
+    return re.sub(r"([A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*:)[^@\s/]*@", r"\1***@", text)
 
 
 def run_reporting_errors(command: str, fn: Callable[[], int], debug: bool) -> int:
@@ -55,3 +62,13 @@ def load_json_file(path, what: str) -> object:
         return json.loads(p.read_text())
     except json.JSONDecodeError as exc:
         raise UserError(f"{what} {p} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}") from None
+
+
+def reported_config(cfg) -> dict:
+    """A run's config (a dataclass) as a report shows it: the broker URL without its password."""
+    import dataclasses
+
+    out = dataclasses.asdict(cfg)
+    if isinstance(out.get("broker"), str):
+        out["broker"] = redact_passwords(out["broker"])
+    return out

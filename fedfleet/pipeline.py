@@ -68,6 +68,7 @@ from protocols.payloads.secagg import (SECURE_DITTO_KIND, SECURE_FEDAVG_KIND, SE
 from aggregator.jobs.fedavg import FED3R_INIT_LR_FACTOR
 from aggregator.jobs.registry import kind_of, validate_job_config
 
+from .errors import reported_config
 from .pipeline_report import FP_LABELS, FT_MODES, format_pipeline_report, ft_label, write_plots_and_html
 from .progress import StepClock
 from .simulate import EmulatedFleet, SimConfig, _secure_setup, prepare
@@ -330,7 +331,7 @@ def device_compute(workers: list[dict], kinds: tuple[str, ...]) -> dict:
 
 def pipeline_report(cfg: SimConfig, prep, phases: dict, workers: list[dict]) -> dict:
     devices = cfg.devices
-    report = {"config": dataclasses.asdict(cfg), "devices": devices, "phases": {}}
+    report = {"config": reported_config(cfg), "devices": devices, "phases": {}}
     for name, phase in phases.items():
         r = phase["results"]
         entry = {"rounds": len(r["rounds"]), "contributions": len(r["contributed"]) if name not in ("fedavg-ft", *PERSONAL_PHASES)

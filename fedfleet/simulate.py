@@ -196,6 +196,10 @@ def load_config(name_or_path: str, overrides: dict) -> SimConfig:
     cfg = dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
     if type(cfg.keepalive_s) is not int or not 1 <= cfg.keepalive_s <= 65_535:     # MQTT's two-byte field
         raise UserError(f"keepalive_s must be a whole number of seconds in 1..65535, got {cfg.keepalive_s!r}")
+    for name in ("devices", "clients_per_round", "workers"):    # 0 failed late, with a traceback
+        value = getattr(cfg, name)
+        if type(value) is not int or value < 1:
+            raise UserError(f"{name} must be a whole number >= 1, got {value!r}")
     if cfg.broker:
         BrokerConfig.from_url(cfg.broker)        # a bad address fails here, before any file is written
     return cfg
@@ -337,14 +341,20 @@ class EmulatedFleet:
             raise RuntimeError(f"{what} aggregator failed (exit {rc}); log tail:\n{log_file.read_text()[-3000:]}")
 
     def __exit__(self, *exc) -> None:
+        """Stop the hosts, the fork servers, then the broker, each whatever the one before raised
+        (a host fork server that died left mosquitto and the other servers running)."""
         self.broker_rss_mb = self.broker.rss_mb() if self.broker else None
-        if self.hosts is not None:
-            self.worker_stats = self.hosts.stop()
-        for server in (self.host_processes, self.job_processes):
-            if server is not None:
-                server.close()
-        if self.broker:
-            self.broker.stop()
+        try:
+            if self.hosts is not None:
+                self.worker_stats = self.hosts.stop()
+        finally:
+            try:
+                for server in (self.host_processes, self.job_processes):
+                    if server is not None:
+                        server.close()
+            finally:
+                if self.broker:
+                    self.broker.stop()
 
 
 def aggregator_shards(cfg: SimConfig, kind: str, job: dict) -> tuple[list[str], str]:

@@ -9,10 +9,11 @@ read against (``fedfleet/dp_fleet.py``).
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import numpy as np
+
+from .errors import reported_config
 
 
 def job_report(cfg, results: dict, workers: list[dict], prep, job_dir: Path | None = None) -> dict:
@@ -29,7 +30,7 @@ def job_report(cfg, results: dict, workers: list[dict], prep, job_dir: Path | No
          else np.zeros((0, Zte.shape[1])))
     y = np.concatenate([ytr[shards[d]] for d in contributed]) if contributed else np.array([], dtype=int)
     fed = np.load((job_dir or prep.out) / "model.npz")
-    report = {"config": dataclasses.asdict(cfg), "devices": cfg.devices, "contributed": len(contributed),
+    report = {"config": reported_config(cfg), "devices": cfg.devices, "contributed": len(contributed),
               "rounds": len(results["rounds"]), "bytes_up": results["bytes_in"], "bytes_down": results["bytes_out"],
               "rejections": results["rejections"], "late": results["late"], "duplicates": results["duplicates"],
               "fed3r_accuracy": results["final"].get("accuracy"), "history": results["history"],

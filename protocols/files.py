@@ -1,8 +1,10 @@
-"""Checksums of files both sides exchange or pin (bundles, programs, pretrained networks)."""
+"""Files both sides exchange, pin or keep secret: checksums (bundles, programs, pretrained networks)
+and private files (keys, credentials)."""
 
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 _BLOCK = 1 << 20
@@ -22,3 +24,13 @@ def check_sha256(data: bytes, expected: str, what: str) -> None:
     the bytes checked are the bytes then used, so a file swapped after the check is never loaded."""
     if expected and hashlib.sha256(data).hexdigest() != expected:
         raise ValueError(f"{what}: sha256 does not match {expected[:16]}…")
+
+
+def write_private_file(path: str | Path, data: bytes) -> None:
+    """Write ``data`` (a private key, credentials) readable by its owner only, from the first byte:
+    created 0600, and an existing file (which ``O_CREAT``'s mode leaves as it was) made 0600 before
+    anything is written into it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.write(data)

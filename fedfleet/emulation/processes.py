@@ -20,6 +20,11 @@ def stop_all(procs: list, first_is_done: bool = True, grace_s: float = 30.0) -> 
             p.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
             p.kill()
+        except (RuntimeError, OSError):     # its fork server is gone: the next processes still go
+            try:
+                p.kill()
+            except (RuntimeError, OSError):
+                pass
 
 
 def process_rss_mb(pid: int | str) -> float:

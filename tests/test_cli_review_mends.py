@@ -1,0 +1,148 @@
+"""What a review of the command line and the emulated fleet found, each mended (a user's secret
+printed or written readable, device text driving the operator's terminal, options taken and
+ignored, a traceback for a bad value, a broker left running):
+
+* an error about ``--broker`` printed the enrolled device's MQTT password; reports kept it;
+* credentials and private keys written with the umask's mode (an existing file kept 0644);
+* device-controlled strings reached the terminal raw through ``fedfleet admin``;
+* ``--dp-epsilon`` was taken by every pipeline and applied by none but fed3r/fedncm;
+* ``--clients-per-round 0`` failed with a ZeroDivisionError after the features were extracted;
+* a host fork server that died left mosquitto running after the fleet's exit.
+"""
+
+import json
+import os
+import signal
+import stat
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from fedfleet import admin, admin_deployments
+from fedfleet.emulation.broker import BrokerTree
+from fedfleet.emulation.fork_server import ForkServer
+from fedfleet.emulation.local_hosts import LocalHosts
+from fedfleet.simulate import EmulatedFleet, SimConfig
+from protocols.identity import DeviceIdentity
+from protocols.topics import Topics
+
+SECRET = "S3CRETPASS-from-enrolment"
+
+
+@pytest.mark.parametrize("broker", ["mqtt://127.0.0.1:1883?version=4", "mqtt://127.0.0.1:70000"])
+def test_a_bad_broker_address_does_not_print_the_enrolled_password(tmp_path, capsys, broker):
+    creds = tmp_path / "cam1.json"
+    creds.write_text(json.dumps({"device_id": "cam1", "mqtt_username": "cam1", "mqtt_password": SECRET}))
+    from fedfleet.cli import main
+
+    rc = main(["device", "--credentials", str(creds), "--broker", broker,
+               "--idx", str(tmp_path / "a.idx"), str(tmp_path / "b.idx")])
+    err = capsys.readouterr().err
+    assert rc != 0 and "***" in err and SECRET not in err, err
+
+
+def test_a_report_keeps_the_broker_address_without_its_password():
+    from fedfleet.pipeline import pipeline_report
+
+    report = pipeline_report(SimConfig(broker="mqtt://alice:S3CRET-BROKER-PW@broker.example:1883"), None, {}, [])
+    assert "S3CRET-BROKER-PW" not in json.dumps(report)
+    assert report["config"]["broker"] == "mqtt://alice:***@broker.example:1883"
+
+
+def test_secrets_are_written_owner_only_even_over_an_existing_file(tmp_path):
+    from fedfleet.device import apply_credentials
+    from fedfleet.emulation.identities import make_identities
+    from protocols.files import write_private_file
+
+    os.umask(0o022)
+    existing = tmp_path / "cam1.json.out"
+    existing.write_text("old")
+    os.chmod(existing, 0o644)
+    write_private_file(existing, b'{"mqtt_password": "x"}')
+    assert stat.S_IMODE(existing.stat().st_mode) == 0o600 and existing.read_bytes() == b'{"mqtt_password": "x"}'
+    creds = tmp_path / "cam1.json"
+    creds.write_text(json.dumps({"device_id": "cam1", "mqtt_username": "cam1", "mqtt_password": "pw",
+                                 "private_key_pem": DeviceIdentity.generate("cam1").to_pem().decode()}))
+    key = tmp_path / "cam1.key.pem"
+    key.write_text("stale")
+    os.chmod(key, 0o644)                               # a key file left by an earlier enrolment
+    args = SimpleNamespace(credentials=creds, id=None, broker="mqtt://127.0.0.1:1883", identity=None, tls_ca=None,
+                           aggregator_key=None)
+    apply_credentials(args)
+    assert args.identity == key and stat.S_IMODE(key.stat().st_mode) == 0o600 and "PRIVATE KEY" in key.read_text()
+    make_identities(tmp_path, ["cam1"])
+    assert stat.S_IMODE((tmp_path / "aggregator.pem").stat().st_mode) == 0o600
+
+
+def test_dp_epsilon_is_refused_where_no_phase_would_apply_it(tmp_path, capsys):
+    from fedfleet.cli import main
+
+    for pipeline in ("fed3r-ft-oll", "ladd"):
+        rc = main(["simulate", "--pipeline", pipeline, "--dp-epsilon", "1", "--out", str(tmp_path / pipeline)])
+        err = capsys.readouterr().err
+        assert rc == 2 and "--dp-epsilon" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("field", ["clients_per_round", "devices", "workers"])
+def test_a_count_below_one_is_one_clear_error_before_anything_runs(field):
+    from fedfleet.errors import UserError
+    from fedfleet.simulate import load_config
+
+    with pytest.raises(UserError, match=field):
+        load_config("smoke", {field: 0})
+
+
+EVIL = "\x1b]0;owned\x07\x1b[2J\x1b[1;1Hall devices OK"
+
+
+def _clean(text: str) -> None:
+    assert "\x1b" not in text and "\x07" not in text, repr(text)
+
+
+def test_logs_escape_a_devices_decline_reason():
+    line = admin.log_line({"t": time.time(), "job_id": "j", "event": "declined", "round": 1,
+                           "device": "cam1", "reason": EVIL})
+    _clean(line)
+
+
+def test_devices_table_escapes_a_presence_profile():
+    rows = admin._devices_rows([{"device_id": "cam1", "status": "not enrolled", "last_seen": None,
+                                 "online": True, "cluster": None, "profile": {"model": EVIL}}])
+    text = admin.table(rows, [("DEVICE", "device_id"), ("PROFILE", "profile_")])
+    _clean(text)
+
+
+def test_deployment_text_escapes_a_devices_refusal():
+    d = {"deployment_id": "m1-1", "model_id": 1, "model_sha256": "ab" * 32, "state": "canary", "replaces": None,
+         "cohort": "5%", "stages": [1.0], "stage": 0, "guard": "wma_drop<=1", "bake_s": 1.0, "min_reports": 1,
+         "patience_s": 1.0, "reason": "", "history": [], "devices": {"cam1": {"sent": "run", "report": {"refused": EVIL}}}}
+    _clean(admin_deployments.deployment_text(d))
+
+
+def test_broker_is_stopped_even_if_the_hosts_fail_to_stop(tmp_path):
+    (tmp_path / "sleeper.py").write_text("import time\ndef main(argv):\n    time.sleep(60)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(Path(__file__).resolve().parents[1])]))
+    server = ForkServer(["sleeper"], env)
+    hosts = LocalHosts(tmp_path, server)
+    hosts.procs.append(server.start("sleeper", [], tmp_path / "w0.log"))
+    broker = BrokerTree.for_devices(1, Topics()).start()
+    fleet = EmulatedFleet(SimConfig(devices=1), tmp_path, [], None, quiet=True)
+    fleet.broker, fleet.hosts, fleet.host_processes = broker, hosts, server
+    os.kill(server.proc.pid, signal.SIGKILL)          # the host server dies
+    server.proc.wait()
+    try:
+        try:
+            fleet.__exit__(None, None, None)          # raised RuntimeError from stop_all, leaving the broker
+        except Exception as exc:
+            print("__exit__ raised", type(exc).__name__, exc)
+    finally:
+        leaked = broker.core.proc.poll() is None
+        broker.stop()
+        for p in hosts.procs:
+            try:
+                os.kill(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert not leaked, "mosquitto left running after EmulatedFleet.__exit__"
