@@ -690,7 +690,9 @@ def test_mixed_fleet_fed3r_sync_with_a_private_center_releases_the_center_then_c
     assert_noise_of_variance(job.strategy.released, A, B,
                              (total, total / scales.a_off_diagonal ** 2, total / scales.b ** 2))
     model, Zt = job.model(), rows[ids[0]][0][:5].astype(np.float64)
-    centred = job.strategy.mechanism.solve(job.strategy.released, 1)
+    # the group's sum carries s/t of a release's variance (each member adds σ²/t): what the denoising reads
+    assert job.strategy.noise_units == len(others) / job._round_dp["threshold"]
+    centred = job.strategy.mechanism.solve(job.strategy.released, job.strategy.noise_units)
     np.testing.assert_allclose(Zt @ model.coef_.T + model.intercept_,
                                (Zt - mu) @ centred.coef_.T + centred.intercept_, rtol=1e-9, atol=1e-9)
 

@@ -103,7 +103,9 @@ def test_without_torch_parity_is_checked_against_the_recorded_fp32_outputs(manif
     (inference,) = [a for a in data["artifacts"] if a["kind"] == "inference" and REFERENCE_KEY in a["details"]]
     recorded = inference["details"][REFERENCE_KEY]
     values = np.frombuffer(__import__("base64").b64decode(recorded["base64"]), "<f4").reshape(recorded["shape"])
-    np.testing.assert_allclose(values, eager_outputs(manifest_path, calibration_images(SIZE)), rtol=0, atol=1e-6)
+    # recomputed in this process: its convolutions may take another kernel than the exporting process's
+    # (5.5e-6 apart in one CI run, where another test file had run first in the worker)
+    np.testing.assert_allclose(values, eager_outputs(manifest_path, calibration_images(SIZE)), rtol=0, atol=1e-5)
 
     no_eager = RuntimeCalibration(batch=2, repeats=1, candidates=("executorch", "onnxruntime"))
     program = no_eager.choose(load_manifest(manifest_path))
