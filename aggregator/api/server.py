@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import os
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -110,6 +111,20 @@ def shard_pool(args, count: int, job, broker: BrokerConfig, out_dir: Path, setti
     return LocalShards(count, broker, store_dir, settings.topics, settings.max_message_bytes)
 
 
+def api_address(text: str) -> tuple[str, int]:
+    """(host, port) of ``--api HOST:PORT`` (host default 127.0.0.1), checked by listening there once:
+    ValueError with the reason (a port out of range, an address not on this host, a port in use)."""
+    host, _, port = text.rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--api {text!r}: expected HOST:PORT with a port in 1..65535")
+    try:
+        socket.create_server((host, int(port))).close()
+    except OSError as exc:
+        raise ValueError(f"--api {text!r}: cannot listen there: {exc.strerror or exc}") from None
+    return host, int(port)
+
+
 def serve_with_ops(args, job, broker: BrokerConfig, out_dir: Path, settings: ServiceSettings, *,
                    enrolled: set[str] | None = None, eval_set=None, artifacts: ArtifactShelf | None = None,
                    shards: int = 0) -> dict:
@@ -119,6 +134,7 @@ def serve_with_ops(args, job, broker: BrokerConfig, out_dir: Path, settings: Ser
     from aggregator.storage.store import Store
 
     topics = settings.topics
+    api_at = api_address(args.api) if args.api else None      # a bad one: one error before anything is built
     store = Store(args.state, synchronous=args.durability.upper()) if args.state else None
     security = None
     if args.security_dir:
@@ -150,8 +166,7 @@ def serve_with_ops(args, job, broker: BrokerConfig, out_dir: Path, settings: Ser
         token = admin_token(args)
         if not token:
             raise SystemExit(f"--api needs a token: --api-token-file or {TOKEN_ENV}")
-        host, _, port = args.api.rpartition(":")
-        api = ApiServer(create_app(store, token, service, deployments), host or "127.0.0.1", int(port)).start()
+        api = ApiServer(create_app(store, token, service, deployments), *api_at).start()
         print(f"admin API on {api.url} (dashboard: {api.url}/dashboard/)", flush=True)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda *_: service.stop())     # clean stop; the job stays resumable
