@@ -117,7 +117,8 @@ def test_devices_table_escapes_a_presence_profile():
 def test_deployment_text_escapes_a_devices_refusal():
     d = {"deployment_id": "m1-1", "model_id": 1, "model_sha256": "ab" * 32, "state": "canary", "replaces": None,
          "cohort": "5%", "stages": [1.0], "stage": 0, "guard": "wma_drop<=1", "bake_s": 1.0, "min_reports": 1,
-         "patience_s": 1.0, "reason": "", "history": [], "devices": {"cam1": {"sent": "run", "report": {"refused": EVIL}}}}
+         "patience_s": 1.0, "reason": "", "history": [],
+         "devices": {"cam1": {"sent": "run", "report": {"refused": EVIL}}}}
     _clean(admin_deployments.deployment_text(d))
 
 
@@ -164,3 +165,49 @@ def test_an_api_address_that_cannot_be_served_is_one_clear_error_before_anything
                                "--api", api], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 2 and "--api" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-1500:]
     assert not (tmp_path / "s.db").exists()                 # refused before the store was made
+
+
+def test_shards_log_in_with_accounts_of_their_own_on_the_managed_broker(tmp_path):
+    """Each shard logged in as the service's own account; the generated broker takes the user name as
+    client id, so a shard and the service took each other's session over, for ever (a review's
+    finding). Each shard has its role account now, reading every outbox as the service does."""
+    import paho.mqtt.client as mqtt
+
+    from aggregator.security.broker import BrokerSecurity, hash_password
+    from aggregator.shards.buckets import shard_role
+    from fedfleet.emulation.broker import MosquittoBroker, free_port
+    from ops_fleet import wait_for
+    from protocols.mqtt_link import BrokerConfig, MqttLink
+    from protocols.topics import AGGREGATOR_ID
+
+    sec = BrokerSecurity(tmp_path / "security")
+    sec.initialise()
+    sec.write_access_files({"cam1": hash_password("cam1-pw")})
+    port = free_port()
+    broker = MosquittoBroker(port=port, listener_config=sec.listener_config(port), workdir=tmp_path).start()
+    cfg = BrokerConfig("127.0.0.1", port, AGGREGATOR_ID, sec.aggregator_password, tls_ca=str(sec.ca_cert))
+    drops, got = [], []
+    service = MqttLink(AGGREGATOR_ID, cfg, on_message=lambda t, p: None)
+    service.start()
+    service.client.on_disconnect = lambda *a, **k: drops.append(a)
+    shards = [MqttLink(f"{AGGREGATOR_ID}-shard{i}of2", cfg.for_role(shard_role(i)),
+                       on_message=lambda t, p: got.append(t), subscriptions=[(Topics().all_outboxes, 1)])
+              for i in range(2)]
+    device = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="cam1")
+    try:
+        for shard in shards:
+            shard.start()
+        device.username_pw_set("cam1", "cam1-pw")
+        device.tls_set(ca_certs=str(sec.ca_cert))
+        device.connect("127.0.0.1", port)
+        device.loop_start()
+        wait_for(lambda: device.is_connected(), what="the device connected")
+        device.publish(Topics().outbox("cam1"), b"x", qos=1).wait_for_publish(5)
+        wait_for(lambda: len(got) == 2, what="both shards read the device's outbox")
+        time.sleep(1.0)
+        assert not drops and service.connected.is_set() and all(s.connected.is_set() for s in shards)
+    finally:
+        device.loop_stop()
+        for link in shards + [service]:
+            link.stop()
+        broker.stop()

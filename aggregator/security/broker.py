@@ -22,14 +22,15 @@ ACL, with T = ``{root}/v1``::
     aggregator              read  T/dev/+/out, T/presence/+   write T/dev/+/in, T/broadcast, T/status,
                                                                T/jobs/ended
     aggregator/deployments  read  T/deploy/+/out               write T/deploy/+, T/deploy/+/in
+    aggregator/shard<i>     read  T/dev/+/out, T/presence/+   write T/dev/+/in   (i < 64: a shard, --shards)
     device d                write T/dev/d/out, T/presence/d   read  T/dev/d/in, T/broadcast, T/jobs/ended
     d/deploy                read  T/deploy/d, T/deploy/d/in    write T/deploy/d/out
     d/fetch                 read  T/dev/d/in                   write T/dev/d/out   (a bundle fetched on demand)
 
 Every connection has its own account (``protocols.topics.role_account``), and so its own client id
 (the broker takes the user name as client id): the aggregator's service and its deployment
-controller, a device's agent, its deployment follower and its bundle fetch, each log in as themselves, with the
-same password, and never close each other's connection or share a session. ``/`` is in no device
+controller, its shards, a device's agent, its deployment follower and its bundle fetch, each log in as
+themselves, with the same password, and never close each other's connection or share a session. ``/`` is in no device
 id, so no device can be enrolled under another's role account.
 """
 
@@ -55,6 +56,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from protocols.topics import (AGGREGATOR_ID, CONTROLLER_ROLE, DEPLOY_ROLE, FETCH_ROLE, Topics, check_device_id,
                               role_account)
+
+from aggregator.shards.buckets import NUM_BUCKETS, shard_role
 
 PBKDF2_ITERATIONS = 1000
 SALT_BYTES = 12
@@ -99,6 +102,9 @@ def acl_text(topics: Topics, devices: Iterable[str]) -> str:
              f"topic write {t.job_ends}", "",
              f"user {role_account(AGGREGATOR_ID, CONTROLLER_ROLE)}",
              f"topic read {t.all_deploy_outs}", f"topic write {t.base}/deploy/+", f"topic write {t.base}/deploy/+/in", ""]
+    for i in range(NUM_BUCKETS):        # the shards (one per bucket at most): outboxes in, groups out
+        lines += [f"user {role_account(AGGREGATOR_ID, shard_role(i))}", f"topic read {t.all_outboxes}",
+                  f"topic read {t.all_presence}", f"topic write {t.base}/dev/+/in", ""]
     for d in sorted(devices):
         check_device_id(d)   # no wildcards or extra levels can reach the ACL
         lines += [f"user {d}", f"topic write {t.outbox(d)}", f"topic write {t.presence(d)}",
@@ -225,7 +231,8 @@ class BrokerSecurity:
         """Rewrite passwd and ACL for exactly these devices (plus the aggregator account), each with
         its role accounts (the same password)."""
         aggregator = hash_password(self.aggregator_password, self.iterations)
-        accounts = {AGGREGATOR_ID: aggregator, role_account(AGGREGATOR_ID, CONTROLLER_ROLE): aggregator}
+        accounts = {AGGREGATOR_ID: aggregator, role_account(AGGREGATOR_ID, CONTROLLER_ROLE): aggregator,
+                    **{role_account(AGGREGATOR_ID, shard_role(i)): aggregator for i in range(NUM_BUCKETS)}}
         for d, h in device_password_hashes.items():
             accounts[check_device_id(d)] = accounts[role_account(d, DEPLOY_ROLE)] = accounts[role_account(d, FETCH_ROLE)] = h
         owner = self._owner

@@ -46,3 +46,10 @@ def shard_of(device: str, shards: int) -> int:
 def canonical_key(device: str, round_: int) -> tuple[int, str, int]:
     """Where a contribution comes in the canonical sum: bucket, then device id, then round."""
     return bucket_of(device), device, round_
+
+
+def shard_role(index: int) -> str:
+    """Shard ``index``'s connection role: its own broker account ``aggregator/shard<i>`` where the
+    broker has accounts (a broker that forces the client id to the user name let each shard take
+    the service's ``aggregator`` session over, and the service take it back, for ever)."""
+    return f"shard{index}"

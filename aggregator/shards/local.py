@@ -24,6 +24,7 @@ from protocols.mqtt_link import BrokerConfig, MqttLink
 from protocols.topics import AGGREGATOR_ID, Topics
 
 from aggregator.compute.fork_server import fork_server_context
+from aggregator.shards.buckets import shard_role
 from aggregator.shards.pool import ShardPool
 from aggregator.shards.shard import Forward, Publish, Receipt, ShardIngest
 from aggregator.storage.store import Store
@@ -46,7 +47,8 @@ def shard_main(index: int, shards: int, broker: BrokerConfig, store_path: str, t
     # beside its store, on the machine that runs it: which process to signal to stop this shard by hand
     Path(store_path).with_name(f"shard-{index}.pid").write_text(str(os.getpid()))
     inbox: queue.Queue = queue.Queue()
-    link = MqttLink(f"{AGGREGATOR_ID}-shard{index}of{shards}", broker, on_message=lambda t, p: inbox.put((t, p)),
+    link = MqttLink(f"{AGGREGATOR_ID}-shard{index}of{shards}", broker.for_role(shard_role(index)),
+                    on_message=lambda t, p: inbox.put((t, p)),
                     subscriptions=[(topics.all_presence, 1)])
     threading.Thread(target=_read_commands, args=(conn, inbox), daemon=True).start()
     link.start(timeout=60.0)
