@@ -116,8 +116,8 @@ def api_address(text: str) -> tuple[str, int]:
     ValueError with the reason (a port out of range, an address not on this host, a port in use)."""
     host, _, port = text.rpartition(":")
     host = host.strip("[]") or "127.0.0.1"
-    if not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"--api {text!r}: expected HOST:PORT with a port in 1..65535")
+    if not port.isdigit() or not 0 <= int(port) < 65536:         # 0: any free port (the URL is printed)
+        raise ValueError(f"--api {text!r}: expected HOST:PORT with a port in 0..65535")
     try:
         socket.create_server((host, int(port))).close()
     except OSError as exc:
