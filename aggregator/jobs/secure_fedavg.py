@@ -40,7 +40,7 @@ from aggregator.jobs.partial import PartialConfig, PartialPersonalizationJob
 from aggregator.jobs.robustness_fields import SecureUpdateBoundFields
 from aggregator.jobs.secure_fields import SecureUpdateFields
 from aggregator.jobs.secure_rounds import MIN_GROUP, GroupSumOutOfBound, SecureGroupRounds, checked_vector_length
-from aggregator.strategies.robust_fedavg import check_group_mean, check_weighted_group_sum
+from aggregator.strategies.robust_fedavg import check_dp_group_sum, check_group_mean, check_weighted_group_sum
 
 
 @dataclass
@@ -134,15 +134,13 @@ class SecureFedAvgJob(SecureGroupRounds, FedAvgJob):
             raise GroupSumOutOfBound(str(exc)) from None
 
     def _check_dp_group_sum(self, sums: dict[str, np.ndarray], n: int, survivors: tuple[str, ...]) -> None:
-        """Under distributed DP each member sends [clip(θ_k − θ_t) + its noise | 1], every entry within
-        the round's per-entry bound B (the encoder refuses others) and the count un-noised: so the
-        count is |S| and no entry of the sum passes |S|·B. (Skipped before: one member could mask any
-        ring element and move the model by it.)"""
-        bound = noisy_bound(max(self.config.dp_clip_norm, 1.0), self._round_dp["stddev"])
-        largest = max((float(np.abs(s).max()) for s in sums.values() if s.size), default=0.0)
-        if n != len(survivors) or largest > len(survivors) * bound * (1 + 1e-6):
-            raise GroupSumOutOfBound(f"a DP group of {len(survivors)} sent a count of {n} and an entry of "
-                                     f"{largest:.4g} (each member's entries within {bound:.4g})")
+        """Under distributed DP (skipped before: one member could mask any ring element and move
+        the model by it): ``check_dp_group_sum`` at the round's per-entry bound."""
+        try:
+            check_dp_group_sum(sums, n, len(survivors),
+                               noisy_bound(max(self.config.dp_clip_norm, 1.0), self._round_dp["stddev"]))
+        except ValueError as exc:
+            raise GroupSumOutOfBound(str(exc)) from None
 
     def round_mean(self) -> tuple[dict[str, np.ndarray] | None, int, int]:
         return self._sum if self._sum is not None else (None, 0, 0)

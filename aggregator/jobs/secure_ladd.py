@@ -68,7 +68,7 @@ from protocols.secagg import ConsistencyCheckRequest, Phase, RoundConfig, Unmask
 from protocols.secagg.distributed_dp import noisy_bound
 
 from aggregator.strategies.dp_ladd import GLOBAL, apply_mean_deltas
-from aggregator.strategies.robust_fedavg import check_group_mean
+from aggregator.strategies.robust_fedavg import check_dp_group_sum, check_group_mean
 from aggregator.jobs.config_limits import Range, limited
 from aggregator.jobs.ladd import Arrays, LaddConfig, LaddJob, Pretrainer
 from aggregator.jobs.secure_fields import SecureUpdateFields
@@ -222,11 +222,7 @@ class SecureLaddJob(SecureGroupRounds, LaddJob):
         try:
             for tensors, n, m in parts:
                 if c.dp:
-                    bound = noisy_bound(max(c.dp_clip_norm, 1.0), self._round_dp["stddev"])
-                    largest = max((float(np.abs(v).max()) for v in tensors.values() if v.size), default=0.0)
-                    if n != m or largest > m * bound * (1 + 1e-6):
-                        raise ValueError(f"a weight of {n} for {m} members, or an entry of {largest:.4g} over "
-                                         f"{m} x {bound:.4g}")
+                    check_dp_group_sum(tensors, n, m, noisy_bound(max(c.dp_clip_norm, 1.0), self._round_dp["stddev"]))
                 elif m:
                     check_group_mean(tensors, n, m, c.max_samples, c.max_abs_param)
                 elif n:

@@ -408,6 +408,17 @@ def check_group_mean(sums: Mapping[str, np.ndarray], n: int, members: int, max_s
         raise ValueError(f"the group's mean has an entry of {largest:.4g}, beyond max_abs_param {max_abs_param:g}")
 
 
+def check_dp_group_sum(sums: Mapping[str, np.ndarray], n: int, members: int, bound: float) -> None:
+    """ValueError unless a distributed-DP group's sum is what its members can send: each sends its
+    clipped update plus its noise share, every entry within the round's per-entry ``bound`` (the
+    encoder refuses others), and an un-noised weight of 1: so the weight is ``members`` and no entry
+    of the sum passes members × bound."""
+    largest = max((float(np.abs(s).max()) for s in sums.values() if s.size), default=0.0)
+    if n != members or largest > members * bound * (1 + 1e-6):
+        raise ValueError(f"a DP group of {members} sent a weight of {n} and an entry of {largest:.4g} "
+                         f"(each member's entries within {bound:.4g})")
+
+
 def check_weighted_group_sum(sums: Mapping[str, np.ndarray], n: int, current: Mapping[str, np.ndarray],
                              members: int, clip_norm: float, max_samples: int) -> None:
     """ValueError unless a secure group's Σ n_k θ_k is what members who clipped ‖θ_k − x_t‖ ≤ C can
