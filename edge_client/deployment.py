@@ -154,10 +154,11 @@ class ModelSlot:
             if labels_only:
                 self._load()
                 current, previous, self.local_labels = self.current, self.previous, labels
-            else:
-                saved = self.dir / STATE_FILE
-                if saved.exists():
-                    self.seq = max(self.seq, int(json.loads(saved.read_text()).get("seq", 0)))
+            elif (self.dir / STATE_FILE).exists():      # a swap: the higher sequence, the application's labels
+                saved = json.loads((self.dir / STATE_FILE).read_text())
+                self.seq = max(self.seq, int(saved.get("seq", 0)))
+                if self.local_labels is None and saved.get("local_labels") is not None:
+                    self.local_labels = np.asarray(saved["local_labels"], dtype=np.int64)
             entry = (lambda h: None if h is None else {"sha256": h.sha256, "deployment": h.deployment,
                                                        "bundle_sha256": h.bundle_sha256})
             labels = None if self.local_labels is None else self.local_labels.tolist()

@@ -60,3 +60,16 @@ def test_an_application_slot_opened_during_a_swap_does_not_undo_it(tmp_path):
     assert restarted.current is not None and restarted.current.sha256 == sha_c, \
         f"after a restart the device runs {restarted.current.deployment}, not d3 (the swap was undone)"
     assert restarted.seq == 3, f"the replay guard went back from seq 3 to {restarted.seq}"
+
+
+def test_a_swap_keeps_the_labels_the_application_saved_after_the_follower_opened(tmp_path):
+    """The follower's slot, opened before the application personalised, wrote no labels back over
+    the application's with its next swap (found reading this stop's change once more)."""
+    (a, sha_a), (b, sha_b) = _head(1), _head(2)
+    follower = ModelSlot(tmp_path)
+    follower.swap(a, sha_a, "d1")
+    ModelSlot(tmp_path, local_labels=[0, 2])                  # the application personalises
+    follower.hold_seq(2)
+    follower.swap(b, sha_b, "d2")
+    reopened = ModelSlot(tmp_path)
+    assert reopened.current.sha256 == sha_b and reopened.local_labels.tolist() == [0, 2]
