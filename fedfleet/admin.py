@@ -40,9 +40,19 @@ class AdminError(Exception):
     """The API refused a request (message from its ``detail``) or could not be reached."""
 
 
+class RefuseRedirects(urllib.request.HTTPRedirectHandler):
+    """The admin API never redirects. urllib's own handler would follow a redirect with every
+    header of the request, the bearer token included, to whatever host the answer names."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        raise AdminError(f"{req.get_method()} {req.full_url}: HTTP {code} redirect to {terminal_safe(newurl)!r} "
+                         "not followed (the admin API never redirects; the token stays here)")
+
+
 class AdminClient:
     def __init__(self, url: str, token: str, timeout: float = 30.0):
         self.url, self.token, self.timeout = url.rstrip("/"), token, timeout
+        self.opener = urllib.request.build_opener(RefuseRedirects)
 
     def request(self, method: str, path: str, body: Any = None, raw: bool = False):
         data = json.dumps(body).encode() if body is not None else None
@@ -50,7 +60,7 @@ class AdminClient:
                                      headers={"Authorization": f"Bearer {self.token}",
                                               **({"Content-Type": "application/json"} if data else {})})
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+            with self.opener.open(req, timeout=self.timeout) as resp:
                 payload = resp.read()
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode(errors="replace")
