@@ -320,3 +320,18 @@ def test_a_shard_process_survives_a_result_naming_a_round_sqlite_cannot_hold(bro
         assert pool._exited(0) is None and pool.restarts == 0
     finally:
         pool.close()
+
+
+def test_messages_before_the_job_are_kept_in_order_up_to_a_byte_budget():
+    """A shard with no job yet holds what its outbox subscriptions deliver; a flood of them was
+    kept without bound. Beyond the budget the oldest go (their devices re-send)."""
+    from aggregator.shards.local import HeldMessages
+
+    held = HeldMessages(budget=1000)
+    for i in range(30):
+        held.add((f"t/{i}", bytes(100)))
+    assert held.size <= 1000 and held.dropped == 20
+    assert [t for t, _ in held.drain()] == [f"t/{i}" for i in range(20, 30)]
+    assert held.drain() == [] and held.size == 0
+    held.add(("big", bytes(5000)))            # one message over the budget is not kept either
+    assert held.drain() == []

@@ -13,6 +13,7 @@ stores no fixed content to resume from.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import queue
@@ -30,6 +31,34 @@ from aggregator.shards.shard import Forward, Publish, Receipt, ShardIngest
 from aggregator.storage.store import Store
 
 log = logging.getLogger("fedfleet.aggregator.shard")
+
+HELD_BYTES = 64 << 20       # outbox messages a shard keeps while it has no job (devices re-send the rest)
+
+
+class HeldMessages:
+    """Outbox messages that reached a shard before its job did (a persistent session's queue),
+    kept in arrival order up to ``budget`` bytes of payload: the oldest are dropped beyond it, since
+    a device re-sends a result until it is answered, and a flood before the first job command
+    would otherwise grow the shard's memory without bound."""
+
+    def __init__(self, budget: int = HELD_BYTES):
+        self.budget, self.size, self.dropped = budget, 0, 0
+        self.items: collections.deque = collections.deque()
+
+    def add(self, item: tuple[str, bytes]) -> None:
+        self.items.append(item)
+        self.size += len(item[1])
+        while self.size > self.budget:
+            _, payload = self.items.popleft()
+            self.size -= len(payload)
+            self.dropped += 1
+            if self.dropped == 1:
+                log.warning("messages before the job exceed %d bytes; the oldest are dropped (devices re-send)",
+                            self.budget)
+
+    def drain(self) -> list[tuple[str, bytes]]:
+        out, self.items, self.size = list(self.items), collections.deque(), 0
+        return out
 
 
 def shard_main(index: int, shards: int, broker: BrokerConfig, store_path: str, topics: Topics,
@@ -54,7 +83,7 @@ def shard_main(index: int, shards: int, broker: BrokerConfig, store_path: str, t
     link.start(timeout=60.0)
     conn.send(("ready",))
     subscribed: set[str] = set()
-    held: list = []         # outbox messages that came before the job did (a persistent session's queue)
+    held = HeldMessages()
     expired_at = 0.0
     while True:
         try:
@@ -73,15 +102,14 @@ def shard_main(index: int, shards: int, broker: BrokerConfig, store_path: str, t
             if not _command(ingest, conn, item[1]):
                 break
             if ingest.job_id is not None:
-                for queued in held:
+                for queued in held.drain():
                     inbox.put(queued)
-                held = []
         elif "/presence/" in item[0]:
             device = topics.device_of(item[0])
             if device is not None and ingest.owns(device):
                 _subscribe(link, topics, subscribed, [device])
         elif ingest.job_id is None:
-            held.append(item)
+            held.add(item)
         else:
             try:
                 out = ingest.feed(*item, now)
