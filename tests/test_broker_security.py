@@ -229,3 +229,58 @@ def test_an_account_cannot_take_over_another_devices_client_id(secured, tmp_path
     intruder.close()
     victim.loop_stop()
     watcher.close()
+
+
+def test_reload_signals_only_a_running_mosquitto(tmp_path):
+    """A pid file outlives its broker; SIGHUP to whatever process has that pid now would end it."""
+    import subprocess
+
+    sec = BrokerSecurity(tmp_path / "security")
+    sec.initialise()
+    bystander = subprocess.Popen(["sleep", "30"])
+    try:
+        sec.pid_file.write_text(f"{bystander.pid}\n")
+        with pytest.raises(RuntimeError, match="'sleep'.*stale pid file"):
+            sec.reload()
+        time.sleep(0.2)
+        assert bystander.poll() is None                     # not signalled
+    finally:
+        bystander.kill()
+        bystander.wait()
+    sec.pid_file.write_text(f"{bystander.pid}\n")           # reaped: no such process now
+    with pytest.raises(RuntimeError, match="no running process"):
+        sec.reload()
+
+
+def test_rerun_with_other_names_reissues_the_server_certificate_under_the_same_ca(tmp_path):
+    import ipaddress
+
+    sec = BrokerSecurity(tmp_path / "security")
+    sec.initialise(["localhost"], ["127.0.0.1"])
+    ca = sec.ca_cert.read_bytes()
+    sec.initialise(["localhost"], ["127.0.0.1"])            # same names: nothing rewritten
+    first = sec.server_cert.read_bytes()
+    sec.initialise(["broker.example"], ["10.0.0.7"])
+    names, addresses = sec.server_cert_names()
+    assert names == ["localhost", "broker.example"]
+    assert addresses == [ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("10.0.0.7")]
+    assert sec.server_cert.read_bytes() != first and sec.ca_cert.read_bytes() == ca
+
+
+def test_an_older_folders_accounts_are_rewritten_with_its_devices_kept(tmp_path):
+    """Folders written before the shards had accounts lack them; serve rewrites passwd and ACL from
+    the store, or, without one, from the devices the file lets in (hashes kept)."""
+    from aggregator.shards.buckets import shard_role
+    from protocols.topics import AGGREGATOR_ID, role_account
+
+    sec = BrokerSecurity(tmp_path / "security")
+    sec.initialise()
+    cam = hash_password("cam1-pw")
+    sec.write_access_files({"cam1": cam})
+    assert sec.accounts_are_current() and sec.device_hashes() == {"cam1": cam}
+    shard = role_account(AGGREGATOR_ID, shard_role(3))
+    sec.passwd_file.write_text("".join(line + "\n" for line in sec.passwd_file.read_text().splitlines()
+                                       if not line.startswith(shard + ":")))
+    assert not sec.accounts_are_current()
+    sec.write_access_files(sec.device_hashes())
+    assert sec.accounts_are_current() and sec.device_hashes() == {"cam1": cam}

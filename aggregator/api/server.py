@@ -139,6 +139,12 @@ def serve_with_ops(args, job, broker: BrokerConfig, out_dir: Path, settings: Ser
     security = None
     if args.security_dir:
         security = BrokerSecurity(args.security_dir, topics)
+        if not security.accounts_are_current():         # written by an older version: no shard accounts
+            try:
+                security.apply(store.password_hashes() if store is not None else security.device_hashes())
+            except RuntimeError as exc:
+                raise SystemExit(f"--security-dir {args.security_dir}: its passwd and acl lacked accounts this "
+                                 f"version uses and were rewritten, but {exc}; restart the broker") from None
         if not broker.username:
             broker = dataclasses.replace(broker, username=AGGREGATOR_ID, password=security.aggregator_password,
                                          tls_ca=broker.tls_ca or str(security.ca_cert))

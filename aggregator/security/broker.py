@@ -211,17 +211,38 @@ class BrokerSecurity:
         owner = self._owner
         if owner is not None:
             os.chown(self.directory, owner, -1)
+        hostnames, ips = list(hostnames), list(ips)
         if not self.ca_cert.exists():
             ca_key, ca_cert = make_ca()
-            key, cert = make_server_cert(ca_key, ca_cert, hostnames, ips)
             _write_atomic(self.directory / "ca.key", _private_key_pem(ca_key))
             _write_atomic(self.ca_cert, ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
-            _write_atomic(self.server_key, _private_key_pem(key), 0o600, owner)
-            _write_atomic(self.server_cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+            self._write_server_cert(ca_key, ca_cert, hostnames, ips, owner)
+        else:           # re-run with names the certificate lacks: a new one for the old names and these
+            names, addresses = self.server_cert_names()
+            if not (set(hostnames) <= set(names) and {ipaddress.ip_address(i) for i in ips} <= set(addresses)):
+                ca_key = serialization.load_pem_private_key((self.directory / "ca.key").read_bytes(), None)
+                ca_cert = x509.load_pem_x509_certificate(self.ca_cert.read_bytes())
+                self._write_server_cert(ca_key, ca_cert, list(dict.fromkeys(names + hostnames)),
+                                        [str(a) for a in dict.fromkeys(addresses + [ipaddress.ip_address(i) for i in ips])],
+                                        owner)
         if not self.secret_file.exists():
             _write_atomic(self.secret_file, new_password().encode())
         if not self.passwd_file.exists():
             self.write_access_files({})
+
+    def server_cert_names(self) -> tuple[list[str], list]:
+        """The DNS names and IP addresses the server certificate is valid for (none if it is missing)."""
+        try:
+            cert = x509.load_pem_x509_certificate(self.server_cert.read_bytes())
+            san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        except (OSError, ValueError, x509.ExtensionNotFound):
+            return [], []
+        return san.get_values_for_type(x509.DNSName), san.get_values_for_type(x509.IPAddress)
+
+    def _write_server_cert(self, ca_key, ca_cert, hostnames: list[str], ips: list[str], owner: int | None) -> None:
+        key, cert = make_server_cert(ca_key, ca_cert, hostnames, ips)
+        _write_atomic(self.server_key, _private_key_pem(key), 0o600, owner)
+        _write_atomic(self.server_cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
 
     @property
     def aggregator_password(self) -> str:
@@ -231,8 +252,7 @@ class BrokerSecurity:
         """Rewrite passwd and ACL for exactly these devices (plus the aggregator account), each with
         its role accounts (the same password)."""
         aggregator = hash_password(self.aggregator_password, self.iterations)
-        accounts = {AGGREGATOR_ID: aggregator, role_account(AGGREGATOR_ID, CONTROLLER_ROLE): aggregator,
-                    **{role_account(AGGREGATOR_ID, shard_role(i)): aggregator for i in range(NUM_BUCKETS)}}
+        accounts = {account: aggregator for account in self._aggregator_accounts()}
         for d, h in device_password_hashes.items():
             accounts[check_device_id(d)] = accounts[role_account(d, DEPLOY_ROLE)] = accounts[role_account(d, FETCH_ROLE)] = h
         owner = self._owner
@@ -247,7 +267,40 @@ class BrokerSecurity:
             pid = int(self.pid_file.read_text().strip())
         except (OSError, ValueError) as exc:
             raise RuntimeError(f"cannot reload mosquitto: no pid in {self.pid_file} ({exc})") from exc
+        # a pid file outlives its broker, and the pid may since belong to any process of this user:
+        # SIGHUP ends most programs, so only a process that is mosquitto is signalled
+        try:
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+        except FileNotFoundError:
+            name = None if Path("/proc/self/comm").exists() else "mosquitto"     # no /proc here: cannot tell
+        except OSError as exc:
+            raise RuntimeError(f"cannot reload mosquitto: pid {pid} in {self.pid_file}: {exc}") from exc
+        if name != "mosquitto":
+            raise RuntimeError(f"cannot reload mosquitto: pid {pid} in {self.pid_file} is "
+                               f"{'no running process' if name is None else repr(name)} (a stale pid file?)")
         os.kill(pid, signal.SIGHUP)
+
+    def accounts_are_current(self) -> bool:
+        """Whether the password file lists every account of the aggregator's this version writes (a
+        folder written before the shards had accounts lacks theirs, and shards could not log in)."""
+        return set(self._aggregator_accounts()) <= set(self._password_lines())
+
+    def device_hashes(self) -> dict[str, str]:
+        """The devices the password file lets in, with their hashes (the store's list, when the
+        aggregator runs without one)."""
+        return {user: hashed for user, hashed in self._password_lines().items()
+                if "/" not in user and user != AGGREGATOR_ID}
+
+    def _password_lines(self) -> dict[str, str]:
+        try:
+            lines = self.passwd_file.read_text().splitlines()
+        except OSError:
+            return {}
+        return dict(line.split(":", 1) for line in lines if ":" in line)
+
+    def _aggregator_accounts(self) -> list[str]:
+        return [AGGREGATOR_ID, role_account(AGGREGATOR_ID, CONTROLLER_ROLE),
+                *(role_account(AGGREGATOR_ID, shard_role(i)) for i in range(NUM_BUCKETS))]
 
     def apply(self, device_password_hashes: dict[str, str]) -> None:
         self.write_access_files(device_password_hashes)
