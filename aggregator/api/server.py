@@ -139,7 +139,7 @@ def serve_with_ops(args, job, broker: BrokerConfig, out_dir: Path, settings: Ser
     security = None
     if args.security_dir:
         security = BrokerSecurity(args.security_dir, topics)
-        if not security.accounts_are_current():         # written by an older version: no shard accounts
+        if security.passwd_file.exists() and not security.accounts_are_current():     # an older version's: no shard accounts
             try:
                 security.apply(store.password_hashes() if store is not None else security.device_hashes())
             except RuntimeError as exc:
