@@ -72,11 +72,7 @@ def test_every_endpoint_needs_the_token(idle_api):
             for headers in ({}, {"Authorization": "Bearer wrong-token-wrong-token"}, {"Authorization": TOKEN}):
                 resp = client.request(method, sample_path(route), headers=headers, json={})
                 assert resp.status_code == 401, (method, route.path, headers, resp.status_code)
-    assert client.get("/dashboard/?token=nope", follow_redirects=False).status_code == 401
-    ok = client.get("/dashboard/", params={"token": TOKEN}, follow_redirects=False)
-    assert ok.status_code == 303 and "httponly" in ok.headers["set-cookie"].lower()
-    client.cookies.set("fedfleet_token", TOKEN)
-    health = client.get("/api/health").json()
+    health = client.get("/api/health", headers=AUTH).json()
     assert health["status"] == "ok"
     assert health["compute"]["device"] == ("cuda:0" if torch.cuda.is_available() else "cpu")
     assert health["compute"]["secagg_unmask"].startswith("cuda" if torch.cuda.is_available() else "cpu (")
@@ -191,3 +187,34 @@ def test_job_lifecycle_and_inspection_through_the_cli(broker, tmp_path, capsys):
         api.stop()
         svc.stop()
         thread.join(30)
+
+
+def test_the_dashboard_signs_in_by_post_to_an_opaque_session_never_the_token_in_a_url(idle_api):
+    """The sign-in form sent the token as ``/dashboard/?token=`` (kept by history, proxy logs and
+    Referer) and the cookie was the token itself. Now: POST, and a session cookie that is not the
+    token, works only as a cookie, and ends with its 12 hours or with a new token."""
+    from aggregator.api.guard import COOKIE, SESSION_TTL_S, new_session
+
+    client = TestClient(idle_api)
+    assert client.get(f"/dashboard/?token={TOKEN}", follow_redirects=False).status_code == 401   # no token in URLs
+    wrong = client.post("/dashboard/login", data={"token": "nope"}, follow_redirects=False)
+    assert wrong.status_code == 401 and "Wrong token" in wrong.text and COOKIE not in wrong.cookies
+    too_big = client.post("/dashboard/login", content=b"token=" + b"x" * 5000,
+                          headers={"content-type": "application/x-www-form-urlencoded"}, follow_redirects=False)
+    assert too_big.status_code == 413
+    ok = client.post("/dashboard/login", data={"token": TOKEN}, follow_redirects=False)
+    cookie = ok.headers["set-cookie"]
+    assert ok.status_code == 303 and ok.headers["location"] == "/dashboard/"
+    assert "httponly" in cookie.lower() and "samesite=strict" in cookie.lower() and TOKEN not in cookie
+    session = ok.cookies[COOKIE]
+    assert client.get("/api/health").status_code == 200                     # the cookie jar has the session
+    assert "<title>fedfleet" in client.get("/dashboard/").text
+    anonymous = TestClient(idle_api)
+    assert anonymous.get("/api/health", headers={"Authorization": f"Bearer {session}"}).status_code == 401
+    anonymous.cookies.set(COOKIE, session[:-2] + ("AA" if not session.endswith("AA") else "BB"))
+    assert anonymous.get("/api/health").status_code == 401                  # forged
+    anonymous.cookies.set(COOKIE, new_session(TOKEN, now=time.time() - SESSION_TTL_S - 5))
+    assert anonymous.get("/api/health").status_code == 401                  # expired
+    assert "session has ended" in anonymous.get("/dashboard/").text
+    anonymous.cookies.set(COOKIE, new_session("another-token-another-token"))
+    assert anonymous.get("/api/health").status_code == 401                  # made under another token

@@ -60,7 +60,10 @@ def test_dashboard_shows_rounds_advance_during_a_running_job(broker, tmp_path):
             ctx = pw.chromium.launch_persistent_context(profile, executable_path=CHROMIUM, headless=True,
                                                         args=CHROMIUM_ARGS, viewport={"width": 1280, "height": 1000})
             page = ctx.new_page()
-            page.goto(f"{api.url}/dashboard/?token={TOKEN}")          # sets the session cookie, redirects
+            page.goto(f"{api.url}/dashboard/")                          # the sign-in page
+            page.fill("#token", TOKEN)
+            page.click("#login button[type=submit]")                    # POSTs, gets a session, redirected
+            page.wait_for_selector("#round-number", timeout=20000)
             assert page.url == f"{api.url}/dashboard/"
             for _ in range(3):
                 deadline = time.time() + 20

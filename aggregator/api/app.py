@@ -5,8 +5,8 @@ the service writes) and from the service's ``live`` snapshot; every mutation (en
 create/start/pause/resume/cancel a job) runs on the service thread through
 ``AggregatorService.call``, so the service stays the only writer of job state.
 
-Every route needs the admin token: ``Authorization: Bearer <token>``, or the ``fedfleet_token``
-cookie that ``GET /dashboard/?token=<token>`` sets (HttpOnly, SameSite=Strict) for browsers. The
+Every route needs the admin token: ``Authorization: Bearer <token>``, or, for browsers, the
+session cookie that the sign-in form's ``POST /dashboard/login`` sets (``guard.py``). The
 OpenAPI schema is served at ``/openapi.json`` behind the same check; there is no Swagger UI
 (it would load scripts from a CDN at run time).
 """
@@ -18,7 +18,7 @@ from functools import partial
 from importlib import resources
 from typing import Any, Literal
 
-from fastapi import Depends, FastAPI, HTTPException, Query, Request, status
+from fastapi import Depends, FastAPI, HTTPException, Request, status
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
@@ -27,7 +27,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from aggregator.compute.summary import compute_summary
 from aggregator.storage.store import Store
 from aggregator.api.context import ApiContext
-from aggregator.api.guard import COOKIE, RequestGuard, presented_token, token_matches
+from aggregator.api.guard import RequestGuard, authenticated
 from aggregator.api.metrics import render_metrics
 from aggregator.api.routes_deployments import add_deployment_routes
 from aggregator.api.routes_fleet import add_fleet_routes
@@ -49,7 +49,7 @@ def create_app(store: Store, token: str, service=None, deployments=None) -> Fast
     add_job_routes(app, ctx)
     add_model_routes(app, ctx)
     add_deployment_routes(app, ctx)
-    add_dashboard_routes(app, token)
+    add_dashboard_routes(app)
     app.add_exception_handler(RequestValidationError, invalid_request)
     app.add_middleware(RequestGuard, token=token)
     return app
@@ -70,7 +70,7 @@ def token_check(token: str):
     def require_token(request: Request, creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
         # RequestGuard already refused what fails this before the body was read; this states the
         # security scheme in the OpenAPI schema and guards an app mounted without the guard
-        if not token_matches(presented_token(request.scope), token):
+        if not authenticated(request.scope, token):
             raise HTTPException(status.HTTP_401_UNAUTHORIZED, "missing or wrong admin token",
                                 headers={"WWW-Authenticate": "Bearer"})
     return require_token
@@ -99,24 +99,16 @@ def add_service_routes(app: FastAPI, ctx: ApiContext, compute: dict) -> None:
 
 
 
-def add_dashboard_routes(app: FastAPI, token: str) -> None:
-    get, post = (partial(method, tags=["dashboard"]) for method in (app.get, app.post))
+def add_dashboard_routes(app: FastAPI) -> None:
+    get = partial(app.get, tags=["dashboard"])
 
     @get("/", include_in_schema=False)
     def root() -> Response:
         return RedirectResponse("/dashboard/", status_code=status.HTTP_303_SEE_OTHER)
 
-    @get("/dashboard/", response_class=HTMLResponse,
-           responses={**READ, 303: {"description": "token accepted: session cookie set, redirect to /dashboard/"}},
-           description="the web dashboard; ``?token=`` sets the session cookie and redirects")
-    def dashboard(token_: str | None = Query(default=None, alias="token", max_length=512)) -> Response:
-        if token_ is not None:
-            if not token_matches(token_, token):   # even if a header authenticated
-                raise HTTPException(status.HTTP_401_UNAUTHORIZED, "wrong admin token",
-                                    headers={"WWW-Authenticate": "Bearer"})
-            resp = RedirectResponse("/dashboard/", status_code=status.HTTP_303_SEE_OTHER)
-            resp.set_cookie(COOKIE, token, httponly=True, samesite="strict")
-            return resp
+    @get("/dashboard/", response_class=HTMLResponse, responses=READ,
+           description="the web dashboard (a browser without a session gets the sign-in page: guard.py)")
+    def dashboard() -> Response:
         return HTMLResponse(_asset("index.html"))
 
     @get("/dashboard/{asset}", response_class=Response, responses=READ)

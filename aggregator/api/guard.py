@@ -4,48 +4,81 @@ unread (FastAPI reads a request's body before it runs the route's dependencies, 
 check alone would let anyone make the process buffer a 300 MB upload). A body with no
 Content-Length (chunked) is counted as it streams and cut off at the cap.
 
-A browser that opens the dashboard (or ``/``) without a valid token gets the sign-in page (HTML,
-still status 401) instead of the API's JSON refusal; the page submits the token to
-``/dashboard/?token=``, which sets the session cookie.
+A browser that opens the dashboard (or ``/``) without a valid session gets the sign-in page
+(HTML, still status 401) instead of the API's JSON refusal. The page POSTs the token to
+``/dashboard/login`` (the one path open without it; its body at most 4 KiB), which answers with a
+session cookie and a redirect to the dashboard. The token never appears in a URL (where history,
+proxy logs and Referer headers keep it), and the cookie is not the token: it is an opaque
+session, ``issued.nonce.HMAC-SHA256(token, issued.nonce)``, valid for 12 hours and only as a
+cookie (never as a Bearer token), so a cookie that leaks gives neither the token nor lasting
+access, and a new token ends every session.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import hmac
 import html
 import json
+import secrets
+import time
 from http.cookies import SimpleCookie
 from importlib import resources
 from urllib.parse import parse_qs
 
 MAX_BODY_BYTES = 1024 * 1024          # the largest request the API takes (a job config, a key)
-COOKIE = "fedfleet_token"
-LOGIN_PATHS = ("/", "/dashboard", "/dashboard/")     # where a browser without the token is asked for it
-
-
-def presented_token(scope: dict) -> str:
-    """The token a request carries: Bearer header, ``/dashboard/?token=`` (the sign-in form: it wins
-    over a stale cookie), or the dashboard cookie."""
-    headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
-    auth = headers.get("authorization", "")
-    if auth[:7].lower() == "bearer ":
-        return auth[7:].strip()
-    if scope.get("path") == "/dashboard/":
-        query = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("token")
-        if query:
-            return query[0]
-    cookie = SimpleCookie()
-    try:
-        cookie.load(headers.get("cookie", ""))
-    except Exception:                 # a malformed cookie header is no token
-        return ""
-    if COOKIE in cookie:
-        return cookie[COOKIE].value
-    return ""
+MAX_LOGIN_BYTES = 4096                # the sign-in form: one token
+COOKIE = "fedfleet_session"
+SESSION_TTL_S = 12 * 3600
+LOGIN_PATH = "/dashboard/login"
+LOGIN_PATHS = ("/", "/dashboard", "/dashboard/")     # where a browser without a session is asked for the token
 
 
 def token_matches(given: str, token: str) -> bool:
     return hmac.compare_digest(given.encode(), token.encode())
+
+
+def _session_mac(token: str, body: str) -> str:
+    mac = hmac.new(token.encode(), b"fedfleet-dashboard-session|" + body.encode(), hashlib.sha256).digest()
+    return base64.urlsafe_b64encode(mac).decode().rstrip("=")
+
+
+def new_session(token: str, now: float | None = None) -> str:
+    body = f"{int(time.time() if now is None else now)}.{secrets.token_urlsafe(18)}"
+    return f"{body}.{_session_mac(token, body)}"
+
+
+def session_valid(value: str, token: str, now: float | None = None) -> bool:
+    issued, _, rest = value.partition(".")
+    nonce, _, mac = rest.partition(".")
+    if not (issued.isdigit() and nonce and mac) or len(value) > 256:
+        return False
+    age = (time.time() if now is None else now) - int(issued)
+    return 0 <= age <= SESSION_TTL_S and hmac.compare_digest(mac.encode(), _session_mac(token, f"{issued}.{nonce}").encode())
+
+
+def _headers(scope: dict) -> dict[str, str]:
+    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
+
+
+def _session_cookie(headers: dict[str, str]) -> str | None:
+    cookie = SimpleCookie()
+    try:
+        cookie.load(headers.get("cookie", ""))
+    except Exception:                 # a malformed cookie header is no session
+        return None
+    return cookie[COOKIE].value if COOKIE in cookie else None
+
+
+def authenticated(scope: dict, token: str) -> bool:
+    """Whether a request carries the admin token as a Bearer header, or a valid dashboard session."""
+    headers = _headers(scope)
+    auth = headers.get("authorization", "")
+    if auth[:7].lower() == "bearer ":
+        return token_matches(auth[7:].strip(), token)
+    session = _session_cookie(headers)
+    return session is not None and session_valid(session, token)
 
 
 class RequestGuard:
@@ -55,10 +88,12 @@ class RequestGuard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        given = presented_token(scope)
-        if not token_matches(given, self.token):
+        if scope["path"] == LOGIN_PATH and scope.get("method") == "POST":
+            return await self._sign_in(scope, receive, send)
+        if not authenticated(scope, self.token):
             if scope["path"] in LOGIN_PATHS and scope.get("method") == "GET":
-                return await _login_page(send, "Wrong token, try again." if given else "")
+                expired = _session_cookie(_headers(scope)) is not None
+                return await _login_page(send, "Your session has ended; sign in again." if expired else "")
             return await _answer(send, 401, "missing or wrong admin token", {"www-authenticate": "Bearer"})
         length = dict(scope.get("headers", ())).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_body):
@@ -74,6 +109,29 @@ class RequestGuard:
             return message
 
         return await self.app(scope, bounded_receive, send)
+
+
+    async def _sign_in(self, scope, receive, send) -> None:
+        """The sign-in form's POST: the token in a urlencoded body of at most MAX_LOGIN_BYTES."""
+        body, more = b"", True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":       # the client went away
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > MAX_LOGIN_BYTES:
+                return await _answer(send, 413, f"sign-in body larger than {MAX_LOGIN_BYTES} bytes")
+        given = parse_qs(body.decode("latin-1")).get("token", [""])[0]
+        if not token_matches(given, self.token):
+            return await _login_page(send, "Wrong token, try again.")
+        cookie = SimpleCookie()
+        cookie[COOKIE] = new_session(self.token)
+        cookie[COOKIE].update({"path": "/", "httponly": True, "samesite": "Strict", "max-age": SESSION_TTL_S})
+        await send({"type": "http.response.start", "status": 303,
+                    "headers": [(b"location", b"/dashboard/"), (b"content-length", b"0"), (b"cache-control", b"no-store"),
+                                (b"set-cookie", cookie[COOKIE].OutputString().encode())]})
+        await send({"type": "http.response.body", "body": b""})
 
 
 async def _login_page(send, error: str) -> None:
