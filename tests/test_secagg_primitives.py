@@ -388,3 +388,30 @@ def test_graph_degree_edge_cases():
     with pytest.raises(ValueError):
         NeighbourGraph.random_regular(members, 3, b"s" * 32)
     assert default_degree(1000) == 20
+
+
+@pytest.mark.parametrize("wrong", [0, 1, 3, 7])
+def test_verified_reconstruction_outvotes_wrong_shares_and_names_their_holders(wrong):
+    """Any `threshold` honest shares open to the secret; with a check on the secret (a commitment),
+    up to (shares - threshold) wrong ones are found by leaving holders out, and named."""
+    import hashlib
+
+    rng = np.random.default_rng(wrong)
+    secret = rng.bytes(32)
+    holders = list(range(1, 13))
+    shares = dict(zip(holders, (row[0] for row in shamir.split([secret], 5, holders))))
+    bad = set(rng.choice(holders, wrong, replace=False).tolist())
+    for x in bad:
+        shares[x] = rng.integers(0, 2**31, 9, dtype=np.uint32).astype("<u4").tobytes()
+    commitment = hashlib.sha256(secret).digest()
+    suspects: set[int] = set()
+    got = shamir.reconstruct_verified(shares, 5, 32, lambda s: hashlib.sha256(s).digest() == commitment, suspects)
+    assert got == secret and suspects == bad
+    assert shamir.reconstruct_verified(shares, 5, 32, lambda s: hashlib.sha256(s).digest() == commitment,
+                                       suspects, budget=1) == secret        # the caught ones are left out first
+    if wrong == 7:                           # only the 5 honest ones open to it: a budget too small refuses
+        with pytest.raises(shamir.ReconstructionError, match="none of 10 sets"):
+            shamir.reconstruct_verified(shares, 5, 32, lambda s: hashlib.sha256(s).digest() == commitment, budget=10)
+    shares[max(set(holders) - bad)] = b"short"                  # a malformed share is one more suspect
+    if wrong < 7:
+        assert shamir.reconstruct_verified(shares, 5, 32, lambda s: hashlib.sha256(s).digest() == commitment) == secret

@@ -384,9 +384,13 @@ class ServerSecAgg:
                 key_shares.setdefault(owner, {})[x] = share.tobytes()
         return self_mask_shares, key_shares
 
-    def _reconstruct(self, shares: dict[str, dict[int, bytes]], owner: str, what: str) -> bytes:
+    def _reconstruct(self, shares: dict[str, dict[int, bytes]], owner: str, what: str,
+                     is_secret: Callable[[bytes], bool], suspects: set[int]) -> bytes:
+        """``owner``'s secret from its holders' shares, confirmed by ``is_secret``: a holder whose
+        shares are wrong is outvoted by the others (``shamir.reconstruct_verified``)."""
         try:
-            return shamir.reconstruct(shares.get(owner, {}), self.config.share_threshold, SECRET_BYTES)
+            return shamir.reconstruct_verified(shares.get(owner, {}), self.config.share_threshold, SECRET_BYTES,
+                                               is_secret, suspects)
         except ReconstructionError as exc:
             raise ReconstructionError(f"{what} of {owner!r}: {exc}") from None
 
@@ -399,18 +403,21 @@ class ServerSecAgg:
         self_mask_shares, key_shares = self._collect_shares()
         signed_seeds: list[tuple[bytes, int]] = []
         commitments = self._received[Phase.SHARE_KEYS]
+        suspects: set[int] = set()        # holders caught with a wrong share: tried last for the next secret
         for owner in survivors:
-            seed = self._reconstruct(self_mask_shares, owner, "self-mask seed")
-            if self_mask_commitment(self.context, owner, seed) != commitments[owner].self_mask_commitment:
-                raise ReconstructionError(f"shares of {owner!r}'s self-mask seed do not match its commitment")
+            commitment = commitments[owner].self_mask_commitment
+            seed = self._reconstruct(self_mask_shares, owner, "self-mask seed",
+                                     lambda s: self_mask_commitment(self.context, owner, s) == commitment,
+                                     suspects)
             signed_seeds.append((seed, -1))
         for dropped in self._dropped:
             masked_with = sorted(self._graph.neighbours(dropped) & set(survivors))
             if not masked_with:
                 continue
-            mask_key = x25519_from_private_bytes(self._reconstruct(key_shares, dropped, "mask key"))
-            if x25519_public_bytes(mask_key) != advertised[dropped].mask_public_key:
-                raise ReconstructionError(f"shares of {dropped!r}'s mask key do not match its public key")
+            public = advertised[dropped].mask_public_key
+            mask_key = x25519_from_private_bytes(self._reconstruct(
+                key_shares, dropped, "mask key",
+                lambda s: x25519_public_bytes(x25519_from_private_bytes(s)) == public, suspects))
             for survivor in masked_with:
                 seed = pair_mask_seed(mask_key, advertised[survivor].mask_public_key, self.context,
                                       dropped, survivor)

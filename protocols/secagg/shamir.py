@@ -15,9 +15,10 @@ Shamir library is installed in this project, hence this module.
 
 from __future__ import annotations
 
+import itertools
 import secrets
 from functools import lru_cache
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -109,29 +110,102 @@ def _lagrange_at_zero(xs: tuple[int, ...]) -> np.ndarray:
     return np.array(weights, dtype=np.uint64)
 
 
+def _share_values(share: bytes, n_digits: int, x: int) -> np.ndarray:
+    if len(share) != 4 * n_digits:
+        raise ReconstructionError(f"share of holder {x} has {len(share)} bytes, expected {4 * n_digits}")
+    values = np.frombuffer(share, dtype="<u4").astype(np.uint64)
+    if (values >= PRIME).any():
+        raise ReconstructionError(f"share of holder {x}: value outside the field")
+    return values
+
+
+def _interpolate(chosen: Sequence[int], values: Mapping[int, np.ndarray], secret_bytes: int) -> bytes:
+    weights = _lagrange_at_zero(tuple(chosen))
+    rows = np.array([values[x] for x in chosen], dtype=np.uint64)
+    # each product < 2^64 and reduced below 2^32, so a sum of < 2^32 of them cannot overflow
+    digits = ((rows * weights[:, None]) % PRIME).sum(axis=0) % PRIME
+    return _from_digits(digits.tolist(), secret_bytes)
+
+
 def reconstruct(shares: Mapping[int, bytes], threshold: int, secret_bytes: int) -> bytes:
     """Recover a secret from at least `threshold` shares {x: share}.
 
     Exactly `threshold` shares (the smallest x coordinates) are interpolated; with fewer,
-    ReconstructionError is raised rather than returning a wrong value.
+    ReconstructionError is raised rather than returning a wrong value. A wrong share gives a
+    wrong secret: where the secret can be checked, :func:`reconstruct_verified` finds the shares
+    that open to it.
     """
     if threshold < 1:
         raise ValueError("threshold must be >= 1")
     if len(shares) < threshold:
         raise ReconstructionError(f"need {threshold} shares, have {len(shares)}")
-    n_digits = digit_count(secret_bytes)
     chosen = sorted(shares)[:threshold]
     _check_holders(chosen)
-    rows = []
-    for x in chosen:
-        share = shares[x]
-        if len(share) != 4 * n_digits:
-            raise ReconstructionError(f"share of holder {x} has {len(share)} bytes, expected {4 * n_digits}")
-        rows.append(np.frombuffer(share, dtype="<u4"))
-    values = np.array(rows, dtype=np.uint64)
-    if (values >= PRIME).any():
-        raise ReconstructionError("share value outside the field")
-    weights = _lagrange_at_zero(tuple(int(x) for x in chosen))
-    # each product < 2^64 and reduced below 2^32, so a sum of < 2^32 of them cannot overflow
-    digits = ((values * weights[:, None]) % PRIME).sum(axis=0) % PRIME
-    return _from_digits(digits.tolist(), secret_bytes)
+    n_digits = digit_count(secret_bytes)
+    values = {x: _share_values(shares[x], n_digits, x) for x in chosen}
+    return _interpolate([int(x) for x in chosen], values, secret_bytes)
+
+
+def _value_at(chosen: Sequence[int], values: Mapping[int, np.ndarray], x: int) -> np.ndarray:
+    """The digits of the polynomial through `chosen`'s shares, at holder x."""
+    basis = []
+    for i, xi in enumerate(chosen):
+        numerator, denominator = 1, 1
+        for j, xj in enumerate(chosen):
+            if j != i:
+                numerator = numerator * (x - xj) % PRIME
+                denominator = denominator * (xi - xj) % PRIME
+        basis.append(numerator * pow(denominator, -1, PRIME) % PRIME)
+    rows = np.array([values[xi] for xi in chosen], dtype=np.uint64)
+    return ((rows * np.array(basis, dtype=np.uint64)[:, None]) % PRIME).sum(axis=0) % PRIME
+
+
+def reconstruct_verified(shares: Mapping[int, bytes], threshold: int, secret_bytes: int,
+                         is_secret: Callable[[bytes], bool], suspects: set[int] | None = None,
+                         budget: int = 1024) -> bytes:
+    """Recover a secret that ``is_secret`` confirms (a commitment, a public key), from shares of
+    which some may be wrong: a holder that sends a corrupted share must not fail the round.
+
+    The smallest x coordinates are tried first, skipping ``suspects`` (holders already caught);
+    when the secret they open to is refused, sets that leave out one holder of the chosen ones,
+    then two, ... up to ``budget`` interpolations (any `threshold` honest shares open to the
+    secret, so with r more shares than `threshold`, up to r wrong ones are found if the budget
+    allows). Holders whose shares disagree with the confirmed secret's polynomial, and malformed
+    shares, are added to ``suspects``, so the next secret of the same round starts without them.
+    Raises ReconstructionError when no set within the budget is confirmed."""
+    if threshold < 1:
+        raise ValueError("threshold must be >= 1")
+    suspects = set() if suspects is None else suspects
+    if shares:
+        _check_holders(sorted(shares))
+    n_digits = digit_count(secret_bytes)
+    values: dict[int, np.ndarray] = {}
+    for x, share in shares.items():
+        try:
+            values[int(x)] = _share_values(share, n_digits, int(x))
+        except ReconstructionError:
+            suspects.add(int(x))
+    if len(values) < threshold:
+        raise ReconstructionError(f"need {threshold} well-formed shares, have {len(values)}")
+    order = sorted(x for x in values if x not in suspects) + sorted(x for x in values if x in suspects)
+    tried: set[tuple[int, ...]] = set()
+    for left_out in range(len(order) - threshold + 1):
+        pool = order[:threshold + left_out]
+        for excluded in itertools.combinations(range(len(pool)), left_out):
+            chosen = tuple(x for i, x in enumerate(pool) if i not in excluded)
+            if chosen in tried:         # leaving out the pool's last holders gives a set already tried
+                continue
+            tried.add(chosen)
+            if len(tried) > budget:
+                raise ReconstructionError(f"shares disagree, and none of {budget} sets of {threshold} of the "
+                                          f"{len(order)} opens to the confirmed secret")
+            try:
+                secret = _interpolate(chosen, values, secret_bytes)
+            except ReconstructionError:
+                continue
+            if is_secret(secret):
+                suspects.update(x for x in order if x not in chosen
+                                and not np.array_equal(_value_at(chosen, values, x), values[x]))
+                return secret
+    raise ReconstructionError(f"no set of {threshold} of the {len(order)} shares opens to the confirmed secret "
+                              f"(more wrong shares than the {len(order) - threshold} spare ones can outvote)")
