@@ -19,7 +19,7 @@ from pathlib import Path
 from protocols.chunking import MessageAssembler
 from protocols.envelope import EnvelopeError
 from protocols.mqtt_link import BrokerConfig, MqttLink
-from protocols.payloads.artifacts import ARTIFACT, get_message, parse_artifact
+from protocols.payloads.artifacts import ARTIFACT, MISSING, get_message, parse_artifact
 from protocols.topics import AGGREGATOR_ID, Topics
 
 
@@ -53,8 +53,11 @@ def fetch_bundle(device_id: str, broker: BrokerConfig, manifest_sha256: str, des
                     continue
                 except EnvelopeError:
                     continue                     # not ours / malformed: keep waiting
-                if env is None or env.type != ARTIFACT or env.sender != AGGREGATOR_ID \
-                        or env.body.get("sha256") != sha:
+                if env is None or env.sender != AGGREGATOR_ID or env.body.get("sha256") != sha:
+                    continue
+                if env.type == MISSING:
+                    raise ArtifactFetchError(f"the aggregator holds no artifact {sha[:16]}…")
+                if env.type != ARTIFACT:
                     continue
                 try:
                     return parse_artifact(env, sha)

@@ -52,7 +52,7 @@ from protocols.envelope import Envelope, EnvelopeError, decode, encode
 from protocols.identity import DeviceIdentity
 from protocols.message_loop import MessageLoop
 from protocols.mqtt_link import BrokerConfig, MqttLink
-from protocols.payloads.artifacts import GET as ARTIFACT_GET, artifact_message, parse_get
+from protocols.payloads.artifacts import GET as ARTIFACT_GET, artifact_message, missing_message, parse_get
 from protocols.payloads.secagg import SECAGG_TYPE
 from protocols.rounds import Declined, ResultArrived, ResultInvalid
 from protocols.topics import AGGREGATOR_ID
@@ -387,7 +387,8 @@ class AggregatorService(OperatorActions):
         except EnvelopeError as exc:
             return self._reject(device, "artifact", str(exc))
         if self.artifacts is None or sha not in self.artifacts:
-            return self._reject(device, "artifact", f"no artifact {sha[:16]} on this aggregator")
+            self._reject(device, "artifact", f"no artifact {sha[:16]} on this aggregator")
+            return self._send(device, missing_message(AGGREGATOR_ID, sha))    # the device stops asking
         if not self.artifacts.answers.allow(device, sha):
             return log.info("artifact %s… asked again by %s: the last answers stand", sha[:16], device)
         self._send(device, artifact_message(AGGREGATOR_ID, sha, *self.artifacts.get(sha)))

@@ -4,6 +4,8 @@ answers with the bytes (chunked like any large envelope), the device checks the 
 * ``artifact.get``  device -> aggregator. body ``{"sha256": hex}``
 * ``artifact``      aggregator -> device inbox. body ``{"sha256": hex, "name": file name}``,
                     tensor ``data`` (uint8, the file's bytes)
+* ``artifact.missing``  aggregator -> device inbox. body ``{"sha256": hex}``: this aggregator holds
+                    no such file, so the device stops asking (it waited out its whole timeout before)
 
 Files are content-addressed: a bundle is fetched by its manifest's sha256 (announced with the
 job), then every file the manifest lists, by the sha256 the manifest gives. A device accepts no
@@ -19,7 +21,7 @@ import numpy as np
 
 from ..envelope import Envelope, EnvelopeError, body_field, require_tensor
 
-GET, ARTIFACT = "artifact.get", "artifact"
+GET, ARTIFACT, MISSING = "artifact.get", "artifact", "artifact.missing"
 _SHA = re.compile(r"^[0-9a-f]{64}$")
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
@@ -30,6 +32,10 @@ def get_message(sender: str, sha256: str) -> Envelope:
 
 def parse_get(env: Envelope) -> str:
     return check_sha(body_field(env, "sha256", str))
+
+
+def missing_message(sender: str, sha256: str) -> Envelope:
+    return Envelope(type=MISSING, sender=sender, body={"sha256": check_sha(sha256)})
 
 
 def artifact_message(sender: str, sha256: str, name: str, data: bytes) -> Envelope:
