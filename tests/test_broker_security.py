@@ -10,6 +10,7 @@ import socket
 import ssl
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import paho.mqtt.client as mqtt
@@ -238,6 +239,9 @@ def test_reload_signals_only_a_running_mosquitto(tmp_path):
     sec = BrokerSecurity(tmp_path / "security")
     sec.initialise()
     bystander = subprocess.Popen(["sleep", "30"])
+    deadline = time.time() + 10
+    while Path(f"/proc/{bystander.pid}/comm").read_text().strip() != "sleep" and time.time() < deadline:
+        time.sleep(0.01)                                    # until it has exec'd (a fork is still 'python')
     try:
         sec.pid_file.write_text(f"{bystander.pid}\n")
         with pytest.raises(RuntimeError, match="'sleep'.*stale pid file"):
