@@ -110,7 +110,6 @@ class RequestGuard:
 
         return await self.app(scope, bounded_receive, send)
 
-
     async def _sign_in(self, scope, receive, send) -> None:
         """The sign-in form's POST: the token in a urlencoded body of at most MAX_LOGIN_BYTES."""
         body, more = b"", True

@@ -170,8 +170,9 @@ def reconstruct_verified(shares: Mapping[int, bytes], threshold: int, secret_byt
     when the secret they open to is refused, sets that leave out one holder of the chosen ones,
     then two, ... up to ``budget`` interpolations (any `threshold` honest shares open to the
     secret, so with r more shares than `threshold`, up to r wrong ones are found if the budget
-    allows). Holders whose shares disagree with the confirmed secret's polynomial, and malformed
-    shares, are added to ``suspects``, so the next secret of the same round starts without them.
+    allows). When the first set was refused, the holders whose shares disagree with the confirmed
+    secret's polynomial are added to ``suspects`` (malformed shares always are), so the round's
+    next secret starts without them; the usual case costs one interpolation.
     Raises ReconstructionError when no set within the budget is confirmed."""
     if threshold < 1:
         raise ValueError("threshold must be >= 1")
@@ -204,8 +205,9 @@ def reconstruct_verified(shares: Mapping[int, bytes], threshold: int, secret_byt
             except ReconstructionError:
                 continue
             if is_secret(secret):
-                suspects.update(x for x in order if x not in chosen
-                                and not np.array_equal(_value_at(chosen, values, x), values[x]))
+                if len(tried) > 1:      # some holder's share was wrong: name every such holder (O(n t²), rare)
+                    suspects.update(x for x in order if x not in chosen
+                                    and not np.array_equal(_value_at(chosen, values, x), values[x]))
                 return secret
     raise ReconstructionError(f"no set of {threshold} of the {len(order)} shares opens to the confirmed secret "
                               f"(more wrong shares than the {len(order) - threshold} spare ones can outvote)")
