@@ -81,12 +81,42 @@ def secure_degree_for(n: int, removed_rate: float, security_log2: int = SECURITY
     return n - 1
 
 
+def exposure_probability_log2(n: int, degree: int, corruption_rate: float) -> float:
+    """log2 of a union bound on the probability that some member's input is exposed to a server
+    colluding with ``corruption_rate`` of the devices (each corrupted independently): t' of the
+    member's k neighbours are corrupted and hand over their shares of its mask key, while the
+    honest ones give its self-mask seed. n · P[Binomial(k, γ) ≥ t'], t' = :func:`share_threshold_for`
+    (k + 1, γ); summed in log space (C(k, s) overflows a float for k in the thousands)."""
+    if corruption_rate <= 0:
+        return -math.inf
+    t = share_threshold_for(degree + 1, corruption_rate)
+    if t > degree:
+        return -math.inf
+    log_terms = [math.lgamma(degree + 1) - math.lgamma(s + 1) - math.lgamma(degree - s + 1)
+                 + s * math.log(corruption_rate) + (degree - s) * math.log1p(-corruption_rate)
+                 for s in range(t, degree + 1)]
+    top = max(log_terms)
+    return (math.log(n) + top + math.log(sum(math.exp(v - top) for v in log_terms))) / math.log(2)
+
+
+@functools.lru_cache(maxsize=64)
+def private_degree_for(n: int, corruption_rate: float, security_log2: int = SECURITY_LOG2) -> int:
+    """The smallest even degree whose exposure probability (:func:`exposure_probability_log2`) is
+    at most 2^security_log2; n - 1 when none below it is."""
+    for k in range(2, n - 1, 2):
+        if exposure_probability_log2(n, k, corruption_rate) <= security_log2:
+            return k
+    return n - 1
+
+
 def regular_degree(n: int, dropout_rate: float = 0.1, corruption_rate: float = 0.0) -> int:
     """SecAgg+'s default degree for a group of n: the largest of the O(log n) floor
-    (:func:`default_degree`), the correctness bound (:func:`degree_for`) and the security bound
-    (:func:`secure_degree_for`, dropouts and corruptions together), even and at most n - 1."""
+    (:func:`default_degree`), the correctness bound (:func:`degree_for`), the security bound
+    (:func:`secure_degree_for`, dropouts and corruptions together) and, with corruptions declared,
+    the bound on exposing an input (:func:`private_degree_for`), even and at most n - 1."""
     degree = max(default_degree(n), degree_for(n, dropout_rate, corruption_rate),
-                 secure_degree_for(n, min(dropout_rate + corruption_rate, 1.0)))
+                 secure_degree_for(n, min(dropout_rate + corruption_rate, 1.0)),
+                 private_degree_for(n, corruption_rate) if corruption_rate > 0 else 0)
     degree = min(degree, n - 1)
     return degree - degree % 2                # n - 1 may be odd
 
