@@ -8,16 +8,22 @@ serve time, not cached, so a bundle can be large; the device verifies every dige
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from protocols.bundle_manifest import MANIFEST_FILENAME, read_manifest
+from protocols.envelope import Envelope
 from protocols.files import file_sha256
+from protocols.payloads.artifacts import artifact_message, missing_message
+from protocols.topics import AGGREGATOR_ID
 
 from aggregator.jobs.registry import config_fields
 from aggregator.security.repeat_limit import RepeatLimiter
 
 MAX_ARTIFACT_BYTES = 256 * 1024 * 1024
 ARTIFACT_RESEND_S = 30.0        # a file is sent to a device at most twice per this (RepeatLimiter)
+
+log = logging.getLogger("fedfleet.aggregator")
 
 
 class ArtifactShelf:
@@ -53,6 +59,18 @@ class ArtifactShelf:
 
     def __contains__(self, sha256: str) -> bool:
         return sha256 in self._files
+
+
+def artifact_reply(shelf: ArtifactShelf | None, device: str, sha256: str) -> tuple[Envelope | None, str | None]:
+    """What to send ``device`` that asked for ``sha256``, and the refusal to count (or None): the
+    file; ``artifact.missing`` when the shelf holds no such file (so the device stops asking instead
+    of waiting out its timeout); nothing when the shelf answered this ask twice lately."""
+    if shelf is None or sha256 not in shelf:
+        return missing_message(AGGREGATOR_ID, sha256), f"no artifact {sha256[:16]} on this aggregator"
+    if not shelf.answers.allow(device, sha256):
+        log.info("artifact %s… asked again by %s: the last answers stand", sha256[:16], device)
+        return None, None
+    return artifact_message(AGGREGATOR_ID, sha256, *shelf.get(sha256)), None
 
 
 def with_served_bundle(kind: str, config: dict, shelf: ArtifactShelf | None) -> dict:

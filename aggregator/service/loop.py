@@ -52,14 +52,14 @@ from protocols.envelope import Envelope, EnvelopeError, decode, encode
 from protocols.identity import DeviceIdentity
 from protocols.message_loop import MessageLoop
 from protocols.mqtt_link import BrokerConfig, MqttLink
-from protocols.payloads.artifacts import GET as ARTIFACT_GET, artifact_message, missing_message, parse_get
+from protocols.payloads.artifacts import GET as ARTIFACT_GET, parse_get
 from protocols.payloads.secagg import SECAGG_TYPE
 from protocols.rounds import Declined, ResultArrived, ResultInvalid
 from protocols.topics import AGGREGATOR_ID
 
 from aggregator.service import job_lifecycle, reporting
 from aggregator.service.active_job import ActiveJob, ServiceStats, ValidatedResult
-from aggregator.service.artifacts import ArtifactShelf
+from aggregator.service.artifacts import ArtifactShelf, artifact_reply
 from aggregator.service.async_runner import AsyncJobRunner
 from aggregator.security.broker import BrokerSecurity
 from aggregator.service.crash_points import CrashPoints
@@ -383,15 +383,13 @@ class AggregatorService(OperatorActions):
 
     def _on_artifact_get(self, device: str, env: Envelope) -> None:
         try:
-            sha = parse_get(env)
+            reply, refused = artifact_reply(self.artifacts, device, parse_get(env))
         except EnvelopeError as exc:
-            return self._reject(device, "artifact", str(exc))
-        if self.artifacts is None or sha not in self.artifacts:
-            self._reject(device, "artifact", f"no artifact {sha[:16]} on this aggregator")
-            return self._send(device, missing_message(AGGREGATOR_ID, sha))    # the device stops asking
-        if not self.artifacts.answers.allow(device, sha):
-            return log.info("artifact %s… asked again by %s: the last answers stand", sha[:16], device)
-        self._send(device, artifact_message(AGGREGATOR_ID, sha, *self.artifacts.get(sha)))
+            reply, refused = None, str(exc)
+        if refused:
+            self._reject(device, "artifact", refused)
+        if reply is not None:
+            self._send(device, reply)
 
     def _on_protocol(self, device: str, env: Envelope) -> None:
         """A message of the job's secure-aggregation sub-protocol."""
