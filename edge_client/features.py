@@ -27,6 +27,7 @@ import numpy as np
 # torch is imported by the eager path only: a torch-free device (fedfleet[device]) extracts
 # features with an exported program (FeatureExtractor.from_bundle).
 from edge_client.preprocess import to_model_input, validate_images
+from protocols.files import NPY_HEADER_LOCK
 
 __all__ = ["FeatureExtractor"]
 
@@ -167,7 +168,8 @@ class FeatureExtractor:
 
     def _load_cached(self, path: pathlib.Path, count: int) -> np.ndarray | None:
         try:
-            features = np.load(path, allow_pickle=False)
+            with NPY_HEADER_LOCK:
+                features = np.load(path, allow_pickle=False)
         except FileNotFoundError:
             return None
         except (OSError, ValueError, EOFError):

@@ -54,6 +54,8 @@ from pathlib import Path
 
 import numpy as np
 
+from protocols.files import NPY_HEADER_LOCK
+
 DEFAULT_BUDGET_BYTES = 16 * 2**20          # all jobs together; a 10-class head on 1,280-d features is 51 KB
 DEFAULT_TTL_S = 7 * 24 * 3600.0            # a task that names no horizon: a week
 FILE_SLACK_BYTES = 2**20                   # a state file's framing and header beyond its budget (as Java's)
@@ -121,7 +123,8 @@ def read_state_arrays(path: Path, max_bytes: int) -> dict[str, np.ndarray]:
                 version = np.lib.format.read_magic(stream)
                 read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
                     np.lib.format.read_array_header_2_0
-                shape, fortran_order, dtype = read_header(stream)
+                with NPY_HEADER_LOCK:
+                    shape, fortran_order, dtype = read_header(stream)
                 if fortran_order or dtype.kind not in "fu" or dtype.itemsize not in (1, 2, 4, 8) \
                         or dtype.byteorder == ">" or (dtype.byteorder == "=" and sys.byteorder != "little"):
                     raise ValueError(f"{member.filename}: not a little-endian float or unsigned array in C order")

@@ -1,13 +1,21 @@
 """Files both sides exchange, pin or keep secret: checksums (bundles, programs, pretrained networks)
-and private files (keys, credentials)."""
+and private files (keys, credentials); and the lock under which threads parse arrays' headers."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from pathlib import Path
 
 _BLOCK = 1 << 20
+
+# numpy reads every .npy header (each member of an .npz too) with ast.literal_eval, and CPython
+# 3.11's AST construction is not thread-safe: two threads parsing at once can fail with
+# "SystemError: AST constructor recursion depth mismatch" (python/cpython#106905). On an emulated
+# host, whose device threads load heads and state together, a good head was refused that way.
+# Code that reads arrays in a thread of its own does it under this lock.
+NPY_HEADER_LOCK = threading.Lock()
 
 
 def file_sha256(path: str | Path) -> str:

@@ -37,6 +37,7 @@ import numpy as np
 
 from ..envelope import Envelope, EnvelopeError, body_field
 from ..topics import check_device_id
+from ..files import NPY_HEADER_LOCK
 from .artifacts import check_sha
 
 ASSIGN, REPORT = "deployment.assign", "deployment.report"
@@ -147,7 +148,7 @@ def head_from_npz(data: bytes, expected_sha256: str) -> tuple[np.ndarray, np.nda
     if digest != expected_sha256:
         raise EnvelopeError(f"head sha256 {digest[:16]}… differs from the assigned {expected_sha256[:16]}…")
     try:
-        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+        with NPY_HEADER_LOCK, np.load(io.BytesIO(data), allow_pickle=False) as z:     # members parse lazily
             names = next((pair for pair in _HEAD_NAMES if set(pair) <= set(z.files)), None)
             if names is None:
                 raise EnvelopeError(f"head holds {sorted(z.files)}: expected coef/intercept or weight/bias")
