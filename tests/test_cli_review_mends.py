@@ -150,19 +150,27 @@ def test_broker_is_stopped_even_if_the_hosts_fail_to_stop(tmp_path):
 
 
 @pytest.mark.parametrize("api", ["127.0.0.1:99999", "192.0.2.77:8080", "localhost", "127.0.0.1:{taken}"])
-def test_an_api_address_that_cannot_be_served_is_one_clear_error_before_anything_is_built(tmp_path, broker, api):
-    """It raised RuntimeError from the API server's start (a traceback), after the store, the service
-    and the rollout controller were built; a port in use the same."""
+def test_an_api_address_that_cannot_be_served_is_refused_with_the_reason(api):
+    from aggregator.api.server import api_address
+
     import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        with pytest.raises(ValueError, match="--api"):
+            api_address(api.format(taken=taken.getsockname()[1]))
+
+
+def test_an_api_address_that_cannot_be_served_is_one_clear_error_before_anything_is_built(tmp_path, broker):
+    """It raised RuntimeError from the API server's start (a traceback), after the store, the service
+    and the rollout controller were built; a port in use the same. (Each kind of bad address is
+    refused by ``api_address`` above; one of them goes through the command.)"""
     import subprocess
     import sys
 
-    with socket.create_server(("127.0.0.1", 0)) as taken:
-        api = api.format(taken=taken.getsockname()[1])
-        env = dict(os.environ, FEDFLEET_ADMIN_TOKEN="abcdefghijklmnopqrstuvwxyz")
-        proc = subprocess.run([str(Path(sys.executable).with_name("fedfleet")), "aggregator", "serve", "--state",
-                               str(tmp_path / "s.db"), "--out", str(tmp_path / "out"), "--broker", broker.url,
-                               "--api", api], capture_output=True, text=True, timeout=120, env=env)
+    env = dict(os.environ, FEDFLEET_ADMIN_TOKEN="abcdefghijklmnopqrstuvwxyz")
+    proc = subprocess.run([str(Path(sys.executable).with_name("fedfleet")), "aggregator", "serve", "--state",
+                           str(tmp_path / "s.db"), "--out", str(tmp_path / "out"), "--broker", broker.url,
+                           "--api", "192.0.2.77:8080"], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 2 and "--api" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-1500:]
     assert not (tmp_path / "s.db").exists()                 # refused before the store was made
 

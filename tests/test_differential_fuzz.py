@@ -95,9 +95,9 @@ pytestmark = pytest.mark.skipif(java_build.missing() is not None, reason=str(jav
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICE_PYTHON = ROOT / ".venv-device" / "bin" / "python"
-# Cases per kind and the draw's seed: the suite's 400 on a fixed seed (reproducible, ~1 CPU-minute);
+# Cases per kind and the draw's seed: the suite's 200 on a fixed seed (reproducible, ~half a CPU-minute);
 # `make test-fuzz` draws 5,000 a kind on a fresh seed it prints (FEDFLEET_FUZZ_CASES / _SEED)
-CASES = int(os.environ.get("FEDFLEET_FUZZ_CASES", "400"))
+CASES = int(os.environ.get("FEDFLEET_FUZZ_CASES", "200"))
 SEED = int(os.environ.get("FEDFLEET_FUZZ_SEED", "20261201"))
 EPS32 = 2.0 ** -24
 DEVICES = ("python", "numpy", "java")

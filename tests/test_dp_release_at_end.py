@@ -155,6 +155,24 @@ def test_simulate_refuses_a_release_it_does_not_know():
         dp_job_fields(cfg, "fed3r", {"num_classes": C, "feature_dim": D})
 
 
+def test_simulate_per_round_release_asks_the_fleet_in_one_round():
+    """``--dp-release round``: every round is a release of its own, so simulate asks the whole fleet
+    in one round (after the center's), nobody twice, and opens it only with half of the rest."""
+    import dataclasses
+
+    from aggregator.compute.privacy import noise_multiplier_for
+    from fedfleet.dp_fleet import dp_job_fields
+    from fedfleet.simulate import PRESETS
+
+    cfg = dataclasses.replace(PRESETS["smoke"], dp_epsilon=4.0, dp_center_devices=5, dp_release="round")
+    fields = dp_job_fields(cfg, "fed3r", {"num_classes": C, "feature_dim": D})
+    assert (fields["clients_per_round"], fields["max_attempts"], fields["dp_min_round_devices"]) == (20, 1, 7)
+    assert "dp_release" not in fields and fields["dp_delta"] == 1 / 20
+    assert fields["dp_noise_multiplier"] == noise_multiplier_for(4.0, 1 / 20, 1, accounting="pld")
+    end = dp_job_fields(dataclasses.replace(cfg, dp_release="end"), "fed3r", {"num_classes": C, "feature_dim": D})
+    assert end["dp_release"] == "end" and "clients_per_round" not in end and "dp_min_round_devices" not in end
+
+
 END_JOB = {"job_id": "dp-end", "num_classes": C, "feature_dim": D, "clients_per_round": 2, "round_timeout_s": 30,
            "expected_devices": 5, "dp_noise_multiplier": 0.8, "dp_target_epsilon": 8.0, "feature_clip_norm": 4.0,
            "max_samples": 20, "dp_mechanism": "gaussian", "dp_release": "end"}

@@ -19,51 +19,32 @@ def feature_cache(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_smoke_simulation_matches_centralized_ridge(tmp_path, feature_cache):
-    """The one-phase ``fedfleet simulate`` (plain Fed3R; Fed3R-Sync under secure aggregation is the
-    secure pipeline test's first phase)."""
-    cfg = dataclasses.replace(PRESETS["smoke"], out_dir=str(tmp_path / "run"), cache_dir=feature_cache)
-    report = run(cfg, quiet=True)
-    assert report["devices"] == 20 and report["contributed"] == 20      # drop-outs were retried
-    assert report["rel_weight_error"] <= 1e-9
-    assert round(report["fed3r_accuracy"], 4) == round(report["central_accuracy"], 4)
-    assert report["fed3r_accuracy"] > 0.5                                # far above chance (0.1)
-    results = json.loads((tmp_path / "run" / "results.json").read_text())
-    assert results["rejections"] == {}
-    # provisional classifiers: one evaluation per contribution, contributions strictly increasing
-    counts = [h["contributions"] for h in results["history"]]
-    assert counts == sorted(counts) and counts[-1] == 20
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("secure,release", [(False, "end"), (False, "round"), (True, "end")],
-                         ids=["central", "central-per-round", "secure"])
-def test_simulate_dp_epsilon_runs_dp_fed3r_with_a_private_center_on_the_devices(tmp_path, feature_cache, secure,
-                                                                                release):
-    """``fedfleet simulate [--secure] --dp-epsilon ε --dp-center-devices m [--dp-release round]``: a
-    center round of m devices, then the model's: central DP in the preset's rounds of κ, their sums
-    released once at the end (or in one round of everyone left, released as it closes), Fed3R-Sync's
-    distributed DP in groups of κ; the job accounts one release at the smallest multiplier its own
-    accountant allows for ε at δ = 1/devices (PLD central, RDP secure), and the report puts the
-    private model beside the centralized ridge."""
+@pytest.mark.parametrize("secure", [False, True], ids=["central", "secure"])
+def test_simulate_dp_epsilon_runs_dp_fed3r_with_a_private_center_on_the_devices(tmp_path, feature_cache, secure):
+    """``fedfleet simulate [--secure] --dp-epsilon ε --dp-center-devices m``: a center round of m
+    devices, then the model's: central DP in the preset's rounds of κ, their sums released once at
+    the end, Fed3R-Sync's distributed DP in groups of κ; the job accounts one release at the
+    smallest multiplier its own accountant allows for ε at δ = 1/devices (PLD central, RDP secure),
+    and the report puts the private model beside the centralized ridge. (``--dp-release round``'s
+    one round of everyone: test_dp_release_at_end.py builds its config, test_dp_fed3r_center.py
+    holds a job's rounds to its ``dp_min_round_devices``.)"""
     from aggregator.compute.privacy import noise_multiplier_for
     from fedfleet.simulate_report import format_report
 
     cfg = dataclasses.replace(PRESETS["smoke"], out_dir=str(tmp_path / "run"), cache_dir=feature_cache, secure=secure,
-                              dropout_prob=0.0, dp_epsilon=4.0, dp_center_devices=5, dp_release=release)
+                              dropout_prob=0.0, dp_epsilon=4.0, dp_center_devices=5)
     report = run(cfg, quiet=True)
-    one_round = not secure and release == "round"
-    rounds = 1 + (1 if one_round else 15 // cfg.clients_per_round)     # the center's, then one round or rounds of κ
+    rounds = 1 + 15 // cfg.clients_per_round             # the center's, then rounds of κ
     assert report["contributed"] == 20 and report["rounds"] == rounds
     z = noise_multiplier_for(4.0, 1 / 20, 1, accounting="rdp" if secure else "pld")
     privacy = report["privacy"]
     assert privacy["noise_multiplier"] == z and privacy["accounting"] == ("rdp" if secure else "pld")
-    noisy_sums = rounds - 1 if secure else 1            # central: one noisy sum either way
+    noisy_sums = rounds - 1 if secure else 1            # central: one noisy sum, at the end
     assert privacy["releases"] == 1 and privacy["epsilon"] <= 4.0 and privacy["noisy_sums"] == noisy_sums
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert results["config"]["dp_center_devices"] == 5 and results["config"]["feature_clip_norm"] == cfg.dp_clip
-    assert results["config"]["dp_min_round_devices"] == (7 if one_round else 0)
-    assert results["config"]["dp_release"] == ("end" if not secure and not one_round else "round")
+    assert results["config"]["dp_min_round_devices"] == 0
+    assert results["config"]["dp_release"] == ("round" if secure else "end")
     text = format_report(report)
     assert "privacy                 ε = " in text and "points against the centralized ridge" in text
     assert "W_central" not in text
@@ -158,7 +139,8 @@ def assert_rollout(report: dict, out, extractor) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("secure", [False, True], ids=["plain", "secure"])
 def test_fed3r_ft_oll_pipeline_reports_what_the_devices_data_gives(tmp_path, secure, feature_cache):
-    """The three-phase pipeline over mosquitto (secure: Fed3R-Sync and secure FedAvg); the
+    """The three-phase pipeline over mosquitto (secure: Fed3R-Sync and secure FedAvg); its first phase
+    is ``fedfleet simulate``'s plain Fed3R (drop-outs retried, equal to the centralized ridge); the
     personalised WMA the aggregator reports is recomputed here from the final head and each
     reporting device's held-out images. The plain run then rolls the fine-tuned head out
     (``--deploy``, checked by ``assert_rollout``)."""
@@ -173,6 +155,12 @@ def test_fed3r_ft_oll_pipeline_reports_what_the_devices_data_gives(tmp_path, sec
     assert fed3r["contributions"] == report["devices"] == 20
     assert fed3r["rel_weight_error"] <= (1e-6 if secure else 1e-9)
     assert fed3r["accuracy"] == pytest.approx(fed3r["central_accuracy"], abs=1e-3 if secure else 1e-4)
+    assert fed3r["accuracy"] > 0.5                                      # far above chance (0.1)
+    phase1 = json.loads((tmp_path / "run" / "1-fed3r" / "results.json").read_text())
+    assert phase1["rejections"] == {}
+    if not secure:          # provisional classifiers: one per contribution, contributions strictly increasing
+        counts = [h["contributions"] for h in phase1["history"]]
+        assert counts == sorted(counts) and counts[-1] == 20
     assert ft["rounds"] == 3 and ft["bytes_up"] > 0 and ft["device"]["tasks"] >= ft["contributions"] > 0
     assert oll["bytes_up_per_device"] < ft["bytes_up_per_device"]          # counts only, no tensors
     # independent recomputation of the global head's and OLL's WMA over the devices that reported
