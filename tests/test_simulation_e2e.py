@@ -189,6 +189,7 @@ def test_ft_phi_pipeline_fine_tunes_the_backbone_tail_against_the_frozen_fed3r_h
 
     cfg = dataclasses.replace(PRESETS["smoke"], out_dir=str(tmp_path / "run"), cache_dir=feature_cache,
                               ft_rounds=2, ft_mode="phi", ft_client_lr=0.01, tail_bundle=str(tail_bundle),
+                              train_limit=1200, test_limit=300, fp_epochs=2,     # the tail trains on every image
                               round_timeout_s=120)       # tail training missed the preset's 30 s under the suite's load
     report = run_pipeline(cfg, quiet=True)
     out = tmp_path / "run"
