@@ -30,11 +30,11 @@ def _statistics(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, int]:
     return (z.T @ z)[np.triu_indices(P_FEATURES + 1)], y.T @ z, n
 
 
-def _group(upload_window_bytes: int):
-    identities = {i.device_id: i for i in make_identities(N, prefix="dev")}
+def _group(upload_window_bytes: int, n: int = N):
+    identities = {i.device_id: i for i in make_identities(n, prefix="dev")}
     registry = IdentityRegistry({d: i.public_key_bytes for d, i in identities.items()})
     job = Fed3RSyncJob(Fed3RSyncConfig(job_id="paced", num_classes=CLASSES, feature_dim=P_FEATURES,
-                                       clients_per_round=N, max_samples=10, upload_window_bytes=upload_window_bytes),
+                                       clients_per_round=n, max_samples=10, upload_window_bytes=upload_window_bytes),
                        identity=AGGREGATOR, registry=registry)
     chosen = job.next_participants(set(identities))
     round_id = job.secure.config.round_id
@@ -133,3 +133,35 @@ def test_the_round_log_says_how_long_each_phase_was_open():
     assert entry["secure_phase_s"] == {p.value: 2.0 for p in (Phase.ADVERTISE_KEYS, Phase.SHARE_KEYS,
                                                              Phase.MASKED_INPUT, Phase.CONSISTENCY_CHECK,
                                                              Phase.UNMASK)}
+
+
+def test_members_that_never_upload_give_their_slots_up_and_the_round_goes_on():
+    """The first window's members stay online and never upload (stuck, or hostile). They held every
+    slot until the phase timed out, and everyone held behind them was dropped with them. A slot is
+    leased for half the phase timeout (from the first tick that sees it): then the next members are
+    asked, and the round sums everyone but the silent ones (40 members: 32 reach the threshold 27)."""
+    job, clients, stats = _group(upload_window_bytes=1, n=40)
+    lease = job.config.phase_timeout_s / 2
+    forwarded = _answer(job, clients, _answer(job, clients, job.on_protocol_tick(0.0), 0.0), 0.0)
+    silent = {d for d, _ in forwarded}
+    assert len(silent) == MIN_WINDOW
+    assert job.on_protocol_tick(1.0) == []                       # the lease starts at this tick
+    assert job.on_protocol_tick(1.0 + lease - 0.01) == []         # still theirs
+    released = job.on_protocol_tick(1.0 + lease)                 # before the phase timeout (2 leases)
+    assert _kinds(released) == ["secagg.forwarded_shares"] * MIN_WINDOW
+    assert job._uploads.overdue == MIN_WINDOW and not silent & {d for d, _ in released}
+    now, pending = 1.0 + lease, list(released)
+    while pending:                                                # the others upload, one at a time
+        sends = _answer(job, clients, [pending.pop(0)], now)
+        more = [(d, e) for d, e in sends if from_envelope(e).TYPE == "secagg.forwarded_shares"]
+        pending += more
+        if not pending and job.secure.phase is Phase.MASKED_INPUT:
+            now += lease                                          # the next silent-free window's lease
+            pending += job.on_protocol_tick(now)
+    assert job._uploads.held == 0
+    rest = job.on_protocol_tick(now + 2 * lease + 1)              # the phase times out on the silent ones
+    while rest:
+        rest = _answer(job, clients, rest, now + 2 * lease + 1)
+    survivors = sorted(set(clients) - silent)
+    assert sorted(job.settled(1)) == survivors
+    np.testing.assert_allclose(job.strategy.packed_upper(), sum(stats[d][0] for d in survivors), atol=1e-6)

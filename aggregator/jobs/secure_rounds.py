@@ -112,8 +112,10 @@ class SecureGroupRounds(Job):
         coordinator placed the group on (``aggregator/shards/shard_groups.py``), with what the
         coordinator's job gave besides the configuration (``hosting_context``)."""
         self.secure = ServerSecAgg(config, self.identity, self.registry, mask_applier=pick_mask_applier())
+        # a slot is leased for half the phase timeout: a member silent that long gives it up before
+        # the phase would time out on everyone held behind it
         self._uploads = MaskedUploadWindow(window_size(self.config.upload_window_bytes, config.vector_length,
-                                                       config.codec.word.itemsize))
+                                                       config.codec.word.itemsize), self.config.phase_timeout_s / 2)
         self._newest_round = max(self._newest_round, config.round_id)
         self._start_pending = True
 
@@ -184,7 +186,7 @@ class SecureGroupRounds(Job):
         if now - self._phase_at > self.config.phase_timeout_s and self.secure.phase is not None:
             self._phase_at = now
             return self._route(self._timed(Timeout(self.secure.phase), now))
-        return []
+        return self._route(self._uploads.expire(now), paced=True) if self._uploads is not None else []
 
     def on_protocol(self, device: str, env: Envelope, now: float) -> list[tuple[str, Envelope]]:
         msg = from_envelope(env)

@@ -15,6 +15,12 @@ all. Nothing about the protocol changes: a member still gets exactly its own sha
 the masked phase's timer restarts at every answer (``SecureGroupRounds._feed``), so paced members
 are not timed out while others upload. If the phase ends anyway (its timeout), the members still
 held are dropouts, as they would have been had their upload been lost.
+
+A slot is a lease: a member that has not uploaded ``lease_s`` after its shares went out (counted
+from the first tick that sees it, :meth:`MaskedUploadWindow.expire`) no longer holds its slot,
+which goes to the next member held; its upload is still taken when it comes. Without it, members
+that stay online and never upload (stuck, or a handful of hostile devices, one window's worth)
+held every slot, nobody else was asked, and the phase timed out with everyone behind them dropped.
 """
 
 from __future__ import annotations
@@ -35,13 +41,14 @@ def window_size(budget_bytes: int, vector_length: int, word_bytes: int = 8) -> i
 
 
 class MaskedUploadWindow:
-    def __init__(self, size: int):
-        if size < 1:
-            raise ValueError(f"window size must be >= 1, got {size}")
-        self.size = size
+    def __init__(self, size: int, lease_s: float = float("inf")):
+        if size < 1 or not lease_s > 0:
+            raise ValueError(f"window size must be >= 1 and the lease positive, got {size}, {lease_s}")
+        self.size, self.lease_s = size, lease_s
         self._held: deque[Message] = deque()
-        self._uploading: set[str] = set()
+        self._uploading: dict[str, float | None] = {}   # member -> first tick seen uploading
         self.most_held = 0                     # for the round's log line
+        self.overdue = 0                       # slots taken back from members that did not upload
 
     def admit(self, outputs: list) -> list:
         """``outputs`` of the server machine with the forwarded shares beyond the window held back."""
@@ -56,8 +63,18 @@ class MaskedUploadWindow:
 
     def answered(self, device: str) -> list[Message]:
         """``device`` uploaded its masked input or went away: the next held members' shares."""
-        self._uploading.discard(device)
+        self._uploading.pop(device, None)
         self._held = deque(m for m in self._held if m.recipient != device)    # gone before its turn
+        return self._release()
+
+    def expire(self, now: float) -> list[Message]:
+        """Slots held ``lease_s`` without an upload go to the next members held (their shares)."""
+        for device, since in list(self._uploading.items()):
+            if since is None:
+                self._uploading[device] = now
+            elif now - since >= self.lease_s:
+                del self._uploading[device]
+                self.overdue += 1
         return self._release()
 
     def clear(self) -> None:
@@ -73,6 +90,6 @@ class MaskedUploadWindow:
         out = []
         while self._held and len(self._uploading) < self.size:
             message = self._held.popleft()
-            self._uploading.add(message.recipient)
+            self._uploading[message.recipient] = None
             out.append(message)
         return out
