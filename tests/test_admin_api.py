@@ -218,3 +218,16 @@ def test_the_dashboard_signs_in_by_post_to_an_opaque_session_never_the_token_in_
     assert "session has ended" in anonymous.get("/dashboard/").text
     anonymous.cookies.set(COOKIE, new_session("another-token-another-token"))
     assert anonymous.get("/api/health").status_code == 401                  # made under another token
+
+
+@pytest.mark.parametrize("other", ['prefs={"theme":"dark"}', "grafana_session=a b", 'x=[1,2]"'])
+def test_a_session_is_seen_beside_another_applications_cookies_and_odd_digits_are_no_session(idle_api, other):
+    """A browser sends the dashboard every cookie of its host (Grafana, Jupyter on localhost): the
+    parser stopped at the first value it could not read and the session behind it was never seen.
+    An issue time of '²' (str.isdigit, not int) answered 500 before any check."""
+    from aggregator.api.guard import COOKIE, new_session, session_valid
+
+    client = TestClient(idle_api, raise_server_exceptions=False)
+    assert client.get("/api/health", headers={"cookie": f"{other}; {COOKIE}={new_session(TOKEN)}"}).status_code == 200
+    assert session_valid("\u00b2.nonce.mac", TOKEN) is False
+    assert client.get("/api/health", headers={"cookie": f'{COOKIE}="\\262.a.b"'}).status_code == 401

@@ -21,11 +21,14 @@ import hashlib
 import hmac
 import html
 import json
+import re
 import secrets
 import time
 from http.cookies import SimpleCookie
 from importlib import resources
 from urllib.parse import parse_qs
+
+from starlette.requests import cookie_parser
 
 MAX_BODY_BYTES = 1024 * 1024          # the largest request the API takes (a job config, a key)
 MAX_LOGIN_BYTES = 4096                # the sign-in form: one token
@@ -33,6 +36,7 @@ COOKIE = "fedfleet_session"
 SESSION_TTL_S = 12 * 3600
 LOGIN_PATH = "/dashboard/login"
 LOGIN_PATHS = ("/", "/dashboard", "/dashboard/")     # where a browser without a session is asked for the token
+_ISSUED = re.compile(r"[0-9]{1,12}")
 
 
 def token_matches(given: str, token: str) -> bool:
@@ -52,7 +56,8 @@ def new_session(token: str, now: float | None = None) -> str:
 def session_valid(value: str, token: str, now: float | None = None) -> bool:
     issued, _, rest = value.partition(".")
     nonce, _, mac = rest.partition(".")
-    if not (issued.isdigit() and nonce and mac) or len(value) > 256:
+    # ASCII digits only: str.isdigit() takes '²', which int() refuses (a 500 before any check)
+    if not (_ISSUED.fullmatch(issued) and nonce and mac) or len(value) > 256:
         return False
     age = (time.time() if now is None else now) - int(issued)
     return 0 <= age <= SESSION_TTL_S and hmac.compare_digest(mac.encode(), _session_mac(token, f"{issued}.{nonce}").encode())
@@ -63,12 +68,9 @@ def _headers(scope: dict) -> dict[str, str]:
 
 
 def _session_cookie(headers: dict[str, str]) -> str | None:
-    cookie = SimpleCookie()
-    try:
-        cookie.load(headers.get("cookie", ""))
-    except Exception:                 # a malformed cookie header is no session
-        return None
-    return cookie[COOKIE].value if COOKIE in cookie else None
+    # starlette's parser, as browsers send cookies: SimpleCookie stops at the first value it cannot
+    # parse, so another application's cookie on the same host (a JSON value, a space) hid the session
+    return cookie_parser(headers.get("cookie", "")).get(COOKIE)
 
 
 def authenticated(scope: dict, token: str) -> bool:
