@@ -327,11 +327,14 @@ def test_messages_before_the_job_are_kept_in_order_up_to_a_byte_budget():
     kept without bound. Beyond the budget the oldest go (their devices re-send)."""
     from aggregator.shards.local import HeldMessages
 
-    held = HeldMessages(budget=1000)
+    held = HeldMessages(budget=10 * (4 + 100 + 128))
     for i in range(30):
-        held.add((f"t/{i}", bytes(100)))
-    assert held.size <= 1000 and held.dropped == 20
-    assert [t for t, _ in held.drain()] == [f"t/{i}" for i in range(20, 30)]
+        held.add((f"t/{i:02d}", bytes(100)))        # 4-character topics
+    assert held.dropped == 20
+    assert [t for t, _ in held.drain()] == [f"t/{i:02d}" for i in range(20, 30)]
+    for _ in range(10_000):                         # empty payloads are legal MQTT: they count too
+        held.add(("t/00", b""))
+    assert len(held.drain()) == 10 * (4 + 100 + 128) // (4 + 128)
     assert held.drain() == [] and held.size == 0
     held.add(("big", bytes(5000)))            # one message over the budget is not kept either
     assert held.drain() == []

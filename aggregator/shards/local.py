@@ -35,6 +35,12 @@ log = logging.getLogger("fedfleet.aggregator.shard")
 HELD_BYTES = 64 << 20       # outbox messages a shard keeps while it has no job (devices re-send the rest)
 
 
+def _held_bytes(item: tuple[str, bytes]) -> int:
+    """What one held message costs: its topic and payload and the tuple around them (an empty
+    payload is legal MQTT, and 200,000 of them held 28 MB while counting 0 bytes)."""
+    return len(item[0]) + len(item[1]) + 128
+
+
 class HeldMessages:
     """Outbox messages that reached a shard before its job did (a persistent session's queue),
     kept in arrival order up to ``budget`` bytes of payload: the oldest are dropped beyond it, since
@@ -47,10 +53,9 @@ class HeldMessages:
 
     def add(self, item: tuple[str, bytes]) -> None:
         self.items.append(item)
-        self.size += len(item[1])
+        self.size += _held_bytes(item)
         while self.size > self.budget:
-            _, payload = self.items.popleft()
-            self.size -= len(payload)
+            self.size -= _held_bytes(self.items.popleft())
             self.dropped += 1
             if self.dropped == 1:
                 log.warning("messages before the job exceed %d bytes; the oldest are dropped (devices re-send)",
