@@ -6,6 +6,7 @@ each attack is one explicit publish whose outcome (broker PUBACK reason, aggrega
 checked.
 """
 
+import os
 import socket
 import ssl
 import threading
@@ -288,3 +289,35 @@ def test_an_older_folders_accounts_are_rewritten_with_its_devices_kept(tmp_path)
     assert not sec.accounts_are_current()
     sec.write_access_files(sec.device_hashes())
     assert sec.accounts_are_current() and sec.device_hashes() == {"cam1": cam}
+
+
+def test_a_rerun_without_new_names_keeps_the_certificate_and_needs_no_ca_key(tmp_path, capsys):
+    """The CA key may be kept offline once the broker's certificate is issued: a re-run to write
+    the config for another port left the folder alone before, and must still (the defaults are no
+    new names); new names without the CA key are one clear error."""
+    from aggregator.security.broker import main as broker_main
+
+    folder = tmp_path / "security"
+    assert broker_main([str(folder), "--hostname", "broker.example", "--ip", "10.0.0.7"]) == 0
+    (folder / "ca.key").unlink()
+    before = (folder / "server.crt").read_bytes()
+    assert broker_main([str(folder), "--port", "8884"]) == 0
+    assert (folder / "server.crt").read_bytes() == before and "8884" in (folder / "mosquitto.conf").read_text()
+    assert broker_main([str(folder), "--hostname", "other.example"]) == 2
+    assert "ca.key" in capsys.readouterr().err and (folder / "server.crt").read_bytes() == before
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="files are handed to the broker's user only by root")
+def test_files_rewritten_later_stay_the_broker_users(tmp_path):
+    """A folder made as root with --broker-user: mosquitto reads passwd and acl as that user. serve's
+    start-up rewrite and enrolments name no broker user; they wrote root-owned 0600 files that the
+    broker could no longer read after its reload."""
+    import pwd
+
+    uid = pwd.getpwnam("nobody").pw_uid
+    made = BrokerSecurity(tmp_path / "security", broker_user="nobody")
+    made.initialise()
+    made.write_access_files({"cam1": hash_password("cam1-pw")})
+    later = BrokerSecurity(tmp_path / "security")               # as serve and the enrolment build it
+    later.write_access_files(later.device_hashes())
+    assert os.stat(later.passwd_file).st_uid == uid and os.stat(later.acl_file).st_uid == uid

@@ -45,6 +45,7 @@ import os
 import pwd
 import secrets
 import signal
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
@@ -202,24 +203,42 @@ class BrokerSecurity:
 
     @property
     def _owner(self) -> int | None:
-        uid = pwd.getpwnam(self.broker_user).pw_uid
-        return uid if os.getuid() == 0 and uid != os.getuid() else None
+        """The uid to hand the broker's files to: the broker user's when this process is root, else
+        none; when no broker user was named, the password file's present owner (a folder made with
+        ``--broker-user`` and rewritten later by ``serve`` or an enrolment, which name none)."""
+        if os.getuid() != 0:
+            return None
+        if self.broker_user != pwd.getpwuid(0).pw_name:
+            return pwd.getpwnam(self.broker_user).pw_uid
+        try:
+            uid = self.passwd_file.stat().st_uid
+        except OSError:
+            return None
+        return uid if uid != 0 else None
 
-    def initialise(self, hostnames: Iterable[str] = ("localhost",), ips: Iterable[str] = ("127.0.0.1",)) -> None:
-        """Create the CA, the server certificate and the aggregator account (once; idempotent)."""
+    def initialise(self, hostnames: Iterable[str] | None = None, ips: Iterable[str] | None = None) -> None:
+        """Create the CA, the server certificate (for ``hostnames`` and ``ips``, else localhost and
+        127.0.0.1) and the aggregator account, once. Names given again that the certificate lacks
+        get a new certificate under the same CA, for its old names and these; none given, an existing
+        folder's certificate stays (its CA key may be kept offline)."""
         self.directory.mkdir(parents=True, exist_ok=True)
         owner = self._owner
         if owner is not None:
             os.chown(self.directory, owner, -1)
-        hostnames, ips = list(hostnames), list(ips)
         if not self.ca_cert.exists():
             ca_key, ca_cert = make_ca()
             _write_atomic(self.directory / "ca.key", _private_key_pem(ca_key))
             _write_atomic(self.ca_cert, ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
-            self._write_server_cert(ca_key, ca_cert, hostnames, ips, owner)
-        else:           # re-run with names the certificate lacks: a new one for the old names and these
+            self._write_server_cert(ca_key, ca_cert, list(hostnames or ["localhost"]), list(ips or ["127.0.0.1"]),
+                                    owner)
+        elif hostnames or ips:      # re-run with names the certificate lacks: a new one for the old names and these
+            hostnames, ips = list(hostnames or []), list(ips or [])
             names, addresses = self.server_cert_names()
             if not (set(hostnames) <= set(names) and {ipaddress.ip_address(i) for i in ips} <= set(addresses)):
+                if not (self.directory / "ca.key").exists():
+                    raise ValueError(f"the server certificate lacks {', '.join(hostnames + ips)} and "
+                                     f"{self.directory / 'ca.key'} is not here to issue one: run this where the CA "
+                                     "key is kept")
                 ca_key = serialization.load_pem_private_key((self.directory / "ca.key").read_bytes(), None)
                 ca_cert = x509.load_pem_x509_certificate(self.ca_cert.read_bytes())
                 self._write_server_cert(ca_key, ca_cert, list(dict.fromkeys(names + hostnames)),
@@ -341,7 +360,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--topic-root", default="fedfleet")
     args = p.parse_args(argv)
     sec = BrokerSecurity(args.directory, Topics(args.topic_root), broker_user=args.broker_user)
-    sec.initialise(args.hostname or ["localhost"], args.ip or ["127.0.0.1"])
+    try:
+        sec.initialise(args.hostname, args.ip)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     conf = sec.write_config(args.port, args.host)
     print(f"wrote {conf}; start the broker with: mosquitto -c {conf}")
     return 0
