@@ -297,7 +297,10 @@ class BrokerSecurity:
         if name != "mosquitto":
             raise RuntimeError(f"cannot reload mosquitto: pid {pid} in {self.pid_file} is "
                                f"{'no running process' if name is None else repr(name)} (a stale pid file?)")
-        os.kill(pid, signal.SIGHUP)
+        try:
+            os.kill(pid, signal.SIGHUP)
+        except OSError as exc:        # gone since, or another user's mosquitto
+            raise RuntimeError(f"cannot reload mosquitto: pid {pid} in {self.pid_file}: {exc}") from exc
 
     def accounts_are_current(self) -> bool:
         """Whether the password file lists every account of the aggregator's this version writes (a
