@@ -245,3 +245,13 @@ def test_a_declared_corruption_rate_keeps_every_input_unexposed_at_the_security_
     t_smaller = max((smaller + 1) // 2 + 1, math.floor(gamma * (smaller + 1)) + 1)
     p_smaller = sum(math.comb(smaller, s) * gamma**s * (1 - gamma)**(smaller - s) for s in range(t_smaller, smaller + 1))
     assert math.log2(n * p_smaller) > SECURITY_LOG2
+
+
+@pytest.mark.parametrize("n,gamma", [(200, 0.3), (300, 0.4), (129, 0.2)])
+def test_a_corruption_rate_no_sparse_graph_can_protect_is_refused(n, gamma):
+    """There the degree fell back to n - 1 rounded to even, with a bare-majority t': a regular
+    graph that looked protected and left an input exposed with probability 2^-4 to 2^-22."""
+    with pytest.raises(ValueError, match="no SecAgg\\+ degree keeps inputs private"):
+        RoundConfig.create(job_id="j", round_id=1, group_id="g", aggregator_id="agg",
+                           members=[f"d{i:04d}" for i in range(n)], vector_length=4, bound=1.0,
+                           graph="regular", corruption_rate=gamma)

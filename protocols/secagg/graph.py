@@ -102,11 +102,17 @@ def exposure_probability_log2(n: int, degree: int, corruption_rate: float) -> fl
 @functools.lru_cache(maxsize=64)
 def private_degree_for(n: int, corruption_rate: float, security_log2: int = SECURITY_LOG2) -> int:
     """The smallest even degree whose exposure probability (:func:`exposure_probability_log2`) is
-    at most 2^security_log2; n - 1 when none below it is."""
-    for k in range(2, n - 1, 2):
+    at most 2^security_log2. ValueError when no degree below n - 1 is: the sparse graph cannot
+    protect inputs against that many corrupted devices at this size (falling back to the largest
+    degree with a bare-majority t' would look protected and be far from it)."""
+    largest = n - 2 - n % 2                 # the largest even degree below n - 1
+    if largest < 2 or exposure_probability_log2(n, largest, corruption_rate) > security_log2:
+        raise ValueError(f"no SecAgg+ degree keeps inputs private (2^{security_log2}) against a corruption "
+                         f"rate of {corruption_rate} in a group of {n}: use the complete graph or a lower rate")
+    for k in range(2, largest + 1, 2):
         if exposure_probability_log2(n, k, corruption_rate) <= security_log2:
             return k
-    return n - 1
+    return largest
 
 
 def regular_degree(n: int, dropout_rate: float = 0.1, corruption_rate: float = 0.0) -> int:
