@@ -5,8 +5,8 @@ For a secret shared among n holders with threshold t (the complete graph's t = â
 sizes the "auto" graph runs it, and a SecAgg+ neighbourhood's), the server reconstructs it from
 every holder's share and confirms it (here a SHA-256 commitment, as the self-mask seed's):
 1. clean: every share right (one interpolation, the usual case);
-2. one wrong share among the t the server tries first: the sets that leave one holder out are
-   searched, the wrong holder named;
+2. one wrong share among the t the server tries first: Berlekampâ€“Welch decoding finds and names
+   the wrong holder;
 3. the round's next secret with that holder known (tried last): one interpolation again.
 Printed: milliseconds of each (best of --repeats, CPU time) and their ratios to the clean case,
 and for reference the plain ``reconstruct`` (no check, which a wrong share turned into a failed

@@ -406,12 +406,66 @@ def test_verified_reconstruction_outvotes_wrong_shares_and_names_their_holders(w
     commitment = hashlib.sha256(secret).digest()
     suspects: set[int] = set()
     got = shamir.reconstruct_verified(shares, 5, 32, lambda s: hashlib.sha256(s).digest() == commitment, suspects)
-    assert got == secret and suspects == bad
-    assert shamir.reconstruct_verified(shares, 5, 32, lambda s: hashlib.sha256(s).digest() == commitment,
-                                       suspects, budget=1) == secret        # the caught ones are left out first
-    if wrong == 7:                           # only the 5 honest ones open to it: a budget too small refuses
+    assert got == secret
+    if wrong < 7:                            # decoded (≤ 3 of 7 spare) or corroborated by an honest holder
+        assert suspects == bad
+        assert shamir.reconstruct_verified(shares, 5, 32, lambda s: hashlib.sha256(s).digest() == commitment,
+                                           suspects, budget=1) == secret    # the caught ones are left out first
+    else:                                    # only the 5 honest ones open to it: nobody outside corroborates,
+        assert suspects == set()             # so nobody is named; a budget too small refuses
         with pytest.raises(shamir.ReconstructionError, match="none of 10 sets"):
             shamir.reconstruct_verified(shares, 5, 32, lambda s: hashlib.sha256(s).digest() == commitment, budget=10)
     shares[max(set(holders) - bad)] = b"short"                  # a malformed share is one more suspect
     if wrong < 7:
         assert shamir.reconstruct_verified(shares, 5, 32, lambda s: hashlib.sha256(s).digest() == commitment) == secret
+
+
+def _shifted(share: bytes, digit: int, delta: int) -> bytes:
+    v = np.frombuffer(share, dtype="<u4").astype(np.int64).copy()
+    v[digit] = (v[digit] + delta) % shamir.PRIME
+    return v.astype("<u4").tobytes()
+
+
+@pytest.mark.parametrize("n,t,bad_positions", [(100, 67, (65, 66)), (35, 18, (15, 16, 17)), (260, 174, (1, 80, 170))])
+def test_wrong_shares_placed_against_the_search_are_decoded(n, t, bad_positions):
+    """Two or three holders placed last among the first t (the complete graph at n = 100, a SecAgg+
+    neighbourhood at n = 1,000, the largest complete group) outran a search of leave-out sets;
+    Berlekamp–Welch finds them in one solve, and names them."""
+    import secrets
+
+    secret = secrets.token_bytes(32)
+    holders = list(range(1, n + 1))
+    shares = {x: s[0] for x, s in zip(holders, shamir.split([secret], t, holders))}
+    bad = {holders[i] for i in bad_positions}
+    for x in bad:
+        shares[x] = _shifted(shares[x], 5, 1)            # one digit off by one
+    suspects: set[int] = set()
+    assert shamir.reconstruct_verified(shares, t, 32, lambda s: s == secret, suspects, budget=4) == secret
+    assert suspects == bad
+
+
+def test_a_shift_to_an_equivalent_key_names_no_honest_holder():
+    """An X25519 key is confirmed by its public key, which ignores the clamped bits: a holder that
+    shifts its share so that a set it is in opens to key + 1 has that set accepted. With one spare
+    share the search (not decoding) runs; no honest holder may then be named."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+    from protocols.secagg.crypto import x25519_from_private_bytes, x25519_public_bytes
+
+    t = 6
+    raw = X25519PrivateKey.generate().private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
+                                                    serialization.NoEncryption())
+    public = x25519_public_bytes(x25519_from_private_bytes(raw))
+    for n in (t + 1, 10):                                  # one spare (search), four spare (decoding)
+        holders = list(range(1, n + 1))
+        shares = {x: s[0] for x, s in zip(holders, shamir.split([raw], t, holders))}
+        liar, second_set = 3, tuple(holders[1:t + 1])
+        weight = shamir._lagrange_at_zero(second_set)[second_set.index(liar)]
+        shares[liar] = _shifted(shares[liar], 0, pow(int(weight), -1, shamir.PRIME))
+        suspects: set[int] = set()
+        got = shamir.reconstruct_verified(shares, t, 32,
+                                          lambda s: x25519_public_bytes(x25519_from_private_bytes(s)) == public,
+                                          suspects)
+        assert x25519_public_bytes(x25519_from_private_bytes(got)) == public
+        assert suspects <= {liar} and (n == t + 1 or suspects == {liar})

@@ -160,20 +160,91 @@ def _value_at(chosen: Sequence[int], values: Mapping[int, np.ndarray], x: int) -
     return ((rows * np.array(basis, dtype=np.uint64)[:, None]) % PRIME).sum(axis=0) % PRIME
 
 
+def _solve(matrix: np.ndarray, rhs: np.ndarray) -> np.ndarray | None:
+    """One solution of matrix · x = rhs over GF(p) (free unknowns 0), or None if there is none:
+    Gauss–Jordan, a row operation at a time in uint64 (every product of two elements < 2^64)."""
+    rows, cols = matrix.shape
+    m = np.concatenate([matrix, rhs[:, None]], axis=1).astype(np.uint64) % PRIME
+    pivots: list[int] = []
+    for c in range(cols):
+        r = len(pivots)
+        if r == rows:
+            break
+        nonzero = np.flatnonzero(m[r:, c])
+        if nonzero.size == 0:
+            continue
+        m[[r, r + nonzero[0]]] = m[[r + nonzero[0], r]]
+        m[r] = m[r] * np.uint64(pow(int(m[r, c]), -1, PRIME)) % PRIME
+        factors = m[:, c].copy()
+        factors[r] = 0
+        m = (m + (PRIME - factors[:, None] * m[r][None, :] % PRIME)) % PRIME
+        pivots.append(c)
+    if m[len(pivots):, cols].any():
+        return None
+    x = np.zeros(cols, dtype=np.uint64)
+    x[pivots] = m[:len(pivots), cols]
+    return x
+
+
+def _divide(numerator: list[int], monic: list[int]) -> tuple[list[int], list[int]]:
+    """Quotient and remainder of two polynomials over GF(p) (coefficients lowest first; the
+    divisor monic)."""
+    rest, degree = list(numerator), len(monic) - 1
+    quotient = [0] * max(len(rest) - degree, 1)
+    for i in range(len(rest) - 1, degree - 1, -1):
+        c = rest[i] % PRIME
+        quotient[i - degree] = c
+        if c:
+            for j, d in enumerate(monic):
+                rest[i - degree + j] = (rest[i - degree + j] - c * d) % PRIME
+    return quotient, rest[:degree]
+
+
+def _wrong_holders(xs: list[int], ys: list[int], threshold: int) -> set[int] | None:
+    """The holders whose points lie off the one polynomial of degree < threshold that all but at
+    most e = ⌊(n − threshold)/2⌋ of the n points lie on (Berlekamp–Welch: Q(x_i) = y_i E(x_i) with
+    E monic of degree e; the polynomial is Q / E), or None when there is no such polynomial."""
+    n, e = len(xs), (len(xs) - threshold) // 2
+    x, y = np.array(xs, dtype=np.uint64), np.array(ys, dtype=np.uint64)
+    powers = np.ones((n, threshold + e + 1), dtype=np.uint64)
+    for k in range(1, threshold + e + 1):
+        powers[:, k] = powers[:, k - 1] * x % PRIME
+    matrix = np.concatenate([powers[:, :threshold + e], (PRIME - y[:, None] * powers[:, :e] % PRIME) % PRIME], axis=1)
+    solution = _solve(matrix, y * powers[:, e] % PRIME)
+    if solution is None:
+        return None
+    q = [int(v) for v in solution[:threshold + e]]
+    f, remainder = _divide(q, [int(v) for v in solution[threshold + e:]] + [1])
+    if any(remainder) or any(f[threshold:]):
+        return None
+    wrong = set()
+    for xi, yi in zip(xs, ys):
+        value = 0
+        for coefficient in reversed(f):
+            value = (value * xi + coefficient) % PRIME
+        if value != yi:
+            wrong.add(xi)
+    return wrong if len(wrong) <= e else None
+
+
 def reconstruct_verified(shares: Mapping[int, bytes], threshold: int, secret_bytes: int,
                          is_secret: Callable[[bytes], bool], suspects: set[int] | None = None,
                          budget: int = 1024) -> bytes:
     """Recover a secret that ``is_secret`` confirms (a commitment, a public key), from shares of
     which some may be wrong: a holder that sends a corrupted share must not fail the round.
 
-    The smallest x coordinates are tried first, skipping ``suspects`` (holders already caught);
-    when the secret they open to is refused, sets that leave out one holder of the chosen ones,
-    then two, ... up to ``budget`` interpolations (any `threshold` honest shares open to the
-    secret, so with r more shares than `threshold`, up to r wrong ones are found if the budget
-    allows). When the first set was refused, the holders whose shares disagree with the confirmed
-    secret's polynomial are added to ``suspects`` (malformed shares always are), so the round's
-    next secret starts without them; the usual case costs one interpolation.
-    Raises ReconstructionError when no set within the budget is confirmed."""
+    1. The smallest x coordinates, ``suspects`` (holders already caught) last: the usual case, one
+       interpolation.
+    2. Refused, and r ≥ 2 shares beyond `threshold`: Berlekamp–Welch decoding finds up to ⌊r/2⌋
+       wrong holders in one linear solve (on a random combination of the shares' digits, so a
+       holder wrong in any digit is found with probability 1 − 1/p); the secret of the others,
+       confirmed, names them in ``suspects``.
+    3. Else sets that leave out one holder, then two, ... up to ``budget`` interpolations (with
+       r = 1 the check on the secret finds the one wrong share decoding cannot). Holders are named
+       here only when the confirmed polynomial agrees with a holder outside the set: a secret that
+       a wrong share shifts to an equivalent one (an X25519 key differing in clamped bits) must not
+       name the honest holders.
+    Raises ReconstructionError when none is confirmed (more wrong shares than can be outvoted)."""
     if threshold < 1:
         raise ValueError("threshold must be >= 1")
     suspects = set() if suspects is None else suspects
@@ -189,8 +260,28 @@ def reconstruct_verified(shares: Mapping[int, bytes], threshold: int, secret_byt
     if len(values) < threshold:
         raise ReconstructionError(f"need {threshold} well-formed shares, have {len(values)}")
     order = sorted(x for x in values if x not in suspects) + sorted(x for x in values if x in suspects)
-    tried: set[tuple[int, ...]] = set()
-    for left_out in range(len(order) - threshold + 1):
+    first = tuple(order[:threshold])
+    try:
+        secret = _interpolate(first, values, secret_bytes)
+        if is_secret(secret):
+            return secret
+    except ReconstructionError:
+        pass
+    if len(order) - threshold >= 2:
+        weights = np.array([secrets.randbelow(PRIME - 1) + 1 for _ in range(n_digits)], dtype=np.uint64)
+        combined = [int(((values[x] * weights) % PRIME).sum() % PRIME) for x in order]
+        wrong = _wrong_holders(order, combined, threshold)
+        clean = [x for x in order if x not in (wrong or ())]
+        if wrong and len(clean) >= threshold:
+            try:
+                secret = _interpolate(tuple(clean[:threshold]), values, secret_bytes)
+                if is_secret(secret):
+                    suspects.update(wrong)
+                    return secret
+            except ReconstructionError:
+                pass
+    tried = {first}
+    for left_out in range(1, len(order) - threshold + 1):
         pool = order[:threshold + left_out]
         for excluded in itertools.combinations(range(len(pool)), left_out):
             chosen = tuple(x for i, x in enumerate(pool) if i not in excluded)
@@ -205,9 +296,9 @@ def reconstruct_verified(shares: Mapping[int, bytes], threshold: int, secret_byt
             except ReconstructionError:
                 continue
             if is_secret(secret):
-                if len(tried) > 1:      # some holder's share was wrong: name every such holder (O(n t²), rare)
-                    suspects.update(x for x in order if x not in chosen
-                                    and not np.array_equal(_value_at(chosen, values, x), values[x]))
+                outside = {x: np.array_equal(_value_at(chosen, values, x), values[x]) for x in order if x not in chosen}
+                if any(outside.values()):       # corroborated: the polynomial is the shares' own
+                    suspects.update(x for x, agrees in outside.items() if not agrees)
                 return secret
     raise ReconstructionError(f"no set of {threshold} of the {len(order)} shares opens to the confirmed secret "
                               f"(more wrong shares than the {len(order) - threshold} spare ones can outvote)")
