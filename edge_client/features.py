@@ -17,6 +17,7 @@ half-written file under the final name; an unreadable cache file is treated as a
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import pathlib
 import tempfile
@@ -27,7 +28,7 @@ import numpy as np
 # torch is imported by the eager path only: a torch-free device (fedfleet[device]) extracts
 # features with an exported program (FeatureExtractor.from_bundle).
 from edge_client.preprocess import to_model_input, validate_images
-from protocols.files import NPY_HEADER_LOCK
+from protocols.files import read_npy_header
 
 __all__ = ["FeatureExtractor"]
 
@@ -168,8 +169,11 @@ class FeatureExtractor:
 
     def _load_cached(self, path: pathlib.Path, count: int) -> np.ndarray | None:
         try:
-            with NPY_HEADER_LOCK:
-                features = np.load(path, allow_pickle=False)
+            with open(path, "rb") as f:             # the header under the lock, the data outside it
+                shape, fortran_order, dtype = read_npy_header(f)
+                if fortran_order or dtype.hasobject:
+                    return None
+                features = np.fromfile(f, dtype=dtype, count=math.prod(shape)).reshape(shape)
         except FileNotFoundError:
             return None
         except (OSError, ValueError, EOFError):

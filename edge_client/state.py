@@ -54,7 +54,7 @@ from pathlib import Path
 
 import numpy as np
 
-from protocols.files import NPY_HEADER_LOCK
+from protocols.files import read_npy_header
 
 DEFAULT_BUDGET_BYTES = 16 * 2**20          # all jobs together; a 10-class head on 1,280-d features is 51 KB
 DEFAULT_TTL_S = 7 * 24 * 3600.0            # a task that names no horizon: a week
@@ -120,11 +120,7 @@ def read_state_arrays(path: Path, max_bytes: int) -> dict[str, np.ndarray]:
             if not member.filename.endswith(".npy"):
                 raise ValueError(f"{member.filename!r} is not an array")
             with archive.open(member) as stream:
-                version = np.lib.format.read_magic(stream)
-                read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
-                    np.lib.format.read_array_header_2_0
-                with NPY_HEADER_LOCK:
-                    shape, fortran_order, dtype = read_header(stream)
+                shape, fortran_order, dtype = read_npy_header(stream)
                 if fortran_order or dtype.kind not in "fu" or dtype.itemsize not in (1, 2, 4, 8) \
                         or dtype.byteorder == ">" or (dtype.byteorder == "=" and sys.byteorder != "little"):
                     raise ValueError(f"{member.filename}: not a little-endian float or unsigned array in C order")

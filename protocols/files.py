@@ -4,9 +4,12 @@ and private files (keys, credentials); and the lock under which threads parse ar
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import threading
 from pathlib import Path
+
+import numpy as np
 
 _BLOCK = 1 << 20
 
@@ -16,6 +19,22 @@ _BLOCK = 1 << 20
 # host, whose device threads load heads and state together, a good head was refused that way.
 # Code that reads arrays in a thread of its own does it under this lock.
 NPY_HEADER_LOCK = threading.Lock()
+
+
+def read_npy_header(stream) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """(shape, fortran_order, dtype) of the .npy array ``stream`` is at, the stream left at its data;
+    parsed under NPY_HEADER_LOCK, the data then read outside it."""
+    with NPY_HEADER_LOCK:
+        version = np.lib.format.read_magic(stream)
+        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        return read(stream)
+
+
+def read_npz(data: bytes) -> dict[str, np.ndarray]:
+    """Every array of an .npz held in memory (never a pickle), its headers parsed under
+    NPY_HEADER_LOCK: what any thread that reads a model or a checkpoint calls."""
+    with NPY_HEADER_LOCK, np.load(io.BytesIO(data), allow_pickle=False) as z:
+        return {k: z[k] for k in z.files}
 
 
 def file_sha256(path: str | Path) -> str:

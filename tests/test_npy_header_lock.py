@@ -45,6 +45,21 @@ def test_the_state_store_parses_under_the_lock(parses, tmp_path):
     assert parses and all(parses)
 
 
+def test_the_aggregators_models_and_checkpoints_are_read_under_the_lock(parses, tmp_path):
+    """The rollout controller's thread reads stored models while the service thread reads its
+    checkpoints and the API's threads build jobs from model files: all through read_npz."""
+    from aggregator.storage.rounds import _write_checkpoint
+    from aggregator.storage.store import Store
+
+    store = Store(tmp_path / "s.db")
+    store.create_job("job", "fedavg", {"num_classes": 2})
+    with store._tx() as db:
+        _write_checkpoint(db, "job", 1, {"w": np.ones(3)}, {})
+    parses.clear()
+    _, state, _ = store.checkpoint("job")
+    assert state["w"].tolist() == [1, 1, 1] and parses == [True]
+
+
 def test_the_feature_cache_is_read_under_the_lock(parses, tmp_path):
     path = tmp_path / "features.npy"
     np.save(path, np.ones((2, 5), np.float32))

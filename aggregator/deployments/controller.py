@@ -22,7 +22,6 @@ Operator actions (deploy, promote, rollback) run on its thread through :meth:`ca
 from __future__ import annotations
 
 import hashlib
-import io
 import logging
 import re
 import time
@@ -33,6 +32,7 @@ from typing import Any, Callable
 import numpy as np
 
 from protocols.envelope import EnvelopeError, decode
+from protocols.files import read_npz
 from protocols.mqtt_link import BrokerConfig, LinkWorker, MqttLink
 from protocols.messages import profile_tags
 from protocols.payloads import deployment as D
@@ -147,8 +147,7 @@ class DeploymentController(LinkWorker):
         if raw is None or row is None:
             raise KeyError(f"no model {model_id}")
         try:
-            with np.load(io.BytesIO(raw), allow_pickle=False) as z:
-                arrays = {k: z[k] for k in z.files}
+            arrays = read_npz(raw)
         except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
             raise CorruptModel(f"model {model_id}'s stored arrays are unreadable ({type(exc).__name__}: {exc})") from None
         if arrays_sha256(arrays) != row["sha256"]:

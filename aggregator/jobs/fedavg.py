@@ -29,7 +29,6 @@ Learning-rate rule (spec §4): devices get ``client_lr`` × 0.1 when the head is
 from __future__ import annotations
 
 import dataclasses
-import io
 import logging
 import math
 import random
@@ -39,6 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from protocols.envelope import Envelope, body_field
+from protocols.files import read_npz
 from protocols.payloads.fedavg import (KIND, HeadTrainingParams, HeadUpdate, LocalTraining, ModelUpdate, head_tensors,
                                       parse_head_update)
 from protocols.rounds import RoundClosed
@@ -149,8 +149,8 @@ class FedAvgJob(Job):
             self.dp = DPFedAvg(self.strategy, c.dp_noise_multiplier, c.clip_rule(), c.clients_per_round)
         if c.init == "fed3r" and self.initial_head is None and c.initial_head_file:
             # A finished Fed3R job's output: the normalised classifier, bias included ([P] §III-D).
-            with np.load(io.BytesIO(read_job_input(c.initial_head_file, "initial_head_file"))) as fed3r_model:
-                self.initial_head = {"weight": fed3r_model["coef"], "bias": fed3r_model["intercept"]}
+            fed3r_model = read_npz(read_job_input(c.initial_head_file, "initial_head_file"))
+            self.initial_head = {"weight": fed3r_model["coef"], "bias": fed3r_model["intercept"]}
         if c.init == "fed3r" and self.initial_head is None:
             raise ValueError("init='fed3r' needs initial_head_file (a Fed3R model.npz) or FedAvgJob.from_fed3r")
         if self.initial_head is not None:

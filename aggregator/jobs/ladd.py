@@ -40,7 +40,6 @@ The server never needs the network itself, only named arrays: pre-training is in
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import random
@@ -54,7 +53,7 @@ from typing import Any
 import numpy as np
 
 from protocols.envelope import Envelope, EnvelopeError, body_field
-from protocols.files import check_sha256
+from protocols.files import check_sha256, read_npz
 from protocols.payloads.ladd import (KIND_STYLE, KIND_TRAIN, LaddTrainParams, Layout, ModelUpdate, StyleParams,
                                      StyleResult, layout_digest, make_layout, pack, packed_digest, parse_style,
                                      parse_update, train_task_tensors)
@@ -123,9 +122,8 @@ class LaddJob(Job):
             raise ValueError("a LADD job built from its config needs initial_model_file (the pretrained network)")
         raw = read_job_input(config.initial_model_file, "initial_model_file")
         check_sha256(raw, config.initial_model_sha256, f"initial_model_file {config.initial_model_file}")
-        with np.load(io.BytesIO(raw), allow_pickle=False) as data:
-            arrays = {k: data[k] for k in data.files if k != TRAINABLE_KEY}
-            trainable = [str(t) for t in data[TRAINABLE_KEY]] if TRAINABLE_KEY in data.files else []
+        arrays = read_npz(raw)
+        trainable = [str(t) for t in arrays.pop(TRAINABLE_KEY)] if TRAINABLE_KEY in arrays else []
         return arrays, trainable
 
     def __post_init__(self):

@@ -23,13 +23,13 @@ candidate means "use exactly this rate".
 
 from __future__ import annotations
 
-import io
 import random
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from protocols.envelope import Envelope
+from protocols.files import read_npz
 from protocols.payloads.fedavg import TAIL_PREFIX, head_tensors
 from protocols.payloads.personalize import (FALLBACKS, FP_PARTS, KIND, METHODS, PERSONAL, PersonalizationReport,
                                             PersonalizeParams, parse_report)
@@ -91,12 +91,12 @@ def load_model(path: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]
     """(head, tail) of a finished job's model.npz: the head is FedAvg's weight/bias or Fed3R's
     coef/intercept; the tail, the fine-tuned ``tail.*`` tensors of a fedavg-tail model (empty
     for a head-only model)."""
-    with np.load(io.BytesIO(read_job_input(path, "model file"))) as model:
-        tail = {name: model[name].astype(np.float32) for name in model.files if name.startswith(TAIL_PREFIX)}
-        for w, b in (("weight", "bias"), ("coef", "intercept")):
-            if w in model.files and b in model.files:
-                return head_tensors(model[w], model[b]), tail
-        raise ValueError(f"{path}: no head in it (expected weight/bias or coef/intercept, found {model.files})")
+    model = read_npz(read_job_input(path, "model file"))
+    tail = {name: array.astype(np.float32) for name, array in model.items() if name.startswith(TAIL_PREFIX)}
+    for w, b in (("weight", "bias"), ("coef", "intercept")):
+        if w in model and b in model:
+            return head_tensors(model[w], model[b]), tail
+    raise ValueError(f"{path}: no head in it (expected weight/bias or coef/intercept, found {sorted(model)})")
 
 
 def load_head(path: str, what: str) -> dict[str, np.ndarray]:

@@ -7,12 +7,13 @@ contributions of the open round instead of the whole job)."""
 
 from __future__ import annotations
 
-import io
 import json
 import time
 from dataclasses import dataclass
 
 import numpy as np
+
+from protocols.files import read_npz
 
 from aggregator.storage.connection import StoreConnection, StoreError
 from aggregator.storage.models import add_model_version, npz_bytes
@@ -81,8 +82,7 @@ class RoundRepository(StoreConnection):
         r = self.db.execute("SELECT round, state, contributed FROM checkpoints WHERE job_id=?", (job_id,)).fetchone()
         if r is None:
             return None
-        with np.load(io.BytesIO(bytes(r["state"]))) as z:
-            return r["round"], {k: z[k] for k in z.files}, json.loads(r["contributed"])
+        return r["round"], read_npz(bytes(r["state"])), json.loads(r["contributed"])
 
     def rounds(self, job_id: str) -> list[StoredRound]:
         return [StoredRound(r["job_id"], r["round"], r["state"], tuple(json.loads(r["participants"])),

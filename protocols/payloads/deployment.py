@@ -37,7 +37,7 @@ import numpy as np
 
 from ..envelope import Envelope, EnvelopeError, body_field
 from ..topics import check_device_id
-from ..files import NPY_HEADER_LOCK
+from ..files import read_npz
 from .artifacts import check_sha
 
 ASSIGN, REPORT = "deployment.assign", "deployment.report"
@@ -148,11 +148,11 @@ def head_from_npz(data: bytes, expected_sha256: str) -> tuple[np.ndarray, np.nda
     if digest != expected_sha256:
         raise EnvelopeError(f"head sha256 {digest[:16]}… differs from the assigned {expected_sha256[:16]}…")
     try:
-        with NPY_HEADER_LOCK, np.load(io.BytesIO(data), allow_pickle=False) as z:     # members parse lazily
-            names = next((pair for pair in _HEAD_NAMES if set(pair) <= set(z.files)), None)
-            if names is None:
-                raise EnvelopeError(f"head holds {sorted(z.files)}: expected coef/intercept or weight/bias")
-            W, b = (np.asarray(z[n], dtype=np.float64) for n in names)
+        arrays = read_npz(data)
+        names = next((pair for pair in _HEAD_NAMES if set(pair) <= set(arrays)), None)
+        if names is None:
+            raise EnvelopeError(f"head holds {sorted(arrays)}: expected coef/intercept or weight/bias")
+        W, b = (np.asarray(arrays[n], dtype=np.float64) for n in names)
     except (ValueError, OSError, zipfile.BadZipFile) as exc:
         raise EnvelopeError(f"head is not a readable .npz: {exc}") from None
     if W.ndim != 2 or b.shape != (W.shape[0],) or not (np.isfinite(W).all() and np.isfinite(b).all()):
