@@ -8,6 +8,10 @@ import pytest
 
 from fedfleet.simulate import PRESETS, run
 
+# the smoke preset on 1,200 of its 3,000 training images and 300 test images: every run here asks
+# each of the 20 devices for its work over the same broker paths, on less data (the suite's time)
+SMOKE = dataclasses.replace(PRESETS["smoke"], train_limit=1200, test_limit=300)
+
 
 @pytest.fixture(scope="module")
 def feature_cache(tmp_path_factory):
@@ -31,7 +35,7 @@ def test_simulate_dp_epsilon_runs_dp_fed3r_with_a_private_center_on_the_devices(
     from aggregator.compute.privacy import noise_multiplier_for
     from fedfleet.simulate_report import format_report
 
-    cfg = dataclasses.replace(PRESETS["smoke"], out_dir=str(tmp_path / "run"), cache_dir=feature_cache, secure=secure,
+    cfg = dataclasses.replace(SMOKE, out_dir=str(tmp_path / "run"), cache_dir=feature_cache, secure=secure,
                               dropout_prob=0.0, dp_epsilon=4.0, dp_center_devices=5)
     report = run(cfg, quiet=True)
     rounds = 1 + 15 // cfg.clients_per_round             # the center's, then rounds of κ
@@ -147,7 +151,7 @@ def test_fed3r_ft_oll_pipeline_reports_what_the_devices_data_gives(tmp_path, sec
     from fedfleet.bundles import make_extractor
     from fedfleet.pipeline import run_pipeline
 
-    cfg = dataclasses.replace(PRESETS["smoke"], out_dir=str(tmp_path / "run"), cache_dir=feature_cache,
+    cfg = dataclasses.replace(SMOKE, out_dir=str(tmp_path / "run"), cache_dir=feature_cache,
                               ft_rounds=3, fp_epochs=3, secure=secure, deploy=not secure)
     report = run_pipeline(cfg, quiet=True)
     out = tmp_path / "run"
@@ -187,9 +191,9 @@ def test_ft_phi_pipeline_fine_tunes_the_backbone_tail_against_the_frozen_fed3r_h
     from fedfleet.pipeline import run_pipeline
     from fedfleet.simulate import _load
 
-    cfg = dataclasses.replace(PRESETS["smoke"], out_dir=str(tmp_path / "run"), cache_dir=feature_cache,
+    cfg = dataclasses.replace(SMOKE, out_dir=str(tmp_path / "run"), cache_dir=feature_cache,
                               ft_rounds=2, ft_mode="phi", ft_client_lr=0.01, tail_bundle=str(tail_bundle),
-                              train_limit=1200, test_limit=300, fp_epochs=2,     # the tail trains on every image
+                              fp_epochs=2,
                               round_timeout_s=120)       # tail training missed the preset's 30 s under the suite's load
     report = run_pipeline(cfg, quiet=True)
     out = tmp_path / "run"
