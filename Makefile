@@ -33,10 +33,11 @@ demo: setup
 
 # pytest-xdist: 4 workers on CI's 2 cores, since many tests wait on brokers, subprocesses and
 # timeouts rather than compute (the whole suite on this 2-core machine, clean-clone CI: 4 workers
-# 378 s when first measured and 489 s at stop 58, the machine ~95 % busy throughout, ~940 busy core-seconds
-# by bench/suite_cpu.py at stop 58; 3 workers were slower when last measured); --dist loadfile keeps each file on one worker so its module
-# fixtures (bundle exports, reference runs) are built once; files with a `slow` test go first
-# (tests/conftest.py), in collection order (--no-loadscope-reorder).
+# 378 s when first measured and 489 s at stop 58, the machine ~95 % busy throughout, ~940 busy
+# core-seconds by bench/suite_cpu.py at stop 58; 3 workers were slower when last measured); --dist
+# loadfile keeps each file on one worker so its module fixtures (bundle exports, reference runs) are
+# built once; files with a `slow` test go first (tests/conftest.py), in collection order
+# (--no-loadscope-reorder).
 test: setup
 	$(BIN)/python -m pytest -q -ra --durations=15 -n 4 --dist loadfile --no-loadscope-reorder
 
