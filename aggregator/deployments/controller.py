@@ -29,8 +29,6 @@ import zipfile
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import numpy as np
-
 from protocols.envelope import EnvelopeError, decode
 from protocols.files import read_npz
 from protocols.mqtt_link import BrokerConfig, LinkWorker, MqttLink
