@@ -135,11 +135,12 @@ def test_the_round_log_says_how_long_each_phase_was_open():
                                                              Phase.UNMASK)}
 
 
-def test_members_that_never_upload_give_their_slots_up_and_the_round_goes_on():
+def test_members_that_never_upload_give_their_slots_up_and_the_round_goes_on(caplog):
     """The first window's members stay online and never upload (stuck, or hostile). They held every
     slot until the phase timed out, and everyone held behind them was dropped with them. A slot is
     leased for half the phase timeout (from the first tick that sees it): then the next members are
     asked, and the round sums everyone but the silent ones (40 members: 32 reach the threshold 27)."""
+    caplog.set_level("INFO", logger="fedfleet.aggregator.secagg")
     job, clients, stats = _group(upload_window_bytes=1, n=40)
     lease = job.config.phase_timeout_s / 2
     forwarded = _answer(job, clients, _answer(job, clients, job.on_protocol_tick(0.0), 0.0), 0.0)
@@ -150,6 +151,7 @@ def test_members_that_never_upload_give_their_slots_up_and_the_round_goes_on():
     released = job.on_protocol_tick(1.0 + lease)                 # before the phase timeout (2 leases)
     assert _kinds(released) == ["secagg.forwarded_shares"] * MIN_WINDOW
     assert job._uploads.overdue == MIN_WINDOW and not silent & {d for d, _ in released}
+    assert f"{MIN_WINDOW} member(s) asked for their masked input sent nothing" in caplog.text
     now, pending = 1.0 + lease, list(released)
     while pending:                                                # the others upload, one at a time
         sends = _answer(job, clients, [pending.pop(0)], now)

@@ -186,7 +186,17 @@ class SecureGroupRounds(Job):
         if now - self._phase_at > self.config.phase_timeout_s and self.secure.phase is not None:
             self._phase_at = now
             return self._route(self._timed(Timeout(self.secure.phase), now))
-        return self._route(self._uploads.expire(now), paced=True) if self._uploads is not None else []
+        return self._expire_upload_slots(now) if self._uploads is not None else []
+
+    def _expire_upload_slots(self, now: float) -> list[tuple[str, Envelope]]:
+        """Slots held past their lease go to the next members held; the operator hears how many."""
+        before = self._uploads.overdue
+        released = self._uploads.expire(now)
+        if self._uploads.overdue > before:
+            log.info("secure round %d: %d member(s) asked for their masked input sent nothing within %.0f s; "
+                     "their upload slots go to the next members", self.secure.config.round_id,
+                     self._uploads.overdue - before, self._uploads.lease_s)
+        return self._route(released, paced=True)
 
     def on_protocol(self, device: str, env: Envelope, now: float) -> list[tuple[str, Envelope]]:
         msg = from_envelope(env)
