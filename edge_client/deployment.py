@@ -14,6 +14,9 @@ An assignment that is not signed by the aggregator (when the device holds its ke
 another device, or carries a sequence below the one the slot holds (a captured assignment
 replayed later) is refused; a head is taken only as the answer to the assignment being fetched
 (its sha256 and its deployment); a head that cannot be fetched, verified or loaded is refused.
+What fails on the device's own side (the application's held-out features, writing the slot) is
+not the head's fault: the fetched head is adopted again every ``retry_s`` and refused only after
+``fetch_timeout_s``, so a passing failure does not count against the rollout's guard.
 In every case the device stays on its version, logs why and reports the reason's class
 (``protocols.payloads.deployment.REFUSAL_REASONS``), at most one report per class every
 ``refusal_interval_s`` for what does not answer its own assignment (a flood of forged messages
@@ -235,6 +238,7 @@ class DeploymentFollower(LinkWorker):
         self.refusals: list[str] = []                # why assignments or heads were refused, in order
         self.reports: list[dict] = []                # what this device reported
         self._pending: dict | None = None            # the run being fetched: assignment + when asked
+        self._retry: dict | None = None              # a fetched head whose adoption failed on this side, tried again
         # its own account when the broker has them (BrokerConfig.for_role): one MQTT identity per connection
         broker = broker.for_role(DEPLOY_ROLE)
         self.link = MqttLink(client_id or broker.username or f"{device_id}.deploy", broker, on_message=self._post,
@@ -274,6 +278,10 @@ class DeploymentFollower(LinkWorker):
         if refusal is not None:
             return self._refuse(refusal[1], None, refusal[0])
         self.slot.hold_seq(a["seq"])            # the same seq again: a retained re-delivery, handled below
+        if self._retry is not None:
+            if self._retry["a"]["seq"] == a["seq"]:     # its re-delivery: the held head is still being adopted
+                return
+            self._retry = None                          # a newer assignment replaces it
         if a["action"] == D.ROLLBACK:
             self._pending = None if self._pending and self._pending["deployment"] == a["deployment"] else self._pending
             if self.slot.revert(a["deployment"]):
@@ -293,6 +301,10 @@ class DeploymentFollower(LinkWorker):
 
     def _tick(self, now: float) -> None:
         self.assembler.reassembler.expire()         # parts of a head that never completed
+        r = self._retry
+        if r is not None and now >= r["at"]:
+            self._retry = None                      # held again only if this try fails on this side too
+            self._adopt(r["a"], r["data"], r["swap"], r["since"])
         p = self._pending
         if p is None:
             return
@@ -317,25 +329,55 @@ class DeploymentFollower(LinkWorker):
             return self._refuse(f"head refused, staying on the current version: {exc}", p, "hash")
         self._adopt(p, data)
 
-    def _adopt(self, a: dict, data: bytes, swap: bool = True) -> None:
-        """Evaluate the candidate and the current head on the held-out split, swap, report the counts."""
+    def _adopt(self, a: dict, data: bytes, swap: bool = True, since: float | None = None) -> None:
+        """Evaluate the candidate and the current head on the held-out split, swap, report the counts.
+        A head that cannot be decoded, or does not fit the features, is refused at once: fetching it
+        again gives the same bytes. What the device's own side fails at (the application's held-out
+        features, writing the slot) may pass a moment later, so it is tried again every ``retry_s``
+        and refused only once ``fetch_timeout_s`` has passed since the first failure: a refusal is
+        the device's answer to the rollout, which a guard such as ``refused<=0`` rolls back on."""
         try:
             W, b = D.head_from_npz(data, a["sha256"])
-            bundle, current = a.get("bundle_sha256", ""), self.slot.current
-            candidate = HeadVersion(a["sha256"], a["deployment"], W, b, bundle)
+        except Exception as exc:
+            return self._cannot_load(a, exc)
+        bundle, current = a.get("bundle_sha256", ""), self.slot.current
+        candidate = HeadVersion(a["sha256"], a["deployment"], W, b, bundle)
+        try:
             Z, y = self.holdout(bundle)
             # the current head is judged on its own bundle's features (the same ones, unless the bundle changed)
             Z_current = Z if current is None or current.bundle_sha256 == bundle else self.holdout(current.bundle_sha256)[0]
+        except Exception as exc:        # the application's held-out features
+            return self._try_again(a, data, swap, since, f"held-out features: {type(exc).__name__}: {exc}")
+        try:
             counts = {"n": len(y), "correct_candidate": self.slot.correct(candidate, Z, y),
                       "correct_current": self.slot.correct(current, Z_current, y) if current is not None else 0}
-            if swap:
+        except Exception as exc:        # the head does not fit the bundle's features, or the device's labels
+            return self._cannot_load(a, exc)
+        if swap:
+            try:
                 self.slot.swap(data, a["sha256"], a["deployment"], bundle)
-        except Exception as exc:        # the head, or the application's held-out features: refused, said why
-            return self._refuse(f"head cannot be loaded, staying on the current version: "
-                                f"{type(exc).__name__}: {exc}", a, "load")
+            except OSError as exc:      # the slot's folder: full, or read-only for a while
+                return self._try_again(a, data, swap, since, f"writing the slot: {type(exc).__name__}: {exc}")
+            except Exception as exc:
+                return self._cannot_load(a, exc)
         log.info("%s: now running %s of deployment %s (held-out %d/%d, was %d)", self.device_id, a["sha256"][:12],
                  a["deployment"], counts["correct_candidate"], counts["n"], counts["correct_current"])
         self._report(D.report_message(self.device_id, a["deployment"], a["sha256"], seq=a["seq"], **counts))
+
+    def _cannot_load(self, a: dict, exc: Exception) -> None:
+        self._refuse(f"head cannot be loaded, staying on the current version: {type(exc).__name__}: {exc}", a, "load")
+
+    def _try_again(self, a: dict, data: bytes, swap: bool, since: float | None, why: str) -> None:
+        """Hold the verified head and adopt it again in ``retry_s``; refuse it, saying why, once
+        ``fetch_timeout_s`` has passed since its first failure (``since``). Nothing is reported meanwhile."""
+        now = time.monotonic()
+        since = now if since is None else since
+        if now - since >= self.fetch_timeout_s:
+            return self._refuse(f"head not adopted within {self.fetch_timeout_s:g}s, staying on the current "
+                                f"version: {why}", a, "load")
+        log.warning("%s: head %s of deployment %s not adopted yet (%s): trying again in %gs", self.device_id,
+                    a["sha256"][:12], a["deployment"], why, self.retry_s)
+        self._retry = {"a": a, "data": data, "swap": swap, "since": since, "at": now + self.retry_s}
 
     def _refuse(self, why: str, a: dict | None, reason: str) -> None:
         """Log and report a refusal of class ``reason``. About the assignment being acted on (``a``

@@ -74,10 +74,10 @@ class Fleet:
         self.topics = Topics(f"t{time.monotonic_ns()}")       # retained messages of other tests stay apart
         self.followers = {}
 
-    def start(self, device, local_labels=None):
+    def start(self, device, local_labels=None, holdout=None, fetch_timeout_s=10):
         f = DeploymentFollower(device, self.broker, ModelSlot(self.tmp / device, local_labels),
-                               lambda bundle: self.world["holdout"][device],
-                               topics=self.topics, aggregator_key=self.key, retry_s=0.5, fetch_timeout_s=10)
+                               holdout or (lambda bundle: self.world["holdout"][device]),
+                               topics=self.topics, aggregator_key=self.key, retry_s=0.5, fetch_timeout_s=fetch_timeout_s)
         self.followers[device] = f.start()
         return f
 
@@ -390,6 +390,49 @@ def test_local_labels_the_head_has_no_row_for_are_refused_and_the_device_keeps_i
     assert follower.slot.current is None and follower.reports[-1]["refused"] == follower.refusals[-1]
     with pytest.raises(ValueError, match="non-negative integers"):
         ModelSlot(fleet.tmp / "cam-x", np.array([0.5]))
+
+
+class FlakyHoldout:
+    """The application's held-out features, failing its first ``failures`` reads (a disk busy, a
+    store being rotated) and then giving the device's split."""
+
+    def __init__(self, features, failures):
+        self.features, self.failures, self.reads = features, failures, 0
+
+    def __call__(self, bundle):
+        self.reads += 1
+        if self.reads <= self.failures:
+            raise OSError(f"held-out store unavailable (read {self.reads})")
+        return self.features
+
+
+def test_a_passing_failure_of_the_devices_features_is_tried_again_not_reported_as_a_refusal(setup, world):
+    """The device tries the held head again every retry_s: the rollout sees its counts, no refusal,
+    and a guard of ``refused<=0`` completes. One whose features never come back refuses once the
+    fetch timeout has passed since the first failure, saying why."""
+    store, controller, fleet = setup
+    good = model_id(store, "good", *world["good"])
+    flaky = FlakyHoldout(world["holdout"]["cam-0"], failures=2)
+    follower = fleet.start("cam-0", holdout=flaky)
+    broken = FlakyHoldout(None, failures=10 ** 9)
+    stuck = fleet.start("cam-1", holdout=broken, fetch_timeout_s=1.5)
+    ctl = controller()
+    ctl.call(lambda: ctl.deploy(good, cohort="devices:cam-0", stages="100%", bake_s=0.1, min_reports=1,
+                                guard="refused<=0", deployment_id="good-1"))
+    wait_for(lambda: store_state(store, "good-1") == "complete", what="the rollout despite two failed reads")
+    Z, y = world["holdout"]["cam-0"]
+    assert flaky.reads == 3 and follower.refusals == [] and fleet.sha("cam-0") == D_sha(world["good"])
+    report = follower.reports[-1]
+    assert "refused" not in report and (report["n"], report["correct_candidate"]) == (len(y), correct(world["good"], Z, y))
+    ctl.call(lambda: ctl.deploy(good, cohort="devices:cam-1", stages="100%", bake_s=0.1, min_reports=1,
+                                deployment_id="good-2"))
+    wait_for(lambda: stuck.refusals, what="the refusal after the fetch timeout")
+    assert "not adopted within 1.5s" in stuck.refusals[-1] and "held-out store unavailable" in stuck.refusals[-1]
+    assert stuck.reports[-1]["reason"] == "load" and stuck.slot.current is None
+    assert broken.reads >= 3          # tried again, every retry_s, before refusing
+    reads = broken.reads
+    time.sleep(1.2)                   # and not after
+    assert broken.reads == reads
 
 
 def _three_versions(setup, world):

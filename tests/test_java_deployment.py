@@ -20,6 +20,7 @@ import hashlib
 import io
 import itertools
 import json
+import os
 import subprocess
 import time
 
@@ -238,8 +239,9 @@ def running(slot_dir):
 
 def test_a_java_device_follows_a_rollout_over_mosquitto(java_cp, world, broker, tmp_path):
     """The Java DeploymentFollower against the real controller: an offline device catches up on its
-    retained assignment, reports OLL-pruned held-out counts equal to numpy's, swaps; a failing guard
-    rolls it back; an unsigned assignment is refused and it keeps its version."""
+    retained assignment, reports OLL-pruned held-out counts equal to numpy's, swaps (its first two
+    reads of the held-out features fail: tried again, not refused, so a guard of ``refused<=0``
+    completes); a failing guard rolls it back; an unsigned assignment is refused and it keeps its version."""
     import paho.mqtt.client as mqtt
 
     from aggregator.deployments.controller import DeploymentController
@@ -262,11 +264,12 @@ def test_a_java_device_follows_a_rollout_over_mosquitto(java_cp, world, broker, 
     proc = None
     try:
         ctl.call(lambda: ctl.deploy(ids["good"], cohort="devices:jcam", stages="100%", bake_s=0.2, min_reports=1,
-                                    deployment_id="good-1"))
+                                    guard="refused<=0", deployment_id="good-1"))
         time.sleep(0.5)                               # published while the device is offline: retained
         proc = subprocess.Popen(["java", "-cp", java_cp, "FollowerRunner", broker.url, "jcam", topics.root,
                                  agg.public_key_bytes.hex(), str(slot), str(feats), ",".join(map(str, local))],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "FOLLOWER_FAILED_READS": "2"})
         assert proc.stdout.readline().strip() == "READY"
         good_sha = hashlib.sha256(D.head_npz(*good)).hexdigest()
         wait_for(lambda: store_state(store, "good-1") == "complete", 60.0, "the rollout to complete")
@@ -298,6 +301,7 @@ def test_a_java_device_follows_a_rollout_over_mosquitto(java_cp, world, broker, 
         out, err = proc.communicate("", timeout=30)
         assert "CURRENT " + good_sha in out and "REFUSALS 1" in out, (out, err[-2000:])
         assert "unsigned" in err or "signature" in err or "sig" in err, err[-2000:]
+        assert err.count("not adopted yet (held-out features: IOException: held-out store unavailable)") == 2, err[-2000:]
     finally:
         if proc is not None and proc.poll() is None:
             proc.kill()

@@ -1,7 +1,9 @@
 // Runs the Java library's DeploymentFollower for tests/test_java_deployment.py until stdin closes.
 // Usage: java FollowerRunner <broker mqtt://host:port> <device id> <topic root> <aggregator key hex | ->
 //                            <slot dir> <held-out features file> [<local labels a,b,..>]
-// Prints "READY" once started; on exit "REFUSALS <n>" and "CURRENT <sha>|none".
+// Prints "READY" once started; on exit "REFUSALS <n>" and "CURRENT <sha>|none". With
+// FOLLOWER_FAILED_READS=N in the environment the first N reads of the held-out features fail (an
+// application's store that is briefly unavailable).
 import java.io.File;
 import java.net.URI;
 import java.util.Arrays;
@@ -21,8 +23,13 @@ public final class FollowerRunner {
         o.aggregatorKey = args[3].equals("-") ? null : Envelope.unhex(args[3]);
         o.retryS = 0.5;
         o.fetchTimeoutS = 20;
+        String failing = System.getenv("FOLLOWER_FAILED_READS");
+        int[] failuresLeft = {failing == null ? 0 : Integer.parseInt(failing)};
         DeploymentFollower f = new DeploymentFollower(args[1], new URI(args[0]), slot, new DeploymentFollower.HeldOut() {
-            @Override public float[][] features(String bundleSha256) { return rows; }
+            @Override public float[][] features(String bundleSha256) throws java.io.IOException {
+                if (failuresLeft[0]-- > 0) throw new java.io.IOException("held-out store unavailable");
+                return rows;
+            }
             @Override public int[] labels() { return labels; }
         }, o).start();
         System.out.println("READY");

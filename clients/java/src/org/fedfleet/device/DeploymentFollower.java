@@ -8,7 +8,8 @@
 // An assignment the aggregator did not sign (with aggregatorKey), one for another device or older
 // than the sequence the slot holds (ModelSlot.admit: a replayed capture), or a head that cannot be
 // fetched, verified or loaded, is refused: the device keeps its version and reports why, with the
-// reason's class; what does not answer its own assignment is reported at most once per class per
+// reason's class (what fails on the device's own side, its held-out features or writing the slot, is
+// tried again every retryS and refused only after fetchTimeoutS); what does not answer its own assignment is reported at most once per class per
 // refusalIntervalS. A head is taken only as the answer to the assignment being fetched (its sha256
 // and its deployment's file name). With a username, it logs in as "{username}/deploy" (its own
 // account on the generated ACL broker: one MQTT identity per connection).
@@ -60,6 +61,7 @@ public final class DeploymentFollower implements AutoCloseable {
     private final BlockingQueue<Inbound> inbox = new LinkedBlockingQueue<>(256);
     private final Reassembler reassembler = new Reassembler(300, 4, HeadFile.MAX_HEAD_BYTES * 2);
     private ModelSlot.Assignment pending;
+    private Retry retry;                        // a fetched head whose adoption failed on this side, tried again
     private double pendingSince, pendingAsked;
     private final Map<String, Double> lastUnbound = new java.util.HashMap<>();   // refusal class -> when last reported
     private final java.util.Set<String> boundReasons = new java.util.HashSet<>(); // classes reported for assignment boundSeq
@@ -149,6 +151,10 @@ public final class DeploymentFollower implements AutoCloseable {
             refuse("assignment " + a.seq + " not written: " + e.getMessage(), null, "load");
             return;
         }
+        if (retry != null) {
+            if (retry.a.seq == a.seq) return;      // its re-delivery: the held head is still being adopted
+            retry = null;                          // a newer assignment replaces it
+        }
         if (a.action.equals(ModelSlot.ROLLBACK)) {
             if (pending != null && pending.deployment.equals(a.deployment)) pending = null;
             try {
@@ -161,12 +167,12 @@ public final class DeploymentFollower implements AutoCloseable {
         }
         ModelSlot.Version current = slot.current(), previous = slot.previous();
         if (current != null && current.sha256.equals(a.sha256)) {
-            if (!current.deployment.equals(a.deployment)) adopt(a, current.head, null);   // judged again, kept
+            if (!current.deployment.equals(a.deployment)) adopt(a, current.head, null, Double.NaN);   // judged again, kept
             return;                                        // else: already running it (a retained re-delivery)
         }
         if (previous != null && previous.sha256.equals(a.sha256)) {
             try {
-                adopt(a, previous.head, slot.keptBytes(previous));
+                adopt(a, previous.head, slot.keptBytes(previous), Double.NaN);
             } catch (java.io.IOException e) {
                 refuse("kept head unreadable: " + e.getMessage(), a, "load");
             }
@@ -178,6 +184,11 @@ public final class DeploymentFollower implements AutoCloseable {
     }
 
     private void tick(double now) {
+        Retry r = retry;
+        if (r != null && now >= r.at) {
+            retry = null;                       // held again only if this try fails on this side too
+            adopt(r.a, r.candidate, r.data, r.since);
+        }
         ModelSlot.Assignment p = pending;
         if (p == null) return;
         if (now - pendingSince > o.fetchTimeoutS) {
@@ -207,30 +218,79 @@ public final class DeploymentFollower implements AutoCloseable {
             return;
         }
         try {
-            adopt(p, HeadFile.parse(data.data), data.data);
+            adopt(p, HeadFile.parse(data.data), data.data, Double.NaN);
         } catch (java.io.IOException e) {
             refuse("head cannot be loaded, staying on the current version: " + e.getMessage(), p, "load");
         }
     }
 
-    /** Count on the held-out split, swap (unless ``data`` is null: the head is already current), report. */
-    private void adopt(ModelSlot.Assignment a, HeadFile candidate, byte[] data) {
+    /** Count on the held-out split, swap (unless ``data`` is null: the head is already current), report.
+     *  A head that does not fit (shape, OLL labels) is refused at once; what fails on this device's own
+     *  side (the held-out features, writing the slot) may pass a moment later, so the head is adopted
+     *  again every retryS and refused only once fetchTimeoutS has passed since the first failure
+     *  (``since``; NaN: none yet): a refusal is the device's answer, which a guard may roll back on. */
+    private void adopt(ModelSlot.Assignment a, HeadFile candidate, byte[] data, double since) {
+        ModelSlot.Version current = slot.current();
+        float[][] z, zCurrent;
+        int[] y;
+        try {
+            z = heldOut.features(a.bundleSha256);
+            y = heldOut.labels();
+            zCurrent = current == null || current.bundleSha256.equals(a.bundleSha256) ? z : heldOut.features(current.bundleSha256);
+        } catch (Exception e) {      // the application's held-out features
+            tryAgain(a, candidate, data, since, "held-out features: " + e.getClass().getSimpleName() + ": " + e.getMessage());
+            return;
+        }
         Map<String, Object> counts = new LinkedHashMap<>();
         try {
-            ModelSlot.Version current = slot.current();
-            float[][] z = heldOut.features(a.bundleSha256);
-            int[] y = heldOut.labels();
-            float[][] zCurrent = current == null || current.bundleSha256.equals(a.bundleSha256) ? z : heldOut.features(current.bundleSha256);
             counts.put("n", y.length);
             counts.put("correct_candidate", slot.correct(candidate, z, y));
             counts.put("correct_current", current == null ? 0 : slot.correct(current.head, zCurrent, y));
-            if (data != null) slot.swap(data, a.sha256, a.deployment, a.bundleSha256);
-        } catch (Exception e) {      // the head (sha256, shape, OLL labels) or the held-out features: refused, said why
-            refuse("head cannot be loaded, staying on the current version: " + e.getClass().getSimpleName() + ": " + e.getMessage(), a, "load");
+        } catch (Exception e) {      // the head does not fit the features, or the device's labels
+            cannotLoad(a, e);
             return;
+        }
+        if (data != null) {
+            try {
+                slot.swap(data, a.sha256, a.deployment, a.bundleSha256);
+            } catch (java.io.IOException e) {      // the slot's folder: full, or read-only for a while
+                tryAgain(a, candidate, data, since, "writing the slot: " + e.getMessage());
+                return;
+            } catch (Exception e) {
+                cannotLoad(a, e);
+                return;
+            }
         }
         LOG.info(deviceId + ": now running " + a.sha256.substring(0, 12) + " of deployment " + a.deployment);
         report(a, counts);
+    }
+
+    private void cannotLoad(ModelSlot.Assignment a, Exception e) {
+        refuse("head cannot be loaded, staying on the current version: " + e.getClass().getSimpleName() + ": " + e.getMessage(), a, "load");
+    }
+
+    /** Hold the head and adopt it again in retryS; refuse it once fetchTimeoutS has passed since ``since``. */
+    private void tryAgain(ModelSlot.Assignment a, HeadFile candidate, byte[] data, double since, String why) {
+        double now = monotonic();
+        double first = Double.isNaN(since) ? now : since;
+        if (now - first >= o.fetchTimeoutS) {
+            refuse("head not adopted within " + o.fetchTimeoutS + "s, staying on the current version: " + why, a, "load");
+            return;
+        }
+        LOG.warning(deviceId + ": head " + a.sha256.substring(0, 12) + " of deployment " + a.deployment + " not adopted yet ("
+                + why + "): trying again in " + o.retryS + "s");
+        retry = new Retry(a, candidate, data, first, now + o.retryS);
+    }
+
+    private static final class Retry {
+        final ModelSlot.Assignment a;
+        final HeadFile candidate;
+        final byte[] data;
+        final double since, at;
+
+        Retry(ModelSlot.Assignment a, HeadFile candidate, byte[] data, double since, double at) {
+            this.a = a; this.candidate = candidate; this.data = data; this.since = since; this.at = at;
+        }
     }
 
     /** Log and report a refusal of class ``reason``: as the answer to ``a`` when it is the assignment held,
