@@ -86,6 +86,7 @@ def test_masked_inputs_are_asked_a_window_at_a_time_and_the_sum_is_exact():
     assert asked == N and most <= MIN_WINDOW
     assert job.secure is None and sorted(job.settled(1)) == sorted(clients)
     np.testing.assert_allclose(job.strategy.packed_upper(), sum(s[0] for s in stats.values()), atol=1e-6)
+    assert job._uploads.clear() is None         # said once, when the phase ended
 
 
 def test_a_member_gone_while_waiting_its_turn_is_not_asked_and_frees_no_slot_twice():
@@ -164,6 +165,10 @@ def test_members_that_never_upload_give_their_slots_up_and_the_round_goes_on(cap
     rest = job.on_protocol_tick(now + 2 * lease + 1)              # the phase times out on the silent ones
     while rest:
         rest = _answer(job, clients, rest, now + 2 * lease + 1)
+    # the phase's summary, once: the 40 - 8 members held back when the shares went out
+    summary = f"masked inputs asked {MIN_WINDOW} at a time: at most {40 - MIN_WINDOW} member(s) held back, " \
+              f"{MIN_WINDOW} slot(s) taken back"
+    assert caplog.text.count(summary) == 1
     survivors = sorted(set(clients) - silent)
     assert sorted(job.settled(1)) == survivors
     np.testing.assert_allclose(job.strategy.packed_upper(), sum(stats[d][0] for d in survivors), atol=1e-6)

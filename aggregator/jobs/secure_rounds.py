@@ -269,7 +269,9 @@ class SecureGroupRounds(Job):
         if self._uploads is not None and not paced:
             outputs = self._uploads.admit(list(outputs))
             if self.secure is None or self.secure.state is not ServerState.WAIT_MASKED:
-                self._uploads.clear()      # the masked phase is over (or never began): nobody more is asked
+                summary = self._uploads.clear()    # the masked phase is over (or never began): nobody more is asked
+                if summary is not None:
+                    log.info("secure round %d: %s", self._newest_round, summary)
         sends = []
         for o in outputs:
             if isinstance(o, Message):

@@ -47,8 +47,9 @@ class MaskedUploadWindow:
         self.size, self.lease_s = size, lease_s
         self._held: deque[Message] = deque()
         self._uploading: dict[str, float | None] = {}   # member -> first tick seen uploading
-        self.most_held = 0                     # for the round's log line
+        self.most_held = 0                     # members held back at once, at most: for the phase's summary
         self.overdue = 0                       # slots taken back from members that did not upload
+        self._summarised = False
 
     def admit(self, outputs: list) -> list:
         """``outputs`` of the server machine with the forwarded shares beyond the window held back."""
@@ -58,8 +59,9 @@ class MaskedUploadWindow:
                 self._held.append(o)
             else:
                 kept.append(o)
+        released = self._release()
         self.most_held = max(self.most_held, len(self._held))
-        return kept + self._release()
+        return kept + released
 
     def answered(self, device: str) -> list[Message]:
         """``device`` uploaded its masked input or went away: the next held members' shares."""
@@ -77,10 +79,16 @@ class MaskedUploadWindow:
                 self.overdue += 1
         return self._release()
 
-    def clear(self) -> None:
-        """The masked phase is over: members still held will not be asked any more."""
+    def clear(self) -> str | None:
+        """The masked phase is over: members still held will not be asked any more. Returns, the
+        first time and only if anyone was held back, a line saying how the phase was paced."""
         self._held.clear()
         self._uploading.clear()
+        if self._summarised or self.most_held == 0:
+            return None
+        self._summarised = True
+        return (f"masked inputs asked {self.size} at a time: at most {self.most_held} member(s) held back, "
+                f"{self.overdue} slot(s) taken back")
 
     @property
     def held(self) -> int:
