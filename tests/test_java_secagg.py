@@ -8,6 +8,8 @@ server (protocols/secagg/driver.py), over its wire form (signed `secagg` envelop
 * a round config with a ring_bits other than 32 or 64, or a 32-bit ring too narrow for its scale,
   is refused before any key is made, and so is a 32-bit round for a device whose input carries
   distributed-DP noise;
+* a share row it cannot decrypt is accused (ShareAccusation) and the device stays in the round
+  without that peer's shares;
 * a hostile server is refused: a request for both shares of one peer (the round is aborted and
   nothing revealed), a key directory with a substituted key, a message not signed by the
   aggregator's key (refused, nothing changes).
@@ -34,7 +36,8 @@ from protocols.secagg import ClientSecAgg, ClientState, RoundConfig
 from protocols.secagg.driver import plain_fixed_point_sum, run_round
 from protocols.secagg.errors import ProtocolViolation, SecAggError
 from protocols.secagg.events import AggregateReady, Phase
-from protocols.secagg.messages import MESSAGE_DOMAIN, ConsistencyCheckRequest, KeyDirectory, RoundStart, UnmaskRequest
+from protocols.secagg.messages import (MESSAGE_DOMAIN, ConsistencyCheckRequest, EncryptedShares, KeyDirectory, RoundStart,
+                                       UnmaskRequest)
 from protocols.secagg.wire_fields import b64
 
 pytestmark = pytest.mark.skipif(java_build.missing() is not None, reason=str(java_build.missing()))
@@ -130,6 +133,37 @@ def test_java_client_gives_the_exact_sum_in_a_python_round(tmp_path, graph, ring
         assert len(neighbours) == 4
     assert len(unmask) == 1 and (dropped in unmask[0].key_owners) == (dropped in neighbours)
     assert dropped not in unmask[0].self_mask_owners
+
+
+def test_java_client_accuses_a_share_row_it_cannot_decrypt_and_stays_in_the_sum(tmp_path):
+    """A Python peer flips its share row for the Java device: the Java device sends a
+    ShareAccusation of it just before its masked input, goes on without that peer's shares, and
+    the round's sum is everyone's, exactly."""
+    config, identities, inputs, java = setup_round(tmp_path, "complete")
+    attacker = "dev-py0"
+
+    def corrupt(msg):
+        if not isinstance(msg, EncryptedShares) or msg.sender != attacker:
+            return [msg]
+        ciphertexts = msg.ciphertexts.copy()
+        ciphertexts[msg.recipients.index(JAVA), 20] ^= 0xFF
+        return [dataclasses.replace(msg, ciphertexts=ciphertexts).signed(identities[attacker])]
+
+    try:
+        run = run_round(config, AGGREGATOR, identities, inputs, intercept=corrupt, record_server_view=True,
+                        client_factory=lambda d, i: java if d == JAVA else None)
+    finally:
+        java.close()
+    assert run.errors == [] and java.refusals == [] and java.state is ClientState.FINISHED
+    sent = [m for m in (f.to_message() for f in run.server_view) if m.sender == JAVA]
+    types = [m.TYPE for m in sent]
+    assert types[types.index("secagg.share_accusation") + 1] == "secagg.masked_input"
+    assert sent[types.index("secagg.share_accusation")].accused == (attacker,)
+    unmask = next(m for m in sent if m.TYPE == "secagg.unmask_shares")
+    assert attacker not in unmask.self_mask_owners + unmask.key_owners      # it holds none of the attacker's shares
+    assert run.server.culprits == set()                                      # one accuser of five
+    assert isinstance(run.outcome, AggregateReady) and run.outcome.survivors == tuple(config.members)
+    assert np.array_equal(run.outcome.sum_words, plain_fixed_point_sum(config, list(inputs.values())))
 
 
 def both_shares(msg):

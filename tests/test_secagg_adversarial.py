@@ -214,26 +214,88 @@ def test_late_message_after_timeout_is_rejected():
 # ---- corrupted content -------------------------------------------------------------------
 
 
-def test_corrupted_share_ciphertext_from_a_client_counts_as_that_recipient_dropping():
-    identities = {i.device_id: i for i in make_identities(8)}
-    config = RoundConfig.create(job_id="j", round_id=1, group_id="g", aggregator_id="aggregator",
-                                members=list(identities), vector_length=100, bound=BOUND)
-    attacker, victim = config.members[0], config.members[1]
-    inputs = {d: np.full(100, float(i)) for i, d in enumerate(config.members)}
-
+def _corrupting(identities, attacker, victims):
+    """An intercept: ``attacker``'s share rows for ``victims`` flipped, its message validly re-signed."""
     def corrupt(message):
         if isinstance(message, EncryptedShares) and message.sender == attacker:
             ciphertexts = message.ciphertexts.copy()
-            ciphertexts[message.recipients.index(victim), 20] ^= 0xFF
+            for victim in victims:
+                ciphertexts[message.recipients.index(victim), 20] ^= 0xFF
             return [resign(message, identities[attacker], ciphertexts=ciphertexts)]
         return [message]
+    return corrupt
 
-    run = run_round(config, AGGREGATOR, identities, inputs, intercept=corrupt)
-    assert [(who, type(e)) for who, e in run.errors] == [(victim, DecryptionError)]
-    assert isinstance(run.outcome, AggregateReady)
-    survivors = tuple(d for d in config.members if d != victim)
-    assert run.outcome.survivors == survivors
-    assert np.array_equal(run.outcome.sum_words, plain_fixed_point_sum(config, [inputs[d] for d in survivors]))
+
+def _eight_members():
+    identities = {i.device_id: i for i in make_identities(8)}
+    config = RoundConfig.create(job_id="j", round_id=1, group_id="g", aggregator_id="aggregator",
+                                members=list(identities), vector_length=100, bound=BOUND)
+    return identities, config, {d: np.full(100, float(i)) for i, d in enumerate(config.members)}
+
+
+def test_a_share_row_that_does_not_decrypt_is_accused_and_its_recipient_stays_in_the_sum():
+    """The victim cannot decrypt the attacker's row: it accuses the attacker (ShareAccusation) and
+    goes on without those shares; the other holders cover them at the unmasking, and the sum is
+    everyone's, the victim's included. One accuser of seven names nobody."""
+    identities, config, inputs = _eight_members()
+    attacker, victim = config.members[0], config.members[1]
+    run = run_round(config, AGGREGATOR, identities, inputs, intercept=_corrupting(identities, attacker, [victim]))
+    assert run.errors == [] and run.clients[victim].accused == (attacker,)
+    assert run.clients[victim].state is ClientState.FINISHED and attacker not in run.clients[victim].revealed
+    assert run.server.culprits == set()
+    assert isinstance(run.outcome, AggregateReady) and run.outcome.survivors == tuple(config.members)
+    assert np.array_equal(run.outcome.sum_words, plain_fixed_point_sum(config, list(inputs.values())))
+
+
+def test_a_member_whose_rows_all_fail_fails_one_round_and_is_named():
+    """Complete graph, every row of the attacker bad: all seven others accuse it, so it is a
+    culprit (which the job leaves out of its next rounds); nobody else holds a share of its
+    self-mask seed, so the round fails at the unmasking, its reason naming the attacker."""
+    identities, config, inputs = _eight_members()
+    attacker = config.members[0]
+    run = run_round(config, AGGREGATOR, identities, inputs,
+                    intercept=_corrupting(identities, attacker, config.members[1:]))
+    assert run.errors == [] and run.server.culprits == {attacker}
+    assert all(run.clients[d].accused == (attacker,) for d in config.members[1:])
+    assert isinstance(run.outcome, RoundFailed) and run.timeouts == 0
+    assert "unmask" in run.outcome.reason and f"could not decrypt: {attacker}" in run.outcome.reason
+
+
+def _accusation(r, accuser, *accused):
+    from protocols.secagg import ShareAccusation
+    return wire(ShareAccusation(job_id="job", round_id=3, group_id="g", sender=accuser, recipient="aggregator",
+                                accused=accused).signed(r.identities[accuser]))
+
+
+def test_a_minority_of_false_accusers_names_nobody_and_the_sum_is_exact():
+    """Two members accuse an honest neighbour of five: no majority, no culprit, and the round's
+    sum is everyone's (accusing costs the accusers nothing but changes nothing either)."""
+    r = Round(n=6)
+    r.step()
+    r.step()                                        # the forwarded shares are out
+    honest, liars = r.config.members[2], r.config.members[:2]
+    for liar in liars:
+        assert r.server.handle(_accusation(r, liar, honest)) == []
+    outcome = r.finish()
+    assert r.server.culprits == set()
+    assert isinstance(outcome, AggregateReady) and outcome.survivors == tuple(r.config.members)
+    assert np.array_equal(outcome.sum_words, r.expected_sum(r.config.members))
+
+
+def test_a_bad_accusation_is_refused_and_changes_nothing():
+    r = Round(n=6)
+    r.step()
+    r.step()
+    first, second = r.config.members[:2]
+    rejects(r.server, _accusation(r, first, "stranger"), MalformedMessage)
+    rejects(r.server, _accusation(r, first, first), MalformedMessage)           # its own rows
+    rejects(r.server, _accusation(r, first), MalformedMessage)                  # nobody
+    assert r.server.handle(_accusation(r, first, second)) == []
+    rejects(r.server, _accusation(r, first, second), ReplayedMessage)
+    masked = r.to_clients()
+    r.to_server([m for m in masked if m.sender == second])
+    rejects(r.server, _accusation(r, second, first), UnexpectedMessage)        # after its masked input
+    assert r.server.culprits == set()
 
 
 def test_tampered_forwarded_shares_fail_the_server_signature():

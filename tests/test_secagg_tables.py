@@ -1,7 +1,10 @@
 """Every row of the SecAgg client's and server's transition tables fires in every state it names
 (issue 36), as tests/test_deployment_machine.py does for deployments: seeded random rounds, in
 memory (no broker), with devices that go silent, replies that are replayed, members reported
-offline, stale and early timeouts, the caller's abort at any moment, and events after the end."""
+offline, stale and early timeouts, the caller's abort at any moment, share rows that do not decrypt
+(their recipients accuse the senders), and events after the end."""
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -10,7 +13,7 @@ from protocols.identity import DeviceIdentity
 from protocols.secagg import MemberOffline, Phase, RoundConfig, SecAggError, Timeout
 from protocols.secagg.client import CLIENT_TABLE, ClientState
 from protocols.secagg.driver import build_round, make_identities
-from protocols.secagg.messages import ConsistencyCheckRequest, Message, UnmaskRequest
+from protocols.secagg.messages import ConsistencyCheckRequest, EncryptedShares, Message, UnmaskRequest
 from protocols.secagg.server import FINAL_STATES, SERVER_TABLE, ServerState
 
 AGGREGATOR = DeviceIdentity.generate("aggregator")
@@ -64,8 +67,17 @@ def _stray_events(server, rng, abort_in) -> None:
         server.abort("deadline")
 
 
+def _bad_row(shares: EncryptedShares, rng) -> EncryptedShares:
+    """``shares`` with one row flipped, validly re-signed by its sender."""
+    ciphertexts = shares.ciphertexts.copy()
+    ciphertexts[rng.integers(len(shares.recipients)), 20] ^= 0xFF
+    changed = dataclasses.replace(shares, ciphertexts=ciphertexts, signature=b"")
+    return changed.signed(IDENTITIES[shares.sender])
+
+
 def run_random_round(seed: int) -> None:
     rng = np.random.default_rng(seed)
+    bad_rows = np.random.default_rng(seed + 10_000)       # its own stream: the other draws stay as they were
     config = RoundConfig.create(job_id="job", round_id=seed, group_id="g", aggregator_id="aggregator",
                                 members=list(IDENTITIES), vector_length=8, bound=10.0,
                                 consistency_check=bool(rng.random() < 0.5), threshold=3)
@@ -88,6 +100,8 @@ def run_random_round(seed: int) -> None:
             if client.state is ClientState.INPUT_SENT and rng.random() < 0.3:
                 _quietly(client.handle, _out_of_turn(config, client.device_id))
             for reply in _quietly(client.handle, message):
+                if isinstance(reply, EncryptedShares) and len(reply.recipients) and bad_rows.random() < 0.15:
+                    reply = _bad_row(reply, bad_rows)                        # a recipient will accuse it
                 if client.device_id in silent or rng.random() < 0.07:
                     silent.add(client.device_id)
                     if rng.random() < 0.5:

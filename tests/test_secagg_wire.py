@@ -140,10 +140,10 @@ def test_sync_vector_layout_round_trips_and_checks_its_length():
 # ---- the messages' wire declarations --------------------------------------------------------
 def one_of_each_message():
     """Every secagg message type from a real round (consistency check on, one drop-out, so every
-    phase's messages exist) plus a RoundAborted, as decoded from its wire form."""
+    phase's messages exist) plus a RoundAborted and a ShareAccusation, as decoded from its wire form."""
     from protocols.secagg import Phase
     from protocols.secagg.driver import make_identities, run_round
-    from protocols.secagg.messages import RoundAborted
+    from protocols.secagg.messages import RoundAborted, ShareAccusation
 
     identities = {i.device_id: i for i in make_identities(5)}
     config = RoundConfig.create(job_id="j", round_id=1, group_id="g", aggregator_id="aggregator",
@@ -158,6 +158,10 @@ def one_of_each_message():
               dropouts={config.members[0]: Phase.MASKED_INPUT}, intercept=keep)
     seen[RoundAborted] = RoundAborted(job_id="j", round_id=1, group_id="g", sender="aggregator", recipient="x",
                                       reason="too few")
+    accuser = config.members[1]         # (tests/test_secagg_adversarial.py runs the accusations)
+    seen[ShareAccusation] = ShareAccusation(job_id="j", round_id=1, group_id="g", sender=accuser,
+                                            recipient="aggregator", accused=(config.members[2],)
+                                            ).signed(identities[accuser])
     return seen
 
 

@@ -85,6 +85,10 @@ class SecureGroupRounds(Job):
         self._phase_s: dict[int, dict[str, float]] = {}     # round -> phase -> seconds it stayed open
         self._settled: dict[int, tuple[str, ...]] = {}
         self.failed_rounds: list[tuple[int, str]] = []
+        # senders of share rows a majority of their recipients could not decrypt (ServerSecAgg.culprits):
+        # the runner leaves them out of this job's later rounds, so one such device fails at most
+        # the round it was drawn into
+        self.culprits: set[str] = set()
         self._pending_sends: list[tuple[str, Envelope]] = []   # abort notices of a round closed by its deadline
         self.reachable: set[str] = set()       # online, or offline within the grace period (the runner's view)
         # set on a shard hosting the job's groups: (round, unmasked sum, survivors) go there, unapplied
@@ -266,6 +270,11 @@ class SecureGroupRounds(Job):
     def _route(self, outputs, paced: bool = False) -> list[tuple[str, Envelope]]:
         """The machine's outputs: messages as envelopes to send (forwarded shares through the upload
         window, unless ``paced``: the window released them), sums and failures applied."""
+        if self.secure is not None and not self.secure.culprits <= self.culprits:
+            named = sorted(self.secure.culprits - self.culprits)
+            self.culprits.update(named)
+            log.warning("secure round %d: %s sent share rows a majority of their recipients could not decrypt: "
+                        "left out of this job's later rounds", self.secure.config.round_id, ", ".join(named))
         if self._uploads is not None and not paced:
             outputs = self._uploads.admit(list(outputs))
             if self.secure is None or self.secure.state is not ServerState.WAIT_MASKED:

@@ -130,6 +130,7 @@ class JobRunner:
         online = self.fleet.eligible_online() - a.quarantined
         reachable = self.fleet.reachable(self.offline_grace_s) - a.quarantined
         if a.job.secure_rounds:
+            online, reachable = online - a.job.culprits, reachable - a.job.culprits
             a.job.note_reachable(reachable)
         participants = a.job.next_participants(online)
         if participants:

@@ -81,6 +81,7 @@ class ShardedSecureJob(CoordinatedJob):
 
     contributions = property(lambda self: self.inner.contributions)
     failed_rounds = property(lambda self: self.inner.failed_rounds)
+    culprits = property(lambda self: self.inner.culprits)      # of groups the coordinator hosts (shards': logged there)
     order_free = property(lambda self: self.inner.order_free)
     evaluate_at_round_close = property(lambda self: self.inner.evaluate_at_round_close)
 

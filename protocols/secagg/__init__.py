@@ -28,7 +28,7 @@ from .fixedpoint import FixedPointCodec, fed3r_bound, max_scale_bits
 from .graph import NeighbourGraph, default_degree
 from .messages import (AdvertiseKeys, ConsistencyCheckRequest, ConsistencySignature, EncryptedShares,
                        ForwardedShares, KeyDirectory, MaskedInput, Message, RoundAborted, RoundStart,
-                       UnmaskRequest, UnmaskShares, decode)
+                       ShareAccusation, UnmaskRequest, UnmaskShares, decode)
 from .server import MaskApplier, ServerSecAgg, ServerState
 
 __all__ = [
@@ -37,7 +37,7 @@ __all__ = [
     "Phase", "Timeout", "MemberOffline", "AggregateReady", "RoundFailed", "FixedPointCodec", "fed3r_bound", "max_scale_bits",
     "NeighbourGraph", "default_degree", "Message", "decode", "RoundStart", "KeyDirectory", "ForwardedShares",
     "ConsistencyCheckRequest", "UnmaskRequest", "RoundAborted", "AdvertiseKeys", "EncryptedShares", "MaskedInput",
-    "ConsistencySignature", "UnmaskShares", "SecAggError", "ConfigError", "InputError", "MalformedMessage",
+    "ConsistencySignature", "UnmaskShares", "ShareAccusation", "SecAggError", "ConfigError", "InputError", "MalformedMessage",
     "AuthenticationError", "UnknownSender", "BadSignature", "WrongContext", "UnexpectedMessage",
     "ReplayedMessage", "DecryptionError", "ProtocolViolation", "ReconstructionError",
 ]

@@ -50,8 +50,7 @@ from .events import Timeout
 from .graph import NeighbourGraph
 from .messages import (AdvertiseKeys, ConsistencyCheckRequest, ConsistencySignature, EncryptedShares,
                        ForwardedShares, KeyDirectory, MaskedInput, Message, RoundAborted, RoundStart,
-                       UnmaskRequest,
-                       UnmaskShares, consistency_statement)
+                       ShareAccusation, UnmaskRequest, UnmaskShares, consistency_statement)
 
 
 class ClientState(str, enum.Enum):
@@ -132,6 +131,7 @@ class ClientSecAgg:
         self._signed_survivors: bytes | None = None  # the U3 bitmap this device signed
         self.revealed: dict[str, str] = {}  # peer -> "self_mask" | "mask_key": what this device disclosed
         self.abort_reason: str | None = None  # the server's, when it aborted the round
+        self.accused: tuple[str, ...] = ()     # neighbours whose share rows did not decrypt
 
     # ---- public API --------------------------------------------------------------------
     def provide_input(self, values: np.ndarray) -> None:
@@ -303,13 +303,14 @@ class ClientSecAgg:
             raise MalformedMessage(f"share ciphertexts must be {SHARE_CIPHERTEXT_BYTES} bytes wide")
         if self._encoded_input is None:
             raise InputError("no input vector provided before the masked-input phase")
-        held = {}
+        held, accused = {}, []
         for device, row in zip(message.senders, message.ciphertexts):
             try:
                 plaintext = aead_decrypt(self._share_keys[device], row.tobytes(),
                                          share_associated_data(self.context, device, self.device_id))
-            except DecryptionError as exc:
-                raise DecryptionError(f"share from {device!r}: {exc}") from None
+            except DecryptionError:     # its shares are lost to this member; the other holders cover them
+                accused.append(device)
+                continue
             held[device] = (plaintext[:SHARE_BYTES], plaintext[SHARE_BYTES:])
         masked = self._encoded_input.copy()
         seeds = [(self._self_mask_seed, 1)]
@@ -318,10 +319,12 @@ class ClientSecAgg:
                                   self.device_id, device)
             seeds.append((seed, pair_mask_sign(self.device_id, device)))
         apply_masks(masked, seeds)
-        reply = self._reply(MaskedInput, masked_input=masked)
+        replies = [self._reply(ShareAccusation, accused=tuple(accused))] if accused else []
+        replies.append(self._reply(MaskedInput, masked_input=masked))       # after it: it may close the phase
         self._held_shares, self._u2_neighbours = held, frozenset(message.senders)
+        self.accused = tuple(accused)
         self._encoded_input = self._raw_input = None
-        return [reply]
+        return replies
 
     def _on_consistency_request(self, message: ConsistencyCheckRequest) -> list[Message]:
         self._check_survivor_set(self.config.from_bitmap(message.survivors))
@@ -342,7 +345,7 @@ class ClientSecAgg:
                 raise ProtocolViolation("survivor set differs from the one this device signed")
             self._check_consistency_signatures(message)
         self_mask_owners, key_owners = [], []
-        for owner in sorted(self._u2_neighbours | {self.device_id}):
+        for owner in sorted(set(self._held_shares) | {self.device_id}):     # an accused sender's: none held
             if owner in survivors:
                 self_mask_owners.append(owner)
             elif owner in dropped:
@@ -417,8 +420,10 @@ CLIENT_TABLE = TransitionTable(ClientState, [
     Transition(_S.ADVERTISED, KeyDirectory, "", _phase(_C._on_key_directory, _S.SHARES_SENT), (EncryptedShares,),
                (_S.SHARES_SENT, _S.ABORTED), note="check neighbours' key signatures; Shamir-split s_u^SK, b_u; "
                "encrypt a share per neighbour"),
-    Transition(_S.SHARES_SENT, ForwardedShares, "", _phase(_C._on_forwarded_shares, _S.INPUT_SENT), (MaskedInput,),
-               (_S.INPUT_SENT, _S.ABORTED), note="decrypt U2's shares; y_u = x_u + PRG(b_u) + sum_v +-PRG(s_uv)"),
+    Transition(_S.SHARES_SENT, ForwardedShares, "", _phase(_C._on_forwarded_shares, _S.INPUT_SENT),
+               (ShareAccusation, MaskedInput), (_S.INPUT_SENT, _S.ABORTED),
+               note="decrypt U2's shares (rows that do not: ShareAccusation of their senders, first); "
+               "y_u = x_u + PRG(b_u) + sum_v +-PRG(s_uv)"),
     Transition(_S.INPUT_SENT, ConsistencyCheckRequest, "the config has the check",
                _phase(_C._on_consistency_request, _S.CONSISTENCY_SENT), (ConsistencySignature,),
                (_S.CONSISTENCY_SENT, _S.ABORTED), note="sign U3", guard=_C._checks_consistency),

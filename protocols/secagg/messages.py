@@ -21,7 +21,8 @@ the `@wire_message` decorator from the dataclass fields, in declaration order; t
 wire_fields.py). Verifying the signature and
 the context against the round is the state machines' job (they know the keys and the round).
 
-Client -> server: AdvertiseKeys, EncryptedShares, MaskedInput, ConsistencySignature, UnmaskShares.
+Client -> server: AdvertiseKeys, EncryptedShares, MaskedInput (after a ShareAccusation), ConsistencySignature,
+UnmaskShares.
 Server -> client: RoundStart, KeyDirectory, ForwardedShares, ConsistencyCheckRequest, UnmaskRequest.
 """
 
@@ -328,6 +329,21 @@ class MaskedInput(Message):
 
 
 @wire_message
+class ShareAccusation(Message):
+    """Sent just before its masked input by a member some of whose forwarded share rows did not
+    decrypt: their senders. The member goes on without those shares (it holds no share of their
+    secrets to give at the unmasking, which the other holders cover); nothing secret is revealed,
+    so the server cannot tell a bad row from a false accusation by one member. It counts them:
+    a sender accused by a strict majority of the neighbours it sent rows to is a culprit
+    (``ServerSecAgg.culprits``), which no minority of lying members can make an honest one."""
+
+    TYPE: ClassVar[str] = "secagg.share_accusation"
+    PHASE: ClassVar[Phase] = Phase.MASKED_INPUT
+    FROM_CLIENT: ClassVar[bool] = True
+    accused: tuple[str, ...] = wire_value(DistinctIds())
+
+
+@wire_message
 class ConsistencySignature(Message):
     TYPE: ClassVar[str] = "secagg.consistency_signature"
     PHASE: ClassVar[Phase] = Phase.CONSISTENCY_CHECK
@@ -351,7 +367,7 @@ class UnmaskShares(Message):
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls for cls in (RoundStart, KeyDirectory, ForwardedShares, ConsistencyCheckRequest,
                               UnmaskRequest, RoundAborted, AdvertiseKeys, EncryptedShares, MaskedInput,
-                              ConsistencySignature, UnmaskShares)}
+                              ShareAccusation, ConsistencySignature, UnmaskShares)}
 
 
 def decode(header: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> Message:

@@ -53,13 +53,13 @@ from .crypto import apply_masks, check_usable_public_key, check_workers, default
     x25519_from_private_bytes, x25519_public_bytes
 from .derivation import SECRET_BYTES, SHARE_BYTES, SHARE_CIPHERTEXT_BYTES, RoundContext, pair_mask_seed, \
     pair_mask_sign, self_mask_commitment
-from .errors import (BadSignature, ConfigError, LateMessage, MalformedMessage, ReconstructionError, ReplayedMessage,
-                     UnexpectedMessage, UnknownSender, WrongContext)
+from .errors import (BadSignature, ConfigError, LateMessage, MalformedMessage, ReconstructionError,
+                     ReplayedMessage, UnexpectedMessage, UnknownSender, WrongContext)
 from .events import AbortRound, AggregateReady, MemberOffline, Phase, RoundFailed, StartRound, Timeout
 from .graph import NeighbourGraph
 from .messages import (AdvertisedKeys, AdvertiseKeys, ConsistencyCheckRequest, ConsistencySignature,
                        EncryptedShares, ForwardedShares, KeyDirectory, MaskedInput, Message, RoundAborted, RoundStart,
-                       UnmaskRequest, UnmaskShares, consistency_statement)
+                       ShareAccusation, UnmaskRequest, UnmaskShares, consistency_statement)
 
 
 # accumulator += sum(sign * PRG(seed)) mod 2^64 in place, for (seed, sign) pairs
@@ -115,6 +115,10 @@ class ServerSecAgg:
         self._dropped: tuple[str, ...] = ()
         self._members = frozenset(config.members)
         self._offline: set[str] = set()      # members the caller knows are gone: not waited for
+        self._accusations: dict[str, tuple[str, ...]] = {}   # member -> senders of rows it could not decrypt
+        # senders of share rows that a majority of their recipients could not decrypt
+        # (ShareAccusation): the caller may leave them out of its next rounds
+        self.culprits: set[str] = set()
 
     # ---- public API --------------------------------------------------------------------
     def start(self) -> list[Output]:
@@ -171,6 +175,34 @@ class ServerSecAgg:
         self._received[phase][message.sender] = PHASES[self.state].check(self, message)
         self._offline.discard(message.sender)          # it answered: it is back
         return self._close_phase() if self._phase_answered() else []
+
+    def _note_accusation(self, accusation: ShareAccusation) -> list[Output]:
+        """Keep who a member of U2 says sent it share rows that do not decrypt (once per member, each
+        accused one of the neighbours whose rows it was forwarded); counted when the phase closes."""
+        accuser = accusation.sender
+        if accuser in self._accusations:
+            raise ReplayedMessage(f"{ShareAccusation.TYPE} from {accuser!r} already received")
+        if accuser not in self._expected(Phase.MASKED_INPUT) or accuser in self._received[Phase.MASKED_INPUT]:
+            raise UnexpectedMessage(f"{accuser!r} may not accuse now: it is not waited for in phase "
+                                    f"{Phase.MASKED_INPUT.value}")
+        forwarded = self._graph.neighbours(accuser) & set(self._received[Phase.SHARE_KEYS])
+        if not accusation.accused or not set(accusation.accused) <= forwarded:
+            raise MalformedMessage(f"{accuser!r} accuses devices whose rows it was not forwarded")
+        self._accusations[accuser] = accusation.accused
+        return []
+
+    def _convict(self) -> None:
+        """The masked phase is closing: a sender accused by a strict majority of the neighbours it
+        sent share rows to is a culprit. A member cannot prove a row bad without revealing its
+        cipher key, which would open every row it holds, so the count is all there is: fewer
+        lying members than half a device's neighbours cannot make it one."""
+        accusers: dict[str, int] = {}
+        for accused in self._accusations.values():
+            for device in accused:
+                accusers[device] = accusers.get(device, 0) + 1
+        for device, count in accusers.items():
+            if 2 * count > len(self._received[Phase.SHARE_KEYS][device].recipients):
+                self.culprits.add(device)
 
     def _times_out_open_phase(self, timeout: Timeout) -> bool:
         return timeout.phase == self.phase
@@ -304,6 +336,8 @@ class ServerSecAgg:
         return SERVER_TABLE.fire(self, AbortRound(reason))
 
     def _fail(self, reason: str) -> list[Output]:
+        if self.culprits:
+            reason += f" (share rows a majority of their recipients could not decrypt: {', '.join(sorted(self.culprits))})"
         failed = RoundFailed(reason, self.phase)
         self.state, self.outcome = ServerState.FAILED, failed
         self._accumulator = None
@@ -314,6 +348,8 @@ class ServerSecAgg:
 
     def _close_phase(self) -> list[Output]:
         phase = self.phase
+        if phase is Phase.MASKED_INPUT:
+            self._convict()
         count = len(self._received[phase])
         if count < self.config.threshold:
             return self._fail(f"{phase.value}: {count} participants < threshold {self.config.threshold}")
@@ -481,6 +517,9 @@ SERVER_TABLE = TransitionTable(ServerState, [
                note="start(): the signed config to every member"),
     Transition(ANY, MemberOffline, "not a member", _V._ignore, guard=_V._not_a_member),
     *(row for state, rule in PHASES.items() for row in _phase_rows(state, rule)),
+    Transition(_S.WAIT_MASKED, ShareAccusation, "", _V._note_accusation,
+               note="keep whose rows the member could not decrypt; at the phase's close, a sender accused by a "
+                    "majority of its recipients is a culprit"),
     Transition(ANY, Timeout, "", _V._ignore, note="a stale timeout (its phase closed)"),
     Transition(ANY, MemberOffline, "", _V._note_offline, note="not waited for from now on"),
     Transition((_S.IDLE, *PHASES), AbortRound, "", _V._abort_round, _FAILS, (_S.FAILED,),

@@ -6,6 +6,8 @@
 //                                              -> EncryptedShares                                      SHARES_SENT
 //   SHARES_SENT       ForwardedShares          decrypt, y_u = x_u + PRG(b_u) + Σ ±PRG(s_uv) in Z_{2^r}
 //                                              -> MaskedInput                                          INPUT_SENT
+//                                              (rows that do not decrypt: ShareAccusation of their
+//                                              senders first, going on without their shares)
 //   INPUT_SENT        ConsistencyCheckRequest  sign U3 -> ConsistencySignature                         CONSISTENCY_SENT
 //   INPUT_SENT / CONSISTENCY_SENT  UnmaskRequest  b_v shares of survivors, s_v shares of dropped
 //                                              peers, never both -> UnmaskShares                       FINISHED
@@ -57,6 +59,7 @@ public final class ClientSecAgg {
     private byte[][] ownShares;
     private byte[] signedSurvivors;
     public String abortReason;
+    public List<String> accused = new ArrayList<>();   // neighbours whose share rows did not decrypt
 
     public ClientSecAgg(String deviceId, Envelope.Signer identity, byte[] identityPublicKey, String aggregatorId,
                         byte[] aggregatorKey, String jobId, long roundId, String groupId, double[] input) {
@@ -275,13 +278,15 @@ public final class ClientSecAgg {
         if (cts.length != senders.size()) throw new SecAggException("ciphertexts: " + cts.length + " rows for " + senders.size() + " senders");
         if (!neighbours.containsAll(senders)) throw new ProtocolViolation("forwarded shares from devices that are not graph neighbours");
         Map<String, byte[][]> got = new HashMap<>();
+        List<String> bad = new ArrayList<>();
         for (int i = 0; i < senders.size(); i++) {
             String peer = senders.get(i);
             byte[] plain;
             try {
                 plain = Crypto.aeadDecrypt(shareKeys.get(peer), cts[i], context("share-aad", peer, deviceId));
-            } catch (SecAggException e) {
-                throw new SecAggException("share from " + peer + ": " + e.getMessage());
+            } catch (SecAggException e) {      // its shares are lost to this device; the other holders cover them
+                bad.add(peer);
+                continue;
             }
             got.put(peer, new byte[][] {Arrays.copyOf(plain, SHARE_BYTES), Arrays.copyOfRange(plain, SHARE_BYTES, 2 * SHARE_BYTES)});
         }
@@ -291,11 +296,17 @@ public final class ClientSecAgg {
             byte[] pairSeed = Crypto.agree(maskKey, maskPublic.get(peer), context("pair-mask", low(deviceId, peer), high(deviceId, peer)));
             masked.addMask(pairSeed, Json.CODE_POINT_ORDER.compare(deviceId, peer) < 0 ? 1 : -1);
         }
-        SecAggMessage reply = reply("secagg.masked_input", new LinkedHashMap<String, Object>(),
-                SecAggMessage.arrays(masked.tensor("masked_input")));
-        held = got; u2 = new HashSet<>(senders); encoded = null; input = null;
+        List<SecAggMessage> replies = new ArrayList<>();
+        if (!bad.isEmpty()) {                   // first: the masked input may close the phase
+            Map<String, Object> accusation = new LinkedHashMap<>();
+            accusation.put("accused", new ArrayList<Object>(bad));
+            replies.add(reply("secagg.share_accusation", accusation, SecAggMessage.noArrays()));
+        }
+        replies.add(reply("secagg.masked_input", new LinkedHashMap<String, Object>(),
+                SecAggMessage.arrays(masked.tensor("masked_input"))));
+        held = got; u2 = new HashSet<>(senders); accused = bad; encoded = null; input = null;
         state = State.INPUT_SENT;
-        return Collections.singletonList(reply);
+        return replies;
     }
 
     private List<SecAggMessage> onConsistencyRequest(SecAggMessage m) throws SecAggException {
@@ -320,7 +331,7 @@ public final class ClientSecAgg {
             if (!Arrays.equals(bitmap, signedSurvivors)) throw new ProtocolViolation("survivor set differs from the one this device signed");
             checkConsistencySignatures(m, bitmap, survivors);
         }
-        List<String> owners = new ArrayList<>(u2);
+        List<String> owners = new ArrayList<>(held.keySet());     // an accused sender's: none held
         owners.add(deviceId);
         owners.sort(Json.CODE_POINT_ORDER);
         List<Object> selfOwners = new ArrayList<>(), keyOwners = new ArrayList<>();
