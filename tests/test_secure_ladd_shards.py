@@ -223,6 +223,6 @@ def test_a_host_refuses_a_hosting_context_that_is_not_its_groups_and_fails_the_g
            {**context, "clusters": {**context["clusters"], DEVICES[0]: 7}}]
     for wrong in bad:
         assert host.groups.open(group, wrong) == [] and not host.reads("dev000")
-        (_, job_id, what, round_id, reason), = host.groups.outcomes()
+        (_, job_id, what, round_id, _culprits, reason), = host.groups.outcomes()
         assert (job_id, what, round_id) == ("sladd", "failed", group.round_id)
         assert reason.startswith("its shard cannot host it: secure round"), reason

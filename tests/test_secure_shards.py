@@ -183,6 +183,38 @@ def test_secure_fedavg_kinds_on_two_shards_give_one_aggregators_model_bit_for_bi
     check_secure_rounds(tmp_path, kind, request)
 
 
+def test_a_device_sending_undecryptable_share_rows_is_left_out_on_shards_as_by_one_aggregator(tmp_path):
+    """dev03 flips every share row it sends. Round 1 (all six, hosted by shard 1): the other five
+    accuse it, the host names it and fails the round at the unmasking; the coordinator learns the
+    name with the outcome and leaves dev03 out of rounds 2 and 3, as one aggregator does: the
+    same failure, the same contributors, the same model bytes."""
+    from protocols.payloads.secagg import SECURE_FEDAVG_KIND
+    from test_secagg_share_accusation_over_mqtt import CorruptingSessions
+
+    def attacker(device, protocol):
+        if device == "dev03":
+            sessions = CorruptingSessions(protocol[SECURE_FEDAVG_KIND].identity)
+            protocol[SECURE_FEDAVG_KIND].sessions = protocol[SECAGG_TYPE] = sessions
+        return protocol
+
+    keys = SecureKeys.create(tmp_path, DEVICES)
+    fields = {"rounds": 3, "clients_per_round": len(DEVICES), "local_epochs": 1, "max_abs_param": 50.0}
+    runs = []
+    for name, extra in (("one", ()), ("sharded", SHARDS)):
+        (tmp_path / name).mkdir()
+        rc, log = run_secure(tmp_path / name, keys, "fedavg-secure", extra, secure=attacker, **fields)
+        assert rc == 0, log[-3000:]
+        assert "dev03 sent share rows a majority of their recipients could not decrypt" in log, log[-3000:]
+        runs.append(outputs(tmp_path / name / "out", ("model.npz",)))
+    (want, want_results), (got, results) = runs
+    for r in (want_results, results):
+        rounds = {e["round"]: e for e in r["rounds"]}
+        assert "could not decrypt: dev03" in rounds[1]["secure_failure"] and rounds[1]["accepted"] == []
+        assert [sorted(rounds[k]["accepted"]) for k in (2, 3)] == [DEVICES[1:]] * 2
+    assert results["contributed"] == want_results["contributed"] and "dev03" not in results["contributed"]
+    assert_same_bytes(got, want)
+
+
 class InflatedCount(SecureScaffoldTraining):
     """Modified device code: its honest [n·y | clip(Δc) | n] with the count slot forged to twice
     what the whole fleet may hold (within SecAgg's fixed-point bound, so only the group-sum check
@@ -288,7 +320,7 @@ def test_a_shard_takes_only_its_hosted_groups_secagg_messages_and_refuses_bad_on
     assert sent(idle, "dev03", garbage) == Publish([])           # a group hosted elsewhere: dropped
     aborted = host.groups.abort(1, "deadline")                   # the members are told to erase their secrets
     assert sorted(d for d, _ in aborted) == members
-    assert host.groups.outcomes() == [("group", host.job_id, "failed", 1, "aborted: deadline")] and host.groups.held is None
+    assert host.groups.outcomes() == [("group", host.job_id, "failed", 1, (), "aborted: deadline")] and host.groups.held is None
     assert not host.reads("dev03") and host.reads("dev08")      # the group's other buckets' devices are let go
     assert sent(host, "dev03", garbage) is None                  # a late message of theirs: their shards'
     assert isinstance(sent(host, "dev08", decline), Forward)     # its own bucket's, as ever

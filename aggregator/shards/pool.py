@@ -16,7 +16,7 @@ request, job_id, accepted, context)``, ``("group_open", round config, hosting co
 "group_abort", round, device | reason)``, ``("stop",)``; shard → coordinator: ``("ready",)`` once
 connected to the broker, ``("receipt", topic, raw)``, ``("forward", topic, payload)``, ``("sums",
 request, node sums or statistics, or the reason it has none)``, ``("group", job_id, "sum", round,
-total, survivors)`` or ``("group", job_id, "failed", round, reason)`` (a hosted secure group's end,
+culprits, total, survivors)`` or ``("group", job_id, "failed", round, culprits, reason)`` (a hosted secure group's end,
 ``secure_groups.py``).
 """
 
@@ -73,7 +73,8 @@ class ShardPool(ABC):
         self._request = 0
         self.restarts = 0
         self.placed: dict[int, int] = {}                    # secure round -> the shard hosting its group
-        self.group_outcomes: queue.Queue = queue.Queue()    # ("sum", round, total, survivors) | ("failed", round, reason)
+        # (job, "sum", round, culprits, total, survivors) | (job, "failed", round, culprits, reason)
+        self.group_outcomes: queue.Queue = queue.Queue()
 
     def store_path(self, index: int) -> Path:
         return self.store_dir / f"shard-{index}-of-{self.shards}.db"
@@ -214,7 +215,7 @@ class ShardPool(ABC):
         """A shard died with the groups it hosted: their secrets (never persisted) died with it, so
         each fails now, with the reason, instead of at its round's deadline."""
         for round_id in sorted(r for r, holder in self.placed.items() if holder == index):
-            self.group_outcomes.put((self._job[0], "failed", round_id,
+            self.group_outcomes.put((self._job[0], "failed", round_id, (),
                                      f"shard {index} hosting the group exited ({ended}): its secrets died with it"))
 
     def reduce(self, kind: str, config: dict, job_id: str, accepted: list[tuple[str, str]]) -> Job:

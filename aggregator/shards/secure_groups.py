@@ -81,7 +81,7 @@ class ShardedSecureJob(CoordinatedJob):
 
     contributions = property(lambda self: self.inner.contributions)
     failed_rounds = property(lambda self: self.inner.failed_rounds)
-    culprits = property(lambda self: self.inner.culprits)      # of groups the coordinator hosts (shards': logged there)
+    culprits = property(lambda self: self.inner.culprits)      # named by the shards hosting the groups
     order_free = property(lambda self: self.inner.order_free)
     evaluate_at_round_close = property(lambda self: self.inner.evaluate_at_round_close)
 
@@ -111,12 +111,17 @@ class ShardedSecureJob(CoordinatedJob):
                 return []
             self._group_outcome(*outcome)
 
-    def _group_outcome(self, job_id: str, what: str, round_id: int, *details: Any) -> None:
+    def _group_outcome(self, job_id: str, what: str, round_id: int, culprits: tuple[str, ...], *details: Any) -> None:
         if job_id != self.inner.config.job_id:
             return log.info("a %s of job %r's secure round %d, not this job's: dropped", what, job_id, round_id)
         if round_id not in self.pool.placed:
             return log.info("secure round %d: its host's %s came after the round closed: dropped", round_id, what)
         self.pool.group_ended(round_id)
+        named = set(culprits) - self.inner.culprits
+        if named:                   # as one aggregator does (SecureGroupRounds._route): out of the later rounds
+            self.inner.culprits.update(named)
+            log.warning("secure round %d: %s sent share rows a majority of their recipients could not decrypt: "
+                        "left out of this job's later rounds", round_id, ", ".join(sorted(named)))
         if what == "sum":
             total, survivors = details
             self.inner.group_summed(round_id, np.asarray(total), tuple(survivors))

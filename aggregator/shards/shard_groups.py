@@ -7,8 +7,9 @@ job's config, so with the aggregator's identity and the enrolled keys its files 
 unmasked sum is handed on (:attr:`~aggregator.jobs.secure_rounds.SecureGroupRounds.hand_sums_to`)
 instead of applied. Each call returns the ``(device, envelope)`` pairs to publish (signed with the
 aggregator's identity, :attr:`signer`); :meth:`outcomes` what the coordinator must be told once the
-group ended: ``("group", job_id, "sum", round, total, survivors)`` or ``("group", job_id, "failed", round,
-reason)`` (the job id: an outcome of a job the coordinator no longer serves is dropped there).
+group ended: ``("group", job_id, "sum", round, culprits, total, survivors)`` or ``("group", job_id, "failed",
+round, culprits, reason)`` (the job id: an outcome of a job the coordinator no longer serves is dropped
+there; culprits: members the hosted rounds named, ``SecureGroupRounds.culprits``).
 """
 
 from __future__ import annotations
@@ -88,11 +89,13 @@ class ShardGroups:
         if survivors is None:
             return []
         round_id, self.held, self.members = self.held, None, set()
+        culprits = tuple(sorted(self.job.culprits))     # the coordinator's job leaves them out of its later rounds
         if not survivors:
-            return [("group", self.job.config.job_id, "failed", round_id, self.job.secure_failure(round_id) or "failed")]
+            return [("group", self.job.config.job_id, "failed", round_id, culprits,
+                     self.job.secure_failure(round_id) or "failed")]
         total, survivors = self._sum
         self._sum = None
-        return [("group", self.job.config.job_id, "sum", round_id, total, survivors)]
+        return [("group", self.job.config.job_id, "sum", round_id, culprits, total, survivors)]
 
     def _summed(self, round_id: int, total: np.ndarray, survivors: tuple[str, ...]) -> None:
         self._sum = (total, survivors)
