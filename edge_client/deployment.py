@@ -198,11 +198,15 @@ class _FolderLock:
 
 def _write_atomic(path: Path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:           # a full disk: the partial file must not keep the space a retry needs
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def refusal_of(a: dict, device_id: str, held_seq: int) -> tuple[str, str] | None:
@@ -289,14 +293,15 @@ class DeploymentFollower(LinkWorker):
                             a["deployment"], a.get("reason", ""))
             return
         current, previous = self.slot.current, self.slot.previous
-        if current is not None and current.sha256 == a["sha256"]:
-            if current.deployment != a["deployment"]:       # the same head in a new deployment: judged, kept
-                data = (self.slot.dir / f"{current.sha256}.npz").read_bytes()
-                return self._adopt(a, data, swap=False)
+        kept = next((v for v in (current, previous) if v is not None and v.sha256 == a["sha256"]), None)
+        if kept is current and current is not None and current.deployment == a["deployment"]:
             return                                          # already running it (a retained re-delivery)
-        if previous is not None and previous.sha256 == a["sha256"]:
-            data = (self.slot.dir / f"{previous.sha256}.npz").read_bytes()
-            return self._adopt(a, data)
+        if kept is not None:        # the current head in a new deployment (judged, kept), or the previous one
+            try:
+                data = (self.slot.dir / f"{kept.sha256}.npz").read_bytes()
+            except OSError as exc:
+                return self._refuse(f"kept head unreadable, staying on the current version: {exc}", a, "load")
+            return self._adopt(a, data, swap=kept is not current)
         self._pending = {**a, "asked": 0.0, "since": time.monotonic()}
 
     def _tick(self, now: float) -> None:

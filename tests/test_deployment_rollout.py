@@ -392,6 +392,22 @@ def test_local_labels_the_head_has_no_row_for_are_refused_and_the_device_keeps_i
         ModelSlot(fleet.tmp / "cam-x", np.array([0.5]))
 
 
+def test_a_head_written_to_a_full_disk_leaves_no_partial_file(tmp_path, monkeypatch):
+    """The slot's atomic write fails (ENOSPC at the sync): its temp file is removed, so a retry is
+    not starved of the space the failed attempt took (each attempt used to leave one behind)."""
+    import errno
+    import os
+
+    from edge_client import deployment
+
+    def full(_fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(deployment.os, "fsync", full)
+    with pytest.raises(OSError, match="No space"):
+        deployment._write_atomic(tmp_path / "head.npz", b"x" * 1000)
+    assert os.listdir(tmp_path) == []
+
+
 class FlakyHoldout:
     """The application's held-out features, failing its first ``failures`` reads (a disk busy, a
     store being rotated) and then giving the device's split."""

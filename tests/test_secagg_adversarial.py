@@ -282,6 +282,43 @@ def test_a_minority_of_false_accusers_names_nobody_and_the_sum_is_exact():
     assert np.array_equal(outcome.sum_words, r.expected_sum(r.config.members))
 
 
+def test_accusations_count_when_the_callers_deadline_ends_the_masked_phase():
+    """Every row of the attacker bad, the five others accuse it, and it withholds its masked input
+    so that the phase waits: the job's deadline (``abort``) ends the round, and the attacker is
+    named all the same (the accusations used to count only when the phase closed)."""
+    r = Round(n=6)
+    attacker = r.config.members[0]
+    r.step()
+    shares = [wire(resign(m, r.identities[attacker], ciphertexts=_flipped(m.ciphertexts)))
+              if isinstance(m, EncryptedShares) and m.sender == attacker else m for m in r.to_clients()]
+    r.to_server(shares)
+    masked = r.to_clients([m for m in r.pending if m.recipient != attacker])     # the attacker stays silent
+    assert sum(m.TYPE == "secagg.share_accusation" for m in masked) == 5
+    r.to_server(masked)
+    assert r.server.state is ServerState.WAIT_MASKED
+    [failed] = [o for o in r.server.abort("deadline") if isinstance(o, RoundFailed)]
+    assert r.server.culprits == {attacker} and attacker in failed.reason
+
+
+def test_one_accuser_counts_once_however_often_it_names_a_device():
+    """An accusation naming the same device five times (the wire refuses duplicates; the machine
+    does not rely on that) counts once: one liar of five neighbours names nobody."""
+    from protocols.secagg import ShareAccusation
+    r = Round(n=6)
+    r.step()
+    r.step()
+    liar, honest = r.config.members[:2]
+    r.server.handle(ShareAccusation(job_id="job", round_id=3, group_id="g", sender=liar, recipient="aggregator",
+                                    accused=(honest,) * 5).signed(r.identities[liar]))
+    assert isinstance(r.finish(), AggregateReady) and r.server.culprits == set()
+
+
+def _flipped(ciphertexts):
+    flipped = ciphertexts.copy()
+    flipped[:, 20] ^= 0xFF
+    return flipped
+
+
 def test_a_bad_accusation_is_refused_and_changes_nothing():
     r = Round(n=6)
     r.step()

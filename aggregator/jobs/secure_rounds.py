@@ -33,6 +33,7 @@ from protocols.envelope import Envelope, EnvelopeError
 from protocols.identity import DeviceIdentity, IdentityRegistry
 from protocols.payloads.secagg import UnsendableMessage, from_envelope, to_envelope
 from protocols.secagg import (AggregateReady, MaskedInput, MemberOffline, Message, RoundConfig, RoundFailed,
+                              ShareAccusation,
                               SecAggError, ServerSecAgg, ServerState, Timeout)
 from protocols.secagg.errors import LateMessage
 from protocols.secagg.config import MAX_VECTOR_LENGTH
@@ -225,10 +226,11 @@ class SecureGroupRounds(Job):
         statistics and upload megabytes keeps answering for longer than any one device needs;
         a fixed timer cut such phases off and turned the slower devices' answers late (the round
         deadline still bounds the whole round). A member going offline is no progress unless it
-        closes the phase: a device flapping its presence held the phase open to the deadline."""
+        closes the phase: a device flapping its presence held the phase open to the deadline. Nor is
+        an accusation (it precedes its sender's masked input, which is the answer)."""
         before = self.secure.phase
         out = self._timed(event, now)
-        if not isinstance(event, MemberOffline) or self.secure.phase is not before:
+        if not isinstance(event, (MemberOffline, ShareAccusation)) or self.secure.phase is not before:
             self._phase_at = now
         return self._route(out)
 

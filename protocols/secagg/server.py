@@ -115,7 +115,7 @@ class ServerSecAgg:
         self._dropped: tuple[str, ...] = ()
         self._members = frozenset(config.members)
         self._offline: set[str] = set()      # members the caller knows are gone: not waited for
-        self._accusations: dict[str, tuple[str, ...]] = {}   # member -> senders of rows it could not decrypt
+        self._accusations: dict[str, frozenset[str]] = {}    # member -> senders of rows it could not decrypt
         # senders of share rows that a majority of their recipients could not decrypt
         # (ShareAccusation): the caller may leave them out of its next rounds
         self.culprits: set[str] = set()
@@ -188,7 +188,7 @@ class ServerSecAgg:
         forwarded = self._graph.neighbours(accuser) & set(self._received[Phase.SHARE_KEYS])
         if not accusation.accused or not set(accusation.accused) <= forwarded:
             raise MalformedMessage(f"{accuser!r} accuses devices whose rows it was not forwarded")
-        self._accusations[accuser] = accusation.accused
+        self._accusations[accuser] = frozenset(accusation.accused)     # one accuser counts once per device
         return []
 
     def _convict(self) -> None:
@@ -336,6 +336,8 @@ class ServerSecAgg:
         return SERVER_TABLE.fire(self, AbortRound(reason))
 
     def _fail(self, reason: str) -> list[Output]:
+        if self.state is ServerState.WAIT_MASKED:      # the caller's deadline too: the accusations still count
+            self._convict()
         if self.culprits:
             reason += f" (share rows a majority of their recipients could not decrypt: {', '.join(sorted(self.culprits))})"
         failed = RoundFailed(reason, self.phase)

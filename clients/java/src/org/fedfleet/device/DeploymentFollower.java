@@ -251,6 +251,10 @@ public final class DeploymentFollower implements AutoCloseable {
             return;
         }
         if (data != null) {
+            if (!Envelope.hex(Envelope.sha256(data)).equals(a.sha256)) {     // a kept file changed on disk: not the slot's fault
+                cannotLoad(a, new java.io.IOException("head sha256 differs from the assigned " + a.sha256));
+                return;
+            }
             try {
                 slot.swap(data, a.sha256, a.deployment, a.bundleSha256);
             } catch (java.io.IOException e) {      // the slot's folder: full, or read-only for a while

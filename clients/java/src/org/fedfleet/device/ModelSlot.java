@@ -227,13 +227,16 @@ public final class ModelSlot {
 
     private static void writeAtomic(File path, byte[] data) throws IOException {
         File tmp = File.createTempFile("." + path.getName(), ".tmp", path.getParentFile());
-        try (FileOutputStream out = new FileOutputStream(tmp)) {
-            out.write(data);
-            out.getFD().sync();
-        }
-        if (!tmp.renameTo(path)) {
-            tmp.delete();
-            throw new IOException("cannot replace " + path);
+        boolean replaced = false;
+        try {
+            try (FileOutputStream out = new FileOutputStream(tmp)) {
+                out.write(data);
+                out.getFD().sync();
+            }
+            if (!tmp.renameTo(path)) throw new IOException("cannot replace " + path);
+            replaced = true;
+        } finally {
+            if (!replaced) tmp.delete();        // a full disk: the partial file must not keep the space a retry needs
         }
     }
 
