@@ -34,8 +34,6 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
-import os
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -47,6 +45,7 @@ import numpy as np
 from edge_client.oll import prune
 from protocols.chunking import MessageAssembler
 from protocols.envelope import EnvelopeError
+from protocols.files import write_atomic
 from protocols.identity import sender_verifier
 from protocols.mqtt_link import BrokerConfig, LinkWorker, MqttLink
 from protocols.payloads import deployment as D
@@ -124,7 +123,7 @@ class ModelSlot:
     def swap(self, data: bytes, sha256: str, deployment: str, bundle_sha256: str = "") -> HeadVersion:
         """Make the verified head file ``data`` current, keeping the current one as previous."""
         W, b = D.head_from_npz(data, sha256)
-        _write_atomic(self.dir / f"{sha256}.npz", data)
+        write_atomic(self.dir / f"{sha256}.npz", data)
         new = HeadVersion(sha256, deployment, W, b, bundle_sha256)
         with self._lock:
             self._commit(new, self.current)
@@ -165,7 +164,7 @@ class ModelSlot:
             entry = (lambda h: None if h is None else {"sha256": h.sha256, "deployment": h.deployment,
                                                        "bundle_sha256": h.bundle_sha256})
             labels = None if self.local_labels is None else self.local_labels.tolist()
-            _write_atomic(self.dir / STATE_FILE, json.dumps({"current": entry(current), "previous": entry(previous),
+            write_atomic(self.dir / STATE_FILE, json.dumps({"current": entry(current), "previous": entry(previous),
                                                              "local_labels": labels, "seq": self.seq}).encode())
             self.current, self.previous = current, previous
             keep = {f"{h.sha256}.npz" for h in (current, previous) if h is not None}
@@ -194,19 +193,6 @@ class _FolderLock:
     def __exit__(self, *exc) -> None:
         fcntl.flock(self.handle, fcntl.LOCK_UN)
         self.handle.close()
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:           # a full disk: the partial file must not keep the space a retry needs
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def refusal_of(a: dict, device_id: str, held_seq: int) -> tuple[str, str] | None:

@@ -46,7 +46,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 import zipfile
 from dataclasses import dataclass
@@ -54,7 +53,7 @@ from pathlib import Path
 
 import numpy as np
 
-from protocols.files import read_npy_header
+from protocols.files import read_npy_header, write_atomic
 
 DEFAULT_BUDGET_BYTES = 16 * 2**20          # all jobs together; a 10-class head on 1,280-d features is 51 KB
 DEFAULT_TTL_S = 7 * 24 * 3600.0            # a task that names no horizon: a week
@@ -225,7 +224,7 @@ class DeviceStateStore:
         header = json.dumps({"job_id": job_id, "run": run, "round": entry.round, "expires_at": entry.expires_at})
         buffer = io.BytesIO()
         np.savez(buffer, **arrays, **{_HEADER: np.frombuffer(header.encode(), dtype=np.uint8)})
-        self._write_atomically(self._path(job_id), buffer.getvalue())
+        write_atomic(self._path(job_id), buffer.getvalue(), temp_prefix=".tmp-")
         return entry
 
     def restore(self, entry: StateEntry) -> None:
@@ -234,23 +233,6 @@ class DeviceStateStore:
         this one did."""
         self.save(entry.job_id, entry.run, entry.round, entry.arrays,
                   max(entry.expires_at - self._clock(), 1e-3))
-
-    def _write_atomically(self, path: Path, data: bytes) -> None:
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=self.root)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        dir_fd = os.open(self.root, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)        # the rename itself survives a power cut
-        finally:
-            os.close(dir_fd)
 
     def drop(self, job_id: str) -> bool:
         """Remove the job's state (its job ended); whether there was any."""

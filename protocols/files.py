@@ -1,11 +1,13 @@
-"""Files both sides exchange, pin or keep secret: checksums (bundles, programs, pretrained networks)
-and private files (keys, credentials); and the lock under which threads parse arrays' headers."""
+"""Files both sides exchange, pin or keep secret: checksums (bundles, programs, pretrained networks),
+private files (keys, credentials) and files replaced whole (a crash leaves the old or the new one);
+and the lock under which threads parse arrays' headers."""
 
 from __future__ import annotations
 
 import hashlib
 import io
 import os
+import tempfile
 import threading
 from pathlib import Path
 
@@ -61,3 +63,26 @@ def write_private_file(path: str | Path, data: bytes) -> None:
     with os.fdopen(fd, "wb") as f:
         os.fchmod(f.fileno(), 0o600)
         f.write(data)
+
+
+def write_atomic(path: str | Path, data: bytes, temp_prefix: str | None = None) -> None:
+    """Replace ``path`` with ``data`` so that a crash or a power cut leaves the old file or the new
+    one, never part of either: a synced temp file beside it (named ``temp_prefix``…, by default
+    ``.{name}.``…), renamed over it, the folder synced. A failed write removes its temp file (on a
+    full disk, a partial one would starve the retry); one a crash left is the caller's to sweep."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=temp_prefix or f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)        # the rename itself survives a power cut
+    finally:
+        os.close(dir_fd)

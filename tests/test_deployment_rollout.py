@@ -393,19 +393,27 @@ def test_local_labels_the_head_has_no_row_for_are_refused_and_the_device_keeps_i
 
 
 def test_a_head_written_to_a_full_disk_leaves_no_partial_file(tmp_path, monkeypatch):
-    """The slot's atomic write fails (ENOSPC at the sync): its temp file is removed, so a retry is
-    not starved of the space the failed attempt took (each attempt used to leave one behind)."""
+    """The slot's atomic write (``protocols.files.write_atomic``, the state store's too) fails
+    (ENOSPC at the sync): its temp file is removed, so a retry is not starved of the space the
+    failed attempt took (each attempt used to leave one behind), and the old file stays."""
     import errno
     import os
 
-    from edge_client import deployment
+    from protocols import files
+
+    (tmp_path / "head.npz").write_bytes(b"old")
+    slot, head = ModelSlot(tmp_path / "slot"), D.head_npz(np.zeros((3, 4), np.float32), np.zeros(3, np.float32))
+    kept = sorted(os.listdir(tmp_path / "slot"))
 
     def full(_fd):
         raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(deployment.os, "fsync", full)
+    monkeypatch.setattr(files.os, "fsync", full)
     with pytest.raises(OSError, match="No space"):
-        deployment._write_atomic(tmp_path / "head.npz", b"x" * 1000)
-    assert os.listdir(tmp_path) == []
+        slot.swap(head, hashlib.sha256(head).hexdigest(), "d1")
+    with pytest.raises(OSError, match="No space"):
+        files.write_atomic(tmp_path / "head.npz", b"x" * 1000)
+    assert sorted(os.listdir(tmp_path)) == ["head.npz", "slot"] and (tmp_path / "head.npz").read_bytes() == b"old"
+    assert sorted(os.listdir(tmp_path / "slot")) == kept and slot.current is None
 
 
 class FlakyHoldout:
