@@ -122,6 +122,16 @@ def head_training(device: str, gate: threading.Event | None = None):
     return gated
 
 
+def in_memory_keys(devices) -> tuple[dict, "DeviceIdentity", "IdentityRegistry"]:
+    """Fresh identities for ``devices``, the aggregator's, and the registry of the devices' keys: what an
+    in-process secure job and its agents are built with (``SecureKeys``: the same, in files)."""
+    from protocols.identity import DeviceIdentity, IdentityRegistry
+
+    identities = {d: DeviceIdentity.generate(d) for d in devices}
+    return identities, DeviceIdentity.generate("aggregator"), \
+        IdentityRegistry({d: idt.public_key_bytes for d, idt in identities.items()})
+
+
 @dataclasses.dataclass
 class SecureKeys:
     """Identities of a secure job: the aggregator's and every device's, written where the job

@@ -4,7 +4,7 @@ sum breaks it (one member's features ten times the backbone's range, on a single
 discarded and reported; the other group's sum is applied exactly. Real agents over mosquitto."""
 
 import numpy as np
-from ops_fleet import Features, RecordingService
+from ops_fleet import Features, RecordingService, in_memory_keys
 from aggregator.service.settings import ServiceSettings
 
 from aggregator.jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob
@@ -12,7 +12,6 @@ from aggregator.jobs.robustness_fields import PLAIN_MEAN
 from edge_client.agent import DeviceAgent
 from edge_client.tasks.fed3r_stats import Fed3RStatsTask
 from edge_client.tasks.secure_fed3r import SecureFed3R
-from protocols.identity import DeviceIdentity, IdentityRegistry
 from protocols.mqtt_link import BrokerConfig
 from protocols.payloads.secagg import SECAGG_TYPE, SYNC_KIND
 
@@ -29,9 +28,7 @@ def attacker_data():
 
 def test_a_group_whose_sum_breaks_its_bound_is_discarded_and_the_other_is_exact(broker, tmp_path):
     ids = [f"dev{i}" for i in range(8)]
-    identities = {d: DeviceIdentity.generate(d) for d in ids}
-    agg = DeviceIdentity.generate("aggregator")
-    registry = IdentityRegistry({d: idt.public_key_bytes for d, idt in identities.items()})
+    identities, agg, registry = in_memory_keys(ids)
     cfg = Fed3RSyncConfig(job_id="sync", num_classes=C, feature_dim=D, clients_per_round=4, expected_devices=8,
                           round_timeout_s=60, phase_timeout_s=3, max_samples=100, max_attempts=1)
     job = Fed3RSyncJob(cfg, identity=agg, registry=registry)
@@ -78,9 +75,7 @@ def test_secure_fedavg_discards_a_group_whose_sum_breaks_n_times_c_and_the_other
             return {k: 1000.0 * (np.asarray(v, np.float64) - np.asarray(start[k], np.float64)) for k, v in trained.items()}
 
     ids = [f"dev{i}" for i in range(6)]
-    identities = {d: DeviceIdentity.generate(d) for d in ids}
-    agg = DeviceIdentity.generate("aggregator")
-    registry = IdentityRegistry({d: idt.public_key_bytes for d, idt in identities.items()})
+    identities, agg, registry = in_memory_keys(ids)
     plain = dict(job_id="sfb", num_classes=3, feature_dim=6, rounds=4, clients_per_round=3, round_timeout_s=60,
                  local_epochs=2, batch_size=8, client_lr=0.05, expected_devices=6, seed=1, **PLAIN_MEAN)
     job = SecureFedAvgJob(SecureFedAvgConfig(**plain, max_samples=100, max_abs_param=1e4, phase_timeout_s=3,

@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 import pytest
-from ops_fleet import Features
+from ops_fleet import Features, in_memory_keys
 from scipy import stats
 
 from aggregator.jobs.registry import build_job
@@ -22,7 +22,6 @@ from edge_client.tasks.fed3r_stats import Fed3RStatsTask
 from edge_client.tasks.secure_fedavg_training import SecureFedAvgTraining
 from protocols.clipping import clip_update, global_norm
 from protocols.envelope import EnvelopeError, decode, encode
-from protocols.identity import DeviceIdentity, IdentityRegistry
 from protocols.messages import TaskRef, result_message
 from protocols.payloads.fed3r import Fed3RStats
 from protocols.payloads.secagg import to_envelope
@@ -192,9 +191,7 @@ def test_distributed_noise_sums_to_the_intended_variance_under_secagg(group_thre
     any sum the server can reveal (t survivors or more) carries at least σ², and a group that
     keeps fewer than t reveals nothing."""
     ids = [f"dev{i}" for i in range(6)]
-    identities = {d: DeviceIdentity.generate(d) for d in ids}
-    agg = DeviceIdentity.generate("aggregator")
-    registry = IdentityRegistry({d: idt.public_key_bytes for d, idt in identities.items()})
+    identities, agg, registry = in_memory_keys(ids)
     z, clip = 1.5, 0.3
     cfg = SecureFedAvgConfig(num_classes=10, feature_dim=2000, rounds=1, clients_per_round=6, seed=1,
                              dp_noise_multiplier=z, dp_clip_norm=clip, dp_group_threshold=group_threshold)
@@ -248,9 +245,7 @@ def test_a_device_adding_distributed_noise_joins_only_a_64_bit_round():
     so a RoundStart in the 32-bit ring (which the job never sends: its config refuses dp with
     ring_bits 32) is refused and the device sends nothing; a device without noise takes either."""
     ids = [f"dev{i}" for i in range(4)]
-    identities = {d: DeviceIdentity.generate(d) for d in ids}
-    agg = DeviceIdentity.generate("aggregator")
-    registry = IdentityRegistry({d: idt.public_key_bytes for d, idt in identities.items()})
+    identities, agg, registry = in_memory_keys(ids)
     common = dict(num_classes=3, feature_dim=4, rounds=1, clients_per_round=4, seed=1)
     for dp, wanted in (({"dp_noise_multiplier": 1.0, "dp_clip_norm": 0.5}, 64), ({}, None)):
         job = SecureFedAvgJob(SecureFedAvgConfig(**common, **dp), identity=agg, registry=registry)

@@ -15,13 +15,12 @@ from aggregator.jobs.secure_fedavg import SecureTailFedAvgConfig, SecureTailFedA
 from edge_client.agent import DeviceAgent
 from edge_client.data import load_fashion_mnist
 from edge_client.tasks.tail_training import TailTrainingTask
-from protocols.identity import DeviceIdentity, IdentityRegistry
 from protocols.mqtt_link import BrokerConfig
 from protocols.payloads.fedavg import KIND_TAIL
 from protocols.payloads.secagg import SECURE_TAIL_KIND
 from protocols.secagg.config import default_threshold
 
-from ops_fleet import RecordingService, start_secure_fedavg_agents
+from ops_fleet import RecordingService, in_memory_keys, start_secure_fedavg_agents
 from aggregator.service.settings import ServiceSettings
 from test_dp_mechanisms import variance_ratio_ok
 from test_dp_over_mqtt import gaussian_epsilon
@@ -99,9 +98,7 @@ def test_central_dp_tail_moves_by_the_clipped_deltas_plus_the_stated_noise(broke
 def test_distributed_dp_tail_sums_clipped_deltas_and_noise_of_the_threshold_variance(broker, tail_bundle, shards,
                                                                                      tmp_path):
     ids, z, C = ["s0", "s1", "s2", "s3"], 0.9, 0.02
-    identities = {d: DeviceIdentity.generate(d) for d in ids}
-    agg = DeviceIdentity.generate("aggregator")
-    registry = IdentityRegistry({d: idt.public_key_bytes for d, idt in identities.items()})
+    identities, agg, registry = in_memory_keys(ids)
     cfg = SecureTailFedAvgConfig(**tail_config(tail_bundle, job_id="dp-tail-secure", rounds=1, clients_per_round=4,
                                                expected_devices=4, dp_noise_multiplier=z, dp_clip_norm=C),
                                  max_samples=100, max_abs_param=50.0, phase_timeout_s=5)

@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 import pytest
-from ops_fleet import Features, RecordingService
+from ops_fleet import Features, RecordingService, in_memory_keys
 from sklearn.linear_model import Ridge
 
 from aggregator.jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob
@@ -31,9 +31,7 @@ def run_sync_job(broker, tmp_path, dropper: str, devices: int = 8, **cfg_over):
     """A Fed3R-Sync job over mosquitto whose ``dropper`` leaves for good after computing; returns
     (result, job, service, device ids)."""
     ids = [f"dev{i}" for i in range(devices)]
-    identities = {d: DeviceIdentity.generate(d) for d in ids}
-    agg = DeviceIdentity.generate("aggregator")
-    registry = IdentityRegistry({d: idt.public_key_bytes for d, idt in identities.items()})
+    identities, agg, registry = in_memory_keys(ids)
     cfg = Fed3RSyncConfig(**{**dict(job_id="sync", num_classes=C, feature_dim=D, clients_per_round=4,
                                     expected_devices=devices, round_timeout_s=60, phase_timeout_s=3,
                                     max_samples=100, max_attempts=1), **cfg_over})

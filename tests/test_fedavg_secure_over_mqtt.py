@@ -5,7 +5,7 @@ A device whose trained head breaks the round's bound declines; the round goes on
 
 import numpy as np
 import pytest
-from ops_fleet import Features, RecordingService, replay_round, start_secure_fedavg_agents
+from ops_fleet import Features, RecordingService, in_memory_keys, replay_round, start_secure_fedavg_agents
 from aggregator.service.settings import ServiceSettings
 
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob
@@ -13,7 +13,6 @@ from aggregator.jobs.robustness_fields import PLAIN_MEAN
 from aggregator.jobs.secure_fedavg import SecureFedAvgConfig, SecureFedAvgJob
 from aggregator.jobs.robustness_fields import PLAIN_MEAN
 from edge_client.tasks.head_training import HeadTrainingTask
-from protocols.identity import DeviceIdentity, IdentityRegistry
 from protocols.payloads.secagg import SECURE_FEDAVG_KIND
 
 D, C, N = 6, 3, 30
@@ -31,9 +30,7 @@ def device_task(i, scale=1.0):
                          ids=["fedavg", "fedavgm", "fedavg-ring32"])
 def test_secure_fedavg_equals_plain_fedavg_over_the_summed_devices(broker, tmp_path, momentum, ring_bits):
     ids = [f"dev{i}" for i in range(6)]
-    identities = {d: DeviceIdentity.generate(d) for d in ids}
-    agg = DeviceIdentity.generate("aggregator")
-    registry = IdentityRegistry({d: idt.public_key_bytes for d, idt in identities.items()})
+    identities, agg, registry = in_memory_keys(ids)
     plain = dict(job_id="sft", num_classes=C, feature_dim=D, rounds=3, clients_per_round=5, round_timeout_s=60,
                  local_epochs=2, batch_size=8, client_lr=0.05, server_momentum=momentum, expected_devices=6, seed=4)
     job = SecureFedAvgJob(SecureFedAvgConfig(**plain, max_samples=100, max_abs_param=20.0, phase_timeout_s=3,

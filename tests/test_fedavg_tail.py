@@ -31,7 +31,7 @@ from protocols.mqtt_link import BrokerConfig
 from protocols.payloads.fedavg import KIND_TAIL
 from protocols.rounds import RoundClosed
 
-from ops_fleet import replay_round
+from ops_fleet import in_memory_keys, replay_round
 
 SIZE, C, T = 32, 10, 0.1
 
@@ -310,15 +310,12 @@ def test_secure_ft_phi_over_mosquitto_equals_the_plain_mean_of_the_summed_device
     from aggregator.jobs.secure_fedavg import SecureTailFedAvgConfig, SecureTailFedAvgJob
     from ops_fleet import RecordingService, start_secure_fedavg_agents
 
-    from protocols.identity import DeviceIdentity, IdentityRegistry
     from protocols.payloads.secagg import SECURE_TAIL_KIND
 
     images, labels = fmnist
     ids = [f"s{i}" for i in range(4)]
     shards = {d: np.arange(i * 15, i * 15 + 15) for i, d in enumerate(ids)}
-    identities = {d: DeviceIdentity.generate(d) for d in ids}
-    agg = DeviceIdentity.generate("aggregator")
-    registry = IdentityRegistry({d: idt.public_key_bytes for d, idt in identities.items()})
+    identities, agg, registry = in_memory_keys(ids)
     _, cfg = _job(bundle, train="tail")
     cfg.update(job_id="sft-tail", clients_per_round=4, expected_devices=4)
     job = SecureTailFedAvgJob(SecureTailFedAvgConfig(**cfg, max_samples=100, max_abs_param=50.0, phase_timeout_s=5),

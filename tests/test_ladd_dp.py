@@ -22,7 +22,6 @@ from edge_client.agent import DeviceAgent
 from edge_client.tasks.ladd_training import TrainedUpdate
 from edge_client.tasks.secure_ladd_training import SecureLaddTraining
 from protocols.files import file_sha256
-from protocols.identity import DeviceIdentity, IdentityRegistry
 from protocols.mqtt_link import BrokerConfig
 from protocols.payloads.ladd import encode_update, make_layout, parse_train_task, unpack
 from protocols.payloads.secagg import SECURE_LADD_KIND, ClusterSlotLayout
@@ -30,7 +29,7 @@ from protocols.rounds import RoundClosed
 from protocols.secagg import AggregateReady, Phase
 from protocols.secagg.driver import run_round
 
-from ops_fleet import RecordingService
+from ops_fleet import RecordingService, in_memory_keys
 from aggregator.service.settings import ServiceSettings
 from test_admin_api import AUTH, TOKEN, start_service
 from test_dp_mechanisms import variance_ratio_ok
@@ -214,9 +213,7 @@ class KnownUpdate:
 
 def test_secure_ladd_devices_clip_and_noise_in_the_ring_and_the_server_means_over_the_selected():
     z, C = 1.2, 0.5
-    identities = {d: DeviceIdentity.generate(d) for d in DEVICES}
-    agg = DeviceIdentity.generate("aggregator")
-    registry = IdentityRegistry({d: idt.public_key_bytes for d, idt in identities.items()})
+    identities, agg, registry = in_memory_keys(DEVICES)
     cfg = SecureLaddConfig(model=SEG, rounds=1, clients_per_round=9, k_min=2, k_max=4, kd_lambda=0.0, seed=3,
                            dp_noise_multiplier=z, dp_clip_norm=C)
     job = SecureLaddJob(cfg, initial=(INITIAL, TRAINABLE), identity=agg, registry=registry)

@@ -17,8 +17,8 @@ from aggregator.jobs.secure_fedavg import SecureFedAvgConfig, SecureFedAvgJob
 from aggregator.service.settings import ServiceSettings
 from edge_client.tasks.secure_fedavg_training import SecureFedAvgTraining
 from edge_client.tasks.secure_update import SecAggSessions
-from ops_fleet import DeviceAgent, RecordingService, replay_round
-from protocols.identity import DeviceIdentity, IdentityRegistry
+from ops_fleet import DeviceAgent, RecordingService, in_memory_keys, replay_round
+from protocols.identity import DeviceIdentity
 from protocols.mqtt_link import BrokerConfig
 from protocols.rounds import RoundClosed
 from protocols.payloads.secagg import SECAGG_TYPE, SECURE_FEDAVG_KIND, from_envelope, to_envelope
@@ -51,9 +51,7 @@ class CorruptingSessions(SecAggSessions):
 
 def test_a_device_sending_undecryptable_shares_is_named_and_left_out_of_later_rounds(broker, tmp_path):
     ids = [f"dev{i}" for i in range(6)]
-    identities = {d: DeviceIdentity.generate(d) for d in ids}
-    agg = DeviceIdentity.generate("aggregator")
-    registry = IdentityRegistry({d: idt.public_key_bytes for d, idt in identities.items()})
+    identities, agg, registry = in_memory_keys(ids)
     plain = dict(job_id="accusation", num_classes=C, feature_dim=D, rounds=3, clients_per_round=5,
                  round_timeout_s=60, local_epochs=2, batch_size=8, client_lr=0.05, expected_devices=6, seed=4)
     job = SecureFedAvgJob(SecureFedAvgConfig(**plain, max_samples=100, max_abs_param=20.0, phase_timeout_s=3),
