@@ -311,6 +311,11 @@ class DeviceAgent:
         if handler is None and secure is None:
             self._execute(self.session.handle(WorkFailed(act.ref, f"unsupported task kind {act.kind!r}")))
             return
+        job_param = act.params.get("job_id", act.ref.job) if isinstance(act.params, dict) else act.ref.job
+        if job_param != act.ref.job:        # a stateful task's state is keyed by it: never another job's
+            self._execute(self.session.handle(WorkFailed(
+                act.ref, f"the task's job_id param {str(job_param)[:64]!r} is not its job {act.ref.job!r}")))
+            return
         t0 = time.perf_counter()
         try:
             if secure is not None:

@@ -3,7 +3,8 @@ findings): a result it cannot encode (a body over the 64 KiB header limit) is on
 the reason, not an error on every retry tick that ended the agent's thread; a task whose job id
 would make every answer unsendable is dropped as malformed; a Fed3R task whose random features
 would need gigabytes is declined before anything is allocated; a tick that raises is logged and
-the agent goes on; decline reasons are cut on the wire and logged once each, boundedly."""
+the agent goes on; decline reasons are cut on the wire and logged once each, boundedly; a task whose ``job_id``
+param (what a stateful task keys the device's state by) is not the job it came in is declined."""
 
 import logging
 import time
@@ -145,3 +146,17 @@ def test_decline_reasons_are_cut_on_the_wire_and_logged_boundedly():
     seen = FirstTimes(limit=3)
     assert [seen.first(k) for k in "aabcde"] == [True, False, True, True, False, False]
     assert MAX_REASON_CHARS <= M.MAX_REASON_CHARS
+
+
+def test_a_task_whose_job_id_param_is_another_job_is_declined(agent_and_sniffer):
+    """A stateful task reads and writes the device's state under its params' ``job_id``; the
+    aggregator sets it to the task's job. One naming another job (a bug, a mixed-up config) would
+    read that job's state: it is declined with both names, and the same task under its own job runs."""
+    agent, sniffer = agent_and_sniffer
+    other = send_task(sniffer, "dev-a", "j1", "echo", {"size": 1, "job_id": "j2"})
+    own = send_task(sniffer, "dev-a", "j1", "echo", {"size": 1, "job_id": "j1"}, round_=2)
+    wait_for(lambda: {other, own} <= set(answers(sniffer, "dev-a")), what="both answers")
+    got = answers(sniffer, "dev-a")
+    assert got[other].type == M.DECLINE and got[other].body["reason"] == \
+        "the task's job_id param 'j2' is not its job 'j1'", got[other].body
+    assert got[own].type == M.RESULT

@@ -246,13 +246,20 @@ public final class MqttAgent implements AutoCloseable {
 
     private void work(DeviceSession.StartWork w) throws EnvelopeError {
         SecureTask secure = o.secure.get(w.task.kind);
-        if (secure != null) {
-            startSecure(w, secure);
+        TaskHandler handler = handlers.get(w.task.kind);
+        if (secure == null && handler == null) {
+            execute(session.onWorkFailed(w.task.ref, "unsupported task kind '" + w.task.kind + "'"));
             return;
         }
-        TaskHandler handler = handlers.get(w.task.kind);
-        if (handler == null) {
-            execute(session.onWorkFailed(w.task.ref, "unsupported task kind '" + w.task.kind + "'"));
+        Object jobParam = w.task.params.get("job_id");
+        if (jobParam != null && !jobParam.equals(w.task.ref.job)) {   // a stateful task's state is keyed by it: never another job's
+            String named = String.valueOf(jobParam);
+            execute(session.onWorkFailed(w.task.ref, "the task's job_id param '" + named.substring(0, Math.min(64, named.length()))
+                    + "' is not its job '" + w.task.ref.job + "'"));
+            return;
+        }
+        if (secure != null) {
+            startSecure(w, secure);
             return;
         }
         TaskHandler.Result result;
