@@ -29,6 +29,7 @@ from protocols.envelope import EnvelopeError, encode
 from protocols.message_loop import MessageLoop
 from protocols.mqtt_link import BrokerConfig, MqttLink
 from protocols.payloads.job_end import JOB_ENDED, MAX_NOTICES, parse_job_ended
+from protocols.payloads.stateful import foreign_job
 from protocols.rounds import (AckArrived, DeviceSession, DeviceState, ResultSent, SendDecline, SendResult,
                               StartWork, TaskArrived, Tick, WorkFailed, WorkFinished)
 from protocols.identity import sender_verifier
@@ -311,10 +312,9 @@ class DeviceAgent:
         if handler is None and secure is None:
             self._execute(self.session.handle(WorkFailed(act.ref, f"unsupported task kind {act.kind!r}")))
             return
-        job_param = act.params.get("job_id", act.ref.job) if isinstance(act.params, dict) else act.ref.job
-        if job_param != act.ref.job:        # a stateful task's state is keyed by it: never another job's
-            self._execute(self.session.handle(WorkFailed(
-                act.ref, f"the task's job_id param {str(job_param)[:64]!r} is not its job {act.ref.job!r}")))
+        foreign = foreign_job(act.params, act.ref.job)
+        if foreign is not None:             # a stateful task's state is keyed by it: never another job's
+            self._execute(self.session.handle(WorkFailed(act.ref, foreign)))
             return
         t0 = time.perf_counter()
         try:

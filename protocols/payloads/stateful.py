@@ -65,6 +65,17 @@ class StateBinding(WireParams):
         return asdict(self)
 
 
+def foreign_job(params: Any, job: str) -> str | None:
+    """Why a task of job ``job`` whose params name another ``job_id`` is declined (None: they do not).
+    A stateful task keys the device's state by that param, so one naming another job would read or
+    overwrite that job's state; the aggregator always sets it to the task's own job. The Java
+    ``StatefulHeadParams.foreignJob`` is the same rule."""
+    named = params.get("job_id", job) if isinstance(params, dict) else job
+    if named == job:
+        return None
+    return f"the task's job_id param '{str(named)[:64]}' is not its job '{job}'"
+
+
 @dataclass(frozen=True)
 class StatefulHeadParams(HeadTrainingParams):
     """A stateful head task's params (``pp.head``, ``scaffold.head``, ``fedgloss.head``):

@@ -251,11 +251,9 @@ public final class MqttAgent implements AutoCloseable {
             execute(session.onWorkFailed(w.task.ref, "unsupported task kind '" + w.task.kind + "'"));
             return;
         }
-        Object jobParam = w.task.params.get("job_id");
-        if (jobParam != null && !jobParam.equals(w.task.ref.job)) {   // a stateful task's state is keyed by it: never another job's
-            String named = String.valueOf(jobParam);
-            execute(session.onWorkFailed(w.task.ref, "the task's job_id param '" + named.substring(0, Math.min(64, named.length()))
-                    + "' is not its job '" + w.task.ref.job + "'"));
+        String foreign = StatefulHeadParams.foreignJob(w.task.params, w.task.ref.job);
+        if (foreign != null) {              // a stateful task's state is keyed by it: never another job's
+            execute(session.onWorkFailed(w.task.ref, foreign));
             return;
         }
         if (secure != null) {

@@ -22,6 +22,15 @@ public class StatefulHeadParams {
         state = StateBinding.fromParams(p.get("state"), kind);
     }
 
+    /** Why a task of job `job` whose params name another job_id is declined (null: they do not): a
+     *  stateful task keys the device's state by that param (protocols/payloads/stateful.py foreign_job). */
+    static String foreignJob(Map<String, Object> params, String job) {
+        Object named = params.get("job_id");
+        if (named == null || named.equals(job)) return null;
+        String text = String.valueOf(named);
+        return "the task's job_id param '" + text.substring(0, Math.min(64, text.length())) + "' is not its job '" + job + "'";
+    }
+
     /** scaffold.head's params (protocols/payloads/scaffold.py ScaffoldParams): nothing beyond these. */
     public static StatefulHeadParams scaffold(Map<String, Object> params) throws TaskDeclined {
         return new StatefulHeadParams(params, ScaffoldTask.KIND);
