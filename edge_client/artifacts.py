@@ -10,14 +10,13 @@ asked for is refused and nothing is written under the final name. The result is 
 from __future__ import annotations
 
 import json
-import os
 import queue
-import tempfile
 import time
 from pathlib import Path
 
 from protocols.chunking import MessageAssembler
 from protocols.envelope import EnvelopeError
+from protocols.files import write_atomic
 from protocols.mqtt_link import BrokerConfig, MqttLink
 from protocols.payloads.artifacts import ARTIFACT, MISSING, get_message, parse_artifact
 from protocols.topics import AGGREGATOR_ID, Topics
@@ -76,8 +75,5 @@ def fetch_bundle(device_id: str, broker: BrokerConfig, manifest_sha256: str, des
         link.stop()
     dest.mkdir(parents=True, exist_ok=True)
     for fname, data in files.items():            # write-then-rename: no half-written file is ever used
-        fd, tmp = tempfile.mkstemp(dir=dest, prefix=f".{fname}.")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, dest / fname)
+        write_atomic(dest / fname, data)
     return dest / "manifest.json"

@@ -4,6 +4,7 @@ and the lock under which threads parse arrays' headers."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import os
@@ -14,6 +15,9 @@ from pathlib import Path
 import numpy as np
 
 _BLOCK = 1 << 20
+# a folder's fsync refused rather than failed (PostgreSQL's fsync_fname ignores the same): the rename is done
+_DIR_SYNC_UNSUPPORTED = frozenset({errno.EINVAL, errno.EBADF, errno.EACCES, errno.EPERM, errno.EISDIR,
+                                   errno.ENOTSUP, errno.EOPNOTSUPP})
 
 # numpy reads every .npy header (each member of an .npz too) with ast.literal_eval, and CPython
 # 3.11's AST construction is not thread-safe: two threads parsing at once can fail with
@@ -81,8 +85,12 @@ def write_atomic(path: str | Path, data: bytes, temp_prefix: str | None = None) 
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
-        os.fsync(dir_fd)        # the rename itself survives a power cut
-    finally:
-        os.close(dir_fd)
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)    # the rename itself survives a power cut
+        finally:
+            os.close(dir_fd)
+    except OSError as exc:      # a folder that cannot be opened, or a filesystem whose folders refuse
+        if exc.errno not in _DIR_SYNC_UNSUPPORTED:      # fsync: the file is in place; say nothing
+            raise

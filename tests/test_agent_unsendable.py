@@ -155,8 +155,10 @@ def test_a_task_whose_job_id_param_is_another_job_is_declined(agent_and_sniffer)
     agent, sniffer = agent_and_sniffer
     other = send_task(sniffer, "dev-a", "j1", "echo", {"size": 1, "job_id": "j2"})
     own = send_task(sniffer, "dev-a", "j1", "echo", {"size": 1, "job_id": "j1"}, round_=2)
-    wait_for(lambda: {other, own} <= set(answers(sniffer, "dev-a")), what="both answers")
+    odd = send_task(sniffer, "dev-a", "j1", "echo", {"size": 1, "job_id": None}, round_=3)
+    wait_for(lambda: {other, own, odd} <= set(answers(sniffer, "dev-a")), what="the three answers")
     got = answers(sniffer, "dev-a")
     assert got[other].type == M.DECLINE and got[other].body["reason"] == \
         "the task's job_id param 'j2' is not its job 'j1'", got[other].body
+    assert got[odd].type == M.DECLINE and got[odd].body["reason"] == "the task's job_id param is not a string"
     assert got[own].type == M.RESULT

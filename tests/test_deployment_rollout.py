@@ -13,6 +13,7 @@ following their retained assignment with :class:`edge_client.deployment.Deployme
 """
 
 import hashlib
+import os
 import time
 
 import numpy as np
@@ -414,6 +415,27 @@ def test_a_head_written_to_a_full_disk_leaves_no_partial_file(tmp_path, monkeypa
         files.write_atomic(tmp_path / "head.npz", b"x" * 1000)
     assert sorted(os.listdir(tmp_path)) == ["head.npz", "slot"] and (tmp_path / "head.npz").read_bytes() == b"old"
     assert sorted(os.listdir(tmp_path / "slot")) == kept and slot.current is None
+
+
+def test_a_folder_that_refuses_fsync_does_not_fail_a_replacement_already_made(tmp_path, monkeypatch):
+    """Some filesystems refuse fsync on a folder (EINVAL) or the folder cannot be opened: the
+    rename is done by then, so ``write_atomic`` returns (as PostgreSQL's fsync_fname does) and the
+    slot swaps in memory too; it used to raise after the new head was already on disk."""
+    import errno
+    import stat
+
+    from protocols import files
+
+    real_fsync, real_fstat = files.os.fsync, os.fstat
+
+    def refusing(fd):
+        if stat.S_ISDIR(real_fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_fsync(fd)
+    monkeypatch.setattr(files.os, "fsync", refusing)
+    slot, head = ModelSlot(tmp_path / "slot"), D.head_npz(np.zeros((3, 4), np.float32), np.zeros(3, np.float32))
+    slot.swap(head, hashlib.sha256(head).hexdigest(), "d1")
+    assert slot.current.deployment == "d1" and ModelSlot(tmp_path / "slot").current.deployment == "d1"
 
 
 class FlakyHoldout:

@@ -361,7 +361,8 @@ def test_java_device_declines_what_it_cannot_do_and_stops_cleanly_on_sigterm(jav
                  ("fed3r.stats", {**params, "num_classes": 2}, "outside the job's 2 classes"),
                  ("fedavg.tail", params, "unsupported task kind"),
                  # the key of a stateful task's state: never another job's (edge_client/agent.py alike)
-                 ("fed3r.stats", {**params, "job_id": "other"}, "the task's job_id param 'other' is not its job 'j'")]
+                 ("fed3r.stats", {**params, "job_id": "other"}, "the task's job_id param 'other' is not its job 'j'"),
+                 ("fed3r.stats", {**params, "job_id": None}, "the task's job_id param is not a string")]
         for round_, (kind, p, why) in enumerate(cases, start=1):
             task = M.task_message("aggregator", "j", round_, kind, p, 1e10)
             observer.publish(topics.inbox(dev), encode(task, signer=agg.sign), wait=True)
@@ -370,7 +371,7 @@ def test_java_device_declines_what_it_cannot_do_and_stops_cleanly_on_sigterm(jav
             assert env.type == "decline" and env.body["task"] == task.id and why in env.body["reason"], env.body
         jvm.send_signal(signal.SIGTERM)
         out, err = jvm.communicate(timeout=20)
-        assert f"STATS {dev} done=0 declined=4" in out, (out, err[-2000:])
+        assert f"STATS {dev} done=0 declined=5" in out, (out, err[-2000:])
         # what a dashboard subscribing now sees: the retained presence says offline, signed by the device
         seen: queue.Queue = queue.Queue()
         late = MqttLink("late", BrokerConfig.from_url(broker.url), on_message=lambda t, p: seen.put(p),

@@ -73,7 +73,9 @@ def foreign_job(params: Any, job: str) -> str | None:
     named = params.get("job_id", job) if isinstance(params, dict) else job
     if named == job:
         return None
-    return f"the task's job_id param '{str(named)[:64]}' is not its job '{job}'"
+    if not isinstance(named, str):
+        return "the task's job_id param is not a string"
+    return f"the task's job_id param '{named[:64]}' is not its job '{job}'"
 
 
 @dataclass(frozen=True)

@@ -25,10 +25,13 @@ public class StatefulHeadParams {
     /** Why a task of job `job` whose params name another job_id is declined (null: they do not): a
      *  stateful task keys the device's state by that param (protocols/payloads/stateful.py foreign_job). */
     static String foreignJob(Map<String, Object> params, String job) {
+        if (!params.containsKey("job_id")) return null;
         Object named = params.get("job_id");
-        if (named == null || named.equals(job)) return null;
-        String text = String.valueOf(named);
-        return "the task's job_id param '" + text.substring(0, Math.min(64, text.length())) + "' is not its job '" + job + "'";
+        if (job.equals(named)) return null;
+        if (!(named instanceof String)) return "the task's job_id param is not a string";
+        String text = (String) named;       // the first 64 code points, as Python slices
+        int end = text.codePointCount(0, text.length()) > 64 ? text.offsetByCodePoints(0, 64) : text.length();
+        return "the task's job_id param '" + text.substring(0, end) + "' is not its job '" + job + "'";
     }
 
     /** scaffold.head's params (protocols/payloads/scaffold.py ScaffoldParams): nothing beyond these. */
