@@ -272,11 +272,8 @@ class SecureGroupRounds(Job):
     def _route(self, outputs, paced: bool = False) -> list[tuple[str, Envelope]]:
         """The machine's outputs: messages as envelopes to send (forwarded shares through the upload
         window, unless ``paced``: the window released them), sums and failures applied."""
-        if self.secure is not None and not self.secure.culprits <= self.culprits:
-            named = sorted(self.secure.culprits - self.culprits)
-            self.culprits.update(named)
-            log.warning("secure round %d: %s sent share rows a majority of their recipients could not decrypt: "
-                        "left out of this job's later rounds", self.secure.config.round_id, ", ".join(named))
+        if self.secure is not None:
+            self.note_culprits(self.secure.config.round_id, self.secure.culprits)
         if self._uploads is not None and not paced:
             outputs = self._uploads.admit(list(outputs))
             if self.secure is None or self.secure.state is not ServerState.WAIT_MASKED:
@@ -326,6 +323,15 @@ class SecureGroupRounds(Job):
         round_id = self.secure.config.round_id
         log.error("secure round %d: a message cannot be sent (%s): round failed, nothing applied", round_id, exc)
         return self._route(self.secure.abort(f"message cannot be sent: {exc}"))
+
+    def note_culprits(self, round_id: int, named) -> None:
+        """Members round ``round_id``'s server machine named (here, or on the shard that hosted the
+        group): left out of this job's later rounds, said once each."""
+        new = sorted(set(named) - self.culprits)
+        if new:
+            self.culprits.update(new)
+            log.warning("secure round %d: %s sent share rows a majority of their recipients could not decrypt: "
+                        "left out of this job's later rounds", round_id, ", ".join(new))
 
     def secure_failure(self, round_: int) -> str | None:
         """Why round ``round_`` produced no sum (None: it did, or has not ended)."""

@@ -117,11 +117,7 @@ class ShardedSecureJob(CoordinatedJob):
         if round_id not in self.pool.placed:
             return log.info("secure round %d: its host's %s came after the round closed: dropped", round_id, what)
         self.pool.group_ended(round_id)
-        named = set(culprits) - self.inner.culprits
-        if named:                   # as one aggregator does (SecureGroupRounds._route): out of the later rounds
-            self.inner.culprits.update(named)
-            log.warning("secure round %d: %s sent share rows a majority of their recipients could not decrypt: "
-                        "left out of this job's later rounds", round_id, ", ".join(sorted(named)))
+        self.inner.note_culprits(round_id, culprits)       # as one aggregator does: out of the later rounds
         if what == "sum":
             total, survivors = details
             self.inner.group_summed(round_id, np.asarray(total), tuple(survivors))
