@@ -323,6 +323,29 @@ def test_the_operator_deploys_promotes_and_rolls_back_through_the_cli(setup, wor
         api.stop()
 
 
+def test_a_kept_head_whose_file_is_gone_is_refused_with_the_reason_and_the_device_keeps_its_version(setup, world):
+    """The device runs v2 and keeps v1's head; v1's file is lost on disk; v1's model deployed again
+    (the kept version, read from the slot, not fetched) is refused with why, reported, and the device
+    stays on v2 (the read error used to escape the handler: no refusal, no report)."""
+    store, controller, fleet = setup
+    good, other = model_id(store, "good", *world["good"]), model_id(store, "other", *world["broken"])
+    follower = fleet.start("cam-0")
+    ctl = controller()
+    ctl.call(lambda: ctl.deploy(good, cohort="devices:cam-0", stages="100%", bake_s=0, min_reports=1, deployment_id="v1"))
+    wait_for(lambda: store_state(store, "v1") == "complete", what="v1")
+    ctl.call(lambda: ctl.deploy(other, cohort="devices:cam-0", stages="100%", bake_s=3600, deployment_id="v2"))
+    ctl.call(lambda: ctl.promote("v2"))
+    ctl.call(lambda: ctl.promote("v2"))
+    wait_for(lambda: fleet.sha("cam-0") == D_sha(world["broken"]), what="v2")
+    (follower.slot.dir / f"{D_sha(world['good'])}.npz").unlink()
+    ctl.call(lambda: ctl.deploy(good, cohort="devices:cam-0", stages="100%", bake_s=3600, min_reports=1,
+                                deployment_id="v3"))
+    wait_for(lambda: follower.refusals, what="the refusal")
+    assert follower.refusals[-1].startswith("kept head unreadable, staying on the current version")
+    wait_for(lambda: ctl.show("v3")["counts"].get("refused:load") == 1, what="the refusal reported")
+    assert fleet.sha("cam-0") == D_sha(world["broken"])
+
+
 def test_rolling_back_the_settled_version_brings_back_the_one_before_for_every_device(setup, world):
     store, controller, fleet = setup
     good, other = model_id(store, "good", *world["good"]), model_id(store, "other", *world["broken"])
