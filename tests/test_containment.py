@@ -47,6 +47,12 @@ def test_a_live_job_survives_deeply_nested_headers_on_every_topic(broker, tmp_pa
     agents = [DeviceAgent(d, BrokerConfig.from_url(broker.url), {"fed3r.stats": SyntheticStats(i, gate)},
                           retry_after_s=2).start() for i, d in enumerate(devices)]
     topics, bad = Topics(), raw_client(broker)
+    # The aggregator counts only what arrives after it subscribed (seen at 2 of 6 once, under
+    # load): every device's presence seen means its subscriptions (outboxes, then presence) hold.
+    deadline = time.monotonic() + 30
+    while svc.call(lambda: len(svc.online)) < len(devices):
+        assert time.monotonic() < deadline, "the aggregator did not see every device online"
+        time.sleep(0.05)
     for payload in (deep_envelope(20000), deep_envelope(20000, "{"), deep_envelope(5000)):
         for topic in (topics.outbox("dev00"), topics.presence("dev01"), topics.inbox("dev02")):
             bad.publish(topic, payload, qos=1).wait_for_publish(5)
