@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import json
 import re
 from pathlib import Path
 
@@ -102,6 +103,22 @@ def test_every_kind_builds_a_job_that_keeps_the_contract(kind, files, request):
     assert issubclass(spec.config_cls, JobConfig) and type(job.config) is spec.config_cls
     assert isinstance(job.config, SecureAggregationFields) == job.secure_rounds
     assert spec.config_cls(**job.config.to_dict()) == job.config
+
+
+@pytest.mark.parametrize("kind", sorted(k for k, row in EXPECTED.items() if row[3] and "tail" not in k))
+def test_a_secure_jobs_culprits_survive_a_restart_in_its_bookkeeping(kind, files, request):
+    """Members a round named (``note_culprits``) are left out of the job's later rounds: a job
+    rebuilt from its config and the stored bookkeeping (as ``aggregator/service/recovery.py``
+    restores it, through JSON) leaves them out too, with what the kind keeps besides."""
+    job = build_job(kind, config_for(kind, files, request))
+    job.note_culprits(1, ["dev01"])
+    stored = json.loads(json.dumps(job.bookkeeping()))
+    restarted = build_job(kind, config_for(kind, files, request))
+    restarted.restore_bookkeeping(stored)
+    assert restarted.culprits == {"dev01"}
+    assert restarted.bookkeeping() == stored
+    del stored["culprits"]                 # a store written before culprits were kept
+    build_job(kind, config_for(kind, files, request)).restore_bookkeeping(stored)
 
 
 def test_a_dp_fed3r_job_is_neither_order_free_nor_evaluated_per_contribution():

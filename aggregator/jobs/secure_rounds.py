@@ -333,6 +333,15 @@ class SecureGroupRounds(Job):
             log.warning("secure round %d: %s sent share rows a majority of their recipients could not decrypt: "
                         "left out of this job's later rounds", round_id, ", ".join(new))
 
+    def bookkeeping(self) -> dict:
+        """The culprits go with the scheduling state stored at each round's opening, so a restarted
+        aggregator keeps them out (they were kept in memory only: each cost a round again)."""
+        return {**super().bookkeeping(), "culprits": sorted(self.culprits)}
+
+    def restore_bookkeeping(self, state: dict) -> None:
+        super().restore_bookkeeping(state)
+        self.culprits.update(state.get("culprits", ()))     # a store written before they were kept has none
+
     def secure_failure(self, round_: int) -> str | None:
         """Why round ``round_`` produced no sum (None: it did, or has not ended)."""
         return next((reason for failed, reason in reversed(self.failed_rounds) if failed == round_), None)
