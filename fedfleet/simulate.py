@@ -438,8 +438,10 @@ def prepare(cfg: SimConfig, say) -> Prepared:
         f"), {len(yte)} test images, {cfg.backbone}@{cfg.image_size}px")
 
     # held-out evaluation features (the aggregator evaluates on features, never on raw images)
-    extractor = make_extractor(cfg.backbone, cfg.image_size, cfg.cache_dir, cfg.runtime,
-                               threads=max(1, os.cpu_count() or 1))
+    # threads=None: the process's own setting (torch's default: every core), never changed here —
+    # a caller running simulate in its process (the suite's workers hold 1 thread on shared cores)
+    # kept the 2 threads set here for everything it ran afterwards, its OpenMP pool spinning idle
+    extractor = make_extractor(cfg.backbone, cfg.image_size, cfg.cache_dir, cfg.runtime, threads=None)
     t0 = time.monotonic()
     Zte = extractor.extract(Xte)
     np.savez(out / "eval_features.npz", Z=Zte, y=yte)

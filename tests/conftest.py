@@ -2,6 +2,7 @@ import collections
 import functools
 import os
 import re
+import sys
 
 import pytest
 
@@ -149,16 +150,35 @@ def tail_bundle(mobilenet_bundle_32px):
 @pytest.fixture(autouse=True, scope="session")
 def _one_torch_thread():
     """Intra-op threads oversubscribe a shared 2-core CI box (2 threads can be 10x slower than 1
-    under load); tests measure correctness, not speed."""
+    under load); tests measure correctness, not speed. The BLAS and OpenMP pools too (threadpoolctl):
+    their idle threads spin, and under the suite's load that spinning was seen taking ~40 CPU-s."""
     try:
         import torch
     except ImportError:
         yield
         return
+    from threadpoolctl import threadpool_limits
+
     before = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield
+    with threadpool_limits(1):
+        yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def _still_one_torch_thread(_one_torch_thread):
+    """Code under test may set the process's thread counts (``fedfleet simulate``'s extractor did,
+    a device's ``--threads`` does): one again before each test, not for the rest of the worker's
+    files; the BLAS pools of libraries loaded since (scipy's) too (threadpoolctl, ~1 ms)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+    if torch is not None:
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(1)
+    yield
 
 
 @pytest.fixture(scope="session")
