@@ -69,17 +69,23 @@ def write_private_file(path: str | Path, data: bytes) -> None:
         f.write(data)
 
 
-def write_atomic(path: str | Path, data: bytes, temp_prefix: str | None = None) -> None:
+def write_atomic(path: str | Path, data: bytes, temp_prefix: str | None = None, *, mode: int = 0o600,
+                 owner: int | None = None) -> None:
     """Replace ``path`` with ``data`` so that a crash or a power cut leaves the old file or the new
     one, never part of either: a synced temp file beside it (named ``temp_prefix``…, by default
     ``.{name}.``…), renamed over it, the folder synced. A failed write removes its temp file (on a
-    full disk, a partial one would starve the retry); one a crash left is the caller's to sweep."""
+    full disk, a partial one would starve the retry); one a crash left is the caller's to sweep.
+    ``mode`` and ``owner`` (a uid; the group is kept) are set on the temp file before the rename,
+    so the file never appears with other permissions (a broker's password file, its key)."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=temp_prefix or f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
+            os.fchmod(f.fileno(), mode)
+            if owner is not None:
+                os.fchown(f.fileno(), owner, -1)
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:

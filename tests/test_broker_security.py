@@ -321,3 +321,32 @@ def test_files_rewritten_later_stay_the_broker_users(tmp_path):
     later = BrokerSecurity(tmp_path / "security")               # as serve and the enrolment build it
     later.write_access_files(later.device_hashes())
     assert os.stat(later.passwd_file).st_uid == uid and os.stat(later.acl_file).st_uid == uid
+
+
+def test_broker_files_keep_their_modes_and_a_failed_rewrite_leaves_the_old_file_and_no_temp(tmp_path, monkeypatch):
+    """The broker's files are written by ``protocols.files.write_atomic`` with their mode set before
+    the rename: keys, secret, passwd and acl 0600, certificates and config 0644, replaced the same
+    way. A rewrite failing on a full disk leaves the old file and no temp file (the broker folder's
+    own writer left ``.passwd.tmp`` behind, and never synced the folder after the rename)."""
+    import errno
+    import stat
+
+    from protocols import files
+
+    sec = BrokerSecurity(tmp_path / "security")
+    sec.initialise()
+    sec.write_access_files({"cam1": hash_password("cam1-pw")})
+    sec.write_config()
+    sec.write_access_files({"cam1": hash_password("cam1-pw"), "cam2": hash_password("cam2-pw")})
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in sec.directory.iterdir()}
+    assert modes == {"ca.key": 0o600, "ca.crt": 0o644, "aggregator.secret": 0o600, "server.key": 0o600,
+                     "server.crt": 0o644, "passwd": 0o600, "acl": 0o600, "mosquitto.conf": 0o644}, modes
+    before = sec.passwd_file.read_bytes()
+
+    def full(_fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(files.os, "fsync", full)
+    with pytest.raises(OSError, match="No space"):
+        sec.write_access_files({"cam3": hash_password("cam3-pw")})
+    assert sec.passwd_file.read_bytes() == before
+    assert sorted(p.name for p in sec.directory.iterdir()) == sorted(modes)

@@ -55,6 +55,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from protocols.files import write_atomic
 from protocols.topics import (AGGREGATOR_ID, CONTROLLER_ROLE, DEPLOY_ROLE, FETCH_ROLE, Topics, check_device_id,
                               role_account)
 
@@ -114,20 +115,6 @@ def acl_text(topics: Topics, devices: Iterable[str]) -> str:
                   f"topic read {t.deploy(d)}", f"topic read {t.deploy_in(d)}", f"topic write {t.deploy_out(d)}", "",
                   f"user {role_account(d, FETCH_ROLE)}", f"topic write {t.outbox(d)}", f"topic read {t.inbox(d)}", ""]
     return "\n".join(lines) + "\n"
-
-
-def _write_atomic(path: Path, data: bytes, mode: int = 0o600, owner: int | None = None) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.chmod(tmp, mode)
-    if owner is not None:
-        os.chown(tmp, owner, -1)
-    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------- TLS
@@ -227,8 +214,8 @@ class BrokerSecurity:
             os.chown(self.directory, owner, -1)
         if not self.ca_cert.exists():
             ca_key, ca_cert = make_ca()
-            _write_atomic(self.directory / "ca.key", _private_key_pem(ca_key))
-            _write_atomic(self.ca_cert, ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
+            write_atomic(self.directory / "ca.key", _private_key_pem(ca_key))
+            write_atomic(self.ca_cert, ca_cert.public_bytes(serialization.Encoding.PEM), mode=0o644)
             self._write_server_cert(ca_key, ca_cert, list(hostnames or ["localhost"]), list(ips or ["127.0.0.1"]),
                                     owner)
         elif hostnames or ips:      # re-run with names the certificate lacks: a new one for the old names and these
@@ -245,7 +232,7 @@ class BrokerSecurity:
                                         [str(a) for a in dict.fromkeys(addresses + [ipaddress.ip_address(i) for i in ips])],
                                         owner)
         if not self.secret_file.exists():
-            _write_atomic(self.secret_file, new_password().encode())
+            write_atomic(self.secret_file, new_password().encode())
         if not self.passwd_file.exists():
             self.write_access_files({})
 
@@ -260,8 +247,8 @@ class BrokerSecurity:
 
     def _write_server_cert(self, ca_key, ca_cert, hostnames: list[str], ips: list[str], owner: int | None) -> None:
         key, cert = make_server_cert(ca_key, ca_cert, hostnames, ips)
-        _write_atomic(self.server_key, _private_key_pem(key), 0o600, owner)
-        _write_atomic(self.server_cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+        write_atomic(self.server_key, _private_key_pem(key), mode=0o600, owner=owner)
+        write_atomic(self.server_cert, cert.public_bytes(serialization.Encoding.PEM), mode=0o644)
 
     @property
     def aggregator_password(self) -> str:
@@ -275,8 +262,8 @@ class BrokerSecurity:
         for d, h in device_password_hashes.items():
             accounts[check_device_id(d)] = accounts[role_account(d, DEPLOY_ROLE)] = accounts[role_account(d, FETCH_ROLE)] = h
         owner = self._owner
-        _write_atomic(self.passwd_file, password_file_text(accounts).encode(), 0o600, owner)
-        _write_atomic(self.acl_file, acl_text(self.topics, device_password_hashes).encode(), 0o600, owner)
+        write_atomic(self.passwd_file, password_file_text(accounts).encode(), mode=0o600, owner=owner)
+        write_atomic(self.acl_file, acl_text(self.topics, device_password_hashes).encode(), mode=0o600, owner=owner)
 
     def reload(self) -> None:
         if self.reload_hook is not None:
@@ -347,7 +334,7 @@ class BrokerSecurity:
                 f"require_certificate false\n")
 
     def write_config(self, port: int = 8883, host: str = "127.0.0.1", extra: str = "") -> Path:
-        _write_atomic(self.conf_file, (self.listener_config(port, host) + extra).encode(), 0o644)
+        write_atomic(self.conf_file, (self.listener_config(port, host) + extra).encode(), mode=0o644)
         return self.conf_file
 
 
