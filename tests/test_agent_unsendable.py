@@ -62,9 +62,13 @@ def answers(sniffer, device) -> dict[str, object]:
 
 @pytest.fixture
 def agent_and_sniffer(broker):
-    sniffer = Sniffer(broker, [T.outbox("dev-a")])
+    sniffer = Sniffer(broker, [T.outbox("dev-a"), T.presence("dev-a")])
     agent = DeviceAgent("dev-a", BrokerConfig(port=broker.port), handlers(), retry_after_s=0.2, tick_s=0.05).start()
-    wait_for(lambda: agent.link.connected.is_set(), what="the agent connected")
+    # its presence (retained, published after its inbox subscription on the same connection) seen:
+    # a task sent now reaches it ("connected" alone was seen to let the first task in before the
+    # subscription, under load, and the test waited for an answer to a task never delivered)
+    wait_for(lambda: any(decode(p).body.get("state") == "online" for p in sniffer.seen.get(T.presence("dev-a"), [])),
+             what="the agent online")
     yield agent, sniffer
     agent.stop()
     sniffer.close()
