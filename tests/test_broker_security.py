@@ -350,3 +350,9 @@ def test_broker_files_keep_their_modes_and_a_failed_rewrite_leaves_the_old_file_
         sec.write_access_files({"cam3": hash_password("cam3-pw")})
     assert sec.passwd_file.read_bytes() == before
     assert sorted(p.name for p in sec.directory.iterdir()) == sorted(modes)
+    # a write killed before its rename leaves its temp file: the next initialise removes it
+    monkeypatch.undo()
+    (sec.directory / ".ca.key.k3j9x").write_bytes(b"partial key")
+    (sec.directory / ".unrelated").write_bytes(b"not ours")
+    BrokerSecurity(sec.directory).initialise()
+    assert sorted(p.name for p in sec.directory.iterdir()) == sorted([*modes, ".unrelated"])

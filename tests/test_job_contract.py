@@ -14,7 +14,6 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
-import json
 import re
 from pathlib import Path
 
@@ -25,8 +24,10 @@ from aggregator.jobs.base import AsynchronousJob, Job, JobConfig, SplitValidatio
 from aggregator.jobs.ladd import save_initial_model
 from aggregator.jobs.registry import KINDS, build_job
 from aggregator.jobs.secure_fields import SecureAggregationFields, SecureUpdateFields
-from aggregator.jobs.secure_rounds import SecureGroupRounds
-from protocols.files import file_sha256
+from aggregator.compute.privacy import published_state
+from aggregator.jobs.secure_rounds import CULPRITS_STATE, SecureGroupRounds
+from aggregator.storage.models import npz_bytes
+from protocols.files import file_sha256, read_npz
 
 from ops_fleet import SecureKeys
 
@@ -106,19 +107,22 @@ def test_every_kind_builds_a_job_that_keeps_the_contract(kind, files, request):
 
 
 @pytest.mark.parametrize("kind", sorted(k for k, row in EXPECTED.items() if row[3] and "tail" not in k))
-def test_a_secure_jobs_culprits_survive_a_restart_in_its_bookkeeping(kind, files, request):
+def test_a_secure_jobs_culprits_survive_a_restart_in_its_checkpoint(kind, files, request):
     """Members a round named (``note_culprits``) are left out of the job's later rounds: a job
-    rebuilt from its config and the stored bookkeeping (as ``aggregator/service/recovery.py``
-    restores it, through JSON) leaves them out too, with what the kind keeps besides."""
+    rebuilt from its config and the checkpoint written at the close of the round that named them
+    (through the store's npz bytes, as ``aggregator/service/recovery.py`` restores it) leaves them
+    out too; they never reach the job's published files; a checkpoint without them restores."""
     job = build_job(kind, config_for(kind, files, request))
-    job.note_culprits(1, ["dev01"])
-    stored = json.loads(json.dumps(job.bookkeeping()))
+    job.note_culprits(1, ["dev01", "dev02"])
+    state = read_npz(npz_bytes(job.state_dict()))
     restarted = build_job(kind, config_for(kind, files, request))
-    restarted.restore_bookkeeping(stored)
-    assert restarted.culprits == {"dev01"}
-    assert restarted.bookkeeping() == stored
-    del stored["culprits"]                 # a store written before culprits were kept
-    build_job(kind, config_for(kind, files, request)).restore_bookkeeping(stored)
+    restarted.load_state_dict(state)
+    assert restarted.culprits == {"dev01", "dev02"}
+    assert not any("culprit" in name for name in published_state(state))
+    del state[CULPRITS_STATE]              # a checkpoint written before culprits were kept
+    older = build_job(kind, config_for(kind, files, request))
+    older.load_state_dict(state)
+    assert older.culprits == set()
 
 
 def test_a_dp_fed3r_job_is_neither_order_free_nor_evaluated_per_contribution():

@@ -41,6 +41,7 @@ from protocols.secagg.distributed_dp import device_stddev, noise_scale_bits, noi
 from protocols.topics import AGGREGATOR_ID
 
 from aggregator.compute.mask_expansion import pick_mask_applier
+from aggregator.compute.privacy import UNPUBLISHED_PREFIX
 from aggregator.jobs.base import Job
 from aggregator.jobs.upload_window import MaskedUploadWindow, window_size
 
@@ -65,6 +66,9 @@ class GroupSumOutOfBound(ValueError):
 class LateProtocolMessage(EnvelopeError):
     """A secure-aggregation message for a round that already ended: answered with silence and
     counted as late, like a late result (a slow device's unmask share after the sum was made)."""
+
+
+CULPRITS_STATE = UNPUBLISHED_PREFIX + "secagg_culprits"      # SecureGroupRounds.culprits in a checkpoint
 
 
 class SecureGroupRounds(Job):
@@ -333,14 +337,18 @@ class SecureGroupRounds(Job):
             log.warning("secure round %d: %s sent share rows a majority of their recipients could not decrypt: "
                         "left out of this job's later rounds", round_id, ", ".join(new))
 
-    def bookkeeping(self) -> dict:
-        """The culprits go with the scheduling state stored at each round's opening, so a restarted
-        aggregator keeps them out (they were kept in memory only: each cost a round again)."""
-        return {**super().bookkeeping(), "culprits": sorted(self.culprits)}
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """The culprits go with the checkpoint every round's close writes (a secure job needs them),
+        the close of the round that named them included, so a restarted aggregator keeps them out
+        (kept in memory only, each cost a round again); unpublished: never in the job's files."""
+        return {**super().state_dict(), CULPRITS_STATE: np.array(sorted(self.culprits), dtype=str)}
 
-    def restore_bookkeeping(self, state: dict) -> None:
-        super().restore_bookkeeping(state)
-        self.culprits.update(state.get("culprits", ()))     # a store written before they were kept has none
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        state = dict(state)
+        named = state.pop(CULPRITS_STATE, None)         # a checkpoint written before they were kept has none
+        super().load_state_dict(state)
+        if named is not None:
+            self.culprits.update(str(device) for device in np.asarray(named).reshape(-1))
 
     def secure_failure(self, round_: int) -> str | None:
         """Why round ``round_`` produced no sum (None: it did, or has not ended)."""

@@ -209,6 +209,7 @@ class BrokerSecurity:
         get a new certificate under the same CA, for its old names and these; none given, an existing
         folder's certificate stays (its CA key may be kept offline)."""
         self.directory.mkdir(parents=True, exist_ok=True)
+        self._remove_interrupted_writes()
         owner = self._owner
         if owner is not None:
             os.chown(self.directory, owner, -1)
@@ -235,6 +236,15 @@ class BrokerSecurity:
             write_atomic(self.secret_file, new_password().encode())
         if not self.passwd_file.exists():
             self.write_access_files({})
+
+    MANAGED = ("ca.key", "ca.crt", "server.key", "server.crt", "passwd", "acl", "mosquitto.conf", "aggregator.secret")
+
+    def _remove_interrupted_writes(self) -> None:
+        """Temp files a write killed before its rename left (``write_atomic``'s ``.{name}.*``, each a
+        partial copy of a managed file, a key's too): nothing else ever reads or replaces them."""
+        for name in self.MANAGED:
+            for leftover in self.directory.glob(f".{name}.*"):
+                leftover.unlink(missing_ok=True)
 
     def server_cert_names(self) -> tuple[list[str], list]:
         """The DNS names and IP addresses the server certificate is valid for (none if it is missing)."""
