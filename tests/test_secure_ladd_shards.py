@@ -50,7 +50,7 @@ def ladd_config(work, keys, **over) -> dict:
     return {"job_id": "sladd", "model": SPEC.to_dict(), "clustering": "styles", "k_min": 2, "k_max": 2, "n_init": 2,
             "rounds": 2, "clients_per_round": 6, "local_epochs": 1, "batch_size": 4, "teacher_every": 1,
             "round_timeout_s": 150, "expected_devices": len(DEVICES), "start_timeout_s": 30, "seed": 3,
-            "max_samples": 100, "max_abs_param": 50.0, "phase_timeout_s": 20,
+            "max_samples": 100, "max_abs_param": 50.0, "phase_timeout_s": 8,     # round 3 waits it out, twice
             "initial_model_file": str(work / "pretrained.npz"),
             "initial_model_sha256": file_sha256(work / "pretrained.npz"), **(keys.job_fields(work) if keys else {}),
             **over}
