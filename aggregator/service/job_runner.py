@@ -102,9 +102,12 @@ class JobRunner:
         if self.a.current is None:
             return
         if self.a.job.secure_rounds:      # a secure phase stops waiting for it at once
-            for dev, msg in self.a.job.member_offline(device, time.monotonic()):
-                self.send(dev, msg)
+            self._secure_member_gone(device)
         self.handle(self.a.current, DeviceLost(device))
+
+    def _secure_member_gone(self, device: str) -> None:
+        for dev, msg in self.a.job.member_offline(device, time.monotonic()):
+            self.send(dev, msg)
 
     def resend_tasks(self, devices: set[str]) -> None:
         """Re-send the open round's task to those of ``devices`` it still waits for."""
@@ -147,6 +150,11 @@ class JobRunner:
                 if self.store is not None:
                     self.store.add_round_event(a.job_id, round_, act.device, event, act.reason)
                 self.events.write(event, round_, device=act.device, reason=act.reason)
+                if isinstance(act, RecordDeclined) and a.job.secure_rounds and a.job.secure_round_live(round_):
+                    # a member that declined its task sends nothing more to the group: its phase
+                    # stops waiting for it now, as for one gone offline (it held the whole group
+                    # for the phase's timeout, every round a device declined)
+                    self._secure_member_gone(act.device)
             elif isinstance(act, ApplyResult):
                 if not self._apply(round_, act) or self.rebuilt:
                     return                  # quarantined, or a write failed: the job was rebuilt; the rest is void
