@@ -107,6 +107,37 @@ def test_executorch_row_slicing_keeps_results(mobilenet_bundle, test_images):
             ExecuTorchInference(program, spec, size, rows_per_call=bad)
 
 
+FIRST_RUNS_ON_THREADS = """
+import sys, threading
+import numpy as np
+from edge_client.runtime import load_inference
+
+barrier = threading.Barrier(8)
+def first_run():
+    barrier.wait()
+    load_inference(sys.argv[1], prefer=("executorch",)).run(np.zeros((2, 3, 32, 32), np.float32))
+threads = [threading.Thread(target=first_run) for _ in range(8)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print("every thread ran")
+"""
+
+
+def test_programs_run_first_on_many_threads_at_once_do_not_deadlock(mobilenet_bundle):
+    """ExecuTorch makes its threadpool on first use; eight threads running their first program
+    at once (an emulated device host's step threads) deadlocked 5 processes of 6 on the GIL and
+    the pool's C++ static initialiser before the runtime made the pool up front. A fresh process
+    each time: the pool is made once per process."""
+    import subprocess
+
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", FIRST_RUNS_ON_THREADS, str(mobilenet_bundle)],
+                              capture_output=True, text=True, timeout=90)
+        assert proc.returncode == 0 and "every thread ran" in proc.stdout, proc.stderr[-2000:]
+
+
 def test_executorch_threadpool_size_is_settable():
     from edge_client.runtime.executorch_runtime import executorch_threads, set_executorch_threads
 

@@ -27,6 +27,7 @@ import os
 import re
 import sys
 import tempfile
+import threading
 import warnings
 
 import numpy as np
@@ -67,7 +68,28 @@ def runtime_bindings():
         from executorch.extension.pybindings import _C
     except ImportError:
         from executorch.extension.pybindings import portable_lib as _C
+    _make_threadpool_once(_C)
     return _C
+
+
+_threadpool_made = False
+_threadpool_lock = threading.Lock()
+
+
+def _make_threadpool_once(bindings) -> None:
+    """Create ExecuTorch's process-wide threadpool here, on one thread holding the GIL, before any
+    program runs. Made lazily by the first kernel that asks, it deadlocked a process: two device
+    threads running their first programs at once (an emulated host's step threads; seen in the
+    suite), one inside the pool's C++ static initialiser logging through the bindings (which
+    waits for the GIL), the other holding the GIL while waiting for that initialiser."""
+    global _threadpool_made
+    if _threadpool_made:
+        return
+    with _threadpool_lock:
+        if not _threadpool_made:
+            with _native_stderr_without(NATIVE_STARTUP_LINES):
+                bindings._threadpool_get_thread_count()
+            _threadpool_made = True
 
 
 def executorch_version() -> str:
