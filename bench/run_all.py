@@ -33,6 +33,7 @@ QUICK = {
     "java_device.py": [],
     "shard_start.py": ["--starts", "3"],
     "cli_start.py": [],
+    "import_compile.py": ["--repeats", "4"],
     "sim_process_start.py": ["--starts", "3"],
     "export_folding.py": [],
 }
