@@ -73,9 +73,9 @@ class AsyncJobRunner(JobRunner):
         state, contributed = super()._checkpoint(act)
         return state, contributed, self.a.job.replay_floor
 
-    def _record_eval(self, job=None) -> None:
+    def _evaluation(self, job=None) -> dict | None:
         # the model moves only at a server step: evaluate once per version, not per dispatch
         if self._evaluated_version == self.a.job.version and self.a.history:
-            return
+            return None
         self._evaluated_version = self.a.job.version
-        super()._record_eval(job)
+        return super()._evaluation(job)

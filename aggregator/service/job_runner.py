@@ -272,6 +272,7 @@ class JobRunner:
         if not self.flush_writes():         # the round's checkpoint must hold only durable contributions
             return
         self.crash("round_closing")
+        evaluation = None
         try:
             if self.store is not None:      # DP Fed3R: its round noised as summed canonically
                 hand_round_sum(a.job, self.store, a.kind, a.job_id, act.round)
@@ -281,7 +282,7 @@ class JobRunner:
                 return self._quarantine_screened(screened)
             a.round_log.append(a.round_entry(act, a.opened_at.get(act.round), time.time()))
             if not self.eval_each:
-                self._record_eval()
+                evaluation = self._evaluation()
         except Exception as exc:            # no single contribution to blame: the job stops, saying why
             log.exception("job %s: round %d cannot close", a.job_id, act.round)
             return self.on_fatal(f"round {act.round} cannot close: {type(exc).__name__}: {exc}", stop=True)
@@ -289,18 +290,23 @@ class JobRunner:
                  len(act.accepted), len(act.dropped), len(act.declined))
         self.events.write("round_close", act.round,
                           **{k: v for k, v in a.round_log[-1].items() if k not in ("round", "t")})
-        if not self.eval_each:
-            self.crash("evaluation_stored")
         if self.store is not None:
+            # The round's evaluation is committed with its close, before it leaves the process: the
+            # model it measures carries this round's DP noise, and a crash between the two would
+            # replay the round with a fresh draw, a second release of the same devices the
+            # accountant never counts (tests/test_crash_recovery.py).
             model = a.job.model_arrays() if act.accepted and not a.job.model_held else None
             checkpoint = self._checkpoint(act) if self.checkpoints else None
-            self.store.close_round(a.job_id, act.round, a.round_log[-1], model,
-                                   a.history[-1] if a.history else {}, a.round_bytes[act.round], a.stats.to_dict(),
-                                   checkpoint)
+            metrics = evaluation if evaluation is not None else (a.history[-1] if a.history else {})
+            self.store.close_round(a.job_id, act.round, a.round_log[-1], model, metrics, a.round_bytes[act.round],
+                                   a.stats.to_dict(), checkpoint, evaluation=evaluation)
         self.crash("round_closed")
         if a.current is not None and a.current.round == act.round:
             a.current = None
-        self.publish_status()
+        if evaluation is not None:
+            self._publish_eval(evaluation, stored=True)     # with the status
+        else:
+            self.publish_status()
 
     def _checkpoint(self, act: RoundClosed) -> tuple:
         """(state_dict, contributed) of the job as this round closes: what a restart resumes from."""
@@ -308,12 +314,23 @@ class JobRunner:
 
     def _record_eval(self, job: Job | None = None) -> None:
         """Evaluate the live job (or ``job``, the model it reports) and record it in the history."""
+        entry = self._evaluation(job)
+        if entry is not None:
+            self._publish_eval(entry, stored=False)
+
+    def _evaluation(self, job: Job | None = None) -> dict | None:
+        """The evaluation entry of the live job (or ``job``), or None when there is nothing new to measure."""
         a = self.a
         entry = {**(job or a.job).evaluate(*self._eval_arrays()), "round": a.job.round}
         entry.update(t=time.time() - a.started_at, bytes_in=a.stats.bytes_in, bytes_out=self.bytes_sent())
+        return entry
+
+    def _publish_eval(self, entry: dict, *, stored: bool) -> None:
+        """Add ``entry`` to the history, the round log and (unless ``stored`` already) the store."""
+        a = self.a
         a.history.append(entry)
         self.events.evaluation(entry["round"], entry)
-        if self.store is not None:
+        if self.store is not None and not stored:
             self.store.add_evaluation(a.job_id, entry)
         self.publish_status()
 

@@ -26,7 +26,8 @@ anything that depends on it leaves the process::
     open round                             participants, task ids, bookkeeping  publish tasks
     accept result                          raw envelope bytes + message id      apply, evaluate, ack
     decline / invalid result               round event (RecordDeclined/...)     (ack for invalid)
-    close round                            outcome, model version, checkpoint   status, next round
+    close round                            outcome, evaluation, model version,  status, next round
+                                           checkpoint
     finish job                             final model + summary + state        write files
 
 An open round continues after a restart with its stored deadline; its pending participants get

@@ -16,6 +16,7 @@ import numpy as np
 from protocols.files import read_npz
 
 from aggregator.storage.connection import StoreConnection, StoreError
+from aggregator.storage.evaluations import append_evaluation
 from aggregator.storage.models import add_model_version, npz_bytes
 
 
@@ -50,11 +51,15 @@ class RoundRepository(StoreConnection):
 
     def close_round(self, job_id: str, round_: int, outcome: dict, model: dict[str, np.ndarray] | None = None,
                     metrics: dict | None = None, bytes_in: int | None = None, counters: dict | None = None,
-                    checkpoint: tuple[dict[str, np.ndarray], dict] | None = None) -> int | None:
-        """Mark the round closed and, in the same transaction, record the model version it produced and
+                    checkpoint: tuple[dict[str, np.ndarray], dict] | None = None,
+                    evaluation: dict | None = None) -> int | None:
+        """Mark the round closed and, in the same transaction, record the model version it produced,
         the job's state after it (``checkpoint`` = (state_dict, contributed[, replay_after]): a restart
-        replays the contributions of rounds after ``replay_after``, this round by default)."""
+        replays the contributions of rounds after ``replay_after``, this round by default) and the
+        evaluation of its model, if any (appended to the job's history)."""
         with self._tx() as db:
+            if evaluation is not None:
+                append_evaluation(db, job_id, evaluation)
             if checkpoint is not None:
                 _write_checkpoint(db, job_id, checkpoint[2] if len(checkpoint) > 2 else round_, *checkpoint[:2])
             cur = db.execute("UPDATE rounds SET state='closed', closed_at=?, outcome=?, "
