@@ -295,3 +295,26 @@ def test_ladd_config_refuses_a_recipe_the_devices_would_refuse():
     for bad in ({"lr": -0.1}, {"pseudo_cap": 1.5}, {"momentum": 1.0}, {"local_epochs": 0}, {"batch_size": True}):
         with pytest.raises(ValueError):
             LaddConfig(model=model, **bad)
+
+
+@pytest.mark.parametrize("case", ["one style", "identical styles"])
+def test_styles_too_few_or_alike_to_split_train_as_one_cluster(case):
+    """k_min = 2 asks for a silhouette, which needs 2 <= k <= n - 1 and styles that split: with one
+    style in (the other device went offline, attempts left) or styles all alike, the job trains
+    every device as one cluster and says why, instead of raising at every scheduling tick (which
+    ended the aggregator's service for every job)."""
+    job = LaddJob(LaddConfig(model={"num_classes": 5, "image_size": 64}, rounds=2, clients_per_round=3,
+                             kd_lambda=0.0), initial=(INITIAL, TRAINABLE))
+    assert job.config.k_min == 2
+    answering = ["A"] if case == "one style" else ["A", "B", "C", "D"]
+    everyone = set(answering) | {"Z"}
+    parts = job.next_participants(everyone)
+    for d in answering:
+        job.apply(d, send(job, d, "ladd.style", *encode_style(np.full((3, 3, 3), 10.0, np.float32), 4, 1)))
+    job.close_round(RoundClosed(job.round, tuple(answering), ("Z",), (), ()))
+    assert sorted(parts) == sorted(everyone) and job.phase == "styles"
+    train = job.next_participants(set(answering))       # Z gone: cluster what is in
+    assert job.phase == "train" and job.n_clusters == 1 and len(train) == min(3, len(answering))
+    assert set(train) <= set(answering)
+    assert job.assignment == {d: 0 for d in answering}
+    assert "cannot cluster" in job.clustering_fallback

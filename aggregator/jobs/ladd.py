@@ -139,6 +139,7 @@ class LaddJob(Job):
         self.style_attempts: dict[str, int] = {}
         self.assignment: dict[str, int] = {}
         self.clustering: StyleClustering | None = None
+        self.clustering_fallback: str | None = None     # why the styles became one cluster, if they did
         self.pretrained: Arrays | None = None
         self.trainable: list[str] = []
         self.phi: Arrays = {}
@@ -203,6 +204,8 @@ class LaddJob(Job):
     def _cluster_closing_round(self, event: StyleRoundClosed) -> list:
         self._finish_style_phase()
         event.entry["clusters"] = self.n_clusters
+        if self.clustering_fallback:
+            event.entry["clustering_fallback"] = self.clustering_fallback
         return []
 
     def _route_late_styles(self, _event: StyleRoundClosed) -> list:
@@ -222,7 +225,15 @@ class LaddJob(Job):
         devices = sorted(self.styles)
         bank = np.stack([self.styles[d] for d in devices])
         if c.clustering == "styles":
-            self.clustering = StyleClustering((c.k_min, c.k_max), c.n_init, c.seed).fit(bank)
+            try:
+                self.clustering = StyleClustering((c.k_min, c.k_max), c.n_init, c.seed).fit(bank)
+            except ValueError as exc:
+                # Too few styles for k >= k_min (a silhouette needs 2 <= k <= n - 1), or styles
+                # that never split: every device one cluster, said in the log and the round's
+                # entry, rather than a job that cannot leave its style phase.
+                log.warning("LADD clustering: %s; one cluster for the %d styles in", exc, len(devices))
+                self.clustering_fallback = f"{exc}: one cluster"
+                self.clustering = StyleClustering((1, 1), c.n_init, c.seed).fit(bank)
             labels = self.clustering.labels_
             log.info("LADD clustering: k=%d, silhouettes %s", self.clustering.n_clusters_,
                      {k: round(v, 3) for k, v in self.clustering.silhouette_scores_.items()})

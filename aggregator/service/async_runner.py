@@ -40,7 +40,7 @@ class AsyncJobRunner(JobRunner):
             for dev in sorted(d for d in devices if coord.is_pending(d)):
                 self._send_task(round_, dev)
 
-    def tick(self, now: float) -> None:
+    def _tick(self, now: float) -> None:
         a = self.a
         if a.final_state:
             return

@@ -117,6 +117,13 @@ class JobRunner:
                 self._send_task(coord.round, dev)
 
     def tick(self, now: float) -> None:
+        try:
+            self._tick(now)
+        except Exception as exc:        # the job's scheduling broke: this job stops, the service goes on
+            log.exception("job %s: its tick raised", self.a.job_id)
+            self.on_fatal(f"scheduling failed: {type(exc).__name__}: {exc}", stop=True)
+
+    def _tick(self, now: float) -> None:
         a = self.a
         if a.final_state:
             return

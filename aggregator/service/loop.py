@@ -198,7 +198,7 @@ class AggregatorService(OperatorActions):
 
     def _refused(self, item: tuple | None, exc: Exception) -> None:
         """Last resort: whatever one inbound message causes is that message's refusal; anything
-        else that raises (the tick, a worker's verdict, the writer's) ends :meth:`run`."""
+        else that raises (its own tick, a worker's verdict, the writer's) ends :meth:`run`."""
         if item is None or item[0] not in ("mqtt", "receipt"):
             raise exc
         log.error("message on %s refused: it raised an unexpected error", item[1][:120], exc_info=exc)
