@@ -88,3 +88,46 @@ def test_dp_fedavg_over_mosquitto_stops_at_its_budget(broker, tmp_path):
     assert privacy["epsilon"] == gaussian_epsilon(z, rounds, q, 1e-5)
     assert privacy["clip_norm"] != 0.5                     # adaptive clipping moved C
     assert sum(len(r["accepted"]) for r in result["rounds"]) == 2 * rounds
+
+
+def test_a_dp_round_whose_close_cannot_be_committed_publishes_nothing_of_its_draw(broker, tmp_path, monkeypatch):
+    """Round 1's noise is drawn, then its close's transaction fails (once). Nothing made from that
+    draw may leave the process: the job is rebuilt from the store, round 1 closes again with a
+    draw of its own, and what is stored and published is that one release per round (before, the
+    failure escaped the close: the round never ended and the service's end published the
+    uncommitted noisy model, which the next start then drew again)."""
+    from aggregator.storage.store import Store, StoreError
+
+    ids = [f"dev{i}" for i in range(4)]
+    cfg = {"job_id": "dpc", "num_classes": C, "feature_dim": D, "rounds": 3, "clients_per_round": 2,
+           "round_timeout_s": 30, "local_epochs": 1, "batch_size": 8, "client_lr": 0.05, "expected_devices": 4,
+           "dp_noise_multiplier": 1.0, "dp_clip_norm": 0.5, "seed": 2}
+    commit, failed = Store.close_round, []
+
+    def fails_once(self, job_id, round_, *args, **kwargs):
+        if not failed:
+            failed.append(round_)
+            raise StoreError("disk I/O error")
+        return commit(self, job_id, round_, *args, **kwargs)
+
+    monkeypatch.setattr(Store, "close_round", fails_once)
+    store = Store(tmp_path / "state.db")
+    svc = AggregatorService(build_job("fedavg", cfg), BrokerConfig.from_url(broker.url), tmp_path / "out",
+                            ServiceSettings(evaluate_every_contribution=False), enrolled=set(ids), store=store)
+    result = {}
+    t = threading.Thread(target=lambda: result.update(svc.run(timeout_s=60)), daemon=True)
+    t.start()
+    agents = [DeviceAgent(d, BrokerConfig.from_url(broker.url),
+                          {"fedavg.head": HeadTrainingTask(*device_data(i), lambda b, s, w: Features(D))}).start()
+              for i, d in enumerate(ids)]
+    t.join(90)
+    for a in agents:
+        a.stop()
+    assert failed == [1] and result["state"] == "done", result
+    stored = store.evaluations("dpc")
+    assert [e["round"] for e in stored] == [1, 2, 3]          # round 1 evaluated once: its second draw's
+    logged = [json.loads(line) for line in (tmp_path / "out" / "rounds.jsonl").read_text().splitlines()]
+    assert [e["round"] for e in logged if e["event"] == "evaluation"] == [1, 2, 3]
+    assert result["final"]["privacy"]["releases"] == 3
+    versions = store.models("dpc")
+    assert [v["round"] for v in versions if not v["final"]] == [1, 2, 3]

@@ -253,6 +253,33 @@ def test_a_commit_that_fails_after_the_release_is_not_released_again(broker, tmp
     np.testing.assert_array_equal(arrays["coef"], job.model_arrays()["coef"])
 
 
+def test_a_release_whose_checkpoint_cannot_be_written_publishes_nothing_of_it(broker, tmp_path, monkeypatch):
+    """The end's noise is drawn, then writing the released state fails: nothing made from that draw
+    leaves the process (no evaluation, no model, no files; the job stays running in the store), and
+    the next start makes the one release there is. Before, the service's own end finished the job a
+    second time from the drawn model (committed done), while the checkpoint still held the exact
+    sums: the service run again drew and published a second release."""
+    store = Store(tmp_path / "state.db")
+    commit = Store.replace_checkpoint_state
+
+    def failing(self, *args, **kwargs):
+        raise OSError("disk I/O error")
+
+    monkeypatch.setattr(Store, "replace_checkpoint_state", failing)
+    result, _ = serve_with_store(broker, tmp_path / "out", store, timeout=60)
+    assert store.job("dp-end")["state"] == "running" and store.models("dp-end") == []
+    assert not [e for e in store.evaluations("dp-end") if "accuracy" in e]
+    assert not (tmp_path / "out" / "model.npz").exists() and not (tmp_path / "out" / "statistics.npz").exists()
+    monkeypatch.setattr(Store, "replace_checkpoint_state", commit)
+    result, job = serve_with_store(broker, tmp_path / "out", store, timeout=60)
+    assert result["state"] == "done" and job.strategy.releases == 1
+    finals = [e for e in store.evaluations("dp-end") if "accuracy" in e]
+    assert len(finals) == 1 and finals[0]["privacy"]["noisy_sums"] == 1
+    again, restored = serve_with_store(broker, tmp_path / "out", store, devices=False)
+    assert restored.strategy.releases == 1 and not restored.strategy.unreleased
+    np.testing.assert_array_equal(restored.strategy.released.B.cpu().numpy(), job.strategy.released.B.cpu().numpy())
+
+
 def test_a_draw_that_fails_keeps_the_held_sums(monkeypatch):
     s = strategy(True)
     s.add(stats(1))

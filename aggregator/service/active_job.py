@@ -77,6 +77,7 @@ class ActiveJob:
     final_state: str | None = None              # done | cancelled once the job is over
     quarantined: set[str] = field(default_factory=set)   # devices whose contribution broke the job: not asked again
     applied: AppliedContributions = field(default_factory=AppliedContributions)   # what the live job summed, in order
+    uncommitted: str | None = None      # what the live job holds that its commit failed to store: publish nothing
 
     @property
     def job_id(self) -> str:

@@ -305,8 +305,16 @@ class JobRunner:
             model = a.job.model_arrays() if act.accepted and not a.job.model_held else None
             checkpoint = self._checkpoint(act) if self.checkpoints else None
             metrics = evaluation if evaluation is not None else (a.history[-1] if a.history else {})
-            self.store.close_round(a.job_id, act.round, a.round_log[-1], model, metrics, a.round_bytes[act.round],
-                                   a.stats.to_dict(), checkpoint, evaluation=evaluation)
+            try:
+                self.store.close_round(a.job_id, act.round, a.round_log[-1], model, metrics, a.round_bytes[act.round],
+                                       a.stats.to_dict(), checkpoint, evaluation=evaluation)
+            except Exception as exc:
+                # Nothing of this close has left the process, and its noise must not: the job is
+                # rebuilt from the store (the round open again, to close with a draw of its own) or,
+                # stopped, publishes nothing (finish); never the model the uncommitted draw made.
+                log.exception("job %s: round %d's close could not be committed", a.job_id, act.round)
+                a.uncommitted = f"round {act.round}'s close"
+                return self.on_fatal(f"round {act.round}'s close could not be committed: {type(exc).__name__}: {exc}")
         self.crash("round_closed")
         if a.current is not None and a.current.round == act.round:
             a.current = None
@@ -401,7 +409,9 @@ class JobRunner:
     def finish(self) -> dict:
         """Write the job's outputs; with a store, commit its final state first (once)."""
         a = self.a
-        if not self.flush_writes():    # a last write failed: the job stays running in the store, which resumes it
+        # a write failed (a result's, a round's close, the finalized state): the job stays running in
+        # the store, which resumes it; nothing made from the uncommitted state leaves the process
+        if not self.flush_writes() or a.uncommitted is not None:
             return {}
         state = a.final_state or JobState.STOPPED
         failure = None
@@ -419,7 +429,12 @@ class JobRunner:
                 # durable before anything made from it leaves this process: a restart (a crash from
                 # here on, or the service run again) restores the finalized job rather than
                 # finalizing it again (DP's release at the end: fresh noise on the same sums)
-                self.store.replace_checkpoint_state(a.job_id, final_job.state_dict(), final_job.contributed)
+                try:
+                    self.store.replace_checkpoint_state(a.job_id, final_job.state_dict(), final_job.contributed)
+                except Exception:       # the draw stays in this process; the next start draws its own
+                    log.exception("job %s: its finalized state could not be committed", a.job_id)
+                    a.uncommitted = "the job's finalized state"
+                    return {}
                 self.crash("job_finalized")
         if changed or not a.history or a.history[-1]["contributions"] != a.job.contributions:
             self._record_eval(final_job)            # the last evaluation is the reported model's
