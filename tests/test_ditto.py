@@ -260,3 +260,16 @@ def test_the_ditto_pipelines_refuse_what_they_cannot_run_before_the_run():
                        ({"fp_part": "tail"}, "fp_part")):
         with pytest.raises(ValueError, match=match):      # refused before any data or fleet
             run_pipeline(dataclasses.replace(cfg, **bad), quiet=True, pipeline="fed3r-ditto-oll")
+
+
+def test_a_dp_job_releases_no_held_out_accuracy(tmp_path):
+    """The devices' held-out counts are exact (no clipping, no noise): a DP job keeps them to itself
+    rather than publish what one device's data moves deterministically; the same job without DP reports them."""
+    handlers = {f"dev{i}": device(i, tmp_path) for i in range(3)}
+    plain, private = make_job(), make_job(job_id="ditto-dp", dp_noise_multiplier=1.0, dp_clip_norm=1.0)
+    run_round(plain, handlers, KIND)
+    run_round(private, handlers, KIND)
+    assert plain.evaluate(None, None)["heldout_devices"] == 3 and private.heldout
+    report = private.evaluate(None, None)
+    assert not {"personal_wma", "global_wma", "heldout_devices"} & set(report)
+    assert report["heldout_wma"].startswith("withheld")

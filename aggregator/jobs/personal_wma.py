@@ -43,7 +43,10 @@ class PersonalWmaJob:
     def evaluate(self, features: np.ndarray | None, labels: np.ndarray | None) -> dict:
         """The job's own report plus the held-out WMA with each device's personal model and with the global one."""
         out = super().evaluate(features, labels)
-        if self.heldout:
+        if self.heldout and self.config.dp:
+            # exact counts from each device's own data: outside what DP noises, so never released
+            out["heldout_wma"] = "withheld: the devices' held-out counts are not covered by the job's DP"
+        elif self.heldout:
             reports = [self.heldout[d] for d in sorted(self.heldout)]
             totals = [n for n, _, _ in reports]
             out["personal_wma"] = weighted_mean_accuracy([c for _, c, _ in reports], totals)
