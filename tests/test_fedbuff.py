@@ -2,6 +2,7 @@
 reference, the fedavg-async job's version bookkeeping, and a job over mosquitto end to end."""
 
 import json
+import math
 import time
 
 import numpy as np
@@ -356,6 +357,30 @@ def test_one_fast_device_holds_at_most_one_slot_of_each_buffer(broker, tmp_path)
     counts = collections.Counter(c.device for c in store.contributions(config.job_id))
     assert counts["evil"] <= config.rounds, dict(counts)
     assert all(counts[f"dev{i}"] >= 1 for i in range(4)), dict(counts)
+
+
+def broken_task(params, tensors=None):
+    raise RuntimeError("this install cannot train")
+
+
+def test_a_device_whose_task_always_fails_waits_longer_before_each_next_dispatch(broker, tmp_path):
+    """A declined dispatch frees its device at once; the next was given at the next tick, so one
+    device whose task always fails had 240 dispatches in 10 s (a stored round, the model sent and a
+    checkpoint each). Now it waits 1 s, then 2, 4, ... after each, while the others train the job to its end."""
+    config = AsyncFedAvgConfig(num_classes=C, feature_dim=D, image_size=SIZE, clients_per_round=5, buffer_size=4,
+                               max_staleness=4, rounds=4, round_timeout_s=20, expected_devices=5, batch_size=8)
+    store = Store(tmp_path / "agg.db")
+    handlers = {f"dev{i}": {KIND: SlowDevice(i, 1.0)} for i in range(4)}
+    handlers["broken"] = {KIND: broken_task}
+    svc, result = serve_until_done(AsyncFedAvgJob(config), broker.url, tmp_path, handlers, store, timeout_s=90)
+    assert result["state"] == "done", result
+    rounds = store.rounds(config.job_id)
+    opened = [r.opened_at for r in rounds if r.participants == ("broken",)]
+    assert all(r.outcome["declined"] == ["broken"] for r in rounds if r.participants == ("broken",) and r.outcome)
+    span = rounds[-1].opened_at - rounds[0].opened_at
+    assert 1 <= len(opened) <= 2 + math.log2(1 + span), (len(opened), span)
+    gaps = np.diff(opened)
+    assert all(gap >= 0.9 * 2 ** i for i, gap in enumerate(gaps)), gaps
 
 
 def test_dp_is_refused_for_fedavg_async_whose_steps_would_never_clip_or_noise():

@@ -11,6 +11,7 @@ base runner does that at every round close), which is what lets a restart resume
 from __future__ import annotations
 
 import math
+import time
 
 from protocols.rounds import DeviceLost, RoundCoordinator, RoundState, Tick
 
@@ -18,9 +19,33 @@ from aggregator.service.job_runner import JobRunner, RunnerServices
 from aggregator.storage.schema import JobState
 
 
+class DispatchBackoff:
+    """A device whose dispatch closed without an update (declined, rejected, or silent until its
+    deadline) gets its next one only after a wait: ``first_s``, doubling up to ``max_s``, back to
+    nothing once an update of it is accepted. Why: a declined dispatch frees the device at once,
+    so a device whose task always fails (a broken install, or a hostile client) was given a new
+    dispatch every tick — a stored round, the model sent and a checkpoint written each time
+    (240 in 10 s for one device). A waiting device is retried with the then current model."""
+
+    def __init__(self, first_s: float = 1.0, max_s: float = 60.0):
+        self.first_s, self.max_s = first_s, max_s
+        self._until: dict[str, tuple[float, float]] = {}     # device -> (retry at, last wait)
+
+    def closed(self, act, now: float) -> None:
+        for device in act.accepted:
+            self._until.pop(device, None)
+        for device in (*act.declined, *act.rejected, *act.dropped):
+            wait = min(self.max_s, 2 * self._until[device][1]) if device in self._until else self.first_s
+            self._until[device] = (now + wait, wait)
+
+    def waiting(self, now: float) -> set[str]:
+        return {d for d, (until, _) in self._until.items() if until > now}
+
+
 class AsyncJobRunner(JobRunner):
     def __init__(self, a, services: RunnerServices):
         super().__init__(a, services)
+        self.backoff, self._now = DispatchBackoff(), time.monotonic()
         if self.store is not None and not self.checkpoints:
             # without a checkpoint per dispatch a restart would replay the updates in round
             # order, not in the arrival order the buffer saw: another model
@@ -41,7 +66,7 @@ class AsyncJobRunner(JobRunner):
                 self._send_task(round_, dev)
 
     def _tick(self, now: float) -> None:
-        a = self.a
+        a, self._now = self.a, now
         if a.final_state:
             return
         for coord in list(self._open.values()):
@@ -56,7 +81,8 @@ class AsyncJobRunner(JobRunner):
         if a.job.finished(set(), set()):
             a.final_state = JobState.DONE
             return
-        idle = self.fleet.eligible_online() - a.quarantined - {d for c in self._open.values() for d in c.participants}
+        idle = (self.fleet.eligible_online() - a.quarantined - self.backoff.waiting(now)
+                - {d for c in self._open.values() for d in c.participants})
         for device in a.job.next_dispatches(idle):
             a.job.open_dispatch(device)
             self._open_round([device], now)          # stores the dispatch, sends the task, sets a.current
@@ -66,6 +92,7 @@ class AsyncJobRunner(JobRunner):
     def _close_round(self, act) -> None:
         super()._close_round(act)
         self._open.pop(act.round, None)
+        self.backoff.closed(act, self._now)
 
     def _checkpoint(self, act) -> tuple:
         # replayed after a restart: every round above the job's floor (dispatches still open when
