@@ -141,3 +141,41 @@ def test_members_of_an_unmasked_but_discarded_group_are_not_released_twice_unacc
     one = PrivacyAccountant(cfg.dp_noise_multiplier, cfg.dp_delta, 1.0, report["accounting"]).epsilon(1)
     assert not again, f"{sorted(again)} were in an unmasked (released) sum and can be asked again"
     assert report["releases"] == 1 and report["epsilon"] == pytest.approx(one), report
+
+
+def test_members_of_a_secure_round_lost_to_a_restart_are_never_asked_again():
+    """A review's finding (Fed3R-Sync, distributed DP): a group's noisy sum unmasked, then the process
+    killed before the round's close committed (its members' release marks lost with it); the restart
+    restored the previous checkpoint and a later group unmasked a second noisy sum of the same
+    devices, the job still reporting one release. A restored round's members now count as released."""
+    from aggregator.jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob
+    from protocols.identity import DeviceIdentity, IdentityRegistry
+    from protocols.rounds import RoundClosed
+
+    D, C = 6, 3
+    devices = [f"cam-{i}" for i in range(6)]
+    identity = DeviceIdentity.generate("aggregator")
+    registry = IdentityRegistry({d: DeviceIdentity.generate(d).public_key_bytes for d in devices})
+    cfg = Fed3RSyncConfig(num_classes=C, feature_dim=D, dp_noise_multiplier=2.0, feature_clip_norm=5.0,
+                          max_samples=1, clients_per_round=3, seed=4, max_abs_feature=50.0, dp_mechanism="gaussian")
+    job = Fed3RSyncJob(cfg, identity=identity, registry=registry)
+    checkpoint = (job.state_dict(), dict(job.contributed))          # the store's, before round 1 closes
+    first = job.next_participants(set(devices))
+    opened = job.bookkeeping()                                       # stored when round 1 opened
+    job.group_summed(job.round, np.random.default_rng(0).normal(size=job.vector_length), tuple(first))
+    assert set(first) <= set(job.contributed)                        # released: live, never asked again
+    # killed here; the restart: the checkpoint, the open round's bookkeeping, the round closed dead
+    restarted = Fed3RSyncJob(cfg, identity=identity, registry=registry)
+    restarted.load_state_dict(checkpoint[0])
+    restarted.contributed = dict(checkpoint[1])
+    restarted.restore_bookkeeping(opened)
+    assert not restarted.secure_round_live(1)
+    restarted.close_round(RoundClosed(1, (), tuple(first), (), ()))
+    assert not set(first) & set(restarted.eligible(set(devices)))
+    later = restarted.next_participants(set(devices))
+    assert later and not set(first) & set(later)
+    # a round this process ran and gave up (its deadline) releases nothing: its members stay eligible
+    live = Fed3RSyncJob(cfg, identity=identity, registry=registry)
+    chosen = live.next_participants(set(devices))
+    live.close_round(RoundClosed(live.round, (), tuple(chosen), (), ()))
+    assert set(chosen) <= set(live.eligible(set(devices)))

@@ -199,4 +199,10 @@ class Fed3RSyncJob(SecureGroupRounds, Fed3RJob):
         raise TypeError("a secure round has no per-device results to apply")
 
     def close_round(self, closed: RoundClosed) -> None:
+        if self.config.dp and self.lost_to_restart(closed.round):
+            # Its group may have unmasked its noisy sum just before the process died, with the marks
+            # of that release (``on_secure_sum``) lost with it: its members count as released, never
+            # asked again, rather than risk a second noisy sum of theirs the one release never counts.
+            for d in closed.dropped:
+                self.contributed.setdefault(d, 0)
         self.abort_secure_round(closed.round, "deadline")

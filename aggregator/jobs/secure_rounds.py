@@ -89,6 +89,7 @@ class SecureGroupRounds(Job):
         self._phase_opened = 0.0
         self._phase_s: dict[int, dict[str, float]] = {}     # round -> phase -> seconds it stayed open
         self._settled: dict[int, tuple[str, ...]] = {}
+        self._opened_here: set[int] = set()     # the secure rounds this process opened (not restored)
         self.failed_rounds: list[tuple[int, str]] = []
         # senders of share rows a majority of their recipients could not decrypt (ServerSecAgg.culprits):
         # the runner leaves them out of this job's later rounds, so one such device fails at most
@@ -110,6 +111,7 @@ class SecureGroupRounds(Job):
         """``group_id`` (default ``g<round>``) is signed into the round configuration; a job can
         bind more of the round's contract to it (e.g. a digest of the vector layout).
         ``scale_bits``: pinned for distributed DP (default: the finest safe scale)."""
+        self._opened_here.add(round_id)
         config = RoundConfig.create(job_id=self.config.job_id, round_id=round_id, group_id=group_id or f"g{round_id}",
                                     aggregator_id=AGGREGATOR_ID, members=members, vector_length=vector_length,
                                     bound=bound, graph=self.config.graph, scale_bits=scale_bits, threshold=threshold,
@@ -268,6 +270,11 @@ class SecureGroupRounds(Job):
         if self.runs_plaintext(round_):
             return True
         return self.secure is not None and self.secure.config.round_id == round_
+
+    def lost_to_restart(self, round_: int) -> bool:
+        """Round ``round_`` is a secure round another process opened (restored after a restart): its
+        group died with that process, and whether it unmasked its sum first is not known here."""
+        return round_ not in self._opened_here and not self.runs_plaintext(round_)
 
     def settled(self, round_: int) -> tuple[str, ...] | None:
         """Devices whose data the round's sum holds (empty: failed), once; None while running."""
