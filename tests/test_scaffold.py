@@ -128,6 +128,40 @@ def test_one_device_moves_c_by_at_most_its_clipped_share(tmp_path):
     assert total <= (1.0 + sum(min(1.0, h) for h in honest)) / 4 + 1e-6
 
 
+def test_one_device_cannot_steer_c_with_a_default_config(tmp_path):
+    """A review's finding: with the defaults (bounds on, control_clip_norm 1000) one of ten devices
+    sent the same Δc direction every round and moved c by its clip's share each time (‖c‖ 2 → 500,
+    the model after it: ‖w‖ 0.75 → 134 in five rounds). Each Δc_k is now scaled to at most the
+    update's norm-bound multiple of the round's median ‖Δc‖: the step is recomputed here with numpy,
+    and the attacker's pull on c is no more than one honest device's at the bound."""
+    handlers = {f"dev{i}": device(i, tmp_path) for i in range(10)}
+    job = ScaffoldJob(ScaffoldConfig(num_classes=C, feature_dim=D, image_size=SIZE, clients_per_round=10,
+                                     rounds=5, batch_size=8, client_lr=0.05))
+    assert job.config.norm_bound_multiplier == 1.0 and job.config.control_clip_norm == 1000.0
+    direction = np.full((C, D), 1e6 / np.sqrt(C * D), np.float32)
+
+    def steer(d, out):
+        return {**out, "delta_control.weight": direction, "delta_control.bias": np.zeros(C, np.float32)} \
+            if d == "dev0" else out
+
+    def norm(tensors):
+        return np.sqrt(sum(np.sum(np.asarray(t, np.float64) ** 2) for t in tensors.values()))
+
+    for _ in range(5):
+        c = {k: job.control[k].astype(np.float64) for k in ("weight", "bias")}
+        sent = run_round(job, handlers, KIND, tamper=steer)
+        deltas = {d: {k: out["delta_control." + k].astype(np.float64) for k in ("weight", "bias")}
+                  for d, (_, _, _, out) in sent.items()}
+        clipped = {d: {k: v * min(1.0, 1000.0 / norm(t)) for k, v in t.items()} for d, t in deltas.items()}
+        limit = 1.0 * np.median([norm(t) for t in clipped.values()])
+        bounded = {d: {k: v * min(1.0, limit / norm(t)) for k, v in t.items()} for d, t in clipped.items()}
+        for k in ("weight", "bias"):
+            mean = np.mean([t[k] for t in bounded.values()], axis=0)
+            np.testing.assert_allclose(job.control[k], c[k] + mean, rtol=1e-5, atol=1e-5)
+        assert norm(bounded["dev0"]) <= limit * (1 + 1e-9)
+    assert norm(job.control) < 5 * limit and norm(job.params) < 10
+
+
 def test_stale_control_restarts_from_zero(tmp_path):
     h = device(0, tmp_path)
     job = make_job(clients_per_round=1, state_max_staleness=2)

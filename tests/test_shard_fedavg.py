@@ -175,8 +175,9 @@ def test_shards_close_fedavg_rounds_to_one_aggregators_bytes(tmp_path, shards_co
     one without a split reports none). Scaffold: the server control c too (the clipped Δc's sum
     up the tree). FedGloSS: its own server step, the bound layers measuring from w̃."""
     single, coordinator, asked = run_rounds(tmp_path, shards_count, late="dev04", kind=kind, late_after_close=True)
-    # norm, weight and contribution bounds, then sums
-    assert asked == ["statistics", "statistics", "statistics", "sums"] * CONFIG["rounds"]
+    # norm, weight and contribution bounds (Scaffold: and its Δc's norm bound), then sums
+    phases = 4 if kind == "scaffold" else 3
+    assert asked == (["statistics"] * phases + ["sums"]) * CONFIG["rounds"]
     assert sorted(coordinator.state_dict()) == sorted(single.state_dict())
     for name, value in single.state_dict().items():
         assert coordinator.state_dict()[name].tobytes() == value.tobytes(), name

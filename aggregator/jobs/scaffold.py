@@ -8,10 +8,15 @@ and returns Δc with its trained head. At round close, over the S devices whose 
 accepted: c ← c + (|S| / K) · mean(Δc), K the fleet's size (``total_devices``; 0: the devices
 that contributed so far, a lower bound that grows as the job meets its fleet).
 
-A device's Δc is bounded: each is clipped to ``control_clip_norm`` before the mean, so no device
-moves c by more than that times |S|/K / |S| per round. A device not sampled keeps its c_k (at the
-device), and one sampled again after more than ``state_max_staleness`` rounds restarts from
-c_k = 0 (``aggregator/jobs/device_state_fields.py``).
+A device's Δc is bounded twice before the mean: clipped to ``control_clip_norm``, then (with the
+update's norm bound on, ``norm_bound_multiplier`` > 0) scaled to at most that multiple of the
+round's median ‖Δc‖, as its model update is. The fixed clip alone let one device push c along its
+own direction by clip·|S|/K / |S| every round, and c enters every honest device's local step, so
+the model followed while each honest update still looked typical (a review measured ‖c‖ 2 → 500
+and ‖w‖ 0.75 → 134 in five rounds of ten devices). With shards the median is taken over every
+shard's Δc norms in a phase of its own (``aggregator/shards/control_sums.py``): the same bits. A
+device not sampled keeps its c_k (at the device), and one sampled again after more than
+``state_max_staleness`` rounds restarts from c_k = 0 (``aggregator/jobs/device_state_fields.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from protocols.clipping import clip_update
+from protocols.clipping import clip_update, global_norm
 from protocols.envelope import Envelope, body_field
 from protocols.payloads.scaffold import CONTROL, HEAD, KIND, ScaffoldParams, ScaffoldUpdate, parse_control_update
 from protocols.rounds import RoundClosed
@@ -28,7 +33,7 @@ from protocols.rounds import RoundClosed
 from aggregator.jobs.config_limits import TOTAL_DEVICES, Range, limited
 from aggregator.jobs.device_state_fields import DeviceStateFields, DeviceStateRun, StatefulDevicesJob
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob, RoundUpdate
-from aggregator.shards.control_sums import local_control_sum
+from aggregator.shards.control_sums import ControlBound, local_control_sum
 
 
 @dataclass
@@ -90,13 +95,23 @@ class ScaffoldControls(StatefulDevicesJob):
             self._controls[device] = self.clipped_control(update)
 
     def clipped_control(self, update: ScaffoldUpdate) -> dict[str, np.ndarray]:
-        """An update's Δc clipped to ``control_clip_norm`` (float64): what the round's sum adds."""
+        """An update's Δc clipped to ``control_clip_norm`` (float64): what the round's bound measures."""
         return clip_to_norm(update.delta_control, self.config.control_clip_norm)
 
+    def control_bound(self) -> ControlBound | None:
+        """The round's fleet-relative bound on the Δc_k, when the update's norm bound is on."""
+        multiplier = self.config.norm_bound_multiplier
+        return ControlBound(multiplier) if multiplier else None
+
     def control_step(self) -> None:
-        """c ← c + (|S| / K) · mean(Δc) over the round's accepted updates, their Σ Δc added up the
-        canonical bucket tree as K shards add it (``aggregator/shards/control_sums.py``)."""
+        """c ← c + (|S| / K) · mean(Δc) over the round's accepted updates, each within the round's
+        bound, their Σ Δc added up the canonical bucket tree as K shards add it
+        (``aggregator/shards/control_sums.py``)."""
         accepted = {d: delta for d, delta in self._controls.items() if d in self._updates}
+        bound = self.control_bound()
+        if accepted and bound is not None:
+            limit = bound.limit([global_norm(delta) for delta in accepted.values()])
+            accepted = {d: clip_to_norm(delta, limit) for d, delta in accepted.items()}
         if accepted:
             self.step_control(local_control_sum(accepted), len(accepted))
 

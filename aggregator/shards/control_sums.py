@@ -16,8 +16,11 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from aggregator.shards.fedavg_sums import FedAvgRoundSums, RoundContext
-from aggregator.shards.sum_tree import PartialSum, add_weighted, local_tree_sum
+from protocols.clipping import clip_update, global_norm
+
+from aggregator.shards.fedavg_sums import FedAvgRoundSums, RoundContext, bound_layers
+from aggregator.shards.sum_tree import Contribution, PartialSum, add_weighted, local_tree_sum
+from aggregator.strategies.robust_fedavg import NormBound
 
 CONTROL_SUM = "control_sum."        # + tensor name: Σ clip(Δc_k) (float64)
 
@@ -45,12 +48,43 @@ def local_control_sum(deltas: Mapping[str, Mapping[str, np.ndarray]]) -> Tensors
     return None if total is None else control_total(total.state)
 
 
+class ControlBound:
+    """The round's bound on the Δc_k (a phase after the update's bound layers): each scaled to at
+    most ``multiplier`` × the round's median ‖Δc‖ (0: off); the update itself it leaves alone."""
+
+    def __init__(self, multiplier: float):
+        self.multiplier = multiplier
+        self._norms = NormBound(multiplier)
+
+    def limit(self, norms) -> float:
+        return self._norms.limit(norms)
+
+    @staticmethod
+    def bound_one(x, tensors, weight, limit: float):
+        return tensors, weight
+
+
+
 class ControlledRoundSums(FedAvgRoundSums):
-    """FedAvg's round sums plus each bucket's Σ Δc_k; the round's root moves the job's control c."""
+    """FedAvg's round sums plus each bucket's Σ Δc_k, each Δc_k within the round's control bound
+    (its limit decided in a phase after the update's layers, on every shard's ‖Δc_k‖); the
+    round's root moves the job's control c."""
+
+    def round_layers(self, job) -> list:
+        bound = job.control_bound()
+        return super().round_layers(job) + ([bound] if bound is not None else [])
+
+    def statistics(self, new_job, members: list[Contribution], context: RoundContext) -> dict[str, float]:
+        job = new_job()
+        if len(context.limits) < len(bound_layers(job.config)):
+            return super().statistics(new_job, members, context)
+        return {device: global_norm(job.clipped_control(update)) for device, update in self._loaded(job, members)}
 
     def sum_updates(self, job, updates: list[tuple[str, Any]], context: RoundContext) -> PartialSum:
         fedavg = super().sum_updates(job, updates, context)
-        deltas = control_sums(job.clipped_control(update) for _device, update in updates)
+        limits = context.limits[len(bound_layers(job.config)):]
+        deltas = control_sums(clip_update(job.clipped_control(update), limits[0])[0] if limits
+                              else job.clipped_control(update) for _device, update in updates)
         return PartialSum({**fedavg.state, **deltas}, fedavg.contributed)
 
     def take_round(self, job, total: PartialSum | None, accepted: int) -> None:

@@ -27,14 +27,14 @@ from protocols.rounds import RoundClosed
 
 from aggregator.jobs.base import Job
 from aggregator.shards.coordinated_job import RoundSumsCoordinator
-from aggregator.shards.fedavg_sums import RoundContext, bound_layers, dp_round_step, round_mean
+from aggregator.shards.fedavg_sums import RoundContext, dp_round_step, round_mean
 from aggregator.shards.sum_tree import PartialSum, root_sum
 
 
 class ShardedRoundsJob(RoundSumsCoordinator):
     def __init__(self, inner: Job, kind: str, pool):
         super().__init__(inner, kind, pool)
-        self.layers = bound_layers(inner.config)        # round_accepted: device -> (message id, n_k)
+        self.layers = self.sums.round_layers(inner)     # round_accepted: device -> (message id, n_k)
 
     # receipts in place of results
     def parse_result(self, env: Envelope) -> tuple[str, int, dict]:

@@ -164,6 +164,11 @@ class FedAvgRoundSums(AdditiveState):
     def check(self, job, env) -> Any:
         return job.parse_result(env)
 
+    def round_layers(self, job) -> list:
+        """The phases of a round's close, in order: the config's per-update bound layers (a kind that
+        bounds more per round adds its own after them)."""
+        return bound_layers(job.config)
+
     @staticmethod
     def _loaded(job, members: list[Contribution]) -> list[tuple[str, Any]]:
         """(device, its parsed update) of each member, in the order given: each payload decoded once."""
