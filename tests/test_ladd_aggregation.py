@@ -318,3 +318,30 @@ def test_styles_too_few_or_alike_to_split_train_as_one_cluster(case):
     assert set(train) <= set(answering)
     assert job.assignment == {d: 0 for d in answering}
     assert "cannot cluster" in job.clustering_fallback
+
+
+def test_a_claimed_sample_count_counts_as_at_most_two_typical_devices():
+    """A review's finding: LADD ran without the weight bound, so one of six devices claiming
+    n = 10^7 (the parser's cap) with a step of honest norm in its own direction made the round's
+    mean its step. With the default bound its weight is 2 x the round's median: the mean is the
+    numpy mean of the steps at weights (100, 100, 100, 100, 100, 200)."""
+    job = LaddJob(LaddConfig(model={"num_classes": 5, "image_size": 64}, rounds=2, clients_per_round=6,
+                             clustering="none", kd_lambda=0.0), initial=(INITIAL, TRAINABLE))
+    assert job.config.weight_bound_multiplier == 2.0
+    devices = job.next_participants({f"dev{i}" for i in range(6)})
+    rng = np.random.default_rng(0)
+    direction = {k: rng.normal(size=INITIAL[k].shape) for k in TRAINABLE}
+    unit = np.sqrt(sum(np.sum(v ** 2) for v in direction.values()))
+    start = {k: job.cluster_model(0)[k].astype(np.float64) for k in TRAINABLE}
+    steps, weights = {}, {}
+    for d in devices:
+        sign, n = (-1, 10**7) if d == "dev0" else (1, 100)
+        steps[d] = {k: sign * 0.1 * direction[k] / unit for k in TRAINABLE}
+        arrays = {k: (start[k] + steps[d][k]).astype(np.float32) for k in TRAINABLE}
+        job.apply(d, send(job, d, "ladd.train", *encode_update(arrays, job.trainable_layout, n, 0)))
+        weights[d] = 200 if d == "dev0" else 100
+        steps[d] = {k: arrays[k].astype(np.float64) - start[k] for k in TRAINABLE}
+    job.close_round(RoundClosed(job.round, tuple(devices), (), (), ()))
+    for k in TRAINABLE:
+        expected = start[k] + sum(weights[d] * steps[d][k] for d in devices) / sum(weights.values())
+        np.testing.assert_allclose(job.cluster_model(0)[k], expected, rtol=1e-5, atol=1e-6)

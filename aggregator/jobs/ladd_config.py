@@ -23,10 +23,11 @@ class LaddConfig(LocalRuleFields, FedAvgRobustnessFields, UpdateClippingFields):
     the devices' local step rule (FedSAM/FedASAM/FedProx on the decoder), and LADD's."""
 
     job_id: str = "ladd"
-    # LADD keeps the first bound, 3x the median norm, and nothing else: FedAvg(ψ)'s defaults were
-    # measured on its linear head, not on a segmentation network's clusters.
+    # LADD keeps the norm bound at 3x the median norm and the weight bound (a claimed n_k counts as
+    # at most 2 typical devices: without it one device claiming n = 10^7 was its round's mean), and
+    # nothing else: FedAvg(ψ)'s other defaults were measured on its linear head, not on a
+    # segmentation network's clusters.
     norm_bound_multiplier: float = 3.0
-    weight_bound_multiplier: float = 0.0    # not measured on its clusters yet (its results cap n at 10^7)
     contribution_bound_multiplier: float = 0.0
     direction_screen: bool = False
     history_momentum: float = 0.0       # LADD has none: refused (its clusters' θ_c move in rounds of their own)
