@@ -357,7 +357,8 @@ def parse_for_aggregator(kind: str, msg, case) -> None:
     elif kind == "fedavg.head":
         parse_head_update(msg, params["num_classes"], params["feature_dim"])
     else:
-        parse_report(msg, params["num_classes"], with_fp=bool(params["fp_epochs"]))
+        parse_report(msg, params["num_classes"], with_fp=bool(params["fp_epochs"]),
+                     fp_lrs=tuple(params["fp_lrs"]) if params["fp_epochs"] else None)
 
 
 def failure_kinds(failures: list[tuple]) -> dict[str, int]:

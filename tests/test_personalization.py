@@ -148,6 +148,16 @@ def test_malformed_reports_are_rejected(body, tensors, match):
         parse_report(result_envelope(body, tensors), C, with_fp=True)
 
 
+def test_a_rate_that_is_no_float_or_not_the_tasks_is_one_clear_refusal():
+    """A 400-digit JSON integer raised OverflowError out of the check (counted malformed, no refusal
+    sent back, the device waited out the round); a rate the task never offered passed."""
+    with pytest.raises(EnvelopeError, match="finite positive"):
+        parse_report(result_envelope(good_body(fp_lr=10 ** 400)), C, with_fp=True)
+    with pytest.raises(EnvelopeError, match="none of the task's fp_lrs"):
+        parse_report(result_envelope(good_body(fp_lr=0.5)), C, with_fp=True, fp_lrs=(1e-4, 1e-3))
+    assert parse_report(result_envelope(good_body()), C, with_fp=True, fp_lrs=(1e-4, 1e-3)).fp_lr == 1e-3
+
+
 def test_report_without_fp_must_not_claim_a_rate():
     body = good_body(correct={"global": 10, "oll": 15})
     assert parse_report(result_envelope({**body, "fp_lr": None}), C, with_fp=False).fp_lr is None

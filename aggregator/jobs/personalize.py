@@ -157,7 +157,7 @@ class PersonalizeJob(OncePerDevice, Job):
 
     def parse_result(self, env: Envelope) -> PersonalizationReport:
         return parse_report(env, self.config.num_classes, with_fp=self.config.fp_epochs > 0,
-                            with_personal=bool(self.config.personal_job))
+                            with_personal=bool(self.config.personal_job), fp_lrs=tuple(self.config.fp_lrs))
 
     def apply(self, device: str, report: PersonalizationReport) -> None:
         self.record_report(device, report_entry(report))

@@ -115,8 +115,9 @@ def encode_report(report: PersonalizationReport) -> tuple[dict, dict]:
 
 
 def parse_report(msg: Envelope, num_classes: int, with_fp: bool, max_samples: int = 10**9,
-                 with_personal: bool = False) -> PersonalizationReport:
-    """Validate an ``oll.personalize`` result; raise EnvelopeError if anything is off."""
+                 with_personal: bool = False, fp_lrs: tuple[float, ...] | None = None) -> PersonalizationReport:
+    """Validate an ``oll.personalize`` result; raise EnvelopeError if anything is off (``fp_lrs``:
+    the task's candidates, one of which the device's ``fp_lr`` must be)."""
     if msg.tensors:
         raise EnvelopeError(f"{KIND}: a personalization result carries no tensors, got {sorted(msg.tensors)}")
     n_train = body_field(msg, "n_train", int)
@@ -139,9 +140,24 @@ def parse_report(msg: Envelope, num_classes: int, with_fp: bool, max_samples: in
         raise EnvelopeError(f"{KIND}: fallback={fallback} outside 0..n_test={n_test}")
     fp_lr = msg.body.get("fp_lr")
     if with_fp:
-        if isinstance(fp_lr, bool) or not isinstance(fp_lr, (int, float)) or not math.isfinite(fp_lr) or fp_lr <= 0:
-            raise EnvelopeError(f"{KIND}: fp_lr={fp_lr!r} must be a finite positive number")
-        fp_lr = float(fp_lr)
+        value = _finite_float(fp_lr)
+        if value is None or value <= 0:
+            raise EnvelopeError(f"{KIND}: fp_lr={str(fp_lr)[:40]} must be a finite positive number")
+        if fp_lrs is not None and value not in fp_lrs:
+            raise EnvelopeError(f"{KIND}: fp_lr={value!r} is none of the task's fp_lrs {list(fp_lrs)}")
+        fp_lr = value
     elif fp_lr is not None:
         raise EnvelopeError(f"{KIND}: fp_lr={fp_lr!r} reported for a task without FP")
     return PersonalizationReport(n_train, n_test, k, dict(correct), fallback, fp_lr)
+
+
+def _finite_float(value) -> float | None:
+    """``value`` as a finite float, or None: not a number (a bool is not), or no finite float (a
+    JSON integer of 400 digits raised OverflowError out of ``math.isfinite``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        value = float(value)
+    except OverflowError:
+        return None
+    return value if math.isfinite(value) else None
