@@ -231,16 +231,17 @@ def test_a_restart_after_the_release_never_releases_again(broker, tmp_path):
         np.testing.assert_array_equal(files["coef"], committed["coef"])
 
 
+def disk_error(self, *args, **kwargs):
+    """A store write that fails as a full or broken disk makes it fail (a test patches it in)."""
+    raise OSError("disk I/O error")
+
+
 def test_a_commit_that_fails_after_the_release_is_not_released_again(broker, tmp_path, monkeypatch):
     """The final evaluation (the released model's accuracy) is stored, then the job's commit fails:
     the restart finishes the job from the released sums, so one draw's accuracy is all there is."""
     store = Store(tmp_path / "state.db")
     commit = Store.finish_job
-
-    def failing(self, *args, **kwargs):
-        raise OSError("disk I/O error")
-
-    monkeypatch.setattr(Store, "finish_job", failing)
+    monkeypatch.setattr(Store, "finish_job", disk_error)
     result, _ = serve_with_store(broker, tmp_path / "out", store, timeout=60)
     assert isinstance(result["raised"], OSError) and store.job("dp-end")["state"] == "running"
     monkeypatch.setattr(Store, "finish_job", commit)
@@ -261,11 +262,7 @@ def test_a_release_whose_checkpoint_cannot_be_written_publishes_nothing_of_it(br
     sums: the service run again drew and published a second release."""
     store = Store(tmp_path / "state.db")
     commit = Store.replace_checkpoint_state
-
-    def failing(self, *args, **kwargs):
-        raise OSError("disk I/O error")
-
-    monkeypatch.setattr(Store, "replace_checkpoint_state", failing)
+    monkeypatch.setattr(Store, "replace_checkpoint_state", disk_error)
     result, _ = serve_with_store(broker, tmp_path / "out", store, timeout=60)
     assert store.job("dp-end")["state"] == "running" and store.models("dp-end") == []
     assert not [e for e in store.evaluations("dp-end") if "accuracy" in e]
