@@ -63,7 +63,7 @@ from protocols.transition_table import Transition, TransitionTable
 from aggregator.shards.ladd_sums import CanonicalClusterAveraging
 from aggregator.strategies.dp_fedavg import ClippedGaussianSum
 from aggregator.strategies.robust_ladd import RobustClusterAveraging
-from aggregator.strategies.ladd import ClusterAveraging, StyleClustering, SwaTeacher, cluster_specific_predicate
+from aggregator.strategies.ladd import ClusterAveraging, StyleClustering, SwaTeacher, cluster_specific_predicate, cluster_styles
 from aggregator.jobs.base import Job
 from aggregator.jobs.input_files import read_job_input
 from aggregator.jobs.ladd_config import LaddConfig
@@ -225,15 +225,9 @@ class LaddJob(Job):
         devices = sorted(self.styles)
         bank = np.stack([self.styles[d] for d in devices])
         if c.clustering == "styles":
-            try:
-                self.clustering = StyleClustering((c.k_min, c.k_max), c.n_init, c.seed).fit(bank)
-            except ValueError as exc:
-                # Too few styles for k >= k_min (a silhouette needs 2 <= k <= n - 1), or styles
-                # that never split: every device one cluster, said in the log and the round's
-                # entry, rather than a job that cannot leave its style phase.
-                log.warning("LADD clustering: %s; one cluster for the %d styles in", exc, len(devices))
-                self.clustering_fallback = f"{exc}: one cluster"
-                self.clustering = StyleClustering((1, 1), c.n_init, c.seed).fit(bank)
+            self.clustering, self.clustering_fallback = cluster_styles(bank, (c.k_min, c.k_max), c.n_init, c.seed)
+            if self.clustering_fallback:
+                log.warning("LADD clustering: %s, for the %d styles in", self.clustering_fallback, len(devices))
             labels = self.clustering.labels_
             log.info("LADD clustering: k=%d, silhouettes %s", self.clustering.n_clusters_,
                      {k: round(v, 3) for k, v in self.clustering.silhouette_scores_.items()})

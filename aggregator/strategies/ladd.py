@@ -131,6 +131,15 @@ class StyleClustering:
         return model
 
 
+def cluster_styles(bank, k_range: tuple[int, int], n_init: int, seed: int | None) -> tuple[StyleClustering, str | None]:
+    """LADD's clustering of the style bank, and why it fell back (None when it did not): styles too
+    few for k >= k_min (a silhouette needs 2 <= k <= n - 1) or that never split are one cluster,
+    rather than a job that cannot leave its style phase."""
+    try:
+        return StyleClustering(k_range, n_init, seed).fit(bank), None
+    except ValueError as exc:
+        return StyleClustering((1, 1), n_init, seed).fit(bank), f"{exc}: one cluster"
+
 def nearest_centroid(X: np.ndarray, centers: np.ndarray) -> np.ndarray:
     d2 = ((X[:, None, :] - centers[None, :, :]) ** 2).sum(axis=2)
     return d2.argmin(axis=1).astype(np.int64)
