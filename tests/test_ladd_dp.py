@@ -266,6 +266,20 @@ def test_secure_ladd_devices_clip_and_noise_in_the_ring_and_the_server_means_ove
         SecureLaddConfig(model=SEG, dp_noise_multiplier=z, dp_adaptive_clip=True)
 
 
+@pytest.mark.parametrize("kind", ["fedavg-secure", "ladd-secure"])
+def test_distributed_dp_claims_no_amplification_by_the_servers_own_sampling(kind):
+    """A review's finding: a secure DP job took dp_population and reported ε amplified by sampling
+    (q = κ / dp_population); distributed DP guards against the server, and the server draws the
+    sample. Refused with the reason; without it the job builds (q = 1)."""
+    from aggregator.jobs.secure_fedavg import SecureFedAvgConfig
+
+    make = (lambda **f: SecureLaddConfig(model=SEG, **f)) if kind == "ladd-secure" else \
+        (lambda **f: SecureFedAvgConfig(num_classes=3, feature_dim=4, max_samples=100, **f))
+    with pytest.raises(ValueError, match="dp_population must be 0 under secure aggregation"):
+        make(dp_noise_multiplier=1.0, dp_population=1000)
+    assert make(dp_noise_multiplier=1.0).sampling_rate() == 1.0
+
+
 # ----------------------------------------------------------------------------- over mosquitto
 class FixedStep:
     """A device's ``ladd.train`` handler standing in for local self-training (the segmentation

@@ -81,6 +81,11 @@ class SecureUpdateFields(SecureAggregationFields, UpdateClippingFields):
         # (the adaptive rule would need its clipped-count bits in the secure sum as well).
         if self.dp and self.dp_adaptive_clip:
             raise ValueError("dp_adaptive_clip is not available under secure aggregation (fixed dp_clip_norm only)")
+        if self.dp and self.dp_population:
+            # amplification by sampling holds only against whoever cannot see the sample; distributed
+            # DP guards against the server, and the server draws it (a review's finding)
+            raise ValueError("dp_population must be 0 under secure aggregation: the aggregator draws each "
+                             "round's devices, so the sampling cannot hide them from it (no amplification)")
         if self.dp and self.ring_bits != RING_BITS:
             # the devices' Skellam noise is scaled to about 2^20 ring units (distributed_dp.py)
             raise ValueError(f"distributed DP needs the {RING_BITS}-bit ring (ring_bits = {RING_BITS})")
