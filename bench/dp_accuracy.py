@@ -165,7 +165,8 @@ def run_fedavg(fleet, devices, test, z, secure, seed):
     cfg = {"job_id": "dp-fedavg", "num_classes": C_CLASSES, "feature_dim": D, "rounds": f["fedavg_rounds"],
            "clients_per_round": f["kappa"], "local_epochs": 1, "batch_size": 16, "client_lr": 0.1, "seed": seed}
     if z:
-        cfg.update(dp_noise_multiplier=z, dp_delta=DELTA, dp_clip_norm=UPDATE_CLIP, dp_population=len(ids))
+        cfg.update(dp_noise_multiplier=z, dp_delta=DELTA, dp_clip_norm=UPDATE_CLIP,
+                   **({} if secure else {"dp_population": len(ids)}))
     tasks = {d: HeadTrainingTask(*devices[d], lambda b, s, w: CachedRows()) for d in ids}
     if secure:
         config = SecureFedAvgConfig(**cfg, max_samples=10_000, phase_timeout_s=30.0)
@@ -186,13 +187,15 @@ def secure_job(ids, tasks, make_job, handler_cls):
     return job, (identities, agg, handlers)
 
 
-def noise_for(method, fleet, eps):
+def noise_for(method, fleet, eps, secure=False):
+    """The smallest z for ε; secure FedAvg claims no amplification by sampling (the aggregator draws
+    the sample, and distributed DP guards against it: its config refuses dp_population)."""
     f = FLEETS[fleet]
     if eps is None:
         return 0.0
     if method == "fed3r":
         return noise_multiplier_for(eps, DELTA, 1)
-    return noise_multiplier_for(eps, DELTA, f["fedavg_rounds"], f["kappa"] / f["devices"])
+    return noise_multiplier_for(eps, DELTA, f["fedavg_rounds"], 1.0 if secure else f["kappa"] / f["devices"])
 
 
 def main() -> None:
@@ -229,7 +232,7 @@ def run_part(fleets, methods, modes, epsilons, seed) -> None:
         for method in methods:
             for mode in modes if fleet == "demo" else ("central",):
                 for eps in (None, *epsilons):
-                    z = noise_for(method, fleet, eps)
+                    z = noise_for(method, fleet, eps, mode == "secagg")
                     t0 = time.perf_counter()
                     acc = runs[method](fleet, devices, test, z, mode == "secagg", seed)
                     row = {"fleet": fleet, "method": method, "mode": mode, "epsilon": eps, "delta": DELTA,
