@@ -131,3 +131,40 @@ def test_a_dp_round_whose_close_cannot_be_committed_publishes_nothing_of_its_dra
     assert result["final"]["privacy"]["releases"] == 3
     versions = store.models("dpc")
     assert [v["round"] for v in versions if not v["final"]] == [1, 2, 3]
+
+
+def test_a_close_whose_commit_keeps_failing_stops_the_job_publishing_nothing(broker, tmp_path, monkeypatch):
+    """A store that refuses every close rebuilt the job at every tick, forever (each rebuild a fresh
+    draw, the service never ending): after three failures in a row the job stops, with the reason,
+    and nothing made from any of those draws is published."""
+    from aggregator.service.job_runner import CLOSE_ATTEMPTS
+    from aggregator.storage.store import Store, StoreError
+
+    ids = [f"dev{i}" for i in range(2)]
+    cfg = {"job_id": "dpx", "num_classes": C, "feature_dim": D, "rounds": 2, "clients_per_round": 2,
+           "round_timeout_s": 30, "local_epochs": 1, "batch_size": 8, "client_lr": 0.05, "expected_devices": 2,
+           "dp_noise_multiplier": 1.0, "dp_clip_norm": 0.5}
+    attempts = []
+
+    def always_fails(self, job_id, round_, *args, **kwargs):
+        attempts.append(round_)
+        raise StoreError("disk I/O error")
+
+    monkeypatch.setattr(Store, "close_round", always_fails)
+    store = Store(tmp_path / "state.db")
+    svc = AggregatorService(build_job("fedavg", cfg), BrokerConfig.from_url(broker.url), tmp_path / "out",
+                            ServiceSettings(evaluate_every_contribution=False), enrolled=set(ids), store=store)
+    result = {}
+    t = threading.Thread(target=lambda: result.update(svc.run(timeout_s=60)), daemon=True)
+    t.start()
+    agents = [DeviceAgent(d, BrokerConfig.from_url(broker.url),
+                          {"fedavg.head": HeadTrainingTask(*device_data(i), lambda b, s, w: Features(D))}).start()
+              for i, d in enumerate(ids)]
+    t.join(90)
+    for a in agents:
+        a.stop()
+    assert not t.is_alive() and attempts == [1] * CLOSE_ATTEMPTS
+    row = store.job("dpx")
+    assert row["state"] == "stopped" and f"({CLOSE_ATTEMPTS} times in a row)" in row["summary"]["error"]
+    assert store.evaluations("dpx") == [] and store.models("dpx") == []
+    assert result == {} and not (tmp_path / "out" / "model.npz").exists()

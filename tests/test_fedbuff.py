@@ -220,6 +220,15 @@ class SlowDevice(HeadTrainingTask):
         return out
 
 
+class SlowFirst(SlowDevice):
+    """Slow on its first task only (its dispatch expires), quick on the later ones."""
+
+    def __call__(self, params, tensors=None):
+        out = super().__call__(params, tensors)
+        self.delay_s = 0.0
+        return out
+
+
 def test_async_job_over_mosquitto_equals_numpy_fedbuff_of_the_stored_arrivals(broker, tmp_path):
     devices = {"dev0": 0.05, "dev1": 0.1, "dev2": 3.0}                       # the slow one goes stale
     config = AsyncFedAvgConfig(num_classes=C, feature_dim=D, image_size=SIZE, clients_per_round=3, buffer_size=2,
@@ -381,6 +390,33 @@ def test_a_device_whose_task_always_fails_waits_longer_before_each_next_dispatch
     assert 1 <= len(opened) <= 2 + math.log2(1 + span), (len(opened), span)
     gaps = np.diff(opened)
     assert all(gap >= 0.9 * 2 ** i for i, gap in enumerate(gaps)), gaps
+
+
+def test_a_dispatch_close_that_cannot_be_committed_leaves_the_old_runner_void(broker, tmp_path, monkeypatch):
+    """A review's finding: a dispatch's close whose commit failed rebuilt the job, but the old
+    runner's tick went on, closing the other expired dispatches and opening new ones on the old
+    job; the rebuilt runner then met rounds it did not know ("not open", UNIQUE round) and the tick
+    guard stopped the job. Now the old runner acts no more and the rebuilt one carries on."""
+    from aggregator.storage.store import StoreError
+
+    commit, failed = Store.close_round, []
+
+    def fails_once(self, job_id, round_, *args, **kwargs):
+        if not failed:
+            failed.append(round_)
+            raise StoreError("disk I/O error")
+        return commit(self, job_id, round_, *args, **kwargs)
+
+    monkeypatch.setattr(Store, "close_round", fails_once)
+    config = AsyncFedAvgConfig(num_classes=C, feature_dim=D, image_size=SIZE, clients_per_round=3, buffer_size=2,
+                               max_staleness=4, rounds=2, round_timeout_s=0.3, expected_devices=5, batch_size=8)
+    store = Store(tmp_path / "agg.db")
+    handlers = {f"dev{i}": {KIND: SlowFirst(i, 1.0)} for i in range(5)}      # the first dispatches expire together
+    svc, result = serve_until_done(AsyncFedAvgJob(config), broker.url, tmp_path, handlers, store, timeout_s=60)
+    assert failed and result["state"] == "done", result
+    rounds = store.rounds(config.job_id)
+    assert [r.round for r in rounds] == list(range(1, len(rounds) + 1))
+    assert store.job(config.job_id)["state"] == "done"
 
 
 def test_dp_is_refused_for_fedavg_async_whose_steps_would_never_clip_or_noise():

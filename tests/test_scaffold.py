@@ -162,6 +162,25 @@ def test_one_device_cannot_steer_c_with_a_default_config(tmp_path):
     assert norm(job.control) < 5 * limit and norm(job.params) < 10
 
 
+def test_a_round_whose_median_control_is_zero_keeps_the_others(tmp_path):
+    """A review's finding: the bound's limit is 0 when most Δc are 0, and clipping to 0 wiped every
+    Δc of the round; a 0 limit is no bound, as for the updates."""
+    handlers = {f"dev{i}": device(i, tmp_path) for i in range(3)}
+    job = ScaffoldJob(ScaffoldConfig(num_classes=C, feature_dim=D, image_size=SIZE, clients_per_round=3,
+                                     rounds=2, batch_size=8, client_lr=0.05, total_devices=3))
+
+    def zero_but_dev2(d, out):
+        return out if d == "dev2" else {**out, **{"delta_control." + k: np.zeros_like(out["delta_control." + k])
+                                                  for k in ("weight", "bias")}}
+
+    sent = run_round(job, handlers, KIND, tamper=zero_but_dev2)
+    kept = sent["dev2"][3]
+    assert np.abs(kept["delta_control.weight"]).sum() > 0
+    for k in ("weight", "bias"):
+        np.testing.assert_allclose(job.control[k], kept["delta_control." + k].astype(np.float64) / 3,
+                                   rtol=1e-5, atol=1e-7)
+
+
 def test_stale_control_restarts_from_zero(tmp_path):
     h = device(0, tmp_path)
     job = make_job(clients_per_round=1, state_max_staleness=2)

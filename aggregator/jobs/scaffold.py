@@ -109,8 +109,8 @@ class ScaffoldControls(StatefulDevicesJob):
         (``aggregator/shards/control_sums.py``)."""
         accepted = {d: delta for d, delta in self._controls.items() if d in self._updates}
         bound = self.control_bound()
-        if accepted and bound is not None:
-            limit = bound.limit([global_norm(delta) for delta in accepted.values()])
+        limit = bound.limit([global_norm(delta) for delta in accepted.values()]) if accepted and bound else 0.0
+        if limit > 0:           # 0: most Δc are 0, nothing to bound (as the update's bound reads a 0 limit)
             accepted = {d: clip_to_norm(delta, limit) for d, delta in accepted.items()}
         if accepted:
             self.step_control(local_control_sum(accepted), len(accepted))

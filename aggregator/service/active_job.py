@@ -78,6 +78,7 @@ class ActiveJob:
     quarantined: set[str] = field(default_factory=set)   # devices whose contribution broke the job: not asked again
     applied: AppliedContributions = field(default_factory=AppliedContributions)   # what the live job summed, in order
     uncommitted: str | None = None      # what the live job holds that its commit failed to store: publish nothing
+    close_failures: int = 0             # round closes whose commit failed in a row (kept across rebuilds)
 
     @property
     def job_id(self) -> str:

@@ -72,6 +72,8 @@ class AsyncJobRunner(JobRunner):
         for coord in list(self._open.values()):
             expired = a.cancelling or not coord.pending_count or a.job.hopeless(coord.round)
             self.handle(coord, Tick(math.inf if expired else now))
+            if self.rebuilt:
+                return              # a close could not be committed: the job was rebuilt, this runner is void
         if a.cancelling:
             if not self._open:
                 a.final_state = JobState.CANCELLED

@@ -40,6 +40,8 @@ from aggregator.storage.schema import JobState
 
 log = logging.getLogger("fedfleet.aggregator")
 
+CLOSE_ATTEMPTS = 3      # a round's close whose commit fails this many times in a row stops the job
+
 
 @dataclass(frozen=True)
 class RunnerServices:
@@ -173,6 +175,8 @@ class JobRunner:
                     self._send_ack(act, round_)
             elif isinstance(act, RoundClosed):
                 self._close_round(act)
+                if self.rebuilt:
+                    return                  # its close could not be committed: the job was rebuilt
 
     def _send_ack(self, act: SendAck, round_: int) -> None:
         a = self.a
@@ -262,6 +266,7 @@ class JobRunner:
             for c in (c for c in stored if c.device == device):
                 self._quarantine_one(c.round, device, c.message_id, reason)
             self.a.quarantined.add(device)
+        self.rebuilt = self.store is not None       # rebuilt from the store: this runner acts no more
         self.on_fatal(f"screened out: {', '.join(screened)}", stop=self.store is None)
 
     def _quarantine_one(self, round_: int, device: str, message_id: str, reason: str) -> None:
@@ -292,11 +297,10 @@ class JobRunner:
                 evaluation = self._evaluation()
         except Exception as exc:            # no single contribution to blame: the job stops, saying why
             log.exception("job %s: round %d cannot close", a.job_id, act.round)
+            a.uncommitted = f"round {act.round}'s close"        # the job may hold its draw: publish nothing
             return self.on_fatal(f"round {act.round} cannot close: {type(exc).__name__}: {exc}", stop=True)
         log.info("round %d closed: %d accepted, %d dropped, %d declined", act.round,
                  len(act.accepted), len(act.dropped), len(act.declined))
-        self.events.write("round_close", act.round,
-                          **{k: v for k, v in a.round_log[-1].items() if k not in ("round", "t")})
         if self.store is not None:
             # The round's evaluation is committed with its close, before it leaves the process: the
             # model it measures carries this round's DP noise, and a crash between the two would
@@ -309,19 +313,31 @@ class JobRunner:
                 self.store.close_round(a.job_id, act.round, a.round_log[-1], model, metrics, a.round_bytes[act.round],
                                        a.stats.to_dict(), checkpoint, evaluation=evaluation)
             except Exception as exc:
-                # Nothing of this close has left the process, and its noise must not: the job is
-                # rebuilt from the store (the round open again, to close with a draw of its own) or,
-                # stopped, publishes nothing (finish); never the model the uncommitted draw made.
-                log.exception("job %s: round %d's close could not be committed", a.job_id, act.round)
-                a.uncommitted = f"round {act.round}'s close"
-                return self.on_fatal(f"round {act.round}'s close could not be committed: {type(exc).__name__}: {exc}")
+                return self._close_not_committed(act, exc)
+            a.close_failures = 0
         self.crash("round_closed")
+        self.events.write("round_close", act.round,
+                          **{k: v for k, v in a.round_log[-1].items() if k not in ("round", "t")})
         if a.current is not None and a.current.round == act.round:
             a.current = None
         if evaluation is not None:
             self._publish_eval(evaluation, stored=True)     # with the status
         else:
             self.publish_status()
+
+    def _close_not_committed(self, act: RoundClosed, exc: Exception) -> None:
+        """Nothing of this close has left the process, and its noise must not: the job is rebuilt
+        from the store (the round open again, to close with a draw of its own) and this runner acts
+        no more; after ``CLOSE_ATTEMPTS`` failures in a row the job stops instead (a store that keeps
+        failing rebuilt it at every tick). Stopped, it publishes nothing (finish)."""
+        a = self.a
+        log.exception("job %s: round %d's close could not be committed", a.job_id, act.round, exc_info=exc)
+        a.uncommitted = f"round {act.round}'s close"
+        a.close_failures += 1
+        self.rebuilt = True
+        stop = a.close_failures >= CLOSE_ATTEMPTS
+        self.on_fatal(f"round {act.round}'s close could not be committed"
+                      f"{f' ({CLOSE_ATTEMPTS} times in a row)' if stop else ''}: {type(exc).__name__}: {exc}", stop=stop)
 
     def _checkpoint(self, act: RoundClosed) -> tuple:
         """(state_dict, contributed) of the job as this round closes: what a restart resumes from."""

@@ -233,7 +233,7 @@ class AggregatorService(OperatorActions):
         if not stop and self.store is not None and a.kind in KINDS:
             log.warning("job %s: rebuilt from the store after: %s", a.job_id, reason)
             self._activate(build_job(a.kind, self.store.job(a.job_id)["config"]), a.out_dir)
-            self.active.stats, self.active.started = a.stats, a.started
+            self.active.stats, self.active.started, self.active.close_failures = a.stats, a.started, a.close_failures
             return
         log.error("job %s stopped: %s", a.job_id, reason)
         a.final_state = JobState.STOPPED

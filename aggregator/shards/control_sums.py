@@ -82,8 +82,8 @@ class ControlledRoundSums(FedAvgRoundSums):
 
     def sum_updates(self, job, updates: list[tuple[str, Any]], context: RoundContext) -> PartialSum:
         fedavg = super().sum_updates(job, updates, context)
-        limits = context.limits[len(bound_layers(job.config)):]
-        deltas = control_sums(clip_update(job.clipped_control(update), limits[0])[0] if limits
+        limits = context.limits[len(bound_layers(job.config)):]      # the control bound's, if on
+        deltas = control_sums(clip_update(job.clipped_control(update), limits[0])[0] if limits and limits[0] > 0
                               else job.clipped_control(update) for _device, update in updates)
         return PartialSum({**fedavg.state, **deltas}, fedavg.contributed)
 
