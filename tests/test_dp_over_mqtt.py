@@ -168,3 +168,44 @@ def test_a_close_whose_commit_keeps_failing_stops_the_job_publishing_nothing(bro
     assert row["state"] == "stopped" and f"({CLOSE_ATTEMPTS} times in a row)" in row["summary"]["error"]
     assert store.evaluations("dpx") == [] and store.models("dpx") == []
     assert result == {} and not (tmp_path / "out" / "model.npz").exists()
+
+
+def test_a_dp_round_that_cannot_close_after_its_draw_stops_publishing_nothing(broker, tmp_path, monkeypatch):
+    """The round's noise is drawn, then its close fails before the commit (here its evaluation
+    raises): the job stops with the reason and publishes nothing made from that draw (it wrote the
+    noisy model and its evaluation for a round the store still held open, which a resume would
+    then draw again)."""
+    from aggregator.jobs.fedavg import FedAvgJob
+    from aggregator.storage.store import Store
+
+    evaluate, broke = FedAvgJob.evaluate, []
+
+    def breaks_once(self, features, labels):
+        if not broke:
+            broke.append(self.round)
+            raise FloatingPointError("the evaluation broke")
+        return evaluate(self, features, labels)
+
+    monkeypatch.setattr(FedAvgJob, "evaluate", breaks_once)
+    ids = [f"dev{i}" for i in range(2)]
+    cfg = {"job_id": "dpy", "num_classes": C, "feature_dim": D, "rounds": 2, "clients_per_round": 2,
+           "round_timeout_s": 30, "local_epochs": 1, "batch_size": 8, "client_lr": 0.05, "expected_devices": 2,
+           "dp_noise_multiplier": 1.0, "dp_clip_norm": 0.5}
+    store = Store(tmp_path / "state.db")
+    job = build_job("fedavg", cfg)
+    svc = AggregatorService(job, BrokerConfig.from_url(broker.url), tmp_path / "out",
+                            ServiceSettings(evaluate_every_contribution=False), enrolled=set(ids), store=store)
+    result = {}
+    t = threading.Thread(target=lambda: result.update(svc.run(timeout_s=60)), daemon=True)
+    t.start()
+    agents = [DeviceAgent(d, BrokerConfig.from_url(broker.url),
+                          {"fedavg.head": HeadTrainingTask(*device_data(i), lambda b, s, w: Features(D))}).start()
+              for i, d in enumerate(ids)]
+    t.join(90)
+    for a in agents:
+        a.stop()
+    row = store.job("dpy")
+    assert row["state"] == "stopped" and "the evaluation broke" in row["summary"]["error"]
+    assert broke == [1] and store.rounds("dpy")[0].state == "open"
+    assert result == {} and store.evaluations("dpy") == [] and store.models("dpy") == []
+    assert not (tmp_path / "out" / "model.npz").exists() and not (tmp_path / "out" / "results.json").exists()

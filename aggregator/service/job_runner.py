@@ -30,6 +30,7 @@ from aggregator.service.canonical import hand_round_sum, reported_job
 from aggregator.service.crash_points import CrashPoints
 from aggregator.service.job_end import JobEndNotices
 from aggregator.service.job_outcome import judged_state
+from aggregator.jobs.privacy_fields import PrivacyBudgetFields
 from aggregator.service.settings import ServiceSettings
 from aggregator.security.fleet import Fleet
 from aggregator.service.contribution_writer import ContributionWriter
@@ -297,7 +298,8 @@ class JobRunner:
                 evaluation = self._evaluation()
         except Exception as exc:            # no single contribution to blame: the job stops, saying why
             log.exception("job %s: round %d cannot close", a.job_id, act.round)
-            a.uncommitted = f"round {act.round}'s close"        # the job may hold its draw: publish nothing
+            if isinstance(a.job.config, PrivacyBudgetFields) and a.job.config.dp:
+                a.uncommitted = f"round {act.round}'s close"    # the job may hold its draw: publish nothing
             return self.on_fatal(f"round {act.round} cannot close: {type(exc).__name__}: {exc}", stop=True)
         log.info("round %d closed: %d accepted, %d dropped, %d declined", act.round,
                  len(act.accepted), len(act.dropped), len(act.declined))
