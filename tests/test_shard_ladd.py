@@ -172,8 +172,9 @@ def test_ladd_on_shards_gives_one_aggregators_model_bit_for_bit(tmp_path, shards
     model = {**single.phi, **single.theta[0]}            # the rounds moved the trained tensors
     assert all(not np.array_equal(model[k], INITIAL[k]) for k in TRAINABLE)
     assert_same_job(single, coordinated)
-    phases = {"no bound": ["sums"], "contribution bound": ["statistics", "statistics", "sums"], "dp": ["sums"],
-              "dp adaptive": ["sums"]}.get(variant, ["statistics", "sums"])
+    # the norm and weight bounds' statistics (LADD's defaults), the contribution bound's, then the sums
+    phases = {"no bound": ["statistics", "sums"], "contribution bound": ["statistics"] * 3 + ["sums"],
+              "dp": ["sums"], "dp adaptive": ["sums"]}.get(variant, ["statistics", "statistics", "sums"])
     assert asked == phases * 3
     if "dp" in variant:                     # every round a release; adaptive clipping moved C
         assert single.dp.releases == 3 and (single.dp.clip.value != DP["dp_clip_norm"]) == ("adaptive" in variant)
