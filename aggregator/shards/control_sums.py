@@ -64,7 +64,6 @@ class ControlBound:
         return tensors, weight
 
 
-
 class ControlledRoundSums(FedAvgRoundSums):
     """FedAvg's round sums plus each bucket's Σ Δc_k, each Δc_k within the round's control bound
     (its limit decided in a phase after the update's layers, on every shard's ‖Δc_k‖); the
