@@ -414,3 +414,19 @@ def serve_until_done(job, broker_url: str, workdir: Path, handlers: dict, store=
     for a in agents:
         a.stop()
     return svc, result
+
+
+def close_fails_once(monkeypatch) -> list[int]:
+    """Make the store's next round close fail (a disk I/O error), once: the rounds it failed (one)."""
+    from aggregator.storage.store import Store, StoreError
+
+    commit, failed = Store.close_round, []
+
+    def fails_once(self, job_id, round_, *args, **kwargs):
+        if not failed:
+            failed.append(round_)
+            raise StoreError("disk I/O error")
+        return commit(self, job_id, round_, *args, **kwargs)
+
+    monkeypatch.setattr(Store, "close_round", fails_once)
+    return failed

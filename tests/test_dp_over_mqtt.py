@@ -8,7 +8,7 @@ import threading
 import dp_accounting
 import numpy as np
 from dp_accounting import rdp
-from ops_fleet import Features, assert_noise_of_variance, clipped_sums
+from ops_fleet import Features, assert_noise_of_variance, clipped_sums, close_fails_once
 
 from aggregator.jobs.registry import build_job
 from aggregator.service.loop import AggregatorService
@@ -34,17 +34,22 @@ def gaussian_epsilon(z, rounds, q, delta):
     return accountant.get_epsilon(delta)
 
 
-def run_service(job, broker, tmp_path, ids, handlers):
+def run_service(job, broker, tmp_path, ids, handlers, store=None, timeout_s: float = 120):
     svc = AggregatorService(job, BrokerConfig.from_url(broker.url), tmp_path,
-                            ServiceSettings(evaluate_every_contribution=False), enrolled=set(ids))
+                            ServiceSettings(evaluate_every_contribution=False), enrolled=set(ids), store=store)
     result = {}
-    t = threading.Thread(target=lambda: result.update(svc.run(timeout_s=120)), daemon=True)
+    t = threading.Thread(target=lambda: result.update(svc.run(timeout_s=timeout_s)), daemon=True)
     t.start()
     agents = [DeviceAgent(d, BrokerConfig.from_url(broker.url), handlers(i)).start() for i, d in enumerate(ids)]
-    t.join(120)
+    t.join(timeout_s + 30)
     for a in agents:
         a.stop()
+    assert not t.is_alive(), "the service did not end"
     return result
+
+
+def head_training(i):
+    return {"fedavg.head": HeadTrainingTask(*device_data(i), lambda b, s, w: Features(D))}
 
 
 def test_dp_fed3r_over_mosquitto_releases_clipped_sums_plus_noise(broker, tmp_path):
@@ -96,33 +101,15 @@ def test_a_dp_round_whose_close_cannot_be_committed_publishes_nothing_of_its_dra
     draw of its own, and what is stored and published is that one release per round (before, the
     failure escaped the close: the round never ended and the service's end published the
     uncommitted noisy model, which the next start then drew again)."""
-    from aggregator.storage.store import Store, StoreError
+    from aggregator.storage.store import Store
 
     ids = [f"dev{i}" for i in range(4)]
     cfg = {"job_id": "dpc", "num_classes": C, "feature_dim": D, "rounds": 3, "clients_per_round": 2,
            "round_timeout_s": 30, "local_epochs": 1, "batch_size": 8, "client_lr": 0.05, "expected_devices": 4,
            "dp_noise_multiplier": 1.0, "dp_clip_norm": 0.5, "seed": 2}
-    commit, failed = Store.close_round, []
-
-    def fails_once(self, job_id, round_, *args, **kwargs):
-        if not failed:
-            failed.append(round_)
-            raise StoreError("disk I/O error")
-        return commit(self, job_id, round_, *args, **kwargs)
-
-    monkeypatch.setattr(Store, "close_round", fails_once)
+    failed = close_fails_once(monkeypatch)
     store = Store(tmp_path / "state.db")
-    svc = AggregatorService(build_job("fedavg", cfg), BrokerConfig.from_url(broker.url), tmp_path / "out",
-                            ServiceSettings(evaluate_every_contribution=False), enrolled=set(ids), store=store)
-    result = {}
-    t = threading.Thread(target=lambda: result.update(svc.run(timeout_s=60)), daemon=True)
-    t.start()
-    agents = [DeviceAgent(d, BrokerConfig.from_url(broker.url),
-                          {"fedavg.head": HeadTrainingTask(*device_data(i), lambda b, s, w: Features(D))}).start()
-              for i, d in enumerate(ids)]
-    t.join(90)
-    for a in agents:
-        a.stop()
+    result = run_service(build_job("fedavg", cfg), broker, tmp_path / "out", ids, head_training, store, 60)
     assert failed == [1] and result["state"] == "done", result
     stored = store.evaluations("dpc")
     assert [e["round"] for e in stored] == [1, 2, 3]          # round 1 evaluated once: its second draw's
@@ -152,18 +139,8 @@ def test_a_close_whose_commit_keeps_failing_stops_the_job_publishing_nothing(bro
 
     monkeypatch.setattr(Store, "close_round", always_fails)
     store = Store(tmp_path / "state.db")
-    svc = AggregatorService(build_job("fedavg", cfg), BrokerConfig.from_url(broker.url), tmp_path / "out",
-                            ServiceSettings(evaluate_every_contribution=False), enrolled=set(ids), store=store)
-    result = {}
-    t = threading.Thread(target=lambda: result.update(svc.run(timeout_s=60)), daemon=True)
-    t.start()
-    agents = [DeviceAgent(d, BrokerConfig.from_url(broker.url),
-                          {"fedavg.head": HeadTrainingTask(*device_data(i), lambda b, s, w: Features(D))}).start()
-              for i, d in enumerate(ids)]
-    t.join(90)
-    for a in agents:
-        a.stop()
-    assert not t.is_alive() and attempts == [1] * CLOSE_ATTEMPTS
+    result = run_service(build_job("fedavg", cfg), broker, tmp_path / "out", ids, head_training, store, 60)
+    assert attempts == [1] * CLOSE_ATTEMPTS
     row = store.job("dpx")
     assert row["state"] == "stopped" and f"({CLOSE_ATTEMPTS} times in a row)" in row["summary"]["error"]
     assert store.evaluations("dpx") == [] and store.models("dpx") == []
@@ -192,18 +169,7 @@ def test_a_dp_round_that_cannot_close_after_its_draw_stops_publishing_nothing(br
            "round_timeout_s": 30, "local_epochs": 1, "batch_size": 8, "client_lr": 0.05, "expected_devices": 2,
            "dp_noise_multiplier": 1.0, "dp_clip_norm": 0.5}
     store = Store(tmp_path / "state.db")
-    job = build_job("fedavg", cfg)
-    svc = AggregatorService(job, BrokerConfig.from_url(broker.url), tmp_path / "out",
-                            ServiceSettings(evaluate_every_contribution=False), enrolled=set(ids), store=store)
-    result = {}
-    t = threading.Thread(target=lambda: result.update(svc.run(timeout_s=60)), daemon=True)
-    t.start()
-    agents = [DeviceAgent(d, BrokerConfig.from_url(broker.url),
-                          {"fedavg.head": HeadTrainingTask(*device_data(i), lambda b, s, w: Features(D))}).start()
-              for i, d in enumerate(ids)]
-    t.join(90)
-    for a in agents:
-        a.stop()
+    result = run_service(build_job("fedavg", cfg), broker, tmp_path / "out", ids, head_training, store, 60)
     row = store.job("dpy")
     assert row["state"] == "stopped" and "the evaluation broke" in row["summary"]["error"]
     assert broke == [1] and store.rounds("dpy")[0].state == "open"

@@ -20,7 +20,7 @@ from protocols.envelope import EnvelopeError, decode, encode
 from protocols.payloads.fedavg import KIND, encode_head_update
 from protocols.rounds import RoundClosed
 
-from ops_fleet import serve_until_done
+from ops_fleet import close_fails_once, serve_until_done
 
 C, D, SIZE = 3, 8, 8
 
@@ -397,17 +397,7 @@ def test_a_dispatch_close_that_cannot_be_committed_leaves_the_old_runner_void(br
     runner's tick went on, closing the other expired dispatches and opening new ones on the old
     job; the rebuilt runner then met rounds it did not know ("not open", UNIQUE round) and the tick
     guard stopped the job. Now the old runner acts no more and the rebuilt one carries on."""
-    from aggregator.storage.store import StoreError
-
-    commit, failed = Store.close_round, []
-
-    def fails_once(self, job_id, round_, *args, **kwargs):
-        if not failed:
-            failed.append(round_)
-            raise StoreError("disk I/O error")
-        return commit(self, job_id, round_, *args, **kwargs)
-
-    monkeypatch.setattr(Store, "close_round", fails_once)
+    failed = close_fails_once(monkeypatch)
     config = AsyncFedAvgConfig(num_classes=C, feature_dim=D, image_size=SIZE, clients_per_round=3, buffer_size=2,
                                max_staleness=4, rounds=2, round_timeout_s=0.3, expected_devices=5, batch_size=8)
     store = Store(tmp_path / "agg.db")
