@@ -273,3 +273,25 @@ def test_a_dp_job_releases_no_held_out_accuracy(tmp_path):
     report = private.evaluate(None, None)
     assert not {"personal_wma", "global_wma", "heldout_devices"} & set(report)
     assert report["heldout_wma"].startswith("withheld")
+
+
+def test_one_devices_claimed_held_out_count_weighs_at_most_the_weight_bound():
+    """A review's finding: the WMA weights each device by the n_test it reports, so one of ten
+    devices reporting n_test = 10^9 with nothing right made both WMAs its own (~1e-6 against 0.9 and
+    0.8 from the others). With the job's weight bound (2 x the reports' median) its count weighs 20:
+    the WMA is recomputed here with numpy; with the bound off (PLAIN_MEAN) it is Σ correct / Σ n."""
+    from aggregator.jobs.robustness_fields import PLAIN_MEAN
+
+    reports = {f"dev{i}": (10, 9, 8) for i in range(9)} | {"liar": (10**9, 0, 0)}
+    bounded = DittoJob(DittoConfig(num_classes=C, feature_dim=D, image_size=SIZE))
+    plain = make_job()
+    for job in (bounded, plain):
+        for device, counts in reports.items():
+            job.record_heldout(device, *counts)
+    n = np.array([r[0] for r in reports.values()], float)
+    w = np.minimum(n, 2 * np.median(n))
+    for key, column in (("personal_wma", 1), ("global_wma", 2)):
+        correct = np.array([r[column] for r in reports.values()], float)
+        assert bounded.evaluate(None, None)[key] == pytest.approx(float(np.sum(w * correct / n) / w.sum()), rel=1e-12)
+        assert plain.evaluate(None, None)[key] == correct.sum() / n.sum()
+    assert bounded.evaluate(None, None)["personal_wma"] == pytest.approx(81 / 110)

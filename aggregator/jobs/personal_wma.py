@@ -15,6 +15,7 @@ import numpy as np
 from protocols.payloads.partial import PersonalReport
 
 from aggregator.compute.evaluation import weighted_mean_accuracy
+from aggregator.strategies.robust_fedavg import WeightBound
 
 
 class PersonalWmaJob:
@@ -49,8 +50,9 @@ class PersonalWmaJob:
         elif self.heldout:
             reports = [self.heldout[d] for d in sorted(self.heldout)]
             totals = [n for n, _, _ in reports]
-            out["personal_wma"] = weighted_mean_accuracy([c for _, c, _ in reports], totals)
-            out["global_wma"] = weighted_mean_accuracy([g for _, _, g in reports], totals)
+            weights = bounded_weights(totals, self.config.weight_bound_multiplier)
+            out["personal_wma"] = bounded_wma([c for _, c, _ in reports], totals, weights)
+            out["global_wma"] = bounded_wma([g for _, _, g in reports], totals, weights)
             out["heldout_devices"] = len(reports)
         return out
 
@@ -63,3 +65,21 @@ class PersonalWmaJob:
         super().restore_bookkeeping(state)
         stored = {str(d): tuple(int(x) for x in r) for d, r in (state.get("heldout") or {}).items()}
         self.heldout = {**stored, **self.heldout}       # reports replayed into the open round are newer
+
+
+def bounded_weights(totals: list[int], multiplier: float) -> list[float] | None:
+    """Each device's held-out count capped at ``multiplier`` × the reports' median (the job's weight
+    bound, ``WeightBound``), or None when no cap binds (or the bound is off): the count is the
+    device's own claim, and one device reporting n_test = 10^9 made both WMAs its own accuracy."""
+    limit = WeightBound(multiplier).limit(totals) if multiplier else 0.0
+    if not limit or max(totals) <= limit:
+        return None
+    return [min(float(n), limit) for n in totals]
+
+
+def bounded_wma(correct: list[int], totals: list[int], weights: list[float] | None) -> float:
+    """The WMA Σ correct / Σ n, or with ``weights`` Σ w·(correct/n) / Σ w (each device's accuracy
+    at its bounded weight)."""
+    if weights is None:
+        return weighted_mean_accuracy(correct, totals)
+    return float(sum(w * c / n for w, c, n in zip(weights, correct, totals)) / sum(weights))
