@@ -55,8 +55,8 @@ def test_fedavg_job_noise_has_the_scale_its_reported_epsilon_assumes():
     steps = []
     for _ in range(3):
         before = job.params["weight"].astype(np.float64)
-        assert job.next_participants({"a", "b", "c", "d", "e"})
-        job.close_round(RoundClosed(job.round, (), ("a",), (), ()))
+        assert job.next_participants({f"d{i}" for i in range(population)})     # κ of the population
+        job.close_round(RoundClosed(job.round, (), ("d0",), (), ()))
         steps.append(job.params["weight"].astype(np.float64) - before)
     noise = np.concatenate([s.ravel() for s in steps])
     sigma = z * clip / kappa
@@ -83,7 +83,7 @@ def test_job_stops_before_the_round_that_would_exceed_the_budget():
     z, q, target = 1.0, 0.1, 3.0
     job = build_job("fedavg", {"num_classes": 3, "feature_dim": 4, "rounds": 1000, "clients_per_round": 2,
                                "dp_noise_multiplier": z, "dp_population": 20, "dp_target_epsilon": target})
-    online = {"a", "b", "c"}
+    online = {f"d{i}" for i in range(20)}
     while job.next_participants(online):
         job.close_round(RoundClosed(job.round, (), (), (), ()))
     rounds = job.round
@@ -112,6 +112,37 @@ def test_a_sampled_dp_jobs_participants_cannot_be_redrawn_from_its_config():
     sampled = [tuple(build_job("fedavg", {**base, "dp_population": 20}).next_participants(pool)) for _ in range(5)]
     assert len(set(sampled)) > 1                                   # five equal draws: (1/190)^4
     assert len({tuple(build_job("fedavg", base).next_participants(pool)) for _ in range(3)}) == 1
+
+
+def check_rounds_sample_at_most_the_accounted_rate(make_job, kappa, population, rounds=400):
+    """Each round draws at most q·|pool| of the pool (q = κ / population), none while that is below
+    one device, and over many rounds no device is drawn more often than a binomial tail of q allows.
+    ``make_job()`` builds a fresh DP job with this κ and dp_population; returns the round sizes."""
+    q = kappa / population
+    for online in (10, population // 10 - 1, population // 4, population, 5 * population):
+        pool = {f"d{i:04d}" for i in range(online)}
+        job, seen = make_job(), dict.fromkeys(pool, 0)
+        for _ in range(rounds):
+            chosen = job.next_participants(pool)
+            assert len(chosen) == min(kappa, kappa * online // population), online
+            for d in chosen:
+                seen[d] += 1
+            if chosen:
+                job.close_round(RoundClosed(job.round, (), tuple(chosen), (), ()))
+        # each round draws len(chosen) of ``online`` uniformly: a device's chance is <= q
+        assert max(seen.values()) <= stats.binom.ppf(1 - 1e-9 / online, rounds, q)
+
+
+def test_no_online_device_is_sampled_more_often_than_the_rate_epsilon_counts():
+    """A review's finding: ε counted q = κ / dp_population while the scheduler drew κ of whoever
+    was online, so 10 devices online of a declared 1,000 were each in every round (after 100
+    rounds at z = 1: ε 1.2 reported, 96 spent). A round now draws at most q·|pool| devices."""
+    cfg = {"num_classes": 3, "feature_dim": 8, "clients_per_round": 10, "rounds": 10 ** 6,
+           "dp_noise_multiplier": 1.0, "dp_clip_norm": 1.0, "dp_population": 1000}
+    check_rounds_sample_at_most_the_accounted_rate(lambda: build_job("fedavg", cfg), 10, 1000)
+    # without sampling claimed (no population): κ of the pool, however small it is
+    job = build_job("fedavg", {**cfg, "dp_population": 0})
+    assert len(job.next_participants({f"d{i}" for i in range(5)})) == 5
 
 
 def test_members_of_an_unmasked_but_discarded_group_are_not_released_twice_unaccounted():

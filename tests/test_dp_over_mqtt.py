@@ -75,7 +75,7 @@ def test_dp_fed3r_over_mosquitto_releases_clipped_sums_plus_noise(broker, tmp_pa
 
 def test_dp_fedavg_over_mosquitto_stops_at_its_budget(broker, tmp_path):
     ids = [f"dev{i}" for i in range(4)]
-    z, population, target = 1.0, 20, 3.0
+    z, population, target = 2.0, 4, 3.0        # q = 1/2: ε(4) = 2.81 <= 3 < ε(5)
     cfg = {"job_id": "dpa", "num_classes": C, "feature_dim": D, "rounds": 50, "clients_per_round": 2,
            "round_timeout_s": 30, "local_epochs": 1, "batch_size": 8, "client_lr": 0.05, "expected_devices": 4,
            "dp_noise_multiplier": z, "dp_clip_norm": 0.5, "dp_population": population, "dp_target_epsilon": target,

@@ -59,7 +59,7 @@ def shards():
 
 
 def test_central_dp_tail_moves_by_the_clipped_deltas_plus_the_stated_noise(broker, tail_bundle, shards, tmp_path):
-    ids, z, C, population = ["t0", "t1", "t2"], 1.1, 0.02, 30
+    ids, z, C, population = ["t0", "t1", "t2"], 1.1, 0.02, 3
     job = TailFedAvgJob(TailFedAvgConfig(**tail_config(tail_bundle, job_id="dp-tail", clients_per_round=3,
                                                        expected_devices=3, dp_noise_multiplier=z, dp_clip_norm=C,
                                                        dp_population=population)))

@@ -32,6 +32,7 @@ from protocols.secagg.driver import run_round
 from ops_fleet import RecordingService, in_memory_keys
 from aggregator.service.settings import ServiceSettings
 from test_admin_api import AUTH, TOKEN, start_service
+from test_dp_accounting import check_rounds_sample_at_most_the_accounted_rate
 from test_dp_mechanisms import variance_ratio_ok
 from test_ladd_aggregation import DEVICES, INITIAL, TRAINABLE, run_style_round, send
 
@@ -102,10 +103,17 @@ def test_dp_ladd_round_is_the_jointly_clipped_mean_over_the_selected():
                                        rtol=1e-6, atol=1e-7)
 
 
+def test_dp_ladd_rounds_sample_no_device_more_often_than_its_epsilon_counts():
+    """As DP FedAvg's (test_dp_accounting.py): a declared dp_population larger than the devices
+    online no longer puts each of them in every round while ε counts q = κ / population."""
+    make = lambda: dp_job(clustering="none", clients_per_round=10, dp_population=1000, rounds=10 ** 6)   # noqa: E731
+    check_rounds_sample_at_most_the_accounted_rate(make, 10, 1000, rounds=100)
+
+
 def test_dp_ladd_noise_has_the_scale_its_epsilon_assumes():
     """Rounds nobody answers release pure noise: N(0, (zC/m)²) on φ and N(0, (zC/m_c)²) on every
     selected cluster's θ_c; ε after them is the library's for (z, rounds, q = κ/population)."""
-    z, C, kappa, population = 1.3, 0.7, 6, 60
+    z, C, kappa, population = 1.3, 0.7, 6, len(DEVICES)
     job = dp_job(dp_noise_multiplier=z, dp_clip_norm=C, dp_population=population, rounds=4)
     job.dp.rng = np.random.default_rng(1)
     run_style_round(job, set(DEVICES))
@@ -134,7 +142,7 @@ def test_dp_ladd_noise_has_the_scale_its_epsilon_assumes():
 
 
 def test_dp_ladd_stops_at_its_budget_and_adaptive_clip_survives_a_checkpoint():
-    z, population, target = 1.0, 40, 2.0
+    z, population, target = 2.0, len(DEVICES), 2.0
     job = dp_job(clustering="none", rounds=1000, clients_per_round=3, dp_noise_multiplier=z,
                  dp_population=population, dp_target_epsilon=target, dp_adaptive_clip=True)
     online = set(DEVICES)
@@ -297,7 +305,7 @@ class FixedStep:
 
 
 def test_dp_ladd_over_mosquitto_reports_the_libraries_epsilon_and_stops_at_its_budget(broker, tmp_path):
-    ids, z, C, population, target = ["l0", "l1", "l2"], 1.0, 0.1, 30, 2.8
+    ids, z, C, population, target = ["l0", "l1", "l2"], 3.0, 0.1, 3, 3.2
     job = dp_job(job_id="dp-ladd", clustering="none", rounds=50, clients_per_round=3, expected_devices=3,
                  round_timeout_s=30, dp_noise_multiplier=z, dp_clip_norm=C, dp_population=population,
                  dp_target_epsilon=target)
@@ -311,7 +319,7 @@ def test_dp_ladd_over_mosquitto_reports_the_libraries_epsilon_and_stops_at_its_b
         a.stop()
     q = 3 / population
     rounds = len(result["rounds"])
-    assert result.get("state") == "done" and rounds == 4, result          # ε(4) = 2.76 <= 2.8 < ε(5)
+    assert result.get("state") == "done" and rounds == 4, result          # ε(4) = 2.99 <= 3.2 < ε(5)
     assert library_epsilon(z, rounds, q) <= target < library_epsilon(z, rounds + 1, q)
     assert all(len(r["accepted"]) == 3 for r in result["rounds"])
     # every round: the model moved by the clipped steps (over the 3 selected) plus the seeded noise

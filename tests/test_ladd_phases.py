@@ -74,7 +74,7 @@ def test_docs_show_the_table_rendered_from_the_data():
 def test_done_opens_no_round_when_the_budget_ends_training_early():
     """The budget allows fewer training rounds than ``rounds``: after the last, a late device is not
     asked for its style (before DONE, the job went on opening style rounds for late devices)."""
-    job = job_of(rounds=1000, dp_noise_multiplier=1.0, dp_population=40, dp_target_epsilon=2.0)
+    job = job_of(rounds=1000, dp_noise_multiplier=2.0, dp_population=6, dp_target_epsilon=2.5)
     first = set(DEVICES[:6])
     while job.phase is not LaddPhase.DONE:
         assert step(job, first, np.random.default_rng(0))

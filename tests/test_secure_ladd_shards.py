@@ -174,7 +174,7 @@ def test_dp_ladd_on_shards_resumes_bit_for_bit_after_a_shard_is_sigkilled(tmp_pa
 
     from aggregator.strategies.dp_noise import NOISE_SEED_ENV
 
-    config = {**plain_ladd_config(tmp_path), "dp_noise_multiplier": 1.0, "dp_clip_norm": 0.5, "dp_population": 60,
+    config = {**plain_ladd_config(tmp_path), "dp_noise_multiplier": 1.0, "dp_clip_norm": 0.5, "dp_population": len(DEVICES),
               "dp_adaptive_clip": True, "dp_count_stddev": 2.0}
     seeded = {NOISE_SEED_ENV: "17"}
     write_job(tmp_path / "one", DEVICES, "ladd", config)

@@ -56,7 +56,7 @@ class InProcessShards:
 KIND_CONFIG = {"scaffold": {"control_clip_norm": 0.5, "total_devices": 12},
                "fedgloss": {"server_optimizer": "sgd", "server_lr": 0.8, "fedgloss_rho": 0.05}}
 # DP-FedAvg: a C that clips some updates (dev01's always), adaptive clipping moving it between rounds
-DP = {"dp_noise_multiplier": 0.8, "dp_clip_norm": 0.6, "dp_population": 40}
+DP = {"dp_noise_multiplier": 0.8, "dp_clip_norm": 0.6, "dp_population": len(DEVICES)}
 DP_ADAPTIVE = {**DP, "dp_adaptive_clip": True, "dp_count_stddev": 2.0}
 
 

@@ -156,7 +156,7 @@ def assert_same_job(want, got, restarted: bool = False):
 
 
 # DP-LADD: a C that clips some deltas (the outlier's always), adaptive clipping moving it between rounds
-DP = {"dp_noise_multiplier": 0.8, "dp_clip_norm": 0.6, "dp_population": 40}
+DP = {"dp_noise_multiplier": 0.8, "dp_clip_norm": 0.6, "dp_population": len(DEVICES)}
 VARIANTS = {"styles": {}, "one cluster": {"clustering": "none"}, "every tensor per cluster": {"cluster_scope": "all"},
             "contribution bound": {"contribution_bound_multiplier": 0.5},
             "no bound": {"norm_bound_multiplier": 0.0}, "dp": DP,
@@ -250,7 +250,7 @@ def test_one_aggregators_canonical_dp_round_is_dp_ladds_clipped_mean(tmp_path):
     same clipped means over the selected devices, to float32 rounding."""
     from aggregator.strategies.dp_ladd import DPClusterAveraging
 
-    config = config_of(tmp_path, clustering="none", dp_noise_multiplier=1e-9, dp_clip_norm=0.6, dp_population=40)
+    config = config_of(tmp_path, clustering="none", dp_noise_multiplier=1e-9, dp_clip_norm=0.6, dp_population=len(DEVICES))
     job = build_job("ladd", config)
     chosen = job.next_participants(set(DEVICES))
     reference = DPClusterAveraging(job.dp, job.is_theta, job.trainable, job.phi, job.theta, job.selected_clusters())

@@ -86,7 +86,7 @@ HEAD_KINDS = {"pp": {"pp_algorithm": "fedalt"}, "scaffold": {"control_clip_norm"
 # DP-FedAvg, adaptive clipping: the shards sum clipped deltas, the coordinator adds the noise, seeded
 # in both runs (FEDFLEET_TEST_DP_NOISE_SEED, tests only) so that their bits can be compared
 DP_FEDAVG = {**FEDAVG, "norm_bound_multiplier": 0.0, "contribution_bound_multiplier": 0.0, "dp_noise_multiplier": 0.8,
-             "dp_clip_norm": 0.5, "dp_adaptive_clip": True, "dp_population": 20}
+             "dp_clip_norm": 0.5, "dp_adaptive_clip": True, "dp_population": len(DEVICES)}
 
 
 def round_job(kind: str, request) -> RoundJob:

@@ -192,11 +192,12 @@ class FedAvgJob(Job):
         return self.config.budget_exhausted(self.round)
 
     def next_participants(self, online: set[str]) -> list[str]:
-        """Seeded sample of up to κ online devices; opens the next round. [] when done or nobody is there."""
+        """Seeded sample of up to κ online devices (fewer under DP with sampling: ``round_size``);
+        opens the next round. [] when done or nobody is there."""
         if self._open or self.round >= self.config.rounds or self.budget_exhausted:
             return []
         pool = sorted(online)
-        k = min(self.config.clients_per_round, len(pool))
+        k = self.config.round_size(len(pool))
         if not k:
             return []
         chosen = sorted(self._rng.sample(pool, k))

@@ -276,7 +276,7 @@ class LaddJob(Job):
         if self.phase is not LaddPhase.TRAIN:       # TRAIN: a training round is left (DONE otherwise)
             return []
         pool = sorted(d for d in online if d in self.assignment or c.clustering == "none")
-        k = min(c.clients_per_round, len(pool))
+        k = c.round_size(len(pool))
         if k < max(1, self.min_train_participants):
             return []
         chosen = sorted(self._rng.sample(pool, k))
