@@ -90,6 +90,48 @@ def test_workers_refuse_forged_and_non_gram_results_and_sum_the_rest_exactly(bro
     assert np.linalg.norm(W - ref) / np.linalg.norm(ref) <= 1e-9
 
 
+def breaks_once(job):
+    """Makes the service-side parse of ``job``'s first worker-checked result raise an unexpected
+    error (a stand-in for a bug on that path); returns a list that gets the device's name."""
+    broken, parse = [], job.parse_accepted
+
+    def parse_accepted(env):
+        if not broken:
+            broken.append(env.sender)
+            raise RuntimeError("an unexpected error on the verdict's path")
+        return parse(env)
+    job.parse_accepted = parse_accepted
+    return broken
+
+
+def test_an_unexpected_error_on_a_workers_verdict_refuses_that_result_not_the_service(broker, tmp_path):
+    """A review's finding: whatever one message causes on the MQTT path is that message's refusal,
+    but an exception handling a worker's verdict on a large result ended ``run()`` — the whole
+    aggregator, for one device's upload. Now that message is refused; the device, unanswered,
+    sends it again and the round ends with every device's statistics."""
+    Z, y, parts = fleet_data()
+    identities = {d: DeviceIdentity.generate(d) for d in DEVICES}
+    config = Fed3RConfig(num_classes=C, feature_dim=D, lam=LAM, normalize_columns=False, clients_per_round=6,
+                         round_timeout_s=30, max_attempts=1, expected_devices=len(DEVICES), start_timeout_s=5)
+    job = Fed3RJob(config)
+    broken = breaks_once(job)
+    svc = AggregatorService(job, BrokerConfig.from_url(broker.url), tmp_path / "out",
+                            ServiceSettings(ingest_workers=2, tick_s=0.05), enrolled=set(DEVICES))
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=60)), daemon=True)
+    thread.start()
+    agents = agents_for(broker, {dev: MixedStats(Z[i], y[i], C) for dev, i in zip(DEVICES, parts)}, identities)
+    thread.join(65)
+    for a in agents:
+        a.stop()
+    assert result.get("state") == "done", result
+    assert len(broken) == 1 and sorted(result["contributed"]) == DEVICES
+    assert svc.last_finished.stats.rejections["malformed"] == 1
+    ref = reference_ridge(Z, y, C, LAM)
+    W = job.strategy.solve().raw_weights_
+    assert np.linalg.norm(W - ref) / np.linalg.norm(ref) <= 1e-9
+
+
 # ---------------------------------------------------------------------- crash mid-ingest, workers on
 CRASHES = ["contribution_stored:2", "result_received"]       # mid-round: one stored, one being validated
 
@@ -165,6 +207,25 @@ def test_a_workers_verdict_classifies_what_is_wrong_with_a_message():
     assert validate_result("fed3r", cfg, bytes(corrupt), key, 1 << 30).reason_class == "malformed"
     poisoned = validate_result("fed3r", cfg, result(Indefinite(Z[parts[1]], y[parts[1]], C)), key, 1 << 30)
     assert poisoned.reason_class == "invalid payload" and "Gram" in poisoned.detail
+
+    # a check that breaks on a message (a bug) is that message's refusal, read from shared memory
+    # as the workers read it: raised, it kept the decoded views alive and surfaced as a BufferError
+    from multiprocessing.shared_memory import SharedMemory
+
+    from aggregator.service import ingest
+
+    job = ingest._job_for("fed3r", cfg)
+    message = result(good)
+    segment = SharedMemory(create=True, size=len(message))
+    try:
+        segment.buf[:len(message)] = message
+        job.check_payload = lambda env: 1 / 0
+        verdict = ingest.validate_shared("fed3r", cfg, segment.name, len(message), key, 1 << 30)
+        assert verdict.reason_class == "malformed" and "ZeroDivisionError" in verdict.detail
+    finally:
+        del job.check_payload
+        segment.close()
+        segment.unlink()
 
 
 def test_transfer_buffers_are_reused_bounded_and_removed():

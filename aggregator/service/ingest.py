@@ -239,13 +239,15 @@ def validate_shared(kind: str, config_json: str, name: str, length: int, public_
 def validate_result(kind: str, config_json: str, whole: bytes | memoryview, public_key: bytes | None,
                     max_bytes: int) -> Verdict:
     """Decode ``whole`` in full (signature required when ``public_key`` is given) and validate it
-    as a result of the job; any failure becomes a :class:`Verdict`, never an exception."""
+    as a result of the job; anything wrong with the message becomes a :class:`Verdict`, never an
+    exception (only a job config this process cannot build raises)."""
     def verify(sender: str, signed: bytes, signature: bytes) -> None:
         try:
             verify_signature(public_key, signed, signature)
         except InvalidSignature as exc:
             raise _BadSignature(f"signature rejected for {sender!r}: {exc}") from None
 
+    job = _job_for(kind, config_json)       # a config this process cannot build raises, before any view exists
     try:
         env: Envelope = decode(whole, verify if public_key is not None else None, max_bytes=max_bytes)
     except _BadSignature as exc:
@@ -253,9 +255,14 @@ def validate_result(kind: str, config_json: str, whole: bytes | memoryview, publ
     except EnvelopeError as exc:
         return Verdict("bad signature" if str(exc).startswith("unsigned") else "malformed", str(exc))
     try:
-        _job_for(kind, config_json).check_payload(env)
+        job.check_payload(env)
     except EnvelopeError as exc:
         return Verdict("invalid payload", str(exc))
+    except Exception as exc:
+        # A check that breaks on this message (a bug) refuses the message, as the service's own
+        # last resort does. Raised instead, its traceback would keep ``env``'s views of a shared
+        # segment alive, and closing the segment would report a BufferError in its place.
+        return Verdict("malformed", f"checking the result raised {exc!r}"[:300])
     return Verdict(None)
 
 

@@ -197,11 +197,11 @@ class AggregatorService(OperatorActions):
                 self.runner.resend_tasks(self.fleet.online)
 
     def _refused(self, item: tuple | None, exc: Exception) -> None:
-        """Last resort: whatever one inbound message causes is that message's refusal; anything
-        else that raises (its own tick, a worker's verdict, the writer's) ends :meth:`run`."""
-        if item is None or item[0] not in ("mqtt", "receipt"):
+        """Last resort: what one inbound message (or a worker's verdict on one) causes is its refusal;
+        anything else that raises (its own tick, the writer's) ends :meth:`run`."""
+        if item is None or item[0] not in ("mqtt", "receipt", "validated"):
             raise exc
-        log.error("message on %s refused: it raised an unexpected error", item[1][:120], exc_info=exc)
+        log.error("%s from %s refused: it raised an unexpected error", item[0], str(item[1])[:120], exc_info=exc)
         self._stats().reject("malformed")
 
     def _activate(self, job: Job, out_dir: Path) -> None:
