@@ -7,6 +7,7 @@ never hold the unreleased sums."""
 import io
 import json
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -275,6 +276,34 @@ def test_a_release_whose_checkpoint_cannot_be_written_publishes_nothing_of_it(br
     again, restored = serve_with_store(broker, tmp_path / "out", store, devices=False)
     assert restored.strategy.releases == 1 and not restored.strategy.unreleased
     np.testing.assert_array_equal(restored.strategy.released.B.cpu().numpy(), job.strategy.released.B.cpu().numpy())
+
+
+def test_a_serving_service_retries_an_end_it_cannot_commit_after_growing_waits(broker, tmp_path, monkeypatch):
+    """A review's finding: under ``keep_serving`` (the admin API's service) a job whose finalized
+    state could not be committed stayed running in the store, so the very next turn of the loop
+    rebuilt it, drew its release again and failed again — as fast as the loop turns, for as long as
+    the disk stays broken. Now the job waits 1 s, then 2 s, ... before it is taken up again."""
+    store = Store(tmp_path / "state.db")
+    commit = Store.replace_checkpoint_state
+    monkeypatch.setattr(Store, "replace_checkpoint_state", disk_error)
+    serve_with_store(broker, tmp_path / "out", store, timeout=60)        # every device's sums stored
+    assert store.job("dp-end")["state"] == "running"
+    tries = []
+    monkeypatch.setattr(Store, "replace_checkpoint_state", lambda *a, **k: (tries.append(time.monotonic()), disk_error())[1])
+    svc = AggregatorService(None, BrokerConfig.from_url(broker.url), tmp_path / "out",
+                            ServiceSettings(evaluate_every_contribution=False, keep_serving=True, tick_s=0.05),
+                            enrolled=set(IDS), store=store)
+    agents = [DeviceAgent(d, BrokerConfig.from_url(broker.url), {}).start() for d in IDS]   # a restart waits for them
+    start = time.monotonic()
+    svc.run(timeout_s=4)
+    for agent in agents:
+        agent.stop()
+    assert 2 <= len(tries) <= 3, [round(t - start, 2) for t in tries]     # at ~0, ~1, ~3 s
+    assert all(b - a >= 0.9 * 2 ** i for i, (a, b) in enumerate(zip(tries, tries[1:])))
+    assert store.job("dp-end")["state"] == "running"
+    monkeypatch.setattr(Store, "replace_checkpoint_state", commit)       # the disk is mended: the next try ends it
+    result, job = serve_with_store(broker, tmp_path / "out", store, timeout=30)
+    assert result["state"] == "done" and store.job("dp-end")["state"] == "done" and job.strategy.releases == 1
 
 
 def test_a_draw_that_fails_keeps_the_held_sums(monkeypatch):

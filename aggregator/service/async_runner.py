@@ -15,31 +15,24 @@ import time
 
 from protocols.rounds import DeviceLost, RoundCoordinator, RoundState, Tick
 
+from aggregator.service.backoff import Backoff
 from aggregator.service.job_runner import JobRunner, RunnerServices
 from aggregator.storage.schema import JobState
 
 
-class DispatchBackoff:
+class DispatchBackoff(Backoff):
     """A device whose dispatch closed without an update (declined, rejected, or silent until its
-    deadline) gets its next one only after a wait: ``first_s``, doubling up to ``max_s``, back to
-    nothing once an update of it is accepted. Why: a declined dispatch frees the device at once,
+    deadline) gets its next one only after a wait (``service/backoff.py``: 1 s doubling to 60 s),
+    forgotten once an update of it is accepted. Why: a declined dispatch frees the device at once,
     so a device whose task always fails (a broken install, or a hostile client) was given a new
     dispatch every tick — a stored round, the model sent and a checkpoint written each time
     (240 in 10 s for one device). A waiting device is retried with the then current model."""
 
-    def __init__(self, first_s: float = 1.0, max_s: float = 60.0):
-        self.first_s, self.max_s = first_s, max_s
-        self._until: dict[str, tuple[float, float]] = {}     # device -> (retry at, last wait)
-
     def closed(self, act, now: float) -> None:
         for device in act.accepted:
-            self._until.pop(device, None)
+            self.succeeded(device)
         for device in (*act.declined, *act.rejected, *act.dropped):
-            wait = min(self.max_s, 2 * self._until[device][1]) if device in self._until else self.first_s
-            self._until[device] = (now + wait, wait)
-
-    def waiting(self, now: float) -> set[str]:
-        return {d for d, (until, _) in self._until.items() if until > now}
+            self.failed(device, now)
 
 
 class AsyncJobRunner(JobRunner):

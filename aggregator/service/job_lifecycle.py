@@ -172,3 +172,13 @@ def apply_actions(store: Store, active: ActiveJob | None, job_id: str, actions: 
 
 if __name__ == "__main__":
     print(render_table())
+
+
+def job_to_serve(store: Store, held_back: set[str]) -> dict | None:
+    """The stored job the service takes up next: an interrupted one (running, paused) before the
+    oldest queued; none held back (its end could not be committed lately: it waits, rather than
+    being rebuilt and finished again on every turn of the service's loop)."""
+    rows = [j for j in store.jobs() if j["state"] in (_RUNNING, _PAUSED)] or \
+        ([store.next_queued_job()] if store.next_queued_job() else [])
+    return next((row for row in rows if row["job_id"] not in held_back), None)
+

@@ -62,6 +62,7 @@ from aggregator.service import job_lifecycle, reporting
 from aggregator.service.active_job import ActiveJob, ServiceStats, ValidatedResult
 from aggregator.service.artifacts import ArtifactShelf, artifact_reply
 from aggregator.service.async_runner import AsyncJobRunner
+from aggregator.service.backoff import Backoff
 from aggregator.security.broker import BrokerSecurity
 from aggregator.service.crash_points import CrashPoints
 from aggregator.security.fleet import Fleet
@@ -127,6 +128,7 @@ class AggregatorService(OperatorActions):
         # the jobs that ended lately, retained for every device to drop their state (service/job_end.py)
         self.job_ends = JobEndNotices(store, lambda env: self.link.publish(     # waited for: a stop may follow
             topics.job_ends, encode(env, signer=self._signer), retain=True, wait=True))
+        self.held_back = Backoff()      # stored jobs whose end could not be committed lately
         self.last_finished: ActiveJob | None = None
         self.active: ActiveJob | None = None
         self.runner: JobRunner | None = None
@@ -242,13 +244,9 @@ class AggregatorService(OperatorActions):
 
     def _start_next_job(self) -> bool:
         """With a store: resume an interrupted job, else start the oldest queued one."""
-        if self.store is None:
+        row = job_lifecycle.job_to_serve(self.store, self.held_back.waiting(time.monotonic())) if self.store else None
+        if row is None:
             return False
-        rows = [j for j in self.store.jobs() if j["state"] in (JobState.RUNNING, JobState.PAUSED)] or \
-            ([self.store.next_queued_job()] if self.store.next_queued_job() else [])
-        if not rows:
-            return False
-        row = rows[0]
         try:
             job = build_job(row["kind"], row["config"])
             if row["state"] == JobState.QUEUED:
@@ -444,7 +442,9 @@ class AggregatorService(OperatorActions):
                 self.live = reporting.live_snapshot(self.active, self.fleet, self.stats.to_dict())
 
     def _finish_job(self) -> dict:
-        summary = self.runner.finish()
+        summary, job_id = self.runner.finish(), self.active.job_id
+        if self.active.uncommitted is not None:     # the store resumes the job: after a wait (service/backoff.py)
+            log.warning("job %s: resumed in %.0f s", job_id, self.held_back.failed(job_id, time.monotonic()))
         self.last_finished, self.active, self.runner = self.active, None, None
         self._update_live(force=True)
         return summary
