@@ -211,7 +211,7 @@ def _device(args, client):
         return d, "\n".join(f"{k:<12}{v}" for k, v in _devices_rows([d])[0].items() if not k.endswith("_"))
     if args.action == "revoke":
         d = client.post(f"/api/devices/{args.device_id}/revoke")
-        return d, f"revoked {args.device_id}"
+        return d, f"revoked {args.device_id}" + (f"\nwarning: {d['warning']}" if d.get("warning") else "")
     if args.action == "forget":
         query = f"?job_id={args.job}" if args.job else ""
         lines = client.post(f"/api/devices/{args.device_id}/forget{query}")
@@ -224,6 +224,8 @@ def _device(args, client):
         body["public_key"] = args.public_key
     creds = client.post("/api/devices", body)
     text = f"enrolled {args.device_id} (MQTT user {creds['mqtt_username']})"
+    if creds.get("warning"):
+        text += f"\nwarning: {creds['warning']}"
     if args.out:
         write_private_file(args.out, json.dumps(creds, indent=1).encode())     # holds secrets
         text += f"; credentials written to {args.out} (shown once, keep them safe)"

@@ -22,7 +22,7 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -53,13 +53,21 @@ class MessageLoop:
 
     def call(self, fn: Callable[[], Any], timeout: float = 30.0) -> Any:
         """Run ``fn`` on the loop's thread, after what is queued, and return its result or raise its
-        error (TimeoutError when the loop does not get to it within ``timeout``). On the loop's own
-        thread it runs at once: queued behind itself it would wait for ever."""
+        error. TimeoutError when the loop does not get to it within ``timeout``: the call is then
+        withdrawn and never runs (an admin told "not answering" must not see the change happen
+        later, nor be refused a retry of it); one the loop began meanwhile is waited for, and its
+        outcome is the answer. On the loop's own thread it runs at once: queued behind itself it
+        would wait for ever."""
         if threading.get_ident() == self._owner:
             return fn()
         fut: Future = Future()
         self._q.put(_Call(fn, fut))
-        return fut.result(timeout)
+        try:
+            return fut.result(timeout)
+        except FutureTimeout:
+            if fut.cancel():            # still queued: ``_serve`` skips a cancelled call
+                raise
+        return fut.result()
 
     @property
     def stopping(self) -> bool:

@@ -257,6 +257,44 @@ def test_reload_signals_only_a_running_mosquitto(tmp_path):
         sec.reload()
 
 
+def test_a_broker_that_cannot_reload_leaves_enrolment_and_revocation_committed_and_said(broker, tmp_path):
+    """A review's finding: with a stale pid file the reload raised after the store had committed
+    the change, so the API answered 500 — an enrolment's one-time password lost (the retry is
+    refused: already enrolled), and a revocation the service itself never acted on. Now both are
+    committed and acted on, and the answer carries the broker's failure as a warning."""
+    from starlette.testclient import TestClient
+
+    from aggregator.api.app import create_app
+    from test_admin_api import AUTH, TOKEN
+
+    sec = BrokerSecurity(tmp_path / "security", iterations=1000)
+    sec.initialise()
+    sec.pid_file.write_text("999999999\n")               # the broker restarted elsewhere: a stale pid file
+    store = Store(tmp_path / "state.db")
+    svc = AggregatorService(Fed3RJob(Fed3RConfig(**job_config(["ghost"], expected_devices=1))),
+                            BrokerConfig.from_url(broker.url), tmp_path / "out",
+                            ServiceSettings(keep_serving=True, tick_s=0.05), enrolled={"ghost"}, store=store,
+                            security=sec)
+    thread = threading.Thread(target=svc.run, kwargs={"timeout_s": 60}, daemon=True)
+    thread.start()
+    try:
+        client = TestClient(create_app(store, TOKEN, svc))
+        enrolled = client.post("/api/devices", headers=AUTH, json={"device_id": "dev-a"})
+        assert enrolled.status_code == 201, enrolled.text
+        creds = enrolled.json()
+        assert creds["mqtt_password"] and "no running process" in creds["warning"]
+        assert store.device("dev-a")["status"] == "enrolled" and "dev-a:" in sec.passwd_file.read_text()
+        assert verify_password(creds["mqtt_password"], store.password_hashes()["dev-a"])
+        assert svc.call(lambda: "dev-a" in svc.fleet.enrolled)
+        revoked = client.post("/api/devices/dev-a/revoke", headers=AUTH)
+        assert revoked.status_code == 200 and "no running process" in revoked.json()["warning"]
+        assert revoked.json()["status"] == "revoked" and "dev-a:" not in sec.passwd_file.read_text()
+        assert svc.call(lambda: "dev-a" in svc.fleet.revoked)          # its messages are refused at once
+    finally:
+        svc.stop()
+        thread.join(30)
+
+
 def test_rerun_with_other_names_reissues_the_server_certificate_under_the_same_ca(tmp_path):
     import ipaddress
 

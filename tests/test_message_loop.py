@@ -76,6 +76,29 @@ def test_call_returns_the_result_or_raises_the_error_and_runs_after_what_is_queu
         loop.stop()
 
 
+def test_a_call_that_times_out_never_runs_and_one_begun_is_waited_for():
+    """A review's finding: the admin API answered 503 "not answering" to a call still queued behind
+    a busy loop, and the call ran later anyway (a device enrolled whose password nobody saw; the
+    retry refused as "already enrolled"). A call that times out in the queue is withdrawn; one the
+    loop has begun is waited for, and its outcome is the answer."""
+    loop = MessageLoop(lambda item: None, tick_s=0.01, name="t-timeout").start()
+    release, ran = threading.Event(), []
+    try:
+        busy = threading.Thread(target=lambda: loop.call(lambda: release.wait(10), timeout=20))
+        busy.start()
+        time.sleep(0.1)                                # the loop is inside the first call now
+        with pytest.raises(TimeoutError):
+            loop.call(lambda: ran.append("queued"), timeout=0.2)
+        release.set()
+        busy.join(10)
+        assert loop.call(lambda: 1) == 1 and ran == []          # served since: the withdrawn one never ran
+        # begun before its time is up, it is waited for past the timeout
+        assert loop.call(lambda: time.sleep(0.5) or "done", timeout=0.2) == "done"
+    finally:
+        release.set()
+        loop.stop()
+
+
 def test_call_from_the_loops_own_thread_runs_at_once():
     box = {}
     loop = MessageLoop(lambda item: box.update(inner=loop.call(lambda: threading.get_ident(), timeout=1)),

@@ -40,7 +40,9 @@ class ApiContext:
         try:
             return owner.call(fn, timeout=10.0)
         except FutureTimeout:
-            raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, "the aggregator is not answering") from None
+            # withdrawn unrun (MessageLoop.call): the answer can promise that nothing changed
+            raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE,
+                                "the aggregator is not answering (busy for 10 s): nothing was changed, try again") from None
         except KeyError as exc:
             raise HTTPException(status.HTTP_404_NOT_FOUND, f"not found: {exc}") from None
         except StoreError as exc:

@@ -10,7 +10,7 @@ from fastapi import FastAPI, HTTPException, Path, Query, Response, status
 
 from aggregator.api.context import ApiContext
 from aggregator.api.schemas import (ID_PATTERN, JOB_ID_PATTERN, ONE, READ, WRITE, Cluster, Credentials, Device, EnrollRequest, FleetMode,
-                      FleetSummary, Forgotten)
+                      FleetSummary, Forgotten, RevokedDevice)
 
 DeviceId = Path(pattern=ID_PATTERN)
 DEVICE_PAGE, MAX_DEVICE_PAGE = 1000, 10_000        # devices per page of /api/devices: default, most
@@ -63,10 +63,10 @@ def add_fleet_routes(app: FastAPI, ctx: ApiContext) -> None:
         key = bytes.fromhex(req.public_key) if req.public_key else None
         return ctx.mutate(lambda: ctx.service.enroll(req.device_id, key)).to_dict()
 
-    @post("/api/devices/{device_id}/revoke", response_model=Device, responses=WRITE)
+    @post("/api/devices/{device_id}/revoke", response_model=RevokedDevice, responses=WRITE)
     def revoke(device_id: str = DeviceId) -> dict:
-        ctx.mutate(lambda: ctx.service.revoke(device_id))
-        return store.device(device_id)
+        warning = ctx.mutate(lambda: ctx.service.revoke(device_id))
+        return {**store.device(device_id), "warning": warning}
 
     @post("/api/devices/{device_id}/forget", response_model=list[Forgotten], responses=WRITE,
           description="exact unlearning: remove the device's statistics from every plaintext Fed3R job that "

@@ -36,6 +36,14 @@ class Device(BaseModel):
     cluster: str | None
 
 
+WARNING = Field(default=None, description="the change is committed, but the broker did not take it yet (its "
+                                         "access files are written; it does once it reloads them)")
+
+
+class RevokedDevice(Device):
+    warning: str | None = WARNING
+
+
 class FleetSummary(BaseModel):
     mode: Literal["open", "enrolled"] = Field(description="open: any device may contribute (development); "
                                                           "enrolled: only enrolled devices are given tasks")
@@ -86,6 +94,7 @@ class Credentials(BaseModel):
     private_key_pem: str | None
     ca_pem: str | None
     aggregator_public_key: str | None = Field(default=None, description="hex: verify every aggregator message")
+    warning: str | None = WARNING
 
 
 def config_model(kind: str) -> type[BaseModel]:

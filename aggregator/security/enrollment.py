@@ -15,6 +15,7 @@ Every change rewrites mosquitto's password file and ACL from the store and signa
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass
 
 from protocols.identity import DeviceIdentity, IdentityRegistry
@@ -22,6 +23,8 @@ from protocols.topics import AGGREGATOR_ID, check_device_id
 
 from aggregator.security.broker import BrokerSecurity, hash_password, new_password
 from aggregator.storage.store import Store, StoreError
+
+log = logging.getLogger("fedfleet.aggregator")
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,7 @@ class DeviceCredentials:
     private_key_pem: str | None = None   # only when the aggregator generated the key pair
     ca_pem: str | None = None            # the broker's CA, for TLS
     aggregator_public_key: str | None = None   # hex: the device verifies every aggregator message with it
+    warning: str | None = None           # enrolled, but the broker has not taken the account yet
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -56,19 +60,32 @@ class Enrollment:
         IdentityRegistry({device_id: public_key})          # validates the key (32-byte Ed25519)
         password = new_password()
         self.store.enroll_device(device_id, bytes(public_key), hash_password(password))
-        self._sync_broker()
+        warning = self._sync_broker()
         ca = self.security.ca_cert.read_text() if self.security and self.security.ca_cert.exists() else None
         aggregator_key = self.aggregator_public_key.hex() if self.aggregator_public_key else None
-        return DeviceCredentials(device_id, device_id, password, bytes(public_key).hex(), private_pem, ca, aggregator_key)
+        return DeviceCredentials(device_id, device_id, password, bytes(public_key).hex(), private_pem, ca,
+                                 aggregator_key, warning)
 
-    def revoke(self, device_id: str) -> None:
+    def revoke(self, device_id: str) -> str | None:
+        """Revoked in the store; a warning when the broker has not taken it yet (``_sync_broker``)."""
         self.store.revoke_device(device_id)
-        self._sync_broker()
+        return self._sync_broker()
 
     def registry(self) -> IdentityRegistry:
         """Enrolled devices that have an identity key (devices on a bare allow-list have none)."""
         return IdentityRegistry({d: k for d, k in self.store.enrolled_keys().items() if k is not None})
 
-    def _sync_broker(self) -> None:
-        if self.security is not None:
+    def _sync_broker(self) -> str | None:
+        """Rewrite the broker's access files from the store and have it reload them. A reload that
+        fails is the answer's warning, not an error: the change is committed by then, and raising
+        would lose an enrolment's one-time password (its retry is refused: already enrolled) and
+        keep the service from acting on a revocation (its messages would still be taken)."""
+        if self.security is None:
+            return None
+        try:
             self.security.apply(self.store.password_hashes())
+        except (OSError, RuntimeError) as exc:
+            log.error("the broker did not take the fleet's change: %s", exc)
+            return (f"committed, but the broker did not take it yet ({exc}): it does once it reloads "
+                    "its access files (SIGHUP mosquitto, or restart it)")
+        return None

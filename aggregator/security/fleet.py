@@ -136,10 +136,11 @@ class Fleet:
             self.registry.enroll(device_id, bytes.fromhex(creds.public_key))
         return creds
 
-    def revoke(self, device_id: str) -> None:
+    def revoke(self, device_id: str) -> str | None:
+        """Refused here at once; a warning when the broker has not taken it yet (it may still connect)."""
         if self.enrollment is None:
             raise StoreError("revocation needs a store")
-        self.enrollment.revoke(device_id)
+        warning = self.enrollment.revoke(device_id)
         self.revoked.add(device_id)
         if self.enrolled is not None:
             self.enrolled.discard(device_id)
@@ -147,3 +148,4 @@ class Fleet:
             self.registry.revoke(device_id)
         self.online.discard(device_id)
         self.offline_since.setdefault(device_id, time.time())
+        return warning

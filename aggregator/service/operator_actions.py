@@ -23,12 +23,14 @@ class OperatorActions:
             self.shards.key_changed(device_id, bytes.fromhex(creds.public_key))
         return creds
 
-    def revoke(self, device_id: str) -> None:
-        """Revoke now: the broker refuses it after the reload, this service (and its shards) ignore it at once."""
-        self.fleet.revoke(device_id)
+    def revoke(self, device_id: str) -> str | None:
+        """Revoke now: the broker refuses it after the reload, this service (and its shards) ignore it
+        at once. A warning when the broker could not reload (``Enrollment._sync_broker``)."""
+        warning = self.fleet.revoke(device_id)
         if self.shards is not None and self.settings.require_signatures:
             self.shards.key_changed(device_id, None)
         self._device_lost(device_id)
+        return warning
 
     def set_fleet_mode(self, mode: str) -> str:
         self.fleet.set_mode(mode)
