@@ -29,11 +29,13 @@ from pathlib import Path
 from protocols.files import write_private_file
 
 from . import admin_deployments
+from .admin_ids import refused_id
 from .help_format import HelpFormatter
 from .terminal_text import terminal_safe
 from typing import Any
 
 DEFAULT_URL = "http://127.0.0.1:8080"
+MAX_CONFIG_BYTES = 1024 * 1024      # a job config file: the largest request the admin API takes
 
 
 class AdminError(Exception):
@@ -260,6 +262,17 @@ def _job_text(j: dict) -> str:
     return "\n".join(lines)
 
 
+def _job_config_file(path: Path) -> Any:
+    """The JSON in ``path``, read only if it is no larger than the API takes (1 MiB), one clear
+    error if it is nested too deeply to parse (a RecursionError, which is not a ValueError)."""
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise AdminError(f"{path}: {path.stat().st_size:,} bytes; a job config is at most {MAX_CONFIG_BYTES:,}")
+    try:
+        return json.loads(path.read_text())
+    except RecursionError:
+        raise AdminError(f"{path}: its JSON is nested too deeply") from None
+
+
 def _job(args, client):
     a = args.action
     if a == "show":
@@ -273,7 +286,7 @@ def _job(args, client):
         return e, table(rows, [("#", "i"), ("ROUND", "round"), ("CONTRIBUTIONS", "contributions"),
                                ("ACCURACY", "accuracy"), ("TIME", "t")])
     if a == "create":
-        config = json.loads(Path(args.config).read_text())
+        config = _job_config_file(Path(args.config))
         if not isinstance(config, dict):
             raise AdminError(f"{args.config}: a job config is a JSON object of settings, not {type(config).__name__}")
         job_id = args.job_id or config.get("job_id")
@@ -461,6 +474,10 @@ def run_admin(args) -> int:
             args.config, args.job_id = args.target, args.job_id
         else:
             args.job_id = args.target
+    refused = refused_id(args)
+    if refused:
+        print(f"fedfleet admin: {refused}", file=sys.stderr)
+        return 2
     if args.admin_cmd == "model" and args.action == "download" and not args.output:
         print("fedfleet admin: model download needs -o FILE", file=sys.stderr)
         return 2

@@ -65,6 +65,16 @@ def test_a_job_id_that_names_a_directory_is_refused(client, job_id):
     assert client.post("/api/jobs", headers=AUTH, json={"job_id": "...", "kind": "fed3r", "config": {}}).status_code == 503
 
 
+@pytest.mark.parametrize("deployment_id", [".", ".."])
+def test_a_deployment_id_that_no_path_can_reach_is_refused(client, deployment_id):
+    """A review's finding: ``--deployment-id ..`` started a rollout that browsers, curl and httpx
+    could not promote or roll back (they normalise ``/api/deployments/../rollback`` away), and
+    while it was active every other deployment was refused. Its id now follows a job id's rule."""
+    r = client.post("/api/models/1/deploy", headers=AUTH, json={"deployment_id": deployment_id})
+    assert r.status_code == 422 and "deployment_id" in str(r.json()["detail"])
+    assert client.post(f"/api/deployments/{deployment_id}x/rollback", headers=AUTH).status_code != 422
+
+
 @pytest.mark.parametrize("offset", [2 ** 62, 10 ** 18])
 def test_a_log_offset_past_the_end_reads_nothing(client, offset):
     r = client.get(f"/api/jobs/j1/log?offset={offset}", headers=AUTH)

@@ -20,6 +20,7 @@ def files(tmp_path_factory):
     (d / "job.json").write_text(json.dumps({"num_classes": 10}))
     (d / "huge.json").write_text(json.dumps({"num_classes": 10 ** 9}))
     (d / "list.json").write_text("[1, 2]")
+    (d / "deep.json").write_text("[" * 100_000)
     (d / "creds.json").write_text(json.dumps({"device_id": "cam1", "mqtt_username": "cam1", "mqtt_password": "x"}))
     return d
 
@@ -55,6 +56,16 @@ CASES = [
     ("admin: API down", ["admin", "status", "--token", "t" * 20, "--url", "http://127.0.0.1:1"], "cannot reach"),
     ("admin: a job config that is not an object", ["admin", "job", "create", "{d}/list.json", "--kind", "fed3r",
                                                    "--token", "t" * 20, "--url", "http://127.0.0.1:1"], "JSON object"),
+    # a review's findings: ids that would put another path or action into the request (pause
+    # 'ops/cancel?x=' cancelled the job), or that no path reaches; a config too deep to parse
+    ("admin: a job id naming another action", ["admin", "job", "pause", "ops/cancel?x=", "--token", "t" * 20,
+                                               "--url", "http://127.0.0.1:1"], "is not an id"),
+    ("admin: a device id with a path in it", ["admin", "device", "revoke", "d1/../d2/forget", "--token", "t" * 20,
+                                              "--url", "http://127.0.0.1:1"], "is not an id"),
+    ("admin: a deployment id of dots", ["admin", "deployment", "rollback", "..", "--token", "t" * 20,
+                                        "--url", "http://127.0.0.1:1"], "is not an id"),
+    ("admin: a job config nested too deeply", ["admin", "job", "create", "{d}/deep.json", "--token", "t" * 20,
+                                               "--url", "http://127.0.0.1:1"], "nested too deeply"),
 ]
 
 

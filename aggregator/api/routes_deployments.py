@@ -12,18 +12,18 @@ from fastapi import FastAPI, HTTPException, Path, Query, status
 from pydantic import BaseModel, Field
 
 from aggregator.api.context import ApiContext
-from aggregator.api.schemas import MAX_ID, ONE, READ, WRITE
+from aggregator.api.schemas import JOB_ID_PATTERN, MAX_ID, ONE, READ, WRITE
 from aggregator.deployments.controller import deployment_view
 from aggregator.deployments.guard import DEFAULT_GUARD, DEFAULT_MIN_REPORTS
 from aggregator.deployments.machine import DeploymentState
 from aggregator.storage.deployments import DeploymentStore
 
-DEPLOYMENT_ID = r"^[A-Za-z0-9_.-]{1,64}$"
+DEPLOYMENT_ID = JOB_ID_PATTERN        # a job id's rule: never "." or ".." (no client could reach it in a path)
 DeploymentId = Path(pattern=DEPLOYMENT_ID)
 
 
 class DeploymentCreate(BaseModel):
-    deployment_id: str = Field(default="", pattern=r"^([A-Za-z0-9_.-]{1,64})?$",
+    deployment_id: str = Field(default="", pattern=f"^$|{DEPLOYMENT_ID}",
                                description="default: m<model id>-<unix time>")
     cohort: str = Field(default="5%", max_length=4096,
                         description="the canary: a seeded fraction (5%), tags:a,b (device profile tags) "

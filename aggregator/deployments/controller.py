@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import re
 import time
 import zipfile
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from protocols.topics import AGGREGATOR_ID, CONTROLLER_ROLE, Topics
 
 from aggregator.deployments.cohort import CohortRule, parse_percent
 from aggregator.deployments.guard import DEFAULT_GUARD, DEFAULT_MIN_REPORTS, DeviceReport, Guard
+from aggregator.jobs.config_limits import JOB_ID_RE
 from aggregator.deployments.machine import (ACTIVE, Assign, Deployment, DeploymentState, Halt, Promote, RollBack,
                                             RolledBack, Start, Tick)
 from aggregator.security.repeat_limit import RepeatLimiter
@@ -49,7 +49,7 @@ log = logging.getLogger("fedfleet.aggregator.deployments")
 MAX_DEVICE_MESSAGE_BYTES = 64 * 1024        # an artifact.get or a report: a few hundred bytes
 MEDIAN_WEIGHTS = 2                          # a device weighs at most this many median devices in pooled guards
 HEAD_RESEND_S = 5.0                         # a head is sent to a device at most twice per this (RepeatLimiter)
-_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_ID = JOB_ID_RE          # a deployment's id follows a job id's rule (never "." or "..": unreachable in a path)
 
 
 class CorruptModel(StoreError):
@@ -161,8 +161,8 @@ class DeploymentController(LinkWorker):
                              "promote it to the end or roll it back first")
         head = self._head_bytes(model_id)
         deployment_id = deployment_id or f"m{model_id}-{int(time.time())}"
-        if not _ID.match(deployment_id):
-            raise ValueError(f"deployment id {deployment_id!r}: use 1-64 of [A-Za-z0-9_.-]")
+        if not _ID.fullmatch(deployment_id):
+            raise ValueError(f"deployment id {deployment_id!r}: use 1-64 of [A-Za-z0-9_.-], not '.' or '..'")
         if self.table.get(deployment_id) is not None:
             raise StoreError(f"deployment {deployment_id!r} already exists")
         fractions = tuple(parse_percent(s) for s in str(stages).split(",") if s.strip())
