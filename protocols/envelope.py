@@ -125,18 +125,25 @@ def _object_without_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 MAX_JSON_DEPTH = 32            # headers nest 4 deep; a hostile one must not reach the recursive parser
-_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
-_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+# a whole string, a bracket, or a quote that opens no whole string (only the last can fail to match)
+_JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]|"')
 
 
 def check_json_depth(text: str, limit: int = MAX_JSON_DEPTH) -> None:
     """Refuse JSON nested deeper than ``limit`` before any recursive parser sees it (a 64 KiB
-    header can hold 30,000 levels: RecursionError, not a refusal). Linear, no recursion."""
-    depth = deepest = 0
-    for ch in _NOT_BRACKET.sub("", _JSON_STRING.sub("", text)):
-        depth += 1 if ch in "[{" else -1
-        deepest = max(deepest, depth)
-        if deepest > limit:
+    header can hold 30,000 levels: RecursionError, not a refusal). Linear, no recursion: the
+    tokens are read left to right, and a string that never closes ends the check at once. (Stripping
+    strings with a regex first cost quadratic time on one: each of a header's 32,000 escaped quotes
+    began a scan to its end, 12 s of the service's thread for one 64 KiB message from anyone.)"""
+    depth = 0
+    for token in _JSON_TOKEN.finditer(text):
+        first = token.group()[0]
+        if first == '"':
+            if token.end() - token.start() == 1:
+                raise ValueError("JSON string never closes")
+            continue
+        depth += 1 if first in "[{" else -1
+        if depth > limit:
             raise ValueError(f"JSON nested deeper than {limit} levels")
 
 

@@ -34,6 +34,20 @@ def test_deep_nesting_is_refused_without_recursion(kind):
     check_json_depth("[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH)
 
 
+def test_a_string_that_never_closes_ends_the_depth_check_at_once():
+    """A review's finding: stripping strings with a regex first began a scan to the header's end
+    at each of 32,000 escaped quotes — 12 s of the service's thread for one unsigned 64 KiB header
+    from any client. A string that never closes is refused when it is first met."""
+    hostile = '"' + '\\"' * 32000
+    with pytest.raises(ValueError, match="never closes"):
+        check_json_depth(hostile)
+    with pytest.raises(EnvelopeError, match="never closes"):
+        decode(MAGIC + struct.pack("<I", len(hostile)) + hostile.encode())
+    check_json_depth('{"s": "a \\" [ { quoted", "t": ["\\\\", "x"]}')      # escapes inside strings count as text
+    with pytest.raises(ValueError, match="nested deeper"):
+        check_json_depth('["\\"]"' + "[" * (MAX_JSON_DEPTH + 1))
+
+
 def test_a_live_job_survives_deeply_nested_headers_on_every_topic(broker, tmp_path):
     with pytest.raises(EnvelopeError):
         decode(deep_envelope(20000))
