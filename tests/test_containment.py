@@ -81,3 +81,33 @@ def test_a_live_job_survives_deeply_nested_headers_on_every_topic(broker, tmp_pa
     assert result["rejections"].get("malformed", 0) >= 6
     Zb = [np.hstack([data_for(i)[0], np.ones((30, 1))]) for i in range(3)]
     np.testing.assert_allclose(np.load(tmp_path / "statistics.npz")["A"], sum(z.T @ z for z in Zb), rtol=1e-12)
+
+
+def test_a_presence_from_an_id_not_enrolled_neither_starts_nor_ends_a_job(broker, tmp_path):
+    """A review's finding: the start gate counted every device online, so one "online" presence from
+    an id that is not enrolled (signatures off, a broker without ACLs) started the job, whose first
+    tick found no eligible device and ended it failed. Only devices that may contribute count now:
+    the job waits, and runs when its enrolled device comes."""
+    from protocols import messages as M
+    from protocols.envelope import Envelope, encode
+
+    config = Fed3RConfig(num_classes=C, feature_dim=D, clients_per_round=1, round_timeout_s=20, expected_devices=1,
+                         start_timeout_s=0)
+    svc = AggregatorService(Fed3RJob(config), BrokerConfig.from_url(broker.url), tmp_path, enrolled={"dev00"})
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=60)), daemon=True)
+    thread.start()
+    ghost = raw_client(broker)
+    deadline = time.time() + 20
+    while "ghost" not in svc.call(lambda: set(svc.fleet.online)) and time.time() < deadline:
+        ghost.publish(Topics().presence("ghost"), encode(Envelope(M.PRESENCE, "ghost", {"state": "online"})),
+                      qos=1).wait_for_publish()         # again until the service, subscribing, has heard it
+        time.sleep(0.2)
+    assert "ghost" in svc.call(lambda: set(svc.fleet.online))
+    time.sleep(1.0)                                      # many ticks of the service (0.2 s each)
+    assert thread.is_alive() and not result and svc.call(lambda: not svc.active.started)
+    agent = DeviceAgent("dev00", BrokerConfig.from_url(broker.url), {"fed3r.stats": SyntheticStats(0)}).start()
+    thread.join(60)
+    agent.stop()
+    ghost.loop_stop()
+    assert result["state"] == "done" and sorted(result["contributed"]) == ["dev00"], result

@@ -372,10 +372,12 @@ class JobRunner:
 
     # ------------------------------------------------------------------ scheduling
     def _ready_to_start(self) -> bool:
-        """Enough devices online to open the first round after a (re)start, or waited long enough."""
+        """Enough devices online to open the first round after a (re)start, or waited long enough.
+        Only devices that may contribute count: one presence from an id that is not enrolled started
+        a job whose first tick then found nobody to ask and ended it failed."""
         a = self.a
         if not a.started:
-            online = self.fleet.online
+            online = self.fleet.eligible_online()
             enough = len(online) >= max(1, a.job.config.expected_devices)
             a.started = enough or bool(online and time.time() - a.waiting_since > a.job.config.start_timeout_s)
         return a.started
