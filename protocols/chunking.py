@@ -37,8 +37,10 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -48,6 +50,8 @@ CHUNK_TYPE = "chunk"
 DEFAULT_CHUNK_SIZE = 256 * 1024
 MAX_CHUNKS = 4096
 SMALL_PART_BYTES = 64 * 1024             # a part smaller than a header's limit is copied, not viewed
+MESSAGE_ID = re.compile(r"[0-9a-f]{32}")  # an envelope's id (schema/envelope.schema.json): what a parent names
+RECENT_PER_SENDER = 16                   # completed / refused parents remembered per sender (the latest)
 
 
 def encode_parts(env: Envelope, signer=None, chunk_size: int = DEFAULT_CHUNK_SIZE) -> list[bytes]:
@@ -108,16 +112,20 @@ class Reassembler:
         self._partials: dict[tuple[str, str], _Partial] = {}
         self._held = 0                                   # bytes held over all partials
         self._per_sender: dict[str, list[tuple[str, str]]] = {}   # sender -> its partials' keys, oldest first
-        self._done: dict[tuple[str, str], float] = {}  # recently completed parents: a partial of one is a resend
+        # sender -> {parent: when}, the latest RECENT_PER_SENDER of each (a sender sending message
+        # after message would otherwise grow them for a TTL, outside every budget):
+        self._done: dict[str, dict[str, float]] = {}     # recently completed: a partial of one is a resend
         # messages dropped because the buffer was full: their later chunks are refused unheld (held,
         # they could never complete, and would pin the buffer until the TTL for everyone)
-        self._refused: dict[tuple[str, str], float] = {}
+        self._refused: dict[str, dict[str, float]] = {}
 
     def add(self, chunk: Envelope, now: float | None = None) -> bytes | None:
         now = time.monotonic() if now is None else now
         if chunk.type != CHUNK_TYPE:
             raise EnvelopeError(f"expected a chunk, got {chunk.type!r}")
         parent = body_field(chunk, "parent", str)
+        if not MESSAGE_ID.fullmatch(parent):
+            raise EnvelopeError("a chunk's parent must be its message's id (32 lowercase hex digits)")
         index = body_field(chunk, "index", int)
         count = body_field(chunk, "count", int)
         total = body_field(chunk, "total", int)
@@ -130,10 +138,10 @@ class Reassembler:
             raise EnvelopeError(f"chunk index {index} / count {count} out of range")
         if not (0 < total <= self.max_message_bytes):
             raise EnvelopeError(f"chunked message of {total} bytes exceeds the {self.max_message_bytes}-byte limit")
-        if key in self._refused:
+        if _recalls(self._refused, key):
             if index != 0:
                 raise EnvelopeError(f"chunk {index} of {parent}: the message was dropped (reassembly buffer full)")
-            del self._refused[key]                 # the sender resends it from the start: a fresh try
+            del self._refused[key[0]][parent]       # the sender resends it from the start: a fresh try
         partial = self._partials.get(key)
         if partial is None:
             self._make_room(chunk.sender)
@@ -152,7 +160,7 @@ class Reassembler:
                                 f"({self.max_pending_bytes_per_sender} bytes)")
         if self._held + len(data) > self.max_pending_bytes:
             self._drop(key)
-            self._refused[key] = now
+            _remember(self._refused, key, now)
             raise EnvelopeError(f"reassembly buffer full: message {parent} dropped")
         # a view on the chunk's bytes (copied once, by the join) keeps the chunk's whole message
         # alive, header included (up to 64 KiB): a small part is copied, so what is held is at most
@@ -167,7 +175,7 @@ class Reassembler:
         whole = b"".join(partial.parts[i] for i in range(count))
         if len(whole) != total or (self.check_digest and hashlib.sha256(whole).hexdigest() != digest):
             raise EnvelopeError(f"reassembled message {parent} fails its size/sha256 check")
-        self._done[key] = now
+        _remember(self._done, key, now)
         return whole
 
     def _make_room(self, sender: str) -> None:
@@ -176,7 +184,7 @@ class Reassembler:
         pending = self._per_sender.get(sender, [])
         if len(pending) < self.max_pending_per_sender:
             return
-        resend = next((k for k in pending if k in self._done), None)     # oldest first
+        resend = next((k for k in pending if _recalls(self._done, k)), None)     # oldest first
         if resend is None:
             raise EnvelopeError(f"sender {sender!r} has too many partial messages in flight")
         self._drop(resend)
@@ -205,11 +213,27 @@ class Reassembler:
         stale = [k for k, p in self._partials.items() if now - p.first_seen > self.ttl_s]
         for k in stale:
             self._drop(k)
-        for k in [k for k, t in self._done.items() if now - t > self.ttl_s]:
-            del self._done[k]
-        for k in [k for k, t in self._refused.items() if now - t > self.ttl_s]:
-            del self._refused[k]
+        for table in (self._done, self._refused):
+            for sender in list(table):
+                kept = {parent: t for parent, t in table[sender].items() if now - t <= self.ttl_s}
+                if kept:
+                    table[sender] = kept
+                else:
+                    del table[sender]
         return stale
+
+
+def _remember(table: dict[str, dict[str, float]], key: tuple[str, str], now: float) -> None:
+    """Note (sender, parent) at ``now``, keeping only the sender's latest RECENT_PER_SENDER."""
+    recent = table.setdefault(key[0], {})
+    recent.pop(key[1], None)
+    recent[key[1]] = now
+    while len(recent) > RECENT_PER_SENDER:
+        del recent[next(iter(recent))]
+
+
+def _recalls(table: dict[str, dict[str, float]], key: tuple[str, str]) -> bool:
+    return key[1] in table.get(key[0], ())
 
 
 class MessageAssembler:
@@ -217,11 +241,14 @@ class MessageAssembler:
     collected by a :class:`Reassembler`. ``feed`` returns the envelope, or None while a chunked
     message is incomplete; it raises EnvelopeError for anything malformed."""
 
-    def __init__(self, verifier=None, max_message_bytes: int = 512 * 1024 * 1024, **reassembler_kw):
+    def __init__(self, verifier=None, max_message_bytes: int = 512 * 1024 * 1024,
+                 may_chunk: Callable[[str], bool] = lambda sender: True, **reassembler_kw):
+        """``may_chunk(sender)``: whether chunks of this sender are held at all (an aggregator's:
+        only devices that may contribute send it large messages)."""
         from .envelope import decode
 
         self._decode = decode
-        self.verifier = verifier
+        self.verifier, self.may_chunk = verifier, may_chunk
         self.max_message_bytes = max_message_bytes
         self.reassembler = Reassembler(max_message_bytes=max_message_bytes, check_digest=False, **reassembler_kw)
 
@@ -229,23 +256,32 @@ class MessageAssembler:
         whole = self.feed_whole(payload, now)
         return None if whole is None else whole[0]
 
-    def feed_whole(self, payload: bytes, now: float | None = None) -> tuple[Envelope, bytes] | None:
+    def feed_whole(self, payload: bytes, now: float | None = None,
+                   topic_sender: str | None = None) -> tuple[Envelope, bytes] | None:
         """Like :meth:`feed`, also returning the whole encoded message (what a durable store keeps)."""
-        got = self.feed_lazy(payload, now, lazy=False)
+        got = self.feed_lazy(payload, now, lazy=False, topic_sender=topic_sender)
         return None if got is None else got[:2]
 
-    def feed_lazy(self, payload: bytes, now: float | None = None,
-                  lazy: bool = True) -> tuple[Envelope, bytes, bool] | None:
+    def feed_lazy(self, payload: bytes, now: float | None = None, lazy: bool = True,
+                  topic_sender: str | None = None) -> tuple[Envelope, bytes, bool] | None:
         """Like :meth:`feed_whole`, but a reassembled (chunked, so large) message comes back with
         its header only (``decode_header``; its chunks' headers were checked, signatures included,
         not their bytes) and ``False``:
         the caller decodes it in full — payload sha256, signature, tensors — wherever it likes
         (an aggregator's ingest workers) before acting on it. Single messages come back decoded
-        in full, with ``True``."""
+        in full, with ``True``.
+
+        ``topic_sender``: the device whose topic the payload came on; a chunk claiming another
+        sender is refused before anything is held (held under the name it claims, one device's
+        chunks filled another's budget and slots)."""
         env = self._decode(payload, self.verifier, max_bytes=self.max_message_bytes,
                            hash_payload=lambda kind: kind != CHUNK_TYPE)
         if env.type != CHUNK_TYPE:
             return env, payload, True
+        if topic_sender is not None and env.sender != topic_sender:
+            raise EnvelopeError(f"a chunk from {env.sender!r} on {topic_sender!r}'s topic")
+        if not self.may_chunk(env.sender):
+            raise EnvelopeError(f"{env.sender!r} may not send chunked messages here")
         whole = self.reassembler.add(env, now)
         if whole is None:
             return None

@@ -125,7 +125,7 @@ def test_the_service_expires_a_devices_unfinished_chunks_on_its_own_clock(broker
     gate = threading.Event()
     config = Fed3RConfig(num_classes=C, feature_dim=D, clients_per_round=3, round_timeout_s=30, expected_devices=3)
     svc = AggregatorService(Fed3RJob(config), BrokerConfig.from_url(broker.url), tmp_path,
-                            ServiceSettings(tick_s=0.05), enrolled=set(devices))
+                            ServiceSettings(tick_s=0.05), enrolled={*devices, "hog"})      # chunks held: enrolled
     svc.assembler.reassembler.ttl_s = 3.0
     result = {}
     thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=60)), daemon=True)
@@ -177,15 +177,50 @@ def test_the_service_expires_a_devices_unfinished_chunks_on_its_own_clock(broker
 
 
 def test_chunks_sent_on_many_other_devices_topics_leave_no_state_behind(tmp_path):
-    """One sender's unfinished chunk published on 2,000 other topics (an open broker without ACLs):
-    the service's per-topic byte counts are pruned with the partials, not kept per topic id for ever."""
+    """One sender's unfinished chunk published on 2,000 other topics (an open broker without ACLs)
+    is refused on each before anything is held: no partial (held under the sender it claims, they
+    took that device's slots and budget), no per-topic byte count. Its own topic's is held."""
     svc = AggregatorService(None, BrokerConfig(port=1), tmp_path)          # the link is never started
     part = chunked("hog", "a", 9_000)[0]
     for i in range(2_000):
         svc._on_payload(Topics().outbox(f"victim{i}"), part)
-    assert len(svc._device_bytes) == 2_000
-    svc._tick(time.monotonic())
-    assert svc._device_bytes == {} and svc.assembler.reassembler.senders() == {"hog"}
+    assert svc._device_bytes == {} and svc.assembler.reassembler.senders() == set()
+    assert svc.stats.rejections["malformed"] == 2_000
+    svc._on_payload(Topics().outbox("hog"), part)                        # open fleet: any device's own
+    assert svc.assembler.reassembler.senders() == {"hog"}
+
+
+def test_chunks_claiming_another_sender_or_from_one_not_enrolled_hold_nothing(tmp_path):
+    """A review's findings: chunks were held under the sender they claimed before the topic's
+    device or its enrolment was checked, so one client filled other devices' partial-message slots
+    ("dev00 has too many partial messages in flight" for 300 s, four 400-byte messages) and, by
+    claiming many names, many budgets at once. A chunk is now held only when its sender is the
+    topic's device and may contribute."""
+    svc = AggregatorService(None, BrokerConfig(port=1), tmp_path, enrolled={"dev00", "mallory"})
+    for i in range(4):                                   # mallory's chunks in dev00's name, on its own topic
+        svc._on_payload(Topics().outbox("mallory"), chunked("dev00", f"m{i}", 3_000)[0])
+    svc._on_payload(Topics().outbox("stranger"), chunked("stranger", "s", 3_000)[0])      # not enrolled
+    assert svc.assembler.reassembler.senders() == set() and svc.stats.rejections["malformed"] == 5
+    for part in chunked("dev00", "real", 3_000):         # dev00's own message goes through whole
+        svc._on_payload(Topics().outbox("dev00"), part)
+    assert svc.assembler.reassembler.senders() == set() and svc.stats.rejections["malformed"] == 5
+
+
+def test_a_chunks_parent_is_a_message_id_and_each_sender_is_remembered_for_a_bounded_number():
+    """A review's finding: completed (and refused) parents were remembered for the TTL whatever
+    their number and length: 2,000 one-chunk messages with 60 KB parent strings held 114 MiB outside
+    every budget. A parent is a message id (32 hex digits), and a sender's latest 16 are kept."""
+    from protocols.chunking import RECENT_PER_SENDER, split
+
+    asm = MessageAssembler()
+    env = Envelope(type="result", sender="d", body={}, tensors={"x": np.zeros(3000, np.uint8)})
+    with pytest.raises(EnvelopeError, match="message's id"):
+        asm.feed(split(encode(env), "p" * 60_000, "d", chunk_size=1000)[0])
+    for i in range(200):
+        for part in chunked("d", f"n{i}", 3_000):
+            asm.feed(part)
+    assert len(asm.reassembler._done["d"]) == RECENT_PER_SENDER
+    assert list(asm.reassembler._done["d"]) == [mid(f"n{i}") for i in range(200 - RECENT_PER_SENDER, 200)]
 
 
 def test_a_device_agent_expires_its_unfinished_chunked_messages_on_its_tick(broker, monkeypatch):

@@ -104,7 +104,7 @@ class AggregatorService(OperatorActions):
         self.fleet = Fleet(store, security, enrolled, settings.require_signatures,
                            identity.public_key_bytes if identity is not None else None)
         self.assembler = MessageAssembler(verifier=self.fleet.verify if settings.require_signatures else None,
-                                          max_message_bytes=settings.max_message_bytes)
+                                          max_message_bytes=settings.max_message_bytes, may_chunk=self.fleet.may_contribute)
         self.stats = ServiceStats()             # messages that belong to no job (bad topic, malformed, ...)
         self._device_bytes: dict[str, int] = {}  # bytes of a device's message being reassembled
         self._expired_at = 0.0
@@ -269,7 +269,7 @@ class AggregatorService(OperatorActions):
         if topic.endswith("/out"):
             self._device_bytes[device] = self._device_bytes.get(device, 0) + len(payload)
         try:
-            got = self.assembler.feed_lazy(payload, lazy=self.ingest is not None)
+            got = self.assembler.feed_lazy(payload, lazy=self.ingest is not None, topic_sender=device)
             if got is not None and not got[2] and not self._to_workers(device, got[0]):
                 got = (decode(got[1], self.assembler.verifier, max_bytes=self.assembler.max_message_bytes), got[1], True)
         except EnvelopeError as exc:

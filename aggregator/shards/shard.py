@@ -142,7 +142,7 @@ class ShardIngest:
             return None if self.groups is not None and device is not None else Forward(topic, payload)
         self._bytes[device] = self._bytes.get(device, 0) + len(payload)
         try:
-            got = self.assembler.feed_whole(payload)
+            got = self.assembler.feed_whole(payload, topic_sender=device)
         except EnvelopeError:
             self._bytes.pop(device, None)
             return Forward(topic, payload)          # refused on the coordinator's path, with its reason
