@@ -111,3 +111,32 @@ def test_a_presence_from_an_id_not_enrolled_neither_starts_nor_ends_a_job(broker
     agent.stop()
     ghost.loop_stop()
     assert result["state"] == "done" and sorted(result["contributed"]) == ["dev00"], result
+
+
+def test_ids_not_enrolled_heard_from_are_kept_to_a_bounded_latest_few(tmp_path):
+    """A review's finding: each presence from an invented id (an open broker, signatures off) was
+    kept for ever in the fleet's online, seen and last-seen maps and every live snapshot: 15,728
+    ids in 100 s from one client, +57 MB and rising. Ids that may not contribute are kept to the
+    latest MAX_STRANGERS (shown to the operator); enrolled devices are never dropped."""
+    from aggregator.security.fleet import MAX_STRANGERS
+    from protocols import messages as M
+    from protocols.envelope import Envelope, encode
+
+    svc = AggregatorService(None, BrokerConfig(port=1), tmp_path, enrolled={"dev00"})     # link never started
+    topics = Topics()
+
+    def online(device):
+        svc._on_payload(topics.presence(device), encode(Envelope(M.PRESENCE, device, {"state": "online"})))
+
+    online("dev00")
+    for i in range(MAX_STRANGERS + 500):
+        online(f"fake{i:05d}")
+    fleet = svc.fleet
+    strangers = {f"fake{i:05d}" for i in range(500, MAX_STRANGERS + 500)}          # the latest ones
+    assert fleet.online == strangers | {"dev00"} and fleet.seen == fleet.online
+    assert set(fleet.last_seen) == fleet.online and fleet.online_not_enrolled() == strangers
+    online("fake00600")                                  # heard again: now the latest, the oldest goes
+    online("fake99999")
+    assert "fake00600" in fleet.online and "fake00500" not in fleet.online and "fake99999" in fleet.online
+    assert len(fleet.online) == MAX_STRANGERS + 1 and "dev00" in fleet.eligible_online()
+

@@ -24,6 +24,9 @@ from aggregator.security.enrollment import DeviceCredentials, Enrollment
 from aggregator.storage.store import Store, StoreError
 
 log = logging.getLogger("fedfleet.aggregator")
+# ids that may not contribute (enrolled mode) but were heard from: the latest this many are kept
+# to show the operator; an open broker let one client invent ~160 a second, each kept for ever
+MAX_STRANGERS = 1000
 
 
 def verify_enrolled(registry: IdentityRegistry, sender: str, signed: bytes, signature: bytes) -> None:
@@ -45,6 +48,7 @@ class Fleet:
         self.last_seen: dict[str, float] = {}
         self.revoked: set[str] = set()
         self.offline_since: dict[str, float] = {}
+        self._strangers: dict[str, None] = {}      # heard from, may not contribute: oldest first
         self.enrolled, self.registry = enrolled, (IdentityRegistry() if require_signatures else None)
         self.mode = "open" if enrolled is None else "enrolled"
         if store is not None:
@@ -97,8 +101,25 @@ class Fleet:
 
     def heard_from(self, device: str) -> None:
         self.last_seen[device] = time.time()
+        self._keep_if_stranger(device)
+
+    def _keep_if_stranger(self, device: str) -> None:
+        """A device that may not contribute joins the strangers; beyond MAX_STRANGERS the one
+        heard from least lately is forgotten (it is no one's participant, only an operator's line)."""
+        if self.may_contribute(device):
+            return
+        self._strangers.pop(device, None)
+        self._strangers[device] = None
+        while len(self._strangers) > MAX_STRANGERS:
+            old = next(iter(self._strangers))
+            del self._strangers[old]
+            self.online.discard(old)
+            self.seen.discard(old)
+            self.last_seen.pop(old, None)
+            self.offline_since.pop(old, None)
 
     def presence(self, device: str, online: bool, info: dict | None) -> None:
+        self._keep_if_stranger(device)
         if self.store is not None:
             self.store.device_seen(device, online, info if online else None)
         if online:
@@ -129,6 +150,7 @@ class Fleet:
         if self.enrollment is None:
             raise StoreError("enrolment needs a store")
         creds = self.enrollment.enroll(device_id, public_key)
+        self._strangers.pop(device_id, None)
         self.revoked.discard(device_id)
         self.enrolled = (self.enrolled or set()) | {device_id}       # the mode stays what it was
         if self.registry is not None:
