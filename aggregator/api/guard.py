@@ -98,19 +98,42 @@ class RequestGuard:
                 return await _login_page(send, "Your session has ended; sign in again." if expired else "")
             return await _answer(send, 401, "missing or wrong admin token", {"www-authenticate": "Bearer"})
         length = dict(scope.get("headers", ())).get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.max_body):
+        # (a length of more digits than any body could have is refused before int() is asked to read it)
+        if length is not None and (not length.isdigit() or len(length) > 18 or int(length) > self.max_body):
             return await _answer(send, 413, f"request body larger than {self.max_body} bytes")
-        seen = 0
+        return await self._bounded(scope, receive, send)
+
+    async def _bounded(self, scope, receive, send) -> None:
+        """The app, its body cut at max_body however it is sent (a chunked body has no length): past
+        it the app reads a disconnect and the guard answers 413 itself, unless the app has already
+        begun its answer (before, the app's own parse error said only "error parsing the body")."""
+        seen, too_large, started = 0, False, False
 
         async def bounded_receive():
-            nonlocal seen
+            nonlocal seen, too_large
+            if too_large:
+                return {"type": "http.disconnect"}
             message = await receive()
             seen += len(message.get("body", b""))
             if seen > self.max_body:
-                raise ValueError(f"request body larger than {self.max_body} bytes")
+                too_large = True
+                return {"type": "http.disconnect"}
             return message
 
-        return await self.app(scope, bounded_receive, send)
+        async def tracked_send(message):
+            nonlocal started
+            if too_large and not started:
+                return                                  # the guard's 413 instead
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, bounded_receive, tracked_send)
+        except Exception:
+            if not too_large:
+                raise
+        if too_large and not started:
+            await _answer(send, 413, f"request body larger than {self.max_body} bytes")
 
     async def _sign_in(self, scope, receive, send) -> None:
         """The sign-in form's POST: the token in a urlencoded body of at most MAX_LOGIN_BYTES."""
