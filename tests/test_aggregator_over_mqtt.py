@@ -16,7 +16,7 @@ from aggregator.service.settings import ServiceSettings
 from edge_client.agent import DeviceAgent
 from edge_client.fed3r import Fed3RAccumulator
 from protocols import messages as M
-from protocols.envelope import encode
+from protocols.envelope import decode, encode
 from protocols.mqtt_link import BrokerConfig
 from protocols.payloads.fed3r import encode_stats
 from protocols.topics import Topics
@@ -311,3 +311,79 @@ def test_a_storm_of_random_hostile_messages_changes_nothing(broker, tmp_path):
     assert rejections.get("presence", 0) >= 10, rejections   # garbled presence: refused, device stays online
     Za = [np.hstack([data_for(i)[0], np.ones((30, 1))]) for i in range(3)]
     np.testing.assert_allclose(np.load(tmp_path / "statistics.npz")["A"], sum(z.T @ z for z in Za), rtol=1e-12)
+
+
+def test_closed_rounds_are_let_go_and_still_answer_a_resend_and_a_late_result(broker, tmp_path):
+    """A closed round's machine, task ids and counters are let go once its close is committed (the
+    service grew ~2 KB a round for ever: every dispatch of an asynchronous job is a round). What it
+    answered is kept: a resent accepted result is acked ``duplicate`` (the device learns it
+    counted), any other result for it ``late``; a round the job never had stays unknown."""
+    from test_broker_security import RawDevice
+
+    devices = ["dev00", "dev01", "dev02"]
+    config = Fed3RConfig(num_classes=C, feature_dim=D, clients_per_round=1, round_timeout_s=60,
+                         expected_devices=3, seed=1)
+    svc = AggregatorService(Fed3RJob(config), BrokerConfig.from_url(broker.url), tmp_path,
+                            ServiceSettings(tick_s=0.05), enrolled=set(devices))
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=60)), daemon=True)
+    thread.start()
+    topics = Topics()
+    raw = {d: RawDevice(broker.port, None, client_id=d, tls=False) for d in devices}
+    for d, c in raw.items():
+        c.c.subscribe(topics.inbox(d), 1)
+    time.sleep(0.3)
+    for d, c in raw.items():
+        c.publish(topics.presence(d), encode(M.presence_message(d, "online")))
+
+    def answer(device, ref, body_tensors):
+        message = encode(M.result_message(device, ref, "fed3r.stats", *body_tensors))
+        raw[device].inbox.clear()                        # its answer is the next ack
+        raw[device].publish(topics.outbox(device), message)
+        return message, M.parse_result_ref(decode(message))[0], decode(message).id
+
+    def ack_of(device, message_id, timeout=15):
+        return raw[device].wait_for(lambda m: m.type == M.ACK and m.body["ref"] == message_id, timeout).body["status"]
+
+    sent = []
+    for _ in range(2):                                   # two rounds answered and closed; the third left open
+        deadline = time.time() + 20
+        while time.time() < deadline:
+            tasks = [(d, m) for d, c in raw.items() for m in list(c.inbox) if m.type == M.TASK
+                     and d not in [s[0] for s in sent]]
+            if tasks:
+                break
+            time.sleep(0.05)
+        device, task = tasks[0]
+        ref = M.parse_task(task)[0]
+        message, _, message_id = answer(device, ref, SyntheticStats(devices.index(device))({}))
+        assert ack_of(device, message_id) == "accepted"
+        sent.append((device, ref, message, message_id))
+    wait_for_open = time.time() + 20
+    while svc.call(lambda: svc.active.job.round) < 3 and time.time() < wait_for_open:
+        time.sleep(0.05)
+    kept = svc.call(lambda: (sorted(svc.active.rounds), sorted(svc.active.tasks), sorted(svc.active.opened_at),
+                             len(svc.active.closed)))
+    assert kept == ([3], [3], [3], 2)                     # round 3 open; 1 and 2 let go, their two ids kept
+    first_device, first_ref, first_message, first_id = sent[0]
+    raw[first_device].inbox.clear()
+    raw[first_device].publish(topics.outbox(first_device), first_message)         # its ack was lost: resent
+    assert ack_of(first_device, first_id) == "duplicate"
+    _, _, fresh_id = answer(first_device, first_ref, SyntheticStats(0)({}))       # a new result for a closed round
+    assert ack_of(first_device, fresh_id) == "late"
+    before = svc.call(lambda: svc.active.stats.rejections.get("unknown round", 0))
+    never = M.TaskRef(first_ref.job, 99, first_ref.task)
+    answer(first_device, never, SyntheticStats(0)({}))
+    deadline = time.time() + 10
+    while svc.call(lambda: svc.active.stats.rejections.get("unknown round", 0)) == before and time.time() < deadline:
+        time.sleep(0.05)
+    assert svc.call(lambda: svc.active.stats.rejections.get("unknown round", 0)) == before + 1
+    last = next(d for d in devices if d not in (sent[0][0], sent[1][0]))
+    task = raw[last].wait_for(lambda m: m.type == M.TASK)
+    answer(last, M.parse_task(task)[0], SyntheticStats(devices.index(last))({}))
+    thread.join(30)
+    for c in raw.values():
+        c.close()
+    assert result["state"] == "done" and sorted(result["contributed"]) == devices
+    assert svc.last_finished.rounds == {} and svc.last_finished.tasks == {}
+

@@ -15,6 +15,7 @@ from typing import Any
 from protocols.rounds import RoundClosed, RoundCoordinator
 
 from aggregator.service.canonical import AppliedContributions
+from aggregator.service.closed_rounds import ClosedRounds
 from aggregator.jobs.base import Job
 from aggregator.storage.schema import JobState
 
@@ -61,7 +62,8 @@ class ActiveJob:
     kind: str
     out_dir: Path
     state: JobState = JobState.RUNNING                 # running | paused
-    rounds: dict[int, RoundCoordinator] = field(default_factory=dict)
+    rounds: dict[int, RoundCoordinator] = field(default_factory=dict)     # open rounds (and closing)
+    closed: ClosedRounds = field(default_factory=ClosedRounds)   # what rounds let go still answer
     current: RoundCoordinator | None = None
     tasks: dict[int, dict[str, str]] = field(default_factory=dict)     # round -> device -> task id
     deadlines: dict[int, float] = field(default_factory=dict)          # round -> wall-clock deadline
@@ -83,6 +85,15 @@ class ActiveJob:
     @property
     def job_id(self) -> str:
         return self.job.config.job_id
+
+    def let_go(self, round_: int, now: float) -> None:
+        """Drop a closed round's machine and bookkeeping once its close is committed, keeping what
+        it still answers (``closed_rounds.py``: the service grew ~2 KB a round otherwise)."""
+        coord = self.rounds.pop(round_, None)
+        if coord is not None:
+            self.closed.let_go(coord, now)
+        for per_round in (self.tasks, self.deadlines, self.opened_at, self.round_bytes):
+            per_round.pop(round_, None)
 
     def round_entry(self, closed: RoundClosed, opened_at: float | None, closed_at: float | None) -> dict:
         """One line of the job's round log (results.json, the API, the report)."""

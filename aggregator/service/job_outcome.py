@@ -39,6 +39,7 @@ def device_answers(a: ActiveJob, store: Store | None) -> dict[str, tuple[str, st
             for e in store.round_events(a.job_id, r.round):
                 answers[e["device"]] = (e["event"], e["reason"])
         return answers
+    answers.update(a.closed.answers)                # the rounds let go (closed_rounds.py), then the open ones
     for _, coord in sorted(a.rounds.items()):
         answers.update({d: ("declined", why) for d, why in coord.declined.items()})
         answers.update({d: ("rejected", why) for d, why in coord.rejected.items()})

@@ -322,10 +322,22 @@ class JobRunner:
                           **{k: v for k, v in a.round_log[-1].items() if k not in ("round", "t")})
         if a.current is not None and a.current.round == act.round:
             a.current = None
+        a.let_go(act.round, time.time())
         if evaluation is not None:
             self._publish_eval(evaluation, stored=True)     # with the status
         else:
             self.publish_status()
+
+    def answer_closed(self, device: str, env, round_: int) -> bool:
+        """A result or decline for a round this job closed and let go (``closed_rounds.py``):
+        answered as its round machine would have; False when the job never closed such a round."""
+        if not self.a.closed.knows(round_) or round_ in self.a.rounds:
+            return False
+        if env.type == M.RESULT:
+            status = self.a.closed.status(env.id, round_, time.time())
+            self._send_ack(SendAck(device, env.id, status, "" if status == "duplicate" else f"round {round_} is closed"),
+                           round_)
+        return True
 
     def _close_not_committed(self, act: RoundClosed, exc: Exception) -> None:
         """Nothing of this close has left the process, and its noise must not: the job is rebuilt

@@ -336,8 +336,8 @@ class AggregatorService(OperatorActions):
         if a is None or ref.job != a.job_id:
             return self._reject(device, "unknown job", repr(ref.job)[:80])
         coord = a.rounds.get(ref.round)
-        if coord is None:
-            return self._reject(device, "unknown round", f"no round {ref.round} in job {ref.job}")
+        if coord is None:       # a round closed and let go still answers (JobRunner.answer_closed)
+            return self.runner.answer_closed(device, env, ref.round) or self._reject(device, "unknown round", f"round {ref.round}")
         a.round_bytes[ref.round] += nbytes
         if env.type == M.RESULT and not coord.applies(device, env.id):     # a duplicate or late one: not read
             return self.runner.handle(coord, ResultArrived(device, env.id, None))
@@ -376,8 +376,9 @@ class AggregatorService(OperatorActions):
         refused = refusal(future, device in self.fleet.revoked)
         if refused is not None:
             return self._reject(device, *refused)
-        if a is None or ref.job != a.job_id or ref.round not in a.rounds:
-            return self._reject(device, "unknown round", f"job {ref.job} round {ref.round} is gone")
+        if a is None or ref.job != a.job_id or ref.round not in a.rounds:   # closed meanwhile: its answer
+            return (a is not None and ref.job == a.job_id and self.runner.answer_closed(device, header, ref.round)
+                    or self._reject(device, "unknown round", f"job {ref.job} round {ref.round} is gone"))
         self._accept(a.rounds[ref.round], device, header.id, kind, raw, accepted_parser(future.result(), a.job, raw))
 
     def _on_artifact_get(self, device: str, env: Envelope) -> None:
@@ -427,8 +428,7 @@ class AggregatorService(OperatorActions):
             self._expired_at = now
             for sender, parent in self.assembler.reassembler.expire(now):
                 log.warning("partial message %s from %s expired unfinished", parent, sender)
-            # counted per topic, held per sender: a chunk on another device's topic must not leave
-            # an entry behind for ever
+            # the per-topic byte counts go with the partials (expired ones here, refused ones at once)
             holding = self.assembler.reassembler.senders()
             self._device_bytes = {d: n for d, n in self._device_bytes.items() if d in holding}
         if self.runner is not None:

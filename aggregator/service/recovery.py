@@ -141,3 +141,4 @@ class _RoundReplay:
             hand_round_sum(self.a.job, self.store, self.a.kind, self.a.job_id, r.round)
             self.a.job.close_round(closed)
         self.a.round_log.append(self.a.round_entry(closed, r.opened_at, r.closed_at))
+        self.a.let_go(r.round, r.closed_at or time.time())
