@@ -240,6 +240,7 @@ def test_a_secure_dp_sum_is_scaled_back_only_when_every_member_scaled():
     ids = {d: DeviceIdentity.generate(d) for d in members}
     job = Fed3RSyncJob(cfg, identity=DeviceIdentity.generate("aggregator"),
                        registry=IdentityRegistry({d: k.public_key_bytes for d, k in ids.items()}))
+    assert sorted(job.next_participants(set(members))) == list(members)    # the round (and its bound) opened
     scales = cfg.block_scales()
     rng = np.random.default_rng(4)
     A, B = statistics(p, C, 9, 5)

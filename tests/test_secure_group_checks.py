@@ -4,7 +4,9 @@ is applied (a review's findings, each a way one member moved or sabotaged the mo
 * (a count slot of 0, which settled the round silently: tests/test_secure_stateful.py);
 * under distributed DP no check ran at all: one member could mask any ring element;
 * secure LADD checked its cluster counts but not its weight slots: n = 1 − Σ others' n made φ's
-  "mean" the weighted sum itself.
+  "mean" the weighted sum itself;
+* Fed3R-Sync under distributed DP (and its DP center round) released any sum; plain Fed3R-Sync
+  left A's off-diagonal and the class counts unchecked (a sum no honest group can send).
 """
 
 import numpy as np
@@ -75,3 +77,63 @@ def test_a_member_flapping_its_presence_does_not_hold_a_phase_open(tmp_path, key
         job.member_offline(members[0], float(t))
     job.on_protocol_tick(12.0)                                 # 12 s without progress > 5: timed out
     assert job.secure is None or job.secure.phase is not Phase.ADVERTISE_KEYS   # (nobody answered: it failed)
+
+
+def fed3r_sync_job(**over):
+    from aggregator.jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob
+    from protocols.identity import DeviceIdentity, IdentityRegistry
+
+    devices = [f"cam-{i}" for i in range(6)]
+    ids = {d: DeviceIdentity.generate(d) for d in devices}
+    config = Fed3RSyncConfig(num_classes=3, feature_dim=5, clients_per_round=3, max_samples=4, **over)
+    job = Fed3RSyncJob(config, identity=DeviceIdentity.generate("aggregator"),
+                       registry=IdentityRegistry({d: k.public_key_bytes for d, k in ids.items()}))
+    return job, tuple(job.next_participants(set(devices)))
+
+
+@pytest.mark.parametrize("center", [False, True], ids=["dp-round", "dp-center-round"])
+def test_a_dp_fed3r_sync_sum_beyond_every_members_bound_is_discarded_not_released(center):
+    """A review's finding: one member of a distributed-DP Fed3R-Sync group (or of its DP center round)
+    masked an entry of 1e6 × what the group can send, and it was released into the model (A[0,0]
+    9.4e8 where three members can send 939) or the center (1.2e8)."""
+    over = dict(dp_center_devices=3, dp_center_clip_norm=1.0) if center else {}
+    job, members = fed3r_sync_job(dp_noise_multiplier=1.5, feature_clip_norm=2.0, **over)
+    bound, length = job.secure.config.bound, job.secure.config.vector_length
+    honest = np.zeros(length)
+    honest[-1] = len(members)                          # each member's count slot (1 scaled, or its n)
+    forged = honest.copy()
+    forged[0] = 1e6 * bound * len(members)
+    job.group_summed(job.round, forged, members)
+    assert "out of bound" in (job.secure_failure(job.round) or "")
+    assert job.strategy.releases == 0 if not center else job.strategy.center.value is None
+    assert set(job.contributed) == set(members)         # unmasked: released, never asked again
+    job2, members2 = fed3r_sync_job(dp_noise_multiplier=1.5, feature_clip_norm=2.0, **over)
+    job2.group_summed(job2.round, honest, members2)    # within the bound: taken
+    assert job2.secure_failure(job2.round) is None
+
+
+def test_a_plain_fed3r_sync_sum_no_honest_group_can_send_is_discarded():
+    """Within the ring's bound one member set A's off-diagonal (A's least eigenvalue −128.7) and a
+    class count (121 in a group of 60 samples, widening b's allowance): the sum must be a sum of
+    Gram matrices with counts adding up to n."""
+    from protocols.payloads.secagg import pack_sync_vector
+
+    rng = np.random.default_rng(3)
+    job, members = fed3r_sync_job(max_abs_feature=2.0)
+    Z = rng.uniform(-2, 2, (12, 5))
+    y = rng.integers(0, 3, 12)
+    Zb = np.hstack([Z, np.ones((12, 1))])
+    a_upper = (Zb.T @ Zb)[np.triu_indices(6)]
+    b = np.stack([Zb[y == c].sum(0) for c in range(3)])
+    off = a_upper.copy()
+    off[1] += 150                                       # A[0, 1]
+    count = b.copy()
+    count[0, -1] += 100
+    for forged, why in ((pack_sync_vector(off, b, 12), "Gram"), (pack_sync_vector(a_upper, count, 12), "bias")):
+        job, members = fed3r_sync_job(max_abs_feature=2.0)
+        job.group_summed(job.round, forged, members)
+        assert why in (job.secure_failure(job.round) or ""), job.secure_failure(job.round)
+    job, members = fed3r_sync_job(max_abs_feature=2.0)
+    job.group_summed(job.round, pack_sync_vector(a_upper, b, 12), members)
+    assert job.secure_failure(job.round) is None and job.group_samples == [12]
+

@@ -34,6 +34,7 @@ from protocols.payloads.secagg import SYNC_KIND, scale_sync_blocks, sync_vector_
 from protocols.payloads.secure_tasks import SecureFed3RParams, SyncBlockScales
 from protocols.payloads.task_params import DpRound
 from protocols.rounds import RoundClosed
+from protocols.secagg.distributed_dp import noisy_bound
 from protocols.secagg.fixedpoint import RING_BITS, fed3r_bound
 
 from aggregator.strategies.dp_fed3r import (CalibratedSSP, DistributedSSP, Fed3RMechanism, Fed3RSensitivity,
@@ -125,15 +126,12 @@ class Fed3RSyncJob(SecureGroupRounds, Fed3RJob):
                 return []        # this would be the last group: wait for them (or for their grace to run out)
         chosen = super().next_participants(set(pool), size)    # the center round: dp_center_devices of them
         if centering and chosen:
-            c, center = self.config, self.strategy.center
-            self._round_dp = self.open_dp_round(self.round, chosen, c.p, c.max_samples * max(c.feature_clip_norm, 1.0),
-                                                c.dp_noise_multiplier * center.sensitivity)
+            c = self.config
+            self._round_dp = self.open_dp_round(self.round, chosen, c.p, self._dp_data_bound(),
+                                                c.dp_noise_multiplier * self.strategy.center.sensitivity)
         elif self.config.dp:
-            c, scales = self.config, self.config.block_scales()
-            r = row_norm_bound(c.row_clip_norm, c.fit_intercept)
-            widest = 1.0 if scales is None else max(1.0, scales.a_off_diagonal, scales.b)   # what scaling may grow
-            self._round_dp = self.open_dp_round(self.round, chosen, self.vector_length,
-                                                fed3r_bound(c.max_samples, max(r, 1.0)) * widest, c.dp_noise_stddev())
+            self._round_dp = self.open_dp_round(self.round, chosen, self.vector_length, self._dp_data_bound(),
+                                                self.config.dp_noise_stddev())
         else:
             self.open_secure_round(self.round, chosen, self.vector_length, self.bound)
         return chosen
@@ -153,8 +151,36 @@ class Fed3RSyncJob(SecureGroupRounds, Fed3RJob):
     def parse_result(self, env: Envelope):
         raise EnvelopeError("fed3r.secure devices send secagg messages, never plain results")
 
+    def _dp_data_bound(self) -> float:
+        """Each member's per-entry bound before its noise, in a DP round: the center round's
+        (Σ z, n) or the statistics' (scaled by ``block_scales`` where those grow them)."""
+        c = self.config
+        if self.centering:
+            return c.max_samples * max(c.feature_clip_norm, 1.0)
+        scales = c.block_scales()
+        widest = 1.0 if scales is None else max(1.0, scales.a_off_diagonal, scales.b)    # what scaling may grow
+        return fed3r_bound(c.max_samples, max(row_norm_bound(c.row_clip_norm, c.fit_intercept), 1.0)) * widest
+
+    def _check_dp_entries(self, total: np.ndarray, members: int) -> None:
+        """GroupSumOutOfBound unless no entry of a DP group's sum passes ``members`` × the round's
+        per-entry bound (its data bound with room for the noise: what every member's encoder holds
+        to). A review's finding: one member could mask any ring element and have it released —
+        an entry of 9.4e8 where three members can send 939, or a feature center of 1.2e8."""
+        bound = noisy_bound(self._dp_data_bound(), self._round_dp["stddev"])
+        largest = float(np.abs(total).max(initial=0.0))
+        if largest > members * bound * (1 + 1e-6):
+            raise GroupSumOutOfBound(f"an entry of {largest:.4g} where {members} members can send at most "
+                                     f"{members * bound:.4g} (each within {bound:.4g}): nothing applied")
+
     def on_secure_sum(self, total: np.ndarray, survivors: tuple[str, ...]) -> None:
         c = self.config
+        if c.dp:                        # the bound first; the members count as released before it (below)
+            try:
+                self._check_dp_entries(total, len(survivors))
+            except GroupSumOutOfBound:
+                for d in survivors:     # unmasked, the sum was released whether or not it is used
+                    self.contributed[d] = 0
+                raise
         if self.centering:    # (Σ z, n) + the devices' noise: the center, nothing else
             self.strategy.center.release_noised(total, len(survivors))
             n = 0
