@@ -169,6 +169,16 @@ class MqttLink:
         if self.connected.is_set():
             self.client.subscribe(topic, qos=qos)
 
+    def fetch_retained(self, topic: str, qos: int = 1) -> None:
+        """Have the broker send the retained messages of ``topic`` (a filter) again: subscribing
+        delivers them, and a filter this link does not keep is dropped at once (its messages keep
+        coming through the wildcard that covers them); one it keeps is only renewed. Nothing while
+        disconnected: the subscriptions made again on reconnecting deliver them anyway."""
+        if self.connected.is_set():
+            self.client.subscribe(topic, qos=qos)
+            if topic not in {t for t, _ in self.subscriptions}:
+                self.client.unsubscribe(topic)
+
     def unsubscribe(self, topic: str) -> None:
         """Stop receiving ``topic`` now (if connected) and after every reconnect."""
         self.subscriptions = [(t, q) for t, q in self.subscriptions if t != topic]

@@ -257,7 +257,7 @@ def test_reload_signals_only_a_running_mosquitto(tmp_path):
         sec.reload()
 
 
-def test_a_broker_that_cannot_reload_leaves_enrolment_and_revocation_committed_and_said(broker, tmp_path):
+def test_a_broker_that_cannot_reload_leaves_enrolment_and_revocation_committed_and_said(broker, tmp_path, monkeypatch):
     """A review's finding: with a stale pid file the reload raised after the store had committed
     the change, so the API answered 500 — an enrolment's one-time password lost (the retry is
     refused: already enrolled), and a revocation the service itself never acted on. Now both are
@@ -290,6 +290,11 @@ def test_a_broker_that_cannot_reload_leaves_enrolment_and_revocation_committed_a
         assert revoked.status_code == 200 and "no running process" in revoked.json()["warning"]
         assert revoked.json()["status"] == "revoked" and "dev-a:" not in sec.passwd_file.read_text()
         assert svc.call(lambda: "dev-a" in svc.fleet.revoked)          # its messages are refused at once
+        # access files that cannot be written (a full disk): said as such, not as a reload to make
+        monkeypatch.setattr(BrokerSecurity, "write_access_files", lambda *a: (_ for _ in ()).throw(OSError(28, "No space")))
+        full = client.post("/api/devices", headers=AUTH, json={"device_id": "dev-b"})
+        assert full.status_code == 201 and "could not be written" in full.json()["warning"]
+        assert store.device("dev-b")["status"] == "enrolled" and "dev-b:" not in sec.passwd_file.read_text()
     finally:
         svc.stop()
         thread.join(30)

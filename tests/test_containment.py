@@ -12,11 +12,13 @@ import pytest
 
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
 from aggregator.service.loop import AggregatorService
+from aggregator.service.settings import ServiceSettings
 from edge_client.agent import DeviceAgent
 from protocols.envelope import MAGIC, MAX_JSON_DEPTH, EnvelopeError, check_json_depth, decode
 from protocols.mqtt_link import BrokerConfig
 from protocols.topics import Topics
 
+from ops_fleet import wait_for
 from test_aggregator_over_mqtt import C, D, SyntheticStats, data_for, raw_client
 
 def deep_envelope(levels: int, kind: str = "[") -> bytes:
@@ -139,4 +141,43 @@ def test_ids_not_enrolled_heard_from_are_kept_to_a_bounded_latest_few(tmp_path):
     online("fake99999")
     assert "fake00600" in fleet.online and "fake00500" not in fleet.online and "fake99999" in fleet.online
     assert len(fleet.online) == MAX_STRANGERS + 1 and "dev00" in fleet.eligible_online()
+
+
+def test_a_connected_device_forgotten_with_the_strangers_comes_back_when_it_may_contribute(broker, tmp_path,
+                                                                                           monkeypatch):
+    """A review's finding on the bound above: a device still connected but forgotten with the
+    strangers (its presence is published once, retained) was never online again after it was
+    enrolled or the fleet opened, until it reconnected. Its retained presence is read again then."""
+    import aggregator.security.fleet as fleet_module
+    from aggregator.storage.store import Store
+    from protocols import messages as M
+    from protocols.envelope import Envelope, encode
+
+    monkeypatch.setattr(fleet_module, "MAX_STRANGERS", 3)
+    svc = AggregatorService(None, BrokerConfig.from_url(broker.url), tmp_path, ServiceSettings(keep_serving=True),
+                            enrolled={"dev00"}, store=Store(tmp_path / "state.db"))
+    thread = threading.Thread(target=lambda: svc.run(timeout_s=60), daemon=True)
+    thread.start()
+    agents = [DeviceAgent(d, BrokerConfig.from_url(broker.url), {}).start() for d in ("laptop", "cam9")]
+    def online():
+        return svc.call(lambda: set(svc.fleet.online))
+
+    def eligible():
+        return svc.call(lambda: svc.fleet.eligible_online())
+
+    wait_for(lambda: {"laptop", "cam9"} <= online(), 20, "both connected")
+    flood = raw_client(broker)
+    for i in range(5):                                   # newer strangers push both out
+        flood.publish(Topics().presence(f"fake{i}"), encode(Envelope(M.PRESENCE, f"fake{i}", {"state": "online"})),
+                      qos=1).wait_for_publish()
+    wait_for(lambda: not {"laptop", "cam9"} & online(), 20, "both forgotten")
+    svc.call(lambda: svc.enroll("laptop"))
+    wait_for(lambda: "laptop" in eligible(), 20, "the enrolled device online again")
+    svc.call(lambda: svc.set_fleet_mode("open"))
+    wait_for(lambda: "cam9" in eligible(), 20, "the open fleet's device online again")
+    for agent in agents:
+        agent.stop()
+    flood.loop_stop()
+    svc.stop()
+    thread.join(30)
 

@@ -115,28 +115,34 @@ def test_a_sampled_dp_jobs_participants_cannot_be_redrawn_from_its_config():
 
 
 def check_rounds_sample_at_most_the_accounted_rate(make_job, kappa, population, rounds=400):
-    """Each round draws at most q·|pool| of the pool (q = κ / population), none while that is below
-    one device, and over many rounds no device is drawn more often than a binomial tail of q allows.
-    ``make_job()`` builds a fresh DP job with this κ and dp_population; returns the round sizes."""
+    """Each round draws q·|pool| of the pool in expectation (q = κ / population; its integer part,
+    or one more), at most κ, so over many rounds no device is drawn more often than a binomial
+    tail of q allows, and a pool too small for one device per round still has rounds (of one).
+    ``make_job()`` builds a fresh DP job with this κ and dp_population."""
     q = kappa / population
     for online in (10, population // 10 - 1, population // 4, population, 5 * population):
         pool = {f"d{i:04d}" for i in range(online)}
-        job, seen = make_job(), dict.fromkeys(pool, 0)
-        for _ in range(rounds):
+        job, seen, sizes = make_job(), dict.fromkeys(pool, 0), []
+        while len(sizes) < rounds:
             chosen = job.next_participants(pool)
-            assert len(chosen) == min(kappa, kappa * online // population), online
+            sizes.append(len(chosen))
             for d in chosen:
                 seen[d] += 1
             if chosen:
                 job.close_round(RoundClosed(job.round, (), tuple(chosen), (), ()))
-        # each round draws len(chosen) of ``online`` uniformly: a device's chance is <= q
+        expected = min(kappa, q * online)
+        assert set(sizes) <= {min(kappa, int(q * online)), min(kappa, int(q * online) + 1)}, online
+        if expected < kappa:             # the size's mean is q·|pool| (within a binomial tail of it)
+            lo, hi = stats.binom.interval(1 - 1e-9, rounds, expected - int(expected))
+            assert lo <= sum(sizes) - rounds * int(expected) <= hi, (online, sum(sizes))
+        # each round draws its devices uniformly: a device's chance is <= q
         assert max(seen.values()) <= stats.binom.ppf(1 - 1e-9 / online, rounds, q)
 
 
 def test_no_online_device_is_sampled_more_often_than_the_rate_epsilon_counts():
     """A review's finding: ε counted q = κ / dp_population while the scheduler drew κ of whoever
     was online, so 10 devices online of a declared 1,000 were each in every round (after 100
-    rounds at z = 1: ε 1.2 reported, 96 spent). A round now draws at most q·|pool| devices."""
+    rounds at z = 1: ε 1.2 reported, 96 spent). A round now draws q·|pool| devices in expectation."""
     cfg = {"num_classes": 3, "feature_dim": 8, "clients_per_round": 10, "rounds": 10 ** 6,
            "dp_noise_multiplier": 1.0, "dp_clip_norm": 1.0, "dp_population": 1000}
     check_rounds_sample_at_most_the_accounted_rate(lambda: build_job("fedavg", cfg), 10, 1000)

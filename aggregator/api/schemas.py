@@ -36,8 +36,8 @@ class Device(BaseModel):
     cluster: str | None
 
 
-WARNING = Field(default=None, description="the change is committed, but the broker did not take it yet (its "
-                                         "access files are written; it does once it reloads them)")
+WARNING = Field(default=None, description="the change is committed and the aggregator acts on it, but the broker "
+                                         "has not taken it yet: why, and what makes it take it")
 
 
 class RevokedDevice(Device):

@@ -5,10 +5,11 @@ mechanism with noise multiplier z = σ / Δ, on a Poisson sample of rate q of th
 how many it made; the library's Rényi-DP accountant composes them and converts to (ε, δ).
 
 - FedAvg family: one release per round, ``PoissonSampledDpEvent(q, GaussianDpEvent(z))``
-  composed over the rounds. The scheduler samples a fixed κ of the online devices, not a Poisson
-  sample; q = κ / population is the usual approximation of DP-FedAvg (McMahan et al. 2018), valid
-  only when the operator's ``dp_population`` is a true lower bound of the eligible fleet. Without
-  a population (0) no amplification is claimed: q = 1.
+  composed over the rounds, q = κ / ``dp_population``. The scheduler draws q·|pool| of the online
+  devices in expectation (``UpdateClippingFields.round_size``), so each is sampled with probability
+  at most q however many are online; a draw of that size, not a Poisson sample, is the usual
+  approximation of DP-FedAvg (McMahan et al. 2018). Without a population (0) no amplification is
+  claimed: q = 1.
 - Fed3R: each device's statistics enter exactly one noisy round sum and every later model is a
   function of those sums, so by parallel composition the whole job is one Gaussian release
   (``releases=1`` whatever the number of rounds).

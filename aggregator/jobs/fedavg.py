@@ -197,7 +197,7 @@ class FedAvgJob(Job):
         if self._open or self.round >= self.config.rounds or self.budget_exhausted:
             return []
         pool = sorted(online)
-        k = self.config.round_size(len(pool))
+        k = self.config.round_size(len(pool), self._rng)
         if not k:
             return []
         chosen = sorted(self._rng.sample(pool, k))

@@ -83,9 +83,16 @@ class Enrollment:
         if self.security is None:
             return None
         try:
-            self.security.apply(self.store.password_hashes())
+            self.security.write_access_files(self.store.password_hashes())
+        except OSError as exc:
+            log.error("the broker's access files could not be written: %s", exc)
+            return (f"committed, but the broker's access files could not be written ({exc}): the broker keeps "
+                    "its previous accounts (a revoked device may still connect; its messages are refused) until "
+                    "a later enrolment or revocation writes them from the store")
+        try:
+            self.security.reload()
         except (OSError, RuntimeError) as exc:
-            log.error("the broker did not take the fleet's change: %s", exc)
-            return (f"committed, but the broker did not take it yet ({exc}): it does once it reloads "
-                    "its access files (SIGHUP mosquitto, or restart it)")
+            log.error("the broker did not reload its access files: %s", exc)
+            return (f"committed and its access files written, but the broker did not reload them ({exc}): "
+                    "it takes the change once it does (SIGHUP mosquitto, or restart it)")
         return None

@@ -21,6 +21,10 @@ class OperatorActions:
         creds = self.fleet.enroll(device_id, public_key)
         if self.shards is not None and self.settings.require_signatures:    # the shards verify with it at once
             self.shards.key_changed(device_id, bytes.fromhex(creds.public_key))
+        if device_id not in self.fleet.online:
+            # its presence may have been forgotten with the strangers (Fleet.MAX_STRANGERS) while it
+            # stayed connected: its retained presence, read again, makes it eligible now
+            self.link.fetch_retained(self.topics.presence(device_id))
         return creds
 
     def revoke(self, device_id: str) -> str | None:
@@ -34,6 +38,8 @@ class OperatorActions:
 
     def set_fleet_mode(self, mode: str) -> str:
         self.fleet.set_mode(mode)
+        if mode == "open":          # every retained presence again: strangers forgotten while connected come back
+            self.link.fetch_retained(self.topics.all_presence)
         self._update_live(force=True)
         return self.fleet.mode
 
