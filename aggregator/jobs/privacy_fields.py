@@ -125,7 +125,7 @@ class UpdateClippingFields(PrivacyBudgetFields):
         k = min(self.clients_per_round, pool)
         if self.dp and self.sampling_rate() < 1.0:
             whole, part = divmod(self.clients_per_round * pool, self.dp_population)     # q·pool, exactly
-            k = min(k, whole + (rng.randrange(self.dp_population) < part))
+            k = min(k, whole + (part > 0 and rng.randrange(self.dp_population) < part))   # no draw when exact
         return k
 
     def participant_seed(self) -> int:
