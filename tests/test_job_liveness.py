@@ -67,9 +67,10 @@ def test_a_revoked_device_does_not_stall_the_job(broker, tmp_path):
 
 def test_enrolling_a_device_does_not_change_the_fleet_mode_and_tasks_go_only_to_allowed_devices(broker, tmp_path):
     """An open aggregator stays open when one device is enrolled; switched to enrolled-only on
-    purpose, it gives tasks only to enrolled devices (the others are shown, not asked)."""
+    purpose, it gives tasks only to enrolled devices (the others are shown, not asked, and do not
+    count towards the devices a job waits for before its first round)."""
     store = Store(tmp_path / "state.db")
-    config = Fed3RConfig(num_classes=C, feature_dim=D, clients_per_round=10, round_timeout_s=30, expected_devices=3)
+    config = Fed3RConfig(num_classes=C, feature_dim=D, clients_per_round=10, round_timeout_s=30, expected_devices=2)
     svc = AggregatorService(Fed3RJob(config), BrokerConfig.from_url(broker.url), tmp_path / "out",
                             ServiceSettings(tick_s=0.05, offline_grace_s=1.0), store=store)
     assert svc.fleet.mode == "open" and store.setting("fleet_mode") == "open"

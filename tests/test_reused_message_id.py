@@ -49,4 +49,7 @@ def test_a_message_id_reused_in_a_later_round_is_refused_not_a_store_failure(tmp
     stored = [c.round for c in store.contributions(a.job_id, with_payload=False)]
     assert not fatal, f"one device's reused message id made the runner rebuild the job: {fatal}"
     assert stored == [1] and a.job.contributed == {device: n0}
-    assert a.rounds[2].rejected == {device: "the message id of a result this job holds already"}
+    # round 2, closed and let go (closed_rounds.py), refused it, durably and in what it still answers
+    assert [(e["device"], e["event"], e["reason"]) for e in store.round_events(a.job_id, 2)] == \
+        [(device, "rejected", "the message id of a result this job holds already")]
+    assert a.closed.answers == {device: ("rejected", "the message id of a result this job holds already")}
