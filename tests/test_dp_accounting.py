@@ -117,7 +117,8 @@ def test_a_sampled_dp_jobs_participants_cannot_be_redrawn_from_its_config():
 def check_rounds_sample_at_most_the_accounted_rate(make_job, kappa, population, rounds=400):
     """Each round draws q·|pool| of the pool in expectation (q = κ / population; its integer part,
     or one more), at most κ, so over many rounds no device is drawn more often than a binomial
-    tail of q allows, and a pool too small for one device per round still has rounds (of one).
+    tail of q allows; a pool too small for one device per round opens none (a draw of nobody
+    redrawn at the next tick would put each device in every opened round with 1/|pool|, not q).
     ``make_job()`` builds a fresh DP job with this κ and dp_population."""
     q = kappa / population
     for online in (10, population // 10 - 1, population // 4, population, 5 * population):
@@ -131,6 +132,9 @@ def check_rounds_sample_at_most_the_accounted_rate(make_job, kappa, population, 
             if chosen:
                 job.close_round(RoundClosed(job.round, (), tuple(chosen), (), ()))
         expected = min(kappa, q * online)
+        if expected < 1:
+            assert set(sizes) == {0}, online
+            continue
         assert set(sizes) <= {min(kappa, int(q * online)), min(kappa, int(q * online) + 1)}, online
         if expected < kappa:             # the size's mean is q·|pool| (within a binomial tail of it)
             lo, hi = stats.binom.interval(1 - 1e-9, rounds, expected - int(expected))

@@ -85,7 +85,7 @@ def fed3r_sync_job(**over):
 
     devices = [f"cam-{i}" for i in range(6)]
     ids = {d: DeviceIdentity.generate(d) for d in devices}
-    config = Fed3RSyncConfig(num_classes=3, feature_dim=5, clients_per_round=3, max_samples=4, **over)
+    config = Fed3RSyncConfig(**{"num_classes": 3, "feature_dim": 5, "clients_per_round": 3, "max_samples": 4, **over})
     job = Fed3RSyncJob(config, identity=DeviceIdentity.generate("aggregator"),
                        registry=IdentityRegistry({d: k.public_key_bytes for d, k in ids.items()}))
     return job, tuple(job.next_participants(set(devices)))
@@ -136,4 +136,29 @@ def test_a_plain_fed3r_sync_sum_no_honest_group_can_send_is_discarded():
     job, members = fed3r_sync_job(max_abs_feature=2.0)
     job.group_summed(job.round, pack_sync_vector(a_upper, b, 12), members)
     assert job.secure_failure(job.round) is None and job.group_samples == [12]
+
+
+def test_an_honest_plain_fed3r_sync_group_passes_its_shape_check_through_the_fixed_point_codec():
+    """The last review's finding on the shape check: each member rounds its statistics to the ring's
+    grid, so a feature of 3e-7 (a ReLU output nearly always 0) has its A_ii rounded to 0 while its
+    products with large features stay: honest groups were discarded (20 of 20). The check allows
+    each member's rounding."""
+    from edge_client.fed3r import Fed3RAccumulator
+    from protocols.payloads.secagg import pack_sync_vector
+
+    rng = np.random.default_rng(5)
+    for tiny in (3e-7, 1e-6, 0.0):
+        job, members = fed3r_sync_job(max_abs_feature=6.0, max_samples=10_000)
+        codec = job.secure.config.codec
+        total = None
+        for _ in members:
+            X = rng.uniform(0, 6, (200, 5))
+            X[:, 0] = 0.0
+            X[0, 0] = tiny                                  # one activation of a nearly dead feature
+            acc = Fed3RAccumulator(3, 5, True)
+            acc.update(X, rng.integers(0, 3, 200))
+            words = codec.encode(pack_sync_vector(acc.A[np.triu_indices(6)], acc.B, acc.n))
+            total = words if total is None else total + words
+        job.group_summed(job.round, codec.decode(total), members)
+        assert job.secure_failure(job.round) is None, (tiny, job.secure_failure(job.round))
 

@@ -35,7 +35,7 @@ from protocols.payloads.secure_tasks import SecureFed3RParams, SyncBlockScales
 from protocols.payloads.task_params import DpRound
 from protocols.rounds import RoundClosed
 from protocols.secagg.distributed_dp import noisy_bound
-from protocols.secagg.fixedpoint import RING_BITS, fed3r_bound
+from protocols.secagg.fixedpoint import RING_BITS, fed3r_bound, max_scale_bits
 
 from aggregator.strategies.dp_fed3r import (CalibratedSSP, DistributedSSP, Fed3RMechanism, Fed3RSensitivity,
                                             UniformGaussian, row_norm_bound)
@@ -105,6 +105,9 @@ class Fed3RSyncJob(SecureGroupRounds, Fed3RJob):
         feature_bound = (np.sqrt(2.0 / rf["dim"]) if rf else config.max_abs_feature)
         self.bound = fed3r_bound(config.max_samples, max(feature_bound, 1.0))   # ≥ 1: the bias feature
         self._group_bound = FeatureBound(feature_bound, config.max_samples, config.fit_intercept)
+        # half the coarsest fixed-point step a plain round can have (its largest group: stragglers
+        # join the last one): how far each member's entry may be from its exact statistic
+        self._resolution = 2.0 ** -(max_scale_bits(config.clients_per_round + MIN_GROUP - 1, self.bound, RING_BITS) + 1)
         self.vector_length = checked_vector_length(sync_vector_length(config.p, config.num_classes))
         self.group_samples: list[int] = []
         self._round_dp: dict | None = None
@@ -196,7 +199,7 @@ class Fed3RSyncJob(SecureGroupRounds, Fed3RJob):
         else:
             a_upper, b, n = unpack_sync_vector(total, c.p, c.num_classes)
             try:
-                check_group_sum(a_upper, b, n, len(survivors), self._group_bound)
+                check_group_sum(a_upper, b, n, len(survivors), self._group_bound, self._resolution)
             except ValueError as exc:
                 raise GroupSumOutOfBound(str(exc)) from None
             self.strategy.add_dense(a_upper, b, n)

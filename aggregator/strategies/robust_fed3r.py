@@ -113,41 +113,46 @@ class FeatureBound:
                              f"{float(excess.max()):.4g}")
 
 
-def check_group_sum(a_upper: np.ndarray, b: np.ndarray, n: int, members: int, bound: FeatureBound) -> None:
+def check_group_sum(a_upper: np.ndarray, b: np.ndarray, n: int, members: int, bound: FeatureBound,
+                    resolution: float = 0.0) -> None:
     """ValueError unless a secure group's sum of statistics is within the sum of its members'
     bounds: n ≤ members × the per-device cap, diag(A) ≤ n·F², |b[c, j]| ≤ count_c·F (each is a
     sum of per-device bounds, so an honest group always passes), and has the shape every sum of
-    honest statistics has whatever the data (``check_gram_shape``). The server sees only the sum:
-    one member past its bound is caught when the others' slack cannot hide it (docs/secure-aggregation.md)."""
+    honest statistics has whatever the data (``check_gram_shape``, up to ``members`` × the
+    fixed-point ``resolution``: each member rounds each entry by at most that). The server sees
+    only the sum: one member past its bound is caught when the others' slack cannot hide it
+    (docs/secure-aggregation.md)."""
     group = FeatureBound(bound.max_abs_feature, bound.max_samples * members, bound.fit_intercept)
     group.check(Fed3RStats(n=n, p=len(b[0]), a_upper=a_upper, class_ids=np.arange(len(b)), b=b))
-    check_gram_shape(np.asarray(a_upper, np.float64), np.asarray(b, np.float64), n, bound)
+    check_gram_shape(np.asarray(a_upper, np.float64), np.asarray(b, np.float64), n, bound, members * resolution)
 
 
-def check_gram_shape(a_upper: np.ndarray, b: np.ndarray, n: int, bound: FeatureBound) -> None:
+def check_gram_shape(a_upper: np.ndarray, b: np.ndarray, n: int, bound: FeatureBound, rounding: float = 0.0) -> None:
     """ValueError unless (A, b, n) is shaped as a sum of Σ z zᵀ, Σ z yᵀ can be: |A_ij| ≤ √(A_ii·A_jj)
     (a Gram matrix); with the bias column, A's corner is n, its row |Σ z_j| ≤ n·F, and the class
     counts (b's bias column) are ≥ 0 and add up to n. A review's finding: within its ring bound one
     group member set A's off-diagonal and a class count at will (least eigenvalue −128.7; a count of
-    121 in a group of 60 samples, which also widened b's allowance for that class)."""
-    p = len(b[0])
+    121 in a group of 60 samples, which also widened b's allowance for that class). ``rounding``:
+    how far each entry of the sum may be from the exact one (the members' fixed-point rounding: a
+    feature of 3e-7 has its A_ii rounded to 0 while its products with large features stay)."""
+    p, e = len(b[0]), rounding + _ABS
     rows, cols = np.triu_indices(p)
     diag = packed_diagonal(a_upper, p)
-    room = np.sqrt(np.maximum(diag[rows], 0.0) * np.maximum(diag[cols], 0.0)) * _SLACK + _ABS
+    room = np.sqrt(np.maximum(diag[rows] + e, 0.0) * np.maximum(diag[cols] + e, 0.0)) * _SLACK + e
     if (np.abs(a_upper) > room).any():
         at = int(np.argmax(np.abs(a_upper) - room))
         raise ValueError(f"A is no sum of Gram matrices: |A[{rows[at]},{cols[at]}]| = {abs(a_upper[at]):.4g} "
                          f"> √(A_ii·A_jj) = {room[at] - _ABS:.4g}")
     if not bound.fit_intercept:
         return
-    tolerance = n * (_SLACK - 1) + _ABS
+    tolerance = n * (_SLACK - 1) + e * len(b)
     counts = b[:, -1]
-    if abs(diag[-1] - n) > tolerance or abs(float(counts.sum()) - n) > tolerance or (counts < -_ABS).any():
+    if abs(diag[-1] - n) > tolerance or abs(float(counts.sum()) - n) > tolerance or (counts < -e).any():
         raise ValueError(f"the bias entries disagree with n = {n}: A's corner {diag[-1]:.6g}, class counts "
                          f"{np.round(counts, 3).tolist()[:8]} (each ≥ 0, adding up to n)")
     if bound.max_abs_feature:
         row = np.abs(a_upper[cols == p - 1][:-1])          # |Σ z_j| over the samples, j < p − 1
-        if (row > n * bound.max_abs_feature * _SLACK + _ABS).any():
+        if (row > n * bound.max_abs_feature * _SLACK + e).any():
             raise ValueError(f"features out of range: |Σ z_j| reaches {float(row.max()):.4g} > n·F = "
                              f"{n * bound.max_abs_feature:.4g}")
 
