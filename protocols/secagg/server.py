@@ -423,12 +423,12 @@ class ServerSecAgg:
         return self_mask_shares, key_shares
 
     def _reconstruct(self, shares: dict[str, dict[int, bytes]], owner: str, what: str,
-                     is_secret: Callable[[bytes], bool], suspects: set[int]) -> bytes:
+                     is_secret: Callable[[bytes], bool], suspects: set[int], doubted: set[int]) -> bytes:
         """``owner``'s secret from its holders' shares, confirmed by ``is_secret``: a holder whose
         shares are wrong is outvoted by the others (``shamir.reconstruct_verified``)."""
         try:
             return shamir.reconstruct_verified(shares.get(owner, {}), self.config.share_threshold, SECRET_BYTES,
-                                               is_secret, suspects)
+                                               is_secret, suspects, doubted=doubted)
         except ReconstructionError as exc:
             raise ReconstructionError(f"{what} of {owner!r}: {exc}") from None
 
@@ -442,11 +442,12 @@ class ServerSecAgg:
         signed_seeds: list[tuple[bytes, int]] = []
         commitments = self._received[Phase.SHARE_KEYS]
         suspects: set[int] = set()        # holders caught with a wrong share: tried last for the next secret
+        doubted: set[int] = set()         # left out of a confirmed set, uncorroborated: tried late (a hint)
         for owner in survivors:
             commitment = commitments[owner].self_mask_commitment
             seed = self._reconstruct(self_mask_shares, owner, "self-mask seed",
                                      lambda s: self_mask_commitment(self.context, owner, s) == commitment,
-                                     suspects)
+                                     suspects, doubted)
             signed_seeds.append((seed, -1))
         for dropped in self._dropped:
             masked_with = sorted(self._graph.neighbours(dropped) & set(survivors))
@@ -455,7 +456,7 @@ class ServerSecAgg:
             public = advertised[dropped].mask_public_key
             mask_key = x25519_from_private_bytes(self._reconstruct(
                 key_shares, dropped, "mask key",
-                lambda s: x25519_public_bytes(x25519_from_private_bytes(s)) == public, suspects))
+                lambda s: x25519_public_bytes(x25519_from_private_bytes(s)) == public, suspects, doubted))
             for survivor in masked_with:
                 seed = pair_mask_seed(mask_key, advertised[survivor].mask_public_key, self.context,
                                       dropped, survivor)
