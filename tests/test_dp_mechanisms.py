@@ -265,6 +265,35 @@ def test_a_device_adding_distributed_noise_joins_only_a_64_bit_round():
             ClientState.WAITING_CONFIG if wanted else ClientState.ADVERTISED)
 
 
+def test_the_metrics_claim_no_epsilon_for_a_run_with_seeded_noise(monkeypatch, tmp_path):
+    """A review's finding (stop 61): /metrics exported the ε of a run whose noise was seeded (tests
+    comparing bits), which anyone knowing the seed can undo. Its report says ``not_private``; the
+    metrics now carry that instead of an ε."""
+    import types
+
+    from aggregator.api.metrics import render_metrics
+    from aggregator.storage.store import Store
+    from aggregator.strategies.dp_noise import NOISE_SEED_ENV
+
+    config = {"job_id": "j", "num_classes": 3, "feature_dim": 4, "dp_noise_multiplier": 1.0, "dp_clip_norm": 1.0}
+    stats = {"bytes_in": 0, "duplicates": 0, "late": 0, "rejections": {}}
+    store = Store(tmp_path / "state.db")
+
+    def metrics():
+        privacy = build_job("fedavg", config).evaluate(None, None)["privacy"]
+        job = {"job_id": "j", "round": 1, "contributions": 0, "accuracy": None, "privacy": privacy, "stats": stats}
+        service = types.SimpleNamespace(live={"job": job, "stats": stats}, store=None,       # what metrics read
+                                        link=types.SimpleNamespace(bytes_sent=0))
+        return render_metrics(store, service)
+
+    monkeypatch.delenv(NOISE_SEED_ENV, raising=False)
+    private = metrics()
+    assert 'fedfleet_job_privacy_epsilon{job="j"}' in private and "seeded_noise" not in private
+    monkeypatch.setenv(NOISE_SEED_ENV, "7")
+    seeded = metrics()
+    assert 'fedfleet_job_privacy_seeded_noise{job="j"} 1' in seeded and "privacy_epsilon" not in seeded
+
+
 def test_a_seeded_noise_source_repeats_its_draws_and_every_privacy_report_says_it_is_not_private(monkeypatch):
     """FEDFLEET_TEST_DP_NOISE_SEED (tests comparing two runs' bits): two jobs draw the same noise,
     and the report carries ``not_private``; unset, the draws differ and the report has no such key."""

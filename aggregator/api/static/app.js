@@ -131,7 +131,8 @@ async function showJob(job, live) {
   $("accuracy").textContent = last ? last.accuracy.toFixed(4) : "-";
   const dpEval = evals.filter((e) => e.privacy != null).pop();
   const dp = isLive && live.privacy ? live.privacy : dpEval ? dpEval.privacy : null;
-  $("privacy").textContent = dp ? `${dp.epsilon.toFixed(3)} (${dp.delta})` : "-";
+  // a run whose noise is seeded (tests only) claims no ε: anyone knowing the seed can undo it
+  $("privacy").textContent = !dp ? "-" : dp.not_private ? "not private (seeded noise)" : `${dp.epsilon.toFixed(3)} (${dp.delta})`;
   $("privacy-detail").textContent = dp ? `z=${dp.noise_multiplier}, budget ${dp.target_epsilon ?? "none"}` : "no DP";
   drawRound(open);
   fillTable("rounds-table", rounds.slice(-15).reverse().map((r) => [r.round, r.state, r.participants.length,
