@@ -41,7 +41,7 @@ def render_metrics(store, service=None) -> str:
         if job.get("accuracy") is not None:
             out.metric("fedfleet_job_accuracy", "gauge", "Accuracy of the active job's provisional model.",
                        [(labels, job["accuracy"])])
-        if job.get("privacy", {}).get("not_private"):     # seeded noise (tests only): no ε to claim
+        if (job.get("privacy") or {}).get("not_private"):     # seeded noise (tests only): no ε to claim
             out.metric("fedfleet_job_privacy_seeded_noise", "gauge", "1: the active job's DP noise is seeded "
                        "(FEDFLEET_TEST_DP_NOISE_SEED, tests only); it claims no ε.", [(labels, 1)])
         elif job.get("privacy"):
