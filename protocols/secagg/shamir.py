@@ -243,10 +243,8 @@ def reconstruct_verified(shares: Mapping[int, bytes], threshold: int, secret_byt
        r = 1 the check on the secret finds the one wrong share decoding cannot). Holders are named
        here only when the confirmed polynomial agrees with a holder outside the set: a secret that
        a wrong share shifts to an equivalent one (an X25519 key differing in clamped bits) must not
-       name the honest holders. Uncorroborated, the one holder a confirmed set left out goes to
-       ``doubted``: an ordering hint only (tried after the others, before ``suspects``), never a
-       name — without it, one lying holder with one spare share cost this search again for every
-       secret of the round (O(t) interpolations of O(t²) each: 6 s per secret at t = 300).
+       name the honest holders. Uncorroborated, the one holder left out goes to ``doubted``: tried
+       late for the next secrets, never named (else each secret repeated this search, O(t³)).
     Raises ReconstructionError when none is confirmed (more wrong shares than can be outvoted)."""
     if threshold < 1:
         raise ValueError("threshold must be >= 1")
