@@ -18,8 +18,9 @@ failure report quotes (``job_outcome``); with a store those are its durable roun
 from __future__ import annotations
 
 import collections
+import math
 
-from protocols.rounds import RoundCoordinator
+from protocols.rounds import RoundCoordinator, RoundState
 
 RETENTION_S = 900.0
 
@@ -45,10 +46,14 @@ class ClosedRounds:
         """Whether ``round_`` (not open now) is one this job closed and let go."""
         return 1 <= round_ <= self.highest
 
-    def status(self, message_id: str, round_: int, now: float) -> str:
-        """The ack a result for closed round ``round_`` gets: ``duplicate`` or ``late``."""
+    def machine(self, round_: int, message_id: str, now: float) -> RoundCoordinator:
+        """A closed machine for ``round_`` that saw ``message_id`` if that round did: fed the
+        message, its transition table answers as the round's own machine would have (one rule)."""
         self.expire(now)
-        return "duplicate" if self._ids.get(message_id) == round_ else "late"
+        coord = RoundCoordinator(round_, frozenset(), -math.inf, state=RoundState.CLOSED)
+        if self._ids.get(message_id) == round_:
+            coord.seen_ids.add(message_id)
+        return coord
 
     def expire(self, now: float) -> None:
         while self._expiry and self._expiry[0][0] <= now:

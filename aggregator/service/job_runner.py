@@ -19,7 +19,7 @@ from typing import Callable
 
 from protocols import messages as M
 from protocols.envelope import Envelope
-from protocols.rounds import (ApplyResult, DeviceLost, GroupSettled, RecordDeclined, RecordRejected, ResultArrived,
+from protocols.rounds import (ApplyResult, Declined, DeviceLost, GroupSettled, RecordDeclined, RecordRejected, ResultArrived,
                               ResultInvalid, RoundClosed, RoundCoordinator, SendAck, Tick)
 from protocols.topics import AGGREGATOR_ID
 
@@ -333,10 +333,8 @@ class JobRunner:
         answered as its round machine would have; False when the job never closed such a round."""
         if not self.a.closed.knows(round_) or round_ in self.a.rounds:
             return False
-        if env.type == M.RESULT:
-            status = self.a.closed.status(env.id, round_, time.time())
-            self._send_ack(SendAck(device, env.id, status, "" if status == "duplicate" else f"round {round_} is closed"),
-                           round_)
+        event = ResultArrived(device, env.id, None) if env.type == M.RESULT else Declined(device, "")
+        self.handle(self.a.closed.machine(round_, env.id, time.time()), event)
         return True
 
     def _close_not_committed(self, act: RoundClosed, exc: Exception) -> None:
