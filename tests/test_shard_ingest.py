@@ -2,6 +2,8 @@
 receipts, what it forwards to the coordinator, and its sums against one aggregator's canonical
 model. Real envelopes (chunked), a real store."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -319,6 +321,70 @@ def test_a_shard_process_survives_a_result_naming_a_round_sqlite_cannot_hold(bro
         link.stop()
         assert pool._exited(0) is None and pool.restarts == 0
     finally:
+        pool.close()
+
+
+def test_shard_processes_hold_chunks_only_of_the_devices_their_coordinator_admits(broker, tmp_path):
+    """An enrolled fleet's shards held every chunk of any id in their buckets until the message was
+    whole (the coordinator refused it only then): anyone on an open broker could fill their memory
+    under invented ids. Now a chunk of a device that may not contribute goes to the coordinator at
+    once (refused there, with the reason), and enrolling, revoking and the fleet mode reach the
+    shards, a restarted one too. Real shard processes, a real mosquitto, the service's own wiring."""
+    from aggregator.service.loop import AggregatorService
+    from aggregator.service.settings import ServiceSettings
+    from aggregator.shards.local import LocalShards
+    from protocols.mqtt_link import BrokerConfig, MqttLink
+    from ops_fleet import wait_for
+
+    pool = LocalShards(1, BrokerConfig.from_url(broker.url), tmp_path / "shards")
+    got = []
+    svc = AggregatorService(None, BrokerConfig.from_url(broker.url), tmp_path / "out", ServiceSettings(),
+                            enrolled={DEVICES[0]}, store=Store(tmp_path / "state.db"), shards=pool)
+    pool._deliver = got.append              # what the shard tells the coordinator, read here
+    links = {}
+    try:
+        pool.set_job(build_job("fed3r", CONFIG), "fed3r")
+        for i in range(3):
+            links[i] = MqttLink(DEVICES[i], BrokerConfig.from_url(broker.url), on_message=lambda t, p: None)
+            links[i].start(timeout=30)
+            links[i].publish(TOPICS.presence(DEVICES[i]), encode(M.presence_message(DEVICES[i], "online")),
+                             retain=True, wait=True)
+        time.sleep(1.0)                             # the shard subscribes to the devices' outboxes
+
+        def send(i: int, round_: int) -> tuple[int, int]:
+            """Device i's chunked result; (forwards, receipts) the shard sent for it."""
+            env = decode(result(i, round_=round_))
+            env.id = f"{i:016x}{round_:016x}"
+            parts = split(encode(env), env.id, DEVICES[i], chunk_size=256)
+            before = len(got)
+            for part in parts:
+                links[i].publish(TOPICS.outbox(DEVICES[i]), part, wait=True)
+            outbox = TOPICS.outbox(DEVICES[i])
+            wait_for(lambda: sum(it[1] == outbox for it in got[before:]) in (1, len(parts)), what="the shard's answer")
+            time.sleep(0.3)                         # a forward of every chunk arrives in order: all of them
+            mine = [it for it in got[before:] if it[1] == outbox]
+            assert len(parts) > 2
+            return sum(it[0] == "forward" for it in mine), sum(it[0] == "receipt" for it in mine)
+
+        assert send(0, 1) == (0, 1)                 # enrolled: held until whole, stored, receipted
+        assert send(1, 1)[0] > 2                    # not enrolled: every chunk forwarded as it comes
+        svc.enroll(DEVICES[1])
+        assert send(1, 2) == (0, 1)
+        svc.revoke(DEVICES[0])
+        assert send(0, 2)[0] > 2
+        pool._send(0, ("stop",))                    # a restarted shard is told who may contribute
+        wait_for(lambda: pool._exited(0) is not None, what="the shard's exit")
+        pool._ready[0].clear()
+        time.sleep(1.1)
+        pool.watch()
+        wait_for(pool._ready[0].is_set, what="the restarted shard connected")
+        time.sleep(1.0)                             # and subscribed again (the presences are retained)
+        assert send(2, 1)[0] > 2
+        svc.set_fleet_mode("open")                  # anyone may contribute: everyone's chunks held
+        assert send(2, 2) == (0, 1)
+    finally:
+        for link in links.values():
+            link.stop()
         pool.close()
 
 

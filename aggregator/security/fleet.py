@@ -84,6 +84,10 @@ class Fleet:
         """Enrolled (or the fleet is open) — what an outbox message's sender must be."""
         return self.mode == "open" or device in (self.enrolled or ())
 
+    def admitted(self) -> set[str] | None:
+        """Who may contribute: the enrolled devices, or None while the fleet is open."""
+        return None if self.mode == "open" else set(self.enrolled or ())
+
     def online_not_enrolled(self) -> set[str]:
         """Online devices whose results would be refused as not enrolled (none in open mode)."""
         return set() if self.mode == "open" else self.online - (self.enrolled or set())

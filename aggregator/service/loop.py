@@ -117,8 +117,7 @@ class AggregatorService(OperatorActions):
                              subscriptions=[(topics.all_outboxes, 1)] * (shards is None) + [(topics.all_presence, 1)],
                              on_connect=lambda: self.loop.post(("connected",)))
         if shards is not None:
-            if settings.require_signatures:         # each shard verifies what it reads, as this loop would
-                shards.require_signatures(self.fleet.enrolled_keys())
+            self._tell_shards_the_fleet(keys=settings.require_signatures)      # before they read anything
             shards.start(lambda item: self.loop.post(("mqtt" if item[0] == "forward" else "receipt", *item[1:])),
                          settings.shard_start_timeout_s)
         # large results are decoded and validated in these processes (aggregator/service/ingest.py), and

@@ -19,8 +19,10 @@ class OperatorActions:
 
     def enroll(self, device_id: str, public_key: bytes | None = None) -> DeviceCredentials:
         creds = self.fleet.enroll(device_id, public_key)
-        if self.shards is not None and self.settings.require_signatures:    # the shards verify with it at once
-            self.shards.key_changed(device_id, bytes.fromhex(creds.public_key))
+        if self.shards is not None:         # the shards hold its chunks and verify with its key at once
+            self.shards.admission_changed(device_id, True)
+            if self.settings.require_signatures:
+                self.shards.key_changed(device_id, bytes.fromhex(creds.public_key))
         if device_id not in self.fleet.online:
             # its presence may have been forgotten with the strangers (Fleet.MAX_STRANGERS) while it
             # stayed connected: its retained presence, read again, makes it eligible now
@@ -31,17 +33,29 @@ class OperatorActions:
         """Revoke now: the broker refuses it after the reload, this service (and its shards) ignore it
         at once. A warning when the broker could not reload (``Enrollment._sync_broker``)."""
         warning = self.fleet.revoke(device_id)
-        if self.shards is not None and self.settings.require_signatures:
-            self.shards.key_changed(device_id, None)
+        if self.shards is not None:
+            self.shards.admission_changed(device_id, False)
+            if self.settings.require_signatures:
+                self.shards.key_changed(device_id, None)
         self._device_lost(device_id)
         return warning
 
     def set_fleet_mode(self, mode: str) -> str:
         self.fleet.set_mode(mode)
+        self._tell_shards_the_fleet()
         if mode == "open":          # every retained presence again: strangers forgotten while connected come back
             self.link.fetch_retained(self.topics.all_presence)
         self._update_live(force=True)
         return self.fleet.mode
+
+    def _tell_shards_the_fleet(self, keys: bool = False) -> None:
+        """Who may contribute, to the shards (they hold only those devices' chunks), and with ``keys``
+        the enrolled keys every shard verifies messages with (before the shards start only)."""
+        if self.shards is None:
+            return
+        if keys:
+            self.shards.require_signatures(self.fleet.enrolled_keys())
+        self.shards.admit(self.fleet.admitted())
 
     def forget_device(self, device_id: str, job_id: str | None = None) -> list[dict]:
         """Remove a device's data from every job that holds it (or ``job_id`` only), where that can be

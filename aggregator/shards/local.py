@@ -194,6 +194,10 @@ def _command(ingest: ShardIngest, conn, cmd: tuple) -> bool:
         ingest.require_signatures(cmd[1])
     elif cmd[0] == "key":
         ingest.key_changed(cmd[1], cmd[2])
+    elif cmd[0] == "admit":
+        ingest.admit(cmd[1])
+    elif cmd[0] == "admitted":
+        ingest.admission_changed(cmd[1], cmd[2])
     elif cmd[0] == "closed":
         ingest.drop_orphans(*cmd[1:])
     elif cmd[0] in ("sums", "statistics"):

@@ -9,6 +9,8 @@ how a shard is started, reached and found dead: a local process and a pipe (``lo
 
 Messages, coordinator → shard: ``("keys", device -> public key)`` (signatures required: sent
 before the job, so a shard never reads a result unverified), ``("key", device, public key | None)``,
+``("admit", devices | None)`` (who may contribute: a shard holds only their chunks; None: an open
+fleet), ``("admitted", device, bool)``,
 ``("job", job_id, kind, config)``, ``("closed", job_id, round, accepted, earlier)`` (a round's
 close: its rows, and with ``earlier`` those of the rounds before, outside ``accepted`` are orphans,
 deleted), ``("sums" | "statistics",
@@ -70,6 +72,7 @@ class ShardPool(ABC):
         self._deliver: Callable[[tuple], None] = lambda item: None
         self._job: tuple | None = None
         self._keys: dict[str, bytes] | None = None          # signatures required: the enrolled keys
+        self._admitted: set[str] | None = None              # who may contribute (None: an open fleet)
         self._request = 0
         self.restarts = 0
         self.placed: dict[int, int] = {}                    # secure round -> the shard hosting its group
@@ -127,6 +130,8 @@ class ShardPool(ABC):
         self._launch(index)
         if self._keys is not None:          # before the job: the shard holds every outbox message until then
             self._send(index, ("keys", dict(self._keys)))
+        if self._admitted is not None:
+            self._send(index, ("admit", sorted(self._admitted)))
         if self._job is not None:
             self._send(index, ("job", *self._job))
 
@@ -146,6 +151,24 @@ class ShardPool(ABC):
         if any(self._started_at):
             raise RuntimeError("the shards get the keys at their start: require signatures before start()")
         self._keys = dict(keys)
+
+    def admit(self, devices: set[str] | None) -> None:
+        """The devices that may contribute (the fleet's enrolled ones; None: an open fleet): each
+        shard holds chunks of these only. Sent to the running shards, and to each at its start."""
+        self._admitted = None if devices is None else set(devices)
+        self._tell_started(("admit", None if devices is None else sorted(self._admitted)))
+
+    def admission_changed(self, device: str, admitted: bool) -> None:
+        """A device enrolled (True) or revoked (False): every shard follows at once."""
+        if self._admitted is None:
+            return
+        (self._admitted.add if admitted else self._admitted.discard)(device)
+        self._tell_started(("admitted", device, admitted))
+
+    def _tell_started(self, command: tuple) -> None:
+        for i in range(self.shards):
+            if self._started_at[i]:     # one not started yet is told at its start (_start)
+                self._send(i, command)
 
     def key_changed(self, device: str, public_key: bytes | None) -> None:
         """A device enrolled (its key) or revoked (None): every shard's registry follows at once."""

@@ -91,7 +91,9 @@ class ShardIngest:
                  max_message_bytes: int = 256 * 1024 * 1024):
         self.index, self.shards, self.store, self.topics = index, shards, store, topics
         self.lo, self.hi = bucket_range(index, shards)
-        self.assembler = MessageAssembler(max_message_bytes=max_message_bytes)
+        # the devices whose chunks are held (the coordinator's ``admit``): None while its fleet is open
+        self.admitted: set[str] | None = None
+        self.assembler = MessageAssembler(max_message_bytes=max_message_bytes, may_chunk=self.may_chunk)
         self.registry: IdentityRegistry | None = None   # --require-signatures: the coordinator's enrolled keys
         self.job_id: str | None = None
         self.closed = 0                                 # the job's last round the coordinator closed
@@ -124,6 +126,20 @@ class ShardIngest:
         is not goes to the coordinator, which refuses it with the reason ("bad signature")."""
         self.registry = IdentityRegistry(keys)
         self.assembler.verifier = lambda *signed: verify_enrolled(self.registry, *signed)
+
+    def admit(self, devices: list[str] | None) -> None:
+        """The devices that may contribute (the coordinator's enrolled fleet; None: its fleet is
+        open). Only their chunks are held until whole: another's is forwarded, and refused on the
+        coordinator's path with the reason, as the coordinator's own assembler refuses it."""
+        self.admitted = None if devices is None else set(devices)
+
+    def admission_changed(self, device: str, admitted: bool) -> None:
+        """A device enrolled (True) or revoked (False) at the coordinator."""
+        if self.admitted is not None:
+            (self.admitted.add if admitted else self.admitted.discard)(device)
+
+    def may_chunk(self, device: str) -> bool:
+        return self.admitted is None or device in self.admitted
 
     def key_changed(self, device: str, public_key: bytes | None) -> None:
         """A device enrolled (its key) or revoked (None) at the coordinator."""
