@@ -334,7 +334,8 @@ def pipeline_report(cfg: SimConfig, prep, phases: dict, workers: list[dict]) -> 
     report = {"config": reported_config(cfg), "devices": devices, "phases": {}}
     for name, phase in phases.items():
         r = phase["results"]
-        entry = {"rounds": len(r["rounds"]), "contributions": len(r["contributed"]) if name not in ("fedavg-ft", *PERSONAL_PHASES)
+        entry = {"rounds": len(r["rounds"]) + r["rounds_earlier"],
+                 "contributions": len(r["contributed"]) if name not in ("fedavg-ft", *PERSONAL_PHASES)
                  else sum(r["contributed"].values()),
                  "bytes_up": r["bytes_in"], "bytes_down": r["bytes_out"],
                  "bytes_up_per_device": r["bytes_in"] / devices, "bytes_down_per_device": r["bytes_out"] / devices,

@@ -31,7 +31,8 @@ def job_report(cfg, results: dict, workers: list[dict], prep, job_dir: Path | No
     y = np.concatenate([ytr[shards[d]] for d in contributed]) if contributed else np.array([], dtype=int)
     fed = np.load((job_dir or prep.out) / "model.npz")
     report = {"config": reported_config(cfg), "devices": cfg.devices, "contributed": len(contributed),
-              "rounds": len(results["rounds"]), "bytes_up": results["bytes_in"], "bytes_down": results["bytes_out"],
+              "rounds": len(results["rounds"]) + results["rounds_earlier"],
+              "bytes_up": results["bytes_in"], "bytes_down": results["bytes_out"],
               "rejections": results["rejections"], "late": results["late"], "duplicates": results["duplicates"],
               "fed3r_accuracy": results["final"].get("accuracy"), "history": results["history"],
               "dropouts": sum(w["dropouts"] for w in workers), "device_compute_s": sum(w["compute_s"] for w in workers),

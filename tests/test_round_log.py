@@ -44,7 +44,24 @@ def test_read_from_pages_whole_lines_and_survives_a_torn_line(tmp_path):
     assert read_from(tmp_path / "missing.jsonl", 7) == ([], 7)
 
 
-def test_admin_logs_follow_streams_the_round_log_live_and_it_matches_the_store(broker, tmp_path):
+def test_a_recent_log_keeps_the_latest_entries_and_counts_the_rest():
+    from aggregator.jobs.recent_log import RecentLog
+
+    log = RecentLog(({"round": r} for r in range(1, 2501)), maxlen=1000)
+    assert len(log) == 1000 and log.earlier == 1500 and log.total == 2500
+    assert log[0] == {"round": 1501} and log[-1] == {"round": 2500} and log[-2:] == [{"round": 2499}, {"round": 2500}]
+    log.append({"round": 2501})
+    assert log[0] == {"round": 1502} and log.earlier == 1501
+    assert json.loads(json.dumps(list(log)))[-1] == {"round": 2501}
+    short = RecentLog([1, 2], maxlen=5)
+    assert list(short) == [1, 2] and short.earlier == 0
+
+
+def test_admin_logs_follow_streams_the_round_log_live_and_it_matches_the_store(broker, tmp_path, monkeypatch):
+    """Also: the service keeps only the latest rounds and evaluations in memory (here 2:
+    jobs/recent_log.py), results.json says how many came before them, the log file and the store
+    keep every one."""
+    monkeypatch.setattr("aggregator.jobs.recent_log.KEPT", 2)
     gates = {d: threading.Event() for d in DEVICES}
     store = Store(tmp_path / "state.db")
     svc = AggregatorService(Fed3RJob(Fed3RConfig(**job_config(DEVICES, clients_per_round=1))),
@@ -96,4 +113,9 @@ def test_admin_logs_follow_streams_the_round_log_live_and_it_matches_the_store(b
     evaluations = store.evaluations("ops")
     assert [e["accuracy"] for e in by_event("evaluation")] == [e["accuracy"] for e in evaluations]
     assert len(evaluations) >= len(DEVICES)
+    summary = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [r["round"] for r in summary["rounds"]] == [r.round for r in rounds][-2:]
+    assert summary["rounds_earlier"] == len(rounds) - 2 > 0
+    assert [h["accuracy"] for h in summary["history"]] == [e["accuracy"] for e in evaluations][-2:]
+    assert summary["history_earlier"] == len(evaluations) - 2
     assert all(a["t"] <= b["t"] for a, b in zip(written, written[1:]))

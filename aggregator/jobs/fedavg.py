@@ -53,6 +53,7 @@ from aggregator.jobs.config_limits import (BATCH_SIZE, LOCAL_EPOCHS, PATH, ROUND
 from aggregator.jobs.model_fields import ModelFields
 from aggregator.jobs.optimizer_fields import LocalRuleFields, ServedModelFields, ServerOptimizerFields
 from aggregator.jobs.privacy_fields import UpdateClippingFields
+from aggregator.jobs.recent_log import RecentLog
 from aggregator.jobs.robustness_fields import FedAvgRobustnessFields
 from aggregator.shards.fedavg_sums import local_dp_round_step, local_round_mean
 
@@ -172,7 +173,7 @@ class FedAvgJob(Job):
         self._updates: dict[str, tuple[dict[str, np.ndarray], int]] = {}   # this round's, by device
         self.late_discarded = 0
         self.samples = 0                  # Σ n_k over applied updates (all rounds)
-        self.round_log: list[dict] = []
+        self.round_log = RecentLog()
 
     @classmethod
     def from_fed3r(cls, config: FedAvgConfig, ridge_model) -> "FedAvgJob":

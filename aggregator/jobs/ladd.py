@@ -68,6 +68,7 @@ from aggregator.jobs.base import Job
 from aggregator.jobs.input_files import read_job_input
 from aggregator.jobs.ladd_config import LaddConfig
 from aggregator.jobs.ladd_phases import Created, LaddPhase, NobodyLeftToAsk, StyleRoundClosed, TrainRoundClosed
+from aggregator.jobs.recent_log import RecentLog
 
 log = logging.getLogger("fedfleet.aggregator")
 
@@ -146,7 +147,7 @@ class LaddJob(Job):
         self.theta: dict[int, Arrays] = {}
         self.teachers: dict[int, SwaTeacher] = {}
         self.kd_confirmed: set[str] = set()
-        self.round_log: list[dict] = []
+        self.round_log = RecentLog()
         self.late_discarded = 0
         self.kd_sha256 = ""                         # the KD teacher's digest, once training starts
         self.aggregate_s = 0.0                      # server time in aggregation + teacher updates
@@ -567,7 +568,7 @@ class LaddJob(Job):
         cl = self.clustering
         return {"phase": self.phase, "train_rounds": self.train_round, "n_clusters": self.n_clusters,
                 "silhouette_scores": {str(k): v for k, v in (cl.silhouette_scores_ if cl else {}).items()},
-                "assignment": dict(self.assignment), "round_log": self.round_log,
+                "assignment": dict(self.assignment), "round_log": list(self.round_log),
                 "trainable": list(self.trainable), "kd_sha256": self.kd_sha256}
 
 

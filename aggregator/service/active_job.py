@@ -17,6 +17,7 @@ from protocols.rounds import RoundClosed, RoundCoordinator
 from aggregator.service.canonical import AppliedContributions
 from aggregator.service.closed_rounds import ClosedRounds
 from aggregator.jobs.base import Job
+from aggregator.jobs.recent_log import RecentLog
 from aggregator.storage.schema import JobState
 
 # Why a message was refused: a fixed set, so metrics labels and counters stay bounded whatever
@@ -69,8 +70,8 @@ class ActiveJob:
     deadlines: dict[int, float] = field(default_factory=dict)          # round -> wall-clock deadline
     opened_at: dict[int, float] = field(default_factory=dict)
     round_bytes: Counter = field(default_factory=Counter)
-    history: list[dict] = field(default_factory=list)
-    round_log: list[dict] = field(default_factory=list)
+    history: RecentLog = field(default_factory=RecentLog)       # the latest evaluations (all in the store)
+    round_log: RecentLog = field(default_factory=RecentLog)     # the latest closed rounds (all in the store)
     stats: ServiceStats = field(default_factory=ServiceStats)
     started_at: float = field(default_factory=time.time)                # the job's start (survives restarts)
     waiting_since: float = field(default_factory=time.time)             # this process took it up

@@ -17,7 +17,7 @@ def judged_state(a: ActiveJob, store: Store | None) -> tuple[str, str | None]:
     if a.job.contributions > 0:
         return JobState.DONE, None
     answers = device_answers(a, store)
-    for entry in a.round_log:              # asked, but never answered before the round's deadline
+    for entry in a.round_log:   # asked, but never answered before the round's deadline (the latest rounds')
         for device in entry.get("dropped", ()):
             answers.setdefault(device, ("dropped", "no answer before the round's deadline"))
     if not answers:

@@ -30,6 +30,7 @@ from protocols.envelope import decode
 from protocols.rounds import Declined, ResultInvalid, RoundClosed, RoundCoordinator, RoundState, Tick
 
 from aggregator.jobs.privacy_fields import PrivacyBudgetFields
+from aggregator.jobs.recent_log import RecentLog
 from aggregator.service.active_job import ActiveJob, ServiceStats
 from aggregator.service.canonical import hand_round_sum
 from aggregator.storage.store import FINAL_JOB_STATES, Store, StoreError
@@ -79,7 +80,7 @@ def restore_job(a: ActiveJob, row: dict, store: Store, checkpoints: bool) -> Non
         raise StoreError(f"job {a.job_id} has contributions that belong to no stored round")
     if rounds:
         a.job.restore_bookkeeping(rounds[-1].bookkeeping)
-    a.history = store.evaluations(a.job_id)
+    a.history = RecentLog(store.evaluations(a.job_id))
     # quarantined and forgotten devices are never asked again
     a.quarantined = {q["device"] for q in store.quarantined(a.job_id)} | set(store.forgotten(a.job_id))
     if row["state"] in FINAL_JOB_STATES:

@@ -75,8 +75,10 @@ def job_summary(a: ActiveJob, state: str, final_eval: dict, bytes_out: int) -> d
         "job_id": a.job_id,
         "config": a.job.config.to_dict(),
         "contributed": a.job.contributed,
-        "rounds": a.round_log,
-        "history": a.history,
+        "rounds": list(a.round_log),            # the latest rounds (jobs/recent_log.py); the rest are
+        "rounds_earlier": a.round_log.earlier,  # in the store and rounds.jsonl
+        "history": list(a.history),
+        "history_earlier": a.history.earlier,
         "final": final_eval,
         "bytes_in": a.stats.bytes_in,
         "bytes_out": bytes_out,
