@@ -126,7 +126,7 @@ def progress_line(status: dict) -> str:
         answered = len(cur["accepted"]) + len(cur["declined"]) + len(cur["rejected"])
         rnd = f"round {cur['round']:>3} {bar(answered, len(cur['participants']), 20)}"
     else:
-        rnd = f"round {job['round']:>3} (between rounds)"
+        rnd = f"round {job['round']:>3} ({job.get('waiting') or 'between rounds'})"
     return (f"{job['job_id']} [{job['state']}] {rnd}  contributions {job['contributions']}  "
             f"online {len(status.get('devices_online', []))}{acc}")
 

@@ -134,7 +134,9 @@ def check_rounds_sample_at_most_the_accounted_rate(make_job, kappa, population, 
         expected = min(kappa, q * online)
         if expected < 1:
             assert set(sizes) == {0}, online
+            assert f"q·pool = {q * online:.2f} < 1" in job.waiting and f"{online} eligible online" in job.waiting
             continue
+        assert job.waiting is None
         assert set(sizes) <= {min(kappa, int(q * online)), min(kappa, int(q * online) + 1)}, online
         if expected < kappa:             # the size's mean is q·|pool| (within a binomial tail of it)
             lo, hi = stats.binom.interval(1 - 1e-9, rounds, expected - int(expected))
@@ -153,6 +155,36 @@ def test_no_online_device_is_sampled_more_often_than_the_rate_epsilon_counts():
     # without sampling claimed (no population): κ of the pool, however small it is
     job = build_job("fedavg", {**cfg, "dp_population": 0})
     assert len(job.next_participants({f"d{i}" for i in range(5)})) == 5
+
+
+def test_the_service_status_says_why_a_dp_job_opens_no_round(tmp_path):
+    """A DP job whose pool is too small to sample one device a round waited without a word: the
+    live status (admin API, ``fedfleet admin status``, dashboard) now carries the job's reason."""
+    from aggregator.security.fleet import Fleet
+    from aggregator.service.active_job import ActiveJob
+    from aggregator.service.reporting import live_snapshot
+    from fedfleet.admin import progress_line
+
+    cfg = {"num_classes": 3, "feature_dim": 8, "clients_per_round": 10, "rounds": 5,
+           "dp_noise_multiplier": 1.0, "dp_clip_norm": 1.0, "dp_population": 1000, "job_id": "small"}
+    a = ActiveJob(build_job("fedavg", cfg), "fedavg", tmp_path)
+    fleet = Fleet(None, None, None, False)
+    assert a.job.next_participants({f"d{i}" for i in range(40)}) == []
+    status = live_snapshot(a, fleet, {})
+    assert "q·pool = 0.40 < 1" in status["job"]["waiting"] and "it opens with 100 online" in status["job"]["waiting"]
+    assert status["job"]["waiting"] in progress_line(status)
+    assert len(a.job.next_participants({f"d{i}" for i in range(100)})) == 1
+    assert live_snapshot(a, fleet, {})["job"]["waiting"] is None
+    # a secure job's round needs three members with keys: two online say so, none online says nothing
+    from aggregator.jobs.secure_fedavg import SecureFedAvgConfig, SecureFedAvgJob
+    from ops_fleet import in_memory_keys
+
+    _, agg, registry = in_memory_keys(["d0", "d1", "d2"])
+    secure = SecureFedAvgJob(SecureFedAvgConfig(**{k: v for k, v in cfg.items() if not k.startswith("dp_")},
+                                                max_samples=100, max_abs_param=1e4), identity=agg, registry=registry)
+    assert secure.next_participants({"d0", "d1", "stranger"}) == []
+    assert secure.waiting == "waiting for devices: a secure round needs 3 with keys online, 2 are"
+    assert secure.next_participants(set()) == [] and secure.waiting is None
 
 
 def test_members_of_an_unmasked_but_discarded_group_are_not_released_twice_unaccounted():

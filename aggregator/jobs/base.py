@@ -81,6 +81,10 @@ class Job(ABC):
     """What the model is made of is held until the job ends (DP Fed3R with ``dp_release`` "end"):
     there is no model to store, deploy or write before :meth:`finalize` releases it."""
 
+    waiting: str | None = None
+    """Why :meth:`next_participants` opens no round although devices are online (a DP pool too small
+    to sample from), shown in the service's status; None otherwise."""
+
     def take_round_sum(self, state: dict[str, np.ndarray] | None) -> None:
         """The closing round's contributions summed canonically (``canonical_round_sums`` jobs only)."""
         raise TypeError(f"{type(self).__name__} does not take canonical round sums")

@@ -198,6 +198,7 @@ class FedAvgJob(Job):
         if self._open or self.round >= self.config.rounds or self.budget_exhausted:
             return []
         pool = sorted(online)
+        self.waiting = self.config.pool_too_small(len(pool)) if pool else None
         k = self.config.round_size(len(pool), self._rng)
         if not k:
             return []

@@ -277,6 +277,7 @@ class LaddJob(Job):
         if self.phase is not LaddPhase.TRAIN:       # TRAIN: a training round is left (DONE otherwise)
             return []
         pool = sorted(d for d in online if d in self.assignment or c.clustering == "none")
+        self.waiting = c.pool_too_small(len(pool)) if pool else None
         k = c.round_size(len(pool), self._rng)
         if k < max(1, self.min_train_participants):
             return []

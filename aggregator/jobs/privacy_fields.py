@@ -129,9 +129,19 @@ class UpdateClippingFields(PrivacyBudgetFields):
         if self.dp and self.sampling_rate() < 1.0:
             whole, part = divmod(self.clients_per_round * pool, self.dp_population)     # q·pool, exactly
             if not whole:
-                return 0
+                return 0                    # why, in the job's status: pool_too_small
             k = min(k, whole + (part > 0 and rng.randrange(self.dp_population) < part))   # no draw when exact
         return k
+
+    def pool_too_small(self, pool: int) -> str | None:
+        """Why no round opens on ``pool`` eligible online devices (``round_size`` waits while
+        q·pool < 1), for the job's status; None when one can."""
+        if not self.dp or self.sampling_rate() >= 1.0 or self.clients_per_round * pool >= self.dp_population:
+            return None
+        need = -(-self.dp_population // self.clients_per_round)
+        return (f"waiting for devices: a DP round samples q·pool = {self.clients_per_round * pool / self.dp_population:.2f}"
+                f" < 1 in expectation (q = κ/dp_population = {self.clients_per_round}/{self.dp_population}, {pool}"
+                f" eligible online); it opens with {need} online")
 
     def participant_seed(self) -> int:
         """The seed of the job's participant draw: the config's, unless the accountant counts on

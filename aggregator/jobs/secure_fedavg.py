@@ -70,8 +70,10 @@ class SecureFedAvgJob(SecureGroupRounds, FedAvgJob):
 
     def next_participants(self, online: set[str]) -> list[str]:
         pool = {d for d in online if d in self.registry}     # no key, no secure round
-        if len(pool) < MIN_GROUP:
-            return []        # too few to hide anyone's update in a sum
+        if len(pool) < MIN_GROUP:        # too few to hide anyone's update in a sum
+            self.waiting = (f"waiting for devices: a secure round needs {MIN_GROUP} with keys online, "
+                            f"{len(pool)} are") if pool else None
+            return []
         chosen = super().next_participants(pool)
         if chosen:
             self._sum = None

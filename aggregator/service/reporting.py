@@ -56,7 +56,8 @@ def live_snapshot(a: ActiveJob | None, fleet: Fleet, stats: dict) -> dict:
                    "contributions": a.job.contributions,
                    "accuracy": a.history[-1].get("accuracy") if a.history else None,
                    "privacy": a.history[-1].get("privacy") if a.history else None,
-                   "stats": a.stats.to_dict(), "current_round": current}
+                   "stats": a.stats.to_dict(), "current_round": current,
+                   "waiting": None if current else a.job.waiting}        # why no round opens (DP pool)
     return snap
 
 

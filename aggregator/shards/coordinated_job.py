@@ -28,6 +28,7 @@ class CoordinatedJob(Job):
     # the job's own scheduling
     kind = property(lambda self: self.inner.kind)
     round = property(lambda self: self.inner.round)
+    waiting = property(lambda self: self.inner.waiting)
     contributed = property(lambda self: self.inner.contributed,
                            lambda self, value: setattr(self.inner, "contributed", value))
 

@@ -124,7 +124,7 @@ async function showJob(job, live) {
   const open = rounds.find((r) => r.state === "open") || null;
   $("selected-job").textContent = job.job_id;
   $("job-id").textContent = job.job_id;
-  $("job-state").textContent = isLive ? live.state : job.state;
+  $("job-state").textContent = isLive ? live.state + (live.waiting ? ` (${live.waiting})` : "") : job.state;
   $("round-number").textContent = open ? open.round : rounds.length ? rounds[rounds.length - 1].round : "-";
   $("contributions").textContent = isLive ? live.contributions : job.contributions;
   const last = evals.filter((e) => e.accuracy != null).pop();
