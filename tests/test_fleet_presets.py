@@ -57,7 +57,7 @@ def test_centralized_reference_counts_a_repeated_image_once_per_device(tmp_path)
     np.savez(tmp_path / "model.npz", raw_weights=np.linalg.solve(A, B))
     cfg = dataclasses.replace(load_config("fleet-100k", {}), devices=30, lam=lam)
     prep = Prepared(tmp_path, X, y, X[:5], y[:5], feats.extract(X[:5]), shards, {}, [], feats, {})
-    results = {"contributed": list(shards), "rounds": [], "bytes_in": 0, "bytes_out": 0, "rejections": {},
+    results = {"contributed": list(shards), "rounds": [], "rounds_earlier": 0, "bytes_in": 0, "bytes_out": 0, "rejections": {},
                "late": 0, "duplicates": 0, "final": {}, "history": []}
     workers = [{"dropouts": 0, "compute_s": 0.0, "bytes_up": 0}]
     report = job_report(cfg, results, workers, prep)
