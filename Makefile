@@ -41,8 +41,11 @@ demo: setup
 # compileall first: with PYTHONDONTWRITEBYTECODE set (as on this CI's machines) nothing else writes the
 # project's .pyc, and every one of the suite's ~170 Python processes (aggregators, devices, CLIs)
 # compiled the modules it imports again (0.147 CPU-s each: bench/import_compile.py); compileall takes half a second.
+# Then the test modules' assertion rewrites, which each xdist worker redid at its start for the same
+# reason (~7 CPU-s each, 3 s once here: tests/rewrite_cache.py).
 test: setup
-	$(BIN)/python -m compileall -q aggregator edge_client export protocols fedfleet
+	$(BIN)/python -m compileall -q aggregator edge_client export protocols fedfleet tests
+	$(BIN)/python tests/rewrite_cache.py
 	$(BIN)/python -m pytest -q -ra --durations=15 -n 4 --dist loadfile --no-loadscope-reorder
 
 # every shardable kind on local shards and on the two-node Ray cluster (the suite runs the
