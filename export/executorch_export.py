@@ -33,7 +33,7 @@ def lower_inference_program(model: nn.Module, example: torch.Tensor, max_batch: 
     bound (a 64 px MobileNetV2 traced at 2 rows refused 32-row inputs at run time).
     """
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-    from executorch.exir import to_edge_transform_and_lower
+    from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
 
     if max_batch < 1:
         raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -44,7 +44,11 @@ def lower_inference_program(model: nn.Module, example: torch.Tensor, max_batch: 
     # Not `export(model.eval(), ...)`: a quantized graph's eval() (export.quantization) returns None.
     model.eval()
     exported = torch.export.export(model, (traced_input,), dynamic_shapes=dynamic_shapes)
-    edge = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()])
+    # Without the edge-IR verifier, as the training programs (training_program.py): it re-checked the
+    # graph after each pass, ~20 % of the lowering (bench/lowering_verifier.py), for the same bytes;
+    # every program is checked end to end instead, run on real images against eager (export/parity.py).
+    edge = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()],
+                                       compile_config=EdgeCompileConfig(_check_ir_validity=False))
     op_counts = collections.Counter(
         _op_name(node.target) for node in edge.exported_program().graph.nodes
         if node.op == "call_function")
