@@ -134,7 +134,7 @@ def check_rounds_sample_at_most_the_accounted_rate(make_job, kappa, population, 
         expected = min(kappa, q * online)
         if expected < 1:
             assert set(sizes) == {0}, online
-            assert f"q·pool = {q * online:.2f} < 1" in job.waiting and f"{online} eligible online" in job.waiting
+            assert f"q·pool = {kappa * online}/{population} < 1" in job.waiting and f"{online} eligible" in job.waiting
             continue
         assert job.waiting is None
         assert set(sizes) <= {min(kappa, int(q * online)), min(kappa, int(q * online) + 1)}, online
@@ -163,6 +163,7 @@ def test_the_service_status_says_why_a_dp_job_opens_no_round(tmp_path):
     from aggregator.security.fleet import Fleet
     from aggregator.service.active_job import ActiveJob
     from aggregator.service.reporting import live_snapshot
+    from aggregator.storage.schema import JobState
     from fedfleet.admin import progress_line
 
     cfg = {"num_classes": 3, "feature_dim": 8, "clients_per_round": 10, "rounds": 5,
@@ -171,10 +172,16 @@ def test_the_service_status_says_why_a_dp_job_opens_no_round(tmp_path):
     fleet = Fleet(None, None, None, False)
     assert a.job.next_participants({f"d{i}" for i in range(40)}) == []
     status = live_snapshot(a, fleet, {})
-    assert "q·pool = 0.40 < 1" in status["job"]["waiting"] and "it opens with 100 online" in status["job"]["waiting"]
+    assert "q·pool = 400/1000 < 1" in status["job"]["waiting"] and "it opens with 100 online" in status["job"]["waiting"]
     assert status["job"]["waiting"] in progress_line(status)
+    a.state = JobState.PAUSED                               # a paused job waits for its operator, not for devices
+    assert live_snapshot(a, fleet, {})["job"]["waiting"] is None
+    a.state = JobState.RUNNING
     assert len(a.job.next_participants({f"d{i}" for i in range(100)})) == 1
     assert live_snapshot(a, fleet, {})["job"]["waiting"] is None
+    # one short of a device per round: 999 of 1,000 (a rounded 0.999 read "1.00 < 1")
+    edge = build_job("fedavg", {**cfg, "clients_per_round": 1})
+    assert edge.next_participants({f"d{i}" for i in range(999)}) == [] and "q·pool = 999/1000 < 1" in edge.waiting
     # a secure job's round needs three members with keys: two online say so, none online says nothing
     from aggregator.jobs.secure_fedavg import SecureFedAvgConfig, SecureFedAvgJob
     from ops_fleet import in_memory_keys
@@ -185,6 +192,8 @@ def test_the_service_status_says_why_a_dp_job_opens_no_round(tmp_path):
     assert secure.next_participants({"d0", "d1", "stranger"}) == []
     assert secure.waiting == "waiting for devices: a secure round needs 3 with keys online, 2 are"
     assert secure.next_participants(set()) == [] and secure.waiting is None
+    secure.round = secure.config.rounds                     # done: nothing to wait for
+    assert secure.next_participants({"d0", "d1"}) == [] and secure.waiting is None
 
 
 def test_members_of_an_unmasked_but_discarded_group_are_not_released_twice_unaccounted():

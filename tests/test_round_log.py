@@ -4,8 +4,10 @@ the job runs; what the log says is checked against the store's own records of th
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+import pickle
 import subprocess
 import sys
 import threading
@@ -55,6 +57,11 @@ def test_a_recent_log_keeps_the_latest_entries_and_counts_the_rest():
     assert json.loads(json.dumps(list(log)))[-1] == {"round": 2501}
     short = RecentLog([1, 2], maxlen=5)
     assert list(short) == [1, 2] and short.earlier == 0
+    short += [3, 4, 5, 6, 7]
+    assert list(short) == [3, 4, 5, 6, 7] and short.earlier == 2
+    for copied in (copy.copy(short), short.copy(), copy.deepcopy(short), pickle.loads(pickle.dumps(short))):
+        assert type(copied) is RecentLog and list(copied) == list(short) and copied.earlier == 2
+        assert copied.maxlen == 5
 
 
 def test_admin_logs_follow_streams_the_round_log_live_and_it_matches_the_store(broker, tmp_path, monkeypatch):

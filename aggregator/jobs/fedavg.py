@@ -195,6 +195,7 @@ class FedAvgJob(Job):
     def next_participants(self, online: set[str]) -> list[str]:
         """Seeded sample of up to κ online devices (fewer under DP with sampling: ``round_size``);
         opens the next round. [] when done or nobody is there."""
+        self.waiting = None
         if self._open or self.round >= self.config.rounds or self.budget_exhausted:
             return []
         pool = sorted(online)

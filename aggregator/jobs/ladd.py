@@ -263,6 +263,7 @@ class LaddJob(Job):
     # ------------------------------------------------------------------ scheduling
     def next_participants(self, online: set[str]) -> list[str]:
         c = self.config
+        self.waiting = None
         if self._open or self.phase is LaddPhase.DONE:
             return []
         if self.phase is LaddPhase.STYLES or c.clustering == "styles":

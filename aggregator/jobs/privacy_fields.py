@@ -139,9 +139,9 @@ class UpdateClippingFields(PrivacyBudgetFields):
         if not self.dp or self.sampling_rate() >= 1.0 or self.clients_per_round * pool >= self.dp_population:
             return None
         need = -(-self.dp_population // self.clients_per_round)
-        return (f"waiting for devices: a DP round samples q·pool = {self.clients_per_round * pool / self.dp_population:.2f}"
-                f" < 1 in expectation (q = κ/dp_population = {self.clients_per_round}/{self.dp_population}, {pool}"
-                f" eligible online); it opens with {need} online")
+        return (f"waiting for devices: a DP round samples q·pool = {self.clients_per_round * pool}/{self.dp_population}"
+                f" < 1 device in expectation (q = κ/dp_population = {self.clients_per_round}/{self.dp_population},"
+                f" {pool} eligible online); it opens with {need} online")
 
     def participant_seed(self) -> int:
         """The seed of the job's participant draw: the config's, unless the accountant counts on

@@ -31,6 +31,17 @@ class RecentLog(collections.deque):
         for entry in entries:
             self.append(entry)
 
+    def __iadd__(self, entries: Iterable) -> "RecentLog":
+        self.extend(entries)            # deque's own += bypasses append: the count would stop
+        return self
+
+    def __copy__(self) -> "RecentLog":
+        copied = type(self)(self, self.maxlen)     # deque's copy rebuilds from the entries alone
+        copied.earlier = self.earlier
+        return copied
+
+    copy = __copy__
+
     def __getitem__(self, index):
         """An index as a deque takes it, or a slice (a list of those entries)."""
         if isinstance(index, slice):

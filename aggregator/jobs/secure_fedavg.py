@@ -71,8 +71,8 @@ class SecureFedAvgJob(SecureGroupRounds, FedAvgJob):
     def next_participants(self, online: set[str]) -> list[str]:
         pool = {d for d in online if d in self.registry}     # no key, no secure round
         if len(pool) < MIN_GROUP:        # too few to hide anyone's update in a sum
-            self.waiting = (f"waiting for devices: a secure round needs {MIN_GROUP} with keys online, "
-                            f"{len(pool)} are") if pool else None
+            self.waiting = (f"waiting for devices: a secure round needs {MIN_GROUP} with keys online, {len(pool)} "
+                            f"are") if pool and not self._open and not self.finished(pool, pool) else None
             return []
         chosen = super().next_participants(pool)
         if chosen:

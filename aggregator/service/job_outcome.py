@@ -17,9 +17,6 @@ def judged_state(a: ActiveJob, store: Store | None) -> tuple[str, str | None]:
     if a.job.contributions > 0:
         return JobState.DONE, None
     answers = device_answers(a, store)
-    for entry in a.round_log:   # asked, but never answered before the round's deadline (the latest rounds')
-        for device in entry.get("dropped", ()):
-            answers.setdefault(device, ("dropped", "no answer before the round's deadline"))
     if not answers:
         return JobState.FAILED, "no device contributed: none was asked (no eligible device online)"
     by_reason: dict[str, list[str]] = {}
@@ -31,16 +28,23 @@ def judged_state(a: ActiveJob, store: Store | None) -> tuple[str, str | None]:
 
 
 def device_answers(a: ActiveJob, store: Store | None) -> dict[str, tuple[str, str]]:
-    """device -> (declined | rejected, its last reason), over every round of the job: the durable
-    round events when there is a store (rounds before a restart included), else the round machines."""
+    """device -> (declined | rejected, its last reason, or dropped: asked but never answered before
+    a round's deadline), over every round of the job: the durable rounds and their events when there
+    is a store (rounds before a restart included), else the round machines and the rounds in memory
+    (the latest: ``a.round_log`` keeps 1,000)."""
     answers: dict[str, tuple[str, str]] = {}
     if store is not None:
-        for r in store.rounds(a.job_id):
+        rounds = store.rounds(a.job_id)
+        for r in rounds:
             for e in store.round_events(a.job_id, r.round):
                 answers[e["device"]] = (e["event"], e["reason"])
-        return answers
-    answers.update(a.closed.answers)                # the rounds let go (closed_rounds.py), then the open ones
-    for _, coord in sorted(a.rounds.items()):
-        answers.update({d: ("declined", why) for d, why in coord.declined.items()})
-        answers.update({d: ("rejected", why) for d, why in coord.rejected.items()})
+        dropped = [d for r in rounds for d in (r.outcome or {}).get("dropped", ())]
+    else:
+        answers.update(a.closed.answers)            # the rounds let go (closed_rounds.py), then the open ones
+        for _, coord in sorted(a.rounds.items()):
+            answers.update({d: ("declined", why) for d, why in coord.declined.items()})
+            answers.update({d: ("rejected", why) for d, why in coord.rejected.items()})
+        dropped = [d for entry in a.round_log for d in entry.get("dropped", ())]
+    for device in dropped:
+        answers.setdefault(device, ("dropped", "no answer before the round's deadline"))
     return answers

@@ -16,6 +16,7 @@ import numpy as np
 from aggregator.compute.privacy import published_state
 from aggregator.service.active_job import ActiveJob
 from aggregator.security.fleet import Fleet
+from aggregator.storage.schema import JobState
 
 
 class Pacing:
@@ -57,7 +58,9 @@ def live_snapshot(a: ActiveJob | None, fleet: Fleet, stats: dict) -> dict:
                    "accuracy": a.history[-1].get("accuracy") if a.history else None,
                    "privacy": a.history[-1].get("privacy") if a.history else None,
                    "stats": a.stats.to_dict(), "current_round": current,
-                   "waiting": None if current else a.job.waiting}        # why no round opens (DP pool)
+                   # why no round opens (a DP pool too small, ...): while it could open one only
+                   "waiting": a.job.waiting if coord is None and a.state == JobState.RUNNING and not a.final_state
+                   else None}
     return snap
 
 
