@@ -5,6 +5,12 @@ sha256 the operator (or the job) announced, then for every file the manifest lis
 digest the manifest gives, and writes them to ``dest``. Anything that does not hash to what was
 asked for is refused and nothing is written under the final name. The result is then loaded with
 ``edge_client.runtime.load_inference(dest / "manifest.json", expected_manifest_sha256=...)``.
+
+A device enrolled with the aggregator's key (``verifier``) takes only the aggregator's signed
+messages, chunk by chunk, as its agent does; anyone else's are dropped unheld (a review's finding:
+without it one forged "missing", or one forged file, ended the fetch, and the device declined every
+task of the job; forged chunks held half a GB and the slots the real file needed). Without the key a
+device trusts whatever its broker delivers, here as in its agent.
 """
 
 from __future__ import annotations
@@ -28,16 +34,17 @@ class ArtifactFetchError(RuntimeError):
 
 def fetch_bundle(device_id: str, broker: BrokerConfig, manifest_sha256: str, dest: Path,
                  topics: Topics = Topics(), timeout_s: float = 120.0, retry_s: float = 5.0,
-                 signer=None, client_id: str | None = None) -> Path:
+                 signer=None, client_id: str | None = None, verifier=None) -> Path:
     """``client_id``: the MQTT client id of the fetch (default: the device id). A running agent
-    holds that id already, so fetching on demand needs another one (same account and topics)."""
+    holds that id already, so fetching on demand needs another one (same account and topics).
+    ``verifier``: the aggregator's (``protocols.identity.sender_verifier``), when the device has its key."""
     dest = Path(dest)
     inbox: queue.Queue = queue.Queue()
     link = MqttLink(client_id or device_id, broker, on_message=lambda t, p: inbox.put(p),
                     subscriptions=[(topics.inbox(device_id), 1)], clean_start=True)
     link.start()
     try:
-        assembler = MessageAssembler()
+        assembler = MessageAssembler(verifier=verifier)
 
         def fetch(sha: str) -> tuple[str, bytes]:
             deadline = time.monotonic() + timeout_s

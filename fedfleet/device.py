@@ -113,7 +113,8 @@ def run_device(args) -> int:
     # Without torch there is no local export: features come only from a bundle (--bundle-sha or the job's).
     local = None if torch_free() else SharedExtractors(_local_factory(args.runtime, args.cache_dir), args.cache_dir)
     extractors = FetchedBundles(args.id, broker, Topics(args.topic_root), args.bundle_dir, args.runtime,
-                                args.cache_dir, default=args.bundle_sha, local=local)
+                                args.cache_dir, default=args.bundle_sha, local=local,
+                                aggregator_key=bytes.fromhex(args.aggregator_key) if args.aggregator_key else None)
     if args.bundle_sha:
         extractors.get(args.bundle_sha)          # at boot: fail early on a bad or unreachable bundle
     handlers = device_handlers(LocalData(images, labels, train_idx, holdout_idx), extractors,
@@ -293,7 +294,12 @@ class FetchedBundles:
     given at boot (``--bundle-sha``) or, without one, the local extractor (``--runtime``)."""
 
     def __init__(self, device_id: str, broker, topics, bundle_dir: Path, runtime: str, cache_dir: str | None,
-                 default: str | None, local):
+                 default: str | None, local, aggregator_key: bytes | None = None):
+        """``aggregator_key``: the device then takes only the aggregator's signed artifact replies."""
+        from protocols.identity import sender_verifier
+        from protocols.topics import AGGREGATOR_ID
+
+        self.verifier = sender_verifier(AGGREGATOR_ID, aggregator_key) if aggregator_key else None
         self.device_id, self.broker, self.topics = device_id, broker, topics
         self.bundle_dir, self.runtime, self.cache_dir = Path(bundle_dir), runtime, cache_dir
         self.default, self.local = default, local
@@ -311,7 +317,7 @@ class FetchedBundles:
                 # connection stays up while the bundle comes in
                 broker = self.broker.for_role(FETCH_ROLE)
                 manifest = fetch_bundle(self.device_id, broker, sha, self.bundle_dir / sha[:16], self.topics,
-                                        client_id=broker.username or f"{self.device_id}.fetch")
+                                        client_id=broker.username or f"{self.device_id}.fetch", verifier=self.verifier)
                 extractor = FeatureExtractor.from_bundle(manifest, self.runtime, self.cache_dir, sha)
                 if self.runtime == "auto":
                     print(f"bundle {sha[:16]}: --runtime auto chose {extractor.runtime}; " + "; ".join(

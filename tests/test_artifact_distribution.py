@@ -15,7 +15,7 @@ from aggregator.service.loop import AggregatorService
 from aggregator.service.settings import ServiceSettings
 from edge_client.artifacts import ArtifactFetchError, fetch_bundle
 from edge_client.runtime import load_inference
-from protocols.envelope import Envelope, encode
+from protocols.envelope import Envelope, decode, encode
 from protocols.mqtt_link import BrokerConfig
 from protocols.topics import Topics
 
@@ -209,3 +209,43 @@ def test_a_malformed_bundle_digest_is_refused_before_anything_is_fetched(tmp_pat
             factory("mobilenet_v2", 32, "", bundle_sha256=bad)
         assert not (tmp_path / "b").exists()
     validate_job_config("fed3r", {"bundle_sha256": ""})                 # "": devices use their own
+
+
+def test_a_device_with_the_aggregators_key_ignores_forged_artifact_replies(broker, tmp_path):
+    """A review's finding: the bundle fetch decoded its inbox without the aggregator's key, so one
+    unsigned "missing" (or one file of other bytes) claiming to be the aggregator ended the fetch,
+    and an enrolled device declined every task of the job with the forger's reason. With the key
+    (``fedfleet device --aggregator-key``, passed on as ``verifier``) the forgeries are dropped and
+    the aggregator's signed answer, slower here, is taken."""
+    import hashlib
+    import json
+
+    from protocols.identity import DeviceIdentity, sender_verifier
+    from protocols.mqtt_link import MqttLink
+    from protocols.payloads.artifacts import GET, artifact_message, missing_message
+    from protocols.topics import AGGREGATOR_ID
+
+    topics, cfg = Topics(), BrokerConfig.from_url(broker.url)
+    manifest = json.dumps({"artifacts": []}).encode()
+    sha = hashlib.sha256(manifest).hexdigest()
+    aggregator = DeviceIdentity.generate(AGGREGATOR_ID)
+    link = MqttLink("forger-and-aggregator", cfg, on_message=lambda t, p: answer(p),
+                    subscriptions=[(topics.outbox("cam1"), 1)])
+
+    def answer(payload: bytes) -> None:
+        if decode(payload).type != GET:
+            return
+        # the forger first (unsigned, at once), the aggregator 1.5 s later (signed)
+        link.publish(topics.inbox("cam1"), encode(missing_message(AGGREGATOR_ID, sha)))
+        threading.Timer(1.5, lambda: link.publish(topics.inbox("cam1"), encode(
+            artifact_message(AGGREGATOR_ID, sha, "manifest.json", manifest), signer=aggregator.sign))).start()
+
+    link.start(timeout=30)
+    try:
+        with pytest.raises(ArtifactFetchError, match="holds no artifact"):      # no key: the forgery wins
+            fetch_bundle("cam1", cfg, sha, tmp_path / "no-key", timeout_s=30, client_id="cam1.a")
+        got = fetch_bundle("cam1", cfg, sha, tmp_path / "keyed", timeout_s=30, client_id="cam1.b",
+                           verifier=sender_verifier(AGGREGATOR_ID, aggregator.public_key_bytes))
+        assert got.read_bytes() == manifest
+    finally:
+        link.stop()

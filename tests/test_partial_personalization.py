@@ -224,3 +224,20 @@ def test_the_secure_variant_masks_exactly_the_shared_weight_the_plain_task_train
     np.testing.assert_array_equal(client.vector(params, tensors), pack_weighted(out, ["weight"], body["n"]))
     np.testing.assert_array_equal(wrapped.store.load("pp-secure", None).arrays["bias"],
                                   plain.store.load("pp-secure", None).arrays["bias"])
+
+
+def test_an_old_rounds_task_is_declined_and_leaves_the_newer_state(tmp_path):
+    """A review's finding: a task of an earlier round than the device's state (a captured signed task
+    re-published, or one that lost its way) started afresh and its state replaced the newer one,
+    rolling v_k back. It is declined now, and the state stays the later round's."""
+    h = device(0, tmp_path)
+    job = make_job(clients_per_round=1)
+    params, tensors, _, _ = run_round(job, {"dev0": h}, KIND)["dev0"]
+    for _ in range(2):
+        run_round(job, {"dev0": h}, KIND)
+    held = h.store.load(job.config.job_id, job.device_state.run)
+    assert held.round == 3 and params["state"]["round"] == 1
+    with pytest.raises(TaskDeclined, match="state of round 3, later than the task's round 1"):
+        h(params, tensors)
+    after = h.store.load(job.config.job_id, job.device_state.run)
+    assert after.round == 3 and all(np.array_equal(after.arrays[k], held.arrays[k]) for k in held.arrays)

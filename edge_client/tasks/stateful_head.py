@@ -73,14 +73,18 @@ class DeviceStateKeeper:
 
     def start_value(self, task: StateKey | HeadTask, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray] | None:
         """The stored state this round starts from, or None (none, another run's, stale, malformed).
-        A task of the round the state was written at (a redelivery) starts from what that round started from."""
+        A task of the round the state was written at (a redelivery) starts from what that round started
+        from. A task of an earlier round than the state's is declined: an old task (replayed, or one
+        that lost its way) would start afresh and its state replace the newer one (a review's
+        finding: a re-published round-1 task rolled a device's personal part back from round 6)."""
         b = task.binding
         entry = self.store.load(task.job_id, b.run, b.round, b.max_staleness)
         if entry is None:
             return None
-        prefix = PREVIOUS if entry.round == b.round else ""
         if entry.round > b.round:
-            return None                 # written at a later round than this task's: not ours to continue
+            raise TaskDeclined(f"this device holds the job's state of round {entry.round}, later than the task's "
+                               f"round {b.round}: an older round is not run (its state would replace the newer one)")
+        prefix = PREVIOUS if entry.round == b.round else ""
         value = {name: entry.arrays.get(prefix + name) for name in shapes}
         if any(v is None or v.shape != shape or v.dtype != np.float32 or not np.isfinite(v).all()
                for (name, shape), v in zip(shapes.items(), value.values())):

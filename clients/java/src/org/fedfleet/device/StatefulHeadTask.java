@@ -110,13 +110,17 @@ public abstract class StatefulHeadTask implements TaskHandler {
      *  and before any state is kept, when the round's max_samples is smaller. */
     final int sampleCount() { return data.size(); }
 
-    /** The stored state this round starts from, or null (none, another run's, stale, written at a
-     *  later round, malformed). A task of the round the state was written at (a redelivery) starts
-     *  from what that round started from. */
-    final Map<String, float[]> startValue(Read t, String... names) {
+    /** The stored state this round starts from, or null (none, another run's, stale, malformed). A
+     *  task of the round the state was written at (a redelivery) starts from what that round started
+     *  from. A task of an earlier round than the state's is declined: an old task (replayed, or one
+     *  that lost its way) would start afresh and its state replace the newer one. */
+    final Map<String, float[]> startValue(Read t, String... names) throws TaskDeclined {
         StateBinding b = t.params.state;
         DeviceStateStore.Entry e = store.load(t.params.jobId, b.run, b.round, b.maxStaleness);
-        if (e == null || e.round > b.round) return null;
+        if (e == null) return null;
+        if (e.round > b.round)
+            throw new TaskDeclined("this device holds the job's state of round " + e.round + ", later than the task's "
+                + "round " + b.round + ": an older round is not run (its state would replace the newer one)");
         String prefix = e.round == b.round ? PREVIOUS : "";
         Map<String, float[]> out = new LinkedHashMap<>();
         for (String name : names) {
