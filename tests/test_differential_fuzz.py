@@ -209,6 +209,9 @@ def write_cases(folder: Path, keys, seed: int) -> dict[str, list]:
     for kind, make in {**KINDS, **fuzz_secure.CASES}.items():
         for i in range(CASES):
             params, tensors, (Z, y), held = make(rng)
+            if kind == "fedavg.head" and i == 0:    # past every device's step budget (MAX_LOCAL_STEPS): declined
+                params = {**params, "epochs": 10_000, "batch_size": 1}
+                Z, y = features(np.random.default_rng(1), 120, params["feature_dim"], params["num_classes"])
             name = f"{kind}-{i}"
             task_path = folder / f"{name}.task"
             task_path.write_bytes(signed(kind, params, tensors, 1))
@@ -458,6 +461,9 @@ def test_python_torch_free_and_java_devices_agree_on_random_tasks(kind, fuzzed, 
     print(f"{kind}: {CASES} cases, {outcomes}, worst difference / tolerance {worst:.3g}")
     assert not failures, (failure_kinds(failures), failures[:5])
     assert outcomes["done"] >= CASES // 2
+    if kind == "fedavg.head":       # case 0: 10,000 epochs over 120 rows in batches of 1 (1.2 million steps)
+        assert all(statuses[d][0]["status"] == "declined" and "1200000 SGD steps" in statuses[d][0]["reason"]
+                   for d in DEVICES), {d: statuses[d][0] for d in DEVICES}
 
 
 @pytest.mark.parametrize("kind", SECURE_KINDS)

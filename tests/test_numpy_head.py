@@ -79,6 +79,24 @@ def test_heads_trained_together_equal_each_head_trained_alone_in_eager_torch():
     assert not np.allclose(weights[3, 1], weight)
 
 
+def test_a_batch_size_past_the_rows_trains_as_one_batch_of_them_without_padding():
+    """A review's finding: every step padded its batch to the task's batch_size (allowed up to 2^30),
+    so 65,536 over 200 rows took 1.1 GB. A batch holds at most the largest row set: the heads are
+    those of a batch_size of the rows, bit for bit, and the step's arrays stay that small."""
+    import tracemalloc
+
+    weight, bias, features, labels = _problem(seed=4, n=40, d=8, c=3)
+    row_sets = [np.arange(40), np.arange(0, 40, 2)]
+    recipe = LocalTraining(epochs=2, batch_size=40, lr=0.5, seed=1)
+    want = train_heads_together(weight, bias, features, labels, row_sets, [0.1, 0.2], recipe)
+    tracemalloc.start()
+    got = train_heads_together(weight, bias, features, labels, row_sets, [0.1, 0.2], replace(recipe, batch_size=2**22))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert all(np.array_equal(w, g) for w, g in zip(want, got))
+    assert peak < 2**20, peak              # padded: (2 row sets x 2^22) indices alone were 64 MiB
+
+
 def test_cross_validated_rate_scores_equal_fold_by_fold_training_in_eager_torch():
     """choose_fp_lr's scores against the loop it replaces: one PersonalizedHead per (rate, fold),
     fine-tuned alone (train_head, eager torch) and scored on its held-out fold."""

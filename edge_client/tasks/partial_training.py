@@ -17,11 +17,11 @@ from typing import Any
 
 import numpy as np
 
-from protocols.payloads.fedavg import batch_schedule, raise_if_diverged
+from protocols.payloads.fedavg import raise_if_diverged
 from protocols.payloads.partial import KIND, PartialParams, PartialRecipe, encode_partial_update
 
 from ..agent import TaskDeclined
-from .numpy_head import head_sgd_step
+from .numpy_head import head_sgd_step, schedule
 from .stateful_head import StatefulHeadTask
 
 
@@ -30,7 +30,7 @@ def sgd_epochs(weight: np.ndarray, bias: np.ndarray, features: np.ndarray, label
     """``epochs`` seeded epochs of mini-batch SGD moving, in place, only the tensors in ``train``
     ("weight", "bias"); the others are held fixed. Returns the steps taken."""
     lr, T, wd = np.float32(recipe.lr), np.float32(recipe.temperature), np.float32(recipe.weight_decay)
-    batches = batch_schedule(len(labels), epochs, recipe.batch_size, seed) if epochs else []
+    batches = schedule(len(labels), epochs, recipe.batch_size, seed) if epochs else []
     for batch in batches:
         # a fixed tensor takes its step on a scratch copy, which is thrown away
         w = weight if "weight" in train else weight.copy()

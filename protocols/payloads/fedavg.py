@@ -193,12 +193,28 @@ class ModelUpdate:
         return dict(self.trained)
 
 
+# The most SGD steps one task may ask of a device, epochs × ⌈rows / batch_size⌉: the recipe's
+# limits alone (10,000 epochs, batches of 1) let one task hold a device's memory (its schedule: 1.4
+# GB at 1,000 rows) and its only task thread for hours (a review's finding). Past it every device,
+# in every language, declines the task with the count.
+MAX_LOCAL_STEPS = 1_000_000
+
+
+class TooManySteps(ValueError):
+    """A recipe past ``MAX_LOCAL_STEPS`` on this many rows: the device declines the task with this."""
+
+
 def batch_schedule(rows: int, epochs: int, batch_size: int, seed: int) -> list[np.ndarray]:
     """What a local-training recipe's ``seed`` means: the row positions of each SGD step, for
     ``epochs`` epochs over ``rows`` samples, each epoch one ``np.random.default_rng(seed)``
     permutation (one generator for all epochs) cut into batches of ``batch_size`` (the last one
     may be smaller). Devices in every language take the same mini-batches (golden vector
-    ``sample_order.json``: numpy's SeedSequence + PCG64 + Fisher-Yates, reproducible anywhere)."""
+    ``sample_order.json``: numpy's SeedSequence + PCG64 + Fisher-Yates, reproducible anywhere).
+    :class:`TooManySteps` past ``MAX_LOCAL_STEPS`` steps."""
+    steps = epochs * -(-rows // batch_size) if batch_size > 0 else 0
+    if steps > MAX_LOCAL_STEPS:
+        raise TooManySteps(f"local training of {epochs} epochs over {rows} samples in batches of {batch_size} is "
+                         f"{steps} SGD steps, more than a device takes ({MAX_LOCAL_STEPS})")
     rng = np.random.default_rng(seed)
     batches = []
     for _ in range(epochs):

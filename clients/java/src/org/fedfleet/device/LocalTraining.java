@@ -70,7 +70,16 @@ public final class LocalTraining {
     }
 
     /** The row positions of each SGD step, in order: batch_schedule of numpy_head.py. */
+    /** The most SGD steps one task may ask of a device (protocols/payloads/fedavg.py MAX_LOCAL_STEPS). */
+    public static final long MAX_LOCAL_STEPS = 1_000_000L;
+
+    /** The row positions of each SGD step (protocols/payloads/fedavg.py batch_schedule);
+     *  IllegalArgumentException past MAX_LOCAL_STEPS steps. */
     public List<int[]> batchSchedule(int rows) {
+        long steps = batchSize > 0 ? (long) epochs * ((rows + (long) batchSize - 1) / batchSize) : 0;
+        if (steps > MAX_LOCAL_STEPS)
+            throw new IllegalArgumentException("local training of " + epochs + " epochs over " + rows + " samples in "
+                + "batches of " + batchSize + " is " + steps + " SGD steps, more than a device takes (" + MAX_LOCAL_STEPS + ")");
         NumpyGenerator rng = NumpyGenerator.fromSeed(seed);
         List<int[]> batches = new ArrayList<>();
         for (int e = 0; e < epochs; e++) {
