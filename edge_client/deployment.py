@@ -32,6 +32,7 @@ the same way as the device process that follows the rollouts.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import logging
 import threading
@@ -54,6 +55,7 @@ from protocols.topics import AGGREGATOR_ID, DEPLOY_ROLE, Topics
 
 log = logging.getLogger("fedfleet.device")
 STATE_FILE = "slot.json"
+_LEGACY = object()          # a slot.json from before sequences named the key they were accepted under
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,7 @@ class ModelSlot:
         self.previous: HeadVersion | None = None
         self.local_labels: np.ndarray | None = None
         self.seq = 0                    # the highest assignment sequence accepted: a lower one is a replay
+        self.seq_key: str | None | object = None   # the aggregator key it was held under (sha256; None: none)
         self._load()
         if local_labels is not None:
             labels = np.unique(np.asarray(local_labels))
@@ -105,6 +108,7 @@ class ModelSlot:
             saved = json.loads(state.read_text())
             self.current, self.previous = (self._read(saved.get(k)) for k in ("current", "previous"))
             self.seq = int(saved.get("seq", 0))
+            self.seq_key = saved.get("seq_key", _LEGACY)
             if saved.get("local_labels") is not None:
                 self.local_labels = np.asarray(saved["local_labels"], dtype=np.int64)
 
@@ -137,6 +141,22 @@ class ModelSlot:
             self._commit(self.previous, None)
             return True
 
+    def bind_key(self, aggregator_key: bytes | None) -> None:
+        """The follower's aggregator key: a sequence held under another key (or under none, where
+        anyone on the broker could publish an assignment) does not bind this one. A review's finding:
+        an unsigned assignment of seq 2^62 accepted before the device had the key made it refuse every
+        signed one after."""
+        key_id = hashlib.sha256(aggregator_key).hexdigest() if aggregator_key else None
+        with self._lock:
+            if self.seq_key is _LEGACY:     # written before keys were recorded: taken as this key's
+                self.seq_key = key_id
+                self._commit(self.current, self.previous)
+            elif key_id != self.seq_key:
+                if self.seq:
+                    log.warning("deployment sequence %d was accepted under another aggregator key: not held", self.seq)
+                self.seq, self.seq_key = 0, key_id
+                self._commit(self.current, self.previous)
+
     def hold_seq(self, seq: int) -> None:
         """Keep ``seq`` as the highest accepted (durable before the assignment is acted on: a
         restart cannot forget it and take an older one again)."""
@@ -158,14 +178,17 @@ class ModelSlot:
                 current, previous, self.local_labels = self.current, self.previous, labels
             elif (self.dir / STATE_FILE).exists():      # a swap: the higher sequence, the application's labels
                 saved = json.loads((self.dir / STATE_FILE).read_text())
-                self.seq = max(self.seq, int(saved.get("seq", 0)))
+                if saved.get("seq_key", _LEGACY) in (self.seq_key, _LEGACY):     # another key's binds nobody
+                    self.seq = max(self.seq, int(saved.get("seq", 0)))
                 if self.local_labels is None and saved.get("local_labels") is not None:
                     self.local_labels = np.asarray(saved["local_labels"], dtype=np.int64)
             entry = (lambda h: None if h is None else {"sha256": h.sha256, "deployment": h.deployment,
                                                        "bundle_sha256": h.bundle_sha256})
             labels = None if self.local_labels is None else self.local_labels.tolist()
             write_atomic(self.dir / STATE_FILE, json.dumps({"current": entry(current), "previous": entry(previous),
-                                                             "local_labels": labels, "seq": self.seq}).encode())
+                                                             "local_labels": labels, "seq": self.seq,
+                                                             **({} if self.seq_key is _LEGACY else
+                                                                {"seq_key": self.seq_key})}).encode())
             self.current, self.previous = current, previous
             keep = {f"{h.sha256}.npz" for h in (current, previous) if h is not None}
             for f in self.dir.glob("*.npz"):                    # versions neither kept nor running
@@ -217,6 +240,7 @@ class DeploymentFollower(LinkWorker):
                  aggregator_key: bytes | None = None, signer=None, fetch_timeout_s: float = 60.0,
                  retry_s: float = 5.0, client_id: str | None = None, refusal_interval_s: float = 10.0):
         super().__init__(thread_name=f"{device_id}-deploy", tick_s=0.2)
+        slot.bind_key(aggregator_key)
         self.device_id, self.slot, self.holdout, self.topics, self.signer = device_id, slot, holdout, topics, signer
         self.fetch_timeout_s, self.retry_s, self.refusal_interval_s = fetch_timeout_s, retry_s, refusal_interval_s
         self._last_unbound: dict[str, float] = {}    # refusal class -> when one not about our assignment was reported

@@ -379,3 +379,41 @@ def test_a_device_that_lost_its_state_is_given_its_assignment_again_after_a_repl
                  what=f"cam-0 on the fleet's version again (the controller's last: {ctl.last['cam-0']})")
     finally:
         sniffer.close()
+
+
+def test_a_sequence_forged_before_the_device_had_the_key_does_not_bind_it_after(broker, tmp_path):
+    """A review's finding: a device following rollouts without the aggregator's key (an open
+    broker) took an unsigned assignment of seq 2^62 - 1 and kept that sequence; once given the key
+    it refused every signed assignment as older, for good. A sequence binds only under the key it
+    was held under (``ModelSlot.bind_key``); one written before keys were recorded keeps binding."""
+    from protocols.identity import DeviceIdentity
+    from protocols.mqtt_link import BrokerConfig
+    from protocols.topics import Topics
+
+    topics, cfg = Topics(), BrokerConfig.from_url(broker.url)
+    aggregator = DeviceIdentity.generate("aggregator")
+    holdout = lambda sha: (np.zeros((4, 3)), np.zeros(4, int))     # noqa: E731
+    raw = Sniffer(broker, [])
+    try:
+        open_follower = DeploymentFollower("dev1", cfg, ModelSlot(tmp_path / "slot"), holdout, topics,
+                                           client_id="dev1.a").start()
+        forged = D.rollback_message("aggregator", "x", "forged", device="dev1", seq=2**62 - 1)
+        raw.publish(topics.deploy("dev1"), encode(forged), retain=True)          # unsigned, retained
+        wait_for(lambda: ModelSlot(tmp_path / "slot").seq == 2**62 - 1, what="the forged sequence held")
+        open_follower.stop()
+        raw.publish(topics.deploy("dev1"), b"", retain=True)
+        keyed = DeploymentFollower("dev1", cfg, ModelSlot(tmp_path / "slot"), holdout, topics,
+                                   aggregator_key=aggregator.public_key_bytes, client_id="dev1.b").start()
+        assert keyed.slot.seq == 0
+        real = D.run_message("aggregator", "dep-1", "ab" * 32, 100, 1, device="dev1", seq=1)
+        raw.publish(topics.deploy("dev1"), encode(real, signer=aggregator.sign), retain=True)
+        wait_for(lambda: keyed.slot.seq == 1, what="the signed assignment taken")
+        assert not any("older than the one held" in r for r in keyed.refusals), keyed.refusals
+        keyed.stop()
+        # under the same key the held sequence still binds: an older signed one is refused
+        again = DeploymentFollower("dev1", cfg, ModelSlot(tmp_path / "slot"), holdout, topics,
+                                   aggregator_key=aggregator.public_key_bytes, client_id="dev1.c")
+        assert again.slot.seq == 1
+    finally:
+        raw.publish(topics.deploy("dev1"), b"", retain=True)
+        raw.close()

@@ -199,6 +199,24 @@ def test_the_java_slot_refuses_replayed_and_misaddressed_assignments_like_the_py
     assert python.seq == 25 and python.current.sha256 == sha1 and ModelSlot(tmp_path / "java").seq == 25
 
 
+def test_a_java_slot_holds_a_sequence_only_under_the_key_it_took_it_with_like_the_python_device(java_cp, world,
+                                                                                                 tmp_path):
+    """A review's finding (ModelSlot.bindKey / bind_key): an unsigned assignment of seq 2^62 - 1 taken
+    while the device had no key kept it refusing every signed assignment once it had one."""
+    agg, (h1, _), Z = world["aggregator"], world["heads"], world["Z"]
+    feats, key = write_features(tmp_path / "held.bin", Z, world["y"]), agg.public_key_bytes.hex()
+    forged = write_message(tmp_path / "forged.bin", D.rollback_message(
+        AGGREGATOR_ID, "x", "forged", device="jdev", seq=2**62 - 1))                 # unsigned
+    assert int(slot_runner(java_cp, tmp_path / "java", feats, "-", "-", forged)["SEQ"]) == 2**62 - 1
+    real, head, sha = run_assignment(tmp_path, "real", D.head_npz(*h1), "dep-1", agg.sign, seq=1)
+    out = slot_runner(java_cp, tmp_path / "java", feats, key, "-", real, head)
+    assert "REASON" not in out and out["CURRENT"] == sha and int(out["SEQ"]) == 1, out
+    python = ModelSlot(tmp_path / "java")          # the Python device reads the key it was held under
+    assert python.seq == 1 and python.seq_key == hashlib.sha256(agg.public_key_bytes).hexdigest()
+    python.bind_key(agg.public_key_bytes)
+    assert python.seq == 1                         # the same key: still held
+
+
 def test_a_personalising_java_device_predicts_with_the_oll_pruned_head_like_the_python_device(java_cp, world,
                                                                                             tmp_path):
     agg, (h1, _), Z, y = world["aggregator"], world["heads"], world["Z"], world["y"]

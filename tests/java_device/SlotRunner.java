@@ -18,6 +18,7 @@ public final class SlotRunner {
         ModelSlot slot = new ModelSlot(new java.io.File(args[0]), local);
         byte[] key = args[1].equals("-") ? null : Envelope.unhex(args[1]);
         if (args.length > 4) {
+            slot.bindKey(key);      // what a DeploymentFollower does first: its key's sequence only binds it
             try {
                 ModelSlot.Assignment a = ModelSlot.assignment(Files.readAllBytes(Paths.get(args[4])), key);
                 slot.admit(a, System.getProperty("device", "jdev"));

@@ -72,6 +72,7 @@ public final class DeploymentFollower implements AutoCloseable {
     public DeploymentFollower(String deviceId, URI broker, ModelSlot slot, HeldOut heldOut, Options options) throws Exception {
         this.deviceId = Topics.checkDeviceId(deviceId);
         this.slot = slot; this.heldOut = heldOut; this.o = options;
+        slot.bindKey(options.aggregatorKey);
         String account = options.username == null ? null : options.username + "/deploy";
         connection = DeviceConnection.settings(broker, account == null ? deviceId + ".deploy" : account, account,
                 options.password).callbackConnection();

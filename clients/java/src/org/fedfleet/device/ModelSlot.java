@@ -69,6 +69,8 @@ public final class ModelSlot {
     private final int[] localLabels;              // sorted, distinct; null: the full head
     private volatile State state;
     private volatile long seq;                    // the highest assignment sequence accepted: a lower one is a replay
+    private String seqKey;                        // the aggregator key it was held under (sha256 hex; null: none)
+    private boolean legacySeq;                    // slot.json from before sequences named their key
 
     public ModelSlot(File dir) throws IOException { this(dir, null); }
 
@@ -84,6 +86,8 @@ public final class ModelSlot {
             loaded = new State(read(saved.get("current")), read(saved.get("previous")));
             Object kept = saved.get("local_labels");
             if (saved.get("seq") instanceof BigInteger) seq = ((BigInteger) saved.get("seq")).longValue();
+            legacySeq = !saved.containsKey("seq_key");
+            if (saved.get("seq_key") instanceof String) seqKey = (String) saved.get("seq_key");
             if (kept instanceof List) labels = ((List<?>) kept).stream().mapToInt(x -> ((BigInteger) x).intValue()).toArray();
         }
         this.localLabels = localLabels != null ? distinctSorted(localLabels) : labels;
@@ -98,6 +102,32 @@ public final class ModelSlot {
     public int[] localLabels() { return localLabels == null ? null : localLabels.clone(); }
 
     public long seq() { return seq; }
+
+    /** The follower's aggregator key (null: none): a sequence held under another key, or under none
+     *  (where anyone on the broker could publish an assignment), does not bind this one; one written
+     *  before keys were recorded is taken as this key's. The rule of edge_client/deployment.py bind_key. */
+    public synchronized void bindKey(byte[] aggregatorKey) throws IOException {
+        String keyId = null;
+        if (aggregatorKey != null) {
+            try {
+                StringBuilder hex = new StringBuilder();
+                for (byte x : java.security.MessageDigest.getInstance("SHA-256").digest(aggregatorKey))
+                    hex.append(String.format("%02x", x));
+                keyId = hex.toString();
+            } catch (java.security.NoSuchAlgorithmException e) {
+                throw new IllegalStateException(e);
+            }
+        }
+        if (legacySeq) {
+            legacySeq = false;
+        } else if (java.util.Objects.equals(keyId, seqKey)) {
+            return;
+        } else {
+            seq = 0;
+        }
+        seqKey = keyId;
+        commit(state);
+    }
 
     /** Take assignment ``a`` on device ``deviceId``: Refusal when it names another device or carries a
      *  sequence below the one held (a replayed capture); else its sequence is held (durably, before
@@ -190,6 +220,7 @@ public final class ModelSlot {
         if (localLabels != null) for (int c : localLabels) labels.add(BigInteger.valueOf(c));
         doc.put("local_labels", localLabels == null ? Json.NULL : labels);
         doc.put("seq", BigInteger.valueOf(seq));
+        if (!legacySeq) doc.put("seq_key", seqKey == null ? Json.NULL : seqKey);
         try {
             writeAtomic(new File(dir, STATE_FILE), Json.canonical(doc));
         } catch (Json.JsonError e) {
