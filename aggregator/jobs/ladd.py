@@ -263,8 +263,7 @@ class LaddJob(Job):
     # ------------------------------------------------------------------ scheduling
     def next_participants(self, online: set[str]) -> list[str]:
         c = self.config
-        self.waiting = None
-        if self._open or self.phase is LaddPhase.DONE:
+        if self._open or self.phase is LaddPhase.DONE:      # no waiting reason is shown then (reporting.py)
             return []
         if self.phase is LaddPhase.STYLES or c.clustering == "styles":
             pool = sorted(d for d in online if d not in self.styles
