@@ -127,10 +127,9 @@ class ModelSlot:
     def swap(self, data: bytes, sha256: str, deployment: str, bundle_sha256: str = "") -> HeadVersion:
         """Make the verified head file ``data`` current, keeping the current one as previous."""
         W, b = D.head_from_npz(data, sha256)
-        write_atomic(self.dir / f"{sha256}.npz", data)
         new = HeadVersion(sha256, deployment, W, b, bundle_sha256)
         with self._lock:
-            self._commit(new, self.current)
+            self._commit(new, self.current, new_file=data)
         return new
 
     def revert(self, deployment: str) -> bool:
@@ -165,13 +164,18 @@ class ModelSlot:
                 self.seq = seq
                 self._commit(self.current, self.previous)
 
-    def _commit(self, current: HeadVersion | None, previous: HeadVersion | None, labels_only: bool = False) -> None:
+    def _commit(self, current: HeadVersion | None, previous: HeadVersion | None, labels_only: bool = False,
+                new_file: bytes | None = None) -> None:
         """Write the slot's state, holding the folder's lock: the application may open a slot of its
         own on it (to predict as this device does) while the follower swaps heads. What the other
         process wrote is read again under the lock: a labels-only commit keeps its heads and
         sequence (a stale one undid a swap and deleted the running head's file), a swap keeps the
-        higher sequence, and only files that the state written names are kept."""
+        higher sequence, and only files that the state written names are kept. ``new_file``: the
+        current head's file, written under the same lock (written before it, the application's
+        labels-only commit could delete it as unnamed: a review's finding, the slot then unreadable)."""
         with _FolderLock(self.dir):
+            if new_file is not None:
+                write_atomic(self.dir / f"{current.sha256}.npz", new_file)
             labels = self.local_labels
             if labels_only:
                 self._load()

@@ -112,16 +112,18 @@ def run_device(args) -> int:
     broker = BrokerConfig.from_url(args.broker, tls_ca=args.tls_ca)
     # Without torch there is no local export: features come only from a bundle (--bundle-sha or the job's).
     local = None if torch_free() else SharedExtractors(_local_factory(args.runtime, args.cache_dir), args.cache_dir)
+    identity = _identity(args)
     extractors = FetchedBundles(args.id, broker, Topics(args.topic_root), args.bundle_dir, args.runtime,
                                 args.cache_dir, default=args.bundle_sha, local=local,
-                                aggregator_key=bytes.fromhex(args.aggregator_key) if args.aggregator_key else None)
+                                aggregator_key=bytes.fromhex(args.aggregator_key) if args.aggregator_key else None,
+                                signer=identity.sign if identity is not None else None)
     if args.bundle_sha:
         extractors.get(args.bundle_sha)          # at boot: fail early on a bad or unreachable bundle
     handlers = device_handlers(LocalData(images, labels, train_idx, holdout_idx), extractors,
                                HandlerConfig(str(args.training_bundle) if args.training_bundle else None,
                                              str(args.tail_bundle) if args.tail_bundle else None),
                                state=(state := state_store(args)))
-    signer, protocol_handlers = _signing(args, handlers)
+    signer, protocol_handlers = _signing(args, identity, handlers)
     agent = DeviceAgent(args.id, broker, handlers, Topics(args.topic_root), signer=signer,
                         protocol_handlers=protocol_handlers, state=state,
                         aggregator_key=bytes.fromhex(args.aggregator_key) if args.aggregator_key else None).start()
@@ -186,16 +188,22 @@ def _local_images(args):
     return images, labels
 
 
-def _signing(args, handlers: dict) -> tuple:
+def _identity(args):
+    """The device's signing identity (``--identity``), or None."""
+    if not args.identity:
+        return None
+    from protocols.identity import DeviceIdentity
+
+    return DeviceIdentity.from_pem(args.id, args.identity.read_bytes())
+
+
+def _signing(args, identity, handlers: dict) -> tuple:
     """(signer, protocol handlers): the device's signature and, with the aggregator's key, the
     secure-aggregation handlers around its task handlers; (None, {}) without an identity."""
     from edge_client.handlers import secure_handlers
 
-    if not args.identity:
+    if identity is None:
         return None, {}
-    from protocols.identity import DeviceIdentity
-
-    identity = DeviceIdentity.from_pem(args.id, args.identity.read_bytes())
     if not args.aggregator_key:
         return identity.sign, {}
     return identity.sign, secure_handlers(identity, bytes.fromhex(args.aggregator_key), handlers)
@@ -294,12 +302,14 @@ class FetchedBundles:
     given at boot (``--bundle-sha``) or, without one, the local extractor (``--runtime``)."""
 
     def __init__(self, device_id: str, broker, topics, bundle_dir: Path, runtime: str, cache_dir: str | None,
-                 default: str | None, local, aggregator_key: bytes | None = None):
-        """``aggregator_key``: the device then takes only the aggregator's signed artifact replies."""
+                 default: str | None, local, aggregator_key: bytes | None = None, signer=None):
+        """``aggregator_key``: the device then takes only the aggregator's signed artifact replies;
+        ``signer``: the device's, for its requests (an aggregator requiring signatures drops unsigned ones)."""
         from protocols.identity import sender_verifier
         from protocols.topics import AGGREGATOR_ID
 
         self.verifier = sender_verifier(AGGREGATOR_ID, aggregator_key) if aggregator_key else None
+        self.signer = signer
         self.device_id, self.broker, self.topics = device_id, broker, topics
         self.bundle_dir, self.runtime, self.cache_dir = Path(bundle_dir), runtime, cache_dir
         self.default, self.local = default, local
@@ -317,7 +327,8 @@ class FetchedBundles:
                 # connection stays up while the bundle comes in
                 broker = self.broker.for_role(FETCH_ROLE)
                 manifest = fetch_bundle(self.device_id, broker, sha, self.bundle_dir / sha[:16], self.topics,
-                                        client_id=broker.username or f"{self.device_id}.fetch", verifier=self.verifier)
+                                        client_id=broker.username or f"{self.device_id}.fetch", verifier=self.verifier,
+                                        signer=self.signer)
                 extractor = FeatureExtractor.from_bundle(manifest, self.runtime, self.cache_dir, sha)
                 if self.runtime == "auto":
                     print(f"bundle {sha[:16]}: --runtime auto chose {extractor.runtime}; " + "; ".join(

@@ -249,3 +249,37 @@ def test_a_device_with_the_aggregators_key_ignores_forged_artifact_replies(broke
         assert got.read_bytes() == manifest
     finally:
         link.stop()
+
+
+def test_a_device_fetches_a_bundle_from_an_aggregator_requiring_signatures(broker, tmp_path, bundle):
+    """A review's finding: the device command's bundle fetch (``FetchedBundles``) sent its requests
+    unsigned, so an aggregator run with --require-signatures dropped every one and a fully secured
+    device could fetch no bundle (at boot, or for a job naming one). Its requests are signed now,
+    its replies (chunked, signed chunk by chunk) verified with the aggregator's key."""
+    from aggregator.storage.store import Store
+    from fedfleet.device import FetchedBundles
+    from protocols.identity import DeviceIdentity
+    from protocols.topics import AGGREGATOR_ID
+
+    shelf = ArtifactShelf()
+    sha = shelf.add_bundle(bundle)
+    aggregator = DeviceIdentity.generate(AGGREGATOR_ID)
+    job = Fed3RJob(Fed3RConfig(num_classes=10, feature_dim=4, expected_devices=99, start_timeout_s=1e6))
+    svc = AggregatorService(job, BrokerConfig.from_url(broker.url), tmp_path / "agg",
+                            ServiceSettings(require_signatures=True), store=Store(tmp_path / "state.db"),
+                            identity=aggregator, artifacts=shelf)
+    creds = svc.enroll("cam1").to_dict()
+    t = threading.Thread(target=lambda: svc.run(timeout_s=120), daemon=True)
+    t.start()
+    try:
+        device = DeviceIdentity.from_pem("cam1", creds["private_key_pem"].encode())
+        fetched = FetchedBundles("cam1", BrokerConfig.from_url(broker.url), Topics(), tmp_path / "bundles",
+                                 "onnxruntime", None, default=None, local=None,
+                                 aggregator_key=bytes.fromhex(creds["aggregator_public_key"]), signer=device.sign)
+        extractor, _ = fetched.get(sha)
+        x = np.random.default_rng(0).integers(0, 256, (2, 28, 28), dtype=np.uint8)
+        assert extractor.extract(x).shape == (2, 1280)
+        assert not svc.active.stats.rejections.get("bad signature")
+    finally:
+        svc.stop()
+        t.join(10)

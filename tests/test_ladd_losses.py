@@ -164,6 +164,23 @@ def test_model_exports_for_inference(model):
     torch.testing.assert_close(exported.module()(example), model(example))
 
 
+def test_local_training_past_every_devices_step_budget_is_declined_before_a_step(model):
+    """A review's finding: LADD's self-training ran its own epoch loop, outside the step budget
+    every other kind's training declines past (MAX_LOCAL_STEPS): 10,000 epochs in batches of 1
+    over 101 images would have held the device for hours. Declined now, the model untouched."""
+    from edge_client.agent import TaskDeclined
+
+    rng = np.random.default_rng(5)
+    frozen = model.frozen_features(rng.integers(0, 256, (101, 32, 32, 3), np.uint8))
+    pseudo = rng.integers(0, 5, (101, 32, 32))
+    kd_probs, kd_mask = F.softmax(torch.randn(101, 5, 32, 32), 1), torch.ones(101, 32, 32)
+    names, start = model.trainable_names("tail+head"), model.exchanged_state()
+    recipe = SelfTrainingRecipe(epochs=10_000, batch_size=1, lr=0.05, momentum=0.9, kd_lambda=3.0, seed=7)
+    with pytest.raises(TaskDeclined, match="1010000 SGD steps"):
+        self_train(model, names, frozen, pseudo, kd_probs, kd_mask, recipe)
+    assert all(np.array_equal(v, start[k]) for k, v in model.exchanged_state().items())
+
+
 def test_local_sgd_is_torch_sgd_with_momentum(model):
     rng = np.random.default_rng(4)
     images = rng.integers(0, 256, (5, 32, 32, 3), np.uint8)

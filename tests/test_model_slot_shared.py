@@ -73,3 +73,24 @@ def test_a_swap_keeps_the_labels_the_application_saved_after_the_follower_opened
     follower.swap(b, sha_b, "d2")
     reopened = ModelSlot(tmp_path)
     assert reopened.current.sha256 == sha_b and reopened.local_labels.tolist() == [0, 2]
+
+
+def test_an_application_slot_opened_while_a_head_is_swapped_in_keeps_its_file(tmp_path):
+    """A review's finding: the follower wrote the new head's file before taking the folder's lock,
+    so an application slot opened in between deleted it as unnamed; the follower's commit then
+    named a missing file and no slot on the folder could be opened again. The file is written
+    under the lock now, with the state that names it."""
+    (a, sha_a), (b, sha_b) = _head(1), _head(2)
+
+    class FollowerSlot(ModelSlot):
+        def _commit(self, current, previous, **kw):
+            if current is not None and current.sha256 == sha_b:
+                ModelSlot(tmp_path, local_labels=[0, 1])      # the application opens its slot now
+            super()._commit(current, previous, **kw)
+
+    follower = FollowerSlot(tmp_path)
+    follower.swap(a, sha_a, "d1")
+    follower.swap(b, sha_b, "d2")
+    assert (tmp_path / f"{sha_b}.npz").exists()
+    restarted = ModelSlot(tmp_path)
+    assert restarted.current.sha256 == sha_b and restarted.local_labels.tolist() == [0, 1]

@@ -48,6 +48,7 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
+from protocols.payloads.fedavg import TooManySteps, check_local_steps
 from protocols.payloads.ladd import (KIND_STYLE, KIND_TRAIN, LaddTrainParams, SelfTrainingRecipe, StyleParams, encode_style,
                                      encode_update, layout_digest, make_layout, packed_digest, parse_train_task, unpack)
 
@@ -214,6 +215,10 @@ def self_train(model: SegmentationModel, trainable: list[str], frozen: torch.Ten
         raise ValueError("features, pseudo-labels and KD targets must have the same, non-zero length")
     if runtime not in STEPPERS:
         raise ValueError(f"runtime must be one of {sorted(STEPPERS)}, got {runtime!r}")
+    try:
+        check_local_steps(n, recipe.epochs, recipe.batch_size)      # every device's budget, LADD's too
+    except TooManySteps as exc:
+        raise TaskDeclined(str(exc)) from exc
     stepper = STEPPERS[runtime](model, list(trainable), recipe)
     rule = rule_for(recipe.rule)
     # the rule works on numpy views of the trained tensors (they share memory), so the SAM/ASAM/

@@ -204,6 +204,16 @@ class TooManySteps(ValueError):
     """A recipe past ``MAX_LOCAL_STEPS`` on this many rows: the device declines the task with this."""
 
 
+def check_local_steps(rows: int, epochs: int, batch_size: int) -> int:
+    """The SGD steps of ``epochs`` epochs over ``rows`` samples in batches of ``batch_size``;
+    :class:`TooManySteps` past ``MAX_LOCAL_STEPS`` (every device's local training, LADD's too)."""
+    steps = epochs * -(-rows // batch_size) if batch_size > 0 else 0
+    if steps > MAX_LOCAL_STEPS:
+        raise TooManySteps(f"local training of {epochs} epochs over {rows} samples in batches of {batch_size} is "
+                           f"{steps} SGD steps, more than a device takes ({MAX_LOCAL_STEPS})")
+    return steps
+
+
 def batch_schedule(rows: int, epochs: int, batch_size: int, seed: int) -> list[np.ndarray]:
     """What a local-training recipe's ``seed`` means: the row positions of each SGD step, for
     ``epochs`` epochs over ``rows`` samples, each epoch one ``np.random.default_rng(seed)``
@@ -211,10 +221,7 @@ def batch_schedule(rows: int, epochs: int, batch_size: int, seed: int) -> list[n
     may be smaller). Devices in every language take the same mini-batches (golden vector
     ``sample_order.json``: numpy's SeedSequence + PCG64 + Fisher-Yates, reproducible anywhere).
     :class:`TooManySteps` past ``MAX_LOCAL_STEPS`` steps."""
-    steps = epochs * -(-rows // batch_size) if batch_size > 0 else 0
-    if steps > MAX_LOCAL_STEPS:
-        raise TooManySteps(f"local training of {epochs} epochs over {rows} samples in batches of {batch_size} is "
-                         f"{steps} SGD steps, more than a device takes ({MAX_LOCAL_STEPS})")
+    check_local_steps(rows, epochs, batch_size)
     rng = np.random.default_rng(seed)
     batches = []
     for _ in range(epochs):
