@@ -69,7 +69,6 @@ public final class LocalTraining {
         out.put("prox_mu", proxMu);
     }
 
-    /** The row positions of each SGD step, in order: batch_schedule of numpy_head.py. */
     /** The most SGD steps one task may ask of a device (protocols/payloads/fedavg.py MAX_LOCAL_STEPS). */
     public static final long MAX_LOCAL_STEPS = 1_000_000L;
 
