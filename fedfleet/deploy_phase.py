@@ -73,8 +73,8 @@ class TimedSlot(ModelSlot):
         self.changes: list[tuple[float, str]] = []       # (time, version), in order
         super().__init__(*args, **kwargs)
 
-    def _commit(self, current, previous, labels_only: bool = False) -> None:
-        super()._commit(current, previous, labels_only)
+    def _commit(self, current, previous, labels_only: bool = False, **kw) -> None:
+        super()._commit(current, previous, labels_only, **kw)
         self.changes.append((time.time(), version_of(self.current)))
 
     def version_at(self, t: float) -> str:
