@@ -200,6 +200,7 @@ def test_a_job_file_is_checked_and_loaded_from_one_read(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
     import aggregator.jobs.ladd as ladd
+    import aggregator.jobs.ladd_initial_model as initial_model
     from aggregator.jobs.input_files import read_job_input
 
     def npz(value: float) -> bytes:
@@ -211,12 +212,12 @@ def test_a_job_file_is_checked_and_loaded_from_one_read(tmp_path, monkeypatch):
     path = tmp_path / "pretrained.npz"
     path.write_bytes(genuine)
     config = SimpleNamespace(initial_model_file=str(path), initial_model_sha256=hashlib.sha256(genuine).hexdigest())
-    real_check = ladd.check_sha256
+    real_check = initial_model.check_sha256
 
     def check_then_swap(data, expected, what):
         real_check(data, expected, what)
         path.write_bytes(evil)                  # replaced right after its digest was checked
-    monkeypatch.setattr(ladd, "check_sha256", check_then_swap)
+    monkeypatch.setattr(initial_model, "check_sha256", check_then_swap)
     arrays, _ = ladd.LaddJob.load_initial(config)
     assert np.array_equal(arrays["w"], np.full(4, 1.0, np.float32))
     with pytest.raises(ValueError, match="sha256 does not match"):

@@ -53,7 +53,6 @@ from typing import Any
 import numpy as np
 
 from protocols.envelope import Envelope, EnvelopeError, body_field
-from protocols.files import check_sha256, read_npz
 from protocols.payloads.ladd import (KIND_STYLE, KIND_TRAIN, LaddTrainParams, Layout, ModelUpdate, StyleParams,
                                      StyleResult, layout_digest, make_layout, pack, packed_digest, parse_style,
                                      parse_update, train_task_tensors)
@@ -65,8 +64,8 @@ from aggregator.strategies.dp_fedavg import ClippedGaussianSum
 from aggregator.strategies.robust_ladd import RobustClusterAveraging
 from aggregator.strategies.ladd import ClusterAveraging, StyleClustering, SwaTeacher, cluster_specific_predicate, cluster_styles
 from aggregator.jobs.base import Job
-from aggregator.jobs.input_files import read_job_input
 from aggregator.jobs.ladd_config import LaddConfig
+from aggregator.jobs.ladd_initial_model import load_initial_model, save_initial_model  # noqa: F401 (re-exported)
 from aggregator.jobs.ladd_phases import Created, LaddPhase, NobodyLeftToAsk, StyleRoundClosed, TrainRoundClosed
 from aggregator.jobs.recent_log import RecentLog
 
@@ -84,19 +83,11 @@ class RoundPayload:
     payload: StyleResult | ModelUpdate | tuple      # tuple: a shard coordinator's (message id, receipt)
 
 
-TRAINABLE_KEY = "__trainable__"
-
-
 def trainable_in_layout_order(arrays: Arrays, layout: Layout, trainable: list[str]) -> tuple[list[str], Layout]:
     """The trainable names in the model's layout order, and their layout (what an update packs)."""
     order = {name: i for i, (name, _) in enumerate(layout)}
     names = sorted(trainable, key=order.__getitem__)
     return names, make_layout(arrays, names)
-
-
-def save_initial_model(path, arrays: Arrays, trainable: list[str]) -> None:
-    """Write a pretrained network for ``LaddConfig.initial_model_file`` (arrays + trainable names)."""
-    np.savez(path, **arrays, **{TRAINABLE_KEY: np.array(sorted(trainable))})
 
 
 @dataclass
@@ -116,16 +107,7 @@ class LaddJob(Job):
     contributed: dict[str, int] = field(default_factory=dict)
     round: int = 0
 
-    @staticmethod
-    def load_initial(config: LaddConfig) -> tuple[Arrays, list[str]]:
-        """The checksummed pretrained network a config names (a job built from its config alone)."""
-        if not config.initial_model_file:
-            raise ValueError("a LADD job built from its config needs initial_model_file (the pretrained network)")
-        raw = read_job_input(config.initial_model_file, "initial_model_file")
-        check_sha256(raw, config.initial_model_sha256, f"initial_model_file {config.initial_model_file}")
-        arrays = read_npz(raw)
-        trainable = [str(t) for t in arrays.pop(TRAINABLE_KEY)] if TRAINABLE_KEY in arrays else []
-        return arrays, trainable
+    load_initial = staticmethod(load_initial_model)     # the pretrained network a stored config names
 
     def __post_init__(self):
         c = self.config

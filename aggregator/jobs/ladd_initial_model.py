@@ -1,0 +1,31 @@
+"""A LADD job's pretrained network on disk (``LaddConfig.initial_model_file``): its arrays and, under
+``TRAINABLE_KEY``, the names of the tensors devices train. Written by whoever pre-trained it
+(``save_initial_model``), read back checksummed by a job built from its stored config alone
+(``load_initial_model``, what ``LaddJob.load_initial`` is)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from protocols.files import check_sha256, read_npz
+
+from aggregator.jobs.input_files import read_job_input
+from aggregator.jobs.ladd_config import LaddConfig
+
+TRAINABLE_KEY = "__trainable__"
+
+
+def save_initial_model(path, arrays: dict[str, np.ndarray], trainable: list[str]) -> None:
+    """Write a pretrained network for ``LaddConfig.initial_model_file`` (arrays + trainable names)."""
+    np.savez(path, **arrays, **{TRAINABLE_KEY: np.array(sorted(trainable))})
+
+
+def load_initial_model(config: LaddConfig) -> tuple[dict[str, np.ndarray], list[str]]:
+    """The checksummed pretrained network a config names (a job built from its config alone)."""
+    if not config.initial_model_file:
+        raise ValueError("a LADD job built from its config needs initial_model_file (the pretrained network)")
+    raw = read_job_input(config.initial_model_file, "initial_model_file")
+    check_sha256(raw, config.initial_model_sha256, f"initial_model_file {config.initial_model_file}")
+    arrays = read_npz(raw)
+    trainable = [str(t) for t in arrays.pop(TRAINABLE_KEY)] if TRAINABLE_KEY in arrays else []
+    return arrays, trainable
