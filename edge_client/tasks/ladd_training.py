@@ -48,7 +48,6 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from protocols.payloads.fedavg import TooManySteps, check_local_steps
 from protocols.payloads.ladd import (KIND_STYLE, KIND_TRAIN, LaddTrainParams, SelfTrainingRecipe, StyleParams, encode_style,
                                      encode_update, layout_digest, make_layout, packed_digest, parse_train_task, unpack)
 
@@ -56,6 +55,7 @@ from ..agent import TaskDeclined
 from ..models.segmentation import IGNORE, SegmentationModel, SegmentationSpec, self_training_loss
 from ..style import extract_style
 from .local_rules import rule_for
+from .numpy_head import within_step_budget
 from .params import read_params
 
 __all__ = ["LaddStyleTask", "LaddTrainTask", "SelfTrainingRecipe", "TrainedUpdate", "kd_targets", "self_train",
@@ -215,10 +215,7 @@ def self_train(model: SegmentationModel, trainable: list[str], frozen: torch.Ten
         raise ValueError("features, pseudo-labels and KD targets must have the same, non-zero length")
     if runtime not in STEPPERS:
         raise ValueError(f"runtime must be one of {sorted(STEPPERS)}, got {runtime!r}")
-    try:
-        check_local_steps(n, recipe.epochs, recipe.batch_size)      # every device's budget, LADD's too
-    except TooManySteps as exc:
-        raise TaskDeclined(str(exc)) from exc
+    within_step_budget(n, recipe.epochs, recipe.batch_size)
     stepper = STEPPERS[runtime](model, list(trainable), recipe)
     rule = rule_for(recipe.rule)
     # the rule works on numpy views of the trained tensors (they share memory), so the SAM/ASAM/

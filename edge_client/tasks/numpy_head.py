@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from protocols.payloads.fedavg import TooManySteps, batch_schedule as protocol_batch_schedule
+from protocols.payloads.fedavg import TooManySteps, batch_schedule as protocol_batch_schedule, check_local_steps
 
 from ..agent import TaskDeclined
 
@@ -101,8 +101,15 @@ def batch_schedule(rows: int, recipe) -> list[np.ndarray]:
 
 def schedule(rows: int, epochs: int, batch_size: int, seed: int) -> list[np.ndarray]:
     """The protocol's batch schedule; a task past every device's step budget is declined with the count."""
+    within_step_budget(rows, epochs, batch_size)
+    return protocol_batch_schedule(rows, epochs, batch_size, seed)
+
+
+def within_step_budget(rows: int, epochs: int, batch_size: int) -> None:
+    """Decline (with the count) local training past every device's step budget (``MAX_LOCAL_STEPS``):
+    every kind's, LADD's self-training too."""
     try:
-        return protocol_batch_schedule(rows, epochs, batch_size, seed)
+        check_local_steps(rows, epochs, batch_size)
     except TooManySteps as exc:
         raise TaskDeclined(str(exc)) from exc
 
