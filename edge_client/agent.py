@@ -30,7 +30,7 @@ from protocols.message_loop import MessageLoop
 from protocols.mqtt_link import BrokerConfig, MqttLink
 from protocols.payloads.job_end import JOB_ENDED, MAX_NOTICES, parse_job_ended
 from protocols.payloads.stateful import foreign_job
-from protocols.rounds import (AckArrived, DeviceSession, DeviceState, ResultSent, SendDecline, SendResult,
+from protocols.rounds import (AckArrived, DeviceSession, DeviceState, ResultSent, SendDecline, SendResult, SkipTask,
                               StartWork, TaskArrived, Tick, WorkFailed, WorkFinished)
 from protocols.identity import sender_verifier
 from protocols.topics import AGGREGATOR_ID, Topics
@@ -92,6 +92,7 @@ class AgentHooks:
 class AgentStats:
     tasks_done: int = 0
     tasks_declined: int = 0
+    tasks_skipped: int = 0          # tasks of a round that was over (expired or replayed): not run
     dropouts: int = 0
     bytes_up: int = 0
     compute_s: float = 0.0
@@ -152,6 +153,7 @@ class DeviceAgent:
         self.online = False
         self._outage_until = 0.0
         self._declined_for = FirstTimes()           # decline reasons already logged
+        self._skipped_for = FirstTimes()            # (job, reason) of skipped tasks already logged
         self._tick_errors = FirstTimes()            # the tick's errors already logged
 
     # lifecycle
@@ -238,7 +240,8 @@ class DeviceAgent:
             raise EnvelopeError(f"message from {env.sender!r}, expected the aggregator")
         if env.type == M.TASK:
             ref, kind, params, deadline = M.parse_task(env)
-            self._execute(self.session.handle(TaskArrived(ref, kind, params, deadline, dict(env.tensors))))
+            self._execute(self.session.handle(TaskArrived(ref, kind, params, deadline, dict(env.tensors),
+                                                          received_at=time.time())))
         elif env.type in self.protocol_handlers:
             for out in self.protocol_handlers[env.type].on_message(env):
                 self.stats.bytes_up += self.link.publish_envelope(
@@ -277,6 +280,11 @@ class DeviceAgent:
             elif isinstance(act, SendResult):
                 if self.online:
                     self._send_result(act)
+            elif isinstance(act, SkipTask):
+                self.stats.tasks_skipped += 1
+                if self._skipped_for.first(f"{act.ref.job} {act.reason}"):
+                    log.warning("%s: skipped task %s of job %s round %d: %s (logged once per job and reason)",
+                                self.device_id, act.ref.task, act.ref.job, act.ref.round, act.reason)
             elif isinstance(act, SendDecline):
                 self.stats.tasks_declined += 1
                 self._log_decline(act)

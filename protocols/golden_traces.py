@@ -6,7 +6,8 @@ table, ``DEVICE_TABLE``) and the Java library's ``org.fedfleet.device.DeviceSess
 the same traces (tests/test_device_session_traces.py); each must answer every event with the
 recorded actions and state. A trace is JSON: ``session`` (the machine's settings), ``steps``, each
 an ``event`` with the ``actions`` and ``state`` that follow it. Events and actions name a task by
-its ref ``[job, round, task]``; a result's message is opaque text (null: a secure task's, whose
+its ref ``[job, round, task]``; a task event may carry its ``deadline`` (default 0) and the device's
+clock when it came, ``received_at`` (absent: the deadline is not checked); a result's message is opaque text (null: a secure task's, whose
 protocol messages go out through its own session). The traces are the named scenarios below plus
 seeded random walks; together they fire every row of ``DEVICE_TABLE`` in every state it names (the
 test checks). Regenerate (only when the round rules change, reviewing the diff) with
@@ -21,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from .messages import TaskRef
-from .rounds import (AckArrived, DeviceSession, ResultSent, SendDecline, SendResult, StartWork, TaskArrived, Tick,
-                     WorkFailed, WorkFinished)
+from .rounds import (AckArrived, DeviceSession, ResultSent, SendDecline, SendResult, SkipTask, StartWork, TaskArrived,
+                     Tick, WorkFailed, WorkFinished)
 
 TRACE_DIR = Path(__file__).resolve().parent / "golden" / "traces"
 SESSION = {"retry_after_s": 5.0, "max_retries": 2, "keep_finished": 2}
@@ -30,6 +31,12 @@ SESSION = {"retry_after_s": 5.0, "max_retries": 2, "keep_finished": 2}
 
 def _ref(n: int) -> list:
     return ["job", n, f"t{n}"]
+
+
+def _task(n: int, deadline: float | None = None, received_at: float | None = None) -> dict:
+    """A task event; with a deadline, and the device's clock when it came (absent: not checked)."""
+    return {"type": "task", "ref": _ref(n), **({} if deadline is None else {"deadline": deadline}),
+            **({} if received_at is None else {"received_at": received_at})}
 
 
 def _finished(n: int, secure: bool = False) -> dict:
@@ -52,14 +59,25 @@ SCENARIOS: dict[str, list[dict]] = {
                                    {"type": "ack", "ref_id": "r2"}],
     "secure_task_is_never_retried_or_resent": [{"type": "task", "ref": _ref(3)}, _finished(3, secure=True),
                                                {"type": "sent", "now": 1.0}, {"type": "tick", "now": 100.0},
-                                               {"type": "task", "ref": _ref(3)}, {"type": "task", "ref": _ref(1)},
+                                               {"type": "task", "ref": _ref(3)}, {"type": "task", "ref": _ref(4)},
                                                {"type": "task", "ref": _ref(3)},
-                                               {"type": "failed", "ref": _ref(1), "reason": "no data"},
+                                               {"type": "failed", "ref": _ref(4), "reason": "no data"},
                                                {"type": "task", "ref": _ref(3)}],
     "only_the_recent_results_are_kept": [*(e for n in (1, 2, 3) for e in ({"type": "task", "ref": _ref(n)},
                                                                           _finished(n), {"type": "ack",
                                                                                          "ref_id": f"r{n}"})),
-                                         {"type": "task", "ref": _ref(1)}, {"type": "task", "ref": _ref(3)}],
+                                         {"type": "task", "ref": _ref(4)}, {"type": "task", "ref": _ref(3)},
+                                         {"type": "task", "ref": _ref(1)}],
+    # SESSION's grace is the default 60 s; round 2's task runs, then in each state an earlier round
+    # (no later deadline) and a task past its deadline + grace are skipped; round 2's result keeps
+    # its retries; a task at the grace's edge runs, and so does an earlier round with a later deadline
+    "expired_and_replayed_tasks_are_skipped": [_task(2, 100.0, 50.0), _task(1, 90.0, 60.0), _task(4, 100.0, 170.0),
+                                               _finished(2), {"type": "sent", "now": 1.0}, _task(1, 90.0, 60.0),
+                                               _task(4, 100.0, 161.0), {"type": "tick", "now": 7.0},
+                                               {"type": "ack", "ref_id": "r2"}, _task(1, 90.0, 60.0),
+                                               _task(4, 100.0, 161.0), _task(4, 100.0, 160.0),
+                                               _task(1, 200.0, 170.0),
+                                               {"type": "failed", "ref": _ref(1), "reason": "no data"}],
 }
 
 
@@ -87,7 +105,7 @@ def traces() -> dict[str, list[dict]]:
 def event_of(e: dict) -> Any:
     """A trace event as protocols.rounds' event."""
     ref = TaskRef(*e["ref"]) if "ref" in e else None
-    return {"task": lambda: TaskArrived(ref, "fed3r.stats", {}, 0.0),
+    return {"task": lambda: TaskArrived(ref, "fed3r.stats", {}, e.get("deadline", 0.0), {}, e.get("received_at")),
             "finished": lambda: WorkFinished(ref, e["message"], e["message_id"], e["expects_ack"]),
             "failed": lambda: WorkFailed(ref, e["reason"]),
             "sent": lambda: ResultSent(e["now"]),
@@ -100,6 +118,8 @@ def action_json(action: Any) -> dict:
         return {"type": "StartWork", "ref": [action.ref.job, action.ref.round, action.ref.task]}
     if isinstance(action, SendResult):
         return {"type": "SendResult", "message": action.message, "attempt": action.attempt}
+    if isinstance(action, SkipTask):
+        return {"type": "SkipTask", "ref": [action.ref.job, action.ref.round, action.ref.task], "reason": action.reason}
     if isinstance(action, SendDecline):
         return {"type": "SendDecline", "ref": [action.ref.job, action.ref.round, action.ref.task],
                 "reason": action.reason}

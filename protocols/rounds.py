@@ -26,6 +26,12 @@ to apply; the job already applied the sum and names the devices it holds.
 Late results are never carried into a later round: a result names its (job, round) and the
 server routes it only to that round's coordinator (closed rounds answer ``late``).
 
+A device runs a task only while its round may still be open: one received after its deadline
+(plus ``deadline_grace_s`` for the two clocks), or of an earlier round of the job it last started
+(with no later deadline), is skipped, not answered (``SkipTask``). So a captured task re-published
+later costs the device nothing and takes nothing from it: before, it started afresh and the
+result awaiting its ack lost its retries.
+
 Re-sending the *same* message id makes retries idempotent end to end: the aggregator applies an
 id at most once and answers duplicates with ``duplicate``.
 """
@@ -284,8 +290,9 @@ class TaskArrived:
     ref: TaskRef
     kind: str
     params: dict
-    deadline: float
+    deadline: float                                # unix seconds, the aggregator's clock
     tensors: dict = field(default_factory=dict)   # e.g. the global model the task starts from
+    received_at: float | None = None              # unix seconds, the device's clock; None: not checked
 
 
 @dataclass(frozen=True)
@@ -329,6 +336,19 @@ class SendResult:
 
 
 @dataclass(frozen=True)
+class SkipTask:
+    """A task not run and not answered: its round is over (a replay, or a message that lost its
+    way). Nothing is sent: the aggregator no longer waits, and a replayer gets no traffic out of it."""
+    ref: TaskRef
+    reason: str
+
+
+# SkipTask's reasons, fixed words (the Java device's session says the same; the agent logs the numbers)
+EXPIRED = "its deadline has passed"
+STALE = "an earlier round of the job than the task last started"
+
+
+@dataclass(frozen=True)
 class SendDecline:
     ref: TaskRef
     reason: str
@@ -339,12 +359,18 @@ class DeviceSession:
     retry_after_s: float = 10.0
     max_retries: int = 5
     keep_finished: int = 4
+    # A task is run until received_at > deadline + this: device and aggregator clocks are NTP-close,
+    # not equal, and a task the aggregator still waits for must not be skipped.
+    deadline_grace_s: float = 60.0
     # False: forget a result's payload once it is acknowledged (a redelivered task of that round is
     # then answered with nothing): what a host of thousands of emulated devices needs, whose idle
     # devices must not each hold their last results (megabytes of Fed3R statistics).
     keep_acked_results: bool = True
     state: DeviceState = DeviceState.IDLE
     current: TaskRef | None = None
+    # the last task started, with its deadline: a task of an earlier round of that job with no later
+    # deadline is a replay (a job re-created under the same id has later deadlines and runs)
+    last_started: tuple[TaskRef, float] | None = None
     finished: dict[TaskRef, WorkFinished] = field(default_factory=dict)   # tasks answered (for redelivery)
     attempts: int = 0
     next_retry: float = 0.0
@@ -368,11 +394,24 @@ class DeviceSession:
     def _retry_due(self, ev: Tick) -> bool:
         return ev.now >= self.next_retry and self.attempts <= self.max_retries
 
+    def _expired(self, ev: TaskArrived) -> bool:
+        return ev.received_at is not None and ev.received_at > ev.deadline + self.deadline_grace_s
+
+    def _stale(self, ev: TaskArrived) -> bool:
+        if self.last_started is None:
+            return False
+        ref, deadline = self.last_started
+        return ev.ref.job == ref.job and ev.ref.round < ref.round and ev.deadline <= deadline
+
+    def _skip(self, ev: TaskArrived) -> list:
+        return [SkipTask(ev.ref, EXPIRED if self._expired(ev) else STALE)]
+
     def _resend_finished(self, ev: TaskArrived) -> list:
         return [SendResult(self.finished[ev.ref].message, self.attempts + 1)]
 
     def _start(self, ev: TaskArrived) -> list:
         self.current, self.state = ev.ref, DeviceState.WORKING
+        self.last_started = (ev.ref, ev.deadline)
         return [StartWork(ev.ref, ev.kind, ev.params, ev.deadline, ev.tensors)]
 
     def _report(self, ev: WorkFinished) -> list:
@@ -422,6 +461,10 @@ DEVICE_TABLE = TransitionTable(DeviceState, [
                note="acknowledged already (keep_acked_results off)", guard=lambda d, ev: ev.ref in d.finished),
     Transition(_WORKING, TaskArrived, "the task at work", _D._ignore, note="redelivery while busy",
                guard=_D._is_current),
+    Transition(ANY, TaskArrived, "received after deadline + grace", _D._skip, (SkipTask,),
+               note="its round is over: nothing run, nothing sent", guard=_D._expired),
+    Transition(ANY, TaskArrived, "earlier round of the last job", _D._skip, (SkipTask,),
+               note="and no later deadline: a replay (a pending result keeps its retries)", guard=_D._stale),
     Transition(ANY, TaskArrived, "", _D._start, (StartWork,), (_WORKING,),
                note="a new task: older work is abandoned"),
     Transition(_WORKING, WorkFinished, "the task at work", _D._report, (SendResult,), (_REPORTED,),

@@ -274,7 +274,11 @@ def test_every_device_row_fires_in_every_state_it_names():
         done = s.current if s.current and r.random() < 0.7 else ref(r)
         return WorkFinished(done, f"R{done.round}", f"r{done.round}", expects_ack=r.random() < 0.8)
 
-    events = [lambda r, s: TaskArrived(ref(r), "fed3r.stats", {}, 0.0), finished,
+    def task(r, s):     # deadlines before, at and after the last task's; received in time, late or unchecked
+        return TaskArrived(ref(r), "fed3r.stats", {}, r.choice((0.0, 100.0, 200.0)), {},
+                           r.choice((None, 50.0, 150.0, 500.0)))
+
+    events = [task, finished,
               lambda r, s: WorkFailed(s.current if s.current and r.random() < 0.5 else ref(r), "no data"),
               lambda r, s: ResultSent(r.uniform(0, 30)), lambda r, s: AckArrived(f"r{r.randint(1, 3)}", "accepted"),
               lambda r, s: Tick(r.uniform(0, 60))]

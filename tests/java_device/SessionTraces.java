@@ -47,8 +47,10 @@ public final class SessionTraces {
         String type = (String) e.get("type");
         switch (type) {
             case "task":
-                return s.onTask(new Messages.Task(ref(e), "fed3r.stats", new LinkedHashMap<>(), 0.0),
-                                Collections.<Envelope.Tensor>emptyList());
+                return s.onTask(new Messages.Task(ref(e), "fed3r.stats", new LinkedHashMap<>(),
+                                                  e.containsKey("deadline") ? num(e.get("deadline")) : 0.0),
+                                Collections.<Envelope.Tensor>emptyList(),
+                                e.containsKey("received_at") ? num(e.get("received_at")) : Double.NaN);
             case "finished": {
                 Object message = e.get("message");
                 byte[] bytes = message == Json.NULL ? null : ((String) message).getBytes(StandardCharsets.UTF_8);
@@ -79,6 +81,11 @@ public final class SessionTraces {
             out.put("type", "SendResult");
             out.put("message", r.message == null ? Json.NULL : new String(r.message, StandardCharsets.UTF_8));
             out.put("attempt", BigInteger.valueOf(r.attempt));
+        } else if (a instanceof DeviceSession.SkipTask) {
+            DeviceSession.SkipTask k = (DeviceSession.SkipTask) a;
+            out.put("type", "SkipTask");
+            out.put("ref", refJson(k.ref));
+            out.put("reason", k.reason);
         } else {
             DeviceSession.SendDecline d = (DeviceSession.SendDecline) a;
             out.put("type", "SendDecline");

@@ -3,6 +3,8 @@
 //
 //   IDLE      task(new)             StartWork                   -> WORKING
 //   WORKING   task(same)            -                           (redelivery while busy)
+//   any       task(expired)         SkipTask                    (received after deadline + grace: its round is over)
+//   any       task(older round)     SkipTask                    (of the job last started, no later deadline: a replay)
 //   WORKING   workFinished(result)  SendResult                  -> REPORTED
 //   WORKING   workFailed(reason)    SendDecline                 -> IDLE
 //   REPORTED  resultSent(now)       -                           (the retry timer starts when the upload ends)
@@ -39,6 +41,17 @@ public final class DeviceSession {
         SendResult(byte[] message, String messageId, int attempt) { this.message = message; this.messageId = messageId; this.attempt = attempt; }
     }
 
+    /** A task not run and not answered: its round is over (expired, or a replayed older round). */
+    public static final class SkipTask extends Action {
+        public final TaskRef ref;
+        public final String reason;
+        SkipTask(TaskRef ref, String reason) { this.ref = ref; this.reason = reason; }
+    }
+
+    /** SkipTask's reasons: the words of protocols/rounds.py's EXPIRED and STALE. */
+    public static final String EXPIRED = "its deadline has passed";
+    public static final String STALE = "an earlier round of the job than the task last started";
+
     public static final class SendDecline extends Action {
         public final TaskRef ref;
         public final String reason;
@@ -52,27 +65,41 @@ public final class DeviceSession {
         Finished(byte[] message, String messageId, boolean expectsAck) { this.message = message; this.messageId = messageId; this.expectsAck = expectsAck; }
     }
 
-    private final double retryAfterS;
+    private final double retryAfterS, deadlineGraceS;
     private final int maxRetries, keepFinished;
     private State state = State.IDLE;
     private TaskRef current;
+    private TaskRef lastStarted;            // with its deadline: an earlier round of that job is a replay
+    private double lastStartedDeadline;
     private final Map<TaskRef, Finished> finished = new LinkedHashMap<>();   // answered tasks, for redelivery
     private int attempts;
     private double nextRetry, now;
 
-    public DeviceSession(double retryAfterS, int maxRetries, int keepFinished) {
+    /** deadlineGraceS: a task runs until it is received later than its deadline plus this (device
+     *  and aggregator clocks are NTP-close, not equal). */
+    public DeviceSession(double retryAfterS, int maxRetries, int keepFinished, double deadlineGraceS) {
         this.retryAfterS = retryAfterS; this.maxRetries = maxRetries; this.keepFinished = keepFinished;
+        this.deadlineGraceS = deadlineGraceS;
     }
+
+    public DeviceSession(double retryAfterS, int maxRetries, int keepFinished) { this(retryAfterS, maxRetries, keepFinished, 60.0); }
 
     public DeviceSession() { this(10.0, 5, 4); }
 
     public State state() { return state; }
 
-    public List<Action> onTask(Messages.Task task, List<org.fedfleet.wire.Envelope.Tensor> tensors) {
+    /** receivedAt: this device's clock (unix seconds) when the task came; NaN: its deadline is not checked. */
+    public List<Action> onTask(Messages.Task task, List<org.fedfleet.wire.Envelope.Tensor> tensors, double receivedAt) {
         Finished done = finished.get(task.ref);
         if (done != null)   // a secure task's result (no message) is answered with nothing, as Python's table says
             return done.message == null ? Collections.<Action>emptyList() : one(new SendResult(done.message, done.messageId, attempts + 1));
         if (state == State.WORKING && task.ref.equals(current)) return Collections.emptyList();
+        if (!Double.isNaN(receivedAt) && receivedAt > task.deadline + deadlineGraceS) return one(new SkipTask(task.ref, EXPIRED));
+        if (lastStarted != null && task.ref.job.equals(lastStarted.job) && task.ref.round < lastStarted.round
+                && task.deadline <= lastStartedDeadline)
+            return one(new SkipTask(task.ref, STALE));
+        lastStarted = task.ref;
+        lastStartedDeadline = task.deadline;
         current = task.ref;
         state = State.WORKING;
         return one(new StartWork(task, tensors));

@@ -14,7 +14,7 @@
 //
 // Runs until SIGTERM/SIGINT (a systemd service), or with --stop-on-stdin-eof until standard input
 // closes (the tests). Prints "ONLINE <id>" once a device has announced itself, and "STATS <id>
-// done=.. declined=.. accepted=.. reconnects=.." at exit, after each device said offline.
+// done=.. declined=.. accepted=.. reconnects=.. skipped=.." at exit, after each device said offline.
 package org.fedfleet.device;
 
 import java.net.URI;
@@ -114,7 +114,8 @@ public final class HeadlessDevices {
         for (MqttAgent a : agents) {
             a.close();
             System.out.println("STATS " + a.deviceId + " done=" + a.tasksDone + " declined=" + a.tasksDeclined
-                    + " accepted=" + a.acks.getOrDefault("accepted", 0) + " reconnects=" + a.reconnects);
+                    + " accepted=" + a.acks.getOrDefault("accepted", 0) + " reconnects=" + a.reconnects
+                    + " skipped=" + a.tasksSkipped);
         }
         System.out.flush();
     }

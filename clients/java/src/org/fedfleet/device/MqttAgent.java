@@ -67,11 +67,12 @@ public final class MqttAgent implements AutoCloseable {
     private volatile boolean running;
     private Thread thread;
     public final AtomicInteger tasksDone = new AtomicInteger(), tasksDeclined = new AtomicInteger(),
-            reconnects = new AtomicInteger();
+            tasksSkipped = new AtomicInteger(), reconnects = new AtomicInteger();
     public final Map<String, Integer> acks = Collections.synchronizedMap(new HashMap<String, Integer>());
     private final CountDownLatch firstConnect = new CountDownLatch(1);
     private final SecAggSessions secagg;
     private final java.util.Set<String> ignoredEnds = new java.util.HashSet<>();   // notices that changed nothing, logged once
+    private final java.util.Set<String> skippedFor = new java.util.HashSet<>();    // (job, reason) of skipped tasks, logged once (at most 64)
 
     public MqttAgent(String deviceId, URI broker, Map<String, TaskHandler> handlers, Options options) throws Exception {
         this.deviceId = Topics.checkDeviceId(deviceId);
@@ -189,7 +190,7 @@ public final class MqttAgent implements AutoCloseable {
         if (!Topics.AGGREGATOR_ID.equals(env.sender()))
             throw new EnvelopeError("message from '" + env.sender() + "', expected the aggregator");
         if ("task".equals(env.type())) {
-            execute(session.onTask(Messages.parseTask(env), env.tensors));
+            execute(session.onTask(Messages.parseTask(env), env.tensors, System.currentTimeMillis() / 1000.0));
         } else if (SecAggMessage.ENVELOPE_TYPE.equals(env.type())) {
             for (SecAggMessage reply : secagg.onMessage(env)) {
                 try {
@@ -232,6 +233,12 @@ public final class MqttAgent implements AutoCloseable {
                     DeviceSession.SendResult r = (DeviceSession.SendResult) a;
                     if (r.message != null) publishMessage(r.message, r.messageId);   // null: a secure task's
                     session.onResultSent(monotonic());
+                } else if (a instanceof DeviceSession.SkipTask) {
+                    DeviceSession.SkipTask k = (DeviceSession.SkipTask) a;
+                    tasksSkipped.incrementAndGet();
+                    if (skippedFor.size() < 64 && skippedFor.add(k.ref.job + " " + k.reason))
+                        LOG.warning(deviceId + ": skipped task " + k.ref.task + " of job " + k.ref.job + " round "
+                                    + k.ref.round + ": " + k.reason + " (logged once per job and reason)");
                 } else if (a instanceof DeviceSession.SendDecline) {
                     DeviceSession.SendDecline d = (DeviceSession.SendDecline) a;
                     tasksDeclined.incrementAndGet();
