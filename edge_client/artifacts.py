@@ -32,6 +32,14 @@ class ArtifactFetchError(RuntimeError):
     """The bundle could not be fetched intact (timeout, refusal, or a digest mismatch)."""
 
 
+def _hint(reason: str) -> str:
+    """What to do about a drop that looks like a configuration mismatch, not an attack."""
+    if reason.startswith(f"unsigned message from {AGGREGATOR_ID!r}"):
+        return (" (an aggregator run without --identity signs nothing, and a device given its key takes only "
+                "signed messages: run the aggregator with --identity, or the device without --aggregator-key)")
+    return ""
+
+
 def fetch_bundle(device_id: str, broker: BrokerConfig, manifest_sha256: str, dest: Path,
                  topics: Topics = Topics(), timeout_s: float = 120.0, retry_s: float = 5.0,
                  signer=None, client_id: str | None = None, verifier=None) -> Path:
@@ -49,6 +57,7 @@ def fetch_bundle(device_id: str, broker: BrokerConfig, manifest_sha256: str, des
         def fetch(sha: str) -> tuple[str, bytes]:
             deadline = time.monotonic() + timeout_s
             next_ask = 0.0
+            dropped: list[str] = []              # why the last dropped message was: said at the timeout
             while time.monotonic() < deadline:
                 if time.monotonic() >= next_ask:  # ask again now and then: the aggregator may be (re)starting
                     link.publish_envelope(topics.outbox(device_id), get_message(device_id, sha), signer=signer)
@@ -57,8 +66,9 @@ def fetch_bundle(device_id: str, broker: BrokerConfig, manifest_sha256: str, des
                     env = assembler.feed(inbox.get(timeout=0.5))
                 except queue.Empty:
                     continue
-                except EnvelopeError:
-                    continue                     # not ours / malformed: keep waiting
+                except EnvelopeError as exc:     # not ours / malformed: keep waiting
+                    dropped[:] = [str(exc)]
+                    continue
                 if env is None or env.sender != AGGREGATOR_ID or env.body.get("sha256") != sha:
                     continue
                 if env.type == MISSING:
@@ -69,7 +79,8 @@ def fetch_bundle(device_id: str, broker: BrokerConfig, manifest_sha256: str, des
                     return parse_artifact(env, sha)
                 except EnvelopeError as exc:
                     raise ArtifactFetchError(str(exc)) from exc
-            raise ArtifactFetchError(f"no artifact {sha[:16]}… from the aggregator within {timeout_s}s")
+            raise ArtifactFetchError(f"no artifact {sha[:16]}… from the aggregator within {timeout_s}s"
+                                     + (f"; a message was dropped: {dropped[0]}{_hint(dropped[0])}" if dropped else ""))
 
         name, manifest_bytes = fetch(manifest_sha256)
         files = {"manifest.json": manifest_bytes}

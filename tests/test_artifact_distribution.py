@@ -283,3 +283,28 @@ def test_a_device_fetches_a_bundle_from_an_aggregator_requiring_signatures(broke
     finally:
         svc.stop()
         t.join(10)
+
+
+def test_a_keyed_device_fetching_from_an_unsigning_aggregator_says_why_it_timed_out(broker, tmp_path, bundle):
+    """A review's finding: a device given the aggregator's key (``--aggregator-key``) drops the
+    replies of an aggregator run without ``--identity`` (it signs nothing), and its fetch timed out
+    saying only that no artifact came. The timeout now names the drop and the two ways out."""
+    from protocols.identity import DeviceIdentity, sender_verifier
+    from protocols.topics import AGGREGATOR_ID
+
+    shelf = ArtifactShelf()
+    sha = shelf.add_bundle(bundle)
+    svc, t = serve(broker, tmp_path, shelf)                  # no identity: its replies are unsigned
+    try:
+        # without the key the unsigned reply is taken (a development broker): the service is up
+        assert fetch_bundle("cam1", BrokerConfig.from_url(broker.url), sha, tmp_path / "open",
+                            timeout_s=60).exists()
+        key = DeviceIdentity.generate(AGGREGATOR_ID).public_key_bytes
+        with pytest.raises(ArtifactFetchError, match=r"within 4s; a message was dropped: unsigned message from "
+                                                     r"'aggregator' \(.*--identity.*--aggregator-key\)"):
+            fetch_bundle("cam1", BrokerConfig.from_url(broker.url), sha, tmp_path / "keyed", timeout_s=4,
+                         verifier=sender_verifier(AGGREGATOR_ID, key))
+        assert not (tmp_path / "keyed").exists()
+    finally:
+        svc.stop()
+        t.join(10)
