@@ -10,7 +10,9 @@ A device enrolled with the aggregator's key (``verifier``) takes only the aggreg
 messages, chunk by chunk, as its agent does; anyone else's are dropped unheld (a review's finding:
 without it one forged "missing", or one forged file, ended the fetch, and the device declined every
 task of the job; forged chunks held half a GB and the slots the real file needed). Without the key a
-device trusts whatever its broker delivers, here as in its agent.
+device trusts whatever its broker delivers, here as in its agent, but holds no more than it asked
+for: a reply may be as large as a manifest may be (``MAX_MANIFEST_BYTES``) or as the manifest says
+the file is, not the 512 MiB any message may be.
 """
 
 from __future__ import annotations
@@ -21,11 +23,17 @@ import time
 from pathlib import Path
 
 from protocols.chunking import MessageAssembler
-from protocols.envelope import EnvelopeError
+from protocols.bundle_manifest import MAX_MANIFEST_BYTES
+from protocols.envelope import MAX_HEADER_BYTES, EnvelopeError
 from protocols.files import write_atomic
 from protocols.mqtt_link import BrokerConfig, MqttLink
 from protocols.payloads.artifacts import ARTIFACT, MISSING, get_message, parse_artifact
 from protocols.topics import AGGREGATOR_ID, Topics
+
+
+# an artifact reply is the file plus its envelope: a header (at most MAX_HEADER_BYTES) and the prefix
+REPLY_OVERHEAD_BYTES = MAX_HEADER_BYTES + 1024
+MAX_FILE_BYTES = 512 * 1024 * 1024      # a file whose manifest gives no size: the assembler's default
 
 
 class ArtifactFetchError(RuntimeError):
@@ -52,9 +60,10 @@ def fetch_bundle(device_id: str, broker: BrokerConfig, manifest_sha256: str, des
                     subscriptions=[(topics.inbox(device_id), 1)], clean_start=True)
     link.start()
     try:
-        assembler = MessageAssembler(verifier=verifier)
-
-        def fetch(sha: str) -> tuple[str, bytes]:
+        def fetch(sha: str, size_bytes: int) -> tuple[str, bytes]:
+            # what the reply may hold is what was asked for, whoever sends chunks (a device without the
+            # key takes anyone's): a manifest's bound, or the size its manifest gave the file
+            assembler = MessageAssembler(verifier=verifier, max_message_bytes=size_bytes + REPLY_OVERHEAD_BYTES)
             deadline = time.monotonic() + timeout_s
             next_ask = 0.0
             dropped: list[str] = []              # why the last dropped message was: said at the timeout
@@ -82,10 +91,12 @@ def fetch_bundle(device_id: str, broker: BrokerConfig, manifest_sha256: str, des
             raise ArtifactFetchError(f"no artifact {sha[:16]}… from the aggregator within {timeout_s}s"
                                      + (f"; a message was dropped: {dropped[0]}{_hint(dropped[0])}" if dropped else ""))
 
-        name, manifest_bytes = fetch(manifest_sha256)
+        name, manifest_bytes = fetch(manifest_sha256, MAX_MANIFEST_BYTES)
         files = {"manifest.json": manifest_bytes}
         for spec in json.loads(manifest_bytes).get("artifacts", []):
-            fname, data = fetch(spec["sha256"])
+            size = spec.get("size_bytes")
+            fname, data = fetch(spec["sha256"], size if type(size) is int and 0 <= size <= MAX_FILE_BYTES
+                                else MAX_FILE_BYTES)
             if fname != spec["file"]:
                 raise ArtifactFetchError(f"asked for {spec['file']!r}, got {fname!r}")
             files[fname] = data

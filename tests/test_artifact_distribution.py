@@ -308,3 +308,32 @@ def test_a_keyed_device_fetching_from_an_unsigning_aggregator_says_why_it_timed_
     finally:
         svc.stop()
         t.join(10)
+
+
+def test_a_fetch_holds_no_reply_larger_than_what_it_asked_for(broker, tmp_path):
+    """A review's finding: a device without the aggregator's key takes whatever its broker delivers,
+    and the chunks of a forged reply were held up to the 512 MiB any message may be. A reply now may
+    be only as large as what was asked for: a manifest (at most MAX_MANIFEST_BYTES), so the first
+    chunk of a 2 MiB "manifest" is dropped at once, and the timeout says why."""
+    import hashlib
+
+    from edge_client.artifacts import REPLY_OVERHEAD_BYTES
+    from protocols.bundle_manifest import MAX_MANIFEST_BYTES
+    from protocols.chunking import split
+    from protocols.mqtt_link import MqttLink
+    from protocols.payloads.artifacts import GET, artifact_message
+    from protocols.topics import AGGREGATOR_ID
+
+    topics, cfg = Topics(), BrokerConfig.from_url(broker.url)
+    sha = hashlib.sha256(b"{}").hexdigest()
+    big = encode(artifact_message(AGGREGATOR_ID, sha, "manifest.json", bytes(2 * MAX_MANIFEST_BYTES)))
+    first_chunk = split(big, decode(big).id, AGGREGATOR_ID)[0]
+    link = MqttLink("forger", cfg, on_message=lambda t, p: decode(p).type == GET and link.publish(
+        topics.inbox("cam1"), first_chunk), subscriptions=[(topics.outbox("cam1"), 1)])
+    link.start(timeout=30)
+    try:
+        with pytest.raises(ArtifactFetchError, match=r"a message was dropped: chunked message of \d+ bytes exceeds "
+                                                     rf"the {MAX_MANIFEST_BYTES + REPLY_OVERHEAD_BYTES}-byte limit"):
+            fetch_bundle("cam1", cfg, sha, tmp_path / "bundle", timeout_s=3)
+    finally:
+        link.stop()
