@@ -32,11 +32,14 @@ from protocols.files import read_npy_header
 
 __all__ = ["FeatureExtractor"]
 
+MAX_BATCH_PIXELS = 64 * 224 * 224       # 64 images at the backbones' usual 224 px
+
 ForwardFn = Callable[[np.ndarray], np.ndarray]
 
 
 class FeatureExtractor:
-    """Images -> float32 (N, d) features, in batches of ``batch_size``.
+    """Images -> float32 (N, d) features, in batches of ``batch_size`` (fewer when ``image_size`` is
+    large: a batch holds at most ``MAX_BATCH_PIXELS`` pixels).
 
     ``forward`` must accept any batch size from 1 to ``batch_size`` (the last batch is
     smaller) and return an (n, d) array. ``feature_dim`` is given, or found by running
@@ -61,7 +64,9 @@ class FeatureExtractor:
         self.image_size = int(image_size)
         self.mean = tuple(float(value) for value in mean)
         self.std = tuple(float(value) for value in std)
-        self.batch_size = batch_size
+        # a batch holds at most MAX_BATCH_PIXELS: its activations grow with its pixels, so a large
+        # image_size runs in smaller batches (the same features: every image is its own row)
+        self.batch_size = max(1, min(int(batch_size), MAX_BATCH_PIXELS // (self.image_size * self.image_size)))
         self.cache_dir = pathlib.Path(cache_dir) if cache_dir is not None else None
         self.cache_key = cache_key
         self._feature_dim = feature_dim

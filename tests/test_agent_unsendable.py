@@ -4,7 +4,9 @@ the reason, not an error on every retry tick that ended the agent's thread; a ta
 would make every answer unsendable is dropped as malformed; a Fed3R task whose random features
 would need gigabytes is declined before anything is allocated; a tick that raises is logged and
 the agent goes on; decline reasons are cut on the wire and logged once each, boundedly; a task whose ``job_id``
-param (what a stateful task keys the device's state by) is not the job it came in is declined."""
+param (what a stateful task keys the device's state by) is not the job it came in is declined; a task
+at more pixels a side than the device runs is declined before any extractor is made, and a large
+image size runs in batches of bounded pixels."""
 
 import logging
 import time
@@ -166,3 +168,45 @@ def test_a_task_whose_job_id_param_is_another_job_is_declined(agent_and_sniffer)
         "the task's job_id param 'j2' is not its job 'j1'", got[other].body
     assert got[odd].type == M.DECLINE and got[odd].body["reason"] == "the task's job_id param is not a string"
     assert got[own].type == M.RESULT
+
+
+def test_a_task_at_more_pixels_than_the_device_runs_is_declined_before_any_extractor(agent_and_sniffer):
+    """The wire contract lets a task ask for 16,384 px images (one is 3.2 GB of input); this SDK's
+    devices decline past MAX_DEVICE_IMAGE_SIZE before the extractor factory is called, and the
+    agent goes on."""
+    from edge_client.tasks.extractors import MAX_DEVICE_IMAGE_SIZE
+
+    agent, sniffer = agent_and_sniffer
+    made = []
+    handler = agent.handlers["fed3r.stats"]
+    factory = handler.extractor_factory
+    handler.extractor_factory = lambda *a, **k: made.append(a) or factory(*a, **k)
+    params = Fed3RStatsParams(model=ModelSpec(backbone="b", image_size=MAX_DEVICE_IMAGE_SIZE + 1,
+                                              num_classes=3)).to_params()
+    big = send_task(sniffer, "dev-a", "j1", "fed3r.stats", params)
+    wait_for(lambda: big in answers(sniffer, "dev-a"), what="an answer to the task")
+    got = answers(sniffer, "dev-a")[big]
+    assert got.type == M.DECLINE and f"this device runs at most {MAX_DEVICE_IMAGE_SIZE}" in got.body["reason"]
+    assert made == []
+    ok = send_task(sniffer, "dev-a", "j1", "fed3r.stats", fed3r_params(), round_=2)
+    wait_for(lambda: ok in answers(sniffer, "dev-a"), what="the next task answered")
+    assert answers(sniffer, "dev-a")[ok].type == M.RESULT and len(made) == 1
+
+
+def test_a_large_image_size_runs_in_batches_of_bounded_pixels():
+    from edge_client.features import MAX_BATCH_PIXELS, FeatureExtractor
+
+    seen = []
+
+    def forward(batch):
+        seen.append(batch.shape)
+        return batch.reshape(len(batch), 3, -1).mean(axis=2)
+
+    images = np.random.default_rng(0).integers(0, 256, (7, 16, 16, 3), dtype=np.uint8)
+    small = FeatureExtractor(forward, image_size=32, mean=(0, 0, 0), std=(1, 1, 1), batch_size=64).extract(images)
+    assert seen == [(7, 3, 32, 32)]
+    seen.clear()
+    large = FeatureExtractor(forward, image_size=1024, mean=(0, 0, 0), std=(1, 1, 1), batch_size=64)
+    assert large.batch_size == MAX_BATCH_PIXELS // 1024 ** 2 == 3
+    features = large.extract(images)
+    assert [s[0] for s in seen] == [3, 3, 1] and features.shape == small.shape == (7, 3)

@@ -12,13 +12,22 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from edge_client.agent import TaskDeclined
 from protocols.payloads.task_params import ModelSpec
 
 ExtractorFactory = Callable[..., Any]
 
+# The wire contract lets a task ask for images up to 16,384 px a side (other devices may take them);
+# this SDK's devices run up to 2,048: one 16,384 px image is 3.2 GB of input before any activation.
+MAX_DEVICE_IMAGE_SIZE = 2048
+
 
 def extractor_for(factory: ExtractorFactory, model: ModelSpec):
     """The extractor for a task's ``backbone``, ``image_size``, ``weights_sha256`` and, when
-    set, ``bundle_sha256``."""
+    set, ``bundle_sha256``; a task at more than ``MAX_DEVICE_IMAGE_SIZE`` px is declined before any
+    extractor is made."""
+    if model.image_size > MAX_DEVICE_IMAGE_SIZE:
+        raise TaskDeclined(f"the task's images are {model.image_size} px a side; this device runs at most "
+                           f"{MAX_DEVICE_IMAGE_SIZE}")
     args = (model.backbone, model.image_size, model.weights_sha256)
     return factory(*args, bundle_sha256=model.bundle_sha256) if model.bundle_sha256 else factory(*args)
