@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from protocols.payloads.fedavg import TooManySteps, batch_schedule as protocol_batch_schedule, check_local_steps
+from protocols.payloads.fedavg import (BatchSchedule, TooManySteps, batch_schedule as protocol_batch_schedule,
+                                      check_local_steps)
 
 from ..agent import TaskDeclined
 
@@ -92,14 +93,14 @@ class NumpyHeadStepper:
         return {"weight": self.weight.copy(), "bias": self.bias.copy()}
 
 
-def batch_schedule(rows: int, recipe) -> list[np.ndarray]:
+def batch_schedule(rows: int, recipe) -> BatchSchedule:
     """The mini-batches (row positions) of ``recipe.epochs`` seeded-shuffled epochs over ``rows``
     rows: ``head_training.local_sgd``'s order, step by step (the protocol's definition,
     ``protocols.payloads.fedavg.batch_schedule``, so other languages' devices take the same)."""
     return schedule(rows, recipe.epochs, recipe.batch_size, recipe.seed)
 
 
-def schedule(rows: int, epochs: int, batch_size: int, seed: int) -> list[np.ndarray]:
+def schedule(rows: int, epochs: int, batch_size: int, seed: int) -> BatchSchedule:
     """The protocol's batch schedule; a task past every device's step budget is declined with the count."""
     within_step_budget(rows, epochs, batch_size)
     return protocol_batch_schedule(rows, epochs, batch_size, seed)
@@ -125,7 +126,10 @@ def train_heads_together(weight: np.ndarray, bias: np.ndarray, features: np.ndar
     # a batch holds at most the largest row set: a batch_size past it padded every step (a review's
     # finding: 65,536 over 200 rows took 1.1 GB and 10x the time)
     G, L, B = len(row_sets), len(lrs), max(1, min(recipe.batch_size, max((len(r) for r in row_sets), default=1)))
-    schedules = [[np.asarray(rows)[batch] for batch in batch_schedule(len(rows), recipe)] for rows in row_sets]
+    # each row set's steps drawn as they are taken (a schedule holds one epoch at a time)
+    schedules = [batch_schedule(len(rows), recipe) for rows in row_sets]
+    steps = [iter(schedule) for schedule in schedules]
+    row_sets = [np.asarray(rows) for rows in row_sets]
     heads_w = np.broadcast_to(np.asarray(weight, np.float32), (G, L, *np.shape(weight))).copy()
     heads_b = np.broadcast_to(np.asarray(bias, np.float32), (G, L, len(bias))).copy()
     lr = np.asarray(lrs, dtype=np.float32)
@@ -136,7 +140,7 @@ def train_heads_together(weight: np.ndarray, bias: np.ndarray, features: np.ndar
         active = np.zeros(G, dtype=np.float32)
         for g, schedule in enumerate(schedules):
             if step < len(schedule):
-                batch = schedule[step]
+                batch = row_sets[g][next(steps[g])]
                 idx[g, :len(batch)], share[g, :len(batch)], active[g] = batch, 1.0 / len(batch), 1.0
         head_sgd_step(heads_w, heads_b, features[idx][:, None], labels[idx][:, None], share[:, None],
                       active[:, None] * lr[None, :], temperature, weight_decay)

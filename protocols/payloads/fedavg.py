@@ -32,6 +32,7 @@ named tensors instead:
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -214,20 +215,36 @@ def check_local_steps(rows: int, epochs: int, batch_size: int) -> int:
     return steps
 
 
-def batch_schedule(rows: int, epochs: int, batch_size: int, seed: int) -> list[np.ndarray]:
+class BatchSchedule:
     """What a local-training recipe's ``seed`` means: the row positions of each SGD step, for
     ``epochs`` epochs over ``rows`` samples, each epoch one ``np.random.default_rng(seed)``
     permutation (one generator for all epochs) cut into batches of ``batch_size`` (the last one
     may be smaller). Devices in every language take the same mini-batches (golden vector
     ``sample_order.json``: numpy's SeedSequence + PCG64 + Fisher-Yates, reproducible anywhere).
-    :class:`TooManySteps` past ``MAX_LOCAL_STEPS`` steps."""
-    check_local_steps(rows, epochs, batch_size)
-    rng = np.random.default_rng(seed)
-    batches = []
-    for _ in range(epochs):
-        order = rng.permutation(rows)
-        batches += [order[start:start + batch_size] for start in range(0, rows, batch_size)]
-    return batches
+
+    ``len`` is the step count; iterating draws each epoch's permutation when it is reached, so a
+    schedule holds one epoch's positions at a time (a list of every step held epochs × rows of
+    them: 400 MB at 10,000 epochs over 5,000 rows, within the step budget).
+    :class:`TooManySteps` past ``MAX_LOCAL_STEPS`` steps, when it is made."""
+
+    def __init__(self, rows: int, epochs: int, batch_size: int, seed: int):
+        self.steps = check_local_steps(rows, epochs, batch_size)
+        self.rows, self.epochs, self.batch_size, self.seed = rows, epochs, batch_size, seed
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        rng = np.random.default_rng(self.seed)
+        for _ in range(self.epochs):
+            order = rng.permutation(self.rows)
+            for start in range(0, self.rows, self.batch_size):
+                yield order[start:start + self.batch_size]
+
+
+def batch_schedule(rows: int, epochs: int, batch_size: int, seed: int) -> BatchSchedule:
+    """The protocol's batch schedule (:class:`BatchSchedule`)."""
+    return BatchSchedule(rows, epochs, batch_size, seed)
 
 
 def head_tensors(weight: np.ndarray, bias: np.ndarray) -> dict[str, np.ndarray]:

@@ -38,7 +38,8 @@ public final class TaskRunner {
             List<?> cases = (List<?>) Json.parse(new String(Files.readAllBytes(Paths.get(args[1])), "UTF-8"));
             for (int i = 0; i < cases.size(); i++) {
                 @SuppressWarnings("unchecked") Map<String, Object> c = (Map<String, Object>) cases.get(i);
-                List<int[]> got = LocalTraining.fromParams(c).batchSchedule(((BigInteger) c.get("rows")).intValue());
+                List<int[]> got = new ArrayList<>();
+                for (int[] batch : LocalTraining.fromParams(c).batchSchedule(((BigInteger) c.get("rows")).intValue())) got.add(batch);
                 List<?> want = (List<?>) c.get("batches");
                 boolean same = got.size() == want.size();
                 for (int b = 0; same && b < got.size(); b++) {

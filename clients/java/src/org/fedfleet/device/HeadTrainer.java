@@ -6,7 +6,7 @@
 // device; each step's gradient is computed in double and rounded once into the float32 update.
 package org.fedfleet.device;
 
-import java.util.List;
+import java.util.Iterator;
 
 public final class HeadTrainer {
     /** A trained head: weight (C·d, row-major), bias (C), the rows it was trained on, the steps
@@ -68,11 +68,12 @@ public final class HeadTrainer {
         float[] w = weight.clone(), b = bias.clone();
         startW = anchorW != null ? anchorW : weight.clone();
         startB = anchorB != null ? anchorB : bias.clone();
-        List<int[]> batches = recipe.batchSchedule(labels.length);
+        LocalTraining.Schedule batches = recipe.batchSchedule(labels.length);
         int lastEpoch = Math.max(1, batches.size() / Math.max(1, recipe.epochs));     // 0 epochs: no steps
         double lossSum = 0;
+        Iterator<int[]> steps = batches.iterator();
         for (int s = 0; s < batches.size(); s++) {
-            double loss = step(w, b, features, labels, batches.get(s));
+            double loss = step(w, b, features, labels, steps.next());
             if (correctionW != null) {
                 for (int k = 0; k < w.length; k++) w[k] -= correctionW[k];
                 for (int k = 0; k < b.length; k++) b[k] -= correctionB[k];

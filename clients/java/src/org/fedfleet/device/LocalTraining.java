@@ -6,10 +6,10 @@
 package org.fedfleet.device;
 
 import java.math.BigInteger;
-import java.util.ArrayList;
 import java.util.Arrays;
-import java.util.List;
+import java.util.Iterator;
 import java.util.Map;
+import java.util.NoSuchElementException;
 
 public final class LocalTraining {
     public final int epochs, batchSize;
@@ -74,19 +74,46 @@ public final class LocalTraining {
 
     /** The row positions of each SGD step (protocols/payloads/fedavg.py batch_schedule);
      *  IllegalArgumentException past MAX_LOCAL_STEPS steps. */
-    public List<int[]> batchSchedule(int rows) {
+    /** The schedule's steps, drawn as they are taken: one epoch's permutation is held at a time (a
+     *  list of every step held epochs x rows positions, within the step budget too). */
+    public Schedule batchSchedule(int rows) {
         long steps = batchSize > 0 ? (long) epochs * ((rows + (long) batchSize - 1) / batchSize) : 0;
         if (steps > MAX_LOCAL_STEPS)
             throw new IllegalArgumentException("local training of " + epochs + " epochs over " + rows + " samples in "
                 + "batches of " + batchSize + " is " + steps + " SGD steps, more than a device takes (" + MAX_LOCAL_STEPS + ")");
-        NumpyGenerator rng = NumpyGenerator.fromSeed(seed);
-        List<int[]> batches = new ArrayList<>();
-        for (int e = 0; e < epochs; e++) {
-            int[] order = rng.permutation(rows);
-            for (int start = 0; start < rows; start += batchSize)
-                batches.add(Arrays.copyOfRange(order, start, Math.min(rows, start + batchSize)));
+        return new Schedule(rows, (int) steps);
+    }
+
+    /** A batch schedule: size() steps, each a batch's row positions, in order. */
+    public final class Schedule implements Iterable<int[]> {
+        private final int rows, steps;
+
+        Schedule(int rows, int steps) { this.rows = rows; this.steps = steps; }
+
+        public int size() { return steps; }
+
+        @Override
+        public Iterator<int[]> iterator() {
+            return new Iterator<int[]>() {
+                private final NumpyGenerator rng = NumpyGenerator.fromSeed(seed);
+                private int[] order;
+                private int start = rows, taken;      // start past the rows: the next step draws an epoch
+
+                @Override public boolean hasNext() { return taken < steps; }
+
+                @Override public int[] next() {
+                    if (!hasNext()) throw new NoSuchElementException();
+                    if (start >= rows) {
+                        order = rng.permutation(rows);
+                        start = 0;
+                    }
+                    int[] batch = Arrays.copyOfRange(order, start, Math.min(rows, start + batchSize));
+                    start += batchSize;
+                    taken++;
+                    return batch;
+                }
+            };
         }
-        return batches;
     }
 
     private static BigInteger seed(Map<String, Object> params) throws TaskDeclined {
