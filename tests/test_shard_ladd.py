@@ -66,6 +66,13 @@ def trained(job, device: str, rng) -> tuple[dict, int]:
     return arrays, int(rng.integers(5, 60))
 
 
+def style_round(job, online) -> None:
+    job.next_participants(online)
+    for d in sorted(online):
+        job.apply(d, job.parse_result(decode(message(d, job.round, KIND_STYLE, *encode_style(style_of(d), 4, 1)))))
+    job.close_round(RoundClosed(job.round, tuple(sorted(online)), (), (), ()))
+
+
 def restarted(coordinator: ShardedLaddJob, checkpoint, bookkeeping: dict, applied: list) -> ShardedLaddJob:
     """The coordinator as a restart rebuilds it (aggregator/service/recovery.py): a fresh job, the
     last close's checkpoint (none before the first), the open round's bookkeeping, then the
@@ -215,17 +222,21 @@ def test_a_receipt_for_another_cluster_is_refused_by_the_coordinator(tmp_path):
     assert isinstance(feed(shard, chosen[1], bad), Forward)
 
 
-def test_one_aggregators_canonical_round_is_the_bound_layers_per_slot_mean(tmp_path):
+@pytest.mark.parametrize("small_clusters", [False, True], ids=["clusters of three", "a cluster of one and of two"])
+def test_one_aggregators_canonical_round_is_the_bound_layers_per_slot_mean(tmp_path, small_clusters):
     """The tree's per-slot arithmetic against the vectorised layers over each slot's updates in
-    one place (independent code): equal to float32 rounding, for the norm and contribution bounds."""
+    one place (independent code): equal to float32 rounding, for the norm and contribution bounds,
+    also where a cluster sent fewer than three updates (bounded on every cluster's θ updates)."""
     config = config_of(tmp_path, contribution_bound_multiplier=0.5)
     job = build_job("ladd", config)
     rng = np.random.default_rng(3)
+    style_round(job, set(DEVICES))
     online = set(DEVICES)
-    job.next_participants(online)
-    for d in sorted(online):
-        job.apply(d, job.parse_result(decode(message(d, job.round, KIND_STYLE, *encode_style(style_of(d), 4, 1)))))
-    job.close_round(RoundClosed(job.round, tuple(sorted(online)), (), (), ()))
+    if small_clusters:              # the outlier alone in its cluster, another cluster down to two
+        mine = job.assignment[OUTLIER]
+        second = min(c for c in job.assignment.values() if c != mine)
+        online = {OUTLIER} | {d for d in DEVICES if job.assignment[d] != mine}
+        online.discard(min(d for d in DEVICES if job.assignment[d] == second))
     chosen = job.next_participants(online)
     reference = RobustClusterAveraging(job.is_theta, job.config.robust_aggregation())
     for d in chosen:
@@ -295,3 +306,41 @@ def test_what_shards_cannot_sum_is_refused_with_the_reason(tmp_path, over, reaso
     options, why = aggregator_shards(cfg, "ladd", config_of(tmp_path, **over))
     assert options == [] and reason in why
     assert reason in shard_capability("ladd").refusal(build_job("ladd", config_of(tmp_path, **over)))
+
+
+@pytest.mark.parametrize("over", [{}, {"aggregator": "median"}, {"direction_screen": True}],
+                         ids=["canonical mean", "median rule", "direction screen"])
+def test_a_device_alone_in_its_cluster_is_bounded_by_the_rounds_theta_updates(tmp_path, over):
+    """A review's finding (carried since stop 58): a θ_c's norm bound was a multiple of its own
+    cluster's median, and the median of one update is that update: a device alone in its cluster
+    (or with one other) moved its cluster's head as far as it liked. A cluster with fewer than three
+    updates is now bounded on every cluster's θ updates: the outlier, alone in its cluster and 40
+    times harder than the others, moves θ_c by at most 3x the median θ update norm; every path
+    (the canonical sums, a robust rule, the direction screen) decides the same bound."""
+    config = config_of(tmp_path, **over)
+    job = build_job("ladd", config)
+    style_round(job, set(DEVICES))
+    outlier_cluster = job.assignment[OUTLIER]
+    others = [d for d in DEVICES if job.assignment[d] != outlier_cluster]
+    online = {OUTLIER, *others}                     # the outlier's cluster: the outlier only
+    chosen = job.next_participants(online)
+    assert sorted(chosen) == sorted(online)
+    rng, updates = np.random.default_rng(3), {}
+    for d in chosen:
+        updates[d] = trained(job, d, rng)
+        job.apply(d, job.parse_result(decode(message(d, job.round, KIND_TRAIN, *encode_update(
+            *updates[d][:1], job.trainable_layout, updates[d][1], job.assignment[d])))))
+    before = {c: {k: v.astype(np.float64) for k, v in p.items()} for c, p in job.theta.items()}
+    job.close_round(RoundClosed(job.round, tuple(chosen), (), (), ()))
+
+    def theta_norm(d, tensors) -> float:
+        c = job.assignment[d]
+        return float(np.linalg.norm(np.concatenate([(tensors[k].astype(np.float64) - before[c][k]).ravel()
+                                                    for k in before[c] if k in tensors])))
+
+    honest = [theta_norm(d, updates[d][0]) for d in others]
+    pooled_limit = 3.0 * float(np.median(honest + [theta_norm(OUTLIER, updates[OUTLIER][0])]))
+    moved = theta_norm(OUTLIER, job.theta[outlier_cluster])
+    assert theta_norm(OUTLIER, updates[OUTLIER][0]) > 10 * pooled_limit      # what it sent
+    assert moved <= pooled_limit * (1 + 1e-5), (moved, pooled_limit)
+    assert moved >= 0.5 * pooled_limit                                        # bounded, not dropped

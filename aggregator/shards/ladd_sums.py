@@ -5,8 +5,9 @@ A LADD round moves the shared part φ to the mean of every update's φ and each 
 θ_c to the mean of its own cluster's θ_c (``aggregator/strategies/ladd.py``): one weighted mean
 per *slot* (φ, θ_0, θ_1, ...), each with the bounded-influence layers that need one number per
 update (the norm bound, the contribution bound: ``fedavg_sums.py``), decided per slot (a θ_c's
-limit is a multiple of its own cluster's median, as one aggregator's ``RobustClusterAveraging``
-decides it). The round closes in phases, as FedAvg's does: for each layer every update's
+limit is a multiple of its own cluster's median, or of the median of every cluster's θ updates
+when its own cluster sent fewer than three: ``slot_limits``; one aggregator's ``RobustClusterAveraging``
+decides it the same way). The round closes in phases, as FedAvg's does: for each layer every update's
 statistic in each of its slots, the limits decided slot by slot on all of them; then each bucket
 sums w_k θ'_k and w_k per slot in canonical (device id) order, and the bucket sums are added up
 the fixed tree (``sum_tree.py``). A bucket holds only the clusters its devices are in, so two
@@ -50,6 +51,7 @@ from aggregator.strategies.ladd import ClusterAveraging, cast_like
 from aggregator.strategies.robust_fedavg import flatten
 
 PHI = "phi"
+MIN_OWN_UPDATES = 3             # a θ slot with fewer is bounded on the round's θ updates (slot_limits)
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 SLOT = "/"                      # a bucket state's keys: "<slot>/sum.<tensor>", "<slot>/weight_total"
 DP_COUNT, DP_UNCLIPPED = "dp/count", "dp/unclipped"     # DP: the deltas summed, those within C
@@ -157,6 +159,16 @@ def add_slots(left: dict[str, np.ndarray], right: dict[str, np.ndarray]) -> dict
     return {**left, **right, **{k: left[k] + right[k] for k in left.keys() & right.keys()}}
 
 
+def slot_limits(layer, by_slot: dict[str, list[float]]) -> dict[str, float]:
+    """Each slot's limit for ``layer`` from its updates' statistics; a cluster's θ slot with fewer
+    than ``MIN_OWN_UPDATES`` updates takes the limit of every θ update of the round (all clusters'
+    heads have one shape and one recipe): a median of one or two updates bounds neither of them, so
+    a device alone in its cluster, or with one other, set its cluster's θ_c as far as it liked."""
+    pooled = [value for slot, values in by_slot.items() if slot != PHI for value in values]
+    return {slot: layer.limit(pooled if slot != PHI and len(values) < MIN_OWN_UPDATES <= len(pooled) else values)
+            for slot, values in by_slot.items()}
+
+
 def slot_means(layers: list, current: dict[str, Params],
                statistics: Callable[[LaddRoundContext], dict[str, dict[str, float]]],
                root: Callable[[LaddRoundContext], PartialSum | None]) -> dict[str, Params]:
@@ -169,7 +181,7 @@ def slot_means(layers: list, current: dict[str, Params],
         for values in statistics(LaddRoundContext(current, limits)).values():
             for slot, value in values.items():
                 by_slot.setdefault(slot, []).append(value)
-        limits += ({slot: layer.limit(values) for slot, values in by_slot.items()},)
+        limits += (slot_limits(layer, by_slot),)
     total = root(LaddRoundContext(current, limits))
     state = total.state if total is not None else {}
     means = {}
