@@ -241,7 +241,7 @@ class DeviceAgent:
         if env.type == M.TASK:
             ref, kind, params, deadline = M.parse_task(env)
             self._execute(self.session.handle(TaskArrived(ref, kind, params, deadline, dict(env.tensors),
-                                                          received_at=time.time())))
+                                                          received_at=time.time(), sent_at=env.ts)))
         elif env.type in self.protocol_handlers:
             for out in self.protocol_handlers[env.type].on_message(env):
                 self.stats.bytes_up += self.link.publish_envelope(

@@ -6,8 +6,9 @@ table, ``DEVICE_TABLE``) and the Java library's ``org.fedfleet.device.DeviceSess
 the same traces (tests/test_device_session_traces.py); each must answer every event with the
 recorded actions and state. A trace is JSON: ``session`` (the machine's settings), ``steps``, each
 an ``event`` with the ``actions`` and ``state`` that follow it. Events and actions name a task by
-its ref ``[job, round, task]``; a task event may carry its ``deadline`` (default 0) and the device's
-clock when it came, ``received_at`` (absent: the deadline is not checked); a result's message is opaque text (null: a secure task's, whose
+its ref ``[job, round, task]``; a task event may carry its ``deadline`` (default 0), the device's
+clock when it came, ``received_at`` (absent: the deadline is not checked), and its envelope's
+``sent_at`` (absent: not compared with the job's last task); a result's message is opaque text (null: a secure task's, whose
 protocol messages go out through its own session). The traces are the named scenarios below plus
 seeded random walks; together they fire every row of ``DEVICE_TABLE`` in every state it names (the
 test checks). Regenerate (only when the round rules change, reviewing the diff) with
@@ -29,14 +30,17 @@ TRACE_DIR = Path(__file__).resolve().parent / "golden" / "traces"
 SESSION = {"retry_after_s": 5.0, "max_retries": 2, "keep_finished": 2}
 
 
-def _ref(n: int) -> list:
-    return ["job", n, f"t{n}"]
+def _ref(n: int, job: str = "job") -> list:
+    return [job, n, f"t{n}"]
 
 
-def _task(n: int, deadline: float | None = None, received_at: float | None = None) -> dict:
-    """A task event; with a deadline, and the device's clock when it came (absent: not checked)."""
-    return {"type": "task", "ref": _ref(n), **({} if deadline is None else {"deadline": deadline}),
-            **({} if received_at is None else {"received_at": received_at})}
+def _task(n: int, deadline: float | None = None, received_at: float | None = None, sent_at: float | None = None,
+          job: str = "job") -> dict:
+    """A task event; with a deadline, the device's clock when it came and its envelope's ts (the
+    last two absent: not checked)."""
+    return {"type": "task", "ref": _ref(n, job), **({} if deadline is None else {"deadline": deadline}),
+            **({} if received_at is None else {"received_at": received_at}),
+            **({} if sent_at is None else {"sent_at": sent_at})}
 
 
 def _finished(n: int, secure: bool = False) -> dict:
@@ -68,16 +72,18 @@ SCENARIOS: dict[str, list[dict]] = {
                                                                                          "ref_id": f"r{n}"})),
                                          {"type": "task", "ref": _ref(4)}, {"type": "task", "ref": _ref(3)},
                                          {"type": "task", "ref": _ref(1)}],
-    # SESSION's grace is the default 60 s; round 2's task runs, then in each state an earlier round
-    # (no later deadline) and a task past its deadline + grace are skipped; round 2's result keeps
-    # its retries; a task at the grace's edge runs, and so does an earlier round with a later deadline
-    "expired_and_replayed_tasks_are_skipped": [_task(2, 100.0, 50.0), _task(1, 90.0, 60.0), _task(4, 100.0, 170.0),
-                                               _finished(2), {"type": "sent", "now": 1.0}, _task(1, 90.0, 60.0),
-                                               _task(4, 100.0, 161.0), {"type": "tick", "now": 7.0},
-                                               {"type": "ack", "ref_id": "r2"}, _task(1, 90.0, 60.0),
-                                               _task(4, 100.0, 161.0), _task(4, 100.0, 160.0),
-                                               _task(1, 200.0, 170.0),
-                                               {"type": "failed", "ref": _ref(1), "reason": "no data"}],
+    # SESSION's grace is the default 60 s; round 2's task (created at 40) runs; then in each state a
+    # task created before it (a replay) is skipped, the first task of a job past its deadline + grace
+    # declined (the clock may be ahead), the later ones skipped, without a kept result re-sent; round
+    # 2's result keeps its retries; a task at the grace's edge runs, and so does a task of the job
+    # created later (a job re-created under the same id: round 1 again)
+    "expired_and_replayed_tasks_are_skipped": [
+        _task(2, 100.0, 50.0, 40.0), _task(1, 90.0, 60.0, 30.0), _task(4, 100.0, 170.0, 45.0),
+        _task(4, 100.0, 170.0, 45.0), _finished(2), {"type": "sent", "now": 1.0}, _task(1, 90.0, 60.0, 30.0),
+        _task(5, 100.0, 170.0, 45.0, job="a"), _task(4, 100.0, 161.0, 45.0), _task(2, 100.0, 161.0, 40.0),
+        {"type": "tick", "now": 7.0}, {"type": "ack", "ref_id": "r2"}, _task(1, 90.0, 60.0, 30.0),
+        _task(5, 100.0, 170.0, 45.0, job="b"), _task(4, 100.0, 161.0, 45.0), _task(4, 100.0, 160.0, 45.0),
+        _task(1, 200.0, 170.0, 50.0), {"type": "failed", "ref": _ref(1), "reason": "no data"}],
 }
 
 
@@ -105,7 +111,8 @@ def traces() -> dict[str, list[dict]]:
 def event_of(e: dict) -> Any:
     """A trace event as protocols.rounds' event."""
     ref = TaskRef(*e["ref"]) if "ref" in e else None
-    return {"task": lambda: TaskArrived(ref, "fed3r.stats", {}, e.get("deadline", 0.0), {}, e.get("received_at")),
+    return {"task": lambda: TaskArrived(ref, "fed3r.stats", {}, e.get("deadline", 0.0), {}, e.get("received_at"),
+                                        e.get("sent_at")),
             "finished": lambda: WorkFinished(ref, e["message"], e["message_id"], e["expects_ack"]),
             "failed": lambda: WorkFailed(ref, e["reason"]),
             "sent": lambda: ResultSent(e["now"]),

@@ -27,10 +27,14 @@ Late results are never carried into a later round: a result names its (job, roun
 server routes it only to that round's coordinator (closed rounds answer ``late``).
 
 A device runs a task only while its round may still be open: one received after its deadline
-(plus ``deadline_grace_s`` for the two clocks), or of an earlier round of the job it last started
-(with no later deadline), is skipped, not answered (``SkipTask``). So a captured task re-published
-later costs the device nothing and takes nothing from it: before, it started afresh and the
-result awaiting its ack lost its retries.
+(plus ``deadline_grace_s`` for the two clocks), or created (its envelope's signed ``ts``) before the
+last task of its job the device started, is skipped, not answered (``SkipTask``), before the rows
+that would re-send a kept result. So a captured task re-published later costs the device nothing
+and takes nothing from it: before, it started afresh and the result awaiting its ack lost its
+retries. The first expired task of a job is declined instead, once, saying the device's clock may
+be ahead: without it such a device looks like a straggler. The session remembers its last
+``MAX_JOBS_REMEMBERED`` jobs, in memory: a device restarted forgets them (a replay within the
+task's deadline then runs once more).
 
 Re-sending the *same* message id makes retries idempotent end to end: the aggregator applies an
 id at most once and answers duplicates with ``duplicate``.
@@ -293,6 +297,7 @@ class TaskArrived:
     deadline: float                                # unix seconds, the aggregator's clock
     tensors: dict = field(default_factory=dict)   # e.g. the global model the task starts from
     received_at: float | None = None              # unix seconds, the device's clock; None: not checked
+    sent_at: float | None = None                  # the task envelope's signed ts (aggregator's clock); None: not checked
 
 
 @dataclass(frozen=True)
@@ -343,9 +348,13 @@ class SkipTask:
     reason: str
 
 
-# SkipTask's reasons, fixed words (the Java device's session says the same; the agent logs the numbers)
+# SkipTask's reasons and the expired task's decline, fixed words (the Java device's session says the
+# same; the agent logs the numbers)
 EXPIRED = "its deadline has passed"
-STALE = "an earlier round of the job than the task last started"
+STALE = "created before the last task of its job this device started"
+EXPIRED_DECLINE = ("received after its deadline by this device's clock: is the clock ahead? (devices need "
+                   "NTP-close clocks; later expired tasks of this job are skipped silently)")
+MAX_JOBS_REMEMBERED = 64        # the jobs whose last task started (and expired decline) a session keeps
 
 
 @dataclass(frozen=True)
@@ -368,9 +377,10 @@ class DeviceSession:
     keep_acked_results: bool = True
     state: DeviceState = DeviceState.IDLE
     current: TaskRef | None = None
-    # the last task started, with its deadline: a task of an earlier round of that job with no later
-    # deadline is a replay (a job re-created under the same id has later deadlines and runs)
-    last_started: tuple[TaskRef, float] | None = None
+    # job -> (its last task started, that task's signed ts): another task of the job created before
+    # it is a replay (a job re-created under the same id creates its tasks later, and runs)
+    last_started: dict[str, tuple[TaskRef, float]] = field(default_factory=dict)
+    expired_declined: dict[str, bool] = field(default_factory=dict)   # jobs told once that a task came expired
     finished: dict[TaskRef, WorkFinished] = field(default_factory=dict)   # tasks answered (for redelivery)
     attempts: int = 0
     next_retry: float = 0.0
@@ -398,10 +408,16 @@ class DeviceSession:
         return ev.received_at is not None and ev.received_at > ev.deadline + self.deadline_grace_s
 
     def _stale(self, ev: TaskArrived) -> bool:
-        if self.last_started is None:
-            return False
-        ref, deadline = self.last_started
-        return ev.ref.job == ref.job and ev.ref.round < ref.round and ev.deadline <= deadline
+        ref, sent_at = self.last_started.get(ev.ref.job, (None, None))
+        return ev.sent_at is not None and sent_at is not None and ev.ref != ref and ev.sent_at < sent_at
+
+    def _first_expired(self, ev: TaskArrived) -> bool:
+        return self._expired(ev) and ev.ref.job not in self.expired_declined
+
+    def _decline_expired(self, ev: TaskArrived) -> list:
+        # once per job: what the operator sees of a device whose clock runs ahead (else only "dropped")
+        _remember(self.expired_declined, ev.ref.job, True)
+        return [SendDecline(ev.ref, EXPIRED_DECLINE)]
 
     def _skip(self, ev: TaskArrived) -> list:
         return [SkipTask(ev.ref, EXPIRED if self._expired(ev) else STALE)]
@@ -411,7 +427,9 @@ class DeviceSession:
 
     def _start(self, ev: TaskArrived) -> list:
         self.current, self.state = ev.ref, DeviceState.WORKING
-        self.last_started = (ev.ref, ev.deadline)
+        if ev.sent_at is not None:
+            self.last_started.pop(ev.ref.job, None)
+            _remember(self.last_started, ev.ref.job, (ev.ref, ev.sent_at))
         return [StartWork(ev.ref, ev.kind, ev.params, ev.deadline, ev.tensors)]
 
     def _report(self, ev: WorkFinished) -> list:
@@ -452,8 +470,22 @@ class DeviceSession:
         return []
 
 
+def _remember(memory: dict, key: str, value) -> None:
+    """``memory[key] = value`` in a session's per-job memory, the oldest entry dropped past
+    MAX_JOBS_REMEMBERED (whoever sends tasks of new job ids, it stays bounded)."""
+    while len(memory) >= MAX_JOBS_REMEMBERED:
+        del memory[next(iter(memory))]
+    memory[key] = value
+
+
 _D, _IDLE, _WORKING, _REPORTED = DeviceSession, DeviceState.IDLE, DeviceState.WORKING, DeviceState.REPORTED
 DEVICE_TABLE = TransitionTable(DeviceState, [
+    Transition(ANY, TaskArrived, "received after deadline + grace, first of its job", _D._decline_expired,
+               (SendDecline,), note="once per job: the device's clock may be ahead", guard=_D._first_expired),
+    Transition(ANY, TaskArrived, "received after deadline + grace", _D._skip, (SkipTask,),
+               note="its round is over: nothing run, nothing sent", guard=_D._expired),
+    Transition(ANY, TaskArrived, "created before its job's last task started", _D._skip, (SkipTask,),
+               note="a replay (by signed ts): a pending result keeps its retries", guard=_D._stale),
     Transition(ANY, TaskArrived, "task answered, result kept", _D._resend_finished, (SendResult,),
                note="same message id: the server may have lost it",
                guard=lambda d, ev: ev.ref in d.finished and d.finished[ev.ref].message is not None),
@@ -461,10 +493,6 @@ DEVICE_TABLE = TransitionTable(DeviceState, [
                note="acknowledged already (keep_acked_results off)", guard=lambda d, ev: ev.ref in d.finished),
     Transition(_WORKING, TaskArrived, "the task at work", _D._ignore, note="redelivery while busy",
                guard=_D._is_current),
-    Transition(ANY, TaskArrived, "received after deadline + grace", _D._skip, (SkipTask,),
-               note="its round is over: nothing run, nothing sent", guard=_D._expired),
-    Transition(ANY, TaskArrived, "earlier round of the last job", _D._skip, (SkipTask,),
-               note="and no later deadline: a replay (a pending result keeps its retries)", guard=_D._stale),
     Transition(ANY, TaskArrived, "", _D._start, (StartWork,), (_WORKING,),
                note="a new task: older work is abandoned"),
     Transition(_WORKING, WorkFinished, "the task at work", _D._report, (SendResult,), (_REPORTED,),

@@ -274,15 +274,18 @@ def test_every_device_row_fires_in_every_state_it_names():
         done = s.current if s.current and r.random() < 0.7 else ref(r)
         return WorkFinished(done, f"R{done.round}", f"r{done.round}", expects_ack=r.random() < 0.8)
 
-    def task(r, s):     # deadlines before, at and after the last task's; received in time, late or unchecked
-        return TaskArrived(ref(r), "fed3r.stats", {}, r.choice((0.0, 100.0, 200.0)), {},
-                           r.choice((None, 50.0, 150.0, 500.0)))
+    def task(r, s):     # deadlines before, at and after; received in time, late or unchecked; created
+        # before or after the job's last task started (or unknown); several jobs, each declined once expired
+        job = r.choice(("j",) * 8 + tuple("abcdefghkm"))
+        ref_ = ref(r)
+        return TaskArrived(TaskRef(job, ref_.round, ref_.task), "fed3r.stats", {}, r.choice((0.0, 100.0, 200.0)), {},
+                           r.choice((None, 50.0, 150.0, 500.0)), r.choice((None, 10.0, 20.0, 30.0)))
 
     events = [task, finished,
               lambda r, s: WorkFailed(s.current if s.current and r.random() < 0.5 else ref(r), "no data"),
               lambda r, s: ResultSent(r.uniform(0, 30)), lambda r, s: AckArrived(f"r{r.randint(1, 3)}", "accepted"),
               lambda r, s: Tick(r.uniform(0, 60))]
     fired = _walk(lambda: DeviceSession(retry_after_s=2, max_retries=2, keep_acked_results=False), events,
-                  DEVICE_TABLE, 600, seed=2)
+                  DEVICE_TABLE, 2000, seed=2)
     names = lambda pairs: {(s.name, DEVICE_TABLE.describe(row)) for s, row in pairs}
     assert names(DEVICE_TABLE.entries()) - names(fired) == set()

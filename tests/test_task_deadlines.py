@@ -1,9 +1,11 @@
 """A device runs a task only while its round may be open (docs/protocol.md, "Round rules"), the
 Python device and the Java device alike, over a real mosquitto, every task signed by the
-aggregator's key: a task received past its deadline (plus the clocks' grace) and a captured task
-of an earlier round re-published while a later round's result awaits its ack are neither run nor
-answered, and that result keeps being re-sent under its id (before: the replayed task started
-afresh, was answered, and the waiting result lost its retries); a task of the next round runs."""
+aggregator's key: captured tasks (of the job at work, or of another job) re-published while a
+later result awaits its ack are neither run nor answered, and that result keeps being re-sent
+under its id (before: the replayed task started afresh, was answered, and the waiting result lost
+its retries); a task received past its deadline (plus the clocks' grace) is declined once for its
+job, saying the device's clock may be ahead, then skipped; a job re-created under the same id
+(its tasks created later) runs, and so does the next round."""
 
 from __future__ import annotations
 
@@ -37,28 +39,44 @@ def answers(sniffer: Sniffer, device: str, task_id: str) -> list:
 def replay_and_expiry(sniffer: Sniffer, device: str, params: dict) -> None:
     now = time.time()
 
-    def task(round_: int, deadline: float) -> tuple[str, bytes]:
-        msg = M.task_message(AGGREGATOR_ID, "j", round_, "fed3r.stats", params, deadline)
+    def task(job: str, round_: int, deadline: float) -> tuple[str, bytes]:
+        msg = M.task_message(AGGREGATOR_ID, job, round_, "fed3r.stats", params, deadline)
         return msg.id, encode(msg, signer=AGG.sign)
 
-    replayed_id, replayed = task(1, now + 30)       # captured in round 1, re-published in round 2
-    current_id, current = task(2, now + 60)
-    expired_id, expired = task(3, now - 120)        # 60 s past its deadline and the 60 s grace
+    def result_of(task_id: str) -> None:
+        wait_for(lambda: answers(sniffer, device, task_id), what=f"the answer to {task_id}")
+        assert answers(sniffer, device, task_id)[0].type == M.RESULT
+
+    # captured earlier (created first): job a's round 4 and job j's round 1, re-published later
+    captured_a_id, captured_a = task("a", 4, now + 60)
+    replayed_id, replayed = task("j", 1, now + 30)
+    a_id, a_task = task("a", 5, now + 60)
+    sniffer.publish(T.inbox(device), a_task)
+    result_of(a_id)
+    current_id, current = task("j", 2, now + 60)
+    expired_id, expired = task("j", 3, now - 120)        # 60 s past its deadline and the 60 s grace
     sniffer.publish(T.inbox(device), current)
-    wait_for(lambda: answers(sniffer, device, current_id), what="round 2's result")
-    sniffer.publish(T.inbox(device), replayed)
-    sniffer.publish(T.inbox(device), expired)
+    result_of(current_id)
+    for payload in (replayed, captured_a, expired, expired):
+        sniffer.publish(T.inbox(device), payload)
     sent = len(answers(sniffer, device, current_id))
-    # no aggregator acks it: round 2's result is re-sent, the same message, after the replay
+    # no aggregator acks it: round 2's result is re-sent, the same message, after the replays
     wait_for(lambda: len(answers(sniffer, device, current_id)) >= sent + 2, what="round 2's result re-sent twice more")
     got = answers(sniffer, device, current_id)
     assert {env.type for env in got} == {M.RESULT} and len({env.id for env in got}) == 1
-    assert answers(sniffer, device, replayed_id) == [] and answers(sniffer, device, expired_id) == []
-    next_id, next_task = task(4, time.time() + 60)
+    assert answers(sniffer, device, replayed_id) == answers(sniffer, device, captured_a_id) == []
+    # the expired task: declined once for its job (the device's clock may be ahead), then skipped
+    declined = answers(sniffer, device, expired_id)
+    assert [env.type for env in declined] == [M.DECLINE] and "is the clock ahead?" in declined[0].body["reason"]
+    # job a re-created under the same id: its round 1, created now, runs; so does job j's next round
+    again_id, again = task("a", 1, time.time() + 60)
+    sniffer.publish(T.inbox(device), again)
+    result_of(again_id)
+    next_id, next_task = task("j", 4, time.time() + 60)
     sniffer.publish(T.inbox(device), next_task)
-    wait_for(lambda: answers(sniffer, device, next_id), what="round 4's result")
-    assert answers(sniffer, device, next_id)[0].type == M.RESULT
-    assert answers(sniffer, device, replayed_id) == [] and answers(sniffer, device, expired_id) == []
+    result_of(next_id)
+    assert answers(sniffer, device, replayed_id) == answers(sniffer, device, captured_a_id) == []
+    assert len(answers(sniffer, device, expired_id)) == 1
 
 
 def test_the_python_device_skips_expired_and_replayed_tasks(broker):
@@ -71,7 +89,7 @@ def test_the_python_device_skips_expired_and_replayed_tasks(broker):
         wait_for(lambda: any(decode(p).body.get("state") == "online" for p in sniffer.seen.get(T.presence("dev-py"), [])),
                  what="the agent online")
         replay_and_expiry(sniffer, "dev-py", fed3r_params())
-        assert agent.stats.tasks_skipped == 2 and agent.stats.tasks_done == 2 and agent.stats.tasks_declined == 0
+        assert (agent.stats.tasks_skipped, agent.stats.tasks_done, agent.stats.tasks_declined) == (3, 4, 1)
     finally:
         agent.stop()
         sniffer.close()
@@ -94,5 +112,5 @@ def test_the_java_device_skips_expired_and_replayed_tasks(broker, tmp_path):
     finally:
         out, err = jvm.communicate(timeout=30)
         sniffer.close()
-    assert f"STATS {dev} done=2 declined=0 " in out and " skipped=2" in out, (out, err[-3000:])
-    assert err.count("skipped task") == 2, err[-3000:]
+    assert f"STATS {dev} done=4 declined=1 " in out and " skipped=3" in out, (out, err[-3000:])
+    assert err.count("skipped task") == 3, err[-3000:]       # once per (job, reason): (j, stale), (a, stale), (j, expired)

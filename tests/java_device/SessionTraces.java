@@ -48,7 +48,8 @@ public final class SessionTraces {
         switch (type) {
             case "task":
                 return s.onTask(new Messages.Task(ref(e), "fed3r.stats", new LinkedHashMap<>(),
-                                                  e.containsKey("deadline") ? num(e.get("deadline")) : 0.0),
+                                                  e.containsKey("deadline") ? num(e.get("deadline")) : 0.0,
+                                                  e.containsKey("sent_at") ? num(e.get("sent_at")) : Double.NaN),
                                 Collections.<Envelope.Tensor>emptyList(),
                                 e.containsKey("received_at") ? num(e.get("received_at")) : Double.NaN);
             case "finished": {

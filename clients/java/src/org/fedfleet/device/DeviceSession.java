@@ -3,8 +3,10 @@
 //
 //   IDLE      task(new)             StartWork                   -> WORKING
 //   WORKING   task(same)            -                           (redelivery while busy)
+//   any       task(expired, first)  SendDecline                 (once per job: the device's clock may be ahead)
 //   any       task(expired)         SkipTask                    (received after deadline + grace: its round is over)
-//   any       task(older round)     SkipTask                    (of the job last started, no later deadline: a replay)
+//   any       task(created earlier) SkipTask                    (than its job's last task started, by signed ts: a replay)
+//   (these three rows come before the rows that answer a task already answered)
 //   WORKING   workFinished(result)  SendResult                  -> REPORTED
 //   WORKING   workFailed(reason)    SendDecline                 -> IDLE
 //   REPORTED  resultSent(now)       -                           (the retry timer starts when the upload ends)
@@ -48,9 +50,13 @@ public final class DeviceSession {
         SkipTask(TaskRef ref, String reason) { this.ref = ref; this.reason = reason; }
     }
 
-    /** SkipTask's reasons: the words of protocols/rounds.py's EXPIRED and STALE. */
+    /** SkipTask's reasons and the expired task's decline: the words of protocols/rounds.py's EXPIRED,
+     *  STALE and EXPIRED_DECLINE. */
     public static final String EXPIRED = "its deadline has passed";
-    public static final String STALE = "an earlier round of the job than the task last started";
+    public static final String STALE = "created before the last task of its job this device started";
+    public static final String EXPIRED_DECLINE = "received after its deadline by this device's clock: is the clock ahead? "
+            + "(devices need NTP-close clocks; later expired tasks of this job are skipped silently)";
+    static final int MAX_JOBS_REMEMBERED = 64;    // protocols/rounds.py's: the jobs a session keeps (oldest dropped)
 
     public static final class SendDecline extends Action {
         public final TaskRef ref;
@@ -69,8 +75,9 @@ public final class DeviceSession {
     private final int maxRetries, keepFinished;
     private State state = State.IDLE;
     private TaskRef current;
-    private TaskRef lastStarted;            // with its deadline: an earlier round of that job is a replay
-    private double lastStartedDeadline;
+    // job -> its last task started and that task's signed ts: another of the job created before it is a replay
+    private final Map<String, Object[]> lastStarted = bounded();
+    private final Map<String, Boolean> expiredDeclined = bounded();     // jobs told once that a task came expired
     private final Map<TaskRef, Finished> finished = new LinkedHashMap<>();   // answered tasks, for redelivery
     private int attempts;
     private double nextRetry, now;
@@ -90,16 +97,22 @@ public final class DeviceSession {
 
     /** receivedAt: this device's clock (unix seconds) when the task came; NaN: its deadline is not checked. */
     public List<Action> onTask(Messages.Task task, List<org.fedfleet.wire.Envelope.Tensor> tensors, double receivedAt) {
+        if (!Double.isNaN(receivedAt) && receivedAt > task.deadline + deadlineGraceS) {
+            if (expiredDeclined.containsKey(task.ref.job)) return one(new SkipTask(task.ref, EXPIRED));
+            expiredDeclined.put(task.ref.job, Boolean.TRUE);     // once per job: the clock may be ahead
+            return one(new SendDecline(task.ref, EXPIRED_DECLINE));
+        }
+        Object[] last = lastStarted.get(task.ref.job);
+        if (last != null && !Double.isNaN(task.sentAt) && !task.ref.equals(last[0]) && task.sentAt < (Double) last[1])
+            return one(new SkipTask(task.ref, STALE));
         Finished done = finished.get(task.ref);
         if (done != null)   // a secure task's result (no message) is answered with nothing, as Python's table says
             return done.message == null ? Collections.<Action>emptyList() : one(new SendResult(done.message, done.messageId, attempts + 1));
         if (state == State.WORKING && task.ref.equals(current)) return Collections.emptyList();
-        if (!Double.isNaN(receivedAt) && receivedAt > task.deadline + deadlineGraceS) return one(new SkipTask(task.ref, EXPIRED));
-        if (lastStarted != null && task.ref.job.equals(lastStarted.job) && task.ref.round < lastStarted.round
-                && task.deadline <= lastStartedDeadline)
-            return one(new SkipTask(task.ref, STALE));
-        lastStarted = task.ref;
-        lastStartedDeadline = task.deadline;
+        if (!Double.isNaN(task.sentAt)) {
+            lastStarted.remove(task.ref.job);
+            lastStarted.put(task.ref.job, new Object[] {task.ref, task.sentAt});
+        }
         current = task.ref;
         state = State.WORKING;
         return one(new StartWork(task, tensors));
@@ -149,6 +162,12 @@ public final class DeviceSession {
             return one(new SendResult(done.message, done.messageId, attempts));
         }
         return Collections.emptyList();
+    }
+
+    private static <V> Map<String, V> bounded() {
+        return new LinkedHashMap<String, V>() {
+            @Override protected boolean removeEldestEntry(Map.Entry<String, V> eldest) { return size() > MAX_JOBS_REMEMBERED; }
+        };
     }
 
     private static List<Action> one(Action a) {

@@ -69,15 +69,16 @@ public final class Messages {
         return header("decline", sender, body, newId(), now());
     }
 
-    /** A decoded `task`: its reference, kind, params and deadline. */
+    /** A decoded `task`: its reference, kind, params, deadline and its envelope's signed ts (NaN: not known). */
     public static final class Task {
         public final TaskRef ref;
         public final String kind;
         public final Map<String, Object> params;
-        public final double deadline;
-        Task(TaskRef ref, String kind, Map<String, Object> params, double deadline) {
-            this.ref = ref; this.kind = kind; this.params = params; this.deadline = deadline;
+        public final double deadline, sentAt;
+        Task(TaskRef ref, String kind, Map<String, Object> params, double deadline, double sentAt) {
+            this.ref = ref; this.kind = kind; this.params = params; this.deadline = deadline; this.sentAt = sentAt;
         }
+        Task(TaskRef ref, String kind, Map<String, Object> params, double deadline) { this(ref, kind, params, deadline, Double.NaN); }
     }
 
     @SuppressWarnings("unchecked")
@@ -92,7 +93,8 @@ public final class Messages {
         Object deadline = b.get("deadline");
         if (!(deadline instanceof Double || deadline instanceof BigInteger))
             throw new EnvelopeError("task body field 'deadline' must be a number");
-        return new Task(ref, field(b, "kind", String.class), field(b, "params", Map.class), ((Number) deadline).doubleValue());
+        return new Task(ref, field(b, "kind", String.class), field(b, "params", Map.class), ((Number) deadline).doubleValue(),
+                        ((Number) msg.header.get("ts")).doubleValue());
     }
 
     /** (ref, status, reason) of an `ack`. */
