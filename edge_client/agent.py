@@ -240,6 +240,10 @@ class DeviceAgent:
             raise EnvelopeError(f"message from {env.sender!r}, expected the aggregator")
         if env.type == M.TASK:
             ref, kind, params, deadline = M.parse_task(env)
+            addressee = M.task_addressee(env)
+            if addressee is not None and addressee != self.device_id:
+                self._execute([SkipTask(ref, f"addressed to {addressee[:64]!r}, not to this device")])
+                return
             self._execute(self.session.handle(TaskArrived(ref, kind, params, deadline, dict(env.tensors),
                                                           received_at=time.time(), sent_at=env.ts)))
         elif env.type in self.protocol_handlers:

@@ -3,7 +3,8 @@
 Generic round messages (any algorithm):
 
 * ``task``     aggregator -> device inbox. body: job (1 to 64 characters), round, kind, params
-               (kind-specific), deadline (unix s)
+               (kind-specific), deadline (unix s), optionally device (the addressee: a device
+               skips a task naming another one, which someone re-published on its inbox)
 * ``result``   device -> aggregator. body: job, round, task (id of the task message), kind, plus
                kind-specific fields; tensors: kind-specific (see the payload modules)
 * ``decline``  device -> aggregator. body: job, round, task, reason (cannot do the task; at most
@@ -37,9 +38,21 @@ class TaskRef:
     task: str
 
 
-def task_message(sender: str, job: str, round_: int, kind: str, params: dict[str, Any], deadline: float) -> Envelope:
+def task_message(sender: str, job: str, round_: int, kind: str, params: dict[str, Any], deadline: float,
+                 device: str | None = None) -> Envelope:
     return Envelope(type=TASK, sender=sender,
-                    body={"job": job, "round": round_, "kind": kind, "params": params, "deadline": deadline})
+                    body={"job": job, "round": round_, "kind": kind, "params": params, "deadline": deadline,
+                          **({} if device is None else {"device": device})})
+
+
+def task_addressee(msg: Envelope) -> str | None:
+    """The device a task names (signed with it), or None (a task of an aggregator that names none)."""
+    if "device" not in msg.body:
+        return None
+    device = msg.body["device"]
+    if not isinstance(device, str):
+        raise EnvelopeError(f"task body field 'device' must be a string, got {type(device).__name__}")
+    return device
 
 
 def parse_task(msg: Envelope) -> tuple[TaskRef, str, dict[str, Any], float]:

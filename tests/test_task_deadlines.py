@@ -3,7 +3,7 @@ Python device and the Java device alike, over a real mosquitto, every task signe
 aggregator's key: captured tasks (of the job at work, or of another job) re-published while a
 later result awaits its ack are neither run nor answered, and that result keeps being re-sent
 under its id (before: the replayed task started afresh, was answered, and the waiting result lost
-its retries); a task received past its deadline (plus the clocks' grace) is declined once for its
+its retries); a task naming another device (captured on its inbox) is skipped; a task received past its deadline (plus the clocks' grace) is declined once for its
 job, saying the device's clock may be ahead, then skipped; a job re-created under the same id
 (its tasks created later) runs, and so does the next round."""
 
@@ -39,8 +39,8 @@ def answers(sniffer: Sniffer, device: str, task_id: str) -> list:
 def replay_and_expiry(sniffer: Sniffer, device: str, params: dict) -> None:
     now = time.time()
 
-    def task(job: str, round_: int, deadline: float) -> tuple[str, bytes]:
-        msg = M.task_message(AGGREGATOR_ID, job, round_, "fed3r.stats", params, deadline)
+    def task(job: str, round_: int, deadline: float, to: str | None = None) -> tuple[str, bytes]:
+        msg = M.task_message(AGGREGATOR_ID, job, round_, "fed3r.stats", params, deadline, device=to)
         return msg.id, encode(msg, signer=AGG.sign)
 
     def result_of(task_id: str) -> None:
@@ -53,11 +53,12 @@ def replay_and_expiry(sniffer: Sniffer, device: str, params: dict) -> None:
     a_id, a_task = task("a", 5, now + 60)
     sniffer.publish(T.inbox(device), a_task)
     result_of(a_id)
-    current_id, current = task("j", 2, now + 60)
+    current_id, current = task("j", 2, now + 60, to=device)
+    elsewhere_id, elsewhere = task("j", 2, now + 60, to="another-device")    # captured on its inbox
     expired_id, expired = task("j", 3, now - 120)        # 60 s past its deadline and the 60 s grace
     sniffer.publish(T.inbox(device), current)
     result_of(current_id)
-    for payload in (replayed, captured_a, expired, expired):
+    for payload in (replayed, captured_a, elsewhere, expired, expired):
         sniffer.publish(T.inbox(device), payload)
     sent = len(answers(sniffer, device, current_id))
     # no aggregator acks it: round 2's result is re-sent, the same message, after the replays
@@ -65,6 +66,7 @@ def replay_and_expiry(sniffer: Sniffer, device: str, params: dict) -> None:
     got = answers(sniffer, device, current_id)
     assert {env.type for env in got} == {M.RESULT} and len({env.id for env in got}) == 1
     assert answers(sniffer, device, replayed_id) == answers(sniffer, device, captured_a_id) == []
+    assert answers(sniffer, device, elsewhere_id) == []
     # the expired task: declined once for its job (the device's clock may be ahead), then skipped
     declined = answers(sniffer, device, expired_id)
     assert [env.type for env in declined] == [M.DECLINE] and "is the clock ahead?" in declined[0].body["reason"]
@@ -72,7 +74,7 @@ def replay_and_expiry(sniffer: Sniffer, device: str, params: dict) -> None:
     again_id, again = task("a", 1, time.time() + 60)
     sniffer.publish(T.inbox(device), again)
     result_of(again_id)
-    next_id, next_task = task("j", 4, time.time() + 60)
+    next_id, next_task = task("j", 4, time.time() + 60, to=device)
     sniffer.publish(T.inbox(device), next_task)
     result_of(next_id)
     assert answers(sniffer, device, replayed_id) == answers(sniffer, device, captured_a_id) == []
@@ -89,7 +91,7 @@ def test_the_python_device_skips_expired_and_replayed_tasks(broker):
         wait_for(lambda: any(decode(p).body.get("state") == "online" for p in sniffer.seen.get(T.presence("dev-py"), [])),
                  what="the agent online")
         replay_and_expiry(sniffer, "dev-py", fed3r_params())
-        assert (agent.stats.tasks_skipped, agent.stats.tasks_done, agent.stats.tasks_declined) == (3, 4, 1)
+        assert (agent.stats.tasks_skipped, agent.stats.tasks_done, agent.stats.tasks_declined) == (4, 4, 1)
     finally:
         agent.stop()
         sniffer.close()
@@ -112,5 +114,29 @@ def test_the_java_device_skips_expired_and_replayed_tasks(broker, tmp_path):
     finally:
         out, err = jvm.communicate(timeout=30)
         sniffer.close()
-    assert f"STATS {dev} done=4 declined=1 " in out and " skipped=3" in out, (out, err[-3000:])
-    assert err.count("skipped task") == 3, err[-3000:]       # once per (job, reason): (j, stale), (a, stale), (j, expired)
+    assert f"STATS {dev} done=4 declined=1 " in out and " skipped=4" in out, (out, err[-3000:])
+    # once per (job, reason): (j, stale), (a, stale), (j, another addressee), (j, expired)
+    assert err.count("skipped task") == 4, err[-3000:]
+
+
+def test_the_aggregator_names_each_tasks_device(broker, tmp_path):
+    """Each task carries its addressee, signed with it (what the devices above check)."""
+    from test_aggregator_over_mqtt import start_service
+
+    devices = ["dev-x", "dev-y"]
+    sniffer = Sniffer(broker, [T.inbox(d) for d in devices])
+    svc, thread, _ = start_service(broker, tmp_path, devices)
+    try:
+        for d in devices:
+            sniffer.publish(T.presence(d), encode(M.presence_message(d, "online", {"kinds": ["fed3r.stats"]})),
+                            retain=True)
+
+        def task_of(d):
+            return next((env for env in map(decode, list(sniffer.seen.get(T.inbox(d), []))) if env.type == M.TASK), None)
+
+        wait_for(lambda: all(task_of(d) for d in devices), what="a task on each device's inbox")
+        assert [M.task_addressee(task_of(d)) for d in devices] == devices
+    finally:
+        svc.stop()
+        thread.join(10)
+        sniffer.close()

@@ -426,7 +426,8 @@ class JobRunner:
     def _send_task(self, round_: int, device: str) -> None:
         a = self.a
         params, tensors = a.job.task_for(device)
-        msg = M.task_message(AGGREGATOR_ID, a.job_id, round_, a.job.kind, params, a.deadlines[round_])
+        # the addressee signed in: re-published on another device's inbox, it is skipped there
+        msg = M.task_message(AGGREGATOR_ID, a.job_id, round_, a.job.kind, params, a.deadlines[round_], device=device)
         msg.id = a.tasks[round_][device]             # the same id on every re-send: devices dedupe by it
         msg.tensors.update(tensors)
         self.send(device, msg)

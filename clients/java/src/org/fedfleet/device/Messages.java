@@ -97,6 +97,14 @@ public final class Messages {
                         ((Number) msg.header.get("ts")).doubleValue());
     }
 
+    /** The device a task names (signed with it), or null (a task of an aggregator that names none). */
+    public static String taskAddressee(Envelope.Message msg) throws EnvelopeError {
+        if (!msg.body().containsKey("device")) return null;
+        Object device = msg.body().get("device");
+        if (!(device instanceof String)) throw new EnvelopeError("task body field 'device' must be a string");
+        return (String) device;
+    }
+
     /** (ref, status, reason) of an `ack`. */
     public static String[] parseAck(Envelope.Message msg) throws EnvelopeError {
         expect(msg, "ack");

@@ -190,7 +190,13 @@ public final class MqttAgent implements AutoCloseable {
         if (!Topics.AGGREGATOR_ID.equals(env.sender()))
             throw new EnvelopeError("message from '" + env.sender() + "', expected the aggregator");
         if ("task".equals(env.type())) {
-            execute(session.onTask(Messages.parseTask(env), env.tensors, System.currentTimeMillis() / 1000.0));
+            Messages.Task task = Messages.parseTask(env);
+            String addressee = Messages.taskAddressee(env);
+            if (addressee != null && !addressee.equals(deviceId))      // re-published from another device's inbox
+                execute(Collections.<DeviceSession.Action>singletonList(new DeviceSession.SkipTask(task.ref,
+                        "addressed to '" + addressee + "', not to this device")));
+            else
+                execute(session.onTask(task, env.tensors, System.currentTimeMillis() / 1000.0));
         } else if (SecAggMessage.ENVELOPE_TYPE.equals(env.type())) {
             for (SecAggMessage reply : secagg.onMessage(env)) {
                 try {
