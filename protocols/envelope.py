@@ -147,13 +147,34 @@ def check_json_depth(text: str, limit: int = MAX_JSON_DEPTH) -> None:
             raise ValueError(f"JSON nested deeper than {limit} levels")
 
 
+INT_MIN, INT_MAX = -(1 << 63), (1 << 64) - 1       # what a JSON integer on the wire may hold (int64 ∪ uint64)
+MAX_SHAPE_BYTES = (1 << 63) - 1                    # a tensor's non-zero dimensions times its item size, at most
+
+
+def _finite_float(token: str) -> float:
+    """A JSON float as binary64; one that overflows it (``1e400``) is refused, not made Infinity."""
+    value = float(token)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {token[:40]} overflows a binary64 float")
+    return value
+
+
+def _int_in_range(token: str) -> int:
+    """A JSON integer within −2^63 … 2^64 − 1 (docs/protocol.md); others are refused."""
+    value = int(token)
+    if not INT_MIN <= value <= INT_MAX:
+        raise ValueError(f"the integer {token[:40]}… is outside -2^63 … 2^64 - 1")
+    return value
+
+
 def parse_strict_json(data: bytes) -> Any:
     """RFC 8259 JSON from UTF-8 bytes, refusing what Python's json module lets through: NaN and
     Infinity tokens, duplicate keys and lone surrogates, and nesting deeper than
     ``MAX_JSON_DEPTH``. Raises ValueError."""
     text = data.decode("utf-8")
     check_json_depth(text)
-    value = json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_object_without_duplicates)
+    value = json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_object_without_duplicates,
+                       parse_float=_finite_float, parse_int=_int_in_range)
     # A lone surrogate can only come from a \ud800-\udfff escape: re-encode (UnicodeEncodeError, a
     # ValueError, for an unpaired one) only the rare header that has one, not every message.
     if _SURROGATE_ESCAPE.search(text):
@@ -355,6 +376,11 @@ def _decode_tensors(descs: list[dict], payload: memoryview) -> dict[str, np.ndar
         end = expected_offset + d["nbytes"]
         if end > len(payload):
             raise EnvelopeError(f"tensor {name!r} runs past the payload end (truncated message)")
+        # an empty tensor's other dimensions still count: numpy (and a Java long) holds no shape whose
+        # non-zero dimensions times the item size reach 2^63, and reshape raised ValueError past it
+        if math.prod(n for n in shape if n) * dt.itemsize > MAX_SHAPE_BYTES:
+            raise EnvelopeError(f"tensor {name!r}: shape {list(shape)} of {d['dtype']} cannot be held "
+                                "(its non-zero dimensions times the item size reach 2^63)")
         arr = np.frombuffer(payload[expected_offset:end], dtype=dt).reshape(shape)
         out[name] = arr
         expected_offset = end

@@ -60,7 +60,10 @@ def parse_task(msg: Envelope) -> tuple[TaskRef, str, dict[str, Any], float]:
     job = body_field(msg, "job", str)
     if not 0 < len(job) <= MAX_JOB_ID_CHARS:     # every answer echoes it: a long one makes them unsendable
         raise EnvelopeError(f"task: job id of {len(job)} characters, not 1 to {MAX_JOB_ID_CHARS}")
-    ref = TaskRef(job, body_field(msg, "round", int), msg.id)
+    round_ = body_field(msg, "round", int)
+    if not -(1 << 62) <= round_ < 1 << 62:        # what every device holds (the Java device's long, signed, with room)
+        raise EnvelopeError(f"task: round {round_} outside -2^62 … 2^62 - 1")
+    ref = TaskRef(job, round_, msg.id)
     return ref, body_field(msg, "kind", str), body_field(msg, "params", dict), float(body_field(msg, "deadline", (int, float)))
 
 

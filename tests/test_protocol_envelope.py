@@ -1,5 +1,6 @@
 """Wire contract: envelope, chunking, topics, golden vectors, and rejection of bad input."""
 
+import hashlib
 import json
 import struct
 
@@ -352,3 +353,66 @@ def test_presence_is_parsed_strictly():
             M.parse_presence(decode(encode(Envelope(M.PRESENCE, "dev7", body=body))))
     with pytest.raises(EnvelopeError, match="presence"):
         M.parse_presence(decode(encode(Envelope(M.RESULT, "dev7", body={"state": "online"}))))
+
+
+def test_numbers_past_the_contracts_range_are_refused():
+    """A differential review (Python against the Java device on the same bytes): ``1e400`` became
+    Infinity here (a task's deadline infinite) where docs/protocol.md has binary64 and no Infinity,
+    and an integer past 2^64 - 1 raised OverflowError out of ``float()`` (a deadline of 10^400) or
+    was kept. Both are refused now as JSON the contract forbids; the range's ends still decode."""
+    header, payload = _header_and_payload(sample())
+    text = canonical_json(header).decode()
+    at = '"body":{'
+    for member, match in [('"k":1e400', "overflows a binary64 float"), ('"k":-1e400', "overflows a binary64 float"),
+                          ('"k":18446744073709551616', r"outside -2\^63"), ('"k":-9223372036854775809', r"outside -2\^63"),
+                          ('"k":' + "9" * 5000, "integer")]:
+        with pytest.raises(EnvelopeError, match=match):
+            decode(_raw_text(text.replace(at, at + member + ",", 1), payload))
+    for member, value in [('"k":1e308', 1e308), ('"k":18446744073709551615', 2**64 - 1),
+                          ('"k":-9223372036854775808', -2**63)]:
+        assert decode(_raw_text(text.replace(at, at + member + ",", 1), payload)).body["k"] == value
+
+
+def test_an_empty_tensor_of_a_shape_numpy_cannot_hold_is_refused_not_raised():
+    """A review's finding: shape [0, 2^32-1, 2^32-1] (no bytes, within the schema's per-dimension
+    bound) made numpy's reshape raise ValueError out of ``decode``, which promises EnvelopeError."""
+    header = {"v": 1, "type": "t", "id": "0" * 32, "sender": "s", "ts": 1.0, "body": {},
+              "tensors": [{"name": "x", "dtype": "float32", "shape": [0, 2**32 - 1, 2**32 - 1], "offset": 0,
+                           "nbytes": 0}],
+              "payload_sha256": hashlib.sha256(b"").hexdigest()}
+    with pytest.raises(EnvelopeError, match="cannot be held"):
+        decode(_raw(header, b""))
+    # the bound: non-zero dimensions times the item size at most 2^63 - 1 (2^62 float32s: 2^64 bytes)
+    for shape, dtype, ok in [([0, 2**31, 2**31], "uint8", True), ([0, 2**31, 2**31], "float32", False),
+                             ([0, 2**30, 2**30], "float32", True), ([0, 2**30, 2**30], "float64", False),
+                             ([0, 4], "float64", True)]:
+        header["tensors"][0].update(shape=shape, dtype=dtype)
+        if ok:
+            assert decode(_raw(header, b"")).tensors["x"].shape == tuple(shape)
+        else:
+            with pytest.raises(EnvelopeError, match="cannot be held"):
+                decode(_raw(header, b""))
+
+
+def test_a_task_round_outside_what_every_device_holds_is_refused():
+    """The Java device holds a round in a long with room (|round| < 2^62) and refused a larger
+    one that the Python device took: both refuse it now."""
+    from protocols import messages as M
+
+    for round_, ok in [(2**62 - 1, True), (2**62, False), (-(2**62), True), (-(2**62) - 1, False)]:
+        env = decode(encode(M.task_message("aggregator", "j", round_, "k", {}, 1.0)))
+        if ok:
+            assert M.parse_task(env)[0].round == round_
+        else:
+            with pytest.raises(EnvelopeError, match="outside -2\\^62"):
+                M.parse_task(env)
+
+
+def test_params_version_1_0_is_not_the_integer_1():
+    from protocols.payloads.fed3r import Fed3RStatsParams
+    from protocols.payloads.task_params import ModelSpec
+
+    params = Fed3RStatsParams(model=ModelSpec(backbone="b", image_size=8, num_classes=3)).to_params()
+    Fed3RStatsParams.from_params({**params, "params_version": 1})
+    with pytest.raises(ValueError, match="params_version 1.0"):
+        Fed3RStatsParams.from_params({**params, "params_version": 1.0})

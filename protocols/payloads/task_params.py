@@ -178,7 +178,7 @@ class TaskParams(WireParams):
     def from_params(cls, params: dict[str, Any]):
         if isinstance(params, dict):
             version = params.get(VERSION_KEY, 1)
-            if version != PARAMS_VERSION or isinstance(version, bool):
+            if type(version) is not int or version != PARAMS_VERSION:       # 1.0 is not 1 on the wire
                 raise ValueError(f"{VERSION_KEY} {version!r} is not the one this device speaks ({PARAMS_VERSION})")
         return super().from_params(params)
 
