@@ -59,7 +59,9 @@ public final class DeploymentFollower implements AutoCloseable {
     private final Options o;
     private final CallbackConnection connection;
     private final BlockingQueue<Inbound> inbox = new LinkedBlockingQueue<>(256);
-    private final Reassembler reassembler = new Reassembler(300, 4, HeadFile.MAX_HEAD_BYTES * 2);
+    // a head is the largest message here (as edge_client/deployment.py: room for two of them in all)
+    private final Reassembler reassembler = new Reassembler(300, HeadFile.MAX_HEAD_BYTES * 2,
+            Reassembler.DEFAULT_MAX_PENDING_PER_SENDER, 4 * HeadFile.MAX_HEAD_BYTES);
     private ModelSlot.Assignment pending;
     private Retry retry;                        // a fetched head whose adoption failed on this side, tried again
     private double pendingSince, pendingAsked;
@@ -185,6 +187,7 @@ public final class DeploymentFollower implements AutoCloseable {
     }
 
     private void tick(double now) {
+        reassembler.expire(now);                // parts of a head that never completed (a fifth was refused for ever)
         Retry r = retry;
         if (r != null && now >= r.at) {
             retry = null;                       // held again only if this try fails on this side too

@@ -82,7 +82,9 @@ public final class MqttAgent implements AutoCloseable {
         this.chunker = new Chunker(options.chunkSize, options.signer);
         this.inbox = new LinkedBlockingQueue<>(options.maxQueuedMessages);
         this.secagg = new SecAggSessions(deviceId, 4);
-        this.reassembler = new Reassembler(300, 8, options.maxMessageBytes);
+        // the Python device's limits (protocols/chunking.py): 4 partial messages, one message's worth of bytes
+        this.reassembler = new Reassembler(300, options.maxMessageBytes, Reassembler.DEFAULT_MAX_PENDING_PER_SENDER,
+                Reassembler.DEFAULT_MAX_PENDING_BYTES);
         if (!options.secure.isEmpty() && (!(options.signer instanceof Identity) || options.aggregatorKey == null))
             throw new IllegalArgumentException("secure task kinds need the device's Identity as signer and the aggregator's key");
         if (options.aggregatorKey == null)
