@@ -136,6 +136,19 @@ def chunks(k: int, sender: str = AGGREGATOR, signer=None) -> list[bytes]:
     return split(whole, mid, sender, chunk_size=1000, signer=signer)
 
 
+# ---- 1. JSON numbers: ASCII digits only ----
+
+def test_json_numbers_take_ascii_digits_only(java_cp):
+    cases = [one("ts 1767225600.0 (control)", ack()),
+             one("ts with ARABIC-INDIC digits", ack(ts="1767\u0662\u0662\u0665600.0")),
+             one("integer ts with ARABIC-INDIC digits", ack(ts="1767\u0662\u0662\u0665600")),
+             one("body integer 1 and a FULLWIDTH 1", ack(extra=',"x":1\uff11')),
+             one("fraction digit ARABIC-INDIC", ack(ts="1.\u0665")),
+             one("exponent digit ARABIC-INDIC", ack(ts="1e\u0663")),
+             one("exponent sign then ARABIC-INDIC", ack(ts="1e+\u0663"))]
+    assert_same_decisions(java_cp, cases, [["ACCEPT"]] + [["REFUSE"]] * 6)
+
+
 # ---- 5a. a chunk's parent is refused at once when it is no message id ----
 
 def test_a_chunk_whose_parent_is_no_message_id_is_refused_at_once(java_cp):

@@ -130,23 +130,27 @@ public final class Json {
         return out;
     }
 
+    /** RFC 8259's DIGIT is '0'..'9' only: Character.isDigit also takes the other scripts' digits
+     *  (U+0662, U+FF11), which BigInteger and Double.parseDouble then read or throw on. */
+    private boolean digitAt(int at) { return at < s.length() && s.charAt(at) >= '0' && s.charAt(at) <= '9'; }
+
     private Object number() throws JsonError {
         int start = i;
         if (peek() == '-') i++;
         if (peek() == '0') i++;
-        else if (peek() >= '1' && peek() <= '9') while (i < s.length() && Character.isDigit(s.charAt(i))) i++;
+        else if (peek() >= '1' && peek() <= '9') while (digitAt(i)) i++;
         else throw err("bad number");
         boolean isFloat = false;
         if (i < s.length() && s.charAt(i) == '.') {
             isFloat = true; i++;
-            if (!Character.isDigit(peek())) throw err("bad fraction");
-            while (i < s.length() && Character.isDigit(s.charAt(i))) i++;
+            if (!digitAt(i)) throw err("bad fraction");
+            while (digitAt(i)) i++;
         }
         if (i < s.length() && (s.charAt(i) == 'e' || s.charAt(i) == 'E')) {
             isFloat = true; i++;
             if (peek() == '+' || peek() == '-') i++;
-            if (!Character.isDigit(peek())) throw err("bad exponent");
-            while (i < s.length() && Character.isDigit(s.charAt(i))) i++;
+            if (!digitAt(i)) throw err("bad exponent");
+            while (digitAt(i)) i++;
         }
         String t = s.substring(start, i);
         if (!isFloat) return new BigInteger(t);
