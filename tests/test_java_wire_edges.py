@@ -149,6 +149,18 @@ def test_json_numbers_take_ascii_digits_only(java_cp):
     assert_same_decisions(java_cp, cases, [["ACCEPT"]] + [["REFUSE"]] * 6)
 
 
+# ---- 2. \u escapes: exactly four [0-9a-fA-F] ----
+
+def test_json_unicode_escapes_take_four_ascii_hex_digits(java_cp):
+    cases = [one("sender \\u0061ggregator (control)", ack(sender="\\u0061ggregator")),
+             one("sender \\u0041 in upper-case hex (control)", ack(extra=',"x":"\\u004A"')),
+             one("sender \\u+061ggregator", ack(sender="\\u+061ggregator")),
+             one("status \\u-061", ack(extra=',"x":"\\u-061"')),
+             one("sender via four ARABIC-INDIC digits", ack(sender="\\u\u0660\u0660\u0666\u0661ggregator")),
+             one("FULLWIDTH hex letters", ack(extra=',"x":"\\u00\uff21\uff21"'))]
+    assert_same_decisions(java_cp, cases, [["ACCEPT"]] * 2 + [["REFUSE"]] * 4)
+
+
 # ---- 5a. a chunk's parent is refused at once when it is no message id ----
 
 def test_a_chunk_whose_parent_is_no_message_id_is_refused_at_once(java_cp):

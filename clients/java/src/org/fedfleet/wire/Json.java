@@ -113,9 +113,18 @@ public final class Json {
                 case 'r': b.append('\r'); break;
                 case 't': b.append('\t'); break;
                 case 'u':
+                    // exactly four of [0-9a-fA-F]: Integer.parseInt(_, 16) also takes a sign ("+061")
+                    // and other scripts' digits (four ARABIC-INDIC ones)
                     if (i + 4 > s.length()) throw err("truncated \\u escape");
-                    try { b.append((char) Integer.parseInt(s.substring(i, i + 4), 16)); }
-                    catch (NumberFormatException x) { throw err("bad \\u escape"); }
+                    int unit = 0;
+                    for (int k = 0; k < 4; k++) {
+                        char h = s.charAt(i + k);
+                        int v = h >= '0' && h <= '9' ? h - '0' : h >= 'a' && h <= 'f' ? h - 'a' + 10
+                                : h >= 'A' && h <= 'F' ? h - 'A' + 10 : -1;
+                        if (v < 0) throw err("bad \\u escape");
+                        unit = unit * 16 + v;
+                    }
+                    b.append((char) unit);
                     i += 4;
                     break;
                 default: throw err("bad escape \\" + e);
