@@ -161,6 +161,26 @@ def test_json_unicode_escapes_take_four_ascii_hex_digits(java_cp):
     assert_same_decisions(java_cp, cases, [["ACCEPT"]] * 2 + [["REFUSE"]] * 4)
 
 
+# ---- 3. nesting: refused past 32 levels, the header counting 1 ----
+
+def test_json_nesting_is_refused_where_python_refuses_it(java_cp):
+    def arrays(n):      # the header 1, the body 2, then n arrays
+        return ack(extra=',"x":' + "[" * n + "]" * n)
+
+    def objects(n):
+        return ack(extra=',"x":' + '{"a":' * (n - 1) + "{}" + "}" * (n - 1))
+
+    cases = [one("30 arrays in the body: 32 levels", arrays(30)),
+             one("31 arrays in the body: 33 levels", arrays(31)),
+             one("62 arrays in the body", arrays(62)),
+             one("63 arrays in the body", arrays(63)),
+             one("30 objects in the body: 32 levels", objects(30)),
+             one("31 objects in the body: 33 levels", objects(31)),
+             one("31 arrays around a scalar", ack(extra=',"x":' + "[" * 30 + "[1,2]" + "]" * 30))]
+    assert_same_decisions(java_cp, cases, [["ACCEPT"], ["REFUSE"], ["REFUSE"], ["REFUSE"],
+                                           ["ACCEPT"], ["REFUSE"], ["REFUSE"]])
+
+
 # ---- 5a. a chunk's parent is refused at once when it is no message id ----
 
 def test_a_chunk_whose_parent_is_no_message_id_is_refused_at_once(java_cp):

@@ -43,9 +43,14 @@ public final class Json {
         i++;
     }
 
+    /** Objects and arrays nested in one another, the outermost one counting 1 (protocols/envelope.py
+     *  MAX_JSON_DEPTH and check_json_depth: the two devices refuse the same headers). */
+    public static final int MAX_DEPTH = 32;
+
+    /** depth: the containers around this value. */
     private Object value(int depth) throws JsonError {
-        if (depth > 64) throw err("JSON nested deeper than 64 levels");
         char c = peek();
+        if ((c == '{' || c == '[') && depth + 1 > MAX_DEPTH) throw err("JSON nested deeper than " + MAX_DEPTH + " levels");
         if (c == '{') return object(depth);
         if (c == '[') return array(depth);
         if (c == '"') return string();
