@@ -181,6 +181,15 @@ def test_json_nesting_is_refused_where_python_refuses_it(java_cp):
                                            ["ACCEPT"], ["REFUSE"], ["REFUSE"]])
 
 
+# ---- 4. type: at most 64 characters ----
+
+def test_envelope_type_is_at_most_64_characters(java_cp):
+    cases = [one("type of 64 characters", ack(type_="a" * 64)),
+             one("type of 65 characters", ack(type_="a" * 65)),
+             one("dotted type of 65 characters", ack(type_="a" * 32 + "." + "b" * 32))]
+    assert_same_decisions(java_cp, cases, [["ACCEPT"], ["REFUSE"], ["REFUSE"]])
+
+
 # ---- 5a. a chunk's parent is refused at once when it is no message id ----
 
 def test_a_chunk_whose_parent_is_no_message_id_is_refused_at_once(java_cp):
