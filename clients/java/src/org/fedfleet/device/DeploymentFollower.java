@@ -59,7 +59,7 @@ public final class DeploymentFollower implements AutoCloseable {
     private final Options o;
     private final CallbackConnection connection;
     private final BlockingQueue<Inbound> inbox = new LinkedBlockingQueue<>(256);
-    private final Reassembler reassembler = new Reassembler(300, 4, HeadFile.MAX_HEAD_BYTES * 2);
+    private final InboxReader reader;
     private ModelSlot.Assignment pending;
     private Retry retry;                        // a fetched head whose adoption failed on this side, tried again
     private double pendingSince, pendingAsked;
@@ -73,6 +73,9 @@ public final class DeploymentFollower implements AutoCloseable {
         this.deviceId = Topics.checkDeviceId(deviceId);
         this.slot = slot; this.heldOut = heldOut; this.o = options;
         slot.bindKey(options.aggregatorKey);
+        // a head is the largest message here (as edge_client/deployment.py: room for two of them in all)
+        reader = new InboxReader(options.aggregatorKey, HeadFile.MAX_HEAD_BYTES * 2, new Reassembler(300,
+                HeadFile.MAX_HEAD_BYTES * 2, Reassembler.DEFAULT_MAX_PENDING_PER_SENDER, 4 * HeadFile.MAX_HEAD_BYTES));
         String account = options.username == null ? null : options.username + "/deploy";
         connection = DeviceConnection.settings(broker, account == null ? deviceId + ".deploy" : account, account,
                 options.password).callbackConnection();
@@ -121,15 +124,12 @@ public final class DeploymentFollower implements AutoCloseable {
         if (payload.length == 0) return;                  // a retained assignment cleared
         boolean isAssignment = topic.equals(deployTopic());
         Envelope.Message env;
-        byte[] whole = payload;
+        byte[] whole;
         try {
-            env = Envelope.decode(payload, o.aggregatorKey, HeadFile.MAX_HEAD_BYTES * 2);
-            if ("chunk".equals(env.type())) {
-                whole = reassembler.add(env, monotonic());
-                if (whole == null) return;
-                env = Envelope.decode(whole, o.aggregatorKey, HeadFile.MAX_HEAD_BYTES * 2);
-            }
-            if (!Topics.AGGREGATOR_ID.equals(env.sender())) throw new EnvelopeError("message from " + env.sender() + ", expected the aggregator");
+            InboxReader.Whole got = reader.receive(payload, monotonic());
+            if (got == null) return;
+            env = got.message;
+            whole = got.bytes;
         } catch (EnvelopeError e) {     // not a message the aggregator signed: a forgery, or a tampered head
             refuse((isAssignment ? "assignment" : "head") + " refused: " + e.getMessage(), isAssignment ? null : pending, "signature");
             return;
@@ -185,6 +185,7 @@ public final class DeploymentFollower implements AutoCloseable {
     }
 
     private void tick(double now) {
+        reader.expire(now);                     // parts of a head that never completed (a fifth was refused for ever)
         Retry r = retry;
         if (r != null && now >= r.at) {
             retry = null;                       // held again only if this try fails on this side too

@@ -60,7 +60,7 @@ public final class MqttAgent implements AutoCloseable {
     private final Map<String, TaskHandler> handlers;
     private final Options o;
     private final DeviceSession session;
-    private final Reassembler reassembler;
+    private final InboxReader reader;
     private final Chunker chunker;
     private final CallbackConnection connection;
     private final BlockingQueue<byte[]> inbox;
@@ -82,7 +82,7 @@ public final class MqttAgent implements AutoCloseable {
         this.chunker = new Chunker(options.chunkSize, options.signer);
         this.inbox = new LinkedBlockingQueue<>(options.maxQueuedMessages);
         this.secagg = new SecAggSessions(deviceId, 4);
-        this.reassembler = new Reassembler(300, 8, options.maxMessageBytes);
+        this.reader = reader(options);
         if (!options.secure.isEmpty() && (!(options.signer instanceof Identity) || options.aggregatorKey == null))
             throw new IllegalArgumentException("secure task kinds need the device's Identity as signer and the aggregator's key");
         if (options.aggregatorKey == null)
@@ -156,6 +156,13 @@ public final class MqttAgent implements AutoCloseable {
                 Collections.<Envelope.Tensor>emptyList(), o.signer);
     }
 
+    /** How the agent reads its inbox (tests/java_device/WireEdges drives it): the Python device's
+     *  reassembly limits (protocols/chunking.py), 4 partial messages and one message's worth of bytes. */
+    public static InboxReader reader(Options options) {
+        return new InboxReader(options.aggregatorKey, options.maxMessageBytes, new Reassembler(300,
+                options.maxMessageBytes, Reassembler.DEFAULT_MAX_PENDING_PER_SENDER, Reassembler.DEFAULT_MAX_PENDING_BYTES));
+    }
+
     // ---------------- the agent thread ----------------
     private void run() {
         while (running) {
@@ -163,7 +170,7 @@ public final class MqttAgent implements AutoCloseable {
                 byte[] payload = inbox.poll((long) (o.tickS * 1000), TimeUnit.MILLISECONDS);
                 if (payload != null) handleRaw(payload);
                 execute(session.onTick(monotonic()));
-                reassembler.expire(monotonic());
+                reader.expire(monotonic());
             } catch (InterruptedException e) {
                 return;
             } catch (RuntimeException e) {      // one bad message or handler bug never stops the device
@@ -181,14 +188,9 @@ public final class MqttAgent implements AutoCloseable {
     }
 
     private void onPayload(byte[] payload) throws EnvelopeError {
-        Envelope.Message env = Envelope.decode(payload, o.aggregatorKey, o.maxMessageBytes);
-        if ("chunk".equals(env.type())) {
-            byte[] whole = reassembler.add(env, monotonic());
-            if (whole == null) return;
-            env = Envelope.decode(whole, o.aggregatorKey, o.maxMessageBytes);
-        }
-        if (!Topics.AGGREGATOR_ID.equals(env.sender()))
-            throw new EnvelopeError("message from '" + env.sender() + "', expected the aggregator");
+        InboxReader.Whole got = reader.receive(payload, monotonic());
+        if (got == null) return;
+        Envelope.Message env = got.message;
         if ("task".equals(env.type())) {
             Messages.Task task = Messages.parseTask(env);
             String addressee = Messages.taskAddressee(env);

@@ -21,6 +21,7 @@ public final class Envelope {
     public static final int MAX_HEADER_BYTES = 64 * 1024;
     public static final long MAX_MESSAGE_BYTES = 512L * 1024 * 1024;
     public static final int MAX_TENSORS = 64, MAX_NDIM = 8;
+    public static final int MAX_TYPE_CHARS = 64;         // the schema's maxLength of "type"
     public static final Map<String, Integer> ITEMSIZE;
     static {  // no Map.of: Android offers it from API 30 only
         Map<String, Integer> m = new HashMap<>();
@@ -100,7 +101,9 @@ public final class Envelope {
         for (String k : h.keySet()) if (!FIELDS.contains(k)) throw new EnvelopeError("unknown header field '" + k + "'");
         for (String k : FIELDS) if (!k.equals("sig") && !h.containsKey(k)) throw new EnvelopeError("missing header field '" + k + "'");
         if (!BigInteger.ONE.equals(h.get("v"))) throw new EnvelopeError("unsupported protocol version " + h.get("v"));
-        str(h, "type", TYPE); str(h, "id", ID); str(h, "sender", SENDER); str(h, "payload_sha256", SHA);
+        if (str(h, "type", TYPE).length() > MAX_TYPE_CHARS)
+            throw new EnvelopeError("field 'type' is longer than " + MAX_TYPE_CHARS + " characters");
+        str(h, "id", ID); str(h, "sender", SENDER); str(h, "payload_sha256", SHA);
         if (h.containsKey("sig")) str(h, "sig", SIG);
         Object ts = h.get("ts");
         boolean tsOk = ts instanceof BigInteger ? ((BigInteger) ts).signum() >= 0 : ts instanceof Double && (Double) ts >= 0;

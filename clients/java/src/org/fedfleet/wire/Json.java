@@ -43,9 +43,14 @@ public final class Json {
         i++;
     }
 
+    /** Objects and arrays nested in one another, the outermost one counting 1 (protocols/envelope.py
+     *  MAX_JSON_DEPTH and check_json_depth: the two devices refuse the same headers). */
+    public static final int MAX_DEPTH = 32;
+
+    /** depth: the containers around this value. */
     private Object value(int depth) throws JsonError {
-        if (depth > 64) throw err("JSON nested deeper than 64 levels");
         char c = peek();
+        if ((c == '{' || c == '[') && depth + 1 > MAX_DEPTH) throw err("JSON nested deeper than " + MAX_DEPTH + " levels");
         if (c == '{') return object(depth);
         if (c == '[') return array(depth);
         if (c == '"') return string();
@@ -113,9 +118,18 @@ public final class Json {
                 case 'r': b.append('\r'); break;
                 case 't': b.append('\t'); break;
                 case 'u':
+                    // exactly four of [0-9a-fA-F]: Integer.parseInt(_, 16) also takes a sign ("+061")
+                    // and other scripts' digits (four ARABIC-INDIC ones)
                     if (i + 4 > s.length()) throw err("truncated \\u escape");
-                    try { b.append((char) Integer.parseInt(s.substring(i, i + 4), 16)); }
-                    catch (NumberFormatException x) { throw err("bad \\u escape"); }
+                    int unit = 0;
+                    for (int k = 0; k < 4; k++) {
+                        char h = s.charAt(i + k);
+                        int v = h >= '0' && h <= '9' ? h - '0' : h >= 'a' && h <= 'f' ? h - 'a' + 10
+                                : h >= 'A' && h <= 'F' ? h - 'A' + 10 : -1;
+                        if (v < 0) throw err("bad \\u escape");
+                        unit = unit * 16 + v;
+                    }
+                    b.append((char) unit);
                     i += 4;
                     break;
                 default: throw err("bad escape \\" + e);
@@ -130,23 +144,27 @@ public final class Json {
         return out;
     }
 
+    /** RFC 8259's DIGIT is '0'..'9' only: Character.isDigit also takes the other scripts' digits
+     *  (U+0662, U+FF11), which BigInteger and Double.parseDouble then read or throw on. */
+    private boolean digitAt(int at) { return at < s.length() && s.charAt(at) >= '0' && s.charAt(at) <= '9'; }
+
     private Object number() throws JsonError {
         int start = i;
         if (peek() == '-') i++;
         if (peek() == '0') i++;
-        else if (peek() >= '1' && peek() <= '9') while (i < s.length() && Character.isDigit(s.charAt(i))) i++;
+        else if (peek() >= '1' && peek() <= '9') while (digitAt(i)) i++;
         else throw err("bad number");
         boolean isFloat = false;
         if (i < s.length() && s.charAt(i) == '.') {
             isFloat = true; i++;
-            if (!Character.isDigit(peek())) throw err("bad fraction");
-            while (i < s.length() && Character.isDigit(s.charAt(i))) i++;
+            if (!digitAt(i)) throw err("bad fraction");
+            while (digitAt(i)) i++;
         }
         if (i < s.length() && (s.charAt(i) == 'e' || s.charAt(i) == 'E')) {
             isFloat = true; i++;
             if (peek() == '+' || peek() == '-') i++;
-            if (!Character.isDigit(peek())) throw err("bad exponent");
-            while (i < s.length() && Character.isDigit(s.charAt(i))) i++;
+            if (!digitAt(i)) throw err("bad exponent");
+            while (digitAt(i)) i++;
         }
         String t = s.substring(start, i);
         if (!isFloat) return new BigInteger(t);
