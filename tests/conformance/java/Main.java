@@ -125,12 +125,16 @@ public final class Main {
         rejects("chunk contradicting the first one", "contradicts", () -> r.add(lie, 1));
         check("partial message expires after its TTL", r.expire(301) == 1, "");
         Reassembler bounded = new Reassembler(300, 2, Envelope.MAX_MESSAGE_BYTES);
+        List<Envelope.Message> others = new ArrayList<>();
         for (int k = 0; k < 3; k++) {   // three partial messages from one sender, room for two
             Map<String, Object> other = copy(first.header);
             ((Map<String, Object>) other.get("body")).put("parent", String.format("%032x", k));
-            bounded.add(Envelope.decode(Envelope.encode(other, first.tensors, null)), k);
+            others.add(Envelope.decode(Envelope.encode(other, first.tensors, null)));
         }
-        check("a sender's pending partial messages are bounded (oldest dropped)", bounded.expire(1000) == 2, "");
+        bounded.add(others.get(0), 0);
+        bounded.add(others.get(1), 1);
+        rejects("a sender's third pending partial message (room for two)", "too many partial", () -> bounded.add(others.get(2), 2));
+        check("a sender's pending partial messages are bounded (none dropped for a new one)", bounded.expire(1000) == 2, "");
         Map<String, Object> bad = copy(first.header);
         ((Map<String, Object>) bad.get("body")).put("count", BigInteger.ONE);
         ((Map<String, Object>) bad.get("body")).put("total", BigInteger.valueOf(first.tensors.get(0).data.length));
