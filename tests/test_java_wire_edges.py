@@ -15,7 +15,9 @@ What the Java side got wrong before:
 * the reassembler held chunks whose parent is no message id, refusing only the whole; ignored a
   completed message resent under the same parent for ever (a set that never expired); allowed 8
   partial messages per sender, dropping the oldest for a new one, with no byte budget per sender
-  and none overall; and the agent held chunks of any sender, checking only the whole message's.
+  and none overall; and the agent held chunks of any sender, checking only the whole message's;
+* integers outside -2^63 .. 2^64 - 1 were taken (a deadline of 10^400 became Infinity), and an empty
+  tensor of a shape no device can hold (numpy's reshape raised out of the Python decoder).
 """
 
 from __future__ import annotations
@@ -273,3 +275,30 @@ def test_the_agent_refuses_a_chunk_of_another_sender_before_holding_it(java_cp):
     cases = [{"name": "chunks naming dev1", "msgs": forged, "now": [0.0] * 3, "key": public},
              {"name": "the aggregator's chunks (control)", "msgs": chunks(2, signer=key.sign), "now": [0.0] * 3, "key": public}]
     assert_same_decisions(java_cp, cases, [["REFUSE"] * 3, ["PENDING", "PENDING", "ACCEPT"]])
+
+
+# ---- 7. numbers past the contract's range, empty tensors of shapes no device can hold ----
+
+def test_integers_outside_the_contracts_range_and_overflowing_floats_are_refused_by_both(java_cp):
+    """docs/protocol.md: integers within -2^63 .. 2^64 - 1, floats binary64 with no Infinity. The
+    Java device took any integer (a deadline of 10^400 became Infinity), the Python device a float
+    of 1e400 as Infinity and raised OverflowError out of float() on 10^400."""
+    cases = [one(f"body k = {text}", ack(extra=f',"k":{text}')) for text in
+             ("18446744073709551615", "18446744073709551616", "-9223372036854775808", "-9223372036854775809",
+              "1" + "0" * 400, "1e308", "1e400", "-1e400")]
+    assert_same_decisions(java_cp, cases, [["ACCEPT"], ["REFUSE"], ["ACCEPT"], ["REFUSE"], ["REFUSE"], ["ACCEPT"],
+                                           ["REFUSE"], ["REFUSE"]])
+
+
+def test_an_empty_tensor_of_a_shape_no_device_can_hold_is_refused_by_both(java_cp):
+    """A shape [0, 2^32-1, 2^32-1] (no bytes) made numpy's reshape raise ValueError out of the
+    Python decoder and was taken by the Java one; both refuse a shape whose non-zero dimensions
+    times the item size exceed 2^63 - 1 now, and take one within it."""
+    def empty(shape: list[int], dtype: str) -> bytes:
+        return raw('{"body":{"reason":"","ref":"%s","status":"accepted"},"id":"%s","payload_sha256":"%s",'
+                   '"sender":"aggregator","tensors":[{"dtype":"%s","name":"x","nbytes":0,"offset":0,"shape":%s}],'
+                   '"ts":1767225600.0,"type":"ack","v":1}' % (ID, ID, EMPTY_SHA, dtype, json.dumps(shape).replace(" ", "")))
+    cases = [one(f"{shape} {dtype}", empty(shape, dtype)) for shape, dtype in
+             (([0, 2**32 - 1, 2**32 - 1], "float32"), ([0, 2**31, 2**31], "uint8"), ([0, 2**31, 2**31], "float32"),
+              ([0, 2**30, 2**30], "float64"), ([0, 4], "float64"))]
+    assert_same_decisions(java_cp, cases, [["REFUSE"], ["ACCEPT"], ["REFUSE"], ["REFUSE"], ["ACCEPT"]])

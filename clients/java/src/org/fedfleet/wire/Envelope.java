@@ -40,6 +40,8 @@ public final class Envelope {
             NAME = Pattern.compile("[A-Za-z_][A-Za-z0-9_.]{0,63}"), SHA = Pattern.compile("[0-9a-f]{64}"),
             SIG = Pattern.compile("[0-9a-f]{128}");
     private static final BigInteger MAX_DIM = BigInteger.valueOf(4294967295L);
+    // a tensor's non-zero dimensions times its item size, at most (protocols/envelope.py MAX_SHAPE_BYTES)
+    private static final BigInteger MAX_SHAPE_BYTES = BigInteger.valueOf(Long.MAX_VALUE);
 
     public static final class EnvelopeError extends Exception {
         public EnvelopeError(String m) { super(m); }
@@ -160,6 +162,11 @@ public final class Envelope {
                 throw new EnvelopeError("tensor '" + name + "' offset " + offset + " != " + expected + " (gap or overlap)");
             if (!nbytes.equals(count.multiply(BigInteger.valueOf(ITEMSIZE.get(dtype)))))
                 throw new EnvelopeError("tensor '" + name + "': nbytes " + nbytes + " != prod(shape " + Arrays.toString(shape) + ") * itemsize of " + dtype);
+            BigInteger nonZero = BigInteger.valueOf(ITEMSIZE.get(dtype));     // an empty tensor's other dims count too
+            for (long n : shape) if (n != 0) nonZero = nonZero.multiply(BigInteger.valueOf(n));
+            if (nonZero.compareTo(MAX_SHAPE_BYTES) > 0)
+                throw new EnvelopeError("tensor '" + name + "': shape " + Arrays.toString(shape) + " of " + dtype
+                        + " cannot be held (its non-zero dimensions times the item size reach 2^63)");
             BigInteger end = expected.add(nbytes);
             if (end.compareTo(BigInteger.valueOf(payload.length)) > 0)
                 throw new EnvelopeError("tensor '" + name + "' runs past the payload end (truncated message)");

@@ -144,6 +144,8 @@ public final class Json {
         return out;
     }
 
+    static final BigInteger INT_MIN = BigInteger.ONE.shiftLeft(63).negate(), INT_MAX = BigInteger.ONE.shiftLeft(64).subtract(BigInteger.ONE);
+
     /** RFC 8259's DIGIT is '0'..'9' only: Character.isDigit also takes the other scripts' digits
      *  (U+0662, U+FF11), which BigInteger and Double.parseDouble then read or throw on. */
     private boolean digitAt(int at) { return at < s.length() && s.charAt(at) >= '0' && s.charAt(at) <= '9'; }
@@ -167,7 +169,12 @@ public final class Json {
             while (digitAt(i)) i++;
         }
         String t = s.substring(start, i);
-        if (!isFloat) return new BigInteger(t);
+        if (!isFloat) {     // docs/protocol.md: integers within -2^63 .. 2^64 - 1; receivers refuse others
+            BigInteger v = new BigInteger(t);
+            if (v.compareTo(INT_MIN) < 0 || v.compareTo(INT_MAX) > 0)
+                throw err("the integer " + t.substring(0, Math.min(40, t.length())) + " is outside -2^63 .. 2^64 - 1");
+            return v;
+        }
         double d = Double.parseDouble(t);
         if (Double.isInfinite(d)) throw err("number " + t + " overflows float64");
         return d;
