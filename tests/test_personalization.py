@@ -150,8 +150,9 @@ def test_malformed_reports_are_rejected(body, tensors, match):
 
 def test_a_rate_that_is_no_float_or_not_the_tasks_is_one_clear_refusal():
     """A 400-digit JSON integer raised OverflowError out of the check (counted malformed, no refusal
-    sent back, the device waited out the round); a rate the task never offered passed."""
-    with pytest.raises(EnvelopeError, match="finite positive"):
+    sent back, the device waited out the round): the envelope refuses it now, as an integer outside
+    the contract's range; a rate the task never offered passed."""
+    with pytest.raises(EnvelopeError, match=r"outside -2\^63"):
         parse_report(result_envelope(good_body(fp_lr=10 ** 400)), C, with_fp=True)
     with pytest.raises(EnvelopeError, match="none of the task's fp_lrs"):
         parse_report(result_envelope(good_body(fp_lr=0.5)), C, with_fp=True, fp_lrs=(1e-4, 1e-3))

@@ -19,7 +19,7 @@ from aggregator.service.settings import ServiceSettings
 from aggregator.storage.store import Store
 from edge_client.agent import DeviceAgent
 from protocols import messages as M
-from protocols.envelope import decode, encode
+from protocols.envelope import EnvelopeError, decode, encode
 from protocols.identity import DeviceIdentity
 from protocols.mqtt_link import BrokerConfig
 from protocols.topics import Topics
@@ -70,8 +70,13 @@ def test_a_storm_of_distinct_rejections_keeps_the_metrics_labels_to_the_fixed_cl
     while svc.job.round == 0 and time.time() < deadline:
         time.sleep(0.05)
     topics, bad = Topics(), raw_client(broker)
-    storm = [(topics.outbox("dev00"), encode(decode(p), signer=keys["dev00"].sign))
-             for p in hostile_storm("ops", "dev00", 200, seed=3)]
+    def signed(payload: bytes) -> bytes:       # a header the contract refuses (an integer past 2^64) goes as it is
+        try:
+            return encode(decode(payload), signer=keys["dev00"].sign)
+        except EnvelopeError:
+            return payload
+
+    storm = [(topics.outbox("dev00"), signed(p)) for p in hostile_storm("ops", "dev00", 200, seed=3)]
     storm += [(topics.outbox("dev01"), p) for p in hostile_storm("ops", "dev01", 50, seed=4)]     # unsigned
     for i in range(100):    # each refused with its own text: another job, round, sender, device id
         ref = M.TaskRef(f"job-{i}", i, f"{i:032x}")

@@ -87,7 +87,7 @@ public final class Envelope {
             throw new EnvelopeError("header is not UTF-8: " + e);
         }
         Object parsed;
-        try { parsed = Json.parse(text); } catch (Json.JsonError e) { throw new EnvelopeError("header is not JSON: " + e.getMessage()); }
+        try { parsed = Json.parseHeader(text); } catch (Json.JsonError e) { throw new EnvelopeError("header is not JSON: " + e.getMessage()); }
         if (!(parsed instanceof Map)) throw new EnvelopeError("header is not a JSON object");
         Map<String, Object> h = (Map<String, Object>) parsed;
         validateHeader(h);

@@ -19,12 +19,19 @@ public final class Json {
 
     // ---- reader: RFC 8259, no NaN/Infinity, no duplicate keys, no lone surrogates ----
     private final String s;
+    private final boolean wire;     // a message header: integers within the contract's range
     private int i;
 
-    private Json(String s) { this.s = s; }
+    private Json(String s, boolean wire) { this.s = s; this.wire = wire; }
 
-    public static Object parse(String text) throws JsonError {
-        Json p = new Json(text);
+    /** JSON as files hold it (golden vectors, state files): integers of any size. */
+    public static Object parse(String text) throws JsonError { return parse(text, false); }
+
+    /** A message header (docs/protocol.md): an integer outside -2^63 .. 2^64 - 1 is refused. */
+    public static Object parseHeader(String text) throws JsonError { return parse(text, true); }
+
+    private static Object parse(String text, boolean wire) throws JsonError {
+        Json p = new Json(text, wire);
         p.ws();
         Object v = p.value(0);
         p.ws();
@@ -171,7 +178,7 @@ public final class Json {
         String t = s.substring(start, i);
         if (!isFloat) {     // docs/protocol.md: integers within -2^63 .. 2^64 - 1; receivers refuse others
             BigInteger v = new BigInteger(t);
-            if (v.compareTo(INT_MIN) < 0 || v.compareTo(INT_MAX) > 0)
+            if (wire && (v.compareTo(INT_MIN) < 0 || v.compareTo(INT_MAX) > 0))
                 throw err("the integer " + t.substring(0, Math.min(40, t.length())) + " is outside -2^63 .. 2^64 - 1");
             return v;
         }
