@@ -24,7 +24,7 @@ from typing import Any, Callable, Protocol
 import numpy as np
 
 from protocols import messages as M
-from protocols.chunking import DEFAULT_CHUNK_SIZE, MessageAssembler, encode_parts
+from protocols.chunking import DEFAULT_CHUNK_SIZE, encode_parts
 from protocols.envelope import EnvelopeError, encode
 from protocols.message_loop import MessageLoop
 from protocols.mqtt_link import BrokerConfig, MqttLink
@@ -35,6 +35,7 @@ from protocols.rounds import (AckArrived, DeviceSession, DeviceState, ResultSent
 from protocols.identity import sender_verifier
 from protocols.topics import AGGREGATOR_ID, Topics
 
+from edge_client.inbox import aggregator_inbox
 from edge_client.state import DeviceStateStore
 
 log = logging.getLogger("fedfleet.device")
@@ -92,7 +93,7 @@ class AgentHooks:
 class AgentStats:
     tasks_done: int = 0
     tasks_declined: int = 0
-    tasks_skipped: int = 0          # tasks of a round that was over (expired or replayed): not run
+    tasks_skipped: int = 0          # tasks not run: their round was over (expired, replayed) or another device's
     dropouts: int = 0
     bytes_up: int = 0
     compute_s: float = 0.0
@@ -134,8 +135,7 @@ class DeviceAgent:
         self.stats = AgentStats()
         # With the aggregator's public key (from enrolment) only messages it signed are accepted;
         # without it (open development broker) anything on the inbox is taken: said once, loudly.
-        self.assembler = MessageAssembler(
-            verifier=sender_verifier(AGGREGATOR_ID, aggregator_key) if aggregator_key else None)
+        self.assembler = aggregator_inbox(sender_verifier(AGGREGATOR_ID, aggregator_key) if aggregator_key else None)
         if aggregator_key is None and not DeviceAgent._warned_unverified:
             DeviceAgent._warned_unverified = True
             log.warning("devices are not verifying the aggregator's messages (no aggregator key): "

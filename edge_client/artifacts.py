@@ -22,7 +22,7 @@ import queue
 import time
 from pathlib import Path
 
-from protocols.chunking import MessageAssembler
+from edge_client.inbox import aggregator_inbox
 from protocols.bundle_manifest import MAX_MANIFEST_BYTES
 from protocols.envelope import MAX_HEADER_BYTES, EnvelopeError
 from protocols.files import write_atomic
@@ -63,7 +63,7 @@ def fetch_bundle(device_id: str, broker: BrokerConfig, manifest_sha256: str, des
         def fetch(sha: str, size_bytes: int) -> tuple[str, bytes]:
             # what the reply may hold is what was asked for, whoever sends chunks (a device without the
             # key takes anyone's): a manifest's bound, or the size its manifest gave the file
-            assembler = MessageAssembler(verifier=verifier, max_message_bytes=size_bytes + REPLY_OVERHEAD_BYTES)
+            assembler = aggregator_inbox(verifier, max_message_bytes=size_bytes + REPLY_OVERHEAD_BYTES)
             deadline = time.monotonic() + timeout_s
             next_ask = 0.0
             dropped: list[str] = []              # why the last dropped message was: said at the timeout

@@ -43,8 +43,8 @@ from typing import Callable
 
 import numpy as np
 
+from edge_client.inbox import aggregator_inbox
 from edge_client.oll import prune
-from protocols.chunking import MessageAssembler
 from protocols.envelope import EnvelopeError
 from protocols.files import write_atomic
 from protocols.identity import sender_verifier
@@ -249,8 +249,8 @@ class DeploymentFollower(LinkWorker):
         self.fetch_timeout_s, self.retry_s, self.refusal_interval_s = fetch_timeout_s, retry_s, refusal_interval_s
         self._last_unbound: dict[str, float] = {}    # refusal class -> when one not about our assignment was reported
         # a head is the largest message here: nothing larger is held, nor for longer than a fetch may take
-        self.assembler = MessageAssembler(
-            verifier=sender_verifier(AGGREGATOR_ID, aggregator_key) if aggregator_key else None,
+        self.assembler = aggregator_inbox(
+            sender_verifier(AGGREGATOR_ID, aggregator_key) if aggregator_key else None,
             max_message_bytes=D.MAX_HEAD_BYTES + (1 << 20), max_pending_bytes=2 * (D.MAX_HEAD_BYTES + (1 << 20)),
             ttl_s=fetch_timeout_s)
         self.refusals: list[str] = []                # why assignments or heads were refused, in order

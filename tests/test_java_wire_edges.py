@@ -1,7 +1,7 @@
 """The Java device decides as the Python device on the edge cases a differential review found
 (docs/protocol.md "Envelope", "Canonical JSON", "Chunking"): the same bytes go through the Java
 device's receive path (tests/java_device/WireEdges: MqttAgent's inbox reader, or an InboxReader /
-Reassembler of given limits) and through the Python device's (protocols.chunking.MessageAssembler
+Reassembler of given limits) and through the Python device's (edge_client.inbox.aggregator_inbox
 as edge_client/agent.py builds it, then its sender check), and every message must get the same
 decision: PENDING (a chunk held), ACCEPT, or REFUSE (never a crash).
 
@@ -32,7 +32,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 import java_build
-from protocols.chunking import MessageAssembler, Reassembler, split
+from edge_client.inbox import aggregator_inbox
+from protocols.chunking import Reassembler, split
 from protocols.envelope import Envelope, EnvelopeError, decode, encode
 from protocols.identity import sender_verifier
 
@@ -61,8 +62,9 @@ def java_decisions(java_cp: str, cases: list[dict]) -> list[list[str]]:
 
 
 def python_decisions(case: dict) -> list[str]:
-    """The Python device's decisions: edge_client/agent.py's MessageAssembler (verifier for the
-    aggregator when a key is given) and its sender check; ``bare``: a plain Reassembler."""
+    """The Python device's decisions: its inbox as edge_client/agent.py builds it
+    (``edge_client.inbox.aggregator_inbox``, verifier for the aggregator when a key is given) and
+    its sender check; ``bare``: a plain Reassembler."""
     key = bytes.fromhex(case["key"]) if case.get("key") else None
     kw = {}
     if case.get("reassembler"):
@@ -71,7 +73,7 @@ def python_decisions(case: dict) -> list[str]:
     if case.get("bare"):
         reassembler = Reassembler(**kw)
     else:
-        assembler = MessageAssembler(verifier=sender_verifier(AGGREGATOR, key) if key else None, **kw)
+        assembler = aggregator_inbox(sender_verifier(AGGREGATOR, key) if key else None, **kw)
         reassembler = assembler.reassembler
     out = []
     for payload, now in zip(case["msgs"], case["now"]):
@@ -273,8 +275,13 @@ def test_the_agent_refuses_a_chunk_of_another_sender_before_holding_it(java_cp):
     public = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw).hex()
     forged = chunks(1, sender="dev1", signer=key.sign)          # signed by the aggregator's key, naming dev1
     cases = [{"name": "chunks naming dev1", "msgs": forged, "now": [0.0] * 3, "key": public},
-             {"name": "the aggregator's chunks (control)", "msgs": chunks(2, signer=key.sign), "now": [0.0] * 3, "key": public}]
-    assert_same_decisions(java_cp, cases, [["REFUSE"] * 3, ["PENDING", "PENDING", "ACCEPT"]])
+             {"name": "the aggregator's chunks (control)", "msgs": chunks(2, signer=key.sign), "now": [0.0] * 3, "key": public},
+             # without the aggregator's key (a development broker) as well: the Python device held
+             # them then, refusing only the whole message (edge_client/inbox.py)
+             {"name": "unsigned chunks naming dev1, no key", "msgs": chunks(3, sender="dev1"), "now": [0.0] * 3},
+             {"name": "the aggregator's unsigned chunks, no key", "msgs": chunks(4), "now": [0.0] * 3}]
+    assert_same_decisions(java_cp, cases, [["REFUSE"] * 3, ["PENDING", "PENDING", "ACCEPT"], ["REFUSE"] * 3,
+                                           ["PENDING", "PENDING", "ACCEPT"]])
 
 
 # ---- 7. numbers past the contract's range, empty tensors of shapes no device can hold ----
