@@ -34,6 +34,7 @@ from protocols.topics import AGGREGATOR_ID, Topics
 # an artifact reply is the file plus its envelope: a header (at most MAX_HEADER_BYTES) and the prefix
 REPLY_OVERHEAD_BYTES = MAX_HEADER_BYTES + 1024
 MAX_FILE_BYTES = 512 * 1024 * 1024      # a file whose manifest gives no size: the assembler's default
+MAX_PENDING_REPLIES = 4                 # a sender's partial messages held at once (protocols/chunking.py's default)
 
 
 class ArtifactFetchError(RuntimeError):
@@ -62,8 +63,12 @@ def fetch_bundle(device_id: str, broker: BrokerConfig, manifest_sha256: str, des
     try:
         def fetch(sha: str, size_bytes: int) -> tuple[str, bytes]:
             # what the reply may hold is what was asked for, whoever sends chunks (a device without the
-            # key takes anyone's): a manifest's bound, or the size its manifest gave the file
-            assembler = aggregator_inbox(verifier, max_message_bytes=size_bytes + REPLY_OVERHEAD_BYTES)
+            # key takes anyone's): a manifest's bound, or the size its manifest gave the file; the
+            # sender's budget one such reply per partial-message slot, so a replayed chunk of another
+            # message, held until its TTL, does not leave the real reply no room (a review's finding)
+            reply_bytes = size_bytes + REPLY_OVERHEAD_BYTES
+            assembler = aggregator_inbox(verifier, max_message_bytes=reply_bytes,
+                                         max_pending_bytes_per_sender=MAX_PENDING_REPLIES * reply_bytes)
             deadline = time.monotonic() + timeout_s
             next_ask = 0.0
             dropped: list[str] = []              # why the last dropped message was: said at the timeout

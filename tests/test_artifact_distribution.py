@@ -337,3 +337,67 @@ def test_a_fetch_holds_no_reply_larger_than_what_it_asked_for(broker, tmp_path):
             fetch_bundle("cam1", cfg, sha, tmp_path / "bundle", timeout_s=3)
     finally:
         link.stop()
+
+
+def test_a_replayed_chunk_of_another_message_leaves_the_real_reply_room(broker, tmp_path):
+    """A review's finding: a fetch's reply bound (its file's size) was also its sender's whole
+    reassembly budget, so one replayed, genuinely signed chunk of an earlier aggregator message,
+    held until its TTL, left the real reply no room on every try and the fetch timed out. A sender
+    may hold one reply's size per partial-message slot now."""
+    import hashlib
+    import json
+
+    from protocols.chunking import split
+    from protocols.identity import DeviceIdentity, sender_verifier
+    from protocols.mqtt_link import MqttLink
+    from protocols.payloads.artifacts import GET, artifact_message
+    from protocols.topics import AGGREGATOR_ID
+
+    topics, cfg = Topics(), BrokerConfig.from_url(broker.url)
+    aggregator = DeviceIdentity.generate(AGGREGATOR_ID)
+    data = bytes(range(256)) * 2700                                    # 691,200 bytes: three chunks
+    file_sha = hashlib.sha256(data).hexdigest()
+    manifest = json.dumps({"artifacts": [{"file": "head.pte", "sha256": file_sha, "size_bytes": len(data)}]}).encode()
+    manifest_sha = hashlib.sha256(manifest).hexdigest()
+
+    def signed_parts(sha: str, name: str, payload: bytes) -> list[bytes]:
+        raw = encode(artifact_message(AGGREGATOR_ID, sha, name, payload), signer=aggregator.sign)
+        return split(raw, decode(raw).id, AGGREGATOR_ID, signer=aggregator.sign)
+
+    earlier = signed_parts("0" * 64, "model.pte", bytes(600_000))[1]     # captured from an earlier fetch
+
+    def answer(payload: bytes) -> None:
+        env = decode(payload)
+        if env.type != GET:
+            return
+        if env.body["sha256"] == manifest_sha:
+            parts = signed_parts(manifest_sha, "manifest.json", manifest)
+        else:
+            parts = [earlier] + signed_parts(file_sha, "head.pte", data)  # the replay lands first
+        for part in parts:
+            link.publish(topics.inbox("cam1"), part)
+
+    link = MqttLink("replayer-and-aggregator", cfg, on_message=lambda t, p: answer(p),
+                    subscriptions=[(topics.outbox("cam1"), 1)])
+    link.start(timeout=30)
+    try:
+        got = fetch_bundle("cam1", cfg, manifest_sha, tmp_path / "bundle", timeout_s=20, retry_s=2,
+                           verifier=sender_verifier(AGGREGATOR_ID, aggregator.public_key_bytes))
+        assert (got.parent / "head.pte").read_bytes() == data
+    finally:
+        link.stop()
+
+
+def test_a_bundle_whose_manifest_misstates_a_files_size_is_refused_when_indexed(tmp_path, bundle):
+    """Devices hold no reply past the size a manifest gives its file: a bundle stating too small a
+    size was served, and every device waited out its fetch's timeout. The shelf refuses it up front."""
+    import json
+
+    copy = tmp_path / "misstated"
+    shutil.copytree(bundle, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["artifacts"][0]["size_bytes"] -= 1
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match=f"its manifest says {manifest['artifacts'][0]['size_bytes']}"):
+        ArtifactShelf().add_bundle(copy)
+    ArtifactShelf().add_bundle(bundle)                          # the bundle as exported is indexed

@@ -42,8 +42,11 @@ class ArtifactShelf:
             path = bundle_dir / spec.file
             if path.resolve().parent != bundle_dir.resolve():
                 raise ValueError(f"manifest lists a file outside its bundle: {spec.file!r}")
-            if path.stat().st_size > MAX_ARTIFACT_BYTES:
+            size = path.stat().st_size
+            if size > MAX_ARTIFACT_BYTES:
                 raise ValueError(f"{path} is larger than {MAX_ARTIFACT_BYTES} bytes")
+            if size != spec.size_bytes:     # devices hold no reply past the size the manifest gives
+                raise ValueError(f"{path} is {size} bytes, its manifest says {spec.size_bytes}")
             if file_sha256(path) != spec.sha256:
                 raise ValueError(f"{path}: sha256 differs from the manifest's (tampered or stale bundle)")
             self._files[spec.sha256] = path
