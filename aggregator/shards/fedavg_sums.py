@@ -55,8 +55,7 @@ class RoundContext:
 
 def bound_layers(config) -> list:
     """The config's per-update bound layers that are on, in the order they apply."""
-    aggregation = config.robust_aggregation()
-    return [layer for layer in (aggregation.bound, aggregation.weight, aggregation.contribution) if layer.multiplier]
+    return config.robust_aggregation().bound_layers()
 
 
 def bounded_update(layers: list, x: np.ndarray, tensors: Mapping[str, np.ndarray], weight, limits: tuple[float, ...]):

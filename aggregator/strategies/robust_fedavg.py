@@ -341,6 +341,11 @@ class RobustAggregation:
         self.contribution = contribution or ContributionBound(0.0)
         self.screen = screen or DirectionScreen(False)
 
+    def bound_layers(self) -> list:
+        """The per-update bound layers that are on, in the order they apply (what shards and LADD's
+        small clusters apply one update at a time)."""
+        return [layer for layer in (self.bound, self.weight, self.contribution) if layer.multiplier]
+
     def aggregate(self, current: Mapping[str, np.ndarray], updates: Sequence[Update]) -> tuple[Params | None, dict]:
         """(the combined tensors, or None when the round has too few updates for the rule; a report)."""
         report = {"rule": self.rule.name, "updates": len(updates)}

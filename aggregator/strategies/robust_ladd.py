@@ -7,8 +7,9 @@ the round's updates instead and combines them at ``result`` with a
 all updates, θ_c over cluster c's, each bounded relative to its own current parameters, so a
 device can steer neither the shared encoder nor its cluster's head. A cluster with fewer than
 three updates is bounded on every cluster's θ updates instead (a median of one or two bounds
-nothing), as the canonical sums bound it (``aggregator/shards/ladd_sums.py``). A cluster with fewer updates than the rule needs keeps its θ_c (reported by the rule), as
-a cluster nobody trained for does.
+nothing), as the canonical sums bound it (``aggregator/shards/ladd_sums.py``). A cluster with
+fewer updates than the rule needs keeps its θ_c (reported by the rule), as a cluster nobody
+trained for does.
 The mean rule over the updates in arrival order makes the same float64 additions as the
 streaming class: with no update bounded the result is the same, bit for bit.
 """
@@ -68,8 +69,7 @@ class RobustClusterAveraging(ClusterAveraging):
         """Bound the updates of each cluster with fewer than MIN_OWN_UPDATES of them on every
         cluster's θ updates, layer by layer (``ladd_sums.slot_limits``'s rule, as the canonical
         sums decide it); the clusters so bounded, whose combination skips its own bound layers."""
-        agg = self.aggregation
-        layers = [layer for layer in (agg.bound, agg.weight, agg.contribution) if layer.multiplier]
+        layers = self.aggregation.bound_layers()
         small = {c for c, updates in self._clusters.items() if len(updates) < MIN_OWN_UPDATES}
         if not layers or not small or sum(map(len, self._clusters.values())) < MIN_OWN_UPDATES:
             return set()
