@@ -3,7 +3,8 @@ Python device and the Java device alike, over a real mosquitto, every task signe
 aggregator's key: captured tasks (of the job at work, or of another job) re-published while a
 later result awaits its ack are neither run nor answered, and that result keeps being re-sent
 under its id (before: the replayed task started afresh, was answered, and the waiting result lost
-its retries); a task naming another device (captured on its inbox) is skipped; a task received past its deadline (plus the clocks' grace) is declined once for its
+its retries); a task naming another device (captured on its inbox) is skipped, one whose addressee
+is no string dropped as malformed; a task received past its deadline (plus the clocks' grace) is declined once for its
 job, saying the device's clock may be ahead, then skipped; a job re-created under the same id
 (its tasks created later) runs, and so does the next round."""
 
@@ -18,7 +19,7 @@ import pytest
 import java_build
 from ops_fleet import wait_for
 from protocols import messages as M
-from protocols.envelope import decode, encode
+from protocols.envelope import EnvelopeError, decode, encode
 from protocols.identity import DeviceIdentity
 from protocols.mqtt_link import BrokerConfig
 from protocols.topics import AGGREGATOR_ID, Topics
@@ -55,10 +56,13 @@ def replay_and_expiry(sniffer: Sniffer, device: str, params: dict) -> None:
     result_of(a_id)
     current_id, current = task("j", 2, now + 60, to=device)
     elsewhere_id, elsewhere = task("j", 2, now + 60, to="another-device")    # captured on its inbox
+    bad = M.task_message(AGGREGATOR_ID, "j", 5, "fed3r.stats", params, now + 60)
+    bad.body["device"] = 123                            # not a device id: the task is malformed, refused
+    bad_id, bad_task = bad.id, encode(bad, signer=AGG.sign)
     expired_id, expired = task("j", 3, now - 120)        # 60 s past its deadline and the 60 s grace
     sniffer.publish(T.inbox(device), current)
     result_of(current_id)
-    for payload in (replayed, captured_a, elsewhere, expired, expired):
+    for payload in (replayed, captured_a, elsewhere, bad_task, expired, expired):
         sniffer.publish(T.inbox(device), payload)
     sent = len(answers(sniffer, device, current_id))
     # no aggregator acks it: round 2's result is re-sent, the same message, after the replays
@@ -66,7 +70,7 @@ def replay_and_expiry(sniffer: Sniffer, device: str, params: dict) -> None:
     got = answers(sniffer, device, current_id)
     assert {env.type for env in got} == {M.RESULT} and len({env.id for env in got}) == 1
     assert answers(sniffer, device, replayed_id) == answers(sniffer, device, captured_a_id) == []
-    assert answers(sniffer, device, elsewhere_id) == []
+    assert answers(sniffer, device, elsewhere_id) == answers(sniffer, device, bad_id) == []
     # the expired task: declined once for its job (the device's clock may be ahead), then skipped
     declined = answers(sniffer, device, expired_id)
     assert [env.type for env in declined] == [M.DECLINE] and "is the clock ahead?" in declined[0].body["reason"]
@@ -92,6 +96,10 @@ def test_the_python_device_skips_expired_and_replayed_tasks(broker):
                  what="the agent online")
         replay_and_expiry(sniffer, "dev-py", fed3r_params())
         assert (agent.stats.tasks_skipped, agent.stats.tasks_done, agent.stats.tasks_declined) == (4, 4, 1)
+        bad = M.task_message(AGGREGATOR_ID, "j", 1, "fed3r.stats", {}, 1.0)
+        bad.body["device"] = 123                        # the refusal the malformed task above met
+        with pytest.raises(EnvelopeError, match="'device' must be a string"):
+            M.task_addressee(decode(encode(bad)))
     finally:
         agent.stop()
         sniffer.close()
