@@ -7,7 +7,8 @@ device host pumping it) decodes them, drives the sans-IO
 retry). Work itself is done by *task handlers* registered per ``kind`` (e.g. ``fed3r.stats``),
 so the agent knows nothing about any algorithm. Given the device's state store (``state``), it also
 follows the aggregator's retained ``job.ended`` list and drops an ended job's state for the run
-that ended (protocols/payloads/job_end.py).
+that ended (protocols/payloads/job_end.py), and keeps the session's replay guard in the store's
+folder across restarts (edge_client/session_memory.py).
 
 ``AgentHooks`` is how the environment shapes behaviour without the agent knowing about it: the
 emulated fleet uses it for compute slowdown, upload bandwidth caps, mid-task drop-outs and
@@ -36,6 +37,7 @@ from protocols.identity import sender_verifier
 from protocols.topics import AGGREGATOR_ID, Topics
 
 from edge_client.inbox import aggregator_inbox
+from edge_client.session_memory import SESSION_FILE, SessionMemoryFile
 from edge_client.state import DeviceStateStore
 
 log = logging.getLogger("fedfleet.device")
@@ -132,6 +134,10 @@ class DeviceAgent:
         self.chunk_size = chunk_size
         self.tick_s = tick_s
         self.session = DeviceSession(retry_after_s=retry_after_s)
+        # the session's replay guard outlives the process where the device has a state folder
+        self.memory_file = SessionMemoryFile(state.root / SESSION_FILE) if state is not None else None
+        if self.memory_file is not None:
+            self.memory_file.load_into(self.session)
         self.stats = AgentStats()
         # With the aggregator's public key (from enrolment) only messages it signed are accepted;
         # without it (open development broker) anything on the inbox is taken: said once, loudly.
@@ -278,6 +284,8 @@ class DeviceAgent:
                          self.device_id, notice.job, notice.run, notice.reason)
 
     def _execute(self, actions: list) -> None:
+        if self.memory_file is not None:        # before any work starts: a device killed mid-task remembers it
+            self.memory_file.save_if_changed(self.session)
         for act in actions:
             if isinstance(act, StartWork):
                 self._do_work(act)

@@ -33,8 +33,10 @@ that would re-send a kept result. So a captured task re-published later costs th
 and takes nothing from it: before, it started afresh and the result awaiting its ack lost its
 retries. The first expired task of a job is declined instead, once, saying the device's clock may
 be ahead: without it such a device looks like a straggler. The session remembers its last
-``MAX_JOBS_REMEMBERED`` jobs, in memory: a device restarted forgets them (a replay within the
-task's deadline then runs once more).
+``MAX_JOBS_REMEMBERED`` jobs; :meth:`DeviceSession.memory` is what a device keeps of them across
+restarts (the agent writes it beside its state store), so a restarted device skips a replay too.
+A device without a state folder keeps them in memory only: restarted, it runs a replay within the
+task's deadline once more.
 
 Re-sending the *same* message id makes retries idempotent end to end: the aggregator applies an
 id at most once and answers duplicates with ``duplicate``.
@@ -43,6 +45,7 @@ id at most once and answers duplicates with ``duplicate``.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -355,6 +358,7 @@ STALE = "created before the last task of its job this device started"
 EXPIRED_DECLINE = ("received after its deadline by this device's clock: is the clock ahead? (devices need "
                    "NTP-close clocks; later expired tasks of this job are skipped silently)")
 MAX_JOBS_REMEMBERED = 64        # the jobs whose last task started (and expired decline) a session keeps
+MEMORY_VERSION = 1              # DeviceSession.memory()'s layout
 
 
 @dataclass(frozen=True)
@@ -382,6 +386,7 @@ class DeviceSession:
     last_started: dict[str, tuple[TaskRef, float]] = field(default_factory=dict)
     expired_declined: dict[str, bool] = field(default_factory=dict)   # jobs told once that a task came expired
     finished: dict[TaskRef, WorkFinished] = field(default_factory=dict)   # tasks answered (for redelivery)
+    memory_changes: int = 0         # how often memory() changed: an adapter that persists it writes on change
     attempts: int = 0
     next_retry: float = 0.0
     now: float = 0.0
@@ -389,6 +394,25 @@ class DeviceSession:
     def handle(self, event) -> list:
         """The actions for `event`, by DEVICE_TABLE (IllegalTransition for an event it lacks)."""
         return DEVICE_TABLE.fire(self, event)
+
+    # -- what a device keeps across restarts (its replay guard) ----------------------------------
+    def memory(self) -> dict:
+        """The per-job memory the replay rows read, as JSON data (oldest job first): each job's last
+        task started with its signed ts, and the jobs told once that a task came expired."""
+        return {"version": MEMORY_VERSION,
+                "started": [[ref.job, ref.round, ref.task, ts] for ref, ts in self.last_started.values()],
+                "expired_declined": list(self.expired_declined)}
+
+    def recall(self, memory) -> None:
+        """Take back what :meth:`memory` gave (a restarted device). A malformed one raises ValueError
+        and changes nothing; of more than MAX_JOBS_REMEMBERED jobs the newest are kept."""
+        started, declined = _parse_memory(memory)
+        self.last_started.clear()
+        self.expired_declined.clear()
+        for job, ref_ts in started.items():
+            _remember(self.last_started, job, ref_ts)
+        for job in declined:
+            _remember(self.expired_declined, job, True)
 
     def _retry_delay(self) -> float:
         return self.retry_after_s * 2 ** (self.attempts - 1)   # back-off doubles per attempt
@@ -417,6 +441,7 @@ class DeviceSession:
     def _decline_expired(self, ev: TaskArrived) -> list:
         # once per job: what the operator sees of a device whose clock runs ahead (else only "dropped")
         _remember(self.expired_declined, ev.ref.job, True)
+        self.memory_changes += 1
         return [SendDecline(ev.ref, EXPIRED_DECLINE)]
 
     def _skip(self, ev: TaskArrived) -> list:
@@ -430,6 +455,7 @@ class DeviceSession:
         if ev.sent_at is not None:
             self.last_started.pop(ev.ref.job, None)
             _remember(self.last_started, ev.ref.job, (ev.ref, ev.sent_at))
+            self.memory_changes += 1
         return [StartWork(ev.ref, ev.kind, ev.params, ev.deadline, ev.tensors)]
 
     def _report(self, ev: WorkFinished) -> list:
@@ -476,6 +502,34 @@ def _remember(memory: dict, key: str, value) -> None:
     while len(memory) >= MAX_JOBS_REMEMBERED:
         del memory[next(iter(memory))]
     memory[key] = value
+
+
+def _parse_memory(memory) -> tuple[dict[str, tuple[TaskRef, float]], list[str]]:
+    """DeviceSession.memory()'s data checked entry by entry (a file on the device's disk, torn or
+    edited: never trusted), the newest MAX_JOBS_REMEMBERED jobs of each list."""
+    if not isinstance(memory, dict) or memory.get("version") != MEMORY_VERSION:
+        raise ValueError(f"device session memory: not a version {MEMORY_VERSION} object")
+    started, declined = memory.get("started"), memory.get("expired_declined")
+    if not isinstance(started, list) or not isinstance(declined, list):
+        raise ValueError("device session memory: 'started' and 'expired_declined' must be lists")
+    out: dict[str, tuple[TaskRef, float]] = {}
+    for entry in started[-MAX_JOBS_REMEMBERED:]:
+        if not (isinstance(entry, list) and len(entry) == 4 and _is_id(entry[0]) and _is_id(entry[2])
+                and type(entry[1]) is int and type(entry[3]) in (int, float) and math.isfinite(entry[3])):
+            raise ValueError(f"device session memory: a started entry is not [job, round, task, ts]: {entry!r:.200}")
+        out.pop(entry[0], None)
+        out[entry[0]] = (TaskRef(entry[0], entry[1], entry[2]), float(entry[3]))
+    jobs = declined[-MAX_JOBS_REMEMBERED:]
+    if not all(_is_id(job) for job in jobs):
+        raise ValueError("device session memory: 'expired_declined' must list job ids")
+    return out, jobs
+
+
+def _is_id(value) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= MAX_MEMORY_ID_CHARS
+
+
+MAX_MEMORY_ID_CHARS = 256       # a remembered job or task id (the wire's: 1 to 64 characters and 32 hex digits)
 
 
 _D, _IDLE, _WORKING, _REPORTED = DeviceSession, DeviceState.IDLE, DeviceState.WORKING, DeviceState.REPORTED

@@ -176,6 +176,49 @@ def test_a_secure_task_goes_through_the_session_without_ack_retries():
     assert kinds(s.handle(task(r=2))) == ["StartWork"]                    # the next round's task starts anew
 
 
+def test_a_session_recalls_its_replay_guard_and_refuses_a_malformed_memory_whole():
+    """What a restarted device reads back (edge_client/session_memory.py): the same skips as before
+    the restart; a malformed memory changes nothing; only the newest MAX_JOBS_REMEMBERED jobs."""
+    import json
+    from protocols.rounds import MAX_JOBS_REMEMBERED, SkipTask
+
+    def arriving(job, r, ts, received_at=None, deadline=1e12):
+        return TaskArrived(TaskRef(job, r, f"{job}-t{r}"), "k", {}, deadline, received_at=received_at, sent_at=ts)
+
+    before = DeviceSession()
+    before.handle(arriving("j", 2, 200.0))
+    before.handle(WorkFailed(TaskRef("j", 2, "j-t2"), "no"))
+    assert kinds(before.handle(arriving("e", 1, 1.0, received_at=500.0, deadline=100.0))) == ["SendDecline"]
+    changes = before.memory_changes
+    after = DeviceSession()
+    after.recall(json.loads(json.dumps(before.memory())))        # through JSON, as the file holds it
+    assert after.last_started == before.last_started and after.expired_declined == before.expired_declined
+    assert after.handle(arriving("j", 1, 100.0)) == [SkipTask(TaskRef("j", 1, "j-t1"), "created before the last "
+                                                               "task of its job this device started")]
+    assert kinds(after.handle(arriving("e", 2, 2.0, received_at=500.0, deadline=100.0))) == ["SkipTask"]
+    assert kinds(after.handle(arriving("j", 2, 200.0))) == ["StartWork"]      # the task at work when it stopped
+    assert before.memory_changes == changes and after.memory_changes == 1     # recall is no change to write
+
+    good = before.memory()
+    for bad in (None, [], {**good, "version": 2}, {**good, "started": {}}, {**good, "started": [["j", 2, "t"]]},
+                {**good, "started": [["j", 2.0, "t", 1.0]]}, {**good, "started": [["j", True, "t", 1.0]]},
+                {**good, "started": [["j", 2, "t", float("nan")]]}, {**good, "started": [["", 2, "t", 1.0]]},
+                {**good, "started": [["j" * 257, 2, "t", 1.0]]}, {**good, "expired_declined": [3]},
+                {**good, "expired_declined": None}):
+        kept = DeviceSession()
+        kept.recall(good)
+        with pytest.raises(ValueError, match="device session memory"):
+            kept.recall(bad)
+        assert kept.memory() == good, bad
+
+    many = {"version": 1, "started": [[f"j{i}", i, f"t{i}", float(i)] for i in range(MAX_JOBS_REMEMBERED + 10)],
+            "expired_declined": [f"j{i}" for i in range(MAX_JOBS_REMEMBERED + 10)]}
+    s = DeviceSession()
+    s.recall(many)
+    assert list(s.last_started) == [f"j{i}" for i in range(10, MAX_JOBS_REMEMBERED + 10)]
+    assert list(s.expired_declined) == list(s.last_started)
+
+
 # ---- the tables themselves --------------------------------------------------------------------
 def test_docs_show_the_tables_rendered_from_the_data():
     text = (Path(__file__).resolve().parents[1] / "docs" / "protocol.md").read_text()

@@ -105,6 +105,79 @@ def test_the_python_device_skips_expired_and_replayed_tasks(broker):
         sniffer.close()
 
 
+def replays_across_a_restart(sniffer: Sniffer, device: str, params: dict, start, stop) -> None:
+    """Tasks captured before a device's restart and re-published after it: skipped as before it
+    (the device keeps its replay guard in its state folder); the task at work when it stopped and
+    the next round run. ``start()`` brings the device up with the same state folder, ``stop()``
+    takes it down; the device is up when this is called."""
+    now = time.time()
+
+    def task(job: str, round_: int, deadline: float) -> tuple[str, bytes]:
+        msg = M.task_message(AGGREGATOR_ID, job, round_, "fed3r.stats", params, deadline, device=device)
+        return msg.id, encode(msg, signer=AGG.sign)
+
+    def result_of(task_id: str) -> None:
+        wait_for(lambda: answers(sniffer, device, task_id), what=f"the answer to {task_id}")
+        assert answers(sniffer, device, task_id)[0].type == M.RESULT
+
+    captured_id, captured = task("r", 1, now + 60)       # created first, captured, re-published later
+    first_id, first = task("r", 1, now + 60)
+    current_id, current = task("r", 2, now + 60)
+    expired_id, expired = task("x", 1, now - 120)
+    for task_id, payload in ((first_id, first), (current_id, current)):
+        sniffer.publish(T.inbox(device), payload)
+        result_of(task_id)
+    sniffer.publish(T.inbox(device), expired)
+    wait_for(lambda: answers(sniffer, device, expired_id), what="the expired task declined")
+    stop()
+    start()
+    again_id, again = task("x", 2, now - 120)            # the job was told once already: skipped, not declined
+    for payload in (captured, first, expired, again):
+        sniffer.publish(T.inbox(device), payload)
+    sniffer.publish(T.inbox(device), current)              # the task of its round still open: it runs again
+    wait_for(lambda: len(answers(sniffer, device, current_id)) >= 2, what="round 2's task answered after the restart")
+    next_id, next_task = task("r", 3, time.time() + 60)
+    sniffer.publish(T.inbox(device), next_task)
+    result_of(next_id)
+    assert answers(sniffer, device, captured_id) == [] and len(answers(sniffer, device, first_id)) == 1
+    assert len(answers(sniffer, device, expired_id)) == 1 and answers(sniffer, device, again_id) == []
+
+
+def test_a_restarted_python_device_still_skips_replays(broker, tmp_path, caplog):
+    """Before: the guard lived in memory, and the restarted device ran and answered the replays."""
+    from edge_client.agent import DeviceAgent
+    from edge_client.session_memory import SESSION_FILE
+    from edge_client.state import DeviceStateStore
+
+    sniffer = Sniffer(broker, [T.outbox("dev-rs"), T.presence("dev-rs")])
+    agents = []
+
+    def start():
+        agents.append(DeviceAgent("dev-rs", BrokerConfig(port=broker.port), handlers(), retry_after_s=0.3,
+                                  tick_s=0.05, aggregator_key=AGG.public_key_bytes,
+                                  state=DeviceStateStore(tmp_path / "state")).start())
+        online = len(agents)
+        wait_for(lambda: sum(decode(p).body.get("state") == "online"
+                             for p in sniffer.seen.get(T.presence("dev-rs"), [])) >= online, what="the agent online")
+
+    try:
+        start()
+        replays_across_a_restart(sniffer, "dev-rs", fed3r_params(), start, lambda: agents[-1].stop())
+        assert (agents[1].stats.tasks_skipped, agents[1].stats.tasks_declined) == (4, 0)
+        # a torn or edited memory: one warning, the device starts without it and works
+        agents[-1].stop()
+        (tmp_path / "state" / SESSION_FILE).write_text('{"version": 1, "started": [["r", 1, "t"]]')
+        start()
+        assert "session memory" in caplog.text and agents[-1].session.last_started == {}
+        task_id, payload = (lambda m: (m.id, encode(m, signer=AGG.sign)))(M.task_message(
+            AGGREGATOR_ID, "r", 9, "fed3r.stats", fed3r_params(), time.time() + 60, device="dev-rs"))
+        sniffer.publish(T.inbox("dev-rs"), payload)
+        wait_for(lambda: answers(sniffer, "dev-rs", task_id), what="a task run after the torn memory")
+    finally:
+        agents[-1].stop()
+        sniffer.close()
+
+
 @pytest.mark.skipif(java_build.missing() is not None, reason=str(java_build.missing()))
 def test_the_java_device_skips_expired_and_replayed_tasks(broker, tmp_path):
     dev = "java-dl"
