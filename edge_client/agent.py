@@ -39,6 +39,7 @@ from protocols.topics import AGGREGATOR_ID, Topics
 from edge_client.inbox import aggregator_inbox
 from edge_client.session_memory import SESSION_FILE, SessionMemoryFile
 from edge_client.state import DeviceStateStore
+from edge_client.work_deadline import PastDeadline, working_until
 
 log = logging.getLogger("fedfleet.device")
 
@@ -96,6 +97,7 @@ class AgentStats:
     tasks_done: int = 0
     tasks_declined: int = 0
     tasks_skipped: int = 0          # tasks not run: their round was over (expired, replayed) or another device's
+    tasks_stopped: int = 0          # tasks whose work stopped when their round was surely over (nothing sent)
     dropouts: int = 0
     bytes_up: int = 0
     compute_s: float = 0.0
@@ -338,13 +340,22 @@ class DeviceAgent:
             return
         t0 = time.perf_counter()
         try:
-            if secure is not None:
-                outs = list(secure.on_task(act.ref.job, act.ref.round, act.params, act.tensors))
-            else:
-                body, tensors = handler(act.params, act.tensors)
+            # the work stops once the round is surely over: the arrival check's moment (work_deadline.py)
+            with working_until(act.deadline + self.session.deadline_grace_s):
+                if secure is not None:
+                    outs = list(secure.on_task(act.ref.job, act.ref.round, act.params, act.tensors))
+                else:
+                    body, tensors = handler(act.params, act.tensors)
             elapsed = max(0.0, time.perf_counter() - t0 - self.hooks.queued_s())
             self.stats.compute_s += elapsed
             self.hooks.after_compute(elapsed)
+        except PastDeadline as exc:          # nobody waits for the answer any more: nothing is sent
+            self.stats.tasks_stopped += 1
+            self.session.handle(WorkFailed(act.ref, str(exc)))      # back to idle; its decline not sent
+            if self._skipped_for.first(f"{act.ref.job} stopped"):
+                log.warning("%s: stopped task %s of job %s round %d: %s (logged once per job)", self.device_id,
+                            act.ref.task, act.ref.job, act.ref.round, exc)
+            return
         except DroppedOut:
             self.stats.dropouts += 1
             log.info("%s: dropped out during %s round %d", self.device_id, act.kind, act.ref.round)

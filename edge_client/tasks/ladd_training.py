@@ -52,6 +52,7 @@ from protocols.payloads.ladd import (KIND_STYLE, KIND_TRAIN, LaddTrainParams, Se
                                      encode_update, layout_digest, make_layout, packed_digest, parse_train_task, unpack)
 
 from ..agent import TaskDeclined
+from ..work_deadline import each_checked
 from ..models.segmentation import IGNORE, SegmentationModel, SegmentationSpec, self_training_loss
 from ..style import extract_style
 from .local_rules import rule_for
@@ -229,7 +230,7 @@ def self_train(model: SegmentationModel, trainable: list[str], frozen: torch.Ten
     for _ in range(recipe.epochs):
         last = []
         order = rng.permutation(n)
-        for start in range(0, n, recipe.batch_size):
+        for start in each_checked(range(0, n, recipe.batch_size)):     # stopped once its round is over
             rows = torch.from_numpy(np.sort(order[start:start + recipe.batch_size]))
             batch = (frozen[rows], pseudo_t[rows], kd_probs[rows], kd_mask[rows])
             losses: list[tuple[float, float, float]] = []

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from protocols.payloads.fedavg import (BatchSchedule, TooManySteps, batch_schedule as protocol_batch_schedule,
-                                      check_local_steps)
+from protocols.payloads.fedavg import BatchSchedule, TooManySteps, check_local_steps
 
 from ..agent import TaskDeclined
+from ..work_deadline import each_checked
 
 from .local_rules import apply_step, rule_for
 
@@ -101,9 +101,17 @@ def batch_schedule(rows: int, recipe) -> BatchSchedule:
 
 
 def schedule(rows: int, epochs: int, batch_size: int, seed: int) -> BatchSchedule:
-    """The protocol's batch schedule; a task past every device's step budget is declined with the count."""
+    """The protocol's batch schedule; a task past every device's step budget is declined with the count.
+    Iterating it stops the task's work once its round is over (``edge_client.work_deadline``)."""
     within_step_budget(rows, epochs, batch_size)
-    return protocol_batch_schedule(rows, epochs, batch_size, seed)
+    return _DeadlineCheckedSchedule(rows, epochs, batch_size, seed)
+
+
+class _DeadlineCheckedSchedule(BatchSchedule):
+    """The protocol's schedule, each step checked against the running task's moment."""
+
+    def __iter__(self):
+        return each_checked(super().__iter__())
 
 
 def within_step_budget(rows: int, epochs: int, batch_size: int) -> None:

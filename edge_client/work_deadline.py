@@ -1,0 +1,55 @@
+"""How long a task's work may run on the device: until its round is surely over.
+
+A device skips a task that arrives after its deadline plus the clocks' grace
+(:class:`protocols.rounds.DeviceSession`); a task that arrived in time may still outlast that
+moment (a slow device, a long recipe). Its result would then be answered ``late`` and dropped, so
+the rest of the work is waste: battery on a phone, a compute slot on an emulation host. The agent
+runs each task's handler under :func:`working_until` (the deadline plus the grace, the
+aggregator's clock read on the device's, as the arrival check reads it), and every local-training
+loop calls :func:`stop_if_past` once per step (the batch schedule's iterator does it for the
+head, tail, Scaffold, Ditto, FedSim/FedAlt and FedGloSS loops; LADD's loop calls it itself):
+past the moment it raises :class:`PastDeadline`, the agent sends nothing and the device is free
+for the next task.
+
+A context variable, not a parameter: the loops are the same code the benches and the server's
+simulations call outside any agent, where nothing is set and nothing is checked.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Iterable, Iterator, TypeVar
+
+T = TypeVar("T")
+
+_UNTIL: ContextVar[float | None] = ContextVar("fedfleet_work_until", default=None)
+
+
+class PastDeadline(Exception):
+    """The task's round is over (its deadline and the grace passed during its work): stop, send nothing."""
+
+
+@contextmanager
+def working_until(unix_s: float):
+    """Run the body's work until ``unix_s`` (the device's clock) at the latest."""
+    token = _UNTIL.set(float(unix_s))
+    try:
+        yield
+    finally:
+        _UNTIL.reset(token)
+
+
+def stop_if_past(clock=time.time) -> None:
+    """Raise :class:`PastDeadline` when the work under way has run past its moment."""
+    until = _UNTIL.get()
+    if until is not None and clock() > until:
+        raise PastDeadline(f"its deadline passed during the work ({clock() - until:.1f} s past it and the grace)")
+
+
+def each_checked(steps: Iterable[T]) -> Iterator[T]:
+    """``steps``, checking the moment before each one."""
+    for step in steps:
+        stop_if_past()
+        yield step

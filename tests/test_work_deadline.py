@@ -1,0 +1,69 @@
+"""A device stops a task's work once its round is surely over (edge_client/work_deadline.py): the
+local-training loops check the task's moment (its deadline plus the clocks' grace) each step, the
+agent sends nothing and the device is free for its next task. Before: a task that arrived in time
+trained to its end however long that took, and its result was answered ``late``."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from edge_client.tasks.head_training import HeadTrainingTask
+from edge_client.tasks.numpy_head import schedule
+from edge_client.work_deadline import PastDeadline, working_until
+from ops_fleet import wait_for
+from protocols import messages as M
+from protocols.envelope import decode, encode
+from protocols.mqtt_link import BrokerConfig
+from protocols.payloads.fedavg import HeadTrainingParams, LocalTraining, batch_schedule, head_tensors
+from protocols.payloads.task_params import ModelSpec
+from protocols.topics import AGGREGATOR_ID, Topics
+from test_agent_unsendable import Features, fed3r_params, handlers
+from test_deployment_attacks import Sniffer
+
+T = Topics()
+
+
+def test_the_checked_schedule_takes_the_protocols_steps_and_stops_past_its_moment():
+    steps = [b.tolist() for b in schedule(23, 3, 5, 7)]
+    assert steps == [b.tolist() for b in batch_schedule(23, 3, 5, 7)]       # outside any task: unchecked
+    with working_until(time.time() + 60):
+        assert [b.tolist() for b in schedule(23, 3, 5, 7)] == steps
+    with working_until(time.time() - 1), pytest.raises(PastDeadline, match="deadline passed during the work"):
+        next(iter(schedule(23, 3, 5, 7)))
+
+
+def test_a_device_stops_training_when_the_round_is_over_and_takes_the_next_task(broker):
+    from edge_client.agent import DeviceAgent
+
+    rng = np.random.default_rng(0)
+    images, labels = rng.normal(size=(200, 16)), rng.integers(0, 3, 200)
+    work = {**handlers(), "fedavg.head": HeadTrainingTask(images, labels, lambda b, s, w: Features())}
+    # 10^6 SGD steps of one row: a minute or more on this machine, were it not stopped
+    long_recipe = HeadTrainingParams(ModelSpec(backbone="b", image_size=8, num_classes=3), feature_dim=16,
+                                     training=LocalTraining(epochs=5000, batch_size=1)).to_params()
+    sniffer = Sniffer(broker, [T.outbox("dev-wd"), T.presence("dev-wd")])
+    agent = DeviceAgent("dev-wd", BrokerConfig(port=broker.port), work, tick_s=0.05).start()
+    try:
+        wait_for(lambda: sniffer.seen.get(T.presence("dev-wd")), what="the agent online")
+        # arrives in time (its deadline + the 60 s grace is 1.5 s away), then outlasts its round
+        long_task = M.task_message(AGGREGATOR_ID, "j", 1, "fedavg.head", long_recipe, time.time() - 58.5)
+        long_task.tensors.update(head_tensors(np.zeros((3, 16)), np.zeros(3)))
+        next_task = M.task_message(AGGREGATOR_ID, "k", 1, "fed3r.stats", fed3r_params(), time.time() + 60)
+        started = time.monotonic()
+        for msg in (long_task, next_task):
+            sniffer.publish(T.inbox("dev-wd"), encode(msg))
+
+        def answered(task_id):
+            return [env for env in map(decode, list(sniffer.seen.get(T.outbox("dev-wd"), [])))
+                    if env.type in (M.RESULT, M.DECLINE) and env.body["task"] == task_id]
+
+        wait_for(lambda: answered(next_task.id), timeout=20, what="the next task answered")
+        assert time.monotonic() - started < 20 and answered(next_task.id)[0].type == M.RESULT
+        assert answered(long_task.id) == []
+        assert (agent.stats.tasks_stopped, agent.stats.tasks_done) == (1, 1)
+    finally:
+        agent.stop()
+        sniffer.close()
