@@ -192,6 +192,34 @@ def test_job_reports_plain_weighted_mean_accuracy(tmp_path):
     assert summary["accuracy"] == summary["wma"]["oll_fp"] and summary["fp_lr_chosen"] == {"0.001": 5}
 
 
+def test_one_devices_claimed_held_out_count_weighs_at_most_the_jobs_bound(tmp_path):
+    """Each device's n_test is its own claim: one of ten claiming 10^9 with nothing right made every
+    WMA its own (~1e-8; before this bound the job took Σ correct / Σ n as claimed). Its count weighs at
+    most weight_bound_multiplier x the reports' median (10 by default): the WMA recomputed with
+    numpy; with the bound off, Σ correct / Σ n."""
+    W, b = head()
+    np.savez(tmp_path / "fed3r.npz", coef=W, intercept=b, raw_weights=np.zeros((D + 1, C)))
+    reports = {f"d{i}": (20, {"global": 10, "oll": 15, "oll_fp": 18}) for i in range(9)}
+    reports["liar"] = (10**9, {"global": 0, "oll": 0, "oll_fp": 0})
+    summaries = []
+    for multiplier in (10.0, 0.0):
+        job = PersonalizeJob(PersonalizeConfig(num_classes=C, feature_dim=D, head_file=str(tmp_path / "fed3r.npz"),
+                                               clients_per_round=10, weight_bound_multiplier=multiplier))
+        assert sorted(job.next_participants(set(reports))) == sorted(reports)
+        for dev, (n, counts) in reports.items():
+            body, _ = encode_report(PersonalizationReport(100, n, 2, counts, 0, 1e-3))
+            job.apply(dev, job.parse_result(result_envelope(body)))
+        summaries.append(job.evaluate(None, None))
+    n = np.array([r[0] for r in reports.values()], float)
+    w = np.minimum(n, 10 * np.median(n))
+    for m in ("global", "oll", "oll_fp"):
+        correct = np.array([r[1][m] for r in reports.values()], float)
+        assert summaries[0]["wma"][m] == pytest.approx(float(np.sum(w * correct / n) / w.sum()), rel=1e-12)
+        assert summaries[1]["wma"][m] == correct.sum() / n.sum()
+    assert summaries[0]["wma"]["oll_fp"] == pytest.approx(9 * 18 / (9 * 20 + 200))
+    assert summaries[0]["heldout_counts_bounded"] == 1 and "heldout_counts_bounded" not in summaries[1]
+
+
 def test_job_head_file_formats_and_bad_heads(tmp_path):
     W, b = head()
     np.savez(tmp_path / "fedavg.npz", weight=W, bias=b)

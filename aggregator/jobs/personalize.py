@@ -6,7 +6,8 @@ device is asked once (``OncePerDevice``; a device that drops out is asked again,
 (FP(ψ)), and report how many of its held-out samples the global head, the OLL head and the
 OLL+FP head get right (``protocols.payloads.personalize``). The personalised heads stay on the
 devices; the aggregator only learns counts, and reports the sample-weighted mean accuracy
-WMA = Σ_k correct_k / Σ_k n_k of each method over the devices that answered.
+WMA = Σ_k correct_k / Σ_k n_k of each method over the devices that answered, each device's count
+n_k weighing at most ``weight_bound_multiplier`` × the median count (a device's own claim).
 
 The global head comes from a finished job's ``model.npz``: a FedAvg job's (``weight``,
 ``bias``) or a Fed3R job's normalised classifier (``coef``, ``intercept``). After FT(φ)/FT(M)
@@ -35,12 +36,13 @@ from protocols.payloads.personalize import (FALLBACKS, FP_PARTS, KIND, METHODS, 
                                             PersonalizeParams, parse_report)
 from protocols.rounds import RoundClosed
 
-from aggregator.compute.evaluation import head_accuracy, weighted_mean_accuracy
+from aggregator.compute.evaluation import head_accuracy
 from aggregator.jobs.base import Job
 from aggregator.jobs.input_files import read_job_input
 from aggregator.jobs.config_limits import (BATCH_SIZE, JOB_ID, MAX_ATTEMPTS, PATH, TAIL_STAGES, TEMPERATURE,
                                            WEIGHT_DECAY, Items, OneOf, Pattern, Range, limited)
 from aggregator.jobs.model_fields import ModelFields
+from aggregator.jobs.personal_wma import bounded_weights, bounded_wma
 from aggregator.jobs.scheduling import OncePerDevice
 
 
@@ -65,6 +67,9 @@ class PersonalizeConfig(ModelFields):
     personal_job: str = limited("", Pattern(r"^(" + JOB_ID.regex.strip("^$") + r")?$"))
     # what FP fine-tunes: the head (psi), the backbone's tail (phi), both (M)
     fp_part: str = limited("psi", OneOf(FP_PARTS))
+    # a device's held-out count weighs at most this x the reports' median in the WMA (0: off): the
+    # counts are the devices' own claims, and one claiming n_test = 10^9 made every WMA its own
+    weight_bound_multiplier: float = limited(10.0, Range(0, 1e6))
 
     def __post_init__(self):
         super().__post_init__()
@@ -182,10 +187,13 @@ class PersonalizeJob(OncePerDevice, Job):
         if not reports:
             return {}
         totals = [r["n_test"] for r in reports]
-        out = {"wma": {m: weighted_mean_accuracy([r["correct"][m] for r in reports], totals)
+        weights = bounded_weights(totals, self.config.weight_bound_multiplier)
+        out = {"wma": {m: bounded_wma([r["correct"][m] for r in reports], totals, weights)
                        for m in self.methods()},
                "test_samples": int(sum(totals)), "fallback_samples": int(sum(r["fallback"] for r in reports)),
                "mean_local_classes": float(np.mean([r["local_classes"] for r in reports]))}
+        if weights is not None:
+            out["heldout_counts_bounded"] = int(sum(w < n for w, n in zip(weights, totals)))
         if self.config.fp_epochs:
             chosen = [r["fp_lr"] for r in reports]
             out["fp_lr_chosen"] = {f"{lr:g}": chosen.count(lr) for lr in sorted(set(chosen), reverse=True)}
