@@ -77,6 +77,9 @@ public final class DeviceStateStore {
         sweep();
     }
 
+    /** The store's folder (the agent keeps its session memory there, SessionMemoryFile.NAME). */
+    public File root() { return root; }
+
     /** Bytes the arrays take in the store (their data; the header and framing are small). */
     public static long bytes(Map<String, Npz.Array> arrays) {
         long n = 0;
