@@ -45,8 +45,6 @@ public final class SessionMemoryFile {
     /** path: where the session's memory lives (<state folder>/session.json); log: the agent's logger. */
     public SessionMemoryFile(File path, Logger log) { this.path = path; this.log = log; }
 
-    public File path() { return path; }
-
     /** Recall the file's memory into `session`; whether there was a valid one (none, or one refused
      *  with a warning, leaves the session as it was). */
     public boolean loadInto(DeviceSession session) {
@@ -81,7 +79,8 @@ public final class SessionMemoryFile {
         saved = changes;
     }
 
-    /** The file's text: at most MAX_BYTES, strict UTF-8 (Python's json.loads refuses other bytes too). */
+    /** The file's text: at most MAX_BYTES, strict UTF-8, what either device writes (Python's json.loads
+     *  would also take UTF-16 or a byte order mark: a file no device wrote, refused here). */
     private String read() throws IOException {
         byte[] data = new byte[MAX_BYTES + 1];
         int at = 0;
