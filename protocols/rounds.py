@@ -506,8 +506,9 @@ def _remember(memory: dict, key: str, value) -> None:
 
 def _parse_memory(memory) -> tuple[dict[str, tuple[TaskRef, float]], list[str]]:
     """DeviceSession.memory()'s data checked entry by entry (a file on the device's disk, torn or
-    edited: never trusted), the newest MAX_JOBS_REMEMBERED jobs of each list."""
-    if not isinstance(memory, dict) or memory.get("version") != MEMORY_VERSION:
+    edited: never trusted), the newest MAX_JOBS_REMEMBERED jobs of each list; a round within
+    parse_task's range, as the Java device's DeviceSession.recall checks it too."""
+    if not isinstance(memory, dict) or not _is_int(memory.get("version")) or memory["version"] != MEMORY_VERSION:
         raise ValueError(f"device session memory: not a version {MEMORY_VERSION} object")
     started, declined = memory.get("started"), memory.get("expired_declined")
     if not isinstance(started, list) or not isinstance(declined, list):
@@ -515,7 +516,7 @@ def _parse_memory(memory) -> tuple[dict[str, tuple[TaskRef, float]], list[str]]:
     out: dict[str, tuple[TaskRef, float]] = {}
     for entry in started[-MAX_JOBS_REMEMBERED:]:
         if not (isinstance(entry, list) and len(entry) == 4 and _is_id(entry[0]) and _is_id(entry[2])
-                and type(entry[1]) is int and type(entry[3]) in (int, float) and math.isfinite(entry[3])):
+                and _is_int(entry[1]) and -(1 << 62) <= entry[1] < 1 << 62 and _is_finite_number(entry[3])):
             raise ValueError(f"device session memory: a started entry is not [job, round, task, ts]: {entry!r:.200}")
         out.pop(entry[0], None)
         out[entry[0]] = (TaskRef(entry[0], entry[1], entry[2]), float(entry[3]))
@@ -527,6 +528,17 @@ def _parse_memory(memory) -> tuple[dict[str, tuple[TaskRef, float]], list[str]]:
 
 def _is_id(value) -> bool:
     return isinstance(value, str) and 0 < len(value) <= MAX_MEMORY_ID_CHARS
+
+
+def _is_int(value) -> bool:
+    return type(value) is int       # not True, not 1.0 (both == 1): the Java device refuses them too
+
+
+def _is_finite_number(value) -> bool:
+    try:
+        return type(value) in (int, float) and math.isfinite(value)
+    except OverflowError:           # an integer past float's range (400 digits): a ValueError, not a crash
+        return False
 
 
 MAX_MEMORY_ID_CHARS = 256       # a remembered job or task id (the wire's: 1 to 64 characters and 32 hex digits)

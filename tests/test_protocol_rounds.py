@@ -204,7 +204,8 @@ def test_a_session_recalls_its_replay_guard_and_refuses_a_malformed_memory_whole
                 {**good, "started": [["j", 2.0, "t", 1.0]]}, {**good, "started": [["j", True, "t", 1.0]]},
                 {**good, "started": [["j", 2, "t", float("nan")]]}, {**good, "started": [["", 2, "t", 1.0]]},
                 {**good, "started": [["j" * 257, 2, "t", 1.0]]}, {**good, "expired_declined": [3]},
-                {**good, "expired_declined": None}):
+                {**good, "expired_declined": None}, {**good, "version": 1.0}, {**good, "version": True},
+                {**good, "started": [["j", 1 << 62, "t", 1.0]]}, {**good, "started": [["j", 2, "t", 10 ** 400]]}):
         kept = DeviceSession()
         kept.recall(good)
         with pytest.raises(ValueError, match="device session memory"):

@@ -10,6 +10,7 @@ job, saying the device's clock may be ahead, then skipped; a job re-created unde
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -29,6 +30,8 @@ from test_java_device import fleet_data, write_features
 
 T = Topics()
 AGG = DeviceIdentity.generate(AGGREGATOR_ID)
+JAVA_FED3R_PARAMS = {"num_classes": 3, "backbone": "b", "image_size": 8, "weights_sha256": "", "fit_intercept": True,
+                     "random_features": None, "format": "sparse", "dtype": "float64"}
 
 
 def answers(sniffer: Sniffer, device: str, task_id: str) -> list:
@@ -189,15 +192,77 @@ def test_the_java_device_skips_expired_and_replayed_tasks(broker, tmp_path):
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert jvm.stdout.readline().strip() == f"ONLINE {dev}"
-        replay_and_expiry(sniffer, dev, {"num_classes": 3, "backbone": "b", "image_size": 8, "weights_sha256": "",
-                                         "fit_intercept": True, "random_features": None, "format": "sparse",
-                                         "dtype": "float64"})
+        replay_and_expiry(sniffer, dev, JAVA_FED3R_PARAMS)
     finally:
         out, err = jvm.communicate(timeout=30)
         sniffer.close()
     assert f"STATS {dev} done=4 declined=1 " in out and " skipped=4" in out, (out, err[-3000:])
     # once per (job, reason): (j, stale), (a, stale), (j, another addressee), (j, expired)
     assert err.count("skipped task") == 4, err[-3000:]
+
+
+@pytest.mark.skipif(java_build.missing() is not None, reason=str(java_build.missing()))
+def test_a_restarted_java_device_still_skips_replays(broker, tmp_path):
+    """The Java device keeps its replay guard in session.json of its state folder too (before: in
+    memory, and the restarted JVM ran and answered the replays). Its first start finds an edited
+    memory there, one entry malformed: refused whole (one warning; else job r's tasks, older than the
+    entry's ts, were skipped), and it works. Then the Python device, started on the folder the Java
+    device wrote, skips a replay the Java device's memory names: they share the file's layout."""
+    from edge_client.agent import DeviceAgent
+    from edge_client.state import DeviceStateStore
+
+    dev = "java-rs"
+    folder = tmp_path / "state" / dev                    # HeadlessDevices keeps <--state-dir>/<id>
+    folder.mkdir(parents=True)
+    (folder / "session.json").write_text(json.dumps({"version": 1, "started": [["r", 9, "t9", 4e9], ["x", 1.0, "t", 1.0]],
+                                                     "expired_declined": ["x"]}))
+    features = write_features(tmp_path / "f.feat", *fleet_data(0))
+    seed = os.urandom(32).hex()
+    sniffer = Sniffer(broker, [T.outbox(dev), T.presence(dev)])
+    early = M.task_message(AGGREGATOR_ID, "r", 1, "fed3r.stats", fed3r_params(), time.time() + 60, device=dev)
+    jvms, outputs, agents = [], [], []
+
+    def start():
+        jvms.append(subprocess.Popen(["java", "-cp", java_build.built(), "org.fedfleet.device.HeadlessDevices",
+                                      "--stop-on-stdin-eof", "--broker", broker.url, "--aggregator-key",
+                                      AGG.public_key_bytes.hex(), "--retry-after", "0.3", "--tick", "0.05",
+                                      "--state-dir", str(tmp_path / "state"), "--device", dev, str(features), seed],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        assert jvms[-1].stdout.readline().strip() == f"ONLINE {dev}"
+
+    def stop():
+        outputs.append(jvms[-1].communicate(timeout=30))     # stdin closed: the device says offline, prints STATS
+
+    try:
+        start()
+        replays_across_a_restart(sniffer, dev, JAVA_FED3R_PARAMS, start, stop)
+        stop()
+        (first_out, first_err), (second_out, second_err) = outputs
+        assert f"STATS {dev} done=2 declined=1 " in first_out and " skipped=0" in first_out, (first_out, first_err[-3000:])
+        assert first_err.count("is unreadable") == 1 and "a started entry is not" in first_err, first_err[-3000:]
+        assert f"STATS {dev} done=2 declined=0 " in second_out and " skipped=4" in second_out, (second_out, second_err[-3000:])
+        assert "session memory" not in second_err, second_err[-3000:]
+        written = json.loads((folder / "session.json").read_text())
+        assert [entry[:2] for entry in written["started"]] == [["r", 3]] and written["expired_declined"] == ["x"]
+
+        agents.append(DeviceAgent(dev, BrokerConfig(port=broker.port), handlers(), retry_after_s=0.3, tick_s=0.05,
+                                  aggregator_key=AGG.public_key_bytes, state=DeviceStateStore(folder)).start())
+        wait_for(lambda: sum(decode(p).body.get("state") == "online"
+                             for p in sniffer.seen.get(T.presence(dev), [])) >= 3, what="the Python agent online")
+        assert agents[0].session.memory() == written
+        later = M.task_message(AGGREGATOR_ID, "r", 4, "fed3r.stats", fed3r_params(), time.time() + 60, device=dev)
+        for msg in (early, later):                        # early: created before all the Java device ran
+            sniffer.publish(T.inbox(dev), encode(msg, signer=AGG.sign))
+        wait_for(lambda: answers(sniffer, dev, later.id), what="the Python device's answer to round 4")
+        assert answers(sniffer, dev, early.id) == [] and agents[0].stats.tasks_skipped == 1
+    finally:
+        for jvm in jvms:
+            if jvm.poll() is None:
+                jvm.kill()
+                jvm.wait()
+        for agent in agents:
+            agent.stop()
+        sniffer.close()
 
 
 def test_the_aggregator_names_each_tasks_device(broker, tmp_path):

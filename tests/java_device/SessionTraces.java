@@ -3,7 +3,13 @@
 // tests/test_device_session_traces.py can compare its actions and states with the recorded ones.
 // In the library's package: a decoded task is built here without a signed envelope.
 // Usage: java org.fedfleet.device.SessionTraces <trace.json>...; prints one JSON line per trace:
-//   {"trace": <file name>, "steps": [{"actions": [...], "state": "IDLE"}, ...]}
+//   {"trace": <file name>, "steps": [{"actions": [...], "state": "IDLE"}, ...], "memory": <memory()>,
+//    "memory_changes": n}
+// java org.fedfleet.device.SessionTraces --recall: standard input's first line is a valid session
+// memory (as a device's session.json holds it), each further line another one, checked or not: for
+// each, a fresh session recalls the first, then that line, and prints {"refused": whether the line
+// was refused (not JSON, or recall threw: the device's file refused whole), "memory": its memory(),
+// "memory_changes": n}.
 package org.fedfleet.device;
 
 import java.math.BigInteger;
@@ -21,6 +27,10 @@ import org.fedfleet.wire.Json;
 
 public final class SessionTraces {
     public static void main(String[] args) throws Exception {
+        if (args.length == 1 && args[0].equals("--recall")) {
+            recallEach();
+            return;
+        }
         for (String file : args) {
             Path path = Paths.get(file);
             Map<String, Object> trace = map(Json.parse(new String(Files.readAllBytes(path), StandardCharsets.UTF_8)));
@@ -39,7 +49,29 @@ public final class SessionTraces {
             Map<String, Object> line = new LinkedHashMap<>();
             line.put("trace", path.getFileName().toString());
             line.put("steps", steps);
+            line.put("memory", session.memory());
+            line.put("memory_changes", BigInteger.valueOf(session.memoryChanges()));
             System.out.println(new String(Json.canonical(line), StandardCharsets.UTF_8));
+        }
+    }
+
+    private static void recallEach() throws Exception {
+        java.io.BufferedReader in = new java.io.BufferedReader(new java.io.InputStreamReader(System.in, StandardCharsets.UTF_8));
+        Object base = Json.parse(in.readLine());
+        for (String text; (text = in.readLine()) != null; ) {
+            DeviceSession session = new DeviceSession();
+            session.recall(base);
+            boolean refused = false;
+            try {
+                session.recall(Json.parse(text));
+            } catch (Json.JsonError | IllegalArgumentException e) {
+                refused = true;
+            }
+            Map<String, Object> line = new LinkedHashMap<>();
+            line.put("refused", refused);
+            line.put("memory", session.memory());
+            line.put("memory_changes", BigInteger.valueOf(session.memoryChanges()));
+            System.out.println(new String(Json.canonicalAscii(line), StandardCharsets.US_ASCII));   // whatever stdout's charset
         }
     }
 

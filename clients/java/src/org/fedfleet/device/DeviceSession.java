@@ -13,9 +13,14 @@
 //   REPORTED  task(same)            SendResult (same message)   (the server may have lost it; nothing for a secure task's)
 //   REPORTED  tick(now > retry)     SendResult (same message)   exponential back-off, up to maxRetries
 //   REPORTED  ack(ref = result id)  -                           -> IDLE
+//
+// memory() is what a device keeps of the per-job rows across restarts (SessionMemoryFile writes it
+// beside the state store, in the Python device's layout), recall() takes it back.
 package org.fedfleet.device;
 
+import java.math.BigInteger;
 import java.util.ArrayList;
+import java.util.Arrays;
 import java.util.Collections;
 import java.util.Iterator;
 import java.util.LinkedHashMap;
@@ -57,11 +62,20 @@ public final class DeviceSession {
     public static final String EXPIRED_DECLINE = "received after its deadline by this device's clock: is the clock ahead? "
             + "(devices need NTP-close clocks; later expired tasks of this job are skipped silently)";
     static final int MAX_JOBS_REMEMBERED = 64;    // protocols/rounds.py's: the jobs a session keeps (oldest dropped)
+    static final int MEMORY_VERSION = 1;          // memory()'s layout, protocols/rounds.py's MEMORY_VERSION
+    static final int MAX_MEMORY_ID_CHARS = 256;   // a remembered job or task id, in code points as Python counts
 
     public static final class SendDecline extends Action {
         public final TaskRef ref;
         public final String reason;
         SendDecline(TaskRef ref, String reason) { this.ref = ref; this.reason = reason; }
+    }
+
+    /** A job's last task started and that task's signed ts: another of the job created before it is a replay. */
+    private static final class Started {
+        final TaskRef ref;
+        final double sentAt;
+        Started(TaskRef ref, double sentAt) { this.ref = ref; this.sentAt = sentAt; }
     }
 
     private static final class Finished {
@@ -75,12 +89,12 @@ public final class DeviceSession {
     private final int maxRetries, keepFinished;
     private State state = State.IDLE;
     private TaskRef current;
-    // job -> its last task started and that task's signed ts: another of the job created before it is a replay
-    private final Map<String, Object[]> lastStarted = bounded();
+    private final Map<String, Started> lastStarted = bounded();         // job -> its last task started
     private final Map<String, Boolean> expiredDeclined = bounded();     // jobs told once that a task came expired
     private final Map<TaskRef, Finished> finished = new LinkedHashMap<>();   // answered tasks, for redelivery
     private int attempts;
     private double nextRetry, now;
+    private long memoryChanges;         // how often memory() changed: an adapter that persists it writes on change
 
     /** deadlineGraceS: a task runs until it is received later than its deadline plus this (device
      *  and aggregator clocks are NTP-close, not equal). */
@@ -100,10 +114,11 @@ public final class DeviceSession {
         if (!Double.isNaN(receivedAt) && receivedAt > task.deadline + deadlineGraceS) {
             if (expiredDeclined.containsKey(task.ref.job)) return one(new SkipTask(task.ref, EXPIRED));
             expiredDeclined.put(task.ref.job, Boolean.TRUE);     // once per job: the clock may be ahead
+            memoryChanges++;
             return one(new SendDecline(task.ref, EXPIRED_DECLINE));
         }
-        Object[] last = lastStarted.get(task.ref.job);
-        if (last != null && !Double.isNaN(task.sentAt) && !task.ref.equals(last[0]) && task.sentAt < (Double) last[1])
+        Started last = lastStarted.get(task.ref.job);
+        if (last != null && !Double.isNaN(task.sentAt) && !task.ref.equals(last.ref) && task.sentAt < last.sentAt)
             return one(new SkipTask(task.ref, STALE));
         Finished done = finished.get(task.ref);
         if (done != null)   // a secure task's result (no message) is answered with nothing, as Python's table says
@@ -111,7 +126,8 @@ public final class DeviceSession {
         if (state == State.WORKING && task.ref.equals(current)) return Collections.emptyList();
         if (!Double.isNaN(task.sentAt)) {
             lastStarted.remove(task.ref.job);
-            lastStarted.put(task.ref.job, new Object[] {task.ref, task.sentAt});
+            lastStarted.put(task.ref.job, new Started(task.ref, task.sentAt));
+            memoryChanges++;
         }
         current = task.ref;
         state = State.WORKING;
@@ -162,6 +178,80 @@ public final class DeviceSession {
             return one(new SendResult(done.message, done.messageId, attempts));
         }
         return Collections.emptyList();
+    }
+
+    // ---------------- what a device keeps across restarts (its replay guard) ----------------
+    /** How often memory() changed (a task with a signed ts started, a job told its task came expired);
+     *  recall() is no change: what was read needs no writing back. */
+    public long memoryChanges() { return memoryChanges; }
+
+    /** The per-job memory the replay rows read, as JSON data (Json's types, oldest job first), the
+     *  layout of protocols/rounds.py's DeviceSession.memory(): {"version": 1, "started": [[job,
+     *  round, task id, signed ts], ...], "expired_declined": [job, ...]}. */
+    public Map<String, Object> memory() {
+        List<Object> started = new ArrayList<>();
+        for (Started s : lastStarted.values())
+            started.add(new ArrayList<Object>(Arrays.asList(s.ref.job, BigInteger.valueOf(s.ref.round), s.ref.task, s.sentAt)));
+        Map<String, Object> out = new LinkedHashMap<>();
+        out.put("version", BigInteger.valueOf(MEMORY_VERSION));
+        out.put("started", started);
+        out.put("expired_declined", new ArrayList<Object>(expiredDeclined.keySet()));
+        return out;
+    }
+
+    /** Take back what memory() gave, as Json.parse read it (a restarted device), checked entry by
+     *  entry as protocols/rounds.py's _parse_memory does (a file on the device's disk, torn or
+     *  edited: never trusted). A malformed one throws IllegalArgumentException and changes nothing;
+     *  of more than MAX_JOBS_REMEMBERED jobs in a list the newest are kept (the older not even read). */
+    public void recall(Object memory) {
+        if (!(memory instanceof Map) || !BigInteger.valueOf(MEMORY_VERSION).equals(((Map<?, ?>) memory).get("version")))
+            throw new IllegalArgumentException("device session memory: not a version " + MEMORY_VERSION + " object");
+        Object started = ((Map<?, ?>) memory).get("started"), declined = ((Map<?, ?>) memory).get("expired_declined");
+        if (!(started instanceof List) || !(declined instanceof List))
+            throw new IllegalArgumentException("device session memory: 'started' and 'expired_declined' must be lists");
+        Map<String, Started> recalled = new LinkedHashMap<>();
+        for (Object entry : newest((List<?>) started)) {
+            Started s = startedEntry(entry);
+            if (s == null) {
+                String shown = String.valueOf(entry);
+                throw new IllegalArgumentException("device session memory: a started entry is not [job, round, task, ts]: "
+                        + shown.substring(0, Math.min(200, shown.length())));
+            }
+            recalled.remove(s.ref.job);      // a job listed twice: its later entry, in its place
+            recalled.put(s.ref.job, s);
+        }
+        List<?> jobs = newest((List<?>) declined);
+        for (Object job : jobs)
+            if (!isId(job)) throw new IllegalArgumentException("device session memory: 'expired_declined' must list job ids");
+        lastStarted.clear();
+        lastStarted.putAll(recalled);
+        expiredDeclined.clear();
+        for (Object job : jobs) expiredDeclined.put((String) job, Boolean.TRUE);
+    }
+
+    private static List<?> newest(List<?> entries) {
+        return entries.subList(Math.max(0, entries.size() - MAX_JOBS_REMEMBERED), entries.size());
+    }
+
+    /** [job, round, task, ts] as memory() writes it, or null: ids non-empty strings of at most
+     *  MAX_MEMORY_ID_CHARS, the round an integer a task's round can be (Messages.integer's range, not
+     *  1.0 or true), ts a finite number. */
+    private static Started startedEntry(Object entry) {
+        if (!(entry instanceof List) || ((List<?>) entry).size() != 4) return null;
+        List<?> e = (List<?>) entry;
+        Object job = e.get(0), round = e.get(1), task = e.get(2), ts = e.get(3);
+        if (!isId(job) || !isId(task) || !(round instanceof BigInteger) || ((BigInteger) round).bitLength() > 62
+                || !(ts instanceof BigInteger || ts instanceof Double))
+            return null;
+        double sentAt = ((Number) ts).doubleValue();        // a 400-digit integer is +Infinity here: refused
+        if (!Double.isFinite(sentAt)) return null;
+        return new Started(new TaskRef((String) job, ((BigInteger) round).longValue(), (String) task), sentAt);
+    }
+
+    private static boolean isId(Object value) {
+        if (!(value instanceof String)) return false;
+        int chars = ((String) value).codePointCount(0, ((String) value).length());
+        return chars > 0 && chars <= MAX_MEMORY_ID_CHARS;
     }
 
     private static <V> Map<String, V> bounded() {

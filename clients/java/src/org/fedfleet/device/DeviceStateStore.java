@@ -27,7 +27,6 @@ package org.fedfleet.device;
 
 import java.io.File;
 import java.io.FileInputStream;
-import java.io.FileOutputStream;
 import java.io.IOException;
 import java.math.BigInteger;
 import java.nio.charset.StandardCharsets;
@@ -77,6 +76,9 @@ public final class DeviceStateStore {
         this.root = root; this.budgetBytes = budgetBytes; this.clock = clock;
         sweep();
     }
+
+    /** The store's folder (the agent keeps its session memory there, SessionMemoryFile.NAME). */
+    public File root() { return root; }
 
     /** Bytes the arrays take in the store (their data; the header and framing are small). */
     public static long bytes(Map<String, Npz.Array> arrays) {
@@ -192,7 +194,7 @@ public final class DeviceStateStore {
         } catch (Json.JsonError err) {
             throw new IllegalArgumentException("state header: " + err.getMessage());
         }
-        writeAtomically(path(jobId), Npz.write(file));
+        AtomicFile.write(path(jobId), Npz.write(file), TMP, SUFFIX + ".part");   // TMP: sweep() removes a crash's leftover
         return e;
     }
 
@@ -200,19 +202,6 @@ public final class DeviceStateStore {
      *  after its handler had saved leaves behind, so the next round starts where this one did. */
     public synchronized void restore(Entry e) throws BudgetExceeded, IOException {
         save(e.jobId, e.run, e.round, e.arrays, Math.max(e.expiresAt - clock.getAsDouble(), 1e-3));
-    }
-
-    private void writeAtomically(File target, byte[] data) throws IOException {
-        File tmp = File.createTempFile(TMP, SUFFIX + ".part", root);
-        try {
-            try (FileOutputStream out = new FileOutputStream(tmp)) {
-                out.write(data);
-                out.getFD().sync();
-            }
-            if (!tmp.renameTo(target)) throw new IOException("cannot replace " + target);
-        } finally {
-            tmp.delete();           // gone already after a successful rename
-        }
     }
 
     /** Remove the job's state (its job ended); whether there was any. */

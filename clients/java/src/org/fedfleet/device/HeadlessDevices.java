@@ -3,7 +3,8 @@
 // and fedavg.secure when it has an identity and the aggregator's key; oll.personalize when it is
 // given a held-out split with --holdout; the stateful head tasks scaffold.head, ditto.head and
 // pp.head when given a state folder with --state-dir, each device keeping its DeviceStateStore in
-// <folder>/<id>, within --state-budget-mb MB each, default 16).
+// <folder>/<id>, within --state-budget-mb MB each, default 16; its replay guard is kept there too:
+// SessionMemoryFile).
 //
 //   java -cp fedfleet-device.jar:<Debian jars> org.fedfleet.device.HeadlessDevices \
 //        --broker mqtt://127.0.0.1:1883 [--root fedfleet] [--aggregator-key HEX] [--retry-after S] \

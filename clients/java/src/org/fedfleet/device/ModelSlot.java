@@ -15,7 +15,6 @@ package org.fedfleet.device;
 
 import java.io.File;
 import java.io.FileInputStream;
-import java.io.FileOutputStream;
 import java.io.IOException;
 import java.math.BigInteger;
 import java.nio.charset.StandardCharsets;
@@ -198,7 +197,7 @@ public final class ModelSlot {
             throw new IOException("head sha256 " + digest.substring(0, 16) + "… differs from the assigned " + sha256);
         HeadFile head = HeadFile.parse(data);
         if (localLabels != null) head.predict(new float[0][], localLabels);     // a class it has no row for: refused now
-        writeAtomic(new File(dir, sha256 + ".npz"), data);
+        AtomicFile.write(new File(dir, sha256 + ".npz"), data);
         Version v = new Version(sha256, deployment, bundleSha256, head);
         commit(new State(v, state.current));
         return v;
@@ -222,7 +221,7 @@ public final class ModelSlot {
         doc.put("seq", BigInteger.valueOf(seq));
         if (!legacySeq) doc.put("seq_key", seqKey == null ? Json.NULL : seqKey);
         try {
-            writeAtomic(new File(dir, STATE_FILE), Json.canonical(doc));
+            AtomicFile.write(new File(dir, STATE_FILE), Json.canonical(doc));
         } catch (Json.JsonError e) {
             throw new IOException(e.getMessage());
         }
@@ -254,21 +253,6 @@ public final class ModelSlot {
         if (!Envelope.hex(Envelope.sha256(data)).equals(sha)) throw new IOException(sha + ".npz no longer hashes to its name");
         Object bundle = e.get("bundle_sha256");
         return new Version(sha, (String) e.get("deployment"), bundle instanceof String ? (String) bundle : "", HeadFile.parse(data));
-    }
-
-    private static void writeAtomic(File path, byte[] data) throws IOException {
-        File tmp = File.createTempFile("." + path.getName(), ".tmp", path.getParentFile());
-        boolean replaced = false;
-        try {
-            try (FileOutputStream out = new FileOutputStream(tmp)) {
-                out.write(data);
-                out.getFD().sync();
-            }
-            if (!tmp.renameTo(path)) throw new IOException("cannot replace " + path);
-            replaced = true;
-        } finally {
-            if (!replaced) tmp.delete();        // a full disk: the partial file must not keep the space a retry needs
-        }
     }
 
     private static byte[] readAll(File file) throws IOException {

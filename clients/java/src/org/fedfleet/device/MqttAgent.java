@@ -2,9 +2,12 @@
 // tasks published while it reconnects are delivered), retained presence whose `offline` message is
 // the last will, presence `online` again after every reconnect, and the round session's retries.
 // The MQTT client's thread only queues raw payloads; the agent's own thread decodes them, drives
-// the DeviceSession and runs the task handlers, so a slow task never blocks the connection.
+// the DeviceSession and runs the task handlers, so a slow task never blocks the connection. Given
+// the device's state store, it keeps the session's replay guard in the store's folder across
+// restarts (SessionMemoryFile).
 package org.fedfleet.device;
 
+import java.io.File;
 import java.net.URI;
 import java.util.ArrayList;
 import java.util.Collections;
@@ -52,7 +55,8 @@ public final class MqttAgent implements AutoCloseable {
          *  signer to be the device's Identity (enrolled with the aggregator) and aggregatorKey. */
         public Map<String, SecureTask> secure = new LinkedHashMap<>();
         /** The stateful handlers' store: a job's state goes when the aggregator says the job ended
-         *  (`job.ended` on the retained Topics.jobEnds, verified like every aggregator message). */
+         *  (`job.ended` on the retained Topics.jobEnds, verified like every aggregator message); the
+         *  session's replay guard is kept in its folder across restarts (SessionMemoryFile). */
         public DeviceStateStore state;
     }
 
@@ -60,6 +64,7 @@ public final class MqttAgent implements AutoCloseable {
     private final Map<String, TaskHandler> handlers;
     private final Options o;
     private final DeviceSession session;
+    private final SessionMemoryFile memoryFile;     // null without a state store: the replay guard lives in the process only
     private final InboxReader reader;
     private final Chunker chunker;
     private final CallbackConnection connection;
@@ -79,6 +84,8 @@ public final class MqttAgent implements AutoCloseable {
         this.handlers = new LinkedHashMap<>(handlers);
         this.o = options;
         this.session = new DeviceSession(options.retryAfterS, 5, 4);
+        this.memoryFile = options.state == null ? null : new SessionMemoryFile(new File(options.state.root(), SessionMemoryFile.NAME), LOG);
+        if (memoryFile != null) memoryFile.loadInto(session);
         this.chunker = new Chunker(options.chunkSize, options.signer);
         this.inbox = new LinkedBlockingQueue<>(options.maxQueuedMessages);
         this.secagg = new SecAggSessions(deviceId, 4);
@@ -234,6 +241,7 @@ public final class MqttAgent implements AutoCloseable {
     }
 
     private void execute(List<DeviceSession.Action> actions) {
+        if (memoryFile != null) memoryFile.saveIfChanged(session);  // before any work starts: a device killed mid-task remembers it
         for (DeviceSession.Action a : actions) {
             try {
                 if (a instanceof DeviceSession.StartWork) work((DeviceSession.StartWork) a);
