@@ -13,6 +13,7 @@ captured task once more while its deadline lasts. A device with a state folder (
   refused whole with one warning and the device starts with an empty memory (as one without a
   state folder does), never stops;
 * bounded: at most ``MAX_MEMORY_BYTES`` are read, at most ``MAX_JOBS_REMEMBERED`` jobs kept;
+* written through the store's temporary prefix (``.tmp-``), so the store's sweep removes a crash's leftover;
 * not job state: ``--forget-state`` and the store's budget leave it alone (it holds job and task
   ids and the aggregator's timestamps, nothing learned from the device's data).
 
@@ -66,7 +67,8 @@ class SessionMemoryFile:
         if session.memory_changes == self._saved:
             return
         try:
-            write_atomic(self.path, json.dumps(session.memory(), separators=(",", ":")).encode())
+            # the store's temporary prefix: its sweep removes what a crash mid-write left
+            write_atomic(self.path, json.dumps(session.memory(), separators=(",", ":")).encode(), temp_prefix=".tmp-")
         except OSError as exc:
             key = f"{type(exc).__name__}: {exc}"[:200]
             if key not in self._failed_writes and len(self._failed_writes) < 16:

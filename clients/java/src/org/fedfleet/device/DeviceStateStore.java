@@ -43,7 +43,8 @@ public final class DeviceStateStore {
     public static final long DEFAULT_BUDGET_BYTES = 16L << 20;     // all jobs together, as the Python device
     public static final double DEFAULT_TTL_S = 7 * 24 * 3600.0;
     static final String HEADER = "__state_header__";
-    private static final String SUFFIX = ".npz", TMP = ".tmp-";
+    private static final String SUFFIX = ".npz";
+    static final String TMP = ".tmp-";          // temporary files (this store's and SessionMemoryFile's): swept
 
     /** A job's state would not fit in the device's state budget (the task is declined). */
     public static final class BudgetExceeded extends Exception {

@@ -68,7 +68,8 @@ public final class SessionMemoryFile {
         long changes = session.memoryChanges();
         if (changes == saved) return;
         try {
-            AtomicFile.write(path, Json.canonical(session.memory()));
+            // the store's temporary prefix: its sweep() removes what a crash mid-write left
+            AtomicFile.write(path, Json.canonical(session.memory()), DeviceStateStore.TMP, ".json.part");
         } catch (IOException | Json.JsonError e) {
             String key = (e.getClass().getSimpleName() + ": " + e.getMessage());
             key = key.substring(0, Math.min(200, key.length()));
