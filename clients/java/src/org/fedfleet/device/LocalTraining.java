@@ -73,9 +73,9 @@ public final class LocalTraining {
     public static final long MAX_LOCAL_STEPS = 1_000_000L;
 
     /** The row positions of each SGD step (protocols/payloads/fedavg.py batch_schedule);
-     *  IllegalArgumentException past MAX_LOCAL_STEPS steps. */
-    /** The schedule's steps, drawn as they are taken: one epoch's permutation is held at a time (a
-     *  list of every step held epochs x rows positions, within the step budget too). */
+     *  IllegalArgumentException past MAX_LOCAL_STEPS steps. The schedule's steps are drawn as they
+     *  are taken: one epoch's permutation is held at a time (a list of every step held epochs x
+     *  rows positions, within the step budget too). */
     public Schedule batchSchedule(int rows) {
         long steps = batchSize > 0 ? (long) epochs * ((rows + (long) batchSize - 1) / batchSize) : 0;
         if (steps > MAX_LOCAL_STEPS)
@@ -84,7 +84,9 @@ public final class LocalTraining {
         return new Schedule(rows, (int) steps);
     }
 
-    /** A batch schedule: size() steps, each a batch's row positions, in order. */
+    /** A batch schedule: size() steps, each a batch's row positions, in order. Taking a step
+     *  checks the running task's moment first (WorkDeadline: PastDeadline once its round is over),
+     *  so every local-training loop stops with its round. */
     public final class Schedule implements Iterable<int[]> {
         private final int rows, steps;
 
@@ -103,6 +105,7 @@ public final class LocalTraining {
 
                 @Override public int[] next() {
                     if (!hasNext()) throw new NoSuchElementException();
+                    WorkDeadline.stopIfPast();
                     if (start >= rows) {
                         order = rng.permutation(rows);
                         start = 0;

@@ -1,0 +1,54 @@
+// How long a task's work may run on the device: until its round is surely over (the Python
+// device's edge_client/work_deadline.py). A device skips a task that arrives after its deadline
+// plus the clocks' grace (DeviceSession); a task that arrived in time may still outlast that moment
+// (a slow device, a long recipe), and its result would be answered `late` and dropped: the rest of
+// the work is waste, battery on a phone. MqttAgent runs each handler under until(deadline + grace)
+// (the aggregator's clock read on the device's, as the arrival check reads it), and every local
+// training loop checks it once per step (LocalTraining.Schedule's iterator, which HeadTrainer, and
+// so every head task, iterates): past it, PastDeadline, the agent sends nothing and takes its next task.
+//
+// Per thread, not a parameter: the loops are the same code TaskRunner and the benches call outside
+// any agent, where nothing is set and nothing is checked.
+package org.fedfleet.device;
+
+public final class WorkDeadline {
+    private static final ThreadLocal<Double> UNTIL = new ThreadLocal<>();   // unix seconds, the device's clock; null: none
+
+    private WorkDeadline() {}
+
+    /** The task's round is over (its deadline and the grace passed during its work): stop, send nothing. */
+    public static final class PastDeadline extends RuntimeException {
+        private static final long serialVersionUID = 1L;
+        PastDeadline(String message) { super(message); }
+    }
+
+    /** The calling thread's work under a moment; closing it restores the moment before (none, usually). */
+    public static final class Scope implements AutoCloseable {
+        private final Double previous;
+        private Scope(Double previous) { this.previous = previous; }
+
+        @Override public void close() {
+            if (previous == null) UNTIL.remove();
+            else UNTIL.set(previous);
+        }
+    }
+
+    /** Run the calling thread's work until unixS (the device's clock) at the latest:
+     *  {@code try (WorkDeadline.Scope s = WorkDeadline.until(t)) { ... }}. NaN: unchecked. */
+    public static Scope until(double unixS) {
+        Scope scope = new Scope(UNTIL.get());
+        if (Double.isNaN(unixS)) UNTIL.remove();
+        else UNTIL.set(unixS);
+        return scope;
+    }
+
+    /** PastDeadline when the calling thread's work has run past its moment. */
+    public static void stopIfPast() {
+        Double until = UNTIL.get();
+        if (until == null) return;
+        double now = System.currentTimeMillis() / 1000.0;
+        if (now > until)
+            throw new PastDeadline(String.format(java.util.Locale.ROOT,
+                    "its deadline passed during the work (%.1f s past it and the grace)", now - until));
+    }
+}
