@@ -1,15 +1,19 @@
-"""A device stops a task's work once its round is surely over (edge_client/work_deadline.py): the
-local-training loops check the task's moment (its deadline plus the clocks' grace) each step, the
-agent sends nothing and the device is free for its next task. Before: a task that arrived in time
-trained to its end however long that took, and its result was answered ``late``."""
+"""A device stops a task's work once its round is surely over (edge_client/work_deadline.py, the Java
+device's WorkDeadline.java): the local-training loops check the task's moment (its deadline plus the
+clocks' grace) each step, the agent sends nothing and the device is free for its next task. Before:
+a task that arrived in time trained to its end however long that took, and its result was answered
+``late``."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import time
 
 import numpy as np
 import pytest
 
+import java_build
 from edge_client.tasks.head_training import HeadTrainingTask
 from edge_client.tasks.numpy_head import schedule
 from edge_client.work_deadline import PastDeadline, working_until
@@ -22,6 +26,8 @@ from protocols.payloads.task_params import ModelSpec
 from protocols.topics import AGGREGATOR_ID, Topics
 from test_agent_unsendable import Features, fed3r_params, handlers
 from test_deployment_attacks import Sniffer
+from test_java_device import write_features
+from test_task_deadlines import AGG, answers
 
 T = Topics()
 
@@ -67,3 +73,43 @@ def test_a_device_stops_training_when_the_round_is_over_and_takes_the_next_task(
     finally:
         agent.stop()
         sniffer.close()
+
+
+@pytest.mark.skipif(java_build.missing() is not None, reason=str(java_build.missing()))
+def test_the_java_device_stops_training_when_the_round_is_over(broker, tmp_path):
+    """The same on the Java device (WorkDeadline.java: LocalTraining's schedule checks the moment
+    MqttAgent sets around each handler): the long task is stopped, never answered, counted
+    ``stopped=1``, and the next task is answered at once."""
+    dev = "java-wd"
+    rng = np.random.default_rng(1)
+    dim, classes, rows = 2048, 8, 100
+    features = write_features(tmp_path / "f.feat", rng.normal(size=(rows, dim)).astype(np.float32),
+                              rng.integers(0, classes, rows))
+    head = {"weight": np.zeros((classes, dim), np.float32), "bias": np.zeros(classes, np.float32)}
+    recipe = {"num_classes": classes, "feature_dim": dim, "backbone": "b", "image_size": 8, "weights_sha256": "",
+              "batch_size": 1, "lr": 0.01, "seed": 1}
+    sniffer = Sniffer(broker, [T.outbox(dev)])
+    jvm = subprocess.Popen(["java", "-cp", java_build.built(), "org.fedfleet.device.HeadlessDevices",
+                            "--stop-on-stdin-eof", "--broker", broker.url, "--aggregator-key", AGG.public_key_bytes.hex(),
+                            "--tick", "0.05", "--device", dev, str(features), os.urandom(32).hex()],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert jvm.stdout.readline().strip() == f"ONLINE {dev}"
+        # 10^6 one-row SGD steps on a (8, 2048) head: some 40 s of this machine's JVM, were it not
+        # stopped; it arrives in time (its deadline + the 60 s grace is 2 s away), then outlasts its round
+        long_task = M.task_message(AGGREGATOR_ID, "j", 1, "fedavg.head", {**recipe, "epochs": 10_000}, time.time() - 58)
+        long_task.tensors.update(head)
+        next_task = M.task_message(AGGREGATOR_ID, "k", 1, "fedavg.head", {**recipe, "epochs": 1, "batch_size": 50},
+                                   time.time() + 60)
+        next_task.tensors.update(head)
+        started = time.monotonic()
+        for msg in (long_task, next_task):
+            sniffer.publish(T.inbox(dev), encode(msg, signer=AGG.sign))
+        wait_for(lambda: answers(sniffer, dev, next_task.id), timeout=20, what="the next task answered")
+        assert time.monotonic() - started < 10 and answers(sniffer, dev, next_task.id)[0].type == M.RESULT
+    finally:
+        out, err = jvm.communicate(timeout=30)
+        sniffer.close()
+    assert answers(sniffer, dev, long_task.id) == []
+    assert f"STATS {dev} done=1 declined=0 " in out and " skipped=0 stopped=1" in out, (out, err[-3000:])
+    assert err.count("stopped task") == 1 and "its deadline passed during the work" in err, err[-3000:]

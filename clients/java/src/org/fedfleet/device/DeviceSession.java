@@ -109,6 +109,10 @@ public final class DeviceSession {
 
     public State state() { return state; }
 
+    /** How long past a task's deadline (by this device's clock) its round may still be open: a task
+     *  received later is skipped, a task's work running later is stopped (WorkDeadline). */
+    public double deadlineGraceS() { return deadlineGraceS; }
+
     /** receivedAt: this device's clock (unix seconds) when the task came; NaN: its deadline is not checked. */
     public List<Action> onTask(Messages.Task task, List<org.fedfleet.wire.Envelope.Tensor> tensors, double receivedAt) {
         if (!Double.isNaN(receivedAt) && receivedAt > task.deadline + deadlineGraceS) {

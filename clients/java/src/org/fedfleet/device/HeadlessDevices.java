@@ -15,7 +15,8 @@
 //
 // Runs until SIGTERM/SIGINT (a systemd service), or with --stop-on-stdin-eof until standard input
 // closes (the tests). Prints "ONLINE <id>" once a device has announced itself, and "STATS <id>
-// done=.. declined=.. accepted=.. reconnects=.. skipped=.." at exit, after each device said offline.
+// done=.. declined=.. accepted=.. reconnects=.. skipped=.. stopped=.." at exit, after each device
+// said offline (stopped: tasks whose work stopped when their round was over, nothing sent).
 package org.fedfleet.device;
 
 import java.net.URI;
@@ -116,7 +117,7 @@ public final class HeadlessDevices {
             a.close();
             System.out.println("STATS " + a.deviceId + " done=" + a.tasksDone + " declined=" + a.tasksDeclined
                     + " accepted=" + a.acks.getOrDefault("accepted", 0) + " reconnects=" + a.reconnects
-                    + " skipped=" + a.tasksSkipped);
+                    + " skipped=" + a.tasksSkipped + " stopped=" + a.tasksStopped);
         }
         System.out.flush();
     }

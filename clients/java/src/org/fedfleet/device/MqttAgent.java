@@ -2,9 +2,10 @@
 // tasks published while it reconnects are delivered), retained presence whose `offline` message is
 // the last will, presence `online` again after every reconnect, and the round session's retries.
 // The MQTT client's thread only queues raw payloads; the agent's own thread decodes them, drives
-// the DeviceSession and runs the task handlers, so a slow task never blocks the connection. Given
-// the device's state store, it keeps the session's replay guard in the store's folder across
-// restarts (SessionMemoryFile).
+// the DeviceSession and runs the task handlers, so a slow task never blocks the connection; a
+// task's work stops once its round is surely over (WorkDeadline), nothing sent. Given the device's
+// state store, it keeps the session's replay guard in the store's folder across restarts
+// (SessionMemoryFile).
 package org.fedfleet.device;
 
 import java.io.File;
@@ -73,11 +74,13 @@ public final class MqttAgent implements AutoCloseable {
     private Thread thread;
     public final AtomicInteger tasksDone = new AtomicInteger(), tasksDeclined = new AtomicInteger(),
             tasksSkipped = new AtomicInteger(), reconnects = new AtomicInteger();
+    /** Tasks whose work stopped when their round was surely over (nothing sent). */
+    public final AtomicInteger tasksStopped = new AtomicInteger();
     public final Map<String, Integer> acks = Collections.synchronizedMap(new HashMap<String, Integer>());
     private final CountDownLatch firstConnect = new CountDownLatch(1);
     private final SecAggSessions secagg;
     private final java.util.Set<String> ignoredEnds = new java.util.HashSet<>();   // notices that changed nothing, logged once
-    private final java.util.Set<String> skippedFor = new java.util.HashSet<>();    // (job, reason) of skipped tasks, logged once (at most 64)
+    private final java.util.Set<String> skippedFor = new java.util.HashSet<>();    // (job, reason) of skipped or stopped tasks, logged once (at most 64)
 
     public MqttAgent(String deviceId, URI broker, Map<String, TaskHandler> handlers, Options options) throws Exception {
         this.deviceId = Topics.checkDeviceId(deviceId);
@@ -285,7 +288,10 @@ public final class MqttAgent implements AutoCloseable {
         }
         TaskHandler.Result result;
         try {
-            result = handler.run(w.task.params, w.tensors);
+            result = untilRoundOver(w.task, () -> handler.run(w.task.params, w.tensors));
+        } catch (WorkDeadline.PastDeadline e) {     // nobody waits for the answer any more: nothing is sent
+            stopped(w.task.ref, e);
+            return;
         } catch (TaskDeclined e) {
             execute(session.onWorkFailed(w.task.ref, e.getMessage()));
             return;
@@ -306,10 +312,13 @@ public final class MqttAgent implements AutoCloseable {
     private void startSecure(DeviceSession.StartWork w, SecureTask secure) {
         TaskRef ref = w.task.ref;
         try {
-            SecureTask.Contribution mine = secure.contribute(w.task.params, w.tensors);
+            SecureTask.Contribution mine = untilRoundOver(w.task, () -> secure.contribute(w.task.params, w.tensors));
             Identity id = (Identity) o.signer;
             secagg.open(ref.job, ref.round, mine.group, new ClientSecAgg(deviceId, id, id.publicKey(), Topics.AGGREGATOR_ID,
                     o.aggregatorKey, ref.job, ref.round, mine.group, mine.vector, mine.distributedDp));
+        } catch (WorkDeadline.PastDeadline e) {
+            stopped(ref, e);
+            return;
         } catch (TaskDeclined e) {
             execute(session.onWorkFailed(ref, e.getMessage()));
             return;
@@ -320,6 +329,29 @@ public final class MqttAgent implements AutoCloseable {
         }
         tasksDone.incrementAndGet();
         execute(session.onWorkFinished(ref, null, ref.task + ":protocol", false));
+    }
+
+    /** A handler's work, until the task's deadline plus the session's grace passes by this device's
+     *  clock (the arrival check's moment): past it the training loops throw PastDeadline. */
+    private <T> T untilRoundOver(Messages.Task task, Work<T> work) throws TaskDeclined {
+        WorkDeadline.Scope until = WorkDeadline.until(task.deadline + session.deadlineGraceS());
+        try {
+            return work.run();
+        } finally {
+            until.close();
+        }
+    }
+
+    private interface Work<T> { T run() throws TaskDeclined; }
+
+    /** A task's work stopped past its round: the session back to idle and its decline not sent (the
+     *  aggregator no longer waits for an answer), the device free for its next task. */
+    private void stopped(TaskRef ref, WorkDeadline.PastDeadline e) {
+        tasksStopped.incrementAndGet();
+        session.onWorkFailed(ref, e.getMessage());       // back to idle; the SendDecline it returns is dropped
+        if (skippedFor.size() < 64 && skippedFor.add(ref.job + " stopped"))
+            LOG.warning(deviceId + ": stopped task " + ref.task + " of job " + ref.job + " round " + ref.round + ": "
+                        + e.getMessage() + " (logged once per job)");
     }
 
     /** Encoded message to the outbox, chunked above the chunk size (fresh chunk ids, same parent). */
