@@ -32,7 +32,7 @@ from protocols.mqtt_link import BrokerConfig, MqttLink
 from protocols.payloads.job_end import JOB_ENDED, MAX_NOTICES, parse_job_ended
 from protocols.payloads.stateful import foreign_job
 from protocols.rounds import (AckArrived, DeviceSession, DeviceState, ResultSent, SendDecline, SendResult, SkipTask,
-                              StartWork, TaskArrived, Tick, WorkFailed, WorkFinished)
+                              StartWork, TaskArrived, Tick, WorkFailed, WorkFinished, WorkStopped)
 from protocols.identity import sender_verifier
 from protocols.topics import AGGREGATOR_ID, Topics
 
@@ -349,17 +349,17 @@ class DeviceAgent:
             elapsed = max(0.0, time.perf_counter() - t0 - self.hooks.queued_s())
             self.stats.compute_s += elapsed
             self.hooks.after_compute(elapsed)
-        except PastDeadline as exc:          # nobody waits for the answer any more: nothing is sent
+        except PastDeadline as exc:          # nobody waits for the answer any more
             self.stats.tasks_stopped += 1
-            self.session.handle(WorkFailed(act.ref, str(exc)))      # back to idle; its decline not sent
             if self._skipped_for.first(f"{act.ref.job} stopped"):
                 log.warning("%s: stopped task %s of job %s round %d: %s (logged once per job)", self.device_id,
                             act.ref.task, act.ref.job, act.ref.round, exc)
+            self._execute(self.session.handle(WorkStopped(act.ref, round_over=True)))
             return
         except DroppedOut:
             self.stats.dropouts += 1
             log.info("%s: dropped out during %s round %d", self.device_id, act.kind, act.ref.round)
-            self.session.handle(WorkFailed(act.ref, "dropped"))  # state back to idle, decline not sent
+            self.session.handle(WorkStopped(act.ref, round_over=False))     # back to idle, nothing sent
             self._outage_until = time.monotonic() + self.hooks.offline_after_dropout_s
             self._go_offline()
             return

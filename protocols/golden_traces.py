@@ -24,7 +24,7 @@ from typing import Any
 
 from .messages import TaskRef
 from .rounds import (AckArrived, DeviceSession, ResultSent, SendDecline, SendResult, SkipTask, StartWork, TaskArrived,
-                     Tick, WorkFailed, WorkFinished)
+                     Tick, WorkFailed, WorkFinished, WorkStopped)
 
 TRACE_DIR = Path(__file__).resolve().parent / "golden" / "traces"
 SESSION = {"retry_after_s": 5.0, "max_retries": 2, "keep_finished": 2}
@@ -41,6 +41,10 @@ def _task(n: int, deadline: float | None = None, received_at: float | None = Non
     return {"type": "task", "ref": _ref(n, job), **({} if deadline is None else {"deadline": deadline}),
             **({} if received_at is None else {"received_at": received_at}),
             **({} if sent_at is None else {"sent_at": sent_at})}
+
+
+def _stopped(n: int, round_over: bool) -> dict:
+    return {"type": "stopped", "ref": _ref(n), "round_over": round_over}
 
 
 def _finished(n: int, secure: bool = False) -> dict:
@@ -84,6 +88,15 @@ SCENARIOS: dict[str, list[dict]] = {
         {"type": "tick", "now": 7.0}, {"type": "ack", "ref_id": "r2"}, _task(1, 90.0, 60.0, 30.0),
         _task(5, 100.0, 170.0, 45.0, job="b"), _task(4, 100.0, 161.0, 45.0), _task(4, 100.0, 160.0, 45.0),
         _task(1, 200.0, 170.0, 50.0), {"type": "failed", "ref": _ref(1), "reason": "no data"}],
+    # work stopped unanswered: the first of a job whose round went over during the work is declined
+    # once (the clock may be ahead), a redelivery past its deadline then skipped; a later stop of the
+    # job, a drop-out and a stop of abandoned work send nothing; another job is told once too
+    "work_stopped_when_its_round_is_over": [
+        _task(1, 100.0, 150.0, 10.0), _stopped(1, True), _task(1, 100.0, 170.0, 10.0), _task(2, 200.0, 210.0, 20.0),
+        _stopped(2, True), _task(3, 300.0, 250.0, 30.0), _stopped(3, False), _task(1, 100.0, 150.0, 10.0, job="a"),
+        _stopped(1, False), _task(2, 100.0, 150.0, 11.0, job="a"), _task(3, 100.0, 150.0, 12.0, job="a"),
+        _stopped(2, True), {"type": "stopped", "ref": _ref(3, "a"), "round_over": True}, _task(3, 300.0, 250.0, 31.0),
+        _finished(3), _stopped(3, True)],
 }
 
 
@@ -93,10 +106,11 @@ def _random_walk(seed: int, length: int = 60) -> list[dict]:
     for _ in range(length):
         now += rng.choice((0.0, 0.5, 2.0, 6.0, 15.0))
         n = rng.randint(1, 3)
-        kind = rng.choice(("task", "finished", "failed", "sent", "ack", "tick", "tick"))
+        kind = rng.choice(("task", "finished", "failed", "stopped", "sent", "ack", "tick", "tick"))
         events.append({"task": {"type": "task", "ref": _ref(n)},
                        "finished": _finished(n, secure=rng.random() < 0.2),
                        "failed": {"type": "failed", "ref": _ref(n), "reason": "no data"},
+                       "stopped": _stopped(n, rng.random() < 0.5),
                        "sent": {"type": "sent", "now": now},
                        "ack": {"type": "ack", "ref_id": f"r{n}"},
                        "tick": {"type": "tick", "now": now}}[kind])
@@ -115,6 +129,7 @@ def event_of(e: dict) -> Any:
                                         e.get("sent_at")),
             "finished": lambda: WorkFinished(ref, e["message"], e["message_id"], e["expects_ack"]),
             "failed": lambda: WorkFailed(ref, e["reason"]),
+            "stopped": lambda: WorkStopped(ref, e["round_over"]),
             "sent": lambda: ResultSent(e["now"]),
             "ack": lambda: AckArrived(e["ref_id"], "accepted"),
             "tick": lambda: Tick(e["now"])}[e["type"]]()

@@ -318,6 +318,15 @@ class WorkFailed:
 
 
 @dataclass(frozen=True)
+class WorkStopped:
+    """The task at work stopped unanswered: its round went over during the work (``round_over``:
+    the deadline plus the grace passed by the device's clock, edge_client/work_deadline.py) or the
+    device dropped out (an emulated fleet's hooks)."""
+    ref: TaskRef
+    round_over: bool
+
+
+@dataclass(frozen=True)
 class ResultSent:
     now: float
 
@@ -357,6 +366,8 @@ EXPIRED = "its deadline has passed"
 STALE = "created before the last task of its job this device started"
 EXPIRED_DECLINE = ("received after its deadline by this device's clock: is the clock ahead? (devices need "
                    "NTP-close clocks; later expired tasks of this job are skipped silently)")
+EXPIRED_AT_WORK_DECLINE = ("its deadline passed during the work by this device's clock: is the clock ahead? (devices "
+                           "need NTP-close clocks; later expired tasks of this job are skipped silently)")
 MAX_JOBS_REMEMBERED = 64        # the jobs whose last task started (and expired decline) a session keeps
 MEMORY_VERSION = 1              # DeviceSession.memory()'s layout
 
@@ -470,6 +481,21 @@ class DeviceSession:
         self.state, self.current = DeviceState.IDLE, None
         return [SendDecline(ev.ref, ev.reason)]
 
+    def _first_over_at_work(self, ev: WorkStopped) -> bool:
+        return self._is_current(ev) and ev.round_over and ev.ref.job not in self.expired_declined
+
+    def _stopped_first_of_job(self, ev: WorkStopped) -> list:
+        # as an expired arrival: said once per job (a device whose clock runs ahead stops its work
+        # early, and would otherwise look like a straggler), later expired tasks of the job skipped
+        self.state, self.current = DeviceState.IDLE, None
+        _remember(self.expired_declined, ev.ref.job, True)
+        self.memory_changes += 1
+        return [SendDecline(ev.ref, EXPIRED_AT_WORK_DECLINE)]
+
+    def _stopped(self, ev: WorkStopped) -> list:
+        self.state, self.current = DeviceState.IDLE, None
+        return []
+
     def _upload_ended(self, ev: ResultSent) -> list:
         # A slow upload must not count against the ack timeout.
         self.now = ev.now
@@ -568,6 +594,12 @@ DEVICE_TABLE = TransitionTable(DeviceState, [
     Transition(_WORKING, WorkFailed, "the task at work", _D._decline, (SendDecline,), (_IDLE,),
                guard=_D._is_current),
     Transition(ANY, WorkFailed, "", _D._ignore, note="failure of an abandoned task"),
+    Transition(_WORKING, WorkStopped, "the task at work, its round over, first of its job", _D._stopped_first_of_job,
+               (SendDecline,), (_IDLE,), note="once per job, as an expired arrival: the clock may be ahead",
+               guard=_D._first_over_at_work),
+    Transition(_WORKING, WorkStopped, "the task at work", _D._stopped, goes_to=(_IDLE,),
+               note="round over (told already) or dropped out: nothing sent", guard=_D._is_current),
+    Transition(ANY, WorkStopped, "", _D._ignore, note="an abandoned task"),
     Transition(_REPORTED, ResultSent, "an ack is expected", _D._upload_ended,
                note="retry timer starts when the upload ends",
                guard=lambda d, ev: d.finished[d.current].expects_ack),

@@ -12,7 +12,7 @@ from protocols.messages import TaskRef
 from protocols.rounds import (COORDINATOR_TABLE, DEVICE_TABLE, AckArrived, IllegalTransition, render_tables, ResultSent, ApplyResult, Declined, DeviceLost, DeviceSession, DeviceState, GroupSettled,
                               RecordDeclined, RecordRejected, ResultArrived,
                               ResultInvalid, RoundClosed, RoundCoordinator, SendAck, SendDecline, SendResult,
-                              TaskArrived, Tick, WorkFailed, WorkFinished)
+                              TaskArrived, Tick, WorkFailed, WorkFinished, WorkStopped)
 from protocols.transition_table import Transition, TransitionTable
 
 
@@ -327,9 +327,10 @@ def test_every_device_row_fires_in_every_state_it_names():
 
     events = [task, finished,
               lambda r, s: WorkFailed(s.current if s.current and r.random() < 0.5 else ref(r), "no data"),
+              lambda r, s: WorkStopped(s.current if s.current and r.random() < 0.5 else ref(r), r.random() < 0.5),
               lambda r, s: ResultSent(r.uniform(0, 30)), lambda r, s: AckArrived(f"r{r.randint(1, 3)}", "accepted"),
               lambda r, s: Tick(r.uniform(0, 60))]
     fired = _walk(lambda: DeviceSession(retry_after_s=2, max_retries=2, keep_acked_results=False), events,
-                  DEVICE_TABLE, 2000, seed=2)
+                  DEVICE_TABLE, 3000, seed=2)
     names = lambda pairs: {(s.name, DEVICE_TABLE.describe(row)) for s, row in pairs}
     assert names(DEVICE_TABLE.entries()) - names(fired) == set()

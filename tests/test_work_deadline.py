@@ -1,6 +1,7 @@
 """A device stops a task's work once its round is surely over (edge_client/work_deadline.py, the Java
 device's WorkDeadline.java): the local-training loops check the task's moment (its deadline plus the
-clocks' grace) each step, the agent sends nothing and the device is free for its next task. Before:
+clocks' grace) each step; the device declines the first such task of a job once (its clock may be
+ahead), sends nothing for later ones, and is free for its next task. Before:
 a task that arrived in time trained to its end however long that took, and its result was answered
 ``late``."""
 
@@ -23,6 +24,7 @@ from protocols.envelope import decode, encode
 from protocols.mqtt_link import BrokerConfig
 from protocols.payloads.fedavg import HeadTrainingParams, LocalTraining, batch_schedule, head_tensors
 from protocols.payloads.task_params import ModelSpec
+from protocols.rounds import EXPIRED_AT_WORK_DECLINE
 from protocols.topics import AGGREGATOR_ID, Topics
 from test_agent_unsendable import Features, fed3r_params, handlers
 from test_deployment_attacks import Sniffer
@@ -68,8 +70,15 @@ def test_a_device_stops_training_when_the_round_is_over_and_takes_the_next_task(
 
         wait_for(lambda: answered(next_task.id), timeout=20, what="the next task answered")
         assert time.monotonic() - started < 20 and answered(next_task.id)[0].type == M.RESULT
-        assert answered(long_task.id) == []
-        assert (agent.stats.tasks_stopped, agent.stats.tasks_done) == (1, 1)
+        # the job's first stop is declined once (the device's clock may be ahead); redelivered, the
+        # task is past its deadline and skipped silently (a later task answered shows it was read)
+        last_task = M.task_message(AGGREGATOR_ID, "m", 1, "fed3r.stats", fed3r_params(), time.time() + 60)
+        for msg in (long_task, last_task):
+            sniffer.publish(T.inbox("dev-wd"), encode(msg))
+        wait_for(lambda: answered(last_task.id), what="the last task answered")
+        assert [(env.type, env.body["reason"]) for env in answered(long_task.id)] == [(M.DECLINE, EXPIRED_AT_WORK_DECLINE)]
+        assert (agent.stats.tasks_stopped, agent.stats.tasks_declined, agent.stats.tasks_skipped,
+                agent.stats.tasks_done) == (1, 1, 1, 2)
     finally:
         agent.stop()
         sniffer.close()
@@ -78,8 +87,8 @@ def test_a_device_stops_training_when_the_round_is_over_and_takes_the_next_task(
 @pytest.mark.skipif(java_build.missing() is not None, reason=str(java_build.missing()))
 def test_the_java_device_stops_training_when_the_round_is_over(broker, tmp_path):
     """The same on the Java device (WorkDeadline.java: LocalTraining's schedule checks the moment
-    MqttAgent sets around each handler): the long task is stopped, never answered, counted
-    ``stopped=1``, and the next task is answered at once."""
+    MqttAgent sets around each handler): the long task is stopped, declined once for its job (the
+    clock may be ahead), counted ``stopped=1``, and the next task is answered at once."""
     dev = "java-wd"
     rng = np.random.default_rng(1)
     dim, classes, rows = 2048, 8, 100
@@ -107,9 +116,16 @@ def test_the_java_device_stops_training_when_the_round_is_over(broker, tmp_path)
             sniffer.publish(T.inbox(dev), encode(msg, signer=AGG.sign))
         wait_for(lambda: answers(sniffer, dev, next_task.id), timeout=20, what="the next task answered")
         assert time.monotonic() - started < 10 and answers(sniffer, dev, next_task.id)[0].type == M.RESULT
+        last_task = M.task_message(AGGREGATOR_ID, "m", 1, "fedavg.head", {**recipe, "epochs": 1, "batch_size": 50},
+                                   time.time() + 60)
+        last_task.tensors.update(head)
+        for msg in (long_task, last_task):           # redelivered past its deadline: skipped silently
+            sniffer.publish(T.inbox(dev), encode(msg, signer=AGG.sign))
+        wait_for(lambda: answers(sniffer, dev, last_task.id), what="the last task answered")
     finally:
         out, err = jvm.communicate(timeout=30)
         sniffer.close()
-    assert answers(sniffer, dev, long_task.id) == []
-    assert f"STATS {dev} done=1 declined=0 " in out and " skipped=0 stopped=1" in out, (out, err[-3000:])
+    assert [(env.type, env.body["reason"]) for env in answers(sniffer, dev, long_task.id)] == \
+        [(M.DECLINE, EXPIRED_AT_WORK_DECLINE)]
+    assert f"STATS {dev} done=2 declined=1 " in out and " skipped=1 stopped=1" in out, (out, err[-3000:])
     assert err.count("stopped task") == 1 and "its deadline passed during the work" in err, err[-3000:]

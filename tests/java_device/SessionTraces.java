@@ -91,6 +91,8 @@ public final class SessionTraces {
             }
             case "failed":
                 return s.onWorkFailed(ref(e), (String) e.get("reason"));
+            case "stopped":
+                return s.onWorkStopped(ref(e), (Boolean) e.get("round_over"));
             case "sent":
                 s.onResultSent(num(e.get("now")));
                 return Collections.emptyList();

@@ -61,6 +61,9 @@ public final class DeviceSession {
     public static final String STALE = "created before the last task of its job this device started";
     public static final String EXPIRED_DECLINE = "received after its deadline by this device's clock: is the clock ahead? "
             + "(devices need NTP-close clocks; later expired tasks of this job are skipped silently)";
+    /** protocols/rounds.py's EXPIRED_AT_WORK_DECLINE: the first task of a job whose round went over during its work. */
+    public static final String EXPIRED_AT_WORK_DECLINE = "its deadline passed during the work by this device's clock: is "
+            + "the clock ahead? (devices need NTP-close clocks; later expired tasks of this job are skipped silently)";
     static final int MAX_JOBS_REMEMBERED = 64;    // protocols/rounds.py's: the jobs a session keeps (oldest dropped)
     static final int MEMORY_VERSION = 1;          // memory()'s layout, protocols/rounds.py's MEMORY_VERSION
     static final int MAX_MEMORY_ID_CHARS = 256;   // a remembered job or task id, in code points as Python counts
@@ -160,6 +163,20 @@ public final class DeviceSession {
         state = State.IDLE;
         current = null;
         return one(new SendDecline(ref, reason));
+    }
+
+    /** The task at work stopped unanswered: its round went over during the work (roundOver: the
+     *  deadline plus the grace passed by this device's clock, WorkDeadline) or the device dropped out.
+     *  The first of a job whose round went over is declined once, as an expired arrival (the clock may
+     *  be ahead), and the job's later expired tasks are skipped; otherwise nothing is sent. */
+    public List<Action> onWorkStopped(TaskRef ref, boolean roundOver) {
+        if (state != State.WORKING || !ref.equals(current)) return Collections.emptyList();
+        state = State.IDLE;
+        current = null;
+        if (!roundOver || expiredDeclined.containsKey(ref.job)) return Collections.emptyList();
+        expiredDeclined.put(ref.job, Boolean.TRUE);
+        memoryChanges++;
+        return one(new SendDecline(ref, EXPIRED_AT_WORK_DECLINE));
     }
 
     /** A slow upload must not count against the ack timeout: the back-off starts when it ends. */

@@ -344,14 +344,15 @@ public final class MqttAgent implements AutoCloseable {
 
     private interface Work<T> { T run() throws TaskDeclined; }
 
-    /** A task's work stopped past its round: the session back to idle and its decline not sent (the
-     *  aggregator no longer waits for an answer), the device free for its next task. */
+    /** A task's work stopped past its round: the session back to idle (the aggregator no longer waits
+     *  for an answer; the job's first is declined once, saying the clock may be ahead), the device
+     *  free for its next task. */
     private void stopped(TaskRef ref, WorkDeadline.PastDeadline e) {
         tasksStopped.incrementAndGet();
-        session.onWorkFailed(ref, e.getMessage());       // back to idle; the SendDecline it returns is dropped
         if (skippedFor.size() < 64 && skippedFor.add(ref.job + " stopped"))
             LOG.warning(deviceId + ": stopped task " + ref.task + " of job " + ref.job + " round " + ref.round + ": "
                         + e.getMessage() + " (logged once per job)");
+        execute(session.onWorkStopped(ref, true));
     }
 
     /** Encoded message to the outbox, chunked above the chunk size (fresh chunk ids, same parent). */
