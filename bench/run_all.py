@@ -36,6 +36,7 @@ QUICK = {
     "import_compile.py": ["--repeats", "4"],
     "sim_process_start.py": ["--starts", "3"],
     "export_folding.py": [],
+    "device_session_memory.py": ["--sessions", "2000"],
 }
 
 
