@@ -192,14 +192,14 @@ def test_ft_phi_pipeline_fine_tunes_the_backbone_tail_against_the_frozen_fed3r_h
     from fedfleet.simulate import _load
 
     cfg = dataclasses.replace(SMOKE, out_dir=str(tmp_path / "run"), cache_dir=feature_cache,
-                              ft_rounds=2, ft_mode="phi", ft_client_lr=0.01, tail_bundle=str(tail_bundle),
+                              ft_rounds=1, ft_mode="phi", ft_client_lr=0.01, tail_bundle=str(tail_bundle),
                               fp_epochs=2,
                               round_timeout_s=120)       # tail training missed the preset's 30 s under the suite's load
     report = run_pipeline(cfg, quiet=True)
     out = tmp_path / "run"
     assert set(report["phases"]) == {"fed3r", "fedavg-ft", "oll"}
     ft = report["phases"]["fedavg-ft"]
-    assert ft["rounds"] == 2 and ft["contributions"] > 0 and ft["device"]["tasks"] >= ft["contributions"]
+    assert ft["rounds"] == 1 and ft["contributions"] > 0 and ft["device"]["tasks"] >= ft["contributions"]
     fed3r_head, model = np.load(out / "1-fed3r" / "model.npz"), np.load(out / "2-fedavg-ft" / "model.npz")
     np.testing.assert_array_equal(model["weight"], fed3r_head["coef"].astype(np.float32))     # FT(φ): head frozen
     backbone = build_backbone(cfg.backbone)
