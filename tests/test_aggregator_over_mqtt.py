@@ -387,3 +387,39 @@ def test_closed_rounds_are_let_go_and_still_answer_a_resend_and_a_late_result(br
     assert result["state"] == "done" and sorted(result["contributed"]) == devices
     assert svc.last_finished.rounds == {} and svc.last_finished.tasks == {}
 
+
+
+def test_an_answer_to_a_job_that_ended_is_counted_late_not_rejected(broker, tmp_path, caplog):
+    """A device whose work stopped at its round's end declines once, usually after the job's last
+    round closed (docs/protocol.md): such answers to a job that ended are counted late, without a
+    warning per device (before: "rejected message ...: unknown job", counted against the service or
+    the next job); an answer naming a job never run is still rejected."""
+    from protocols.messages import TaskRef
+    from protocols.rounds import EXPIRED_AT_WORK_DECLINE
+
+    devices = ["dev-a", "dev-b"]
+    config = Fed3RConfig(num_classes=C, feature_dim=D, clients_per_round=2, round_timeout_s=20, expected_devices=2)
+    svc = AggregatorService(Fed3RJob(config), BrokerConfig.from_url(broker.url), tmp_path, enrolled=set(devices),
+                            settings=ServiceSettings(keep_serving=True))
+    thread = threading.Thread(target=svc.run, kwargs={"timeout_s": 60}, daemon=True)
+    thread.start()
+    agents = [DeviceAgent(d, BrokerConfig.from_url(broker.url), {"fed3r.stats": SyntheticStats(i)}).start()
+              for i, d in enumerate(devices)]
+    topics, client = Topics(), raw_client(broker)
+    try:
+        ops_fleet.wait_for(lambda: svc.active is None and svc.last_finished is not None, what="the job ended")
+        ended = svc.last_finished.job_id
+        for device, job in (("dev-a", ended), ("dev-a", ended), ("dev-b", "never-run")):
+            msg = M.decline_message(device, TaskRef(job, 1, "ab" * 16), EXPIRED_AT_WORK_DECLINE)
+            client.publish(topics.outbox(device), encode(msg), qos=1).wait_for_publish(5)
+        ops_fleet.wait_for(lambda: svc.stats.rejections["unknown job"] == 1 and svc.stats.late == 2,
+                           what="two late answers and one rejection")
+        assert "rejected message from dev-a" not in caplog.text
+        assert "rejected message from dev-b: unknown job: 'never-run'" in caplog.text
+    finally:
+        client.loop_stop()
+        client.disconnect()
+        for agent in agents:
+            agent.stop()
+        svc.stop()
+        thread.join(10)
