@@ -528,9 +528,12 @@ class DeviceSession:
 
 def _remember(memory: dict, key: str, value) -> None:
     """``memory[key] = value`` in a session's per-job memory, the oldest entry dropped past
-    MAX_JOBS_REMEMBERED (whoever sends tasks of new job ids, it stays bounded)."""
-    while len(memory) >= MAX_JOBS_REMEMBERED:
-        del memory[next(iter(memory))]
+    MAX_JOBS_REMEMBERED (whoever sends tasks of new job ids, it stays bounded). A key already there
+    keeps its place and drops nothing (a job listed twice in a recalled 'expired_declined': before,
+    a full memory lost its oldest job to it, which the Java device's LinkedHashMap keeps)."""
+    if key not in memory:
+        while len(memory) >= MAX_JOBS_REMEMBERED:
+            del memory[next(iter(memory))]
     memory[key] = value
 
 
