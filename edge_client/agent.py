@@ -346,9 +346,9 @@ class DeviceAgent:
                     outs = list(secure.on_task(act.ref.job, act.ref.round, act.params, act.tensors))
                 else:
                     body, tensors = handler(act.params, act.tensors)
-            elapsed = max(0.0, time.perf_counter() - t0 - self.hooks.queued_s())
-            self.stats.compute_s += elapsed
-            self.hooks.after_compute(elapsed)
+                elapsed = max(0.0, time.perf_counter() - t0 - self.hooks.queued_s())
+                self.stats.compute_s += elapsed
+                self.hooks.after_compute(elapsed)       # an emulated slower device's extra time: within it too
         except PastDeadline as exc:          # nobody waits for the answer any more
             self.stats.tasks_stopped += 1
             if self._skipped_for.first(f"{act.ref.job} stopped"):

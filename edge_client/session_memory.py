@@ -9,24 +9,34 @@ captured task once more while its deadline lasts. A device with a state folder (
 * written atomically (``protocols.files.write_atomic``: synced temp file, rename, folder synced)
   each time it changes, *before* the task's work starts, so a device killed mid-task still skips
   that task's replay;
-* read once when the agent starts, checked entry by entry: a torn, edited or foreign file is
-  refused whole with one warning and the device starts with an empty memory (as one without a
-  state folder does), never stops;
-* bounded: at most ``MAX_MEMORY_BYTES`` are read, at most ``MAX_JOBS_REMEMBERED`` jobs kept;
+* read once when the agent starts: a regular file of at most ``MAX_MEMORY_BYTES``, strict JSON as
+  the envelope's header is read (``parse_strict_json``: no NaN, no duplicate keys, integers within
+  the wire's range, nesting bounded), every entry checked; a torn or malformed file is refused
+  whole with one warning and the device starts with an empty memory (as one without a state
+  folder does), never stops or blocks (a FIFO in its place is not opened);
+* a job's last start created later than the device's clock plus the grace is forgotten when read
+  (written while the aggregator's clock ran ahead, it would have had the job's every later task
+  skipped, across restarts);
+* bounded: at most ``MAX_JOBS_REMEMBERED`` jobs kept, the newest;
 * written through the store's temporary prefix (``.tmp-``), so the store's sweep removes a crash's leftover;
 * not job state: ``--forget-state`` and the store's budget leave it alone (it holds job and task
   ids and the aggregator's timestamps, nothing learned from the device's data).
 
-A write that fails (a full disk) is logged once per error; the session keeps its memory in the
-process, as a device without a state folder does.
+A write that fails (a full disk) is logged once per kind of error and not retried until the
+memory changes again; the session keeps its memory in the process meanwhile, as a device without
+a state folder does. The Java device's ``SessionMemoryFile.java`` reads and writes the same file by
+the same rules (``tests/test_device_session_traces.py`` feeds both the same files).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import stat
+import time
 from pathlib import Path
 
+from protocols.envelope import parse_strict_json
 from protocols.files import write_atomic
 from protocols.rounds import DeviceSession
 
@@ -44,17 +54,20 @@ class SessionMemoryFile:
         self._saved = None                  # the session's memory_changes last written
         self._failed_writes: set[str] = set()
 
-    def load_into(self, session: DeviceSession) -> bool:
-        """Recall the file's memory into ``session``; whether there was a valid one."""
+    def load_into(self, session: DeviceSession, now: float | None = None) -> bool:
+        """Recall the file's memory into ``session`` (``now``: the device's clock, by default
+        time.time()); whether there was a valid one."""
         try:
+            if not stat.S_ISREG(self.path.stat().st_mode):      # a FIFO would block the open
+                raise ValueError("not a regular file")
             with open(self.path, "rb") as f:
                 data = f.read(MAX_MEMORY_BYTES + 1)
             if len(data) > MAX_MEMORY_BYTES:
                 raise ValueError(f"larger than {MAX_MEMORY_BYTES} bytes")
-            session.recall(json.loads(data))
+            session.recall(parse_strict_json(data), time.time() if now is None else now)
         except FileNotFoundError:
             return False
-        except (OSError, ValueError, RecursionError) as exc:   # json's errors, recall's, a deeply nested file
+        except (OSError, ValueError, RecursionError) as exc:   # the parser's errors (UTF-8 too), recall's
             log.warning("the device's session memory %s is unreadable (%s): starting without it, so a "
                         "replayed task within its deadline may run once more", self.path, str(exc)[:200])
             return False
@@ -66,14 +79,14 @@ class SessionMemoryFile:
         """Write the session's memory if it changed since the last write (or load)."""
         if session.memory_changes == self._saved:
             return
+        self._saved = session.memory_changes       # written, or failed: tried again at the next change
+        text = json.dumps(session.memory(), separators=(",", ":"), ensure_ascii=False)    # as read: UTF-8
         try:
             # the store's temporary prefix: its sweep removes what a crash mid-write left
-            write_atomic(self.path, json.dumps(session.memory(), separators=(",", ":")).encode(), temp_prefix=".tmp-")
+            write_atomic(self.path, text.encode("utf-8"), temp_prefix=".tmp-")
         except OSError as exc:
-            key = f"{type(exc).__name__}: {exc}"[:200]
+            key = f"{type(exc).__name__} (errno {exc.errno})"     # not its text: that names a random temp file
             if key not in self._failed_writes and len(self._failed_writes) < 16:
                 self._failed_writes.add(key)
-                log.warning("writing the device's session memory %s failed (%s): it is kept in memory "
-                            "until the next change", self.path, key)
-            return
-        self._saved = session.memory_changes
+                log.warning("writing the device's session memory %s failed (%s: %s): it is kept in memory "
+                            "and written at its next change", self.path, key, str(exc)[:200])

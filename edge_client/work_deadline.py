@@ -41,11 +41,24 @@ def working_until(unix_s: float):
         _UNTIL.reset(token)
 
 
-def stop_if_past(clock=time.time) -> None:
+def stop_if_past() -> None:
     """Raise :class:`PastDeadline` when the work under way has run past its moment."""
     until = _UNTIL.get()
-    if until is not None and clock() > until:
-        raise PastDeadline(f"its deadline passed during the work ({clock() - until:.1f} s past it and the grace)")
+    if until is not None and time.time() > until:
+        raise PastDeadline(f"its deadline passed during the work ({time.time() - until:.1f} s past it and the grace)")
+
+
+def sleep_within(seconds: float) -> None:
+    """Sleep ``seconds``, or until the work's moment if that comes first and then raise
+    :class:`PastDeadline`: an emulated slower device's extra compute time (fedfleet/emulation),
+    which a real device would spend inside its training loop, stops with its round too."""
+    until = _UNTIL.get()
+    if until is None or time.time() + seconds <= until:
+        time.sleep(max(0.0, seconds))
+        return
+    time.sleep(max(0.0, until - time.time()))
+    stop_if_past()
+    raise PastDeadline("its deadline passed during the work")
 
 
 def each_checked(steps: Iterable[T]) -> Iterator[T]:

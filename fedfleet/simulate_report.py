@@ -36,6 +36,7 @@ def job_report(cfg, results: dict, workers: list[dict], prep, job_dir: Path | No
               "rejections": results["rejections"], "late": results["late"], "duplicates": results["duplicates"],
               "fed3r_accuracy": results["final"].get("accuracy"), "history": results["history"],
               "dropouts": sum(w["dropouts"] for w in workers), "device_compute_s": sum(w["compute_s"] for w in workers),
+              "tasks_stopped": sum(w.get("tasks_stopped", 0) for w in workers),
               "job_s": results.get("wall_s"),
               **fleet_figures(cfg, results, workers), **upload_forms(workers, prep.fed3r_job.get("feature_dim"))}
     if cfg.rf_dim:
@@ -110,7 +111,8 @@ def format_report(r: dict) -> str:
     lines = ["", f"=== fedfleet simulate: {title} ===",
              f"devices contributed     {r['contributed']}/{r['devices']} in {r['rounds']} rounds "
              f"({r['dropouts']} drop-outs {'lost' if one_round(r['config'].get('dp_epsilon'), r['config'].get('secure'), r['config'].get('dp_release', 'round')) else 'retried'}, "
-             f"{r['late']} late results discarded)",
+             f"{r['late']} late results discarded"
+             + (f", {r['tasks_stopped']} tasks stopped at their round's end" if r.get("tasks_stopped") else "") + ")",
              f"{name + ' accuracy':23s} {r['fed3r_accuracy']:.4f}"]
     if "central_accuracy" in r:
         reference = "centralized NCM acc.    " if name == "FedNCM" else "centralized ridge acc.  "

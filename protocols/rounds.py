@@ -414,14 +414,18 @@ class DeviceSession:
                 "started": [[ref.job, ref.round, ref.task, ts] for ref, ts in self.last_started.values()],
                 "expired_declined": list(self.expired_declined)}
 
-    def recall(self, memory) -> None:
-        """Take back what :meth:`memory` gave (a restarted device). A malformed one raises ValueError
-        and changes nothing; of more than MAX_JOBS_REMEMBERED jobs the newest are kept."""
+    def recall(self, memory, now: float | None = None) -> None:
+        """Take back what :meth:`memory` gave (a restarted device). A malformed one (any entry)
+        raises ValueError and changes nothing; of more than MAX_JOBS_REMEMBERED jobs the newest are
+        kept. With ``now`` (the device's clock), a job's last start created later than now plus the
+        grace is forgotten: written while the aggregator's clock ran ahead (or edited), it would
+        have the job's every later task skipped as a replay, across restarts."""
         started, declined = _parse_memory(memory)
         self.last_started.clear()
         self.expired_declined.clear()
         for job, ref_ts in started.items():
-            _remember(self.last_started, job, ref_ts)
+            if now is None or ref_ts[1] <= now + self.deadline_grace_s:
+                _remember(self.last_started, job, ref_ts)
         for job in declined:
             _remember(self.expired_declined, job, True)
 
@@ -524,32 +528,34 @@ class DeviceSession:
 
 def _remember(memory: dict, key: str, value) -> None:
     """``memory[key] = value`` in a session's per-job memory, the oldest entry dropped past
-    MAX_JOBS_REMEMBERED (whoever sends tasks of new job ids, it stays bounded)."""
-    while len(memory) >= MAX_JOBS_REMEMBERED:
-        del memory[next(iter(memory))]
+    MAX_JOBS_REMEMBERED (whoever sends tasks of new job ids, it stays bounded). A key already there
+    keeps its place and drops nothing (a job listed twice in a recalled 'expired_declined': before,
+    a full memory lost its oldest job to it, which the Java device's LinkedHashMap keeps)."""
+    if key not in memory:
+        while len(memory) >= MAX_JOBS_REMEMBERED:
+            del memory[next(iter(memory))]
     memory[key] = value
 
 
 def _parse_memory(memory) -> tuple[dict[str, tuple[TaskRef, float]], list[str]]:
-    """DeviceSession.memory()'s data checked entry by entry (a file on the device's disk, torn or
-    edited: never trusted), the newest MAX_JOBS_REMEMBERED jobs of each list; a round within
-    parse_task's range, as the Java device's DeviceSession.recall checks it too."""
+    """DeviceSession.memory()'s data, every entry checked (a file on the device's disk, torn or
+    edited: never trusted), a round within parse_task's range, as the Java device's
+    DeviceSession.recall checks it too; the caller keeps the newest MAX_JOBS_REMEMBERED jobs."""
     if not isinstance(memory, dict) or not _is_int(memory.get("version")) or memory["version"] != MEMORY_VERSION:
         raise ValueError(f"device session memory: not a version {MEMORY_VERSION} object")
     started, declined = memory.get("started"), memory.get("expired_declined")
     if not isinstance(started, list) or not isinstance(declined, list):
         raise ValueError("device session memory: 'started' and 'expired_declined' must be lists")
     out: dict[str, tuple[TaskRef, float]] = {}
-    for entry in started[-MAX_JOBS_REMEMBERED:]:
+    for entry in started:
         if not (isinstance(entry, list) and len(entry) == 4 and _is_id(entry[0]) and _is_id(entry[2])
                 and _is_int(entry[1]) and -(1 << 62) <= entry[1] < 1 << 62 and _is_finite_number(entry[3])):
             raise ValueError(f"device session memory: a started entry is not [job, round, task, ts]: {entry!r:.200}")
         out.pop(entry[0], None)
         out[entry[0]] = (TaskRef(entry[0], entry[1], entry[2]), float(entry[3]))
-    jobs = declined[-MAX_JOBS_REMEMBERED:]
-    if not all(_is_id(job) for job in jobs):
+    if not all(_is_id(job) for job in declined):
         raise ValueError("device session memory: 'expired_declined' must list job ids")
-    return out, jobs
+    return out, declined
 
 
 def _is_id(value) -> bool:

@@ -218,6 +218,11 @@ def test_a_session_recalls_its_replay_guard_and_refuses_a_malformed_memory_whole
     s.recall(many)
     assert list(s.last_started) == [f"j{i}" for i in range(10, MAX_JOBS_REMEMBERED + 10)]
     assert list(s.expired_declined) == list(s.last_started)
+    # a job listed twice keeps its first place and drops no other (a full memory lost its oldest to it)
+    ids = [f"j{i}" for i in range(MAX_JOBS_REMEMBERED)]
+    for again in (ids[0], ids[5]):
+        s.recall({"version": 1, "started": [], "expired_declined": [*ids, again]})
+        assert list(s.expired_declined) == ids, again
 
 
 # ---- the tables themselves --------------------------------------------------------------------

@@ -33,6 +33,7 @@ from edge_client.data import load_fashion_mnist
 from edge_client.handlers import (HandlerConfig, LocalData, SharedExtractors, device_handlers, ladd_handlers,
                                   secure_handlers)
 from edge_client.state import DeviceStateStore
+from edge_client.work_deadline import sleep_within
 from protocols.identity import DeviceIdentity
 from protocols.mqtt_link import BrokerConfig
 from protocols.topics import Topics
@@ -54,7 +55,7 @@ def profile_hooks(profile: DeviceProfile, t0: float, rng: np.random.Generator,
     its host's others sleep for minutes when a round asks every device at once), and the
     device's compute time in the statistics leaves it out."""
     def after_compute(elapsed: float) -> None:
-        time.sleep(profile.extra_compute_delay(elapsed))
+        sleep_within(profile.extra_compute_delay(elapsed))     # a slower device: stopped with its round too
         if profile.draws_dropout(rng):
             raise DroppedOut()
 
@@ -195,6 +196,7 @@ def device_totals(host: DeviceHost, agents: list[DeviceAgent]) -> dict:
               "compute_s": sum(a.stats.compute_s for a in agents),
               "tasks_done": sum(a.stats.tasks_done for a in agents),
               "dropouts": sum(a.stats.dropouts for a in agents),
+              "tasks_stopped": sum(a.stats.tasks_stopped for a in agents),
               "devices": len(agents), "rss_mb": rss_mb(), "step_errors": host.step_errors,
               "not_connected": host.connect_problems(),
               "loop_lag_max_s": host.loop.max_lag_s,

@@ -5,30 +5,52 @@
 // Usage: java org.fedfleet.device.SessionTraces <trace.json>...; prints one JSON line per trace:
 //   {"trace": <file name>, "steps": [{"actions": [...], "state": "IDLE"}, ...], "memory": <memory()>,
 //    "memory_changes": n}
-// java org.fedfleet.device.SessionTraces --recall: standard input's first line is a valid session
-// memory (as a device's session.json holds it), each further line another one, checked or not: for
-// each, a fresh session recalls the first, then that line, and prints {"refused": whether the line
-// was refused (not JSON, or recall threw: the device's file refused whole), "memory": its memory(),
-// "memory_changes": n}.
+// java org.fedfleet.device.SessionTraces --recall [NOW]: standard input's first line is a valid
+// session memory (as a device's session.json holds it), each further line another one, checked or
+// not: for each, a fresh session recalls the first, then that line (by the device's clock NOW, unix
+// seconds, when given: recall(memory, now)), and prints {"refused": whether the line was refused (not
+// JSON, or recall threw: the device's file refused whole), "memory": its memory(), "memory_changes": n}.
+// java org.fedfleet.device.SessionTraces --load-file NOW PATH...: each file read by the device's own
+// reader (SessionMemoryFile.loadInto(session, NOW), a fresh session each), one line each:
+// {"file": PATH, "loaded": its answer, "memory": the session's memory(), "warnings": warnings logged}.
+// java org.fedfleet.device.SessionTraces --save-failing PATH: PATH a folder (the write's rename over it
+// fails), three changes of a session's memory each saved three times, then the folder removed and
+// saved again without a change, then after one; prints {"warnings": n, "failed": whether PATH was
+// still a folder, "retried": whether the unchanged memory was written, "written": whether the
+// changed one was, "same_kind": whether two errors naming different temporary files are one kind}.
 package org.fedfleet.device;
 
+import java.io.File;
 import java.math.BigInteger;
 import java.nio.charset.StandardCharsets;
 import java.nio.file.Files;
 import java.nio.file.Path;
 import java.nio.file.Paths;
 import java.util.ArrayList;
+import java.util.Arrays;
 import java.util.Collections;
 import java.util.LinkedHashMap;
 import java.util.List;
 import java.util.Map;
+import java.util.logging.Handler;
+import java.util.logging.Level;
+import java.util.logging.LogRecord;
+import java.util.logging.Logger;
 import org.fedfleet.wire.Envelope;
 import org.fedfleet.wire.Json;
 
 public final class SessionTraces {
     public static void main(String[] args) throws Exception {
-        if (args.length == 1 && args[0].equals("--recall")) {
-            recallEach();
+        if (args.length >= 1 && args.length <= 2 && args[0].equals("--recall")) {
+            recallEach(args.length == 2 ? Double.parseDouble(args[1]) : Double.NaN);
+            return;
+        }
+        if (args.length == 2 && args[0].equals("--save-failing")) {
+            saveFailing(new File(args[1]));
+            return;
+        }
+        if (args.length >= 2 && args[0].equals("--load-file")) {
+            loadEach(Double.parseDouble(args[1]), Arrays.asList(args).subList(2, args.length));
             return;
         }
         for (String file : args) {
@@ -55,7 +77,65 @@ public final class SessionTraces {
         }
     }
 
-    private static void recallEach() throws Exception {
+    /** A logger that counts its warnings in warnings[0] and prints nothing. */
+    private static Logger counting(int[] warnings) {
+        Logger log = Logger.getAnonymousLogger();
+        log.setUseParentHandlers(false);
+        log.addHandler(new Handler() {
+            @Override public void publish(LogRecord record) { if (record.getLevel() == Level.WARNING) warnings[0]++; }
+            @Override public void flush() {}
+            @Override public void close() {}
+        });
+        return log;
+    }
+
+    private static void startTask(DeviceSession session, int n) {
+        session.onTask(new Messages.Task(new TaskRef("j" + n, 1, "t" + n), "fed3r.stats", new LinkedHashMap<>(), 1e12, 1000.0 + n),
+                       Collections.<Envelope.Tensor>emptyList(), Double.NaN);
+    }
+
+    private static void saveFailing(File path) throws Exception {
+        int[] warnings = {0};
+        DeviceSession session = new DeviceSession();
+        SessionMemoryFile file = new SessionMemoryFile(path, counting(warnings));
+        for (int change = 0; change < 3; change++) {
+            startTask(session, change);
+            for (int k = 0; k < 3; k++) file.saveIfChanged(session);      // the agent saves before every batch of actions
+        }
+        boolean failed = path.isDirectory();
+        if (!path.delete()) throw new IllegalStateException("cannot remove " + path);
+        file.saveIfChanged(session);
+        boolean retried = path.exists();
+        startTask(session, 3);
+        file.saveIfChanged(session);
+        String folder = path.getParent();
+        Map<String, Object> line = new LinkedHashMap<>();
+        line.put("warnings", BigInteger.valueOf(warnings[0]));
+        line.put("failed", failed);
+        line.put("retried", retried);
+        line.put("written", path.isFile());
+        line.put("same_kind", SessionMemoryFile.failureKind(new java.io.FileNotFoundException(folder + "/.tmp-8123.json.part (No space left on device)"))
+                .equals(SessionMemoryFile.failureKind(new java.io.FileNotFoundException(folder + "/.tmp-90210.json.part (No space left on device)"))));
+        System.out.println(new String(Json.canonicalAscii(line), StandardCharsets.US_ASCII));
+    }
+
+    private static void loadEach(double now, List<String> files) throws Exception {
+        int[] warnings = {0};
+        Logger log = counting(warnings);
+        for (String file : files) {
+            DeviceSession session = new DeviceSession();
+            warnings[0] = 0;
+            boolean loaded = new SessionMemoryFile(new File(file), log).loadInto(session, now);
+            Map<String, Object> line = new LinkedHashMap<>();
+            line.put("file", file);
+            line.put("loaded", loaded);
+            line.put("memory", session.memory());
+            line.put("warnings", BigInteger.valueOf(warnings[0]));
+            System.out.println(new String(Json.canonicalAscii(line), StandardCharsets.US_ASCII));
+        }
+    }
+
+    private static void recallEach(double now) throws Exception {
         java.io.BufferedReader in = new java.io.BufferedReader(new java.io.InputStreamReader(System.in, StandardCharsets.UTF_8));
         Object base = Json.parse(in.readLine());
         for (String text; (text = in.readLine()) != null; ) {
@@ -63,7 +143,7 @@ public final class SessionTraces {
             session.recall(base);
             boolean refused = false;
             try {
-                session.recall(Json.parse(text));
+                session.recall(Json.parse(text), now);
             } catch (Json.JsonError | IllegalArgumentException e) {
                 refused = true;
             }

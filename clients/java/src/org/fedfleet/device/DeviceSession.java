@@ -220,18 +220,25 @@ public final class DeviceSession {
         return out;
     }
 
-    /** Take back what memory() gave, as Json.parse read it (a restarted device), checked entry by
-     *  entry as protocols/rounds.py's _parse_memory does (a file on the device's disk, torn or
-     *  edited: never trusted). A malformed one throws IllegalArgumentException and changes nothing;
-     *  of more than MAX_JOBS_REMEMBERED jobs in a list the newest are kept (the older not even read). */
-    public void recall(Object memory) {
+    /** Take back what memory() gave, as Json.parseHeader read it (a restarted device), every entry
+     *  checked as protocols/rounds.py's _parse_memory does (a file on the device's disk, torn or
+     *  edited: never trusted). A malformed one (any entry, however old) throws IllegalArgumentException
+     *  and changes nothing; of more than MAX_JOBS_REMEMBERED jobs in a list the newest are kept. No
+     *  start is forgotten for lying in the future: recall(memory, now) does that. */
+    public void recall(Object memory) { recall(memory, Double.NaN); }
+
+    /** recall(memory), and with `now` (the device's clock, unix seconds; NaN: not checked) a job's
+     *  last start created later than now plus deadlineGraceS is forgotten, silently: written while
+     *  the aggregator's clock ran ahead (or edited), it would have the job's every later task skipped
+     *  as a replay, across restarts (protocols/rounds.py's DeviceSession.recall(memory, now)). */
+    public void recall(Object memory, double now) {
         if (!(memory instanceof Map) || !BigInteger.valueOf(MEMORY_VERSION).equals(((Map<?, ?>) memory).get("version")))
             throw new IllegalArgumentException("device session memory: not a version " + MEMORY_VERSION + " object");
         Object started = ((Map<?, ?>) memory).get("started"), declined = ((Map<?, ?>) memory).get("expired_declined");
         if (!(started instanceof List) || !(declined instanceof List))
             throw new IllegalArgumentException("device session memory: 'started' and 'expired_declined' must be lists");
         Map<String, Started> recalled = new LinkedHashMap<>();
-        for (Object entry : newest((List<?>) started)) {
+        for (Object entry : (List<?>) started) {
             Started s = startedEntry(entry);
             if (s == null) {
                 String shown = String.valueOf(entry);
@@ -241,17 +248,13 @@ public final class DeviceSession {
             recalled.remove(s.ref.job);      // a job listed twice: its later entry, in its place
             recalled.put(s.ref.job, s);
         }
-        List<?> jobs = newest((List<?>) declined);
-        for (Object job : jobs)
+        for (Object job : (List<?>) declined)
             if (!isId(job)) throw new IllegalArgumentException("device session memory: 'expired_declined' must list job ids");
         lastStarted.clear();
-        lastStarted.putAll(recalled);
+        for (Started s : recalled.values())     // the bounded map keeps the newest MAX_JOBS_REMEMBERED
+            if (Double.isNaN(now) || s.sentAt <= now + deadlineGraceS) lastStarted.put(s.ref.job, s);
         expiredDeclined.clear();
-        for (Object job : jobs) expiredDeclined.put((String) job, Boolean.TRUE);
-    }
-
-    private static List<?> newest(List<?> entries) {
-        return entries.subList(Math.max(0, entries.size() - MAX_JOBS_REMEMBERED), entries.size());
+        for (Object job : (List<?>) declined) expiredDeclined.put((String) job, Boolean.TRUE);   // one listed twice: its first place
     }
 
     /** [job, round, task, ts] as memory() writes it, or null: ids non-empty strings of at most

@@ -34,11 +34,13 @@ public final class WorkDeadline {
     }
 
     /** Run the calling thread's work until unixS (the device's clock) at the latest:
-     *  {@code try (WorkDeadline.Scope s = WorkDeadline.until(t)) { ... }}. NaN: unchecked. */
+     *  {@code try (WorkDeadline.Scope s = WorkDeadline.until(t)) { ... }}. (MqttAgent, its one
+     *  caller, passes a task's deadline, a finite number as Messages.parseTask reads it, plus the
+     *  session's grace: never NaN; a NaN would stop nothing, as no comparison with it holds, as in
+     *  edge_client/work_deadline.py.) */
     public static Scope until(double unixS) {
         Scope scope = new Scope(UNTIL.get());
-        if (Double.isNaN(unixS)) UNTIL.remove();
-        else UNTIL.set(unixS);
+        UNTIL.set(unixS);
         return scope;
     }
 

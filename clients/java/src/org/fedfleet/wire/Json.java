@@ -177,8 +177,11 @@ public final class Json {
         }
         String t = s.substring(start, i);
         if (!isFloat) {     // docs/protocol.md: integers within -2^63 .. 2^64 - 1; receivers refuse others
-            BigInteger v = new BigInteger(t);
-            if (wire && (v.compareTo(INT_MIN) < 0 || v.compareTo(INT_MAX) > 0))
+            // more than 2^64 - 1's 20 digits (JSON has no leading zeros): outside, without BigInteger's
+            // quadratic parse (a 256 KiB integer took it a second; Python's int() stops at 4,300 digits)
+            boolean tooLong = wire && t.length() - (t.charAt(0) == '-' ? 1 : 0) > 20;
+            BigInteger v = tooLong ? null : new BigInteger(t);
+            if (tooLong || wire && (v.compareTo(INT_MIN) < 0 || v.compareTo(INT_MAX) > 0))
                 throw err("the integer " + t.substring(0, Math.min(40, t.length())) + " is outside -2^63 .. 2^64 - 1");
             return v;
         }
