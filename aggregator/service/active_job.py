@@ -35,6 +35,9 @@ class ServiceStats:
     late: int = 0
     duplicates: int = 0
 
+    def count_late(self) -> None:
+        self.late += 1
+
     def reject(self, reason_class: str) -> None:
         if reason_class not in REJECTION_CLASSES:
             raise ValueError(f"unknown rejection class {reason_class!r}")

@@ -28,6 +28,7 @@ from aggregator.storage.store import Store
 log = logging.getLogger("fedfleet.aggregator")
 
 SETTING = "job_end_notices"
+MAX_ENDED_REMEMBERED = 64      # ended jobs whose late answers are counted late, not rejected
 
 
 def run_of(job_id: str, job, store: Store | None) -> str | None:
@@ -44,11 +45,17 @@ def run_of(job_id: str, job, store: Store | None) -> str | None:
 
 
 class JobEndNotices:
-    """The lately ended stateful jobs: kept in ``store`` (when there is one), published with ``publish``."""
+    """The lately ended stateful jobs: kept in ``store`` (when there is one), published with ``publish``;
+    and, in memory, the ids of the last ``MAX_ENDED_REMEMBERED`` jobs of any kind that ended (an
+    answer to one is a straggler's, counted late, not a stranger's to be warned of)."""
 
     def __init__(self, store: Store | None, publish: Callable[[Envelope], None]):
         self.store, self._publish = store, publish
         self.notices = self._stored()
+        self._ended_ids: dict[str, None] = {}        # oldest first
+
+    def ended_lately(self, job_id: str) -> bool:
+        return job_id in self._ended_ids
 
     def _stored(self) -> list[JobEnded]:
         text = self.store.setting(SETTING) if self.store is not None else None
@@ -61,6 +68,10 @@ class JobEndNotices:
     def ended(self, job_id: str, state: str, job=None) -> JobEnded | None:
         """The job reached a final state: add it (stored first), publish the list; the notice, or
         None when its devices keep nothing."""
+        self._ended_ids.pop(job_id, None)
+        self._ended_ids[job_id] = None
+        while len(self._ended_ids) > MAX_ENDED_REMEMBERED:
+            del self._ended_ids[next(iter(self._ended_ids))]
         run = run_of(job_id, job, self.store) if str(state) in REASONS else None
         if run is None:
             return None

@@ -83,8 +83,6 @@ from aggregator.storage.schema import JobState
 
 log = logging.getLogger("fedfleet.aggregator")
 
-MAX_FINISHED_JOBS_REMEMBERED = 64   # jobs whose late answers are counted as late, not rejected
-
 
 class AggregatorService(OperatorActions):
     def __init__(self, job: Job | None, broker: BrokerConfig, out_dir: Path,
@@ -131,8 +129,6 @@ class AggregatorService(OperatorActions):
             topics.job_ends, encode(env, signer=self._signer), retain=True, wait=True))
         self.held_back = Backoff()      # stored jobs whose end could not be committed lately
         self.last_finished: ActiveJob | None = None
-        # the jobs ended lately, oldest first: a straggler's answer to one is late, not a stranger's
-        self._finished_jobs: dict[str, None] = {}
         self.active: ActiveJob | None = None
         self.runner: JobRunner | None = None
         if job is not None:
@@ -336,12 +332,9 @@ class AggregatorService(OperatorActions):
             ref, kind = M.parse_result_ref(env)
         except EnvelopeError as exc:
             return self._reject(device, "result", str(exc))
-        if a is None or ref.job != a.job_id:
-            if ref.job in self._finished_jobs:      # a straggler's answer (or its round-over decline): late
-                self.stats.late += 1
-                log.debug("late %s from %s for job %s, which has ended", env.type, device, ref.job)
-                return None
-            return self._reject(device, "unknown job", repr(ref.job)[:80])
+        if a is None or ref.job != a.job_id:    # to a job that ended lately: a straggler's answer, counted late
+            return (self.stats.count_late() if self.job_ends.ended_lately(ref.job)
+                    else self._reject(device, "unknown job", repr(ref.job)[:80]))
         coord = a.rounds.get(ref.round)
         if coord is None:       # a round closed and let go still answers (JobRunner.answer_closed)
             return self.runner.answer_closed(device, env, ref.round) or self._reject(device, "unknown round", f"round {ref.round}")
@@ -453,9 +446,5 @@ class AggregatorService(OperatorActions):
         if self.active.uncommitted is not None:     # the store resumes the job: after a wait (service/backoff.py)
             log.warning("job %s: resumed in %.0f s", job_id, self.held_back.failed(job_id, time.monotonic()))
         self.last_finished, self.active, self.runner = self.active, None, None
-        self._finished_jobs.pop(job_id, None)
-        self._finished_jobs[job_id] = None
-        while len(self._finished_jobs) > MAX_FINISHED_JOBS_REMEMBERED:
-            del self._finished_jobs[next(iter(self._finished_jobs))]
         self._update_live(force=True)
         return summary
