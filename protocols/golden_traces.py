@@ -88,6 +88,13 @@ SCENARIOS: dict[str, list[dict]] = {
         {"type": "tick", "now": 7.0}, {"type": "ack", "ref_id": "r2"}, _task(1, 90.0, 60.0, 30.0),
         _task(5, 100.0, 170.0, 45.0, job="b"), _task(4, 100.0, 161.0, 45.0), _task(4, 100.0, 160.0, 45.0),
         _task(1, 200.0, 170.0, 50.0), {"type": "failed", "ref": _ref(1), "reason": "no data"}],
+    # the aggregator's clock ran an hour ahead when round 2's task was created, then was set back:
+    # round 3's task (created earlier by that clock) runs, the last start being dated past the
+    # device's clock plus the grace; an older replay within the grace is still skipped
+    "a_last_start_in_the_devices_future_is_no_evidence": [
+        _task(2, 3700.0, 100.0, 3640.0), _finished(2), {"type": "ack", "ref_id": "r2"},
+        _task(3, 200.0, 150.0, 140.0), _task(1, 300.0, 150.0, 100.0), _finished(3),
+        _task(4, 300.0, 160.0, 150.0), _task(1, 300.0, 160.0, 100.0)],
     # work stopped unanswered: the first of a job whose round went over during the work is declined
     # once (the clock may be ahead), a redelivery past its deadline then skipped; a later stop of the
     # job, a drop-out and a stop of abandoned work send nothing; another job is told once too

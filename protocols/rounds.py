@@ -31,7 +31,9 @@ A device runs a task only while its round may still be open: one received after 
 last task of its job the device started, is skipped, not answered (``SkipTask``), before the rows
 that would re-send a kept result. So a captured task re-published later costs the device nothing
 and takes nothing from it: before, it started afresh and the result awaiting its ack lost its
-retries. The first expired task of a job is declined instead, once, saying the device's clock may
+retries. A last start dated past the device's clock plus the grace is no evidence (the
+aggregator's clock ran ahead and was set back): skipping by it would cost the job's tasks until
+that clock caught up; so a clock set back costs at most the grace's worth of tasks. The first expired task of a job is declined instead, once, saying the device's clock may
 be ahead: without it such a device looks like a straggler. The session remembers its last
 ``MAX_JOBS_REMEMBERED`` jobs; :meth:`DeviceSession.memory` is what a device keeps of them across
 restarts (the agent writes it beside its state store), so a restarted device skips a replay too.
@@ -448,7 +450,11 @@ class DeviceSession:
 
     def _stale(self, ev: TaskArrived) -> bool:
         ref, sent_at = self.last_started.get(ev.ref.job, (None, None))
-        return ev.sent_at is not None and sent_at is not None and ev.ref != ref and ev.sent_at < sent_at
+        # a last start dated past the device's clock plus the grace is no evidence: the aggregator's
+        # clock ran ahead when it was created and has been set back (else every later task of the job
+        # would be skipped until its clock caught up again); at most the grace's worth is skipped
+        trusted = ev.received_at is None or sent_at is None or sent_at <= ev.received_at + self.deadline_grace_s
+        return ev.sent_at is not None and sent_at is not None and ev.ref != ref and ev.sent_at < sent_at and trusted
 
     def _first_expired(self, ev: TaskArrived) -> bool:
         return self._expired(ev) and ev.ref.job not in self.expired_declined
@@ -583,7 +589,8 @@ DEVICE_TABLE = TransitionTable(DeviceState, [
     Transition(ANY, TaskArrived, "received after deadline + grace", _D._skip, (SkipTask,),
                note="its round is over: nothing run, nothing sent", guard=_D._expired),
     Transition(ANY, TaskArrived, "created before its job's last task started", _D._skip, (SkipTask,),
-               note="a replay (by signed ts): a pending result keeps its retries", guard=_D._stale),
+               note="a replay (by signed ts; not against a start dated past the device's clock + grace): "
+                    "a pending result keeps its retries", guard=_D._stale),
     Transition(ANY, TaskArrived, "task answered, result kept", _D._resend_finished, (SendResult,),
                note="same message id: the server may have lost it",
                guard=lambda d, ev: ev.ref in d.finished and d.finished[ev.ref].message is not None),

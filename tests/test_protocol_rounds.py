@@ -225,6 +225,25 @@ def test_a_session_recalls_its_replay_guard_and_refuses_a_malformed_memory_whole
         assert list(s.expired_declined) == ids, again
 
 
+def test_a_last_start_dated_in_the_devices_future_is_no_evidence_of_a_replay():
+    """The aggregator's clock ran an hour ahead when round 2's task was created, then was set back:
+    before, round 3's task (created earlier by that clock) and every later one were skipped as
+    replays until the clock caught up; now only a start within the device's clock plus the grace
+    counts, so a replay older than round 3's start is still skipped."""
+    from protocols.rounds import STALE, SkipTask
+
+    def arriving(r, sent_at, received_at):
+        return TaskArrived(TaskRef("j", r, f"t{r}"), "k", {}, received_at + 100, received_at=received_at, sent_at=sent_at)
+
+    s = DeviceSession()
+    assert kinds(s.handle(arriving(2, 3700.0, 100.0))) == ["StartWork"]
+    assert kinds(s.handle(arriving(3, 150.0, 160.0))) == ["StartWork"]          # 3700 > 160 + 60: no evidence
+    assert s.handle(arriving(1, 120.0, 170.0)) == [SkipTask(TaskRef("j", 1, "t1"), STALE)]
+    s2 = DeviceSession()
+    s2.handle(arriving(2, 210.0, 150.0))                                        # within the grace: evidence
+    assert kinds(s2.handle(arriving(3, 200.0, 160.0))) == ["SkipTask"]
+
+
 # ---- the tables themselves --------------------------------------------------------------------
 def test_docs_show_the_tables_rendered_from_the_data():
     text = (Path(__file__).resolve().parents[1] / "docs" / "protocol.md").read_text()

@@ -125,7 +125,10 @@ public final class DeviceSession {
             return one(new SendDecline(task.ref, EXPIRED_DECLINE));
         }
         Started last = lastStarted.get(task.ref.job);
-        if (last != null && !Double.isNaN(task.sentAt) && !task.ref.equals(last.ref) && task.sentAt < last.sentAt)
+        // a last start dated past this device's clock plus the grace is no evidence (protocols/rounds.py
+        // _stale): the aggregator's clock ran ahead when it was created and has been set back
+        boolean trusted = Double.isNaN(receivedAt) || last == null || last.sentAt <= receivedAt + deadlineGraceS;
+        if (last != null && !Double.isNaN(task.sentAt) && !task.ref.equals(last.ref) && task.sentAt < last.sentAt && trusted)
             return one(new SkipTask(task.ref, STALE));
         Finished done = finished.get(task.ref);
         if (done != null)   // a secure task's result (no message) is answered with nothing, as Python's table says
