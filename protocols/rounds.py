@@ -47,11 +47,11 @@ id at most once and answers duplicates with ``duplicate``.
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .messages import TaskRef
+from .replay_guard import memory_layout, parse_memory
 from .transition_table import ANY, IllegalTransition, Transition, TransitionTable  # noqa: F401 (handle raises it)
 
 
@@ -371,7 +371,6 @@ EXPIRED_DECLINE = ("received after its deadline by this device's clock: is the c
 EXPIRED_AT_WORK_DECLINE = ("its deadline passed during the work by this device's clock: is the clock ahead? (devices "
                            "need NTP-close clocks; later expired tasks of this job are skipped silently)")
 MAX_JOBS_REMEMBERED = 64        # the jobs whose last task started (and expired decline) a session keeps
-MEMORY_VERSION = 1              # DeviceSession.memory()'s layout
 
 
 @dataclass(frozen=True)
@@ -412,9 +411,7 @@ class DeviceSession:
     def memory(self) -> dict:
         """The per-job memory the replay rows read, as JSON data (oldest job first): each job's last
         task started with its signed ts, and the jobs told once that a task came expired."""
-        return {"version": MEMORY_VERSION,
-                "started": [[ref.job, ref.round, ref.task, ts] for ref, ts in self.last_started.values()],
-                "expired_declined": list(self.expired_declined)}
+        return memory_layout(self.last_started, self.expired_declined)
 
     def recall(self, memory, now: float | None = None) -> None:
         """Take back what :meth:`memory` gave (a restarted device). A malformed one (any entry)
@@ -422,7 +419,7 @@ class DeviceSession:
         kept. With ``now`` (the device's clock), a job's last start created later than now plus the
         grace is forgotten: written while the aggregator's clock ran ahead (or edited), it would
         have the job's every later task skipped as a replay, across restarts."""
-        started, declined = _parse_memory(memory)
+        started, declined = parse_memory(memory)
         self.last_started.clear()
         self.expired_declined.clear()
         for job, ref_ts in started.items():
@@ -541,45 +538,6 @@ def _remember(memory: dict, key: str, value) -> None:
         while len(memory) >= MAX_JOBS_REMEMBERED:
             del memory[next(iter(memory))]
     memory[key] = value
-
-
-def _parse_memory(memory) -> tuple[dict[str, tuple[TaskRef, float]], list[str]]:
-    """DeviceSession.memory()'s data, every entry checked (a file on the device's disk, torn or
-    edited: never trusted), a round within parse_task's range, as the Java device's
-    DeviceSession.recall checks it too; the caller keeps the newest MAX_JOBS_REMEMBERED jobs."""
-    if not isinstance(memory, dict) or not _is_int(memory.get("version")) or memory["version"] != MEMORY_VERSION:
-        raise ValueError(f"device session memory: not a version {MEMORY_VERSION} object")
-    started, declined = memory.get("started"), memory.get("expired_declined")
-    if not isinstance(started, list) or not isinstance(declined, list):
-        raise ValueError("device session memory: 'started' and 'expired_declined' must be lists")
-    out: dict[str, tuple[TaskRef, float]] = {}
-    for entry in started:
-        if not (isinstance(entry, list) and len(entry) == 4 and _is_id(entry[0]) and _is_id(entry[2])
-                and _is_int(entry[1]) and -(1 << 62) <= entry[1] < 1 << 62 and _is_finite_number(entry[3])):
-            raise ValueError(f"device session memory: a started entry is not [job, round, task, ts]: {entry!r:.200}")
-        out.pop(entry[0], None)
-        out[entry[0]] = (TaskRef(entry[0], entry[1], entry[2]), float(entry[3]))
-    if not all(_is_id(job) for job in declined):
-        raise ValueError("device session memory: 'expired_declined' must list job ids")
-    return out, declined
-
-
-def _is_id(value) -> bool:
-    return isinstance(value, str) and 0 < len(value) <= MAX_MEMORY_ID_CHARS
-
-
-def _is_int(value) -> bool:
-    return type(value) is int       # not True, not 1.0 (both == 1): the Java device refuses them too
-
-
-def _is_finite_number(value) -> bool:
-    try:
-        return type(value) in (int, float) and math.isfinite(value)
-    except OverflowError:           # an integer past float's range (400 digits): a ValueError, not a crash
-        return False
-
-
-MAX_MEMORY_ID_CHARS = 256       # a remembered job or task id (the wire's: 1 to 64 characters and 32 hex digits)
 
 
 _D, _IDLE, _WORKING, _REPORTED = DeviceSession, DeviceState.IDLE, DeviceState.WORKING, DeviceState.REPORTED

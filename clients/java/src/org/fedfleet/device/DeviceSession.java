@@ -65,7 +65,7 @@ public final class DeviceSession {
     public static final String EXPIRED_AT_WORK_DECLINE = "its deadline passed during the work by this device's clock: is "
             + "the clock ahead? (devices need NTP-close clocks; later expired tasks of this job are skipped silently)";
     static final int MAX_JOBS_REMEMBERED = 64;    // protocols/rounds.py's: the jobs a session keeps (oldest dropped)
-    static final int MEMORY_VERSION = 1;          // memory()'s layout, protocols/rounds.py's MEMORY_VERSION
+    static final int MEMORY_VERSION = 1;          // memory()'s layout, protocols/replay_guard.py's MEMORY_VERSION
     static final int MAX_MEMORY_ID_CHARS = 256;   // a remembered job or task id, in code points as Python counts
 
     public static final class SendDecline extends Action {
@@ -224,7 +224,7 @@ public final class DeviceSession {
     }
 
     /** Take back what memory() gave, as Json.parseHeader read it (a restarted device), every entry
-     *  checked as protocols/rounds.py's _parse_memory does (a file on the device's disk, torn or
+     *  checked as protocols/replay_guard.py's parse_memory does (a file on the device's disk, torn or
      *  edited: never trusted). A malformed one (any entry, however old) throws IllegalArgumentException
      *  and changes nothing; of more than MAX_JOBS_REMEMBERED jobs in a list the newest are kept. No
      *  start is forgotten for lying in the future: recall(memory, now) does that. */
