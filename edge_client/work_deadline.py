@@ -6,10 +6,11 @@ moment (a slow device, a long recipe). Its result would then be answered ``late`
 the rest of the work is waste: battery on a phone, a compute slot on an emulation host. The agent
 runs each task's handler under :func:`working_until` (the deadline plus the grace, the
 aggregator's clock read on the device's, as the arrival check reads it), and every local-training
-loop calls :func:`stop_if_past` once per step (the batch schedule's iterator does it for the
-head, tail, Scaffold, Ditto, FedSim/FedAlt and FedGloSS loops; LADD's loop calls it itself):
-past the moment it raises :class:`PastDeadline`, the agent sends nothing and the device is free
-for the next task.
+loop checks it once per step (:func:`each_checked`: the batch schedule's iterator for the head,
+tail, Scaffold, Ditto, FedSim/FedAlt and FedGloSS loops, LADD's own loop); an emulated slower
+device's extra time sleeps within it (:func:`sleep_within`). Past the moment :class:`PastDeadline`
+is raised: the session's ``WorkStopped`` sends no result (the job's first such stop is declined
+once, saying the clock may be ahead) and the device is free for its next task.
 
 A context variable, not a parameter: the loops are the same code the benches and the server's
 simulations call outside any agent, where nothing is set and nothing is checked.
