@@ -3,7 +3,7 @@
 // the last will, presence `online` again after every reconnect, and the round session's retries.
 // The MQTT client's thread only queues raw payloads; the agent's own thread decodes them, drives
 // the DeviceSession and runs the task handlers, so a slow task never blocks the connection; a
-// task's work stops once its round is surely over (WorkDeadline), nothing sent. Given the device's
+// task's work stops once its round is surely over (WorkDeadline), no result sent. Given the device's
 // state store, it keeps the session's replay guard in the store's folder across restarts
 // (SessionMemoryFile).
 package org.fedfleet.device;
@@ -74,7 +74,7 @@ public final class MqttAgent implements AutoCloseable {
     private Thread thread;
     public final AtomicInteger tasksDone = new AtomicInteger(), tasksDeclined = new AtomicInteger(),
             tasksSkipped = new AtomicInteger(), reconnects = new AtomicInteger();
-    /** Tasks whose work stopped when their round was surely over (nothing sent). */
+    /** Tasks whose work stopped when their round was surely over (no result sent). */
     public final AtomicInteger tasksStopped = new AtomicInteger();
     public final Map<String, Integer> acks = Collections.synchronizedMap(new HashMap<String, Integer>());
     private final CountDownLatch firstConnect = new CountDownLatch(1);
@@ -289,7 +289,7 @@ public final class MqttAgent implements AutoCloseable {
         TaskHandler.Result result;
         try {
             result = untilRoundOver(w.task, () -> handler.run(w.task.params, w.tensors));
-        } catch (WorkDeadline.PastDeadline e) {     // nobody waits for the answer any more: nothing is sent
+        } catch (WorkDeadline.PastDeadline e) {     // nobody waits for the answer any more: no result is sent
             stopped(w.task.ref, e);
             return;
         } catch (TaskDeclined e) {

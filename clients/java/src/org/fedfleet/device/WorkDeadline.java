@@ -5,7 +5,7 @@
 // the work is waste, battery on a phone. MqttAgent runs each handler under until(deadline + grace)
 // (the aggregator's clock read on the device's, as the arrival check reads it), and every local
 // training loop checks it once per step (LocalTraining.Schedule's iterator, which HeadTrainer, and
-// so every head task, iterates): past it, PastDeadline, the agent sends nothing and takes its next task.
+// so every head task, iterates): past it, PastDeadline: no result is sent (the job's first stop declined once, DeviceSession.onWorkStopped) and the agent takes its next task.
 //
 // Per thread, not a parameter: the loops are the same code TaskRunner and the benches call outside
 // any agent, where nothing is set and nothing is checked.
