@@ -33,8 +33,10 @@ that would re-send a kept result. So a captured task re-published later costs th
 and takes nothing from it: before, it started afresh and the result awaiting its ack lost its
 retries. A last start dated past the device's clock plus the grace is no evidence (the
 aggregator's clock ran ahead and was set back): skipping by it would cost the job's tasks until
-that clock caught up; so a clock set back costs at most the grace's worth of tasks. The first expired task of a job is declined instead, once, saying the device's clock may
-be ahead: without it such a device looks like a straggler. The session remembers its last
+that clock caught up; so a clock set back costs at most the grace's worth of tasks. The first
+expired task of a job is declined instead, once, saying the device's clock may be ahead: without
+it such a device looks like a straggler (so is the first task of a job whose round went over
+during its work, ``WorkStopped``). The session remembers its last
 ``MAX_JOBS_REMEMBERED`` jobs; :meth:`DeviceSession.memory` is what a device keeps of them across
 restarts (the agent writes it beside its state store), so a restarted device skips a replay too.
 A device without a state folder keeps them in memory only: restarted, it runs a replay within the
@@ -423,7 +425,7 @@ class DeviceSession:
         self.last_started.clear()
         self.expired_declined.clear()
         for job, ref_ts in started.items():
-            if now is None or ref_ts[1] <= now + self.deadline_grace_s:
+            if self._believable(ref_ts[1], now):
                 _remember(self.last_started, job, ref_ts)
         for job in declined:
             _remember(self.expired_declined, job, True)
@@ -447,20 +449,27 @@ class DeviceSession:
 
     def _stale(self, ev: TaskArrived) -> bool:
         ref, sent_at = self.last_started.get(ev.ref.job, (None, None))
-        # a last start dated past the device's clock plus the grace is no evidence: the aggregator's
-        # clock ran ahead when it was created and has been set back (else every later task of the job
-        # would be skipped until its clock caught up again); at most the grace's worth is skipped
-        trusted = ev.received_at is None or sent_at is None or sent_at <= ev.received_at + self.deadline_grace_s
-        return ev.sent_at is not None and sent_at is not None and ev.ref != ref and ev.sent_at < sent_at and trusted
+        return (ev.sent_at is not None and sent_at is not None and ev.ref != ref and ev.sent_at < sent_at
+                and self._believable(sent_at, ev.received_at))
+
+    def _believable(self, sent_at: float, now: float | None) -> bool:
+        """Whether a remembered start's ts is evidence by the device's clock ``now`` (None: not
+        checked): one dated past now plus the grace was made while the aggregator's clock ran ahead,
+        since set back; trusted, it would have the job's every later task skipped until that clock
+        caught up again (at most the grace's worth is skipped now)."""
+        return now is None or sent_at <= now + self.deadline_grace_s
 
     def _first_expired(self, ev: TaskArrived) -> bool:
         return self._expired(ev) and ev.ref.job not in self.expired_declined
 
     def _decline_expired(self, ev: TaskArrived) -> list:
+        return self._tell_expired(ev.ref, EXPIRED_DECLINE)
+
+    def _tell_expired(self, ref: TaskRef, reason: str) -> list:
         # once per job: what the operator sees of a device whose clock runs ahead (else only "dropped")
-        _remember(self.expired_declined, ev.ref.job, True)
+        _remember(self.expired_declined, ref.job, True)
         self.memory_changes += 1
-        return [SendDecline(ev.ref, EXPIRED_DECLINE)]
+        return [SendDecline(ref, reason)]
 
     def _skip(self, ev: TaskArrived) -> list:
         return [SkipTask(ev.ref, EXPIRED if self._expired(ev) else STALE)]
@@ -492,12 +501,8 @@ class DeviceSession:
         return self._is_current(ev) and ev.round_over and ev.ref.job not in self.expired_declined
 
     def _stopped_first_of_job(self, ev: WorkStopped) -> list:
-        # as an expired arrival: said once per job (a device whose clock runs ahead stops its work
-        # early, and would otherwise look like a straggler), later expired tasks of the job skipped
-        self.state, self.current = DeviceState.IDLE, None
-        _remember(self.expired_declined, ev.ref.job, True)
-        self.memory_changes += 1
-        return [SendDecline(ev.ref, EXPIRED_AT_WORK_DECLINE)]
+        # as an expired arrival (a device whose clock runs ahead stops its work early)
+        return self._stopped(ev) + self._tell_expired(ev.ref, EXPIRED_AT_WORK_DECLINE)
 
     def _stopped(self, ev: WorkStopped) -> list:
         self.state, self.current = DeviceState.IDLE, None
