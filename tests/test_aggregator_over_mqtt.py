@@ -409,12 +409,14 @@ def test_an_answer_to_a_job_that_ended_is_counted_late_not_rejected(broker, tmp_
     try:
         ops_fleet.wait_for(lambda: svc.active is None and svc.last_finished is not None, what="the job ended")
         ended = svc.last_finished.job_id
-        for device, job in (("dev-a", ended), ("dev-a", ended), ("dev-b", "never-run")):
-            msg = M.decline_message(device, TaskRef(job, 1, "ab" * 16), EXPIRED_AT_WORK_DECLINE)
+        straggler = M.result_message("dev-b", TaskRef(ended, 1, "cd" * 16), "fed3r.stats", {}, {})   # a late result
+        for device, msg in (("dev-a", M.decline_message("dev-a", TaskRef(ended, 1, "ab" * 16), EXPIRED_AT_WORK_DECLINE)),
+                            ("dev-b", straggler),
+                            ("dev-b", M.decline_message("dev-b", TaskRef("never-run", 1, "ab" * 16), "no data"))):
             client.publish(topics.outbox(device), encode(msg), qos=1).wait_for_publish(5)
         ops_fleet.wait_for(lambda: svc.stats.rejections["unknown job"] == 1 and svc.stats.late == 2,
                            what="two late answers and one rejection")
-        assert "rejected message from dev-a" not in caplog.text
+        assert caplog.text.count("rejected message") == 1
         assert "rejected message from dev-b: unknown job: 'never-run'" in caplog.text
     finally:
         client.loop_stop()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import deque
 from typing import Callable
 
 from protocols.envelope import Envelope
@@ -52,7 +53,7 @@ class JobEndNotices:
     def __init__(self, store: Store | None, publish: Callable[[Envelope], None]):
         self.store, self._publish = store, publish
         self.notices = self._stored()
-        self._ended_ids: dict[str, None] = {}        # oldest first
+        self._ended_ids: deque[str] = deque(maxlen=MAX_ENDED_REMEMBERED)     # the newest push out the oldest
 
     def ended_lately(self, job_id: str) -> bool:
         return job_id in self._ended_ids
@@ -68,10 +69,7 @@ class JobEndNotices:
     def ended(self, job_id: str, state: str, job=None) -> JobEnded | None:
         """The job reached a final state: add it (stored first), publish the list; the notice, or
         None when its devices keep nothing."""
-        self._ended_ids.pop(job_id, None)
-        self._ended_ids[job_id] = None
-        while len(self._ended_ids) > MAX_ENDED_REMEMBERED:
-            del self._ended_ids[next(iter(self._ended_ids))]
+        self._ended_ids.append(job_id)
         run = run_of(job_id, job, self.store) if str(state) in REASONS else None
         if run is None:
             return None
