@@ -29,9 +29,10 @@ MAX_JOB_ID_CHARS = 64       # a task's job id (the aggregator's job ids are 1 to
 MAX_REASON_CHARS = 1000     # a decline's reason as sent
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TaskRef:
-    """Identifies one unit of work: (job, round) plus the task message id."""
+    """Identifies one unit of work: (job, round) plus the task message id. Slotted: a device's replay
+    guard keeps one per job it remembers (bench/device_session_memory.py)."""
 
     job: str
     round: int
