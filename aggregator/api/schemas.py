@@ -2,6 +2,9 @@
 
 A job's config model is built per registered kind from its config dataclass and the limit each
 field declares (``aggregator/jobs/config_limits.py``), so the schema states what the service accepts.
+Its numbers and choices take only their own JSON types, as ``validate_config`` does: pydantic's lax
+mode would store ``true`` as 1, ``"5"`` as 5 or ``7.0`` as 7, which ``aggregator serve --config``
+refuses for the same file.
 """
 
 from __future__ import annotations
@@ -11,11 +14,12 @@ import types
 import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, create_model
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, create_model
 
 from protocols.topics import DEVICE_ID_RE
 
-from aggregator.jobs.config_limits import JOB_ID_RE, Fields, Items, OneOf, Pattern, Range, check_limit, field_limit
+from aggregator.jobs.config_limits import (JOB_ID_RE, Fields, Items, OneOf, Pattern, Range, check_limit, field_limit,
+                                           matches)
 from aggregator.jobs.registry import KINDS, kind_of
 
 ID_PATTERN = DEVICE_ID_RE.pattern
@@ -119,26 +123,38 @@ def config_model(kind: str) -> type[BaseModel]:
 
 
 def _field_type(name: str, hint, limit):
+    # strict=True on every number: an int still passes where a float is declared (JSON has one
+    # number type, and validate_config takes it), a bool or a string never does
     if isinstance(limit, OneOf):
-        return Literal[limit.values]
+        return Annotated[Literal[limit.values], _json_type_of(hint)]
     if isinstance(limit, Fields):
         required = set(limit.spec if limit.required is None else limit.required)
         sub = {k: (_field_type(k, t, rng), ... if k in required else None) for k, (t, rng) in limit.spec.items()}
         model = create_model(f"{name.title().replace('_', '')}", __config__=ConfigDict(extra="forbid"), **sub)
         return model | None if typing.get_origin(hint) in (typing.Union, types.UnionType) else model
     if isinstance(limit, Items):
-        item = Annotated[float, Field(ge=limit.item.lo, le=limit.item.hi, allow_inf_nan=False)]
+        item = Annotated[float, Field(strict=True, ge=limit.item.lo, le=limit.item.hi, allow_inf_nan=False)]
         return Annotated[list[item], Field(min_length=1, max_length=limit.max_items)]
     if hint is int or (isinstance(limit, Range) and hint is list):
-        return Annotated[int, Field(ge=limit.lo, le=limit.hi)] if isinstance(limit, Range) else int
+        return Annotated[int, Field(strict=True, ge=limit.lo, le=limit.hi)] if isinstance(limit, Range) else StrictInt
     if hint is float:
         rng = {"ge": limit.lo, "le": limit.hi} if isinstance(limit, Range) else {}
-        return Annotated[float, Field(allow_inf_nan=False, **rng)]
+        return Annotated[float, Field(strict=True, allow_inf_nan=False, **rng)]
     if hint is bool:
         return StrictBool
     if hint is str:
         return Annotated[str, Field(max_length=1024, **({"pattern": limit.regex} if isinstance(limit, Pattern) else {}))]
     return hint
+
+
+def _json_type_of(hint) -> BeforeValidator:
+    """A choice's value of its declared JSON type first (``matches``: bools are not ints): pydantic's
+    Literal has no strict mode and takes ``true`` for 1 and ``1`` for ``true``, equal in Python."""
+    def check(value):
+        if not matches(value, hint):
+            raise ValueError(f"{value!r} is not of type {getattr(hint, '__name__', hint)}")
+        return value
+    return BeforeValidator(check)
 
 
 def job_create_model(kind: str) -> type[BaseModel]:
