@@ -113,13 +113,19 @@ def _reject_constant(token: str) -> Any:
     raise ValueError(f"{token} is not JSON")
 
 
-def _object_without_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+class DuplicateKeyError(ValueError):
+    """A JSON object names one key twice."""
+
+
+def object_without_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``' ``object_pairs_hook`` that refuses a repeated key (``DuplicateKeyError``)
+    instead of keeping its last value."""
     # A duplicate key would let two receivers (one keeping the first value, one the last) read
     # one signed header differently.
     obj: dict[str, Any] = {}
     for key, value in pairs:
         if key in obj:
-            raise ValueError(f"duplicate key {key!r}")
+            raise DuplicateKeyError(f"duplicate key {key!r}")
         obj[key] = value
     return obj
 
@@ -173,7 +179,7 @@ def parse_strict_json(data: bytes) -> Any:
     ``MAX_JSON_DEPTH``. Raises ValueError."""
     text = data.decode("utf-8")
     check_json_depth(text)
-    value = json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_object_without_duplicates,
+    value = json.loads(text, parse_constant=_reject_constant, object_pairs_hook=object_without_duplicates,
                        parse_float=_finite_float, parse_int=_int_in_range)
     # A lone surrogate can only come from a \ud800-\udfff escape: re-encode (UnicodeEncodeError, a
     # ValueError, for an unpaired one) only the rare header that has one, not every message.

@@ -7,6 +7,7 @@ SQLite store); the deployment controller over mosquitto."""
 
 from __future__ import annotations
 
+import json
 import threading
 
 import numpy as np
@@ -53,6 +54,33 @@ def test_a_non_finite_json_number_is_a_422_that_names_the_field(client, path, bo
     r = client.post(path, content=body, headers=AUTH)
     assert r.status_code == 422, r.text
     assert r.json()["detail"] and all("loc" in e and "msg" in e and "input" not in e for e in r.json()["detail"])
+
+
+@pytest.mark.parametrize("body,key", [
+    (b'{"job_id":"dupa","job_id":"dupb","kind":"fed3r","config":{}}', "job_id"),
+    (b'{"job_id":"dupa","kind":"fedavg","kind":"fed3r","config":{}}', "kind"),
+    (b'{"job_id":"dupa","kind":"fed3r","config":{"lam":0.5,"lam":1000.0}}', "lam"),
+    (b'{"job_id":"dupa","kind":"fed3r","config":{"random_features":{"seed":1,"dim":4,"sigma":2,"dim":8}}}', "dim")])
+def test_a_json_key_named_twice_is_a_400_naming_it(client, body, key):
+    """A review's finding: the last of two values was taken silently (json.loads), so what an
+    operator reviewed was not what ran. (Without the repeat the same body is past every check:
+    this API has no service to create it, 503.)"""
+    r = client.post("/api/jobs", content=body, headers=AUTH)
+    assert r.status_code == 400 and f"duplicate key {key!r}" in r.json()["detail"], r.text
+    once = json.loads(body)                                   # the last value of each key
+    assert client.post("/api/jobs", json=once, headers=AUTH).status_code == 503
+
+
+def test_every_route_that_takes_a_json_body_refuses_a_repeated_key(client):
+    from fastapi.routing import APIRoute
+    from test_admin_api import sample_path
+
+    with_body = [(method, route) for route in client.app.routes if isinstance(route, APIRoute) and route.body_field
+                 for method in route.methods]
+    assert len(with_body) >= 4
+    for method, route in with_body:
+        r = client.request(method, sample_path(route), content=b'{"a": 1, "a": 2}', headers=AUTH)
+        assert r.status_code == 400 and "duplicate key 'a'" in r.json()["detail"], (route.path, r.text)
 
 
 @pytest.mark.parametrize("job_id", [".", ".."])

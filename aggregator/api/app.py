@@ -9,12 +9,15 @@ Every route needs the admin token: ``Authorization: Bearer <token>``, or, for br
 session cookie that the sign-in form's ``POST /dashboard/login`` sets (``guard.py``). The
 OpenAPI schema is served at ``/openapi.json`` behind the same check; there is no Swagger UI
 (it would load scripts from a CDN at run time).
+
+Every route's JSON body is parsed by ``StrictJsonRequest``: a key named twice in one object is a 400
+naming it, never its last value taken.
 """
 
 from __future__ import annotations
 
+import json
 from functools import partial
-
 from importlib import resources
 from typing import Any, Literal
 
@@ -22,7 +25,10 @@ from fastapi import Depends, FastAPI, HTTPException, Request, status
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
+from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from protocols.envelope import DuplicateKeyError, object_without_duplicates
 
 from aggregator.compute.summary import compute_summary
 from aggregator.storage.store import Store
@@ -43,6 +49,7 @@ def create_app(store: Store, token: str, service=None, deployments=None) -> Fast
         raise ValueError("the admin token must be at least 16 characters")
     app = FastAPI(title="fedfleet aggregator admin API", version="1", openapi_url=None, docs_url=None,
                   redoc_url=None, dependencies=[Depends(token_check(token))])
+    app.router.route_class = StrictJsonRoute          # every route added below
     ctx = ApiContext(store, service, deployments)
     add_service_routes(app, ctx, compute_summary())
     add_fleet_routes(app, ctx)
@@ -53,6 +60,32 @@ def create_app(store: Store, token: str, service=None, deployments=None) -> Fast
     app.add_exception_handler(RequestValidationError, invalid_request)
     app.add_middleware(RequestGuard, token=token)
     return app
+
+
+class StrictJsonRequest(Request):
+    """A request whose JSON body refuses a key named twice in one object: Python's json keeps the
+    last value silently, so ``{"job_id": "a", ..., "job_id": "b"}`` created job b while the
+    operator (or a proxy, a log, another parser) read a."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            try:
+                self._json = json.loads(await self.body(), object_pairs_hook=object_without_duplicates)
+            except DuplicateKeyError as exc:
+                raise HTTPException(status.HTTP_400_BAD_REQUEST, f"the JSON body has a {exc}") from None
+        return self._json
+
+
+class StrictJsonRoute(APIRoute):
+    """A route whose endpoint reads its body through ``StrictJsonRequest`` (FastAPI's hook for a
+    request class of one's own)."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def strict_json_handler(request: Request) -> Response:
+            return await handler(StrictJsonRequest(request.scope, request.receive))
+        return strict_json_handler
 
 
 async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
