@@ -27,15 +27,18 @@ import urllib.request
 from pathlib import Path
 
 from protocols.files import write_private_file
+from protocols.regular_file import read_regular_file
 
 from . import admin_deployments
 from .admin_ids import refused_id
+from .errors import UserError
 from .help_format import HelpFormatter
 from .terminal_text import terminal_safe
 from typing import Any
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 MAX_CONFIG_BYTES = 1024 * 1024      # a job config file: the largest request the admin API takes
+MAX_TOKEN_FILE_BYTES = 64 * 1024    # a token is tens of characters
 
 
 class AdminError(Exception):
@@ -262,15 +265,24 @@ def _job_text(j: dict) -> str:
     return "\n".join(lines)
 
 
+def _operator_file(path: Path, what: str, max_bytes: int) -> bytes:
+    """A file the operator named, read only if it is a regular file of at most ``max_bytes``:
+    ``/dev/zero`` was read until memory ran out and a FIFO blocked for ever (its size, 0, passed a
+    check of st_size). A ``UserError``: found before any request."""
+    try:
+        return read_regular_file(path, what, max_bytes)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+
+
 def _job_config_file(path: Path) -> Any:
     """The JSON in ``path``, read only if it is no larger than the API takes (1 MiB), one clear
     error if it is nested too deeply to parse (a RecursionError, which is not a ValueError)."""
-    if path.stat().st_size > MAX_CONFIG_BYTES:
-        raise AdminError(f"{path}: {path.stat().st_size:,} bytes; a job config is at most {MAX_CONFIG_BYTES:,}")
+    data = _operator_file(path, "job config file", MAX_CONFIG_BYTES)
     try:
-        return json.loads(path.read_text())
+        return json.loads(data)
     except RecursionError:
-        raise AdminError(f"{path}: its JSON is nested too deeply") from None
+        raise UserError(f"{path}: its JSON is nested too deeply") from None
 
 
 def _job(args, client):
@@ -288,11 +300,11 @@ def _job(args, client):
     if a == "create":
         config = _job_config_file(Path(args.config))
         if not isinstance(config, dict):
-            raise AdminError(f"{args.config}: a job config is a JSON object of settings, not {type(config).__name__}")
+            raise UserError(f"{args.config}: a job config is a JSON object of settings, not {type(config).__name__}")
         job_id = args.job_id or config.get("job_id")
         config.pop("job_id", None)                      # named once, outside the settings
         if not job_id:
-            raise AdminError("the config has no job_id: pass --job-id")
+            raise UserError("the config has no job_id: pass --job-id")
         j = client.post("/api/jobs", {"job_id": job_id, "kind": args.kind, "config": config})
         if args.start:
             j = client.post(f"/api/jobs/{job_id}/start")
@@ -481,19 +493,27 @@ def run_admin(args) -> int:
     if args.admin_cmd == "model" and args.action == "download" and not args.output:
         print("fedfleet admin: model download needs -o FILE", file=sys.stderr)
         return 2
-    token = (args.token_file.read_text().strip() if args.token_file else args.token) or \
-        os.environ.get("FEDFLEET_ADMIN_TOKEN")
-    if not token:
-        print("fedfleet admin: no token (--token, --token-file or FEDFLEET_ADMIN_TOKEN)", file=sys.stderr)
-        return 2
     try:
-        result, text = _run(args, AdminClient(args.url, token))
+        result, text = _run(args, AdminClient(args.url, _token(args)))
+    except UserError as exc:                    # the operator's own input, refused before any request
+        print(f"fedfleet admin: {exc}", file=sys.stderr)
+        return 2
     except (AdminError, OSError, ValueError) as exc:
         print(f"fedfleet admin: {exc}", file=sys.stderr)
         return 1
     if text is not None:
         print(json.dumps(result, indent=1) if args.json else terminal_safe(text))
     return 0
+
+
+def _token(args) -> str:
+    """--token-file's token, else --token's, else $FEDFLEET_ADMIN_TOKEN's."""
+    named = _operator_file(args.token_file, "--token-file", MAX_TOKEN_FILE_BYTES).decode().strip() \
+        if args.token_file else args.token
+    token = named or os.environ.get("FEDFLEET_ADMIN_TOKEN")
+    if not token:
+        raise UserError("no token (--token, --token-file or FEDFLEET_ADMIN_TOKEN)")
+    return token
 
 
 def main(argv: list[str] | None = None) -> int:

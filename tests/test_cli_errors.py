@@ -156,3 +156,46 @@ def test_an_unknown_command_is_one_clear_error_without_importing_the_server():
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     assert seen["code"] == 2 and not seen["torch"] and not seen["aggregator"]
     assert "invalid choice: 'bogus'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _admin_in_a_bounded_process(*argv: str) -> subprocess.CompletedProcess:
+    """``fedfleet admin ...`` in a fresh interpreter of this tree, its address space capped at 2 GiB
+    (a reader without a bound fails there with a MemoryError, not by taking the test machine's
+    memory) and its time at 60 s (a FIFO opened for reading blocked for ever)."""
+    import resource
+
+    def cap_memory():
+        resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+    return subprocess.run([sys.executable, "-m", "fedfleet.cli", "admin", "--url", "http://127.0.0.1:1", *argv],
+                          capture_output=True, text=True, timeout=60, preexec_fn=cap_memory,
+                          cwd=Path(__file__).resolve().parents[1])
+
+
+@pytest.mark.parametrize("target", ["/dev/zero", "fifo", "directory"])
+@pytest.mark.parametrize("role", ["job config", "--token-file"])
+def test_an_admin_file_that_is_no_regular_file_is_refused_at_once(tmp_path, role, target):
+    """A review's finding: ``fedfleet admin job create FILE`` checked st_size (0 for a device or a
+    FIFO) and then read the whole file, so /dev/zero grew the client's memory without end and a
+    FIFO blocked it for ever; --token-file read without any check. Now one line, exit 2, at once."""
+    path = {"/dev/zero": "/dev/zero", "fifo": str(tmp_path / "fifo"), "directory": str(tmp_path)}[target]
+    if target == "fifo":
+        os.mkfifo(path)
+    (tmp_path / "job.json").write_text(json.dumps({"job_id": "abc"}))
+    argv = ["--token", "t" * 20, "job", "create", path] if role == "job config" else \
+        ["--token-file", path, "job", "create", str(tmp_path / "job.json")]
+    proc = _admin_in_a_bounded_process(*argv)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert len(lines) == 1 and "is not a regular file" in lines[0] and path in lines[0], proc.stderr
+
+
+def test_an_admin_file_larger_than_its_bound_is_refused_unread(tmp_path):
+    config, token = tmp_path / "job.json", tmp_path / "token"
+    with open(config, "wb") as f:
+        f.truncate(2 << 20)                           # sparse: 2 MiB, more than the API takes
+    token.write_text("t" * 20 + " " * (1 << 20))
+    for argv, words in ((["--token", "t" * 20, "job", "create", str(config)], "more than 1048576"),
+                        (["--token-file", str(token), "jobs"], "more than 65536")):
+        proc = _admin_in_a_bounded_process(*argv)
+        assert proc.returncode == 2 and words in proc.stderr and len(proc.stderr.splitlines()) == 1, proc.stderr
