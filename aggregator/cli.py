@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from protocols.command_errors import run_reporting_errors
 from protocols.mqtt_link import BrokerConfig
 from protocols.ray_cluster import check_reachable as check_ray_reachable
 
@@ -145,9 +146,13 @@ def serve(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m aggregator``: what process managers and the suite run. A mistake is one line and
+    exit 2, as from ``fedfleet aggregator`` (a bad --config printed a traceback, exit 1)."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    args = build_parser().parse_args(argv)
-    return serve(args)
+    parser = build_parser()
+    parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
+    args = parser.parse_args(argv)
+    return run_reporting_errors("aggregator", lambda: serve(args), args.debug)
 
 
 if __name__ == "__main__":

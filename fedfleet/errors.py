@@ -1,54 +1,15 @@
 """Ordinary mistakes get one line saying what is wrong and what to do, and a non-zero exit; a
 traceback only with ``fedfleet --debug``. :func:`run_reporting_errors` is the one place that turns
 the exceptions a user can cause (a missing file, bad JSON, an unknown config field, a bad broker
-address, an unreachable broker) into that line."""
+address, an unreachable broker) into that line; it lives in ``protocols/command_errors.py``, where
+``python -m aggregator`` reports the same way."""
 
 from __future__ import annotations
 
 import json
-import re
-import sys
-from typing import Callable
 
-
-class UserError(Exception):
-    """A mistake in what the user asked for; the message says what is wrong and what to do."""
-
-
-USER_MISTAKES = (UserError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError,
-                 json.JSONDecodeError, ConnectionError, ValueError, KeyError, TypeError)
-
-
-def describe(exc: BaseException) -> str:
-    if isinstance(exc, json.JSONDecodeError):
-        return f"not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})"
-    if isinstance(exc, (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)) and exc.filename:
-        return f"{exc.strerror or type(exc).__name__}: {exc.filename}"
-    if isinstance(exc, KeyError):
-        return f"missing {exc.args[0]!r}" if exc.args else "missing key"
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return redact_passwords(text)
-
-
-def redact_passwords(text: str) -> str:
-    """``text`` with the password of every URL in it (``scheme://user:password@host``) replaced:
-    an error about a broker address must not print the enrolled device's MQTT password."""
-    return re.sub(r"([A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*:)[^@\s/]*@", r"\1***@", text)
-
-
-def run_reporting_errors(command: str, fn: Callable[[], int], debug: bool) -> int:
-    """Run a command; a user's mistake is printed as ``fedfleet COMMAND: error: ...`` (exit 2)."""
-    try:
-        return fn()
-    except KeyboardInterrupt:
-        print(f"fedfleet {command}: interrupted", file=sys.stderr)
-        return 130
-    except USER_MISTAKES as exc:
-        if debug:
-            raise
-        hint = "  (fedfleet --debug shows where)" if isinstance(exc, (KeyError, TypeError)) else ""
-        print(f"fedfleet {command}: error: {describe(exc)}{hint}", file=sys.stderr)
-        return 2
+from protocols.command_errors import (USER_MISTAKES, UserError, describe, redact_passwords,  # noqa: F401 (fedfleet's names)
+                                      run_reporting_errors)
 
 
 def load_json_file(path, what: str) -> object:

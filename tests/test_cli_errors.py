@@ -199,3 +199,18 @@ def test_an_admin_file_larger_than_its_bound_is_refused_unread(tmp_path):
                         (["--token-file", str(token), "jobs"], "more than 65536")):
         proc = _admin_in_a_bounded_process(*argv)
         assert proc.returncode == 2 and words in proc.stderr and len(proc.stderr.splitlines()) == 1, proc.stderr
+
+
+@pytest.mark.parametrize("config", ["huge.json", "bad.json", "nope.json"])
+def test_python_m_aggregator_reports_a_mistake_as_fedfleet_aggregator_does(files, config):
+    """A review's finding: ``python -m aggregator serve`` (what process managers and the suite run)
+    printed a 19-line traceback, exit 1, for a bad --config where ``fedfleet aggregator serve``
+    printed one line, exit 2. Both now print the same line."""
+    argv = ["serve", "--out", str(files / "o"), "--config", str(files / config), "--broker", "mqtt://127.0.0.1:1"]
+    outcomes = []
+    for entry in (["-m", "aggregator"], ["-m", "fedfleet.cli", "aggregator"]):
+        proc = subprocess.run([sys.executable, *entry, *argv], capture_output=True, text=True, timeout=120,
+                              cwd=Path(__file__).resolve().parents[1])
+        assert "Traceback" not in proc.stderr and len(proc.stderr.splitlines()) == 1, proc.stderr[-2000:]
+        outcomes.append((proc.returncode, proc.stderr))
+    assert outcomes[0] == outcomes[1] and outcomes[0][0] == 2, outcomes
