@@ -18,7 +18,7 @@ from aggregator.api.app import create_app
 from aggregator.deployments.cohort import CohortRule
 from aggregator.deployments.controller import DeploymentController
 from aggregator.deployments.guard import Guard
-from aggregator.jobs.registry import build_job
+from aggregator.jobs.registry import build_job, kind_of
 from aggregator.storage.round_log import SETTING_PREFIX
 from aggregator.storage.store import Store
 from protocols.envelope import Envelope, EnvelopeError
@@ -194,6 +194,16 @@ def test_a_head_too_large_for_memory_is_refused_before_anything_is_allocated():
     with pytest.raises(ValueError, match="head parameters"):
         build_job("fed3r", {"num_classes": 100_000, "feature_dim": 8192, "b_format": "dense"})
     build_job("fed3r", {"num_classes": 2028, "feature_dim": 1280})          # the many-class regime fits
+
+
+@pytest.mark.parametrize("kind", ["fed3r", "fed3r-sync", "fedncm"])
+def test_random_features_count_in_the_head_size_they_set(kind):
+    """Fed3R's B is (random_features.dim + 1) x C whatever feature_dim says: a small feature_dim
+    with 8,192 random features and 8,000 classes passed the cap and allocated 0.5 GB at start."""
+    rf = {"seed": 1, "dim": 8192, "sigma": 1.0}
+    with pytest.raises(ValueError, match=r"random_features\.dim \+ 1\) = 65,544,000 head parameters"):
+        build_job(kind, {"num_classes": 8000, "feature_dim": 1, "random_features": rf})
+    assert kind_of(kind).config_cls(num_classes=10, feature_dim=1, random_features=rf).head_inputs == 8193
 
 
 @pytest.mark.parametrize("mechanism,z", [("ssp", 1e-300), ("ssp", 0.05), ("gaussian", 1e-300)])

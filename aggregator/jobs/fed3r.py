@@ -128,6 +128,15 @@ class Fed3RConfig(Fed3RRobustnessFields, PrivacyBudgetFields, ModelFields):
         base = self.random_features["dim"] if self.random_features else self.feature_dim
         return base + (1 if self.fit_intercept else 0)
 
+    @property
+    def head_inputs(self) -> int:
+        # the strategy's B is (p x C): with random features p is their dim, whatever feature_dim says
+        return max(self.p, self.feature_dim + 1)
+
+    @property
+    def head_inputs_field(self) -> str:
+        return "random_features.dim" if self.random_features else "feature_dim"
+
     def task_params(self) -> Fed3RStatsParams:
         rf = self.random_features
         clipped = self.feature_clip_norm > 0

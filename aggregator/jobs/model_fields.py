@@ -35,14 +35,26 @@ class ModelFields(JobConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.num_classes * (self.feature_dim + 1) > MAX_HEAD_ENTRIES:
-            raise ValueError(f"num_classes x (feature_dim + 1) = {self.num_classes * (self.feature_dim + 1):,} head "
-                             f"parameters exceed {MAX_HEAD_ENTRIES:,}: fewer classes or a smaller feature_dim")
+        entries = self.num_classes * self.head_inputs
+        if entries > MAX_HEAD_ENTRIES:
+            raise ValueError(f"num_classes x ({self.head_inputs_field} + 1) = {entries:,} head parameters exceed "
+                             f"{MAX_HEAD_ENTRIES:,}: fewer classes or a smaller {self.head_inputs_field}")
         if self.bundle_sha256:
             try:
                 check_sha(self.bundle_sha256)
             except EnvelopeError as exc:
                 raise ValueError(f"bundle_sha256: {exc}") from None
+
+    @property
+    def head_inputs(self) -> int:
+        """The rows of the (inputs x C) matrices the job holds for its head: the features plus the bias
+        (a kind whose head reads other inputs, Fed3R's random features, says so)."""
+        return self.feature_dim + 1
+
+    @property
+    def head_inputs_field(self) -> str:
+        """The config field that sets ``head_inputs``, as a refusal names it."""
+        return "feature_dim"
 
     def device_bundle_sha256(self) -> str:
         return self.bundle_sha256
