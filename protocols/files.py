@@ -7,14 +7,19 @@ from __future__ import annotations
 import errno
 import hashlib
 import io
+import math
 import os
 import tempfile
 import threading
+import zipfile
 from pathlib import Path
 
 import numpy as np
 
 _BLOCK = 1 << 20
+# What read_npz inflates at most unless told less: the largest state a job checkpoints (Fed3R's
+# dense A at p = 8,193, 0.5 GiB, and a 2^25-entry B) with room to spare.
+MAX_NPZ_BYTES = 1 << 31
 # a folder's fsync refused rather than failed (PostgreSQL's fsync_fname ignores the same): the rename is done
 _DIR_SYNC_UNSUPPORTED = frozenset({errno.EINVAL, errno.EBADF, errno.EACCES, errno.EPERM, errno.EISDIR,
                                    errno.ENOTSUP, errno.EOPNOTSUPP})
@@ -36,11 +41,40 @@ def read_npy_header(stream) -> tuple[tuple[int, ...], bool, np.dtype]:
         return read(stream)
 
 
-def read_npz(data: bytes) -> dict[str, np.ndarray]:
+def read_npz(data: bytes, max_bytes: int = MAX_NPZ_BYTES) -> dict[str, np.ndarray]:
     """Every array of an .npz held in memory (never a pickle), its headers parsed under
-    NPY_HEADER_LOCK: what any thread that reads a model or a checkpoint calls."""
+    NPY_HEADER_LOCK: what any thread that reads a model or a checkpoint calls. At most ``max_bytes``
+    once inflated, checked before anything is inflated (:func:`check_npz_size`); ValueError for
+    anything else."""
+    check_npz_size(data, max_bytes)
     with NPY_HEADER_LOCK, np.load(io.BytesIO(data), allow_pickle=False) as z:
         return {k: z[k] for k in z.files}
+
+
+def check_npz_size(data: bytes, max_bytes: int) -> None:
+    """Refuse an .npz that would inflate past ``max_bytes``, before any member is inflated: a 1.5 MiB
+    archive of zeros is a 1.5 GiB array, which the size of the file read (``read_job_input``'s
+    bound) says nothing of. The members' sizes in the archive's directory bound what inflating
+    can produce (zipfile stops at them and fails the CRC past them); each member must be a .npy
+    whose header declares no more data than the member holds, since numpy allocates the declared
+    shape before it reads."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            members = archive.infolist()
+            inflated = sum(member.file_size for member in members)
+            if inflated > max_bytes:
+                raise ValueError(f".npz inflates to {inflated:,} bytes, more than {max_bytes:,}")
+            for member in members:
+                with archive.open(member) as stream:
+                    try:
+                        shape, _, dtype = read_npy_header(stream)
+                    except ValueError as exc:
+                        raise ValueError(f".npz member {member.filename[:100]!r} is not an .npy array: {exc}") from None
+                if math.prod(shape) * dtype.itemsize > member.file_size:
+                    raise ValueError(f".npz member {member.filename[:100]!r}: its header declares {shape} of "
+                                     f"{dtype}, more than its {member.file_size:,} bytes")
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError, EOFError, OSError) as exc:
+        raise ValueError(f"not a readable .npz archive: {exc}") from None
 
 
 def file_sha256(path: str | Path) -> str:

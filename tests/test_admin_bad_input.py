@@ -237,8 +237,8 @@ def test_a_job_file_is_checked_and_loaded_from_one_read(tmp_path, monkeypatch):
     import os
     from types import SimpleNamespace
 
+    import aggregator.jobs.input_files as input_files
     import aggregator.jobs.ladd as ladd
-    import aggregator.jobs.ladd_initial_model as initial_model
     from aggregator.jobs.input_files import read_job_input
 
     def npz(value: float) -> bytes:
@@ -250,12 +250,12 @@ def test_a_job_file_is_checked_and_loaded_from_one_read(tmp_path, monkeypatch):
     path = tmp_path / "pretrained.npz"
     path.write_bytes(genuine)
     config = SimpleNamespace(initial_model_file=str(path), initial_model_sha256=hashlib.sha256(genuine).hexdigest())
-    real_check = initial_model.check_sha256
+    real_check = input_files.check_sha256
 
     def check_then_swap(data, expected, what):
         real_check(data, expected, what)
         path.write_bytes(evil)                  # replaced right after its digest was checked
-    monkeypatch.setattr(initial_model, "check_sha256", check_then_swap)
+    monkeypatch.setattr(input_files, "check_sha256", check_then_swap)
     arrays, _ = ladd.LaddJob.load_initial(config)
     assert np.array_equal(arrays["w"], np.full(4, 1.0, np.float32))
     with pytest.raises(ValueError, match="sha256 does not match"):
@@ -265,3 +265,61 @@ def test_a_job_file_is_checked_and_loaded_from_one_read(tmp_path, monkeypatch):
         read_job_input(tmp_path / "fifo", "initial_model_file")
     with pytest.raises(ValueError, match="more than 10"):
         read_job_input(path, "initial_model_file", max_bytes=10)
+
+
+def _zip_of(members: dict[str, bytes], compression=None) -> bytes:
+    import io
+    import zipfile
+
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", compression or zipfile.ZIP_DEFLATED) as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+    return buffer.getvalue()
+
+
+def _npy_header(shape: tuple, descr: str = "<f8") -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buffer, {"descr": descr, "fortran_order": False, "shape": shape})
+    return buffer.getvalue()
+
+
+def test_an_npz_is_refused_before_it_inflates_past_its_bound():
+    """The review's F03: a job file's bytes on disk were bounded (1 GiB) but not what they inflate
+    to: a 1.5 MiB archive of zeros made the service allocate 1.5 GiB. The members' declared sizes
+    are checked first, and a header declaring more data than its member holds (numpy allocates the
+    declared shape before reading) is refused too; each error is a ValueError."""
+    from protocols.files import read_npz
+
+    zeros = _zip_of({"head.npy": _npy_header((2**21,)) + bytes(8 * 2**21)})       # 16 MiB inflated
+    assert len(zeros) < 100_000
+    assert read_npz(zeros)["head"].shape == (2**21,)
+    with pytest.raises(ValueError, match=r"inflates to 16,777,344 bytes, more than 1,048,576"):
+        read_npz(zeros, max_bytes=2**20)
+    lying = _zip_of({"w.npy": _npy_header((10**12,)) + bytes(64)})
+    with pytest.raises(ValueError, match=r"declares \(1000000000000,\) of float64, more than its 192 bytes"):
+        read_npz(lying)
+    with pytest.raises(ValueError, match="'notes.txt' is not an .npy array"):
+        read_npz(_zip_of({"notes.txt": b"hello"}))
+    for garbage in (b"", b"not a zip", b"PK\x03\x04" + bytes(40)):
+        with pytest.raises(ValueError, match="not a readable .npz archive"):
+            read_npz(garbage)
+
+
+@pytest.mark.parametrize("kind", ["fedavg", "ladd"])
+def test_a_job_file_that_inflates_past_a_job_files_bound_is_refused(kind, tmp_path, monkeypatch):
+    """The same through the jobs that read .npz inputs: the job is not built, with one error that
+    names the file (the bound made small here: the real one is MAX_JOB_FILE_BYTES, 1 GiB)."""
+    import aggregator.jobs.input_files as input_files
+
+    monkeypatch.setattr(input_files, "MAX_JOB_FILE_BYTES", 2**20)
+    path = tmp_path / "model.npz"
+    path.write_bytes(_zip_of({"coef.npy": _npy_header((10, 1280)) + bytes(8 * 12_800),
+                              "intercept.npy": _npy_header((10,)) + bytes(80),
+                              "junk.npy": _npy_header((2**18,)) + bytes(8 * 2**18)}))
+    config = ({"init": "fed3r", "initial_head_file": str(path)} if kind == "fedavg" else
+              {"model": {"num_classes": 2, "image_size": 16}, "initial_model_file": str(path)})
+    with pytest.raises(ValueError, match=r"model.npz'.*inflates to [0-9,]+ bytes, more than 1,048,576"):
+        build_job(kind, config)

@@ -34,7 +34,8 @@ def parses(monkeypatch):
 def test_a_rollouts_head_is_parsed_under_the_lock(parses):
     data = head_npz(np.ones((3, 4), np.float32), np.zeros(3, np.float32))
     W, b = head_from_npz(data, hashlib.sha256(data).hexdigest())
-    assert W.shape == (3, 4) and parses == [True, True]          # the two members' headers
+    # the two members' headers, each twice: read_npz's size check, then numpy's load
+    assert W.shape == (3, 4) and parses == [True] * 4
 
 
 def test_the_state_store_parses_under_the_lock(parses, tmp_path):
@@ -57,7 +58,7 @@ def test_the_aggregators_models_and_checkpoints_are_read_under_the_lock(parses, 
         _write_checkpoint(db, "job", 1, {"w": np.ones(3)}, {})
     parses.clear()
     _, state, _ = store.checkpoint("job")
-    assert state["w"].tolist() == [1, 1, 1] and parses == [True]
+    assert state["w"].tolist() == [1, 1, 1] and parses == [True, True]      # size check, load
 
 
 def test_the_feature_cache_is_read_under_the_lock(parses, tmp_path):

@@ -38,7 +38,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from protocols.envelope import Envelope, body_field
-from protocols.files import read_npz
 from protocols.payloads.fedavg import (KIND, HeadTrainingParams, HeadUpdate, LocalTraining, ModelUpdate, head_tensors,
                                       parse_head_update)
 from protocols.rounds import RoundClosed
@@ -47,7 +46,7 @@ from aggregator.compute.evaluation import head_accuracy
 from aggregator.strategies.dp_fedavg import DPFedAvg
 from aggregator.strategies.fedavg import ServerOptimizer
 from aggregator.jobs.base import Job
-from aggregator.jobs.input_files import read_job_input
+from aggregator.jobs.input_files import read_job_arrays
 from aggregator.jobs.config_limits import (BATCH_SIZE, LOCAL_EPOCHS, PATH, ROUNDS, TEMPERATURE, WEIGHT_DECAY, OneOf,
                                            Range, limited)
 from aggregator.jobs.model_fields import ModelFields
@@ -150,7 +149,7 @@ class FedAvgJob(Job):
             self.dp = DPFedAvg(self.strategy, c.dp_noise_multiplier, c.clip_rule(), c.clients_per_round)
         if c.init == "fed3r" and self.initial_head is None and c.initial_head_file:
             # A finished Fed3R job's output: the normalised classifier, bias included ([P] §III-D).
-            fed3r_model = read_npz(read_job_input(c.initial_head_file, "initial_head_file"))
+            fed3r_model = read_job_arrays(c.initial_head_file, "initial_head_file")
             self.initial_head = {"weight": fed3r_model["coef"], "bias": fed3r_model["intercept"]}
         if c.init == "fed3r" and self.initial_head is None:
             raise ValueError("init='fed3r' needs initial_head_file (a Fed3R model.npz) or FedAvgJob.from_fed3r")

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
+from protocols.files import check_sha256, read_npz
 from protocols.regular_file import read_regular_file
 
 MAX_JOB_FILE_BYTES = 1 << 30        # a pretrained segmentation network or tail program is ~10-100 MB
@@ -22,3 +25,15 @@ MAX_JOB_FILE_BYTES = 1 << 30        # a pretrained segmentation network or tail 
 def read_job_input(path: str | Path, what: str, max_bytes: int = MAX_JOB_FILE_BYTES) -> bytes:
     """The bytes of ``path``, a regular file of at most ``max_bytes`` (ValueError otherwise)."""
     return read_regular_file(path, what, max_bytes)
+
+
+def read_job_arrays(path: str | Path, what: str, expected_sha256: str = "") -> dict[str, np.ndarray]:
+    """The arrays of an .npz job input (a model to start from, a pretrained network): its bytes read
+    once as :func:`read_job_input` reads them, pinned by ``expected_sha256`` when one is given, and
+    inflated to no more than a job file may hold on disk (a small archive of zeros inflates to GBs)."""
+    raw = read_job_input(path, what)
+    check_sha256(raw, expected_sha256, f"{what} {str(path)[:200]}")
+    try:
+        return read_npz(raw, max_bytes=MAX_JOB_FILE_BYTES)
+    except ValueError as exc:
+        raise ValueError(f"{what} {str(path)[:200]!r}: {exc}") from None

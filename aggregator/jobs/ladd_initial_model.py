@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from protocols.files import check_sha256, read_npz
 
-from aggregator.jobs.input_files import read_job_input
+from aggregator.jobs.input_files import read_job_arrays
 from aggregator.jobs.ladd_config import LaddConfig
 
 TRAINABLE_KEY = "__trainable__"
@@ -24,8 +23,6 @@ def load_initial_model(config: LaddConfig) -> tuple[dict[str, np.ndarray], list[
     """The checksummed pretrained network a config names (a job built from its config alone)."""
     if not config.initial_model_file:
         raise ValueError("a LADD job built from its config needs initial_model_file (the pretrained network)")
-    raw = read_job_input(config.initial_model_file, "initial_model_file")
-    check_sha256(raw, config.initial_model_sha256, f"initial_model_file {config.initial_model_file}")
-    arrays = read_npz(raw)
+    arrays = read_job_arrays(config.initial_model_file, "initial_model_file", config.initial_model_sha256)
     trainable = [str(t) for t in arrays.pop(TRAINABLE_KEY)] if TRAINABLE_KEY in arrays else []
     return arrays, trainable

@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from protocols.envelope import Envelope
-from protocols.files import read_npz
 from protocols.payloads.fedavg import TAIL_PREFIX, head_tensors
 from protocols.payloads.personalize import (FALLBACKS, FP_PARTS, KIND, METHODS, PERSONAL, PersonalizationReport,
                                             PersonalizeParams, parse_report)
@@ -38,7 +37,7 @@ from protocols.rounds import RoundClosed
 
 from aggregator.compute.evaluation import head_accuracy
 from aggregator.jobs.base import Job
-from aggregator.jobs.input_files import read_job_input
+from aggregator.jobs.input_files import read_job_arrays
 from aggregator.jobs.config_limits import (BATCH_SIZE, JOB_ID, MAX_ATTEMPTS, PATH, TAIL_STAGES, TEMPERATURE,
                                            WEIGHT_DECAY, Items, OneOf, Pattern, Range, limited)
 from aggregator.jobs.model_fields import ModelFields
@@ -96,7 +95,7 @@ def load_model(path: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]
     """(head, tail) of a finished job's model.npz: the head is FedAvg's weight/bias or Fed3R's
     coef/intercept; the tail, the fine-tuned ``tail.*`` tensors of a fedavg-tail model (empty
     for a head-only model)."""
-    model = read_npz(read_job_input(path, "model file"))
+    model = read_job_arrays(path, "model file")
     tail = {name: array.astype(np.float32) for name, array in model.items() if name.startswith(TAIL_PREFIX)}
     for w, b in (("weight", "bias"), ("coef", "intercept")):
         if w in model and b in model:
