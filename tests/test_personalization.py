@@ -220,6 +220,19 @@ def test_one_devices_claimed_held_out_count_weighs_at_most_the_jobs_bound(tmp_pa
     assert summaries[0]["heldout_counts_bounded"] == 1 and "heldout_counts_bounded" not in summaries[1]
 
 
+def test_with_two_held_out_reports_the_smaller_count_bounds_the_larger():
+    """A review's finding: the bound took np.median, the mean of two counts, so with two reports a
+    claim of 10^9 beside an honest 20 was not bounded and both WMAs were the liar's (0.99999 against
+    the honest device's 0.7). Now the smaller count bounds: the liar weighs at most multiplier x 20."""
+    from aggregator.jobs.personal_wma import bounded_wma, bounded_weights
+
+    totals, correct = [20, 10**9], [14, 10**9]
+    weights = bounded_weights(totals, 2.0)
+    assert weights == [20.0, 40.0]
+    assert bounded_wma(correct, totals, weights) == pytest.approx((20 * 0.7 + 40 * 1.0) / 60, rel=1e-12)
+    assert bounded_weights([20, 30], 2.0) is None           # within the bound: Σ correct / Σ n as claimed
+
+
 def test_job_head_file_formats_and_bad_heads(tmp_path):
     W, b = head()
     np.savez(tmp_path / "fedavg.npz", weight=W, bias=b)

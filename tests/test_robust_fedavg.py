@@ -11,7 +11,7 @@ from aggregator.jobs.registry import build_job
 from aggregator.jobs.robustness_fields import PLAIN_MEAN
 from aggregator.strategies.robust_fedavg import (CenteredClipping, ContributionBound, CoordinateMedian, DirectionScreen,
                                                  Krum, Mean, NormBound, RobustAggregation, RoundHistory, TrimmedMean,
-                                                 WeightBound)
+                                                 WeightBound, typical)
 from protocols.rounds import RoundClosed
 
 NORM_BOUND_ONLY = {**PLAIN_MEAN, "norm_bound_multiplier": 1.0}
@@ -339,6 +339,34 @@ def test_weight_bound_caps_claims_at_a_multiple_of_the_median_weight():
     assert frozen < 1e-3 * honest_step                       # what the attack did without the bound
     assert np.linalg.norm(kept["w"]) > 0.4 * honest_step and report["weight_capped"] == 1
     assert WeightBound(0.0).apply(current, updates) == (updates, 0)
+
+
+def test_a_round_of_two_updates_is_bounded_by_the_smaller_ones_statistics():
+    """A review's finding: the bounds multiplied np.median, which for two values is their mean, so a
+    round of two updates (clients_per_round 2, or two survivors) bounded nothing: a claim of
+    n = 10^9 beside an honest 20 set the weight cap at 10^9 and froze the model, and a huge Δ set
+    its own norm bound. Each bound now multiplies the lower middle value (numpy: the sorted
+    statistics' element (k - 1) // 2). In a round of two the bounds cannot tell which device is
+    honest, so the smaller value bounds both: a near-zero update stalls such a round (the norm
+    bound scales the other's step down to its own), but no device steers it."""
+    rng = np.random.default_rng(7)
+    current = {"w": np.zeros(6)}
+    honest = ({"w": rng.normal(1.0, 0.3, 6)}, 20.0)
+    frozen = ({"w": 1e-9 * honest[0]["w"]}, 1e9)
+    bounded, capped = WeightBound(2.0).apply(current, [honest, frozen])
+    assert capped == 1 and [w for _, w in bounded] == [20.0, 2.0 * 20.0]
+    kept, _ = RobustAggregation(Mean(), NormBound(0.0), weight=WeightBound(2.0)).aggregate(current, [honest, frozen])
+    want = (20.0 * honest[0]["w"] + 40.0 * frozen[0]["w"]) / 60.0       # the two at their bounded weights
+    np.testing.assert_allclose(kept["w"], want, rtol=1e-12)
+    pushed = ({"w": 1e6 * honest[0]["w"]}, 20.0)
+    bounded, scaled = NormBound(1.0).apply(current, [honest, pushed])
+    assert scaled == 1
+    assert np.linalg.norm(bounded[1][0]["w"]) == pytest.approx(np.linalg.norm(honest[0]["w"]), rel=1e-12)
+    pulls = np.array([20.0, 20.0 * 1e6]) * np.linalg.norm(honest[0]["w"])
+    got, lowered = ContributionBound(0.5).apply(current, [honest, pushed])
+    assert lowered == 2 and [w for _, w in got] == pytest.approx(list(20.0 * np.minimum(1.0, 0.5 * pulls[0] / pulls)))
+    for values in ([3.0], [5.0, 1.0], [4.0, 1.0, 3.0], [4.0, 1.0, 3.0, 2.0]):
+        assert typical(values) == np.sort(values)[(len(values) - 1) // 2]
 
 
 def test_centered_clipping_keeps_iterating_after_an_unclipped_step():

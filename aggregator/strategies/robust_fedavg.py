@@ -28,6 +28,9 @@ this order (docs/algorithms.md, "Bounded influence"):
   updates (an attacker's among them) move the model by 1 − β of their step at once, and the
   following rounds' updates answer the rest.
 
+"The round's median" of the three bounds is :func:`typical`'s: the lower middle value when the count
+is even, so that in a round of two updates the bound is the smaller device's, never their mean.
+
 Updates are flattened to one float64 vector per device (tensor names sorted), so every layer
 before the history and every rule is a function of the round's set of updates, never of their order.
 """
@@ -187,6 +190,17 @@ class CenteredClipping(RobustRule):
         return _unflatten(centre, updates[0][0])
 
 
+def typical(values) -> float:
+    """The round's typical value a fleet-relative bound multiplies: the median, the lower of the two
+    middle values when their count is even. With the mean of the two, a round of two updates had no
+    bound at all: one device claiming n = 10^9 beside one claiming 20 set the weight cap at 5·10^8
+    times the multiplier (a review's finding), and the same held for ‖Δ‖ and the pull. Order-free,
+    so shards and one aggregator reach the same limit from the same statistics."""
+    array = np.asarray(values, dtype=np.float64).ravel()
+    middle = (array.size - 1) // 2
+    return float(np.partition(array, middle)[middle])
+
+
 class NormBound:
     """Scale Δ_k = θ_k − x_t to at most ``multiplier`` × the round's median ‖Δ‖ (0: off)."""
 
@@ -211,7 +225,7 @@ class NormBound:
     def limit(self, norms) -> float:
         """The round's bound from every update's ‖Δ‖; 0 when most devices did not move (nothing
         to compare the others with: nothing is scaled)."""
-        return self.multiplier * float(np.median(norms))
+        return self.multiplier * typical(norms)
 
     @staticmethod
     def statistic(x: np.ndarray, tensors: Mapping[str, np.ndarray], weight: float) -> float:
@@ -255,7 +269,7 @@ class WeightBound:
 
     # one update at a time, as NormBound's (for sums split across shards)
     def limit(self, weights) -> float:
-        return self.multiplier * float(np.median(weights))
+        return self.multiplier * typical(weights)
 
     @staticmethod
     def statistic(x: np.ndarray, tensors: Mapping[str, np.ndarray], weight: float) -> float:
@@ -290,7 +304,7 @@ class ContributionBound:
     def limit(self, pulls) -> float:
         """The round's bound from every update's pull; 0 when most devices did not move (nothing
         to compare the others with: no weight is lowered)."""
-        return self.multiplier * float(np.median(pulls))
+        return self.multiplier * typical(pulls)
 
     @staticmethod
     def statistic(x: np.ndarray, tensors: Mapping[str, np.ndarray], weight: float) -> float:
