@@ -275,23 +275,26 @@ def test_a_dp_job_releases_no_held_out_accuracy(tmp_path):
     assert report["heldout_wma"].startswith("withheld")
 
 
-def test_one_devices_claimed_held_out_count_weighs_at_most_the_weight_bound():
+def test_one_devices_claimed_held_out_count_weighs_at_most_the_held_out_bound():
     """A review's finding: the WMA weights each device by the n_test it reports, so one of ten
     devices reporting n_test = 10^9 with nothing right made both WMAs its own (~1e-6 against 0.9 and
-    0.8 from the others). With the job's weight bound (2 x the reports' median) its count weighs 20:
-    the WMA is recomputed here with numpy; with the bound off (PLAIN_MEAN) it is Σ correct / Σ n."""
-    from aggregator.jobs.robustness_fields import PLAIN_MEAN
-
+    0.8 from the others). Its count weighs at most heldout_weight_bound_multiplier (10) x the
+    reports' median, whatever bounds the model's average: the bound was the model's weight bound,
+    so a job averaging plainly (PLAIN_MEAN, make_job) had none (a second review's finding). The WMA
+    is recomputed here with numpy; with the held-out bound off (0) it is Σ correct / Σ n."""
     reports = {f"dev{i}": (10, 9, 8) for i in range(9)} | {"liar": (10**9, 0, 0)}
-    bounded = DittoJob(DittoConfig(num_classes=C, feature_dim=D, image_size=SIZE))
-    plain = make_job()
-    for job in (bounded, plain):
+    default = DittoJob(DittoConfig(num_classes=C, feature_dim=D, image_size=SIZE))
+    plain_mean = make_job()
+    unbounded = make_job(heldout_weight_bound_multiplier=0.0)
+    for job in (default, plain_mean, unbounded):
         for device, counts in reports.items():
             job.record_heldout(device, *counts)
     n = np.array([r[0] for r in reports.values()], float)
-    w = np.minimum(n, 2 * np.median(n))
+    w = np.minimum(n, 10 * np.median(n))
     for key, column in (("personal_wma", 1), ("global_wma", 2)):
         correct = np.array([r[column] for r in reports.values()], float)
-        assert bounded.evaluate(None, None)[key] == pytest.approx(float(np.sum(w * correct / n) / w.sum()), rel=1e-12)
-        assert plain.evaluate(None, None)[key] == correct.sum() / n.sum()
-    assert bounded.evaluate(None, None)["personal_wma"] == pytest.approx(81 / 110)
+        want = float(np.sum(w * correct / n) / w.sum())
+        assert default.evaluate(None, None)[key] == pytest.approx(want, rel=1e-12)
+        assert plain_mean.evaluate(None, None)[key] == pytest.approx(want, rel=1e-12)
+        assert unbounded.evaluate(None, None)[key] == correct.sum() / n.sum()
+    assert default.evaluate(None, None)["personal_wma"] == pytest.approx(81 / 190)

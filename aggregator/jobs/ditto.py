@@ -24,12 +24,12 @@ from protocols.payloads.ditto import KIND, DittoParams, DittoRecipe, parse_ditto
 from aggregator.jobs.config_limits import PERSONAL_EPOCHS, Range, limited
 from aggregator.jobs.device_state_fields import DeviceStateFields, DeviceStateRun, StatefulDevicesJob
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob, RoundUpdate
-from aggregator.jobs.personal_wma import PersonalWmaJob
+from aggregator.jobs.personal_wma import HeldoutReportFields, PersonalWmaJob
 from aggregator.jobs.personalize import load_head
 
 
 @dataclass
-class DittoConfig(FedAvgConfig, DeviceStateFields):
+class DittoConfig(FedAvgConfig, DeviceStateFields, HeldoutReportFields):
     job_id: str = "ditto"
     # λ, the personal head's pull to the global one (the paper's code: 0.1)
     ditto_lambda: float = limited(0.1, Range(1e-9, 1e4))

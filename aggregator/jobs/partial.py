@@ -26,12 +26,12 @@ from protocols.payloads.partial import ALGORITHMS, KIND, SHARED, PartialParams, 
 from aggregator.jobs.config_limits import PERSONAL_EPOCHS, OneOf, limited
 from aggregator.jobs.device_state_fields import DeviceStateFields, DeviceStateRun, StatefulDevicesJob
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob, RoundUpdate
-from aggregator.jobs.personal_wma import PersonalWmaJob
+from aggregator.jobs.personal_wma import HeldoutReportFields, PersonalWmaJob
 from aggregator.jobs.personalize import load_head
 
 
 @dataclass
-class PartialConfig(FedAvgConfig, DeviceStateFields):
+class PartialConfig(FedAvgConfig, DeviceStateFields, HeldoutReportFields):
     job_id: str = "pp"
     pp_algorithm: str = limited("fedalt", OneOf(ALGORITHMS))  # "fedsim": u and v_k together; "fedalt": v_k, then u
     personal_epochs: int = limited(1, PERSONAL_EPOCHS)        # FedAlt: epochs on v_k before local_epochs on u

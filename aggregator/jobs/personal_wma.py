@@ -10,12 +10,24 @@ same WMA.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from protocols.payloads.partial import PersonalReport
 
 from aggregator.compute.evaluation import weighted_mean_accuracy
+from aggregator.jobs.base import JobConfig
+from aggregator.jobs.config_limits import Range, limited
 from aggregator.strategies.robust_fedavg import WeightBound
+
+
+@dataclass
+class HeldoutReportFields(JobConfig):
+    # each device's claimed n_test weighs at most this x the reports' median (0: as claimed); its
+    # own setting, not the model's weight bound: a job averaging its model plainly (PLAIN_MEAN)
+    # had its WMA taken over by one device claiming n_test = 10^9 (a review's finding)
+    heldout_weight_bound_multiplier: float = limited(10.0, Range(0, 1e6))
 
 
 class PersonalWmaJob:
@@ -50,7 +62,7 @@ class PersonalWmaJob:
         elif self.heldout:
             reports = [self.heldout[d] for d in sorted(self.heldout)]
             totals = [n for n, _, _ in reports]
-            weights = bounded_weights(totals, self.config.weight_bound_multiplier)
+            weights = bounded_weights(totals, self.config.heldout_weight_bound_multiplier)
             out["personal_wma"] = bounded_wma([c for _, c, _ in reports], totals, weights)
             out["global_wma"] = bounded_wma([g for _, _, g in reports], totals, weights)
             out["heldout_devices"] = len(reports)
