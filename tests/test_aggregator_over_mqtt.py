@@ -425,3 +425,44 @@ def test_an_answer_to_a_job_that_ended_is_counted_late_not_rejected(broker, tmp_
             agent.stop()
         svc.stop()
         thread.join(10)
+
+
+def test_a_task_the_job_cannot_build_fails_the_job_with_no_round_left_open(broker, tmp_path):
+    """A review's finding: a job whose task params the wire refused (a config accepted at create)
+    stopped with "scheduling failed", but its round 1 had been stored first and stayed open for
+    ever, its first device's task already sent. Every task of a round is built before the round is
+    stored: nothing is opened, nothing is sent, the job stops with the reason."""
+    from aggregator.storage.store import Store
+
+    class OneTaskRefused(Fed3RJob):
+        def task_for(self, device):
+            if device == "dev-b":
+                raise ValueError("lr must be a finite number > 0, got 0.0")
+            return super().task_for(device)
+
+    devices = ["dev-a", "dev-b"]
+    config = Fed3RConfig(num_classes=C, feature_dim=D, clients_per_round=2, round_timeout_s=20, expected_devices=2)
+    store = Store(tmp_path / "state.db")
+    svc = AggregatorService(OneTaskRefused(config), BrokerConfig.from_url(broker.url), tmp_path, enrolled=set(devices),
+                            store=store)
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(svc.run(timeout_s=60)), daemon=True)
+    thread.start()
+    ran = []
+
+    def handler(i):
+        stats = SyntheticStats(i)
+        return lambda params, tensors=None: ran.append(i) or stats(params, tensors)
+    agents = [DeviceAgent(d, BrokerConfig.from_url(broker.url), {"fed3r.stats": handler(i)}).start()
+              for i, d in enumerate(devices)]
+    try:
+        thread.join(30)
+        assert not thread.is_alive()
+        job_id = config.job_id
+        assert "scheduling failed: ValueError: lr must be a finite number > 0" in str(result) + str(store.job(job_id))
+        assert store.rounds(job_id) == []                      # no round stored, none left open
+        assert ran == []                                       # no task reached a device
+    finally:
+        for agent in agents:
+            agent.stop()
+        svc.stop()

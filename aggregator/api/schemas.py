@@ -133,7 +133,8 @@ def _field_type(name: str, hint, limit):
         model = create_model(f"{name.title().replace('_', '')}", __config__=ConfigDict(extra="forbid"), **sub)
         return model | None if typing.get_origin(hint) in (typing.Union, types.UnionType) else model
     if isinstance(limit, Items):
-        item = Annotated[float, Field(strict=True, ge=limit.item.lo, le=limit.item.hi, allow_inf_nan=False)]
+        number = {"allow_inf_nan": False} if limit.item_type is float else {}
+        item = Annotated[limit.item_type, Field(strict=True, ge=limit.item.lo, le=limit.item.hi, **number)]
         return Annotated[list[item], Field(min_length=1, max_length=limit.max_items)]
     if hint is int or (isinstance(limit, Range) and hint is list):
         return Annotated[int, Field(strict=True, ge=limit.lo, le=limit.hi)] if isinstance(limit, Range) else StrictInt

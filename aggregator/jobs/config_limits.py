@@ -27,6 +27,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
+from protocols.payloads.partial import MAX_RECIPE_COUNT
 from protocols.topics import DEVICE_ID_RE
 
 LIMIT = "config_limit"            # the dataclass field metadata key
@@ -59,9 +60,11 @@ class Fields:
 
 @dataclass(frozen=True)
 class Items:
-    """A list field: at most ``max_items`` items, each within ``item``."""
+    """A list field: at most ``max_items`` items, each of ``item_type`` (float: any finite number;
+    int: an integer, never 1.5 silently cut to 1) and within ``item``."""
     item: Range
     max_items: int
+    item_type: type = float
 
 
 Limit = Range | OneOf | Pattern | Fields | Items
@@ -91,7 +94,9 @@ JOB_ID = Pattern(JOB_ID_RE.pattern)
 # family of another): one limit each, so the same name keeps one meaning.
 ROUNDS = Range(0, 1_000_000)                         # FedAvg family, LADD
 LOCAL_EPOCHS = Range(1, 1000)                        # FedAvg family, LADD
-BATCH_SIZE = Range(1, 1_000_000)                     # FedAvg family, personalization, LADD
+# FedAvg family, personalization, LADD: one bound for every kind, the tightest device recipe's
+# (pp's PartialRecipe): 10^6 passed create and then every pp task was refused
+BATCH_SIZE = Range(1, MAX_RECIPE_COUNT)
 WEIGHT_DECAY = Range(0, 10)                          # FedAvg family, personalization
 TEMPERATURE = Range(1e-6, 1e6)                       # FedAvg family, personalization
 MAX_ATTEMPTS = Range(1, 1000)                        # Fed3R, personalization (each device once)
@@ -102,7 +107,7 @@ TOTAL_DEVICES = Range(0, 100_000_000)                # Scaffold, FedGloSS
 # LADD's model: edge_client's SegmentationSpec as a dict (the aggregator does not import edge_client)
 SEGMENTATION_SPEC = Fields({"num_classes": (int, Range(1, 254)), "image_size": (int, Range(16, 1024)),
                             "output_stride": (int, Range(8, 32)), "tail_blocks": (int, Range(0, 4)),
-                            "head_channels": (int, Range(4, 512)), "aspp_rates": (list, Items(Range(1, 64), 8))},
+                            "head_channels": (int, Range(4, 512)), "aspp_rates": (list, Items(Range(1, 64), 8, int))},
                            required=("num_classes", "image_size"))
 
 
@@ -172,8 +177,8 @@ def check_limit(what: str, value, limit: Limit | None) -> None:
         if not isinstance(value, list) or not 0 < len(value) <= limit.max_items:
             raise ValueError(f"{what} must be a list of 1 to {limit.max_items} numbers")
         for i, item in enumerate(value):
-            if not matches(item, float):
-                raise ValueError(f"{what}[{i}] must be a number")
+            if not matches(item, limit.item_type):
+                raise ValueError(f"{what}[{i}] must be {'an integer' if limit.item_type is int else 'a number'}")
             check_limit(f"{what}[{i}]", item, limit.item)
     if isinstance(limit, Fields):
         _check_fields(what, value, limit)

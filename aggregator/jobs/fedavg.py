@@ -68,7 +68,7 @@ class FedAvgConfig(ServerOptimizerFields, LocalRuleFields, ServedModelFields, Fe
     rounds: int = limited(100, ROUNDS)
     local_epochs: int = limited(1, LOCAL_EPOCHS)
     batch_size: int = limited(50, BATCH_SIZE)
-    client_lr: float = limited(0.1, Range(0, 100))      # base local LR (× 0.1 when init == "fed3r")
+    client_lr: float = limited(0.1, Range(1e-12, 100))  # base local LR (× 0.1 when init == "fed3r"); > 0 as the task's
     weight_decay: float = limited(4e-5, WEIGHT_DECAY)
     temperature: float = limited(0.1, TEMPERATURE)
     init: str = limited("random", OneOf(INITS))

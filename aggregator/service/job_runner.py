@@ -412,6 +412,9 @@ class JobRunner:
         round_ = a.job.round
         deadline_wall = time.time() + a.job.config.round_timeout_s
         tasks = {dev: os.urandom(16).hex() for dev in participants}
+        # every task built before the round is stored: one the job cannot build (a config its task
+        # params refuse) fails the scheduling with no round opened, not one left open for ever
+        messages = {dev: self._task_message(round_, dev, tasks[dev], deadline_wall) for dev in participants}
         if self.store is not None:
             self.store.open_round(a.job_id, round_, participants, tasks, a.job.bookkeeping(), deadline_wall)
         self.crash("round_opened")
@@ -420,18 +423,23 @@ class JobRunner:
         a.tasks[round_], a.deadlines[round_], a.opened_at[round_] = tasks, deadline_wall, time.time()
         self.events.write("round_open", round_, participants=sorted(participants), deadline=deadline_wall)
         for dev in participants:
-            self._send_task(round_, dev)
+            self.send(dev, messages[dev])
+            self.crash("task_sent")
         self.publish_status()
 
     def _send_task(self, round_: int, device: str) -> None:
         a = self.a
+        self.send(device, self._task_message(round_, device, a.tasks[round_][device], a.deadlines[round_]))
+        self.crash("task_sent")
+
+    def _task_message(self, round_: int, device: str, task_id: str, deadline: float) -> Envelope:
+        a = self.a
         params, tensors = a.job.task_for(device)
         # the addressee signed in: re-published on another device's inbox, it is skipped there
-        msg = M.task_message(AGGREGATOR_ID, a.job_id, round_, a.job.kind, params, a.deadlines[round_], device=device)
-        msg.id = a.tasks[round_][device]             # the same id on every re-send: devices dedupe by it
+        msg = M.task_message(AGGREGATOR_ID, a.job_id, round_, a.job.kind, params, deadline, device=device)
+        msg.id = task_id                             # the same id on every re-send: devices dedupe by it
         msg.tensors.update(tensors)
-        self.send(device, msg)
-        self.crash("task_sent")
+        return msg
 
     # ------------------------------------------------------------------ output
     def publish_status(self, state: str | None = None) -> None:

@@ -37,6 +37,9 @@ SHARED = ("weight",)
 PERSONAL = ("bias",)
 
 
+MAX_RECIPE_COUNT = 10_000      # a recipe's epochs and batch size at most (a job's config is held to it)
+
+
 @dataclass(frozen=True)
 class PartialRecipe:
     """FedSim: ``epochs`` epochs updating u and v_k together. FedAlt: ``personal_epochs`` epochs
@@ -57,8 +60,8 @@ class PartialRecipe:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
         for name, low in (("epochs", 1), ("personal_epochs", 0), ("batch_size", 1)):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not low <= v <= 10_000:
-                raise ValueError(f"{name} must be an integer in {low}..10000, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not low <= v <= MAX_RECIPE_COUNT:
+                raise ValueError(f"{name} must be an integer in {low}..{MAX_RECIPE_COUNT}, got {v!r}")
         for name, zero_ok in (("lr", False), ("weight_decay", True), ("temperature", False)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float, np.floating)) or not math.isfinite(v) \
