@@ -26,6 +26,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from protocols.envelope import DuplicateKeyError, object_without_duplicates
 from protocols.files import write_private_file
 from protocols.regular_file import read_regular_file
 
@@ -277,12 +278,16 @@ def _operator_file(path: Path, what: str, max_bytes: int) -> bytes:
 
 def _job_config_file(path: Path) -> Any:
     """The JSON in ``path``, read only if it is no larger than the API takes (1 MiB), one clear
-    error if it is nested too deeply to parse (a RecursionError, which is not a ValueError)."""
+    error if it is nested too deeply to parse (a RecursionError, which is not a ValueError) or names
+    a key twice in one object (json keeps the last value; the API, which refuses it, would never
+    see it)."""
     data = _operator_file(path, "job config file", MAX_CONFIG_BYTES)
     try:
-        return json.loads(data)
+        return json.loads(data, object_pairs_hook=object_without_duplicates)
     except RecursionError:
         raise UserError(f"{path}: its JSON is nested too deeply") from None
+    except DuplicateKeyError as exc:
+        raise UserError(f"{path}: its JSON has a {exc}") from None
 
 
 def _job(args, client):

@@ -201,6 +201,17 @@ def test_an_admin_file_larger_than_its_bound_is_refused_unread(tmp_path):
         assert proc.returncode == 2 and words in proc.stderr and len(proc.stderr.splitlines()) == 1, proc.stderr
 
 
+def test_an_admin_job_file_naming_a_key_twice_is_refused_before_any_request(tmp_path):
+    """The API refuses a JSON body that names a key twice; the command parsed the file first and
+    sent only the last value, so the API never saw it: one line, exit 2, no request made (no API
+    runs here: a request would fail with a connection error instead)."""
+    config = tmp_path / "job.json"
+    config.write_text('{"job_id": "a", "kind": "fed3r", "config": {"lam": 0.5, "lam": 1000.0}}')
+    proc = _admin_in_a_bounded_process("--token", "t" * 20, "job", "create", str(config))
+    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert "duplicate key 'lam'" in proc.stderr and "connect" not in proc.stderr.lower()
+
+
 @pytest.mark.parametrize("config", ["huge.json", "bad.json", "nope.json"])
 def test_python_m_aggregator_reports_a_mistake_as_fedfleet_aggregator_does(files, config):
     """A review's finding: ``python -m aggregator serve`` (what process managers and the suite run)
