@@ -136,7 +136,8 @@ def test_one_device_cannot_steer_c_with_a_default_config(tmp_path):
     and the attacker's pull on c is no more than one honest device's at the bound."""
     handlers = {f"dev{i}": device(i, tmp_path) for i in range(10)}
     job = ScaffoldJob(ScaffoldConfig(num_classes=C, feature_dim=D, image_size=SIZE, clients_per_round=10,
-                                     rounds=5, batch_size=8, client_lr=0.05))
+                                     rounds=5, batch_size=8, client_lr=0.05, direction_screen=False))
+    # the Δc bound alone: with the screen, the devices it leaves out move no c (the test below)
     assert job.config.norm_bound_multiplier == 1.0 and job.config.control_clip_norm == 1000.0
     direction = np.full((C, D), 1e6 / np.sqrt(C * D), np.float32)
 
@@ -161,6 +162,46 @@ def test_one_device_cannot_steer_c_with_a_default_config(tmp_path):
             np.testing.assert_allclose(job.control[k], c[k] + mean, rtol=1e-5, atol=1e-5)
         assert norm(bounded["dev0"]) <= limit * (1 + 1e-9)
     assert norm(job.control) < 5 * limit and norm(job.params) < 10
+
+
+def test_a_device_the_direction_screen_leaves_out_moves_no_control(tmp_path):
+    """A review's finding: c was the mean of every accepted device's Δc, so a device sending a
+    sign-flipped head (left out of the model by the direction screen, every round) still pulled c
+    along its own Δc, bounded but accumulating. Its Δc is now left out with its update: c moves by
+    the bounded Δc of the devices the screen kept alone (numpy below: the screen, the bound, c)."""
+    handlers = {f"dev{i}": device(i, tmp_path) for i in range(5)}
+    job = ScaffoldJob(ScaffoldConfig(num_classes=C, feature_dim=D, image_size=SIZE, clients_per_round=5,
+                                     rounds=1, batch_size=8, client_lr=0.05, total_devices=5))
+    assert job.config.direction_screen and job.config.norm_bound_multiplier == 1.0
+    direction = np.full((C, D), 1e4 / np.sqrt(C * D), np.float32)
+
+    def flip(d, out):
+        if d != "dev0":
+            return out
+        w = job.round_start()                   # what it trained from: its update sign-flipped, scaled
+        return {**out, **{k: (w[k] - 10 * (out[k] - w[k])).astype(np.float32) for k in ("weight", "bias")},
+                "delta_control.weight": direction, "delta_control.bias": np.zeros(C, np.float32)}
+
+    def norm(tensors):
+        return np.sqrt(sum(np.sum(np.asarray(t, np.float64) ** 2) for t in tensors.values()))
+
+    c = {k: job.control[k].astype(np.float64) for k in ("weight", "bias")}
+    start = {k: job.round_start()[k].astype(np.float64) for k in ("weight", "bias")}
+    sent = run_round(job, handlers, KIND, tamper=flip)
+    # the screen, in numpy: each Δ at most the lower-median norm, kept when ⟨Δ_k, median⟩ > 0
+    deltas = {d: np.concatenate([(out[k].astype(np.float64) - start[k]).ravel() for k in ("bias", "weight")])
+              for d, (_, _, _, out) in sent.items()}
+    norms = np.sort([np.linalg.norm(v) for v in deltas.values()])
+    scaled = {d: v * min(1.0, norms[(len(norms) - 1) // 2] / np.linalg.norm(v)) for d, v in deltas.items()}
+    median = np.median(np.stack(list(scaled.values())), axis=0)
+    kept = sorted(d for d, v in scaled.items() if v @ median > 0)
+    assert kept == ["dev1", "dev2", "dev3", "dev4"]
+    controls = {d: {k: sent[d][3]["delta_control." + k].astype(np.float64) for k in ("weight", "bias")} for d in kept}
+    control_norms = np.sort([norm(t) for t in controls.values()])
+    limit = control_norms[(len(control_norms) - 1) // 2]
+    bounded = [{k: v * min(1.0, limit / norm(t)) for k, v in t.items()} for t in controls.values()]
+    for k in ("weight", "bias"):                # c + (|S| / K) · mean over S, |S| = 4 kept, K = 5
+        np.testing.assert_allclose(job.control[k], c[k] + sum(t[k] for t in bounded) / 5, rtol=1e-5, atol=1e-6)
 
 
 def test_a_round_whose_median_control_is_zero_keeps_the_others(tmp_path):

@@ -260,15 +260,11 @@ class FedAvgJob(Job):
         """(the round's combined tensors or None, updates, Σ n_k) of the round being closed:
         Σ n_k θ_k / Σ n_k with every bounded-influence layer off. The layers measure each update
         from the point the devices trained from (:meth:`round_start`)."""
-        # Averaged in device-id order, so the result depends on which updates arrived, never on
-        # their arrival order (a restarted aggregator reproduces the model bit for bit).
         # Bounded influence (aggregator/strategies/robust_fedavg.py): the norm and contribution
         # bounds, the direction screen, then the job's rule.
-        updates = [self._updates[d] for d in sorted(self._updates)]
+        _, current, updates = self._round_updates()
         if not updates:
             return None, 0, 0
-        start = self.round_start()
-        current = {name: start[name] for name in updates[0][0]}
         samples = sum(n for _, n in updates)
         if not self.config.needs_every_update():
             # sums that shards can split: added up the canonical bucket tree, as K shards would
@@ -279,6 +275,28 @@ class FedAvgJob(Job):
         if report.get("skipped") or report.get("norm_bounded") or report.get("screened"):
             log.warning("round %d: %s", self.round, report)
         return combined, (len(updates) if combined is not None else 0), samples
+
+    def _round_updates(self) -> tuple[list[str], dict[str, np.ndarray], list]:
+        """(devices, the tensors they trained from, their updates) of the round being closed, in
+        device-id order: the result depends on which updates arrived, never on their arrival order
+        (a restarted aggregator reproduces the model bit for bit)."""
+        devices = sorted(self._updates)
+        updates = [self._updates[d] for d in devices]
+        start = self.round_start() if updates else {}
+        return devices, ({name: start[name] for name in updates[0][0]} if updates else {}), updates
+
+    def left_out(self) -> set[str]:
+        """The devices of the round being closed whose update does not reach the rule (the direction
+        screen's, or all of them when the round has too few for the rule): what a round also sums of
+        its devices follows (Scaffold's Δc). Only where the round is combined whole (a config that
+        needs every update, which shards refuse); none otherwise."""
+        if not self.config.needs_every_update():
+            return set()
+        devices, current, updates = self._round_updates()
+        if not updates:
+            return set()
+        kept = self.config.robust_aggregation().kept(current, updates)
+        return {d for d, k in zip(devices, kept) if not k}
 
     def round_step(self) -> tuple[dict[str, np.ndarray] | None, int, int]:
         """(the moved tensors or None, updates, Σ n_k) of the round being closed. The strategy moves

@@ -5,7 +5,8 @@ influence on y, the server step w ← w + η_g · mean(y − w), FedAvgM, Fed3R 
 top, the job holds the server control c (checkpointed with the model) and sends it with each
 task; each device keeps its own c_k in its state store (``edge_client/tasks/scaffold_training.py``)
 and returns Δc with its trained head. At round close, over the S devices whose update was
-accepted: c ← c + (|S| / K) · mean(Δc), K the fleet's size (``total_devices``; 0: the devices
+accepted and reached the rule (one the direction screen leaves out moves no c either):
+c ← c + (|S| / K) · mean(Δc), K the fleet's size (``total_devices``; 0: the devices
 that contributed so far, a lower bound that grows as the job meets its fleet).
 
 A device's Δc is bounded twice before the mean: clipped to ``control_clip_norm``, then (with the
@@ -104,10 +105,13 @@ class ScaffoldControls(StatefulDevicesJob):
         return ControlBound(multiplier) if multiplier else None
 
     def control_step(self) -> None:
-        """c ← c + (|S| / K) · mean(Δc) over the round's accepted updates, each within the round's
-        bound, their Σ Δc added up the canonical bucket tree as K shards add it
+        """c ← c + (|S| / K) · mean(Δc) over the round's accepted updates that reach its rule, each
+        within the round's bound, their Σ Δc added up the canonical bucket tree as K shards add it
         (``aggregator/shards/control_sums.py``)."""
-        accepted = {d: delta for d, delta in self._controls.items() if d in self._updates}
+        # a device whose update the screen left out moves no more of c than of the model (a review
+        # found a screened sign-flipper's Δc still pulled c, round after round)
+        left_out = self.left_out()
+        accepted = {d: delta for d, delta in self._controls.items() if d in self._updates and d not in left_out}
         bound = self.control_bound()
         limit = bound.limit([global_norm(delta) for delta in accepted.values()]) if accepted and bound else 0.0
         if limit > 0:           # 0: most Δc are 0, nothing to bound (as the update's bound reads a 0 limit)

@@ -335,13 +335,17 @@ class DirectionScreen:
 
     def apply(self, current: Mapping[str, np.ndarray], updates: Sequence[Update]) -> tuple[list[Update], int]:
         """(the updates kept, how many were left out)."""
+        keep = self.kept(current, updates)
+        return [u for u, kept in zip(updates, keep) if kept], int((~keep).sum())
+
+    def kept(self, current: Mapping[str, np.ndarray], updates: Sequence[Update]) -> np.ndarray:
+        """Which of ``updates`` the screen keeps (a bool per update)."""
+        everything = np.ones(len(updates), dtype=bool)
         if not self.enabled or len(updates) < self.MIN_UPDATES:
-            return list(updates), 0
+            return everything
         deltas = _deltas(current, updates)[1]
         keep = deltas @ np.median(deltas, axis=0) > 0
-        if not keep.any():
-            return list(updates), 0
-        return [u for u, kept in zip(updates, keep) if kept], int((~keep).sum())
+        return keep if keep.any() else everything
 
 
 class RobustAggregation:
@@ -365,14 +369,29 @@ class RobustAggregation:
         report = {"rule": self.rule.name, "updates": len(updates)}
         if len(updates) < self.rule.min_updates():
             return None, {**report, "skipped": f"{self.rule.name} needs at least {self.rule.min_updates()} updates"}
+        weighted, counts = self._bounded(current, updates)
+        keep = self._screened(current, weighted)
+        kept = [u for u, k in zip(weighted, keep) if k]
+        return self.rule.combine(kept), {**report, **counts, "screened": int((~keep).sum())}
+
+    def kept(self, current: Mapping[str, np.ndarray], updates: Sequence[Update]) -> np.ndarray:
+        """Which of ``updates`` reach the rule (a bool per update): what else a round sums of its
+        devices (Scaffold's Δc) follows, so a screened device moves nothing of the round."""
+        if len(updates) < self.rule.min_updates():
+            return np.zeros(len(updates), dtype=bool)
+        return self._screened(current, self._bounded(current, updates)[0])
+
+    def _bounded(self, current, updates: Sequence[Update]) -> tuple[list[Update], dict]:
         bounded, scaled = self.bound.apply(current, updates)
         capped, weight_capped = self.weight.apply(current, bounded)
         weighted, lowered = self.contribution.apply(current, capped)
-        kept, screened = self.screen.apply(current, weighted)
-        if len(kept) < self.rule.min_updates():     # the rule's guarantee needs its updates: screen none
-            kept, screened = weighted, 0
-        return self.rule.combine(kept), {**report, "norm_bounded": scaled, "weight_capped": weight_capped,
-                                         "weight_bounded": lowered, "screened": screened}
+        return weighted, {"norm_bounded": scaled, "weight_capped": weight_capped, "weight_bounded": lowered}
+
+    def _screened(self, current, weighted: Sequence[Update]) -> np.ndarray:
+        keep = self.screen.kept(current, weighted)
+        if keep.sum() < self.rule.min_updates():     # the rule's guarantee needs its updates: screen none
+            return np.ones(len(weighted), dtype=bool)
+        return keep
 
 
 class RoundHistory:
