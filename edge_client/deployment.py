@@ -35,6 +35,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -55,6 +56,7 @@ from protocols.topics import AGGREGATOR_ID, DEPLOY_ROLE, Topics
 
 log = logging.getLogger("fedfleet.device")
 STATE_FILE = "slot.json"
+_HEAD_FILE = re.compile(r"[0-9a-f]{64}\.npz")      # a version's head, named by its sha256
 _LEGACY = object()          # a slot.json from before sequences named the key they were accepted under
 
 
@@ -106,6 +108,8 @@ class ModelSlot:
         state = self.dir / STATE_FILE
         if state.exists():
             saved = json.loads(state.read_text())
+            if not isinstance(saved, dict):
+                raise ValueError(f"{state}: not a model slot's state (a JSON object), but {type(saved).__name__}")
             self.current, self.previous = (self._read(saved.get(k)) for k in ("current", "previous"))
             self.seq = int(saved.get("seq", 0))
             self.seq_key = saved.get("seq_key", _LEGACY)
@@ -195,8 +199,10 @@ class ModelSlot:
                                                                 {"seq_key": self.seq_key})}).encode())
             self.current, self.previous = current, previous
             keep = {f"{h.sha256}.npz" for h in (current, previous) if h is not None}
-            for f in self.dir.glob("*.npz"):                    # versions neither kept nor running
-                if f.name not in keep:
+            for f in self.dir.iterdir():                        # versions neither kept nor running
+                # only a head file this slot wrote (<sha256>.npz): the folder may hold the operator's
+                # own files (a review found `--deployments DIR` deleted the user's best_model.npz)
+                if _HEAD_FILE.fullmatch(f.name) and f.name not in keep:
                     f.unlink(missing_ok=True)
 
     def _read(self, entry: dict | None) -> HeadVersion | None:

@@ -18,7 +18,7 @@ captured task once more while its deadline lasts. A device with a state folder (
   (written while the aggregator's clock ran ahead, it would have had the job's every later task
   skipped, across restarts);
 * bounded: at most ``MAX_JOBS_REMEMBERED`` jobs kept, the newest;
-* written through the store's temporary prefix (``.tmp-``), so the store's sweep removes a crash's leftover;
+* written through the store's temporary prefix (``TEMP_PREFIX``), so the store's sweep removes a crash's leftover;
 * not job state: ``--forget-state`` and the store's budget leave it alone (it holds job and task
   ids and the aggregator's timestamps, nothing learned from the device's data).
 
@@ -39,6 +39,8 @@ from pathlib import Path
 from protocols.envelope import parse_strict_json
 from protocols.files import write_atomic
 from protocols.rounds import DeviceSession
+
+from edge_client.state import TEMP_PREFIX
 
 log = logging.getLogger("fedfleet.device")
 
@@ -83,7 +85,7 @@ class SessionMemoryFile:
         text = json.dumps(session.memory(), separators=(",", ":"), ensure_ascii=False)    # as read: UTF-8
         try:
             # the store's temporary prefix: its sweep removes what a crash mid-write left
-            write_atomic(self.path, text.encode("utf-8"), temp_prefix=".tmp-")
+            write_atomic(self.path, text.encode("utf-8"), temp_prefix=TEMP_PREFIX)
         except OSError as exc:
             key = f"{type(exc).__name__} (errno {exc.errno})"     # not its text: that names a random temp file
             if key not in self._failed_writes and len(self._failed_writes) < 16:

@@ -45,6 +45,7 @@ import io
 import json
 import math
 import os
+import re
 import sys
 import time
 import zipfile
@@ -60,6 +61,12 @@ DEFAULT_TTL_S = 7 * 24 * 3600.0            # a task that names no horizon: a wee
 FILE_SLACK_BYTES = 2**20                   # a state file's framing and header beyond its budget (as Java's)
 _HEADER = "__state_header__"
 _SUFFIX = ".npz"
+# The folder may be one the operator also keeps other files in: the store reads, sweeps and forgets
+# only the names it writes (a job's file, a temporary file of its own), never another *.npz or
+# .tmp-* (a review found `--state-dir` pointed at a folder deleted the user's model.npz at start-up).
+TEMP_PREFIX = ".fedfleet-tmp-"
+_OWN_NAME = re.compile(r"[0-9a-f]{32}" + re.escape(_SUFFIX))
+_OWN_TEMP = re.compile(re.escape(TEMP_PREFIX) + r"[a-z0-9_]{8}")     # tempfile.mkstemp's 8 characters
 
 
 class StateBudgetExceeded(Exception):
@@ -148,6 +155,11 @@ class DeviceStateStore:
         # hashed: a job id never becomes a path component (no traversal, no odd characters)
         return self.root / (hashlib.sha256(job_id.encode()).hexdigest()[:32] + _SUFFIX)
 
+    def _own_files(self, temporary: bool = False) -> list[Path]:
+        """The files of the folder this store wrote: its jobs' files, or its temporary ones."""
+        own = _OWN_TEMP if temporary else _OWN_NAME
+        return sorted(path for path in self.root.iterdir() if own.fullmatch(path.name))
+
     def _read(self, path: Path) -> StateEntry | None:
         """The entry in ``path``, or None (and the file removed) when it is torn or not ours."""
         try:
@@ -163,7 +175,7 @@ class DeviceStateStore:
 
     def _entries(self, skip: Path | None = None) -> list[tuple[Path, StateEntry]]:
         out = []
-        for path in sorted(self.root.glob("*" + _SUFFIX)):
+        for path in self._own_files():
             entry = self._read(path) if path != skip else None
             if entry is not None:
                 out.append((path, entry))
@@ -171,7 +183,7 @@ class DeviceStateStore:
 
     def sweep(self) -> int:
         """Remove expired entries (and leftover temporary files); how many entries went."""
-        for tmp in self.root.glob(".tmp-*"):
+        for tmp in self._own_files(temporary=True):
             tmp.unlink(missing_ok=True)
         now, gone = self._clock(), 0
         for path, entry in self._entries():
@@ -224,7 +236,7 @@ class DeviceStateStore:
         header = json.dumps({"job_id": job_id, "run": run, "round": entry.round, "expires_at": entry.expires_at})
         buffer = io.BytesIO()
         np.savez(buffer, **arrays, **{_HEADER: np.frombuffer(header.encode(), dtype=np.uint8)})
-        write_atomic(self._path(job_id), buffer.getvalue(), temp_prefix=".tmp-")
+        write_atomic(self._path(job_id), buffer.getvalue(), temp_prefix=TEMP_PREFIX)
         return entry
 
     def restore(self, entry: StateEntry) -> None:
@@ -253,7 +265,7 @@ class DeviceStateStore:
 
     def forget(self) -> int:
         """Remove every job's state (the operator forgot this device); how many entries went."""
-        entries = list(self.root.glob("*" + _SUFFIX)) + list(self.root.glob(".tmp-*"))
+        entries = self._own_files() + self._own_files(temporary=True)
         for path in entries:
             path.unlink(missing_ok=True)
         return len(entries)

@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 
-from edge_client.state import DeviceStateStore, StateBudgetExceeded
+from edge_client.state import TEMP_PREFIX, DeviceStateStore, StateBudgetExceeded
 from protocols.payloads.stateful import StateBinding
 
 
@@ -73,9 +73,32 @@ def test_torn_or_foreign_files_read_as_no_state(tmp_path):
     path = next(tmp_path.glob("*.npz"))
     path.write_bytes(path.read_bytes()[:40])             # killed mid-write without the rename
     assert store.load("job", "aa" * 8) is None and not path.exists()
-    (tmp_path / ".tmp-leftover").write_bytes(b"x")
+    leftover = tmp_path / (TEMP_PREFIX + "a1b2c3d_")          # a crash's temporary file (mkstemp's name)
+    leftover.write_bytes(b"x")
     (tmp_path / (path.name)).write_bytes(b"not an npz")
-    assert DeviceStateStore(tmp_path).jobs() == [] and not (tmp_path / ".tmp-leftover").exists()
+    assert DeviceStateStore(tmp_path).jobs() == [] and not leftover.exists()
+
+
+def test_the_store_touches_only_the_files_it_writes(tmp_path):
+    """A review's finding: `fedfleet device --state-dir DIR` pointed at a folder that also held the
+    operator's files deleted every *.npz it could not read and every .tmp-* at start-up (and
+    `--forget-state` the same). The store reads, sweeps and forgets only its own names: a job's
+    <32 hex>.npz and its temporary prefix; a torn file of its own is still removed."""
+    import numpy as np
+
+    foreign = {"model.npz": b"PK not ours", "eval_features.npz": b"x", ".tmp-notes": b"y",
+               "0123456789abcdef0123456789abcdef.npy": b"z", TEMP_PREFIX + "short": b"w"}
+    for name, data in foreign.items():
+        (tmp_path / name).write_bytes(data)
+    np.savez(tmp_path / "weights.npz", w=np.ones(3))           # a readable npz: not state either
+    store = DeviceStateStore(tmp_path)
+    store.save("job", "aa" * 8, 1, arrays())
+    torn = tmp_path / ("f" * 32 + ".npz")
+    torn.write_bytes(b"torn")
+    assert store.jobs() == ["job"] and not torn.exists()
+    assert store.forget() == 1 and store.jobs() == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*foreign, "weights.npz"])
+    assert all((tmp_path / name).read_bytes() == data for name, data in foreign.items())
 
 
 def test_a_job_id_never_becomes_a_path(tmp_path):

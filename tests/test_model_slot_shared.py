@@ -94,3 +94,28 @@ def test_an_application_slot_opened_while_a_head_is_swapped_in_keeps_its_file(tm
     assert (tmp_path / f"{sha_b}.npz").exists()
     restarted = ModelSlot(tmp_path)
     assert restarted.current.sha256 == sha_b and restarted.local_labels.tolist() == [0, 1]
+
+
+def test_a_slot_removes_only_the_head_files_it_wrote(tmp_path):
+    """A review's finding: `fedfleet device --deployments DIR` deleted every *.npz of DIR that was
+    not one of its two heads, at start-up with --personalize (the operator's best_model.npz went).
+    A slot removes only a superseded <sha256>.npz it wrote; a slot.json that is not an object is
+    one ValueError (it was an AttributeError)."""
+    import pytest
+
+    (a, sha_a), (b, sha_b), (c, sha_c) = _head(1), _head(2), _head(3)
+    (tmp_path / "best_model.npz").write_bytes(b"the operator's")
+    (tmp_path / ("0" * 64 + ".npy")).write_bytes(b"not a head file")
+    slot = ModelSlot(tmp_path, local_labels=[0, 1])
+    for seq, (data, sha, name) in enumerate(((a, sha_a, "d1"), (b, sha_b, "d2"), (c, sha_c, "d3")), start=1):
+        slot.hold_seq(seq)
+        slot.swap(data, sha, name)
+    heads = sorted(p.name for p in tmp_path.glob("*.npz") if p.name != "best_model.npz")
+    assert heads == sorted([f"{sha_b}.npz", f"{sha_c}.npz"])           # A superseded: removed
+    assert (tmp_path / "best_model.npz").read_bytes() == b"the operator's"
+    assert (tmp_path / ("0" * 64 + ".npy")).exists()
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "slot.json").write_text("[]")
+    with pytest.raises(ValueError, match="not a model slot's state"):
+        ModelSlot(other)

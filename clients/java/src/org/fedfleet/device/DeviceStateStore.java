@@ -6,7 +6,7 @@
 // * one file per job, <sha256(job id)[:32]>.npz in the store's folder: the job's float32 arrays
 //   plus "__state_header__" (uint8 JSON: job_id, run, round, expires_at), the Python store's
 //   format, so either library opens what the other wrote;
-// * atomic: written to a ".tmp-" file in the same folder, synced, renamed over the old one
+// * atomic: written to a ".fedfleet-tmp-" file in the same folder, synced, renamed over the old one
 //   (rename(2)): a device killed mid-write finds the previous state or the new one; a torn or
 //   foreign file reads as "no state" and is removed. Unlike the Python store the folder itself is
 //   not fsynced (java.io cannot open a folder): after a power cut right after a save the device may
@@ -36,6 +36,7 @@ import java.util.LinkedHashMap;
 import java.util.List;
 import java.util.Map;
 import java.util.function.DoubleSupplier;
+import java.util.regex.Pattern;
 import org.fedfleet.wire.Envelope;
 import org.fedfleet.wire.Json;
 
@@ -44,7 +45,11 @@ public final class DeviceStateStore {
     public static final double DEFAULT_TTL_S = 7 * 24 * 3600.0;
     static final String HEADER = "__state_header__";
     private static final String SUFFIX = ".npz";
-    static final String TMP = ".tmp-";          // temporary files (this store's and SessionMemoryFile's): swept
+    static final String TMP = ".fedfleet-tmp-";  // temporary files (this store's and SessionMemoryFile's): swept
+    // The folder may hold the operator's own files: the store reads, sweeps and forgets only the names
+    // it writes (a review found the Python store deleting a user's model.npz; this one did the same).
+    private static final Pattern OWN_NAME = Pattern.compile("[0-9a-f]{32}" + Pattern.quote(SUFFIX));
+    private static final Pattern OWN_TEMP = Pattern.compile(Pattern.quote(TMP) + "[0-9]+(\\.npz\\.part|\\.json\\.part)");
 
     /** A job's state would not fit in the device's state budget (the task is declined). */
     public static final class BudgetExceeded extends Exception {
@@ -123,7 +128,7 @@ public final class DeviceStateStore {
     /** Every readable entry but the file `skip` (not even read). */
     private Map<File, Entry> entries(File skip) {
         Map<File, Entry> out = new LinkedHashMap<>();
-        File[] files = root.listFiles((d, name) -> name.endsWith(SUFFIX) && !name.startsWith(TMP));
+        File[] files = root.listFiles((d, name) -> OWN_NAME.matcher(name).matches());
         if (files == null) return out;
         Arrays.sort(files);
         for (File f : files) {
@@ -136,7 +141,7 @@ public final class DeviceStateStore {
 
     /** Remove expired entries (and leftover temporary files); how many entries went. */
     public synchronized int sweep() {
-        File[] tmps = root.listFiles((d, name) -> name.startsWith(TMP));
+        File[] tmps = root.listFiles((d, name) -> OWN_TEMP.matcher(name).matches());
         if (tmps != null) for (File t : tmps) t.delete();
         double now = clock.getAsDouble();
         int gone = 0;
@@ -220,7 +225,7 @@ public final class DeviceStateStore {
 
     /** Remove every job's state (the device forgotten); how many files went. */
     public synchronized int forget() {
-        File[] files = root.listFiles((d, name) -> name.endsWith(SUFFIX) || name.startsWith(TMP));
+        File[] files = root.listFiles((d, name) -> OWN_NAME.matcher(name).matches() || OWN_TEMP.matcher(name).matches());
         int n = 0;
         if (files != null) for (File f : files) if (f.delete()) n++;
         return n;

@@ -30,6 +30,7 @@ import org.fedfleet.wire.Json;
 public final class ModelSlot {
     public static final String STATE_FILE = "slot.json", ASSIGN = "deployment.assign", RUN = "run", ROLLBACK = "rollback";
     private static final Pattern SHA = Pattern.compile("^[0-9a-f]{64}$"), ID = Pattern.compile("^[A-Za-z0-9_.-]{1,64}$");
+    private static final Pattern HEAD_FILE = Pattern.compile("[0-9a-f]{64}\\.npz");    // a version's head, named by its sha256
 
     /** One kept version: its head file's sha256, the deployment that brought it, the bundle whose features it reads. */
     public static final class Version {
@@ -231,7 +232,8 @@ public final class ModelSlot {
             String name = f.getName();
             boolean kept = (next.current != null && name.equals(next.current.sha256 + ".npz"))
                     || (next.previous != null && name.equals(next.previous.sha256 + ".npz"));
-            if (name.endsWith(".npz") && !kept && !f.delete()) throw new IOException("cannot remove " + f);
+            // only a head file this slot wrote (<sha256>.npz): the folder may hold the operator's files
+            if (HEAD_FILE.matcher(name).matches() && !kept && !f.delete()) throw new IOException("cannot remove " + f);
         }
     }
 
