@@ -76,6 +76,42 @@ def test_secrets_are_written_owner_only_even_over_an_existing_file(tmp_path):
     assert stat.S_IMODE((tmp_path / "aggregator.pem").stat().st_mode) == 0o600
 
 
+def test_credentials_write_nothing_outside_their_folder_nor_through_a_symlink_nor_before_checks(tmp_path):
+    """A review's finding: the enrolment file's device_id named the key files verbatim ("../escaped"
+    wrote a private key one folder up), a symlink planted at <id>.key.pem had its target overwritten
+    with the key, and both happened before a bad --broker was refused. Now every field is checked
+    first and the files are replaced by a rename (the link itself, never its target)."""
+    from fedfleet.device import apply_credentials
+    from fedfleet.errors import UserError
+
+    folder = tmp_path / "creds"
+    folder.mkdir()
+    pem = DeviceIdentity.generate("cam2").to_pem().decode()
+
+    def apply(device_id, broker="mqtt://127.0.0.1:1883"):
+        creds = folder / "cam.json"
+        creds.write_text(json.dumps({"device_id": device_id, "mqtt_username": "u", "mqtt_password": "p",
+                                     "private_key_pem": pem, "ca_pem": "-----BEGIN CERTIFICATE-----\n"}))
+        args = SimpleNamespace(credentials=creds, id=None, broker=broker, identity=None, tls_ca=None,
+                               aggregator_key=None)
+        apply_credentials(args)
+        return args
+
+    with pytest.raises(UserError, match="invalid device id"):
+        apply("../escaped")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["creds"] and [p.name for p in folder.iterdir()] == ["cam.json"]
+    with pytest.raises(ValueError, match="scheme"):
+        apply("cam2", broker="ftp://nowhere")
+    assert [p.name for p in folder.iterdir()] == ["cam.json"]           # refused before anything was written
+    victim = tmp_path / "victim.txt"
+    victim.write_text("important data")
+    os.symlink(victim, folder / "cam2.key.pem")
+    args = apply("cam2")
+    assert victim.read_text() == "important data"
+    assert not (folder / "cam2.key.pem").is_symlink() and "PRIVATE KEY" in args.identity.read_text()
+    assert stat.S_IMODE(args.identity.stat().st_mode) == 0o600
+
+
 def test_dp_epsilon_is_refused_where_no_phase_would_apply_it(tmp_path, capsys):
     from fedfleet.cli import main
 
