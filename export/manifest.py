@@ -42,7 +42,9 @@ def write_bundle(out_dir: str | Path, manifest: Manifest, files: Mapping[str, by
                  overwrite: bool = False) -> Path:
     """Write ``files`` and the manifest to ``out_dir``; returns the manifest's path.
 
-    Refuses to touch an existing non-empty ``out_dir`` unless ``overwrite``.
+    Refuses to touch an existing non-empty ``out_dir`` unless ``overwrite``, and even then one that
+    holds no bundle (no manifest.json): ``--overwrite`` replaces an earlier export, never a folder
+    of the user's (a review found ``--out ~/thesis --overwrite`` deleted the thesis).
     """
     out_dir = Path(out_dir)
     listed = {spec.file for spec in manifest.artifacts}
@@ -53,8 +55,12 @@ def write_bundle(out_dir: str | Path, manifest: Manifest, files: Mapping[str, by
             raise ValueError(f"{spec.file}: bytes do not match the manifest's sha256")
     if out_dir.exists() and not out_dir.is_dir():
         raise FileExistsError(f"{out_dir} exists and is not a directory")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out_dir} is not empty; pass overwrite=True (--overwrite) to replace it")
+    if out_dir.is_dir() and any(out_dir.iterdir()):
+        if not overwrite:
+            raise FileExistsError(f"{out_dir} is not empty; pass overwrite=True (--overwrite) to replace it")
+        if not (out_dir / MANIFEST_FILENAME).is_file():
+            raise FileExistsError(f"{out_dir} is not empty and holds no bundle ({MANIFEST_FILENAME}): "
+                                  "--overwrite replaces an earlier export only")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
 
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
@@ -65,9 +71,13 @@ def write_bundle(out_dir: str | Path, manifest: Manifest, files: Mapping[str, by
         _write_synced(staging / MANIFEST_FILENAME, manifest.dumps().encode("utf-8"))
         if out_dir.exists():
             retired = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-            os.replace(out_dir, retired / "bundle")
-            os.replace(staging, out_dir)
-            shutil.rmtree(retired, ignore_errors=True)
+            try:
+                os.replace(out_dir, retired / "bundle")
+                os.replace(staging, out_dir)
+            finally:
+                if (retired / "bundle").exists() and not out_dir.exists():
+                    os.replace(retired / "bundle", out_dir)           # the old bundle back where it was
+                shutil.rmtree(retired, ignore_errors=True)
         else:
             os.replace(staging, out_dir)
     except BaseException:

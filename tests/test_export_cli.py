@@ -88,7 +88,13 @@ def test_existing_bundle_is_kept_unless_overwrite(tmp_path, capsys):
     assert main(arguments) == 1
     assert "not empty" in capsys.readouterr().err
     assert (out / "keep.txt").read_text() == "mine"
-    assert main([*arguments, "--overwrite"]) == 0
+    # a review's finding: --overwrite replaced any folder, bundle or not (a user's files went)
+    assert main([*arguments, "--overwrite"]) == 1
+    assert "holds no bundle" in capsys.readouterr().err and (out / "keep.txt").read_text() == "mine"
+    (out / "keep.txt").unlink()
+    assert main(arguments) == 0                                 # an empty folder takes a bundle
+    (out / "stale.txt").write_text("an earlier export's leftover")
+    assert main([*arguments, "--overwrite"]) == 0               # an earlier export is replaced whole
     assert sorted(p.name for p in out.iterdir()) == ["inference_eager.pt", "manifest.json"]
     assert [p.name for p in tmp_path.iterdir()] == ["bundle"]  # no staging leftovers
 
