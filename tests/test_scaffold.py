@@ -237,3 +237,42 @@ def test_dp_is_refused():
     with pytest.raises(ValueError, match="dp"):
         ScaffoldConfig(num_classes=C, feature_dim=D, dp_noise_multiplier=1.0, dp_clip_norm=1.0)
     assert FedAvgConfig(num_classes=C, feature_dim=D, dp_noise_multiplier=1.0, dp_clip_norm=1.0).dp
+
+
+@pytest.mark.parametrize("secure", [False, True])
+def test_a_result_the_wire_refuses_leaves_the_devices_control_as_it_was(tmp_path, secure):
+    """A review's finding: the device kept c_k⁺ before encoding its result, so a Δc past the wire's
+    bound (c_k = 10⁶ after one round, c_k⁺ = −10⁶ after the next: each within 2^20, their difference
+    not) failed the task with the state already moved to the round the server never counted; the
+    secure handler restored only on a decline. The state stays round 1's."""
+    from protocols.payloads.scaffold import ScaffoldParams
+    from protocols.payloads.stateful import StateBinding
+    from protocols.payloads.task_params import ModelSpec
+    from edge_client.tasks.secure_fedavg_training import state_restored_on_decline
+
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 256, (30, SIZE, SIZE), dtype=np.uint8), rng.integers(0, C, 30)
+    store = DeviceStateStore(tmp_path)
+    handler = ScaffoldTrainingTask(x, y, lambda *a, **k: EXTRACTOR, store)
+
+    def task(round_, c_value):        # lr so small that y == x in float32: c_k⁺ = c_k − c
+        params = ScaffoldParams(model=ModelSpec(num_classes=C, backbone="b", image_size=SIZE), feature_dim=D,
+                                training=LocalTraining(epochs=1, batch_size=30, lr=1e-15), job_id="jobS",
+                                state=StateBinding(run="0123abcd", round=round_)).to_params()
+        tensors = {"weight": np.ones((C, D), np.float32), "bias": np.ones(C, np.float32),
+                   "control.weight": np.full((C, D), c_value, np.float32),
+                   "control.bias": np.full(C, c_value, np.float32)}
+        return params, tensors
+
+    handler(*task(1, -1.0e6))
+    kept = store.load("jobS", "0123abcd")
+    assert kept.round == 1 and float(kept.arrays["weight"].flat[0]) == 1.0e6
+    with pytest.raises(ValueError):
+        if secure:
+            with state_restored_on_decline(handler, task(2, 2.0e6)[0], KIND):
+                store.save("jobS", "0123abcd", 2, {k: -v for k, v in kept.arrays.items()})   # as a later step would
+                raise ValueError("Δc beyond the wire's bound")
+        else:
+            handler(*task(2, 2.0e6))
+    after = store.load("jobS", "0123abcd")
+    assert after.round == 1 and all(np.array_equal(after.arrays[k], kept.arrays[k]) for k in kept.arrays)

@@ -72,6 +72,7 @@ class PartialTrainingTask(StatefulHeadTask):
             u, v = train_partial(task.weight, start, task.features, self.labels, recipe)
         except FloatingPointError as exc:
             raise TaskDeclined(str(exc)) from exc
-        self.keep(task, stored, {"bias": v})
-        return encode_partial_update(u, len(self.labels), self.personal_report(
+        result = encode_partial_update(u, len(self.labels), self.personal_report(
             task, {"weight": task.weight, "bias": v}, stored is None))
+        self.keep(task, stored, {"bias": v})          # once the result is encoded (a refused one keeps v_k as it was)
+        return result

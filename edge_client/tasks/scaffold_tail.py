@@ -54,7 +54,7 @@ class ScaffoldTailTask(TailTrainingTask, DeviceStateKeeper):
             new_ck = option_ii_control(control, ck, job.start, y, self.last_steps, job.params.training.lr)
         except FloatingPointError as exc:
             raise TaskDeclined(str(exc)) from exc
-        self.keep(key, stored, new_ck)
         delta = {DELTA_CONTROL + k: new_ck[k] - ck[k] for k in shapes}
-        body, out = encode_model_update({**y, **delta}, len(self.labels))
+        body, out = encode_model_update({**y, **delta}, len(self.labels))     # before c_k is kept (as the head's)
+        self.keep(key, stored, new_ck)
         return {**body, "restarted": stored is None}, out

@@ -88,7 +88,9 @@ class ScaffoldTrainingTask(StatefulHeadTask):
                                            recipe)
         except FloatingPointError as exc:
             raise TaskDeclined(str(exc)) from exc
-        self.keep(task, stored, new_control)
         delta = {DELTA_CONTROL + k: new_control[k] - start[k] for k in HEAD}
+        # encoded before c_k is kept: a result the wire refuses (a Δc past its bound) declines the
+        # task with the state as it was, never a c_k the server's c did not count (a review's finding)
         body, out = encode_model_update({**y, **delta}, len(self.labels))
+        self.keep(task, stored, new_control)
         return {**body, "restarted": stored is None}, out

@@ -135,7 +135,7 @@ def state_restored_on_decline(training, params: dict, kind: str):
     before = store.load(job_id, None)
     try:
         yield
-    except TaskDeclined:
+    except Exception:       # any failure sends nothing: a declined task, or one whose result could not be built
         try:
             if before is None:
                 store.drop(job_id)

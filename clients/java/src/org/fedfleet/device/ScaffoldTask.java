@@ -66,13 +66,25 @@ public final class ScaffoldTask extends StatefulHeadTask {
             }
             newControl.put(k, c);
         }
+        // Δc checked before c_k is kept: a result past the wire's bound declines with the state as it
+        // was, never a c_k the server's c did not count (as the Python device)
+        Map<String, float[]> deltas = new LinkedHashMap<>();
+        for (String k : HEAD) {
+            float[] delta = minus(newControl.get(k), start.get(k));
+            try {
+                HeadTrainer.checkBounded(DELTA_CONTROL + k, delta);
+            } catch (ArithmeticException e) {
+                throw new TaskDeclined(e.getMessage());
+            }
+            deltas.put(k, delta);
+        }
         keep(t, stored, newControl);
         Map<String, Object> body = new LinkedHashMap<>();
         body.put("n", BigInteger.valueOf(y.n));
         body.put("restarted", stored == null);
         List<Envelope.Tensor> out = new ArrayList<>();
         for (String k : HEAD) out.add(Tensors.floats(k, "float32", t.shape(k), widen(trained.get(k))));
-        for (String k : HEAD) out.add(Tensors.floats(DELTA_CONTROL + k, "float32", t.shape(k), widen(minus(newControl.get(k), start.get(k)))));
+        for (String k : HEAD) out.add(Tensors.floats(DELTA_CONTROL + k, "float32", t.shape(k), widen(deltas.get(k))));
         return new Result(body, out);
     }
 
