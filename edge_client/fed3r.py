@@ -71,6 +71,8 @@ class Fed3RAccumulator:
         if len(labels) and (labels.min() < 0 or labels.max() >= self.num_classes):
             raise ValueError(f"labels must lie in [0, {self.num_classes})")
         Z = self.transform(features)
+        if not np.isfinite(Z).all():    # e.g. random features of a sigma so small that z·ω/σ overflows
+            raise ValueError("the transformed features are not all finite (NaN or Inf): no statistics of them")
         if self._rows is not None:
             self._rows.append(Z)
             self._row_labels.append(labels)

@@ -120,6 +120,34 @@ def test_a_fed3r_task_over_the_memory_budget_is_declined_before_it_allocates(age
         small(fed3r_params(), {})
 
 
+def test_the_fed3r_memory_budget_counts_what_the_tasks_numbers_size_per_row():
+    """A review's finding: the budget counted A, B and the random features' matrix but not the
+    rows' one-hot (n x C) nor their random features (n x D), so a task at the most classes the
+    check admitted allocated 20x the budget. The same task is now declined, and one whose budget
+    covers its rows runs (both against the bytes counted here by hand)."""
+    rows, features, classes = 300, 16, 2000
+    task = Fed3RStatsParams(model=ModelSpec(backbone="b", image_size=8, num_classes=classes)).to_params()
+    p = features + 1
+    fixed, per_row = 8 * (p * p + classes * p), 8 * classes
+    images, labels = np.ones((rows, features)), np.arange(rows) % 3
+    tight = Fed3RStatsTask(images, labels, lambda b, s, w: Features(), memory_budget=fixed + rows * per_row - 1)
+    with pytest.raises(TaskDeclined, match="MiB"):
+        tight(task, {})
+    enough = Fed3RStatsTask(images, labels, lambda b, s, w: Features(), memory_budget=fixed + rows * per_row)
+    assert enough(task, {})[0]["n"] == rows
+
+
+@pytest.mark.parametrize("sigma", [5e-324, 1e-310])
+def test_random_features_that_overflow_are_declined_not_sent_as_nan(sigma):
+    """A review's finding: a finite sigma so small that z·ω/σ overflows gave NaN statistics, sent as
+    a result (2,144 NaN entries of A); the device now declines."""
+    rng = np.random.default_rng(0)
+    task = Fed3RStatsTask(rng.normal(size=(5, 16)), np.array([0, 1, 2, 0, 1]), lambda b, s, w: Features())
+    with pytest.raises(TaskDeclined, match="not all finite"):
+        task(fed3r_params(random_features={"dim": 32, "sigma": sigma, "seed": 0}), {})
+    assert task(fed3r_params(random_features={"dim": 32, "sigma": 1.0, "seed": 0}), {})[0]["n"] == 5
+
+
 def test_a_tick_that_raises_is_logged_once_and_the_agent_goes_on(broker, caplog):
     calls = {"n": 0}
 

@@ -61,26 +61,35 @@ class Fed3RStatsTask:
         if labels.max() >= num_classes:
             raise TaskDeclined(f"local label {labels.max()} outside the job's {num_classes} classes")
         extractor = extractor_for(self.extractor_factory, task.model)
+        cap = task.sample_cap
+        if cap is not None:    # DP caps the samples per device (the first max_samples: a choice blind to the data)
+            images, labels = images[:cap], labels[:cap]
+        self._check_memory(task, extractor.feature_dim, rows=len(labels))
         spec = task.random_features
-        self._check_memory(task, extractor.feature_dim)
         rf = None if spec is None else RandomFourierFeatures(spec.dim, float(spec.sigma), spec.seed)
         acc = Fed3RAccumulator(num_classes, extractor.feature_dim, task.fit_intercept, rf,
                                keep_rows=task.factor and not dense, feature_clip_norm=task.feature_clip_norm or 0.0,
                                feature_center=feature_center(task, tensors, extractor.feature_dim))
-        cap = task.sample_cap
-        if cap is not None:    # DP caps the samples per device (the first max_samples: a choice blind to the data)
-            images, labels = images[:cap], labels[:cap]
-        acc.update(extractor.extract(images), labels)
+        try:
+            acc.update(extractor.extract(images), labels)
+        except ValueError as exc:          # statistics that are not numbers are declined, never sent
+            raise TaskDeclined(str(exc)) from None
         body, out = encode_smallest(acc, num_classes, dense, task.dtype)
         if task.from_sample is not None:
             body["from_sample"] = start
         return body, out
 
 
-    def _check_memory(self, task: Fed3RStatsParams, feature_dim: int) -> None:
+    def _check_memory(self, task: Fed3RStatsParams, feature_dim: int, rows: int) -> None:
         spec = task.random_features
         p = (feature_dim if spec is None else spec.dim) + task.fit_intercept
-        needed = 8 * (p * p + task.model.num_classes * p + (0 if spec is None else feature_dim * spec.dim))
+        # A, B and the random features' matrix, and per row what the task's own numbers size: the
+        # labels' one-hot (C) and the random features with their copy (2p); a review found the rows'
+        # share left out (20x the budget at C = 10^5). The backbone's features per row are the
+        # device's own data, held however the task is sized.
+        per_row = task.model.num_classes + (0 if spec is None else 2 * p)
+        needed = 8 * (p * p + task.model.num_classes * p + (0 if spec is None else feature_dim * spec.dim)
+                      + rows * per_row)
         if needed > self.memory_budget:
             raise TaskDeclined(f"statistics of {p} features need {needed / 2**20:.0f} MiB, over this device's "
                                f"{self.memory_budget / 2**20:.0f} MiB")
