@@ -12,17 +12,33 @@ from protocols.command_errors import (USER_MISTAKES, UserError, describe, redact
                                       run_reporting_errors)
 
 
+MAX_JSON_FILE_BYTES = 16 << 20       # a config or an enrolment file is kilobytes
+
+
 def load_json_file(path, what: str) -> object:
-    """A JSON file a user named, with one clear error for a missing file or bad JSON."""
+    """A JSON file a user named, with one clear error for a missing file or bad JSON: read only if
+    it is a regular file of bounded size (a FIFO blocked, /dev/zero filled memory), JSON nested too
+    deeply or naming a key twice refused (a RecursionError traceback; the last value kept)."""
     from pathlib import Path
 
+    from protocols.envelope import DuplicateKeyError, object_without_duplicates
+    from protocols.regular_file import read_regular_file
+
     p = Path(path)
-    if not p.is_file():
+    if not p.exists():
         raise UserError(f"{what} {p} does not exist (check the path)")
     try:
-        return json.loads(p.read_text())
+        data = read_regular_file(p, what, MAX_JSON_FILE_BYTES)
+    except ValueError as exc:                      # not a regular file, or too large: the error names both
+        raise UserError(str(exc)) from None
+    try:
+        return json.loads(data, object_pairs_hook=object_without_duplicates)
     except json.JSONDecodeError as exc:
         raise UserError(f"{what} {p} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}") from None
+    except (DuplicateKeyError, UnicodeDecodeError, RecursionError) as exc:
+        why = "its JSON is nested too deeply" if isinstance(exc, RecursionError) else f"its JSON has a {exc}" \
+            if isinstance(exc, DuplicateKeyError) else "not UTF-8 text"
+        raise UserError(f"{what} {p}: {why}") from None
 
 
 def reported_config(cfg) -> dict:

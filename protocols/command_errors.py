@@ -17,14 +17,15 @@ class UserError(Exception):
     """A mistake in what the user asked for; the message says what is wrong and what to do."""
 
 
-USER_MISTAKES = (UserError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError,
-                 json.JSONDecodeError, ConnectionError, ValueError, KeyError, TypeError)
+USER_MISTAKES = (UserError, FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError,
+                 PermissionError, json.JSONDecodeError, ConnectionError, ValueError, KeyError, TypeError)
 
 
 def describe(exc: BaseException) -> str:
     if isinstance(exc, json.JSONDecodeError):
         return f"not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})"
-    if isinstance(exc, (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)) and exc.filename:
+    if isinstance(exc, (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError,
+                        PermissionError)) and exc.filename:
         return f"{exc.strerror or type(exc).__name__}: {exc.filename}"
     if isinstance(exc, KeyError):
         return f"missing {exc.args[0]!r}" if exc.args else "missing key"

@@ -225,3 +225,32 @@ def test_python_m_aggregator_reports_a_mistake_as_fedfleet_aggregator_does(files
         assert "Traceback" not in proc.stderr and len(proc.stderr.splitlines()) == 1, proc.stderr[-2000:]
         outcomes.append((proc.returncode, proc.stderr))
     assert outcomes[0] == outcomes[1] and outcomes[0][0] == 2, outcomes
+
+
+@pytest.mark.parametrize("case", ["deep", "duplicate", "fifo", "/dev/zero"])
+def test_a_json_file_the_command_reads_is_bounded_and_refused_in_one_line(tmp_path, case):
+    """A review's findings: the JSON files the fedfleet command reads (simulate --config, device
+    --credentials, --compare-with) were read whole and parsed as they came: JSON nested too deeply
+    was a RecursionError traceback, a FIFO blocked for ever, /dev/zero filled memory, a key named
+    twice kept its last value. Each is now one line, exit 2 (a process capped at 2 GiB and 60 s)."""
+    import resource
+
+    path = {"deep": tmp_path / "deep.json", "duplicate": tmp_path / "dup.json", "fifo": tmp_path / "fifo",
+            "/dev/zero": Path("/dev/zero")}[case]
+    if case == "deep":
+        path.write_text("[" * 100_000 + "]" * 100_000)
+    elif case == "duplicate":
+        path.write_text('{"devices": 4, "devices": 400000}')
+    elif case == "fifo":
+        os.mkfifo(path)
+
+    def cap_memory():
+        resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+    proc = subprocess.run([sys.executable, "-m", "fedfleet.cli", "simulate", "--config", str(path)],
+                          capture_output=True, text=True, timeout=60, preexec_fn=cap_memory,
+                          cwd=Path(__file__).resolve().parents[1])
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert {"deep": "nested too deeply", "duplicate": "duplicate key 'devices'", "fifo": "not a regular file",
+            "/dev/zero": "not a regular file"}[case] in lines[0]
