@@ -12,6 +12,7 @@ import numpy as np
 
 from protocols.command_errors import run_reporting_errors
 from protocols.mqtt_link import BrokerConfig
+from protocols.regular_file import OPTION_FILE_BYTES, read_regular_file
 from protocols.ray_cluster import check_reachable as check_ray_reachable
 
 from aggregator.api.server import add_ops_arguments, serve_with_ops
@@ -126,7 +127,8 @@ def serve(args) -> int:
     broker.check_reachable()
     enrolled = None
     if args.enrolled:
-        enrolled = {line.strip() for line in args.enrolled.read_text().splitlines() if line.strip()}
+        text = read_regular_file(args.enrolled, "--enrolled", OPTION_FILE_BYTES).decode("utf-8")
+        enrolled = {line.strip() for line in text.splitlines() if line.strip()}
     shelf = None
     if args.artifacts:
         shelf = ArtifactShelf()

@@ -206,7 +206,9 @@ def _identity(args):
         return None
     from protocols.identity import DeviceIdentity
 
-    return DeviceIdentity.from_pem(args.id, args.identity.read_bytes())
+    from protocols.regular_file import OPTION_FILE_BYTES, read_regular_file
+
+    return DeviceIdentity.from_pem(args.id, read_regular_file(args.identity, "--identity", OPTION_FILE_BYTES))
 
 
 def _signing(args, identity, handlers: dict) -> tuple:

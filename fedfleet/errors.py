@@ -12,9 +12,6 @@ from protocols.command_errors import (USER_MISTAKES, UserError, describe, redact
                                       run_reporting_errors)
 
 
-MAX_JSON_FILE_BYTES = 16 << 20       # a config or an enrolment file is kilobytes
-
-
 def load_json_file(path, what: str) -> object:
     """A JSON file a user named, with one clear error for a missing file or bad JSON: read only if
     it is a regular file of bounded size (a FIFO blocked, /dev/zero filled memory), JSON nested too
@@ -22,13 +19,13 @@ def load_json_file(path, what: str) -> object:
     from pathlib import Path
 
     from protocols.envelope import DuplicateKeyError, object_without_duplicates
-    from protocols.regular_file import read_regular_file
+    from protocols.regular_file import OPTION_FILE_BYTES, read_regular_file
 
     p = Path(path)
     if not p.exists():
         raise UserError(f"{what} {p} does not exist (check the path)")
     try:
-        data = read_regular_file(p, what, MAX_JSON_FILE_BYTES)
+        data = read_regular_file(p, what, OPTION_FILE_BYTES)
     except ValueError as exc:                      # not a regular file, or too large: the error names both
         raise UserError(str(exc)) from None
     try:

@@ -24,6 +24,8 @@ from typing import Any
 
 import jsonschema
 
+from protocols.regular_file import open_regular
+
 
 class ArtifactError(RuntimeError):
     """Base class: an exported bundle cannot be used."""
@@ -479,7 +481,7 @@ def read_manifest_bytes(path: str | Path) -> tuple[Path, bytes]:
     if path.is_dir():
         path = path / MANIFEST_FILENAME
     try:
-        with open(path, "rb") as handle:
+        with open_regular(path) as handle:
             raw = handle.read(MAX_MANIFEST_BYTES + 1)
     except FileNotFoundError:
         raise ManifestError(f"no manifest at {path}") from None

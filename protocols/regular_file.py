@@ -10,28 +10,40 @@ what is used.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from pathlib import Path
+
+# An option file a person names (a list of device ids, a PEM key, a token): kilobytes, never this.
+OPTION_FILE_BYTES = 16 << 20
+
+
+def open_regular(path: str | Path):
+    """``path`` opened for binary reading if it is a regular file (``OSError`` otherwise, EINVAL for
+    another kind of file), without blocking: opening a FIFO for reading waits for a writer."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def read_regular_file(path: str | Path, what: str, max_bytes: int) -> bytes:
     """The bytes of ``path``, a regular file of at most ``max_bytes`` (``ValueError`` otherwise,
     naming it as ``what``)."""
-    try:      # non-blocking: opening a FIFO for reading would wait for a writer
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except OSError as exc:
-        raise ValueError(f"{what} {str(path)[:200]!r}: {exc.strerror}") from None
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise ValueError(f"{what} {str(path)[:200]!r} is not a regular file")
-        if info.st_size > max_bytes:
-            raise ValueError(f"{what} {str(path)[:200]!r} has {info.st_size} bytes, more than {max_bytes}")
-    except BaseException:
-        os.close(fd)
-        raise
-    with os.fdopen(fd, "rb") as handle:
+        handle = open_regular(path)
+    except OSError as exc:
+        reason = "is not a regular file" if exc.errno == errno.EINVAL else f": {exc.strerror}"
+        raise ValueError(f"{what} {str(path)[:200]!r}{'' if reason.startswith(':') else ' '}{reason}") from None
+    with handle:
+        size = os.fstat(handle.fileno()).st_size
+        if size > max_bytes:
+            raise ValueError(f"{what} {str(path)[:200]!r} has {size} bytes, more than {max_bytes}")
         data = handle.read(max_bytes + 1)
     if len(data) > max_bytes:                     # it grew after the check
         raise ValueError(f"{what} {str(path)[:200]!r} has more than {max_bytes} bytes")

@@ -254,3 +254,28 @@ def test_a_json_file_the_command_reads_is_bounded_and_refused_in_one_line(tmp_pa
     assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert {"deep": "nested too deeply", "duplicate": "duplicate key 'devices'", "fifo": "not a regular file",
             "/dev/zero": "not a regular file"}[case] in lines[0]
+
+
+@pytest.mark.parametrize("option", ["--enrolled", "--identity"])
+@pytest.mark.parametrize("target", ["fifo", "/dev/zero"])
+def test_an_option_file_of_aggregator_serve_is_read_bounded(broker, tmp_path, option, target):
+    """A review's finding: `aggregator serve --enrolled` and `--identity` read their file whole with
+    no check: a FIFO blocked the start for ever, /dev/zero was a MemoryError traceback. One line,
+    exit 2 (a process capped at 2 GiB and 60 s)."""
+    import resource
+
+    path = tmp_path / "fifo" if target == "fifo" else Path(target)
+    if target == "fifo":
+        os.mkfifo(path)
+    (tmp_path / "job.json").write_text(json.dumps({"num_classes": 10}))
+
+    def cap_memory():
+        resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+    proc = subprocess.run([sys.executable, "-m", "aggregator", "serve", "--out", str(tmp_path / "o"), "--config",
+                           str(tmp_path / "job.json"), "--broker", broker.url, option, str(path), "--timeout", "5"],
+                          capture_output=True, text=True, timeout=60, preexec_fn=cap_memory,
+                          cwd=Path(__file__).resolve().parents[1])
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and "WARNING" not in line]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert len(lines) == 1 and f"{option} '{path}' is not a regular file" in lines[0], proc.stderr[-2000:]

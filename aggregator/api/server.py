@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from protocols.mqtt_link import BrokerConfig
+from protocols.regular_file import OPTION_FILE_BYTES, read_regular_file
 from protocols.topics import AGGREGATOR_ID
 
 from aggregator.service.settings import ServiceSettings
@@ -87,7 +88,7 @@ def add_ops_arguments(p: argparse.ArgumentParser) -> None:
 
 def admin_token(args) -> str | None:
     if args.api_token_file:
-        return args.api_token_file.read_text().strip()
+        return read_regular_file(args.api_token_file, "--api-token-file", OPTION_FILE_BYTES).decode("utf-8").strip()
     return os.environ.get(TOKEN_ENV)
 
 
@@ -155,7 +156,7 @@ def serve_with_ops(args, job, broker: BrokerConfig, out_dir: Path, settings: Ser
     if args.identity:
         from protocols.identity import DeviceIdentity
 
-        identity = DeviceIdentity.from_pem(AGGREGATOR_ID, args.identity.read_bytes())
+        identity = DeviceIdentity.from_pem(AGGREGATOR_ID, read_regular_file(args.identity, "--identity", OPTION_FILE_BYTES))
     service = AggregatorService(job, broker, out_dir, settings, enrolled=enrolled, eval_set=eval_set, store=store,
                                 security=security, artifacts=artifacts, identity=identity, shards=pool)
     deployments = None

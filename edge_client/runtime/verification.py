@@ -11,10 +11,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-import stat
 from pathlib import Path
 
 from protocols.files import file_sha256
+from protocols.regular_file import open_regular
 
 from edge_client.runtime.errors import (
     ArtifactMissingError,
@@ -30,6 +30,10 @@ from protocols.bundle_manifest import (
 )
 
 __all__ = ["file_sha256", "read_verified", "load_manifest", "verify_bundle"]
+
+# The most bytes of one artifact a device reads (an EfficientNet-Lite0 .pte is ~20 MB): a manifest
+# claiming 6 GiB beside a sparse file of that size made the read a MemoryError (a review's finding).
+MAX_ARTIFACT_BYTES = 1 << 30
 
 
 def _same_digest(actual: str, expected: str) -> bool:
@@ -55,18 +59,24 @@ def read_verified(manifest: Manifest, spec: ArtifactSpec) -> bytes:
     file's size is checked before anything is read (a manifest may claim any size), and only a
     regular file is read (a FIFO would block the device)."""
     path = manifest.directory / spec.file
+    if spec.size_bytes > MAX_ARTIFACT_BYTES:        # a manifest may claim any size: never read past this
+        raise ArtifactTamperedError(f"refusing {path}: the manifest says {spec.size_bytes} bytes, more than a "
+                                    f"device reads ({MAX_ARTIFACT_BYTES})")
     try:
-        with open(path, "rb") as handle:
-            info = os.fstat(handle.fileno())
-            found = f"{info.st_size} bytes" if stat.S_ISREG(info.st_mode) else "not a regular file"
-            if not stat.S_ISREG(info.st_mode) or info.st_size != spec.size_bytes:
-                raise ArtifactTamperedError(f"refusing {path}: its size differs from the manifest's ({found} where "
-                                            f"it says {spec.size_bytes} bytes). Re-download the bundle from the server.")
+        # opened without blocking, a regular file only: a FIFO in its place blocked the device
+        with open_regular(path) as handle:
+            size = os.fstat(handle.fileno()).st_size
+            if size != spec.size_bytes:
+                raise ArtifactTamperedError(f"refusing {path}: its size differs from the manifest's ({size} bytes "
+                                            f"where it says {spec.size_bytes} bytes). Re-download the bundle from the server.")
             # One byte more than promised is enough to tell the file has grown since.
             data = handle.read(spec.size_bytes + 1)
     except FileNotFoundError:
         raise ArtifactMissingError(
             f"{path} is listed in the manifest but missing from the bundle") from None
+    except OSError as exc:
+        raise ArtifactTamperedError(f"refusing {path}: {exc.strerror} (a regular file of "
+                                    f"{spec.size_bytes} bytes expected)") from None
     actual = hashlib.sha256(data).hexdigest()
     if len(data) != spec.size_bytes or not _same_digest(actual, spec.sha256):
         size_note = "" if len(data) == spec.size_bytes else (

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
 from fedfleet import ladd
+from fedfleet.errors import load_json_file
 from fedfleet.ladd.config import QUICK, LaddSimConfig
 
 def add_ladd_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,7 +39,7 @@ def add_ladd_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def ladd_config_from_args(args: argparse.Namespace) -> LaddSimConfig:
-    base = json.loads(Path(args.ladd_config).read_text()) if getattr(args, "ladd_config", None) else {}
+    base = load_json_file(args.ladd_config, "--ladd-config") if getattr(args, "ladd_config", None) else {}
     if getattr(args, "quick", False):
         base = {**QUICK, "out_dir": "runs/ladd-quick", **base}
     over = {"seeds": [int(s) for s in args.seeds.split(",")] if getattr(args, "seeds", None) else None,
