@@ -12,6 +12,7 @@ import numpy as np
 
 from protocols.command_errors import run_reporting_errors
 from protocols.mqtt_link import BrokerConfig
+from protocols.files import read_npz
 from protocols.regular_file import OPTION_FILE_BYTES, read_regular_file
 from protocols.ray_cluster import check_reachable as check_ray_reachable
 
@@ -78,13 +79,16 @@ def read_json(path: Path, what: str):
         raise ValueError(f"{what} {path} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}") from None
 
 
+EVAL_FEATURES_BYTES = 4 << 30        # a held-out set's features: 10^5 rows of 1,280 float64 are 1 GiB
+
+
 def read_eval_features(path: Path) -> tuple[np.ndarray, np.ndarray]:
     """The held-out set: an .npz with Z (n, d) features and y (n,) labels (``fedfleet features`` writes one)."""
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(2, "--eval-features not found (an .npz with Z and y)", str(path))
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            Z, y = data["Z"], data["y"]
+    try:     # bounded before anything is inflated: an .npz header may declare any shape (745 GiB was asked)
+        data = read_npz(read_regular_file(path, "--eval-features", EVAL_FEATURES_BYTES), max_bytes=EVAL_FEATURES_BYTES)
+        Z, y = data["Z"], data["y"]
     except (KeyError, ValueError, OSError) as exc:
         raise ValueError(f"--eval-features {path}: not an .npz with arrays Z (n, d) and y (n,): {exc}") from None
     if Z.ndim != 2 or y.shape != (len(Z),) or not np.isfinite(Z).all():

@@ -67,6 +67,10 @@ from export.parity import (
 from export.quantization import INT8_SCHEME, QuantizedParity, quantize_int8, quantized_parity
 from export.request import DEFAULT_INFERENCE_RUNTIMES, INT8_RELATIVE_ERROR_TOLERANCE, ExportError, ExportRequest
 from export.training_program import lower_training_program
+from protocols.files import read_npz
+from protocols.regular_file import read_regular_file
+
+MAX_HEAD_FILE_BYTES = 1 << 30      # a head's weights (100,000 classes of 1,280 float32 features: 0.5 GB)
 
 __all__ = [
     "DEFAULT_INFERENCE_RUNTIMES",
@@ -120,8 +124,8 @@ def _load_backbone(name: str, weights: Path | None):
     try:
         state_dict = torch.load(weights, map_location="cpu", weights_only=True)
         backbone.load_state_dict(state_dict, strict=True)
-    except (OSError, RuntimeError, KeyError, TypeError) as error:
-        raise ExportError(f"cannot load {name} weights from {weights}: {error}") from error
+    except Exception as error:      # noqa: BLE001 - torch's unpickler fails many ways (IndexError on a non-torch file)
+        raise ExportError(f"cannot load {name} weights from {weights}: {type(error).__name__}: {error}") from error
     return backbone.eval(), file_sha256(weights)
 
 
@@ -129,9 +133,8 @@ def _load_head(path: Path | None, num_classes: int, feature_dim: int) -> dict[st
     shapes = {"weight": (num_classes, feature_dim), "bias": (num_classes,)}
     if path is None:
         return {name: np.zeros(shape, dtype=np.float32) for name, shape in shapes.items()}
-    try:
-        with np.load(path, allow_pickle=False) as archive:
-            params = {name: archive[name] for name in archive.files}
+    try:     # bounded before anything is inflated (an .npz header may declare any shape)
+        params = read_npz(read_regular_file(path, "head weights", MAX_HEAD_FILE_BYTES), max_bytes=MAX_HEAD_FILE_BYTES)
     except (OSError, ValueError) as error:
         raise ExportError(f"cannot read head weights {path}: {error}") from error
     try:

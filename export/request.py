@@ -13,6 +13,7 @@ from export.parity import ParityImages
 from export.quantization import QUANTIZATION_MODES
 
 DEFAULT_INFERENCE_RUNTIMES = ("executorch", "onnxruntime", "eager")
+MAX_CLASSES, MAX_IMAGE_SIZE = 100_000, 4096        # as a job's config takes them
 # Largest relative L2 error ||Q - F|| / ||F|| of an int8 program's outputs vs eager fp32 on the
 # parity images. With export.quantization's scheme, on 64 Fashion-MNIST test images, both
 # backbones measured 0.17-0.18 at 32-64 px and 0.25-0.26 at 128-224 px; the same scheme without
@@ -72,6 +73,11 @@ class ExportRequest:
             raise ExportError(f"tail_stages must be an integer >= 0, got {self.tail_stages!r}")
         if self.image_size < 32:
             raise ExportError(f"image_size must be >= 32 (five stride-2 stages), got {self.image_size}")
+        # the job configs' bounds (aggregator/jobs/model_fields.py): 10^9 classes or 10^5 pixels a
+        # side asked for terabytes before anything was checked (a review's finding)
+        for name, most in (("num_classes", MAX_CLASSES), ("image_size", MAX_IMAGE_SIZE)):
+            if getattr(self, name) > most:
+                raise ExportError(f"{name} must be at most {most}, got {getattr(self, name)}")
         for name in ("temperature", "tolerance", "gradient_tolerance", "quantized_tolerance"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:

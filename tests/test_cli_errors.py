@@ -22,6 +22,15 @@ def files(tmp_path_factory):
     (d / "list.json").write_text("[1, 2]")
     (d / "deep.json").write_text("[" * 100_000)
     (d / "creds.json").write_text(json.dumps({"device_id": "cam1", "mqtt_username": "cam1", "mqtt_password": "x"}))
+    import io
+    import zipfile
+
+    import numpy as np
+
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "<f8", "fortran_order": False, "shape": (10 ** 11, 1000)})
+    with zipfile.ZipFile(d / "lying.npz", "w") as archive:
+        archive.writestr("Z.npy", header.getvalue() + bytes(64))
     return d
 
 
@@ -38,6 +47,9 @@ CASES = [
     ("serve: over a limit", ["aggregator", "serve", "--out", "{d}/o", "--config", "{d}/huge.json"], "num_classes"),
     ("serve: missing eval features", ["aggregator", "serve", "--out", "{d}/o", "--config", "{d}/job.json",
                                       "--eval-features", "{d}/nope.npz"], "--eval-features"),
+    # a review's finding: an .npz header declaring 745 GiB was allocated (a MemoryError traceback)
+    ("serve: eval features declaring a huge shape", ["aggregator", "serve", "--out", "{d}/o", "--config",
+                                                     "{d}/job.json", "--eval-features", "{d}/lying.npz"], "declares"),
     ("serve: a service setting over its limit", ["aggregator", "serve", "--out", "{d}/o", "--config", "{d}/job.json",
                                                  "--ingest-workers", "-1"], "'ingest_workers'"),
     ("serve: bad broker", ["aggregator", "serve", "--out", "{d}/o", "--config", "{d}/job.json", "--broker",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
 import torch
@@ -54,12 +56,35 @@ def test_full_model_outputs_logits_of_the_given_head(tmp_path, head_file, capsys
     (["--backbone", "mobilenet_v2", "--num-classes", "3", "--temperature", "nan"], "temperature"),
     (["--backbone", "mobilenet_v2", "--num-classes", "3", "--runtimes", "",
       "--no-training"], "nothing to export"),
+    # a review's findings: terabytes asked for before anything was checked (a MemoryError traceback)
+    (["--backbone", "mobilenet_v2", "--num-classes", str(10 ** 9)], "num_classes must be at most 100000"),
+    (["--backbone", "mobilenet_v2", "--num-classes", "3", "--image-size", "100000"], "image_size must be at most"),
 ])
 def test_bad_requests_exit_2_and_write_nothing(tmp_path, capsys, arguments, message):
     out = tmp_path / "bundle"
-    assert main([*arguments, "--out", str(out), *FAST]) == 2
+    fast = FAST[2:] if "--image-size" in arguments else FAST
+    assert main([*arguments, "--out", str(out), *fast]) == 2
     assert message in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_weights_that_are_no_model_file_are_one_error(tmp_path, capsys):
+    """A review's finding: a --weights file that is not a torch file was an IndexError traceback
+    out of torch's unpickler; a --head-weights archive declaring a huge shape a MemoryError."""
+    import zipfile
+
+    (tmp_path / "w.pt").write_bytes(b"PK\x03\x04 not a torch file at all" * 10)
+    assert main(["--backbone", "mobilenet_v2", "--num-classes", "3", "--out", str(tmp_path / "a"),
+                 "--weights", str(tmp_path / "w.pt"), "--runtimes", "eager", *FAST]) == 2
+    assert "cannot load mobilenet_v2 weights" in capsys.readouterr().err
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False, "shape": (10 ** 11,)})
+    with zipfile.ZipFile(tmp_path / "head.npz", "w") as archive:
+        archive.writestr("weight.npy", header.getvalue() + bytes(64))
+    assert main(["--backbone", "mobilenet_v2", "--num-classes", "3", "--out", str(tmp_path / "b"),
+                 "--head-weights", str(tmp_path / "head.npz"), "--runtimes", "eager", *FAST]) == 2
+    assert "declares (100000000000,)" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["head.npz", "w.pt"]
 
 
 def test_head_weights_of_the_wrong_shape_are_refused(tmp_path, capsys):
