@@ -84,3 +84,16 @@ def test_an_integer_list_takes_integers_only(rates, tmp_path):
     answer = client.post("/api/jobs", headers={"Authorization": f"Bearer {token}"},
                          json={"job_id": "seg", "kind": "ladd", "config": config})
     assert answer.status_code == 422 and "aspp_rates" in answer.text
+
+
+@pytest.mark.parametrize("rates", [[2] * 300, [2.9], ["2"], [0], [65]])
+def test_a_device_refuses_a_segmentation_spec_past_the_configs_bounds(rates):
+    """A review's finding: a ``ladd.train`` task's ``aspp_rates`` were cut to integers and unbounded
+    on the device: 300 branches built ~1 GB before the layout check refused them, and 2.9 ran as
+    2. The device's spec takes what a job's config takes (1 to 8 integers in [1, 64]) before any
+    network is built."""
+    from edge_client.models.segmentation import SegmentationSpec
+
+    with pytest.raises(ValueError, match="aspp_rates must be 1 to 8 integers"):
+        SegmentationSpec.from_dict({"num_classes": 2, "image_size": 16, "aspp_rates": rates})
+    assert SegmentationSpec.from_dict({"num_classes": 2, "image_size": 16, "aspp_rates": [1, 64]}).aspp_rates == (1, 64)

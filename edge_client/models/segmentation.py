@@ -49,6 +49,7 @@ _STD = (0.229, 0.224, 0.225)
 IGNORE = 255
 TRAINABLE_SCOPES = ("head", "tail+head")
 EXCHANGED_PREFIXES = ("tail.", "head.")
+MAX_ASPP_RATES, MAX_ASPP_RATE = 8, 64         # as a LADD job's config takes them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +64,14 @@ class SegmentationSpec:
     aspp_rates: tuple[int, ...] = (2, 4)
 
     def __post_init__(self):
-        object.__setattr__(self, "aspp_rates", tuple(int(r) for r in self.aspp_rates))
+        # integers as sent, at most MAX_ASPP_RATES of them up to MAX_ASPP_RATE (the job config's
+        # bounds): 300 branches built ~1 GB before the layout check, and 2.9 ran as 2 (a review)
+        rates = tuple(self.aspp_rates)
+        if not 1 <= len(rates) <= MAX_ASPP_RATES or any(
+                isinstance(r, bool) or not isinstance(r, (int, np.integer)) or not 1 <= r <= MAX_ASPP_RATE for r in rates):
+            raise ValueError(f"aspp_rates must be 1 to {MAX_ASPP_RATES} integers in [1, {MAX_ASPP_RATE}], "
+                             f"got {str(list(rates))[:100]}")
+        object.__setattr__(self, "aspp_rates", tuple(int(r) for r in rates))
         if self.output_stride not in _CUT:
             raise ValueError(f"output_stride must be one of {sorted(_CUT)}, got {self.output_stride}")
         if not 1 <= self.num_classes <= 254:
@@ -72,8 +80,6 @@ class SegmentationSpec:
             raise ValueError(f"tail_blocks must be in [0, 4], got {self.tail_blocks}")
         if not 16 <= self.image_size <= 1024 or not 4 <= self.head_channels <= 512:
             raise ValueError("image_size must be in [16, 1024] and head_channels in [4, 512]")
-        if not self.aspp_rates or any(r < 1 for r in self.aspp_rates):
-            raise ValueError(f"aspp_rates must be positive integers, got {self.aspp_rates}")
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "aspp_rates": list(self.aspp_rates)}
