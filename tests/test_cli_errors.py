@@ -291,3 +291,23 @@ def test_an_option_file_of_aggregator_serve_is_read_bounded(broker, tmp_path, op
     lines = [line for line in proc.stderr.splitlines() if line.strip() and "WARNING" not in line]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert len(lines) == 1 and f"{option} '{path}' is not a regular file" in lines[0], proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("mistake", ["identity", "token"])
+def test_aggregator_serve_creates_no_state_before_refusing_an_option(broker, tmp_path, capsys, mistake, monkeypatch):
+    """A review's finding: a bad --identity PEM, or --api with no token, was refused in one line
+    but only after the --state database (and its blob folder) had been created."""
+    from aggregator.cli import main as aggregator_main
+
+    monkeypatch.delenv("FEDFLEET_ADMIN_TOKEN", raising=False)
+    (tmp_path / "job.json").write_text(json.dumps({"num_classes": 10}))
+    (tmp_path / "bad.pem").write_text("-----BEGIN PRIVATE KEY-----\nnot a key\n-----END PRIVATE KEY-----\n")
+    extra = ["--identity", str(tmp_path / "bad.pem")] if mistake == "identity" else ["--api", "127.0.0.1:0"]
+    try:
+        rc = aggregator_main(["serve", "--out", str(tmp_path / "o"), "--config", str(tmp_path / "job.json"),
+                              "--broker", broker.url, "--state", str(tmp_path / "agg.db"), *extra])
+        err = capsys.readouterr().err
+    except SystemExit as stop:          # a refusal the command prints as its exit message
+        rc, err = 1, str(stop)
+    assert rc in (1, 2) and ("token" in err if mistake == "token" else "identity" in err.lower() or "pem" in err.lower()), err
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("agg")) == [], err

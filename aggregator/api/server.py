@@ -136,6 +136,18 @@ def serve_with_ops(args, job, broker: BrokerConfig, out_dir: Path, settings: Ser
 
     topics = settings.topics
     api_at = api_address(args.api) if args.api else None      # a bad one: one error before anything is built
+    # what the operator named is read and checked before the store is created: a bad --identity or
+    # a missing token left a new state database behind (a review's finding)
+    if (args.api or settings.keep_serving) and not args.state:
+        raise SystemExit("--api and --keep-serving need --state")
+    token = admin_token(args) if args.api else None
+    if args.api and not token:
+        raise SystemExit(f"--api needs a token: --api-token-file or {TOKEN_ENV}")
+    identity = None
+    if args.identity:
+        from protocols.identity import DeviceIdentity
+
+        identity = DeviceIdentity.from_pem(AGGREGATOR_ID, read_regular_file(args.identity, "--identity", OPTION_FILE_BYTES))
     store = Store(args.state, synchronous=args.durability.upper()) if args.state else None
     security = None
     if args.security_dir:
@@ -149,14 +161,7 @@ def serve_with_ops(args, job, broker: BrokerConfig, out_dir: Path, settings: Ser
         if not broker.username:
             broker = dataclasses.replace(broker, username=AGGREGATOR_ID, password=security.aggregator_password,
                                          tls_ca=broker.tls_ca or str(security.ca_cert))
-    if (args.api or settings.keep_serving) and store is None:
-        raise SystemExit("--api and --keep-serving need --state")
     pool = shard_pool(args, shards, job, broker, out_dir, settings) if shards else None
-    identity = None
-    if args.identity:
-        from protocols.identity import DeviceIdentity
-
-        identity = DeviceIdentity.from_pem(AGGREGATOR_ID, read_regular_file(args.identity, "--identity", OPTION_FILE_BYTES))
     service = AggregatorService(job, broker, out_dir, settings, enrolled=enrolled, eval_set=eval_set, store=store,
                                 security=security, artifacts=artifacts, identity=identity, shards=pool)
     deployments = None
@@ -170,9 +175,6 @@ def serve_with_ops(args, job, broker: BrokerConfig, out_dir: Path, settings: Ser
     if args.api:
         from aggregator.api.app import create_app
 
-        token = admin_token(args)
-        if not token:
-            raise SystemExit(f"--api needs a token: --api-token-file or {TOKEN_ENV}")
         api = ApiServer(create_app(store, token, service, deployments), *api_at).start()
         print(f"admin API on {api.url} (dashboard: {api.url}/dashboard/)", flush=True)
     if threading.current_thread() is threading.main_thread():
