@@ -34,6 +34,21 @@ PROTOCOL_VERSIONS = ("5", "3.1.1")
 MAX_UNACKED = 32_768
 
 
+def check_ca_file(path: str) -> None:
+    """Refuse (ValueError, one line) a broker CA file that is not a bounded regular file of PEM
+    certificates: a FIFO blocked the device and the aggregator at connect time, and a file of
+    something else was an ssl.SSLError traceback once the broker had been reached (a review's finding)."""
+    import ssl
+
+    from protocols.regular_file import OPTION_FILE_BYTES, read_regular_file
+
+    data = read_regular_file(path, "the broker's CA file (--tls-ca)", OPTION_FILE_BYTES)
+    try:
+        ssl.create_default_context().load_verify_locations(cadata=data.decode("ascii"))
+    except (ssl.SSLError, UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"the broker's CA file (--tls-ca) {str(path)[:200]!r} holds no PEM certificate: {exc}") from None
+
+
 @dataclass(frozen=True)
 class BrokerConfig:
     host: str = "127.0.0.1"
@@ -68,6 +83,8 @@ class BrokerConfig:
         if version not in PROTOCOL_VERSIONS:
             raise ValueError(f"broker URL {url!r}: version must be one of {', '.join(PROTOCOL_VERSIONS)}, "
                              f"not {version!r}")
+        if kw.get("tls_ca"):
+            check_ca_file(kw["tls_ca"])
         return cls(host=u.hostname or "127.0.0.1", port=port or (8883 if u.scheme == "mqtts" else 1883),
                    username=unquote(u.username) if u.username else None,
                    password=unquote(u.password) if u.password else None, protocol=version, **kw)

@@ -311,3 +311,19 @@ def test_aggregator_serve_creates_no_state_before_refusing_an_option(broker, tmp
         rc, err = 1, str(stop)
     assert rc in (1, 2) and ("token" in err if mistake == "token" else "identity" in err.lower() or "pem" in err.lower()), err
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("agg")) == [], err
+
+
+@pytest.mark.parametrize("target", ["fifo", "junk"])
+def test_a_broker_ca_file_is_checked_before_anything_connects(tmp_path, target):
+    """A review's finding: --tls-ca was read only when the client connected: a FIFO blocked the
+    device and the aggregator for ever, and a file that is no certificate was an ssl.SSLError
+    traceback. The address refuses it at once, one ValueError naming the option."""
+    from protocols.mqtt_link import BrokerConfig
+
+    path = tmp_path / target
+    if target == "fifo":
+        os.mkfifo(path)
+    else:
+        path.write_text("not a certificate")
+    with pytest.raises(ValueError, match=r"--tls-ca.*(not a regular file|holds no PEM certificate)"):
+        BrokerConfig.from_url("mqtts://127.0.0.1:8883", tls_ca=str(path))
