@@ -772,3 +772,31 @@ def test_java_sam_step_reproduces_the_golden_training_vector(java_cp, tmp_path, 
     stepper = NumpyHeadStepper(start["weight"], start["bias"], LocalTraining.from_params(plain))
     local_sgd(stepper, len(y), Z, y, LocalTraining.from_params(plain))
     assert np.abs(stepper.parameters()["weight"] - want["weight"]).max() > 10 * tol
+
+
+def test_a_head_task_past_the_work_budget_is_declined_by_both_devices_before_training(java_cp, tmp_path):
+    """A review's finding: the step budget counts SGD steps, not their cost: 50,000 classes, a batch
+    of every row and 10,000 epochs is 10,000 steps and held a device's only task thread for 84
+    minutes. Both devices decline a head task past MAX_LOCAL_WORK (epochs x rows x C(d + 1)
+    multiply-adds) before any step, with the same count."""
+    import time
+
+    from edge_client.agent import TaskDeclined
+    from edge_client.tasks.head_training import LocalTraining, train_head
+    from protocols.payloads.fedavg import MAX_LOCAL_WORK
+
+    classes, rows, epochs = 100_000, 2000, 10_000
+    work = epochs * rows * classes * (D + 1)
+    assert work > MAX_LOCAL_WORK and epochs * 1 <= 1_000_000          # within the step budget: one batch an epoch
+    rng = np.random.default_rng(5)
+    Z, y = rng.normal(size=(rows, D)), rng.integers(0, 10, rows)
+    head = {"weight": np.zeros((classes, D), np.float32), "bias": np.zeros(classes, np.float32)}
+    params = {**RECIPE, "num_classes": classes, "epochs": epochs, "batch_size": rows}
+    t0 = time.monotonic()
+    out, _ = run_java_task(java_cp, tmp_path, params, head, (Z, y))
+    count = f"is {work:.2e} multiply-adds, more than a device takes (1e+13)"
+    assert out.startswith("DECLINED") and count in out, out
+    with pytest.raises(TaskDeclined) as declined:
+        train_head(head["weight"], head["bias"], Z, y, LocalTraining.from_params(params))
+    assert count in str(declined.value)
+    assert time.monotonic() - t0 < 60                      # declined before training, on both devices

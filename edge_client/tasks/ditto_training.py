@@ -25,7 +25,7 @@ from protocols.payloads.fedavg import raise_if_diverged
 
 from ..agent import TaskDeclined
 from .head_training import LocalTraining
-from .numpy_head import NumpyHeadStepper, batch_schedule
+from .numpy_head import NumpyHeadStepper, batch_schedule, head_size
 from .stateful_head import StatefulHeadTask
 
 
@@ -33,7 +33,7 @@ def local_pass(weight: np.ndarray, bias: np.ndarray, features: np.ndarray, label
                recipe: LocalTraining, anchor: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """The head after ``recipe``'s seeded mini-batch steps from (weight, bias)."""
     stepper = NumpyHeadStepper(weight, bias, recipe, anchor)
-    for batch in batch_schedule(len(labels), recipe):
+    for batch in batch_schedule(len(labels), recipe, head_size(weight, bias)):
         stepper.step(features[batch], labels[batch])
     return stepper.parameters()
 

@@ -21,7 +21,7 @@ from protocols.payloads.fedgloss import KIND, FedGlossParams
 
 from ..agent import TaskDeclined
 from .local_rules import AdmmDual
-from .numpy_head import NumpyHeadStepper, batch_schedule
+from .numpy_head import NumpyHeadStepper, batch_schedule, head_size
 from .stateful_head import StatefulHeadTask
 
 
@@ -31,7 +31,7 @@ def fedgloss_pass(weight: np.ndarray, bias: np.ndarray, dual: dict[str, np.ndarr
     """(w_E, σ_k⁺): the local ADMM steps from w̃ = (weight, bias) and the dual's update."""
     stepper = NumpyHeadStepper(weight, bias, recipe)
     stepper.rule = AdmmDual(beta, dual, stepper.rule)
-    for batch in batch_schedule(len(labels), recipe):
+    for batch in batch_schedule(len(labels), recipe, head_size(weight, bias)):
         stepper.step(features[batch], labels[batch])
     trained = stepper.parameters()
     new_dual = {k: (np.asarray(dual[k], np.float64)

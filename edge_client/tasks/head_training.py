@@ -39,7 +39,7 @@ from ..agent import TaskDeclined
 from .extractors import ExtractorFactory, extractor_for
 from .local_rules import rule_for
 from .params import read_params
-from .numpy_head import batch_schedule
+from .numpy_head import batch_schedule, head_size
 
 log = logging.getLogger("fedfleet.device")
 
@@ -151,9 +151,11 @@ class SessionStepper:
         return {k: v.copy() for k, v in self._current.items()}
 
 
-def local_sgd(stepper, rows: int, inputs: np.ndarray, labels: np.ndarray, recipe: LocalTraining) -> tuple[int, float]:
-    """``recipe.epochs`` epochs of seeded-shuffled mini-batch steps; (steps, mean loss of the last epoch)."""
-    batches = batch_schedule(rows, recipe)
+def local_sgd(stepper, rows: int, inputs: np.ndarray, labels: np.ndarray, recipe: LocalTraining,
+              per_row: int = 0) -> tuple[int, float]:
+    """``recipe.epochs`` epochs of seeded-shuffled mini-batch steps; (steps, mean loss of the last epoch).
+    ``per_row``: a head's parameters, for the work budget (a tail's are the bundle's, not the task's)."""
+    batches = batch_schedule(rows, recipe, per_row)
     losses = [stepper.step(inputs[batch], labels[batch]) for batch in batches]
     return len(batches), float(np.mean(losses[-(len(batches) // recipe.epochs):]))
 
@@ -204,7 +206,7 @@ def train_head(weight: np.ndarray, bias: np.ndarray, features: np.ndarray, label
                      session.num_classes, session.feature_dim, session.manifest.temperature, C, d,
                      recipe.temperature)
         stepper = _plain_stepper(weight, bias, recipe)
-    steps, mean_loss = local_sgd(stepper, len(labels), features, labels, recipe)
+    steps, mean_loss = local_sgd(stepper, len(labels), features, labels, recipe, head_size(weight, bias))
     trained = stepper.parameters()
     w, b = trained["weight"], trained["bias"]
     raise_if_diverged({"weight": w, "bias": b})     # the protocol's rule, the same on every device (HeadTrainer.java)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from protocols.payloads.fedavg import BatchSchedule, TooManySteps, check_local_steps
+from protocols.payloads.fedavg import BatchSchedule, TooManySteps, check_local_steps, check_local_work
 
 from ..agent import TaskDeclined
 from ..work_deadline import each_checked
@@ -93,18 +93,24 @@ class NumpyHeadStepper:
         return {"weight": self.weight.copy(), "bias": self.bias.copy()}
 
 
-def batch_schedule(rows: int, recipe) -> BatchSchedule:
+def batch_schedule(rows: int, recipe, per_row: int = 0) -> BatchSchedule:
     """The mini-batches (row positions) of ``recipe.epochs`` seeded-shuffled epochs over ``rows``
     rows: ``head_training.local_sgd``'s order, step by step (the protocol's definition,
-    ``protocols.payloads.fedavg.batch_schedule``, so other languages' devices take the same)."""
-    return schedule(rows, recipe.epochs, recipe.batch_size, recipe.seed)
+    ``protocols.payloads.fedavg.batch_schedule``, so other languages' devices take the same).
+    ``per_row``: the trained heads' parameters a row meets (:func:`head_size`), for the work budget."""
+    return schedule(rows, recipe.epochs, recipe.batch_size, recipe.seed, per_row)
 
 
-def schedule(rows: int, epochs: int, batch_size: int, seed: int) -> BatchSchedule:
-    """The protocol's batch schedule; a task past every device's step budget is declined with the count.
-    Iterating it stops the task's work once its round is over (``edge_client.work_deadline``)."""
-    within_step_budget(rows, epochs, batch_size)
+def schedule(rows: int, epochs: int, batch_size: int, seed: int, per_row: int = 0) -> BatchSchedule:
+    """The protocol's batch schedule; a task past every device's step or work budget is declined with
+    the count. Iterating it stops the task's work once its round is over (``edge_client.work_deadline``)."""
+    within_step_budget(rows, epochs, batch_size, per_row)
     return _DeadlineCheckedSchedule(rows, epochs, batch_size, seed)
+
+
+def head_size(weight: np.ndarray, bias: np.ndarray) -> int:
+    """The parameters of one linear head, C × (d + 1): what one row's step costs it."""
+    return int(np.size(weight) + np.size(bias))
 
 
 class _DeadlineCheckedSchedule(BatchSchedule):
@@ -114,11 +120,13 @@ class _DeadlineCheckedSchedule(BatchSchedule):
         return each_checked(super().__iter__())
 
 
-def within_step_budget(rows: int, epochs: int, batch_size: int) -> None:
+def within_step_budget(rows: int, epochs: int, batch_size: int, per_row: int = 0) -> None:
     """Decline (with the count) local training past every device's step budget (``MAX_LOCAL_STEPS``):
-    every kind's, LADD's self-training too."""
+    every kind's, LADD's self-training too; with ``per_row``, past its work budget (``MAX_LOCAL_WORK``)."""
     try:
         check_local_steps(rows, epochs, batch_size)
+        if per_row:
+            check_local_work(rows, epochs, per_row)
     except TooManySteps as exc:
         raise TaskDeclined(str(exc)) from exc
 
@@ -134,6 +142,12 @@ def train_heads_together(weight: np.ndarray, bias: np.ndarray, features: np.ndar
     # a batch holds at most the largest row set: a batch_size past it padded every step (a review's
     # finding: 65,536 over 200 rows took 1.1 GB and 10x the time)
     G, L, B = len(row_sets), len(lrs), max(1, min(recipe.batch_size, max((len(r) for r in row_sets), default=1)))
+    # every head of the lockstep counts: G row sets, each through L heads (cross-validation's
+    # 20 folds x 16 rates was 320 heads, each within the budget alone: a review's finding)
+    try:
+        check_local_work(sum(len(rows) for rows in row_sets), recipe.epochs, L * head_size(weight, bias))
+    except TooManySteps as exc:
+        raise TaskDeclined(str(exc)) from exc
     # each row set's steps drawn as they are taken (a schedule holds one epoch at a time)
     schedules = [batch_schedule(len(rows), recipe) for rows in row_sets]
     steps = [iter(schedule) for schedule in schedules]

@@ -21,7 +21,7 @@ from protocols.payloads.fedavg import raise_if_diverged
 from protocols.payloads.partial import KIND, PartialParams, PartialRecipe, encode_partial_update
 
 from ..agent import TaskDeclined
-from .numpy_head import head_sgd_step, schedule
+from .numpy_head import head_sgd_step, head_size, schedule
 from .stateful_head import StatefulHeadTask
 
 
@@ -30,7 +30,7 @@ def sgd_epochs(weight: np.ndarray, bias: np.ndarray, features: np.ndarray, label
     """``epochs`` seeded epochs of mini-batch SGD moving, in place, only the tensors in ``train``
     ("weight", "bias"); the others are held fixed. Returns the steps taken."""
     lr, T, wd = np.float32(recipe.lr), np.float32(recipe.temperature), np.float32(recipe.weight_decay)
-    batches = schedule(len(labels), epochs, recipe.batch_size, seed) if epochs else []
+    batches = schedule(len(labels), epochs, recipe.batch_size, seed, head_size(weight, bias)) if epochs else []
     for batch in batches:
         # a fixed tensor takes its step on a scratch copy, which is thrown away
         w = weight if "weight" in train else weight.copy()

@@ -19,7 +19,7 @@ from protocols.payloads.fedavg import LocalTraining
 from protocols.payloads.scaffold import CONTROL, DELTA_CONTROL, HEAD, KIND, ScaffoldParams
 
 from ..agent import TaskDeclined
-from .numpy_head import NumpyHeadStepper, batch_schedule
+from .numpy_head import NumpyHeadStepper, batch_schedule, head_size
 from .stateful_head import StatefulHeadTask
 
 
@@ -59,7 +59,7 @@ def scaffold_pass(weight: np.ndarray, bias: np.ndarray, control: dict[str, np.nd
     """(y, c_k⁺): the K corrected local steps from w = (weight, bias) and option II's new control."""
     stepper = NumpyHeadStepper(weight, bias, recipe)
     correction = control_correction({k: control[k] for k in HEAD}, device_control, recipe.lr)
-    batches = batch_schedule(len(labels), recipe)
+    batches = batch_schedule(len(labels), recipe, head_size(weight, bias))
     for batch in batches:
         stepper.step(features[batch], labels[batch])
         stepper.weight -= correction["weight"]

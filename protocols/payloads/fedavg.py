@@ -205,6 +205,24 @@ class TooManySteps(ValueError):
     """A recipe past ``MAX_LOCAL_STEPS`` on this many rows: the device declines the task with this."""
 
 
+# The most multiply-adds one task's local training of linear heads may ask of a device: every epoch
+# visits each row once, and a row costs every trained head's C × (d + 1) parameters (forward and
+# backward alike, counted once). The step budget alone let one task within every limit (50,000
+# classes, a batch of every row, 10,000 epochs) hold a device's only task thread for 84 minutes
+# (a review's finding); an honest recipe (1,000 classes, 10,000 rows, 100 epochs) is 1.3e12.
+MAX_LOCAL_WORK = 10 ** 13
+
+
+def check_local_work(rows: int, epochs: int, per_row: int) -> int:
+    """``epochs`` × ``rows`` × ``per_row`` (the heads' parameters a row meets);
+    :class:`TooManySteps` past ``MAX_LOCAL_WORK`` (every device's head training)."""
+    work = epochs * rows * per_row
+    if work > MAX_LOCAL_WORK:
+        raise TooManySteps(f"local training of {epochs} epochs over {rows} samples through {per_row} head parameters "
+                           f"is {work:.2e} multiply-adds, more than a device takes ({MAX_LOCAL_WORK:.0e})")
+    return work
+
+
 def check_local_steps(rows: int, epochs: int, batch_size: int) -> int:
     """The SGD steps of ``epochs`` epochs over ``rows`` samples in batches of ``batch_size``;
     :class:`TooManySteps` past ``MAX_LOCAL_STEPS`` (every device's local training, LADD's too)."""

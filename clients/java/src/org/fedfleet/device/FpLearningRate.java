@@ -23,6 +23,9 @@ public final class FpLearningRate {
         if (folds < 2) throw new IllegalArgumentException("folds must be an integer >= 2, got " + folds);
         int n = labels.length;
         if (candidates.length == 1 || n < folds) return new FpLearningRate(candidates[0], new double[0]);
+        // every head counts (folds x candidates, each fit on the other folds' rows): as the Python
+        // device's train_heads_together, before any is trained
+        recipe.checkWork((folds - 1) * n, (long) candidates.length * head.k() * (head.dim + 1));
         int[] order = NumpyGenerator.fromSeed(recipe.seed).permutation(n);
         int[] starts = new int[folds + 1];                 // np.array_split: the first n % folds parts one longer
         for (int p = 0; p < folds; p++) starts[p + 1] = starts[p] + n / folds + (p < n % folds ? 1 : 0);

@@ -71,6 +71,18 @@ public final class LocalTraining {
 
     /** The most SGD steps one task may ask of a device (protocols/payloads/fedavg.py MAX_LOCAL_STEPS). */
     public static final long MAX_LOCAL_STEPS = 1_000_000L;
+    /** The most multiply-adds one task's head training may ask (protocols/payloads/fedavg.py MAX_LOCAL_WORK):
+     *  epochs x rows x the heads' parameters a row meets. */
+    public static final double MAX_LOCAL_WORK = 1e13;
+
+    /** IllegalArgumentException past MAX_LOCAL_WORK (as check_local_work; counted in double: no overflow). */
+    public void checkWork(int rows, long perRow) {
+        double work = (double) epochs * rows * perRow;
+        if (work > MAX_LOCAL_WORK)
+            throw new IllegalArgumentException("local training of " + epochs + " epochs over " + rows + " samples through "
+                + perRow + " head parameters is " + String.format(java.util.Locale.ROOT, "%.2e", work)
+                + " multiply-adds, more than a device takes (1e+13)");
+    }
 
     /** The row positions of each SGD step (protocols/payloads/fedavg.py batch_schedule);
      *  IllegalArgumentException past MAX_LOCAL_STEPS steps. The schedule's steps are drawn as they
