@@ -114,8 +114,9 @@ public final class SessionTraces {
         line.put("failed", failed);
         line.put("retried", retried);
         line.put("written", path.isFile());
-        line.put("same_kind", SessionMemoryFile.failureKind(new java.io.FileNotFoundException(folder + "/.tmp-8123.json.part (No space left on device)"))
-                .equals(SessionMemoryFile.failureKind(new java.io.FileNotFoundException(folder + "/.tmp-90210.json.part (No space left on device)"))));
+        String tmp = folder + "/" + DeviceStateStore.TMP;       // the store's temporary prefix, as the writes name it
+        line.put("same_kind", SessionMemoryFile.failureKind(new java.io.FileNotFoundException(tmp + "8123.json.part (No space left on device)"))
+                .equals(SessionMemoryFile.failureKind(new java.io.FileNotFoundException(tmp + "90210.json.part (No space left on device)"))));
         System.out.println(new String(Json.canonicalAscii(line), StandardCharsets.US_ASCII));
     }
 
