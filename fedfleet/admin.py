@@ -26,13 +26,12 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from protocols.envelope import DuplicateKeyError, object_without_duplicates
 from protocols.files import write_private_file
 from protocols.regular_file import read_regular_file
 
 from . import admin_deployments
 from .admin_ids import refused_id
-from .errors import UserError
+from .errors import UserError, load_json_file
 from .help_format import HelpFormatter
 from .terminal_text import terminal_safe
 from typing import Any
@@ -276,20 +275,6 @@ def _operator_file(path: Path, what: str, max_bytes: int) -> bytes:
         raise UserError(str(exc)) from None
 
 
-def _job_config_file(path: Path) -> Any:
-    """The JSON in ``path``, read only if it is no larger than the API takes (1 MiB), one clear
-    error if it is nested too deeply to parse (a RecursionError, which is not a ValueError) or names
-    a key twice in one object (json keeps the last value; the API, which refuses it, would never
-    see it)."""
-    data = _operator_file(path, "job config file", MAX_CONFIG_BYTES)
-    try:
-        return json.loads(data, object_pairs_hook=object_without_duplicates)
-    except RecursionError:
-        raise UserError(f"{path}: its JSON is nested too deeply") from None
-    except DuplicateKeyError as exc:
-        raise UserError(f"{path}: its JSON has a {exc}") from None
-
-
 def _job(args, client):
     a = args.action
     if a == "show":
@@ -303,7 +288,8 @@ def _job(args, client):
         return e, table(rows, [("#", "i"), ("ROUND", "round"), ("CONTRIBUTIONS", "contributions"),
                                ("ACCURACY", "accuracy"), ("TIME", "t")])
     if a == "create":
-        config = _job_config_file(Path(args.config))
+        # bounded as the API bounds a request; a key named twice refused here (the API never sees it)
+        config = load_json_file(Path(args.config), "job config file", MAX_CONFIG_BYTES)
         if not isinstance(config, dict):
             raise UserError(f"{args.config}: a job config is a JSON object of settings, not {type(config).__name__}")
         job_id = args.job_id or config.get("job_id")

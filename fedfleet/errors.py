@@ -12,10 +12,11 @@ from protocols.command_errors import (USER_MISTAKES, UserError, describe, redact
                                       run_reporting_errors)
 
 
-def load_json_file(path, what: str) -> object:
+def load_json_file(path, what: str, max_bytes: int | None = None) -> object:
     """A JSON file a user named, with one clear error for a missing file or bad JSON: read only if
-    it is a regular file of bounded size (a FIFO blocked, /dev/zero filled memory), JSON nested too
-    deeply or naming a key twice refused (a RecursionError traceback; the last value kept)."""
+    it is a regular file of at most ``max_bytes`` (default ``OPTION_FILE_BYTES``; a FIFO blocked,
+    /dev/zero filled memory), JSON nested too deeply or naming a key twice refused (a RecursionError
+    traceback; the last value kept)."""
     from pathlib import Path
 
     from protocols.envelope import DuplicateKeyError, object_without_duplicates
@@ -25,7 +26,7 @@ def load_json_file(path, what: str) -> object:
     if not p.exists():
         raise UserError(f"{what} {p} does not exist (check the path)")
     try:
-        data = read_regular_file(p, what, OPTION_FILE_BYTES)
+        data = read_regular_file(p, what, max_bytes or OPTION_FILE_BYTES)
     except ValueError as exc:                      # not a regular file, or too large: the error names both
         raise UserError(str(exc)) from None
     try:
