@@ -13,6 +13,7 @@ Making a feature extractor may need exporting a bundle (``fedfleet.bundles``, wh
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 from functools import partial
@@ -22,6 +23,7 @@ import numpy as np
 
 from edge_client.agent import TaskDeclined
 from edge_client.runtime.base import torch_installed
+from edge_client.tasks.extractors import MAX_HELD_EXTRACTORS
 from edge_client.tasks.fed3r_stats import Fed3RStatsTask
 from edge_client.state import DeviceStateStore
 from edge_client.tasks.head_training import HeadTrainingTask
@@ -98,12 +100,14 @@ class Unsupported:
 
 
 class SharedExtractors:
-    """Per-process cache of feature extractors, keyed by (backbone, image size), made by ``factory``."""
+    """Per-process cache of feature extractors, made by ``factory``: the last
+    ``MAX_HELD_EXTRACTORS`` (backbone, image size) pairs asked for."""
 
     def __init__(self, factory: ExtractorFactory, cache_dir: str | None):
         self.factory, self.cache_dir = factory, cache_dir
         self.lock = threading.Lock()
-        self._made: dict = {}
+        self._made: dict = {}                     # the tail bundle's trunk and features: the device's own
+        self._extractor = functools.lru_cache(maxsize=MAX_HELD_EXTRACTORS)(factory)   # called under the lock
 
     def trunk(self, manifest: str) -> "_Locked":
         """The tail bundle's trunk program, shared by the process's devices (FT(φ)/FT(M))."""
@@ -130,11 +134,8 @@ class SharedExtractors:
 
         if weights_sha256 and weights_sha256 != local_sha(backbone):
             raise TaskDeclined(f"job wants {backbone} weights {weights_sha256[:12]}, device has {local_sha(backbone)[:12]}")
-        key = (backbone, image_size)
         with self.lock:
-            if key not in self._made:
-                self._made[key] = self.factory(backbone, image_size)
-            return _Locked(self._made[key], self.lock)
+            return _Locked(self._extractor(backbone, image_size), self.lock)
 
 
 class _Locked:

@@ -21,6 +21,12 @@ import numpy as np
 
 __all__ = ["extract_style", "image_styles", "style_shape"]
 
+# The most pixels (per channel) one FFT batch holds. Each costs about 170 bytes on the way (the
+# float64 input, its complex spectrum, the amplitudes and their shifted copy, for 3 channels), and
+# the size is the task's to choose (up to 1,024 px a side): 256 images at 1,024 px, the old fixed
+# batch, were 43 GB. One image at the largest size fits; at 32 px a batch is still 1,024 images.
+MAX_STYLE_BATCH_PIXELS = 1024 * 1024
+
 
 def style_shape(b: int) -> tuple[int, int, int]:
     return (3, 2 * b + 1, 2 * b + 1)
@@ -62,8 +68,11 @@ def _resized(images: np.ndarray, size: tuple[int, int] | None) -> np.ndarray:
 
 def image_styles(images: np.ndarray, b: int = 1, size: tuple[int, int] | None = None,
                  batch: int = 256) -> np.ndarray:
-    """Per-image styles, float64 (N, 3, 2b+1, 2b+1)."""
+    """Per-image styles, float64 (N, 3, 2b+1, 2b+1); at most ``batch`` images and
+    ``MAX_STYLE_BATCH_PIXELS`` pixels are transformed at once."""
     images, b = _check(images, b, size)
+    H, W = size if size is not None else images.shape[1:3]
+    batch = max(1, min(batch, MAX_STYLE_BATCH_PIXELS // (H * W)))
     out = []
     for start in range(0, len(images), batch):
         x = _resized(images[start:start + batch], size)

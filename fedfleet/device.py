@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import signal
 import threading
 from pathlib import Path
@@ -319,6 +320,7 @@ class FetchedBundles:
                  default: str | None, local, aggregator_key: bytes | None = None, signer=None):
         """``aggregator_key``: the device then takes only the aggregator's signed artifact replies;
         ``signer``: the device's, for its requests (an aggregator requiring signatures drops unsigned ones)."""
+        from edge_client.tasks.extractors import MAX_HELD_EXTRACTORS
         from protocols.identity import sender_verifier
         from protocols.topics import AGGREGATOR_ID
 
@@ -327,28 +329,31 @@ class FetchedBundles:
         self.device_id, self.broker, self.topics = device_id, broker, topics
         self.bundle_dir, self.runtime, self.cache_dir = Path(bundle_dir), runtime, cache_dir
         self.default, self.local = default, local
-        self.fetched: dict[str, tuple] = {}          # manifest sha256 -> (extractor, weights sha256)
+        # manifest sha256 -> (extractor, weights sha256), for the last few bundles jobs named (a bundle
+        # on disk stays; only its program leaves memory)
+        self._fetched = functools.lru_cache(maxsize=MAX_HELD_EXTRACTORS)(self._fetch)
         self.lock = threading.Lock()
 
     def get(self, sha: str):
+        with self.lock:
+            return self._fetched(sha)
+
+    def _fetch(self, sha: str):
         from edge_client.artifacts import fetch_bundle
         from edge_client.features import FeatureExtractor
         from protocols.topics import FETCH_ROLE
 
-        with self.lock:
-            if sha not in self.fetched:
-                # its own MQTT identity (account {id}/fetch where the broker has accounts): the agent's
-                # connection stays up while the bundle comes in
-                broker = self.broker.for_role(FETCH_ROLE)
-                manifest = fetch_bundle(self.device_id, broker, sha, self.bundle_dir / sha[:16], self.topics,
-                                        client_id=broker.username or f"{self.device_id}.fetch", verifier=self.verifier,
-                                        signer=self.signer)
-                extractor = FeatureExtractor.from_bundle(manifest, self.runtime, self.cache_dir, sha)
-                if self.runtime == "auto":
-                    print(f"bundle {sha[:16]}: --runtime auto chose {extractor.runtime}; " + "; ".join(
-                        t.line() for t in extractor.calibration), flush=True)
-                self.fetched[sha] = (extractor, extractor.weights_sha256)     # the verified manifest's, not a re-read
-            return self.fetched[sha]
+        # its own MQTT identity (account {id}/fetch where the broker has accounts): the agent's
+        # connection stays up while the bundle comes in
+        broker = self.broker.for_role(FETCH_ROLE)
+        manifest = fetch_bundle(self.device_id, broker, sha, self.bundle_dir / sha[:16], self.topics,
+                                client_id=broker.username or f"{self.device_id}.fetch", verifier=self.verifier,
+                                signer=self.signer)
+        extractor = FeatureExtractor.from_bundle(manifest, self.runtime, self.cache_dir, sha)
+        if self.runtime == "auto":
+            print(f"bundle {sha[:16]}: --runtime auto chose {extractor.runtime}; " + "; ".join(
+                t.line() for t in extractor.calibration), flush=True)
+        return extractor, extractor.weights_sha256     # the verified manifest's, not a re-read
 
     def __call__(self, backbone: str, image_size: int, weights: str, bundle_sha256: str = ""):
         from edge_client.agent import TaskDeclined

@@ -238,3 +238,42 @@ def test_a_large_image_size_runs_in_batches_of_bounded_pixels():
     assert large.batch_size == MAX_BATCH_PIXELS // 1024 ** 2 == 3
     features = large.extract(images)
     assert [s[0] for s in seen] == [3, 3, 1] and features.shape == small.shape == (7, 3)
+
+
+def test_a_device_holds_a_bounded_number_of_extractors_whatever_sizes_its_tasks_name(broker):
+    """The device review's finding: every image size a task named left one more backbone (about
+    29 MiB) in the device's memory for good. The device now keeps the last MAX_HELD_EXTRACTORS it
+    was asked for; a size asked again after it left is made again, and every task is answered."""
+    import gc
+    import weakref
+
+    from edge_client.handlers import SharedExtractors
+    from edge_client.tasks.extractors import MAX_HELD_EXTRACTORS
+
+    made, alive = [], weakref.WeakSet()
+
+    def factory(backbone, image_size):
+        made.append(image_size)
+        alive.add(extractor := Features())
+        return extractor
+
+    sniffer = Sniffer(broker, [T.outbox("dev-b"), T.presence("dev-b")])
+    task = Fed3RStatsTask(np.random.default_rng(0).normal(size=(5, 16)), np.array([0, 1, 2, 0, 1]),
+                          SharedExtractors(factory, None))
+    agent = DeviceAgent("dev-b", BrokerConfig(port=broker.port), {"fed3r.stats": task}, tick_s=0.05).start()
+    try:
+        wait_for(lambda: any(decode(p).body.get("state") == "online" for p in sniffer.seen.get(T.presence("dev-b"), [])),
+                 what="the agent online")
+        sizes = [8 + i for i in range(MAX_HELD_EXTRACTORS + 3)] + [8]       # the first size again, after it left
+        sent = []
+        for round_, size in enumerate(sizes, 1):
+            params = Fed3RStatsParams(model=ModelSpec(backbone="b", image_size=size, num_classes=3)).to_params()
+            sent.append(send_task(sniffer, "dev-b", "j1", "fed3r.stats", params, round_=round_))
+            wait_for(lambda: sent[-1] in answers(sniffer, "dev-b"), what=f"the task at {size} px answered")
+            gc.collect()
+            assert len(alive) <= MAX_HELD_EXTRACTORS
+        assert all(answers(sniffer, "dev-b")[s].type == M.RESULT for s in sent)
+        assert made == sizes
+    finally:
+        agent.stop()
+        sniffer.close()

@@ -117,3 +117,32 @@ def test_style_payload_roundtrip_and_validation():
         parse_style(roundtrip(body, {**tensors, "extra": style}), b=1, image_size=16)
     with pytest.raises(ValueError, match="non-negative"):
         encode_style(-style, 3, 1)
+
+
+def test_large_styles_are_transformed_in_batches_of_bounded_pixels(monkeypatch):
+    """The device review's finding: a ladd.style task's image size (up to 1,024 px) set what every
+    FFT batch of 256 images held, tens of GB at the largest size. A batch now holds at most
+    MAX_STYLE_BATCH_PIXELS pixels (one image at the largest size), with the same styles."""
+    import tracemalloc
+
+    from edge_client import style
+
+    images = np.random.default_rng(3).integers(0, 256, (24, 16, 16, 3), dtype=np.uint8)
+    expected = image_styles(images, 1)                              # 16 px: one batch, as before
+    np.testing.assert_allclose(expected.mean(0), reference_style(images, 1), rtol=1e-9)
+
+    def peak_bytes(fn):
+        tracemalloc.start()
+        try:
+            fn()
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    size = (128, 128)
+    whole = peak_bytes(lambda: image_styles(images, 1, size))      # 24 x 16,384 pixels < the bound: one batch
+    monkeypatch.setattr(style, "MAX_STYLE_BATCH_PIXELS", 4 * 128 * 128)
+    batched = peak_bytes(lambda: image_styles(images, 1, size))
+    assert batched < whole / 2, (batched, whole)                    # 6 batches of 4 images instead of 1 of 24
+    np.testing.assert_allclose(image_styles(images, 1, size), image_styles(images, 1, size, batch=1), rtol=1e-12)
+    assert style.MAX_STYLE_BATCH_PIXELS * 200 < 2 ** 30             # one batch at the bound stays under 1 GiB

@@ -21,6 +21,13 @@ ExtractorFactory = Callable[..., Any]
 # this SDK's devices run up to 2,048: one 16,384 px image is 3.2 GB of input before any activation.
 MAX_DEVICE_IMAGE_SIZE = 2048
 
+# How many extractors (one per backbone and image size, or per bundle) a device process keeps, the
+# least recently used leaving first: a job runs at one size, so a few cover a device serving
+# several jobs; the size is the task's to choose, and every size held is a backbone in memory
+# (about 29 MiB for MobileNetV2), so tasks naming ever new sizes would otherwise grow the device
+# without bound.
+MAX_HELD_EXTRACTORS = 4
+
 
 def extractor_for(factory: ExtractorFactory, model: ModelSpec):
     """The extractor for a task's ``backbone``, ``image_size``, ``weights_sha256`` and, when
