@@ -30,7 +30,8 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from fedfleet.plots import plot_lines  # noqa: E402
-from fedfleet.simulate import PRESETS, EmulatedFleet, prepare  # noqa: E402
+from fedfleet.sim_config import PRESETS  # noqa: E402
+from fedfleet.simulate import EmulatedFleet, prepare  # noqa: E402
 
 OUT_DIR = REPO / "runs" / "bench"
 

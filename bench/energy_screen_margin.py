@@ -27,7 +27,8 @@ from aggregator.jobs.fed3r import Fed3RConfig  # noqa: E402
 from edge_client.data.idx import load_fashion_mnist  # noqa: E402
 from edge_client.features import FeatureExtractor  # noqa: E402
 from fedfleet.emulation.partition import make_split  # noqa: E402
-from fedfleet.simulate import PRESETS, _load, split_params  # noqa: E402
+from fedfleet.sim_config import PRESETS  # noqa: E402
+from fedfleet.simulate import _load, split_params  # noqa: E402
 
 BUCKETS = ((1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, 32), (33, 64), (65, 10**9))
 

@@ -19,19 +19,43 @@ from .help_format import HelpFormatter
 from .quiet import quiet_third_party_warnings
 
 
+# The SimConfig fields ``fedfleet simulate``'s options set: option (argparse dest) -> field.
+OPTION_FIELDS = {"ft_rounds": "ft_rounds", "fp_epochs": "fp_epochs", "fp_part": "fp_part", "ft_mode": "ft_mode",
+                 "tail_stages": "tail_stages", "tail_bundle": "tail_bundle", "server_optimizer": "ft_server_optimizer",
+                 "ft_algorithm": "ft_algorithm", "ft_init_scale": "ft_init_scale", "server_lr": "ft_server_lr",
+                 "local_rule": "ft_local_rule", "sam_rho": "ft_sam_rho", "prox_mu": "ft_prox_mu",
+                 "served_model": "ft_served_model", "devices": "devices", "broker": "broker", "out": "out_dir",
+                 "seed": "seed", "image_size": "image_size", "split": "split", "alpha": "alpha", "runtime": "runtime",
+                 "rf_dim": "rf_dim", "workers": "workers", "secure": "secure", "secure_graph": "secure_graph",
+                 "clients_per_round": "clients_per_round", "ray": "ray", "shards": "shards", "deploy": "deploy",
+                 "dp_epsilon": "dp_epsilon", "dp_center_devices": "dp_center_devices", "dp_release": "dp_release"}
+# the options --pipeline ladd reads as its own (fedfleet/ladd/cli.py ladd_config_from_args); --shards it answers
+LADD_READS = {"out", "broker", "workers", "image_size", "local_rule", "sam_rho", "prox_mu", "clients_per_round",
+              "secure", "secure_graph", "shards"}
+
+
+def given_options(args) -> dict:
+    """The options of OPTION_FIELDS given on the command line: dest -> value (a flag not set and an
+    option left out are None, the preset's)."""
+    return {dest: value for dest in OPTION_FIELDS if (value := getattr(args, dest)) is not None and value is not False}
+
+
 def simulate_overrides(args) -> dict:
-    """SimConfig fields the command line sets (None: the preset's)."""
-    return {"ft_rounds": args.ft_rounds, "fp_epochs": args.fp_epochs, "fp_part": args.fp_part, "ft_mode": args.ft_mode,
-            "tail_stages": args.tail_stages, "tail_bundle": args.tail_bundle, "ft_server_optimizer": args.server_optimizer,
-            "ft_algorithm": args.ft_algorithm, "ft_init_scale": args.ft_init_scale,
-            "ft_server_lr": args.server_lr, "ft_local_rule": args.local_rule, "ft_sam_rho": args.sam_rho,
-            "ft_prox_mu": args.prox_mu, "ft_served_model": args.served_model, "devices": args.devices, "broker": args.broker, "out_dir": args.out,
-            "seed": args.seed, "image_size": args.image_size, "split": args.split, "alpha": args.alpha,
-            "runtime": args.runtime, "rf_dim": args.rf_dim, "workers": args.workers,
-            "secure": True if args.secure else None, "secure_graph": args.secure_graph,
-            "clients_per_round": args.clients_per_round, "ray": args.ray, "shards": args.shards,
-            "deploy": True if args.deploy else None, "dp_epsilon": args.dp_epsilon,
-            "dp_center_devices": args.dp_center_devices, "dp_release": args.dp_release}
+    """SimConfig fields the command line sets."""
+    return {OPTION_FIELDS[dest]: value for dest, value in given_options(args).items()}
+
+
+def check_ladd_options(args) -> None:
+    """--pipeline ladd runs LaddSimConfig, not SimConfig: an option it does not read is refused, not
+    silently ignored (a run with other settings than the ones asked for)."""
+    from .errors import UserError
+
+    ignored = [f"--{dest.replace('_', '-')}" for dest in given_options(args) if dest not in LADD_READS]
+    if args.config is not None:
+        ignored.insert(0, "--config")
+    if ignored:
+        raise UserError(f"--pipeline ladd does not read {', '.join(ignored)}: its runs are set by --ladd-config, "
+                        "--devices-per-domain, --seeds, --domains and --rounds")
 
 
 DP_PIPELINES = ("fed3r", "fedncm")         # the pipelines whose job --dp-epsilon makes private
@@ -47,6 +71,7 @@ def _simulate(args) -> int:
         from .ladd.cli import ladd_config_from_args
         from .ladd.run import run_ladd
 
+        check_ladd_options(args)
         if args.shards:
             print(f"  ladd: one aggregator process, not {args.shards} shards (the pipeline's jobs pre-train on the "
                   "devices' style bank inside the job, which a shard building the job from its config cannot; "
@@ -55,9 +80,11 @@ def _simulate(args) -> int:
                   flush=True)
         run_ladd(ladd_config_from_args(args))
         return 0
-    from .simulate import load_config, run
+    from .sim_config import load_config
 
-    cfg = load_config(args.config, simulate_overrides(args))
+    from .simulate import run
+
+    cfg = load_config(args.config or "demo", simulate_overrides(args))
     if cfg.broker:
         from protocols.mqtt_link import BrokerConfig
 
@@ -137,7 +164,7 @@ def _add_simulate_parser(sub, help: str) -> None:
     from aggregator.jobs.registry import field_choices as job_field_choices
 
     s = sub.add_parser("simulate", help=help, formatter_class=HelpFormatter)
-    s.add_argument("--config", default="demo", help="preset (demo, smoke, fleet-10k, fleet-100k) or a JSON file of SimConfig fields")
+    s.add_argument("--config", help="preset (demo, smoke, fleet-10k, fleet-100k) or a JSON file of SimConfig fields (default: demo)")
     s.add_argument("--devices", type=int, help="number of emulated devices (default: the preset's)")
     s.add_argument("--broker", help="use this broker, mqtt://[user:pass@]host:port[?version=3.1.1] "
                                     "(default: a private mosquitto on a free loopback port)")

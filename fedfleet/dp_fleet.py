@@ -29,7 +29,6 @@ from __future__ import annotations
 
 from aggregator.compute.privacy import noise_multiplier_for
 from aggregator.jobs.registry import kind_of
-from aggregator.strategies.dp_fed3r import DP_RELEASES
 
 
 def dp_job_fields(cfg, kind: str, job: dict) -> dict:
@@ -37,8 +36,6 @@ def dp_job_fields(cfg, kind: str, job: dict) -> dict:
     ε: δ (default 1/devices), the clip F and cap N, the center round and its clip F_c, and z."""
     if cfg.classifier != "fed3r":
         raise ValueError(f"--dp-epsilon: DP Fed3R only (the ridge classifier), not {cfg.classifier!r}")
-    if cfg.dp_release not in DP_RELEASES:
-        raise ValueError(f"dp_release must be one of {DP_RELEASES}, not {cfg.dp_release!r}")
     delta = cfg.dp_delta or 1.0 / max(cfg.devices, 1)
     fields = {"feature_clip_norm": cfg.dp_clip, "max_samples": cfg.dp_max_samples, "dp_delta": delta,
               "dp_center_devices": cfg.dp_center_devices,

@@ -46,7 +46,6 @@ bytes, with the personalised WMA of the last phase.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from pathlib import Path
@@ -71,7 +70,8 @@ from aggregator.jobs.registry import kind_of, validate_job_config
 from .errors import reported_config
 from .pipeline_report import FP_LABELS, FT_MODES, format_pipeline_report, ft_label, write_plots_and_html
 from .progress import StepClock
-from .simulate import EmulatedFleet, SimConfig, _secure_setup, prepare
+from .sim_config import SimConfig
+from .simulate import EmulatedFleet, _secure_setup, prepare
 from .simulate_report import job_report
 
 PIPELINES = {"fed3r-ft-oll": ("fed3r", "fedavg-ft", "oll"),
@@ -88,7 +88,6 @@ PERSONAL_PHASES = {"pp": lambda cfg: (f"{cfg.pp_algorithm} partial personalizati
                                          f"λ={cfg.ditto_lambda:g})",
                                          {"ditto_lambda": cfg.ditto_lambda, "client_lr": cfg.ft_client_lr,
                                           "personal_lr": FED3R_INIT_LR_FACTOR * cfg.pp_client_lr})}
-FT_ALGORITHMS = ("fedavg", "fedgloss", "scaffold")   # the fine-tuning job's kind (ft_algorithm): its registry name
 # task kinds of each phase, plain and secure
 PHASE_KINDS = {"fed3r": (FED3R_KIND, SYNC_KIND),
                "fedavg-ft": (FEDAVG_KIND, SECURE_FEDAVG_KIND, FEDAVG_TAIL_KIND, SECURE_TAIL_KIND, FEDGLOSS_KIND,
@@ -156,12 +155,6 @@ def check_pipeline_config(cfg: SimConfig, names: tuple[str, ...]) -> None:
                          "their tasks yet)")
     if not cfg.holdout_fraction:
         raise ValueError("personalization needs a local held-out split: set holdout_fraction > 0")
-    if cfg.ft_mode not in FT_MODES:
-        raise ValueError(f"ft_mode must be one of {sorted(FT_MODES)}, got {cfg.ft_mode!r}")
-    if cfg.fp_part not in FP_LABELS:
-        raise ValueError(f"fp_part must be one of {sorted(FP_LABELS)}, got {cfg.fp_part!r}")
-    if cfg.ft_algorithm not in FT_ALGORITHMS:
-        raise ValueError(f"ft_algorithm must be one of {FT_ALGORITHMS}, got {cfg.ft_algorithm!r}")
     if cfg.ft_algorithm == "fedgloss" and (cfg.secure or cfg.ft_mode != "psi"):
         raise ValueError("ft_algorithm fedgloss fine-tunes the head in plain rounds: not with secure or ft_mode phi/M")
     if cfg.ft_algorithm == "scaffold" and cfg.secure and cfg.ft_mode != "psi":

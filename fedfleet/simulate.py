@@ -11,7 +11,6 @@ The centralized reference is computed in this process, independently of the aggr
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -23,7 +22,6 @@ import numpy as np
 
 from edge_client.data import load_fashion_mnist
 from protocols.mqtt_eventloop import raise_open_file_limit
-from protocols.mqtt_link import BrokerConfig
 from protocols.topics import Topics
 
 from .emulation.broker import BrokerTree, loopback_sources
@@ -32,177 +30,10 @@ from .emulation.local_hosts import LocalHosts
 from .emulation.processes import stop_all
 from .emulation.partition import make_split, train_holdout_split
 from .emulation.profiles import sample_profiles
-from .errors import UserError, load_json_file
+from .errors import UserError
+from .sim_config import SimConfig
 from .progress import StatusWatcher
 from .simulate_report import format_report, job_report
-
-
-@dataclass
-class SimConfig:
-    devices: int = 100
-    dataset: str = "fashion-mnist"
-    data_root: str | None = None
-    train_limit: int | None = None         # use a seeded subset of the training set
-    test_limit: int | None = None
-    split: str = "dirichlet"                # iid | dirichlet | classes | long-tailed
-    alpha: float = 0.1
-    classes_per_device: int = 2
-    mean_size: float = 5.0                  # long-tailed: images per device on average (images repeat
-    max_size: int = 50                      # across devices), at most max_size
-    seed: int = 0
-    backbone: str = "mobilenet_v2"
-    image_size: int = 64
-    runtime: str = "executorch"             # feature extraction: fedfleet.bundles.RUNTIMES
-    workers: int = 2
-    broker: str | None = None               # None: start a private mosquitto
-    topic_root: str = "fedfleet"
-    clients_per_round: int = 10
-    # One-shot phases (Fed3R/Fed3R-Sync statistics, OLL reports: each device answers once) ask
-    # every device in one round instead of κ per round: a round waits for its slowest device, so
-    # ⌈K/κ⌉ rounds one after another wait ⌈K/κ⌉ times. FedAvg rounds keep κ.
-    oneshot_all_devices: bool = False
-    round_timeout_s: float = 120.0
-    max_attempts: int = 3
-    lam: float = 0.01
-    rf_dim: int = 0                         # >0: Fed3R-RF with this many random features
-    rf_sigma: float = 1000.0
-    b_format: str = "sparse"
-    dropout_prob: float = 0.05
-    slowdown: tuple[float, float] = (1.0, 3.0)
-    bandwidth_bps: tuple[float, float] = (20e6, 200e6)
-    availability_fraction: float = 1.0
-    holdout_fraction: float = 0.2           # of each device's data, kept as its local held-out split
-    out_dir: str = "runs/latest"
-    cache_dir: str = ".cache/features"
-    timeout_s: float = 1800.0
-    retry_after_s: float = 10.0
-    secure: bool = False                    # Fed3R-Sync: statistics summed under secure aggregation
-    classifier: str = "fed3r"               # --pipeline fed3r: "fed3r" (ridge) or "fedncm" (class means, same upload)
-    secure_graph: str = "auto"              # auto (by group size) | complete (SecAgg) | regular (SecAgg+)
-    phase_timeout_s: float = 60.0
-    # DP Fed3R (fedfleet/dp_fleet.py): ε > 0 turns it on; δ 0: 1/devices; F, N; a center of m devices, F_c
-    dp_epsilon: float = 0.0
-    dp_delta: float = 0.0
-    dp_clip: float = 8.0
-    dp_max_samples: int = 1
-    dp_center_devices: int = 0
-    dp_center_clip: float = 4.0
-    dp_group_threshold: float = 0.0         # --secure: the share of a SecAgg group that must survive (0: ⌈2κ/3⌉)
-    dp_release: str = "end"                 # central DP: "end" (one release when the job ends) or "round" (one per round)
-    # --pipeline fed3r-ft-oll: FedAvg(ψ) fine-tuning from the Fed3R head, then OLL on every device
-    ft_rounds: int = 30
-    ft_mode: str = "psi"                    # psi: FT(ψ) head | phi: FT(φ) backbone tail, head frozen | M: both
-    tail_stages: int = 1                    # phi / M: backbone stages trained on device
-    tail_bundle: str | None = None          # phi / M: an exported bundle's manifest with those stages' programs
-                                            # (fedfleet export --tail-stages N); None: exported into .cache/bundles
-    ft_client_lr: float = 0.001             # base local LR; devices get × 0.1 after the Fed3R init (spec §1.8)
-    ft_init_scale: float = 1.0              # the Fed3R head × this at the FT init (bench/ft_init_scale.py)
-    ft_server_momentum: float = 0.0         # > 0: FedAvgM
-    ft_server_optimizer: str = "sgd"        # sgd (FedAvg/FedAvgM) | adam | yogi | adagrad (FedOpt)
-    ft_algorithm: str = "fedavg"            # fedavg (the FedAvg family above) | fedgloss (FedGloSS(ψ): server SAM + ADMM)
-    #                                         | scaffold (Scaffold on ft_mode's tensors: ψ, φ or M)
-    ft_server_lr: float = 1.0               # η of the server step (FedOpt wants ~0.01-0.1)
-    ft_local_rule: str = "sgd"              # the devices' step: sgd | sam (FedSAM) | asam (FedASAM)
-    ft_sam_rho: float = 0.1                 # SAM/ASAM's ρ
-    ft_prox_mu: float = 0.0                 # > 0: FedProx's μ (with any local rule)
-    ft_served_model: str = "last"           # last | swa (from 0.75·ft_rounds, every round) | wima (last 10)
-    fp_epochs: int = 25                     # FP(ψ) local epochs after OLL (0: OLL only)
-    fp_part: str = "psi"                    # what FP fine-tunes: the OLL head (psi), the backbone's tail (phi), both (M)
-    # --pipeline fed3r-pp-oll / fed3r-ft-pp-oll: partial personalization (shared head weight, personal bias)
-    pp_rounds: int = 20
-    pp_algorithm: str = "fedalt"            # fedalt | fedsim
-    pp_client_lr: float = 0.1               # base local LR; devices get × 0.1 (the head starts at Fed3R's)
-    ditto_lambda: float = 0.1               # --pipeline fed3r-ditto-oll / fed3r-ft-ditto-oll: Ditto's λ (pp_rounds, pp_client_lr)
-    # --deploy (fed3r-ft-oll, FT(ψ)): roll the fine-tuned head out through a canary, then a broken one back
-    deploy: bool = False
-    deploy_canary: str = "20%"
-    deploy_stages: str = "50%,100%"
-    deploy_guard: str = "wma_drop<=1.0"
-    deploy_bake_s: float = 1.0
-    fp_lrs: tuple[float, ...] = (1e-4, 1e-3)   # candidates; each device picks one by local cross-validation
-    # device hosting (fedfleet.emulation.host): threads that run device steps per worker process;
-    # a device's emulated slowdown and upload pacing hold one, so devices answering at once need one each
-    host_threads: int = 8
-    keepalive_s: int = 30                   # the devices' MQTT keepalive (each pings the broker this often)
-    evaluate: str = "contribution"          # aggregator evaluates per contribution, or per round (large fleets)
-    ray: str | None = None                  # "auto" or a Ray address: device hosts as Ray actors
-    shards: int = 0                         # each job's aggregator with --shards K (on ``ray``'s cluster too)
-    # more devices than this: they connect to edge brokers bridged to the aggregator's (BrokerTree),
-    # as one process opens at most RLIMIT_NOFILE sockets and one loopback port has ~28k clients
-    devices_per_broker: int = 15_000
-
-    @property
-    def oneshot_clients_per_round(self) -> int:
-        """Devices per round of a one-shot phase (see ``oneshot_all_devices``)."""
-        return self.devices if self.oneshot_all_devices else self.clients_per_round
-
-    @property
-    def oneshot_timeout_factor(self) -> int:
-        """A one-shot round of all devices does the work of ⌈K/κ⌉ rounds, so its round (and, under
-        secure aggregation, phase) timeouts are that many times κ-rounds' (a device that drops out
-        is not waited for: it goes offline, and the round stops counting it)."""
-        return -(-self.oneshot_clients_per_round // self.clients_per_round)
-
-
-PRESETS = {
-    # every device of a host may be sleeping out its slowdown or upload at once (one-shot rounds of all)
-    "demo": SimConfig(oneshot_all_devices=True, host_threads=64),
-    "smoke": SimConfig(devices=20, runtime="eager", train_limit=3000, test_limit=600, image_size=32, clients_per_round=5,
-                       round_timeout_s=30, dropout_prob=0.1, slowdown=(1.0, 1.5), out_dir="runs/smoke",
-                       retry_after_s=3.0, phase_timeout_s=10.0, ft_rounds=5, fp_epochs=5),
-    # A cross-device fleet: 10,000 phones with a few images each (50,000 Fashion-MNIST images,
-    # Dirichlet α=0.1, ≥ 1 image per device), 1,000 devices per round. Results are acked within a
-    # round of ~1,000 uploads, hence the long retry and round timeouts; the model is evaluated once
-    # per round. An upload's bandwidth pacing holds one of the host's step threads (host_threads).
-    # Both fleet presets run the exported ExecuTorch program (the default runtime), as phones do:
-    # a device's 5 images take 12x less there than through eager torch (bench/service_hot_paths.py),
-    # which at 100,000 devices was most of the hosts' CPU.
-    "fleet-10k": SimConfig(devices=10_000, train_limit=50_000, test_limit=2000, image_size=32,
-                           split="dirichlet", alpha=0.1, clients_per_round=1000, round_timeout_s=900,
-                           holdout_fraction=0.0, dropout_prob=0.0, slowdown=(1.0, 1.5), retry_after_s=300.0,
-                           timeout_s=5400.0, host_threads=32, evaluate="round", out_dir="runs/fleet-10k"),
-    # 100,000 phones: each a long-tailed number of Fashion-MNIST's 60,000 training images (1 to 50,
-    # about 5, its own Dir(0.1) class mix), so images repeat across devices; 5 % drop out after
-    # computing and are asked again (max_attempts 8: with 3, 0.05³ of 100,000 devices, about 12,
-    # would drop out every time and be lost); 10,000 devices per round. Eight workers keep
-    # each host, and seven brokers (a core and six bridged edges, devices_per_broker) each broker,
-    # under the 20,000 sockets one process may open here. Devices ping every 300 s (a phone's
-    # usual MQTT keepalive; at 30 s a host's loop answered 12,500 devices' pings 400 times a second).
-    "fleet-100k": SimConfig(devices=100_000, test_limit=2000, image_size=32, split="long-tailed",
-                            alpha=0.1, mean_size=5.0, max_size=50, clients_per_round=10_000, round_timeout_s=900,
-                            holdout_fraction=0.0, dropout_prob=0.05, max_attempts=8, slowdown=(1.0, 1.5),
-                            retry_after_s=300.0, timeout_s=5400.0, workers=8, host_threads=32, keepalive_s=300,
-                            evaluate="round",
-                            devices_per_broker=17_000, out_dir="runs/fleet-100k"),
-}
-
-
-def load_config(name_or_path: str, overrides: dict) -> SimConfig:
-    """A preset or a JSON file of SimConfig fields, with the command line's overrides; one clear
-    error for a missing file, bad JSON, an unknown field or a bad broker address."""
-    if name_or_path in PRESETS:
-        cfg = PRESETS[name_or_path]
-    else:
-        if not name_or_path.endswith(".json") and not Path(name_or_path).exists():
-            raise UserError(f"--config {name_or_path!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
-                            f"nor an existing JSON file")
-        data = load_json_file(name_or_path, "--config")
-        fields = {f.name for f in dataclasses.fields(SimConfig)}
-        if not isinstance(data, dict) or set(data) - fields:
-            unknown = sorted(set(data) - fields) if isinstance(data, dict) else ["<not an object>"]
-            raise UserError(f"--config {name_or_path}: unknown field {unknown[0]!r} "
-                            f"(SimConfig fields: {', '.join(sorted(fields))})")
-        cfg = SimConfig(**data)
-    cfg = dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
-    if type(cfg.keepalive_s) is not int or not 1 <= cfg.keepalive_s <= 65_535:     # MQTT's two-byte field
-        raise UserError(f"keepalive_s must be a whole number of seconds in 1..65535, got {cfg.keepalive_s!r}")
-    for name in ("devices", "clients_per_round", "workers"):    # 0 failed late, with a traceback
-        value = getattr(cfg, name)
-        if type(value) is not int or value < 1:
-            raise UserError(f"{name} must be a whole number >= 1, got {value!r}")
-    if cfg.broker:
-        BrokerConfig.from_url(cfg.broker)        # a bad address fails here, before any file is written
-    return cfg
 
 
 def _load(cfg: SimConfig):

@@ -24,7 +24,8 @@ from fedfleet import admin, admin_deployments
 from fedfleet.emulation.broker import BrokerTree
 from fedfleet.emulation.fork_server import ForkServer
 from fedfleet.emulation.local_hosts import LocalHosts
-from fedfleet.simulate import EmulatedFleet, SimConfig
+from fedfleet.sim_config import SimConfig
+from fedfleet.simulate import EmulatedFleet
 from protocols.identity import DeviceIdentity
 from protocols.topics import Topics
 
@@ -124,10 +125,24 @@ def test_dp_epsilon_is_refused_where_no_phase_would_apply_it(tmp_path, capsys):
         assert rc == 2 and "--dp-epsilon" in err and "Traceback" not in err, err
 
 
+def test_ladd_refuses_the_options_it_would_not_read(tmp_path, capsys):
+    """A review's finding: --pipeline ladd ran LaddSimConfig and silently ignored --config (even a
+    missing file), --devices and --seed, so a run started with other settings than the ones asked for."""
+    from fedfleet.cli import main
+
+    rc = main(["simulate", "--pipeline", "ladd", "--quick", "--config", "/nonexistent/my.json", "--devices", "3",
+               "--seed", "7", "--ft-rounds", "2", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err, err
+    named = err.split("does not read ")[1].split(":")[0].split(", ")
+    assert sorted(named) == ["--config", "--devices", "--ft-rounds", "--seed"], err
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("field", ["clients_per_round", "devices", "workers"])
 def test_a_count_below_one_is_one_clear_error_before_anything_runs(field):
     from fedfleet.errors import UserError
-    from fedfleet.simulate import load_config
+    from fedfleet.sim_config import load_config
 
     with pytest.raises(UserError, match=field):
         load_config("smoke", {field: 0})

@@ -253,7 +253,7 @@ def test_the_ditto_pipelines_refuse_what_they_cannot_run_before_the_run():
     import dataclasses
 
     from fedfleet.pipeline import run_pipeline
-    from fedfleet.simulate import load_config
+    from fedfleet.sim_config import load_config
 
     cfg = load_config("smoke", {})
     for bad, match in (({"ft_mode": "phi"}, "not after FT"),

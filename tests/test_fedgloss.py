@@ -243,7 +243,7 @@ def test_simulate_flag_reaches_the_config_and_a_bad_combination_fails_before_the
 
     from fedfleet.cli import build_parser, simulate_overrides
     from fedfleet.pipeline import run_pipeline
-    from fedfleet.simulate import load_config
+    from fedfleet.sim_config import load_config
 
     args = build_parser().parse_args(["simulate", "--config", "smoke", "--pipeline", "fed3r-ft-oll",
                                       "--ft-algorithm", "fedgloss", "--local-rule", "sam"])

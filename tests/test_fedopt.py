@@ -144,7 +144,7 @@ def test_simulate_flag_reaches_the_config_and_a_bad_choice_fails_before_the_run(
 
     from fedfleet.cli import build_parser, simulate_overrides
     from fedfleet.pipeline import ft_optimizer_fields, run_pipeline
-    from fedfleet.simulate import load_config
+    from fedfleet.sim_config import load_config
 
     args = build_parser().parse_args(["simulate", "--config", "smoke", "--pipeline", "fed3r-ft-oll",
                                       "--server-optimizer", "yogi", "--server-lr", "0.03", "--local-rule", "asam",

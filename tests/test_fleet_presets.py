@@ -12,7 +12,8 @@ from edge_client.data import load_fashion_mnist
 from fedfleet.emulation.broker import BrokerTree
 from fedfleet.emulation.partition import make_split
 from fedfleet.errors import UserError
-from fedfleet.simulate import Prepared, check_devices_per_process, load_config, split_params
+from fedfleet.sim_config import load_config
+from fedfleet.simulate import Prepared, check_devices_per_process, split_params
 from fedfleet.simulate_report import job_report
 
 
@@ -86,3 +87,64 @@ def test_a_keepalive_outside_mqtts_field_is_one_clear_error(tmp_path, keepalive)
     with pytest.raises(UserError, match="keepalive_s"):
         load_config(str(path), {})
     assert load_config("fleet-100k", {}).keepalive_s == 300
+
+
+def test_every_simconfig_field_declares_its_limit_and_every_preset_keeps_them():
+    from aggregator.jobs.config_limits import undeclared_fields
+    from fedfleet.sim_config import PRESETS, SimConfig
+
+    assert undeclared_fields(SimConfig) == []
+    for name in PRESETS:
+        assert load_config(name, {}) == PRESETS[name]          # each preset passes its own fields' limits
+
+
+# A review's findings: fields that reached the run unchecked (devices_per_broker 0: a ZeroDivisionError
+# after the data was split and files written; image_size or devices without a bound: a MemoryError) and
+# job fields the aggregator refused only after the fleet had started (lam -1: a RuntimeError with its log).
+@pytest.mark.parametrize("fields,named", [
+    ({"devices_per_broker": 0}, "devices_per_broker"), ({"image_size": 100_000}, "image_size"),
+    ({"devices": 10 ** 9}, "devices"), ({"workers": True}, "workers"), ({"dropout_prob": 1.0}, "dropout_prob"),
+    ({"slowdown": [2.0]}, "slowdown"), ({"slowdown": [0.5, 2.0]}, "slowdown"), ({"bandwidth_bps": "fast"}, "bandwidth_bps"),
+    ({"split": "zipf"}, "split"), ({"runtime": "tensorrt"}, "runtime"), ({"topic_root": "a/#"}, "topic_root"),
+    ({"lam": -1.0}, "lam"), ({"ft_client_lr": 0}, "ft_client_lr"), ({"fp_lrs": []}, "fp_lrs"),
+    ({"ft_server_optimizer": "lion"}, "ft_server_optimizer"), ({"dp_release": "never"}, "dp_release"),
+    ({"rf_dim": 10 ** 6}, "rf_dim"), ({"tail_stages": 99}, "tail_stages"),
+])
+def test_a_field_outside_its_limit_is_one_clear_error_naming_it(tmp_path, fields, named):
+    path = tmp_path / "fleet.json"
+    path.write_text(__import__("json").dumps({"devices": 10, **fields}))
+    with pytest.raises(UserError, match=f"'{named}'") as refused:
+        load_config(str(path), {})
+    assert str(path) in str(refused.value)
+    with pytest.raises(UserError, match=f"'{named}'"):           # the same value as an option over a preset
+        load_config("smoke", {named: tuple(v) if isinstance(v := fields[named], list) else v})
+
+
+def test_a_job_field_takes_the_limit_the_aggregator_checks():
+    """Not a copy: the SimConfig field's limit is the job field's, so what the job refuses is refused
+    before the fleet starts, and what it takes is taken."""
+    from aggregator.jobs.registry import validate_job_config
+
+    for kind, job_field, sim_field, bad, good in [("fed3r", "lam", "lam", 0.0, 1e-12),
+                                                  ("fedavg", "client_lr", "ft_client_lr", 101.0, 100.0),
+                                                  ("personalize", "fp_epochs", "fp_epochs", 10_001, 10_000)]:
+        with pytest.raises(ValueError, match=job_field):
+            validate_job_config(kind, {job_field: bad})
+        with pytest.raises(UserError, match=sim_field):
+            load_config("smoke", {sim_field: bad})
+        validate_job_config(kind, {job_field: good})
+        assert getattr(load_config("smoke", {sim_field: good}), sim_field) == good
+
+
+def test_json_arrays_become_the_tuples_a_preset_holds(tmp_path):
+    path = tmp_path / "fleet.json"
+    path.write_text(__import__("json").dumps({"slowdown": [1.0, 1.5], "fp_lrs": [0.01]}))
+    cfg = load_config(str(path), {})
+    assert cfg.slowdown == (1.0, 1.5) and cfg.fp_lrs == (0.01,)
+
+
+def test_an_out_dir_that_is_a_file_is_refused_before_anything_is_written(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(UserError, match="out_dir"):
+        load_config("smoke", {"out_dir": str(tmp_path / "afile")})
+    assert (tmp_path / "afile").read_text() == "x"

@@ -9,7 +9,9 @@ import pytest
 
 pytest.importorskip("ray")
 
-from fedfleet.simulate import PRESETS, run  # noqa: E402
+from fedfleet.sim_config import PRESETS  # noqa: E402
+
+from fedfleet.simulate import run  # noqa: E402
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ from fedfleet.pipeline_report import (ACCURACY_RANGE, METHOD_NAMES, comparison_r
                                       phase_sentences, render_html, report_panels, report_title,
                                       write_plots_and_html)
 from fedfleet.plots import build_figure  # noqa: E402
-from fedfleet.simulate import PRESETS  # noqa: E402
+from fedfleet.sim_config import PRESETS  # noqa: E402
 
 
 def fake_run(seed: int, secure: bool) -> dict:

@@ -204,7 +204,7 @@ def test_simulate_flag_picks_scaffold_on_the_tail_and_secure_is_refused_before_t
 
     from fedfleet.cli import build_parser, simulate_overrides
     from fedfleet.pipeline import PHASE_KINDS, run_pipeline
-    from fedfleet.simulate import load_config
+    from fedfleet.sim_config import load_config
 
     args = build_parser().parse_args(["simulate", "--config", "smoke", "--pipeline", "fed3r-ft-oll",
                                       "--ft-algorithm", "scaffold", "--ft-mode", "phi"])

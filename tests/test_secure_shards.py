@@ -383,7 +383,9 @@ def test_simulate_shards_takes_the_secure_kinds_shards_host_and_says_why_not_for
     secure LADD's: tests/test_secure_ladd_shards.py); FedBuff runs in one process and says why."""
     import dataclasses
 
-    from fedfleet.simulate import PRESETS, aggregator_shards
+    from fedfleet.sim_config import PRESETS
+
+    from fedfleet.simulate import aggregator_shards
     from ops_fleet import C, D
 
     keys = SecureKeys.create(tmp_path, DEVICES)

@@ -396,7 +396,7 @@ def test_simulate_secure_runs_scaffold_and_ditto_as_their_secure_kinds(tmp_path,
 
     from fedfleet.pipeline import (PERSONAL_PHASES, PHASE_KINDS, PIPELINES, _Phases, check_pipeline_config,
                                    run_pipeline)
-    from fedfleet.simulate import load_config
+    from fedfleet.sim_config import load_config
     from aggregator.jobs.registry import KINDS, validate_job_config
 
     args = build_parser().parse_args(["simulate", "--config", "smoke", "--secure", *argv])

@@ -281,7 +281,10 @@ def test_simulate_shards_each_job_shards_can_sum_and_says_why_not_for_the_others
     """``fedfleet simulate --shards K``: the aggregator options each job of a pipeline gets."""
     import dataclasses
 
-    from fedfleet.simulate import PRESETS, aggregator_shards
+    from fedfleet.sim_config import PRESETS
+
+
+    from fedfleet.simulate import aggregator_shards
 
     cfg = dataclasses.replace(PRESETS["smoke"], shards=2)
     fed3r = {"job_id": "f", "num_classes": C, "feature_dim": D}

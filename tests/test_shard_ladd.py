@@ -299,7 +299,10 @@ def test_what_shards_cannot_sum_is_refused_with_the_reason(tmp_path, over, reaso
     """``fedfleet simulate --shards K`` (``aggregator_shards``) and ``serve --shards K`` refuse it alike."""
     import dataclasses
 
-    from fedfleet.simulate import PRESETS, aggregator_shards
+    from fedfleet.sim_config import PRESETS
+
+
+    from fedfleet.simulate import aggregator_shards
 
     cfg = dataclasses.replace(PRESETS["smoke"], shards=2)
     assert aggregator_shards(cfg, "ladd", config_of(tmp_path)) == (["--shards", "2"], "")

@@ -17,7 +17,10 @@ from test_crash_resume_kinds import personalize
 def test_personalization_on_two_shards_keeps_one_aggregators_reports_after_the_coordinator_is_sigkilled(tmp_path):
     import dataclasses
 
-    from fedfleet.simulate import PRESETS, aggregator_shards
+    from fedfleet.sim_config import PRESETS
+
+
+    from fedfleet.simulate import aggregator_shards
 
     runs = []
     for name, options, crashes in (("one", [], ()), ("sharded", ["--shards", "2"], ("round_closing",))):

@@ -6,7 +6,11 @@ import json
 
 import pytest
 
-from fedfleet.simulate import PRESETS, run
+from fedfleet.sim_config import PRESETS
+
+# the smoke preset on 1,200 of its 3,000 training images and 300 test images: every run here asks
+
+from fedfleet.simulate import run
 
 # the smoke preset on 1,200 of its 3,000 training images and 300 test images: every run here asks
 # each of the 20 devices for its work over the same broker paths, on less data (the suite's time)

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from protocols.payloads.partial import MAX_RECIPE_COUNT
-from protocols.topics import DEVICE_ID_RE
 
 LIMIT = "config_limit"            # the dataclass field metadata key
 
@@ -60,11 +59,13 @@ class Fields:
 
 @dataclass(frozen=True)
 class Items:
-    """A list field: at most ``max_items`` items, each of ``item_type`` (float: any finite number;
-    int: an integer, never 1.5 silently cut to 1) and within ``item``."""
+    """A list field (a JSON array; a tuple where Python builds the config): ``min_items`` to
+    ``max_items`` items, each of ``item_type`` (float: any finite number; int: an integer, never
+    1.5 silently cut to 1) and within ``item``."""
     item: Range
     max_items: int
     item_type: type = float
+    min_items: int = 1
 
 
 Limit = Range | OneOf | Pattern | Fields | Items
@@ -174,8 +175,9 @@ def check_limit(what: str, value, limit: Limit | None) -> None:
     if isinstance(limit, OneOf) and value not in limit.values:
         raise ValueError(f"{what} must be one of {limit.values}, not {value!r}")
     if isinstance(limit, Items):
-        if not isinstance(value, list) or not 0 < len(value) <= limit.max_items:
-            raise ValueError(f"{what} must be a list of 1 to {limit.max_items} numbers")
+        if not isinstance(value, (list, tuple)) or not limit.min_items <= len(value) <= limit.max_items:
+            count = limit.max_items if limit.min_items == limit.max_items else f"{limit.min_items} to {limit.max_items}"
+            raise ValueError(f"{what} must be a list of {count} numbers")
         for i, item in enumerate(value):
             if not matches(item, limit.item_type):
                 raise ValueError(f"{what}[{i}] must be {'an integer' if limit.item_type is int else 'a number'}")
@@ -207,4 +209,6 @@ def matches(value, hint) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if hint is int:
         return isinstance(value, int) and not isinstance(value, bool)
+    if hint is tuple:                   # a JSON array, or the tuple a Python caller built
+        return isinstance(value, (list, tuple))
     return isinstance(value, hint)

@@ -227,6 +227,7 @@ def split_long_tailed(labels, n_devices: int, alpha: float, seed: int, mean_size
 
 _SPLIT_PARAMS = {"iid": set(), "dirichlet": {"alpha", "min_size"}, "classes": {"k"},
                  "long-tailed": {"alpha", "mean_size", "max_size"}}
+SPLIT_KINDS = tuple(_SPLIT_PARAMS)
 _REQUIRED_PARAMS = {"iid": set(), "dirichlet": {"alpha"}, "classes": {"k"}, "long-tailed": {"alpha"}}
 
 

@@ -17,7 +17,10 @@ from fedfleet.ladd.aggregator_process import segmentation_spec
 from fedfleet.ladd.config import METHODS, LaddSimConfig
 from fedfleet.ladd.metrics import TestSets, split_cluster_models
 from fedfleet.ladd.report import format_report, plots
-from fedfleet.simulate import EmulatedFleet, SimConfig
+from fedfleet.sim_config import SimConfig
+
+
+from fedfleet.simulate import EmulatedFleet
 
 
 def job_configs(cfg: LaddSimConfig, seed: int, n_devices: int) -> dict:
