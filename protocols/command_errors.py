@@ -1,7 +1,7 @@
 """Ordinary mistakes get one line saying what is wrong and what to do, and a non-zero exit; a
 traceback only with ``--debug``. :func:`run_reporting_errors` is the one place that turns the
 exceptions a user can cause (a missing file, bad JSON, an unknown config field, a bad broker
-address, an unreachable broker) into that line, for every command line of the project:
+address, an unreachable broker, a bundle that cannot be used) into that line, for every command line of the project:
 ``fedfleet ...`` (``fedfleet/errors.py``) and ``python -m aggregator``, which may not import
 ``fedfleet`` (docs/architecture.md), hence here, below both."""
 
@@ -19,6 +19,17 @@ class UserError(Exception):
 
 USER_MISTAKES = (UserError, FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError,
                  PermissionError, json.JSONDecodeError, ConnectionError, ValueError, KeyError, TypeError)
+
+
+def is_user_mistake(exc: BaseException) -> bool:
+    """One of USER_MISTAKES, or an ``ArtifactError``: a bundle the user named that cannot be used (a
+    file missing or altered, a program no runtime here loads), whose message names the file and what
+    to install or re-export. The bundle module (and jsonschema, 90 ms) is imported only then."""
+    if isinstance(exc, USER_MISTAKES):
+        return True
+    from protocols.bundle_manifest import ArtifactError
+
+    return isinstance(exc, ArtifactError)
 
 
 def describe(exc: BaseException) -> str:
@@ -46,8 +57,8 @@ def run_reporting_errors(command: str, fn: Callable[[], int], debug: bool) -> in
     except KeyboardInterrupt:
         print(f"fedfleet {command}: interrupted", file=sys.stderr)
         return 130
-    except USER_MISTAKES as exc:
-        if debug:
+    except Exception as exc:
+        if debug or not is_user_mistake(exc):
             raise
         hint = "  (fedfleet --debug shows where)" if isinstance(exc, (KeyError, TypeError)) else ""
         print(f"fedfleet {command}: error: {describe(exc)}{hint}", file=sys.stderr)

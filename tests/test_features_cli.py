@@ -55,16 +55,40 @@ def test_features_from_idx_and_from_a_subset_image_folder_match_the_eager_backbo
     assert np.linalg.norm(Zf - Z[order]) <= 1e-5 * np.linalg.norm(Z)
 
 
+def junk_bundle(folder, program: bytes) -> None:
+    """A bundle whose ONNX artifact is ``program``, listed with its true sha256 and size."""
+    import hashlib
+
+    from protocols.bundle_manifest import ArtifactSpec, BatchSpec, InputNormalisation, Manifest, TensorSpec
+
+    spec = ArtifactSpec(kind="inference", runtime="onnxruntime", runtime_version="1.0", file="inference.onnx",
+                        sha256=hashlib.sha256(program).hexdigest(), size_bytes=len(program), batch=BatchSpec(None),
+                        inputs=(TensorSpec("image", "float32", (None, 3, SIZE, SIZE)),),
+                        outputs=(TensorSpec("features", "float32", (None, 1280)),), parity={}, details={})
+    manifest = Manifest(backbone="mobilenet_v2", weights_sha256="0" * 64, feature_dim=1280, num_classes=10,
+                        temperature=0.1, output="features",
+                        input=InputNormalisation(image_size=SIZE, mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0)),
+                        artifacts=(spec,), created_with={})
+    folder.mkdir()
+    (folder / "manifest.json").write_text(manifest.dumps())
+    (folder / "inference.onnx").write_bytes(program)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--image-folder", "{tmp}", "--bundle", "{tmp}"], "needs --classes"),
     (["--idx", "{tmp}/none.idx", "{tmp}/none.idx", "--bundle", "{tmp}"], "none.idx"),
     (["--idx", "{tmp}/a.idx", "{tmp}/b.idx", "--bundle", "{tmp}/nothing"], "no manifest.json"),
     (["--idx", "{tmp}/a.idx", "{tmp}/b.idx", "--backbone", "resnet999"], "not one of"),
+    # a review's finding: an artifact of other bytes than a program (its sha256 and size the manifest's)
+    # was a RuntimeUnavailableError traceback
+    (["--idx", "{tmp}/a.idx", "{tmp}/b.idx", "--bundle", "{tmp}/junk", "--runtime", "onnxruntime"],
+     "could not load inference.onnx"),
 ])
 def test_features_mistakes_get_one_line(tmp_path, capsys, argv, message):
     images, labels = load_fashion_mnist("test")
     write_idx(tmp_path / "a.idx", images[:4])
     write_idx(tmp_path / "b.idx", labels[:4])
+    junk_bundle(tmp_path / "junk", b"not an onnx model" * 10)
     rc = main(["features", *[a.format(tmp=tmp_path) for a in argv], "-o", str(tmp_path / "x.npz")])
     err = capsys.readouterr().err
     assert rc == 2 and message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
