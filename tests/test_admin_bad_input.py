@@ -323,3 +323,26 @@ def test_a_job_file_that_inflates_past_a_job_files_bound_is_refused(kind, tmp_pa
               {"model": {"num_classes": 2, "image_size": 16}, "initial_model_file": str(path)})
     with pytest.raises(ValueError, match=r"model.npz'.*inflates to [0-9,]+ bytes, more than 1,048,576"):
         build_job(kind, config)
+
+
+@pytest.mark.parametrize("kind", ["fedavg", "fedavg-secure", "ditto", "pp-secure"])
+def test_a_fed3r_start_without_its_head_file_is_refused_at_create(client, kind):
+    """The admin review's finding: a FedAvg-family job with init "fed3r" and no initial_head_file
+    was stored, and refused only when started. Python may still hand the head itself
+    (FedAvgJob.from_fed3r); a stored job has nothing beside its config."""
+    refused = client.post("/api/jobs", headers=AUTH, json={"job_id": "ft1", "kind": kind, "config": {"init": "fed3r"}})
+    assert refused.status_code == 422 and "initial_head_file" in refused.json()["detail"], refused.text
+    assert client.get("/api/jobs/ft1", headers=AUTH).status_code == 404
+    from aggregator.jobs.registry import full_config
+
+    assert full_config(kind, {"init": "fed3r", "initial_head_file": "h.npz"})["initial_head_file"] == "h.npz"
+
+
+def test_a_job_started_from_a_fed3r_object_needs_no_head_file():
+    from aggregator.compute.ridge import ClosedFormRidge
+    from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob
+
+    rng = np.random.default_rng(0)
+    ridge = ClosedFormRidge(lam=0.1).fit(rng.normal(size=(40, 4)), rng.integers(0, 3, 40))
+    job = FedAvgJob.from_fed3r(FedAvgConfig(num_classes=3, feature_dim=4), ridge)
+    assert job.config.init == "fed3r" and job.params["weight"].shape == (3, 4)

@@ -10,7 +10,7 @@ from typing import Any, Literal
 from fastapi import FastAPI, HTTPException, Path, Query, status
 from fastapi.responses import Response
 
-from aggregator.jobs.registry import validate_job_config
+from aggregator.jobs.registry import full_config
 from aggregator.storage.round_log import SETTING_PREFIX, read_from
 from aggregator.storage.store import Store
 from aggregator.api.context import ApiContext
@@ -34,7 +34,7 @@ def add_job_routes(app: FastAPI, ctx: ApiContext) -> None:
     def create_job(req: JobCreate) -> dict:
         config = {**req.config.model_dump(exclude_none=True), "job_id": req.job_id}
         try:
-            validate_job_config(req.kind, config)
+            full_config(req.kind, config)           # its fields, their cross-field rules, what a stored job needs
         except (ValueError, TypeError) as exc:
             raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY, str(exc)) from None
         return ctx.job_out(ctx.mutate(lambda: ctx.service.create_job(req.kind, config)))

@@ -45,6 +45,11 @@ class JobConfig:
     def __post_init__(self):
         """Checks of the fields; every config's ``__post_init__`` calls its bases' first."""
 
+    def check_stored(self) -> None:
+        """Checks of a config that is all the job will have (created through the API or the admin
+        command, kept in the store, built at start with nothing beside it); Python can hand a job
+        more (``FedAvgJob.from_fed3r``: its initial head as an object). ``ValueError`` when it lacks it."""
+
     def device_bundle_sha256(self) -> str:
         """The exported bundle the devices must run (its manifest's sha256), "" when the job names none."""
         return ""

@@ -94,6 +94,11 @@ class FedAvgConfig(ServerOptimizerFields, LocalRuleFields, ServedModelFields, Fe
         self.local_rule_recipe()
         self.served_model_rule()
 
+    def check_stored(self) -> None:
+        super().check_stored()
+        if self.init == "fed3r" and not self.initial_head_file:   # from_fed3r hands the head itself
+            raise ValueError("init 'fed3r' needs initial_head_file (a Fed3R job's model.npz)")
+
     @property
     def device_lr(self) -> float:
         return self.client_lr * self.device_lr_factor

@@ -168,7 +168,9 @@ def full_config(kind: str, config: dict) -> dict:
     validate_job_config(kind, config)
     config_cls = kind_of(kind).config_cls
     job_id = config.get("job_id") or config_cls.__dataclass_fields__["job_id"].default
-    return config_cls(**{**config, "job_id": job_id}).to_dict()
+    built = config_cls(**{**config, "job_id": job_id})
+    built.check_stored()                  # refused at create, not when the stored job starts
+    return built.to_dict()
 
 
 def job_kind_name(job) -> str:
