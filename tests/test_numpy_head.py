@@ -144,3 +144,28 @@ def test_a_batch_schedule_draws_each_epoch_when_it_is_reached():
     finally:
         tracemalloc.stop()
     assert steps == len(big) == 10_000 and peak < 1 << 20, peak
+
+
+def test_cross_validation_counts_every_head_against_the_work_budget(monkeypatch):
+    """A review's finding: OLL's learning-rate choice trains folds x rates heads, each within the work
+    budget alone (MAX_LOCAL_WORK), 20 x 16 = 320 of them in one task. The heads trained together
+    count as one task (the Java device's FpLearningRate counts the same (folds - 1) x n rows). The
+    budget is made small here (10^13 multiply-adds would take hours if a regression let them run)."""
+    import re
+
+    from edge_client.agent import TaskDeclined
+    from protocols.payloads import fedavg
+
+    monkeypatch.setattr(fedavg, "MAX_LOCAL_WORK", 10 ** 8)
+    classes, d, n, epochs, folds, rates = 10, 99, 100, 100, 20, 16
+    one_head = classes * (d + 1)
+    assert fedavg.check_local_work(n, epochs, one_head) <= fedavg.MAX_LOCAL_WORK     # one head alone is within it
+    rng = np.random.default_rng(0)
+    features, labels = rng.normal(size=(n, d)).astype(np.float32), rng.integers(0, classes, n)
+    row_sets = [np.delete(np.arange(n), np.arange(g, n, folds)) for g in range(folds)]   # each fold's training rows
+    recipe = LocalTraining(epochs=epochs, batch_size=n, lr=0.1)
+    total = epochs * sum(map(len, row_sets)) * rates * one_head
+    assert total > fedavg.MAX_LOCAL_WORK
+    with pytest.raises(TaskDeclined, match=re.escape(f"is {total:.2e} multiply-adds, more than a device takes (1e+08)")):
+        train_heads_together(np.zeros((classes, d), np.float32), np.zeros(classes, np.float32), features, labels,
+                             row_sets, [0.01 * (i + 1) for i in range(rates)], recipe)
