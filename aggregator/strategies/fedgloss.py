@@ -7,15 +7,21 @@ perturbed w̃ᵗ = wᵗ + ε̃ᵗ (:meth:`FedGlossServer.perturbed`). Devices tr
 (``edge_client/tasks/fedgloss_training.py``); with x̄ the round's combined update (the job's
 sample-weighted mean of the w_k) and p = |Cᵗ|/K the round's share of the fleet:
 
-    σᵗ⁺¹ = σᵗ − p (x̄ − wᵗ)/β             (the global dual)
+    σᵗ⁺¹ = σᵗ − p (x̄ − w̃ᵗ)/β            (the global dual)
     Δ̃ᵗ   = w̃ᵗ − x̄                        (the sharpness-aware pseudo-gradient, kept for ε̃ᵗ⁺¹)
     wᵗ⁺¹ = wᵗ − η Δ̃ᵗ − β σᵗ⁺¹            (the descent applies to the *unperturbed* wᵗ)
 
-Alg. 5 (line 22) writes σ's step as (1/(β|C|)) Σ_k (w_k − wᵗ) with C the whole fleet, as FedDyn
-(Acar et al. 2021) does and the authors' code (its ``tot_clients``): hence p. The mean is the same
-combined x̄ the descent uses (Alg. 5: the plain mean), so the job's bounded-influence layers bound
-a device's pull on σ too (equal n_k: the same). η is Alg. 5's 1 by default (eq. 4.9's η_g
-otherwise). ρ = 0 leaves the ADMM base, FedDyn's server step.
+σ's step is measured from w̃ᵗ, the point the devices started from, as in the CVPR 2025 paper's
+Alg. 1 (line 22) and the authors' code (the pseudo-gradient taken while the server model is still
+perturbed). The thesis's Alg. 5 prints it from wᵗ; at ρ > 0 that rule has no fixed point: where
+x̄ = wᵗ, Δ̃ = ε̃ keeps norm ρ and w moves by η ε̃ every round (a review's finding: on a convex
+quadratic it drifted linearly, 1.0 from the optimum after 1,000 rounds at ρ = 0.01, where the
+paper's rule settles 0.015 from it; tests/test_fedgloss.py). The scale p = |Cᵗ|/K is FedDyn's
+(Acar et al. 2021) 1/(β|C|) Σ_k over the whole fleet C; the authors' code divides by
+β·K·|Cᵗ| instead, |Cᵗ| times less. The mean is the same combined x̄ the descent uses (Alg. 5:
+the plain mean), so the job's bounded-influence layers bound a device's pull on σ too (equal n_k:
+the same). η is Alg. 5's 1 by default (eq. 4.9's η_g otherwise). ρ = 0 leaves the ADMM base,
+FedDyn's server step.
 
 Every computation is float64; w̃ is cast to the model's dtype before it is sent, and the step
 uses that cast w̃ (the point the devices really started from). Δ̃ and σ are server state, in the
@@ -72,7 +78,7 @@ class FedGlossServer(ServerOptimizer):
         w = {k: np.asarray(v, np.float64) for k, v in params.items()}
         mean = {k: np.asarray(averaged[k], np.float64) for k in params}
         dual = self.dual or {k: np.zeros_like(v) for k, v in w.items()}
-        self.dual = {k: dual[k] - participation * (mean[k] - w[k]) / self.beta for k in w}
+        self.dual = {k: dual[k] - participation * (mean[k] - start[k]) / self.beta for k in w}
         self.pseudo_gradient = {k: start[k] - mean[k] for k in w}
         self.steps += 1
         return {k: (w[k] - self.server_lr * self.pseudo_gradient[k] - self.beta * self.dual[k])
