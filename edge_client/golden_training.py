@@ -111,7 +111,11 @@ STATEFUL = {   # case -> (kind, its params beyond RECIPE and the binding, its ha
                                   "personal_lr": 0.03}, DittoTrainingTask),
     "pp_head_fedalt": ("pp.head", {"algorithm": "fedalt", "personal_epochs": 2}, PartialTrainingTask),
     "pp_head_fedsim": ("pp.head", {"algorithm": "fedsim"}, PartialTrainingTask),
+    # its second task comes 7 rounds later, past max_staleness 5: c_k restarts from 0 and Δc is
+    # measured from the stale c_k the server's c still counts
+    "scaffold_head_stale": ("scaffold.head", {}, ScaffoldTrainingTask),
 }
+STATEFUL_ROUNDS = {"scaffold_head_stale": (1, 8)}      # a case's two rounds (default 1 and 2)
 
 
 class _GivenFeatures:
@@ -155,7 +159,7 @@ def stateful_vectors(workdir: Path) -> tuple[dict, dict[str, bytes]]:
         handler = handler_type(Z, y, lambda b, s, w: _GivenFeatures(D), store, Zh, yh) \
             if handler_type is not ScaffoldTrainingTask else handler_type(Z, y, lambda b, s, w: _GivenFeatures(D), store)
         rounds, job_id = [], f"{case}-golden"
-        for r in (1, 2):
+        for r in STATEFUL_ROUNDS.get(case, (1, 2)):
             params = {**STATEFUL_RECIPE, **extra, "job_id": job_id, "state": {"run": RUN, "round": r,
                                                                        "max_staleness": 5, "ttl_s": 3600.0}}
             tensors = round_tensors(kind, r)

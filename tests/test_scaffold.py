@@ -233,6 +233,39 @@ def test_stale_control_restarts_from_zero(tmp_path):
     assert body["restarted"] is True
 
 
+def test_c_stays_the_mean_of_the_devices_controls_across_stale_restarts(tmp_path):
+    """Scaffold's invariant c = (1/N) Σ_k c_k (Alg. 1: every c_k starts at 0, c moves by (1/N) Σ Δc_k).
+    A device sampled after more than state_max_staleness rounds restarts c_k from 0; its Δc is
+    measured from the stale c_k the server's c still counts, not from 0 (a review's finding: c then
+    kept every stale c_k/N and drifted, 0.83 of its norm after 16 rounds). Measured against the
+    controls the devices hold, whatever their age."""
+    handlers = {f"dev{i}": device(i, tmp_path) for i in range(4)}
+    job = make_job(clients_per_round=1, rounds=16, state_max_staleness=1)
+    restarts = 0
+    for _ in range(16):
+        sent = run_round(job, handlers, KIND)
+        restarts += sum(body["restarted"] for _, _, body, _ in sent.values())
+    held = [handlers[d].store.load(job.config.job_id, job.device_state.run) for d in handlers]
+    for k in ("weight", "bias"):
+        mean_ck = sum(e.arrays[k].astype(np.float64) for e in held if e is not None) / 4
+        np.testing.assert_allclose(job.control[k], mean_ck, rtol=1e-4, atol=1e-6)
+    assert restarts > 4 and np.abs(job.control["weight"]).sum() > 0        # restarts past the first visits
+
+
+def test_a_redelivered_stale_restart_answers_what_the_first_delivery_did(tmp_path):
+    h = device(0, tmp_path)
+    job = make_job(clients_per_round=1, state_max_staleness=2)
+    run_round(job, {"dev0": h}, KIND)
+    job.next_participants({"dev0"})
+    job.round += 5
+    task = job.task_for("dev0")
+    first, again = h(*task), h(*task)
+    assert first[0]["restarted"] is again[0]["restarted"] is True
+    for name in first[1]:
+        np.testing.assert_array_equal(first[1][name], again[1][name])
+    assert np.abs(first[1]["delta_control.weight"]).sum() > 0
+
+
 def test_dp_is_refused():
     with pytest.raises(ValueError, match="dp"):
         ScaffoldConfig(num_classes=C, feature_dim=D, dp_noise_multiplier=1.0, dp_clip_norm=1.0)

@@ -212,3 +212,23 @@ def test_simulate_flag_picks_scaffold_on_the_tail_and_secure_is_refused_before_t
     assert (cfg.ft_algorithm, cfg.ft_mode) == ("scaffold", "phi") and KIND_TAIL in PHASE_KINDS["fedavg-ft"]
     with pytest.raises(ValueError, match="not with secure"):      # refused before any data or fleet
         run_pipeline(dataclasses.replace(cfg, secure=True), quiet=True)
+
+
+def test_a_stale_c_k_restarts_from_zero_and_its_delta_is_counted_from_it(shared, tmp_path):
+    """As the head's (tests/test_scaffold.py): past max_staleness the device trains from c_k = 0 but
+    sends Δc = c_k⁺ − c_k(stale), the c_k the server's c still counts."""
+    rng = np.random.default_rng(3)
+    names, rows = trained_names("tail"), np.arange(30)
+    task = handler(shared, rows, DeviceStateStore(tmp_path))
+    start = model(shared["program"])
+    c = {k: (0.5 * rng.normal(size=start[k].shape) * np.abs(start[k]).mean() / 0.05).astype(np.float32) for k in names}
+    tensors = {**start, **{"control." + k: c[k] for k in names}}
+    _, first = task(params("tail", 1, state={**STATE, "round": 1, "max_staleness": 2}), tensors)
+    stale = {k: first["delta_control." + k].astype(np.float64) for k in names}          # c_k after round 1
+    body, out = task(params("tail", 9, state={**STATE, "round": 9, "max_staleness": 2}), tensors)
+    assert body["restarted"] is True
+    zeros = {k: np.zeros_like(v) for k, v in stale.items()}
+    _, fresh_ck = reference_pass(shared["images"][rows], shared["labels"][rows], start, c, zeros, params("tail"), names)
+    for k in names:
+        np.testing.assert_allclose(out["delta_control." + k], fresh_ck[k] - stale[k], atol=2e-5 / (3 * 0.01))
+        assert np.abs(stale[k]).max() > 100 * 2e-5 / (3 * 0.01)        # counting from 0 would be told apart

@@ -48,13 +48,15 @@ class ScaffoldTailTask(TailTrainingTask, DeviceStateKeeper):
         key = StateKey(job.params.job_id, job.params.state)
         self.admit(key, control)
         stored = self.start_value(key, shapes)
+        replaced = self.replaced_value(key, shapes) if stored is None else None      # a stale c_k, restarted
         ck = stored if stored is not None else {k: np.zeros(s, np.float32) for k, s in shapes.items()}
         y = self.train(job, correction={k: control[k] - ck[k] for k in shapes})     # c − c_k, every step
         try:
             new_ck = option_ii_control(control, ck, job.start, y, self.last_steps, job.params.training.lr)
         except FloatingPointError as exc:
             raise TaskDeclined(str(exc)) from exc
-        delta = {DELTA_CONTROL + k: new_ck[k] - ck[k] for k in shapes}
+        counted = replaced if replaced is not None else ck          # the c_k the server's c holds (as the head's)
+        delta = {DELTA_CONTROL + k: new_ck[k] - counted[k] for k in shapes}
         body, out = encode_model_update({**y, **delta}, len(self.labels))     # before c_k is kept (as the head's)
-        self.keep(key, stored, new_ck)
+        self.keep(key, stored, new_ck, replaced)
         return {**body, "restarted": stored is None}, out

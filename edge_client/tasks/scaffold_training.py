@@ -81,16 +81,19 @@ class ScaffoldTrainingTask(StatefulHeadTask):
         head = {"weight": task.weight, "bias": task.bias}
         control = read_control(tensors, {k: v.shape for k, v in head.items()}, KIND)
         self.admit(task, head)
-        stored = self.start_value(task, {k: v.shape for k, v in head.items()})
+        shapes = {k: v.shape for k, v in head.items()}
+        stored = self.start_value(task, shapes)
+        replaced = self.replaced_value(task, shapes) if stored is None else None     # a stale c_k, restarted
         start = stored if stored is not None else {k: np.zeros_like(v) for k, v in head.items()}
         try:
             y, new_control = scaffold_pass(task.weight, task.bias, control, start, task.features, self.labels,
                                            recipe)
         except FloatingPointError as exc:
             raise TaskDeclined(str(exc)) from exc
-        delta = {DELTA_CONTROL + k: new_control[k] - start[k] for k in HEAD}
+        counted = replaced if replaced is not None else start      # the c_k the server's c holds for this device
+        delta = {DELTA_CONTROL + k: new_control[k] - counted[k] for k in HEAD}
         # encoded before c_k is kept: a result the wire refuses (a Δc past its bound) declines the
         # task with the state as it was, never a c_k the server's c did not count (a review's finding)
         body, out = encode_model_update({**y, **delta}, len(self.labels))
-        self.keep(task, stored, new_control)
+        self.keep(task, stored, new_control, replaced)
         return {**body, "restarted": stored is None}, out

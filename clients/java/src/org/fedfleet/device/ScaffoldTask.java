@@ -46,7 +46,9 @@ public final class ScaffoldTask extends StatefulHeadTask {
         }
         admit(t, 4L * (t.weight.length + t.bias.length));
         Map<String, float[]> stored = startValue(t, HEAD);
+        Map<String, float[]> replaced = stored == null ? replacedValue(t, HEAD) : null;   // a stale c_k, restarted
         Map<String, float[]> start = stored != null ? stored : zero;
+        Map<String, float[]> counted = replaced != null ? replaced : start;     // the c_k the server's c holds
         float lr = (float) recipe.lr;
         Map<String, float[]> correction = new LinkedHashMap<>();
         for (String k : HEAD) correction.put(k, times(minus(control.get(k), start.get(k)), lr));
@@ -70,7 +72,7 @@ public final class ScaffoldTask extends StatefulHeadTask {
         // was, never a c_k the server's c did not count (as the Python device)
         Map<String, float[]> deltas = new LinkedHashMap<>();
         for (String k : HEAD) {
-            float[] delta = minus(newControl.get(k), start.get(k));
+            float[] delta = minus(newControl.get(k), counted.get(k));
             try {
                 HeadTrainer.checkBounded(DELTA_CONTROL + k, delta);
             } catch (ArithmeticException e) {
@@ -78,7 +80,7 @@ public final class ScaffoldTask extends StatefulHeadTask {
             }
             deltas.put(k, delta);
         }
-        keep(t, stored, newControl);
+        keep(t, stored, newControl, replaced);
         Map<String, Object> body = new LinkedHashMap<>();
         body.put("n", BigInteger.valueOf(y.n));
         body.put("restarted", stored == null);

@@ -18,6 +18,9 @@ import org.fedfleet.wire.Tensors;
 
 public abstract class StatefulHeadTask implements TaskHandler {
     static final String PREVIOUS = "previous.";
+    // the stored value a restarted round replaced (a state too stale to start from): Scaffold measures
+    // Δc from it, and a redelivery of that round from the same value (stateful_head.py REPLACED)
+    static final String REPLACED = "replaced.";
     private final LocalData data, heldOut;                 // heldOut: null when the device keeps none
     private final FeatureExtractor extractor;
     private final DeviceStateStore store;                  // null: the device keeps no state and declines
@@ -121,7 +124,22 @@ public abstract class StatefulHeadTask implements TaskHandler {
         if (e.round > b.round)
             throw new TaskDeclined("this device holds the job's state of round " + e.round + ", later than the task's "
                 + "round " + b.round + ": an older round is not run (its state would replace the newer one)");
-        String prefix = e.round == b.round ? PREVIOUS : "";
+        return checked(e, e.round == b.round ? PREVIOUS : "", t, names);
+    }
+
+    /** For a round that starts fresh (startValue null): the state it replaces, or null (never stored,
+     *  dropped, expired, another run's): the stored value itself when it was too stale to start from,
+     *  or, for a redelivery of the round, what the first delivery replaced. Scaffold measures Δc from
+     *  it, so that the server's c stays the mean of the devices' controls (stateful_head.py replaced_value). */
+    final Map<String, float[]> replacedValue(Read t, String... names) {
+        StateBinding b = t.params.state;
+        DeviceStateStore.Entry e = store.load(t.params.jobId, b.run, null, null);
+        if (e == null || e.round > b.round) return null;
+        return checked(e, e.round == b.round ? REPLACED : "", t, names);
+    }
+
+    /** The entry's arrays prefix + name, each finite float32 of the task's shape, or null. */
+    private static Map<String, float[]> checked(DeviceStateStore.Entry e, String prefix, Read t, String... names) {
         Map<String, float[]> out = new LinkedHashMap<>();
         for (String name : names) {
             Npz.Array a = e.arrays.get(prefix + name);
@@ -157,11 +175,20 @@ public abstract class StatefulHeadTask implements TaskHandler {
     /** Stores this round's state before the result goes out, with `stored` (the stored value the
      *  round started from, startValue's answer; null when it started fresh). */
     final void keep(Read t, Map<String, float[]> stored, Map<String, float[]> now) throws TaskDeclined {
+        keep(t, stored, now, null);
+    }
+
+    /** The same, with `replaced` (replacedValue's answer) for a round that started fresh. */
+    final void keep(Read t, Map<String, float[]> stored, Map<String, float[]> now, Map<String, float[]> replaced)
+            throws TaskDeclined {
         Map<String, Npz.Array> arrays = new LinkedHashMap<>();
         for (Map.Entry<String, float[]> e : now.entrySet()) arrays.put(e.getKey(), Npz.float32(t.shape(e.getKey()), e.getValue()));
         if (stored != null)
             for (Map.Entry<String, float[]> e : stored.entrySet())
                 arrays.put(PREVIOUS + e.getKey(), Npz.float32(t.shape(e.getKey()), e.getValue()));
+        if (replaced != null)
+            for (Map.Entry<String, float[]> e : replaced.entrySet())
+                arrays.put(REPLACED + e.getKey(), Npz.float32(t.shape(e.getKey()), e.getValue()));
         StateBinding b = t.params.state;
         try {
             store.save(t.params.jobId, b.run, b.round, arrays, b.ttlS);
