@@ -241,3 +241,15 @@ def test_an_old_rounds_task_is_declined_and_leaves_the_newer_state(tmp_path):
         h(params, tensors)
     after = h.store.load(job.config.job_id, job.device_state.run)
     assert after.round == 3 and all(np.array_equal(after.arrays[k], held.arrays[k]) for k in held.arrays)
+
+
+@pytest.mark.parametrize("kind", ["pp", "pp-secure"])
+@pytest.mark.parametrize("fields", [{"local_rule": "sam"}, {"local_rule": "asam"}, {"prox_mu": 5.0}])
+def test_a_local_rule_the_device_would_not_apply_is_refused(kind, fields):
+    """A review's finding: pp inherited FedAvg's local_rule, sam_rho and prox_mu, stored and sent
+    them, and every device trained with plain SGD whatever they said."""
+    from aggregator.jobs.registry import full_config
+
+    with pytest.raises(ValueError, match="plain SGD"):
+        full_config(kind, fields)
+    assert full_config(kind, {"local_rule": "sgd", "prox_mu": 0.0})["local_rule"] == "sgd"

@@ -44,6 +44,12 @@ class PartialConfig(FedAvgConfig, DeviceStateFields, HeldoutReportFields):
         if isinstance(self.personal_epochs, bool) or not isinstance(self.personal_epochs, int) \
                 or self.personal_epochs < 0:
             raise ValueError(f"personal_epochs must be an integer >= 0, got {self.personal_epochs!r}")
+        # the device's pp.head step is plain SGD (edge_client/tasks/partial_training.py): a local rule
+        # or FedProx's μ would be stored, sent and silently not applied (a review's finding)
+        if self.local_rule != "sgd" or self.prox_mu:
+            raise ValueError(f"pp trains u and v_k with plain SGD on the device: local_rule {self.local_rule!r} and "
+                             f"prox_mu {self.prox_mu} would not be applied (FedAvg, Scaffold, FedGloSS and Ditto "
+                             "take them)")
 
 
 class PartialPersonalizationJob(PersonalWmaJob, StatefulDevicesJob, FedAvgJob):
