@@ -1,7 +1,8 @@
 """Scaffold(ψ) (Karimireddy et al. 2020, option II): FedAvg of the head with control variates.
 
 Everything is :class:`~aggregator.jobs.fedavg.FedAvgJob`'s (sampling, deadlines, bounded
-influence on y, the server step w ← w + η_g · mean(y − w), FedAvgM, Fed3R initialisation); on
+influence on y, the server step w ← w + η_g · mean(y − w) with FedAvg's sample-weighted mean where
+Alg. 1 takes the plain one, FedAvgM, Fed3R initialisation); on
 top, the job holds the server control c (checkpointed with the model) and sends it with each
 task; each device keeps its own c_k in its state store (``edge_client/tasks/scaffold_training.py``)
 and returns Δc with its trained head. At round close, over the S devices whose update was

@@ -13,7 +13,8 @@ direction d the step takes; the trainer then applies its own update, the same fo
   local compute (it shows in the report's device compute).
 * :class:`AdaptiveSharpnessAware` (ASAM, Kwon et al. 2021; FedASAM): ε̂ = ρ T² g/‖T g‖,
   T = diag(|w| + η), the ascent scaled to each weight's magnitude. Every tensor is scaled
-  (ASAM's reference code leaves biases at T = 1; on a linear head that changes little).
+  (ASAM's reference code leaves biases at T = 1; a review measured the difference on a linear
+  head at 13 % of the bias's step and 3.4 % of the weight's, one step).
 * :class:`Proximal` (FedProx, Li et al. 2020) around any of them: d + μ(w − w_global), the
   gradient of μ/2‖w − w_global‖² added to the wrapped rule's direction.
 * :class:`AdmmDual` (FedGloSS's local step, thesis Alg. 5 line 15) around any of them:
