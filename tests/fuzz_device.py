@@ -136,8 +136,8 @@ def capture_kept(handler) -> dict[str, np.ndarray]:
     kept: dict[str, np.ndarray] = {}
     keep = handler.keep
 
-    def keeping(task, started, now):
-        keep(task, started, now)
+    def keeping(task, started, now, replaced=None):
+        keep(task, started, now, replaced)
         kept.update(now)
 
     handler.keep = keeping
