@@ -38,7 +38,7 @@ from aggregator.jobs.config_limits import FLAG, MAX_ATTEMPTS, MAX_SAMPLES, Field
 from aggregator.jobs.model_fields import ModelFields
 from aggregator.jobs.privacy_fields import PrivacyBudgetFields
 from aggregator.jobs.robustness_fields import Fed3RRobustnessFields
-from aggregator.strategies.robust_fed3r import energy_per_sample
+from aggregator.strategies.robust_fed3r import dominant_class, energy_per_sample
 from aggregator.jobs.scheduling import OncePerDevice
 
 
@@ -156,6 +156,7 @@ class Fed3RJob(OncePerDevice, SplitValidation):
     round: int = 0
     kind: str = KIND
     energies: dict[str, float] = field(default_factory=dict)     # device -> energy per sample (the screen's input)
+    classes: dict[str, int | None] = field(default_factory=dict)  # device -> its dominant class (the screen's groups)
     screened_out: dict[str, str] = field(default_factory=dict)   # device -> why, at the last round close
 
     @property
@@ -318,7 +319,7 @@ class Fed3RJob(OncePerDevice, SplitValidation):
             self.strategy.release()   # the round's sum, noised, joins the released sums
         # without DP Fed3R is purely additive; the fleet screen runs over every device seen so far,
         # and the service quarantines what it names (the job is rebuilt from the store without it)
-        self.screened_out = self._screen.outliers(self.energies, self.contributed)
+        self.screened_out = self._screen.outliers(self.energies, self.contributed, self.classes)
 
     def finalize(self) -> bool:
         """``dp_release`` "end": the held sums of every closed round are released now, noised once."""
@@ -338,16 +339,22 @@ class Fed3RJob(OncePerDevice, SplitValidation):
         self._check_may_contribute(device)
         if not self._sums_handed:        # DP under a service with a store: the round's sum comes at its close
             self.strategy.add(stats)
-        self.record_contribution(device, stats.n,
-                                 energy_per_sample(stats, self.config.fit_intercept) if self._screen.active else None)
+        intercept = self.config.fit_intercept
+        if self._screen.active:
+            self.record_contribution(device, stats.n, energy_per_sample(stats, intercept),
+                                     dominant_class(stats, intercept))
+        else:
+            self.record_contribution(device, stats.n, None)
 
-    def record_contribution(self, device: str, n: int, energy: float | None) -> None:
+    def record_contribution(self, device: str, n: int, energy: float | None, dominant: int | None = None) -> None:
         """What the job keeps of a device's applied contribution besides its sums: its samples, its
-        energy per sample (for the fleet screen), its attempts (a shard coordinator's receipts too)."""
+        energy per sample and dominant class (for the fleet screen), its attempts (a shard
+        coordinator's receipts too)."""
         self._check_may_contribute(device)
         self.contributed[device] = self.contributed.get(device, 0) + n
         if energy is not None and self._screen.active:
             self.energies[device] = energy
+            self.classes[device] = dominant
         if self.config.streaming:
             self.attempts[device] = 0       # delivered: it may be asked again for what it gathers next
 
@@ -381,7 +388,7 @@ class Fed3RJob(OncePerDevice, SplitValidation):
         return self.screened_out
 
     def bookkeeping(self) -> dict:
-        return {**super().bookkeeping(), "energies": dict(self.energies)}
+        return {**super().bookkeeping(), "energies": dict(self.energies), "classes": dict(self.classes)}
 
     def restore_bookkeeping(self, state: dict) -> None:
         super().restore_bookkeeping(state)
@@ -389,6 +396,8 @@ class Fed3RJob(OncePerDevice, SplitValidation):
         # job no longer holds (quarantined since) is no longer part of the fleet
         kept = {d: float(e) for d, e in state.get("energies", {}).items() if d in self.contributed}
         self.energies = {**kept, **self.energies}
+        classes = {d: None if c is None else int(c) for d, c in state.get("classes", {}).items() if d in kept}
+        self.classes = {**classes, **self.classes}
 
 
 _RF_CACHE: dict = {}

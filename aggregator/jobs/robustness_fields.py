@@ -33,7 +33,7 @@ class Fed3RRobustnessFields(JobConfig):
     max_abs_feature: float = limited(6.0, Range(0, 1e6))
     # n above this is refused (a device's claim weighs n)
     max_device_samples: int = limited(1_000_000, Range(1, 1_000_000_000))
-    # screen e_k > (ratio + sample_slack / √n_k) x the fleet's median (EnergyScreen says why); 0: off
+    # screen e_k > (ratio + sample_slack / √n_k) x the fleet's class-balanced median (EnergyScreen says why); 0: off
     screen_energy_ratio: float = limited(2.5, Range(0, 1e6))
     screen_sample_slack: float = limited(9.5, Range(0, 1e6))
     screen_min_fleet: int = limited(5, Range(1, 1_000_000))   # ...once this many devices are known

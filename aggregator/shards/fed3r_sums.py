@@ -13,7 +13,7 @@ from protocols.payloads.fed3r import KIND
 from aggregator.jobs.base import Job
 from aggregator.shards.sum_tree import AdditiveState, Contribution, PartialSum, add_elementwise
 from aggregator.strategies.fed3r import Fed3R
-from aggregator.strategies.robust_fed3r import energy_per_sample
+from aggregator.strategies.robust_fed3r import dominant_class, energy_per_sample
 
 
 CENTRED_CLIP = "centred_clip"       # DP with a center: why the statistics break F_c ("": within it)
@@ -63,7 +63,9 @@ class Fed3RSums(AdditiveState):
 
     def receipt(self, job: Job, payload: Any) -> dict:
         stats, start = payload
-        kept = {"contributed": int(stats.n), "energy": energy_per_sample(stats, job.config.fit_intercept)}
+        intercept = job.config.fit_intercept
+        kept = {"contributed": int(stats.n), "energy": energy_per_sample(stats, intercept),
+                "class": dominant_class(stats, intercept)}
         if job.config.dp and job.config.dp_center_devices:     # whether a centred round may take it
             kept[CENTRED_CLIP] = job.centred_clip_breach(stats)
         return kept if start is None else {**kept, "from_sample": start}
@@ -78,4 +80,6 @@ class Fed3RSums(AdditiveState):
             job.check_centred_clip(breach)
 
     def record(self, job: Job, device: str, receipt: dict) -> None:
-        job.record_contribution(device, int(receipt["contributed"]), float(receipt["energy"]))
+        dominant = receipt.get("class")          # a receipt of a shard before the screen's classes: none
+        job.record_contribution(device, int(receipt["contributed"]), float(receipt["energy"]),
+                                None if dominant is None else int(dominant))
