@@ -87,3 +87,20 @@ def test_edge_cases_and_bad_inputs():
         StyleClustering().predict(X)
     with pytest.raises(ValueError, match="features"):
         StyleClustering((2, 2)).fit(X).predict(np.zeros((1, 4)))
+
+
+def test_no_centroid_is_left_without_members_when_k_exceeds_the_distinct_styles():
+    """A review's finding: a forced k larger than the distinct styles kept KMeans's memberless
+    centroids; a style routed to one had no cluster model (a KeyError in the job). Such a k is
+    not a k-clustering: it is skipped, and with no other k the bank is one cluster."""
+    from aggregator.strategies.ladd import StyleClustering, cluster_styles
+
+    rng = np.random.default_rng(2)
+    distinct = rng.normal(size=(3, 27)).astype(np.float32)
+    bank = np.repeat(distinct, 3, axis=0) + rng.normal(scale=1e-7, size=(9, 27)).astype(np.float32)
+    for seed in range(8):
+        fitted = StyleClustering((2, 6), 10, seed).fit(bank)
+        assert fitted.n_clusters_ == len(np.unique(fitted.labels_)) == len(fitted.cluster_centers_)
+        assert set(fitted.predict(bank)) <= set(fitted.labels_)
+    forced, why = cluster_styles(np.repeat(distinct, 3, axis=0), (4, 4), 10, 0)
+    assert why is not None and forced.n_clusters_ == 1 and set(forced.predict(distinct)) == {0}

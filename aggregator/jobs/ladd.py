@@ -17,7 +17,7 @@ has two kinds of rounds, so its ``kind`` is the kind of the round it opened last
     κ devices with a cluster are drawn (seeded). Device k of cluster c gets φ ∪ θ_c, the
     cluster teacher g_c when it differs from that model, and the KD teacher (the pre-trained
     w) until it confirms holding it. At closing, φ ← mean over all participants, θ_c ← mean
-    over c's participants (weights n_k, after the norm and contribution bounds, each slot's
+    over c's participants (weights n_k, after the norm and weight bounds, each slot's
     limits from its own updates); a cluster without participants keeps θ_c. The means are
     summed in canonical order up the bucket tree, as K shards sum them, so a sharded job gives
     the same bits (``aggregator/shards/ladd_sums.py``); a robust rule or the direction screen

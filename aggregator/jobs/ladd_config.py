@@ -51,7 +51,10 @@ class LaddConfig(LocalRuleFields, FedAvgRobustnessFields, UpdateClippingFields):
     pseudo_quantile: float = limited(SelfTrainingRecipe.pseudo_quantile, Range(0, 1))
     pseudo_cap: float = limited(SelfTrainingRecipe.pseudo_cap, Range(0, 1))
     teacher_every: int = limited(1, Range(1, 1_000_000))   # ω
-    swa_start: int = limited(0, Range(0, 1_000_000))       # t_START (0: no SWA teacher)
+    # t_START; 0: no SWA teacher, the job's default, where the paper averages on every dataset
+    # (fedfleet simulate --pipeline ladd sets 6): a job created through the API without it runs LADD
+    # without the SWA teacher
+    swa_start: int = limited(0, Range(0, 1_000_000))
     min_styles: int = limited(0, COUNT)            # styles needed before clustering (0: every device seen)
     style_attempts: int = limited(3, Range(1, 1000))
     # the pretrained network (``save_initial_model``): what a job built from its stored config alone

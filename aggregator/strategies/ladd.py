@@ -93,7 +93,9 @@ class StyleClustering:
             return self
         for k in range(max(k_min, 2), min(k_max, len(X) - 1) + 1):
             km = KMeans(n_clusters=k, n_init=self.n_init, random_state=self.random_state).fit(X)
-            if len(np.unique(km.labels_)) < 2:
+            # fewer distinct styles than k leave centroids without members: not a k-clustering,
+            # and a style routed to such a centroid has no cluster model (a review's finding)
+            if len(np.unique(km.labels_)) < k:
                 continue
             score = float(silhouette_score(X, km.labels_, metric="euclidean"))
             self.silhouette_scores_[k], self.inertias_[k] = score, float(km.inertia_)
