@@ -223,16 +223,6 @@ def test_a_round_whose_median_control_is_zero_keeps_the_others(tmp_path):
                                    rtol=1e-5, atol=1e-7)
 
 
-def test_stale_control_restarts_from_zero(tmp_path):
-    h = device(0, tmp_path)
-    job = make_job(clients_per_round=1, state_max_staleness=2)
-    run_round(job, {"dev0": h}, KIND)
-    job.next_participants({"dev0"})
-    job.round += 5
-    body, out = h(*job.task_for("dev0"))
-    assert body["restarted"] is True
-
-
 def test_c_stays_the_mean_of_the_devices_controls_across_stale_restarts(tmp_path):
     """Scaffold's invariant c = (1/N) Σ_k c_k (Alg. 1: every c_k starts at 0, c moves by (1/N) Σ Δc_k).
     A device sampled after more than state_max_staleness rounds restarts c_k from 0; its Δc is
@@ -252,7 +242,7 @@ def test_c_stays_the_mean_of_the_devices_controls_across_stale_restarts(tmp_path
     assert restarts > 4 and np.abs(job.control["weight"]).sum() > 0        # restarts past the first visits
 
 
-def test_a_redelivered_stale_restart_answers_what_the_first_delivery_did(tmp_path):
+def test_a_stale_control_restarts_and_a_redelivery_answers_what_the_first_delivery_did(tmp_path):
     h = device(0, tmp_path)
     job = make_job(clients_per_round=1, state_max_staleness=2)
     run_round(job, {"dev0": h}, KIND)
