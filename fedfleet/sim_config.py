@@ -85,7 +85,7 @@ class SimConfig:
     availability_fraction: float = limited(1.0, Range(1e-3, 1))
     holdout_fraction: float = limited(0.2, Range(0, 0.9))   # of each device's data, kept as its local held-out split
     out_dir: str = limited("runs/latest", PATH)
-    cache_dir: str = limited(".cache/features", PATH)
+    cache_dir: str | None = limited(".cache/features", PATH)   # None: no feature cache
     timeout_s: float = limited(1800.0, TIMEOUT_S)
     retry_after_s: float = limited(10.0, TIMEOUT_S)
     secure: bool = limited(False, FLAG)                     # Fed3R-Sync: statistics summed under secure aggregation

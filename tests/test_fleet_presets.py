@@ -96,6 +96,8 @@ def test_every_simconfig_field_declares_its_limit_and_every_preset_keeps_them():
     assert undeclared_fields(SimConfig) == []
     for name in PRESETS:
         assert load_config(name, {}) == PRESETS[name]          # each preset passes its own fields' limits
+    # the optional fields take None: no feature cache (bench/async_vs_sync.py's devices), no tail bundle
+    assert dataclasses.replace(PRESETS["smoke"], cache_dir=None, tail_bundle=None, broker=None).cache_dir is None
 
 
 # A review's findings: fields that reached the run unchecked (devices_per_broker 0: a ZeroDivisionError
