@@ -170,6 +170,22 @@ def make_job(**overrides):
 
 
 
+def test_sigma_stays_the_mean_of_the_devices_duals_whatever_their_age(tmp_path):
+    """σ moves by (1/K) Σ Δσ_k, Δσ_k = −(w_k − w̃)/β inferred from each uploaded head, so σ is the
+    mean of the devices' duals σ_k. A device that restarted its σ_k from 0 past state_max_staleness
+    (as Scaffold restarts c_k) left its old σ_k/K in σ for good: 2.15 of σ's norm after 16 rounds of
+    N = 4 at κ = 1. A FedGloSS device keeps its dual whatever its age, so no restart happens."""
+    handlers = {f"dev{i}": device(i, tmp_path) for i in range(4)}
+    job = make_job(clients_per_round=1, rounds=16, state_max_staleness=1)
+    for _ in range(16):
+        run_round(job, handlers, KIND)
+    held = [handlers[d].store.load(job.config.job_id, job.device_state.run) for d in handlers]
+    for k in ("weight", "bias"):
+        mean = sum(e.arrays[k].astype(np.float64) for e in held if e is not None) / 4
+        np.testing.assert_allclose(job.strategy.dual[k], mean, rtol=1e-4, atol=1e-7)
+    assert np.abs(job.strategy.dual["weight"]).sum() > 0
+
+
 def test_job_rounds_follow_alg1_and_devices_keep_their_duals(tmp_path):
     handlers = {f"dev{i}": device(i, tmp_path) for i in range(4)}
     job = make_job()
@@ -242,16 +258,19 @@ def test_device_declines_malformed_params_and_keeps_no_state(tmp_path, bad):
     assert h.store.load(job.config.job_id, job.device_state.run) is None
 
 
-def test_stale_dual_restarts_from_zero(tmp_path):
+def test_a_stale_dual_is_kept_and_a_redelivery_answers_the_same(tmp_path):
     h = device(0, tmp_path)
     job = make_job(clients_per_round=1, state_max_staleness=2)
     run_round(job, {"dev0": h}, KIND)
+    dual = dict(h.store.load(job.config.job_id, job.device_state.run).arrays)
     job.next_participants({"dev0"})
-    body, _ = h(*job.task_for("dev0"))
+    job.round += 5                                  # past state_max_staleness
+    task = job.task_for("dev0")
+    (body, first), (_, again) = h(*task), h(*task)
     assert body["restarted"] is False
-    job.round += 5
-    body, _ = h(*job.task_for("dev0"))
-    assert body["restarted"] is True
+    assert all(np.array_equal(first[k], again[k]) for k in first)
+    kept = h.store.load(job.config.job_id, job.device_state.run).arrays
+    np.testing.assert_array_equal(kept["previous.weight"], dual["weight"])     # it started from the old σ_k
 
 
 @pytest.mark.parametrize("config,match", [({"dp_noise_multiplier": 1.0, "dp_clip_norm": 1.0}, "dp"),

@@ -52,7 +52,13 @@ class FedGlossTrainingTask(StatefulHeadTask):
         recipe, admm = task.params.training, task.params.admm
         head = {"weight": task.weight, "bias": task.bias}
         self.admit(task, head)
-        stored = self.start_value(task, {k: v.shape for k, v in head.items()})
+        shapes = {k: v.shape for k, v in head.items()}
+        # σ_k is kept whatever its age (as ADMM keeps it): the server infers each device's Δσ_k from
+        # its head, so its σ stays the mean of the devices' duals only if none restarts (a restart
+        # could not be taken back out of σ; with restarts after every round σ drifted 2x its norm)
+        stored = self.start_value(task, shapes)
+        if stored is None:
+            stored = self.replaced_value(task, shapes)
         start = stored if stored is not None else {k: np.zeros_like(v) for k, v in head.items()}
         try:
             trained, new_dual = fedgloss_pass(task.weight, task.bias, start, task.features, self.labels, recipe,
