@@ -83,6 +83,10 @@ class StateEntry:
     arrays: dict[str, np.ndarray]
     expires_at: float
 
+    def too_stale_for(self, round_: int | None, max_staleness: int | None) -> bool:
+        """Written more than ``max_staleness`` rounds before ``round_`` (either None: never)."""
+        return round_ is not None and max_staleness is not None and round_ - self.round > max_staleness
+
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays.values())
@@ -221,7 +225,7 @@ class DeviceStateStore:
         if entry.job_id != job_id or (run is not None and entry.run != run) or entry.expires_at <= self._clock():
             path.unlink(missing_ok=True)
             return None
-        if round_ is not None and max_staleness is not None and round_ - entry.round > max_staleness:
+        if entry.too_stale_for(round_, max_staleness):
             return None         # too old to trust: the caller restarts (overwritten on save)
         return entry
 

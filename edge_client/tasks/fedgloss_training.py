@@ -56,9 +56,8 @@ class FedGlossTrainingTask(StatefulHeadTask):
         # σ_k is kept whatever its age (as ADMM keeps it): the server infers each device's Δσ_k from
         # its head, so its σ stays the mean of the devices' duals only if none restarts (a restart
         # could not be taken back out of σ; with restarts after every round σ drifted 2x its norm)
-        stored = self.start_value(task, shapes)
-        if stored is None:
-            stored = self.replaced_value(task, shapes)
+        stored, stale = self.stored_values(task, shapes)
+        stored = stored if stored is not None else stale
         start = stored if stored is not None else {k: np.zeros_like(v) for k, v in head.items()}
         try:
             trained, new_dual = fedgloss_pass(task.weight, task.bias, start, task.features, self.labels, recipe,

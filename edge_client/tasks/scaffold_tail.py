@@ -47,8 +47,7 @@ class ScaffoldTailTask(TailTrainingTask, DeviceStateKeeper):
         control = read_control(tensors, shapes, KIND_TAIL)
         key = StateKey(job.params.job_id, job.params.state)
         self.admit(key, control)
-        stored = self.start_value(key, shapes)
-        replaced = self.replaced_value(key, shapes) if stored is None else None      # a stale c_k, restarted
+        stored, replaced = self.stored_values(key, shapes)       # replaced: a stale c_k, restarted
         ck = stored if stored is not None else {k: np.zeros(s, np.float32) for k, s in shapes.items()}
         y = self.train(job, correction={k: control[k] - ck[k] for k in shapes})     # c − c_k, every step
         try:

@@ -82,8 +82,7 @@ class ScaffoldTrainingTask(StatefulHeadTask):
         control = read_control(tensors, {k: v.shape for k, v in head.items()}, KIND)
         self.admit(task, head)
         shapes = {k: v.shape for k, v in head.items()}
-        stored = self.start_value(task, shapes)
-        replaced = self.replaced_value(task, shapes) if stored is None else None     # a stale c_k, restarted
+        stored, replaced = self.stored_values(task, shapes)      # replaced: a stale c_k, restarted
         start = stored if stored is not None else {k: np.zeros_like(v) for k, v in head.items()}
         try:
             y, new_control = scaffold_pass(task.weight, task.bias, control, start, task.features, self.labels,

@@ -80,34 +80,35 @@ class DeviceStateKeeper:
         from. A task of an earlier round than the state's is declined: an old task (replayed, or one
         that lost its way) would start afresh and its state replace the newer one (a review's
         finding: a re-published round-1 task rolled a device's personal part back from round 6)."""
+        return self.stored_values(task, shapes)[0]
+
+    def stored_values(self, task: StateKey | HeadTask, shapes: dict[str, tuple[int, ...]]
+                      ) -> tuple[dict[str, np.ndarray] | None, dict[str, np.ndarray] | None]:
+        """(:meth:`start_value`, and for a round that starts fresh the state it replaces), from one
+        read of the store. The replaced state is the stored value itself when it was too stale to
+        start from, or, for a redelivery of the round, what the first delivery replaced; None when
+        there is none (never stored, dropped, expired, another run's). Scaffold's Δc is measured
+        from it: the server's c still counts that c_k, and c stays the mean of the devices'
+        controls only if the new c_k replaces it there too (a review's finding: measured from 0, c
+        drifted, 0.83 of its norm in 16 rounds of N = 4)."""
         b = task.binding
-        entry = self.store.load(task.job_id, b.run, b.round, b.max_staleness)
+        entry = self.store.load(task.job_id, b.run)
         if entry is None:
-            return None
+            return None, None
         if entry.round > b.round:
             raise TaskDeclined(f"this device holds the job's state of round {entry.round}, later than the task's "
                                f"round {b.round}: an older round is not run (its state would replace the newer one)")
-        prefix = PREVIOUS if entry.round == b.round else ""
-        return _checked(entry.arrays, prefix, shapes)
-
-    def replaced_value(self, task: StateKey | HeadTask, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray] | None:
-        """For a round that starts fresh (:meth:`start_value` None): the state it replaces, or None
-        (never stored, dropped, expired, another run's). That is the stored value itself when it
-        was too stale to start from, or, for a redelivery of the round, what the first delivery
-        replaced. Scaffold's Δc is measured from it: the server's c still counts that c_k, and c
-        stays the mean of the devices' controls only if the new c_k replaces it there too (a
-        review's finding: measured from 0, c drifted, 0.83 of its norm in 16 rounds of N = 4)."""
-        b = task.binding
-        entry = self.store.load(task.job_id, b.run)
-        if entry is None or entry.round > b.round:
-            return None
-        return _checked(entry.arrays, REPLACED if entry.round == b.round else "", shapes)
+        redelivery = entry.round == b.round
+        start = None if entry.too_stale_for(b.round, b.max_staleness) else _checked(entry.arrays, PREVIOUS if redelivery else "", shapes)
+        if start is not None:
+            return start, None
+        return None, _checked(entry.arrays, REPLACED if redelivery else "", shapes)
 
     def keep(self, task: StateKey | HeadTask, stored: dict[str, np.ndarray] | None,
              now: dict[str, np.ndarray], replaced: dict[str, np.ndarray] | None = None) -> None:
         """Store this round's state before the result goes out, with ``stored`` (the stored value the
         round started from, :meth:`start_value`'s answer; None when it started fresh) and, for a
-        round that started fresh, ``replaced`` (:meth:`replaced_value`'s answer)."""
+        round that started fresh, ``replaced`` (:meth:`stored_values`' second answer)."""
         arrays = {**{name: np.asarray(v, np.float32) for name, v in now.items()},
                   **{PREVIOUS + name: np.asarray(v, np.float32) for name, v in (stored or {}).items()},
                   **{REPLACED + name: np.asarray(v, np.float32) for name, v in (replaced or {}).items()}}
