@@ -317,7 +317,7 @@ def test_closed_rounds_are_let_go_and_still_answer_a_resend_and_a_late_result(br
     """A closed round's machine, task ids and counters are let go once its close is committed (the
     service grew ~2 KB a round for ever: every dispatch of an asynchronous job is a round). What it
     answered is kept: a resent accepted result is acked ``duplicate`` (the device learns it
-    counted), any other result for it ``late``; a round the job never had stays unknown."""
+    counted), any other result for it ``late``; one for a round the job never had ``rejected``."""
     from test_broker_security import RawDevice
 
     devices = ["dev00", "dev01", "dev02"]
@@ -373,10 +373,8 @@ def test_closed_rounds_are_let_go_and_still_answer_a_resend_and_a_late_result(br
     assert ack_of(first_device, fresh_id) == "late"
     before = svc.call(lambda: svc.active.stats.rejections.get("unknown round", 0))
     never = M.TaskRef(first_ref.job, 99, first_ref.task)
-    answer(first_device, never, SyntheticStats(0)({}))
-    deadline = time.time() + 10
-    while svc.call(lambda: svc.active.stats.rejections.get("unknown round", 0)) == before and time.time() < deadline:
-        time.sleep(0.05)
+    _, _, never_id = answer(first_device, never, SyntheticStats(0)({}))
+    assert ack_of(first_device, never_id) == "rejected"      # answered: the device stops re-sending it
     assert svc.call(lambda: svc.active.stats.rejections.get("unknown round", 0)) == before + 1
     last = next(d for d in devices if d not in (sent[0][0], sent[1][0]))
     task = raw[last].wait_for(lambda m: m.type == M.TASK)
@@ -387,6 +385,44 @@ def test_closed_rounds_are_let_go_and_still_answer_a_resend_and_a_late_result(br
     assert result["state"] == "done" and sorted(result["contributed"]) == devices
     assert svc.last_finished.rounds == {} and svc.last_finished.tasks == {}
 
+
+
+def test_a_result_for_no_running_round_is_acked_unless_its_job_may_run_again(broker, tmp_path):
+    """A device whose result gets no ack re-sends the whole upload up to ``max_retries`` times
+    (before, a result for a job that had ended, or for a job or round that never existed, was only
+    logged). Now a result for a job that ended is acked ``late``, one for a job the service never
+    had ``rejected``; one for a job the store holds unfinished (stopped: it may be resumed) gets
+    no answer, so the device's retries reach the job once it runs again."""
+    from aggregator.storage.schema import JobState
+    from aggregator.storage.store import Store
+    from test_broker_security import RawDevice
+
+    store = Store(tmp_path / "state.db")
+    store.create_job("finished", "fed3r", {}, JobState.DONE)
+    store.create_job("resting", "fed3r", {}, JobState.STOPPED)
+    svc = AggregatorService(None, BrokerConfig.from_url(broker.url), tmp_path / "out",
+                            ServiceSettings(keep_serving=True, tick_s=0.05), enrolled={"dev-b"}, store=store)
+    thread = threading.Thread(target=svc.run, kwargs={"timeout_s": 60}, daemon=True)
+    thread.start()
+    topics = Topics()
+    device = RawDevice(broker.port, None, client_id="dev-b", tls=False)
+    device.c.subscribe(topics.inbox("dev-b"), 1)
+    time.sleep(0.3)
+    sent = {job: M.result_message("dev-b", M.TaskRef(job, 1, "cd" * 16), "fed3r.stats", {}, {})
+            for job in ("resting", "finished", "never-run")}      # in this order, on one connection
+    try:
+        for message in sent.values():
+            assert device.publish(topics.outbox("dev-b"), encode(message)) == "Success"
+        ops_fleet.wait_for(lambda: sum(m.type == M.ACK for m in device.inbox) >= 2, what="two acks")
+        # the aggregator answers in arrival order: an ack for "resting" would have come first
+        acks = {m.body["ref"]: (m.body["status"], m.body["reason"]) for m in device.inbox if m.type == M.ACK}
+        assert acks == {sent["finished"].id: ("late", "job 'finished' has ended"),
+                        sent["never-run"].id: ("rejected", "unknown job 'never-run'")}, acks
+        assert svc.call(lambda: (svc.stats.late, svc.stats.rejections["unknown job"])) == (1, 2)
+    finally:
+        svc.stop()
+        thread.join(30)
+        device.c.loop_stop()
 
 
 def test_an_answer_to_a_job_that_ended_is_counted_late_not_rejected(broker, tmp_path, caplog):

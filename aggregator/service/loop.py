@@ -79,7 +79,7 @@ from aggregator.service.settings import ServiceSettings
 from aggregator.shards.shard import RECEIPT
 from aggregator.shards.pool import ShardPool
 from aggregator.storage.store import Store
-from aggregator.storage.schema import JobState
+from aggregator.storage.schema import FINAL_JOB_STATES, JobState
 
 log = logging.getLogger("fedfleet.aggregator")
 
@@ -332,12 +332,11 @@ class AggregatorService(OperatorActions):
             ref, kind = M.parse_result_ref(env)
         except EnvelopeError as exc:
             return self._reject(device, "result", str(exc))
-        if a is None or ref.job != a.job_id:    # to a job that ended lately: a straggler's answer, counted late
-            return (self.stats.count_late() if self.job_ends.ended_lately(ref.job)
-                    else self._reject(device, "unknown job", repr(ref.job)[:80]))
+        if a is None or ref.job != a.job_id:
+            return self._not_running(device, env, ref)
         coord = a.rounds.get(ref.round)
         if coord is None:       # a round closed and let go still answers (JobRunner.answer_closed)
-            return self.runner.answer_closed(device, env, ref.round) or self._reject(device, "unknown round", f"round {ref.round}")
+            return self.runner.answer_closed(device, env, ref.round) or self._not_running(device, env, ref)
         a.round_bytes[ref.round] += nbytes
         if env.type == M.RESULT and not coord.applies(device, env.id):     # a duplicate or late one: not read
             return self.runner.handle(coord, ResultArrived(device, env.id, None))
@@ -347,6 +346,31 @@ class AggregatorService(OperatorActions):
             log.info("device %s declined round %d: %s", device, ref.round, why := str(env.body.get("reason", ""))[:500])
             return self.runner.handle(coord, Declined(device, why))
         self._accept(coord, device, env.id, kind, raw, lambda: a.job.parse_result(env))
+
+    def _not_running(self, device: str, env: Envelope, ref: M.TaskRef) -> None:
+        """A result or decline for a round that is neither open here nor one the job closed and let
+        go (those ``JobRunner.answer_closed`` answers). A result is acknowledged, since a device
+        that gets no ack re-sends the whole upload up to ``max_retries`` times: ``late`` when its
+        job has ended (a straggler, as for a closed round), ``rejected`` when neither its job nor
+        that round of the running job exists here. A job the store holds unfinished (queued,
+        paused, stopped, held back after a failure) gets no answer: it may run again, and the
+        device's next retry then reaches it."""
+        a = self.active
+        running = a is not None and ref.job == a.job_id
+        state = None if running or self.store is None else (self.store.job(ref.job) or {}).get("state")
+        if not running and (self.job_ends.ended_lately(ref.job) or state in FINAL_JOB_STATES):
+            self._stats().count_late()
+            status, reason = "late", f"job {ref.job[:80]!r} has ended"
+        elif running:
+            self._reject(device, "unknown round", f"round {ref.round}")
+            status, reason = "rejected", f"job {ref.job[:80]!r} has no round {ref.round}"
+        elif state is None:
+            self._reject(device, "unknown job", repr(ref.job)[:80])
+            status, reason = "rejected", f"unknown job {ref.job[:80]!r}"
+        else:
+            return self._reject(device, "unknown job", f"{ref.job[:80]!r} is {state}, not running")
+        if env.type == M.RESULT:
+            self._send(device, M.ack_message(AGGREGATOR_ID, env.id, status, reason))
 
     def _accept(self, coord, device: str, message_id: str, kind: str, raw: bytes, parse: Callable[[], Any]) -> None:
         """Feed the round machine a result ``parse`` validates, or its refusal."""
@@ -378,7 +402,7 @@ class AggregatorService(OperatorActions):
             return self._reject(device, *refused)
         if a is None or ref.job != a.job_id or ref.round not in a.rounds:   # closed meanwhile: its answer
             return (a is not None and ref.job == a.job_id and self.runner.answer_closed(device, header, ref.round)
-                    or self._reject(device, "unknown round", f"job {ref.job} round {ref.round} is gone"))
+                    or self._not_running(device, header, ref))
         self._accept(a.rounds[ref.round], device, header.id, kind, raw, accepted_parser(future.result(), a.job, raw))
 
     def _on_artifact_get(self, device: str, env: Envelope) -> None:
