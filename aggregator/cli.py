@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from protocols.command_errors import run_reporting_errors
+from protocols.command_errors import load_json_file, run_reporting_errors
 from protocols.mqtt_link import BrokerConfig
 from protocols.files import read_npz
 from protocols.regular_file import OPTION_FILE_BYTES, read_regular_file
@@ -70,15 +70,6 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     return p
 
 
-def read_json(path: Path, what: str):
-    if not path.is_file():
-        raise FileNotFoundError(2, f"{what} not found (check the path)", str(path))
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{what} {path} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}") from None
-
-
 EVAL_FEATURES_BYTES = 4 << 30        # a held-out set's features: 10^5 rows of 1,280 float64 are 1 GiB
 
 
@@ -118,7 +109,7 @@ def serve(args) -> int:
         raise ValueError("--ray places the shards on a Ray cluster: give --shards K too")
     broker = BrokerConfig.from_url(args.broker, tls_ca=args.tls_ca)      # a bad address fails before any file
     settings = service_settings(args)                                     # so do bad service options
-    config = read_json(args.config, "--config") if args.config else None
+    config = load_json_file(args.config, "--config") if args.config else None
     if config is not None:
         validate_job_config(args.kind, config)                             # a bad config fails before the broker
     eval_set = read_eval_features(args.eval_features) if args.eval_features else None

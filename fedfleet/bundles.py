@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import fcntl
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from edge_client.features import FeatureExtractor
-from edge_client.models import weights_sha256
 from export import EXPORTER_REVISION
+
+# the models (torch) are imported where they are used: the simulate command's config check reads
+# RUNTIMES, and must not pay torch's import (~1.3 s) to report a mistake
+if TYPE_CHECKING:
+    from edge_client.features import FeatureExtractor
 
 DEFAULT_BUNDLE_ROOT = Path(".cache/bundles")
 # "executorch-int8": the bundle's ExecuTorch program quantized to int8 (export --quantize int8);
@@ -24,6 +28,8 @@ RUNTIMES = ("eager", "executorch", "executorch-int8", "onnxruntime", "auto")
 
 
 def bundle_dir(backbone: str, image_size: int, root: Path = DEFAULT_BUNDLE_ROOT) -> Path:
+    from edge_client.models import weights_sha256
+
     return Path(root) / f"{backbone}-{image_size}px-{weights_sha256(backbone)[:12]}-r{EXPORTER_REVISION}"
 
 
@@ -79,6 +85,8 @@ def make_extractor(backbone: str, image_size: int, cache_dir: str | None, runtim
     if runtime not in RUNTIMES:
         raise ValueError(f"unknown runtime {runtime!r} (one of {RUNTIMES})")
     if runtime == "eager":
+        from edge_client.features import FeatureExtractor
+
         return FeatureExtractor.eager(backbone, image_size=image_size, cache_dir=cache_dir, threads=threads)
     import torch
 
@@ -97,4 +105,6 @@ def make_extractor(backbone: str, image_size: int, cache_dir: str | None, runtim
 def extractor_from_manifest(manifest: Path, runtime: str, cache_dir: str | None,
                             expected_manifest_sha256: str | None = None) -> FeatureExtractor:
     """A feature extractor running a bundle's program (verified against its manifest)."""
+    from edge_client.features import FeatureExtractor
+
     return FeatureExtractor.from_bundle(manifest, runtime, cache_dir, expected_manifest_sha256)

@@ -15,7 +15,8 @@ from pathlib import Path
 def main(argv: list[str]) -> int:
     action, report = argv[0], Path(argv[1])
     report.write_text(json.dumps({"argv": argv, "sys_argv_tail": sys.argv[1:], "cwd": os.getcwd(),
-                                  "probe": os.environ.get("PROBE"), "pid": os.getpid()}))
+                                  "probe": os.environ.get("PROBE"), "pid": os.getpid(),
+                                  "torch_imported": "torch" in sys.modules}))
     print(f"probe {action} on stdout")
     print(f"probe {action} on stderr", file=sys.stderr)
     if action == "exit":

@@ -346,3 +346,23 @@ def test_a_job_started_from_a_fed3r_object_needs_no_head_file():
     ridge = ClosedFormRidge(lam=0.1).fit(rng.normal(size=(40, 4)), rng.integers(0, 3, 40))
     job = FedAvgJob.from_fed3r(FedAvgConfig(num_classes=3, feature_dim=4), ridge)
     assert job.config.init == "fed3r" and job.params["weight"].shape == (3, 4)
+
+
+@pytest.mark.parametrize("text,why", [
+    ('{"dev1": "KEY1", "dev1": "KEY2"}', "duplicate key 'dev1'"),    # the first key silently replaced
+    ('["dev1"]', "expected an object"),                            # before: AttributeError (a traceback)
+    ('{"dev1": 7}', "expected an object"),
+    ('{"dev1": "not hex"}', "non-hexadecimal"),
+    ("[" * 100_000, "recursion"),
+])
+def test_a_bad_device_keys_file_is_one_error_naming_it(tmp_path, text, why):
+    """``device_keys_file`` (the enrolled devices' public keys of a secure job) was parsed with no
+    check of its shape: a device named twice kept its last key, a list raised AttributeError."""
+    from ops_fleet import SecureKeys
+
+    keys = SecureKeys.create(tmp_path, ["dev1"])
+    text = text.replace("KEY1", keys.devices["dev1"].public_key_bytes.hex()).replace("KEY2", "ab" * 32)
+    (tmp_path / "device_keys.json").write_text(text)
+    with pytest.raises(ValueError, match="device_keys_file") as caught:      # building the job reads the keys
+        build_job("fedavg-secure", {"num_classes": 2, "feature_dim": 4, **keys.job_fields(tmp_path)})
+    assert why in str(caught.value).lower()

@@ -101,3 +101,20 @@ def test_a_child_that_cannot_open_its_log_fails_alone_and_the_server_goes_on(ser
                         tmp_path / "missing" / "log").wait(60) == 1
     assert server.alive
     assert server.start("fork_child_probe", ["exit", str(tmp_path / "r.json"), "5"], tmp_path / "log").wait(60) == 5
+
+
+def test_the_server_imports_torch_for_the_entries_whose_code_imports_it_where_it_computes(tmp_path):
+    """The job and device code imports torch only where it computes (a command checking a config
+    must not pay for it: tests/test_cli_errors.py), so a server for the aggregator's entry imports
+    torch itself: else every forked aggregator would import it after its fork (~2 CPU-s each). The
+    probe imports no torch of its own; a server for it alone does not have it."""
+    seen = {}
+    for preload in (["aggregator", "fork_child_probe"], ["fork_child_probe"]):
+        s = ForkServer(preload, ENV, cwd=REPO)
+        try:
+            report = tmp_path / f"{len(preload)}.json"
+            assert s.start("fork_child_probe", ["exit", str(report), "0"], tmp_path / "log", env=ENV).wait(60) == 0
+        finally:
+            s.close()
+        seen[preload[0]] = json.loads(report.read_text())["torch_imported"]
+    assert seen == {"aggregator": True, "fork_child_probe": False}

@@ -10,14 +10,21 @@ than torch's (``bench/ingest_steps.py``).
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from scipy.linalg import lapack
+
+# torch is imported where it is used, not here: the job registry imports this module, and a
+# command that only checks a config (or prints its help) must not pay torch's import (~1.3 s).
+if TYPE_CHECKING:
+    import torch
 
 
 def pick_device(preference: str = "auto") -> torch.device:
     """``auto`` -> cuda if available (unless FEDFLEET_DEVICE overrides), else cpu."""
+    import torch
+
     preference = os.environ.get("FEDFLEET_DEVICE", preference) if preference == "auto" else preference
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if preference == "auto" else preference)
     if dev.type == "cuda" and not torch.cuda.is_available():

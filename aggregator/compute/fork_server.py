@@ -34,9 +34,9 @@ from multiprocessing import connection, forkserver, resource_tracker, util
 
 log = logging.getLogger("fedfleet.aggregator.fork_server")
 
-_PRELOAD: list[str] = []
+_PRELOAD: list[str] = ["torch"]     # what every worker computes with (the job code imports it where used)
 
-# The workers' modules: what a service's own server imports before it forks.
+# The workers' modules: what a service's own server imports before it forks (and torch: _PRELOAD).
 WORKER_MODULES = ("aggregator.shards.local", "aggregator.service.ingest", "aggregator.compute.mask_expansion")
 
 # multiprocessing.forkserver's internals that start_fork_server_here fills in, as CPython 3.11–3.13
@@ -77,7 +77,7 @@ def start_fork_server_here(modules: tuple[str, ...] = WORKER_MODULES) -> int | N
     if not can_fork_server_here():
         log.debug("fork server: multiprocessing's own (this process has threads or CUDA, or an unknown layout)")
         return None
-    for name in modules:
+    for name in (*_PRELOAD, *modules):
         importlib.import_module(name)
     fork_server_context(*modules)
     server = forkserver._forkserver

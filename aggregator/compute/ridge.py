@@ -11,10 +11,16 @@ paper's class-imbalance correction. Set ``normalize_columns=False`` for the plai
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 
 from aggregator.compute.device import cholesky_in_place, cholesky_solve, pick_device
+
+# torch is imported where it is used, not here: the job registry imports this module, and a
+# command that only checks a config (or prints its help) must not pay torch's import (~1.3 s).
+if TYPE_CHECKING:
+    import torch
 
 NOT_POSITIVE_DEFINITE = "A + λI is not positive definite: statistics are corrupt (non-Gram A?)"
 
@@ -67,6 +73,8 @@ class ClosedFormRidge(LinearClassifier):
         ``upper``: only A's upper triangle is filled (and read), what a packed sum unpacks to fastest."""
         if self.lam <= 0:
             raise ValueError("lam must be > 0 (A alone may be singular)")
+        import torch
+
         dev = pick_device(self.device)
         A_t = torch.as_tensor(A, dtype=torch.float64, device=dev)
         B_t = torch.as_tensor(B, dtype=torch.float64, device=dev)
@@ -90,6 +98,8 @@ class ClosedFormRidge(LinearClassifier):
     def _solve(self, A_t: torch.Tensor, B_t: torch.Tensor, upper: bool) -> torch.Tensor:
         """(A + λI)⁻¹B by Cholesky: LAPACK in place on a copy on the CPU (``compute.cholesky_in_place``),
         torch on the GPU."""
+        import torch
+
         if A_t.device.type != "cpu":
             return torch_ridge_solve(A_t, B_t, self.lam, upper)
         reg = A_t.numpy().copy() if upper else A_t.numpy().T.copy()      # C order, the upper triangle read
@@ -103,6 +113,8 @@ class ClosedFormRidge(LinearClassifier):
 def torch_ridge_solve(A_t: torch.Tensor, B_t: torch.Tensor, lam: float, upper: bool) -> torch.Tensor:
     """(A + λI)⁻¹B with torch's Cholesky on A's device (what a GPU runs); ``upper``: only A's upper
     triangle is read, else its lower one."""
+    import torch
+
     reg = A_t.clone()
     reg.diagonal().add_(lam)
     L, info = torch.linalg.cholesky_ex(reg, upper=upper)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from aggregator.compute.device import pick_device
 from aggregator.compute.mask_expansion import mask_expansion_plan
 
@@ -11,6 +9,8 @@ from aggregator.compute.mask_expansion import mask_expansion_plan
 def compute_summary(preference: str = "auto") -> dict:
     """What an operator needs to know about where the math runs (``/api/health``): the torch
     device, the GPU's name, and where secure aggregation's final unmasking runs."""
+    import torch
+
     device = pick_device(preference)
     on_gpu = device.type == "cuda"
     where, what = mask_expansion_plan(preference)

@@ -17,10 +17,12 @@ import io
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from aggregator.compute.device import pick_device
 from aggregator.jobs.input_files import read_job_input
+
+# torch is imported where it is used, not here: the job registry imports this module, and a
+# command that only checks a config (or prints its help) must not pay torch's import (~1.3 s).
 
 EVAL_BATCH = 4096
 
@@ -31,6 +33,8 @@ class TailProgramError(ValueError):
 
 class TailProgram:
     def __init__(self, path: str | Path, expected_sha256: str = "", device: str = "auto"):
+        import torch
+
         try:
             data = read_job_input(path, "tail program")
         except (OSError, ValueError) as exc:
@@ -65,6 +69,8 @@ class TailProgram:
     def logits(self, params: dict[str, np.ndarray], activations: np.ndarray) -> np.ndarray:
         """(n, C) logits of the model ``params`` (every name of :meth:`shapes`) on (n, c, h, w)
         activations, or on their rows flattened to (n, c·h·w)."""
+        import torch
+
         if set(params) != set(self.initial):
             raise ValueError(f"model tensors {sorted(params)} differ from the program's {sorted(self.initial)}")
         activations = np.asarray(activations, dtype=np.float32).reshape(-1, *self.activation_shape)

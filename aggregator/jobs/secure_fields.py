@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from protocols.envelope import object_without_duplicates
 from protocols.identity import DeviceIdentity, IdentityRegistry
 from protocols.secagg.config import GRAPHS, threshold_at_least
 from protocols.secagg.fixedpoint import RING_BITS, RINGS
@@ -64,8 +65,14 @@ class SecureAggregationFields(JobConfig):
         """The aggregator's identity (``identity_file``) and the enrolled device keys (``device_keys_file``)."""
         identity = DeviceIdentity.from_pem(AGGREGATOR_ID, read_job_input(self.identity_file, "identity_file",
                                                                           KEY_FILE_BYTES))
-        keys = json.loads(read_job_input(self.device_keys_file, "device_keys_file", KEY_FILE_BYTES))
-        return identity, IdentityRegistry({d: bytes.fromhex(k) for d, k in keys.items()})
+        text = read_job_input(self.device_keys_file, "device_keys_file", KEY_FILE_BYTES)
+        try:       # a device named twice would keep its last key: refused, as every JSON file a user names
+            keys = json.loads(text, object_pairs_hook=object_without_duplicates)
+            if not isinstance(keys, dict) or not all(isinstance(k, str) for k in keys.values()):
+                raise ValueError("expected an object of device id -> hex public key")
+            return identity, IdentityRegistry({d: bytes.fromhex(k) for d, k in keys.items()})
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            raise ValueError(f"device_keys_file {self.device_keys_file}: {exc}") from None
 
 
 @dataclass

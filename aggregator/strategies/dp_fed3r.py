@@ -46,10 +46,9 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
-import torch
 
 from protocols.payloads.fed3r import Fed3RStats, packed_diagonal
 
@@ -58,6 +57,11 @@ from aggregator.compute.privacy import UNPUBLISHED_PREFIX
 from aggregator.strategies.dp_center import PrivateFeatureCenter, uncentred
 from aggregator.strategies.dp_noise import noise_source
 from aggregator.strategies.fed3r import Fed3R
+
+# torch is imported where it is used, not here: the job registry imports this module, and a
+# command that only checks a config (or prints its help) must not pay torch's import (~1.3 s).
+if TYPE_CHECKING:
+    import torch
 
 
 def row_norm_bound(feature_clip_norm: float, fit_intercept: bool) -> float:
@@ -178,6 +182,8 @@ class Fed3RMechanism(ABC):
 
     def denoised(self, a: torch.Tensor, releases: int = 1) -> torch.Tensor:
         """The released A with its eigenvalues :meth:`shrunk`: positive semi-definite, post-processing."""
+        import torch
+
         eigenvalues, vectors = torch.linalg.eigh(a)
         return (vectors * self.shrunk(eigenvalues, releases)) @ vectors.T
 
@@ -227,6 +233,8 @@ class CalibratedSSP(Fed3RMechanism):
     def shrunk(self, eigenvalues: torch.Tensor, releases: int) -> torch.Tensor:
         """Spiked-Wigner shrinkage (module docstring): θ = (μ + √(μ² − E²))/2 above the noise's edge
         E, the bulk's mean (at least 0) at or below it."""
+        import torch
+
         edge = self.scale().spectral_edge(eigenvalues.shape[0], releases)
         spikes = eigenvalues > edge
         bulk = eigenvalues[~spikes]

@@ -10,14 +10,19 @@ Fed3R-Sync groups (sums of κ devices under secure aggregation) the same code pa
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from protocols.payloads.fed3r import Fed3RStats, triu_fill
 
 from aggregator.compute.device import cholesky_in_place, pick_device
 from aggregator.compute.ridge import ClosedFormRidge
+
+# torch is imported where it is used, not here: the job registry imports this module, and a
+# command that only checks a config (or prints its help) must not pay torch's import (~1.3 s).
+if TYPE_CHECKING:
+    import torch
 
 
 class Fed3R:
@@ -25,6 +30,8 @@ class Fed3R:
 
     def __init__(self, num_classes: int, p: int, lam: float = 0.01, fit_intercept: bool = True,
                  normalize_columns: bool = True, device: str = "auto"):
+        import torch
+
         self.num_classes, self.p = num_classes, p
         self.lam, self.fit_intercept, self.normalize_columns = lam, fit_intercept, normalize_columns
         self.device = pick_device(device)
@@ -47,6 +54,8 @@ class Fed3R:
 
     def add(self, stats: Fed3RStats) -> None:
         """Accumulate one device's (or one secure group's) statistics. Validated input only."""
+        import torch
+
         if stats.p != self.p:
             raise ValueError(f"statistics have p={stats.p}, strategy expects {self.p}")
         ids = torch.as_tensor(stats.class_ids, device=self.device)
@@ -67,6 +76,8 @@ class Fed3R:
         13 MB of temporaries per device, the aggregator's whole critical path at 10,000 devices);
         batched it costs about a millisecond. The sum stays a deterministic function of the
         sequence of adds (the flush points are), which is all the canonical re-sum needs."""
+        import torch
+
         R = torch.as_tensor(stats.r_factor, dtype=torch.float64, device=self.device)
         kept = torch.as_tensor(stats.factor_columns, device=self.device)
         self.B[kept.unsqueeze(1), ids.unsqueeze(0)] += R.T @ torch.as_tensor(stats.qty, dtype=torch.float64,
@@ -86,6 +97,8 @@ class Fed3R:
 
     def _flush(self) -> None:
         """Add the buffered factor rows' Gram matrix to the packed sum (every read flushes first)."""
+        import torch
+
         if not self._rows_used:
             return
         rows = self._rows[:self._rows_used]
@@ -123,6 +136,8 @@ class Fed3R:
         self._packed += packed
 
     def _triu_index(self) -> torch.Tensor:
+        import torch
+
         if self._iu is None:
             self._iu = torch.triu_indices(self.p, self.p, device=self.device)
         return self._iu
@@ -130,6 +145,8 @@ class Fed3R:
     @property
     def A(self) -> torch.Tensor:
         """Σ_k A_k as a symmetric (p×p) float64 matrix."""
+        import torch
+
         full = self._upper()
         full += torch.triu(full, 1).T
         return full
@@ -137,6 +154,8 @@ class Fed3R:
     def _upper(self) -> torch.Tensor:
         """Σ_k A_k's upper triangle in a (p×p) float64 matrix, zeros below: on the CPU one
         contiguous copy per row (``triu_fill``), several times faster than a scatter."""
+        import torch
+
         self._flush()
         if self.device.type == "cpu":
             return torch.from_numpy(triu_fill(self._packed.numpy(), self.p))
@@ -167,6 +186,8 @@ class Fed3R:
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         """A :meth:`state_dict` or a :meth:`sums_state`."""
+        import torch
+
         if "A_upper" in state:
             packed = torch.as_tensor(state["A_upper"], dtype=torch.float64, device=self.device)
             if packed.shape != (self.p * (self.p + 1) // 2,):
@@ -187,6 +208,8 @@ class Fed3R:
 def torch_positive_definite(upper: np.ndarray, tau: float, device: torch.device) -> bool:
     """:meth:`Fed3R.positive_definite` with torch on ``device`` (what a GPU runs), in the array's
     precision (float32 or float64)."""
+    import torch
+
     t = torch.as_tensor(upper, device=device)
     t.diagonal().add_(tau)
     return int(torch.linalg.cholesky_ex(t, upper=True)[1]) == 0
@@ -196,6 +219,8 @@ def _read_only(array: np.ndarray, device: torch.device) -> torch.Tensor:
     """``array`` as a float64 tensor on ``device``, only read: a checked result's statistics are
     read-only views on its received bytes (``parse_stats(checked=True)``), which torch would copy
     or warn about; on the CPU they are added in place of a copy, without the warning."""
+    import torch
+
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
         return torch.as_tensor(array, dtype=torch.float64, device=device)

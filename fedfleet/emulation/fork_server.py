@@ -45,6 +45,12 @@ from pathlib import Path
 
 # ``python -m`` module -> the module whose ``main(argv)`` it runs (its ``__main__`` calls that)
 ENTRY_POINTS = {"aggregator": "aggregator.cli"}
+# what every child of an entry imports on its way, imported once by the server: the job and device
+# code imports torch where it computes (a command checking a config must not pay its import), so the
+# entry's own modules leave it out, and each child would import it after its fork (~2 CPU-s each).
+# Optional: a torch-free device install runs its hosts without it.
+ALSO_PRELOADED = {"aggregator": ("torch",), "fedfleet.ladd.aggregator_process": ("torch",),
+                  "fedfleet.emulation.worker": ("torch",)}
 # a child's /proc/<pid>/comm (its command line is the server's): what process tables show
 PROCESS_NAMES = {"aggregator": "ff-aggregator", "fedfleet.emulation.worker": "ff-device-host",
                  "fedfleet.ladd.aggregator_process": "ff-aggregator"}
@@ -55,6 +61,11 @@ def serve(preload: list[str]) -> None:
     """The server's loop (in the server process); a forked child never returns to it."""
     for module in preload:
         importlib.import_module(ENTRY_POINTS.get(module, module))
+        for extra in ALSO_PRELOADED.get(module, ()):
+            try:
+                importlib.import_module(extra)
+            except ImportError:
+                pass
     children: set[int] = set()
     stdin = os.fdopen(0, "rb", buffering=0)     # unbuffered: select() then sees every line not read yet
     # a child's exit wakes select() (a byte on this pipe), so the server sleeps until there is work
