@@ -252,6 +252,16 @@ class MessageAssembler:
         self.max_message_bytes = max_message_bytes
         self.reassembler = Reassembler(max_message_bytes=max_message_bytes, check_digest=False, **reassembler_kw)
 
+    def expire(self, now: float, counted: dict[str, int], log, who: str = "") -> dict[str, int]:
+        """Drop the partial messages older than the reassembler's ttl (each logged on ``log``, its
+        line prefixed with ``who``), and return ``counted`` (a receiver's bytes per sender of the
+        message being reassembled) without the senders that no longer hold one: the counts go
+        with their partials (refused ones go at once, where the receiver refuses them)."""
+        for sender, parent in self.reassembler.expire(now):
+            log.warning("%spartial message %s from %s expired unfinished", who, parent, sender)
+        holding = self.reassembler.senders()
+        return {d: n for d, n in counted.items() if d in holding}
+
     def feed(self, payload: bytes, now: float | None = None) -> Envelope | None:
         whole = self.feed_whole(payload, now)
         return None if whole is None else whole[0]

@@ -12,9 +12,9 @@ import logging
 from pathlib import Path
 
 from protocols.bundle_manifest import MANIFEST_FILENAME, read_manifest
-from protocols.envelope import Envelope
+from protocols.envelope import Envelope, EnvelopeError
 from protocols.files import file_sha256
-from protocols.payloads.artifacts import artifact_message, missing_message
+from protocols.payloads.artifacts import artifact_message, missing_message, parse_get
 from protocols.topics import AGGREGATOR_ID
 
 from aggregator.jobs.registry import config_fields
@@ -64,10 +64,15 @@ class ArtifactShelf:
         return sha256 in self._files
 
 
-def artifact_reply(shelf: ArtifactShelf | None, device: str, sha256: str) -> tuple[Envelope | None, str | None]:
-    """What to send ``device`` that asked for ``sha256``, and the refusal to count (or None): the
-    file; ``artifact.missing`` when the shelf holds no such file (so the device stops asking instead
-    of waiting out its timeout); nothing when the shelf answered this ask twice lately."""
+def artifact_reply(shelf: ArtifactShelf | None, device: str, ask: Envelope) -> tuple[Envelope | None, str | None]:
+    """What to send ``device`` whose ``ask`` (an ``artifact.get``) names a file's sha256, and the
+    refusal to count (or None): the file; ``artifact.missing`` when the shelf holds no such file (so
+    the device stops asking instead of waiting out its timeout); nothing when the shelf answered
+    this ask twice lately, or the ask is malformed (refused)."""
+    try:
+        sha256 = parse_get(ask)
+    except EnvelopeError as exc:
+        return None, str(exc)
     if shelf is None or sha256 not in shelf:
         return missing_message(AGGREGATOR_ID, sha256), f"no artifact {sha256[:16]} on this aggregator"
     if not shelf.answers.allow(device, sha256):

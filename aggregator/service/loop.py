@@ -53,7 +53,7 @@ from protocols.envelope import Envelope, EnvelopeError, decode, encode
 from protocols.identity import DeviceIdentity
 from protocols.message_loop import MessageLoop
 from protocols.mqtt_link import BrokerConfig, MqttLink
-from protocols.payloads.artifacts import GET as ARTIFACT_GET, parse_get
+from protocols.payloads.artifacts import GET as ARTIFACT_GET
 from protocols.payloads.secagg import SECAGG_TYPE
 from protocols.rounds import Declined, ResultArrived, ResultInvalid
 from protocols.topics import AGGREGATOR_ID
@@ -75,11 +75,12 @@ from aggregator.service.job_runner import JobRunner, RunnerServices
 from aggregator.jobs.registry import KINDS, build_job, job_kind_name
 from aggregator.jobs.secure_rounds import LateProtocolMessage
 from aggregator.service.recovery import open_stored
+from aggregator.service.stray_results import StrayResults
 from aggregator.service.settings import ServiceSettings
 from aggregator.shards.shard import RECEIPT
 from aggregator.shards.pool import ShardPool
 from aggregator.storage.store import Store
-from aggregator.storage.schema import FINAL_JOB_STATES, JobState
+from aggregator.storage.schema import JobState
 
 log = logging.getLogger("fedfleet.aggregator")
 
@@ -106,7 +107,7 @@ class AggregatorService(OperatorActions):
         self.assembler = MessageAssembler(verifier=self.fleet.verify if settings.require_signatures else None,
                                           max_message_bytes=settings.max_message_bytes, may_chunk=self.fleet.may_contribute)
         self.stats = ServiceStats()             # messages that belong to no job (bad topic, malformed, ...)
-        self._device_bytes: dict[str, int] = {}  # bytes of a device's message being reassembled
+        self._device_bytes: dict[str, int] = {}  # bytes of a device's message being reassembled (_tick: expired)
         self._expired_at = 0.0
         # inbound items: ("mqtt", topic, payload), ("receipt", topic, raw), ("validated", ...), ("stored",), ("connected",)
         self.loop = MessageLoop(self._dispatch, self._tick, settings.tick_s, name="aggregator", failed=self._refused)
@@ -127,6 +128,7 @@ class AggregatorService(OperatorActions):
         # the jobs that ended lately, retained for every device to drop their state (service/job_end.py)
         self.job_ends = JobEndNotices(store, lambda env: self.link.publish(     # waited for: a stop may follow
             topics.job_ends, encode(env, signer=self._signer), retain=True, wait=True))
+        self.strays = StrayResults(store, self.job_ends)     # what answers a result for no open round
         self.held_back = Backoff()      # stored jobs whose end could not be committed lately
         self.last_finished: ActiveJob | None = None
         self.active: ActiveJob | None = None
@@ -321,8 +323,7 @@ class AggregatorService(OperatorActions):
             self.runner.resend_tasks({device})
 
     def _to_workers(self, device: str, env: Envelope) -> bool:
-        """Whether a large message (header only so far) goes to the ingest workers: a result for
-        the active job, which they can validate, while they have room; else it is decoded here."""
+        """Whether a large message (its header so far) goes to the ingest workers, else is decoded here."""
         return (env.type == M.RESULT and self.active is not None and self.ingest.accepts(self.active.job)
                 and self.ingest.has_room(device))
 
@@ -348,29 +349,11 @@ class AggregatorService(OperatorActions):
         self._accept(coord, device, env.id, kind, raw, lambda: a.job.parse_result(env))
 
     def _not_running(self, device: str, env: Envelope, ref: M.TaskRef) -> None:
-        """A result or decline for a round that is neither open here nor one the job closed and let
-        go (those ``JobRunner.answer_closed`` answers). A result is acknowledged, since a device
-        that gets no ack re-sends the whole upload up to ``max_retries`` times: ``late`` when its
-        job has ended (a straggler, as for a closed round), ``rejected`` when neither its job nor
-        that round of the running job exists here. A job the store holds unfinished (queued,
-        paused, stopped, held back after a failure) gets no answer: it may run again, and the
-        device's next retry then reaches it."""
-        a = self.active
-        running = a is not None and ref.job == a.job_id
-        state = None if running or self.store is None else (self.store.job(ref.job) or {}).get("state")
-        if not running and (self.job_ends.ended_lately(ref.job) or state in FINAL_JOB_STATES):
-            self._stats().count_late()
-            status, reason = "late", f"job {ref.job[:80]!r} has ended"
-        elif running:
-            self._reject(device, "unknown round", f"round {ref.round}")
-            status, reason = "rejected", f"job {ref.job[:80]!r} has no round {ref.round}"
-        elif state is None:
-            self._reject(device, "unknown job", repr(ref.job)[:80])
-            status, reason = "rejected", f"unknown job {ref.job[:80]!r}"
-        else:
-            return self._reject(device, "unknown job", f"{ref.job[:80]!r} is {state}, not running")
-        if env.type == M.RESULT:
-            self._send(device, M.ack_message(AGGREGATOR_ID, env.id, status, reason))
+        """A result or decline for no open round, nor one the job closed (``stray_results.py``)."""
+        answer = self.strays.answer(ref, self.active.job_id if self.active is not None else None)
+        self._reject(device, answer.rejection, answer.detail) if answer.rejection else self._stats().count_late()
+        if answer.ack and env.type == M.RESULT:
+            self._send(device, M.ack_message(AGGREGATOR_ID, env.id, answer.ack, answer.reason))
 
     def _accept(self, coord, device: str, message_id: str, kind: str, raw: bytes, parse: Callable[[], Any]) -> None:
         """Feed the round machine a result ``parse`` validates, or its refusal."""
@@ -406,10 +389,7 @@ class AggregatorService(OperatorActions):
         self._accept(a.rounds[ref.round], device, header.id, kind, raw, accepted_parser(future.result(), a.job, raw))
 
     def _on_artifact_get(self, device: str, env: Envelope) -> None:
-        try:
-            reply, refused = artifact_reply(self.artifacts, device, parse_get(env))
-        except EnvelopeError as exc:
-            reply, refused = None, str(exc)
+        reply, refused = artifact_reply(self.artifacts, device, env)
         if refused:
             self._reject(device, "artifact", refused)
         if reply is not None:
@@ -450,11 +430,7 @@ class AggregatorService(OperatorActions):
     def _tick(self, now: float) -> None:
         if now - self._expired_at >= 1.0:      # partial chunked messages of vanished senders
             self._expired_at = now
-            for sender, parent in self.assembler.reassembler.expire(now):
-                log.warning("partial message %s from %s expired unfinished", parent, sender)
-            # the per-topic byte counts go with the partials (expired ones here, refused ones at once)
-            holding = self.assembler.reassembler.senders()
-            self._device_bytes = {d: n for d, n in self._device_bytes.items() if d in holding}
+            self._device_bytes = self.assembler.expire(now, self._device_bytes, log)
         if self.runner is not None:
             self.runner.tick(now)
         if self.shards is not None:

@@ -219,10 +219,7 @@ class ShardIngest:
         return dropped
 
     def expire(self, now: float) -> None:
-        for sender, parent in self.assembler.reassembler.expire(now):
-            log.warning("shard %d: partial message %s from %s expired unfinished", self.index, parent, sender)
-        holding = self.assembler.reassembler.senders()
-        self._bytes = {d: n for d, n in self._bytes.items() if d in holding}
+        self._bytes = self.assembler.expire(now, self._bytes, log, f"shard {self.index}: ")
 
     def sums(self, job_id: str, accepted: list[tuple[str, str]], context: Any = None) -> dict[Node, PartialSum | None]:
         """The sums of this shard's covering nodes over the coordinator's accepted (device, message
