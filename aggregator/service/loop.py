@@ -349,9 +349,9 @@ class AggregatorService(OperatorActions):
         self._accept(coord, device, env.id, kind, raw, lambda: a.job.parse_result(env))
 
     def _not_running(self, device: str, env: Envelope, ref: M.TaskRef) -> None:
-        """A result or decline for no open round, nor one the job closed (``stray_results.py``)."""
+        """A result or decline for no open round (``stray_results.py``); late: another job's, the service's count."""
         answer = self.strays.answer(ref, self.active.job_id if self.active is not None else None)
-        self._reject(device, answer.rejection, answer.detail) if answer.rejection else self._stats().count_late()
+        self._reject(device, answer.rejection, answer.detail) if answer.rejection else self.stats.count_late()
         if answer.ack and env.type == M.RESULT:
             self._send(device, M.ack_message(AGGREGATOR_ID, env.id, answer.ack, answer.reason))
 
