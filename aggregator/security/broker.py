@@ -59,6 +59,7 @@ from protocols.files import write_atomic
 from protocols.topics import (AGGREGATOR_ID, CONTROLLER_ROLE, DEPLOY_ROLE, FETCH_ROLE, Topics, check_device_id,
                               role_account)
 
+from aggregator.security.trailing_reload import TrailingReload
 from aggregator.shards.buckets import NUM_BUCKETS, shard_role
 
 PBKDF2_ITERATIONS = 1000
@@ -177,6 +178,7 @@ class BrokerSecurity:
     def __post_init__(self):
         self.directory = Path(self.directory)
         self.broker_user = self.broker_user or pwd.getpwuid(os.getuid()).pw_name
+        self._reloads = TrailingReload(self.signal_broker)     # a SIGHUP mosquitto got mid-reload is lost
 
     # paths
     ca_cert = property(lambda self: self.directory / "ca.crt")
@@ -276,6 +278,12 @@ class BrokerSecurity:
         write_atomic(self.acl_file, acl_text(self.topics, device_password_hashes).encode(), mode=0o600, owner=owner)
 
     def reload(self) -> None:
+        """Have the broker re-read its files now, and once more after a burst of changes ends
+        (``trailing_reload.py``)."""
+        self._reloads()
+
+    def signal_broker(self) -> None:
+        """Have the broker re-read its files now, once: the hook, else SIGHUP to mosquitto."""
         if self.reload_hook is not None:
             self.reload_hook()
             return
