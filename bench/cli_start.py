@@ -1,6 +1,9 @@
 """How long a ``fedfleet`` call takes before it does anything: ``--version`` and ``admin --help``
 (only the named command's parser is built: no torch) against the parser the command built before
 stop 50 (every command's, the server's job registry included: torch), each in a fresh interpreter.
+And how long a mistake in a config takes to be reported (``simulate --config`` naming a key twice;
+``aggregator serve --config`` the same): since stop 68 the job registry the check builds on imports
+torch only where the jobs compute, against the same call with torch imported first (as before).
 
     .venv/bin/python bench/cli_start.py [--repeats 3]
 """
@@ -12,6 +15,7 @@ import pathlib
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -19,6 +23,13 @@ CALLS = {
     "fedfleet --version": "from fedfleet.cli import main\ntry: main(['--version'])\nexcept SystemExit: pass",
     "fedfleet admin --help": "from fedfleet.cli import main\ntry: main(['admin', '--help'])\nexcept SystemExit: pass",
     "every command's parser (before)": "from fedfleet.cli import build_parser\nbuild_parser()",
+}
+BAD_CONFIG = '{"devices": 4, "devices": 5}'
+CONFIG_CHECKS = {       # {bad}: a file holding BAD_CONFIG
+    "simulate --config mistake": "from fedfleet.cli import main\nmain(['simulate', '--config', {bad!r}])",
+    "the same, torch first (before)": "import torch\nfrom fedfleet.cli import main\nmain(['simulate', '--config', {bad!r}])",
+    "aggregator serve --config mistake": "from fedfleet.cli import main\nmain(['aggregator', 'serve', '--out', 'o', "
+                                         "'--config', {bad!r}])",
 }
 
 
@@ -40,6 +51,13 @@ def main() -> None:
     full = measured["every command's parser (before)"]
     for name, value in measured.items():
         print(f"{name:>34}: {value:.3f} s   ({value / full:.3f} of the full parser's)")
+    with tempfile.TemporaryDirectory() as folder:
+        bad = str(pathlib.Path(folder) / "bad.json")
+        pathlib.Path(bad).write_text(BAD_CONFIG)
+        checks = {name: seconds(code.format(bad=bad), args.repeats) for name, code in CONFIG_CHECKS.items()}
+    before = checks["the same, torch first (before)"]
+    for name, value in checks.items():
+        print(f"{name:>34}: {value:.3f} s   ({value / before:.3f} of the check with torch imported first)")
 
 
 if __name__ == "__main__":
