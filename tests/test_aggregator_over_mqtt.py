@@ -67,9 +67,9 @@ def test_fed3r_over_mosquitto_with_hostile_traffic_equals_plain_sum(broker, tmp_
     while svc.job.round == 0 and time.time() < deadline:
         time.sleep(0.05)
     assert svc.job.round == 1
-    ref = M.TaskRef(svc.job.config.job_id, 1, "x" * 32)
+    ref = M.TaskRef(svc.job.config.job_id, 1, svc.call(lambda: svc.active.tasks[1]["dev00"]))     # dev00's own task
 
-    def stats_msg(sender, mutate=None, **body_over):
+    def stats_msg(sender, mutate=None, ref=ref, **body_over):
         Z, y = data_for(99)
         acc = Fed3RAccumulator(C, D)
         acc.update(Z, y)
@@ -84,12 +84,14 @@ def test_fed3r_over_mosquitto_with_hostile_traffic_equals_plain_sum(broker, tmp_
         (topics.outbox("dev00"), b"garbage"),                                                  # not an envelope
         (topics.outbox("dev00"), encode(stats_msg("dev01"))),                                  # spoofed sender
         (topics.outbox("stranger"), encode(stats_msg("stranger"))),                            # unknown device
+        (topics.outbox("dev00"), encode(stats_msg("dev00", ref=M.TaskRef(ref.job, 1, "x" * 32)))),  # not its task: an
+        # older run's answer (a job created again under its id); refused, dev00's answer not spent
         (topics.outbox("dev00"), encode(stats_msg("dev00", lambda t: t.__setitem__("b", t["b"] * np.nan)))),
         (topics.outbox("dev00"), encode(stats_msg("dev00", lambda t: t.__setitem__("A_upper", t["A_upper"][:-1])))),
         (topics.outbox("dev00"), encode(stats_msg("dev00", p=D + 5))),                         # wrong shape claim
         (topics.outbox("dev00"), encode(stats_msg("dev00", n=-3))),
-        (topics.outbox("dev00"), encode(stats_msg("dev00", job="other-job"))),
-        (topics.outbox("dev00"), encode(stats_msg("dev00", round=7))),
+        (topics.outbox("dev00"), encode(stats_msg("dev00", ref=M.TaskRef("other-job", 1, ref.task)))),
+        (topics.outbox("dev00"), encode(stats_msg("dev00", ref=M.TaskRef(ref.job, 7, ref.task)))),
     ]
     for topic, payload in hostile:
         bad.publish(topic, payload, qos=1).wait_for_publish(5)
@@ -104,7 +106,8 @@ def test_fed3r_over_mosquitto_with_hostile_traffic_equals_plain_sum(broker, tmp_
     # the invalid-payload messages from dev00 were rejected, but dev00 still contributed its real result
     assert set(result["contributed"]) == set(devices)
     rej = result["rejections"]
-    assert rej.get("malformed", 0) >= 1 and rej.get("not enrolled", 0) == 1
+    assert rej.get("malformed", 0) >= 1 and rej.get("not enrolled", 0) == 1 and rej.get("unknown task") == 1
+    assert rej.get("unknown job") == 1 and rej.get("unknown round") == 1
     # the first invalid payload rejects dev00 for the round; its next three are answered unread
     # (duplicates: the device already answered), never validated or applied
     assert rej.get("invalid payload") == 1 and result["duplicates"] >= 3 and sum(rej.values()) >= 4
@@ -377,8 +380,10 @@ def test_closed_rounds_are_let_go_and_still_answer_a_resend_and_a_late_result(br
     assert ack_of(first_device, never_id) == "rejected"      # answered: the device stops re-sending it
     assert svc.call(lambda: svc.active.stats.rejections.get("unknown round", 0)) == before + 1
     last = next(d for d in devices if d not in (sent[0][0], sent[1][0]))
-    task = raw[last].wait_for(lambda m: m.type == M.TASK)
-    answer(last, M.parse_task(task)[0], SyntheticStats(devices.index(last))({}))
+    task = M.parse_task(raw[last].wait_for(lambda m: m.type == M.TASK))[0]
+    _, _, other_id = answer(last, M.TaskRef(task.job, task.round, "ab" * 16), SyntheticStats(devices.index(last))({}))
+    assert ack_of(last, other_id) == "rejected"          # not its task (an older run's): its answer is not spent
+    answer(last, task, SyntheticStats(devices.index(last))({}))
     thread.join(30)
     for c in raw.values():
         c.close()

@@ -24,7 +24,7 @@ from aggregator.storage.schema import JobState
 # devices send (the detail goes to the log, never into a label).
 REJECTION_CLASSES = ("bad topic", "revoked device", "malformed", "bad signature", "wrong sender", "not enrolled", "result",
                      "unknown job", "unknown round", "invalid payload", "unexpected type", "presence", "artifact",
-                     "protocol", "quarantined")
+                     "protocol", "quarantined", "unknown task")
 
 
 @dataclass

@@ -6,11 +6,11 @@ everything else, so job state has a single writer and needs no locks. The admin 
 thread) reads the store and the ``live`` snapshot, and runs every mutation (enrol, revoke,
 create, pause, ...) on the service thread through :meth:`AggregatorService.call`.
 
-Every inbound message is checked before it can touch state: revoked sender, envelope structure
-and size, signature (when identities are required), sender == the device named by the topic,
-device enrolled, job and round ids, then the kind-specific payload checks of the job. Anything
-that fails is logged and counted under one of a fixed set of reasons
-(``active_job.REJECTION_CLASSES``) and, for results, acknowledged ``rejected``.
+Every inbound message is checked before it can touch state: revoked sender, envelope structure and
+size, signature (when identities are required), sender == the device named by the topic, device
+enrolled, job, round and task ids (``stray_results.py``), then the job's payload checks. What fails
+is logged and counted under one of a fixed set of reasons (``active_job.REJECTION_CLASSES``) and,
+for results, acknowledged ``rejected`` (``late`` for a job that ended).
 
 The decisions live elsewhere, each in a module of its own: the round rules in the sans-IO
 :class:`~protocols.rounds.RoundCoordinator` (it emits the actions this loop executes, record
@@ -75,7 +75,7 @@ from aggregator.service.job_runner import JobRunner, RunnerServices
 from aggregator.jobs.registry import KINDS, build_job, job_kind_name
 from aggregator.jobs.secure_rounds import LateProtocolMessage
 from aggregator.service.recovery import open_stored
-from aggregator.service.stray_results import StrayResults
+from aggregator.service.stray_results import StrayAnswer, StrayResults, another_task
 from aggregator.service.settings import ServiceSettings
 from aggregator.shards.shard import RECEIPT
 from aggregator.shards.pool import ShardPool
@@ -121,8 +121,7 @@ class AggregatorService(OperatorActions):
             self._tell_shards_the_fleet(keys=settings.require_signatures)      # before they read anything
             shards.start(lambda item: self.loop.post(("mqtt" if item[0] == "forward" else "receipt", *item[1:])),
                          settings.shard_start_timeout_s)
-        # large results are decoded and validated in these processes (aggregator/service/ingest.py), and
-        # stored on the writer's thread (aggregator/service/contribution_writer.py)
+        # large results are validated in these processes (service/ingest.py), stored on the writer's thread
         self.ingest = IngestWorkers(settings.ingest_workers) if settings.ingest_workers else None
         self.writer = ContributionWriter(store, lambda: self.loop.post(("stored",))) if store is not None else None
         # the jobs that ended lately, retained for every device to drop their state (service/job_end.py)
@@ -338,6 +337,8 @@ class AggregatorService(OperatorActions):
         coord = a.rounds.get(ref.round)
         if coord is None:       # a round closed and let go still answers (JobRunner.answer_closed)
             return self.runner.answer_closed(device, env, ref.round) or self._not_running(device, env, ref)
+        if a.tasks.get(ref.round, {}).get(device, ref.task) != ref.task:     # e.g. an older run's late result
+            return self._not_running(device, env, ref, another_task(ref))
         a.round_bytes[ref.round] += nbytes
         if env.type == M.RESULT and not coord.applies(device, env.id):     # a duplicate or late one: not read
             return self.runner.handle(coord, ResultArrived(device, env.id, None))
@@ -348,9 +349,9 @@ class AggregatorService(OperatorActions):
             return self.runner.handle(coord, Declined(device, why))
         self._accept(coord, device, env.id, kind, raw, lambda: a.job.parse_result(env))
 
-    def _not_running(self, device: str, env: Envelope, ref: M.TaskRef) -> None:
-        """A result or decline for no open round (``stray_results.py``); late: another job's, the service's count."""
-        answer = self.strays.answer(ref, self.active.job_id if self.active is not None else None)
+    def _not_running(self, device: str, env: Envelope, ref: M.TaskRef, answer: StrayAnswer | None = None) -> None:
+        """A result or decline for no open round, or ``answer``'s (``stray_results.py``); late: the service's count."""
+        answer = answer or self.strays.answer(ref, self.active.job_id if self.active is not None else None)
         self._reject(device, answer.rejection, answer.detail) if answer.rejection else self.stats.count_late()
         if answer.ack and env.type == M.RESULT:
             self._send(device, M.ack_message(AGGREGATOR_ID, env.id, answer.ack, answer.reason))
@@ -376,8 +377,7 @@ class AggregatorService(OperatorActions):
         future.add_done_callback(lambda f: self.loop.post(("validated", device, header, raw, ref, kind, f)))
 
     def _on_validated(self, device: str, header: Envelope, raw: bytes, ref: M.TaskRef, kind: str, future) -> None:
-        """A worker's verdict on a large result: on from where ``_on_result`` left it, if its job
-        and round are still there (a verdict that never comes leaves nothing behind)."""
+        """A worker's verdict on a large result: on from where ``_on_result`` left it, if its round is still open."""
         a = self.active
         self.ingest.done(device)
         refused = refusal(future, device in self.fleet.revoked)
