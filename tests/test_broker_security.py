@@ -421,10 +421,27 @@ def test_a_burst_of_reloads_is_followed_by_one_more_after_it_ends():
     assert len(calls) == 3                                     # each one at once
     time.sleep(1.0)
     assert len(calls) == 4 and calls[3] - calls[2] >= 0.3      # and one more, once, after the last
+
+
+def test_a_trailing_reload_that_fails_is_logged_and_raises_nowhere(caplog):
+    """The trailing reload runs on a timer thread: a broker gone meanwhile (no pid, another
+    process) is one warning, and the next reload is tried again as ever."""
+    from aggregator.security.trailing_reload import TrailingReload
+
+    calls = []
+
+    def reload_now():
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("cannot reload mosquitto: no pid")
+
+    reloads = TrailingReload(reload_now, delay_s=0.1)
     reloads()
-    reloads.cancel()
     time.sleep(0.5)
-    assert len(calls) == 5
+    assert len(calls) == 2 and "the broker's trailing reload failed: cannot reload mosquitto" in caplog.text
+    reloads()                                                  # the next change reloads as before
+    time.sleep(0.5)
+    assert len(calls) == 4
 
 
 def test_an_enrolment_whose_sighup_the_broker_lost_takes_effect_on_the_trailing_reload(secured, tmp_path):

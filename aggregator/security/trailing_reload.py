@@ -43,9 +43,3 @@ class TrailingReload:
             self._reload_now()
         except (OSError, RuntimeError) as exc:
             log.warning("the broker's trailing reload failed: %s", exc)
-
-    def cancel(self) -> None:
-        with self._lock:
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
