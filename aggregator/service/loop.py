@@ -333,12 +333,12 @@ class AggregatorService(OperatorActions):
         except EnvelopeError as exc:
             return self._reject(device, "result", str(exc))
         if a is None or ref.job != a.job_id:
-            return self._not_running(device, env, ref)
+            return self._answer_stray(device, env, ref)
         coord = a.rounds.get(ref.round)
         if coord is None:       # a round closed and let go still answers (JobRunner.answer_closed)
-            return self.runner.answer_closed(device, env, ref.round) or self._not_running(device, env, ref)
+            return self.runner.answer_closed(device, env, ref.round) or self._answer_stray(device, env, ref)
         if a.tasks.get(ref.round, {}).get(device, ref.task) != ref.task:     # e.g. an older run's late result
-            return self._not_running(device, env, ref, another_task(ref))
+            return self._answer_stray(device, env, ref, another_task(ref))
         a.round_bytes[ref.round] += nbytes
         if env.type == M.RESULT and not coord.applies(device, env.id):     # a duplicate or late one: not read
             return self.runner.handle(coord, ResultArrived(device, env.id, None))
@@ -349,7 +349,7 @@ class AggregatorService(OperatorActions):
             return self.runner.handle(coord, Declined(device, why))
         self._accept(coord, device, env.id, kind, raw, lambda: a.job.parse_result(env))
 
-    def _not_running(self, device: str, env: Envelope, ref: M.TaskRef, answer: StrayAnswer | None = None) -> None:
+    def _answer_stray(self, device: str, env: Envelope, ref: M.TaskRef, answer: StrayAnswer | None = None) -> None:
         """A result or decline for no open round, or ``answer``'s (``stray_results.py``); late: the service's count."""
         answer = answer or self.strays.answer(ref, self.active.job_id if self.active is not None else None)
         self._reject(device, answer.rejection, answer.detail) if answer.rejection else self.stats.count_late()
@@ -385,7 +385,7 @@ class AggregatorService(OperatorActions):
             return self._reject(device, *refused)
         if a is None or ref.job != a.job_id or ref.round not in a.rounds:   # closed meanwhile: its answer
             return (a is not None and ref.job == a.job_id and self.runner.answer_closed(device, header, ref.round)
-                    or self._not_running(device, header, ref))
+                    or self._answer_stray(device, header, ref))
         self._accept(a.rounds[ref.round], device, header.id, kind, raw, accepted_parser(future.result(), a.job, raw))
 
     def _on_artifact_get(self, device: str, env: Envelope) -> None:

@@ -45,12 +45,11 @@ from pathlib import Path
 
 # ``python -m`` module -> the module whose ``main(argv)`` it runs (its ``__main__`` calls that)
 ENTRY_POINTS = {"aggregator": "aggregator.cli"}
-# what every child of an entry imports on its way, imported once by the server: the job and device
+# the entries whose every child imports torch on its way: the server imports it once. The job and device
 # code imports torch where it computes (a command checking a config must not pay its import), so the
 # entry's own modules leave it out, and each child would import it after its fork (~2 CPU-s each).
 # Optional: a torch-free device install runs its hosts without it.
-ALSO_PRELOADED = {"aggregator": ("torch",), "fedfleet.ladd.aggregator_process": ("torch",),
-                  "fedfleet.emulation.worker": ("torch",)}
+TORCH_ENTRIES = frozenset({"aggregator", "fedfleet.ladd.aggregator_process", "fedfleet.emulation.worker"})
 # a child's /proc/<pid>/comm (its command line is the server's): what process tables show
 PROCESS_NAMES = {"aggregator": "ff-aggregator", "fedfleet.emulation.worker": "ff-device-host",
                  "fedfleet.ladd.aggregator_process": "ff-aggregator"}
@@ -61,9 +60,9 @@ def serve(preload: list[str]) -> None:
     """The server's loop (in the server process); a forked child never returns to it."""
     for module in preload:
         importlib.import_module(ENTRY_POINTS.get(module, module))
-        for extra in ALSO_PRELOADED.get(module, ()):
+        if module in TORCH_ENTRIES:
             try:
-                importlib.import_module(extra)
+                importlib.import_module("torch")
             except ImportError:
                 pass
     children: set[int] = set()
