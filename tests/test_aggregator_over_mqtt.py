@@ -383,6 +383,13 @@ def test_closed_rounds_are_let_go_and_still_answer_a_resend_and_a_late_result(br
     task = M.parse_task(raw[last].wait_for(lambda m: m.type == M.TASK))[0]
     _, _, other_id = answer(last, M.TaskRef(task.job, task.round, "ab" * 16), SyntheticStats(devices.index(last))({}))
     assert ack_of(last, other_id) == "rejected"          # not its task (an older run's): its answer is not spent
+    before = svc.call(lambda: svc.active.stats.rejections.get("unknown task", 0))
+    raw[last].publish(topics.outbox(last), encode(M.decline_message(last, M.TaskRef(task.job, task.round, "cd" * 16),
+                                                                    "an older run's decline")))
+    deadline = time.time() + 10
+    while svc.call(lambda: svc.active.stats.rejections.get("unknown task", 0)) == before and time.time() < deadline:
+        time.sleep(0.05)
+    assert svc.call(lambda: svc.active.stats.rejections.get("unknown task", 0)) == before + 1   # nor a decline
     answer(last, task, SyntheticStats(devices.index(last))({}))
     thread.join(30)
     for c in raw.values():
