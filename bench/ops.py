@@ -64,7 +64,7 @@ def ingest(devices, d, workdir: Path, synchronous: str | None) -> tuple[float, i
     for dev in devices:
         svc._on_payload(T.presence(dev), encode(M.presence_message(dev, "online")))
     svc._tick(time.monotonic())
-    tasks = svc.active.tasks[1]
+    tasks = svc.active.rounds[1].tasks
     stats = PrecomputedStats(d, C)
     body, tensors = stats({})
     payloads = [(dev, encode(M.result_message(dev, M.TaskRef("bench", 1, tasks[dev]), "fed3r.stats", body, tensors)))

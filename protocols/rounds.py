@@ -24,7 +24,12 @@ aggregation ends: the aggregator only ever holds the group's sum, so there is no
 to apply; the job already applied the sum and names the devices it holds.
 
 Late results are never carried into a later round: a result names its (job, round) and the
-server routes it only to that round's coordinator (closed rounds answer ``late``).
+server routes it only to that round's coordinator (closed rounds answer ``late``). Within the
+round it must also name the task its device was given there (``RoundCoordinator.tasks``): a job
+created again under the same id counts its rounds from 1 again, so an older run's late result
+names a live (job, round). It is refused (``RefuseTask``, ack ``rejected``) without spending the
+device's answer; taken, it would have been the device's answer and its real one acked
+``duplicate``.
 
 A device runs a task only while its round may still be open: one received after its deadline
 (plus ``deadline_grace_s`` for the two clocks), or created (its envelope's signed ``ts``) before the
@@ -63,11 +68,14 @@ class RoundState(enum.Enum):
     CLOSED = "closed"
 
 
+# ``task`` of the three answers below: the task id the message names; None where the adapter
+# vouches for it (a restored event, a round that keeps no task ids)
 @dataclass(frozen=True)
 class ResultArrived:
     device: str
     message_id: str
     result: Any  # the validated payload, opaque to the state machine
+    task: str | None = None
 
 
 @dataclass(frozen=True)
@@ -75,12 +83,14 @@ class ResultInvalid:
     device: str
     message_id: str
     reason: str
+    task: str | None = None
 
 
 @dataclass(frozen=True)
 class Declined:
     device: str
     reason: str
+    task: str | None = None
 
 
 @dataclass(frozen=True)
@@ -122,6 +132,15 @@ class RecordDeclined:
 
 
 @dataclass(frozen=True)
+class RefuseTask:
+    """An answer naming a task its device was not given in this round: counted as refused (class
+    ``unknown task``), never as the device's answer."""
+    device: str
+    task: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class SendAck:
     device: str
     ref: str
@@ -144,6 +163,7 @@ class RoundCoordinator:
     participants: frozenset[str]
     deadline: float
     state: RoundState = RoundState.OPEN
+    tasks: dict[str, str] = field(default_factory=dict)         # device -> the task id it was given (empty: unchecked)
     accepted: dict[str, str] = field(default_factory=dict)      # device -> message id applied
     declined: dict[str, str] = field(default_factory=dict)
     rejected: dict[str, str] = field(default_factory=dict)
@@ -187,13 +207,17 @@ class RoundCoordinator:
         self.seen_ids.add(message_id)
         self._waiting.discard(device)
 
-    def applies(self, device: str, message_id: str) -> bool:
-        """Whether a result (device, message_id) would be applied now: only then is its payload
-        worth validating. A duplicate, late or unselected one is answered by the table alone, so
-        a device re-sending a 6.6 MB result costs the server no second validation."""
-        return COORDINATOR_TABLE.select(self, ResultArrived(device, message_id, None)).effect is RoundCoordinator._accept
+    def applies(self, device: str, message_id: str, task: str | None = None) -> bool:
+        """Whether a result (device, message_id, task) would be applied now: only then is its
+        payload worth validating. A duplicate, late, unselected or foreign-task one is answered by
+        the table alone, so a device re-sending a 6.6 MB result costs the server no second validation."""
+        return COORDINATOR_TABLE.select(self, ResultArrived(device, message_id, None, task)).effect is RoundCoordinator._accept
 
     # -- effects of COORDINATOR_TABLE's rows -------------------------------------------------
+    def _refuse_task(self, ev) -> list:
+        refused = RefuseTask(ev.device, ev.task, f"task {ev.task[:64]!r} is not this device's task of round {self.round}")
+        return [refused] if isinstance(ev, Declined) else [refused, SendAck(ev.device, ev.message_id, "rejected", refused.reason)]
+
     def _ack_duplicate(self, ev: ResultArrived) -> list:
         return [SendAck(ev.device, ev.message_id, "duplicate")]
 
@@ -259,8 +283,15 @@ def _is_pending(coord: RoundCoordinator, ev) -> bool:
     return coord.is_pending(ev.device)
 
 
+def _names_another_task(coord: RoundCoordinator, ev) -> bool:
+    return ev.task is not None and coord.tasks.get(ev.device, ev.task) != ev.task
+
+
 _C, _OPEN, _CLOSED = RoundCoordinator, RoundState.OPEN, RoundState.CLOSED
+_ANOTHER_TASK = "task not the device's"
 COORDINATOR_TABLE = TransitionTable(RoundState, [
+    Transition(ANY, ResultArrived, _ANOTHER_TASK, _C._refuse_task, (RefuseTask, SendAck),
+               note="ack rejected; the device's answer not spent", guard=_names_another_task),
     Transition(ANY, ResultArrived, "id seen before", _C._ack_duplicate, (SendAck,),
                note="ack duplicate: idempotent redelivery", guard=lambda c, ev: ev.message_id in c.seen_ids),
     Transition(_CLOSED, ResultArrived, "", _C._ack_late, (SendAck,), note="ack late; counted, never applied"),
@@ -271,9 +302,13 @@ COORDINATOR_TABLE = TransitionTable(RoundState, [
                guard=lambda c, ev: ev.device in c.accepted or ev.device in c.declined or ev.device in c.rejected),
     Transition(_OPEN, ResultArrived, "", _C._accept, (ApplyResult, SendAck, RoundClosed), (_CLOSED,),
                note="ack accepted (a lost device came back in time); closes when nobody is pending"),
+    Transition(ANY, ResultInvalid, _ANOTHER_TASK, _C._refuse_task, (RefuseTask, SendAck),
+               note="ack rejected; the device's answer not spent", guard=_names_another_task),
     Transition(_OPEN, ResultInvalid, "device pending", _C._reject, (RecordRejected, SendAck, RoundClosed),
                (_CLOSED,), note="ack rejected; device counted as rejected", guard=_is_pending),
     Transition(ANY, ResultInvalid, "", _C._ack_rejected, (SendAck,), note="ack rejected, nothing recorded"),
+    Transition(ANY, Declined, _ANOTHER_TASK, _C._refuse_task, (RefuseTask,),
+               note="the device's answer not spent", guard=_names_another_task),
     Transition(_OPEN, Declined, "device pending", _C._decline, (RecordDeclined, RoundClosed), (_CLOSED,),
                note="device counted as declined", guard=_is_pending),
     Transition(ANY, Declined, "", _C._ignore, note="repeated or late decline"),

@@ -67,7 +67,7 @@ def test_fed3r_over_mosquitto_with_hostile_traffic_equals_plain_sum(broker, tmp_
     while svc.job.round == 0 and time.time() < deadline:
         time.sleep(0.05)
     assert svc.job.round == 1
-    ref = M.TaskRef(svc.job.config.job_id, 1, svc.call(lambda: svc.active.tasks[1]["dev00"]))     # dev00's own task
+    ref = M.TaskRef(svc.job.config.job_id, 1, svc.call(lambda: svc.active.rounds[1].tasks["dev00"]))     # dev00's own task
 
     def stats_msg(sender, mutate=None, ref=ref, **body_over):
         Z, y = data_for(99)
@@ -365,7 +365,7 @@ def test_closed_rounds_are_let_go_and_still_answer_a_resend_and_a_late_result(br
     wait_for_open = time.time() + 20
     while svc.call(lambda: svc.active.job.round) < 3 and time.time() < wait_for_open:
         time.sleep(0.05)
-    kept = svc.call(lambda: (sorted(svc.active.rounds), sorted(svc.active.tasks), sorted(svc.active.opened_at),
+    kept = svc.call(lambda: (sorted(svc.active.rounds), sorted(svc.active.deadlines), sorted(svc.active.opened_at),
                              len(svc.active.closed)))
     assert kept == ([3], [3], [3], 2)                     # round 3 open; 1 and 2 let go, their two ids kept
     first_device, first_ref, first_message, first_id = sent[0]
@@ -395,7 +395,7 @@ def test_closed_rounds_are_let_go_and_still_answer_a_resend_and_a_late_result(br
     for c in raw.values():
         c.close()
     assert result["state"] == "done" and sorted(result["contributed"]) == devices
-    assert svc.last_finished.rounds == {} and svc.last_finished.tasks == {}
+    assert svc.last_finished.rounds == {} and svc.last_finished.deadlines == {}
 
 
 

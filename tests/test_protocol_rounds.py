@@ -10,14 +10,14 @@ import pytest
 
 from protocols.messages import TaskRef
 from protocols.rounds import (COORDINATOR_TABLE, DEVICE_TABLE, AckArrived, IllegalTransition, render_tables, ResultSent, ApplyResult, Declined, DeviceLost, DeviceSession, DeviceState, GroupSettled,
-                              RecordDeclined, RecordRejected, ResultArrived,
+                              RecordDeclined, RecordRejected, RefuseTask, ResultArrived,
                               ResultInvalid, RoundClosed, RoundCoordinator, SendAck, SendDecline, SendResult,
                               TaskArrived, Tick, WorkFailed, WorkFinished, WorkStopped)
 from protocols.transition_table import Transition, TransitionTable
 
 
-def coord(devs=("a", "b", "c"), deadline=100.0):
-    return RoundCoordinator(round=3, participants=frozenset(devs), deadline=deadline)
+def coord(devs=("a", "b", "c"), deadline=100.0, tasks=None):
+    return RoundCoordinator(round=3, participants=frozenset(devs), deadline=deadline, tasks=tasks or {})
 
 
 def kinds(actions):
@@ -59,6 +59,27 @@ def test_unselected_and_invalid_results_are_rejected():
     assert "a" in c.rejected and "a" not in c.accepted and "a" not in c.pending
     # a second invalid result of a device that is no longer pending is acked but not recorded again
     assert c.handle(ResultInvalid("a", "m3", "again")) == [SendAck("a", "m3", "rejected", "again")]
+
+
+def test_an_answer_naming_another_task_is_refused_and_the_devices_answer_is_not_spent():
+    # a job created again under the same id counts its rounds from 1 again: an older run's late
+    # result names a live (job, round) but not the task this run gave its device
+    c = coord(tasks={"a": "ta", "b": "tb", "c": "tc"})
+    why = "task 'old' is not this device's task of round 3"
+    assert c.handle(ResultArrived("a", "m1", 1, task="old")) == [RefuseTask("a", "old", why),
+                                                                   SendAck("a", "m1", "rejected", why)]
+    assert c.handle(ResultInvalid("a", "m2", "NaN", task="old")) == [RefuseTask("a", "old", why),
+                                                                    SendAck("a", "m2", "rejected", why)]
+    assert c.handle(Declined("a", "busy", task="old")) == [RefuseTask("a", "old", why)]
+    assert c.handle(ResultArrived("b", "m3", 1, task="ta"))[0] == RefuseTask("b", "ta", why.replace("'old'", "'ta'"))
+    assert c.pending == frozenset("abc") and not c.accepted and not c.rejected and not c.declined and not c.seen_ids
+    assert not c.applies("a", "m4", "old") and c.applies("a", "m4", "ta")
+    assert kinds(c.handle(ResultArrived("a", "m4", 1, task="ta"))) == ["ApplyResult", "SendAck"]   # its real answer
+    assert kinds(c.handle(ResultArrived("b", "m5", 2))) == ["ApplyResult", "SendAck"]    # None: vouched for (restored)
+    assert c.handle(ResultArrived("zz", "m6", 1, task="x"))[0] == SendAck("zz", "m6", "rejected", "not selected for round 3")
+    c.handle(Tick(100.0))
+    assert kinds(c.handle(ResultArrived("c", "m7", 1, task="old"))) == ["RefuseTask", "SendAck"] and c.late == 0
+    assert c.handle(ResultArrived("c", "m8", 1, task="tc"))[0].status == "late"
 
 
 def test_declines_are_recorded_once_and_only_for_pending_devices():
@@ -324,11 +345,12 @@ def _walk(make, events, table, steps, seed):
 
 def test_every_coordinator_row_fires_in_every_state_it_names():
     devs = ("a", "b", "c", "zz")
-    events = [lambda r, c: ResultArrived(r.choice(devs), f"m{r.randint(0, 4)}", 0),
-              lambda r, c: ResultInvalid(r.choice(devs), f"m{r.randint(0, 4)}", "bad"),
-              lambda r, c: Declined(r.choice(devs), "no data"), lambda r, c: DeviceLost(r.choice(devs)),
+    task = lambda r: r.choice([None, "t", "old"])      # "t": every participant's own task here
+    events = [lambda r, c: ResultArrived(r.choice(devs), f"m{r.randint(0, 4)}", 0, task(r)),
+              lambda r, c: ResultInvalid(r.choice(devs), f"m{r.randint(0, 4)}", "bad", task(r)),
+              lambda r, c: Declined(r.choice(devs), "no data", task(r)), lambda r, c: DeviceLost(r.choice(devs)),
               lambda r, c: GroupSettled(tuple(r.sample(devs, 2))), lambda r, c: Tick(r.uniform(0, 12))]
-    fired = _walk(lambda: coord(deadline=10.0), events, COORDINATOR_TABLE, 400, seed=1)
+    fired = _walk(lambda: coord(deadline=10.0, tasks=dict.fromkeys("abc", "t")), events, COORDINATOR_TABLE, 400, seed=1)
     names = lambda pairs: {(s.name, COORDINATOR_TABLE.describe(row)) for s, row in pairs}
     assert names(COORDINATOR_TABLE.entries()) - names(fired) == set()
 

@@ -69,7 +69,6 @@ class ActiveJob:
     rounds: dict[int, RoundCoordinator] = field(default_factory=dict)     # open rounds (and closing)
     closed: ClosedRounds = field(default_factory=ClosedRounds)   # what rounds let go still answer
     current: RoundCoordinator | None = None
-    tasks: dict[int, dict[str, str]] = field(default_factory=dict)     # round -> device -> task id
     deadlines: dict[int, float] = field(default_factory=dict)          # round -> wall-clock deadline
     opened_at: dict[int, float] = field(default_factory=dict)
     round_bytes: Counter = field(default_factory=Counter)
@@ -96,7 +95,7 @@ class ActiveJob:
         coord = self.rounds.pop(round_, None)
         if coord is not None:
             self.closed.let_go(coord, now)
-        for per_round in (self.tasks, self.deadlines, self.opened_at, self.round_bytes):
+        for per_round in (self.deadlines, self.opened_at, self.round_bytes):
             per_round.pop(round_, None)
 
     def round_entry(self, closed: RoundClosed, opened_at: float | None, closed_at: float | None) -> dict:

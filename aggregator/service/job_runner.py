@@ -19,8 +19,8 @@ from typing import Callable
 
 from protocols import messages as M
 from protocols.envelope import Envelope
-from protocols.rounds import (ApplyResult, Declined, DeviceLost, GroupSettled, RecordDeclined, RecordRejected, ResultArrived,
-                              ResultInvalid, RoundClosed, RoundCoordinator, SendAck, Tick)
+from protocols.rounds import (ApplyResult, Declined, DeviceLost, GroupSettled, RecordDeclined, RecordRejected, RefuseTask,
+                              ResultArrived, ResultInvalid, RoundClosed, RoundCoordinator, SendAck, Tick)
 from protocols.topics import AGGREGATOR_ID
 
 from aggregator.service import reporting
@@ -165,6 +165,9 @@ class JobRunner:
                     # stops waiting for it now, as for one gone offline (it held the whole group
                     # for the phase's timeout, every round a device declined)
                     self._secure_member_gone(act.device)
+            elif isinstance(act, RefuseTask):     # e.g. an older run's late result: logged, counted, not recorded
+                a.stats.reject("unknown task")
+                log.warning("rejected message from %s: unknown task: %s", act.device, act.reason)
             elif isinstance(act, ApplyResult):
                 if not self._apply(round_, act) or self.rebuilt:
                     return                  # quarantined, or a write failed: the job was rebuilt; the rest is void
@@ -418,9 +421,9 @@ class JobRunner:
         if self.store is not None:
             self.store.open_round(a.job_id, round_, participants, tasks, a.job.bookkeeping(), deadline_wall)
         self.crash("round_opened")
-        coord = RoundCoordinator(round_, frozenset(participants), now + a.job.config.round_timeout_s)
+        coord = RoundCoordinator(round_, frozenset(participants), now + a.job.config.round_timeout_s, tasks=tasks)
         a.rounds[round_] = a.current = coord
-        a.tasks[round_], a.deadlines[round_], a.opened_at[round_] = tasks, deadline_wall, time.time()
+        a.deadlines[round_], a.opened_at[round_] = deadline_wall, time.time()
         self.events.write("round_open", round_, participants=sorted(participants), deadline=deadline_wall)
         for dev in participants:
             self.send(dev, messages[dev])
@@ -429,7 +432,7 @@ class JobRunner:
 
     def _send_task(self, round_: int, device: str) -> None:
         a = self.a
-        self.send(device, self._task_message(round_, device, a.tasks[round_][device], a.deadlines[round_]))
+        self.send(device, self._task_message(round_, device, a.rounds[round_].tasks[device], a.deadlines[round_]))
         self.crash("task_sent")
 
     def _task_message(self, round_: int, device: str, task_id: str, deadline: float) -> Envelope:

@@ -8,7 +8,8 @@ create, pause, ...) on the service thread through :meth:`AggregatorService.call`
 
 Every inbound message is checked before it can touch state: revoked sender, envelope structure and
 size, signature (when identities are required), sender == the device named by the topic, device
-enrolled, job, round and task ids (``stray_results.py``), then the job's payload checks. What fails
+enrolled, job and round ids (``stray_results.py``), the task id (the round's machine), then the job's
+payload checks. What fails
 is logged and counted under one of a fixed set of reasons (``active_job.REJECTION_CLASSES``) and,
 for results, acknowledged ``rejected`` (``late`` for a job that ended).
 
@@ -75,7 +76,7 @@ from aggregator.service.job_runner import JobRunner, RunnerServices
 from aggregator.jobs.registry import KINDS, build_job, job_kind_name
 from aggregator.jobs.secure_rounds import LateProtocolMessage
 from aggregator.service.recovery import open_stored
-from aggregator.service.stray_results import StrayAnswer, StrayResults, another_task
+from aggregator.service.stray_results import StrayResults
 from aggregator.service.settings import ServiceSettings
 from aggregator.shards.shard import RECEIPT
 from aggregator.shards.pool import ShardPool
@@ -337,26 +338,25 @@ class AggregatorService(OperatorActions):
         coord = a.rounds.get(ref.round)
         if coord is None:       # a round closed and let go still answers (JobRunner.answer_closed)
             return self.runner.answer_closed(device, env, ref.round) or self._answer_stray(device, env, ref)
-        if a.tasks.get(ref.round, {}).get(device, ref.task) != ref.task:     # e.g. an older run's late result
-            return self._answer_stray(device, env, ref, another_task(ref))
         a.round_bytes[ref.round] += nbytes
-        if env.type == M.RESULT and not coord.applies(device, env.id):     # a duplicate or late one: not read
-            return self.runner.handle(coord, ResultArrived(device, env.id, None))
+        if env.type == M.RESULT and not coord.applies(device, env.id, ref.task):    # duplicate, late, another task's: not read
+            return self.runner.handle(coord, ResultArrived(device, env.id, None, ref.task))
         if not checked:         # a large result, its header only: decoded and validated by a worker
             return self._submit(device, env, raw, ref, kind)
         if env.type == M.DECLINE:
             log.info("device %s declined round %d: %s", device, ref.round, why := str(env.body.get("reason", ""))[:500])
-            return self.runner.handle(coord, Declined(device, why))
-        self._accept(coord, device, env.id, kind, raw, lambda: a.job.parse_result(env))
+            return self.runner.handle(coord, Declined(device, why, ref.task))
+        self._accept(coord, ref, device, env.id, kind, raw, lambda: a.job.parse_result(env))
 
-    def _answer_stray(self, device: str, env: Envelope, ref: M.TaskRef, answer: StrayAnswer | None = None) -> None:
-        """A result or decline for no open round, or ``answer``'s (``stray_results.py``); late: the service's count."""
-        answer = answer or self.strays.answer(ref, self.active.job_id if self.active is not None else None)
+    def _answer_stray(self, device: str, env: Envelope, ref: M.TaskRef) -> None:
+        """A result or decline for no open round (``stray_results.py``); late: the service's count."""
+        answer = self.strays.answer(ref, self.active.job_id if self.active is not None else None)
         self._reject(device, answer.rejection, answer.detail) if answer.rejection else self.stats.count_late()
         if answer.ack and env.type == M.RESULT:
             self._send(device, M.ack_message(AGGREGATOR_ID, env.id, answer.ack, answer.reason))
 
-    def _accept(self, coord, device: str, message_id: str, kind: str, raw: bytes, parse: Callable[[], Any]) -> None:
+    def _accept(self, coord, ref: M.TaskRef, device: str, message_id: str, kind: str, raw: bytes,
+                parse: Callable[[], Any]) -> None:
         """Feed the round machine a result ``parse`` validates, or its refusal."""
         a = self.active
         try:
@@ -366,9 +366,9 @@ class AggregatorService(OperatorActions):
         except EnvelopeError as exc:
             a.stats.reject("invalid payload")
             log.warning("rejected result from %s: %s", device, exc)
-            return self.runner.handle(coord, ResultInvalid(device, message_id, str(exc)))
+            return self.runner.handle(coord, ResultInvalid(device, message_id, str(exc), ref.task))
         self.crash("result_received")
-        self.runner.handle(coord, ResultArrived(device, message_id, ValidatedResult(payload, raw)))
+        self.runner.handle(coord, ResultArrived(device, message_id, ValidatedResult(payload, raw), ref.task))
 
     def _submit(self, device: str, header: Envelope, raw: bytes, ref: M.TaskRef, kind: str) -> None:
         a = self.active
@@ -386,7 +386,7 @@ class AggregatorService(OperatorActions):
         if a is None or ref.job != a.job_id or ref.round not in a.rounds:   # closed meanwhile: its answer
             return (a is not None and ref.job == a.job_id and self.runner.answer_closed(device, header, ref.round)
                     or self._answer_stray(device, header, ref))
-        self._accept(a.rounds[ref.round], device, header.id, kind, raw, accepted_parser(future.result(), a.job, raw))
+        self._accept(a.rounds[ref.round], ref, device, header.id, kind, raw, accepted_parser(future.result(), a.job, raw))
 
     def _on_artifact_get(self, device: str, env: Envelope) -> None:
         reply, refused = artifact_reply(self.artifacts, device, env)

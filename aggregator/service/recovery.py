@@ -114,7 +114,8 @@ class _RoundReplay:
 
     def round(self, r) -> None:
         a, job = self.a, self.a.job
-        coord = RoundCoordinator(r.round, frozenset(r.participants), self._mono + (r.deadline - self._wall))
+        coord = RoundCoordinator(r.round, frozenset(r.participants), self._mono + (r.deadline - self._wall),
+                                 tasks=dict(r.tasks))
         while self.next_id is not None and self.next_id.round == r.round:
             coord.restore(self.next_id.device, self.next_id.message_id)
             self.next_id = next(self._ids, None)
@@ -124,7 +125,7 @@ class _RoundReplay:
             job.apply(self.next_payload.device, job.parse_result(decode(self.next_payload.payload)))
             self.replayed += 1
             self.next_payload = next(self._payloads, None)
-        a.rounds[r.round], a.tasks[r.round] = coord, r.tasks
+        a.rounds[r.round] = coord
         a.deadlines[r.round], a.opened_at[r.round] = r.deadline, r.opened_at
         a.round_bytes[r.round] = r.bytes_in
         if r.state == "closed":

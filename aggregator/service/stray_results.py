@@ -1,6 +1,6 @@
 """What the aggregator answers a result (or a decline) for a round that is neither open here nor
 one its job closed and let go (those ``JobRunner.answer_closed`` answers, as the round's own
-machine would have), or for an open round's task its device was not given (``another_task``).
+machine would have; a round's machine also refuses a task its device was not given there).
 
 A device whose result gets no ack re-sends the whole upload, with back-off, up to ``max_retries``
 times (``protocols/rounds.py``, ``DeviceSession``). So such a result is acknowledged whenever its
@@ -38,15 +38,6 @@ class StrayResults:
         running = ref.job == running_job
         stored = None if running or self.store is None else (self.store.job(ref.job) or {}).get("state")
         return stray_answer(ref, running, not running and self.job_ends.ended_lately(ref.job), stored)
-
-
-def another_task(ref: TaskRef) -> StrayAnswer:
-    """A result or decline for an open round that names a task its device was not given in it: an
-    older run's, of a job created again under the same id (its rounds count from 1 again), whose
-    late result would otherwise be taken as the device's answer, and its real one then acked
-    ``duplicate``. Refused without spending the device's answer for the round."""
-    return StrayAnswer("rejected", f"task {ref.task[:64]!r} is not this device's task of round {ref.round}",
-                       "unknown task", f"round {ref.round} task {ref.task[:64]!r}")
 
 
 def stray_answer(ref: TaskRef, running: bool, ended_lately: bool, stored_state: str | None) -> StrayAnswer:
