@@ -11,7 +11,9 @@ every round (Fed3R statistics, OLL, evaluation), so :meth:`FeatureExtractor.extr
 them. The cache key covers the model (``cache_key``: backbone, weights digest, runtime), the
 preprocessing (image size, mean, std) and the exact images (dtype, shape and bytes). Files are
 written to a temporary name and renamed, so a crash or a concurrent writer never leaves a
-half-written file under the final name; an unreadable cache file is treated as a miss.
+half-written file under the final name; an unreadable cache file is treated as a miss. A hit
+touches its file, so a disk budget on the folder (``edge_client/disk_budget.py``, the device's
+``--feature-cache-mb``) removes the files least recently used first.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import numpy as np
 
 # torch is imported by the eager path only: a torch-free device (fedfleet[device]) extracts
 # features with an exported program (FeatureExtractor.from_bundle).
+from edge_client.disk_budget import touch
 from edge_client.preprocess import to_model_input, validate_images
 from protocols.files import read_npy_header
 
@@ -187,6 +190,7 @@ class FeatureExtractor:
         if (features.dtype != np.float32 or features.ndim != 2 or features.shape[0] != count
                 or (expected_dim is not None and features.shape[1] != expected_dim)):
             return None
+        touch(path)         # used: the last a disk budget on the cache folder removes (disk_budget.py)
         return features
 
     def _store(self, path: pathlib.Path, features: np.ndarray) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import functools
+import collections
 import signal
 import threading
 from pathlib import Path
@@ -31,6 +31,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fetch this exported bundle (manifest sha256) from the aggregator at start, verify it, "
                         "and extract features with it (--runtime executorch|onnxruntime)")
     p.add_argument("--bundle-dir", type=Path, default=Path(".cache/bundle"), help="where the fetched bundle goes")
+    p.add_argument("--bundle-disk-mb", type=float, default=1024.0,
+                   help="the most the fetched bundles may take in --bundle-dir; the least recently used go first "
+                        "(a bundle in use stays)")
+    p.add_argument("--feature-cache-mb", type=float, default=256.0,
+                   help="the most the feature cache may take in --cache-dir; the least recently used files go first")
     p.add_argument("--training-bundle", type=Path, default=None,
                    help="manifest.json of a head training bundle: FedAvg rounds train through its program")
     p.add_argument("--tail-bundle", type=Path, default=None,
@@ -112,6 +117,7 @@ def run_device(args) -> int:
 
     from edge_client.agent import DeviceAgent
     from edge_client.data.split import train_holdout_split
+    from edge_client.disk_budget import DiskBudget
     from edge_client.handlers import HandlerConfig, LocalData, SharedExtractors, Unsupported, device_handlers, \
         torch_free
     from protocols.mqtt_link import BrokerConfig
@@ -129,7 +135,8 @@ def run_device(args) -> int:
     extractors = FetchedBundles(args.id, broker, Topics(args.topic_root), args.bundle_dir, args.runtime,
                                 args.cache_dir, default=args.bundle_sha, local=local,
                                 aggregator_key=bytes.fromhex(args.aggregator_key) if args.aggregator_key else None,
-                                signer=identity.sign if identity is not None else None)
+                                signer=identity.sign if identity is not None else None,
+                                disk_budget_bytes=_megabytes(args.bundle_disk_mb))
     if args.bundle_sha:
         extractors.get(args.bundle_sha)          # at boot: fail early on a bad or unreachable bundle
     handlers = device_handlers(LocalData(images, labels, train_idx, holdout_idx), extractors,
@@ -150,11 +157,25 @@ def run_device(args) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    feature_cache = DiskBudget(Path(args.cache_dir), _megabytes(args.feature_cache_mb), "features-*.npy") \
+        if args.cache_dir else None
+    while True:         # from the start, then every DISK_CHECK_S: the cache grows with every task
+        extractors.trim()       # (bundles are also trimmed at each fetch)
+        if feature_cache is not None:
+            feature_cache.trim()
+        if stop.wait(DISK_CHECK_S):
+            break
     agent.stop()
     if follower is not None:
         follower.stop()
     return 0
+
+
+DISK_CHECK_S = 30.0      # how often a running device trims its feature cache and fetched bundles
+
+
+def _megabytes(mb: float) -> int:
+    return int(mb * 2**20)
 
 
 def _check_device_arguments(args) -> None:
@@ -166,6 +187,10 @@ def _check_device_arguments(args) -> None:
 
     if args.personalize and not args.deployments:
         raise UserError("--personalize applies to the deployed head: it needs --deployments DIR")
+    for flag in ("bundle_disk_mb", "feature_cache_mb"):
+        if not 1 <= getattr(args, flag) <= 2**30:        # also refuses NaN
+            raise UserError(f"--{flag.replace('_', '-')} must be a size in MB between 1 and 2^30, "
+                            f"got {getattr(args, flag)}")
     if args.credentials:
         apply_credentials(args)
     if args.id is None:
@@ -317,10 +342,12 @@ class FetchedBundles:
     given at boot (``--bundle-sha``) or, without one, the local extractor (``--runtime``)."""
 
     def __init__(self, device_id: str, broker, topics, bundle_dir: Path, runtime: str, cache_dir: str | None,
-                 default: str | None, local, aggregator_key: bytes | None = None, signer=None):
+                 default: str | None, local, aggregator_key: bytes | None = None, signer=None,
+                 disk_budget_bytes: int | None = None):
         """``aggregator_key``: the device then takes only the aggregator's signed artifact replies;
-        ``signer``: the device's, for its requests (an aggregator requiring signatures drops unsigned ones)."""
-        from edge_client.tasks.extractors import MAX_HELD_EXTRACTORS
+        ``signer``: the device's, for its requests (an aggregator requiring signatures drops unsigned ones);
+        ``disk_budget_bytes``: the most the fetched bundles may hold on disk (None: no bound)."""
+        from edge_client.disk_budget import DiskBudget
         from protocols.identity import sender_verifier
         from protocols.topics import AGGREGATOR_ID
 
@@ -329,14 +356,38 @@ class FetchedBundles:
         self.device_id, self.broker, self.topics = device_id, broker, topics
         self.bundle_dir, self.runtime, self.cache_dir = Path(bundle_dir), runtime, cache_dir
         self.default, self.local = default, local
-        # manifest sha256 -> (extractor, weights sha256), for the last few bundles jobs named (a bundle
-        # on disk stays; only its program leaves memory)
-        self._fetched = functools.lru_cache(maxsize=MAX_HELD_EXTRACTORS)(self._fetch)
+        self.disk = DiskBudget(self.bundle_dir, disk_budget_bytes) if disk_budget_bytes is not None else None
+        # manifest sha256 -> (extractor, weights sha256), for the last few bundles jobs named, most
+        # recent last; a bundle on disk stays until the disk budget needs its room (never while held)
+        self._held: collections.OrderedDict[str, tuple] = collections.OrderedDict()
         self.lock = threading.Lock()
 
     def get(self, sha: str):
+        from edge_client.disk_budget import touch
+        from edge_client.tasks.extractors import MAX_HELD_EXTRACTORS
+
         with self.lock:
-            return self._fetched(sha)
+            touch(self._folder(sha))                 # asked for: the last the disk budget removes
+            if sha in self._held:
+                self._held.move_to_end(sha)
+                return self._held[sha]
+            self._held[sha] = self._fetch(sha)
+            if len(self._held) > MAX_HELD_EXTRACTORS:
+                self._held.popitem(last=False)
+            self._trim()
+            return self._held[sha]
+
+    def trim(self) -> None:
+        """Keep the fetched bundles within the disk budget (the held ones stay)."""
+        with self.lock:
+            self._trim()
+
+    def _trim(self) -> None:
+        if self.disk is not None:
+            self.disk.trim(keep={self._folder(sha) for sha in self._held})
+
+    def _folder(self, sha: str) -> Path:
+        return self.bundle_dir / sha[:16]
 
     def _fetch(self, sha: str):
         from edge_client.artifacts import fetch_bundle
@@ -346,7 +397,7 @@ class FetchedBundles:
         # its own MQTT identity (account {id}/fetch where the broker has accounts): the agent's
         # connection stays up while the bundle comes in
         broker = self.broker.for_role(FETCH_ROLE)
-        manifest = fetch_bundle(self.device_id, broker, sha, self.bundle_dir / sha[:16], self.topics,
+        manifest = fetch_bundle(self.device_id, broker, sha, self._folder(sha), self.topics,
                                 client_id=broker.username or f"{self.device_id}.fetch", verifier=self.verifier,
                                 signer=self.signer)
         extractor = FeatureExtractor.from_bundle(manifest, self.runtime, self.cache_dir, sha)

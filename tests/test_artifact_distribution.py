@@ -141,7 +141,9 @@ def test_a_fetched_bundle_extracts_the_same_features_as_eager(tmp_path, bundle):
 @pytest.mark.slow
 def test_a_job_names_its_bundle_and_the_device_fetches_it_on_demand(broker, tmp_path, bundle):
     """`fedfleet device` started without a bundle: the job's tasks name one (bundle_sha256), the
-    device fetches it from the aggregator, verifies it and computes its statistics with it."""
+    device fetches it from the aggregator, verifies it and computes its statistics with it. Its
+    disk budgets hold: an old bundle and an old feature file, beyond them, are gone; the bundle
+    in use and the features just computed stay (edge_client/disk_budget.py)."""
     import struct
     import subprocess
     import sys
@@ -160,6 +162,11 @@ def test_a_job_names_its_bundle_and_the_device_fetches_it_on_demand(broker, tmp_
                                                 + struct.pack(f">{arr.ndim}I", *arr.shape) + arr.tobytes())
     shelf = ArtifactShelf()
     manifest_sha = shelf.add_bundle(bundle)
+    stale_bundle = tmp_path / "fetched" / ("ab" * 8) / "model.onnx"       # a bundle of an earlier job
+    stale_features = tmp_path / "cache" / "features-old.npy"
+    for stale in (stale_bundle, stale_features):
+        stale.parent.mkdir(parents=True)
+        stale.write_bytes(bytes(2 << 20))
     job = Fed3RJob(Fed3RConfig(num_classes=10, image_size=32, feature_dim=1280, bundle_sha256=manifest_sha,
                                weights_sha256=weights_sha256("mobilenet_v2"), expected_devices=1,
                                start_timeout_s=120, round_timeout_s=120))
@@ -170,7 +177,9 @@ def test_a_job_names_its_bundle_and_the_device_fetches_it_on_demand(broker, tmp_
     t.start()
     device = subprocess.Popen([sys.executable, "-m", "fedfleet.cli", "device", "--id", "cam9", "--broker", broker.url,
                                "--idx", str(tmp_path / "images.idx"), str(tmp_path / "labels.idx"),
-                               "--runtime", "onnxruntime", "--threads", "1", "--bundle-dir", str(tmp_path / "fetched")],
+                               "--runtime", "onnxruntime", "--threads", "1", "--bundle-dir", str(tmp_path / "fetched"),
+                               "--bundle-disk-mb", "1", "--cache-dir", str(tmp_path / "cache"),
+                               "--feature-cache-mb", "1"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         t.join(160)
@@ -178,7 +187,10 @@ def test_a_job_names_its_bundle_and_the_device_fetches_it_on_demand(broker, tmp_
         device.terminate()
         log, _ = device.communicate(timeout=30)
     assert result.get("state") == "done" and list(result["contributed"]) == ["cam9"], log[-3000:]
+    assert sorted(p.name for p in (tmp_path / "fetched").iterdir()) == [manifest_sha[:16]]   # in use: kept
     assert (tmp_path / "fetched" / manifest_sha[:16] / "manifest.json").exists()
+    kept = list((tmp_path / "cache").glob("features-*.npy"))
+    assert not stale_features.exists() and len(kept) == 1 and kept[0].stat().st_size < 1 << 20
     # the statistics are those of the bundle's features on the device's training split
     train, _ = train_holdout_split(np.arange(20), 0.2, 0)
     Z = extractor_from_manifest(bundle / "manifest.json", "onnxruntime", None).extract(x[train]).astype(np.float64)

@@ -1,0 +1,121 @@
+"""What a device keeps on disk stays within its budget (edge_client/disk_budget.py): the feature
+cache and the bundles jobs named, least recently used out first, what is in use never."""
+
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edge_client.disk_budget import DiskBudget
+from edge_client.features import FeatureExtractor
+
+
+def _file(path: Path, size: int, mtime: float) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"x" * size)
+    os.utime(path, (mtime, mtime))
+    return path
+
+
+def _on_disk(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def test_the_least_recently_used_entries_go_until_the_folder_fits(tmp_path):
+    sizes = {"a": 300, "b": 200, "c": 400, "d": 100}           # a is the oldest, d the newest
+    for i, (name, size) in enumerate(sizes.items()):
+        _file(tmp_path / f"features-{name}.npy", size, 1_000 + i)
+    other = _file(tmp_path / "notes.txt", 5_000, 10)          # outside the pattern: never counted or removed
+    removed = DiskBudget(tmp_path, 600, "features-*.npy").trim()
+    assert [p.name for p in removed] == ["features-a.npy", "features-b.npy"]     # 1,000 -> 700 -> 500 bytes
+    assert sorted(p.name for p in tmp_path.glob("features-*")) == ["features-c.npy", "features-d.npy"]
+    assert other.exists() and _on_disk(tmp_path) - other.stat().st_size == 500
+    assert DiskBudget(tmp_path, 600, "features-*.npy").trim() == []            # within it: nothing more
+
+
+def test_an_entry_in_use_stays_even_when_the_rest_cannot_make_room(tmp_path):
+    for i, name in enumerate("abc"):                            # folders: a bundle's files together
+        _file(tmp_path / name / "model.onnx", 400, 1_000 + i)
+        _file(tmp_path / name / "manifest.json", 100, 1_000 + i)
+        os.utime(tmp_path / name, (1_000 + i, 1_000 + i))
+    removed = DiskBudget(tmp_path, 400).trim(keep={tmp_path / "a"})
+    assert [p.name for p in removed] == ["b", "c"]              # a, the oldest, is in use
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"] and _on_disk(tmp_path) == 500   # over, by a alone
+
+
+def test_a_budget_must_be_positive(tmp_path):
+    with pytest.raises(ValueError, match="positive"):
+        DiskBudget(tmp_path, 0)
+
+
+def test_a_cache_hit_marks_its_file_used_so_the_budget_removes_the_other(tmp_path):
+    calls = []
+
+    def forward(batch):
+        calls.append(len(batch))
+        return batch.reshape(len(batch), -1)[:, :4].astype(np.float32) + 1
+
+    extractor = FeatureExtractor(forward, image_size=8, mean=(0.5,) * 3, std=(0.25,) * 3, cache_dir=tmp_path,
+                                 cache_key="test")
+    rng = np.random.default_rng(0)
+    first, second = (rng.integers(0, 256, (3, 8, 8), dtype=np.uint8) for _ in range(2))
+    want_first = extractor.extract(first)
+    extractor.extract(second)
+    files = sorted(tmp_path.glob("features-*.npy"), key=lambda p: p.stat().st_mtime_ns)
+    assert len(files) == 2 and len(calls) == 2
+    for i, path in enumerate(files):                          # both old; the first one's images older
+        os.utime(path, (1_000 + i, 1_000 + i))
+    first_file = extractor._cache_file(first)
+    np.testing.assert_array_equal(extractor.extract(first), want_first)     # a hit: nothing run
+    assert len(calls) == 2 and first_file.stat().st_mtime > 2_000
+    one_file = first_file.stat().st_size
+    assert DiskBudget(tmp_path, one_file, "features-*.npy").trim() == [extractor._cache_file(second)]
+    np.testing.assert_array_equal(extractor.extract(first), want_first)
+    assert len(calls) == 2                                    # still cached
+    extractor.extract(second)
+    assert len(calls) == 3                                    # removed: computed again, never wrong
+
+
+def test_a_device_keeps_the_bundles_it_holds_and_fetches_again_what_the_budget_removed(broker, tmp_path, onnx_bundle_32px,
+                                                                                        monkeypatch):
+    """Over mosquitto: three bundles a job could name, a budget with room for about one and a half,
+    one program held in memory. What the device fetched earlier goes from its disk when a newer
+    one needs the room; asked for again, it is fetched again and runs."""
+    import edge_client.tasks.extractors as extractors_module
+    from aggregator.service.artifacts import ArtifactShelf
+    from fedfleet.device import FetchedBundles
+    from protocols.mqtt_link import BrokerConfig
+    from protocols.topics import Topics
+    from test_artifact_distribution import serve
+
+    monkeypatch.setattr(extractors_module, "MAX_HELD_EXTRACTORS", 1)
+    shelf, shas = ArtifactShelf(), []
+    for i in range(3):                  # the same files under three manifests (their digests differ)
+        variant = tmp_path / f"variant{i}"
+        shutil.copytree(onnx_bundle_32px, variant)
+        manifest = variant / "manifest.json"
+        manifest.write_text(manifest.read_text() + "\n" * (i + 1))
+        shas.append(shelf.add_bundle(variant))
+    one = _on_disk(onnx_bundle_32px)
+    svc, t = serve(broker, tmp_path, shelf)
+    try:
+        fetched = FetchedBundles("cam1", BrokerConfig.from_url(broker.url), Topics(), tmp_path / "bundles",
+                                 "onnxruntime", None, default=None, local=None, disk_budget_bytes=int(1.5 * one))
+        folders = lambda: sorted(p.name for p in (tmp_path / "bundles").iterdir())
+        x = np.random.default_rng(0).integers(0, 256, (2, 28, 28), dtype=np.uint8)
+        want = fetched.get(shas[0])[0].extract(x)
+        assert folders() == [shas[0][:16]]
+        fetched.get(shas[1])
+        assert folders() == [shas[1][:16]]                    # the first gave its room to the held one
+        assert _on_disk(tmp_path / "bundles") <= int(1.5 * one)
+        extractor, _ = fetched.get(shas[0])                   # asked for again: fetched again, verified
+        np.testing.assert_allclose(extractor.extract(x), want, rtol=1e-6, atol=1e-6)
+        assert folders() == [shas[0][:16]]
+        fetched.get(shas[2])
+        assert folders() == [shas[2][:16]] and svc.active.stats.rejections == {}
+    finally:
+        svc.stop()
+        t.join(10)
