@@ -402,3 +402,118 @@ def test_simulate_shards_takes_the_secure_kinds_shards_host_and_says_why_not_for
     dp = build_job("fed3r-sync", {**common, "dp_noise_multiplier": 1.0, "feature_clip_norm": 8.0})
     with pytest.raises(ValueError, match="differential privacy"):     # a dropped group's devices would be re-noised
         check_shardable(dp, "fed3r-sync")
+
+
+def _sharded_coordinator(tmp_path, members):
+    """A Fed3R-Sync job's shard coordinator with round 1's group released, its pool recording what
+    it is told (the coordinator's decisions, sans-IO), and the job's config."""
+    import queue
+
+    from aggregator.jobs.registry import build_job
+    from aggregator.shards.secure_groups import ShardedSecureJob
+    from ops_fleet import job_config
+
+    class RecordingPool:
+        shards = 2
+
+        def __init__(self):
+            self.placed, self.told, self.group_outcomes = {}, [], queue.Queue()
+
+        def open_group(self, shard, config, context):
+            self.placed[config.round_id] = shard
+            self.told.append(("open", config.round_id, config, context))
+
+        def tell_group(self, round_id, command, *args):
+            if round_id in self.placed:
+                self.told.append((command, round_id, *args))
+
+        def group_ended(self, round_id):
+            self.placed.pop(round_id, None)
+
+    keys = SecureKeys.create(tmp_path, DEVICES)
+    config = {**job_config(DEVICES, "fed3r-sync"), "max_samples": 100, **keys.job_fields(tmp_path)}
+    pool = RecordingPool()
+    coordinator = ShardedSecureJob(build_job("fed3r-sync", config), "fed3r-sync", pool)
+    assert sorted(coordinator.next_participants(set(members))) == members
+    return coordinator, pool, config, keys
+
+
+def test_a_member_gone_before_its_group_is_placed_is_told_to_the_shard_that_hosts_it(tmp_path):
+    """A review's finding: a member that went offline (or declined) between the round's tasks and
+    the tick that places its group on a shard was forgotten, so the host held the advertise phase
+    open for it until the phase's timeout, where one aggregator closes it when the others answer."""
+    from aggregator.jobs.registry import build_job
+    from aggregator.shards.shard import ShardIngest
+    from aggregator.storage.store import Store
+    from protocols.payloads.secagg import from_envelope, to_envelope
+    from protocols.secagg import ClientSecAgg
+
+    members = ["dev03", "dev04", "dev08"]
+    coordinator, pool, config, keys = _sharded_coordinator(tmp_path, members)
+    assert coordinator.secure_round_live(1)
+    coordinator.member_offline("dev04", 0.5)                  # before the group's first tick
+    coordinator.on_protocol_tick(1.0)                         # places it
+    assert [told[0] for told in pool.told] == ["open", "group_offline"] and pool.told[1][1:] == (1, "dev04")
+    _, _, group, context = pool.told[0]
+    host = ShardIngest(1, 2, Store(tmp_path / "s1.db"))
+    host.set_job(config["job_id"], "fed3r-sync", config)
+    host.groups.open(group, context)
+    one = build_job("fed3r-sync", config)                     # one aggregator, told the same at the same time
+    assert sorted(one.next_participants(set(members))) == members
+    one.member_offline("dev04", 0.5)
+    machines = {"one aggregator": (one.on_protocol_tick(1.0), one.on_protocol),
+                "sharded": (_host_told(host, pool.told[1:], 1.0), host.groups.job.on_protocol)}
+    for name, (started, on_protocol) in machines.items():
+        for device, env in started:
+            if device == "dev04":
+                continue
+            start = from_envelope(env)
+            client = ClientSecAgg(keys.devices[device], "aggregator", keys.aggregator.public_key_bytes,
+                                  job_id=start.job_id, round_id=start.round_id, group_id=start.group_id)
+            for reply in client.handle(start):
+                on_protocol(device, to_envelope(reply), 1.0)
+    assert one.secure.state.value == host.groups.job.secure.state.value == "wait_shares"
+
+
+def _host_told(host, told, now):
+    """The host's first phase after the coordinator's notices reached it, as the pool delivers them."""
+    for command, round_id, device in told:
+        assert command == "group_offline"
+        host.groups.offline(round_id, device, now)
+    return host.groups.tick(now)
+
+
+def test_culprits_a_host_names_for_a_round_closed_meanwhile_are_kept_out_of_later_rounds(tmp_path):
+    """A review's finding: a host's failure report for a round the coordinator had closed at its
+    deadline was dropped before its culprits were noted, so the device they named was drawn again."""
+    coordinator, pool, _, _ = _sharded_coordinator(tmp_path, ["dev03", "dev04", "dev08"])
+    coordinator.on_protocol_tick(1.0)
+    coordinator.abort_secure_round(1, "deadline")             # the coordinator closed it first
+    pool.group_outcomes.put((coordinator.inner.config.job_id, "failed", 1, ("dev04",), "aborted: deadline"))
+    coordinator.on_protocol_tick(2.0)
+    assert coordinator.culprits == {"dev04"}
+    assert "dev04" not in coordinator.inner.next_participants(set(DEVICES))
+
+
+def test_a_group_its_shard_cannot_build_fails_with_the_reason_and_the_shard_lives(tmp_path):
+    """A review's finding: a member the shard's device keys lack (the key file edited, the shard
+    restarted) raised SecAgg's ConfigError out of ShardGroups.open, which ended the shard process."""
+    from aggregator.jobs.registry import build_job
+    from aggregator.shards.shard import ShardIngest
+    from aggregator.storage.store import Store
+    from ops_fleet import job_config
+
+    config = {**job_config(DEVICES, "fed3r-sync"), "max_samples": 100,
+              **SecureKeys.create(tmp_path, DEVICES).job_fields(tmp_path)}
+    coordinator = build_job("fed3r-sync", config)
+    coordinator.next_participants({"dev03", "dev04", "dev08"})
+    group, context = coordinator.release_group()
+    keys_file = tmp_path / "device_keys.json"
+    keys = json.loads(keys_file.read_text())
+    keys.pop("dev04")
+    keys_file.write_text(json.dumps(keys))
+    host = ShardIngest(1, 2, Store(tmp_path / "s1.db"))
+    host.set_job(config["job_id"], "fed3r-sync", config)
+    assert host.groups.open(group, context) == []
+    assert host.groups.job.secure_failure(1).startswith("its shard cannot host it: ")
+    assert "dev04" in host.groups.job.secure_failure(1)

@@ -78,6 +78,7 @@ class ShardedSecureJob(CoordinatedJob):
         self.pool = pool
         self.identity = inner.identity          # the service signs with the job's identity
         self._unplaced: tuple[RoundConfig, dict] | None = None     # (config, hosting context)
+        self._offline_unplaced: set[str] = set()     # its members gone before it was placed: told its host then
 
     contributions = property(lambda self: self.inner.contributions)
     failed_rounds = property(lambda self: self.inner.failed_rounds)
@@ -94,7 +95,7 @@ class ShardedSecureJob(CoordinatedJob):
     def next_participants(self, online: set[str]) -> list[str]:
         chosen = self.inner.next_participants(online)
         if chosen and self.inner.has_unstarted_group:       # (a plaintext round opens none)
-            self._unplaced = self.inner.release_group()
+            self._unplaced, self._offline_unplaced = self.inner.release_group(), set()
         return chosen
 
     # ---------------------------------------------------------------- the service's hooks
@@ -104,6 +105,9 @@ class ShardedSecureJob(CoordinatedJob):
         if self._unplaced is not None:
             (config, context), self._unplaced = self._unplaced, None
             self.pool.open_group(SecureGroupPlacement.shard_of(config.round_id, self.pool.shards), config, context)
+            for device in sorted(self._offline_unplaced & set(config.members)):
+                self.pool.tell_group(config.round_id, "group_offline", device)
+            self._offline_unplaced = set()
         while True:
             try:
                 outcome = self.pool.group_outcomes.get_nowait()
@@ -114,10 +118,12 @@ class ShardedSecureJob(CoordinatedJob):
     def _group_outcome(self, job_id: str, what: str, round_id: int, culprits: tuple[str, ...], *details: Any) -> None:
         if job_id != self.inner.config.job_id:
             return log.info("a %s of job %r's secure round %d, not this job's: dropped", what, job_id, round_id)
+        # as one aggregator does: out of the later rounds, whether or not the round is still open here
+        # (a round closed at its deadline while its host convicted them: dropped, they came back)
+        self.inner.note_culprits(round_id, culprits)
         if round_id not in self.pool.placed:
             return log.info("secure round %d: its host's %s came after the round closed: dropped", round_id, what)
         self.pool.group_ended(round_id)
-        self.inner.note_culprits(round_id, culprits)       # as one aggregator does: out of the later rounds
         if what == "sum":
             total, survivors = details
             self.inner.group_summed(round_id, np.asarray(total), tuple(survivors))
@@ -129,6 +135,8 @@ class ShardedSecureJob(CoordinatedJob):
         raise EnvelopeError("a secure-aggregation message belongs to the shard hosting its group, not here")
 
     def member_offline(self, device: str, now: float) -> list[tuple[str, Envelope]]:
+        if self._unplaced is not None:      # told its host once placed (one aggregator's idle server keeps it too)
+            self._offline_unplaced.add(device)
         for round_id in list(self.pool.placed):
             self.pool.tell_group(round_id, "group_offline", device)
         return []
@@ -149,7 +157,7 @@ class ShardedSecureJob(CoordinatedJob):
     def abort_secure_round(self, round_id: int, reason: str) -> None:
         """The coordinator decides: the group fails now; its host is told to abort it."""
         if self._unplaced is not None and self._unplaced[0].round_id == round_id:
-            self._unplaced = None
+            self._unplaced, self._offline_unplaced = None, set()
         elif round_id not in self.pool.placed:
             return
         self.pool.tell_group(round_id, "group_abort", reason)

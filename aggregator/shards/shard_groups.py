@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 
 from protocols.envelope import Envelope, EnvelopeError
-from protocols.secagg import RoundConfig
+from protocols.secagg import RoundConfig, SecAggError
 
 from aggregator.jobs.secure_rounds import SecureGroupRounds
 
@@ -48,7 +48,7 @@ class ShardGroups:
         self.held, self._sum = config.round_id, None
         try:
             self.job.host_group(config, context)
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, SecAggError) as exc:    # e.g. a member its device keys lack
             log.error("shard %d: cannot host secure round %d: %s", self.index, config.round_id, exc)
             self.job.group_failed(config.round_id, f"its shard cannot host it: {exc}")
             return sends
