@@ -9,7 +9,7 @@ from functools import partial
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Path, Query, status
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from aggregator.api.context import ApiContext
 from aggregator.api.schemas import JOB_ID_PATTERN, MAX_ID, ONE, READ, WRITE
@@ -23,6 +23,8 @@ DeploymentId = Path(pattern=DEPLOYMENT_ID)
 
 
 class DeploymentCreate(BaseModel):
+    # strict, as a job's config: true is no min_reports of 1, "3" no 3, and a misspelt field no default
+    model_config = ConfigDict(strict=True, extra="forbid")
     deployment_id: str = Field(default="", pattern=f"^$|{DEPLOYMENT_ID}",
                                description="default: m<model id>-<unix time>")
     cohort: str = Field(default="5%", max_length=4096,
@@ -43,6 +45,7 @@ class DeploymentCreate(BaseModel):
 
 
 class Rollback(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
     reason: str = Field(default="rolled back by the operator", max_length=500)
 
 
