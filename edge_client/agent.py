@@ -27,7 +27,7 @@ import numpy as np
 from protocols import messages as M
 from protocols.chunking import DEFAULT_CHUNK_SIZE, encode_parts
 from protocols.envelope import EnvelopeError, encode
-from protocols.message_loop import MessageLoop
+from protocols.message_loop import MessageLoop, QueueBound
 from protocols.mqtt_link import BrokerConfig, MqttLink
 from protocols.payloads.job_end import JOB_ENDED, MAX_NOTICES, parse_job_ended
 from protocols.payloads.stateful import foreign_job
@@ -44,6 +44,10 @@ from edge_client.work_deadline import PastDeadline, working_until
 log = logging.getLogger("fedfleet.device")
 
 MAX_REASON_CHARS = 200          # of a decline reason or a tick's error, as logged
+# What the agent's topics (its inbox, the job-end notices) may hold unread while it works: several
+# times the largest task a job sends (a backbone's tail or a LADD network: tens of MB), never the
+# flood anyone can publish to an open inbox (protocols/message_loop.py)
+INBOX_QUEUE_BOUND = QueueBound(128 * 2 ** 20, 160 * 2 ** 20)
 
 
 class FirstTimes:
@@ -149,12 +153,13 @@ class DeviceAgent:
             log.warning("devices are not verifying the aggregator's messages (no aggregator key): "
                         "development mode only")
         # what the link receives, handled on the agent's thread (or when a device host pumps it)
-        self.loop = MessageLoop(self._handle, self._tick, tick_s, name=f"agent-{device_id}", failed=self._failed)
+        self.loop = MessageLoop(self._handle, self._tick, tick_s, name=f"agent-{device_id}", failed=self._failed,
+                                bound=INBOX_QUEUE_BOUND)
         offline = M.presence_message(device_id, "offline")
         # The link is the agent's only I/O: a threaded paho link on a real device, a link on a shared
         # event loop when one process hosts thousands of emulated devices (fedfleet.emulation.host).
         self.link = link_factory(
-            client_id=device_id, broker=broker, on_message=lambda t, p: self.loop.post((t, p)),
+            client_id=device_id, broker=broker, on_message=lambda t, p: self.loop.post((t, p), t, len(p)),
             subscriptions=[(topics.inbox(device_id), 1)] + [(topics.job_ends, 1)] * (state is not None),
             on_connect=self._announce,
             will=(topics.presence(device_id), encode(offline, signer=signer), True))

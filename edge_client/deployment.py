@@ -49,6 +49,7 @@ from edge_client.oll import prune
 from protocols.envelope import EnvelopeError
 from protocols.files import write_atomic
 from protocols.identity import sender_verifier
+from protocols.message_loop import QueueBound
 from protocols.mqtt_link import BrokerConfig, LinkWorker, MqttLink
 from protocols.payloads import deployment as D
 from protocols.payloads.artifacts import ARTIFACT, get_message, parse_artifact
@@ -249,7 +250,9 @@ class DeploymentFollower(LinkWorker):
                  holdout: Callable[[str], tuple[np.ndarray, np.ndarray]], topics: Topics = Topics(),
                  aggregator_key: bytes | None = None, signer=None, fetch_timeout_s: float = 60.0,
                  retry_s: float = 5.0, client_id: str | None = None, refusal_interval_s: float = 10.0):
-        super().__init__(thread_name=f"{device_id}-deploy", tick_s=0.2)
+        # unread, the aggregator's deploy topics hold at most two of the largest heads here
+        super().__init__(thread_name=f"{device_id}-deploy", tick_s=0.2,
+                         bound=QueueBound(2 * (D.MAX_HEAD_BYTES + (1 << 20)), 4 * (D.MAX_HEAD_BYTES + (1 << 20))))
         slot.bind_key(aggregator_key)
         self.device_id, self.slot, self.holdout, self.topics, self.signer = device_id, slot, holdout, topics, signer
         self.fetch_timeout_s, self.retry_s, self.refusal_interval_s = fetch_timeout_s, retry_s, refusal_interval_s

@@ -14,6 +14,16 @@ re-raise to end the loop. A ``call``'s error always goes back to its caller.
 The loop runs on a thread of its own (:meth:`start`, :meth:`stop`), or on the caller's, one item
 at a time (:meth:`serve_one`: the service interleaves its job lifecycle between items), or is
 pumped (:meth:`serve_pending`: a device host drives thousands of device agents on a few threads).
+
+What waits in the queue is bounded (:class:`QueueBound`): a message is checked (decoded, its
+signature verified) only when the loop's thread takes it, so while that thread is busy (a device
+training for minutes, a service closing a round) whatever anyone publishes to the party's topics
+would sit in memory unread: a review's flood of 800 forged 1 MiB messages grew a device by 808 MB.
+Each message is posted with its source (its topic: one sender) and its size; one whose source, or
+the whole queue, is past its bytes is dropped on arrival and counted (:attr:`MessageLoop.dropped`).
+The bound per source keeps one flooding sender from taking the others' room; honest traffic stays
+far below both (a party takes its messages faster than its senders send them, except in bursts
+the bound is sized for).
 """
 
 from __future__ import annotations
@@ -35,21 +45,77 @@ class _Call:
     result: Future
 
 
+@dataclass(frozen=True)
+class _Sourced:
+    item: Any
+    source: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class QueueBound:
+    """The most a loop's queue holds of messages not yet taken: from one source, and in all."""
+    source_bytes: int
+    total_bytes: int
+
+    def __post_init__(self):
+        if not 0 < self.source_bytes <= self.total_bytes:
+            raise ValueError(f"a queue bound needs 0 < source_bytes <= total_bytes, got {self}")
+
+
+DROP_LOG_S = 10.0            # drops are logged at most once per this (a flood must not flood the log)
+
+
 class MessageLoop:
     def __init__(self, handle: Callable[[Any], None], tick: Callable[[float], None] | None = None,
                  tick_s: float = 0.2, name: str = "message-loop",
-                 failed: Callable[[Any, Exception], None] | None = None):
+                 failed: Callable[[Any, Exception], None] | None = None, bound: QueueBound | None = None):
         self._handle, self._tick, self.tick_s, self.name = handle, tick, tick_s, name
         self._failed = failed or self.log_failure
         self._q: queue.Queue = queue.Queue()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._owner: int | None = None           # the thread serving the loop (calls from it run at once)
+        self.bound = bound
+        self._queued: dict[str, int] = {}        # source -> bytes queued from it (with a bound)
+        self._queued_total = 0
+        self._bytes_lock = threading.Lock()
+        self.dropped = 0                         # messages refused at the door: their source or the queue was full
+        self._drop_logged = -DROP_LOG_S
 
     # ------------------------------------------------------------------ any thread
-    def post(self, item: Any) -> None:
-        """Queue ``item`` (not None) for ``handle`` (never blocks: safe on paho's network thread)."""
-        self._q.put(item)
+    def post(self, item: Any, source: str | None = None, nbytes: int = 0) -> bool:
+        """Queue ``item`` (not None) for ``handle`` (never blocks: safe on paho's network thread).
+        A message names its ``source`` and size: beyond the loop's bound it is dropped (False)."""
+        if self.bound is not None and source is not None and not self._admit(source, nbytes):
+            return False
+        self._q.put(_Sourced(item, source, nbytes) if source is not None else item)
+        return True
+
+    def _admit(self, source: str, nbytes: int) -> bool:
+        with self._bytes_lock:
+            held = self._queued.get(source, 0)
+            if held + nbytes > self.bound.source_bytes or self._queued_total + nbytes > self.bound.total_bytes:
+                self.dropped += 1
+                now, first = time.monotonic(), self.dropped == 1
+                if first or now - self._drop_logged >= DROP_LOG_S:
+                    self._drop_logged = now
+                    log.warning("%s: a message of %d bytes from %s dropped unread: %d bytes queued from it, %d in "
+                                "all (bound %s); %d dropped so far", self.name, nbytes, source[:120], held,
+                                self._queued_total, self.bound, self.dropped)
+                return False
+            self._queued[source] = held + nbytes
+            self._queued_total += nbytes
+            return True
+
+    def _taken(self, source: str, nbytes: int) -> None:
+        with self._bytes_lock:
+            left = self._queued.get(source, 0) - nbytes
+            if left > 0:
+                self._queued[source] = left
+            else:
+                self._queued.pop(source, None)
+            self._queued_total -= nbytes
 
     def call(self, fn: Callable[[], Any], timeout: float = 30.0) -> Any:
         """Run ``fn`` on the loop's thread, after what is queued, and return its result or raise its
@@ -123,6 +189,9 @@ class MessageLoop:
             self._owner = None
 
     def _serve(self, item: Any) -> None:
+        if isinstance(item, _Sourced):         # its room is free again
+            self._taken(item.source, item.nbytes)
+            item = item.item
         if isinstance(item, _Call):
             if item.result.set_running_or_notify_cancel():
                 try:

@@ -22,7 +22,7 @@ import paho.mqtt.client as mqtt
 
 from .chunking import DEFAULT_CHUNK_SIZE, encode_parts
 from .envelope import Envelope
-from .message_loop import MessageLoop
+from .message_loop import MessageLoop, QueueBound
 from .topics import role_account
 
 
@@ -294,12 +294,12 @@ class LinkWorker(ABC):
 
     link: MqttLink
 
-    def __init__(self, thread_name: str, tick_s: float):
-        self.loop = MessageLoop(self._handle, self._tick, tick_s, name=thread_name, failed=self._failed)
+    def __init__(self, thread_name: str, tick_s: float, bound: QueueBound | None = None):
+        self.loop = MessageLoop(self._handle, self._tick, tick_s, name=thread_name, failed=self._failed, bound=bound)
 
     def _post(self, topic: str, payload: bytes) -> None:
-        """The link's ``on_message``: paho's network thread only queues."""
-        self.loop.post((topic, payload))
+        """The link's ``on_message``: paho's network thread only queues (within the loop's bound)."""
+        self.loop.post((topic, payload), topic, len(payload))
 
     def start(self) -> Self:
         self.link.start()

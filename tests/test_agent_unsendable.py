@@ -277,3 +277,44 @@ def test_a_device_holds_a_bounded_number_of_extractors_whatever_sizes_its_tasks_
     finally:
         agent.stop()
         sniffer.close()
+
+
+def test_a_flood_on_the_inbox_while_the_agent_works_is_dropped_unread_beyond_its_bound(broker, monkeypatch):
+    """A review's finding: paho queued every payload for the agent's thread, which decodes and
+    checks them only when its task is done: 800 forged 1 MiB messages published while it trained
+    grew the device by 808 MB. Beyond the inbox's bound they are dropped unread now, the task at
+    work is answered, and the next task runs."""
+    import threading
+
+    import edge_client.agent as agent_module
+    from protocols.message_loop import QueueBound
+
+    monkeypatch.setattr(agent_module, "INBOX_QUEUE_BOUND", QueueBound(2 << 20, 3 << 20))
+    working, release = threading.Event(), threading.Event()
+
+    def slow(params, tensors):
+        working.set()
+        release.wait(20)
+        return {"note": "done"}, {}
+
+    sniffer = Sniffer(broker, [T.outbox("dev-f"), T.presence("dev-f")])
+    agent = DeviceAgent("dev-f", BrokerConfig(port=broker.port), {"echo": handlers()["echo"], "slow": slow},
+                        retry_after_s=5, tick_s=0.05).start()
+    try:
+        wait_for(lambda: any(decode(p).body.get("state") == "online" for p in sniffer.seen.get(T.presence("dev-f"), [])),
+                 what="the agent online")
+        busy = send_task(sniffer, "dev-f", "j", "slow", {})
+        assert working.wait(10)
+        junk = bytes(256 << 10)
+        for _ in range(40):                                  # 10 MiB unread against a 2 MiB bound
+            sniffer.publish(T.inbox("dev-f"), junk)
+        wait_for(lambda: agent.loop.dropped >= 30, what="the flood dropped at the door")
+        release.set()
+        wait_for(lambda: busy in answers(sniffer, "dev-f"), what="the task at work answered")
+        nxt = send_task(sniffer, "dev-f", "j", "echo", {"size": 3}, round_=2)
+        wait_for(lambda: nxt in answers(sniffer, "dev-f"), what="the next task answered")
+        assert answers(sniffer, "dev-f")[nxt].type == M.RESULT
+    finally:
+        release.set()
+        agent.stop()
+        sniffer.close()

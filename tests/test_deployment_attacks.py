@@ -12,6 +12,7 @@ followers of ``test_deployment_rollout.py``:
   next to the weight it was given.
 """
 
+import threading
 import time
 
 import numpy as np
@@ -20,6 +21,7 @@ import pytest
 
 from edge_client.deployment import DeploymentFollower, ModelSlot
 from protocols.envelope import Envelope, decode, encode
+from protocols.message_loop import QueueBound
 from protocols.payloads import deployment as D
 from test_broker_security import secured  # noqa: F401 (fixture)
 from test_deployment_rollout import N_HOLDOUT, D_sha, correct, model_id, setup, store_state, world  # noqa: F401
@@ -417,3 +419,36 @@ def test_a_sequence_forged_before_the_device_had_the_key_does_not_bind_it_after(
     finally:
         raw.publish(topics.deploy("dev1"), b"", retain=True)
         raw.close()
+
+
+def test_a_devices_junk_costs_the_controller_one_row_not_the_fleet_and_a_flood_waits_within_a_bound(
+        setup, broker, monkeypatch):
+    """A review's finding: every message on a deploy outbox read every device's row (95 ms a
+    message at 10,000 devices), and the controller's queue had no bound, so one enrolled device
+    sending a few junk messages a second stalled the operator's rollback behind them (503). A
+    message costs one row now, and what waits unread is bounded per device."""
+    store, controller, fleet = setup
+    T = fleet.topics
+    ctl = controller()
+    scans = []
+    real_devices = store.devices
+    monkeypatch.setattr(store, "devices", lambda *a, **k: scans.append(1) or real_devices(*a, **k))
+    sniffer = Sniffer(broker, [])
+    try:
+        junk = encode(Envelope(type="nonsense", sender="cam-0", body={}))
+        seen = ctl.call(lambda: len(scans))
+        for _ in range(100):
+            sniffer.publish(T.deploy_out("cam-0"), junk)
+        ctl.call(lambda: None)                                 # after the 100 in its queue
+        assert ctl.call(lambda: len(scans)) == seen            # not one read of the fleet (nor a tick's: nothing deployed)
+        ctl.loop.bound = QueueBound(4 * len(junk), 1 << 20)   # a small bound per device, to see it hold
+        busy = threading.Thread(target=lambda: ctl.call(lambda: time.sleep(1.0)))   # the loop busy a second
+        busy.start()
+        time.sleep(0.2)
+        for _ in range(20):
+            sniffer.publish(T.deploy_out("cam-0"), junk)
+        busy.join()
+        assert 10 <= ctl.loop.dropped <= 16                    # 4 wait for the loop at a time, the rest never queue
+        assert ctl.call(lambda: "answers") == "answers"
+    finally:
+        sniffer.close()

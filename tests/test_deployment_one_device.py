@@ -102,7 +102,8 @@ def test_a_flood_of_asks_for_a_head_is_answered_once_per_window(setup, world, br
 def test_chunks_on_a_devices_deploy_outbox_hold_no_memory(setup, broker, caplog):
     """Its outbox takes single small messages: first chunks of messages that never complete, each
     under another invented sender, were held (up to 1 GiB) and never expired. Now each is one
-    refused message, and the device's next message is handled as ever."""
+    refused message (or one dropped unread, past what its outbox may hold waiting), and the device's next
+    message is handled as ever."""
     store, controller, fleet = setup
     ctl = controller()
     attacker = Sniffer(broker, [])
@@ -117,7 +118,7 @@ def test_chunks_on_a_devices_deploy_outbox_hold_no_memory(setup, broker, caplog)
              what="the device's next message handled")
     attacker.close()
     refused = [r for r in caplog.records if "deploy/cam-0/out refused: message too large" in r.getMessage()]
-    assert len(refused) == 20
+    assert len(refused) >= 5 and len(refused) + ctl.loop.dropped == 20   # or dropped unread: past its bound
 
 
 def test_a_request_is_answered_a_few_times_per_window_and_forgotten_after_it():

@@ -542,6 +542,21 @@ def test_rolling_back_the_settled_version_during_a_canary_then_the_canary_leaves
              what=f"Z everywhere (the controller's settled: {ctl.settled.dep.deployment_id})")
 
 
+def test_rolling_back_the_settled_version_leaves_the_canary_running_the_candidate(setup, world):
+    """A review's finding: the settled version's rollback was sent to every device it had run on,
+    its canary devices included, so the retained rollback replaced their run of the candidate: a
+    device offline meanwhile never ran it, and the others' reports on it were refused as late."""
+    store, ctl, fleet, broken, shas = _three_versions(setup, world)
+    ctl.call(lambda: ctl.deploy(broken, cohort="devices:cam-0", stages="100%", bake_s=3600, deployment_id="B"))
+    wait_for(lambda: fleet.sha("cam-0") == shas["b"], what="cam-0 on B")
+    ctl.call(lambda: ctl.rollback("A", "A is withdrawn"))
+    wait_for(lambda: fleet.sha("cam-1") == shas["z"] and fleet.sha("cam-2") == shas["z"], what="Z on cam-1, cam-2")
+    time.sleep(1.0)                                   # what cam-0 would have been told is out by now
+    assert fleet.sha("cam-0") == shas["b"] and ctl.call(lambda: ctl.last["cam-0"][0]) == "B"
+    view = ctl.call(lambda: ctl.show("B"))
+    assert view["state"] == "canary" and not view["counts"].get("late_reports"), view["counts"]
+
+
 def test_two_rollbacks_in_a_row_leave_no_device_without_a_head(setup, world):
     store, ctl, fleet, broken, shas = _three_versions(setup, world)
     ctl.call(lambda: ctl.deploy(broken, cohort="devices:cam-0", stages="100%", bake_s=0, min_reports=1,

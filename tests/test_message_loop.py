@@ -196,3 +196,32 @@ def test_a_pumped_loop_handles_what_is_queued_then_ticks_once_without_waiting():
     assert rec.seen == ["a", "b"] and len(ticks) == 1
     loop.serve_pending()                          # nothing queued: a tick only, still no wait for tick_s
     assert rec.seen == ["a", "b"] and len(ticks) == 2 and time.monotonic() - t0 < 5
+
+
+def test_what_waits_unread_is_bounded_per_source_and_in_all_and_its_room_comes_back_when_taken():
+    """A review's finding: while the loop's thread was busy (a device training), everything
+    published to its topics waited in memory unread: 800 forged 1 MiB messages, 808 MB."""
+    from protocols.message_loop import QueueBound
+
+    rec = Recorder(block_on=("t/in", b"first"))
+    loop = MessageLoop(rec, tick_s=0.01, name="t-bound", bound=QueueBound(source_bytes=10, total_bytes=15)).start()
+    try:
+        assert loop.post(("t/in", b"first"), "t/in", 5)
+        assert rec.entered.wait(5)                              # taken: its 5 bytes are free again
+        posted = [loop.post(("t/in", i), "t/in", 4) for i in range(4)]          # 4 + 4 fit in 10, the rest not
+        assert posted == [True, True, False, False] and loop.dropped == 2
+        assert loop.post(("t/other", "x"), "t/other", 7)                        # another source: its own room
+        assert not loop.post(("t/third", "y"), "t/third", 1)                    # 8 + 7 = 15 in all: full
+        assert not loop.post(("t/other", "big"), "t/other", 11)                 # beyond any room
+        loop.post("unbounded")                                                  # what names no source is never dropped
+        assert loop.dropped == 4
+        rec.release.set()
+        loop.post("last")
+        assert rec.done.wait(5)
+        assert rec.seen == [("t/in", b"first"), ("t/in", 0), ("t/in", 1), ("t/other", "x"), "unbounded", "last"]
+        assert all(loop.post(("t/in", i), "t/in", 5) for i in range(2))        # the room came back
+    finally:
+        rec.release.set()
+        loop.stop()
+    with pytest.raises(ValueError, match="source_bytes <= total_bytes"):
+        QueueBound(source_bytes=20, total_bytes=10)

@@ -6,10 +6,10 @@ controller's thread."""
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import FastAPI, HTTPException, Path, Query, status
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from aggregator.api.context import ApiContext
 from aggregator.api.schemas import JOB_ID_PATTERN, MAX_ID, ONE, READ, WRITE
@@ -18,6 +18,13 @@ from aggregator.deployments.guard import DEFAULT_GUARD, DEFAULT_MIN_REPORTS
 from aggregator.deployments.machine import DeploymentState
 from aggregator.storage.deployments import DeploymentStore
 
+def _integral(value):
+    # JSON Schema's integer is a number with no fraction (2.0 is one; the OpenAPI schema says
+    # integer): taken as the int it is, while strict mode still refuses true, "3" and 2.5
+    return int(value) if type(value) is float and value.is_integer() else value
+
+
+JsonInt = Annotated[int, BeforeValidator(_integral)]
 DEPLOYMENT_ID = JOB_ID_PATTERN        # a job id's rule: never "." or ".." (no client could reach it in a path)
 DeploymentId = Path(pattern=DEPLOYMENT_ID)
 
@@ -37,11 +44,11 @@ class DeploymentCreate(BaseModel):
                                    "median_drop (the median device's accuracy drop, robust to liars), "
                                    "wma_candidate, wma_current, wma_drop (percentage points)")
     bake_s: float = Field(default=600.0, ge=0, le=30 * 86400, description="seconds each stage runs before it is judged")
-    min_reports: int = Field(default=DEFAULT_MIN_REPORTS, ge=0, le=10 ** 6, description="fewer reports (distinct devices) than this "
+    min_reports: JsonInt = Field(default=DEFAULT_MIN_REPORTS, ge=0, le=10 ** 6, description="fewer reports (distinct devices) than this "
                                                                                         "fail the stage")
     patience_s: float = Field(default=600.0, ge=0, le=30 * 86400,
                               description="after the bake time, how long to wait for min_reports")
-    seed: int = Field(default=0, ge=0, le=2 ** 31, description="the seed of the fraction cohorts")
+    seed: JsonInt = Field(default=0, ge=0, le=2 ** 31, description="the seed of the fraction cohorts")
 
 
 class Rollback(BaseModel):

@@ -111,11 +111,11 @@ class AggregatorService(OperatorActions):
         self._device_bytes: dict[str, int] = {}  # bytes of a device's message being reassembled (_tick: expired)
         self._expired_at = 0.0
         # inbound items: ("mqtt", topic, payload), ("receipt", topic, raw), ("validated", ...), ("stored",), ("connected",)
-        self.loop = MessageLoop(self._dispatch, self._tick, settings.tick_s, name="aggregator", failed=self._refused)
+        self.loop = MessageLoop(self._dispatch, self._tick, settings.tick_s, "aggregator", self._refused, settings.inbound_bound)
         self.live: dict = {}                     # snapshot for the admin API, replaced atomically
         self._live_pacing = reporting.Pacing()
         self.shards = shards        # aggregator/shards/: they take the outboxes and hand this loop receipts
-        self.link = MqttLink(AGGREGATOR_ID, broker, on_message=lambda t, p: self.loop.post(("mqtt", t, p)),
+        self.link = MqttLink(AGGREGATOR_ID, broker, on_message=lambda t, p: self.loop.post(("mqtt", t, p), t, len(p)),
                              subscriptions=[(topics.all_outboxes, 1)] * (shards is None) + [(topics.all_presence, 1)],
                              on_connect=lambda: self.loop.post(("connected",)))
         if shards is not None:

@@ -25,6 +25,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from protocols.chunking import DEFAULT_CHUNK_SIZE
+from protocols.message_loop import QueueBound
 from protocols.topics import TOPIC_ROOT_PATTERN, Topics
 
 from aggregator.jobs.config_limits import FLAG, Pattern, Range, limited, validate_config
@@ -66,3 +67,11 @@ class ServiceSettings:
     def topics(self) -> Topics:
         """The topic layout under :attr:`topic_root`."""
         return Topics(self.topic_root)
+
+    @property
+    def inbound_bound(self) -> QueueBound:
+        """What may wait unread in the service's queue: per topic (one device) its largest message
+        and a little more (a result in flight and its protocol messages), in all 2 GiB or four such
+        messages (a secure round's upload window, 512 MiB, stays well inside it)."""
+        per_device = self.max_message_bytes + 16 * 2 ** 20
+        return QueueBound(per_device, max(2 * 2 ** 30, 4 * per_device))
