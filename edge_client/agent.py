@@ -232,8 +232,9 @@ class DeviceAgent:
                 log.error("%s: the tick raised (logged once per error; the agent goes on)", self.device_id,
                           exc_info=exc)
             return
-        if isinstance(exc, EnvelopeError):
-            log.warning("%s: dropped malformed message on %s: %s", self.device_id, item[0], exc)
+        if isinstance(exc, EnvelopeError):        # cut: a schema error quotes the field, as long as a forger likes
+            log.warning("%s: dropped malformed message on %s: %s", self.device_id, item[0][:120],
+                        str(exc)[:MAX_REASON_CHARS])
         else:                   # one bad message never stops the device
             log.error("%s: dropped a message on %s that raised an unexpected error", self.device_id, item[0],
                       exc_info=exc)

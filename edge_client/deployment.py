@@ -31,6 +31,7 @@ the same way as the device process that follows the rollouts.
 
 from __future__ import annotations
 
+import collections
 import fcntl
 import hashlib
 import json
@@ -57,6 +58,8 @@ from protocols.topics import AGGREGATOR_ID, DEPLOY_ROLE, Topics
 
 log = logging.getLogger("fedfleet.device")
 STATE_FILE = "slot.json"
+KEPT_REFUSALS = 256          # the latest refusals (and reports) a follower keeps in memory
+MAX_WHY_CHARS = 500          # of a refusal's reason, as logged, kept and reported (the wire's bound too)
 _HEAD_FILE = re.compile(r"[0-9a-f]{64}\.npz")      # a version's head, named by its sha256
 _LEGACY = object()          # a slot.json from before sequences named the key they were accepted under
 
@@ -262,8 +265,10 @@ class DeploymentFollower(LinkWorker):
             sender_verifier(AGGREGATOR_ID, aggregator_key) if aggregator_key else None,
             max_message_bytes=D.MAX_HEAD_BYTES + (1 << 20), max_pending_bytes=2 * (D.MAX_HEAD_BYTES + (1 << 20)),
             ttl_s=fetch_timeout_s)
-        self.refusals: list[str] = []                # why assignments or heads were refused, in order
-        self.reports: list[dict] = []                # what this device reported
+        # the latest refusals and reports, for a status page or a test: bounded, since anyone on an open
+        # broker can make the device refuse (a review's 500 forgeries held 33 MB of refusal text)
+        self.refusals: collections.deque[str] = collections.deque(maxlen=KEPT_REFUSALS)
+        self.reports: collections.deque[dict] = collections.deque(maxlen=KEPT_REFUSALS)
         self._pending: dict | None = None            # the run being fetched: assignment + when asked
         self._retry: dict | None = None              # a fetched head whose adoption failed on this side, tried again
         # its own account when the broker has them (BrokerConfig.for_role): one MQTT identity per connection
@@ -413,6 +418,7 @@ class DeploymentFollower(LinkWorker):
         misaddressed message) is reported against the version running, once per class per
         ``refusal_interval_s``: the operator learns of an attack, an attacker cannot make the
         device flood the aggregator. An assignment's own refusals: once per class."""
+        why = why[:MAX_WHY_CHARS]           # a schema error quotes the field: a forged 60 KB type was 60 KB here
         log.warning("%s: %s", self.device_id, why)
         if a is None or a["seq"] != self.slot.seq:
             a = self._unbound_report_target(reason)

@@ -340,6 +340,15 @@ def test_a_refusal_names_its_class_and_forgeries_cannot_make_a_device_flood_repo
         time.sleep(0.3)
         flood = reports()[before:]
         assert [(r["deployment"], r["seq"], r["reason"]) for r in flood] == [("d4", 4, "signature")], flood
+        # a review's finding: every refusal was kept whole for the process's life (a schema error
+        # quotes the field: 60 KB a forged message here); the latest few are kept, each cut
+        from edge_client.deployment import KEPT_REFUSALS, MAX_WHY_CHARS
+        junk = encode(Envelope(type="x" * 60_000, sender=AGGREGATOR_ID, body={}))
+        for _ in range(KEPT_REFUSALS + 20):
+            sniffer.client.publish(T.deploy("cam-0"), junk, qos=1)
+        wait_for(lambda: sum("x" * 100 in r for r in follower.refusals) == KEPT_REFUSALS, timeout=30,
+                 what="the junk refused")
+        assert len(follower.refusals) == KEPT_REFUSALS and max(map(len, follower.refusals)) <= MAX_WHY_CHARS
     finally:
         sniffer.publish(T.deploy("cam-0"), b"", retain=True)
         follower.stop()
