@@ -80,13 +80,15 @@ SCENARIOS: dict[str, list[dict]] = {
     # task created before it (a replay) is skipped, the first task of a job past its deadline + grace
     # declined (the clock may be ahead), the later ones skipped, without a kept result re-sent; round
     # 2's result keeps its retries; a task at the grace's edge runs, and so does a task of the job
-    # created later (a job re-created under the same id: round 1 again)
+    # created later (a job re-created under the same id: round 1 again). Another job's first expired
+    # task is declined a minute after the last such decline (jobs a, b), not sooner (job c)
     "expired_and_replayed_tasks_are_skipped": [
         _task(2, 100.0, 50.0, 40.0), _task(1, 90.0, 60.0, 30.0), _task(4, 100.0, 170.0, 45.0),
         _task(4, 100.0, 170.0, 45.0), _finished(2), {"type": "sent", "now": 1.0}, _task(1, 90.0, 60.0, 30.0),
-        _task(5, 100.0, 170.0, 45.0, job="a"), _task(4, 100.0, 161.0, 45.0), _task(2, 100.0, 161.0, 40.0),
+        _task(5, 100.0, 230.0, 45.0, job="a"), _task(4, 100.0, 161.0, 45.0), _task(2, 100.0, 161.0, 40.0),
         {"type": "tick", "now": 7.0}, {"type": "ack", "ref_id": "r2"}, _task(1, 90.0, 60.0, 30.0),
-        _task(5, 100.0, 170.0, 45.0, job="b"), _task(4, 100.0, 161.0, 45.0), _task(4, 100.0, 160.0, 45.0),
+        _task(5, 100.0, 290.0, 45.0, job="b"), _task(5, 100.0, 349.0, 45.0, job="c"), _task(4, 100.0, 161.0, 45.0),
+        _task(4, 100.0, 160.0, 45.0),
         _task(1, 200.0, 170.0, 50.0), {"type": "failed", "ref": _ref(1), "reason": "no data"}],
     # the aggregator's clock ran an hour ahead when round 2's task was created, then was set back:
     # round 3's task (created earlier by that clock) runs, the last start being dated past the
@@ -95,6 +97,13 @@ SCENARIOS: dict[str, list[dict]] = {
         _task(2, 3700.0, 100.0, 3640.0), _finished(2), {"type": "ack", "ref_id": "r2"},
         _task(3, 200.0, 150.0, 140.0), _task(1, 300.0, 150.0, 100.0), _finished(3),
         _task(4, 300.0, 160.0, 150.0), _task(1, 300.0, 160.0, 100.0)],
+    # a task answered is answered again when it comes again (the server may have lost the answer: the
+    # same decline, the same result), at most max_retries times: a replayer gets nothing more, the
+    # task never runs again
+    "a_redelivered_task_is_answered_again_at_most_max_retries_times": [
+        _task(1), {"type": "failed", "ref": _ref(1), "reason": "no data"}, _task(1), _task(1), _task(1),
+        _task(2), _finished(2), {"type": "sent", "now": 1.0}, _task(2), {"type": "ack", "ref_id": "r2"}, _task(2),
+        _task(2), _task(1)],
     # work stopped unanswered: the first of a job whose round went over during the work is declined
     # once (the clock may be ahead), a redelivery past its deadline then skipped; a later stop of the
     # job, a drop-out and a stop of abandoned work send nothing; another job is told once too

@@ -48,7 +48,11 @@ A device without a state folder keeps them in memory only: restarted, it runs a 
 task's deadline once more.
 
 Re-sending the *same* message id makes retries idempotent end to end: the aggregator applies an
-id at most once and answers duplicates with ``duplicate``.
+id at most once and answers duplicates with ``duplicate``. A task delivered again after it was
+answered gets the same answer (its kept result, or its decline: a declined task never runs again),
+at most ``max_retries`` times: the aggregator re-sends a task only to a device it still waits for,
+so more is a replayer's, and each replay re-sent a 6.6 MB result before. Expired declines are at
+most one per ``EXPIRED_DECLINE_GAP_S`` of the device's clock, whatever the job.
 """
 
 from __future__ import annotations
@@ -408,6 +412,10 @@ EXPIRED_DECLINE = ("received after its deadline by this device's clock: is the c
 EXPIRED_AT_WORK_DECLINE = ("its deadline passed during the work by this device's clock: is the clock ahead? (devices "
                            "need NTP-close clocks; later expired tasks of this job are skipped silently)")
 MAX_JOBS_REMEMBERED = 64        # the jobs whose last task started (and expired decline) a session keeps
+# At most one expired decline per this many seconds of the device's clock, whatever the job: tasks
+# of more than MAX_JOBS_REMEMBERED jobs, captured and replayed in turn, each looked like a job's
+# first (its memory had let the oldest go), so every message cost a decline and a durable write
+EXPIRED_DECLINE_GAP_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -434,7 +442,12 @@ class DeviceSession:
     # it is a replay (a job re-created under the same id creates its tasks later, and runs)
     last_started: dict[str, tuple[TaskRef, float]] = field(default_factory=dict)
     expired_declined: dict[str, bool] = field(default_factory=dict)   # jobs told once that a task came expired
-    finished: dict[TaskRef, WorkFinished] = field(default_factory=dict)   # tasks answered (for redelivery)
+    expired_told_at: float | None = None         # the device's clock at the last expired decline (not kept)
+    # tasks answered (a result or a decline), for redelivery, and how often each was answered again:
+    # a redelivered task re-sends its answer at most max_retries times (a replayer re-sent a 6.6 MB
+    # result per replay, and a declined task ran again per replay, a review found)
+    finished: dict[TaskRef, WorkFinished | WorkFailed] = field(default_factory=dict)
+    answered_again: dict[TaskRef, int] = field(default_factory=dict)
     memory_changes: int = 0         # how often memory() changed: an adapter that persists it writes on change
     attempts: int = 0
     next_retry: float = 0.0
@@ -474,7 +487,7 @@ class DeviceSession:
 
     def _acks_current_result(self, ev: AckArrived) -> bool:
         done = self.finished.get(self.current) if self.current else None
-        return done is not None and done.message_id == ev.ref_id
+        return isinstance(done, WorkFinished) and done.message_id == ev.ref_id
 
     def _retry_due(self, ev: Tick) -> bool:
         return ev.now >= self.next_retry and self.attempts <= self.max_retries
@@ -495,9 +508,12 @@ class DeviceSession:
         return now is None or sent_at <= now + self.deadline_grace_s
 
     def _first_expired(self, ev: TaskArrived) -> bool:
-        return self._expired(ev) and ev.ref.job not in self.expired_declined
+        told = self.expired_told_at
+        return (self._expired(ev) and ev.ref.job not in self.expired_declined
+                and (told is None or ev.received_at >= told + EXPIRED_DECLINE_GAP_S))
 
     def _decline_expired(self, ev: TaskArrived) -> list:
+        self.expired_told_at = ev.received_at
         return self._tell_expired(ev.ref, EXPIRED_DECLINE)
 
     def _tell_expired(self, ref: TaskRef, reason: str) -> list:
@@ -509,8 +525,17 @@ class DeviceSession:
     def _skip(self, ev: TaskArrived) -> list:
         return [SkipTask(ev.ref, EXPIRED if self._expired(ev) else STALE)]
 
-    def _resend_finished(self, ev: TaskArrived) -> list:
-        return [SendResult(self.finished[ev.ref].message, self.attempts + 1)]
+    def _may_answer_again(self, ev: TaskArrived) -> bool:
+        done = self.finished.get(ev.ref)
+        kept = isinstance(done, WorkFailed) or (done is not None and done.message is not None)
+        return kept and self.answered_again.get(ev.ref, 0) < self.max_retries
+
+    def _answer_again(self, ev: TaskArrived) -> list:
+        self.answered_again[ev.ref] = self.answered_again.get(ev.ref, 0) + 1
+        done = self.finished[ev.ref]
+        if isinstance(done, WorkFailed):
+            return [SendDecline(ev.ref, done.reason)]
+        return [SendResult(done.message, self.attempts + 1)]
 
     def _start(self, ev: TaskArrived) -> list:
         self.current, self.state = ev.ref, DeviceState.WORKING
@@ -520,15 +545,21 @@ class DeviceSession:
             self.memory_changes += 1
         return [StartWork(ev.ref, ev.kind, ev.params, ev.deadline, ev.tensors)]
 
-    def _report(self, ev: WorkFinished) -> list:
+    def _keep_answer(self, ev: WorkFinished | WorkFailed) -> None:
         self.finished[ev.ref] = ev
-        while len(self.finished) > self.keep_finished:      # a long-lived device keeps only recent results
-            del self.finished[next(iter(self.finished))]
+        self.answered_again.pop(ev.ref, None)
+        while len(self.finished) > self.keep_finished:      # a long-lived device keeps only recent answers
+            self.answered_again.pop(oldest := next(iter(self.finished)), None)
+            del self.finished[oldest]
+
+    def _report(self, ev: WorkFinished) -> list:
+        self._keep_answer(ev)
         self.state, self.attempts = DeviceState.REPORTED, 1
         self.next_retry = self.now + self.retry_after_s if ev.expects_ack else float("inf")
         return [SendResult(ev.message, 1)]
 
     def _decline(self, ev: WorkFailed) -> list:
+        self._keep_answer(ev)
         self.state, self.current = DeviceState.IDLE, None
         return [SendDecline(ev.ref, ev.reason)]
 
@@ -582,18 +613,20 @@ def _remember(memory: dict, key: str, value) -> None:
 
 _D, _IDLE, _WORKING, _REPORTED = DeviceSession, DeviceState.IDLE, DeviceState.WORKING, DeviceState.REPORTED
 DEVICE_TABLE = TransitionTable(DeviceState, [
-    Transition(ANY, TaskArrived, "received after deadline + grace, first of its job", _D._decline_expired,
-               (SendDecline,), note="once per job: the device's clock may be ahead", guard=_D._first_expired),
+    Transition(ANY, TaskArrived, "received after deadline + grace, first of its job, none told for a minute",
+               _D._decline_expired, (SendDecline,),
+               note="once per job, at most one a minute: the device's clock may be ahead", guard=_D._first_expired),
     Transition(ANY, TaskArrived, "received after deadline + grace", _D._skip, (SkipTask,),
                note="its round is over: nothing run, nothing sent", guard=_D._expired),
     Transition(ANY, TaskArrived, "created before its job's last task started", _D._skip, (SkipTask,),
                note="a replay (by signed ts; not against a start dated past the device's clock + grace): "
                     "a pending result keeps its retries", guard=_D._stale),
-    Transition(ANY, TaskArrived, "task answered, result kept", _D._resend_finished, (SendResult,),
-               note="same message id: the server may have lost it",
-               guard=lambda d, ev: ev.ref in d.finished and d.finished[ev.ref].message is not None),
-    Transition(ANY, TaskArrived, "task answered, result forgotten", _D._ignore,
-               note="acknowledged already (keep_acked_results off)", guard=lambda d, ev: ev.ref in d.finished),
+    Transition(ANY, TaskArrived, "task answered, answer kept, answered again < max_retries times", _D._answer_again,
+               (SendResult, SendDecline), note="the same result (message id) or decline: the server may have lost it",
+               guard=_D._may_answer_again),
+    Transition(ANY, TaskArrived, "task answered", _D._ignore,
+               note="its result forgotten (acknowledged, keep_acked_results off; a secure task's) or answered "
+                    "again max_retries times: a replay costs nothing more", guard=lambda d, ev: ev.ref in d.finished),
     Transition(_WORKING, TaskArrived, "the task at work", _D._ignore, note="redelivery while busy",
                guard=_D._is_current),
     Transition(ANY, TaskArrived, "", _D._start, (StartWork,), (_WORKING,),

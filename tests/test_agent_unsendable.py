@@ -318,3 +318,40 @@ def test_a_flood_on_the_inbox_while_the_agent_works_is_dropped_unread_beyond_its
         release.set()
         agent.stop()
         sniffer.close()
+
+
+def test_a_replayed_task_runs_once_and_is_answered_again_at_most_max_retries_times(broker):
+    """A review's findings, over mosquitto: a declined task ran again on every replay (its handler's
+    whole work, then another decline), and an answered task's replay re-sent its whole result each
+    time, even after the ack. Now a replay gets the same answer, at most max_retries times."""
+    runs = []
+
+    def declining(params, tensors):
+        runs.append("declining")
+        raise TaskDeclined("the camera is busy")
+
+    def answering(params, tensors):
+        runs.append("answering")
+        return {"note": "x" * 1000}, {}
+
+    sniffer = Sniffer(broker, [T.outbox("dev-r"), T.presence("dev-r")])
+    agent = DeviceAgent("dev-r", BrokerConfig(port=broker.port), {"declining": declining, "answering": answering},
+                        retry_after_s=60, tick_s=0.05).start()
+    again = agent.session.max_retries                    # how often a task is answered again
+    try:
+        wait_for(lambda: any(decode(p).body.get("state") == "online" for p in sniffer.seen.get(T.presence("dev-r"), [])),
+                 what="the agent online")
+        out = lambda: [decode(p) for p in sniffer.seen.get(T.outbox("dev-r"), [])
+                       if decode(p).type in (M.RESULT, M.DECLINE)]
+        for kind, round_ in (("declining", 1), ("answering", 2)):
+            msg = M.task_message(AGGREGATOR_ID, "j", round_, kind, {}, time.time() + 60)
+            for _ in range(again + 3):           # the task, then more replays of it than it answers
+                sniffer.publish(T.inbox("dev-r"), encode(msg))
+            wait_for(lambda: sum(e.body["task"] == msg.id for e in out()) == 1 + again, what=f"{kind}: its answers")
+        time.sleep(0.5)
+        assert runs == ["declining", "answering"]               # each ran once
+        answers = [(e.type, e.body["task"]) for e in out()]
+        assert len(answers) == 2 * (1 + again) and len({e.id for e in out() if e.type == M.RESULT}) == 1   # the same result
+    finally:
+        agent.stop()
+        sniffer.close()

@@ -377,6 +377,6 @@ def test_every_device_row_fires_in_every_state_it_names():
               lambda r, s: ResultSent(r.uniform(0, 30)), lambda r, s: AckArrived(f"r{r.randint(1, 3)}", "accepted"),
               lambda r, s: Tick(r.uniform(0, 60))]
     fired = _walk(lambda: DeviceSession(retry_after_s=2, max_retries=2, keep_acked_results=False), events,
-                  DEVICE_TABLE, 3000, seed=2)
+                  DEVICE_TABLE, 6000, seed=2)
     names = lambda pairs: {(s.name, DEVICE_TABLE.describe(row)) for s, row in pairs}
     assert names(DEVICE_TABLE.entries()) - names(fired) == set()

@@ -3,14 +3,14 @@
 //
 //   IDLE      task(new)             StartWork                   -> WORKING
 //   WORKING   task(same)            -                           (redelivery while busy)
-//   any       task(expired, first)  SendDecline                 (once per job: the device's clock may be ahead)
+//   any       task(expired, first)  SendDecline                 (once per job, one a minute: the device's clock may be ahead)
 //   any       task(expired)         SkipTask                    (received after deadline + grace: its round is over)
 //   any       task(created earlier) SkipTask                    (than its job's last task started, by signed ts: a replay)
 //   (these three rows come before the rows that answer a task already answered)
 //   WORKING   workFinished(result)  SendResult                  -> REPORTED
 //   WORKING   workFailed(reason)    SendDecline                 -> IDLE
 //   REPORTED  resultSent(now)       -                           (the retry timer starts when the upload ends)
-//   REPORTED  task(same)            SendResult (same message)   (the server may have lost it; nothing for a secure task's)
+//   any       task(answered)        SendResult / SendDecline    (the same answer, at most maxRetries times; nothing for a secure task's)
 //   REPORTED  tick(now > retry)     SendResult (same message)   exponential back-off, up to maxRetries
 //   REPORTED  ack(ref = result id)  -                           -> IDLE
 //
@@ -65,6 +65,9 @@ public final class DeviceSession {
     public static final String EXPIRED_AT_WORK_DECLINE = "its deadline passed during the work by this device's clock: is "
             + "the clock ahead? (devices need NTP-close clocks; later expired tasks of this job are skipped silently)";
     static final int MAX_JOBS_REMEMBERED = 64;    // protocols/rounds.py's: the jobs a session keeps (oldest dropped)
+    /** protocols/rounds.py's EXPIRED_DECLINE_GAP_S: at most one expired decline per this many seconds of
+     *  the device's clock, whatever the job (replayed tasks of more jobs than it remembers, in turn). */
+    static final double EXPIRED_DECLINE_GAP_S = 60.0;
     static final int MEMORY_VERSION = 1;          // memory()'s layout, protocols/replay_guard.py's MEMORY_VERSION
     static final int MAX_MEMORY_ID_CHARS = 256;   // a remembered job or task id, in code points as Python counts
 
@@ -81,11 +84,17 @@ public final class DeviceSession {
         Started(TaskRef ref, double sentAt) { this.ref = ref; this.sentAt = sentAt; }
     }
 
+    /** A task answered: its result (message; null for a secure task's) or its decline (declined: the
+     *  reason), and how often a redelivery had it answered again (at most maxRetries times). */
     private static final class Finished {
         final byte[] message;
         final String messageId;
         final boolean expectsAck;
-        Finished(byte[] message, String messageId, boolean expectsAck) { this.message = message; this.messageId = messageId; this.expectsAck = expectsAck; }
+        final String declined;
+        int answeredAgain;
+        Finished(byte[] message, String messageId, boolean expectsAck, String declined) {
+            this.message = message; this.messageId = messageId; this.expectsAck = expectsAck; this.declined = declined;
+        }
     }
 
     private final double retryAfterS, deadlineGraceS;
@@ -95,6 +104,7 @@ public final class DeviceSession {
     private final Map<String, Started> lastStarted = bounded();         // job -> its last task started
     private final Map<String, Boolean> expiredDeclined = bounded();     // jobs told once that a task came expired
     private final Map<TaskRef, Finished> finished = new LinkedHashMap<>();   // answered tasks, for redelivery
+    private double expiredToldAt = Double.NaN;      // the device's clock at the last expired decline (not kept)
     private int attempts;
     private double nextRetry, now;
     private long memoryChanges;         // how often memory() changed: an adapter that persists it writes on change
@@ -119,7 +129,10 @@ public final class DeviceSession {
     /** receivedAt: this device's clock (unix seconds) when the task came; NaN: its deadline is not checked. */
     public List<Action> onTask(Messages.Task task, List<org.fedfleet.wire.Envelope.Tensor> tensors, double receivedAt) {
         if (!Double.isNaN(receivedAt) && receivedAt > task.deadline + deadlineGraceS) {
-            if (expiredDeclined.containsKey(task.ref.job)) return one(new SkipTask(task.ref, EXPIRED));
+            if (expiredDeclined.containsKey(task.ref.job)
+                    || (!Double.isNaN(expiredToldAt) && receivedAt < expiredToldAt + EXPIRED_DECLINE_GAP_S))
+                return one(new SkipTask(task.ref, EXPIRED));
+            expiredToldAt = receivedAt;
             expiredDeclined.put(task.ref.job, Boolean.TRUE);     // once per job: the clock may be ahead
             memoryChanges++;
             return one(new SendDecline(task.ref, EXPIRED_DECLINE));
@@ -131,8 +144,13 @@ public final class DeviceSession {
         if (last != null && !Double.isNaN(task.sentAt) && !task.ref.equals(last.ref) && task.sentAt < last.sentAt && trusted)
             return one(new SkipTask(task.ref, STALE));
         Finished done = finished.get(task.ref);
-        if (done != null)   // a secure task's result (no message) is answered with nothing, as Python's table says
-            return done.message == null ? Collections.<Action>emptyList() : one(new SendResult(done.message, done.messageId, attempts + 1));
+        if (done != null) {     // answered again, at most maxRetries times; a secure task's result (no message) never
+            if ((done.declined == null && done.message == null) || done.answeredAgain >= maxRetries)
+                return Collections.emptyList();
+            done.answeredAgain++;
+            return done.declined != null ? one(new SendDecline(task.ref, done.declined))
+                    : one(new SendResult(done.message, done.messageId, attempts + 1));
+        }
         if (state == State.WORKING && task.ref.equals(current)) return Collections.emptyList();
         if (!Double.isNaN(task.sentAt)) {
             lastStarted.remove(task.ref.job);
@@ -152,9 +170,7 @@ public final class DeviceSession {
      *  (message null); nothing is retried, a redelivered task is answered with nothing. */
     public List<Action> onWorkFinished(TaskRef ref, byte[] message, String messageId, boolean expectsAck) {
         if (state != State.WORKING || !ref.equals(current)) return Collections.emptyList();   // abandoned task
-        finished.put(ref, new Finished(message, messageId, expectsAck));
-        Iterator<TaskRef> oldest = finished.keySet().iterator();
-        while (finished.size() > keepFinished) { oldest.next(); oldest.remove(); }
+        keep(ref, new Finished(message, messageId, expectsAck, null));
         state = State.REPORTED;
         attempts = 1;
         nextRetry = expectsAck ? now + retryAfterS : Double.POSITIVE_INFINITY;
@@ -163,9 +179,17 @@ public final class DeviceSession {
 
     public List<Action> onWorkFailed(TaskRef ref, String reason) {
         if (state != State.WORKING || !ref.equals(current)) return Collections.emptyList();
+        keep(ref, new Finished(null, null, false, reason));
         state = State.IDLE;
         current = null;
         return one(new SendDecline(ref, reason));
+    }
+
+    /** A task's answer, for its redelivery; a long-lived device keeps only the recent ones. */
+    private void keep(TaskRef ref, Finished answer) {
+        finished.put(ref, answer);
+        Iterator<TaskRef> oldest = finished.keySet().iterator();
+        while (finished.size() > keepFinished) { oldest.next(); oldest.remove(); }
     }
 
     /** The task at work stopped unanswered: its round went over during the work (roundOver: the
@@ -190,7 +214,7 @@ public final class DeviceSession {
 
     public void onAck(String refId) {
         Finished done = current == null ? null : finished.get(current);
-        if (state == State.REPORTED && done != null && done.messageId.equals(refId)) state = State.IDLE;
+        if (state == State.REPORTED && done != null && refId.equals(done.messageId)) state = State.IDLE;
     }
 
     public List<Action> onTick(double now) {
