@@ -30,7 +30,11 @@ A sender that got no answer resends the whole message (same ``parent``). Such a 
 already reassembled is reassembled again and returned again, so the receiver sees the very same
 message and answers it (a result's ``duplicate`` ack) instead of staying silent while the sender
 uploads it again and again. Its partial copy is the first to go when the sender needs room for a
-new message, and it expires like any other.
+new message, and it expires like any other. Without one, the partial that received a chunk least
+recently goes (``max_pending_per_sender``): refusing the new message instead let four replayed
+first chunks of the aggregator's earlier messages (chunks name no addressee) keep every chunked task
+from a device for the TTL, a review found; a message arriving now makes progress, so it is never
+the one to go.
 """
 
 from __future__ import annotations
@@ -89,6 +93,7 @@ class _Partial:
     total: int
     sha256: str
     first_seen: float
+    last_seen: float                    # when its latest chunk came: the least recent goes first for room
     parts: dict[int, bytes] = field(default_factory=dict)
     held: int = 0                       # bytes in parts (kept as a sum: an aggregator holds ~1,000 partials)
 
@@ -145,7 +150,7 @@ class Reassembler:
         partial = self._partials.get(key)
         if partial is None:
             self._make_room(chunk.sender)
-            partial = self._partials[key] = _Partial(count, total, digest, now)
+            partial = self._partials[key] = _Partial(count, total, digest, now, now)
             self._per_sender.setdefault(chunk.sender, []).append(key)
         elif (partial.count, partial.total, partial.sha256) != (count, total, digest):
             raise EnvelopeError(f"chunk {index} of {parent} disagrees with earlier chunks (count/total/sha256)")
@@ -167,6 +172,7 @@ class Reassembler:
         # about twice what the budgets count
         partial.parts[index] = data if len(data) >= SMALL_PART_BYTES else bytes(data)
         partial.held += len(data)
+        partial.last_seen = now
         self._held += len(data)
         self._held_by[chunk.sender] = self._held_by.get(chunk.sender, 0) + len(data)
         if len(partial.parts) < count:
@@ -179,15 +185,14 @@ class Reassembler:
         return whole
 
     def _make_room(self, sender: str) -> None:
-        """Room for one more partial message of ``sender``: drop its oldest resend of an already
-        reassembled message if it is at its limit, else refuse."""
+        """Room for one more partial message of ``sender``, at its limit: drop its oldest resend of an
+        already reassembled message, else its partial that received a chunk least recently (the
+        oldest of those tied)."""
         pending = self._per_sender.get(sender, [])
         if len(pending) < self.max_pending_per_sender:
             return
         resend = next((k for k in pending if _recalls(self._done, k)), None)     # oldest first
-        if resend is None:
-            raise EnvelopeError(f"sender {sender!r} has too many partial messages in flight")
-        self._drop(resend)
+        self._drop(resend if resend is not None else min(pending, key=lambda k: self._partials[k].last_seen))
 
     def _drop(self, key: tuple[str, str]) -> None:
         partial = self._partials.pop(key)

@@ -355,3 +355,23 @@ def test_a_replayed_task_runs_once_and_is_answered_again_at_most_max_retries_tim
     finally:
         agent.stop()
         sniffer.close()
+
+
+def test_replayed_first_chunks_of_earlier_messages_keep_no_chunked_task_out(agent_and_sniffer):
+    """A review's finding, over mosquitto: four replayed first chunks of the aggregator's earlier
+    chunked messages (chunks name no addressee) filled the inbox's partial-message slots, and every
+    chunk of a real chunked task was refused until the TTL (300 s). The stalest partial gives way."""
+    from protocols.chunking import split
+
+    agent, sniffer = agent_and_sniffer
+
+    def chunked_task(round_):
+        msg = M.task_message(AGGREGATOR_ID, "j", round_, "echo", {"size": 3, "pad": "p" * 6000}, time.time() + 60)
+        return msg.id, split(encode(msg), msg.id, AGGREGATOR_ID, chunk_size=2048)
+    for round_ in (1, 2, 3, 4):
+        sniffer.publish(T.inbox("dev-a"), chunked_task(round_)[1][0])
+    task_id, parts = chunked_task(5)
+    for part in parts:
+        sniffer.publish(T.inbox("dev-a"), part)
+    wait_for(lambda: task_id in answers(sniffer, "dev-a"), what="the chunked task answered")
+    assert answers(sniffer, "dev-a")[task_id].type == M.RESULT

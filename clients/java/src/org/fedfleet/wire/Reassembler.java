@@ -22,10 +22,11 @@ public final class Reassembler {
         final long count, total;
         final String sha256;
         final double firstSeen;
+        double lastSeen;             // when its latest chunk came: the least recent goes first for room
         final Map<Long, byte[]> parts = new HashMap<>();
         long held;
         Partial(long count, long total, String sha256, double firstSeen) {
-            this.count = count; this.total = total; this.sha256 = sha256; this.firstSeen = firstSeen;
+            this.count = count; this.total = total; this.sha256 = sha256; this.firstSeen = firstSeen; this.lastSeen = firstSeen;
         }
     }
 
@@ -111,6 +112,7 @@ public final class Reassembler {
         }
         p.parts.put(index, data);
         p.held += data.length;
+        p.lastSeen = now;
         held += data.length;
         heldBy.merge(sender, (long) data.length, Long::sum);
         if (p.parts.size() < count) return null;
@@ -133,15 +135,19 @@ public final class Reassembler {
         return whole;
     }
 
-    /** Room for one more partial message of sender: its oldest resend of an already reassembled
-     *  message goes if it is at its limit, else the new message is refused (never a new one dropped
-     *  for another: a sender's stalled messages cannot push out the one it needs). */
-    private void makeRoom(String sender) throws Envelope.EnvelopeError {
+    /** Room for one more partial message of sender, at its limit: its oldest resend of an already
+     *  reassembled message goes, else its partial that received a chunk least recently (the oldest of
+     *  those tied), as protocols/chunking.py's _make_room: refusing the new message let replayed first
+     *  chunks of earlier messages keep every chunked task out until the TTL. */
+    private void makeRoom(String sender) {
         List<List<String>> pending = perSender.getOrDefault(sender, Collections.<List<String>>emptyList());
         if (pending.size() < maxPendingPerSender) return;
         for (List<String> k : pending)                 // oldest first
             if (recalls(done, k)) { drop(k); return; }
-        throw new Envelope.EnvelopeError("sender '" + sender + "' has too many partial messages in flight");
+        List<String> stalest = pending.get(0);
+        for (List<String> k : pending)
+            if (partials.get(k).lastSeen < partials.get(stalest).lastSeen) stalest = k;
+        drop(stalest);
     }
 
     private void drop(List<String> key) {
