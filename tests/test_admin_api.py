@@ -231,3 +231,24 @@ def test_a_session_is_seen_beside_another_applications_cookies_and_odd_digits_ar
     assert client.get("/api/health", headers={"cookie": f"{other}; {COOKIE}={new_session(TOKEN)}"}).status_code == 200
     assert session_valid("\u00b2.nonce.mac", TOKEN) is False
     assert client.get("/api/health", headers={"cookie": f'{COOKIE}="\\262.a.b"'}).status_code == 401
+
+
+def test_a_change_made_with_the_dashboards_session_must_come_from_its_origin(idle_api):
+    """A review's finding: SameSite=Strict keeps the session cookie from other sites, not from
+    another port or subdomain of the same site, whose form could POST a job's cancel or a device's
+    revocation with it. Such a change is refused by what the browser says of its origin."""
+    from aggregator.api.guard import COOKIE, new_session
+
+    client = TestClient(idle_api)
+    client.cookies.set(COOKIE, new_session(TOKEN))
+    cancel = "/api/jobs/nope/cancel"
+    foreign = [{"sec-fetch-site": "same-site"}, {"sec-fetch-site": "cross-site"},
+               {"origin": "http://testserver:8081"}, {"origin": "http://grafana.testserver"}, {"origin": "null"}]
+    for headers in foreign:
+        r = client.post(cancel, headers=headers)
+        assert r.status_code == 403 and "origin" in r.json()["detail"], (headers, r.text)
+    for headers in ({"sec-fetch-site": "same-origin"}, {"origin": "http://testserver"}, {}):
+        assert client.post(cancel, headers=headers).status_code == 404, headers      # past the guard: no such job
+    assert client.get("/api/health", headers={"sec-fetch-site": "cross-site"}).status_code == 200   # a read
+    bearer = TestClient(idle_api)                                   # the CLI's way: no cookie, any origin
+    assert bearer.post(cancel, headers={"Authorization": f"Bearer {TOKEN}", "origin": "http://x"}).status_code == 404

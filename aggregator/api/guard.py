@@ -12,6 +12,13 @@ proxy logs and Referer headers keep it), and the cookie is not the token: it is 
 session, ``issued.nonce.HMAC-SHA256(token, issued.nonce)``, valid for 12 hours and only as a
 cookie (never as a Bearer token), so a cookie that leaks gives neither the token nor lasting
 access, and a new token ends every session.
+
+A change made with the session cookie (any method but GET, HEAD and OPTIONS) must come from the
+dashboard's own origin: the browser says where a request comes from (``Sec-Fetch-Site``, else
+``Origin``), and one from another origin is refused (403) before anything runs. ``SameSite=Strict``
+keeps the cookie from other sites, not from another port or subdomain of the same site, where a
+form could POST to ``/api/jobs/{id}/cancel`` with it (a review's finding). Bearer requests (the CLI,
+scripts) carry no cookie and are not affected.
 """
 
 from __future__ import annotations
@@ -73,6 +80,24 @@ def _session_cookie(headers: dict[str, str]) -> str | None:
     return cookie_parser(headers.get("cookie", "")).get(COOKIE)
 
 
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+def cross_origin_change(scope: dict) -> bool:
+    """Whether a cookie-authenticated change comes from another origin than the dashboard's, by what
+    the browser says (a browser that says nothing keeps SameSite=Strict's protection alone)."""
+    headers = _headers(scope)
+    if scope.get("method") in SAFE_METHODS or headers.get("authorization", "")[:7].lower() == "bearer ":
+        return False
+    site = headers.get("sec-fetch-site")
+    if site is not None:
+        return site not in ("same-origin", "none")
+    origin = headers.get("origin")
+    if origin is None:
+        return False
+    return origin == "null" or origin.split("://", 1)[-1].rstrip("/") != headers.get("host", "")
+
+
 def authenticated(scope: dict, token: str) -> bool:
     """Whether a request carries the admin token as a Bearer header, or a valid dashboard session."""
     headers = _headers(scope)
@@ -97,6 +122,8 @@ class RequestGuard:
                 expired = _session_cookie(_headers(scope)) is not None
                 return await _login_page(send, "Your session has ended; sign in again." if expired else "")
             return await _answer(send, 401, "missing or wrong admin token", {"www-authenticate": "Bearer"})
+        if cross_origin_change(scope):
+            return await _answer(send, 403, "a change with the dashboard's session must come from the dashboard's origin")
         length = dict(scope.get("headers", ())).get(b"content-length")
         # (a length of more digits than any body could have is refused before int() is asked to read it)
         if length is not None and (not length.isdigit() or len(length) > 18 or int(length) > self.max_body):
