@@ -517,3 +517,16 @@ def test_a_group_its_shard_cannot_build_fails_with_the_reason_and_the_shard_live
     assert host.groups.open(group, context) == []
     assert host.groups.job.secure_failure(1).startswith("its shard cannot host it: ")
     assert "dev04" in host.groups.job.secure_failure(1)
+
+
+def test_a_jobs_per_round_secure_bookkeeping_nobody_reads_stays_bounded():
+    """A review's finding: a shard hosting groups never read its phases' times, and a round aborted
+    after it closed left its (empty) survivors: a few hundred bytes a round, for the job's life."""
+    from aggregator.jobs.secure_rounds import KEPT_ROUNDS, BoundedByRound
+
+    table = BoundedByRound()
+    for round_ in range(1, 3 * KEPT_ROUNDS):
+        table.setdefault(round_, {})["advertise_keys"] = 0.5
+        table[round_]["share_keys"] = 1.0
+    assert list(table) == list(range(2 * KEPT_ROUNDS, 3 * KEPT_ROUNDS))
+    assert table[3 * KEPT_ROUNDS - 1] == {"advertise_keys": 0.5, "share_keys": 1.0}
