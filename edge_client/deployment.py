@@ -32,6 +32,7 @@ the same way as the device process that follows the rollouts.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -139,6 +140,15 @@ class ModelSlot:
         with self._lock:
             self._commit(new, self.current, new_file=data)
         return new
+
+    def relabel(self, deployment: str) -> None:
+        """The current head, judged again under ``deployment`` (the same head deployed anew): from now
+        on it came from that one, so that deployment's re-delivered assignment is a re-delivery and
+        its rollback reverts it (a review's finding: it kept the old name, and every re-delivery of
+        the new assignment was judged and reported again)."""
+        with self._lock:
+            if self.current is not None and self.current.deployment != deployment:
+                self._commit(dataclasses.replace(self.current, deployment=deployment), self.previous)
 
     def revert(self, deployment: str) -> bool:
         """Back to the kept version if the current one came from ``deployment``; whether it did."""
@@ -386,13 +396,15 @@ class DeploymentFollower(LinkWorker):
                       "correct_current": self.slot.correct(current, Z_current, y) if current is not None else 0}
         except Exception as exc:        # the head does not fit the bundle's features, or the device's labels
             return self._cannot_load(a, exc)
-        if swap:
-            try:
+        try:
+            if swap:
                 self.slot.swap(data, a["sha256"], a["deployment"], bundle)
-            except OSError as exc:      # the slot's folder: full, or read-only for a while
-                return self._try_again(a, data, swap, since, f"writing the slot: {type(exc).__name__}: {exc}")
-            except Exception as exc:
-                return self._cannot_load(a, exc)
+            else:                       # the current head under a new deployment: it came from that one now
+                self.slot.relabel(a["deployment"])
+        except OSError as exc:          # the slot's folder: full, or read-only for a while
+            return self._try_again(a, data, swap, since, f"writing the slot: {type(exc).__name__}: {exc}")
+        except Exception as exc:
+            return self._cannot_load(a, exc)
         log.info("%s: now running %s of deployment %s (held-out %d/%d, was %d)", self.device_id, a["sha256"][:12],
                  a["deployment"], counts["correct_candidate"], counts["n"], counts["correct_current"])
         self._report(D.report_message(self.device_id, a["deployment"], a["sha256"], seq=a["seq"], **counts))

@@ -557,6 +557,35 @@ def test_rolling_back_the_settled_version_leaves_the_canary_running_the_candidat
     assert view["state"] == "canary" and not view["counts"].get("late_reports"), view["counts"]
 
 
+def test_the_running_head_deployed_anew_is_judged_once_and_comes_from_the_new_deployment(setup, world, broker):
+    """A review's finding: the device kept the running head's old deployment name, so every
+    re-delivery of the new deployment's retained assignment (each reconnect) judged it on the
+    held-out split and reported again, and the new deployment's rollback did not revert it."""
+    from test_deployment_attacks import Sniffer
+
+    store, controller, fleet = setup
+    W, b = world["good"]
+    mid = model_id(store, "g", W, b)
+    follower = fleet.start("cam-0")
+    sniffer = Sniffer(broker, [fleet.topics.deploy("cam-0")])
+    ctl = controller()
+    try:
+        for name in ("D1", "D2"):
+            ctl.call(lambda: ctl.deploy(mid, cohort="devices:cam-0", stages="100%", bake_s=0, min_reports=1,
+                                        deployment_id=name))
+            wait_for(lambda: store_state(store, name) == "complete", what=name)
+        assert follower.slot.current.deployment == "D2" and follower.slot.current.sha256 == D_sha((W, b))
+        on_d2 = lambda: [r for r in follower.reports if r["deployment"] == "D2"]
+        assert len(on_d2()) == 1
+        retained = [p for p in sniffer.seen[fleet.topics.deploy("cam-0")] if b'"D2"' in p][-1]
+        for _ in range(3):                                    # its re-deliveries (reconnects)
+            sniffer.publish(fleet.topics.deploy("cam-0"), retained)
+        time.sleep(0.5)
+        assert len(on_d2()) == 1 and ModelSlot(follower.slot.dir).current.deployment == "D2"
+    finally:
+        sniffer.close()
+
+
 def test_two_rollbacks_in_a_row_leave_no_device_without_a_head(setup, world):
     store, ctl, fleet, broken, shas = _three_versions(setup, world)
     ctl.call(lambda: ctl.deploy(broken, cohort="devices:cam-0", stages="100%", bake_s=0, min_reports=1,

@@ -305,6 +305,10 @@ def test_a_java_device_follows_a_rollout_over_mosquitto(java_cp, world, broker, 
         assert (report["correct_candidate"], report["correct_current"]) == \
             (int((reference(broken, Z, local) == y).sum()), right)
         wait_for(lambda: running(slot) == good_sha and ModelSlot(slot).previous is None, 60.0, "the Java device back")
+        ctl.call(lambda: ctl.deploy(ids["good"], cohort="devices:jcam", stages="100%", bake_s=0.2, min_reports=1,
+                                    deployment_id="good-2"))      # the running head, deployed anew
+        wait_for(lambda: store_state(store, "good-2") == "complete", 60.0, "the same head's new rollout")
+        assert ModelSlot(slot).current.deployment == "good-2" and running(slot) == good_sha
 
         raw = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="intruder")
         raw.connect("127.0.0.1", broker.port)

@@ -266,6 +266,13 @@ public final class DeploymentFollower implements AutoCloseable {
                 cannotLoad(a, e);
                 return;
             }
+        } else {
+            try {                   // the current head under a new deployment: it came from that one now
+                slot.relabel(a.deployment);
+            } catch (java.io.IOException e) {
+                tryAgain(a, candidate, data, since, "writing the slot: " + e.getMessage());
+                return;
+            }
         }
         LOG.info(deviceId + ": now running " + a.sha256.substring(0, 12) + " of deployment " + a.deployment);
         report(a, counts);

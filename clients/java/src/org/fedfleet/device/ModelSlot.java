@@ -204,6 +204,15 @@ public final class ModelSlot {
         return v;
     }
 
+    /** The current head, judged again under ``deployment`` (the same head deployed anew): from now on it
+     *  came from that one, as protocols' Python ModelSlot.relabel says (its re-delivered assignment is a
+     *  re-delivery, its rollback reverts it). */
+    public synchronized void relabel(String deployment) throws IOException {
+        State s = state;
+        if (s.current == null || s.current.deployment.equals(deployment)) return;
+        commit(new State(new Version(s.current.sha256, deployment, s.current.bundleSha256, s.current.head), s.previous));
+    }
+
     /** Back to the kept version if the current one came from ``deployment``; whether it did. */
     public synchronized boolean revert(String deployment) throws IOException {
         State s = state;
