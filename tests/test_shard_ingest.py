@@ -273,6 +273,29 @@ def test_a_shard_receipts_only_an_id_it_holds(tmp_path):
     assert [c.device for c in shard.store.contributions("sharded", with_payload=False)] == [DEVICES[first]]
 
 
+def test_a_re_sent_result_is_receipted_again_without_being_validated_again(tmp_path, monkeypatch):
+    """A review's finding: every re-send of a result the shard held (a device without its ack, or
+    one re-sending at will) was validated in full before the store said it held one, and one under
+    a new id twice (its own, then the stored one's): a 13 MB Fed3R check each, for as long as the
+    round was open, as one aggregator's round machine never does."""
+    from aggregator.shards.partial_sums import additive
+
+    adder = type(additive("fed3r"))
+    checks = []
+    real_check = adder.check
+    monkeypatch.setattr(adder, "check", lambda self, *a, **k: checks.append(1) or real_check(self, *a, **k))
+    shard = ShardIngest(0, 2, Store(tmp_path / "s0.db"))
+    shard.set_job("sharded", "fed3r", CONFIG)
+    i = next(i for i in range(len(DEVICES)) if shard_of(DEVICES[i], 2) == 0)
+    held = feed(shard, i, result(i))
+    env = decode(result(i))
+    env.id = f"{i + 100:032x}"                                 # the same round's result under a new id
+    again = [feed(shard, i, result(i)) for _ in range(3)] + [feed(shard, i, encode(env)) for _ in range(2)]
+    assert len(checks) == 1 and all(r.raw == held.raw for r in again) and shard.stored == 1
+    shard.drop_orphans("sharded", 1, [(DEVICES[i], decode(held.raw).id)])
+    assert isinstance(feed(shard, i, result(i)), Forward) and len(checks) == 1      # round 1 closed: the coordinator's
+
+
 def test_a_shard_stores_results_of_the_open_rounds_only_and_remembers_the_last_close(tmp_path):
     """A review's attacks: a result naming round 2**63 raised OverflowError out of the shard (its
     process died, and again on every re-send); results naming rounds that never open were stored
