@@ -48,17 +48,19 @@ import numpy as np
 
 from edge_client.inbox import aggregator_inbox
 from edge_client.oll import prune
-from protocols.envelope import EnvelopeError
+from protocols.envelope import EnvelopeError, parse_strict_json
 from protocols.files import write_atomic
 from protocols.identity import sender_verifier
 from protocols.message_loop import QueueBound
 from protocols.mqtt_link import BrokerConfig, LinkWorker, MqttLink
 from protocols.payloads import deployment as D
 from protocols.payloads.artifacts import ARTIFACT, get_message, parse_artifact
+from protocols.regular_file import read_regular_file
 from protocols.topics import AGGREGATOR_ID, DEPLOY_ROLE, Topics
 
 log = logging.getLogger("fedfleet.device")
 STATE_FILE = "slot.json"
+MAX_STATE_BYTES = 1 << 20    # slot.json: two versions' names, a sequence, a device's class ids
 KEPT_REFUSALS = 256          # the latest refusals (and reports) a follower keeps in memory
 MAX_WHY_CHARS = 500          # of a refusal's reason, as logged, kept and reported (the wire's bound too)
 _HEAD_FILE = re.compile(r"[0-9a-f]{64}\.npz")      # a version's head, named by its sha256
@@ -110,16 +112,37 @@ class ModelSlot:
 
     def _load(self) -> None:
         """What ``slot.json`` says (nothing when there is none)."""
-        state = self.dir / STATE_FILE
-        if state.exists():
-            saved = json.loads(state.read_text())
-            if not isinstance(saved, dict):
-                raise ValueError(f"{state}: not a model slot's state (a JSON object), but {type(saved).__name__}")
+        saved = self._saved()
+        if saved is not None:
             self.current, self.previous = (self._read(saved.get(k)) for k in ("current", "previous"))
-            self.seq = int(saved.get("seq", 0))
+            self.seq = saved.get("seq", 0)
             self.seq_key = saved.get("seq_key", _LEGACY)
             if saved.get("local_labels") is not None:
                 self.local_labels = np.asarray(saved["local_labels"], dtype=np.int64)
+
+    def _saved(self) -> dict | None:
+        """``slot.json`` as written (None: there is none), read as strictly as it is written: a regular
+        file of at most MAX_STATE_BYTES, strict JSON, ``seq`` an integer in [0, 2^62], ``local_labels``
+        a list of class ids; a ValueError naming what is wrong otherwise (a FIFO hung the device, deep
+        nesting was a RecursionError, 1e400 an OverflowError, and [[-5, 2.7]] were labels: a review's
+        findings). The folder is the device's own; a slot it cannot read is the operator's to mend."""
+        state = self.dir / STATE_FILE
+        if not state.exists():
+            return None
+        data = read_regular_file(state, "the model slot's state", MAX_STATE_BYTES)
+        try:
+            saved = parse_strict_json(data)
+        except (ValueError, RecursionError) as exc:
+            raise ValueError(f"{state}: not a model slot's state: {exc}") from None
+        if not isinstance(saved, dict):
+            raise ValueError(f"{state}: not a model slot's state (a JSON object), but {type(saved).__name__}")
+        seq, labels = saved.get("seq", 0), saved.get("local_labels")
+        if type(seq) is not int or not 0 <= seq <= 2 ** 62:
+            raise ValueError(f"{state}: seq must be an integer in [0, 2^62], got {str(seq)[:40]}")
+        if labels is not None and not (isinstance(labels, list) and all(type(c) is int and 0 <= c < 2 ** 31
+                                                                          for c in labels)):
+            raise ValueError(f"{state}: local_labels must be a list of class ids (integers >= 0)")
+        return saved
 
     def predict(self, features: np.ndarray) -> np.ndarray:
         """Class ids for (n, d) features with the deployed head, OLL-pruned when the device
@@ -198,10 +221,9 @@ class ModelSlot:
             if labels_only:
                 self._load()
                 current, previous, self.local_labels = self.current, self.previous, labels
-            elif (self.dir / STATE_FILE).exists():      # a swap: the higher sequence, the application's labels
-                saved = json.loads((self.dir / STATE_FILE).read_text())
+            elif (saved := self._saved()) is not None:      # a swap: the higher sequence, the application's labels
                 if saved.get("seq_key", _LEGACY) in (self.seq_key, _LEGACY):     # another key's binds nobody
-                    self.seq = max(self.seq, int(saved.get("seq", 0)))
+                    self.seq = max(self.seq, saved.get("seq", 0))
                 if self.local_labels is None and saved.get("local_labels") is not None:
                     self.local_labels = np.asarray(saved["local_labels"], dtype=np.int64)
             entry = (lambda h: None if h is None else {"sha256": h.sha256, "deployment": h.deployment,

@@ -55,6 +55,7 @@ from pathlib import Path
 import numpy as np
 
 from protocols.files import read_npy_header, write_atomic
+from protocols.regular_file import open_regular
 
 DEFAULT_BUDGET_BYTES = 16 * 2**20          # all jobs together; a 10-class head on 1,280-d features is 51 KB
 DEFAULT_TTL_S = 7 * 24 * 3600.0            # a task that names no horizon: a week
@@ -119,25 +120,26 @@ def read_state_arrays(path: Path, max_bytes: int) -> dict[str, np.ndarray]:
     ``.npy`` array, little-endian float or unsigned integer, in C order, of exactly its shape's
     bytes. numpy's own loader takes members that are no array (as bytes), big-endian, Fortran-order
     and signed arrays, which then broke every later budget check or disagreed with Java."""
-    if path.stat().st_size > max_bytes:
-        raise ValueError(f"{path.name} is larger than {max_bytes} bytes")
-    arrays = {}
-    with zipfile.ZipFile(path) as archive:
-        members = archive.infolist()
-        if sum(m.file_size for m in members) > max_bytes:
-            raise ValueError(f"{path.name}'s arrays are larger than {max_bytes} bytes")
-        for member in members:
-            if not member.filename.endswith(".npy"):
-                raise ValueError(f"{member.filename!r} is not an array")
-            with archive.open(member) as stream:
-                shape, fortran_order, dtype = read_npy_header(stream)
-                if fortran_order or dtype.kind not in "fu" or dtype.itemsize not in (1, 2, 4, 8) \
-                        or dtype.byteorder == ">" or (dtype.byteorder == "=" and sys.byteorder != "little"):
-                    raise ValueError(f"{member.filename}: not a little-endian float or unsigned array in C order")
-                data = stream.read()
-                if len(data) != math.prod(shape) * dtype.itemsize:
-                    raise ValueError(f"{member.filename}: {len(data)} bytes of data for shape {shape}")
-            arrays[member.filename[:-len(".npy")]] = np.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
+    with open_regular(path) as handle:        # OSError for a FIFO (it waited for a writer for ever), a device
+        if os.fstat(handle.fileno()).st_size > max_bytes:
+            raise ValueError(f"{path.name} is larger than {max_bytes} bytes")
+        arrays = {}
+        with zipfile.ZipFile(handle) as archive:
+            members = archive.infolist()
+            if sum(m.file_size for m in members) > max_bytes:
+                raise ValueError(f"{path.name}'s arrays are larger than {max_bytes} bytes")
+            for member in members:
+                if not member.filename.endswith(".npy"):
+                    raise ValueError(f"{member.filename!r} is not an array")
+                with archive.open(member) as stream:
+                    shape, fortran_order, dtype = read_npy_header(stream)
+                    if fortran_order or dtype.kind not in "fu" or dtype.itemsize not in (1, 2, 4, 8) \
+                            or dtype.byteorder == ">" or (dtype.byteorder == "=" and sys.byteorder != "little"):
+                        raise ValueError(f"{member.filename}: not a little-endian float or unsigned array in C order")
+                    data = stream.read()
+                    if len(data) != math.prod(shape) * dtype.itemsize:
+                        raise ValueError(f"{member.filename}: {len(data)} bytes of data for shape {shape}")
+                arrays[member.filename[:-len(".npy")]] = np.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
     return arrays
 
 
@@ -174,7 +176,10 @@ class DeviceStateStore:
         except FileNotFoundError:
             return None
         except Exception:           # torn, foreign or tampered: never trusted, never fatal
-            path.unlink(missing_ok=True)
+            try:
+                path.unlink(missing_ok=True)
+            except OSError:         # a directory under a state file's name: not ours to remove
+                pass
             return None
 
     def _entries(self, skip: Path | None = None) -> list[tuple[Path, StateEntry]]:

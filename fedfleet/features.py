@@ -100,5 +100,9 @@ def _extractor(args):
 
     if args.backbone not in BACKBONES:
         raise UserError(f"--backbone {args.backbone!r}: not one of {', '.join(sorted(BACKBONES))}")
+    from edge_client.tasks.extractors import MAX_DEVICE_IMAGE_SIZE
+
+    if not 1 <= args.image_size <= MAX_DEVICE_IMAGE_SIZE:    # 100,000 px asked for 37 GiB before anything said no
+        raise UserError(f"--image-size {args.image_size}: must be 1 to {MAX_DEVICE_IMAGE_SIZE} pixels a side")
     extractor = make_extractor(args.backbone, args.image_size, None, args.runtime, threads=args.threads)
     return extractor, f"{args.backbone}@{args.image_size}px ({args.runtime})"

@@ -31,6 +31,14 @@ def files(tmp_path_factory):
     np.lib.format.write_array_header_1_0(header, {"descr": "<f8", "fortran_order": False, "shape": (10 ** 11, 1000)})
     with zipfile.ZipFile(d / "lying.npz", "w") as archive:
         archive.writestr("Z.npy", header.getvalue() + bytes(64))
+    os.mkfifo(d / "fifo")
+    import struct
+
+    for name, arr in (("im.idx", np.zeros((2, 8, 8), np.uint8)), ("lb.idx", np.array([0, 1], np.uint8))):
+        (d / name).write_bytes(struct.pack(">HBB", 0, 8, arr.ndim) + struct.pack(f">{arr.ndim}I", *arr.shape)
+                               + arr.tobytes())
+    for cls in ("cat", "dog"):
+        (d / "photos" / cls).mkdir(parents=True)
     return d
 
 
@@ -65,6 +73,17 @@ CASES = [
                                                "--idx", "{d}/a.idx", "{d}/b.idx"], "differs"),
     ("device: --personalize without --deployments", ["device", "--id", "cam1", "--idx", "{d}/a.idx", "{d}/b.idx",
                                                      "--personalize"], "needs --deployments"),
+    # a review's findings: a FIFO hung the command, an image size no device runs asked for 37 GiB,
+    # and a class named "" or ".." labelled the images of the root or another folder
+    ("features: an IDX FIFO", ["features", "--idx", "{d}/fifo", "{d}/fifo", "--backbone", "mobilenet_v2",
+                               "-o", "{d}/x.npz"], "not a regular file"),
+    ("features: an image size no device runs", ["features", "--idx", "{d}/im.idx", "{d}/lb.idx", "--backbone",
+                                                "mobilenet_v2", "--image-size", "100000", "-o", "{d}/x.npz"],
+     "--image-size 100000"),
+    ("device: a class named by a path", ["device", "--id", "cam1", "--image-folder", "{d}/photos", "--classes",
+                                         "cat,../photos/cat"], "no folder name"),
+    ("device: an empty class name", ["device", "--id", "cam1", "--image-folder", "{d}/photos", "--classes",
+                                     "cat,"], "no folder name"),
     ("device: no room for bundles", ["device", "--id", "cam1", "--idx", "{d}/a.idx", "{d}/b.idx",
                                      "--bundle-disk-mb", "0"], "--bundle-disk-mb must be a size in MB"),
     ("device: a feature cache of NaN MB", ["device", "--id", "cam1", "--idx", "{d}/a.idx", "{d}/b.idx",

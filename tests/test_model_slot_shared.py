@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 
 import numpy as np
+import pytest
 
 from edge_client.deployment import ModelSlot
 from protocols.payloads.deployment import head_npz
@@ -119,3 +120,42 @@ def test_a_slot_removes_only_the_head_files_it_wrote(tmp_path):
     (other / "slot.json").write_text("[]")
     with pytest.raises(ValueError, match="not a model slot's state"):
         ModelSlot(other)
+
+
+@pytest.mark.parametrize("content,words", [
+    ("[" * 100_000 + "]" * 100_000, "nest"),
+    ('{"current": null, "previous": null, "seq": 1e400}', "overflows"),
+    ('{"current": null, "previous": null, "seq": 2.9}', "seq"),
+    ('{"current": null, "previous": null, "seq": true}', "seq"),
+    ('{"current": null, "previous": null, "seq": 1, "seq": 2}', "duplicate"),
+    ('{"current": null, "previous": null, "seq": 1, "local_labels": [[-5, 2.7]]}', "local_labels"),
+    ('{"current": null, "previous": null, "seq": 1, "local_labels": [1e400]}', "overflows"),
+    ('{"current": null, "previous": null, "seq": 1, "local_labels": [-1]}', "local_labels"),
+    (None, "not a regular file")])
+def test_a_slot_state_file_is_read_as_strictly_as_it_is_written(tmp_path, content, words):
+    """A review's findings: slot.json was read with json.loads and int(): a FIFO hung the device,
+    deep nesting was a RecursionError, 1e400 an OverflowError, a repeated key kept its last value,
+    true and 2.9 were sequence 1 and 2, and [[-5, 2.7]] were labels. Each is one ValueError now."""
+    import os
+    import threading
+
+    from edge_client.deployment import STATE_FILE, ModelSlot
+
+    slot_dir = tmp_path / "slot"
+    slot_dir.mkdir()
+    if content is None:
+        os.mkfifo(slot_dir / STATE_FILE)
+    else:
+        (slot_dir / STATE_FILE).write_text(content)
+    outcome = []
+
+    def open_slot():
+        try:
+            ModelSlot(slot_dir)
+            outcome.append("opened")
+        except ValueError as exc:
+            outcome.append(str(exc))
+    worker = threading.Thread(target=open_slot, daemon=True)
+    worker.start()
+    worker.join(10)
+    assert outcome and words in outcome[0], outcome

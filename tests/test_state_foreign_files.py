@@ -91,3 +91,24 @@ def test_a_deflate_bomb_state_file_is_not_expanded_in_memory(tmp_path):
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert peak < 8 << 20, f"admit() expanded a {store._path('bomb').stat().st_size}-byte state file to a peak of {peak >> 20} MiB"
+
+
+def test_a_fifo_or_a_folder_under_a_state_files_name_is_no_state_and_never_hangs_the_store(tmp_path):
+    """A review's finding: a FIFO named like a state file (<32 hex>.npz) hung the device's start
+    (and --forget-state) in the store's sweep, which opened it for reading."""
+    import os
+    import threading
+
+    name = "0" * 32 + ".npz"
+    os.mkfifo(tmp_path / name)
+    (tmp_path / ("1" * 32 + ".npz")).mkdir()
+    opened = []
+    worker = threading.Thread(target=lambda: opened.append(DeviceStateStore(tmp_path)), daemon=True)
+    worker.start()
+    worker.join(10)
+    assert opened, "the store hung on the FIFO"
+    store = opened[0]
+    assert store.jobs() == [] and not (tmp_path / name).exists()       # dropped as foreign
+    assert (tmp_path / ("1" * 32 + ".npz")).is_dir()                    # a folder: left alone
+    store.save("j", RUN, 1, {"x": np.zeros(3)})
+    assert store.jobs() == ["j"]

@@ -13,6 +13,7 @@ bomb is detected without decompressing more than the header says is there.
 
 from __future__ import annotations
 
+import errno
 import gzip
 import math
 import os
@@ -21,6 +22,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
+
+from protocols.regular_file import open_regular
 
 GZIP_MAGIC = b"\x1f\x8b"
 
@@ -100,7 +103,13 @@ def read_idx(path: str | Path, max_bytes: int = MAX_IDX_BYTES) -> np.ndarray:
     """Read one IDX file into a native-byte-order array of the shape its header declares (at most
     ``max_bytes`` of payload; a plain file's payload at most what the file holds)."""
     path = Path(path)
-    with open(path, "rb") as raw:
+    try:
+        raw = open_regular(path)          # a FIFO waited for a writer for ever; /dev/zero read without end
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        raise IdxFormatError(f"{path}: not a regular file") from None
+    with raw:
         is_gzip = raw.read(2) == GZIP_MAGIC
         raw.seek(0)
         if not is_gzip:

@@ -38,6 +38,9 @@ def _class_names(root: Path, classes: list[str] | None) -> list[str]:
     names = list(classes)
     if not names:
         raise ValueError("classes must not be empty")
+    for name in names:          # a folder's name: "" or "." was the root itself, "../x" another folder
+        if not name or name.startswith(".") or "/" in name or "\\" in name or "\0" in name:
+            raise ValueError(f"class name {name[:100]!r} is no folder name (empty, starting with '.', or a path)")
     if len(set(names)) != len(names):
         raise ValueError(f"classes contains duplicates: {names}")
     # A device holds any subset of the job's classes: a declared class without a folder simply has
