@@ -18,6 +18,7 @@ Generic round messages (any algorithm):
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,12 +118,15 @@ def parse_presence(msg: Envelope) -> tuple[bool, dict[str, Any]]:
     info = msg.body.get("info", {})
     if not isinstance(info, dict):
         raise EnvelopeError(f"presence info must be an object, got {type(info).__name__}")
+    if len(json.dumps(info)) > MAX_PROFILE_CHARS:    # stored with the device, shown on every device listing
+        raise EnvelopeError(f"presence info is over {MAX_PROFILE_CHARS} characters as JSON")
     if "tags" in info:
         profile_tags(info)          # the one field the aggregator reads (a deployment's tags: cohort)
     return state == "online", info
 
 
 MAX_TAGS, MAX_TAG_CHARS = 32, 64
+MAX_PROFILE_CHARS = 16 * 1024       # a device's announced profile (kinds, runtime, tags): a few hundred
 
 
 def profile_tags(info: dict[str, Any]) -> tuple[str, ...]:

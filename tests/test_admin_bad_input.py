@@ -379,3 +379,25 @@ def test_a_bad_device_keys_file_is_one_error_naming_it(tmp_path, text, why):
     with pytest.raises(ValueError, match="device_keys_file") as caught:      # building the job reads the keys
         build_job("fedavg-secure", {"num_classes": 2, "feature_dim": 4, **keys.job_fields(tmp_path)})
     assert why in str(caught.value).lower()
+
+
+def test_a_devices_presence_carries_a_bounded_profile_and_only_on_its_presence_topic(tmp_path):
+    """A review's findings: a presence's info was stored whole with the device (up to the 256 MiB
+    message limit, shown on every device listing), and a presence topic took any message type past
+    the enrolment check that an outbox applies (a result, an artifact request)."""
+    from aggregator.service.loop import AggregatorService
+    from protocols import messages as M
+    from protocols.envelope import encode
+    from protocols.mqtt_link import BrokerConfig
+    from protocols.topics import Topics
+
+    store = Store(tmp_path / "state.db")
+    svc = AggregatorService(None, BrokerConfig(port=1), tmp_path / "out", store=store, enrolled={"dev00"})
+    big = M.presence_message("dev00", "online", {"notes": "x" * 20_000})
+    svc._on_payload(Topics().presence("dev00"), encode(big))
+    assert svc.stats.rejections.get("presence") == 1 and not (store.device("dev00") or {}).get("profile")
+    svc._on_payload(Topics().presence("dev00"), encode(M.presence_message("dev00", "online", {"tags": "lab"})))
+    assert store.device("dev00")["profile"] == {"tags": "lab"}
+    ask = M.decline_message("stranger", M.TaskRef("j", 1, "t"), "x")             # not enrolled, on its presence topic
+    svc._on_payload(Topics().presence("stranger"), encode(ask))
+    assert svc.stats.rejections.get("unexpected type") == 1

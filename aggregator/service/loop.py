@@ -294,8 +294,8 @@ class AggregatorService(OperatorActions):
         outbox = topic.endswith("/out")
         if env.sender != device:
             return self._reject(device, "wrong sender", f"sender {env.sender!r} does not own topic {topic}")
-        if outbox and not self.fleet.may_contribute(device):
-            return self._reject(device, "not enrolled")
+        if (outbox and not self.fleet.may_contribute(device)) or (not outbox and env.type != M.PRESENCE):    # (its topic's)
+            return self._reject(device, "not enrolled" if outbox else "unexpected type", "" if outbox else env.type[:40])
         self.fleet.heard_from(device)
         if env.type == M.PRESENCE:
             self._on_presence(device, env)
