@@ -142,6 +142,12 @@ class ModelSlot:
         if labels is not None and not (isinstance(labels, list) and all(type(c) is int and 0 <= c < 2 ** 31
                                                                           for c in labels)):
             raise ValueError(f"{state}: local_labels must be a list of class ids (integers >= 0)")
+        for key in ("current", "previous"):     # a version's sha256 names its file: 64 hex digits, no path
+            entry = saved.get(key)
+            if entry is not None and not (isinstance(entry, dict) and _HEAD_FILE.fullmatch(f"{entry.get('sha256')}.npz")
+                                          and isinstance(entry.get("deployment"), str)
+                                          and isinstance(entry.get("bundle_sha256", ""), str)):
+                raise ValueError(f"{state}: {key} must be a version (sha256, deployment, bundle_sha256)")
         return saved
 
     def predict(self, features: np.ndarray) -> np.ndarray:
@@ -244,7 +250,8 @@ class ModelSlot:
     def _read(self, entry: dict | None) -> HeadVersion | None:
         if not entry:
             return None
-        W, b = D.head_from_npz((self.dir / f"{entry['sha256']}.npz").read_bytes(), entry["sha256"])
+        data = read_regular_file(self.dir / f"{entry['sha256']}.npz", "a kept head", D.MAX_HEAD_BYTES)
+        W, b = D.head_from_npz(data, entry["sha256"])
         return HeadVersion(entry["sha256"], entry["deployment"], W, b, entry.get("bundle_sha256", ""))
 
 

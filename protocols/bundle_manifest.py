@@ -24,6 +24,7 @@ from typing import Any
 
 import jsonschema
 
+from protocols.envelope import parse_strict_json
 from protocols.regular_file import open_regular
 
 
@@ -494,12 +495,8 @@ def read_manifest_bytes(path: str | Path) -> tuple[Path, bytes]:
 
 def parse_manifest(raw: bytes, path: Path) -> Manifest:
     """The manifest ``raw`` holds, read from ``path`` (its artifacts lie beside it)."""
-    try:
-        data = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+    try:        # as strict as the Java device's reader: no NaN, no key named twice (the last one won here)
+        data = parse_strict_json(raw)
     except (UnicodeDecodeError, json.JSONDecodeError, ValueError, RecursionError) as error:
         raise ManifestError(f"{path} is not valid JSON: {type(error).__name__}: {error}") from None
     return Manifest.from_json(data, directory=path.parent)
-
-
-def _reject_constant(name: str) -> None:
-    raise ValueError(f"non-finite number {name} is not allowed in a manifest")

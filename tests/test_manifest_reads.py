@@ -8,6 +8,7 @@ claimed 2^40 bytes was allocated); a manifest nested past the parser's depth is 
 from __future__ import annotations
 
 import dataclasses
+import json
 import hashlib
 import os
 
@@ -80,3 +81,16 @@ def test_a_manifest_nested_past_the_parsers_depth_is_a_manifest_error(tmp_path):
     (tmp_path / "manifest.json").write_text("[" * 50_000 + "]" * 50_000)      # 100 kB, under the 1 MiB bound
     with pytest.raises(ManifestError, match="not valid JSON"):
         read_manifest(tmp_path)
+
+
+def test_a_manifest_naming_a_key_twice_is_refused_as_the_java_device_refuses_it(tmp_path):
+    """A review's finding: the Python reader took the last of two values, the Java device's reader
+    refused the file: the same manifest meant one bundle on one device and nothing on the other."""
+    good = json.dumps(manifest_for(b"program").to_json())
+    twice = good.replace('"feature_dim": 4', '"feature_dim": 4, "feature_dim": 8', 1)
+    assert twice != good
+    (tmp_path / "manifest.json").write_text(twice)
+    with pytest.raises(ManifestError, match="duplicate key 'feature_dim'"):
+        read_manifest(tmp_path)
+    (tmp_path / "manifest.json").write_text(good)
+    assert read_manifest(tmp_path).feature_dim == 4

@@ -159,3 +159,14 @@ def test_a_slot_state_file_is_read_as_strictly_as_it_is_written(tmp_path, conten
     worker.start()
     worker.join(10)
     assert outcome and words in outcome[0], outcome
+
+
+def test_a_slot_state_naming_a_head_by_a_path_is_refused_not_read(tmp_path):
+    """A version's sha256 names its head file: a slot.json whose sha256 was a path read whatever
+    file it reached (only then refused, for its digest)."""
+    from edge_client.deployment import STATE_FILE, ModelSlot
+
+    (tmp_path / STATE_FILE).write_text('{"current": {"sha256": "../../etc/passwd", "deployment": "d"}, '
+                                       '"previous": null, "seq": 1}')
+    with pytest.raises(ValueError, match="current must be a version"):
+        ModelSlot(tmp_path)
