@@ -187,6 +187,10 @@ def _check_device_arguments(args) -> None:
 
     if args.personalize and not args.deployments:
         raise UserError("--personalize applies to the deployed head: it needs --deployments DIR")
+    if args.threads is not None and args.threads < 1:       # (before the data is loaded)
+        raise UserError("--threads must be >= 1")
+    if not 0 <= args.holdout_fraction < 1:
+        raise UserError("--holdout-fraction must be in [0, 1)")
     for flag in ("bundle_disk_mb", "feature_cache_mb"):
         if not 1 <= getattr(args, flag) <= 2**30:        # also refuses NaN
             raise UserError(f"--{flag.replace('_', '-')} must be a size in MB between 1 and 2^30, "
@@ -218,11 +222,7 @@ def _local_images(args):
                             "the folders present would mislabel a device that holds only some classes")
         images, labels, _ = load_image_folder(args.image_folder, classes=args.classes.split(","))
     if args.threads is not None:
-        if args.threads < 1:
-            raise SystemExit("--threads must be >= 1")
         set_threads(args.runtime, args.threads)
-    if not 0 <= args.holdout_fraction < 1:
-        raise SystemExit("--holdout-fraction must be in [0, 1)")
     return images, labels
 
 
