@@ -18,7 +18,7 @@ import tracemalloc
 import uuid
 
 from protocols.messages import TaskRef
-from protocols.rounds import MAX_JOBS_REMEMBERED, DeviceSession, TaskArrived, WorkFailed
+from protocols.device_session import MAX_JOBS_REMEMBERED, DeviceSession, TaskArrived, WorkFailed
 
 IDLE_DEVICE_BYTES = 0.03 * 2**20        # bench/fleet_scale.py's figure for a whole idle emulated device
 

@@ -3,7 +3,7 @@
 One agent = one device identity and one MQTT connection. The paho network thread only posts
 raw payloads to the agent's :class:`~protocols.message_loop.MessageLoop`; the loop's thread (or a
 device host pumping it) decodes them, drives the sans-IO
-:class:`protocols.rounds.DeviceSession` and executes its actions (start work, send result,
+:class:`protocols.device_session.DeviceSession` and executes its actions (start work, send result,
 retry). Work itself is done by *task handlers* registered per ``kind`` (e.g. ``fed3r.stats``),
 so the agent knows nothing about any algorithm. Given the device's state store (``state``), it also
 follows the aggregator's retained ``job.ended`` list and drops an ended job's state for the run
@@ -31,8 +31,9 @@ from protocols.message_loop import MessageLoop, QueueBound
 from protocols.mqtt_link import BrokerConfig, MqttLink
 from protocols.payloads.job_end import JOB_ENDED, MAX_NOTICES, parse_job_ended
 from protocols.payloads.stateful import foreign_job
-from protocols.rounds import (AckArrived, DeviceSession, DeviceState, ResultSent, SendDecline, SendResult, SkipTask,
-                              StartWork, TaskArrived, Tick, WorkFailed, WorkFinished, WorkStopped)
+from protocols.rounds import Tick
+from protocols.device_session import (AckArrived, DeviceSession, DeviceState, ResultSent, SendDecline, SendResult,
+                                      SkipTask, StartWork, TaskArrived, WorkFailed, WorkFinished, WorkStopped)
 from protocols.identity import sender_verifier
 from protocols.topics import AGGREGATOR_ID, Topics
 

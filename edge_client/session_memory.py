@@ -1,6 +1,6 @@
 """The device's replay guard on disk: what its round session remembers across restarts.
 
-:class:`protocols.rounds.DeviceSession` skips a task created before the last task of its job the
+:class:`protocols.device_session.DeviceSession` skips a task created before the last task of its job the
 device started (a captured task re-published) and declines an expired task once per job. That
 memory is a few dozen small entries; kept only in the process, a restarted device would run a
 captured task once more while its deadline lasts. A device with a state folder (``fedfleet device
@@ -38,7 +38,7 @@ from pathlib import Path
 
 from protocols.envelope import parse_strict_json
 from protocols.files import write_atomic
-from protocols.rounds import DeviceSession
+from protocols.device_session import DeviceSession
 
 from edge_client.state import TEMP_PREFIX
 

@@ -1,7 +1,7 @@
 """How long a task's work may run on the device: until its round is surely over.
 
 A device skips a task that arrives after its deadline plus the clocks' grace
-(:class:`protocols.rounds.DeviceSession`); a task that arrived in time may still outlast that
+(:class:`protocols.device_session.DeviceSession`); a task that arrived in time may still outlast that
 moment (a slow device, a long recipe). Its result would then be answered ``late`` and dropped, so
 the rest of the work is waste: battery on a phone, a compute slot on an emulation host. The agent
 runs each task's handler under :func:`working_until` (the deadline plus the grace, the

@@ -443,7 +443,7 @@ def test_an_answer_to_a_job_that_ended_is_counted_late_not_rejected(broker, tmp_
     warning per device (before: "rejected message ...: unknown job", counted against the service or
     the next job); an answer naming a job never run is still rejected."""
     from protocols.messages import TaskRef
-    from protocols.rounds import EXPIRED_AT_WORK_DECLINE
+    from protocols.device_session import EXPIRED_AT_WORK_DECLINE
 
     devices = ["dev-a", "dev-b"]
     config = Fed3RConfig(num_classes=C, feature_dim=D, clients_per_round=2, round_timeout_s=20, expected_devices=2)

@@ -1,5 +1,5 @@
 """The device's round machine, Python and Java, against the same golden traces (issue 36): every
-recorded event sequence in protocols/golden/traces/ is replayed through protocols.rounds'
+recorded event sequence in protocols/golden/traces/ is replayed through protocols.device_session'
 DeviceSession and the Java library's DeviceSession; each must answer every event with the recorded
 actions and state, and end with the same memory() (what a device keeps across restarts in
 session.json). The traces must fire every row of DEVICE_TABLE in every state it names, so no
@@ -18,7 +18,7 @@ import pytest
 import java_build
 from edge_client.session_memory import SessionMemoryFile
 from protocols.golden_traces import SESSION, TRACE_DIR, replay, traces
-from protocols.rounds import DEVICE_TABLE, MAX_JOBS_REMEMBERED, DeviceSession
+from protocols.device_session import DEVICE_TABLE, MAX_JOBS_REMEMBERED, DeviceSession
 
 TRACES = sorted(TRACE_DIR.glob("*.json"))
 

@@ -10,7 +10,7 @@ from edge_client.agent import AgentHooks, DeviceAgent
 from fedfleet.emulation.host import DeviceHost
 from protocols.envelope import decode_header
 from protocols.mqtt_link import BrokerConfig
-from protocols.rounds import DeviceState
+from protocols.device_session import DeviceState
 
 from ops_fleet import SyntheticStats, reference_sums
 from test_fleet_hosting import start_service

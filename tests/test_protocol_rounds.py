@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 
 from protocols.messages import TaskRef
-from protocols.rounds import (COORDINATOR_TABLE, DEVICE_TABLE, AckArrived, IllegalTransition, render_tables, ResultSent, ApplyResult, Declined, DeviceLost, DeviceSession, DeviceState, GroupSettled,
-                              RecordDeclined, RecordRejected, RefuseTask, ResultArrived,
-                              ResultInvalid, RoundClosed, RoundCoordinator, SendAck, SendDecline, SendResult,
-                              TaskArrived, Tick, WorkFailed, WorkFinished, WorkStopped)
+from protocols.rounds import (COORDINATOR_TABLE, IllegalTransition, render_tables, ApplyResult, Declined, DeviceLost,
+                              GroupSettled, RecordDeclined, RecordRejected, RefuseTask, ResultArrived, ResultInvalid,
+                              RoundClosed, RoundCoordinator, SendAck, Tick)
+from protocols.device_session import (DEVICE_TABLE, AckArrived, ResultSent, DeviceSession, DeviceState, SendDecline,
+                                      SendResult, TaskArrived, WorkFailed, WorkFinished, WorkStopped)
 from protocols.transition_table import Transition, TransitionTable
 
 
@@ -201,7 +202,7 @@ def test_a_session_recalls_its_replay_guard_and_refuses_a_malformed_memory_whole
     """What a restarted device reads back (edge_client/session_memory.py): the same skips as before
     the restart; a malformed memory changes nothing; only the newest MAX_JOBS_REMEMBERED jobs."""
     import json
-    from protocols.rounds import MAX_JOBS_REMEMBERED, SkipTask
+    from protocols.device_session import MAX_JOBS_REMEMBERED, SkipTask
 
     def arriving(job, r, ts, received_at=None, deadline=1e12):
         return TaskArrived(TaskRef(job, r, f"{job}-t{r}"), "k", {}, deadline, received_at=received_at, sent_at=ts)
@@ -251,7 +252,7 @@ def test_a_last_start_dated_in_the_devices_future_is_no_evidence_of_a_replay():
     before, round 3's task (created earlier by that clock) and every later one were skipped as
     replays until the clock caught up; now only a start within the device's clock plus the grace
     counts, so a replay older than round 3's start is still skipped."""
-    from protocols.rounds import STALE, SkipTask
+    from protocols.device_session import STALE, SkipTask
 
     def arriving(r, sent_at, received_at):
         return TaskArrived(TaskRef("j", r, f"t{r}"), "k", {}, received_at + 100, received_at=received_at, sent_at=sent_at)

@@ -16,7 +16,7 @@ import pytest
 from edge_client.session_memory import MAX_MEMORY_BYTES, SESSION_FILE, SessionMemoryFile
 from edge_client.work_deadline import PastDeadline, sleep_within, working_until
 from protocols.messages import TaskRef
-from protocols.rounds import DeviceSession, TaskArrived
+from protocols.device_session import DeviceSession, TaskArrived
 
 NOW = 1.8e9
 

@@ -27,7 +27,7 @@ STATE_NAMES = {"state", "phase", "stage", "status"}
 # module:class -> (the module-level table it fires, the doc that shows the table rendered)
 MACHINES = {
     "protocols.rounds:RoundCoordinator": ("COORDINATOR_TABLE", "docs/protocol.md"),
-    "protocols.rounds:DeviceSession": ("DEVICE_TABLE", "docs/protocol.md"),
+    "protocols.device_session:DeviceSession": ("DEVICE_TABLE", "docs/protocol.md"),
     "protocols.secagg.client:ClientSecAgg": ("CLIENT_TABLE", "docs/secure-aggregation.md"),
     "protocols.secagg.server:ServerSecAgg": ("SERVER_TABLE", "docs/secure-aggregation.md"),
     "aggregator.service.job_lifecycle:JobLifecycle": ("LIFECYCLE_TABLE", "docs/operations.md"),

@@ -24,7 +24,7 @@ from protocols.envelope import decode, encode
 from protocols.mqtt_link import BrokerConfig
 from protocols.payloads.fedavg import HeadTrainingParams, LocalTraining, batch_schedule, head_tensors
 from protocols.payloads.task_params import ModelSpec
-from protocols.rounds import EXPIRED_AT_WORK_DECLINE
+from protocols.device_session import EXPIRED_AT_WORK_DECLINE
 from protocols.topics import AGGREGATOR_ID, Topics
 from test_agent_unsendable import Features, fed3r_params, handlers
 from test_deployment_attacks import Sniffer

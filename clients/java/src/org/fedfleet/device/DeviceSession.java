@@ -1,5 +1,5 @@
 // The device side of the round rules (docs/protocol.md "Round rules"), sans-IO: events in,
-// actions out, a mirror of protocols/rounds.py's DeviceSession.
+// actions out, a mirror of protocols/device_session.py's DeviceSession.
 //
 //   IDLE      task(new)             StartWork                   -> WORKING
 //   WORKING   task(same)            -                           (redelivery while busy)
@@ -55,17 +55,17 @@ public final class DeviceSession {
         SkipTask(TaskRef ref, String reason) { this.ref = ref; this.reason = reason; }
     }
 
-    /** SkipTask's reasons and the expired task's decline: the words of protocols/rounds.py's EXPIRED,
+    /** SkipTask's reasons and the expired task's decline: the words of protocols/device_session.py's EXPIRED,
      *  STALE and EXPIRED_DECLINE. */
     public static final String EXPIRED = "its deadline has passed";
     public static final String STALE = "created before the last task of its job this device started";
     public static final String EXPIRED_DECLINE = "received after its deadline by this device's clock: is the clock ahead? "
             + "(devices need NTP-close clocks; later expired tasks of this job are skipped silently)";
-    /** protocols/rounds.py's EXPIRED_AT_WORK_DECLINE: the first task of a job whose round went over during its work. */
+    /** protocols/device_session.py's EXPIRED_AT_WORK_DECLINE: the first task of a job whose round went over during its work. */
     public static final String EXPIRED_AT_WORK_DECLINE = "its deadline passed during the work by this device's clock: is "
             + "the clock ahead? (devices need NTP-close clocks; later expired tasks of this job are skipped silently)";
-    static final int MAX_JOBS_REMEMBERED = 64;    // protocols/rounds.py's: the jobs a session keeps (oldest dropped)
-    /** protocols/rounds.py's EXPIRED_DECLINE_GAP_S: at most one expired decline per this many seconds of
+    static final int MAX_JOBS_REMEMBERED = 64;    // protocols/device_session.py's: the jobs a session keeps (oldest dropped)
+    /** protocols/device_session.py's EXPIRED_DECLINE_GAP_S: at most one expired decline per this many seconds of
      *  the device's clock, whatever the job (replayed tasks of more jobs than it remembers, in turn). */
     static final double EXPIRED_DECLINE_GAP_S = 60.0;
     static final int MEMORY_VERSION = 1;          // memory()'s layout, protocols/replay_guard.py's MEMORY_VERSION
@@ -138,7 +138,7 @@ public final class DeviceSession {
             return one(new SendDecline(task.ref, EXPIRED_DECLINE));
         }
         Started last = lastStarted.get(task.ref.job);
-        // a last start dated past this device's clock plus the grace is no evidence (protocols/rounds.py
+        // a last start dated past this device's clock plus the grace is no evidence (protocols/device_session.py
         // _stale): the aggregator's clock ran ahead when it was created and has been set back
         boolean trusted = Double.isNaN(receivedAt) || last == null || last.sentAt <= receivedAt + deadlineGraceS;
         if (last != null && !Double.isNaN(task.sentAt) && !task.ref.equals(last.ref) && task.sentAt < last.sentAt && trusted)
@@ -234,7 +234,7 @@ public final class DeviceSession {
     public long memoryChanges() { return memoryChanges; }
 
     /** The per-job memory the replay rows read, as JSON data (Json's types, oldest job first), the
-     *  layout of protocols/rounds.py's DeviceSession.memory(): {"version": 1, "started": [[job,
+     *  layout of protocols/device_session.py's DeviceSession.memory(): {"version": 1, "started": [[job,
      *  round, task id, signed ts], ...], "expired_declined": [job, ...]}. */
     public Map<String, Object> memory() {
         List<Object> started = new ArrayList<>();
@@ -257,7 +257,7 @@ public final class DeviceSession {
     /** recall(memory), and with `now` (the device's clock, unix seconds; NaN: not checked) a job's
      *  last start created later than now plus deadlineGraceS is forgotten, silently: written while
      *  the aggregator's clock ran ahead (or edited), it would have the job's every later task skipped
-     *  as a replay, across restarts (protocols/rounds.py's DeviceSession.recall(memory, now)). */
+     *  as a replay, across restarts (protocols/device_session.py's DeviceSession.recall(memory, now)). */
     public void recall(Object memory, double now) {
         if (!(memory instanceof Map) || !BigInteger.valueOf(MEMORY_VERSION).equals(((Map<?, ?>) memory).get("version")))
             throw new IllegalArgumentException("device session memory: not a version " + MEMORY_VERSION + " object");
