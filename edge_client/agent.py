@@ -26,14 +26,13 @@ import numpy as np
 
 from protocols import messages as M
 from protocols.chunking import DEFAULT_CHUNK_SIZE, encode_parts
+from protocols.device_session import (AckArrived, DeviceSession, DeviceState, ResultSent, SendDecline, SendResult,
+                                      SkipTask, StartWork, TaskArrived, Tick, WorkFailed, WorkFinished, WorkStopped)
 from protocols.envelope import EnvelopeError, encode
 from protocols.message_loop import MessageLoop, QueueBound
 from protocols.mqtt_link import BrokerConfig, MqttLink
 from protocols.payloads.job_end import JOB_ENDED, MAX_NOTICES, parse_job_ended
 from protocols.payloads.stateful import foreign_job
-from protocols.rounds import Tick
-from protocols.device_session import (AckArrived, DeviceSession, DeviceState, ResultSent, SendDecline, SendResult,
-                                      SkipTask, StartWork, TaskArrived, WorkFailed, WorkFinished, WorkStopped)
 from protocols.identity import sender_verifier
 from protocols.topics import AGGREGATOR_ID, Topics
 

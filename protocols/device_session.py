@@ -36,8 +36,13 @@ from typing import Any
 
 from .messages import TaskRef
 from .replay_guard import memory_layout, parse_memory
-from .rounds import Tick
 from .transition_table import ANY, Transition, TransitionTable
+
+@dataclass(frozen=True)
+class Tick:
+    """The clock moved (both machines read it: the device's retries, the aggregator's deadlines)."""
+    now: float
+
 
 class DeviceState(enum.Enum):
     IDLE = "idle"

@@ -22,10 +22,9 @@ import random
 from pathlib import Path
 from typing import Any
 
-from .messages import TaskRef
-from .rounds import Tick
 from .device_session import (AckArrived, DeviceSession, ResultSent, SendDecline, SendResult, SkipTask, StartWork,
-                             TaskArrived, WorkFailed, WorkFinished, WorkStopped)
+                             TaskArrived, Tick, WorkFailed, WorkFinished, WorkStopped)
+from .messages import TaskRef
 
 TRACE_DIR = Path(__file__).resolve().parent / "golden" / "traces"
 SESSION = {"retry_after_s": 5.0, "max_retries": 2, "keep_finished": 2}

@@ -40,6 +40,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from .device_session import DEVICE_TABLE, Tick
 from .transition_table import ANY, IllegalTransition, Transition, TransitionTable  # noqa: F401 (handle raises it)
 
 # ----------------------------------------------------------------------------- aggregator side
@@ -82,11 +83,6 @@ class DeviceLost:
 class GroupSettled:
     """A secure round's sum is in: exactly these devices' data is in it (empty: the group failed)."""
     survivors: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Tick:
-    now: float
 
 
 @dataclass(frozen=True)
@@ -306,8 +302,6 @@ COORDINATOR_TABLE = TransitionTable(RoundState, [
 
 def render_tables() -> str:
     """Both machines' tables as the text docs/protocol.md shows."""
-    from .device_session import DEVICE_TABLE
-
     return (f"Aggregator side, one RoundCoordinator per round:\n\n{COORDINATOR_TABLE.render()}\n\n"
             f"Device side, one DeviceSession per device:\n\n{DEVICE_TABLE.render()}")
 
