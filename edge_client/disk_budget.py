@@ -43,7 +43,7 @@ class DiskBudget:
         for path in self.root.glob(self.pattern):
             try:
                 entries.append((path.lstat().st_mtime, _size(path), path))
-            except FileNotFoundError:       # another process removed it meanwhile
+            except OSError:                 # removed meanwhile by another process, or unreadable: not counted
                 continue
         total = sum(size for _, size, _ in entries)
         removed = []
@@ -52,7 +52,11 @@ class DiskBudget:
                 break
             if path in keep:
                 continue
-            _remove(path)
+            try:
+                _remove(path)
+            except OSError as exc:          # a device goes on with a fuller disk, never stops for it
+                log.warning("%s: cannot remove %s: %s", self.root, path.name, exc)
+                continue
             total -= size
             removed.append(path)
         if removed:
@@ -77,7 +81,7 @@ def _size(path: Path) -> int:
         for name in files:
             try:
                 total += os.lstat(os.path.join(folder, name)).st_size
-            except FileNotFoundError:
+            except OSError:
                 pass
     return total
 

@@ -87,9 +87,12 @@ class MessageLoop:
     def post(self, item: Any, source: str | None = None, nbytes: int = 0) -> bool:
         """Queue ``item`` (not None) for ``handle`` (never blocks: safe on paho's network thread).
         A message names its ``source`` and size: beyond the loop's bound it is dropped (False)."""
-        if self.bound is not None and source is not None and not self._admit(source, nbytes):
+        if self.bound is None or source is None:
+            self._q.put(item)
+            return True
+        if not self._admit(source, nbytes):
             return False
-        self._q.put(_Sourced(item, source, nbytes) if source is not None else item)
+        self._q.put(_Sourced(item, source, nbytes))
         return True
 
     def _admit(self, source: str, nbytes: int) -> bool:

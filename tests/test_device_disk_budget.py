@@ -122,3 +122,17 @@ def test_a_device_keeps_the_bundle_it_holds_and_fetches_again_what_the_budget_re
     finally:
         svc.stop()
         t.join(10)
+
+
+def test_an_entry_it_cannot_remove_is_skipped_and_the_device_goes_on(tmp_path, monkeypatch):
+    """The device's trim runs in its main loop: an error there must not end the device."""
+    import edge_client.disk_budget as disk_budget
+
+    for i, name in enumerate("ab"):
+        _file(tmp_path / f"features-{name}.npy", 300, 1_000 + i)
+
+    def refuse(path):
+        raise PermissionError(13, "read-only", str(path))
+    monkeypatch.setattr(disk_budget, "_remove", refuse)
+    assert DiskBudget(tmp_path, 100, "features-*.npy").trim() == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["features-a.npy", "features-b.npy"]
