@@ -369,6 +369,9 @@ class DeploymentFollower(LinkWorker):
             except OSError as exc:
                 return self._refuse(f"kept head unreadable, staying on the current version: {exc}", a, "load")
             return self._adopt(a, data, swap=kept is not current)
+        if self._pending is not None and self._pending["seq"] == a["seq"]:
+            return          # its re-delivery while its head is fetched: the fetch's clock runs on (a review's
+            # finding: a replay every minute kept the timeout refusal from ever being said, asking again each time)
         self._pending = {**a, "asked": 0.0, "since": time.monotonic()}
 
     def _tick(self, now: float) -> None:

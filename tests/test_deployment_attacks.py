@@ -461,3 +461,32 @@ def test_a_devices_junk_costs_the_controller_one_row_not_the_fleet_and_a_flood_w
         assert ctl.call(lambda: "answers") == "answers"
     finally:
         sniffer.close()
+
+
+def test_a_re_delivered_assignment_does_not_restart_its_heads_fetch(broker, tmp_path, world):
+    """A review's finding: each re-delivery of the retained assignment whose head was being fetched
+    started the fetch's clock again, so a replay every few seconds kept the timeout refusal from
+    ever being said (and the device asked the aggregator again each time)."""
+    from protocols.identity import DeviceIdentity
+    from protocols.mqtt_link import BrokerConfig
+    from protocols.topics import AGGREGATOR_ID, Topics
+
+    agg = DeviceIdentity.generate(AGGREGATOR_ID)
+    T = Topics(f"r{time.monotonic_ns()}")
+    sniffer = Sniffer(broker, [T.deploy_out("cam-0")])
+    follower = DeploymentFollower("cam-0", BrokerConfig.from_url(broker.url), ModelSlot(tmp_path / "slot"),
+                                  lambda bundle: world["holdout"]["cam-0"], topics=T, aggregator_key=agg.public_key_bytes,
+                                  retry_s=0.2, fetch_timeout_s=1.5).start()
+    head = D.head_npz(*world["good"])
+    signed = encode(D.run_message(AGGREGATOR_ID, "d1", D_sha(world["good"]), len(head), 1, device="cam-0", seq=1),
+                    signer=agg.sign)
+    try:
+        start = time.monotonic()
+        while time.monotonic() - start < 4.0 and not any(r.get("reason") == "timeout" for r in follower.reports):
+            sniffer.publish(T.deploy("cam-0"), signed)          # nobody sends the head; the assignment comes again
+            time.sleep(0.3)
+        assert [r["reason"] for r in follower.reports] == ["timeout"], follower.reports
+        assert time.monotonic() - start < 3.0                     # within its 1.5 s, not restarted by each copy
+    finally:
+        follower.stop()
+        sniffer.close()

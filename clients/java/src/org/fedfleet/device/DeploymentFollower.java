@@ -179,7 +179,8 @@ public final class DeploymentFollower implements AutoCloseable {
             }
             return;
         }
-        pending = a;
+        if (pending != null && pending.seq == a.seq) return;     // its re-delivery while its head is fetched:
+        pending = a;                                             // the fetch's clock runs on (as the Python device's)
         pendingSince = monotonic();
         pendingAsked = Double.NEGATIVE_INFINITY;
     }
