@@ -8,10 +8,10 @@ create, pause, ...) on the service thread through :meth:`AggregatorService.call`
 
 Every inbound message is checked before it can touch state: revoked sender, envelope structure and
 size, signature (when identities are required), sender == the device named by the topic, device
-enrolled, job and round ids (``stray_results.py``), the task id (the round's machine), then the job's
-payload checks. What fails
-is logged and counted under one of a fixed set of reasons (``active_job.REJECTION_CLASSES``) and,
-for results, acknowledged ``rejected`` (``late`` for a job that ended).
+enrolled (a presence topic: presence only), job and round ids (``stray_results.py``), the task id
+(the round's machine), then the job's payload checks. What fails is logged and counted under one of
+a fixed set of reasons (``active_job.REJECTION_CLASSES``) and, for results, acknowledged
+``rejected`` (``late`` for a job that ended).
 
 The decisions live elsewhere, each in a module of its own: the round rules in the sans-IO
 :class:`~protocols.rounds.RoundCoordinator` (it emits the actions this loop executes, record
@@ -99,8 +99,7 @@ class AggregatorService(OperatorActions):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.store = store
-        # the aggregator's Ed25519 identity: every message it sends is signed, so devices enrolled
-        # with its public key refuse injected tasks, acks and status
+        # the aggregator's Ed25519 identity signs all it sends: devices with its key refuse injected messages
         self._signer = identity.sign if identity is not None else None
         self.crash = CrashPoints.from_env()
         self.fleet = Fleet(store, security, enrolled, settings.require_signatures,
@@ -143,13 +142,8 @@ class AggregatorService(OperatorActions):
         a = self.active or self.last_finished
         return a.job if a else None
 
-    @property
-    def online(self) -> set[str]:
-        return self.fleet.online
-
-    @property
-    def registry(self):
-        return self.fleet.registry
+    online = property(lambda self: self.fleet.online)              # devices seen online
+    registry = property(lambda self: self.fleet.registry)          # enrolled keys (identities required)
 
     # ------------------------------------------------------------------ lifecycle
     def run(self, timeout_s: float | None = None) -> dict:
@@ -294,8 +288,10 @@ class AggregatorService(OperatorActions):
         outbox = topic.endswith("/out")
         if env.sender != device:
             return self._reject(device, "wrong sender", f"sender {env.sender!r} does not own topic {topic}")
-        if (outbox and not self.fleet.may_contribute(device)) or (not outbox and env.type != M.PRESENCE):    # (its topic's)
-            return self._reject(device, "not enrolled" if outbox else "unexpected type", "" if outbox else env.type[:40])
+        if not outbox and env.type != M.PRESENCE:           # a presence topic skips the outbox's enrolment check
+            return self._reject(device, "unexpected type", f"{env.type[:40]!r} on a presence topic")
+        if outbox and not self.fleet.may_contribute(device):
+            return self._reject(device, "not enrolled")
         self.fleet.heard_from(device)
         if env.type == M.PRESENCE:
             self._on_presence(device, env)
@@ -351,7 +347,10 @@ class AggregatorService(OperatorActions):
     def _answer_stray(self, device: str, env: Envelope, ref: M.TaskRef) -> None:
         """A result or decline for no open round (``stray_results.py``); late: the service's count."""
         answer = self.strays.answer(ref, self.active.job_id if self.active is not None else None)
-        self._reject(device, answer.rejection, answer.detail) if answer.rejection else self.stats.count_late()
+        if answer.rejection:
+            self._reject(device, answer.rejection, answer.detail)
+        else:
+            self.stats.count_late()
         if answer.ack and env.type == M.RESULT:
             self._send(device, M.ack_message(AGGREGATOR_ID, env.id, answer.ack, answer.reason))
 
