@@ -440,18 +440,21 @@ def test_a_devices_junk_costs_the_controller_one_row_not_the_fleet_and_a_flood_w
     T = fleet.topics
     ctl = controller()
     scans = []
-    real_devices = store.devices
+    rows = []
+    real_devices, real_device = store.devices, store.device
     monkeypatch.setattr(store, "devices", lambda *a, **k: scans.append(1) or real_devices(*a, **k))
+    monkeypatch.setattr(store, "device", lambda *a, **k: rows.append(1) or real_device(*a, **k))
     sniffer = Sniffer(broker, [])
     try:
         junk = encode(Envelope(type="nonsense", sender="cam-0", body={}))
         seen = ctl.call(lambda: len(scans))
         for _ in range(100):
             sniffer.publish(T.deploy_out("cam-0"), junk)
-        ctl.call(lambda: None)                                 # after the 100 in its queue
-        assert ctl.call(lambda: len(scans)) == seen            # not one read of the fleet (nor a tick's: nothing deployed)
+        # all 100 read (one row each) before the bound shrinks: one still on its way would be dropped below
+        wait_for(lambda: ctl.call(lambda: len(rows)) >= 100, what="the 100 junk messages read")
+        assert ctl.call(lambda: (len(scans), len(rows), ctl.loop.dropped)) == (seen, 100, 0)   # not one read of the fleet
         ctl.loop.bound = QueueBound(4 * len(junk), 1 << 20)   # a small bound per device, to see it hold
-        busy = threading.Thread(target=lambda: ctl.call(lambda: time.sleep(1.0)))   # the loop busy a second
+        busy = threading.Thread(target=lambda: ctl.call(lambda: time.sleep(2.0)))   # the loop busy while the 20 arrive
         busy.start()
         time.sleep(0.2)
         for _ in range(20):
