@@ -27,7 +27,7 @@ from protocols.bundle_manifest import MAX_MANIFEST_BYTES
 from protocols.envelope import MAX_HEADER_BYTES, EnvelopeError
 from protocols.files import write_atomic
 from protocols.mqtt_link import BrokerConfig, MqttLink
-from protocols.payloads.artifacts import ARTIFACT, MISSING, get_message, parse_artifact
+from protocols.payloads.artifacts import ARTIFACT, MISSING, answers_ask, get_message, parse_artifact
 from protocols.topics import AGGREGATOR_ID, Topics
 
 
@@ -72,9 +72,12 @@ def fetch_bundle(device_id: str, broker: BrokerConfig, manifest_sha256: str, des
             deadline = time.monotonic() + timeout_s
             next_ask = 0.0
             dropped: list[str] = []              # why the last dropped message was: said at the timeout
+            asked: set[str] = set()              # this fetch's asks: only an answer to one ends it
             while time.monotonic() < deadline:
                 if time.monotonic() >= next_ask:  # ask again now and then: the aggregator may be (re)starting
-                    link.publish_envelope(topics.outbox(device_id), get_message(device_id, sha), signer=signer)
+                    ask = get_message(device_id, sha)
+                    asked.add(ask.id)
+                    link.publish_envelope(topics.outbox(device_id), ask, signer=signer)
                     next_ask = time.monotonic() + retry_s
                 try:
                     env = assembler.feed(inbox.get(timeout=0.5))
@@ -85,7 +88,7 @@ def fetch_bundle(device_id: str, broker: BrokerConfig, manifest_sha256: str, des
                     continue
                 if env is None or env.sender != AGGREGATOR_ID or env.body.get("sha256") != sha:
                     continue
-                if env.type == MISSING:
+                if env.type == MISSING and answers_ask(env, asked):
                     raise ArtifactFetchError(f"the aggregator holds no artifact {sha[:16]}…")
                 if env.type != ARTIFACT:
                     continue

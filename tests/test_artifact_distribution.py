@@ -245,10 +245,11 @@ def test_a_device_with_the_aggregators_key_ignores_forged_artifact_replies(broke
                     subscriptions=[(topics.outbox("cam1"), 1)])
 
     def answer(payload: bytes) -> None:
-        if decode(payload).type != GET:
+        ask = decode(payload)
+        if ask.type != GET:
             return
-        # the forger first (unsigned, at once), the aggregator 1.5 s later (signed)
-        link.publish(topics.inbox("cam1"), encode(missing_message(AGGREGATOR_ID, sha)))
+        # the forger first (unsigned, at once, answering the ask it saw), the aggregator 1.5 s later (signed)
+        link.publish(topics.inbox("cam1"), encode(missing_message(AGGREGATOR_ID, sha, ask.id)))
         threading.Timer(1.5, lambda: link.publish(topics.inbox("cam1"), encode(
             artifact_message(AGGREGATOR_ID, sha, "manifest.json", manifest), signer=aggregator.sign))).start()
 
@@ -259,6 +260,58 @@ def test_a_device_with_the_aggregators_key_ignores_forged_artifact_replies(broke
         got = fetch_bundle("cam1", cfg, sha, tmp_path / "keyed", timeout_s=30, client_id="cam1.b",
                            verifier=sender_verifier(AGGREGATOR_ID, aggregator.public_key_bytes))
         assert got.read_bytes() == manifest
+    finally:
+        link.stop()
+
+
+def test_a_replayed_genuine_missing_does_not_end_a_later_fetch(broker, tmp_path):
+    """A review's finding: a signed "missing" the aggregator once sent (asked before the bundle was
+    on its shelf), recorded and replayed, ended every later fetch of that bundle at once, and the
+    device declined the job's tasks. A "missing" ends a fetch only when it answers one of that
+    fetch's own asks (``request``, the ask's id), so the replay is passed over and the file taken."""
+    import hashlib
+    import json
+
+    from protocols.identity import DeviceIdentity, sender_verifier
+    from protocols.mqtt_link import MqttLink
+    from protocols.payloads.artifacts import GET, artifact_message, missing_message
+    from protocols.topics import AGGREGATOR_ID
+
+    topics, cfg = Topics(), BrokerConfig.from_url(broker.url)
+    manifest = json.dumps({"artifacts": []}).encode()
+    sha = hashlib.sha256(manifest).hexdigest()
+    aggregator = DeviceIdentity.generate(AGGREGATOR_ID)
+    recorded = encode(missing_message(AGGREGATOR_ID, sha, "ab" * 16), signer=aggregator.sign)   # an earlier ask's answer
+    asks = []
+    link = MqttLink("replayer-and-aggregator", cfg, on_message=lambda t, p: answer(p),
+                    subscriptions=[(topics.outbox("cam1"), 1)])
+
+    def answer(payload: bytes) -> None:
+        ask = decode(payload)
+        if ask.type != GET:
+            return
+        asks.append(ask.id)
+        link.publish(topics.inbox("cam1"), recorded)                 # the replay, at once
+        if len(asks) == 1:                                           # the aggregator, 1 s later: the file
+            threading.Timer(1.0, lambda: link.publish(topics.inbox("cam1"), encode(
+                artifact_message(AGGREGATOR_ID, sha, "manifest.json", manifest), signer=aggregator.sign))).start()
+
+    link.start(timeout=30)
+    try:
+        got = fetch_bundle("cam1", cfg, sha, tmp_path / "keyed", timeout_s=30, client_id="cam1.r",
+                           verifier=sender_verifier(AGGREGATOR_ID, aggregator.public_key_bytes))
+        assert got.read_bytes() == manifest and asks
+        # the same "missing" answering this fetch's own ask ends it at once
+        link.stop()
+        link = MqttLink("aggregator", cfg, on_message=lambda t, p: link.publish(topics.inbox("cam1"), encode(
+            missing_message(AGGREGATOR_ID, sha, decode(p).id), signer=aggregator.sign)),
+            subscriptions=[(topics.outbox("cam1"), 1)])
+        link.start(timeout=30)
+        started = time.monotonic()
+        with pytest.raises(ArtifactFetchError, match="holds no artifact"):
+            fetch_bundle("cam1", cfg, sha, tmp_path / "missing", timeout_s=30, client_id="cam1.m",
+                         verifier=sender_verifier(AGGREGATOR_ID, aggregator.public_key_bytes))
+        assert time.monotonic() - started < 10
     finally:
         link.stop()
 

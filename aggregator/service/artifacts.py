@@ -74,7 +74,7 @@ def artifact_reply(shelf: ArtifactShelf | None, device: str, ask: Envelope) -> t
     except EnvelopeError as exc:
         return None, str(exc)
     if shelf is None or sha256 not in shelf:
-        return missing_message(AGGREGATOR_ID, sha256), f"no artifact {sha256[:16]} on this aggregator"
+        return missing_message(AGGREGATOR_ID, sha256, ask.id), f"no artifact {sha256[:16]} on this aggregator"
     if not shelf.answers.allow(device, sha256):
         log.info("artifact %s… asked again by %s: the last answers stand", sha256[:16], device)
         return None, None

@@ -4,8 +4,12 @@ answers with the bytes (chunked like any large envelope), the device checks the 
 * ``artifact.get``  device -> aggregator. body ``{"sha256": hex}``
 * ``artifact``      aggregator -> device inbox. body ``{"sha256": hex, "name": file name}``,
                     tensor ``data`` (uint8, the file's bytes)
-* ``artifact.missing``  aggregator -> device inbox. body ``{"sha256": hex}``: this aggregator holds
-                    no such file, so the device stops asking (it waited out its whole timeout before)
+* ``artifact.missing``  aggregator -> device inbox. body ``{"sha256": hex, "request": id}``: this
+                    aggregator holds no such file, so the device stops asking (it waited out its
+                    whole timeout before). ``request`` is the ``id`` of the ``artifact.get`` it
+                    answers: a device ends a fetch only on an answer to one of *this* fetch's asks,
+                    so a genuine, signed "missing" recorded once (before the bundle was put on the
+                    shelf) and replayed later ends nothing (a review's finding)
 
 Files are content-addressed: a bundle is fetched by its manifest's sha256 (announced with the
 job), then every file the manifest lists, by the sha256 the manifest gives. A device accepts no
@@ -34,8 +38,15 @@ def parse_get(env: Envelope) -> str:
     return check_sha(body_field(env, "sha256", str))
 
 
-def missing_message(sender: str, sha256: str) -> Envelope:
-    return Envelope(type=MISSING, sender=sender, body={"sha256": check_sha(sha256)})
+def missing_message(sender: str, sha256: str, request: str) -> Envelope:
+    """The answer to the ``artifact.get`` whose envelope id is ``request``: no such file here."""
+    return Envelope(type=MISSING, sender=sender, body={"sha256": check_sha(sha256), "request": request})
+
+
+def answers_ask(env: Envelope, asked: set[str]) -> bool:
+    """Whether ``env`` (an ``artifact.missing``) answers one of the asks whose ids are ``asked``."""
+    request = env.body.get("request")
+    return type(request) is str and request in asked
 
 
 def artifact_message(sender: str, sha256: str, name: str, data: bytes) -> Envelope:
