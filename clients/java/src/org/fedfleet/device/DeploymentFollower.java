@@ -21,9 +21,6 @@ import java.util.Collections;
 import java.util.LinkedHashMap;
 import java.util.List;
 import java.util.Map;
-import java.util.concurrent.BlockingQueue;
-import java.util.concurrent.LinkedBlockingQueue;
-import java.util.concurrent.TimeUnit;
 import java.util.logging.Level;
 import java.util.logging.Logger;
 import org.fedfleet.wire.Envelope;
@@ -58,7 +55,9 @@ public final class DeploymentFollower implements AutoCloseable {
     private final HeldOut heldOut;
     private final Options o;
     private final CallbackConnection connection;
-    private final BlockingQueue<Inbound> inbox = new LinkedBlockingQueue<>(256);
+    // what waits unread, in bytes (as edge_client/deployment.py): two heads from one topic, four in all
+    private final InboxQueue<Inbound> inbox = new InboxQueue<>("deploy", 2 * (HeadFile.MAX_HEAD_BYTES + (1L << 20)),
+            4 * (HeadFile.MAX_HEAD_BYTES + (1L << 20)));
     private final InboxReader reader;
     private ModelSlot.Assignment pending;
     private Retry retry;                        // a fetched head whose adoption failed on this side, tried again
@@ -80,7 +79,7 @@ public final class DeploymentFollower implements AutoCloseable {
         connection = DeviceConnection.settings(broker, account == null ? deviceId + ".deploy" : account, account,
                 options.password).callbackConnection();
         DeviceConnection.listen(connection, deviceId + ": deployment", this::subscribe, () -> {},
-                (topic, payload) -> inbox.offer(new Inbound(topic, payload)));
+                (topic, payload) -> inbox.offer(topic, new Inbound(topic, payload), payload.length));
     }
 
     public DeploymentFollower start() {
@@ -109,7 +108,7 @@ public final class DeploymentFollower implements AutoCloseable {
     private void run() {
         while (running) {
             try {
-                Inbound m = inbox.poll(200, TimeUnit.MILLISECONDS);
+                Inbound m = inbox.poll(200);
                 if (m != null) onPayload(m.topic, m.payload);
                 tick(monotonic());
             } catch (InterruptedException e) {

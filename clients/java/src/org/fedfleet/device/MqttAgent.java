@@ -17,9 +17,7 @@ import java.util.LinkedHashMap;
 import java.util.List;
 import java.util.Map;
 import java.util.TreeSet;
-import java.util.concurrent.BlockingQueue;
 import java.util.concurrent.CountDownLatch;
-import java.util.concurrent.LinkedBlockingQueue;
 import java.util.concurrent.TimeUnit;
 import java.util.concurrent.atomic.AtomicInteger;
 import java.util.logging.Level;
@@ -50,7 +48,9 @@ public final class MqttAgent implements AutoCloseable {
         public int chunkSize = Chunker.DEFAULT_CHUNK_SIZE;
         public double retryAfterS = 10.0, tickS = 0.5, publishTimeoutS = 60.0;
         public long maxMessageBytes = 256L * 1024 * 1024;
-        public int maxQueuedMessages = 1024;    // inbox messages waiting for the agent thread
+        // what waits unread for the agent thread, per topic and in all: the Python device's
+        // INBOX_QUEUE_BOUND (edge_client/agent.py), a few times the largest task a job sends
+        public long maxQueuedTopicBytes = 128L << 20, maxQueuedBytes = 160L << 20;
         public Map<String, Object> info = new LinkedHashMap<>();   // published with presence
         /** Task kinds answered under secure aggregation (e.g. SecureFed3RTask.KIND); they need
          *  signer to be the device's Identity (enrolled with the aggregator) and aggregatorKey. */
@@ -69,7 +69,7 @@ public final class MqttAgent implements AutoCloseable {
     private final InboxReader reader;
     private final Chunker chunker;
     private final CallbackConnection connection;
-    private final BlockingQueue<byte[]> inbox;
+    private final InboxQueue<byte[]> inbox;
     private volatile boolean running;
     private Thread thread;
     public final AtomicInteger tasksDone = new AtomicInteger(), tasksDeclined = new AtomicInteger(),
@@ -90,7 +90,7 @@ public final class MqttAgent implements AutoCloseable {
         this.memoryFile = options.state == null ? null : new SessionMemoryFile(new File(options.state.root(), SessionMemoryFile.NAME), LOG);
         if (memoryFile != null) memoryFile.loadInto(session);
         this.chunker = new Chunker(options.chunkSize, options.signer);
-        this.inbox = new LinkedBlockingQueue<>(options.maxQueuedMessages);
+        this.inbox = new InboxQueue<>("agent-" + deviceId, options.maxQueuedTopicBytes, options.maxQueuedBytes);
         this.secagg = new SecAggSessions(deviceId, 4);
         this.reader = reader(options);
         if (!options.secure.isEmpty() && (!(options.signer instanceof Identity) || options.aggregatorKey == null))
@@ -104,7 +104,7 @@ public final class MqttAgent implements AutoCloseable {
         mqtt.setWillQos(QoS.AT_LEAST_ONCE);
         connection = mqtt.callbackConnection();
         DeviceConnection.listen(connection, deviceId + ":", this::announce,
-                () -> LOG.info(deviceId + ": disconnected, reconnecting"), (topic, payload) -> inbox.offer(payload));
+                () -> LOG.info(deviceId + ": disconnected, reconnecting"), (topic, payload) -> inbox.offer(topic, payload, payload.length));
     }
 
     // ---------------- lifecycle ----------------
@@ -177,7 +177,7 @@ public final class MqttAgent implements AutoCloseable {
     private void run() {
         while (running) {
             try {
-                byte[] payload = inbox.poll((long) (o.tickS * 1000), TimeUnit.MILLISECONDS);
+                byte[] payload = inbox.poll((long) (o.tickS * 1000));
                 if (payload != null) handleRaw(payload);
                 execute(session.onTick(monotonic()));
                 reader.expire(monotonic());

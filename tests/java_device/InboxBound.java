@@ -1,0 +1,40 @@
+// Drives the Java device's inbox queue (org.fedfleet.device.InboxQueue) through offers and takes,
+// so tests/test_java_inbox_bound.py can hold its decisions against the Python device's message
+// loop (protocols/message_loop.py) on the same operations.
+// One JSON line per case on stdin: {"topic_bytes": n, "total_bytes": n, "ops": [["offer", topic, bytes] | ["take"], ...]}.
+// Prints one line per case: {"out": [true | false (an offer kept or dropped) | the taken item's index or null, ...],
+// "dropped": n}; and first a line {"agent": [topic bytes, total bytes]}: MqttAgent's default bound.
+import java.io.BufferedReader;
+import java.io.InputStreamReader;
+import java.nio.charset.StandardCharsets;
+import java.util.*;
+import org.fedfleet.device.InboxQueue;
+import org.fedfleet.device.MqttAgent;
+import org.fedfleet.wire.Json;
+
+public final class InboxBound {
+    @SuppressWarnings("unchecked")
+    public static void main(String[] args) throws Exception {
+        MqttAgent.Options defaults = new MqttAgent.Options();
+        System.out.println("{\"agent\": [" + defaults.maxQueuedTopicBytes + ", " + defaults.maxQueuedBytes + "]}");
+        BufferedReader in = new BufferedReader(new InputStreamReader(System.in, StandardCharsets.UTF_8));
+        for (String line; (line = in.readLine()) != null; ) {
+            if (line.isEmpty()) continue;
+            Map<String, Object> c = (Map<String, Object>) Json.parse(line);
+            InboxQueue<Integer> q = new InboxQueue<>("test", ((Number) c.get("topic_bytes")).longValue(),
+                    ((Number) c.get("total_bytes")).longValue());
+            StringBuilder out = new StringBuilder();
+            int k = 0;
+            for (Object o : (List<Object>) c.get("ops")) {
+                List<Object> op = (List<Object>) o;
+                if (out.length() > 0) out.append(", ");
+                if ("offer".equals(op.get(0)))
+                    out.append(q.offer((String) op.get(1), k, ((Number) op.get(2)).longValue()));
+                else
+                    out.append(q.poll(0));
+                k++;
+            }
+            System.out.println("{\"out\": [" + out + "], \"dropped\": " + q.dropped() + "}");
+        }
+    }
+}

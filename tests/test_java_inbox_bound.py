@@ -1,0 +1,62 @@
+"""The Java device holds what waits unread in its inbox to the Python device's bound, in bytes per
+topic and in all (a review's finding: its queue was bounded by count, 1,024 messages of up to
+256 MiB each, so anyone who may publish to a busy device's inbox could fill its heap). The same
+random offers and takes go through ``org.fedfleet.device.InboxQueue`` and through
+``protocols.message_loop.MessageLoop``; every decision must agree, and the Java agent's default
+bound must be the Python agent's."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import numpy as np
+import pytest
+
+import java_build
+from edge_client.agent import INBOX_QUEUE_BOUND
+from protocols.message_loop import MessageLoop, QueueBound
+
+pytestmark = pytest.mark.skipif(java_build.missing() is not None, reason=str(java_build.missing()))
+
+
+def random_case(rng: np.random.Generator) -> dict:
+    topic_bytes = int(rng.integers(1, 64))
+    ops = []
+    for _ in range(200):
+        if rng.random() < 0.6:
+            ops.append(["offer", f"fl/v1/in/{rng.integers(3)}", int(rng.integers(0, 24))])
+        else:
+            ops.append(["take"])
+    return {"topic_bytes": topic_bytes, "total_bytes": topic_bytes + int(rng.integers(0, 64)), "ops": ops}
+
+
+def python_decisions(case: dict) -> tuple[list, int]:
+    taken: list = []
+    loop = MessageLoop(taken.append, tick_s=0.0, bound=QueueBound(case["topic_bytes"], case["total_bytes"]))
+    out = []
+    for k, op in enumerate(case["ops"]):
+        if op[0] == "offer":
+            out.append(loop.post(k, op[1], op[2]))
+        else:
+            before = len(taken)
+            loop.serve_one()
+            out.append(taken[-1] if len(taken) > before else None)
+    return out, loop.dropped
+
+
+def test_the_java_inbox_keeps_and_drops_what_the_python_loop_does():
+    rng = np.random.default_rng(7)
+    cases = [random_case(rng) for _ in range(60)]
+    proc = subprocess.run(["java", "-cp", java_build.built(), "InboxBound"],
+                          input="\n".join(json.dumps(c) for c in cases) + "\n", capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    first, *lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert first["agent"] == [INBOX_QUEUE_BOUND.source_bytes, INBOX_QUEUE_BOUND.total_bytes]
+    assert len(lines) == len(cases)
+    drops = 0
+    for case, java in zip(cases, lines):
+        out, dropped = python_decisions(case)
+        assert (java["out"], java["dropped"]) == (out, dropped), case
+        drops += dropped
+    assert drops > 100 and sum(java["out"].count(True) for java in lines) > 1000   # both ways, often
