@@ -17,9 +17,9 @@ tasks, a phone's app may be killed between rounds), so the state lives on the de
 * **bounded**: the store has a byte budget for all jobs together; :meth:`DeviceStateStore.admit`
   refuses a job whose state would not fit next to the other jobs' (the handler declines the
   task with that reason, and the aggregator records it); nothing is ever evicted to make room.
-  A file larger than the whole budget (left by a run with a larger ``--state-budget-mb``) is not
-  read (it could be a small deflated file claiming gigabytes) and goes as a foreign one: its job
-  could not keep it anyway, since its next save would not fit;
+  A file larger than the whole budget and FILE_SLACK_BYTES (its framing), left by a run with a
+  larger ``--state-budget-mb``, is not read (it could be a small deflated file claiming gigabytes)
+  and goes as a foreign one: its job could not keep it anyway, since its next save would not fit;
 * **dropped** when the aggregator says the job ended (``job.ended``, protocols/payloads/job_end.py:
   :meth:`DeviceStateStore.drop_run`, only the run that ended), when it expires (each task says
   for how long the job may still need it, the job's horizon: the fallback for a device that

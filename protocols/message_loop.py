@@ -21,6 +21,9 @@ training for minutes, a service closing a round) whatever anyone publishes to th
 would sit in memory unread: a review's flood of 800 forged 1 MiB messages grew a device by 808 MB.
 Each message is posted with its source (its topic: one sender) and its size; one whose source, or
 the whole queue, is past its bytes is dropped on arrival and counted (:attr:`MessageLoop.dropped`).
+A message is charged its size plus MESSAGE_OVERHEAD_BYTES (its queue entry, the payload object, the
+topic), so a flood of empty messages is bounded too (a review's finding: charged their payload
+alone, they cost nothing and queued without end).
 The bound per source keeps one flooding sender from taking the others' room; honest traffic stays
 far below both (a party takes its messages faster than its senders send them, except in bursts
 the bound is sized for).
@@ -63,6 +66,7 @@ class QueueBound:
             raise ValueError(f"a queue bound needs 0 < source_bytes <= total_bytes, got {self}")
 
 
+MESSAGE_OVERHEAD_BYTES = 256   # what a queued message holds beyond its payload (Java's InboxQueue: the same)
 DROP_LOG_S = 10.0            # drops are logged at most once per this (a flood must not flood the log)
 
 
@@ -90,6 +94,7 @@ class MessageLoop:
         if self.bound is None or source is None:
             self._q.put(item)
             return True
+        nbytes += MESSAGE_OVERHEAD_BYTES
         if not self._admit(source, nbytes):
             return False
         self._q.put(_Sourced(item, source, nbytes))

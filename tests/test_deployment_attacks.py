@@ -21,7 +21,7 @@ import pytest
 
 from edge_client.deployment import DeploymentFollower, ModelSlot
 from protocols.envelope import Envelope, decode, encode
-from protocols.message_loop import QueueBound
+from protocols.message_loop import MESSAGE_OVERHEAD_BYTES, QueueBound
 from protocols.payloads import deployment as D
 from test_broker_security import secured  # noqa: F401 (fixture)
 from test_deployment_rollout import N_HOLDOUT, D_sha, correct, model_id, setup, store_state, world  # noqa: F401
@@ -453,7 +453,7 @@ def test_a_devices_junk_costs_the_controller_one_row_not_the_fleet_and_a_flood_w
         # all 100 read (one row each) before the bound shrinks: one still on its way would be dropped below
         wait_for(lambda: ctl.call(lambda: len(rows)) >= 100, what="the 100 junk messages read")
         assert ctl.call(lambda: (len(scans), len(rows), ctl.loop.dropped)) == (seen, 100, 0)   # not one read of the fleet
-        ctl.loop.bound = QueueBound(4 * len(junk), 1 << 20)   # a small bound per device, to see it hold
+        ctl.loop.bound = QueueBound(4 * (len(junk) + MESSAGE_OVERHEAD_BYTES), 1 << 20)   # a small bound per device, to see it hold
         busy = threading.Thread(target=lambda: ctl.call(lambda: time.sleep(2.0)))   # the loop busy while the 20 arrive
         busy.start()
         time.sleep(0.2)

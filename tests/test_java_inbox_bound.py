@@ -15,20 +15,21 @@ import pytest
 
 import java_build
 from edge_client.agent import INBOX_QUEUE_BOUND
-from protocols.message_loop import MessageLoop, QueueBound
+from protocols.message_loop import MESSAGE_OVERHEAD_BYTES, MessageLoop, QueueBound
 
 pytestmark = pytest.mark.skipif(java_build.missing() is not None, reason=str(java_build.missing()))
 
 
 def random_case(rng: np.random.Generator) -> dict:
-    topic_bytes = int(rng.integers(1, 64))
+    topic_bytes = int(rng.integers(1, 4 * MESSAGE_OVERHEAD_BYTES))       # each message costs its bytes + the overhead
     ops = []
     for _ in range(200):
         if rng.random() < 0.6:
-            ops.append(["offer", f"fl/v1/in/{rng.integers(3)}", int(rng.integers(0, 24))])
+            ops.append(["offer", f"fl/v1/in/{rng.integers(3)}", int(rng.integers(0, MESSAGE_OVERHEAD_BYTES))])
         else:
             ops.append(["take"])
-    return {"topic_bytes": topic_bytes, "total_bytes": topic_bytes + int(rng.integers(0, 64)), "ops": ops}
+    return {"topic_bytes": topic_bytes, "total_bytes": topic_bytes + int(rng.integers(0, 4 * MESSAGE_OVERHEAD_BYTES)),
+            "ops": ops}
 
 
 def python_decisions(case: dict) -> tuple[list, int]:
@@ -51,8 +52,10 @@ def test_the_java_inbox_keeps_and_drops_what_the_python_loop_does():
     proc = subprocess.run(["java", "-cp", java_build.built(), "InboxBound"],
                           input="\n".join(json.dumps(c) for c in cases) + "\n", capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    first, *lines = [json.loads(line) for line in proc.stdout.splitlines()]
-    assert first["agent"] == [INBOX_QUEUE_BOUND.source_bytes, INBOX_QUEUE_BOUND.total_bytes]
+    first, waited, *lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert first == {"agent": [INBOX_QUEUE_BOUND.source_bytes, INBOX_QUEUE_BOUND.total_bytes],
+                     "overhead": MESSAGE_OVERHEAD_BYTES}
+    assert waited["got"] == 1 and waited["left"] == 0 and 150 <= waited["waited_ms"] < 4000    # woken by the offer
     assert len(lines) == len(cases)
     drops = 0
     for case, java in zip(cases, lines):

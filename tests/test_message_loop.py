@@ -200,18 +200,20 @@ def test_a_pumped_loop_handles_what_is_queued_then_ticks_once_without_waiting():
 
 def test_what_waits_unread_is_bounded_per_source_and_in_all_and_its_room_comes_back_when_taken():
     """A review's finding: while the loop's thread was busy (a device training), everything
-    published to its topics waited in memory unread: 800 forged 1 MiB messages, 808 MB."""
-    from protocols.message_loop import QueueBound
+    published to its topics waited in memory unread: 800 forged 1 MiB messages, 808 MB. A message
+    costs its bytes plus O, what its queue entry holds besides."""
+    from protocols.message_loop import MESSAGE_OVERHEAD_BYTES as O, QueueBound
 
     rec = Recorder(block_on=("t/in", b"first"))
-    loop = MessageLoop(rec, tick_s=0.01, name="t-bound", bound=QueueBound(source_bytes=10, total_bytes=15)).start()
+    loop = MessageLoop(rec, tick_s=0.01, name="t-bound", bound=QueueBound(source_bytes=10 + 2 * O,
+                                                                          total_bytes=15 + 3 * O)).start()
     try:
         assert loop.post(("t/in", b"first"), "t/in", 5)
-        assert rec.entered.wait(5)                              # taken: its 5 bytes are free again
-        posted = [loop.post(("t/in", i), "t/in", 4) for i in range(4)]          # 4 + 4 fit in 10, the rest not
+        assert rec.entered.wait(5)                              # taken: its 5 + O bytes are free again
+        posted = [loop.post(("t/in", i), "t/in", 4) for i in range(4)]          # 2 (4 + O) fit in 10 + 2 O, the rest not
         assert posted == [True, True, False, False] and loop.dropped == 2
         assert loop.post(("t/other", "x"), "t/other", 7)                        # another source: its own room
-        assert not loop.post(("t/third", "y"), "t/third", 1)                    # 8 + 7 = 15 in all: full
+        assert not loop.post(("t/third", "y"), "t/third", 1)                    # 15 + 3 O in all: full
         assert not loop.post(("t/other", "big"), "t/other", 11)                 # beyond any room
         loop.post("unbounded")                                                  # what names no source is never dropped
         assert loop.dropped == 4
@@ -225,3 +227,12 @@ def test_what_waits_unread_is_bounded_per_source_and_in_all_and_its_room_comes_b
         loop.stop()
     with pytest.raises(ValueError, match="source_bytes <= total_bytes"):
         QueueBound(source_bytes=20, total_bytes=10)
+
+
+def test_a_flood_of_empty_messages_is_bounded_too():
+    """A review's finding: a message was charged its payload alone, so empty ones cost nothing and
+    queued without end while the loop's thread was busy (each still holds an entry and its topic)."""
+    from protocols.message_loop import MESSAGE_OVERHEAD_BYTES as O, QueueBound
+
+    loop = MessageLoop(lambda item: None, bound=QueueBound(10 * O, 10 * O))     # not started: nothing is taken
+    assert sum(loop.post(("t/in", b""), "t/in", 0) for _ in range(100)) == 10 and loop.dropped == 90

@@ -3,7 +3,9 @@
 // loop (protocols/message_loop.py) on the same operations.
 // One JSON line per case on stdin: {"topic_bytes": n, "total_bytes": n, "ops": [["offer", topic, bytes] | ["take"], ...]}.
 // Prints one line per case: {"out": [true | false (an offer kept or dropped) | the taken item's index or null, ...],
-// "dropped": n}; and first a line {"agent": [topic bytes, total bytes]}: MqttAgent's default bound.
+// "dropped": n}; and first a line {"agent": [topic bytes, total bytes], "overhead": n}: MqttAgent's default
+// bound and what a message costs beyond its payload, then {"waited_ms", "got", "left"}: a take that
+// waited for another thread's offer.
 import java.io.BufferedReader;
 import java.io.InputStreamReader;
 import java.nio.charset.StandardCharsets;
@@ -16,7 +18,20 @@ public final class InboxBound {
     @SuppressWarnings("unchecked")
     public static void main(String[] args) throws Exception {
         MqttAgent.Options defaults = new MqttAgent.Options();
-        System.out.println("{\"agent\": [" + defaults.maxQueuedTopicBytes + ", " + defaults.maxQueuedBytes + "]}");
+        System.out.println("{\"agent\": [" + defaults.maxQueuedTopicBytes + ", " + defaults.maxQueuedBytes + "], \"overhead\": "
+                + InboxQueue.MESSAGE_OVERHEAD_BYTES + "}");
+        // a take that waits: another thread offers 200 ms later, as the connection's thread would
+        InboxQueue<Integer> waiting = new InboxQueue<>("wait", 1 << 20, 1 << 20);
+        Thread offerer = new Thread(() -> {
+            try { Thread.sleep(200); } catch (InterruptedException e) { return; }
+            waiting.offer("t", 1, 3);
+        });
+        long t0 = System.nanoTime();
+        offerer.start();
+        Integer got = waiting.poll(5000);
+        System.out.println("{\"waited_ms\": " + (System.nanoTime() - t0) / 1_000_000 + ", \"got\": " + got
+                + ", \"left\": " + waiting.queuedBytes() + "}");
+        offerer.join();
         BufferedReader in = new BufferedReader(new InputStreamReader(System.in, StandardCharsets.UTF_8));
         for (String line; (line = in.readLine()) != null; ) {
             if (line.isEmpty()) continue;

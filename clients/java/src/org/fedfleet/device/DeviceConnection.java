@@ -40,7 +40,8 @@ final class DeviceConnection {
 
     /** On the client's thread: {@code onConnected} after every (re)connect, {@code onDisconnected} after a loss,
      *  and every message (topic, payload) handed to {@code queue} for the owner's thread, then acknowledged;
-     *  {@code queue} answers false when the owner's inbox is full (the message is dropped, said in the log).
+     *  {@code queue} answers false when the owner's inbox is full (the inbox counts the drop and logs it,
+     *  at most once per 10 s: a flood must not flood the log).
      *  {@code label} starts the log lines ("dev1:", "dev1: deployment"). */
     @SuppressWarnings("deprecation")   // Listener: ExtendedListener's extra callbacks are not needed
     static void listen(CallbackConnection connection, String label, Runnable onConnected, Runnable onDisconnected,
@@ -49,7 +50,7 @@ final class DeviceConnection {
             @Override public void onConnected() { onConnected.run(); }
             @Override public void onDisconnected() { onDisconnected.run(); }
             @Override public void onPublish(UTF8Buffer topic, Buffer body, Runnable ack) {
-                if (!queue.test(topic.toString(), body.toByteArray())) LOG.warning(label + " inbox full, dropped a message");
+                queue.test(topic.toString(), body.toByteArray());      // a drop is counted and logged (rate-limited) by the inbox
                 ack.run();
             }
             @Override public void onFailure(Throwable e) { LOG.log(Level.WARNING, label + " connection failure", e); }

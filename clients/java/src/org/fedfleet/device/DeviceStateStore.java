@@ -17,8 +17,9 @@
 //   restarts: c_k = 0, v_k = the global head);
 // * bounded: one byte budget for all jobs together; admit refuses a job whose state would not fit
 //   next to the other jobs' (the task is declined with that reason); nothing is evicted for room
-//   (a file larger than the whole budget, left by a store with a larger one, is not read and goes
-//   as a foreign one: its job could not keep it, since its next save would not fit);
+//   (a file larger than the whole budget and 1 MiB of framing, left by a store with a larger one,
+//   is not read and goes as a foreign one: its job could not keep it, since its next save would
+//   not fit);
 // * dropped when the aggregator says the job ended (`job.ended`, JobEnded: dropRun, only the run
 //   that ended), when it expires (each task names the job's horizon ttl_s: the fallback for a device
 //   that missed the notice; expired entries go on the next open), when the job's run changes, and

@@ -3,8 +3,9 @@
 // or the whole queue, may hold unread past its bound is dropped on arrival and counted. The bound is
 // bytes, not messages: a count let 1,024 messages of up to 256 MiB each wait for a busy device (a
 // review's finding), where anyone who may publish to its inbox could fill its heap.
-// offer never blocks (it runs on the connection's thread); a message's bytes are free again when
-// the device's thread takes it.
+// A message is charged its payload plus MESSAGE_OVERHEAD_BYTES (its entry, the array, the topic), so
+// a flood of empty messages is bounded too. offer never blocks (it runs on the connection's thread);
+// a message's bytes are free again when the device's thread takes it.
 package org.fedfleet.device;
 
 import java.util.ArrayDeque;
@@ -15,6 +16,7 @@ import java.util.logging.Logger;
 
 public final class InboxQueue<T> {
     private static final Logger LOG = Logger.getLogger("fedfleet.device");
+    public static final long MESSAGE_OVERHEAD_BYTES = 256;       // as protocols/message_loop.py
     private static final long DROP_LOG_NANOS = TimeUnit.SECONDS.toNanos(10);   // a flood must not flood the log
 
     private static final class Entry<T> {
@@ -37,9 +39,9 @@ public final class InboxQueue<T> {
         this.totalBytes = totalBytes;
     }
 
-    /** Queue {@code item} of {@code bytes} from {@code topic}; false (dropped, counted) past the bound. */
-    public synchronized boolean offer(String topic, T item, long bytes) {
-        long held = queued.getOrDefault(topic, 0L);
+    /** Queue {@code item} of {@code payloadBytes} from {@code topic}; false (dropped, counted) past the bound. */
+    public synchronized boolean offer(String topic, T item, long payloadBytes) {
+        long bytes = payloadBytes + MESSAGE_OVERHEAD_BYTES, held = queued.getOrDefault(topic, 0L);
         if (held + bytes > topicBytes || queuedTotal + bytes > totalBytes) {
             dropped++;
             long now = System.nanoTime();

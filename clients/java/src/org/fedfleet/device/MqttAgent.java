@@ -114,6 +114,9 @@ public final class MqttAgent implements AutoCloseable {
         return this;
     }
 
+    /** Inbox messages dropped unread so far: past the bound while the agent was busy (a flood). */
+    public long inboxDropped() { return inbox.dropped(); }
+
     /** Blocks until the first connection is up (and presence announced), or the timeout passes. */
     public boolean awaitConnected(double seconds) throws InterruptedException {
         return firstConnect.await((long) (seconds * 1000), TimeUnit.MILLISECONDS);
