@@ -1,7 +1,7 @@
 """``fedfleet admin``: the operator's command line, a thin client of the aggregator's admin API.
 
     fedfleet admin status | watch | fleet [open|enrolled] | devices | clusters | metrics | jobs | models
-    fedfleet admin device show|enroll|revoke|forget ID
+    fedfleet admin device show|enroll|tag|revoke|forget ID
     fedfleet admin job show|create|start|pause|resume|cancel|rounds ...
     fedfleet admin round JOB N
     fedfleet admin logs JOB [--follow]
@@ -136,6 +136,7 @@ def progress_line(status: dict) -> str:
 
 def _devices_rows(devices: list[dict]) -> list[dict]:
     return [{**d, "seen": ago(d["last_seen"]), "state": "online" if d["online"] else "offline",
+             "tags_": ",".join(d.get("tags", []))[:40],
              "profile_": ",".join(f"{k}={v}" for k, v in sorted(d["profile"].items()))[:40]} for d in devices]
 
 
@@ -168,7 +169,8 @@ def _run(args, client: AdminClient) -> Any:
     if c == "devices":
         d = all_devices(client, args.status)
         return d, table(_devices_rows(d), [("DEVICE", "device_id"), ("STATUS", "status"), ("STATE", "state"),
-                                           ("LAST SEEN", "seen"), ("CLUSTER", "cluster"), ("PROFILE", "profile_")])
+                                           ("LAST SEEN", "seen"), ("CLUSTER", "cluster"), ("TAGS", "tags_"),
+                                           ("PROFILE", "profile_")])
     if c == "device":
         return _device(args, client)
     if c == "jobs":
@@ -217,6 +219,9 @@ def _device(args, client):
     if args.action == "revoke":
         d = client.post(f"/api/devices/{args.device_id}/revoke")
         return d, f"revoked {args.device_id}" + (f"\nwarning: {d['warning']}" if d.get("warning") else "")
+    if args.action == "tag":
+        d = client.post(f"/api/devices/{args.device_id}/tags", {"tags": _tags(args.tags)})
+        return d, f"{args.device_id}: tags {','.join(d['tags']) or '(none)'}"
     if args.action == "forget":
         query = f"?job_id={args.job}" if args.job else ""
         lines = client.post(f"/api/devices/{args.device_id}/forget{query}")
@@ -229,6 +234,9 @@ def _device(args, client):
         body["public_key"] = args.public_key
     creds = client.post("/api/devices", body)
     text = f"enrolled {args.device_id} (MQTT user {creds['mqtt_username']})"
+    if args.tags is not None:
+        tags = client.post(f"/api/devices/{args.device_id}/tags", {"tags": _tags(args.tags)})["tags"]
+        text += f", tags {','.join(tags) or '(none)'}"
     if creds.get("warning"):
         text += f"\nwarning: {creds['warning']}"
     if args.out:
@@ -237,6 +245,13 @@ def _device(args, client):
     else:
         text += "\n" + json.dumps(creds, indent=1)
     return creds, text
+
+
+def _tags(text: str | None) -> list[str]:
+    """``--tags a,b`` -> ["a", "b"] ("" clears them); the API checks each."""
+    if text is None:
+        raise AdminError("device tag needs --tags (a comma-separated list; \"\" clears them)")
+    return [t.strip() for t in text.split(",") if t.strip()]
 
 
 def _when(ts: float | None) -> str:
@@ -421,11 +436,13 @@ def add_admin_parser(subparsers, help: str = "operate a running aggregator throu
                     help="set the fleet mode on purpose (default: only show the summary)")
     d = add("devices", help="table of devices (last seen, profile, cluster)")
     d.add_argument("--status", choices=["enrolled", "revoked"], default=None, help="only devices in this state")
-    dv = add("device", help="show, enrol, revoke or forget (exact unlearning) one device")
-    dv.add_argument("action", choices=["show", "enroll", "revoke", "forget"])
+    dv = add("device", help="show, enrol, tag, revoke or forget (exact unlearning) one device")
+    dv.add_argument("action", choices=["show", "enroll", "tag", "revoke", "forget"])
     dv.add_argument("device_id")
     dv.add_argument("--public-key", default=None, help="enrol: the device's own Ed25519 public key (hex)")
     dv.add_argument("--out", type=Path, default=None, help="enrol: write the credentials JSON here (mode 600)")
+    dv.add_argument("--tags", default=None, help="tag, enroll: the device's tags, comma-separated (what a "
+                    "deployment's --cohort tags:a,b selects by; \"\" clears them)")
     dv.add_argument("--job", default=None, help="forget: only in this job (default: every job holding its data)")
     add("jobs", help="table of jobs")
     j = add("job", help="show / create / start / pause / resume / cancel a job, or list its rounds")

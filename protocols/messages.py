@@ -121,7 +121,7 @@ def parse_presence(msg: Envelope) -> tuple[bool, dict[str, Any]]:
     if len(json.dumps(info)) > MAX_PROFILE_CHARS:    # stored with the device, shown on every device listing
         raise EnvelopeError(f"presence info is over {MAX_PROFILE_CHARS} characters as JSON")
     if "tags" in info:
-        profile_tags(info)          # the one field the aggregator reads (a deployment's tags: cohort)
+        profile_tags(info)          # shown with the device: its shape checked (cohorts read the operator's tags)
     return state == "online", info
 
 

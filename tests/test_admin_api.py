@@ -126,10 +126,19 @@ def test_job_lifecycle_and_inspection_through_the_cli(broker, tmp_path, capsys):
     try:
         # enrolment and revocation
         creds_file = tmp_path / "creds.json"
-        cli("device", "enroll", "newdev", "--out", str(creds_file))
+        assert "tags lab" in cli("device", "enroll", "newdev", "--out", str(creds_file), "--tags", "lab")
+        assert store.device("newdev")["tags"] == ["lab"]
         creds = json.loads(creds_file.read_text())
         assert oct(os.stat(creds_file).st_mode & 0o777) == "0o600"
         assert creds["mqtt_username"] == "newdev" and "PRIVATE KEY" in creds["private_key_pem"]
+        # the operator's tags (a deployment's tags: cohort): set, shown, replaced, refused when malformed
+        assert cli_json("device", "tag", "newdev", "--tags", "lab, north")["tags"] == ["lab", "north"]
+        assert cli_json("device", "show", "newdev")["tags"] == ["lab", "north"] and "lab,north" in cli("devices")
+        cli("device", "tag", "newdev", "--tags", "has space", ok=False)      # 422: nothing changed
+        cli("device", "tag", "nobody", "--tags", "lab", ok=False)             # 404
+        cli("device", "tag", "newdev", ok=False)                              # no --tags: one line, nothing sent
+        assert cli_json("device", "show", "newdev")["tags"] == ["lab", "north"]
+        assert cli_json("device", "tag", "newdev", "--tags", "")["tags"] == [] == store.device("newdev")["tags"]
         assert cli_json("device", "revoke", "newdev")["status"] == "revoked"
         cli("device", "revoke", "newdev", ok=False)                          # 409: not enrolled any more
         assert "DEVICE" in cli("devices") and cli_json("fleet")["revoked"] == 1

@@ -493,3 +493,22 @@ def test_a_re_delivered_assignment_does_not_restart_its_heads_fetch(broker, tmp_
     finally:
         follower.stop()
         sniffer.close()
+
+
+def test_a_tags_canary_holds_the_devices_the_operator_tagged_never_those_announcing_the_tag(setup, world):
+    """A review's finding: a tags: cohort read the tags each device announces in its own profile, so
+    any enrolled device could put itself in a canary (and enough of them outvote its honest devices).
+    It reads the tags the operator gave (POST /api/devices/{id}/tags) now; a profile's are shown only."""
+    store, controller, fleet = setup
+    store.device_seen("cam-1", profile={"tags": "lab"})         # what a presence announcing the tag stores
+    store.set_device_tags("cam-0", ["lab", "north"])
+    store.set_device_tags("cam-2", ["north"])
+    with pytest.raises(KeyError):
+        store.set_device_tags("cam-404", ["lab"])
+    good = model_id(store, "good", *world["good"])
+    ctl = controller()
+    ctl.call(lambda: ctl.deploy(good, cohort="tags:lab", stages="100%", bake_s=3600, deployment_id="lab"))
+    wait_for(lambda: ctl.call(lambda: sorted(ctl.active.sent)) == ["cam-0"], what="the canary assigned")
+    assert store.device("cam-1")["tags"] == [] and store.device("cam-0")["tags"] == ["lab", "north"]
+    store.set_device_tags("cam-0", [])                           # cleared
+    assert store.device("cam-0")["tags"] == [] and store.device("cam-2")["tags"] == ["north"]

@@ -35,7 +35,7 @@ class DeploymentCreate(BaseModel):
     deployment_id: str = Field(default="", pattern=f"^$|{DEPLOYMENT_ID}",
                                description="default: m<model id>-<unix time>")
     cohort: str = Field(default="5%", max_length=4096,
-                        description="the canary: a seeded fraction (5%), tags:a,b (device profile tags) "
+                        description="the canary: a seeded fraction (5%), tags:a,b (the tags the operator gave devices) "
                                     "or devices:id1,id2")
     stages: str = Field(default="100%", max_length=200, description="widening fractions after the canary, "
                                                                      "ending at 100% (e.g. 25%,100%)")

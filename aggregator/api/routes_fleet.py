@@ -9,8 +9,8 @@ from typing import Literal
 from fastapi import FastAPI, HTTPException, Path, Query, Response, status
 
 from aggregator.api.context import ApiContext
-from aggregator.api.schemas import (ID_PATTERN, JOB_ID_PATTERN, ONE, READ, WRITE, Cluster, Credentials, Device, EnrollRequest, FleetMode,
-                      FleetSummary, Forgotten, RevokedDevice)
+from aggregator.api.schemas import (ID_PATTERN, JOB_ID_PATTERN, ONE, READ, WRITE, Cluster, Credentials, Device,
+                                    DeviceTags, EnrollRequest, FleetMode, FleetSummary, Forgotten, RevokedDevice)
 
 DeviceId = Path(pattern=ID_PATTERN)
 DEVICE_PAGE, MAX_DEVICE_PAGE = 1000, 10_000        # devices per page of /api/devices: default, most
@@ -62,6 +62,13 @@ def add_fleet_routes(app: FastAPI, ctx: ApiContext) -> None:
     def enroll(req: EnrollRequest) -> dict:
         key = bytes.fromhex(req.public_key) if req.public_key else None
         return ctx.mutate(lambda: ctx.service.enroll(req.device_id, key)).to_dict()
+
+    @post("/api/devices/{device_id}/tags", response_model=Device, responses=WRITE,
+          description="set the tags of a known device (enrolled or revoked), replacing any it had: a deployment's "
+                      "tags: cohort selects the devices the operator tagged, never those that announce a tag")
+    def set_tags(req: DeviceTags, device_id: str = DeviceId) -> dict:
+        ctx.mutate(lambda: store.set_device_tags(device_id, req.tags))
+        return device(device_id)
 
     @post("/api/devices/{device_id}/revoke", response_model=RevokedDevice, responses=WRITE)
     def revoke(device_id: str = DeviceId) -> dict:

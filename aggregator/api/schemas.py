@@ -38,6 +38,18 @@ class Device(BaseModel):
     online: bool
     profile: dict[str, Any]
     cluster: str | None
+    tags: list[str] = Field(default_factory=list, description="the tags the operator gave the device "
+                            "(POST /api/devices/{device_id}/tags): what a deployment's tags: cohort selects by; "
+                            "tags in the device's own profile are never used for that")
+
+
+TAG_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"        # no comma: a cohort names tags as tags:a,b
+
+
+class DeviceTags(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tags: list[Annotated[str, Field(pattern=TAG_PATTERN)]] = Field(
+        max_length=32, description="the device's tags, replacing any it had ([] clears them)")
 
 
 WARNING = Field(default=None, description="the change is committed and the aggregator acts on it, but the broker "

@@ -5,7 +5,8 @@ The canary cohort is one of
   sha256("{seed}:{device}") read as an integer are below f * 2**64 — the same devices for the same
   seed on every aggregator, and a larger fraction always holds a smaller one (a widening stage
   never drops a device that already runs the candidate);
-* devices carrying a tag (``tags:north,lab``), from the ``tags`` of the profile they announce;
+* devices carrying a tag (``tags:north,lab``), from the tags the operator gave them (never the
+  ``tags`` a device announces: a device must not choose its canary);
 * an explicit list (``devices:cam-1,cam-2``).
 Each later stage holds the canary plus the seeded fraction the operator chose (25 %, then 100 %).
 """

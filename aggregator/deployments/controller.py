@@ -32,7 +32,6 @@ from protocols.envelope import EnvelopeError, decode
 from protocols.files import read_npz
 from protocols.message_loop import QueueBound
 from protocols.mqtt_link import BrokerConfig, LinkWorker, MqttLink
-from protocols.messages import profile_tags
 from protocols.payloads import deployment as D
 from protocols.payloads.artifacts import GET as ARTIFACT_GET, artifact_message, parse_get
 from protocols.topics import AGGREGATOR_ID, CONTROLLER_ROLE, Topics
@@ -284,15 +283,9 @@ class DeploymentController(LinkWorker):
             self.link.publish_envelope(self.topics.deploy(d), message(d, seq), signer=self.signer, retain=True)
 
     def _fleet(self) -> dict[str, tuple[str, ...]]:
-        """Known, not revoked devices -> their tags (from the profile they announce)."""
-        out = {}
-        for row in self.store.devices():
-            if row["status"] != "revoked":
-                try:
-                    out[row["device_id"]] = profile_tags(row["profile"])
-                except EnvelopeError:       # a profile stored before presence checked its tags: none
-                    out[row["device_id"]] = ()
-        return out
+        """Known, not revoked devices -> the tags the operator gave them (never the tags a device
+        announces: with those, devices could choose to be in a tags: canary and outvote it)."""
+        return {row["device_id"]: tuple(row["tags"]) for row in self.store.devices() if row["status"] != "revoked"}
 
     def _known(self, device: str) -> bool:
         """A known, not revoked device: one row read (the whole fleet's rows per message, as

@@ -1,6 +1,7 @@
 """The fleet as the store knows it: devices (enrolment with an Ed25519 public key and an MQTT
-password hash, enrolled or revoked; presence: last seen, online, profile) and the named groups
-clustered jobs put them in (``clusters``, ``devices.cluster``)."""
+password hash, enrolled or revoked; presence: last seen, online, profile; the tags the operator
+gave them, ``device_tags``) and the named groups clustered jobs put them in (``clusters``,
+``devices.cluster``)."""
 
 from __future__ import annotations
 
@@ -51,10 +52,10 @@ class DeviceRepository(StoreConnection):
     def devices(self, after: str = "", limit: int | None = None, status: str | None = None) -> list[dict]:
         """Devices in id order: every one, or a page (the first ``limit`` with an id after ``after``),
         of one ``status`` or any."""
-        sql, args = "SELECT * FROM devices WHERE device_id > ?", [after]
+        sql, args = f"{_WITH_TAGS} WHERE d.device_id > ?", [after]
         if status is not None:
-            sql, args = sql + " AND status = ?", args + [status]
-        sql += " ORDER BY device_id"
+            sql, args = sql + " AND d.status = ?", args + [status]
+        sql += " ORDER BY d.device_id"
         if limit is not None:
             sql, args = sql + " LIMIT ?", args + [limit]
         return [_device_row(r) for r in self.db.execute(sql, args)]
@@ -76,8 +77,20 @@ class DeviceRepository(StoreConnection):
         return set(device_ids) - known
 
     def device(self, device_id: str) -> dict | None:
-        r = self.db.execute("SELECT * FROM devices WHERE device_id=?", (device_id,)).fetchone()
+        r = self.db.execute(f"{_WITH_TAGS} WHERE d.device_id=?", (device_id,)).fetchone()
         return _device_row(r) if r else None
+
+    def set_device_tags(self, device_id: str, tags: list[str]) -> None:
+        """The operator's tags of a known device (replacing any it had; [] clears them); KeyError
+        for a device the store does not know."""
+        with self._tx() as db:
+            if db.execute("SELECT 1 FROM devices WHERE device_id=?", (device_id,)).fetchone() is None:
+                raise KeyError(device_id)
+            if tags:
+                db.execute("INSERT INTO device_tags VALUES (?, ?) "
+                           "ON CONFLICT(device_id) DO UPDATE SET tags=excluded.tags", (device_id, json.dumps(sorted(set(tags)))))
+            else:
+                db.execute("DELETE FROM device_tags WHERE device_id=?", (device_id,))
 
     def enrolled_keys(self) -> dict[str, bytes | None]:
         """Active devices -> raw Ed25519 public key (None for devices enrolled without one)."""
@@ -109,8 +122,12 @@ class DeviceRepository(StoreConnection):
         return [dict(r) for r in rows]
 
 
+_WITH_TAGS = "SELECT d.*, t.tags AS operator_tags FROM devices d LEFT JOIN device_tags t USING (device_id)"
+
+
 def _device_row(r: sqlite3.Row) -> dict:
     return {"device_id": r["device_id"], "status": r["status"],
             "public_key": bytes(r["public_key"]).hex() if r["public_key"] is not None else None,
             "enrolled_at": r["enrolled_at"], "revoked_at": r["revoked_at"], "last_seen": r["last_seen"],
-            "online": bool(r["online"]), "profile": json.loads(r["profile"] or "{}"), "cluster": r["cluster"]}
+            "online": bool(r["online"]), "profile": json.loads(r["profile"] or "{}"), "cluster": r["cluster"],
+            "tags": json.loads(r["operator_tags"] or "[]")}

@@ -55,6 +55,12 @@ CREATE TABLE IF NOT EXISTS devices (
     profile       TEXT NOT NULL DEFAULT '{}',
     cluster       TEXT
 );
+-- the tags the operator gave a device (a JSON list): what a deployment's tags: cohort selects by. A
+-- device's own profile may announce tags too, shown and never trusted (a device would choose its canary)
+CREATE TABLE IF NOT EXISTS device_tags (
+    device_id     TEXT PRIMARY KEY REFERENCES devices(device_id),
+    tags          TEXT NOT NULL
+);
 CREATE TABLE IF NOT EXISTS jobs (
     job_id      TEXT PRIMARY KEY,
     kind        TEXT NOT NULL,
