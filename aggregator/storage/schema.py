@@ -7,7 +7,8 @@ import enum
 
 # 2: contribution payloads in files (aggregator/storage/blob_files.py), not in the table
 # 3: the deployment tables (a version 2 store gains them, empty: MIGRATE_FROM_V2 is nothing more;
-#    a version 3 store made before deployment_assignments / deployment_counters gains them the same way)
+#    a version 3 store made before deployment_assignments / deployment_counters / device_tags gains
+#    them the same way: every table is created if absent on open)
 SCHEMA_VERSION = 3
 
 
