@@ -19,6 +19,7 @@ import argparse
 import functools
 import json
 import os
+import re
 import sys
 import time
 import urllib.error
@@ -27,6 +28,7 @@ import urllib.request
 from pathlib import Path
 
 from protocols.files import write_private_file
+from protocols.messages import MAX_TAGS, TAG_PATTERN
 from protocols.regular_file import read_regular_file
 
 from . import admin_deployments
@@ -232,11 +234,14 @@ def _device(args, client):
     body = {"device_id": args.device_id}
     if args.public_key:
         body["public_key"] = args.public_key
+    tags = _tags(args.tags) if args.tags is not None else None     # checked before anything is enrolled
     creds = client.post("/api/devices", body)
     text = f"enrolled {args.device_id} (MQTT user {creds['mqtt_username']})"
-    if args.tags is not None:
-        tags = client.post(f"/api/devices/{args.device_id}/tags", {"tags": _tags(args.tags)})["tags"]
-        text += f", tags {','.join(tags) or '(none)'}"
+    if tags is not None:
+        try:        # the credentials are shown once: a failed tagging must not lose them
+            text += f", tags {','.join(client.post(f'/api/devices/{args.device_id}/tags', {'tags': tags})['tags']) or '(none)'}"
+        except AdminError as exc:
+            text += f"\nwarning: enrolled but not tagged ({exc}); tag it with: fedfleet admin device tag {args.device_id} --tags ..."
     if creds.get("warning"):
         text += f"\nwarning: {creds['warning']}"
     if args.out:
@@ -248,10 +253,14 @@ def _device(args, client):
 
 
 def _tags(text: str | None) -> list[str]:
-    """``--tags a,b`` -> ["a", "b"] ("" clears them); the API checks each."""
+    """``--tags a,b`` -> ["a", "b"] ("" clears them), each checked as the API checks it."""
     if text is None:
         raise AdminError("device tag needs --tags (a comma-separated list; \"\" clears them)")
-    return [t.strip() for t in text.split(",") if t.strip()]
+    tags = sorted({t.strip() for t in text.split(",") if t.strip()})
+    bad = [t for t in tags if not re.fullmatch(TAG_PATTERN, t)]
+    if bad or len(tags) > MAX_TAGS:
+        raise AdminError(f"--tags: at most {MAX_TAGS} tags of 1-64 of [A-Za-z0-9_.-]" + (f"; not {bad[0]!r}" if bad else ""))
+    return tags
 
 
 def _when(ts: float | None) -> str:

@@ -126,6 +126,8 @@ def parse_presence(msg: Envelope) -> tuple[bool, dict[str, Any]]:
 
 
 MAX_TAGS, MAX_TAG_CHARS = 32, 64
+# a tag the operator gives a device (what a deployment's tags:a,b cohort names): no comma, no space
+TAG_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
 MAX_PROFILE_CHARS = 16 * 1024       # a device's announced profile (kinds, runtime, tags): a few hundred
 
 

@@ -137,6 +137,8 @@ def test_job_lifecycle_and_inspection_through_the_cli(broker, tmp_path, capsys):
         cli("device", "tag", "newdev", "--tags", "has space", ok=False)      # 422: nothing changed
         cli("device", "tag", "nobody", "--tags", "lab", ok=False)             # 404
         cli("device", "tag", "newdev", ok=False)                              # no --tags: one line, nothing sent
+        cli("device", "enroll", "other", "--tags", "a b", ok=False)            # checked before enrolling: no
+        assert store.device("other") is None                                   # credentials shown once, then lost
         assert cli_json("device", "show", "newdev")["tags"] == ["lab", "north"]
         assert cli_json("device", "tag", "newdev", "--tags", "")["tags"] == [] == store.device("newdev")["tags"]
         assert cli_json("device", "revoke", "newdev")["status"] == "revoked"

@@ -507,6 +507,8 @@ def test_a_tags_canary_holds_the_devices_the_operator_tagged_never_those_announc
         store.set_device_tags("cam-404", ["lab"])
     good = model_id(store, "good", *world["good"])
     ctl = controller()
+    with pytest.raises(ValueError, match="no device carries these tags"):      # a typo, or tags never given
+        ctl.call(lambda: ctl.deploy(good, cohort="tags:lbs", stages="100%", bake_s=3600, deployment_id="typo"))
     ctl.call(lambda: ctl.deploy(good, cohort="tags:lab", stages="100%", bake_s=3600, deployment_id="lab"))
     wait_for(lambda: ctl.call(lambda: sorted(ctl.active.sent)) == ["cam-0"], what="the canary assigned")
     assert store.device("cam-1")["tags"] == [] and store.device("cam-0")["tags"] == ["lab", "north"]

@@ -2,7 +2,7 @@
 mosquitto with the controller and followers of ``test_deployment_rollout.py``:
 
 * freeze every rollout with a malformed profile (tags that are a number): presence refuses it,
-  and a profile stored before that check is read as no tags;
+  and the controller reads no profile (a tags: cohort reads the tags the operator gave);
 * outweigh the honest canary under a pooled guard (``wma_drop``) by claiming a huge held-out
   split: its weight is at most twice the stage's median claimed size;
 * make the controller publish its head again and again with a flood of small asks: one answer per

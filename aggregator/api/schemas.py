@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, create_model
 
+from protocols.messages import MAX_TAGS, TAG_PATTERN
 from protocols.topics import DEVICE_ID_RE
 
 from aggregator.jobs.config_limits import (JOB_ID_RE, Fields, Items, OneOf, Pattern, Range, check_limit, field_limit,
@@ -43,13 +44,10 @@ class Device(BaseModel):
                             "tags in the device's own profile are never used for that")
 
 
-TAG_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"        # no comma: a cohort names tags as tags:a,b
-
-
 class DeviceTags(BaseModel):
     model_config = ConfigDict(extra="forbid")
     tags: list[Annotated[str, Field(pattern=TAG_PATTERN)]] = Field(
-        max_length=32, description="the device's tags, replacing any it had ([] clears them)")
+        max_length=MAX_TAGS, description="the device's tags, replacing any it had ([] clears them)")
 
 
 WARNING = Field(default=None, description="the change is committed and the aggregator acts on it, but the broker "

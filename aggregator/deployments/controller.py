@@ -171,6 +171,9 @@ class DeploymentController(LinkWorker):
         dep = Deployment(deployment_id, model_id, hashlib.sha256(head).hexdigest(), CohortRule.parse(cohort, seed),
                          fractions, Guard.parse(guard), float(bake_s), int(min_reports), float(patience_s),
                          self.settled.dep.model_id if self.settled else None)
+        if dep.cohort.kind == "tags" and not dep.cohort.canary(self._fleet()):
+            raise ValueError(f"cohort {dep.cohort.text()}: no device carries these tags (the tags the operator gives: "
+                             "fedfleet admin device tag ID --tags ...); an empty canary would only roll back")
         actions = dep.handle(Start(time.time()))
         self.table.create(deployment_id, model_id, dep.state, dep.to_dict())
         self._known_n = self.table.reported_sizes(exclude=deployment_id)

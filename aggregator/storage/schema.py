@@ -57,9 +57,10 @@ CREATE TABLE IF NOT EXISTS devices (
     cluster       TEXT
 );
 -- the tags the operator gave a device (a JSON list): what a deployment's tags: cohort selects by. A
--- device's own profile may announce tags too, shown and never trusted (a device would choose its canary)
+-- device's own profile may announce tags too, shown and never trusted (a device would choose its canary).
+-- Kept when the device is revoked and enrolled again: they describe the id's place in the fleet
 CREATE TABLE IF NOT EXISTS device_tags (
-    device_id     TEXT PRIMARY KEY REFERENCES devices(device_id),
+    device_id     TEXT PRIMARY KEY REFERENCES devices(device_id) ON DELETE CASCADE,
     tags          TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS jobs (

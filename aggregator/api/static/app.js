@@ -113,7 +113,7 @@ function showDevices(devices, online, fleet) {
   fillTable("fleet-table", devices.map((d) => [
     d.device_id, { text: d.status, cls: d.status.replace(" ", "-") },
     { text: d.online ? "online" : "offline", cls: d.online ? "online" : "offline" }, ago(d.last_seen), d.cluster,
-    Object.entries(d.profile).map(([k, v]) => `${k}=${v}`).join(", ").slice(0, 60)]));
+    (d.tags || []).join(", "), Object.entries(d.profile).map(([k, v]) => `${k}=${v}`).join(", ").slice(0, 60)]));
 }
 
 async function showJob(job, live) {
