@@ -239,9 +239,11 @@ def _device(args, client):
     text = f"enrolled {args.device_id} (MQTT user {creds['mqtt_username']})"
     if tags is not None:
         try:        # the credentials are shown once: a failed tagging must not lose them
-            text += f", tags {','.join(client.post(f'/api/devices/{args.device_id}/tags', {'tags': tags})['tags']) or '(none)'}"
+            tagged = client.post(f"/api/devices/{args.device_id}/tags", {"tags": tags})["tags"]
+            text += f", tags {','.join(tagged) or '(none)'}"
         except AdminError as exc:
-            text += f"\nwarning: enrolled but not tagged ({exc}); tag it with: fedfleet admin device tag {args.device_id} --tags ..."
+            text += (f"\nwarning: enrolled but not tagged ({exc}); "
+                     f"tag it with: fedfleet admin device tag {args.device_id} --tags ...")
     if creds.get("warning"):
         text += f"\nwarning: {creds['warning']}"
     if args.out:
