@@ -57,10 +57,16 @@ def check_npz_size(data: bytes, max_bytes: int) -> None:
     bound) says nothing of. The members' sizes in the archive's directory bound what inflating
     can produce (zipfile stops at them and fails the CRC past them); each member must be a .npy
     whose header declares no more data than the member holds, since numpy allocates the declared
-    shape before it reads."""
+    shape before it reads. Each member's name ends in ``.npy`` and no two name the same array: numpy
+    takes ``weight`` and ``weight.npy`` as one name and reads one of them, Java's reader another
+    (a review's finding: one file, two heads)."""
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as archive:
             members = archive.infolist()
+            names = [member.filename for member in members]
+            if any(not name.endswith(".npy") for name in names) or len(set(names)) != len(names):
+                odd = next((n for n in names if not n.endswith(".npy") or names.count(n) > 1))
+                raise ValueError(f".npz member {odd[:100]!r}: every member must be one array named *.npy")
             inflated = sum(member.file_size for member in members)
             if inflated > max_bytes:
                 raise ValueError(f".npz inflates to {inflated:,} bytes, more than {max_bytes:,}")

@@ -60,8 +60,11 @@ public final class Npz {
 
     private Npz() {}
 
-    /** The arrays of an .npz (by name, without ".npy"); IOException when it is not one, an array
-     *  is malformed, or the arrays' data would pass maxBytes. */
+    private static String cut(String text) { return text.length() > 100 ? text.substring(0, 100) : text; }
+
+    /** The arrays of an .npz (by name, without ".npy"); IOException when it is not one, a member
+     *  is not one array named *.npy or names an array twice (numpy would read another of the two:
+     *  one file, two heads), an array is malformed, or the arrays' data would pass maxBytes. */
     public static Map<String, Array> read(byte[] npz, long maxBytes) throws IOException {
         Map<String, Array> arrays = new LinkedHashMap<>();
         long total = 0;
@@ -69,7 +72,8 @@ public final class Npz {
         try (ZipInputStream zip = new ZipInputStream(new ByteArrayInputStream(npz))) {
             for (ZipEntry e; (e = zip.getNextEntry()) != null; entries++) {
                 String name = e.getName();
-                if (!name.endsWith(".npy")) continue;
+                if (!name.endsWith(".npy") || arrays.containsKey(name.substring(0, name.length() - 4)))
+                    throw new IOException("member '" + cut(name) + "': every member must be one array named *.npy");
                 byte[] b = readAll(zip, maxBytes - total);
                 total += b.length;
                 arrays.put(name.substring(0, name.length() - 4), npy(b));
@@ -116,13 +120,22 @@ public final class Npz {
         Matcher d = DESCR.matcher(header), f = FORTRAN.matcher(header), s = SHAPE.matcher(header);
         if (!d.find() || !f.find() || !s.find() || f.group(1).equals("True"))
             throw new IOException("array is not a little-endian float or unsigned array in C order: " + header.trim());
-        long[] shape = Arrays.stream(s.group(1).split(",")).map(String::trim).filter(x -> !x.isEmpty())
-                .mapToLong(Long::parseLong).toArray();
-        long count = 1;
-        for (long n : shape) count = Math.multiplyExact(count, n);
+        long[] shape;
+        long count = 1, bytes;
         String dtype = d.group(1).substring(1);
         int size = Integer.parseInt(dtype.substring(1)), start = at + (int) hlen;
-        if (count * size != b.length - start) throw new IOException("array data is " + (b.length - start) + " bytes, shape needs " + count * size);
+        try {           // a dimension past a long, or a product past one, is a malformed array, never a crash
+            shape = Arrays.stream(s.group(1).split(",")).map(String::trim).filter(x -> !x.isEmpty())
+                    .mapToLong(Long::parseLong).toArray();
+            for (long n : shape) {
+                if (n > Integer.MAX_VALUE) throw new IOException("array dimension " + n + " is past any array's");
+                count = Math.multiplyExact(count, n);
+            }
+            bytes = Math.multiplyExact(count, (long) size);
+        } catch (NumberFormatException | ArithmeticException e) {
+            throw new IOException("array shape (" + cut(s.group(1)) + ") is past any array's");
+        }
+        if (bytes != b.length - start) throw new IOException("array data is " + (b.length - start) + " bytes, shape needs " + bytes);
         ByteBuffer data = ByteBuffer.wrap(Arrays.copyOfRange(b, start, b.length)).order(ByteOrder.LITTLE_ENDIAN);
         return new Array(dtype, shape, data);
     }

@@ -1,0 +1,83 @@
+"""The Python and the Java device decide alike on the same head file bytes, however the file was
+made (a review's findings, each a file below): a small deflated file declaring a huge shape (the
+Python device allocated 3.3 GiB for a 1 MB file), one file holding two arrays of one name (numpy
+and Java read different ones: two heads under one sha256), a shape whose product overflows a long
+(Java accepted a (1, 3) head), a dimension past a long (Java's follower dropped the assignment with
+no report), and arrays Java never reads (big-endian, integer, Fortran order, empty)."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import zipfile
+
+import numpy as np
+import pytest
+
+import java_build
+from protocols.envelope import EnvelopeError
+from protocols.payloads.deployment import head_from_npz, head_npz
+
+pytestmark = pytest.mark.skipif(java_build.missing() is not None, reason=str(java_build.missing()))
+
+
+def npy(descr: str, shape: str, data: bytes, fortran: bool = False) -> bytes:
+    """An .npy of exactly this header text (version 1.0), whatever it declares."""
+    header = f"{{'descr': '{descr}', 'fortran_order': {fortran}, 'shape': {shape}, }}"
+    header += " " * (-(10 + len(header) + 1) % 64) + "\n"
+    return b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode("latin1") + data
+
+
+def npz(members: list[tuple[str, bytes]], deflate: bool = False) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED if deflate else zipfile.ZIP_STORED) as z:
+        for name, data in members:
+            z.writestr(name, data)
+    return buf.getvalue()
+
+
+W, B = np.arange(6, dtype=np.float32).reshape(2, 3), np.array([0.5, -1.0], np.float32)
+BIAS = ("bias.npy", npy("<f4", "(2,)", B.tobytes()))
+FILES = {
+    "valid": head_npz(W, B),
+    "valid float64": npz([("weight.npy", npy("<f8", "(2, 3)", W.astype("<f8").tobytes())),
+                          ("bias.npy", npy("<f8", "(2,)", B.astype("<f8").tobytes()))]),
+    "huge shape, deflated zeros": npz([("weight.npy", npy("<f4", "(4096, 16384)", bytes(4096 * 16384 * 4))),
+                                       ("bias.npy", npy("<f4", "(4096,)", bytes(4096 * 4)))], deflate=True),
+    "two arrays of one name": npz([("weight", npy("<f4", "(2, 3)", W.tobytes())),
+                                   ("weight.npy", npy("<f4", "(2, 3)", (W + 1).tobytes())), BIAS]),
+    "a member no array": npz([("weight.npy", npy("<f4", "(2, 3)", W.tobytes())), BIAS, ("notes.txt", b"x" * 64)]),
+    "shape product past a long": npz([("weight.npy", npy("<f4", f"(1, {2 ** 61 + 3})", bytes(12))), BIAS]),
+    "dimension past a long": npz([("weight.npy", npy("<f4", "(99999999999999999999, 1)", bytes(8))), BIAS]),
+    "dimensions multiplying past a long": npz([("weight.npy", npy("<f4", f"({2 ** 40}, {2 ** 40})", bytes(8))), BIAS]),
+    "big-endian": npz([("weight.npy", npy(">f4", "(2, 3)", W.astype(">f4").tobytes())), BIAS]),
+    "integer": npz([("weight.npy", npy("<i4", "(2, 3)", W.astype("<i4").tobytes())), BIAS]),
+    "Fortran order": npz([("weight.npy", npy("<f4", "(2, 3)", W.T.copy().tobytes(), fortran=True)), BIAS]),
+    "empty": npz([("weight.npy", npy("<f4", "(2, 0)", b"")), BIAS]),
+}
+
+
+def python_decision(data: bytes) -> str:
+    import hashlib
+
+    try:
+        weight, _ = head_from_npz(data, hashlib.sha256(data).hexdigest())
+    except EnvelopeError as exc:
+        return f"REFUSED {exc}"
+    return f"OK {weight.shape[0]} {weight.shape[1]}"
+
+
+def test_the_python_and_java_devices_take_and_refuse_the_same_head_files(tmp_path):
+    paths = []
+    for k, data in enumerate(FILES.values()):
+        paths.append(tmp_path / f"{k}.npz")
+        paths[-1].write_bytes(data)
+    proc = subprocess.run(["java", "-cp", java_build.built(), "HeadBytes"], input="\n".join(map(str, paths)) + "\n",
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    java = dict(zip(FILES, proc.stdout.splitlines()))
+    python = {name: python_decision(data) for name, data in FILES.items()}
+    verdicts = {name: (python[name].split()[0], java[name].split()[0]) for name in FILES}
+    assert verdicts == {name: ("OK", "OK") if name.startswith("valid") else ("REFUSED", "REFUSED") for name in FILES}, \
+        {name: (python[name][:120], java[name][:120]) for name in FILES}
+    assert python["valid"] == java["valid"] == "OK 2 3" == python["valid float64"] == java["valid float64"]
