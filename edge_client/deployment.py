@@ -364,9 +364,9 @@ class DeploymentFollower(LinkWorker):
         if kept is current and current is not None and current.deployment == a["deployment"]:
             return                                          # already running it (a retained re-delivery)
         if kept is not None:        # the current head in a new deployment (judged, kept), or the previous one
-            try:
-                data = (self.slot.dir / f"{kept.sha256}.npz").read_bytes()
-            except OSError as exc:
+            try:        # bounded and regular, as the slot reads its heads at start (ModelSlot._read)
+                data = read_regular_file(self.slot.dir / f"{kept.sha256}.npz", "a kept head", D.MAX_HEAD_BYTES)
+            except (OSError, ValueError) as exc:
                 return self._refuse(f"kept head unreadable, staying on the current version: {exc}", a, "load")
             return self._adopt(a, data, swap=kept is not current)
         if self._pending is not None and self._pending["seq"] == a["seq"]:

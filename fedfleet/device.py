@@ -409,6 +409,7 @@ class FetchedBundles:
     def __call__(self, backbone: str, image_size: int, weights: str, bundle_sha256: str = ""):
         from edge_client.agent import TaskDeclined
         from edge_client.artifacts import ArtifactFetchError
+        from protocols.bundle_manifest import ArtifactError
 
         from protocols.envelope import EnvelopeError
         from protocols.payloads.artifacts import check_sha
@@ -428,7 +429,9 @@ class FetchedBundles:
                                "executorch or onnxruntime)")
         try:
             extractor, bundle_weights = self.get(sha)
-        except (ArtifactFetchError, OSError, ValueError) as exc:
+        except (ArtifactFetchError, ArtifactError, OSError, ValueError) as exc:
+            # ArtifactError: a bundle with no program for this device's runtime, or a file whose digest
+            # differs (a review's finding: they escaped as a task's unexpected error, with a traceback)
             raise TaskDeclined(f"bundle {sha[:16]} unavailable: {exc}") from exc
         if image_size != extractor.image_size or (weights and weights != bundle_weights):
             raise TaskDeclined(f"job wants {backbone}@{image_size}px weights {weights[:12]}; bundle {sha[:16]} is "

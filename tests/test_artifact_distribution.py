@@ -345,6 +345,15 @@ def test_a_device_fetches_a_bundle_from_an_aggregator_requiring_signatures(broke
         x = np.random.default_rng(0).integers(0, 256, (2, 28, 28), dtype=np.uint8)
         assert extractor.extract(x).shape == (2, 1280)
         assert not svc.active.stats.rejections.get("bad signature")
+        # a bundle with no program for the device's runtime declines the job's task with the reason
+        # (a review's finding: the runtime's error escaped as an unexpected error, with a traceback)
+        from edge_client.agent import TaskDeclined
+
+        executorch_device = FetchedBundles("cam1", BrokerConfig.from_url(broker.url), Topics(), tmp_path / "bundles-x",
+                                           "executorch", None, default=None, local=None,
+                                           aggregator_key=bytes.fromhex(creds["aggregator_public_key"]), signer=device.sign)
+        with pytest.raises(TaskDeclined, match=f"bundle {sha[:16]} unavailable"):
+            executorch_device("mobilenet_v2", 32, "", bundle_sha256=sha)
     finally:
         svc.stop()
         t.join(10)

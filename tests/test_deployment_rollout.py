@@ -323,8 +323,10 @@ def test_the_operator_deploys_promotes_and_rolls_back_through_the_cli(setup, wor
         api.stop()
 
 
-def test_a_kept_head_whose_file_is_gone_is_refused_with_the_reason_and_the_device_keeps_its_version(setup, world):
-    """The device runs v2 and keeps v1's head; v1's file is lost on disk; v1's model deployed again
+@pytest.mark.parametrize("lost", ["gone", "fifo"])
+def test_a_kept_head_whose_file_is_gone_is_refused_with_the_reason_and_the_device_keeps_its_version(setup, world, lost):
+    """The device runs v2 and keeps v1's head; v1's file is lost on disk (or, a review's finding, a
+    FIFO stands in its place, which the plain read waited on for ever); v1's model deployed again
     (the kept version, read from the slot, not fetched) is refused with why, reported, and the device
     stays on v2 (the read error used to escape the handler: no refusal, no report)."""
     store, controller, fleet = setup
@@ -338,6 +340,8 @@ def test_a_kept_head_whose_file_is_gone_is_refused_with_the_reason_and_the_devic
     ctl.call(lambda: ctl.promote("v2"))
     wait_for(lambda: fleet.sha("cam-0") == D_sha(world["broken"]), what="v2")
     (follower.slot.dir / f"{D_sha(world['good'])}.npz").unlink()
+    if lost == "fifo":
+        os.mkfifo(follower.slot.dir / f"{D_sha(world['good'])}.npz")
     ctl.call(lambda: ctl.deploy(good, cohort="devices:cam-0", stages="100%", bake_s=3600, min_reports=1,
                                 deployment_id="v3"))
     wait_for(lambda: follower.refusals, what="the refusal")
