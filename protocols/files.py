@@ -63,10 +63,12 @@ def check_npz_size(data: bytes, max_bytes: int) -> None:
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as archive:
             members = archive.infolist()
-            names = [member.filename for member in members]
-            if any(not name.endswith(".npy") for name in names) or len(set(names)) != len(names):
-                odd = next((n for n in names if not n.endswith(".npy") or names.count(n) > 1))
-                raise ValueError(f".npz member {odd[:100]!r}: every member must be one array named *.npy")
+            seen: set[str] = set()
+            for member in members:          # one pass: an archive may list very many members
+                if not member.filename.endswith(".npy") or member.filename in seen:
+                    raise ValueError(f".npz member {member.filename[:100]!r}: every member must be one array "
+                                     "named *.npy, named once")
+                seen.add(member.filename)
             inflated = sum(member.file_size for member in members)
             if inflated > max_bytes:
                 raise ValueError(f".npz inflates to {inflated:,} bytes, more than {max_bytes:,}")
