@@ -348,16 +348,23 @@ class DeploymentFollower(LinkWorker):
         refusal = refusal_of(a, self.device_id, self.slot.seq)
         if refusal is not None:
             return self._refuse(refusal[1], None, refusal[0])
-        self.slot.hold_seq(a["seq"])            # the same seq again: a retained re-delivery, handled below
+        try:        # the same seq again: a retained re-delivery, handled below
+            self.slot.hold_seq(a["seq"])
+        except (OSError, ValueError) as exc:    # not durable (its slot.json unwritable or not a file), not
+            # acted on: said, as the Java follower says it
+            return self._refuse(f"assignment {a['seq']} not written: {exc}", None, "load")
         if self._retry is not None:
             if self._retry["a"]["seq"] == a["seq"]:     # its re-delivery: the held head is still being adopted
                 return
             self._retry = None                          # a newer assignment replaces it
         if a["action"] == D.ROLLBACK:
             self._pending = None if self._pending and self._pending["deployment"] == a["deployment"] else self._pending
-            if self.slot.revert(a["deployment"]):
-                log.warning("%s: deployment %s rolled back (%s): running the kept version again", self.device_id,
-                            a["deployment"], a.get("reason", ""))
+            try:
+                if self.slot.revert(a["deployment"]):
+                    log.warning("%s: deployment %s rolled back (%s): running the kept version again", self.device_id,
+                                a["deployment"], a.get("reason", ""))
+            except (OSError, ValueError) as exc:
+                self._refuse(f"rollback of {a['deployment']} not written: {exc}", None, "load")
             return
         current, previous = self.slot.current, self.slot.previous
         kept = next((v for v in (current, previous) if v is not None and v.sha256 == a["sha256"]), None)

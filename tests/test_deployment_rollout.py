@@ -14,6 +14,7 @@ following their retained assignment with :class:`edge_client.deployment.Deployme
 
 import hashlib
 import os
+import re
 import time
 
 import numpy as np
@@ -348,6 +349,27 @@ def test_a_kept_head_whose_file_is_gone_is_refused_with_the_reason_and_the_devic
     assert follower.refusals[-1].startswith("kept head unreadable, staying on the current version")
     wait_for(lambda: ctl.show("v3")["counts"].get("refused:load") == 1, what="the refusal reported")
     assert fleet.sha("cam-0") == D_sha(world["broken"])
+
+
+def test_an_assignment_the_slot_cannot_write_is_refused_and_reported(setup, world):
+    """A review's finding: when the slot could not record an assignment's sequence (disk full, a
+    read-only folder: here a directory stands where slot.json is renamed to), the Python follower's
+    error escaped to its loop's log as a traceback, where the Java follower refuses it (and reports
+    the refusal against the version it runs, as every refusal of no assignment being acted on).
+    Nothing is acted on: the assignment's sequence is not durable."""
+    store, controller, fleet = setup
+    good = model_id(store, "good", *world["good"])
+    follower = fleet.start("cam-0")
+    ctl = controller()
+    state = follower.slot.dir / "slot.json"
+    if state.exists():
+        state.unlink()
+    state.mkdir()
+    ctl.call(lambda: ctl.deploy(good, cohort="devices:cam-0", stages="100%", bake_s=3600, min_reports=1,
+                                deployment_id="v1"))
+    wait_for(lambda: follower.refusals, what="the refusal")
+    assert re.match(r"assignment \d+ not written: .*slot\.json.* is not a regular file", follower.refusals[-1])
+    assert follower.slot.current is None and follower.loop.alive           # nothing acted on; the follower goes on
 
 
 def test_rolling_back_the_settled_version_brings_back_the_one_before_for_every_device(setup, world):
