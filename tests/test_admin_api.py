@@ -263,3 +263,18 @@ def test_a_change_made_with_the_dashboards_session_must_come_from_its_origin(idl
     assert client.get("/api/health", headers={"sec-fetch-site": "cross-site"}).status_code == 200   # a read
     bearer = TestClient(idle_api)                                   # the CLI's way: no cookie, any origin
     assert bearer.post(cancel, headers={"Authorization": f"Bearer {TOKEN}", "origin": "http://x"}).status_code == 404
+
+
+@pytest.mark.parametrize("body", [{"tags": ["has space"]}, {"tags": ["a,b"]}, {"tags": ["x" * 65]}, {"tags": [""]},
+                                  {"tags": [f"t{i}" for i in range(33)]}, {"tags": "lab"}, {"tags": [5]},
+                                  {"tags": ["lab"], "extra": 1}, {}])
+def test_a_malformed_tags_request_is_refused_and_changes_nothing(idle_api, body):
+    """The operator's tags are what a deployment's tags: cohort selects by: a malformed request
+    (a tag a cohort could not name, too many, not a list of strings, an unknown field) is one 422,
+    the device's tags as they were; an unknown device is a 404."""
+    client = TestClient(idle_api)
+    assert client.post("/api/devices/ghost/tags", headers=AUTH, json={"tags": ["lab", "north"]}).json()["tags"] == \
+        ["lab", "north"]
+    assert client.post("/api/devices/ghost/tags", headers=AUTH, json=body).status_code == 422
+    assert client.get("/api/devices/ghost", headers=AUTH).json()["tags"] == ["lab", "north"]
+    assert client.post("/api/devices/nobody/tags", headers=AUTH, json={"tags": ["lab"]}).status_code == 404
