@@ -13,6 +13,13 @@ task of the job; forged chunks held half a GB and the slots the real file needed
 device trusts whatever its broker delivers, here as in its agent, but holds no more than it asked
 for: a reply may be as large as a manifest may be (``MAX_MANIFEST_BYTES``) or as the manifest says
 the file is, not the 512 MiB any message may be.
+
+The manifest is read as every manifest is (``protocols.bundle_manifest``: the schema, at most 32
+files, each a plain name listed once and never ``manifest.json``) before any file is asked for, and
+the files together may hold no more than ``max_bundle_bytes`` (2 GiB unless told less; a bundle
+is tens of MB): a manifest that is not one, or names more than that, is one clear refusal before
+anything is fetched. Each file is written as it arrives and the manifest last, so a fetch cut short leaves no
+bundle that loads and never more than one file in memory.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import time
 from pathlib import Path
 
 from edge_client.inbox import aggregator_inbox
-from protocols.bundle_manifest import MAX_MANIFEST_BYTES
+from protocols.bundle_manifest import MANIFEST_FILENAME, MAX_MANIFEST_BYTES, ManifestError, parse_manifest
 from protocols.envelope import MAX_HEADER_BYTES, EnvelopeError
 from protocols.files import write_atomic
 from protocols.mqtt_link import BrokerConfig, MqttLink
@@ -33,7 +40,7 @@ from protocols.topics import AGGREGATOR_ID, Topics
 
 # an artifact reply is the file plus its envelope: a header (at most MAX_HEADER_BYTES) and the prefix
 REPLY_OVERHEAD_BYTES = MAX_HEADER_BYTES + 1024
-MAX_FILE_BYTES = 512 * 1024 * 1024      # a file whose manifest gives no size: the assembler's default
+MAX_BUNDLE_BYTES = 2 << 30              # what a bundle's files may hold together unless told less
 MAX_PENDING_REPLIES = 4                 # a sender's partial messages held at once (protocols/chunking.py's default)
 
 
@@ -51,10 +58,12 @@ def _hint(reason: str) -> str:
 
 def fetch_bundle(device_id: str, broker: BrokerConfig, manifest_sha256: str, dest: Path,
                  topics: Topics = Topics(), timeout_s: float = 120.0, retry_s: float = 5.0,
-                 signer=None, client_id: str | None = None, verifier=None) -> Path:
+                 signer=None, client_id: str | None = None, verifier=None,
+                 max_bundle_bytes: int = MAX_BUNDLE_BYTES) -> Path:
     """``client_id``: the MQTT client id of the fetch (default: the device id). A running agent
     holds that id already, so fetching on demand needs another one (same account and topics).
-    ``verifier``: the aggregator's (``protocols.identity.sender_verifier``), when the device has its key."""
+    ``verifier``: the aggregator's (``protocols.identity.sender_verifier``), when the device has its key.
+    ``max_bundle_bytes``: the most the manifest's files may hold together."""
     dest = Path(dest)
     inbox: queue.Queue = queue.Queue()
     link = MqttLink(client_id or device_id, broker, on_message=lambda t, p: inbox.put(p),
@@ -99,18 +108,23 @@ def fetch_bundle(device_id: str, broker: BrokerConfig, manifest_sha256: str, des
             raise ArtifactFetchError(f"no artifact {sha[:16]}… from the aggregator within {timeout_s}s"
                                      + (f"; a message was dropped: {dropped[0]}{_hint(dropped[0])}" if dropped else ""))
 
-        name, manifest_bytes = fetch(manifest_sha256, MAX_MANIFEST_BYTES)
-        files = {"manifest.json": manifest_bytes}
-        for spec in json.loads(manifest_bytes).get("artifacts", []):
-            size = spec.get("size_bytes")
-            fname, data = fetch(spec["sha256"], size if type(size) is int and 0 <= size <= MAX_FILE_BYTES
-                                else MAX_FILE_BYTES)
-            if fname != spec["file"]:
-                raise ArtifactFetchError(f"asked for {spec['file']!r}, got {fname!r}")
-            files[fname] = data
+        _, manifest_bytes = fetch(manifest_sha256, MAX_MANIFEST_BYTES)
+        try:
+            manifest = parse_manifest(manifest_bytes, dest / MANIFEST_FILENAME)
+        except ManifestError as exc:
+            raise ArtifactFetchError(f"bundle {manifest_sha256[:16]}…: {exc}") from exc
+        total = sum(spec.size_bytes for spec in manifest.artifacts)
+        if total > max_bundle_bytes:
+            raise ArtifactFetchError(f"bundle {manifest_sha256[:16]}… lists {total} bytes of files, more than "
+                                     f"the {max_bundle_bytes} this device takes for a bundle")
+        dest.mkdir(parents=True, exist_ok=True)
+        for spec in manifest.artifacts:
+            fname, data = fetch(spec.sha256, spec.size_bytes)
+            if fname != spec.file:
+                raise ArtifactFetchError(f"asked for {spec.file!r}, got {fname!r}")
+            write_atomic(dest / fname, data)     # write-then-rename: no half-written file is ever used
+            del data                             # freed before the next file arrives
     finally:
         link.stop()
-    dest.mkdir(parents=True, exist_ok=True)
-    for fname, data in files.items():            # write-then-rename: no half-written file is ever used
-        write_atomic(dest / fname, data)
-    return dest / "manifest.json"
+    write_atomic(dest / MANIFEST_FILENAME, manifest_bytes)     # last: only a whole bundle has one
+    return dest / MANIFEST_FILENAME

@@ -9,6 +9,7 @@ import hashlib
 import io
 import math
 import os
+import re
 import tempfile
 import threading
 import zipfile
@@ -41,17 +42,44 @@ def read_npy_header(stream) -> tuple[tuple[int, ...], bool, np.dtype]:
         return read(stream)
 
 
-def read_npz(data: bytes, max_bytes: int = MAX_NPZ_BYTES) -> dict[str, np.ndarray]:
+# The .npy header as numpy and the Java device write it, and the only one a device takes in a file
+# both device SDKs read (a head): the dict's three keys in this order, one space after each colon and
+# comma, the shape as Python's repr of a tuple of decimal integers, spaces, a newline. numpy parses a
+# header as a Python literal, Java with regular expressions, and each took headers the other refused:
+# (0x2, 3) and (2, 1_0) (Python's literals), (02, 3), (2,,3) and a key named twice (Java's matching).
+_NPY_DIMENSION = r"(?:0|[1-9][0-9]*)"
+CANONICAL_NPY_HEADER = re.compile(
+    r"\{'descr': '[<>|=][a-zA-Z][0-9]{1,2}', 'fortran_order': (?:False|True), "
+    rf"'shape': \((?:|{_NPY_DIMENSION},|{_NPY_DIMENSION}(?:, {_NPY_DIMENSION})+)\), \}} *\n")
+
+
+def read_canonical_npy_header(stream) -> tuple[tuple[int, ...], bool, np.dtype, int]:
+    """:func:`read_npy_header` of an .npy whose header must be written as numpy and Java write it
+    (CANONICAL_NPY_HEADER), with the header's size in bytes (magic and length included); ValueError
+    for any other header."""
+    with NPY_HEADER_LOCK:
+        version = np.lib.format.read_magic(stream)
+        length_bytes = stream.read(2 if version == (1, 0) else 4)
+        text = stream.read(int.from_bytes(length_bytes, "little"))
+        if not CANONICAL_NPY_HEADER.fullmatch(text.decode("latin1")):
+            raise ValueError(f"the .npy header {text[:120]!r} is not written as numpy writes one")
+        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, fortran_order, dtype = read(io.BytesIO(length_bytes + text))
+    return shape, fortran_order, dtype, 6 + 2 + len(length_bytes) + len(text)
+
+
+def read_npz(data: bytes, max_bytes: int = MAX_NPZ_BYTES, canonical: bool = False) -> dict[str, np.ndarray]:
     """Every array of an .npz held in memory (never a pickle), its headers parsed under
     NPY_HEADER_LOCK: what any thread that reads a model or a checkpoint calls. At most ``max_bytes``
     once inflated, checked before anything is inflated (:func:`check_npz_size`); ValueError for
-    anything else."""
-    check_npz_size(data, max_bytes)
+    anything else. ``canonical``: every member is an .npy as numpy writes one, its data exactly what
+    its header declares (what the Java device's reader takes: a file both SDKs read)."""
+    check_npz_size(data, max_bytes, canonical)
     with NPY_HEADER_LOCK, np.load(io.BytesIO(data), allow_pickle=False) as z:
         return {k: z[k] for k in z.files}
 
 
-def check_npz_size(data: bytes, max_bytes: int) -> None:
+def check_npz_size(data: bytes, max_bytes: int, canonical: bool = False) -> None:
     """Refuse an .npz that would inflate past ``max_bytes``, before any member is inflated: a 1.5 MiB
     archive of zeros is a 1.5 GiB array, which the size of the file read (``read_job_input``'s
     bound) says nothing of. The members' sizes in the archive's directory bound what inflating
@@ -75,9 +103,15 @@ def check_npz_size(data: bytes, max_bytes: int) -> None:
             for member in members:
                 with archive.open(member) as stream:
                     try:
-                        shape, _, dtype = read_npy_header(stream)
+                        if canonical:
+                            shape, _, dtype, header_size = read_canonical_npy_header(stream)
+                        else:
+                            (shape, _, dtype), header_size = read_npy_header(stream), 0
                     except ValueError as exc:
                         raise ValueError(f".npz member {member.filename[:100]!r} is not an .npy array: {exc}") from None
+                if canonical and header_size + math.prod(shape) * dtype.itemsize != member.file_size:
+                    raise ValueError(f".npz member {member.filename[:100]!r}: its header declares {shape} of "
+                                     f"{dtype}, not its {member.file_size - header_size:,} bytes of data")
                 if math.prod(shape) * dtype.itemsize > member.file_size:
                     raise ValueError(f".npz member {member.filename[:100]!r}: its header declares {shape} of "
                                      f"{dtype}, more than its {member.file_size:,} bytes")

@@ -38,6 +38,19 @@ def serve(broker, tmp_path, shelf):
     return svc, t
 
 
+def one_file_manifest(bundle, name: str, data: bytes) -> bytes:
+    """The bundle's manifest cut to one inference file named ``name`` that holds ``data``: a valid
+    manifest that a test's own aggregator (or forger) serves with a file of its own."""
+    import hashlib
+    import json
+
+    manifest = json.loads((bundle / "manifest.json").read_bytes())
+    entry = next(spec for spec in manifest["artifacts"] if spec["kind"] == "inference")
+    manifest["artifacts"] = [{**entry, "file": name, "sha256": hashlib.sha256(data).hexdigest(),
+                              "size_bytes": len(data)}]
+    return json.dumps(manifest).encode()
+
+
 def test_fetched_bundle_runs_like_the_original_and_tampering_is_refused(broker, tmp_path, bundle):
     shelf = ArtifactShelf()
     manifest_sha = shelf.add_bundle(bundle)
@@ -223,14 +236,13 @@ def test_a_malformed_bundle_digest_is_refused_before_anything_is_fetched(tmp_pat
     validate_job_config("fed3r", {"bundle_sha256": ""})                 # "": devices use their own
 
 
-def test_a_device_with_the_aggregators_key_ignores_forged_artifact_replies(broker, tmp_path):
+def test_a_device_with_the_aggregators_key_ignores_forged_artifact_replies(broker, tmp_path, bundle):
     """A review's finding: the bundle fetch decoded its inbox without the aggregator's key, so one
     unsigned "missing" (or one file of other bytes) claiming to be the aggregator ended the fetch,
     and an enrolled device declined every task of the job with the forger's reason. With the key
     (``fedfleet device --aggregator-key``, passed on as ``verifier``) the forgeries are dropped and
     the aggregator's signed answer, slower here, is taken."""
     import hashlib
-    import json
 
     from protocols.identity import DeviceIdentity, sender_verifier
     from protocols.mqtt_link import MqttLink
@@ -238,8 +250,9 @@ def test_a_device_with_the_aggregators_key_ignores_forged_artifact_replies(broke
     from protocols.topics import AGGREGATOR_ID
 
     topics, cfg = Topics(), BrokerConfig.from_url(broker.url)
-    manifest = json.dumps({"artifacts": []}).encode()
+    manifest = one_file_manifest(bundle, "head.pte", b"a program")
     sha = hashlib.sha256(manifest).hexdigest()
+    served = {sha: ("manifest.json", manifest), hashlib.sha256(b"a program").hexdigest(): ("head.pte", b"a program")}
     aggregator = DeviceIdentity.generate(AGGREGATOR_ID)
     link = MqttLink("forger-and-aggregator", cfg, on_message=lambda t, p: answer(p),
                     subscriptions=[(topics.outbox("cam1"), 1)])
@@ -249,9 +262,10 @@ def test_a_device_with_the_aggregators_key_ignores_forged_artifact_replies(broke
         if ask.type != GET:
             return
         # the forger first (unsigned, at once, answering the ask it saw), the aggregator 1.5 s later (signed)
-        link.publish(topics.inbox("cam1"), encode(missing_message(AGGREGATOR_ID, sha, ask.id)))
+        wanted = ask.body["sha256"]
+        link.publish(topics.inbox("cam1"), encode(missing_message(AGGREGATOR_ID, wanted, ask.id)))
         threading.Timer(1.5, lambda: link.publish(topics.inbox("cam1"), encode(
-            artifact_message(AGGREGATOR_ID, sha, "manifest.json", manifest), signer=aggregator.sign))).start()
+            artifact_message(AGGREGATOR_ID, wanted, *served[wanted]), signer=aggregator.sign))).start()
 
     link.start(timeout=30)
     try:
@@ -259,18 +273,17 @@ def test_a_device_with_the_aggregators_key_ignores_forged_artifact_replies(broke
             fetch_bundle("cam1", cfg, sha, tmp_path / "no-key", timeout_s=30, client_id="cam1.a")
         got = fetch_bundle("cam1", cfg, sha, tmp_path / "keyed", timeout_s=30, client_id="cam1.b",
                            verifier=sender_verifier(AGGREGATOR_ID, aggregator.public_key_bytes))
-        assert got.read_bytes() == manifest
+        assert got.read_bytes() == manifest and (got.parent / "head.pte").read_bytes() == b"a program"
     finally:
         link.stop()
 
 
-def test_a_replayed_genuine_missing_does_not_end_a_later_fetch(broker, tmp_path):
+def test_a_replayed_genuine_missing_does_not_end_a_later_fetch(broker, tmp_path, bundle):
     """A review's finding: a signed "missing" the aggregator once sent (asked before the bundle was
     on its shelf), recorded and replayed, ended every later fetch of that bundle at once, and the
     device declined the job's tasks. A "missing" ends a fetch only when it answers one of that
     fetch's own asks (``request``, the ask's id), so the replay is passed over and the file taken."""
     import hashlib
-    import json
 
     from protocols.identity import DeviceIdentity, sender_verifier
     from protocols.mqtt_link import MqttLink
@@ -278,8 +291,9 @@ def test_a_replayed_genuine_missing_does_not_end_a_later_fetch(broker, tmp_path)
     from protocols.topics import AGGREGATOR_ID
 
     topics, cfg = Topics(), BrokerConfig.from_url(broker.url)
-    manifest = json.dumps({"artifacts": []}).encode()
+    manifest = one_file_manifest(bundle, "head.pte", b"a program")
     sha = hashlib.sha256(manifest).hexdigest()
+    served = {sha: ("manifest.json", manifest), hashlib.sha256(b"a program").hexdigest(): ("head.pte", b"a program")}
     aggregator = DeviceIdentity.generate(AGGREGATOR_ID)
     recorded = encode(missing_message(AGGREGATOR_ID, sha, "ab" * 16), signer=aggregator.sign)   # an earlier ask's answer
     asks = []
@@ -290,11 +304,12 @@ def test_a_replayed_genuine_missing_does_not_end_a_later_fetch(broker, tmp_path)
         ask = decode(payload)
         if ask.type != GET:
             return
-        asks.append(ask.id)
+        wanted = ask.body["sha256"]
+        asks.append(wanted)
         link.publish(topics.inbox("cam1"), recorded)                 # the replay, at once
-        if len(asks) == 1:                                           # the aggregator, 1 s later: the file
+        if asks.count(wanted) == 1:                                  # the aggregator, 1 s later: the file
             threading.Timer(1.0, lambda: link.publish(topics.inbox("cam1"), encode(
-                artifact_message(AGGREGATOR_ID, sha, "manifest.json", manifest), signer=aggregator.sign))).start()
+                artifact_message(AGGREGATOR_ID, wanted, *served[wanted]), signer=aggregator.sign))).start()
 
     link.start(timeout=30)
     try:
@@ -413,13 +428,12 @@ def test_a_fetch_holds_no_reply_larger_than_what_it_asked_for(broker, tmp_path):
         link.stop()
 
 
-def test_a_replayed_chunk_of_another_message_leaves_the_real_reply_room(broker, tmp_path):
+def test_a_replayed_chunk_of_another_message_leaves_the_real_reply_room(broker, tmp_path, bundle):
     """A review's finding: a fetch's reply bound (its file's size) was also its sender's whole
     reassembly budget, so one replayed, genuinely signed chunk of an earlier aggregator message,
     held until its TTL, left the real reply no room on every try and the fetch timed out. A sender
     may hold one reply's size per partial-message slot now."""
     import hashlib
-    import json
 
     from protocols.chunking import split
     from protocols.identity import DeviceIdentity, sender_verifier
@@ -431,7 +445,7 @@ def test_a_replayed_chunk_of_another_message_leaves_the_real_reply_room(broker, 
     aggregator = DeviceIdentity.generate(AGGREGATOR_ID)
     data = bytes(range(256)) * 2700                                    # 691,200 bytes: three chunks
     file_sha = hashlib.sha256(data).hexdigest()
-    manifest = json.dumps({"artifacts": [{"file": "head.pte", "sha256": file_sha, "size_bytes": len(data)}]}).encode()
+    manifest = one_file_manifest(bundle, "head.pte", data)
     manifest_sha = hashlib.sha256(manifest).hexdigest()
 
     def signed_parts(sha: str, name: str, payload: bytes) -> list[bytes]:
@@ -475,3 +489,64 @@ def test_a_bundle_whose_manifest_misstates_a_files_size_is_refused_when_indexed(
     with pytest.raises(ValueError, match=f"its manifest says {manifest['artifacts'][0]['size_bytes']}"):
         ArtifactShelf().add_bundle(copy)
     ArtifactShelf().add_bundle(bundle)                          # the bundle as exported is indexed
+
+
+def test_a_manifest_that_is_not_one_or_lists_more_than_a_fetch_takes_is_refused_before_any_file(
+        broker, tmp_path, bundle):
+    """A review's finding: the fetch took the manifest's file list as it came (``json.loads``, then
+    ``spec["sha256"]``), so a manifest that was not one escaped as a KeyError or a decoding error, one
+    listing a file named ``manifest.json`` replaced the manifest the digest vouched for, and a list of
+    files of any total size was fetched and held in memory together. The manifest is now read as every
+    manifest is (the schema, the consistency rules) and its files may hold no more than the fetch's
+    bound, each refused before any file is asked for; a good one is written file by file."""
+    import hashlib
+    import json
+
+    from protocols.mqtt_link import MqttLink
+    from protocols.payloads.artifacts import GET, artifact_message
+    from protocols.topics import AGGREGATOR_ID
+
+    topics, cfg = Topics(), BrokerConfig.from_url(broker.url)
+    program = b"a program of 24 bytes..."
+    served = {hashlib.sha256(program).hexdigest(): ("head.pte", program)}
+    asked = []
+
+    def serve_manifest(manifest: bytes) -> str:
+        sha = hashlib.sha256(manifest).hexdigest()
+        served[sha] = ("manifest.json", manifest)
+        return sha
+
+    def answer(payload: bytes) -> None:
+        ask = decode(payload)
+        if ask.type == GET and ask.body["sha256"] in served:
+            asked.append(ask.body["sha256"])
+            link.publish(topics.inbox("cam1"), encode(artifact_message(AGGREGATOR_ID, ask.body["sha256"],
+                                                                       *served[ask.body["sha256"]])))
+
+    good = one_file_manifest(bundle, "head.pte", program)
+    as_manifest = one_file_manifest(bundle, "manifest.json", program)
+    escaping = json.loads(good)
+    escaping["artifacts"][0]["file"] = "../head.pte"
+    cases = [(json.dumps({"artifacts": [{"file": "head.pte"}]}).encode(), "does not follow the schema at <root>"),
+             (json.dumps(escaping).encode(), "does not follow the schema at artifacts/0/file"),
+             (as_manifest, "lists file 'manifest.json' twice \\(or as the manifest\\)"),
+             (b"[1, 2", "is not valid JSON")]
+    link = MqttLink("aggregator", cfg, on_message=lambda t, p: answer(p), subscriptions=[(topics.outbox("cam1"), 1)])
+    link.start(timeout=30)
+    try:
+        for i, (manifest, reason) in enumerate(cases):
+            sha = serve_manifest(manifest)
+            with pytest.raises(ArtifactFetchError, match=f"bundle {sha[:16]}…: .*{reason}"):
+                fetch_bundle("cam1", cfg, sha, tmp_path / f"bad{i}", timeout_s=30)
+            assert set(asked) == {sha} and not (tmp_path / f"bad{i}").exists()
+            asked.clear()
+        sha = serve_manifest(good)
+        with pytest.raises(ArtifactFetchError, match=f"lists {len(program)} bytes of files, more than the "
+                                                     f"{len(program) - 1} this device takes"):
+            fetch_bundle("cam1", cfg, sha, tmp_path / "large", timeout_s=30, max_bundle_bytes=len(program) - 1)
+        assert set(asked) == {sha} and not (tmp_path / "large").exists()
+        got = fetch_bundle("cam1", cfg, sha, tmp_path / "good", timeout_s=30, max_bundle_bytes=len(program))
+        assert got.read_bytes() == good and (got.parent / "head.pte").read_bytes() == program
+        assert sorted(p.name for p in got.parent.iterdir()) == ["head.pte", "manifest.json"]
+    finally:
+        link.stop()

@@ -36,6 +36,13 @@ def npz(members: list[tuple[str, bytes]], deflate: bool = False) -> bytes:
     return buf.getvalue()
 
 
+def npy_v2(array: np.ndarray) -> bytes:
+    """numpy's own .npy of ``array`` with a version 2.0 header (a 4-byte header length)."""
+    buf = io.BytesIO()
+    np.lib.format.write_array(buf, array, version=(2, 0))
+    return buf.getvalue()
+
+
 W, B = np.arange(6, dtype=np.float32).reshape(2, 3), np.array([0.5, -1.0], np.float32)
 BIAS = ("bias.npy", npy("<f4", "(2,)", B.tobytes()))
 FILES = {
@@ -54,6 +61,20 @@ FILES = {
     "integer": npz([("weight.npy", npy("<i4", "(2, 3)", W.astype("<i4").tobytes())), BIAS]),
     "Fortran order": npz([("weight.npy", npy("<f4", "(2, 3)", W.T.copy().tobytes(), fortran=True)), BIAS]),
     "empty": npz([("weight.npy", npy("<f4", "(2, 0)", b"")), BIAS]),
+    # headers numpy's literal parser or Java's matching took and the other refused (a review's finding)
+    "hexadecimal dimension": npz([("weight.npy", npy("<f4", "(0x2, 3)", W.tobytes())), BIAS]),
+    "dimension with an underscore": npz([("weight.npy", npy("<f4", "(1_0, 3)", bytes(120))),
+                                         ("bias.npy", npy("<f4", "(10,)", bytes(40)))]),
+    "signed dimension": npz([("weight.npy", npy("<f4", "(+2, 3)", W.tobytes())), BIAS]),
+    "dimension with a leading zero": npz([("weight.npy", npy("<f4", "(02, 3)", W.tobytes())), BIAS]),
+    "two commas": npz([("weight.npy", npy("<f4", "(2,, 3)", W.tobytes())), BIAS]),
+    "a tuple of one without its comma": npz([("weight.npy", npy("<f4", "(2, 3)", W.tobytes())),
+                                             ("bias.npy", npy("<f4", "(2)", B.tobytes()))]),
+    "a key named twice": npz([("weight.npy", b"\x93NUMPY\x01\x00" + (lambda h: len(h).to_bytes(2, "little") + h)(
+        ("{'descr': '<f4', 'descr': '>f4', 'fortran_order': False, 'shape': (2, 3), }".ljust(117) + "\n").encode())
+        + W.astype(">f4").tobytes()), BIAS]),
+    "data past what the header declares": npz([("weight.npy", npy("<f4", "(2, 3)", W.tobytes() + bytes(4))), BIAS]),
+    "valid, version 2.0 headers": npz([("weight.npy", npy_v2(W)), ("bias.npy", npy_v2(B))]),
 }
 
 

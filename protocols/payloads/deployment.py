@@ -150,7 +150,7 @@ def head_from_npz(data: bytes, expected_sha256: str) -> tuple[np.ndarray, np.nda
     try:
         # at most a head's bytes once inflated: a 1 MB file of zeros declaring (16384, 16384) took
         # 3.3 GiB under the 2 GiB default (a review's finding; Java's reader stops at 64 MiB)
-        arrays = read_npz(data, MAX_HEAD_BYTES)
+        arrays = read_npz(data, MAX_HEAD_BYTES, canonical=True)
         names = next((pair for pair in _HEAD_NAMES if set(pair) <= set(arrays)), None)
         if names is None:
             raise EnvelopeError(f"head holds {sorted(arrays)}: expected coef/intercept or weight/bias")

@@ -20,9 +20,14 @@ import java.util.zip.ZipInputStream;
 import java.util.zip.ZipOutputStream;
 
 public final class Npz {
-    private static final Pattern DESCR = Pattern.compile("'descr':\\s*'([<|=][fu][1248])'");
-    private static final Pattern FORTRAN = Pattern.compile("'fortran_order':\\s*(True|False)");
-    private static final Pattern SHAPE = Pattern.compile("'shape':\\s*\\(([0-9,\\s]*)\\)");
+    /** The header as numpy and {@link #npyHeader} write it, the only one taken (protocols/files.py's
+     *  CANONICAL_NPY_HEADER, the same rule): matching its parts anywhere in the header took (02, 3), (2,,3)
+     *  and a key named twice, which the Python device refuses. */
+    private static final String DIMENSION = "(?:0|[1-9][0-9]*)";
+    private static final Pattern HEADER = Pattern.compile(
+            "\\{'descr': '([<>|=][a-zA-Z][0-9]{1,2})', 'fortran_order': (False|True), 'shape': \\((|"
+            + DIMENSION + ",|" + DIMENSION + "(?:, " + DIMENSION + ")+)\\), \\} *\n");
+    private static final Pattern DESCR = Pattern.compile("[<|=][fu][1248]");
 
     /** One array: its dtype ("f4", "f8", "u1", ...), shape and little-endian data. */
     public static final class Array {
@@ -117,15 +122,16 @@ public final class Npz {
         long hlen = major == 1 ? Short.toUnsignedInt(buf.getShort(8)) : Integer.toUnsignedLong(buf.getInt(8));
         if (major < 1 || major > 3 || at + hlen > b.length) throw new IOException("bad .npy header");
         String header = new String(b, at, (int) hlen, StandardCharsets.ISO_8859_1);
-        Matcher d = DESCR.matcher(header), f = FORTRAN.matcher(header), s = SHAPE.matcher(header);
-        if (!d.find() || !f.find() || !s.find() || f.group(1).equals("True"))
+        Matcher h = HEADER.matcher(header);
+        if (!h.matches()) throw new IOException("the .npy header is not written as numpy writes one: " + cut(header.trim()));
+        if (!DESCR.matcher(h.group(1)).matches() || h.group(2).equals("True"))
             throw new IOException("array is not a little-endian float or unsigned array in C order: " + header.trim());
         long[] shape;
         long count = 1, bytes;
-        String dtype = d.group(1).substring(1);
+        String dtype = h.group(1).substring(1);
         int size = Integer.parseInt(dtype.substring(1)), start = at + (int) hlen;
         try {           // a dimension past a long, or a product past one, is a malformed array, never a crash
-            shape = Arrays.stream(s.group(1).split(",")).map(String::trim).filter(x -> !x.isEmpty())
+            shape = Arrays.stream(h.group(3).split(",")).map(String::trim).filter(x -> !x.isEmpty())
                     .mapToLong(Long::parseLong).toArray();
             for (long n : shape) {
                 if (n > Integer.MAX_VALUE) throw new IOException("array dimension " + n + " is past any array's");
@@ -133,7 +139,7 @@ public final class Npz {
             }
             bytes = Math.multiplyExact(count, (long) size);
         } catch (NumberFormatException | ArithmeticException e) {
-            throw new IOException("array shape (" + cut(s.group(1)) + ") is past any array's");
+            throw new IOException("array shape (" + cut(h.group(3)) + ") is past any array's");
         }
         if (bytes != b.length - start) throw new IOException("array data is " + (b.length - start) + " bytes, shape needs " + bytes);
         ByteBuffer data = ByteBuffer.wrap(Arrays.copyOfRange(b, start, b.length)).order(ByteOrder.LITTLE_ENDIAN);
