@@ -64,6 +64,7 @@ MAX_STATE_BYTES = 1 << 20    # slot.json: two versions' names, a sequence, a dev
 KEPT_REFUSALS = 256          # the latest refusals (and reports) a follower keeps in memory
 MAX_WHY_CHARS = 500          # of a refusal's reason, as logged, kept and reported (the wire's bound too)
 _HEAD_FILE = re.compile(r"[0-9a-f]{64}\.npz")      # a version's head, named by its sha256
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 _LEGACY = object()          # a slot.json from before sequences named the key they were accepted under
 
 
@@ -123,7 +124,7 @@ class ModelSlot:
     def _saved(self) -> dict | None:
         """``slot.json`` as written (None: there is none), read as strictly as it is written: a regular
         file of at most MAX_STATE_BYTES, strict JSON, ``seq`` an integer in [0, 2^62], ``local_labels``
-        a list of class ids; a ValueError naming what is wrong otherwise (a FIFO hung the device, deep
+        a list of class ids, ``seq_key`` null or a sha256; a ValueError naming what is wrong otherwise (a FIFO hung the device, deep
         nesting was a RecursionError, 1e400 an OverflowError, and [[-5, 2.7]] were labels: a review's
         findings). The folder is the device's own; a slot it cannot read is the operator's to mend."""
         state = self.dir / STATE_FILE
@@ -139,6 +140,9 @@ class ModelSlot:
         seq, labels = saved.get("seq", 0), saved.get("local_labels")
         if type(seq) is not int or not 0 <= seq <= 2 ** 62:
             raise ValueError(f"{state}: seq must be an integer in [0, 2^62], got {str(seq)[:40]}")
+        key = saved.get("seq_key")
+        if key is not None and not (isinstance(key, str) and _SHA256.fullmatch(key)):
+            raise ValueError(f"{state}: seq_key must be null or a sha256, got {str(key)[:40]}")
         if labels is not None and not (isinstance(labels, list) and all(type(c) is int and 0 <= c < 2 ** 31
                                                                           for c in labels)):
             raise ValueError(f"{state}: local_labels must be a list of class ids (integers >= 0)")

@@ -87,7 +87,11 @@ def _size(path: Path) -> int:
 
 
 def _remove(path: Path) -> None:
+    """Remove an entry whole, or raise OSError: a folder rmtree left part of (a file it could not
+    remove) still holds bytes, and counted as removed it let the folder stay over its budget."""
     if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(path, ignore_errors=True)     # whatever it can: a half-removed bundle is refetched whole
+        if path.exists():
+            raise OSError(f"{path.name} could not be removed whole")
     else:
         path.unlink(missing_ok=True)

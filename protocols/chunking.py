@@ -241,6 +241,11 @@ def _recalls(table: dict[str, dict[str, float]], key: tuple[str, str]) -> bool:
     return key[1] in table.get(key[0], ())
 
 
+class SenderMayNotChunk(EnvelopeError):
+    """A chunk of a sender whose chunks the receiver holds none of (``may_chunk``): said apart from
+    other refusals, since a receiver told of admissions on another channel may not have heard yet."""
+
+
 class MessageAssembler:
     """Decodes raw payloads into whole envelopes: single messages pass through, chunks are
     collected by a :class:`Reassembler`. ``feed`` returns the envelope, or None while a chunked
@@ -296,7 +301,7 @@ class MessageAssembler:
         if topic_sender is not None and env.sender != topic_sender:
             raise EnvelopeError(f"a chunk from {env.sender!r} on {topic_sender!r}'s topic")
         if not self.may_chunk(env.sender):
-            raise EnvelopeError(f"{env.sender!r} may not send chunked messages here")
+            raise SenderMayNotChunk(f"{env.sender!r} may not send chunked messages here")
         whole = self.reassembler.add(env, now)
         if whole is None:
             return None

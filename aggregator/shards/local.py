@@ -103,6 +103,8 @@ def shard_main(index: int, shards: int, broker: BrokerConfig, store_path: str, t
             pass
         elif item[0] == "cmd" and item[1][0].startswith("group_"):
             _publish(ingest, link, topics, _group_command(ingest, item[1], now))
+        elif item[0] == "cmd" and item[1][0] == "refeed":
+            _feed(ingest, conn, link, topics, held, (item[1][1], item[1][2], True), now)
         elif item[0] == "cmd":
             if not _command(ingest, conn, item[1]):
                 break
@@ -113,20 +115,8 @@ def shard_main(index: int, shards: int, broker: BrokerConfig, store_path: str, t
             device = topics.device_of(item[0])
             if device is not None and ingest.owns(device):
                 _subscribe(link, topics, subscribed, [device])
-        elif ingest.job_id is None:
-            held.add(item)
         else:
-            try:
-                out = ingest.feed(*item, now)
-            except Exception:       # one device's message never stops the shard (and its whole bucket range)
-                log.exception("shard %d: a message on %s raised; dropped", index, item[0])
-                out = None
-            if isinstance(out, Receipt):
-                conn.send(("receipt", out.topic, out.raw))
-            elif isinstance(out, Forward):
-                conn.send(("forward", out.topic, out.payload))
-            elif isinstance(out, Publish):
-                _publish(ingest, link, topics, out.sends)
+            _feed(ingest, conn, link, topics, held, item, now)
         if ingest.groups is not None:
             _subscribe(link, topics, subscribed, ingest.groups.members)   # before the group's first message
             _publish(ingest, link, topics, ingest.groups.tick(now))
@@ -134,6 +124,27 @@ def shard_main(index: int, shards: int, broker: BrokerConfig, store_path: str, t
                 conn.send(outcome)
                 _unsubscribe_former(ingest, link, topics, subscribed)
     link.stop()
+
+
+def _feed(ingest: ShardIngest, conn, link: MqttLink, topics: Topics, held: HeldMessages, item: tuple,
+          now: float) -> None:
+    """One outbox message (``item``: topic, payload, and True when the coordinator handed it back):
+    what the shard's ingest makes of it goes to the coordinator or, a hosted group's, to the broker."""
+    if ingest.job_id is None:
+        return held.add(item)
+    topic, payload, refed = item[0], item[1], len(item) > 2
+    try:
+        out = ingest.feed(topic, payload, now)
+    except Exception:           # one device's message never stops the shard (and its whole bucket range)
+        log.exception("shard %d: a message on %s raised; dropped", ingest.index, topic)
+        out = None
+    if isinstance(out, Receipt):
+        conn.send(("receipt", out.topic, out.raw))
+    elif isinstance(out, Forward):
+        # a chunk of a device not admitted here: the coordinator's to judge, handed back once at most
+        conn.send(("unadmitted" if out.not_admitted and not refed else "forward", out.topic, out.payload))
+    elif isinstance(out, Publish):
+        _publish(ingest, link, topics, out.sends)
 
 
 def _subscribe(link: MqttLink, topics: Topics, subscribed: set[str], devices) -> None:
@@ -239,7 +250,8 @@ class LocalShards(ShardPool):
 
     def _send(self, index: int, command: tuple) -> None:
         try:
-            self._conns[index].send(command)
+            with self.send_lock:            # a pipe's sends from two threads at once would interleave
+                self._conns[index].send(command)
         except (OSError, ValueError):       # it died: watch() restarts it
             pass
 

@@ -11,12 +11,14 @@ Messages, coordinator → shard: ``("keys", device -> public key)`` (signatures 
 before the job, so a shard never reads a result unverified), ``("key", device, public key | None)``,
 ``("admit", devices | None)`` (who may contribute: a shard holds only their chunks; None: an open
 fleet), ``("admitted", device, bool)``,
+``("refeed", topic, payload)`` (a chunk the shard refused before it heard of its device's admission),
 ``("job", job_id, kind, config)``, ``("closed", job_id, round, accepted, earlier)`` (a round's
 close: its rows, and with ``earlier`` those of the rounds before, outside ``accepted`` are orphans,
 deleted), ``("sums" | "statistics",
 request, job_id, accepted, context)``, ``("group_open", round config, hosting context)``, ``("group_offline" |
 "group_abort", round, device | reason)``, ``("stop",)``; shard → coordinator: ``("ready",)`` once
-connected to the broker, ``("receipt", topic, raw)``, ``("forward", topic, payload)``, ``("sums",
+connected to the broker, ``("receipt", topic, raw)``, ``("forward", topic, payload)``, ``("unadmitted", topic, payload)`` (a
+chunk of a device the shard had not been told was admitted: handed back if it is), ``("sums",
 request, node sums or statistics, or the reason it has none)``, ``("group", job_id, "sum", round,
 culprits, total, survivors)`` or ``("group", job_id, "failed", round, culprits, reason)`` (a hosted secure group's end,
 ``secure_groups.py``).
@@ -73,6 +75,10 @@ class ShardPool(ABC):
         self._job: tuple | None = None
         self._keys: dict[str, bytes] | None = None          # signatures required: the enrolled keys
         self._admitted: set[str] | None = None              # who may contribute (None: an open fleet)
+        # held while a command is sent (a reader thread hands chunks back as the service thread sends)
+        # and from an admission's change to its commands' sending: a chunk handed back is sent after
+        # the admission that let it back, never between the change and its command
+        self.send_lock = threading.RLock()
         self._request = 0
         self.restarts = 0
         self.placed: dict[int, int] = {}                    # secure round -> the shard hosting its group
@@ -94,6 +100,8 @@ class ShardPool(ABC):
 
     @abstractmethod
     def _send(self, index: int, command: tuple) -> None:
+        """Send ``command`` to shard ``index`` (nothing if it is dead: :meth:`watch` restarts it),
+        under :attr:`send_lock`."""
         """Send ``command`` to shard ``index``, in order; one a dead shard misses is sent again
         after its restart (the job by :meth:`_start`, sums by :meth:`reduce`)."""
 
@@ -142,8 +150,21 @@ class ShardPool(ABC):
             self._replies.put((index, *msg[1:]))
         elif msg[0] == "group":
             self.group_outcomes.put(msg[1:])
+        elif msg[0] == "unadmitted":
+            self._unadmitted(index, *msg[1:])
         else:
             self._deliver(msg)
+
+    def _unadmitted(self, index: int, topic: str, payload: bytes) -> None:
+        """A chunk shard ``index`` refused, its device not admitted there: one the coordinator has
+        admitted meanwhile goes back to that shard, which by then has heard of the admission (this
+        pipe's commands arrive in order), to be held with the device's other chunks; any other is
+        refused on the coordinator's path. A chunk handed back is never handed back again."""
+        device = self.topics.device_of(topic)
+        with self.send_lock:
+            if device is not None and (self._admitted is None or device in self._admitted):
+                return self._send(index, ("refeed", topic, payload))
+        self._deliver(("forward", topic, payload))
 
     def require_signatures(self, keys: dict[str, bytes]) -> None:
         """Every shard verifies each message it reads against its sender's key (``--require-signatures``):
@@ -155,15 +176,17 @@ class ShardPool(ABC):
     def admit(self, devices: set[str] | None) -> None:
         """The devices that may contribute (the fleet's enrolled ones; None: an open fleet): each
         shard holds chunks of these only. Sent to the running shards, and to each at its start."""
-        self._admitted = None if devices is None else set(devices)
-        self._tell_started(("admit", None if devices is None else sorted(self._admitted)))
+        with self.send_lock:
+            self._admitted = None if devices is None else set(devices)
+            self._tell_started(("admit", None if devices is None else sorted(self._admitted)))
 
     def admission_changed(self, device: str, admitted: bool) -> None:
         """A device enrolled (True) or revoked (False): every shard follows at once."""
-        if self._admitted is None:
-            return
-        (self._admitted.add if admitted else self._admitted.discard)(device)
-        self._tell_started(("admitted", device, admitted))
+        with self.send_lock:
+            if self._admitted is None:
+                return
+            (self._admitted.add if admitted else self._admitted.discard)(device)
+            self._tell_started(("admitted", device, admitted))
 
     def _tell_started(self, command: tuple) -> None:
         for i in range(self.shards):

@@ -150,15 +150,16 @@ class RayShards(ShardPool):
             path.with_suffix(".tmp").replace(path)
 
     def _send(self, index: int, command: tuple) -> None:
-        actor = self._actors[index]
-        if actor is None or self._ended[index] is not None:
-            return                                  # dead: watch() restarts it
-        try:
-            if self._pending[index] is not None:    # a threaded actor may run two calls out of order
-                self.ray.get(self._pending[index], timeout=COMMAND_TIMEOUT_S)
-            self._pending[index] = actor.command.remote(command)
-        except self.ray.exceptions.RayError as exc:
-            self._ended[index] = _reason(exc)
+        with self.send_lock:                        # one command in flight per actor, whichever thread sends
+            actor = self._actors[index]
+            if actor is None or self._ended[index] is not None:
+                return                              # dead: watch() restarts it
+            try:
+                if self._pending[index] is not None:    # a threaded actor may run two calls out of order
+                    self.ray.get(self._pending[index], timeout=COMMAND_TIMEOUT_S)
+                self._pending[index] = actor.command.remote(command)
+            except self.ray.exceptions.RayError as exc:
+                self._ended[index] = _reason(exc)
 
     def _exited(self, index: int) -> str | None:
         return self._ended[index]

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from protocols import messages as M
-from protocols.chunking import MessageAssembler
+from protocols.chunking import MessageAssembler, SenderMayNotChunk
 from protocols.envelope import Envelope, EnvelopeError, decode, encode
 from protocols.identity import IdentityRegistry
 from protocols.payloads.secagg import SECAGG_TYPE
@@ -65,6 +65,11 @@ class Forward:
     """A whole message for the coordinator's ordinary path."""
     topic: str
     payload: bytes
+    # a chunk refused only because its device was not admitted here: the coordinator hands it back
+    # once this shard has heard of an admission it made (enrolments come over the shard's pipe,
+    # chunks over MQTT, in no order between the two: a first chunk forwarded, the rest held here,
+    # and the result was lost until the device sent it again)
+    not_admitted: bool = False
 
 
 @dataclass
@@ -163,9 +168,10 @@ class ShardIngest:
         self._bytes[device] = self._bytes.get(device, 0) + len(payload)
         try:
             got = self.assembler.feed_whole(payload, topic_sender=device)
-        except EnvelopeError:
+        except EnvelopeError as exc:
             self._bytes.pop(device, None)
-            return Forward(topic, payload)          # refused on the coordinator's path, with its reason
+            # refused on the coordinator's path, with its reason
+            return Forward(topic, payload, not_admitted=isinstance(exc, SenderMayNotChunk))
         if got is None:
             return None
         env, raw = got

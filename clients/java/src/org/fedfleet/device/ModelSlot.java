@@ -31,6 +31,7 @@ public final class ModelSlot {
     public static final String STATE_FILE = "slot.json", ASSIGN = "deployment.assign", RUN = "run", ROLLBACK = "rollback";
     private static final Pattern SHA = Pattern.compile("^[0-9a-f]{64}$"), ID = Pattern.compile("^[A-Za-z0-9_.-]{1,64}$");
     private static final Pattern HEAD_FILE = Pattern.compile("[0-9a-f]{64}\\.npz");    // a version's head, named by its sha256
+    private static final long MAX_STATE_BYTES = 1 << 20;    // slot.json: two versions' names, a sequence, class ids
 
     /** One kept version: its head file's sha256, the deployment that brought it, the bundle whose features it reads. */
     public static final class Version {
@@ -79,13 +80,13 @@ public final class ModelSlot {
         this.dir = dir;
         if (!dir.isDirectory() && !dir.mkdirs()) throw new IOException("cannot create " + dir);
         File file = new File(dir, STATE_FILE);
-        Map<String, Object> saved = file.exists() ? object(parseJson(readAll(file))) : null;
+        Map<String, Object> saved = file.exists() ? checked(file, object(parseJson(readAll(file, MAX_STATE_BYTES)))) : null;
         State loaded = new State(null, null);
         int[] labels = null;
         if (saved != null) {
             loaded = new State(read(saved.get("current")), read(saved.get("previous")));
             Object kept = saved.get("local_labels");
-            if (saved.get("seq") instanceof BigInteger) seq = ((BigInteger) saved.get("seq")).longValue();
+            if (saved.get("seq") != null) seq = ((BigInteger) saved.get("seq")).longValue();
             legacySeq = !saved.containsKey("seq_key");
             if (saved.get("seq_key") instanceof String) seqKey = (String) saved.get("seq_key");
             if (kept instanceof List) labels = ((List<?>) kept).stream().mapToInt(x -> ((BigInteger) x).intValue()).toArray();
@@ -266,9 +267,45 @@ public final class ModelSlot {
         return new Version(sha, (String) e.get("deployment"), bundle instanceof String ? (String) bundle : "", HeadFile.parse(data));
     }
 
-    private static byte[] readAll(File file) throws IOException {
+    /** slot.json read as strictly as it is written, the rule of edge_client/deployment.py ModelSlot._saved
+     *  (a Java slot and a Python one decide alike on the same folder): ``seq`` an integer in [0, 2^62],
+     *  ``seq_key`` null or a sha256, ``local_labels`` null or a list of class ids in [0, 2^31), each version
+     *  null or {sha256, deployment, bundle_sha256 (optional)} of those types. A wrong type escaped as a
+     *  ClassCastException, and a seq past a long wrapped to a small one (a review's findings). */
+    private static Map<String, Object> checked(File file, Map<String, Object> saved) throws IOException {
+        Object seq = saved.get("seq"), key = saved.get("seq_key"), labels = saved.get("local_labels");
+        if (saved.containsKey("seq") && !(seq instanceof BigInteger && ((BigInteger) seq).signum() >= 0
+                && ((BigInteger) seq).compareTo(BigInteger.ONE.shiftLeft(62)) <= 0))
+            throw new IOException(file + ": seq must be an integer in [0, 2^62], got " + cut(seq));
+        if (key != null && key != Json.NULL && !(key instanceof String && SHA.matcher((String) key).matches()))
+            throw new IOException(file + ": seq_key must be null or a sha256, got " + cut(key));
+        if (labels != null && labels != Json.NULL) {
+            boolean ids = labels instanceof List;
+            for (Object c : ids ? (List<?>) labels : List.of())
+                ids &= c instanceof BigInteger && ((BigInteger) c).signum() >= 0 && ((BigInteger) c).bitLength() <= 31;
+            if (!ids) throw new IOException(file + ": local_labels must be a list of class ids (integers >= 0)");
+        }
+        for (String k : new String[]{"current", "previous"}) {
+            Object v = saved.get(k);
+            if (v == null || v == Json.NULL) continue;
+            Map<?, ?> e = v instanceof Map ? (Map<?, ?>) v : null;
+            if (e == null || !(e.get("sha256") instanceof String) || !SHA.matcher((String) e.get("sha256")).matches()
+                    || !(e.get("deployment") instanceof String)
+                    || (e.containsKey("bundle_sha256") && !(e.get("bundle_sha256") instanceof String)))
+                throw new IOException(file + ": " + k + " must be a version (sha256, deployment, bundle_sha256)");
+        }
+        return saved;
+    }
+
+    private static String cut(Object v) { String t = String.valueOf(v); return t.length() > 40 ? t.substring(0, 40) : t; }
+
+    private static byte[] readAll(File file) throws IOException { return readAll(file, HeadFile.MAX_HEAD_BYTES); }
+
+    /** At most ``maxBytes`` of a regular file (a FIFO in its place would block the device for ever). */
+    private static byte[] readAll(File file, long maxBytes) throws IOException {
+        if (!file.isFile()) throw new IOException(file + " is not a regular file");
         long size = file.length();
-        if (size > HeadFile.MAX_HEAD_BYTES) throw new IOException(file + " is larger than a head");
+        if (size > maxBytes) throw new IOException(file + " is larger than " + maxBytes + " bytes");
         byte[] data = new byte[(int) size];
         try (FileInputStream in = new FileInputStream(file)) {
             int at = 0;
