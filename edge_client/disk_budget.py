@@ -56,6 +56,7 @@ class DiskBudget:
                 _remove(path)
             except OSError as exc:          # a device goes on with a fuller disk, never stops for it
                 log.warning("%s: cannot remove %s: %s", self.root, path.name, exc)
+                total -= size - _size(path) if path.exists() else size    # what did go counts as freed
                 continue
             total -= size
             removed.append(path)

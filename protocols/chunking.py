@@ -48,7 +48,7 @@ from typing import Callable
 
 import numpy as np
 
-from .envelope import Envelope, EnvelopeError, body_field, decode_header, encode, require_tensor
+from .envelope import Envelope, EnvelopeError, SenderNotAdmitted, body_field, decode_header, encode, require_tensor
 
 CHUNK_TYPE = "chunk"
 DEFAULT_CHUNK_SIZE = 256 * 1024
@@ -241,11 +241,6 @@ def _recalls(table: dict[str, dict[str, float]], key: tuple[str, str]) -> bool:
     return key[1] in table.get(key[0], ())
 
 
-class SenderMayNotChunk(EnvelopeError):
-    """A chunk of a sender whose chunks the receiver holds none of (``may_chunk``): said apart from
-    other refusals, since a receiver told of admissions on another channel may not have heard yet."""
-
-
 class MessageAssembler:
     """Decodes raw payloads into whole envelopes: single messages pass through, chunks are
     collected by a :class:`Reassembler`. ``feed`` returns the envelope, or None while a chunked
@@ -301,7 +296,7 @@ class MessageAssembler:
         if topic_sender is not None and env.sender != topic_sender:
             raise EnvelopeError(f"a chunk from {env.sender!r} on {topic_sender!r}'s topic")
         if not self.may_chunk(env.sender):
-            raise SenderMayNotChunk(f"{env.sender!r} may not send chunked messages here")
+            raise SenderNotAdmitted(f"{env.sender!r} may not send chunked messages here")
         whole = self.reassembler.add(env, now)
         if whole is None:
             return None

@@ -75,6 +75,12 @@ class EnvelopeError(ValueError):
     """A message that does not follow the wire contract. Nothing from it may be applied."""
 
 
+class SenderNotAdmitted(EnvelopeError):
+    """A message of a sender this receiver takes nothing from (yet): one whose chunks it holds none
+    of, or whose key it has not been given. Said apart from other refusals: a receiver told of
+    admissions on another channel than the messages (a shard: its pipe) may not have heard yet."""
+
+
 @dataclass
 class Envelope:
     """A decoded (or to-be-encoded) message: JSON-able fields plus named numpy tensors."""

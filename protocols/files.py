@@ -10,6 +10,7 @@ import io
 import math
 import os
 import re
+import struct
 import tempfile
 import threading
 import zipfile
@@ -53,6 +54,9 @@ CANONICAL_NPY_HEADER = re.compile(
     rf"'shape': \((?:|{_NPY_DIMENSION},|{_NPY_DIMENSION}(?:, {_NPY_DIMENSION})+)\), \}} *\n")
 
 
+MAX_NPY_HEADER_BYTES = 10_000     # numpy's max_header_size: a longer header is refused when read
+
+
 def read_canonical_npy_header(stream) -> tuple[tuple[int, ...], bool, np.dtype, int]:
     """:func:`read_npy_header` of an .npy whose header must be written as numpy and Java write it
     (CANONICAL_NPY_HEADER), with the header's size in bytes (magic and length included); ValueError
@@ -60,6 +64,9 @@ def read_canonical_npy_header(stream) -> tuple[tuple[int, ...], bool, np.dtype, 
     with NPY_HEADER_LOCK:
         version = np.lib.format.read_magic(stream)
         length_bytes = stream.read(2 if version == (1, 0) else 4)
+        if int.from_bytes(length_bytes, "little") > MAX_NPY_HEADER_BYTES:
+            raise ValueError(f"an .npy header of {int.from_bytes(length_bytes, 'little')} bytes: at most "
+                             f"{MAX_NPY_HEADER_BYTES} (numpy's max_header_size)")
         text = stream.read(int.from_bytes(length_bytes, "little"))
         if not CANONICAL_NPY_HEADER.fullmatch(text.decode("latin1")):
             raise ValueError(f"the .npy header {text[:120]!r} is not written as numpy writes one")
@@ -72,8 +79,10 @@ def read_npz(data: bytes, max_bytes: int = MAX_NPZ_BYTES, canonical: bool = Fals
     """Every array of an .npz held in memory (never a pickle), its headers parsed under
     NPY_HEADER_LOCK: what any thread that reads a model or a checkpoint calls. At most ``max_bytes``
     once inflated, checked before anything is inflated (:func:`check_npz_size`); ValueError for
-    anything else. ``canonical``: every member is an .npy as numpy writes one, its data exactly what
-    its header declares (what the Java device's reader takes: a file both SDKs read)."""
+    anything else. ``canonical``: every member is an .npy as numpy writes one, in C order, its data
+    exactly what its header declares, the members laid out as the archive's directory says
+    (:func:`_check_member_layout`): what the Java device's reader takes (Npz.java, canonical), for a
+    file both SDKs read."""
     check_npz_size(data, max_bytes, canonical)
     with NPY_HEADER_LOCK, np.load(io.BytesIO(data), allow_pickle=False) as z:
         return {k: z[k] for k in z.files}
@@ -97,6 +106,8 @@ def check_npz_size(data: bytes, max_bytes: int, canonical: bool = False) -> None
                     raise ValueError(f".npz member {member.filename[:100]!r}: every member must be one array "
                                      "named *.npy, named once")
                 seen.add(member.filename)
+            if canonical:
+                _check_member_layout(data, members, archive.start_dir)
             inflated = sum(member.file_size for member in members)
             if inflated > max_bytes:
                 raise ValueError(f".npz inflates to {inflated:,} bytes, more than {max_bytes:,}")
@@ -104,7 +115,9 @@ def check_npz_size(data: bytes, max_bytes: int, canonical: bool = False) -> None
                 with archive.open(member) as stream:
                     try:
                         if canonical:
-                            shape, _, dtype, header_size = read_canonical_npy_header(stream)
+                            shape, fortran_order, dtype, header_size = read_canonical_npy_header(stream)
+                            if fortran_order:       # even where C order is the same bytes (one row)
+                                raise ValueError("an array in Fortran order")
                         else:
                             (shape, _, dtype), header_size = read_npy_header(stream), 0
                     except ValueError as exc:
@@ -115,8 +128,41 @@ def check_npz_size(data: bytes, max_bytes: int, canonical: bool = False) -> None
                 if math.prod(shape) * dtype.itemsize > member.file_size:
                     raise ValueError(f".npz member {member.filename[:100]!r}: its header declares {shape} of "
                                      f"{dtype}, more than its {member.file_size:,} bytes")
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError, EOFError, OSError) as exc:
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError, EOFError, OSError, struct.error) as exc:
         raise ValueError(f"not a readable .npz archive: {exc}") from None
+
+
+def _check_member_layout(data: bytes, members: list[zipfile.ZipInfo], directory_at: int) -> None:
+    """The members one after another from the archive's first byte up to its directory, each with its
+    sizes in its local header, saying what the directory says of it: zipfile reads the directory, the
+    Java device's reader the local headers front to back (Npz.java, canonical), and a file whose two
+    disagreed (sizes, places, an entry the directory leaves out) was one head to one and another to
+    the other (a review's finding)."""
+    at = 0
+    for member in members:
+        if member.header_offset != at or data[at:at + 4] != b"PK\x03\x04":
+            raise ValueError(f".npz member {member.filename[:100]!r} does not follow the one before it")
+        (flags,) = struct.unpack_from("<H", data, at + 6)
+        compressed, size, name_length, extra_length = struct.unpack_from("<IIHH", data, at + 18)
+        if (compressed, size) == (0xFFFFFFFF, 0xFFFFFFFF):    # in its zip64 field (numpy's savez writes them so)
+            size, compressed = _zip64_sizes(data[at + 30 + name_length:at + 30 + name_length + extra_length])
+        if flags & 0x08 or (compressed, size) != (member.compress_size, member.file_size):
+            raise ValueError(f".npz member {member.filename[:100]!r}: its local header and the archive's "
+                             "directory disagree")
+        at += 30 + name_length + extra_length + compressed
+    if at != directory_at:
+        raise ValueError("the .npz holds more than its directory lists")
+
+
+def _zip64_sizes(extra: bytes) -> tuple[int, int]:
+    """(size, compressed size) of a local header's zip64 extra field (id 1); (-1, -1) without one."""
+    at = 0
+    while at + 4 <= len(extra):
+        field, length = struct.unpack_from("<HH", extra, at)
+        if field == 1 and length >= 16:
+            return struct.unpack_from("<QQ", extra, at + 4)
+        at += 4 + length
+    return -1, -1
 
 
 def file_sha256(path: str | Path) -> str:

@@ -514,3 +514,42 @@ def test_a_tags_canary_holds_the_devices_the_operator_tagged_never_those_announc
     assert store.device("cam-1")["tags"] == [] and store.device("cam-0")["tags"] == ["lab", "north"]
     store.set_device_tags("cam-0", [])                           # cleared
     assert store.device("cam-0")["tags"] == [] and store.device("cam-2")["tags"] == ["north"]
+
+
+def test_a_device_untagged_mid_canary_goes_back_to_the_settled_version_and_returns_with_its_tag(setup, world):
+    """A device the operator takes out of a ``tags:`` canary (its tag removed) ran the candidate on
+    until promotion or rollback, its reports no longer counted. It is sent the settled version now,
+    and the candidate again when it is tagged again; with no settled version the candidate is rolled
+    back on it (its slot holds what it kept: nothing here)."""
+    store, controller, fleet = setup
+    W, b = world["good"]
+    v1, v2 = model_id(store, "v1", W, b), model_id(store, "v2", W * 1.5, b * 1.5)    # same argmax, other bytes
+    sha1, sha2 = D_sha((W, b)), D_sha((W * 1.5, b * 1.5))
+    for d in ("cam-0", "cam-1"):
+        fleet.start(d)
+    store.set_device_tags("cam-0", ["lab"])
+    ctl = controller()
+    ctl.call(lambda: ctl.deploy(v2, cohort="tags:lab", stages="100%", bake_s=3600, deployment_id="first"))
+    wait_for(lambda: fleet.sha("cam-0") == sha2, what="the first candidate on the tagged device")
+    store.set_device_tags("cam-0", [])                                  # no settled version: rolled back
+    wait_for(lambda: fleet.sha("cam-0") is None, what="the first candidate rolled back on the untagged device")
+    assert ctl.call(lambda: ctl.active.sent["cam-0"])["sent"] == "rollback" and ctl.show("first")["state"] == "canary"
+    ctl.call(lambda: ctl.rollback("first"))
+
+    ctl.call(lambda: ctl.deploy(v1, cohort="devices:cam-0,cam-1", stages="100%", bake_s=0, min_reports=2,
+                                deployment_id="v1"))
+    wait_for(lambda: store_state(store, "v1") == "complete" and fleet.sha("cam-0") == fleet.sha("cam-1") == sha1,
+             what="v1 settled everywhere")
+    store.set_device_tags("cam-0", ["lab"])
+    ctl.call(lambda: ctl.deploy(v2, cohort="tags:lab", stages="100%", bake_s=3600, deployment_id="v2"))
+    wait_for(lambda: fleet.sha("cam-0") == sha2 and ctl.show("v2")["devices"]["cam-0"]["report"] is not None,
+             what="the candidate judged on the tagged device")
+    store.set_device_tags("cam-0", [])
+    wait_for(lambda: fleet.sha("cam-0") == sha1, what="the settled version back on the untagged device")
+    view = ctl.show("v2")["devices"]["cam-0"]
+    assert view["sent"] == "rollback" and view["report"] is None and ctl.last["cam-0"][0] == "v1"
+    assert fleet.sha("cam-1") == sha1 and ctl.show("v2")["state"] == "canary"
+    store.set_device_tags("cam-0", ["lab"])                             # back in the canary: the candidate again
+    wait_for(lambda: fleet.sha("cam-0") == sha2 and ctl.show("v2")["devices"]["cam-0"]["report"] is not None,
+             what="the candidate again on the device tagged again")
+    assert ctl.last["cam-0"][0] == "v2"

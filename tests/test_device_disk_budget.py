@@ -49,11 +49,13 @@ def test_an_entry_in_use_stays_even_when_the_rest_cannot_make_room(tmp_path):
 def test_an_entry_that_cannot_be_removed_whole_is_not_counted_as_removed(tmp_path):
     """A review's finding: a folder whose removal failed part-way (a file it could not remove) was
     counted as removed, so the trim stopped with the folder still over its budget. It is said and
-    skipped now, and the next oldest goes instead."""
+    skipped now, what of it did go counted as freed, and the next oldest goes instead (and no more)."""
     import subprocess
 
-    for i, name in enumerate("abc"):
+    for i, name in enumerate("abc"):                    # a (the oldest): 700 bytes, 400 of them stuck
         _file(tmp_path / name / "model.onnx", 400, 1_000 + i)
+    _file(tmp_path / "a" / "trunk.onnx", 300, 1_000)
+    for i, name in enumerate("abc"):
         os.utime(tmp_path / name, (1_000 + i, 1_000 + i))
     stuck = tmp_path / "a" / "model.onnx"
     try:
@@ -63,8 +65,9 @@ def test_an_entry_that_cannot_be_removed_whole_is_not_counted_as_removed(tmp_pat
     if not made:
         pytest.skip("no chattr here, or this file system cannot make a file immutable")
     try:
-        removed = DiskBudget(tmp_path, 400).trim()
-        assert [p.name for p in removed] == ["b", "c"] and stuck.exists()
+        # 1,500 bytes, budget 900: a's removal frees 300 (1,200), b's 400 (800): c stays
+        assert [p.name for p in DiskBudget(tmp_path, 900).trim()] == ["b"]
+        assert stuck.exists() and not (tmp_path / "a" / "trunk.onnx").exists() and (tmp_path / "c").exists()
     finally:
         subprocess.run(["chattr", "-i", str(stuck)], check=True)
 

@@ -43,6 +43,37 @@ def npy_v2(array: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
+def patched_directory(archive: bytes, shorten: str = "", leave_out: str = "") -> bytes:
+    """``archive`` with its central directory saying ``shorten``'s member is 4 bytes shorter (its
+    CRC that of the shorter bytes, so zipfile reads them as whole), or leaving ``leave_out`` out
+    (its local entry still in the file, read front to back)."""
+    import struct
+    import zlib
+
+    end = archive.rindex(b"PK\x05\x06")
+    count, size, start = struct.unpack_from("<HII", archive, end + 10)
+    entries, at = [], start
+    while at < start + size:
+        n, x, c = struct.unpack_from("<HHH", archive, at + 28)
+        entries.append(bytearray(archive[at:at + 46 + n + x + c]))
+        at += 46 + n + x + c
+    kept = []
+    for entry in entries:
+        name = bytes(entry[46:46 + struct.unpack_from("<H", entry, 28)[0]]).decode()
+        if name == leave_out:
+            continue
+        if name == shorten:
+            offset, csize = struct.unpack_from("<I", entry, 42)[0], struct.unpack_from("<I", entry, 20)[0]
+            n, x = struct.unpack_from("<HH", archive, offset + 26)
+            data = archive[offset + 30 + n + x:offset + 30 + n + x + csize - 4]
+            struct.pack_into("<III", entry, 16, zlib.crc32(data), csize - 4, csize - 4)
+        kept.append(bytes(entry))
+    directory = b"".join(kept)
+    record = bytearray(archive[end:])
+    struct.pack_into("<HHII", record, 8, len(kept), len(kept), len(directory), start)
+    return archive[:start] + directory + bytes(record)
+
+
 W, B = np.arange(6, dtype=np.float32).reshape(2, 3), np.array([0.5, -1.0], np.float32)
 BIAS = ("bias.npy", npy("<f4", "(2,)", B.tobytes()))
 FILES = {
@@ -75,6 +106,30 @@ FILES = {
         + W.astype(">f4").tobytes()), BIAS]),
     "data past what the header declares": npz([("weight.npy", npy("<f4", "(2, 3)", W.tobytes() + bytes(4))), BIAS]),
     "valid, version 2.0 headers": npz([("weight.npy", npy_v2(W)), ("bias.npy", npy_v2(B))]),
+    "valid, numpy's savez (sizes in zip64 fields)": (lambda buf: (np.savez(buf, weight=W, bias=B), buf.getvalue())[1])(
+        io.BytesIO()),
+    "valid, numpy's savez_compressed": (lambda buf: (np.savez_compressed(buf, weight=W, bias=B), buf.getvalue())[1])(
+        io.BytesIO()),
+    # what a review found both devices still decided apart
+    "npy version 1.1": npz([("weight.npy", npy("<f4", "(2, 3)", W.tobytes()).replace(b"NUMPY\x01\x00", b"NUMPY\x01\x01")),
+                            BIAS]),
+    "a header past numpy's 10,000 bytes": npz([("weight.npy", b"\x93NUMPY\x01\x00" + (lambda h: len(h).to_bytes(2, "little") + h)(
+        ("{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), }".ljust(10_047) + "\n").encode()) + W.tobytes()),
+        BIAS]),
+    "valid, another float array beside the head": npz([("weight.npy", npy("<f4", "(2, 3)", W.tobytes())), BIAS,
+                                                       ("notes.npy", npy("<f8", "(1,)", bytes(8)))]),
+    "an integer array beside the head": npz([("weight.npy", npy("<f4", "(2, 3)", W.tobytes())), BIAS,
+                                             ("notes.npy", npy("<i4", "(1,)", bytes(4)))]),
+    "a byte array beside the head": npz([("weight.npy", npy("<f4", "(2, 3)", W.tobytes())), BIAS,
+                                         ("notes.npy", npy("|u1", "(1,)", bytes(1)))]),
+    "a one-row array in Fortran order": npz([("weight.npy", npy("<f4", "(2, 3)", W.tobytes())),
+                                             ("bias.npy", npy("<f4", "(2,)", B.tobytes(), fortran=True))]),
+    "a version 2.0 member cut after its version": npz([("weight.npy", b"\x93NUMPY\x02\x00\x00\x00"), BIAS]),
+    "the directory shorter than the member's data": patched_directory(npz([(
+        "weight.npy", npy("<f4", "(2, 3)", W.tobytes()) + bytes(4)), BIAS]), shorten="weight.npy"),
+    "a member the directory leaves out": patched_directory(npz([("weight.npy", npy("<f4", "(2, 3)", W.tobytes())), BIAS,
+                                                                 ("notes.npy", npy("<i4", "(1,)", bytes(4)))]),
+                                                            leave_out="notes.npy"),
 }
 
 

@@ -2,7 +2,8 @@
 library opens a slot the other wrote, yet Java read ``slot.json`` without Python's checks): the same
 files are the same slot, or a refusal, on both. Java took a 2^63 sequence as a negative one, let a
 label of 2.7 or a deployment named 5 escape as a ClassCastException, read a 64 MiB slot.json and
-would block for ever on a FIFO in its place; Python took any ``seq_key``."""
+would block for ever on a FIFO in its place, and took integers past the wire's range and bytes that
+are not UTF-8 (replaced); Python took any ``seq_key``."""
 
 from __future__ import annotations
 
@@ -47,13 +48,19 @@ SLOTS = {
     "a version an empty object": {**VALID, "previous": {}},
     "a version a number": {**VALID, "previous": 0},
     "not an object": [VALID],
+    "an integer past the wire's range anywhere": {**VALID, "note": 2 ** 64},
+    "an integer past the wire's range in a version": {**VALID, "current": {**VERSION, "note": -(2 ** 63) - 1}},
+    "valid, the wire's largest integer anywhere": {**VALID, "note": 2 ** 64 - 1},
+    "a byte that is not UTF-8 in a string": json.dumps({**VALID, "current": {**VERSION, "deployment": "dep-\x01"}})
+                                            .replace("\\u0001", "\udcff").encode("utf-8", "surrogateescape"),
 }
 
 
 def write_slot(folder, state) -> None:
     folder.mkdir()
     (folder / f"{SHA}.npz").write_bytes(HEAD)
-    (folder / "slot.json").write_text(state if isinstance(state, str) else json.dumps(state))
+    (folder / "slot.json").write_bytes(state if isinstance(state, bytes) else
+                                       (state if isinstance(state, str) else json.dumps(state)).encode())
 
 
 def python_decision(folder) -> str:

@@ -223,10 +223,31 @@ class DeploymentController(LinkWorker):
         if active is None:
             return
         members = active.dep.cohort.stage(active.dep.stage_fraction, fleet)
+        self._release(active, sorted(d for d in fleet if active.has_run(d) and d not in members
+                                     and self.last.get(d, ("",))[0] == active.dep.deployment_id))
         self._send_run(active, sorted(d for d in members if not active.has_run(d)))
         reports = {d: report_of(active.sent[d]["report"]) for d in members
                    if d in active.sent and active.sent[d]["report"] is not None}
         self._apply(active, active.dep.handle(Tick(now, reports, self._weight_caps(reports))))
+
+    def _release(self, served: Served, devices: list[str]) -> None:
+        """Devices running the candidate that left its stage (the operator took away the tag that put
+        them in a ``tags:`` canary): back to the settled version, or without one the candidate rolled
+        back on them. They ran it until promotion or rollback before, while their reports no longer
+        counted. Marked as rolled back (the candidate taken off them, whichever way): sent it again
+        should they come back to the stage."""
+        if not devices:
+            return
+        dep = served.dep
+        log.info("deployment %s: %d device(s) left its stage: %s", dep.deployment_id, len(devices), devices[:5])
+        if self.settled is not None:
+            self._send_run(self.settled, devices)
+        else:
+            self._send(served, devices, D.ROLLBACK, lambda d, seq: D.rollback_message(
+                AGGREGATOR_ID, dep.deployment_id, "the device left the deployment's cohort", device=d, seq=seq))
+        self.table.mark_left(dep.deployment_id, devices)
+        for d in devices:
+            served.sent[d].update(sent=D.ROLLBACK, report=None)
 
     def _weight_caps(self, reports: dict[str, DeviceReport]) -> dict[str, int]:
         """Each judged device's weight in the pooled ``wma_*``: at most max_device_n, at most the

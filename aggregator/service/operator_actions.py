@@ -4,6 +4,8 @@ through :meth:`AggregatorService.call`: the mutations of fleet and store have on
 
 from __future__ import annotations
 
+import contextlib
+
 from aggregator.service import job_lifecycle
 
 from aggregator.service import unlearning
@@ -18,11 +20,12 @@ class OperatorActions:
     ``active``, ``eval_set``, ``artifacts``, ``job_ends``) and hooks (``_device_lost``, ``_job_broken``, ``_update_live``) it uses."""
 
     def enroll(self, device_id: str, public_key: bytes | None = None) -> DeviceCredentials:
-        creds = self.fleet.enroll(device_id, public_key)
-        if self.shards is not None:         # the shards hold its chunks and verify with its key at once
-            self.shards.admission_changed(device_id, True)
-            if self.settings.require_signatures:
-                self.shards.key_changed(device_id, bytes.fromhex(creds.public_key))
+        with self._admission():
+            creds = self.fleet.enroll(device_id, public_key)
+            if self.shards is not None:         # the shards hold its chunks and verify with its key at once
+                self.shards.admission_changed(device_id, True)
+                if self.settings.require_signatures:
+                    self.shards.key_changed(device_id, bytes.fromhex(creds.public_key))
         if device_id not in self.fleet.online:
             # its presence may have been forgotten with the strangers (Fleet.MAX_STRANGERS) while it
             # stayed connected: its retained presence, read again, makes it eligible now
@@ -32,21 +35,27 @@ class OperatorActions:
     def revoke(self, device_id: str) -> str | None:
         """Revoke now: the broker refuses it after the reload, this service (and its shards) ignore it
         at once. A warning when the broker could not reload (``Enrollment._sync_broker``)."""
-        warning = self.fleet.revoke(device_id)
-        if self.shards is not None:
-            self.shards.admission_changed(device_id, False)
-            if self.settings.require_signatures:
-                self.shards.key_changed(device_id, None)
+        with self._admission():
+            warning = self.fleet.revoke(device_id)
+            if self.shards is not None:
+                self.shards.admission_changed(device_id, False)
+                if self.settings.require_signatures:
+                    self.shards.key_changed(device_id, None)
         self._device_lost(device_id)
         return warning
 
     def set_fleet_mode(self, mode: str) -> str:
-        self.fleet.set_mode(mode)
-        self._tell_shards_the_fleet()
+        with self._admission():
+            self.fleet.set_mode(mode)
+            self._tell_shards_the_fleet()
         if mode == "open":          # every retained presence again: strangers forgotten while connected come back
             self.link.fetch_retained(self.topics.all_presence)
         self._update_live(force=True)
         return self.fleet.mode
+
+    def _admission(self):
+        """The shards' admission lock (``ShardPool.admission``), or none without shards."""
+        return self.shards.admission() if self.shards is not None else contextlib.nullcontext()
 
     def _tell_shards_the_fleet(self, keys: bool = False) -> None:
         """Who may contribute, to the shards (they hold only those devices' chunks), and with ``keys``

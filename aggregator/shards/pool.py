@@ -100,10 +100,8 @@ class ShardPool(ABC):
 
     @abstractmethod
     def _send(self, index: int, command: tuple) -> None:
-        """Send ``command`` to shard ``index`` (nothing if it is dead: :meth:`watch` restarts it),
-        under :attr:`send_lock`."""
-        """Send ``command`` to shard ``index``, in order; one a dead shard misses is sent again
-        after its restart (the job by :meth:`_start`, sums by :meth:`reduce`)."""
+        """Send ``command`` to shard ``index``, in order, under :attr:`send_lock`; one a dead shard
+        misses is sent again after its restart (the job by :meth:`_start`, sums by :meth:`reduce`)."""
 
     @abstractmethod
     def _exited(self, index: int) -> str | None:
@@ -156,13 +154,15 @@ class ShardPool(ABC):
             self._deliver(msg)
 
     def _unadmitted(self, index: int, topic: str, payload: bytes) -> None:
-        """A chunk shard ``index`` refused, its device not admitted there: one the coordinator has
-        admitted meanwhile goes back to that shard, which by then has heard of the admission (this
-        pipe's commands arrive in order), to be held with the device's other chunks; any other is
-        refused on the coordinator's path. A chunk handed back is never handed back again."""
+        """A message shard ``index`` refused, its device not admitted there (or its key not given): one
+        the coordinator has admitted meanwhile (and, signatures required, given the key of) goes back
+        to that shard, which by then has heard of it (this pipe's commands arrive in order), to be
+        held with the device's other chunks; any other is refused on the coordinator's path. A
+        message handed back is never handed back again."""
         device = self.topics.device_of(topic)
         with self.send_lock:
-            if device is not None and (self._admitted is None or device in self._admitted):
+            if device is not None and (self._admitted is None or device in self._admitted) \
+                    and (self._keys is None or device in self._keys):
                 return self._send(index, ("refeed", topic, payload))
         self._deliver(("forward", topic, payload))
 
@@ -180,6 +180,13 @@ class ShardPool(ABC):
             self._admitted = None if devices is None else set(devices)
             self._tell_started(("admit", None if devices is None else sorted(self._admitted)))
 
+    def admission(self):
+        """Held around an enrolment, a revocation or a fleet mode change and its commands to the
+        shards: a message a shard refused meanwhile is judged once they are all sent, never between
+        the fleet's change and the shards' (the coordinator would take a chunk the shard then holds
+        the rest of)."""
+        return self.send_lock
+
     def admission_changed(self, device: str, admitted: bool) -> None:
         """A device enrolled (True) or revoked (False): every shard follows at once."""
         with self.send_lock:
@@ -195,13 +202,14 @@ class ShardPool(ABC):
 
     def key_changed(self, device: str, public_key: bytes | None) -> None:
         """A device enrolled (its key) or revoked (None): every shard's registry follows at once."""
-        if self._keys is None:
-            return
-        self._keys.pop(device, None)
-        if public_key is not None:
-            self._keys[device] = public_key
-        for i in range(self.shards):
-            self._send(i, ("key", device, public_key))
+        with self.send_lock:
+            if self._keys is None:
+                return
+            self._keys.pop(device, None)
+            if public_key is not None:
+                self._keys[device] = public_key
+            for i in range(self.shards):
+                self._send(i, ("key", device, public_key))
 
     def set_job(self, job: Job, kind: str) -> None:
         """Serve ``job`` (refused, changing nothing, unless it is shardable)."""

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from protocols import messages as M
-from protocols.chunking import MessageAssembler, SenderMayNotChunk
-from protocols.envelope import Envelope, EnvelopeError, decode, encode
+from protocols.chunking import MessageAssembler
+from protocols.envelope import Envelope, EnvelopeError, SenderNotAdmitted, decode, encode
 from protocols.identity import IdentityRegistry
 from protocols.payloads.secagg import SECAGG_TYPE
 from protocols.topics import Topics
@@ -65,10 +65,10 @@ class Forward:
     """A whole message for the coordinator's ordinary path."""
     topic: str
     payload: bytes
-    # a chunk refused only because its device was not admitted here: the coordinator hands it back
-    # once this shard has heard of an admission it made (enrolments come over the shard's pipe,
-    # chunks over MQTT, in no order between the two: a first chunk forwarded, the rest held here,
-    # and the result was lost until the device sent it again)
+    # refused only because its device was not admitted here, or its key not given: the coordinator
+    # hands it back once this shard has heard of an admission it made (enrolments come over the
+    # shard's pipe, chunks over MQTT, in no order between the two: a first chunk forwarded, the
+    # rest held here, and the result was lost until the device sent it again)
     not_admitted: bool = False
 
 
@@ -134,7 +134,12 @@ class ShardIngest:
         the coordinator's registry, sent before the job; changes by :meth:`key_changed`). One that
         is not goes to the coordinator, which refuses it with the reason ("bad signature")."""
         self.registry = IdentityRegistry(keys)
-        self.assembler.verifier = lambda *signed: verify_enrolled(self.registry, *signed)
+        self.assembler.verifier = self._verify
+
+    def _verify(self, sender: str, signed: bytes, signature: bytes) -> None:
+        if sender not in self.registry:     # its key not (yet) here: handed back once it is (pool.py)
+            raise SenderNotAdmitted(f"signature rejected for {sender!r}: no enrolled key at this shard")
+        verify_enrolled(self.registry, sender, signed, signature)
 
     def admit(self, devices: list[str] | None) -> None:
         """The devices that may contribute (the coordinator's enrolled fleet; None: its fleet is
@@ -171,7 +176,7 @@ class ShardIngest:
         except EnvelopeError as exc:
             self._bytes.pop(device, None)
             # refused on the coordinator's path, with its reason
-            return Forward(topic, payload, not_admitted=isinstance(exc, SenderMayNotChunk))
+            return Forward(topic, payload, not_admitted=isinstance(exc, SenderNotAdmitted))
         if got is None:
             return None
         env, raw = got

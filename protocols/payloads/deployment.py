@@ -154,12 +154,10 @@ def head_from_npz(data: bytes, expected_sha256: str) -> tuple[np.ndarray, np.nda
         names = next((pair for pair in _HEAD_NAMES if set(pair) <= set(arrays)), None)
         if names is None:
             raise EnvelopeError(f"head holds {sorted(arrays)}: expected coef/intercept or weight/bias")
-        for n in names:         # what the Java device reads (Npz.java): little-endian floats in C order
-            a = arrays[n]
-            if a.dtype.kind != "f" or a.dtype.itemsize not in (4, 8) or a.dtype.byteorder == ">" \
-                    or not a.flags.c_contiguous:
-                raise EnvelopeError(f"head array {n!r} is {a.dtype.str}{'' if a.flags.c_contiguous else ' (Fortran order)'}"
-                                    ": a little-endian float32 or float64 array in C order is what devices read")
+        for n, a in arrays.items():     # every member, as the Java device (HeadFile.java); C order: read_npz's
+            if a.dtype.kind != "f" or a.dtype.itemsize not in (4, 8) or a.dtype.byteorder == ">":
+                raise EnvelopeError(f"head array {n!r} is {a.dtype.str}: a little-endian float32 or float64 array "
+                                    "in C order is what devices read")
         W, b = (np.asarray(arrays[n], dtype=np.float64) for n in names)
     except (ValueError, OSError, zipfile.BadZipFile) as exc:
         raise EnvelopeError(f"head is not a readable .npz: {exc}") from None

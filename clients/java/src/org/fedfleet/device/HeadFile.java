@@ -21,7 +21,11 @@ public final class HeadFile {
     /** The head in ``data``; IOException naming what is wrong (not a zip, no head arrays, shapes, non-finite). */
     public static HeadFile parse(byte[] data) throws IOException {
         if (data.length > MAX_HEAD_BYTES) throw new IOException("head of " + data.length + " bytes: at most " + MAX_HEAD_BYTES);
-        Map<String, Npz.Array> arrays = Npz.read(data, MAX_HEAD_BYTES);
+        Map<String, Npz.Array> arrays = Npz.read(data, MAX_HEAD_BYTES, true);
+        for (Map.Entry<String, Npz.Array> e : arrays.entrySet())      // every member, as the Python device
+            if (!e.getValue().dtype.equals("f4") && !e.getValue().dtype.equals("f8"))
+                throw new IOException("head array '" + e.getKey() + "' is " + e.getValue().dtype
+                        + ": a little-endian float32 or float64 array in C order is what devices read");
         for (String[] pair : NAMES) {
             if (!arrays.containsKey(pair[0]) || !arrays.containsKey(pair[1])) continue;
             long[] ws = arrays.get(pair[0]).shape, bs = arrays.get(pair[1]).shape;

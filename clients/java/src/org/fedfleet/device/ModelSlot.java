@@ -325,9 +325,15 @@ public final class ModelSlot {
         return set.stream().mapToInt(Integer::intValue).toArray();
     }
 
+    /** As strictly as the Python device reads it (protocols/envelope.py parse_strict_json): UTF-8 that
+     *  decodes (new String replaced a bad byte), integers within the wire's range anywhere (parseHeader's). */
     private static Object parseJson(byte[] data) throws IOException {
         try {
-            return Json.parse(new String(data, StandardCharsets.UTF_8));
+            String text = StandardCharsets.UTF_8.newDecoder().onMalformedInput(java.nio.charset.CodingErrorAction.REPORT)
+                    .onUnmappableCharacter(java.nio.charset.CodingErrorAction.REPORT).decode(java.nio.ByteBuffer.wrap(data)).toString();
+            return Json.parseHeader(text);
+        } catch (java.nio.charset.CharacterCodingException e) {
+            throw new IOException(STATE_FILE + ": not UTF-8: " + e);
         } catch (Json.JsonError e) {
             throw new IOException(STATE_FILE + ": " + e.getMessage());
         }
