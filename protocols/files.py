@@ -128,7 +128,8 @@ def check_npz_size(data: bytes, max_bytes: int, canonical: bool = False) -> None
                 if math.prod(shape) * dtype.itemsize > member.file_size:
                     raise ValueError(f".npz member {member.filename[:100]!r}: its header declares {shape} of "
                                      f"{dtype}, more than its {member.file_size:,} bytes")
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError, EOFError, OSError, struct.error) as exc:
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError, EOFError, OSError, struct.error,
+            RuntimeError) as exc:       # RuntimeError: zipfile's for a member marked encrypted
         raise ValueError(f"not a readable .npz archive: {exc}") from None
 
 
@@ -146,12 +147,23 @@ def _check_member_layout(data: bytes, members: list[zipfile.ZipInfo], directory_
         compressed, size, name_length, extra_length = struct.unpack_from("<IIHH", data, at + 18)
         if (compressed, size) == (0xFFFFFFFF, 0xFFFFFFFF):    # in its zip64 field (numpy's savez writes them so)
             size, compressed = _zip64_sizes(data[at + 30 + name_length:at + 30 + name_length + extra_length])
-        if flags & 0x08 or (compressed, size) != (member.compress_size, member.file_size):
+        if flags & 0x08 or (compressed, size) != (member.compress_size, member.file_size) \
+                or (member.compress_type == zipfile.ZIP_STORED and compressed != size):
             raise ValueError(f".npz member {member.filename[:100]!r}: its local header and the archive's "
                              "directory disagree")
         at += 30 + name_length + extra_length + compressed
     if at != directory_at:
         raise ValueError("the .npz holds more than its directory lists")
+    # the end record Java takes (the last whose comment reaches the file's end exactly) is zipfile's:
+    # zipfile takes the last signature whatever its comment, so one inside another's comment gave
+    # each reader its own directory (a review's finding: one file, two heads)
+    for end in range(len(data) - 22, max(-1, len(data) - 22 - 0xFFFF - 1), -1):
+        if data[end:end + 4] == b"PK\x05\x06" and struct.unpack_from("<H", data, end + 20)[0] == len(data) - end - 22:
+            count, size, offset = struct.unpack_from("<HII", data, end + 10)
+            if (count, offset, offset + size) == (len(members), directory_at, end):
+                return
+            break
+    raise ValueError("the .npz's end record is not the one its directory ends at")
 
 
 def _zip64_sizes(extra: bytes) -> tuple[int, int]:

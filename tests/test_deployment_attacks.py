@@ -518,9 +518,10 @@ def test_a_tags_canary_holds_the_devices_the_operator_tagged_never_those_announc
 
 def test_a_device_untagged_mid_canary_goes_back_to_the_settled_version_and_returns_with_its_tag(setup, world):
     """A device the operator takes out of a ``tags:`` canary (its tag removed) ran the candidate on
-    until promotion or rollback, its reports no longer counted. It is sent the settled version now,
-    and the candidate again when it is tagged again; with no settled version the candidate is rolled
-    back on it (its slot holds what it kept: nothing here)."""
+    until promotion or rollback, its reports no longer counted. The candidate is rolled back on it now
+    (it goes back to what it kept: nothing here, the settled version below), the settled version's run
+    follows, and it gets the candidate again when it is tagged again. A later rollback of the settled
+    version takes it where it takes the others, never back to the candidate (a review's finding)."""
     store, controller, fleet = setup
     W, b = world["good"]
     v1, v2 = model_id(store, "v1", W, b), model_id(store, "v2", W * 1.5, b * 1.5)    # same argmax, other bytes
@@ -545,11 +546,16 @@ def test_a_device_untagged_mid_canary_goes_back_to_the_settled_version_and_retur
     wait_for(lambda: fleet.sha("cam-0") == sha2 and ctl.show("v2")["devices"]["cam-0"]["report"] is not None,
              what="the candidate judged on the tagged device")
     store.set_device_tags("cam-0", [])
-    wait_for(lambda: fleet.sha("cam-0") == sha1, what="the settled version back on the untagged device")
-    view = ctl.show("v2")["devices"]["cam-0"]
-    assert view["sent"] == "rollback" and view["report"] is None and ctl.last["cam-0"][0] == "v1"
-    assert fleet.sha("cam-1") == sha1 and ctl.show("v2")["state"] == "canary"
+    wait_for(lambda: fleet.sha("cam-0") == sha1 and ctl.last["cam-0"][0] == "v1",
+             what="the settled version back on the untagged device, and its run sent")
+    assert ctl.show("v2")["devices"]["cam-0"]["sent"] == "rollback" and ctl.show("v2")["state"] == "canary"
+    assert fleet.sha("cam-1") == sha1
     store.set_device_tags("cam-0", ["lab"])                             # back in the canary: the candidate again
-    wait_for(lambda: fleet.sha("cam-0") == sha2 and ctl.show("v2")["devices"]["cam-0"]["report"] is not None,
+    wait_for(lambda: fleet.sha("cam-0") == sha2 and ctl.last["cam-0"][0] == "v2",
              what="the candidate again on the device tagged again")
-    assert ctl.last["cam-0"][0] == "v2"
+    store.set_device_tags("cam-0", [])
+    wait_for(lambda: fleet.sha("cam-0") == sha1 and ctl.last["cam-0"][0] == "v1", what="let go again")
+    ctl.call(lambda: ctl.rollback("v1"))                                # the settled version rolled back
+    wait_for(lambda: fleet.sha("cam-1") is None, what="v1 rolled back on the device that never left it")
+    time.sleep(1.0)                                                     # ticks enough to send anything else
+    assert fleet.sha("cam-0") is None, "the device let go runs the candidate again, unjudged"

@@ -217,9 +217,13 @@ class DeploymentController(LinkWorker):
             # new to the fleet, or told to roll back a deployment. A rollback alone reverts a device
             # to the one version it kept, which after two rollbacks (or the settled version's own,
             # during a canary) is not the settled one, or nothing; the run names the version to hold.
+            # A device the candidate let go (rolled back on it when it left the stage) gets it too, and
+            # so does one whose last message of the settled version was its rollback (released before
+            # that version completed).
             settled_id = self.settled.dep.deployment_id
-            self._send_run(self.settled, sorted(d for d in fleet if self.last.get(d, ("",))[0] != settled_id
-                                                and (active is None or d not in active.sent)))
+            self._send_run(self.settled, sorted(d for d in fleet if (self.last.get(d, ("",))[0] != settled_id
+                                                                     or not self.settled.has_run(d))
+                                                and (active is None or not active.has_run(d))))
         if active is None:
             return
         members = active.dep.cohort.stage(active.dep.stage_fraction, fleet)
@@ -227,27 +231,22 @@ class DeploymentController(LinkWorker):
                                      and self.last.get(d, ("",))[0] == active.dep.deployment_id))
         self._send_run(active, sorted(d for d in members if not active.has_run(d)))
         reports = {d: report_of(active.sent[d]["report"]) for d in members
-                   if d in active.sent and active.sent[d]["report"] is not None}
+                   if active.has_run(d) and active.sent[d]["report"] is not None}
         self._apply(active, active.dep.handle(Tick(now, reports, self._weight_caps(reports))))
 
     def _release(self, served: Served, devices: list[str]) -> None:
         """Devices running the candidate that left its stage (the operator took away the tag that put
-        them in a ``tags:`` canary): back to the settled version, or without one the candidate rolled
-        back on them. They ran it until promotion or rollback before, while their reports no longer
-        counted. Marked as rolled back (the candidate taken off them, whichever way): sent it again
-        should they come back to the stage."""
-        if not devices:
-            return
-        dep = served.dep
-        log.info("deployment %s: %d device(s) left its stage: %s", dep.deployment_id, len(devices), devices[:5])
-        if self.settled is not None:
-            self._send_run(self.settled, devices)
-        else:
+        them in a ``tags:`` canary): the candidate is rolled back on them, so each goes back to the
+        version it kept (the settled one, when it ran that before), and the settled version's run
+        follows wherever a device does not run the candidate (``_roll_out``). They ran the candidate
+        until promotion or rollback before. Their reports no longer count (the guard reads devices
+        running the candidate), and should they come back to the stage they are sent it again. One
+        transaction (``_send``): a restart finds them released or not, never half."""
+        if devices:
+            dep = served.dep
+            log.info("deployment %s: %d device(s) left its stage: %s", dep.deployment_id, len(devices), devices[:5])
             self._send(served, devices, D.ROLLBACK, lambda d, seq: D.rollback_message(
                 AGGREGATOR_ID, dep.deployment_id, "the device left the deployment's cohort", device=d, seq=seq))
-        self.table.mark_left(dep.deployment_id, devices)
-        for d in devices:
-            served.sent[d].update(sent=D.ROLLBACK, report=None)
 
     def _weight_caps(self, reports: dict[str, DeviceReport]) -> dict[str, int]:
         """Each judged device's weight in the pooled ``wma_*``: at most max_device_n, at most the

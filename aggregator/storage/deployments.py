@@ -66,13 +66,6 @@ class DeploymentStore:
         return dict(self.store.db.execute("SELECT name, value FROM deployment_counters WHERE deployment_id=? "
                                           "ORDER BY name", (deployment_id,)).fetchall())
 
-    def mark_left(self, deployment_id: str, devices: list[str]) -> None:
-        """``devices`` left the deployment's stage: the candidate taken off them (``rollback``: they hold
-        no run of it, whether it was rolled back on them or another version sent), their reports dropped."""
-        with self.store._tx() as db:
-            db.executemany("UPDATE deployment_devices SET sent='rollback', report=NULL WHERE deployment_id=? "
-                           "AND device=?", [(deployment_id, d) for d in devices])
-
     def record_report(self, deployment_id: str, device: str, report: dict) -> None:
         with self.store._tx() as db:
             db.execute("UPDATE deployment_devices SET report=? WHERE deployment_id=? AND device=?",

@@ -160,8 +160,7 @@ CREATE TABLE IF NOT EXISTS deployments (
 CREATE TABLE IF NOT EXISTS deployment_devices (
     deployment_id TEXT NOT NULL,
     device        TEXT NOT NULL,
-    -- the last assignment published; rollback also for a device that left the stage (another version sent)
-    sent          TEXT NOT NULL CHECK (sent IN ('run', 'rollback')),
+    sent          TEXT NOT NULL CHECK (sent IN ('run', 'rollback')),   -- the last assignment published
     sent_at       REAL NOT NULL,
     report        TEXT,             -- its last report on the candidate (JSON), if any
     PRIMARY KEY (deployment_id, device)

@@ -88,8 +88,9 @@ public final class Npz {
                 String name = e.getName();
                 if (!name.endsWith(".npy") || arrays.containsKey(name.substring(0, name.length() - 4)))
                     throw new IOException("member '" + cut(name) + "': every member must be one array named *.npy");
-                if (canonical && (e.getSize() < 0 || e.getCompressedSize() < 0))
-                    throw new IOException("member '" + cut(name) + "': its sizes are not in its local header");
+                if (canonical && (e.getSize() < 0 || e.getCompressedSize() < 0
+                        || e.getMethod() == ZipEntry.STORED && e.getCompressedSize() != e.getSize()))
+                    throw new IOException("member '" + cut(name) + "': its sizes are not in its local header, or disagree");
                 byte[] b = readAll(zip, maxBytes - total);
                 total += b.length;
                 layout.add(new Object[]{name, (long) b.length, at});
