@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from protocols.zip_layout import check_zip_layout
+
 _BLOCK = 1 << 20
 # What read_npz inflates at most unless told less: the largest state a job checkpoints (Fed3R's
 # dense A at p = 8,193, 0.5 GiB, and a 2^25-entry B) with room to spare.
@@ -80,9 +82,9 @@ def read_npz(data: bytes, max_bytes: int = MAX_NPZ_BYTES, canonical: bool = Fals
     NPY_HEADER_LOCK: what any thread that reads a model or a checkpoint calls. At most ``max_bytes``
     once inflated, checked before anything is inflated (:func:`check_npz_size`); ValueError for
     anything else. ``canonical``: every member is an .npy as numpy writes one, in C order, its data
-    exactly what its header declares, the members laid out as the archive's directory says
-    (:func:`_check_member_layout`): what the Java device's reader takes (Npz.java, canonical), for a
-    file both SDKs read."""
+    exactly what its header declares, no dimension past 2^31 - 1, the zip laid out as
+    ``protocols.zip_layout`` requires: what the Java device's reader takes (Npz.java, canonical), for
+    a file both SDKs read."""
     check_npz_size(data, max_bytes, canonical)
     with NPY_HEADER_LOCK, np.load(io.BytesIO(data), allow_pickle=False) as z:
         return {k: z[k] for k in z.files}
@@ -106,8 +108,8 @@ def check_npz_size(data: bytes, max_bytes: int, canonical: bool = False) -> None
                     raise ValueError(f".npz member {member.filename[:100]!r}: every member must be one array "
                                      "named *.npy, named once")
                 seen.add(member.filename)
-            if canonical:
-                _check_member_layout(data, members, archive.start_dir)
+            if canonical:       # the layout both device SDKs read alike
+                check_zip_layout(data)
             inflated = sum(member.file_size for member in members)
             if inflated > max_bytes:
                 raise ValueError(f".npz inflates to {inflated:,} bytes, more than {max_bytes:,}")
@@ -118,6 +120,8 @@ def check_npz_size(data: bytes, max_bytes: int, canonical: bool = False) -> None
                             shape, fortran_order, dtype, header_size = read_canonical_npy_header(stream)
                             if fortran_order:       # even where C order is the same bytes (one row)
                                 raise ValueError("an array in Fortran order")
+                            if any(n > 2 ** 31 - 1 for n in shape):     # Java's arrays: an int's worth
+                                raise ValueError(f"array dimension past 2^31 - 1 in {shape}")
                         else:
                             (shape, _, dtype), header_size = read_npy_header(stream), 0
                     except ValueError as exc:
@@ -131,50 +135,6 @@ def check_npz_size(data: bytes, max_bytes: int, canonical: bool = False) -> None
     except (zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError, EOFError, OSError, struct.error,
             RuntimeError) as exc:       # RuntimeError: zipfile's for a member marked encrypted
         raise ValueError(f"not a readable .npz archive: {exc}") from None
-
-
-def _check_member_layout(data: bytes, members: list[zipfile.ZipInfo], directory_at: int) -> None:
-    """The members one after another from the archive's first byte up to its directory, each with its
-    sizes in its local header, saying what the directory says of it: zipfile reads the directory, the
-    Java device's reader the local headers front to back (Npz.java, canonical), and a file whose two
-    disagreed (sizes, places, an entry the directory leaves out) was one head to one and another to
-    the other (a review's finding)."""
-    at = 0
-    for member in members:
-        if member.header_offset != at or data[at:at + 4] != b"PK\x03\x04":
-            raise ValueError(f".npz member {member.filename[:100]!r} does not follow the one before it")
-        (flags,) = struct.unpack_from("<H", data, at + 6)
-        compressed, size, name_length, extra_length = struct.unpack_from("<IIHH", data, at + 18)
-        if (compressed, size) == (0xFFFFFFFF, 0xFFFFFFFF):    # in its zip64 field (numpy's savez writes them so)
-            size, compressed = _zip64_sizes(data[at + 30 + name_length:at + 30 + name_length + extra_length])
-        if flags & 0x08 or (compressed, size) != (member.compress_size, member.file_size) \
-                or (member.compress_type == zipfile.ZIP_STORED and compressed != size):
-            raise ValueError(f".npz member {member.filename[:100]!r}: its local header and the archive's "
-                             "directory disagree")
-        at += 30 + name_length + extra_length + compressed
-    if at != directory_at:
-        raise ValueError("the .npz holds more than its directory lists")
-    # the end record Java takes (the last whose comment reaches the file's end exactly) is zipfile's:
-    # zipfile takes the last signature whatever its comment, so one inside another's comment gave
-    # each reader its own directory (a review's finding: one file, two heads)
-    for end in range(len(data) - 22, max(-1, len(data) - 22 - 0xFFFF - 1), -1):
-        if data[end:end + 4] == b"PK\x05\x06" and struct.unpack_from("<H", data, end + 20)[0] == len(data) - end - 22:
-            count, size, offset = struct.unpack_from("<HII", data, end + 10)
-            if (count, offset, offset + size) == (len(members), directory_at, end):
-                return
-            break
-    raise ValueError("the .npz's end record is not the one its directory ends at")
-
-
-def _zip64_sizes(extra: bytes) -> tuple[int, int]:
-    """(size, compressed size) of a local header's zip64 extra field (id 1); (-1, -1) without one."""
-    at = 0
-    while at + 4 <= len(extra):
-        field, length = struct.unpack_from("<HH", extra, at)
-        if field == 1 and length >= 16:
-            return struct.unpack_from("<QQ", extra, at + 4)
-        at += 4 + length
-    return -1, -1
 
 
 def file_sha256(path: str | Path) -> str:

@@ -74,6 +74,32 @@ def patched_directory(archive: bytes, shorten: str = "", leave_out: str = "") ->
     return archive[:start] + directory + bytes(record)
 
 
+def bzip2_zip() -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_BZIP2) as z:
+        z.writestr("weight.npy", npy("<f4", "(2, 3)", W.tobytes()))
+        z.writestr(*BIAS)
+    return buf.getvalue()
+
+
+def zip_of(entries: list[tuple[str | bytes, bytes]], deflate_tail: bytes = b"") -> bytes:
+    """A zip written by hand: each (name, data) stored, or deflated with ``deflate_tail`` after its
+    stream (inside its compressed size) when that is given."""
+    import struct
+    import zlib
+
+    local, directory = b"", b""
+    for name, data in entries:
+        name = name if isinstance(name, bytes) else name.encode()
+        method, body = (0, data) if not deflate_tail else (8, (lambda c: c.compress(data) + c.flush())(
+            zlib.compressobj(6, zlib.DEFLATED, -15)) + deflate_tail)
+        fields = (20, 0, method, 0, 0x21, zlib.crc32(data), len(body), len(data), len(name), 0)
+        directory += struct.pack("<IH" + "HHHHHIIIHH" + "HHHII", 0x02014B50, 20, *fields, 0, 0, 0, 0, len(local)) + name
+        local += struct.pack("<I" + "HHHHHIIIHH", 0x04034B50, *fields) + name + body
+    return local + directory + struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, len(entries), len(entries), len(directory),
+                                           len(local), 0)
+
+
 W, B = np.arange(6, dtype=np.float32).reshape(2, 3), np.array([0.5, -1.0], np.float32)
 BIAS = ("bias.npy", npy("<f4", "(2,)", B.tobytes()))
 FILES = {
@@ -127,6 +153,18 @@ FILES = {
     "a version 2.0 member cut after its version": npz([("weight.npy", b"\x93NUMPY\x02\x00\x00\x00"), BIAS]),
     "the directory shorter than the member's data": patched_directory(npz([(
         "weight.npy", npy("<f4", "(2, 3)", W.tobytes()) + bytes(4)), BIAS]), shorten="weight.npy"),
+    "valid, a zip written by hand": zip_of([("weight.npy", npy("<f4", "(2, 3)", W.tobytes())), BIAS]),
+    "a CRC the directory and the local header disagree on": (lambda z: z[:z.rindex(b"PK\x01\x02") + 16] + bytes(4)
+                                                             + z[z.rindex(b"PK\x01\x02") + 20:])(
+        zip_of([("weight.npy", npy("<f4", "(2, 3)", W.tobytes())), BIAS])),
+    "a deflate stream with bytes after its end": zip_of([("weight.npy", npy("<f4", "(2, 3)", W.tobytes())), BIAS],
+                                                        deflate_tail=b"\x00\x00\x00\x00"),
+    "a member named with a byte not ASCII": zip_of([("weight.npy", npy("<f4", "(2, 3)", W.tobytes())), BIAS,
+                                                    (b"n\xf6tes.npy", npy("<f4", "(1,)", bytes(4)))]),
+    "a bzip2 member": bzip2_zip(),
+    "a byte after the end record": zip_of([("weight.npy", npy("<f4", "(2, 3)", W.tobytes())), BIAS]) + b"\x00",
+    "a dimension past an int beside the head": npz([("weight.npy", npy("<f4", "(2, 3)", W.tobytes())), BIAS,
+                                                    ("notes.npy", npy("<f4", "(0, 3000000000)", b""))]),
     "a member the directory leaves out": patched_directory(npz([("weight.npy", npy("<f4", "(2, 3)", W.tobytes())), BIAS,
                                                                  ("notes.npy", npy("<i4", "(1,)", bytes(4)))]),
                                                             leave_out="notes.npy"),

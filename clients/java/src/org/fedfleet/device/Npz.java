@@ -73,35 +73,26 @@ public final class Npz {
      *  one file, two heads), an array is malformed, or the arrays' data would pass maxBytes. */
     public static Map<String, Array> read(byte[] npz, long maxBytes) throws IOException { return read(npz, maxBytes, false); }
 
-    /** {@link #read(byte[], long)}; with ``canonical`` (a file both SDKs read: a head) the members also lie one
-     *  after another from the first byte, each with its sizes in its local header and the archive's directory
-     *  saying the same name, size and place of it (protocols/files.py check_npz_size's rule: zipfile reads the
-     *  directory, this reader the local headers, and a file whose two disagreed was one head to one and
-     *  another to the other). */
+    /** {@link #read(byte[], long)}; with ``canonical`` (a file both SDKs read: a head) the zip's layout
+     *  leaves nothing to choose ({@link ZipLayout}: the rules of protocols/zip_layout.py). */
     public static Map<String, Array> read(byte[] npz, long maxBytes, boolean canonical) throws IOException {
+        if (canonical) ZipLayout.check(npz);
         Map<String, Array> arrays = new LinkedHashMap<>();
-        java.util.List<Object[]> layout = new java.util.ArrayList<>();     // {name, size, local header offset}
-        long total = 0, at = 0;
+        long total = 0;
         int entries = 0;
         try (ZipInputStream zip = new ZipInputStream(new ByteArrayInputStream(npz))) {
             for (ZipEntry e; (e = zip.getNextEntry()) != null; entries++) {
                 String name = e.getName();
                 if (!name.endsWith(".npy") || arrays.containsKey(name.substring(0, name.length() - 4)))
                     throw new IOException("member '" + cut(name) + "': every member must be one array named *.npy");
-                if (canonical && (e.getSize() < 0 || e.getCompressedSize() < 0
-                        || e.getMethod() == ZipEntry.STORED && e.getCompressedSize() != e.getSize()))
-                    throw new IOException("member '" + cut(name) + "': its sizes are not in its local header, or disagree");
                 byte[] b = readAll(zip, maxBytes - total);
                 total += b.length;
-                layout.add(new Object[]{name, (long) b.length, at});
-                byte[] extra = e.getExtra();
-                at += 30 + name.getBytes(StandardCharsets.UTF_8).length + (extra == null ? 0 : extra.length) + e.getCompressedSize();
                 arrays.put(name.substring(0, name.length() - 4), npy(b));
             }
         } catch (IllegalArgumentException | IndexOutOfBoundsException e) {     // a name that is not UTF-8, a bad field
             throw new IOException("not a readable zip file: " + e.getMessage());
         }
-        requireEndRecord(npz, entries, canonical ? layout : null);
+        requireEndRecord(npz, entries);
         return arrays;
     }
 
@@ -110,37 +101,15 @@ public final class Npz {
      *  back and never looks there, so a file cut short after its last entry's data (a torn write)
      *  would read as whole; numpy (zipfile) starts from that record and refuses such a file, and a
      *  state store must drop what the other library's drops (tests/fuzz_stateful.py). */
-    private static void requireEndRecord(byte[] zip, int entries, java.util.List<Object[]> layout) throws IOException {
+    private static void requireEndRecord(byte[] zip, int entries) throws IOException {
         ByteBuffer b = ByteBuffer.wrap(zip).order(ByteOrder.LITTLE_ENDIAN);
         for (int at = zip.length - 22; at >= Math.max(0, zip.length - 22 - 0xffff); at--) {
             if (b.getInt(at) != 0x06054b50 || Short.toUnsignedInt(b.getShort(at + 20)) != zip.length - at - 22) continue;
             long size = Integer.toUnsignedLong(b.getInt(at + 12)), offset = Integer.toUnsignedLong(b.getInt(at + 16));
-            if (Short.toUnsignedInt(b.getShort(at + 10)) == entries && offset + size == at) {
-                if (layout != null) requireDirectory(b, (int) offset, at, layout);
-                return;
-            }
+            if (Short.toUnsignedInt(b.getShort(at + 10)) == entries && offset + size == at) return;
             break;
         }
         throw new IOException("not a whole zip file (no end of central directory record naming its " + entries + " entries)");
-    }
-
-    /** The central directory (from ``from`` to ``end``) names each entry read, in order, with its size and place. */
-    private static void requireDirectory(ByteBuffer b, int from, int end, java.util.List<Object[]> layout) throws IOException {
-        int p = from;
-        for (Object[] entry : layout) {
-            if (p + 46 > end || b.getInt(p) != 0x02014b50) throw new IOException("the zip file's directory is cut short");
-            int n = Short.toUnsignedInt(b.getShort(p + 28)), x = Short.toUnsignedInt(b.getShort(p + 30)),
-                    c = Short.toUnsignedInt(b.getShort(p + 32));
-            if (p + 46 + n > end) throw new IOException("the zip file's directory is cut short");
-            byte[] name = new byte[n];
-            ByteBuffer at = b.duplicate();
-            ((java.nio.Buffer) at).position(p + 46);      // Buffer's: ByteBuffer.position(int) is Java 9+ (Android 34+)
-            at.get(name);
-            if (!new String(name, StandardCharsets.UTF_8).equals(entry[0]) || Integer.toUnsignedLong(b.getInt(p + 24)) != (long) entry[1]
-                    || Integer.toUnsignedLong(b.getInt(p + 42)) != (long) entry[2])
-                throw new IOException("member '" + cut((String) entry[0]) + "': the zip file's directory and its local header disagree");
-            p += 46 + n + x + c;
-        }
     }
 
     private static byte[] readAll(ZipInputStream zip, long maxBytes) throws IOException {
