@@ -458,6 +458,11 @@ def _check_consistency(manifest: Manifest) -> None:
                     f"{spec.file}: trainable_parameters must be {expected_json}, got {params}")
             if not spec.batch.fixed:
                 raise ManifestError(f"{spec.file}: training programs have a fixed batch")
+            # the runtime pads every call to batch.max rows: a program planned for another batch fails
+            # (or reads past its buffers) at its first step, long after the bundle was taken
+            if any(t.shape and t.shape[0] != spec.batch.max for t in (*spec.inputs, *spec.outputs)):
+                raise ManifestError(f"{spec.file}: every tensor of a training program leads with its fixed batch "
+                                    f"{spec.batch.max}, got {[t.shape for t in (*spec.inputs, *spec.outputs)]}")
 
 
 def _require_tail(manifest: Manifest, spec: ArtifactSpec) -> TailSpec:

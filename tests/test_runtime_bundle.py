@@ -69,6 +69,7 @@ def first_artifact(data):
     (lambda d: d["artifacts"][-1]["details"].update(trainable_parameters={"weight": [3, 5]}),
      "trainable_parameters"),
     (lambda d: d["input"].update(std=[1.0, 0.0, 1.0]), "std"),
+    (lambda d: d["artifacts"][-1]["inputs"][0].update(shape=[8, 1280]), "leads with its fixed batch 4"),
     (lambda d: d.update(extra=1), "extra"),
 ])
 def test_invalid_manifests_are_rejected(edited_manifest, change, message):
