@@ -51,6 +51,16 @@ def one_file_manifest(bundle, name: str, data: bytes) -> bytes:
     return json.dumps(manifest).encode()
 
 
+def one_file_bundle(bundle, program: bytes = b"a program") -> tuple[bytes, str, dict[str, tuple[str, bytes]]]:
+    """(manifest, its sha256, sha256 -> (name, bytes) of what an aggregator serves for it): a bundle of
+    one file, ``head.pte``, holding ``program``."""
+    import hashlib
+
+    manifest = one_file_manifest(bundle, "head.pte", program)
+    sha = hashlib.sha256(manifest).hexdigest()
+    return manifest, sha, {sha: ("manifest.json", manifest), hashlib.sha256(program).hexdigest(): ("head.pte", program)}
+
+
 def test_fetched_bundle_runs_like_the_original_and_tampering_is_refused(broker, tmp_path, bundle):
     shelf = ArtifactShelf()
     manifest_sha = shelf.add_bundle(bundle)
@@ -242,17 +252,13 @@ def test_a_device_with_the_aggregators_key_ignores_forged_artifact_replies(broke
     and an enrolled device declined every task of the job with the forger's reason. With the key
     (``fedfleet device --aggregator-key``, passed on as ``verifier``) the forgeries are dropped and
     the aggregator's signed answer, slower here, is taken."""
-    import hashlib
-
     from protocols.identity import DeviceIdentity, sender_verifier
     from protocols.mqtt_link import MqttLink
     from protocols.payloads.artifacts import GET, artifact_message, missing_message
     from protocols.topics import AGGREGATOR_ID
 
     topics, cfg = Topics(), BrokerConfig.from_url(broker.url)
-    manifest = one_file_manifest(bundle, "head.pte", b"a program")
-    sha = hashlib.sha256(manifest).hexdigest()
-    served = {sha: ("manifest.json", manifest), hashlib.sha256(b"a program").hexdigest(): ("head.pte", b"a program")}
+    manifest, sha, served = one_file_bundle(bundle)
     aggregator = DeviceIdentity.generate(AGGREGATOR_ID)
     link = MqttLink("forger-and-aggregator", cfg, on_message=lambda t, p: answer(p),
                     subscriptions=[(topics.outbox("cam1"), 1)])
@@ -283,17 +289,13 @@ def test_a_replayed_genuine_missing_does_not_end_a_later_fetch(broker, tmp_path,
     on its shelf), recorded and replayed, ended every later fetch of that bundle at once, and the
     device declined the job's tasks. A "missing" ends a fetch only when it answers one of that
     fetch's own asks (``request``, the ask's id), so the replay is passed over and the file taken."""
-    import hashlib
-
     from protocols.identity import DeviceIdentity, sender_verifier
     from protocols.mqtt_link import MqttLink
     from protocols.payloads.artifacts import GET, artifact_message, missing_message
     from protocols.topics import AGGREGATOR_ID
 
     topics, cfg = Topics(), BrokerConfig.from_url(broker.url)
-    manifest = one_file_manifest(bundle, "head.pte", b"a program")
-    sha = hashlib.sha256(manifest).hexdigest()
-    served = {sha: ("manifest.json", manifest), hashlib.sha256(b"a program").hexdigest(): ("head.pte", b"a program")}
+    manifest, sha, served = one_file_bundle(bundle)
     aggregator = DeviceIdentity.generate(AGGREGATOR_ID)
     recorded = encode(missing_message(AGGREGATOR_ID, sha, "ab" * 16), signer=aggregator.sign)   # an earlier ask's answer
     asks = []
