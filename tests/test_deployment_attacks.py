@@ -550,12 +550,36 @@ def test_a_device_untagged_mid_canary_goes_back_to_the_settled_version_and_retur
              what="the settled version back on the untagged device, and its run sent")
     assert ctl.show("v2")["devices"]["cam-0"]["sent"] == "rollback" and ctl.show("v2")["state"] == "canary"
     assert fleet.sha("cam-1") == sha1
+    old_report = ctl.show("v2")["devices"]["cam-0"]["report"]
     store.set_device_tags("cam-0", ["lab"])                             # back in the canary: the candidate again
-    wait_for(lambda: fleet.sha("cam-0") == sha2 and ctl.last["cam-0"][0] == "v2",
-             what="the candidate again on the device tagged again")
+    wait_for(lambda: ctl.last["cam-0"][0] == "v2", what="the candidate sent again to the device tagged again")
+    wait_for(lambda: fleet.sha("cam-0") == sha2 and ctl.show("v2")["devices"]["cam-0"]["report"] not in (None, old_report),
+             what="the candidate judged anew on the device tagged again (its old report gone)")
     store.set_device_tags("cam-0", [])
     wait_for(lambda: fleet.sha("cam-0") == sha1 and ctl.last["cam-0"][0] == "v1", what="let go again")
     ctl.call(lambda: ctl.rollback("v1"))                                # the settled version rolled back
     wait_for(lambda: fleet.sha("cam-1") is None, what="v1 rolled back on the device that never left it")
     time.sleep(1.0)                                                     # ticks enough to send anything else
     assert fleet.sha("cam-0") is None, "the device let go runs the candidate again, unjudged"
+
+
+def test_a_run_sent_again_after_a_rollback_drops_the_devices_old_report(tmp_path):
+    """A review's finding: a device let go by a canary (rolled back on it) and later back in its stage
+    kept its old report, which counted in the guard before the device judged the head again. A run
+    after a rollback clears it, durably and in the controller's memory; a rollback keeps it (the
+    rolled-back deployment's record), and a run re-sent to a device that runs it keeps it too."""
+    from aggregator.storage.deployments import DeploymentStore
+    from aggregator.storage.store import Store
+
+    store = Store(tmp_path / "state.db")
+    table = DeploymentStore(store)
+    table.create("dep", 1, "canary", {})
+    report = {"deployment": "dep", "n": 40}
+    table.mark_sent("dep", ["cam-0"], D.RUN)
+    table.record_report("dep", "cam-0", report)
+    table.mark_sent("dep", ["cam-0"], D.RUN)                     # re-sent while it runs: kept
+    assert table.devices("dep")["cam-0"]["report"] == report
+    table.mark_sent("dep", ["cam-0"], D.ROLLBACK)                # let go: the record keeps it
+    assert table.devices("dep")["cam-0"]["report"] == report
+    table.mark_sent("dep", ["cam-0"], D.RUN)                     # back in the stage: judged anew
+    assert table.devices("dep")["cam-0"] == {**table.devices("dep")["cam-0"], "sent": D.RUN, "report": None}

@@ -243,10 +243,13 @@ class DeploymentController(LinkWorker):
         running the candidate), and should they come back to the stage they are sent it again. One
         transaction (``_send``): a restart finds them released or not, never half."""
         if devices:
-            dep = served.dep
-            log.info("deployment %s: %d device(s) left its stage: %s", dep.deployment_id, len(devices), devices[:5])
-            self._send(served, devices, D.ROLLBACK, lambda d, seq: D.rollback_message(
-                AGGREGATOR_ID, dep.deployment_id, "the device left the deployment's cohort", device=d, seq=seq))
+            log.info("deployment %s: %d device(s) left its stage: %s", served.dep.deployment_id, len(devices),
+                     devices[:5])
+            self._release_message(served, devices)
+
+    def _release_message(self, served: Served, devices: list[str]) -> None:
+        self._send(served, devices, D.ROLLBACK, lambda d, seq: D.rollback_message(
+            AGGREGATOR_ID, served.dep.deployment_id, "the device left the deployment's cohort", device=d, seq=seq))
 
     def _weight_caps(self, reports: dict[str, DeviceReport]) -> dict[str, int]:
         """Each judged device's weight in the pooled ``wma_*``: at most max_device_n, at most the
@@ -301,7 +304,10 @@ class DeploymentController(LinkWorker):
             return
         seq = self.table.mark_sent(served.dep.deployment_id, devices, what)     # a restart re-sends none of these
         for d in devices:
-            served.sent.setdefault(d, {"report": None})["sent"] = what
+            sent = served.sent.setdefault(d, {"report": None})
+            if what == D.RUN and sent.get("sent") != D.RUN:
+                sent["report"] = None       # a run after a rollback: judged anew (mark_sent clears it too)
+            sent["sent"] = what
             self.last[d] = (served.dep.deployment_id, seq)
             self.link.publish_envelope(self.topics.deploy(d), message(d, seq), signer=self.signer, retain=True)
 
@@ -387,8 +393,10 @@ class DeploymentController(LinkWorker):
         active, settled = self.active, self.settled
         if active is not None and active.has_run(device):
             self._send_run(active, [device])
-        elif settled is not None and (active is None or device not in active.sent):
+        elif settled is not None:       # the candidate's canary let it go, or never held it
             self._send_run(settled, [device])
+        elif active is not None and device in active.sent:      # let go, with no settled version: its rollback
+            self._release_message(active, [device])
 
     def _count(self, deployment_id: str, name: str) -> None:
         self._counts[(deployment_id, name)] = self._counts.get((deployment_id, name), 0) + 1

@@ -43,8 +43,10 @@ class DeploymentStore:
         with self.store._tx() as db:
             (high,) = db.execute("SELECT COALESCE(MAX(seq), 0) FROM deployment_assignments").fetchone()
             seq = max(high + 1, int(now * 1000))
+            # a run after a rollback (a device let go, then back in the stage) is judged anew: its old report goes
             db.executemany("INSERT INTO deployment_devices VALUES (?, ?, ?, ?, NULL) ON CONFLICT (deployment_id, "
-                           "device) DO UPDATE SET sent=excluded.sent, sent_at=excluded.sent_at",
+                           "device) DO UPDATE SET sent=excluded.sent, sent_at=excluded.sent_at, report=CASE WHEN "
+                           "excluded.sent = 'run' AND deployment_devices.sent != 'run' THEN NULL ELSE report END",
                            [(deployment_id, d, sent, now) for d in devices])
             db.executemany("INSERT OR REPLACE INTO deployment_assignments VALUES (?, ?, ?, ?)",
                            [(d, deployment_id, seq, sent) for d in devices])
