@@ -9,16 +9,12 @@ import hashlib
 import io
 import math
 import os
-import re
-import struct
 import tempfile
 import threading
 import zipfile
 from pathlib import Path
 
 import numpy as np
-
-from protocols.zip_layout import check_zip_layout
 
 _BLOCK = 1 << 20
 # What read_npz inflates at most unless told less: the largest state a job checkpoints (Fed3R's
@@ -45,52 +41,17 @@ def read_npy_header(stream) -> tuple[tuple[int, ...], bool, np.dtype]:
         return read(stream)
 
 
-# The .npy header as numpy and the Java device write it, and the only one a device takes in a file
-# both device SDKs read (a head): the dict's three keys in this order, one space after each colon and
-# comma, the shape as Python's repr of a tuple of decimal integers, spaces, a newline. numpy parses a
-# header as a Python literal, Java with regular expressions, and each took headers the other refused:
-# (0x2, 3) and (2, 1_0) (Python's literals), (02, 3), (2,,3) and a key named twice (Java's matching).
-_NPY_DIMENSION = r"(?:0|[1-9][0-9]*)"
-CANONICAL_NPY_HEADER = re.compile(
-    r"\{'descr': '[<>|=][a-zA-Z][0-9]{1,2}', 'fortran_order': (?:False|True), "
-    rf"'shape': \((?:|{_NPY_DIMENSION},|{_NPY_DIMENSION}(?:, {_NPY_DIMENSION})+)\), \}} *\n")
-
-
-MAX_NPY_HEADER_BYTES = 10_000     # numpy's max_header_size: a longer header is refused when read
-
-
-def read_canonical_npy_header(stream) -> tuple[tuple[int, ...], bool, np.dtype, int]:
-    """:func:`read_npy_header` of an .npy whose header must be written as numpy and Java write it
-    (CANONICAL_NPY_HEADER), with the header's size in bytes (magic and length included); ValueError
-    for any other header."""
-    with NPY_HEADER_LOCK:
-        version = np.lib.format.read_magic(stream)
-        length_bytes = stream.read(2 if version == (1, 0) else 4)
-        if int.from_bytes(length_bytes, "little") > MAX_NPY_HEADER_BYTES:
-            raise ValueError(f"an .npy header of {int.from_bytes(length_bytes, 'little')} bytes: at most "
-                             f"{MAX_NPY_HEADER_BYTES} (numpy's max_header_size)")
-        text = stream.read(int.from_bytes(length_bytes, "little"))
-        if not CANONICAL_NPY_HEADER.fullmatch(text.decode("latin1")):
-            raise ValueError(f"the .npy header {text[:120]!r} is not written as numpy writes one")
-        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-        shape, fortran_order, dtype = read(io.BytesIO(length_bytes + text))
-    return shape, fortran_order, dtype, 6 + 2 + len(length_bytes) + len(text)
-
-
-def read_npz(data: bytes, max_bytes: int = MAX_NPZ_BYTES, canonical: bool = False) -> dict[str, np.ndarray]:
+def read_npz(data: bytes, max_bytes: int = MAX_NPZ_BYTES) -> dict[str, np.ndarray]:
     """Every array of an .npz held in memory (never a pickle), its headers parsed under
     NPY_HEADER_LOCK: what any thread that reads a model or a checkpoint calls. At most ``max_bytes``
     once inflated, checked before anything is inflated (:func:`check_npz_size`); ValueError for
-    anything else. ``canonical``: every member is an .npy as numpy writes one, in C order, its data
-    exactly what its header declares, no dimension past 2^31 - 1, the zip laid out as
-    ``protocols.zip_layout`` requires: what the Java device's reader takes (Npz.java, canonical), for
-    a file both SDKs read."""
-    check_npz_size(data, max_bytes, canonical)
+    anything else."""
+    check_npz_size(data, max_bytes)
     with NPY_HEADER_LOCK, np.load(io.BytesIO(data), allow_pickle=False) as z:
         return {k: z[k] for k in z.files}
 
 
-def check_npz_size(data: bytes, max_bytes: int, canonical: bool = False) -> None:
+def check_npz_size(data: bytes, max_bytes: int) -> None:
     """Refuse an .npz that would inflate past ``max_bytes``, before any member is inflated: a 1.5 MiB
     archive of zeros is a 1.5 GiB array, which the size of the file read (``read_job_input``'s
     bound) says nothing of. The members' sizes in the archive's directory bound what inflating
@@ -108,32 +69,19 @@ def check_npz_size(data: bytes, max_bytes: int, canonical: bool = False) -> None
                     raise ValueError(f".npz member {member.filename[:100]!r}: every member must be one array "
                                      "named *.npy, named once")
                 seen.add(member.filename)
-            if canonical:       # the layout both device SDKs read alike
-                check_zip_layout(data)
             inflated = sum(member.file_size for member in members)
             if inflated > max_bytes:
                 raise ValueError(f".npz inflates to {inflated:,} bytes, more than {max_bytes:,}")
             for member in members:
                 with archive.open(member) as stream:
                     try:
-                        if canonical:
-                            shape, fortran_order, dtype, header_size = read_canonical_npy_header(stream)
-                            if fortran_order:       # even where C order is the same bytes (one row)
-                                raise ValueError("an array in Fortran order")
-                            if any(n > 2 ** 31 - 1 for n in shape):     # Java's arrays: an int's worth
-                                raise ValueError(f"array dimension past 2^31 - 1 in {shape}")
-                        else:
-                            (shape, _, dtype), header_size = read_npy_header(stream), 0
+                        shape, _, dtype = read_npy_header(stream)
                     except ValueError as exc:
                         raise ValueError(f".npz member {member.filename[:100]!r} is not an .npy array: {exc}") from None
-                if canonical and header_size + math.prod(shape) * dtype.itemsize != member.file_size:
-                    raise ValueError(f".npz member {member.filename[:100]!r}: its header declares {shape} of "
-                                     f"{dtype}, not its {member.file_size - header_size:,} bytes of data")
                 if math.prod(shape) * dtype.itemsize > member.file_size:
                     raise ValueError(f".npz member {member.filename[:100]!r}: its header declares {shape} of "
                                      f"{dtype}, more than its {member.file_size:,} bytes")
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError, EOFError, OSError, struct.error,
-            RuntimeError) as exc:       # RuntimeError: zipfile's for a member marked encrypted
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError, EOFError, OSError) as exc:
         raise ValueError(f"not a readable .npz archive: {exc}") from None
 
 

@@ -82,9 +82,10 @@ def bzip2_zip() -> bytes:
     return buf.getvalue()
 
 
-def zip_of(entries: list[tuple[str | bytes, bytes]], deflate_tail: bytes = b"") -> bytes:
+def zip_of(entries: list[tuple[str | bytes, bytes]], deflate_tail: bytes = b"", at: int = 0, flags: int = 0) -> bytes:
     """A zip written by hand: each (name, data) stored, or deflated with ``deflate_tail`` after its
-    stream (inside its compressed size) when that is given."""
+    stream (inside its compressed size) when that is given; its offsets as if it began at byte ``at``
+    of a file; ``flags`` in every header."""
     import struct
     import zlib
 
@@ -93,11 +94,39 @@ def zip_of(entries: list[tuple[str | bytes, bytes]], deflate_tail: bytes = b"") 
         name = name if isinstance(name, bytes) else name.encode()
         method, body = (0, data) if not deflate_tail else (8, (lambda c: c.compress(data) + c.flush())(
             zlib.compressobj(6, zlib.DEFLATED, -15)) + deflate_tail)
-        fields = (20, 0, method, 0, 0x21, zlib.crc32(data), len(body), len(data), len(name), 0)
-        directory += struct.pack("<IH" + "HHHHHIIIHH" + "HHHII", 0x02014B50, 20, *fields, 0, 0, 0, 0, len(local)) + name
+        fields = (20, flags, method, 0, 0x21, zlib.crc32(data), len(body), len(data), len(name), 0)
+        directory += struct.pack("<IH" + "HHHHHIIIHH" + "HHHII", 0x02014B50, 20, *fields, 0, 0, 0, 0,
+                                 at + len(local)) + name
         local += struct.pack("<I" + "HHHHHIIIHH", 0x04034B50, *fields) + name + body
     return local + directory + struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, len(entries), len(entries), len(directory),
-                                           len(local), 0)
+                                           at + len(local), 0)
+
+
+def end_record_in_a_comment() -> bytes:
+    """Another head (coef/intercept, 5 x 4), its directory and its end record inside the real end
+    record's comment, that inner record's own comment (7 bytes) not reaching the file's end: zipfile
+    took the inner one (the last signature), Java the real one: one file, two heads."""
+    import struct
+
+    real = zip_of([("weight.npy", npy("<f4", "(2, 3)", W.tobytes())), BIAS])
+    inner = zip_of([("coef.npy", npy("<f4", "(5, 4)", bytes(80))), ("intercept.npy", npy("<f4", "(5,)", bytes(20)))],
+                   at=len(real))
+    inner = inner[:-2] + struct.pack("<H", 7)
+    return real[:-2] + struct.pack("<H", len(inner)) + inner
+
+
+def zip64_field_past_its_block() -> bytes:
+    """numpy's savez output (its local sizes in a zip64 field of 16 bytes), that field said to be 17
+    long: past the extra block. Java's stream reader skipped it and failed, zipfile read it."""
+    import struct
+
+    buf = io.BytesIO()
+    np.savez(buf, weight=W, bias=B)
+    data = bytearray(buf.getvalue())
+    name_length = struct.unpack_from("<H", data, 26)[0]
+    assert struct.unpack_from("<HH", data, 30 + name_length) == (1, 16)
+    struct.pack_into("<H", data, 30 + name_length + 2, 17)
+    return bytes(data)
 
 
 W, B = np.arange(6, dtype=np.float32).reshape(2, 3), np.array([0.5, -1.0], np.float32)
@@ -165,6 +194,12 @@ FILES = {
     "a byte after the end record": zip_of([("weight.npy", npy("<f4", "(2, 3)", W.tobytes())), BIAS]) + b"\x00",
     "a dimension past an int beside the head": npz([("weight.npy", npy("<f4", "(2, 3)", W.tobytes())), BIAS,
                                                     ("notes.npy", npy("<f4", "(0, 3000000000)", b""))]),
+    "NULs in members' names": zip_of([("weight.npy", npy("<f4", "(2, 3)", W.tobytes())), BIAS,
+                                       (b"coef.npy\x00.npy", npy("<f4", "(5, 4)", bytes(80))),
+                                       (b"intercept.npy\x00.npy", npy("<f4", "(5,)", bytes(20)))]),
+    "an end record in the end record's comment": end_record_in_a_comment(),
+    "a zip64 field past its extra block": zip64_field_past_its_block(),
+    "flag 0x20 in every header": zip_of([("weight.npy", npy("<f4", "(2, 3)", W.tobytes())), BIAS], flags=0x20),
     "a member the directory leaves out": patched_directory(npz([("weight.npy", npy("<f4", "(2, 3)", W.tobytes())), BIAS,
                                                                  ("notes.npy", npy("<i4", "(1,)", bytes(4)))]),
                                                             leave_out="notes.npy"),
@@ -195,3 +230,5 @@ def test_the_python_and_java_devices_take_and_refuse_the_same_head_files(tmp_pat
     assert verdicts == {name: ("OK", "OK") if name.startswith("valid") else ("REFUSED", "REFUSED") for name in FILES}, \
         {name: (python[name][:120], java[name][:120]) for name in FILES}
     assert python["valid"] == java["valid"] == "OK 2 3" == python["valid float64"] == java["valid float64"]
+    assert {name: python[name] for name in FILES if name.startswith("valid")} == \
+        {name: java[name] for name in FILES if name.startswith("valid")}          # the same head, not only taken

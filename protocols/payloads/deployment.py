@@ -37,7 +37,7 @@ import numpy as np
 
 from ..envelope import Envelope, EnvelopeError, body_field
 from ..topics import check_device_id
-from ..files import read_npz
+from ..canonical_npz import read_canonical_npz
 from .artifacts import check_sha
 
 ASSIGN, REPORT = "deployment.assign", "deployment.report"
@@ -150,16 +150,16 @@ def head_from_npz(data: bytes, expected_sha256: str) -> tuple[np.ndarray, np.nda
     try:
         # at most a head's bytes once inflated: a 1 MB file of zeros declaring (16384, 16384) took
         # 3.3 GiB under the 2 GiB default (a review's finding; Java's reader stops at 64 MiB)
-        arrays = read_npz(data, MAX_HEAD_BYTES, canonical=True)
+        arrays = read_canonical_npz(data, MAX_HEAD_BYTES)
         names = next((pair for pair in _HEAD_NAMES if set(pair) <= set(arrays)), None)
         if names is None:
             raise EnvelopeError(f"head holds {sorted(arrays)}: expected coef/intercept or weight/bias")
-        for n, a in arrays.items():     # every member, as the Java device (HeadFile.java); C order: read_npz's
+        for n, a in arrays.items():     # every member, as the Java device (HeadFile.java); C order: read_canonical_npz's
             if a.dtype.kind != "f" or a.dtype.itemsize not in (4, 8) or a.dtype.byteorder == ">":
                 raise EnvelopeError(f"head array {n!r} is {a.dtype.str}: a little-endian float32 or float64 array "
                                     "in C order is what devices read")
         W, b = (np.asarray(arrays[n], dtype=np.float64) for n in names)
-    except (ValueError, OSError, zipfile.BadZipFile) as exc:
+    except ValueError as exc:
         raise EnvelopeError(f"head is not a readable .npz: {exc}") from None
     if W.ndim != 2 or b.shape != (W.shape[0],) or W.size == 0 or not (np.isfinite(W).all() and np.isfinite(b).all()):
         raise EnvelopeError(f"head shapes {W.shape} / {b.shape} are not (C, d) / (C,) finite")

@@ -74,9 +74,10 @@ public final class Npz {
     public static Map<String, Array> read(byte[] npz, long maxBytes) throws IOException { return read(npz, maxBytes, false); }
 
     /** {@link #read(byte[], long)}; with ``canonical`` (a file both SDKs read: a head) the zip's layout
-     *  leaves nothing to choose ({@link ZipLayout}: the rules of protocols/zip_layout.py). */
+     *  leaves nothing to choose and its members are read by {@link ZipLayout} (protocols/zip_layout.py and
+     *  protocols/canonical_npz.py are the Python device's side). */
     public static Map<String, Array> read(byte[] npz, long maxBytes, boolean canonical) throws IOException {
-        if (canonical) ZipLayout.check(npz);
+        if (canonical) return readCanonical(npz, maxBytes);
         Map<String, Array> arrays = new LinkedHashMap<>();
         long total = 0;
         int entries = 0;
@@ -93,6 +94,18 @@ public final class Npz {
             throw new IOException("not a readable zip file: " + e.getMessage());
         }
         requireEndRecord(npz, entries);
+        return arrays;
+    }
+
+    /** The members {@link ZipLayout} reads (never ZipInputStream), each one array named *.npy, named once. */
+    private static Map<String, Array> readCanonical(byte[] npz, long maxBytes) throws IOException {
+        Map<String, Array> arrays = new LinkedHashMap<>();
+        for (Map.Entry<String, byte[]> m : ZipLayout.members(npz, maxBytes).entrySet()) {
+            String name = m.getKey();
+            if (!name.endsWith(".npy") || arrays.containsKey(name.substring(0, name.length() - 4)))
+                throw new IOException("member '" + cut(name) + "': every member must be one array named *.npy");
+            arrays.put(name.substring(0, name.length() - 4), npy(m.getValue()));
+        }
         return arrays;
     }
 
