@@ -352,6 +352,7 @@ class DeploymentFollower(LinkWorker):
         refusal = refusal_of(a, self.device_id, self.slot.seq)
         if refusal is not None:
             return self._refuse(refusal[1], None, refusal[0])
+        redelivery = a["seq"] == self.slot.seq
         try:        # the same seq again: a retained re-delivery, handled below
             self.slot.hold_seq(a["seq"])
         except (OSError, ValueError) as exc:    # not durable (its slot.json unwritable or not a file), not
@@ -372,9 +373,11 @@ class DeploymentFollower(LinkWorker):
             return
         current, previous = self.slot.current, self.slot.previous
         kept = next((v for v in (current, previous) if v is not None and v.sha256 == a["sha256"]), None)
-        if kept is current and current is not None and current.deployment == a["deployment"]:
+        if kept is current and current is not None and current.deployment == a["deployment"] and redelivery:
             return                                          # already running it (a retained re-delivery)
-        if kept is not None:        # the current head in a new deployment (judged, kept), or the previous one
+        # the current head in a new deployment, or under a new sequence (judged again, kept: the controller
+        # asks anew after the device missed a rollback, e.g. its broker session lost), or the previous one
+        if kept is not None:
             try:        # bounded and regular, as the slot reads its heads at start (ModelSlot._read)
                 data = read_regular_file(self.slot.dir / f"{kept.sha256}.npz", "a kept head", D.MAX_HEAD_BYTES)
             except (OSError, ValueError) as exc:

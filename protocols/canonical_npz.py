@@ -55,6 +55,8 @@ def _array(content: bytes) -> np.ndarray:
     stream = io.BytesIO(content)
     with NPY_HEADER_LOCK:
         version = np.lib.format.read_magic(stream)
+        if version not in ((1, 0), (2, 0), (3, 0)):     # numpy reads any other as 2.0; Java refuses it
+            raise ValueError(f"format version {version[0]}.{version[1]}: 1.0, 2.0 or 3.0 is what devices read")
         length_bytes = stream.read(2 if version == (1, 0) else 4)
         length = int.from_bytes(length_bytes, "little")
         if length > MAX_NPY_HEADER_BYTES:

@@ -583,3 +583,41 @@ def test_a_run_sent_again_after_a_rollback_drops_the_devices_old_report(tmp_path
     assert table.devices("dep")["cam-0"]["report"] == report
     table.mark_sent("dep", ["cam-0"], D.RUN)                     # back in the stage: judged anew
     assert table.devices("dep")["cam-0"] == {**table.devices("dep")["cam-0"], "sent": D.RUN, "report": None}
+
+
+def test_a_device_that_missed_its_rollback_judges_the_candidate_again_when_it_is_sent_anew(setup, world, broker):
+    """A review's finding: a device let go by a ``tags:`` canary while offline, and tagged again,
+    whose broker session was lost meanwhile (past its expiry, a broker without persistence) gets only
+    the retained run of the candidate it still runs. It took that as a re-delivery and said nothing,
+    while the controller had dropped its old report (a run after a rollback is judged anew): it ran
+    the candidate outside the guard for good. A run of the head it runs under a new sequence is
+    judged again and reported, on both devices (the Java follower's rule is the same)."""
+    store, controller, fleet = setup
+    W, b = world["good"]
+    v1, v2 = model_id(store, "v1", W, b), model_id(store, "v2", W * 1.5, b * 1.5)
+    sha1, sha2 = D_sha((W, b)), D_sha((W * 1.5, b * 1.5))
+    for d in ("cam-0", "cam-1"):
+        fleet.start(d)
+    ctl = controller()
+    ctl.call(lambda: ctl.deploy(v1, cohort="devices:cam-0,cam-1", stages="100%", bake_s=0, min_reports=2,
+                                deployment_id="v1"))
+    wait_for(lambda: store_state(store, "v1") == "complete" and fleet.sha("cam-0") == sha1, what="v1 settled")
+    store.set_device_tags("cam-0", ["lab"])
+    ctl.call(lambda: ctl.deploy(v2, cohort="tags:lab", stages="100%", bake_s=3600, deployment_id="v2"))
+    wait_for(lambda: fleet.sha("cam-0") == sha2 and ctl.show("v2")["devices"]["cam-0"]["report"] is not None,
+             what="the candidate judged on the tagged device")
+    fleet.followers["cam-0"].stop()                             # offline
+    store.set_device_tags("cam-0", [])
+    wait_for(lambda: ctl.show("v2")["devices"]["cam-0"]["sent"] == "rollback", what="let go while offline")
+    store.set_device_tags("cam-0", ["lab"])
+    wait_for(lambda: ctl.show("v2")["devices"]["cam-0"]["sent"] == "run" and
+             ctl.show("v2")["devices"]["cam-0"]["report"] is None, what="the candidate sent anew, to be judged anew")
+    # its session gone: only the retained run reaches it, not the rollback queued for it
+    session = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="cam-0.deploy",
+                          clean_session=True)
+    session.connect("127.0.0.1", broker.port)
+    session.disconnect()
+    fleet.start("cam-0")
+    wait_for(lambda: ctl.show("v2")["devices"]["cam-0"]["report"] is not None, timeout=30,
+             what="the device running the candidate reports on it again")
+    assert fleet.sha("cam-0") == sha2

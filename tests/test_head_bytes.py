@@ -194,6 +194,8 @@ FILES = {
     "a byte after the end record": zip_of([("weight.npy", npy("<f4", "(2, 3)", W.tobytes())), BIAS]) + b"\x00",
     "a dimension past an int beside the head": npz([("weight.npy", npy("<f4", "(2, 3)", W.tobytes())), BIAS,
                                                     ("notes.npy", npy("<f4", "(0, 3000000000)", b""))]),
+    "npy version 2.1": npz([("weight.npy", npy_v2(W).replace(b"NUMPY\x02\x00", b"NUMPY\x02\x01")), BIAS]),
+    "a file past 64 MiB": head_npz(np.zeros((1, 16_777_151), np.float32), np.zeros(1, np.float32)),
     "NULs in members' names": zip_of([("weight.npy", npy("<f4", "(2, 3)", W.tobytes())), BIAS,
                                        (b"coef.npy\x00.npy", npy("<f4", "(5, 4)", bytes(80))),
                                        (b"intercept.npy\x00.npy", npy("<f4", "(5,)", bytes(20)))]),

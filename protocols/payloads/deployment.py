@@ -147,6 +147,8 @@ def head_from_npz(data: bytes, expected_sha256: str) -> tuple[np.ndarray, np.nda
     digest = hashlib.sha256(data).hexdigest()
     if digest != expected_sha256:
         raise EnvelopeError(f"head sha256 {digest[:16]}… differs from the assigned {expected_sha256[:16]}…")
+    if len(data) > MAX_HEAD_BYTES:          # as the Java device (HeadFile.parse): the file, whatever it inflates to
+        raise EnvelopeError(f"head of {len(data):,} bytes: at most {MAX_HEAD_BYTES:,}")
     try:
         # at most a head's bytes once inflated: a 1 MB file of zeros declaring (16384, 16384) took
         # 3.3 GiB under the 2 GiB default (a review's finding; Java's reader stops at 64 MiB)

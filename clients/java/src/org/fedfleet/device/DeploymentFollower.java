@@ -142,6 +142,7 @@ public final class DeploymentFollower implements AutoCloseable {
     }
 
     private void onAssignment(ModelSlot.Assignment a) {
+        boolean redelivery = a.seq == slot.seq();
         try {
             slot.admit(a, deviceId);
         } catch (ModelSlot.Refusal r) {
@@ -167,8 +168,10 @@ public final class DeploymentFollower implements AutoCloseable {
         }
         ModelSlot.Version current = slot.current(), previous = slot.previous();
         if (current != null && current.sha256.equals(a.sha256)) {
-            if (!current.deployment.equals(a.deployment)) adopt(a, current.head, null, Double.NaN);   // judged again, kept
-            return;                                        // else: already running it (a retained re-delivery)
+            // judged again, kept: another deployment's, or a new sequence (the controller asks anew after the
+            // device missed a rollback, e.g. its broker session lost); else a retained re-delivery
+            if (!current.deployment.equals(a.deployment) || !redelivery) adopt(a, current.head, null, Double.NaN);
+            return;
         }
         if (previous != null && previous.sha256.equals(a.sha256)) {
             try {
