@@ -621,3 +621,48 @@ def test_a_device_that_missed_its_rollback_judges_the_candidate_again_when_it_is
     wait_for(lambda: ctl.show("v2")["devices"]["cam-0"]["report"] is not None, timeout=30,
              what="the device running the candidate reports on it again")
     assert fleet.sha("cam-0") == sha2
+
+
+def test_a_device_let_go_by_a_canary_that_takes_a_replayed_candidate_is_sent_the_settled_version(setup, world,
+                                                                                              broker):
+    """A review's finding: a device let go by a ``tags:`` canary (untagged) that lost its state and
+    its broker session, then took the candidate's run replayed to it, reported on an assignment not
+    its last, and the controller sent it nothing (it was in the canary's record): it stayed on the
+    candidate, unjudged. It is sent the settled version's run again, as a device outside the canary is."""
+    import shutil
+
+    store, controller, fleet = setup
+    topics = fleet.topics
+    W, b = world["good"]
+    v1, v2 = model_id(store, "v1", W, b), model_id(store, "v2", W * 1.5, b * 1.5)
+    sha1, sha2 = D_sha((W, b)), D_sha((W * 1.5, b * 1.5))
+    sniffer = Sniffer(broker, [topics.deploy("cam-0"), topics.deploy_in("cam-0")])
+    for d in ("cam-0", "cam-1"):
+        fleet.start(d)
+    ctl = controller()
+    try:
+        ctl.call(lambda: ctl.deploy(v1, cohort="devices:cam-0,cam-1", stages="100%", bake_s=0, min_reports=2,
+                                    deployment_id="v1"))
+        wait_for(lambda: store_state(store, "v1") == "complete" and fleet.sha("cam-0") == sha1, what="v1 settled")
+        store.set_device_tags("cam-0", ["lab"])
+        ctl.call(lambda: ctl.deploy(v2, cohort="tags:lab", stages="100%", bake_s=3600, deployment_id="v2"))
+        wait_for(lambda: fleet.sha("cam-0") == sha2, what="the candidate on the tagged device")
+        run_v2 = next(p for p in sniffer.seen[topics.deploy("cam-0")]
+                      if decode(p).body.get("deployment") == "v2" and decode(p).body.get("action") == "run")
+        head_v2 = next(p for p in sniffer.seen[topics.deploy_in("cam-0")] if decode(p).body.get("name") == "v2.npz")
+        store.set_device_tags("cam-0", [])
+        wait_for(lambda: fleet.sha("cam-0") == sha1 and ctl.last["cam-0"][0] == "v1", what="let go: v1 again")
+        fleet.followers["cam-0"].stop()
+        shutil.rmtree(fleet.tmp / "cam-0")                      # its deployment state lost, and its session
+        session = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="cam-0.deploy", clean_session=True)
+        session.connect("127.0.0.1", broker.port)
+        session.disconnect()
+        sniffer.publish(topics.deploy("cam-0"), run_v2, retain=True)
+        fleet.start("cam-0")
+        wait_for(lambda: fleet.followers["cam-0"]._pending is not None, what="the replayed run taken")
+        sniffer.publish(topics.deploy_in("cam-0"), head_v2)
+        wait_for(lambda: ctl.show("v2")["counts"].get("late_reports"), what="its report on the replay refused")
+        wait_for(lambda: fleet.sha("cam-0") == sha1, timeout=30,
+                 what=f"cam-0 on the settled version again (the controller's last: {ctl.last['cam-0']})")
+    finally:
+        sniffer.close()
