@@ -48,20 +48,39 @@ class Sniffer:
         self.client.disconnect()
 
 
+def two_versions(store, world) -> tuple[tuple[int, int], tuple[str, str]]:
+    """Models v1 and v2, heads of the same argmax and other bytes: ((their ids), (their sha256s))."""
+    W, b = world["good"]
+    return ((model_id(store, "v1", W, b), model_id(store, "v2", W * 1.5, b * 1.5)),
+            (D_sha((W, b)), D_sha((W * 1.5, b * 1.5))))
+
+
+def settle(ctl, store, fleet, model: int, sha: str, deployment_id: str = "v1") -> None:
+    """``model`` rolled out to cam-0 and cam-1 and complete: the settled version."""
+    ctl.call(lambda: ctl.deploy(model, cohort="devices:cam-0,cam-1", stages="100%", bake_s=0, min_reports=2,
+                                deployment_id=deployment_id))
+    wait_for(lambda: store_state(store, deployment_id) == "complete" and fleet.sha("cam-0") == fleet.sha("cam-1") == sha,
+             what=f"{deployment_id} settled on both devices")
+
+
+def tagged_canary(ctl, store, fleet, model: int, sha: str, deployment_id: str = "v2") -> None:
+    """cam-0 tagged ``lab`` and ``model`` in a ``tags:lab`` canary baking for an hour, judged on cam-0."""
+    store.set_device_tags("cam-0", ["lab"])
+    ctl.call(lambda: ctl.deploy(model, cohort="tags:lab", stages="100%", bake_s=3600, deployment_id=deployment_id))
+    wait_for(lambda: fleet.sha("cam-0") == sha and ctl.show(deployment_id)["devices"]["cam-0"]["report"] is not None,
+             what="the candidate judged on the tagged device")
+
+
 def test_a_replayed_older_assignment_and_head_are_refused_and_late_reports_counted(setup, world, broker):
     store, controller, fleet = setup
     T = fleet.topics
-    W, b = world["good"]
-    v1, v2 = model_id(store, "v1", W, b), model_id(store, "v2", W * 1.5, b * 1.5)    # same argmax, other bytes
-    sha1, sha2 = D_sha((W, b)), D_sha((W * 1.5, b * 1.5))
+    (v1, v2), (sha1, sha2) = two_versions(store, world)
     sniffer = Sniffer(broker, [T.deploy("cam-0"), T.deploy_in("cam-0")])
     for d in ("cam-0", "cam-1"):
         fleet.start(d)
     ctl = controller()
     try:
-        ctl.call(lambda: ctl.deploy(v1, cohort="devices:cam-0,cam-1", stages="100%", bake_s=0, min_reports=2,
-                                    deployment_id="v1"))
-        wait_for(lambda: store_state(store, "v1") == "complete" and fleet.sha("cam-0") == sha1, what="v1 everywhere")
+        settle(ctl, store, fleet, v1, sha1)
         old_assignment = sniffer.seen[T.deploy("cam-0")][-1]
         old_head = next(p for p in sniffer.seen[T.deploy_in("cam-0")] if decode(p).body.get("sha256") == sha1)
         assert D.parse_assignment(decode(old_assignment))["sha256"] == sha1       # what was captured: v1's, signed
@@ -523,28 +542,18 @@ def test_a_device_untagged_mid_canary_goes_back_to_the_settled_version_and_retur
     follows, and it gets the candidate again when it is tagged again. A later rollback of the settled
     version takes it where it takes the others, never back to the candidate (a review's finding)."""
     store, controller, fleet = setup
-    W, b = world["good"]
-    v1, v2 = model_id(store, "v1", W, b), model_id(store, "v2", W * 1.5, b * 1.5)    # same argmax, other bytes
-    sha1, sha2 = D_sha((W, b)), D_sha((W * 1.5, b * 1.5))
+    (v1, v2), (sha1, sha2) = two_versions(store, world)
     for d in ("cam-0", "cam-1"):
         fleet.start(d)
-    store.set_device_tags("cam-0", ["lab"])
     ctl = controller()
-    ctl.call(lambda: ctl.deploy(v2, cohort="tags:lab", stages="100%", bake_s=3600, deployment_id="first"))
-    wait_for(lambda: fleet.sha("cam-0") == sha2, what="the first candidate on the tagged device")
+    tagged_canary(ctl, store, fleet, v2, sha2, "first")
     store.set_device_tags("cam-0", [])                                  # no settled version: rolled back
     wait_for(lambda: fleet.sha("cam-0") is None, what="the first candidate rolled back on the untagged device")
     assert ctl.call(lambda: ctl.active.sent["cam-0"])["sent"] == "rollback" and ctl.show("first")["state"] == "canary"
     ctl.call(lambda: ctl.rollback("first"))
 
-    ctl.call(lambda: ctl.deploy(v1, cohort="devices:cam-0,cam-1", stages="100%", bake_s=0, min_reports=2,
-                                deployment_id="v1"))
-    wait_for(lambda: store_state(store, "v1") == "complete" and fleet.sha("cam-0") == fleet.sha("cam-1") == sha1,
-             what="v1 settled everywhere")
-    store.set_device_tags("cam-0", ["lab"])
-    ctl.call(lambda: ctl.deploy(v2, cohort="tags:lab", stages="100%", bake_s=3600, deployment_id="v2"))
-    wait_for(lambda: fleet.sha("cam-0") == sha2 and ctl.show("v2")["devices"]["cam-0"]["report"] is not None,
-             what="the candidate judged on the tagged device")
+    settle(ctl, store, fleet, v1, sha1)
+    tagged_canary(ctl, store, fleet, v2, sha2)
     store.set_device_tags("cam-0", [])
     wait_for(lambda: fleet.sha("cam-0") == sha1 and ctl.last["cam-0"][0] == "v1",
              what="the settled version back on the untagged device, and its run sent")
@@ -593,19 +602,12 @@ def test_a_device_that_missed_its_rollback_judges_the_candidate_again_when_it_is
     the candidate outside the guard for good. A run of the head it runs under a new sequence is
     judged again and reported, on both devices (the Java follower's rule is the same)."""
     store, controller, fleet = setup
-    W, b = world["good"]
-    v1, v2 = model_id(store, "v1", W, b), model_id(store, "v2", W * 1.5, b * 1.5)
-    sha1, sha2 = D_sha((W, b)), D_sha((W * 1.5, b * 1.5))
+    (v1, v2), (sha1, sha2) = two_versions(store, world)
     for d in ("cam-0", "cam-1"):
         fleet.start(d)
     ctl = controller()
-    ctl.call(lambda: ctl.deploy(v1, cohort="devices:cam-0,cam-1", stages="100%", bake_s=0, min_reports=2,
-                                deployment_id="v1"))
-    wait_for(lambda: store_state(store, "v1") == "complete" and fleet.sha("cam-0") == sha1, what="v1 settled")
-    store.set_device_tags("cam-0", ["lab"])
-    ctl.call(lambda: ctl.deploy(v2, cohort="tags:lab", stages="100%", bake_s=3600, deployment_id="v2"))
-    wait_for(lambda: fleet.sha("cam-0") == sha2 and ctl.show("v2")["devices"]["cam-0"]["report"] is not None,
-             what="the candidate judged on the tagged device")
+    settle(ctl, store, fleet, v1, sha1)
+    tagged_canary(ctl, store, fleet, v2, sha2)
     fleet.followers["cam-0"].stop()                             # offline
     store.set_device_tags("cam-0", [])
     wait_for(lambda: ctl.show("v2")["devices"]["cam-0"]["sent"] == "rollback", what="let go while offline")
@@ -633,20 +635,14 @@ def test_a_device_let_go_by_a_canary_that_takes_a_replayed_candidate_is_sent_the
 
     store, controller, fleet = setup
     topics = fleet.topics
-    W, b = world["good"]
-    v1, v2 = model_id(store, "v1", W, b), model_id(store, "v2", W * 1.5, b * 1.5)
-    sha1, sha2 = D_sha((W, b)), D_sha((W * 1.5, b * 1.5))
+    (v1, v2), (sha1, sha2) = two_versions(store, world)
     sniffer = Sniffer(broker, [topics.deploy("cam-0"), topics.deploy_in("cam-0")])
     for d in ("cam-0", "cam-1"):
         fleet.start(d)
     ctl = controller()
     try:
-        ctl.call(lambda: ctl.deploy(v1, cohort="devices:cam-0,cam-1", stages="100%", bake_s=0, min_reports=2,
-                                    deployment_id="v1"))
-        wait_for(lambda: store_state(store, "v1") == "complete" and fleet.sha("cam-0") == sha1, what="v1 settled")
-        store.set_device_tags("cam-0", ["lab"])
-        ctl.call(lambda: ctl.deploy(v2, cohort="tags:lab", stages="100%", bake_s=3600, deployment_id="v2"))
-        wait_for(lambda: fleet.sha("cam-0") == sha2, what="the candidate on the tagged device")
+        settle(ctl, store, fleet, v1, sha1)
+        tagged_canary(ctl, store, fleet, v2, sha2)
         run_v2 = next(p for p in sniffer.seen[topics.deploy("cam-0")]
                       if decode(p).body.get("deployment") == "v2" and decode(p).body.get("action") == "run")
         head_v2 = next(p for p in sniffer.seen[topics.deploy_in("cam-0")] if decode(p).body.get("name") == "v2.npz")
