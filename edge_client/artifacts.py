@@ -18,13 +18,12 @@ The manifest is read as every manifest is (``protocols.bundle_manifest``: the sc
 files, each a plain name listed once and never ``manifest.json``) before any file is asked for, and
 the files together may hold no more than ``max_bundle_bytes`` (2 GiB unless told less; a bundle
 is tens of MB): a manifest that is not one, or names more than that, is one clear refusal before
-anything is fetched. Each file is written as it arrives and the manifest last, so a fetch cut short leaves no
-bundle that loads and never more than one file in memory.
+anything is fetched. Each file is written as it arrives and the manifest last, so a fetch cut
+short leaves no bundle that loads and never holds more than one file in memory.
 """
 
 from __future__ import annotations
 
-import json
 import queue
 import time
 from pathlib import Path

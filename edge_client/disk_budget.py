@@ -56,7 +56,7 @@ class DiskBudget:
                 _remove(path)
             except OSError as exc:          # a device goes on with a fuller disk, never stops for it
                 log.warning("%s: cannot remove %s: %s", self.root, path.name, exc)
-                total -= size - _size(path) if path.exists() else size    # what did go counts as freed
+                total -= size - _size_left(path)      # what did go counts as freed
                 continue
             total -= size
             removed.append(path)
@@ -85,6 +85,14 @@ def _size(path: Path) -> int:
             except OSError:
                 pass
     return total
+
+
+def _size_left(path: Path) -> int:
+    """What an entry still holds (0 once it is gone, even if it goes while it is measured)."""
+    try:
+        return _size(path)
+    except OSError:
+        return 0
 
 
 def _remove(path: Path) -> None:

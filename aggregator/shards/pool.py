@@ -11,14 +11,14 @@ Messages, coordinator → shard: ``("keys", device -> public key)`` (signatures 
 before the job, so a shard never reads a result unverified), ``("key", device, public key | None)``,
 ``("admit", devices | None)`` (who may contribute: a shard holds only their chunks; None: an open
 fleet), ``("admitted", device, bool)``,
-``("refeed", topic, payload)`` (a chunk the shard refused before it heard of its device's admission),
+``("refeed", topic, payload)`` (a message the shard refused before it heard of its device's admission or key),
 ``("job", job_id, kind, config)``, ``("closed", job_id, round, accepted, earlier)`` (a round's
 close: its rows, and with ``earlier`` those of the rounds before, outside ``accepted`` are orphans,
 deleted), ``("sums" | "statistics",
 request, job_id, accepted, context)``, ``("group_open", round config, hosting context)``, ``("group_offline" |
 "group_abort", round, device | reason)``, ``("stop",)``; shard → coordinator: ``("ready",)`` once
 connected to the broker, ``("receipt", topic, raw)``, ``("forward", topic, payload)``, ``("unadmitted", topic, payload)`` (a
-chunk of a device the shard had not been told was admitted: handed back if it is), ``("sums",
+message of a device the shard had not been told was admitted, or whose key it lacks: handed back if it is), ``("sums",
 request, node sums or statistics, or the reason it has none)``, ``("group", job_id, "sum", round,
 culprits, total, survivors)`` or ``("group", job_id, "failed", round, culprits, reason)`` (a hosted secure group's end,
 ``secure_groups.py``).
