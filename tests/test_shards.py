@@ -83,6 +83,73 @@ def test_two_shards_give_one_aggregators_model_bit_for_bit(local_shards_run, uns
     assert_each_device_once(state, 2)
 
 
+@pytest.mark.ray_cluster
+@needs_ray
+def test_a_ray_shard_slow_to_take_its_commands_holds_up_no_other_shards_commands(tmp_path, ray_test_cluster):
+    """A Ray shard takes a command only once it took the one before (a threaded actor runs calls in
+    no set order); that wait, up to a minute for an actor still starting, must not hold the pool's
+    send lock, which every other shard's commands and the readers' hand-backs take. Two real actors
+    on the test cluster: shard 0 does not take its first command until told; shard 1's commands,
+    sent after shard 0's second, arrive meanwhile, and shard 0 then gets both in order."""
+    import ray
+
+    from aggregator.shards.ray_shards import RayShards
+    from protocols.mqtt_link import BrokerConfig
+
+    @ray.remote(num_cpus=0, max_concurrency=4)
+    class HeldShard:            # speaks what the pool calls on a shard actor; takes commands when let
+        def __init__(self, held: bool):
+            import threading
+            self.got, self.let = [], threading.Event()
+            if not held:
+                self.let.set()
+
+        def command(self, command):
+            self.let.wait(60)
+            self.got.append(command)
+
+        def release(self):
+            self.let.set()
+
+        def received(self):
+            return list(self.got)
+
+        def where(self):
+            return {"node_id": ray.get_runtime_context().get_node_id()}
+
+        def take(self, timeout_s):
+            import time
+            time.sleep(timeout_s)
+            return []
+
+        def join(self, timeout_s):
+            return True
+
+    pool = RayShards(ray_test_cluster, 2, BrokerConfig(), tmp_path)
+    try:
+        held, free = HeldShard.remote(True), HeldShard.remote(False)
+        pool._attach(0, held)
+        pool._attach(1, free)
+        sent = time.monotonic()
+        pool._send(0, ("first",))
+        pool._send(0, ("second",))              # waits for "first" to be taken, not here
+        for n in range(3):
+            pool._send(1, ("other", n))
+        assert time.monotonic() - sent < 5
+        deadline = time.monotonic() + 30
+        while ray.get(free.received.remote()) != [("other", 0), ("other", 1), ("other", 2)]:
+            assert time.monotonic() < deadline, ray.get(free.received.remote())
+            time.sleep(0.1)
+        assert ray.get(held.received.remote()) == []        # shard 0 still holding its first
+        ray.get(held.release.remote())
+        while ray.get(held.received.remote()) != [("first",), ("second",)]:
+            assert time.monotonic() < deadline, ray.get(held.received.remote())
+            time.sleep(0.1)
+        assert pool._exited(0) is None and pool._exited(1) is None
+    finally:
+        pool.close()
+
+
 @pytest.mark.slow
 @pytest.mark.ray_cluster
 @needs_ray

@@ -22,6 +22,7 @@ import queue
 import socket
 import threading
 from pathlib import Path
+from typing import Callable
 
 from protocols.mqtt_link import BrokerConfig
 from protocols.ray_cluster import join_ray
@@ -96,6 +97,44 @@ class ShardActor:
         return not self.thread.is_alive()
 
 
+class ActorCommands:
+    """One actor's commands, delivered in the order they were queued by a thread of their own.
+
+    A threaded actor may run two calls at once, out of order, so each command is submitted only
+    once the actor has taken the one before. That wait (up to COMMAND_TIMEOUT_S for an actor still
+    starting) happens here, never under the pool's ``send_lock``: queueing a command is all a
+    sender does, so one slow actor holds up neither the other shards' commands nor the reader
+    threads handing messages back. ``failed(exc)`` is called once if the actor cannot take one
+    (dead, or not taking it in time); the commands after it are dropped (its successor is told
+    the job again at its start)."""
+
+    def __init__(self, ray, actor, failed: Callable[[Exception], None]):
+        self.ray, self.actor, self.failed = ray, actor, failed
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._deliver, daemon=True)
+        self._thread.start()
+
+    def put(self, command: tuple) -> None:
+        self._queue.put(command)
+
+    def close(self, timeout_s: float = 0.0) -> None:
+        """Deliver what was queued (waiting up to ``timeout_s`` for it to be taken), then stop."""
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+
+    def _deliver(self) -> None:
+        pending = None
+        try:
+            while (command := self._queue.get()) is not None:
+                if pending is not None:
+                    self.ray.get(pending, timeout=COMMAND_TIMEOUT_S)
+                pending = self.actor.command.remote(command)
+            if pending is not None:
+                self.ray.get(pending, timeout=COMMAND_TIMEOUT_S)
+        except self.ray.exceptions.RayError as exc:
+            self.failed(exc)
+
+
 class RayShards(ShardPool):
     """The shards as Ray actors, one CPU each, on the cluster at ``address`` ("auto": the local
     cluster started with ``ray start``; else its head's host:port)."""
@@ -107,7 +146,7 @@ class RayShards(ShardPool):
         # threaded: take() waits for messages while commands come in
         self._remote = self.ray.remote(num_cpus=1, max_concurrency=4)(ShardActor)
         self._actors: list = [None] * shards
-        self._pending: list = [None] * shards       # each actor's last command: the next waits for it (order)
+        self._commands: list[ActorCommands | None] = [None] * shards
         self._ended: list[str | None] = [None] * shards
         self.placement: list[dict | None] = [None] * shards
         self._placement_lock = threading.Lock()
@@ -125,10 +164,20 @@ class RayShards(ShardPool):
     def _launch(self, index: int) -> None:
         old, self._actors[index] = self._actors[index], None
         if old is not None:         # dead, or never placed: either way never two shards on one store
+            self._commands[index].close()
             self.ray.kill(old)
-        actor = self._remote.options(**self._options(index)).remote(*self.shard_args(index))
-        self._actors[index], self._pending[index], self._ended[index] = actor, None, None
+        self._attach(index, self._remote.options(**self._options(index)).remote(*self.shard_args(index)))
+
+    def _attach(self, index: int, actor) -> None:
+        """Reach shard ``index`` through ``actor`` from now on: its commands and its messages."""
+        self._ended[index] = None
+        self._commands[index] = ActorCommands(self.ray, actor, lambda exc: self._failed(index, actor, exc))
+        self._actors[index] = actor
         threading.Thread(target=self._read, args=(index, actor), daemon=True).start()
+
+    def _failed(self, index: int, actor, exc: Exception) -> None:
+        if self._actors[index] is actor:        # not a predecessor's late failure
+            self._ended[index] = _reason(exc)
 
     def _read(self, index: int, actor) -> None:
         try:
@@ -139,8 +188,7 @@ class RayShards(ShardPool):
                 for message in self.ray.get(actor.take.remote(1.0)):
                     self._received(index, message)
         except self.ray.exceptions.RayError as exc:
-            if self._actors[index] is actor:
-                self._ended[index] = _reason(exc)
+            self._failed(index, actor, exc)
 
     def _placed(self, index: int, where: dict) -> None:
         with self._placement_lock:
@@ -150,22 +198,19 @@ class RayShards(ShardPool):
             path.with_suffix(".tmp").replace(path)
 
     def _send(self, index: int, command: tuple) -> None:
-        with self.send_lock:                        # one command in flight per actor, whichever thread sends
-            actor = self._actors[index]
-            if actor is None or self._ended[index] is not None:
+        with self.send_lock:                        # the pool's order, across threads
+            if self._actors[index] is None or self._ended[index] is not None:
                 return                              # dead: watch() restarts it
-            try:
-                if self._pending[index] is not None:    # a threaded actor may run two calls out of order
-                    self.ray.get(self._pending[index], timeout=COMMAND_TIMEOUT_S)
-                self._pending[index] = actor.command.remote(command)
-            except self.ray.exceptions.RayError as exc:
-                self._ended[index] = _reason(exc)
+            self._commands[index].put(command)
 
     def _exited(self, index: int) -> str | None:
         return self._ended[index]
 
     def _stop(self) -> None:
         live = [a for a in self._actors if a is not None]
+        for commands in self._commands:             # ("stop",) taken by each before it is joined
+            if commands is not None:
+                commands.close(COMMAND_TIMEOUT_S / 4)
         try:                                        # each leaves the broker cleanly, then goes
             self.ray.get([a.join.remote(10.0) for a in live], timeout=15.0)
         except self.ray.exceptions.RayError:
