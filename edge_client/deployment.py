@@ -37,6 +37,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import os
 import re
 import threading
 import time
@@ -102,7 +103,8 @@ class ModelSlot:
         self.local_labels: np.ndarray | None = None
         self.seq = 0                    # the highest assignment sequence accepted: a lower one is a replay
         self.seq_key: str | None | object = None   # the aggregator key it was held under (sha256; None: none)
-        self._load()
+        with _FolderLock(self.dir):     # not between another slot's head file going and its state
+            self._load()
         if local_labels is not None:
             labels = np.unique(np.asarray(local_labels))
             if labels.ndim != 1 or labels.size == 0 or not np.issubdtype(labels.dtype, np.integer) or labels.min() < 0:
@@ -260,19 +262,41 @@ class ModelSlot:
 
 
 class _FolderLock:
-    """An exclusive advisory lock on ``folder`` (its ``.slot.lock``) across processes."""
+    """An exclusive lock on ``folder`` (its ``.slot.lock``) across processes and threads.
+
+    The lock is a POSIX record lock (``fcntl``), the kind the Java device's ``FileChannel.lock``
+    takes, so a Python and a Java slot on one folder exclude each other (on Linux an ``flock`` and
+    a record lock do not see each other). A record lock is the process's, not the open file's: a
+    second slot of this process would take it again, and closing its file would drop the first's;
+    so a threading lock per folder serialises the process's own slots before it."""
+
+    _in_process: dict[str, threading.Lock] = {}
+    _registry = threading.Lock()
 
     def __init__(self, folder: Path):
         self.path = folder / ".slot.lock"
+        with _FolderLock._registry:
+            self._threads = _FolderLock._in_process.setdefault(os.path.realpath(self.path), threading.Lock())
 
     def __enter__(self) -> "_FolderLock":
-        self.handle = open(self.path, "a+b")
-        fcntl.flock(self.handle, fcntl.LOCK_EX)
+        self._threads.acquire()
+        try:
+            self.handle = open(self.path, "a+b")
+            try:
+                fcntl.lockf(self.handle, fcntl.LOCK_EX)
+            except BaseException:
+                self.handle.close()
+                raise
+        except BaseException:
+            self._threads.release()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
-        fcntl.flock(self.handle, fcntl.LOCK_UN)
-        self.handle.close()
+        try:
+            self.handle.close()         # drops the record lock
+        finally:
+            self._threads.release()
 
 
 def refusal_of(a: dict, device_id: str, held_seq: int) -> tuple[str, str] | None:

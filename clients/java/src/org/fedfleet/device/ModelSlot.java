@@ -11,18 +11,28 @@
 // (OLL) gives its training labels: it predicts with the head pruned to those classes, as it
 // judged the candidate (the labels are kept in slot.json). java.io only (no java.nio.file), as the
 // rest of the library, for Android: the rename is rename(2), atomic within one directory.
+//
+// The application may open a slot of its own on the folder (to predict as the device does) while
+// the follower swaps heads, in another process, Java or Python: every read and write of the
+// folder holds its lock (.slot.lock, a POSIX record lock: FileChannel.lock here, fcntl.lockf in
+// edge_client/deployment.py, so the two exclude each other; an flock would not see this one), and
+// a commit reads what the other wrote again under it, by the Python slot's rules (a labels-only
+// commit keeps the saved heads and sequence, a swap the higher sequence and the saved labels).
 package org.fedfleet.device;
 
 import java.io.File;
 import java.io.FileInputStream;
 import java.io.IOException;
+import java.io.RandomAccessFile;
 import java.math.BigInteger;
+import java.nio.channels.FileLock;
 import java.nio.charset.StandardCharsets;
 import java.util.ArrayList;
 import java.util.LinkedHashMap;
 import java.util.List;
 import java.util.Map;
 import java.util.TreeSet;
+import java.util.concurrent.ConcurrentHashMap;
 import java.util.regex.Pattern;
 import org.fedfleet.wire.Envelope;
 import org.fedfleet.wire.Json;
@@ -66,8 +76,12 @@ public final class ModelSlot {
         State(Version current, Version previous) { this.current = current; this.previous = previous; }
     }
 
+    /** The folders this JVM's slots lock, each a monitor: a record lock is the process's, so two slots of
+     *  one JVM on a folder would both take it (FileChannel.lock refuses the second with an exception). */
+    private static final Map<String, Object> IN_PROCESS = new ConcurrentHashMap<>();
+
     public final File dir;
-    private final int[] localLabels;              // sorted, distinct; null: the full head
+    private volatile int[] localLabels;           // sorted, distinct; null: the full head
     private volatile State state;
     private volatile long seq;                    // the highest assignment sequence accepted: a lower one is a replay
     private String seqKey;                        // the aggregator key it was held under (sha256 hex; null: none)
@@ -79,21 +93,61 @@ public final class ModelSlot {
     public ModelSlot(File dir, int[] localLabels) throws IOException {
         this.dir = dir;
         if (!dir.isDirectory() && !dir.mkdirs()) throw new IOException("cannot create " + dir);
-        File file = new File(dir, STATE_FILE);
-        Map<String, Object> saved = file.exists() ? checked(file, object(parseJson(readAll(file, MAX_STATE_BYTES)))) : null;
-        State loaded = new State(null, null);
-        int[] labels = null;
-        if (saved != null) {
-            loaded = new State(read(saved.get("current")), read(saved.get("previous")));
-            Object kept = saved.get("local_labels");
-            if (saved.get("seq") != null) seq = ((BigInteger) saved.get("seq")).longValue();
-            legacySeq = !saved.containsKey("seq_key");
-            if (saved.get("seq_key") instanceof String) seqKey = (String) saved.get("seq_key");
-            if (kept instanceof List) labels = ((List<?>) kept).stream().mapToInt(x -> ((BigInteger) x).intValue()).toArray();
+        int[] own = localLabels != null ? distinctSorted(localLabels) : null;
+        synchronized (this) {
+            underFolderLock(() -> {
+                load();
+                if (own != null) {              // a labels-only commit: what was just read, these labels
+                    this.localLabels = own;
+                    write(state);
+                }
+            });
         }
-        this.localLabels = localLabels != null ? distinctSorted(localLabels) : labels;
-        this.state = loaded;
-        if (localLabels != null) synchronized (this) { commit(loaded); }
+    }
+
+    /** What slot.json says (heads, sequence, key, labels); nothing when there is none. */
+    private void load() throws IOException {
+        Map<String, Object> saved = saved();
+        if (saved == null) {
+            state = new State(null, null);
+            return;
+        }
+        state = new State(read(saved.get("current")), read(saved.get("previous")));
+        seq = savedSeq(saved);
+        legacySeq = !saved.containsKey("seq_key");
+        seqKey = saved.get("seq_key") instanceof String ? (String) saved.get("seq_key") : null;
+        localLabels = savedLabels(saved);
+    }
+
+    private Map<String, Object> saved() throws IOException {
+        File file = new File(dir, STATE_FILE);
+        return file.exists() ? checked(file, object(parseJson(readAll(file, MAX_STATE_BYTES)))) : null;
+    }
+
+    private static long savedSeq(Map<String, Object> saved) {
+        return saved.get("seq") != null ? ((BigInteger) saved.get("seq")).longValue() : 0;
+    }
+
+    private static int[] savedLabels(Map<String, Object> saved) {
+        Object kept = saved.get("local_labels");
+        return kept instanceof List ? ((List<?>) kept).stream().mapToInt(x -> ((BigInteger) x).intValue()).toArray() : null;
+    }
+
+    private interface FolderWork { void run() throws IOException; }
+
+    /** ``work`` holding the folder's lock: this JVM's monitor for it, then the record lock on .slot.lock. */
+    private void underFolderLock(FolderWork work) throws IOException {
+        File lockFile = new File(dir, ".slot.lock");
+        synchronized (IN_PROCESS.computeIfAbsent(lockFile.getCanonicalPath(), k -> new Object())) {
+            try (RandomAccessFile file = new RandomAccessFile(lockFile, "rw")) {
+                FileLock held = file.getChannel().lock();       // released when the file closes
+                try {
+                    work.run();
+                } finally {
+                    held.release();
+                }
+            }
+        }
     }
 
     public Version current() { return state.current; }
@@ -199,9 +253,10 @@ public final class ModelSlot {
             throw new IOException("head sha256 " + digest.substring(0, 16) + "… differs from the assigned " + sha256);
         HeadFile head = HeadFile.parse(data);
         if (localLabels != null) head.predict(new float[0][], localLabels);     // a class it has no row for: refused now
-        AtomicFile.write(new File(dir, sha256 + ".npz"), data);
         Version v = new Version(sha256, deployment, bundleSha256, head);
-        commit(new State(v, state.current));
+        // the file written under the lock, with the state naming it: written before, another slot's
+        // commit in between would delete it as unnamed (the Python slot's review finding)
+        commit(new State(v, state.current), data);
         return v;
     }
 
@@ -222,7 +277,27 @@ public final class ModelSlot {
         return true;
     }
 
-    private void commit(State next) throws IOException {
+    private void commit(State next) throws IOException { commit(next, null); }
+
+    /** Write ``next`` (with ``newFile``, the current head's bytes, first), holding the folder's lock,
+     *  after reading again what another slot on the folder wrote: the higher sequence under this key
+     *  is kept, and its labels when this slot has none (edge_client/deployment.py ModelSlot._commit). */
+    private void commit(State next, byte[] newFile) throws IOException {
+        underFolderLock(() -> {
+            if (newFile != null) AtomicFile.write(new File(dir, next.current.sha256 + ".npz"), newFile);
+            Map<String, Object> saved = saved();
+            if (saved != null) {
+                boolean savedLegacy = !saved.containsKey("seq_key");
+                String savedKey = saved.get("seq_key") instanceof String ? (String) saved.get("seq_key") : null;
+                if (savedLegacy || (!legacySeq && java.util.Objects.equals(savedKey, seqKey)))
+                    seq = Math.max(seq, savedSeq(saved));
+                if (localLabels == null) localLabels = savedLabels(saved);
+            }
+            write(next);
+        });
+    }
+
+    private void write(State next) throws IOException {
         Map<String, Object> doc = new LinkedHashMap<>();
         doc.put("current", entry(next.current));
         doc.put("previous", entry(next.previous));
