@@ -452,3 +452,27 @@ def test_messages_before_the_job_are_kept_in_order_up_to_a_byte_budget():
     assert held.drain() == [] and held.size == 0
     held.add(("big", bytes(5000)))            # one message over the budget is not kept either
     assert held.drain() == []
+
+
+def test_a_request_reaches_every_shard_that_died_while_the_coordinator_waited(broker, tmp_path):
+    """A review's finding: the coordinator, waiting for the shards' sums, restarted every dead
+    shard but asked only the first of them again; a second that died with it was restarted, no
+    longer looked dead, and was never asked: the close waited out its whole reply timeout and
+    failed. Two real shard processes, both SIGKILLed, then asked for their sums."""
+    import os
+    import signal
+
+    from aggregator.shards.local import LocalShards
+    from protocols.mqtt_link import BrokerConfig
+
+    pool = LocalShards(2, BrokerConfig.from_url(broker.url), tmp_path / "shards", reply_timeout_s=45.0)
+    pool.start(lambda item: None, timeout_s=120)
+    try:
+        pool.set_job(build_job("fed3r", CONFIG), "fed3r")
+        for proc in pool._procs:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.join(10)
+        sums = pool.ask("sums", "sharded", [])
+        assert sorted(sums) == [bucket_range(0, 2), bucket_range(1, 2)] and pool.restarts == 2   # both answered
+    finally:
+        pool.close()

@@ -132,14 +132,16 @@ class ShardPool(ABC):
             time.sleep(0.1)
 
     def _start(self, index: int) -> None:
-        self._started_at[index] = time.monotonic()
-        self._launch(index)
-        if self._keys is not None:          # before the job: the shard holds every outbox message until then
-            self._send(index, ("keys", dict(self._keys)))
-        if self._admitted is not None:
-            self._send(index, ("admit", sorted(self._admitted)))
-        if self._job is not None:
-            self._send(index, ("job", *self._job))
+        # under the lock: a message the dead one's reader still hands back is refed after these
+        with self.send_lock:
+            self._started_at[index] = time.monotonic()
+            self._launch(index)
+            if self._keys is not None:      # before the job: the shard holds every outbox message until then
+                self._send(index, ("keys", dict(self._keys)))
+            if self._admitted is not None:
+                self._send(index, ("admit", sorted(self._admitted)))
+            if self._job is not None:
+                self._send(index, ("job", *self._job))
 
     def _received(self, index: int, msg: tuple) -> None:
         if msg[0] == "ready":
@@ -292,10 +294,12 @@ class ShardPool(ABC):
             except queue.Empty:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"shards {sorted(waiting)} did not send their {what}")
-                for i in list(waiting):             # a shard that died meanwhile: restarted and asked again
-                    if self._exited(i) is not None:
-                        self.watch()
-                        self._send(i, commands[i])
+                dead = [i for i in waiting if self._exited(i) is not None]
+                if dead:                            # restarted and asked again, each of them (a review's
+                    self.watch()                    # finding: only the first was, the others never answered)
+                    for i in dead:
+                        if self._exited(i) is None:
+                            self._send(i, commands[i])
                 continue
             if got_request != request or index not in waiting:
                 continue

@@ -21,6 +21,7 @@ import os
 import queue
 import socket
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -32,7 +33,10 @@ from aggregator.shards.local import shard_main
 from aggregator.shards.pool import ShardPool
 
 PIN_RESOURCE = "fedfleet_shard_"    # + i: the custom resource of the node that runs shard i
-COMMAND_TIMEOUT_S = 60.0            # for an actor to take the previous command (it may still be starting)
+COMMAND_TIMEOUT_S = 60.0            # for an actor to take the previous command
+# for a new actor to take its first: it starts meanwhile, and with every shard starting at once a
+# loaded machine took over two minutes (a hung start is the pool's start timeout's, or a restart's)
+START_TIMEOUT_S = 600.0
 
 
 class QueueChannel:
@@ -101,12 +105,12 @@ class ActorCommands:
     """One actor's commands, delivered in the order they were queued by a thread of their own.
 
     A threaded actor may run two calls at once, out of order, so each command is submitted only
-    once the actor has taken the one before. That wait (up to COMMAND_TIMEOUT_S for an actor still
-    starting) happens here, never under the pool's ``send_lock``: queueing a command is all a
-    sender does, so one slow actor holds up neither the other shards' commands nor the reader
-    threads handing messages back. ``failed(exc)`` is called once if the actor cannot take one
-    (dead, or not taking it in time); the commands after it are dropped (its successor is told
-    the job again at its start)."""
+    once the actor has taken the one before. That wait (START_TIMEOUT_S for the first, while the
+    actor starts, then COMMAND_TIMEOUT_S) happens here, never under the pool's ``send_lock``:
+    queueing a command is all a sender does, so one slow actor holds up neither the other shards'
+    commands nor the reader threads handing messages back. ``failed(exc)`` is called once if the
+    actor cannot take one (dead, not taking it in time, or a command Ray cannot send); the commands
+    after it are dropped (its successor is told the job again at its start)."""
 
     def __init__(self, ray, actor, failed: Callable[[Exception], None]):
         self.ray, self.actor, self.failed = ray, actor, failed
@@ -123,15 +127,16 @@ class ActorCommands:
         self._thread.join(timeout_s)
 
     def _deliver(self) -> None:
-        pending = None
+        pending, timeout = None, START_TIMEOUT_S
         try:
             while (command := self._queue.get()) is not None:
                 if pending is not None:
-                    self.ray.get(pending, timeout=COMMAND_TIMEOUT_S)
+                    self.ray.get(pending, timeout=timeout)
+                    timeout = COMMAND_TIMEOUT_S
                 pending = self.actor.command.remote(command)
             if pending is not None:
-                self.ray.get(pending, timeout=COMMAND_TIMEOUT_S)
-        except self.ray.exceptions.RayError as exc:
+                self.ray.get(pending, timeout=timeout)
+        except Exception as exc:            # not only Ray's: a thread that died silently left a deaf shard
             self.failed(exc)
 
 
@@ -148,6 +153,7 @@ class RayShards(ShardPool):
         self._actors: list = [None] * shards
         self._commands: list[ActorCommands | None] = [None] * shards
         self._ended: list[str | None] = [None] * shards
+        self._liveness = threading.Lock()           # an actor's end is recorded only while it is current
         self.placement: list[dict | None] = [None] * shards
         self._placement_lock = threading.Lock()
 
@@ -170,14 +176,16 @@ class RayShards(ShardPool):
 
     def _attach(self, index: int, actor) -> None:
         """Reach shard ``index`` through ``actor`` from now on: its commands and its messages."""
-        self._ended[index] = None
-        self._commands[index] = ActorCommands(self.ray, actor, lambda exc: self._failed(index, actor, exc))
-        self._actors[index] = actor
+        commands = ActorCommands(self.ray, actor, lambda exc: self._failed(index, actor, exc))
+        with self._liveness:
+            self._ended[index], self._commands[index], self._actors[index] = None, commands, actor
         threading.Thread(target=self._read, args=(index, actor), daemon=True).start()
 
     def _failed(self, index: int, actor, exc: Exception) -> None:
-        if self._actors[index] is actor:        # not a predecessor's late failure
-            self._ended[index] = _reason(exc)
+        reason = _reason(exc)
+        with self._liveness:
+            if self._actors[index] is actor:    # not a predecessor's late failure
+                self._ended[index] = reason
 
     def _read(self, index: int, actor) -> None:
         try:
@@ -208,13 +216,13 @@ class RayShards(ShardPool):
 
     def _stop(self) -> None:
         live = [a for a in self._actors if a is not None]
+        deadline = time.monotonic() + COMMAND_TIMEOUT_S
         for commands in self._commands:             # ("stop",) taken by each before it is joined
             if commands is not None:
-                commands.close(COMMAND_TIMEOUT_S / 4)
-        try:                                        # each leaves the broker cleanly, then goes
-            self.ray.get([a.join.remote(10.0) for a in live], timeout=15.0)
-        except self.ray.exceptions.RayError:
-            pass
+                commands.close(max(0.0, deadline - time.monotonic()))
+        # each leaves the broker cleanly, then goes; wait() is not cut short by a dead one's error
+        if live:
+            self.ray.wait([a.join.remote(10.0) for a in live], num_returns=len(live), timeout=15.0)
         self._actors = [None] * self.shards
         for actor in live:
             self.ray.kill(actor)
