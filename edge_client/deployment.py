@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import fcntl
 import hashlib
 import json
@@ -227,17 +228,16 @@ class ModelSlot:
         current head's file, written under the same lock (written before it, the application's
         labels-only commit could delete it as unnamed: a review's finding, the slot then unreadable)."""
         with _FolderLock(self.dir):
-            if new_file is not None:
-                write_atomic(self.dir / f"{current.sha256}.npz", new_file)
             labels = self.local_labels
             if labels_only:
                 self._load()
                 current, previous, self.local_labels = self.current, self.previous, labels
             elif (saved := self._saved()) is not None:      # a swap: the higher sequence, the application's labels
-                if saved.get("seq_key", _LEGACY) in (self.seq_key, _LEGACY):     # another key's binds nobody
-                    self.seq = max(self.seq, saved.get("seq", 0))
-                if self.local_labels is None and saved.get("local_labels") is not None:
-                    self.local_labels = np.asarray(saved["local_labels"], dtype=np.int64)
+                self._merge(saved)
+            if new_file is not None:
+                if self.local_labels is not None:   # labels saved since the swap was judged: a head without
+                    current.predict(np.zeros((0, current.W.shape[1])), self.local_labels)   # their classes: refused
+                write_atomic(self.dir / f"{current.sha256}.npz", new_file)
             entry = (lambda h: None if h is None else {"sha256": h.sha256, "deployment": h.deployment,
                                                        "bundle_sha256": h.bundle_sha256})
             labels = None if self.local_labels is None else self.local_labels.tolist()
@@ -253,6 +253,19 @@ class ModelSlot:
                 if _HEAD_FILE.fullmatch(f.name) and f.name not in keep:
                     f.unlink(missing_ok=True)
 
+    def _merge(self, saved: dict) -> None:
+        """What another slot saved that this one's commit keeps: the higher sequence under this key
+        (another key's binds nobody; a slot holding a sequence of no key, written before keys were
+        recorded, takes the key and sequence saved since, never writing a lower one without them),
+        and the saved labels when this slot has none. The Java ModelSlot.commit is the same rule."""
+        saved_key = saved.get("seq_key", _LEGACY)
+        if self.seq_key is _LEGACY and saved_key is not _LEGACY:
+            self.seq_key, self.seq = saved_key, max(self.seq, saved.get("seq", 0))
+        elif saved_key in (self.seq_key, _LEGACY):
+            self.seq = max(self.seq, saved.get("seq", 0))
+        if self.local_labels is None and saved.get("local_labels") is not None:
+            self.local_labels = np.asarray(saved["local_labels"], dtype=np.int64)
+
     def _read(self, entry: dict | None) -> HeadVersion | None:
         if not entry:
             return None
@@ -262,13 +275,17 @@ class ModelSlot:
 
 
 class _FolderLock:
-    """An exclusive lock on ``folder`` (its ``.slot.lock``) across processes and threads.
+    """A lock on ``folder`` (its ``.slot.lock``) across processes and threads: exclusive, or shared
+    where this process may only read the folder (an application reading its slot from a read-only
+    mount; where no lock file exists there, none is taken: nothing writes that folder).
 
-    The lock is a POSIX record lock (``fcntl``), the kind the Java device's ``FileChannel.lock``
-    takes, so a Python and a Java slot on one folder exclude each other (on Linux an ``flock`` and
-    a record lock do not see each other). A record lock is the process's, not the open file's: a
-    second slot of this process would take it again, and closing its file would drop the first's;
-    so a threading lock per folder serialises the process's own slots before it."""
+    The lock is a POSIX record lock (``fcntl.lockf``), the kind the Java device's
+    ``FileChannel.lock`` takes, so a Python and a Java slot on one folder exclude each other (on
+    Linux an ``flock`` and a record lock do not see each other); an ``flock`` as well, the kind
+    Python slots took before, for a slot of an older SDK beside this one. A record lock is the
+    process's, not the open file's: a second slot of this process would take it again, and closing
+    its file would drop the first's; so a threading lock per folder serialises the process's own
+    slots first (forgotten in a forked child, where no thread would ever release it)."""
 
     _in_process: dict[str, threading.Lock] = {}
     _registry = threading.Lock()
@@ -281,22 +298,47 @@ class _FolderLock:
     def __enter__(self) -> "_FolderLock":
         self._threads.acquire()
         try:
-            self.handle = open(self.path, "a+b")
-            try:
-                fcntl.lockf(self.handle, fcntl.LOCK_EX)
-            except BaseException:
-                self.handle.close()
-                raise
+            self.handle = self._locked()
         except BaseException:
             self._threads.release()
             raise
         return self
 
+    def _locked(self):
+        try:
+            handle, kind = open(self.path, "a+b"), fcntl.LOCK_EX
+        except OSError as exc:
+            if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT):
+                raise
+            try:
+                handle, kind = open(self.path, "rb"), fcntl.LOCK_SH
+            except FileNotFoundError:
+                return None
+        try:
+            fcntl.lockf(handle, kind)
+            fcntl.flock(handle, kind)
+        except BaseException:
+            handle.close()
+            raise
+        return handle
+
     def __exit__(self, *exc) -> None:
         try:
-            self.handle.close()         # drops the record lock
+            if self.handle is not None:
+                # unlocked before closed: a child forked meanwhile holds the same open file, and its
+                # flock would outlive this close (its own slot then waiting on it for ever)
+                fcntl.flock(self.handle, fcntl.LOCK_UN)
+                fcntl.lockf(self.handle, fcntl.LOCK_UN)
+                self.handle.close()
         finally:
             self._threads.release()
+
+    @staticmethod
+    def forget_in_child() -> None:
+        _FolderLock._in_process, _FolderLock._registry = {}, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_FolderLock.forget_in_child)
 
 
 def refusal_of(a: dict, device_id: str, held_seq: int) -> tuple[str, str] | None:

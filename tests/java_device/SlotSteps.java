@@ -3,7 +3,7 @@
 // Opens the slot (printing "OPENED" once it has), then per stdin line:
 //   swap <head file> <sha256> <deployment>  -> "SWAPPED <sha256>"
 //   state                                   -> "STATE <seq> <labels | none> <current sha256 | none>"
-// An IOException is printed as "FAILED <why>".
+// An IOException is printed as "FAILED <why>", a head refused (IllegalArgumentException) as "REFUSED <why>".
 import java.io.BufferedReader;
 import java.io.File;
 import java.io.InputStreamReader;
@@ -31,6 +31,8 @@ public final class SlotSteps {
                 }
             } catch (java.io.IOException e) {
                 System.out.println("FAILED " + e.getMessage());
+            } catch (IllegalArgumentException e) {
+                System.out.println("REFUSED " + e.getMessage());
             }
             System.out.flush();
         }

@@ -13,11 +13,12 @@
 // rest of the library, for Android: the rename is rename(2), atomic within one directory.
 //
 // The application may open a slot of its own on the folder (to predict as the device does) while
-// the follower swaps heads, in another process, Java or Python: every read and write of the
-// folder holds its lock (.slot.lock, a POSIX record lock: FileChannel.lock here, fcntl.lockf in
-// edge_client/deployment.py, so the two exclude each other; an flock would not see this one), and
-// a commit reads what the other wrote again under it, by the Python slot's rules (a labels-only
-// commit keeps the saved heads and sequence, a swap the higher sequence and the saved labels).
+// the follower swaps heads, in another process, Java or Python: opening the slot and every commit
+// hold the folder's lock (.slot.lock, a POSIX record lock: FileChannel.lock here, fcntl.lockf in
+// edge_client/deployment.py, so the two exclude each other; an flock would not see this one;
+// shared, or none where no lock file exists, on a folder this process may only read), and a commit
+// reads what the other wrote again under it, by the Python slot's rules (a labels-only commit keeps
+// the saved heads and sequence, a swap the higher sequence and the saved labels).
 package org.fedfleet.device;
 
 import java.io.File;
@@ -135,12 +136,25 @@ public final class ModelSlot {
 
     private interface FolderWork { void run() throws IOException; }
 
-    /** ``work`` holding the folder's lock: this JVM's monitor for it, then the record lock on .slot.lock. */
+    /** ``work`` holding the folder's lock: this JVM's monitor for it, then the record lock on .slot.lock
+     *  (shared where the folder may only be read; none where no lock file exists on such a folder). */
     private void underFolderLock(FolderWork work) throws IOException {
         File lockFile = new File(dir, ".slot.lock");
         synchronized (IN_PROCESS.computeIfAbsent(lockFile.getCanonicalPath(), k -> new Object())) {
-            try (RandomAccessFile file = new RandomAccessFile(lockFile, "rw")) {
-                FileLock held = file.getChannel().lock();       // released when the file closes
+            RandomAccessFile file;
+            boolean shared = false;
+            try {
+                file = new RandomAccessFile(lockFile, "rw");
+            } catch (java.io.FileNotFoundException cannotWrite) {     // a read-only folder or file
+                if (!lockFile.isFile()) {
+                    work.run();
+                    return;
+                }
+                file = new RandomAccessFile(lockFile, "r");
+                shared = true;
+            }
+            try (RandomAccessFile closing = file) {
+                FileLock held = closing.getChannel().lock(0, Long.MAX_VALUE, shared);   // released when the file closes
                 try {
                     work.run();
                 } finally {
@@ -284,14 +298,23 @@ public final class ModelSlot {
      *  is kept, and its labels when this slot has none (edge_client/deployment.py ModelSlot._commit). */
     private void commit(State next, byte[] newFile) throws IOException {
         underFolderLock(() -> {
-            if (newFile != null) AtomicFile.write(new File(dir, next.current.sha256 + ".npz"), newFile);
             Map<String, Object> saved = saved();
             if (saved != null) {
                 boolean savedLegacy = !saved.containsKey("seq_key");
                 String savedKey = saved.get("seq_key") instanceof String ? (String) saved.get("seq_key") : null;
-                if (savedLegacy || (!legacySeq && java.util.Objects.equals(savedKey, seqKey)))
+                if (legacySeq && !savedLegacy) {    // keyed since by another slot: its key and sequence
+                    legacySeq = false;
+                    seqKey = savedKey;
                     seq = Math.max(seq, savedSeq(saved));
+                } else if (savedLegacy || (!legacySeq && java.util.Objects.equals(savedKey, seqKey))) {
+                    seq = Math.max(seq, savedSeq(saved));
+                }
                 if (localLabels == null) localLabels = savedLabels(saved);
+            }
+            if (newFile != null) {
+                // labels saved since the swap was judged: a head without their classes is refused
+                if (localLabels != null) next.current.head.predict(new float[0][], localLabels);
+                AtomicFile.write(new File(dir, next.current.sha256 + ".npz"), newFile);
             }
             write(next);
         });
