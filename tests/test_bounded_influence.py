@@ -214,6 +214,40 @@ def test_feature_bound_matches_the_definition():
         bound.check(parsed(Z2, y))
 
 
+def test_class_sums_no_rows_of_the_gram_matrix_can_give_are_refused():
+    """A review's finding: b's entries set to ±count_c·F beside the device's honest A (every class's
+    sums pointed at another class) passed the range bounds and the energy screen, which reads A
+    only, and took the model from 0.89 to 0.30. b must be the class sums of the rows A is the Gram
+    matrix of: Σ_c b[c, j]²/count_c ≤ A_jj (Cauchy–Schwarz, reference in plain numpy below), which
+    any data meets, one row (equality), a factor and a group's rounded sum included."""
+    from aggregator.strategies.robust_fed3r import check_group_sum
+
+    bound = FeatureBound(6.0, 1000, fit_intercept=True)
+    Z, y = honest_data(2)
+    honest = parsed(Z, y)
+    bound.check(honest)
+    bound.check(parsed(Z[:1], y[:1]))                       # one row: Cauchy–Schwarz holds with equality
+    counts = np.bincount(y, minlength=C).astype(float)
+    forged_b = np.asarray(honest.b).copy()
+    forged_b[:, :-1] = counts[np.asarray(honest.class_ids), None] * 6.0 * np.where(np.arange(D) % 2, 1, -1)
+    forged = Fed3RStats(n=honest.n, p=honest.p, a_upper=honest.a_upper, class_ids=honest.class_ids, b=forged_b)
+    spread = (forged_b[:, :-1] ** 2 / counts[np.asarray(honest.class_ids), None]).sum(0)
+    assert (spread > gram_diagonal(forged)[:-1]).all()     # the reference says no data gives it
+    FeatureBound(6.0, 1000, True).check_class_sums(honest)
+    with pytest.raises(ValueError, match="no class sums of the rows"):
+        bound.check(forged)
+    with pytest.raises(ValueError, match="no class sums of the rows"):
+        FeatureBound(0.0, 1000, True).check(forged)         # whatever F
+    # a secure group's sum of honest devices, each entry rounded to a 2^-16 grid, passes
+    members = [honest_data(i) for i in range(6)]
+    Zs, ys = np.vstack([m[0] for m in members]), np.concatenate([m[1] for m in members])
+    Za = np.hstack([Zs, np.ones((len(Zs), 1))])
+    res = 2.0 ** -16
+    a_upper = np.round(triu_pack(Za.T @ Za) / res) * res
+    b = np.round((np.eye(C)[ys].T @ Za) / res) * res
+    check_group_sum(a_upper, b, len(Zs), 6, bound, res)
+
+
 def test_factor_and_dense_forms_have_the_same_diagonal_and_energy():
     Z, y = honest_data(1)
     Za = np.hstack([Z, np.ones((len(Z), 1))])
@@ -288,6 +322,41 @@ def test_the_job_screens_an_attacker_the_same_whether_it_answers_first_or_last(a
             assert list(job.screened_out) == [ATTACKER]
 
 
+def test_a_device_claiming_far_more_samples_than_the_fleet_is_screened():
+    """A review's finding: statistics multiplied by 25,000 with n claimed at 25,000x (energy per
+    sample unchanged, so every bound and the energy screen passed) owned the model (0.89 -> 0.07),
+    with n within the default cap of 10^6. A device's n beyond ``screen_samples_ratio`` times the
+    fleet's median n is screened now, as an outlying energy is."""
+    job = build_job("fed3r", {"num_classes": C, "feature_dim": D, "clients_per_round": len(DEVICES)})
+    for d in DEVICES:
+        stats = parsed(*honest_data(DEVICES.index(d)))
+        if d == ATTACKER:
+            k = 25_000
+            stats = Fed3RStats(n=stats.n * k, p=stats.p, a_upper=np.asarray(stats.a_upper) * k,
+                               class_ids=stats.class_ids, b=np.asarray(stats.b) * k)
+        job.apply(d, stats)
+    job.close_round(RoundClosed(1, tuple(DEVICES), (), (), ()))
+    assert list(job.screened_out) == [ATTACKER] and "samples are 2.5e+04x" in job.screened_out[ATTACKER]
+    honest = build_job("fed3r", {"num_classes": C, "feature_dim": D, "clients_per_round": len(DEVICES),
+                                 "screen_samples_ratio": 0})
+    for d in DEVICES:
+        honest.apply(d, parsed(*honest_data(DEVICES.index(d))))
+    honest.close_round(RoundClosed(1, tuple(DEVICES), (), (), ()))
+    assert honest.screened_out == {}
+
+
+def test_a_lone_device_of_a_second_class_is_screened_by_the_other_classes_median():
+    """A review's finding: with two class groups the class-balanced median was the mean of the two,
+    so the only device of the second class lifted the limit to half its own energy and was never
+    screened, however high its features. The lower middle value is taken, as FedAvg's bounds do."""
+    energies = {f"d{i}": 1.0 + 0.01 * i for i in range(9)} | {"evil": 12.0}
+    classes = {d: 0 for d in energies} | {"evil": 1}
+    samples = {d: 60 for d in energies}
+    screen = EnergyScreen(2.5, 5, 9.5)
+    assert screen.median(energies, classes) == pytest.approx(1.04)
+    assert list(screen.outliers(energies, samples, classes)) == ["evil"]
+
+
 def _body(Z, y):
     acc = Fed3RAccumulator(C, D)
     acc.update(Z, y)
@@ -301,11 +370,15 @@ CLASS_ENERGY = [1.33, 0.52, 1.3, 0.6, 1.31, 0.27, 1.35, 0.62, 1.16, 0.84]
 
 
 def class_balanced_median(energies: dict, classes: dict) -> float:
-    """The reference: per dominant class the median of its devices' energies, then their median."""
+    """The reference: per dominant class the median of its devices' energies, then their median, each
+    the lower middle value of an even count (the mean of the two let a lone device of a second class
+    lift the limit to half its own energy)."""
+    def lower_median(values):
+        return float(np.sort(values)[(len(values) - 1) // 2])
     per_class = {}
     for d, e in energies.items():
         per_class.setdefault(classes[d], []).append(e)
-    return float(np.median([np.median(v) for v in per_class.values()]))
+    return lower_median([lower_median(v) for v in per_class.values()])
 
 
 @pytest.mark.parametrize("fleet", ["most devices hold the low-energy class", "a first round of five"])

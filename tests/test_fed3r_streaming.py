@@ -132,3 +132,17 @@ def test_streaming_job_on_two_shards_gives_one_aggregators_model(tmp_path):
     y = np.concatenate([y for bs in data.values() for _, y in bs])
     ref = reference_ridge(Z, y, C, LAM)
     assert np.linalg.norm(runs[1]["raw_weights"] - ref) / np.linalg.norm(ref) < 1e-10
+
+
+def test_a_devices_increments_stay_within_the_per_device_cap_in_all():
+    """A review's finding: each increment was held to the per-device cap alone, so a device claiming
+    the cap in every round grew its weight without end. The device's samples in all are capped."""
+    job = Fed3RJob(Fed3RConfig(num_classes=C, feature_dim=D, lam=LAM, streaming=True, normalize_columns=False,
+                               max_device_samples=30))
+    first, second = batches(3, [20, 15])
+    task = Fed3RStatsTask(*first, lambda *a: Features(D))
+    job.apply("a", job.parse_result(answer(job, "a", task, 1)))
+    task.add_samples(*second)
+    with pytest.raises(EnvelopeError, match="20 \\+ 15 samples of a exceed the job's cap of 30"):
+        job.parse_result(answer(job, "a", task, 2))
+    assert job.contributed == {"a": 20}

@@ -280,7 +280,7 @@ class Fed3RJob(OncePerDevice, SplitValidation):
         if c.dp and c.dp_center_devices and self._centred:
             self.check_centred_clip(self.centred_clip_breach(stats))
         if self.config.streaming:
-            self.check_increment_start(env.sender, body_field(env, "from_sample", int))
+            self.check_increment_start(env.sender, body_field(env, "from_sample", int), stats.n)
         return stats
 
     def centred_clip_breach(self, stats: Fed3RStats) -> str:
@@ -299,13 +299,18 @@ class Fed3RJob(OncePerDevice, SplitValidation):
         if self._centred and breach:
             raise EnvelopeError(f"{KIND}: {breach}")
 
-    def check_increment_start(self, device: str, start: int) -> None:
-        """Streaming: an increment must start exactly at the samples the job holds of ``device``
-        (here, and on a shard coordinator for the increment a receipt names)."""
+    def check_increment_start(self, device: str, start: int, n: int) -> None:
+        """Streaming: an increment of ``n`` samples must start exactly at the samples the job holds of
+        ``device`` (here, and on a shard coordinator for the increment a receipt names), and the
+        device's samples in all stay within the per-device cap (a review's finding: each increment
+        was capped alone, so a device claiming the cap every round grew its weight without end)."""
         held = self.contributed.get(device, 0)
         if start != held:
             raise EnvelopeError(f"{KIND}: increment from sample {start}, the job holds {held} samples of "
                                 f"{device} (already counted, or a gap)")
+        if held + n > self._bound.max_samples:
+            raise EnvelopeError(f"{KIND}: {held} + {n} samples of {device} exceed the job's cap of "
+                                f"{self._bound.max_samples} per device")
 
     def parse_accepted(self, env: Envelope) -> Fed3RStats:
         """A result whose bytes passed ``check_payload`` before (in an ingest worker, or when the

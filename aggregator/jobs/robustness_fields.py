@@ -37,6 +37,8 @@ class Fed3RRobustnessFields(JobConfig):
     screen_energy_ratio: float = limited(2.5, Range(0, 1e6))
     screen_sample_slack: float = limited(9.5, Range(0, 1e6))
     screen_min_fleet: int = limited(5, Range(1, 1_000_000))   # ...once this many devices are known
+    # screen n_k > ratio x the fleet's median n (statistics scaled with n pass the energy screen); 0: off
+    screen_samples_ratio: float = limited(100.0, Range(0, 1e9))
 
     def feature_bound(self) -> FeatureBound:
         rf = self.random_features
@@ -47,7 +49,7 @@ class Fed3RRobustnessFields(JobConfig):
         """The fleet screen; off under DP (a device's statistics are bounded by clipping and
         hidden in noise) and when streaming (a device's increments are not one contribution)."""
         ratio = 0.0 if self.dp or self.streaming else self.screen_energy_ratio
-        return EnergyScreen(ratio, self.screen_min_fleet, self.screen_sample_slack)
+        return EnergyScreen(ratio, self.screen_min_fleet, self.screen_sample_slack, self.screen_samples_ratio)
 
     def check_robustness(self) -> None:
         """ValueError for settings that cannot run (the admin API answers 422)."""

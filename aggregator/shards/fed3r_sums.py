@@ -72,7 +72,7 @@ class Fed3RSums(AdditiveState):
 
     def check_receipt(self, job: Job, device: str, receipt: dict) -> None:
         if job.config.streaming:        # the increment starts where the job's count of the device ends
-            job.check_increment_start(device, int(receipt.get("from_sample", -1)))
+            job.check_increment_start(device, int(receipt.get("from_sample", -1)), int(receipt["contributed"]))
         if job.config.dp and job.config.dp_center_devices:
             breach = receipt.get(CENTRED_CLIP)
             if not isinstance(breach, str):

@@ -11,7 +11,9 @@ Two defences, both on the statistics the device sent and nothing else (docs/algo
 
        diag(A_k)_j = Σ_i z_ij² ≤ n·F²,     |b_k[c, j]| = |Σ_{i in class c} z_ij| ≤ count_c·F,
 
-   and n must be within the job's per-device cap. A contribution beyond either is refused before
+   whatever F, b must be the class sums of the rows A is the Gram matrix of (Cauchy–Schwarz over
+   each class's rows: Σ_c b_k[c, j]² / count_c ≤ diag(A_k)_j), and n must be within the job's
+   per-device cap. A contribution beyond any is refused before
    anything is stored: a pure function of the message, so it runs in the ingest workers and an
    attacker is refused the same whenever it answers.
 
@@ -22,7 +24,9 @@ Two defences, both on the statistics the device sent and nothing else (docs/algo
    within a small factor of each other; one that scales its features by s has s² times the
    median. Screening is a function of the *set* of energies seen, re-run at every round close
    over all of them, so a device that answered first (when there was no fleet to compare with)
-   is screened again, and the same way, once the fleet is there.
+   is screened again, and the same way, once the fleet is there. A device's claimed sample count n_k
+   is screened against the fleet's median count the same way: statistics scaled consistently with
+   a larger n have an honest energy per sample, and would weigh n_k samples' worth.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from collections.abc import Mapping
 import numpy as np
 
 from protocols.payloads.fed3r import Fed3RStats
+
+from aggregator.strategies.robust_fedavg import typical
 
 # float32 statistics carry ~1e-7 relative rounding, float64 sums ~1e-16, a secure group's
 # fixed-point sum 2^-f per entry: a 1e-5 relative (1e-6 absolute) slack refuses nothing honest
@@ -97,11 +103,13 @@ class FeatureBound:
             raise ValueError("need a finite max_abs_feature >= 0 and max_samples >= 1")
         self.max_abs_feature, self.max_samples, self.fit_intercept = max_abs_feature, max_samples, fit_intercept
 
-    def check(self, stats: Fed3RStats) -> None:
-        """ValueError naming the first bound the statistics break."""
+    def check(self, stats: Fed3RStats, rounding: float = 0.0) -> None:
+        """ValueError naming the first bound the statistics break (``rounding``: how far each entry may
+        be from the exact sum, a secure group's fixed-point rounding)."""
         n = stats.n
         if n > self.max_samples:
             raise ValueError(f"{n} samples exceed the job's cap of {self.max_samples} per device")
+        self.check_class_sums(stats, rounding)
         if not self.max_abs_feature:
             return
         f = self.max_abs_feature
@@ -121,6 +129,32 @@ class FeatureBound:
             raise ValueError(f"features out of range: a class sum of b exceeds its count·F (F={f}) by "
                              f"{float(excess.max()):.4g}")
 
+    def check_class_sums(self, stats: Fed3RStats, rounding: float = 0.0) -> None:
+        """ValueError unless b can be the class sums of the rows whose Gram matrix A is: for every
+        feature j, Σ_c b[c, j]² / count_c ≤ A_jj (Cauchy–Schwarz over each class's rows; with no
+        bias column, no counts: Σ_c b[c, j]² / n ≤ A_jj). A review's finding: b's entries at
+        ±count_c·F beside an honest A passed every other bound and the energy screen (which reads A),
+        and flipped one device's classes onto others, taking the model from 0.89 to 0.30. It holds
+        for any data, a group's sum of honest statistics included."""
+        diag = gram_diagonal(stats)
+        b = class_sums(stats)
+        if self.fit_intercept:
+            counts, b, diag = b[:, -1], b[:, :-1], diag[:-1]
+        else:
+            counts = np.full(len(b), float(stats.n))
+        e = rounding
+        empty = counts <= 0.5             # no row of that class: its sums must be (about) zero
+        if (np.abs(b[empty]) > _ABS + e).any():
+            raise ValueError("b holds sums for a class of no samples")
+        held, counts = b[~empty], counts[~empty, None]
+        spread = (held ** 2 / counts).sum(axis=0)
+        # each entry of b and A off by up to e moves the left side by Σ_c (2|b|e + e²)/count_c, the right by e
+        room = diag * _SLACK + _ABS + e + ((2 * np.abs(held) * e + e * e) / counts).sum(axis=0)
+        if (spread > room).any():
+            j = int(np.argmax(spread - room))
+            raise ValueError(f"b is no class sums of the rows A is the Gram matrix of: Σ_c b[c, {j}]²/count_c = "
+                             f"{spread[j]:.4g} > A[{j},{j}] = {diag[j]:.4g}")
+
 
 def check_group_sum(a_upper: np.ndarray, b: np.ndarray, n: int, members: int, bound: FeatureBound,
                     resolution: float = 0.0) -> None:
@@ -132,7 +166,7 @@ def check_group_sum(a_upper: np.ndarray, b: np.ndarray, n: int, members: int, bo
     only the sum: one member past its bound is caught when the others' slack cannot hide it
     (docs/secure-aggregation.md)."""
     group = FeatureBound(bound.max_abs_feature, bound.max_samples * members, bound.fit_intercept)
-    group.check(Fed3RStats(n=n, p=len(b[0]), a_upper=a_upper, class_ids=np.arange(len(b)), b=b))
+    group.check(Fed3RStats(n=n, p=len(b[0]), a_upper=a_upper, class_ids=np.arange(len(b)), b=b), members * resolution)
     check_gram_shape(np.asarray(a_upper, np.float64), np.asarray(b, np.float64), n, bound, members * resolution)
 
 
@@ -197,14 +231,16 @@ class EnergyScreen:
     image reaches) and still screens features scaled by 2 (4x the energy) on a device of 60 images (ρ = 3.7).
     What a device below its limit can do is bounded by its n (≤ ``max_device_samples``) and F."""
 
-    def __init__(self, ratio: float, min_fleet: int, sample_slack: float = 0.0):
+    def __init__(self, ratio: float, min_fleet: int, sample_slack: float = 0.0, samples_ratio: float = 0.0):
         if ratio != 0 and not (ratio > 1 and math.isfinite(ratio)):
             raise ValueError(f"the energy screen's ratio must be 0 (off) or > 1, got {ratio}")
+        if samples_ratio != 0 and not (samples_ratio > 1 and math.isfinite(samples_ratio)):
+            raise ValueError(f"the screen's samples ratio must be 0 (off) or > 1, got {samples_ratio}")
         if min_fleet < 1:
             raise ValueError(f"the energy screen needs min_fleet >= 1, got {min_fleet}")
         if not (sample_slack >= 0 and math.isfinite(sample_slack)):
             raise ValueError(f"the energy screen's sample_slack must be finite and >= 0, got {sample_slack}")
-        self.ratio, self.min_fleet, self.sample_slack = ratio, min_fleet, sample_slack
+        self.ratio, self.min_fleet, self.sample_slack, self.samples_ratio = ratio, min_fleet, sample_slack, samples_ratio
 
     @property
     def active(self) -> bool:
@@ -223,7 +259,10 @@ class EnergyScreen:
         groups: dict[int | None, list[float]] = {}
         for d, e in energies.items():
             groups.setdefault((classes or {}).get(d), []).append(e)
-        median = float(np.median([np.median(group) for group in groups.values()]))
+        # the lower middle value (``typical``), within and over the groups: with the mean of the two
+        # middle ones, a lone device of the second of two classes set the limit at half its own energy
+        # and could never be screened (a review's finding)
+        median = typical([typical(group) for group in groups.values()])
         return median if median > 0 else None     # a fleet of zero features: nothing to compare
 
     def outliers(self, energies: Mapping[str, float], samples: Mapping[str, int],
@@ -234,10 +273,14 @@ class EnergyScreen:
         if median is None:
             return {}
         out = {}
+        typical_n = typical([samples[d] for d in energies]) if self.samples_ratio else 0.0
         for d, e in sorted(energies.items()):
             limit = self.limit_ratio(samples[d])
             if e > limit * median:
                 out[d] = (f"screened: energy per sample {e:.4g} is {e / median:.3g}x the fleet's class-balanced "
                           f"median {median:.4g} (limit {limit:.3g}x for {samples[d]} samples, over "
                           f"{len(energies)} devices)")
+            elif typical_n and samples[d] > self.samples_ratio * typical_n:
+                out[d] = (f"screened: {samples[d]} samples are {samples[d] / typical_n:.3g}x the fleet's median "
+                          f"{typical_n:.4g} (limit {self.samples_ratio:.3g}x, over {len(energies)} devices)")
         return out
