@@ -278,3 +278,23 @@ def test_a_malformed_tags_request_is_refused_and_changes_nothing(idle_api, body)
     assert client.post("/api/devices/ghost/tags", headers=AUTH, json=body).status_code == 422
     assert client.get("/api/devices/ghost", headers=AUTH).json()["tags"] == ["lab", "north"]
     assert client.post("/api/devices/nobody/tags", headers=AUTH, json={"tags": ["lab"]}).status_code == 404
+
+
+def test_a_repeated_query_parameter_an_unreadable_body_and_a_dot_device_are_one_clear_refusal(idle_api):
+    """A review's findings: ``?job_id=a&job_id=b`` acted on b and ``?limit=1&limit=3`` listed three
+    (the last value taken silently, as a JSON body's repeated key was before); a body nested
+    100,000 deep or holding a 5,000-digit integer got "There was an error parsing the body"; and
+    devices named "." and ".." could be enrolled, then never revoked or tagged by a client that
+    normalises paths. Each is one 400 or 422 with its reason now, and nothing changes."""
+    client = TestClient(idle_api)
+    listed = client.get("/api/devices?limit=1&limit=3", headers=AUTH)
+    assert listed.status_code == 400 and "'limit' given more than once" in listed.json()["detail"]
+    assert client.get("/api/devices?limit=1", headers=AUTH).status_code == 200
+    before = client.get("/api/devices", headers=AUTH).json()
+    for body, reason in ((b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+                         (b'{"device_id": "d9", "n": ' + b"7" * 5000 + b"}", "cannot be read")):
+        answer = client.post("/api/devices", headers={**AUTH, "content-type": "application/json"}, content=body)
+        assert answer.status_code == 400 and reason in answer.json()["detail"], answer.text[:300]
+    for name in (".", ".."):
+        assert client.post("/api/devices", headers=AUTH, json={"device_id": name}).status_code == 422
+    assert client.get("/api/devices", headers=AUTH).json() == before

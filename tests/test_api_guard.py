@@ -71,3 +71,42 @@ def test_an_oversized_chunked_body_is_cut_off_without_a_server_error(api):
     reply = raw_request(api.port, head, body_bytes=4 * 1024 * 1024, chunk=block)
     assert reply.startswith((b"HTTP/1.1 413", b"HTTP/1.1 400")), reply[:80]
     assert not reply.startswith(b"HTTP/1.1 5")
+
+
+def test_connections_that_send_no_request_are_closed_and_the_api_keeps_answering(tmp_path):
+    """A review's finding: uvicorn waited for ever for a connection's first request, and for headers
+    sent a byte at a time, so idle sockets opened without a token took every file descriptor and the
+    API stopped answering. Each request's head must now be in within the server's deadline (1 s
+    here): idle and trickling connections are closed, and the API answers throughout."""
+    server = ApiServer(create_app(Store(tmp_path / "state.db"), TOKEN), head_timeout_s=1.0).start()
+    try:
+        idle = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(50)]
+        trickle = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        started = time.monotonic()
+        for byte in b"GET /api/health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 40:
+            if time.monotonic() - started > 4:
+                break
+            try:
+                trickle.sendall(bytes([byte]))
+            except OSError:                 # closed by the server: what should happen
+                break
+            time.sleep(0.2)
+        assert raw_request(server.port, "GET /api/health HTTP/1.1\r\nHost: x\r\n\r\n").startswith(b"HTTP/1.1 ")
+        for s in [*idle, trickle]:
+            s.settimeout(5)
+            try:
+                assert s.recv(1) == b"", "an idle connection was kept open"
+            except ConnectionResetError:
+                pass
+            s.close()
+        assert time.monotonic() - started < 15
+        # a keep-alive connection that answered one request is held to the same deadline for the next
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+            s.sendall(b"GET /api/health HTTP/1.1\r\nHost: x\r\n\r\n")
+            s.settimeout(5)
+            reply, asked = b"", time.monotonic()
+            while chunk := s.recv(4096):        # the answer (401: no token), then the close
+                reply += chunk
+            assert reply.startswith(b"HTTP/1.1 ") and time.monotonic() - asked < 5
+    finally:
+        server.stop()

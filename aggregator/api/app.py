@@ -73,6 +73,12 @@ class StrictJsonRequest(Request):
                 self._json = json.loads(await self.body(), object_pairs_hook=object_without_duplicates)
             except DuplicateKeyError as exc:
                 raise HTTPException(status.HTTP_400_BAD_REQUEST, f"the JSON body has a {exc}") from None
+            except json.JSONDecodeError:
+                raise                   # FastAPI's answer names the position
+            except RecursionError:      # FastAPI said only "There was an error parsing the body"
+                raise HTTPException(status.HTTP_400_BAD_REQUEST, "the JSON body is nested too deeply") from None
+            except ValueError as exc:   # an integer of more digits than Python converts
+                raise HTTPException(status.HTTP_400_BAD_REQUEST, f"the JSON body cannot be read: {exc}") from None
         return self._json
 
 

@@ -33,7 +33,7 @@ import secrets
 import time
 from http.cookies import SimpleCookie
 from importlib import resources
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, parse_qsl
 
 from starlette.requests import cookie_parser
 
@@ -98,6 +98,17 @@ def cross_origin_change(scope: dict) -> bool:
     return origin == "null" or origin.split("://", 1)[-1].rstrip("/") != headers.get("host", "")
 
 
+def _repeated_query_parameter(scope: dict) -> str | None:
+    """A query parameter named twice (the framework takes the last one silently: a review found
+    ``forget?job_id=a&job_id=b`` acting on b, as a JSON body's repeated key did before)."""
+    seen: set[str] = set()
+    for name, _ in parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True):
+        if name in seen:
+            return name
+        seen.add(name)
+    return None
+
+
 def authenticated(scope: dict, token: str) -> bool:
     """Whether a request carries the admin token as a Bearer header, or a valid dashboard session."""
     headers = _headers(scope)
@@ -124,6 +135,8 @@ class RequestGuard:
             return await _answer(send, 401, "missing or wrong admin token", {"www-authenticate": "Bearer"})
         if cross_origin_change(scope):
             return await _answer(send, 403, "a change with the dashboard's session must come from the dashboard's origin")
+        if (repeated := _repeated_query_parameter(scope)) is not None:
+            return await _answer(send, 400, f"query parameter {repeated[:64]!r} given more than once")
         length = dict(scope.get("headers", ())).get(b"content-length")
         # (a length of more digits than any body could have is refused before int() is asked to read it)
         if length is not None and (not length.isdigit() or len(length) > 18 or int(length) > self.max_body):

@@ -95,7 +95,8 @@ class FleetMode(BaseModel):
 
 class EnrollRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    device_id: str = Field(pattern=ID_PATTERN)
+    # a device id never "." or "..": enrolled, no client could reach it in a path (a review's finding)
+    device_id: str = Field(pattern=JOB_ID_PATTERN)
     public_key: str | None = Field(default=None, pattern=r"^[0-9a-fA-F]{64}$",
                                    description="raw Ed25519 public key, hex; omit to have one generated")
 

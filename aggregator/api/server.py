@@ -32,11 +32,17 @@ TOKEN_ENV = "FEDFLEET_ADMIN_TOKEN"
 class ApiServer:
     """uvicorn on a daemon thread; ``port=0`` picks a free port (see ``.port`` after ``start``)."""
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, head_timeout_s: float | None = None):
         import uvicorn
 
+        from aggregator.api.connections import MAX_CONNECTIONS, REQUEST_HEAD_TIMEOUT_S, bounded_protocol, \
+            raise_open_files_limit
+
+        raise_open_files_limit()
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                                    access_log=False, lifespan="off"))
+                                                    access_log=False, lifespan="off",
+                                                    http=bounded_protocol(head_timeout_s or REQUEST_HEAD_TIMEOUT_S),
+                                                    limit_concurrency=MAX_CONNECTIONS))
         self.host = host
         self.port = port
         self._thread: threading.Thread | None = None
