@@ -451,3 +451,29 @@ def test_the_manifest_declares_the_feature_range_and_refuses_a_bad_one(tmp_path)
     for bad in ([6.0, 0.0], [0.0], "x"):
         with pytest.raises(ManifestError):
             Manifest.from_json({**data, "backbone": {**data["backbone"], "feature_range": bad}})
+
+
+def test_a_release_whose_job_cannot_be_rebuilt_stops_the_job_with_both_reasons(tmp_path):
+    """A review's finding: releasing a quarantine commits, then rebuilds the running job from the
+    store; when the job's input file had gone since (a FedAvg job started from a Fed3R head), the
+    rebuild raised, the API answered 422 with the release already made, and the job went on from
+    its old state. The release stands and the job stops, durably, with the reason."""
+    from aggregator.jobs.fedavg import FedAvgJob
+    from aggregator.storage.schema import JobState
+
+    head = tmp_path / "head.npz"
+    np.savez(head, coef=np.zeros((C, D)), intercept=np.zeros(C))
+    config = {"job_id": "ft", "num_classes": C, "feature_dim": D, "init": "fed3r", "initial_head_file": str(head)}
+    store = Store(tmp_path / "state.db")
+    svc = AggregatorService(build_job("fedavg", config), BrokerConfig.from_url("mqtt://127.0.0.1:1"),
+                            tmp_path / "out", ServiceSettings(), store=store)
+    assert isinstance(svc.job, FedAvgJob)
+    with store._tx() as db:
+        db.execute("INSERT INTO quarantine (job_id, round, device, message_id, reason, at) VALUES (?, ?, ?, ?, ?, ?)",
+                   ("ft", 1, "dev01", "m1", "screened: a test", 0.0))
+    head.unlink()
+    assert svc.release_quarantine("ft", "dev01") == []
+    row = store.job("ft")
+    assert row["state"] == JobState.STOPPED and "cannot be rebuilt" in row["summary"]["error"], row
+    assert store.quarantined("ft") == []
+    store.close()

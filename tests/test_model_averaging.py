@@ -121,3 +121,18 @@ def test_swa_job_sends_the_cyclical_lr():
         lrs.append(job.task_for("d")[0]["lr"])
         job.close_round(_closed(job.round))
     np.testing.assert_allclose(lrs, [0.1, 0.06, 0.02, 0.06])      # t = 1/2, 1 over each cycle of 2
+
+
+def test_a_window_too_large_for_its_model_is_refused_at_creation():
+    """A review's finding: WiMA keeps every model of its window in memory and in each checkpoint,
+    and each limit alone was met by 26,000 classes x 1,281 inputs with a window of 1,000 (124 GiB).
+    The window times the head's entries is bounded now (1 GiB of float32); smaller ones build."""
+    from aggregator.jobs.optimizer_fields import MAX_WINDOW_ENTRIES
+
+    with pytest.raises(ValueError, match="wima_window x the model's 33,306,000 entries"):
+        build_job("fedavg", {"num_classes": 26_000, "feature_dim": 1280, "served_model": "wima", "wima_window": 1000})
+    most = MAX_WINDOW_ENTRIES // (26_000 * 1281)
+    build_job("fedavg", {"num_classes": 26_000, "feature_dim": 1280, "served_model": "wima", "wima_window": most})
+    with pytest.raises(ValueError, match=f"at most {most} rounds"):
+        build_job("fedavg", {"num_classes": 26_000, "feature_dim": 1280, "served_model": "wima", "wima_window": most + 1})
+    build_job("fedavg", {"num_classes": 26_000, "feature_dim": 1280, "served_model": "last", "wima_window": 1000})

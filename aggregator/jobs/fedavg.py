@@ -93,6 +93,7 @@ class FedAvgConfig(ServerOptimizerFields, LocalRuleFields, ServedModelFields, Fe
         self.check_server_optimizer()
         self.local_rule_recipe()
         self.served_model_rule()
+        self.check_served_model_memory(self.num_classes * self.head_inputs)
 
     def check_stored(self) -> None:
         super().check_stored()

@@ -58,6 +58,11 @@ class LocalRuleFields:
         return LocalRuleRecipe(self.local_rule, self.sam_rho, self.asam_eta, self.prox_mu)
 
 
+# the entries WiMA's window may hold in all: 2^28 float32 is 1 GiB (the largest head, 2^25 entries,
+# gets a window of 8)
+MAX_WINDOW_ENTRIES = 1 << 28
+
+
 @dataclass
 class ServedModelFields:
     """Which model the job evaluates, reports and saves (``aggregator/strategies/model_averaging.py``)."""
@@ -68,6 +73,16 @@ class ServedModelFields:
     # γ₂, the cycle's lowest client LR (0: constant, the job's client_lr)
     swa_lr_min: float = limited(0.0, Range(0, 100))
     wima_window: int = limited(10, Range(1, 1000))         # W: WiMA serves the mean of the last W global models
+
+    def check_served_model_memory(self, model_entries: int) -> None:
+        """WiMA keeps its window's W models (in memory and in every checkpoint) and averages them
+        at each round: at most MAX_WINDOW_ENTRIES entries in all. A review's finding: a job of
+        26,000 classes with W = 1,000, each limit met alone, was accepted and asked 124 GiB; eight
+        rounds took 5.4 GB and 1.1 GiB checkpoints, until the process died."""
+        if self.served_model == "wima" and self.wima_window * model_entries > MAX_WINDOW_ENTRIES:
+            raise ValueError(f"wima_window x the model's {model_entries:,} entries = {self.wima_window * model_entries:,} "
+                             f"exceed {MAX_WINDOW_ENTRIES:,} (WiMA keeps every model of its window): a window of at "
+                             f"most {max(MAX_WINDOW_ENTRIES // max(model_entries, 1), 0)} rounds")
 
     def served_model_rule(self) -> ServedModel:
         if self.served_model == "swa":

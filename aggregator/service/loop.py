@@ -129,8 +129,7 @@ class AggregatorService(OperatorActions):
             topics.job_ends, encode(env, signer=self._signer), retain=True, wait=True))
         self.strays = StrayResults(store, self.job_ends)     # what answers a result for no open round
         self.held_back = Backoff()      # stored jobs whose end could not be committed lately
-        self.last_finished: ActiveJob | None = None
-        self.active: ActiveJob | None = None
+        self.last_finished, self.active = None, None   # ActiveJob | None: the job served, the last one finished
         self.runner: JobRunner | None = None
         if job is not None:
             self._activate(job, self.out_dir)
@@ -169,9 +168,8 @@ class AggregatorService(OperatorActions):
             if self.active is not None:
                 summary = self._finish_job()
             self.link.stop()
-            for part in (self.ingest, self.writer, self.shards):
-                if part is not None:
-                    part.close()
+            for part in (part for part in (self.ingest, self.writer, self.shards) if part is not None):
+                part.close()
         return summary
 
     def stop(self) -> None:
@@ -228,8 +226,12 @@ class AggregatorService(OperatorActions):
         if self.writer is not None:             # what is being written belongs in the rebuilt job
             self.writer.settle()
         if not stop and self.store is not None and a.kind in KINDS:
+            try:    # its input files may be gone since (a review's finding: it raised, the change made)
+                job = build_job(a.kind, self.store.job(a.job_id)["config"])
+            except Exception as exc:
+                return self._job_broken(f"{reason}, and it cannot be rebuilt: {exc}", stop=True)
             log.warning("job %s: rebuilt from the store after: %s", a.job_id, reason)
-            self._activate(build_job(a.kind, self.store.job(a.job_id)["config"]), a.out_dir)
+            self._activate(job, a.out_dir)
             self.active.stats, self.active.started, self.active.close_failures = a.stats, a.started, a.close_failures
             return
         log.error("job %s stopped: %s", a.job_id, reason)
@@ -419,8 +421,7 @@ class AggregatorService(OperatorActions):
 
     # ------------------------------------------------------------------ output
     def _send(self, device: str, env: Envelope) -> None:
-        self.link.publish_envelope(self.topics.inbox(device), env, chunk_size=self.settings.chunk_size,
-                                   signer=self._signer)
+        self.link.publish_envelope(self.topics.inbox(device), env, chunk_size=self.settings.chunk_size, signer=self._signer)
 
     def _publish_status(self, body: dict) -> None:
         env = Envelope(type=M.STATUS, sender=AGGREGATOR_ID, body=body)
