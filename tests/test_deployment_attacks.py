@@ -528,6 +528,11 @@ def test_a_tags_canary_holds_the_devices_the_operator_tagged_never_those_announc
     ctl = controller()
     with pytest.raises(ValueError, match="no device carries these tags"):      # a typo, or tags never given
         ctl.call(lambda: ctl.deploy(good, cohort="tags:lbs", stages="100%", bake_s=3600, deployment_id="typo"))
+    # a devices: list naming one not in the fleet (a review's finding: the typo was dropped, and a list of
+    # none rolled back at once, its id used up) is refused, nothing made
+    for cohort, named in (("devices:cam-0,cam-typo", "cam-typo"), ("devices:ghost1,ghost2", "ghost1, ghost2")):
+        with pytest.raises(ValueError, match=f"not in the fleet \\(unknown or revoked\\): {named}$"):
+            ctl.call(lambda: ctl.deploy(good, cohort=cohort, stages="100%", bake_s=3600, deployment_id="lab"))
     ctl.call(lambda: ctl.deploy(good, cohort="tags:lab", stages="100%", bake_s=3600, deployment_id="lab"))
     wait_for(lambda: ctl.call(lambda: sorted(ctl.active.sent)) == ["cam-0"], what="the canary assigned")
     assert store.device("cam-1")["tags"] == [] and store.device("cam-0")["tags"] == ["lab", "north"]

@@ -174,6 +174,10 @@ class DeploymentController(LinkWorker):
         if dep.cohort.kind == "tags" and not dep.cohort.canary(self._fleet()):
             raise ValueError(f"cohort {dep.cohort.text()}: no device carries these tags (the tags the operator gives: "
                              "fedfleet admin device tag ID --tags ...); an empty canary would only roll back")
+        if dep.cohort.kind == "devices" and (unknown := sorted(set(dep.cohort.names) - set(self._fleet()))):
+            # a typo was dropped silently, and a list of none rolled back at once (a review's finding)
+            raise ValueError(f"cohort names devices not in the fleet (unknown or revoked): {', '.join(unknown[:10])}"
+                             + (f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""))
         actions = dep.handle(Start(time.time()))
         self.table.create(deployment_id, model_id, dep.state, dep.to_dict())
         self._known_n = self.table.reported_sizes(exclude=deployment_id)
