@@ -169,6 +169,66 @@ def test_job_rounds_mix_only_devices_of_one_cluster():
     assert job.next_participants(set(DEVICES)) == []
 
 
+
+def test_one_fabricated_style_is_screened_and_the_fleet_keeps_its_clusters():
+    """A review's finding: one enrolled device whose style has every entry at the parser's bound
+    255·S² (accepted) made the clustering k = 2, itself alone and all 20 honest devices of the
+    synthetic benchmark's 4 domains in the other cluster, for the whole job. Now its style is
+    screened with the reason (the style round's entry, the report, the checkpoint), left out of the
+    clustering and of the pretrainer's bank, and its device goes to the nearest centroid, as a late
+    device does; the honest devices keep one cluster per domain, whose centroids are the numpy
+    means of their styles."""
+    from edge_client.style import extract_style
+    from fedfleet.emulation.synthetic_scenes import make_benchmark
+
+    bench = make_benchmark(seed=3, image_size=32, n_source=1, devices_per_domain=5, images_per_device=(6, 10),
+                           test_per_domain=0)
+    honest = {d.device_id: extract_style(d.images) for d in bench.devices}
+    domain = {d.device_id: d.domain for d in bench.devices}
+    evil = np.full((3, 3, 3), 255.0 * 32 * 32, np.float32)
+    banks = []
+
+    def pretrainer(bank):
+        banks.append(np.array(bank))
+        return INITIAL, TRAINABLE
+
+    def style_phase(config):
+        job = LaddJob(config, pretrainer=pretrainer)
+        parts = job.next_participants(set(honest) | {"evil"})
+        for d in parts:
+            job.apply(d, send(job, d, "ladd.style", *encode_style(evil if d == "evil" else honest[d], 8, 1)))
+        job.close_round(RoundClosed(job.round, tuple(parts), (), (), ()))       # the parser took every style
+        assert job.phase == "train"
+        return job
+
+    cfg = LaddConfig(model={"num_classes": 5, "image_size": 32}, rounds=2, clients_per_round=4, kd_lambda=0.0, seed=3)
+    job = style_phase(cfg)
+    assert job.n_clusters == 4
+    assert cfg.style_screen_multiple == 4.0 and (cfg.k_min, cfg.k_max) == (2, 8)       # on by default
+    for a in honest:
+        for b in honest:
+            assert (job.assignment[a] == job.assignment[b]) == (domain[a] == domain[b])
+    for name in set(domain.values()):
+        members = [honest[d].reshape(-1).astype(np.float64) for d in honest if domain[d] == name]
+        label = job.assignment[next(d for d in honest if domain[d] == name)]
+        np.testing.assert_allclose(job.clustering.cluster_centers_[label], np.mean(members, axis=0), rtol=1e-6)
+    nearest = np.argmin(((job.clustering.cluster_centers_ - evil.reshape(-1).astype(np.float64)) ** 2).sum(axis=1))
+    assert job.assignment["evil"] == nearest
+    assert list(job.styles_screened) == ["evil"]
+    assert job.styles_screened["evil"].startswith("style screened: its nearest other style is")
+    assert job.round_log[-1]["styles_screened"] == job.styles_screened == job.report()["styles_screened"]
+    np.testing.assert_array_equal(banks[0], np.stack([honest[d] for d in sorted(honest)]))
+    restored = LaddJob(cfg, pretrainer=pretrainer)
+    restored.load_state_dict(job.state_dict())
+    assert restored.styles_screened == job.styles_screened and restored.assignment == job.assignment
+    # the screen off: the review's collapse, every honest device in one cluster
+    plain = style_phase(LaddConfig(**{**vars(cfg), "style_screen_multiple": 0.0}))
+    assert plain.n_clusters == 2 and plain.styles_screened == {}
+    assert len({plain.assignment[d] for d in honest}) == 1 and plain.assignment["evil"] not in \
+        {plain.assignment[d] for d in honest}
+    with pytest.raises(ValueError, match="screen multiple"):
+        LaddConfig(model={"num_classes": 5, "image_size": 32}, style_screen_multiple=1.5)
+
 def test_swa_teacher_inside_the_job_and_teacher_tensor():
     job = make_job(rounds=4, clients_per_round=9, swa_start=2)
     run_style_round(job, set(DEVICES))

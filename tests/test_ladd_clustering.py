@@ -104,3 +104,132 @@ def test_no_centroid_is_left_without_members_when_k_exceeds_the_distinct_styles(
         assert set(fitted.predict(bank)) <= set(fitted.labels_)
     forced, why = cluster_styles(np.repeat(distinct, 3, axis=0), (4, 4), 10, 0)
     assert why is not None and forced.n_clusters_ == 1 and set(forced.predict(distinct)) == {0}
+
+
+# ----------------------------------------------------------------------------- the style screen
+def _reference_screen(X, multiple):
+    """The screen in plain numpy, independently: rows whose nearest other row is farther than
+    multiple x the lower-middle distance of the rows from their coordinate-wise median."""
+    X = np.asarray(X, np.float64).reshape(len(X), -1)
+    d = np.sqrt(((X - np.median(X, axis=0)) ** 2).sum(axis=1))
+    spread = np.sort(d)[(len(d) - 1) // 2]
+    pair = np.sqrt(((X[:, None, :] - X[None, :, :]) ** 2).sum(axis=2))
+    np.fill_diagonal(pair, np.inf)
+    return sorted(np.flatnonzero(pair.min(axis=1) > multiple * spread).tolist())
+
+
+def _reference_clustering(X, k_range=(2, 8), n_init=10, seed=0):
+    """KMeans + silhouette over the given rows, straight from sklearn (no screen)."""
+    X = np.asarray(X, np.float64).reshape(len(X), -1)
+    best = None
+    for k in range(k_range[0], min(k_range[1], len(X) - 1) + 1):
+        km = KMeans(n_clusters=k, n_init=n_init, random_state=seed).fit(X)
+        if len(np.unique(km.labels_)) == k:
+            score = silhouette_score(X, km.labels_)
+            if best is None or score > best[0]:
+                best = (score, km)
+    return best[1]
+
+
+def test_one_fabricated_style_no_longer_decides_the_clustering(bench):
+    """A review's finding: one enrolled device sending a style with every entry at the parser's
+    bound 255·S² (accepted: each entry is reachable by the DC term alone) made the silhouette pick
+    k = 2, the attacker alone against all 20 honest devices of 4 domains (purity 0.25 instead of
+    1.0), and LADD's per-domain heads were lost for the job. The screen leaves it out of the fit
+    with its reason: k, the honest partition and the centroids are the fit without it (sklearn
+    directly), and the attacker goes to its nearest centroid."""
+    from aggregator.strategies.ladd import cluster_styles
+    from protocols.envelope import Envelope
+    from protocols.payloads.ladd import encode_style, parse_style
+
+    S = bench.image_size
+    styles = np.stack([extract_style(d.images) for d in bench.devices])
+    domains = [d.domain for d in bench.devices]
+    evil = np.full((3, 3, 3), 255.0 * S * S, np.float32)
+    parse_style(Envelope("result", "evil", *encode_style(evil, 8, 1)), 1, S)       # the parser takes it
+    bank = np.concatenate([styles, evil[None]])
+
+    # without the screen: the review's collapse (what the job did before)
+    plain = _reference_clustering(bank)
+    assert plain.n_clusters == 2 and clustering_purity(plain.labels_[:-1], domains) == 0.25
+
+    model, why = cluster_styles(bank, (2, 8), 10, 0)
+    honest = _reference_clustering(styles)
+    assert why is None
+    assert model.n_clusters_ == honest.n_clusters == len(set(domains)) == 4
+    assert clustering_purity(model.labels_[:-1], domains) == 1.0
+    np.testing.assert_array_equal(model.labels_[:-1], honest.labels_)
+    np.testing.assert_allclose(model.cluster_centers_, honest.cluster_centers_)
+    assert sorted(model.screened_) == _reference_screen(bank, 4.0) == [len(styles)]
+    reason = model.screened_[len(styles)]
+    assert reason.startswith("style screened: its nearest other style is") and "limit 4x" in reason
+    ref_scores = {k: silhouette_score(styles.reshape(len(styles), -1),
+                                      KMeans(n_clusters=k, n_init=10, random_state=0)
+                                      .fit(styles.reshape(len(styles), -1)).labels_) for k in range(2, 9)}
+    assert model.silhouette_scores_ == pytest.approx(ref_scores)
+    far = np.argmin(((honest.cluster_centers_ - evil.reshape(-1)) ** 2).sum(axis=1))
+    assert model.labels_[-1] == far                          # routed as a late device is
+    # order-free: the same screen and partition whatever the order of the bank (a shard
+    # coordinator and one aggregator see the same styles)
+    order = np.random.default_rng(5).permutation(len(bank))
+    shuffled, _ = cluster_styles(bank[order], (2, 8), 10, 0)
+    assert [order[i] for i in shuffled.screened_] == [len(styles)]
+    assert clustering_purity(shuffled.labels_[np.argsort(order)][:-1], domains) == 1.0
+    # off: the fit is sklearn's over every style, the collapse included
+    off, _ = cluster_styles(bank, (2, 8), 10, 0, screen_multiple=0.0)
+    assert off.screened_ == {} and off.n_clusters_ == 2
+
+
+@pytest.mark.parametrize("image_size,domains,per_domain,seed", [
+    (32, ("night", "fog", "sunset", "rain"), 5, 3), (32, ("night", "fog", "sunset", "rain"), 2, 0),
+    (64, ("night", "fog", "sunset", "rain"), 10, 1), (32, ("night", "fog", "sunset", "rain", "overexposed"), 3, 2),
+    (32, ("night", "fog", "overexposed"), 3, 0), (32, ("fog", "sunset"), 5, 0), (32, ("night",), 5, 4)])
+def test_honest_benchmark_fleets_lose_no_style_to_the_screen(image_size, domains, per_domain, seed):
+    """No honest device of make_benchmark's fleets is screened (the worst measured ratio over every
+    subset of its domains, 1-10 devices each, four styles or more, is 2.95 against the limit 4: the
+    margin in aggregator/strategies/ladd.py), so their clustering is the one without a screen. One night
+    device beside a fog-only fleet, a minority domain of one, is what the screen cannot tell
+    from a fabricated style (its nearest style is 58-87x the typical distance out)."""
+    from aggregator.strategies.ladd import STYLE_SCREEN_MULTIPLE, cluster_styles, screen_styles
+
+    fleet = make_benchmark(seed=seed, image_size=image_size, n_source=1, target_domains=domains,
+                           devices_per_domain=per_domain, images_per_device=(6, 10), test_per_domain=0)
+    styles = np.stack([extract_style(d.images) for d in fleet.devices])
+    assert screen_styles(styles) == {} and _reference_screen(styles, STYLE_SCREEN_MULTIPLE) == []
+    model, _ = cluster_styles(styles, (2, 8), 10, 0)
+    off, _ = cluster_styles(styles, (2, 8), 10, 0, screen_multiple=0.0)
+    np.testing.assert_array_equal(model.labels_, off.labels_)
+    assert model.silhouette_scores_ == off.silhouette_scores_
+
+
+def test_screen_edge_cases():
+    from aggregator.strategies.ladd import StyleClustering, screen_styles
+
+    rng = np.random.default_rng(7)
+    three = np.array([[0.0, 0.0], [1.0, 0.0], [1000.0, 0.0]])
+    assert screen_styles(three) == {}                           # three styles: k = 2 is the only choice
+    four = np.vstack([three, [[0.5, 0.5]]])
+    assert list(screen_styles(four)) == [2] == _reference_screen(four, 4.0)
+    pair = np.vstack([four, [[1000.0, 1.0]]])                   # two alike far styles: a group, kept
+    assert screen_styles(pair) == {}
+    same = np.vstack([np.ones((5, 3)), [[50.0, 50.0, 50.0]]])   # typical distance 0: nothing to judge by
+    assert screen_styles(same) == {}
+    blobs = np.concatenate([rng.normal(m, 0.3, (6, 4)) for m in (0, 5, 10)])
+    assert screen_styles(blobs) == {}
+    for bad in (1.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="screen multiple"):
+            screen_styles(four, bad)
+    # blocks of rows (1,200 styles: 129 rows a block, large fleets stay O(n) in memory) give each
+    # row's distances computed alone, bit for bit
+    from aggregator.strategies.ladd import nearest_other_distance
+    big = rng.normal(size=(1200, 27)) * 1e5
+    nearest = []
+    for i in range(len(big)):
+        d = np.sqrt(((big - big[i]) ** 2).sum(axis=1))
+        d[i] = np.inf
+        nearest.append(d.min())
+    np.testing.assert_array_equal(nearest_other_distance(big), nearest)
+    # a screened style leaves a one-cluster fallback's centroid alone too
+    lone = StyleClustering((1, 1)).fit(four)
+    np.testing.assert_allclose(lone.cluster_centers_[0], four[[0, 1, 3]].mean(axis=0))
+    assert list(lone.screened_) == [2] and set(lone.labels_) == {0}

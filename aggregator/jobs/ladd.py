@@ -11,7 +11,11 @@ has two kinds of rounds, so its ``kind`` is the kind of the round it opened last
     calls the injected ``pretrainer(style_bank)``, which returns the pre-trained exchanged
     state w and the names of the trainable tensors. A device that comes online later is
     asked for its style in a style round of its own and routed to the nearest centroid
-    (the clustering is not refitted).
+    (the clustering is not refitted). A style farther from every other than
+    ``style_screen_multiple`` x the fleet's typical distance from the median style is screened
+    first (``screen_styles``): left out of the fit and of the pretrainer's bank, its device
+    routed to the nearest centroid as a late device is, the reason in ``styles_screened``
+    (the round's entry, the report, the checkpoint).
 
 ``ladd.train`` rounds (t = 1 .. ``rounds``)
     κ devices with a cluster are drawn (seeded). Device k of cluster c gets φ ∪ θ_c, the
@@ -62,7 +66,8 @@ from protocols.transition_table import Transition, TransitionTable
 from aggregator.shards.ladd_sums import CanonicalClusterAveraging
 from aggregator.strategies.dp_fedavg import ClippedGaussianSum
 from aggregator.strategies.robust_ladd import RobustClusterAveraging
-from aggregator.strategies.ladd import ClusterAveraging, StyleClustering, SwaTeacher, cluster_specific_predicate, cluster_styles
+from aggregator.strategies.ladd import (ClusterAveraging, StyleClustering, SwaTeacher, cluster_specific_predicate,
+                                       cluster_styles, screen_styles)
 from aggregator.jobs.base import Job
 from aggregator.jobs.ladd_config import LaddConfig
 from aggregator.jobs.ladd_initial_model import load_initial_model, save_initial_model  # noqa: F401 (re-exported)
@@ -123,6 +128,7 @@ class LaddJob(Job):
         self.assignment: dict[str, int] = {}
         self.clustering: StyleClustering | None = None
         self.clustering_fallback: str | None = None     # why the styles became one cluster, if they did
+        self.styles_screened: dict[str, str] = {}       # device -> why its style was left out of the clustering
         self.pretrained: Arrays | None = None
         self.trainable: list[str] = []
         self.phi: Arrays = {}
@@ -189,6 +195,8 @@ class LaddJob(Job):
         event.entry["clusters"] = self.n_clusters
         if self.clustering_fallback:
             event.entry["clustering_fallback"] = self.clustering_fallback
+        if self.styles_screened:
+            event.entry["styles_screened"] = dict(self.styles_screened)
         return []
 
     def _route_late_styles(self, _event: StyleRoundClosed) -> list:
@@ -205,18 +213,25 @@ class LaddJob(Job):
 
     def _finish_style_phase(self) -> None:
         c = self.config
-        devices = sorted(self.styles)
+        devices = sorted(self.styles)           # a function of the set of styles: canonical order
         bank = np.stack([self.styles[d] for d in devices])
         if c.clustering == "styles":
-            self.clustering, self.clustering_fallback = cluster_styles(bank, (c.k_min, c.k_max), c.n_init, c.seed)
+            self.clustering, self.clustering_fallback = cluster_styles(bank, (c.k_min, c.k_max), c.n_init, c.seed,
+                                                                       c.style_screen_multiple)
+            screened = self.clustering.screened_
             if self.clustering_fallback:
                 log.warning("LADD clustering: %s, for the %d styles in", self.clustering_fallback, len(devices))
-            labels = self.clustering.labels_
+            labels = self.clustering.labels_        # a screened device's: its nearest centroid
             log.info("LADD clustering: k=%d, silhouettes %s", self.clustering.n_clusters_,
                      {k: round(v, 3) for k, v in self.clustering.silhouette_scores_.items()})
         else:
+            screened = screen_styles(bank, c.style_screen_multiple)      # pre-training's bank only
             labels = np.zeros(len(devices), np.int64)
-        arrays, trainable = self.initial if self.initial is not None else self.pretrainer(bank)
+        self.styles_screened = {devices[i]: why for i, why in sorted(screened.items())}
+        for device, why in self.styles_screened.items():
+            log.warning("LADD style of %s: %s", device, why)
+        kept = np.stack([s for i, s in enumerate(bank) if i not in screened])
+        arrays, trainable = self.initial if self.initial is not None else self.pretrainer(kept)
         self._begin_training(arrays, trainable, n_clusters=int(labels.max()) + 1)
         self.assignment = {d: int(label) for d, label in zip(devices, labels)}
 
@@ -488,7 +503,7 @@ class LaddJob(Job):
                 "trainable": self.trainable, "kd_confirmed": sorted(self.kd_confirmed),
                 "teachers": {str(c): [t.averaged, t.version] for c, t in self.teachers.items()},
                 "silhouette_scores": {str(k): v for k, v in (cl.silhouette_scores_ if cl else {}).items()},
-                "late_discarded": self.late_discarded}
+                "styles_screened": self.styles_screened, "late_discarded": self.late_discarded}
         out["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8).copy()
         return out
 
@@ -502,6 +517,7 @@ class LaddJob(Job):
         self.styles = dict(zip(meta["style_devices"], state["styles"])) if meta["style_devices"] else {}
         self.assignment = {d: int(c) for d, c in meta["assignment"].items()}
         self.late_discarded = int(meta["late_discarded"])
+        self.styles_screened = dict(meta.get("styles_screened", {}))     # absent from checkpoints before the screen
         if "style_centroids" in state:
             self.clustering = StyleClustering.from_centroids(state["style_centroids"])
             self.clustering.silhouette_scores_ = {int(k): v for k, v in meta["silhouette_scores"].items()}
@@ -551,7 +567,8 @@ class LaddJob(Job):
         cl = self.clustering
         return {"phase": self.phase, "train_rounds": self.train_round, "n_clusters": self.n_clusters,
                 "silhouette_scores": {str(k): v for k, v in (cl.silhouette_scores_ if cl else {}).items()},
-                "assignment": dict(self.assignment), "round_log": list(self.round_log),
+                "styles_screened": dict(self.styles_screened), "assignment": dict(self.assignment),
+                "round_log": list(self.round_log),
                 "trainable": list(self.trainable), "kd_sha256": self.kd_sha256}
 
 

@@ -14,7 +14,8 @@ from aggregator.jobs.config_limits import (BATCH_SIZE, COUNT, LOCAL_EPOCHS, PATH
 from aggregator.jobs.optimizer_fields import LocalRuleFields
 from aggregator.jobs.privacy_fields import UpdateClippingFields
 from aggregator.jobs.robustness_fields import FedAvgRobustnessFields
-from aggregator.strategies.ladd import CLUSTER_SCOPES, CLUSTERINGS, cluster_specific_predicate
+from aggregator.strategies.ladd import (CLUSTER_SCOPES, CLUSTERINGS, STYLE_SCREEN_MULTIPLE, check_screen_multiple,
+                                       cluster_specific_predicate)
 
 
 @dataclass
@@ -38,6 +39,10 @@ class LaddConfig(LocalRuleFields, FedAvgRobustnessFields, UpdateClippingFields):
     k_min: int = limited(2, Range(1, 64))
     k_max: int = limited(8, Range(1, 64))
     n_init: int = limited(10, Range(1, 1000))
+    # a style farther from every other style than this x the fleet's typical distance from the median
+    # style is left out of the clustering and of pre-training, and its device goes to the nearest
+    # centroid (aggregator/strategies/ladd.py screen_styles, which says how 4 was measured); 0: off, else >= 2
+    style_screen_multiple: float = limited(STYLE_SCREEN_MULTIPLE, Range(0, 1e6))
     cluster_scope: str = limited("head", OneOf(CLUSTER_SCOPES))   # θ = "head" (LADD cls) | "all"
     rounds: int = limited(12, ROUNDS)
     clients_per_round: int = 8
@@ -68,7 +73,8 @@ class LaddConfig(LocalRuleFields, FedAvgRobustnessFields, UpdateClippingFields):
             raise ValueError(f"clustering must be one of {CLUSTERINGS}, got {self.clustering!r}")
         cluster_specific_predicate(self.cluster_scope)
         check_declared(self, "model", "rounds", "clients_per_round", "teacher_every", "swa_start", "style_b", "k_min",
-                       "n_init")
+                       "n_init", "style_screen_multiple")
+        check_screen_multiple(self.style_screen_multiple)
         if self.k_min > self.k_max:
             raise ValueError(f"k_min={self.k_min} must not exceed k_max={self.k_max}")
         self.recipe(seed=0)          # refuse a recipe the devices would refuse, before any round

@@ -2,11 +2,15 @@
 
 Pure tensor-in / tensor-out pieces (no transport, no rounds), spec §2.2-2.4:
 
-* :class:`StyleClustering`, a scikit-learn style estimator. ``fit(styles)`` runs KMeans
-  (``n_init`` restarts, best inertia) for every k in ``k_range`` and keeps the partition
-  with the highest silhouette score (Euclidean, raw styles); ``predict`` sends a style to
-  the nearest centroid (new devices, test images). Attributes after fit: ``n_clusters_``,
-  ``labels_``, ``cluster_centers_``, ``silhouette_scores_`` {k: score}, ``inertias_``.
+* :class:`StyleClustering`, a scikit-learn style estimator. ``fit(styles)`` screens the styles
+  (:func:`screen_styles`: a style farther from every other than ``screen_multiple`` x the
+  fleet's typical distance from the median style), runs KMeans (``n_init`` restarts, best
+  inertia) on the others for every k in ``k_range`` and keeps the partition with the highest
+  silhouette score (Euclidean, raw styles); a screened style goes to its nearest centroid
+  afterwards, as a late device's does. ``predict`` sends a style to the nearest centroid (new
+  devices, test images). Attributes after fit: ``n_clusters_``, ``labels_`` (every style's,
+  the screened included), ``cluster_centers_``, ``silhouette_scores_`` {k: score},
+  ``inertias_``, ``screened_`` {row: why}.
 * :class:`ClusterSpecificAveraging`: one round's aggregation. A model is split by parameter
   name into global φ and cluster-specific θ (``is_cluster_specific``). Every update adds its
   φ tensors to one sample-weighted mean over *all* participants and its θ tensors to the
@@ -28,11 +32,29 @@ from collections.abc import Callable, Iterable, Mapping
 import numpy as np
 
 from aggregator.strategies.fedavg import WeightedMean
+from aggregator.strategies.robust_fedavg import typical
 
 Params = dict[str, np.ndarray]
 
 CLUSTER_SCOPES = ("head", "all")
 CLUSTERINGS = ("styles", "none")        # LADD's style clusters, or one cluster (FedAvg + self-training)
+
+# The style screen's default multiple (:func:`screen_styles`; the config's ``style_screen_multiple``).
+# Measured (ratio = a style's distance to its nearest other style / the fleet's typical distance
+# from the median style): make_benchmark's honest fleets, every subset of its five target domains
+# (night, fog, sunset, rain, overexposed) at 1, 2, 3, 5 and 10 devices a domain, 32 and 64 px,
+# seeds 0-5 (32 px) and 0-2 (64 px), at most 2.95 from four styles on (a one-domain fleet of five
+# at 64 px; the pipeline's 4 domains x 10 devices: below 0.4): 4 leaves them a 1.36x margin. An
+# attacker beside those fleets first changed the honest partition (k or purity; the review's
+# collapse) at 4.9 (sunset + rain, 5 devices each, a random direction; the review's all-maximum
+# style: 6.8 there, 16.4 beside the 4-domain fleet of 20): 1.22x beyond the limit. Not screened: a
+# group of two or more alike styles however far (a minority domain), and any style within the
+# limit, whose worst measured effect was a cluster of its own.
+STYLE_SCREEN_MULTIPLE = 4.0
+# With three styles k = 2 is the only candidate (a silhouette needs k <= n - 1): a screen would
+# only turn the partition into one cluster. One device per domain of (night, fog, overexposed),
+# three honest styles, put night at 12.6x, since fog and overexposed are alike.
+STYLE_SCREEN_MIN_STYLES = 4
 
 
 def cluster_specific_predicate(scope: str) -> Callable[[str], bool]:
@@ -55,20 +77,74 @@ def _as_styles(X) -> np.ndarray:
     return X
 
 
+def check_screen_multiple(multiple: float) -> None:
+    """0 (off) or a finite multiple >= 2: at least half the styles lie within the typical distance
+    of the median, so within twice it of each other, and a screen never takes the majority."""
+    if multiple != 0 and not (multiple >= 2 and np.isfinite(multiple)):
+        raise ValueError(f"style screen multiple must be 0 (off) or >= 2, got {multiple}")
+
+
+def screen_styles(X, multiple: float = STYLE_SCREEN_MULTIPLE) -> dict[int, str]:
+    """Styles the clustering must not be fitted on: row -> why.
+
+    A style is screened when even its nearest other style lies farther than ``multiple`` x the
+    fleet's typical distance from the coordinate-wise median style (``typical``: the median, the
+    lower middle value of an even count), in the space the clustering uses (raw styles,
+    flattened, Euclidean). A review's finding: one device sending every entry at the parser's
+    bound 255·S² made the silhouette pick k = 2, itself alone against all 20 honest devices of 4
+    domains (purity 0.25 instead of 1.0): far enough away, one style makes every honest point's
+    silhouette near 1 in a single cluster. Its distance from the median alone would not tell it
+    from an honest minority domain (three night devices beside four bright ones lie 8x the typical
+    distance out): those have each other nearby, a lone fabricated style has nobody. Off (0), with
+    fewer than ``STYLE_SCREEN_MIN_STYLES`` styles, or when the typical distance is 0 (half the
+    styles equal the median: nothing to measure against), nothing is screened. A function of the
+    set of styles: order-free, deterministic, the same on a shard coordinator."""
+    X = _as_styles(X)
+    check_screen_multiple(multiple)
+    if not multiple or len(X) < STYLE_SCREEN_MIN_STYLES:
+        return {}
+    spread = typical(np.linalg.norm(X - np.median(X, axis=0), axis=1))
+    if not spread > 0:
+        return {}
+    nearest = nearest_other_distance(X)
+    limit = multiple * spread
+    return {int(i): (f"style screened: its nearest other style is {nearest[i]:.4g} away, {nearest[i] / spread:.3g}x "
+                     f"the fleet's typical distance from the median style ({spread:.4g}; limit {multiple:g}x)")
+            for i in np.flatnonzero(nearest > limit)}
+
+
+def nearest_other_distance(X: np.ndarray) -> np.ndarray:
+    """Each row's Euclidean distance to its nearest other row (blocks of rows: memory O(n), each
+    distance computed alone, so the same bits whatever the order or the block size)."""
+    out = np.empty(len(X))
+    block = max(1, 2 ** 22 // max(1, len(X) * X.shape[1]))
+    for start in range(0, len(X), block):
+        rows = X[start:start + block]
+        d = np.sqrt(((rows[:, None, :] - X[None, :, :]) ** 2).sum(axis=2))
+        d[np.arange(len(rows)), np.arange(start, start + len(rows))] = np.inf
+        out[start:start + block] = d.min(axis=1)
+    return out
+
+
 class StyleClustering:
     """KMeans over styles with k chosen by silhouette (LADD Algorithm 2, [C]'s sklearn version).
 
     ``k_range``: inclusive (k_min, k_max); k values that a silhouette cannot score
     (k >= n_samples) are skipped. With ``k_range=(1, 1)`` everything is one cluster.
+    ``screen_multiple``: :func:`screen_styles` (0: off); the screened styles are left out of
+    every fit and score and go to their nearest centroid afterwards.
     """
 
-    def __init__(self, k_range: tuple[int, int] = (2, 8), n_init: int = 10, random_state: int | None = 0):
+    def __init__(self, k_range: tuple[int, int] = (2, 8), n_init: int = 10, random_state: int | None = 0,
+                 screen_multiple: float = STYLE_SCREEN_MULTIPLE):
         self.k_range = k_range
         self.n_init = n_init
         self.random_state = random_state
+        self.screen_multiple = screen_multiple
 
     def get_params(self, deep: bool = True) -> dict:
-        return {"k_range": self.k_range, "n_init": self.n_init, "random_state": self.random_state}
+        return {"k_range": self.k_range, "n_init": self.n_init, "random_state": self.random_state,
+                "screen_multiple": self.screen_multiple}
 
     def set_params(self, **params) -> "StyleClustering":
         for k, v in params.items():
@@ -76,21 +152,31 @@ class StyleClustering:
         return self
 
     def fit(self, X, y=None) -> "StyleClustering":
-        from sklearn.cluster import KMeans
-        from sklearn.metrics import silhouette_score
-
         X = _as_styles(X)
         k_min, k_max = (int(k) for k in self.k_range)
         if not 1 <= k_min <= k_max:
             raise ValueError(f"k_range must be 1 <= k_min <= k_max, got {self.k_range}")
         if self.n_init < 1:
             raise ValueError(f"n_init must be >= 1, got {self.n_init}")
+        self.screened_: dict[int, str] = screen_styles(X, self.screen_multiple)
+        keep = np.ones(len(X), bool)
+        keep[list(self.screened_)] = False
         self.silhouette_scores_: dict[int, float] = {}
         self.inertias_: dict[int, float] = {}
+        labels, centers, k = self._fit_kept(X[keep], k_min, k_max)
+        all_labels = np.empty(len(X), np.int64)
+        all_labels[keep] = labels
+        all_labels[~keep] = nearest_centroid(X[~keep], centers)     # as a late device: no refit
+        self._set(all_labels, centers, k)
+        return self
+
+    def _fit_kept(self, X: np.ndarray, k_min: int, k_max: int) -> tuple[np.ndarray, np.ndarray, int]:
+        from sklearn.cluster import KMeans
+        from sklearn.metrics import silhouette_score
+
         best = None
         if k_min == 1 and (k_max == 1 or len(X) < 3):
-            self._set(np.zeros(len(X), np.int64), X.mean(axis=0, keepdims=True), 1)
-            return self
+            return np.zeros(len(X), np.int64), X.mean(axis=0, keepdims=True), 1
         for k in range(max(k_min, 2), min(k_max, len(X) - 1) + 1):
             km = KMeans(n_clusters=k, n_init=self.n_init, random_state=self.random_state).fit(X)
             # fewer distinct styles than k leave centroids without members: not a k-clustering,
@@ -102,11 +188,11 @@ class StyleClustering:
             if best is None or score > best[0]:
                 best = (score, km)
         if best is None:
-            raise ValueError(f"cannot cluster {len(X)} styles with k in {self.k_range} "
+            screened = f", {len(self.screened_)} more screened" if self.screened_ else ""
+            raise ValueError(f"cannot cluster {len(X)} styles{screened} with k in {self.k_range} "
                              "(a silhouette needs 2 <= k <= n_samples - 1)")
         km = best[1]
-        self._set(km.labels_.astype(np.int64), km.cluster_centers_, km.n_clusters)
-        return self
+        return km.labels_.astype(np.int64), km.cluster_centers_, km.n_clusters
 
     def _set(self, labels: np.ndarray, centers: np.ndarray, k: int) -> None:
         self.labels_ = labels
@@ -130,17 +216,20 @@ class StyleClustering:
         model = cls()
         centers = _as_styles(centers)
         model._set(np.zeros(0, np.int64), centers, len(centers))
+        model.screened_ = {}
         return model
 
 
-def cluster_styles(bank, k_range: tuple[int, int], n_init: int, seed: int | None) -> tuple[StyleClustering, str | None]:
+def cluster_styles(bank, k_range: tuple[int, int], n_init: int, seed: int | None,
+                   screen_multiple: float = STYLE_SCREEN_MULTIPLE) -> tuple[StyleClustering, str | None]:
     """LADD's clustering of the style bank, and why it fell back (None when it did not): styles too
     few for k >= k_min (a silhouette needs 2 <= k <= n - 1) or that never split are one cluster,
-    rather than a job that cannot leave its style phase."""
+    rather than a job that cannot leave its style phase. The screen (``screened_``) is the same
+    either way: a function of the bank."""
     try:
-        return StyleClustering(k_range, n_init, seed).fit(bank), None
+        return StyleClustering(k_range, n_init, seed, screen_multiple).fit(bank), None
     except ValueError as exc:
-        return StyleClustering((1, 1), n_init, seed).fit(bank), f"{exc}: one cluster"
+        return StyleClustering((1, 1), n_init, seed, screen_multiple).fit(bank), f"{exc}: one cluster"
 
 def nearest_centroid(X: np.ndarray, centers: np.ndarray) -> np.ndarray:
     d2 = ((X[:, None, :] - centers[None, :, :]) ** 2).sum(axis=2)
