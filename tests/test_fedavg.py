@@ -332,13 +332,14 @@ def test_fed3r_init_scale_widens_the_margins_and_keeps_the_predictions():
 
 
 def test_job_state_round_trips():
-    job = small_job(server_momentum=0.9, kappa=1)
+    # a round of one update before any reference moves nothing (SmallRoundReference): this one must move
+    job = small_job(server_momentum=0.9, kappa=1, small_round_reference=False)
     drv = Driver(job)
     rng = np.random.default_rng(12)
     (d,), _ = drv.open(["a"])
     h = head(rng)
     drv.deliver(d, wire_result(d, h["weight"], h["bias"], 4))
-    clone = small_job(server_momentum=0.9, kappa=1)
+    clone = small_job(server_momentum=0.9, kappa=1, small_round_reference=False)
     clone.load_state_dict(job.state_dict())
     assert clone.round == 1
     np.testing.assert_array_equal(clone.params["weight"], job.params["weight"])

@@ -340,6 +340,43 @@ def test_the_async_job_bounds_an_attackers_influence_with_fedavg_psi_layers_and_
         np.testing.assert_array_equal(twin.buffer.params[k], job.buffer.params[k])
 
 
+def test_a_step_of_one_update_is_bounded_by_the_reference_of_earlier_steps():
+    """A review's finding: with buffer_size 1 every step was a round of one update, bounded by its
+    own median: one device's head moved by 10^5 moved the model by 10^5. Now a step of fewer than
+    three updates is bounded by the reference (FedAvg's SmallRoundReference): the first steps move
+    nothing until three devices have sent one (the attacker's first among them), then the honest
+    device's step and the attacker's second are clipped to the lower median of those three norms
+    (numpy: the history's momentum over the two steps that moved). The reference and the pool
+    survive a checkpoint."""
+    config = AsyncFedAvgConfig(num_classes=C, feature_dim=D, clients_per_round=1, buffer_size=1)
+    job, twin = AsyncFedAvgJob(config), AsyncFedAvgJob(config)
+    rng = np.random.default_rng(11)
+    x0 = {k: np.asarray(v, dtype=np.float64) for k, v in job.buffer.params.items()}
+    honest = {d: {k: v + rng.normal(0, 0.01, v.shape) for k, v in x0.items()} for d in ("a", "b", "c")}
+    evil = {k: v + 1e5 for k, v in x0.items()}
+    for device, trained in (("evil", evil), ("a", honest["a"])):
+        job.buffer.add(trained, job.buffer.version, device)
+    twin.buffer.load_state_dict(job.buffer.state_dict())        # mid pool: {evil, a}
+    for fb in (job.buffer, twin.buffer):
+        fb.add(honest["b"], fb.version, "b")
+        assert all(np.array_equal(fb.params[k], np.asarray(x0[k], np.float32)) for k in x0)   # held: 3 steps
+        fb.add(honest["c"], fb.version, "c")
+        after_c = {k: np.asarray(v, np.float64) for k, v in fb.params.items()}
+        fb.add({k: v + 1e5 for k, v in after_c.items()}, fb.version, "evil")
+    flat = lambda p: np.concatenate([np.asarray(p[k], np.float64).ravel() for k in sorted(p)])
+    norms = sorted(np.linalg.norm(flat(t) - flat(x0)) for t in (evil, honest["a"], honest["b"]))
+    limit = norms[1]                                             # the lower median of three: an honest norm
+    step_c = flat(honest["c"]) - flat(x0)
+    s = step_c * min(1.0, limit / np.linalg.norm(step_c))
+    x1 = (flat(x0) + s).astype(np.float32).astype(np.float64)
+    step_evil = np.full_like(x1, 1e5)
+    s = 0.7 * s + 0.3 * step_evil * limit / np.linalg.norm(step_evil)
+    want = x1 + s
+    np.testing.assert_allclose(flat(job.buffer.params), want, rtol=1e-6, atol=1e-6)
+    assert np.linalg.norm(flat(job.buffer.params) - flat(x0)) < 2 * limit           # 10^5 before
+    assert flat(twin.buffer.params).tobytes() == flat(job.buffer.params).tobytes()
+
+
 class FastAttacker:
     """Answers every task at once with the same step away from the model."""
 

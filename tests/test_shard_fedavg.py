@@ -215,6 +215,29 @@ def test_shards_close_dp_fedavg_rounds_to_one_aggregators_bytes(tmp_path, kind, 
     assert coordinator.evaluate(None, None)["privacy"]["releases"] == 3
 
 
+@pytest.mark.parametrize("kind", ["fedavg", "scaffold"])
+def test_shards_close_rounds_of_one_update_on_one_aggregators_reference(tmp_path, kind):
+    """κ = 1: each round's one update is bounded by the reference of earlier rounds as well
+    (``SmallRoundReference``): the first rounds move nothing until three devices have answered, the
+    later ones are clipped to it (dev01 pushes 40 times harder). The coordinator keeps the reference
+    from the shards' statistics as one aggregator keeps it from its updates: the same bytes, through
+    a restart from a checkpoint; a round that moves nothing asks for no sums, and moves no
+    Scaffold c."""
+    from aggregator.strategies.robust_fedavg import SmallRoundReference
+
+    rounds = 8
+    single, coordinator, asked = run_rounds(tmp_path, 2, late="none", kind=kind, restart_round=5,
+                                            extra={"clients_per_round": 1, "rounds": rounds})
+    assert sorted(coordinator.state_dict()) == sorted(single.state_dict())
+    for name, value in single.state_dict().items():
+        assert coordinator.state_dict()[name].tobytes() == value.tobytes(), name
+    moved = [entry["updates"] for entry in single.round_log]
+    assert moved[0] == 0 and moved[-1] == 1 and SmallRoundReference.LIMITS in single.state_dict()
+    assert asked.count("sums") == sum(moved) < rounds
+    if kind == "scaffold":
+        assert np.abs(single.control["weight"]).max() > 0
+
+
 def test_a_dp_fedavg_round_is_the_clipped_deltas_plus_the_noise_over_kappa():
     """The tree's DP step against plain numpy: Σ_k clip(θ_k − x, C), plus the seeded noise of
     multiplier z C on each tensor, over κ, moves x (SGD at lr 1); C clips some deltas, not all."""

@@ -14,7 +14,9 @@ a round:
    machine, a stranger) is discarded and counted in ``late_discarded``: a late update never
    reaches a later round's average.
 4. ``close_round`` (all answered, or the deadline passed: stragglers are simply missing)
-   bounds each update's norm and weight, screens updates that oppose the round's median,
+   bounds each update's norm and weight (a round of fewer than three updates by the limits of
+   earlier rounds too; one of one update moves nothing before there are any), screens updates
+   that oppose the round's median,
    combines the rest with the job's rule (the weighted mean, or a robust one), steps along the
    round history's momentum (``aggregator/strategies/robust_fedavg.py``) and takes one server
    step with the strategy (FedAvg / FedAvgM, or FedOpt's Adam / Yogi / Adagrad:
@@ -172,6 +174,7 @@ class FedAvgJob(Job):
         self.params: dict[str, np.ndarray] = head
         self.served = c.served_model_rule()      # what is evaluated, reported, saved: w^t, SWA or WiMA
         self.history = c.round_history()      # bounded influence's state across rounds (checkpointed)
+        self.small_rounds = c.small_rounds()  # the reference rounds of fewer than 3 updates are bounded by (too)
         self._rng = random.Random(c.participant_seed())       # secret when DP counts on sampling
         self._open = False
         self._participants: frozenset[str] = frozenset()
@@ -268,16 +271,23 @@ class FedAvgJob(Job):
         from the point the devices trained from (:meth:`round_start`)."""
         # Bounded influence (aggregator/strategies/robust_fedavg.py): the norm and contribution
         # bounds, the direction screen, then the job's rule.
-        _, current, updates = self._round_updates()
+        # A round of fewer than three updates is bounded by the reference of earlier rounds too, and
+        # the round's limits and statistics go to it (SmallRoundReference): this is the round's close.
+        devices, current, updates = self._round_updates()
         if not updates:
             return None, 0, 0
         samples = sum(n for _, n in updates)
         if not self.config.needs_every_update():
             # sums that shards can split: added up the canonical bucket tree, as K shards would
             # add them (aggregator/shards/fedavg_sums.py), so one aggregator's bits are theirs
-            combined = local_round_mean(self.config, current, self._updates)
+            held = self.small_rounds.holds(len(updates))
+            combined = local_round_mean(self.config, current, self._updates, self.small_rounds)
+            if held:
+                log.warning("round %d: %s", self.round, self.small_rounds.HELD)
             return combined, (len(updates) if combined is not None else 0), samples
-        combined, report = self.config.robust_aggregation().aggregate(current, updates)
+        combined, report, (limits, statistics) = self.config.robust_aggregation().aggregate_measured(
+            current, updates, self.small_rounds)
+        self.small_rounds.observe(len(updates), limits, None if statistics is None else dict(zip(devices, statistics)))
         if report.get("skipped") or report.get("norm_bounded") or report.get("screened"):
             log.warning("round %d: %s", self.round, report)
         return combined, (len(updates) if combined is not None else 0), samples
@@ -295,13 +305,16 @@ class FedAvgJob(Job):
         """The devices of the round being closed whose update does not reach the rule (the direction
         screen's, or all of them when the round has too few for the rule): what a round also sums of
         its devices follows (Scaffold's Δc). Only where the round is combined whole (a config that
-        needs every update, which shards refuse); none otherwise."""
+        needs every update, which shards refuse), or a round of one that moves nothing for want of
+        a reference (``SmallRoundReference``; a sharded round leaves it out the same way); none otherwise."""
+        if self.small_rounds.holds(len(self._updates)):
+            return set(self._updates)
         if not self.config.needs_every_update():
             return set()
         devices, current, updates = self._round_updates()
         if not updates:
             return set()
-        kept = self.config.robust_aggregation().kept(current, updates)
+        kept = self.config.robust_aggregation().kept(current, updates, self.small_rounds)
         return {d for d, k in zip(devices, kept) if not k}
 
     def round_step(self) -> tuple[dict[str, np.ndarray] | None, int, int]:
@@ -371,7 +384,7 @@ class FedAvgJob(Job):
     def state_dict(self) -> dict[str, np.ndarray]:
         server = self.dp if self.dp is not None else self.strategy
         return {**{k: v.copy() for k, v in self.params.items()}, **server.state_dict(), **self.history.state_dict(),
-                **self.served.state_dict(),
+                **self.small_rounds.state_dict(), **self.served.state_dict(),
                 "round": np.array([self.round], dtype=np.int64),
                 "counts": np.array([self.samples, self.late_discarded], dtype=np.int64)}
 
@@ -380,6 +393,7 @@ class FedAvgJob(Job):
         self.params = head_tensors(state["weight"], state["bias"])
         (self.dp if self.dp is not None else self.strategy).load_state_dict(state)
         self.history.load_state_dict(state)
+        self.small_rounds.load_state_dict(state)
         self.served.load_state_dict(state)
         self.round = int(state["round"][0])
         self.samples, self.late_discarded = (int(x) for x in state["counts"])

@@ -91,7 +91,8 @@ class AsyncFedAvgJob(AsynchronousJob, FedAvgJob):
         # FedAvg(ψ)'s bounded influence, composed: a step's K buffered updates go through the layers a
         # synchronous round's go through, with the same defaults (AsyncFedAvgConfig inherits them)
         self.buffer = FedBuff(self.params, c.buffer_size, c.server_lr, c.max_staleness, c.staleness_exponent,
-                              aggregation=c.robust_aggregation(), history=c.round_history())
+                              aggregation=c.robust_aggregation(), history=c.round_history(),
+                              small_rounds=self.small_rounds)
         self.dispatches: dict[int, tuple[str, int]] = {}   # dispatch round not yet closed -> (device, version)
         # devices whose update waits in the open buffer: none is asked again before the buffer steps,
         # so one device (answering at once, every time) cannot fill the buffer and set its medians
@@ -158,7 +159,7 @@ class AsyncFedAvgJob(AsynchronousJob, FedAvgJob):
         if dispatched is None or dispatched[0] != device:
             self.late_discarded += 1    # the round machine answers these before they get here
             return
-        outcome = self.buffer.add(payload.update.tensors(), dispatched[1])
+        outcome = self.buffer.add(payload.update.tensors(), dispatched[1], device)
         if outcome == "stepped":
             self.in_buffer = set()          # a new buffer: every device may be asked again
         elif outcome == "buffered":

@@ -32,6 +32,8 @@ class LaddConfig(LocalRuleFields, FedAvgRobustnessFields, UpdateClippingFields):
     contribution_bound_multiplier: float = 0.0
     direction_screen: bool = False
     history_momentum: float = 0.0       # LADD has none: refused (its clusters' θ_c move in rounds of their own)
+    # not LADD's yet: refused (its slots' limits are decided per cluster: docs/algorithms.md, "Bounded influence")
+    small_round_reference: bool = False
     model: dict = limited(limit=SEGMENTATION_SPEC, default_factory=dict)   # edge_client SegmentationSpec as a dict
     weights_sha256: str = limited("", SHA256_OR_EMPTY)     # the devices' ImageNet encoder weights
     style_b: int = limited(1, Range(0, 8))                 # style window (2b+1)²
@@ -82,6 +84,9 @@ class LaddConfig(LocalRuleFields, FedAvgRobustnessFields, UpdateClippingFields):
         self.check_robust_aggregation()
         if self.history_momentum:
             raise ValueError("LADD has no round history (history_momentum must be 0)")
+        if self.small_round_reference:
+            raise ValueError("LADD does not bound its small rounds by a reference of earlier ones "
+                             "(small_round_reference must be false)")
 
     def recipe(self, seed: int) -> SelfTrainingRecipe:
         return SelfTrainingRecipe(epochs=self.local_epochs, batch_size=self.batch_size, lr=self.lr,

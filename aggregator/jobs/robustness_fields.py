@@ -14,13 +14,13 @@ from aggregator.jobs.config_limits import FLAG, OneOf, Range, limited
 from aggregator.strategies.robust_fed3r import EnergyScreen, FeatureBound
 from aggregator.strategies.robust_fedavg import (CenteredClipping, ContributionBound, CoordinateMedian,
                                                  DirectionScreen, Krum, Mean, NormBound, RobustAggregation,
-                                                 RoundHistory, TrimmedMean, WeightBound)
+                                                 RoundHistory, SmallRoundReference, TrimmedMean, WeightBound)
 
 RULES = ("mean", "median", "trimmed_mean", "krum", "multi_krum", "centered_clipping")
 # The settings under which a FedAvg-family job averages as FedAvg does: every bounded-influence
 # layer off (what a test comparing a job to the plain weighted mean, or the bench's "none", sets).
 PLAIN_MEAN = {"norm_bound_multiplier": 0.0, "weight_bound_multiplier": 0.0, "contribution_bound_multiplier": 0.0,
-              "direction_screen": False, "history_momentum": 0.0}
+              "direction_screen": False, "history_momentum": 0.0, "small_round_reference": False}
 
 
 @dataclass
@@ -74,6 +74,10 @@ class FedAvgRobustnessFields(JobConfig):
     # w_k·‖Δ_k‖ ≤ this × the round's median (0: off)
     contribution_bound_multiplier: float = limited(0.5, Range(0, 1e6))
     direction_screen: bool = limited(True, FLAG)    # leave out Δ_k with ⟨Δ_k, coordinate-wise median⟩ ≤ 0
+    # a round of fewer than 3 updates is bounded by the limits of the last round of >= 3 too (or of
+    # >= 3 devices' small rounds), and a round of one moves nothing before there are any
+    # (SmallRoundReference says why); false: such a round is bounded by its own updates alone
+    small_round_reference: bool = limited(True, FLAG)
     # β: the server steps along a momentum of the rounds' steps (0: off)
     history_momentum: float = limited(0.7, Range(0, 0.99))
     trim_fraction: float = limited(0.1, Range(0, 0.499))   # trimmed_mean: β dropped at each end, per coordinate
@@ -97,6 +101,12 @@ class FedAvgRobustnessFields(JobConfig):
                                  ContributionBound(self.contribution_bound_multiplier),
                                  DirectionScreen(self.direction_screen), WeightBound(self.weight_bound_multiplier))
 
+    def small_rounds(self) -> SmallRoundReference:
+        """The bound of rounds of fewer than three updates (state across rounds: the job keeps one
+        and checkpoints it); off when no bound layer is on, and under DP (no layer acts there)."""
+        return SmallRoundReference(self.small_round_reference and not self.dp,
+                                   self.robust_aggregation().bound_layers())
+
     def round_history(self) -> RoundHistory:
         """The state across rounds (the job keeps one and checkpoints it)."""
         return RoundHistory(self.history_momentum)
@@ -114,10 +124,13 @@ class FedAvgRobustnessFields(JobConfig):
 
     def check_robust_aggregation(self) -> None:
         """ValueError when the rule cannot hold its guarantee with κ devices a round (admin API: 422)."""
-        if not isinstance(self.direction_screen, bool):
-            raise ValueError(f"direction_screen must be true or false, got {self.direction_screen!r}")
+        for name, flag in (("direction_screen", self.direction_screen),
+                           ("small_round_reference", self.small_round_reference)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be true or false, got {flag!r}")
         rule = self.robust_aggregation().rule
         self.round_history()
+        self.small_rounds()
         if self.clients_per_round < rule.min_updates():
             raise ValueError(f"aggregator {self.aggregator!r} needs clients_per_round >= {rule.min_updates()} "
                              f"(Krum: 2f + 3 with f={self.krum_byzantine}), got {self.clients_per_round}")

@@ -77,4 +77,7 @@ class ShardedRoundsJob(RoundSumsCoordinator):
         def statistics(context: RoundContext) -> dict[str, float]:
             return self.pool.ask("statistics", self.config.job_id, accepted, context)
 
-        return round_mean(self.layers, self._round_start(), statistics, self._root(accepted))
+        # the job's reference for rounds of fewer than three updates: bounded by it and closed into it
+        # here as one aggregator's job does (SmallRoundReference, in its checkpoint)
+        return round_mean(self.layers, self._round_start(), statistics, self._root(accepted),
+                          self.inner.small_rounds)

@@ -9,7 +9,10 @@ phases (:func:`round_mean`): for each layer, every update's statistic is gathere
 decided on all of them; then each bucket sums w_k θ'_k and w_k in canonical (device id) order, and
 the bucket sums are added up the fixed tree (``sum_tree.py``). With shards the statistics and the
 subtree sums come from the shards that hold the updates; with one aggregator from its own memory
-(:func:`local_round_mean`): the same per-update arithmetic, the same additions.
+(:func:`local_round_mean`): the same per-update arithmetic, the same additions. A round of fewer
+than three updates also takes the job's reference of earlier rounds (``SmallRoundReference``,
+handed to :func:`round_mean` with the statistics, which also keep it: the coordinator's job and one
+aggregator's keep the same one), and a round of one before there is one asks for no sums.
 
 Layers that need every update at once (the direction screen's coordinate-wise median, the robust
 rules) cannot be split this way: such a config is refused on shards (``FedAvgRoundSums.refusal``)
@@ -34,7 +37,7 @@ from protocols.clipping import clip_update
 from aggregator.shards.buckets import canonical_key
 from aggregator.shards.sum_tree import (AdditiveState, Contribution, PartialSum, add_elementwise, add_weighted,
                                         local_tree_sum)
-from aggregator.strategies.robust_fedavg import flatten
+from aggregator.strategies.robust_fedavg import SmallRoundReference, flatten
 
 WEIGHT = "weight_total"         # a bucket state's Σ w_k (float64: a contribution bound makes w_k fractional)
 SUM = "sum."                    # + tensor name: Σ w_k θ'_k (float64); DP: Σ clip(Δ_k, C)
@@ -87,13 +90,30 @@ def weighted_sum(layers: list, context: RoundContext, updates) -> PartialSum:
 
 
 def round_mean(layers: list, current: Params, statistics: Callable[[RoundContext], dict[str, float]],
-               root: Callable[[RoundContext], PartialSum | None]) -> tuple[Params | None, PartialSum | None]:
+               root: Callable[[RoundContext], PartialSum | None], reference: SmallRoundReference | None = None
+               ) -> tuple[Params | None, PartialSum | None]:
     """(the round's combined tensors, the root they were divided from); the tensors are None when
     no update counts. Each layer's limit comes from every update's statistic (``statistics``),
-    then the root of the tree of bounded sums (``root``)."""
+    then the root of the tree of bounded sums (``root``). With a ``reference`` (the job's state
+    across rounds) a round of fewer than three updates is bounded by it too, a round of one
+    before it exists moves nothing (no root is asked for: (None, None)), and the round's limits
+    and statistics are handed to it: the round is closed."""
     limits: tuple[float, ...] = ()
-    for layer in layers:
-        limits += (layer.limit(list(statistics(RoundContext(current, limits)).values())),)
+    measured: list[dict[str, float]] = []
+    for i, layer in enumerate(layers):
+        values = statistics(RoundContext(current, limits))
+        own = layer.limit(list(values.values()))
+        covered = reference is not None and i < len(reference.layers)
+        limits += (reference.limit(i, own, len(values)) if covered else own,)
+        measured.append(values)
+    if reference is not None and measured:
+        updates = len(measured[0])
+        held = reference.holds(updates)             # decided on the reference the round was bounded by
+        covered = measured[:len(reference.layers)]
+        reference.observe(updates, limits, {d: tuple(values[d] for values in covered) for d in measured[0]}
+                          if reference.small(updates) else None)
+        if held:
+            return None, None
     total = root(RoundContext(current, limits))
     if total is None or not total.state[WEIGHT][0] > 0:
         return None, total
@@ -101,7 +121,8 @@ def round_mean(layers: list, current: Params, statistics: Callable[[RoundContext
     return {name[len(SUM):]: s / weight for name, s in total.state.items() if name.startswith(SUM)}, total
 
 
-def local_round_mean(config, current: Params, updates: Mapping[str, tuple[Params, int]]) -> Params | None:
+def local_round_mean(config, current: Params, updates: Mapping[str, tuple[Params, int]],
+                     reference: SmallRoundReference | None = None) -> Params | None:
     """One aggregator's round mean over its ``updates`` (device -> (θ_k, n_k)): the shards' arithmetic."""
     layers, adder = bound_layers(config), FedAvgRoundSums()
     triples = [(d, *updates[d]) for d in sorted(updates, key=lambda d: canonical_key(d, 0))]
@@ -109,7 +130,7 @@ def local_round_mean(config, current: Params, updates: Mapping[str, tuple[Params
     def root(context: RoundContext) -> PartialSum | None:
         return local_tree_sum(adder, triples, lambda members: weighted_sum(layers, context, members))
 
-    return round_mean(layers, current, lambda context: update_statistics(layers, context, triples), root)[0]
+    return round_mean(layers, current, lambda context: update_statistics(layers, context, triples), root, reference)[0]
 
 
 def clipped_delta_sum(context: RoundContext, updates) -> PartialSum:

@@ -17,7 +17,9 @@ Bounded influence (``aggregation``, ``history``: the layers of FedAvg(ψ),
 ``aggregator/strategies/robust_fedavg.py``, composed, with the job's defaults): a step treats
 the buffer's K updates as FedAvg treats a round's, θ_k = x_t + s(τ_k) Δ_k with weight 1 (FedBuff
 weighs devices uniformly): norm bound, contribution bound, direction screen, the rule, then the
-history's momentum; x_{t+1} = x_t + η (target − x_t). Without them (None) the step is the paper's.
+history's momentum; x_{t+1} = x_t + η (target − x_t). A step of fewer than three updates is bounded
+by the reference of earlier steps too (``small_rounds``, which names each update's device: ``add``'s
+``device``). Without them (None) the step is the paper's.
 
 Tensors are ``dict[str, ndarray]``; the buffer keeps each update in float64 in arrival order and
 the paper's step sums them in that order (the step is defined by arrival order: that is what
@@ -34,9 +36,11 @@ import logging
 
 import numpy as np
 
-from aggregator.strategies.robust_fedavg import RobustAggregation, RoundHistory
+from aggregator.compute.privacy import UNPUBLISHED_PREFIX
+from aggregator.strategies.robust_fedavg import RobustAggregation, RoundHistory, SmallRoundReference
 
 Params = dict[str, np.ndarray]
+BUFFER_DEVICES = UNPUBLISHED_PREFIX + "fedbuff.devices"    # who sent each buffered update (a checkpoint's)
 log = logging.getLogger("fedfleet.aggregator")
 
 
@@ -70,7 +74,8 @@ def staleness_weight(staleness: int, exponent: float = 0.5) -> float:
 class FedBuff(AsyncStrategy):
     def __init__(self, initial: Mapping[str, np.ndarray], buffer_size: int = 4, server_lr: float = 1.0,
                  max_staleness: int = 8, staleness_exponent: float = 0.5,
-                 aggregation: RobustAggregation | None = None, history: RoundHistory | None = None):
+                 aggregation: RobustAggregation | None = None, history: RoundHistory | None = None,
+                 small_rounds: SmallRoundReference | None = None):
         if buffer_size < 1:
             raise ValueError(f"buffer_size must be >= 1, got {buffer_size}")
         if max_staleness < 0:
@@ -81,8 +86,9 @@ class FedBuff(AsyncStrategy):
         self.max_staleness, self.staleness_exponent = int(max_staleness), float(staleness_exponent)
         self.version = 0
         self._models: dict[int, Params] = {0: {k: np.array(v) for k, v in initial.items()}}
-        self.aggregation, self.history = aggregation, history
+        self.aggregation, self.history, self.small_rounds = aggregation, history, small_rounds
         self._buffer: list[dict[str, np.ndarray]] = []   # s(τ_k) Δ_k of the buffered updates, in arrival order
+        self._devices: list[str] = []                    # who sent each ("": not named)
         self.last_report: dict = {}                      # what the bounded-influence layers did at the last step
         self.buffered = 0
         self.stale_dropped = 0
@@ -103,7 +109,9 @@ class FedBuff(AsyncStrategy):
             raise ValueError(f"base version {base_version} outside 0..{self.version}")
         return self.version - base_version
 
-    def add(self, trained: Mapping[str, np.ndarray], base_version: int) -> str:
+    def add(self, trained: Mapping[str, np.ndarray], base_version: int, device: str = "") -> str:
+        """``device``: who sent it, for the reference of small steps (``small_rounds``: updates not
+        named count as one device there)."""
         tau = self.staleness(base_version)
         if tau > self.max_staleness:
             self.stale_dropped += 1
@@ -121,6 +129,7 @@ class FedBuff(AsyncStrategy):
                 raise ValueError(f"update tensor {name!r} contains NaN or Inf")
             deltas[name] = weight * (value - np.asarray(base[name], dtype=np.float64))
         self._buffer.append(deltas)                # only after every check: a bad update changes nothing
+        self._devices.append(str(device))
         self.buffered += 1
         self.applied += 1
         if self.buffered < self.buffer_size:
@@ -137,7 +146,7 @@ class FedBuff(AsyncStrategy):
         self._models[self.version] = new
         for old in [v for v in self._models if v < self.version - self.max_staleness]:
             del self._models[old]
-        self._buffer, self.buffered = [], 0
+        self._buffer, self._devices, self.buffered = [], [], 0
 
     def _move(self, x: Params) -> Params:
         """What the step adds: η/K Σ s(τ_k) Δ_k (the paper), or η (target − x_t) bounded."""
@@ -148,8 +157,12 @@ class FedBuff(AsyncStrategy):
                     total[name] = total[name] + delta if name in total else delta
             return {name: self.server_lr / self.buffer_size * value for name, value in total.items()}
         updates = [({name: x[name] + delta for name, delta in deltas.items()}, 1) for deltas in self._buffer]
-        combined, self.last_report = self.aggregation.aggregate(x, updates)
-        if combined is None:                       # too few updates for the rule's guarantee: no move
+        combined, self.last_report, (limits, statistics) = self.aggregation.aggregate_measured(
+            x, updates, self.small_rounds)
+        if self.small_rounds is not None:          # a step of K < 3 is bounded by the reference (and closed into it)
+            self.small_rounds.observe(len(updates), limits, None if statistics is None else
+                                      {device: row for device, row in zip(self._devices, statistics)})
+        if combined is None:                       # too few updates for the rule's guarantee (or held): no move
             return {name: np.zeros_like(value) for name, value in x.items()}
         if self.last_report.get("norm_bounded") or self.last_report.get("screened"):
             log.warning("fedbuff step %d: %s", self.version + 1, self.last_report)
@@ -166,7 +179,10 @@ class FedBuff(AsyncStrategy):
         for i, deltas in enumerate(self._buffer):
             for name, value in deltas.items():
                 out[f"buffer.{i}.{name}"] = value
-        return {**out, **(self.history.state_dict() if self.history is not None else {})}
+        if self._buffer:
+            out[BUFFER_DEVICES] = np.array(self._devices, dtype=str)
+        return {**out, **(self.history.state_dict() if self.history is not None else {}),
+                **(self.small_rounds.state_dict() if self.small_rounds is not None else {})}
 
     def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
         self.version, self.buffered, self.stale_dropped, self.applied = (int(x) for x in state["fedbuff.counters"])
@@ -181,7 +197,11 @@ class FedBuff(AsyncStrategy):
                 index, name = (int(index), name) if index.isdigit() and name else (0, key[len("buffer."):])
                 buffer.setdefault(index, {})[name] = np.array(value, dtype=np.float64)
         self._buffer = [buffer[i] for i in sorted(buffer)]
+        devices = [str(d) for d in np.asarray(state.get(BUFFER_DEVICES, [])).reshape(-1)]
+        self._devices = devices if len(devices) == len(self._buffer) else [""] * len(self._buffer)
         if self.history is not None:
             self.history.load_state_dict(state)
+        if self.small_rounds is not None:
+            self.small_rounds.load_state_dict(state)
         if self.version not in self._models:
             raise ValueError(f"state has no model for its version {self.version}")

@@ -30,6 +30,9 @@ this order (docs/algorithms.md, "Bounded influence"):
 
 "The round's median" of the three bounds is :func:`typical`'s: the lower middle value when the count
 is even, so that in a round of two updates the bound is the smaller device's, never their mean.
+A round of fewer than three updates is bounded by a :class:`SmallRoundReference` too (state across
+rounds, checkpointed): the limits of earlier rounds, since in a round of one the median is the
+update's own; a round of one moves nothing before such a reference exists.
 
 Updates are flattened to one float64 vector per device (tensor names sorted), so every layer
 before the history and every rule is a function of the round's set of updates, never of their order.
@@ -43,6 +46,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from aggregator.compute.privacy import UNPUBLISHED_PREFIX
 from aggregator.strategies.fedavg import WeightedMean
 
 Params = dict[str, np.ndarray]
@@ -204,6 +208,8 @@ def typical(values) -> float:
 class NormBound:
     """Scale Δ_k = θ_k − x_t to at most ``multiplier`` × the round's median ‖Δ‖ (0: off)."""
 
+    REPORTED = "norm_bounded"       # the round report's count of the updates it bounded
+
     def __init__(self, multiplier: float):
         if multiplier != 0 and not (multiplier >= 1 and math.isfinite(multiplier)):
             raise ValueError(f"the norm bound's multiplier must be 0 (off) or >= 1, got {multiplier}")
@@ -211,14 +217,19 @@ class NormBound:
 
     def apply(self, current: Mapping[str, np.ndarray], updates: Sequence[Update]) -> tuple[list[Update], int]:
         """(the bounded updates, how many were scaled); an update within the bound is returned as it was."""
+        return self.apply_limited(current, updates)[:2]
+
+    def apply_limited(self, current: Mapping[str, np.ndarray], updates: Sequence[Update]
+                      ) -> tuple[list[Update], int, float]:
+        """:meth:`apply`'s answer and the round's limit (0: none)."""
         if not self.multiplier or not updates:
-            return list(updates), 0
+            return list(updates), 0, 0.0
         x, deltas = _deltas(current, updates)
         norms = np.linalg.norm(deltas, axis=1)
         limit = self.limit(norms)
         out = [self._bounded(x, tensors, n, delta, float(norm), limit) for (tensors, n), delta, norm in
                zip(updates, deltas, norms)]
-        return out, int((norms > limit).sum()) if limit else 0
+        return out, int((norms > limit).sum()) if limit else 0, limit
 
     # One update at a time, for sums split across shards (aggregator/shards/fedavg_sums.py): the
     # round's statistics are gathered first, the limit decided on all of them, then each applied.
@@ -257,15 +268,22 @@ class WeightBound:
     barely moves (under every norm, pull and direction check) drags the round's step towards zero;
     with its weight bounded it counts as at most ``multiplier`` typical devices."""
 
+    REPORTED = "weight_capped"
+
     def __init__(self, multiplier: float):
         self.multiplier = _multiplier("weight bound", multiplier)
 
     def apply(self, current: Mapping[str, np.ndarray], updates: Sequence[Update]) -> tuple[list[Update], int]:
         """(the updates with their weights capped, how many were); tensors are untouched."""
+        return self.apply_limited(current, updates)[:2]
+
+    def apply_limited(self, current: Mapping[str, np.ndarray], updates: Sequence[Update]
+                      ) -> tuple[list[Update], int, float]:
+        """:meth:`apply`'s answer and the round's limit (0: none)."""
         if not self.multiplier or not updates:
-            return list(updates), 0
+            return list(updates), 0, 0.0
         limit = self.limit([w for _, w in updates])
-        return [(t, min(float(w), limit)) for t, w in updates], sum(w > limit for _, w in updates)
+        return [(t, min(float(w), limit)) for t, w in updates], sum(w > limit for _, w in updates), limit
 
     # one update at a time, as NormBound's (for sums split across shards)
     def limit(self, weights) -> float:
@@ -287,18 +305,25 @@ class ContributionBound:
     times the median's samples, and a label-flipping or sign-flipping one among them outweighs
     many honest ones. A bounded device keeps pulling, in its direction, exactly as hard as the limit."""
 
+    REPORTED = "weight_bounded"
+
     def __init__(self, multiplier: float):
         self.multiplier = _multiplier("contribution bound", multiplier)
 
     def apply(self, current: Mapping[str, np.ndarray], updates: Sequence[Update]) -> tuple[list[Update], int]:
         """(the updates with their weights bounded, how many were lowered); tensors are untouched."""
+        return self.apply_limited(current, updates)[:2]
+
+    def apply_limited(self, current: Mapping[str, np.ndarray], updates: Sequence[Update]
+                      ) -> tuple[list[Update], int, float]:
+        """:meth:`apply`'s answer and the round's limit (0: none)."""
         if not self.multiplier or not updates:
-            return list(updates), 0
+            return list(updates), 0, 0.0
         weights = np.array([w for _, w in updates], dtype=np.float64)
         pulls = weights * np.linalg.norm(_deltas(current, updates)[1], axis=1)
         limit = self.limit(pulls)
         out = [self._bounded(t, w, float(pull), limit) for (t, w), pull in zip(updates, pulls)]
-        return out, int((pulls > limit).sum()) if limit else 0
+        return out, int((pulls > limit).sum()) if limit else 0, limit
 
     # one update at a time, as NormBound's (for sums split across shards)
     def limit(self, pulls) -> float:
@@ -348,9 +373,107 @@ class DirectionScreen:
         return keep if keep.any() else everything
 
 
+class SmallRoundReference:
+    """Limits for a round of fewer than ``MIN_UPDATES`` updates that do not come from its own
+    updates (on with ``enabled``; ``layers``: the job's bound layers that are on, in their order).
+
+    Why: every bound layer's limit is a multiple of the round's median statistic, and in a round of
+    one update that median is the update's own, so nothing was bounded. A job starts as soon as one
+    device is online, and any round only one device answers is such a round: one device sending an
+    ordinary head with every entry moved by 10^5 (within the wire's 2^20) and n = 10^9 moved the
+    model 0 -> 10^5, and the round history carried it on through the honest rounds after (a
+    review's finding). In a round of two, the smaller device's statistic bounds both.
+
+    The *reference* is the limits of the latest round of >= ``MIN_UPDATES`` updates or, where rounds
+    of fewer updates have since brought the statistics of >= ``MIN_DEVICES`` distinct devices (each
+    device's latest, as its round measured them), the limits the layers decide on those, as on a
+    round of theirs: a lower median of three or more devices, which no one device sets. A small
+    round takes, layer by layer, the smaller positive one of its own limit and the reference's (a
+    limit of 0 bounds nothing: most devices of its round did not move).
+
+    Without a reference (none yet, or one holding a 0: its devices did not move) a round of one
+    update moves nothing: any limit drawn from that round is its device's own, and one relative to
+    the model (‖x_t‖) is 0 at a zeros init and lets one device double the model round after round.
+    Its statistics still count towards a reference, so a job of κ = 1 moves once three devices have
+    answered. A round of two without a reference is bounded as before, by the smaller device's
+    statistics (docs/algorithms.md, "Bounded influence"). Rounds of >= ``MIN_UPDATES`` updates are
+    combined exactly as before; their limits only become the reference.
+
+    State across rounds, which the job checkpoints (unpublished: the pool names devices beside
+    their claimed counts). Every step is a function of each round's set of updates, taken in
+    round order, so shards, a restart and one aggregator reach the same bytes."""
+
+    MIN_UPDATES = 3         # a round with fewer is small
+    MIN_DEVICES = 3         # small rounds' statistics make a reference once this many devices sent them
+    LIMITS = UNPUBLISHED_PREFIX + "bounds.reference"            # float64, one limit per layer
+    POOL_DEVICES = UNPUBLISHED_PREFIX + "bounds.pool_devices"   # str, sorted
+    POOL = UNPUBLISHED_PREFIX + "bounds.pool"                   # float64, a row of statistics per device
+    HELD = "a round of one update moves nothing before a reference exists (SmallRoundReference)"
+
+    def __init__(self, enabled: bool, layers: Sequence):
+        self.layers = list(layers)
+        self.enabled = bool(enabled) and bool(self.layers)
+        self.limits: np.ndarray | None = None
+        self.pool: dict[str, np.ndarray] = {}
+
+    def small(self, updates: int) -> bool:
+        """Whether a round of ``updates`` is bounded by the reference too."""
+        return self.enabled and 0 < updates < self.MIN_UPDATES
+
+    def usable(self) -> bool:
+        return self.limits is not None and bool((self.limits > 0).all())
+
+    def holds(self, updates: int) -> bool:
+        """Whether a round of ``updates`` moves nothing: one update, no reference."""
+        return self.small(updates) and updates == 1 and not self.usable()
+
+    def limit(self, layer: int, own: float, updates: int) -> float:
+        """The limit of the ``layer``-th of the reference's layers in a round of ``updates`` whose
+        own statistics give ``own`` (``own`` itself unless the round is small and a reference exists)."""
+        if not self.small(updates) or not self.usable():
+            return own
+        reference = float(self.limits[layer])
+        return min(own, reference) if own > 0 else reference
+
+    def observe(self, updates: int, limits: Sequence[float],
+                statistics: Mapping[str, Sequence[float]] | None) -> None:
+        """Take a closed round of ``updates``: ``limits``, its layers' (the reference's first), become
+        the reference when it had >= MIN_UPDATES; else ``statistics`` (device -> its statistic of each
+        layer) join the pool, which becomes the reference once it holds MIN_DEVICES devices."""
+        if not self.enabled or not updates:
+            return
+        if updates >= self.MIN_UPDATES:
+            self.limits = np.array(limits[:len(self.layers)], dtype=np.float64)
+            self.pool = {}
+            return
+        for device, row in (statistics or {}).items():
+            self.pool[device] = np.array(row[:len(self.layers)], dtype=np.float64)
+        if len(self.pool) >= self.MIN_DEVICES:
+            rows = np.stack([self.pool[d] for d in sorted(self.pool)])
+            self.limits = np.array([layer.limit(rows[:, i]) for i, layer in enumerate(self.layers)],
+                                   dtype=np.float64)
+            self.pool = {}
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        out = {} if self.limits is None else {self.LIMITS: self.limits.copy()}
+        if self.pool:
+            devices = sorted(self.pool)
+            out[self.POOL_DEVICES] = np.array(devices, dtype=str)
+            out[self.POOL] = np.stack([self.pool[d] for d in devices])
+        return out
+
+    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
+        """Back to a checkpoint (one taken before any round, or before the reference existed, has none)."""
+        self.limits = np.array(state[self.LIMITS], dtype=np.float64) if self.LIMITS in state else None
+        devices = [str(d) for d in np.asarray(state.get(self.POOL_DEVICES, [])).reshape(-1)]
+        rows = np.asarray(state[self.POOL], dtype=np.float64) if devices else np.zeros((0, 0))
+        self.pool = {d: rows[i].copy() for i, d in enumerate(devices)}
+
+
 class RobustAggregation:
     """A round's updates through the norm bound, the weight bound, the contribution bound and the
-    direction screen, then the rule; each layer is a function of the round's set of updates."""
+    direction screen, then the rule; each layer is a function of the round's set of updates (and,
+    in a round of fewer than three, of the reference a :class:`SmallRoundReference` holds)."""
 
     def __init__(self, rule: RobustRule, bound: NormBound, contribution: ContributionBound | None = None,
                  screen: DirectionScreen | None = None, weight: WeightBound | None = None):
@@ -364,28 +487,61 @@ class RobustAggregation:
         small clusters apply one update at a time)."""
         return [layer for layer in (self.bound, self.weight, self.contribution) if layer.multiplier]
 
-    def aggregate(self, current: Mapping[str, np.ndarray], updates: Sequence[Update]) -> tuple[Params | None, dict]:
-        """(the combined tensors, or None when the round has too few updates for the rule; a report)."""
+    def aggregate(self, current: Mapping[str, np.ndarray], updates: Sequence[Update],
+                  reference: SmallRoundReference | None = None) -> tuple[Params | None, dict]:
+        """(the combined tensors, or None when the round has too few updates for the rule or is a
+        round of one that ``reference`` holds; a report)."""
+        return self.aggregate_measured(current, updates, reference)[:2]
+
+    def aggregate_measured(self, current: Mapping[str, np.ndarray], updates: Sequence[Update],
+                           reference: SmallRoundReference | None = None
+                           ) -> tuple[Params | None, dict, tuple[tuple[float, ...], list | None]]:
+        """:meth:`aggregate`'s answer and what the round's close gives ``reference.observe``: the
+        limits of the bound layers that are on and, in a small round, each update's statistics
+        (a tuple per update, in the order given; None otherwise)."""
         report = {"rule": self.rule.name, "updates": len(updates)}
+        weighted, counts, measured = self._bounded(current, updates, reference)
         if len(updates) < self.rule.min_updates():
-            return None, {**report, "skipped": f"{self.rule.name} needs at least {self.rule.min_updates()} updates"}
-        weighted, counts = self._bounded(current, updates)
+            return None, {**report, "skipped": f"{self.rule.name} needs at least {self.rule.min_updates()} updates"}, \
+                measured
+        if reference is not None and reference.holds(len(updates)):
+            return None, {**report, "skipped": reference.HELD}, measured
         keep = self._screened(current, weighted)
         kept = [u for u, k in zip(weighted, keep) if k]
-        return self.rule.combine(kept), {**report, **counts, "screened": int((~keep).sum())}
+        return self.rule.combine(kept), {**report, **counts, "screened": int((~keep).sum())}, measured
 
-    def kept(self, current: Mapping[str, np.ndarray], updates: Sequence[Update]) -> np.ndarray:
+    def kept(self, current: Mapping[str, np.ndarray], updates: Sequence[Update],
+             reference: SmallRoundReference | None = None) -> np.ndarray:
         """Which of ``updates`` reach the rule (a bool per update): what else a round sums of its
         devices (Scaffold's Δc) follows, so a screened device moves nothing of the round."""
-        if len(updates) < self.rule.min_updates():
+        if len(updates) < self.rule.min_updates() or (reference is not None and reference.holds(len(updates))):
             return np.zeros(len(updates), dtype=bool)
-        return self._screened(current, self._bounded(current, updates)[0])
+        return self._screened(current, self._bounded(current, updates, reference)[0])
 
-    def _bounded(self, current, updates: Sequence[Update]) -> tuple[list[Update], dict]:
-        bounded, scaled = self.bound.apply(current, updates)
-        capped, weight_capped = self.weight.apply(current, bounded)
-        weighted, lowered = self.contribution.apply(current, capped)
-        return weighted, {"norm_bounded": scaled, "weight_capped": weight_capped, "weight_bounded": lowered}
+    def _bounded(self, current, updates: Sequence[Update], reference: SmallRoundReference | None = None
+                 ) -> tuple[list[Update], dict, tuple[tuple[float, ...], list | None]]:
+        if reference is None or not reference.small(len(updates)):
+            bounded, scaled, norm_limit = self.bound.apply_limited(current, updates)
+            capped, weight_capped, weight_limit = self.weight.apply_limited(current, bounded)
+            weighted, lowered, pull_limit = self.contribution.apply_limited(current, capped)
+            limits = tuple(limit for layer, limit in ((self.bound, norm_limit), (self.weight, weight_limit),
+                                                      (self.contribution, pull_limit)) if layer.multiplier)
+            return weighted, {"norm_bounded": scaled, "weight_capped": weight_capped, "weight_bounded": lowered}, \
+                (limits, None)
+        # a small round: each layer's limit also within the reference's, one update at a time as
+        # the canonical sums bound them (aggregator/shards/fedavg_sums.py)
+        x, bounded = flatten(current), list(updates)
+        counts = {"norm_bounded": 0, "weight_capped": 0, "weight_bounded": 0}
+        limits, statistics = [], [[] for _ in updates]
+        for i, layer in enumerate(self.bound_layers()):
+            values = [layer.statistic(x, t, w) for t, w in bounded]
+            limit = reference.limit(i, layer.limit(values), len(updates))
+            counts[layer.REPORTED] = sum(1 for v in values if limit and v > limit)
+            bounded = [layer.bound_one(x, t, w, limit) for t, w in bounded]
+            limits.append(limit)
+            for row, value in zip(statistics, values):
+                row.append(value)
+        return bounded, counts, (tuple(limits), [tuple(row) for row in statistics])
 
     def _screened(self, current, weighted: Sequence[Update]) -> np.ndarray:
         keep = self.screen.kept(current, weighted)
