@@ -486,6 +486,15 @@ SMALL_ROUND_SCENARIOS = {
 }
 
 
+def played_as_the_reference_says(job, rounds, screen: bool) -> list[np.ndarray]:
+    """The job's heads over ``rounds``, each checked against the numpy pipeline's."""
+    heads = play(job, rounds)
+    want = small_round_pipeline_reference(np.zeros(8), resolved(rounds, [np.zeros(8)] + heads[:-1]), screen=screen)
+    for got, expected in zip(heads, want):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    return heads
+
+
 @pytest.mark.parametrize("screen", [True, False], ids=["whole round", "canonical sums"])
 @pytest.mark.parametrize("scenario", sorted(SMALL_ROUND_SCENARIOS))
 def test_a_device_alone_in_a_round_is_bounded_by_the_reference_of_earlier_rounds(scenario, screen):
@@ -497,10 +506,7 @@ def test_a_device_alone_in_a_round_is_bounded_by_the_reference_of_earlier_rounds
     rounds = SMALL_ROUND_SCENARIOS[scenario]
     job = build_job("fedavg", {"num_classes": 2, "feature_dim": 3, "clients_per_round": 5, "init": "zeros",
                                "rounds": len(rounds), "direction_screen": screen})
-    heads = play(job, rounds)
-    want = small_round_pipeline_reference(np.zeros(8), resolved(rounds, [np.zeros(8)] + heads[:-1]), screen=screen)
-    for got, expected in zip(heads, want):
-        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    heads = played_as_the_reference_says(job, rounds, screen)
     honest_norms = [np.linalg.norm(v - x) for updates, x in zip(rounds, [np.zeros(8)] + heads[:-1])
                     for v, _ in (u for u in updates.values() if u is not None)]
     steps = np.linalg.norm(np.diff(np.stack([np.zeros(8)] + heads), axis=0), axis=1)
@@ -517,10 +523,7 @@ def test_a_job_of_one_device_a_round_moves_once_three_devices_have_answered():
               honest_round(["h2"], 43), {"evil": None}, honest_round(["h1"], 44), honest_round(["h3"], 45)]
     job = build_job("fedavg", {"num_classes": 2, "feature_dim": 3, "clients_per_round": 1, "init": "zeros",
                                "rounds": len(rounds), "direction_screen": False})
-    heads = play(job, rounds)
-    want = small_round_pipeline_reference(np.zeros(8), resolved(rounds, [np.zeros(8)] + heads[:-1]), screen=False)
-    for got, expected in zip(heads, want):
-        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    heads = played_as_the_reference_says(job, rounds, screen=False)
     assert all(not h.any() for h in heads[:4]) and heads[4].any()
     assert np.abs(heads[4]).max() < 1.0              # the attacker's round: an honest-sized step
 
