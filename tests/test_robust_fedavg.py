@@ -434,8 +434,9 @@ def small_round_pipeline_reference(x0, rounds, beta=0.7, norm=1.0, weight=2.0, c
             pool.update({k: (norms[i], n[i], pulls[i]) for i, k in enumerate(devices)})
             if len(pool) >= 3:
                 rows = np.array([pool[k] for k in sorted(pool)])
-                reference = (norm * lower_median(rows[:, 0]), weight * lower_median(rows[:, 1]),
-                             contribution * lower_median(rows[:, 2]))
+                pooled = (norm * lower_median(rows[:, 0]), weight * lower_median(rows[:, 1]),
+                          contribution * lower_median(rows[:, 2]))
+                reference = tuple(np.minimum(reference, pooled)) if usable else pooled
                 pool = {}
         if not held:
             keep = d @ np.median(d, axis=0) > 0 if screen and m >= 3 else np.ones(m, dtype=bool)
@@ -483,6 +484,10 @@ SMALL_ROUND_SCENARIOS = {
     # alone in a later round, then with one honest device, honest rounds between
     "alone later": [honest_round(FLEET, 30), {"evil": None}, honest_round(FLEET, 31),
                     {"evil": None, **honest_round(["h0"], 32)}, honest_round(FLEET, 33)],
+    # a review's finding: two attackers alone in a round each, then one honest device, made a pool of
+    # three whose lower median was theirs, and the next lone round took it (pooled limits only tighten)
+    "two alone, then one": [honest_round(FLEET, 50), {"evil": None}, {"evil2": None}, honest_round(["h1"], 51),
+                            {"evil": None}, honest_round(FLEET, 52)],
 }
 
 

@@ -387,7 +387,8 @@ class SmallRoundReference:
     The *reference* is the limits of the latest round of >= ``MIN_UPDATES`` updates or, where rounds
     of fewer updates have since brought the statistics of >= ``MIN_DEVICES`` distinct devices (each
     device's latest, as its round measured them), the limits the layers decide on those, as on a
-    round of theirs: a lower median of three or more devices, which no one device sets. A small
+    round of theirs: a lower median of three or more devices, which no one device sets (and which
+    only tightens a reference already usable: two devices would set it). A small
     round takes, layer by layer, the smaller positive one of its own limit and the reference's (a
     limit of 0 bounds nothing: most devices of its round did not move).
 
@@ -450,8 +451,10 @@ class SmallRoundReference:
             self.pool[device] = np.array(row[:len(self.layers)], dtype=np.float64)
         if len(self.pool) >= self.MIN_DEVICES:
             rows = np.stack([self.pool[d] for d in sorted(self.pool)])
-            self.limits = np.array([layer.limit(rows[:, i]) for i, layer in enumerate(self.layers)],
-                                   dtype=np.float64)
+            pooled = np.array([layer.limit(rows[:, i]) for i, layer in enumerate(self.layers)], dtype=np.float64)
+            # pooled limits only tighten a usable reference: two devices make the lower median of three,
+            # and two lone attackers' rounds loosened it back to their own (a review's finding)
+            self.limits = np.minimum(self.limits, pooled) if self.usable() else pooled
             self.pool = {}
 
     def state_dict(self) -> dict[str, np.ndarray]:
