@@ -537,7 +537,7 @@ def test_rounds_of_three_or_more_updates_are_bit_for_bit_what_they_were():
     """The reference only bounds rounds of fewer than three updates: over rounds of 3, 5 and 7
     updates (an outlier among them) the heads are the same bits with it on and off, on both of the
     job's paths; with PLAIN_MEAN's layers off it has nothing to bound."""
-    from aggregator.strategies.robust_fedavg import SmallRoundReference
+    from aggregator.strategies.small_round_reference import SmallRoundReference
 
     rounds = [honest_round(FLEET[:3], 50), {**honest_round(FLEET, 51), "h4": (np.full(8, 30.0), 900)},
               honest_round([f"d{i}" for i in range(7)], 52), honest_round(FLEET[1:4], 53)]
@@ -554,7 +554,7 @@ def test_the_reference_and_its_pool_survive_a_checkpoint():
     """Resumed from a checkpoint that holds the reference (or a pool of small rounds' statistics),
     a job bounds a later lone device's round as the uninterrupted one does, bit for bit; without
     them it holds that round instead."""
-    from aggregator.strategies.robust_fedavg import SmallRoundReference
+    from aggregator.strategies.small_round_reference import SmallRoundReference
 
     cases = {"reference": (1, [honest_round(FLEET, 60), {"evil": None}]),
              "pool": (2, [honest_round(["h0"], 62), honest_round(["h1"], 63),
@@ -581,7 +581,7 @@ def test_the_reference_and_its_pool_survive_a_checkpoint():
 
 
 def test_the_small_round_reference_is_the_lower_median_of_three_devices_and_ignores_order():
-    from aggregator.strategies.robust_fedavg import SmallRoundReference
+    from aggregator.strategies.small_round_reference import SmallRoundReference
 
     layers = [NormBound(1.0), WeightBound(2.0)]
     reference = SmallRoundReference(True, layers)

@@ -223,7 +223,7 @@ def test_shards_close_rounds_of_one_update_on_one_aggregators_reference(tmp_path
     from the shards' statistics as one aggregator keeps it from its updates: the same bytes, through
     a restart from a checkpoint; a round that moves nothing asks for no sums, and moves no
     Scaffold c."""
-    from aggregator.strategies.robust_fedavg import SmallRoundReference
+    from aggregator.strategies.small_round_reference import SmallRoundReference
 
     rounds = 8
     single, coordinator, asked = run_rounds(tmp_path, 2, late="none", kind=kind, restart_round=5,

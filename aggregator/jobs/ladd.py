@@ -568,8 +568,7 @@ class LaddJob(Job):
         return {"phase": self.phase, "train_rounds": self.train_round, "n_clusters": self.n_clusters,
                 "silhouette_scores": {str(k): v for k, v in (cl.silhouette_scores_ if cl else {}).items()},
                 "styles_screened": dict(self.styles_screened), "assignment": dict(self.assignment),
-                "round_log": list(self.round_log),
-                "trainable": list(self.trainable), "kd_sha256": self.kd_sha256}
+                "round_log": list(self.round_log), "trainable": list(self.trainable), "kd_sha256": self.kd_sha256}
 
 
 _J, _P = LaddJob, LaddPhase

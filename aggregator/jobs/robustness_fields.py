@@ -14,7 +14,8 @@ from aggregator.jobs.config_limits import FLAG, OneOf, Range, limited
 from aggregator.strategies.robust_fed3r import EnergyScreen, FeatureBound
 from aggregator.strategies.robust_fedavg import (CenteredClipping, ContributionBound, CoordinateMedian,
                                                  DirectionScreen, Krum, Mean, NormBound, RobustAggregation,
-                                                 RoundHistory, SmallRoundReference, TrimmedMean, WeightBound)
+                                                 RoundHistory, TrimmedMean, WeightBound)
+from aggregator.strategies.small_round_reference import SmallRoundReference
 
 RULES = ("mean", "median", "trimmed_mean", "krum", "multi_krum", "centered_clipping")
 # The settings under which a FedAvg-family job averages as FedAvg does: every bounded-influence

@@ -37,7 +37,8 @@ from protocols.clipping import clip_update
 from aggregator.shards.buckets import canonical_key
 from aggregator.shards.sum_tree import (AdditiveState, Contribution, PartialSum, add_elementwise, add_weighted,
                                         local_tree_sum)
-from aggregator.strategies.robust_fedavg import SmallRoundReference, flatten
+from aggregator.strategies.robust_fedavg import flatten
+from aggregator.strategies.small_round_reference import SmallRoundReference
 
 WEIGHT = "weight_total"         # a bucket state's Σ w_k (float64: a contribution bound makes w_k fractional)
 SUM = "sum."                    # + tensor name: Σ w_k θ'_k (float64); DP: Σ clip(Δ_k, C)

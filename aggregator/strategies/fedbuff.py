@@ -37,7 +37,8 @@ import logging
 import numpy as np
 
 from aggregator.compute.privacy import UNPUBLISHED_PREFIX
-from aggregator.strategies.robust_fedavg import RobustAggregation, RoundHistory, SmallRoundReference
+from aggregator.strategies.robust_fedavg import RobustAggregation, RoundHistory
+from aggregator.strategies.small_round_reference import SmallRoundReference
 
 Params = dict[str, np.ndarray]
 BUFFER_DEVICES = UNPUBLISHED_PREFIX + "fedbuff.devices"    # who sent each buffered update (a checkpoint's)
