@@ -109,25 +109,27 @@ class FeatureBound:
         n = stats.n
         if n > self.max_samples:
             raise ValueError(f"{n} samples exceed the job's cap of {self.max_samples} per device")
-        self.check_class_sums(stats, rounding)
+        diag, b, counts = self._features(stats)          # a factor's b is a product: formed once
+        self._check_class_sums(diag, b, counts, rounding)
         if not self.max_abs_feature:
             return
         f = self.max_abs_feature
-        diag = gram_diagonal(stats)
-        features = diag[:-1] if self.fit_intercept else diag
-        worst = float(features.max(initial=0.0))
+        worst = float(diag.max(initial=0.0))
         if worst > n * f * f * _SLACK + _ABS:
             raise ValueError(f"features out of range: diag(A) reaches {worst:.4g} > n·F² = {n * f * f:.4g} "
                              f"(n={n}, F={f})")
-        b = class_sums(stats)
-        if self.fit_intercept:       # the bias column holds each class's count (checked by parse_stats)
-            counts, b = b[:, -1:], b[:, :-1]
-        else:
-            counts = np.full((len(b), 1), float(n))
-        excess = np.abs(b) - counts * f * _SLACK - _ABS
+        excess = np.abs(b) - counts[:, None] * f * _SLACK - _ABS
         if (excess > 0).any():
             raise ValueError(f"features out of range: a class sum of b exceeds its count·F (F={f}) by "
                              f"{float(excess.max()):.4g}")
+
+    def _features(self, stats: Fed3RStats) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(diag(A), b, each class's count) over the features, the bias column left out: its
+        entries are the counts (checked by parse_stats); without it every class counts n."""
+        diag, b = gram_diagonal(stats), class_sums(stats)
+        if self.fit_intercept:
+            return diag[:-1], b[:, :-1], b[:, -1]
+        return diag, b, np.full(len(b), float(stats.n))
 
     def check_class_sums(self, stats: Fed3RStats, rounding: float = 0.0) -> None:
         """ValueError unless b can be the class sums of the rows whose Gram matrix A is: for every
@@ -136,12 +138,10 @@ class FeatureBound:
         ±count_c·F beside an honest A passed every other bound and the energy screen (which reads A),
         and flipped one device's classes onto others, taking the model from 0.89 to 0.30. It holds
         for any data, a group's sum of honest statistics included."""
-        diag = gram_diagonal(stats)
-        b = class_sums(stats)
-        if self.fit_intercept:
-            counts, b, diag = b[:, -1], b[:, :-1], diag[:-1]
-        else:
-            counts = np.full(len(b), float(stats.n))
+        self._check_class_sums(*self._features(stats), rounding)
+
+    @staticmethod
+    def _check_class_sums(diag: np.ndarray, b: np.ndarray, counts: np.ndarray, rounding: float) -> None:
         e = rounding
         empty = counts <= 0.5             # no row of that class: its sums must be (about) zero
         if (np.abs(b[empty]) > _ABS + e).any():
