@@ -12,6 +12,7 @@ followers of ``test_deployment_rollout.py``:
   next to the weight it was given.
 """
 
+import shutil
 import threading
 import time
 
@@ -40,6 +41,15 @@ class Sniffer:
         for t in topics:
             self.client.subscribe(t, qos=1)
 
+    def run(self, topics, device: str, deployment: str) -> bytes:
+        """The signed ``run`` assignment of ``deployment`` it saw sent to ``device``."""
+        return next(p for p in self.seen[topics.deploy(device)]
+                    if decode(p).body.get("deployment") == deployment and decode(p).body.get("action") == "run")
+
+    def head(self, topics, device: str, deployment: str) -> bytes:
+        """The head file of ``deployment`` it saw sent to ``device``."""
+        return next(p for p in self.seen[topics.deploy_in(device)] if decode(p).body.get("name") == f"{deployment}.npz")
+
     def publish(self, topic, payload, retain=False):
         self.client.publish(topic, payload, qos=1, retain=retain).wait_for_publish(5)
 
@@ -55,12 +65,38 @@ def two_versions(store, world) -> tuple[tuple[int, int], tuple[str, str]]:
             (D_sha((W, b)), D_sha((W * 1.5, b * 1.5))))
 
 
+def forget_session(broker, device: str) -> None:
+    """``device``'s broker session gone (past its expiry, a broker without persistence): what was
+    queued for it is lost, only retained messages reach it."""
+    session = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"{device}.deploy", clean_session=True)
+    session.connect("127.0.0.1", broker.port)
+    session.disconnect()
+
+
+def lose_state(fleet, device: str) -> None:
+    """``device`` stopped, its deployment state gone (it holds sequence 0 when it starts again)."""
+    fleet.followers[device].stop()
+    shutil.rmtree(fleet.tmp / device)
+
+
 def settle(ctl, store, fleet, model: int, sha: str, deployment_id: str = "v1") -> None:
     """``model`` rolled out to cam-0 and cam-1 and complete: the settled version."""
     ctl.call(lambda: ctl.deploy(model, cohort="devices:cam-0,cam-1", stages="100%", bake_s=0, min_reports=2,
                                 deployment_id=deployment_id))
     wait_for(lambda: store_state(store, deployment_id) == "complete" and fleet.sha("cam-0") == fleet.sha("cam-1") == sha,
              what=f"{deployment_id} settled on both devices")
+
+
+def settled_on_v1(setup, world):
+    """cam-0 and cam-1 started, a controller, v1 settled on both (``settle``): (the controller,
+    (v1, v2) model ids, their sha256s)."""
+    store, controller, fleet = setup
+    versions, shas = two_versions(store, world)
+    for d in ("cam-0", "cam-1"):
+        fleet.start(d)
+    ctl = controller()
+    settle(ctl, store, fleet, versions[0], shas[0])
+    return ctl, versions, shas
 
 
 def tagged_canary(ctl, store, fleet, model: int, sha: str, deployment_id: str = "v2") -> None:
@@ -74,13 +110,9 @@ def tagged_canary(ctl, store, fleet, model: int, sha: str, deployment_id: str = 
 def test_a_replayed_older_assignment_and_head_are_refused_and_late_reports_counted(setup, world, broker):
     store, controller, fleet = setup
     T = fleet.topics
-    (v1, v2), (sha1, sha2) = two_versions(store, world)
     sniffer = Sniffer(broker, [T.deploy("cam-0"), T.deploy_in("cam-0")])
-    for d in ("cam-0", "cam-1"):
-        fleet.start(d)
-    ctl = controller()
     try:
-        settle(ctl, store, fleet, v1, sha1)
+        ctl, (v1, v2), (sha1, sha2) = settled_on_v1(setup, world)
         old_assignment = sniffer.seen[T.deploy("cam-0")][-1]
         old_head = next(p for p in sniffer.seen[T.deploy_in("cam-0")] if decode(p).body.get("sha256") == sha1)
         assert D.parse_assignment(decode(old_assignment))["sha256"] == sha1       # what was captured: v1's, signed
@@ -380,8 +412,6 @@ def test_a_device_that_lost_its_state_is_given_its_assignment_again_after_a_repl
     broker path while the device was offline, with its head. Its report on that assignment is not
     about its last one, so the controller sends its current assignment again, under a new sequence,
     and the device goes back to the version the fleet holds."""
-    import shutil
-
     store, controller, fleet = setup
     topics = fleet.topics
     good, broken = model_id(store, "good", *world["good"]), model_id(store, "broken", *world["broken"])
@@ -395,11 +425,8 @@ def test_a_device_that_lost_its_state_is_given_its_assignment_again_after_a_repl
                                 deployment_id="bad"))
     wait_for(lambda: store_state(store, "bad") == "rolled_back", what="the guard rolls back bad")
     wait_for(lambda: fleet.sha("cam-0") == D_sha(world["good"]), what="cam-0 back on good")
-    run_bad = next(p for p in sniffer.seen[topics.deploy("cam-0")]
-                   if decode(p).body.get("deployment") == "bad" and decode(p).body.get("action") == "run")
-    head_bad = next(p for p in sniffer.seen[topics.deploy_in("cam-0")] if decode(p).body.get("name") == "bad.npz")
-    fleet.followers["cam-0"].stop()
-    shutil.rmtree(fleet.tmp / "cam-0")                          # the device's deployment state is lost
+    run_bad, head_bad = sniffer.run(topics, "cam-0", "bad"), sniffer.head(topics, "cam-0", "bad")
+    lose_state(fleet, "cam-0")
     sniffer.publish(topics.deploy("cam-0"), run_bad, retain=True)
     fleet.start("cam-0")
     time.sleep(0.5)
@@ -607,11 +634,7 @@ def test_a_device_that_missed_its_rollback_judges_the_candidate_again_when_it_is
     the candidate outside the guard for good. A run of the head it runs under a new sequence is
     judged again and reported, on both devices (the Java follower's rule is the same)."""
     store, controller, fleet = setup
-    (v1, v2), (sha1, sha2) = two_versions(store, world)
-    for d in ("cam-0", "cam-1"):
-        fleet.start(d)
-    ctl = controller()
-    settle(ctl, store, fleet, v1, sha1)
+    ctl, (v1, v2), (sha1, sha2) = settled_on_v1(setup, world)
     tagged_canary(ctl, store, fleet, v2, sha2)
     fleet.followers["cam-0"].stop()                             # offline
     store.set_device_tags("cam-0", [])
@@ -619,11 +642,7 @@ def test_a_device_that_missed_its_rollback_judges_the_candidate_again_when_it_is
     store.set_device_tags("cam-0", ["lab"])
     wait_for(lambda: ctl.show("v2")["devices"]["cam-0"]["sent"] == "run" and
              ctl.show("v2")["devices"]["cam-0"]["report"] is None, what="the candidate sent anew, to be judged anew")
-    # its session gone: only the retained run reaches it, not the rollback queued for it
-    session = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="cam-0.deploy",
-                          clean_session=True)
-    session.connect("127.0.0.1", broker.port)
-    session.disconnect()
+    forget_session(broker, "cam-0")     # only the retained run reaches it, not the rollback queued for it
     fleet.start("cam-0")
     wait_for(lambda: ctl.show("v2")["devices"]["cam-0"]["report"] is not None, timeout=30,
              what="the device running the candidate reports on it again")
@@ -636,28 +655,17 @@ def test_a_device_let_go_by_a_canary_that_takes_a_replayed_candidate_is_sent_the
     its broker session, then took the candidate's run replayed to it, reported on an assignment not
     its last, and the controller sent it nothing (it was in the canary's record): it stayed on the
     candidate, unjudged. It is sent the settled version's run again, as a device outside the canary is."""
-    import shutil
-
     store, controller, fleet = setup
     topics = fleet.topics
-    (v1, v2), (sha1, sha2) = two_versions(store, world)
     sniffer = Sniffer(broker, [topics.deploy("cam-0"), topics.deploy_in("cam-0")])
-    for d in ("cam-0", "cam-1"):
-        fleet.start(d)
-    ctl = controller()
     try:
-        settle(ctl, store, fleet, v1, sha1)
+        ctl, (v1, v2), (sha1, sha2) = settled_on_v1(setup, world)
         tagged_canary(ctl, store, fleet, v2, sha2)
-        run_v2 = next(p for p in sniffer.seen[topics.deploy("cam-0")]
-                      if decode(p).body.get("deployment") == "v2" and decode(p).body.get("action") == "run")
-        head_v2 = next(p for p in sniffer.seen[topics.deploy_in("cam-0")] if decode(p).body.get("name") == "v2.npz")
+        run_v2, head_v2 = sniffer.run(topics, "cam-0", "v2"), sniffer.head(topics, "cam-0", "v2")
         store.set_device_tags("cam-0", [])
         wait_for(lambda: fleet.sha("cam-0") == sha1 and ctl.last["cam-0"][0] == "v1", what="let go: v1 again")
-        fleet.followers["cam-0"].stop()
-        shutil.rmtree(fleet.tmp / "cam-0")                      # its deployment state lost, and its session
-        session = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="cam-0.deploy", clean_session=True)
-        session.connect("127.0.0.1", broker.port)
-        session.disconnect()
+        lose_state(fleet, "cam-0")
+        forget_session(broker, "cam-0")
         sniffer.publish(topics.deploy("cam-0"), run_v2, retain=True)
         fleet.start("cam-0")
         wait_for(lambda: fleet.followers["cam-0"]._pending is not None, what="the replayed run taken")
