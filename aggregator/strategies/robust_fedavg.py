@@ -206,23 +206,53 @@ def typical(values) -> float:
     return float(np.partition(array, middle)[middle])
 
 
-class NormBound:
+class BoundLayer(ABC):
+    """A bounded-influence layer: one statistic per update, a limit of ``multiplier`` × the round's
+    typical (lower-median) statistic, and each update past it bounded to it (0: the layer is off).
+
+    A whole round at once (:meth:`apply`), or one update at a time for sums split across shards
+    (``aggregator/shards/fedavg_sums.py``): every update's :meth:`statistic` gathered first, the
+    :meth:`limit` decided on all of them, then :meth:`bound_one` applied to each."""
+
+    REPORTED: str       # the round report's count of the updates it bounded
+    multiplier: float
+
+    def apply(self, current: Mapping[str, np.ndarray], updates: Sequence[Update]) -> tuple[list[Update], int]:
+        """(the updates bounded, how many were); an update within the bound is returned as it was."""
+        return self.apply_limited(current, updates)[:2]
+
+    @abstractmethod
+    def apply_limited(self, current: Mapping[str, np.ndarray], updates: Sequence[Update]
+                      ) -> tuple[list[Update], int, float]:
+        """:meth:`apply`'s answer and the round's limit (0: none)."""
+
+    def limit(self, statistics) -> float:
+        """The round's bound from every update's statistic; 0 when most devices' is 0 (nothing to
+        compare the others with: nothing is bounded)."""
+        return self.multiplier * typical(statistics)
+
+    @staticmethod
+    @abstractmethod
+    def statistic(x: np.ndarray, tensors: Mapping[str, np.ndarray], weight: float) -> float:
+        """One update's statistic (``x``: x_t flattened)."""
+
+    @abstractmethod
+    def bound_one(self, x: np.ndarray, tensors: Mapping[str, np.ndarray], weight: float, limit: float) -> Update:
+        """One update bounded by the round's ``limit``."""
+
+
+class NormBound(BoundLayer):
     """Scale Δ_k = θ_k − x_t to at most ``multiplier`` × the round's median ‖Δ‖ (0: off)."""
 
-    REPORTED = "norm_bounded"       # the round report's count of the updates it bounded
+    REPORTED = "norm_bounded"
 
     def __init__(self, multiplier: float):
         if multiplier != 0 and not (multiplier >= 1 and math.isfinite(multiplier)):
             raise ValueError(f"the norm bound's multiplier must be 0 (off) or >= 1, got {multiplier}")
         self.multiplier = multiplier
 
-    def apply(self, current: Mapping[str, np.ndarray], updates: Sequence[Update]) -> tuple[list[Update], int]:
-        """(the bounded updates, how many were scaled); an update within the bound is returned as it was."""
-        return self.apply_limited(current, updates)[:2]
-
     def apply_limited(self, current: Mapping[str, np.ndarray], updates: Sequence[Update]
                       ) -> tuple[list[Update], int, float]:
-        """:meth:`apply`'s answer and the round's limit (0: none)."""
         if not self.multiplier or not updates:
             return list(updates), 0, 0.0
         x, deltas = _deltas(current, updates)
@@ -231,13 +261,6 @@ class NormBound:
         out = [self._bounded(x, tensors, n, delta, float(norm), limit) for (tensors, n), delta, norm in
                zip(updates, deltas, norms)]
         return out, int((norms > limit).sum()) if limit else 0, limit
-
-    # One update at a time, for sums split across shards (aggregator/shards/fedavg_sums.py): the
-    # round's statistics are gathered first, the limit decided on all of them, then each applied.
-    def limit(self, norms) -> float:
-        """The round's bound from every update's ‖Δ‖; 0 when most devices did not move (nothing
-        to compare the others with: nothing is scaled)."""
-        return self.multiplier * typical(norms)
 
     @staticmethod
     def statistic(x: np.ndarray, tensors: Mapping[str, np.ndarray], weight: float) -> float:
@@ -262,8 +285,8 @@ def _multiplier(what: str, value: float) -> float:
     return value
 
 
-class WeightBound:
-    """Lower w_k to at most ``multiplier`` × the round's median weight (0: off).
+class WeightBound(BoundLayer):
+    """Lower w_k to at most ``multiplier`` × the round's median weight (0: off); tensors are untouched.
 
     Why: the weighted mean divides by Σ w_k, so a device claiming a huge n_k with an update that
     barely moves (under every norm, pull and direction check) drags the round's step towards zero;
@@ -274,21 +297,12 @@ class WeightBound:
     def __init__(self, multiplier: float):
         self.multiplier = _multiplier("weight bound", multiplier)
 
-    def apply(self, current: Mapping[str, np.ndarray], updates: Sequence[Update]) -> tuple[list[Update], int]:
-        """(the updates with their weights capped, how many were); tensors are untouched."""
-        return self.apply_limited(current, updates)[:2]
-
     def apply_limited(self, current: Mapping[str, np.ndarray], updates: Sequence[Update]
                       ) -> tuple[list[Update], int, float]:
-        """:meth:`apply`'s answer and the round's limit (0: none)."""
         if not self.multiplier or not updates:
             return list(updates), 0, 0.0
         limit = self.limit([w for _, w in updates])
         return [(t, min(float(w), limit)) for t, w in updates], sum(w > limit for _, w in updates), limit
-
-    # one update at a time, as NormBound's (for sums split across shards)
-    def limit(self, weights) -> float:
-        return self.multiplier * typical(weights)
 
     @staticmethod
     def statistic(x: np.ndarray, tensors: Mapping[str, np.ndarray], weight: float) -> float:
@@ -298,8 +312,9 @@ class WeightBound:
         return tensors, min(float(weight), limit)
 
 
-class ContributionBound:
-    """Lower w_k so that w_k·‖Δ_k‖ is at most ``multiplier`` × the round's median of them (0: off).
+class ContributionBound(BoundLayer):
+    """Lower w_k so that w_k·‖Δ_k‖ is at most ``multiplier`` × the round's median of them (0: off);
+    tensors are untouched.
 
     Δ_k is the update as the norm bound left it. Why: FedAvg weighs Δ_k by the sample count its
     device claims, which no norm bound touches; on a Dirichlet split a few devices hold several
@@ -311,13 +326,8 @@ class ContributionBound:
     def __init__(self, multiplier: float):
         self.multiplier = _multiplier("contribution bound", multiplier)
 
-    def apply(self, current: Mapping[str, np.ndarray], updates: Sequence[Update]) -> tuple[list[Update], int]:
-        """(the updates with their weights bounded, how many were lowered); tensors are untouched."""
-        return self.apply_limited(current, updates)[:2]
-
     def apply_limited(self, current: Mapping[str, np.ndarray], updates: Sequence[Update]
                       ) -> tuple[list[Update], int, float]:
-        """:meth:`apply`'s answer and the round's limit (0: none)."""
         if not self.multiplier or not updates:
             return list(updates), 0, 0.0
         weights = np.array([w for _, w in updates], dtype=np.float64)
@@ -325,12 +335,6 @@ class ContributionBound:
         limit = self.limit(pulls)
         out = [self._bounded(t, w, float(pull), limit) for (t, w), pull in zip(updates, pulls)]
         return out, int((pulls > limit).sum()) if limit else 0, limit
-
-    # one update at a time, as NormBound's (for sums split across shards)
-    def limit(self, pulls) -> float:
-        """The round's bound from every update's pull; 0 when most devices did not move (nothing
-        to compare the others with: no weight is lowered)."""
-        return self.multiplier * typical(pulls)
 
     @staticmethod
     def statistic(x: np.ndarray, tensors: Mapping[str, np.ndarray], weight: float) -> float:
@@ -386,7 +390,7 @@ class RobustAggregation:
         self.contribution = contribution or ContributionBound(0.0)
         self.screen = screen or DirectionScreen(False)
 
-    def bound_layers(self) -> list:
+    def bound_layers(self) -> list[BoundLayer]:
         """The per-update bound layers that are on, in the order they apply (what shards and LADD's
         small clusters apply one update at a time)."""
         return [layer for layer in (self.bound, self.weight, self.contribution) if layer.multiplier]
