@@ -41,3 +41,37 @@ def test_the_check_catches_a_stale_name(tmp_path):
     doc = ("`aggregator/service/loop.py`, `aggregator/service/`, `aggregator.service.loop.AggregatorService` "
            "and the old `aggregator/service.py`, `aggregator.job_runner.JobRunner`")
     assert missing_references(doc, tmp_path) == ["aggregator/service.py", "aggregator.job_runner.JobRunner"]
+
+
+def modules_off_the_map(doc: str, root: Path) -> list[str]:
+    """Modules of the product packages the doc never names: by its path from any folder above it
+    (`aggregator/service/loop.py`, `service/loop.py`, `loop.py` in its folder's row), by its dotted
+    name, or, in the opening diagram, by its bare name (`chunking`)."""
+    diagram = doc.split("```")[1]
+    named = set(re.findall(r"[\w./]+\.py", doc))
+    missing = []
+    for package in ("protocols", "edge_client", "aggregator", "export", "fedfleet"):
+        for path in sorted((root / package).rglob("*.py")):
+            if path.name in ("__init__.py", "__main__.py"):
+                continue
+            parts = path.relative_to(root).parts
+            suffixes = {"/".join(parts[i:]) for i in range(len(parts))}
+            if suffixes & named or ".".join(parts)[:-3] in doc or re.search(rf"\b{path.stem}\b", diagram):
+                continue
+            missing.append("/".join(parts))
+    return missing
+
+
+def test_every_module_of_the_product_packages_is_on_the_map():
+    assert modules_off_the_map(DOC.read_text(), ROOT) == []
+
+
+def test_the_map_check_catches_a_module_nobody_named(tmp_path):
+    for name in ("loop.py", "ingest.py", "settings.py", "new_thing.py"):
+        (tmp_path / "aggregator" / "service").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "aggregator" / "service" / name).write_text("")
+    (tmp_path / "protocols").mkdir()
+    (tmp_path / "protocols" / "chunking.py").write_text("")
+    doc = ("```\n protocols/: chunking · topics\n```\n`aggregator/service/loop.py`, `service/ingest.py`, "
+           "`aggregator.service.settings.ServiceSettings`")
+    assert modules_off_the_map(doc, tmp_path) == ["aggregator/service/new_thing.py"]
