@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from protocols.command_errors import load_json_file, run_reporting_errors
+from protocols.command_help import HelpFormatter
 from protocols.mqtt_link import BrokerConfig
 from protocols.files import read_npz
 from protocols.regular_file import OPTION_FILE_BYTES, read_regular_file
@@ -21,6 +22,7 @@ from aggregator.compute.fork_server import start_fork_server_here
 from aggregator.compute.mask_expansion import cpu_mask_expansion_plan
 from aggregator.service.artifacts import ArtifactShelf, with_served_bundle
 from aggregator.service.settings import ServiceSettings
+from aggregator.shards.buckets import check_shard_count
 from aggregator.jobs.registry import KINDS, build_job, validate_job_config
 from aggregator.storage.schema import JobState
 
@@ -29,7 +31,7 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p = p or argparse.ArgumentParser(prog="fedfleet aggregator")
     sub = p.add_subparsers(dest="aggregator_cmd", required=True)
     s = sub.add_parser("serve", help="run one job (--kind) until it is done",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter)
     s.add_argument("--config", type=Path, default=None,
                    help="job config JSON (the fields of the kind's config class, e.g. Fed3RConfig); "
                         "without it, --state resumes the job that state file holds (interrupted, else queued)")
@@ -107,6 +109,8 @@ def serve(args) -> int:
                          "(with --keep-serving: and then run jobs started through the API)")
     if args.ray and not args.shards:
         raise ValueError("--ray places the shards on a Ray cluster: give --shards K too")
+    if args.shards:
+        check_shard_count(args.shards)              # before the broker and the state file (it left an empty store)
     broker = BrokerConfig.from_url(args.broker, tls_ca=args.tls_ca)      # a bad address fails before any file
     settings = service_settings(args)                                     # so do bad service options
     config = load_json_file(args.config, "--config") if args.config else None

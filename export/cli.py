@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--calibration-count", type=int, default=128)
     parser.add_argument("--quantized-tolerance", type=float, default=None,
                         help="max relative L2 error of the int8 program's outputs vs eager fp32 "
-                             "(default: export.pipeline.INT8_RELATIVE_ERROR_TOLERANCE)")
+                             "(default: 0.3, export.request.INT8_RELATIVE_ERROR_TOLERANCE)")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier export (a folder holding a manifest.json; any other non-empty folder is refused)")
     parser.add_argument("-v", "--verbose", action="store_true")
     return parser

@@ -27,6 +27,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from protocols.command_help import HelpFormatter
 from protocols.files import write_private_file
 from protocols.messages import MAX_TAGS, TAG_PATTERN
 from protocols.regular_file import read_regular_file
@@ -34,7 +35,6 @@ from protocols.regular_file import read_regular_file
 from . import admin_deployments
 from .admin_ids import refused_id
 from .errors import UserError, load_json_file
-from .help_format import HelpFormatter
 from .terminal_text import terminal_safe
 from typing import Any
 

@@ -14,8 +14,9 @@ import argparse
 import dataclasses
 import sys
 
+from protocols.command_help import HelpFormatter
+
 from .errors import run_reporting_errors
-from .help_format import HelpFormatter
 from .quiet import quiet_third_party_warnings
 
 

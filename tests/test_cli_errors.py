@@ -3,6 +3,7 @@ non-zero exit and no traceback; help and --version work. Each case runs the real
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -64,6 +65,8 @@ CASES = [
                            "mqtt://h?version=4"], "version"),
     ("serve: --ray without --shards", ["aggregator", "serve", "--out", "{d}/o", "--config", "{d}/job.json",
                                        "--ray", "auto"], "--shards K"),
+    ("serve: more shards than buckets", ["aggregator", "serve", "--out", "{d}/o", "--config", "{d}/job.json",
+                                         "--state", "{d}/never", "--shards", "65"], "shards must be between 1 and 64"),
     ("serve: no Ray cluster there", ["aggregator", "serve", "--out", "{d}/o", "--config", "{d}/job.json",
                                      "--shards", "2", "--ray", "127.0.0.1:1"], "cannot reach the Ray cluster"),
     ("device: missing IDX", ["device", "--id", "cam1", "--idx", "{d}/a.idx", "{d}/b.idx"], "No such file"),
@@ -140,6 +143,8 @@ def test_help_and_version():
     for kind in KINDS:                                                  # every registered kind is explained
         assert kind + ":" in helps.stdout, kind
     assert "``" not in helps.stdout and "(default: mqtt://127.0.0.1:1883)" in " ".join(helps.stdout.split())
+    # a help that says its default, or a default of nothing, gets none added ("(default: ())" was)
+    assert not re.search(r"\(default[^)]*\) \(default|\(default: (\(\)|None|)\)", helps.stdout), helps.stdout
 
 
 # Run by a fresh interpreter: which modules main() imported for each argv, and its exit code.

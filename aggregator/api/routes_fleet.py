@@ -76,8 +76,9 @@ def add_fleet_routes(app: FastAPI, ctx: ApiContext) -> None:
         return {**store.device(device_id), "warning": warning}
 
     @post("/api/devices/{device_id}/forget", response_model=list[Forgotten], responses=WRITE,
-          description="exact unlearning: remove the device's statistics from every plaintext Fed3R job that "
-                      "holds them (or job_id only) and re-solve; other jobs say why they cannot")
+          description="exact unlearning: remove the device's statistics from every Fed3R or FedNCM job without "
+                      "DP that holds them (or job_id only) and re-solve; other jobs (secure, DP, sharded, "
+                      "gradient-trained) say why they cannot")
     def forget(device_id: str = DeviceId, job_id: str | None = Query(default=None, pattern=JOB_ID_PATTERN)) -> list[dict]:
         return ctx.mutate(lambda: ctx.service.forget_device(device_id, job_id))
 

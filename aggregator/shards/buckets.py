@@ -24,11 +24,16 @@ def bucket_of(device: str, num_buckets: int = NUM_BUCKETS) -> int:
     return int.from_bytes(digest, "big") % num_buckets
 
 
+def check_shard_count(shards: int, num_buckets: int = NUM_BUCKETS) -> None:
+    """ValueError unless ``shards`` shards can each own a range of buckets (1 to ``num_buckets``)."""
+    if not 1 <= shards <= num_buckets:
+        raise ValueError(f"shards must be between 1 and {num_buckets}, got {shards}")
+
+
 def bucket_range(shard: int, shards: int, num_buckets: int = NUM_BUCKETS) -> tuple[int, int]:
     """The buckets ``[lo, hi)`` shard ``shard`` of ``shards`` owns: a contiguous range, so that it
     sums whole subtrees of the reduction tree itself (``partial_sums.py``)."""
-    if not 1 <= shards <= num_buckets:
-        raise ValueError(f"shards must be between 1 and {num_buckets}, got {shards}")
+    check_shard_count(shards, num_buckets)
     if not 0 <= shard < shards:
         raise ValueError(f"shard {shard} is not one of 0..{shards - 1}")
     return shard * num_buckets // shards, (shard + 1) * num_buckets // shards
