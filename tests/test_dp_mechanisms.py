@@ -310,3 +310,33 @@ def test_a_seeded_noise_source_repeats_its_draws_and_every_privacy_report_says_i
     monkeypatch.setenv(NOISE_SEED_ENV, "seven")
     with pytest.raises(ValueError, match="non-negative integer"):
         noise_source()
+
+
+def test_unseeded_noise_is_cryptographic_gaussian_and_never_repeats(monkeypatch):
+    """Unseeded, the mechanisms draw from a cryptographic generator (a fresh OS seed per draw,
+    expanded by the SecAgg mask PRG), not numpy's PCG64, whose state could be inferred and its noise
+    subtracted. The draws are N(0, 1) by scipy's CDF (Kolmogorov–Smirnov on a fixed seed), scaled
+    and shaped as numpy's ``Generator.normal``; a DP-FedAvg release from the default source differs
+    run to run by noise of the stated scale."""
+    from aggregator.strategies.dp_noise import NOISE_SEED_ENV, CryptographicNoise, noise_source, standard_normals
+
+    monkeypatch.delenv(NOISE_SEED_ENV, raising=False)
+    assert isinstance(noise_source(), CryptographicNoise)
+    z = standard_normals(200_001, b"k" * 32)
+    assert z.shape == (200_001,) and np.array_equal(z, standard_normals(200_001, b"k" * 32))
+    assert stats.kstest(z, "norm").pvalue > 1e-3
+    assert abs(z.mean()) < 0.01 and abs(z.std() - 1) < 0.01 and np.abs(z).max() < 8.58   # the 2^-53 grid's tail
+    assert not np.array_equal(z[:1000], standard_normals(1000, b"j" * 32))
+
+    source = CryptographicNoise()
+    draws = source.normal(3.0, 2.0, (400, 500))
+    assert draws.shape == (400, 500) and abs(draws.mean() - 3.0) < 0.02 and abs(draws.std() - 2.0) < 0.02
+    assert isinstance(source.normal(), float) and source.normal(0.0, 1.0, 7).shape == (7,)
+    assert not np.array_equal(source.normal(0.0, 1.0, 64), source.normal(0.0, 1.0, 64))
+
+    params = {"w": np.zeros((20, 50), dtype=np.float64)}
+    updates = {f"d{i}": ({"w": np.full((20, 50), 0.01)}, 1) for i in range(4)}
+    releases = [local_dp_round_step(DPFedAvg(FedAvg(), 1.0, FixedClipNorm(0.5), expected_clients=4), params, updates)["w"]
+                for _ in range(2)]
+    noise = releases[0] - releases[1]                   # the clipped sums cancel: two draws of N(0, (zC/κ)²) each
+    assert abs(noise.std() / (math.sqrt(2) * 1.0 * 0.5 / 4) - 1) < 0.1

@@ -33,6 +33,7 @@ from protocols.payloads.fed3r import Fed3RStats
 
 from aggregator.compute.ridge import ClosedFormRidge
 from aggregator.strategies.fed3r import Fed3R
+from aggregator.strategies.dp_noise import NoiseSource
 
 
 class PrivateFeatureCenter:
@@ -68,7 +69,7 @@ class PrivateFeatureCenter:
         p = self.pending
         return Fed3R(p.num_classes, p.p, fit_intercept=True, normalize_columns=False, device="cpu")
 
-    def release(self, rng: np.random.Generator) -> bool:
+    def release(self, rng: NoiseSource) -> bool:
         """Noise (Σ z_i, n) of the round and set the center; False (nothing released) when fewer than
         ``min_devices`` contributed (most of the round dropped out): their sums are dropped unreleased
         (they are in no release, so privacy holds) and the next round is the center round again."""

@@ -55,7 +55,7 @@ from protocols.payloads.fed3r import Fed3RStats, packed_diagonal
 from aggregator.compute.ridge import ClosedFormRidge
 from aggregator.compute.privacy import UNPUBLISHED_PREFIX
 from aggregator.strategies.dp_center import PrivateFeatureCenter, uncentred
-from aggregator.strategies.dp_noise import noise_source
+from aggregator.strategies.dp_noise import NoiseSource, noise_source
 from aggregator.strategies.fed3r import Fed3R
 
 # torch is imported where it is used, not here: the job registry imports this module, and a
@@ -149,7 +149,7 @@ class NoiseScale:
         sum of ``releases`` independent draws has √releases times the stddev."""
         return 2.0 * self.a_off_diagonal * math.sqrt(p * max(releases, 1))
 
-    def draw(self, p: int, num_classes: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    def draw(self, p: int, num_classes: int, rng: NoiseSource) -> tuple[np.ndarray, np.ndarray]:
         """(noise of the packed upper triangle, noise of B (p × C))."""
         packed = rng.normal(0.0, self.a_off_diagonal, p * (p + 1) // 2)
         packed[packed_diagonal(p)] = rng.normal(0.0, self.a_diagonal, p)
@@ -274,7 +274,7 @@ class NoisyFed3R:
     no model, and no accuracy to report, until the job ends."""
 
     def __init__(self, num_classes: int, p: int, lam: float, fit_intercept: bool, normalize_columns: bool,
-                 mechanism: Fed3RMechanism, rng: np.random.Generator | None = None,
+                 mechanism: Fed3RMechanism, rng: NoiseSource | None = None,
                  center: PrivateFeatureCenter | None = None, release_at_end: bool = False):
         make = lambda: Fed3R(num_classes, p, lam, fit_intercept, normalize_columns)   # noqa: E731
         self.pending, self.released, self.held = make(), make(), make()

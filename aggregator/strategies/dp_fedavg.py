@@ -32,7 +32,7 @@ import numpy as np
 
 from protocols.clipping import clip_update
 
-from aggregator.strategies.dp_noise import noise_source
+from aggregator.strategies.dp_noise import NoiseSource, noise_source
 from aggregator.strategies.fedavg import Params, ServerOptimizer
 
 
@@ -49,7 +49,7 @@ class ClipNorm(ABC):
         """z_Δ: the multiplier of the update sum's noise when the job's total is ``noise_multiplier``."""
 
     @abstractmethod
-    def observe(self, unclipped: int, count: int, expected: int, rng: np.random.Generator) -> None:
+    def observe(self, unclipped: int, count: int, expected: int, rng: NoiseSource) -> None:
         """Move C after a round of ``count`` updates, ``unclipped`` of them within C before clipping."""
 
 
@@ -57,7 +57,7 @@ class FixedClipNorm(ClipNorm):
     def update_noise_multiplier(self, noise_multiplier: float) -> float:
         return noise_multiplier
 
-    def observe(self, unclipped: int, count: int, expected: int, rng: np.random.Generator) -> None:
+    def observe(self, unclipped: int, count: int, expected: int, rng: NoiseSource) -> None:
         pass
 
 
@@ -80,7 +80,7 @@ class AdaptiveClipNorm(ClipNorm):
                              f"{noise_multiplier / 2} (it would spend the whole budget)")
         return rest ** -0.5
 
-    def observe(self, unclipped: int, count: int, expected: int, rng: np.random.Generator) -> None:
+    def observe(self, unclipped: int, count: int, expected: int, rng: NoiseSource) -> None:
         centred = unclipped - 0.5 * count          # Σ (b_k − ½), exact: halves of small integers
         fraction = (centred + rng.normal(0.0, self.count_stddev)) / expected + 0.5
         self.value *= math.exp(-self.learning_rate * (fraction - self.target_quantile))
@@ -119,7 +119,7 @@ class ClippedGaussianSum:
     ``rng`` is the noise source (OS entropy by default; a seeded generator only in tests, since
     anyone knowing the seed can subtract the noise)."""
 
-    def __init__(self, noise_multiplier: float, clip: ClipNorm, rng: np.random.Generator | None = None):
+    def __init__(self, noise_multiplier: float, clip: ClipNorm, rng: NoiseSource | None = None):
         if not noise_multiplier > 0:
             raise ValueError("need noise_multiplier > 0")
         self.noise_multiplier, self.clip = float(noise_multiplier), clip
@@ -161,7 +161,7 @@ class DPFedAvg(ClippedGaussianSum):
     ``expected_clients`` is m (κ)."""
 
     def __init__(self, strategy: ServerOptimizer, noise_multiplier: float, clip: ClipNorm, expected_clients: int,
-                 rng: np.random.Generator | None = None):
+                 rng: NoiseSource | None = None):
         if expected_clients < 1:
             raise ValueError("need expected_clients >= 1")
         super().__init__(noise_multiplier, clip, rng)

@@ -1,28 +1,64 @@
 """Where every central DP mechanism's noise comes from (DP-FedAvg, DP-LADD, DP Fed3R).
 
-OS entropy. A test that compares two runs' bits (one aggregator's release and its shards') sets
-``FEDFLEET_TEST_DP_NOISE_SEED``, and both runs draw the same noise: anyone who knows the seed can
-subtract it (and a restarted process draws the same noise again), so such a run is not private:
-the aggregator logs it and every privacy report says so (``not_private``).
+A cryptographic generator (:class:`CryptographicNoise`): each draw expands a fresh 256-bit seed
+from the operating system (``os.urandom``) with the SecAgg mask PRG (AES-CTR,
+``protocols.secagg.crypto.expand_mask``). Why not numpy's default generator: PCG64 is not
+cryptographic, so noise whose generator state could be inferred could be predicted and subtracted;
+a DP release's guarantee rests on nobody knowing its noise.
+
+A test that compares two runs' bits (one aggregator's release and its shards') sets
+``FEDFLEET_TEST_DP_NOISE_SEED``, and both runs draw the same noise from numpy seeded with it:
+anyone who knows the seed can subtract it (and a restarted process draws the same noise again), so
+such a run is not private: the aggregator logs it and every privacy report says so (``not_private``).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 import numpy as np
 
+from protocols.secagg.crypto import expand_mask
+
 log = logging.getLogger(__name__)
 
 NOISE_SEED_ENV = "FEDFLEET_TEST_DP_NOISE_SEED"
+SEED_BYTES = 32
 
 
-def noise_source() -> np.random.Generator:
-    """A fresh generator for a mechanism's noise (seeded only under ``FEDFLEET_TEST_DP_NOISE_SEED``)."""
+def standard_normals(count: int, seed: bytes) -> np.ndarray:
+    """``count`` independent N(0, 1) draws determined by ``seed``: pairs of uniforms on the 2^-53
+    grid in (0, 1] from the mask PRG's 64-bit words (their top 53 bits), through the Box–Muller
+    transform. The tails end at √(2·53·ln 2) ≈ 8.57 standard deviations, where the normal's mass is
+    about 10^-17 per draw: what that truncation changes is far below any δ a job may ask for."""
+    pairs = (count + 1) // 2
+    words = expand_mask(seed, 2 * pairs)
+    uniform = ((words >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0 ** -53
+    radius = np.sqrt(-2.0 * np.log(uniform[:pairs]))
+    angle = 2.0 * math.pi * uniform[pairs:]
+    return np.concatenate([radius * np.cos(angle), radius * np.sin(angle)])[:count]
+
+
+class CryptographicNoise:
+    """Gaussian noise from a cryptographic generator, drawn as numpy's ``Generator.normal`` draws it
+    (the one method the mechanisms use): every call a fresh seed from the operating system."""
+
+    def normal(self, loc: float = 0.0, scale: float = 1.0, size=None):
+        shape = () if size is None else tuple(np.atleast_1d(np.asarray(size, dtype=np.int64)).tolist())
+        draws = loc + scale * standard_normals(math.prod(shape), os.urandom(SEED_BYTES)).reshape(shape)
+        return float(draws) if size is None else draws
+
+
+NoiseSource = CryptographicNoise | np.random.Generator     # what a mechanism draws its noise from (``normal``)
+
+
+def noise_source() -> NoiseSource:
+    """A mechanism's noise: cryptographic, or numpy seeded only under ``FEDFLEET_TEST_DP_NOISE_SEED``."""
     seed = os.environ.get(NOISE_SEED_ENV)
     if seed is None:
-        return np.random.default_rng()
+        return CryptographicNoise()
     if not seed.isdigit():
         raise ValueError(f"{NOISE_SEED_ENV} must be a non-negative integer, got {seed!r}")
     log.warning("DP noise seeded from %s=%s: this run's releases are NOT private (tests only)", NOISE_SEED_ENV, seed)
