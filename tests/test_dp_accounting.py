@@ -114,6 +114,56 @@ def test_a_sampled_dp_jobs_participants_cannot_be_redrawn_from_its_config():
     assert len({tuple(build_job("fedavg", base).next_participants(pool)) for _ in range(3)}) == 1
 
 
+def test_a_sampled_dp_jobs_draw_is_keyed_aes_and_resumes_from_its_bookkeeping():
+    """Under sampled DP the draw is AES-128-CTR under the job's secret key (a Mersenne Twister's
+    state follows from enough of its outputs, and every device sees part of each draw): its bits
+    are the key's AES blocks of the counter 0, 1, ... (checked with AES itself, block by block),
+    its saved state resumes the same draws in a job built anew (whose own key differs), a job
+    without sampling keeps its seeded Mersenne Twister, and a Twister's saved state, as every
+    checkpoint before keyed draws holds, still resumes one."""
+    import json
+    import random
+
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+    from aggregator.jobs.participant_draw import KeyedDraw, draw_state, restored_draw
+
+    key = 0x0123456789ABCDEF0011223344556677
+    aes = Cipher(algorithms.AES(key.to_bytes(16, "big")), modes.ECB()).encryptor()
+    blocks = [int.from_bytes(aes.update(i.to_bytes(16, "big")), "big") for i in range(4)]
+    draw = KeyedDraw(key)
+    assert draw.getrandbits(128) == blocks[0] and draw.getrandbits(20) == blocks[1] >> 108
+    assert draw.getrandbits(200) == ((blocks[2] << 128) | blocks[3]) >> 56
+
+    pool = {f"d{i:03d}" for i in range(200)}
+    config = {"num_classes": 3, "feature_dim": 8, "clients_per_round": 5, "rounds": 100, "dp_noise_multiplier": 1.0,
+              "dp_clip_norm": 1.0, "dp_population": 400}
+    job = build_job("fedavg", config)
+    assert isinstance(job._rng, KeyedDraw)
+    for _ in range(3):
+        job.close_round(RoundClosed(job.round, (), tuple(job.next_participants(pool)), (), ()))
+    saved = json.loads(json.dumps(job.bookkeeping()))
+    ahead = []
+    for _ in range(4):
+        ahead.append(job.next_participants(pool))
+        job.close_round(RoundClosed(job.round, (), tuple(ahead[-1]), (), ()))
+    resumed = build_job("fedavg", config)
+    resumed.restore_bookkeeping(saved)
+    again = []
+    for _ in range(4):
+        again.append(resumed.next_participants(pool))
+        resumed.close_round(RoundClosed(resumed.round, (), tuple(again[-1]), (), ()))
+    assert again == ahead and any(ahead)
+
+    plain = build_job("fedavg", {k: v for k, v in config.items() if k != "dp_population"})
+    assert type(plain._rng) is random.Random
+    twister = random.Random(5)
+    old = restored_draw(json.loads(json.dumps(draw_state(twister))))
+    assert type(old) is random.Random and [old.random() for _ in range(3)] == [twister.random() for _ in range(3)]
+    with pytest.raises(ValueError, match="keyed draw"):
+        restored_draw([KeyedDraw.VERSION, [1, 2, 3], None])
+
+
 def check_rounds_sample_at_most_the_accounted_rate(make_job, kappa, population, rounds=400):
     """Each round draws q·|pool| of the pool in expectation (q = κ / population; its integer part,
     or one more), at most κ, so over many rounds no device is drawn more often than a binomial

@@ -3,8 +3,9 @@
 Pure logic (no MQTT, no clock), driven by ``aggregator.service.loop`` like the Fed3R job. Life of
 a round:
 
-1. ``next_participants(online)`` draws κ of the online devices (seeded ``random.Random``,
-   sorted pool, so a seed fixes the whole participation schedule) and opens round t.
+1. ``next_participants(online)`` draws κ of the online devices (the config's participant draw over
+   the sorted pool: seeded, so a seed fixes the whole participation schedule, or secret under
+   sampled DP, ``participant_draw.py``) and opens round t.
 2. ``task_for(device)`` sends the global head *as of the opening* ({"weight" (C, d),
    "bias" (C,)} float32) and the local recipe (epochs, batch, lr, wd, T, a per-device seed, the
    local step rule: SGD, FedProx, FedSAM or FedASAM).
@@ -33,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import random
 import zlib
 from dataclasses import dataclass, field
 
@@ -53,6 +53,7 @@ from aggregator.jobs.config_limits import (BATCH_SIZE, LOCAL_EPOCHS, PATH, ROUND
                                            Range, limited)
 from aggregator.jobs.model_fields import ModelFields
 from aggregator.jobs.optimizer_fields import LocalRuleFields, ServedModelFields, ServerOptimizerFields
+from aggregator.jobs.participant_draw import draw_state, restored_draw
 from aggregator.jobs.privacy_fields import UpdateClippingFields
 from aggregator.jobs.recent_log import RecentLog
 from aggregator.jobs.robustness_fields import FedAvgRobustnessFields
@@ -175,7 +176,7 @@ class FedAvgJob(Job):
         self.served = c.served_model_rule()      # what is evaluated, reported, saved: w^t, SWA or WiMA
         self.history = c.round_history()      # bounded influence's state across rounds (checkpointed)
         self.small_rounds = c.small_rounds()  # the reference rounds of fewer than 3 updates are bounded by (too)
-        self._rng = random.Random(c.participant_seed())       # secret when DP counts on sampling
+        self._rng = c.participant_draw()       # secret when DP counts on sampling
         self._open = False
         self._participants: frozenset[str] = frozenset()
         self._updates: dict[str, tuple[dict[str, np.ndarray], int]] = {}   # this round's, by device
@@ -401,16 +402,14 @@ class FedAvgJob(Job):
 
     def bookkeeping(self) -> dict:
         """JSON-able scheduling state as of the round just opened (the service stores it with the round)."""
-        version, internal, gauss = self._rng.getstate()
         return {"round": self.round, "open": self._open, "participants": sorted(self._participants),
-                "rng": [version, list(internal), gauss]}
+                "rng": draw_state(self._rng)}
 
     def restore_bookkeeping(self, state: dict) -> None:
         """Enter the round this bookkeeping was taken at (right after it opened), unless the job is
         already in or past it (restored from a checkpoint, or replayed up to it): then only the
         sampler is restored, and the updates already replayed into an open round stay."""
-        version, internal, gauss = state["rng"]
-        self._rng.setstate((version, tuple(internal), gauss))
+        self._rng = restored_draw(state["rng"])
         if int(state["round"]) <= self.round:
             return
         self.round = int(state["round"])

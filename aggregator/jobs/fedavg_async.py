@@ -41,6 +41,7 @@ from aggregator.strategies.fedbuff import FedBuff
 from aggregator.jobs.base import AsynchronousJob
 from aggregator.jobs.config_limits import Range, limited
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob, RoundUpdate
+from aggregator.jobs.participant_draw import draw_state, restored_draw
 
 log = logging.getLogger("fedfleet.aggregator")
 
@@ -207,14 +208,12 @@ class AsyncFedAvgJob(AsynchronousJob, FedAvgJob):
 
     def bookkeeping(self) -> dict:
         """Stored with each dispatch: which device got which version, and the sampler."""
-        version, internal, gauss = self._rng.getstate()
         device, model_version = self.dispatches[self.round]
         return {"round": self.round, "device": device, "version": model_version,
-                "rng": [version, list(internal), gauss]}
+                "rng": draw_state(self._rng)}
 
     def restore_bookkeeping(self, state: dict) -> None:
-        version, internal, gauss = state["rng"]
-        self._rng.setstate((version, tuple(internal), gauss))
+        self._rng = restored_draw(state["rng"])
         r = int(state["round"])
         self.round = max(self.round, r)
         if r not in self._applied:      # (a checkpoint's dispatches come without their device: named here)

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 import time
 import zlib
 from collections import Counter
@@ -72,6 +71,7 @@ from aggregator.jobs.base import Job
 from aggregator.jobs.ladd_config import LaddConfig
 from aggregator.jobs.ladd_initial_model import load_initial_model, save_initial_model  # noqa: F401 (re-exported)
 from aggregator.jobs.ladd_phases import Created, LaddPhase, NobodyLeftToAsk, StyleRoundClosed, TrainRoundClosed
+from aggregator.jobs.participant_draw import draw_state, restored_draw
 from aggregator.jobs.recent_log import RecentLog
 
 log = logging.getLogger("fedfleet.aggregator")
@@ -119,7 +119,7 @@ class LaddJob(Job):
         if self.initial is None and self.pretrainer is None:
             raise ValueError("LaddJob needs a pretrainer or an initial model")
         self.is_theta = cluster_specific_predicate(c.cluster_scope if c.clustering == "styles" else "head")
-        self._rng = random.Random(c.participant_seed())       # secret when DP counts on sampling
+        self._rng = c.participant_draw()       # secret when DP counts on sampling
         self.kind = KIND_STYLE
         self.phase = LaddPhase.STYLES
         self.train_round = 0
@@ -538,18 +538,16 @@ class LaddJob(Job):
 
     def bookkeeping(self) -> dict:
         """JSON-able scheduling state as of the round just opened (the service stores it with the round)."""
-        version, internal, gauss = self._rng.getstate()
         return {"round": self.round, "train_round": self.train_round, "phase": self.phase, "kind": self.kind,
                 "open": self._open, "participants": sorted(self._participants),
-                "style_attempts": dict(self.style_attempts), "rng": [version, list(internal), gauss]}
+                "style_attempts": dict(self.style_attempts), "rng": draw_state(self._rng)}
 
     def restore_bookkeeping(self, state: dict) -> None:
         """Enter the round this bookkeeping was taken at (right after it opened), unless the job is
         already in or past it (a checkpoint, or replayed up to it): then only the sampler and the
         style attempts are restored, and what was replayed into an open round stays."""
         self.style_attempts = {d: int(n) for d, n in state["style_attempts"].items()}
-        version, internal, gauss = state["rng"]
-        self._rng.setstate((version, tuple(internal), gauss))
+        self._rng = restored_draw(state["rng"])
         if int(state["round"]) <= self.round:
             return
         if state["kind"] != KIND_STYLE and self.phase is LaddPhase.STYLES:

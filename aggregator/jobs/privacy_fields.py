@@ -10,12 +10,14 @@ the job kind (a FedAvg round; the whole of Fed3R, see ``aggregator/strategies/dp
 from __future__ import annotations
 
 import functools
+import random
 import secrets
 from dataclasses import dataclass
 
 from aggregator.compute.privacy import PrivacyAccountant
 from aggregator.jobs.base import JobConfig
 from aggregator.jobs.config_limits import COUNT, FLAG, Range, limited
+from aggregator.jobs.participant_draw import KeyedDraw
 from aggregator.strategies.dp_fedavg import AdaptiveClipNorm, ClipNorm, FixedClipNorm
 from aggregator.strategies.dp_noise import seeded_noise_warning
 
@@ -143,15 +145,16 @@ class UpdateClippingFields(PrivacyBudgetFields):
                 f" < 1 device in expectation (q = κ/dp_population = {self.clients_per_round}/{self.dp_population},"
                 f" {pool} eligible online); it opens with {need} online")
 
-    def participant_seed(self) -> int:
-        """The seed of the job's participant draw: the config's, unless the accountant counts on
+    def participant_draw(self) -> random.Random:
+        """The job's participant draw: seeded with the config's seed, unless the accountant counts on
         sampling (q < 1) — amplification holds only while nobody can tell who was sampled, and
         anyone holding the config could redraw a seeded sample (a review's finding: ε understated
-        several-fold). Then a secret of this job's own (checkpointed with the draw's state, never
-        published); the config's seed only while the noise is seeded for tests."""
+        several-fold). Then a :class:`KeyedDraw` under a secret key of this job's own (checkpointed
+        with the draw's state, never published: ``participant_draw.py`` says why not a Mersenne
+        Twister); the config's seed only while the noise is seeded for tests."""
         if not self.dp or self.sampling_rate() >= 1.0 or seeded_noise_warning():
-            return self.seed
-        return secrets.randbits(128)
+            return random.Random(self.seed)
+        return KeyedDraw(secrets.randbits(128))
 
     def check_update_clipping(self) -> None:
         """Refuse (ValueError) a DP setting that cannot run or whose first round exceeds the budget."""

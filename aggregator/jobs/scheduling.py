@@ -10,6 +10,8 @@ ask. The sampler state is part of the bookkeeping, so a restarted service draws 
 
 from __future__ import annotations
 
+from aggregator.jobs.participant_draw import draw_state, restored_draw
+
 
 class OncePerDevice:
     def eligible(self, online: set[str]) -> list[str]:
@@ -33,11 +35,9 @@ class OncePerDevice:
 
     def bookkeeping(self) -> dict:
         """JSON-able scheduling state (round, attempts, sampler), so a restarted service resumes it."""
-        version, internal, gauss = self._rng.getstate()
-        return {"round": self.round, "attempts": dict(self.attempts), "rng": [version, list(internal), gauss]}
+        return {"round": self.round, "attempts": dict(self.attempts), "rng": draw_state(self._rng)}
 
     def restore_bookkeeping(self, state: dict) -> None:
         self.round = int(state["round"])
         self.attempts = {device: int(n) for device, n in state["attempts"].items()}
-        version, internal, gauss = state["rng"]
-        self._rng.setstate((version, tuple(internal), gauss))
+        self._rng = restored_draw(state["rng"])
