@@ -603,14 +603,9 @@ def test_the_small_round_reference_is_the_lower_median_of_three_devices_and_igno
     assert not SmallRoundReference(False, layers).holds(1) and not SmallRoundReference(True, []).holds(1)
 
 
-def test_the_small_round_reference_is_off_where_no_layer_acts_and_refused_where_it_is_not_implemented():
-    """Off under DP (its clipped, noised mean uses no bound layer) and with every layer off; LADD's
-    slots do not take it yet: its flag is false, and refused when set."""
-    from aggregator.jobs.ladd_config import LaddConfig
-
+def test_the_small_round_reference_is_off_where_no_layer_acts():
+    """Off under DP (its clipped, noised mean uses no bound layer) and with every layer off (LADD's:
+    tests/test_ladd_small_rounds.py)."""
     assert FedAvgConfig().small_rounds().enabled
     assert not FedAvgConfig(dp_noise_multiplier=1.0).small_rounds().enabled
     assert not FedAvgConfig(**{**PLAIN_MEAN, "small_round_reference": True}).small_rounds().enabled
-    assert not LaddConfig(model={"num_classes": 2, "image_size": 16}).small_round_reference
-    with pytest.raises(ValueError, match="small_round_reference"):
-        LaddConfig(model={"num_classes": 2, "image_size": 16}, small_round_reference=True)

@@ -22,7 +22,9 @@ has two kinds of rounds, so its ``kind`` is the kind of the round it opened last
     cluster teacher g_c when it differs from that model, and the KD teacher (the pre-trained
     w) until it confirms holding it. At closing, φ ← mean over all participants, θ_c ← mean
     over c's participants (weights n_k, after the norm and weight bounds, each slot's
-    limits from its own updates); a cluster without participants keeps θ_c. The means are
+    limits from its own updates, a small cluster's from every cluster's θ updates, a round of
+    fewer than three updates' within earlier rounds' too: ``LaddSmallRounds``, checkpointed);
+    a cluster without participants keeps θ_c. The means are
     summed in canonical order up the bucket tree, as K shards sum them, so a sharded job gives
     the same bits (``aggregator/shards/ladd_sums.py``); a robust rule or the direction screen
     combines every update at once (``RobustClusterAveraging``), DP-LADD clips and noises
@@ -64,12 +66,14 @@ from protocols.transition_table import Transition, TransitionTable
 
 from aggregator.shards.ladd_sums import CanonicalClusterAveraging
 from aggregator.strategies.dp_fedavg import ClippedGaussianSum
+from aggregator.strategies.ladd_small_rounds import LaddSmallRounds
 from aggregator.strategies.robust_ladd import RobustClusterAveraging
 from aggregator.strategies.ladd import (ClusterAveraging, StyleClustering, SwaTeacher, cluster_specific_predicate,
                                        cluster_styles, screen_styles)
 from aggregator.jobs.base import Job
 from aggregator.jobs.ladd_config import LaddConfig
-from aggregator.jobs.ladd_initial_model import load_initial_model, save_initial_model  # noqa: F401 (re-exported)
+from aggregator.jobs.ladd_initial_model import (load_initial_model, save_initial_model,  # noqa: F401 (re-exported)
+                                               trainable_in_layout_order)
 from aggregator.jobs.ladd_phases import Created, LaddPhase, NobodyLeftToAsk, StyleRoundClosed, TrainRoundClosed
 from aggregator.jobs.participant_draw import draw_state, restored_draw
 from aggregator.jobs.recent_log import RecentLog
@@ -86,13 +90,6 @@ class RoundPayload:
     round: int
     kind: str
     payload: StyleResult | ModelUpdate | tuple      # tuple: a shard coordinator's (message id, receipt)
-
-
-def trainable_in_layout_order(arrays: Arrays, layout: Layout, trainable: list[str]) -> tuple[list[str], Layout]:
-    """The trainable names in the model's layout order, and their layout (what an update packs)."""
-    order = {name: i for i, (name, _) in enumerate(layout)}
-    names = sorted(trainable, key=order.__getitem__)
-    return names, make_layout(arrays, names)
 
 
 @dataclass
@@ -148,6 +145,7 @@ class LaddJob(Job):
         self._initial_layout: Layout | None = None  # the layout of updates before training starts (a shard's job)
         # Central DP (aggregator/strategies/dp_ladd.py): DP-FedAvg's mechanism over LADD's slots
         self.dp = ClippedGaussianSum(c.dp_noise_multiplier, c.clip_rule()) if c.dp and self.central_dp else None
+        self.small_rounds = LaddSmallRounds.of(c)   # what rounds of fewer than 3 updates are bounded by (too)
         LADD_TABLE.fire(self, Created())
 
     # ------------------------------------------------------------------ phases (LADD_TABLE's guards and effects)
@@ -290,7 +288,7 @@ class LaddJob(Job):
     def _new_aggregation(self) -> ClusterAveraging:
         c = self.config
         if self.dp is None and c.needs_every_update():      # a robust rule, the direction screen
-            return RobustClusterAveraging(self.is_theta, c.robust_aggregation())
+            return RobustClusterAveraging(self.is_theta, c.robust_aggregation(), self.small_rounds)
         # the mean with its bound layers, or DP-LADD's clipped sums: added as K shards add them, bit for bit
         return CanonicalClusterAveraging(self)
 
@@ -498,6 +496,7 @@ class LaddJob(Job):
         out["round"] = np.array([self.round, self.train_round], dtype=np.int64)
         if self.dp is not None:
             out.update(self.dp.state_dict())
+        out.update(self.small_rounds.state_dict())
         cl = self.clustering
         meta = {"phase": self.phase, "kind": self.kind, "style_devices": devices, "assignment": self.assignment,
                 "trainable": self.trainable, "kd_confirmed": sorted(self.kd_confirmed),
@@ -513,6 +512,7 @@ class LaddJob(Job):
         self.round, self.train_round = (int(x) for x in state["round"])
         if self.dp is not None:
             self.dp.load_state_dict(state)
+        self.small_rounds.load_state_dict(state)
         phase, self.kind = LaddPhase(meta["phase"]), meta["kind"]
         self.styles = dict(zip(meta["style_devices"], state["styles"])) if meta["style_devices"] else {}
         self.assignment = {d: int(c) for d, c in meta["assignment"].items()}

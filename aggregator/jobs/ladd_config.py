@@ -27,13 +27,12 @@ class LaddConfig(LocalRuleFields, FedAvgRobustnessFields, UpdateClippingFields):
     # LADD keeps the norm bound at 3x the median norm and the weight bound (a claimed n_k counts as
     # at most 2 typical devices: without it one device claiming n = 10^7 was its round's mean), and
     # nothing else: FedAvg(ψ)'s other defaults were measured on its linear head, not on a
-    # segmentation network's clusters.
+    # segmentation network's clusters. small_round_reference is the family's (on: a round of fewer
+    # than 3 updates is bounded by earlier rounds' limits too, φ's and the θ slots': LaddSmallRounds).
     norm_bound_multiplier: float = 3.0
     contribution_bound_multiplier: float = 0.0
     direction_screen: bool = False
     history_momentum: float = 0.0       # LADD has none: refused (its clusters' θ_c move in rounds of their own)
-    # not LADD's yet: refused (its slots' limits are decided per cluster: docs/algorithms.md, "Bounded influence")
-    small_round_reference: bool = False
     model: dict = limited(limit=SEGMENTATION_SPEC, default_factory=dict)   # edge_client SegmentationSpec as a dict
     weights_sha256: str = limited("", SHA256_OR_EMPTY)     # the devices' ImageNet encoder weights
     style_b: int = limited(1, Range(0, 8))                 # style window (2b+1)²
@@ -84,9 +83,6 @@ class LaddConfig(LocalRuleFields, FedAvgRobustnessFields, UpdateClippingFields):
         self.check_robust_aggregation()
         if self.history_momentum:
             raise ValueError("LADD has no round history (history_momentum must be 0)")
-        if self.small_round_reference:
-            raise ValueError("LADD does not bound its small rounds by a reference of earlier ones "
-                             "(small_round_reference must be false)")
 
     def recipe(self, seed: int) -> SelfTrainingRecipe:
         return SelfTrainingRecipe(epochs=self.local_epochs, batch_size=self.batch_size, lr=self.lr,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from protocols.payloads.ladd import Layout, make_layout
 
 from aggregator.jobs.input_files import read_job_arrays
 from aggregator.jobs.ladd_config import LaddConfig
@@ -26,3 +27,11 @@ def load_initial_model(config: LaddConfig) -> tuple[dict[str, np.ndarray], list[
     arrays = read_job_arrays(config.initial_model_file, "initial_model_file", config.initial_model_sha256)
     trainable = [str(t) for t in arrays.pop(TRAINABLE_KEY)] if TRAINABLE_KEY in arrays else []
     return arrays, trainable
+
+
+def trainable_in_layout_order(arrays: dict[str, np.ndarray], layout: Layout, trainable: list[str]
+                              ) -> tuple[list[str], Layout]:
+    """The trainable names in the model's layout order, and their layout (what an update packs)."""
+    order = {name: i for i, (name, _) in enumerate(layout)}
+    names = sorted(trainable, key=order.__getitem__)
+    return names, make_layout(arrays, names)

@@ -102,11 +102,11 @@ class FedAvgRobustnessFields(JobConfig):
                                  ContributionBound(self.contribution_bound_multiplier),
                                  DirectionScreen(self.direction_screen), WeightBound(self.weight_bound_multiplier))
 
-    def small_rounds(self) -> SmallRoundReference:
+    def small_rounds(self, key: str = "bounds") -> SmallRoundReference:
         """The bound of rounds of fewer than three updates (state across rounds: the job keeps one
-        and checkpoints it); off when no bound layer is on, and under DP (no layer acts there)."""
+        and checkpoints it, under ``key``); off when no bound layer is on, and under DP (no layer acts there)."""
         return SmallRoundReference(self.small_round_reference and not self.dp,
-                                   self.robust_aggregation().bound_layers())
+                                   self.robust_aggregation().bound_layers(), key)
 
     def round_history(self) -> RoundHistory:
         """The state across rounds (the job keeps one and checkpoints it)."""

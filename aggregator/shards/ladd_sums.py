@@ -7,8 +7,10 @@ per *slot* (φ, θ_0, θ_1, ...), each with the bounded-influence layers that ne
 update (the norm bound, the contribution bound: ``fedavg_sums.py``), decided per slot (a θ_c's
 limit is a multiple of its own cluster's median, or of the median of every cluster's θ updates
 when its own cluster sent fewer than three: ``slot_limits``; one aggregator's ``RobustClusterAveraging``
-decides it the same way). The round closes in phases, as FedAvg's does: for each layer every update's
-statistic in each of its slots, the limits decided slot by slot on all of them; then each bucket
+decides it the same way; in a round of fewer than three updates, within the job's reference of
+earlier rounds, ``LaddSmallRounds``, which the coordinator's job and one aggregator's keep alike).
+The round closes in phases, as FedAvg's does: for each layer every update's statistic in each of
+its slots, the limits decided slot by slot on all of them; then each bucket
 sums w_k θ'_k and w_k per slot in canonical (device id) order, and the bucket sums are added up
 the fixed tree (``sum_tree.py``). A bucket holds only the clusters its devices are in, so two
 partial sums add slot by slot where both hold it and pass a slot only one holds through unchanged
@@ -36,7 +38,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
 
@@ -49,6 +51,9 @@ from aggregator.shards.sum_tree import AdditiveState, Contribution, PartialSum, 
 from aggregator.strategies.dp_ladd import GLOBAL, apply_mean_deltas
 from aggregator.strategies.ladd import ClusterAveraging, cast_like
 from aggregator.strategies.robust_fedavg import flatten
+
+if TYPE_CHECKING:
+    from aggregator.strategies.ladd_small_rounds import LaddSmallRounds
 
 PHI = "phi"
 MIN_OWN_UPDATES = 3             # a θ slot with fewer is bounded on the round's θ updates (slot_limits)
@@ -159,33 +164,44 @@ def add_slots(left: dict[str, np.ndarray], right: dict[str, np.ndarray]) -> dict
     return {**left, **right, **{k: left[k] + right[k] for k in left.keys() & right.keys()}}
 
 
-def slot_limits(layer, by_slot: dict[str, list[float]]) -> dict[str, float]:
+def slot_limits(layer, by_slot: Mapping[str, list[float]]) -> dict[str, float]:
     """Each slot's limit for ``layer`` from its updates' statistics; a cluster's θ slot with fewer
     than ``MIN_OWN_UPDATES`` updates takes the limit of every θ update of the round (all clusters'
     heads have one shape and one recipe): a median of one or two updates bounds neither of them, so
-    a device alone in its cluster, or with one other, set its cluster's θ_c as far as it liked."""
+    a device alone in its cluster, or with one other, set its cluster's θ_c as far as it liked. In a
+    round of two updates in two clusters that is the smaller device's, as in FedAvg's round of two;
+    a round of fewer than three updates is bounded by earlier rounds too (``LaddSmallRounds``)."""
     pooled = [value for slot, values in by_slot.items() if slot != PHI for value in values]
-    return {slot: layer.limit(pooled if slot != PHI and len(values) < MIN_OWN_UPDATES <= len(pooled) else values)
+    return {slot: layer.limit(pooled if slot != PHI and len(values) < MIN_OWN_UPDATES else values)
             for slot, values in by_slot.items()}
 
 
 def slot_means(layers: list, current: dict[str, Params],
                statistics: Callable[[LaddRoundContext], dict[str, dict[str, float]]],
-               root: Callable[[LaddRoundContext], PartialSum | None]) -> dict[str, Params]:
+               root: Callable[[LaddRoundContext], PartialSum | None],
+               small_rounds: LaddSmallRounds | None = None) -> dict[str, Params]:
     """slot -> its combined tensors (float64) for each slot some update moved; each layer's limits
     decided per slot on every update's statistic (``statistics``), then the root of the tree of
-    bounded sums (``root``)."""
+    bounded sums (``root``). With ``small_rounds`` (the job's ``LaddSmallRounds``, state across
+    rounds) a round of fewer than three updates is bounded by earlier rounds too, a slot it holds
+    moves nothing (when it holds every slot no root is asked for), and the round is closed into it."""
     limits: tuple[dict[str, float], ...] = ()
-    for layer in layers:
+    measured = []
+    for i, layer in enumerate(layers):
+        values = statistics(LaddRoundContext(current, limits))
         by_slot: dict[str, list[float]] = {}
-        for values in statistics(LaddRoundContext(current, limits)).values():
-            for slot, value in values.items():
+        for row in values.values():
+            for slot, value in row.items():
                 by_slot.setdefault(slot, []).append(value)
-        limits += (slot_limits(layer, by_slot),)
+        limits += (small_rounds.limits(i, layer, by_slot) if small_rounds is not None else slot_limits(layer, by_slot),)
+        measured.append(values)
+    held = small_rounds.close(measured) if small_rounds is not None else set()
+    if measured and not {slot for row in measured[0].values() for slot in row} - held:
+        return {}
     total = root(LaddRoundContext(current, limits))
     state = total.state if total is not None else {}
     means = {}
-    for slot in current:
+    for slot in (slot for slot in current if slot not in held):
         weight = state.get(f"{slot}{SLOT}{WEIGHT}")
         if weight is not None and weight[0] > 0:
             prefix = f"{slot}{SLOT}{SUM}"
@@ -222,7 +238,7 @@ def round_model(job, clusters, statistics, root) -> tuple[Params, dict[int, Para
     if job.dp is not None:
         return dp_round_model(job, root)
     current = round_slots(job.trainable, job.is_theta, job.phi, job.theta, clusters)
-    means = slot_means(bound_layers(job.config), current, statistics, root)
+    means = slot_means(bound_layers(job.config), current, statistics, root, job.small_rounds)
     return apply_slot_means(job.phi, job.theta, means) if means else None
 
 

@@ -40,17 +40,22 @@ class SmallRoundReference:
 
     State across rounds, which the job checkpoints (unpublished: the pool names devices beside
     their claimed counts). Every step is a function of each round's set of updates, taken in
-    round order, so shards, a restart and one aggregator reach the same bytes."""
+    round order, so shards, a restart and one aggregator reach the same bytes. ``key`` names its
+    entries in the checkpoint: the class's names below are the FedAvg family's (``key`` "bounds"); a
+    job with more than one reference names each its own (LADD: φ's and the θ slots',
+    ``aggregator/strategies/ladd_small_rounds.py``)."""
 
     MIN_UPDATES = 3         # a round with fewer is small
     MIN_DEVICES = 3         # small rounds' statistics make a reference once this many devices sent them
+    # the checkpoint's entries of the FedAvg family's reference (``key`` "bounds"; ``keys`` in general)
     LIMITS = UNPUBLISHED_PREFIX + "bounds.reference"            # float64, one limit per layer
     POOL_DEVICES = UNPUBLISHED_PREFIX + "bounds.pool_devices"   # str, sorted
     POOL = UNPUBLISHED_PREFIX + "bounds.pool"                   # float64, a row of statistics per device
     HELD = "a round of one update moves nothing before a reference exists (SmallRoundReference)"
 
-    def __init__(self, enabled: bool, layers: Sequence):
+    def __init__(self, enabled: bool, layers: Sequence, key: str = "bounds"):
         self.layers = list(layers)
+        self.keys = tuple(f"{UNPUBLISHED_PREFIX}{key}.{part}" for part in ("reference", "pool_devices", "pool"))
         self.enabled = bool(enabled) and bool(self.layers)
         self.limits: np.ndarray | None = None
         self.pool: dict[str, np.ndarray] = {}
@@ -96,16 +101,18 @@ class SmallRoundReference:
             self.pool = {}
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        out = {} if self.limits is None else {self.LIMITS: self.limits.copy()}
+        limits_key, devices_key, pool_key = self.keys
+        out = {} if self.limits is None else {limits_key: self.limits.copy()}
         if self.pool:
             devices = sorted(self.pool)
-            out[self.POOL_DEVICES] = np.array(devices, dtype=str)
-            out[self.POOL] = np.stack([self.pool[d] for d in devices])
+            out[devices_key] = np.array(devices, dtype=str)
+            out[pool_key] = np.stack([self.pool[d] for d in devices])
         return out
 
     def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
         """Back to a checkpoint (one taken before any round, or before the reference existed, has none)."""
-        self.limits = np.array(state[self.LIMITS], dtype=np.float64) if self.LIMITS in state else None
-        devices = [str(d) for d in np.asarray(state.get(self.POOL_DEVICES, [])).reshape(-1)]
-        rows = np.asarray(state[self.POOL], dtype=np.float64) if devices else np.zeros((0, 0))
+        limits_key, devices_key, pool_key = self.keys
+        self.limits = np.array(state[limits_key], dtype=np.float64) if limits_key in state else None
+        devices = [str(d) for d in np.asarray(state.get(devices_key, [])).reshape(-1)]
+        rows = np.asarray(state[pool_key], dtype=np.float64) if devices else np.zeros((0, 0))
         self.pool = {d: rows[i].copy() for i, d in enumerate(devices)}
