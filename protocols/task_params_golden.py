@@ -23,6 +23,7 @@ from .payloads.task_kinds import TASK_PARAMS
 GOLDEN_DIR = Path(__file__).resolve().parent / "golden" / "task_params"
 _MODEL = {"num_classes": 3, "backbone": "mobilenet_v2", "image_size": 64}
 _SHA = "ab" * 32
+_WIDE = "\U0001d52a"     # one character, two UTF-16 units: text limits count characters (code points)
 _DP = {"stddev": 0.5, "scale_bits": 16}
 _SYNC = {**_MODEL, "group": "g1", "max_samples": 100}                         # fed3r.secure, minimal
 _SECURE_HEAD = {**_MODEL, "group": "g1", "max_samples": 100, "max_abs_param": 50.0}      # fedavg.secure, minimal
@@ -61,9 +62,11 @@ CASES: dict[str, tuple[list[dict], list[tuple[str, dict]]]] = {
         [_MODEL,
          {**_MODEL, "weights_sha256": _SHA, "bundle_sha256": "", "fit_intercept": False, "random_features": None,
           "format": "dense", "dtype": "float32", "factor": True, "feature_clip_norm": 1.5, "max_samples": 20,
-          "cap_samples": True, "from_sample": 4, "params_version": 1, "a_field_from_the_future": [1]}],
+          "cap_samples": True, "from_sample": 4, "params_version": 1, "a_field_from_the_future": [1]},
+         {**_MODEL, "backbone": _WIDE * 128}],
         [("num_classes", {"backbone": "mobilenet_v2", "image_size": 64}), ("num_classes", {**_MODEL, "num_classes": 0}),
-         ("backbone", {**_MODEL, "backbone": 5}), ("format", {**_MODEL, "format": "csv"}),
+         ("backbone", {**_MODEL, "backbone": 5}), ("backbone", {**_MODEL, "backbone": _WIDE * 129}),
+         ("format", {**_MODEL, "format": "csv"}),
          ("dtype", {**_MODEL, "dtype": "float16"}), ("factor", {**_MODEL, "factor": "yes"}),
          ("fit_intercept", {**_MODEL, "fit_intercept": 1}), ("feature_clip_norm", {**_MODEL, "feature_clip_norm": -1.0}),
          ("max_samples", {**_MODEL, "max_samples": 0}), ("cap_samples", {**_MODEL, "cap_samples": True}),
@@ -87,12 +90,14 @@ CASES: dict[str, tuple[list[dict], list[tuple[str, dict]]]] = {
          {**_MODEL, "feature_dim": 16, "fallback": "global", "fp_epochs": 3, "batch_size": 32,
           "fp_lrs": [0.0001, 0.001], "fp_folds": 4, "weight_decay": 1e-05, "temperature": 0.2, "seed": 2,
           "tail_stages": 0, "personal_job": "pp-1", "fp_part": "psi", "params_version": 1,
-          "a_field_from_the_future": None}],
+          "a_field_from_the_future": None},
+         {**_MODEL, "personal_job": _WIDE * 128}],
         [("fallback", {**_MODEL, "fallback": "drop"}), ("fp_epochs", {**_MODEL, "fp_epochs": -1}),
          ("fp_lrs", {**_MODEL, "fp_epochs": 2}), ("fp_lrs", {**_MODEL, "fp_lrs": [0]}),
          ("fp_lrs", {**_MODEL, "fp_lrs": "x"}), ("fp_folds", {**_MODEL, "fp_folds": 1}),
          ("fp_folds", {**_MODEL, "fp_folds": 21}), ("tail_stages", {**_MODEL, "tail_stages": -1}),
          ("batch_size", {**_MODEL, "batch_size": 0}), ("personal_job", {**_MODEL, "personal_job": 3}),
+         ("personal_job", {**_MODEL, "personal_job": "p" * 129}),
          ("fp_part", {**_MODEL, "fp_part": "tail"}), ("params_version", {**_MODEL, "params_version": 2})]),
     "fed3r.secure": (
         [_SYNC,
@@ -100,7 +105,7 @@ CASES: dict[str, tuple[list[dict], list[tuple[str, dict]]]] = {
           "dtype": "float64", "factor": False, "feature_clip_norm": 1.0, "max_samples": 20, "cap_samples": True,
           "from_sample": 0, "group": "g-7", "dp": {**_DP, "threshold": 3, "clip_norm": 1.5}, "params_version": 1,
           "a_field_from_the_future": "x"},
-         {**_SYNC, "dp": None, "format": "sparse", "dtype": "float32"},
+         {**_SYNC, "dp": None, "format": "sparse", "dtype": "float32"}, {**_SYNC, "group": _WIDE * 128},
          {**_SYNC, "dp": _DP, "block_scales": {"a_off_diagonal": 1.4142135623730951, "b": 3.5}},
          {**_SYNC, "dp": _DP, "feature_clip_norm": 8.0, "cap_samples": True, "center_round": True},
          {**_SYNC, "dp": _DP, "feature_clip_norm": 4.0, "centered": True, "center_round": False}],
@@ -133,7 +138,8 @@ CASES: dict[str, tuple[list[dict], list[tuple[str, dict]]]] = {
           "model_version": 3, "group": "g-2", "max_samples": 64, "max_abs_param": 20, "vector_order": ["bias", "weight"],
           "update_clip_norm": 2.0, "dp": {**_DP, "clip_norm": 1.5}, "params_version": 1,
           "a_field_from_the_future": [None]},
-         {**_SECURE_HEAD, "dp": None, "update_clip_norm": None, "vector_order": ["weight"]}],
+         {**_SECURE_HEAD, "dp": None, "update_clip_norm": None, "vector_order": ["weight"]},
+         {**_SECURE_HEAD, "vector_order": ["weight", _WIDE * 256]}],
         [("group", {**_MODEL, "max_samples": 100, "max_abs_param": 50.0}), ("group", {**_SECURE_HEAD, "group": ""}),
          ("group", {**_SECURE_HEAD, "group": ["g1"]}), ("max_samples", {**_MODEL, "group": "g1", "max_abs_param": 50.0}),
          ("max_samples", {**_SECURE_HEAD, "max_samples": 0}), ("max_samples", {**_SECURE_HEAD, "max_samples": "100"}),
@@ -143,6 +149,7 @@ CASES: dict[str, tuple[list[dict], list[tuple[str, dict]]]] = {
          ("max_abs_param", {**_SECURE_HEAD, "max_abs_param": None}), ("vector_order", {**_SECURE_HEAD, "vector_order": []}),
          ("vector_order", {**_SECURE_HEAD, "vector_order": ["weight", "weight"]}),
          ("vector_order", {**_SECURE_HEAD, "vector_order": "weight"}), ("vector_order", {**_SECURE_HEAD, "vector_order": [5]}),
+         ("vector_order", {**_SECURE_HEAD, "vector_order": ["weight", _WIDE * 257]}),
          ("update_clip_norm", {**_SECURE_HEAD, "update_clip_norm": -1.0}),
          ("update_clip_norm", {**_SECURE_HEAD, "update_clip_norm": "x"}), ("dp", {**_SECURE_HEAD, "dp": 1}),
          ("clip_norm", {**_SECURE_HEAD, "dp": _DP}), ("dp.stddev", {**_SECURE_HEAD, "dp": {**_DP, "clip_norm": 1.0,
@@ -160,7 +167,8 @@ CASES: dict[str, tuple[list[dict], list[tuple[str, dict]]]] = {
          ("params_version", {**_TAIL, "params_version": 2})]),
     "scaffold.head": (
         [_STATEFUL, {**_STATEFUL, **_RECIPE, "state": _FULL_STATE, "model_version": 1, "params_version": 1,
-                     "a_field_from_the_future": {}}],
+                     "a_field_from_the_future": {}},
+         {**_STATEFUL, "job_id": _WIDE * 128}],
         _stateful_invalid(_STATEFUL)),
     "scaffold.tail": (
         [_STATEFUL_TAIL, {**_STATEFUL_TAIL, **_RECIPE, "train": "tail+head", "tail_stages": 64, "state": _FULL_STATE,
@@ -252,7 +260,8 @@ CASES: dict[str, tuple[list[dict], list[tuple[str, dict]]]] = {
         [_LADD, {**_LADD, "teacher": "tensor", "weights_sha256": _SHA, "kd_sha256": "", "epochs": 10000, "batch_size": 1,
                  "lr": 10, "momentum": 0.0, "kd_lambda": 1e4, "kd_alpha": 100, "pseudo_quantile": 1, "pseudo_cap": 1.0,
                  "seed": -3, "local_rule": "sam", "sam_rho": 0.05, "asam_eta": 0.2, "prox_mu": 0.1, "params_version": 1,
-                 "a_field_from_the_future": 1}],
+                 "a_field_from_the_future": 1},
+         {**_LADD, "trainable": [_WIDE * 256]}],
         [*[(key, {k: v for k, v in _LADD.items() if k != key}) for key in _LADD],
          ("model", {**_LADD, "model": [1]}), ("cluster", {**_LADD, "cluster": 1001}), ("cluster", {**_LADD, "cluster": -1}),
          ("layout", {**_LADD, "layout": []}), ("layout", {**_LADD, "layout": [["a", [2]], ["a", [3]]]}),
@@ -260,7 +269,8 @@ CASES: dict[str, tuple[list[dict], list[tuple[str, dict]]]] = {
          ("layout", {**_LADD, "layout": [["a", [10**8]]]}), ("layout", {**_LADD, "layout": "x"}),
          ("layout_sha256", {**_LADD, "layout_sha256": "0" * 64}), ("layout_sha256", {**_LADD, "layout": [["enc.w", [5]]]}),
          ("trainable", {**_LADD, "trainable": []}), ("trainable", {**_LADD, "trainable": "head.w"}),
-         ("trainable", {**_LADD, "trainable": [3]}), ("teacher", {**_LADD, "teacher": "both"}),
+         ("trainable", {**_LADD, "trainable": [3]}), ("trainable", {**_LADD, "trainable": [_WIDE * 257]}),
+         ("teacher", {**_LADD, "teacher": "both"}),
          ("weights_sha256", {**_LADD, "weights_sha256": "AB" * 32}), ("kd_sha256", {**_LADD, "kd_sha256": 5}),
          ("epochs", {**_LADD, "epochs": 10001}), ("batch_size", {**_LADD, "batch_size": 0}), ("lr", {**_LADD, "lr": 0}),
          ("lr", {**_LADD, "lr": 10.5}), ("momentum", {**_LADD, "momentum": 1.0}), ("momentum", {**_LADD, "momentum": -0.1}),

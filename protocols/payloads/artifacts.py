@@ -26,8 +26,10 @@ import numpy as np
 from ..envelope import Envelope, EnvelopeError, body_field, require_tensor
 
 GET, ARTIFACT, MISSING = "artifact.get", "artifact", "artifact.missing"
-_SHA = re.compile(r"^[0-9a-f]{64}$")
-_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+# matched whole (fullmatch): under re.match a "$" also matches before a final newline, and
+# "<sha256>\n" or "dep-1.npz\n" passed here while the Java device refused them
+_SHA = re.compile(r"[0-9a-f]{64}")
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 
 
 def get_message(sender: str, sha256: str) -> Envelope:
@@ -59,7 +61,7 @@ def parse_artifact(env: Envelope, expected_sha256: str) -> tuple[str, bytes]:
     if env.type != ARTIFACT:
         raise EnvelopeError(f"expected an artifact, got {env.type!r}")
     name = body_field(env, "name", str)
-    if not _NAME.match(name):
+    if not _NAME.fullmatch(name):
         raise EnvelopeError(f"artifact name {name!r} is not a plain file name")
     data = require_tensor(env, "data", "uint8", (None,)).tobytes()
     digest = hashlib.sha256(data).hexdigest()
@@ -70,6 +72,6 @@ def parse_artifact(env: Envelope, expected_sha256: str) -> tuple[str, bytes]:
 
 
 def check_sha(value: str) -> str:
-    if not isinstance(value, str) or not _SHA.match(value):
+    if not isinstance(value, str) or not _SHA.fullmatch(value):
         raise EnvelopeError(f"not a hex sha256: {value!r}")
     return value

@@ -50,12 +50,12 @@ REFUSAL_REASONS = ("signature", "hash", "stale", "device", "timeout", "load")
 MAX_SEQ = 2 ** 62
 MAX_HEAD_BYTES = 64 * 1024 * 1024
 MAX_REPORT_SAMPLES = 2 ** 31 - 1          # a device's held-out split, far above any real one
-_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")           # matched whole: re.match's "$" took "dep-1\n"
 _HEAD_NAMES = (("coef", "intercept"), ("weight", "bias"))
 
 
 def check_deployment_id(value) -> str:
-    if not isinstance(value, str) or not _ID.match(value):
+    if not isinstance(value, str) or not _ID.fullmatch(value):
         raise EnvelopeError(f"deployment id {value!r}: use 1-64 of [A-Za-z0-9_.-]")
     return value
 
@@ -97,8 +97,10 @@ def parse_assignment(env: Envelope) -> dict:
     if out["action"] == RUN:
         out["sha256"] = check_sha(body_field(env, "sha256", str))
         out["nbytes"], out["model_id"] = body_field(env, "nbytes", int), body_field(env, "model_id", int)
-        bundle = env.body.get("bundle_sha256") or ""
-        out["bundle_sha256"] = check_sha(bundle) if bundle else ""
+        # absent or "" (the device's own bundle), else a sha256: a null, false or 0 is no "" (the
+        # Java device refuses them too)
+        bundle = env.body.get("bundle_sha256", "")
+        out["bundle_sha256"] = check_sha(bundle) if bundle != "" else ""
         if not 0 < out["nbytes"] <= MAX_HEAD_BYTES:
             raise EnvelopeError(f"head of {out['nbytes']} bytes: at most {MAX_HEAD_BYTES}")
     elif out["action"] == ROLLBACK:

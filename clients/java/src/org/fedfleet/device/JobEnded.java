@@ -13,6 +13,7 @@ import java.util.Map;
 import java.util.regex.Pattern;
 import org.fedfleet.wire.Envelope;
 import org.fedfleet.wire.Envelope.EnvelopeError;
+import org.fedfleet.wire.Json;
 
 public final class JobEnded {
     public static final String TYPE = "job.ended";
@@ -36,7 +37,7 @@ public final class JobEnded {
                 throw new EnvelopeError("job.ended: each entry is an object of exactly job, run, reason");
             Map<?, ?> m = (Map<?, ?>) e;
             Object job = m.get("job"), run = m.get("run"), reason = m.get("reason");
-            if (!(job instanceof String) || ((String) job).isEmpty() || ((String) job).length() > MAX_JOB_ID_CHARS)
+            if (!(job instanceof String) || ((String) job).isEmpty() || Json.characters((String) job) > MAX_JOB_ID_CHARS)
                 throw new EnvelopeError("job.ended: job must be a string of 1-" + MAX_JOB_ID_CHARS + " characters");
             if (!(run instanceof String) || !RUN.matcher((String) run).matches())
                 throw new EnvelopeError("job.ended: run must be 8-64 lowercase hex digits");

@@ -44,7 +44,7 @@ public class LaddTrainParams {
         if (!(trainable instanceof List) || ((List<?>) trainable).isEmpty() || ((List<?>) trainable).size() > 100_000)
             throw bad(kind, "trainable must name 1 to 100000 tensors");
         for (Object name : (List<?>) trainable)
-            if (!(name instanceof String) || ((String) name).length() > 256) throw bad(kind, "trainable[i] must be a string, got " + name);
+            if (!(name instanceof String) || Json.characters((String) name) > 256) throw bad(kind, "trainable[i] must be a string, got " + name);
         wire.put("trainable", trainable);
         wire.put("teacher", TaskParams.choice(p, "teacher", "model", "model", "tensor"));
         for (String key : new String[] {"weights_sha256", "kd_sha256"}) {

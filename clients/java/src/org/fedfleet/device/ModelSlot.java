@@ -254,6 +254,8 @@ public final class ModelSlot {
         if (!(b.get("nbytes") instanceof BigInteger)) throw new Envelope.EnvelopeError("nbytes must be an integer");
         long nbytes = ((BigInteger) b.get("nbytes")).longValue();
         if (nbytes <= 0 || nbytes > HeadFile.MAX_HEAD_BYTES) throw new Envelope.EnvelopeError("head of " + nbytes + " bytes");
+        // not used here, but part of a run (docs/protocol.md "Messages"): one without it is refused, as by the Python device
+        if (!(b.get("model_id") instanceof BigInteger)) throw new Envelope.EnvelopeError("model_id must be an integer");
         Object bundle = b.get("bundle_sha256");
         String bundleSha = bundle == null || "".equals(bundle) ? "" : text(b, "bundle_sha256", SHA);
         return new Assignment(deployment, device, seq, action, text(b, "sha256", SHA), nbytes, bundleSha, "");

@@ -17,14 +17,8 @@ public final class ModelSpec {
     }
 
     static ModelSpec fromParams(Map<String, Object> params) throws TaskDeclined {
-        return new ModelSpec((int) Params.integer(params, "num_classes", 1, 1_000_000), backbone(params),
+        return new ModelSpec((int) Params.integer(params, "num_classes", 1, 1_000_000), Params.string(params, "backbone", 128),
                 (int) Params.integer(params, "image_size", 1, 16_384), sha(params, "weights_sha256"), sha(params, "bundle_sha256"));
-    }
-
-    private static String backbone(Map<String, Object> params) throws TaskDeclined {
-        String v = Params.string(params, "backbone");
-        if (v.length() > 128) throw new TaskDeclined("bad task params: backbone must be a string of at most 128 characters");
-        return v;
     }
 
     private static String sha(Map<String, Object> params, String key) throws TaskDeclined {

@@ -4,6 +4,7 @@ package org.fedfleet.device;
 
 import java.math.BigInteger;
 import java.util.Map;
+import org.fedfleet.wire.Json;
 
 final class Params {
     private Params() {}
@@ -38,5 +39,13 @@ final class Params {
         Object v = params.get(key);
         if (!(v instanceof String)) throw new TaskDeclined("bad task params: " + key + " must be a string, got " + v);
         return (String) v;
+    }
+
+    /** A string of at most maxChars characters (code points, as protocols/payloads/task_params.py check_str). */
+    static String string(Map<String, Object> params, String key, int maxChars) throws TaskDeclined {
+        String v = string(params, key);
+        if (Json.characters(v) > maxChars)
+            throw new TaskDeclined("bad task params: " + key + " must be a string of at most " + maxChars + " characters");
+        return v;
     }
 }

@@ -28,7 +28,7 @@ public final class PersonalizeParams {
         if (fpEpochs > 0 && fpLrs.length == 0) throw new TaskDeclined("bad " + KIND + " params: FP needs at least one learning rate in fp_lrs");
         fpFolds = (int) Params.integer(p, "fp_folds", 5, 2, 20);
         tailStages = (int) Params.integer(p, "tail_stages", 0, 0, 64);
-        personalJob = TaskParams.present(p, "personal_job") ? Params.string(p, "personal_job") : null;
+        personalJob = TaskParams.present(p, "personal_job") ? Params.string(p, "personal_job", 128) : null;
         fpPart = TaskParams.choice(p, "fp_part", "psi", "psi", "phi", "M");
         LocalTraining read = LocalTraining.fromParams(p);      // batch_size, weight_decay, temperature, seed
         recipe = new LocalTraining(Math.max(fpEpochs, 1), read.batchSize, 0.1, read.weightDecay, read.temperature, read.seed);

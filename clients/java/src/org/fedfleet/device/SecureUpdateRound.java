@@ -11,6 +11,7 @@ import java.util.Collections;
 import java.util.HashSet;
 import java.util.List;
 import java.util.Map;
+import org.fedfleet.wire.Json;
 
 final class SecureUpdateRound {
     static final int MAX_GROUP_ID = 128;
@@ -37,7 +38,7 @@ final class SecureUpdateRound {
     /** A secure task's group: a non-empty string of at most MAX_GROUP_ID characters. */
     static String group(Map<String, Object> p) throws TaskDeclined {
         String group = Params.string(p, "group");
-        if (group.isEmpty() || group.length() > MAX_GROUP_ID)
+        if (group.isEmpty() || Json.characters(group) > MAX_GROUP_ID)
             throw new TaskDeclined("bad task params: group must be a non-empty string of at most " + MAX_GROUP_ID
                     + " characters (a secure task needs its group)");
         return group;
@@ -48,7 +49,7 @@ final class SecureUpdateRound {
         if (!(v instanceof List) || ((List<?>) v).isEmpty()) throw new TaskDeclined(bad);
         List<String> names = new ArrayList<>();
         for (Object name : (List<?>) v) {
-            if (!(name instanceof String) || ((String) name).length() > 256) throw new TaskDeclined(bad);
+            if (!(name instanceof String) || Json.characters((String) name) > 256) throw new TaskDeclined(bad);
             names.add((String) name);
         }
         if (new HashSet<>(names).size() != names.size()) throw new TaskDeclined(bad);

@@ -4,6 +4,7 @@
 package org.fedfleet.device;
 
 import java.util.Map;
+import org.fedfleet.wire.Json;
 
 public class StatefulHeadParams {
     public final HeadTrainingParams head;
@@ -15,7 +16,7 @@ public class StatefulHeadParams {
         TaskParams.require(p, kind, "job_id", "state");
         head = HeadTrainingParams.fromParams(p, kind);
         Object job = p.get("job_id");
-        if (!(job instanceof String) || ((String) job).length() > 128)
+        if (!(job instanceof String) || Json.characters((String) job) > 128)
             throw new TaskDeclined("bad " + kind + " params: job_id must be a string of at most 128 characters, got " + job);
         if (((String) job).isEmpty()) throw new TaskDeclined("bad " + kind + " params: a stateful task needs a job_id");
         jobId = (String) job;

@@ -6,10 +6,13 @@ import java.util.regex.Pattern;
 public final class Topics {
     public static final String AGGREGATOR_ID = "aggregator";
     private static final Pattern DEVICE_ID = Pattern.compile("[A-Za-z0-9_.-]{1,64}");
+    /** protocols/topics.py TOPIC_ROOT_PATTERN: no MQTT wildcard, no leading "/", no control
+     *  character, at most 128 characters (code points: Java's regex counts them so too). */
+    private static final Pattern ROOT = Pattern.compile("[^/+#\\x00-\\x1f][^+#\\x00-\\x1f]{0,127}");
     public final String root;
 
     public Topics(String root) {
-        if (root.isEmpty() || root.startsWith("/") || root.contains("+") || root.contains("#"))
+        if (root == null || !ROOT.matcher(root).matches())
             throw new IllegalArgumentException("invalid topic root '" + root + "'");
         this.root = root;
     }

@@ -56,7 +56,7 @@ public final class RoundConfig {
         if (!(m.get("members") instanceof List)) throw new SecAggException("members must be a list");
         List<String> ms = new ArrayList<>();
         for (Object o : (List<Object>) m.get("members")) {
-            if (!(o instanceof String) || ((String) o).isEmpty() || ((String) o).length() > 256)
+            if (!(o instanceof String) || ((String) o).isEmpty() || Json.characters((String) o) > 256)
                 throw new SecAggException("member ids must be non-empty strings");
             ms.add((String) o);
         }
@@ -215,7 +215,7 @@ public final class RoundConfig {
 
     private static String id(Map<String, Object> m, String key) throws SecAggException {
         Object v = m.get(key);
-        if (!(v instanceof String) || ((String) v).isEmpty() || ((String) v).length() > 256)
+        if (!(v instanceof String) || ((String) v).isEmpty() || Json.characters((String) v) > 256)
             throw new SecAggException(key + " must be a non-empty string (<= 256 chars)");
         return (String) v;
     }

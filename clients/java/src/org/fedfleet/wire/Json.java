@@ -190,6 +190,11 @@ public final class Json {
         return d;
     }
 
+    /** A string's length as the protocol counts characters (docs/protocol.md "Canonical JSON"):
+     *  Unicode code points, Python's len(). String.length() counts UTF-16 units, two for each
+     *  character above U+FFFF, and refused ids of 65 to 128 such characters that Python takes. */
+    public static int characters(String s) { return s.codePointCount(0, s.length()); }
+
     // ---- canonical writer ----
     public static byte[] canonical(Object v) throws JsonError {
         StringBuilder b = new StringBuilder();
