@@ -303,41 +303,73 @@ def test_java_client_with_distributed_dp_noise_needs_the_64_bit_ring(tmp_path, r
         java.close()
 
 
-def test_python_and_java_decide_non_canonical_round_configs_alike(tmp_path):
-    """A review's finding: Python verified RoundStart's signature over its re-encoding of the parsed
-    config (bound made a float, the seed re-hexed, a complete graph's degree never type-checked)
-    while Java verified the JSON it received: a float degree passed Python only, an integer bound
-    or an upper-case seed Java only. One JSON form now, refused alike."""
-    from protocols.envelope import EnvelopeError
-    from protocols.payloads.secagg import from_envelope
-    from protocols.secagg import ClientSecAgg
-    from protocols.secagg.errors import SecAggError
-
+def decide_round_starts(tmp_path, starts) -> dict[str, tuple[str, str]]:
+    """name -> (the Python client's decision, the Java client's) on each RoundStart envelope that
+    ``starts(config)`` gives by name, each to a fresh client of the Java device's identity."""
     config, identities, inputs, java = setup_round(tmp_path, "complete", n=4)
-    cases = {"degree float": {"degree": float(config.degree)},
-             "share_threshold float": {"share_threshold": float(config.share_threshold)},
-             "bound int": {"bound": int(config.bound)},
-             "graph_seed upper": {"graph_seed": config.graph_seed.hex().upper().replace("0", "A")}}
     decisions = {}
     try:
-        for name, fields in cases.items():
+        for name, envelope in starts(config).items():
             python = ClientSecAgg(identities[JAVA], "aggregator", AGGREGATOR.public_key_bytes, job_id=config.job_id,
                                   round_id=config.round_id, group_id=config.group_id, input_vector=inputs[JAVA])
             try:
-                python.handle(from_envelope(round_start(config, **fields)))
+                python.handle(from_envelope(envelope))
                 py = "accepted"
             except (EnvelopeError, SecAggError) as exc:
-                py = f"refused ({type(exc).__name__})"
+                py = f"refused ({type(exc).__name__}: {exc})"
             try:
-                java.send(round_start(config, **fields))
+                java.send(envelope)
                 jv = "accepted"
                 java.close()                               # a fresh Java client for the next case
                 _, _, _, java = setup_round(tmp_path, "complete", n=4)
             except SecAggError as exc:
-                jv = "refused"
+                jv = f"refused ({exc})"
             decisions[name] = (py, jv)
     finally:
         java.close()
     disagree = {k: v for k, v in decisions.items() if v[0].split()[0] != v[1].split()[0]}
     assert not disagree, f"Python vs Java: {disagree}"
+    return decisions
+
+
+def test_python_and_java_decide_non_canonical_round_configs_alike(tmp_path):
+    """A review's finding: Python verified RoundStart's signature over its re-encoding of the parsed
+    config (bound made a float, the seed re-hexed, a complete graph's degree never type-checked)
+    while Java verified the JSON it received: a float degree passed Python only, an integer bound
+    or an upper-case seed Java only. One JSON form now, refused alike."""
+    decisions = decide_round_starts(tmp_path, lambda config: {
+        name: round_start(config, **fields) for name, fields in {
+            "degree float": {"degree": float(config.degree)},
+            "share_threshold float": {"share_threshold": float(config.share_threshold)},
+            "bound int": {"bound": int(config.bound)},
+            "graph_seed upper": {"graph_seed": config.graph_seed.hex().upper().replace("0", "A")}}.items()})
     assert all(py.startswith("refused") for py, _ in decisions.values()), decisions
+
+
+def with_signature(envelope: Envelope, signature: str) -> Envelope:
+    """The RoundStart envelope with its secagg header's base64 signature text replaced."""
+    return dataclasses.replace(envelope, body={"secagg": {**envelope.body["secagg"], "signature": signature}})
+
+
+def test_python_and_java_take_only_canonical_base64(tmp_path):
+    """A differential review's finding: Java's Base64 decoder takes a string without its padding,
+    which Python's b64decode(validate=True) refuses; both took a last character whose unused bits
+    are set (another text for the same bytes). Both take only the canonical RFC 4648 text now:
+    padded, the standard alphabet, no whitespace, unused bits zero (docs/secure-aggregation.md)."""
+    alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+
+    def variants(config):
+        start = round_start(config)
+        text = start.body["secagg"]["signature"]          # 64 bytes: 86 characters and "=="
+        last = alphabet[alphabet.index(text[85]) | 1]      # the 4 unused bits of the 86th character set
+        return {"canonical": start, "no padding": with_signature(start, text.rstrip("=")),
+                "one = short": with_signature(start, text[:-1]),
+                "unused bits set": with_signature(start, text[:85] + last + "=="),
+                "a newline inside": with_signature(start, text[:40] + "\n" + text[40:]),
+                "url-safe alphabet": with_signature(start, text.replace("+", "-").replace("/", "_")
+                                                    if "+" in text or "/" in text else "-" + text[1:])}
+
+    decisions = decide_round_starts(tmp_path, variants)
+    assert {name: py.split()[0] for name, (py, _) in decisions.items()} == {
+        "canonical": "accepted", "no padding": "refused", "one = short": "refused", "unused bits set": "refused",
+        "a newline inside": "refused", "url-safe alphabet": "refused"}, decisions

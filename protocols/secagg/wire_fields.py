@@ -36,6 +36,10 @@ def unb64(value: Any, what: str, length: int | None = None) -> bytes:
         raw = base64.b64decode(value, validate=True)
     except (binascii.Error, ValueError):
         raise MalformedMessage(f"{what} is not valid base64") from None
+    # only the canonical text (padded, unused bits zero): one value, one text, as the Java client
+    # reads it (its decoder took a text without padding, and both took set unused bits)
+    if b64(raw) != value:
+        raise MalformedMessage(f"{what} is not canonical base64 (RFC 4648: padded, unused bits zero)")
     if length is not None and len(raw) != length:
         raise MalformedMessage(f"{what} must be {length} bytes, got {len(raw)}")
     return raw

@@ -134,6 +134,10 @@ public final class SecAggMessage {
         } catch (IllegalArgumentException e) {
             throw new SecAggException(what + " is not valid base64");
         }
+        // only the canonical text (protocols/secagg/wire_fields.py unb64): the decoder also takes a
+        // text without its padding, which Python refuses, and one whose unused bits are set
+        if (!b64(raw).equals(value))
+            throw new SecAggException(what + " is not canonical base64 (RFC 4648: padded, unused bits zero)");
         if (length >= 0 && raw.length != length) throw new SecAggException(what + " must be " + length + " bytes, got " + raw.length);
         return raw;
     }
