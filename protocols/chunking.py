@@ -55,6 +55,7 @@ DEFAULT_CHUNK_SIZE = 256 * 1024
 MAX_CHUNKS = 4096
 SMALL_PART_BYTES = 64 * 1024             # a part smaller than a header's limit is copied, not viewed
 MESSAGE_ID = re.compile(r"[0-9a-f]{32}")  # an envelope's id (schema/envelope.schema.json): what a parent names
+DIGEST = re.compile(r"[0-9a-f]{64}")      # a chunk's sha256: the whole message's, lowercase hex
 RECENT_PER_SENDER = 16                   # completed / refused parents remembered per sender (the latest)
 
 
@@ -135,6 +136,10 @@ class Reassembler:
         count = body_field(chunk, "count", int)
         total = body_field(chunk, "total", int)
         digest = body_field(chunk, "sha256", str)
+        # checked even where the digest itself is not (check_digest False): a chunk naming no digest
+        # is refused at once, as by the Java device, which checks the digest
+        if not DIGEST.fullmatch(digest):
+            raise EnvelopeError("a chunk's sha256 must be the whole message's digest (64 lowercase hex digits)")
         if set(chunk.tensors) != {"data"}:      # anything else would be held with it, uncounted
             raise EnvelopeError("a chunk carries exactly one tensor, 'data'")
         data = require_tensor(chunk, "data", "uint8", (None,))

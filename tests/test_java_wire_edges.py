@@ -211,6 +211,28 @@ def test_a_chunk_whose_parent_is_no_message_id_is_refused_at_once(java_cp):
     assert_same_decisions(java_cp, cases, [["REFUSE"] * 3] * 4 + [["PENDING", "PENDING", "ACCEPT"]])
 
 
+# ---- 5a'. a chunk's sha256 is refused at once when it is no lowercase hex digest ----
+
+def test_a_chunk_whose_sha256_is_no_lowercase_hex_digest_is_refused_at_once(java_cp):
+    """A differential review's finding: the Python receivers skip the announced digest (the whole's
+    own payload_sha256 and signature cover its bytes, docs/protocol.md "Chunking"), so chunks naming
+    an upper-case or malformed sha256 were reassembled and taken by the Python device and refused by
+    the Java one, which checks it. Both refuse such a chunk at once now, before holding it."""
+    def with_digest(digest):
+        whole, mid = message(1)
+        msgs = []
+        for part in split(whole, mid, AGGREGATOR, chunk_size=1000):
+            c = decode(part)
+            msgs.append(encode(Envelope("chunk", AGGREGATOR, dict(c.body, sha256=digest(c.body["sha256"])),
+                                        {"data": c.tensors["data"]}, id=c.id, ts=c.ts)))
+        return {"name": "sha256 " + digest("d" * 64), "msgs": msgs, "now": [0.0] * len(msgs)}
+
+    cases = [with_digest(str.upper), with_digest(lambda d: d[:63]), with_digest(lambda d: d + "0"),
+             with_digest(lambda d: d + "\n"), with_digest(lambda d: "x" * 64),
+             with_digest(lambda d: d)]            # the message's own digest: reassembled (control)
+    assert_same_decisions(java_cp, cases, [["REFUSE"] * 3] * 5 + [["PENDING", "PENDING", "ACCEPT"]])
+
+
 # ---- 5b. a completed message resent under its parent is reassembled again ----
 
 def test_a_resent_completed_message_is_reassembled_again_and_remembered_as_python_does(java_cp):

@@ -17,6 +17,7 @@ public final class Reassembler {
     /** Completed / refused parents remembered per sender (the latest). */
     public static final int RECENT_PER_SENDER = 16;
     private static final Pattern MESSAGE_ID = Pattern.compile("[0-9a-f]{32}");   // what a parent names
+    private static final Pattern DIGEST = Pattern.compile("[0-9a-f]{64}");       // the whole message's sha256
 
     private static final class Partial {
         final long count, total;
@@ -71,6 +72,8 @@ public final class Reassembler {
         if (!MESSAGE_ID.matcher(parent).matches())    // refused before anything is held under it
             throw new Envelope.EnvelopeError("a chunk's parent must be its message's id (32 lowercase hex digits)");
         String digest = text(b, "sha256");
+        if (!DIGEST.matcher(digest).matches())        // refused at once, as by the Python receivers (which skip the digest itself)
+            throw new Envelope.EnvelopeError("a chunk's sha256 must be the whole message's digest (64 lowercase hex digits)");
         long index = integer(b, "index"), count = integer(b, "count"), total = integer(b, "total");
         if (chunk.tensors.size() != 1 || !chunk.tensors.get(0).name.equals("data")
                 || !chunk.tensors.get(0).dtype.equals("uint8") || chunk.tensors.get(0).shape.length != 1)
