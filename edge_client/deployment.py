@@ -56,7 +56,7 @@ from protocols.identity import sender_verifier
 from protocols.message_loop import QueueBound
 from protocols.mqtt_link import BrokerConfig, LinkWorker, MqttLink
 from protocols.payloads import deployment as D
-from protocols.payloads.artifacts import ARTIFACT, get_message, parse_artifact
+from protocols.payloads.artifacts import ARTIFACT, ArtifactDigestMismatch, get_message, parse_artifact
 from protocols.regular_file import read_regular_file
 from protocols.topics import AGGREGATOR_ID, DEPLOY_ROLE, Topics
 
@@ -480,8 +480,9 @@ class DeploymentFollower(LinkWorker):
         self._pending = None
         try:
             _, data = parse_artifact(env, p["sha256"])
-        except EnvelopeError as exc:
-            return self._refuse(f"head refused, staying on the current version: {exc}", p, "hash")
+        except EnvelopeError as exc:    # a head that does not hash to the assignment, else no usable file
+            return self._refuse(f"head refused, staying on the current version: {exc}", p,
+                                "hash" if isinstance(exc, ArtifactDigestMismatch) else "load")
         self._adopt(p, data)
 
     def _adopt(self, a: dict, data: bytes, swap: bool = True, since: float | None = None) -> None:

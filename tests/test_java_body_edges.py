@@ -19,15 +19,17 @@ What differed before:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 
+import numpy as np
 import pytest
 
 import java_build
 from protocols.envelope import Envelope, EnvelopeError, decode, encode
 from protocols.payloads import deployment as D
-from protocols.payloads.artifacts import check_sha, parse_artifact
+from protocols.payloads.artifacts import ArtifactDigestMismatch, check_sha, parse_artifact
 from protocols.payloads.job_end import JobEnded, job_ended_message, parse_job_ended
 from protocols.secagg.config import RoundConfig
 from protocols.secagg.errors import ConfigError
@@ -61,6 +63,12 @@ def python_decision(case: dict) -> str:
             keys = ["deployment", "device", "seq", "action"] + (["sha256", "nbytes", "bundle_sha256"]
                                                                  if a["action"] == D.RUN else ["reason"])
             read = {k: a[k] for k in keys}
+        elif case["op"] == "artifact":
+            try:
+                _, data = parse_artifact(decode(bytes.fromhex(case["hex"])), case["sha256"])
+            except EnvelopeError as exc:        # its refusal class, as edge_client/deployment.py reports it
+                return f"REFUSE {'hash' if isinstance(exc, ArtifactDigestMismatch) else 'load'} {exc}"
+            read = hashlib.sha256(data).hexdigest()
         elif case["op"] == "job.ended":
             read = [n.job for n in parse_job_ended(decode(bytes.fromhex(case["hex"])))]
         elif case["op"] == "round_config":
@@ -74,15 +82,18 @@ def python_decision(case: dict) -> str:
     return "ACCEPT " + json.dumps(read, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
-def assert_same_decisions(java_cp: str, cases: list[dict], expected: list[str]) -> None:
-    """Java decides as Python on every case (ACCEPT with the same values, or REFUSE), and Python's
-    decision is ``expected`` (the contract's)."""
+def assert_same_decisions(java_cp: str, cases: list[dict], expected: list[str], words: int = 1) -> None:
+    """Java decides as Python on every case (ACCEPT with the same values, or REFUSE and, with
+    ``words`` 2, the same refusal class), and Python's decision is ``expected`` (the contract's)."""
+    def brief(decision: str) -> str:
+        return "ACCEPT" if decision.startswith("ACCEPT") else " ".join(decision.split()[:words])
+
     java = java_decisions(java_cp, cases)
     for case, want, got in zip(cases, expected, java):
         mine = python_decision(case)
-        assert mine.split()[0] == want, (case.get("name"), mine)
-        assert (got if got.startswith("ACCEPT") else got.split()[0]) == \
-            (mine if mine.startswith("ACCEPT") else mine.split()[0]), (case.get("name"), mine, got)
+        assert brief(mine) == want, (case.get("name"), mine)
+        assert (got if got.startswith("ACCEPT") else brief(got)) == \
+            (mine if mine.startswith("ACCEPT") else brief(mine)), (case.get("name"), mine, got)
 
 
 # ---- deployment.assign ----
@@ -123,14 +134,30 @@ def test_an_assignments_bundle_and_model_id_have_one_type(java_cp):
                                            "REFUSE", "REFUSE", "REFUSE", "REFUSE", "ACCEPT"])
 
 
+def artifact(name: str, tensors: dict, asked: str = hashlib.sha256(b"head").hexdigest()) -> dict:
+    env = Envelope("artifact", "aggregator", {"sha256": asked, "name": "dep-1.npz"}, tensors)
+    return {"op": "artifact", "hex": encode(env).hex(), "sha256": asked, "name": name}
+
+
+def test_an_artifact_is_one_uint8_data_tensor_refused_in_one_class(java_cp):
+    """The Java device took an artifact's first tensor whatever its name or shape (a 2-D one, or
+    ``x`` before ``data``), the Python device the one named ``data``; a malformed artifact was
+    refused in class ``load`` by Java and ``hash`` by Python, which now keeps ``hash`` for a head
+    that does not hash to the assignment (docs/protocol.md "Model rollout")."""
+    head = np.frombuffer(b"head", dtype=np.uint8)
+    cases = [artifact("control", {"data": head}), artifact("another digest", {"data": head}, asked=SHA),
+             artifact("x before data", {"x": head, "data": head}), artifact("data before x", {"data": head, "x": head}),
+             artifact("2-D data", {"data": head.reshape(2, 2)}), artifact("int8 data", {"data": head.view(np.int8)}),
+             artifact("no tensor", {})]
+    assert_same_decisions(java_cp, cases, ["ACCEPT", "REFUSE hash"] + ["REFUSE load"] * 5, words=2)
+
+
 def test_artifact_names_and_asked_digests_are_whole_matches():
     """The same ``$`` on the artifact side (the Python device's head, the aggregator's ``artifact.get``)."""
     data = b"head"
-    import hashlib
-
     digest = hashlib.sha256(data).hexdigest()
     ok = Envelope("artifact", "aggregator", {"sha256": digest, "name": "dep-1.npz"},
-                  {"data": __import__("numpy").frombuffer(data, dtype="uint8")})
+                  {"data": np.frombuffer(data, dtype=np.uint8)})
     assert parse_artifact(ok, digest) == ("dep-1.npz", data)
     with pytest.raises(EnvelopeError, match="plain file name"):
         parse_artifact(Envelope("artifact", "aggregator", {"sha256": digest, "name": "dep-1.npz\n"}, ok.tensors), digest)

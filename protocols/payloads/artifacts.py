@@ -56,17 +56,25 @@ def artifact_message(sender: str, sha256: str, name: str, data: bytes) -> Envelo
                     tensors={"data": np.frombuffer(data, dtype=np.uint8)})
 
 
+class ArtifactDigestMismatch(EnvelopeError):
+    """An artifact whose bytes do not hash to the sha256 asked for (a rollout's refusal class
+    ``hash``; any other malformed artifact is no usable file: ``load``)."""
+
+
 def parse_artifact(env: Envelope, expected_sha256: str) -> tuple[str, bytes]:
-    """(name, bytes) if the content hashes to ``expected_sha256``; EnvelopeError otherwise."""
+    """(name, bytes) if the content hashes to ``expected_sha256``; ArtifactDigestMismatch when it
+    does not, EnvelopeError for anything else malformed."""
     if env.type != ARTIFACT:
         raise EnvelopeError(f"expected an artifact, got {env.type!r}")
     name = body_field(env, "name", str)
     if not _NAME.fullmatch(name):
         raise EnvelopeError(f"artifact name {name!r} is not a plain file name")
+    if set(env.tensors) != {"data"}:         # as the Java device (ModelSlot.artifactBytes): one file, one tensor
+        raise EnvelopeError("an artifact carries exactly one tensor, 'data'")
     data = require_tensor(env, "data", "uint8", (None,)).tobytes()
     digest = hashlib.sha256(data).hexdigest()
     if digest != expected_sha256:
-        raise EnvelopeError(f"artifact {name!r}: sha256 {digest[:16]}… differs from the requested "
+        raise ArtifactDigestMismatch(f"artifact {name!r}: sha256 {digest[:16]}… differs from the requested "
                             f"{expected_sha256[:16]}…; refused")
     return name, data
 

@@ -1,6 +1,7 @@
 // Feeds message bodies and settings to the Java device's parsers and prints its decision on each,
 // so tests/test_java_body_edges.py can hold it against the Python device's on the same input.
 // One JSON line per case on stdin: {"op": "assignment" | "job.ended", "hex": an encoded envelope},
+// {"op": "artifact", "hex": an encoded artifact, "sha256": the digest asked for} (a refusal prints its class),
 // {"op": "round_config", "text": the config's JSON} or {"op": "topic_root", "root": a string}.
 // Prints one line per case: {"out": "ACCEPT <what was read, canonical JSON>" | "REFUSE <why>" | "CRASH <what>"}.
 import java.io.BufferedReader;
@@ -28,6 +29,8 @@ public final class BodyEdges {
                 out = "ACCEPT " + new String(Json.canonical(read(c)), StandardCharsets.UTF_8);
             } catch (Envelope.EnvelopeError | SecAggException | Json.JsonError | IllegalArgumentException e) {
                 out = "REFUSE " + e.getMessage();
+            } catch (ModelSlot.Refusal e) {
+                out = "REFUSE " + e.reason + " " + e.getMessage();
             } catch (RuntimeException e) {
                 out = "CRASH " + e;
             }
@@ -60,6 +63,10 @@ public final class BodyEdges {
             case "round_config": {
                 RoundConfig config = RoundConfig.fromMap(Json.parse((String) c.get("text")));
                 return new ArrayList<Object>(config.members);
+            }
+            case "artifact": {
+                byte[] file = ModelSlot.artifactBytes(Envelope.decode(Envelope.unhex((String) c.get("hex"))), (String) c.get("sha256"));
+                return Envelope.hex(Envelope.sha256(file));
             }
             case "topic_root":
                 return new Topics((String) c.get("root")).root;

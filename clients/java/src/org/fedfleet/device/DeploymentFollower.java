@@ -211,19 +211,15 @@ public final class DeploymentFollower implements AutoCloseable {
         ModelSlot.Assignment p = pending;
         if (!p.sha256.equals(env.body().get("sha256")) || !(p.deployment + ".npz").equals(env.body().get("name"))) return;
         pending = null;
-        Envelope.Tensor data = env.tensors.isEmpty() ? null : env.tensors.get(0);
-        if (data == null || !"data".equals(data.name) || !"uint8".equals(data.dtype)) {
-            refuse("head refused, staying on the current version: the artifact has no uint8 'data' tensor", p, "load");
-            return;
-        }
-        String digest = Envelope.hex(Envelope.sha256(data.data));
-        if (!digest.equals(p.sha256)) {
-            refuse("head refused, staying on the current version: sha256 " + digest.substring(0, 16) + "… differs from the requested "
-                    + p.sha256.substring(0, 16) + "…", p, "hash");
+        byte[] data;
+        try {
+            data = ModelSlot.artifactBytes(env, p.sha256);
+        } catch (ModelSlot.Refusal e) {
+            refuse("head refused, staying on the current version: " + e.getMessage(), p, e.reason);
             return;
         }
         try {
-            adopt(p, HeadFile.parse(data.data), data.data, Double.NaN);
+            adopt(p, HeadFile.parse(data), data, Double.NaN);
         } catch (java.io.IOException e) {
             refuse("head cannot be loaded, staying on the current version: " + e.getMessage(), p, "load");
         }

@@ -261,6 +261,20 @@ public final class ModelSlot {
         return new Assignment(deployment, device, seq, action, text(b, "sha256", SHA), nbytes, bundleSha, "");
     }
 
+    /** The file an `artifact` carries (protocols/payloads/artifacts.py parse_artifact): exactly one
+     *  tensor, `data`, 1-D uint8 (else a Refusal of class "load": no usable head), hashing to
+     *  ``sha256`` (else class "hash"). The first tensor was taken whatever its name or shape, where
+     *  the Python device took the one named `data`. */
+    public static byte[] artifactBytes(Envelope.Message env, String sha256) throws Refusal {
+        Envelope.Tensor data = env.tensors.size() == 1 ? env.tensors.get(0) : null;
+        if (data == null || !"data".equals(data.name) || !"uint8".equals(data.dtype) || data.shape.length != 1)
+            throw new Refusal("load", "the artifact does not carry exactly one 1-D uint8 tensor 'data'");
+        String digest = Envelope.hex(Envelope.sha256(data.data));
+        if (!digest.equals(sha256))
+            throw new Refusal("hash", "sha256 " + digest.substring(0, 16) + "… differs from the requested " + sha256.substring(0, 16) + "…");
+        return data.data;
+    }
+
     /** Make the head file ``data`` current, keeping the current one as previous; IOException (and
      *  nothing changed) when it does not hash to ``sha256`` or is not a head. */
     public synchronized Version swap(byte[] data, String sha256, String deployment, String bundleSha256) throws IOException {
