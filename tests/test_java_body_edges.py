@@ -121,6 +121,21 @@ def test_an_assignments_ids_and_digests_are_whole_matches(java_cp):
     assert_same_decisions(java_cp, cases, ["ACCEPT", "REFUSE", "REFUSE", "REFUSE", "ACCEPT", "ACCEPT", "REFUSE"])
 
 
+def rollback(name: str, **fields) -> dict:
+    body = {"deployment": "dep-1", "device": "jdev", "seq": 7, "action": "rollback", **fields}
+    return {"op": "assignment", "hex": encode(Envelope(D.ASSIGN, "aggregator", body, id="0" * 32, ts=1767225600.0)).hex(),
+            "name": name}
+
+
+def test_a_rollbacks_reason_is_a_string_cut_to_500_characters(java_cp):
+    """Python wrote any JSON value as its repr and cut it to 500 characters; Java read a non-string as
+    "" and cut nothing."""
+    cases = [rollback("reason given", reason="guard failed"), rollback("no reason"), rollback("reason 5", reason=5),
+             rollback("reason null", reason=None), rollback("600 characters", reason="r" * 600),
+             rollback("600 astral characters", reason=ASTRAL * 600)]
+    assert_same_decisions(java_cp, cases, ["ACCEPT", "ACCEPT", "REFUSE", "REFUSE", "ACCEPT", "ACCEPT"])
+
+
 def test_an_assignments_bundle_and_model_id_have_one_type(java_cp):
     """bundle_sha256: absent or "" (the device's own bundle) or a sha256, nothing else; model_id an
     integer (docs/protocol.md "Messages")."""

@@ -104,7 +104,8 @@ def parse_assignment(env: Envelope) -> dict:
         if not 0 < out["nbytes"] <= MAX_HEAD_BYTES:
             raise EnvelopeError(f"head of {out['nbytes']} bytes: at most {MAX_HEAD_BYTES}")
     elif out["action"] == ROLLBACK:
-        out["reason"] = str(env.body.get("reason", ""))[:500]
+        # a string (absent: ""), cut to 500 characters, as the Java device reads it
+        out["reason"] = str(body_field(env, "reason", str) if "reason" in env.body else "")[:500]
     else:
         raise EnvelopeError(f"unknown deployment action {out['action']!r}")
     return out

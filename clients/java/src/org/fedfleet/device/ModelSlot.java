@@ -247,9 +247,11 @@ public final class ModelSlot {
         BigInteger bigSeq = (BigInteger) b.get("seq");
         if (bigSeq.signum() <= 0 || bigSeq.bitLength() > 62) throw new Envelope.EnvelopeError("assignment sequence " + bigSeq + ": 1..2**62");
         long seq = bigSeq.longValue();
-        if (ROLLBACK.equals(action))
-            return new Assignment(deployment, device, seq, action, "", 0, "",
-                    b.get("reason") instanceof String ? (String) b.get("reason") : "");
+        if (ROLLBACK.equals(action)) {      // a reason is a string (absent: ""), cut to 500 characters as Python cuts it
+            String reason = b.containsKey("reason") ? text(b, "reason", null) : "";
+            if (Json.characters(reason) > 500) reason = reason.substring(0, reason.offsetByCodePoints(0, 500));
+            return new Assignment(deployment, device, seq, action, "", 0, "", reason);
+        }
         if (!RUN.equals(action)) throw new Envelope.EnvelopeError("unknown deployment action " + action);
         if (!(b.get("nbytes") instanceof BigInteger)) throw new Envelope.EnvelopeError("nbytes must be an integer");
         long nbytes = ((BigInteger) b.get("nbytes")).longValue();
