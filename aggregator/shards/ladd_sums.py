@@ -6,7 +6,8 @@ A LADD round moves the shared part φ to the mean of every update's φ and each 
 per *slot* (φ, θ_0, θ_1, ...), each with the bounded-influence layers that need one number per
 update (the norm bound, the contribution bound: ``fedavg_sums.py``), decided per slot (a θ_c's
 limit is a multiple of its own cluster's median, or of the median of every cluster's θ updates
-when its own cluster sent fewer than three: ``slot_limits``; one aggregator's ``RobustClusterAveraging``
+when its own cluster sent fewer than three: ``slot_limits``, ``aggregator/strategies/ladd_slot_limits.py``;
+one aggregator's ``RobustClusterAveraging``
 decides it the same way; in a round of fewer than three updates, within the job's reference of
 earlier rounds, ``LaddSmallRounds``, which the coordinator's job and one aggregator's keep alike).
 The round closes in phases, as FedAvg's does: for each layer every update's statistic in each of
@@ -38,7 +39,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -50,13 +51,10 @@ from aggregator.shards.fedavg_sums import SUM, WEIGHT, bound_layers, bounded_upd
 from aggregator.shards.sum_tree import AdditiveState, Contribution, PartialSum, add_weighted, local_tree_sum
 from aggregator.strategies.dp_ladd import GLOBAL, apply_mean_deltas
 from aggregator.strategies.ladd import ClusterAveraging, cast_like
+from aggregator.strategies.ladd_slot_limits import PHI, slot_limits
+from aggregator.strategies.ladd_small_rounds import LaddSmallRounds
 from aggregator.strategies.robust_fedavg import flatten
 
-if TYPE_CHECKING:
-    from aggregator.strategies.ladd_small_rounds import LaddSmallRounds
-
-PHI = "phi"
-MIN_OWN_UPDATES = 3             # a θ slot with fewer is bounded on the round's θ updates (slot_limits)
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 SLOT = "/"                      # a bucket state's keys: "<slot>/sum.<tensor>", "<slot>/weight_total"
 DP_COUNT, DP_UNCLIPPED = "dp/count", "dp/unclipped"     # DP: the deltas summed, those within C
@@ -162,18 +160,6 @@ def bucket_sums(job, context: LaddRoundContext, updates: list[LaddUpdate]) -> Pa
 def add_slots(left: dict[str, np.ndarray], right: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Two partial states' union: a key both hold added, a key one holds passed through (no 0 + x)."""
     return {**left, **right, **{k: left[k] + right[k] for k in left.keys() & right.keys()}}
-
-
-def slot_limits(layer, by_slot: Mapping[str, list[float]]) -> dict[str, float]:
-    """Each slot's limit for ``layer`` from its updates' statistics; a cluster's θ slot with fewer
-    than ``MIN_OWN_UPDATES`` updates takes the limit of every θ update of the round (all clusters'
-    heads have one shape and one recipe): a median of one or two updates bounds neither of them, so
-    a device alone in its cluster, or with one other, set its cluster's θ_c as far as it liked. In a
-    round of two updates in two clusters that is the smaller device's, as in FedAvg's round of two;
-    a round of fewer than three updates is bounded by earlier rounds too (``LaddSmallRounds``)."""
-    pooled = [value for slot, values in by_slot.items() if slot != PHI for value in values]
-    return {slot: layer.limit(pooled if slot != PHI and len(values) < MIN_OWN_UPDATES else values)
-            for slot, values in by_slot.items()}
 
 
 def slot_means(layers: list, current: dict[str, Params],

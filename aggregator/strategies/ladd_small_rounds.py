@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 
-from aggregator.shards.ladd_sums import PHI, slot_limits
+from aggregator.strategies.ladd_slot_limits import PHI, slot_limits
 from aggregator.strategies.small_round_reference import SmallRoundReference
 
 log = logging.getLogger("fedfleet.aggregator")

@@ -23,8 +23,9 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from aggregator.shards.ladd_sums import MIN_OWN_UPDATES, theta_slot
+from aggregator.shards.ladd_sums import theta_slot
 from aggregator.strategies.ladd import ClusterAveraging, Params, cast_like
+from aggregator.strategies.ladd_slot_limits import MIN_OWN_UPDATES
 from aggregator.strategies.ladd_small_rounds import LaddSmallRounds
 from aggregator.strategies.robust_fedavg import NormBound, RobustAggregation, flatten
 from aggregator.strategies.small_round_reference import SmallRoundReference
