@@ -32,7 +32,7 @@ import numpy as np
 from protocols.envelope import Envelope, EnvelopeError
 from protocols.identity import DeviceIdentity, IdentityRegistry
 from protocols.payloads.secagg import UnsendableMessage, from_envelope, to_envelope
-from protocols.secagg import (AggregateReady, MaskedInput, MemberOffline, Message, RoundConfig, RoundFailed,
+from protocols.secagg import (AggregateReady, MaskedInput, MemberOffline, Message, Phase, RoundConfig, RoundFailed,
                               ShareAccusation,
                               SecAggError, ServerSecAgg, ServerState, Timeout)
 from protocols.secagg.errors import LateMessage
@@ -43,6 +43,7 @@ from protocols.topics import AGGREGATOR_ID
 from aggregator.compute.mask_expansion import pick_mask_applier
 from aggregator.compute.privacy import UNPUBLISHED_PREFIX
 from aggregator.jobs.base import Job
+from aggregator.jobs.phase_clock import PhaseClock
 from aggregator.jobs.upload_window import MaskedUploadWindow, window_size
 
 log = logging.getLogger("fedfleet.aggregator.secagg")
@@ -102,7 +103,7 @@ class SecureGroupRounds(Job):
         self.secure: ServerSecAgg | None = None
         self._uploads: MaskedUploadWindow | None = None    # the running round's paced masked inputs
         self._start_pending = False
-        self._phase_at = 0.0
+        self._clock: PhaseClock | None = None      # when the running round's open phase gives up waiting
         self._phase_opened = 0.0
         # round -> phase -> seconds it stayed open; round -> who is in its sum: each read once, by the
         # runner; bounded (KEPT_ROUNDS), since a shard hosting groups, or a round aborted after it
@@ -147,6 +148,8 @@ class SecureGroupRounds(Job):
         # the phase would time out on everyone held behind it
         self._uploads = MaskedUploadWindow(window_size(self.config.upload_window_bytes, config.vector_length,
                                                        config.codec.word.itemsize), self.config.phase_timeout_s / 2)
+        self._clock = PhaseClock(self.config.phase_timeout_s, self.config.round_timeout_s,
+                                 len(Phase) if config.consistency_check else len(Phase) - 1)
         self._newest_round = max(self._newest_round, config.round_id)
         self._start_pending = True
 
@@ -212,10 +215,10 @@ class SecureGroupRounds(Job):
         if self.secure is None:
             return []
         if self._start_pending:          # tasks went out when the round opened; now the keys phase
-            self._start_pending, self._phase_at, self._phase_opened = False, now, now
+            self._start_pending, self._phase_opened = False, now
+            self._clock.start(now)
             return self._route(self.secure.start())
-        if now - self._phase_at > self.config.phase_timeout_s and self.secure.phase is not None:
-            self._phase_at = now
+        if self.secure.phase is not None and self._clock.due(now):
             return self._route(self._timed(Timeout(self.secure.phase), now))
         return self._expire_upload_slots(now) if self._uploads is not None else []
 
@@ -247,8 +250,8 @@ class SecureGroupRounds(Job):
 
     def _feed(self, event, now: float) -> list[tuple[str, Envelope]]:
         """One event into the running round. Every accepted answer (and every closed phase) restarts
-        the phase timer: a phase times out after ``phase_timeout_s`` without progress, not
-        ``phase_timeout_s`` after it opened. A group of 1,000 devices that each compute their
+        the phase's idle timer: a phase times out after ``phase_timeout_s`` without progress, not
+        ``phase_timeout_s`` after it opened, or at its share of the round's time (``PhaseClock``). A group of 1,000 devices that each compute their
         statistics and upload megabytes keeps answering for longer than any one device needs;
         a fixed timer cut such phases off and turned the slower devices' answers late (the round
         deadline still bounds the whole round). A member going offline is no progress unless it
@@ -256,8 +259,9 @@ class SecureGroupRounds(Job):
         an accusation (it precedes its sender's masked input, which is the answer)."""
         before = self.secure.phase
         out = self._timed(event, now)
-        if not isinstance(event, (MemberOffline, ShareAccusation)) or self.secure.phase is not before:
-            self._phase_at = now
+        if self.secure is not None and (not isinstance(event, (MemberOffline, ShareAccusation))
+                                        or self.secure.phase is not before):
+            self._clock.progress(now)
         return self._route(out)
 
     def _timed(self, event, now: float) -> list:
@@ -268,6 +272,8 @@ class SecureGroupRounds(Job):
         if before is not None and self.secure.phase is not before:
             self._phase_s.setdefault(round_id, {})[before.value] = round(now - self._phase_opened, 3)
             self._phase_opened = now
+            if self.secure.phase is not None:
+                self._clock.opened(now)
         return out
 
     def secure_phase_times(self, round_: int) -> dict[str, float] | None:
