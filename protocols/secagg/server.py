@@ -430,7 +430,10 @@ class ServerSecAgg:
             return shamir.reconstruct_verified(shares.get(owner, {}), self.config.share_threshold, SECRET_BYTES,
                                                is_secret, suspects, doubted=doubted)
         except ReconstructionError as exc:
-            raise ReconstructionError(f"{what} of {owner!r}: {exc}") from None
+            # a member that dealt shares of another secret than it committed to, or shares on no one
+            # polynomial, looks the same as holders that lied: said, never named (docs: Known gaps)
+            raise ReconstructionError(f"{what} of {owner!r}: {exc}, or {owner!r} dealt its shares wrong "
+                                      "(the server cannot tell which)") from None
 
     def _mask_seeds_to_remove(self) -> list[tuple[bytes, int]]:
         """(seed, sign) of every mask left in the accumulator: -b_u for each survivor u, and for
