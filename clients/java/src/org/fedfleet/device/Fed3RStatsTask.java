@@ -3,7 +3,10 @@
 // class_ids (sparse only) and b; when the task allows the exact factor form ("factor": true, sparse)
 // and the device has fewer samples than features, the canonical factor (R, QtY, class_ids and
 // zero_columns) instead when it is smaller. Random-feature tasks (Fed3R-RF) are declined. A
-// streaming task's from_sample is echoed.
+// streaming task's from_sample is echoed. A task whose numbers size more memory than the device's
+// budget is declined before anything is allocated, by the Python device's rule and words
+// (edge_client/tasks/fed3r_stats.py _check_memory): num_classes is the aggregator's to choose, up
+// to 1,000,000, and a task of that many classes threw OutOfMemoryError, which ended the agent's thread.
 package org.fedfleet.device;
 
 import java.math.BigInteger;
@@ -16,10 +19,28 @@ import org.fedfleet.wire.Tensors;
 
 public final class Fed3RStatsTask implements TaskHandler {
     public static final String KIND = "fed3r.stats";
+    /** The bytes a device gives a task's statistics unless told otherwise (the Python device's DEFAULT_MEMORY_BUDGET). */
+    public static final long DEFAULT_MEMORY_BUDGET = 256L * 1024 * 1024;
     private final LocalData data;
     private final FeatureExtractor extractor;
+    private final long memoryBudget;
 
-    public Fed3RStatsTask(LocalData data, FeatureExtractor extractor) { this.data = data; this.extractor = extractor; }
+    public Fed3RStatsTask(LocalData data, FeatureExtractor extractor) { this(data, extractor, DEFAULT_MEMORY_BUDGET); }
+
+    public Fed3RStatsTask(LocalData data, FeatureExtractor extractor, long memoryBudget) {
+        this.data = data; this.extractor = extractor; this.memoryBudget = memoryBudget;
+    }
+
+    /** TaskDeclined when the statistics of `rows` samples need more than the memory budget: 8 bytes
+     *  for each of the p x p Gram matrix, the C x p class sums and each row's C one-hot labels, as the
+     *  Python device counts them (random features, which it also counts, this device declines). */
+    private void checkMemory(int numClasses, int featureDim, boolean fitIntercept, long rows) throws TaskDeclined {
+        double p = featureDim + (fitIntercept ? 1 : 0);
+        double needed = 8 * (p * p + (double) numClasses * p + (double) rows * numClasses);
+        if (needed > memoryBudget)
+            throw new TaskDeclined(String.format(java.util.Locale.ROOT, "statistics of %d features need %.0f MiB, over this device's %.0f MiB",
+                    (long) p, needed / (1 << 20), memoryBudget / (double) (1 << 20)));
+    }
 
     /** The task's statistics without encoding them (what the secure variant masks): over the
      *  samples after the first from_sample (streaming: the aggregator holds those already), the
@@ -71,6 +92,7 @@ public final class Fed3RStatsTask implements TaskHandler {
             if (data.label(i) < 0 || data.label(i) >= numClasses)
                 throw new TaskDeclined("local label " + data.label(i) + " outside the job's " + numClasses + " classes");
         extractor.checkModel(task.model);
+        checkMemory(numClasses, extractor.featureDim(), task.fitIntercept, end - start);
         Fed3RAccumulator acc;
         try {
             acc = new Fed3RAccumulator(numClasses, extractor.featureDim(), task.fitIntercept, clipNorm);

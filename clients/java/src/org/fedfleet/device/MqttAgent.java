@@ -186,7 +186,9 @@ public final class MqttAgent implements AutoCloseable {
                 reader.expire(monotonic());
             } catch (InterruptedException e) {
                 return;
-            } catch (RuntimeException e) {      // one bad message or handler bug never stops the device
+            } catch (RuntimeException | OutOfMemoryError | StackOverflowError e) {
+                // one bad message or handler bug never stops the device: uncaught, an Error ended this
+                // thread and left a device that announced itself online answering nothing, for ever
                 LOG.log(Level.SEVERE, deviceId + ": unexpected error", e);
             }
         }
@@ -298,15 +300,24 @@ public final class MqttAgent implements AutoCloseable {
         } catch (TaskDeclined e) {
             execute(session.onWorkFailed(w.task.ref, e.getMessage()));
             return;
-        } catch (RuntimeException e) {      // a handler bug must not kill the agent: tell the server
+        } catch (RuntimeException | OutOfMemoryError | StackOverflowError e) {
+            // a handler bug, or a task whose numbers a check missed outgrowing the heap, must not kill
+            // the agent: tell the server (what the task allocated is garbage by now)
             LOG.log(Level.SEVERE, deviceId + ": task failed", e);
             execute(session.onWorkFailed(w.task.ref, "error: " + e));
             return;
         }
-        tasksDone.incrementAndGet();
         String id = Messages.newId();
-        byte[] message = Envelope.encode(Messages.result(deviceId, w.task.ref, w.task.kind, result.body, id, Messages.now()),
-                result.tensors, o.signer);
+        byte[] message;
+        try {       // encoded now, once: a result that cannot be (over the limits, past the heap) is a decline
+            message = Envelope.encode(Messages.result(deviceId, w.task.ref, w.task.kind, result.body, id, Messages.now()),
+                    result.tensors, o.signer);
+        } catch (EnvelopeError | OutOfMemoryError e) {      // as the Python agent's "result cannot be sent"
+            LOG.warning(deviceId + ": a " + w.task.kind + " result cannot be sent: " + e);
+            execute(session.onWorkFailed(w.task.ref, "result cannot be sent: " + e));
+            return;
+        }
+        tasksDone.incrementAndGet();
         execute(session.onWorkFinished(w.task.ref, message, id));
     }
 
@@ -325,7 +336,7 @@ public final class MqttAgent implements AutoCloseable {
         } catch (TaskDeclined e) {
             execute(session.onWorkFailed(ref, e.getMessage()));
             return;
-        } catch (RuntimeException e) {
+        } catch (RuntimeException | OutOfMemoryError | StackOverflowError e) {     // as work()'s
             LOG.log(Level.SEVERE, deviceId + ": secure task failed", e);
             execute(session.onWorkFailed(ref, "error: " + e));
             return;
