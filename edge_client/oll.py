@@ -36,7 +36,7 @@ import numpy as np
 from protocols.payloads.fedavg import raise_if_diverged
 
 from .tasks.head_training import LocalTraining, TrainedHead, train_head
-from .tasks.numpy_head import train_heads_together
+from .tasks.numpy_head import heads_per_lockstep, lockstep_batch, train_heads_together, within_lockstep_work
 
 FALLBACKS = ("error", "global")
 
@@ -192,18 +192,24 @@ def choose_fp_lr(weight: np.ndarray, bias: np.ndarray, features: np.ndarray, lab
         return candidates[0], {}
     parts, fits = cv_folds(len(labels), folds, recipe.seed)
     head = PersonalizedHead(weight, bias, labels, fallback="global")
-    features = head._check(features)
-    weights, biases = train_heads_together(head.weight, head.bias, features, head.label_map.to_local(labels),
-                                           fits, candidates, recipe)
-    # the protocol's rule, as for any trained head (Java: FpLearningRate via HeadTrainer)
-    raise_if_diverged({"weight": weights, "bias": biases})
+    features, local = head._check(features), head.label_map.to_local(labels)
+    start_weight, start_bias = head.weight, head.bias
+    within_lockstep_work(fits, recipe, len(candidates), start_weight, start_bias)
+    # a group of rates at a time, its heads scored and let go: all folds x rates held at once were up
+    # to 320 heads (numpy_head.MAX_LOCKSTEP_BYTES)
+    rates = max(1, heads_per_lockstep(lockstep_batch(recipe.batch_size, fits), *start_weight.shape) // len(fits))
     scores: dict[float, float] = {}
-    for i, lr in enumerate(candidates):
-        correct = 0
-        for k, held in enumerate(parts):
-            head.weight, head.bias = weights[k, i], biases[k, i]
-            correct += head.score(features[held], labels[held]).correct
-        scores[lr] = correct / len(labels)
+    for first in range(0, len(candidates), rates):
+        group = candidates[first:first + rates]
+        weights, biases = train_heads_together(start_weight, start_bias, features, local, fits, group, recipe)
+        # the protocol's rule, as for any trained head (Java: FpLearningRate via HeadTrainer)
+        raise_if_diverged({"weight": weights, "bias": biases})
+        for i, lr in enumerate(group):
+            correct = 0
+            for k, held in enumerate(parts):
+                head.weight, head.bias = weights[k, i], biases[k, i]
+                correct += head.score(features[held], labels[held]).correct
+            scores[lr] = correct / len(labels)
     return best_candidate(candidates, scores), scores
 
 

@@ -169,3 +169,64 @@ def test_cross_validation_counts_every_head_against_the_work_budget(monkeypatch)
     with pytest.raises(TaskDeclined, match=re.escape(f"is {total:.2e} multiply-adds, more than a device takes (1e+08)")):
         train_heads_together(np.zeros((classes, d), np.float32), np.zeros(classes, np.float32), features, labels,
                              row_sets, [0.01 * (i + 1) for i in range(rates)], recipe)
+
+
+def test_heads_past_the_lockstep_budget_train_in_groups_to_the_same_heads(monkeypatch):
+    """Heads past MAX_LOCKSTEP_BYTES move in groups, one after another: bit for bit the heads of one
+    lockstep over all of them (groups of rates, of row sets, and of both)."""
+    from edge_client.tasks import numpy_head
+
+    weight, bias, features, labels = _problem(seed=6, n=90, d=12, c=4)
+    rng = np.random.default_rng(1)
+    row_sets = [np.sort(rng.choice(90, n, replace=False)) for n in (90, 61, 45, 30, 17)]
+    lrs = [0.01, 0.03, 0.1]
+    recipe = LocalTraining(epochs=3, batch_size=20, lr=1.0, weight_decay=0.01, temperature=0.5, seed=2)
+    whole = train_heads_together(weight, bias, features, labels, row_sets, lrs, recipe)
+    per_head = 4 * (6 * 20 * 4 + 4 * 4 * 13 + 20 * 12)
+    for heads in (1, 2, 4, 7):           # one head; rates split; a few row sets of every rate; uneven
+        monkeypatch.setattr(numpy_head, "MAX_LOCKSTEP_BYTES", heads * per_head)
+        assert numpy_head.heads_per_lockstep(20, 4, 12) == heads
+        got = train_heads_together(weight, bias, features, labels, row_sets, lrs, recipe)
+        assert all(np.array_equal(w, g) for w, g in zip(whole, got)), heads
+
+
+def test_a_personalize_task_of_every_fold_and_rate_holds_a_bounded_working_set(monkeypatch):
+    """A review's finding: an ``oll.personalize`` task's cross-validation trained its fp_folds x fp_lrs
+    heads (up to 20 x 16) in one lockstep, in batches of up to every row, so its steps held G x B x d
+    features and G x L x B x k logits at once (0.9 GB at 1,000 rows of 100 local classes; honest
+    tasks, 5 folds x 2 rates in batches of 64, a few MB). The handler, with the params as they come
+    off the wire, now holds about MAX_LOCKSTEP_BYTES whatever the task asks, and chooses the rate
+    and scores it chose with every head in one lockstep."""
+    import tracemalloc
+
+    from edge_client import oll
+    from edge_client.tasks import numpy_head
+    from edge_client.tasks.personalization import PersonalizeTask
+    from protocols.payloads.personalize import PersonalizeParams
+    from protocols.payloads.task_params import ModelSpec
+
+    n, k, d = 600, 40, 128
+    rng = np.random.default_rng(0)
+    features, labels = rng.normal(size=(n, d)).astype(np.float32), np.arange(n) % k
+
+    class Features:
+        feature_dim = d
+
+        def extract(self, images):
+            return np.asarray(images, np.float32)
+
+    task = PersonalizeTask(features, labels, features[:40], labels[:40], lambda b, s, w: Features())
+    params = PersonalizeParams(model=ModelSpec(num_classes=k, backbone="b", image_size=8), feature_dim=d, fp_epochs=1,
+                               batch_size=2**20, fp_lrs=tuple(0.01 * (i + 1) for i in range(16)), fp_folds=20).to_params()
+    head = {"weight": rng.normal(size=(k, d)).astype(np.float32) * 0.01, "bias": np.zeros(k, np.float32)}
+    chose = []
+    monkeypatch.setattr("edge_client.tasks.personalization.choose_fp_lr",
+                        lambda *a: chose.append(oll.choose_fp_lr(*a)) or chose[-1])
+    tracemalloc.start()
+    body, _ = task(params, head)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 1.5 * numpy_head.MAX_LOCKSTEP_BYTES, peak / 2**20       # one lockstep of 320 heads: 300 MB
+    monkeypatch.setattr(numpy_head, "MAX_LOCKSTEP_BYTES", 2**40)          # every head at once: the reference
+    body_at_once, _ = task(params, head)
+    assert chose[0] == chose[1] and body == body_at_once and body["fp_lr"] in params["fp_lrs"]

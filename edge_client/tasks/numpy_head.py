@@ -131,27 +131,69 @@ def within_step_budget(rows: int, epochs: int, batch_size: int, per_row: int = 0
         raise TaskDeclined(str(exc)) from exc
 
 
+# The most bytes one lockstep step of train_heads_together may hold: each head's logits over its batch
+# and their temporaries, its parameters, gradient and step, and its row set's batch of features.
+# The task chooses the heads (fp_folds up to 20 x fp_lrs up to 16) and the batch (up to every row):
+# all 320 of them in one step held G x B x d features and G x L x B x k logits at once, 0.9 GB for
+# 1,000 rows of 100 local classes and over 3 GB for 5,000 (a review's finding), where the job's
+# usual 5 folds x 2 rates in batches of 64 hold a few MB. Heads past the budget are trained in
+# groups, one after another: the same steps, the same heads.
+MAX_LOCKSTEP_BYTES = 64 * 2**20
+
+
+def heads_per_lockstep(batch: int, classes: int, dim: int) -> int:
+    """How many heads of ``classes`` x ``dim`` one lockstep step over batches of ``batch`` rows may
+    move within MAX_LOCKSTEP_BYTES (at least one)."""
+    per_head = 4 * (6 * batch * classes + 4 * classes * (dim + 1) + batch * dim)
+    return max(1, MAX_LOCKSTEP_BYTES // per_head)
+
+
+def lockstep_batch(batch_size: int, row_sets: list[np.ndarray]) -> int:
+    """The rows a lockstep batch holds: the recipe's batch size, never past the largest row set (a
+    review's finding: 65,536 over 200 rows padded every step to 1.1 GB)."""
+    return max(1, min(batch_size, max((len(r) for r in row_sets), default=1)))
+
+
+def within_lockstep_work(row_sets: list[np.ndarray], recipe, rates: int, weight: np.ndarray, bias: np.ndarray) -> None:
+    """Decline past the work budget counting every head: each row set through ``rates`` heads
+    (cross-validation's 20 folds x 16 rates was 320 heads, each within the budget alone: a review's finding)."""
+    try:
+        check_local_work(sum(len(rows) for rows in row_sets), recipe.epochs, rates * head_size(weight, bias))
+    except TooManySteps as exc:
+        raise TaskDeclined(str(exc)) from exc
+
+
 def train_heads_together(weight: np.ndarray, bias: np.ndarray, features: np.ndarray, labels: np.ndarray,
                          row_sets: list[np.ndarray], lrs: list[float], recipe) -> tuple[np.ndarray, np.ndarray]:
     """Heads (G, L, C, d) and biases (G, L, C): head (g, l) is ``(weight, bias)`` trained as
     ``train_head(weight, bias, features[row_sets[g]], labels[row_sets[g]], recipe with lr=lrs[l])``
     would train it (same batches, same steps; float32 rounding may differ in the last bits).
-    A row set with fewer steps than the longest one stops moving once its schedule ends."""
+    A row set with fewer steps than the longest one stops moving once its schedule ends. The heads
+    move in lockstep groups of at most :func:`heads_per_lockstep` (``MAX_LOCKSTEP_BYTES``)."""
     features = np.ascontiguousarray(features, dtype=np.float32)
     labels = np.asarray(labels, dtype=np.int64)
-    # a batch holds at most the largest row set: a batch_size past it padded every step (a review's
-    # finding: 65,536 over 200 rows took 1.1 GB and 10x the time)
-    G, L, B = len(row_sets), len(lrs), max(1, min(recipe.batch_size, max((len(r) for r in row_sets), default=1)))
-    # every head of the lockstep counts: G row sets, each through L heads (cross-validation's
-    # 20 folds x 16 rates was 320 heads, each within the budget alone: a review's finding)
-    try:
-        check_local_work(sum(len(rows) for rows in row_sets), recipe.epochs, L * head_size(weight, bias))
-    except TooManySteps as exc:
-        raise TaskDeclined(str(exc)) from exc
+    row_sets = [np.asarray(rows) for rows in row_sets]
+    G, L = len(row_sets), len(lrs)
+    within_lockstep_work(row_sets, recipe, L, weight, bias)
+    heads = heads_per_lockstep(lockstep_batch(recipe.batch_size, row_sets), *np.shape(weight))
+    rates = min(L, heads)
+    sets = max(1, heads // rates)
+    weights = np.empty((G, L, *np.shape(weight)), dtype=np.float32)
+    biases = np.empty((G, L, len(bias)), dtype=np.float32)
+    for g in range(0, G, sets):
+        for l in range(0, L, rates):
+            weights[g:g + sets, l:l + rates], biases[g:g + sets, l:l + rates] = _lockstep(
+                weight, bias, features, labels, row_sets[g:g + sets], lrs[l:l + rates], recipe)
+    return weights, biases
+
+
+def _lockstep(weight: np.ndarray, bias: np.ndarray, features: np.ndarray, labels: np.ndarray,
+              row_sets: list[np.ndarray], lrs: list[float], recipe) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`train_heads_together`'s heads of ``row_sets`` x ``lrs``, all moved by each step."""
+    G, L, B = len(row_sets), len(lrs), lockstep_batch(recipe.batch_size, row_sets)
     # each row set's steps drawn as they are taken (a schedule holds one epoch at a time)
     schedules = [batch_schedule(len(rows), recipe) for rows in row_sets]
     steps = [iter(schedule) for schedule in schedules]
-    row_sets = [np.asarray(rows) for rows in row_sets]
     heads_w = np.broadcast_to(np.asarray(weight, np.float32), (G, L, *np.shape(weight))).copy()
     heads_b = np.broadcast_to(np.asarray(bias, np.float32), (G, L, len(bias))).copy()
     lr = np.asarray(lrs, dtype=np.float32)
