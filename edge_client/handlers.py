@@ -49,6 +49,7 @@ from protocols.payloads.ditto import KIND as DITTO_KIND
 from protocols.payloads.scaffold import KIND as SCAFFOLD_KIND
 from protocols.payloads.scaffold import KIND_TAIL as SCAFFOLD_TAIL_KIND
 from protocols.payloads.personalize import KIND as PERSONALIZE_KIND
+from protocols.payloads.task_kinds import SECURE_ONLY_DECLINE, UPDATES_IN_THE_CLEAR
 from protocols.payloads.secagg import (SECAGG_TYPE, SECURE_DITTO_KIND, SECURE_FEDAVG_KIND, SECURE_LADD_KIND,
                                        SECURE_PP_KIND, SECURE_SCAFFOLD_KIND, SECURE_TAIL_KIND, SYNC_KIND)
 
@@ -221,6 +222,14 @@ SECURE_VARIANTS = {FED3R_KIND: (SYNC_KIND, SecureFed3R),
                    SCAFFOLD_KIND: (SECURE_SCAFFOLD_KIND, SecureScaffoldTraining),
                    DITTO_KIND: (SECURE_DITTO_KIND, partial(SecureFedAvgTraining, kind=SECURE_DITTO_KIND)),
                    LADD_TRAIN_KIND: (SECURE_LADD_KIND, _secure_ladd)}
+
+
+def secure_only(handlers: dict) -> dict:
+    """``handlers`` with every kind that would send the device's update in the clear declining
+    (``UPDATES_IN_THE_CLEAR``): what a device answers when it runs secure-only. Build its secure
+    handlers (:func:`secure_handlers`) from the handlers before this, which they wrap."""
+    return {kind: Unsupported(SECURE_ONLY_DECLINE.format(kind=kind)) if kind in UPDATES_IN_THE_CLEAR else handler
+            for kind, handler in handlers.items()}
 
 
 def secure_handlers(identity: DeviceIdentity, aggregator_key: bytes, handlers: dict) -> dict:

@@ -64,6 +64,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--aggregator-key", default=None,
                    help="the aggregator's Ed25519 public key (hex, from enrolment): only messages it signed are "
                         "accepted, and secure aggregation rounds need it (default: unverified, development)")
+    p.add_argument("--secure-only", action="store_true",
+                   help="send updates and statistics only through secure aggregation: decline every task that would "
+                        "send them in the clear (fed3r.stats, fedavg.head, ...), whoever asks (needs --identity and "
+                        "--aggregator-key)")
 
 
 def apply_credentials(args) -> None:
@@ -119,7 +123,7 @@ def run_device(args) -> int:
     from edge_client.data.split import train_holdout_split
     from edge_client.disk_budget import DiskBudget
     from edge_client.handlers import HandlerConfig, LocalData, SharedExtractors, Unsupported, device_handlers, \
-        torch_free
+        secure_only, torch_free
     from protocols.mqtt_link import BrokerConfig
     from protocols.topics import Topics
 
@@ -144,6 +148,8 @@ def run_device(args) -> int:
                                              str(args.tail_bundle) if args.tail_bundle else None),
                                state=(state := state_store(args)))
     signer, protocol_handlers = _signing(args, identity, handlers)
+    if args.secure_only:        # after the secure handlers, which wrap the plain ones
+        handlers = secure_only(handlers)
     agent = DeviceAgent(args.id, broker, handlers, Topics(args.topic_root), signer=signer,
                         protocol_handlers=protocol_handlers, state=state,
                         aggregator_key=bytes.fromhex(args.aggregator_key) if args.aggregator_key else None).start()
@@ -200,6 +206,8 @@ def _check_device_arguments(args) -> None:
     if args.id is None:
         raise UserError("a device needs --id (or --credentials from enrolment)")
     BrokerConfig.from_url(args.broker)            # a bad address fails before the data is loaded
+    if args.secure_only and not (args.identity and args.aggregator_key):
+        raise UserError("--secure-only answers only secure rounds, which need --identity and --aggregator-key")
     if args.runtime is None:
         args.runtime = "auto" if torch_free() else "eager"
     if torch_free() and args.runtime in ("eager", "executorch"):

@@ -95,6 +95,8 @@ CASES = [
                                      "--bundle-disk-mb", "0"], "--bundle-disk-mb must be a size in MB"),
     ("device: a feature cache of NaN MB", ["device", "--id", "cam1", "--idx", "{d}/a.idx", "{d}/b.idx",
                                            "--feature-cache-mb", "nan"], "--feature-cache-mb must be a size in MB"),
+    ("device: secure-only without a key", ["device", "--id", "cam1", "--idx", "{d}/a.idx", "{d}/b.idx",
+                                           "--secure-only"], "--secure-only answers only secure rounds"),
     ("admin: API down", ["admin", "status", "--token", "t" * 20, "--url", "http://127.0.0.1:1"], "cannot reach"),
     ("admin: a job config that is not an object", ["admin", "job", "create", "{d}/list.json", "--kind", "fed3r",
                                                    "--token", "t" * 20, "--url", "http://127.0.0.1:1"], "JSON object"),

@@ -66,7 +66,8 @@ def test_device_cli_serves_secure_fed3r_and_personalization(broker, tmp_path):
                 [sys.executable, "-m", "fedfleet.cli", "device", "--id", dev, "--broker", broker.url,
                  "--idx", str(tmp_path / f"{dev}-images.idx"), str(tmp_path / f"{dev}-labels.idx"),
                  "--cache-dir", str(tmp_path / "cache"), "--threads", "1", "--holdout-fraction", "0.2",
-                 "--identity", str(tmp_path / f"{dev}.pem"), "--aggregator-key", agg.public_key_bytes.hex()],
+                 "--identity", str(tmp_path / f"{dev}.pem"), "--aggregator-key", agg.public_key_bytes.hex(),
+                 "--secure-only"],         # it declines plain updates, and serves both jobs all the same
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         registry = IdentityRegistry({d: k.public_key_bytes for d, k in keys.items()})
         common = dict(num_classes=10, backbone="mobilenet_v2", image_size=SIZE,

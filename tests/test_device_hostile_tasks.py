@@ -6,10 +6,17 @@ whatever a task's numbers, a device answers it with one clear decline and answer
   catch, ended the agent's thread, and the device stayed online answering nothing. The Java device
   now declines such a task by the Python device's memory budget (the same words), and a task that
   still outgrows its heap is declined instead of ending the thread.
+* A device of a secure job answered the same training asked in the clear (a plain ``fedavg.head``
+  or ``fed3r.stats`` task, signed by the aggregator like any other), sending its update or
+  statistics whole: secure aggregation hid nothing from an aggregator that turned against its
+  fleet. Run secure-only (``fedfleet device --secure-only``, HeadlessDevices ``--secure-only``),
+  both devices decline every kind that would send them in the clear, with the same words, and
+  keep serving the secure kinds (``tests/test_java_device.py``'s secure fleet runs so).
 """
 
 from __future__ import annotations
 
+import re
 import struct
 import subprocess
 import time
@@ -20,6 +27,13 @@ import pytest
 
 import java_build
 from edge_client.agent import DeviceAgent
+from edge_client.handlers import secure_handlers, secure_only
+from edge_client.tasks.head_training import HeadTrainingTask
+from edge_client.tasks.secure_fed3r import SecureFed3R
+from protocols.identity import DeviceIdentity
+from protocols.payloads.fedavg import HeadTrainingParams
+from protocols.payloads.secagg import SYNC_KIND
+from protocols.payloads.task_kinds import SECURE_ONLY_DECLINE, UPDATES_IN_THE_CLEAR
 from edge_client.tasks.fed3r_stats import Fed3RStatsTask
 from ops_fleet import wait_for
 from protocols import messages as M
@@ -39,6 +53,18 @@ class Features:
 
     def extract(self, images):
         return np.asarray(images, dtype=np.float64)
+
+
+def write_features(path: Path, Z: np.ndarray, y: np.ndarray) -> Path:
+    """The Java device's FeatureFile: int32 n, int32 d, n·d float32, n int32 labels (little-endian)."""
+    path.write_bytes(struct.pack("<ii", *Z.shape) + Z.astype("<f4").tobytes() + y.astype("<i4").tobytes())
+    return path
+
+
+def java_devices(broker, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(["java", "-Xmx128m", "-cp", java_build.built(), "org.fedfleet.device.HeadlessDevices",
+                             "--stop-on-stdin-eof", "--broker", broker.url, "--tick", "0.1", *args],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def local_data() -> tuple[np.ndarray, np.ndarray]:
@@ -66,8 +92,8 @@ def online(sniffer: Sniffer, device: str) -> bool:
     return any(decode(p).body.get("state") == "online" for p in sniffer.seen.get(T.presence(device), []))
 
 
-def ask(sniffer: Sniffer, device: str, task: M.Envelope, timeout: float = 60.0):
-    sniffer.publish(T.inbox(device), encode(task))
+def ask(sniffer: Sniffer, device: str, task: M.Envelope, timeout: float = 60.0, signer=None):
+    sniffer.publish(T.inbox(device), encode(task, signer=signer))
     wait_for(lambda: task.id in answers(sniffer, device), timeout=timeout, what=f"{device}'s answer to {task.body}")
     return answers(sniffer, device)[task.id]
 
@@ -75,15 +101,11 @@ def ask(sniffer: Sniffer, device: str, task: M.Envelope, timeout: float = 60.0):
 @pytest.mark.skipif(java_build.missing() is not None, reason=str(java_build.missing()))
 def test_a_fed3r_task_of_a_million_classes_is_declined_and_the_java_device_answers_on(broker, tmp_path: Path):
     Z, y = local_data()
-    feats = tmp_path / "java0.feat"
-    feats.write_bytes(struct.pack("<ii", *Z.shape) + Z.astype("<f4").tobytes() + y.astype("<i4").tobytes())
+    feats = write_features(tmp_path / "java0.feat", Z, y)
     sniffer = Sniffer(broker, [T.outbox("java0"), T.presence("java0"), T.outbox("py0"), T.presence("py0")])
     # a small heap, as a board or a gateway gives its device: a task within every params check still
     # outgrows it (one of 200,000 classes: the class sums and their wire copy, 210 MB)
-    jvm = subprocess.Popen(["java", "-Xmx128m", "-cp", java_build.built(), "org.fedfleet.device.HeadlessDevices",
-                            "--stop-on-stdin-eof", "--broker", broker.url, "--tick", "0.1", "--device", "java0",
-                            str(feats), "-"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True)
+    jvm = java_devices(broker, "--device", "java0", str(feats), "-")
     python = DeviceAgent("py0", BrokerConfig(port=broker.port),
                          {"fed3r.stats": Fed3RStatsTask(Z, y, lambda b, s, w: Features())}, tick_s=0.05).start()
     try:
@@ -106,3 +128,48 @@ def test_a_fed3r_task_of_a_million_classes_is_declined_and_the_java_device_answe
         out, err = jvm.communicate(timeout=60)
         sniffer.close()
     assert "STATS java0 done=1 declined=2 " in out, (out, err[-3000:])
+
+
+@pytest.mark.skipif(java_build.missing() is not None, reason=str(java_build.missing()))
+def test_secure_only_devices_decline_every_task_that_would_send_their_update_in_the_clear(broker, tmp_path: Path):
+    Z, y = local_data()
+    agg, seed = DeviceIdentity.generate("aggregator"), bytes(range(32))
+    sniffer = Sniffer(broker, [T.outbox("java0"), T.presence("java0"), T.outbox("py0"), T.presence("py0")])
+    jvm = java_devices(broker, "--aggregator-key", agg.public_key_bytes.hex(), "--secure-only",
+                       "--device", "java0", str(write_features(tmp_path / "java0.feat", Z, y)), seed.hex())
+    key = DeviceIdentity.generate("py0")
+    plain = {"fed3r.stats": Fed3RStatsTask(Z, y, lambda b, s, w: Features()),
+             "fedavg.head": HeadTrainingTask(Z, y, lambda b, s, w: Features())}
+    protocol = secure_handlers(key, agg.public_key_bytes, plain)
+    python = DeviceAgent("py0", BrokerConfig(port=broker.port), secure_only(plain), protocol_handlers=protocol,
+                         signer=key.sign, aggregator_key=agg.public_key_bytes, tick_s=0.05).start()
+    # the secure kinds still run the device's own training: secure_only replaced only what the agent answers
+    assert isinstance(protocol[SYNC_KIND], SecureFed3R) and protocol[SYNC_KIND].stats is plain["fed3r.stats"]
+    head = HeadTrainingParams(model=ModelSpec(backbone="precomputed", image_size=1, num_classes=3), feature_dim=D)
+    rng = np.random.default_rng(1)
+    tensors = {"weight": rng.normal(size=(3, D)).astype(np.float32), "bias": np.zeros(3, np.float32)}
+    try:
+        wait_for(lambda: online(sniffer, "java0") and online(sniffer, "py0"), what="both devices online")
+        java_kinds = next(decode(p).body["info"]["kinds"] for p in sniffer.seen[T.presence("java0")]
+                          if decode(p).body.get("state") == "online")
+        assert {"fed3r.secure", "fedavg.secure"} <= set(java_kinds)
+        for round_, task in enumerate([fed3r_task(3, round_=1),
+                                       M.task_message(AGGREGATOR_ID, "hostile", 2, "fedavg.head", head.to_params(),
+                                                      time.time() + 120)], start=1):
+            task.tensors = tensors if task.body["kind"] == "fedavg.head" else {}
+            for device in ("java0", "py0"):
+                answer = ask(sniffer, device, task, signer=agg.sign)
+                assert answer.type == M.DECLINE and not answer.tensors, (device, answer.body)
+                assert answer.body["reason"] == SECURE_ONLY_DECLINE.format(kind=task.body["kind"]), answer.body
+    finally:
+        python.stop()
+        out, err = jvm.communicate(timeout=60)
+        sniffer.close()
+    assert "STATS java0 done=0 declined=2 " in out, (out, err[-3000:])
+    assert "fed3r.stats" in UPDATES_IN_THE_CLEAR and "oll.personalize" not in UPDATES_IN_THE_CLEAR
+
+
+def test_the_java_device_declines_the_same_kinds_in_the_clear_as_the_python_device():
+    source = (java_build.LIBRARY / "org" / "fedfleet" / "device" / "SecureOnly.java").read_text()
+    listed = source.split("UPDATES_IN_THE_CLEAR = Set.of(", 1)[1].split(")", 1)[0]
+    assert set(re.findall(r'"([^"]+)"', listed)) == UPDATES_IN_THE_CLEAR

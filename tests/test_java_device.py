@@ -163,6 +163,8 @@ def run_mixed_fleet(java_cp: str, broker, tmp_path: Path, secure: bool, graph: s
            "--aggregator-key", agg.public_key_bytes.hex(), "--retry-after", "2", "--tick", "0.1"]
     if java_chunk_size:
         cmd += ["--chunk-size", str(java_chunk_size)]
+    if secure:          # their updates only through secure aggregation: what the secure kinds need is all there
+        cmd += ["--secure-only"]
     for i, d in enumerate(JAVA_IDS):
         cmd += ["--device", d, str(write_features(tmp_path / f"{d}.feat", *fleet_data(i))), seeds[d].hex()]
     jvm = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -28,6 +28,20 @@ TASK_PARAMS: dict[str, type[TaskParams]] = {t.KIND: t for t in (
 )}
 
 
+# The plain kinds whose result is the device's own update or statistics, as the aggregator reads
+# them (what secure aggregation exists to hide). A device run secure-only (``fedfleet device
+# --secure-only``, the Java HeadlessDevices' ``--secure-only``) declines these: an aggregator that
+# turned against its fleet, or an operator's mistake, could otherwise ask any device of a secure
+# job for the same training in the clear and read its update whole. The others stay: the secure
+# kinds, ``oll.personalize`` (held-out counts only) and ``ladd.style`` (the style secure LADD
+# itself clusters in the clear).
+UPDATES_IN_THE_CLEAR = frozenset(t.KIND for t in (
+    Fed3RStatsParams, HeadTrainingParams, TailTrainingParams, LaddTrainParams, PartialParams, ScaffoldParams,
+    ScaffoldTailParams, FedGlossParams, DittoParams))
+SECURE_ONLY_DECLINE = ("{kind} would send this device's update in the clear, and it runs secure-only: its updates go "
+                       "only through secure aggregation")
+
+
 def params_type(kind: str) -> type[TaskParams]:
     if kind not in TASK_PARAMS:
         raise ValueError(f"unknown task kind {kind!r} (known: {', '.join(sorted(TASK_PARAMS))})")

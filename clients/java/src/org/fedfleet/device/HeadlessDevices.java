@@ -10,6 +10,8 @@
 //        --broker mqtt://127.0.0.1:1883 [--root fedfleet] [--aggregator-key HEX] [--retry-after S] \
 //        [--tick S] [--chunk-size BYTES] [--holdout ID HELD_OUT_FEATURES_FILE ...] [--state-dir DIR] \
 //        [--state-budget-mb MB] [--stop-on-stdin-eof] --device ID FEATURES_FILE [SEED_HEX|-] [--device ...]
+//   --secure-only: every task that would send a device's update or statistics in the clear is
+//   declined (SecureOnly); its updates go only through the secure kinds (needs --aggregator-key and seeds).
 //   ... --state-dir DIR --forget-state --device ID ...: removes each device's kept state (the
 //   operator forgot the device; `fedfleet device --forget-state`), prints "FORGOT <id> <files>", exits.
 //
@@ -35,7 +37,7 @@ public final class HeadlessDevices {
         Map<String, String> holdout = new LinkedHashMap<>();
         java.io.File stateDir = null;
         long stateBudget = DeviceStateStore.DEFAULT_BUDGET_BYTES;
-        boolean forgetState = false;
+        boolean forgetState = false, secureOnly = false;
         for (int k = 0; k < args.length; k++) {
             switch (args[k]) {
                 case "--broker": broker = new URI(args[++k]); break;
@@ -49,6 +51,7 @@ public final class HeadlessDevices {
                 case "--state-dir": stateDir = new java.io.File(args[++k]); break;
                 case "--state-budget-mb": stateBudget = (long) (Double.parseDouble(args[++k]) * (1 << 20)); break;
                 case "--forget-state": forgetState = true; break;
+                case "--secure-only": secureOnly = true; break;
                 case "--stop-on-stdin-eof": stdinStops = true; break;
                 default: throw new IllegalArgumentException("unknown argument " + args[k]);
             }
@@ -62,6 +65,8 @@ public final class HeadlessDevices {
             return;
         }
         if (broker == null || devices.isEmpty()) throw new IllegalArgumentException("need --broker and at least one --device");
+        if (secureOnly && (base.aggregatorKey == null || devices.stream().anyMatch(d -> d[2].equals("-"))))
+            throw new IllegalArgumentException("--secure-only answers only secure rounds, which need --aggregator-key and each device's seed");
         List<MqttAgent> agents = new ArrayList<>();
         for (String[] d : devices) {
             FeatureFile data = FeatureFile.read(d[1]);
@@ -91,7 +96,7 @@ public final class HeadlessDevices {
                 }
             }
             o.info.put("sdk", "java");
-            agents.add(new MqttAgent(d[0], broker, handlers, o).start());
+            agents.add(new MqttAgent(d[0], broker, secureOnly ? SecureOnly.apply(handlers) : handlers, o).start());
         }
         for (MqttAgent a : agents) {
             if (a.awaitConnected(30)) System.out.println("ONLINE " + a.deviceId);
