@@ -297,3 +297,29 @@ def test_executorch_training_program_matches_eager():
     for name in names:
         np.testing.assert_allclose(program_sam.arrays[name], eager_sam.arrays[name], rtol=1e-4, atol=1e-6)
     assert max(np.abs(eager_sam.arrays[k] - eager.arrays[k]).max() for k in names) > 1e-3
+
+
+def test_a_process_keeps_a_bounded_number_of_lowered_training_programs(monkeypatch):
+    """A review's finding: lowered programs were cached per (spec, trainable set, batch size, λ_KD,
+    frozen tensors) for the process's life, and the batch size and λ are each task's to choose, so a
+    job that changed one every round lowered and kept one more program per round. The most recently
+    used MAX_HELD_PROGRAMS stay; one in use is its stepper's whatever the cache lets go."""
+    pytest.importorskip("executorch.extension.training")
+    import executorch.extension.training as training
+
+    from edge_client.models import segmentation
+    from edge_client.tasks import ladd_training
+
+    lowered = []
+    monkeypatch.setattr(segmentation, "lower_self_training_program",
+                        lambda model, names, batch, kd: lowered.append(batch) or f"program {batch}".encode())
+    monkeypatch.setattr(training, "_load_for_executorch_for_training_from_buffer", lambda program: object())
+    monkeypatch.setattr(ladd_training, "_PROGRAMS", type(ladd_training._PROGRAMS)())
+    net = SegmentationModel(SegmentationSpec(num_classes=3, image_size=16, head_channels=4, aspp_rates=(2,)), seed=0)
+    names = net.trainable_names("head")
+    steppers = [ladd_training._ExecuTorchStepper(net, names, SelfTrainingRecipe(batch_size=b)) for b in range(1, 11)]
+    assert len(ladd_training._PROGRAMS) == ladd_training.MAX_HELD_PROGRAMS < 10
+    assert [s._program for s in steppers] == [f"program {b}".encode() for b in range(1, 11)]
+    ladd_training._ExecuTorchStepper(net, names, SelfTrainingRecipe(batch_size=10))       # held: not lowered again
+    ladd_training._ExecuTorchStepper(net, names, SelfTrainingRecipe(batch_size=1))        # let go: lowered again
+    assert lowered == list(range(1, 11)) + [1]

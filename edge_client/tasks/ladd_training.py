@@ -36,6 +36,7 @@ out (torch.optim.SGD's first step imports torch._dynamo, which costs seconds per
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import threading
@@ -128,7 +129,12 @@ class _EagerStepper:
         return {k: state[k].detach().numpy().astype(np.float32, copy=True) for k in self.names}
 
 
-_PROGRAMS: dict[tuple, bytes] = {}       # lowered training programs, per process
+# Lowered training programs, per process, the most recently used MAX_HELD_PROGRAMS of them: a key
+# holds the task's batch size and λ_KD (and the frozen tensors it carries), so a job that changed
+# either every round lowered and kept one more program per round for the process's life (a review's
+# finding). A stepper keeps its own program's bytes alive while it runs, whatever goes from here.
+MAX_HELD_PROGRAMS = 4
+_PROGRAMS: collections.OrderedDict[tuple, bytes] = collections.OrderedDict()
 
 
 class _ExecuTorchStepper:
@@ -148,9 +154,13 @@ class _ExecuTorchStepper:
         frozen_digest = hashlib.sha256(b"".join(state[k].numpy().tobytes() for k in sorted(state)
                                                 if k not in set(trainable))).hexdigest()
         key = (model.spec, tuple(trainable), recipe.batch_size, recipe.kd_lambda, frozen_digest)
-        if key not in _PROGRAMS:
-            _PROGRAMS[key] = lower_self_training_program(model, trainable, recipe.batch_size, recipe.kd_lambda)
-        self._program = _PROGRAMS[key]                 # the loader does not copy: keep the bytes alive
+        program = _PROGRAMS.pop(key, None)
+        if program is None:
+            program = lower_self_training_program(model, trainable, recipe.batch_size, recipe.kd_lambda)
+        _PROGRAMS[key] = program                       # the most recent, last
+        while len(_PROGRAMS) > MAX_HELD_PROGRAMS:
+            _PROGRAMS.popitem(last=False)
+        self._program = program                        # the loader does not copy: keep the bytes alive
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             self._module = _load_for_executorch_for_training_from_buffer(self._program)
