@@ -260,7 +260,7 @@ class DeviceAgent:
                 return
             self._execute(self.session.handle(TaskArrived(ref, kind, params, deadline, dict(env.tensors),
                                                           received_at=time.time(), sent_at=env.ts)))
-        elif env.type in self.protocol_handlers:
+        elif self._protocol(env.type, "on_message") is not None:
             for out in self.protocol_handlers[env.type].on_message(env):
                 self.stats.bytes_up += self.link.publish_envelope(
                     self.topics.outbox(self.device_id), out, chunk_size=self.chunk_size, signer=self.signer,
@@ -275,6 +275,15 @@ class DeviceAgent:
             self.session.handle(AckArrived(ref_id, status))
         else:
             log.info("%s: ignoring message type %s", self.device_id, env.type)
+
+    def _protocol(self, name: str, role: str):
+        """The protocol handler registered under ``name`` if it plays ``role`` (``on_task``: a secure
+        task kind; ``on_message``: a message type), else None. One table holds both: a task of kind
+        ``secagg`` reached the session registry's missing on_task, and a message typed as a secure
+        kind an Unsupported handler's missing on_message, each an unexpected error with a traceback
+        where the Java device says "unsupported task kind" or ignores the type."""
+        handler = self.protocol_handlers.get(name)
+        return handler if callable(getattr(handler, role, None)) else None
 
     def _on_job_ended(self, env) -> None:
         """Drop the state of each ended job this device holds for the run that ended; say once
@@ -335,7 +344,7 @@ class DeviceAgent:
         """Run a task's handler; a secure task's handler starts its protocol (``on_task``) instead of
         producing a result: its messages go through the same session (redelivered task = the same
         messages again, never a second key pair), but are not retried for an ack that never comes."""
-        secure = self.protocol_handlers.get(act.kind)
+        secure = self._protocol(act.kind, "on_task")
         handler = self.handlers.get(act.kind)
         if handler is None and secure is None:
             self._execute(self.session.handle(WorkFailed(act.ref, f"unsupported task kind {act.kind!r}")))

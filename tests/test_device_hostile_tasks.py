@@ -12,10 +12,15 @@ whatever a task's numbers, a device answers it with one clear decline and answer
   fleet. Run secure-only (``fedfleet device --secure-only``, HeadlessDevices ``--secure-only``),
   both devices decline every kind that would send them in the clear, with the same words, and
   keep serving the secure kinds (``tests/test_java_device.py``'s secure fleet runs so).
+* The Python agent kept secure task kinds and protocol message types in one table: a task of kind
+  ``secagg`` reached the session registry (no ``on_task``), a message typed as a secure kind a
+  declining handler (no ``on_message``), each an unexpected error logged with a traceback. The
+  task is now an unsupported kind, in the Java device's words, and the message an ignored type.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import struct
 import subprocess
@@ -27,12 +32,13 @@ import pytest
 
 import java_build
 from edge_client.agent import DeviceAgent
-from edge_client.handlers import secure_handlers, secure_only
+from edge_client.handlers import Unsupported, secure_handlers, secure_only
+from edge_client.tasks.secure_update import SecAggSessions
 from edge_client.tasks.head_training import HeadTrainingTask
 from edge_client.tasks.secure_fed3r import SecureFed3R
 from protocols.identity import DeviceIdentity
 from protocols.payloads.fedavg import HeadTrainingParams
-from protocols.payloads.secagg import SYNC_KIND
+from protocols.payloads.secagg import SECAGG_TYPE, SYNC_KIND
 from protocols.payloads.task_kinds import SECURE_ONLY_DECLINE, UPDATES_IN_THE_CLEAR
 from edge_client.tasks.fed3r_stats import Fed3RStatsTask
 from ops_fleet import wait_for
@@ -173,3 +179,31 @@ def test_the_java_device_declines_the_same_kinds_in_the_clear_as_the_python_devi
     source = (java_build.LIBRARY / "org" / "fedfleet" / "device" / "SecureOnly.java").read_text()
     listed = source.split("UPDATES_IN_THE_CLEAR = Set.of(", 1)[1].split(")", 1)[0]
     assert set(re.findall(r'"([^"]+)"', listed)) == UPDATES_IN_THE_CLEAR
+
+
+@pytest.mark.skipif(java_build.missing() is not None, reason=str(java_build.missing()))
+def test_a_task_of_a_message_type_and_a_message_of_a_task_kind_are_one_clear_refusal(broker, tmp_path: Path, caplog):
+    caplog.set_level(logging.INFO, logger="fedfleet.device")
+    Z, y = local_data()
+    sniffer = Sniffer(broker, [T.outbox("java0"), T.presence("java0"), T.outbox("py0"), T.presence("py0")])
+    jvm = java_devices(broker, "--device", "java0", str(write_features(tmp_path / "java0.feat", Z, y)), "-")
+    protocol = {SYNC_KIND: Unsupported("no secure Fed3R here"), SECAGG_TYPE: SecAggSessions("py0")}
+    python = DeviceAgent("py0", BrokerConfig(port=broker.port),
+                         {"fed3r.stats": Fed3RStatsTask(Z, y, lambda b, s, w: Features())},
+                         protocol_handlers=protocol, tick_s=0.05).start()
+    try:
+        wait_for(lambda: online(sniffer, "java0") and online(sniffer, "py0"), what="both devices online")
+        task = M.task_message(AGGREGATOR_ID, "hostile", 1, SECAGG_TYPE, {}, time.time() + 120)
+        for device in ("java0", "py0"):
+            answer = ask(sniffer, device, task)
+            assert answer.type == M.DECLINE and answer.body["reason"] == "unsupported task kind 'secagg'", answer.body
+        sniffer.publish(T.inbox("py0"), encode(M.Envelope(type=SYNC_KIND, sender=AGGREGATOR_ID, body={})))
+        honest = ask(sniffer, "py0", fed3r_task(3, round_=2))       # after the message: it was taken and dropped
+        assert honest.type == M.RESULT
+    finally:
+        python.stop()
+        jvm.communicate(timeout=60)
+        sniffer.close()
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]
+    assert any("ignoring message type fed3r.secure" in r.getMessage() for r in caplog.records)
