@@ -16,6 +16,9 @@ whatever a task's numbers, a device answers it with one clear decline and answer
   ``secagg`` reached the session registry (no ``on_task``), a message typed as a secure kind a
   declining handler (no ``on_message``), each an unexpected error logged with a traceback. The
   task is now an unsupported kind, in the Java device's words, and the message an ignored type.
+* The Java deployment follower kept every refusal's reason for the process's life, whole: each
+  message anyone published on its deploy topic added up to 64 KB (a schema error quotes the forged
+  field). It keeps the latest KEPT_REFUSALS, each cut to MAX_WHY_CHARS, as the Python follower does.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import logging
 import re
 import struct
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -207,3 +211,40 @@ def test_a_task_of_a_message_type_and_a_message_of_a_task_kind_are_one_clear_ref
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert not errors, [r.getMessage() for r in errors]
     assert any("ignoring message type fed3r.secure" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.skipif(java_build.missing() is not None, reason=str(java_build.missing()))
+def test_the_java_follower_keeps_the_latest_refusals_of_a_flood_each_cut(broker, tmp_path: Path):
+    from edge_client.deployment import KEPT_REFUSALS, MAX_WHY_CHARS
+
+    Z, y = local_data()
+    topics = Topics(f"f{time.monotonic_ns()}")
+    proc = subprocess.Popen(["java", "-cp", java_build.built(), "FollowerRunner", broker.url, "jcam", topics.root, "-",
+                             str(tmp_path / "slot"), str(write_features(tmp_path / "held.feat", Z, y))],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    logged: list[str] = []
+    reader = threading.Thread(target=lambda: logged.extend(proc.stderr), daemon=True)
+    try:
+        assert proc.stdout.readline().strip() == "READY"
+        reader.start()
+        sniffer = Sniffer(broker, [])
+        junk = encode(M.Envelope(type="x" * 60_000, sender=AGGREGATOR_ID, body={}))
+
+        def refused() -> int:
+            return sum("assignment refused" in line for line in logged)
+
+        wait_for(lambda: sniffer.publish(topics.deploy("jcam"), junk) or refused() > 0,    # subscribed by now
+                 what="the follower subscribed")
+        time.sleep(0.5)                 # the subscription's redeliveries, if any, counted before the flood
+        first = refused()
+        for _ in range(KEPT_REFUSALS + 20):
+            sniffer.client.publish(topics.deploy("jcam"), junk, qos=1)
+        wait_for(lambda: refused() >= KEPT_REFUSALS + 20 + first, timeout=60, what="the junk refused")
+        sniffer.close()
+        out, _ = proc.communicate("", timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert f"REFUSALS {KEPT_REFUSALS}" in out, out
+    refused = [line for line in logged if "assignment refused" in line]
+    assert max(map(len, refused)) <= MAX_WHY_CHARS + 100, max(map(len, refused))     # the log line's prefix

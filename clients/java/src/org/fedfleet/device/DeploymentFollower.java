@@ -50,6 +50,13 @@ public final class DeploymentFollower implements AutoCloseable {
 
     public final String deviceId;
     public final ModelSlot slot;
+    /** The latest refusals and reports a follower keeps in memory (edge_client/deployment.py KEPT_REFUSALS). */
+    public static final int KEPT_REFUSALS = 256;
+    /** Of a refusal's reason, as logged, kept and reported (edge_client/deployment.py MAX_WHY_CHARS). */
+    public static final int MAX_WHY_CHARS = 500;
+    // the latest refusals and reports, for a status page or a test: bounded, as the Python follower's,
+    // since anyone on an open broker may publish on the deploy topics (a review's finding: each forged
+    // message added its reason, a schema error quoting up to 64 KB of it, for the process's life)
     public final List<String> refusals = Collections.synchronizedList(new ArrayList<String>());
     public final List<Map<String, Object>> reports = Collections.synchronizedList(new ArrayList<Map<String, Object>>());
     private final HeldOut heldOut;
@@ -309,6 +316,7 @@ public final class DeploymentFollower implements AutoCloseable {
      *  else (a forged, stale or misaddressed message) against the version running, once per class per
      *  refusalIntervalS (a flood of forgeries becomes a trickle of reports). */
     private void refuse(String why, ModelSlot.Assignment a, String reason) {
+        if (why.length() > MAX_WHY_CHARS) why = why.substring(0, MAX_WHY_CHARS);
         LOG.warning(deviceId + ": " + why);
         String deployment = a == null ? null : a.deployment, sha = a == null ? null : a.sha256;
         if (a != null && a.seq == slot.seq()) {            // an assignment's own refusals: once per class
@@ -325,11 +333,19 @@ public final class DeploymentFollower implements AutoCloseable {
         }
         if (deployment != null) {
             Map<String, Object> body = new LinkedHashMap<>();
-            body.put("refused", why.length() > 500 ? why.substring(0, 500) : why);
+            body.put("refused", why);
             body.put("reason", reason);
             report(deployment, slot.seq(), sha, body);
         }
-        refusals.add(why);       // after its report: whoever sees the refusal sees the report
+        keep(refusals, why);     // after its report: whoever sees the refusal sees the report
+    }
+
+    /** `item` appended to `latest`, the oldest going past KEPT_REFUSALS. */
+    private static <T> void keep(List<T> latest, T item) {
+        synchronized (latest) {
+            latest.add(item);
+            if (latest.size() > KEPT_REFUSALS) latest.remove(0);
+        }
     }
 
     private void report(ModelSlot.Assignment a, Map<String, Object> fields) { report(a.deployment, a.seq, a.sha256, fields); }
@@ -340,7 +356,7 @@ public final class DeploymentFollower implements AutoCloseable {
         body.put("seq", java.math.BigInteger.valueOf(seq));
         body.put("sha256", sha256);
         body.putAll(fields);
-        reports.add(body);
+        keep(reports, body);
         publish("deployment.report", body);
     }
 
