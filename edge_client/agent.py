@@ -271,7 +271,7 @@ class DeviceAgent:
             ref_id, status, reason = M.parse_ack(env)
             self.stats.acks[status] = self.stats.acks.get(status, 0) + 1
             if status == "rejected":
-                log.warning("%s: result %s rejected: %s", self.device_id, ref_id, reason)
+                log.warning("%s: result %s rejected: %s", self.device_id, ref_id[:64], reason[:MAX_REASON_CHARS])
             self.session.handle(AckArrived(ref_id, status))
         else:
             log.info("%s: ignoring message type %s", self.device_id, env.type)

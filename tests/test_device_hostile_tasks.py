@@ -19,6 +19,8 @@ whatever a task's numbers, a device answers it with one clear decline and answer
 * The Java deployment follower kept every refusal's reason for the process's life, whole: each
   message anyone published on its deploy topic added up to 64 KB (a schema error quotes the forged
   field). It keeps the latest KEPT_REFUSALS, each cut to MAX_WHY_CHARS, as the Python follower does.
+* Both agents logged a rejected result's reason whole (60,000 characters an ack), and the Java agent
+  what a malformed message's refusal quoted: now each line holds at most MAX_REASON_CHARS of it.
 """
 
 from __future__ import annotations
@@ -248,3 +250,28 @@ def test_the_java_follower_keeps_the_latest_refusals_of_a_flood_each_cut(broker,
     assert f"REFUSALS {KEPT_REFUSALS}" in out, out
     refused = [line for line in logged if "assignment refused" in line]
     assert max(map(len, refused)) <= MAX_WHY_CHARS + 100, max(map(len, refused))     # the log line's prefix
+
+
+@pytest.mark.skipif(java_build.missing() is not None, reason=str(java_build.missing()))
+def test_a_rejection_reason_of_any_length_is_logged_cut_by_both_agents(broker, tmp_path: Path, caplog):
+    from edge_client.agent import MAX_REASON_CHARS
+
+    Z, y = local_data()
+    sniffer = Sniffer(broker, [T.presence("java0"), T.presence("py0")])
+    jvm = java_devices(broker, "--device", "java0", str(write_features(tmp_path / "java0.feat", Z, y)), "-")
+    python = DeviceAgent("py0", BrokerConfig(port=broker.port), {}, tick_s=0.05).start()
+    ack = encode(M.ack_message(AGGREGATOR_ID, "r" * 32, "rejected", "y" * 60_000))
+    try:
+        wait_for(lambda: online(sniffer, "java0") and online(sniffer, "py0"), what="both devices online")
+        for device in ("java0", "py0"):
+            sniffer.publish(T.inbox(device), ack)
+        wait_for(lambda: any("rejected" in r.getMessage() for r in caplog.records), what="py0's line")
+        time.sleep(1.0)
+    finally:
+        python.stop()
+        _, err = jvm.communicate(timeout=60)
+        sniffer.close()
+    lines = [r.getMessage() for r in caplog.records if "rejected" in r.getMessage()] + \
+        [line for line in err.splitlines() if "rejected" in line]
+    assert len(lines) == 2 and all("y" * MAX_REASON_CHARS in line for line in lines), [len(x) for x in lines]
+    assert max(map(len, lines)) < MAX_REASON_CHARS + 100, [len(x) for x in lines]

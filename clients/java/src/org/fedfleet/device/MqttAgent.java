@@ -198,7 +198,7 @@ public final class MqttAgent implements AutoCloseable {
         try {
             onPayload(payload);
         } catch (EnvelopeError e) {
-            LOG.warning(deviceId + ": dropped a malformed message: " + e.getMessage());
+            LOG.warning(deviceId + ": dropped a malformed message: " + cut(e.getMessage(), MAX_LOGGED_CHARS));
         }
     }
 
@@ -228,7 +228,7 @@ public final class MqttAgent implements AutoCloseable {
         } else if ("ack".equals(env.type())) {
             String[] ack = Messages.parseAck(env);
             acks.merge(ack[1], 1, Integer::sum);
-            if (ack[1].equals("rejected")) LOG.warning(deviceId + ": result " + ack[0] + " rejected: " + ack[2]);
+            if (ack[1].equals("rejected")) LOG.warning(deviceId + ": result " + cut(ack[0], 64) + " rejected: " + cut(ack[2], MAX_LOGGED_CHARS));
             session.onAck(ack[0]);
         } else {
             LOG.info(deviceId + ": ignoring message type " + env.type());
@@ -392,4 +392,10 @@ public final class MqttAgent implements AutoCloseable {
     }
 
     private static double monotonic() { return System.nanoTime() / 1e9; }
+
+    /** The most characters of a peer's text (a rejection's reason, what a refusal quotes) one log line
+     *  holds, as the Python agent's MAX_REASON_CHARS: a signed ack's reason of 60,000 was logged whole. */
+    static final int MAX_LOGGED_CHARS = 200;
+
+    private static String cut(String text, int chars) { return text == null || text.length() <= chars ? text : text.substring(0, chars); }
 }
