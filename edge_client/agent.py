@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
@@ -28,7 +29,7 @@ from protocols import messages as M
 from protocols.chunking import DEFAULT_CHUNK_SIZE, encode_parts
 from protocols.device_session import (AckArrived, DeviceSession, DeviceState, ResultSent, SendDecline, SendResult,
                                       SkipTask, StartWork, TaskArrived, Tick, WorkFailed, WorkFinished, WorkStopped)
-from protocols.envelope import EnvelopeError, encode
+from protocols.envelope import Envelope, EnvelopeError, encode
 from protocols.message_loop import MessageLoop, QueueBound
 from protocols.mqtt_link import BrokerConfig, MqttLink
 from protocols.payloads.job_end import JOB_ENDED, MAX_NOTICES, parse_job_ended
@@ -70,6 +71,25 @@ class TaskDeclined(Exception):
 
 class DroppedOut(Exception):
     """Raised (via hooks) when the device drops out mid-task: nothing is sent."""
+
+
+class SecureTaskHandler(ABC):
+    """A task kind that starts a protocol of messages instead of producing a result (a secure
+    aggregation's round): registered in the agent's ``protocol_handlers`` under the kind."""
+
+    @abstractmethod
+    def on_task(self, job: str, round_: int, params: dict[str, Any],
+                tensors: dict[str, np.ndarray] | None = None) -> list[Envelope]:
+        """The protocol's first messages for this task (TaskDeclined: the device does not run it)."""
+
+
+class MessageHandler(ABC):
+    """The messages of a protocol's type (``secagg``): registered in the agent's
+    ``protocol_handlers`` under the message type."""
+
+    @abstractmethod
+    def on_message(self, env: Envelope) -> list[Envelope]:
+        """The answers to one message of its type."""
 
 
 class TaskHandler(Protocol):
@@ -260,7 +280,7 @@ class DeviceAgent:
                 return
             self._execute(self.session.handle(TaskArrived(ref, kind, params, deadline, dict(env.tensors),
                                                           received_at=time.time(), sent_at=env.ts)))
-        elif self._protocol(env.type, "on_message") is not None:
+        elif self._protocol(env.type, MessageHandler) is not None:
             for out in self.protocol_handlers[env.type].on_message(env):
                 self.stats.bytes_up += self.link.publish_envelope(
                     self.topics.outbox(self.device_id), out, chunk_size=self.chunk_size, signer=self.signer,
@@ -276,14 +296,14 @@ class DeviceAgent:
         else:
             log.info("%s: ignoring message type %s", self.device_id, env.type)
 
-    def _protocol(self, name: str, role: str):
-        """The protocol handler registered under ``name`` if it plays ``role`` (``on_task``: a secure
-        task kind; ``on_message``: a message type), else None. One table holds both: a task of kind
-        ``secagg`` reached the session registry's missing on_task, and a message typed as a secure
-        kind an Unsupported handler's missing on_message, each an unexpected error with a traceback
-        where the Java device says "unsupported task kind" or ignores the type."""
+    def _protocol(self, name: str, role: type):
+        """The protocol handler registered under ``name`` if it is a ``role`` (SecureTaskHandler: a
+        secure task kind; MessageHandler: a message type), else None. One table holds both: a task of
+        kind ``secagg`` reached the session registry's missing on_task, and a message typed as a
+        secure kind an Unsupported handler's missing on_message, each an unexpected error with a
+        traceback where the Java device says "unsupported task kind" or ignores the type."""
         handler = self.protocol_handlers.get(name)
-        return handler if callable(getattr(handler, role, None)) else None
+        return handler if isinstance(handler, role) else None
 
     def _on_job_ended(self, env) -> None:
         """Drop the state of each ended job this device holds for the run that ended; say once
@@ -344,7 +364,7 @@ class DeviceAgent:
         """Run a task's handler; a secure task's handler starts its protocol (``on_task``) instead of
         producing a result: its messages go through the same session (redelivered task = the same
         messages again, never a second key pair), but are not retried for an ack that never comes."""
-        secure = self._protocol(act.kind, "on_task")
+        secure = self._protocol(act.kind, SecureTaskHandler)
         handler = self.handlers.get(act.kind)
         if handler is None and secure is None:
             self._execute(self.session.handle(WorkFailed(act.ref, f"unsupported task kind {act.kind!r}")))

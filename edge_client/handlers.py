@@ -21,7 +21,7 @@ from typing import Callable
 
 import numpy as np
 
-from edge_client.agent import TaskDeclined
+from edge_client.agent import SecureTaskHandler, TaskDeclined
 from edge_client.runtime.base import torch_installed
 from edge_client.tasks.extractors import MAX_HELD_EXTRACTORS
 from edge_client.tasks.fed3r_stats import Fed3RStatsTask
@@ -85,7 +85,7 @@ BACKBONE_TRAINING_NEEDS = ("this device is torch-free (fedfleet[device]): {kind}
                            "torch and the ExecuTorch training programs (pip install 'fedfleet[device-executorch]')")
 
 
-class Unsupported:
+class Unsupported(SecureTaskHandler):
     """Handler of a task kind this device cannot run: declines every task of it with the reason,
     which the aggregator records (a mixed fleet's other devices serve the job)."""
 

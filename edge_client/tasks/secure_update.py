@@ -28,13 +28,13 @@ from protocols.secagg import ClientSecAgg, ClientState, SecAggError
 from protocols.secagg.distributed_dp import add_skellam_noise
 from protocols.secagg.fixedpoint import RING_BITS
 
-from ..agent import TaskDeclined
+from ..agent import MessageHandler, SecureTaskHandler, TaskDeclined
 from .params import read_params
 
 log = logging.getLogger("fedfleet.device.secagg")
 
 
-class SecAggSessions:
+class SecAggSessions(MessageHandler):
     """A device's open secure-aggregation sessions, keyed by (job, round, group).
 
     Register it as the agent's ``secagg`` message handler; every ``SecureUpdate`` of the device
@@ -75,7 +75,7 @@ class SecAggSessions:
         return replies
 
 
-class SecureUpdate:
+class SecureUpdate(SecureTaskHandler, MessageHandler):
     """A protocol handler for the agent: ``on_task`` and ``on_message`` return envelopes to send.
 
     ``sessions``: shared with the device's other secure task kinds (default: its own).
