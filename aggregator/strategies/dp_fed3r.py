@@ -55,7 +55,7 @@ from protocols.payloads.fed3r import Fed3RStats, packed_diagonal
 from aggregator.compute.ridge import ClosedFormRidge
 from aggregator.compute.privacy import UNPUBLISHED_PREFIX
 from aggregator.strategies.dp_center import PrivateFeatureCenter, uncentred
-from aggregator.strategies.dp_noise import NoiseSource, noise_source
+from aggregator.strategies.dp_noise import CENTER_RELEASE, MODEL_RELEASE, NoiseSource, noise_for, noise_source
 from aggregator.strategies.fed3r import Fed3R
 
 # torch is imported where it is used, not here: the job registry imports this module, and a
@@ -327,7 +327,7 @@ class NoisyFed3R:
         """The round closes: its sum is noised into the released sums (or, ``release_at_end``, held
         exactly until the job ends); a round with nothing is not released."""
         if self.centering:
-            self.center.release(self.rng)
+            self.center.release(noise_for(self.rng, CENTER_RELEASE))
             return
         if not self.pending.n_contributions:
             return
@@ -347,7 +347,8 @@ class NoisyFed3R:
         return True
 
     def _noise_into_released(self, sums: Fed3R) -> None:
-        noise_a, noise_b = self.mechanism.scale().draw(sums.p, sums.num_classes, self.rng)
+        noise_a, noise_b = self.mechanism.scale().draw(sums.p, sums.num_classes,
+                                                       noise_for(self.rng, MODEL_RELEASE, self.releases))
         self.add_noised(sums.packed_upper() + noise_a, (sums.B.cpu().numpy() + noise_b).T, sums.n_samples,
                         sums.n_contributions)
 

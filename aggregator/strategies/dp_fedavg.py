@@ -32,7 +32,7 @@ import numpy as np
 
 from protocols.clipping import clip_update
 
-from aggregator.strategies.dp_noise import NoiseSource, noise_source
+from aggregator.strategies.dp_noise import MODEL_RELEASE, NoiseSource, noise_for, noise_source
 from aggregator.strategies.fedavg import Params, ServerOptimizer
 
 
@@ -142,8 +142,9 @@ class ClippedGaussianSum:
         within it, however it was added up (one aggregator's bucket tree or its shards':
         ``aggregator/shards/fedavg_sums.py``)."""
         stddev = self.update_multiplier * clip_norm
-        noisy = {k: s + self.rng.normal(0.0, stddev, s.shape) for k, s in total.items()}
-        self.clip.observe(unclipped, count, expected, self.rng)
+        rng = noise_for(self.rng, MODEL_RELEASE, self.releases)     # seeded (tests): the same after a restart
+        noisy = {k: s + rng.normal(0.0, stddev, s.shape) for k, s in total.items()}
+        self.clip.observe(unclipped, count, expected, rng)
         self.releases += 1
         return noisy
 

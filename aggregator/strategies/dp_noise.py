@@ -7,9 +7,11 @@ cryptographic, so noise whose generator state could be inferred could be predict
 a DP release's guarantee rests on nobody knowing its noise.
 
 A test that compares two runs' bits (one aggregator's release and its shards') sets
-``FEDFLEET_TEST_DP_NOISE_SEED``, and both runs draw the same noise from numpy seeded with it:
-anyone who knows the seed can subtract it (and a restarted process draws the same noise again), so
-such a run is not private: the aggregator logs it and every privacy report says so (``not_private``).
+``FEDFLEET_TEST_DP_NOISE_SEED``, and both runs draw the same noise from numpy seeded with it
+(:class:`SeededNoise`): anyone who knows the seed can subtract it, so such a run is not private: the
+aggregator logs it and every privacy report says so (``not_private``). Each release's seeded noise
+is a function of the seed and the release's index (``noise_for``), which every mechanism
+checkpoints, so a crash test can compare a restarted DP job's bits with an uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -51,7 +53,34 @@ class CryptographicNoise:
         return float(draws) if size is None else draws
 
 
-NoiseSource = CryptographicNoise | np.random.Generator     # what a mechanism draws its noise from (``normal``)
+class SeededNoise:
+    """Tests only (``FEDFLEET_TEST_DP_NOISE_SEED``): numpy's generator seeded with ``seed``, one per
+    release (:func:`noise_for`: from the seed and the release's index). Why not one stream per
+    process: a restarted job drew its next release's noise from the stream's start again, the noise
+    of the job's first release, so a DP job killed and resumed never had the bits of one run without
+    a kill, and no crash test could compare them (a review's finding). ``normal`` draws from one
+    stream seeded with ``seed`` alone (what a caller holding no release index gets)."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self._stream = np.random.default_rng(seed)
+
+    def normal(self, loc: float = 0.0, scale: float = 1.0, size=None):
+        return self._stream.normal(loc, scale, size)
+
+    def at(self, stream: int, index: int) -> np.random.Generator:
+        return np.random.default_rng((self.seed, stream, index))
+
+
+NoiseSource = CryptographicNoise | SeededNoise | np.random.Generator     # what a mechanism draws from (``normal``)
+MODEL_RELEASE, CENTER_RELEASE = 0, 1        # noise_for's streams: a mechanism's releases, DP Fed3R's feature center
+
+
+def noise_for(source: NoiseSource, stream: int, index: int = 0) -> NoiseSource:
+    """What release ``index`` of ``stream`` draws its noise from: a seeded source's generator of its
+    own for it (the same bits in a job resumed from a checkpoint, which holds the index), else
+    ``source`` itself (cryptographic: each draw fresh; a generator a test handed in: its stream)."""
+    return source.at(stream, index) if isinstance(source, SeededNoise) else source
 
 
 def noise_source() -> NoiseSource:
@@ -62,7 +91,7 @@ def noise_source() -> NoiseSource:
     if not seed.isdigit():
         raise ValueError(f"{NOISE_SEED_ENV} must be a non-negative integer, got {seed!r}")
     log.warning("DP noise seeded from %s=%s: this run's releases are NOT private (tests only)", NOISE_SEED_ENV, seed)
-    return np.random.default_rng(int(seed))
+    return SeededNoise(int(seed))
 
 
 def seeded_noise_warning() -> dict:

@@ -1,0 +1,143 @@
+"""The state added to the job kinds lately, through SIGKILLs and restarts from the store alone: the
+FedAvg family's small-round reference (``SmallRoundReference``), LADD's φ and θ references
+(``LaddSmallRounds``), a sampled DP job's participant draw (``KeyedDraw``, or the config's
+Twister while the noise is seeded) and its noise (one release per round, whatever the restarts).
+
+Each job is killed at every durable point in turn — the round opened, a result stored, the close
+about to be committed, the round closed with its checkpoint — and resumed by
+``aggregator serve --state`` (tests/test_crash_resume_kinds.py's ``crashed``), and compared with the
+same job run without interruption: the same participants round by round, the same model and the
+same checkpoint (the references included), bit for bit. A keyed draw's secret key differs between
+two jobs, so its crashed run is compared with the draws its own key (from its stored bookkeeping)
+makes from the start, independently of the service.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from aggregator.jobs.participant_draw import KeyedDraw
+from aggregator.jobs.registry import build_job
+from aggregator.storage.store import Store
+from aggregator.strategies.dp_noise import NOISE_SEED_ENV
+from protocols.rounds import RoundClosed
+
+from ops_fleet import C, D, feature_handlers, with_secure
+from test_crash_resume_kinds import Case, common, crashed, ladd_case, uninterrupted
+
+pytestmark = pytest.mark.slow       # aggregator processes killed and restarted
+
+DEVICES = [f"dev{i:02d}" for i in range(6)]
+# every durable point, a kill per process (counts are per process): the close committed with its
+# checkpoint, the close about to be committed (the restart replays the round and closes it again),
+# the round opened, a result stored, then the close again later in the job
+DURABLE_POINTS = ["round_closed", "round_closing", "round_opened", "contribution_stored", "round_closed:2"]
+
+FEDAVG = dict(num_classes=C, feature_dim=D, local_epochs=1, batch_size=8, client_lr=0.05, server_momentum=0.9)
+# central DP, adaptive clipping, sampled (q = κ / dp_population < 1): the bound layers are off under DP
+DP = dict(norm_bound_multiplier=0.0, contribution_bound_multiplier=0.0, dp_noise_multiplier=0.8, dp_clip_norm=0.5,
+          dp_adaptive_clip=True, dp_population=10)
+
+
+def fedavg_case(crashes: list[str], **over) -> Case:
+    config = common(DEVICES, **FEDAVG, **over)
+    return Case("fedavg", DEVICES, config, with_secure(None, feature_handlers), crashes)
+
+
+def stored(state: Path) -> tuple[list, dict, dict]:
+    """(each round's participants, the last checkpoint's state, results.json) of a finished job."""
+    with sqlite3.connect(state) as db:
+        rounds = [(r, json.loads(p)) for r, p in db.execute("SELECT round, participants FROM rounds ORDER BY round")]
+    checkpoint = Store(state).checkpoint("job")
+    assert checkpoint is not None
+    return rounds, checkpoint[1], json.loads((state.parent / "out" / "job" / "results.json").read_text()) \
+        if (state.parent / "out").exists() else {}
+
+
+def assert_same_arrays(got: dict, want: dict) -> None:
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name].dtype == want[name].dtype and np.array_equal(got[name], want[name]), name
+
+
+def crash_and_compare(case: Case, broker_url: str, tmp_path: Path) -> tuple[dict, list]:
+    """The crashed run against the uninterrupted one: participants, model, checkpoint; the checkpoint."""
+    ref = uninterrupted(case, broker_url, tmp_path)
+    out = crashed(case, broker_url, tmp_path / "crashed")
+    want_rounds, want_state, _ = stored(tmp_path / "reference.db")
+    got_rounds, got_state, _ = stored(tmp_path / "crashed" / "state.db")
+    assert got_rounds == want_rounds
+    assert_same_arrays(dict(np.load(out)), dict(np.load(ref)))
+    assert_same_arrays(got_state, want_state)
+    return got_state, got_rounds
+
+
+def test_a_fedavg_job_of_lone_devices_resumes_its_small_round_reference_at_every_durable_point(broker, tmp_path):
+    """κ = 1: every round is one device's, held (nothing moves) until three distinct devices' statistics
+    make the reference, then bounded by it; the pool and the reference come back from each checkpoint."""
+    case = fedavg_case(DURABLE_POINTS + ["contribution_stored:2"], rounds=7, clients_per_round=1)
+    state, rounds = crash_and_compare(case, broker.url, tmp_path)
+    assert all(len(p) == 1 for _, p in rounds) and len(rounds) == 7
+    assert "unreleased_bounds.reference" in state          # not vacuous: a reference was made and kept
+
+
+def test_a_ladd_job_of_lone_devices_resumes_its_phi_and_theta_references_at_every_durable_point(broker, tmp_path):
+    """LADD's training rounds of one device each: φ's and the θ slots' references (and their pools)
+    survive every kill; the style round (all devices) comes first."""
+    case = ladd_case("ladd", tmp_path)
+    case.config.update(clients_per_round=1, rounds=6)
+    case.crashes = ["round_closed:2", "round_closing", "round_opened", "contribution_stored", "round_closed:2"]
+    state, rounds = crash_and_compare(case, broker.url, tmp_path)
+    assert [len(p) for _, p in rounds][1:] == [1] * 6
+    assert any(k.startswith("unreleased_ladd.phi_bounds.") for k in state)
+    assert any(k.startswith("unreleased_ladd.theta_bounds.") for k in state)
+
+
+def test_a_sampled_dp_job_with_seeded_noise_resumes_to_the_uninterrupted_bits(broker, tmp_path, monkeypatch):
+    """Sampled DP (q < 1), the noise seeded (tests only: FEDFLEET_TEST_DP_NOISE_SEED, with it the
+    config's draw): the same rounds of the same devices and the same noisy model, bit for bit, and
+    one release per closed round in the accountant's count and the mechanism's."""
+    monkeypatch.setenv(NOISE_SEED_ENV, "17")
+    case = fedavg_case(DURABLE_POINTS, rounds=5, clients_per_round=3, **DP)
+    state, rounds = crash_and_compare(case, broker.url, tmp_path)
+    results = json.loads((tmp_path / "crashed" / "out" / "job" / "results.json").read_text())
+    assert int(state["dp_releases"][0]) == len(rounds) == 5
+    assert results["final"]["privacy"]["releases"] == 5, results["final"]["privacy"]
+
+
+def keyed_draws(config: dict, key: int, pool: set[str], rounds: int) -> list[list[str]]:
+    """The participants a job of ``config`` draws from ``pool`` round after round under ``key``."""
+    job = build_job("fedavg", {**config, "job_id": "job"})
+    job._rng = KeyedDraw(key)
+    out = []
+    for _ in range(rounds):
+        out.append(job.next_participants(pool))
+        job.close_round(RoundClosed(job.round, tuple(out[-1]), (), (), ()))
+    return out
+
+
+def test_a_keyed_draw_resumes_at_every_durable_point_and_releases_each_round_once(broker, tmp_path):
+    """Sampled DP with the noise cryptographic: the draw is AES-CTR under the job's secret key. The
+    crashed run's rounds are exactly the draws its key makes from block 0 (no round drawn twice, none
+    skipped, whatever the kills), the key never changes, and each closed round is one release."""
+    case = fedavg_case(DURABLE_POINTS, rounds=5, clients_per_round=3, **DP)
+    crashed(case, broker.url, tmp_path / "crashed")
+    state_db = tmp_path / "crashed" / "state.db"
+    bookkeeping = [json.loads(b) for (b,) in sqlite3.connect(state_db).execute(
+        "SELECT bookkeeping FROM rounds ORDER BY round")]
+    versions = {b["rng"][0] for b in bookkeeping}
+    assert versions == {KeyedDraw.VERSION}
+    keys = {tuple(b["rng"][1][:4]) for b in bookkeeping}
+    assert len(keys) == 1
+    words = keys.pop()
+    key = (words[0] << 96) | (words[1] << 64) | (words[2] << 32) | words[3]
+    rounds, state, _ = stored(state_db)
+    assert [p for _, p in rounds] == keyed_draws(case.config, key, set(DEVICES), 5)
+    results = json.loads((tmp_path / "crashed" / "out" / "job" / "results.json").read_text())
+    assert int(state["dp_releases"][0]) == len(rounds) == 5
+    assert results["final"]["privacy"]["releases"] == 5
