@@ -141,3 +141,84 @@ def test_a_keyed_draw_resumes_at_every_durable_point_and_releases_each_round_onc
     results = json.loads((tmp_path / "crashed" / "out" / "job" / "results.json").read_text())
     assert int(state["dp_releases"][0]) == len(rounds) == 5
     assert results["final"]["privacy"]["releases"] == 5
+
+
+# ----------------------------------------------------------------------------- what an older version wrote
+def rewrite_store(state_db: Path, checkpoint=None, bookkeeping=None) -> None:
+    """The crashed job's store as an older version wrote it: ``checkpoint(state) -> state``,
+    ``bookkeeping(round, dict) -> dict`` of every stored round."""
+    store = Store(state_db)
+    if checkpoint is not None:
+        _, state, contributed = store.checkpoint("job")
+        store.replace_checkpoint_state("job", checkpoint(state), contributed)
+    if bookkeeping is not None:
+        with sqlite3.connect(state_db) as db:
+            for r, b in db.execute("SELECT round, bookkeeping FROM rounds").fetchall():
+                db.execute("UPDATE rounds SET bookkeeping=? WHERE job_id='job' AND round=?",
+                           (json.dumps(bookkeeping(r, json.loads(b))), r))
+
+
+def resume(case: Case, broker_url: str, work: Path) -> tuple[int, str]:
+    from test_crash_resume_kinds import AggregatorProcess
+    from ops_fleet import Fleet
+
+    with Fleet(broker_url, case.devices, handlers=case.handlers):
+        return AggregatorProcess(work, broker_url, None).wait()
+
+
+def test_a_checkpoint_without_the_small_round_reference_resumes_as_one_taken_before_it(broker, tmp_path):
+    """A FedAvg checkpoint of the version before ``SmallRoundReference`` holds no ``bounds`` entries:
+    the job resumes with no reference (its next lone round moves nothing) and builds one again."""
+    case = fedavg_case(["round_closed:4"], rounds=8, clients_per_round=1)
+    work = tmp_path / "crashed"
+    crashed_until_killed(case, broker.url, work)
+    rewrite_store(work / "state.db", checkpoint=lambda s: {k: v for k, v in s.items() if "bounds." not in k})
+    rc, log = resume(case, broker.url, work)
+    assert rc == 0, log[-3000:]
+    rounds, state, _ = stored(work / "state.db")
+    assert len(rounds) == 8 and "unreleased_bounds.reference" in state
+
+
+def crashed_until_killed(case: Case, broker_url: str, work: Path) -> None:
+    """``crashed`` without its last run: the job created through the API, killed at ``case.crashes``."""
+    from test_crash_resume_kinds import AggregatorProcess, TOKEN, post
+    from ops_fleet import Fleet
+
+    work.mkdir()
+    (work / "enrolled.txt").write_text("\n".join(case.devices) + "\n")
+    (work / "token").write_text(TOKEN)
+    with Fleet(broker_url, case.devices, handlers=case.handlers):
+        first = AggregatorProcess(work, broker_url, case.crashes[0], "--keep-serving", "--api", "127.0.0.1:0",
+                                  "--api-token-file", str(work / "token"))
+        api = first.api_url()
+        post(f"{api}/api/jobs", {"job_id": "job", "kind": case.kind, "config": case.config})
+        post(f"{api}/api/jobs/job/start")
+        rc, log = first.wait()
+    assert rc == -9, log[-3000:]
+
+
+def test_a_sampled_dp_job_resumed_from_a_twisters_bookkeeping_draws_keyed_from_then_on(broker, tmp_path):
+    """Bookkeeping of the version before keyed draws holds a Mersenne Twister seeded by the config's
+    seed, for a sampled DP job too. It still resumes; but a job that went on drawing from it drew
+    every later round from a generator anyone holding the config can run (the amplification ε counts
+    on gone for the rest of the job): the rounds opened after the resume are drawn keyed."""
+    import random
+
+    from aggregator.jobs.participant_draw import draw_state
+
+    case = fedavg_case(["round_closed:2"], rounds=4, clients_per_round=3, **DP)
+    work = tmp_path / "crashed"
+    crashed_until_killed(case, broker.url, work)
+
+    def twister(round_: int, b: dict) -> dict:
+        old = random.Random(case.config["seed"])
+        for _ in range(round_):
+            old.random()
+        return {**b, "rng": draw_state(old)}
+    rewrite_store(work / "state.db", bookkeeping=twister)
+    rc, log = resume(case, broker.url, work)
+    assert rc == 0, log[-3000:]
+    with sqlite3.connect(work / "state.db") as db:
+        versions = [json.loads(b)["rng"][0] for (b,) in db.execute("SELECT bookkeeping FROM rounds ORDER BY round")]
+    assert len(versions) == 4 and versions[2:] == [KeyedDraw.VERSION] * 2, versions
+    assert "drawn keyed from now on" in log

@@ -53,7 +53,7 @@ from aggregator.jobs.config_limits import (BATCH_SIZE, LOCAL_EPOCHS, PATH, ROUND
                                            Range, limited)
 from aggregator.jobs.model_fields import ModelFields
 from aggregator.jobs.optimizer_fields import LocalRuleFields, ServedModelFields, ServerOptimizerFields
-from aggregator.jobs.participant_draw import draw_state, restored_draw
+from aggregator.jobs.participant_draw import draw_state, resumed_draw
 from aggregator.jobs.privacy_fields import UpdateClippingFields
 from aggregator.jobs.recent_log import RecentLog
 from aggregator.jobs.robustness_fields import FedAvgRobustnessFields
@@ -409,7 +409,7 @@ class FedAvgJob(Job):
         """Enter the round this bookkeeping was taken at (right after it opened), unless the job is
         already in or past it (restored from a checkpoint, or replayed up to it): then only the
         sampler is restored, and the updates already replayed into an open round stay."""
-        self._rng = restored_draw(state["rng"])
+        self._rng = resumed_draw(state["rng"], self.config.participant_draw())
         if int(state["round"]) <= self.round:
             return
         self.round = int(state["round"])

@@ -75,7 +75,7 @@ from aggregator.jobs.ladd_config import LaddConfig
 from aggregator.jobs.ladd_initial_model import (load_initial_model, save_initial_model,  # noqa: F401 (re-exported)
                                                trainable_in_layout_order)
 from aggregator.jobs.ladd_phases import Created, LaddPhase, NobodyLeftToAsk, StyleRoundClosed, TrainRoundClosed
-from aggregator.jobs.participant_draw import draw_state, restored_draw
+from aggregator.jobs.participant_draw import draw_state, resumed_draw
 from aggregator.jobs.recent_log import RecentLog
 
 log = logging.getLogger("fedfleet.aggregator")
@@ -547,7 +547,7 @@ class LaddJob(Job):
         already in or past it (a checkpoint, or replayed up to it): then only the sampler and the
         style attempts are restored, and what was replayed into an open round stays."""
         self.style_attempts = {d: int(n) for d, n in state["style_attempts"].items()}
-        self._rng = restored_draw(state["rng"])
+        self._rng = resumed_draw(state["rng"], self.config.participant_draw())
         if int(state["round"]) <= self.round:
             return
         if state["kind"] != KIND_STYLE and self.phase is LaddPhase.STYLES:

@@ -11,9 +11,12 @@ draws from a ``random.Random`` seeded with its config's ``seed``, reproducible b
 
 from __future__ import annotations
 
+import logging
 import random
 
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+log = logging.getLogger("fedfleet.aggregator")
 
 BLOCK_BITS = 128
 WORD = (1 << 32) - 1
@@ -77,3 +80,17 @@ def restored_draw(state) -> random.Random:
     draw = KeyedDraw(0) if version == KeyedDraw.VERSION else random.Random()
     draw.setstate((version, tuple(internal), gauss))
     return draw
+
+
+def resumed_draw(state, fresh: random.Random) -> random.Random:
+    """The draw a job resumes with from its saved ``state``: the saved one, unless the job now draws
+    keyed (``fresh``, the draw its config gives a new job, is a :class:`KeyedDraw`) and the saved one
+    is a Mersenne Twister, as a sampled DP job's bookkeeping from before keyed draws holds. Why:
+    that Twister is seeded by the config, and a job resumed on it drew every later round from a
+    generator anyone holding the config can run, the secrecy its ε counts on lost for the rest of
+    the job (a review's finding); ``fresh`` then draws from here on, under a new key."""
+    saved = restored_draw(state)
+    if isinstance(fresh, KeyedDraw) and not isinstance(saved, KeyedDraw):
+        log.warning("the participant draw was saved by a version before keyed draws: drawn keyed from now on")
+        return fresh
+    return saved
