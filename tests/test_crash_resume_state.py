@@ -222,3 +222,94 @@ def test_a_sampled_dp_job_resumed_from_a_twisters_bookkeeping_draws_keyed_from_t
         versions = [json.loads(b)["rng"][0] for (b,) in db.execute("SELECT bookkeeping FROM rounds ORDER BY round")]
     assert len(versions) == 4 and versions[2:] == [KeyedDraw.VERSION] * 2, versions
     assert "drawn keyed from now on" in log
+
+
+# ----------------------------------------------------------------------------- a store tampered with
+def tamper_checkpoint(change):
+    return lambda db: rewrite_store(db, checkpoint=change)
+
+
+def tamper_bookkeeping(change):
+    return lambda db: rewrite_store(db, bookkeeping=lambda r, b: change(b))
+
+
+def truncate_checkpoint(db_path: Path) -> None:
+    with sqlite3.connect(db_path) as db:
+        db.execute("UPDATE checkpoints SET state=substr(state, 1, 100)")
+
+
+TAMPERED = {
+    "checkpoint not an npz": (truncate_checkpoint, "checkpoint"),
+    "reference of too few layers": (tamper_checkpoint(lambda s: {**s, "unreleased_bounds.reference": np.ones(1)}),
+                                    "unreleased_bounds.reference"),
+    "reference not finite": (tamper_checkpoint(lambda s: {**s, "unreleased_bounds.reference": np.full(3, np.nan)}),
+                             "unreleased_bounds.reference"),
+    "pool devices without rows": (tamper_checkpoint(lambda s: {**{k: v for k, v in s.items() if k != "unreleased_bounds.pool"},
+                                                               "unreleased_bounds.pool_devices": np.array(["dev00"])}),
+                                  "unreleased_bounds.pool"),
+    "pool rows not the devices'": (tamper_checkpoint(lambda s: {**s, "unreleased_bounds.pool_devices": np.array(["a", "b"]),
+                                                                "unreleased_bounds.pool": np.ones((1, 3))}),
+                                   "unreleased_bounds.pool"),
+    "keyed draw's words": (tamper_bookkeeping(lambda b: {**b, "rng": [KeyedDraw.VERSION, [1, 2, 3], None]}),
+                           "keyed draw"),
+    "twister's state": (tamper_bookkeeping(lambda b: {**b, "rng": [3, [1, 2, 3], None]}), "bookkeeping"),
+    "bookkeeping not json": (lambda db: sqlite3.connect(db).execute("UPDATE rounds SET bookkeeping='{'").connection.commit(),
+                             "rounds"),
+}
+
+
+def test_a_tampered_store_stops_its_job_with_one_clear_error_once(broker, tmp_path):
+    """Each tampered row of a killed job's store (its checkpoint, a reference in it, a round's saved
+    draw): the restart says what is wrong in one line, stops the job durably with that reason, and
+    the next restart does not try again — no traceback, no loop of restarts hitting it."""
+    import shutil
+
+    from test_crash_resume_kinds import AggregatorProcess
+
+    case = fedavg_case(["round_closed:4"], rounds=6, clients_per_round=1)
+    killed = tmp_path / "killed"
+    crashed_until_killed(case, broker.url, killed)
+    assert "unreleased_bounds.pool" in Store(killed / "state.db").checkpoint("job")[1] or \
+        "unreleased_bounds.reference" in Store(killed / "state.db").checkpoint("job")[1]
+    problems = []
+    for name, (tamper, what) in TAMPERED.items():
+        work = tmp_path / name.replace(" ", "_").replace("'", "")
+        shutil.copytree(killed, work)
+        tamper(work / "state.db")
+        for attempt in range(2):
+            rc, log = AggregatorProcess(work, broker.url, None).wait(60)
+            errors = [line.split(" ERROR ")[-1] for line in log.splitlines() if "cannot start job job" in line]
+            if "Traceback" in log or len(errors) != 1 - attempt or (errors and what not in errors[0]):
+                problems.append((name, attempt, rc, errors, log[-1500:] if "Traceback" in log else ""))
+        row = Store(work / "state.db").job("job")
+        if row["state"] != "stopped" or what not in json.dumps(row):
+            problems.append((name, row["state"], row.get("error")))
+    assert not problems, "\n".join(map(str, problems))
+
+
+def test_a_ladd_checkpoint_without_its_references_resumes_as_one_taken_before_them(tmp_path):
+    """A LADD checkpoint of the version before ``LaddSmallRounds`` holds no ``ladd.*_bounds`` entries:
+    it loads as a job with no reference and an empty pool (a lone round then moves nothing), and one
+    holding them (two lone rounds' pool) loads them back bit for bit."""
+    from test_ladd_small_rounds import (EVIL, KIND_TRAIN, config_of, decode, encode_update, message, model_of,
+                                        play, update_of)
+
+    job, _, _ = play(tmp_path / "played", [["d0"], ["d3"]], total_rounds=3)     # a pool of two, no reference
+    state = job.state_dict()
+    ours = {k for k in state if k.startswith("unreleased_ladd.")}
+    assert {"unreleased_ladd.phi_bounds.pool", "unreleased_ladd.theta_bounds.pool"} <= ours
+    config = config_of(tmp_path / "played", rounds=3)
+    again = build_job("ladd", config)
+    again.load_state_dict(state)
+    assert_same_arrays(again.state_dict(), state)
+    old = build_job("ladd", config)
+    old.load_state_dict({k: v for k, v in state.items() if k not in ours})
+    assert old.small_rounds.state_dict() == {} and not old.small_rounds.phi.pool and old.small_rounds.theta.limits is None
+    before = model_of(old)
+    assert old.next_participants({EVIL}) == [EVIL]
+    arrays, n = update_of(old, EVIL, np.random.default_rng(0))
+    old.apply(EVIL, old.parse_result(decode(message(EVIL, old.round, KIND_TRAIN,
+                                                    *encode_update(arrays, old.trainable_layout, n, old.assignment[EVIL])))))
+    old.close_round(RoundClosed(old.round, (EVIL,), (), (), ()))
+    after = model_of(old)
+    assert np.array_equal(after[0], before[0]) and all(np.array_equal(after[1][c], before[1][c]) for c in before[1])

@@ -140,13 +140,14 @@ def update_of(job, device, rng) -> tuple[dict, int]:
             int(rng.integers(5, 60)))
 
 
-def play(tmp_path, rounds, shards_count: int = 0, restart_round: int = 0, **over):
-    """Close ``rounds`` (each: the devices that answer it) on one aggregator's job, and on a
+def play(tmp_path, rounds, shards_count: int = 0, restart_round: int = 0, total_rounds: int = 0, **over):
+    """Close ``rounds`` (each: the devices that answer it; of a job of ``total_rounds``, by default
+    as many) on one aggregator's job, and on a
     coordinator of ``shards_count`` shards given the same envelopes (restarted from its last
     checkpoint, as a restart rebuilds it, halfway through training round ``restart_round``);
     (one aggregator's job, the coordinator's job or None, [(start, updates)] per training round)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
-    config = config_of(tmp_path, **{"rounds": len(rounds), **over})
+    config = config_of(tmp_path, **{"rounds": total_rounds or len(rounds), **over})
     single = build_job("ladd", config)
     shards = [ShardIngest(k, shards_count, Store(tmp_path / f"s{k}.db")) for k in range(shards_count)]
     for s in shards:

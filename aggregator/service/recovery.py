@@ -73,13 +73,13 @@ def restore_job(a: ActiveJob, row: dict, store: Store, checkpoints: bool) -> Non
     ids = store.contributions(a.job_id, with_payload=False)                  # every round: message ids
     payloads = store.contributions(a.job_id, after_round=done_round)         # only what the state lacks
     replay = _RoundReplay(a, store, done_round, next(ids, None), next(payloads, None), ids, payloads)
-    rounds = store.rounds(a.job_id)
+    rounds = restorable(f"job {a.job_id!r}'s rounds", store.rounds, a.job_id)
     for r in rounds:
         replay.round(r)
     if replay.next_id is not None or replay.next_payload is not None:
         raise StoreError(f"job {a.job_id} has contributions that belong to no stored round")
     if rounds:
-        a.job.restore_bookkeeping(rounds[-1].bookkeeping)
+        restorable(f"round {rounds[-1].round}'s bookkeeping", a.job.restore_bookkeeping, rounds[-1].bookkeeping)
     a.history = RecentLog(store.evaluations(a.job_id))
     # quarantined and forgotten devices are never asked again
     a.quarantined = {q["device"] for q in store.quarantined(a.job_id)} | set(store.forgotten(a.job_id))
@@ -93,12 +93,24 @@ def restore_job(a: ActiveJob, row: dict, store: Store, checkpoints: bool) -> Non
                 a.job_id, len(rounds), done_round, replay.replayed, time.perf_counter() - t0)
 
 
+def restorable(what: str, fn, *args):
+    """``fn(*args)``, a stored row it cannot read or take back reported as one StoreError naming
+    ``what`` (a damaged or tampered store): the job stops with that reason, once, where it raised
+    whatever the row's parser raised (a KeyError of a checkpoint entry's name, a zip error)."""
+    try:
+        return fn(*args)
+    except StoreError:
+        raise
+    except Exception as exc:
+        raise StoreError(f"{what} cannot be restored: {type(exc).__name__}: {exc}") from exc
+
+
 def _load_checkpoint(a: ActiveJob, store: Store) -> int:
-    checkpoint = store.checkpoint(a.job_id)
+    checkpoint = restorable(f"job {a.job_id!r}'s checkpoint", store.checkpoint, a.job_id)
     if checkpoint is None:
         return 0
     done_round, state, contributed = checkpoint
-    a.job.load_state_dict(state)
+    restorable(f"job {a.job_id!r}'s checkpoint of round {done_round}", a.job.load_state_dict, state)
     a.job.contributed = dict(contributed)
     return done_round
 
@@ -120,7 +132,7 @@ class _RoundReplay:
             coord.restore(self.next_id.device, self.next_id.message_id)
             self.next_id = next(self._ids, None)
         if r.round > self.done_round:                 # the job as it was right after this round opened
-            job.restore_bookkeeping(r.bookkeeping)
+            restorable(f"round {r.round}'s bookkeeping", job.restore_bookkeeping, r.bookkeeping)
         while self.next_payload is not None and self.next_payload.round == r.round:
             job.apply(self.next_payload.device, job.parse_result(decode(self.next_payload.payload)))
             self.replayed += 1

@@ -110,9 +110,26 @@ class SmallRoundReference:
         return out
 
     def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
-        """Back to a checkpoint (one taken before any round, or before the reference existed, has none)."""
+        """Back to a checkpoint (one taken before any round, or before the reference existed, has
+        none). ValueError naming the entry for one this job could not have written (a store damaged
+        or tampered with): a reference of another number of layers was taken in silently and failed
+        the job's next small round at its close, one that is not finite bounded nothing."""
         limits_key, devices_key, pool_key = self.keys
-        self.limits = np.array(state[limits_key], dtype=np.float64) if limits_key in state else None
+        self.limits = self._entry(state, limits_key, (len(self.layers),)) if limits_key in state else None
         devices = [str(d) for d in np.asarray(state.get(devices_key, [])).reshape(-1)]
-        rows = np.asarray(state[pool_key], dtype=np.float64) if devices else np.zeros((0, 0))
+        if len(set(devices)) != len(devices):
+            raise ValueError(f"checkpoint entry {devices_key} names a device twice")
+        if devices and pool_key not in state:
+            raise ValueError(f"checkpoint entry {pool_key} is missing for the {len(devices)} devices of {devices_key}")
+        rows = self._entry(state, pool_key, (len(devices), len(self.layers))) if devices else np.zeros((0, 0))
         self.pool = {d: rows[i].copy() for i, d in enumerate(devices)}
+
+    @staticmethod
+    def _entry(state: Mapping[str, np.ndarray], key: str, shape: tuple[int, ...]) -> np.ndarray:
+        """``state[key]`` as float64 if it has ``shape`` and only finite values >= 0 (what limits and
+        statistics are), else ValueError naming it."""
+        value = np.asarray(state[key])
+        if value.shape != shape or value.dtype.kind not in "fiu" or not (np.isfinite(value) & (value >= 0)).all():
+            raise ValueError(f"checkpoint entry {key} is not {shape} finite values >= 0 "
+                             f"(got {value.dtype} of shape {value.shape})")
+        return value.astype(np.float64)
