@@ -86,9 +86,9 @@ def resumed_draw(state, fresh: random.Random) -> random.Random:
     """The draw a job resumes with from its saved ``state``: the saved one, unless the job now draws
     keyed (``fresh``, the draw its config gives a new job, is a :class:`KeyedDraw`) and the saved one
     is a Mersenne Twister, as a sampled DP job's bookkeeping from before keyed draws holds. Why:
-    that Twister is seeded by the config, and a job resumed on it drew every later round from a
-    generator anyone holding the config can run, the secrecy its ε counts on lost for the rest of
-    the job (a review's finding); ``fresh`` then draws from here on, under a new key."""
+    a job resumed on it drew every later round from a generator whose state follows from enough of
+    its outputs (``KeyedDraw`` says why that matters; a review's finding); ``fresh`` then draws from
+    here on, under a new key."""
     saved = restored_draw(state)
     if isinstance(fresh, KeyedDraw) and not isinstance(saved, KeyedDraw):
         log.warning("the participant draw was saved by a version before keyed draws: drawn keyed from now on")
