@@ -73,9 +73,20 @@ class DroppedOut(Exception):
     """Raised (via hooks) when the device drops out mid-task: nothing is sent."""
 
 
+def _defines(cls: type, method: str):
+    """For an interface's ``__subclasshook__``: a class defining ``method`` (callable) is one of its
+    kind, as ``collections.abc`` takes a class with ``__iter__`` for an Iterable, so a handler need
+    not inherit the interface (an application's, a test's); anything else is left to inheritance."""
+    return True if any(callable(vars(base).get(method)) for base in cls.__mro__) else NotImplemented
+
+
 class SecureTaskHandler(ABC):
     """A task kind that starts a protocol of messages instead of producing a result (a secure
     aggregation's round): registered in the agent's ``protocol_handlers`` under the kind."""
+
+    @classmethod
+    def __subclasshook__(cls, candidate: type):
+        return _defines(candidate, "on_task") if cls is SecureTaskHandler else NotImplemented
 
     @abstractmethod
     def on_task(self, job: str, round_: int, params: dict[str, Any],
@@ -86,6 +97,10 @@ class SecureTaskHandler(ABC):
 class MessageHandler(ABC):
     """The messages of a protocol's type (``secagg``): registered in the agent's
     ``protocol_handlers`` under the message type."""
+
+    @classmethod
+    def __subclasshook__(cls, candidate: type):
+        return _defines(candidate, "on_message") if cls is MessageHandler else NotImplemented
 
     @abstractmethod
     def on_message(self, env: Envelope) -> list[Envelope]:
