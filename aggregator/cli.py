@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import numpy as np
 
 from protocols.command_errors import load_json_file, run_reporting_errors
 from protocols.command_help import HelpFormatter
+from protocols.log_text import log_to_stderr
 from protocols.mqtt_link import BrokerConfig
 from protocols.files import read_npz
 from protocols.regular_file import OPTION_FILE_BYTES, read_regular_file
@@ -149,7 +149,7 @@ def serve(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     """``python -m aggregator``: what process managers and the suite run. A mistake is one line and
     exit 2, as from ``fedfleet aggregator`` (a bad --config printed a traceback, exit 1)."""
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    log_to_stderr()
     parser = build_parser()
     parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     args = parser.parse_args(argv)

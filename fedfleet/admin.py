@@ -35,7 +35,7 @@ from protocols.regular_file import read_regular_file
 from . import admin_deployments
 from .admin_ids import refused_id
 from .errors import UserError, load_json_file
-from .terminal_text import terminal_safe
+from .terminal_text import one_line, terminal_safe
 from typing import Any
 
 DEFAULT_URL = "http://127.0.0.1:8080"
@@ -108,8 +108,9 @@ def ago(ts: float | None) -> str:
 
 
 def table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
-    """Left-aligned text table; ``columns`` = [(header, key)], values rendered with str()."""
-    cells = [[h for h, _ in columns]] + [["-" if r.get(k) is None else str(r.get(k)) for _, k in columns] for r in rows]
+    """Left-aligned text table; ``columns`` = [(header, key)], each value on one line (``one_line``)."""
+    cells = [[h for h, _ in columns]] + [["-" if r.get(k) is None else one_line(r.get(k)) for _, k in columns]
+                                         for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -131,7 +132,7 @@ def progress_line(status: dict) -> str:
         answered = len(cur["accepted"]) + len(cur["declined"]) + len(cur["rejected"])
         rnd = f"round {cur['round']:>3} {bar(answered, len(cur['participants']), 20)}"
     else:
-        rnd = f"round {job['round']:>3} ({job.get('waiting') or 'between rounds'})"
+        rnd = f"round {job['round']:>3} ({one_line(job.get('waiting') or 'between rounds')})"
     return (f"{job['job_id']} [{job['state']}] {rnd}  contributions {job['contributions']}  "
             f"online {len(status.get('devices_online', []))}{acc}")
 
@@ -167,7 +168,7 @@ def _run(args, client: AdminClient) -> Any:
         return _logs(args, client)
     if c == "fleet":
         f = client.post("/api/fleet/mode", {"mode": args.mode}) if args.mode else client.get("/api/fleet")
-        return f, "\n".join(f"{k:<12}{v}" for k, v in f.items())
+        return f, "\n".join(f"{k:<12}{one_line(v)}" for k, v in f.items())
     if c == "devices":
         d = all_devices(client, args.status)
         return d, table(_devices_rows(d), [("DEVICE", "device_id"), ("STATUS", "status"), ("STATE", "state"),
@@ -217,7 +218,7 @@ def _run(args, client: AdminClient) -> Any:
 def _device(args, client):
     if args.action == "show":
         d = client.get(f"/api/devices/{args.device_id}")
-        return d, "\n".join(f"{k:<12}{v}" for k, v in _devices_rows([d])[0].items() if not k.endswith("_"))
+        return d, "\n".join(f"{k:<12}{one_line(v)}" for k, v in _devices_rows([d])[0].items() if not k.endswith("_"))
     if args.action == "revoke":
         d = client.post(f"/api/devices/{args.device_id}/revoke")
         return d, f"revoked {args.device_id}" + (f"\nwarning: {d['warning']}" if d.get("warning") else "")
@@ -283,11 +284,11 @@ def _job_text(j: dict) -> str:
         lines.append(f"  bytes in {counters.get('bytes_in', 0):,}, late {counters.get('late', 0)}, "
                      f"duplicates {counters.get('duplicates', 0)}")
     if rejections:
-        lines.append("  rejected  " + ", ".join(f"{k}: {v}" for k, v in sorted(rejections.items())))
+        lines.append("  rejected  " + ", ".join(f"{one_line(k)}: {v}" for k, v in sorted(rejections.items())))
     if (j.get("summary") or {}).get("error"):
-        lines.append(f"  error     {j['summary']['error']}")
+        lines.append(f"  error     {one_line(j['summary']['error'], 2000)}")
     lines.append("  config")
-    lines += [f"    {k:<22}{v}" for k, v in sorted((j.get("config") or {}).items())]
+    lines += [f"    {k:<22}{one_line(v, 2000)}" for k, v in sorted((j.get("config") or {}).items())]
     return "\n".join(lines)
 
 
@@ -338,7 +339,7 @@ def _job(args, client):
 def _model(args, client):
     if args.action == "show":
         m = client.get(f"/api/models/{args.model_id}")
-        return m, "\n".join(f"{k:<14}{v}" for k, v in m.items())
+        return m, "\n".join(f"{k:<14}{one_line(v, 2000)}" for k, v in m.items())
     if args.action == "deploy":
         return admin_deployments.deploy(args, client)
     if args.action == "lineage":
@@ -387,8 +388,8 @@ def log_line(e: dict) -> str:
             v = f"{len(v)} [{', '.join(map(str, v[:5]))}{', ...' if len(v) > 5 else ''}]"
         elif isinstance(v, float):
             v = f"{v:.4f}" if abs(v) < 1e6 else f"{v:.0f}"
-        rest.append(f"{k}={v}")
-    return terminal_safe(f"{when} {rnd} {e.get('event', '?'):<13}{' '.join(rest)}")
+        rest.append(f"{one_line(k, 64)}={one_line(v)}")
+    return f"{when} {rnd} {one_line(e.get('event', '?'), 64):<13}{' '.join(rest)}"
 
 
 FINAL_STATES = ("done", "cancelled", "failed")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import time
 
-from .terminal_text import terminal_safe
+from .terminal_text import one_line, terminal_safe
 
 DURATION = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(s|m|h|d)?\s*$")
 UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -86,16 +86,16 @@ def deployment_text(d: dict) -> str:
              f"  stages {stages}; now stage {d['stage']}", f"  guard {d['guard']}, bake {d['bake_s']:g} s, "
              f"at least {d['min_reports']} report(s) within {d['patience_s']:g} s more"]
     if d["reason"]:
-        lines.append(f"  reason    {d['reason']}")
+        lines.append(f"  reason    {one_line(d['reason'])}")
     for h in d["history"]:
         m = h.get("metrics") or {}
         median = f", median drop {m['median_drop']:.2f} pp" if m.get("median_drop") is not None else ""
         acc = (f" (candidate {m['wma_candidate']:.2f}%, current {m['wma_current']:.2f}%{median}, "
                f"{m['reports']:.0f} reports)" if m.get("wma_candidate") is not None else "")
-        lines.append(f"  {time.strftime('%H:%M:%S', time.localtime(h['t']))} {h['from']} -> {h['to']}: {h['why']}{acc}")
+        lines.append(f"  {time.strftime('%H:%M:%S', time.localtime(h['t']))} {h['from']} -> {h['to']}: {one_line(h['why'])}{acc}")
     for dev, s in sorted(d["devices"].items()):
         r = s["report"] or {}
-        said = (f"refused: {r['refused']}" if r.get("refused") else
+        said = (f"refused: {one_line(r['refused'])}" if r.get("refused") else
                 f"held-out {r['correct_candidate']}/{r['n']} (was {r['correct_current']})" if r else "no report")
         lines.append(f"  {dev:<20} sent {s['sent']:<9} {said}")
     return terminal_safe("\n".join(lines))

@@ -15,6 +15,7 @@ import dataclasses
 import sys
 
 from protocols.command_help import HelpFormatter
+from protocols.log_text import log_to_stderr
 
 from .errors import run_reporting_errors
 from .quiet import quiet_third_party_warnings
@@ -300,9 +301,7 @@ def build_parser(commands=tuple(COMMANDS)) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import logging
-
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    log_to_stderr()
     argv = sys.argv[1:] if argv is None else argv
     debug = argv[:1] == ["--debug"]
     command, rest = argv[1 if debug else 0:][:1], argv[2 if debug else 1:]

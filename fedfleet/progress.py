@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 import time
@@ -37,11 +38,13 @@ class StatusWatcher:
 
     def _draw(self) -> None:
         s = self.last
-        done = s.get("contributions") or 0
+        # numbers only: the status topic is the broker's, unsigned here, and a text in place of a
+        # count went to the terminal raw (an escape sequence) or raised in the MQTT callback
+        done, rnd, online = (_count(s.get(k)) for k in ("contributions", "round", "devices_online"))
         filled = int(self.width * min(done, self.total) / max(1, self.total))
-        acc = s.get("accuracy")
-        line = (f"  round {s.get('round', 0):>3} [{'#' * filled}{'.' * (self.width - filled)}] "
-                f"{done}/{self.total} devices  online {s.get('devices_online', 0):>3}"
+        acc = s.get("accuracy") if _is_number(s.get("accuracy")) else None
+        line = (f"  round {rnd:>3} [{'#' * filled}{'.' * (self.width - filled)}] "
+                f"{done}/{self.total} devices  online {online:>3}"
                 + (f"  acc {acc:.4f}" if acc is not None else ""))
         # padded to the line it overwrites: a shorter line (an accuracy no longer shown) would
         # leave the old one's tail on the terminal
@@ -52,6 +55,15 @@ class StatusWatcher:
 
     def close(self) -> None:
         self.link.stop()
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _count(value) -> int:
+    """A status's count, or 0 for anything but a non-negative number."""
+    return int(value) if _is_number(value) and value >= 0 else 0
 
 
 class StepClock:

@@ -1,10 +1,27 @@
 """Text the admin CLI prints that the server passes on from devices (decline reasons, presence
-profiles, refusals, failure summaries): every control character but newline and tab is written as
-an escape, so a device cannot drive the operator's terminal (clear or retitle it, forge lines,
-write the clipboard with OSC 52)."""
+profiles, refusals, failure summaries): every control character is written as an escape
+(``protocols/log_text.py``), so a device cannot drive the operator's terminal (clear or retitle
+it, write the clipboard with OSC 52) nor forge lines.
+
+Two layers: ``one_line`` for each value put into a line (a table's cell, a log line's field, a
+reason): its newlines too, since a newline in a profile or a refusal printed a table row or a
+device of the device's choosing; ``terminal_safe`` over the whole text, whose own newlines and
+tabs are the layout."""
 
 from __future__ import annotations
 
+from protocols.log_text import escaped_controls
+
+MAX_VALUE_CHARS = 500       # one value as printed: a device's reason is at most 500 when it comes
+
 
 def terminal_safe(text: str) -> str:
-    return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
+    return escaped_controls(text, keep="\n\t")
+
+
+def one_line(value, max_chars: int = MAX_VALUE_CHARS) -> str:
+    """``str(value)`` cut to ``max_chars`` (… says so), every control character escaped, newlines too."""
+    text = str(value)
+    if len(text) > max_chars:
+        text = text[:max_chars - 1] + "…"
+    return escaped_controls(text)

@@ -33,7 +33,7 @@ from protocols.envelope import DuplicateKeyError, object_without_duplicates
 from aggregator.compute.summary import compute_summary
 from aggregator.storage.store import Store
 from aggregator.api.context import ApiContext
-from aggregator.api.guard import RequestGuard, authenticated
+from aggregator.api.guard import DASHBOARD_HEADERS, RequestGuard, authenticated
 from aggregator.api.metrics import render_metrics
 from aggregator.api.routes_deployments import add_deployment_routes
 from aggregator.api.routes_fleet import add_fleet_routes
@@ -148,11 +148,11 @@ def add_dashboard_routes(app: FastAPI) -> None:
     @get("/dashboard/", response_class=HTMLResponse, responses=READ,
            description="the web dashboard (a browser without a session gets the sign-in page: guard.py)")
     def dashboard() -> Response:
-        return HTMLResponse(_asset("index.html"))
+        return HTMLResponse(_asset("index.html"), headers=DASHBOARD_HEADERS)
 
     @get("/dashboard/{asset}", response_class=Response, responses=READ)
     def dashboard_asset(asset: Literal["app.js", "style.css"]) -> Response:
-        return Response(_asset(asset), media_type=DASHBOARD_ASSETS[asset])
+        return Response(_asset(asset), media_type=DASHBOARD_ASSETS[asset], headers=DASHBOARD_HEADERS)
 
 
 

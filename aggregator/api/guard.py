@@ -44,6 +44,15 @@ SESSION_TTL_S = 12 * 3600
 LOGIN_PATH = "/dashboard/login"
 LOGIN_PATHS = ("/", "/dashboard", "/dashboard/")     # where a browser without a session is asked for the token
 _ISSUED = re.compile(r"[0-9]{1,12}")
+# The dashboard shows what devices wrote (profiles, decline reasons) and app.js writes it as text
+# only; its policy is the second line: no inline script or handler runs, nothing loads from
+# elsewhere, no other site frames it. The sign-in page has no script and one inline style.
+_FRAMING = "base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
+DASHBOARD_HEADERS = {"content-security-policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
+                                                f"img-src 'self'; connect-src 'self'; {_FRAMING}",
+                     "x-content-type-options": "nosniff", "referrer-policy": "no-referrer"}
+LOGIN_HEADERS = {**DASHBOARD_HEADERS,
+                 "content-security-policy": f"default-src 'none'; style-src 'unsafe-inline'; {_FRAMING}"}
 
 
 def token_matches(given: str, token: str) -> bool:
@@ -203,7 +212,8 @@ async def _login_page(send, error: str) -> None:
     body = page.replace("__ERROR__", html.escape(error)).encode()
     await send({"type": "http.response.start", "status": 401,
                 "headers": [(b"content-type", b"text/html; charset=utf-8"), (b"content-length", str(len(body)).encode()),
-                            (b"www-authenticate", b'Bearer realm="fedfleet"'), (b"cache-control", b"no-store")]})
+                            (b"www-authenticate", b'Bearer realm="fedfleet"'), (b"cache-control", b"no-store"),
+                            *((k.encode(), v.encode()) for k, v in LOGIN_HEADERS.items())]})
     await send({"type": "http.response.body", "body": body})
 
 

@@ -21,6 +21,7 @@ import threading
 import time
 from pathlib import Path
 
+from protocols.log_text import log_to_stderr
 from protocols.mqtt_link import BrokerConfig, MqttLink
 from protocols.topics import AGGREGATOR_ID, Topics
 
@@ -70,8 +71,7 @@ def shard_main(index: int, shards: int, broker: BrokerConfig, store_path: str, t
                max_message_bytes: int, conn) -> None:
     """A shard: MQTT in, receipts and forwards out, sums on request. ``conn`` is its channel to
     the coordinator (``send(message)``, ``recv()`` the next command, EOFError once it is gone)."""
-    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s shard{index} %(levelname)s %(message)s",
-                        force=True)         # a fork of the service inherits its handler
+    log_to_stderr(f"%(asctime)s shard{index} %(levelname)s %(message)s", force=True)   # a fork inherits its handler
     import torch
     from threadpoolctl import threadpool_limits
 

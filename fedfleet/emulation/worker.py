@@ -35,6 +35,7 @@ from edge_client.handlers import (HandlerConfig, LocalData, SharedExtractors, de
 from edge_client.state import DeviceStateStore
 from edge_client.work_deadline import sleep_within
 from protocols.identity import DeviceIdentity
+from protocols.log_text import log_to_stderr
 from protocols.mqtt_link import BrokerConfig
 from protocols.topics import Topics
 
@@ -231,7 +232,7 @@ def run(spec: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    log_to_stderr()
     quiet_third_party_warnings()
     run(json.loads(Path(argv[0]).read_text()))
     return 0

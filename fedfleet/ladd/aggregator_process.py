@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import sys
 import time
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from fedfleet.emulation.synthetic_scenes import CLASSES
+from protocols.log_text import log_to_stderr
 from fedfleet.ladd.metrics import TestSets
 
 def segmentation_spec(cfg: dict):
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) != 1:
         print("usage: python -m fedfleet.ladd.aggregator_process SPEC.json", file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    log_to_stderr()
     serve(json.loads(Path(argv[0]).read_text()))
     return 0
 

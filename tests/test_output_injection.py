@@ -1,0 +1,190 @@
+"""Text a device controls (its decline reasons, presence profile, refusals; anyone on the broker: the
+retained status) shown to a person: the aggregator's log, the admin CLI's terminal output, the
+simulator's progress line, the dashboard. A newline in it must not write a line of its own (a forged
+log record, a forged table row or device), an escape sequence must not reach the terminal raw, and
+the dashboard must show markup as text."""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from edge_client.agent import TaskDeclined
+from fedfleet import admin, admin_deployments
+from protocols.envelope import Envelope, encode
+from protocols.log_text import OneLineFormatter
+
+from ops_fleet import Fleet, prepare, run_aggregator
+
+FORGED = "2026-01-01 00:00:00,000 fedfleet.aggregator WARNING job ops: done, every device contributed"
+# a newline then a whole record of the attacker's, then a terminal escape (retitle, clear the screen)
+EVIL = f"no data\n{FORGED}\r\x1b]0;owned\x07\x1b[2J\u2028\x85"
+
+
+def _no_raw_controls(text: str) -> None:
+    assert not re.search(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]", text), repr(text)
+
+
+def _declines(reason: str):
+    def handler(params, tensors=None):
+        raise TaskDeclined(reason)
+    return handler
+
+
+# --------------------------------------------------------------------------- the aggregator's log
+def test_a_devices_decline_reason_writes_no_record_of_its_own_in_the_aggregators_log(broker, tmp_path):
+    """The only device declines with a reason holding a whole log record after a newline: the job
+    fails, and the aggregator's WARNING ``job ops failed: ... declined: <reason>`` quoted it raw, so
+    the log showed a second record of the device's choosing (and its escapes reached the terminal)."""
+    prepare(tmp_path, ["dev01"], max_attempts=1, expected_devices=1, clients_per_round=1)
+    with Fleet(broker.url, ["dev01"], handlers=lambda d: ({"fed3r.stats": _declines(EVIL)}, {})):
+        rc, log = run_aggregator(tmp_path, broker.url, tmp_path / "state.db", timeout=60)
+    assert rc == 1, log
+    failed = [line for line in log.splitlines() if "job ops failed" in line]
+    assert len(failed) == 1 and "no data\\n2026-01-01" in failed[0], log
+    assert not any(line.startswith(FORGED[:23]) for line in log.splitlines()), log
+    _no_raw_controls(log.replace("\n", ""))
+
+
+def test_a_traceback_quoting_a_device_starts_no_line_at_column_zero():
+    formatter = OneLineFormatter("%(levelname)s %(message)s")
+    try:
+        raise ValueError(EVIL)
+    except ValueError:
+        record = logging.LogRecord("x", logging.ERROR, __file__, 1, "refused: %s", (EVIL,), sys.exc_info())
+    lines = formatter.format(record).splitlines()
+    assert lines[0].startswith("ERROR refused: no data\\n2026") and len(lines) > 2
+    assert all(line.startswith("    ") for line in lines[1:]), lines
+    _no_raw_controls("".join(lines))
+
+
+# --------------------------------------------------------------------------- the admin CLI
+def _no_line_added(text: str, baseline: str) -> None:
+    """``text`` has the lines of the same rendering with harmless values, none forged, no raw control."""
+    assert text.count("\n") == baseline.count("\n"), text
+    assert FORGED not in text.splitlines(), text
+    _no_raw_controls(text.replace("\n", ""))
+
+
+def test_admin_logs_prints_a_decline_reason_on_its_own_line():
+    event = {"t": time.time(), "job_id": "ops", "event": "declined", "round": 1, "device": "dev01"}
+    line = admin.log_line({**event, "reason": EVIL})
+    assert "\n" not in line and "no data\\n2026-01-01" in line, line
+    _no_raw_controls(line)
+
+
+def test_admin_devices_table_keeps_one_row_per_device_whatever_its_profile():
+    devices = [{"device_id": d, "status": "enrolled", "last_seen": None, "online": True, "cluster": None,
+                "profile": {"model": p}} for d, p in (("dev01", "\nrogue   enrolled  online"), ("dev02", EVIL))]
+    columns = [("DEVICE", "device_id"), ("PROFILE", "profile_")]
+    text = admin.table(admin._devices_rows(devices), columns)
+    plain = admin.table(admin._devices_rows([{**d, "profile": {"model": "m"}} for d in devices]), columns)
+    _no_line_added(text, plain)
+    assert not any(line.startswith("rogue") for line in text.splitlines()), text
+
+
+def test_admin_job_show_prints_the_failure_and_the_rejection_counts_on_their_lines():
+    job = {"job_id": "ops", "kind": "fed3r", "state": "failed", "rounds": 1, "contributions": 0,
+           "summary": {"error": f"no device contributed in 1 round(s); declined: {EVIL} (dev01)"},
+           "counters": {"rejections": {"presence": 1}}, "config": {"job_id": "ops"}}
+    text = admin._job_text(job)
+    _no_line_added(text, admin._job_text({**job, "summary": {"error": "x"}}))
+
+
+def test_admin_deployment_show_keeps_one_line_per_device_whatever_it_refused():
+    d = {"deployment_id": "m1-1", "model_id": 1, "model_sha256": "ab" * 32, "state": "canary", "replaces": None,
+         "cohort": "5%", "stages": [1.0], "stage": 0, "guard": "median_drop<=1", "bake_s": 1.0, "min_reports": 1,
+         "patience_s": 1.0, "reason": EVIL, "history": [{"t": time.time(), "from": "canary", "to": "halted",
+                                                         "why": EVIL}],
+         "devices": {"cam1": {"sent": "run", "report": {"refused": f"bad head\n  cam9{' ' * 17}sent run  held-out 9/9"}}}}
+    text = admin_deployments.deployment_text(d)
+    plain = admin_deployments.deployment_text({**d, "reason": "r", "history": [{**d["history"][0], "why": "w"}],
+                                               "devices": {"cam1": {"sent": "run", "report": {"refused": "r"}}}})
+    _no_line_added(text, plain)
+    assert "cam9" not in [line.split()[0] for line in text.splitlines()], text
+
+
+# --------------------------------------------------------------------------- simulate's progress line
+def test_the_progress_line_draws_only_numbers_from_a_retained_status_anyone_may_publish(capsys):
+    """``fedfleet simulate``'s bar reads the broker's retained status topic, unsigned: a status whose
+    round was an escape sequence went to the terminal raw, and one whose counts were text raised in
+    the MQTT callback."""
+    from fedfleet.progress import StatusWatcher
+
+    watcher = StatusWatcher.__new__(StatusWatcher)
+    watcher.total, watcher.quiet, watcher.width, watcher.job_id, watcher._drawn = 4, False, 10, None, 0
+    watcher.last, watcher.updates = {}, threading.Event()
+    body = {"round": "\x1b]0;owned\x07\x1b[2J", "contributions": "3", "devices_online": "\x1b[31m", "accuracy": "x",
+            "state": "running"}
+    watcher._on_message("fedfleet/status", encode(Envelope(type="status", sender="aggregator", body=body)))
+    watcher._on_message("fedfleet/status", encode(Envelope(type="status", sender="aggregator",
+                                                           body={"round": 2, "contributions": 3, "devices_online": 4,
+                                                                 "accuracy": 0.5})))
+    out = capsys.readouterr().out
+    _no_raw_controls(out.replace("\r", ""))
+    assert "round   2" in out and "3/4 devices" in out and "acc 0.5000" in out, repr(out)
+
+
+# --------------------------------------------------------------------------- the dashboard
+MARKUP = '<img src=x onerror="window.__injected=1"><script>window.__injected=2</script>'
+
+
+def _wait_until(page, condition: str, timeout_s: float = 20.0) -> None:
+    """Poll ``condition`` from here: Playwright's wait_for_function evaluates it in the page, which the
+    dashboard's policy refuses."""
+    deadline = time.monotonic() + timeout_s
+    while not page.evaluate(condition):
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {condition}"
+        time.sleep(0.05)
+
+
+def test_the_dashboard_shows_a_devices_markup_as_text_and_runs_no_inline_script(tmp_path):
+    """A device's presence profile (key and value) and its decline reason in a failed job's summary
+    hold markup whose handlers would set ``window.__injected``: the page shows it as text, makes no
+    element of it, and its Content-Security-Policy refuses inline scripts even where a future
+    change writes markup (checked by writing some: its handler never runs)."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    from test_dashboard import CHROMIUM, CHROMIUM_ARGS, TOKEN, cells
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} not installed (Debian package chromium)")
+    import shutil
+    import tempfile
+
+    from aggregator.api.app import create_app
+    from aggregator.api.server import ApiServer
+    from aggregator.storage.store import Store
+
+    store = Store(tmp_path / "state.db")
+    store.enroll_device("dev01", None, None)
+    store.device_seen("dev01", online=True, profile={"model": MARKUP, MARKUP[:20]: "v"})
+    store.create_job("ops", "fed3r", {})
+    store.set_job_state("ops", "failed", {"error": f"no device contributed in 1 round(s); declined: {MARKUP} (dev01)"})
+    api = ApiServer(create_app(store, TOKEN)).start()
+    profile = tempfile.mkdtemp(prefix="fedfleet-chromium-")
+    try:
+        with sync_api.sync_playwright() as pw:
+            ctx = pw.chromium.launch_persistent_context(profile, executable_path=CHROMIUM, headless=True,
+                                                        args=CHROMIUM_ARGS)
+            page = ctx.new_page()
+            page.goto(f"{api.url}/dashboard/")
+            page.fill("#token", TOKEN)
+            page.click("#login button[type=submit]")
+            _wait_until(page, "document.querySelectorAll('#fleet-table tbody tr').length === 1 && "
+                              "document.querySelectorAll('#jobs-table tbody tr').length === 1")
+            assert MARKUP in cells(page, "jobs-table")[0][-1]
+            assert MARKUP[:20] in cells(page, "fleet-table")[0][-1]
+            assert page.evaluate("document.querySelectorAll('main img, main script').length") == 0
+            page.evaluate("document.getElementById('conn').insertAdjacentHTML('beforeend', "
+                          "'<img src=\"data:,x\" onerror=\"window.__injected=3\" onload=\"window.__injected=3\">')")
+            page.wait_for_timeout(500)
+            assert page.evaluate("window.__injected === undefined"), page.evaluate("window.__injected")
+            ctx.close()
+    finally:
+        api.stop()
+        shutil.rmtree(profile, ignore_errors=True)
