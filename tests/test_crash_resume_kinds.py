@@ -22,6 +22,7 @@ store holds no empty payload, and every secure round closed with its survivors a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
@@ -206,8 +207,10 @@ def post(url: str, body: dict | None = None) -> dict:
         return json.loads(resp.read())
 
 
-def crashed(case: Case, broker_url: str, work: Path) -> Path:
-    """Created through the API, killed at every crash point in turn, resumed from --state alone."""
+@contextlib.contextmanager
+def job_created_through_the_api(case: Case, broker_url: str, work: Path):
+    """The case's fleet online and an aggregator (to be killed at ``case.crashes[0]``) that the job
+    was created and started through: yields that first run."""
     work.mkdir()
     (work / "enrolled.txt").write_text("\n".join(case.devices) + "\n")
     (work / "token").write_text(TOKEN)
@@ -218,6 +221,12 @@ def crashed(case: Case, broker_url: str, work: Path) -> Path:
         created = post(f"{api}/api/jobs", {"job_id": "job", "kind": case.kind, "config": case.config})
         assert created["kind"] == case.kind and created["state"] == "created"
         assert post(f"{api}/api/jobs/job/start")["state"] == "queued"
+        yield first
+
+
+def crashed(case: Case, broker_url: str, work: Path) -> Path:
+    """Created through the API, killed at every crash point in turn, resumed from --state alone."""
+    with job_created_through_the_api(case, broker_url, work) as first:
         runs = [first] + [None] * (len(case.crashes) - 1)
         for i, crash in enumerate(case.crashes):
             rc, log = (runs[i] or AggregatorProcess(work, broker_url, crash)).wait()

@@ -181,18 +181,9 @@ def test_a_checkpoint_without_the_small_round_reference_resumes_as_one_taken_bef
 
 def crashed_until_killed(case: Case, broker_url: str, work: Path) -> None:
     """``crashed`` without its last run: the job created through the API, killed at ``case.crashes``."""
-    from test_crash_resume_kinds import AggregatorProcess, TOKEN, post
-    from ops_fleet import Fleet
+    from test_crash_resume_kinds import job_created_through_the_api
 
-    work.mkdir()
-    (work / "enrolled.txt").write_text("\n".join(case.devices) + "\n")
-    (work / "token").write_text(TOKEN)
-    with Fleet(broker_url, case.devices, handlers=case.handlers):
-        first = AggregatorProcess(work, broker_url, case.crashes[0], "--keep-serving", "--api", "127.0.0.1:0",
-                                  "--api-token-file", str(work / "token"))
-        api = first.api_url()
-        post(f"{api}/api/jobs", {"job_id": "job", "kind": case.kind, "config": case.config})
-        post(f"{api}/api/jobs/job/start")
+    with job_created_through_the_api(case, broker_url, work) as first:
         rc, log = first.wait()
     assert rc == -9, log[-3000:]
 
