@@ -54,6 +54,7 @@ from protocols.mqtt_link import BrokerConfig
 from protocols.payloads.fed3r import Fed3RStatsParams
 from protocols.payloads.task_params import ModelSpec
 from protocols.topics import AGGREGATOR_ID, Topics
+from test_agent_unsendable import answers
 from test_deployment_attacks import Sniffer
 
 T = Topics()
@@ -88,16 +89,6 @@ def fed3r_task(num_classes: int, round_: int) -> M.Envelope:
     params = Fed3RStatsParams(model=ModelSpec(backbone="precomputed", image_size=1, num_classes=num_classes),
                               format="dense").to_params()
     return M.task_message(AGGREGATOR_ID, "hostile", round_, "fed3r.stats", params, time.time() + 120)
-
-
-def answers(sniffer: Sniffer, device: str) -> dict[str, object]:
-    """The device's results and declines by task id."""
-    out = {}
-    for payload in sniffer.seen.get(T.outbox(device), []):
-        env = decode(payload)
-        if env.type in (M.RESULT, M.DECLINE):
-            out[env.body["task"]] = env
-    return out
 
 
 def online(sniffer: Sniffer, device: str) -> bool:
