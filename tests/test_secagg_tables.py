@@ -13,7 +13,7 @@ from protocols.identity import DeviceIdentity
 from protocols.secagg import MemberOffline, Phase, RoundConfig, SecAggError, Timeout
 from protocols.secagg.client import CLIENT_TABLE, ClientState
 from protocols.secagg.driver import build_round, make_identities
-from protocols.secagg.messages import ConsistencyCheckRequest, EncryptedShares, Message, UnmaskRequest
+from protocols.secagg.messages import AdvertiseKeys, ConsistencyCheckRequest, EncryptedShares, Message, UnmaskRequest
 from protocols.secagg.server import FINAL_STATES, SERVER_TABLE, ServerState
 
 AGGREGATOR = DeviceIdentity.generate("aggregator")
@@ -75,9 +75,18 @@ def _bad_row(shares: EncryptedShares, rng) -> EncryptedShares:
     return changed.signed(IDENTITIES[shares.sender])
 
 
+def _copied_key(advert: AdvertiseKeys, seen: list[AdvertiseKeys], rng) -> AdvertiseKeys:
+    """``advert`` carrying a key another member advertised (``seen``), validly signed by its sender."""
+    other = seen[rng.integers(len(seen))]
+    which = "cipher_public_key" if rng.random() < 0.5 else "mask_public_key"
+    changed = dataclasses.replace(advert, **{which: getattr(other, which)}, signature=b"")
+    return changed.signed(IDENTITIES[advert.sender])
+
+
 def run_random_round(seed: int) -> None:
     rng = np.random.default_rng(seed)
     bad_rows = np.random.default_rng(seed + 10_000)       # its own stream: the other draws stay as they were
+    copies, seen = np.random.default_rng(seed + 20_000), []   # adverts with another member's key: refused
     config = RoundConfig.create(job_id="job", round_id=seed, group_id="g", aggregator_id="aggregator",
                                 members=list(IDENTITIES), vector_length=8, bound=10.0,
                                 consistency_check=bool(rng.random() < 0.5), threshold=3)
@@ -102,6 +111,11 @@ def run_random_round(seed: int) -> None:
             for reply in _quietly(client.handle, message):
                 if isinstance(reply, EncryptedShares) and len(reply.recipients) and bad_rows.random() < 0.15:
                     reply = _bad_row(reply, bad_rows)                        # a recipient will accuse it
+                if isinstance(reply, AdvertiseKeys):
+                    if seen and copies.random() < 0.1:
+                        reply = _copied_key(reply, seen, copies)
+                    else:
+                        seen.append(reply)
                 if client.device_id in silent or rng.random() < 0.07:
                     silent.add(client.device_id)
                     if rng.random() < 0.5:

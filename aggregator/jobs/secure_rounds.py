@@ -110,6 +110,7 @@ class SecureGroupRounds(Job):
         # closed, leaves entries nobody reads (a review's finding: a few hundred bytes a round)
         self._phase_s: dict[int, dict[str, float]] = BoundedByRound()
         self._settled: dict[int, tuple[str, ...]] = BoundedByRound()
+        self._refused: dict[int, dict[str, str]] = BoundedByRound()    # round -> member -> why it was left out
         self._opened_here: set[int] = set()     # the secure rounds this process opened (not restored)
         self.failed_rounds: list[tuple[int, str]] = []
         # senders of share rows a majority of their recipients could not decrypt (ServerSecAgg.culprits):
@@ -311,6 +312,7 @@ class SecureGroupRounds(Job):
         window, unless ``paced``: the window released them), sums and failures applied."""
         if self.secure is not None:
             self.note_culprits(self.secure.config.round_id, self.secure.culprits)
+            self._note_refused(self.secure.config.round_id, self.secure.refused)
         if self._uploads is not None and not paced:
             outputs = self._uploads.admit(list(outputs))
             if self.secure is None or self.secure.state is not ServerState.WAIT_MASKED:
@@ -369,6 +371,19 @@ class SecureGroupRounds(Job):
             self.culprits.update(new)
             log.warning("secure round %d: %s sent share rows a majority of their recipients could not decrypt: "
                         "left out of this job's later rounds", round_id, ", ".join(new))
+
+    def _note_refused(self, round_id: int, refused: dict[str, str]) -> None:
+        """Members the round's server machine left out (``ServerSecAgg.refused``): said once each,
+        kept for the round's log entry (``secure_refusals``)."""
+        known = self._refused.get(round_id, {})
+        for device in sorted(refused.keys() - known.keys()):
+            log.warning("secure round %d: %s refused for the round (a dropout): %s", round_id, device, refused[device])
+        if len(refused) > len(known):
+            self._refused[round_id] = dict(refused)
+
+    def secure_refusals(self, round_: int) -> dict[str, str] | None:
+        """Members round ``round_``'s group refused, with why, once (the round log's ``secure_refused``)."""
+        return self._refused.pop(round_, None)
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """The culprits go with the checkpoint every round's close writes (a secure job needs them),

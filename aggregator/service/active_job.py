@@ -110,4 +110,7 @@ class ActiveJob:
         phases = self.job.secure_phase_times(closed.round) if self.job.secure_rounds else None
         if phases:
             entry["secure_phase_s"] = phases
+        refused = self.job.secure_refusals(closed.round) if self.job.secure_rounds else None
+        if refused:                  # members the group left out, each with why (a copied key)
+            entry["secure_refused"] = refused
         return entry

@@ -154,6 +154,9 @@ class ShardedSecureJob(CoordinatedJob):
     def secure_phase_times(self, round_: int) -> dict[str, float] | None:
         return None          # the group's phases ran on the shard hosting it, which logs them
 
+    def secure_refusals(self, round_: int) -> dict[str, str] | None:
+        return None          # the shard hosting the group logs the members it refused
+
     def abort_secure_round(self, round_id: int, reason: str) -> None:
         """The coordinator decides: the group fails now; its host is told to abort it."""
         if self._unplaced is not None and self._unplaced[0].round_id == round_id:

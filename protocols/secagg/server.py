@@ -119,6 +119,10 @@ class ServerSecAgg:
         # senders of share rows that a majority of their recipients could not decrypt
         # (ShareAccusation): the caller may leave them out of its next rounds
         self.culprits: set[str] = set()
+        # members left out of this round, with why (a key another member advertised first): not
+        # waited for, nothing more taken from them; the caller logs them
+        self.refused: dict[str, str] = {}
+        self._key_owner: dict[bytes, str] = {}      # every public key U1 advertised -> its member
 
     # ---- public API --------------------------------------------------------------------
     def start(self) -> list[Output]:
@@ -170,6 +174,8 @@ class ServerSecAgg:
         phase = self.phase
         if message.sender in self._received[phase]:
             raise self._refusal(message)
+        if message.sender in self.refused:
+            raise UnexpectedMessage(f"{message.sender!r} was refused for this round: {self.refused[message.sender]}")
         if message.sender not in self._expected(phase):
             raise UnexpectedMessage(f"{message.sender!r} is not a participant of phase {phase.value}")
         self._received[phase][message.sender] = PHASES[self.state].check(self, message)
@@ -203,6 +209,25 @@ class ServerSecAgg:
         for device, count in accusers.items():
             if 2 * count > len(self._received[Phase.SHARE_KEYS][device].recipients):
                 self.culprits.add(device)
+
+    def _copies_a_key(self, message: AdvertiseKeys) -> bool:
+        """A first advert whose cipher or mask key another member advertised already."""
+        if message.sender in self._received[Phase.ADVERTISE_KEYS] or message.sender in self.refused:
+            return False            # a replay, or a refused member again: _receive says so
+        return any(self._key_owner.get(key, message.sender) != message.sender
+                   for key in (message.cipher_public_key, message.mask_public_key))
+
+    def _refuse_copied_key(self, message: AdvertiseKeys) -> list[Output]:
+        """Leave the copier out of the round, as a dropout. Kept, the copy would reach the owner's
+        neighbours in the key directory; the owner, seeing its own cipher key as a neighbour's,
+        aborts and erases its secrets (a mask key copied would leave pair masks nobody can cancel).
+        The first advert of a key keeps it: the server cannot tell who made it, and one that came
+        in first was in no key directory yet, so it cannot be a copy of one."""
+        which, owner = next((name, self._key_owner[key]) for name, key in
+                            (("cipher", message.cipher_public_key), ("mask", message.mask_public_key))
+                            if self._key_owner.get(key, message.sender) != message.sender)
+        self.refused[message.sender] = f"its {which} public key is the one {owner!r} advertised"
+        return self._close_phase() if self._phase_answered() else []
 
     def _times_out_open_phase(self, timeout: Timeout) -> bool:
         return timeout.phase == self.phase
@@ -259,7 +284,9 @@ class ServerSecAgg:
                     Phase.MASKED_INPUT: Phase.SHARE_KEYS, Phase.CONSISTENCY_CHECK: Phase.MASKED_INPUT,
                     Phase.UNMASK: (Phase.CONSISTENCY_CHECK if self.config.consistency_check
                                    else Phase.MASKED_INPUT)}[phase]
-        return self._members if previous is None else self._received[previous]
+        if previous is None:
+            return self._members - self.refused.keys() if self.refused else self._members
+        return self._received[previous]
 
     def _phase_answered(self, offline: set[str] | None = None) -> bool:
         """Everyone expected in the current phase answered, except members known to be offline
@@ -280,6 +307,8 @@ class ServerSecAgg:
             raise MalformedMessage("cipher and mask keys must differ")
         for key in (message.cipher_public_key, message.mask_public_key):     # else it is left out of U1
             check_usable_public_key(key)        # (every neighbour's agreement with it would fail the round)
+        # checked: it is kept, so its keys are now taken (_copies_a_key)
+        self._key_owner.update({message.cipher_public_key: message.sender, message.mask_public_key: message.sender})
         return message
 
     def _check_shares(self, message: EncryptedShares) -> EncryptedShares:
@@ -522,6 +551,10 @@ SERVER_TABLE = TransitionTable(ServerState, [
     Transition(_S.IDLE, StartRound, "", _V._send_round_start, (RoundStart,), (_S.WAIT_ADVERTISE,),
                note="start(): the signed config to every member"),
     Transition(ANY, MemberOffline, "not a member", _V._ignore, guard=_V._not_a_member),
+    Transition(_S.WAIT_ADVERTISE, AdvertiseKeys, "a key another member advertised", _V._refuse_copied_key,
+               (KeyDirectory, *_FAILS), (_S.WAIT_SHARES, _S.FAILED), guard=_V._copies_a_key,
+               note="the sender is refused for the round (a dropout, its reason kept); closes the phase when "
+                    "every other expected member answered"),
     *(row for state, rule in PHASES.items() for row in _phase_rows(state, rule)),
     Transition(_S.WAIT_MASKED, ShareAccusation, "", _V._note_accusation,
                note="keep whose rows the member could not decrypt; at the phase's close, a sender accused by a "
