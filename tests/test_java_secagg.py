@@ -373,3 +373,37 @@ def test_python_and_java_take_only_canonical_base64(tmp_path):
     assert {name: py.split()[0] for name, (py, _) in decisions.items()} == {
         "canonical": "accepted", "no padding": "refused", "one = short": "refused", "unused bits set": "refused",
         "a newline inside": "refused", "url-safe alphabet": "refused"}, decisions
+
+
+def _short_ids(count: int) -> list[str]:
+    """``count`` distinct device ids, the shortest there are (1 to 3 characters): as many members as
+    a RoundStart's 64 KiB header can carry."""
+    import itertools
+    import string
+    alphabet = string.ascii_letters + string.digits + "_.-"
+    shortest = (("".join(p) for p in itertools.product(alphabet, repeat=k)) for k in (1, 2, 3))
+    return list(itertools.islice(itertools.chain.from_iterable(shortest), count))
+
+
+def test_python_and_java_refuse_a_group_beyond_the_protocols_largest_alike(tmp_path):
+    """A review's finding: a signed round config naming any number of members was taken, and a
+    group of 10,000 and more costs a device seconds of its agent thread over the round (a key
+    directory of n identity keys, t consistency signatures to verify). MAX_GROUP_SIZE (10,000: no
+    aggregator sends more, a secure job's clients_per_round is held to it) is the most either
+    device takes; one more member is refused at once, with the same reason, before any key is made."""
+    from protocols.secagg.config import MAX_GROUP_SIZE, max_scale_bits
+
+    def starts(config):
+        out = {}
+        for name, n in (("largest", MAX_GROUP_SIZE), ("one more", MAX_GROUP_SIZE + 1)):
+            members = sorted({*_short_ids(n - 1), JAVA})
+            threshold = n * 2 // 3 + 1
+            out[name] = round_start(config, members=members, threshold=threshold, degree=n - 1,
+                                    share_threshold=threshold, scale_bits=max_scale_bits(n, config.bound))
+        return out
+
+    decisions = decide_round_starts(tmp_path, starts)
+    assert decisions["largest"] == ("accepted", "accepted"), decisions
+    python, java = decisions["one more"]
+    reason = f"a group has at most {MAX_GROUP_SIZE} members, got {MAX_GROUP_SIZE + 1}"
+    assert reason in python and reason in java, decisions

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from protocols.envelope import object_without_duplicates
 from protocols.identity import DeviceIdentity, IdentityRegistry
-from protocols.secagg.config import GRAPHS, threshold_at_least
+from protocols.secagg.config import GRAPHS, MAX_GROUP_SIZE, threshold_at_least
 from protocols.secagg.fixedpoint import RING_BITS, RINGS
 from protocols.topics import AGGREGATOR_ID
 
@@ -49,6 +49,14 @@ class SecureAggregationFields(JobConfig):
     upload_window_bytes: int = limited(512 * 2**20, Range(2**20, 2**40))
     identity_file: str = limited("", PATH)          # aggregator's Ed25519 private key (PEM)
     device_keys_file: str = limited("", PATH)       # JSON {device id: Ed25519 public key, hex}
+
+    def __post_init__(self):
+        super().__post_init__()
+        # each round is one group of clients_per_round members: one the protocol refuses (and its
+        # devices with it) is a config error now, not a round that fails each time it opens
+        if self.clients_per_round > MAX_GROUP_SIZE:
+            raise ValueError(f"clients_per_round is {self.clients_per_round:,}: a secure round's group has at most "
+                             f"{MAX_GROUP_SIZE} members (protocols/secagg/config.py MAX_GROUP_SIZE)")
 
     def refuse_inert_group_threshold(self, dp: bool) -> None:
         """``dp_group_threshold`` only sizes distributed DP's noise shares: on a job without DP

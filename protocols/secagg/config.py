@@ -38,6 +38,14 @@ GRAPH_SEED_BYTES = 32
 # 2^27 words = 1 GiB per vector: far above any model here, low enough to bound memory per message.
 MAX_VECTOR_LENGTH = 1 << 27
 MIN_GROUP_SIZE = 3
+# The most members a group may have. A RoundStart carries the member list in its envelope's header
+# (64 KiB), which cannot name more than 11,454 members even with the shortest ids there are (1 to 3
+# characters) and reaches its limit at about 5,500 with 8-character ids; a secure job's
+# clients_per_round is held to this (aggregator/jobs/secure_fields.py), so no aggregator sends a
+# larger group. A device refuses one at once, before reading the list: each member costs it work
+# over the round (a key directory of n identity keys, t consistency signatures to verify), seconds
+# of its agent thread at 10,000 members. The Java client holds the same limit (RoundConfig.java).
+MAX_GROUP_SIZE = 10_000
 
 
 def default_threshold(n: int) -> int:
@@ -77,7 +85,14 @@ def _checked_member_list(members: tuple) -> None:
         raise ConfigError("members must be sorted and unique")
 
 
+def _check_group_size(n: int) -> None:
+    """At most MAX_GROUP_SIZE members: said before the list is read (Java's RoundConfig says the same)."""
+    if n > MAX_GROUP_SIZE:
+        raise ConfigError(f"a group has at most {MAX_GROUP_SIZE} members, got {n}")
+
+
 def _check_member_list(members: tuple) -> None:
+    _check_group_size(len(members))
     try:
         hash(members)
     except TypeError:
@@ -258,6 +273,7 @@ class RoundConfig:
         members = data["members"]
         if not isinstance(members, list):
             raise ConfigError("members must be a list")
+        _check_group_size(len(members))
         # one config, one JSON form (the Java client reads it so too): lower-case hex, a float bound
         seed = data["graph_seed"]
         if not isinstance(seed, str) or not re.fullmatch(r"[0-9a-f]{64}", seed):

@@ -22,6 +22,9 @@ import org.fedfleet.wire.Json;
 
 public final class RoundConfig {
     static final int MAX_VECTOR_LENGTH = 1 << 27, MIN_GROUP_SIZE = 3;
+    /** The most members a group may have (protocols/secagg/config.py MAX_GROUP_SIZE: no aggregator
+     *  sends more); a larger group is refused before its list is read, with Python's words. */
+    static final int MAX_GROUP_SIZE = 10_000;
     private static final Set<String> KEYS = new HashSet<>(Arrays.asList("job_id", "round_id", "group_id",
             "aggregator_id", "members", "vector_length", "threshold", "scale_bits", "bound", "graph", "degree",
             "share_threshold", "graph_seed", "consistency_check"));
@@ -54,6 +57,9 @@ public final class RoundConfig {
         jobId = id(m, "job_id"); groupId = id(m, "group_id"); aggregatorId = id(m, "aggregator_id");
         roundId = integer(m, "round_id", 0, Long.MAX_VALUE);
         if (!(m.get("members") instanceof List)) throw new SecAggException("members must be a list");
+        int listed = ((List<Object>) m.get("members")).size();
+        if (listed > MAX_GROUP_SIZE)
+            throw new SecAggException("a group has at most " + MAX_GROUP_SIZE + " members, got " + listed);
         List<String> ms = new ArrayList<>();
         for (Object o : (List<Object>) m.get("members")) {
             if (!(o instanceof String) || ((String) o).isEmpty() || Json.characters((String) o) > 256)
