@@ -30,14 +30,14 @@ from protocols.chunking import DEFAULT_CHUNK_SIZE, encode_parts
 from protocols.device_session import (AckArrived, DeviceSession, DeviceState, ResultSent, SendDecline, SendResult,
                                       SkipTask, StartWork, TaskArrived, Tick, WorkFailed, WorkFinished, WorkStopped)
 from protocols.envelope import Envelope, EnvelopeError, encode
-from protocols.message_loop import MessageLoop, QueueBound
+from protocols.message_loop import MessageLoop
 from protocols.mqtt_link import BrokerConfig, MqttLink
 from protocols.payloads.job_end import JOB_ENDED, MAX_NOTICES, parse_job_ended
 from protocols.payloads.stateful import foreign_job
 from protocols.identity import sender_verifier
 from protocols.topics import AGGREGATOR_ID, Topics
 
-from edge_client.inbox import aggregator_inbox
+from edge_client.inbox import INBOX_QUEUE_BOUND, aggregator_inbox     # the bound: what its topics hold unread
 from edge_client.session_memory import SESSION_FILE, SessionMemoryFile
 from edge_client.state import DeviceStateStore
 from edge_client.work_deadline import PastDeadline, working_until
@@ -45,10 +45,6 @@ from edge_client.work_deadline import PastDeadline, working_until
 log = logging.getLogger("fedfleet.device")
 
 MAX_REASON_CHARS = 200          # of a decline reason or a tick's error, as logged
-# What the agent's topics (its inbox, the job-end notices) may hold unread while it works: several
-# times the largest task a job sends (a backbone's tail or a LADD network: tens of MB), never the
-# flood anyone can publish to an open inbox (protocols/message_loop.py)
-INBOX_QUEUE_BOUND = QueueBound(128 * 2 ** 20, 160 * 2 ** 20)
 
 
 class FirstTimes:

@@ -338,3 +338,32 @@ def test_an_empty_tensor_of_a_shape_no_device_can_hold_is_refused_by_both(java_c
              (([0, 2**32 - 1, 2**32 - 1], "float32"), ([0, 2**31, 2**31], "uint8"), ([0, 2**31, 2**31], "float32"),
               ([0, 2**30, 2**30], "float64"), ([0, 4], "float64"))]
     assert_same_decisions(java_cp, cases, [["REFUSE"], ["ACCEPT"], ["REFUSE"], ["REFUSE"], ["ACCEPT"]])
+
+
+# ---- 8. the agent's inbox holds no more of one sender than its queue holds of one topic ----
+
+# the largest message the aggregator legitimately sends an agent: a LADD training task at the
+# segmentation spec's largest network (tests/test_device_inbox_limits.py), its model, teacher and
+# KD model (3 float32 vectors of 9,331,569 values) and a header of at most 64 KiB
+LARGEST_TASK_BYTES = 3 * 4 * 9_331_569 + 64 * 1024
+
+
+def first_chunk(total: int, k: int) -> bytes:
+    """The first of two chunks of a message announcing ``total`` bytes (the aggregator's, unsigned)."""
+    return encode(Envelope("chunk", AGGREGATOR, {"parent": f"{k:032x}", "index": 0, "count": 2, "total": total,
+                                                 "sha256": "ab" * 32},
+                           {"data": np.zeros(1000, np.uint8)}, id=f"{k + 100:032x}", ts=1767225600.0))
+
+
+def test_the_agents_inbox_takes_no_message_larger_than_its_queue_holds_of_one_topic(java_cp):
+    """A review's finding: one sender's partial messages could hold 512 MiB of the Python device
+    (256 MiB of the Java one) while its inbox queue holds 128 MiB of a topic (160 MiB in all). Both
+    agents now take no message, and no sender's partial messages together, larger than the queue's
+    128 MiB per topic: the first chunk announcing more is refused unheld, by one rule on both; the
+    largest task a job sends still passes (a bundle file comes through the fetch's own assembler)."""
+    from edge_client.inbox import INBOX_QUEUE_BOUND
+    bound = INBOX_QUEUE_BOUND.source_bytes
+    assert LARGEST_TASK_BYTES <= bound
+    totals = [LARGEST_TASK_BYTES, bound, bound + 1, 300 << 20]
+    cases = [one(f"a message of {total} bytes", first_chunk(total, k)) for k, total in enumerate(totals)]
+    assert_same_decisions(java_cp, cases, [["PENDING"], ["PENDING"], ["REFUSE"], ["REFUSE"]])

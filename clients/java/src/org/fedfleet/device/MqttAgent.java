@@ -47,10 +47,12 @@ public final class MqttAgent implements AutoCloseable {
         public String username, password;
         public int chunkSize = Chunker.DEFAULT_CHUNK_SIZE;
         public double retryAfterS = 10.0, tickS = 0.5, publishTimeoutS = 60.0;
-        public long maxMessageBytes = 256L * 1024 * 1024;
         // what waits unread for the agent thread, per topic and in all: the Python device's
-        // INBOX_QUEUE_BOUND (edge_client/agent.py), a few times the largest task a job sends
+        // INBOX_QUEUE_BOUND (edge_client/inbox.py), a few times the largest task a job sends
         public long maxQueuedTopicBytes = 128L << 20, maxQueuedBytes = 160L << 20;
+        // the largest message taken; the reader holds no more than the queue's per-topic bytes either
+        // (the Python device's one rule, edge_client/inbox.py: the largest task, 107 MiB, fits)
+        public long maxMessageBytes = 128L << 20;
         public Map<String, Object> info = new LinkedHashMap<>();   // published with presence
         /** Task kinds answered under secure aggregation (e.g. SecureFed3RTask.KIND); they need
          *  signer to be the device's Identity (enrolled with the aggregator) and aggregatorKey. */
@@ -170,10 +172,14 @@ public final class MqttAgent implements AutoCloseable {
     }
 
     /** How the agent reads its inbox (tests/java_device/WireEdges drives it): the Python device's
-     *  reassembly limits (protocols/chunking.py), 4 partial messages and one message's worth of bytes. */
+     *  reassembly limits (protocols/chunking.py, edge_client/inbox.py), 4 partial messages and one
+     *  message's worth of bytes, where no message, and no sender's partial messages together, are
+     *  larger than what the inbox queue holds of one topic (a review found one sender's chunks
+     *  could pin 256 MiB while the queue held 128). */
     public static InboxReader reader(Options options) {
-        return new InboxReader(options.aggregatorKey, options.maxMessageBytes, new Reassembler(300,
-                options.maxMessageBytes, Reassembler.DEFAULT_MAX_PENDING_PER_SENDER, Reassembler.DEFAULT_MAX_PENDING_BYTES));
+        long largest = Math.min(options.maxMessageBytes, options.maxQueuedTopicBytes);
+        return new InboxReader(options.aggregatorKey, largest, new Reassembler(300,
+                largest, Reassembler.DEFAULT_MAX_PENDING_PER_SENDER, Reassembler.DEFAULT_MAX_PENDING_BYTES));
     }
 
     // ---------------- the agent thread ----------------
