@@ -24,11 +24,13 @@ short leaves no bundle that loads and never holds more than one file in memory.
 
 from __future__ import annotations
 
+import collections
 import queue
 import time
 from pathlib import Path
 
 from edge_client.inbox import aggregator_inbox
+from edge_client.work_deadline import seconds_left
 from protocols.bundle_manifest import MANIFEST_FILENAME, MAX_MANIFEST_BYTES, ManifestError, parse_manifest
 from protocols.envelope import MAX_HEADER_BYTES, EnvelopeError
 from protocols.files import write_atomic
@@ -41,10 +43,43 @@ from protocols.topics import AGGREGATOR_ID, Topics
 REPLY_OVERHEAD_BYTES = MAX_HEADER_BYTES + 1024
 MAX_BUNDLE_BYTES = 2 << 30              # what a bundle's files may hold together unless told less
 MAX_PENDING_REPLIES = 4                 # a sender's partial messages held at once (protocols/chunking.py's default)
+FETCH_TIMEOUT_S = 120.0                 # a file's fetch gives up after this (a task's: its time left, if less)
+UNAVAILABLE_FOR_S = 300.0               # how long a device remembers a bundle it could not fetch
+MAX_UNAVAILABLE = 16                    # bundles remembered so at once (a job names one)
 
 
 class ArtifactFetchError(RuntimeError):
     """The bundle could not be fetched intact (timeout, refusal, or a digest mismatch)."""
+
+
+class UnavailableBundles:
+    """Bundles a device could not fetch, each with why, for ``for_s`` after the failure: a job's later
+    tasks decline at once with that reason instead of each waiting out a fetch again (a review's
+    finding: every task of a job whose bundle the aggregator did not serve waited 120 s a file).
+    Past ``for_s`` the bundle is asked for again (the aggregator may have it by then). At most
+    ``limit`` are kept, the oldest failure leaving first."""
+
+    def __init__(self, for_s: float = UNAVAILABLE_FOR_S, limit: int = MAX_UNAVAILABLE):
+        self.for_s, self.limit = for_s, limit
+        self._until: collections.OrderedDict[str, tuple[float, str]] = collections.OrderedDict()
+
+    def note(self, sha: str, reason: str, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self._until.pop(sha, None)
+        self._until[sha] = (now + self.for_s, reason)
+        while len(self._until) > self.limit:
+            self._until.popitem(last=False)
+
+    def reason(self, sha: str, now: float | None = None) -> str | None:
+        """Why ``sha`` could not be fetched, while that is remembered; else None."""
+        self.expire(time.monotonic() if now is None else now)
+        held = self._until.get(sha)
+        return None if held is None else held[1]
+
+    def expire(self, now: float) -> None:
+        """Forget the failures remembered until before ``now``."""
+        for sha in [sha for sha, (until, _) in self._until.items() if until <= now]:
+            del self._until[sha]
 
 
 def _hint(reason: str) -> str:
@@ -56,13 +91,15 @@ def _hint(reason: str) -> str:
 
 
 def fetch_bundle(device_id: str, broker: BrokerConfig, manifest_sha256: str, dest: Path,
-                 topics: Topics = Topics(), timeout_s: float = 120.0, retry_s: float = 5.0,
+                 topics: Topics = Topics(), timeout_s: float = FETCH_TIMEOUT_S, retry_s: float = 5.0,
                  signer=None, client_id: str | None = None, verifier=None,
                  max_bundle_bytes: int = MAX_BUNDLE_BYTES) -> Path:
     """``client_id``: the MQTT client id of the fetch (default: the device id). A running agent
     holds that id already, so fetching on demand needs another one (same account and topics).
     ``verifier``: the aggregator's (``protocols.identity.sender_verifier``), when the device has its key.
-    ``max_bundle_bytes``: the most the manifest's files may hold together."""
+    ``max_bundle_bytes``: the most the manifest's files may hold together. In a task's work
+    (``edge_client.work_deadline``) each file is waited for no longer than the task may still work:
+    its answer is not waited for after that (a review's finding: 120 s a file, whatever the deadline)."""
     dest = Path(dest)
     inbox: queue.Queue = queue.Queue()
     link = MqttLink(client_id or device_id, broker, on_message=lambda t, p: inbox.put(p),
@@ -77,7 +114,9 @@ def fetch_bundle(device_id: str, broker: BrokerConfig, manifest_sha256: str, des
             reply_bytes = size_bytes + REPLY_OVERHEAD_BYTES
             assembler = aggregator_inbox(verifier, max_message_bytes=reply_bytes,
                                          max_pending_bytes_per_sender=MAX_PENDING_REPLIES * reply_bytes)
-            deadline = time.monotonic() + timeout_s
+            left = seconds_left()
+            wait_s = timeout_s if left is None else min(timeout_s, left)
+            deadline = time.monotonic() + wait_s
             next_ask = 0.0
             dropped: list[str] = []              # why the last dropped message was: said at the timeout
             asked: set[str] = set()              # this fetch's asks: only an answer to one ends it
@@ -104,7 +143,7 @@ def fetch_bundle(device_id: str, broker: BrokerConfig, manifest_sha256: str, des
                     return parse_artifact(env, sha)
                 except EnvelopeError as exc:
                     raise ArtifactFetchError(str(exc)) from exc
-            raise ArtifactFetchError(f"no artifact {sha[:16]}… from the aggregator within {timeout_s}s"
+            raise ArtifactFetchError(f"no artifact {sha[:16]}… from the aggregator within {wait_s:.3g}s"
                                      + (f"; a message was dropped: {dropped[0]}{_hint(dropped[0])}" if dropped else ""))
 
         _, manifest_bytes = fetch(manifest_sha256, MAX_MANIFEST_BYTES)

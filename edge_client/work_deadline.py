@@ -42,6 +42,12 @@ def working_until(unix_s: float):
         _UNTIL.reset(token)
 
 
+def seconds_left() -> float | None:
+    """How long the work under way may still run (0 once past its moment); None outside a task."""
+    until = _UNTIL.get()
+    return None if until is None else max(0.0, until - time.time())
+
+
 def stop_if_past() -> None:
     """Raise :class:`PastDeadline` when the work under way has run past its moment."""
     until = _UNTIL.get()

@@ -347,7 +347,10 @@ class FetchedBundles:
     """The device's extractor factory: a job that names a bundle (task param ``bundle_sha256``)
     gets that bundle, fetched from the aggregator over the broker the first time and verified
     file by file (``edge_client.artifacts.fetch_bundle``); a job that names none gets the bundle
-    given at boot (``--bundle-sha``) or, without one, the local extractor (``--runtime``)."""
+    given at boot (``--bundle-sha``) or, without one, the local extractor (``--runtime``). A fetch
+    in a task ends with the task's time (``work_deadline``), and a bundle that could not be fetched
+    declines the next tasks naming it at once, with the same reason, for a few minutes
+    (``edge_client.artifacts.UnavailableBundles``)."""
 
     def __init__(self, device_id: str, broker, topics, bundle_dir: Path, runtime: str, cache_dir: str | None,
                  default: str | None, local, aggregator_key: bytes | None = None, signer=None,
@@ -355,6 +358,7 @@ class FetchedBundles:
         """``aggregator_key``: the device then takes only the aggregator's signed artifact replies;
         ``signer``: the device's, for its requests (an aggregator requiring signatures drops unsigned ones);
         ``disk_budget_bytes``: the most the fetched bundles may hold on disk (None: no bound)."""
+        from edge_client.artifacts import UnavailableBundles
         from edge_client.disk_budget import DiskBudget
         from protocols.identity import sender_verifier
         from protocols.topics import AGGREGATOR_ID
@@ -368,6 +372,7 @@ class FetchedBundles:
         # manifest sha256 -> (extractor, weights sha256), for the last few bundles jobs named, most
         # recent last; a bundle on disk stays until the disk budget needs its room (never while held)
         self._held: collections.OrderedDict[str, tuple] = collections.OrderedDict()
+        self.unavailable = UnavailableBundles()         # bundles a fetch could not bring, and why
         self.lock = threading.Lock()
 
     def get(self, sha: str):
@@ -400,8 +405,10 @@ class FetchedBundles:
     def _fetch(self, sha: str):
         from edge_client.artifacts import fetch_bundle
         from edge_client.features import FeatureExtractor
+        from edge_client.work_deadline import stop_if_past
         from protocols.topics import FETCH_ROLE
 
+        stop_if_past()          # a task past its moment asks for nothing (the fetch ends with its time too)
         # its own MQTT identity (account {id}/fetch where the broker has accounts): the agent's
         # connection stays up while the bundle comes in
         broker = self.broker.for_role(FETCH_ROLE)
@@ -435,12 +442,17 @@ class FetchedBundles:
         if self.runtime == "eager":
             raise TaskDeclined(f"job runs on bundle {sha[:16]}, but this device runs eager torch (use --runtime "
                                "executorch or onnxruntime)")
+        known = self.unavailable.reason(sha)
+        if known is not None:           # failed a moment ago: the job's next task is not held up again
+            raise TaskDeclined(known)
         try:
             extractor, bundle_weights = self.get(sha)
         except (ArtifactFetchError, ArtifactError, OSError, ValueError) as exc:
             # ArtifactError: a bundle with no program for this device's runtime, or a file whose digest
             # differs (a review's finding: they escaped as a task's unexpected error, with a traceback)
-            raise TaskDeclined(f"bundle {sha[:16]} unavailable: {exc}") from exc
+            reason = f"bundle {sha[:16]} unavailable: {exc}"
+            self.unavailable.note(sha, reason)
+            raise TaskDeclined(reason) from exc
         if image_size != extractor.image_size or (weights and weights != bundle_weights):
             raise TaskDeclined(f"job wants {backbone}@{image_size}px weights {weights[:12]}; bundle {sha[:16]} is "
                                f"{extractor.image_size}px weights {bundle_weights[:12]}")

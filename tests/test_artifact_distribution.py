@@ -552,3 +552,32 @@ def test_a_manifest_that_is_not_one_or_lists_more_than_a_fetch_takes_is_refused_
         assert sorted(p.name for p in got.parent.iterdir()) == ["head.pte", "manifest.json"]
     finally:
         link.stop()
+
+
+def test_a_bundle_fetch_in_a_task_waits_no_longer_than_the_task_and_is_not_retried_by_each_task(broker, tmp_path):
+    """A review's finding: a task naming a bundle its device had not fetched waited up to 120 s a
+    file whatever the task's deadline, and a bundle the aggregator did not serve was asked for again
+    by every task of the job, each waiting again. The fetch now ends with the task's time, and the
+    device remembers for a few minutes that the bundle was unavailable: the job's next tasks decline
+    at once with the same reason; past that time it asks again."""
+    import edge_client.artifacts as artifacts_module
+    from edge_client.agent import TaskDeclined
+    from edge_client.work_deadline import PastDeadline, working_until
+    from fedfleet.device import FetchedBundles
+
+    sha = "ab" * 32                         # nobody answers for it: no aggregator on this broker
+    fetched = FetchedBundles("cam1", BrokerConfig.from_url(broker.url), Topics(), tmp_path / "b",
+                             "onnxruntime", None, default=None, local=None)
+    started = time.monotonic()
+    with working_until(time.time() + 2.0), pytest.raises(TaskDeclined, match=f"bundle {sha[:16]} unavailable") as first:
+        fetched("mobilenet_v2", 32, "", bundle_sha256=sha)
+    assert time.monotonic() - started < 15                  # the task's 2 s (and a connect), not 120
+    started = time.monotonic()
+    with working_until(time.time() + 60.0), pytest.raises(TaskDeclined) as again:
+        fetched("mobilenet_v2", 32, "", bundle_sha256=sha)
+    assert time.monotonic() - started < 0.5 and str(again.value) == str(first.value)
+    # remembered for a bounded time only: past it the device asks again (and a task already past its
+    # moment stops before asking)
+    fetched.unavailable.expire(time.monotonic() + artifacts_module.UNAVAILABLE_FOR_S + 1)
+    with working_until(time.time() - 1.0), pytest.raises(PastDeadline):
+        fetched("mobilenet_v2", 32, "", bundle_sha256=sha)
