@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from protocols.secagg import AggregateReady, ClientState, Phase, ReplayedMessage, ServerState, UnexpectedMessage
-from tests.test_secagg_adversarial import Round, resign, wire
+from test_secagg_adversarial import Round, resign, wire
 
 
 def _copying(r: Round, copier: str, owner: str, which: str):
@@ -68,7 +68,7 @@ def test_the_round_log_names_the_refused_member_and_why():
     from aggregator.service.active_job import ActiveJob
     from protocols.payloads.secagg import from_envelope, to_envelope
     from protocols.rounds import RoundClosed
-    from tests.test_secagg_upload_window import _answer, _group
+    from test_secagg_upload_window import _answer, _group
 
     job, clients, stats = _group(upload_window_bytes=2**30, n=8)
     devices = sorted(clients)
