@@ -47,15 +47,15 @@ class SmallRoundReference:
 
     MIN_UPDATES = 3         # a round with fewer is small
     MIN_DEVICES = 3         # small rounds' statistics make a reference once this many devices sent them
-    # the checkpoint's entries of the FedAvg family's reference (``key`` "bounds"; ``keys`` in general)
-    LIMITS = UNPUBLISHED_PREFIX + "bounds.reference"            # float64, one limit per layer
-    POOL_DEVICES = UNPUBLISHED_PREFIX + "bounds.pool_devices"   # str, sorted
-    POOL = UNPUBLISHED_PREFIX + "bounds.pool"                   # float64, a row of statistics per device
+    # a reference's checkpoint entries, under its key: the limits (float64, one per layer), the pool's
+    # devices (str, sorted) and their statistics (float64, a row per device)
+    PARTS = ("reference", "pool_devices", "pool")
+    LIMITS, POOL_DEVICES, POOL = (f"{UNPUBLISHED_PREFIX}bounds.{part}" for part in PARTS)   # the FedAvg family's
     HELD = "a round of one update moves nothing before a reference exists (SmallRoundReference)"
 
     def __init__(self, enabled: bool, layers: Sequence, key: str = "bounds"):
         self.layers = list(layers)
-        self.keys = tuple(f"{UNPUBLISHED_PREFIX}{key}.{part}" for part in ("reference", "pool_devices", "pool"))
+        self.keys = tuple(f"{UNPUBLISHED_PREFIX}{key}.{part}" for part in self.PARTS)
         self.enabled = bool(enabled) and bool(self.layers)
         self.limits: np.ndarray | None = None
         self.pool: dict[str, np.ndarray] = {}
