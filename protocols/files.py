@@ -42,47 +42,65 @@ def read_npy_header(stream) -> tuple[tuple[int, ...], bool, np.dtype]:
 
 
 def read_npz(data: bytes, max_bytes: int = MAX_NPZ_BYTES) -> dict[str, np.ndarray]:
-    """Every array of an .npz held in memory (never a pickle), its headers parsed under
-    NPY_HEADER_LOCK: what any thread that reads a model or a checkpoint calls. At most ``max_bytes``
-    once inflated, checked before anything is inflated (:func:`check_npz_size`); ValueError for
-    anything else."""
-    check_npz_size(data, max_bytes)
-    with NPY_HEADER_LOCK, np.load(io.BytesIO(data), allow_pickle=False) as z:
-        return {k: z[k] for k in z.files}
+    """Every array of an .npz held in memory (never a pickle): what any thread that reads a model
+    or a checkpoint calls. One pass over the archive, each header parsed once under
+    NPY_HEADER_LOCK; ValueError for anything else than arrays of plain dtypes.
 
-
-def check_npz_size(data: bytes, max_bytes: int) -> None:
-    """Refuse an .npz that would inflate past ``max_bytes``, before any member is inflated: a 1.5 MiB
-    archive of zeros is a 1.5 GiB array, which the size of the file read (``read_job_input``'s
-    bound) says nothing of. The members' sizes in the archive's directory bound what inflating
-    can produce (zipfile stops at them and fails the CRC past them); each member must be a .npy
-    whose header declares no more data than the member holds, since numpy allocates the declared
-    shape before it reads. Each member's name ends in ``.npy`` and no two name the same array: numpy
-    takes ``weight`` and ``weight.npy`` as one name and reads one of them, Java's reader another
-    (a review's finding: one file, two heads)."""
+    Nothing is inflated before the whole archive is judged: a 1.5 MiB archive of zeros is a
+    1.5 GiB array, which the size of the file read (``read_job_input``'s bound) says nothing of.
+    The members' sizes in the archive's directory bound what inflating can produce (zipfile stops
+    at them and fails the CRC past them), and their sum must be at most ``max_bytes``; each
+    member's header must declare no more data than the member holds, checked before its array is
+    allocated. Each member's name ends in ``.npy`` and no two name the same array: numpy takes
+    ``weight`` and ``weight.npy`` as one name and reads one of them, Java's reader another (a
+    review's finding: one file, two heads)."""
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as archive:
             members = archive.infolist()
-            seen: set[str] = set()
-            for member in members:          # one pass: an archive may list very many members
-                if not member.filename.endswith(".npy") or member.filename in seen:
-                    raise ValueError(f".npz member {member.filename[:100]!r}: every member must be one array "
-                                     "named *.npy, named once")
-                seen.add(member.filename)
+            _check_member_names(members)
             inflated = sum(member.file_size for member in members)
             if inflated > max_bytes:
                 raise ValueError(f".npz inflates to {inflated:,} bytes, more than {max_bytes:,}")
+            arrays = {}
             for member in members:
                 with archive.open(member) as stream:
-                    try:
-                        shape, _, dtype = read_npy_header(stream)
-                    except ValueError as exc:
-                        raise ValueError(f".npz member {member.filename[:100]!r} is not an .npy array: {exc}") from None
-                if math.prod(shape) * dtype.itemsize > member.file_size:
-                    raise ValueError(f".npz member {member.filename[:100]!r}: its header declares {shape} of "
-                                     f"{dtype}, more than its {member.file_size:,} bytes")
+                    arrays[member.filename[:-len(".npy")]] = _read_member_array(member, stream)
+            return arrays
     except (zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError, EOFError, OSError) as exc:
         raise ValueError(f"not a readable .npz archive: {exc}") from None
+
+
+def _check_member_names(members: list[zipfile.ZipInfo]) -> None:
+    seen: set[str] = set()
+    for member in members:          # one pass: an archive may list very many members
+        if not member.filename.endswith(".npy") or member.filename in seen:
+            raise ValueError(f".npz member {member.filename[:100]!r}: every member must be one array "
+                             "named *.npy, named once")
+        seen.add(member.filename)
+
+
+def _read_member_array(member: zipfile.ZipInfo, stream) -> np.ndarray:
+    """The array one .npy member holds, its bytes read straight into a fresh array; what
+    ``np.lib.format.read_array`` gives with ``allow_pickle=False``."""
+    name = repr(member.filename[:100])
+    try:
+        shape, fortran_order, dtype = read_npy_header(stream)
+    except ValueError as exc:
+        raise ValueError(f".npz member {name} is not an .npy array: {exc}") from None
+    if dtype.hasobject:
+        raise ValueError(f".npz member {name} holds Python objects, which are never loaded")
+    if math.prod(shape) * dtype.itemsize > member.file_size:
+        raise ValueError(f".npz member {name}: its header declares {shape} of {dtype}, more than its "
+                         f"{member.file_size:,} bytes")
+    array = np.empty(shape[::-1] if fortran_order else shape, dtype=dtype)
+    view = memoryview(array.reshape(-1).view(np.uint8)) if array.size else memoryview(b"")
+    filled = 0
+    while filled < len(view):
+        got = stream.readinto(view[filled:])
+        if not got:
+            raise ValueError(f".npz member {name}: its data ends after {filled:,} of {len(view):,} bytes")
+        filled += got
+    return array.T if fortran_order else array
 
 
 def file_sha256(path: str | Path) -> str:

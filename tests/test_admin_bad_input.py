@@ -321,6 +321,36 @@ def test_an_npz_is_refused_before_it_inflates_past_its_bound():
             read_npz(garbage)
 
 
+def test_read_npz_gives_numpys_arrays_and_refuses_short_data_and_objects():
+    """read_npz reads each member in one pass (its header parsed once): the arrays numpy's own
+    reader gives, dtype, shape, memory order and bytes, for every layout a model file may hold;
+    a member whose data ends early, or that holds Python objects, is one ValueError."""
+    import io
+
+    from protocols.files import read_npz
+
+    rng = np.random.default_rng(0)
+    arrays = {"dense": rng.normal(size=(3, 4)), "fortran": np.asfortranarray(rng.normal(size=(5, 2, 3)).astype(">f4")),
+              "empty": np.zeros((0, 3)), "scalar": np.array(3.5), "ints": np.arange(10, dtype=np.int16),
+              "record": np.array([(1, 2.0)], dtype=[("x", "<i4"), ("y", "<f8")]), "text": np.array(["ab", "c"])}
+    for save in (np.savez, np.savez_compressed):
+        buffer = io.BytesIO()
+        save(buffer, **arrays)
+        got, expected = read_npz(buffer.getvalue()), dict(np.load(io.BytesIO(buffer.getvalue())))
+        assert list(got) == list(expected) == list(arrays)
+        for name, array in expected.items():
+            assert got[name].dtype == array.dtype and got[name].shape == array.shape, name
+            assert got[name].flags.f_contiguous == array.flags.f_contiguous and got[name].flags.writeable, name
+            assert got[name].tobytes("A") == array.tobytes("A"), name
+    short = _zip_of({"w.npy": _npy_header((20,)) + bytes(40)})      # 128 + 40 bytes: passes the size check
+    with pytest.raises(ValueError, match=r"'w.npy': its data ends after 40 of 160 bytes"):
+        read_npz(short)
+    buffer = io.BytesIO()
+    np.savez(buffer, objects=np.array([1, {}], dtype=object))
+    with pytest.raises(ValueError, match="holds Python objects"):
+        read_npz(buffer.getvalue())
+
+
 @pytest.mark.parametrize("kind", ["fedavg", "ladd"])
 def test_a_job_file_that_inflates_past_a_job_files_bound_is_refused(kind, tmp_path, monkeypatch):
     """The same through the jobs that read .npz inputs: the job is not built, with one error that
