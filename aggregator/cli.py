@@ -23,7 +23,7 @@ from aggregator.compute.mask_expansion import cpu_mask_expansion_plan
 from aggregator.service.artifacts import ArtifactShelf, with_served_bundle
 from aggregator.service.settings import ServiceSettings
 from aggregator.shards.buckets import check_shard_count
-from aggregator.jobs.registry import KINDS, build_job, validate_job_config
+from aggregator.jobs.registry import KINDS, build_job, checked_config
 from aggregator.storage.schema import JobState
 
 
@@ -115,7 +115,7 @@ def serve(args) -> int:
     settings = service_settings(args)                                     # so do bad service options
     config = load_json_file(args.config, "--config") if args.config else None
     if config is not None:
-        validate_job_config(args.kind, config)                             # a bad config fails before the broker
+        checked_config(args.kind, config)           # a bad config, or a task no device takes, fails before the broker
     eval_set = read_eval_features(args.eval_features) if args.eval_features else None
     if forks_workers(args, settings):
         # before the service's first thread and before a job or device touches CUDA: the workers'

@@ -27,6 +27,7 @@ import numpy as np
 
 from protocols import messages as M
 from protocols.chunking import DEFAULT_CHUNK_SIZE, encode_parts
+from protocols.device_inbox import DEVICE_INBOX_BOUND     # the bound: what its topics hold unread
 from protocols.device_session import (AckArrived, DeviceSession, DeviceState, ResultSent, SendDecline, SendResult,
                                       SkipTask, StartWork, TaskArrived, Tick, WorkFailed, WorkFinished, WorkStopped)
 from protocols.envelope import Envelope, EnvelopeError, encode
@@ -37,7 +38,7 @@ from protocols.payloads.stateful import foreign_job
 from protocols.identity import sender_verifier
 from protocols.topics import AGGREGATOR_ID, Topics
 
-from edge_client.inbox import INBOX_QUEUE_BOUND, aggregator_inbox     # the bound: what its topics hold unread
+from edge_client.inbox import aggregator_inbox
 from edge_client.session_memory import SESSION_FILE, SessionMemoryFile
 from edge_client.state import DeviceStateStore
 from edge_client.work_deadline import PastDeadline, working_until
@@ -185,7 +186,7 @@ class DeviceAgent:
                         "development mode only")
         # what the link receives, handled on the agent's thread (or when a device host pumps it)
         self.loop = MessageLoop(self._handle, self._tick, tick_s, name=f"agent-{device_id}", failed=self._failed,
-                                bound=INBOX_QUEUE_BOUND)
+                                bound=DEVICE_INBOX_BOUND)
         offline = M.presence_message(device_id, "offline")
         # The link is the agent's only I/O: a threaded paho link on a real device, a link on a shared
         # event loop when one process hosts thousands of emulated devices (fedfleet.emulation.host).

@@ -289,7 +289,7 @@ def test_a_flood_on_the_inbox_while_the_agent_works_is_dropped_unread_beyond_its
     import edge_client.agent as agent_module
     from protocols.message_loop import QueueBound
 
-    monkeypatch.setattr(agent_module, "INBOX_QUEUE_BOUND", QueueBound(2 << 20, 3 << 20))
+    monkeypatch.setattr(agent_module, "DEVICE_INBOX_BOUND", QueueBound(2 << 20, 3 << 20))
     working, release = threading.Event(), threading.Event()
 
     def slow(params, tensors):

@@ -20,6 +20,7 @@ def files(tmp_path_factory):
     (d / "unknown.json").write_text(json.dumps({"devices": 3, "bogus_field": 1}))
     (d / "job.json").write_text(json.dumps({"num_classes": 10}))
     (d / "huge.json").write_text(json.dumps({"num_classes": 10 ** 9}))
+    (d / "wide.json").write_text(json.dumps({"num_classes": 20_000, "feature_dim": 1280}))
     (d / "list.json").write_text("[1, 2]")
     (d / "deep.json").write_text("[" * 100_000)
     (d / "creds.json").write_text(json.dumps({"device_id": "cam1", "mqtt_username": "cam1", "mqtt_password": "x"}))
@@ -54,6 +55,9 @@ CASES = [
     ("serve: missing config", ["aggregator", "serve", "--out", "{d}/o", "--config", "{d}/nope.json"], "does not exist"),
     ("serve: bad JSON", ["aggregator", "serve", "--out", "{d}/o", "--config", "{d}/bad.json"], "not valid JSON"),
     ("serve: over a limit", ["aggregator", "serve", "--out", "{d}/o", "--config", "{d}/huge.json"], "num_classes"),
+    # a review's finding: a task larger than any device takes was served, and declined by them all
+    ("serve: a task no device takes", ["aggregator", "serve", "--out", "{d}/o", "--kind", "scaffold", "--config",
+                                       "{d}/wide.json", "--broker", "mqtt://127.0.0.1:1"], "a device takes in one message"),
     ("serve: missing eval features", ["aggregator", "serve", "--out", "{d}/o", "--config", "{d}/job.json",
                                       "--eval-features", "{d}/nope.npz"], "--eval-features"),
     # a review's finding: an .npz header declaring 745 GiB was allocated (a MemoryError traceback)

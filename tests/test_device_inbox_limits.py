@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from edge_client.inbox import INBOX_QUEUE_BOUND, aggregator_inbox
+from edge_client.inbox import aggregator_inbox
+from protocols.device_inbox import DEVICE_INBOX_BOUND
 from protocols.envelope import MAX_HEADER_BYTES
 
 torch = pytest.importorskip("torch")
@@ -24,5 +25,5 @@ def test_the_largest_ladd_task_fits_the_agents_inbox():
     assert values == 9_331_569           # tests/test_java_wire_edges.py's LARGEST_TASK_BYTES
     largest_task = 3 * 4 * values + MAX_HEADER_BYTES
     reassembler = aggregator_inbox().reassembler
-    assert largest_task <= reassembler.max_message_bytes == INBOX_QUEUE_BOUND.source_bytes
-    assert reassembler.max_pending_bytes_per_sender == INBOX_QUEUE_BOUND.source_bytes
+    assert largest_task <= reassembler.max_message_bytes == DEVICE_INBOX_BOUND.source_bytes
+    assert reassembler.max_pending_bytes_per_sender == DEVICE_INBOX_BOUND.source_bytes

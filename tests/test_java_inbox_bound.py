@@ -3,7 +3,8 @@ topic and in all (a review's finding: its queue was bounded by count, 1,024 mess
 256 MiB each, so anyone who may publish to a busy device's inbox could fill its heap). The same
 random offers and takes go through ``org.fedfleet.device.InboxQueue`` and through
 ``protocols.message_loop.MessageLoop``; every decision must agree, and the Java agent's default
-bound must be the Python agent's."""
+bound, and the largest message it takes, must be the devices' one rule
+(``protocols/device_inbox.py``, what the Python agent uses and the aggregator sizes tasks by)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 
 import java_build
-from edge_client.agent import INBOX_QUEUE_BOUND
+from protocols.device_inbox import DEVICE_INBOX_BOUND, LARGEST_DEVICE_MESSAGE_BYTES
 from protocols.message_loop import MESSAGE_OVERHEAD_BYTES, MessageLoop, QueueBound
 
 pytestmark = pytest.mark.skipif(java_build.missing() is not None, reason=str(java_build.missing()))
@@ -53,8 +54,8 @@ def test_the_java_inbox_keeps_and_drops_what_the_python_loop_does():
                           input="\n".join(json.dumps(c) for c in cases) + "\n", capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     first, waited, *lines = [json.loads(line) for line in proc.stdout.splitlines()]
-    assert first == {"agent": [INBOX_QUEUE_BOUND.source_bytes, INBOX_QUEUE_BOUND.total_bytes],
-                     "overhead": MESSAGE_OVERHEAD_BYTES}
+    assert first == {"agent": [DEVICE_INBOX_BOUND.source_bytes, DEVICE_INBOX_BOUND.total_bytes],
+                     "message": LARGEST_DEVICE_MESSAGE_BYTES, "overhead": MESSAGE_OVERHEAD_BYTES}
     assert waited["got"] == 1 and waited["left"] == 0 and 150 <= waited["waited_ms"] < 4000    # woken by the offer
     assert len(lines) == len(cases)
     drops = 0

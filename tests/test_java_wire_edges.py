@@ -361,8 +361,8 @@ def test_the_agents_inbox_takes_no_message_larger_than_its_queue_holds_of_one_to
     agents now take no message, and no sender's partial messages together, larger than the queue's
     128 MiB per topic: the first chunk announcing more is refused unheld, by one rule on both; the
     largest task a job sends still passes (a bundle file comes through the fetch's own assembler)."""
-    from edge_client.inbox import INBOX_QUEUE_BOUND
-    bound = INBOX_QUEUE_BOUND.source_bytes
+    from protocols.device_inbox import DEVICE_INBOX_BOUND
+    bound = DEVICE_INBOX_BOUND.source_bytes
     assert LARGEST_TASK_BYTES <= bound
     totals = [LARGEST_TASK_BYTES, bound, bound + 1, 300 << 20]
     cases = [one(f"a message of {total} bytes", first_chunk(total, k)) for k, total in enumerate(totals)]

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from protocols.device_inbox import TensorShape
 from protocols.envelope import Envelope
 from protocols.rounds import RoundClosed
 
@@ -52,6 +53,16 @@ class JobConfig:
 
     def device_bundle_sha256(self) -> str:
         """The exported bundle the devices must run (its manifest's sha256), "" when the job names none."""
+        return ""
+
+    def task_tensors(self) -> dict[str, TensorShape]:
+        """The tensors the largest task this job sends carries, as (wire dtype, shape), from the config
+        alone: what ``aggregator/jobs/task_size.py`` holds to the devices' inbox bound before the job
+        is stored or built. None by default; a kind whose tasks carry tensors declares them."""
+        return {}
+
+    def task_size_remedy(self) -> str:
+        """What makes this kind's task smaller, said when it is refused as too large."""
         return ""
 
     def to_dict(self) -> dict:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from protocols.device_inbox import TensorShape
 from protocols.envelope import Envelope, EnvelopeError, body_field
 from protocols.payloads.fed3r import (B_FORMATS, CENTER_TENSOR, KIND, STATS_DTYPES, Fed3RStats, Fed3RStatsParams,
                                       RandomFeaturesSpec, parse_stats)
@@ -107,6 +108,10 @@ class Fed3RConfig(Fed3RRobustnessFields, PrivacyBudgetFields, ModelFields):
             # clip F; centring only takes the shared mean out of a row, so F_c > F would buy nothing
             raise ValueError(f"dp_center_clip_norm {self.dp_center_clip_norm} must not exceed feature_clip_norm "
                              f"{self.feature_clip_norm}: the centred rows' clip is the tighter one")
+
+    def task_tensors(self) -> dict[str, TensorShape]:
+        """A centred round's task carries the released feature center (``dp_center.py``: float64)."""
+        return {CENTER_TENSOR: ("float64", (self.feature_dim,))} if self.dp_center_devices else {}
 
     @property
     def row_clip_norm(self) -> float:

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from protocols.device_inbox import TensorShape
 from protocols.envelope import Envelope, body_field
 from protocols.payloads.fedavg import (KIND, HeadTrainingParams, HeadUpdate, LocalTraining, ModelUpdate, head_tensors,
                                       parse_head_update)
@@ -102,6 +103,9 @@ class FedAvgConfig(ServerOptimizerFields, LocalRuleFields, ServedModelFields, Fe
         super().check_stored()
         if self.init == "fed3r" and not self.initial_head_file:   # from_fed3r hands the head itself
             raise ValueError("init 'fed3r' needs initial_head_file (a Fed3R job's model.npz)")
+
+    def task_tensors(self) -> dict[str, TensorShape]:
+        return self.head_task_tensors()         # FedAvgJob.task_for: the head (a tail kind's tail besides)
 
     @property
     def device_lr(self) -> float:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from protocols.device_inbox import TensorShape
 from protocols.envelope import EnvelopeError
 from protocols.payloads.artifacts import check_sha
 from protocols.payloads.task_params import ModelSpec
@@ -20,7 +21,9 @@ from aggregator.jobs.config_limits import SHA256_OR_EMPTY, Pattern, Range, limit
 
 # the head's C x (d + 1) parameters, which Fed3R's dense B, FedAvg's head and its optimiser state
 # each hold in float64: 2^25 of them is 256 MiB per copy (26,000 classes of 1,280 features); the
-# two limits alone would let a config ask for 6.5 GB per copy at job start
+# two limits alone would let a config ask for 6.5 GB per copy at job start. The task a device is
+# sent is the tighter bound where the head rides in it (aggregator/jobs/task_size.py: at most 128
+# MiB, float32, with whatever rides beside it: Scaffold's control halves the classes)
 MAX_HEAD_ENTRIES = 1 << 25
 
 
@@ -58,6 +61,13 @@ class ModelFields(JobConfig):
 
     def device_bundle_sha256(self) -> str:
         return self.bundle_sha256
+
+    def head_task_tensors(self) -> dict[str, TensorShape]:
+        """The classifier head as a task carries it (``protocols.payloads.fedavg.head_tensors``: float32)."""
+        return {"weight": ("float32", (self.num_classes, self.feature_dim)), "bias": ("float32", (self.num_classes,))}
+
+    def task_size_remedy(self) -> str:
+        return "fewer classes (num_classes) or a smaller feature_dim"
 
     def model_spec(self) -> ModelSpec:
         """The task params that say which model the device must run."""

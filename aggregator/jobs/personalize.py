@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from protocols.device_inbox import TensorShape
 from protocols.envelope import Envelope
 from protocols.payloads.fedavg import TAIL_PREFIX, head_tensors
 from protocols.payloads.personalize import (FALLBACKS, FP_PARTS, KIND, METHODS, PERSONAL, PersonalizationReport,
@@ -69,6 +70,9 @@ class PersonalizeConfig(ModelFields):
     # a device's held-out count weighs at most this x the reports' median in the WMA (0: off): the
     # counts are the devices' own claims, and one claiming n_test = 10^9 made every WMA its own
     weight_bound_multiplier: float = limited(10.0, Range(0, 1e6))
+
+    def task_tensors(self) -> dict[str, TensorShape]:
+        return self.head_task_tensors()         # with a fine-tuned tail's tensors from head_file besides
 
     def __post_init__(self):
         super().__post_init__()

@@ -48,6 +48,7 @@ from aggregator.jobs.secure_fedavg import (SecureDittoConfig, SecureDittoJob, Se
                                            SecureTailFedAvgJob)
 from aggregator.jobs.secure_scaffold import SecureScaffoldConfig, SecureScaffoldJob
 from aggregator.jobs.secure_ladd import SecureLaddConfig, SecureLaddJob
+from aggregator.jobs.task_size import check_task_fits
 from aggregator.shards.control_sums import ControlledRoundSums
 from aggregator.shards.fed3r_sums import Fed3RSums
 from aggregator.shards.fedavg_sums import FedAvgRoundSums
@@ -157,18 +158,24 @@ def validate_job_config(kind: str, config: dict) -> None:
     validate_config(kind, kind_of(kind).config_cls, config)
 
 
-def build_job(kind: str, config: dict):
+def checked_config(kind: str, config: dict):
+    """The config object of ``config``: its fields, their cross-field rules, and its task held to
+    what a device takes in one message (``aggregator/jobs/task_size.py``)."""
     validate_job_config(kind, config)
-    spec = kind_of(kind)
-    return spec.build(spec.config_cls(**config))
+    built = kind_of(kind).config_cls(**config)
+    check_task_fits(kind, built)
+    return built
+
+
+def build_job(kind: str, config: dict):
+    return kind_of(kind).build(checked_config(kind, config))
 
 
 def full_config(kind: str, config: dict) -> dict:
     """The config with every default made explicit and the kind's default job id (what is stored)."""
     validate_job_config(kind, config)
-    config_cls = kind_of(kind).config_cls
-    job_id = config.get("job_id") or config_cls.__dataclass_fields__["job_id"].default
-    built = config_cls(**{**config, "job_id": job_id})
+    job_id = config.get("job_id") or kind_of(kind).config_cls.__dataclass_fields__["job_id"].default
+    built = checked_config(kind, {**config, "job_id": job_id})
     built.check_stored()                  # refused at create, not when the stored job starts
     return built.to_dict()
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from protocols.clipping import clip_update, global_norm
+from protocols.device_inbox import TensorShape
 from protocols.envelope import Envelope, body_field
 from protocols.payloads.scaffold import CONTROL, HEAD, KIND, ScaffoldParams, ScaffoldUpdate, parse_control_update
 from protocols.rounds import RoundClosed
@@ -53,6 +54,15 @@ class ScaffoldConfig(FedAvgConfig, DeviceStateFields):
             raise ValueError(f"total_devices must be an integer >= 0, got {self.total_devices!r}")
         if not 0 < self.control_clip_norm < float("inf"):
             raise ValueError(f"control_clip_norm must be a finite number > 0, got {self.control_clip_norm!r}")
+
+    def task_tensors(self) -> dict[str, TensorShape]:
+        """The head and, beside it, the server control c over what the devices train (the head)."""
+        return with_controls(super().task_tensors(), HEAD)
+
+
+def with_controls(tensors: dict[str, TensorShape], controlled) -> dict[str, TensorShape]:
+    """A task's tensors plus the server control c of each ``controlled`` one (ScaffoldControls.task_for)."""
+    return {**tensors, **{CONTROL + name: tensors[name] for name in controlled if name in tensors}}
 
 
 def clip_to_norm(tensors: dict[str, np.ndarray], bound: float) -> dict[str, np.ndarray]:

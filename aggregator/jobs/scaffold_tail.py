@@ -15,16 +15,23 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from protocols.payloads.scaffold import KIND_TAIL, ScaffoldTailParams
+from protocols.device_inbox import TensorShape
+from protocols.payloads.fedavg import TAIL_TRAIN_MODES
+from protocols.payloads.scaffold import HEAD, KIND_TAIL, ScaffoldTailParams
 
 from aggregator.compute.tail_program import TailProgram
 from aggregator.jobs.fedavg_tail import TailFedAvgConfig, TailFedAvgJob
-from aggregator.jobs.scaffold import ScaffoldConfig, ScaffoldControls
+from aggregator.jobs.scaffold import ScaffoldConfig, ScaffoldControls, with_controls
 
 
 @dataclass
 class ScaffoldTailConfig(TailFedAvgConfig, ScaffoldConfig):
     job_id: str = "scaffold-tail"
+
+    def task_tensors(self) -> dict[str, TensorShape]:
+        """The head, and its control when the devices train it (FT(M)); the tail's tensors and
+        their controls come from the tail program, not the config."""
+        return with_controls(self.head_task_tensors(), HEAD if TAIL_TRAIN_MODES[self.train] else ())
 
 
 class ScaffoldTailJob(ScaffoldControls, TailFedAvgJob):

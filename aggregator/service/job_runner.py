@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from protocols import messages as M
+from protocols.device_inbox import check_fits_device_inbox, shapes_of
 from protocols.envelope import Envelope
 from protocols.rounds import (ApplyResult, Declined, DeviceLost, GroupSettled, RecordDeclined, RecordRejected, RefuseTask,
                               ResultArrived, ResultInvalid, RoundClosed, RoundCoordinator, SendAck, Tick)
@@ -442,6 +443,9 @@ class JobRunner:
         msg = M.task_message(AGGREGATOR_ID, a.job_id, round_, a.job.kind, params, deadline, device=device)
         msg.id = task_id                             # the same id on every re-send: devices dedupe by it
         msg.tensors.update(tensors)
+        # what a config cannot declare (a tail program's, a pretrained network's tensors) is held to
+        # the devices' bound here: the round does not open (aggregator/jobs/task_size.py checked the rest)
+        check_fits_device_inbox(f"job {a.job_id}'s task", shapes_of(msg.tensors))
         return msg
 
     # ------------------------------------------------------------------ output

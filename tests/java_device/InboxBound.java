@@ -3,8 +3,8 @@
 // loop (protocols/message_loop.py) on the same operations.
 // One JSON line per case on stdin: {"topic_bytes": n, "total_bytes": n, "ops": [["offer", topic, bytes] | ["take"], ...]}.
 // Prints one line per case: {"out": [true | false (an offer kept or dropped) | the taken item's index or null, ...],
-// "dropped": n}; and first a line {"agent": [topic bytes, total bytes], "overhead": n}: MqttAgent's default
-// bound and what a message costs beyond its payload, then {"waited_ms", "got", "left"}: a take that
+// "dropped": n}; and first a line {"agent": [topic bytes, total bytes], "message": n, "overhead": n}:
+// MqttAgent's default bound, the largest message it takes, and what a message costs beyond its payload, then {"waited_ms", "got", "left"}: a take that
 // waited for another thread's offer.
 import java.io.BufferedReader;
 import java.io.InputStreamReader;
@@ -18,7 +18,8 @@ public final class InboxBound {
     @SuppressWarnings("unchecked")
     public static void main(String[] args) throws Exception {
         MqttAgent.Options defaults = new MqttAgent.Options();
-        System.out.println("{\"agent\": [" + defaults.maxQueuedTopicBytes + ", " + defaults.maxQueuedBytes + "], \"overhead\": "
+        System.out.println("{\"agent\": [" + defaults.maxQueuedTopicBytes + ", " + defaults.maxQueuedBytes + "], \"message\": "
+                + defaults.maxMessageBytes + ", \"overhead\": "
                 + InboxQueue.MESSAGE_OVERHEAD_BYTES + "}");
         // a take that waits: another thread offers 200 ms later, as the connection's thread would
         InboxQueue<Integer> waiting = new InboxQueue<>("wait", 1 << 20, 1 << 20);

@@ -47,11 +47,12 @@ public final class MqttAgent implements AutoCloseable {
         public String username, password;
         public int chunkSize = Chunker.DEFAULT_CHUNK_SIZE;
         public double retryAfterS = 10.0, tickS = 0.5, publishTimeoutS = 60.0;
-        // what waits unread for the agent thread, per topic and in all: the Python device's
-        // INBOX_QUEUE_BOUND (edge_client/inbox.py), a few times the largest task a job sends
+        // what waits unread for the agent thread, per topic and in all: the devices' one rule,
+        // DEVICE_INBOX_BOUND (protocols/device_inbox.py), a few times the largest task a job sends
         public long maxQueuedTopicBytes = 128L << 20, maxQueuedBytes = 160L << 20;
         // the largest message taken; the reader holds no more than the queue's per-topic bytes either
-        // (the Python device's one rule, edge_client/inbox.py: the largest task, 107 MiB, fits)
+        // (the same rule: the aggregator refuses a job whose task would be larger, and
+        // tests/test_java_inbox_bound.py holds these defaults to protocols/device_inbox.py)
         public long maxMessageBytes = 128L << 20;
         public Map<String, Object> info = new LinkedHashMap<>();   // published with presence
         /** Task kinds answered under secure aggregation (e.g. SecureFed3RTask.KIND); they need
