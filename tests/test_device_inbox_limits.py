@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from edge_client.inbox import aggregator_inbox
-from protocols.device_inbox import DEVICE_INBOX_BOUND
+from protocols.device_inbox import DEVICE_INBOX_BOUND, message_bytes_at_most
 from protocols.envelope import MAX_HEADER_BYTES
 
 torch = pytest.importorskip("torch")
@@ -23,7 +23,8 @@ def test_the_largest_ladd_task_fits_the_agents_inbox():
                               aspp_rates=tuple(range(1, S.MAX_ASPP_RATES + 1)))
     values = sum(v.numel() for v in S.SegmentationModel(spec, pretrained_encoder=False).state_dict().values())
     assert values == 9_331_569           # tests/test_java_wire_edges.py's LARGEST_TASK_BYTES
-    largest_task = 3 * 4 * values + MAX_HEADER_BYTES
+    largest_task = message_bytes_at_most({name: ("float32", (values,)) for name in ("model", "teacher", "kd")})
+    assert largest_task == 3 * 4 * values + MAX_HEADER_BYTES + 8        # the prefix, a header at its limit
     reassembler = aggregator_inbox().reassembler
     assert largest_task <= reassembler.max_message_bytes == DEVICE_INBOX_BOUND.source_bytes
     assert reassembler.max_pending_bytes_per_sender == DEVICE_INBOX_BOUND.source_bytes
