@@ -1,14 +1,16 @@
 """The device's replay guard on disk: what its round session remembers across restarts.
 
 :class:`protocols.device_session.DeviceSession` skips a task created before the last task of its job the
-device started (a captured task re-published) and declines an expired task once per job. That
+device started (a captured task re-published), and that last task too once it was answered, and
+declines an expired task once per job. That
 memory is a few dozen small entries; kept only in the process, a restarted device would run a
 captured task once more while its deadline lasts. A device with a state folder (``fedfleet device
 --state-dir``) keeps it there, in ``session.json``:
 
 * written atomically (``protocols.files.write_atomic``: synced temp file, rename, folder synced)
   each time it changes, *before* the task's work starts, so a device killed mid-task still skips
-  that task's replay;
+  that task's replay, and before its answer is sent, so a restarted device (which keeps no
+  answers) skips the answered task's replay instead of running it again;
 * read once when the agent starts: a regular file of at most ``MAX_MEMORY_BYTES``, strict JSON as
   the envelope's header is read (``parse_strict_json``: no NaN, no duplicate keys, integers within
   the wire's range, nesting bounded), every entry checked; a torn or malformed file is refused
@@ -45,7 +47,9 @@ from edge_client.state import TEMP_PREFIX
 log = logging.getLogger("fedfleet.device")
 
 SESSION_FILE = "session.json"
-MAX_MEMORY_BYTES = 256 * 1024     # 64 jobs x (a 256-character id, a task id, a ts) in JSON, with room
+# 64 jobs x (a 256-character id, a task id, a ts, the id again declined and again answered) in JSON,
+# with room: 4-byte characters make that 264 KB
+MAX_MEMORY_BYTES = 320 * 1024
 
 
 class SessionMemoryFile:

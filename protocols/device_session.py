@@ -24,7 +24,11 @@ task's deadline once more.
 A task delivered again after it was answered gets the same answer (its kept result, same
 message id, or its decline: a declined task never runs again), at most ``max_retries`` times: the
 aggregator re-sends a task only to a device it still waits for, so more is a replayer's, and each
-replay re-sent a 6.6 MB result before. Expired declines are at most one per
+replay re-sent a 6.6 MB result before. Answers are kept for the last ``keep_finished`` tasks only
+(and not across a restart); what outlives them is one flag per job, in its memory: its last task
+started was answered. That task, signed no later than when it started (the captured message), is
+then skipped; before, it ran again, each replay the work and a fresh update. The aggregator's own
+re-send comes in a new envelope, signed later, and runs: the device has no answer left to give. Expired declines are at most one per
 ``EXPIRED_DECLINE_GAP_S`` of the device's clock, whatever the job.
 """
 
@@ -35,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .messages import TaskRef
-from .replay_guard import memory_layout, parse_memory
+from .replay_guard import LastStart, memory_layout, parse_memory
 from .transition_table import ANY, Transition, TransitionTable
 
 @dataclass(frozen=True)
@@ -122,6 +126,7 @@ class SkipTask:
 # same; the agent logs the numbers)
 EXPIRED = "its deadline has passed"
 STALE = "created before the last task of its job this device started"
+ANSWERED = "answered already by this device, its answer no longer kept"
 EXPIRED_DECLINE = ("received after its deadline by this device's clock: is the clock ahead? (devices need "
                    "NTP-close clocks; later expired tasks of this job are skipped silently)")
 EXPIRED_AT_WORK_DECLINE = ("its deadline passed during the work by this device's clock: is the clock ahead? (devices "
@@ -153,9 +158,10 @@ class DeviceSession:
     keep_acked_results: bool = True
     state: DeviceState = DeviceState.IDLE
     current: TaskRef | None = None
-    # job -> (its last task started, that task's signed ts): another task of the job created before
-    # it is a replay (a job re-created under the same id creates its tasks later, and runs)
-    last_started: dict[str, tuple[TaskRef, float]] = field(default_factory=dict)
+    # job -> its last task started, that task's signed ts, whether it was answered: another task of
+    # the job created before it is a replay (a job re-created under the same id creates its tasks
+    # later, and runs), and so is that task again, once answered, unless the aggregator sent it anew
+    last_started: dict[str, LastStart] = field(default_factory=dict)
     expired_declined: dict[str, bool] = field(default_factory=dict)   # jobs told once that a task came expired
     expired_told_at: float | None = None         # the device's clock at the last expired decline (not kept)
     # tasks answered (a result or a decline), for redelivery, and how often each was answered again:
@@ -175,7 +181,8 @@ class DeviceSession:
     # -- what a device keeps across restarts (its replay guard) ----------------------------------
     def memory(self) -> dict:
         """The per-job memory the replay rows read, as JSON data (oldest job first): each job's last
-        task started with its signed ts, and the jobs told once that a task came expired."""
+        task started with its signed ts, the jobs told once that a task came expired, and the jobs
+        whose last task started was answered."""
         return memory_layout(self.last_started, self.expired_declined)
 
     def recall(self, memory, now: float | None = None) -> None:
@@ -187,9 +194,9 @@ class DeviceSession:
         started, declined = parse_memory(memory)
         self.last_started.clear()
         self.expired_declined.clear()
-        for job, ref_ts in started.items():
-            if self._believable(ref_ts[1], now):
-                _remember(self.last_started, job, ref_ts)
+        for job, last in started.items():
+            if self._believable(last.ts, now):
+                _remember(self.last_started, job, last)
         for job in declined:
             _remember(self.expired_declined, job, True)
 
@@ -211,9 +218,20 @@ class DeviceSession:
         return ev.received_at is not None and ev.received_at > ev.deadline + self.deadline_grace_s
 
     def _stale(self, ev: TaskArrived) -> bool:
-        ref, sent_at = self.last_started.get(ev.ref.job, (None, None))
-        return (ev.sent_at is not None and sent_at is not None and ev.ref != ref and ev.sent_at < sent_at
-                and self._believable(sent_at, ev.received_at))
+        last = self.last_started.get(ev.ref.job)
+        return (ev.sent_at is not None and last is not None and ev.ref != last.ref and ev.sent_at < last.ts
+                and self._believable(last.ts, ev.received_at))
+
+    def _answered_before(self, ev: TaskArrived) -> bool:
+        """The job's last task started, answered, sent no later than when it started: the captured
+        message (or an older send of it) whose answer the device no longer keeps (pushed out by
+        later answers, or lost in a restart). Before, it ran again: the work and a fresh update per
+        replay. The aggregator re-sends a task it still waits for in a new envelope, signed later: that
+        runs, a device without the answer having nothing else to give. No clock check as _stale's:
+        a start dated in the device's future can stop this one task only."""
+        last = self.last_started.get(ev.ref.job)
+        return (ev.sent_at is not None and last is not None and last.answered and ev.ref == last.ref
+                and ev.sent_at <= last.ts)
 
     def _believable(self, sent_at: float, now: float | None) -> bool:
         """Whether a remembered start's ts is evidence by the device's clock ``now`` (None: not
@@ -240,6 +258,9 @@ class DeviceSession:
     def _skip(self, ev: TaskArrived) -> list:
         return [SkipTask(ev.ref, EXPIRED if self._expired(ev) else STALE)]
 
+    def _skip_answered(self, ev: TaskArrived) -> list:
+        return [SkipTask(ev.ref, ANSWERED)]
+
     def _may_answer_again(self, ev: TaskArrived) -> bool:
         done = self.finished.get(ev.ref)
         kept = isinstance(done, WorkFailed) or (done is not None and done.message is not None)
@@ -256,7 +277,7 @@ class DeviceSession:
         self.current, self.state = ev.ref, DeviceState.WORKING
         if ev.sent_at is not None:
             self.last_started.pop(ev.ref.job, None)
-            _remember(self.last_started, ev.ref.job, (ev.ref, ev.sent_at))
+            _remember(self.last_started, ev.ref.job, LastStart(ev.ref, ev.sent_at))
             self.memory_changes += 1
         return [StartWork(ev.ref, ev.kind, ev.params, ev.deadline, ev.tensors)]
 
@@ -266,6 +287,11 @@ class DeviceSession:
         while len(self.finished) > self.keep_finished:      # a long-lived device keeps only recent answers
             self.answered_again.pop(oldest := next(iter(self.finished)), None)
             del self.finished[oldest]
+        # what outlives the answer (and a restart): that the job's last start was answered
+        last = self.last_started.get(ev.ref.job)
+        if last is not None and last.ref == ev.ref and not last.answered:
+            self.last_started[ev.ref.job] = replace(last, answered=True)     # in its place: the order is age
+            self.memory_changes += 1
 
     def _report(self, ev: WorkFinished) -> list:
         self._keep_answer(ev)
@@ -342,6 +368,10 @@ DEVICE_TABLE = TransitionTable(DeviceState, [
     Transition(ANY, TaskArrived, "task answered", _D._ignore,
                note="its result forgotten (acknowledged, keep_acked_results off; a secure task's) or answered "
                     "again max_retries times: a replay costs nothing more", guard=lambda d, ev: ev.ref in d.finished),
+    Transition(ANY, TaskArrived, "its job's last task started, answered, answer not kept, created no later",
+               _D._skip_answered, (SkipTask,),
+               note="a replay once its answer was pushed out or lost in a restart (by signed ts: the aggregator's "
+                    "re-send, signed later, runs)", guard=_D._answered_before),
     Transition(_WORKING, TaskArrived, "the task at work", _D._ignore, note="redelivery while busy",
                guard=_D._is_current),
     Transition(ANY, TaskArrived, "", _D._start, (StartWork,), (_WORKING,),

@@ -47,8 +47,8 @@ def _stopped(n: int, round_over: bool) -> dict:
     return {"type": "stopped", "ref": _ref(n), "round_over": round_over}
 
 
-def _finished(n: int, secure: bool = False) -> dict:
-    return {"type": "finished", "ref": _ref(n), "message": None if secure else f"R{n}", "message_id": f"r{n}",
+def _finished(n: int, secure: bool = False, job: str = "job") -> dict:
+    return {"type": "finished", "ref": _ref(n, job), "message": None if secure else f"R{n}", "message_id": f"r{n}",
             "expects_ack": not secure}
 
 
@@ -113,6 +113,17 @@ SCENARIOS: dict[str, list[dict]] = {
         _stopped(1, False), _task(2, 100.0, 150.0, 11.0, job="a"), _task(3, 100.0, 150.0, 12.0, job="a"),
         _stopped(2, True), {"type": "stopped", "ref": _ref(3, "a"), "round_over": True}, _task(3, 300.0, 250.0, 31.0),
         _finished(3), _stopped(3, True)],
+    # SESSION keeps 2 answers: job's round 1 (answered) is pushed out by a's decline and b's result;
+    # then its captured task (created at 10) is skipped, not run, in each state (b's result keeps
+    # its retries, c's work goes on), and so is a's once its decline is pushed out too; the
+    # aggregator's re-send of round 1 (a new envelope, created at 30) runs
+    "a_task_replayed_after_its_answer_was_forgotten_is_skipped": [
+        _task(1, 100.0, 10.0, 10.0), _finished(1), {"type": "ack", "ref_id": "r1"},
+        _task(2, 100.0, 12.0, 12.0, job="a"), {"type": "failed", "ref": _ref(2, "a"), "reason": "no data"},
+        _task(3, 100.0, 13.0, 13.0, job="b"), _finished(3, job="b"), _task(1, 100.0, 20.0, 10.0),
+        {"type": "tick", "now": 6.0}, _task(4, 100.0, 21.0, 14.0, job="c"), _task(1, 100.0, 22.0, 10.0),
+        {"type": "failed", "ref": _ref(4, "c"), "reason": "no data"}, _task(2, 100.0, 23.0, 12.0, job="a"),
+        _task(1, 100.0, 24.0, 30.0), _finished(1), _task(1, 100.0, 25.0, 30.0)],
 }
 
 

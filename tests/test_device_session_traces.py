@@ -16,7 +16,7 @@ import subprocess
 import pytest
 
 import java_build
-from edge_client.session_memory import SessionMemoryFile
+from edge_client.session_memory import MAX_MEMORY_BYTES, SessionMemoryFile
 from protocols.golden_traces import SESSION, TRACE_DIR, replay, traces
 from protocols.device_session import DEVICE_TABLE, MAX_JOBS_REMEMBERED, DeviceSession
 
@@ -91,7 +91,12 @@ def session_memories() -> tuple[dict, list, list]:
                              ["k", 1, "t1", NOW + 1e9]], "expired_declined": ["f"]},
         {**base, "started": [["a", 1, "t1", NOW - 5], ["a", 2, "t2", NOW + 3600]]},      # its later entry, forgotten: none
         {**many, "started": [*many["started"], *([f"z{i}", 1, "t", NOW + 3600] for i in range(10))]},   # forgotten, then 64 kept
-        {**base, "started": [["m", 1, "t", 1e308], ["n", 1, "t", 2.0 ** 64 - 1], ["o", 1, "t", -0.0]]}]
+        {**base, "started": [["m", 1, "t", 1e308], ["n", 1, "t", 2.0 ** 64 - 1], ["o", 1, "t", -0.0]]},
+        # the jobs whose last start was answered: one not among the starts ignored, one twice once;
+        # a start forgotten by the clock takes its mark with it
+        {**base, "answered": ["b"]}, {**base, "answered": ["zz", "b", "b"]}, {**base, "answered": []},
+        {**base, "started": [["f", 9, "t9", NOW + 3600], ["g", 2, "t2", NOW - 5]], "answered": ["g", "f"]},
+        {**many, "answered": [f"j{i}" for i in range(0, MAX_JOBS_REMEMBERED + 10, 3)]}]
     refused = [
         None, [], "session", {**base, "version": 2}, {**base, "version": 1.0}, {**base, "version": True},
         {"started": [], "expired_declined": []}, {**base, "started": {}}, {**base, "expired_declined": None},
@@ -103,7 +108,10 @@ def session_memories() -> tuple[dict, list, list]:
         # every entry is checked, not only the newest MAX_JOBS_REMEMBERED
         {**many, "started": [["bad"], *many["started"]]}, {**many, "expired_declined": [3, *many["expired_declined"]]},
         {**many, "started": [["old", 1, "t", float("nan")], *many["started"]]},
-        {**base, "started": [["f", 1, "t", NOW + 3600], ["j", 1, "t", "late"]]}]     # a future entry is no excuse
+        {**base, "started": [["f", 1, "t", NOW + 3600], ["j", 1, "t", "late"]]},     # a future entry is no excuse
+        {**base, "answered": None}, {**base, "answered": "b"}, {**base, "answered": {"b": True}}, {**base, "answered": [3]},
+        {**base, "answered": [""]}, {**base, "answered": ["x" * 257]}, {**base, "answered": [["b"]]},
+        {**base, "answered": ["b", True]}]
     return base, taken, refused
 
 
@@ -182,7 +190,9 @@ def session_files() -> list[tuple[str, object, bool]]:
             started=(("a", 1, "t1", NOW - 9), ("b", 1, "t", NOW - 8), ("a", 2, "t2", NOW - 7)), declined=("a", "b", "a")))),
         ("70 jobs, the newest 64 kept", u8(many())),
         ("64 declined and one twice", u8(_memory_text(declined=[*(f"d{i}" for i in range(64)), "d3"]))),
-        ("exactly 256 KiB", padded(256 * 1024)), ("a link to a valid file", ("link", "valid")),
+        ("exactly 320 KiB", padded(MAX_MEMORY_BYTES)), ("a link to a valid file", ("link", "valid")),
+        ("a job answered", u8(_memory_text(extra=', "answered": ["j"]'))),
+        ("an answered job not started", u8(_memory_text(extra=', "answered": ["zz", "j"]'))),
     ]
     refused = [
         ("duplicate key", u8(valid.replace('{"version": 1,', '{"version": 1, "version": 1,'))),
@@ -226,7 +236,7 @@ def session_files() -> list[tuple[str, object, bool]]:
         ("round 3.0", u8(valid.replace('"j", 3,', '"j", 3.0,'))),
         ("a directory", "dir"), ("a FIFO", "fifo"),
         ("empty", b""), ("whitespace only", b" \n"), ("torn", u8(valid)[: len(valid) // 2]), ("torn at its end", u8(valid)[:-1]),
-        ("256 KiB and a byte", padded(256 * 1024 + 1)),
+        ("320 KiB and a byte", padded(MAX_MEMORY_BYTES + 1)),
         ("a bad entry older than the newest 64", u8(many(bad=("old", 1, "t", '"x"')))),
         ("a bad declined job older than the newest 64", u8(many(bad_declined=""))),
         ("a raw control character", u8(valid).replace(b'"t"', b'"\x01"')), ("a raw tab", u8(valid).replace(b'"t"', b'"\t"')),
@@ -240,6 +250,9 @@ def session_files() -> list[tuple[str, object, bool]]:
         ("a short \\u escape", u8(valid.replace('"t"', '"\\u12"'))), ("a bad \\u escape", u8(valid.replace('"t"', '"\\u12g4"'))),
         ("a signed \\u escape", u8(valid.replace('"t"', '"\\u+061"'))), ("an \\x escape", u8(valid.replace('"t"', '"\\x41"'))),
         ("a \\U escape", u8(valid.replace('"t"', '"\\U0001F600"'))),
+        ("answered null", u8(_memory_text(extra=', "answered": null'))),
+        ("answered a job id and a number", u8(_memory_text(extra=', "answered": ["j", 1]'))),
+        ("answered twice", u8(_memory_text(extra=', "answered": ["j"], "answered": ["j"]'))),
     ]
     return [(name, what, True) for name, what in taken] + [(name, what, False) for name, what in refused]
 

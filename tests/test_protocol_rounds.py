@@ -202,7 +202,7 @@ def test_a_session_recalls_its_replay_guard_and_refuses_a_malformed_memory_whole
     """What a restarted device reads back (edge_client/session_memory.py): the same skips as before
     the restart; a malformed memory changes nothing; only the newest MAX_JOBS_REMEMBERED jobs."""
     import json
-    from protocols.device_session import MAX_JOBS_REMEMBERED, SkipTask
+    from protocols.device_session import ANSWERED, MAX_JOBS_REMEMBERED, SkipTask
 
     def arriving(job, r, ts, received_at=None, deadline=1e12):
         return TaskArrived(TaskRef(job, r, f"{job}-t{r}"), "k", {}, deadline, received_at=received_at, sent_at=ts)
@@ -218,7 +218,9 @@ def test_a_session_recalls_its_replay_guard_and_refuses_a_malformed_memory_whole
     assert after.handle(arriving("j", 1, 100.0)) == [SkipTask(TaskRef("j", 1, "j-t1"), "created before the last "
                                                                "task of its job this device started")]
     assert kinds(after.handle(arriving("e", 2, 2.0, received_at=500.0, deadline=100.0))) == ["SkipTask"]
-    assert kinds(after.handle(arriving("j", 2, 200.0))) == ["StartWork"]      # the task at work when it stopped
+    # round 2 was declined before the restart: its replay is skipped, the aggregator's re-send (later) runs
+    assert after.handle(arriving("j", 2, 200.0)) == [SkipTask(TaskRef("j", 2, "j-t2"), ANSWERED)]
+    assert kinds(after.handle(arriving("j", 2, 210.0))) == ["StartWork"]
     assert before.memory_changes == changes and after.memory_changes == 1     # recall is no change to write
 
     good = before.memory()
@@ -264,6 +266,49 @@ def test_a_last_start_dated_in_the_devices_future_is_no_evidence_of_a_replay():
     s2 = DeviceSession()
     s2.handle(arriving(2, 210.0, 150.0))                                        # within the grace: evidence
     assert kinds(s2.handle(arriving(3, 200.0, 160.0))) == ["SkipTask"]
+
+
+def test_a_task_replayed_after_its_answer_was_forgotten_is_skipped_not_run_again():
+    """A review's finding: a device keeps its last ``keep_finished`` answers; the last task of a job
+    it started, answered, then re-published (the captured bytes: its signed ts) once answers of
+    other jobs had pushed its answer out, started afresh (the work again, a fresh update sent), and
+    so after every restart (answers are not kept across one). Now each job remembers whether its
+    last start was answered: a task of it signed no later than that start is skipped; the
+    aggregator's own re-send (a new envelope, a later ts) still runs, as a device without the
+    answer can give nothing else. Across a restart (memory/recall) alike."""
+    import json
+    from protocols.device_session import ANSWERED, SkipTask
+
+    def arriving(job, ts, task="t1"):
+        return TaskArrived(TaskRef(job, 1, task), "k", {}, 1e12, received_at=ts, sent_at=ts)
+
+    s = DeviceSession(keep_finished=2)
+    assert kinds(s.handle(arriving("j", 100.0))) == ["StartWork"]
+    s.handle(WorkFailed(TaskRef("j", 1, "t1"), "no data"))          # a decline is an answer too
+    assert kinds(s.handle(arriving("k", 101.0))) == ["StartWork"]
+    s.handle(WorkFinished(TaskRef("k", 1, "t1"), "RK", "rk"))
+    s.handle(AckArrived("rk", "accepted"))
+    for job, ts in (("a", 102.0), ("b", 103.0)):                        # j's and k's answers pushed out
+        s.handle(arriving(job, ts))
+        s.handle(WorkFinished(TaskRef(job, 1, "t1"), f"R{job}", f"r{job}"))
+        s.handle(AckArrived(f"r{job}", "accepted"))
+    assert TaskRef("j", 1, "t1") not in s.finished and TaskRef("k", 1, "t1") not in s.finished
+    for job in ("j", "k"):
+        assert s.handle(arriving(job, 100.0 if job == "j" else 101.0)) == [SkipTask(TaskRef(job, 1, "t1"), ANSWERED)]
+    assert s.state is DeviceState.IDLE
+    # restarted: no answer kept at all, the memory says which last starts were answered
+    after = DeviceSession()
+    after.recall(json.loads(json.dumps(s.memory())), now=200.0)
+    for job, ts in (("j", 100.0), ("k", 101.0), ("b", 103.0)):
+        assert kinds(after.handle(arriving(job, ts))) == ["SkipTask"], job
+    assert after.memory_changes == 0
+    # the aggregator re-sends a task it still waits for in a new envelope: later ts, runs
+    assert kinds(after.handle(arriving("k", 150.0))) == ["StartWork"]
+    # a started task not yet answered (the work cut short by a restart) runs when it comes again
+    s.handle(arriving("c", 104.0))
+    again = DeviceSession()
+    again.recall(s.memory())
+    assert kinds(again.handle(arriving("c", 104.0))) == ["StartWork"]
 
 
 # ---- the tables themselves --------------------------------------------------------------------
@@ -369,6 +414,9 @@ def test_every_device_row_fires_in_every_state_it_names():
         # before or after the job's last task started (or unknown); several jobs, each declined once expired
         job = r.choice(("j",) * 8 + tuple("abcdefghkm"))
         ref_ = ref(r)
+        if s.last_started and r.random() < 0.2:     # a job's last task started, replayed: its ts, its ref
+            last = r.choice(list(s.last_started.values()))
+            return TaskArrived(last.ref, "fed3r.stats", {}, 200.0, {}, r.choice((None, 150.0)), last.ts)
         return TaskArrived(TaskRef(job, ref_.round, ref_.task), "fed3r.stats", {}, r.choice((0.0, 100.0, 200.0)), {},
                            r.choice((None, 50.0, 150.0, 500.0)), r.choice((None, 10.0, 20.0, 30.0)))
 
@@ -377,7 +425,8 @@ def test_every_device_row_fires_in_every_state_it_names():
               lambda r, s: WorkStopped(s.current if s.current and r.random() < 0.5 else ref(r), r.random() < 0.5),
               lambda r, s: ResultSent(r.uniform(0, 30)), lambda r, s: AckArrived(f"r{r.randint(1, 3)}", "accepted"),
               lambda r, s: Tick(r.uniform(0, 60))]
-    fired = _walk(lambda: DeviceSession(retry_after_s=2, max_retries=2, keep_acked_results=False), events,
+    # one answer kept: a walk pushes answers out, and replays a job's last task after that
+    fired = _walk(lambda: DeviceSession(retry_after_s=2, max_retries=2, keep_finished=1, keep_acked_results=False), events,
                   DEVICE_TABLE, 6000, seed=2)
     names = lambda pairs: {(s.name, DEVICE_TABLE.describe(row)) for s, row in pairs}
     assert names(DEVICE_TABLE.entries()) - names(fired) == set()

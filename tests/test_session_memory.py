@@ -67,11 +67,13 @@ def test_a_start_created_in_the_devices_future_is_forgotten_and_the_rest_kept(tm
 
 
 def test_what_is_written_reads_back_within_the_bound(tmp_path, caplog):
-    """64 jobs of 256-character non-ASCII ids: written as UTF-8 (as escapes it was 3 x larger, and
-    a file the device wrote could be refused at its next start)."""
+    """64 jobs of 256-character non-ASCII ids, each declined once expired and its last start
+    answered: written as UTF-8 (as escapes it was 3 x larger, and a file the device wrote could be
+    refused at its next start)."""
     session = DeviceSession()
     ids = [chr(0x1F600 + i) * 256 for i in range(64)]
-    session.recall(memory(*((job, 1, job, NOW) for job in ids), declined=ids))
+    session.recall({**memory(*((job, 1, job, NOW) for job in ids), declined=ids), "answered": ids})
+    assert all(last.answered for last in session.last_started.values())
     session.memory_changes += 1
     SessionMemoryFile(tmp_path / SESSION_FILE).save_if_changed(session)
     assert (tmp_path / SESSION_FILE).stat().st_size <= MAX_MEMORY_BYTES

@@ -88,6 +88,36 @@ def replay_and_expiry(sniffer: Sniffer, device: str, params: dict) -> None:
     assert len(answers(sniffer, device, expired_id)) == 1
 
 
+def replay_after_answers_pushed_out(sniffer: Sniffer, device: str, params: dict) -> None:
+    """A device keeps its last 4 answers. Job p's task answered, then tasks of 4 other jobs, then
+    p's captured task re-published (the same signed bytes, within its deadline): skipped. Before (a
+    review's finding), it ran again: the work and a second, fresh result. The aggregator's re-send
+    of it (a new envelope, the same task id, signed later) runs: the device has no answer left."""
+    now = time.time()
+
+    def answered(msg) -> set:
+        """The distinct messages answering ``msg`` (a result is retried under its id: no ack here)."""
+        return {env.id for env in answers(sniffer, device, msg.id)}
+
+    def run(msg) -> None:
+        sniffer.publish(T.inbox(device), encode(msg, signer=AGG.sign))
+        wait_for(lambda: answers(sniffer, device, msg.id), what=f"the answer to {msg.body['job']}")
+
+    first = M.task_message(AGGREGATOR_ID, "p", 1, "fed3r.stats", params, now + 60, device=device)
+    captured = encode(first, signer=AGG.sign)
+    run(first)
+    for job in ("q0", "q1", "q2", "q3"):       # p's answer pushed out of the 4 kept
+        run(M.task_message(AGGREGATOR_ID, job, 1, "fed3r.stats", params, now + 60, device=device))
+    sniffer.publish(T.inbox(device), captured)
+    # the device works its inbox in order: had the replay run, its result came before this answer
+    run(M.task_message(AGGREGATOR_ID, "q4", 1, "fed3r.stats", params, now + 60, device=device))
+    assert len(answered(first)) == 1, "the replayed task ran again"
+    resent = M.task_message(AGGREGATOR_ID, "p", 1, "fed3r.stats", params, now + 60, device=device)
+    resent.id = first.id                       # as the aggregator re-sends: same id, a new envelope
+    sniffer.publish(T.inbox(device), encode(resent, signer=AGG.sign))
+    wait_for(lambda: len(answered(first)) == 2, what="the aggregator's re-send answered")
+
+
 def test_the_python_device_skips_expired_and_replayed_tasks(broker):
     from edge_client.agent import DeviceAgent
 
@@ -99,6 +129,8 @@ def test_the_python_device_skips_expired_and_replayed_tasks(broker):
                  what="the agent online")
         replay_and_expiry(sniffer, "dev-py", fed3r_params())
         assert (agent.stats.tasks_skipped, agent.stats.tasks_done, agent.stats.tasks_declined) == (4, 4, 1)
+        replay_after_answers_pushed_out(sniffer, "dev-py", fed3r_params())
+        assert (agent.stats.tasks_skipped, agent.stats.tasks_done) == (5, 11)
         bad = M.task_message(AGGREGATOR_ID, "j", 1, "fed3r.stats", {}, 1.0)
         bad.body["device"] = 123                        # the refusal the malformed task above met
         with pytest.raises(EnvelopeError, match="'device' must be a string"):
@@ -110,9 +142,11 @@ def test_the_python_device_skips_expired_and_replayed_tasks(broker):
 
 def replays_across_a_restart(sniffer: Sniffer, device: str, params: dict, start, stop) -> None:
     """Tasks captured before a device's restart and re-published after it: skipped as before it
-    (the device keeps its replay guard in its state folder); the task at work when it stopped and
-    the next round run. ``start()`` brings the device up with the same state folder, ``stop()``
-    takes it down; the device is up when this is called."""
+    (the device keeps its replay guard in its state folder), round 2's task too, answered before
+    the restart (before, it ran again: answers are not kept across a restart); the aggregator's
+    re-send of round 2 (a new envelope, signed later) and the next round run. ``start()`` brings
+    the device up with the same state folder, ``stop()`` takes it down; the device is up when
+    this is called."""
     now = time.time()
 
     def task(job: str, round_: int, deadline: float) -> tuple[str, bytes]:
@@ -135,10 +169,16 @@ def replays_across_a_restart(sniffer: Sniffer, device: str, params: dict, start,
     stop()
     start()
     again_id, again = task("x", 2, now - 120)            # the job was told once already: skipped, not declined
-    for payload in (captured, first, expired, again):
+    answered_before = {env.id for env in answers(sniffer, device, current_id)}
+    for payload in (captured, first, expired, again, current):
         sniffer.publish(T.inbox(device), payload)
-    sniffer.publish(T.inbox(device), current)              # the task of its round still open: it runs again
-    wait_for(lambda: len(answers(sniffer, device, current_id)) >= 2, what="round 2's task answered after the restart")
+    resent = M.task_message(AGGREGATOR_ID, "r", 2, "fed3r.stats", params, now + 60, device=device)
+    resent.id = current_id                               # the aggregator's re-send: its round still waits
+    sniffer.publish(T.inbox(device), encode(resent, signer=AGG.sign))
+    wait_for(lambda: len({env.id for env in answers(sniffer, device, current_id)}) >= 2,
+             what="round 2's re-send answered after the restart")
+    # one new result (the stats say the replay was skipped, not run with the re-send ignored as work under way)
+    assert len({env.id for env in answers(sniffer, device, current_id)} - answered_before) == 1
     next_id, next_task = task("r", 3, time.time() + 60)
     sniffer.publish(T.inbox(device), next_task)
     result_of(next_id)
@@ -166,7 +206,7 @@ def test_a_restarted_python_device_still_skips_replays(broker, tmp_path, caplog)
     try:
         start()
         replays_across_a_restart(sniffer, "dev-rs", fed3r_params(), start, lambda: agents[-1].stop())
-        assert (agents[1].stats.tasks_skipped, agents[1].stats.tasks_declined) == (4, 0)
+        assert (agents[1].stats.tasks_skipped, agents[1].stats.tasks_declined) == (5, 0)
         # a torn or edited memory: one warning, the device starts without it and works
         agents[-1].stop()
         (tmp_path / "state" / SESSION_FILE).write_text('{"version": 1, "started": [["r", 1, "t"]]')
@@ -193,12 +233,13 @@ def test_the_java_device_skips_expired_and_replayed_tasks(broker, tmp_path):
     try:
         assert jvm.stdout.readline().strip() == f"ONLINE {dev}"
         replay_and_expiry(sniffer, dev, JAVA_FED3R_PARAMS)
+        replay_after_answers_pushed_out(sniffer, dev, JAVA_FED3R_PARAMS)
     finally:
         out, err = jvm.communicate(timeout=30)
         sniffer.close()
-    assert f"STATS {dev} done=4 declined=1 " in out and " skipped=4" in out, (out, err[-3000:])
-    # once per (job, reason): (j, stale), (a, stale), (j, another addressee), (j, expired)
-    assert err.count("skipped task") == 4, err[-3000:]
+    assert f"STATS {dev} done=11 declined=1 " in out and " skipped=5" in out, (out, err[-3000:])
+    # once per (job, reason): (j, stale), (a, stale), (j, another addressee), (j, expired), (p, answered)
+    assert err.count("skipped task") == 5, err[-3000:]
 
 
 @pytest.mark.skipif(java_build.missing() is not None, reason=str(java_build.missing()))
@@ -240,7 +281,7 @@ def test_a_restarted_java_device_still_skips_replays(broker, tmp_path):
         (first_out, first_err), (second_out, second_err) = outputs
         assert f"STATS {dev} done=2 declined=1 " in first_out and " skipped=0" in first_out, (first_out, first_err[-3000:])
         assert first_err.count("is unreadable") == 1 and "a started entry is not" in first_err, first_err[-3000:]
-        assert f"STATS {dev} done=2 declined=0 " in second_out and " skipped=4" in second_out, (second_out, second_err[-3000:])
+        assert f"STATS {dev} done=2 declined=0 " in second_out and " skipped=5" in second_out, (second_out, second_err[-3000:])
         assert "session memory" not in second_err, second_err[-3000:]
         written = json.loads((folder / "session.json").read_text())
         assert [entry[:2] for entry in written["started"]] == [["r", 3]] and written["expired_declined"] == ["x"]

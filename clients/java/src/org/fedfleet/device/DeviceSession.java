@@ -7,6 +7,8 @@
 //   any       task(expired)         SkipTask                    (received after deadline + grace: its round is over)
 //   any       task(created earlier) SkipTask                    (than its job's last task started, by signed ts: a replay)
 //   (these three rows come before the rows that answer a task already answered)
+//   any       task(answered before) SkipTask                    (its job's last start, answered, its answer no longer
+//                                                                kept, signed no later: a replay; after the rows that answer)
 //   WORKING   workFinished(result)  SendResult                  -> REPORTED
 //   WORKING   workFailed(reason)    SendDecline                 -> IDLE
 //   REPORTED  resultSent(now)       -                           (the retry timer starts when the upload ends)
@@ -59,6 +61,8 @@ public final class DeviceSession {
      *  STALE and EXPIRED_DECLINE. */
     public static final String EXPIRED = "its deadline has passed";
     public static final String STALE = "created before the last task of its job this device started";
+    /** protocols/device_session.py's ANSWERED: the job's last task started, answered, its answer no longer kept. */
+    public static final String ANSWERED = "answered already by this device, its answer no longer kept";
     public static final String EXPIRED_DECLINE = "received after its deadline by this device's clock: is the clock ahead? "
             + "(devices need NTP-close clocks; later expired tasks of this job are skipped silently)";
     /** protocols/device_session.py's EXPIRED_AT_WORK_DECLINE: the first task of a job whose round went over during its work. */
@@ -77,10 +81,13 @@ public final class DeviceSession {
         SendDecline(TaskRef ref, String reason) { this.ref = ref; this.reason = reason; }
     }
 
-    /** A job's last task started and that task's signed ts: another of the job created before it is a replay. */
+    /** A job's last task started, that task's signed ts, and whether it was answered
+     *  (protocols/replay_guard.py's LastStart): another of the job created before it is a replay, and
+     *  so is this task signed no later once answered. */
     private static final class Started {
         final TaskRef ref;
         final double sentAt;
+        boolean answered;
         Started(TaskRef ref, double sentAt) { this.ref = ref; this.sentAt = sentAt; }
     }
 
@@ -151,6 +158,10 @@ public final class DeviceSession {
             return done.declined != null ? one(new SendDecline(task.ref, done.declined))
                     : one(new SendResult(done.message, done.messageId, attempts + 1));
         }
+        // the job's last start, answered, its answer pushed out (or lost in a restart): the captured
+        // message is skipped (before: it ran again); the aggregator's re-send, signed later, runs
+        if (last != null && last.answered && !Double.isNaN(task.sentAt) && task.ref.equals(last.ref) && task.sentAt <= last.sentAt)
+            return one(new SkipTask(task.ref, ANSWERED));
         if (state == State.WORKING && task.ref.equals(current)) return Collections.emptyList();
         if (!Double.isNaN(task.sentAt)) {
             lastStarted.remove(task.ref.job);
@@ -190,6 +201,11 @@ public final class DeviceSession {
         finished.put(ref, answer);
         Iterator<TaskRef> oldest = finished.keySet().iterator();
         while (finished.size() > keepFinished) { oldest.next(); oldest.remove(); }
+        Started last = lastStarted.get(ref.job);      // what outlives the answer (and a restart)
+        if (last != null && last.ref.equals(ref) && !last.answered) {
+            last.answered = true;
+            memoryChanges++;
+        }
     }
 
     /** The task at work stopped unanswered: its round went over during the work (roundOver: the
@@ -229,13 +245,14 @@ public final class DeviceSession {
     }
 
     // ---------------- what a device keeps across restarts (its replay guard) ----------------
-    /** How often memory() changed (a task with a signed ts started, a job told its task came expired);
+    /** How often memory() changed (a task with a signed ts started or answered, a job told its task came expired);
      *  recall() is no change: what was read needs no writing back. */
     public long memoryChanges() { return memoryChanges; }
 
     /** The per-job memory the replay rows read, as JSON data (Json's types, oldest job first), the
      *  layout of protocols/device_session.py's DeviceSession.memory(): {"version": 1, "started": [[job,
-     *  round, task id, signed ts], ...], "expired_declined": [job, ...]}. */
+     *  round, task id, signed ts], ...], "expired_declined": [job, ...], "answered": [job, ...]}
+     *  (answered: the jobs whose last task started was answered). */
     public Map<String, Object> memory() {
         List<Object> started = new ArrayList<>();
         for (Started s : lastStarted.values())
@@ -244,6 +261,9 @@ public final class DeviceSession {
         out.put("version", BigInteger.valueOf(MEMORY_VERSION));
         out.put("started", started);
         out.put("expired_declined", new ArrayList<Object>(expiredDeclined.keySet()));
+        List<Object> answered = new ArrayList<>();
+        for (Started s : lastStarted.values()) if (s.answered) answered.add(s.ref.job);
+        out.put("answered", answered);
         return out;
     }
 
@@ -262,8 +282,12 @@ public final class DeviceSession {
         if (!(memory instanceof Map) || !BigInteger.valueOf(MEMORY_VERSION).equals(((Map<?, ?>) memory).get("version")))
             throw new IllegalArgumentException("device session memory: not a version " + MEMORY_VERSION + " object");
         Object started = ((Map<?, ?>) memory).get("started"), declined = ((Map<?, ?>) memory).get("expired_declined");
+        // absent from a file written before it was kept: none answered (protocols/replay_guard.py)
+        Object answered = ((Map<?, ?>) memory).containsKey("answered") ? ((Map<?, ?>) memory).get("answered") : List.of();
         if (!(started instanceof List) || !(declined instanceof List))
             throw new IllegalArgumentException("device session memory: 'started' and 'expired_declined' must be lists");
+        if (!(answered instanceof List) || !((List<?>) answered).stream().allMatch(DeviceSession::isId))
+            throw new IllegalArgumentException("device session memory: 'answered' must list job ids");
         Map<String, Started> recalled = new LinkedHashMap<>();
         for (Object entry : (List<?>) started) {
             Started s = startedEntry(entry);
@@ -277,6 +301,10 @@ public final class DeviceSession {
         }
         for (Object job : (List<?>) declined)
             if (!isId(job)) throw new IllegalArgumentException("device session memory: 'expired_declined' must list job ids");
+        for (Object job : (List<?>) answered) {      // a job not among the starts: its start forgotten, nothing to mark
+            Started s = recalled.get(job);
+            if (s != null) s.answered = true;
+        }
         lastStarted.clear();
         for (Started s : recalled.values())     // the bounded map keeps the newest MAX_JOBS_REMEMBERED
             if (Double.isNaN(now) || s.sentAt <= now + deadlineGraceS) lastStarted.put(s.ref.job, s);

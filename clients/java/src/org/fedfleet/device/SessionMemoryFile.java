@@ -1,12 +1,13 @@
 // The device's replay guard on disk (the Java side of edge_client/session_memory.py, same file, same
 // layout: either device reads what the other wrote). DeviceSession skips a task created before the
-// last task of its job the device started (a captured task re-published) and declines an expired
-// task once per job; kept only in the process, a restarted device would run a captured task once
+// last task of its job the device started (a captured task re-published), and that last task too
+// once it was answered, and declines an expired task once per job; kept only in the process, a restarted device would run a captured task once
 // more while its deadline lasts. A device with a state store keeps that memory in its folder, in
 // session.json:
 //
 // * written atomically (AtomicFile) each time it changes, before the task's work starts, so a
-//   device killed mid-task still skips that task's replay;
+//   device killed mid-task still skips that task's replay, and before its answer is sent, so a
+//   restarted device (which keeps no answers) skips the answered task's replay;
 // * read once when the agent starts: a regular file of at most MAX_BYTES (a FIFO in its place is
 //   not opened: it would block the start), strict UTF-8, strict JSON as a message header is read
 //   (Json.parseHeader: no NaN, no duplicate keys, no lone surrogates, integers within the wire's
@@ -42,8 +43,9 @@ import org.fedfleet.wire.Json;
 
 public final class SessionMemoryFile {
     public static final String NAME = "session.json";
-    /** 64 jobs x (a 256-character id, a task id, a ts) in JSON, with room: edge_client/session_memory.py's MAX_MEMORY_BYTES. */
-    public static final int MAX_BYTES = 256 * 1024;
+    /** 64 jobs x (a 256-character id, a task id, a ts, the id again declined and again answered) in JSON, with
+     *  room: edge_client/session_memory.py's MAX_MEMORY_BYTES. */
+    public static final int MAX_BYTES = 320 * 1024;
     private static final int MAX_DISTINCT_FAILURES = 16;     // kinds of write errors logged (then silence)
     private static final String TMP_SUFFIX = ".json.part";
     private static final Pattern TEMP_NAME = Pattern.compile(Pattern.quote(DeviceStateStore.TMP) + "[0-9]+" + Pattern.quote(TMP_SUFFIX));
