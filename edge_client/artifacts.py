@@ -12,7 +12,9 @@ without it one forged "missing", or one forged file, ended the fetch, and the de
 task of the job; forged chunks held half a GB and the slots the real file needed). Without the key a
 device trusts whatever its broker delivers, here as in its agent, but holds no more than it asked
 for: a reply may be as large as a manifest may be (``MAX_MANIFEST_BYTES``) or as the manifest says
-the file is, not the 512 MiB any message may be.
+the file is, not the 512 MiB any message may be, and one sender's partial messages together no
+larger than one reply (one partial at a time: a new message's first chunk takes the room of the
+one before, so a replayed chunk of an earlier message never keeps the reply out).
 
 The manifest is read as every manifest is (``protocols.bundle_manifest``: the schema, at most 32
 files, each a plain name listed once and never ``manifest.json``) before any file is asked for, and
@@ -42,7 +44,13 @@ from protocols.topics import AGGREGATOR_ID, Topics
 # an artifact reply is the file plus its envelope: a header (at most MAX_HEADER_BYTES) and the prefix
 REPLY_OVERHEAD_BYTES = MAX_HEADER_BYTES + 1024
 MAX_BUNDLE_BYTES = 2 << 30              # what a bundle's files may hold together unless told less
-MAX_PENDING_REPLIES = 4                 # a sender's partial messages held at once (protocols/chunking.py's default)
+# A sender's partial messages held at once: one. A reply is the one message a fetch waits for, and
+# each partial may hold up to a reply's size, so 4 (the chunking default) let one sender pin 4x the
+# file (a review's finding); with one, a new message's first chunk takes the room of the partial
+# before it, so a replayed chunk of an earlier message, landed first, never leaves the reply none.
+# The aggregator publishes a message's chunks one after another (its service thread sends whole
+# messages), so its reply never interleaves with its other messages on the device's inbox
+MAX_PENDING_REPLIES = 1
 FETCH_TIMEOUT_S = 120.0                 # a file's fetch gives up after this (a task's: its time left, if less)
 UNAVAILABLE_FOR_S = 300.0               # how long a device remembers a bundle it could not fetch
 MAX_UNAVAILABLE = 16                    # bundles remembered so at once (a job names one)
@@ -108,11 +116,11 @@ def fetch_bundle(device_id: str, broker: BrokerConfig, manifest_sha256: str, des
     try:
         def fetch(sha: str, size_bytes: int) -> tuple[str, bytes]:
             # what the reply may hold is what was asked for, whoever sends chunks (a device without the
-            # key takes anyone's): a manifest's bound, or the size its manifest gave the file; the
-            # sender's budget one such reply per partial-message slot, so a replayed chunk of another
-            # message, held until its TTL, does not leave the real reply no room (a review's finding)
+            # key takes anyone's): a manifest's bound, or the size its manifest gave the file; and all
+            # one sender may have held, one such reply (MAX_PENDING_REPLIES)
             reply_bytes = size_bytes + REPLY_OVERHEAD_BYTES
             assembler = aggregator_inbox(verifier, max_message_bytes=reply_bytes,
+                                         max_pending_per_sender=MAX_PENDING_REPLIES,
                                          max_pending_bytes_per_sender=MAX_PENDING_REPLIES * reply_bytes)
             left = seconds_left()
             wait_s = timeout_s if left is None else min(timeout_s, left)

@@ -478,6 +478,74 @@ def test_a_replayed_chunk_of_another_message_leaves_the_real_reply_room(broker, 
         link.stop()
 
 
+def test_one_sender_makes_a_fetch_hold_no_more_than_the_files_size(broker, tmp_path, bundle, monkeypatch):
+    """A review's finding: a fetch let each sender hold one reply's size per partial-message slot, 4
+    of them, so a device without the aggregator's key (which takes chunks from whoever claims to be
+    the aggregator) buffered 4x the file for one forger. A forger answering the ask with the first
+    chunks of 6 different messages, each as large as a reply may be, now makes the fetch hold at
+    most the file's declared size plus the reply's envelope (``REPLY_OVERHEAD_BYTES``), and the real
+    reply that follows is still taken whole."""
+    import hashlib
+
+    import edge_client.artifacts as artifacts
+    from protocols.chunking import split
+    from protocols.mqtt_link import MqttLink
+    from protocols.payloads.artifacts import GET, artifact_message
+    from protocols.topics import AGGREGATOR_ID
+
+    topics, cfg = Topics(), BrokerConfig.from_url(broker.url)
+    data = bytes(range(256)) * 2700                                    # 691,200 bytes: three chunks
+    file_sha = hashlib.sha256(data).hexdigest()
+    manifest = one_file_manifest(bundle, "head.pte", data)
+    manifest_sha = hashlib.sha256(manifest).hexdigest()
+    bound = len(data) + artifacts.REPLY_OVERHEAD_BYTES
+
+    def parts(sha: str, name: str, payload: bytes) -> list[bytes]:
+        raw = encode(artifact_message(AGGREGATOR_ID, sha, name, payload))
+        return split(raw, decode(raw).id, AGGREGATOR_ID)
+
+    # each forged message as large as the reply: its first two chunks, never the last
+    forged = [part for i in range(6) for part in parts(file_sha, "head.pte", bytes([i]) * len(data))[:2]]
+    held: list[int] = []                        # what the fetch's assemblers hold, after every payload
+
+    def watched(*args, **kwargs):
+        asm = make_inbox(*args, **kwargs)
+        feed = asm.feed
+        asm.feed = lambda payload, now=None: _held_after(feed, asm, payload, now)
+        return asm
+
+    def _held_after(feed, asm, payload, now):
+        try:
+            return feed(payload, now)
+        finally:
+            held.append(asm.reassembler.pending_bytes())
+
+    make_inbox = artifacts.aggregator_inbox
+    monkeypatch.setattr(artifacts, "aggregator_inbox", watched)
+
+    def answer(payload: bytes) -> None:
+        env = decode(payload)
+        if env.type != GET:
+            return
+        if env.body["sha256"] == manifest_sha:
+            out = parts(manifest_sha, "manifest.json", manifest)
+        else:
+            out = [*forged, *parts(file_sha, "head.pte", data)]        # the forgeries land first
+        for part in out:
+            link.publish(topics.inbox("cam1"), part)
+
+    link = MqttLink("forger-and-aggregator", cfg, on_message=lambda t, p: answer(p),
+                    subscriptions=[(topics.outbox("cam1"), 1)])
+    link.start(timeout=30)
+    try:
+        got = fetch_bundle("cam1", cfg, manifest_sha, tmp_path / "bundle", timeout_s=20, retry_s=10)
+        assert (got.parent / "head.pte").read_bytes() == data
+    finally:
+        link.stop()
+    assert len(held) >= len(forged) and max(held) > 0
+    assert max(held) <= bound, f"one sender made the fetch hold {max(held)} bytes for a {len(data)}-byte file"
+
+
 def test_a_bundle_whose_manifest_misstates_a_files_size_is_refused_when_indexed(tmp_path, bundle):
     """Devices hold no reply past the size a manifest gives its file: a bundle stating too small a
     size was served, and every device waited out its fetch's timeout. The shelf refuses it up front."""
