@@ -31,7 +31,7 @@ MEMORY_VERSION = 1              # DeviceSession.memory()'s layout
 MAX_MEMORY_ID_CHARS = 256       # a remembered job or task id (the wire's: 1 to 64 characters and 32 hex digits)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)      # one per job remembered, on every emulated device
 class LastStart:
     """A job's last task the device started: its ref, its envelope's signed ts (the aggregator's
     clock), and whether the device answered it. Another task of the job created before ``ts`` is a
