@@ -250,7 +250,8 @@ def test_a_share_row_that_does_not_decrypt_is_accused_and_its_recipient_stays_in
 def test_a_member_whose_rows_all_fail_fails_one_round_and_is_named():
     """Complete graph, every row of the attacker bad: all seven others accuse it, so it is a
     culprit (which the job leaves out of its next rounds); nobody else holds a share of its
-    self-mask seed, so the round fails at the unmasking, its reason naming the attacker."""
+    self-mask seed, so the round fails as the masked phase closes (no member is asked for shares
+    it cannot use), its reason naming the attacker."""
     identities, config, inputs = _eight_members()
     attacker = config.members[0]
     run = run_round(config, AGGREGATOR, identities, inputs,
@@ -258,7 +259,9 @@ def test_a_member_whose_rows_all_fail_fails_one_round_and_is_named():
     assert run.errors == [] and run.server.culprits == {attacker}
     assert all(run.clients[d].accused == (attacker,) for d in config.members[1:])
     assert isinstance(run.outcome, RoundFailed) and run.timeouts == 0
-    assert "unmask" in run.outcome.reason and f"could not decrypt: {attacker}" in run.outcome.reason
+    assert run.outcome.phase is Phase.MASKED_INPUT and f"could not decrypt: {attacker}" in run.outcome.reason
+    assert f"self-mask seed of {attacker!r} has 1 live share holders" in run.outcome.reason
+    assert all(client.revealed == {} for client in run.clients.values())
 
 
 def _accusation(r, accuser, *accused):

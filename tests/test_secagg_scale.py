@@ -91,6 +91,7 @@ def test_the_ring_graph_splits_only_when_two_runs_of_half_the_degree_drop():
             positions = [i for i, m in enumerate(ring) if m not in gone]
             gaps = [(positions[(j + 1) % len(positions)] - positions[j] - 1) % n for j in range(len(positions))]
             assert (components > 1) == (sum(g >= k // 2 for g in gaps) >= 2), (n, k, sorted(gone))
+            assert graph.parts(alive) == components, (n, k, sorted(gone))       # the count a failure names
 
 
 # ---------------------------------------------------------------- 2,000 members: every message fits

@@ -70,10 +70,10 @@ def test_a_device_sending_undecryptable_shares_is_named_and_left_out_of_later_ro
         for a in agents:
             a.stop()
     assert result.get("state") == "done", result
-    # the attacker's round failed at the unmasking (nobody held a share of its self-mask seed),
-    # naming it: every other member of the round accused it
+    # the attacker's round failed as its masked phase closed (nobody held a share of its self-mask
+    # seed, so no unmasking could succeed), naming it: every other member of the round accused it
     [(failed_round, reason)] = job.failed_rounds
-    assert f"could not decrypt: {ATTACKER}" in reason and reason.startswith("unmask"), reason
+    assert f"could not decrypt: {ATTACKER}" in reason and reason.startswith("masked_input"), reason
     assert job.culprits == {ATTACKER}
     accusations = [env.body["secagg"] for env in service.received_envelopes()
                    if env.type == SECAGG_TYPE and env.body["secagg"]["type"] == "secagg.share_accusation"]

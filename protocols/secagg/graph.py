@@ -140,7 +140,7 @@ class NeighbourGraph:
         self._position = {m: i for i, m in enumerate(self._ring)} if self._ring is not None else None
         self._cache: dict[str, frozenset[str]] = {}
         self._member_set = frozenset(self.members)
-        self._connected: dict[frozenset[str], bool] = {}
+        self._parts: dict[frozenset[str], int] = {}
 
     @property
     def is_complete(self) -> bool:
@@ -170,20 +170,24 @@ class NeighbourGraph:
         union of its parts' masked inputs, would learn each part's sum (SecAgg+'s actively chosen
         dropouts). On the ring two survivors are adjacent across a run of fewer than k/2 removed
         positions, so the parts are as many as the runs of ≥ k/2 removed: connected iff at most one."""
+        return self.parts(survivors) == 1
+
+    def parts(self, survivors: Iterable[str]) -> int:
+        """How many parts the survivors' induced subgraph has (0 for none, 1 when connected)."""
         alive = frozenset(survivors)
-        known = self._connected.get(alive)
+        known = self._parts.get(alive)
         if known is not None:
             return known
         if not alive <= self._member_set:
             raise KeyError(sorted(alive - self._member_set)[:3])
-        if len(self._connected) >= 8:                  # a round asks about one or two survivor sets
-            self._connected.clear()
-        self._connected[alive] = result = self._ring_connects(alive)
+        if len(self._parts) >= 8:                  # a round asks about one or two survivor sets
+            self._parts.clear()
+        self._parts[alive] = result = self._ring_parts(alive)
         return result
 
-    def _ring_connects(self, alive: frozenset[str]) -> bool:
+    def _ring_parts(self, alive: frozenset[str]) -> int:
         if self._ring is None or not alive:
-            return bool(alive)
+            return min(len(alive), 1)
         n, long_runs, run = len(self._ring), 0, 0
         start = next(i for i, m in enumerate(self._ring) if m in alive)     # a run never wraps past it
         for step in range(1, n + 1):
@@ -192,7 +196,7 @@ class NeighbourGraph:
                 run = 0
             else:
                 run += 1
-        return long_runs <= 1
+        return max(long_runs, 1)            # one long run opens the ring into a path; each further one cuts it
 
     @classmethod
     def complete(cls, members: Sequence[str]) -> "NeighbourGraph":

@@ -14,7 +14,10 @@ The rules are one :class:`~protocols.transition_table.TransitionTable`, :data:`S
 (``python -m protocols.secagg`` prints it and the client's; docs/secure-aggregation.md shows
 them, a test keeps the two equal). Each wait state has one :class:`PhaseRule`: the message it
 accepts (U1 .. U5 are who delivered it), the check run before anything is kept, and what closing
-it sends; a phase with fewer than t participants, or a failed reconstruction, ends in FAILED.
+it sends; a phase with fewer than t participants, or a failed reconstruction, ends in FAILED, and so
+does the close of the masked or consistency phase when its members can no longer unmask the round
+(:class:`~protocols.secagg.coverage.UnmaskCoverage`: a split survivors' graph, or a secret short of
+t' live share holders), before anyone is asked for a share.
 
 Masked inputs are added into one accumulator of ring words as they arrive (nothing per-client is
 kept). At the end the server subtracts PRG(b_u) for every survivor and, for every dropped v
@@ -49,6 +52,7 @@ from protocols.transition_table import ANY, IllegalTransition, Transition, Trans
 
 from . import shamir
 from .config import RoundConfig
+from .coverage import UnmaskCoverage
 from .crypto import apply_masks, check_usable_public_key, check_workers, default_mask_workers, \
     x25519_from_private_bytes, x25519_public_bytes
 from .derivation import SECRET_BYTES, SHARE_BYTES, SHARE_CIPHERTEXT_BYTES, RoundContext, pair_mask_seed, \
@@ -202,13 +206,17 @@ class ServerSecAgg:
         sent share rows to is a culprit. A member cannot prove a row bad without revealing its
         cipher key, which would open every row it holds, so the count is all there is: fewer
         lying members than half a device's neighbours cannot make it one."""
-        accusers: dict[str, int] = {}
-        for accused in self._accusations.values():
-            for device in accused:
-                accusers[device] = accusers.get(device, 0) + 1
-        for device, count in accusers.items():
-            if 2 * count > len(self._received[Phase.SHARE_KEYS][device].recipients):
+        for device, accusers in self._accusers_of().items():
+            if 2 * len(accusers) > len(self._received[Phase.SHARE_KEYS][device].recipients):
                 self.culprits.add(device)
+
+    def _accusers_of(self) -> dict[str, set[str]]:
+        """Accused sender -> the members that could not decrypt its rows (so hold none of its shares)."""
+        accusers: dict[str, set[str]] = {}
+        for accuser, accused in self._accusations.items():
+            for device in accused:
+                accusers.setdefault(device, set()).add(accuser)
+        return accusers
 
     def _copies_a_key(self, message: AdvertiseKeys) -> bool:
         """A first advert whose cipher or mask key another member advertised already."""
@@ -384,7 +392,20 @@ class ServerSecAgg:
         count = len(self._received[phase])
         if count < self.config.threshold:
             return self._fail(f"{phase.value}: {count} participants < threshold {self.config.threshold}")
+        doomed = self._unmask_shortfall(phase) if PHASES[self.state].checks_unmask else None
+        if doomed:
+            return self._fail(f"{phase.value}: {doomed}")
         return PHASES[self.state].close(self)
+
+    def _unmask_shortfall(self, phase: Phase) -> str | None:
+        """Why the members who answered ``phase`` (the next phases' only askable ones) can no longer
+        unmask U3's sum, if they cannot: found now, the round fails at once, rather than after
+        asking them for shares it cannot use, or a phase timeout spent waiting for members who all
+        refused survivors whose graph falls apart."""
+        survivors = self._received[Phase.MASKED_INPUT]
+        dropped = self._received[Phase.SHARE_KEYS].keys() - survivors.keys()
+        coverage = UnmaskCoverage(self._graph, self.config.share_threshold, self._accusers_of())
+        return coverage.shortfall(survivors, dropped, self._received[phase])
 
     def _send_key_directories(self) -> list[Output]:
         advertised = self._received[Phase.ADVERTISE_KEYS]
@@ -518,6 +539,8 @@ class PhaseRule:
     close: Callable[[ServerSecAgg], list[Output]]  # with >= t participants: the next phase's messages
     sends: tuple[type, ...]                        # what `close` sends
     closes_into: tuple[ServerState, ...]
+    # its close fails the round when its members can no longer unmask (UnmaskCoverage)
+    checks_unmask: bool = False
 
 
 _V = ServerSecAgg
@@ -527,9 +550,10 @@ PHASES: dict[ServerState, PhaseRule] = {
     _S.WAIT_SHARES: PhaseRule(Phase.SHARE_KEYS, EncryptedShares, _V._check_shares, _V._forward_shares,
                               (ForwardedShares,), (_S.WAIT_MASKED,)),
     _S.WAIT_MASKED: PhaseRule(Phase.MASKED_INPUT, MaskedInput, _V._accumulate, _V._request_consistency_or_unmask,
-                              (ConsistencyCheckRequest, UnmaskRequest), (_S.WAIT_CONSISTENCY, _S.WAIT_UNMASK)),
+                              (ConsistencyCheckRequest, UnmaskRequest), (_S.WAIT_CONSISTENCY, _S.WAIT_UNMASK),
+                              checks_unmask=True),
     _S.WAIT_CONSISTENCY: PhaseRule(Phase.CONSISTENCY_CHECK, ConsistencySignature, _V._check_consistency,
-                                   _V._request_unmask, (UnmaskRequest,), (_S.WAIT_UNMASK,)),
+                                   _V._request_unmask, (UnmaskRequest,), (_S.WAIT_UNMASK,), checks_unmask=True),
     _S.WAIT_UNMASK: PhaseRule(Phase.UNMASK, UnmaskShares, _V._check_unmask, _V._finish, (AggregateReady,), (_S.DONE,)),
 }
 _FAILS = (RoundFailed, RoundAborted)           # a phase ending with fewer than t: the round fails, members told
@@ -537,13 +561,15 @@ _FAILS = (RoundFailed, RoundAborted)           # a phase ending with fewer than 
 
 def _phase_rows(state: ServerState, rule: PhaseRule) -> list[Transition]:
     sends, goes_to = (*rule.sends, *_FAILS), (*rule.closes_into, _S.FAILED)
+    closes = "closes the phase" + ("; FAILED at once if its members cannot unmask (UnmaskCoverage: survivors' "
+                                   "graph split, a secret < t' live holders)" if rule.checks_unmask else "")
     return [
         Transition(state, rule.message, "", _V._receive, sends, goes_to,
-                   note="check, keep; closes the phase when every expected member answered"),
+                   note="check, keep; " + closes.replace("phase", "phase when every expected member answered", 1)),
         Transition(state, Timeout, f"Timeout({rule.phase.value})", _V._close_on_timeout, sends, goes_to,
-                   note="closes the phase", guard=_V._times_out_open_phase),
+                   note=closes, guard=_V._times_out_open_phase),
         Transition(state, MemberOffline, "the others all answered", _V._offline_closes, sends, goes_to,
-                   note="closes the phase", guard=_V._offline_completes_phase),
+                   note=closes, guard=_V._offline_completes_phase),
     ]
 
 
