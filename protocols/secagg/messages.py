@@ -334,8 +334,9 @@ class ShareAccusation(Message):
     decrypt: their senders. The member goes on without those shares (it holds no share of their
     secrets to give at the unmasking, which the other holders cover); nothing secret is revealed,
     so the server cannot tell a bad row from a false accusation by one member. It counts them:
-    a sender accused by a strict majority of the neighbours it sent rows to is a culprit
-    (``ServerSecAgg.culprits``), which no minority of lying members can make an honest one."""
+    a sender accused by a strict majority of the neighbours it sent rows to, and by at least three,
+    is a culprit (``ServerSecAgg.culprits``), which no minority of lying members, nor a pair, can
+    make an honest one."""
 
     TYPE: ClassVar[str] = "secagg.share_accusation"
     PHASE: ClassVar[Phase] = Phase.MASKED_INPUT

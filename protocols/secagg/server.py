@@ -82,6 +82,7 @@ class ServerState(str, enum.Enum):
 
 
 _S = ServerState
+MIN_ACCUSERS = 3       # distinct accusers a culprit needs at least: a colluding pair frames nobody
 FINAL_STATES = frozenset({_S.DONE, _S.FAILED})
 _PHASE_ORDER = list(Phase)
 Output = Message | AggregateReady | RoundFailed
@@ -203,11 +204,13 @@ class ServerSecAgg:
 
     def _convict(self) -> None:
         """The masked phase is closing: a sender accused by a strict majority of the neighbours it
-        sent share rows to is a culprit. A member cannot prove a row bad without revealing its
-        cipher key, which would open every row it holds, so the count is all there is: fewer
-        lying members than half a device's neighbours cannot make it one."""
+        sent share rows to, and by at least MIN_ACCUSERS of them, is a culprit. A member cannot
+        prove a row bad without revealing its cipher key, which would open every row it holds, so
+        the count is all there is: fewer lying members than half a device's neighbours cannot make
+        it one, nor can a pair (2 of 3 recipients are a majority in a group of 4)."""
         for device, accusers in self._accusers_of().items():
-            if 2 * len(accusers) > len(self._received[Phase.SHARE_KEYS][device].recipients):
+            if len(accusers) >= MIN_ACCUSERS and \
+                    2 * len(accusers) > len(self._received[Phase.SHARE_KEYS][device].recipients):
                 self.culprits.add(device)
 
     def _accusers_of(self) -> dict[str, set[str]]:
@@ -584,7 +587,7 @@ SERVER_TABLE = TransitionTable(ServerState, [
     *(row for state, rule in PHASES.items() for row in _phase_rows(state, rule)),
     Transition(_S.WAIT_MASKED, ShareAccusation, "", _V._note_accusation,
                note="keep whose rows the member could not decrypt; at the phase's close, a sender accused by a "
-                    "majority of its recipients is a culprit"),
+                    "majority of its recipients, at least MIN_ACCUSERS, is a culprit"),
     Transition(ANY, Timeout, "", _V._ignore, note="a stale timeout (its phase closed)"),
     Transition(ANY, MemberOffline, "", _V._note_offline, note="not waited for from now on"),
     Transition((_S.IDLE, *PHASES), AbortRound, "", _V._abort_round, _FAILS, (_S.FAILED,),

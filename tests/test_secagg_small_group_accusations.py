@@ -1,0 +1,89 @@
+"""Accusations in small groups: a pair of colluding members can name nobody a culprit.
+
+A culprit is left out of its job's later rounds for good, on accusations the server cannot check
+(a row's key would open every row its recipient holds). A bare majority of an honest member's
+recipients was enough: in a group of 4, two colluders are 2 of its 3. Naming now also takes at
+least three distinct accusers; a device whose rows really fail is still named where three of
+its recipients say so. The reference is the accusers each test makes, counted here."""
+
+import dataclasses
+
+import numpy as np
+
+from protocols.identity import DeviceIdentity
+from protocols.secagg import AggregateReady, EncryptedShares, MaskedInput, RoundConfig, RoundFailed, ShareAccusation
+from protocols.secagg.driver import make_identities, plain_fixed_point_sum, run_round
+
+AGGREGATOR = DeviceIdentity.generate("aggregator")
+
+
+def _group(n):
+    identities = {i.device_id: i for i in make_identities(n)}
+    config = RoundConfig.create(job_id="j", round_id=1, group_id="g", aggregator_id="aggregator",
+                                members=list(identities), vector_length=8, bound=10.0, graph="complete")
+    return config, identities, {d: np.full(8, float(i)) for i, d in enumerate(config.members)}
+
+
+def _liars_accuse(identities, liars, honest):
+    """An intercept: each liar sends a signed ShareAccusation of ``honest`` (whose row it decrypted
+    fine, so it goes on holding its shares) just before its masked input."""
+    def lie(message):
+        if isinstance(message, MaskedInput) and message.sender in liars:
+            accusation = ShareAccusation(job_id=message.job_id, round_id=message.round_id, group_id=message.group_id,
+                                         sender=message.sender, recipient="aggregator", accused=(honest,))
+            return [accusation.signed(identities[message.sender]), message]
+        return [message]
+    return lie
+
+
+def test_two_colluders_in_a_group_of_four_cannot_name_an_honest_member():
+    """Two members of four accuse the third honest one (2 of its 3 recipients, a majority): it is not
+    a culprit. The round itself fails (the liars hold, by their word, none of its shares, and could
+    withhold them anyway), naming nobody."""
+    config, identities, inputs = _group(4)
+    honest, liars = config.members[0], config.members[1:3]
+    run = run_round(config, AGGREGATOR, identities, inputs, intercept=_liars_accuse(identities, liars, honest))
+    server = run.server
+    assert run.errors == [] and len(server._accusations) == 2 and 2 * 2 > len(config.members) - 1
+    assert server.culprits == set(), "two colluders named an honest member a culprit"
+    assert isinstance(server.outcome, RoundFailed) and "could not decrypt" not in server.outcome.reason
+
+
+def test_two_colluders_in_a_group_of_six_name_nobody_and_the_sum_is_exact():
+    """Two accusers of five recipients were never a majority; the sum is everyone's, exactly."""
+    config, identities, inputs = _group(6)
+    honest, liars = config.members[0], config.members[1:3]
+    run = run_round(config, AGGREGATOR, identities, inputs, intercept=_liars_accuse(identities, liars, honest))
+    server = run.server
+    assert run.errors == [] and server.culprits == set() and isinstance(server.outcome, AggregateReady)
+    assert np.array_equal(server.outcome.sum_words, plain_fixed_point_sum(config, list(inputs.values())))
+
+
+def _corrupting(identities, attacker):
+    def corrupt(message):
+        if isinstance(message, EncryptedShares) and message.sender == attacker:
+            ciphertexts = message.ciphertexts.copy()
+            ciphertexts[:, 20] ^= 0xFF                       # every row it sends
+            return [dataclasses.replace(message, ciphertexts=ciphertexts, signature=b"").signed(identities[attacker])]
+        return [message]
+    return corrupt
+
+
+def test_a_member_whose_rows_all_fail_in_a_group_of_four_is_still_named():
+    """All three recipients accuse it: three distinct accusers, a majority: a culprit."""
+    config, identities, inputs = _group(4)
+    attacker = config.members[0]
+    run = run_round(config, AGGREGATOR, identities, inputs, intercept=_corrupting(identities, attacker))
+    assert all(run.clients[d].accused == (attacker,) for d in config.members[1:])
+    assert run.server.culprits == {attacker} and isinstance(run.outcome, RoundFailed)
+    assert f"could not decrypt: {attacker}" in run.outcome.reason
+
+
+def test_in_a_group_of_three_two_accusers_name_nobody():
+    """Two accusers are all a member of a group of three has: nobody is named (the price of the
+    rule: such a member fails the rounds it is drawn into, unnamed; docs: Known gaps)."""
+    config, identities, inputs = _group(3)
+    attacker = config.members[0]
+    run = run_round(config, AGGREGATOR, identities, inputs, intercept=_corrupting(identities, attacker))
+    assert all(run.clients[d].accused == (attacker,) for d in config.members[1:])
+    assert run.server.culprits == set() and isinstance(run.outcome, RoundFailed)
