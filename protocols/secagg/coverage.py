@@ -52,8 +52,8 @@ class UnmaskCoverage:
                 f"{self.share_threshold} ({short} secret{'s' if short > 1 else ''} short)")
 
     def _live_holders(self, owner: str, live: frozenset[str], holds_own: bool) -> int:
-        if self.graph.is_complete:              # every other member holds a share: no n-wide set per owner
-            holders = len(live) - (owner in live and not holds_own)
+        if self.graph.is_complete:              # every member holds a share (a survivor its own): no n-wide sets
+            holders = len(live)
         else:
             holders = len(self.graph.neighbours(owner) & live) + (holds_own and owner in live)
         return holders - len(set(self.accusers_of.get(owner, ())) & live)
