@@ -14,6 +14,7 @@ makes from the start, independently of the service.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 from pathlib import Path
@@ -23,6 +24,7 @@ import pytest
 
 from aggregator.jobs.participant_draw import KeyedDraw
 from aggregator.jobs.registry import build_job
+from aggregator.service.sealed_draws import SEALED
 from aggregator.storage.store import Store
 from aggregator.strategies.dp_noise import NOISE_SEED_ENV
 from protocols.rounds import RoundClosed
@@ -128,19 +130,51 @@ def test_a_keyed_draw_resumes_at_every_durable_point_and_releases_each_round_onc
     case = fedavg_case(DURABLE_POINTS, rounds=5, clients_per_round=3, **DP)
     crashed(case, broker.url, tmp_path / "crashed")
     state_db = tmp_path / "crashed" / "state.db"
-    bookkeeping = [json.loads(b) for (b,) in sqlite3.connect(state_db).execute(
-        "SELECT bookkeeping FROM rounds ORDER BY round")]
-    versions = {b["rng"][0] for b in bookkeeping}
-    assert versions == {KeyedDraw.VERSION}
-    keys = {tuple(b["rng"][1][:4]) for b in bookkeeping}
+    draws = stored_draws(state_db)
+    assert {version for version, _ in draws} == {SEALED}
+    keys = {key for _, key in draws}
     assert len(keys) == 1
-    words = keys.pop()
-    key = (words[0] << 96) | (words[1] << 64) | (words[2] << 32) | words[3]
+    key = keys.pop()
+    assert_store_lacks(state_db, key)
     rounds, state, _ = stored(state_db)
     assert [p for _, p in rounds] == keyed_draws(case.config, key, set(DEVICES), 5)
     results = json.loads((tmp_path / "crashed" / "out" / "job" / "results.json").read_text())
     assert int(state["dp_releases"][0]) == len(rounds) == 5
     assert results["final"]["privacy"]["releases"] == 5
+
+
+def opened_draw(state_db: Path, rng: list) -> list:
+    """A stored round's participant draw as the job restores it: a sealed one opened with the key
+    folder beside the store, a clear one as stored."""
+    from aggregator.security.sealing_key import SealingKey
+    from aggregator.service.sealed_draws import SEALED, SealedDraws
+
+    if rng[0] != SEALED:
+        return rng
+    return SealedDraws(SealingKey(state_db.with_name(state_db.name + ".keys"))).opened({"rng": rng}, "job")["rng"]
+
+
+def stored_draws(state_db: Path) -> list[tuple[object, int]]:
+    """(the version stored, the key) of each stored round's participant draw."""
+    out = []
+    with sqlite3.connect(state_db) as db:
+        for (b,) in db.execute("SELECT bookkeeping FROM rounds ORDER BY round"):
+            rng = json.loads(b)["rng"]
+            words = opened_draw(state_db, rng)[1]
+            out.append((rng[0], (words[0] << 96) | (words[1] << 64) | (words[2] << 32) | words[3]))
+    return out
+
+
+def assert_store_lacks(state_db: Path, key: int) -> None:
+    """No file of the store (the database, its WAL, its payload files) holds ``key``: not its bytes,
+    not its hex, not the words of a keyed draw's saved state as JSON writes them."""
+    words = [(key >> s) & 0xFFFFFFFF for s in (96, 64, 32, 0)]
+    forms = [key.to_bytes(16, "big"), key.to_bytes(16, "big").hex().encode(), json.dumps(words)[1:-1].encode()]
+    files = [p for p in state_db.parent.glob(state_db.name + "*") if p.is_file()]
+    files += [p for p in state_db.with_name(state_db.name + ".blobs").rglob("*") if p.is_file()]
+    assert state_db in files
+    held = [(p.name, form) for p in files for form in forms if form in p.read_bytes()]
+    assert not held, held
 
 
 # ----------------------------------------------------------------------------- what an older version wrote
@@ -211,8 +245,32 @@ def test_a_sampled_dp_job_resumed_from_a_twisters_bookkeeping_draws_keyed_from_t
     assert rc == 0, log[-3000:]
     with sqlite3.connect(work / "state.db") as db:
         versions = [json.loads(b)["rng"][0] for (b,) in db.execute("SELECT bookkeeping FROM rounds ORDER BY round")]
-    assert len(versions) == 4 and versions[2:] == [KeyedDraw.VERSION] * 2, versions
+    assert len(versions) == 4 and versions[2:] == [SEALED] * 2, versions      # keyed, the key stored sealed
     assert "drawn keyed from now on" in log
+
+
+def test_a_sampled_dp_job_resumed_from_a_clear_draw_key_goes_on_under_a_new_sealed_one(broker, tmp_path):
+    """The version before sealed draws stored the keyed draw's key in the clear. Such a store still
+    resumes, but that key is spent (whoever read the store or a backup of it holds it, and with it
+    every later draw): the rounds opened after the resume are drawn under a new key, stored sealed,
+    and no file of the store holds the new key."""
+    case = fedavg_case(["round_closed:2"], rounds=4, clients_per_round=3, **DP)
+    work = tmp_path / "crashed"
+    crashed_until_killed(case, broker.url, work)
+    state_db = work / "state.db"
+    rewrite_store(state_db, bookkeeping=lambda r, b: {**b, "rng": opened_draw(state_db, b["rng"])})
+    old = stored_draws(state_db)
+    assert [version for version, _ in old] == [KeyedDraw.VERSION] * 2 and len({key for _, key in old}) == 1
+    rc, log = resume(case, broker.url, work)
+    assert rc == 0, log[-3000:]
+    assert "its participant draw's key was stored in the clear by an earlier version" in log
+    draws = stored_draws(state_db)
+    assert draws[:2] == old and [version for version, _ in draws[2:]] == [SEALED] * 2, draws
+    new = {key for _, key in draws[2:]}
+    assert len(new) == 1 and new != {old[0][1]}
+    assert_store_lacks(state_db, new.pop())
+    results = json.loads((work / "out" / "job" / "results.json").read_text())
+    assert results["final"]["privacy"]["releases"] == 4
 
 
 # ----------------------------------------------------------------------------- a store tampered with
@@ -253,10 +311,6 @@ def test_a_tampered_store_stops_its_job_with_one_clear_error_once(broker, tmp_pa
     """Each tampered row of a killed job's store (its checkpoint, a reference in it, a round's saved
     draw): the restart says what is wrong in one line, stops the job durably with that reason, and
     the next restart does not try again — no traceback, no loop of restarts hitting it."""
-    import shutil
-
-    from test_crash_resume_kinds import AggregatorProcess
-
     case = fedavg_case(["round_closed:4"], rounds=6, clients_per_round=1)
     killed = tmp_path / "killed"
     crashed_until_killed(case, broker.url, killed)
@@ -264,13 +318,24 @@ def test_a_tampered_store_stops_its_job_with_one_clear_error_once(broker, tmp_pa
     checkpoint = store.checkpoint("job")[1]
     store.close()       # before the copies: its last connection's close removes the WAL files copytree lists
     assert "unreleased_bounds.pool" in checkpoint or "unreleased_bounds.reference" in checkpoint
+    assert_each_stops_its_job_once(killed, TAMPERED, broker.url, tmp_path)
+
+
+def assert_each_stops_its_job_once(killed: Path, tampered: dict, broker_url: str, tmp_path: Path) -> None:
+    """Each of ``tampered`` (name: (tamper(state.db), what the error names)) on a copy of the killed
+    job's folder: one error line naming ``what`` at the first restart, none at the second, no
+    traceback, the job stopped durably with that reason."""
+    import shutil
+
+    from test_crash_resume_kinds import AggregatorProcess
+
     problems = []
-    for name, (tamper, what) in TAMPERED.items():
+    for name, (tamper, what) in tampered.items():
         work = tmp_path / name.replace(" ", "_").replace("'", "")
         shutil.copytree(killed, work)
         tamper(work / "state.db")
         for attempt in range(2):
-            rc, log = AggregatorProcess(work, broker.url, None).wait(60)
+            rc, log = AggregatorProcess(work, broker_url, None).wait(60)
             errors = [line.split(" ERROR ")[-1] for line in log.splitlines() if "cannot start job job" in line]
             if "Traceback" in log or len(errors) != 1 - attempt or (errors and what not in errors[0]):
                 problems.append((name, attempt, rc, errors, log[-1500:] if "Traceback" in log else ""))
@@ -278,6 +343,69 @@ def test_a_tampered_store_stops_its_job_with_one_clear_error_once(broker, tmp_pa
         if row["state"] != "stopped" or what not in json.dumps(row):
             problems.append((name, row["state"], row.get("error")))
     assert not problems, "\n".join(map(str, problems))
+
+
+def sealed_draws_changed(change):
+    """tamper(state.db): each stored round's sealed draw replaced by ``change(state_db, sealed)``."""
+    def tamper(state_db: Path) -> None:
+        with contextlib.closing(sqlite3.connect(state_db)) as db:
+            rng = [json.loads(b)["rng"] for (b,) in db.execute("SELECT bookkeeping FROM rounds")]
+        assert rng and all(r[0] == SEALED for r in rng), rng        # what is tampered with is a sealed draw
+        rewrite_store(state_db, bookkeeping=lambda r, b: {**b, "rng": change(state_db, b["rng"])})
+    return tamper
+
+
+def altered_token(state_db: Path, rng: list) -> list:
+    import base64
+
+    token = bytearray(base64.b64decode(rng[1]))
+    token[-1] ^= 1                              # the tag's last bit
+    return [rng[0], base64.b64encode(bytes(token)).decode(), None]
+
+
+def another_jobs(state_db: Path, rng: list) -> list:
+    """The same draw sealed under the same key for job "other": a row copied from that job."""
+    from aggregator.security.sealing_key import SealingKey
+    from aggregator.service.sealed_draws import SealedDraws
+
+    draws = SealedDraws(SealingKey(state_db.with_name(state_db.name + ".keys")))
+    return draws.sealed({"rng": opened_draw(state_db, rng)}, "other")["rng"]
+
+
+def keys_replaced(state_db: Path) -> None:
+    """The store moved to a host whose key folder holds another key."""
+    from aggregator.security.sealing_key import SealingKey
+
+    keys = state_db.with_name(state_db.name + ".keys")
+    sealed_draws_changed(lambda _db, rng: rng)(state_db)
+    (keys / SealingKey.FILE).unlink()
+    SealingKey(keys).seal(b"", b"")
+
+
+def keys_gone(state_db: Path) -> None:
+    """The store moved without its key folder."""
+    import shutil
+
+    sealed_draws_changed(lambda _db, rng: rng)(state_db)
+    shutil.rmtree(state_db.with_name(state_db.name + ".keys"))
+
+
+SEALED_TAMPERED = {
+    "sealed draw altered": (sealed_draws_changed(altered_token), "does not open"),
+    "sealed draw of another job": (sealed_draws_changed(another_jobs), "does not open"),
+    "another key folder": (keys_replaced, "does not open"),
+    "no key folder": (keys_gone, "no sealing key"),
+}
+
+
+def test_a_sealed_draw_that_does_not_open_stops_its_job_with_one_clear_error_once(broker, tmp_path):
+    """A sampled DP job's stored draw altered, copied from another job, or opened under another key
+    folder (or none): the restart says in one line that the round's bookkeeping does not open, stops
+    the job with that reason, and goes on (the next restart does not try again)."""
+    case = fedavg_case(["round_closed:2"], rounds=4, clients_per_round=3, **DP)
+    killed = tmp_path / "killed"
+    crashed_until_killed(case, broker.url, killed)
+    assert_each_stops_its_job_once(killed, SEALED_TAMPERED, broker.url, tmp_path)
 
 
 def test_a_ladd_checkpoint_without_its_references_resumes_as_one_taken_before_them(tmp_path):

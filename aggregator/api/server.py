@@ -88,6 +88,9 @@ def add_ops_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--identity", type=Path, default=None,
                    help="the aggregator's Ed25519 private key (PEM): every message it sends is signed with it, "
                         "and enrolment hands devices its public key to verify them (default: unsigned, development)")
+    g.add_argument("--key-dir", type=Path, default=None,
+                   help="folder of the key the store's secrets are sealed under (a sampled DP job's draw key), kept "
+                        "out of the store and its backups (default: --security-dir, else STATE.keys/)")
     g.add_argument("--keep-serving", action="store_true",
                    help="after the job, keep running and start jobs queued through the API")
 
@@ -137,6 +140,7 @@ def serve_with_ops(args, job, broker: BrokerConfig, out_dir: Path, settings: Ser
                    shards: int = 0) -> dict:
     """Build store/security/shards/API from ``args`` around an AggregatorService with ``settings`` and run it."""
     from aggregator.security.broker import BrokerSecurity
+    from aggregator.security.sealing_key import SealingKey
     from aggregator.service.loop import AggregatorService
     from aggregator.storage.store import Store
 
@@ -154,7 +158,10 @@ def serve_with_ops(args, job, broker: BrokerConfig, out_dir: Path, settings: Ser
         from protocols.identity import DeviceIdentity
 
         identity = DeviceIdentity.from_pem(AGGREGATOR_ID, read_regular_file(args.identity, "--identity", OPTION_FILE_BYTES))
-    store = Store(args.state, synchronous=args.durability.upper()) if args.state else None
+    key_dir = args.key_dir or args.security_dir         # the secrets' folder, not the store's
+    if key_dir is not None and args.state:
+        SealingKey(key_dir).check()
+    store = Store(args.state, synchronous=args.durability.upper(), key_dir=key_dir) if args.state else None
     security = None
     if args.security_dir:
         security = BrokerSecurity(args.security_dir, topics)

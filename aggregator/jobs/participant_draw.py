@@ -5,7 +5,8 @@ Where the accountant counts on sampling (DP with q < 1), who was drawn must stay
 amplification holds only while nobody can tell. Devices see part of every draw (each knows whether
 it was asked), and Python's Mersenne Twister is linear over GF(2): enough observed outputs give
 its state, and with it every later draw. Such a draw therefore comes from :class:`KeyedDraw`, AES
-in counter mode under the job's secret 128-bit key (a cryptographic generator). Every other job
+in counter mode under the job's secret 128-bit key (a cryptographic generator), which the store
+keeps sealed (``aggregator/service/sealed_draws.py``): its saved state is the key. Every other job
 draws from a ``random.Random`` seeded with its config's ``seed``, reproducible by design.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import random
+import secrets
 
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
@@ -36,6 +38,11 @@ class KeyedDraw(random.Random):
             raise ValueError("a keyed draw's key is an integer in [0, 2^128)")
         self._key, self._block = key, 0
         super().__init__()
+
+    @classmethod
+    def fresh(cls) -> "KeyedDraw":
+        """A draw under a new secret key (a new job's; one whose key was stored in the clear)."""
+        return cls(secrets.randbits(BLOCK_BITS))
 
     def seed(self, a=None, version=2) -> None:
         """Ignored: the key is the seed (``random.Random.__init__`` calls this)."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import random
-import secrets
 from dataclasses import dataclass
 
 from aggregator.compute.privacy import PrivacyAccountant
@@ -149,12 +148,13 @@ class UpdateClippingFields(PrivacyBudgetFields):
         """The job's participant draw: seeded with the config's seed, unless the accountant counts on
         sampling (q < 1) — amplification holds only while nobody can tell who was sampled, and
         anyone holding the config could redraw a seeded sample (a review's finding: ε understated
-        several-fold). Then a :class:`KeyedDraw` under a secret key of this job's own (checkpointed
-        with the draw's state, never published: ``participant_draw.py`` says why not a Mersenne
-        Twister); the config's seed only while the noise is seeded for tests."""
+        several-fold). Then a :class:`KeyedDraw` under a secret key of this job's own (stored with
+        the draw's state, sealed: ``aggregator/service/sealed_draws.py``; never published:
+        ``participant_draw.py`` says why not a Mersenne Twister); the config's seed only while the
+        noise is seeded for tests."""
         if not self.dp or self.sampling_rate() >= 1.0 or seeded_noise_warning():
             return random.Random(self.seed)
-        return KeyedDraw(secrets.randbits(128))
+        return KeyedDraw.fresh()
 
     def check_update_clipping(self) -> None:
         """Refuse (ValueError) a DP setting that cannot run or whose first round exceeds the budget."""

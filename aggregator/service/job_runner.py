@@ -32,6 +32,7 @@ from aggregator.service.crash_points import CrashPoints
 from aggregator.service.job_end import JobEndNotices
 from aggregator.service.job_outcome import judged_state
 from aggregator.jobs.privacy_fields import PrivacyBudgetFields
+from aggregator.service.sealed_draws import SealedDraws
 from aggregator.service.settings import ServiceSettings
 from aggregator.security.fleet import Fleet
 from aggregator.service.contribution_writer import ContributionWriter
@@ -69,6 +70,7 @@ class JobRunner:
         self.a, self.fleet, self.store, self.crash = a, s.fleet, store, s.crash
         # large results are stored on the writer's thread (aggregator/service/contribution_writer.py)
         self.writer = s.writer if store is not None and a.job.split_validation else None
+        self.draws = SealedDraws(store.sealing_key) if store is not None else None    # the bookkeeping as stored
         self._held_acks: dict[str, list[tuple[SendAck, int]]] = {}   # message id -> its acks, until durable
         self.rebuilt = False                    # a write failed and the job was rebuilt by a new runner
         # an order-free job reports its contributions summed in canonical order (aggregator/service/canonical.py):
@@ -420,7 +422,8 @@ class JobRunner:
         # params refuse) fails the scheduling with no round opened, not one left open for ever
         messages = {dev: self._task_message(round_, dev, tasks[dev], deadline_wall) for dev in participants}
         if self.store is not None:
-            self.store.open_round(a.job_id, round_, participants, tasks, a.job.bookkeeping(), deadline_wall)
+            bookkeeping = self.draws.sealed(a.job.bookkeeping(), a.job_id)     # a keyed draw's key sealed
+            self.store.open_round(a.job_id, round_, participants, tasks, bookkeeping, deadline_wall)
         self.crash("round_opened")
         coord = RoundCoordinator(round_, frozenset(participants), now + a.job.config.round_timeout_s, tasks=tasks)
         a.rounds[round_] = a.current = coord

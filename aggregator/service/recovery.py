@@ -6,7 +6,8 @@ What is replayed, in this order (``restore_job``):
    service keeps checkpoints;
 2. every stored round: a :class:`RoundCoordinator` whose ``seen_ids`` hold the round's applied
    message ids (so every QoS 1 redelivery or device retry is an idempotent ``duplicate``), the
-   job's scheduling bookkeeping as it was when the round opened, and the contributions the
+   job's scheduling bookkeeping as it was when the round opened (its participant draw's key
+   opened: ``sealed_draws.py``), and the contributions the
    checkpoint lacks, through ``parse_result``/``apply`` in commit order (the same float64
    additions in the same order);
 3. closed rounds are closed again (late answers are acknowledged ``late``) and, past the
@@ -33,6 +34,7 @@ from aggregator.jobs.privacy_fields import PrivacyBudgetFields
 from aggregator.jobs.recent_log import RecentLog
 from aggregator.service.active_job import ActiveJob, ServiceStats
 from aggregator.service.canonical import hand_round_sum
+from aggregator.service.sealed_draws import SealedDraws
 from aggregator.storage.store import FINAL_JOB_STATES, Store, StoreError
 from aggregator.storage.schema import JobState
 
@@ -72,14 +74,15 @@ def restore_job(a: ActiveJob, row: dict, store: Store, checkpoints: bool) -> Non
     done_round = _load_checkpoint(a, store) if checkpoints else 0
     ids = store.contributions(a.job_id, with_payload=False)                  # every round: message ids
     payloads = store.contributions(a.job_id, after_round=done_round)         # only what the state lacks
-    replay = _RoundReplay(a, store, done_round, next(ids, None), next(payloads, None), ids, payloads)
+    draws = SealedDraws(store.sealing_key)
+    replay = _RoundReplay(a, store, draws, done_round, next(ids, None), next(payloads, None), ids, payloads)
     rounds = restorable(f"job {a.job_id!r}'s rounds", store.rounds, a.job_id)
     for r in rounds:
         replay.round(r)
     if replay.next_id is not None or replay.next_payload is not None:
         raise StoreError(f"job {a.job_id} has contributions that belong to no stored round")
     if rounds:
-        restorable(f"round {rounds[-1].round}'s bookkeeping", a.job.restore_bookkeeping, rounds[-1].bookkeeping)
+        restore_bookkeeping(a, draws, rounds[-1])
     a.history = RecentLog(store.evaluations(a.job_id))
     # quarantined and forgotten devices are never asked again
     a.quarantined = {q["device"] for q in store.quarantined(a.job_id)} | set(store.forgotten(a.job_id))
@@ -105,6 +108,12 @@ def restorable(what: str, fn, *args):
         raise StoreError(f"{what} cannot be restored: {type(exc).__name__}: {exc}") from exc
 
 
+def restore_bookkeeping(a: ActiveJob, draws: SealedDraws, stored) -> None:
+    """The job as it was right after round ``stored`` opened: its stored bookkeeping, opened."""
+    restorable(f"round {stored.round}'s bookkeeping",
+               lambda: a.job.restore_bookkeeping(draws.opened(stored.bookkeeping, a.job_id)))
+
+
 def _load_checkpoint(a: ActiveJob, store: Store) -> int:
     checkpoint = restorable(f"job {a.job_id!r}'s checkpoint", store.checkpoint, a.job_id)
     if checkpoint is None:
@@ -118,8 +127,9 @@ def _load_checkpoint(a: ActiveJob, store: Store) -> int:
 class _RoundReplay:
     """Walks the stored rounds with two cursors over the stored contributions (ids, payloads)."""
 
-    def __init__(self, a: ActiveJob, store: Store, done_round: int, next_id, next_payload, ids, payloads):
-        self.a, self.store, self.done_round = a, store, done_round
+    def __init__(self, a: ActiveJob, store: Store, draws: SealedDraws, done_round: int, next_id, next_payload, ids,
+                 payloads):
+        self.a, self.store, self.draws, self.done_round = a, store, draws, done_round
         self.next_id, self.next_payload, self._ids, self._payloads = next_id, next_payload, ids, payloads
         self.replayed = 0
         self._wall, self._mono = time.time(), time.monotonic()
@@ -132,7 +142,7 @@ class _RoundReplay:
             coord.restore(self.next_id.device, self.next_id.message_id)
             self.next_id = next(self._ids, None)
         if r.round > self.done_round:                 # the job as it was right after this round opened
-            restorable(f"round {r.round}'s bookkeeping", job.restore_bookkeeping, r.bookkeeping)
+            restore_bookkeeping(a, self.draws, r)
         while self.next_payload is not None and self.next_payload.round == r.round:
             job.apply(self.next_payload.device, job.parse_result(decode(self.next_payload.payload)))
             self.replayed += 1

@@ -11,8 +11,11 @@ job bit for bit after a crash:
                                         profile, cluster.
 * ``jobs``                              :mod:`aggregator.storage.jobs`: kind, config, state.
 * ``rounds``, ``round_events``,         :mod:`aggregator.storage.rounds`: each opened round with
-  ``checkpoints``                       the job's bookkeeping, its declines and rejections, and the
-                                        job's exact state as of its last closed round.
+  ``checkpoints``                       the job's bookkeeping (its secrets sealed under
+                                        :attr:`Store.sealing_key`, kept outside this file:
+                                        :mod:`aggregator.service.sealed_draws`), its declines and
+                                        rejections, and the job's exact state as of its last
+                                        closed round.
 * ``contributions``                     :mod:`aggregator.storage.contributions`: every accepted
                                         result, durable (row and payload file) before its ack.
 * ``quarantine``, ``forgotten``         :mod:`aggregator.storage.exclusions`: contributions taken
@@ -37,6 +40,7 @@ import logging
 import sqlite3
 from pathlib import Path
 
+from aggregator.security.sealing_key import SealingKey
 from aggregator.storage.connection import StoreError
 from aggregator.storage.contributions import ContributionRepository, StoredContribution
 from aggregator.storage.devices import DeviceRepository
@@ -60,8 +64,11 @@ class Store(DeviceRepository, JobRepository, RoundRepository, ContributionReposi
     """Every repository's methods on one object, one connection per thread, one file: a store
     opens as it did before the split (same tables, same migrations)."""
 
-    def __init__(self, path: str | Path, synchronous: str = "FULL"):
+    def __init__(self, path: str | Path, synchronous: str = "FULL", key_dir: str | Path | None = None):
+        """``key_dir``: the folder of the key this store's secrets are sealed under (default
+        ``<db path>.keys/``; ``aggregator serve`` names its secrets' folder)."""
         super().__init__(path, synchronous)
+        self.sealing_key = SealingKey(key_dir if key_dir is not None else self.path.with_name(self.path.name + ".keys"))
         self._create_tables(SCHEMA)
         migrated = False
         with self._tx() as db:
