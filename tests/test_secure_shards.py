@@ -404,9 +404,9 @@ def test_simulate_shards_takes_the_secure_kinds_shards_host_and_says_why_not_for
         check_shardable(dp, "fed3r-sync")
 
 
-def _sharded_coordinator(tmp_path, members):
+def _sharded_coordinator(tmp_path, members, **over):
     """A Fed3R-Sync job's shard coordinator with round 1's group released, its pool recording what
-    it is told (the coordinator's decisions, sans-IO), and the job's config."""
+    it is told (the coordinator's decisions, sans-IO), and the job's config (``over``: its changes)."""
     import queue
 
     from aggregator.jobs.registry import build_job
@@ -431,7 +431,7 @@ def _sharded_coordinator(tmp_path, members):
             self.placed.pop(round_id, None)
 
     keys = SecureKeys.create(tmp_path, DEVICES)
-    config = {**job_config(DEVICES, "fed3r-sync"), "max_samples": 100, **keys.job_fields(tmp_path)}
+    config = {**job_config(DEVICES, "fed3r-sync", **over), "max_samples": 100, **keys.job_fields(tmp_path)}
     pool = RecordingPool()
     coordinator = ShardedSecureJob(build_job("fed3r-sync", config), "fed3r-sync", pool)
     assert sorted(coordinator.next_participants(set(members))) == members
@@ -481,6 +481,81 @@ def _host_told(host, told, now):
         assert command == "group_offline"
         host.groups.offline(round_id, device, now)
     return host.groups.tick(now)
+
+
+def _group_with_a_copied_key(start, on_protocol, keys, vectors, owner, copier, now=1.0) -> None:
+    """Round 1's group from its first messages (``start``) to its end through ``on_protocol``, each
+    member a real SecAgg client of its Fed3R-Sync ``vectors``; ``copier`` advertises ``owner``'s cipher
+    key (signed by itself), after the owner, and then goes silent."""
+    from protocols.payloads.secagg import from_envelope, to_envelope
+    from protocols.secagg import ClientSecAgg
+    from test_secagg_adversarial import resign
+
+    clients, adverts = {}, {}
+    for device, env in start:
+        first = from_envelope(env)
+        clients[device] = ClientSecAgg(keys.devices[device], "aggregator", keys.aggregator.public_key_bytes,
+                                       job_id=first.job_id, round_id=first.round_id, group_id=first.group_id,
+                                       input_vector=vectors[device])
+        [adverts[device]] = clients[device].handle(first)
+    adverts[copier] = resign(adverts[copier], keys.devices[copier], cipher_public_key=adverts[owner].cipher_public_key)
+    sends = []
+    for device in sorted(adverts):
+        sends += on_protocol(device, to_envelope(adverts[device]), now)
+    while sends:
+        replies = [(device, reply) for device, env in sends if device != copier
+                   for reply in clients[device].handle(from_envelope(env))]
+        sends = [out for device, reply in replies for out in on_protocol(device, to_envelope(reply), now)]
+
+
+def test_a_copied_key_on_shards_is_in_the_round_log_as_on_one_aggregator(tmp_path):
+    """A review's finding: a member advertising another member's public key is refused by the
+    group's server machine, and one aggregator's round log names it (``secure_refused``, with why);
+    on shards that machine runs on the host, and the coordinator's round log left it out. The same
+    group run by one aggregator and by a host for the coordinator: the same survivors, the same
+    sum, the same ``secure_refused``."""
+    from aggregator.jobs.registry import build_job
+    from aggregator.service.active_job import ActiveJob
+    from aggregator.shards.shard import ShardIngest
+    from aggregator.storage.store import Store
+    from protocols.payloads.secagg import pack_sync_vector
+    from protocols.rounds import RoundClosed
+    from ops_fleet import C, D
+
+    members = ["dev03", "dev04", "dev05", "dev06", "dev08"]
+    owner, copier = "dev04", "dev06"
+    coordinator, pool, config, keys = _sharded_coordinator(tmp_path, members, clients_per_round=len(members))
+    rng = np.random.default_rng(3)
+    vectors = {}
+    for device in members:
+        z = np.hstack([rng.uniform(-1, 1, (4, D)), np.ones((4, 1))])
+        vectors[device] = pack_sync_vector((z.T @ z)[np.triu_indices(D + 1)], np.eye(C)[rng.integers(0, C, 4)].T @ z, 4)
+
+    one = build_job("fed3r-sync", config)
+    assert sorted(one.next_participants(set(members))) == members
+    _group_with_a_copied_key(one.on_protocol_tick(1.0), one.on_protocol, keys, vectors, owner, copier)
+
+    coordinator.on_protocol_tick(1.0)                         # places the group on its host
+    _, _, group, context = pool.told[0]
+    host = ShardIngest(1, 2, Store(tmp_path / "s1.db"))
+    host.set_job(config["job_id"], "fed3r-sync", config)
+    host.groups.open(group, context)
+    _group_with_a_copied_key(host.groups.tick(1.0), host.groups.feed, keys, vectors, owner, copier)
+    for outcome in host.groups.outcomes():                   # what the host's loop sends its coordinator
+        assert outcome[0] == "group"
+        pool.group_outcomes.put(outcome[1:])
+    coordinator.on_protocol_tick(2.0)
+
+    survivors = tuple(sorted(set(members) - {copier}))
+    entries = {}
+    for name, job in (("one aggregator", one), ("shards", coordinator)):
+        assert job.settled(1) == survivors, name
+        entries[name] = ActiveJob(job=job, kind="fed3r-sync", out_dir=None).round_entry(
+            RoundClosed(1, survivors, (copier,), (), ()), 0.0, 3.0)
+    assert one.strategy.packed_upper().tobytes() == coordinator.inner.strategy.packed_upper().tobytes()
+    refused = entries["one aggregator"].get("secure_refused")
+    assert refused is not None and set(refused) == {copier} and owner in refused[copier] and "cipher" in refused[copier]
+    assert entries["shards"].get("secure_refused") == refused
 
 
 def test_culprits_a_host_names_for_a_round_closed_meanwhile_are_kept_out_of_later_rounds(tmp_path):

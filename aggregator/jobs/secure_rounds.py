@@ -121,6 +121,8 @@ class SecureGroupRounds(Job):
         self.reachable: set[str] = set()       # online, or offline within the grace period (the runner's view)
         # set on a shard hosting the job's groups: (round, unmasked sum, survivors) go there, unapplied
         self.hand_sums_to: Callable[[int, np.ndarray, tuple[str, ...]], None] | None = None
+        # and the members its group refuses, as it refuses them (round, member -> why): the round log's there
+        self.hand_refusals_to: Callable[[int, dict[str, str]], None] | None = None
 
     def note_reachable(self, devices: set[str]) -> None:
         """Who may still answer (the runner tells before each round): a group can wait for them."""
@@ -312,7 +314,7 @@ class SecureGroupRounds(Job):
         window, unless ``paced``: the window released them), sums and failures applied."""
         if self.secure is not None:
             self.note_culprits(self.secure.config.round_id, self.secure.culprits)
-            self._note_refused(self.secure.config.round_id, self.secure.refused)
+            self.note_refused(self.secure.config.round_id, self.secure.refused)
         if self._uploads is not None and not paced:
             outputs = self._uploads.admit(list(outputs))
             if self.secure is None or self.secure.state is not ServerState.WAIT_MASKED:
@@ -372,14 +374,18 @@ class SecureGroupRounds(Job):
             log.warning("secure round %d: %s sent share rows a majority of their recipients could not decrypt: "
                         "left out of this job's later rounds", round_id, ", ".join(new))
 
-    def _note_refused(self, round_id: int, refused: dict[str, str]) -> None:
-        """Members the round's server machine left out (``ServerSecAgg.refused``): said once each,
-        kept for the round's log entry (``secure_refusals``)."""
+    def note_refused(self, round_id: int, refused: dict[str, str]) -> None:
+        """Members round ``round_id``'s server machine left out (``ServerSecAgg.refused``, here or on
+        the shard that hosts the group): said once each, kept for the round's log entry
+        (``secure_refusals``), and on a shard hosting the group handed to its coordinator."""
         known = self._refused.get(round_id, {})
-        for device in sorted(refused.keys() - known.keys()):
-            log.warning("secure round %d: %s refused for the round (a dropout): %s", round_id, device, refused[device])
-        if len(refused) > len(known):
-            self._refused[round_id] = dict(refused)
+        new = {device: why for device, why in refused.items() if device not in known}
+        for device in sorted(new):
+            log.warning("secure round %d: %s refused for the round (a dropout): %s", round_id, device, new[device])
+        if new:
+            self._refused[round_id] = {**known, **new}
+            if self.hand_refusals_to is not None:
+                self.hand_refusals_to(round_id, new)
 
     def secure_refusals(self, round_: int) -> dict[str, str] | None:
         """Members round ``round_``'s group refused, with why, once (the round log's ``secure_refused``)."""

@@ -29,6 +29,9 @@ round's participants, the vector length, the bound and the fixed-point scale mak
   never sees one); everything else (presence, declines) goes to the coordinator through the
   device's own shard only. The host publishes the group's messages to its members' inboxes,
   signed with the aggregator's identity, as the coordinator signs its own.
+* **Refusals.** A member the group's server machine refuses (one advertising a public key another
+  member advertised first) is told to the coordinator as it is refused, before the group's end, so
+  the round's log entry carries it as ``secure_refused`` exactly as one aggregator's does.
 * **Sums.** The host sends the coordinator the unmasked group sum (the exact fixed-point sum,
   decoded) and its survivors, or the group's failure and its reason; the coordinator's job applies
   it (``SecureGroupRounds.group_summed``: the bound check, then the job's own ``on_secure_sum``)
@@ -123,6 +126,8 @@ class ShardedSecureJob(CoordinatedJob):
         self.inner.note_culprits(round_id, culprits)
         if round_id not in self.pool.placed:
             return log.info("secure round %d: its host's %s came after the round closed: dropped", round_id, what)
+        if what == "refused":       # members the group left out, each with why: the round log's, as one aggregator's
+            return self.inner.note_refused(round_id, dict(details[0]))
         self.pool.group_ended(round_id)
         if what == "sum":
             total, survivors = details
@@ -155,7 +160,7 @@ class ShardedSecureJob(CoordinatedJob):
         return None          # the group's phases ran on the shard hosting it, which logs them
 
     def secure_refusals(self, round_: int) -> dict[str, str] | None:
-        return None          # the shard hosting the group logs the members it refused
+        return self.inner.secure_refusals(round_)      # told by the group's host as it refused them
 
     def abort_secure_round(self, round_id: int, reason: str) -> None:
         """The coordinator decides: the group fails now; its host is told to abort it."""

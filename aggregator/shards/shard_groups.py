@@ -6,10 +6,12 @@ job's own (:class:`~aggregator.jobs.secure_rounds.SecureGroupRounds`, built by t
 job's config, so with the aggregator's identity and the enrolled keys its files name), whose
 unmasked sum is handed on (:attr:`~aggregator.jobs.secure_rounds.SecureGroupRounds.hand_sums_to`)
 instead of applied. Each call returns the ``(device, envelope)`` pairs to publish (signed with the
-aggregator's identity, :attr:`signer`); :meth:`outcomes` what the coordinator must be told once the
-group ended: ``("group", job_id, "sum", round, culprits, total, survivors)`` or ``("group", job_id, "failed",
-round, culprits, reason)`` (the job id: an outcome of a job the coordinator no longer serves is dropped
-there; culprits: members the hosted rounds named, ``SecureGroupRounds.culprits``).
+aggregator's identity, :attr:`signer`); :meth:`outcomes` what the coordinator must be told: the
+members the group refused, as it refuses them (``("group", job_id, "refused", round, culprits,
+{member: why})``, a copied public key: the round log's ``secure_refused``, as one aggregator's), and
+once the group ended ``("group", job_id, "sum", round, culprits, total, survivors)`` or ``("group",
+job_id, "failed", round, culprits, reason)`` (the job id: an outcome of a job the coordinator no
+longer serves is dropped there; culprits: members the hosted rounds named, ``SecureGroupRounds.culprits``).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ Sends = list[tuple[str, Envelope]]
 class ShardGroups:
     def __init__(self, index: int, job: SecureGroupRounds):
         self.index, self.job = index, job
-        job.hand_sums_to = self._summed
+        job.hand_sums_to, job.hand_refusals_to = self._summed, self._refused
+        self._notices: list[tuple] = []             # the hosted group's refusals, not yet told
         self.held: int | None = None                # the round whose group runs here
         self.members: set[str] = set()              # the hosted group's devices (their outboxes are read)
         self._sum: tuple[np.ndarray, tuple[str, ...]] | None = None
@@ -83,6 +86,10 @@ class ShardGroups:
         return self.job.on_protocol_tick(0.0)
 
     def outcomes(self) -> list[tuple]:
+        notices, self._notices = self._notices, []
+        return notices + self._ended()
+
+    def _ended(self) -> list[tuple]:
         if self.held is None:
             return []
         survivors = self.job.settled(self.held)
@@ -99,3 +106,7 @@ class ShardGroups:
 
     def _summed(self, round_id: int, total: np.ndarray, survivors: tuple[str, ...]) -> None:
         self._sum = (total, survivors)
+
+    def _refused(self, round_id: int, refused: dict[str, str]) -> None:
+        self._notices.append(("group", self.job.config.job_id, "refused", round_id, tuple(sorted(self.job.culprits)),
+                              dict(refused)))
