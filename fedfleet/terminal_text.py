@@ -10,6 +10,7 @@ tabs are the layout."""
 
 from __future__ import annotations
 
+from protocols import log_text
 from protocols.log_text import escaped_controls
 
 MAX_VALUE_CHARS = 500       # one value as printed: a device's reason is at most 500 when it comes
@@ -20,8 +21,6 @@ def terminal_safe(text: str) -> str:
 
 
 def one_line(value, max_chars: int = MAX_VALUE_CHARS) -> str:
-    """``str(value)`` cut to ``max_chars`` (… says so), every control character escaped, newlines too."""
-    text = str(value)
-    if len(text) > max_chars:
-        text = text[:max_chars - 1] + "…"
-    return escaped_controls(text)
+    """``str(value)`` cut to ``max_chars`` (… says so), every control character escaped, newlines
+    too, bidirectional overrides and invisible format characters as well (``\\u202e``)."""
+    return log_text.one_line(value, max_chars)

@@ -2,10 +2,19 @@
 quotes them) made safe to show a person: in one line of a log, or in a terminal.
 
 The one escape (``escaped_controls``): every character that is not printable -- C0 and C1 controls
-(ESC, CSI, BEL), line and paragraph separators, bidirectional overrides -- is written as its Python
-escape. Unescaped, a newline in a device's decline reason wrote a second log record of the
-attacker's choosing under the aggregator's timestamp, and an ESC sequence drove the terminal that
-tails the log (clear it, retitle it, write the clipboard with OSC 52).
+(ESC, CSI, BEL), line and paragraph separators, the bidirectional controls (U+202A-U+202E,
+U+2066-U+2069, U+200E/F, U+061C) and every other invisible format character (zero-width space and
+joiners, U+FEFF), spaces other than U+0020 -- is written as its Python escape (``\\u202e``).
+Unescaped, a newline in a device's decline reason wrote a second log record of the attacker's
+choosing under the aggregator's timestamp, an ESC sequence drove the terminal that tails the log
+(clear it, retitle it, write the clipboard with OSC 52), and a right-to-left override showed the
+rest of a line reversed (a device id or a reason reading as another). ``one_line`` also cuts: a
+value, or a whole record, of a megabyte that a peer chose fills no log.
+
+The rule is the Unicode categories Python's ``str.isprintable`` refuses (Cc, Cf, Cs, Co, Cn, Zl,
+Zp, Zs but the space). The Java device escapes by the same rule (``org.fedfleet.wire.LogText``) and
+the dashboard too (``aggregator/api/static/app.js``, ``shown``); ``tests/test_log_text_java.py``
+holds the Java one to this one on every code point.
 
 ``OneLineFormatter`` is the logging side: a record's message is one line whatever it quotes, and
 a traceback's lines (an exception's message may quote a device too) are each indented, so only a
@@ -19,6 +28,8 @@ import logging
 
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 TRACE_INDENT = "    "       # before each line of a traceback: no forged record at column 0
+MAX_RECORD_CHARS = 4000     # a record's message, a traceback's line: far above any our own code writes
+CUT_MARK = "\u2026"         # "…": where one_line cut
 
 
 def escaped_controls(text: str, keep: str = "") -> str:
@@ -28,11 +39,22 @@ def escaped_controls(text: str, keep: str = "") -> str:
     return "".join(c if c.isprintable() or c in keep else repr(c)[1:-1] for c in text)
 
 
+def one_line(value, max_chars: int = MAX_RECORD_CHARS) -> str:
+    """``str(value)`` cut to ``max_chars`` characters (the last one ``…`` where it was cut), then
+    every non-printable character escaped, newlines too: cut first, so an escape is never split."""
+    text = str(value)
+    if len(text) > max_chars:
+        text = text[:max_chars - 1] + CUT_MARK
+    return escaped_controls(text)
+
+
 class OneLineFormatter(logging.Formatter):
-    """A log record whose message is one line of printable text, its traceback indented."""
+    """A log record whose message is one line of printable text of at most ``MAX_RECORD_CHARS``
+    characters before escaping, its traceback indented, each of its lines cut alike (an exception's
+    message may quote a peer's text whole: a task's parameter of a megabyte)."""
 
     def formatMessage(self, record: logging.LogRecord) -> str:
-        record.message = escaped_controls(record.message)
+        record.message = one_line(record.message)
         return super().formatMessage(record)
 
     def formatException(self, ei) -> str:
@@ -43,7 +65,7 @@ class OneLineFormatter(logging.Formatter):
 
 
 def _indented(text: str) -> str:
-    return "\n".join(TRACE_INDENT + escaped_controls(line) for line in text.splitlines())
+    return "\n".join(TRACE_INDENT + one_line(line) for line in text.splitlines())
 
 
 def log_to_stderr(fmt: str = LOG_FORMAT, level: int = logging.WARNING, force: bool = False) -> None:

@@ -6,6 +6,7 @@ the dashboard must show markup as text."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import sys
@@ -18,7 +19,7 @@ import pytest
 from edge_client.agent import TaskDeclined
 from fedfleet import admin, admin_deployments
 from protocols.envelope import Envelope, encode
-from protocols.log_text import OneLineFormatter
+from protocols.log_text import OneLineFormatter, escaped_controls
 
 from ops_fleet import Fleet, prepare, run_aggregator
 
@@ -144,13 +145,12 @@ def _wait_until(page, condition: str, timeout_s: float = 20.0) -> None:
         time.sleep(0.05)
 
 
-def test_the_dashboard_shows_a_devices_markup_as_text_and_runs_no_inline_script(tmp_path):
-    """A device's presence profile (key and value) and its decline reason in a failed job's summary
-    hold markup whose handlers would set ``window.__injected``: the page shows it as text, makes no
-    element of it, and its Content-Security-Policy refuses inline scripts even where a future
-    change writes markup (checked by writing some: its handler never runs)."""
+@contextlib.contextmanager
+def _dashboard(tmp_path, profile: dict, error: str):
+    """The dashboard signed in, over a store whose one device announced ``profile`` and whose one
+    job failed with ``error``, both rows shown."""
     sync_api = pytest.importorskip("playwright.sync_api")
-    from test_dashboard import CHROMIUM, CHROMIUM_ARGS, TOKEN, cells
+    from test_dashboard import CHROMIUM, CHROMIUM_ARGS, TOKEN
     if not Path(CHROMIUM).exists():
         pytest.skip(f"{CHROMIUM} not installed (Debian package chromium)")
     import shutil
@@ -162,14 +162,14 @@ def test_the_dashboard_shows_a_devices_markup_as_text_and_runs_no_inline_script(
 
     store = Store(tmp_path / "state.db")
     store.enroll_device("dev01", None, None)
-    store.device_seen("dev01", online=True, profile={"model": MARKUP, MARKUP[:20]: "v"})
+    store.device_seen("dev01", online=True, profile=profile)
     store.create_job("ops", "fed3r", {})
-    store.set_job_state("ops", "failed", {"error": f"no device contributed in 1 round(s); declined: {MARKUP} (dev01)"})
+    store.set_job_state("ops", "failed", {"error": error})
     api = ApiServer(create_app(store, TOKEN)).start()
-    profile = tempfile.mkdtemp(prefix="fedfleet-chromium-")
+    profile_dir = tempfile.mkdtemp(prefix="fedfleet-chromium-")
     try:
         with sync_api.sync_playwright() as pw:
-            ctx = pw.chromium.launch_persistent_context(profile, executable_path=CHROMIUM, headless=True,
+            ctx = pw.chromium.launch_persistent_context(profile_dir, executable_path=CHROMIUM, headless=True,
                                                         args=CHROMIUM_ARGS)
             page = ctx.new_page()
             page.goto(f"{api.url}/dashboard/")
@@ -177,14 +177,58 @@ def test_the_dashboard_shows_a_devices_markup_as_text_and_runs_no_inline_script(
             page.click("#login button[type=submit]")
             _wait_until(page, "document.querySelectorAll('#fleet-table tbody tr').length === 1 && "
                               "document.querySelectorAll('#jobs-table tbody tr').length === 1")
-            assert MARKUP in cells(page, "jobs-table")[0][-1]
-            assert MARKUP[:20] in cells(page, "fleet-table")[0][-1]
-            assert page.evaluate("document.querySelectorAll('main img, main script').length") == 0
-            page.evaluate("document.getElementById('conn').insertAdjacentHTML('beforeend', "
-                          "'<img src=\"data:,x\" onerror=\"window.__injected=3\" onload=\"window.__injected=3\">')")
-            page.wait_for_timeout(500)
-            assert page.evaluate("window.__injected === undefined"), page.evaluate("window.__injected")
+            yield page
             ctx.close()
     finally:
         api.stop()
-        shutil.rmtree(profile, ignore_errors=True)
+        shutil.rmtree(profile_dir, ignore_errors=True)
+
+
+def test_the_dashboard_shows_a_devices_markup_as_text_and_runs_no_inline_script(tmp_path):
+    """A device's presence profile (key and value) and its decline reason in a failed job's summary
+    hold markup whose handlers would set ``window.__injected``: the page shows it as text, makes no
+    element of it, and its Content-Security-Policy refuses inline scripts even where a future
+    change writes markup (checked by writing some: its handler never runs)."""
+    from test_dashboard import cells
+
+    with _dashboard(tmp_path, {"model": MARKUP, MARKUP[:20]: "v"},
+                    f"no device contributed in 1 round(s); declined: {MARKUP} (dev01)") as page:
+        assert MARKUP in cells(page, "jobs-table")[0][-1]
+        assert MARKUP[:20] in cells(page, "fleet-table")[0][-1]
+        assert page.evaluate("document.querySelectorAll('main img, main script').length") == 0
+        page.evaluate("document.getElementById('conn').insertAdjacentHTML('beforeend', "
+                      "'<img src=\"data:,x\" onerror=\"window.__injected=3\" onload=\"window.__injected=3\">')")
+        page.wait_for_timeout(500)
+        assert page.evaluate("window.__injected === undefined"), page.evaluate("window.__injected")
+
+
+# a right-to-left override and an isolate make "dev01 declined: exe.png" read as another file and
+# device; zero-width and other format characters hide in a value; the escapes are the log's
+BIDI = "cat\u202egnp.exe \u2066(dev02)\u2069 \u200b\ufeff\u00ad\u061c\u2028\x1b[2J"
+
+
+def test_the_dashboard_shows_a_devices_bidi_and_invisible_characters_escaped_as_the_log_does(tmp_path):
+    """A device's profile and decline reason holding bidirectional controls and invisible format
+    characters: the dashboard wrote them into the cell as they came (textContent: no markup, but a
+    U+202E still reverses what follows), now as their escapes, the same as the admin CLI and the
+    logs write them (``protocols/log_text.escaped_controls``)."""
+    from test_dashboard import cells
+
+    with _dashboard(tmp_path, {"model": BIDI}, f"declined: {BIDI} (dev01)") as page:
+        jobs, fleet = cells(page, "jobs-table")[0][-1], cells(page, "fleet-table")[0][-1]
+        # the page's escape on every form (\\n, \\x, \\u, \\U), the printable left alone
+        samples = [EVIL, BIDI, "tab\there \U000f0000 \xa0\u3000 \U000e0041 ok \U0001f600 \u00e9\u4e2d"]
+        assert page.evaluate("(texts) => texts.map(shown)", samples) == [escaped_controls(t) for t in samples]
+    assert jobs == escaped_controls(f"declined: {BIDI} (dev01)"), repr(jobs)
+    assert fleet == escaped_controls(f"model={BIDI}"), repr(fleet)
+    for shown in (jobs, fleet):
+        assert not re.search(r"[\u200b-\u200f\u202a-\u202e\u2066-\u2069\ufeff\u00ad\u061c\u2028\x1b]", shown), repr(shown)
+
+
+def test_the_admin_cli_writes_bidi_and_invisible_characters_as_the_log_does():
+    """``one_line`` escapes what Python's str.isprintable refuses, the bidirectional controls and
+    format characters among them (so it did before this review: pinned here, as the dashboard's)."""
+    event = {"t": time.time(), "job_id": "ops", "event": "declined", "round": 1, "device": "dev01"}
+    line = admin.log_line({**event, "reason": BIDI})
+    assert escaped_controls(BIDI) in line and "cat\\u202egnp.exe \\u2066(dev02)\\u2069" in line, line
+    assert not re.search(r"[\u200b-\u200f\u202a-\u202e\u2066-\u2069\ufeff\u00ad\u061c\u2028\x1b]", line), repr(line)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from protocols.log_text import log_to_stderr
 from protocols.ray_cluster import join_ray
 
 
@@ -24,11 +25,12 @@ class DeviceHostActor:
     """The actor body (wrapped by ``ray.remote`` in :class:`RayHosts`)."""
 
     def __init__(self, spec: dict):
-        import logging
-
         from .worker import host_devices
 
-        logging.basicConfig(level=logging.WARNING)
+        # its devices log what the aggregator and the broker sent (a rejection's reason, a job's
+        # id): one line each, escaped and cut, as in a local worker process; force: a Ray worker
+        # may come with a handler of its own
+        log_to_stderr(force=True)
         self.node = os.uname().nodename
         self.host, self.agents = host_devices(spec)
 

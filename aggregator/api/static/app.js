@@ -21,13 +21,33 @@ function ago(ts) {
   return s < 120 ? `${s.toFixed(0)}s ago` : s < 7200 ? `${(s / 60).toFixed(0)}m ago` : `${(s / 3600).toFixed(1)}h ago`;
 }
 
+// Text a device wrote (its profile, a decline reason quoted in a job's summary), shown as the logs
+// and the admin CLI show it (protocols/log_text.py): every character Python's str.isprintable
+// refuses -- controls, bidirectional overrides and isolates, invisible format characters,
+// separators, spaces but the space -- as its Python escape. textContent makes no markup of text,
+// but a U+202E in it still showed the rest of the cell reversed (a device id or a file name read
+// as another) and a zero-width character hid in it.
+const UNPRINTABLE = /[\p{C}\p{Z}]/gu;   // C: Cc Cf Cs Co Cn; Z: Zs Zl Zp (lone surrogates are Cs)
+
+function escapeOf(cp) {
+  const hex = (width) => cp.toString(16).padStart(width, "0");
+  if (cp === 0x0a) return "\\n";
+  if (cp === 0x0d) return "\\r";
+  if (cp === 0x09) return "\\t";
+  return cp < 0x100 ? `\\x${hex(2)}` : cp < 0x10000 ? `\\u${hex(4)}` : `\\U${hex(8)}`;
+}
+
+function shown(value) {
+  return String(value).replace(UNPRINTABLE, (c) => (c === " " ? c : escapeOf(c.codePointAt(0))));
+}
+
 function fillTable(id, rows, onRow) {
   const body = $(id).querySelector("tbody");
   body.replaceChildren(...rows.map((cells, i) => {
     const tr = document.createElement("tr");
     for (const c of cells) {
       const td = document.createElement("td");
-      if (c && typeof c === "object") { td.textContent = c.text; td.className = c.cls; } else { td.textContent = c ?? "-"; }
+      if (c && typeof c === "object") { td.textContent = shown(c.text); td.className = c.cls; } else { td.textContent = shown(c ?? "-"); }
       tr.appendChild(td);
     }
     if (onRow) onRow(tr, i);
@@ -122,9 +142,9 @@ async function showJob(job, live) {
     api(`/api/models?job_id=${id}`)]);
   const isLive = live && live.job_id === job.job_id;
   const open = rounds.find((r) => r.state === "open") || null;
-  $("selected-job").textContent = job.job_id;
-  $("job-id").textContent = job.job_id;
-  $("job-state").textContent = isLive ? live.state + (live.waiting ? ` (${live.waiting})` : "") : job.state;
+  $("selected-job").textContent = shown(job.job_id);
+  $("job-id").textContent = shown(job.job_id);
+  $("job-state").textContent = shown(isLive ? live.state + (live.waiting ? ` (${live.waiting})` : "") : job.state);
   $("round-number").textContent = open ? open.round : rounds.length ? rounds[rounds.length - 1].round : "-";
   $("contributions").textContent = isLive ? live.contributions : job.contributions;
   const last = evals.filter((e) => e.accuracy != null).pop();

@@ -23,6 +23,7 @@ import java.util.List;
 import java.util.Map;
 import java.util.logging.Level;
 import java.util.logging.Logger;
+import org.fedfleet.wire.LogText;
 import org.fedfleet.wire.Envelope;
 import org.fedfleet.wire.Envelope.EnvelopeError;
 import org.fedfleet.wire.Reassembler;
@@ -32,7 +33,7 @@ import org.fusesource.mqtt.client.QoS;
 import org.fusesource.mqtt.client.Topic;
 
 public final class DeploymentFollower implements AutoCloseable {
-    private static final Logger LOG = Logger.getLogger("fedfleet.device");
+    private static final Logger LOG = LogText.oneLineLogger("fedfleet.device");
 
     /** The held-out split: its labels, and its features through the bundle a head reads ("": the device's own). */
     public interface HeldOut {

@@ -10,6 +10,7 @@ import java.util.concurrent.TimeUnit;
 import java.util.function.BiPredicate;
 import java.util.logging.Level;
 import java.util.logging.Logger;
+import org.fedfleet.wire.LogText;
 import org.fusesource.mqtt.client.Callback;
 import org.fusesource.hawtbuf.Buffer;
 import org.fusesource.hawtbuf.UTF8Buffer;
@@ -18,7 +19,7 @@ import org.fusesource.mqtt.client.Listener;
 import org.fusesource.mqtt.client.MQTT;
 
 final class DeviceConnection {
-    private static final Logger LOG = Logger.getLogger("fedfleet.device");
+    private static final Logger LOG = LogText.oneLineLogger("fedfleet.device");
 
     private DeviceConnection() {}
 

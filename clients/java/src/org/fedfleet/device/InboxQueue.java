@@ -13,9 +13,10 @@ import java.util.HashMap;
 import java.util.Map;
 import java.util.concurrent.TimeUnit;
 import java.util.logging.Logger;
+import org.fedfleet.wire.LogText;
 
 public final class InboxQueue<T> {
-    private static final Logger LOG = Logger.getLogger("fedfleet.device");
+    private static final Logger LOG = LogText.oneLineLogger("fedfleet.device");
     public static final long MESSAGE_OVERHEAD_BYTES = 256;       // as protocols/message_loop.py
     private static final long DROP_LOG_NANOS = TimeUnit.SECONDS.toNanos(10);   // a flood must not flood the log
 

@@ -22,6 +22,7 @@ import java.util.concurrent.TimeUnit;
 import java.util.concurrent.atomic.AtomicInteger;
 import java.util.logging.Level;
 import java.util.logging.Logger;
+import org.fedfleet.wire.LogText;
 import org.fedfleet.secagg.ClientSecAgg;
 import org.fedfleet.secagg.SecAggMessage;
 import org.fedfleet.secagg.SecAggSessions;
@@ -37,7 +38,7 @@ import org.fusesource.mqtt.client.QoS;
 import org.fusesource.mqtt.client.Topic;
 
 public final class MqttAgent implements AutoCloseable {
-    private static final Logger LOG = Logger.getLogger("fedfleet.device");
+    private static final Logger LOG = LogText.oneLineLogger("fedfleet.device");
 
     /** Everything but the identity and the handlers; the defaults are a real device's. */
     public static final class Options {

@@ -10,10 +10,11 @@ import java.util.LinkedHashMap;
 import java.util.List;
 import java.util.Map;
 import java.util.logging.Logger;
+import org.fedfleet.wire.LogText;
 import org.fedfleet.wire.Envelope;
 
 public final class SecAggSessions {
-    private static final Logger LOG = Logger.getLogger("fedfleet.device.secagg");
+    private static final Logger LOG = LogText.oneLineLogger("fedfleet.device.secagg");
     private final String deviceId;
     private final int maxSessions;
     private final Map<List<Object>, ClientSecAgg> sessions = new LinkedHashMap<>();
