@@ -13,6 +13,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from protocols.log_text import log_to_stderr
+
 __all__ = ["build_parser", "main"]
 
 
@@ -76,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("fedfleet export: --calibration-images / --quantized-tolerance need --quantize",
               file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    log_to_stderr("%(levelname)s %(name)s: %(message)s")     # as every process: one line a record
     if args.verbose:
         logging.getLogger("export").setLevel(logging.INFO)
 

@@ -19,12 +19,14 @@ holds the Java one to this one on every code point.
 ``OneLineFormatter`` is the logging side: a record's message is one line whatever it quotes, and
 a traceback's lines (an exception's message may quote a device too) are each indented, so only a
 record starts a line at column 0. ``log_to_stderr`` is what every fedfleet process's logging
-starts with.
+starts with (the devices' hosts too); it writes an exception nobody caught the same way.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
+import threading
 
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 TRACE_INDENT = "    "       # before each line of a traceback: no forged record at column 0
@@ -70,7 +72,18 @@ def _indented(text: str) -> str:
 
 def log_to_stderr(fmt: str = LOG_FORMAT, level: int = logging.WARNING, force: bool = False) -> None:
     """``logging.basicConfig`` with records written by ``OneLineFormatter`` (``force``: replace a
-    handler the process inherited, as a fork does)."""
+    handler the process inherited, as a fork does); an exception nobody caught, in the main thread
+    or another, written the same way (Python's own hooks wrote its message raw: a device's text
+    that an error quoted, on its way out of an aggregator or a device host)."""
     handler = logging.StreamHandler()
     handler.setFormatter(OneLineFormatter(fmt))
     logging.basicConfig(level=level, handlers=[handler], force=force)
+    sys.excepthook = write_uncaught
+    threading.excepthook = lambda args: write_uncaught(args.exc_type, args.exc_value, args.exc_traceback)
+
+
+def write_uncaught(kind, value, tb) -> None:
+    """An exception nobody caught, on stderr as a log writes a traceback: indented, escaped, cut."""
+    if sys.stderr is not None:
+        sys.stderr.write(f"uncaught {kind.__name__}:\n{OneLineFormatter().formatException((kind, value, tb))}\n")
+        sys.stderr.flush()

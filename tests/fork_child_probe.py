@@ -25,6 +25,11 @@ def main(argv: list[str]) -> int:
         sys.exit("a message instead of a status")
     if action == "raise":
         raise RuntimeError("probe failure")
+    if action == "raise-quoting":    # as an entry module: its logging set up, then an error quoting argv[2]
+        from protocols.log_text import log_to_stderr
+
+        log_to_stderr()
+        raise RuntimeError(argv[2])
     if action == "late-thread":      # a non-daemon thread and an atexit handler outlive main()
         threading.Thread(target=lambda: (time.sleep(0.3), print("thread finished"))).start()
         atexit.register(lambda: print("atexit ran"))

@@ -16,8 +16,12 @@ Over a real mosquitto (an attacker-minded review of what devices log):
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
+import re
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -48,20 +52,27 @@ def _no_raw_text(log: str) -> None:
     assert not any(line.startswith(FORGED[:23]) for line in log.splitlines()), log[-3000:]
 
 
+@contextlib.contextmanager
+def logging_restored():
+    """The root logger's handlers and level, and the exception hooks ``log_to_stderr`` sets, as they
+    were before, afterwards."""
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level, sys.excepthook, threading.excepthook
+    try:
+        yield root
+    finally:
+        root.handlers[:], root.level, sys.excepthook, threading.excepthook = saved
+
+
 @pytest.fixture
 def device_log():
     """The process's logging as ``fedfleet device`` sets it up (``log_to_stderr``), its handler's
-    stream read back (a StringIO in place of stderr: pytest swaps stderr between a test's phases);
-    the root logger as it was afterwards."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    log_to_stderr(level=logging.INFO, force=True)
-    stream = io.StringIO()
-    root.handlers[0].setStream(stream)
-    try:
+    stream read back (a StringIO in place of stderr: pytest swaps stderr between a test's phases)."""
+    with logging_restored() as root:
+        log_to_stderr(level=logging.INFO, force=True)
+        stream = io.StringIO()
+        root.handlers[0].setStream(stream)
         yield stream.getvalue
-    finally:
-        root.handlers[:], root.level = handlers, level
 
 
 def _python_device(broker, handlers) -> DeviceAgent:
@@ -124,17 +135,13 @@ def test_a_ray_device_host_logs_one_line_per_record(monkeypatch):
     from fedfleet.emulation import ray_hosts, worker
 
     monkeypatch.setattr(worker, "host_devices", lambda spec: (None, []))
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    root.handlers[:] = []
-    try:
+    with logging_restored() as root:
+        root.handlers[:] = []
         ray_hosts.DeviceHostActor({})
         stream = io.StringIO()
         for handler in root.handlers:
             handler.setStream(stream)
         logging.getLogger("edge_client.agent").warning("%s: result %s rejected: %s", "dev01", "f" * 32, EVIL)
-    finally:
-        root.handlers[:], root.level = handlers, level
     log = stream.getvalue()
     assert log.count("\n") == 1 and log.rstrip("\n").endswith("rejected: " + escaped_controls(EVIL)), log
     _no_raw_text(log)
@@ -142,14 +149,45 @@ def test_a_ray_device_host_logs_one_line_per_record(monkeypatch):
 
 def test_the_one_line_formatter_cuts_a_huge_record_once_and_escapes_what_is_left():
     """The formatter itself: a record of a megabyte is MAX_RECORD_CHARS characters with … at the end."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
     stream = io.StringIO()
-    try:
+    with logging_restored() as root:
         log_to_stderr(fmt="%(message)s", force=True)
         root.handlers[0].setStream(stream)
         logging.getLogger("edge_client.agent").warning("%s", "\u202e" + "x" * 1_000_000)
-    finally:
-        root.handlers[:], root.level = handlers, level
     line = stream.getvalue().rstrip("\n")
     assert line == "\\u202e" + "x" * (MAX_RECORD_CHARS - 2) + "\u2026", len(line)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("aggregator", "edge_client", "export", "fedfleet", "protocols")
+
+
+def test_every_process_and_every_java_logger_logs_through_the_one_line_rules():
+    """No handler set up but by ``log_to_stderr`` (the Ray hosts' plain ``basicConfig`` was one);
+    no Java logger but ``LogText.oneLineLogger``'s, no Java library code writing to stderr itself."""
+    python = [f"{path.relative_to(ROOT)}:{n}" for package in PACKAGES for path in (ROOT / package).rglob("*.py")
+              if path != ROOT / "protocols" / "log_text.py"
+              for n, line in enumerate(path.read_text().splitlines(), 1)
+              if re.search(r"logging\.(basicConfig|StreamHandler|FileHandler)\(|\bsetFormatter\(", line)]
+    assert python == [], python
+    library = ROOT / "clients" / "java" / "src"
+    java = [f"{path.relative_to(ROOT)}:{n}" for path in library.rglob("*.java") if path.name != "LogText.java"
+            for n, line in enumerate(path.read_text().splitlines(), 1)
+            if re.search(r"Logger\.getLogger\(|System\.err|printStackTrace\(", line)]
+    assert java == [], java
+
+
+def test_an_error_nobody_caught_in_a_thread_is_written_as_the_log_writes_a_traceback(capsys):
+    """``log_to_stderr``'s threading hook: Python's own wrote the exception's message raw."""
+    def work():
+        raise RuntimeError(EVIL)
+
+    with logging_restored():
+        log_to_stderr()
+        thread = threading.Thread(target=work)
+        thread.start()
+        thread.join()
+    err = capsys.readouterr().err
+    assert err.startswith("uncaught RuntimeError:\n"), err
+    assert all(line.startswith("    ") for line in err.splitlines()[1:]), err
+    _no_raw_text(err)

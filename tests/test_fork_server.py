@@ -69,6 +69,26 @@ def test_a_forked_child_ends_as_a_fresh_interpreter_running_the_module_does(serv
         assert {"thread finished", "atexit ran"} <= set(out_forked)
 
 
+def test_an_uncaught_error_quoting_a_device_is_written_as_the_log_writes_a_traceback(server, tmp_path):
+    """An entry module whose main raised an error quoting a device's text (a forged record after a
+    newline, a terminal escape, a right-to-left override): Python's hook, and the fork server's
+    ``traceback.print_exc``, wrote it raw; ``log_to_stderr``'s hook, which the fork server calls
+    too, indents, escapes and cuts it, forked or not."""
+    evil = "no data\n2026-01-01 00:00:00,000 aggregator WARNING job ops: done\x1b]0;owned\x07 dev\u202egnp.exe"
+    for how in ("fresh", "forked"):
+        work = tmp_path / how
+        work.mkdir()
+        argv = ["raise-quoting", str(work / "report.json"), evil]
+        rc = fresh(argv, work, ENV, work / "log") if how == "fresh" else \
+            server.start("fork_child_probe", argv, work / "log", env=ENV, cwd=work).wait(60)
+        log = (work / "log").read_text()
+        assert rc == 1, log
+        assert "\x1b" not in log and "\u202e" not in log and "dev\\u202egnp.exe" in log, log
+        at_column_zero = [line for line in log.splitlines() if not line.startswith("    ")]
+        assert sorted(at_column_zero) == ["probe raise-quoting on stderr", "probe raise-quoting on stdout",
+                                          "uncaught RuntimeError:"], log
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_a_signal_ends_a_forked_child_with_the_status_popen_reports(server, tmp_path, sig):
     child = server.start("fork_child_probe", ["wait", str(tmp_path / "report.json")], tmp_path / "log")

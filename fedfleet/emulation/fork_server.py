@@ -40,7 +40,6 @@ import signal
 import subprocess
 import sys
 import threading
-import traceback
 from pathlib import Path
 
 # ``python -m`` module -> the module whose ``main(argv)`` it runs (its ``__main__`` calls that)
@@ -127,7 +126,7 @@ def _child(request: dict) -> None:
     except SystemExit as stop:
         code = stop.code
     except BaseException:
-        traceback.print_exc()
+        sys.excepthook(*sys.exc_info())       # log_to_stderr's, where the module's main set it up
         code = 1
     os._exit(_finish(code))
 
