@@ -64,10 +64,10 @@ def config_of(kind: str, extra: dict | None = None) -> dict:
     return {**CONFIG, **KIND_CONFIG.get(kind, {}), **(extra or {})}
 
 
-def update_message(device: str, round_: int, head: dict, rng, kind: str = "fedavg") -> bytes:
+def update_message(device: str, round_: int, head: dict, rng, kind: str = "fedavg", still: bool = False) -> bytes:
     """A device's trained head: the served one moved by noise; dev01 pushes 40 times harder. A
     ``pp`` device sends the shared weight only, with its held-out report (dev02 holds none out), a
-    ``ditto`` device its head with that report, a ``scaffold`` one its head and Δc."""
+    ``ditto`` device its head with that report, a ``scaffold`` one its head and Δc (0 if ``still``)."""
     scale = 40.0 if device == "dev01" else 1.0
     weight = head["weight"] + scale * rng.normal(scale=0.1, size=(C, D))
     bias = head["bias"] + scale * rng.normal(scale=0.1, size=C)
@@ -79,8 +79,8 @@ def update_message(device: str, round_: int, head: dict, rng, kind: str = "fedav
     elif kind == "ditto":
         (body, tensors), wire = encode_ditto_update(weight, bias, n, report), DITTO_KIND
     elif kind == "scaffold":
-        delta = {DELTA_CONTROL + "weight": scale * rng.normal(scale=0.1, size=(C, D)),
-                 DELTA_CONTROL + "bias": scale * rng.normal(scale=0.1, size=C)}
+        delta = {DELTA_CONTROL + "weight": (0 if still else scale) * rng.normal(scale=0.1, size=(C, D)),
+                 DELTA_CONTROL + "bias": (0 if still else scale) * rng.normal(scale=0.1, size=C)}
         (body, tensors), wire = encode_model_update({"weight": weight, "bias": bias, **delta}, n), SCAFFOLD_KIND
     else:
         (body, tensors), wire = encode_head_update(weight, bias, n), FEDGLOSS_KIND if kind == "fedgloss" else KIND
@@ -96,9 +96,10 @@ def feed(shard: ShardIngest, device: str, raw: bytes) -> Receipt:
 
 
 def run_rounds(tmp_path, shards_count: int, late: str, kind: str = "fedavg", extra: dict | None = None,
-               silent_round: int = 0, late_after_close: bool = False, restart_round: int = 0):
+               silent_round: int = 0, late_after_close: bool = False, restart_round: int = 0, still_rounds: int = 0):
     """(one aggregator's job, the coordinator's job, what the coordinator asked) after the job's
-    rounds (``silent_round``: one in which no update arrives; ``late_after_close``: a round-1 update
+    rounds (``silent_round``: one in which no update arrives; ``still_rounds``: Scaffold's Δc are 0
+    in the rounds up to this one; ``late_after_close``: a round-1 update
     of a device round 1 did not choose reaches its shard after round 1 closed; ``restart_round``:
     the coordinator is rebuilt as a restart does, from the last close's checkpoint and the round's
     stored bookkeeping, once that round has opened)."""
@@ -123,7 +124,8 @@ def run_rounds(tmp_path, shards_count: int, late: str, kind: str = "fedavg", ext
         if single.round == restart_round:
             coordinator = restarted(coordinator, checkpoint, build_job(kind, config), pool)
         for device in reversed(chosen if single.round != silent_round else []):   # not the canonical order
-            raw = update_message(device, single.round, single.task_for(device)[1], rng, kind)
+            raw = update_message(device, single.round, single.task_for(device)[1], rng, kind,
+                                 single.round <= still_rounds)
             receipt = feed(shards[shard_of(device, shards_count)], device, raw)
             if device == late:                  # receipted, but the coordinator refused it: in no sum
                 continue
@@ -215,19 +217,21 @@ def test_shards_close_dp_fedavg_rounds_to_one_aggregators_bytes(tmp_path, kind, 
     assert coordinator.evaluate(None, None)["privacy"]["releases"] == 3
 
 
-@pytest.mark.parametrize("kind", ["fedavg", "scaffold"])
-def test_shards_close_rounds_of_one_update_on_one_aggregators_reference(tmp_path, kind):
+@pytest.mark.parametrize("kind,still_rounds", [("fedavg", 0), ("scaffold", 0), ("scaffold", 3)])
+def test_shards_close_rounds_of_one_update_on_one_aggregators_reference(tmp_path, kind, still_rounds):
     """κ = 1: each round's one update is bounded by the reference of earlier rounds as well
     (``SmallRoundReference``): the first rounds move nothing until three devices have answered, the
     later ones are clipped to it (dev01 pushes 40 times harder). The coordinator keeps the reference
     from the shards' statistics as one aggregator keeps it from its updates: the same bytes, through
     a restart from a checkpoint; a round that moves nothing asks for no sums, and moves no
-    Scaffold c."""
+    Scaffold c. Scaffold's Δc are bounded by the reference of its Δc bound likewise; with Δc 0 in
+    the first three rounds, that reference is 0 (no bound) when the model's is made, and the lone
+    rounds after it move the model but no c until three devices' nonzero Δc have made it anew."""
     from aggregator.strategies.small_round_reference import SmallRoundReference
 
     rounds = 8
     single, coordinator, asked = run_rounds(tmp_path, 2, late="none", kind=kind, restart_round=5,
-                                            extra={"clients_per_round": 1, "rounds": rounds})
+                                            still_rounds=still_rounds, extra={"clients_per_round": 1, "rounds": rounds})
     assert sorted(coordinator.state_dict()) == sorted(single.state_dict())
     for name, value in single.state_dict().items():
         assert coordinator.state_dict()[name].tobytes() == value.tobytes(), name
@@ -236,6 +240,8 @@ def test_shards_close_rounds_of_one_update_on_one_aggregators_reference(tmp_path
     assert asked.count("sums") == sum(moved) < rounds
     if kind == "scaffold":
         assert np.abs(single.control["weight"]).max() > 0
+        assert "unreleased_scaffold.control_bounds.reference" in single.state_dict()
+        assert single.control_rounds.usable() and coordinator.inner.control_rounds.usable()
 
 
 def test_a_dp_fedavg_round_is_the_clipped_deltas_plus_the_noise_over_kappa():

@@ -89,9 +89,16 @@ DP_FEDAVG = {**FEDAVG, "norm_bound_multiplier": 0.0, "contribution_bound_multipl
              "dp_clip_norm": 0.5, "dp_adaptive_clip": True, "dp_population": len(DEVICES)}
 
 
+# Scaffold of lone devices: κ = 1, each round's update and Δc bounded by the references of earlier
+# rounds (the model's and the Δc bound's, SmallRoundReference), the first rounds moving nothing
+LONE_SCAFFOLD = {**FEDAVG, "kind": "scaffold", "clients_per_round": 1, "rounds": 6}
+
+
 def round_job(kind: str, request) -> RoundJob:
     if kind == "fedavg":
         return RoundJob(DEVICES, FEDAVG)
+    if kind == "scaffold-lone":
+        return RoundJob(DEVICES, LONE_SCAFFOLD, stateful_handlers)
     if kind == "fedavg-dp":
         return RoundJob(DEVICES, DP_FEDAVG, env={NOISE_SEED_ENV: "17"})
     if kind in HEAD_KINDS:
@@ -201,6 +208,18 @@ def check_rounds_on_two_shards(tmp_path, rounds_unsharded, kind: str, on: str, r
 def test_fedavg_rounds_on_two_shards_give_one_aggregators_model_bit_for_bit(tmp_path, rounds_unsharded, kind,
                                                                             request):
     check_rounds_on_two_shards(tmp_path, rounds_unsharded, kind, "local", request)
+
+
+def test_scaffold_rounds_of_lone_devices_on_two_shards_give_one_aggregators_bytes(tmp_path, rounds_unsharded,
+                                                                                   request):
+    """κ = 1 on two shards: the coordinator keeps the model's and the Δc bound's references from the
+    shards' statistics as one aggregator keeps them from its updates: the model and c are its bytes,
+    and the checkpoint holds the Δc bound's reference once three devices have answered."""
+    from aggregator.storage.store import Store
+
+    check_rounds_on_two_shards(tmp_path, rounds_unsharded, "scaffold-lone", "local", request)
+    checkpoint = Store(tmp_path / "state.db").checkpoint("ops")[1]
+    assert {"unreleased_bounds.reference", "unreleased_scaffold.control_bounds.reference"} <= set(checkpoint)
 
 
 # pp: its receipts' reports replayed after the restart; Scaffold: its server control c restored;

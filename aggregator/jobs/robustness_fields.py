@@ -77,7 +77,8 @@ class FedAvgRobustnessFields(JobConfig):
     direction_screen: bool = limited(True, FLAG)    # leave out Δ_k with ⟨Δ_k, coordinate-wise median⟩ ≤ 0
     # a round of fewer than 3 updates is bounded by the limits of the last round of >= 3 too (or of
     # >= 3 devices' small rounds), and a round of one moves nothing before there are any
-    # (SmallRoundReference says why); false: such a round is bounded by its own updates alone
+    # (SmallRoundReference says why; Scaffold's c likewise); false: such a round is bounded by its
+    # own updates alone
     small_round_reference: bool = limited(True, FLAG)
     # β: the server steps along a momentum of the rounds' steps (0: off)
     history_momentum: float = limited(0.7, Range(0, 0.99))
@@ -102,11 +103,12 @@ class FedAvgRobustnessFields(JobConfig):
                                  ContributionBound(self.contribution_bound_multiplier),
                                  DirectionScreen(self.direction_screen), WeightBound(self.weight_bound_multiplier))
 
-    def small_rounds(self, key: str = "bounds") -> SmallRoundReference:
+    def small_rounds(self, key: str = "bounds", layers: list | None = None) -> SmallRoundReference:
         """The bound of rounds of fewer than three updates (state across rounds: the job keeps one
-        and checkpoints it, under ``key``); off when no bound layer is on, and under DP (no layer acts there)."""
+        and checkpoints it, under ``key``) on ``layers`` (None: the update's bound layers; Scaffold
+        passes its Δc bound); off when no such layer is on, and under DP (no layer acts there)."""
         return SmallRoundReference(self.small_round_reference and not self.dp,
-                                   self.robust_aggregation().bound_layers(), key)
+                                   self.robust_aggregation().bound_layers() if layers is None else layers, key)
 
     def round_history(self) -> RoundHistory:
         """The state across rounds (the job keeps one and checkpoints it)."""

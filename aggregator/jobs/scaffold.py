@@ -15,9 +15,12 @@ update's norm bound on, ``norm_bound_multiplier`` > 0) scaled to at most that mu
 round's median ‖Δc‖, as its model update is. The fixed clip alone let one device push c along its
 own direction by clip·|S|/K / |S| every round, and c enters every honest device's local step, so
 the model followed while each honest update still looked typical (a review measured ‖c‖ 2 → 500
-and ‖w‖ 0.75 → 134 in five rounds of ten devices). With shards the median is taken over every
-shard's Δc norms in a phase of its own (``aggregator/shards/control_sums.py``): the same bits. A
-device not sampled keeps its c_k (at the device), and one sampled again after more than
+and ‖w‖ 0.75 → 134 in five rounds of ten devices). In a round of fewer than three Δc the median is
+the round's own (one device's in a round of one: alone, it moved c by control_clip_norm / K each
+such round, a review's finding), so the limit is within a reference of earlier rounds' too
+(``control_rounds``, a ``SmallRoundReference``), and a round of one Δc before there is one moves
+no c. With shards the median is taken over every shard's Δc norms in a phase of its own
+(``aggregator/shards/control_sums.py``), the reference kept from them: the same bits. A device not sampled keeps its c_k (at the device), and one sampled again after more than
 ``state_max_staleness`` rounds restarts from c_k = 0 (``aggregator/jobs/device_state_fields.py``).
 """
 
@@ -80,11 +83,17 @@ class ScaffoldControls(StatefulDevicesJob):
     params_type: type = ScaffoldParams          # the wire params: the base job's plus job_id and state
     controlled: tuple[str, ...]
 
+    CONTROL_REFERENCE_KEY = "scaffold.control_bounds"      # the Δc bound's reference, in the checkpoint
+
     def init_controls(self, controlled: tuple[str, ...]) -> None:
         self.device_state = DeviceStateRun()
         self.controlled = tuple(controlled)
         self.control = {k: np.zeros_like(self.params[k]) for k in self.controlled}
         self._controls: dict[str, dict[str, np.ndarray]] = {}     # this round's Δc, by device
+        # what a round of fewer than three Δc is bounded by too (the model's small_rounds' kind, on
+        # the Δc bound): off with the Δc bound, with small_round_reference false and under DP
+        bound = self.control_bound()
+        self.control_rounds = self.config.small_rounds(self.CONTROL_REFERENCE_KEY, [bound] if bound else [])
 
     def task_for(self, device: str) -> tuple[dict, dict[str, np.ndarray]]:
         params, tensors = super().task_for(device)
@@ -117,17 +126,24 @@ class ScaffoldControls(StatefulDevicesJob):
 
     def control_step(self) -> None:
         """c ← c + (|S| / K) · mean(Δc) over the round's accepted updates that reach its rule, each
-        within the round's bound, their Σ Δc added up the canonical bucket tree as K shards add it
-        (``aggregator/shards/control_sums.py``)."""
+        within the round's bound (in a round of fewer than three Δc, within its reference of earlier
+        rounds too: ``control_rounds``), their Σ Δc added up the canonical bucket tree as K shards
+        add it (``aggregator/shards/control_sums.py``)."""
+        # a round of one update the model's reference holds moves no c; its Δc still go to the Δc
+        # bound's reference, as its update's statistics go to the model's (shards measure them alike)
+        held = self.small_rounds.holds(len(self._updates))
         # a device whose update the screen left out moves no more of c than of the model (a review
         # found a screened sign-flipper's Δc still pulled c, round after round)
-        left_out = self.left_out()
+        left_out = set() if held else self.left_out()
         accepted = {d: delta for d, delta in self._controls.items() if d in self._updates and d not in left_out}
         bound = self.control_bound()
-        limit = bound.limit([global_norm(delta) for delta in accepted.values()]) if accepted and bound else 0.0
-        if limit > 0:           # 0: most Δc are 0, nothing to bound (as the update's bound reads a 0 limit)
-            accepted = {d: clip_to_norm(delta, limit) for d, delta in accepted.items()}
-        if accepted:
+        if accepted and bound:
+            norms = {d: global_norm(delta) for d, delta in accepted.items()}
+            limit = self.control_rounds.limit(0, bound.limit(list(norms.values())), len(norms))
+            held = self.control_rounds.close((limit,), [norms]) or held
+            if limit > 0:       # 0: most Δc are 0, nothing to bound (as the update's bound reads a 0 limit)
+                accepted = {d: clip_to_norm(delta, limit) for d, delta in accepted.items()}
+        if accepted and not held:
             self.step_control(local_control_sum(accepted), len(accepted))
 
     def step_control(self, total: dict[str, np.ndarray], accepted: int) -> None:
@@ -154,11 +170,15 @@ class ScaffoldControls(StatefulDevicesJob):
         return chosen
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        return {**super().state_dict(), **{CONTROL + k: v.copy() for k, v in self.control.items()}}
+        return {**super().state_dict(), **{CONTROL + k: v.copy() for k, v in self.control.items()},
+                **self.control_rounds.state_dict()}
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        """The model's state, c and the Δc bound's reference (a checkpoint of the version before it
+        holds none: the job goes on as one whose reference is still to be made)."""
         super().load_state_dict(state)
         self.control = {k: np.asarray(state[CONTROL + k], dtype=np.float32).copy() for k in self.controlled}
+        self.control_rounds.load_state_dict(state)
 
 
 class ScaffoldJob(ScaffoldControls, FedAvgJob):

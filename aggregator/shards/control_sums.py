@@ -4,7 +4,9 @@ the round's accepted updates, each Δc_k clipped by the job's own rule
 (``ScaffoldControls.clipped_control``, ``aggregator/jobs/scaffold.py``).
 
 The coordinator's job takes its control step on the root's sum, c ← c + (|S| / K) · Σ Δc_k / |S|
-with |S| the accepted updates, before its server step (:meth:`ControlledRoundSums.take_round`);
+with |S| the accepted updates, before its server step (:meth:`ControlledRoundSums.take_round`); in a
+round of fewer than three the Δc bound's limit is within the job's reference of earlier rounds too,
+decided and kept by ``round_mean`` as the model's is (:meth:`ControlledRoundSums.references`);
 one aggregator adds its round's Δc up the same tree (:func:`local_control_sum`), so c is the same
 bits either way. c lives in the job's checkpoint, as the model does, so it survives a restart of
 the coordinator; a shard keeps only the stored results.
@@ -50,7 +52,10 @@ def local_control_sum(deltas: Mapping[str, Mapping[str, np.ndarray]]) -> Tensors
 
 class ControlBound:
     """The round's bound on the Δc_k (a phase after the update's bound layers): each scaled to at
-    most ``multiplier`` × the round's median ‖Δc‖ (0: off); the update itself it leaves alone."""
+    most ``multiplier`` × the round's median ‖Δc‖ (0: off); the update itself it leaves alone. In a
+    round of fewer than three Δc that median is the round's own (one device's in a round of one), so
+    the limit is also within the job's reference of earlier rounds (``ScaffoldControls.control_rounds``,
+    a ``SmallRoundReference``), as the update's bound layers are within the model's."""
 
     def __init__(self, multiplier: float):
         self.multiplier = multiplier
@@ -86,6 +91,10 @@ class ControlledRoundSums(FedAvgRoundSums):
                               else job.clipped_control(update) for _device, update in updates)
         return PartialSum({**fedavg.state, **deltas}, fedavg.contributed)
 
-    def take_round(self, job, total: PartialSum | None, accepted: int) -> None:
-        if total is not None and accepted:
+    def references(self, job) -> tuple:
+        return (*super().references(job), job.control_rounds)
+
+    def take_round(self, job, total: PartialSum | None, accepted: int, held: tuple = ()) -> None:
+        # a round of one Δc that the Δc bound's reference holds (none usable yet) moves no c
+        if total is not None and accepted and job.control_rounds not in held:
             job.step_control(control_total(total.state), accepted)

@@ -29,6 +29,7 @@ from aggregator.jobs.base import Job
 from aggregator.shards.coordinated_job import RoundSumsCoordinator
 from aggregator.shards.fedavg_sums import RoundContext, dp_round_step, round_mean
 from aggregator.shards.sum_tree import PartialSum, root_sum
+from aggregator.strategies.small_round_reference import SmallRoundReference
 
 
 class ShardedRoundsJob(RoundSumsCoordinator):
@@ -55,8 +56,8 @@ class ShardedRoundsJob(RoundSumsCoordinator):
         if self.inner.dp is not None:        # the shards' clipped deltas, noised once here
             stepped = (dp_round_step(self.inner.dp, self._round_start(), self._root(accepted)), len(accepted), samples)
         else:
-            mean, total = self._round_mean(accepted) if accepted else (None, None)
-            self.sums.take_round(self.inner, total, len(accepted))        # Scaffold: its control step
+            mean, total, held = self._round_mean(accepted) if accepted else (None, None, ())
+            self.sums.take_round(self.inner, total, len(accepted), held)        # Scaffold: its control step
             stepped = self.inner.server_step(mean, len(accepted) if mean is not None else 0, samples)
         self.inner.finish_round(closed, stepped)
         self.round_done(closed.round, accepted)
@@ -72,12 +73,14 @@ class ShardedRoundsJob(RoundSumsCoordinator):
             return root_sum(self.sums, self.pool.ask("sums", self.config.job_id, accepted, context)) if accepted else None
         return root
 
-    def _round_mean(self, accepted: list[tuple[str, str]]) -> tuple[dict[str, np.ndarray] | None, PartialSum | None]:
-        """(the round's mean, the root of the tree it was divided from)."""
+    def _round_mean(self, accepted: list[tuple[str, str]]
+                    ) -> tuple[dict[str, np.ndarray] | None, PartialSum | None, tuple[SmallRoundReference, ...]]:
+        """(the round's mean, the root of the tree it was divided from, the references that held it)."""
         def statistics(context: RoundContext) -> dict[str, float]:
             return self.pool.ask("statistics", self.config.job_id, accepted, context)
 
-        # the job's reference for rounds of fewer than three updates: bounded by it and closed into it
-        # here as one aggregator's job does (SmallRoundReference, in its checkpoint)
+        # the job's references for rounds of fewer than three updates (the model's; Scaffold's Δc
+        # bound's): bounded by them and closed into them here as one aggregator's job does
+        # (SmallRoundReference, in its checkpoint)
         return round_mean(self.layers, self._round_start(), statistics, self._root(accepted),
-                          self.inner.small_rounds)
+                          self.sums.references(self.inner))

@@ -12,7 +12,8 @@ subtree sums come from the shards that hold the updates; with one aggregator fro
 (:func:`local_round_mean`): the same per-update arithmetic, the same additions. A round of fewer
 than three updates also takes the job's reference of earlier rounds (``SmallRoundReference``,
 handed to :func:`round_mean` with the statistics, which also keep it: the coordinator's job and one
-aggregator's keep the same one), and a round of one before there is one asks for no sums.
+aggregator's keep the same one; Scaffold adds its Δc bound's, ``control_sums.py``), and a round of
+one before there is one asks for no sums.
 
 Layers that need every update at once (the direction screen's coordinate-wise median, the robust
 rules) cannot be split this way: such a config is refused on shards (``FedAvgRoundSums.refusal``)
@@ -28,7 +29,7 @@ coordinator with shards, so a sharded job is the same release and the same bits 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -91,35 +92,39 @@ def weighted_sum(layers: list, context: RoundContext, updates) -> PartialSum:
 
 
 def round_mean(layers: list, current: Params, statistics: Callable[[RoundContext], dict[str, float]],
-               root: Callable[[RoundContext], PartialSum | None], reference: SmallRoundReference | None = None
-               ) -> tuple[Params | None, PartialSum | None]:
-    """(the round's combined tensors, the root they were divided from); the tensors are None when
-    no update counts. Each layer's limit comes from every update's statistic (``statistics``),
-    then the root of the tree of bounded sums (``root``). With a ``reference`` (the job's state
-    across rounds) a round of fewer than three updates is bounded by it too, a round of one
-    before it exists moves nothing (no root is asked for: (None, None)), and the round's limits
-    and statistics are handed to it: the round is closed."""
+               root: Callable[[RoundContext], PartialSum | None], references: Sequence[SmallRoundReference] = ()
+               ) -> tuple[Params | None, PartialSum | None, tuple[SmallRoundReference, ...]]:
+    """(the round's combined tensors, the root they were divided from, the ``references`` that held
+    the round); the tensors are None when no update counts. Each layer's limit comes from every
+    update's statistic (``statistics``), then the root of the tree of bounded sums (``root``).
+    ``references`` (the job's state across rounds) cover the layers in order, each the next
+    ``len(reference.layers)`` of them (the model's first; Scaffold's Δc bound's after it): a round of
+    fewer than three updates is bounded by them too, and its limits and statistics are handed to
+    each: the round is closed. A round of one that the first holds (no reference yet) moves nothing
+    (no root is asked for: (None, None, held)); one a later reference holds moves what that
+    reference's layers bound not at all, which is the caller's to leave (Scaffold's c)."""
+    covering = [(reference, j) for reference in references for j in range(len(reference.layers))]
     limits: tuple[float, ...] = ()
     measured: list[dict[str, float]] = []
     for i, layer in enumerate(layers):
         values = statistics(RoundContext(current, limits))
         own = layer.limit(list(values.values()))
-        covered = reference is not None and i < len(reference.layers)
-        limits += (reference.limit(i, own, len(values)) if covered else own,)
+        limits += (covering[i][0].limit(covering[i][1], own, len(values)) if i < len(covering) else own,)
         measured.append(values)
-    if reference is not None and measured:
-        updates = len(measured[0])
-        held = reference.holds(updates)             # decided on the reference the round was bounded by
-        covered = measured[:len(reference.layers)]
-        reference.observe(updates, limits, {d: tuple(values[d] for values in covered) for d in measured[0]}
-                          if reference.small(updates) else None)
-        if held:
-            return None, None
+    held, start = [], 0
+    for reference in references:        # each decides its hold on the reference the round was bounded by
+        end = start + len(reference.layers)
+        if measured and reference.close(limits[start:end], measured[start:end]):
+            held.append(reference)
+        start = end
+    if held and held[0] is references[0]:
+        return None, None, tuple(held)
     total = root(RoundContext(current, limits))
     if total is None or not total.state[WEIGHT][0] > 0:
-        return None, total
+        return None, total, tuple(held)
     weight = total.state[WEIGHT][0]
-    return {name[len(SUM):]: s / weight for name, s in total.state.items() if name.startswith(SUM)}, total
+    return ({name[len(SUM):]: s / weight for name, s in total.state.items() if name.startswith(SUM)}, total,
+            tuple(held))
 
 
 def local_round_mean(config, current: Params, updates: Mapping[str, tuple[Params, int]],
@@ -131,7 +136,8 @@ def local_round_mean(config, current: Params, updates: Mapping[str, tuple[Params
     def root(context: RoundContext) -> PartialSum | None:
         return local_tree_sum(adder, triples, lambda members: weighted_sum(layers, context, members))
 
-    return round_mean(layers, current, lambda context: update_statistics(layers, context, triples), root, reference)[0]
+    return round_mean(layers, current, lambda context: update_statistics(layers, context, triples), root,
+                      () if reference is None else (reference,))[0]
 
 
 def clipped_delta_sum(context: RoundContext, updates) -> PartialSum:
@@ -214,9 +220,16 @@ class FedAvgRoundSums(AdditiveState):
             return clipped_delta_sum(context, self._triples(updates))
         return weighted_sum(bound_layers(job.config), context, self._triples(updates))
 
-    def take_round(self, job, total: PartialSum | None, accepted: int) -> None:
+    def references(self, job) -> tuple[SmallRoundReference, ...]:
+        """The job's references of earlier rounds that bound :meth:`round_layers` in rounds of fewer
+        than three updates, in their order (each covers the next of its layers): the model's."""
+        return (job.small_rounds,)
+
+    def take_round(self, job, total: PartialSum | None, accepted: int,
+                   held: tuple[SmallRoundReference, ...] = ()) -> None:
         """What the coordinator's job takes from the round's root sum besides the mean (``accepted``:
-        the updates in it), before its server step: nothing for FedAvg."""
+        the updates in it; ``held``: the references that held the round), before its server step:
+        nothing for FedAvg."""
 
     def add(self, left: dict[str, np.ndarray], right: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return add_elementwise(left, right)

@@ -43,7 +43,8 @@ class SmallRoundReference:
     round order, so shards, a restart and one aggregator reach the same bytes. ``key`` names its
     entries in the checkpoint: the class's names below are the FedAvg family's (``key`` "bounds"); a
     job with more than one reference names each its own (LADD: φ's and the θ slots',
-    ``aggregator/strategies/ladd_small_rounds.py``)."""
+    ``aggregator/strategies/ladd_small_rounds.py``; Scaffold: its Δc bound's, "scaffold.control_bounds",
+    ``aggregator/jobs/scaffold.py``)."""
 
     MIN_UPDATES = 3         # a round with fewer is small
     MIN_DEVICES = 3         # small rounds' statistics make a reference once this many devices sent them
@@ -99,6 +100,16 @@ class SmallRoundReference:
             # and two lone attackers' rounds loosened it back to their own (a review's finding)
             self.limits = np.minimum(self.limits, pooled) if self.usable() else pooled
             self.pool = {}
+
+    def close(self, limits: Sequence[float], measured: Sequence[Mapping[str, float]]) -> bool:
+        """Take a closed round: ``limits``, its layers' (this reference's, in order), and ``measured``,
+        each of those layers' statistics (device -> value, every device of the round in each); whether
+        it held the round (``holds``, decided on the reference the round was bounded by)."""
+        updates = len(measured[0]) if measured else 0
+        held = self.holds(updates)
+        self.observe(updates, limits, {d: tuple(values[d] for values in measured) for d in measured[0]}
+                     if self.small(updates) else None)
+        return held
 
     def state_dict(self) -> dict[str, np.ndarray]:
         limits_key, devices_key, pool_key = self.keys
