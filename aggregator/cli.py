@@ -17,7 +17,7 @@ from protocols.files import read_npz
 from protocols.regular_file import OPTION_FILE_BYTES, read_regular_file
 from protocols.ray_cluster import check_reachable as check_ray_reachable
 
-from aggregator.api.server import add_ops_arguments, serve_with_ops
+from aggregator.api.server import add_ops_arguments, dashboard_origins, serve_with_ops
 from aggregator.compute.fork_server import start_fork_server_here
 from aggregator.compute.mask_expansion import cpu_mask_expansion_plan
 from aggregator.service.artifacts import ArtifactShelf, with_served_bundle
@@ -113,6 +113,7 @@ def serve(args) -> int:
         check_shard_count(args.shards)              # before the broker and the state file (it left an empty store)
     broker = BrokerConfig.from_url(args.broker, tls_ca=args.tls_ca)      # a bad address fails before any file
     settings = service_settings(args)                                     # so do bad service options
+    dashboard_origins(args)                                               # and a bad --public-origin
     config = load_json_file(args.config, "--config") if args.config else None
     if config is not None:
         checked_config(args.kind, config)           # a bad config, or a task no device takes, fails before the broker

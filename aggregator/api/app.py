@@ -17,6 +17,7 @@ naming it, never its last value taken.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from functools import partial
 from importlib import resources
 from typing import Any, Literal
@@ -35,6 +36,7 @@ from aggregator.storage.store import Store
 from aggregator.api.context import ApiContext
 from aggregator.api.guard import DASHBOARD_HEADERS, RequestGuard, authenticated
 from aggregator.api.metrics import render_metrics
+from aggregator.api.origins import DashboardOrigins
 from aggregator.api.routes_deployments import add_deployment_routes
 from aggregator.api.routes_fleet import add_fleet_routes
 from aggregator.api.routes_jobs import add_job_routes, add_model_routes
@@ -43,10 +45,13 @@ from aggregator.api.schemas import READ, Health
 DASHBOARD_ASSETS = {"app.js": "text/javascript; charset=utf-8", "style.css": "text/css; charset=utf-8"}
 
 
-def create_app(store: Store, token: str, service=None, deployments=None) -> FastAPI:
-    """``service``: the running AggregatorService (None: read-only API on a store)."""
+def create_app(store: Store, token: str, service=None, deployments=None, public_origins: Iterable[str] = ()) -> FastAPI:
+    """``service``: the running AggregatorService (None: read-only API on a store).
+    ``public_origins``: where browsers reach the dashboard through a reverse proxy (``origins.py``;
+    ValueError naming a value that is not scheme://host[:port])."""
     if not token or len(token) < 16:
         raise ValueError("the admin token must be at least 16 characters")
+    origins = DashboardOrigins(public_origins)
     app = FastAPI(title="fedfleet aggregator admin API", version="1", openapi_url=None, docs_url=None,
                   redoc_url=None, dependencies=[Depends(token_check(token))])
     app.router.route_class = StrictJsonRoute          # every route added below
@@ -58,7 +63,7 @@ def create_app(store: Store, token: str, service=None, deployments=None) -> Fast
     add_deployment_routes(app, ctx)
     add_dashboard_routes(app)
     app.add_exception_handler(RequestValidationError, invalid_request)
-    app.add_middleware(RequestGuard, token=token)
+    app.add_middleware(RequestGuard, token=token, origins=origins)
     return app
 
 

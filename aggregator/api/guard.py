@@ -15,7 +15,8 @@ access, and a new token ends every session.
 
 A change made with the session cookie (any method but GET, HEAD and OPTIONS) must come from the
 dashboard's own origin: the browser says where a request comes from (``Sec-Fetch-Site``, else
-``Origin``), and one from another origin is refused (403) before anything runs. ``SameSite=Strict``
+``Origin``), and one from another origin is refused (403) before anything runs; behind a reverse
+proxy that rewrites Host the operator names the dashboard's public origins (``origins.py``). ``SameSite=Strict``
 keeps the cookie from other sites, not from another port or subdomain of the same site, where a
 form could POST to ``/api/jobs/{id}/cancel`` with it (a review's finding). Bearer requests (the CLI,
 scripts) carry no cookie and are not affected.
@@ -36,6 +37,8 @@ from importlib import resources
 from urllib.parse import parse_qs, parse_qsl
 
 from starlette.requests import cookie_parser
+
+from aggregator.api.origins import DashboardOrigins
 
 MAX_BODY_BYTES = 1024 * 1024          # the largest request the API takes (a job config, a key)
 MAX_LOGIN_BYTES = 4096                # the sign-in form: one token
@@ -92,9 +95,11 @@ def _session_cookie(headers: dict[str, str]) -> str | None:
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
-def cross_origin_change(scope: dict) -> bool:
+def cross_origin_change(scope: dict, origins: DashboardOrigins) -> bool:
     """Whether a cookie-authenticated change comes from another origin than the dashboard's, by what
-    the browser says (a browser that says nothing keeps SameSite=Strict's protection alone)."""
+    the browser says (a browser that says nothing keeps SameSite=Strict's protection alone).
+    ``Sec-Fetch-Site`` comes first: the browser computes it from the page's URL and the request's,
+    whatever a proxy does to Host, and a page cannot set it."""
     headers = _headers(scope)
     if scope.get("method") in SAFE_METHODS or headers.get("authorization", "")[:7].lower() == "bearer ":
         return False
@@ -104,7 +109,7 @@ def cross_origin_change(scope: dict) -> bool:
     origin = headers.get("origin")
     if origin is None:
         return False
-    return origin == "null" or origin.split("://", 1)[-1].rstrip("/") != headers.get("host", "")
+    return not origins.allows(origin, headers.get("host", ""))
 
 
 def _repeated_query_parameter(scope: dict) -> str | None:
@@ -129,8 +134,9 @@ def authenticated(scope: dict, token: str) -> bool:
 
 
 class RequestGuard:
-    def __init__(self, app, token: str, max_body: int = MAX_BODY_BYTES):
+    def __init__(self, app, token: str, max_body: int = MAX_BODY_BYTES, origins: DashboardOrigins | None = None):
         self.app, self.token, self.max_body = app, token, max_body
+        self.origins = origins or DashboardOrigins()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -142,7 +148,7 @@ class RequestGuard:
                 expired = _session_cookie(_headers(scope)) is not None
                 return await _login_page(send, "Your session has ended; sign in again." if expired else "")
             return await _answer(send, 401, "missing or wrong admin token", {"www-authenticate": "Bearer"})
-        if cross_origin_change(scope):
+        if cross_origin_change(scope, self.origins):
             return await _answer(send, 403, "a change with the dashboard's session must come from the dashboard's origin")
         if (repeated := _repeated_query_parameter(scope)) is not None:
             return await _answer(send, 400, f"query parameter {repeated[:64]!r} given more than once")

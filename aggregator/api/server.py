@@ -21,6 +21,7 @@ from protocols.mqtt_link import BrokerConfig
 from protocols.regular_file import OPTION_FILE_BYTES, read_regular_file
 from protocols.topics import AGGREGATOR_ID
 
+from aggregator.api.origins import DashboardOrigins
 from aggregator.service.settings import ServiceSettings
 
 if TYPE_CHECKING:
@@ -77,6 +78,10 @@ def add_ops_arguments(p: argparse.ArgumentParser) -> None:
                    help="full: every commit is on disk before the ack (default); normal: faster, may lose the "
                         "last commits on power loss (never on a process crash)")
     g.add_argument("--api", default=None, metavar="HOST:PORT", help="serve the admin API and dashboard here")
+    g.add_argument("--public-origin", action="append", default=[], metavar="SCHEME://HOST[:PORT]",
+                   help="an address browsers reach the dashboard at through a reverse proxy that rewrites Host, "
+                        "e.g. https://fleet.example.com (repeat for several): a change made from it with the "
+                        "dashboard's session is not refused as cross-origin (X-Forwarded-Host is never trusted)")
     g.add_argument("--api-token-file", type=Path, default=None,
                    help=f"file holding the admin token (or set {TOKEN_ENV})")
     g.add_argument("--security-dir", type=Path, default=None,
@@ -135,6 +140,14 @@ def api_address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def dashboard_origins(args) -> DashboardOrigins:
+    """The dashboard's origins from ``--public-origin`` (ValueError, one line: a value that is not
+    scheme://host[:port], or the flag without ``--api``)."""
+    if args.public_origin and not args.api:
+        raise ValueError("--public-origin names where browsers reach the dashboard: it needs --api")
+    return DashboardOrigins(args.public_origin)
+
+
 def serve_with_ops(args, job, broker: BrokerConfig, out_dir: Path, settings: ServiceSettings, *,
                    enrolled: set[str] | None = None, eval_set=None, artifacts: ArtifactShelf | None = None,
                    shards: int = 0) -> dict:
@@ -146,6 +159,7 @@ def serve_with_ops(args, job, broker: BrokerConfig, out_dir: Path, settings: Ser
 
     topics = settings.topics
     api_at = api_address(args.api) if args.api else None      # a bad one: one error before anything is built
+    origins = dashboard_origins(args)
     # what the operator named is read and checked before the store is created: a bad --identity or
     # a missing token left a new state database behind (a review's finding)
     if (args.api or settings.keep_serving) and not args.state:
@@ -188,7 +202,7 @@ def serve_with_ops(args, job, broker: BrokerConfig, out_dir: Path, settings: Ser
     if args.api:
         from aggregator.api.app import create_app
 
-        api = ApiServer(create_app(store, token, service, deployments), *api_at).start()
+        api = ApiServer(create_app(store, token, service, deployments, origins.public), *api_at).start()
         print(f"admin API on {api.url} (dashboard: {api.url}/dashboard/)", flush=True)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda *_: service.stop())     # clean stop; the job stays resumable
