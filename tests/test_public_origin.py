@@ -8,11 +8,13 @@ through a real uvicorn server with a real HTTP client (urllib, as ``fedfleet adm
 the Host of the connection, which is what the proxy's request carries.
 """
 
+import http.client
 import subprocess
 import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -75,6 +77,68 @@ def test_a_named_public_origin_passes_and_every_other_origin_is_still_refused(se
     # the browser's own word wins over Origin: another site is refused whatever Origin it names
     assert refused_as_cross_origin(dashboard_change(url, Origin=PUBLIC, **{"Sec-Fetch-Site": "cross-site"}))
     assert dashboard_change(url, **{"Sec-Fetch-Site": "same-origin"})[0] == 404
+
+
+def sign_in(url: str, **headers) -> set[str]:
+    """The sign-in form's POST (http.client: no redirect followed): the session cookie's attribute
+    names, lower case (``secure``, ``httponly``, ...)."""
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+    try:
+        conn.request("POST", "/dashboard/login", body=f"token={TOKEN}",
+                     headers={"Content-Type": "application/x-www-form-urlencoded", **headers})
+        resp = conn.getresponse()
+        resp.read()
+    finally:
+        conn.close()
+    cookie = resp.getheader("set-cookie") or ""
+    assert resp.status == 303 and cookie.startswith(f"{COOKIE}="), (resp.status, cookie)
+    return {attribute.split("=")[0].strip().lower() for attribute in cookie.split(";")[1:]}
+
+
+FORWARDED_HTTPS = {"X-Forwarded-Proto": "https"}
+
+
+def test_the_session_cookie_is_secure_when_the_browser_signs_in_over_https(served):
+    """Without ``Secure`` a browser that signed in at https://fleet.example.com sends the session
+    to http://fleet.example.com as well (any page, or a network attacker, can make it ask there).
+    The request's scheme as uvicorn sees it (TLS, or X-Forwarded-Proto from a trusted proxy), or
+    Host naming a public origin given only as https, says the browser is on https."""
+    url = served()
+    assert "secure" not in sign_in(url) and "httponly" in sign_in(url)          # local use over http: as before
+    assert "secure" in sign_in(url, **FORWARDED_HTTPS)                          # a TLS proxy on this host
+    url = served([PUBLIC])
+    assert "secure" in sign_in(url, Host="fleet.example.com")                   # a proxy that forwards Host only
+    assert "secure" not in sign_in(url)                                         # the loopback address: not named
+    url = served([PUBLIC, "http://fleet.example.com"])                           # named both ways: http may be in use
+    assert "secure" not in sign_in(url, Host="fleet.example.com")
+
+
+def test_x_forwarded_proto_counts_only_from_a_proxy_uvicorn_trusts(served, monkeypatch):
+    monkeypatch.setenv("FORWARDED_ALLOW_IPS", "192.0.2.1")                      # not this test's loopback client
+    url = served()
+    assert "secure" not in sign_in(url, **FORWARDED_HTTPS)
+    assert dashboard_change(url, Origin=url, **FORWARDED_HTTPS)[0] == 404       # still the http dashboard
+
+
+def test_an_http_origin_is_not_the_dashboards_when_the_dashboard_is_https(served):
+    """The Host rule compared host[:port] only, so ``Origin: http://fleet.example.com`` (a page on
+    the plain-HTTP side of the dashboard's own name, which a network attacker can write) passed as
+    the https dashboard. The Host-derived origin now has the request's scheme; an https page at the
+    same Host still passes a request that came over http (a TLS proxy that does not say so)."""
+    url = served([PUBLIC])
+    host = urlsplit(url).netloc
+    assert refused_as_cross_origin(dashboard_change(url, Origin=url, **FORWARDED_HTTPS))
+    assert dashboard_change(url, Origin=f"https://{host}", **FORWARDED_HTTPS)[0] == 404
+    assert dashboard_change(url, Origin=PUBLIC, **FORWARDED_HTTPS)[0] == 404
+    # a proxy that forwards the browser's Host and not the scheme: the origin named says https
+    assert refused_as_cross_origin(dashboard_change(url, Origin="http://fleet.example.com", Host="fleet.example.com"))
+    assert dashboard_change(url, Origin=PUBLIC, Host="fleet.example.com")[0] == 404
+    # local use over http, and a Host named by no public origin, as before
+    assert dashboard_change(url, Origin=url)[0] == 404
+    assert dashboard_change(url, Origin=f"https://{host}")[0] == 404
+    assert dashboard_change(url, Origin="http://fleet.lan:8081", Host="fleet.lan:8081")[0] == 404
+    assert refused_as_cross_origin(dashboard_change(url, Origin=f"ftp://{host}"))
 
 
 @pytest.mark.parametrize("value", ["fleet.example.com", "*", "https://*.example.com", "ftp://fleet.example.com",

@@ -20,6 +20,11 @@ proxy that rewrites Host the operator names the dashboard's public origins (``or
 keeps the cookie from other sites, not from another port or subdomain of the same site, where a
 form could POST to ``/api/jobs/{id}/cancel`` with it (a review's finding). Bearer requests (the CLI,
 scripts) carry no cookie and are not affected.
+
+The cookie is ``Secure`` when the dashboard is at https for the sign-in request (``origins.py``'s
+``scheme``: uvicorn's TLS or a trusted proxy's X-Forwarded-Proto, or Host naming a public origin
+given only as https): without it a browser signed in at https://fleet.example.com would send the
+session to http://fleet.example.com too.
 """
 
 from __future__ import annotations
@@ -109,7 +114,7 @@ def cross_origin_change(scope: dict, origins: DashboardOrigins) -> bool:
     origin = headers.get("origin")
     if origin is None:
         return False
-    return not origins.allows(origin, headers.get("host", ""))
+    return not origins.allows(origin, headers.get("host", ""), scope.get("scheme", "http"))
 
 
 def _repeated_query_parameter(scope: dict) -> str | None:
@@ -207,6 +212,10 @@ class RequestGuard:
         cookie = SimpleCookie()
         cookie[COOKIE] = new_session(self.token)
         cookie[COOKIE].update({"path": "/", "httponly": True, "samesite": "Strict", "max-age": SESSION_TTL_S})
+        # Secure where the browser signs in over https, so it never sends the session to the same
+        # name over plain HTTP; not over http://127.0.0.1, where a browser would drop such a cookie
+        if self.origins.scheme(scope.get("scheme", "http"), _headers(scope).get("host", "")) == "https":
+            cookie[COOKIE]["secure"] = True
         await send({"type": "http.response.start", "status": 303,
                     "headers": [(b"location", b"/dashboard/"), (b"content-length", b"0"), (b"cache-control", b"no-store"),
                                 (b"set-cookie", cookie[COOKIE].OutputString().encode())]})

@@ -8,6 +8,9 @@ and only the operator knows it: ``aggregator serve --public-origin https://fleet
 (repeatable) names it, as Django's ``CSRF_TRUSTED_ORIGINS`` does. ``X-Forwarded-Host`` is never
 read: any client can send it, and trusting it would let a page on another site name itself the
 dashboard.
+
+Which scheme the dashboard is at, for a request, says which Host-derived origin counts and whether
+the session cookie is ``Secure`` (``guard.py``): see :meth:`DashboardOrigins.scheme`.
 """
 
 from __future__ import annotations
@@ -60,20 +63,43 @@ def public_origin(text: str) -> str:
         raise ValueError(f"--public-origin {text!r}: {exc}; {EXPECTED}") from None
 
 
+def _host_origin(scheme: str, host: str) -> str | None:
+    """The origin a request's ``Host`` names under ``scheme``, serialized; None for a Host that is no
+    host[:port]."""
+    try:
+        return _serialized_origin(f"{scheme}://{host}")
+    except ValueError:
+        return None
+
+
 class DashboardOrigins:
     """The origins the dashboard is reached at: the request's Host, and the public origins named."""
 
     def __init__(self, public: Iterable[str] = ()):
         self.public = frozenset(public_origin(origin) for origin in public)
 
-    def allows(self, origin: str, host: str) -> bool:
-        """Whether a browser's ``Origin`` is the dashboard's: its host[:port] the request's Host (the
-        check before public origins existed, unchanged), or exactly a named public origin."""
+    def scheme(self, request_scheme: str, host: str) -> str:
+        """The scheme the browser reaches the dashboard by for a request that uvicorn received as
+        ``request_scheme`` (https: uvicorn's own TLS, or X-Forwarded-Proto from a proxy it trusts):
+        https, too, when Host is a public origin named only as https (a proxy that forwards the
+        browser's Host but not its scheme). http otherwise: local use over http://127.0.0.1."""
+        if request_scheme == "https":
+            return "https"
+        named_https = _host_origin("https", host) in self.public and _host_origin("http", host) not in self.public
+        return "https" if named_https else "http"
+
+    def allows(self, origin: str, host: str, request_scheme: str = "http") -> bool:
+        """Whether a browser's ``Origin`` is the dashboard's: the origin Host names under the
+        dashboard's scheme (also https when that is http: a TLS proxy that does not say so; never
+        http when it is https, where a page on the plain-HTTP side of the same name, which anyone
+        on the network can write, passed before), or exactly a named public origin."""
         if origin == "null":                # an opaque origin (a sandboxed frame, a file): never ours
             return False
-        if origin.split("://", 1)[-1].rstrip("/") == host:
-            return True
         try:
-            return _serialized_origin(origin) in self.public
+            given = _serialized_origin(origin)
         except ValueError:
             return False
+        if given in self.public:
+            return True
+        schemes = ("https",) if self.scheme(request_scheme, host) == "https" else ("http", "https")
+        return given in {_host_origin(scheme, host) for scheme in schemes} - {None}
