@@ -69,21 +69,20 @@ class LaddSmallRounds:
 
     def close(self, measured: Measured) -> set[str]:
         """Take a closed round (``measured``: each bound layer's statistics, device -> {slot: value},
-        as the round's limits were decided on them); the slots it leaves where they were (a round of
-        one update before a usable reference: ``SmallRoundReference.holds``, decided on the reference
-        the round was bounded by). Each reference then takes the limits its layers decide on every
-        update of its kind and, in a small round, each device's statistics."""
+        as the round's limits were decided on them); the slots it leaves where they were. Each
+        reference closes the round as the FedAvg family's does (``SmallRoundReference.close``) on its
+        kind of slot: the limits its layers decide on every update of that kind, and each device's
+        statistic of that kind in each layer."""
         held: set[str] = set()
         first = measured[0] if measured else {}
         for reference, of in self._kinds():
             # a device sends one φ slot and its cluster's one θ slot: one statistic of each kind per layer
-            rows = {device: tuple(value for layer in measured for slot, value in layer[device].items() if of(slot))
-                    for device, slots in first.items() if any(of(slot) for slot in slots)}
-            columns = list(zip(*rows.values()))
-            limits = tuple(layer.limit(column) for layer, column in zip(reference.layers, columns))
-            if reference.holds(len(rows)):
+            of_kind = [{device: value for device, slots in layer.items() for slot, value in slots.items() if of(slot)}
+                       for layer in measured]
+            limits = tuple(layer.limit(list(values.values())) for layer, values in zip(reference.layers, of_kind)
+                           if values)             # none where no update is of this kind (no median of nothing)
+            if reference.close(limits, of_kind):
                 held.update(slot for slots in first.values() for slot in slots if of(slot))
-            reference.observe(len(rows), limits, rows if reference.small(len(rows)) else None)
         if held:
             log.warning("LADD slots %s: %s", sorted(held), SmallRoundReference.HELD)
         return held
