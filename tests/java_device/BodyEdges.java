@@ -4,8 +4,6 @@
 // {"op": "artifact", "hex": an encoded artifact, "sha256": the digest asked for} (a refusal prints its class),
 // {"op": "round_config", "text": the config's JSON} or {"op": "topic_root", "root": a string}.
 // Prints one line per case: {"out": "ACCEPT <what was read, canonical JSON>" | "REFUSE <why>" | "CRASH <what>"}.
-import java.io.BufferedReader;
-import java.io.InputStreamReader;
 import java.math.BigInteger;
 import java.nio.charset.StandardCharsets;
 import java.util.*;
@@ -18,25 +16,20 @@ import org.fedfleet.wire.Envelope;
 import org.fedfleet.wire.Json;
 
 public final class BodyEdges {
-    @SuppressWarnings("unchecked")
     public static void main(String[] args) throws Exception {
-        BufferedReader in = new BufferedReader(new InputStreamReader(System.in, StandardCharsets.UTF_8));
-        for (String line; (line = in.readLine()) != null; ) {
-            if (line.isEmpty()) continue;
-            Map<String, Object> c = (Map<String, Object>) Json.parse(line);
-            String out;
-            try {
-                out = "ACCEPT " + new String(Json.canonical(read(c)), StandardCharsets.UTF_8);
-            } catch (Envelope.EnvelopeError | SecAggException | Json.JsonError | IllegalArgumentException e) {
-                out = "REFUSE " + e.getMessage();
-            } catch (ModelSlot.Refusal e) {
-                out = "REFUSE " + e.reason + " " + e.getMessage();
-            } catch (RuntimeException e) {
-                out = "CRASH " + e;
-            }
-            Map<String, Object> reply = new LinkedHashMap<>();
-            reply.put("out", out);
-            System.out.println(new String(Json.canonicalAscii(reply), StandardCharsets.US_ASCII));
+        StdinCases.eachJsonObject(c -> StdinCases.outLine(decide(c)));
+    }
+
+    /** The device's decision on one case: "ACCEPT <what was read>", "REFUSE <why>" or "CRASH <what>". */
+    private static String decide(Map<String, Object> c) throws Exception {
+        try {
+            return "ACCEPT " + new String(Json.canonical(read(c)), StandardCharsets.UTF_8);
+        } catch (Envelope.EnvelopeError | SecAggException | Json.JsonError | IllegalArgumentException e) {
+            return "REFUSE " + e.getMessage();
+        } catch (ModelSlot.Refusal e) {
+            return "REFUSE " + e.reason + " " + e.getMessage();
+        } catch (RuntimeException e) {
+            return "CRASH " + e;
         }
     }
 

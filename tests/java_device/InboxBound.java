@@ -6,16 +6,11 @@
 // "dropped": n}; and first a line {"agent": [topic bytes, total bytes], "message": n, "overhead": n}:
 // MqttAgent's default bound, the largest message it takes, and what a message costs beyond its payload, then {"waited_ms", "got", "left"}: a take that
 // waited for another thread's offer.
-import java.io.BufferedReader;
-import java.io.InputStreamReader;
-import java.nio.charset.StandardCharsets;
 import java.util.*;
 import org.fedfleet.device.InboxQueue;
 import org.fedfleet.device.MqttAgent;
-import org.fedfleet.wire.Json;
 
 public final class InboxBound {
-    @SuppressWarnings("unchecked")
     public static void main(String[] args) throws Exception {
         MqttAgent.Options defaults = new MqttAgent.Options();
         System.out.println("{\"agent\": [" + defaults.maxQueuedTopicBytes + ", " + defaults.maxQueuedBytes + "], \"message\": "
@@ -33,24 +28,25 @@ public final class InboxBound {
         System.out.println("{\"waited_ms\": " + (System.nanoTime() - t0) / 1_000_000 + ", \"got\": " + got
                 + ", \"left\": " + waiting.queuedBytes() + "}");
         offerer.join();
-        BufferedReader in = new BufferedReader(new InputStreamReader(System.in, StandardCharsets.UTF_8));
-        for (String line; (line = in.readLine()) != null; ) {
-            if (line.isEmpty()) continue;
-            Map<String, Object> c = (Map<String, Object>) Json.parse(line);
-            InboxQueue<Integer> q = new InboxQueue<>("test", ((Number) c.get("topic_bytes")).longValue(),
-                    ((Number) c.get("total_bytes")).longValue());
-            StringBuilder out = new StringBuilder();
-            int k = 0;
-            for (Object o : (List<Object>) c.get("ops")) {
-                List<Object> op = (List<Object>) o;
-                if (out.length() > 0) out.append(", ");
-                if ("offer".equals(op.get(0)))
-                    out.append(q.offer((String) op.get(1), k, ((Number) op.get(2)).longValue()));
-                else
-                    out.append(q.poll(0));
-                k++;
-            }
-            System.out.println("{\"out\": [" + out + "], \"dropped\": " + q.dropped() + "}");
+        StdinCases.eachJsonObject(InboxBound::run);
+    }
+
+    /** One case's offers and takes on a fresh queue, answered as {"out": [...], "dropped": n}. */
+    @SuppressWarnings("unchecked")
+    private static String run(Map<String, Object> c) throws InterruptedException {
+        InboxQueue<Integer> q = new InboxQueue<>("test", ((Number) c.get("topic_bytes")).longValue(),
+                ((Number) c.get("total_bytes")).longValue());
+        StringBuilder out = new StringBuilder();
+        int k = 0;
+        for (Object o : (List<Object>) c.get("ops")) {
+            List<Object> op = (List<Object>) o;
+            if (out.length() > 0) out.append(", ");
+            if ("offer".equals(op.get(0)))
+                out.append(q.offer((String) op.get(1), k, ((Number) op.get(2)).longValue()));
+            else
+                out.append(q.poll(0));
+            k++;
         }
+        return "{\"out\": [" + out + "], \"dropped\": " + q.dropped() + "}";
     }
 }

@@ -4,10 +4,7 @@
 //   swap <head file> <sha256> <deployment>  -> "SWAPPED <sha256>"
 //   state                                   -> "STATE <seq> <labels | none> <current sha256 | none>"
 // An IOException is printed as "FAILED <why>", a head refused (IllegalArgumentException) as "REFUSED <why>".
-import java.io.BufferedReader;
 import java.io.File;
-import java.io.InputStreamReader;
-import java.nio.charset.StandardCharsets;
 import java.nio.file.Files;
 import java.nio.file.Paths;
 import java.util.Arrays;
@@ -18,23 +15,24 @@ public final class SlotSteps {
         int[] labels = args.length > 1 ? Arrays.stream(args[1].split(",")).mapToInt(Integer::parseInt).toArray() : null;
         ModelSlot slot = new ModelSlot(new File(args[0]), labels);
         System.out.println("OPENED");
-        BufferedReader in = new BufferedReader(new InputStreamReader(System.in, StandardCharsets.UTF_8));
-        for (String line; (line = in.readLine()) != null; ) {
-            String[] step = line.trim().split(" ");
-            try {
-                if (step[0].equals("swap")) {
-                    System.out.println("SWAPPED " + slot.swap(Files.readAllBytes(Paths.get(step[1])), step[2], step[3], "").sha256);
-                } else if (step[0].equals("state")) {
-                    int[] kept = slot.localLabels();
-                    System.out.println("STATE " + slot.seq() + " " + (kept == null ? "none" : Arrays.toString(kept).replace(" ", ""))
-                            + " " + (slot.current() == null ? "none" : slot.current().sha256));
-                }
-            } catch (java.io.IOException e) {
-                System.out.println("FAILED " + e.getMessage());
-            } catch (IllegalArgumentException e) {
-                System.out.println("REFUSED " + e.getMessage());
+        StdinCases.eachLine(line -> step(slot, line.trim().split(" ")));
+    }
+
+    /** One step's answer line, or null for a line that names no step (answered with nothing). */
+    private static String step(ModelSlot slot, String[] step) {
+        try {
+            if (step[0].equals("swap"))
+                return "SWAPPED " + slot.swap(Files.readAllBytes(Paths.get(step[1])), step[2], step[3], "").sha256;
+            if (step[0].equals("state")) {
+                int[] kept = slot.localLabels();
+                return "STATE " + slot.seq() + " " + (kept == null ? "none" : Arrays.toString(kept).replace(" ", ""))
+                        + " " + (slot.current() == null ? "none" : slot.current().sha256);
             }
-            System.out.flush();
+            return null;
+        } catch (java.io.IOException e) {
+            return "FAILED " + e.getMessage();
+        } catch (IllegalArgumentException e) {
+            return "REFUSED " + e.getMessage();
         }
     }
 }
