@@ -54,6 +54,13 @@ class ServerOptimizer(ABC):
             raise ValueError(f"averaged tensors {sorted(averaged)} do not match parameters {sorted(params)}")
 
 
+def prefixed_tensors(state: Mapping[str, np.ndarray], prefix: str) -> Params | None:
+    """The tensors a ``state_dict`` stored under ``prefix`` (the prefix taken off the names), as
+    float64 copies; None where it stored none (nothing kept yet: no step taken, no model observed)."""
+    found = {k[len(prefix):]: np.array(v, dtype=np.float64) for k, v in state.items() if k.startswith(prefix)}
+    return found or None
+
+
 class WeightedMean:
     """Running sample-weighted mean of dicts of equally shaped tensors."""
 
@@ -132,9 +139,7 @@ class FedAvg(ServerOptimizer):
 
     def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
         self.steps = int(state["server_steps"][0])
-        velocity = {k[len("velocity."):]: np.array(v, dtype=np.float64)
-                    for k, v in state.items() if k.startswith("velocity.")}
-        self.velocity = velocity or None
+        self.velocity = prefixed_tensors(state, "velocity.")
 
 
 class FedAvgM(FedAvg):

@@ -34,7 +34,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from aggregator.strategies.fedavg import Params, ServerOptimizer
+from aggregator.strategies.fedavg import Params, ServerOptimizer, prefixed_tensors
 
 PSEUDO_GRADIENT = "fedgloss_pseudo_gradient."
 DUAL = "fedgloss_dual."
@@ -92,9 +92,4 @@ class FedGlossServer(ServerOptimizer):
 
     def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
         self.steps = int(state["server_steps"][0])
-
-        def tensors(prefix: str) -> Params | None:
-            found = {k[len(prefix):]: np.array(v, dtype=np.float64) for k, v in state.items() if k.startswith(prefix)}
-            return found or None
-
-        self.pseudo_gradient, self.dual = tensors(PSEUDO_GRADIENT), tensors(DUAL)
+        self.pseudo_gradient, self.dual = prefixed_tensors(state, PSEUDO_GRADIENT), prefixed_tensors(state, DUAL)

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from aggregator.strategies.fedavg import FedAvg, Params, ServerOptimizer
+from aggregator.strategies.fedavg import FedAvg, Params, ServerOptimizer, prefixed_tensors
 
 
 class FedOpt(ServerOptimizer):
@@ -70,11 +70,7 @@ class FedOpt(ServerOptimizer):
 
     def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
         self.steps = int(state["server_steps"][0])
-
-        def moment(prefix: str) -> Params | None:
-            found = {k[len(prefix):]: np.array(v, dtype=np.float64) for k, v in state.items() if k.startswith(prefix)}
-            return found or None
-        self.m, self.v = moment("server_m."), moment("server_v.")
+        self.m, self.v = prefixed_tensors(state, "server_m."), prefixed_tensors(state, "server_v.")
 
 
 class FedAdagrad(FedOpt):

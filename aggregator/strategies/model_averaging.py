@@ -26,6 +26,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from aggregator.strategies.fedavg import prefixed_tensors
+
 Params = dict[str, np.ndarray]
 
 
@@ -104,8 +106,7 @@ class StochasticWeightAveraging(ServedModel):
 
     def load_state_dict(self, state):
         self.count = int(state["served_swa_count"][0])
-        mean = {k[len("served_swa."):]: np.array(v, np.float64) for k, v in state.items() if k.startswith("served_swa.")}
-        self.mean = mean or None
+        self.mean = prefixed_tensors(state, "served_swa.")
 
 
 class WindowAverage(ServedModel):
