@@ -82,6 +82,24 @@ def test_a_bad_value_is_refused_with_one_error_naming_the_field(kind, name, valu
     assert str(refused.value).count("config field") == 1
 
 
+# Whole-number fields a config built in Python checks itself (no JSON type check ran): the least value
+# each takes, spelt here apart from the code (aggregator/jobs/config_limits.check_whole_number).
+WHOLE_NUMBERS = [("scaffold", "total_devices", 0), ("fedgloss", "total_devices", 0), ("pp", "personal_epochs", 0),
+                 ("ditto", "state_max_staleness", 0), ("personalize", "tail_stages", 0),
+                 ("fedavg-tail", "tail_stages", 1)]
+
+
+@pytest.mark.parametrize("kind, name, least", WHOLE_NUMBERS)
+def test_a_config_built_in_python_refuses_a_count_that_is_no_whole_number(kind, name, least):
+    config_cls = KINDS[kind].config_cls
+    base = {**minimal_config(kind), "num_classes": 2, "feature_dim": 4, "clients_per_round": 3}
+    assert getattr(config_cls(**base, **{name: least}), name) == least
+    for bad in (True, least + 0.5, least - 1):
+        with pytest.raises(ValueError) as refused:
+            config_cls(**base, **{name: bad})
+        assert str(refused.value) == f"{name} must be an integer >= {least}, got {bad!r}"
+
+
 
 @pytest.mark.parametrize("kind, extra, reason", [
     ("fed3r-sync", {}, "fed3r-sync sums in the 64-bit ring"),

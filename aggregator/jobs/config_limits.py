@@ -160,6 +160,14 @@ def check_declared(config: Any, *names: str) -> None:
             check_limit(name, value, field_limit(type(config), name))
 
 
+def check_whole_number(config: Any, name: str, least: int) -> None:
+    """A count field of a config built in Python (no JSON type check ran): an int, not a bool or a
+    float, and at least ``least``; ``ValueError`` naming the field otherwise."""
+    value = getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+
+
 def undeclared_fields(config_cls: type) -> list[str]:
     """Fields of a config class with no declared limit (a registry test keeps this empty)."""
     return [name for name, limit in declared_limits(config_cls).items() if limit is None]

@@ -19,7 +19,7 @@ import numpy as np
 from protocols.payloads.stateful import MAX_TTL_S, StateBinding
 
 from aggregator.jobs.base import JobConfig
-from aggregator.jobs.config_limits import Range, limited
+from aggregator.jobs.config_limits import Range, check_whole_number, limited
 
 RUN_KEY = "device_state_run"
 
@@ -32,9 +32,7 @@ class DeviceStateFields(JobConfig):
     state_ttl_s: float = limited(7 * 24 * 3600.0, Range(1, 365 * 86400))
 
     def check_device_state(self) -> None:
-        if isinstance(self.state_max_staleness, bool) or not isinstance(self.state_max_staleness, int) \
-                or self.state_max_staleness < 0:
-            raise ValueError(f"state_max_staleness must be an integer >= 0, got {self.state_max_staleness!r}")
+        check_whole_number(self, "state_max_staleness", 0)
         if not 0 < self.state_ttl_s <= MAX_TTL_S:
             raise ValueError(f"state_ttl_s must be in (0, {MAX_TTL_S:g}], got {self.state_ttl_s!r}")
 

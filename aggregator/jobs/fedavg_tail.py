@@ -26,7 +26,7 @@ from protocols.envelope import Envelope, body_field
 from protocols.payloads.fedavg import KIND_TAIL, TAIL_TRAIN_MODES, TailTrainingParams, head_tensors, parse_model_update
 
 from aggregator.compute.tail_program import TailProgram
-from aggregator.jobs.config_limits import PATH, SHA256_OR_EMPTY, TAIL_STAGES, OneOf, limited
+from aggregator.jobs.config_limits import PATH, SHA256_OR_EMPTY, TAIL_STAGES, OneOf, check_whole_number, limited
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob, RoundUpdate
 
 
@@ -48,8 +48,7 @@ class TailFedAvgConfig(FedAvgConfig):
         super().__post_init__()
         if self.train not in TAIL_TRAIN_MODES:
             raise ValueError(f"train must be one of {sorted(TAIL_TRAIN_MODES)}, got {self.train!r}")
-        if isinstance(self.tail_stages, bool) or not isinstance(self.tail_stages, int) or self.tail_stages < 1:
-            raise ValueError(f"tail_stages must be an integer >= 1, got {self.tail_stages!r}")
+        check_whole_number(self, "tail_stages", 1)
         if not self.tail_program_file:
             raise ValueError("a fedavg-tail job needs tail_program_file (the bundle's tail_eval.pt2)")
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from protocols.payloads.fedgloss import KIND, AdmmRecipe, FedGlossParams
 
-from aggregator.jobs.config_limits import TOTAL_DEVICES, Range, limited
+from aggregator.jobs.config_limits import TOTAL_DEVICES, Range, check_whole_number, limited
 from aggregator.jobs.device_state_fields import DeviceStateFields, DeviceStateRun, StatefulDevicesJob
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob
 from aggregator.strategies.fedgloss import FedGlossServer
@@ -42,8 +42,7 @@ class FedGlossConfig(FedAvgConfig, DeviceStateFields):
         self.check_device_state()
         if self.dp:
             raise ValueError("FedGloSS's duals are outside DP-FedAvg's accounting: no dp with fedgloss")
-        if isinstance(self.total_devices, bool) or not isinstance(self.total_devices, int) or self.total_devices < 0:
-            raise ValueError(f"total_devices must be an integer >= 0, got {self.total_devices!r}")
+        check_whole_number(self, "total_devices", 0)
         if self.server_optimizer != "sgd" or self.server_momentum:
             raise ValueError("fedgloss is its own server step: server_optimizer must be 'sgd' and "
                              "server_momentum 0 (server_lr is its η)")

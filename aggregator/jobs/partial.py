@@ -23,7 +23,7 @@ import numpy as np
 from protocols.envelope import Envelope, body_field
 from protocols.payloads.partial import ALGORITHMS, KIND, SHARED, PartialParams, parse_partial_update
 
-from aggregator.jobs.config_limits import PERSONAL_EPOCHS, OneOf, limited
+from aggregator.jobs.config_limits import PERSONAL_EPOCHS, OneOf, check_whole_number, limited
 from aggregator.jobs.device_state_fields import DeviceStateFields, DeviceStateRun, StatefulDevicesJob
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob, RoundUpdate
 from aggregator.jobs.personal_wma import HeldoutReportFields, PersonalWmaJob
@@ -41,9 +41,7 @@ class PartialConfig(FedAvgConfig, DeviceStateFields, HeldoutReportFields):
         self.check_device_state()
         if self.pp_algorithm not in ALGORITHMS:
             raise ValueError(f"pp_algorithm must be one of {ALGORITHMS}, got {self.pp_algorithm!r}")
-        if isinstance(self.personal_epochs, bool) or not isinstance(self.personal_epochs, int) \
-                or self.personal_epochs < 0:
-            raise ValueError(f"personal_epochs must be an integer >= 0, got {self.personal_epochs!r}")
+        check_whole_number(self, "personal_epochs", 0)
         # the device's pp.head step is plain SGD (edge_client/tasks/partial_training.py): a local rule
         # or FedProx's μ would be stored, sent and silently not applied (a review's finding)
         if self.local_rule != "sgd" or self.prox_mu:

@@ -40,7 +40,7 @@ from aggregator.compute.evaluation import head_accuracy
 from aggregator.jobs.base import Job
 from aggregator.jobs.input_files import read_job_arrays
 from aggregator.jobs.config_limits import (BATCH_SIZE, JOB_ID, MAX_ATTEMPTS, PATH, TAIL_STAGES, TEMPERATURE,
-                                           WEIGHT_DECAY, Items, OneOf, Pattern, Range, limited)
+                                           WEIGHT_DECAY, Items, OneOf, Pattern, Range, check_whole_number, limited)
 from aggregator.jobs.model_fields import ModelFields
 from aggregator.jobs.personal_wma import bounded_weights, bounded_wma
 from aggregator.jobs.scheduling import OncePerDevice
@@ -85,8 +85,7 @@ class PersonalizeConfig(ModelFields):
             raise ValueError(f"fp_lrs must be finite positive learning rates, got {self.fp_lrs}")
         if isinstance(self.fp_folds, bool) or not isinstance(self.fp_folds, int) or not 2 <= self.fp_folds <= 20:
             raise ValueError("fp_folds must be an integer in [2, 20]")
-        if isinstance(self.tail_stages, bool) or not isinstance(self.tail_stages, int) or self.tail_stages < 0:
-            raise ValueError(f"tail_stages must be an integer >= 0, got {self.tail_stages!r}")
+        check_whole_number(self, "tail_stages", 0)
         if self.clients_per_round < 1 or self.max_attempts < 1:
             raise ValueError("clients_per_round and max_attempts must be >= 1")
         if self.fp_part not in FP_PARTS:

@@ -36,7 +36,7 @@ from protocols.envelope import Envelope, body_field
 from protocols.payloads.scaffold import CONTROL, HEAD, KIND, ScaffoldParams, ScaffoldUpdate, parse_control_update
 from protocols.rounds import RoundClosed
 
-from aggregator.jobs.config_limits import TOTAL_DEVICES, Range, limited
+from aggregator.jobs.config_limits import TOTAL_DEVICES, Range, check_whole_number, limited
 from aggregator.jobs.device_state_fields import DeviceStateFields, DeviceStateRun, StatefulDevicesJob
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob, RoundUpdate
 from aggregator.shards.control_sums import ControlBound, local_control_sum
@@ -53,8 +53,7 @@ class ScaffoldConfig(FedAvgConfig, DeviceStateFields):
         self.check_device_state()
         if self.dp:
             raise ValueError("Scaffold's control variates are outside DP-FedAvg's accounting: no dp with scaffold")
-        if isinstance(self.total_devices, bool) or not isinstance(self.total_devices, int) or self.total_devices < 0:
-            raise ValueError(f"total_devices must be an integer >= 0, got {self.total_devices!r}")
+        check_whole_number(self, "total_devices", 0)
         if not 0 < self.control_clip_norm < float("inf"):
             raise ValueError(f"control_clip_norm must be a finite number > 0, got {self.control_clip_norm!r}")
 
