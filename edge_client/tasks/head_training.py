@@ -36,7 +36,8 @@ import numpy as np
 from protocols.payloads.fedavg import KIND, HeadTrainingParams, LocalTraining, encode_head_update, raise_if_diverged
 
 from ..agent import TaskDeclined
-from .extractors import ExtractorFactory, extractor_for
+from .extractors import ExtractorFactory
+from .head_inputs import check_global_head, check_local_labels, extractor_of_dim
 from .local_rules import rule_for
 from .params import read_params
 from .numpy_head import batch_schedule, head_size
@@ -260,14 +261,9 @@ class HeadTrainingTask:
         if weight.shape != (num_classes, feature_dim) or bias.shape != (num_classes,):
             raise TaskDeclined(f"head shapes {weight.shape}, {bias.shape} do not match "
                                f"({num_classes}, {feature_dim})")
-        if not (np.isfinite(weight).all() and np.isfinite(bias).all()):
-            raise TaskDeclined("global head contains NaN or Inf")
-        if self.labels.min() < 0 or self.labels.max() >= num_classes:
-            raise TaskDeclined(f"local label {self.labels.max()} outside the job's {num_classes} classes")
-        extractor = extractor_for(self.extractor_factory, task.model)
-        if extractor.feature_dim != feature_dim:
-            raise TaskDeclined(f"backbone gives {extractor.feature_dim}-d features, task expects {feature_dim}")
-        features = extractor.extract(self.images)
+        check_global_head(weight, bias)
+        check_local_labels(self.labels, num_classes)
+        features = extractor_of_dim(self.extractor_factory, task.model, feature_dim).extract(self.images)
         try:
             self.last = train_head(weight, bias, features, self.labels, recipe, self._training_session())
         except FloatingPointError as exc:

@@ -32,7 +32,8 @@ from protocols.payloads.personalize import KIND, PERSONAL, PersonalizationReport
 from ..agent import TaskDeclined
 from ..oll import OutOfLocalLabels, PersonalizedHead, choose_fp_lr
 from ..state import DeviceStateStore
-from .extractors import ExtractorFactory, extractor_for
+from .extractors import ExtractorFactory
+from .head_inputs import check_global_head, check_local_labels, extractor_of_dim
 from .head_training import LocalTraining
 from .params import read_params
 from .tail_personalization import TailFineTuning, masked_head
@@ -73,19 +74,15 @@ class PersonalizeTask:
         weight, bias = np.asarray(tensors["weight"]), np.asarray(tensors["bias"])
         if weight.shape != (num_classes, feature_dim) or bias.shape != (num_classes,):
             raise TaskDeclined(f"head shapes {weight.shape}, {bias.shape} do not match ({num_classes}, {feature_dim})")
-        if not (np.isfinite(weight).all() and np.isfinite(bias).all()):
-            raise TaskDeclined("global head contains NaN or Inf")
+        check_global_head(weight, bias)
         for labels in (self.train_labels, self.test_labels):
-            if labels.min() < 0 or labels.max() >= num_classes:
-                raise TaskDeclined(f"local label {labels.max()} outside the job's {num_classes} classes")
+            check_local_labels(labels, num_classes)
         if tail_stages:
             f_train, f_test = self._fine_tuned_features(task, tensors)
         elif any(name.startswith(TAIL_PREFIX) for name in tensors):
             raise TaskDeclined("task carries backbone tail tensors but says tail_stages = 0")
         else:
-            extractor = extractor_for(self.extractor_factory, task.model)
-            if extractor.feature_dim != feature_dim:
-                raise TaskDeclined(f"backbone gives {extractor.feature_dim}-d features, task expects {feature_dim}")
+            extractor = extractor_of_dim(self.extractor_factory, task.model, feature_dim)
             f_train, f_test = extractor.extract(self.train_images), extractor.extract(self.test_images)
         y_test = self.test_labels
 

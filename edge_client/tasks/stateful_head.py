@@ -24,7 +24,8 @@ from protocols.payloads.stateful import StateBinding, StatefulHeadParams
 
 from ..agent import TaskDeclined
 from ..state import DeviceStateStore, StateBudgetExceeded, state_bytes
-from .extractors import ExtractorFactory, extractor_for
+from .extractors import ExtractorFactory
+from .head_inputs import check_global_head, check_local_labels, extractor_of_dim
 from .params import read_params
 
 PREVIOUS = "previous."          # the stored value a round started from (redelivery starts there again)
@@ -157,13 +158,9 @@ class StatefulHeadTask(DeviceStateKeeper):
                 or weight.dtype != np.float32 or bias.dtype != np.float32:
             raise TaskDeclined(f"{self.kind} task must carry float32 weight ({num_classes}, {feature_dim}) "
                                f"and bias ({num_classes},)")
-        if not (np.isfinite(weight).all() and np.isfinite(bias).all()):
-            raise TaskDeclined("global head contains NaN or Inf")
-        if self.labels.min() < 0 or self.labels.max() >= num_classes:
-            raise TaskDeclined(f"local label {self.labels.max()} outside the job's {num_classes} classes")
-        extractor = extractor_for(self.extractor_factory, p.model)
-        if extractor.feature_dim != feature_dim:
-            raise TaskDeclined(f"backbone gives {extractor.feature_dim}-d features, task expects {feature_dim}")
+        check_global_head(weight, bias)
+        check_local_labels(self.labels, num_classes)
+        extractor = extractor_of_dim(self.extractor_factory, p.model, feature_dim)
         features = extractor.extract(self.images)
         holdout = None
         if self.holdout_labels is not None and len(self.holdout_labels) \

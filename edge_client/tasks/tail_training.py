@@ -31,6 +31,7 @@ import numpy as np
 from protocols.payloads.fedavg import KIND_TAIL, TAIL_PREFIX, TAIL_TRAIN_MODES, TailTrainingParams, encode_model_update
 
 from ..agent import TaskDeclined
+from .head_inputs import check_local_labels
 from .head_training import SessionStepper, local_sgd
 from .params import read_params
 
@@ -129,8 +130,7 @@ class TailTrainingTask:
         if not math.isclose(m.temperature, recipe.temperature, rel_tol=1e-6):
             raise TaskDeclined(f"task's temperature {recipe.temperature} differs from the program's {m.temperature}")
         start = check_model_tensors(tensors, session.parameter_shapes, kind)
-        if self.labels.min() < 0 or self.labels.max() >= num_classes:
-            raise TaskDeclined(f"local label {self.labels.max()} outside the job's {num_classes} classes")
+        check_local_labels(self.labels, num_classes)
         trained = frozenset(name for name in start if name.startswith(TAIL_PREFIX) or TAIL_TRAIN_MODES[mode])
         return TailRound(task, start, trained, trunk.extract(self.images), session)
 
