@@ -22,6 +22,7 @@ from ..agent import TaskDeclined
 from ..fed3r import Fed3RAccumulator
 from .extractors import ExtractorFactory, extractor_for
 from .params import read_params
+from .task_inputs import local_samples
 
 
 DEFAULT_MEMORY_BUDGET = 256 * 1024 * 1024
@@ -35,18 +36,15 @@ class Fed3RStatsTask:
 
     def __init__(self, images: np.ndarray, labels: np.ndarray, extractor_factory: ExtractorFactory,
                  memory_budget: int = DEFAULT_MEMORY_BUDGET):
-        if len(images) != len(labels):
-            raise ValueError("images and labels differ in length")
-        self.images, self.labels = images, np.asarray(labels, dtype=np.int64)
+        self.images, self.labels = local_samples(images, labels)
         self.extractor_factory = extractor_factory
         self.memory_budget = memory_budget
 
     def add_samples(self, images: np.ndarray, labels: np.ndarray) -> None:
         """New local data (appended: the samples a streaming job already holds keep their indices)."""
-        if len(images) != len(labels):
-            raise ValueError("images and labels differ in length")
+        images, labels = local_samples(images, labels)
         self.images = np.concatenate([self.images, images])
-        self.labels = np.concatenate([self.labels, np.asarray(labels, dtype=np.int64)])
+        self.labels = np.concatenate([self.labels, labels])
 
     def __call__(self, params: dict[str, Any], tensors: dict | None = None) -> tuple[dict, dict[str, np.ndarray]]:
         if len(self.images) == 0:

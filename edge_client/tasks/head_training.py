@@ -37,7 +37,7 @@ from protocols.payloads.fedavg import KIND, HeadTrainingParams, LocalTraining, e
 
 from ..agent import TaskDeclined
 from .extractors import ExtractorFactory
-from .head_inputs import check_global_head, check_local_labels, extractor_of_dim
+from .task_inputs import check_global_head, check_local_labels, extractor_of_dim, local_samples
 from .local_rules import rule_for
 from .params import read_params
 from .numpy_head import batch_schedule, head_size
@@ -226,9 +226,7 @@ class HeadTrainingTask:
 
     def __init__(self, images: np.ndarray, labels: np.ndarray, extractor_factory: ExtractorFactory,
                  training_manifest: str | None = None, session=None):
-        if len(images) != len(labels):
-            raise ValueError("images and labels differ in length")
-        self.images, self.labels = images, np.asarray(labels, dtype=np.int64)
+        self.images, self.labels = local_samples(images, labels)
         self.extractor_factory = extractor_factory
         self.training_manifest = training_manifest
         self._session = session

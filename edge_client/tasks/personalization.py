@@ -33,7 +33,7 @@ from ..agent import TaskDeclined
 from ..oll import OutOfLocalLabels, PersonalizedHead, choose_fp_lr
 from ..state import DeviceStateStore
 from .extractors import ExtractorFactory
-from .head_inputs import check_global_head, check_local_labels, extractor_of_dim
+from .task_inputs import check_global_head, check_local_labels, extractor_of_dim, local_samples
 from .head_training import LocalTraining
 from .params import read_params
 from .tail_personalization import TailFineTuning, masked_head
@@ -51,10 +51,8 @@ class PersonalizeTask:
         """``tail_features``: the device's tail bundle as a feature source, for tasks whose
         global model has a fine-tuned backbone tail (None: such tasks are declined); ``state``:
         the device's state store, where a ``pp`` or ``ditto`` job left its personal part (``personal_job``)."""
-        if len(train_images) != len(train_labels) or len(test_images) != len(test_labels):
-            raise ValueError("images and labels differ in length")
-        self.train_images, self.train_labels = train_images, np.asarray(train_labels, dtype=np.int64)
-        self.test_images, self.test_labels = test_images, np.asarray(test_labels, dtype=np.int64)
+        self.train_images, self.train_labels = local_samples(train_images, train_labels)
+        self.test_images, self.test_labels = local_samples(test_images, test_labels)
         self.extractor_factory = extractor_factory
         self.training_session = training_session
         self.tail_features = tail_features

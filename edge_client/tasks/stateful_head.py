@@ -25,7 +25,7 @@ from protocols.payloads.stateful import StateBinding, StatefulHeadParams
 from ..agent import TaskDeclined
 from ..state import DeviceStateStore, StateBudgetExceeded, state_bytes
 from .extractors import ExtractorFactory
-from .head_inputs import check_global_head, check_local_labels, extractor_of_dim
+from .task_inputs import check_global_head, check_local_labels, extractor_of_dim, local_samples
 from .params import read_params
 
 PREVIOUS = "previous."          # the stored value a round started from (redelivery starts there again)
@@ -138,9 +138,7 @@ class StatefulHeadTask(DeviceStateKeeper):
     def __init__(self, images: np.ndarray, labels: np.ndarray, extractor_factory: ExtractorFactory,
                  store: DeviceStateStore | None, holdout_images: np.ndarray | None = None,
                  holdout_labels: np.ndarray | None = None):
-        if len(images) != len(labels):
-            raise ValueError("images and labels differ in length")
-        self.images, self.labels = images, np.asarray(labels, dtype=np.int64)
+        self.images, self.labels = local_samples(images, labels)
         self.holdout_images = holdout_images
         self.holdout_labels = None if holdout_labels is None else np.asarray(holdout_labels, dtype=np.int64)
         self.extractor_factory, self.store = extractor_factory, store

@@ -31,7 +31,7 @@ import numpy as np
 from protocols.payloads.fedavg import KIND_TAIL, TAIL_PREFIX, TAIL_TRAIN_MODES, TailTrainingParams, encode_model_update
 
 from ..agent import TaskDeclined
-from .head_inputs import check_local_labels
+from .task_inputs import check_local_labels, local_samples
 from .head_training import SessionStepper, local_sgd
 from .params import read_params
 
@@ -85,9 +85,7 @@ class TailTrainingTask:
 
     def __init__(self, images: np.ndarray, labels: np.ndarray, manifest: str | Path | None,
                  trunk=None, cache_dir: str | None = None, session=None):
-        if len(images) != len(labels):
-            raise ValueError("images and labels differ in length")
-        self.images, self.labels = images, np.asarray(labels, dtype=np.int64)
+        self.images, self.labels = local_samples(images, labels)
         self.manifest_path = manifest
         self.cache_dir = cache_dir
         self._trunk = trunk

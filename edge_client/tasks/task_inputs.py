@@ -1,9 +1,10 @@
-"""The checks a device makes of a head task's inputs before it extracts or trains anything.
+"""The checks a device's task handlers make of their local data and of a task's inputs.
 
-The head handlers (``fedavg.head``, the stateful heads, ``oll.personalize``) and the tail trainer
-decline the same bad inputs with the same reasons, which the Java device gives as well
-(``tests/test_java_tasks.py`` compares them): a global head that is not finite, a local label
-outside the job's classes, a backbone whose features are not the task's size.
+Every handler takes its local samples as images with int64 labels of the same length
+(:func:`local_samples`). The head handlers (``fedavg.head``, the stateful heads,
+``oll.personalize``) and the tail trainer decline the same bad inputs with the same reasons, which
+the Java device gives as well (``tests/test_java_tasks.py`` compares them): a global head that is
+not finite, a local label outside the job's classes, a backbone whose features are not the task's size.
 """
 
 from __future__ import annotations
@@ -14,6 +15,14 @@ from protocols.payloads.task_params import ModelSpec
 
 from ..agent import TaskDeclined
 from .extractors import ExtractorFactory, extractor_for
+
+
+def local_samples(images: np.ndarray, labels) -> tuple[np.ndarray, np.ndarray]:
+    """A handler's local samples: the images and their labels as int64; ValueError where their
+    lengths differ (the device's own data is wrong: no task could use it)."""
+    if len(images) != len(labels):
+        raise ValueError("images and labels differ in length")
+    return images, np.asarray(labels, dtype=np.int64)
 
 
 def check_global_head(weight: np.ndarray, bias: np.ndarray) -> None:
