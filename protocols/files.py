@@ -7,11 +7,14 @@ from __future__ import annotations
 import errno
 import hashlib
 import io
+import lzma
 import math
 import os
 import tempfile
 import threading
+import tokenize
 import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +33,14 @@ _DIR_SYNC_UNSUPPORTED = frozenset({errno.EINVAL, errno.EBADF, errno.EACCES, errn
 # host, whose device threads load heads and state together, a good head was refused that way.
 # Code that reads arrays in a thread of its own does it under this lock.
 NPY_HEADER_LOCK = threading.Lock()
+
+# what reading a damaged archive raises besides zipfile's own errors: a deflate or LZMA stream that
+# does not decode raises its codec's error (zlib.error, LZMAError), which derive from no ValueError
+_UNREADABLE_ARCHIVE = (zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError, EOFError, OSError,
+                       zlib.error, lzma.LZMAError)
+# what numpy's header parser raises besides ValueError: a header cut inside a bracket fails
+# literal_eval, and the fallback that re-reads it as an old-style header tokenizes it (TokenError)
+_UNREADABLE_HEADER = (ValueError, tokenize.TokenError)
 
 
 def read_npy_header(stream) -> tuple[tuple[int, ...], bool, np.dtype]:
@@ -66,7 +77,7 @@ def read_npz(data: bytes, max_bytes: int = MAX_NPZ_BYTES) -> dict[str, np.ndarra
                 with archive.open(member) as stream:
                     arrays[member.filename[:-len(".npy")]] = _read_member_array(member, stream)
             return arrays
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError, EOFError, OSError) as exc:
+    except _UNREADABLE_ARCHIVE as exc:
         raise ValueError(f"not a readable .npz archive: {exc}") from None
 
 
@@ -85,7 +96,7 @@ def _read_member_array(member: zipfile.ZipInfo, stream) -> np.ndarray:
     name = repr(member.filename[:100])
     try:
         shape, fortran_order, dtype = read_npy_header(stream)
-    except ValueError as exc:
+    except _UNREADABLE_HEADER as exc:
         raise ValueError(f".npz member {name} is not an .npy array: {exc}") from None
     if dtype.hasobject:
         raise ValueError(f".npz member {name} holds Python objects, which are never loaded")

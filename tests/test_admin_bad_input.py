@@ -431,3 +431,40 @@ def test_a_devices_presence_carries_a_bounded_profile_and_only_on_its_presence_t
     ask = M.decline_message("stranger", M.TaskRef("j", 1, "t"), "x")             # not enrolled, on its presence topic
     svc._on_payload(Topics().presence("stranger"), encode(ask))
     assert svc.stats.rejections.get("unexpected type") == 1
+
+
+def _damaged(compression: int, at: float) -> bytes:
+    """A one-member .npz of doubles that compress (Huffman-coded blocks, not stored ones: a bad
+    byte there breaks the decoder, not only the CRC), 8 bytes of its compressed stream overwritten
+    ``at`` that fraction of the archive."""
+    import io
+
+    buffer = io.BytesIO()
+    np.save(buffer, np.arange(20_000) % 97 / 7.0)
+    data = bytearray(_zip_of({"w.npy": buffer.getvalue()}, compression))
+    start = int(len(data) * at)
+    data[start:start + 8] = b"\xff" * 8
+    return bytes(data)
+
+
+@pytest.mark.parametrize("case", ["deflate", "lzma", "unterminated header"])
+def test_a_damaged_npz_is_one_value_error_whatever_breaks(case):
+    """A member whose compressed stream is damaged, or whose .npy header text is cut inside a
+    bracket, is one ValueError naming the archive as unreadable, as every other bad .npz is; it
+    raised zlib's, lzma's or tokenize's own error (a traceback where the caller said one line:
+    ``--eval-features``, a job's head file, a stored model's head)."""
+    import zipfile
+
+    from protocols.files import read_npz
+
+    if case == "unterminated header":
+        text = b"{'descr': '<f8', 'fortran_order': False, 'shape': (3,"
+        header = text + b" " * (64 - (10 + len(text) + 1) % 64) + b"\n"
+        data = _zip_of({"w.npy": b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header + bytes(24)})
+        matched = "'w.npy' is not an .npy array"
+    else:
+        compression = zipfile.ZIP_DEFLATED if case == "deflate" else zipfile.ZIP_LZMA
+        data = _damaged(compression, 0.2)
+        matched = "not a readable .npz archive"
+    with pytest.raises(ValueError, match=matched):
+        read_npz(data)
