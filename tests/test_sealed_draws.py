@@ -134,3 +134,15 @@ def test_a_key_file_that_is_no_key_is_said_at_start(tmp_path):
     (tmp_path / "keys" / SealingKey.FILE).write_bytes(b"short")
     with pytest.raises(ValueError, match="holds 5 bytes"):
         SealingKey(tmp_path / "keys").check()
+
+
+def test_a_key_folder_that_is_a_file_is_said_at_start(tmp_path):
+    """``--key-dir`` naming a regular file: the check at start says so, one ValueError naming it.
+    It passed (the key's path under a file 'does not exist'), and the first round of a sampled DP
+    job failed on mkdir with FileExistsError, stopping the job instead of the start."""
+    (tmp_path / "keys").write_text("not a folder")
+    with pytest.raises(ValueError, match=r"keys.*is not a folder"):
+        SealingKey(tmp_path / "keys").check()
+    with pytest.raises(ValueError, match=r"keys.*is not a folder"):
+        SealingKey(tmp_path / "keys").seal(b"secret", b"ctx")
+    assert (tmp_path / "keys").read_text() == "not a folder"

@@ -45,7 +45,9 @@ class SealingKey:
 
     def check(self) -> None:
         """Read the key now if its file exists (``ValueError`` naming it when it is not one), so a bad
-        ``--key-dir`` is said at start, not at the first round of a sampled DP job."""
+        ``--key-dir`` is said at start, not at the first round of a sampled DP job; a folder that
+        is a file is one too (the key's path under it does not exist, and making it failed then)."""
+        self._check_folder()
         if self.path.exists():
             self._key(create=False)
 
@@ -69,8 +71,13 @@ class SealingKey:
             raise SealError(f"a sealed value does not open under {self.path}: sealed under another key, for "
                             f"another job, or altered") from None
 
+    def _check_folder(self) -> None:
+        if self.folder.exists() and not self.folder.is_dir():
+            raise SealError(f"sealing key folder {self.folder} is not a folder (--key-dir names the folder of the key)")
+
     def _key(self, create: bool) -> AESGCM:
         if self._aead is None:
+            self._check_folder()
             if create and not self.path.exists():
                 self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
                 write_atomic(self.path, os.urandom(KEY_BYTES), mode=0o600)
