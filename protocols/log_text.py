@@ -79,7 +79,14 @@ def log_to_stderr(fmt: str = LOG_FORMAT, level: int = logging.WARNING, force: bo
     handler.setFormatter(OneLineFormatter(fmt))
     logging.basicConfig(level=level, handlers=[handler], force=force)
     sys.excepthook = write_uncaught
-    threading.excepthook = lambda args: write_uncaught(args.exc_type, args.exc_value, args.exc_traceback)
+    threading.excepthook = _write_uncaught_in_thread
+
+
+def _write_uncaught_in_thread(args: threading.ExceptHookArgs) -> None:
+    """``write_uncaught`` for a thread's exception; a thread's SystemExit is silent, as Python's own
+    hook keeps it (it is how a thread chose to end, no error)."""
+    if not issubclass(args.exc_type, SystemExit):
+        write_uncaught(args.exc_type, args.exc_value, args.exc_traceback)
 
 
 def write_uncaught(kind, value, tb) -> None:

@@ -191,3 +191,15 @@ def test_an_error_nobody_caught_in_a_thread_is_written_as_the_log_writes_a_trace
     assert err.startswith("uncaught RuntimeError:\n"), err
     assert all(line.startswith("    ") for line in err.splitlines()[1:]), err
     _no_raw_text(err)
+
+
+def test_a_thread_that_exits_with_system_exit_writes_nothing(capsys):
+    """A thread's SystemExit is how it ends, not an error: Python's own threading hook writes
+    nothing for it (its documented rule), and ``log_to_stderr``'s wrote "uncaught SystemExit"
+    with a traceback. The same hook still writes any other exception (the test above)."""
+    with logging_restored():
+        log_to_stderr()
+        thread = threading.Thread(target=lambda: sys.exit(3))
+        thread.start()
+        thread.join()
+    assert capsys.readouterr().err == ""
