@@ -3,8 +3,8 @@
 A culprit is left out of its job's later rounds for good, on accusations the server cannot check
 (a row's key would open every row its recipient holds). A bare majority of an honest member's
 recipients was enough: in a group of 4, two colluders are 2 of its 3. Naming now also takes at
-least three distinct accusers; a device whose rows really fail is still named where three of
-its recipients say so. The reference is the accusers each test makes, counted here."""
+least three distinct accusers (both, in a group of three); a device whose rows really fail is still
+named where three of its recipients say so, or both of its two. The reference is the accusers each test makes, counted here."""
 
 import dataclasses
 
@@ -79,11 +79,21 @@ def test_a_member_whose_rows_all_fail_in_a_group_of_four_is_still_named():
     assert f"could not decrypt: {attacker}" in run.outcome.reason
 
 
-def test_in_a_group_of_three_two_accusers_name_nobody():
-    """Two accusers are all a member of a group of three has: nobody is named (the price of the
-    rule: such a member fails the rounds it is drawn into, unnamed; docs: Known gaps)."""
+def test_in_a_group_of_three_both_recipients_accusing_name_the_sender():
+    """Two accusers are all a member of a group of three has: both name it (three would leave a
+    sender of bad rows unnamed, failing every round it is drawn into; two members of three learn
+    the third's input from the sum anyway, so framing it costs it nothing the group protected)."""
     config, identities, inputs = _group(3)
     attacker = config.members[0]
     run = run_round(config, AGGREGATOR, identities, inputs, intercept=_corrupting(identities, attacker))
     assert all(run.clients[d].accused == (attacker,) for d in config.members[1:])
-    assert run.server.culprits == set() and isinstance(run.outcome, RoundFailed)
+    assert run.server.culprits == {attacker} and isinstance(run.outcome, RoundFailed)
+
+
+def test_in_a_group_of_three_one_accuser_names_nobody():
+    """One accusation of a group of three is no majority: nobody is named, and the liar's round
+    goes on without the row it withholds."""
+    config, identities, inputs = _group(3)
+    liar, honest = config.members[1], config.members[0]
+    run = run_round(config, AGGREGATOR, identities, inputs, intercept=_liars_accuse(identities, {liar}, honest))
+    assert run.server.culprits == set()

@@ -82,7 +82,11 @@ class ServerState(str, enum.Enum):
 
 
 _S = ServerState
-MIN_ACCUSERS = 3       # distinct accusers a culprit needs at least: a colluding pair frames nobody
+# distinct accusers a culprit needs at least (all of them where it sent fewer rows): a colluding
+# pair frames nobody who sent three rows or more; in a group of three, where two members learn the
+# third's input from the sum anyway, both must accuse (else a sender of bad rows fails every round
+# it is drawn into, unnamed)
+MIN_ACCUSERS = 3
 FINAL_STATES = frozenset({_S.DONE, _S.FAILED})
 _PHASE_ORDER = list(Phase)
 Output = Message | AggregateReady | RoundFailed
@@ -204,13 +208,13 @@ class ServerSecAgg:
 
     def _convict(self) -> None:
         """The masked phase is closing: a sender accused by a strict majority of the neighbours it
-        sent share rows to, and by at least MIN_ACCUSERS of them, is a culprit. A member cannot
-        prove a row bad without revealing its cipher key, which would open every row it holds, so
-        the count is all there is: fewer lying members than half a device's neighbours cannot make
-        it one, nor can a pair (2 of 3 recipients are a majority in a group of 4)."""
+        sent share rows to, and by at least MIN_ACCUSERS of them (all, where it sent fewer), is a
+        culprit. A member cannot prove a row bad without revealing its cipher key, which would open
+        every row it holds, so the count is all there is: fewer lying members than half a device's
+        neighbours cannot make it one, nor can a pair (2 of 3 recipients are a majority in a group of 4)."""
         for device, accusers in self._accusers_of().items():
-            if len(accusers) >= MIN_ACCUSERS and \
-                    2 * len(accusers) > len(self._received[Phase.SHARE_KEYS][device].recipients):
+            recipients = len(self._received[Phase.SHARE_KEYS][device].recipients)
+            if len(accusers) >= min(MIN_ACCUSERS, recipients) and 2 * len(accusers) > recipients:
                 self.culprits.add(device)
 
     def _accusers_of(self) -> dict[str, set[str]]:
