@@ -46,10 +46,12 @@ REPLY_OVERHEAD_BYTES = MAX_HEADER_BYTES + 1024
 MAX_BUNDLE_BYTES = 2 << 30              # what a bundle's files may hold together unless told less
 # A sender's partial messages held at once: one. A reply is the one message a fetch waits for, and
 # each partial may hold up to a reply's size, so 4 (the chunking default) let one sender pin 4x the
-# file (a review's finding); with one, a new message's first chunk takes the room of the partial
-# before it, so a replayed chunk of an earlier message, landed first, never leaves the reply none.
-# The aggregator publishes a message's chunks one after another (its service thread sends whole
-# messages), so its reply never interleaves with its other messages on the device's inbox
+# file (a review's finding); with one, a chunk of another message takes the room of the partial
+# before it, so a replayed chunk of an earlier message, landed first, never leaves the reply none
+# (one slipped into the middle of the reply restarts it: the fetch asks again, and a replayer on
+# the path could drop the reply anyway). The aggregator publishes a message's chunks one after
+# another (its service thread sends whole messages), so its reply never interleaves with its
+# other messages on the device's inbox
 MAX_PENDING_REPLIES = 1
 FETCH_TIMEOUT_S = 120.0                 # a file's fetch gives up after this (a task's: its time left, if less)
 UNAVAILABLE_FOR_S = 300.0               # how long a device remembers a bundle it could not fetch
