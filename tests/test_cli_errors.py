@@ -22,6 +22,7 @@ def files(tmp_path_factory):
     (d / "huge.json").write_text(json.dumps({"num_classes": 10 ** 9}))
     (d / "wide.json").write_text(json.dumps({"num_classes": 20_000, "feature_dim": 1280}))
     (d / "list.json").write_text("[1, 2]")
+    (d / "state.db.keys").write_text("a file where the store's key folder goes")
     (d / "deep.json").write_text("[" * 100_000)
     (d / "creds.json").write_text(json.dumps({"device_id": "cam1", "mqtt_username": "cam1", "mqtt_password": "x"}))
     import io
@@ -58,6 +59,10 @@ CASES = [
     # a review's finding: a task larger than any device takes was served, and declined by them all
     ("serve: a task no device takes", ["aggregator", "serve", "--out", "{d}/o", "--kind", "scaffold", "--config",
                                        "{d}/wide.json", "--broker", "mqtt://127.0.0.1:1"], "a device takes in one message"),
+    # a review's finding: the store's default key folder (STATE.keys) was not checked at start
+    ("serve: the store's key folder is a file", ["aggregator", "serve", "--out", "{d}/o", "--config", "{d}/job.json",
+                                                 "--state", "{d}/state.db", "--broker", "mqtt://127.0.0.1:1"],
+     "is not a folder"),
     ("serve: missing eval features", ["aggregator", "serve", "--out", "{d}/o", "--config", "{d}/job.json",
                                       "--eval-features", "{d}/nope.npz"], "--eval-features"),
     # a review's finding: an .npz header declaring 745 GiB was allocated (a MemoryError traceback)

@@ -148,12 +148,21 @@ def dashboard_origins(args) -> DashboardOrigins:
     return DashboardOrigins(args.public_origin)
 
 
+def checked_sealing_key(args) -> None:
+    """Read the key the store's secrets are sealed under (``--key-dir``, else ``--security-dir``, else
+    beside ``--state``) if it exists: a bad one, or a folder that is a file, is one ValueError at
+    start, before the broker and the store (it stopped a sampled DP job at its first round)."""
+    from aggregator.security.sealing_key import SealingKey
+
+    if args.state:
+        SealingKey.of_store(args.state, args.key_dir or args.security_dir).check()
+
+
 def serve_with_ops(args, job, broker: BrokerConfig, out_dir: Path, settings: ServiceSettings, *,
                    enrolled: set[str] | None = None, eval_set=None, artifacts: ArtifactShelf | None = None,
                    shards: int = 0) -> dict:
     """Build store/security/shards/API from ``args`` around an AggregatorService with ``settings`` and run it."""
     from aggregator.security.broker import BrokerSecurity
-    from aggregator.security.sealing_key import SealingKey
     from aggregator.service.loop import AggregatorService
     from aggregator.storage.store import Store
 
@@ -173,8 +182,7 @@ def serve_with_ops(args, job, broker: BrokerConfig, out_dir: Path, settings: Ser
 
         identity = DeviceIdentity.from_pem(AGGREGATOR_ID, read_regular_file(args.identity, "--identity", OPTION_FILE_BYTES))
     key_dir = args.key_dir or args.security_dir         # the secrets' folder, not the store's
-    if key_dir is not None and args.state:
-        SealingKey(key_dir).check()
+    checked_sealing_key(args)
     store = Store(args.state, synchronous=args.durability.upper(), key_dir=key_dir) if args.state else None
     security = None
     if args.security_dir:

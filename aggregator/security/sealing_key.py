@@ -43,6 +43,12 @@ class SealingKey:
         self.path = self.folder / self.FILE
         self._aead: AESGCM | None = None
 
+    @classmethod
+    def of_store(cls, store_path: str | Path, key_dir: str | Path | None = None) -> "SealingKey":
+        """The key of the store at ``store_path``: in ``key_dir``, else in ``<store path>.keys/``."""
+        store_path = Path(store_path)
+        return cls(key_dir if key_dir is not None else store_path.with_name(store_path.name + ".keys"))
+
     def check(self) -> None:
         """Read the key now if its file exists (``ValueError`` naming it when it is not one), so a bad
         ``--key-dir`` is said at start, not at the first round of a sampled DP job; a folder that

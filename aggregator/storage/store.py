@@ -68,7 +68,7 @@ class Store(DeviceRepository, JobRepository, RoundRepository, ContributionReposi
         """``key_dir``: the folder of the key this store's secrets are sealed under (default
         ``<db path>.keys/``; ``aggregator serve`` names its secrets' folder)."""
         super().__init__(path, synchronous)
-        self.sealing_key = SealingKey(key_dir if key_dir is not None else self.path.with_name(self.path.name + ".keys"))
+        self.sealing_key = SealingKey.of_store(self.path, key_dir)
         self._create_tables(SCHEMA)
         migrated = False
         with self._tx() as db:
