@@ -17,7 +17,7 @@ from protocols.files import read_npz
 from protocols.regular_file import OPTION_FILE_BYTES, read_regular_file
 from protocols.ray_cluster import check_reachable as check_ray_reachable
 
-from aggregator.api.server import add_ops_arguments, checked_sealing_key, dashboard_origins, serve_with_ops
+from aggregator.api.server import add_ops_arguments, checked_sealing_key, dashboard_origins, read_identity, serve_with_ops
 from aggregator.compute.fork_server import start_fork_server_here
 from aggregator.compute.mask_expansion import cpu_mask_expansion_plan
 from aggregator.service.artifacts import ArtifactShelf, with_served_bundle
@@ -130,6 +130,8 @@ def serve(args) -> int:
     if args.enrolled:
         text = read_regular_file(args.enrolled, "--enrolled", OPTION_FILE_BYTES).decode("utf-8")
         enrolled = {line.strip() for line in text.splitlines() if line.strip()}
+    # before build_job, which imports torch (~2 CPU-s): a bad --identity file is refused at once
+    identity = read_identity(args.identity) if args.identity else None
     shelf = None
     if args.artifacts:
         shelf = ArtifactShelf()
@@ -141,7 +143,7 @@ def serve(args) -> int:
         raise ValueError(f"the job runs on bundle {announced[:16]}…, which this aggregator does not serve: "
                          "pass that bundle's directory with --artifacts")
     summary = serve_with_ops(args, job, broker, args.out, settings, enrolled=enrolled, eval_set=eval_set,
-                             artifacts=shelf, shards=args.shards)
+                             artifacts=shelf, shards=args.shards, identity=identity)
     final = summary.get("final", {})
     print(json.dumps({"state": summary.get("state"), "contributions": final.get("contributions"),
                       "accuracy": final.get("accuracy")}))

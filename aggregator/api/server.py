@@ -158,10 +158,18 @@ def checked_sealing_key(args) -> None:
         SealingKey.of_store(args.state, args.key_dir or args.security_dir).check()
 
 
+def read_identity(path: Path):
+    """The aggregator's signing identity from an ``--identity`` PEM file (bounded, a regular file)."""
+    from protocols.identity import DeviceIdentity
+
+    return DeviceIdentity.from_pem(AGGREGATOR_ID, read_regular_file(path, "--identity", OPTION_FILE_BYTES))
+
+
 def serve_with_ops(args, job, broker: BrokerConfig, out_dir: Path, settings: ServiceSettings, *,
                    enrolled: set[str] | None = None, eval_set=None, artifacts: ArtifactShelf | None = None,
-                   shards: int = 0) -> dict:
-    """Build store/security/shards/API from ``args`` around an AggregatorService with ``settings`` and run it."""
+                   shards: int = 0, identity=None) -> dict:
+    """Build store/security/shards/API from ``args`` around an AggregatorService with ``settings`` and run it;
+    ``identity``: the aggregator's signing key, read from ``--identity`` by the caller (:func:`read_identity`)."""
     from aggregator.security.broker import BrokerSecurity
     from aggregator.service.loop import AggregatorService
     from aggregator.storage.store import Store
@@ -176,11 +184,6 @@ def serve_with_ops(args, job, broker: BrokerConfig, out_dir: Path, settings: Ser
     token = admin_token(args) if args.api else None
     if args.api and not token:
         raise SystemExit(f"--api needs a token: --api-token-file or {TOKEN_ENV}")
-    identity = None
-    if args.identity:
-        from protocols.identity import DeviceIdentity
-
-        identity = DeviceIdentity.from_pem(AGGREGATOR_ID, read_regular_file(args.identity, "--identity", OPTION_FILE_BYTES))
     key_dir = args.key_dir or args.security_dir         # the secrets' folder, not the store's
     checked_sealing_key(args)
     store = Store(args.state, synchronous=args.durability.upper(), key_dir=key_dir) if args.state else None
