@@ -9,6 +9,8 @@ import logging
 import torch
 from torch import nn
 
+from export.xnnpack_passes import only_applicable_passes
+
 __all__ = ["LoweredProgram", "lower_inference_program"]
 
 logger = logging.getLogger(__name__)
@@ -47,8 +49,11 @@ def lower_inference_program(model: nn.Module, example: torch.Tensor, max_batch: 
     # Without the edge-IR verifier, as the training programs (training_program.py): it re-checked the
     # graph after each pass, ~20 % of the lowering (bench/lowering_verifier.py), for the same bytes;
     # every program is checked end to end instead, run on real images against eager (export/parity.py).
-    edge = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()],
-                                       compile_config=EdgeCompileConfig(_check_ir_validity=False))
+    # XNNPACK's passes with nothing to rewrite in this graph are left out: the same bytes, less CPU
+    # (export/xnnpack_passes.py)
+    with only_applicable_passes():
+        edge = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()],
+                                           compile_config=EdgeCompileConfig(_check_ir_validity=False))
     op_counts = collections.Counter(
         _op_name(node.target) for node in edge.exported_program().graph.nodes
         if node.op == "call_function")

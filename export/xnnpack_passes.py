@@ -1,0 +1,93 @@
+"""XNNPACK's delegate passes, less those with nothing to rewrite in the graph being lowered.
+
+Why. ExecuTorch's XNNPACK backend runs its whole pass list (``XNNPACKPassManager``, 17 passes) on
+every delegated graph, and each pass re-traces the whole graph on fake tensors whether it changed
+something or not. Seven of them rewrite ops the backbones fedfleet exports do not hold once
+exported (BatchNorm is folded first, export/batch_norm_folding.py, or by the int8 quantization; no
+attention, bilinear upsampling, PReLU, 1-d convolution or concatenation), and two of those first
+build their pattern graphs with an export of their own, once per process. Skipping a pass whose
+op is absent leaves the program byte for byte the same (tests/test_xnnpack_passes.py) and takes less
+CPU (bench/xnnpack_passes.py, alternated on a loaded 2-core machine): MobileNetV2's int8 program at
+32 px 27.7 against 44.3 CPU-s, its BatchNorm-folded fp32 one 12.4-13.4 against 14.3-14.6 (its graph holds fewer
+nodes for the passes to walk).
+
+How. :func:`applicable_passes` keeps a pass of :data:`SKIPPABLE` only when the edge graph holds a
+node it could rewrite (its trigger), and every other pass as it is; :func:`only_applicable_passes`
+has the backend use that list while a program is lowered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+
+__all__ = ["SKIPPABLE", "applicable_passes", "only_applicable_passes"]
+
+
+def _calls(*names: str) -> Callable[[torch.fx.Node], bool]:
+    """A call of one of the edge ops ``names`` (``aten.<name>``; the edge dialect's overloads)."""
+    from executorch.exir.dialects._ops import ops as exir_ops
+
+    targets = {getattr(getattr(exir_ops.edge.aten, op), overload)
+               for op, overload in (name.split(".") for name in names)}
+    return lambda node: node.target in targets
+
+
+def _one_dimensional_convolutions() -> Callable[[torch.fx.Node], bool]:
+    # a 1-d convolution's output is (N, C, L): Conv1dUnsqueezePass turns it into a 2-d one
+    convolution = _calls("convolution.default")
+
+    def is_one_dimensional(node: torch.fx.Node) -> bool:
+        value = node.meta.get("val")
+        return convolution(node) and (not isinstance(value, torch.Tensor) or value.dim() == 3)
+    return is_one_dimensional
+
+
+def _triggers() -> dict[str, Callable[[torch.fx.Node], bool]]:
+    """The pass's class name -> the nodes it can rewrite. Each pass's own ``call`` looks for these
+    targets (the attention and upsampling passes' pattern graphs all hold ``_softmax`` and ``bmm``,
+    and ``upsample_bilinear2d.vec``: tests/test_xnnpack_passes.py)."""
+    return {
+        "ConvertToUpsampleBilinear2d": _calls("upsample_bilinear2d.vec"),
+        "ConvertToSDPAPass": _calls("_softmax.default"),
+        "FuseBatchNormPass": _calls("_native_batch_norm_legit_no_training.default"),
+        "DecomposeBatchNorm": _calls("_native_batch_norm_legit_no_training.default"),
+        "DecomposeConcatenate": _calls("cat.default"),
+        "Conv1dUnsqueezePass": _one_dimensional_convolutions(),
+        "PReLUReshapePass": _calls("_prelu_kernel.default"),
+    }
+
+
+SKIPPABLE = ("ConvertToUpsampleBilinear2d", "ConvertToSDPAPass", "FuseBatchNormPass", "DecomposeBatchNorm",
+             "DecomposeConcatenate", "Conv1dUnsqueezePass", "PReLUReshapePass")
+
+
+def applicable_passes(passes: list[type], graph: torch.fx.Graph) -> list[type]:
+    """``passes`` in their order, less those of :data:`SKIPPABLE` that find no node to rewrite in ``graph``."""
+    triggers = _triggers()
+    calls = [node for node in graph.nodes if node.op == "call_function"]
+    return [p for p in passes
+            if p.__name__ not in triggers or any(triggers[p.__name__](node) for node in calls)]
+
+
+@contextlib.contextmanager
+def only_applicable_passes() -> Iterator[None]:
+    """While it is open, the XNNPACK backend's preprocessing runs :func:`applicable_passes` of its
+    default list (a caller's explicit pass list is kept as given)."""
+    import executorch.backends.xnnpack.xnnpack_preprocess as preprocess
+
+    stock = preprocess.XNNPACKPassManager
+
+    class ApplicablePassManager(stock):
+        def __init__(self, exported_program, passes=None):
+            super().__init__(exported_program, passes)
+            if not passes:
+                self.passes = applicable_passes(self.passes, exported_program.graph)
+
+    preprocess.XNNPACKPassManager = ApplicablePassManager
+    try:
+        yield
+    finally:
+        preprocess.XNNPACKPassManager = stock

@@ -1,0 +1,134 @@
+"""export/xnnpack_passes.py: the XNNPACK passes left out of a lowering are those with nothing to
+rewrite, so the program is byte for byte what ExecuTorch's full pass list gives, on a network holding
+no trigger (none of them run) and on one holding some; and each trigger keeps its pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch import nn
+
+import export.executorch_export as executorch_export
+import export.xnnpack_passes as xnnpack_passes
+from export.executorch_export import lower_inference_program
+
+pytestmark = pytest.mark.slow       # five small lowerings and the attention/upsampling pattern graphs
+
+
+class OneDimensional(nn.Module):
+    """A 1-d convolution over the image's pixels."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv(x.reshape(1, 3, 64))
+
+
+class Upsampling(nn.Module):
+    """An unfolded BatchNorm, a six-way concatenation and bilinear upsampling."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.norm = nn.BatchNorm2d(4)
+        with torch.no_grad():
+            self.norm.running_mean.uniform_(-1, 1)
+            self.norm.running_var.uniform_(0.5, 2)
+
+    def forward(self, x):
+        b = self.norm(self.conv(x))
+        b = torch.cat([b, b + 1, b * 2, b - 1, b * 3, b + 2], dim=1)
+        return nn.functional.interpolate(b, scale_factor=2, mode="bilinear", align_corners=False)
+
+
+
+
+class NoTrigger(nn.Module):
+    """What the shipped backbones hold once folded: convolutions, ReLU6, pooling, a linear layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, stride=2, padding=1)
+        self.linear = nn.Linear(8, 5)
+
+    def forward(self, x):
+        return self.linear(nn.functional.relu6(self.conv(x)).mean((2, 3)))
+
+
+def lowered(model, monkeypatch, stock: bool) -> tuple[bytes, list[str]]:
+    """The program's bytes, and the skippable passes that ran (the applicable lists' union)."""
+    ran: list[str] = []
+    real = xnnpack_passes.applicable_passes
+
+    def recording(passes, graph):
+        kept = real(passes, graph)
+        ran.extend(p.__name__ for p in kept if p.__name__ in xnnpack_passes.SKIPPABLE)
+        return kept
+
+    with monkeypatch.context() as patch:
+        patch.setattr(xnnpack_passes, "applicable_passes", recording)
+        if stock:
+            patch.setattr(executorch_export, "only_applicable_passes", contextlib.nullcontext)
+        torch.manual_seed(0)
+        # a fixed batch of one: with a dynamic batch XNNPACK leaves the upsampling undelegated
+        program = lower_inference_program(model.eval(), torch.randn(1, 3, 8, 8), max_batch=1)
+    return program.buffer, ran
+
+
+def test_a_network_where_some_passes_run_and_others_are_skipped_gives_the_stock_bytes(monkeypatch):
+    """BatchNorm, concatenation and upsampling rewritten; the attention, 1-d convolution and PReLU
+    passes skipped."""
+    model = Upsampling()
+    stock, _ = lowered(model, monkeypatch, stock=True)
+    mine, ran = lowered(model, monkeypatch, stock=False)
+    assert sorted(ran) == ["ConvertToUpsampleBilinear2d", "DecomposeBatchNorm", "DecomposeConcatenate",
+                           "FuseBatchNormPass"]
+    assert mine == stock
+
+
+def test_a_one_dimensional_convolution_keeps_its_pass(monkeypatch):
+    assert lowered(OneDimensional(), monkeypatch, stock=False)[1] == ["Conv1dUnsqueezePass"]
+
+
+def test_every_trigger_keeps_its_pass_and_other_passes_always_run():
+    """Hand-made graphs: PReLU reaches the delegate as aten.prelu, which ExecuTorch 1.5.1's
+    PReLUReshapePass does not rewrite (it looks for _prelu_kernel), so no network shows that trigger."""
+    from executorch.backends.xnnpack._passes import XNNPACKPassManager
+    from executorch.exir.dialects._ops import ops as exir_ops
+
+    stock = XNNPACKPassManager(None).passes
+    aten = exir_ops.edge.aten
+    always = [p for p in stock if p.__name__ not in xnnpack_passes.SKIPPABLE]
+    assert xnnpack_passes.applicable_passes(stock, torch.fx.Graph()) == always
+    for target, name in ((aten._prelu_kernel.default, "PReLUReshapePass"), (aten.cat.default, "DecomposeConcatenate"),
+                         (aten._softmax.default, "ConvertToSDPAPass")):
+        graph = torch.fx.Graph()
+        graph.call_function(target, ())
+        kept = xnnpack_passes.applicable_passes(stock, graph)
+        assert [p.__name__ for p in kept if p not in always] == [name]
+
+
+def test_a_network_holding_no_trigger_skips_them_all_and_gives_the_stock_bytes(monkeypatch):
+    model = NoTrigger()
+    stock, _ = lowered(model, monkeypatch, stock=True)
+    mine, ran = lowered(model, monkeypatch, stock=False)
+    assert ran == []
+    assert mine == stock
+
+
+def test_the_pattern_passes_match_only_graphs_holding_their_trigger():
+    """ConvertToSDPAPass and ConvertToUpsampleBilinear2d match pattern graphs (ExecuTorch's own):
+    each pattern holds the op their trigger looks for, so a graph without it cannot match."""
+    from executorch.backends.xnnpack.partition.graphs import bilinear_2d, sdpa
+
+    triggers = xnnpack_passes._triggers()
+    for name, patterns in (("ConvertToSDPAPass", sdpa.get_graphs()),
+                           ("ConvertToUpsampleBilinear2d", bilinear_2d.get_graphs())):
+        assert patterns
+        for pattern in patterns:
+            assert any(triggers[name](node) for node in pattern.graph.nodes), (name, pattern.graph)
