@@ -26,6 +26,7 @@ from edge_client.runtime.base import torch_installed
 from edge_client.tasks.extractors import MAX_HELD_EXTRACTORS
 from edge_client.tasks.fed3r_stats import Fed3RStatsTask
 from edge_client.state import DeviceStateStore
+from edge_client.sample_windows import WINDOWS_FILE, SampleWindowLedger
 from edge_client.tasks.head_training import HeadTrainingTask
 from edge_client.tasks.partial_training import PartialTrainingTask
 from edge_client.tasks.fedgloss_training import FedGlossTrainingTask
@@ -168,11 +169,13 @@ def device_handlers(data: LocalData, extractors, config: HandlerConfig,
     also OLL personalization (evaluated on the held-out split); with a state store (the
     device's own, ``edge_client.state``) the stateful kinds (FedSim/FedAlt partial
     personalization, Scaffold, FedGloSS, Ditto). Kinds it cannot run (FT(φ)/FT(M) without a tail bundle; backbone training
-    on a torch-free device; stateful kinds without a store) get a handler that declines, saying why."""
+    on a torch-free device; stateful kinds without a store) get a handler that declines, saying why.
+    The windows of samples Fed3R answered are kept in the store's folder (``edge_client/sample_windows.py``)."""
     x, y = data.images[data.train_idx], data.labels[data.train_idx]
     holdout = data.holdout_idx if data.holdout_idx is not None and len(data.holdout_idx) else None
     held_x, held_y = (None, None) if holdout is None else (data.images[holdout], data.labels[holdout])
-    handlers = {FED3R_KIND: Fed3RStatsTask(x, y, extractors),
+    windows = SampleWindowLedger(state.root / WINDOWS_FILE if state is not None else None)
+    handlers = {FED3R_KIND: Fed3RStatsTask(x, y, extractors, windows=windows),
                 FEDAVG_KIND: HeadTrainingTask(x, y, extractors, config.training_manifest),
                 PP_KIND: PartialTrainingTask(x, y, extractors, state, held_x, held_y),
                 SCAFFOLD_KIND: ScaffoldTrainingTask(x, y, extractors, state),

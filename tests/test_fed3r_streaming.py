@@ -37,7 +37,8 @@ def answer(job, device, handler, round_):
 
 def test_each_increment_gives_the_centralized_ridge_on_everything_so_far():
     job = Fed3RJob(Fed3RConfig(num_classes=C, feature_dim=D, lam=LAM, streaming=True, normalize_columns=False))
-    data = {"a": batches(1, [12, 5, 9]), "b": batches(2, [7, 20])}
+    # increments of at least MIN_DIFFERENCE (8) samples: a smaller one waits (edge_client/sample_windows.py)
+    data = {"a": batches(1, [12, 9, 10]), "b": batches(2, [7, 20])}
     handlers = {d: Fed3RStatsTask(*bs[0], lambda *a: Features(D)) for d, bs in data.items()}
     seen = {d: 1 for d in data}                         # batches each device holds
     sent = {d: 0 for d in data}                         # batches the job holds
@@ -59,7 +60,7 @@ def test_each_increment_gives_the_centralized_ridge_on_everything_so_far():
         # a retry of the increment just counted (or any stale from_sample) is refused: nothing changes
         with pytest.raises(EnvelopeError, match="already counted"):
             job.parse_result(env)
-    assert job.contributed == {"a": 26, "b": 27}
+    assert job.contributed == {"a": 31, "b": 27}
     # nothing new: the device declines rather than sending an empty or repeated increment
     with pytest.raises(TaskDeclined, match="no new samples"):
         handlers["a"](job.task_for("a")[0])
@@ -85,7 +86,7 @@ class Gathering:
 
 
 def test_streaming_job_over_mosquitto_ingests_every_increment_once(broker, tmp_path):
-    data = {"dev00": batches(3, [10, 4, 6]), "dev01": batches(4, [8]), "dev02": batches(5, [5, 15])}
+    data = {"dev00": batches(3, [10, 8, 9]), "dev01": batches(4, [8]), "dev02": batches(5, [5, 15])}
     config = Fed3RConfig(num_classes=C, feature_dim=D, lam=LAM, streaming=True, clients_per_round=3, max_attempts=1,
                          round_timeout_s=20, expected_devices=3)
     store = Store(tmp_path / "s.db")
@@ -111,7 +112,7 @@ def test_streaming_job_on_two_shards_gives_one_aggregators_model(tmp_path):
     from fedfleet.emulation.broker import MosquittoBroker
     from aggregator.shards.buckets import shard_of
 
-    data = {"dev00": batches(3, [10, 4, 6]), "dev02": batches(4, [8]), "dev08": batches(5, [5, 15])}
+    data = {"dev00": batches(3, [10, 8, 9]), "dev02": batches(4, [8]), "dev08": batches(5, [5, 15])}
     assert {shard_of(d, 2) for d in data} == {0, 1}
     runs = []
     for name, extra in (("one", []), ("sharded", ["--shards", "2"])):

@@ -5,6 +5,10 @@ Streaming (a task with ``from_sample``): the device's data only grows (new sampl
 already holds, and the device sends the statistics of the samples after those only, echoing
 ``from_sample``. The aggregator's count is the ledger: the device keeps none, so a retry or a
 lost reply can never make it count a sample twice.
+
+Which samples a task covers (``from_sample``, ``max_samples`` with ``cap_samples``) is the
+aggregator's choice; the device answers only windows that no combination of its answers can
+difference down to a few samples (``edge_client/sample_windows.py``, the boundary rule).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from protocols.random_features import RandomFourierFeatures
 
 from ..agent import TaskDeclined
 from ..fed3r import Fed3RAccumulator
+from ..sample_windows import SampleWindowLedger
 from .extractors import ExtractorFactory, extractor_for
 from .params import read_params
 from .task_inputs import local_samples
@@ -32,13 +37,16 @@ class Fed3RStatsTask:
     """``memory_budget``: the bytes this device gives the task's largest arrays (the float64 p x p
     Gram matrix and C x p class sums, and a random-feature map's input_dim x dim weights); a task
     whose p needs more is declined before anything is allocated (random_features.dim is the
-    aggregator's to choose, up to 100,000: 80 GB of Gram matrix)."""
+    aggregator's to choose, up to 100,000: 80 GB of Gram matrix). ``windows``: the windows of
+    samples this device answered (kept in its state folder by :func:`edge_client.handlers.device_handlers`;
+    by default in memory, for this task's life)."""
 
     def __init__(self, images: np.ndarray, labels: np.ndarray, extractor_factory: ExtractorFactory,
-                 memory_budget: int = DEFAULT_MEMORY_BUDGET):
+                 memory_budget: int = DEFAULT_MEMORY_BUDGET, windows: SampleWindowLedger | None = None):
         self.images, self.labels = local_samples(images, labels)
         self.extractor_factory = extractor_factory
         self.memory_budget = memory_budget
+        self.windows = SampleWindowLedger() if windows is None else windows
 
     def add_samples(self, images: np.ndarray, labels: np.ndarray) -> None:
         """New local data (appended: the samples a streaming job already holds keep their indices)."""
@@ -63,6 +71,9 @@ class Fed3RStatsTask:
         if cap is not None:    # DP caps the samples per device (the first max_samples: a choice blind to the data)
             images, labels = images[:cap], labels[:cap]
         self._check_memory(task, extractor.feature_dim, rows=len(labels))
+        window = (start, start + len(labels))
+        if (reason := self.windows.refusal(*window)) is not None:
+            raise TaskDeclined(reason)
         spec = task.random_features
         rf = None if spec is None else RandomFourierFeatures(spec.dim, float(spec.sigma), spec.seed)
         acc = Fed3RAccumulator(num_classes, extractor.feature_dim, task.fit_intercept, rf,
@@ -75,6 +86,8 @@ class Fed3RStatsTask:
         body, out = encode_smallest(acc, num_classes, dense, task.dtype)
         if task.from_sample is not None:
             body["from_sample"] = start
+        if (reason := self.windows.record(*window)) is not None:     # written down before it goes out
+            raise TaskDeclined(reason)
         return body, out
 
 

@@ -2,8 +2,8 @@
 // oll.personalize) on a FeatureFile (and a held-out one), so tests/test_java_tasks.py can compare
 // its result with the Python device's on the same inputs.
 // Usage: java TaskRunner <task.bin> <features file> <result.bin> [<held-out features file> [<state folder> [<budget bytes>]]]
-//        (scaffold.head, ditto.head, pp.head: with a state folder, their DeviceStateStore; the
-//        held-out file "-" for none)
+//        (scaffold.head, ditto.head, pp.head: with a state folder, their DeviceStateStore; fed3r.stats:
+//        its SampleWindows there; the held-out file "-" for none)
 //        java TaskRunner --skellam <stddev> <count>   (prints "NOISE ...": Skellam draws, scale_bits 0)
 //        java TaskRunner --sample-order <protocols/golden/sample_order.json>  (prints "ORDER <i> ok|differs")
 //        java TaskRunner --batch <cases file> <aggregator public key hex> <device seed hex>: one JVM for
@@ -86,11 +86,15 @@ public final class TaskRunner {
         FedAvgHeadTask head = new FedAvgHeadTask(data, new PrecomputedFeatures(data.dim));
         Map<String, TaskHandler> handlers = new HashMap<>();
         handlers.put(FedAvgHeadTask.KIND, head);
-        handlers.put(Fed3RStatsTask.KIND, new Fed3RStatsTask(data, new PrecomputedFeatures(data.dim)));
         PersonalizeTask personalize = null;
         // the stateful head tasks, on a store kept across runs (none without a state folder: they decline)
         DeviceStateStore store = args.length > 4 ? new DeviceStateStore(new java.io.File(args[4]),
                 args.length > 5 ? Long.parseLong(args[5]) : DeviceStateStore.DEFAULT_BUDGET_BYTES, () -> System.currentTimeMillis() / 1000.0) : null;
+        // Fed3R's sample windows, kept in the state folder across runs as a device keeps them across restarts
+        SampleWindows windows = store == null ? new SampleWindows()
+                : new SampleWindows(new java.io.File(store.root(), SampleWindows.NAME), SampleWindows.MIN_DIFFERENCE);
+        handlers.put(Fed3RStatsTask.KIND, new Fed3RStatsTask(data, new PrecomputedFeatures(data.dim),
+                Fed3RStatsTask.DEFAULT_MEMORY_BUDGET, windows));
         FeatureFile heldOut = args.length > 3 && !args[3].equals("-") ? FeatureFile.read(args[3]) : null;
         handlers.put(ScaffoldTask.KIND, new ScaffoldTask(data, new PrecomputedFeatures(data.dim), store));
         handlers.put(DittoTask.KIND, new DittoTask(data, heldOut, new PrecomputedFeatures(data.dim), store));

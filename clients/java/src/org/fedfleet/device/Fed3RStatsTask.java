@@ -7,6 +7,8 @@
 // budget is declined before anything is allocated, by the Python device's rule and words
 // (edge_client/tasks/fed3r_stats.py _check_memory): num_classes is the aggregator's to choose, up
 // to 1,000,000, and a task of that many classes threw OutOfMemoryError, which ended the agent's thread.
+// Which samples a task covers (from_sample; max_samples with cap_samples) is the aggregator's choice:
+// the device answers only windows the boundary rule allows (SampleWindows, edge_client/sample_windows.py).
 package org.fedfleet.device;
 
 import java.math.BigInteger;
@@ -24,11 +26,17 @@ public final class Fed3RStatsTask implements TaskHandler {
     private final LocalData data;
     private final FeatureExtractor extractor;
     private final long memoryBudget;
+    /** The windows of samples this device answered (kept in its state folder when it has one). */
+    public final SampleWindows windows;
 
     public Fed3RStatsTask(LocalData data, FeatureExtractor extractor) { this(data, extractor, DEFAULT_MEMORY_BUDGET); }
 
     public Fed3RStatsTask(LocalData data, FeatureExtractor extractor, long memoryBudget) {
-        this.data = data; this.extractor = extractor; this.memoryBudget = memoryBudget;
+        this(data, extractor, memoryBudget, new SampleWindows());
+    }
+
+    public Fed3RStatsTask(LocalData data, FeatureExtractor extractor, long memoryBudget, SampleWindows windows) {
+        this.data = data; this.extractor = extractor; this.memoryBudget = memoryBudget; this.windows = windows;
     }
 
     /** TaskDeclined when the statistics of `rows` samples need more than the memory budget: 8 bytes
@@ -93,6 +101,8 @@ public final class Fed3RStatsTask implements TaskHandler {
                 throw new TaskDeclined("local label " + data.label(i) + " outside the job's " + numClasses + " classes");
         extractor.checkModel(task.model);
         checkMemory(numClasses, extractor.featureDim(), task.fitIntercept, end - start);
+        String refused = windows.refusal(start, end);
+        if (refused != null) throw new TaskDeclined(refused);
         Fed3RAccumulator acc;
         try {
             acc = new Fed3RAccumulator(numClasses, extractor.featureDim(), task.fitIntercept, clipNorm);
@@ -114,6 +124,8 @@ public final class Fed3RStatsTask implements TaskHandler {
                 }
             }
         }
+        refused = windows.record(start, end);      // written down before the answer goes out
+        if (refused != null) throw new TaskDeclined(refused);
         return acc;
     }
 

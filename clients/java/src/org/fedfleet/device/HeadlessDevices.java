@@ -4,7 +4,7 @@
 // given a held-out split with --holdout; the stateful head tasks scaffold.head, ditto.head and
 // pp.head when given a state folder with --state-dir, each device keeping its DeviceStateStore in
 // <folder>/<id>, within --state-budget-mb MB each, default 16; its replay guard is kept there too:
-// SessionMemoryFile).
+// SessionMemoryFile, and the windows of samples its Fed3R answers covered: SampleWindows).
 //
 //   java -cp fedfleet-device.jar:<Debian jars> org.fedfleet.device.HeadlessDevices \
 //        --broker mqtt://127.0.0.1:1883 [--root fedfleet] [--aggregator-key HEX] [--retry-after S] \
@@ -71,19 +71,24 @@ public final class HeadlessDevices {
         for (String[] d : devices) {
             FeatureFile data = FeatureFile.read(d[1]);
             Map<String, TaskHandler> handlers = new LinkedHashMap<>();
-            handlers.put(Fed3RStatsTask.KIND, new Fed3RStatsTask(data, new PrecomputedFeatures(data.dim)));
+            DeviceStateStore state = stateDir == null ? null : store(new java.io.File(stateDir, d[0]), stateBudget);
+            // the windows of samples Fed3R answered: in the device's state folder when it has one
+            SampleWindows windows = state == null ? new SampleWindows()
+                    : new SampleWindows(new java.io.File(state.root(), SampleWindows.NAME), SampleWindows.MIN_DIFFERENCE);
+            handlers.put(Fed3RStatsTask.KIND, new Fed3RStatsTask(data, new PrecomputedFeatures(data.dim),
+                    Fed3RStatsTask.DEFAULT_MEMORY_BUDGET, windows));
             handlers.put(FedAvgHeadTask.KIND, new FedAvgHeadTask(data, new PrecomputedFeatures(data.dim)));
             if (holdout.containsKey(d[0]))
                 handlers.put(PersonalizeTask.KIND, new PersonalizeTask(data, FeatureFile.read(holdout.get(d[0])), new PrecomputedFeatures(data.dim)));
-            if (stateDir != null) {
-                DeviceStateStore store = store(new java.io.File(stateDir, d[0]), stateBudget);
+            if (state != null) {
+                DeviceStateStore store = state;
                 FeatureFile heldOut = holdout.containsKey(d[0]) ? FeatureFile.read(holdout.get(d[0])) : null;
                 handlers.put(ScaffoldTask.KIND, new ScaffoldTask(data, new PrecomputedFeatures(data.dim), store));
                 handlers.put(DittoTask.KIND, new DittoTask(data, heldOut, new PrecomputedFeatures(data.dim), store));
                 handlers.put(PartialTask.KIND, new PartialTask(data, heldOut, new PrecomputedFeatures(data.dim), store));
             }
             MqttAgent.Options o = copy(base);
-            if (stateDir != null) o.state = store(new java.io.File(stateDir, d[0]), stateBudget);
+            if (state != null) o.state = state;
             if (!d[2].equals("-")) {
                 o.signer = Identity.fromSeed(d[0], Envelope.unhex(d[2]));
                 if (o.aggregatorKey != null) {    // enrolled and trusting the aggregator: Fed3R-Sync and secure FedAvg too

@@ -1,0 +1,159 @@
+// The device's sample-window ledger (the Java side of edge_client/sample_windows.py: same rule, same
+// words, same file). A fed3r.stats answer (and fed3r.secure's, the same statistics masked) covers the
+// window [s, e) of the device's samples the aggregator chose (from_sample; max_samples with
+// cap_samples); answers over windows one sample apart differ by exactly that sample's z z^T and z y^T.
+//
+// The boundary rule: the device keeps both ends of every window it answered, 0 among them from the
+// start. A window is answered only when each of its ends is a kept boundary or lies at least
+// minDifference samples (default 8) from every kept boundary and from the window's other end; then
+// every answered window, and every sum or difference of answers, is a union of blocks of at least
+// minDifference samples. One exception: the device's first answer when it starts at its first
+// sample ([0, e), all its data or its first e under a cap), whatever e.
+//
+// Kept in memory, and in the device's state folder (sample_windows.json, {"boundaries":[0,...]})
+// when it has one: written atomically before the answer leaves the handler; an answer whose window
+// could not be written is declined and its boundaries taken back. Read once: a regular file of at most
+// MAX_FILE_BYTES, strict JSON, strictly ascending integers from 0, at most MAX_BOUNDARIES; anything
+// else is refused whole with a warning (the device starts from {0}). A window that would add a
+// boundary past MAX_BOUNDARIES is declined (a boundary is never forgotten). Not job state:
+// DeviceStateStore.forget() leaves it.
+package org.fedfleet.device;
+
+import java.io.File;
+import java.io.FileInputStream;
+import java.io.IOException;
+import java.io.InputStream;
+import java.math.BigInteger;
+import java.nio.ByteBuffer;
+import java.nio.charset.CharacterCodingException;
+import java.nio.charset.CodingErrorAction;
+import java.nio.charset.StandardCharsets;
+import java.util.ArrayList;
+import java.util.LinkedHashMap;
+import java.util.List;
+import java.util.Map;
+import java.util.TreeSet;
+import java.util.logging.Logger;
+import org.fedfleet.wire.Json;
+
+public final class SampleWindows {
+    public static final String NAME = "sample_windows.json";
+    public static final int MIN_DIFFERENCE = 8;
+    public static final int MAX_BOUNDARIES = 4096;
+    /** edge_client/sample_windows.py's MAX_FILE_BYTES. */
+    public static final int MAX_FILE_BYTES = 96 * 1024;
+    private static final Logger LOG = Logger.getLogger("org.fedfleet.device");
+
+    private final File path;
+    private final int minDifference;
+    private TreeSet<Long> boundaries = new TreeSet<>();
+
+    /** In memory only, the default rule. */
+    public SampleWindows() { this(null, MIN_DIFFERENCE); }
+
+    /** path: where the windows are kept (null: in memory only). */
+    public SampleWindows(File path, int minDifference) {
+        if (minDifference < 1) throw new IllegalArgumentException("minDifference must be >= 1, got " + minDifference);
+        this.path = path;
+        this.minDifference = minDifference;
+        boundaries.add(0L);
+        if (path != null) load();
+    }
+
+    public synchronized List<Long> boundaries() { return new ArrayList<>(boundaries); }
+
+    /** Why the window [start, end) of the device's samples may not be answered, or null. */
+    public synchronized String refusal(long start, long end) {
+        List<Long> fresh = new ArrayList<>();
+        if (!boundaries.contains(start)) fresh.add(start);
+        if (!boundaries.contains(end)) fresh.add(end);
+        if (fresh.isEmpty() || (boundaries.size() == 1 && start == 0)) return null;   // a re-run, or the first answer from sample 0
+        if (boundaries.size() + fresh.size() > MAX_BOUNDARIES)
+            return "this device keeps " + boundaries.size() + " sample-window boundaries, its most: it answers only "
+                    + "windows whose ends are among them";
+        for (long b : fresh) {
+            Long below = boundaries.floor(b), above = boundaries.ceiling(b);
+            long near = below != null && (above == null || b - below <= above - b) ? below : above;
+            long gap = Math.abs(near - b);
+            if (b == end && !boundaries.contains(start) && end - start < gap) { near = start; gap = end - start; }
+            if (gap < minDifference)
+                return "samples [" + start + ", " + end + "): a window boundary at " + b + " lies " + gap
+                        + " sample(s) from the boundary " + near + " of a window answered (or this one): answers could be "
+                        + "differenced down to fewer than " + minDifference + " samples";
+        }
+        return null;
+    }
+
+    /** Keep [start, end) as answered (checked again) and write it down; why the answer may not go out, or null. */
+    public synchronized String record(long start, long end) {
+        String reason = refusal(start, end);
+        if (reason != null) return reason;
+        if (boundaries.contains(start) && boundaries.contains(end)) return null;
+        TreeSet<Long> before = boundaries;
+        boundaries = new TreeSet<>(before);
+        boundaries.add(start);
+        boundaries.add(end);
+        if (path == null) return null;
+        try {
+            List<Object> values = new ArrayList<>();
+            for (long b : boundaries) values.add(BigInteger.valueOf(b));
+            Map<String, Object> doc = new LinkedHashMap<>();
+            doc.put("boundaries", values);
+            AtomicFile.write(path, Json.canonical(doc), DeviceStateStore.TMP, ".json.part");
+        } catch (IOException | Json.JsonError e) {
+            boundaries = before;              // not remembered across a restart: not answered
+            LOG.warning("writing the device's sample windows " + path + " failed (" + e.getMessage() + ")");
+            return "this device could not write down the sample window [" + start + ", " + end + ") ("
+                    + e.getClass().getSimpleName() + "): a window it could forget is not answered";
+        }
+        return null;
+    }
+
+    private void load() {
+        try {
+            if (!path.exists()) return;
+            if (!path.isFile()) throw new IOException("not a regular file");     // a FIFO would block the open
+            boundaries = checked(Json.parseHeader(read()));
+        } catch (IOException | Json.JsonError | IllegalArgumentException e) {
+            String why = String.valueOf(e.getMessage());
+            LOG.warning("the device's sample windows " + path + " are unreadable (" + why.substring(0, Math.min(200, why.length()))
+                    + "): starting without them");
+        }
+    }
+
+    /** The file's boundaries: strictly ascending integers from 0, at most MAX_BOUNDARIES. */
+    static TreeSet<Long> checked(Object doc) {
+        if (!(doc instanceof Map) || ((Map<?, ?>) doc).size() != 1 || !(((Map<?, ?>) doc).get("boundaries") instanceof List))
+            throw new IllegalArgumentException("not {\"boundaries\": [...]}");
+        List<?> values = (List<?>) ((Map<?, ?>) doc).get("boundaries");
+        if (values.isEmpty() || values.size() > MAX_BOUNDARIES)
+            throw new IllegalArgumentException(values.size() + " boundaries (1 to " + MAX_BOUNDARIES + ")");
+        TreeSet<Long> out = new TreeSet<>();
+        long last = -1;
+        for (Object v : values) {
+            if (!(v instanceof BigInteger) || ((BigInteger) v).bitLength() > 63)
+                throw new IllegalArgumentException("a boundary that is not an integer");
+            long b = ((BigInteger) v).longValue();
+            if ((last < 0 && b != 0) || (last >= 0 && b <= last))
+                throw new IllegalArgumentException("boundaries not strictly ascending from 0");
+            out.add(b);
+            last = b;
+        }
+        return out;
+    }
+
+    private String read() throws IOException {
+        byte[] data = new byte[MAX_FILE_BYTES + 1];
+        int at = 0;
+        try (InputStream in = new FileInputStream(path)) {
+            for (int n; at < data.length && (n = in.read(data, at, data.length - at)) > 0; ) at += n;
+        }
+        if (at > MAX_FILE_BYTES) throw new IOException("larger than " + MAX_FILE_BYTES + " bytes");
+        try {
+            return StandardCharsets.UTF_8.newDecoder().onMalformedInput(CodingErrorAction.REPORT)
+                    .onUnmappableCharacter(CodingErrorAction.REPORT).decode(ByteBuffer.wrap(data, 0, at)).toString();
+        } catch (CharacterCodingException e) {
+            throw new IOException("not UTF-8 text");
+        }
+    }
+}

@@ -1,0 +1,175 @@
+"""The device's sample-window ledger: no two Fed3R answers differenced down to a few samples.
+
+A ``fed3r.stats`` answer (and Fed3R-Sync's, which masks the same statistics) covers a **window**
+[s, e) of the device's training samples, chosen by the aggregator: s = ``from_sample`` (streaming;
+0 without it) and e = the device's sample count, or s + ``max_samples`` when the task caps samples
+(``cap_samples``). A = Σ z zᵀ and B = Σ z yᵀ are sums over the window, so two answers over windows
+one sample apart differ by exactly that sample's z zᵀ and z yᵀ: its features and its label (a
+review's finding, ``tests/test_sample_windows.py``). Sums and differences of several answers
+isolate more: [0, 10), [10, 20) and [0, 21) differ pairwise by 11 samples, yet the third less the
+first two is sample 20 alone. So the rule is on every answer the device gave, not on pairs:
+
+**The boundary rule.** The device keeps the boundaries (both ends) of every window it answered,
+0 among them from the start. A window is answered only when each of its two ends either is a
+boundary already kept or lies at least ``min_difference`` samples (default 8) from every kept
+boundary and from the window's other end. Then every answered window is a union of the
+intervals between neighbouring kept boundaries, each of at least ``min_difference`` samples, and
+so is anything added up or subtracted from the answers: no combination of answers isolates fewer
+than ``min_difference`` samples. One exception: a device's first answer, when it starts at its
+first sample ([0, e): all its data, or its first e under a cap), is answered whatever e: what a
+Fed3R job shows of a device by design (a device of 3 samples; a DP job capping each device at
+``max_samples`` = 1, whose centrally noised release trusts the aggregator with each device's
+statistics). Nothing answered can be subtracted from it; after it the rule holds.
+
+So a re-run over the same window (a redelivered task, the next round of a Fed3R-Sync job, the
+centre round and the rounds after it) is answered, and so are honest streaming increments of at
+least ``min_difference`` new samples ([c, n), c a kept boundary); a smaller increment, or a window
+that moves an end by fewer samples, is declined with the reason, and asked again later the device
+answers once enough new samples have gathered.
+
+Samples are identified by their index: the device's data only appends (``Fed3RStatsTask.add_samples``;
+the Java device's is fixed), so an index names the same sample at every task. A device whose data is
+replaced in place (another data folder, another held-out split) keeps the boundaries, which
+still bound its windows, but two answers over the same window of different data differ by what
+changed: that is not a windowing choice of the aggregator's and this ledger does not see it.
+
+**Kept.** In memory, and in the device's state folder when it has one (``sample_windows.json``,
+``{"boundaries": [0, ...]}`` ascending): a window is written (``protocols.files.write_atomic``,
+the store's temporary prefix) *before* its answer leaves the handler, and an answer whose window
+could not be written is declined (the boundaries it would have added are taken back), so a
+restarted device never forgets a window it answered. Read when the handlers are built: a regular
+file of at most ``MAX_FILE_BYTES``, strict JSON, ascending integers from 0; anything else is
+refused whole with a warning and the device starts with {0} (as one without a state folder does).
+Bounded: at most ``MAX_BOUNDARIES``; a window that would add one past that is declined (the
+ledger never forgets a boundary: a forgotten one could be approached again one sample off).
+Not job state: ``--forget-state`` leaves it (it guards the device's data, it holds no data).
+The Java device (``SampleWindows.java``) keeps the same file by the same rule.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+import stat
+import threading
+from pathlib import Path
+
+from protocols.envelope import parse_strict_json
+from protocols.files import write_atomic
+
+from edge_client.state import TEMP_PREFIX
+
+log = logging.getLogger("fedfleet.device")
+
+WINDOWS_FILE = "sample_windows.json"
+MIN_DIFFERENCE = 8
+MAX_BOUNDARIES = 4096
+# 4,096 integers below 2^63 (19 digits and a comma each) and the key: 80 KB, with room
+MAX_FILE_BYTES = 96 * 1024
+
+
+class SampleWindowLedger:
+    """The boundaries of the windows a device answered; ``path``: where they are kept (None: in
+    memory only). Thread-safe: two tasks of one device never both pass on the same boundary."""
+
+    def __init__(self, path: str | Path | None = None, min_difference: int = MIN_DIFFERENCE):
+        if isinstance(min_difference, bool) or not isinstance(min_difference, int) or min_difference < 1:
+            raise ValueError(f"min_difference must be an integer >= 1, got {min_difference!r}")
+        self.path = None if path is None else Path(path)
+        self.min_difference = min_difference
+        self._lock = threading.Lock()
+        self._boundaries = [0]               # ascending
+        if self.path is not None:
+            self._load()
+
+    @property
+    def boundaries(self) -> list[int]:
+        with self._lock:
+            return list(self._boundaries)
+
+    def refusal(self, start: int, end: int) -> str | None:
+        """Why the window [start, end) of the device's samples may not be answered, or None."""
+        with self._lock:
+            return self._refusal(start, end)
+
+    def record(self, start: int, end: int) -> str | None:
+        """Keep [start, end) as answered (checked again: another task may have answered meanwhile)
+        and write it down; why the answer may not go out, or None."""
+        with self._lock:
+            reason = self._refusal(start, end)
+            if reason is not None:
+                return reason
+            new = [b for b in (start, end) if b not in self._boundaries]
+            if not new:
+                return None
+            before = self._boundaries
+            self._boundaries = sorted(set(before) | set(new))
+            if self.path is None:
+                return None
+            try:
+                write_atomic(self.path, json.dumps({"boundaries": self._boundaries}, separators=(",", ":")).encode(),
+                             temp_prefix=TEMP_PREFIX)
+            except OSError as exc:
+                self._boundaries = before        # not remembered across a restart: not answered
+                log.warning("writing the device's sample windows %s failed (%s)", self.path, str(exc)[:200])
+                return (f"this device could not write down the sample window [{start}, {end}) "
+                        f"({type(exc).__name__}): a window it could forget is not answered")
+            return None
+
+    def _refusal(self, start: int, end: int) -> str | None:
+        kept = self._boundaries
+        new = [b for b in (start, end) if b not in kept]
+        if not new or (kept == [0] and start == 0):
+            return None                      # a re-run, or the first answer from the first sample
+        if len(kept) + len(new) > MAX_BOUNDARIES:
+            return (f"this device keeps {len(kept)} sample-window boundaries, its most: it answers only "
+                    f"windows whose ends are among them")
+        for b in new:
+            near, gap = nearest(kept, b)
+            if b == end and start not in kept and end - start < gap:   # the window's other end, new too
+                near, gap = start, end - start
+            if gap < self.min_difference:
+                return (f"samples [{start}, {end}): a window boundary at {b} lies {gap} sample(s) from the "
+                        f"boundary {near} of a window answered (or this one): answers could be differenced "
+                        f"down to fewer than {self.min_difference} samples")
+        return None
+
+    def _load(self) -> None:
+        try:
+            if not stat.S_ISREG(self.path.stat().st_mode):      # a FIFO would block the open
+                raise ValueError("not a regular file")
+            with open(self.path, "rb") as f:
+                data = f.read(MAX_FILE_BYTES + 1)
+            if len(data) > MAX_FILE_BYTES:
+                raise ValueError(f"larger than {MAX_FILE_BYTES} bytes")
+            self._boundaries = checked_boundaries(parse_strict_json(data))
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, RecursionError) as exc:
+            log.warning("the device's sample windows %s are unreadable (%s): starting without them",
+                        self.path, str(exc)[:200])
+
+
+def nearest(kept: list[int], b: int) -> tuple[int, int]:
+    """The kept boundary nearest ``b`` (the lower one on a tie) and its distance."""
+    i = bisect.bisect_left(kept, b)
+    near = min(kept[max(i - 1, 0):i + 1], key=lambda k: (abs(k - b), k))
+    return near, abs(near - b)
+
+
+def checked_boundaries(doc) -> list[int]:
+    """The file's boundaries: strictly ascending integers from 0, at most MAX_BOUNDARIES."""
+    if not isinstance(doc, dict) or set(doc) != {"boundaries"} or not isinstance(doc["boundaries"], list):
+        raise ValueError('not {"boundaries": [...]}')
+    values = doc["boundaries"]
+    if not values or len(values) > MAX_BOUNDARIES:
+        raise ValueError(f"{len(values)} boundaries (1 to {MAX_BOUNDARIES})")
+    if any(isinstance(v, bool) or not isinstance(v, int) or v >= 2**63 for v in values):
+        raise ValueError("a boundary that is not an integer")
+    if values[0] != 0 or any(b <= a for a, b in zip(values, values[1:])):
+        raise ValueError("boundaries not strictly ascending from 0")
+    return values
+
+
+__all__ = ["MAX_BOUNDARIES", "MIN_DIFFERENCE", "SampleWindowLedger", "WINDOWS_FILE"]
