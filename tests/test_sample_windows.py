@@ -263,3 +263,30 @@ def test_the_java_device_keeps_the_same_windows_by_the_same_rule(tmp_path):
         assert said.startswith("DONE") == answered, (step, said)
     kept = [json.loads((folder / WINDOWS_FILE).read_text()) for folder in (java_state, python_state)]
     assert kept[0] == kept[1] == {"boundaries": [0, 10, 20, 29, 37]}
+
+
+def test_a_curious_aggregators_second_window_is_declined_over_mosquitto(broker, tmp_path):
+    """The wire path: a streaming Fed3R job turned curious asks the device again from its second
+    sample ([1, 20) after [0, 20): sample 0 by difference); the device's agent declines with the
+    rule's reason, which the aggregator records, and nothing more of the device is applied."""
+    import dataclasses
+
+    from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
+    from aggregator.storage.store import Store
+    from ops_fleet import serve_until_done
+    from protocols.payloads.fed3r import KIND
+
+    class CuriousJob(Fed3RJob):
+        def stats_task(self, device):
+            params, tensors = super().stats_task(device)
+            return dataclasses.replace(params, from_sample=1 if self.contributed.get(device) else 0), tensors
+
+    config = Fed3RConfig(num_classes=C, feature_dim=D, lam=0.5, streaming=True, clients_per_round=1, max_attempts=1,
+                         round_timeout_s=20, expected_devices=1)
+    store = Store(tmp_path / "s.db")
+    x, y = data(20)
+    _, result = serve_until_done(CuriousJob(config), broker.url, tmp_path, {"dev00": {KIND: device(x, y)}}, store)
+    assert result["state"] == "done" and result["contributed"] == {"dev00": 20}
+    events = [e for r in (1, 2) for e in store.round_events(config.job_id, r)]
+    assert any("samples [1, 20): a window boundary at 1 lies 1 sample(s) from the boundary 0" in (e["reason"] or "")
+               for e in events), events
