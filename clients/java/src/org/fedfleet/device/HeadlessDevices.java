@@ -81,11 +81,10 @@ public final class HeadlessDevices {
             if (holdout.containsKey(d[0]))
                 handlers.put(PersonalizeTask.KIND, new PersonalizeTask(data, FeatureFile.read(holdout.get(d[0])), new PrecomputedFeatures(data.dim)));
             if (state != null) {
-                DeviceStateStore store = state;
                 FeatureFile heldOut = holdout.containsKey(d[0]) ? FeatureFile.read(holdout.get(d[0])) : null;
-                handlers.put(ScaffoldTask.KIND, new ScaffoldTask(data, new PrecomputedFeatures(data.dim), store));
-                handlers.put(DittoTask.KIND, new DittoTask(data, heldOut, new PrecomputedFeatures(data.dim), store));
-                handlers.put(PartialTask.KIND, new PartialTask(data, heldOut, new PrecomputedFeatures(data.dim), store));
+                handlers.put(ScaffoldTask.KIND, new ScaffoldTask(data, new PrecomputedFeatures(data.dim), state));
+                handlers.put(DittoTask.KIND, new DittoTask(data, heldOut, new PrecomputedFeatures(data.dim), state));
+                handlers.put(PartialTask.KIND, new PartialTask(data, heldOut, new PrecomputedFeatures(data.dim), state));
             }
             MqttAgent.Options o = copy(base);
             if (state != null) o.state = state;
