@@ -51,12 +51,12 @@ from __future__ import annotations
 import bisect
 import json
 import logging
-import stat
 import threading
 from pathlib import Path
 
 from protocols.envelope import parse_strict_json
 from protocols.files import write_atomic
+from protocols.regular_file import read_small_file
 
 from edge_client.state import TEMP_PREFIX
 
@@ -137,13 +137,7 @@ class SampleWindowLedger:
 
     def _load(self) -> None:
         try:
-            if not stat.S_ISREG(self.path.stat().st_mode):      # a FIFO would block the open
-                raise ValueError("not a regular file")
-            with open(self.path, "rb") as f:
-                data = f.read(MAX_FILE_BYTES + 1)
-            if len(data) > MAX_FILE_BYTES:
-                raise ValueError(f"larger than {MAX_FILE_BYTES} bytes")
-            self._boundaries = checked_boundaries(parse_strict_json(data))
+            self._boundaries = checked_boundaries(parse_strict_json(read_small_file(self.path, MAX_FILE_BYTES)))
         except FileNotFoundError:
             pass
         except (OSError, ValueError, RecursionError) as exc:

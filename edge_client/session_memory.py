@@ -34,12 +34,12 @@ from __future__ import annotations
 
 import json
 import logging
-import stat
 import time
 from pathlib import Path
 
 from protocols.envelope import parse_strict_json
 from protocols.files import write_atomic
+from protocols.regular_file import read_small_file
 from protocols.device_session import DeviceSession
 
 from edge_client.state import TEMP_PREFIX
@@ -64,12 +64,7 @@ class SessionMemoryFile:
         """Recall the file's memory into ``session`` (``now``: the device's clock, by default
         time.time()); whether there was a valid one."""
         try:
-            if not stat.S_ISREG(self.path.stat().st_mode):      # a FIFO would block the open
-                raise ValueError("not a regular file")
-            with open(self.path, "rb") as f:
-                data = f.read(MAX_MEMORY_BYTES + 1)
-            if len(data) > MAX_MEMORY_BYTES:
-                raise ValueError(f"larger than {MAX_MEMORY_BYTES} bytes")
+            data = read_small_file(self.path, MAX_MEMORY_BYTES)
             session.recall(parse_strict_json(data), time.time() if now is None else now)
         except FileNotFoundError:
             return False

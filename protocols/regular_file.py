@@ -48,3 +48,14 @@ def read_regular_file(path: str | Path, what: str, max_bytes: int) -> bytes:
     if len(data) > max_bytes:                     # it grew after the check
         raise ValueError(f"{what} {str(path)[:200]!r} has more than {max_bytes} bytes")
     return data
+
+
+def read_small_file(path: str | Path, max_bytes: int) -> bytes:
+    """The bytes of ``path``, a regular file of at most ``max_bytes``, for a reader that says itself
+    what went wrong (a device's own state files): ``FileNotFoundError`` where there is none,
+    ``OSError`` for another kind of file (never blocking on a FIFO), ``ValueError`` when larger."""
+    with open_regular(path) as handle:
+        data = handle.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise ValueError(f"larger than {max_bytes} bytes")
+    return data

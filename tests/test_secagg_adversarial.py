@@ -214,12 +214,13 @@ def test_late_message_after_timeout_is_rejected():
 # ---- corrupted content -------------------------------------------------------------------
 
 
-def _corrupting(identities, attacker, victims):
-    """An intercept: ``attacker``'s share rows for ``victims`` flipped, its message validly re-signed."""
+def corrupting(identities, attacker, victims=None):
+    """An intercept: ``attacker``'s share rows for ``victims`` (None: every row it sends) flipped, its
+    message validly re-signed."""
     def corrupt(message):
         if isinstance(message, EncryptedShares) and message.sender == attacker:
             ciphertexts = message.ciphertexts.copy()
-            for victim in victims:
+            for victim in message.recipients if victims is None else victims:
                 ciphertexts[message.recipients.index(victim), 20] ^= 0xFF
             return [resign(message, identities[attacker], ciphertexts=ciphertexts)]
         return [message]
@@ -239,7 +240,7 @@ def test_a_share_row_that_does_not_decrypt_is_accused_and_its_recipient_stays_in
     everyone's, the victim's included. One accuser of seven names nobody."""
     identities, config, inputs = _eight_members()
     attacker, victim = config.members[0], config.members[1]
-    run = run_round(config, AGGREGATOR, identities, inputs, intercept=_corrupting(identities, attacker, [victim]))
+    run = run_round(config, AGGREGATOR, identities, inputs, intercept=corrupting(identities, attacker, [victim]))
     assert run.errors == [] and run.clients[victim].accused == (attacker,)
     assert run.clients[victim].state is ClientState.FINISHED and attacker not in run.clients[victim].revealed
     assert run.server.culprits == set()
@@ -255,7 +256,7 @@ def test_a_member_whose_rows_all_fail_fails_one_round_and_is_named():
     identities, config, inputs = _eight_members()
     attacker = config.members[0]
     run = run_round(config, AGGREGATOR, identities, inputs,
-                    intercept=_corrupting(identities, attacker, config.members[1:]))
+                    intercept=corrupting(identities, attacker, config.members[1:]))
     assert run.errors == [] and run.server.culprits == {attacker}
     assert all(run.clients[d].accused == (attacker,) for d in config.members[1:])
     assert isinstance(run.outcome, RoundFailed) and run.timeouts == 0

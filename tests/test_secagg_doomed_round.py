@@ -11,7 +11,6 @@ waits for answers that cannot come; and through a job's adapter on a fake clock.
 The references are independent of the server's new check: scipy's connected components for the
 split, and the live share holders counted here from the graph's neighbour lists."""
 
-import dataclasses
 
 import numpy as np
 import pytest
@@ -21,9 +20,11 @@ from scipy.sparse.csgraph import connected_components
 from aggregator.jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob
 from protocols.identity import DeviceIdentity, IdentityRegistry
 from protocols.payloads.secagg import from_envelope, to_envelope
-from protocols.secagg import (AggregateReady, ClientSecAgg, EncryptedShares, Phase, RoundConfig,
+from protocols.secagg import (AggregateReady, ClientSecAgg, Phase, RoundConfig,
                               RoundFailed)
 from protocols.secagg.driver import make_identities, plain_fixed_point_sum, run_round
+
+from test_secagg_adversarial import corrupting
 
 AGGREGATOR = DeviceIdentity.generate("aggregator")
 BOUND = 10.0
@@ -144,18 +145,6 @@ def test_dropouts_a_neighbourhood_can_spare_still_give_the_exact_sum():
     assert np.array_equal(run.outcome.sum_words, plain_fixed_point_sum(config, [inputs[d] for d in survivors]))
 
 
-def _corrupting(identities, attacker, victims):
-    """``attacker``'s share rows for ``victims`` flipped, its message validly re-signed."""
-    def corrupt(message):
-        if isinstance(message, EncryptedShares) and message.sender == attacker:
-            ciphertexts = message.ciphertexts.copy()
-            for victim in victims:
-                ciphertexts[message.recipients.index(victim), 20] ^= 0xFF
-            return [dataclasses.replace(message, ciphertexts=ciphertexts, signature=b"").signed(identities[attacker])]
-        return [message]
-    return corrupt
-
-
 def test_complete_graph_rows_its_holders_could_not_decrypt_fail_the_round_when_the_masked_phase_closes():
     """Complete graph of 5, t = t' = 4: one member's rows to two others do not decrypt (two accusers
     of four: no culprit). Its seed has 3 holders, fewer than 4: the round fails as the masked phase
@@ -166,7 +155,7 @@ def test_complete_graph_rows_its_holders_could_not_decrypt_fail_the_round_when_t
     assert config.threshold == config.share_threshold == 4
     owner, victims = config.members[0], config.members[1:3]
     inputs = {d: np.full(16, 1.0) for d in identities}
-    run = run_round(config, AGGREGATOR, identities, inputs, intercept=_corrupting(identities, owner, victims),
+    run = run_round(config, AGGREGATOR, identities, inputs, intercept=corrupting(identities, owner, victims),
                     report_offline=True)
     assert run.server.culprits == set()
     assert isinstance(run.outcome, RoundFailed), run.outcome

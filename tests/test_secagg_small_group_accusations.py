@@ -6,13 +6,14 @@ recipients was enough: in a group of 4, two colluders are 2 of its 3. Naming now
 least three distinct accusers (both, in a group of three); a device whose rows really fail is still
 named where three of its recipients say so, or both of its two. The reference is the accusers each test makes, counted here."""
 
-import dataclasses
 
 import numpy as np
 
 from protocols.identity import DeviceIdentity
-from protocols.secagg import AggregateReady, EncryptedShares, MaskedInput, RoundConfig, RoundFailed, ShareAccusation
+from protocols.secagg import AggregateReady, MaskedInput, RoundConfig, RoundFailed, ShareAccusation
 from protocols.secagg.driver import make_identities, plain_fixed_point_sum, run_round
+
+from test_secagg_adversarial import corrupting
 
 AGGREGATOR = DeviceIdentity.generate("aggregator")
 
@@ -59,21 +60,11 @@ def test_two_colluders_in_a_group_of_six_name_nobody_and_the_sum_is_exact():
     assert np.array_equal(server.outcome.sum_words, plain_fixed_point_sum(config, list(inputs.values())))
 
 
-def _corrupting(identities, attacker):
-    def corrupt(message):
-        if isinstance(message, EncryptedShares) and message.sender == attacker:
-            ciphertexts = message.ciphertexts.copy()
-            ciphertexts[:, 20] ^= 0xFF                       # every row it sends
-            return [dataclasses.replace(message, ciphertexts=ciphertexts, signature=b"").signed(identities[attacker])]
-        return [message]
-    return corrupt
-
-
 def test_a_member_whose_rows_all_fail_in_a_group_of_four_is_still_named():
     """All three recipients accuse it: three distinct accusers, a majority: a culprit."""
     config, identities, inputs = _group(4)
     attacker = config.members[0]
-    run = run_round(config, AGGREGATOR, identities, inputs, intercept=_corrupting(identities, attacker))
+    run = run_round(config, AGGREGATOR, identities, inputs, intercept=corrupting(identities, attacker))
     assert all(run.clients[d].accused == (attacker,) for d in config.members[1:])
     assert run.server.culprits == {attacker} and isinstance(run.outcome, RoundFailed)
     assert f"could not decrypt: {attacker}" in run.outcome.reason
@@ -85,7 +76,7 @@ def test_in_a_group_of_three_both_recipients_accusing_name_the_sender():
     the third's input from the sum anyway, so framing it costs it nothing the group protected)."""
     config, identities, inputs = _group(3)
     attacker = config.members[0]
-    run = run_round(config, AGGREGATOR, identities, inputs, intercept=_corrupting(identities, attacker))
+    run = run_round(config, AGGREGATOR, identities, inputs, intercept=corrupting(identities, attacker))
     assert all(run.clients[d].accused == (attacker,) for d in config.members[1:])
     assert run.server.culprits == {attacker} and isinstance(run.outcome, RoundFailed)
 
