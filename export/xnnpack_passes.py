@@ -35,25 +35,43 @@ def _calls(*names: str) -> Callable[[torch.fx.Node], bool]:
     return lambda node: node.target in targets
 
 
+def _batch_norms() -> Callable[[torch.fx.Node], bool]:
+    """The ops FuseBatchNormPass and DecomposeBatchNorm rewrite (the latter's own list: both batch
+    norms, a review found native_batch_norm left out)."""
+    from executorch.backends.xnnpack._passes.decompose_batch_norm import DecomposeBatchNorm
+
+    targets = frozenset(DecomposeBatchNorm.BATCH_NORM_OPS)
+    return lambda node: node.target in targets
+
+
 def _one_dimensional_convolutions() -> Callable[[torch.fx.Node], bool]:
-    # a 1-d convolution's output is (N, C, L): Conv1dUnsqueezePass turns it into a 2-d one
-    convolution = _calls("convolution.default")
+    """What Conv1dUnsqueezePass turns 2-d: a 1-d convolution (its output (N, C, L)), or one made by
+    DecomposeBatchNorm, which runs before it: a batch norm not after a convolution or linear layer
+    becomes a depthwise convolution of its input's rank (a review's finding: the triggers are read
+    before any pass runs, so a BatchNorm1d's convolution was left 1-d and the lowering failed)."""
+    convolution, batch_norm = _calls("convolution.default"), _batch_norms()
+
+    def rank(value) -> int | None:
+        return value.dim() if isinstance(value, torch.Tensor) else None      # None: unknown, kept
 
     def is_one_dimensional(node: torch.fx.Node) -> bool:
-        value = node.meta.get("val")
-        return convolution(node) and (not isinstance(value, torch.Tensor) or value.dim() == 3)
+        if batch_norm(node):        # (N, C) or (N, C, L) in: a 1-d convolution out
+            source = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
+            return rank(source.meta.get("val") if source is not None else None) in (None, 2, 3)
+        return convolution(node) and rank(node.meta.get("val")) in (None, 3)
     return is_one_dimensional
 
 
 def _triggers() -> dict[str, Callable[[torch.fx.Node], bool]]:
-    """The pass's class name -> the nodes it can rewrite. Each pass's own ``call`` looks for these
+    """The pass's class name -> the nodes it can rewrite, read off the graph before any pass runs, so
+    a trigger also names what an earlier pass turns into its op. Each pass's own ``call`` looks for these
     targets (the attention and upsampling passes' pattern graphs all hold ``_softmax`` and ``bmm``,
     and ``upsample_bilinear2d.vec``: tests/test_xnnpack_passes.py)."""
     return {
         "ConvertToUpsampleBilinear2d": _calls("upsample_bilinear2d.vec"),
         "ConvertToSDPAPass": _calls("_softmax.default"),
-        "FuseBatchNormPass": _calls("_native_batch_norm_legit_no_training.default"),
-        "DecomposeBatchNorm": _calls("_native_batch_norm_legit_no_training.default"),
+        "FuseBatchNormPass": _batch_norms(),
+        "DecomposeBatchNorm": _batch_norms(),
         "DecomposeConcatenate": _calls("cat.default"),
         "Conv1dUnsqueezePass": _one_dimensional_convolutions(),
         "PReLUReshapePass": _calls("_prelu_kernel.default"),

@@ -48,6 +48,23 @@ class Upsampling(nn.Module):
 
 
 
+class FeatureNorm(nn.Module):
+    """A BatchNorm over pooled features, after no convolution or linear layer: XNNPACK's
+    DecomposeBatchNorm turns it into a depthwise 1-d convolution, which Conv1dUnsqueezePass (later in
+    the list) must then make 2-d."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.norm = nn.BatchNorm1d(4)
+        with torch.no_grad():
+            self.norm.running_mean.uniform_(-1, 1)
+            self.norm.running_var.uniform_(0.5, 2)
+
+    def forward(self, x):
+        return self.norm(torch.relu(self.conv(x)).mean((2, 3)))
+
+
 class NoTrigger(nn.Module):
     """What the shipped backbones hold once folded: convolutions, ReLU6, pooling, a linear layer."""
 
@@ -93,6 +110,31 @@ def test_a_network_where_some_passes_run_and_others_are_skipped_gives_the_stock_
 
 def test_a_one_dimensional_convolution_keeps_its_pass(monkeypatch):
     assert lowered(OneDimensional(), monkeypatch, stock=False)[1] == ["Conv1dUnsqueezePass"]
+
+
+def test_a_batch_norm_decomposed_into_a_1d_convolution_keeps_the_pass_that_makes_it_2d(monkeypatch):
+    """A review's finding: the triggers were read off the graph before any pass ran, and the 1-d
+    convolution DecomposeBatchNorm makes was left 1-d (the lowering failed; the stock list lowers it)."""
+    model = FeatureNorm()
+    stock, _ = lowered(model, monkeypatch, stock=True)
+    mine, ran = lowered(model, monkeypatch, stock=False)
+    assert "Conv1dUnsqueezePass" in ran
+    assert mine == stock
+
+
+def test_every_batch_norm_op_the_passes_rewrite_keeps_them():
+    """FuseBatchNormPass and DecomposeBatchNorm rewrite native_batch_norm too (a review's finding: the
+    trigger named only _native_batch_norm_legit_no_training); a decomposed one may be a 1-d convolution."""
+    from executorch.backends.xnnpack._passes import XNNPACKPassManager
+    from executorch.exir.dialects._ops import ops as exir_ops
+
+    stock = XNNPACKPassManager(None).passes
+    for target in (exir_ops.edge.aten.native_batch_norm.default,
+                   exir_ops.edge.aten._native_batch_norm_legit_no_training.default):
+        graph = torch.fx.Graph()
+        graph.call_function(target, ())
+        kept = {p.__name__ for p in xnnpack_passes.applicable_passes(stock, graph)}
+        assert {"FuseBatchNormPass", "DecomposeBatchNorm", "Conv1dUnsqueezePass"} <= kept, target
 
 
 def test_every_trigger_keeps_its_pass_and_other_passes_always_run():
