@@ -76,7 +76,7 @@ class ActiveJob:
     round_log: RecentLog = field(default_factory=RecentLog)     # the latest closed rounds (all in the store)
     stats: ServiceStats = field(default_factory=ServiceStats)
     started_at: float = field(default_factory=time.time)                # the job's start (survives restarts)
-    waiting_since: float = field(default_factory=time.time)             # this process took it up
+    waiting_since: float | None = None          # when the job first asked for devices in this process
     started: bool = False                       # enough devices seen to open a round after (re)start
     cancelling: bool = False
     final_state: str | None = None              # done | cancelled once the job is over

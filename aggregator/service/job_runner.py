@@ -393,9 +393,15 @@ class JobRunner:
         a job whose first tick then found nobody to ask and ended it failed."""
         a = self.a
         if not a.started:
+            now = time.time()
+            # The wait starts now, when the job first asks, not when this process took it up: the
+            # devices' retained presences wait unread in the queue while the process restores the
+            # job and closes a restored round, which took longer than start_timeout_s on a loaded
+            # machine; the first presence read then started a job whose whole fleet was online.
+            a.waiting_since = now if a.waiting_since is None else a.waiting_since
             online = self.fleet.eligible_online()
             enough = len(online) >= max(1, a.job.config.expected_devices)
-            a.started = enough or bool(online and time.time() - a.waiting_since > a.job.config.start_timeout_s)
+            a.started = enough or bool(online and now - a.waiting_since > a.job.config.start_timeout_s)
         return a.started
 
     def _secure_tick(self, now: float) -> None:
