@@ -163,7 +163,7 @@ def check_declared(config: Any, *names: str) -> None:
 def check_whole_number(config: Any, name: str, least: int) -> None:
     """A count field of a config built in Python (no JSON type check ran): an int, not a bool or a
     float, and at least ``least``; ``ValueError`` naming the field otherwise."""
-    value = getattr(config, name)
+    value = vars(config)[name]            # a config dataclass's field, read by name
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
         raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
 

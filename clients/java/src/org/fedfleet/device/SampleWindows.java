@@ -35,6 +35,7 @@ import java.util.Map;
 import java.util.TreeSet;
 import java.util.logging.Logger;
 import org.fedfleet.wire.Json;
+import org.fedfleet.wire.LogText;
 
 public final class SampleWindows {
     public static final String NAME = "sample_windows.json";
@@ -42,7 +43,7 @@ public final class SampleWindows {
     public static final int MAX_BOUNDARIES = 4096;
     /** edge_client/sample_windows.py's MAX_FILE_BYTES. */
     public static final int MAX_FILE_BYTES = 96 * 1024;
-    private static final Logger LOG = Logger.getLogger("org.fedfleet.device");
+    private static final Logger LOG = LogText.oneLineLogger("fedfleet.device");
 
     private final File path;
     private final int minDifference;
