@@ -8,9 +8,7 @@ uses), alternated, in one run: CPU seconds of the lowering and whether the .pte 
 
 from __future__ import annotations
 
-import argparse
 import pathlib
-import statistics
 import sys
 import time
 
@@ -19,6 +17,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from edge_client.models import build_backbone  # noqa: E402
+from _lowering_ab import compare_lowerings, lowering_arguments  # noqa: E402
 
 
 def lower(model, example, dynamic_shapes, check: bool) -> tuple[float, bytes]:
@@ -34,27 +33,14 @@ def lower(model, example, dynamic_shapes, check: bool) -> tuple[float, bytes]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--backbone", default="mobilenet_v2")
-    ap.add_argument("--image-size", type=int, default=32)
-    ap.add_argument("--max-batch", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=2)
-    args = ap.parse_args()
+    args = lowering_arguments(__doc__.splitlines()[0]).parse_args()
     torch.set_num_threads(1)
     model = build_backbone(args.backbone).eval()
     example = torch.randn(args.max_batch, 3, args.image_size, args.image_size)
     dynamic = ({0: torch.export.Dim("batch", min=1, max=args.max_batch)},) if args.max_batch > 1 else None
-    times: dict[bool, list[float]] = {True: [], False: []}
-    buffers: dict[bool, bytes] = {}
-    for _ in range(args.repeats):
-        for check in (True, False):
-            seconds, buffers[check] = lower(model, example, dynamic, check)
-            times[check].append(seconds)
-    on, off = statistics.median(times[True]), statistics.median(times[False])
-    print(f"{args.backbone} at {args.image_size} px, batches 1..{args.max_batch}; CPU-s of export + lowering:")
-    print(f"  verifier on:  {on:.2f}  (runs {', '.join(f'{t:.2f}' for t in times[True])})")
-    print(f"  verifier off: {off:.2f}  (runs {', '.join(f'{t:.2f}' for t in times[False])})")
-    print(f"  ratio off / on: {off / on:.2f}; .pte bytes identical: {buffers[True] == buffers[False]}")
+    compare_lowerings(f"{args.backbone} at {args.image_size} px, batches 1..{args.max_batch}",
+                      ("verifier on", lambda: lower(model, example, dynamic, True)),
+                      ("verifier off", lambda: lower(model, example, dynamic, False)), args.repeats)
 
 
 if __name__ == "__main__":

@@ -10,10 +10,8 @@ BatchNorm-folded fp32 model.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import pathlib
-import statistics
 import sys
 import time
 
@@ -26,6 +24,7 @@ from edge_client.models import build_backbone  # noqa: E402
 from export.batch_norm_folding import fold_batch_norms  # noqa: E402
 from export.quantization import quantize_int8  # noqa: E402
 from export.xnnpack_passes import only_applicable_passes  # noqa: E402
+from _lowering_ab import compare_lowerings, lowering_arguments  # noqa: E402
 
 
 def lower(model, example, max_batch: int, applicable_only: bool) -> tuple[float, bytes]:
@@ -36,12 +35,8 @@ def lower(model, example, max_batch: int, applicable_only: bool) -> tuple[float,
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--backbone", default="mobilenet_v2")
-    ap.add_argument("--image-size", type=int, default=32)
-    ap.add_argument("--max-batch", type=int, default=8)
+    ap = lowering_arguments(__doc__.splitlines()[0])
     ap.add_argument("--int8", action="store_true")
-    ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -50,18 +45,10 @@ def main() -> None:
     model = (quantize_int8(backbone, example, torch.randn(16, 3, args.image_size, args.image_size), args.max_batch)
              if args.int8 else fold_batch_norms(backbone, example))
     lower(model, example, args.max_batch, False)        # the first lowering builds ExecuTorch's pattern graphs
-    times: dict[bool, list[float]] = {True: [], False: []}
-    buffers: dict[bool, bytes] = {}
-    for _ in range(args.repeats):
-        for applicable_only in (False, True):
-            seconds, buffers[applicable_only] = lower(model, example, args.max_batch, applicable_only)
-            times[applicable_only].append(seconds)
-    full, mine = statistics.median(times[False]), statistics.median(times[True])
     what = "int8" if args.int8 else "fp32 (BatchNorm folded)"
-    print(f"{args.backbone} {what} at {args.image_size} px, batches 1..{args.max_batch}; CPU-s of export + lowering:")
-    print(f"  every XNNPACK pass:   {full:.2f}  (runs {', '.join(f'{t:.2f}' for t in times[False])})")
-    print(f"  applicable ones only: {mine:.2f}  (runs {', '.join(f'{t:.2f}' for t in times[True])})")
-    print(f"  ratio: {mine / full:.2f}; .pte bytes identical: {buffers[True] == buffers[False]}")
+    compare_lowerings(f"{args.backbone} {what} at {args.image_size} px, batches 1..{args.max_batch}",
+                      ("every XNNPACK pass", lambda: lower(model, example, args.max_batch, False)),
+                      ("applicable ones only", lambda: lower(model, example, args.max_batch, True)), args.repeats)
 
 
 if __name__ == "__main__":
