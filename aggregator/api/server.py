@@ -184,8 +184,7 @@ def serve_with_ops(args, job, broker: BrokerConfig, out_dir: Path, settings: Ser
     token = admin_token(args) if args.api else None
     if args.api and not token:
         raise SystemExit(f"--api needs a token: --api-token-file or {TOKEN_ENV}")
-    key_dir = args.key_dir or args.security_dir         # the secrets' folder, not the store's
-    checked_sealing_key(args)
+    key_dir = args.key_dir or args.security_dir         # the secrets' folder (checked by serve at start), not the store's
     store = Store(args.state, synchronous=args.durability.upper(), key_dir=key_dir) if args.state else None
     security = None
     if args.security_dir:
