@@ -6,7 +6,10 @@ it, write the clipboard with OSC 52) nor forge lines.
 Two layers: ``one_line`` for each value put into a line (a table's cell, a log line's field, a
 reason): its newlines too, since a newline in a profile or a refusal printed a table row or a
 device of the device's choosing; ``terminal_safe`` over the whole text, whose own newlines and
-tabs are the layout."""
+tabs are the layout. A backslash is escaped (``\\\\``) by ``one_line`` only, so that a device's text
+``\\n`` reads apart from an escaped newline: ``terminal_safe`` leaves backslashes as they are, since
+the values in its text are already escaped and doubling their escapes (``\\\\u202e``) would show
+every escaped control as a backslash and text."""
 
 from __future__ import annotations
 
@@ -17,10 +20,13 @@ MAX_VALUE_CHARS = 500       # one value as printed: a device's reason is at most
 
 
 def terminal_safe(text: str) -> str:
-    return escaped_controls(text, keep="\n\t")
+    """``text``'s controls escaped but its newlines and tabs (the layout) and its backslashes (the
+    escapes ``one_line`` wrote into it)."""
+    return escaped_controls(text, keep="\n\t\\")
 
 
 def one_line(value, max_chars: int = MAX_VALUE_CHARS) -> str:
     """``str(value)`` cut to ``max_chars`` (… says so), every control character escaped, newlines
-    too, bidirectional overrides and invisible format characters as well (``\\u202e``)."""
+    too, bidirectional overrides and invisible format characters as well (``\\u202e``), and each
+    backslash (``\\\\``): a device's text ``\\n`` is never read as an escaped newline."""
     return log_text.one_line(value, max_chars)

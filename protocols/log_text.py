@@ -4,7 +4,11 @@ quotes them) made safe to show a person: in one line of a log, or in a terminal.
 The one escape (``escaped_controls``): every character that is not printable -- C0 and C1 controls
 (ESC, CSI, BEL), line and paragraph separators, the bidirectional controls (U+202A-U+202E,
 U+2066-U+2069, U+200E/F, U+061C) and every other invisible format character (zero-width space and
-joiners, U+FEFF), spaces other than U+0020 -- is written as its Python escape (``\\u202e``).
+joiners, U+FEFF), spaces other than U+0020 -- is written as its Python escape (``\\u202e``), and
+a backslash as ``\\\\``, so the escapes are the only single backslashes shown: without it a device
+that sent the printable text ``\\u202e`` or ``\\n`` showed exactly what an escaped control shows (the
+reader could not tell which was sent, and a device could forge what read as an escaped newline
+in the middle of a record). The text shown is the text sent read as a Python string literal.
 Unescaped, a newline in a device's decline reason wrote a second log record of the attacker's
 choosing under the aggregator's timestamp, an ESC sequence drove the terminal that tails the log
 (clear it, retitle it, write the clipboard with OSC 52), and a right-to-left override showed the
@@ -35,15 +39,19 @@ CUT_MARK = "\u2026"         # "…": where one_line cut
 
 
 def escaped_controls(text: str, keep: str = "") -> str:
-    """``text`` with each non-printable character not in ``keep`` as its escape (``\\n``, ``\\x1b``)."""
-    if text.isprintable():
+    """``text`` with each non-printable character and each backslash not in ``keep`` as its escape
+    (``\\n``, ``\\x1b``, ``\\\\``): as Python's ``repr`` writes them, so the result read as a string
+    literal is ``text`` again. ``keep``'s characters are left as they are (a layout's own newlines;
+    the backslashes of text already escaped, which must not be doubled)."""
+    if text.isprintable() and "\\" not in text:
         return text
-    return "".join(c if c.isprintable() or c in keep else repr(c)[1:-1] for c in text)
+    return "".join(c if c in keep or (c.isprintable() and c != "\\") else repr(c)[1:-1] for c in text)
 
 
 def one_line(value, max_chars: int = MAX_RECORD_CHARS) -> str:
     """``str(value)`` cut to ``max_chars`` characters (the last one ``…`` where it was cut), then
-    every non-printable character escaped, newlines too: cut first, so an escape is never split."""
+    every non-printable character and every backslash escaped, newlines too: cut first, so an
+    escape is never split."""
     text = str(value)
     if len(text) > max_chars:
         text = text[:max_chars - 1] + CUT_MARK

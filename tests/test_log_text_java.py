@@ -10,6 +10,10 @@ against the Python device's (protocols/log_text.py): the same text, the same lin
   cut the same (``one_line``'s code points, never half an escape), a logger's record and the
   exception it carries made one line alike.
 
+A backslash is escaped by both (``\\\\``), so a sender's printable ``\\n`` never reads as an escaped
+newline: in the sweep (U+005C) and in the hostile strings, forged escapes beside real ones; and on
+both sides, what any of these strings is shown as, its escapes undone, is the string again.
+
 Before LogText the Java device logged such text raw: no Java side to compare.
 """
 
@@ -40,6 +44,12 @@ HOSTILE = [
     "private \ue000 \U000f0000, unassigned \U000e0080, tag \U000e0041",
     "\x00\x01\x7f\x80\x9f\\x1b already looks escaped",
     "x" * 50 + "\u202e" * 5 + "y" * 50,
+    # printable text that reads as an escape (a forged escaped newline, override, ESC) beside the
+    # real ones, lone and doubled backslashes, a backslash last (where a cut falls, 52-54 below)
+    f"no data\\n{FORGED} \\u202e\u202e \\x1b\x1b \\U0001f600 \\\\n \\",
+    "\\",
+    "\\\\\\",
+    "x" * 50 + "\\" * 5 + "y" * 50,
 ]
 CUTS = (1, 2, 10, 52, 53, 54, 200)                  # around the overrides in the last string too
 
@@ -94,7 +104,7 @@ def test_both_devices_escape_the_same_code_points(sweep):
     assert differ == version_gaps, [hex(cp) for cp in sorted(differ - version_gaps)[:20]]
     assert len(differ) < 5000, len(differ)
     # the bidi controls, format characters and separators: the same on any version
-    assert {0x202A, 0x202E, 0x2066, 0x2069, 0x200B, 0xFEFF, 0x061C, 0x2028, 0x85, 0x1B, 0xD800} <= \
+    assert {0x202A, 0x202E, 0x2066, 0x2069, 0x200B, 0xFEFF, 0x061C, 0x2028, 0x85, 0x1B, 0xD800, 0x5C} <= \
         sweep["java"] & sweep["python"]
 
 
@@ -116,3 +126,22 @@ def test_both_devices_write_cut_and_log_hostile_text_alike(java_cp, sweep):
                     "record": record, "thrown": thrown}
         assert reply == expected, repr(text[:80])
         assert "\n" not in reply["record"] and "\x1b" not in reply["record"] and "\u202e" not in reply["record"]
+
+
+def unescaped(shown: str) -> str:
+    """``shown``'s escapes undone by Python's own reading of them (``unicode_escape``; the printable
+    non-ASCII characters made escapes first, that codec reads bytes as Latin-1)."""
+    return shown.encode("ascii", "backslashreplace").decode("unicode_escape")
+
+
+def test_what_either_device_shows_reads_back_as_what_was_sent(java_cp):
+    """A sender's printable ``\\n`` and a real newline were shown alike (``\\n``, the backslash as
+    it came): the log could not say which was sent. Undoing the escapes of what each side shows
+    gives back the text sent, whatever it holds, and the forged escapes differ from the real ones."""
+    texts = HOSTILE + ["\\n", "\n", "\\u202e", "\u202e", "\\\\x1b", "\\\x1b"]
+    replies = java(java_cp, [{"op": "text", "cps": cps(t), "max": MAX_RECORD_CHARS} for t in texts])
+    for text, reply in zip(texts, replies):
+        assert unescaped(escaped_controls(text)) == text, repr(text)
+        assert unescaped(reply["escaped"]) == text, repr(text)
+    shown = [escaped_controls(t) for t in texts[-6:]]
+    assert len(set(shown)) == 6, shown

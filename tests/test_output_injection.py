@@ -205,20 +205,28 @@ def test_the_dashboard_shows_a_devices_markup_as_text_and_runs_no_inline_script(
 # a right-to-left override and an isolate make "dev01 declined: exe.png" read as another file and
 # device; zero-width and other format characters hide in a value; the escapes are the log's
 BIDI = "cat\u202egnp.exe \u2066(dev02)\u2069 \u200b\ufeff\u00ad\u061c\u2028\x1b[2J"
+# what a forged escape looks like: printable backslashes spelling an escaped newline and record, an
+# override and an ESC, beside the real ones (shown alike before a backslash was escaped too)
+FORGED_ESCAPES = f"no data\\n{FORGED} \\u202egnp.exe\u202e \\x1b\x1b \\\\n \\"
 
 
 def test_the_dashboard_shows_a_devices_bidi_and_invisible_characters_escaped_as_the_log_does(tmp_path):
     """A device's profile and decline reason holding bidirectional controls and invisible format
     characters: the dashboard wrote them into the cell as they came (textContent: no markup, but a
     U+202E still reverses what follows), now as their escapes, the same as the admin CLI and the
-    logs write them (``protocols/log_text.escaped_controls``)."""
+    logs write them (``protocols/log_text.escaped_controls``), a backslash too."""
     from test_dashboard import cells
+    from test_log_text_java import unescaped as read_back
 
     with _dashboard(tmp_path, {"model": BIDI}, f"declined: {BIDI} (dev01)") as page:
         jobs, fleet = cells(page, "jobs-table")[0][-1], cells(page, "fleet-table")[0][-1]
-        # the page's escape on every form (\\n, \\x, \\u, \\U), the printable left alone
-        samples = [EVIL, BIDI, "tab\there \U000f0000 \xa0\u3000 \U000e0041 ok \U0001f600 \u00e9\u4e2d"]
-        assert page.evaluate("(texts) => texts.map(shown)", samples) == [escaped_controls(t) for t in samples]
+        # the page's escape on every form (\\n, \\x, \\u, \\U, \\\\), the printable left alone
+        samples = [EVIL, BIDI, "tab\there \U000f0000 \xa0\u3000 \U000e0041 ok \U0001f600 \u00e9\u4e2d",
+                   FORGED_ESCAPES, "\\", "\\n", "\n", "\\\\x1b", "\\\x1b"]
+        on_page = page.evaluate("(texts) => texts.map(shown)", samples)
+        assert on_page == [escaped_controls(t) for t in samples]
+        # and each reads back as the text sent (a forged escape apart from a real one)
+        assert [read_back(t) for t in on_page] == samples, on_page
     assert jobs == escaped_controls(f"declined: {BIDI} (dev01)"), repr(jobs)
     assert fleet == escaped_controls(f"model={BIDI}"), repr(fleet)
     for shown in (jobs, fleet):
@@ -232,3 +240,27 @@ def test_the_admin_cli_writes_bidi_and_invisible_characters_as_the_log_does():
     line = admin.log_line({**event, "reason": BIDI})
     assert escaped_controls(BIDI) in line and "cat\\u202egnp.exe \\u2066(dev02)\\u2069" in line, line
     assert not re.search(r"[\u200b-\u200f\u202a-\u202e\u2066-\u2069\ufeff\u00ad\u061c\u2028\x1b]", line), repr(line)
+
+
+def test_a_devices_printable_backslashes_read_apart_from_the_escapes_in_the_log_and_the_admin_cli():
+    """A device's reason spelling escapes in printable text (``\\n`` then a forged record, ``\\u202e``)
+    was shown exactly as a real newline or override is shown escaped: a reader of the log or of
+    ``admin logs`` could not tell which was sent. Now a backslash is shown ``\\\\``: what the log
+    and the CLI show, read back as Python reads escapes, is what the device sent -- in the CLI
+    once escaped, not twice (``terminal_safe`` over a line of ``one_line`` values)."""
+    from test_log_text_java import unescaped as read_back
+
+    real = "no data\n" + FORGED + " \u202egnp.exe \x1b"
+    forged = real.replace("\n", "\\n").replace("\u202e", "\\u202e").replace("\x1b", "\\x1b")
+    formatter = OneLineFormatter("%(message)s")
+    event = {"t": time.time(), "job_id": "ops", "event": "declined", "round": 1, "device": "dev01"}
+    shown = {}
+    for name, reason in (("real", real), ("forged", forged), ("both", FORGED_ESCAPES)):
+        record = formatter.format(logging.LogRecord("x", logging.WARNING, __file__, 1, "declined: %s", (reason,), None))
+        line = admin.terminal_safe(admin.log_line({**event, "reason": reason}))
+        assert read_back(record) == f"declined: {reason}", record
+        assert read_back(line.split(" reason=", 1)[1]) == reason, line
+        _no_raw_controls(record + line)
+        shown[name] = record
+    assert shown["real"] != shown["forged"], shown
+    assert shown["forged"] == "declined: no data\\\\n" + FORGED + " \\\\u202egnp.exe \\\\x1b", shown["forged"]

@@ -26,14 +26,16 @@ function ago(ts) {
 // refuses -- controls, bidirectional overrides and isolates, invisible format characters,
 // separators, spaces but the space -- as its Python escape. textContent makes no markup of text,
 // but a U+202E in it still showed the rest of the cell reversed (a device id or a file name read
-// as another) and a zero-width character hid in it.
-const UNPRINTABLE = /[\p{C}\p{Z}]/gu;   // C: Cc Cf Cs Co Cn; Z: Zs Zl Zp (lone surrogates are Cs)
+// as another) and a zero-width character hid in it. A backslash is written \\ too: else a
+// device's printable text "\u202e" read exactly as an escaped override (no telling which was sent).
+const UNPRINTABLE = /[\p{C}\p{Z}\\]/gu;   // C: Cc Cf Cs Co Cn; Z: Zs Zl Zp (lone surrogates are Cs); the backslash
 
 function escapeOf(cp) {
   const hex = (width) => cp.toString(16).padStart(width, "0");
   if (cp === 0x0a) return "\\n";
   if (cp === 0x0d) return "\\r";
   if (cp === 0x09) return "\\t";
+  if (cp === 0x5c) return "\\\\";
   return cp < 0x100 ? `\\x${hex(2)}` : cp < 0x10000 ? `\\u${hex(4)}` : `\\U${hex(8)}`;
 }
 

@@ -9,6 +9,9 @@
 // (Cc, Cf, Cs, Co, Cn, Zl, Zp, Zs but the space) is written as Python's repr writes it: \n, \r,
 // \t, \xhh below U+0100, \\uhhhh, \Uhhhhhhhh. The categories are the JVM's Unicode version's:
 // a code point assigned in one version and not in the other is the only place the two may differ.
+// A backslash is written \\ too, so the escapes are the only single backslashes in a line: a
+// sender's printable text "\n" or "\x1b" otherwise read exactly as an escaped control (a forged
+// escaped newline in the middle of a record, and no telling which was sent).
 //
 // In the wire package because the device (org.fedfleet.device) and the SecAgg client
 // (org.fedfleet.secagg) both log through it and both use the wire package already.
@@ -26,13 +29,13 @@ public final class LogText {
 
     private LogText() {}
 
-    /** text with every code point that is not printable written as its Python escape. */
+    /** text with every code point that is not printable, and every backslash, written as its Python escape. */
     public static String escapedControls(String text) {
         StringBuilder out = null;
         for (int i = 0; i < text.length(); ) {
             int cp = text.codePointAt(i);
             int next = i + Character.charCount(cp);
-            if (!printable(cp)) {
+            if (!printable(cp) || cp == '\\') {
                 if (out == null) out = new StringBuilder(text.length() + 16).append(text, 0, i);
                 out.append(escape(cp));
             } else if (out != null) {
@@ -122,6 +125,7 @@ public final class LogText {
             case '\n': return "\\n";
             case '\r': return "\\r";
             case '\t': return "\\t";
+            case '\\': return "\\\\";
             default:
                 if (cp < 0x100) return String.format("\\x%02x", cp);
                 if (cp < 0x10000) return String.format("\\u%04x", cp);
