@@ -13,12 +13,25 @@ nodes for the passes to walk).
 
 How. :func:`applicable_passes` keeps a pass of :data:`SKIPPABLE` only when the edge graph holds a
 node it could rewrite (its trigger), and every other pass as it is; :func:`only_applicable_passes`
-has the backend use that list while a program is lowered.
+has the backend use that list while a program is lowered, in the thread (or asyncio task) that
+opened it only.
+
+Threads. The backend builds its pass manager by the module-wide name
+``xnnpack_preprocess.XNNPACKPassManager``. That name used to be swapped for a subclass while the
+block was open and swapped back at its end, so another thread lowering at the same time (the
+export service, concurrent tests) got the shortened list without asking, and two overlapping blocks
+restored the wrong class (the first to close put the stock one back under the second; the second,
+which had saved the subclass as "stock", left it there for good). Now the subclass is installed
+once, under a lock, and stays; it shortens the list only where a ``ContextVar`` the block sets says
+so, and the block resets that variable with its token, so blocks nest and overlap freely and code
+outside any block gets the stock list.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import threading
 from collections.abc import Callable, Iterator
 
 import torch
@@ -90,22 +103,49 @@ def applicable_passes(passes: list[type], graph: torch.fx.Graph) -> list[type]:
             if p.__name__ not in triggers or any(triggers[p.__name__](node) for node in calls)]
 
 
-@contextlib.contextmanager
-def only_applicable_passes() -> Iterator[None]:
-    """While it is open, the XNNPACK backend's preprocessing runs :func:`applicable_passes` of its
-    default list (a caller's explicit pass list is kept as given)."""
-    import executorch.backends.xnnpack.xnnpack_preprocess as preprocess
+# set by only_applicable_passes in the context (thread, asyncio task) lowering under it, nowhere else
+_APPLICABLE_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("xnnpack_applicable_passes_only",
+                                                                         default=False)
+_INSTALL_LOCK = threading.Lock()
+_installed: type | None = None      # the subclass put in xnnpack_preprocess, once
 
-    stock = preprocess.XNNPACKPassManager
+
+def _applicable_pass_manager(stock: type) -> type:
+    """``stock``'s subclass that keeps only :func:`applicable_passes` of the default list where
+    :data:`_APPLICABLE_ONLY` is set (a caller's explicit pass list is kept as given), the stock
+    behaviour elsewhere. Made from the class the backend holds, imported only when first needed."""
 
     class ApplicablePassManager(stock):
         def __init__(self, exported_program, passes=None):
             super().__init__(exported_program, passes)
-            if not passes:
+            if not passes and _APPLICABLE_ONLY.get():
                 self.passes = applicable_passes(self.passes, exported_program.graph)
 
-    preprocess.XNNPACKPassManager = ApplicablePassManager
+    return ApplicablePassManager
+
+
+def _install() -> None:
+    """Have the XNNPACK backend build :func:`_applicable_pass_manager`'s subclass, once: under a
+    lock, so two threads opening their first blocks at once do not subclass each other's class;
+    again only where something has put another class there since (a test's monkeypatch undone)."""
+    global _installed
+    import executorch.backends.xnnpack.xnnpack_preprocess as preprocess
+
+    with _INSTALL_LOCK:
+        if preprocess.XNNPACKPassManager is not _installed:
+            _installed = _applicable_pass_manager(preprocess.XNNPACKPassManager)
+            preprocess.XNNPACKPassManager = _installed
+
+
+@contextlib.contextmanager
+def only_applicable_passes() -> Iterator[None]:
+    """While it is open, the XNNPACK backend's preprocessing in this thread (or asyncio task) runs
+    :func:`applicable_passes` of its default list (a caller's explicit pass list is kept as given);
+    other threads lowering meanwhile get the stock list. Re-entrant: a block inside another, or
+    overlapping one in another thread, leaves each context as it found it."""
+    _install()
+    token = _APPLICABLE_ONLY.set(True)
     try:
         yield
     finally:
-        preprocess.XNNPACKPassManager = stock
+        _APPLICABLE_ONLY.reset(token)

@@ -1,11 +1,15 @@
 """export/xnnpack_passes.py: the XNNPACK passes left out of a lowering are those with nothing to
 rewrite, so the program is byte for byte what ExecuTorch's full pass list gives, on a network holding
-no trigger (none of them run) and on one holding some; and each trigger keeps its pass.
+no trigger (none of them run) and on one holding some; and each trigger keeps its pass. Only the
+thread inside ``only_applicable_passes`` gets the shortened list, however blocks overlap (checked on
+the pass manager the backend builds, no lowering).
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -174,3 +178,80 @@ def test_the_pattern_passes_match_only_graphs_holding_their_trigger():
         assert patterns
         for pattern in patterns:
             assert any(triggers[name](node) for node in pattern.graph.nodes), (name, pattern.graph)
+
+
+def _stock_passes() -> tuple[list[str], list[str]]:
+    """ExecuTorch's pass list, and those of it that always run (the names)."""
+    from executorch.backends.xnnpack._passes import XNNPACKPassManager
+
+    stock = [p.__name__ for p in XNNPACKPassManager(None).passes]
+    return stock, [name for name in stock if name not in xnnpack_passes.SKIPPABLE]
+
+
+def _backend_passes() -> list[str]:
+    """The passes the XNNPACK backend would run on a graph holding no trigger, its pass manager
+    built as the backend builds it (by xnnpack_preprocess's module-wide name)."""
+    import executorch.backends.xnnpack.xnnpack_preprocess as preprocess
+
+    return [p.__name__ for p in preprocess.XNNPACKPassManager(SimpleNamespace(graph=torch.fx.Graph())).passes]
+
+
+def _run_together(*steps) -> None:
+    threads = [threading.Thread(target=step, daemon=True) for step in steps]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not any(thread.is_alive() for thread in threads)
+
+
+def test_a_thread_outside_the_block_gets_the_stock_passes_while_another_lowers_inside_it():
+    """The block swapped the backend's pass manager module-wide: a thread lowering meanwhile (the
+    export service, a concurrent test) lost the passes without asking for it."""
+    stock, always = _stock_passes()
+    inside, leave, seen = threading.Event(), threading.Event(), {}
+
+    def lowering():
+        with xnnpack_passes.only_applicable_passes():
+            seen["inside"] = _backend_passes()
+            inside.set()
+            leave.wait(10)
+
+    def other():
+        inside.wait(10)
+        seen["outside, meanwhile"] = _backend_passes()
+        leave.set()
+
+    _run_together(lowering, other)
+    assert seen == {"inside": always, "outside, meanwhile": stock}, seen
+    assert _backend_passes() == stock
+
+
+def test_overlapping_and_nested_blocks_leave_each_thread_as_they_found_it():
+    """Two threads' blocks overlap, the first closing while the second is open: the first put the
+    stock class back under the second (which lost its shortened list), and the second, which had
+    saved the first's subclass as the class to restore, left every later lowering shortened."""
+    stock, always = _stock_passes()
+    first_in, second_in, first_out, seen = threading.Event(), threading.Event(), threading.Event(), {}
+
+    def first():
+        with xnnpack_passes.only_applicable_passes():
+            first_in.set()
+            second_in.wait(10)
+        first_out.set()
+
+    def second():
+        first_in.wait(10)
+        with xnnpack_passes.only_applicable_passes():
+            second_in.set()
+            first_out.wait(10)
+            seen["after the first closed"] = _backend_passes()
+            with xnnpack_passes.only_applicable_passes():
+                seen["nested"] = _backend_passes()
+            seen["after the nested one closed"] = _backend_passes()
+        seen["after both closed"] = _backend_passes()
+
+    _run_together(first, second)
+    assert seen == {"after the first closed": always, "nested": always, "after the nested one closed": always,
+                    "after both closed": stock}, seen
+    assert _backend_passes() == stock
