@@ -41,10 +41,29 @@ from typing import Any
 DEFAULT_URL = "http://127.0.0.1:8080"
 MAX_CONFIG_BYTES = 1024 * 1024      # a job config file: the largest request the admin API takes
 MAX_TOKEN_FILE_BYTES = 64 * 1024    # a token is tens of characters
+# what the CLI reads of an answer: the API's largest JSON answers (a job's rounds, the fleet's
+# devices) are a few megabytes; an error's body a line. Past these the answer is refused unread,
+# so a server that is not the admin API (a mistyped --url, a proxy) fills no memory.
+MAX_ANSWER_BYTES = 64 * 1024 * 1024
+MAX_ERROR_BYTES = 64 * 1024
 
 
 class AdminError(Exception):
     """The API refused a request (message from its ``detail``) or could not be reached."""
+
+
+def error_detail(body: bytes) -> str:
+    """An error answer's ``detail`` (FastAPI's; a validation error's list as JSON), else its text,
+    as one line: the server's words may quote a device's (a decline reason, a profile), so their
+    controls are escaped and a body past ``MAX_ERROR_BYTES`` is cut."""
+    text = body[:MAX_ERROR_BYTES].decode(errors="replace")
+    try:
+        detail = json.loads(text)["detail"]
+    except (ValueError, TypeError, KeyError, RecursionError):
+        detail = text
+    if not isinstance(detail, str):
+        detail = json.dumps(detail)
+    return one_line(detail + ("\u2026" if len(body) > MAX_ERROR_BYTES else ""))
 
 
 class RefuseRedirects(urllib.request.HTTPRedirectHandler):
@@ -68,16 +87,13 @@ class AdminClient:
                                               **({"Content-Type": "application/json"} if data else {})})
         try:
             with self.opener.open(req, timeout=self.timeout) as resp:
-                payload = resp.read()
+                payload = resp.read(MAX_ANSWER_BYTES + 1)
         except urllib.error.HTTPError as exc:
-            detail = exc.read().decode(errors="replace")
-            try:
-                detail = json.loads(detail).get("detail", detail)
-            except (ValueError, AttributeError):
-                pass
-            raise AdminError(f"{method} {path}: HTTP {exc.code}: {detail}") from None
+            raise AdminError(f"{method} {path}: HTTP {exc.code}: {error_detail(exc.read(MAX_ERROR_BYTES + 1))}") from None
         except urllib.error.URLError as exc:
             raise AdminError(f"cannot reach the admin API at {self.url}: {exc.reason}") from None
+        if len(payload) > MAX_ANSWER_BYTES:
+            raise AdminError(f"{method} {path}: the answer is larger than {MAX_ANSWER_BYTES} bytes: not read")
         return payload if raw else json.loads(payload)
 
     def get(self, path: str, raw: bool = False):
@@ -519,7 +535,13 @@ def run_admin(args) -> int:
         print(f"fedfleet admin: {exc}", file=sys.stderr)
         return 2
     except (AdminError, OSError, ValueError) as exc:
-        print(f"fedfleet admin: {exc}", file=sys.stderr)
+        print(f"fedfleet admin: {terminal_safe(str(exc))}", file=sys.stderr)   # its parts one_line'd already
+        return 1
+    except (KeyError, TypeError, AttributeError, IndexError) as exc:
+        # an answer of another shape than this CLI renders: another version's API, or no admin API at
+        # all at --url. One line that says so, not a traceback.
+        print(f"fedfleet admin: {args.url} answered in a shape this fedfleet does not read "
+              f"({type(exc).__name__}: {one_line(exc, 200)}); is it this version's admin API?", file=sys.stderr)
         return 1
     if text is not None:
         print(json.dumps(result, indent=1) if args.json else terminal_safe(text))

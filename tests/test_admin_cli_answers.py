@@ -1,0 +1,107 @@
+"""What ``fedfleet admin`` reads of the API's answers: an error's ``detail`` shown in one line with
+its controls escaped (the server's words quote devices' words: a decline reason, a profile), and
+answers past their bounds refused unread, so a server that is not the admin API (a mistyped
+``--url``, a proxy) neither drives the operator's terminal nor fills the CLI's memory.
+
+A real HTTP server on loopback (``http.server``) answers as such a server would."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from fedfleet import admin
+from fedfleet.admin import MAX_ANSWER_BYTES, MAX_ERROR_BYTES, main
+
+FORGED = "\n2026-12-06 23:59:59 fedfleet.aggregator INFO job ops done\x1b]52;c;cm0gLXJmIC8=\x07 \u202egnp.exe"
+
+
+class Answers(BaseHTTPRequestHandler):
+    """Answers each GET with what the test put in ``self.server.answer``: (status, body bytes)."""
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        status, body = self.server.answer
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        try:
+            self.wfile.write(body)
+        except (BrokenPipeError, ConnectionResetError):
+            pass                        # the CLI stopped reading: what it should do
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def server():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Answers)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield httpd
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def admin_status(server, capsys) -> tuple[int, str]:
+    rc = main(["status", "--url", f"http://127.0.0.1:{server.server_port}", "--token", "t"])
+    return rc, capsys.readouterr().err
+
+
+def raw_controls(text: str) -> list[str]:
+    return [c for c in text if not c.isprintable() and c != "\n"]
+
+
+@pytest.mark.parametrize("detail", [f"device dev01 declined: {FORGED}",
+                                    [{"loc": ["body", "x"], "msg": FORGED, "type": "value_error"}]],
+                         ids=["text", "validation-list"])
+def test_an_error_detail_quoting_a_device_is_one_line_without_controls(server, capsys, detail):
+    server.answer = (400, json.dumps({"detail": detail}).encode())
+    rc, err = admin_status(server, capsys)
+    assert rc == 1
+    assert err.count("\n") == 1 and err.startswith("fedfleet admin: GET /api/status: HTTP 400: "), err
+    assert raw_controls(err) == [], err
+    if isinstance(detail, str):                         # shown, escaped once
+        assert "\\x1b]52" in err and "\\u202e" in err and "\\n2026-12-06" in err
+    else:                                               # the list as JSON (its own \\u escapes), then escaped
+        assert json.loads(err.split("HTTP 400: ", 1)[1].replace("\\\\", "\\")) == detail
+
+
+def test_an_error_body_past_its_bound_is_cut_and_a_plain_text_body_is_shown_as_text(server, capsys, monkeypatch):
+    read = []
+    real_error_detail = admin.error_detail
+    monkeypatch.setattr(admin, "error_detail", lambda body: read.append(len(body)) or real_error_detail(body))
+    server.answer = (502, b"x" * (8 * 1024 * 1024))
+    rc, err = admin_status(server, capsys)
+    assert rc == 1 and err.count("\n") == 1 and len(err) < 1000, len(err)
+    assert read == [MAX_ERROR_BYTES + 1]                # read no further than the bound (and one byte)
+    assert "HTTP 502: xxx" in err and err.rstrip().endswith("\u2026")
+
+
+def test_an_answer_past_its_bound_is_refused_unread(server, capsys):
+    server.answer = (200, b'{"x": "' + b"y" * MAX_ANSWER_BYTES + b'"}')
+    rc, err = admin_status(server, capsys)
+    assert rc == 1
+    assert err == f"fedfleet admin: GET /api/status: the answer is larger than {MAX_ANSWER_BYTES} bytes: not read\n"
+
+
+def test_a_good_answer_within_the_bound_is_read_whole(server, capsys):
+    """The bound is no cap on what the API answers: the status it sends is shown."""
+    status = {"job": None, "devices_online": ["dev01", "dev02"]}
+    server.answer = (200, json.dumps(status).encode())
+    rc = main(["status", "--json", "--url", f"http://127.0.0.1:{server.server_port}", "--token", "t"])
+    out = capsys.readouterr().out
+    assert rc == 0 and json.loads(out) == status
+
+
+@pytest.mark.parametrize("answer", [{"job": None, "devices_online": 3}, [1, 2], {"job": {"rounds": "x"}}],
+                         ids=["count-not-list", "list", "job-of-another-shape"])
+def test_an_answer_of_another_shape_is_one_line_not_a_traceback(server, capsys, answer):
+    server.answer = (200, json.dumps(answer).encode())
+    rc, err = admin_status(server, capsys)
+    assert rc == 1 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "answered in a shape this fedfleet does not read" in err
